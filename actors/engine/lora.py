@@ -1,0 +1,193 @@
+"""Fused multi-LoRA linear layers: the base projection runs once over every token of the fused step;
+each adapter's low-rank update runs only on its own job's contiguous token segment.
+
+Adapters are added and removed at run time. Each adapter owns its dropout random generator, so a job's
+dropout masks do not depend on which other jobs share its steps (isolation holds with dropout too)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from actors.engine.layout import current_layout
+from actors.engine.spec import LoraConfig
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # nn.Linear, and bitsandbytes' Linear8bitLt / Linear4bit (nn.Linear subclasses)
+    return isinstance(module, nn.Linear)
+
+
+class LoraAdapter(nn.Module):
+    """One adapter on one linear layer: delta(x) = B(A(dropout(x))) * scaling, in float32 by default."""
+
+    def __init__(self, in_features: int, out_features: int, config: LoraConfig, *, generator: torch.Generator,
+                 device: torch.device, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.r = config.r
+        self.scaling = config.scaling
+        self.dropout = config.dropout
+        lora_a = torch.empty(config.r, in_features, dtype=dtype)
+        # PEFT's default initialisation: A Kaiming-uniform, B zero (so the adapter starts as a no-op)
+        nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(lora_a.to(device))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, config.r, dtype=dtype, device=device))
+        self.dropout_generator: torch.Generator | None = None
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.lora_A.dtype)
+        if self.training and self.dropout > 0:
+            keep = torch.empty_like(x).bernoulli_(1.0 - self.dropout, generator=self.dropout_generator)
+            x = x * keep.div_(1.0 - self.dropout)
+        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+class FusedLoraLinear(nn.Module):
+    """Wraps a frozen linear layer; holds the adapters of every job that targets it."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleDict()
+        self.in_features: int = base.in_features
+        self.out_features: int = base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        layout = current_layout()
+        if layout is None or len(self.adapters) == 0:
+            return out
+        flat_x = x.reshape(-1, x.shape[-1])
+        num_tokens = flat_x.shape[0]
+        pieces: list[torch.Tensor] = []
+        position = 0
+        for name, start, end in layout.segments:
+            adapter = self.adapters[name] if name in self.adapters else None
+            if adapter is None:
+                continue
+            if start > position:
+                pieces.append(out.new_zeros(start - position, self.out_features))
+            pieces.append(adapter.delta(flat_x[start:end]).to(out.dtype))
+            position = end
+        if not pieces:
+            return out
+        if position < num_tokens:
+            pieces.append(out.new_zeros(num_tokens - position, self.out_features))
+        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return out + delta.view(out.shape)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Names of the linear layers LoRA may target (the output embedding excluded)."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLoraLinear):
+            names.append(name)
+        elif _is_linear(module) and module is not output and not name.endswith(".base"):
+            names.append(name)
+    return names
+
+
+def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
+    """Module names matched by a LoRA config's `target_modules`, with PEFT's matching rule."""
+    candidates = linear_module_names(model)
+    if target_modules == "all-linear":
+        return candidates
+    chosen: list[str] = []
+    for target in target_modules:
+        matched = [n for n in candidates if n == target or n.endswith("." + target)]
+        if not matched:
+            short = sorted({n.rsplit(".", 1)[-1] for n in candidates})
+            raise ValueError(f"lora.target_modules: '{target}' matches no linear layer of the base model; "
+                             f"its linear layers are named {', '.join(short)} (or use 'all-linear')")
+        chosen.extend(m for m in matched if m not in chosen)
+    return chosen
+
+
+def _wrap(model: nn.Module, name: str) -> FusedLoraLinear:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    module = getattr(parent, child)
+    if isinstance(module, FusedLoraLinear):
+        return module
+    fused = FusedLoraLinear(module)
+    setattr(parent, child, fused)
+    return fused
+
+
+def _unwrap(model: nn.Module, name: str) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    module = getattr(parent, child)
+    if isinstance(module, FusedLoraLinear):
+        setattr(parent, child, module.base)
+
+
+class AdapterHandle:
+    """The parameters of one job's adapter across all the layers it targets."""
+
+    def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter],
+                 generator: torch.Generator | None):
+        self.name = name
+        self.config = config
+        self.layers = layers
+        self.dropout_generator = generator
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        for module_name, layer in self.layers.items():
+            yield f"{module_name}.lora_A.weight", layer.lora_A
+            yield f"{module_name}.lora_B.weight", layer.lora_B
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
+                dtype: torch.dtype = torch.float32) -> AdapterHandle:
+    """Attach a new adapter to the (frozen) model without reloading it."""
+    if any(isinstance(m, FusedLoraLinear) and name in m.adapters for m in model.modules()):
+        raise ValueError(f"an adapter named '{name}' is already attached")
+    targets = resolve_targets(model, config.target_modules)
+    device = next(model.parameters()).device
+    init_generator = torch.Generator().manual_seed(seed)
+    dropout_generator = None
+    if config.dropout > 0:
+        dropout_generator = torch.Generator(device=device).manual_seed(seed + 1)
+    layers: dict[str, LoraAdapter] = {}
+    for module_name in targets:
+        fused = _wrap(model, module_name)
+        adapter = LoraAdapter(fused.in_features, fused.out_features, config, generator=init_generator,
+                              device=device, dtype=dtype)
+        adapter.dropout_generator = dropout_generator
+        fused.adapters[name] = adapter
+        layers[module_name] = adapter
+    return AdapterHandle(name, config, layers, dropout_generator)
+
+
+def remove_adapter(model: nn.Module, name: str) -> None:
+    """Detach an adapter; layers left with no adapter get their plain linear layer back."""
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, FusedLoraLinear) and name in module.adapters:
+            del module.adapters[name]
+            if len(module.adapters) == 0:
+                _unwrap(model, module_name)
+
+
+def set_adapters_training(model: nn.Module, training: bool) -> None:
+    """Adapter dropout on (training) or off (evaluation); the frozen base always stays in eval mode."""
+    for module in model.modules():
+        if isinstance(module, FusedLoraLinear):
+            module.adapters.train(training)
+
+
+def freeze(model: nn.Module) -> None:
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)

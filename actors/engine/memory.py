@@ -1,0 +1,91 @@
+"""Peak memory of one fused step.
+
+On CUDA: `torch.cuda.max_memory_allocated` around the step. On CPU there is no allocator counter, so we
+count what a step really holds at its peak (the end of the forward pass): every tensor autograd saves
+for backward (through saved-tensor hooks, each storage once, parameters excluded), plus the model's
+weights and buffers, the adapters' gradients and optimizer state, plus the largest transient of the
+loss (one chunk of logits). The scheduler fits its memory model to these numbers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Weights and buffers, each storage once (tied weights counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        ptr, nbytes = _storage_key(tensor)
+        seen[ptr] = max(seen.get(ptr, 0), nbytes)
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+@dataclass
+class SavedTensorCounter:
+    """Counts the bytes autograd saves for backward, each storage once, known storages excluded."""
+
+    exclude: set[int] = field(default_factory=set)
+    storages: dict[int, int] = field(default_factory=dict)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "meta":
+            ptr, nbytes = _storage_key(tensor)
+            if ptr not in self.exclude:
+                self.storages[ptr] = max(self.storages.get(ptr, 0), nbytes)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class StepMemoryMeter:
+    """Use: `with meter.forward(): loss = ...` then `meter.peak_bytes(extra)` after backward."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        self.counter = SavedTensorCounter()
+        self.parameter_ptrs = {_storage_key(p)[0] for p in model.parameters()}
+        self.weights = model_bytes(model)
+
+    def refresh_weights(self) -> None:
+        self.parameter_ptrs = {_storage_key(p)[0] for p in self.model.parameters()}
+        self.weights = model_bytes(self.model)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[SavedTensorCounter]:
+        self.counter = SavedTensorCounter(exclude=set(self.parameter_ptrs))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.autograd.graph.saved_tensors_hooks(self.counter.pack, self.counter.unpack):
+            yield self.counter
+
+    def peak_bytes(self, *, gradient_bytes: int, optimizer_bytes: int, transient_bytes: int) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self.weights + self.counter.saved_bytes + gradient_bytes + optimizer_bytes + transient_bytes

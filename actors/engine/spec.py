@@ -1,0 +1,109 @@
+"""Job and run specifications (pydantic): what a user writes in `jobs.yaml`, validated field by field."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from actors.engine.data import DataFormat
+
+# Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
+JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoraConfig(StrictModel):
+    """One adapter's shape. `target_modules` is a list of module names (matched like PEFT: the full
+    dotted name or its last components) or the string `all-linear` (every linear layer but the LM head)."""
+
+    r: int = Field(8, ge=1, le=1024)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    use_rslora: bool = False
+    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one module name, e.g. [q_proj, v_proj], or 'all-linear'")
+        return value
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.r**0.5) if self.use_rslora else self.alpha / self.r
+
+
+class JobSpec(StrictModel):
+    """One fine-tuning job: its data, its adapter and its optimisation."""
+
+    name: str = Field(pattern=JOB_NAME_PATTERN)
+    data: Path
+    format: DataFormat
+    lora: LoraConfig = LoraConfig()
+    batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps")
+    epochs: float | None = Field(None, gt=0)
+    max_seq_len: int = Field(512, ge=8)
+    train_on_prompt: bool = False
+    eval_split: float = Field(0.0, ge=0)
+    seed: int | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value.lower() in {"trainer", "service", "con", "nul", "aux", "prn"}:
+            raise ValueError(f"'{value}' is reserved; choose another job name")
+        return value
+
+    @model_validator(mode="after")
+    def _has_budget(self) -> JobSpec:
+        if self.max_steps is None and self.epochs is None:
+            object.__setattr__(self, "epochs", 1.0)
+        if self.warmup_steps and self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})")
+        return self
+
+
+class RunSpec(StrictModel):
+    """A `jobs.yaml` file: one base model and the jobs that share it."""
+
+    base_model: str = "smollm2-135m"
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    output_dir: Path = Path("runs/example")
+    step_tokens: int = Field(4096, ge=16)
+    layout: Literal["packed", "padded", "padded_fused"] = "packed"
+    jobs: list[JobSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RunSpec:
+        seen: set[str] = set()
+        for job in self.jobs:
+            if job.name in seen:
+                raise ValueError(f"two jobs are named '{job.name}'; job names must be unique")
+            seen.add(job.name)
+        return self
+
+    def job_seed(self, job: JobSpec) -> int:
+        return self.seed if job.seed is None else job.seed
+
+
+def slug(text: str) -> str:
+    """A job-name-safe version of any text."""
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-")
+    return cleaned[:64] or "job"

@@ -1,0 +1,196 @@
+"""The fused trainer: one frozen base model, many jobs, one forward/backward per step.
+
+A step packs one micro-batch from each joining job into one token stream (grouped by job), runs the
+base model once with each job's tokens through its own adapter, computes each job's loss as the mean
+over its own target tokens (LM head only at target positions, in chunks), sums the jobs' losses, runs
+one backward, and steps each job's optimizer whose accumulation is complete."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engine.data import Example
+from actors.engine.job import OptimizerStepRecord, TrainingJob
+from actors.engine.layout import StepLayout, step_layout
+from actors.engine.lora import remove_adapter, set_adapters_training
+from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
+from actors.engine.memory import StepMemoryMeter
+from actors.engine.models import BaseModel
+from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
+
+
+@dataclass
+class JobStepResult:
+    job: str
+    loss: float            # mean over the job's target tokens in this micro-batch
+    tokens: int            # real tokens of the job's micro-batch
+    targets: int
+    optimizer_step: OptimizerStepRecord | None
+
+
+@dataclass
+class StepReport:
+    """One row of trainer.jsonl (plus per-job results)."""
+
+    step: int
+    jobs: list[str]
+    tokens: int            # tokens processed, padding included
+    padding_tokens: int
+    seconds: float
+    peak_memory_bytes: int
+    sequence_lengths: list[int] = field(default_factory=list)
+    results: list[JobStepResult] = field(default_factory=list)
+
+    def as_row(self) -> dict:
+        return {"step": self.step, "jobs": self.jobs, "tokens": self.tokens,
+                "padding_tokens": self.padding_tokens, "seconds": round(self.seconds, 6),
+                "peak_memory_bytes": self.peak_memory_bytes}
+
+
+class FusedTrainer:
+    def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
+                 loss_chunk: int = DEFAULT_CHUNK):
+        self.base = base
+        self.step_tokens = step_tokens
+        self.layout = layout
+        self.loss_chunk = loss_chunk
+        self.jobs: dict[str, TrainingJob] = {}
+        self.step_count = 0
+        self.rotation = 0
+        self.meter = StepMemoryMeter(base.model, base.device)
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def add_job(self, job: TrainingJob) -> None:
+        if job.name in self.jobs:
+            raise ValueError(f"job '{job.name}' is already on this trainer")
+        self.jobs[job.name] = job
+        self.meter.refresh_weights()
+
+    def remove_job(self, name: str) -> TrainingJob:
+        job = self.jobs.pop(name)
+        remove_adapter(self.base.model, name)
+        self.meter.refresh_weights()
+        return job
+
+    @property
+    def active_jobs(self) -> list[TrainingJob]:
+        return [job for job in self.jobs.values() if not job.done]
+
+    # -- composing a step -------------------------------------------------------------------------
+    def compose(self, jobs: list[TrainingJob] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
+        """Which jobs join the next step: round-robin from where the last step left off, each job's next
+        micro-batch taken while the step stays within `step_tokens` (the first always joins)."""
+        candidates = [job for job in (jobs if jobs is not None else self.active_jobs) if job.peek() is not None]
+        if not candidates:
+            return []
+        start = self.rotation % len(candidates)
+        ordered = candidates[start:] + candidates[:start]
+        chosen: list[tuple[TrainingJob, list[Example]]] = []
+        for job in ordered:
+            batch = job.peek()
+            trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, batch)]
+            cost = self.step_cost(trial)
+            if chosen and cost > self.step_tokens:
+                continue
+            chosen.append((job, batch))
+        self.rotation += 1
+        # Keep the stream grouped in a stable order (the order jobs were added).
+        order = {name: i for i, name in enumerate(self.jobs)}
+        chosen.sort(key=lambda pair: order[pair[0].name])
+        return [(job, job.take()) for job, _ in chosen]
+
+    def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
+        """Tokens a step of these micro-batches processes, padding included."""
+        longest = max(len(e) for mb in micro_batches for e in mb.examples)
+        return sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
+
+    # -- running a step ---------------------------------------------------------------------------
+    def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:
+        """One fused forward/backward over the chosen jobs' micro-batches, then their optimizer steps."""
+        started = time.perf_counter()
+        micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
+        batch = pack(micro_batches, self.layout, self.base.pad_token_id).to(self.base.device)
+        token_weights = self._token_weights(batch, [job for job, _ in chosen])
+        model = self.base.model
+        set_adapters_training(model, True)
+        with self.meter.forward():
+            with step_layout(batch.layout):
+                hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                           attention_mask=None, use_cache=False).last_hidden_state[0]
+            head = self.base.lm_head
+            total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
+                                                 batch.target_ids, token_weights, self.loss_chunk)
+        total.backward()
+        gradient_bytes = sum(job.optimizer.gradient_bytes() for job, _ in chosen)
+        optimizer_bytes = sum(job.optimizer.state_bytes() for job in self.jobs.values())
+        peak = self.meter.peak_bytes(gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
+                                     transient_bytes=logits_transient_bytes(self.loss_chunk, head.weight.shape[0],
+                                                                            int(batch.target_ids.numel())))
+        per_job = self._per_job_losses(batch, losses)
+        results = []
+        for index, (job, _) in enumerate(chosen):
+            record = job.record_micro_batch(per_job[index], batch.job_tokens[index], batch.job_targets[index])
+            results.append(JobStepResult(job.name, per_job[index], batch.job_tokens[index],
+                                         batch.job_targets[index], record))
+        if self.base.device.type == "cuda":
+            torch.cuda.synchronize(self.base.device)
+        self.step_count += 1
+        return StepReport(self.step_count, batch.jobs, batch.num_tokens, batch.padding_tokens,
+                          time.perf_counter() - started, peak, batch.sequence_lengths, results)
+
+    def train_step(self) -> StepReport | None:
+        chosen = self.compose()
+        return self.run_step(chosen) if chosen else None
+
+    def _token_weights(self, batch: FusedBatch, jobs: list[TrainingJob]) -> torch.Tensor:
+        """Each target token weighs 1 / (its job's targets in this micro-batch x grad_accum): the step's
+        loss is the sum over jobs of each job's mean loss, so no job's scale depends on its neighbours."""
+        per_job = torch.tensor([1.0 / (max(n, 1) * job.spec.grad_accum) for n, job in zip(batch.job_targets, jobs)],
+                               dtype=torch.float32, device=batch.target_job.device)
+        return per_job[batch.target_job]
+
+    @staticmethod
+    def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> list[float]:
+        sums = torch.zeros(len(batch.jobs), dtype=torch.float32, device=losses.device)
+        sums.index_add_(0, batch.target_job, losses)
+        counts = torch.tensor(batch.job_targets, dtype=torch.float32, device=losses.device).clamp_min(1)
+        return (sums / counts).tolist()
+
+    # -- evaluation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, job: TrainingJob, examples: list[Example] | None = None, batch_size: int = 8) -> float:
+        """Mean loss over the target tokens of `examples` (default: the job's eval split)."""
+        examples = job.eval_examples if examples is None else examples
+        if not examples:
+            raise ValueError(f"job '{job.name}' has no eval examples (set eval_split)")
+        set_adapters_training(self.base.model, False)
+        loss_sum, count = 0.0, 0
+        head = self.base.lm_head
+        for start in range(0, len(examples), batch_size):
+            batch = pack([JobMicroBatch(job.name, examples[start:start + batch_size])], "packed",
+                         self.base.pad_token_id).to(self.base.device)
+            with step_layout(batch.layout):
+                hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                           attention_mask=None, use_cache=False).last_hidden_state[0]
+            weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
+            total, _ = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
+                                            batch.target_ids, weights, self.loss_chunk)
+            loss_sum += float(total)
+            count += int(batch.target_ids.numel())
+        set_adapters_training(self.base.model, True)
+        return loss_sum / max(count, 1)
+
+    @torch.no_grad()
+    def logits(self, adapter: str, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows."""
+        set_adapters_training(self.base.model, False)
+        rows, length = input_ids.shape
+        layout = StepLayout.single(adapter, [length] * rows)
+        flat = input_ids.reshape(1, -1).to(self.base.device)
+        positions = torch.arange(length, device=self.base.device).repeat(rows)[None]
+        with step_layout(layout):
+            out = self.base.model(input_ids=flat, position_ids=positions, attention_mask=None, use_cache=False)
+        return out.logits.reshape(rows, length, -1)

@@ -1,0 +1,1 @@
+"""Pure scheduling decisions and estimators: no Ray, no torch."""

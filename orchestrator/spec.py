@@ -1,0 +1,128 @@
+"""Reading `jobs.yaml` into a validated `RunSpec`, with errors that name the file, line, job and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from actors.engine.spec import JobSpec, LoraConfig, RunSpec
+
+__all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]
+
+
+class SpecError(ValueError):
+    """A jobs file or job spec that cannot be used, with every problem listed."""
+
+
+def _yaml_lines(text: str) -> dict[tuple, int]:
+    """1-based line of every mapping key and sequence item, by path, e.g. ('jobs', 0, 'lora', 'r')."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: yaml.Node, path: tuple) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = path + (key.value,)
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                walk(item, path + (index,))
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+_FORMAT_TAGS = {"alpaca", "prompt_response", "chat", "text"}
+
+
+def _drop_union_tags(loc: tuple) -> tuple:
+    """pydantic puts the chosen union member's tag in the path (format.prompt_response.response)."""
+    return tuple(part for i, part in enumerate(loc)
+                 if not (i > 0 and loc[i - 1] == "format" and part in _FORMAT_TAGS))
+
+
+def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple, int]) -> str:
+    problems = []
+    for item in error.errors():
+        loc = _drop_union_tags(tuple(item["loc"]))
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if len(loc) >= 2 and loc[0] == "jobs" and isinstance(loc[1], int):
+            jobs = data.get("jobs") if isinstance(data, dict) else None
+            name = jobs[loc[1]].get("name") if isinstance(jobs, list) and loc[1] < len(jobs) and isinstance(
+                jobs[loc[1]], dict) else None
+            field = ".".join(str(p) for p in loc[2:]) or "(the job)"
+            where = f"job '{name}' (jobs[{loc[1]}]), field {field}" if name else f"jobs[{loc[1]}], field {field}"
+        line = None
+        for cut in range(len(loc), -1, -1):
+            if loc[:cut] in lines:
+                line = lines[loc[:cut]]
+                break
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown field (check its spelling; see the README for the fields a job takes)"
+        prefix = f"{source}:{line}: " if line else f"{source}: "
+        problems.append(f"{prefix}{where}: {message}")
+    return "\n".join(problems)
+
+
+def _resolve_paths(data: dict, base_dir: Path) -> None:
+    for job in data.get("jobs") or []:
+        if isinstance(job, dict) and isinstance(job.get("data"), str):
+            path = Path(job["data"]).expanduser()
+            job["data"] = str(path if path.is_absolute() else base_dir / path)
+    output = data.get("output_dir")
+    if isinstance(output, str) and not Path(output).expanduser().is_absolute():
+        data["output_dir"] = str(base_dir / output)
+
+
+def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
+    missing = []
+    for index, job in enumerate(spec.jobs):
+        if not job.data.is_file():
+            line = lines.get(("jobs", index, "data"))
+            prefix = f"{source}:{line}: " if line else f"{source}: "
+            missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: file {job.data} does not exist")
+    if missing:
+        raise SpecError("\n".join(missing))
+
+
+def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None = None,
+                   text: str | None = None, check_files: bool = True) -> RunSpec:
+    """Validate a run spec given as a dict; relative paths are taken from `base_dir`."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping with base_model, jobs, ... at the top level")
+    data = dict(data)
+    data["jobs"] = [dict(job) if isinstance(job, dict) else job for job in data.get("jobs") or []]
+    lines = _yaml_lines(text) if text else {}
+    if base_dir is not None:
+        _resolve_paths(data, base_dir)
+    try:
+        spec = RunSpec.model_validate(data)
+    except ValidationError as error:
+        raise SpecError(_describe(error, data, source, lines)) from None
+    if check_files:
+        _check_files(spec, source, lines)
+    return spec
+
+
+def load_run_spec(path: str | Path, *, check_files: bool = True) -> RunSpec:
+    """Read and validate a jobs YAML file; data paths are relative to the file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such file")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise SpecError(f"{path}: not valid YAML: {error}") from None
+    return parse_run_spec(data, source=str(path), base_dir=path.parent.resolve(), text=text,
+                          check_files=check_files)

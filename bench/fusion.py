@@ -1,0 +1,481 @@
+#!/usr/bin/env python
+"""Benchmark of the fused multi-LoRA engine, every ratio measured side by side in one run.
+
+(a) fusion efficiency: tokens/s of a fused training step (forward + backward + optimizer step, through
+    `FusedTrainer.run_step`) with 1, 2, 4 and 8 adapters at equal total tokens per step (8 sequences of
+    equal length split evenly over the N jobs), as a ratio to 1 adapter. The configurations are run
+    round-robin (rotating which goes first) and each one's median step time is taken.
+(b) padding share of the tokens processed on real data (GSM8K + Code Alpaca, micro-batches of 8 per job,
+    both jobs in every step) for the layouts `packed`, `padded` and `padded_fused`: counting only.
+(c) effective tokens/s (real, non-padding tokens) of 4 jobs fused and packed in the engine vs the same
+    4 jobs trained one after another with PEFT (padded batches, attention mask, the model's own loss)
+    on a separate copy of the same base model, on the same examples, for the same number of steps.
+
+Usage: .venv/bin/python bench/fusion.py [--quick] [--base-model smollm2-135m] [--device auto] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from actors.engine.data import (  # noqa: E402
+    IGNORE_INDEX,
+    AlpacaFormat,
+    DataCursor,
+    Example,
+    PromptResponseFormat,
+    TextFormat,
+    load_examples,
+)
+from actors.engine.job import TrainingJob  # noqa: E402
+from actors.engine.models import BaseModel, load_base_model  # noqa: E402
+from actors.engine.packing import JobMicroBatch, pack  # noqa: E402
+from actors.engine.spec import JobSpec, LoraConfig  # noqa: E402
+from actors.engine.trainer import FusedTrainer  # noqa: E402
+
+DATA_DIR = REPO.parent / "shared" / "data"
+GSM8K = DATA_DIR / "gsm8k_train.jsonl"
+CODE_ALPACA = DATA_DIR / "code_alpaca_2k.json"
+GSM8K_FORMAT = PromptResponseFormat(prompt="Question: {question}\nAnswer:", response=" {answer}")
+MAX_SEQ_LEN = 1024
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA = LoraConfig(r=8, alpha=16.0, dropout=0.0, target_modules=TARGET_MODULES)
+LR = 3e-4
+MAX_GRAD_NORM = 1.0
+
+GOAL_FUSION = 0.97
+GOAL_PACKED_PADDING = 0.01
+GOAL_SPEEDUP = 1.5
+
+
+@dataclass
+class Settings:
+    quick: bool
+    # (a)
+    fusion_adapters: tuple[int, ...] = (1, 2, 4, 8)
+    fusion_sequences: int = 8
+    fusion_seq_len: int = 256
+    fusion_warmup: int = 2
+    fusion_reps: int = 7
+    # (b)
+    padding_steps: int = 250
+    padding_batch: int = 8
+    # (c)
+    e2e_jobs: int = 4
+    e2e_batch: int = 4
+    e2e_steps: int = 8
+    e2e_warmup: int = 1
+
+    @classmethod
+    def make(cls, quick: bool) -> Settings:
+        if quick:
+            return cls(quick=True, fusion_warmup=1, fusion_reps=3, padding_steps=100, e2e_steps=3)
+        return cls(quick=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU {model}, {cores} cores available, {torch.get_num_threads()} torch threads"
+
+
+def job_spec(name: str, fmt, batch_size: int) -> JobSpec:
+    # max_steps far away and a constant schedule: the jobs never finish and the lr never decays to 0.
+    return JobSpec(name=name, data=Path(f"bench/{name}"), format=fmt, lora=LORA, batch_size=batch_size,
+                   lr=LR, lr_schedule="constant", max_grad_norm=MAX_GRAD_NORM, max_steps=10**9)
+
+
+def synthetic_example(rng: random.Random, length: int, vocab: int, prompt_fraction: float = 0.5) -> Example:
+    """Random tokens; the first `prompt_fraction` are prompt (no target), the rest response (targets)."""
+    ids = tuple(rng.randrange(3, vocab) for _ in range(length))
+    prompt = max(1, int(length * prompt_fraction))
+    labels = tuple([IGNORE_INDEX] * prompt) + ids[prompt:]
+    return Example(ids, labels)
+
+
+def synthetic_dataset(rng: random.Random, count: int, vocab: int, lo: int, hi: int) -> list[Example]:
+    return [synthetic_example(rng, rng.randint(lo, hi), vocab, rng.uniform(0.3, 0.6)) for _ in range(count)]
+
+
+def fmt_pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# (a) fusion efficiency
+# --------------------------------------------------------------------------------------------------
+
+def bench_fusion(base: BaseModel, s: Settings) -> dict:
+    device = base.device
+    vocab = int(base.model.config.vocab_size)
+    rng = random.Random(1234)
+    sequences = [synthetic_example(rng, s.fusion_seq_len, vocab) for _ in range(s.fusion_sequences)]
+    total_tokens = sum(len(e) for e in sequences)
+    setups = {}
+    for n in s.fusion_adapters:
+        if s.fusion_sequences % n:
+            raise ValueError(f"{s.fusion_sequences} sequences do not split evenly over {n} jobs")
+        per_job = s.fusion_sequences // n
+        trainer = FusedTrainer(base, step_tokens=10**9, layout="packed")
+        chosen = []
+        for i in range(n):
+            spec = job_spec(f"fuse{n}-{i}", TextFormat(), per_job)
+            job = TrainingJob.create(spec, base, sequences, [], seed=100 * n + i)
+            trainer.add_job(job)
+            chosen.append((job, sequences[i * per_job:(i + 1) * per_job]))
+        setups[n] = (trainer, chosen)
+
+    def one_step(n: int) -> float:
+        trainer, chosen = setups[n]
+        sync(device)
+        started = time.perf_counter()
+        report = trainer.run_step(chosen)
+        sync(device)
+        elapsed = time.perf_counter() - started
+        assert report.tokens == total_tokens and report.padding_tokens == 0
+        return elapsed
+
+    order = list(s.fusion_adapters)
+    log(f"(a) fusion: {s.fusion_sequences} x {s.fusion_seq_len} tokens per step = {total_tokens} tokens, "
+        f"adapters {order}, {s.fusion_warmup} warm-up + {s.fusion_reps} timed steps each, round-robin")
+    for _ in range(s.fusion_warmup):
+        for n in order:
+            one_step(n)
+    times: dict[int, list[float]] = {n: [] for n in order}
+    for rep in range(s.fusion_reps):
+        rotated = order[rep % len(order):] + order[:rep % len(order)]
+        for n in rotated:
+            times[n].append(one_step(n))
+        log("    rep %d: %s" % (rep + 1, "  ".join(f"N={n}: {times[n][-1]:.3f}s" for n in order)))
+    for trainer, chosen in setups.values():
+        for job, _ in chosen:
+            trainer.remove_job(job.name)
+    median = {n: statistics.median(times[n]) for n in order}
+    tps = {n: total_tokens / median[n] for n in order}
+    result = {"tokens_per_step": total_tokens, "seq_len": s.fusion_seq_len, "sequences": s.fusion_sequences,
+              "warmup_steps": s.fusion_warmup, "timed_steps": s.fusion_reps,
+              "per_adapters": {str(n): {"median_step_s": median[n], "min_step_s": min(times[n]),
+                                        "max_step_s": max(times[n]), "tokens_per_s": tps[n],
+                                        "ratio_to_1": tps[n] / tps[order[0]], "step_times_s": times[n]}
+                               for n in order}}
+    for n in order:
+        log(f"    N={n}: median {median[n]:.3f}s  {tps[n]:.0f} tok/s  ratio {tps[n] / tps[order[0]]:.3f}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# (b) padding share
+# --------------------------------------------------------------------------------------------------
+
+def bench_padding(gsm: list[Example], code: list[Example], pad_id: int, s: Settings) -> dict:
+    cursors = {"gsm8k": DataCursor(gsm, s.padding_batch, seed=0), "code_alpaca": DataCursor(code, s.padding_batch, seed=1)}
+    layouts = ("packed", "padded", "padded_fused")
+    processed = dict.fromkeys(layouts, 0)
+    padding = dict.fromkeys(layouts, 0)
+    real = 0
+    for _ in range(s.padding_steps):
+        micro = [JobMicroBatch(name, cursor.next_batch()) for name, cursor in cursors.items()]
+        real += sum(mb.num_tokens for mb in micro)
+        for layout in layouts:
+            batch = pack(micro, layout, pad_id)
+            processed[layout] += batch.num_tokens
+            padding[layout] += batch.padding_tokens
+    share = {layout: padding[layout] / processed[layout] for layout in layouts}
+    log(f"(b) padding: {s.padding_steps} fused steps of gsm8k + code_alpaca, {s.padding_batch} rows per job, "
+        f"{real} real tokens: " + ", ".join(f"{k} {fmt_pct(v)}" for k, v in share.items()))
+    return {"steps": s.padding_steps, "rows_per_job": s.padding_batch, "real_tokens": real,
+            "processed_tokens": processed, "padding_tokens": padding, "padding_share": share}
+
+
+# --------------------------------------------------------------------------------------------------
+# (c) engine (fused, packed) vs PEFT one job after another (padded)
+# --------------------------------------------------------------------------------------------------
+
+def padded_batch(examples: list[Example], pad_id: int, device: torch.device):
+    longest = max(len(e) for e in examples)
+    ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), longest), dtype=torch.long)
+    labels = torch.full((len(examples), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, e in enumerate(examples):
+        ids[row, :len(e)] = torch.tensor(e.input_ids)
+        mask[row, :len(e)] = 1
+        labels[row, :len(e)] = torch.tensor(e.labels)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets: list[tuple[str, object, list[Example]]],
+                         s: Settings) -> dict:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    device = base.device
+    steps = s.e2e_warmup + s.e2e_steps
+    # Each job: its own data (disjoint halves of each dataset), its micro-batches fixed up front.
+    plan = []
+    for index, (name, fmt, examples) in enumerate(datasets):
+        cursor = DataCursor(examples, s.e2e_batch, seed=10 + index)
+        plan.append((name, fmt, examples, [cursor.next_batch() for _ in range(steps)]))
+    real_tokens = sum(len(e) for _, _, _, batches in plan for b in batches[s.e2e_warmup:] for e in b)
+    padded_tokens = sum(max(len(e) for e in b) * len(b) for _, _, _, batches in plan for b in batches[s.e2e_warmup:])
+    log(f"(c) engine vs PEFT: {len(plan)} jobs x batch {s.e2e_batch}, {s.e2e_warmup} warm-up + {s.e2e_steps} "
+        f"timed steps each, {real_tokens} real tokens timed ({padded_tokens} when padded per micro-batch)")
+
+    # -- engine: all jobs in every step, packed --------------------------------------------------
+    trainer = FusedTrainer(base, step_tokens=10**9, layout="packed")
+    jobs = []
+    for index, (name, fmt, examples, _) in enumerate(plan):
+        job = TrainingJob.create(job_spec(name, fmt, s.e2e_batch), base, examples, [], seed=index)
+        trainer.add_job(job)
+        jobs.append(job)
+    engine_time = 0.0
+    engine_first_loss = {}
+    engine_step_times = []
+    for step in range(steps):
+        chosen = [(job, batches[step]) for job, (_, _, _, batches) in zip(jobs, plan)]
+        sync(device)
+        started = time.perf_counter()
+        report = trainer.run_step(chosen)
+        sync(device)
+        elapsed = time.perf_counter() - started
+        assert report.padding_tokens == 0
+        if step == 0:
+            engine_first_loss = {r.job: r.loss for r in report.results}
+        if step >= s.e2e_warmup:
+            engine_time += elapsed
+            engine_step_times.append(elapsed)
+    engine_final_loss = {r.job: r.loss for r in report.results}
+    for job in jobs:
+        trainer.remove_job(job.name)
+    engine_tps = real_tokens / engine_time
+    log(f"    engine: {engine_time:.2f}s for {s.e2e_steps} fused steps, {engine_tps:.0f} effective tok/s "
+        f"(steps {', '.join(f'{t:.2f}' for t in engine_step_times)}s)")
+
+    # -- PEFT: the same jobs one after another, padded batches, on a separate copy of the base ------
+    model = peft_source
+    pad_id = base.pad_token_id
+    peft_time = 0.0
+    peft_first_loss = {}
+    peft_final_loss = {}
+    peft_job_times = {}
+    config = PeftLoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+                            target_modules=list(TARGET_MODULES), bias="none", task_type="CAUSAL_LM")
+    for name, _, _, batches in plan:
+        peft_model = get_peft_model(model, config)
+        peft_model.train()
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+        job_time = 0.0
+        for step in range(steps):
+            sync(device)
+            started = time.perf_counter()
+            ids, mask, labels = padded_batch(batches[step], pad_id, device)
+            loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = float(loss)
+            sync(device)
+            elapsed = time.perf_counter() - started
+            if step == 0:
+                peft_first_loss[name] = value
+            if step >= s.e2e_warmup:
+                job_time += elapsed
+        peft_final_loss[name] = value
+        peft_job_times[name] = job_time
+        peft_time += job_time
+        model = peft_model.unload()  # back to the plain copy for the next job
+        del peft_model, optimizer, params
+    peft_tps = real_tokens / peft_time
+    log(f"    PEFT:   {peft_time:.2f}s for {len(plan)} x {s.e2e_steps} steps, {peft_tps:.0f} effective tok/s "
+        f"(per job {', '.join(f'{t:.2f}' for t in peft_job_times.values())}s)")
+    # Sanity: both start from B = 0 (the adapter is a no-op), so the first step's losses must agree.
+    loss_gap = max(abs(engine_first_loss[n] - peft_first_loss[n]) for n in peft_first_loss)
+    log(f"    first-step loss, engine vs PEFT (adapters still no-ops): max |diff| = {loss_gap:.2e}")
+    return {"jobs": [name for name, _, _, _ in plan], "batch_size": s.e2e_batch, "warmup_steps": s.e2e_warmup,
+            "timed_steps_per_job": s.e2e_steps, "real_tokens": real_tokens, "peft_padded_tokens": padded_tokens,
+            "engine_seconds": engine_time, "engine_step_times_s": engine_step_times,
+            "engine_effective_tokens_per_s": engine_tps,
+            "peft_seconds": peft_time, "peft_job_seconds": peft_job_times,
+            "peft_effective_tokens_per_s": peft_tps, "ratio": engine_tps / peft_tps,
+            "first_step_loss": {"engine": engine_first_loss, "peft": peft_first_loss, "max_abs_diff": loss_gap},
+            "final_step_loss": {"engine": engine_final_loss, "peft": peft_final_loss}}
+
+
+# --------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------
+
+def load_real_data(base: BaseModel) -> tuple[list[Example], list[Example]] | None:
+    if not (GSM8K.is_file() and CODE_ALPACA.is_file()):
+        return None
+    started = time.perf_counter()
+    gsm = load_examples(GSM8K, GSM8K_FORMAT, base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
+    code = load_examples(CODE_ALPACA, AlpacaFormat(), base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
+    log(f"data: {len(gsm)} GSM8K + {len(code)} Code Alpaca examples tokenized in {time.perf_counter() - started:.1f}s")
+    return gsm, code
+
+
+def summary(results: dict) -> list[tuple[str, str, str, str]]:
+    rows = []
+    fusion = results.get("fusion")
+    if fusion:
+        per = fusion["per_adapters"]
+        first = next(iter(per))
+        rows.append((f"(a) fused step, {first} adapter, tok/s", f"{per[first]['tokens_per_s']:.0f}", "", ""))
+        last = list(per)[-1]
+        for n, item in per.items():
+            if n == first:
+                continue
+            goal = f">= {GOAL_FUSION}" if n == last else ""
+            ok = ("met" if item["ratio_to_1"] >= GOAL_FUSION else "NOT met") if goal else ""
+            rows.append((f"(a) fusion efficiency, {n} adapters / 1", f"{item['ratio_to_1']:.3f}", goal, ok))
+    padding = results.get("padding")
+    if padding:
+        for layout, share in padding["padding_share"].items():
+            goal = f"<= {fmt_pct(GOAL_PACKED_PADDING)}" if layout == "packed" else ""
+            ok = ("met" if share <= GOAL_PACKED_PADDING else "NOT met") if goal else ""
+            rows.append((f"(b) padding / processed tokens, {layout}", fmt_pct(share), goal, ok))
+    else:
+        rows.append(("(b) padding share", "skipped", "", "no ../shared/data"))
+    e2e = results.get("engine_vs_peft")
+    if e2e:
+        rows.append(("(c) engine, 4 jobs fused+packed, eff. tok/s", f"{e2e['engine_effective_tokens_per_s']:.0f}", "", ""))
+        rows.append(("(c) PEFT, 4 jobs one after another, eff. tok/s", f"{e2e['peft_effective_tokens_per_s']:.0f}", "", ""))
+        rows.append(("(c) engine / PEFT", f"{e2e['ratio']:.2f}x", f">= {GOAL_SPEEDUP}x",
+                     "met" if e2e["ratio"] >= GOAL_SPEEDUP else "NOT met"))
+    return rows
+
+
+def print_table(rows: list[tuple[str, str, str, str]]) -> None:
+    header = ("measurement", "value", "goal", "")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    line = "  ".join("-" * w for w in widths)
+    print(line)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    print(line)
+    for r in rows:
+        print("  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip())
+    print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and steps (~4 min on 2 CPU cores)")
+    parser.add_argument("--base-model", default="smollm2-135m")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
+    args = parser.parse_args(argv)
+    skip = {p.strip() for p in args.skip.split(",") if p.strip()}
+    s = Settings.make(args.quick)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+
+    run_started = time.perf_counter()
+    started = time.perf_counter()
+    base = load_base_model(args.base_model, dtype=args.dtype, device=args.device)
+    # The PEFT baseline's own copy, taken before the engine attaches any adapter, with plain sdpa attention.
+    peft_source = None
+    if "c" not in skip:
+        peft_source = copy.deepcopy(base.model)
+        peft_source.set_attn_implementation("sdpa")
+        shared = {p.untyped_storage().data_ptr() for p in base.model.parameters()} & \
+                 {p.untyped_storage().data_ptr() for p in peft_source.parameters()}
+        assert not shared, "the PEFT copy shares weights with the engine's base model"
+        assert base.model.config._attn_implementation == "aspen_varlen", base.model.config._attn_implementation
+    device = base.device
+    machine = machine_line(device)
+    log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}")
+
+    results: dict = {"quick": s.quick, "base_model": args.base_model, "device": str(device), "machine": machine,
+                     "torch": torch.__version__, "dtype": str(base.dtype).replace("torch.", ""),
+                     "lora": LORA.model_dump(), "timings_s": {}}
+
+    if "a" not in skip:
+        started = time.perf_counter()
+        results["fusion"] = bench_fusion(base, s)
+        results["timings_s"]["fusion"] = time.perf_counter() - started
+
+    data = load_real_data(base)
+    if data is None:
+        log(f"{DATA_DIR} is missing GSM8K / Code Alpaca: skipping (b); (c) uses generated data")
+        results["padding"] = None
+    elif "b" not in skip:
+        started = time.perf_counter()
+        results["padding"] = bench_padding(data[0], data[1], base.pad_token_id, s)
+        results["timings_s"]["padding"] = time.perf_counter() - started
+
+    if "c" not in skip:
+        started = time.perf_counter()
+        if data is not None:
+            gsm, code = data
+            gsm_fmt, code_fmt = GSM8K_FORMAT, AlpacaFormat()
+        else:
+            rng = random.Random(99)
+            vocab = int(base.model.config.vocab_size)
+            gsm = synthetic_dataset(rng, 400, vocab, 100, 320)   # GSM8K-like: mean ~185 tokens
+            code = synthetic_dataset(rng, 400, vocab, 30, 200)   # Code-Alpaca-like: mean ~90 tokens
+            gsm_fmt = code_fmt = TextFormat()
+        datasets = [("gsm8k-a", gsm_fmt, gsm[0::2]), ("gsm8k-b", gsm_fmt, gsm[1::2]),
+                    ("code-alpaca-a", code_fmt, code[0::2]), ("code-alpaca-b", code_fmt, code[1::2])]
+        results["engine_vs_peft"] = bench_engine_vs_peft(base, peft_source, datasets[:s.e2e_jobs], s)
+        results["engine_vs_peft"]["data"] = "real" if data is not None else "generated"
+        results["timings_s"]["engine_vs_peft"] = time.perf_counter() - started
+
+    results["timings_s"]["total"] = time.perf_counter() - run_started
+    print()
+    print_table(summary(results))
+    print(f"machine: {machine}; torch {torch.__version__}; dtype {results['dtype']}; base model {args.base_model}; "
+          f"{'quick' if s.quick else 'full'} run in {results['timings_s']['total']:.0f}s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

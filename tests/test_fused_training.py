@@ -1,0 +1,148 @@
+"""Fused training against independent references: a solo run of the same job (isolation), PEFT (same
+logits from the saved adapter), and plain transformers (same first-step loss)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module, load_base_model
+from actors.engine.peft_io import save_adapter
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
+from tests.conftest import random_examples, tiny_model
+
+VOCAB = 300
+
+
+def job_spec(name: str, **overrides) -> JobSpec:
+    fields = dict(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=3, max_steps=20, lr=5e-3,
+                  lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}, lr_schedule="cosine", warmup_steps=2)
+    fields.update(overrides)
+    return JobSpec(**fields)
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float(((a[k] - b[k]) ** 2).sum()) for k in a) ** 0.5
+    den = sum(float((a[k] ** 2).sum()) for k in a) ** 0.5
+    return num / den
+
+
+def train(base, specs_and_data, *, layout="packed", step_tokens=100_000) -> dict[str, dict[str, torch.Tensor]]:
+    trainer = FusedTrainer(base, step_tokens=step_tokens, layout=layout)
+    jobs = []
+    for spec, examples, seed in specs_and_data:
+        job = TrainingJob.create(spec, base, examples, [], seed=seed)
+        trainer.add_job(job)
+        jobs.append(job)
+    fused_steps = 0
+    while trainer.train_step() is not None:
+        fused_steps += 1
+    weights = {job.name: {k: v.detach().clone() for k, v in job.adapter.named_parameters()} for job in jobs}
+    for job in jobs:
+        assert job.step == job.spec.max_steps
+        trainer.remove_job(job.name)
+    return weights
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_fused_adapter_equals_solo_run(arch, layout):
+    """Isolation: an adapter trained alongside other jobs ends with the weights of the job trained alone."""
+    base = from_module(tiny_model(arch, VOCAB), None)
+    target = (job_spec("target", grad_accum=2), random_examples(0, vocab=VOCAB), 0)
+    others = [
+        (job_spec("other-1", lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, lr=1e-2),
+         random_examples(1, vocab=VOCAB, max_len=60), 1),
+        (job_spec("other-2", batch_size=2, lora={"r": 2, "alpha": 4, "dropout": 0.1, "target_modules": "all-linear"}),
+         random_examples(2, vocab=VOCAB), 2),
+    ]
+    start = None
+    fused = train(base, [others[0], target, others[1]], layout=layout)["target"]
+    solo = train(base, [target], layout=layout)["target"]
+    start_job = TrainingJob.create(target[0], base, target[1], [], seed=0)
+    start = {k: v.detach().clone() for k, v in start_job.adapter.named_parameters()}
+    assert relative_difference(solo, start) > 1e-2, "the adapter did not train"
+    assert relative_difference(solo, fused) <= 1e-4
+
+
+def test_isolation_holds_with_dropout_and_a_tight_token_budget():
+    """Each adapter draws its own dropout masks, and jobs that wait for a step keep their data order."""
+    base = from_module(tiny_model("llama", VOCAB), None)
+    target = (job_spec("target", lora={"r": 4, "alpha": 8, "dropout": 0.2, "target_modules": "all-linear"}),
+              random_examples(0, vocab=VOCAB), 0)
+    other = (job_spec("other", batch_size=4), random_examples(5, vocab=VOCAB, max_len=60), 5)
+    fused = train(base, [other, target], step_tokens=150)["target"]
+    solo = train(base, [target], step_tokens=150)["target"]
+    assert relative_difference(solo, fused) <= 1e-4
+
+
+def test_base_is_frozen_and_gets_no_gradients():
+    base = from_module(tiny_model("qwen2", VOCAB), None)
+    before = {k: v.clone() for k, v in base.model.state_dict().items()}
+    trainer = FusedTrainer(base)
+    for i in range(2):
+        trainer.add_job(TrainingJob.create(job_spec(f"j{i}", max_steps=3), base, random_examples(i, vocab=VOCAB), [],
+                                           seed=i))
+    while trainer.train_step() is not None:
+        pass
+    lora_names = {n for n, _ in base.model.named_parameters() if ".adapters." in n}
+    for name, parameter in base.model.named_parameters():
+        if name not in lora_names:
+            assert parameter.grad is None and not parameter.requires_grad, name
+    for name in list(trainer.jobs):
+        trainer.remove_job(name)
+    for key, value in before.items():
+        assert torch.equal(base.model.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_saved_adapter_gives_peft_the_same_logits(arch, tiny_model_dirs, tmp_path):
+    folder = tiny_model_dirs[arch]
+    base = load_base_model(str(folder), device="cpu")
+    spec = job_spec("peft-check", max_steps=4, lr=2e-2,
+                    lora={"r": 4, "alpha": 12, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]})
+    trainer = FusedTrainer(base)
+    job = TrainingJob.create(spec, base, random_examples(3), [], seed=3)
+    trainer.add_job(job)
+    while trainer.train_step() is not None:
+        pass
+    save_adapter(job.adapter, tmp_path / "adapter", str(folder))
+    ids = torch.tensor([random_examples(9, count=1, min_len=20, max_len=20)[0].input_ids] * 2)
+    engine_logits = trainer.logits("peft-check", ids)
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    plain_logits = reference(input_ids=ids).logits
+    peft_model = PeftModel.from_pretrained(reference, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        peft_logits = peft_model(input_ids=ids).logits
+    assert (peft_logits - plain_logits).abs().max() > 1e-3, "the adapter has no effect: nothing was compared"
+    assert (engine_logits - peft_logits).abs().max() <= 1e-4
+
+
+def test_first_step_loss_equals_plain_transformers_loss(tiny_model_dirs):
+    folder = tiny_model_dirs["mistral"]
+    base = load_base_model(str(folder), device="cpu")
+    examples = random_examples(4, count=3)
+    trainer = FusedTrainer(base)
+    for i in range(2):  # a neighbour job in the same step must not change the target job's loss
+        other = TrainingJob.create(job_spec(f"n{i}", max_steps=1, warmup_steps=0), base, random_examples(10 + i), [], seed=10 + i)
+        trainer.add_job(other)
+    job = TrainingJob.create(job_spec("first", batch_size=3, max_steps=1, warmup_steps=0), base, examples, [], seed=0)
+    trainer.add_job(job)
+    batch = job.peek()
+    report = trainer.train_step()
+    assert set(report.jobs) == {"n0", "n1", "first"}
+    engine_loss = next(r.loss for r in report.results if r.job == "first")
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    longest = max(len(e) for e in batch)
+    ids = torch.tensor([list(e.input_ids) + [2] * (longest - len(e)) for e in batch])
+    labels = torch.tensor([list(e.labels) + [-100] * (longest - len(e)) for e in batch])
+    mask = torch.tensor([[1] * len(e) + [0] * (longest - len(e)) for e in batch])
+    with torch.no_grad():
+        reference_loss = float(reference(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert engine_loss == pytest.approx(reference_loss, rel=1e-5)

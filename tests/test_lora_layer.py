@@ -1,0 +1,117 @@
+"""The fused multi-LoRA layer against a plain-math reference, dropout backward included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from actors.engine.layout import StepLayout, step_layout
+from actors.engine.lora import FusedLoraLinear, LoraAdapter, add_adapter, remove_adapter, resolve_targets
+from actors.engine.spec import LoraConfig
+from tests.conftest import tiny_model
+
+
+def _layer_with_adapters(configs: dict[str, LoraConfig]) -> FusedLoraLinear:
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12)
+    base.requires_grad_(False)
+    layer = FusedLoraLinear(base)
+    for i, (name, config) in enumerate(configs.items()):
+        adapter = LoraAdapter(16, 12, config, generator=torch.Generator().manual_seed(i), device=torch.device("cpu"))
+        with torch.no_grad():
+            adapter.lora_B.normal_()
+        adapter.dropout_generator = torch.Generator().manual_seed(100 + i)
+        layer.adapters[name] = adapter
+    return layer
+
+
+def test_each_adapter_touches_only_its_segment_and_matches_the_formula():
+    configs = {"a": LoraConfig(r=4, alpha=8), "b": LoraConfig(r=2, alpha=2, use_rslora=True)}
+    layer = _layer_with_adapters(configs)
+    x = torch.randn(1, 10, 16)
+    with step_layout(StepLayout((("a", 0, 6), ("b", 6, 10)), ((0, 6), (6, 10)), 10)):
+        out = layer(x)
+    a, b = layer.adapters["a"], layer.adapters["b"]
+    ref_a = layer.base(x[0, :6]) + x[0, :6] @ a.lora_A.T @ a.lora_B.T * (8 / 4)
+    ref_b = layer.base(x[0, 6:]) + x[0, 6:] @ b.lora_A.T @ b.lora_B.T * (2 / 2 ** 0.5)
+    torch.testing.assert_close(out[0, :6], ref_a)
+    torch.testing.assert_close(out[0, 6:], ref_b)
+
+
+def test_gap_between_segments_gets_base_output_only():
+    layer = _layer_with_adapters({"a": LoraConfig(r=4, alpha=8)})
+    x = torch.randn(1, 9, 16)
+    with step_layout(StepLayout((("other", 0, 3), ("a", 3, 6), ("other2", 6, 9)), ((0, 9),), 9)):
+        out = layer(x)
+    torch.testing.assert_close(out[0, :3], layer.base(x[0, :3]))
+    torch.testing.assert_close(out[0, 6:], layer.base(x[0, 6:]))
+
+
+def test_dropout_backward_uses_the_forward_mask():
+    """Gradients with dropout equal those of the explicit formula with the very mask drawn in forward."""
+    config = LoraConfig(r=4, alpha=8, dropout=0.5)
+    layer = _layer_with_adapters({"a": config})
+    adapter = layer.adapters["a"]
+    adapter.train(True)
+    x = torch.randn(1, 7, 16, requires_grad=True)
+    upstream = torch.randn(1, 7, 12)
+    # Draw the mask the layer will draw, from a copy of the adapter's generator.
+    generator_copy = torch.Generator().set_state(adapter.dropout_generator.get_state())
+    keep = torch.empty(7, 16).bernoulli_(0.5, generator=generator_copy) / 0.5
+    assert 0 < int((keep == 0).sum()) < keep.numel()
+    with step_layout(StepLayout((("a", 0, 7),), ((0, 7),), 7)):
+        (layer(x) * upstream).sum().backward()
+    got = (x.grad.clone(), adapter.lora_A.grad.clone(), adapter.lora_B.grad.clone())
+
+    x_ref = x.detach().clone().requires_grad_(True)
+    a_ref = adapter.lora_A.detach().clone().requires_grad_(True)
+    b_ref = adapter.lora_B.detach().clone().requires_grad_(True)
+    y_ref = layer.base(x_ref[0]) + ((x_ref[0] * keep) @ a_ref.T) @ b_ref.T * config.scaling
+    (y_ref * upstream[0]).sum().backward()
+    torch.testing.assert_close(got[0], x_ref.grad)
+    torch.testing.assert_close(got[1], a_ref.grad)
+    torch.testing.assert_close(got[2], b_ref.grad)
+    # and the mask is not ignored: without it the gradient of A differs
+    a_nomask = adapter.lora_A.detach().clone().requires_grad_(True)
+    ((layer.base(x_ref[0].detach()) + (x_ref[0].detach() @ a_nomask.T) @ b_ref.detach().T * config.scaling)
+     * upstream[0]).sum().backward()
+    assert not torch.allclose(a_nomask.grad, got[1])
+
+
+def test_dropout_is_off_in_eval_mode():
+    layer = _layer_with_adapters({"a": LoraConfig(r=4, alpha=8, dropout=0.9)})
+    layer.adapters.train(False)
+    x = torch.randn(1, 5, 16)
+    with step_layout(StepLayout((("a", 0, 5),), ((0, 5),), 5)):
+        first, second = layer(x), layer(x)
+    torch.testing.assert_close(first, second)
+
+
+def test_adapters_added_and_removed_at_run_time_without_touching_the_base():
+    model = tiny_model("llama", vocab_size=300)
+    model.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plain_type = type(model.model.layers[0].self_attn.q_proj)
+    a = add_adapter(model, "a", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), seed=0)
+    b = add_adapter(model, "b", LoraConfig(r=2, target_modules="all-linear"), seed=1)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, FusedLoraLinear) and set(q_proj.adapters) == {"a", "b"}
+    assert len(a.layers) == 2 * 2 and len(b.layers) == 2 * 7  # 2 layers x (q,v) and x all 7 linears
+    assert all(p.requires_grad for p in a.parameters() + b.parameters())
+    with pytest.raises(ValueError, match="already attached"):
+        add_adapter(model, "a", LoraConfig(), seed=0)
+    remove_adapter(model, "a")
+    assert set(model.model.layers[0].self_attn.q_proj.adapters) == {"b"}
+    remove_adapter(model, "b")
+    assert type(model.model.layers[0].self_attn.q_proj) is plain_type
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_unknown_target_module_names_the_available_ones():
+    model = tiny_model("llama", vocab_size=300)
+    with pytest.raises(ValueError, match=r"'qproj' matches no linear layer.*q_proj"):
+        resolve_targets(model, ["qproj"])
+    assert "lm_head" not in resolve_targets(model, "all-linear")

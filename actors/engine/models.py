@@ -148,7 +148,11 @@ def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, d
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    return AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+    except ValueError as error:
+        raise FileNotFoundError(f"base_model {source.description}: no usable tokenizer there ({error}); save the "
+                                "tokenizer next to the model (tokenizer.save_pretrained(folder))") from error
 
 
 def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",

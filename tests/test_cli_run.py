@@ -1,0 +1,114 @@
+"""`aspen run jobs.yaml` end to end: adapters PEFT loads, metrics.jsonl and trainer.jsonl as documented."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from actors.engine.models import smollm2_folder
+
+
+def aspen(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def write_data(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "add.jsonl").open("w") as f:
+        for i in range(24):
+            f.write(json.dumps({"question": f"{i}+{i * 3}", "answer": str(i * 4)}) + "\n")
+    (folder / "alpaca.json").write_text(json.dumps(
+        [{"instruction": f"Repeat the word {w}", "input": "", "output": w} for w in ["cat", "dog", "sun", "sky"] * 5],
+        indent=2))
+    with (folder / "chat.jsonl").open("w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"},
+                                             {"role": "assistant", "content": f"{i}"}]}) + "\n")
+
+
+JOBS = """\
+base_model: {base}
+output_dir: out
+step_tokens: 2048
+jobs:
+  - name: add
+    data: data/add.jsonl
+    format: {{type: prompt_response, prompt: "Add: {{question}}\\nAnswer:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    batch_size: 4
+    grad_accum: 2
+    max_steps: {steps}
+    eval_split: 4
+  - name: alpaca
+    data: data/alpaca.json
+    format: {{type: alpaca}}
+    lora: {{r: 8, alpha: 16, dropout: 0.05, target_modules: all-linear}}
+    batch_size: 2
+    max_steps: {steps}
+    lr_schedule: cosine
+  - name: chat
+    data: data/chat.jsonl
+    format: {{type: chat}}
+    batch_size: 3
+    epochs: 1
+"""
+
+
+def check_outputs(out: Path, steps: dict[str, int], base_folder: Path, gguf_file: str | None = None) -> None:
+    trainer_rows = [json.loads(line) for line in (out / "trainer.jsonl").read_text().splitlines()]
+    assert trainer_rows and all(set(row) == {"step", "jobs", "tokens", "padding_tokens", "seconds",
+                                             "peak_memory_bytes"} for row in trainer_rows)
+    assert [row["step"] for row in trainer_rows] == list(range(1, len(trainer_rows) + 1))
+    assert all(row["padding_tokens"] == 0 and row["peak_memory_bytes"] > 0 for row in trainer_rows)
+    assert any(len(row["jobs"]) == 3 for row in trainer_rows), "the three jobs never shared a step"
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    reference = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32, **kwargs)
+    for job, expected_steps in steps.items():
+        rows = [json.loads(line) for line in (out / job / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, expected_steps + 1))
+        assert all({"step", "loss", "tokens", "lr"} <= set(r) and r["tokens"] > 0 for r in rows)
+        config = json.loads((out / job / "adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA"
+        model = PeftModel.from_pretrained(reference, out / job, adapter_name=job)
+        assert any(f".lora_B.{job}." in name and p.abs().sum() > 0 for name, p in model.named_parameters()), \
+            f"{job}: PEFT loaded no trained weights"
+        reference = model.unload()
+
+
+def test_aspen_run_on_a_tiny_model(tmp_path, tiny_model_dirs):
+    write_data(tmp_path / "data")
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=3))
+    result = aspen("run", "jobs.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "add" in result.stdout and "adapters and metrics in" in result.stdout
+    # chat: 12 rows, batch 3, one epoch -> 4 optimizer steps
+    check_outputs(tmp_path / "out", {"add": 3, "alpaca": 3, "chat": 4}, tiny_model_dirs["llama"])
+
+
+def test_malformed_row_fails_with_file_line_and_field(tmp_path, tiny_model_dirs):
+    write_data(tmp_path / "data")
+    with (tmp_path / "data" / "add.jsonl").open("a") as f:
+        f.write(json.dumps({"question": "1+1", "answr": "2"}) + "\n")
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=1))
+    result = aspen("run", "jobs.yaml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "add.jsonl:25: field 'answer' is missing" in result.stderr
+
+
+@pytest.mark.slow
+def test_aspen_run_three_jobs_on_smollm2(tmp_path):
+    write_data(tmp_path / "data")
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(base="smollm2-135m", steps=2).replace("epochs: 1", "max_steps: 2"))
+    result = aspen("run", "jobs.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    folder = smollm2_folder()
+    check_outputs(tmp_path / "out", {"add": 2, "alpaca": 2, "chat": 2}, folder, next(folder.glob("*.gguf")).name)

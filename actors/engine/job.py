@@ -68,6 +68,7 @@ class TrainingJob:
     total_steps: int
     seed: int
     pending: list[Example] | None = None
+    cursor_state_before_pending: dict | None = None
     accumulator: StepAccumulator = field(default_factory=StepAccumulator)
     tokens_seen: int = 0
     history: list[OptimizerStepRecord] = field(default_factory=list)
@@ -98,6 +99,7 @@ class TrainingJob:
     def peek(self) -> list[Example] | None:
         """The job's next micro-batch, kept until taken."""
         if self.pending is None and not self.done:
+            self.cursor_state_before_pending = self.cursor.state_dict()
             self.pending = self.cursor.next_batch()
         return self.pending
 
@@ -106,7 +108,14 @@ class TrainingJob:
         if batch is None:
             raise RuntimeError(f"job '{self.name}' has no micro-batch left")
         self.pending = None
+        self.cursor_state_before_pending = None
         return batch
+
+    def data_position(self) -> dict:
+        """The cursor's state as of the next micro-batch not yet trained on (a peeked one included)."""
+        if self.pending is not None and self.cursor_state_before_pending is not None:
+            return dict(self.cursor_state_before_pending)
+        return self.cursor.state_dict()
 
     def record_micro_batch(self, loss: float, tokens: int, targets: int) -> OptimizerStepRecord | None:
         """Book a finished micro-batch; step the optimizer when its accumulation is complete (or the

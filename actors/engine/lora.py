@@ -109,9 +109,13 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[s
     return chosen
 
 
-def _wrap(model: nn.Module, name: str) -> FusedLoraLinear:
+def _parent_and_child(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
+    return (model.get_submodule(parent_name) if parent_name else model), child
+
+
+def _wrap(model: nn.Module, name: str) -> FusedLoraLinear:
+    parent, child = _parent_and_child(model, name)
     module = getattr(parent, child)
     if isinstance(module, FusedLoraLinear):
         return module
@@ -121,8 +125,7 @@ def _wrap(model: nn.Module, name: str) -> FusedLoraLinear:
 
 
 def _unwrap(model: nn.Module, name: str) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
+    parent, child = _parent_and_child(model, name)
     module = getattr(parent, child)
     if isinstance(module, FusedLoraLinear):
         setattr(parent, child, module.base)

@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import random
+import resource
 import statistics
 import sys
 import time
@@ -64,6 +65,7 @@ MAX_GRAD_NORM = 1.0
 GOAL_FUSION = 0.97
 GOAL_PACKED_PADDING = 0.01
 GOAL_SPEEDUP = 1.5
+NOISY_SHARE = 0.10   # other processes' share of the CPU above which timings are flagged
 
 
 @dataclass
@@ -72,9 +74,9 @@ class Settings:
     # (a)
     fusion_adapters: tuple[int, ...] = (1, 2, 4, 8)
     fusion_sequences: int = 8
-    fusion_seq_len: int = 256
-    fusion_warmup: int = 2
-    fusion_reps: int = 7
+    fusion_seq_len: int = 128
+    fusion_warmup: int = 1
+    fusion_reps: int = 6
     # (b)
     padding_steps: int = 250
     padding_batch: int = 8
@@ -87,7 +89,7 @@ class Settings:
     @classmethod
     def make(cls, quick: bool) -> Settings:
         if quick:
-            return cls(quick=True, fusion_warmup=1, fusion_reps=3, padding_steps=100, e2e_steps=3)
+            return cls(quick=True, fusion_reps=2, padding_steps=100, e2e_steps=3)
         return cls(quick=False)
 
 
@@ -131,6 +133,34 @@ def synthetic_example(rng: random.Random, length: int, vocab: int, prompt_fracti
 
 def synthetic_dataset(rng: random.Random, count: int, vocab: int, lo: int, hi: int) -> list[Example]:
     return [synthetic_example(rng, rng.randint(lo, hi), vocab, rng.uniform(0.3, 0.6)) for _ in range(count)]
+
+
+class CpuMonitor:
+    """How much CPU other processes used while we measured: timings on a shared machine are only as good as
+    this number is small (with OpenMP's spin-waiting, two busy processes on 2 cores can slow a step 10x)."""
+
+    def __init__(self) -> None:
+        self.cpus = os.cpu_count() or 1
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.start = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        try:
+            values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        busy = (sum(values) - values[3] - values[4]) / self.tick   # all but idle and iowait
+        own = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for field in ("ru_utime", "ru_stime"))
+        return time.monotonic(), busy, own
+
+    def others_share(self) -> float | None:
+        """Fraction of the machine's CPU capacity used by other processes since the monitor started."""
+        now = self._read()
+        if now is None or self.start is None or now[0] <= self.start[0]:
+            return None
+        others = (now[1] - self.start[1]) - (now[2] - self.start[2])
+        return max(others, 0.0) / ((now[0] - self.start[0]) * self.cpus)
 
 
 def fmt_pct(x: float) -> str:
@@ -371,7 +401,9 @@ def summary(results: dict) -> list[tuple[str, str, str, str]]:
             ok = ("met" if item["ratio_to_1"] >= GOAL_FUSION else "NOT met") if goal else ""
             rows.append((f"(a) fusion efficiency, {n} adapters / 1", f"{item['ratio_to_1']:.3f}", goal, ok))
     padding = results.get("padding")
-    if padding:
+    if "padding" not in results:
+        pass  # skipped on request
+    elif padding:
         for layout, share in padding["padding_share"].items():
             goal = f"<= {fmt_pct(GOAL_PACKED_PADDING)}" if layout == "packed" else ""
             ok = ("met" if share <= GOAL_PACKED_PADDING else "NOT met") if goal else ""
@@ -406,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="(a): tokens per sequence, 8 sequences per step (default 128 on CPU, 512 on CUDA)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice, one per core)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
     args = parser.parse_args(argv)
     skip = {p.strip() for p in args.skip.split(",") if p.strip()}
@@ -413,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     run_started = time.perf_counter()
     started = time.perf_counter()
@@ -427,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         assert not shared, "the PEFT copy shares weights with the engine's base model"
         assert base.model.config._attn_implementation == "aspen_varlen", base.model.config._attn_implementation
     device = base.device
+    # 8 x 128 tokens: a step of ~4 s on 2 CPU cores; on a GPU 8 x 512 (the engine's default step_tokens, 4096)
+    s.fusion_seq_len = args.seq_len or (512 if device.type == "cuda" else 128)
     machine = machine_line(device)
     log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}")
 
@@ -434,10 +474,20 @@ def main(argv: list[str] | None = None) -> int:
                      "torch": torch.__version__, "dtype": str(base.dtype).replace("torch.", ""),
                      "lora": LORA.model_dump(), "timings_s": {}}
 
+    results["other_processes_cpu_share"] = {}
+    whole_run = CpuMonitor()
+
+    def finish_part(key: str, started: float, monitor: CpuMonitor) -> None:
+        results["timings_s"][key] = time.perf_counter() - started
+        share = monitor.others_share()
+        results["other_processes_cpu_share"][key] = share
+        if share is not None and share > NOISY_SHARE:
+            log(f"    WARNING: other processes used {fmt_pct(share)} of the CPU during this part; its timings are noisy")
+
     if "a" not in skip:
-        started = time.perf_counter()
+        started, monitor = time.perf_counter(), CpuMonitor()
         results["fusion"] = bench_fusion(base, s)
-        results["timings_s"]["fusion"] = time.perf_counter() - started
+        finish_part("fusion", started, monitor)
 
     data = load_real_data(base)
     if data is None:
@@ -449,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         results["timings_s"]["padding"] = time.perf_counter() - started
 
     if "c" not in skip:
-        started = time.perf_counter()
+        started, monitor = time.perf_counter(), CpuMonitor()
         if data is not None:
             gsm, code = data
             gsm_fmt, code_fmt = GSM8K_FORMAT, AlpacaFormat()
@@ -463,13 +513,18 @@ def main(argv: list[str] | None = None) -> int:
                     ("code-alpaca-a", code_fmt, code[0::2]), ("code-alpaca-b", code_fmt, code[1::2])]
         results["engine_vs_peft"] = bench_engine_vs_peft(base, peft_source, datasets[:s.e2e_jobs], s)
         results["engine_vs_peft"]["data"] = "real" if data is not None else "generated"
-        results["timings_s"]["engine_vs_peft"] = time.perf_counter() - started
+        finish_part("engine_vs_peft", started, monitor)
 
     results["timings_s"]["total"] = time.perf_counter() - run_started
+    results["other_processes_cpu_share"]["run"] = whole_run.others_share()
     print()
     print_table(summary(results))
     print(f"machine: {machine}; torch {torch.__version__}; dtype {results['dtype']}; base model {args.base_model}; "
           f"{'quick' if s.quick else 'full'} run in {results['timings_s']['total']:.0f}s")
+    share = results["other_processes_cpu_share"]["run"]
+    if share is not None:
+        note = " -- timings are NOT reliable, rerun on an idle machine" if share > NOISY_SHARE else ""
+        print(f"CPU used by other processes during the measurements: {fmt_pct(share)} of {os.cpu_count()} cores{note}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,12 +1,13 @@
 """`aspen demo`: fine-tune four LoRA adapters at once on smollm2-135m and show that each learned its task.
 
 The module generates four small tasks itself with seeded random generators (nothing is downloaded):
-multi-digit addition, reversing a word, reading one field of a JSON object and rewriting an ISO date. It
-writes each task's training rows as JSONL (prompt_response format) under `<output_dir>/data/`, trains
-the four jobs in fused steps through `train_locally`, then re-attaches every saved adapter to the same
-base model and greedy-decodes held-out items of every task with every adapter and with the base model
-alone. It prints the accuracy table (rows: base + adapters, columns: tasks), writes it to
-`<output_dir>/accuracy.json` and returns 0 when every adapter beats the base model on its own task."""
+multi-digit addition, reversing a word spelled letter by letter, reading one field of a JSON object and
+rewriting an ISO date. It writes each task's training rows as JSONL (prompt_response format) under
+`<output_dir>/data/`, trains the four jobs in fused steps through `train_locally`, then re-attaches every
+saved adapter to the same base model and greedy-decodes held-out items of every task with every adapter
+and with the base model alone. It prints the accuracy table (rows: base + adapters, columns: tasks),
+writes it to `<output_dir>/accuracy.json` and returns 0 when every adapter beats the base model on its
+own task."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ TRAIN_ROWS = 320
 EVAL_ITEMS = 40
 TRAIN_SEED = 1234
 EVAL_SEED = 98765
-DEFAULT_STEPS = 50
+DEFAULT_STEPS = 40
 LEARNING_RATE = 2e-3
 WARMUP_STEPS = 5
 BATCH_SIZE = 8
@@ -35,7 +36,7 @@ STEP_TOKENS = 2048
 LORA = LoraConfig(r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 BASE_ROW = "base model"
 
-# Common English words of 3 to 6 letters, for the reversal task.
+# Common English words; the reversal task uses those of 3 to 5 letters.
 WORDS = """
 able about above act add after again age ago air all also always and animal answer any apple area arm
 around art ask away baby back bad ball bank base bear beat bed before begin bell best big bird black
@@ -50,6 +51,7 @@ have head hear heart heat help high hill hold home hope horse hot hour house hun
 island job join jump just keep kind king kitchen know lake land large last late laugh lead learn
 leave left leg letter light like line lion list little live long look lost loud love low lucky
 """.split()
+REVERSE_WORDS = [word for word in WORDS if 3 <= len(word) <= 5]
 
 NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Max",
          "Nina", "Omar", "Pia", "Raj", "Sara", "Tom", "Uma", "Vera", "Will", "Yara", "Zoe"]
@@ -82,8 +84,10 @@ def _addition_row(rng: random.Random) -> dict[str, str]:
 
 
 def _reverse_row(rng: random.Random) -> dict[str, str]:
-    word = rng.choice(WORDS)
-    return {"word": word, "answer": word[::-1]}
+    # Letters spaced out (" h o u s e": one token per letter), so reversing needs no knowledge of how
+    # the model's word tokens are spelled; reversing whole-word tokens is out of reach in a few steps.
+    word = rng.choice(REVERSE_WORDS)
+    return {"word": " ".join(word), "answer": " ".join(reversed(word))}
 
 
 def _json_row(rng: random.Random) -> dict[str, str]:
@@ -124,7 +128,7 @@ def make_rows(task: Task, count: int, seed: int, *, exclude: set[str] | None = N
     """`count` rows of the task; with `exclude` (prompts), rows whose prompt is in it are redrawn and
     every row is distinct. Reversal rows use only training words when `train`, only held-out words else."""
     rng = random.Random(f"{task.name}-{seed}")
-    reserved = held_out_words(WORDS)
+    reserved = held_out_words(REVERSE_WORDS)
     rows: list[dict[str, str]] = []
     seen: set[str] = set(exclude or ())
     attempts = 0
@@ -133,7 +137,7 @@ def make_rows(task: Task, count: int, seed: int, *, exclude: set[str] | None = N
         if attempts > 100 * count:
             raise RuntimeError(f"task {task.name}: could not draw {count} distinct rows")
         row = task.make_row(rng)
-        if task.name == "reverse" and (row["word"] in reserved) == train:
+        if task.name == "reverse" and (row["word"].replace(" ", "") in reserved) == train:
             continue
         key = _prompt_key(task, row)
         if exclude is not None:

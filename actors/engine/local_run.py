@@ -109,6 +109,6 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     finally:
         bar.close()
         writer.close()
-    for job in jobs:
-        trainer.remove_job(job.name)
+        for job in jobs:
+            trainer.remove_job(job.name)
     return summaries

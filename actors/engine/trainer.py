@@ -167,6 +167,13 @@ class FusedTrainer:
         if not examples:
             raise ValueError(f"job '{job.name}' has no eval examples (set eval_split)")
         set_adapters_training(self.base.model, False)
+        try:
+            return self._evaluate_loss(job, examples, batch_size)
+        finally:
+            set_adapters_training(self.base.model, True)
+
+    @torch.no_grad()
+    def _evaluate_loss(self, job: TrainingJob, examples: list[Example], batch_size: int) -> float:
         loss_sum, count = 0.0, 0
         head = self.base.lm_head
         for start in range(0, len(examples), batch_size):
@@ -180,7 +187,6 @@ class FusedTrainer:
                                             batch.target_ids, weights, self.loss_chunk)
             loss_sum += float(total)
             count += int(batch.target_ids.numel())
-        set_adapters_training(self.base.model, True)
         return loss_sum / max(count, 1)
 
     @torch.no_grad()
@@ -191,6 +197,9 @@ class FusedTrainer:
         layout = StepLayout.single(adapter, [length] * rows)
         flat = input_ids.reshape(1, -1).to(self.base.device)
         positions = torch.arange(length, device=self.base.device).repeat(rows)[None]
-        with step_layout(layout):
-            out = self.base.model(input_ids=flat, position_ids=positions, attention_mask=None, use_cache=False)
+        try:
+            with step_layout(layout):
+                out = self.base.model(input_ids=flat, position_ids=positions, attention_mask=None, use_cache=False)
+        finally:
+            set_adapters_training(self.base.model, True)
         return out.logits.reshape(rows, length, -1)

@@ -74,9 +74,9 @@ class Settings:
     # (a)
     fusion_adapters: tuple[int, ...] = (1, 2, 4, 8)
     fusion_sequences: int = 8
-    fusion_seq_len: int = 128
+    fusion_seq_len: int = 256      # on CPU: 8 x 256 = 2048 tokens, ~9 s a step on 2 cores (quick: 8 x 128)
     fusion_warmup: int = 1
-    fusion_reps: int = 6
+    fusion_reps: int = 5
     # (b)
     padding_steps: int = 250
     padding_batch: int = 8
@@ -89,7 +89,7 @@ class Settings:
     @classmethod
     def make(cls, quick: bool) -> Settings:
         if quick:
-            return cls(quick=True, fusion_reps=2, padding_steps=100, e2e_steps=3)
+            return cls(quick=True, fusion_seq_len=128, fusion_reps=2, padding_steps=100, e2e_steps=3)
         return cls(quick=False)
 
 
@@ -282,6 +282,10 @@ def padded_batch(examples: list[Example], pad_id: int, device: torch.device):
 
 def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets: list[tuple[str, object, list[Example]]],
                          s: Settings) -> dict:
+    """Engine: every job in every step, packed. PEFT: each job on its own (its own adapter and AdamW, padded
+    batches, the model's loss), one job's step after another. The two are interleaved step by step (engine
+    step k, then step k of each PEFT job) so that a slow spell of the machine hits both alike; each PEFT
+    step computes exactly what it would if the jobs ran strictly one after another."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -292,6 +296,7 @@ def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets
     for index, (name, fmt, examples) in enumerate(datasets):
         cursor = DataCursor(examples, s.e2e_batch, seed=10 + index)
         plan.append((name, fmt, examples, [cursor.next_batch() for _ in range(steps)]))
+    names = [name for name, _, _, _ in plan]
     real_tokens = sum(len(e) for _, _, _, batches in plan for b in batches[s.e2e_warmup:] for e in b)
     padded_tokens = sum(max(len(e) for e in b) * len(b) for _, _, _, batches in plan for b in batches[s.e2e_warmup:])
     log(f"(c) engine vs PEFT: {len(plan)} jobs x batch {s.e2e_batch}, {s.e2e_warmup} warm-up + {s.e2e_steps} "
@@ -304,9 +309,34 @@ def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets
         job = TrainingJob.create(job_spec(name, fmt, s.e2e_batch), base, examples, [], seed=index)
         trainer.add_job(job)
         jobs.append(job)
-    engine_time = 0.0
-    engine_first_loss = {}
-    engine_step_times = []
+
+    # -- PEFT: one adapter per job on a separate copy of the base (only the active one runs) -------
+    config = PeftLoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+                            target_modules=list(TARGET_MODULES), bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(peft_source, config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, config)
+    peft_model.train()
+    peft_params, peft_optimizers = {}, {}
+    for name in names:
+        peft_params[name] = [p for n, p in peft_model.named_parameters() if "lora_" in n and f".{name}." in n]
+        peft_optimizers[name] = torch.optim.AdamW(peft_params[name], lr=LR, weight_decay=0.0)
+    pad_id = base.pad_token_id
+
+    def peft_step(name: str, examples: list[Example]) -> float:
+        peft_model.set_adapter(name)   # this job's adapter only (and only its parameters train)
+        ids, mask, labels = padded_batch(examples, pad_id, device)
+        loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(peft_params[name], MAX_GRAD_NORM)
+        peft_optimizers[name].step()
+        peft_optimizers[name].zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    engine_step_times: list[float] = []
+    peft_job_times = dict.fromkeys(names, 0.0)
+    engine_loss: dict[int, dict[str, float]] = {}
+    peft_loss: dict[int, dict[str, float]] = {}
     for step in range(steps):
         chosen = [(job, batches[step]) for job, (_, _, _, batches) in zip(jobs, plan)]
         sync(device)
@@ -315,80 +345,55 @@ def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets
         sync(device)
         elapsed = time.perf_counter() - started
         assert report.padding_tokens == 0
-        if step == 0:
-            engine_first_loss = {r.job: r.loss for r in report.results}
+        engine_loss[step] = {r.job: r.loss for r in report.results}
         if step >= s.e2e_warmup:
-            engine_time += elapsed
             engine_step_times.append(elapsed)
-    engine_final_loss = {r.job: r.loss for r in report.results}
-    for job in jobs:
-        trainer.remove_job(job.name)
-    engine_tps = real_tokens / engine_time
-    log(f"    engine: {engine_time:.2f}s for {s.e2e_steps} fused steps, {engine_tps:.0f} effective tok/s "
-        f"(steps {', '.join(f'{t:.2f}' for t in engine_step_times)}s)")
-
-    # -- PEFT: the same jobs one after another, padded batches, on a separate copy of the base ------
-    model = peft_source
-    pad_id = base.pad_token_id
-    peft_time = 0.0
-    peft_first_loss = {}
-    peft_final_loss = {}
-    peft_job_times = {}
-    config = PeftLoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
-                            target_modules=list(TARGET_MODULES), bias="none", task_type="CAUSAL_LM")
-    for name, _, _, batches in plan:
-        peft_model = get_peft_model(model, config)
-        peft_model.train()
-        params = [p for p in peft_model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-        job_time = 0.0
-        for step in range(steps):
+        peft_loss[step] = {}
+        for name, _, _, batches in plan:
             sync(device)
             started = time.perf_counter()
-            ids, mask, labels = padded_batch(batches[step], pad_id, device)
-            loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            value = float(loss)
+            peft_loss[step][name] = peft_step(name, batches[step])
             sync(device)
-            elapsed = time.perf_counter() - started
-            if step == 0:
-                peft_first_loss[name] = value
             if step >= s.e2e_warmup:
-                job_time += elapsed
-        peft_final_loss[name] = value
-        peft_job_times[name] = job_time
-        peft_time += job_time
-        model = peft_model.unload()  # back to the plain copy for the next job
-        del peft_model, optimizer, params
-    peft_tps = real_tokens / peft_time
+                peft_job_times[name] += time.perf_counter() - started
+    for job in jobs:
+        trainer.remove_job(job.name)
+    peft_model.unload()
+    del peft_model, peft_optimizers, peft_params
+
+    engine_time = sum(engine_step_times)
+    peft_time = sum(peft_job_times.values())
+    engine_tps, peft_tps = real_tokens / engine_time, real_tokens / peft_time
+    log(f"    engine: {engine_time:.2f}s for {s.e2e_steps} fused steps, {engine_tps:.0f} effective tok/s "
+        f"(steps {', '.join(f'{t:.2f}' for t in engine_step_times)}s)")
     log(f"    PEFT:   {peft_time:.2f}s for {len(plan)} x {s.e2e_steps} steps, {peft_tps:.0f} effective tok/s "
         f"(per job {', '.join(f'{t:.2f}' for t in peft_job_times.values())}s)")
     # Sanity: both start from B = 0 (the adapter is a no-op), so the first step's losses must agree.
-    loss_gap = max(abs(engine_first_loss[n] - peft_first_loss[n]) for n in peft_first_loss)
-    log(f"    first-step loss, engine vs PEFT (adapters still no-ops): max |diff| = {loss_gap:.2e}")
-    return {"jobs": [name for name, _, _, _ in plan], "batch_size": s.e2e_batch, "warmup_steps": s.e2e_warmup,
+    loss_gap = max(abs(engine_loss[0][n] - peft_loss[0][n]) for n in names)
+    last = steps - 1
+    log(f"    loss, engine vs PEFT: first step max |diff| {loss_gap:.2e} (adapters still no-ops); last step "
+        + ", ".join(f"{n} {engine_loss[last][n]:.3f}/{peft_loss[last][n]:.3f}" for n in names))
+    return {"jobs": names, "batch_size": s.e2e_batch, "warmup_steps": s.e2e_warmup,
             "timed_steps_per_job": s.e2e_steps, "real_tokens": real_tokens, "peft_padded_tokens": padded_tokens,
             "engine_seconds": engine_time, "engine_step_times_s": engine_step_times,
             "engine_effective_tokens_per_s": engine_tps,
             "peft_seconds": peft_time, "peft_job_seconds": peft_job_times,
             "peft_effective_tokens_per_s": peft_tps, "ratio": engine_tps / peft_tps,
-            "first_step_loss": {"engine": engine_first_loss, "peft": peft_first_loss, "max_abs_diff": loss_gap},
-            "final_step_loss": {"engine": engine_final_loss, "peft": peft_final_loss}}
+            "first_step_loss": {"engine": engine_loss[0], "peft": peft_loss[0], "max_abs_diff": loss_gap},
+            "last_step_loss": {"engine": engine_loss[last], "peft": peft_loss[last]}}
 
 
 # --------------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------------
 
-def load_real_data(base: BaseModel) -> tuple[list[Example], list[Example]] | None:
-    if not (GSM8K.is_file() and CODE_ALPACA.is_file()):
+def load_real_data(base: BaseModel, data_dir: Path = DATA_DIR) -> tuple[list[Example], list[Example]] | None:
+    gsm_path, code_path = data_dir / GSM8K.name, data_dir / CODE_ALPACA.name
+    if not (gsm_path.is_file() and code_path.is_file()):
         return None
     started = time.perf_counter()
-    gsm = load_examples(GSM8K, GSM8K_FORMAT, base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
-    code = load_examples(CODE_ALPACA, AlpacaFormat(), base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
+    gsm = load_examples(gsm_path, GSM8K_FORMAT, base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
+    code = load_examples(code_path, AlpacaFormat(), base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
     log(f"data: {len(gsm)} GSM8K + {len(code)} Code Alpaca examples tokenized in {time.perf_counter() - started:.1f}s")
     return gsm, code
 
@@ -399,7 +404,8 @@ def summary(results: dict) -> list[tuple[str, str, str, str]]:
     if fusion:
         per = fusion["per_adapters"]
         first = next(iter(per))
-        rows.append((f"(a) fused step, {first} adapter, tok/s", f"{per[first]['tokens_per_s']:.0f}", "", ""))
+        size = f"{fusion['sequences']} x {fusion['seq_len']} tokens"
+        rows.append((f"(a) fused step, {first} adapter, {size}, tok/s", f"{per[first]['tokens_per_s']:.0f}", "", ""))
         last = list(per)[-1]
         for n, item in per.items():
             if n == first:
@@ -446,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="(a): tokens per sequence, 8 sequences per step (default 128 on CPU, 512 on CUDA)")
+                        help="(a): tokens per sequence, 8 sequences per step (default: 256 on CPU, 128 with --quick, 512 on CUDA)")
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR,
+                        help=f"folder with {GSM8K.name} and {CODE_ALPACA.name} (default: ../shared/data)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice, one per core)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
@@ -472,8 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         assert not shared, "the PEFT copy shares weights with the engine's base model"
         assert base.model.config._attn_implementation == "aspen_varlen", base.model.config._attn_implementation
     device = base.device
-    # 8 x 128 tokens: a step of ~4 s on 2 CPU cores; on a GPU 8 x 512 (the engine's default step_tokens, 4096)
-    s.fusion_seq_len = args.seq_len or (512 if device.type == "cuda" else 128)
+    if args.seq_len:
+        s.fusion_seq_len = args.seq_len
+    elif device.type == "cuda":
+        s.fusion_seq_len = 512  # 8 x 512 = 4096 tokens, the engine's default step_tokens
     machine = machine_line(device)
     log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}")
 
@@ -496,9 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         results["fusion"] = bench_fusion(base, s)
         finish_part("fusion", started, monitor)
 
-    data = load_real_data(base)
+    data = load_real_data(base, args.data_dir)
     if data is None:
-        log(f"{DATA_DIR} is missing GSM8K / Code Alpaca: skipping (b); (c) uses generated data")
+        log(f"{args.data_dir} is missing GSM8K / Code Alpaca: skipping (b); (c) uses generated data")
         results["padding"] = None
     elif "b" not in skip:
         started = time.perf_counter()

@@ -1,21 +1,136 @@
-"""The `aspen` command line."""
+"""The `aspen` command line: `serve`, `submit`, `status`, `cancel`, `stop` talk to a service on a Ray
+cluster; `run` and `demo` start their own service for the run and wait for it."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 from orchestrator.spec import SpecError, load_run_spec
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from actors.engine.local_run import train_locally
+def _service_config(args: argparse.Namespace):
+    import yaml
 
+    from actors.core.config import ServiceConfig, TrainerConfig
+
+    data: dict = {}
+    if args.config:
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+    if args.state_dir:
+        data["state_dir"] = args.state_dir
+    if args.policy:
+        data["policy"] = args.policy
+    if args.base_model or args.cpu_trainers:
+        trainer = {"base_model": args.base_model or "smollm2-135m", "count": args.cpu_trainers or 1,
+                   "quantization": args.quantization, "step_tokens": args.step_tokens}
+        data["trainers"] = [TrainerConfig.model_validate(trainer).model_dump()]
+    return ServiceConfig.model_validate(data)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    client = Client.serve(_service_config(args), address=args.address)
+    info = client.wait_ready()
+    print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
+    for trainer in info["trainers"]:
+        where = trainer.get("device", "?")
+        print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
+              + (f"  ERROR: {trainer['error']}" if trainer.get("error") else ""))
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    client = Client.connect(args.address)
+    for handle in client.submit_run(args.file):
+        print(f"submitted {handle.id} ({handle.name})")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+    from orchestrator.progress import print_table, summary_table
+
+    client = Client.connect(args.address)
+    if args.job:
+        record = client.status(args.job)
+        if args.json:
+            print(json.dumps(record.as_dict(), indent=1))
+            return 0
+        for key, value in record.as_dict().items():
+            print(f"{key:>16}: {value}")
+        print("\n  history:")
+        for when, state, reason in client.transitions(record.id):
+            print(f"    {when:.3f}  {state:<14} {reason}")
+        return 0
+    records = client.jobs()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in records], indent=1))
+    else:
+        print_table(summary_table(records))
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    record = Client.connect(args.address).cancel(args.job)
+    print(f"{record.id}: {record.state}" + (" (cancelling at its next step)" if record.state == "running" else ""))
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    Client.connect(args.address).shutdown()
+    print("aspen service stopped (unfinished jobs resume from their checkpoints when it starts again)")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
     spec = load_run_spec(args.file)
     if args.output_dir:
-        spec = spec.model_copy(update={"output_dir": args.output_dir})
-    summaries = train_locally(spec, progress=not args.quiet)
+        spec = spec.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
+    if args.in_process:
+        return _run_in_process(spec, args.quiet)
+    from actors.core.config import ServiceConfig, TrainerConfig
+    from orchestrator.client import Client
+    from orchestrator.progress import follow_jobs, print_table, summary_table
+
+    output_dir = Path(spec.output_dir).resolve()
+    trainer = TrainerConfig(base_model=spec.base_model, quantization=spec.quantization, dtype=spec.dtype,
+                            step_tokens=spec.step_tokens, layout=spec.layout,
+                            num_gpus=1 if spec.device.startswith("cuda") or (spec.device == "auto" and _has_gpu()) else 0)
+    config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer])
+    client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
+    try:
+        handles = client.submit_run(spec.model_copy(update={"output_dir": output_dir}))
+        ids = {h.id for h in handles}
+        records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
+    finally:
+        client.shutdown()
+    print_table(summary_table(records, title=f"{len(records)} jobs on {spec.base_model}"))
+    print(f"adapters and metrics in {output_dir}")
+    return 0 if all(r.state in ("completed", "stopped_early") for r in records) else 1
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run_in_process(spec, quiet: bool) -> int:
+    from actors.engine.local_run import train_locally
+
+    summaries = train_locally(spec, progress=not quiet)
     print(f"\n{'job':<24}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
     for s in summaries:
         fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
@@ -37,10 +152,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="train every job of a jobs YAML file to completion")
+    def with_address(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        command.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                             help="Ray cluster (default: $RAY_ADDRESS or the cluster on this machine)")
+        return command
+
+    serve = with_address(commands.add_parser("serve", help="start the service on the Ray cluster and return"))
+    serve.add_argument("--config", help="service YAML (state_dir, trainers, policy)")
+    serve.add_argument("--state-dir", help="where the job table and outputs live (default ~/.aspen)")
+    serve.add_argument("--base-model", help="one kind of trainer with this base model (default smollm2-135m)")
+    serve.add_argument("--quantization", default="none", choices=["none", "int8", "nf4"])
+    serve.add_argument("--cpu-trainers", type=int, help="how many trainers of that kind")
+    serve.add_argument("--step-tokens", type=int, default=4096)
+    serve.add_argument("--policy", help="scheduling policy (default fifo)")
+    serve.set_defaults(handler=_cmd_serve)
+
+    submit = with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file"))
+    submit.add_argument("file")
+    submit.set_defaults(handler=_cmd_submit)
+
+    status = with_address(commands.add_parser("status", help="all jobs, or one job in detail"))
+    status.add_argument("job", nargs="?", help="job id (or a unique job name)")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=_cmd_status)
+
+    cancel = with_address(commands.add_parser("cancel", help="cancel a job (it is checkpointed first)"))
+    cancel.add_argument("job")
+    cancel.set_defaults(handler=_cmd_cancel)
+
+    stop = with_address(commands.add_parser("stop", help="stop the service (jobs are checkpointed)"))
+    stop.set_defaults(handler=_cmd_stop)
+
+    run = commands.add_parser("run", help="train every job of a jobs YAML file through a service of its own, "
+                                          "with a progress bar per job")
     run.add_argument("file", help="jobs YAML file")
     run.add_argument("--output-dir", help="override output_dir of the file")
-    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    run.add_argument("--in-process", action="store_true", help="train in this process, without Ray")
     run.set_defaults(handler=_cmd_run)
 
     demo = commands.add_parser("demo", help="train 4 small generated tasks on smollm2-135m and show accuracy")
@@ -55,13 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from orchestrator.client import ServiceError
+
     try:
         return args.handler(args)
     except SpecError as error:
         print(f"aspen: invalid jobs file:\n{error}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as error:
-        print(f"aspen: {error}", file=sys.stderr)
+    except (FileNotFoundError, ValueError, KeyError, ServiceError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"aspen: {message}", file=sys.stderr)
         return 2
 
 

@@ -79,6 +79,9 @@ def _resolve_paths(data: dict, base_dir: Path) -> None:
         if isinstance(job, dict) and isinstance(job.get("data"), str):
             path = Path(job["data"]).expanduser()
             job["data"] = str(path if path.is_absolute() else base_dir / path)
+    model = data.get("base_model")
+    if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
+        data["base_model"] = str(base_dir / model)
     output = data.get("output_dir")
     if isinstance(output, str) and not Path(output).expanduser().is_absolute():
         data["output_dir"] = str(base_dir / output)

@@ -77,3 +77,16 @@ def random_examples(seed: int, count: int = 16, vocab: int = VOCAB, min_len: int
         prompt = max(1, int(length * prompt_share))
         examples.append(Example(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
     return examples
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (2 CPUs, no dashboard, a small object store)."""
+    import ray
+
+    from actors.core.config import NAMESPACE
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
+             namespace=NAMESPACE, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from actors.engine.data import DataCursor, Example
 from actors.engine.lora import AdapterHandle, add_adapter
@@ -21,6 +22,25 @@ def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
         micro_batches = math.ceil(num_train_examples * spec.epochs / spec.batch_size)
         steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)))
     return min(steps)
+
+
+class BatchSource(Protocol):
+    """Where a job's micro-batches come from: a `DataCursor` in-process, or a feed streamed from a job
+    actor. Positions (`state_dict`) are restorable so that checkpoints can resume exactly."""
+
+    @property
+    def exhausted(self) -> bool: ...
+
+    def next_batch(self) -> list[Example] | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def cursor_epochs(spec: JobSpec) -> int | None:
+    """Epochs the data cursor runs for: bounded by `epochs` unless `max_steps` bounds the job."""
+    return math.ceil(spec.epochs) if spec.epochs is not None and spec.max_steps is None else None
 
 
 @dataclass
@@ -63,7 +83,7 @@ class TrainingJob:
     spec: JobSpec
     adapter: AdapterHandle
     optimizer: JobOptimizer
-    cursor: DataCursor
+    cursor: BatchSource
     eval_examples: list[Example]
     total_steps: int
     seed: int
@@ -76,12 +96,16 @@ class TrainingJob:
     @classmethod
     def create(cls, spec: JobSpec, base: BaseModel, train: list[Example], eval_examples: list[Example],
                *, seed: int) -> TrainingJob:
+        cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=cursor_epochs(spec))
+        return cls.attach(spec, base, cursor, eval_examples, planned_steps(spec, len(train)), seed=seed)
+
+    @classmethod
+    def attach(cls, spec: JobSpec, base: BaseModel, source: BatchSource, eval_examples: list[Example],
+               total_steps: int, *, seed: int) -> TrainingJob:
+        """A job whose micro-batches come from `source` (e.g. streamed from a job actor)."""
         adapter = add_adapter(base.model, spec.name, spec.lora, seed=seed)
-        epochs = math.ceil(spec.epochs) if spec.epochs is not None and spec.max_steps is None else None
-        cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=epochs)
-        total = planned_steps(spec, len(train))
-        optimizer = JobOptimizer(spec, adapter.parameters(), total)
-        return cls(spec, adapter, optimizer, cursor, eval_examples, total, seed)
+        optimizer = JobOptimizer(spec, adapter.parameters(), total_steps)
+        return cls(spec, adapter, optimizer, source, eval_examples, total_steps, seed)
 
     @property
     def name(self) -> str:

@@ -95,7 +95,11 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
     """Module names matched by a LoRA config's `target_modules`, with PEFT's matching rule."""
-    candidates = linear_module_names(model)
+    return match_targets(linear_module_names(model), target_modules)
+
+
+def match_targets(candidates: list[str], target_modules: list[str] | str) -> list[str]:
+    """Which of the linear layers named `candidates` a LoRA config's `target_modules` selects."""
     if target_modules == "all-linear":
         return candidates
     chosen: list[str] = []

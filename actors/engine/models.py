@@ -7,8 +7,12 @@ local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unl
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,10 +153,39 @@ def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, d
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        return AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
     except ValueError as error:
         raise FileNotFoundError(f"base_model {source.description}: no usable tokenizer there ({error}); save the "
                                 "tokenizer next to the model (tokenizer.save_pretrained(folder))") from error
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of `base_model` alone (job actors tokenize without loading the model). A tokenizer
+    inside a GGUF file takes seconds to rebuild, so with `cache_dir` it is saved there once as a plain
+    Hugging Face tokenizer folder and loaded from it afterwards."""
+    source = resolve_source(base_model)
+    if source.gguf_file is None or cache_dir is None:
+        return load_tokenizer(source)
+    gguf = Path(source.path) / source.gguf_file
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = Path(cache_dir) / "tokenizers" / f"{gguf.stem}-{key}"
+    if (folder / "tokenizer_config.json").is_file():
+        return load_tokenizer(ModelSource(str(folder), None, True))
+    tokenizer = load_tokenizer(source)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, folder)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "tokenizer_config.json").is_file():  # lost a race with another process: fine
+            raise
+    return tokenizer
 
 
 def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",
@@ -180,8 +213,6 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training
     use_varlen_attention(model)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
     return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source)
 
 

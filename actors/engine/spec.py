@@ -14,6 +14,12 @@ from actors.engine.data import DataFormat
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 
 
+def canonical_base_model(value: str) -> str:
+    """A base model as trainers and jobs compare it: an existing local path becomes absolute."""
+    path = Path(value).expanduser()
+    return str(path.resolve()) if path.exists() else value
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -40,6 +46,15 @@ class LoraConfig(StrictModel):
         return self.alpha / (self.r**0.5) if self.use_rslora else self.alpha / self.r
 
 
+class EarlyStopConfig(StrictModel):
+    """Stop a job once further training stops paying off: when the last `patience` evaluations (eval
+    loss, or the smoothed train loss where the job has no eval split) improved on the best before them
+    by less than `min_improvement` (relative)."""
+
+    min_improvement: float = Field(0.01, ge=0)
+    patience: int = Field(3, ge=1, description="evaluations without enough improvement before stopping")
+
+
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
@@ -59,6 +74,10 @@ class JobSpec(StrictModel):
     max_seq_len: int = Field(512, ge=8)
     train_on_prompt: bool = False
     eval_split: float = Field(0.0, ge=0)
+    eval_every: int | None = Field(None, ge=1, description="optimizer steps between evaluations")
+    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    early_stop: EarlyStopConfig | None = None
+    priority: int = Field(0, description="higher runs first under priority-aware policies")
     seed: int | None = None
 
     @field_validator("name")
@@ -101,6 +120,28 @@ class RunSpec(StrictModel):
 
     def job_seed(self, job: JobSpec) -> int:
         return self.seed if job.seed is None else job.seed
+
+    def submissions(self) -> list[JobSubmission]:
+        """The run's jobs as the service takes them (each carries the run-level settings)."""
+        return [JobSubmission(job=job, base_model=self.base_model, quantization=self.quantization,
+                              dtype=self.dtype, seed=self.job_seed(job), output_dir=self.output_dir / job.name)
+                for job in self.jobs]
+
+
+class JobSubmission(StrictModel):
+    """One job as submitted to the service: the job and the base model it trains on."""
+
+    job: JobSpec
+    base_model: str = "smollm2-135m"
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    output_dir: Path | None = Field(None, description="the job's own folder (default: in the service's state folder)")
+
+    @field_validator("base_model")
+    @classmethod
+    def _canonical(cls, value: str) -> str:
+        return canonical_base_model(value)
 
 
 def slug(text: str) -> str:

@@ -1,0 +1,43 @@
+"""Service configuration: where the service keeps its state, which trainers it runs (each with its base
+model) and which policy assigns jobs to them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from actors.engine.spec import StrictModel, canonical_base_model
+
+SCHEDULER_NAME = "aspen-scheduler"
+NAMESPACE = "aspen"
+
+
+class TrainerConfig(StrictModel):
+    """One kind of trainer: `count` of them (or one per GPU with `gpus_per_trainer: 1`)."""
+
+    base_model: str = "smollm2-135m"
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    step_tokens: int = Field(4096, ge=16)
+    layout: Literal["packed", "padded", "padded_fused"] = "packed"
+    count: int = Field(1, ge=1)
+    num_gpus: float = Field(0, ge=0, description="GPUs per trainer (1 on a GPU machine)")
+    num_cpus: float = Field(1, ge=0, description="CPUs Ray reserves per trainer")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: the node's cores / trainers)")
+    memory_budget_bytes: int | None = Field(None, ge=1, description="default: 90% of the GPU, or half the RAM")
+    prefetch: int = Field(4, ge=1, description="micro-batches each job keeps on their way to the trainer")
+
+    @field_validator("base_model")
+    @classmethod
+    def _canonical(cls, value: str) -> str:
+        return canonical_base_model(value)
+
+
+class ServiceConfig(StrictModel):
+    state_dir: Path = Path("~/.aspen").expanduser()
+    trainers: list[TrainerConfig] = Field(default_factory=list, description="default: one per GPU, else one CPU trainer")
+    policy: str = "fifo"
+    tick_seconds: float = Field(0.25, gt=0)
+    trainer_timeout_s: float = Field(30.0, gt=0, description="a trainer that does not answer a poll this long is replaced")

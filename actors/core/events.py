@@ -1,0 +1,41 @@
+"""What a trainer reports to the scheduler (collected by polling, so the trainer never waits on it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+EventKind = Literal["started", "progress", "eval", "checkpoint", "completed", "stopped_early", "cancelled",
+                    "paused", "failed"]
+FINAL_KINDS = ("completed", "stopped_early", "cancelled", "paused", "failed")
+
+
+@dataclass
+class TrainerEvent:
+    kind: EventKind
+    job_id: str
+    step: int
+    data: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class TrainerStatus:
+    trainer_id: str
+    incarnation: str
+    base_model: str
+    quantization: str
+    device: str
+    jobs: list[str]
+    steps: int
+    tokens: int
+    padding_tokens: int
+    busy_seconds: float           # time in fused steps
+    started_at: float
+    base_bytes: int               # the frozen base's weights
+    peak_memory_bytes: int        # the highest step peak so far (0 before the first step)
+    memory_budget_bytes: int
+    activation_bytes_estimate: int
+    linear_shapes: dict[str, tuple[int, int]]
+    data_waits: int = 0           # times a step waited for a job's data

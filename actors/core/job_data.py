@@ -1,0 +1,113 @@
+"""The job actor's core: a job's data (read, tokenized, split), served to its trainer by position, and
+its loss history, from which it decides when the job is done."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from actors.core.feed import FeedChunk
+from actors.engine.data import DataCursor, Example, load_examples, split_eval
+from actors.engine.job import cursor_epochs, planned_steps
+from actors.engine.spec import JobSubmission
+from policies.stopping import LossHistory, StopDecision, stop_rule_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSummary:
+    train_examples: int
+    eval_examples: int
+    dropped: int
+    total_steps: int
+    start: dict[str, Any]        # the cursor position of the job's first micro-batch
+
+
+@dataclass
+class JobUpdate:
+    """What a trainer tells a job after a step: its finished optimizer steps and evaluations, or that it
+    resumed from a checkpoint at `resumed_from` (steps after it will be replayed)."""
+
+    steps: list[dict] = field(default_factory=list)       # OptimizerStepRecord rows
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+class JobData:
+    def __init__(self, job_id: str, submission: JobSubmission, tokenizer: PreTrainedTokenizerBase):
+        self.job_id = job_id
+        self.submission = submission
+        self.spec = submission.job
+        self.tokenizer = tokenizer
+        self.cursor: DataCursor | None = None
+        self.eval: list[Example] = []
+        self.summary: DataSummary | None = None
+        self.history = LossHistory()
+        self.stop_rule = stop_rule_for(self.spec)
+        self.decision: StopDecision | None = None
+        self.tokens = 0
+        self.last_update = time.time()
+
+    def prepare(self) -> DataSummary:
+        """Read and tokenize the job's data; a malformed row raises `DataError` naming file, line, field."""
+        if self.summary is not None:
+            return self.summary
+        spec = self.spec
+        loaded = load_examples(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
+                               train_on_prompt=spec.train_on_prompt)
+        if loaded.dropped:
+            log.warning("job %s: %d rows of %s have no target token left after truncation to max_seq_len=%d",
+                        self.job_id, loaded.dropped, spec.data, spec.max_seq_len)
+        train, self.eval = split_eval(loaded.examples, spec.eval_split, self.submission.seed)
+        self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
+        self.summary = DataSummary(len(train), len(self.eval), loaded.dropped, planned_steps(spec, len(train)),
+                                   self.cursor.state_dict())
+        return self.summary
+
+    def fetch(self, position: dict[str, Any], count: int) -> FeedChunk:
+        """`count` micro-batches from `position` on (fewer at the end of the data)."""
+        cursor = self._cursor()
+        cursor.load_state_dict(position)
+        batches, positions = [], []
+        for _ in range(count):
+            before = cursor.state_dict()
+            batch = cursor.next_batch()
+            if batch is None:
+                break
+            batches.append(batch)
+            positions.append(before)
+        return FeedChunk(batches, positions, cursor.state_dict(), cursor.exhausted)
+
+    def eval_examples(self) -> list[Example]:
+        self._cursor()
+        return self.eval
+
+    def peek_lengths(self, position: dict[str, Any], batches: int = 1) -> list[int]:
+        cursor = self._cursor()
+        cursor.load_state_dict(position)
+        return cursor.peek_lengths(batches)
+
+    def update(self, update: JobUpdate) -> StopDecision | None:
+        """Book a trainer's update; returns a stop decision once the stop rule makes one."""
+        self.last_update = time.time()
+        if update.resumed_from is not None:
+            self.history.truncate(update.resumed_from)
+            self.decision = None
+        for row in update.steps:
+            self.history.train.append((row["step"], row["loss"]))
+            self.tokens += row["tokens"]
+        self.history.eval.extend(update.evals)
+        if self.decision is None and self.stop_rule is not None and (update.steps or update.evals):
+            self.decision = self.stop_rule.decide(self.history)
+        return self.decision
+
+    def _cursor(self) -> DataCursor:
+        if self.cursor is None:
+            self.prepare()
+        assert self.cursor is not None
+        return self.cursor

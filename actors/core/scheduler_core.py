@@ -1,0 +1,201 @@
+"""The scheduler actor's core: the job table, what trainers report, and the policy's decisions.
+
+Everything here is synchronous and Ray-free; the actor shell calls it from its loop and carries the
+decisions out (starting job actors, assigning and stopping jobs on trainers)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors.core.events import TrainerEvent, TrainerStatus
+from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.engine.spec import JobSubmission
+from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait
+from policies.memory import adapter_memory_bytes
+
+log = logging.getLogger(__name__)
+
+ACTIVE_STATES = ("queued", "running", "paused")
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Ask `trainer` to end `job` at its next step boundary as `kind` (cancelled / paused)."""
+
+    job: str
+    trainer: str
+    kind: str
+    reason: str
+
+
+class SchedulerCore:
+    def __init__(self, table: JobTable, policy: Policy, state_dir: Path):
+        self.table = table
+        self.policy = policy
+        self.state_dir = Path(state_dir)
+        self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
+        self.preempting: dict[str, str] = {}      # job id -> reason: its `paused` event means "queue again"
+
+    # -- submissions ------------------------------------------------------------------------------------
+    def submit(self, submission: JobSubmission) -> JobRecord:
+        name = submission.job.name
+        job_id = f"{name[:56]}-{uuid.uuid4().hex[:6]}"
+        output_dir = Path(submission.output_dir) if submission.output_dir else self.state_dir / "outputs" / job_id
+        output_dir = output_dir.expanduser().resolve()
+        for other in self.table.all(ACTIVE_STATES):
+            if Path(other.output_dir) == output_dir:
+                raise ValueError(f"job {other.id} ({other.state}) already writes to {output_dir}; give this job "
+                                 "another output_dir or wait for that job to end")
+        return self.table.add(job_id, submission, output_dir)
+
+    def recover(self) -> list[str]:
+        """After a (re)start: jobs that were running are queued again; they resume from their checkpoints."""
+        recovered = []
+        for record in self.table.all(("running",)):
+            step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+            self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
+            recovered.append(record.id)
+        return recovered
+
+    # -- user requests ----------------------------------------------------------------------------------
+    def cancel(self, key: str, reason: str = "cancelled by the user") -> tuple[JobRecord, StopRequest | None]:
+        record = self.table.find(key)
+        if record.state in TERMINAL_STATES:
+            raise ValueError(f"job {record.id} has already ended ({record.state}: {record.reason})")
+        if record.state == "running" and record.trainer:
+            return record, StopRequest(record.id, record.trainer, "cancelled", reason)
+        return self.table.set_state(record.id, "cancelled", reason, trainer=None), None
+
+    def pause(self, key: str, reason: str = "paused by the user") -> tuple[JobRecord, StopRequest | None]:
+        record = self.table.find(key)
+        if record.state == "running" and record.trainer:
+            return record, StopRequest(record.id, record.trainer, "paused", reason)
+        if record.state == "queued":
+            return self.table.set_state(record.id, "paused", reason), None
+        raise ValueError(f"job {record.id} is {record.state}; only queued or running jobs can be paused")
+
+    def resume(self, key: str) -> JobRecord:
+        record = self.table.find(key)
+        if record.state != "paused":
+            raise ValueError(f"job {record.id} is {record.state}, not paused")
+        return self.table.set_state(record.id, "queued", "resumed by the user")
+
+    # -- trainer reports --------------------------------------------------------------------------------
+    def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
+        job_id, data = event.job_id, event.data
+        try:
+            record = self.table.get(job_id)
+        except KeyError:
+            log.warning("trainer %s reported on unknown job %s", trainer_id, job_id)
+            return
+        if record.state in TERMINAL_STATES:
+            return
+        kind = event.kind
+        if kind == "started":
+            resumed = data.get("resumed_from")
+            columns = {}
+            if resumed is not None:   # the checkpoint's history is the truth: steps after it are replayed
+                self.table.forget_progress_after(job_id, resumed)
+                for row in data.get("history", []):
+                    self.table.add_progress(job_id, row)
+                last = data["history"][-1] if data.get("history") else {}
+                columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
+            reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")
+            self.table.set_state(job_id, "running", reason, trainer=trainer_id, step=event.step,
+                                 total_steps=data.get("total_steps"), **columns)
+        elif kind == "progress":
+            self.table.add_progress(job_id, data)
+            self.table.update(job_id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
+                              tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"))
+        elif kind == "eval":
+            self.table.add_eval(job_id, event.step, data["eval_loss"])
+            self.table.update(job_id, eval_loss=data["eval_loss"])
+        elif kind == "checkpoint":
+            self.table.update(job_id, checkpoint_step=event.step)
+        elif kind == "paused" and job_id in self.preempting:
+            self.table.set_state(job_id, "queued", self.preempting.pop(job_id), trainer=None,
+                                 checkpoint_step=data.get("checkpoint_step"))
+        else:  # completed, stopped_early, cancelled, paused, failed
+            columns = {"trainer": None, "step": event.step}
+            for key in ("adapter_dir", "eval_loss", "checkpoint_step"):
+                if data.get(key) is not None:
+                    columns[key] = data[key]
+            if "eval_loss" in data:
+                self.table.add_eval(job_id, event.step, data["eval_loss"])
+            self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
+
+    def start_failed(self, job_id: str, reason: str) -> None:
+        self.table.set_state(job_id, "failed", reason, trainer=None)
+
+    def trainer_lost(self, trainer_id: str, error: str) -> list[str]:
+        """A trainer died: its jobs are queued again and resume from their last checkpoints."""
+        lost = []
+        for record in self.table.all(("running",)):
+            if record.trainer != trainer_id:
+                continue
+            step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+            self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); resumes from {step}",
+                                 trainer=None)
+            lost.append(record.id)
+        return lost
+
+    # -- decisions --------------------------------------------------------------------------------------
+    def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
+        views = tuple(self._trainer_view(t) for t in trainers)
+        jobs = tuple(self._job_view(r, trainers) for r in self.table.all(ACTIVE_STATES))
+        return Snapshot(time.time(), views, jobs)
+
+    def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt]:
+        """Ask the policy; record why waiting jobs wait; mark started jobs running (so that the next
+        tick does not start them twice) and return what the actor must carry out."""
+        snapshot = self.snapshot(trainers)
+        known = {j.id: j for j in snapshot.jobs}
+        trainer_ids = {t.id for t in snapshot.trainers}
+        actions: list[Start | Preempt] = []
+        decisions: list[Decision] = self.policy.decide(snapshot)
+        for decision in decisions:
+            job = known.get(decision.job)
+            if job is None:
+                log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
+                continue
+            if isinstance(decision, Wait):
+                if job.state == "queued":
+                    self.table.set_reason(job.id, decision.reason)
+            elif isinstance(decision, Start):
+                if job.state != "queued" or decision.trainer not in trainer_ids:
+                    log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
+                                decision.trainer)
+                    continue
+                self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
+                actions.append(decision)
+            elif isinstance(decision, Preempt):
+                if job.state == "running" and job.trainer:
+                    self.preempting[job.id] = f"preempted: {decision.reason}"
+                    actions.append(decision)
+        return actions
+
+    def _trainer_view(self, status: TrainerStatus) -> TrainerView:
+        jobs_memory = sum(self.memory.get(j, 0) for j in status.jobs)
+        measured = status.peak_memory_bytes - status.base_bytes - jobs_memory if status.peak_memory_bytes else 0
+        shapes = tuple((name, i, o) for name, (i, o) in sorted(status.linear_shapes.items()))
+        return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
+                           status.base_bytes, max(measured, status.activation_bytes_estimate), tuple(status.jobs),
+                           shapes)
+
+    def _job_view(self, record: JobRecord, trainers: list[TrainerStatus]) -> JobView:
+        if record.id not in self.memory:
+            same_base = [t for t in trainers if t.base_model == record.base_model]
+            if same_base:
+                lora = self.table.submission(record.id).job.lora
+                try:
+                    self.memory[record.id] = adapter_memory_bytes(lora, same_base[0].linear_shapes)
+                except ValueError as error:   # target_modules that the base model does not have
+                    self.table.set_state(record.id, "failed", str(error), trainer=None)
+                    record = self.table.get(record.id)
+        return JobView(record.id, record.name, record.state, record.priority, record.submitted_at,
+                       record.base_model, record.quantization, record.trainer, record.step, record.total_steps,
+                       self.memory.get(record.id))

@@ -1,0 +1,340 @@
+"""The trainer actor's core: one base model, fused steps over whatever jobs are assigned, run
+continuously. Jobs join at the next step boundary and leave (finished, stopped early, cancelled, paused,
+failed) with a checkpoint and their adapter written out, without the trainer restarting.
+
+Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
+state; the fused steps themselves run in one thread (`run_forever` / `run_once`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import torch
+
+from actors.core.config import TrainerConfig
+from actors.core.events import TrainerEvent, TrainerStatus
+from actors.core.feed import Done, FeedChunk, MicroBatchFeed, Pending
+from actors.core.job_data import DataSummary, JobData, JobUpdate
+from actors.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from actors.engine.data import Example
+from actors.engine.job import TrainingJob
+from actors.engine.lora import linear_module_names, remove_adapter
+from actors.engine.models import BaseModel
+from actors.engine.peft_io import save_adapter
+from actors.engine.spec import JobSubmission
+from actors.engine.trainer import FusedTrainer, StepReport
+from policies.stopping import StopDecision
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FOLDER = "checkpoint"
+
+
+class JobLink(Protocol):
+    """The trainer's line to a job's data and history (its job actor, or a `JobData` in-process)."""
+
+    def fetch(self, position: dict[str, Any], count: int) -> Pending[FeedChunk]: ...
+
+    def update(self, update: JobUpdate) -> Pending[StopDecision | None]: ...
+
+
+class LocalJobLink:
+    """A `JobLink` to a `JobData` in this process."""
+
+    def __init__(self, data: JobData):
+        self.data = data
+
+    def fetch(self, position: dict[str, Any], count: int) -> Done[FeedChunk]:
+        return Done(self.data.fetch(position, count))
+
+    def update(self, update: JobUpdate) -> Done[StopDecision | None]:
+        return Done(self.data.update(update))
+
+
+@dataclass
+class Assignment:
+    job_id: str
+    submission: JobSubmission
+    output_dir: Path
+    data: DataSummary
+    eval_examples: list[Example]
+    link: JobLink
+
+
+@dataclass
+class ActiveJob:
+    assignment: Assignment
+    job: TrainingJob
+    feed: MicroBatchFeed
+    metrics: IO[str]
+    decisions: list[Pending[StopDecision | None]] = field(default_factory=list)
+    last_step_time: float = field(default_factory=time.time)
+    last_eval_step: int = -1
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.assignment.output_dir / CHECKPOINT_FOLDER
+
+
+def default_memory_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+
+
+def activation_bytes_estimate(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> int:
+    """A first guess of a step's saved activations before any step has been measured: per token and
+    layer about 12 hidden-sized and 3 intermediate-sized tensors (attention, norms, MLP) are kept."""
+    config = model.config
+    hidden = getattr(config, "hidden_size", 0)
+    intermediate = getattr(config, "intermediate_size", 4 * hidden)
+    layers = getattr(config, "num_hidden_layers", 1)
+    width = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    return tokens * layers * (12 * hidden + 3 * intermediate) * width
+
+
+class TrainerLoop:
+    def __init__(self, base: BaseModel, config: TrainerConfig, trainer_id: str, state_dir: Path):
+        self.base = base
+        self.config = config
+        self.trainer_id = trainer_id
+        self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.lock = threading.Lock()
+        self.events: list[TrainerEvent] = []
+        self.active: dict[str, ActiveJob] = {}
+        self.started_at = time.time()
+        self.busy_seconds = 0.0
+        self.tokens = 0
+        self.padding_tokens = 0
+        self.peak_memory = 0
+        self.data_waits = 0
+        model = base.model
+        self.base_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        self.budget = config.memory_budget_bytes or default_memory_budget(base.device)
+        self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
+                              for name in linear_module_names(model)}
+        self.activation_estimate = activation_bytes_estimate(model, config.step_tokens, base.dtype)
+        log_dir = Path(state_dir) / "trainers"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.step_log = (log_dir / f"{trainer_id}.jsonl").open("a")
+        self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
+
+    # -- thread-safe entry points -------------------------------------------------------------------
+    def assign(self, assignment: Assignment) -> None:
+        self.commands.put(("assign", assignment))
+        self.wake.set()
+
+    def stop_job(self, job_id: str, kind: str, reason: str) -> None:
+        """End a job at the next step boundary: `cancelled` or `paused` (both checkpoint it first)."""
+        if kind not in ("cancelled", "paused"):
+            raise ValueError(f"stop kind must be 'cancelled' or 'paused', not '{kind}'")
+        self.commands.put(("stop", job_id, kind, reason))
+        self.wake.set()
+
+    def drain_events(self) -> list[TrainerEvent]:
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+    def status(self) -> TrainerStatus:
+        return TrainerStatus(self.trainer_id, self.incarnation, self.base.name, self.base.quantization,
+                             str(self.base.device), list(self.job_ids), self.trainer.step_count, self.tokens,
+                             self.padding_tokens, self.busy_seconds, self.started_at, self.base_bytes,
+                             self.peak_memory, self.budget, self.activation_estimate, dict(self.linear_shapes),
+                             self.data_waits)
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run_forever(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - a step's own errors are handled inside; this is a bug
+                log.exception("trainer %s: unexpected error in the training loop", self.trainer_id)
+                time.sleep(1.0)
+
+    def run_once(self, idle_wait: float = 0.2) -> StepReport | None:
+        """Apply pending commands, run one fused step if any job has data, end the jobs that are done."""
+        self._apply_commands()
+        self._apply_decisions()
+        ready = []
+        for active in list(self.active.values()):
+            try:
+                if active.job.peek() is not None:
+                    ready.append(active.job)
+            except Exception as error:  # noqa: BLE001 - the job's data link broke: that job fails
+                self._finish(active, "failed", f"could not get the job's data: {error!r}")
+        report = None
+        if ready:
+            waits_before = sum(a.feed.waits for a in self.active.values())
+            chosen = self.trainer.compose(ready)
+            try:
+                report = self.trainer.run_step(chosen)
+            except Exception as error:  # noqa: BLE001 - the step failed (e.g. out of memory): its jobs fail
+                log.exception("trainer %s: fused step failed", self.trainer_id)
+                for job, _ in chosen:
+                    self._finish(self.active[job.name], "failed", f"fused step failed: {error!r}")
+                self._publish_jobs()
+                return None
+            self.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
+            self._after_step(report)
+        for active in list(self.active.values()):
+            if active.job.done:
+                self._finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
+        self._publish_jobs()
+        if report is None:
+            self.wake.wait(idle_wait)
+            self.wake.clear()
+        return report
+
+    # -- commands ---------------------------------------------------------------------------------------
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "assign":
+                self._start(command[1])
+            elif command[0] == "stop":
+                _, job_id, kind, reason = command
+                active = self.active.get(job_id)
+                if active is not None:
+                    self._finish(active, kind, reason)
+
+    def _start(self, assignment: Assignment) -> None:
+        job_id = assignment.job_id
+        if job_id in self.active:
+            log.warning("trainer %s: job %s is already running here; ignoring the second assignment",
+                        self.trainer_id, job_id)
+            return
+        submission = assignment.submission
+        spec = submission.job.model_copy(update={"name": job_id})
+        feed = MicroBatchFeed(assignment.link.fetch, assignment.data.start, prefetch=self.config.prefetch)
+        job = None
+        try:
+            job = TrainingJob.attach(spec, self.base, feed, assignment.eval_examples, assignment.data.total_steps,
+                                     seed=submission.seed)
+            folder = assignment.output_dir / CHECKPOINT_FOLDER
+            resumed_from = None
+            if has_checkpoint(folder):
+                load_checkpoint(job, folder)
+                resumed_from = job.step
+                assignment.link.update(JobUpdate(resumed_from=resumed_from))
+            assignment.output_dir.mkdir(parents=True, exist_ok=True)
+            metrics = (assignment.output_dir / "metrics.jsonl").open("w")
+            for record in job.history:
+                metrics.write(json.dumps(record.as_row()) + "\n")
+            metrics.flush()
+            feed.prime()
+            self.trainer.add_job(job)
+        except Exception as error:  # noqa: BLE001 - a job that cannot start fails alone
+            log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
+            if job is not None:
+                remove_adapter(self.base.model, job_id)
+            self._emit("failed", job_id, 0, reason=f"could not start: {error}")
+            return
+        self.active[job_id] = ActiveJob(assignment, job, feed, metrics)
+        history = [record.as_row() for record in job.history] if resumed_from is not None else []
+        self._emit("started", job_id, job.step, resumed_from=resumed_from, total_steps=job.total_steps,
+                   trainer=self.trainer_id, history=history, tokens=job.tokens_seen)
+
+    def _apply_decisions(self) -> None:
+        for active in list(self.active.values()):
+            keep = []
+            for pending in active.decisions:
+                if not pending.done():
+                    keep.append(pending)
+                    continue
+                try:
+                    decision = pending.result()
+                except Exception as error:  # noqa: BLE001 - losing a job's history must not stop training
+                    log.warning("trainer %s: job %s: its loss update was lost: %r", self.trainer_id,
+                                active.assignment.job_id, error)
+                    continue
+                if decision is not None:
+                    self._finish(active, "stopped_early", decision.reason)
+                    break
+            else:
+                active.decisions = keep
+
+    # -- after a step -----------------------------------------------------------------------------------
+    def _after_step(self, report: StepReport) -> None:
+        self.busy_seconds += report.seconds
+        self.tokens += report.tokens
+        self.padding_tokens += report.padding_tokens
+        self.peak_memory = max(self.peak_memory, report.peak_memory_bytes)
+        row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row()}
+        self.step_log.write(json.dumps(row) + "\n")
+        self.step_log.flush()
+        now = time.time()
+        for result in report.results:
+            active = self.active[result.job]
+            record = result.optimizer_step
+            if record is None:
+                continue
+            job = active.job
+            update = JobUpdate(steps=[record.as_row()])
+            active.metrics.write(json.dumps(record.as_row()) + "\n")
+            active.metrics.flush()
+            seconds = max(now - active.last_step_time, 1e-9)
+            active.last_step_time = now
+            self._emit("progress", result.job, record.step, **record.as_row(), tokens_per_s=record.tokens / seconds,
+                       total_steps=job.total_steps)
+            spec = job.spec
+            if job.eval_examples and spec.eval_every and record.step % spec.eval_every == 0:
+                eval_loss = self.trainer.evaluate(job)
+                active.last_eval_step = record.step
+                update.evals.append((record.step, eval_loss))
+                self._emit("eval", result.job, record.step, eval_loss=eval_loss)
+            if record.step % spec.checkpoint_every == 0 and not job.done:
+                save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
+                self._emit("checkpoint", result.job, record.step)
+            active.decisions.append(active.assignment.link.update(update))
+
+    def _finish(self, active: ActiveJob, kind: str, reason: str) -> None:
+        """Take a job off the trainer: checkpoint it (unless it failed), write its adapter when it is
+        done, and report how it ended."""
+        job, job_id = active.job, active.assignment.job_id
+        data: dict[str, Any] = {"reason": reason, "tokens": job.tokens_seen}
+        try:
+            if kind in ("completed", "stopped_early"):
+                if job.eval_examples and active.last_eval_step != job.step:
+                    data["eval_loss"] = self.trainer.evaluate(job)
+                    active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
+                data["adapter_dir"] = str(save_adapter(job.adapter, active.assignment.output_dir,
+                                                       self.base.source.description))
+            if kind != "failed":
+                save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
+                data["checkpoint_step"] = job.step
+        except Exception as error:  # noqa: BLE001 - writing failed: report it rather than a false success
+            log.exception("trainer %s: job %s: writing its results failed", self.trainer_id, job_id)
+            kind, data["reason"] = "failed", f"{reason}; then writing its results failed: {error!r}"
+        finally:
+            del self.active[job_id]
+            active.metrics.close()
+            self.trainer.remove_job(job.name)
+        self._emit(kind, job_id, job.step, **data)
+
+    def _emit(self, kind: str, job_id: str, step: int, /, **data: Any) -> None:
+        with self.lock:
+            self.events.append(TrainerEvent(kind, job_id, step, data))  # type: ignore[arg-type]
+
+    def _publish_jobs(self) -> None:
+        self.job_ids = list(self.active)
+
+    def close(self) -> None:
+        for active in list(self.active.values()):
+            self._finish(active, "paused", "the trainer is shutting down")
+        self.step_log.close()

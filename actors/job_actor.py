@@ -1,0 +1,40 @@
+"""`JobActor`: one per job. It reads and tokenizes the job's data, serves micro-batches to the job's
+trainer ahead of time, books the per-step losses and decides when the job is done (stop rule)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from actors.core.feed import FeedChunk
+from actors.core.job_data import DataSummary, JobData, JobUpdate
+from actors.engine.data import Example
+from actors.engine.models import load_base_tokenizer
+from actors.engine.spec import JobSubmission
+from policies.stopping import LossHistory, StopDecision
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class JobActor:
+    def __init__(self, job_id: str, submission_json: str, cache_dir: str):
+        submission = JobSubmission.model_validate_json(submission_json)
+        tokenizer = load_base_tokenizer(submission.base_model, Path(cache_dir))
+        self.data = JobData(job_id, submission, tokenizer)
+
+    def prepare(self) -> tuple[DataSummary, list[Example]]:
+        summary = self.data.prepare()
+        return summary, self.data.eval_examples()
+
+    def fetch(self, position: dict[str, Any], count: int) -> FeedChunk:
+        return self.data.fetch(position, count)
+
+    def peek_lengths(self, position: dict[str, Any], batches: int = 1) -> list[int]:
+        return self.data.peek_lengths(position, batches)
+
+    def update(self, update: JobUpdate) -> StopDecision | None:
+        return self.data.update(update)
+
+    def history(self) -> LossHistory:
+        return self.data.history

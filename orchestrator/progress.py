@@ -1,0 +1,62 @@
+"""Showing jobs to people: a live progress bar per job (loss, tokens/s) and the final summary table."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from actors.core.job_table import TERMINAL_STATES, JobRecord
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def follow_jobs(fetch: Callable[[], list[JobRecord]], *, quiet: bool = False, interval: float = 0.5,
+                timeout: float | None = None, console: Console | None = None) -> list[JobRecord]:
+    """Poll `fetch` until every job has ended, showing a progress bar per job (plain lines every 10 s
+    when the output is not a terminal). Returns the final records."""
+    console = console or Console(stderr=False)
+    deadline = None if timeout is None else time.time() + timeout
+    live = console.is_terminal and not quiet
+    columns = [TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]:>7}  {task.fields[speed]:>8} tok/s  {task.fields[state]}"),
+               TimeElapsedColumn()]
+    last_line = 0.0
+    with Progress(*columns, console=console, disable=not live) as progress:
+        tasks: dict[str, int] = {}
+        while True:
+            records = fetch()
+            for r in records:
+                fields = {"loss": _fmt(r.loss), "speed": _fmt(r.tokens_per_s, ".0f"), "state": r.state}
+                if r.id not in tasks:
+                    tasks[r.id] = progress.add_task(r.name, total=r.total_steps or 1, **fields)
+                progress.update(tasks[r.id], completed=r.step, total=r.total_steps or max(r.step, 1), **fields)
+            if not live and not quiet and time.time() - last_line > 10:
+                last_line = time.time()
+                print("  ".join(f"{r.name}: {r.state} step {r.step}/{r.total_steps or '?'} loss {_fmt(r.loss)}"
+                                for r in records), flush=True)
+            if records and all(r.state in TERMINAL_STATES for r in records):
+                return records
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"jobs still running after {timeout}s")
+            time.sleep(interval)
+
+
+def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:
+    table = Table(title=title)
+    for column in ("job", "id", "state", "steps", "tokens", "loss", "eval loss", "reason"):
+        table.add_column(column, justify="right" if column in ("steps", "tokens", "loss", "eval loss") else "left")
+    for r in records:
+        table.add_row(r.name, r.id, r.state, f"{r.step}/{r.total_steps or '?'}", str(r.tokens), _fmt(r.loss),
+                      _fmt(r.eval_loss), r.reason)
+    return table
+
+
+def print_table(table: Table) -> None:
+    Console(width=max(Console().width, 140) if not sys.stdout.isatty() else None).print(table)

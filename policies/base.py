@@ -1,0 +1,99 @@
+"""The policy interface: a policy is a plain Python class (no Ray inside) that looks at an immutable
+snapshot of the service and returns decisions.
+
+    class MyPolicy:
+        name = "mine"
+        def decide(self, snapshot: Snapshot) -> list[Decision]:
+            ...
+
+Decisions: `Start(job, trainer)` puts a queued job on a trainer; `Preempt(job, reason)` pauses a running
+job at its next step boundary (checkpointed; it is queued again); `Wait(job, reason)` says why a queued
+job stays queued (shown to users)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class TrainerView:
+    id: str
+    base_model: str
+    quantization: str
+    memory_budget_bytes: int
+    base_bytes: int                 # the frozen base's weights
+    step_memory_bytes: int          # a step's memory over the base: measured peak, else the estimate
+    jobs: tuple[str, ...]
+    linear_shapes: tuple[tuple[str, int, int], ...]   # (module name, in_features, out_features)
+
+
+@dataclass(frozen=True)
+class JobView:
+    id: str
+    name: str
+    state: str
+    priority: int
+    submitted_at: float
+    base_model: str
+    quantization: str
+    trainer: str | None
+    step: int
+    total_steps: int | None
+    memory_bytes: int | None        # the job's own memory on a trainer (adapter, gradients, optimizer state)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    time: float
+    trainers: tuple[TrainerView, ...]
+    jobs: tuple[JobView, ...]
+
+    def queued(self) -> list[JobView]:
+        return sorted((j for j in self.jobs if j.state == "queued"), key=lambda j: (j.submitted_at, j.id))
+
+    def on_trainer(self, trainer_id: str) -> list[JobView]:
+        return [j for j in self.jobs if j.trainer == trainer_id and j.state == "running"]
+
+
+@dataclass(frozen=True)
+class Start:
+    job: str
+    trainer: str
+
+
+@dataclass(frozen=True)
+class Preempt:
+    job: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    job: str
+    reason: str
+
+
+Decision = Start | Preempt | Wait
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]: ...
+
+
+def compatible(job: JobView, trainer: TrainerView) -> bool:
+    return job.base_model == trainer.base_model and job.quantization == trainer.quantization
+
+
+def memory_in_use(trainer: TrainerView, jobs: list[JobView]) -> int:
+    """What a trainer holds with these jobs on it: base, a step's memory, each job's own memory."""
+    return trainer.base_bytes + trainer.step_memory_bytes + sum(j.memory_bytes or 0 for j in jobs)
+
+
+def no_trainer_reason(job: JobView, trainers: tuple[TrainerView, ...]) -> str:
+    held = sorted({f"{t.base_model} ({t.quantization})" for t in trainers}) or ["none"]
+    return (f"no trainer holds base model '{job.base_model}' with quantization '{job.quantization}' "
+            f"(trainers hold: {', '.join(held)}); start a trainer for it or resubmit with one of those")

@@ -1,0 +1,45 @@
+"""Helpers shared by the service tests: small datasets, run specs and adapter comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from actors.engine.spec import RunSpec
+
+
+def write_task_data(folder: Path, name: str, rows: int = 32, offset: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    with path.open("w") as f:
+        for i in range(rows):
+            a, b = i + offset, 3 * i + 7 * offset
+            f.write(json.dumps({"question": f"{name} {a} and {b}", "answer": f"{a + b} {name}"}) + "\n")
+    return path
+
+
+def job_dict(name: str, data: Path, steps: int, **extra) -> dict:
+    return {"name": name, "data": str(data), "batch_size": 4, "max_steps": steps, "lr": 1e-3,
+            "format": {"type": "prompt_response", "prompt": "Q: {question}\nA:", "response": " {answer}"},
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}, **extra}
+
+
+def run_spec(base_model: str, output_dir: Path, jobs: list[dict], step_tokens: int = 4096) -> RunSpec:
+    return RunSpec.model_validate({"base_model": base_model, "output_dir": str(output_dir),
+                                   "step_tokens": step_tokens, "jobs": jobs})
+
+
+def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(folder) / "adapter_model.safetensors"))
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a)[:3], sorted(b)[:3])
+    worst = 0.0
+    for key in a:
+        scale = max(float(b[key].abs().max()), 1e-8)
+        worst = max(worst, float((a[key] - b[key]).abs().max()) / scale)
+    return worst

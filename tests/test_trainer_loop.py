@@ -1,0 +1,168 @@
+"""The Ray-free cores of the service, in-process: a trainer loop fed by job data over links equals a
+solo run of each job, jobs join a running loop, stop rules end jobs early, and the scheduler core keeps
+its table through a restart."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.core.config import TrainerConfig
+from actors.core.events import TrainerStatus
+from actors.core.job_data import JobData
+from actors.core.job_table import JobTable
+from actors.core.scheduler_core import SchedulerCore
+from actors.core.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.engine.local_run import train_locally
+from actors.engine.models import load_base_model
+from policies.base import Start, Wait
+from policies.fifo import FifoPolicy
+from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec,
+                                   write_task_data)
+
+
+@pytest.fixture()
+def tiny_base(tiny_model_dirs):
+    return load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+
+
+def assignment_for(submission, job_id: str, tokenizer) -> Assignment:
+    data = JobData(job_id, submission, tokenizer)
+    summary = data.prepare()
+    return Assignment(job_id, submission, Path(submission.output_dir), summary, data.eval_examples(),
+                      LocalJobLink(data))
+
+
+def run_until_idle(loop: TrainerLoop, limit: int = 500) -> list:
+    events = []
+    for _ in range(limit):
+        loop.run_once(idle_wait=0)
+        events += loop.drain_events()
+        if not loop.active and loop.commands.empty():
+            return events
+    raise AssertionError("the trainer loop did not finish its jobs")
+
+
+def test_jobs_joining_a_running_loop_end_like_solo_runs(tmp_path, tiny_base, tiny_model_dirs):
+    data = tmp_path / "data"
+    jobs = [job_dict("early", write_task_data(data, "early"), 8),
+            job_dict("late", write_task_data(data, "late", offset=5), 6, batch_size=3, grad_accum=2)]
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "fused", jobs, step_tokens=512)
+    submissions = spec.submissions()
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model, step_tokens=512, prefetch=2),
+                       "trainer-t", tmp_path / "state")
+    loop.assign(assignment_for(submissions[0], "early-1", tiny_base.tokenizer))
+    events = []
+    for _ in range(3):
+        assert loop.run_once(idle_wait=0) is not None
+    loop.assign(assignment_for(submissions[1], "late-1", tiny_base.tokenizer))  # joins while "early" runs
+    events += run_until_idle(loop)
+    events += loop.drain_events()
+    kinds = [(e.job_id, e.kind) for e in events if e.kind in ("started", "completed")]
+    assert kinds.index(("late-1", "started")) < kinds.index(("early-1", "completed"))
+    steps = [json.loads(line) for line in (tmp_path / "state/trainers/trainer-t.jsonl").read_text().splitlines()]
+    assert any(set(row["jobs"]) == {"early-1", "late-1"} for row in steps), "the late job never shared a step"
+
+    for job in jobs:  # each job alone, in-process, as the reference
+        solo = run_spec(str(tiny_model_dirs["llama"]), tmp_path / f"solo-{job['name']}", [job])
+        train_locally(solo, base=tiny_base, progress=False)
+        difference = max_relative_difference(adapter_tensors(tmp_path / "fused" / job["name"]),
+                                              adapter_tensors(tmp_path / f"solo-{job['name']}" / job["name"]))
+        assert difference <= 1e-4, (job["name"], difference)
+        rows = [json.loads(r) for r in (tmp_path / "fused" / job["name"] / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, job["max_steps"] + 1))
+
+
+def test_a_cancelled_job_leaves_a_checkpoint_and_resumes_to_the_same_adapter(tmp_path, tiny_base, tiny_model_dirs):
+    data = tmp_path / "data"
+    job = job_dict("resumable", write_task_data(data, "resumable"), 10, checkpoint_every=3)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [job])
+    (submission,) = spec.submissions()
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-t", tmp_path / "state")
+    loop.assign(assignment_for(submission, "resumable-1", tiny_base.tokenizer))
+    for _ in range(5):
+        loop.run_once(idle_wait=0)
+    loop.stop_job("resumable-1", "cancelled", "test")
+    events = run_until_idle(loop)
+    cancelled = [e for e in events if e.kind == "cancelled"]
+    assert cancelled and cancelled[0].data["checkpoint_step"] == 5
+    state = json.loads((tmp_path / "out/resumable/checkpoint/state.json").read_text())
+    assert state["step"] == 5
+    # A new loop (a restarted trainer) resumes it from the checkpoint to the end.
+    loop2 = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-u", tmp_path / "state")
+    loop2.assign(assignment_for(submission, "resumable-1", tiny_base.tokenizer))
+    events = run_until_idle(loop2)
+    started = next(e for e in events if e.kind == "started")
+    assert started.data["resumed_from"] == 5
+    assert any(e.kind == "completed" for e in events)
+    solo = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "solo", [job])
+    train_locally(solo, base=tiny_base, progress=False)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "out/resumable"),
+                                         adapter_tensors(tmp_path / "solo/resumable"))
+    assert difference <= 1e-5, difference
+    rows = [json.loads(r) for r in (tmp_path / "out/resumable/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+
+
+def test_a_plateau_stops_a_job_early_and_a_failing_job_fails_alone(tmp_path, tiny_base, tiny_model_dirs):
+    data = tmp_path / "data"
+    plateau = job_dict("flat", write_task_data(data, "flat"), 200, lr=1e-7, lr_schedule="constant",
+                       eval_split=8, eval_every=2, early_stop={"min_improvement": 0.05, "patience": 3})
+    bad_rows = data / "bad.jsonl"
+    bad_rows.write_text('{"question": "1", "answer": "2"}\n{"question": "3"}\n')
+    bad = job_dict("bad", bad_rows, 5)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [plateau, bad])
+    flat_submission, bad_submission = spec.submissions()
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-t", tmp_path / "state")
+    loop.assign(assignment_for(flat_submission, "flat-1", tiny_base.tokenizer))
+    with pytest.raises(Exception, match=r"bad.jsonl:2.*answer"):
+        assignment_for(bad_submission, "bad-1", tiny_base.tokenizer)
+    events = run_until_idle(loop)
+    ended = [e for e in events if e.kind == "stopped_early"]
+    assert ended, [e.kind for e in events][-5:]
+    assert "plateaued" in ended[0].data["reason"]
+    assert ended[0].step < 40                         # far short of its 200 steps
+    assert (tmp_path / "out/flat/adapter_model.safetensors").is_file()
+
+
+def fake_status(trainer_id: str, base_model: str, budget: int = 10 * 2**30, jobs=()) -> TrainerStatus:
+    return TrainerStatus(trainer_id, "x", base_model, "none", "cpu", list(jobs), 0, 0, 0, 0.0, time.time(),
+                         100 * 2**20, 0, budget, 50 * 2**20, {"model.layers.0.self_attn.q_proj": (64, 64),
+                                                              "model.layers.0.self_attn.v_proj": (64, 32)})
+
+
+def test_scheduler_core_keeps_jobs_through_a_restart_and_explains_waits(tmp_path):
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 5), job_dict("b", data, 5)])
+    other = run_spec("some/other-model", tmp_path / "out2", [job_dict("c", data, 5)])
+    table = JobTable(tmp_path / "state/jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state")
+    a, b = (core.submit(s) for s in spec.submissions())
+    c = core.submit(other.submissions()[0])
+    with pytest.raises(ValueError, match="already writes to"):
+        core.submit(spec.submissions()[0])
+    actions = core.plan([fake_status("trainer-0", "smollm2-135m")])
+    assert actions == [Start(a.id, "trainer-0"), Start(b.id, "trainer-0")]
+    assert table.get(c.id).state == "queued"
+    assert "no trainer holds base model 'some/other-model'" in table.get(c.id).reason
+    table.close()
+    # restart: a new core on the same file
+    table = JobTable(tmp_path / "state/jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state")
+    assert sorted(core.recover()) == sorted([a.id, b.id])
+    assert {r.id: r.state for r in table.all()} == {a.id: "queued", b.id: "queued", c.id: "queued"}
+    assert "restarted" in table.get(a.id).reason
+
+
+def test_fifo_respects_the_memory_budget():
+    from policies.base import JobView, Snapshot, TrainerView
+
+    trainer = TrainerView("t0", "m", "none", memory_budget_bytes=1000, base_bytes=500, step_memory_bytes=200,
+                          jobs=(), linear_shapes=())
+    jobs = tuple(JobView(f"j{i}", f"j{i}", "queued", 0, float(i), "m", "none", None, 0, 10, 120) for i in range(4))
+    decisions = FifoPolicy().decide(Snapshot(0.0, (trainer,), jobs))
+    assert decisions[:2] == [Start("j0", "t0"), Start("j1", "t0")]
+    assert all(isinstance(d, Wait) and "waiting for memory" in d.reason for d in decisions[2:])

@@ -49,7 +49,11 @@ class StartingJob:
     trainer_id: str
     actor: Any
     prepare_ref: Any
+    group: int                     # jobs started by one decision round join their trainer together
     since: float = field(default_factory=time.time)
+
+
+GROUP_WAIT_S = 30.0   # a slow job's data does not hold the rest of its group back longer than this
 
 
 def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
@@ -87,6 +91,7 @@ class SchedulerActor:
                 index += 1
         self.job_actors: dict[str, Any] = {}
         self.starting: dict[str, StartingJob] = {}
+        self.rounds = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
         self.thread.start()
@@ -195,6 +200,7 @@ class SchedulerActor:
         self._finish_starts()
         ready = [s.status for s in self.slots.values() if s.status is not None]
         if ready:
+            self.rounds += 1
             for action in self.core.plan(ready):
                 if isinstance(action, Start):
                     self._begin_start(action)
@@ -264,27 +270,44 @@ class SchedulerActor:
             actor = JobActor.options(name=f"aspen-job-{job_id}-{int(time.time() * 1000)}").remote(
                 job_id, submission.model_dump_json(), str(self.state_dir / "cache"))
             self.job_actors[job_id] = actor
-        self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote())
+        self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), self.rounds)
 
     def _finish_starts(self) -> None:
-        for job_id, starting in list(self.starting.items()):
-            if not ray.wait([starting.prepare_ref], timeout=0)[0]:
+        """Hand prepared jobs to their trainers: a decision round's jobs together (so that jobs submitted
+        together train together from their first step), unless one of them takes too long."""
+        ready = {job_id for job_id, s in self.starting.items() if ray.wait([s.prepare_ref], timeout=0)[0]}
+        groups: dict[int, list[str]] = {}
+        for job_id, starting in self.starting.items():
+            groups.setdefault(starting.group, []).append(job_id)
+        now = time.time()
+        batches: dict[str, list[tuple]] = {}
+        for members in groups.values():
+            overdue = any(now - self.starting[j].since > GROUP_WAIT_S for j in members)
+            if not overdue and not all(j in ready for j in members):
                 continue
-            del self.starting[job_id]
-            record = self.table.get(job_id)
-            if record.state != "running" or record.trainer != starting.trainer_id:
-                continue  # cancelled, paused or requeued meanwhile
-            try:
-                summary, eval_examples = ray.get(starting.prepare_ref)
-            except RayError as error:
-                cause = getattr(error, "cause", None) or error
-                self.core.start_failed(job_id, f"its data could not be read: {cause}")
-                continue
-            slot = self.slots[starting.trainer_id]
-            submission = self.table.submission(job_id)
-            slot.handle.assign.remote(job_id, submission.model_dump_json(), record.output_dir, summary,
-                                      eval_examples, starting.actor)
-            self.table.update(job_id, total_steps=summary.total_steps)
+            for job_id in members:
+                if job_id not in ready:
+                    continue
+                starting = self.starting.pop(job_id)
+                assignment = self._prepared(job_id, starting)
+                if assignment is not None:
+                    batches.setdefault(starting.trainer_id, []).append(assignment)
+        for trainer_id, assignments in batches.items():
+            self.slots[trainer_id].handle.assign.remote(assignments)
+
+    def _prepared(self, job_id: str, starting: StartingJob) -> tuple | None:
+        record = self.table.get(job_id)
+        if record.state != "running" or record.trainer != starting.trainer_id:
+            return None  # cancelled, paused or requeued meanwhile
+        try:
+            summary, eval_examples = ray.get(starting.prepare_ref)
+        except RayError as error:
+            cause = getattr(error, "cause", None) or error
+            self.core.start_failed(job_id, f"its data could not be read: {cause}")
+            return None
+        self.table.update(job_id, total_steps=summary.total_steps)
+        submission = self.table.submission(job_id)
+        return (job_id, submission.model_dump_json(), record.output_dir, summary, eval_examples, starting.actor)
 
     def _release_job_actors(self) -> None:
         for job_id in list(self.job_actors):

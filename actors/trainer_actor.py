@@ -47,11 +47,12 @@ class GpuTrainerActor:
     def poll(self) -> tuple[TrainerStatus, list[TrainerEvent]]:
         return self.loop.status(), self.loop.drain_events()
 
-    def assign(self, job_id: str, submission_json: str, output_dir: str, summary: DataSummary,
-               eval_examples: list[Example], job_actor: ray.actor.ActorHandle) -> None:
-        submission = JobSubmission.model_validate_json(submission_json)
-        self.loop.assign(Assignment(job_id, submission, Path(output_dir), summary, eval_examples,
-                                    ActorJobLink(job_actor)))
+    def assign(self, jobs: list[tuple[str, str, str, DataSummary, list[Example], ray.actor.ActorHandle]]) -> None:
+        """Jobs to start, all at the same step boundary: (job id, submission JSON, output folder, data
+        summary, eval examples, its JobActor) each."""
+        self.loop.assign([Assignment(job_id, JobSubmission.model_validate_json(submission), Path(output_dir),
+                                     summary, eval_examples, ActorJobLink(job_actor))
+                          for job_id, submission, output_dir, summary, eval_examples, job_actor in jobs])
 
     def stop_job(self, job_id: str, kind: str, reason: str) -> None:
         self.loop.stop_job(job_id, kind, reason)

@@ -106,7 +106,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     output_dir = Path(spec.output_dir).resolve()
     trainer = TrainerConfig(base_model=spec.base_model, quantization=spec.quantization, dtype=spec.dtype,
-                            step_tokens=spec.step_tokens, layout=spec.layout,
+                            step_tokens=spec.step_tokens, layout=spec.layout, step_log=output_dir / "trainer.jsonl",
                             num_gpus=1 if spec.device.startswith("cuda") or (spec.device == "auto" and _has_gpu()) else 0)
     config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer])
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
@@ -118,7 +118,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         client.shutdown()
     print_table(summary_table(records, title=f"{len(records)} jobs on {spec.base_model}"))
     print(f"adapters and metrics in {output_dir}")
-    return 0 if all(r.state in ("completed", "stopped_early") for r in records) else 1
+    failed = [r for r in records if r.state not in ("completed", "stopped_early")]
+    for record in failed:
+        print(f"aspen: job {record.name} {record.state}: {record.reason}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _has_gpu() -> bool:

@@ -28,6 +28,8 @@ class TrainerConfig(StrictModel):
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: the node's cores / trainers)")
     memory_budget_bytes: int | None = Field(None, ge=1, description="default: 90% of the GPU, or half the RAM")
     prefetch: int = Field(4, ge=1, description="micro-batches each job keeps on their way to the trainer")
+    step_log: Path | None = Field(None, description="where its per-step rows go (default: "
+                                                    "<state_dir>/trainers/<trainer id>.jsonl)")
 
     @field_validator("base_model")
     @classmethod

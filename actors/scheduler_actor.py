@@ -217,7 +217,7 @@ class SchedulerActor:
                                    "name": slot.actor_name, "namespace": NAMESPACE}
         slot.handle = GpuTrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
                                                                str(self.state_dir), slot.threads)
-        slot.ready_ref = slot.handle.status.remote()
+        slot.ready_ref = slot.handle.start.remote()
         slot.poll_ref, slot.status, slot.error = None, None, None
 
     def _watch(self, slot: TrainerSlot) -> None:
@@ -338,4 +338,6 @@ class SchedulerActor:
             status = asdict(slot.status)
             status.pop("linear_shapes")
             info.update(status)
+            view = self.core.trainer_view(slot.status)
+            info.update(memory_fixed_bytes=view.base_bytes, memory_step_bytes=view.step_memory_bytes)
         return info

@@ -1,11 +1,15 @@
 """`GpuTrainerActor`: one per GPU (or a configured number on CPU). It loads its base model once and runs
-fused steps continuously in a background thread over the jobs assigned to it; assignment, stopping and
-polling are concurrent calls that take effect at the next step boundary."""
+fused steps continuously over the jobs assigned to it.
+
+The actor takes one call at a time, and drives itself: each `tick` runs one fused step and queues the
+next `tick` behind whatever calls (assign, stop, poll) arrived meanwhile, so those take effect at the
+next step boundary. The steps thus run on the actor's main thread: on CPU, torch runs the same step
+markedly slower from a side thread (measured 10-20% on 2 cores)."""
 
 from __future__ import annotations
 
 import logging
-import threading
+import os
 from pathlib import Path
 
 import ray
@@ -22,24 +26,53 @@ from actors.ray_links import ActorJobLink
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.05   # without jobs, how long a tick waits before letting queued calls in
 
-@ray.remote(max_concurrency=8, max_restarts=0)
+
+def normal_priority() -> None:
+    """Ray starts workers at nice 15 (unless RAY_worker_niceness says otherwise); a CPU trainer's OpenMP
+    threads then stall on every slice taken by another process. Back to nice 0 where allowed."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError as error:   # lowering niceness needs CAP_SYS_NICE: say so, train anyway
+        log.info("trainer runs at nice %d (could not lower it: %s); start Ray with RAY_worker_niceness=0 "
+                 "for full CPU speed", os.getpriority(os.PRIO_PROCESS, 0), error)
+
+
+@ray.remote(max_restarts=0)
 class GpuTrainerActor:
     def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = TrainerConfig.model_validate_json(config_json)
         if threads:
             torch.set_num_threads(threads)
+        normal_priority()
         device = "cuda" if config.num_gpus > 0 else "cpu"
         base = load_base_model(config.base_model, dtype=config.dtype, device=device,
                                quantization=config.quantization)
         self.loop = TrainerLoop(base, config, trainer_id, Path(state_dir))
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.loop.run_forever, args=(self.stopping,),
-                                       name=f"{trainer_id}-steps", daemon=True)
-        self.thread.start()
+        self.stopping = False
+        self.started = False
         log.info("trainer %s: %s on %s, %d torch threads", trainer_id, config.base_model, base.device,
                  torch.get_num_threads())
+
+    def start(self) -> TrainerStatus:
+        """Start stepping (idempotent); returns the trainer's status."""
+        if not self.started:
+            self.started = True
+            ray.get_runtime_context().current_actor.tick.remote()
+        return self.loop.status()
+
+    def tick(self) -> None:
+        """One fused step (or a short idle wait), then the next tick goes to the back of the queue."""
+        if self.stopping:
+            return
+        try:
+            self.loop.run_once(idle_wait=IDLE_WAIT_S)
+        except Exception:  # noqa: BLE001 - a step's own errors are handled inside; this is a bug, logged
+            log.exception("trainer %s: unexpected error in a step", self.loop.trainer_id)
+        ray.get_runtime_context().current_actor.tick.remote()
 
     def status(self) -> TrainerStatus:
         return self.loop.status()
@@ -59,8 +92,6 @@ class GpuTrainerActor:
 
     def shutdown(self) -> list[TrainerEvent]:
         """Stop stepping; jobs still here are paused with a checkpoint. Returns the last events."""
-        self.stopping.set()
-        self.loop.wake.set()
-        self.thread.join(timeout=120)
+        self.stopping = True
         self.loop.close()
         return self.loop.drain_events()

@@ -108,7 +108,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     trainer = TrainerConfig(base_model=spec.base_model, quantization=spec.quantization, dtype=spec.dtype,
                             step_tokens=spec.step_tokens, layout=spec.layout, step_log=output_dir / "trainer.jsonl",
                             num_gpus=1 if spec.device.startswith("cuda") or (spec.device == "auto" and _has_gpu()) else 0)
-    config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer])
+    config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer], policy=spec.policy)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
     try:
         handles = client.submit_run(spec.model_copy(update={"output_dir": output_dir}))
@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quantization", default="none", choices=["none", "int8", "nf4"])
     serve.add_argument("--cpu-trainers", type=int, help="how many trainers of that kind")
     serve.add_argument("--step-tokens", type=int, default=4096)
-    serve.add_argument("--policy", help="scheduling policy (default fifo)")
+    serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
+                                        "or an installed entry point (group aspen.policies)")
     serve.set_defaults(handler=_cmd_serve)
 
     submit = with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file"))

@@ -41,6 +41,20 @@ class JobView:
     step: int
     total_steps: int | None
     memory_bytes: int | None        # the job's own memory on a trainer (adapter, gradients, optimizer state)
+    tokens_per_step: float | None = None          # measured so far, else estimated from the spec
+    predicted_remaining_steps: int | None = None  # where a stop rule predicts an early end
+    preempting: bool = False                      # asked to pause; its memory frees at its next step
+
+    @property
+    def remaining_steps(self) -> int:
+        planned = (self.total_steps or 0) - self.step
+        if self.predicted_remaining_steps is not None:
+            return max(0, min(planned, self.predicted_remaining_steps)) if self.total_steps else self.predicted_remaining_steps
+        return max(planned, 0)
+
+    @property
+    def remaining_tokens(self) -> float:
+        return self.remaining_steps * (self.tokens_per_step or 1.0)
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,41 @@ class Policy(Protocol):
     name: str
 
     def decide(self, snapshot: Snapshot) -> list[Decision]: ...
+
+
+class Admission:
+    """Memory bookkeeping while a policy plans: what each trainer holds, and where a job fits. A job
+    is never placed past its trainer's budget."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+        self.used = {t.id: memory_in_use(t, snapshot.on_trainer(t.id)) for t in snapshot.trainers}
+        self.releasing = {t.id: sum(j.memory_bytes or 0 for j in snapshot.on_trainer(t.id) if j.preempting)
+                          for t in snapshot.trainers}
+
+    def candidates(self, job: JobView) -> list[TrainerView]:
+        return [t for t in self.snapshot.trainers if compatible(job, t)]
+
+    def free(self, trainer: TrainerView) -> int:
+        return trainer.memory_budget_bytes - self.used[trainer.id]
+
+    def place(self, job: JobView) -> Start | Wait:
+        """Start the job on the compatible trainer with the most free memory, or say why it waits."""
+        candidates = self.candidates(job)
+        if not candidates:
+            return Wait(job.id, no_trainer_reason(job, self.snapshot.trainers))
+        need = job.memory_bytes or 0
+        fitting = [t for t in candidates if self.free(t) >= need]
+        if not fitting:
+            free = ", ".join(f"{t.id}: {self.free(t) / 2**20:.0f} MiB free" for t in candidates)
+            return Wait(job.id, f"waiting for memory: needs {need / 2**20:.0f} MiB ({free})")
+        trainer = max(fitting, key=lambda t: (self.free(t), -len(self.snapshot.on_trainer(t.id))))
+        self.used[trainer.id] += need
+        return Start(job.id, trainer.id)
+
+    def release(self, job: JobView) -> None:
+        if job.trainer in self.used:
+            self.used[job.trainer] -= job.memory_bytes or 0
 
 
 def compatible(job: JobView, trainer: TrainerView) -> bool:

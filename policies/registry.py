@@ -13,8 +13,9 @@ ENTRY_POINT_GROUP = "aspen.policies"
 
 def builtin_policies() -> dict[str, type]:
     from policies.fifo import FifoPolicy
+    from policies.ordering import AdaptivePolicy, PriorityPolicy, SjfPolicy
 
-    return {"fifo": FifoPolicy}
+    return {"fifo": FifoPolicy, "sjf": SjfPolicy, "priority": PriorityPolicy, "adaptive": AdaptivePolicy}
 
 
 def load_policy(name: str) -> Policy:

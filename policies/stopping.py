@@ -1,14 +1,17 @@
 """Stop rules: decide from a job's loss history whether further training still pays off.
 
 A rule is a plain object with `decide(history) -> StopDecision | None`; the job actor asks it after
-every optimizer step it hears of. `PlateauRule` stops a job whose last `patience` evaluations improved on
-the best loss before them by less than `min_improvement` (relative); without an eval split it watches
-the train loss, smoothed by an exponential moving average and sampled every `eval_every` steps."""
+every optimizer step it hears of. `PredictiveRule` fits a power law to the job's eval losses (without an
+eval split: its train loss, smoothed by an exponential moving average and sampled every `eval_every`
+steps), predicts the loss at the job's budget and stops the job when the predicted remaining improvement
+is below `min_improvement` even at the optimistic end of its uncertainty."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from actors.engine.spec import EarlyStopConfig, JobSpec
 
@@ -46,28 +49,99 @@ class StopRule(Protocol):
 
 
 @dataclass(frozen=True)
-class PlateauRule:
+class CurveFit:
+    """loss(t) = a + b * t^(-c), fitted by least squares (a grid over c, linear in a and b)."""
+
+    a: float
+    b: float
+    c: float
+    residual_std: float
+
+    def __call__(self, step: float) -> float:
+        return self.a + self.b * max(step, 1.0) ** (-self.c)
+
+
+EXPONENTS = np.geomspace(0.02, 3.0, 48)
+
+
+def fit_power_law(points: list[tuple[int, float]]) -> CurveFit | None:
+    if len(points) < 4:
+        return None
+    t = np.array([max(s, 1) for s, _ in points], dtype=np.float64)
+    y = np.array([v for _, v in points], dtype=np.float64)
+    best: CurveFit | None = None
+    best_sse = float("inf")
+    for c in EXPONENTS:
+        x = np.stack([np.ones_like(t), t ** (-c)], axis=1)
+        (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+        if b < 0:            # a loss curve that rises with training: not this model
+            continue
+        sse = float(np.sum((x @ np.array([a, b]) - y) ** 2))
+        if sse < best_sse:
+            best_sse, best = sse, CurveFit(float(a), float(b), float(c), 0.0)
+    if best is None:
+        return None
+    dof = max(len(points) - 3, 1)
+    return CurveFit(best.a, best.b, best.c, float(np.sqrt(best_sse / dof)))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    now: float            # fitted loss at the latest evaluated step
+    final: float          # predicted loss at the job's budget
+    final_spread: float   # the 90% quantile of the predicted improvement, over bootstrap refits
+    improvement: float    # relative: (now - final) / now
+
+    def describe(self, kind: str, step: int, budget: int) -> str:
+        return (f"{kind} loss is predicted to go from {self.now:.4f} (step {step}) to {self.final:.4f} at step "
+                f"{budget}: {self.improvement:.2%} better (90% bound {self.final_spread:.2%})")
+
+
+@dataclass(frozen=True)
+class PredictiveRule:
+    """Fit a power law to the job's eval losses (or its smoothed train loss), predict the loss at the
+    job's budget with a residual bootstrap, and stop when even the optimistic (90%) predicted remaining
+    improvement is below `min_improvement`, after at least `patience` + 3 evaluations."""
+
     min_improvement: float
     patience: int
-    every: int = 10  # sampling of the smoothed train loss when there are no eval losses
+    budget_steps: int
+    every: int = 10
+    samples: int = 32
+
+    def predict(self, points: list[tuple[int, float]]) -> Prediction | None:
+        fit = fit_power_law(points)
+        if fit is None:
+            return None
+        step = points[-1][0]
+        now, final = fit(step), fit(self.budget_steps)
+        rng = np.random.default_rng(len(points))
+        t = [s for s, _ in points]
+        fitted = np.array([fit(s) for s in t])
+        residuals = np.array([v for _, v in points]) - fitted
+        gains = []
+        for _ in range(self.samples):
+            noisy = fitted + rng.choice(residuals, size=len(residuals), replace=True)
+            refit = fit_power_law(list(zip(t, noisy.tolist())))
+            if refit is not None:
+                gains.append((refit(step) - refit(self.budget_steps)) / max(abs(refit(step)), 1e-12))
+        spread = float(np.quantile(gains, 0.9)) if gains else float("inf")
+        return Prediction(now, final, spread, (now - final) / max(abs(now), 1e-12))
 
     def decide(self, history: LossHistory) -> StopDecision | None:
         kind, points = ("eval", history.eval) if history.eval else ("smoothed train", history.smoothed_train(self.every))
-        if len(points) <= self.patience:
+        if len(points) < self.patience + 3 or points[-1][0] >= self.budget_steps:
             return None
-        best_before = min(value for _, value in points[:-self.patience])
-        recent_best = min(value for _, value in points[-self.patience:])
-        gain = (best_before - recent_best) / max(abs(best_before), 1e-12)
-        if gain >= self.min_improvement:
+        prediction = self.predict(points)
+        if prediction is None or max(prediction.improvement, prediction.final_spread) >= self.min_improvement:
             return None
         step = points[-1][0]
-        return StopDecision(step, f"{kind} loss plateaued: the last {self.patience} evaluations (up to step {step}) "
-                                  f"improved on {best_before:.4f} by {gain:.2%} < min_improvement "
-                                  f"{self.min_improvement:.2%}")
+        return StopDecision(step, prediction.describe(kind, step, self.budget_steps)
+                            + f" < min_improvement {self.min_improvement:.2%}")
 
 
-def stop_rule_for(spec: JobSpec) -> StopRule | None:
+def stop_rule_for(spec: JobSpec, budget_steps: int) -> StopRule | None:
     config: EarlyStopConfig | None = spec.early_stop
     if config is None:
         return None
-    return PlateauRule(config.min_improvement, config.patience, every=spec.eval_every or 10)
+    return PredictiveRule(config.min_improvement, config.patience, budget_steps, every=spec.eval_every or 10)

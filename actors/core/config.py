@@ -40,6 +40,8 @@ class TrainerConfig(StrictModel):
 class ServiceConfig(StrictModel):
     state_dir: Path = Path("~/.aspen").expanduser()
     trainers: list[TrainerConfig] = Field(default_factory=list, description="default: one per GPU, else one CPU trainer")
-    policy: str = "fifo"
+    policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | module:Class | an entry "
+                                                 "point name in the group aspen.policies")
     tick_seconds: float = Field(0.25, gt=0)
-    trainer_timeout_s: float = Field(30.0, gt=0, description="a trainer that does not answer a poll this long is replaced")
+    trainer_timeout_s: float = Field(600.0, gt=0, description="a trainer that does not answer a poll this long "
+                                     "(a hung process; a dead one is noticed at once) is replaced")

@@ -39,3 +39,7 @@ class TrainerStatus:
     activation_bytes_estimate: int
     linear_shapes: dict[str, tuple[int, int]]
     data_waits: int = 0           # times a step waited for a job's data
+    memory_coefficients: tuple[float, ...] = ()   # the fitted step-memory model (policies.memory_model)
+    memory_error: float | None = None             # its mean relative error so far
+    longest_sequence: int = 0
+    step_tokens: int = 0

@@ -12,8 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.core.feed import FeedChunk
 from actors.engine.data import DataCursor, Example, load_examples, split_eval
-from actors.engine.job import cursor_epochs, planned_steps
-from actors.engine.spec import JobSubmission
+from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from policies.stopping import LossHistory, StopDecision, stop_rule_for
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class JobData:
         self.eval: list[Example] = []
         self.summary: DataSummary | None = None
         self.history = LossHistory()
-        self.stop_rule = stop_rule_for(self.spec)
+        self.stop_rule = None   # set once the data (and so the job's budget) is known
         self.decision: StopDecision | None = None
         self.tokens = 0
         self.last_update = time.time()
@@ -67,6 +66,7 @@ class JobData:
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
         self.summary = DataSummary(len(train), len(self.eval), loaded.dropped, planned_steps(spec, len(train)),
                                    self.cursor.state_dict())
+        self.stop_rule = stop_rule_for(spec, self.summary.total_steps)
         return self.summary
 
     def fetch(self, position: dict[str, Any], count: int) -> FeedChunk:

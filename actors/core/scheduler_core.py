@@ -39,6 +39,7 @@ class SchedulerCore:
         self.state_dir = Path(state_dir)
         self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
         self.preempting: dict[str, str] = {}      # job id -> reason: its `paused` event means "queue again"
+        self.predicted_remaining: dict[str, int] = {}   # job id -> steps a stop rule predicts are left
 
     # -- submissions ------------------------------------------------------------------------------------
     def submit(self, submission: JobSubmission) -> JobRecord:
@@ -145,7 +146,7 @@ class SchedulerCore:
 
     # -- decisions --------------------------------------------------------------------------------------
     def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
-        views = tuple(self._trainer_view(t) for t in trainers)
+        views = tuple(self.trainer_view(t) for t in trainers)
         jobs = tuple(self._job_view(r, trainers) for r in self.table.all(ACTIVE_STATES))
         return Snapshot(time.time(), views, jobs)
 
@@ -178,13 +179,20 @@ class SchedulerCore:
                     actions.append(decision)
         return actions
 
-    def _trainer_view(self, status: TrainerStatus) -> TrainerView:
-        jobs_memory = sum(self.memory.get(j, 0) for j in status.jobs)
-        measured = status.peak_memory_bytes - status.base_bytes - jobs_memory if status.peak_memory_bytes else 0
+    def trainer_view(self, status: TrainerStatus) -> TrainerView:
+        """The trainer's fixed memory and a worst-case step's memory, from its fitted memory model (a
+        full step of `step_tokens` in sequences as long as the longest seen so far)."""
         shapes = tuple((name, i, o) for name, (i, o) in sorted(status.linear_shapes.items()))
+        if status.memory_coefficients:
+            constant, per_token, per_square, _ = status.memory_coefficients
+            tokens = status.step_tokens or 4096
+            step = per_token * tokens + per_square * tokens * min(tokens, max(status.longest_sequence, 1))
+            fixed = max(int(constant), status.base_bytes)
+            step_memory = max(int(step), 0)
+        else:
+            fixed, step_memory = status.base_bytes, status.activation_bytes_estimate
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
-                           status.base_bytes, max(measured, status.activation_bytes_estimate), tuple(status.jobs),
-                           shapes)
+                           fixed, step_memory, tuple(status.jobs), shapes)
 
     def _job_view(self, record: JobRecord, trainers: list[TrainerStatus]) -> JobView:
         if record.id not in self.memory:
@@ -196,6 +204,16 @@ class SchedulerCore:
                 except ValueError as error:   # target_modules that the base model does not have
                     self.table.set_state(record.id, "failed", str(error), trainer=None)
                     record = self.table.get(record.id)
+        if record.step and record.tokens:
+            tokens_per_step = record.tokens / record.step
+        else:   # not measured yet: half of max_seq_len per sequence
+            spec = self.table.submission(record.id).job
+            tokens_per_step = spec.batch_size * spec.grad_accum * spec.max_seq_len / 2
+        total = record.total_steps
+        if total is None:
+            spec = self.table.submission(record.id).job
+            total = spec.max_steps
         return JobView(record.id, record.name, record.state, record.priority, record.submitted_at,
-                       record.base_model, record.quantization, record.trainer, record.step, record.total_steps,
-                       self.memory.get(record.id))
+                       record.base_model, record.quantization, record.trainer, record.step, total,
+                       self.memory.get(record.id), tokens_per_step, self.predicted_remaining.get(record.id),
+                       record.id in self.preempting)

@@ -3,7 +3,7 @@ continuously. Jobs join at the next step boundary and leave (finished, stopped e
 failed) with a checkpoint and their adapter written out, without the trainer restarting.
 
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
-state; the fused steps themselves run in one thread (`run_forever` / `run_once`)."""
+state; the fused steps themselves run in one thread, one `run_once` at a time."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ from actors.engine.checkpoint import has_checkpoint, load_checkpoint, save_check
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names, remove_adapter
+from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes
 from actors.engine.models import BaseModel
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSubmission
+from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
+from policies.memory_model import MemoryModel, StepShape
 from policies.stopping import StopDecision
 
 log = logging.getLogger(__name__)
@@ -92,14 +95,16 @@ def default_memory_budget(device: torch.device) -> int:
 
 
 def activation_bytes_estimate(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> int:
-    """A first guess of a step's saved activations before any step has been measured: per token and
-    layer about 12 hidden-sized and 3 intermediate-sized tensors (attention, norms, MLP) are kept."""
+    """A first guess of a step's memory over the weights before any step has been measured: per token
+    and layer about 12 hidden-sized and 3 intermediate-sized tensors (attention, norms, MLP) are kept for
+    backward, plus the loss's largest transient (one chunk of logits over the vocabulary)."""
     config = model.config
     hidden = getattr(config, "hidden_size", 0)
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     layers = getattr(config, "num_hidden_layers", 1)
     width = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
-    return tokens * layers * (12 * hidden + 3 * intermediate) * width
+    vocab = getattr(config, "vocab_size", 0)
+    return tokens * layers * (12 * hidden + 3 * intermediate) * width + logits_transient_bytes(DEFAULT_CHUNK, vocab, tokens)
 
 
 class TrainerLoop:
@@ -126,6 +131,10 @@ class TrainerLoop:
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in linear_module_names(model)}
         self.activation_estimate = activation_bytes_estimate(model, config.step_tokens, base.dtype)
+        transient = logits_transient_bytes(DEFAULT_CHUNK, getattr(model.config, "vocab_size", 0), config.step_tokens)
+        self.memory_model = MemoryModel.for_model(self.base_bytes + transient,
+                                                  (self.activation_estimate - transient) / config.step_tokens)
+        self.longest_sequence = 0
         self.step_log_path = Path(config.step_log or Path(state_dir) / "trainers" / f"{trainer_id}.jsonl")
         self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
         self.step_log = self.step_log_path.open("a")
@@ -154,17 +163,10 @@ class TrainerLoop:
                              str(self.base.device), list(self.job_ids), self.trainer.step_count, self.tokens,
                              self.padding_tokens, self.busy_seconds, self.started_at, self.base_bytes,
                              self.peak_memory, self.budget, self.activation_estimate, dict(self.linear_shapes),
-                             self.data_waits)
+                             self.data_waits, tuple(self.memory_model.coefficients.tolist()),
+                             self.memory_model.mean_error, self.longest_sequence, self.config.step_tokens)
 
     # -- the loop -------------------------------------------------------------------------------------
-    def run_forever(self, stopping: threading.Event) -> None:
-        while not stopping.is_set():
-            try:
-                self.run_once()
-            except Exception:  # noqa: BLE001 - a step's own errors are handled inside; this is a bug
-                log.exception("trainer %s: unexpected error in the training loop", self.trainer_id)
-                time.sleep(1.0)
-
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:
         """Apply pending commands, run one fused step if any job has data, end the jobs that are done."""
         self._apply_commands()
@@ -179,7 +181,9 @@ class TrainerLoop:
         report = None
         if ready:
             waits_before = sum(a.feed.waits for a in self.active.values())
-            chosen = self.trainer.compose(ready)
+            chosen = self.trainer.compose(ready, fits=self._fits_budget)
+            shape = self._shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+            predicted = self.memory_model.predict(shape)
             try:
                 report = self.trainer.run_step(chosen)
             except Exception as error:  # noqa: BLE001 - the step failed (e.g. out of memory): its jobs fail
@@ -189,7 +193,8 @@ class TrainerLoop:
                 self._publish_jobs()
                 return None
             self.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
-            self._after_step(report)
+            self.memory_model.observe(shape, report.peak_memory_bytes, predicted)
+            self._after_step(report, predicted)
         for active in list(self.active.values()):
             if active.job.done:
                 self._finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
@@ -272,12 +277,22 @@ class TrainerLoop:
                 active.decisions = keep
 
     # -- after a step -----------------------------------------------------------------------------------
-    def _after_step(self, report: StepReport) -> None:
+    def _shape(self, micro_batches: list[JobMicroBatch]) -> StepShape:
+        lengths = [len(e) for mb in micro_batches for e in mb.examples]
+        parameters = sum(p.numel() for job in self.trainer.jobs.values() for p in job.adapter.parameters())
+        return StepShape.of(lengths, parameters, tokens=self.trainer.step_cost(micro_batches))
+
+    def _fits_budget(self, micro_batches: list[JobMicroBatch]) -> bool:
+        return self.memory_model.predict(self._shape(micro_batches)) <= self.budget
+
+    def _after_step(self, report: StepReport, predicted: int) -> None:
         self.busy_seconds += report.seconds
         self.tokens += report.tokens
         self.padding_tokens += report.padding_tokens
         self.peak_memory = max(self.peak_memory, report.peak_memory_bytes)
-        row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row()}
+        self.longest_sequence = max([self.longest_sequence, *report.sequence_lengths])
+        row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
+               "predicted_memory_bytes": predicted, "sequence_lengths": report.sequence_lengths}
         self.step_log.write(json.dumps(row) + "\n")
         self.step_log.flush()
         now = time.time()

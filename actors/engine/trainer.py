@@ -8,6 +8,7 @@ one backward, and steps each job's optimizer whose accumulation is complete."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,9 +81,11 @@ class FusedTrainer:
         return [job for job in self.jobs.values() if not job.done]
 
     # -- composing a step -------------------------------------------------------------------------
-    def compose(self, jobs: list[TrainingJob] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
+    def compose(self, jobs: list[TrainingJob] | None = None,
+                fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
         """Which jobs join the next step: round-robin from where the last step left off, each job's next
-        micro-batch taken while the step stays within `step_tokens` (the first always joins)."""
+        micro-batch taken while the step stays within `step_tokens` and, with `fits`, within what `fits`
+        allows (e.g. a memory budget); the first always joins."""
         candidates = [job for job in (jobs if jobs is not None else self.active_jobs) if job.peek() is not None]
         if not candidates:
             return []
@@ -93,7 +96,7 @@ class FusedTrainer:
             batch = job.peek()
             trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, batch)]
             cost = self.step_cost(trial)
-            if chosen and cost > self.step_tokens:
+            if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
                 continue
             chosen.append((job, batch))
         self.rotation += 1

@@ -1,0 +1,58 @@
+"""The step-memory model: it recovers known coefficients from synthetic data, and fitted online to a
+real trainer's measured peaks it predicts the next steps within 3%."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from actors.core.trainer_loop import activation_bytes_estimate
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
+from policies.memory_model import MemoryModel, StepShape
+from tests.conftest import random_examples, tiny_model
+
+
+def test_recovers_known_coefficients_from_synthetic_steps():
+    truth = np.array([5.0e8, 2.0e4, 8.0, 16.0])
+    rng = random.Random(0)
+    model = MemoryModel([1.0e8, 1.0e4, 0.0, 10.0])          # a poor prior
+    for _ in range(300):
+        lengths = [rng.randint(16, 512) for _ in range(rng.randint(1, 24))]
+        shape = StepShape.of(lengths, rng.randint(100_000, 5_000_000))
+        model.observe(shape, int(shape.features() @ truth * (1 + rng.gauss(0, 1e-5))))
+    relative = np.abs(model.coefficients - truth) / truth
+    assert relative.max() < 0.02, (model.coefficients, relative)
+    shape = StepShape.of([300, 200, 100], 2_000_000)
+    assert abs(model.predict(shape) - shape.features() @ truth) / (shape.features() @ truth) < 1e-3
+
+
+def test_predicts_a_real_trainers_steps_within_three_percent(tiny_model_dirs, smol_tokenizer):
+    base = from_module(tiny_model("llama"), smol_tokenizer)
+    trainer = FusedTrainer(base, step_tokens=1024)
+    weights = sum(t.numel() * t.element_size() for t in [*base.model.parameters(), *base.model.buffers()])
+    model = MemoryModel.for_model(weights, activation_bytes_estimate(base.model, 1024, torch.float32) / 1024)
+    rng = random.Random(1)
+    errors = []
+    for step in range(40):
+        if step % 8 == 0:   # jobs arrive over time with different adapter sizes and data
+            index = len(trainer.jobs)
+            spec = JobSpec(name=f"j{index}", data="unused.jsonl", format={"type": "text"}, max_steps=1000,
+                           batch_size=rng.randint(2, 6), lora={"r": 4 * (index + 1), "target_modules": "all-linear"})
+            examples = random_examples(index, 64, min_len=8, max_len=rng.choice([40, 120, 200]))
+            trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=index))
+        chosen = trainer.compose()
+        lengths = [len(e) for _, batch in chosen for e in batch]
+        parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
+        shape = StepShape.of(lengths, parameters)
+        predicted = model.predict(shape)
+        report = trainer.run_step(chosen)
+        if step >= 24:
+            errors.append(abs(predicted - report.peak_memory_bytes) / report.peak_memory_bytes)
+        model.observe(shape, report.peak_memory_bytes, predicted)
+    assert float(np.mean(errors)) <= 0.03, errors
+    assert max(errors) <= 0.06, errors

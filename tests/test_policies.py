@@ -1,0 +1,93 @@
+"""Each built-in policy's decisions on hand-built snapshots, and finding policies by name,
+`module:Class` and entry point."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.base import JobView, Preempt, Snapshot, Start, TrainerView, Wait
+from policies.fifo import FifoPolicy
+from policies.ordering import AdaptivePolicy, PriorityPolicy, SjfPolicy
+from policies.registry import load_policy
+
+MiB = 2**20
+
+
+def trainer(tid="t0", model="m", budget=1000 * MiB, base=400 * MiB, step=200 * MiB) -> TrainerView:
+    return TrainerView(tid, model, "none", budget, base, step, (), ())
+
+
+def job(jid, *, state="queued", priority=0, submitted=0.0, model="m", trainer=None, step=0, total=100,
+        memory=100 * MiB, tokens_per_step=100.0, preempting=False) -> JobView:
+    return JobView(jid, jid, state, priority, submitted, model, "none", trainer, step, total, memory,
+                   tokens_per_step, None, preempting)
+
+
+def snapshot(trainers, jobs, now=0.0) -> Snapshot:
+    return Snapshot(now, tuple(trainers), tuple(jobs))
+
+
+def test_fifo_starts_in_submission_order_within_the_budget_and_explains_the_rest():
+    jobs = [job("late", submitted=5), job("early", submitted=1), job("mid", submitted=3),
+            job("other-model", submitted=0, model="x"), job("huge", submitted=9, memory=900 * MiB)]
+    decisions = FifoPolicy().decide(snapshot([trainer()], jobs))
+    assert decisions[0] == Wait("other-model", decisions[0].reason) and "no trainer holds" in decisions[0].reason
+    assert decisions[1:4] == [Start("early", "t0"), Start("mid", "t0"), Start("late", "t0")]
+    assert isinstance(decisions[4], Wait) and "waiting for memory" in decisions[4].reason
+
+
+def test_a_budget_for_two_jobs_never_starts_a_third():
+    running = [job("a", state="running", trainer="t0"), job("b", state="running", trainer="t0")]
+    t = trainer(budget=400 * MiB + 200 * MiB + 250 * MiB)   # base + step + 2.5 jobs
+    for policy in (FifoPolicy(), SjfPolicy(), PriorityPolicy(), AdaptivePolicy()):
+        decisions = policy.decide(snapshot([t], running + [job("c", priority=0)]))
+        assert not any(isinstance(d, Start) for d in decisions), policy.name
+
+
+def test_sjf_starts_the_shortest_remaining_work_first():
+    jobs = [job("long", submitted=0, total=1000), job("short", submitted=1, total=10),
+            job("started-long", submitted=2, total=500, step=490)]
+    t = trainer(budget=400 * MiB + 200 * MiB + 200 * MiB)   # room for two
+    decisions = SjfPolicy().decide(snapshot([t], jobs))
+    assert decisions[:2] == [Start("short", "t0"), Start("started-long", "t0")]
+    assert isinstance(decisions[2], Wait)
+
+
+def test_priority_preempts_the_lowest_priority_job_to_make_room():
+    running = [job("low", state="running", trainer="t0", priority=0, step=10),
+               job("mid", state="running", trainer="t0", priority=1, step=10)]
+    t = trainer(budget=400 * MiB + 200 * MiB + 200 * MiB)   # full with two
+    decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=5)]))
+    assert [d for d in decisions if isinstance(d, Preempt)] == [Preempt("low", decisions[0].reason)]
+    assert isinstance(decisions[-1], Wait) and "to pause" in decisions[-1].reason
+    # while "low" is pausing, nothing more is preempted
+    running[0] = job("low", state="running", trainer="t0", priority=0, preempting=True)
+    decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=5)]))
+    assert not any(isinstance(d, Preempt) for d in decisions)
+    # an equal priority never preempts
+    decisions = PriorityPolicy().decide(snapshot([t], running[1:] + [job("mid2", state="running", trainer="t0",
+                                                                         priority=1), job("peer", priority=1)]))
+    assert not any(isinstance(d, Preempt) for d in decisions)
+
+
+def test_adaptive_orders_by_priority_then_remaining_work_and_ages_waiting_jobs():
+    jobs = [job("long-high", priority=1, total=1000, submitted=100), job("short-high", priority=1, total=5, submitted=100),
+            job("short-low", priority=0, total=5, submitted=100)]
+    t = trainer(budget=400 * MiB + 200 * MiB + 100 * MiB)   # room for one
+    decisions = AdaptivePolicy().decide(snapshot([t], jobs, now=100))
+    assert decisions[0] == Start("short-high", "t0")
+    # after waiting long enough, the low-priority job goes first
+    aged = [job("short-low", priority=0, total=5, submitted=-1000)] + jobs[:2]
+    decisions = AdaptivePolicy(aging_s=600).decide(snapshot([t], aged, now=1300))
+    assert decisions[0] == Start("short-low", "t0")
+
+
+def test_policies_are_found_by_name_module_and_entry_point():
+    assert load_policy("adaptive").name == "adaptive"
+    assert load_policy("policies.ordering:SjfPolicy").name == "sjf"
+    plugin = load_policy("fixed-concurrency")        # examples/policy-plugin, installed by `make setup`
+    assert type(plugin).__module__ == "aspen_example_policy"
+    with pytest.raises(ValueError, match="unknown policy 'nope'.*fixed-concurrency"):
+        load_policy("nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_policy("policies.ordering:Missing")

@@ -26,6 +26,7 @@ class TrainerView:
     step_memory_bytes: int          # a step's memory over the base: measured peak, else the estimate
     jobs: tuple[str, ...]
     linear_shapes: tuple[tuple[str, int, int], ...]   # (module name, in_features, out_features)
+    max_jobs: int | None = None     # a cap on jobs at once, where configured
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Admission:
         self.used = {t.id: memory_in_use(t, snapshot.on_trainer(t.id)) for t in snapshot.trainers}
         self.releasing = {t.id: sum(j.memory_bytes or 0 for j in snapshot.on_trainer(t.id) if j.preempting)
                           for t in snapshot.trainers}
+        self.count = {t.id: len(snapshot.on_trainer(t.id)) for t in snapshot.trainers}
 
     def candidates(self, job: JobView) -> list[TrainerView]:
         return [t for t in self.snapshot.trainers if compatible(job, t)]
@@ -114,23 +116,32 @@ class Admission:
     def free(self, trainer: TrainerView) -> int:
         return trainer.memory_budget_bytes - self.used[trainer.id]
 
+    def has_slot(self, trainer: TrainerView) -> bool:
+        return trainer.max_jobs is None or self.count[trainer.id] < trainer.max_jobs
+
     def place(self, job: JobView) -> Start | Wait:
         """Start the job on the compatible trainer with the most free memory, or say why it waits."""
         candidates = self.candidates(job)
         if not candidates:
             return Wait(job.id, no_trainer_reason(job, self.snapshot.trainers))
         need = job.memory_bytes or 0
-        fitting = [t for t in candidates if self.free(t) >= need]
+        open_trainers = [t for t in candidates if self.has_slot(t)]
+        if not open_trainers:
+            return Wait(job.id, "waiting for a free slot: " + ", ".join(f"{t.id} runs {t.max_jobs} jobs (max_jobs)"
+                                                                        for t in candidates))
+        fitting = [t for t in open_trainers if self.free(t) >= need]
         if not fitting:
-            free = ", ".join(f"{t.id}: {self.free(t) / 2**20:.0f} MiB free" for t in candidates)
+            free = ", ".join(f"{t.id}: {self.free(t) / 2**20:.0f} MiB free" for t in open_trainers)
             return Wait(job.id, f"waiting for memory: needs {need / 2**20:.0f} MiB ({free})")
-        trainer = max(fitting, key=lambda t: (self.free(t), -len(self.snapshot.on_trainer(t.id))))
+        trainer = max(fitting, key=lambda t: (self.free(t), -self.count[t.id]))
         self.used[trainer.id] += need
+        self.count[trainer.id] += 1
         return Start(job.id, trainer.id)
 
     def release(self, job: JobView) -> None:
         if job.trainer in self.used:
             self.used[job.trainer] -= job.memory_bytes or 0
+            self.count[job.trainer] -= 1
 
 
 def compatible(job: JobView, trainer: TrainerView) -> bool:

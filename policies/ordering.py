@@ -41,26 +41,36 @@ def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
                                                 f"(priority {job.priority} > {victim.priority})"))
         decisions.append(Wait(job.id, f"waiting for {len(victims)} lower-priority job(s) on {trainer_id} to pause"))
         admission.used[trainer_id] += job.memory_bytes or 0   # reserved: nothing else takes it this round
+        admission.count[trainer_id] += 1
     return decisions
 
 
 def _make_room(snapshot: Snapshot, admission: Admission, job: JobView, rank: Callable[[JobView], float],
                already: set[str]) -> tuple[str, list[JobView]] | None:
+    """The fewest lower-ranked running jobs on one compatible trainer whose pausing frees enough memory
+    and a job slot; None if none do, or if jobs already pausing will make the room."""
     need = job.memory_bytes or 0
+
+    def roomy(trainer, free: int, count: int) -> bool:
+        return free >= need and (trainer.max_jobs is None or count < trainer.max_jobs)
+
     best: tuple[str, list[JobView]] | None = None
     for trainer in admission.candidates(job):
-        if admission.releasing[trainer.id] and admission.free(trainer) + admission.releasing[trainer.id] >= need:
+        pausing = [j for j in snapshot.on_trainer(trainer.id) if j.preempting]
+        if pausing and roomy(trainer, admission.free(trainer) + admission.releasing[trainer.id],
+                             admission.count[trainer.id] - len(pausing)):
             return None                    # jobs already pausing there will make room: wait for them
         running = [j for j in snapshot.on_trainer(trainer.id)
                    if not j.preempting and j.id not in already and rank(j) < rank(job)]
         running.sort(key=lambda j: (rank(j), j.step))
-        free, victims = admission.free(trainer), []
+        free, count, victims = admission.free(trainer), admission.count[trainer.id], []
         for victim in running:
-            if free >= need:
+            if roomy(trainer, free, count):
                 break
             victims.append(victim)
             free += victim.memory_bytes or 0
-        if free >= need and victims and (best is None or len(victims) < len(best[1])):
+            count -= 1
+        if roomy(trainer, free, count) and victims and (best is None or len(victims) < len(best[1])):
             best = (trainer.id, victims)
     return best
 

@@ -91,3 +91,12 @@ def test_policies_are_found_by_name_module_and_entry_point():
         load_policy("nope")
     with pytest.raises(ValueError, match="cannot import"):
         load_policy("policies.ordering:Missing")
+
+
+def test_max_jobs_caps_a_trainer_and_priority_preempts_for_a_slot():
+    t = TrainerView("t0", "m", "none", 10_000 * MiB, 400 * MiB, 200 * MiB, (), (), max_jobs=2)
+    running = [job("a", state="running", trainer="t0", step=50), job("b", state="running", trainer="t0", step=5)]
+    decisions = FifoPolicy().decide(snapshot([t], running + [job("c")]))
+    assert isinstance(decisions[0], Wait) and "max_jobs" in decisions[0].reason
+    decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=3)]))
+    assert [d.job for d in decisions if isinstance(d, Preempt)] == ["b"]      # the one with least progress

@@ -1,5 +1,7 @@
-"""Policies driving real runs on the local Ray: a third-party policy found by its entry point drives a
-run (its limit of two jobs per trainer holds in every fused step)."""
+"""Policies driving real runs on the local Ray: a higher-priority job preempts a running one, which
+resumes from its checkpoint later with nothing lost (its adapter equals an uninterrupted run's), and a
+third-party policy found by its entry point drives a run (its limit of two jobs per trainer holds in
+every fused step)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from pathlib import Path
 
 from actors.core.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
-from tests.service_helpers import job_dict, run_spec, write_task_data
+from actors.engine.local_run import train_locally
+from actors.engine.models import load_base_model
+from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
 
 def wait_for(predicate, timeout: float = 120, what: str = "condition"):
     deadline = time.time() + timeout
@@ -25,6 +29,41 @@ def wait_for(predicate, timeout: float = 120, what: str = "condition"):
 def step_rows(state_dir: Path) -> list[dict]:
     path = state_dir / "trainers" / "trainer-0.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_session, tiny_model_dirs, tmp_path):
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    config = ServiceConfig(state_dir=tmp_path / "state", policy="priority", tick_seconds=0.1, trainers=[
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1, max_jobs=2)])
+    low = [job_dict(f"low{i}", write_task_data(data, f"low{i}", offset=i), 400, checkpoint_every=1000)
+           for i in range(2)]
+    client = Client.local(config)
+    try:
+        first, second = client.submit_run(run_spec(base, tmp_path / "out", low, step_tokens=512))
+        wait_for(lambda: client.status(first.id).step >= 2 and client.status(second.id).step >= 2,
+                 what="both low-priority jobs to train")
+        urgent = client.submit(job_dict("urgent", write_task_data(data, "urgent"), 10, priority=5), base_model=base)
+        assert urgent.wait(timeout=120).state == "completed"
+        victims = [h for h in (first, second)
+                   if any(reason.startswith("preempted") for _, _, reason in client.transitions(h.id))]
+        assert len(victims) == 1, [client.transitions(h.id) for h in (first, second)]
+        victim = victims[0]
+        for handle in (first, second):
+            assert handle.wait(timeout=300).state == "completed"
+        reasons = [reason for _, _, reason in client.transitions(victim.id)]
+        assert any("resumed from step" in r for r in reasons), reasons
+        assert [r["step"] for r in victim.losses()] == list(range(1, 401))
+        rows = step_rows(tmp_path / "state")
+        assert max(len(r["jobs"]) for r in rows) == 2
+    finally:
+        client.shutdown()
+    name = victim.name
+    solo = run_spec(base, tmp_path / "solo", [next(j for j in low if j["name"] == name)], step_tokens=512)
+    train_locally(solo, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "out" / name),
+                                         adapter_tensors(tmp_path / "solo" / name))
+    assert difference <= 1e-4, difference
 
 
 def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs, tmp_path):

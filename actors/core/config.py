@@ -27,6 +27,7 @@ class TrainerConfig(StrictModel):
     num_cpus: float = Field(1, ge=0, description="CPUs Ray reserves per trainer")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: the node's cores / trainers)")
     memory_budget_bytes: int | None = Field(None, ge=1, description="default: 90% of the GPU, or half the RAM")
+    max_jobs: int | None = Field(None, ge=1, description="at most this many jobs at once (default: as many as fit)")
     prefetch: int = Field(4, ge=1, description="micro-batches each job keeps on their way to the trainer")
     step_log: Path | None = Field(None, description="where its per-step rows go (default: "
                                                     "<state_dir>/trainers/<trainer id>.jsonl)")

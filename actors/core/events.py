@@ -43,3 +43,4 @@ class TrainerStatus:
     memory_error: float | None = None             # its mean relative error so far
     longest_sequence: int = 0
     step_tokens: int = 0
+    max_jobs: int | None = None

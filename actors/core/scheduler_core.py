@@ -192,7 +192,7 @@ class SchedulerCore:
         else:
             fixed, step_memory = status.base_bytes, status.activation_bytes_estimate
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
-                           fixed, step_memory, tuple(status.jobs), shapes)
+                           fixed, step_memory, tuple(status.jobs), shapes, status.max_jobs)
 
     def _job_view(self, record: JobRecord, trainers: list[TrainerStatus]) -> JobView:
         if record.id not in self.memory:

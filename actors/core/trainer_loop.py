@@ -164,7 +164,8 @@ class TrainerLoop:
                              self.padding_tokens, self.busy_seconds, self.started_at, self.base_bytes,
                              self.peak_memory, self.budget, self.activation_estimate, dict(self.linear_shapes),
                              self.data_waits, tuple(self.memory_model.coefficients.tolist()),
-                             self.memory_model.mean_error, self.longest_sequence, self.config.step_tokens)
+                             self.memory_model.mean_error, self.longest_sequence, self.config.step_tokens,
+                             self.config.max_jobs)
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:

@@ -13,7 +13,7 @@ from actors.core.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
 from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission
-from policies.stopping import LossHistory, StopDecision
+from policies.stopping import LossHistory, Verdict
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -33,7 +33,7 @@ class JobActor:
     def peek_lengths(self, position: dict[str, Any], batches: int = 1) -> list[int]:
         return self.data.peek_lengths(position, batches)
 
-    def update(self, update: JobUpdate) -> StopDecision | None:
+    def update(self, update: JobUpdate) -> Verdict:
         return self.data.update(update)
 
     def history(self) -> LossHistory:

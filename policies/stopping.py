@@ -44,6 +44,15 @@ class LossHistory:
         return points
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A job's answer to a trainer's update: stop now, and/or the step at which it is predicted to stop
+    (schedulers use it for the job's remaining work)."""
+
+    stop: StopDecision | None = None
+    predicted_stop_step: int | None = None
+
+
 class StopRule(Protocol):
     def decide(self, history: LossHistory) -> StopDecision | None: ...
 
@@ -128,8 +137,26 @@ class PredictiveRule:
         spread = float(np.quantile(gains, 0.9)) if gains else float("inf")
         return Prediction(now, final, spread, (now - final) / max(abs(now), 1e-12))
 
+    def points(self, history: LossHistory) -> tuple[str, list[tuple[int, float]]]:
+        return ("eval", history.eval) if history.eval else ("smoothed train", history.smoothed_train(self.every))
+
+    def predicted_stop_step(self, history: LossHistory) -> int | None:
+        """The first step at which the fitted curve's remaining improvement to the budget falls below
+        `min_improvement` (the budget itself if it never does); None without enough points."""
+        _, points = self.points(history)
+        fit = fit_power_law(points) if len(points) >= self.patience + 3 else None
+        if fit is None:
+            return None
+        final = fit(self.budget_steps)
+        candidates = np.unique(np.geomspace(max(points[-1][0], 1), self.budget_steps, 64).astype(int))
+        for step in candidates:
+            now = fit(step)
+            if (now - final) / max(abs(now), 1e-12) < self.min_improvement:
+                return int(step)
+        return self.budget_steps
+
     def decide(self, history: LossHistory) -> StopDecision | None:
-        kind, points = ("eval", history.eval) if history.eval else ("smoothed train", history.smoothed_train(self.every))
+        kind, points = self.points(history)
         if len(points) < self.patience + 3 or points[-1][0] >= self.budget_steps:
             return None
         prediction = self.predict(points)

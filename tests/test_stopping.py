@@ -44,3 +44,18 @@ def test_without_eval_losses_the_smoothed_train_loss_is_used():
     train = curve(1.0, 8.0, 1.5, list(range(1, 401)), noise=0.01, seed=4)
     decision = rule.decide(LossHistory(train=train))
     assert decision is not None and decision.reason.startswith("smoothed train loss")
+
+
+def test_the_predicted_stop_step_lies_ahead_for_an_improving_job():
+    rule = PredictiveRule(min_improvement=0.01, patience=3, budget_steps=1000)
+    steps = list(range(20, 320, 20))
+    improving = LossHistory(eval=curve(0.5, 3.0, 0.35, steps, noise=0.001, seed=2))
+    stop = rule.predicted_stop_step(improving)
+    assert stop is not None and 300 < stop <= 1000
+    plateau = LossHistory(eval=curve(1.0, 8.0, 1.5, steps, noise=0.001, seed=1))
+    assert rule.predicted_stop_step(plateau) <= 300          # already past its useful budget
+    assert rule.predicted_stop_step(LossHistory(eval=steps_only(steps[:4]))) is None
+
+
+def steps_only(steps: list[int]) -> list[tuple[int, float]]:
+    return [(s, 1.0 / s) for s in steps]

@@ -166,3 +166,19 @@ def test_fifo_respects_the_memory_budget():
     decisions = FifoPolicy().decide(Snapshot(0.0, (trainer,), jobs))
     assert decisions[:2] == [Start("j0", "t0"), Start("j1", "t0")]
     assert all(isinstance(d, Wait) and "waiting for memory" in d.reason for d in decisions[2:])
+
+
+def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
+    from actors.core.events import TrainerEvent
+
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 1000)])
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
+    record = core.submit(spec.submissions()[0])
+    core.apply_event("trainer-0", TrainerEvent("started", record.id, 0, {"total_steps": 1000}))
+    core.apply_event("trainer-0", TrainerEvent("progress", record.id, 100, {"step": 100, "loss": 1.0, "tokens": 400}))
+    view = core.snapshot([fake_status("trainer-0", "smollm2-135m", jobs=[record.id])]).jobs[0]
+    assert view.remaining_steps == 900
+    core.apply_event("trainer-0", TrainerEvent("prediction", record.id, 100, {"predicted_stop_step": 250}))
+    view = core.snapshot([fake_status("trainer-0", "smollm2-135m", jobs=[record.id])]).jobs[0]
+    assert view.remaining_steps == 150 and view.remaining_tokens == 150 * 4.0

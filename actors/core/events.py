@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-EventKind = Literal["started", "progress", "eval", "checkpoint", "completed", "stopped_early", "cancelled",
-                    "paused", "failed"]
+EventKind = Literal["started", "progress", "eval", "checkpoint", "prediction", "completed", "stopped_early",
+                    "cancelled", "paused", "failed"]
 FINAL_KINDS = ("completed", "stopped_early", "cancelled", "paused", "failed")
 
 

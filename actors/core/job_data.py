@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from actors.core.feed import FeedChunk
 from actors.engine.data import DataCursor, Example, load_examples, split_eval
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
-from policies.stopping import LossHistory, StopDecision, stop_rule_for
+from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,9 @@ class JobData:
         cursor.load_state_dict(position)
         return cursor.peek_lengths(batches)
 
-    def update(self, update: JobUpdate) -> StopDecision | None:
-        """Book a trainer's update; returns a stop decision once the stop rule makes one."""
+    def update(self, update: JobUpdate) -> Verdict:
+        """Book a trainer's update; answer with a stop decision once the stop rule makes one, and the
+        step the rule predicts the job will stop at."""
         self.last_update = time.time()
         if update.resumed_from is not None:
             self.history.truncate(update.resumed_from)
@@ -102,9 +103,12 @@ class JobData:
             self.history.train.append((row["step"], row["loss"]))
             self.tokens += row["tokens"]
         self.history.eval.extend(update.evals)
+        predicted = None
         if self.decision is None and self.stop_rule is not None and (update.steps or update.evals):
             self.decision = self.stop_rule.decide(self.history)
-        return self.decision
+            if self.decision is None and update.evals and hasattr(self.stop_rule, "predicted_stop_step"):
+                predicted = self.stop_rule.predicted_stop_step(self.history)
+        return Verdict(self.decision, predicted)
 
     def _cursor(self) -> DataCursor:
         if self.cursor is None:

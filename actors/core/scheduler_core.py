@@ -117,6 +117,8 @@ class SchedulerCore:
             self.table.update(job_id, eval_loss=data["eval_loss"])
         elif kind == "checkpoint":
             self.table.update(job_id, checkpoint_step=event.step)
+        elif kind == "prediction":   # the job's stop rule expects it to end early: less work left
+            self.predicted_remaining[job_id] = max(int(data["predicted_stop_step"]) - event.step, 0)
         elif kind == "paused" and job_id in self.preempting:
             self.table.set_state(job_id, "queued", self.preempting.pop(job_id), trainer=None,
                                  checkpoint_step=data.get("checkpoint_step"))

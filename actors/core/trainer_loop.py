@@ -35,7 +35,7 @@ from actors.engine.spec import JobSubmission
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
 from policies.memory_model import MemoryModel, StepShape
-from policies.stopping import StopDecision
+from policies.stopping import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class JobLink(Protocol):
 
     def fetch(self, position: dict[str, Any], count: int) -> Pending[FeedChunk]: ...
 
-    def update(self, update: JobUpdate) -> Pending[StopDecision | None]: ...
+    def update(self, update: JobUpdate) -> Pending[Verdict]: ...
 
 
 class LocalJobLink:
@@ -59,7 +59,7 @@ class LocalJobLink:
     def fetch(self, position: dict[str, Any], count: int) -> Done[FeedChunk]:
         return Done(self.data.fetch(position, count))
 
-    def update(self, update: JobUpdate) -> Done[StopDecision | None]:
+    def update(self, update: JobUpdate) -> Done[Verdict]:
         return Done(self.data.update(update))
 
 
@@ -79,7 +79,7 @@ class ActiveJob:
     job: TrainingJob
     feed: MicroBatchFeed
     metrics: IO[str]
-    decisions: list[Pending[StopDecision | None]] = field(default_factory=list)
+    decisions: list[Pending[Verdict]] = field(default_factory=list)
     last_step_time: float = field(default_factory=time.time)
     last_eval_step: int = -1
 
@@ -266,13 +266,16 @@ class TrainerLoop:
                     keep.append(pending)
                     continue
                 try:
-                    decision = pending.result()
+                    verdict = pending.result()
                 except Exception as error:  # noqa: BLE001 - losing a job's history must not stop training
                     log.warning("trainer %s: job %s: its loss update was lost: %r", self.trainer_id,
                                 active.assignment.job_id, error)
                     continue
-                if decision is not None:
-                    self._finish(active, "stopped_early", decision.reason)
+                if verdict.predicted_stop_step is not None:
+                    self._emit("prediction", active.assignment.job_id, active.job.step,
+                               predicted_stop_step=verdict.predicted_stop_step)
+                if verdict.stop is not None:
+                    self._finish(active, "stopped_early", verdict.stop.reason)
                     break
             else:
                 active.decisions = keep

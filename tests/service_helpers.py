@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -43,3 +44,14 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
         scale = max(float(b[key].abs().max()), 1e-8)
         worst = max(worst, float((a[key] - b[key]).abs().max()) / scale)
     return worst
+
+
+def wait_for(predicate, timeout: float = 120, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

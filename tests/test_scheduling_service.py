@@ -6,7 +6,6 @@ every fused step)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 
@@ -14,16 +13,8 @@ from actors.core.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from actors.engine.local_run import train_locally
 from actors.engine.models import load_base_model
-from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
-
-def wait_for(predicate, timeout: float = 120, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec, wait_for,
+                                   write_task_data)
 
 
 def step_rows(state_dir: Path) -> list[dict]:

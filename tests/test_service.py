@@ -5,7 +5,6 @@ run, a killed scheduler comes back with every job, and a job nobody can train wa
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -18,22 +17,14 @@ from actors.engine.local_run import train_locally
 from actors.engine.models import load_base_model
 from orchestrator.client import Client
 from orchestrator.spec import SpecError
-from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
+from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec, wait_for,
+                                   write_task_data)
 
 
 def service_config(state_dir: Path, base: Path, **trainer) -> ServiceConfig:
     trainer = {"base_model": str(base), "step_tokens": 512, "num_cpus": 0.5, "threads": 1, **trainer}
     return ServiceConfig(state_dir=state_dir, trainers=[TrainerConfig(**trainer)], tick_seconds=0.1)
 
-
-def wait_for(predicate, timeout: float = 120, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,7 @@ class SchedulerCore:
         self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
         self.preempting: dict[str, str] = {}      # job id -> reason: its `paused` event means "queue again"
         self.predicted_remaining: dict[str, int] = {}   # job id -> steps a stop rule predicts are left
+        self.submissions: dict[str, JobSubmission] = {}  # parsed once, not on every scheduling tick
 
     # -- submissions ------------------------------------------------------------------------------------
     def submit(self, submission: JobSubmission) -> JobRecord:
@@ -196,11 +197,16 @@ class SchedulerCore:
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
                            fixed, step_memory, tuple(status.jobs), shapes, status.max_jobs)
 
+    def _submission(self, job_id: str) -> JobSubmission:
+        if job_id not in self.submissions:
+            self.submissions[job_id] = self.table.submission(job_id)
+        return self.submissions[job_id]
+
     def _job_view(self, record: JobRecord, trainers: list[TrainerStatus]) -> JobView:
         if record.id not in self.memory:
             same_base = [t for t in trainers if t.base_model == record.base_model]
             if same_base:
-                lora = self.table.submission(record.id).job.lora
+                lora = self._submission(record.id).job.lora
                 try:
                     self.memory[record.id] = adapter_memory_bytes(lora, same_base[0].linear_shapes)
                 except ValueError as error:   # target_modules that the base model does not have
@@ -209,11 +215,11 @@ class SchedulerCore:
         if record.step and record.tokens:
             tokens_per_step = record.tokens / record.step
         else:   # not measured yet: half of max_seq_len per sequence
-            spec = self.table.submission(record.id).job
+            spec = self._submission(record.id).job
             tokens_per_step = spec.batch_size * spec.grad_accum * spec.max_seq_len / 2
         total = record.total_steps
         if total is None:
-            spec = self.table.submission(record.id).job
+            spec = self._submission(record.id).job
             total = spec.max_steps
         return JobView(record.id, record.name, record.state, record.priority, record.submitted_at,
                        record.base_model, record.quantization, record.trainer, record.step, total,

@@ -19,10 +19,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from actors.core.config import NAMESPACE, ServiceConfig, TrainerConfig
 from actors.core.events import TrainerStatus
 from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.core.listeners import Listeners
 from actors.core.scheduler_core import SchedulerCore, StopRequest
 from actors.engine.spec import JobSubmission
 from actors.job_actor import JobActor
 from actors.trainer_actor import GpuTrainerActor
+from orchestrator.observability import service_listeners
 from policies.base import Preempt, Start
 from policies.registry import load_policy
 
@@ -72,8 +74,10 @@ class SchedulerActor:
         self.config = ServiceConfig.model_validate_json(config_json)
         self.state_dir = Path(self.config.state_dir).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.table = JobTable(self.state_dir / "jobs.sqlite")
-        self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir)
+        self.listeners = Listeners(service_listeners(self.config))
+        self.table = JobTable(self.state_dir / "jobs.sqlite", on_change=self.listeners.job_changed)
+        self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
+                                  on_decision=self.listeners.decided)
         self.lock = threading.RLock()
         recovered = self.core.recover()
         if recovered:
@@ -100,7 +104,7 @@ class SchedulerActor:
     def info(self) -> dict[str, Any]:
         with self.lock:
             return {"state_dir": str(self.state_dir), "policy": self.core.policy.name,
-                    "trainers": [self._slot_info(s) for s in self.slots.values()]}
+                    "trainers": [self._slot_info(s) for s in self.slots.values()], **self.listeners.describe()}
 
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
         """Block until every trainer has loaded its model (or failed to)."""
@@ -182,6 +186,7 @@ class SchedulerActor:
             for actor in self.job_actors.values():
                 ray.kill(actor)
             self.job_actors.clear()
+            self.listeners.close()
             self.table.close()
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -207,6 +212,7 @@ class SchedulerActor:
                 elif isinstance(action, Preempt):
                     record = self.table.get(action.job)
                     self._send_stop(StopRequest(action.job, record.trainer or "", "paused", action.reason))
+            self.listeners.tick(self.table.all(), ready)
         self._release_job_actors()
         self._explain_waits()
 
@@ -249,6 +255,7 @@ class SchedulerActor:
         slot.status = status
         for event in events:
             self.core.apply_event(slot.trainer_id, event)
+        self.listeners.trainer_polled(status, events)
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
         log.warning("scheduler: trainer %s lost (%s); starting a new one", slot.trainer_id, why)

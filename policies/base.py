@@ -87,6 +87,7 @@ class Preempt:
 class Wait:
     job: str
     reason: str
+    cause: str = "other"   # memory | slots | no_trainer | priority | other (counted in the service's metrics)
 
 
 Decision = Start | Preempt | Wait
@@ -123,16 +124,16 @@ class Admission:
         """Start the job on the compatible trainer with the most free memory, or say why it waits."""
         candidates = self.candidates(job)
         if not candidates:
-            return Wait(job.id, no_trainer_reason(job, self.snapshot.trainers))
+            return Wait(job.id, no_trainer_reason(job, self.snapshot.trainers), "no_trainer")
         need = job.memory_bytes or 0
         open_trainers = [t for t in candidates if self.has_slot(t)]
         if not open_trainers:
             return Wait(job.id, "waiting for a free slot: " + ", ".join(f"{t.id} runs {t.max_jobs} jobs (max_jobs)"
-                                                                        for t in candidates))
+                                                                        for t in candidates), "slots")
         fitting = [t for t in open_trainers if self.free(t) >= need]
         if not fitting:
             free = ", ".join(f"{t.id}: {self.free(t) / 2**20:.0f} MiB free" for t in open_trainers)
-            return Wait(job.id, f"waiting for memory: needs {need / 2**20:.0f} MiB ({free})")
+            return Wait(job.id, f"waiting for memory: needs {need / 2**20:.0f} MiB ({free})", "memory")
         trainer = max(fitting, key=lambda t: (self.free(t), -self.count[t.id]))
         self.used[trainer.id] += need
         self.count[trainer.id] += 1

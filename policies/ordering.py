@@ -39,7 +39,8 @@ def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
             admission.release(victim)
             decisions.append(Preempt(victim.id, f"making room on {trainer_id} for {job.id} "
                                                 f"(priority {job.priority} > {victim.priority})"))
-        decisions.append(Wait(job.id, f"waiting for {len(victims)} lower-priority job(s) on {trainer_id} to pause"))
+        decisions.append(Wait(job.id, f"waiting for {len(victims)} lower-priority job(s) on {trainer_id} to pause",
+                              "priority"))
         admission.used[trainer_id] += job.memory_bytes or 0   # reserved: nothing else takes it this round
         admission.count[trainer_id] += 1
     return decisions

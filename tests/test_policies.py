@@ -31,9 +31,10 @@ def test_fifo_starts_in_submission_order_within_the_budget_and_explains_the_rest
     jobs = [job("late", submitted=5), job("early", submitted=1), job("mid", submitted=3),
             job("other-model", submitted=0, model="x"), job("huge", submitted=9, memory=900 * MiB)]
     decisions = FifoPolicy().decide(snapshot([trainer()], jobs))
-    assert decisions[0] == Wait("other-model", decisions[0].reason) and "no trainer holds" in decisions[0].reason
+    assert decisions[0] == Wait("other-model", decisions[0].reason, "no_trainer")
+    assert "no trainer holds" in decisions[0].reason
     assert decisions[1:4] == [Start("early", "t0"), Start("mid", "t0"), Start("late", "t0")]
-    assert isinstance(decisions[4], Wait) and "waiting for memory" in decisions[4].reason
+    assert isinstance(decisions[4], Wait) and decisions[4].cause == "memory" and "waiting for memory" in decisions[4].reason
 
 
 def test_a_budget_for_two_jobs_never_starts_a_third():
@@ -59,7 +60,7 @@ def test_priority_preempts_the_lowest_priority_job_to_make_room():
     t = trainer(budget=400 * MiB + 200 * MiB + 200 * MiB)   # full with two
     decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=5)]))
     assert [d for d in decisions if isinstance(d, Preempt)] == [Preempt("low", decisions[0].reason)]
-    assert isinstance(decisions[-1], Wait) and "to pause" in decisions[-1].reason
+    assert isinstance(decisions[-1], Wait) and decisions[-1].cause == "priority" and "to pause" in decisions[-1].reason
     # while "low" is pausing, nothing more is preempted
     running[0] = job("low", state="running", trainer="t0", priority=0, preempting=True)
     decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=5)]))
@@ -97,6 +98,6 @@ def test_max_jobs_caps_a_trainer_and_priority_preempts_for_a_slot():
     t = TrainerView("t0", "m", "none", 10_000 * MiB, 400 * MiB, 200 * MiB, (), (), max_jobs=2)
     running = [job("a", state="running", trainer="t0", step=50), job("b", state="running", trainer="t0", step=5)]
     decisions = FifoPolicy().decide(snapshot([t], running + [job("c")]))
-    assert isinstance(decisions[0], Wait) and "max_jobs" in decisions[0].reason
+    assert isinstance(decisions[0], Wait) and decisions[0].cause == "slots" and "max_jobs" in decisions[0].reason
     decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=3)]))
     assert [d.job for d in decisions if isinstance(d, Preempt)] == ["b"]      # the one with least progress

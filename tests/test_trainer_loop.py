@@ -138,16 +138,22 @@ def test_scheduler_core_keeps_jobs_through_a_restart_and_explains_waits(tmp_path
     data = write_task_data(tmp_path / "data", "t")
     spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 5), job_dict("b", data, 5)])
     other = run_spec("some/other-model", tmp_path / "out2", [job_dict("c", data, 5)])
-    table = JobTable(tmp_path / "state/jobs.sqlite")
-    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state")
+    changes, decisions = [], []
+    table = JobTable(tmp_path / "state/jobs.sqlite", on_change=lambda r, prev: changes.append((r.name, prev, r.state)))
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state", on_decision=lambda *d: decisions.append(d[:2]))
     a, b = (core.submit(s) for s in spec.submissions())
     c = core.submit(other.submissions()[0])
     with pytest.raises(ValueError, match="already writes to"):
         core.submit(spec.submissions()[0])
-    actions = core.plan([fake_status("trainer-0", "smollm2-135m")])
-    assert actions == [Start(a.id, "trainer-0"), Start(b.id, "trainer-0")]
+    for _ in range(3):   # a job that keeps waiting for the same cause is reported once
+        actions = core.plan([fake_status("trainer-0", "smollm2-135m")])
+        if _ == 0:
+            assert actions == [Start(a.id, "trainer-0"), Start(b.id, "trainer-0")]
     assert table.get(c.id).state == "queued"
     assert "no trainer holds base model 'some/other-model'" in table.get(c.id).reason
+    assert changes == [("a", None, "queued"), ("b", None, "queued"), ("c", None, "queued"),
+                       ("a", "queued", "running"), ("b", "queued", "running")]
+    assert decisions == [("wait_no_trainer", c.id)]
     table.close()
     # restart: a new core on the same file
     table = JobTable(tmp_path / "state/jobs.sqlite")
@@ -182,3 +188,22 @@ def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
     core.apply_event("trainer-0", TrainerEvent("prediction", record.id, 100, {"predicted_stop_step": 250}))
     view = core.snapshot([fake_status("trainer-0", "smollm2-135m", jobs=[record.id])]).jobs[0]
     assert view.remaining_steps == 150 and view.remaining_tokens == 150 * 4.0
+
+
+def test_a_failing_listener_does_not_stop_the_others(caplog):
+    from actors.core.listeners import Listeners
+
+    heard = []
+
+    class Broken:
+        def decided(self, kind, job_id, reason):
+            raise RuntimeError("broker down")
+
+    class Counting:
+        def decided(self, kind, job_id, reason):
+            heard.append(kind)
+
+    listeners = Listeners([Broken(), Counting()])
+    listeners.decided("preempt", "j", "why")
+    assert heard == ["preempt"]
+    assert "Broken failed in decided" in caplog.text

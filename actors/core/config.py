@@ -38,11 +38,34 @@ class TrainerConfig(StrictModel):
         return canonical_base_model(value)
 
 
+class MetricsConfig(StrictModel):
+    """The Prometheus scrape endpoint the service serves (`/metrics`)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(9464, ge=0, le=65535, description="0: any free port (the service reports which)")
+
+
+class EventsConfig(StrictModel):
+    """Job events over MQTT: an embedded broker started with the service, or an external one."""
+
+    enabled: bool = True
+    broker: str = Field("embedded", description="'embedded' (amqtt on 127.0.0.1:embedded_port) or a URL "
+                                                "mqtt://host:1883 / mqtts://host:8883")
+    embedded_port: int = Field(1883, ge=0, le=65535, description="0: any free port")
+    username: str | None = None
+    password: str | None = None
+    ca_file: Path | None = Field(None, description="CA certificate for mqtts:// (default: the system's)")
+    topic_prefix: str = "aspen/v1"
+
+
 class ServiceConfig(StrictModel):
     state_dir: Path = Path("~/.aspen").expanduser()
     trainers: list[TrainerConfig] = Field(default_factory=list, description="default: one per GPU, else one CPU trainer")
     policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | module:Class | an entry "
                                                  "point name in the group aspen.policies")
     tick_seconds: float = Field(0.25, gt=0)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
     trainer_timeout_s: float = Field(600.0, gt=0, description="a trainer that does not answer a poll this long "
                                      "(a hung process; a dead one is noticed at once) is replaced")

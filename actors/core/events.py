@@ -6,13 +6,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-EventKind = Literal["started", "progress", "eval", "checkpoint", "prediction", "completed", "stopped_early",
+EventKind = Literal["step", "started", "progress", "eval", "checkpoint", "prediction", "completed", "stopped_early",
                     "cancelled", "paused", "failed"]
 FINAL_KINDS = ("completed", "stopped_early", "cancelled", "paused", "failed")
 
 
 @dataclass
 class TrainerEvent:
+    """What happened to a job (`job_id`), or, for kind `step`, one fused step of the trainer (job_id is
+    empty; `data` is the step's row of the trainer's step log)."""
+
     kind: EventKind
     job_id: str
     step: int

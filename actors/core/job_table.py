@@ -8,7 +8,7 @@ import sqlite3
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from actors.engine.spec import JobSubmission
 
@@ -87,8 +87,11 @@ RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
 
 
 class JobTable:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, on_change: Callable[[JobRecord, str | None], None] | None = None):
+        """`on_change(record, previous_state)` is called after every state change (previous None for a
+        new job), e.g. to publish it; it must not raise."""
         self.path = Path(path)
+        self.on_change = on_change
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -108,7 +111,10 @@ class JobTable:
                 (job_id, submission.job.name, submission.model_dump_json(), submission.base_model,
                  submission.quantization, submission.job.priority, str(output_dir), now, now))
             self.db.execute("INSERT INTO transitions VALUES (?, ?, 'queued', 'submitted')", (job_id, now))
-        return self.get(job_id)
+        record = self.get(job_id)
+        if self.on_change is not None:
+            self.on_change(record, None)
+        return record
 
     def get(self, job_id: str) -> JobRecord:
         row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)).fetchone()
@@ -154,7 +160,10 @@ class JobTable:
             self._update(job_id, values)
             if current.state != state or current.reason != reason:
                 self.db.execute("INSERT INTO transitions VALUES (?, ?, ?, ?)", (job_id, now, state, reason))
-        return self.get(job_id)
+        record = self.get(job_id)
+        if self.on_change is not None and current.state != state:
+            self.on_change(record, current.state)
+        return record
 
     def set_reason(self, job_id: str, reason: str) -> None:
         """Say why a queued job waits (not a transition: no history row)."""

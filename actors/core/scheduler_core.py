@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from actors.core.events import TrainerEvent, TrainerStatus
 from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
@@ -33,8 +34,13 @@ class StopRequest:
 
 
 class SchedulerCore:
-    def __init__(self, table: JobTable, policy: Policy, state_dir: Path):
+    def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
+                 on_decision: Callable[[str, str, str], None] | None = None):
+        """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
+        (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round)."""
         self.table = table
+        self.on_decision = on_decision
+        self.wait_causes: dict[str, str] = {}     # job id -> why it waited in the last round
         self.policy = policy
         self.state_dir = Path(state_dir)
         self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
@@ -88,6 +94,8 @@ class SchedulerCore:
 
     # -- trainer reports --------------------------------------------------------------------------------
     def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
+        if event.kind == "step":   # the trainer's own step row: for metrics, not the job table
+            return
         job_id, data = event.job_id, event.data
         try:
             record = self.table.get(job_id)
@@ -169,18 +177,27 @@ class SchedulerCore:
             if isinstance(decision, Wait):
                 if job.state == "queued":
                     self.table.set_reason(job.id, decision.reason)
+                    if self.wait_causes.get(job.id) != decision.cause:
+                        self.wait_causes[job.id] = decision.cause
+                        self._decided(f"wait_{decision.cause}", job.id, decision.reason)
             elif isinstance(decision, Start):
                 if job.state != "queued" or decision.trainer not in trainer_ids:
                     log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
                                 decision.trainer)
                     continue
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
+                self.wait_causes.pop(job.id, None)
                 actions.append(decision)
             elif isinstance(decision, Preempt):
                 if job.state == "running" and job.trainer:
                     self.preempting[job.id] = f"preempted: {decision.reason}"
+                    self._decided("preempt", job.id, decision.reason)
                     actions.append(decision)
         return actions
+
+    def _decided(self, kind: str, job_id: str, reason: str) -> None:
+        if self.on_decision is not None:
+            self.on_decision(kind, job_id, reason)
 
     def trainer_view(self, status: TrainerStatus) -> TrainerView:
         """The trainer's fixed memory and a worst-case step's memory, from its fitted memory model (a

@@ -299,6 +299,7 @@ class TrainerLoop:
                "predicted_memory_bytes": predicted, "sequence_lengths": report.sequence_lengths}
         self.step_log.write(json.dumps(row) + "\n")
         self.step_log.flush()
+        self._emit("step", "", report.step, **row)
         now = time.time()
         for result in report.results:
             active = self.active[result.job]

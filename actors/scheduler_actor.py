@@ -222,7 +222,7 @@ class SchedulerActor:
         options: dict[str, Any] = {"num_cpus": slot.config.num_cpus, "num_gpus": slot.config.num_gpus,
                                    "name": slot.actor_name, "namespace": NAMESPACE}
         slot.handle = GpuTrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
-                                                               str(self.state_dir), slot.threads)
+                                                               str(self.state_dir), slot.threads, self.config.policy)
         slot.ready_ref = slot.handle.start.remote()
         slot.poll_ref, slot.status, slot.error = None, None, None
 

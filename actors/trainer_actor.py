@@ -23,6 +23,8 @@ from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
 from actors.ray_links import ActorJobLink
+from policies.base import StepComposer
+from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,10 @@ def normal_priority() -> None:
 
 @ray.remote(max_restarts=0)
 class GpuTrainerActor:
-    def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None):
+    def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None,
+                 policy: str | None = None):
+        """`policy`: the service's policy; where it composes steps (`compose_step`, e.g. minpad), the
+        trainer loads it and lets it choose which jobs share each step."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = TrainerConfig.model_validate_json(config_json)
         if threads:
@@ -51,7 +56,9 @@ class GpuTrainerActor:
         device = "cuda" if config.num_gpus > 0 else "cpu"
         base = load_base_model(config.base_model, dtype=config.dtype, device=device,
                                quantization=config.quantization)
-        self.loop = TrainerLoop(base, config, trainer_id, Path(state_dir))
+        composer = load_policy(policy) if policy else None
+        self.loop = TrainerLoop(base, config, trainer_id, Path(state_dir),
+                                composer if isinstance(composer, StepComposer) else None)
         self.stopping = False
         self.started = False
         log.info("trainer %s: %s on %s, %d torch threads", trainer_id, config.base_model, base.device,

@@ -8,10 +8,15 @@ snapshot of the service and returns decisions.
 
 Decisions: `Start(job, trainer)` puts a queued job on a trainer; `Preempt(job, reason)` pauses a running
 job at its next step boundary (checkpointed; it is queued again); `Wait(job, reason)` says why a queued
-job stays queued (shown to users)."""
+job stays queued (shown to users).
+
+A policy may also choose which jobs' next micro-batches share each fused step: a `compose_step` method
+(see `StepComposer`) is called by every trainer before each step; without one, trainers take the jobs
+round-robin while the step stays within its token budget."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -98,6 +103,29 @@ class Policy(Protocol):
     name: str
 
     def decide(self, snapshot: Snapshot) -> list[Decision]: ...
+
+
+@dataclass(frozen=True)
+class NextBatch:
+    """A job's next micro-batch, as a step composer sees it."""
+
+    job: str
+    lengths: tuple[int, ...]     # its sequences' token counts
+    waited: int                  # fused steps since the job last took part in one
+    priority: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+
+@runtime_checkable
+class StepComposer(Protocol):
+    def compose_step(self, batches: list[NextBatch], cost: Callable[[list[NextBatch]], int], step_tokens: int,
+                     fits: Callable[[list[NextBatch]], bool]) -> list[str]:
+        """The jobs (a non-empty subset of `batches`) whose micro-batches form the next step. `cost` gives a
+        set's tokens in the trainer's layout (padding included), which may not exceed `step_tokens` (a
+        single job always may); `fits` says whether a set stays within the trainer's memory budget."""
 
 
 class Admission:

@@ -13,9 +13,11 @@ ENTRY_POINT_GROUP = "aspen.policies"
 
 def builtin_policies() -> dict[str, type]:
     from policies.fifo import FifoPolicy
+    from policies.minpad import MinPadPolicy
     from policies.ordering import AdaptivePolicy, PriorityPolicy, SjfPolicy
 
-    return {"fifo": FifoPolicy, "sjf": SjfPolicy, "priority": PriorityPolicy, "adaptive": AdaptivePolicy}
+    return {"fifo": FifoPolicy, "sjf": SjfPolicy, "priority": PriorityPolicy, "adaptive": AdaptivePolicy,
+            "minpad": MinPadPolicy}
 
 
 def load_policy(name: str) -> Policy:

@@ -101,3 +101,43 @@ def test_max_jobs_caps_a_trainer_and_priority_preempts_for_a_slot():
     assert isinstance(decisions[0], Wait) and decisions[0].cause == "slots" and "max_jobs" in decisions[0].reason
     decisions = PriorityPolicy().decide(snapshot([t], running + [job("urgent", priority=3)]))
     assert [d.job for d in decisions if isinstance(d, Preempt)] == ["b"]      # the one with least progress
+
+
+def padded_fused_cost(chosen) -> int:
+    """mLoRA's layout: every row padded to the step's longest sequence."""
+    longest = max(max(b.lengths) for b in chosen)
+    return longest * sum(len(b.lengths) for b in chosen)
+
+
+def test_minpad_puts_jobs_of_similar_length_together_and_starves_none():
+    from policies.base import NextBatch, StepComposer
+    from policies.minpad import MinPadPolicy
+
+    policy = load_policy("minpad")
+    assert isinstance(policy, MinPadPolicy) and isinstance(policy, StepComposer)
+    lengths = {"a": (10, 12), "b": (11, 9), "c": (100, 98), "d": (95, 100), "e": (12, 100)}
+    waited = dict.fromkeys(lengths, 0)
+    joined = {name: [] for name in lengths}
+    for step in range(20):
+        batches = [NextBatch(name, lengths[name], waited[name]) for name in lengths]
+        chosen = policy.compose_step(batches, padded_fused_cost, 10_000, lambda chosen: True)
+        for name in lengths:
+            waited[name] = 0 if name in chosen else waited[name] + 1
+            if name in chosen:
+                joined[name].append(step)
+        if {"a", "b"} & set(chosen):
+            assert not {"c", "d"} & set(chosen), chosen   # short rows never padded to 100
+    for name, steps in joined.items():   # nobody waits longer than there are jobs
+        gaps = [b - a for a, b in zip([-1, *steps], steps)]
+        assert steps and max(gaps) <= len(lengths), (name, steps)
+
+
+def test_minpad_respects_the_token_and_memory_budgets():
+    from policies.base import NextBatch
+    from policies.minpad import MinPadPolicy
+
+    batches = [NextBatch(f"j{i}", (50, 50), waited=0 if i else 3) for i in range(14)]   # greedy beyond 10
+    chosen = MinPadPolicy().compose_step(batches, padded_fused_cost, 400, lambda chosen: True)
+    assert chosen[0] == "j0" and len(chosen) == 4      # 4 jobs x 2 rows x 50 tokens = 400
+    chosen = MinPadPolicy().compose_step(batches, padded_fused_cost, 400, lambda chosen: len(chosen) <= 2)
+    assert len(chosen) == 2

@@ -34,6 +34,7 @@ from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSubmission
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
+from policies.base import StepComposer
 from policies.memory_model import MemoryModel, StepShape
 from policies.stopping import Verdict
 
@@ -108,11 +109,13 @@ def activation_bytes_estimate(model: torch.nn.Module, tokens: int, dtype: torch.
 
 
 class TrainerLoop:
-    def __init__(self, base: BaseModel, config: TrainerConfig, trainer_id: str, state_dir: Path):
+    def __init__(self, base: BaseModel, config: TrainerConfig, trainer_id: str, state_dir: Path,
+                 composer: StepComposer | None = None):
+        """`composer`: the service policy's `compose_step`, where it has one (e.g. MinPad)."""
         self.base = base
         self.config = config
         self.trainer_id = trainer_id
-        self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout)
+        self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer)
         self.incarnation = uuid.uuid4().hex[:12]
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.wake = threading.Event()

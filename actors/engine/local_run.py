@@ -16,6 +16,8 @@ from actors.engine.models import BaseModel, load_base_model
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSpec, RunSpec
 from actors.engine.trainer import FusedTrainer, StepReport
+from policies.base import StepComposer
+from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,9 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     if base is None:
         base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization)
-    trainer = FusedTrainer(base, step_tokens=spec.step_tokens, layout=spec.layout)
+    policy = load_policy(spec.policy)   # only its step composition matters here (e.g. minpad)
+    trainer = FusedTrainer(base, step_tokens=spec.step_tokens, layout=spec.layout,
+                           composer=policy if isinstance(policy, StepComposer) else None)
     jobs = [prepare_job(job_spec, base, spec.job_seed(job_spec)) for job_spec in spec.jobs]
     for job in jobs:
         trainer.add_job(job)

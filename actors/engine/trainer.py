@@ -21,6 +21,7 @@ from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cro
 from actors.engine.memory import StepMemoryMeter
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
+from policies.base import NextBatch, StepComposer
 
 
 @dataclass
@@ -53,8 +54,10 @@ class StepReport:
 
 class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
-                 loss_chunk: int = DEFAULT_CHUNK):
+                 loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None):
         self.base = base
+        self.composer = composer
+        self.last_joined: dict[str, int] = {}   # job -> the last step it took part in
         self.step_tokens = step_tokens
         self.layout = layout
         self.loss_chunk = loss_chunk
@@ -72,6 +75,7 @@ class FusedTrainer:
 
     def remove_job(self, name: str) -> TrainingJob:
         job = self.jobs.pop(name)
+        self.last_joined.pop(name, None)
         remove_adapter(self.base.model, name)
         self.meter.refresh_weights()
         return job
@@ -83,27 +87,56 @@ class FusedTrainer:
     # -- composing a step -------------------------------------------------------------------------
     def compose(self, jobs: list[TrainingJob] | None = None,
                 fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
-        """Which jobs join the next step: round-robin from where the last step left off, each job's next
-        micro-batch taken while the step stays within `step_tokens` and, with `fits`, within what `fits`
-        allows (e.g. a memory budget); the first always joins."""
+        """Which jobs join the next step. With a `composer` (a policy's `compose_step`, e.g. MinPad), it
+        chooses; otherwise round-robin from where the last step left off, each job's next micro-batch
+        taken while the step stays within `step_tokens` and, with `fits`, within what `fits` allows
+        (e.g. a memory budget); the first always joins."""
         candidates = [job for job in (jobs if jobs is not None else self.active_jobs) if job.peek() is not None]
         if not candidates:
             return []
         start = self.rotation % len(candidates)
         ordered = candidates[start:] + candidates[:start]
-        chosen: list[tuple[TrainingJob, list[Example]]] = []
-        for job in ordered:
-            batch = job.peek()
-            trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, batch)]
-            cost = self.step_cost(trial)
-            if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
-                continue
-            chosen.append((job, batch))
         self.rotation += 1
+        if self.composer is not None:
+            chosen = self._composed(ordered, fits)
+        else:
+            chosen = []
+            for job in ordered:
+                batch = job.peek()
+                trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, batch)]
+                cost = self.step_cost(trial)
+                if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
+                    continue
+                chosen.append((job, batch))
+        for job, _ in chosen:
+            self.last_joined[job.name] = self.step_count
         # Keep the stream grouped in a stable order (the order jobs were added).
         order = {name: i for i, name in enumerate(self.jobs)}
         chosen.sort(key=lambda pair: order[pair[0].name])
         return [(job, job.take()) for job, _ in chosen]
+
+    def _composed(self, ordered: list[TrainingJob],
+                  fits: Callable[[list[JobMicroBatch]], bool] | None) -> list[tuple[TrainingJob, list[Example]]]:
+        """Ask the composer; check that its answer is a non-empty set of these jobs within the budget."""
+        by_name = {job.name: job for job in ordered}
+        batches = {job.name: job.peek() for job in ordered}
+        views = [NextBatch(job.name, tuple(len(e) for e in batches[job.name]),
+                           self.step_count - self.last_joined.get(job.name, -1) - 1, job.spec.priority)
+                 for job in ordered]
+
+        def micro(chosen: list[NextBatch]) -> list[JobMicroBatch]:
+            return [JobMicroBatch(v.job, batches[v.job]) for v in chosen]
+
+        names = self.composer.compose_step(views, lambda chosen: self.step_cost(micro(chosen)), self.step_tokens,
+                                           lambda chosen: fits is None or fits(micro(chosen)))
+        unknown = [name for name in names if name not in by_name]
+        if not names or unknown or len(set(names)) != len(names):
+            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}: it must return a "
+                             f"non-empty list of distinct jobs from {sorted(by_name)}")
+        if len(names) > 1 and self.step_cost(micro([v for v in views if v.job in names])) > self.step_tokens:
+            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}, which exceeds the "
+                             f"step's {self.step_tokens} tokens")
+        return [(by_name[name], batches[name]) for name in names]
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
         """Tokens a step of these micro-batches processes, padding included."""

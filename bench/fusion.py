@@ -244,6 +244,33 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
 # (b) padding share
 # --------------------------------------------------------------------------------------------------
 
+def minpad_padding_share(gsm: list[Example], code: list[Example], s: Settings) -> float:
+    """mLoRA's padded_fused layout with MinPad choosing which jobs share each step: 2 GSM8K and 2 Code
+    Alpaca jobs, each training `padding_steps` micro-batches; the padding share over all steps."""
+    from policies.base import NextBatch
+    from policies.minpad import MinPadPolicy
+
+    def cost(chosen: list[NextBatch]) -> int:
+        return max(max(b.lengths) for b in chosen) * sum(len(b.lengths) for b in chosen)
+
+    cursors = {f"gsm8k-{i}": DataCursor(gsm, s.padding_batch, seed=10 + i) for i in range(2)}
+    cursors |= {f"code-{i}": DataCursor(code, s.padding_batch, seed=20 + i) for i in range(2)}
+    left = dict.fromkeys(cursors, s.padding_steps)
+    pending = {name: cursor.next_batch() for name, cursor in cursors.items()}
+    waited = dict.fromkeys(cursors, 0)
+    policy, processed, real = MinPadPolicy(), 0, 0
+    while any(left.values()):
+        batches = [NextBatch(name, tuple(len(e) for e in pending[name]), waited[name]) for name in cursors if left[name]]
+        chosen = policy.compose_step(batches, cost, 10**9, lambda chosen: True)
+        processed += cost([b for b in batches if b.job in chosen])
+        for name in cursors:
+            waited[name] = 0 if name in chosen else waited[name] + 1
+        for name in chosen:
+            real += sum(len(e) for e in pending[name])
+            left[name] -= 1
+            pending[name] = cursors[name].next_batch()
+    return (processed - real) / processed
+
 def bench_padding(gsm: list[Example], code: list[Example], pad_id: int, s: Settings) -> dict:
     cursors = {"gsm8k": DataCursor(gsm, s.padding_batch, seed=0), "code_alpaca": DataCursor(code, s.padding_batch, seed=1)}
     layouts = ("packed", "padded", "padded_fused")
@@ -258,6 +285,7 @@ def bench_padding(gsm: list[Example], code: list[Example], pad_id: int, s: Setti
             processed[layout] += batch.num_tokens
             padding[layout] += batch.padding_tokens
     share = {layout: padding[layout] / processed[layout] for layout in layouts}
+    share["padded_fused + minpad"] = minpad_padding_share(gsm, code, s)
     log(f"(b) padding: {s.padding_steps} fused steps of gsm8k + code_alpaca, {s.padding_batch} rows per job, "
         f"{real} real tokens: " + ", ".join(f"{k} {fmt_pct(v)}" for k, v in share.items()))
     return {"steps": s.padding_steps, "rows_per_job": s.padding_batch, "real_tokens": real,

@@ -6,21 +6,28 @@
   lower-priority running jobs on a trainer with its base model (at their next step boundary, with a
   checkpoint; they are queued again and resume where they were) until it fits.
 - `adaptive` (the default; the ASPEN scheduler): priorities first, shortest predicted remaining work
-  within a priority, memory-aware admission, preemption for higher priorities only, and aging so that a
-  long job is not starved: every `aging_s` seconds of waiting counts as one priority level.
+  within a priority, memory-aware admission, preemption for a higher priority or, at the same priority,
+  for a job with `preempt_ratio` (4) times less work left than a running one, and aging so that a long
+  job is not starved: every `aging_s` (3600) seconds of waiting counts as one priority level.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from policies.base import Admission, Decision, JobView, Preempt, Snapshot, Start, Wait
 
 
+def outranks(job: JobView, victim: JobView) -> bool:
+    return victim.priority < job.priority
+
+
 def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
-         rank: Callable[[JobView], float] = lambda j: j.priority) -> list[Decision]:
-    """Place queued jobs in `key` order; with `preempt`, make room for a job by pausing running jobs of
-    lower `rank` on a compatible trainer (lowest rank, then least progress lost, first)."""
+         may_preempt: Callable[[JobView, JobView], bool] = outranks) -> list[Decision]:
+    """Place queued jobs in `key` order; with `preempt`, make room for a job by pausing running jobs that
+    `may_preempt(job, victim)` allows (by default: lower priority) on a compatible trainer (lowest
+    priority, then most remaining work, first)."""
     admission = Admission(snapshot)
     decisions: list[Decision] = []
     preempted: set[str] = set()
@@ -29,7 +36,7 @@ def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
         if isinstance(placed, Start) or not preempt or not admission.candidates(job):
             decisions.append(placed)
             continue
-        room = _make_room(snapshot, admission, job, rank, preempted)
+        room = _make_room(snapshot, admission, job, may_preempt, preempted)
         if room is None:
             decisions.append(placed)
             continue
@@ -37,18 +44,20 @@ def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
         for victim in victims:
             preempted.add(victim.id)
             admission.release(victim)
-            decisions.append(Preempt(victim.id, f"making room on {trainer_id} for {job.id} "
-                                                f"(priority {job.priority} > {victim.priority})"))
-        decisions.append(Wait(job.id, f"waiting for {len(victims)} lower-priority job(s) on {trainer_id} to pause",
+            why = (f"priority {job.priority} > {victim.priority}" if victim.priority < job.priority else
+                   f"~{job.remaining_tokens:.0f} tokens left vs its ~{victim.remaining_tokens:.0f}")
+            decisions.append(Preempt(victim.id, f"making room on {trainer_id} for {job.id} ({why})"))
+        decisions.append(Wait(job.id, f"waiting for {len(victims)} preempted job(s) on {trainer_id} to pause",
                               "priority"))
         admission.used[trainer_id] += job.memory_bytes or 0   # reserved: nothing else takes it this round
         admission.count[trainer_id] += 1
     return decisions
 
 
-def _make_room(snapshot: Snapshot, admission: Admission, job: JobView, rank: Callable[[JobView], float],
+def _make_room(snapshot: Snapshot, admission: Admission, job: JobView,
+               may_preempt: Callable[[JobView, JobView], bool],
                already: set[str]) -> tuple[str, list[JobView]] | None:
-    """The fewest lower-ranked running jobs on one compatible trainer whose pausing frees enough memory
+    """The fewest preemptible running jobs on one compatible trainer whose pausing frees enough memory
     and a job slot; None if none do, or if jobs already pausing will make the room."""
     need = job.memory_bytes or 0
 
@@ -62,8 +71,8 @@ def _make_room(snapshot: Snapshot, admission: Admission, job: JobView, rank: Cal
                              admission.count[trainer.id] - len(pausing)):
             return None                    # jobs already pausing there will make room: wait for them
         running = [j for j in snapshot.on_trainer(trainer.id)
-                   if not j.preempting and j.id not in already and rank(j) < rank(job)]
-        running.sort(key=lambda j: (rank(j), j.step))
+                   if not j.preempting and j.id not in already and may_preempt(job, j)]
+        running.sort(key=lambda j: (j.priority, -j.remaining_tokens))
         free, count, victims = admission.free(trainer), admission.count[trainer.id], []
         for victim in running:
             if roomy(trainer, free, count):
@@ -93,13 +102,30 @@ class PriorityPolicy:
 class AdaptivePolicy:
     name = "adaptive"
 
-    def __init__(self, aging_s: float = 600.0):
+    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0):
         self.aging_s = aging_s
+        self.preempt_ratio = preempt_ratio
+
+    def may_preempt(self, job: JobView, victim: JobView, now: float) -> bool:
+        """A higher priority may; at the same priority, a job with `preempt_ratio` times less (predicted)
+        work left than a running one may too (shortest remaining work first, where the difference is
+        worth a checkpoint and a restart). Never a victim that, queued again, would come first (aging):
+        it would take the room back and the two would take turns forever."""
+        if self.order(job, now) >= self.order(replace(victim, state="queued"), now):
+            return False
+        return victim.priority < job.priority or (
+            victim.priority == job.priority and victim.remaining_tokens > self.preempt_ratio * job.remaining_tokens)
+
+    def effective_priority(self, job: JobView, now: float) -> int:
+        # aging: one priority level more for every `aging_s` queued (in whole levels, so that jobs
+        # of one level are still ordered shortest-first, not by how long they have waited)
+        waited = max(now - job.submitted_at, 0.0) if job.state == "queued" else 0.0
+        return job.priority + int(waited // self.aging_s)
+
+    def order(self, job: JobView, now: float) -> tuple:
+        return (-self.effective_priority(job, now), job.remaining_tokens, job.submitted_at, job.id)
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
-        def effective(job: JobView) -> float:
-            waited = max(snapshot.time - job.submitted_at, 0.0) if job.state == "queued" else 0.0
-            return job.priority + waited / self.aging_s
-
-        return plan(snapshot, lambda j: (-effective(j), j.remaining_tokens, j.submitted_at, j.id), preempt=True,
-                    rank=lambda j: j.priority)
+        now = snapshot.time
+        return plan(snapshot, lambda j: self.order(j, now), preempt=True,
+                    may_preempt=lambda job, victim: self.may_preempt(job, victim, now))

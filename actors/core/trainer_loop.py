@@ -198,7 +198,7 @@ class TrainerLoop:
                 return None
             self.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
             self.memory_model.observe(shape, report.peak_memory_bytes, predicted)
-            self._after_step(report, predicted)
+            self._after_step(report, predicted, shape.adapter_parameters)
         for active in list(self.active.values()):
             if active.job.done:
                 self._finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
@@ -292,14 +292,15 @@ class TrainerLoop:
     def _fits_budget(self, micro_batches: list[JobMicroBatch]) -> bool:
         return self.memory_model.predict(self._shape(micro_batches)) <= self.budget
 
-    def _after_step(self, report: StepReport, predicted: int) -> None:
+    def _after_step(self, report: StepReport, predicted: int, adapter_parameters: int) -> None:
         self.busy_seconds += report.seconds
         self.tokens += report.tokens
         self.padding_tokens += report.padding_tokens
         self.peak_memory = max(self.peak_memory, report.peak_memory_bytes)
         self.longest_sequence = max([self.longest_sequence, *report.sequence_lengths])
         row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
-               "predicted_memory_bytes": predicted, "sequence_lengths": report.sequence_lengths}
+               "predicted_memory_bytes": predicted, "adapter_parameters": adapter_parameters,
+               "sequence_lengths": report.sequence_lengths}
         self.step_log.write(json.dumps(row) + "\n")
         self.step_log.flush()
         self._emit("step", "", report.step, **row)

@@ -1,0 +1,508 @@
+"""Replay a job trace against scheduling policies, fast, without a model: `python -m policies.simulate TRACE`.
+
+A trace (YAML or JSON) names the trainers (memory budget, tokens per step), a calibration (what a fused
+step costs in seconds and in memory, how long a job takes to start) and the jobs: arrival time, size
+(optimizer steps), micro-batch shape and sequence lengths, priority, adapter rank, and the shape of the
+job's loss curve, from which its evaluations are drawn so that the real stop rule
+(`policies.stopping.PredictiveRule`) can end it early. Each policy (the real classes, by name) then
+schedules the same jobs with the same data, the trainers step like the real one (round-robin within
+`step_tokens` and the memory budget, or the policy's own step composer), and the simulator prints per
+policy: mean and p95 turnaround, mean waiting time, makespan, throughput and OOM count.
+
+The calibration comes from a real run: `--calibrate STATE_DIR` (a service's state folder, or any folder
+with `trainers/*.jsonl` step logs and optionally `jobs.sqlite`) fits
+
+    step seconds ≈ a + b·T + c·ΣL²          peak bytes ≈ β0 + β1·T + β2·ΣL² + β3·P
+
+to the logged steps (T: tokens in the step, L: sequence lengths, P: adapter parameters on the trainer),
+and the job start-up time to the job table (first step minus start)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sqlite3
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.base import JobView, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
+from policies.memory import BYTES_PER_ADAPTER_PARAMETER
+from policies.memory_model import MemoryModel, StepShape
+from policies.registry import load_policy
+from policies.stopping import LossHistory, PredictiveRule
+
+DEFAULT_POLICIES = ("fifo", "sjf", "priority", "adaptive")
+
+
+# -- the trace ----------------------------------------------------------------------------------------------
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepCost(Strict):
+    """Seconds of one fused step: constant + per_token·T + per_square·ΣL²."""
+
+    constant: float = Field(0.05, ge=0)
+    per_token: float = Field(0.004, ge=0)
+    per_square: float = Field(0.0, ge=0)
+
+    def seconds(self, tokens: int, sum_squares: int) -> float:
+        return self.constant + self.per_token * tokens + self.per_square * sum_squares
+
+
+class StepMemory(Strict):
+    """Peak bytes of one fused step (the memory model's four coefficients)."""
+
+    constant: float = Field(1.2e9, ge=0)
+    per_token: float = Field(2.0e5, ge=0)
+    per_square: float = Field(0.0, ge=0)
+    per_parameter: float = Field(16.0, ge=0)
+
+    def peak(self, shape: StepShape) -> int:
+        return int(self.constant + self.per_token * shape.tokens + self.per_square * shape.sum_squared_lengths
+                   + self.per_parameter * shape.adapter_parameters)
+
+
+class Calibration(Strict):
+    step: StepCost = StepCost()
+    memory: StepMemory = StepMemory()
+    job_start_seconds: float = Field(1.0, ge=0, description="from a start decision to the job's first step")
+    checkpoint_seconds: float = Field(0.5, ge=0, description="a preempted job's checkpoint at its step boundary")
+    memory_noise: float = Field(0.0, ge=0, description="relative error of the memory model: true peaks vary by "
+                                                      "this much (normal), so budgets cut too close can OOM")
+
+
+class TrainerSpec(Strict):
+    id: str = "trainer-0"
+    memory_budget_bytes: int = Field(ge=1)
+    step_tokens: int = Field(4096, ge=16)
+    layout: Literal["packed", "padded", "padded_fused"] = "packed"
+    max_jobs: int | None = None
+
+
+class Lengths(Strict):
+    """Sequence lengths in tokens: a clipped normal."""
+
+    mean: float = Field(gt=0)
+    std: float = Field(0.0, ge=0)
+    min: int = Field(8, ge=1)
+    max: int = Field(2048, ge=1)
+
+
+class LossCurve(Strict):
+    """Eval loss at optimizer step s: floor + (initial − floor)·(1 + s/scale)^(−rate), plus noise."""
+
+    initial: float = 2.5
+    floor: float = 1.0
+    scale: float = Field(20.0, gt=0)
+    rate: float = Field(1.0, gt=0)
+    noise: float = Field(0.005, ge=0, description="relative")
+
+    def at(self, step: int, rng: np.random.Generator) -> float:
+        clean = self.floor + (self.initial - self.floor) * (1 + step / self.scale) ** (-self.rate)
+        return clean * (1 + self.noise * rng.standard_normal())
+
+
+class EarlyStop(Strict):
+    min_improvement: float = 0.01
+    patience: int = 3
+
+
+class TraceJob(Strict):
+    name: str
+    arrival: float = Field(0.0, ge=0, description="seconds after the trace starts")
+    steps: int = Field(ge=1, description="optimizer steps (the job's budget)")
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lengths: Lengths
+    priority: int = 0
+    rank: int = Field(8, ge=1)
+    loss: LossCurve = LossCurve()
+    eval_every: int = Field(10, ge=1)
+    early_stop: EarlyStop | None = None
+
+
+class Trace(Strict):
+    name: str = "trace"
+    seed: int = 0
+    trainers: list[TrainerSpec] = Field(min_length=1)
+    base_model: str = "smollm2-135m"
+    parameters_per_rank: int = Field(57_600, ge=1, description="adapter parameters per LoRA rank (default: "
+                                                                "q_proj + v_proj of smollm2-135m)")
+    calibration: Calibration = Calibration()
+    tick_seconds: float = Field(0.25, gt=0, description="the scheduler decides on new jobs at these intervals")
+    jobs: list[TraceJob] = Field(min_length=1)
+
+
+def load_trace(path: Path) -> Trace:
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
+    try:
+        return Trace.model_validate(data)
+    except Exception as error:
+        raise ValueError(f"{path}: not a valid trace: {error}") from error
+
+
+# -- calibration from a real run -----------------------------------------------------------------------------
+
+def calibrate(state_dir: Path, base: Calibration | None = None) -> Calibration:
+    """Fit the step-time and memory models to a real run's step logs (and the start-up time to its job
+    table, where there is one)."""
+    state_dir = Path(state_dir)
+    logs = sorted(state_dir.glob("trainers/*.jsonl")) or sorted(state_dir.glob("*.jsonl"))
+    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("sequence_lengths")]
+    if len(rows) < 8:
+        raise ValueError(f"{state_dir}: {len(rows)} logged steps in trainers/*.jsonl; a calibration needs at least 8 "
+                         "(run some jobs on the service first)")
+    calibration = (base or Calibration()).model_copy()
+    tokens = np.array([r["tokens"] for r in rows], dtype=np.float64)
+    squares = np.array([sum(n * n for n in r["sequence_lengths"]) for r in rows], dtype=np.float64)
+    seconds = np.array([r["seconds"] for r in rows], dtype=np.float64)
+    constant, per_token, per_square = nonnegative_fit(np.stack([np.ones_like(tokens), tokens, squares], 1), seconds)
+    calibration.step = StepCost(constant=constant, per_token=per_token, per_square=per_square)
+    model = MemoryModel([0.0, 0.0, 0.0, float(BYTES_PER_ADAPTER_PARAMETER)], prior_weight=1e-6)
+    for row in rows:
+        model.observe(StepShape.of(row["sequence_lengths"], row.get("adapter_parameters", 0), row["tokens"]),
+                      row["peak_memory_bytes"], row.get("predicted_memory_bytes"))
+    c0, c1, c2, c3 = (max(float(v), 0.0) for v in model.coefficients)
+    calibration.memory = StepMemory(constant=c0, per_token=c1, per_square=c2, per_parameter=c3)
+    calibration.memory_noise = float(model.mean_error or 0.0)
+    starts = job_start_delays(state_dir / "jobs.sqlite", rows)
+    if starts:
+        calibration.job_start_seconds = float(np.median(starts))
+    return calibration
+
+
+def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """Least squares with coefficients ≥ 0 (a negative one is dropped and the rest refitted)."""
+    free = list(range(x.shape[1]))
+    solution = np.zeros(x.shape[1])
+    while free:
+        solution = np.zeros(x.shape[1])
+        solution[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
+        negative = [i for i in free if solution[i] < 0]
+        if not negative:
+            break
+        free = [i for i in free if i not in negative]
+    return tuple(float(v) for v in solution)
+
+
+def job_start_delays(table: Path, rows: list[dict]) -> list[float]:
+    """Per job: from the decision to start it to the end of its first fused step, minus that step."""
+    if not table.exists():
+        return []
+    db = sqlite3.connect(table)
+    try:
+        starts = db.execute("SELECT job_id, MIN(time) FROM transitions WHERE state = 'running' GROUP BY job_id").fetchall()
+    finally:
+        db.close()
+    delays = []
+    for job_id, started in starts:
+        first = min((r for r in rows if job_id in r.get("jobs", []) and r["time"] >= started), key=lambda r: r["time"],
+                    default=None)
+        if first is not None:
+            delays.append(max(first["time"] - first["seconds"] - started, 0.0))
+    return delays
+
+
+# -- the simulation --------------------------------------------------------------------------------------------
+
+def layout_tokens(layout: str, lengths: list[tuple[int, ...]]) -> int:
+    """Tokens a step of these micro-batches processes (padding included), as `FusedTrainer.step_cost`."""
+    if layout == "packed":
+        return sum(sum(rows) for rows in lengths)
+    if layout == "padded":
+        return sum(max(rows) * len(rows) for rows in lengths)
+    longest = max(max(rows) for rows in lengths)        # padded_fused: every row to the step's longest
+    return longest * sum(len(rows) for rows in lengths)
+
+
+@dataclass
+class SimJob:
+    spec: TraceJob
+    parameters: int
+    rng: np.random.Generator           # its data and its loss noise: the same under every policy
+    state: str = "pending"             # pending, queued, starting, running, done
+    trainer: str | None = None
+    ready_at: float = 0.0
+    micro: int = 0                     # micro-batches trained
+    step: int = 0                      # optimizer steps
+    first_start: float | None = None
+    queued_since: float = 0.0
+    waited: float = 0.0
+    finish: float | None = None
+    ended: str = ""
+    preempting: bool = False
+    tokens: int = 0
+    next_lengths: tuple[int, ...] = ()
+    history: LossHistory = field(default_factory=LossHistory)
+    predicted_stop: int | None = None
+    rule: PredictiveRule | None = None
+    steps_since_joined: int = 0
+
+    def draw(self) -> tuple[int, ...]:
+        spec = self.spec.lengths
+        values = self.rng.normal(spec.mean, spec.std, self.spec.batch_size)
+        return tuple(int(min(max(round(v), spec.min), spec.max)) for v in values)
+
+
+@dataclass
+class Result:
+    policy: str
+    turnaround: list[float]
+    waiting: list[float]
+    makespan: float
+    tokens: int
+    steps: int
+    ooms: int
+    stopped_early: int
+    fused_steps: int
+
+    def row(self) -> dict[str, Any]:
+        turnaround = np.array(self.turnaround)
+        return {"policy": self.policy, "mean_turnaround_s": float(turnaround.mean()),
+                "p95_turnaround_s": float(np.quantile(turnaround, 0.95)), "mean_wait_s": float(np.mean(self.waiting)),
+                "makespan_s": self.makespan, "throughput_tokens_per_s": self.tokens / max(self.makespan, 1e-9),
+                "jobs_per_hour": 3600 * len(self.turnaround) / max(self.makespan, 1e-9), "oom": self.ooms,
+                "stopped_early": self.stopped_early, "optimizer_steps": self.steps, "fused_steps": self.fused_steps}
+
+
+class Simulator:
+    def __init__(self, trace: Trace, policy: Policy):
+        self.trace = trace
+        self.policy = policy
+        self.composer = policy if isinstance(policy, StepComposer) else None
+        self.calibration = trace.calibration
+        self.noise = np.random.default_rng(trace.seed + 7919)
+        self.jobs = {j.name: SimJob(j, j.rank * trace.parameters_per_rank, np.random.default_rng([trace.seed, i]))
+                     for i, j in enumerate(trace.jobs)}
+        for job in self.jobs.values():
+            if job.spec.early_stop:
+                budget = job.spec.steps
+                job.rule = PredictiveRule(job.spec.early_stop.min_improvement, job.spec.early_stop.patience, budget,
+                                          every=job.spec.eval_every)
+        self.clock = {t.id: 0.0 for t in trace.trainers}
+        self.trainers = {t.id: t for t in trace.trainers}
+        self.rotation = dict.fromkeys(self.clock, 0)
+        self.ooms = 0
+        self.fused_steps = 0
+        self.longest = dict.fromkeys(self.clock, 1)
+
+    # -- what the policy sees ---------------------------------------------------------------------------
+    def snapshot(self, now: float) -> Snapshot:
+        trainers = []
+        for spec in self.trainers.values():
+            memory = self.calibration.memory
+            step = memory.peak(StepShape(spec.step_tokens, spec.step_tokens * min(spec.step_tokens, self.longest[spec.id]), 0))
+            on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state in ("starting", "running"))
+            trainers.append(TrainerView(spec.id, self.trace.base_model, "none", spec.memory_budget_bytes,
+                                        int(memory.constant), int(step - memory.constant), on, (), spec.max_jobs))
+        views = []
+        for job in self.jobs.values():
+            if job.state in ("pending", "done"):
+                continue
+            state = "running" if job.state in ("starting", "running") else "queued"
+            spec = job.spec
+            remaining = max(job.predicted_stop - job.step, 0) if job.predicted_stop is not None else None
+            views.append(JobView(spec.name, spec.name, state, spec.priority, spec.arrival, self.trace.base_model, "none",
+                                 job.trainer, job.step, spec.steps, job.parameters * BYTES_PER_ADAPTER_PARAMETER,
+                                 spec.batch_size * spec.grad_accum * spec.lengths.mean, remaining, job.preempting))
+        return Snapshot(now, tuple(trainers), tuple(views))
+
+    def decide(self, now: float) -> None:
+        for decision in self.policy.decide(self.snapshot(now)):
+            job = self.jobs.get(decision.job)
+            if job is None:
+                continue
+            if isinstance(decision, Start) and job.state == "queued":
+                job.state, job.trainer = "starting", decision.trainer
+                job.ready_at = max(now, self.clock[decision.trainer]) + self.calibration.job_start_seconds
+                job.waited += now - job.queued_since
+                if job.first_start is None:
+                    job.first_start = now
+            elif isinstance(decision, Preempt) and job.state in ("starting", "running"):
+                job.preempting = True
+
+    # -- one trainer step ---------------------------------------------------------------------------------
+    def compose(self, trainer: TrainerSpec, ready: list[SimJob]) -> list[SimJob]:
+        def cost(lengths: list[tuple[int, ...]]) -> int:
+            return layout_tokens(trainer.layout, lengths)
+
+        def fits(chosen: list[SimJob]) -> bool:
+            return self.predicted_peak(trainer, [j.next_lengths for j in chosen]) <= trainer.memory_budget_bytes
+
+        start = self.rotation[trainer.id] % len(ready)
+        ordered = ready[start:] + ready[:start]
+        self.rotation[trainer.id] += 1
+        if self.composer is not None:
+            views = [NextBatch(j.spec.name, j.next_lengths, j.steps_since_joined, j.spec.priority) for j in ordered]
+            by_name = {j.spec.name: j for j in ordered}
+            names = self.composer.compose_step(
+                views, lambda vs: cost([v.lengths for v in vs]), trainer.step_tokens,
+                lambda vs: fits([by_name[v.job] for v in vs]))
+            return [by_name[n] for n in names]
+        chosen: list[SimJob] = []
+        for job in ordered:
+            trial = chosen + [job]
+            if chosen and (cost([j.next_lengths for j in trial]) > trainer.step_tokens or not fits(trial)):
+                continue
+            chosen.append(job)
+        return chosen
+
+    def held_parameters(self, trainer_id: str) -> int:
+        return sum(j.parameters for j in self.jobs.values() if j.trainer == trainer_id and j.state == "running")
+
+    def predicted_peak(self, trainer: TrainerSpec, lengths: list[tuple[int, ...]]) -> int:
+        flat = [n for l in lengths for n in l]
+        return self.calibration.memory.peak(StepShape.of(flat, self.held_parameters(trainer.id)))
+
+    def step(self, trainer: TrainerSpec, now: float) -> bool:
+        """Run one fused step on `trainer` at `now` (its clock); False when it has nothing ready."""
+        for job in self.jobs.values():   # preempted jobs leave at this step boundary, checkpointed
+            if job.trainer == trainer.id and job.preempting and job.state in ("starting", "running"):
+                job.state, job.trainer, job.preempting, job.queued_since = "queued", None, False, now
+                self.clock[trainer.id] = now + self.calibration.checkpoint_seconds
+                now = self.clock[trainer.id]
+        ready = [j for j in self.jobs.values() if j.trainer == trainer.id and j.state in ("starting", "running")
+                 and j.ready_at <= now]
+        for job in ready:
+            job.state = "running"
+            if not job.next_lengths:
+                job.next_lengths = job.draw()
+        if not ready:
+            return False
+        chosen = self.compose(trainer, ready)
+        lengths = [j.next_lengths for j in chosen]
+        flat = [n for l in lengths for n in l]
+        tokens = layout_tokens(trainer.layout, lengths)
+        squares = sum(n * n for n in flat)
+        peak = self.predicted_peak(trainer, lengths) * (1 + self.calibration.memory_noise * abs(self.noise.standard_normal()))
+        if peak > trainer.memory_budget_bytes:
+            self.ooms += 1
+        self.longest[trainer.id] = max(self.longest[trainer.id], max(flat))
+        end = now + self.calibration.step.seconds(tokens, squares)
+        self.clock[trainer.id] = end
+        self.fused_steps += 1
+        for job in ready:
+            job.steps_since_joined = 0 if job in chosen else job.steps_since_joined + 1
+        for job in chosen:
+            job.tokens += sum(job.next_lengths)
+            job.next_lengths = job.draw()
+            job.micro += 1
+            if job.micro % job.spec.grad_accum == 0:
+                job.step += 1
+                self.after_optimizer_step(job, end)
+        return True
+
+    def after_optimizer_step(self, job: SimJob, now: float) -> None:
+        spec = job.spec
+        if spec.early_stop and job.step % spec.eval_every == 0:
+            job.history.eval.append((job.step, spec.loss.at(job.step, job.rng)))
+            decision = job.rule.decide(job.history)
+            if decision is not None:
+                self.finish(job, now, "stopped_early")
+                return
+            job.predicted_stop = job.rule.predicted_stop_step(job.history)
+        if job.step >= spec.steps:
+            self.finish(job, now, "completed")
+
+    def finish(self, job: SimJob, now: float, how: str) -> None:
+        job.state, job.finish, job.ended, job.trainer = "done", now, how, None
+
+    def seen_at(self, job: SimJob) -> float:
+        """The scheduler's first round after the job arrives."""
+        tick = self.trace.tick_seconds
+        return math.ceil(job.spec.arrival / tick - 1e-9) * tick
+
+    # -- the whole trace ------------------------------------------------------------------------------------
+    def run(self, limit_s: float = 10 * 86400) -> Result:
+        now = 0.0
+        while any(j.state != "done" for j in self.jobs.values()):
+            for job in self.jobs.values():
+                if job.state == "pending" and self.seen_at(job) <= now:
+                    job.state, job.queued_since = "queued", job.spec.arrival
+            self.decide(now)
+            trainer_id = min(self.clock, key=lambda t: self.clock[t])
+            trainer = self.trainers[trainer_id]
+            at = max(self.clock[trainer_id], now)
+            if self.step(trainer, at):
+                now = min(self.clock.values()) if len(self.clock) > 1 else self.clock[trainer_id]
+                continue
+            # nothing ready on the earliest trainer: move time to the next thing that can happen
+            upcoming = [self.seen_at(j) for j in self.jobs.values() if j.state == "pending"]
+            upcoming += [j.ready_at for j in self.jobs.values() if j.state == "starting" and j.ready_at > at]
+            upcoming += [c for t, c in self.clock.items() if c > at]
+            if not upcoming:
+                stuck = [j.spec.name for j in self.jobs.values() if j.state != "done"]
+                raise RuntimeError(f"policy {self.policy.name}: jobs {stuck} can never start (too big for every "
+                                   "trainer's memory budget?)")
+            self.clock[trainer_id] = max(min(upcoming), at)
+            now = min(min(self.clock.values()), min(upcoming))
+            if now > limit_s:
+                raise RuntimeError(f"policy {self.policy.name}: the trace did not finish within {limit_s:.0f} s")
+        jobs = list(self.jobs.values())
+        first = min(j.spec.arrival for j in jobs)
+        return Result(self.policy.name, [j.finish - j.spec.arrival for j in jobs], [j.waited for j in jobs],
+                      max(j.finish for j in jobs) - first, sum(j.tokens for j in jobs), sum(j.step for j in jobs),
+                      self.ooms, sum(j.ended == "stopped_early" for j in jobs), self.fused_steps)
+
+
+def simulate(trace: Trace, policies: list[str]) -> list[Result]:
+    return [Simulator(trace, load_policy(name)).run() for name in policies]
+
+
+# -- the command -----------------------------------------------------------------------------------------------
+
+def table(results: list[Result], reference: str = "fifo") -> str:
+    rows = [r.row() for r in results]
+    base = next((r for r in rows if r["policy"] == reference), None)
+    header = (f"{'policy':<10} {'turnaround':>11} {'vs ' + reference:>8} {'p95':>9} {'wait':>9} {'makespan':>9} "
+              f"{'tokens/s':>9} {'jobs/h':>7} {'early':>5} {'OOM':>4}")
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        ratio = f"{row['mean_turnaround_s'] / base['mean_turnaround_s']:.2f}x" if base else "-"
+        lines.append(f"{row['policy']:<10} {row['mean_turnaround_s']:>10.1f}s {ratio:>8} {row['p95_turnaround_s']:>8.1f}s "
+                     f"{row['mean_wait_s']:>8.1f}s {row['makespan_s']:>8.1f}s {row['throughput_tokens_per_s']:>9.0f} "
+                     f"{row['jobs_per_hour']:>7.1f} {row['stopped_early']:>5} {row['oom']:>4}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m policies.simulate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path, help="trace file (YAML or JSON); examples in policies/traces/")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated policy names (default: {','.join(DEFAULT_POLICIES)})")
+    parser.add_argument("--calibrate", type=Path, default=None,
+                        help="a real run's state folder (trainers/*.jsonl, jobs.sqlite): fit the step time, memory "
+                             "and job start-up models to it instead of the trace's calibration")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    try:
+        trace = load_trace(args.trace)
+        if args.calibrate:
+            trace = trace.model_copy(update={"calibration": calibrate(args.calibrate, trace.calibration)})
+        results = simulate(trace, [p.strip() for p in args.policies.split(",") if p.strip()])
+    except (ValueError, OSError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    c = trace.calibration
+    print(f"trace {trace.name}: {len(trace.jobs)} jobs, {len(trace.trainers)} trainer(s); step ≈ {c.step.constant:.3g} s "
+          f"+ {c.step.per_token:.3g} s/token + {c.step.per_square:.3g} s/token²; job start {c.job_start_seconds:.2f} s")
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"trace": trace.name, "calibration": c.model_dump(),
+                                         "results": [r.row() for r in results]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

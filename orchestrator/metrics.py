@@ -5,9 +5,10 @@ port, the bound one is in `describe()`).
 
 Naming: every metric starts with `aspen_`, uses base units (`_seconds`, `_bytes`), counters end in
 `_total`, `_ratio` gauges lie in 0..1. Labels stay bounded: `trainer` (the service's trainer ids),
-`state`, `kind`, `cause`, and `job` only on the `aspen_job_*` gauges of RUNNING jobs, whose series are
-removed as soon as the job leaves `running`. If the port is taken the service runs on without metrics
-(a warning says how to pick another port)."""
+`state`, `kind`, `cause`, and `job_id` only on the `aspen_job_*` gauges of RUNNING jobs, whose series
+are removed as soon as the job leaves `running` (`job_id`, not `job`: Prometheus gives every scraped
+series `job`, the scrape job's name). If the port is taken the service runs on without metrics (a
+warning says how to pick another port)."""
 
 from __future__ import annotations
 
@@ -90,11 +91,11 @@ class MetricsListener:
         for kind in DECISION_KINDS:
             self.decisions.labels(kind)
         # running jobs only (series removed when the job leaves running)
-        self.job_loss = Gauge("aspen_job_loss", "The running job's last training loss", ["job"], registry=r)
-        self.job_tokens = Gauge("aspen_job_tokens", "Tokens the running job has trained on", ["job"], registry=r)
+        self.job_loss = Gauge("aspen_job_loss", "The running job's last training loss", ["job_id"], registry=r)
+        self.job_tokens = Gauge("aspen_job_tokens", "Tokens the running job has trained on", ["job_id"], registry=r)
         self.job_speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
-                               "last optimizer step", ["job"], registry=r)
-        self.job_step = Gauge("aspen_job_step", "The running job's optimizer step", ["job"], registry=r)
+                               "last optimizer step", ["job_id"], registry=r)
+        self.job_step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
 
     def _serve(self) -> None:
         host, port = self.config.host, self.config.port

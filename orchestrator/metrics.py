@@ -44,6 +44,7 @@ class MetricsListener:
         self.job_series: set[str] = set()      # running jobs that have aspen_job_* series
         self.server: WSGIServer | None = None
         self.url: str | None = None
+        self.error: str | None = None          # why there is no endpoint (the port was taken)
         self._define()
         if serve:
             self._serve()
@@ -102,9 +103,10 @@ class MetricsListener:
         try:
             self.server, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as error:
-            log.warning("metrics: cannot serve on %s:%d (%s); the service runs without metrics. Set another "
-                        "`metrics.port` in the service config (0 = any free port), or `metrics.enabled: false`",
-                        host, port, error)
+            self.error = (f"cannot serve metrics on {host}:{port} ({error}); the service runs without metrics. "
+                          "Set another `metrics.port` in the service config (0 = any free port), or "
+                          "`metrics.enabled: false`")
+            log.warning("metrics: %s", self.error)
             return
         bound = self.server.server_port
         shown = f"[{host}]" if ":" in host else host
@@ -172,7 +174,9 @@ class MetricsListener:
         self.oldest_queued.set(oldest)
 
     def describe(self) -> dict[str, str]:
-        return {"metrics_url": self.url} if self.url else {}
+        if self.url:
+            return {"metrics_url": self.url}
+        return {"metrics_error": self.error} if self.error else {}
 
     def close(self) -> None:
         if self.server is not None:

@@ -104,7 +104,6 @@ def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
                        tmp / "state")
     short, long = (core.submit(s).id for s in spec.submissions())
     steps: list[dict] = []
-    status = loop.status()
 
     def run_until(done, limit: int = 200) -> TrainerStatus:
         for _ in range(limit):
@@ -124,11 +123,10 @@ def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
         raise AssertionError("the scenario did not reach its state")
 
     try:
-        status = run_until(lambda: table.get(short).state == "completed"
-                           and table.get(long).step >= 2)
+        run_until(lambda: table.get(short).state == "completed" and table.get(long).step >= 2)
         during = scrape(url)
         during_records = {r.id: r for r in table.all()}
-        record, stop = core.cancel(long, "enough")
+        _, stop = core.cancel(long, "enough")
         loop.stop_job(stop.job, stop.kind, stop.reason)
         status = run_until(lambda: table.get(long).state == "cancelled")
         after = scrape(url)

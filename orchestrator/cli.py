@@ -42,6 +42,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         where = trainer.get("device", "?")
         print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
               + (f"  ERROR: {trainer['error']}" if trainer.get("error") else ""))
+    for key, value in info.items():   # what the service's listeners report: metrics_url, metrics_error, ...
+        if key.endswith(("_url", "_error")):
+            print(f"  {key.replace('_', ' ')}: {value}")
     return 0
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from actors.core.config import ServiceConfig
 from actors.core.listeners import ServiceListener
+from orchestrator.metrics import MetricsListener
 
 
 def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
     listeners: list[ServiceListener] = []
+    if config.metrics.enabled:
+        listeners.append(MetricsListener(config.metrics))
     return listeners

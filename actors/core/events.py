@@ -47,3 +47,4 @@ class TrainerStatus:
     longest_sequence: int = 0
     step_tokens: int = 0
     max_jobs: int | None = None
+    memory_in_use_bytes: int = 0  # now: allocated CUDA memory, or the process's resident memory on CPU

@@ -7,6 +7,7 @@ state; the fused steps themselves run in one thread, one `run_once` at a time.""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -95,6 +96,24 @@ def default_memory_budget(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
 
 
+def memory_in_use(device: torch.device) -> int:
+    """Memory held right now: the CUDA allocator's allocated bytes, or this process's resident set on CPU
+    (Linux's /proc/self/statm; 0, with a warning once, where there is none)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError as error:
+        _warn_once(f"memory in use is reported as 0: cannot read the resident set size ({error})")
+        return 0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
 def activation_bytes_estimate(model: torch.nn.Module, tokens: int, dtype: torch.dtype) -> int:
     """A first guess of a step's memory over the weights before any step has been measured: per token
     and layer about 12 hidden-sized and 3 intermediate-sized tensors (attention, norms, MLP) are kept for
@@ -168,7 +187,7 @@ class TrainerLoop:
                              self.peak_memory, self.budget, self.activation_estimate, dict(self.linear_shapes),
                              self.data_waits, tuple(self.memory_model.coefficients.tolist()),
                              self.memory_model.mean_error, self.longest_sequence, self.config.step_tokens,
-                             self.config.max_jobs)
+                             self.config.max_jobs, memory_in_use(self.base.device))
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:

@@ -160,8 +160,8 @@ def calibrate(state_dir: Path, base: Calibration | None = None) -> Calibration:
     logs = sorted(state_dir.glob("trainers/*.jsonl")) or sorted(state_dir.glob("*.jsonl"))
     rows = [json.loads(line) for log in logs for line in log.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("sequence_lengths")]
-    if len(rows) < 8:
-        raise ValueError(f"{state_dir}: {len(rows)} logged steps in trainers/*.jsonl; a calibration needs at least 8 "
+    if len(rows) < 4:
+        raise ValueError(f"{state_dir}: {len(rows)} logged steps in trainers/*.jsonl; a calibration needs at least 4 "
                          "(run some jobs on the service first)")
     calibration = (base or Calibration()).model_copy()
     tokens = np.array([r["tokens"] for r in rows], dtype=np.float64)
@@ -366,12 +366,15 @@ class Simulator:
         return self.calibration.memory.peak(StepShape.of(flat, self.held_parameters(trainer.id)))
 
     def step(self, trainer: TrainerSpec, now: float) -> bool:
-        """Run one fused step on `trainer` at `now` (its clock); False when it has nothing ready."""
+        """Run one fused step on `trainer` at `now` (its clock); False when nothing happened (no job ready,
+        none preempted)."""
+        preempted = False
         for job in self.jobs.values():   # preempted jobs leave at this step boundary, checkpointed
             if job.trainer == trainer.id and job.preempting and job.state in ("starting", "running"):
                 job.state, job.trainer, job.preempting, job.queued_since = "queued", None, False, now
                 self.clock[trainer.id] = now + self.calibration.checkpoint_seconds
                 now = self.clock[trainer.id]
+                preempted = True
         ready = [j for j in self.jobs.values() if j.trainer == trainer.id and j.state in ("starting", "running")
                  and j.ready_at <= now]
         for job in ready:
@@ -379,7 +382,7 @@ class Simulator:
             if not job.next_lengths:
                 job.next_lengths = job.draw()
         if not ready:
-            return False
+            return preempted
         chosen = self.compose(trainer, ready)
         lengths = [j.next_lengths for j in chosen]
         flat = [n for l in lengths for n in l]

@@ -76,3 +76,42 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
     rows = step_rows(tmp_path / "state")
     assert max(len(r["jobs"]) for r in rows) == 2                  # the plug-in's limit held
     assert {j for r in rows for j in r["jobs"]} == set(ids)
+
+
+def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, tiny_model_dirs, tmp_path):
+    from actors.core.job_table import JobTable
+    from actors.core.scheduler_core import SchedulerCore
+    from actors.core.trainer_loop import TrainerLoop
+    from actors.engine.spec import LoraConfig
+    from policies.fifo import FifoPolicy
+    from policies.memory import adapter_memory_bytes
+
+    base = str(tiny_model_dirs["llama"])
+    lora = {"r": 1024, "alpha": 16, "target_modules": "all-linear"}     # 32 MiB each with AdamW state
+    trainer = TrainerConfig(base_model=base, step_tokens=128, num_cpus=0.5, threads=1)
+    # the trainer's own first estimate of its fixed and per-step memory (before any step is measured)
+    probe = TrainerLoop(load_base_model(base, dtype="float32", device="cpu"), trainer, "probe", tmp_path / "probe")
+    view = SchedulerCore(JobTable(tmp_path / "probe.sqlite"), FifoPolicy(), tmp_path).trainer_view(probe.status())
+    job_bytes = adapter_memory_bytes(LoraConfig(**lora), probe.status().linear_shapes)
+    budget = int(view.base_bytes + view.step_memory_bytes + 2.5 * job_bytes)
+    config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,
+                           trainers=[trainer.model_copy(update={"memory_budget_bytes": budget})])
+    data = tmp_path / "data"
+    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 12, lora=lora, batch_size=2, max_seq_len=32)
+            for i in range(3)]
+    client = Client.local(config)
+    try:
+        handles = client.submit_run(run_spec(base, tmp_path / "out", jobs, step_tokens=128))
+        waiting = wait_for(lambda: [h for h in handles if "waiting for memory" in client.status(h.id).reason],
+                           what="a job waiting for memory")
+        records = client.wait_all([h.id for h in handles], timeout=240)
+    finally:
+        client.shutdown()
+    assert all(r.state == "completed" for r in records), [(r.name, r.state, r.reason) for r in records]
+    rows = step_rows(tmp_path / "state")
+    assert max(len(r["jobs"]) for r in rows) == 2
+    assert all(r["peak_memory_bytes"] <= budget and r["predicted_memory_bytes"] <= budget for r in rows)
+    late = waiting[0].id
+    first_late_step = min(i for i, r in enumerate(rows) if late in r["jobs"])
+    ended_before = {j for r in rows[:first_late_step] for j in r["jobs"]} - set(rows[first_late_step]["jobs"])
+    assert ended_before, "the third job started before either of the others had finished"

@@ -9,4 +9,9 @@ from actors.core.listeners import ServiceListener
 
 def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
     listeners: list[ServiceListener] = []
+    if config.events.enabled:
+        from orchestrator.events import MqttListener
+
+        listeners.append(MqttListener(config.events, service_info={"policy": config.policy,
+                                                                   "state_dir": str(config.state_dir)}))
     return listeners

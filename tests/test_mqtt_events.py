@@ -1,0 +1,260 @@
+"""MQTT job events, checked by a real subscriber (an aiomqtt client in the test): against a real mosquitto
+started by the test and against the service's embedded amqtt broker, a job's states, progress and events
+arrive, late subscribers get the retained state and service status, a stopped service leaves a retained
+`offline`, and a listener whose broker is down neither blocks nor stops anything."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.core.job_table import JobRecord
+from orchestrator.client import Client
+from orchestrator.events import MqttListener, topic_level
+from tests.service_helpers import job_dict, wait_for, write_task_data
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mosquitto_binary() -> str | None:
+    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+                                              if os.access(p, os.X_OK)), None)
+
+
+@pytest.fixture(scope="module")
+def mosquitto(tmp_path_factory):
+    """A real mosquitto on 127.0.0.1:<free port> (anonymous); yields its port."""
+    binary = mosquitto_binary()
+    if binary is None:
+        message = "mosquitto is not installed (apt-get install mosquitto)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    folder = tmp_path_factory.mktemp("mosquitto")
+    port = free_port()
+    config = folder / "mosquitto.conf"
+    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    log_file = (folder / "mosquitto.log").open("w")
+    process = subprocess.Popen([binary, "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        def accepting() -> bool:
+            assert process.poll() is None, (folder / "mosquitto.log").read_text()
+            with socket.socket() as probe:
+                return probe.connect_ex(("127.0.0.1", port)) == 0
+        wait_for(accepting, timeout=20, what="mosquitto to listen")
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        log_file.close()
+
+
+class Subscriber:
+    """An aiomqtt client in a thread of its own, subscribed to `topic`; records (topic, payload, retain)."""
+
+    def __init__(self, port: int, topic: str = "aspen/v1/#"):
+        self.port, self.topic = port, topic
+        self.messages: list[tuple[str, dict, bool]] = []
+        self.subscribed = threading.Event()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.subscribed.wait(10), f"subscriber could not subscribe on port {port}: {self.error!r}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:  # noqa: BLE001 - reported by close()
+            self.error = error
+            self.subscribed.set()
+
+    async def _main(self) -> None:
+        async with aiomqtt.Client("127.0.0.1", self.port, identifier=f"test-{uuid.uuid4().hex[:8]}") as client:
+            await client.subscribe(self.topic, qos=1)
+            self.subscribed.set()
+
+            async def read() -> None:
+                async for message in client.messages:
+                    self.messages.append((str(message.topic), json.loads(message.payload), bool(message.retain)))
+
+            reader = asyncio.create_task(read())
+            while not self.stopping.is_set():
+                await asyncio.sleep(0.05)
+            reader.cancel()
+
+    def on(self, topic: str) -> list[tuple[dict, bool]]:
+        return [(payload, retain) for t, payload, retain in list(self.messages) if t == topic]
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        if self.error is not None:
+            raise self.error
+
+
+def retained(port: int, topic: str, wait: float = 10) -> dict:
+    """What a subscriber connecting now gets as the retained message of `topic`."""
+    late = Subscriber(port, topic)
+    try:
+        found = wait_for(lambda: late.on(topic), timeout=wait, what=f"a retained message on {topic}")
+    finally:
+        late.close()
+    payload, was_retained = found[0]
+    assert was_retained
+    return payload
+
+
+def service_config(state_dir: Path, base: Path, events: dict) -> ServiceConfig:
+    trainer = TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
+    return ServiceConfig(state_dir=state_dir, trainers=[trainer], tick_seconds=0.1, events=events)
+
+
+def check_job_lifecycle(subscriber: Subscriber, client: Client, job_id: str, steps: int) -> None:
+    prefix = f"aspen/v1/jobs/{job_id}"
+    wait_for(lambda: any(p["state"] == "completed" for p, _ in subscriber.on(f"{prefix}/state")),
+             timeout=30, what="the completed state on MQTT")
+    states = [p["state"] for p, _ in subscriber.on(f"{prefix}/state")]
+    assert states == ["queued", "running", "completed"], states
+    assert all(p["job"] == job_id for p, _ in subscriber.on(f"{prefix}/state"))
+    progress = [p for p, retain in subscriber.on(f"{prefix}/progress") if not retain]
+    assert [p["step"] for p in progress] == list(range(1, steps + 1))
+    table = {row["step"]: row["loss"] for row in client.losses(job_id)}   # the service's own record
+    assert all(p["loss"] == pytest.approx(table[p["step"]]) and p["tokens_per_s"] > 0 and p["total_steps"] == steps
+               for p in progress)
+
+
+def test_topic_levels_cannot_contain_wildcards_or_separators():
+    assert topic_level("a+b/c#d-1f2e3a") == "a_b_c_d-1f2e3a"
+    assert topic_level("ok.name_1-abc123") == "ok.name_1-abc123"
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{free_port()}", topic_prefix="lab/aspen/"))
+    try:
+        assert listener.job_topic("x/+#-00ff", "state") == "lab/aspen/jobs/x___-00ff/state"
+    finally:
+        listener.close()
+    with pytest.raises(ValueError, match="events.topic_prefix"):
+        MqttListener(EventsConfig(topic_prefix="aspen/#"))
+    with pytest.raises(ValueError, match="events.broker"):
+        MqttListener(EventsConfig(broker="http://127.0.0.1:1883"))
+
+
+def test_a_dead_broker_never_blocks_and_warns(caplog):
+    port = free_port()   # nothing listens there
+    record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
+                       1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
+    with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+        listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"), queue_size=100)
+        try:
+            started = time.perf_counter()
+            for _ in range(5000):
+                listener.job_changed(record, "queued")
+                listener.decided("preempt", record.id, "a higher priority job")
+            assert time.perf_counter() - started < 2.0
+            assert len(listener.queue) <= 100
+            wait_for(lambda: listener.down, timeout=10, what="the listener to notice the broker is down")
+            listener.job_changed(record, "queued")
+        finally:
+            started = time.perf_counter()
+            listener.close()
+            assert time.perf_counter() - started < 5.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"mqtt://127.0.0.1:{port}" in w and "unreachable" in w for w in warnings), warnings
+    assert len(warnings) <= 3, warnings    # rate-limited, not one per event
+
+
+def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+            listener = MqttListener(EventsConfig(embedded_port=port))
+        try:
+            assert listener.describe() == {}
+            listener.job_changed(JobRecord("j-1", "j", "queued", "submitted", "m", "none", 0, "/o", None, 0, None, 0,
+                                           None, None, None, None, None, 0.0, None, None, 0.0), None)
+        finally:
+            listener.close()
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"127.0.0.1:{port}" in message and "events.embedded_port" in message and "events.broker" in message
+
+
+def test_job_events_on_a_real_mosquitto(ray_session, mosquitto, tiny_model_dirs, tmp_path):
+    base = tiny_model_dirs["llama"]
+    url = f"mqtt://127.0.0.1:{mosquitto}"
+    client = Client.local(service_config(tmp_path / "state", base, {"broker": url}))
+    stopped = False
+    try:
+        assert client.info()["mqtt_url"] == url
+        live = Subscriber(mosquitto)
+        data = tmp_path / "data"
+        job = client.submit(job_dict("plain", write_task_data(data, "plain"), 6), base_model=str(base))
+        # a stop rule that can never be satisfied: stops at its 4th evaluation (patience 1 + 3)
+        stopper = client.submit(job_dict("stopper", write_task_data(data, "stopper", offset=2), 60, eval_every=1,
+                                         early_stop={"min_improvement": 5.0, "patience": 1}), base_model=str(base))
+        assert job.wait(timeout=120).state == "completed"
+        ended = stopper.wait(timeout=120)
+        assert ended.state == "stopped_early", ended
+        check_job_lifecycle(live, client, job.id, 6)
+
+        events = f"aspen/v1/jobs/{stopper.id}/events"
+        early = wait_for(lambda: [p for p, _ in live.on(events) if p["kind"] == "stopped_early"], timeout=20,
+                         what="the stopped_early event")
+        assert early[0]["reason"] == ended.reason and early[0]["job"] == stopper.id
+        states = [p["state"] for p, _ in live.on(f"aspen/v1/jobs/{stopper.id}/state")]
+        assert states[-1] == "stopped_early"
+        status = live.on("aspen/v1/service/status")
+        assert status and status[-1][0]["state"] == "online" and status[-1][0]["policy"] == "adaptive"
+        live.close()
+
+        # a subscriber that comes after the fact gets the retained state and service status
+        assert retained(mosquitto, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
+        assert retained(mosquitto, "aspen/v1/service/status")["state"] == "online"
+
+        client.shutdown()
+        stopped = True
+        offline = retained(mosquitto, "aspen/v1/service/status")
+        assert offline["state"] == "offline" and offline["reason"] == "shutdown"
+        assert retained(mosquitto, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
+    finally:
+        if not stopped:
+            client.shutdown()
+
+
+def test_job_events_on_the_embedded_broker(ray_session, tiny_model_dirs, tmp_path):
+    base = tiny_model_dirs["llama"]
+    client = Client.local(service_config(tmp_path / "state", base, {"broker": "embedded", "embedded_port": 0}))
+    try:
+        url = client.info()["mqtt_url"]
+        assert url.startswith("mqtt://127.0.0.1:")
+        port = int(url.rsplit(":", 1)[1])
+        assert port != 0
+        live = Subscriber(port)
+        job = client.submit(job_dict("embedded", write_task_data(tmp_path / "data", "embedded"), 5),
+                            base_model=str(base))
+        assert job.wait(timeout=120).state == "completed"
+        check_job_lifecycle(live, client, job.id, 5)
+        live.close()
+        assert retained(port, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
+        assert retained(port, "aspen/v1/service/status")["state"] == "online"
+    finally:
+        client.shutdown()
+    with socket.socket() as probe:   # the embedded broker stopped with the service
+        assert probe.connect_ex(("127.0.0.1", port)) != 0

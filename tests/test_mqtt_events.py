@@ -24,6 +24,7 @@ from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
 from actors.core.job_table import JobRecord
 from orchestrator.client import Client
 from orchestrator.events import MqttListener, topic_level
+from orchestrator.report import write_report
 from tests.service_helpers import job_dict, wait_for, write_task_data
 
 
@@ -258,3 +259,11 @@ def test_job_events_on_the_embedded_broker(ray_session, tiny_model_dirs, tmp_pat
         client.shutdown()
     with socket.socket() as probe:   # the embedded broker stopped with the service
         assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+    # aspen report on the service's state folder (outputs/<job id>/metrics.jsonl, jobs.sqlite)
+    png, markdown = write_report(tmp_path / "state")
+    metrics = [json.loads(line) for line in
+               (tmp_path / "state" / "outputs" / job.id / "metrics.jsonl").read_text().splitlines()]
+    row = next(line for line in markdown.read_text().splitlines() if line.startswith(f"| {job.id} |"))
+    assert row == f"| {job.id} | 5 | {metrics[-1]['loss']:.4f} | - | {sum(r['tokens'] for r in metrics)} | completed |"
+    assert png.read_bytes()[:4] == b"\x89PNG"

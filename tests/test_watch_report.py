@@ -12,12 +12,13 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from rich.console import Console
 
 from actors.core.config import SCHEDULER_NAME, ServiceConfig, TrainerConfig
 from actors.core.job_table import JobRecord
 from orchestrator.cli import main
 from orchestrator.client import Client
-from orchestrator.watch import eta_seconds
+from orchestrator.watch import eta_seconds, watch
 from tests.service_helpers import job_dict, run_spec, wait_for, write_task_data
 
 
@@ -75,6 +76,21 @@ def test_watch_once_shows_every_job_with_its_progress_and_eta(finished_run, tmp_
     cells = [cell.strip() for cell in lines[long.id].split("│")]
     assert cells[2] == "running" and re.fullmatch(r"\d+/5000", cells[3])
     assert re.fullmatch(r"(\d+h)?(\d+m)?\d+s|\d+h\d\dm", cells[7]), cells   # an ETA, not '-'
+
+
+def test_watch_refreshes_live_until_its_duration(finished_run):
+    client, _, records, _ = finished_run
+    fetched = []
+
+    def fetch() -> list[JobRecord]:
+        fetched.append(time.time())
+        return client.jobs()
+
+    console = Console(record=True, width=160, force_terminal=True)
+    last = watch(fetch, interval=0.2, duration=1.0, console=console)
+    assert len(fetched) >= 4 and {r.id for r in records} <= {r.id for r in last}
+    shown = console.export_text()
+    assert all(r.id in shown for r in records) and "ETA" in shown
 
 
 def test_eta_comes_from_tokens_per_second_or_steps_per_second():

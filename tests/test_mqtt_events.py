@@ -39,32 +39,47 @@ def mosquitto_binary() -> str | None:
                                               if os.access(p, os.X_OK)), None)
 
 
-@pytest.fixture(scope="module")
-def mosquitto(tmp_path_factory):
-    """A real mosquitto on 127.0.0.1:<free port> (anonymous); yields its port."""
+def start_mosquitto(folder: Path, port: int) -> subprocess.Popen:
+    """A real mosquitto on 127.0.0.1:`port` (anonymous), listening when this returns."""
     binary = mosquitto_binary()
     if binary is None:
         message = "mosquitto is not installed (apt-get install mosquitto)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    folder = tmp_path_factory.mktemp("mosquitto")
-    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
     config = folder / "mosquitto.conf"
     config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    log_file = (folder / "mosquitto.log").open("w")
-    process = subprocess.Popen([binary, "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT)
+    with (folder / "mosquitto.log").open("a") as log_file:
+        process = subprocess.Popen([binary, "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT)
+
+    def accepting() -> bool:
+        assert process.poll() is None, (folder / "mosquitto.log").read_text()
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
     try:
-        def accepting() -> bool:
-            assert process.poll() is None, (folder / "mosquitto.log").read_text()
-            with socket.socket() as probe:
-                return probe.connect_ex(("127.0.0.1", port)) == 0
         wait_for(accepting, timeout=20, what="mosquitto to listen")
+    except BaseException:
+        stop_mosquitto(process)
+        raise
+    return process
+
+
+def stop_mosquitto(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def mosquitto(tmp_path_factory):
+    """A real mosquitto for the module; yields its port."""
+    port = free_port()
+    process = start_mosquitto(tmp_path_factory.mktemp("mosquitto"), port)
+    try:
         yield port
     finally:
-        process.terminate()
-        process.wait(timeout=10)
-        log_file.close()
+        stop_mosquitto(process)
 
 
 class Subscriber:
@@ -178,6 +193,31 @@ def test_a_dead_broker_never_blocks_and_warns(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(f"mqtt://127.0.0.1:{port}" in w and "unreachable" in w for w in warnings), warnings
     assert len(warnings) <= 3, warnings    # rate-limited, not one per event
+
+
+def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path, caplog):
+    port = free_port()
+    broker = start_mosquitto(tmp_path / "broker", port)
+    record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
+                       1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
+    try:
+        listener.job_changed(record, "queued")
+        wait_for(lambda: listener.published >= 1, timeout=10, what="the first state to be published")
+        stop_mosquitto(broker)           # persistence off: the restarted broker has no retained messages
+        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+            wait_for(lambda: listener.down, timeout=20, what="the listener to notice the broker left")
+            record.state, record.step = "completed", 10
+            listener.job_changed(record, "running")     # dropped: the broker is away
+        broker = start_mosquitto(tmp_path / "broker", port)
+        wait_for(lambda: listener.connected, timeout=30, what="the listener to reconnect")
+        state = retained(port, "aspen/v1/jobs/job-abc123/state")
+        assert (state["state"], state["step"]) == ("completed", 10)
+        assert retained(port, "aspen/v1/service/status")["state"] == "online"
+        assert any("unreachable" in r.getMessage() for r in caplog.records)
+    finally:
+        listener.close()
+        stop_mosquitto(broker)
 
 
 def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog):

@@ -6,6 +6,7 @@ arrive, late subscribers get the retained state and service status, a stopped se
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import logging
 import os
@@ -39,8 +40,10 @@ def mosquitto_binary() -> str | None:
                                               if os.access(p, os.X_OK)), None)
 
 
-def start_mosquitto(folder: Path, port: int) -> subprocess.Popen:
-    """A real mosquitto on 127.0.0.1:`port` (anonymous), listening when this returns."""
+def start_mosquitto(folder: Path, port: int, settings: str | None = None, tls_port: int | None = None
+                    ) -> subprocess.Popen:
+    """A real mosquitto on 127.0.0.1:`port` (anonymous unless `settings` say otherwise), listening (also on
+    `tls_port` when given) when this returns."""
     binary = mosquitto_binary()
     if binary is None:
         message = "mosquitto is not installed (apt-get install mosquitto)"
@@ -49,14 +52,17 @@ def start_mosquitto(folder: Path, port: int) -> subprocess.Popen:
         pytest.skip(message)
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "mosquitto.conf"
-    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    config.write_text(settings or f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
     with (folder / "mosquitto.log").open("a") as log_file:
         process = subprocess.Popen([binary, "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT)
 
     def accepting() -> bool:
         assert process.poll() is None, (folder / "mosquitto.log").read_text()
-        with socket.socket() as probe:
-            return probe.connect_ex(("127.0.0.1", port)) == 0
+        for listening in (port, tls_port or port):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", listening)) != 0:
+                    return False
+        return True
 
     try:
         wait_for(accepting, timeout=20, what="mosquitto to listen")
@@ -85,8 +91,9 @@ def mosquitto(tmp_path_factory):
 class Subscriber:
     """An aiomqtt client in a thread of its own, subscribed to `topic`; records (topic, payload, retain)."""
 
-    def __init__(self, port: int, topic: str = "aspen/v1/#"):
-        self.port, self.topic = port, topic
+    def __init__(self, port: int, topic: str = "aspen/v1/#", username: str | None = None,
+                 password: str | None = None):
+        self.port, self.topic, self.username, self.password = port, topic, username, password
         self.messages: list[tuple[str, dict, bool]] = []
         self.subscribed = threading.Event()
         self.stopping = threading.Event()
@@ -103,7 +110,8 @@ class Subscriber:
             self.subscribed.set()
 
     async def _main(self) -> None:
-        async with aiomqtt.Client("127.0.0.1", self.port, identifier=f"test-{uuid.uuid4().hex[:8]}") as client:
+        async with aiomqtt.Client("127.0.0.1", self.port, identifier=f"test-{uuid.uuid4().hex[:8]}",
+                                  username=self.username, password=self.password) as client:
             await client.subscribe(self.topic, qos=1)
             self.subscribed.set()
 
@@ -126,9 +134,9 @@ class Subscriber:
             raise self.error
 
 
-def retained(port: int, topic: str, wait: float = 10) -> dict:
+def retained(port: int, topic: str, wait: float = 10, **credentials: str) -> dict:
     """What a subscriber connecting now gets as the retained message of `topic`."""
-    late = Subscriber(port, topic)
+    late = Subscriber(port, topic, **credentials)
     try:
         found = wait_for(lambda: late.on(topic), timeout=wait, what=f"a retained message on {topic}")
     finally:
@@ -217,6 +225,46 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
         assert any("unreachable" in r.getMessage() for r in caplog.records)
     finally:
         listener.close()
+        stop_mosquitto(broker)
+
+
+def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(folder / "key.pem"),
+                    "-out", str(folder / "cert.pem")], check=True, capture_output=True)
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(folder / "passwords"), "aspen", "s3cret"], check=True,
+                   capture_output=True)
+    plain, tls = free_port(), free_port()
+    # as root, mosquitto drops to the user 'mosquitto', who cannot read the test's private folder
+    settings = (f"user {getpass.getuser()}\nper_listener_settings false\nallow_anonymous false\npassword_file {folder / 'passwords'}\n"
+                f"persistence false\nlistener {plain} 127.0.0.1\nlistener {tls} 127.0.0.1\n"
+                f"certfile {folder / 'cert.pem'}\nkeyfile {folder / 'key.pem'}\n")
+    broker = start_mosquitto(folder, plain, settings, tls_port=tls)
+    record = JobRecord("job-abc123", "job", "completed", "done", "m", "none", 0, "/out", None, 10, 10, 300,
+                       1.5, None, 20.0, None, None, time.time(), time.time(), time.time(), time.time())
+    try:
+        listener = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="s3cret",
+                                             ca_file=folder / "cert.pem"))
+        try:
+            assert listener.describe()["mqtt_url"] == f"mqtts://127.0.0.1:{tls}"
+            listener.job_changed(record, "running")
+            wait_for(lambda: listener.published >= 1, timeout=10, what="a publish over TLS")
+        finally:
+            listener.close()
+        assert retained(plain, "aspen/v1/jobs/job-abc123/state", username="aspen", password="s3cret")["state"] == \
+            "completed"
+        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+            wrong = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="wrong",
+                                              ca_file=folder / "cert.pem"))
+            try:
+                wait_for(lambda: wrong.down, timeout=10, what="a refused password to be noticed")
+            finally:
+                wrong.close()
+        assert any("unreachable" in r.getMessage() and f"mqtts://127.0.0.1:{tls}" in r.getMessage()
+                   for r in caplog.records)
+    finally:
         stop_mosquitto(broker)
 
 

@@ -8,7 +8,6 @@ import json
 import re
 import socket
 import time
-from pathlib import Path
 
 import matplotlib.image
 import pytest

@@ -38,6 +38,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     client = Client.serve(_service_config(args), address=args.address)
     info = client.wait_ready()
     print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
+    if info.get("mqtt_url"):
+        print(f"  job events: {info['mqtt_url']} (topics {info.get('mqtt_topics', 'aspen/v1/#')})")
     for trainer in info["trainers"]:
         where = trainer.get("device", "?")
         print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
@@ -78,6 +80,27 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps([r.as_dict() for r in records], indent=1))
     else:
         print_table(summary_table(records))
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from orchestrator.client import Client
+    from orchestrator.watch import watch
+
+    client = Client.connect(args.address)
+    console = Console(width=max(Console().width, 140)) if args.once and not sys.stdout.isatty() else Console()
+    watch(client.jobs, once=args.once, interval=args.interval, console=console)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from orchestrator.report import write_report
+
+    write_report(Path(args.run_dir), console=Console(width=max(Console().width, 120)))
     return 0
 
 
@@ -182,6 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("job", nargs="?", help="job id (or a unique job name)")
     status.add_argument("--json", action="store_true")
     status.set_defaults(handler=_cmd_status)
+
+    watch = with_address(commands.add_parser("watch", help="a live table of the jobs: state, step, loss, tokens/s, "
+                                                         "ETA (Ctrl-C to leave)"))
+    watch.add_argument("--once", action="store_true", help="print the table once and exit")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    watch.set_defaults(handler=_cmd_watch)
+
+    report = commands.add_parser("report", help="loss curves (report.png) and a summary table (report.md) of "
+                                                "a run's jobs")
+    report.add_argument("run_dir", help="a run's output folder (one folder per job) or a service's state folder")
+    report.set_defaults(handler=_cmd_report)
 
     cancel = with_address(commands.add_parser("cancel", help="cancel a job (it is checkpointed first)"))
     cancel.add_argument("job")

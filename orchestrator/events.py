@@ -1,0 +1,424 @@
+"""Job events over MQTT: `MqttListener` hears the scheduler (a `ServiceListener`) and publishes each job's
+state changes, progress and notable events, plus the service's own online/offline status, to an MQTT
+broker: an embedded amqtt broker started with the service (default), or an external one.
+
+The scheduler's calls only put a message on a bounded queue; a daemon thread runs its own asyncio loop
+(the embedded broker, and an aiomqtt client that publishes the queue and reconnects with backoff). When
+the broker is unreachable or the queue is full, events are dropped with a (rate-limited) warning and
+training goes on.
+
+Topics (under `events.topic_prefix`, default `aspen/v1`):
+    jobs/<job>/state     every state change, retained, QoS 1
+    jobs/<job>/progress  every optimizer step, QoS 0
+    jobs/<job>/events    early stop, preemption, stop-rule predictions, evaluations, failures, QoS 1
+    service/status       `online` (retained, at connect), `offline` (retained: last will, and on close)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import ssl
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from actors.core.config import EventsConfig
+from actors.core.events import TrainerEvent, TrainerStatus
+from actors.core.job_table import JobRecord
+
+log = logging.getLogger(__name__)
+
+TOPIC_LEVEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+QUEUE_SIZE = 10_000
+WARN_EVERY_S = 30.0
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+def topic_level(name: str) -> str:
+    """One topic level from a job id or name: anything but letters, digits, '.', '_' and '-' (so also
+    MQTT's wildcards '+' and '#' and the separator '/') becomes '_'."""
+    return TOPIC_LEVEL_UNSAFE.sub("_", name) or "_"
+
+
+def port_taken(host: str, port: int) -> OSError | None:
+    """Why `host:port` cannot be listened on (binding as the broker will, with SO_REUSEADDR), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            probe.listen(1)
+        except OSError as error:
+            return error
+    return None
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where to publish: host, port, TLS, credentials."""
+
+    host: str
+    port: int
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def url(self) -> str:
+        """The broker's URL without credentials (safe to show)."""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+def parse_broker_url(url: str, username: str | None = None, password: str | None = None) -> BrokerAddress:
+    """`mqtt://host[:1883]` or `mqtts://host[:8883]`, optionally with `user:password@`; the config's
+    `username`/`password` win over the URL's."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise ValueError(f"events.broker: '{url}' is neither 'embedded' nor a broker URL like mqtt://host:1883 "
+                         "or mqtts://host:8883")
+    tls = parts.scheme == "mqtts"
+    try:
+        port = parts.port or (8883 if tls else 1883)
+    except ValueError:
+        raise ValueError(f"events.broker: '{url}' has an invalid port") from None
+    return BrokerAddress(parts.hostname, port, tls,
+                         username if username is not None else (unquote(parts.username) if parts.username else None),
+                         password if password is not None else (unquote(parts.password) if parts.password else None))
+
+
+@dataclass(frozen=True)
+class Message:
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+
+
+class MqttListener:
+    """Publishes the service's job events to MQTT (see the module docstring for topics and payloads)."""
+
+    def __init__(self, config: EventsConfig, *, service_info: dict[str, Any] | None = None,
+                 queue_size: int = QUEUE_SIZE, start_timeout: float = 10.0):
+        prefix = config.topic_prefix.strip("/")
+        if not prefix or "+" in prefix or "#" in prefix:
+            raise ValueError(f"events.topic_prefix: '{config.topic_prefix}' must be a non-empty topic without the "
+                             "wildcards '+' and '#' (default aspen/v1)")
+        self.config = config
+        self.prefix = prefix
+        self.service_info = dict(service_info or {})
+        self.embedded = config.broker == "embedded"
+        self.address: BrokerAddress | None = None
+        if not self.embedded:
+            self.address = parse_broker_url(config.broker, config.username, config.password)
+            if config.ca_file is not None and not config.ca_file.is_file():
+                raise ValueError(f"events.ca_file: {config.ca_file} does not exist")
+        self.queue: deque[Message] = deque()
+        self.queue_size = queue_size
+        self.queue_lock = threading.Lock()
+        self.published_states: dict[str, bytes] = {}   # job id -> its last state payload (republished on reconnect)
+        self.connected = False
+        self.down = False            # a connection attempt failed and none succeeded since: drop, don't queue
+        self.disabled = False        # the embedded broker could not start: no events at all
+        self.dropped = 0
+        self.last_warning = 0.0
+        self.published = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake: asyncio.Event | None = None
+        self.stop_requested = False
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self.thread = threading.Thread(target=self._thread_main, name="mqtt-events", daemon=True)
+        self.thread.start()
+        if not self.ready.wait(start_timeout):
+            log.warning("events: the MQTT thread did not start within %.0fs; events are queued until it does",
+                        start_timeout)
+
+    # -- topics and payloads ------------------------------------------------------------------------------
+    @property
+    def status_topic(self) -> str:
+        return f"{self.prefix}/service/status"
+
+    def job_topic(self, job_id: str, kind: str) -> str:
+        return f"{self.prefix}/jobs/{topic_level(job_id)}/{kind}"
+
+    @staticmethod
+    def _json(data: dict[str, Any]) -> bytes:
+        return json.dumps(data, default=str).encode()
+
+    def _state_payload(self, record: JobRecord, previous: str | None) -> bytes:
+        return self._json({"job": record.id, "name": record.name, "state": record.state, "previous": previous,
+                           "reason": record.reason, "step": record.step, "total_steps": record.total_steps,
+                           "loss": record.loss, "eval_loss": record.eval_loss, "trainer": record.trainer,
+                           "output_dir": record.output_dir, "time": time.time()})
+
+    def _status_payload(self, state: str, **extra: Any) -> bytes:
+        return self._json({"state": state, "time": time.time(), **self.service_info, **extra})
+
+    # -- ServiceListener ----------------------------------------------------------------------------------
+    def job_changed(self, record: JobRecord, previous: str | None) -> None:
+        payload = self._state_payload(record, previous)
+        self.published_states[record.id] = payload
+        self._put(Message(self.job_topic(record.id, "state"), payload, 1, True))
+        if record.state in ("stopped_early", "failed"):
+            self._event(record.id, record.state, step=record.step, reason=record.reason)
+
+    def trainer_polled(self, status: TrainerStatus, events: list[TrainerEvent]) -> None:
+        for event in events:
+            data = event.data
+            if event.kind == "progress":
+                payload = {"job": event.job_id, "step": event.step, "loss": data.get("loss"),
+                           "tokens_per_s": data.get("tokens_per_s"), "tokens": data.get("tokens"),
+                           "total_steps": data.get("total_steps"), "lr": data.get("lr"), "time": event.time}
+                self._put(Message(self.job_topic(event.job_id, "progress"), self._json(payload), 0, False))
+            elif event.kind == "prediction":
+                self._event(event.job_id, "prediction", step=event.step,
+                            predicted_stop_step=data.get("predicted_stop_step"))
+            elif event.kind == "eval":
+                self._event(event.job_id, "eval", step=event.step, eval_loss=data.get("eval_loss"))
+
+    def decided(self, kind: str, job_id: str, reason: str) -> None:
+        if kind == "preempt":
+            self._event(job_id, "preempted", reason=reason)
+
+    def tick(self, jobs: list[JobRecord], trainers: list[TrainerStatus]) -> None:
+        """Jobs this listener has not published yet (from before the service started) get their state
+        published once, so that a fresh broker holds every job's retained state."""
+        for record in jobs:
+            if record.id not in self.published_states:
+                self.job_changed(record, None)
+
+    def describe(self) -> dict[str, str]:
+        if self.disabled:
+            return {}
+        if self.address is None:
+            return {}
+        return {"mqtt_url": self.address.url, "mqtt_topics": f"{self.prefix}/#"}
+
+    def close(self) -> None:
+        """Publish the retained `offline` status, disconnect, stop the embedded broker (waits a few
+        seconds at most)."""
+        if self.loop is not None and not self.finished.is_set():
+            self.stop_requested = True
+            self._wake_loop()
+            if not self.finished.wait(CLOSE_TIMEOUT_S + 5):
+                log.warning("events: the MQTT thread did not stop within %.0fs", CLOSE_TIMEOUT_S + 5)
+        self.thread.join(timeout=1)
+
+    # -- the queue ----------------------------------------------------------------------------------------
+    def _event(self, job_id: str, kind: str, **data: Any) -> None:
+        payload = {"job": job_id, "kind": kind, **data, "time": time.time()}
+        self._put(Message(self.job_topic(job_id, "events"), self._json(payload), 1, False))
+
+    def _put(self, message: Message) -> None:
+        if self.disabled or self.stop_requested:
+            return
+        with self.queue_lock:
+            full = len(self.queue) >= self.queue_size
+            if not full and not self.down:
+                self.queue.append(message)
+                accepted = True
+            else:
+                accepted = False
+        if accepted:
+            self._wake_loop()
+        else:
+            self._dropped("the queue is full" if full else "the broker is unreachable")
+
+    def _dropped(self, why: str) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self.last_warning >= WARN_EVERY_S:
+            where = self.address.url if self.address else "the embedded broker"
+            log.warning("events: dropped %d MQTT event(s) since the last warning: %s (%s); training goes on, "
+                        "reconnecting with backoff", self.dropped, why, where)
+            self.last_warning = now
+            self.dropped = 0
+
+    def _wake_loop(self) -> None:
+        loop, wake = self.loop, self.wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:   # the loop has closed (the service is stopping): nothing left to wake
+                log.debug("events: the MQTT loop has closed")
+
+    def _take(self) -> Message | None:
+        with self.queue_lock:
+            return self.queue.popleft() if self.queue else None
+
+    # -- the background thread -----------------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except Exception:  # noqa: BLE001 - events must never stop the service; the error is logged
+            log.exception("events: the MQTT thread failed; job events are off")
+            self.disabled = True
+        finally:
+            self.ready.set()
+            self.finished.set()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        broker = None
+        if self.embedded:
+            broker = await self._start_embedded()
+            if broker is None:
+                self.disabled = True
+                with self.queue_lock:
+                    self.queue.clear()
+                self.ready.set()
+                return
+        self.ready.set()
+        try:
+            await self._publish_forever()
+        finally:
+            if broker is not None:
+                try:
+                    await broker.shutdown()
+                except Exception:  # noqa: BLE001 - shutting down anyway; the error is logged
+                    log.exception("events: the embedded MQTT broker did not shut down cleanly")
+
+    async def _start_embedded(self) -> Any:
+        from amqtt.broker import Broker
+
+        logging.getLogger("amqtt").setLevel(logging.WARNING)
+        logging.getLogger("transitions").setLevel(logging.WARNING)   # amqtt's state machines, chatty at INFO
+        port = self.config.embedded_port
+        taken = port_taken("127.0.0.1", port) if port else None
+        if taken is not None:
+            self._embedded_failed(port, taken)
+            return None
+        config = {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}},
+                  "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}}
+        broker = Broker(config)
+        try:
+            await broker.start()
+        except Exception as error:  # noqa: BLE001 - the service runs on without events; the fix is logged
+            self._embedded_failed(port, error.__cause__ or error)
+            return None
+        server = getattr(broker, "_servers", {}).get("default")
+        sockets = getattr(getattr(server, "instance", None), "sockets", None)
+        real_port = sockets[0].getsockname()[1] if sockets else port
+        self.address = BrokerAddress("127.0.0.1", real_port)
+        log.info("events: embedded MQTT broker on %s", self.address.url)
+        return broker
+
+    @staticmethod
+    def _embedded_failed(port: int, cause: BaseException) -> None:
+        log.warning("events: cannot start the embedded MQTT broker on 127.0.0.1:%d (%s); job events are off. "
+                    "Set events.embedded_port to a free port (0 = any free port) or events.broker to an "
+                    "external broker's URL (mqtt://host:1883), or events.enabled: false", port, cause)
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if self.address is None or not self.address.tls:
+            return None
+        cafile = str(self.config.ca_file) if self.config.ca_file else None
+        return ssl.create_default_context(cafile=cafile)
+
+    async def _publish_forever(self) -> None:
+        import aiomqtt
+
+        assert self.address is not None
+        address = self.address
+        identifier = f"aspen-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        will = aiomqtt.Will(self.status_topic, self._status_payload("offline", reason="connection lost"), 1, True)
+        backoff = BACKOFF_MIN_S
+        pending: Message | None = None
+        while True:
+            try:
+                async with aiomqtt.Client(address.host, address.port, username=address.username,
+                                          password=address.password, identifier=identifier, will=will,
+                                          tls_context=self._tls_context(), timeout=10) as client:
+                    self.connected, self.down, backoff = True, False, BACKOFF_MIN_S
+                    log.info("events: connected to %s", address.url)
+                    watcher = asyncio.create_task(self._watch_connection(client))
+                    try:
+                        await client.publish(self.status_topic, self._status_payload("online"), qos=1, retain=True)
+                        for payload_topic, payload in self._republish():
+                            await client.publish(payload_topic, payload, qos=1, retain=True)
+                        while True:
+                            if pending is None:
+                                pending = self._take()
+                            if pending is not None:
+                                await client.publish(pending.topic, pending.payload, qos=pending.qos,
+                                                     retain=pending.retain, timeout=10)
+                                self.published += 1
+                                pending = None
+                                continue
+                            if self.stop_requested:
+                                await client.publish(self.status_topic,
+                                                     self._status_payload("offline", reason="shutdown"),
+                                                     qos=1, retain=True, timeout=CLOSE_TIMEOUT_S)
+                                return
+                            await self._idle(watcher)
+                    finally:
+                        watcher.cancel()
+            except (aiomqtt.MqttError, OSError) as error:
+                self.connected = False
+                if self.stop_requested:
+                    log.warning("events: could not publish the offline status to %s: %s", address.url, error)
+                    return
+                if not self.down:
+                    self.down = True
+                    with self.queue_lock:
+                        lost = len(self.queue)
+                        self.queue.clear()
+                    log.warning("events: MQTT broker %s unreachable (%s); %d queued event(s) dropped, events are "
+                                "dropped until it is back, retrying with backoff (check events.broker)",
+                                address.url, error, lost)
+                else:
+                    log.debug("events: still cannot reach %s: %s", address.url, error)
+                pending = None
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                if self.stop_requested:
+                    return
+
+    async def _idle(self, watcher: asyncio.Task) -> None:
+        """Wait for a message to publish, a stop request, or the connection to drop (raises MqttError)."""
+        assert self.wake is not None
+        self.wake.clear()
+        if self._take_peek() or self.stop_requested:
+            return
+        waiter = asyncio.create_task(self.wake.wait())
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            waiter.cancel()
+            watcher.result()
+
+    @staticmethod
+    async def _watch_connection(client: Any) -> None:
+        """Ends (with aiomqtt's MqttError) when the connection drops, so that an idle publisher notices at
+        once rather than at its next publish. Nothing is subscribed: no messages arrive."""
+        import aiomqtt
+
+        async for _ in client.messages:
+            pass
+        raise aiomqtt.MqttError("the connection to the broker closed")
+
+    def _take_peek(self) -> bool:
+        with self.queue_lock:
+            return bool(self.queue)
+
+    def _republish(self) -> list[tuple[str, bytes]]:
+        """At each (re)connect: every job's last state again (a state change may have been dropped while
+        the broker was away, and an embedded broker starts empty)."""
+        return [(self.job_topic(job_id, "state"), payload) for job_id, payload in list(self.published_states.items())]
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self.wake is not None
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), seconds)
+        except TimeoutError:
+            pass

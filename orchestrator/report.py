@@ -1,0 +1,171 @@
+"""`aspen report RUN_DIR`: one loss curve per job (with its eval losses where known) in
+`RUN_DIR/report.png`, and a summary table (job, steps, final loss, best eval loss, tokens, state) printed
+and written to `RUN_DIR/report.md`.
+
+RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service state in `.aspen/`) or a
+service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
+step (step, loss, tokens, lr, grad_norm); eval losses and states come from the job table when there is one
+(read-only), or from an `eval_loss` field of the rows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class ReportError(ValueError):
+    """RUN_DIR holds nothing to report on."""
+
+
+@dataclass
+class JobMetrics:
+    name: str
+    folder: Path
+    steps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    evals: dict[int, float] = field(default_factory=dict)   # step -> eval loss
+    state: str | None = None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    @property
+    def best_eval(self) -> float | None:
+        return min(self.evals.values()) if self.evals else None
+
+
+def read_metrics(path: Path, name: str) -> JobMetrics:
+    job = JobMetrics(name, path.parent)
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise ReportError(f"{path}, line {number}: not a metrics row with a 'step' ({error})") from None
+        if row.get("loss") is not None:
+            job.steps.append(step)
+            job.losses.append(float(row["loss"]))
+        job.tokens += int(row.get("tokens") or 0)
+        if row.get("eval_loss") is not None:
+            job.evals[step] = float(row["eval_loss"])
+    return job
+
+
+def _job_table(run_dir: Path) -> Path | None:
+    for candidate in (run_dir / "jobs.sqlite", run_dir / ".aspen" / "jobs.sqlite"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _add_table_facts(jobs: list[JobMetrics], database: Path) -> None:
+    """States and eval losses from the service's job table, matched by output folder (read-only)."""
+    by_folder = {job.folder.resolve(): job for job in jobs}
+    try:
+        db = sqlite3.connect(f"file:{database}?mode=ro", uri=True)
+    except sqlite3.Error as error:
+        log.warning("report: cannot open %s (%s); states and eval losses are left out", database, error)
+        return
+    try:
+        newest: dict[Path, float] = {}
+        for job_id, output_dir, state, submitted in db.execute("SELECT id, output_dir, state, submitted_at FROM jobs"):
+            folder = Path(output_dir).resolve()
+            job = by_folder.get(folder)
+            if job is None or submitted < newest.get(folder, float("-inf")):
+                continue   # an older job that wrote to the same folder
+            newest[folder] = submitted
+            job.state = state
+            job.evals = {int(step): float(value) for step, value in db.execute(
+                "SELECT step, eval_loss FROM progress WHERE job_id = ? AND eval_loss IS NOT NULL ORDER BY step",
+                (job_id,))} or job.evals
+    except sqlite3.Error as error:
+        log.warning("report: cannot read %s (%s); states and eval losses are left out", database, error)
+    finally:
+        db.close()
+
+
+def collect(run_dir: Path) -> list[JobMetrics]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir} is not a folder")
+    files = sorted(run_dir.glob("*/metrics.jsonl")) + sorted(run_dir.glob("outputs/*/metrics.jsonl"))
+    if not files:
+        raise ReportError(f"no metrics.jsonl in {run_dir}/<job>/ or {run_dir}/outputs/<job>/: give a run's output "
+                          "folder (output_dir of the jobs file) or the service's state folder")
+    jobs = [read_metrics(path, path.parent.name) for path in files]
+    database = _job_table(run_dir)
+    if database is not None:
+        _add_table_facts(jobs, database)
+    return jobs
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def summary_rows(jobs: list[JobMetrics]) -> list[list[str]]:
+    return [[job.name, str(job.steps[-1] if job.steps else 0), _fmt(job.final_loss), _fmt(job.best_eval),
+             str(job.tokens), job.state or "-"] for job in jobs]
+
+
+COLUMNS = ["job", "steps", "final loss", "best eval loss", "tokens", "state"]
+
+
+def markdown_table(jobs: list[JobMetrics]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in summary_rows(jobs)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(jobs: list[JobMetrics], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(10, 6), dpi=100)
+    for job in jobs:
+        line, = axes.plot(job.steps, job.losses, label=f"{job.name} (train)", linewidth=1.5)
+        if job.evals:
+            steps = sorted(job.evals)
+            axes.plot(steps, [job.evals[s] for s in steps], "o--", color=line.get_color(), markersize=5,
+                      linewidth=1, label=f"{job.name} (eval)")
+    axes.set_title(title)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize="small", loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def write_report(run_dir: Path, console=None) -> tuple[Path, Path]:
+    """Write `report.png` and `report.md` into `run_dir`; print the table. Returns both paths."""
+    from rich.console import Console
+    from rich.table import Table
+
+    run_dir = Path(run_dir)
+    jobs = collect(run_dir)
+    png, markdown = run_dir / "report.png", run_dir / "report.md"
+    plot(jobs, png, f"aspen: {len(jobs)} jobs in {run_dir.resolve().name}")
+    markdown.write_text(f"# aspen report: {run_dir.resolve()}\n\n![loss curves](report.png)\n\n"
+                        + markdown_table(jobs))
+    table = Table(title=f"{len(jobs)} jobs in {run_dir}")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column in ("job", "state") else "right")
+    for row in summary_rows(jobs):
+        table.add_row(*row)
+    console = console or Console()
+    console.print(table)
+    console.print(f"loss curves in {png}, table in {markdown}")
+    return png, markdown

@@ -1,0 +1,357 @@
+"""MQTT job events, checked by a real subscriber (an aiomqtt client in the test): against a real mosquitto
+started by the test and against the service's embedded amqtt broker, a job's states, progress and events
+arrive, late subscribers get the retained state and service status, a stopped service leaves a retained
+`offline`, and a listener whose broker is down neither blocks nor stops anything."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.core.job_table import JobRecord
+from orchestrator.client import Client
+from orchestrator.events import MqttListener, topic_level
+from orchestrator.report import write_report
+from tests.service_helpers import job_dict, wait_for, write_task_data
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mosquitto_binary() -> str | None:
+    return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+                                              if os.access(p, os.X_OK)), None)
+
+
+def start_mosquitto(folder: Path, port: int, settings: str | None = None, tls_port: int | None = None
+                    ) -> subprocess.Popen:
+    """A real mosquitto on 127.0.0.1:`port` (anonymous unless `settings` say otherwise), listening (also on
+    `tls_port` when given) when this returns."""
+    binary = mosquitto_binary()
+    if binary is None:
+        message = "mosquitto is not installed (apt-get install mosquitto)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "mosquitto.conf"
+    config.write_text(settings or f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    with (folder / "mosquitto.log").open("a") as log_file:
+        process = subprocess.Popen([binary, "-c", str(config)], stdout=log_file, stderr=subprocess.STDOUT)
+
+    def accepting() -> bool:
+        assert process.poll() is None, (folder / "mosquitto.log").read_text()
+        for listening in (port, tls_port or port):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", listening)) != 0:
+                    return False
+        return True
+
+    try:
+        wait_for(accepting, timeout=20, what="mosquitto to listen")
+    except BaseException:
+        stop_mosquitto(process)
+        raise
+    return process
+
+
+def stop_mosquitto(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def mosquitto(tmp_path_factory):
+    """A real mosquitto for the module; yields its port."""
+    port = free_port()
+    process = start_mosquitto(tmp_path_factory.mktemp("mosquitto"), port)
+    try:
+        yield port
+    finally:
+        stop_mosquitto(process)
+
+
+class Subscriber:
+    """An aiomqtt client in a thread of its own, subscribed to `topic`; records (topic, payload, retain)."""
+
+    def __init__(self, port: int, topic: str = "aspen/v1/#", username: str | None = None,
+                 password: str | None = None):
+        self.port, self.topic, self.username, self.password = port, topic, username, password
+        self.messages: list[tuple[str, dict, bool]] = []
+        self.subscribed = threading.Event()
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.subscribed.wait(10), f"subscriber could not subscribe on port {port}: {self.error!r}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as error:  # noqa: BLE001 - reported by close()
+            self.error = error
+            self.subscribed.set()
+
+    async def _main(self) -> None:
+        async with aiomqtt.Client("127.0.0.1", self.port, identifier=f"test-{uuid.uuid4().hex[:8]}",
+                                  username=self.username, password=self.password) as client:
+            await client.subscribe(self.topic, qos=1)
+            self.subscribed.set()
+
+            async def read() -> None:
+                async for message in client.messages:
+                    self.messages.append((str(message.topic), json.loads(message.payload), bool(message.retain)))
+
+            reader = asyncio.create_task(read())
+            while not self.stopping.is_set():
+                await asyncio.sleep(0.05)
+            reader.cancel()
+
+    def on(self, topic: str) -> list[tuple[dict, bool]]:
+        return [(payload, retain) for t, payload, retain in list(self.messages) if t == topic]
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        if self.error is not None:
+            raise self.error
+
+
+def retained(port: int, topic: str, wait: float = 10, **credentials: str) -> dict:
+    """What a subscriber connecting now gets as the retained message of `topic`."""
+    late = Subscriber(port, topic, **credentials)
+    try:
+        found = wait_for(lambda: late.on(topic), timeout=wait, what=f"a retained message on {topic}")
+    finally:
+        late.close()
+    payload, was_retained = found[0]
+    assert was_retained
+    return payload
+
+
+def service_config(state_dir: Path, base: Path, events: dict) -> ServiceConfig:
+    trainer = TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
+    return ServiceConfig(state_dir=state_dir, trainers=[trainer], tick_seconds=0.1, events=events)
+
+
+def check_job_lifecycle(subscriber: Subscriber, client: Client, job_id: str, steps: int) -> None:
+    prefix = f"aspen/v1/jobs/{job_id}"
+    wait_for(lambda: any(p["state"] == "completed" for p, _ in subscriber.on(f"{prefix}/state")),
+             timeout=30, what="the completed state on MQTT")
+    states = [p["state"] for p, _ in subscriber.on(f"{prefix}/state")]
+    assert states == ["queued", "running", "completed"], states
+    assert all(p["job"] == job_id for p, _ in subscriber.on(f"{prefix}/state"))
+    progress = [p for p, retain in subscriber.on(f"{prefix}/progress") if not retain]
+    assert [p["step"] for p in progress] == list(range(1, steps + 1))
+    table = {row["step"]: row["loss"] for row in client.losses(job_id)}   # the service's own record
+    assert all(p["loss"] == pytest.approx(table[p["step"]]) and p["tokens_per_s"] > 0 and p["total_steps"] == steps
+               for p in progress)
+
+
+def test_topic_levels_cannot_contain_wildcards_or_separators():
+    assert topic_level("a+b/c#d-1f2e3a") == "a_b_c_d-1f2e3a"
+    assert topic_level("ok.name_1-abc123") == "ok.name_1-abc123"
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{free_port()}", topic_prefix="lab/aspen/"))
+    try:
+        assert listener.job_topic("x/+#-00ff", "state") == "lab/aspen/jobs/x___-00ff/state"
+    finally:
+        listener.close()
+    with pytest.raises(ValueError, match="events.topic_prefix"):
+        MqttListener(EventsConfig(topic_prefix="aspen/#"))
+    with pytest.raises(ValueError, match="events.broker"):
+        MqttListener(EventsConfig(broker="http://127.0.0.1:1883"))
+
+
+def test_a_dead_broker_never_blocks_and_warns(caplog):
+    port = free_port()   # nothing listens there
+    record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
+                       1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
+    with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+        listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"), queue_size=100)
+        try:
+            started = time.perf_counter()
+            for _ in range(5000):
+                listener.job_changed(record, "queued")
+                listener.decided("preempt", record.id, "a higher priority job")
+            assert time.perf_counter() - started < 2.0
+            assert len(listener.queue) <= 100
+            wait_for(lambda: listener.down, timeout=10, what="the listener to notice the broker is down")
+            listener.job_changed(record, "queued")
+        finally:
+            started = time.perf_counter()
+            listener.close()
+            assert time.perf_counter() - started < 5.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"mqtt://127.0.0.1:{port}" in w and "unreachable" in w for w in warnings), warnings
+    assert len(warnings) <= 3, warnings    # rate-limited, not one per event
+
+
+def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path, caplog):
+    port = free_port()
+    broker = start_mosquitto(tmp_path / "broker", port)
+    record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
+                       1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
+    try:
+        listener.job_changed(record, "queued")
+        wait_for(lambda: listener.published >= 1, timeout=10, what="the first state to be published")
+        stop_mosquitto(broker)           # persistence off: the restarted broker has no retained messages
+        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+            wait_for(lambda: listener.down, timeout=20, what="the listener to notice the broker left")
+            record.state, record.step = "completed", 10
+            listener.job_changed(record, "running")     # dropped: the broker is away
+        broker = start_mosquitto(tmp_path / "broker", port)
+        wait_for(lambda: listener.connected, timeout=30, what="the listener to reconnect")
+        state = retained(port, "aspen/v1/jobs/job-abc123/state")
+        assert (state["state"], state["step"]) == ("completed", 10)
+        assert retained(port, "aspen/v1/service/status")["state"] == "online"
+        assert any("unreachable" in r.getMessage() for r in caplog.records)
+    finally:
+        listener.close()
+        stop_mosquitto(broker)
+
+
+def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(folder / "key.pem"),
+                    "-out", str(folder / "cert.pem")], check=True, capture_output=True)
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(folder / "passwords"), "aspen", "s3cret"], check=True,
+                   capture_output=True)
+    plain, tls = free_port(), free_port()
+    # as root, mosquitto drops to the user 'mosquitto', who cannot read the test's private folder
+    settings = (f"user {getpass.getuser()}\nper_listener_settings false\nallow_anonymous false\npassword_file {folder / 'passwords'}\n"
+                f"persistence false\nlistener {plain} 127.0.0.1\nlistener {tls} 127.0.0.1\n"
+                f"certfile {folder / 'cert.pem'}\nkeyfile {folder / 'key.pem'}\n")
+    broker = start_mosquitto(folder, plain, settings, tls_port=tls)
+    record = JobRecord("job-abc123", "job", "completed", "done", "m", "none", 0, "/out", None, 10, 10, 300,
+                       1.5, None, 20.0, None, None, time.time(), time.time(), time.time(), time.time())
+    try:
+        listener = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="s3cret",
+                                             ca_file=folder / "cert.pem"))
+        try:
+            assert listener.describe()["mqtt_url"] == f"mqtts://127.0.0.1:{tls}"
+            listener.job_changed(record, "running")
+            wait_for(lambda: listener.published >= 1, timeout=10, what="a publish over TLS")
+        finally:
+            listener.close()
+        assert retained(plain, "aspen/v1/jobs/job-abc123/state", username="aspen", password="s3cret")["state"] == \
+            "completed"
+        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+            wrong = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="wrong",
+                                              ca_file=folder / "cert.pem"))
+            try:
+                wait_for(lambda: wrong.down, timeout=10, what="a refused password to be noticed")
+            finally:
+                wrong.close()
+        assert any("unreachable" in r.getMessage() and f"mqtts://127.0.0.1:{tls}" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        stop_mosquitto(broker)
+
+
+def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+            listener = MqttListener(EventsConfig(embedded_port=port))
+        try:
+            assert listener.describe() == {}
+            listener.job_changed(JobRecord("j-1", "j", "queued", "submitted", "m", "none", 0, "/o", None, 0, None, 0,
+                                           None, None, None, None, None, 0.0, None, None, 0.0), None)
+        finally:
+            listener.close()
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"127.0.0.1:{port}" in message and "events.embedded_port" in message and "events.broker" in message
+
+
+def test_job_events_on_a_real_mosquitto(ray_session, mosquitto, tiny_model_dirs, tmp_path):
+    base = tiny_model_dirs["llama"]
+    url = f"mqtt://127.0.0.1:{mosquitto}"
+    client = Client.local(service_config(tmp_path / "state", base, {"broker": url}))
+    stopped = False
+    try:
+        assert client.info()["mqtt_url"] == url
+        live = Subscriber(mosquitto)
+        data = tmp_path / "data"
+        job = client.submit(job_dict("plain", write_task_data(data, "plain"), 6), base_model=str(base))
+        # a stop rule that can never be satisfied: stops at its 4th evaluation (patience 1 + 3)
+        stopper = client.submit(job_dict("stopper", write_task_data(data, "stopper", offset=2), 60, eval_every=1,
+                                         early_stop={"min_improvement": 5.0, "patience": 1}), base_model=str(base))
+        assert job.wait(timeout=120).state == "completed"
+        ended = stopper.wait(timeout=120)
+        assert ended.state == "stopped_early", ended
+        check_job_lifecycle(live, client, job.id, 6)
+
+        events = f"aspen/v1/jobs/{stopper.id}/events"
+        early = wait_for(lambda: [p for p, _ in live.on(events) if p["kind"] == "stopped_early"], timeout=20,
+                         what="the stopped_early event")
+        assert early[0]["reason"] == ended.reason and early[0]["job"] == stopper.id
+        states = [p["state"] for p, _ in live.on(f"aspen/v1/jobs/{stopper.id}/state")]
+        assert states[-1] == "stopped_early"
+        status = live.on("aspen/v1/service/status")
+        assert status and status[-1][0]["state"] == "online" and status[-1][0]["policy"] == "adaptive"
+        live.close()
+
+        # a subscriber that comes after the fact gets the retained state and service status
+        assert retained(mosquitto, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
+        assert retained(mosquitto, "aspen/v1/service/status")["state"] == "online"
+
+        client.shutdown()
+        stopped = True
+        offline = retained(mosquitto, "aspen/v1/service/status")
+        assert offline["state"] == "offline" and offline["reason"] == "shutdown"
+        assert retained(mosquitto, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
+    finally:
+        if not stopped:
+            client.shutdown()
+
+
+def test_job_events_on_the_embedded_broker(ray_session, tiny_model_dirs, tmp_path):
+    base = tiny_model_dirs["llama"]
+    client = Client.local(service_config(tmp_path / "state", base, {"broker": "embedded", "embedded_port": 0}))
+    try:
+        url = client.info()["mqtt_url"]
+        assert url.startswith("mqtt://127.0.0.1:")
+        port = int(url.rsplit(":", 1)[1])
+        assert port != 0
+        live = Subscriber(port)
+        job = client.submit(job_dict("embedded", write_task_data(tmp_path / "data", "embedded"), 5),
+                            base_model=str(base))
+        assert job.wait(timeout=120).state == "completed"
+        check_job_lifecycle(live, client, job.id, 5)
+        live.close()
+        assert retained(port, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
+        assert retained(port, "aspen/v1/service/status")["state"] == "online"
+    finally:
+        client.shutdown()
+    with socket.socket() as probe:   # the embedded broker stopped with the service
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+    # aspen report on the service's state folder (outputs/<job id>/metrics.jsonl, jobs.sqlite)
+    png, markdown = write_report(tmp_path / "state")
+    metrics = [json.loads(line) for line in
+               (tmp_path / "state" / "outputs" / job.id / "metrics.jsonl").read_text().splitlines()]
+    row = next(line for line in markdown.read_text().splitlines() if line.startswith(f"| {job.id} |"))
+    assert row == f"| {job.id} | 5 | {metrics[-1]['loss']:.4f} | - | {sum(r['tokens'] for r in metrics)} | completed |"
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,132 @@
+"""`aspen watch` and `aspen report` on a real service run laid out like `aspen run` (jobs in
+`<run>/<job>/`, the service state in `<run>/.aspen/`). The service's MQTT broker is a port where nothing
+listens: its jobs must train to completion all the same."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+
+import matplotlib.image
+import pytest
+from rich.console import Console
+
+from actors.core.config import SCHEDULER_NAME, ServiceConfig, TrainerConfig
+from actors.core.job_table import JobRecord
+from orchestrator.cli import main
+from orchestrator.client import Client
+from orchestrator.watch import eta_seconds, watch
+from tests.service_helpers import job_dict, run_spec, wait_for, write_task_data
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def finished_run(ray_session, tiny_model_dirs, tmp_path_factory):
+    """A service (named like `aspen serve`'s, so that the CLI finds it) whose MQTT broker is down, and a
+    run of two jobs trained to the end; yields (client, run folder, records, dead broker URL)."""
+    run_dir = tmp_path_factory.mktemp("run")
+    base = tiny_model_dirs["llama"]
+    dead_broker = f"mqtt://127.0.0.1:{free_port()}"
+    trainer = TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
+    config = ServiceConfig(state_dir=run_dir / ".aspen", trainers=[trainer], tick_seconds=0.1,
+                           events={"broker": dead_broker})
+    client = Client.local(config, name=SCHEDULER_NAME)
+    try:
+        data = run_dir.parent / f"{run_dir.name}-data"
+        jobs = [job_dict("alpha", write_task_data(data, "alpha"), 6, eval_split=0.25, eval_every=2),
+                job_dict("beta", write_task_data(data, "beta", offset=5), 4)]
+        handles = client.submit_run(run_spec(str(base), run_dir, jobs, step_tokens=512))
+        records = client.wait_all([h.id for h in handles], timeout=180)
+        yield client, run_dir, records, dead_broker
+    finally:
+        client.shutdown()
+
+
+def test_jobs_train_to_completion_while_the_mqtt_broker_is_down(finished_run):
+    client, _, records, dead_broker = finished_run
+    assert client.info()["mqtt_url"] == dead_broker
+    assert [(r.name, r.state, r.step) for r in records] == [("alpha", "completed", 6), ("beta", "completed", 4)]
+
+
+def test_watch_once_shows_every_job_with_its_progress_and_eta(finished_run, tmp_path, capsys):
+    client, _, records, _ = finished_run
+    long = client.submit(job_dict("long", write_task_data(tmp_path, "long"), 5000),
+                         base_model=records[0].base_model, output_dir=tmp_path / "long")
+    try:
+        wait_for(lambda: client.status(long.id).step >= 3 and client.status(long.id).tokens_per_s, timeout=60,
+                 what="the long job to train")
+        assert main(["watch", "--once"]) == 0
+        shown = capsys.readouterr().out
+    finally:
+        client.cancel(long.id)
+        long.wait(timeout=60)
+    lines = {line.split("│")[1].strip(): line for line in shown.splitlines() if line.count("│") > 3}
+    for record in records:
+        line = lines[record.id]
+        assert "completed" in line and f"{record.step}/{record.total_steps}" in line
+        assert f"{record.loss:.4f}" in line
+    cells = [cell.strip() for cell in lines[long.id].split("│")]
+    assert cells[2] == "running" and re.fullmatch(r"\d+/5000", cells[3])
+    assert re.fullmatch(r"(\d+h)?(\d+m)?\d+s|\d+h\d\dm", cells[7]), cells   # an ETA, not '-'
+
+
+def test_watch_refreshes_live_until_its_duration(finished_run):
+    client, _, records, _ = finished_run
+    fetched = []
+
+    def fetch() -> list[JobRecord]:
+        fetched.append(time.time())
+        return client.jobs()
+
+    console = Console(record=True, width=160, force_terminal=True)
+    last = watch(fetch, interval=0.2, duration=1.0, console=console)
+    assert len(fetched) >= 4 and {r.id for r in records} <= {r.id for r in last}
+    shown = console.export_text()
+    assert all(r.id in shown for r in records) and "ETA" in shown
+
+
+def test_eta_comes_from_tokens_per_second_or_steps_per_second():
+    now = time.time()
+    record = JobRecord("j-1", "j", "running", "", "m", "none", 0, "/o", "trainer-0", 10, 110, 1000, 1.0, None,
+                       50.0, None, None, now - 30, now - 20, None, now)
+    assert eta_seconds(record, now) == pytest.approx(100 * 100 / 50.0)     # 100 steps x 100 tokens at 50 tokens/s
+    record.tokens_per_s = None
+    assert eta_seconds(record, now) == pytest.approx(100 / (10 / 20))      # 10 steps in 20 s
+    record.state = "completed"
+    assert eta_seconds(record, now) is None
+
+
+def test_report_writes_loss_curves_and_a_table_read_back_from_metrics(finished_run, capsys):
+    client, run_dir, records, _ = finished_run
+    assert main(["report", str(run_dir)]) == 0
+    printed = capsys.readouterr().out
+    png = run_dir / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == (1000, 600) and png.stat().st_size > 20_000
+    table = (run_dir / "report.md").read_text()
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in table.splitlines() if line.startswith("| "))}
+    assert set(rows) == {"job", "alpha", "beta"}
+    for record in records:
+        metrics = [json.loads(line) for line in (run_dir / record.name / "metrics.jsonl").read_text().splitlines()]
+        name, steps, final, best_eval, tokens, state = rows[record.name]
+        assert (int(steps), float(final)) == (metrics[-1]["step"], pytest.approx(metrics[-1]["loss"], abs=5e-5))
+        assert int(tokens) == sum(row["tokens"] for row in metrics) and state == "completed"
+        evals = [row["eval_loss"] for row in client.losses(record.id) if row["eval_loss"] is not None]
+        assert best_eval == (f"{min(evals):.4f}" if evals else "-")
+        assert record.name in printed
+    assert rows["alpha"][3] != "-" and rows["beta"][3] == "-"   # alpha has an eval split, beta none
+
+
+def test_report_names_the_folder_when_there_are_no_metrics(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert str(tmp_path) in error and "metrics.jsonl" in error

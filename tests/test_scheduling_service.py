@@ -97,7 +97,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, tiny_m
     config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,
                            trainers=[trainer.model_copy(update={"memory_budget_bytes": budget})])
     data = tmp_path / "data"
-    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 12, lora=lora, batch_size=2, max_seq_len=32)
+    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 150, lora=lora, batch_size=2, max_seq_len=32)
             for i in range(3)]
     client = Client.local(config)
     try:

@@ -28,8 +28,9 @@ EXHAUSTIVE_UP_TO = 10
 class MinPadPolicy(AdaptivePolicy):
     name = "minpad"
 
-    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, padding_weight: float = 4.0):
-        super().__init__(aging_s, preempt_ratio)
+    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, priority_weight: float = 4.0,
+                 padding_weight: float = 4.0):
+        super().__init__(aging_s, preempt_ratio, priority_weight)
         self.padding_weight = padding_weight
 
     def compose_step(self, batches: list[NextBatch], cost: Callable[[list[NextBatch]], int], step_tokens: int,

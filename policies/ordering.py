@@ -5,10 +5,9 @@
 - `priority`: highest `priority` first (then submission order). A queued job that does not fit pauses
   lower-priority running jobs on a trainer with its base model (at their next step boundary, with a
   checkpoint; they are queued again and resume where they were) until it fits.
-- `adaptive` (the default; the ASPEN scheduler): priorities first, shortest predicted remaining work
-  within a priority, memory-aware admission, preemption for a higher priority or, at the same priority,
-  for a job with `preempt_ratio` (4) times less work left than a running one, and aging so that a long
-  job is not starved: every `aging_s` (3600) seconds of waiting counts as one priority level.
+- `adaptive` (the default; the ASPEN scheduler): weighted shortest predicted remaining work first, one
+  priority level weighing 4x the work; memory-aware admission; preemption where the difference is worth
+  a checkpoint (4x); aging so that a long job is not starved (each hour queued adds a level).
 """
 
 from __future__ import annotations
@@ -100,30 +99,36 @@ class PriorityPolicy:
 
 
 class AdaptivePolicy:
+    """Weighted shortest remaining work first (Smith's rule, which minimises weighted mean turnaround): a
+    job's score is its predicted remaining tokens / `priority_weight` ** its priority, lowest first, so
+    one priority level counts as `priority_weight` (4) times less work. A queued job preempts a running
+    one whose score is at least `preempt_ratio` (4) times its own: a job one level higher and no bigger,
+    or of the same level with a quarter of the work left. Waiting ages a job: every `aging_s` queued
+    adds a level (in whole levels, so that jobs of one level still go shortest-first)."""
+
     name = "adaptive"
 
-    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0):
+    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, priority_weight: float = 4.0):
         self.aging_s = aging_s
         self.preempt_ratio = preempt_ratio
-
-    def may_preempt(self, job: JobView, victim: JobView, now: float) -> bool:
-        """A higher priority may; at the same priority, a job with `preempt_ratio` times less (predicted)
-        work left than a running one may too (shortest remaining work first, where the difference is
-        worth a checkpoint and a restart). Never a victim that, queued again, would come first (aging):
-        it would take the room back and the two would take turns forever."""
-        if self.order(job, now) >= self.order(replace(victim, state="queued"), now):
-            return False
-        return victim.priority < job.priority or (
-            victim.priority == job.priority and victim.remaining_tokens > self.preempt_ratio * job.remaining_tokens)
+        self.priority_weight = priority_weight
 
     def effective_priority(self, job: JobView, now: float) -> int:
-        # aging: one priority level more for every `aging_s` queued (in whole levels, so that jobs
-        # of one level are still ordered shortest-first, not by how long they have waited)
         waited = max(now - job.submitted_at, 0.0) if job.state == "queued" else 0.0
         return job.priority + int(waited // self.aging_s)
 
+    def score(self, job: JobView, now: float) -> float:
+        return job.remaining_tokens / self.priority_weight ** self.effective_priority(job, now)
+
     def order(self, job: JobView, now: float) -> tuple:
-        return (-self.effective_priority(job, now), job.remaining_tokens, job.submitted_at, job.id)
+        return (self.score(job, now), -job.priority, job.submitted_at, job.id)
+
+    def may_preempt(self, job: JobView, victim: JobView, now: float) -> bool:
+        """Worth a checkpoint and a restart; never a victim that, queued again, would come first: it
+        would take the room back and the two would take turns."""
+        queued_again = replace(victim, state="queued")
+        return (self.order(job, now) < self.order(queued_again, now)
+                and self.score(queued_again, now) >= self.preempt_ratio * self.score(job, now))
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         now = snapshot.time

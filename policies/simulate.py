@@ -266,10 +266,17 @@ class Result:
     ooms: int
     stopped_early: int
     fused_steps: int
+    priorities: list[int] = field(default_factory=list)
+
+    def by_priority(self) -> dict[int, float]:
+        """Mean turnaround of each priority level."""
+        levels = sorted(set(self.priorities), reverse=True)
+        return {level: float(np.mean([t for t, p in zip(self.turnaround, self.priorities) if p == level]))
+                for level in levels}
 
     def row(self) -> dict[str, Any]:
         turnaround = np.array(self.turnaround)
-        return {"policy": self.policy, "mean_turnaround_s": float(turnaround.mean()),
+        return {"turnaround_by_priority_s": self.by_priority(), "policy": self.policy, "mean_turnaround_s": float(turnaround.mean()),
                 "p95_turnaround_s": float(np.quantile(turnaround, 0.95)), "mean_wait_s": float(np.mean(self.waiting)),
                 "makespan_s": self.makespan, "throughput_tokens_per_s": self.tokens / max(self.makespan, 1e-9),
                 "jobs_per_hour": 3600 * len(self.turnaround) / max(self.makespan, 1e-9), "oom": self.ooms,
@@ -456,7 +463,8 @@ class Simulator:
         first = min(j.spec.arrival for j in jobs)
         return Result(self.policy.name, [j.finish - j.spec.arrival for j in jobs], [j.waited for j in jobs],
                       max(j.finish for j in jobs) - first, sum(j.tokens for j in jobs), sum(j.step for j in jobs),
-                      self.ooms, sum(j.ended == "stopped_early" for j in jobs), self.fused_steps)
+                      self.ooms, sum(j.ended == "stopped_early" for j in jobs), self.fused_steps,
+                      [j.spec.priority for j in jobs])
 
 
 def simulate(trace: Trace, policies: list[str]) -> list[Result]:
@@ -476,6 +484,11 @@ def table(results: list[Result], reference: str = "fifo") -> str:
         lines.append(f"{row['policy']:<10} {row['mean_turnaround_s']:>10.1f}s {ratio:>8} {row['p95_turnaround_s']:>8.1f}s "
                      f"{row['mean_wait_s']:>8.1f}s {row['makespan_s']:>8.1f}s {row['throughput_tokens_per_s']:>9.0f} "
                      f"{row['jobs_per_hour']:>7.1f} {row['stopped_early']:>5} {row['oom']:>4}")
+    if any(len(r.by_priority()) > 1 for r in results):
+        lines.append("mean turnaround by priority (highest first):")
+        for result in results:
+            lines.append(f"  {result.policy:<10} " + "  ".join(f"priority {level}: {value:.1f}s"
+                                                          for level, value in result.by_priority().items()))
     return "\n".join(lines)
 
 

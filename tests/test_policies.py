@@ -71,14 +71,15 @@ def test_priority_preempts_the_lowest_priority_job_to_make_room():
     assert not any(isinstance(d, Preempt) for d in decisions)
 
 
-def test_adaptive_orders_by_priority_then_remaining_work_and_ages_waiting_jobs():
+def test_adaptive_orders_by_weighted_remaining_work_and_ages_waiting_jobs():
     jobs = [job("long-high", priority=1, total=1000, submitted=100), job("short-high", priority=1, total=5, submitted=100),
             job("short-low", priority=0, total=5, submitted=100)]
     t = trainer(budget=400 * MiB + 200 * MiB + 100 * MiB)   # room for one
     decisions = AdaptivePolicy().decide(snapshot([t], jobs, now=100))
     assert decisions[0] == Start("short-high", "t0")
     # after waiting long enough, the low-priority job goes first
-    aged = [job("short-low", priority=0, total=5, submitted=-1000)] + jobs[:2]
+    aged = [job("short-low", priority=0, total=5, submitted=-1000),
+            job("short-high", priority=1, total=5, submitted=1000)]
     decisions = AdaptivePolicy(aging_s=600).decide(snapshot([t], aged, now=1300))
     assert decisions[0] == Start("short-low", "t0")
 
@@ -141,3 +142,16 @@ def test_minpad_respects_the_token_and_memory_budgets():
     assert chosen[0] == "j0" and len(chosen) == 4      # 4 jobs x 2 rows x 50 tokens = 400
     chosen = MinPadPolicy().compose_step(batches, padded_fused_cost, 400, lambda chosen: len(chosen) <= 2)
     assert len(chosen) == 2
+
+
+def test_adaptive_weighs_a_priority_level_as_four_times_the_work_and_preempts_where_worth_it():
+    t = trainer(budget=400 * MiB + 200 * MiB + 100 * MiB)   # room for one
+    # a level higher but 8x the work: the short low-priority job goes first
+    decisions = AdaptivePolicy().decide(snapshot([t], [job("big-high", priority=1, total=80), job("small", total=10)]))
+    assert decisions[0] == Start("small", "t0")
+    # a running job with 5x the work of a newcomer of its priority is paused for it; with 2x it is not
+    running = job("long", state="running", trainer="t0", total=50)
+    decisions = AdaptivePolicy().decide(snapshot([t], [running, job("short", total=10)]))
+    assert isinstance(decisions[0], Preempt) and decisions[0].job == "long"
+    decisions = AdaptivePolicy().decide(snapshot([t], [running, job("half", total=25)]))
+    assert not any(isinstance(d, Preempt) for d in decisions)

@@ -13,12 +13,14 @@ from actors.core.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
 from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission
+from actors.niceness import background_priority
 from policies.stopping import LossHistory, Verdict
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class JobActor:
     def __init__(self, job_id: str, submission_json: str, cache_dir: str):
+        background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
         submission = JobSubmission.model_validate_json(submission_json)
         tokenizer = load_base_tokenizer(submission.base_model, Path(cache_dir))
         self.data = JobData(job_id, submission, tokenizer)

@@ -23,6 +23,7 @@ from actors.core.listeners import Listeners
 from actors.core.scheduler_core import SchedulerCore, StopRequest
 from actors.engine.spec import JobSubmission
 from actors.job_actor import JobActor
+from actors.niceness import background_priority
 from actors.trainer_actor import GpuTrainerActor
 from orchestrator.observability import service_listeners
 from policies.base import Preempt, Start
@@ -71,6 +72,7 @@ def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
 class SchedulerActor:
     def __init__(self, config_json: str):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
         self.config = ServiceConfig.model_validate_json(config_json)
         self.state_dir = Path(self.config.state_dir).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,6 @@ markedly slower from a side thread (measured 10-20% on 2 cores)."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import ray
@@ -22,6 +21,7 @@ from actors.core.trainer_loop import Assignment, TrainerLoop
 from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
+from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
 from policies.base import StepComposer
 from policies.registry import load_policy
@@ -29,17 +29,6 @@ from policies.registry import load_policy
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05   # without jobs, how long a tick waits before letting queued calls in
-
-
-def normal_priority() -> None:
-    """Ray starts workers at nice 15 (unless RAY_worker_niceness says otherwise); a CPU trainer's OpenMP
-    threads then stall on every slice taken by another process. Back to nice 0 where allowed."""
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except OSError as error:   # lowering niceness needs CAP_SYS_NICE: say so, train anyway
-        log.info("trainer runs at nice %d (could not lower it: %s); start Ray with RAY_worker_niceness=0 "
-                 "for full CPU speed", os.getpriority(os.PRIO_PROCESS, 0), error)
 
 
 @ray.remote(max_restarts=0)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.core.config import MetricsConfig, ServiceConfig, TrainerConfig
+from actors.core.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
 from actors.core.events import TrainerStatus
 from actors.core.job_data import JobData
 from actors.core.job_table import JOB_STATES, JobRecord, JobTable
@@ -264,7 +264,8 @@ def test_a_taken_port_is_logged_with_the_fix_and_the_service_runs_on(caplog, sce
 
 
 def test_service_listeners_serve_metrics_only_when_enabled(tmp_path):
-    (listener,) = service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(port=0)))
+    (listener,) = service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(port=0),
+                                                  events=EventsConfig(enabled=False)))
     try:
         url = listener.describe()["metrics_url"]
         port = int(re.fullmatch(r"http://127\.0\.0\.1:(\d+)/metrics", url).group(1))
@@ -273,7 +274,8 @@ def test_service_listeners_serve_metrics_only_when_enabled(tmp_path):
         assert series(samples, "aspen_build_info")
     finally:
         listener.close()
-    assert service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(enabled=False))) == []
+    assert service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(enabled=False),
+                                           events=EventsConfig(enabled=False))) == []
 
 
 # -- the Grafana dashboard and provisioning --------------------------------------------------------------------

@@ -83,8 +83,8 @@ def fit_power_law(points: list[tuple[int, float]]) -> CurveFit | None:
     for c in EXPONENTS:
         x = np.stack([np.ones_like(t), t ** (-c)], axis=1)
         (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
-        if b < 0:            # a loss curve that rises with training: not this model
-            continue
+        if b < 0:            # rising with training (overfitting): the best non-increasing fit is flat
+            a, b = float(np.mean(y)), 0.0
         sse = float(np.sum((x @ np.array([a, b]) - y) ** 2))
         if sse < best_sse:
             best_sse, best = sse, CurveFit(float(a), float(b), float(c), 0.0)
@@ -110,7 +110,11 @@ class Prediction:
 class PredictiveRule:
     """Fit a power law to the job's eval losses (or its smoothed train loss), predict the loss at the
     job's budget with a residual bootstrap, and stop when even the optimistic (90%) predicted remaining
-    improvement is below `min_improvement`, after at least `patience` + 3 evaluations."""
+    improvement is below `min_improvement`, after at least `patience` + 3 evaluations and not within the
+    budget's last `patience` evaluations (there the remaining improvement is small for any job, even one
+    still improving, and stopping would save little). A loss that has risen above its best for the last
+    `patience` evaluations (overfitting) stops too: the residual bootstrap would read the rise as noise
+    and widen its bound, and a rising curve fits the power law only as flat."""
 
     min_improvement: float
     patience: int
@@ -157,12 +161,17 @@ class PredictiveRule:
 
     def decide(self, history: LossHistory) -> StopDecision | None:
         kind, points = self.points(history)
-        if len(points) < self.patience + 3 or points[-1][0] >= self.budget_steps:
-            return None
+        if len(points) < self.patience + 3 or points[-1][0] + self.patience * self.every >= self.budget_steps:
+            return None      # too little history, or within the budget's last `patience` evaluations
+        step = points[-1][0]
+        values = [v for _, v in points]
+        best_before = min(values[:-self.patience])
+        if min(values[-self.patience:]) > best_before:
+            return StopDecision(step, f"{kind} loss has not improved on its best ({best_before:.4f}) for "
+                                      f"{self.patience} evaluations (step {step}: {values[-1]:.4f})")
         prediction = self.predict(points)
         if prediction is None or max(prediction.improvement, prediction.final_spread) >= self.min_improvement:
             return None
-        step = points[-1][0]
         return StopDecision(step, prediction.describe(kind, step, self.budget_steps)
                             + f" < min_improvement {self.min_improvement:.2%}")
 

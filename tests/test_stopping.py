@@ -59,3 +59,19 @@ def test_the_predicted_stop_step_lies_ahead_for_an_improving_job():
 
 def steps_only(steps: list[int]) -> list[tuple[int, float]]:
     return [(s, 1.0 / s) for s in steps]
+
+
+def test_an_overfitting_job_stops():
+    rule = PredictiveRule(min_improvement=0.01, patience=3, budget_steps=1000)
+    steps = list(range(20, 180, 20))
+    rising = LossHistory(eval=[(s, 2.0 + 3 * s ** -0.8 + 0.002 * s) for s in steps])   # down, then up
+    decision = rule.decide(rising)
+    assert decision is not None and "has not improved on its best" in decision.reason
+    assert fit_power_law([(s, 2.0 + 0.002 * s) for s in steps]).b == 0.0    # a rising curve fits as flat
+
+
+def test_no_stop_within_the_budgets_last_patience_evaluations():
+    steps = list(range(20, 320, 20))
+    plateau = LossHistory(eval=curve(1.0, 8.0, 1.5, steps, noise=0.001, seed=1))
+    assert PredictiveRule(0.01, 3, budget_steps=360, every=20).decide(plateau) is None     # 3 evaluations left
+    assert PredictiveRule(0.01, 3, budget_steps=380, every=20).decide(plateau) is not None

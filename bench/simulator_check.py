@@ -1,7 +1,8 @@
 """Check the scheduling simulator (`policies.simulate`) against a real run: the service trains jobs that
 arrive one after another on the real base model; the simulator, calibrated from that run's step log and
 job table, replays the same arrivals, sizes and sequence lengths with the same policy; the two makespans
-are printed side by side (goal: the prediction within 15% of the measurement).
+are printed side by side (goal: the prediction within 15% of the measurement). It also prints how far the
+trainer's online memory model was off each real step's measured peak (goal: 3% on average).
 
     python bench/simulator_check.py [--quick] [--json PATH]
 """
@@ -61,10 +62,20 @@ def real_run(work: Path, steps: list[int], gaps: float, policy: str) -> dict:
     return {"spec": spec, "records": records, "state": state, "trainer": trainer_info}
 
 
+def step_rows(state: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted((state / "trainers").glob("*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
+def memory_errors(rows: list[dict]) -> list[float]:
+    """|predicted − measured| / measured peak memory of every step that has both."""
+    return [abs(r["predicted_memory_bytes"] - r["peak_memory_bytes"]) / r["peak_memory_bytes"]
+            for r in rows if r.get("predicted_memory_bytes") and r.get("peak_memory_bytes")]
+
+
 def trace_of(run: dict) -> Trace:
     """The real run as a trace: arrivals, sizes and each job's measured sequence lengths."""
-    rows = [json.loads(line) for path in sorted((run["state"] / "trainers").glob("*.jsonl"))
-            for line in path.read_text().splitlines() if line.strip()]
+    rows = step_rows(run["state"])
     records = {r.id: r for r in run["records"]}
     specs = {job.name: job for job in run["spec"].jobs}
     lengths: dict[str, list[int]] = {job_id: [] for job_id in records}
@@ -107,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         records = run["records"]
         measured = max(r.finished_at for r in records) - min(r.submitted_at for r in records)
         trace = trace_of(run)
+        errors = memory_errors(step_rows(run["state"]))
     result = Simulator(trace, load_policy(args.policy)).run()
     predicted = result.makespan
     error = (predicted - measured) / measured
@@ -120,9 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{result.turnaround[[j.name for j in trace.jobs].index(record.name)]:>10.1f}s")
     verdict = "met" if abs(error) <= GOAL else "NOT met"
     log(f"simulated makespan {error:+.1%} off the measured one (goal within ±{GOAL:.0%}): {verdict}")
+    if errors:
+        log(f"memory model: predicted peak off the measured one by {statistics.fmean(errors):.2%} on average "
+            f"over {len(errors)} steps ({statistics.fmean(errors[5:] or errors):.2%} after the first 5 steps, "
+            f"worst {max(errors):.2%}; goal ≤ 3% on average): "
+            f"{'met' if statistics.fmean(errors) <= 0.03 else 'NOT met'}")
     if args.json:
         args.json.write_text(json.dumps({"measured_makespan_s": measured, "simulated_makespan_s": predicted,
-                                         "relative_error": error, "calibration": c.model_dump(),
+                                         "relative_error": error, "memory_errors": errors, "calibration": c.model_dump(),
                                          "trace": trace.model_dump(mode="json")}, indent=2))
     return 0
 

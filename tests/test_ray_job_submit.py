@@ -39,11 +39,15 @@ def plain_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def head():
     gcs, dashboard = free_port(), free_port()
+    # the agents' ports too: their defaults (52365, ...) may be held by the test session's own Ray, and a
+    # head whose job agent cannot bind answers every submission with "No available agent to submit job"
+    agent_ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                   f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
     temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")  # short: Ray's socket paths must stay short
     process = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dashboard}",
          "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2",
-         "--object-store-memory=200000000", f"--temp-dir={temp_dir}"],
+         "--object-store-memory=200000000", f"--temp-dir={temp_dir}", *agent_ports],
         env=plain_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
@@ -89,10 +93,17 @@ def write_working_dir(folder: Path, base: Path, output_dir: Path, steps: int = 3
 
 
 def ray_job_submit(head: dict, working_dir: Path, *entrypoint: str, token: bool = True):
+    """`ray job submit`, submitted again while the head's job agent is still starting (a loaded machine
+    can take tens of seconds after the dashboard answers), as Ray's own message asks."""
     env = with_token(head) if token else plain_env()
-    return subprocess.run([str(BIN / "ray"), "job", "submit", "--address", head["dashboard"], "--working-dir",
-                           str(working_dir), "--", *entrypoint], env=env, capture_output=True, text=True,
-                          timeout=600)
+    deadline = time.time() + 120
+    while True:
+        result = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", head["dashboard"],
+                                 "--working-dir", str(working_dir), "--", *entrypoint], env=env,
+                                capture_output=True, text=True, timeout=600)
+        if "No available agent to submit job" not in result.stderr + result.stdout or time.time() > deadline:
+            return result
+        time.sleep(3)
 
 
 def test_ray_job_submit_runs_aspen_run_with_token_auth(head, tiny_model_dirs, tmp_path):

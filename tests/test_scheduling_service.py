@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 
 from actors.core.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
@@ -78,16 +80,28 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
     assert {j for r in rows for j in r["jobs"]} == set(ids)
 
 
-def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, tiny_model_dirs, tmp_path):
+def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_tokenizer, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from actors.core.job_table import JobTable
     from actors.core.scheduler_core import SchedulerCore
     from actors.core.trainer_loop import TrainerLoop
     from actors.engine.spec import LoraConfig
     from policies.fifo import FifoPolicy
     from policies.memory import adapter_memory_bytes
+    from tests.conftest import tiny_config
 
-    base = str(tiny_model_dirs["llama"])
-    lora = {"r": 1024, "alpha": 16, "target_modules": "all-linear"}     # 32 MiB each with AdamW state
+    # A tiny Llama four times as wide as the shared one, so that an adapter (r=1024 on every linear layer:
+    # 184 MB with its gradients and AdamW state) is large against the difference between the trainer's
+    # first, cautious memory estimate and its model fitted to measured peaks (~40 MB here: the first
+    # estimate assumes a logits chunk over every token of the step). The budget below then fits two jobs
+    # and not three by either estimate, and by measurement.
+    torch.manual_seed(0)
+    base = str(tmp_path / "wide-llama")
+    wide = {k: v for k, v in tiny_config("llama").to_dict().items() if k != "head_dim"}
+    LlamaForCausalLM(LlamaConfig(**{**wide, "hidden_size": 256, "intermediate_size": 1024})).save_pretrained(base)
+    smol_tokenizer.save_pretrained(base)
+    lora = {"r": 1024, "alpha": 16, "target_modules": "all-linear"}
     trainer = TrainerConfig(base_model=base, step_tokens=128, num_cpus=0.5, threads=1)
     # the trainer's own first estimate of its fixed and per-step memory (before any step is measured)
     probe = TrainerLoop(load_base_model(base, dtype="float32", device="cpu"), trainer, "probe", tmp_path / "probe")
@@ -97,7 +111,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, tiny_m
     config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,
                            trainers=[trainer.model_copy(update={"memory_budget_bytes": budget})])
     data = tmp_path / "data"
-    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 150, lora=lora, batch_size=2, max_seq_len=32)
+    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 60, lora=lora, batch_size=2, max_seq_len=32)
             for i in range(3)]
     client = Client.local(config)
     try:

@@ -255,9 +255,13 @@ class SchedulerActor:
             return
         slot.poll_ref = None
         slot.status = status
+        # each event to the job table and then to the listeners, one at a time, so that listeners see a
+        # job's progress and its state changes in the order they happened (progress before "completed")
         for event in events:
             self.core.apply_event(slot.trainer_id, event)
-        self.listeners.trainer_polled(status, events)
+            self.listeners.trainer_polled(status, [event])
+        if not events:
+            self.listeners.trainer_polled(status, [])
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
         log.warning("scheduler: trainer %s lost (%s); starting a new one", slot.trainer_id, why)

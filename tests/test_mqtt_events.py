@@ -158,7 +158,13 @@ def check_job_lifecycle(subscriber: Subscriber, client: Client, job_id: str, ste
     states = [p["state"] for p, _ in subscriber.on(f"{prefix}/state")]
     assert states == ["queued", "running", "completed"], states
     assert all(p["job"] == job_id for p, _ in subscriber.on(f"{prefix}/state"))
-    progress = [p for p, retain in subscriber.on(f"{prefix}/progress") if not retain]
+    def progress_rows() -> list[dict]:
+        return [p for p, retain in subscriber.on(f"{prefix}/progress") if not retain]
+
+    # the service publishes a job's progress before its completion; QoS 0 and QoS 1 messages may still
+    # reach a subscriber in a slightly different order through the broker, so give the last ones a moment
+    wait_for(lambda: len(progress_rows()) >= steps, timeout=10, what=f"{steps} progress messages on MQTT")
+    progress = progress_rows()
     assert [p["step"] for p in progress] == list(range(1, steps + 1))
     table = {row["step"]: row["loss"] for row in client.losses(job_id)}   # the service's own record
     assert all(p["loss"] == pytest.approx(table[p["step"]]) and p["tokens_per_s"] > 0 and p["total_steps"] == steps

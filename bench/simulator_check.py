@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.overhead import require_completed  # noqa: E402
 from actors.core.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
 from policies.simulate import Lengths, Simulator, Trace, TraceJob, TrainerSpec, calibrate  # noqa: E402
@@ -56,9 +57,7 @@ def real_run(work: Path, steps: list[int], gaps: float, policy: str) -> dict:
         trainer_info = client.trainers()[0]
     finally:
         client.shutdown()
-    bad = [r for r in records if r.state != "completed"]
-    if bad:
-        raise RuntimeError(f"jobs did not complete: {[(r.name, r.state, r.reason) for r in bad]}")
+    require_completed(records)
     return {"spec": spec, "records": records, "state": state, "trainer": trainer_info}
 
 

@@ -56,7 +56,11 @@ class StartingJob:
     since: float = field(default_factory=time.time)
 
 
-GROUP_WAIT_S = 30.0   # a slow job's data does not hold the rest of its group back longer than this
+# A slow job's data does not hold the rest of its group back longer than this. Generous: on a 2-core machine
+# four job actors starting at once (each importing torch and transformers, then tokenizing) take 35-45 s,
+# and a group that starts piecemeal runs its first and last steps with part of its jobs (smaller, less
+# efficient steps; bench/overhead.py).
+GROUP_WAIT_S = 120.0
 
 
 def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
@@ -119,9 +123,13 @@ class SchedulerActor:
         raise TimeoutError(f"trainers not ready after {timeout:.0f}s: {self.info()['trainers']}")
 
     def submit(self, submission_json: str) -> JobRecord:
-        submission = JobSubmission.model_validate_json(submission_json)
+        return self.submit_many([submission_json])[0]
+
+    def submit_many(self, submissions_json: list[str]) -> list[JobRecord]:
+        """Jobs submitted together start together (one decision round; see `SchedulerCore.submit_many`)."""
+        submissions = [JobSubmission.model_validate_json(text) for text in submissions_json]
         with self.lock:
-            return self.core.submit(submission)
+            return self.core.submit_many(submissions)
 
     def jobs(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
         with self.lock:

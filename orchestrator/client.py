@@ -165,16 +165,20 @@ class Client:
         return self._submit(spec)
 
     def submit_run(self, run: RunSpec | str | Path) -> list[JobHandle]:
-        """Submit every job of a jobs YAML file (or `RunSpec`); each keeps the run's base model and writes
-        to `<output_dir>/<job name>`."""
+        """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
+        and share their trainer's steps from the first (where the policy and memory let them); each keeps
+        the run's base model and writes to `<output_dir>/<job name>`."""
         if not isinstance(run, RunSpec):
             run = load_run_spec(run)
         run = run.model_copy(update={"output_dir": Path(run.output_dir).expanduser().resolve()})
-        return [self._submit(submission) for submission in run.submissions()]
+        return self._submit_many(run.submissions())
 
     def _submit(self, submission: JobSubmission) -> JobHandle:
-        record: JobRecord = _call(self.scheduler.submit.remote(submission.model_dump_json()))
-        return JobHandle(self, record.id, record.name)
+        return self._submit_many([submission])[0]
+
+    def _submit_many(self, submissions: list[JobSubmission]) -> list[JobHandle]:
+        records: list[JobRecord] = _call(self.scheduler.submit_many.remote([s.model_dump_json() for s in submissions]))
+        return [JobHandle(self, record.id, record.name) for record in records]
 
     # -- following ----------------------------------------------------------------------------------------
     def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:

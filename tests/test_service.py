@@ -95,6 +95,25 @@ def test_bad_specs_fail_at_submit_and_unheld_base_models_wait_with_a_reason(serv
     assert service.cancel(handle.id).state == "cancelled"
 
 
+def test_jobs_of_one_run_file_share_every_step_as_in_process(service, tiny_model_dirs, tmp_path):
+    """A jobs file's jobs start together: the service's fused steps hold the same jobs as the in-process
+    engine's steps for the same file (none trains its first steps alone while the others' data loads)."""
+    base = str(tiny_model_dirs["llama"])
+    jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), 6)
+            for index, name in enumerate(["alpha", "beta", "gamma"])]
+    handles = service.submit_run(run_spec(base, tmp_path / "service", jobs, step_tokens=512))
+    assert all(h.wait(timeout=180).state == "completed" for h in handles)
+    names = {h.id: h.name for h in handles}
+    log = Path(service.info()["state_dir"]) / "trainers" / "trainer-0.jsonl"
+    service_steps = [sorted(names[j] for j in row["jobs"])
+                     for row in map(json.loads, log.read_text().splitlines()) if set(row["jobs"]) & set(names)]
+    train_locally(run_spec(base, tmp_path / "local", jobs, step_tokens=512),
+                  base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
+    local_steps = [sorted(json.loads(line)["jobs"]) for line in (tmp_path / "local/trainer.jsonl").read_text().splitlines()]
+    assert local_steps == [["alpha", "beta", "gamma"]] * 6
+    assert service_steps == local_steps
+
+
 def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_session, tiny_model_dirs, tmp_path):
     import ray
 

@@ -163,6 +163,24 @@ def test_scheduler_core_keeps_jobs_through_a_restart_and_explains_waits(tmp_path
     assert "restarted" in table.get(a.id).reason
 
 
+def test_submit_many_enters_all_jobs_or_none(tmp_path):
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 5), job_dict("b", data, 5)])
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
+    a, b = spec.submissions()
+    clash = b.model_copy(update={"output_dir": a.output_dir})
+    with pytest.raises(ValueError, match="two of the submitted jobs would write to .*give job 'b'"):
+        core.submit_many([a, clash])
+    assert core.table.all() == []
+    records = core.submit_many([a, b])
+    assert [r.name for r in records] == ["a", "b"] and all(r.state == "queued" for r in records)
+    # one decision round starts both
+    assert core.plan([fake_status("trainer-0", "smollm2-135m")]) == [Start(r.id, "trainer-0") for r in records]
+    with pytest.raises(ValueError, match="already writes to"):
+        core.submit_many([spec.submissions()[1]])
+    assert len(core.table.all()) == 2
+
+
 def test_fifo_respects_the_memory_budget():
     from policies.base import JobView, Snapshot, TrainerView
 

@@ -50,15 +50,27 @@ class SchedulerCore:
 
     # -- submissions ------------------------------------------------------------------------------------
     def submit(self, submission: JobSubmission) -> JobRecord:
-        name = submission.job.name
-        job_id = f"{name[:56]}-{uuid.uuid4().hex[:6]}"
-        output_dir = Path(submission.output_dir) if submission.output_dir else self.state_dir / "outputs" / job_id
-        output_dir = output_dir.expanduser().resolve()
-        for other in self.table.all(ACTIVE_STATES):
-            if Path(other.output_dir) == output_dir:
-                raise ValueError(f"job {other.id} ({other.state}) already writes to {output_dir}; give this job "
-                                 "another output_dir or wait for that job to end")
-        return self.table.add(job_id, submission, output_dir)
+        return self.submit_many([submission])[0]
+
+    def submit_many(self, submissions: list[JobSubmission]) -> list[JobRecord]:
+        """Enter jobs in the table together (all or none): the next decision round sees them all, so jobs
+        submitted together (a jobs file) start together and share their trainer's steps from the first."""
+        planned: list[tuple[str, JobSubmission, Path]] = []
+        taken = {Path(other.output_dir): other for other in self.table.all(ACTIVE_STATES)}
+        for submission in submissions:
+            name = submission.job.name
+            job_id = f"{name[:56]}-{uuid.uuid4().hex[:6]}"
+            output_dir = Path(submission.output_dir) if submission.output_dir else self.state_dir / "outputs" / job_id
+            output_dir = output_dir.expanduser().resolve()
+            if output_dir in taken:
+                other = taken[output_dir]
+                raise ValueError(f"job {other.id} ({other.state}) already writes to {output_dir}; give job "
+                                 f"'{name}' another output_dir or wait for that job to end")
+            if any(output_dir == planned_dir for _, _, planned_dir in planned):
+                raise ValueError(f"two of the submitted jobs would write to {output_dir}; give job '{name}' "
+                                 "another output_dir")
+            planned.append((job_id, submission, output_dir))
+        return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
 
     def recover(self) -> list[str]:
         """After a (re)start: jobs that were running are queued again; they resume from their checkpoints."""

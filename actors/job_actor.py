@@ -13,7 +13,7 @@ from actors.core.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
 from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission
-from actors.niceness import background_priority
+from actors.niceness import background_priority, idle_priority
 from policies.stopping import LossHistory, Verdict
 
 
@@ -27,6 +27,7 @@ class JobActor:
 
     def prepare(self) -> tuple[DataSummary, list[Example]]:
         summary = self.data.prepare()
+        idle_priority()   # from now on light work only: out of the trainers' way (actors/niceness.py)
         return summary, self.data.eval_examples()
 
     def fetch(self, position: dict[str, Any], count: int) -> FeedChunk:

@@ -3,9 +3,13 @@ that matters, and their OpenMP threads wait for each other at every parallel reg
 any other process stalls the whole step, not just one thread. So trainers run at nice 0, and the
 service's light background processes (scheduler, job actors) at nice `BACKGROUND_NICENESS`.
 
-Not SCHED_IDLE: under it a job actor gets almost no CPU while a trainer keeps both cores of a small
-machine busy, so jobs that are still reading their data wait for the trainer's other jobs to end
-(measured with bench/overhead.py: two of four jobs submitted together joined 20 steps late).
+A job actor, once its data is read and tokenized, only serves micro-batches ahead of time and books
+losses, yet its process wakes 100 times a second like every Ray worker (the core worker checks for
+signals every 10 ms): a few such processes cost a 2-core trainer a few percent. So from then on it runs
+under Linux's SCHED_IDLE policy (`idle_priority`): it gets a core only when no normal thread wants one,
+and its wake-ups never preempt a trainer thread. Not before: under SCHED_IDLE a job actor still reading
+its data gets almost no CPU while a trainer keeps both cores busy (measured with bench/overhead.py: two
+of four jobs submitted together joined 20 steps late). Not the scheduler either: users wait on it.
 
 Linux priorities belong to threads, not processes: each function here sets every thread the process
 has (Ray's worker starts its own threads before any actor code runs); threads started later inherit the
@@ -50,5 +54,19 @@ def background_priority() -> None:
         try:
             if os.getpriority(os.PRIO_PROCESS, thread) < BACKGROUND_NICENESS:
                 os.setpriority(os.PRIO_PROCESS, thread, BACKGROUND_NICENESS)
+        except ProcessLookupError:
+            continue   # the thread ended meanwhile
+
+
+def idle_priority() -> None:
+    """Every thread of this process to SCHED_IDLE (Linux); `background_priority` where there is none.
+    Always allowed: it only lowers the priority."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is None:
+        background_priority()
+        return
+    for thread in thread_ids():
+        try:
+            os.sched_setscheduler(thread, idle, os.sched_param(0))
         except ProcessLookupError:
             continue   # the thread ended meanwhile

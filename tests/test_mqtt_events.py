@@ -40,16 +40,22 @@ def mosquitto_binary() -> str | None:
                                               if os.access(p, os.X_OK)), None)
 
 
-def start_mosquitto(folder: Path, port: int, settings: str | None = None, tls_port: int | None = None
-                    ) -> subprocess.Popen:
-    """A real mosquitto on 127.0.0.1:`port` (anonymous unless `settings` say otherwise), listening (also on
-    `tls_port` when given) when this returns."""
+def require_mosquitto() -> str:
+    """The mosquitto binary; without it the test skips, or fails under CI (CI=true), where .ci/run installs it."""
     binary = mosquitto_binary()
     if binary is None:
         message = "mosquitto is not installed (apt-get install mosquitto)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
+    return binary
+
+
+def start_mosquitto(folder: Path, port: int, settings: str | None = None, tls_port: int | None = None
+                    ) -> subprocess.Popen:
+    """A real mosquitto on 127.0.0.1:`port` (anonymous unless `settings` say otherwise), listening (also on
+    `tls_port` when given) when this returns."""
+    binary = require_mosquitto()
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "mosquitto.conf"
     config.write_text(settings or f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
@@ -235,6 +241,7 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
 
 
 def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
+    require_mosquitto()   # and its mosquitto_passwd, from the same package
     folder = tmp_path / "tls"
     folder.mkdir()
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",

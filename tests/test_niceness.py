@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import sys, threading, time
-from actors.niceness import background_priority
+from actors.niceness import background_priority, idle_priority
 started = threading.Event()
 threading.Thread(target=lambda: (started.set(), time.sleep(60)), daemon=True).start()   # before, as Ray's are
 started.wait()
@@ -24,7 +24,12 @@ background_priority()
 threading.Thread(target=lambda: time.sleep(60), daemon=True).start()                      # after: inherits
 print("ready", flush=True)
 sys.stdin.readline()
+idle_priority()
+print("idle", flush=True)
+sys.stdin.readline()
 """
+
+SCHED_OTHER, SCHED_IDLE = 0, 5   # linux/sched.h
 
 
 
@@ -38,15 +43,20 @@ def kernel_policies(pid: int) -> dict[int, tuple[int, int]]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness and /proc are Linux's")
-def test_background_priority_reaches_threads_started_before_and_after():
+def test_background_and_idle_priority_reach_threads_started_before_and_after():
     child = subprocess.Popen([sys.executable, "-c", CHILD], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert child.stdout.readline().strip() == "ready"
         policies = kernel_policies(child.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "idle"
+        idle = kernel_policies(child.pid)
     finally:
         child.communicate("\n", timeout=30)
     assert len(policies) >= 3
-    assert all(nice == BACKGROUND_NICENESS for _, nice in policies.values()), policies
+    assert all(nice == BACKGROUND_NICENESS and policy == SCHED_OTHER for policy, nice in policies.values()), policies
+    assert idle.keys() == policies.keys() and all(policy == SCHED_IDLE for policy, _ in idle.values()), idle
     mine = kernel_policies(os.getpid())
     assert all(nice < BACKGROUND_NICENESS for _, nice in mine.values())   # only the process that asked steps aside

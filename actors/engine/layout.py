@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,14 +20,19 @@ class StepLayout:
     segments: tuple[tuple[str, int, int], ...]
     sequences: tuple[tuple[int, int], ...]
     num_tokens: int
+    # device tensors built once per step and shared by every layer (e.g. cu_seqlens)
+    tensors: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def max_sequence_length(self) -> int:
         return max((end - start for start, end in self.sequences), default=0)
 
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
-        bounds = [0] + [end for _, end in self.sequences]
-        return torch.tensor(bounds, dtype=torch.int32, device=device)
+        key = ("cu_seqlens", str(device))
+        if key not in self.tensors:
+            bounds = [0] + [end for _, end in self.sequences]
+            self.tensors[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
+        return self.tensors[key]
 
     @staticmethod
     def single(adapter: str, lengths: list[int]) -> StepLayout:

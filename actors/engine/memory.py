@@ -79,9 +79,11 @@ class StepMemoryMeter:
     @contextlib.contextmanager
     def forward(self) -> Iterator[SavedTensorCounter]:
         self.counter = SavedTensorCounter(exclude=set(self.parameter_ptrs))
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":   # the allocator counts; no hooks (a Python call per saved tensor)
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            yield self.counter
+            return
         with torch.autograd.graph.saved_tensors_hooks(self.counter.pack, self.counter.unpack):
             yield self.counter
 

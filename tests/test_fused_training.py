@@ -173,3 +173,24 @@ def test_minpad_groups_jobs_by_length_and_keeps_them_isolated():
     for spec, examples, seed in (jobs[0], jobs[3]):
         solo = train(base, [(spec, examples, seed)], layout="padded_fused")[spec.name]
         assert relative_difference(solo, fused[spec.name]) <= 1e-4
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_grouped_adapters_keep_fused_equal_to_solo(monkeypatch, layout):
+    """The batched LoRA way (CUDA's default, forced here on the CPU): a job trained beside others with
+    other ranks, targets and dropout still ends with the weights of the job trained alone."""
+    from actors.engine import lora
+
+    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    base = from_module(tiny_model("llama", VOCAB), None)
+    target = (job_spec("target", lora={"r": 4, "alpha": 8, "dropout": 0.2, "target_modules": "all-linear"}),
+              random_examples(0, vocab=VOCAB), 0)
+    others = [
+        (job_spec("other-1", lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, lr=1e-2),
+         random_examples(1, vocab=VOCAB, max_len=60), 1),
+        (job_spec("other-2", batch_size=2, lora={"r": 2, "alpha": 4, "dropout": 0.1, "target_modules": "all-linear"}),
+         random_examples(2, vocab=VOCAB), 2),
+    ]
+    fused = train(base, [others[0], target, others[1]], layout=layout)["target"]
+    solo = train(base, [target], layout=layout)["target"]
+    assert relative_difference(solo, fused) <= 1e-4

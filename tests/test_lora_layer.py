@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from actors.engine import lora as lora_module
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import FusedLoraLinear, LoraAdapter, add_adapter, remove_adapter, resolve_targets
 from actors.engine.spec import LoraConfig
@@ -115,3 +116,72 @@ def test_unknown_target_module_names_the_available_ones():
     with pytest.raises(ValueError, match=r"'qproj' matches no linear layer.*q_proj"):
         resolve_targets(model, ["qproj"])
     assert "lm_head" not in resolve_targets(model, "all-linear")
+
+
+def _grouped_and_segment_runs(monkeypatch, layer, x, layout, upstream):
+    """Output and gradients (x, every A and B) of the layer, computed grouped and per segment."""
+    results = {}
+    for mode in ("grouped", "segments"):
+        monkeypatch.setattr(lora_module, "GROUPING", mode)
+        for adapter in layer.adapters.values():
+            adapter.lora_A.grad = adapter.lora_B.grad = None
+            if adapter.dropout_generator is not None:
+                adapter.dropout_generator.manual_seed(7)
+        x_run = x.detach().clone().requires_grad_(True)
+        with step_layout(layout):
+            out = layer(x_run)
+        (out * upstream).sum().backward()
+        results[mode] = {"out": out.detach(), "x": x_run.grad,
+                         **{f"{name}.{which}": getattr(adapter, f"lora_{which}").grad.clone()
+                            for name, adapter in layer.adapters.items() for which in "AB"}}
+    return results
+
+
+def test_grouped_adapters_equal_per_segment_adapters_forward_and_backward(monkeypatch):
+    """The batched (grouped) way: different ranks and scalings, dropout on one adapter, a gap of tokens
+    whose job has no adapter here, segments of different lengths: same output and gradients as per
+    segment, and the output matches the formula."""
+    configs = {"a": LoraConfig(r=4, alpha=8, dropout=0.3), "b": LoraConfig(r=2, alpha=2, use_rslora=True),
+               "c": LoraConfig(r=8, alpha=4)}
+    layer = _layer_with_adapters(configs)
+    layer.adapters.train(True)
+    x = torch.randn(1, 19, 16)
+    layout = StepLayout((("a", 0, 6), ("gap", 6, 9), ("b", 9, 13), ("c", 13, 19)), ((0, 9), (9, 19)), 19)
+    upstream = torch.randn(1, 19, 12)
+    results = _grouped_and_segment_runs(monkeypatch, layer, x, layout, upstream)
+    for key in results["segments"]:
+        torch.testing.assert_close(results["grouped"][key], results["segments"][key], msg=key)
+    b, c = layer.adapters["b"], layer.adapters["c"]
+    out = results["grouped"]["out"][0]
+    torch.testing.assert_close(out[6:9], layer.base(x[0, 6:9]))
+    torch.testing.assert_close(out[9:13], layer.base(x[0, 9:13]) + x[0, 9:13] @ b.lora_A.T @ b.lora_B.T * 2 ** 0.5)
+    torch.testing.assert_close(out[13:], layer.base(x[0, 13:]) + x[0, 13:] @ c.lora_A.T @ c.lora_B.T * 0.5)
+
+
+@pytest.mark.parametrize("mode", ["grouped", "segments"])
+def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode):
+    """Isolation in the worst case: a job whose activations are NaN leaves the other adapters' outputs
+    and gradients exactly as they are without that job's NaN."""
+    monkeypatch.setattr(lora_module, "GROUPING", mode)
+    layer = _layer_with_adapters({"a": LoraConfig(r=4, alpha=8), "b": LoraConfig(r=4, alpha=8)})
+    layout = StepLayout((("a", 0, 5), ("b", 5, 12)), ((0, 5), (5, 12)), 12)
+    x = torch.randn(1, 12, 16)
+    upstream = torch.randn(1, 12, 12)
+    grads = []
+    for poison in (False, True):
+        x_run = x.clone()
+        up = upstream.clone()
+        if poison:
+            x_run[0, 5:] = float("nan")
+            up[0, 5:] = float("nan")
+        for adapter in layer.adapters.values():
+            adapter.lora_A.grad = adapter.lora_B.grad = None
+        x_run.requires_grad_(True)
+        with step_layout(layout):
+            out = layer(x_run)
+        (out * up).sum().backward()
+        a = layer.adapters["a"]
+        grads.append((out[0, :5].detach(), a.lora_A.grad.clone(), a.lora_B.grad.clone(), x_run.grad[0, :5].clone()))
+    for clean, poisoned in zip(*grads):
+        assert torch.isfinite(poisoned).all()
+        assert torch.equal(clean, poisoned)

@@ -1,6 +1,17 @@
 """Fused multi-LoRA linear layers: the base projection runs once over every token of the fused step;
 each adapter's low-rank update runs only on its own job's contiguous token segment.
 
+Two ways to compute the adapters' updates, with the same arithmetic per job:
+- per segment: each adapter's two small matrix products on its job's slice of the stream (the least
+  arithmetic; a handful of kernel launches per adapter and layer);
+- grouped (on CUDA, where a step of a small model is bound by kernel launches, not arithmetic): the jobs'
+  token slices gathered into one zero-padded (jobs, longest slice, features) batch and every adapter run
+  in two batched products (`torch.bmm`), then scattered back: the same few launches per layer whatever
+  the number of jobs. Each job's batch row holds only its own tokens and exact zeros (the padding reads a
+  zero row), so no job's arithmetic, forward or backward, touches another job's tokens: the isolation
+  argument of the per-segment way holds unchanged, even if another job's activations are inf or NaN.
+  Used when at least two adapters take part and padding at most doubles the rows.
+
 Adapters are added and removed at run time. Each adapter owns its dropout random generator, so a job's
 dropout masks do not depend on which other jobs share its steps (isolation holds with dropout too)."""
 
@@ -8,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine.layout import current_layout
+from actors.engine.layout import StepLayout, current_layout
 from actors.engine.spec import LoraConfig
 
 
@@ -46,6 +58,76 @@ class LoraAdapter(nn.Module):
         return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
 
+# "auto": grouped on CUDA, per segment elsewhere; "grouped" / "segments" force one way (tests, benchmarks)
+GROUPING: Literal["auto", "grouped", "segments"] = "auto"
+MAX_GROUP_PADDING = 2.0   # grouped only while the padded batch has at most this many times the real rows
+
+
+class SegmentGroup:
+    """Index tensors that gather the given token segments into a (segments, longest, features) batch,
+    padded by reading a zero row at index `num_tokens`, and scatter the batch's rows back to the stream
+    (tokens outside the segments read a zero row at index segments x longest). Built once per step."""
+
+    def __init__(self, bounds: tuple[tuple[int, int], ...], num_tokens: int, device: torch.device):
+        self.longest = max(end - start for start, end in bounds)
+        self.count = len(bounds)
+        gather = torch.full((self.count, self.longest), num_tokens, dtype=torch.long)
+        scatter = torch.full((num_tokens,), self.count * self.longest, dtype=torch.long)
+        for row, (start, end) in enumerate(bounds):
+            gather[row, : end - start] = torch.arange(start, end)
+            scatter[start:end] = torch.arange(row * self.longest, row * self.longest + end - start)
+        self.gather = gather.to(device)
+        self.scatter = scatter.to(device)
+        self.lengths = [end - start for start, end in bounds]
+        self.device = device
+        self.scaling_tensors: dict[tuple, torch.Tensor] = {}
+
+    def scalings(self, adapters: list[LoraAdapter], dtype: torch.dtype) -> torch.Tensor:
+        """The adapters' scalings as a (segments, 1, 1) tensor on the device (one copy per step)."""
+        key = (tuple(adapter.scaling for adapter in adapters), dtype)
+        if key not in self.scaling_tensors:
+            self.scaling_tensors[key] = torch.tensor(key[0], dtype=dtype).view(-1, 1, 1).to(self.device)
+        return self.scaling_tensors[key]
+
+    @staticmethod
+    def of(layout: StepLayout, bounds: tuple[tuple[int, int], ...], device: torch.device) -> SegmentGroup:
+        key = ("segment-group", bounds, str(device))
+        if key not in layout.tensors:
+            layout.tensors[key] = SegmentGroup(bounds, layout.num_tokens, device)
+        return layout.tensors[key]
+
+
+def _use_grouping(adapters: list[LoraAdapter], bounds: list[tuple[int, int]], x: torch.Tensor) -> bool:
+    if len(adapters) < 2 or GROUPING == "segments":
+        return False
+    if len({adapter.lora_A.dtype for adapter in adapters}) > 1:
+        return False
+    if GROUPING == "grouped":
+        return True
+    longest = max(end - start for start, end in bounds)
+    return x.is_cuda and len(bounds) * longest <= MAX_GROUP_PADDING * sum(end - start for start, end in bounds)
+
+
+def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: torch.Tensor) -> torch.Tensor:
+    """Every adapter's update on its own segment, in two batched products; (tokens, out_features)."""
+    dtype = adapters[0].lora_A.dtype
+    x = F.pad(flat_x.to(dtype), (0, 0, 0, 1))              # row num_tokens: zeros, read by the padding
+    rows = x[group.gather]                                   # (jobs, longest, in)
+    if any(adapter.training and adapter.dropout > 0 for adapter in adapters):
+        keep = torch.ones_like(rows)                         # padding rows stay 1 x 0
+        for index, (adapter, length) in enumerate(zip(adapters, group.lengths)):
+            if adapter.training and adapter.dropout > 0:
+                keep[index, :length].bernoulli_(1.0 - adapter.dropout, generator=adapter.dropout_generator)
+                keep[index, :length].div_(1.0 - adapter.dropout)
+        rows = rows * keep
+    rank = max(adapter.r for adapter in adapters)
+    lora_a = torch.stack([F.pad(a.lora_A, (0, 0, 0, rank - a.r)) for a in adapters])   # (jobs, rank, in)
+    lora_b = torch.stack([F.pad(a.lora_B, (0, rank - a.r)) for a in adapters])         # (jobs, out, rank)
+    update = torch.bmm(torch.bmm(rows, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * group.scalings(adapters, dtype)
+    update = F.pad(update.reshape(-1, update.shape[-1]), (0, 0, 0, 1))   # last row: zeros for other tokens
+    return update[group.scatter]
+
+
 class FusedLoraLinear(nn.Module):
     """Wraps a frozen linear layer; holds the adapters of every job that targets it."""
 
@@ -63,6 +145,12 @@ class FusedLoraLinear(nn.Module):
             return out
         flat_x = x.reshape(-1, x.shape[-1])
         num_tokens = flat_x.shape[0]
+        present = [(self.adapters[name], (start, end)) for name, start, end in layout.segments
+                   if name in self.adapters and end > start]
+        adapters, bounds = [a for a, _ in present], [b for _, b in present]
+        if _use_grouping(adapters, bounds, flat_x):
+            group = SegmentGroup.of(layout, tuple(bounds), flat_x.device)
+            return out + _grouped_delta(adapters, group, flat_x).to(out.dtype).view(out.shape)
         pieces: list[torch.Tensor] = []
         position = 0
         for name, start, end in layout.segments:

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -53,7 +55,9 @@ def run_in_process(spec: RunSpec, base) -> dict:
 def run_through_service(spec: RunSpec, state_dir: Path) -> dict:
     from orchestrator.client import Client
 
+    # the trainer runs where the in-process engine ran: on the GPU when there is one (a GpuTrainerActor)
     trainer = TrainerConfig(base_model=spec.base_model, step_tokens=spec.step_tokens, layout=spec.layout,
+                            num_gpus=1 if torch.cuda.is_available() else 0,
                             step_log=Path(spec.output_dir) / "trainer.jsonl")
     client = Client.local(ServiceConfig(state_dir=state_dir, trainers=[trainer]))   # waits for the model
     try:
@@ -122,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = build_spec(work / "in-process", data, steps).model_copy(update={"base_model": args.base_model})
     base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device)
+    device_name = torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "CPU"
+    log(f"device: {device_name} ({base.device}), {base.dtype}")
     # A-B-B-A: a slow spell of the machine or a warm-up drift hits both sides alike.
     order = ["engine", "service"] if args.quick else ["engine", "service", "service", "engine"]
     results: dict[str, list[dict]] = {"engine": [], "service": []}

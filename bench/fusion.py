@@ -46,6 +46,7 @@ from actors.engine.data import (  # noqa: E402
     TextFormat,
     load_examples,
 )
+from actors.engine import lora  # noqa: E402
 from actors.engine.job import TrainingJob  # noqa: E402
 from actors.engine.models import BaseModel, load_base_model  # noqa: E402
 from actors.engine.packing import JobMicroBatch, pack  # noqa: E402
@@ -486,7 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice, one per core)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
+    parser.add_argument("--lora-grouping", default="auto", choices=["auto", "grouped", "segments"],
+                        help="how the engine runs the adapters' updates (auto: grouped on CUDA, per segment elsewhere)")
     args = parser.parse_args(argv)
+    lora.GROUPING = args.lora_grouping
     skip = {p.strip() for p in args.skip.split(",") if p.strip()}
     s = Settings.make(args.quick)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -513,11 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     elif device.type == "cuda":
         s.fusion_seq_len = 512  # 8 x 512 = 4096 tokens, the engine's default step_tokens
     machine = machine_line(device)
-    log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}")
+    log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}; LoRA updates: {args.lora_grouping}")
 
     results: dict = {"quick": s.quick, "base_model": args.base_model, "device": str(device), "machine": machine,
                      "torch": torch.__version__, "dtype": str(base.dtype).replace("torch.", ""),
-                     "lora": LORA.model_dump(), "timings_s": {}}
+                     "lora": LORA.model_dump(), "lora_grouping": args.lora_grouping, "timings_s": {}}
 
     results["other_processes_cpu_share"] = {}
     whole_run = CpuMonitor()

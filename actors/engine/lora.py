@@ -50,11 +50,19 @@ class LoraAdapter(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(out_features, config.r, dtype=dtype, device=device))
         self.dropout_generator: torch.Generator | None = None
 
+    @property
+    def drops(self) -> bool:
+        return self.training and self.dropout > 0
+
+    def draw_dropout_mask(self, keep: torch.Tensor) -> torch.Tensor:
+        """Fill `keep` (this job's tokens x in_features) with this adapter's next inverted-dropout mask,
+        from its own generator: the same draws whichever way the update is computed."""
+        return keep.bernoulli_(1.0 - self.dropout, generator=self.dropout_generator).div_(1.0 - self.dropout)
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.lora_A.dtype)
-        if self.training and self.dropout > 0:
-            keep = torch.empty_like(x).bernoulli_(1.0 - self.dropout, generator=self.dropout_generator)
-            x = x * keep.div_(1.0 - self.dropout)
+        if self.drops:
+            x = x * self.draw_dropout_mask(torch.empty_like(x))
         return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
 
 
@@ -113,12 +121,11 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
     dtype = adapters[0].lora_A.dtype
     x = F.pad(flat_x.to(dtype), (0, 0, 0, 1))              # row num_tokens: zeros, read by the padding
     rows = x[group.gather]                                   # (jobs, longest, in)
-    if any(adapter.training and adapter.dropout > 0 for adapter in adapters):
+    if any(adapter.drops for adapter in adapters):
         keep = torch.ones_like(rows)                         # padding rows stay 1 x 0
         for index, (adapter, length) in enumerate(zip(adapters, group.lengths)):
-            if adapter.training and adapter.dropout > 0:
-                keep[index, :length].bernoulli_(1.0 - adapter.dropout, generator=adapter.dropout_generator)
-                keep[index, :length].div_(1.0 - adapter.dropout)
+            if adapter.drops:
+                adapter.draw_dropout_mask(keep[index, :length])
         rows = rows * keep
     rank = max(adapter.r for adapter in adapters)
     lora_a = torch.stack([F.pad(a.lora_A, (0, 0, 0, rank - a.r)) for a in adapters])   # (jobs, rank, in)
@@ -147,22 +154,19 @@ class FusedLoraLinear(nn.Module):
         num_tokens = flat_x.shape[0]
         present = [(self.adapters[name], (start, end)) for name, start, end in layout.segments
                    if name in self.adapters and end > start]
+        if not present:
+            return out
         adapters, bounds = [a for a, _ in present], [b for _, b in present]
         if _use_grouping(adapters, bounds, flat_x):
             group = SegmentGroup.of(layout, tuple(bounds), flat_x.device)
             return out + _grouped_delta(adapters, group, flat_x).to(out.dtype).view(out.shape)
         pieces: list[torch.Tensor] = []
         position = 0
-        for name, start, end in layout.segments:
-            adapter = self.adapters[name] if name in self.adapters else None
-            if adapter is None:
-                continue
+        for adapter, (start, end) in present:
             if start > position:
                 pieces.append(out.new_zeros(start - position, self.out_features))
             pieces.append(adapter.delta(flat_x[start:end]).to(out.dtype))
             position = end
-        if not pieces:
-            return out
         if position < num_tokens:
             pieces.append(out.new_zeros(num_tokens - position, self.out_features))
         delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -7,6 +7,12 @@ adapters written), the service side is submit -> every job completed (job actors
 micro-batches stream, checkpoints and adapters are written, the scheduler polls). Tokens are the jobs'
 real tokens, counted from the runs' own step logs.
 
+A third side splits the gap in two: the in-process engine again, beside an idle Ray started as the service
+starts it (`ensure_ray`: Ray's daemons and its prestarted workers, no actors). Engine beside Ray / engine
+is what Ray's mere presence costs on this machine; actor system / engine beside Ray is what the actor
+system adds on top. Each side starts with no Ray running (and stops the Ray it started), so no side runs
+beside another side's leftovers.
+
     python bench/overhead.py [--quick] [--steps N] [--json FILE]
 """
 
@@ -21,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +48,7 @@ def step_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_in_process(spec: RunSpec, base) -> dict:
+def run_in_process(spec: RunSpec, base, label: str = "in-process engine") -> dict:
     ends: list[float] = []
     started = time.perf_counter()
     train_locally(spec, base=base, progress=False, on_step=lambda report: ends.append(time.time()))
@@ -49,7 +56,18 @@ def run_in_process(spec: RunSpec, base) -> dict:
     rows = step_rows(Path(spec.output_dir) / "trainer.jsonl")
     for row, end in zip(rows, ends):
         row["time"] = end
-    return summarize("in-process engine", rows, seconds)
+    return summarize(label, rows, seconds)
+
+
+def run_beside_ray(spec: RunSpec, base) -> dict:
+    """The in-process engine while an idle Ray runs on the machine, started as `Client.local` starts it."""
+    from orchestrator.client import ensure_ray
+
+    ensure_ray()
+    try:
+        return run_in_process(spec, base, label="engine beside Ray")
+    finally:
+        ray.shutdown()
 
 
 def run_through_service(spec: RunSpec, state_dir: Path) -> dict:
@@ -68,6 +86,7 @@ def run_through_service(spec: RunSpec, state_dir: Path) -> dict:
         trainer_info = client.trainers()[0]
     finally:
         client.shutdown()
+        ray.shutdown()
     require_completed(records)
     rows = step_rows(Path(spec.output_dir) / "trainer.jsonl")
     result = summarize("actor system", rows, seconds)
@@ -128,34 +147,48 @@ def main(argv: list[str] | None = None) -> int:
     base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device)
     device_name = torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "CPU"
     log(f"device: {device_name} ({base.device}), {base.dtype}")
-    # A-B-B-A: a slow spell of the machine or a warm-up drift hits both sides alike.
-    order = ["engine", "service"] if args.quick else ["engine", "service", "service", "engine"]
-    results: dict[str, list[dict]] = {"engine": [], "service": []}
+    # A-B-C-C-B-A: a slow spell of the machine or a warm-up drift hits every side alike.
+    sides = ["engine", "beside_ray", "service"]
+    order = sides if args.quick else sides + sides[::-1]
+    results: dict[str, list[dict]] = {side: [] for side in sides}
     for index, side in enumerate(order):
         run = spec.model_copy(update={"output_dir": work / f"{index}-{side}"})
+        if ray.is_initialized():
+            ray.shutdown()
         if side == "engine":
             results[side].append(run_in_process(run, base))
+        elif side == "beside_ray":
+            results[side].append(run_beside_ray(run, base))
         else:
             results[side].append(run_through_service(run, work / f"state-{index}"))
-    engine, service = (merge(results[side]) for side in ("engine", "service"))
+    engine, beside_ray, service = (merge(results[side]) for side in sides)
     ratio = service["tokens_per_s"] / engine["tokens_per_s"]
+    ray_cost = beside_ray["tokens_per_s"] / engine["tokens_per_s"]
+    own_ratio = service["tokens_per_s"] / beside_ray["tokens_per_s"]
     compute_ratio = service["compute_tokens_per_s"] / engine["compute_tokens_per_s"]
     end_to_end_ratio = service["end_to_end_tokens_per_s"] / engine["end_to_end_tokens_per_s"]
     step_ratio = statistics.median(engine["step_seconds"]) / statistics.median(service["step_seconds"])
     log("")
-    log(f"{'measurement (' + str(len(results['engine'])) + ' runs each, A-B-B-A)':<56}{'value':>10}  goal")
+    runs = len(results["engine"])
+    log(f"{'measurement (' + str(runs) + (' runs each, A-B-C-C-B-A)' if runs > 1 else ' run each)'):<56}"
+        f"{'value':>10}  goal")
     log(f"{'in-process engine, training tok/s':<56}{engine['tokens_per_s']:>10.0f}")
+    log(f"{'in-process engine beside an idle Ray, training tok/s':<56}{beside_ray['tokens_per_s']:>10.0f}")
     log(f"{'actor system, training tok/s':<56}{service['tokens_per_s']:>10.0f}")
     log(f"{'actor system / in-process, training tok/s':<56}{ratio:>10.3f}  >= 0.95  "
         f"{'met' if ratio >= 0.95 else 'NOT met'}")
     log(f"{'actor system / in-process, inside fused steps':<56}{compute_ratio:>10.3f}")
     log(f"{'actor system / in-process, median step':<56}{step_ratio:>10.3f}")
     log(f"{'actor system / in-process, end to end (with job start-up)':<56}{end_to_end_ratio:>10.3f}")
+    log(f"{'the gap in two: engine beside idle Ray / engine alone':<56}{ray_cost:>10.3f}")
+    log(f"{'           and: actor system / engine beside idle Ray':<56}{own_ratio:>10.3f}")
     log(f"{'steps that waited for data (actor system)':<56}{service['data_waits']:>10}")
     if args.json:
         args.json.write_text(json.dumps({"steps_per_job": steps, "runs": results, "ratio": ratio,
                                          "compute_ratio": compute_ratio, "median_step_ratio": step_ratio,
-                                         "end_to_end_ratio": end_to_end_ratio}, indent=2) + "\n")
+                                         "end_to_end_ratio": end_to_end_ratio,
+                                         "beside_ray_ratio": ray_cost, "service_vs_beside_ray_ratio": own_ratio},
+                                        indent=2) + "\n")
     return 0
 
 

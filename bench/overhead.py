@@ -153,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for index, side in enumerate(order):
         run = spec.model_copy(update={"output_dir": work / f"{index}-{side}"})
-        if ray.is_initialized():
-            ray.shutdown()
         if side == "engine":
             results[side].append(run_in_process(run, base))
         elif side == "beside_ray":

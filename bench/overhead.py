@@ -13,7 +13,7 @@ is what Ray's mere presence costs on this machine; actor system / engine beside 
 system adds on top. Each side starts with no Ray running (and stops the Ray it started), so no side runs
 beside another side's leftovers.
 
-    python bench/overhead.py [--quick] [--steps N] [--json FILE]
+    python bench/overhead.py [--quick] [--steps N] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ def run_beside_ray(spec: RunSpec, base) -> dict:
         ray.shutdown()
 
 
-def run_through_service(spec: RunSpec, state_dir: Path) -> dict:
+def run_through_service(spec: RunSpec, state_dir: Path, threads: int | None = None) -> dict:
+    """`threads`: the trainer's torch threads (default: the service's own choice, the node's cores)."""
     from orchestrator.client import Client
 
     # the trainer runs where the in-process engine ran: on the GPU when there is one (a GpuTrainerActor)
     trainer = TrainerConfig(base_model=spec.base_model, step_tokens=spec.step_tokens, layout=spec.layout,
-                            num_gpus=1 if torch.cuda.is_available() else 0,
+                            num_gpus=1 if torch.cuda.is_available() else 0, threads=threads,
                             step_log=Path(spec.output_dir) / "trainer.jsonl")
     client = Client.local(ServiceConfig(state_dir=state_dir, trainers=[trainer]))   # waits for the model
     try:
@@ -134,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few steps (a smoke run, not a measurement)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per job (default 30, quick 4)")
     parser.add_argument("--base-model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads, the same on every side (default: torch's own, the machine's cores); "
+                             "fewer than the cores leaves the rest to the service's other processes")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     steps = args.steps or (4 if args.quick else 30)
     work = Path(tempfile.mkdtemp(prefix="aspen-overhead-"))
     data = {task.name: write_jsonl(work / "data" / f"{task.name}.jsonl", make_rows(task, TRAIN_ROWS, TRAIN_SEED))
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = build_spec(work / "in-process", data, steps).model_copy(update={"base_model": args.base_model})
     base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device)
     device_name = torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "CPU"
-    log(f"device: {device_name} ({base.device}), {base.dtype}")
+    log(f"device: {device_name} ({base.device}), {base.dtype}, {torch.get_num_threads()} torch threads")
     # A-B-C-C-B-A: a slow spell of the machine or a warm-up drift hits every side alike.
     sides = ["engine", "beside_ray", "service"]
     order = sides if args.quick else sides + sides[::-1]
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         elif side == "beside_ray":
             results[side].append(run_beside_ray(run, base))
         else:
-            results[side].append(run_through_service(run, work / f"state-{index}"))
+            results[side].append(run_through_service(run, work / f"state-{index}", args.threads))
     engine, beside_ray, service = (merge(results[side]) for side in sides)
     ratio = service["tokens_per_s"] / engine["tokens_per_s"]
     ray_cost = beside_ray["tokens_per_s"] / engine["tokens_per_s"]
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{'           and: actor system / engine beside idle Ray':<56}{own_ratio:>10.3f}")
     log(f"{'steps that waited for data (actor system)':<56}{service['data_waits']:>10}")
     if args.json:
-        args.json.write_text(json.dumps({"steps_per_job": steps, "runs": results, "ratio": ratio,
+        args.json.write_text(json.dumps({"steps_per_job": steps, "torch_threads": torch.get_num_threads(),
+                                         "runs": results, "ratio": ratio,
                                          "compute_ratio": compute_ratio, "median_step_ratio": step_ratio,
                                          "end_to_end_ratio": end_to_end_ratio,
                                          "beside_ray_ratio": ray_cost, "service_vs_beside_ray_ratio": own_ratio},

@@ -44,3 +44,32 @@ def test_accumulation_steps_every_grad_accum_micro_batches_and_clips():
             assert norm == pytest.approx(30.0)  # three accumulated gradients of norm 10, before clipping
     assert due == [False, False, True, False, False, True]
     assert opt.step_count == 2 and weight.grad is None
+
+
+def test_job_optimizer_steps_like_torch_reference_adamw():
+    """The fused AdamW kernel (used on the CPU and CUDA) moves an adapter-like set of parameters as torch's
+    plain per-parameter AdamW does, with the warm-up/cosine schedule and clipping applied to both."""
+    spec = JobSpec(name="a", data="x", format={"type": "text"}, lr=1e-2, weight_decay=0.1, max_grad_norm=0.5,
+                   lr_schedule="cosine", warmup_steps=2)
+    torch.manual_seed(0)
+    start = [torch.randn(4, 16), torch.randn(16, 4) * 0.1, torch.randn(4, 32)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = JobOptimizer(spec, ours, total_steps=8)
+    assert opt.optimizer.defaults["fused"] is True
+    reference = torch.optim.AdamW(theirs, lr=spec.lr, weight_decay=spec.weight_decay, foreach=False)
+    for step in range(8):
+        grads = [torch.randn_like(t) for t in start]
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        for p, g in zip(theirs, grads):
+            p.grad = g.clone()
+        opt.step()
+        for group in reference.param_groups:
+            group["lr"] = spec.lr * lr_factor(step, schedule="cosine", warmup_steps=2, total_steps=8)
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+    for a, b, s in zip(ours, theirs, start):
+        assert not torch.equal(a, s)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

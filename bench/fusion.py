@@ -49,6 +49,7 @@ from actors.engine.data import (  # noqa: E402
 from actors.engine import lora  # noqa: E402
 from actors.engine.job import TrainingJob  # noqa: E402
 from actors.engine.models import BaseModel, load_base_model  # noqa: E402
+from actors.engine.operations import count_operations  # noqa: E402
 from actors.engine.packing import JobMicroBatch, pack  # noqa: E402
 from actors.engine.spec import JobSpec, LoraConfig  # noqa: E402
 from actors.engine.trainer import FusedTrainer  # noqa: E402
@@ -218,6 +219,9 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
         for n in rotated:
             times[n].append(one_step(n))
         log("    rep %d: %s" % (rep + 1, "  ".join(f"N={n}: {times[n][-1]:.3f}s" for n in order)))
+    operations = {n: count_operations(lambda: one_step(n)) for n in order}
+    log("    operations dispatched per step (non-view; on CUDA each is about one kernel launch): "
+        + "  ".join(f"N={n}: {operations[n]}" for n in order))
     for trainer, chosen in setups.values():
         for job, _ in chosen:
             trainer.remove_job(job.name)
@@ -233,7 +237,8 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
                                         "max_step_s": max(times[n]), "tokens_per_s": tps[n],
                                         "ratio_to_1": tps[n] / tps[order[0]],
                                         "ratio_to_1_fastest_steps": best[n] / best[order[0]],
-                                        "ratio_to_1_median_per_round": paired[n], "step_times_s": times[n]}
+                                        "ratio_to_1_median_per_round": paired[n], "step_times_s": times[n],
+                                        "operations_per_step": operations[n]}
                                for n in order}}
     for n in order:
         log(f"    N={n}: median {median[n]:.3f}s  {tps[n]:.0f} tok/s  ratio {tps[n] / tps[order[0]]:.3f}  "

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module, load_base_model
+from actors.engine.operations import count_operations
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
-from tests.conftest import random_examples, tiny_model
+from tests.conftest import random_examples, tiny_config, tiny_model
 
 VOCAB = 300
 
@@ -194,3 +195,40 @@ def test_grouped_adapters_keep_fused_equal_to_solo(monkeypatch, layout):
     fused = train(base, [others[0], target, others[1]], layout=layout)["target"]
     solo = train(base, [target], layout=layout)["target"]
     assert relative_difference(solo, fused) <= 1e-4
+
+
+def _operations_per_step(base, jobs: int, sequences: list) -> int:
+    """Operations of one fused step (forward, backward, optimizer), `jobs` jobs sharing `sequences`."""
+    per_job = len(sequences) // jobs
+    trainer = FusedTrainer(base, step_tokens=100_000, layout="packed")
+    chosen = []
+    for index in range(jobs):
+        job = TrainingJob.create(job_spec(f"job-{index}", batch_size=per_job), base, sequences, [], seed=index)
+        trainer.add_job(job)
+        chosen.append((job, sequences[index * per_job:(index + 1) * per_job]))
+    trainer.run_step(chosen)   # the optimizers' first step allocates their state
+    count = count_operations(lambda: trainer.run_step(chosen))
+    for job, _ in chosen:
+        trainer.remove_job(job.name)
+    return count
+
+
+def test_grouped_adapters_add_no_operations_per_layer_and_job(monkeypatch):
+    """What a fused step costs per job where steps are bound by kernel launches (a small model on a GPU):
+    grouped, an extra job adds the same few operations (its optimizer step, its loss) to a 2-layer model as
+    to a 4-layer one: nothing per layer and job, forward or backward; per segment it adds some per layer."""
+    from actors.engine import lora
+
+    sequences = random_examples(0, count=12, vocab=VOCAB, min_len=20, max_len=20)
+    growth = {}
+    for mode in ("grouped", "segments"):
+        monkeypatch.setattr(lora, "GROUPING", mode)
+        for layers in (2, 4):
+            config = tiny_config("llama", VOCAB)
+            config.num_hidden_layers = layers
+            torch.manual_seed(0)
+            base = from_module(LlamaForCausalLM(config).eval(), None)
+            growth[mode, layers] = (_operations_per_step(base, 6, sequences)
+                                    - _operations_per_step(base, 2, sequences)) / 4
+    assert growth["grouped", 4] == growth["grouped", 2], growth
+    assert growth["segments", 4] > growth["segments", 2] + 20, growth   # the counter sees per-layer work

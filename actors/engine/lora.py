@@ -128,11 +128,20 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
                 adapter.draw_dropout_mask(keep[index, :length])
         rows = rows * keep
     rank = max(adapter.r for adapter in adapters)
-    lora_a = torch.stack([F.pad(a.lora_A, (0, 0, 0, rank - a.r)) for a in adapters])   # (jobs, rank, in)
-    lora_b = torch.stack([F.pad(a.lora_B, (0, rank - a.r)) for a in adapters])         # (jobs, out, rank)
-    update = torch.bmm(torch.bmm(rows, lora_a.transpose(1, 2)), lora_b.transpose(1, 2)) * group.scalings(adapters, dtype)
-    update = F.pad(update.reshape(-1, update.shape[-1]), (0, 0, 0, 1))   # last row: zeros for other tokens
-    return update[group.scatter]
+    # lower ranks padded with zero rows / columns (no padding ops where the ranks agree, the usual case)
+    lora_a = torch.stack([a.lora_A if a.r == rank else F.pad(a.lora_A, (0, 0, 0, rank - a.r))
+                          for a in adapters])                                              # (jobs, rank, in)
+    lora_b = torch.stack([a.lora_B if a.r == rank else F.pad(a.lora_B, (0, rank - a.r))
+                          for a in adapters])                                              # (jobs, out, rank)
+    # Products in the (features, tokens) orientation: the gradients of the stacked A and B then come out in
+    # the parameters' own (rank, in) / (out, rank) layout, so each adapter's gradient is a view autograd
+    # keeps as it is, where the (tokens, features) orientation made it copy every one (2 copies per adapter
+    # and layer in each backward: on a GPU, launches that grew with the number of jobs).
+    hidden = torch.bmm(lora_a, rows.transpose(1, 2))                                     # (jobs, rank, longest)
+    update = torch.bmm(lora_b, hidden) * group.scalings(adapters, dtype)                  # (jobs, out, longest)
+    update = update.transpose(1, 2).reshape(-1, update.shape[1])                          # (jobs x longest, out)
+    update = F.pad(update, (0, 0, 0, 1))                                                  # last row: zeros
+    return update[group.scatter]                                                          # for other tokens
 
 
 class FusedLoraLinear(nn.Module):

@@ -5,11 +5,12 @@ Two ways to compute the adapters' updates, with the same arithmetic per job:
 - per segment: each adapter's two small matrix products on its job's slice of the stream (the least
   arithmetic; a handful of kernel launches per adapter and layer);
 - grouped (on CUDA, where a step of a small model is bound by kernel launches, not arithmetic): the jobs'
-  token slices gathered into one zero-padded (jobs, longest slice, features) batch and every adapter run
-  in two batched products (`torch.bmm`), then scattered back: the same few launches per layer whatever
-  the number of jobs. Each job's batch row holds only its own tokens and exact zeros (the padding reads a
-  zero row), so no job's arithmetic, forward or backward, touches another job's tokens: the isolation
-  argument of the per-segment way holds unchanged, even if another job's activations are inf or NaN.
+  token slices gathered into one padded (jobs, longest slice, features) batch and every adapter run in
+  two batched products (`torch.bmm`), then the real rows brought back: the same few launches per layer
+  whatever the number of jobs. Each job's batch row holds only its own tokens (a shorter job's row is
+  padded with its own first token, and the padding's results are never read back), so no job's
+  arithmetic, forward or backward, touches another job's tokens: the isolation argument of the
+  per-segment way holds unchanged, even if another job's activations are inf or NaN.
   Used when at least two adapters take part and padding at most doubles the rows.
 
 Adapters are added and removed at run time. Each adapter owns its dropout random generator, so a job's
@@ -72,20 +73,36 @@ MAX_GROUP_PADDING = 2.0   # grouped only while the padded batch has at most this
 
 
 class SegmentGroup:
-    """Index tensors that gather the given token segments into a (segments, longest, features) batch,
-    padded by reading a zero row at index `num_tokens`, and scatter the batch's rows back to the stream
-    (tokens outside the segments read a zero row at index segments x longest). Built once per step."""
+    """Index tensors, built once per step, that gather the given token segments into a (segments, longest,
+    features) batch and bring the batch's real rows back to the stream. A shorter segment's row is padded
+    with copies of its own first token, so every row reads its own job's tokens only; the padding rows'
+    results are never read back, so their gradients are exact zeros. Tokens outside the segments (a job
+    with no adapter on this layer) get a zero row."""
 
     def __init__(self, bounds: tuple[tuple[int, int], ...], num_tokens: int, device: torch.device):
         self.longest = max(end - start for start, end in bounds)
         self.count = len(bounds)
-        gather = torch.full((self.count, self.longest), num_tokens, dtype=torch.long)
-        scatter = torch.full((num_tokens,), self.count * self.longest, dtype=torch.long)
+        gather = torch.empty((self.count, self.longest), dtype=torch.long)
         for row, (start, end) in enumerate(bounds):
             gather[row, : end - start] = torch.arange(start, end)
-            scatter[start:end] = torch.arange(row * self.longest, row * self.longest + end - start)
+            gather[row, end - start:] = start
+        # the real rows in stream order: (row, position) of each token of each segment
+        row_of = torch.cat([torch.full((end - start,), row, dtype=torch.long) for row, (start, end) in enumerate(bounds)])
+        position_of = torch.cat([torch.arange(end - start) for start, end in bounds])
+        covered = sum(end - start for start, end in bounds)
+        # where the segments do not cover the stream end to end: each token's real row, or the zero row
+        # appended after the `covered` real rows
+        self.scatter: torch.Tensor | None = None
+        if covered != num_tokens or any(start != end for (_, end), (start, _) in zip(bounds, bounds[1:])):
+            scatter = torch.full((num_tokens,), covered, dtype=torch.long)
+            offset = 0
+            for start, end in bounds:
+                scatter[start:end] = torch.arange(offset, offset + end - start)
+                offset += end - start
+            self.scatter = scatter.to(device)
         self.gather = gather.to(device)
-        self.scatter = scatter.to(device)
+        self.row_of = row_of.to(device)
+        self.position_of = position_of.to(device)
         self.lengths = [end - start for start, end in bounds]
         self.device = device
         self.scaling_tensors: dict[tuple, torch.Tensor] = {}
@@ -119,10 +136,9 @@ def _use_grouping(adapters: list[LoraAdapter], bounds: list[tuple[int, int]], x:
 def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: torch.Tensor) -> torch.Tensor:
     """Every adapter's update on its own segment, in two batched products; (tokens, out_features)."""
     dtype = adapters[0].lora_A.dtype
-    x = F.pad(flat_x.to(dtype), (0, 0, 0, 1))              # row num_tokens: zeros, read by the padding
-    rows = x[group.gather]                                   # (jobs, longest, in)
+    rows = flat_x.to(dtype)[group.gather]                   # (jobs, longest, in)
     if any(adapter.drops for adapter in adapters):
-        keep = torch.ones_like(rows)                         # padding rows stay 1 x 0
+        keep = torch.ones_like(rows)                         # padding rows: never read back
         for index, (adapter, length) in enumerate(zip(adapters, group.lengths)):
             if adapter.drops:
                 adapter.draw_dropout_mask(keep[index, :length])
@@ -139,9 +155,10 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
     # and layer in each backward: on a GPU, launches that grew with the number of jobs).
     hidden = torch.bmm(lora_a, rows.transpose(1, 2))                                     # (jobs, rank, longest)
     update = torch.bmm(lora_b, hidden) * group.scalings(adapters, dtype)                  # (jobs, out, longest)
-    update = update.transpose(1, 2).reshape(-1, update.shape[1])                          # (jobs x longest, out)
-    update = F.pad(update, (0, 0, 0, 1))                                                  # last row: zeros
-    return update[group.scatter]                                                          # for other tokens
+    real = update.transpose(1, 2)[group.row_of, group.position_of]                        # (real rows, out)
+    if group.scatter is None:                                                             # stream order
+        return real
+    return F.pad(real, (0, 0, 0, 1))[group.scatter]                                       # zeros elsewhere
 
 
 class FusedLoraLinear(nn.Module):

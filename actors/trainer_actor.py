@@ -21,6 +21,7 @@ from actors.core.trainer_loop import Assignment, TrainerLoop
 from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
+from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
 from policies.base import StepComposer
@@ -45,13 +46,15 @@ class GpuTrainerActor:
         device = "cuda" if config.num_gpus > 0 else "cpu"
         base = load_base_model(config.base_model, dtype=config.dtype, device=device,
                                quantization=config.quantization)
+        warm_up_seconds = warm_up(base, config.step_tokens)   # one-time costs, before any job's first step
+        settle_garbage_collector()
         composer = load_policy(policy) if policy else None
         self.loop = TrainerLoop(base, config, trainer_id, Path(state_dir),
                                 composer if isinstance(composer, StepComposer) else None)
         self.stopping = False
         self.started = False
-        log.info("trainer %s: %s on %s, %d torch threads", trainer_id, config.base_model, base.device,
-                 torch.get_num_threads())
+        log.info("trainer %s: %s on %s, %d torch threads, warm-up step %.2fs", trainer_id, config.base_model,
+                 base.device, torch.get_num_threads(), warm_up_seconds)
 
     def start(self) -> TrainerStatus:
         """Start stepping (idempotent); returns the trainer's status."""

@@ -2,7 +2,8 @@
 (scheduler, trainer actor, a job actor per job streaming micro-batches), tokens/s side by side from one
 run. Goal: actor system / in-process >= 0.95.
 
-Both sides get the model loaded before the clock starts; the in-process side is `train_locally` (steps,
+Both sides get the model loaded and warmed up (one throwaway step, `actors/engine/warmup.py`, as the
+service's trainer does at start-up) before the clock starts; the in-process side is `train_locally` (steps,
 adapters written), the service side is submit -> every job completed (job actors start and tokenize,
 micro-batches stream, checkpoints and adapters are written, the scheduler polls). Tokens are the jobs'
 real tokens, counted from the runs' own step logs.
@@ -37,6 +38,7 @@ from actors.core.config import ServiceConfig, TrainerConfig  # noqa: E402
 from actors.engine.local_run import train_locally  # noqa: E402
 from actors.engine.models import load_base_model, load_base_tokenizer  # noqa: E402
 from actors.engine.spec import RunSpec  # noqa: E402
+from actors.engine.warmup import settle_garbage_collector, warm_up  # noqa: E402
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
 
 
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = build_spec(work / "in-process", data, steps).model_copy(update={"base_model": args.base_model})
     base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device)
+    warm_up(base, spec.step_tokens)   # as the service's trainer does at start-up: both sides start warm, and
+    settle_garbage_collector()         # with the collector's start-up objects frozen (actors/engine/warmup.py)
     device_name = torch.cuda.get_device_name(base.device) if base.device.type == "cuda" else "CPU"
     log(f"device: {device_name} ({base.device}), {base.dtype}, {torch.get_num_threads()} torch threads")
     # A-B-C-C-B-A: a slow spell of the machine or a warm-up drift hits every side alike.

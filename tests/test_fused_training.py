@@ -232,3 +232,24 @@ def test_grouped_adapters_add_no_operations_per_layer_and_job(monkeypatch):
                                     - _operations_per_step(base, 2, sequences)) / 4
     assert growth["grouped", 4] == growth["grouped", 2], growth
     assert growth["segments", 4] > growth["segments", 2] + 20, growth   # the counter sees per-layer work
+
+
+def test_warm_up_leaves_the_base_as_it_was():
+    """The trainer's start-up step: afterwards no adapter is attached, the base's weights and the random
+    generator are untouched, and a job trains to the same adapter as on a base that never warmed up."""
+    from actors.engine.lora import FusedLoraLinear
+    from actors.engine.warmup import warm_up
+
+    fresh = from_module(tiny_model("llama", VOCAB), None)
+    warmed = from_module(tiny_model("llama", VOCAB), None)
+    before = {k: v.clone() for k, v in warmed.model.state_dict().items()}
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    assert warm_up(warmed) > 0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any(isinstance(m, FusedLoraLinear) for m in warmed.model.modules())
+    after = warmed.model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    job = (job_spec("target", lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}),
+           random_examples(0, vocab=VOCAB), 0)
+    assert relative_difference(train(fresh, [job])["target"], train(warmed, [job])["target"]) == 0

@@ -80,20 +80,21 @@ class SegmentGroup:
     with no adapter on this layer) get a zero row."""
 
     def __init__(self, bounds: tuple[tuple[int, int], ...], num_tokens: int, device: torch.device):
-        self.longest = max(end - start for start, end in bounds)
+        self.lengths = [end - start for start, end in bounds]
+        self.longest = max(self.lengths)
         self.count = len(bounds)
         gather = torch.empty((self.count, self.longest), dtype=torch.long)
         for row, (start, end) in enumerate(bounds):
             gather[row, : end - start] = torch.arange(start, end)
             gather[row, end - start:] = start
         # the real rows in stream order: (row, position) of each token of each segment
-        row_of = torch.cat([torch.full((end - start,), row, dtype=torch.long) for row, (start, end) in enumerate(bounds)])
-        position_of = torch.cat([torch.arange(end - start) for start, end in bounds])
-        covered = sum(end - start for start, end in bounds)
+        row_of = torch.cat([torch.full((length,), row, dtype=torch.long) for row, length in enumerate(self.lengths)])
+        position_of = torch.cat([torch.arange(length) for length in self.lengths])
+        covered = sum(self.lengths)
         # where the segments do not cover the stream end to end: each token's real row, or the zero row
         # appended after the `covered` real rows
         self.scatter: torch.Tensor | None = None
-        if covered != num_tokens or any(start != end for (_, end), (start, _) in zip(bounds, bounds[1:])):
+        if covered != num_tokens or any(end != start for (_, end), (start, _) in zip(bounds, bounds[1:])):
             scatter = torch.full((num_tokens,), covered, dtype=torch.long)
             offset = 0
             for start, end in bounds:
@@ -103,7 +104,6 @@ class SegmentGroup:
         self.gather = gather.to(device)
         self.row_of = row_of.to(device)
         self.position_of = position_of.to(device)
-        self.lengths = [end - start for start, end in bounds]
         self.device = device
         self.scaling_tensors: dict[tuple, torch.Tensor] = {}
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from actors.engine.job import TrainingJob
 from actors.engine.models import load_base_model, resolve_source
+from actors.engine.sources import tokenizer_cache_folder, tokenizer_cache_lock
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
 from tests.conftest import random_examples
@@ -68,3 +77,30 @@ def test_embedded_smollm2_alias_loads_the_gguf_model():
     with torch.no_grad():
         logits = base.model(input_ids=ids, use_cache=False).logits
     assert base.tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_job_actors_starting_together_build_the_tokenizer_cache_once(tmp_path, smol_tokenizer):
+    """While one process builds the GGUF tokenizer's cache, another waits for it and then loads it from
+    the cache instead of rebuilding it. Shown with a marker token that only the cached copy has."""
+    source = resolve_source("smollm2-135m")
+    folder = tokenizer_cache_folder(source, tmp_path)
+    folder.parent.mkdir(parents=True)
+    lock_path = tokenizer_cache_lock(folder)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # "another job actor is building it"
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from actors.engine.sources import load_base_tokenizer; "
+             "t = load_base_tokenizer('smollm2-135m', sys.argv[1]); print(len(t), '<|marker|>' in t.get_vocab())",
+             str(tmp_path)], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+        inode = os.stat(lock_path).st_ino
+        deadline = time.time() + 120
+        while not any("->" in line and f":{inode} " in line for line in Path("/proc/locks").read_text().splitlines()):
+            assert child.poll() is None, "the second process did not wait for the first one's cache"
+            assert time.time() < deadline, "the second process never asked for the cache lock"
+            time.sleep(0.05)
+        marked = copy.deepcopy(smol_tokenizer)
+        marked.add_special_tokens({"additional_special_tokens": ["<|marker|>"]})
+        marked.save_pretrained(folder)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0
+    assert out.split() == [str(len(smol_tokenizer) + 1), "True"]

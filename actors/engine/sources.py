@@ -5,6 +5,7 @@ or a hub id already in the local cache."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -86,20 +87,37 @@ def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) ->
     source = resolve_source(base_model)
     if source.gguf_file is None or cache_dir is None:
         return load_tokenizer(source)
-    gguf = Path(source.path) / source.gguf_file
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = Path(cache_dir) / "tokenizers" / f"{gguf.stem}-{key}"
+    folder = tokenizer_cache_folder(source, Path(cache_dir))
     if (folder / "tokenizer_config.json").is_file():
         return load_tokenizer(ModelSource(str(folder), None, True))
-    tokenizer = load_tokenizer(source)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, folder)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "tokenizer_config.json").is_file():  # lost a race with another process: fine
-            raise
+    # Jobs submitted together start their actors together: one builds the cache, the others wait for it
+    # rather than each rebuilding the same tokenizer on the same cores.
+    with open(tokenizer_cache_lock(folder), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "tokenizer_config.json").is_file():
+            return load_tokenizer(ModelSource(str(folder), None, True))
+        tokenizer = load_tokenizer(source)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        try:
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, folder)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (folder / "tokenizer_config.json").is_file():  # another host sharing the folder won
+                raise
     return tokenizer
+
+
+def tokenizer_cache_folder(source: ModelSource, cache_dir: Path) -> Path:
+    """Where `load_base_tokenizer` keeps the tokenizer of a GGUF file: named after the file, its size and
+    modification time, so that a changed file gets a new folder."""
+    gguf = Path(source.path) / str(source.gguf_file)
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir / "tokenizers" / f"{gguf.stem}-{key}"
+
+
+def tokenizer_cache_lock(folder: Path) -> Path:
+    """The file whose lock the process building `folder` holds."""
+    return folder.parent / f".{folder.name}.lock"

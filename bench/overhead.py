@@ -14,7 +14,11 @@ is what Ray's mere presence costs on this machine; actor system / engine beside 
 system adds on top. Each side starts with no Ray running (and stops the Ray it started), so no side runs
 beside another side's leftovers.
 
-    python bench/overhead.py [--quick] [--steps N] [--threads N] [--json FILE]
+This machine's speed drifts (on the 2-core CI-class VM the engine alone ran 249-286 tokens/s within 8
+minutes), so `--rounds N` repeats the A-B-C-C-B-A pattern N times and prints each round's ratio beside the
+overall one: the spread says how far one round's ratio can be trusted.
+
+    python bench/overhead.py [--quick] [--steps N] [--rounds N] [--threads N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -132,6 +136,17 @@ def merge(runs: list[dict]) -> dict:
     return merged
 
 
+def round_ratios(results: dict[str, list[dict]], rounds: int) -> list[tuple[float, float]]:
+    """Per round of the pattern: (actor system / in-process, engine beside idle Ray / engine alone)."""
+    out = []
+    for number in range(rounds):
+        merged = {side: merge(runs[number * len(runs) // rounds:(number + 1) * len(runs) // rounds])
+                  for side, runs in results.items()}
+        out.append((merged["service"]["tokens_per_s"] / merged["engine"]["tokens_per_s"],
+                    merged["beside_ray"]["tokens_per_s"] / merged["engine"]["tokens_per_s"]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps (a smoke run, not a measurement)")
@@ -140,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads, the same on every side (default: torch's own, the machine's cores); "
                              "fewer than the cores leaves the rest to the service's other processes")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the A-B-C-C-B-A pattern this many times (per-round ratios show the spread)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     steps = args.steps or (4 if args.quick else 30)
@@ -159,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device: {device_name} ({base.device}), {base.dtype}, {torch.get_num_threads()} torch threads")
     # A-B-C-C-B-A: a slow spell of the machine or a warm-up drift hits every side alike.
     sides = ["engine", "beside_ray", "service"]
-    order = sides if args.quick else sides + sides[::-1]
+    order = (sides if args.quick else sides + sides[::-1]) * args.rounds
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for index, side in enumerate(order):
         run = spec.model_copy(update={"output_dir": work / f"{index}-{side}"})
@@ -191,9 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{'the gap in two: engine beside idle Ray / engine alone':<56}{ray_cost:>10.3f}")
     log(f"{'           and: actor system / engine beside idle Ray':<56}{own_ratio:>10.3f}")
     log(f"{'steps that waited for data (actor system)':<56}{service['data_waits']:>10}")
+    per_round = round_ratios(results, args.rounds)
+    if len(per_round) > 1:
+        log("")
+        for number, (round_ratio, round_ray_cost) in enumerate(per_round, 1):
+            log(f"round {number}: actor system / in-process {round_ratio:.3f}, engine beside idle Ray / engine "
+                f"alone {round_ray_cost:.3f}")
+        ratios = [r for r, _ in per_round]
+        log(f"actor system / in-process over {len(ratios)} rounds: median {statistics.median(ratios):.3f}, "
+            f"range {min(ratios):.3f}-{max(ratios):.3f}")
     if args.json:
         args.json.write_text(json.dumps({"steps_per_job": steps, "torch_threads": torch.get_num_threads(),
                                          "runs": results, "ratio": ratio,
+                                         "round_ratios": [r for r, _ in per_round],
                                          "compute_ratio": compute_ratio, "median_step_ratio": step_ratio,
                                          "end_to_end_ratio": end_to_end_ratio,
                                          "beside_ray_ratio": ray_cost, "service_vs_beside_ray_ratio": own_ratio},

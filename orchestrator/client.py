@@ -23,6 +23,7 @@ from ray.exceptions import RayTaskError
 from actors.core.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.core.job_table import TERMINAL_STATES, JobRecord
 from actors.engine.spec import JobSpec, JobSubmission, RunSpec
+from orchestrator.private_ray import start_private_cluster
 from orchestrator.spec import SpecError, load_run_spec, parse_run_spec
 
 
@@ -48,14 +49,15 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        address = "local"
-        init_kwargs.setdefault("include_dashboard", False)
-        # Ray starts worker processes at nice 15; a trainer's OpenMP threads then lose every contest with
-        # Ray's own processes and each lost slice stalls a whole parallel region (measured: 10-15% slower
-        # steps on 2 cores). Our local cluster's workers run at normal priority.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
+        return
+    init_kwargs.setdefault("include_dashboard", False)
+    # Ray starts worker processes at nice 15; a trainer's OpenMP threads then lose every contest with
+    # Ray's own processes and each lost slice stalls a whole parallel region (measured: 10-15% slower
+    # steps on 2 cores). Our local cluster's workers run at normal priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
 
 
 class JobHandle:

@@ -7,11 +7,24 @@ private cluster leaves out the periodic work it has no use for:
   take worker logs (`log_to_driver=False`); the files stay where Ray writes them;
 - no autoscaler monitor: a private cluster is one node that never scales;
 - the raylet's out-of-memory watch reads every worker's /proc/PID/smaps_rollup once a second instead of
-  four times (`RAY_memory_monitor_refresh_ms`, unless set): on an idle 2-core cluster that halved the
-  raylet's own CPU time (0.65% of a core to 0.35%), and a trainer's memory map is bigger still.
+  four times (`RAY_memory_monitor_refresh_ms`): on an idle 2-core cluster that halved the raylet's own CPU
+  time (0.65% of a core to 0.35%), and a trainer's memory map is bigger still;
+- no dashboard head (`include_dashboard=False` only trims its modules; the process still runs): nothing
+  queries a private cluster's REST API, Ray's state API or its job server;
+- no bookkeeping that only the dashboard and the state API read: task events (each worker sent its tasks'
+  state changes to GCS every second), Ray's own metrics (recorded on every RPC and task in every process;
+  the service's metrics are its own exporter, `orchestrator/metrics.py`), per-handler timing statistics in
+  every Ray event loop, and the dashboard agent's node report (psutil over every process every 5 s; now a
+  minute).
 
 Measured on 2 cores with an idle private cluster (`.ci`-class machine): Ray's processes took 4.3% of a core
-before, 3.1% after. A cluster of `ray start` (`aspen serve`) is left as its operator started it."""
+before the first three, 3.1% after. During the training of the demo's 4 jobs, every process but the trainer
+took 6.1% of a core (894 wake-ups a second) before the last two, 4.9% (734) after.
+
+Each setting is applied only where the caller's environment does not set it, for the processes `ray.init`
+starts (they keep it; Ray's workers inherit the raylet's environment), and taken out of this process's
+environment again afterwards, so that programs it starts later see the environment they were given. A
+cluster of `ray start` (`aspen serve`) is left as its operator started it."""
 
 from __future__ import annotations
 
@@ -23,26 +36,37 @@ import ray
 
 log = logging.getLogger(__name__)
 
-QUIET_SETTINGS = {"RAY_memory_monitor_refresh_ms": "1000"}
+QUIET_SETTINGS = {
+    "RAY_memory_monitor_refresh_ms": "1000",
+    "RAY_task_events_report_interval_ms": "0",   # 0: no task events recorded or sent (Ray's own meaning)
+    "RAY_enable_metrics_collection": "0",
+    "RAY_event_stats": "0",
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",      # the dashboard agent's node report (read by its Python)
+}
 
 
 def start_private_cluster(**init_kwargs: Any) -> None:
     """`ray.init(address="local")` with the settings above (each environment variable only where unset)."""
-    for name, value in QUIET_SETTINGS.items():
-        os.environ.setdefault(name, value)
-    ray.init(address="local", **init_kwargs)
+    added = {name: value for name, value in QUIET_SETTINGS.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        ray.init(address="local", **init_kwargs)
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
     stop_unused_daemons()
 
 
 def stop_unused_daemons() -> None:
-    """Stop the log monitor and the autoscaler monitor of the cluster this process started. Uses Ray's node
-    object (Ray is pinned in pyproject.toml); where it is not there, the daemons keep running: slower, not
-    wrong."""
+    """Stop the log monitor, the autoscaler monitor and the dashboard head of the cluster this process
+    started. Uses Ray's node object (Ray is pinned in pyproject.toml); where it is not there, the daemons keep
+    running: slower, not wrong."""
     node = getattr(ray._private.worker, "_global_node", None)
     if node is None or not getattr(node, "head", False):
-        log.warning("not a head node this process started; Ray's log monitor and autoscaler monitor keep running")
+        log.warning("not a head node this process started; Ray's log monitor, autoscaler monitor and dashboard "
+                    "keep running")
         return
-    for stop in (node.kill_log_monitor, node.kill_monitor):
+    for stop in (node.kill_log_monitor, node.kill_monitor, node.kill_dashboard):
         try:
             stop(check_alive=False)
         except Exception as error:  # noqa: BLE001 - the cluster works with them; say why and go on

@@ -81,12 +81,15 @@ def random_examples(seed: int, count: int = 16, vocab: int = VOCAB, min_len: int
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for the whole test session (2 CPUs, no dashboard, a small object store)."""
+    """One local Ray instance for the whole test session (2 CPUs, no dashboard, a small object store), started
+    as `Client.local` starts its private cluster (orchestrator/private_ray.py), so the service tests run on
+    the cluster users get."""
     import ray
 
     from actors.core.config import NAMESPACE
+    from orchestrator.private_ray import start_private_cluster
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
-             namespace=NAMESPACE, log_to_driver=False)
+    start_private_cluster(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,
+                          namespace=NAMESPACE, log_to_driver=False)
     yield ray
     ray.shutdown()

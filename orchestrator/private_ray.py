@@ -19,7 +19,7 @@ private cluster leaves out the periodic work it has no use for:
 
 Measured on 2 cores with an idle private cluster (`.ci`-class machine): Ray's processes took 4.3% of a core
 before the first three, 3.1% after. During the training of the demo's 4 jobs, every process but the trainer
-took 6.1% of a core (894 wake-ups a second) before the last two, 4.9% (734) after.
+took 6.1% of a core (894 wake-ups a second) before the last two, 4.3-4.9% (734-767) after, in two runs.
 
 Each setting is applied only where the caller's environment does not set it, for the processes `ray.init`
 starts (they keep it; Ray's workers inherit the raylet's environment), and taken out of this process's

@@ -67,6 +67,8 @@ def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple,
                 line = lines[loc[:cut]]
                 break
         message = item["msg"]
+        if item["type"] == "value_error":   # a validator's own message: pydantic prefixes "Value error, "
+            message = message.removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field (check its spelling; see the README for the fields a job takes)"
         prefix = f"{source}:{line}: " if line else f"{source}: "

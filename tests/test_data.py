@@ -73,6 +73,30 @@ def test_format_union_and_validation() -> None:
             adapter.validate_python(bad)
 
 
+@pytest.mark.parametrize("template, expected", [
+    ("{question:>999999999}", r"template '\{question:>999999999\}', field 'question': .*width 999999999, over the "
+                              r"limit of 1000"),
+    ("{question:.5000}", r"field 'question': .*precision 5000, over the limit of 1000"),
+    ("x{question:{width}}", r"field 'question': nested replacement fields in a format spec"),
+    ("{question:{w}.{p}}", r"field 'question': nested replacement fields"),
+    ("{question!z}", r"field 'question': conversion '!z' is not one of !s, !r, !a"),
+    ("{question:d}", r"field 'question': format spec 'd' is not valid for a text value"),
+    ("{question:+}", r"field 'question': format spec '\+' is not valid for a text value"),
+])
+def test_templates_that_could_blow_up_a_row_are_refused(template: str, expected: str) -> None:
+    for fields in ({"prompt": template, "response": " {answer}"}, {"prompt": "Q:", "response": template}):
+        with pytest.raises(ValidationError, match=expected):
+            PromptResponseFormat(type="prompt_response", **fields)
+
+
+def test_bounded_format_specs_still_render() -> None:
+    fmt = PromptResponseFormat(type="prompt_response", prompt="{question:>1000}|{question!r:^12.3}|{question:*<6}",
+                               response="{answer!s:.1000}")
+    row = {"question": "abcd", "answer": "42"}
+    assert fmt.prompt.format_map(row) == " " * 996 + "abcd|" + "    'ab     |abcd**"
+    assert fmt.response.format_map(row) == "42"
+
+
 # ---------------------------------------------------------------- tokenization
 
 

@@ -53,6 +53,16 @@ def test_the_issue_example_is_valid_and_paths_are_relative_to_the_file(tmp_path)
     (("  - name: gsm8k-r8", "  - name: gsm8k/r8"), r"jobs.yaml:8: job 'gsm8k/r8' \(jobs\[0\]\), field name: String should match"),
     (("response: \" {answer}\"", "respons: \" {answer}\""), r"field format.respons: unknown field"),
     (("    max_seq_len: 512", "    max_seq_len: 512\n    colour: red"), r"jobs.yaml:17: .*field colour: unknown field"),
+    (("    max_seq_len: 512", "    max_seq_len: 512\n    priority: 600"),
+     r"jobs.yaml:17: job 'gsm8k-r8' \(jobs\[0\]\), field priority: must be between -100 and 100 \(got 600\)"),
+    (("    lr: 3.0e-4", "    lr: .inf"),
+     r"jobs.yaml:14: job 'gsm8k-r8' \(jobs\[0\]\), field lr: must be a finite number greater than 0 and at most 10 "),
+    (("step_tokens: 4096", "step_tokens: 1024"),
+     r"jobs.yaml:16: job 'gsm8k-r8' \(jobs\[0\]\), field max_seq_len: batch_size 4 \* max_seq_len 512 = 2048 tokens "
+     r".*exceeds step_tokens 1024"),
+    (("{question}\\nAnswer:", "{question:>999999999}"),
+     r"jobs.yaml:10: job 'gsm8k-r8' \(jobs\[0\]\), field format.prompt: template 'Question: \{question:>999999999\}', "
+     r"field 'question': .*over the limit of 1000"),
 ])
 def test_bad_values_name_line_job_and_field(tmp_path, change, expected):
     with pytest.raises(SpecError, match=expected):

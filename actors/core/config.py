@@ -4,11 +4,13 @@ model) and which policy assigns jobs to them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from actors.engine.spec import StrictModel, canonical_base_model
+from actors.engine.spec import INT64_MAX, Bounds, StepTokens, StrictModel, canonical_base_model
+
+Port = Annotated[int, Bounds(0, 65535)]
 
 SCHEDULER_NAME = "aspen-scheduler"
 NAMESPACE = "aspen"
@@ -20,17 +22,27 @@ class TrainerConfig(StrictModel):
     base_model: str = "smollm2-135m"
     quantization: Literal["none", "int8", "nf4"] = "none"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    step_tokens: int = Field(4096, ge=16)
+    step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
     layout: Literal["packed", "padded", "padded_fused"] = "packed"
-    count: int = Field(1, ge=1)
-    num_gpus: float = Field(0, ge=0, description="GPUs per trainer (1 on a GPU machine)")
-    num_cpus: float = Field(1, ge=0, description="CPUs Ray reserves per trainer")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: the node's cores / trainers)")
-    memory_budget_bytes: int | None = Field(None, ge=1, description="default: 90% of the GPU, or half the RAM")
-    max_jobs: int | None = Field(None, ge=1, description="at most this many jobs at once (default: as many as fit)")
-    prefetch: int = Field(4, ge=1, description="micro-batches each job keeps on their way to the trainer")
+    count: Annotated[int, Bounds(1, 1024)] = 1
+    num_gpus: Annotated[float, Bounds(0, 1024)] = Field(0, description="GPUs per trainer (1 on a GPU machine)")
+    num_cpus: Annotated[float, Bounds(0, 65536)] = Field(1, description="CPUs Ray reserves per trainer")
+    threads: Annotated[int, Bounds(1, 4096)] | None = Field(
+        None, description="torch CPU threads (default: the node's cores / trainers)")
+    memory_budget_bytes: Annotated[int, Bounds(1, INT64_MAX)] | None = Field(
+        None, description="default: 90% of the GPU, or half the RAM")
+    max_jobs: Annotated[int, Bounds(1, 100_000)] | None = Field(
+        None, description="at most this many jobs at once (default: as many as fit)")
+    prefetch: Annotated[int, Bounds(1, 1024)] = Field(
+        4, description="micro-batches each job keeps on their way to the trainer")
     step_log: Path | None = Field(None, description="where its per-step rows go (default: "
                                                     "<state_dir>/trainers/<trainer id>.jsonl)")
+    data_grace_s: Annotated[float, Bounds(0, 3600)] = Field(
+        10.0, description="how long a step waits for a job's late micro-batch before it runs without that job "
+                          "(once per delay; the other jobs go on)")
+    data_timeout_s: Annotated[float, Bounds(1, 10**6)] = Field(
+        120.0, description="a job whose data has not arrived for this long (its job actor hung) is checkpointed "
+                           "and started again with a new job actor")
 
     @field_validator("base_model")
     @classmethod
@@ -43,7 +55,7 @@ class MetricsConfig(StrictModel):
 
     enabled: bool = True
     host: str = "127.0.0.1"
-    port: int = Field(9464, ge=0, le=65535, description="0: any free port (the service reports which)")
+    port: Port = Field(9464, description="0: any free port (the service reports which)")
 
 
 class EventsConfig(StrictModel):
@@ -52,7 +64,7 @@ class EventsConfig(StrictModel):
     enabled: bool = True
     broker: str = Field("embedded", description="'embedded' (amqtt on 127.0.0.1:embedded_port) or a URL "
                                                 "mqtt://host:1883 / mqtts://host:8883")
-    embedded_port: int = Field(1883, ge=0, le=65535, description="0: any free port")
+    embedded_port: Port = Field(1883, description="0: any free port")
     username: str | None = None
     password: str | None = None
     ca_file: Path | None = Field(None, description="CA certificate for mqtts:// (default: the system's)")
@@ -64,8 +76,18 @@ class ServiceConfig(StrictModel):
     trainers: list[TrainerConfig] = Field(default_factory=list, description="default: one per GPU, else one CPU trainer")
     policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | module:Class | an entry "
                                                  "point name in the group aspen.policies")
-    tick_seconds: float = Field(0.25, gt=0)
+    tick_seconds: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
+        0.25, description="seconds between scheduling rounds")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
-    trainer_timeout_s: float = Field(600.0, gt=0, description="a trainer that does not answer a poll this long "
-                                     "(a hung process; a dead one is noticed at once) is replaced")
+    trainer_timeout_s: Annotated[float, Bounds(0, 10**7, low_open=True)] = Field(
+        600.0, description="a trainer that does not answer a poll this long (a hung process; a dead one is "
+                           "noticed at once) is replaced")
+    output_root: Path | None = Field(
+        None, description="where submitted jobs may write: a job's relative output_dir is taken under it, an "
+                          "absolute one must lie in it, and a job without one writes to <output_root>/<job id>. "
+                          "None: anywhere the service can write (a service of the user's own, `aspen run`); "
+                          "`aspen serve` sets <state_dir>/outputs unless the config names a root")
+    resume_on_start: bool = Field(
+        True, description="jobs that were running when the service stopped resume at its start (false: they are "
+                          "held as paused until resumed; `aspen run` decides per job)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,11 +95,59 @@ ALPACA_PROMPT_NO_INPUT = (
 )
 
 
+TEMPLATE_SPEC_LIMIT = 1000
+"""Largest width or precision a template's format spec may ask for (``{x:>1000}``): a larger one would
+build that many characters per row (``{x:>999999999}`` is a gigabyte string per row)."""
+
+# Python's format spec mini-language: [[fill]align][sign][z][#][0][width][grouping][.precision][type]
+_FORMAT_SPEC = re.compile(
+    r"(?:(?P<fill>.)?(?P<align>[<>=^]))?(?P<sign>[-+ ])?z?#?0?(?P<width>\d+)?[,_]?"
+    r"(?:\.(?P<precision>\d+))?(?P<type>[bcdeEfFgGnosxX%])?",
+    re.DOTALL,
+)
+
+
+def _check_format_spec(template: str, name: str, spec: str, conversion: str | None) -> None:
+    """Refuse what a field's conversion and format spec could do to every row: a conversion other than
+    ``!s``/``!r``/``!a``, a nested field (``{x:{width}}``), a width or precision over
+    ``TEMPLATE_SPEC_LIMIT``, or a spec that a text value cannot take (``{x:d}``)."""
+    if conversion is not None and conversion not in ("s", "r", "a"):
+        raise ValueError(
+            f"template {template!r}, field '{name}': conversion '!{conversion}' is not one of !s, !r, !a"
+        )
+    if not spec:
+        return
+    if "{" in spec or "}" in spec:
+        raise ValueError(
+            f"template {template!r}, field '{name}': nested replacement fields in a format spec "
+            f"('{{{name}:{spec}}}') are not supported; write the width or precision as a number "
+            f"(at most {TEMPLATE_SPEC_LIMIT})"
+        )
+    match = _FORMAT_SPEC.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"template {template!r}, field '{name}': format spec {spec!r} is not valid for a text value")
+    for part in ("width", "precision"):
+        digits = match.group(part)
+        if digits is not None and int(digits) > TEMPLATE_SPEC_LIMIT:
+            raise ValueError(
+                f"template {template!r}, field '{name}': format spec {spec!r} has {part} {int(digits)}, over the "
+                f"limit of {TEMPLATE_SPEC_LIMIT}"
+            )
+    try:
+        format("text", spec)  # row values are strings: a spec they cannot take fails here, not per row
+    except ValueError as exc:
+        raise ValueError(
+            f"template {template!r}, field '{name}': format spec {spec!r} is not valid for a text value: {exc}"
+        ) from exc
+
+
 def _template_fields(template: str) -> list[str]:
     """Field names used by a ``str.format`` template, in order, deduplicated.
 
     Raises ``ValueError`` for malformed templates, positional fields (``{}``,
-    ``{0}``) and attribute/index access (``{a.b}``, ``{a[0]}``).
+    ``{0}``), attribute/index access (``{a.b}``, ``{a[0]}``), conversions other
+    than ``!s``/``!r``/``!a``, nested fields in a format spec (``{a:{b}}``) and a
+    width or precision over ``TEMPLATE_SPEC_LIMIT``.
     """
     try:
         parsed = list(string.Formatter().parse(template))
@@ -107,7 +156,7 @@ def _template_fields(template: str) -> list[str]:
             f"template {template!r} does not parse: {exc} (write literal braces as '{{{{' and '}}}}')"
         ) from exc
     names: list[str] = []
-    for _literal, name, _spec, _conversion in parsed:
+    for _literal, name, spec, conversion in parsed:
         if name is None:
             continue
         if name == "" or name.isdigit():
@@ -120,6 +169,7 @@ def _template_fields(template: str) -> list[str]:
                 f"template {template!r} uses '{{{name}}}'; only plain row field names are "
                 "supported (no attribute or index access)"
             )
+        _check_format_spec(template, name, spec or "", conversion)
         if name not in names:
             names.append(name)
     return names

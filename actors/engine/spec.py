@@ -1,18 +1,30 @@
-"""Job and run specifications (pydantic): what a user writes in `jobs.yaml`, validated field by field."""
+"""Job and run specifications (pydantic): what a user writes in `jobs.yaml`, validated field by field.
+
+Every number has a finite, sane range (no inf or nan anywhere), and a value outside it is refused with a
+message that names the range, e.g. `must be between -100 and 100 (got 600)`: one bad job must be refused
+when it is submitted, never overflow or crash the service later (a policy's `4.0 ** priority`, SQLite's
+64-bit INTEGER columns, a micro-batch no step can hold)."""
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError,
+                      field_validator, model_validator)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
 from actors.engine.data import DataFormat
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+
+INT64_MAX = 2**63 - 1
+"""The largest integer SQLite's INTEGER column (a signed 64-bit integer) holds."""
 
 
 def canonical_base_model(value: str) -> str:
@@ -21,17 +33,82 @@ def canonical_base_model(value: str) -> str:
     return str(path.resolve()) if path.exists() else value
 
 
+def _show(number: float) -> str:
+    """A bound as a user would write it: whole floats without '.0', long integers with '_' separators."""
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    return f"{number:_}" if isinstance(number, int) and abs(number) >= 1_000_000 else str(number)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The allowed range of a numeric field, as `Annotated[int, Bounds(1, 65536)]`: checked after the type
+    (and, for floats, finiteness: the models refuse inf and nan), with one message that names both ends
+    and the value given. `low_open` / `high_open` exclude that end; `high_label` shows the upper end
+    differently (e.g. '2**63')."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+    high_label: str | None = None
+
+    def describe(self) -> str:
+        high = self.high_label or _show(self.high)
+        if not self.low_open and not self.high_open:
+            return f"between {_show(self.low)} and {high}"
+        lower = f"greater than {_show(self.low)}" if self.low_open else f"at least {_show(self.low)}"
+        upper = f"less than {high}" if self.high_open else f"at most {high}"
+        return f"{lower} and {upper}"
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def _check(self, value: Any, handler: core_schema.ValidatorFunctionWrapHandler) -> Any:
+        try:
+            checked = handler(value)
+        except ValidationError as error:
+            if any(item["type"] == "finite_number" for item in error.errors()):
+                raise PydanticCustomError("finite_number", "must be a finite number {range} (got {got})",
+                                          {"range": self.describe(), "got": str(value)}) from error
+            raise
+        if not self.contains(checked):
+            raise PydanticCustomError("out_of_range", "must be {range} (got {got})",
+                                      {"range": self.describe(), "got": str(checked)})
+        return checked
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_wrap_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        json_schema = handler(schema)
+        json_schema["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        json_schema["exclusiveMaximum" if self.high_open else "maximum"] = self.high
+        return json_schema
+
+
+# Shared ranges. Integers that reach SQLite (priority, seed, steps) stay inside a signed 64-bit integer.
+Priority = Annotated[int, Bounds(-100, 100)]
+Seed = Annotated[int, Bounds(0, 2**63, high_open=True, high_label="2**63")]
+StepCount = Annotated[int, Bounds(1, 10**9)]
+MAX_STEP_TOKENS = 16_777_216
+"""The largest `step_tokens` a run or trainer may have (16 Mi tokens in one fused step)."""
+StepTokens = Annotated[int, Bounds(16, MAX_STEP_TOKENS)]
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraConfig(StrictModel):
     """One adapter's shape. `target_modules` is a list of module names (matched like PEFT: the full
     dotted name or its last components) or the string `all-linear` (every linear layer but the LM head)."""
 
-    r: int = Field(8, ge=1, le=1024)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    r: Annotated[int, Bounds(1, 1024)] = 8
+    alpha: Annotated[float, Bounds(0, 65536, low_open=True)] = 16.0
+    dropout: Annotated[float, Bounds(0.0, 1.0, high_open=True)] = 0.0
     use_rslora: bool = False
     target_modules: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]
 
@@ -52,8 +129,9 @@ class EarlyStopConfig(StrictModel):
     smoothed train loss where it has no eval split) predicts less than `min_improvement` (relative) from
     now to the end of its budget, after at least `patience` + 3 evaluations."""
 
-    min_improvement: float = Field(0.01, ge=0)
-    patience: int = Field(3, ge=1, description="evaluations without enough improvement before stopping")
+    min_improvement: Annotated[float, Bounds(0, 100)] = 0.01
+    patience: Annotated[int, Bounds(1, 10_000)] = Field(
+        3, description="evaluations without enough improvement before stopping")
 
 
 class JobSpec(StrictModel):
@@ -63,29 +141,44 @@ class JobSpec(StrictModel):
     data: Path
     format: DataFormat
     lora: LoraConfig = LoraConfig()
-    batch_size: int = Field(4, ge=1, description="sequences per micro-batch")
-    grad_accum: int = Field(1, ge=1)
-    lr: float = Field(3e-4, gt=0)
+    batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
+    grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
+    lr: Annotated[float, Bounds(0, 10, low_open=True)] = 3e-4
     lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    max_steps: int | None = Field(None, ge=1, description="optimizer steps")
-    epochs: float | None = Field(None, gt=0)
-    max_seq_len: int = Field(512, ge=8)
+    warmup_steps: Annotated[int, Bounds(0, 10**9)] = 0
+    weight_decay: Annotated[float, Bounds(0, 10)] = 0.0
+    max_grad_norm: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = 1.0
+    max_steps: StepCount | None = Field(None, description="optimizer steps")
+    epochs: Annotated[float, Bounds(0, 10_000, low_open=True)] | None = None
+    max_seq_len: Annotated[int, Bounds(8, 1_048_576)] = Field(512, description="tokens per sequence (longer rows "
+                                                                               "are cut)")
     train_on_prompt: bool = False
-    eval_split: float = Field(0.0, ge=0)
-    eval_every: int | None = Field(None, ge=1, description="optimizer steps between evaluations")
-    checkpoint_every: int = Field(50, ge=1, description="optimizer steps between checkpoints")
+    eval_split: Annotated[float, Bounds(0, 10**9)] = Field(0.0, description="held-out rows: a fraction (< 1) or "
+                                                                           "a count (a whole number >= 1)")
+    eval_every: StepCount | None = Field(None, description="optimizer steps between evaluations")
+    checkpoint_every: StepCount = Field(50, description="optimizer steps between checkpoints")
+    checkpoint_every_s: Annotated[float, Bounds(1, 10**7)] | None = Field(
+        600.0, description="seconds between time-based checkpoints, beside the step-based `checkpoint_every`: a "
+                           "crash then loses at most this much wall time of the job's training (None: only "
+                           "`checkpoint_every`)")
     early_stop: EarlyStopConfig | None = None
-    priority: int = Field(0, description="higher runs first under priority-aware policies")
-    seed: int | None = None
+    priority: Priority = Field(0, description="higher runs first under priority-aware policies")
+    seed: Seed | None = None
 
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, value: str) -> str:
         if value.lower() in {"trainer", "service", "con", "nul", "aux", "prn"}:
             raise ValueError(f"'{value}' is reserved; choose another job name")
+        return value
+
+    @field_validator("eval_split")
+    @classmethod
+    def _fraction_or_count(cls, value: float) -> float:
+        if value >= 1 and not value.is_integer():
+            raise PydanticCustomError(
+                "eval_split", "must be a fraction less than 1 or a whole count of rows (got {got})",
+                {"got": str(value)})
         return value
 
     @model_validator(mode="after")
@@ -97,6 +190,24 @@ class JobSpec(StrictModel):
         return self
 
 
+def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
+    tokens = job.batch_size * job.max_seq_len
+    if tokens <= step_tokens:
+        return None
+    return (f"batch_size {job.batch_size} * max_seq_len {job.max_seq_len} = {tokens} tokens per micro-batch exceeds "
+            f"step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size or max_seq_len, "
+            f"or raise step_tokens to at least {tokens}")
+
+
+def step_limit_problem(job: JobSpec, step_tokens: int) -> str | None:
+    """Why `job`'s largest micro-batch (`batch_size` sequences of up to `max_seq_len` tokens) cannot fit
+    in one fused step of `step_tokens` tokens, naming the job, the three numbers and the fix; or None when
+    it fits. A run checks its jobs against its own `step_tokens`; the service checks a submitted job
+    against its trainers'."""
+    problem = _micro_batch_overflow(job, step_tokens)
+    return None if problem is None else f"job '{job.name}': {problem}"
+
+
 class RunSpec(StrictModel):
     """A `jobs.yaml` file: one base model and the jobs that share it."""
 
@@ -104,9 +215,9 @@ class RunSpec(StrictModel):
     quantization: Literal["none", "int8", "nf4"] = "none"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "auto"
-    seed: int = 0
+    seed: Seed = 0
     output_dir: Path = Path("runs/example")
-    step_tokens: int = Field(4096, ge=16)
+    step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
     layout: Literal["packed", "padded", "padded_fused"] = "packed"
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
     jobs: list[JobSpec] = Field(min_length=1)
@@ -118,6 +229,22 @@ class RunSpec(StrictModel):
             if job.name in seen:
                 raise ValueError(f"two jobs are named '{job.name}'; job names must be unique")
             seen.add(job.name)
+        return self
+
+    @model_validator(mode="after")
+    def _micro_batches_fit_a_step(self) -> RunSpec:
+        problems = []
+        for index, job in enumerate(self.jobs):
+            problem = _micro_batch_overflow(job, self.step_tokens)
+            if problem is None:
+                continue
+            # the location names the job (jobs[i]); point at batch_size where only it was written
+            fields_set = job.model_fields_set
+            field = "batch_size" if "batch_size" in fields_set and "max_seq_len" not in fields_set else "max_seq_len"
+            error = PydanticCustomError("step_limit", "{problem}", {"problem": problem})
+            problems.append(InitErrorDetails(type=error, loc=("jobs", index, field), input=getattr(job, field)))
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
 
     def job_seed(self, job: JobSpec) -> int:
@@ -137,7 +264,7 @@ class JobSubmission(StrictModel):
     base_model: str = "smollm2-135m"
     quantization: Literal["none", "int8", "nf4"] = "none"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int = 0
+    seed: Seed = 0
     output_dir: Path | None = Field(None, description="the job's own folder (default: in the service's state folder)")
 
     @field_validator("base_model")

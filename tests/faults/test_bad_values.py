@@ -1,0 +1,281 @@
+"""Every bad value gets a clear answer: a number out of range (inf and nan included), a template that
+would build huge strings, a micro-batch no step can hold. Each is refused at load or submit time, with
+the file, line, job, field and the allowed range named, instead of overflowing or crashing later."""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from actors.core.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.engine.spec import JobSpec, JobSubmission, RunSpec, step_limit_problem
+from orchestrator.spec import SpecError, load_run_spec
+
+GOOD = """\
+base_model: smollm2-135m
+seed: 0
+output_dir: runs/example
+step_tokens: 4096
+jobs:
+  - name: gsm8k-r8
+    data: data/gsm8k.jsonl
+    format: {type: prompt_response, prompt: "Question: {question}\\nAnswer:", response: " {answer}"}
+    lora: {r: 8, alpha: 16}
+    batch_size: 4
+    lr: 3.0e-4
+    max_steps: 50
+    epochs: 2
+    max_seq_len: 512
+    checkpoint_every_s: 300
+    priority: 0
+    seed: 1
+"""
+PROMPT = "Question: {question}\\nAnswer:"
+
+PRIORITY = r"must be between -100 and 100"
+LR = r"must be (a finite number )?greater than 0 and at most 10\b"
+SEED = r"must be at least 0 and less than 2\*\*63"
+BATCH_SIZE = r"must be between 1 and 65536"
+MAX_SEQ_LEN = r"must be between 8 and 1_048_576"
+EPOCHS = r"must be a finite number greater than 0 and at most 10000"
+CHECKPOINT_EVERY_S = r"must be between 1 and 10_000_000"
+STEP_TOKENS = r"must be between 16 and 16_777_216"
+
+# (job field, YAML value, the same value in Python, what the message must say)
+JOB_VALUES = [
+    ("priority", "600", 600, PRIORITY + r" \(got 600\)"),
+    ("priority", "-600", -600, PRIORITY + r" \(got -600\)"),
+    ("priority", str(2**70), 2**70, PRIORITY + rf" \(got {2**70}\)"),
+    ("lr", ".inf", math.inf, LR + r" \(got inf\)"),
+    ("lr", ".nan", math.nan, LR + r" \(got nan\)"),
+    ("lr", "-1", -1, LR),
+    ("seed", str(2**64), 2**64, SEED),
+    ("seed", "-1", -1, SEED),
+    ("batch_size", "1000000000000", 10**12, BATCH_SIZE + r" \(got 1000000000000\)"),
+    ("max_seq_len", "0", 0, MAX_SEQ_LEN + r" \(got 0\)"),
+    ("epochs", ".inf", math.inf, EPOCHS + r" \(got inf\)"),
+    ("checkpoint_every_s", "0", 0, CHECKPOINT_EVERY_S + r" \(got 0"),
+]
+TEMPLATES = [
+    ("{question:>999999999}", r"format spec '>999999999' has width 999999999, over the limit of 1000"),
+    ("{question:{width}}", r"nested replacement fields in a format spec .*\(at most 1000\)"),
+    ("{question!x}", r"conversion '!x' is not one of !s, !r, !a"),
+]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "gsm8k.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    path = tmp_path / "jobs.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def line_of(text: str, start: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(start))
+
+
+def with_line(text: str, start: str, replacement: str) -> str:
+    lines = text.splitlines()
+    index = line_of(text, start) - 1
+    lines[index] = replacement
+    return "\n".join(lines) + "\n"
+
+
+def job_field(text: str, field: str, value: str) -> str:
+    return with_line(text, f"    {field}:", f"    {field}: {value}")
+
+
+def good_submission() -> dict:
+    job = yaml.safe_load(GOOD)["jobs"][0]
+    return {"job": job, "base_model": "smollm2-135m", "seed": 3}
+
+
+def test_the_good_spec_still_validates(tmp_path):
+    spec = load_run_spec(write(tmp_path, GOOD))
+    job = spec.jobs[0]
+    assert (job.priority, job.seed, job.epochs, job.checkpoint_every_s) == (0, 1, 2.0, 300.0)
+    assert step_limit_problem(job, spec.step_tokens) is None
+    submission = JobSubmission.model_validate_json(json.dumps(good_submission()))
+    assert submission.job.max_seq_len == 512
+
+
+def test_checkpoint_every_s_defaults_to_ten_minutes_and_can_be_turned_off(tmp_path):
+    minimal = {"name": "a", "data": "x.jsonl", "format": {"type": "text"}}
+    assert JobSpec.model_validate(minimal).checkpoint_every_s == 600.0
+    assert JobSpec.model_validate({**minimal, "checkpoint_every_s": None}).checkpoint_every_s is None
+    assert "wall time" in JobSpec.model_fields["checkpoint_every_s"].description
+
+
+@pytest.mark.parametrize("field, text, _value, expected", JOB_VALUES, ids=[f"{f}={t}" for f, t, _, _ in JOB_VALUES])
+def test_a_bad_job_value_names_line_job_field_and_range(tmp_path, field, text, _value, expected):
+    source = job_field(GOOD, field, text)
+    line = line_of(source, f"    {field}:")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{line}: job 'gsm8k-r8' \(jobs\[0\]\), field {field}: {expected}"):
+        load_run_spec(write(tmp_path, source))
+
+
+@pytest.mark.parametrize("field", ["prompt", "response"])
+@pytest.mark.parametrize("template, expected", TEMPLATES, ids=[t for t, _ in TEMPLATES])
+def test_a_dangerous_template_names_line_job_field_and_limit(tmp_path, field, template, expected):
+    fmt = (f'    format: {{type: prompt_response, prompt: "{template}", response: " {{answer}}"}}' if field == "prompt"
+           else f'    format: {{type: prompt_response, prompt: "{PROMPT}", response: "{template}"}}')
+    source = with_line(GOOD, "    format:", fmt)
+    line = line_of(source, "    format:")
+    quoted = template.replace("{", r"\{").replace("}", r"\}")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{line}: job 'gsm8k-r8' \(jobs\[0\]\), field format.{field}: "
+                                        rf".*template '{quoted}', field 'question': {expected}"):
+        load_run_spec(write(tmp_path, source))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0", STEP_TOKENS + r" \(got 0\)"),
+    (str(2**40), STEP_TOKENS),
+    (".inf", r"must be a finite number between 16 and 16_777_216 \(got inf\)"),
+])
+def test_a_bad_step_tokens_names_line_field_and_range(tmp_path, text, expected):
+    source = with_line(GOOD, "step_tokens:", f"step_tokens: {text}")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:4: step_tokens: {expected}"):
+        load_run_spec(write(tmp_path, source))
+
+
+@pytest.mark.parametrize("text", [str(2**64), "-1", ".nan"])
+def test_a_bad_run_seed_is_named(tmp_path, text):
+    source = with_line(GOOD, "seed:", f"seed: {text}")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:2: seed: "):
+        load_run_spec(write(tmp_path, source))
+
+
+def test_a_micro_batch_larger_than_a_step_names_job_numbers_and_fix(tmp_path):
+    source = with_line(GOOD, "step_tokens:", "step_tokens: 1024")
+    line = line_of(source, "    max_seq_len:")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{line}: job 'gsm8k-r8' \(jobs\[0\]\), field max_seq_len: .*"
+                                        r"batch_size 4 \* max_seq_len 512 = 2048 tokens .* exceeds step_tokens 1024 .*"
+                                        r"lower batch_size or max_seq_len, or raise step_tokens"):
+        load_run_spec(write(tmp_path, source))
+    # only batch_size written: the error points at it
+    small_step = with_line(GOOD, "step_tokens:", "step_tokens: 1024")
+    source = with_line(small_step, "    max_seq_len:", "    train_on_prompt: false")
+    line = line_of(source, "    batch_size:")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{line}: job 'gsm8k-r8' \(jobs\[0\]\), field batch_size: "):
+        load_run_spec(write(tmp_path, source))
+    # every job that does not fit is named, not just the first
+    two = small_step + GOOD[GOOD.index("  - name"):].replace("gsm8k-r8", "second")
+    with pytest.raises(SpecError) as error:
+        load_run_spec(write(tmp_path, two))
+    assert "job 'gsm8k-r8'" in str(error.value) and "job 'second'" in str(error.value)
+    # exactly a step's worth fits
+    assert load_run_spec(write(tmp_path, with_line(GOOD, "step_tokens:", "step_tokens: 2048"))).step_tokens == 2048
+
+
+def test_step_limit_problem_is_what_the_service_checks_at_submit():
+    job = JobSpec(name="big", data="x.jsonl", format={"type": "text"}, batch_size=8, max_seq_len=1024)
+    assert step_limit_problem(job, 8192) is None
+    problem = step_limit_problem(job, 4096)
+    assert problem is not None
+    for part in ("'big'", "batch_size 8", "max_seq_len 1024", "8192", "step_tokens 4096",
+                 "lower batch_size or max_seq_len, or raise step_tokens"):
+        assert part in problem, (part, problem)
+    with pytest.raises(ValidationError, match="exceeds step_tokens 4096"):
+        RunSpec(step_tokens=4096, jobs=[job])
+
+
+@pytest.mark.parametrize("field, _text, value, expected", JOB_VALUES, ids=[f"{f}={t}" for f, t, _, _ in JOB_VALUES])
+def test_the_service_path_refuses_the_same_job_values(field, _text, value, expected):
+    submission = good_submission()
+    submission["job"][field] = value
+    with pytest.raises(ValidationError, match=rf"job\.{field}\n\s+{expected}"):
+        JobSubmission.model_validate_json(json.dumps(submission))
+
+
+@pytest.mark.parametrize("field", ["prompt", "response"])
+@pytest.mark.parametrize("template, expected", TEMPLATES, ids=[t for t, _ in TEMPLATES])
+def test_the_service_path_refuses_the_same_templates(field, template, expected):
+    submission = good_submission()
+    submission["job"]["format"][field] = template
+    with pytest.raises(ValidationError, match=rf"job\.format\.prompt_response\.{field}\n.*{expected}"):
+        JobSubmission.model_validate_json(json.dumps(submission))
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64, -1])
+def test_the_service_path_refuses_a_submission_seed_outside_64_bits(value):
+    submission = {**good_submission(), "seed": value}
+    with pytest.raises(ValidationError, match=rf"seed\n\s+{SEED}"):
+        JobSubmission.model_validate_json(json.dumps(submission))
+    assert JobSubmission.model_validate_json(json.dumps({**submission, "seed": 2**63 - 1})).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lora", {"r": 8, "alpha": math.inf}), ("lora", {"r": 8, "alpha": 10**9}), ("lora", {"r": 8, "dropout": 1.0}),
+    ("lora", {"r": 8, "dropout": math.nan}), ("lora", {"r": 0}), ("lora", {"r": 10**6}),
+    ("grad_accum", 0), ("grad_accum", 10**7), ("warmup_steps", -1), ("warmup_steps", 2**63),
+    ("weight_decay", math.nan), ("weight_decay", -0.1), ("weight_decay", 1e300),
+    ("max_grad_norm", math.inf), ("max_grad_norm", 0), ("max_steps", 10**9 + 1), ("max_steps", 0),
+    ("epochs", 0), ("epochs", 1e6), ("epochs", math.nan), ("eval_split", -0.5), ("eval_split", math.inf),
+    ("eval_split", 10**10), ("eval_split", 2.5), ("eval_every", 0), ("eval_every", 2**70),
+    ("checkpoint_every", 0), ("checkpoint_every", 2**63), ("checkpoint_every_s", math.inf),
+    ("checkpoint_every_s", 10**8), ("checkpoint_every_s", -5), ("lr", 11), ("lr", 1e308 * 10),
+    ("early_stop", {"min_improvement": math.nan}), ("early_stop", {"min_improvement": 101}),
+    ("early_stop", {"patience": 0}), ("early_stop", {"patience": 10**9}),
+])
+def test_every_other_job_number_is_finite_and_bounded(field, value):
+    submission = good_submission()
+    submission["job"][field] = value
+    with pytest.raises(ValidationError, match=r"must be|Input should be"):
+        JobSubmission.model_validate_json(json.dumps(submission))
+
+
+@pytest.mark.parametrize("field, value", [("eval_split", 0.25), ("eval_split", 8), ("lr", 10), ("priority", -100),
+                                          ("priority", 100), ("seed", 2**63 - 1), ("max_steps", 10**9),
+                                          ("checkpoint_every_s", None), ("checkpoint_every_s", 1)])
+def test_the_ends_of_each_range_are_accepted(field, value):
+    submission = good_submission()
+    submission["job"][field] = value
+    assert getattr(JobSubmission.model_validate_json(json.dumps(submission)).job, field) == value
+
+
+@pytest.mark.parametrize("model, field, value", [
+    (ServiceConfig, "tick_seconds", math.inf), (ServiceConfig, "tick_seconds", math.nan),
+    (ServiceConfig, "tick_seconds", 0), (ServiceConfig, "tick_seconds", -1), (ServiceConfig, "tick_seconds", 10**6),
+    (ServiceConfig, "trainer_timeout_s", math.inf), (ServiceConfig, "trainer_timeout_s", math.nan),
+    (ServiceConfig, "trainer_timeout_s", -600), (ServiceConfig, "trainer_timeout_s", 10**12),
+    (TrainerConfig, "step_tokens", 0), (TrainerConfig, "step_tokens", 2**40), (TrainerConfig, "step_tokens", math.inf),
+    (TrainerConfig, "count", 0), (TrainerConfig, "count", 10**6),
+    (TrainerConfig, "num_gpus", math.nan), (TrainerConfig, "num_gpus", math.inf), (TrainerConfig, "num_gpus", -1),
+    (TrainerConfig, "num_gpus", 10**6), (TrainerConfig, "num_cpus", math.inf), (TrainerConfig, "num_cpus", -0.5),
+    (TrainerConfig, "threads", 0), (TrainerConfig, "threads", 10**6),
+    (TrainerConfig, "memory_budget_bytes", 0), (TrainerConfig, "memory_budget_bytes", 2**64),
+    (TrainerConfig, "memory_budget_bytes", math.inf),
+    (TrainerConfig, "max_jobs", 0), (TrainerConfig, "max_jobs", 2**63), (TrainerConfig, "prefetch", 0),
+    (TrainerConfig, "prefetch", 10**9),
+    (MetricsConfig, "port", -1), (MetricsConfig, "port", 65536), (EventsConfig, "embedded_port", 2**70),
+])
+def test_service_and_trainer_config_refuse_non_finite_negative_and_oversized_values(model, field, value):
+    with pytest.raises(ValidationError, match=rf"{field}\n\s+(must be|Input should be)"):
+        model.model_validate({field: value})
+    with pytest.raises(ValidationError, match=rf"{field}\n\s+(must be|Input should be)"):
+        model.model_validate_json(json.dumps({field: value}))
+
+
+def test_config_errors_name_the_range():
+    with pytest.raises(ValidationError, match=r"must be a finite number greater than 0 and at most 3600 \(got inf\)"):
+        ServiceConfig(tick_seconds=math.inf)
+    with pytest.raises(ValidationError, match=r"must be between 16 and 16_777_216 \(got 0\)"):
+        TrainerConfig(step_tokens=0)
+    with pytest.raises(ValidationError, match=r"trainers\.0\.num_gpus\n\s+must be a finite number between 0 and 1024"):
+        ServiceConfig(trainers=[{"num_gpus": math.nan}])
+    config = ServiceConfig(tick_seconds=0.1, trainer_timeout_s=5,
+                           trainers=[{"step_tokens": 512, "num_cpus": 0.5, "threads": 1, "max_jobs": 2}])
+    assert config.trainers[0].step_tokens == 512
+
+
+def test_bounds_reach_the_json_schema():
+    schema = JobSpec.model_json_schema()["properties"]
+    assert (schema["priority"]["minimum"], schema["priority"]["maximum"]) == (-100, 100)
+    assert schema["lr"]["exclusiveMinimum"] == 0 and schema["lr"]["maximum"] == 10

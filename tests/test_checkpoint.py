@@ -1,17 +1,26 @@
-"""Checkpoint and resume against an uninterrupted run: same final adapter, mid-accumulation included."""
+"""Checkpoint and resume against an uninterrupted run: same final adapter, mid-accumulation included;
+format 2 (safetensors + JSON) restores the optimizer exactly; format 1 (optimizer.pt) is still read, with
+torch.load(weights_only=True) only."""
 
 from __future__ import annotations
 
+import copy
+import json
+from dataclasses import asdict
+from pathlib import Path
+
 import torch
 
-from actors.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from actors.engine.checkpoint import LoadedCheckpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
+from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
 from tests.conftest import random_examples, tiny_model
 
 VOCAB = 300
+FORMAT_2_FILES = ["adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "state.json"]
 
 
 def spec() -> JobSpec:
@@ -26,6 +35,52 @@ def neighbour() -> JobSpec:
 
 def weights(job: TrainingJob) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in job.adapter.named_parameters()}
+
+
+def training_state(job: TrainingJob) -> dict:
+    """Everything a checkpoint must restore exactly, beyond the adapter weights."""
+    generator = job.adapter.dropout_generator
+    return {"optimizer": copy.deepcopy(job.optimizer.optimizer.state_dict()),
+            "counts": (job.optimizer.step_count, job.optimizer.micro_count),
+            "gradients": [None if p.grad is None else p.grad.detach().clone() for p in job.adapter.parameters()],
+            "dropout_rng": None if generator is None else generator.get_state().clone()}
+
+
+def assert_same_training_state(actual: dict, expected: dict) -> None:
+    assert actual["counts"] == expected["counts"]
+    assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for got, want in zip(actual["optimizer"]["param_groups"], expected["optimizer"]["param_groups"]):
+        assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}  # betas a tuple
+    assert actual["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+    for param_id, entries in expected["optimizer"]["state"].items():
+        assert actual["optimizer"]["state"][param_id].keys() == entries.keys()
+        for key, value in entries.items():
+            got = actual["optimizer"]["state"][param_id][key]
+            assert got.dtype == value.dtype and got.device == value.device and torch.equal(got, value), key
+    assert len(actual["gradients"]) == len(expected["gradients"])
+    for got, want in zip(actual["gradients"], expected["gradients"]):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert torch.equal(got, want)
+    assert torch.equal(actual["dropout_rng"], expected["dropout_rng"])
+
+
+def write_format_1(job: TrainingJob, folder: Path, optimizer_payload: object | None = None) -> None:
+    """A checkpoint exactly as format 1 wrote it (torch.save'd optimizer.pt), or with another payload."""
+    folder.mkdir(parents=True)
+    save_adapter(job.adapter, folder, "tiny")
+    generator = job.adapter.dropout_generator
+    if optimizer_payload is None:
+        optimizer_payload = {
+            "optimizer": job.optimizer.state_dict(),
+            "gradients": [None if p.grad is None else p.grad.detach().cpu() for p in job.adapter.parameters()],
+            "dropout_rng": None if generator is None else generator.get_state(),
+        }
+    torch.save(optimizer_payload, folder / "optimizer.pt")
+    state = {"format": 1, "job": job.name, "step": job.step, "total_steps": job.total_steps,
+             "tokens_seen": job.tokens_seen, "cursor": job.data_position(), "accumulator": asdict(job.accumulator),
+             "history": [asdict(record) for record in job.history]}
+    (folder / "state.json").write_text(json.dumps(state, indent=1) + "\n")
 
 
 def test_resumed_job_ends_with_the_uninterrupted_adapter(tmp_path):
@@ -49,15 +104,20 @@ def test_resumed_job_ends_with_the_uninterrupted_adapter(tmp_path):
     for _ in range(5):
         trainer.train_step()
     assert job.accumulator.micro_batches == 1 and job.peek() is not None
-    save_checkpoint(job, tmp_path / "ckpt", "tiny")
+    assert save_checkpoint(job, tmp_path / "ckpt", "tiny") == tmp_path / "ckpt"
     save_checkpoint(job, tmp_path / "ckpt", "tiny")  # overwriting an existing checkpoint works
     assert has_checkpoint(tmp_path / "ckpt") and not list(tmp_path.glob(".ckpt*"))
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == FORMAT_2_FILES  # format 2: no pickle
+    assert json.loads((tmp_path / "ckpt" / "state.json").read_text())["format"] == 2
+    saved_state = training_state(job)
     for name in list(trainer.jobs):
         trainer.remove_job(name)
 
     trainer = FusedTrainer(base)
     resumed = TrainingJob.create(spec(), base, data, [], seed=0)
-    load_checkpoint(resumed, tmp_path / "ckpt")
+    loaded = load_checkpoint(resumed, tmp_path / "ckpt")
+    assert loaded == LoadedCheckpoint(step=2, folder=tmp_path / "ckpt", skipped=[], format=2)
+    assert_same_training_state(training_state(resumed), saved_state)
     trainer.add_job(resumed)
     while not resumed.done:
         trainer.train_step()
@@ -66,3 +126,49 @@ def test_resumed_job_ends_with_the_uninterrupted_adapter(tmp_path):
     final = weights(resumed)
     for key, value in uninterrupted.items():
         torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_a_format_1_checkpoint_resumes_read_with_weights_only(tmp_path, monkeypatch):
+    base = from_module(tiny_model("llama", VOCAB), None)
+    data = random_examples(0, count=10, vocab=VOCAB)
+    trainer = FusedTrainer(base)
+    job = TrainingJob.create(spec(), base, data, [], seed=0)
+    trainer.add_job(job)
+    while not job.done:
+        trainer.train_step()
+    uninterrupted, history = weights(job), [r.loss for r in job.history]
+    trainer.remove_job(job.name)
+
+    trainer = FusedTrainer(base)
+    job = TrainingJob.create(spec(), base, data, [], seed=0)
+    trainer.add_job(job)
+    for _ in range(5):
+        trainer.train_step()
+    write_format_1(job, tmp_path / "ckpt")
+    saved_state = training_state(job)
+    trainer.remove_job(job.name)
+
+    calls = []
+    real_load = torch.load
+
+    def recording_load(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    trainer = FusedTrainer(base)
+    resumed = TrainingJob.create(spec(), base, data, [], seed=0)
+    loaded = load_checkpoint(resumed, tmp_path / "ckpt")
+    assert calls == [True]
+    assert loaded == LoadedCheckpoint(step=2, folder=tmp_path / "ckpt", skipped=[], format=1)
+    assert_same_training_state(training_state(resumed), saved_state)
+    trainer.add_job(resumed)
+    while not resumed.done:
+        trainer.train_step()
+    assert [r.loss for r in resumed.history] == history
+    final = weights(resumed)
+    for key, value in uninterrupted.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-7)
+    # the next save writes format 2 over it
+    save_checkpoint(resumed, tmp_path / "ckpt", "tiny")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == FORMAT_2_FILES

@@ -44,12 +44,24 @@ def peft_config_dict(config: LoraConfig, targets: list[str], base_model_name: st
 
 
 def _atomic_write(path: Path, write) -> None:
+    """Write `path` through a temporary file: its content is fsynced before the rename, and the folder
+    after it, so that after a crash `path` holds either the old or the complete new content."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(temporary)
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temporary, path)
+        fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise

@@ -12,6 +12,20 @@ Topics (under `events.topic_prefix`, default `aspen/v1`):
     jobs/<job>/progress  every optimizer step, QoS 0
     jobs/<job>/events    early stop, preemption, stop-rule predictions, evaluations, failures, QoS 1
     service/status       `online` (retained, at connect), `offline` (retained: last will, and on close)
+
+The embedded broker admits only the accounts the service generates (random passwords, kept in the
+service's state dir, all files mode 0600, reused across restarts):
+    mqtt-credentials.json  {"version": 1, "service": {"username", "password"}, "reader": {...}}: the
+                           service's publisher account and the subscribers' read-only account
+    mqtt-passwords         `username:<argon2 hash>` lines, amqtt's FileAuthPlugin reads them
+    mqtt-reader.json       {"url", "topic_prefix", "username", "password"}: what a subscriber needs (the
+                           reader account and the running broker's address; see `reader_settings`),
+                           written when the broker starts. It holds no publisher secret, so it is the
+                           file to share (e.g. `chmod g+r`) with people who may watch the jobs.
+Anonymous connections are refused; only the service account may publish (under the topic prefix), the
+reader and the service may subscribe to the prefix (amqtt's TopicAccessControlListPlugin). A publish
+that the ACL refuses is acknowledged by the broker but dropped: nobody receives it, nothing is retained.
+External brokers (`events.broker: mqtt://...`) use `events.username`/`events.password` as configured.
 """
 
 from __future__ import annotations
@@ -21,15 +35,21 @@ import json
 import logging
 import os
 import re
+import secrets
 import socket
 import ssl
+import stat
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from amqtt.plugins.authentication import FileAuthPlugin
+from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
+from amqtt.session import Session
 
 from actors.core.config import EventsConfig
 from actors.core.events import TrainerEvent, TrainerStatus
@@ -38,10 +58,17 @@ from actors.core.job_table import JobRecord
 log = logging.getLogger(__name__)
 
 TOPIC_LEVEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+ACCOUNT_NAME = re.compile(r"[A-Za-z0-9._-]+")
 QUEUE_SIZE = 10_000
 WARN_EVERY_S = 30.0
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
 CLOSE_TIMEOUT_S = 5.0
+
+CREDENTIALS_FILE = "mqtt-credentials.json"
+PASSWORD_FILE = "mqtt-passwords"
+READER_FILE = "mqtt-reader.json"
+SERVICE_ACCOUNT = "aspen-service"
+READER_ACCOUNT = "aspen-reader"
 
 
 def topic_level(name: str) -> str:
@@ -70,7 +97,7 @@ class BrokerAddress:
     port: int
     tls: bool = False
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -95,6 +122,226 @@ def parse_broker_url(url: str, username: str | None = None, password: str | None
                          password if password is not None else (unquote(parts.password) if parts.password else None))
 
 
+# -- the embedded broker's accounts ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Account:
+    username: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class BrokerCredentials:
+    """The embedded broker's two accounts: `service` publishes, `reader` only subscribes."""
+
+    service: Account
+    reader: Account
+
+
+@dataclass(frozen=True)
+class EventSettings(BrokerAddress):
+    """What a subscriber needs to follow the service's job events: the broker's address, the reader
+    account, the topic prefix, and the file they were read from."""
+
+    topic_prefix: str = "aspen/v1"
+    source: Path | None = None
+
+
+def _is_private(mode: int) -> bool:
+    return not mode & (stat.S_IRWXG | stat.S_IRWXO)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, as a file that is mode 0600 from its creation on (a fresh
+    temporary file made with O_EXCL and mode 0600, then renamed over `path`)."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.fchmod(descriptor, 0o600)   # the umask can only narrow it; this makes it exactly 0600
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            descriptor = -1
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if descriptor >= 0:
+            os.close(descriptor)
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _new_credentials() -> BrokerCredentials:
+    return BrokerCredentials(Account(SERVICE_ACCOUNT, secrets.token_urlsafe(32)),
+                             Account(READER_ACCOUNT, secrets.token_urlsafe(32)))
+
+
+def _parse_credentials(path: Path, text: str) -> BrokerCredentials:
+    try:
+        data = json.loads(text)
+        accounts = [Account(str(data[role]["username"]), str(data[role]["password"])) for role in ("service", "reader")]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a valid MQTT credentials file ({error!r}); delete it and restart the "
+                         "service to get new credentials (subscribers then read the new reader account)") from None
+    if not all(ACCOUNT_NAME.fullmatch(account.username) and account.password and "\n" not in account.password
+               for account in accounts) or accounts[0].username == accounts[1].username:
+        raise ValueError(f"{path}: the service and reader accounts need distinct usernames of letters, digits, '.', "
+                         "'_' and '-', and non-empty one-line passwords; delete the file and restart the service to "
+                         "get new credentials")
+    return BrokerCredentials(*accounts)
+
+
+def broker_credentials(state_dir: str | Path) -> BrokerCredentials:
+    """The embedded broker's accounts from `<state_dir>/mqtt-credentials.json`, made there (mode 0600,
+    random passwords) on first use and reused after, so that subscribers' settings survive restarts. A file
+    that others could read is replaced by new credentials (its passwords may be known), with a warning."""
+    path = Path(state_dir).expanduser() / CREDENTIALS_FILE
+    try:
+        with path.open(encoding="utf-8") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            text = handle.read()
+    except FileNotFoundError:
+        credentials = _new_credentials()
+    else:
+        if _is_private(mode):
+            return _parse_credentials(path, text)
+        log.warning("events: %s was readable or writable by others (mode %o); the MQTT accounts get new passwords "
+                    "(subscribers read them again from %s)", path, stat.S_IMODE(mode), path.with_name(READER_FILE))
+        credentials = _new_credentials()
+    write_private(path, json.dumps({
+        "version": 1,
+        "service": {"username": credentials.service.username, "password": credentials.service.password},
+        "reader": {"username": credentials.reader.username, "password": credentials.reader.password}}, indent=1) + "\n")
+    return credentials
+
+
+def _password_hasher() -> Any:
+    from pwdlib import PasswordHash
+    from pwdlib.hashers.argon2 import Argon2Hasher
+
+    return PasswordHash((Argon2Hasher(),))
+
+
+def write_password_file(state_dir: str | Path, credentials: BrokerCredentials) -> Path:
+    """`<state_dir>/mqtt-passwords` for amqtt's FileAuthPlugin: `username:<argon2 hash>` per account, mode
+    0600. An existing file that is private and holds exactly these accounts with matching hashes is kept."""
+    path = Path(state_dir).expanduser() / PASSWORD_FILE
+    accounts = {a.username: a.password for a in (credentials.service, credentials.reader)}
+    hasher = _password_hasher()
+    try:
+        with path.open(encoding="utf-8") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            lines = [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+    except FileNotFoundError:
+        pass
+    else:
+        stored = dict(line.split(":", 1) for line in lines if ":" in line)
+        if _is_private(mode) and len(stored) == len(lines) and stored.keys() == accounts.keys():
+            try:
+                if all(hasher.verify(accounts[user], stored[user]) for user in accounts):
+                    return path
+            except Exception as error:  # noqa: BLE001 - pwdlib's errors for a malformed hash; the file is rewritten
+                log.info("events: %s has an unreadable hash (%r); writing it again", path, error)
+    write_private(path, "".join(f"{user}:{hasher.hash(password)}\n" for user, password in accounts.items()))
+    return path
+
+
+def write_reader_settings(state_dir: str | Path, address: BrokerAddress, topic_prefix: str, reader: Account) -> Path:
+    """`<state_dir>/mqtt-reader.json` (mode 0600 when written): the broker's URL, the topic prefix and the
+    reader account. Left untouched when it already says the same (so a mode the operator gave it stays)."""
+    path = Path(state_dir).expanduser() / READER_FILE
+    text = json.dumps({"url": address.url, "topic_prefix": topic_prefix, "username": reader.username,
+                       "password": reader.password}, indent=1) + "\n"
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return path
+    except FileNotFoundError:
+        pass
+    write_private(path, text)
+    return path
+
+
+def reader_settings(state_dir: str | Path) -> EventSettings:
+    """The embedded broker's address and read-only account, from the service's state dir (the file the
+    service writes when its broker starts). Raises FileNotFoundError / PermissionError / ValueError with
+    what to do."""
+    folder = Path(state_dir).expanduser()
+    path = folder / READER_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the service's MQTT credentials are not in {folder} (no {READER_FILE}): is the "
+                                "service running with the embedded broker (events.broker: embedded), and can you "
+                                "read its state dir?") from None
+    except PermissionError:
+        raise PermissionError(f"cannot read the service's MQTT credentials ({path}): run as the service's user, or "
+                              f"have its owner share that file with you (e.g. chmod g+r {path})") from None
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); restart the service to write it again") from None
+    try:
+        address = parse_broker_url(str(data["url"]), str(data["username"]), str(data["password"]))
+        prefix = str(data.get("topic_prefix") or "aspen/v1")
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path} lacks the broker's url, username or password ({error!r}); restart the service "
+                         "to write it again") from None
+    return EventSettings(address.host, address.port, address.tls, address.username, address.password,
+                         topic_prefix=prefix, source=path)
+
+
+def may_publish(acl: dict[str, list[str]], username: str | None, topic: str) -> bool:
+    """Whether `acl` (username -> topic filters) lets `username` publish on `topic`."""
+    return any(TopicAccessControlListPlugin.topic_ac(topic, allowed) for allowed in acl.get(username or "", []))
+
+
+class AccountsAuthPlugin(FileAuthPlugin):
+    """amqtt's FileAuthPlugin (accounts and argon2 hashes from `password_file`), with the hash checked off
+    the broker's event loop, connections without a username refused, and a last will refused on a topic
+    that `publish_acl` does not let the account publish on (amqtt publishes and retains a will without
+    asking the topic ACL: a reader could otherwise leave a retained `completed` state on disconnect)."""
+
+    @dataclass
+    class Config:
+        password_file: str | Path | None = None
+        publish_acl: dict[str, list[str]] = field(default_factory=dict)
+
+    async def authenticate(self, *, session: Session) -> bool:
+        username = session.username if session else None
+        if not username:
+            log.info("events: refused an MQTT connection without credentials")
+            return False
+        stored = self._users.get(username)
+        if stored is None or not await asyncio.to_thread(self.pwd_hasher.verify, session.password or "", stored):
+            log.info("events: refused an MQTT connection as '%s': unknown account or wrong password", username)
+            return False
+        if session.will_flag and not may_publish(self.config.publish_acl, username, session.will_topic or ""):
+            log.info("events: refused an MQTT connection as '%s': its last will is on '%s', where it may not "
+                     "publish", username, session.will_topic)
+            return False
+        return True
+
+
+class TopicAclPlugin(TopicAccessControlListPlugin):
+    """amqtt's TopicAccessControlListPlugin with its options spelled `publish_acl` and `subscribe_acl` (amqtt
+    0.12's own Config only knows the deprecated `acl` for subscriptions and warns about it)."""
+
+    @dataclass
+    class Config:
+        publish_acl: dict[str, list[str]] = field(default_factory=dict)
+        subscribe_acl: dict[str, list[str]] = field(default_factory=dict)
+
+
+def embedded_broker_config(port: int, password_file: Path, credentials: BrokerCredentials,
+                           topic_prefix: str) -> dict[str, Any]:
+    """The amqtt broker configuration: one TCP listener on 127.0.0.1:`port`, only the generated accounts,
+    only the service publishing (under the prefix), the service and the reader subscribing to it."""
+    topics = [f"{topic_prefix}/#"]
+    publish_acl = {credentials.service.username: topics}
+    subscribe_acl = {credentials.service.username: topics, credentials.reader.username: topics}
+    return {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}},
+            "plugins": {f"{__name__}.AccountsAuthPlugin": {"password_file": str(password_file),
+                                                           "publish_acl": publish_acl},
+                        f"{__name__}.TopicAclPlugin": {"publish_acl": publish_acl, "subscribe_acl": subscribe_acl}}}
+
+
 @dataclass(frozen=True)
 class Message:
     topic: str
@@ -106,8 +353,11 @@ class Message:
 class MqttListener:
     """Publishes the service's job events to MQTT (see the module docstring for topics and payloads)."""
 
-    def __init__(self, config: EventsConfig, *, service_info: dict[str, Any] | None = None,
-                 queue_size: int = QUEUE_SIZE, start_timeout: float = 10.0):
+    def __init__(self, config: EventsConfig, *, state_dir: str | Path | None = None,
+                 service_info: dict[str, Any] | None = None, queue_size: int = QUEUE_SIZE,
+                 start_timeout: float = 10.0):
+        """`state_dir`: the service's state folder, where the embedded broker keeps its accounts (required
+        with `broker: embedded`, unused with an external broker)."""
         prefix = config.topic_prefix.strip("/")
         if not prefix or "+" in prefix or "#" in prefix:
             raise ValueError(f"events.topic_prefix: '{config.topic_prefix}' must be a non-empty topic without the "
@@ -117,6 +367,11 @@ class MqttListener:
         self.service_info = dict(service_info or {})
         self.embedded = config.broker == "embedded"
         self.address: BrokerAddress | None = None
+        self.state_dir = Path(state_dir).expanduser() if state_dir is not None else None
+        self.reader_file: Path | None = None     # written once the embedded broker listens
+        if self.embedded and self.state_dir is None:
+            raise ValueError("events.broker 'embedded': the broker keeps its accounts in the service's state dir; "
+                             "pass state_dir to MqttListener (service_listeners does)")
         if not self.embedded:
             self.address = parse_broker_url(config.broker, config.username, config.password)
             if config.ca_file is not None and not config.ca_file.is_file():
@@ -201,7 +456,10 @@ class MqttListener:
             return {}
         if self.address is None:
             return {}
-        return {"mqtt_url": self.address.url, "mqtt_topics": f"{self.prefix}/#"}
+        described = {"mqtt_url": self.address.url, "mqtt_topics": f"{self.prefix}/#"}
+        if self.reader_file is not None:
+            described["mqtt_credentials"] = str(self.reader_file)
+        return described
 
     def close(self) -> None:
         """Publish the retained `offline` status, disconnect, stop the embedded broker (waits a few
@@ -298,10 +556,17 @@ class MqttListener:
         if taken is not None:
             self._embedded_failed(port, taken)
             return None
-        config = {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}},
-                  "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}}
-        broker = Broker(config)
+        assert self.state_dir is not None
         try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            credentials = broker_credentials(self.state_dir)
+            password_file = write_password_file(self.state_dir, credentials)
+        except (OSError, ValueError) as error:
+            log.warning("events: cannot set up the embedded MQTT broker's accounts in %s (%s); job events are off. "
+                        "The service's user must be able to write its state dir", self.state_dir, error)
+            return None
+        try:
+            broker = Broker(embedded_broker_config(port, password_file, credentials, self.prefix))
             await broker.start()
         except Exception as error:  # noqa: BLE001 - the service runs on without events; the fix is logged
             self._embedded_failed(port, error.__cause__ or error)
@@ -309,8 +574,14 @@ class MqttListener:
         server = getattr(broker, "_servers", {}).get("default")
         sockets = getattr(getattr(server, "instance", None), "sockets", None)
         real_port = sockets[0].getsockname()[1] if sockets else port
-        self.address = BrokerAddress("127.0.0.1", real_port)
-        log.info("events: embedded MQTT broker on %s", self.address.url)
+        self.address = BrokerAddress("127.0.0.1", real_port, username=credentials.service.username,
+                                     password=credentials.service.password)
+        try:
+            self.reader_file = write_reader_settings(self.state_dir, self.address, self.prefix, credentials.reader)
+        except OSError as error:
+            log.warning("events: cannot write the MQTT reader settings to %s (%s); subscribers must take the reader "
+                        "account from %s", self.state_dir / READER_FILE, error, self.state_dir / CREDENTIALS_FILE)
+        log.info("events: embedded MQTT broker on %s (accounts in %s)", self.address.url, self.state_dir)
         return broker
 
     @staticmethod
@@ -330,7 +601,9 @@ class MqttListener:
 
         assert self.address is not None
         address = self.address
-        identifier = f"aspen-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # unguessable: amqtt lets a connection that claims a client id end that id's session before it checks
+        # the credentials, so a guessable id would let anyone on the host knock the publisher off
+        identifier = f"aspen-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}"
         will = aiomqtt.Will(self.status_topic, self._status_payload("offline", reason="connection lost"), 1, True)
         backoff = BACKOFF_MIN_S
         pending: Message | None = None

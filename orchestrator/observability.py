@@ -1,7 +1,10 @@
 """The service's listeners, built from its configuration: the Prometheus endpoint (`metrics`) and the MQTT
-job events (`events`). The scheduler actor calls them (`actors.core.listeners`)."""
+job events (`events`; the embedded broker keeps its accounts in the service's state dir). The scheduler
+actor calls them (`actors.core.listeners`)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from actors.core.config import ServiceConfig
 from actors.core.listeners import ServiceListener
@@ -16,6 +19,7 @@ def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
     if config.events.enabled:
         from orchestrator.events import MqttListener
 
-        listeners.append(MqttListener(config.events, service_info={"policy": config.policy,
-                                                                   "state_dir": str(config.state_dir)}))
+        state_dir = Path(config.state_dir).expanduser()
+        listeners.append(MqttListener(config.events, state_dir=state_dir,
+                                      service_info={"policy": config.policy, "state_dir": str(state_dir)}))
     return listeners

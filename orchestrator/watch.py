@@ -1,16 +1,26 @@
 """`aspen watch`: a live table of the service's jobs (state, step, loss, tokens/s, ETA), refreshed every
-second from the service's job table, or printed once (`--once`)."""
+second from the service's job table, or printed once (`--once`); or (`--events`) one line per job state
+change and event as the service publishes them over MQTT, read with the embedded broker's read-only
+account (`orchestrator.events.reader_settings`)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
 import time
+import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from actors.core.job_table import JobRecord
+
+if TYPE_CHECKING:
+    from orchestrator.events import EventSettings
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -71,3 +81,97 @@ def watch(fetch: Callable[[], list[JobRecord]], *, once: bool = False, interval:
         except KeyboardInterrupt:
             pass
     return records
+
+
+# -- aspen watch --events --------------------------------------------------------------------------------------
+def _clock(payload: dict[str, Any]) -> str:
+    when = payload.get("time")
+    return time.strftime("%H:%M:%S", time.localtime(when if isinstance(when, (int, float)) else time.time()))
+
+
+def _details(payload: dict[str, Any], skip: tuple[str, ...]) -> str:
+    return "".join(f"  {key} {value}" for key, value in payload.items() if key not in skip and value is not None)
+
+
+def event_line(topic: str, payload: bytes, retained: bool, prefix: str = "aspen/v1") -> str:
+    """One line for a message of the service's topics (see `orchestrator.events`); `retained` marks what
+    the broker kept from before (the current state when the watch starts)."""
+    text = payload.decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return f"{time.strftime('%H:%M:%S')}  {topic}  {text}"
+    levels = topic[len(prefix) + 1:].split("/") if topic.startswith(prefix + "/") else topic.split("/")
+    mark = " (retained)" if retained else ""
+    if levels == ["service", "status"]:
+        return f"{_clock(data)}  service {data.get('state')}{mark}" + _details(data, ("state", "time"))
+    if len(levels) == 3 and levels[0] == "jobs":
+        job, kind = data.get("job") or levels[1], levels[2]
+        if kind == "state":
+            name = f" ({data['name']})" if data.get("name") else ""
+            change = data.get("state") if retained or not data.get("previous") else \
+                f"{data['previous']} -> {data.get('state')}"
+            step = f"step {data.get('step')}/{data.get('total_steps') or '?'}"
+            loss = f"  loss {data['loss']:.4f}" if isinstance(data.get("loss"), (int, float)) else ""
+            reason = f"  {data['reason']}" if data.get("reason") else ""
+            return f"{_clock(data)}  {job}{name}  {change}{mark}  {step}{loss}{reason}"
+        if kind == "events":
+            return f"{_clock(data)}  {job}  {data.get('kind')}{mark}" + _details(data, ("job", "kind", "time"))
+        if kind == "progress":
+            return f"{_clock(data)}  {job}  progress" + _details(data, ("job", "time"))
+    return f"{_clock(data)}  {topic}{mark}  {text}"
+
+
+async def _follow_events(settings: EventSettings, out: Callable[[str], None], progress: bool,
+                         stop: threading.Event | None) -> None:
+    import aiomqtt
+
+    prefix = settings.topic_prefix
+    topics = [f"{prefix}/service/status", f"{prefix}/jobs/+/state", f"{prefix}/jobs/+/events"]
+    if progress:
+        topics.append(f"{prefix}/jobs/+/progress")
+    where = f"{settings.url} as '{settings.username}'" + (f" (from {settings.source})" if settings.source else "")
+    try:
+        async with aiomqtt.Client(settings.host, settings.port, username=settings.username,
+                                  password=settings.password, identifier=f"aspen-watch-{uuid.uuid4().hex}",
+                                  timeout=10) as client:
+            for topic in topics:
+                granted = await client.subscribe(topic, qos=1)
+                if any(getattr(code, "is_failure", False) or code == 0x80 for code in granted):
+                    raise PermissionError(f"the broker at {where} refused the subscription to {topic}: is that the "
+                                          "service's reader account and topic prefix?")
+            reader = asyncio.create_task(_print_messages(client, out, prefix))
+            try:
+                while not reader.done() and not (stop is not None and stop.is_set()):
+                    await asyncio.wait({reader}, timeout=0.1)
+            finally:   # also on Ctrl-C (this task cancelled): the reader ends before the connection closes
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+            if not reader.cancelled():
+                reader.result()
+    except aiomqtt.MqttError as error:
+        raise ConnectionError(f"cannot follow the job events at {where}: {error}. Is the service running (with "
+                              "the embedded broker), and are these its current credentials?") from None
+
+
+async def _print_messages(client: Any, out: Callable[[str], None], prefix: str) -> None:
+    import aiomqtt
+
+    async for message in client.messages:
+        out(event_line(str(message.topic), bytes(message.payload), bool(message.retain), prefix))
+    raise aiomqtt.MqttError("the broker closed the connection (the service stopped?)")
+
+
+def watch_events(settings: EventSettings, *, out: Callable[[str], None] | None = None, progress: bool = False,
+                 stop: threading.Event | None = None) -> None:
+    """Print (`out`, default: print and flush) one line per job state change, job event and service status
+    the service publishes, from the retained current ones on, until Ctrl-C (returns quietly) or `stop` is
+    set. Raises ConnectionError when the broker refuses or drops the connection, PermissionError when it
+    refuses the subscription."""
+    out = out or (lambda line: print(line, flush=True))
+    try:
+        asyncio.run(_follow_events(settings, out, progress, stop))
+    except KeyboardInterrupt:
+        pass

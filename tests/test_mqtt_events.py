@@ -1,7 +1,9 @@
 """MQTT job events, checked by a real subscriber (an aiomqtt client in the test): against a real mosquitto
-started by the test and against the service's embedded amqtt broker, a job's states, progress and events
-arrive, late subscribers get the retained state and service status, a stopped service leaves a retained
-`offline`, and a listener whose broker is down neither blocks nor stops anything."""
+started by the test and against the service's embedded amqtt broker (subscribing there with the reader
+account from the service's state dir), a job's states, progress and events arrive, late subscribers get the
+retained state and service status, a stopped service leaves a retained `offline`, and a listener whose
+broker is down neither blocks nor stops anything. tests/faults/test_mqtt_auth.py checks who may connect,
+publish and subscribe on the embedded broker."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import pytest
 from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
 from actors.core.job_table import JobRecord
 from orchestrator.client import Client
-from orchestrator.events import MqttListener, topic_level
+from orchestrator.events import MqttListener, reader_settings, topic_level
 from orchestrator.report import write_report
 from tests.service_helpers import job_dict, wait_for, write_task_data
 
@@ -281,13 +283,13 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
         stop_mosquitto(broker)
 
 
-def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog):
+def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
         with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
-            listener = MqttListener(EventsConfig(embedded_port=port))
+            listener = MqttListener(EventsConfig(embedded_port=port), state_dir=tmp_path)
         try:
             assert listener.describe() == {}
             listener.job_changed(JobRecord("j-1", "j", "queued", "submitted", "m", "none", 0, "/o", None, 0, None, 0,
@@ -348,14 +350,17 @@ def test_job_events_on_the_embedded_broker(ray_session, tiny_model_dirs, tmp_pat
         assert url.startswith("mqtt://127.0.0.1:")
         port = int(url.rsplit(":", 1)[1])
         assert port != 0
-        live = Subscriber(port)
+        reader = reader_settings(tmp_path / "state")    # what a subscriber on this machine reads
+        assert (reader.url, reader.username) == (url, "aspen-reader")
+        credentials = {"username": reader.username, "password": reader.password}
+        live = Subscriber(port, **credentials)
         job = client.submit(job_dict("embedded", write_task_data(tmp_path / "data", "embedded"), 5),
                             base_model=str(base))
         assert job.wait(timeout=120).state == "completed"
         check_job_lifecycle(live, client, job.id, 5)
         live.close()
-        assert retained(port, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
-        assert retained(port, "aspen/v1/service/status")["state"] == "online"
+        assert retained(port, f"aspen/v1/jobs/{job.id}/state", **credentials)["state"] == "completed"
+        assert retained(port, "aspen/v1/service/status", **credentials)["state"] == "online"
     finally:
         client.shutdown()
     with socket.socket() as probe:   # the embedded broker stopped with the service

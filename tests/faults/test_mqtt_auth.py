@@ -1,0 +1,340 @@
+"""Who may connect, publish and subscribe on the service's embedded MQTT broker, checked against the real
+broker (started by a real `MqttListener`) with real aiomqtt clients: anonymous clients, wrong passwords and
+a reader's last will are refused at connect; a reader's publish is dropped (nobody receives it, the retained
+state stays the service's); the service account publishes; the accounts' files in the state dir are mode
+0600 from their creation and reused after a restart; `aspen watch --events` follows the events with only
+the state dir's reader account; and, end to end through Ray, `Client.event_settings` finds them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.core.job_table import JobRecord
+from orchestrator.cli import main as aspen_main
+from orchestrator.client import Client
+from orchestrator.events import (CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, MqttListener,
+                                 reader_settings)
+from orchestrator.observability import service_listeners
+from orchestrator.watch import watch_events
+from tests.service_helpers import job_dict, wait_for, write_task_data
+from tests.test_mqtt_events import Subscriber, free_port, retained
+
+JOB = "victim-1a2b3c"
+STATE = f"aspen/v1/jobs/{JOB}/state"
+STATUS = "aspen/v1/service/status"
+FORGED = json.dumps({"job": JOB, "name": "victim", "state": "completed", "previous": "running"}).encode()
+NOT_AUTHORIZED = "Not authorized"   # the CONNACK return code amqtt refuses a connection with (5)
+
+
+def record(state: str = "running", step: int = 3, job_id: str = JOB) -> JobRecord:
+    now = time.time()
+    return JobRecord(id=job_id, name="victim", state=state, reason="training", base_model="m", quantization="none",
+                     priority=0, output_dir="/out", trainer="trainer-0", step=step, total_steps=10, tokens=0,
+                     loss=1.5, eval_loss=None, tokens_per_s=None, checkpoint_step=None, adapter_dir=None,
+                     submitted_at=now, started_at=now, finished_at=None, updated_at=now)
+
+
+def connect_error(port: int, **options) -> aiomqtt.MqttError | None:
+    """Why a client with these options cannot connect to 127.0.0.1:`port`, or None when it can."""
+    async def attempt() -> None:
+        async with aiomqtt.Client("127.0.0.1", port, identifier=f"test-{uuid.uuid4().hex[:8]}", timeout=10,
+                                  **options):
+            pass
+
+    try:
+        asyncio.run(attempt())
+    except aiomqtt.MqttError as error:
+        return error
+    return None
+
+
+def publish(port: int, topic: str, payload: bytes, **options) -> None:
+    """Connect, publish retained at QoS 1 (the broker acknowledges it, allowed or not), disconnect."""
+    async def send() -> None:
+        async with aiomqtt.Client("127.0.0.1", port, identifier=f"test-{uuid.uuid4().hex[:8]}", timeout=10,
+                                  **options) as client:
+            await client.publish(topic, payload, qos=1, retain=True)
+
+    asyncio.run(send())
+
+
+def assert_refused(error: aiomqtt.MqttError | None) -> None:
+    assert isinstance(error, aiomqtt.MqttCodeError) and str(error.rc) == NOT_AUTHORIZED, repr(error)
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A real MqttListener with its embedded broker on a free port, connected with the service account, the
+    victim job's `running` state published; yields (listener, state dir)."""
+    state_dir = tmp_path / "state"
+    listener = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
+    try:
+        wait_for(lambda: listener.connected, timeout=20, what="the service account to connect")
+        listener.job_changed(record(), "queued")
+        wait_for(lambda: listener.published >= 1, timeout=10, what="the service to publish the job's state")
+        yield listener, state_dir
+    finally:
+        listener.close()
+
+
+def reader_account(state_dir: Path) -> dict[str, str]:
+    settings = reader_settings(state_dir)
+    return {"username": settings.username, "password": settings.password}
+
+
+def test_anonymous_clients_are_refused_and_cannot_plant_a_state(service):
+    listener, state_dir = service
+    port = reader_settings(state_dir).port
+    assert_refused(connect_error(port))
+    with pytest.raises(aiomqtt.MqttError):
+        publish(port, STATE, FORGED)                     # its forged `completed` never gets a connection
+    assert_refused(connect_error(port, username=""))     # an empty username is no account either
+    assert retained(port, STATE, **reader_account(state_dir))["state"] == "running"
+
+
+def test_wrong_passwords_and_unknown_accounts_are_refused(service):
+    listener, state_dir = service
+    settings = reader_settings(state_dir)
+    for username, password in ((settings.username, "wrong"), (settings.username, None),
+                               (SERVICE_ACCOUNT, settings.password), (SERVICE_ACCOUNT, ""), ("admin", "admin")):
+        assert_refused(connect_error(settings.port, username=username, password=password))
+    assert connect_error(settings.port, **reader_account(state_dir)) is None
+    assert listener.connected      # the service's own connection is untouched
+
+
+def test_a_readers_publish_is_dropped_and_the_retained_state_stays_the_services(service):
+    listener, state_dir = service
+    account = reader_account(state_dir)
+    port = reader_settings(state_dir).port
+    live = Subscriber(port, **account)
+    try:
+        wait_for(lambda: live.on(STATE), timeout=10, what="the retained state at the subscriber")
+        publish(port, STATE, FORGED, **account)   # acknowledged by the broker, then dropped
+        publish(port, STATUS, json.dumps({"state": "offline", "reason": "forged"}).encode(), **account)
+        publish(port, f"aspen/v1/jobs/{JOB}/events", json.dumps({"job": JOB, "kind": "failed"}).encode(), **account)
+        # the service's next state change comes after all of them: once it arrives, they would have too
+        listener.job_changed(record(job_id="marker-000001"), "queued")
+        wait_for(lambda: live.on("aspen/v1/jobs/marker-000001/state"), timeout=10, what="the service's marker")
+        time.sleep(0.3)
+        assert [payload["state"] for payload, _ in live.on(STATE)] == ["running"]
+        assert [payload["state"] for payload, _ in live.on(STATUS)] == ["online"]
+        assert live.on(f"aspen/v1/jobs/{JOB}/events") == []
+    finally:
+        live.close()
+    assert retained(port, STATE, **account)["state"] == "running"       # what a late subscriber sees
+    assert retained(port, STATUS, **account)["state"] == "online"
+
+
+def test_a_readers_last_will_on_a_service_topic_is_refused(service):
+    """amqtt publishes and retains a last will without asking the topic ACL: a reader that connected with a
+    will on a job's state topic and then dropped would plant a retained state. The broker refuses it."""
+    listener, state_dir = service
+    port = reader_settings(state_dir).port
+    for topic in (STATE, STATUS):
+        will = aiomqtt.Will(topic, FORGED, qos=1, retain=True)
+        assert_refused(connect_error(port, will=will, **reader_account(state_dir)))
+    assert retained(port, STATE, **reader_account(state_dir))["state"] == "running"
+
+
+def test_a_reader_may_subscribe_to_the_service_topics_only(service):
+    listener, state_dir = service
+    settings = reader_settings(state_dir)
+
+    async def granted(topic: str) -> bool:
+        async with aiomqtt.Client("127.0.0.1", settings.port, username=settings.username,
+                                  password=settings.password, timeout=10) as client:
+            codes = await client.subscribe(topic, qos=1)
+            return not any(code.is_failure for code in codes)
+
+    assert asyncio.run(granted("aspen/v1/#"))
+    assert asyncio.run(granted("aspen/v1/jobs/+/state"))
+    assert not asyncio.run(granted("#"))
+    assert not asyncio.run(granted("$SYS/#"))
+    assert not asyncio.run(granted("other/#"))
+
+
+def test_the_service_account_publishes_to_readers(service):
+    listener, state_dir = service
+    account = reader_account(state_dir)
+    live = Subscriber(reader_settings(state_dir).port, **account)
+    try:
+        listener.job_changed(record("completed", step=10), "running")
+        listener.decided("preempt", JOB, "a higher priority job")
+        changes = wait_for(lambda: [p for p, retain in live.on(STATE) if not retain], timeout=10,
+                           what="the completed state at the reader")
+        assert (changes[-1]["state"], changes[-1]["previous"], changes[-1]["step"]) == ("completed", "running", 10)
+        events = wait_for(lambda: live.on(f"aspen/v1/jobs/{JOB}/events"), timeout=10, what="the preempted event")
+        assert events[0][0]["kind"] == "preempted"
+    finally:
+        live.close()
+
+
+def file_mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(tmp_path, caplog):
+    state_dir = tmp_path / "state"
+    files = [state_dir / name for name in (CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE)]
+    previous = os.umask(0)       # a file created the ordinary way would now be readable and writable by all
+    try:
+        first = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
+    finally:
+        os.umask(previous)
+    try:
+        wait_for(lambda: first.connected, timeout=20, what="the service account to connect")
+        assert first.describe()["mqtt_credentials"] == str(state_dir / READER_FILE)
+        assert [file_mode(path) for path in files] == [0o600] * 3
+        assert not [p.name for p in state_dir.iterdir() if p.name.endswith(".tmp")]    # no temporary left over
+        saved = {path: path.read_text() for path in files}
+        credentials = json.loads(saved[files[0]])
+        account = reader_account(state_dir)
+        assert account == credentials["reader"] and credentials["service"]["username"] == SERVICE_ACCOUNT
+        assert credentials["service"]["password"] not in saved[files[2]]       # the shareable file: reader only
+        assert all(password not in saved[files[1]] for password in (account["password"],
+                                                                      credentials["service"]["password"]))
+        assert all(line.split(":", 1)[1].startswith("$argon2") for line in saved[files[1]].splitlines())
+    finally:
+        first.close()
+
+    second = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)   # a restart, on a new port
+    try:
+        wait_for(lambda: second.connected, timeout=20, what="the service account to connect again")
+        assert files[0].read_text() == saved[files[0]] and files[1].read_text() == saved[files[1]]
+        assert [file_mode(path) for path in files] == [0o600] * 3
+        settings = reader_settings(state_dir)
+        assert settings.url == second.describe()["mqtt_url"] != json.loads(saved[files[2]])["url"]
+        # a subscriber keeps its account across the restart
+        assert retained(settings.port, STATUS, **account)["state"] == "online"
+    finally:
+        second.close()
+
+    files[0].chmod(0o644)    # someone made the accounts readable: their passwords may be known
+    with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+        third = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
+    try:
+        wait_for(lambda: third.connected, timeout=20, what="the service account to connect with new passwords")
+        assert file_mode(files[0]) == 0o600 and json.loads(files[0].read_text()) != credentials
+        assert any("readable or writable by others" in r.getMessage() for r in caplog.records)
+        port = reader_settings(state_dir).port
+        assert_refused(connect_error(port, **account))                              # the old reader password
+        assert retained(port, STATUS, **reader_account(state_dir))["state"] == "online"   # the new one
+    finally:
+        third.close()
+
+
+def test_service_listeners_give_the_broker_the_expanded_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = ServiceConfig(state_dir="~/service", metrics={"enabled": False}, events={"embedded_port": 0})
+    [listener] = service_listeners(config)
+    try:
+        assert listener.state_dir == tmp_path / "service"
+        wait_for(lambda: listener.connected, timeout=20, what="the service account to connect")
+        assert reader_settings("~/service").url == listener.describe()["mqtt_url"]
+    finally:
+        listener.close()
+
+
+def test_an_external_broker_keeps_the_configured_account_and_writes_no_files(tmp_path):
+    port = free_port()   # nothing listens there: only the configuration is checked
+    listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}", username="lab", password="s3cret"),
+                            state_dir=tmp_path)
+    try:
+        assert (listener.address.username, listener.address.password) == ("lab", "s3cret")
+        assert "s3cret" not in repr(listener.address)
+        assert "mqtt_credentials" not in listener.describe()
+    finally:
+        listener.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="state dir"):
+        MqttListener(EventsConfig(embedded_port=0))
+
+
+def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_account(service):
+    listener, state_dir = service
+    aspen = Path(sys.executable).with_name("aspen")
+    process = subprocess.Popen([str(aspen), "watch", "--events", "--state-dir", str(state_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    collector = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    collector.start()
+    try:
+        wait_for(lambda: any(JOB in line and "running (retained)" in line for line in lines), timeout=30,
+                 what=f"the retained state in aspen watch --events' output: {lines}")
+        listener.job_changed(record("completed", step=10), "running")
+        wait_for(lambda: any(JOB in line and "running -> completed" in line and "step 10/10" in line
+                             for line in lines), timeout=15, what=f"the state change in the output: {lines}")
+    finally:
+        process.send_signal(signal.SIGINT)     # Ctrl-C
+        try:
+            code = process.wait(timeout=15)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        collector.join(5)
+    errors = process.stderr.read()
+    assert code == 0, errors
+    assert "Traceback" not in errors and "Task exception" not in errors, errors
+    assert any("service online" in line for line in lines), lines
+
+
+def test_aspen_watch_events_says_where_the_credentials_are_missing(tmp_path, capsys):
+    assert aspen_main(["watch", "--events", "--state-dir", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert f"the service's MQTT credentials are not in {tmp_path}" in error
+    assert "embedded broker" in error and "can you read its state dir" in error
+
+
+def test_a_real_jobs_states_reach_watch_events_through_client_event_settings(ray_session, tiny_model_dirs,
+                                                                              tmp_path):
+    base = tiny_model_dirs["llama"]
+    trainer = TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
+    config = ServiceConfig(state_dir=tmp_path / "state", trainers=[trainer], tick_seconds=0.1,
+                           metrics={"enabled": False}, events={"embedded_port": 0})
+    client = Client.local(config)
+    stop = threading.Event()
+    lines: list[str] = []
+    failures: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            watch_events(settings, out=lines.append, stop=stop)
+        except BaseException as error:  # noqa: BLE001 - the test reports it
+            failures.append(error)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    try:
+        settings = client.event_settings()
+        info = client.info()
+        assert (settings.url, str(settings.source)) == (info["mqtt_url"], info["mqtt_credentials"])
+        assert settings.username == "aspen-reader"
+        follower.start()
+        wait_for(lambda: failures or any("service online" in line for line in lines), timeout=30,
+                 what="the watcher to subscribe")
+        assert not failures, failures
+        job = client.submit(job_dict("watched", write_task_data(tmp_path / "data", "watched"), 3),
+                            base_model=str(base))
+        assert job.wait(timeout=120).state == "completed"
+        mine = wait_for(lambda: [line for line in lines if job.id in line and "-> completed" in line] and
+                        [line for line in lines if job.id in line], timeout=30, what="the completed state")
+        assert any("queued -> running" in line for line in mine), mine
+        assert not failures, failures
+    finally:
+        stop.set()
+        follower.join(10)
+        client.shutdown()

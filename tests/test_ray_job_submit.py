@@ -1,12 +1,17 @@
-"""`ray job submit` against a real head node (`ray start --head`, Ray's token authentication on, as
-Ray 2.60 sets it up by default): `aspen run` as the job's entry point, and `aspen serve` followed by
-`aspen submit` to the running service."""
+"""`ray job submit` against a real head node set up as the README says on a fresh machine (an empty HOME:
+`ray get-auth-token --generate`, then `ray start --head`, so Ray's token authentication is on): `aspen run`
+as the job's entry point, and `aspen serve` followed by `aspen submit` to the running service. And a head
+started open (no token generated): `aspen serve` refuses it unless given --insecure.
+
+Every head started here is stopped by its process session (never `ray stop`, which would stop every Ray
+on the machine)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,30 +36,84 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def plain_env() -> dict[str, str]:
+def plain_env(home: Path) -> dict[str, str]:
+    """This environment without Ray's variables, with `home` as HOME: no ~/.ray/auth_token of the test
+    session's own Ray (or the developer's) is found by accident."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["HOME"] = str(home)
     return env
 
 
+def session_pids(session: int) -> list[int]:
+    """The processes of a process session (Linux /proc; elsewhere none): Ray's workers run in process
+    groups of their own but stay in the session of the `ray start` that started their node."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == session:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def stop_head(head: dict) -> None:
+    """SIGTERM to the head's process group (`ray start --block` stops its node), then SIGKILL to whatever
+    of its session is left."""
+    process: subprocess.Popen = head["process"]
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in session_pids(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=10)
+    for folder in (head["temp_dir"], head["home"]):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
-def head():
+def client_home(tmp_path_factory) -> Path:
+    """HOME of every client command here: empty, so the token reaches them only by RAY_AUTH_TOKEN."""
+    return tmp_path_factory.mktemp("client-home")
+
+
+def start_head(*, token: bool) -> dict:
+    """A head node as a fresh machine starts it: HOME an empty folder; with `token`, the README's
+    `ray get-auth-token --generate` first (Ray then turns token authentication on), else Ray runs open."""
+    home = Path(tempfile.mkdtemp(prefix="aspen-home-"))
+    env = plain_env(home)
+    if token:
+        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, text=True,
+                       timeout=120, check=True)
     gcs, dashboard = free_port(), free_port()
-    # the agents' ports too: their defaults (52365, ...) may be held by the test session's own Ray, and a
-    # head whose job agent cannot bind answers every submission with "No available agent to submit job"
-    agent_ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-                   f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
+    # every port of its own: the defaults (52365, 10001, ...) may be held by the test session's own Ray or by
+    # the other head, and a head whose job agent cannot bind answers every submission with "No available agent"
+    ports = [f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
     temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")  # short: Ray's socket paths must stay short
     process = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dashboard}",
-         "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=2",
-         "--object-store-memory=200000000", f"--temp-dir={temp_dir}", *agent_ports],
-        env=plain_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [str(BIN / "ray"), "start", "--head", "--block", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+         "--num-cpus=2", "--object-store-memory=200000000", f"--temp-dir={temp_dir}", *ports],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head = {"process": process, "temp_dir": temp_dir, "home": home, "dashboard": f"http://127.0.0.1:{dashboard}",
+            "gcs": f"127.0.0.1:{gcs}", "token": (home / ".ray" / "auth_token").read_text().strip() if token else None}
     try:
         deadline = time.time() + 120
         while True:
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=2)
+                urllib.request.urlopen(f"{head['dashboard']}/api/version", timeout=2)
                 break
             except urllib.error.HTTPError:   # 401 without a token: the server is up
                 break
@@ -61,31 +121,30 @@ def head():
                 if time.time() > deadline or process.poll() is not None:
                     raise RuntimeError(f"ray start --head did not come up (exit code {process.poll()})") from None
                 time.sleep(1)
-        token = subprocess.run([str(BIN / "ray"), "get-auth-token"], env=plain_env(), capture_output=True,
-                               text=True, timeout=60, check=True).stdout.strip().splitlines()[-1]
-        yield {"dashboard": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "token": token}
+    except BaseException:
+        stop_head(head)
+        raise
+    return head
+
+
+@pytest.fixture(scope="module")
+def head(client_home) -> Iterator[dict]:
+    started = start_head(token=True)
+    try:
+        yield {**started, "client_home": client_home}
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        subprocess.run(["pkill", "-9", "-f", temp_dir], check=False)
+        stop_head(started)
 
 
 def with_token(head: dict) -> dict[str, str]:
-    return {**plain_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": head["token"]}
+    return {**plain_env(head["client_home"]), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": head["token"]}
 
 
 def write_working_dir(folder: Path, base: Path, output_dir: Path, steps: int = 3) -> Path:
     write_task_data(folder / "data", "alpha")
     write_task_data(folder / "data", "beta", offset=4)
     jobs = {"base_model": str(base), "output_dir": str(output_dir), "step_tokens": 512, "jobs": [
-        {"name": name, "data": f"data/{name}.jsonl", "max_steps": steps, "batch_size": 4,
+        {"name": name, "data": f"data/{name}.jsonl", "max_steps": steps, "batch_size": 4, "max_seq_len": 128,
          "format": {"type": "prompt_response", "prompt": "Q: {question}\nA:", "response": " {answer}"},
          "lora": {"r": 4, "alpha": 8}} for name in ("alpha", "beta")]}
     (folder / "jobs.yaml").write_text(json.dumps(jobs, indent=1))  # JSON is YAML
@@ -95,7 +154,7 @@ def write_working_dir(folder: Path, base: Path, output_dir: Path, steps: int = 3
 def ray_job_submit(head: dict, working_dir: Path, *entrypoint: str, token: bool = True):
     """`ray job submit`, submitted again while the head's job agent is still starting (a loaded machine
     can take tens of seconds after the dashboard answers), as Ray's own message asks."""
-    env = with_token(head) if token else plain_env()
+    env = with_token(head) if token else plain_env(head["client_home"])
     deadline = time.time() + 120
     while True:
         result = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", head["dashboard"],
@@ -104,6 +163,52 @@ def ray_job_submit(head: dict, working_dir: Path, *entrypoint: str, token: bool 
         if "No available agent to submit job" not in result.stderr + result.stdout or time.time() > deadline:
             return result
         time.sleep(3)
+
+
+def test_cluster_auth_decides_by_the_cluster_not_the_worker_alone():
+    """A GCS that answers a request without a token is open, whatever the worker's own mode says; the
+    worker's mode decides only where that probe was inconclusive."""
+    from orchestrator.client import ServiceError
+    from orchestrator.cluster_auth import ClusterAuth, InsecureClusterError
+
+    assert ClusterAuth("h:1", worker_mode="token", gcs_without_token="refused").token_auth
+    assert not ClusterAuth("h:1", worker_mode="token", gcs_without_token="answered").token_auth
+    assert not ClusterAuth("h:1", worker_mode="disabled", gcs_without_token="answered").token_auth
+    assert ClusterAuth("h:1", worker_mode="token", gcs_without_token="unknown (UNAVAILABLE: tls)").token_auth
+    assert not ClusterAuth("h:1", worker_mode="disabled", gcs_without_token="unknown (UNAVAILABLE: tls)").token_auth
+    assert issubclass(InsecureClusterError, ServiceError)   # the CLI reports it as one line, exit code 2
+
+
+def test_aspen_serve_refuses_a_cluster_without_token_auth(client_home, tiny_model_dirs, tmp_path):
+    """A head started open (a fresh machine, no token generated first): `aspen serve` says so and how to
+    turn token authentication on, whatever the client's own RAY_AUTH_MODE; with --insecure it serves, and
+    connecting to the running service again is not refused."""
+    open_head = start_head(token=False)
+    try:
+        serve = [str(BIN / "aspen"), "serve", "--address", open_head["gcs"], "--state-dir", str(tmp_path / "state"),
+                 "--base-model", str(tiny_model_dirs["llama"]), "--step-tokens", "512"]
+        token_mode_client = {**plain_env(client_home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+        for env in (plain_env(client_home), token_mode_client):
+            refused = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=180)
+            assert refused.returncode != 0, refused.stdout + refused.stderr[-3000:]
+            assert "aspen service running" not in refused.stdout
+            lines = [line for line in refused.stderr.splitlines() if line.startswith("aspen:")]
+            assert len(lines) == 1, refused.stderr[-3000:]
+            for words in ("without token authentication", "`ray get-auth-token --generate`", "`ray start --head`",
+                          "RAY_AUTH_TOKEN", "RAY_AUTH_MODE=token", "--insecure"):
+                assert words in lines[0], lines[0]
+
+        env = plain_env(client_home)
+        served = subprocess.run([*serve, "--insecure"], env=env, capture_output=True, text=True, timeout=600)
+        assert served.returncode == 0, (served.stdout + served.stderr)[-4000:]
+        assert "aspen service running" in served.stdout
+        again = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=300)   # it runs: left alone
+        assert again.returncode == 0 and "aspen service running" in again.stdout, (again.stdout + again.stderr)[-4000:]
+        stopped = subprocess.run([str(BIN / "aspen"), "stop", "--address", open_head["gcs"]], env=env,
+                                 capture_output=True, text=True, timeout=300)
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+    finally:
+        stop_head(open_head)
 
 
 def test_ray_job_submit_runs_aspen_run_with_token_auth(head, tiny_model_dirs, tmp_path):

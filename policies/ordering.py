@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -104,31 +105,51 @@ class AdaptivePolicy:
     one priority level counts as `priority_weight` (4) times less work. A queued job preempts a running
     one whose score is at least `preempt_ratio` (4) times its own: a job one level higher and no bigger,
     or of the same level with a quarter of the work left. Waiting ages a job: every `aging_s` queued
-    adds a level (in whole levels, so that jobs of one level still go shortest-first)."""
+    adds a level (in whole levels, so that jobs of one level still go shortest-first).
+
+    Scores are kept as logarithms (`log_score`), so that no priority, age or amount of work can overflow:
+    4 ** 600 does not fit a float, 600 * log(4) does."""
 
     name = "adaptive"
 
     def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, priority_weight: float = 4.0):
+        for name, value, low in (("aging_s", aging_s, 0.0), ("preempt_ratio", preempt_ratio, 1.0),
+                                 ("priority_weight", priority_weight, 1.0)):
+            if not math.isfinite(value) or value <= low:
+                raise ValueError(f"AdaptivePolicy: {name} must be a finite number > {low:g}, got {value!r}")
         self.aging_s = aging_s
         self.preempt_ratio = preempt_ratio
         self.priority_weight = priority_weight
+        self.log_weight = math.log(priority_weight)
+        self.log_ratio = math.log(preempt_ratio)
 
-    def effective_priority(self, job: JobView, now: float) -> int:
+    def effective_priority(self, job: JobView, now: float) -> float:
         waited = max(now - job.submitted_at, 0.0) if job.state == "queued" else 0.0
-        return job.priority + int(waited // self.aging_s)
+        return job.priority + waited // self.aging_s
+
+    def log_score(self, job: JobView, now: float) -> float:
+        """log(remaining tokens / priority_weight ** effective priority); -inf for a job with nothing left."""
+        remaining = job.remaining_tokens
+        if not remaining > 0:    # also NaN: a job with no measurable work left sorts first
+            return -math.inf
+        return math.log(remaining) - self.effective_priority(job, now) * self.log_weight
 
     def score(self, job: JobView, now: float) -> float:
-        return job.remaining_tokens / self.priority_weight ** self.effective_priority(job, now)
+        """The score itself (0.0 or inf where it leaves a float's range; ordering uses `log_score`)."""
+        try:
+            return math.exp(self.log_score(job, now))
+        except OverflowError:
+            return math.inf
 
     def order(self, job: JobView, now: float) -> tuple:
-        return (self.score(job, now), -job.priority, job.submitted_at, job.id)
+        return (self.log_score(job, now), -job.priority, job.submitted_at, job.id)
 
     def may_preempt(self, job: JobView, victim: JobView, now: float) -> bool:
         """Worth a checkpoint and a restart; never a victim that, queued again, would come first: it
         would take the room back and the two would take turns."""
         queued_again = replace(victim, state="queued")
         return (self.order(job, now) < self.order(queued_again, now)
-                and self.score(queued_again, now) >= self.preempt_ratio * self.score(job, now))
+                and self.log_score(queued_again, now) >= self.log_ratio + self.log_score(job, now))
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         now = snapshot.time

@@ -7,6 +7,7 @@ one backward, and steps each job's optimizer whose accumulation is complete."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from actors.engine.memory import StepMemoryMeter
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
 from policies.base import NextBatch, StepComposer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +60,7 @@ class FusedTrainer:
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None):
         self.base = base
         self.composer = composer
+        self.composer_failed = False             # its last answer was unusable: round-robin meanwhile
         self.last_joined: dict[str, int] = {}   # job -> the last step it took part in
         self.step_tokens = step_tokens
         self.layout = layout
@@ -97,9 +101,18 @@ class FusedTrainer:
         start = self.rotation % len(candidates)
         ordered = candidates[start:] + candidates[:start]
         self.rotation += 1
+        chosen = None
         if self.composer is not None:
-            chosen = self._composed(ordered, fits)
-        else:
+            try:
+                chosen = self._composed(ordered, fits)
+            except Exception as error:  # noqa: BLE001 - a policy's step composer is plug-in code: contained
+                if not self.composer_failed:
+                    log.exception("step composer %s failed (%r); composing round-robin until it works again",
+                                  type(self.composer).__name__, error)
+                self.composer_failed = True
+            else:
+                self.composer_failed = False
+        if chosen is None:
             chosen = []
             for job in ordered:
                 batch = job.peek()

@@ -1,25 +1,35 @@
-"""Ray object refs behind the small `Pending` interface the Ray-free cores use."""
+"""Ray object refs behind the small `Pending` interface the Ray-free cores use: a dead job actor surfaces as
+`JobLinkLost`, so that the trainer can give its job back to be restarted rather than fail it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
-from actors.core.feed import FeedChunk
+from actors.core.feed import FeedChunk, JobLinkLost
 from actors.core.job_data import JobUpdate
 
 
 class RefPending:
-    def __init__(self, ref: ray.ObjectRef):
+    def __init__(self, ref: ray.ObjectRef, what: str = "the job actor"):
         self.ref = ref
+        self.what = what
 
     def done(self) -> bool:
         ready, _ = ray.wait([self.ref], timeout=0)
         return bool(ready)
 
+    def wait(self, timeout: float) -> bool:
+        ready, _ = ray.wait([self.ref], timeout=timeout)
+        return bool(ready)
+
     def result(self) -> Any:
-        return ray.get(self.ref)
+        try:
+            return ray.get(self.ref)
+        except RayActorError as error:   # also ActorDiedError, ActorUnavailableError
+            raise JobLinkLost(f"{self.what} is gone ({type(error).__name__})") from error
 
 
 class ActorJobLink:

@@ -1,14 +1,24 @@
 """`SchedulerActor`: the named, long-lived service. It holds the job table (SQLite in its state folder),
 starts and watches the trainers, starts a `JobActor` per running job, and assigns queued jobs to trainers
 with its policy. A loop thread polls the trainers (their events carry progress and job endings) and
-replaces a trainer that died; the jobs it held resume elsewhere from their checkpoints."""
+replaces a trainer that died; the jobs it held resume elsewhere from their checkpoints.
+
+Nothing a trainer reports is lost: polled events wait in a queue per trainer until the job table has taken
+them (one transaction per batch, retried with backoff while another process holds the table's file), and
+the events still waiting when the service stops are written next to the table and applied at its next
+start. The actor restarts itself when its process dies (`max_restarts=-1`): the new instance reloads the
+table, and the jobs that were running resume from their checkpoints."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
+import socket
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,10 +27,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.core.config import NAMESPACE, ServiceConfig, TrainerConfig
-from actors.core.events import TrainerStatus
-from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.core.events import TrainerEvent, TrainerStatus
+from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable, JobTableBusy
 from actors.core.listeners import Listeners
-from actors.core.scheduler_core import SchedulerCore, StopRequest
+from actors.core.scheduler_core import SchedulerCore, StopRequest, SubmissionError
 from actors.engine.spec import JobSubmission
 from actors.job_actor import JobActor
 from actors.niceness import background_priority
@@ -30,6 +40,13 @@ from policies.base import Preempt, Start
 from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerLost:
+    """In a trainer's queue of table work: the trainer died after the events before this one."""
+
+    why: str
 
 
 @dataclass
@@ -45,6 +62,7 @@ class TrainerSlot:
     error: str | None = None
     restarts: int = 0
     actor_name: str = ""
+    pending: deque = field(default_factory=deque)   # TrainerEvent | TrainerLost not yet in the job table
 
 
 @dataclass
@@ -61,6 +79,46 @@ class StartingJob:
 # and a group that starts piecemeal runs its first and last steps with part of its jobs (smaller, less
 # efficient steps; bench/overhead.py).
 GROUP_WAIT_S = 120.0
+TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job table could not take
+TABLE_OPEN_S = 120.0            # how long a starting service waits for a locked job table
+UNAPPLIED_EVENTS = "unapplied-events.jsonl"   # events the table could not take before the service stopped
+STATE_LOCK = "scheduler.lock"
+
+
+class StateDirInUse(RuntimeError):
+    """Another aspen service already runs on this state folder."""
+
+
+def lock_state_dir(state_dir: Path) -> Any:
+    """An exclusive lock on the state folder for this process's life (released by the OS when it dies), so
+    that two services never write one job table and one set of job folders."""
+    handle = (state_dir / STATE_LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise StateDirInUse(f"another aspen service runs on {state_dir} ({holder}); stop it (`aspen stop`) or give "
+                            "this one another state_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
+
+
+def open_job_table(path: Path, on_change: Any, timeout: float = TABLE_OPEN_S) -> JobTable:
+    """The job table, waiting (with a log line) while another process holds its file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return JobTable(path, on_change=on_change)
+        except JobTableBusy as error:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("scheduler: %s; waiting", error)
+            time.sleep(2.0)
 
 
 def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
@@ -72,7 +130,7 @@ def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
     return [TrainerConfig()]
 
 
-@ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)
+@ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)
 class SchedulerActor:
     def __init__(self, config_json: str):
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -80,14 +138,24 @@ class SchedulerActor:
         self.config = ServiceConfig.model_validate_json(config_json)
         self.state_dir = Path(self.config.state_dir).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_lock = lock_state_dir(self.state_dir)
+        self.incarnation = f"{int(time.time() * 1000):x}"
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.listeners = Listeners(service_listeners(self.config))
-        self.table = JobTable(self.state_dir / "jobs.sqlite", on_change=self.listeners.job_changed)
+        self.table = open_job_table(self.state_dir / "jobs.sqlite", self.listeners.job_changed)
+        output_root = self.config.output_root
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
-                                  on_decision=self.listeners.decided)
+                                  on_decision=self.listeners.decided, trainers=default_trainers(self.config),
+                                  output_root=output_root)
         self.lock = threading.RLock()
-        recovered = self.core.recover()
+        self.table_retry_at = 0.0          # while the table is locked: when to try again
+        self.table_backoff = TABLE_RETRY_S[0]
+        self._replay_unapplied_events()
+        recovered = self.core.recover(resume=self.config.resume_on_start or restarted)
         if recovered:
-            log.info("scheduler: %d unfinished jobs will resume from their checkpoints", len(recovered))
+            log.info("scheduler: %d unfinished jobs %s", len(recovered),
+                     "will resume from their checkpoints" if self.config.resume_on_start or restarted
+                     else "are held until resumed")
         self.slots: dict[str, TrainerSlot] = {}
         cpu_trainers = sum(t.count for t in default_trainers(self.config) if t.num_gpus == 0)
         index = 0
@@ -109,8 +177,15 @@ class SchedulerActor:
     # -- client calls ---------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         with self.lock:
-            return {"state_dir": str(self.state_dir), "policy": self.core.policy.name,
+            info = {"state_dir": str(self.state_dir), "policy": self.core.policy.name,
+                    "output_root": str(self.core.output_root) if self.core.output_root else None,
                     "trainers": [self._slot_info(s) for s in self.slots.values()], **self.listeners.describe()}
+            if self.core.policy_error:
+                info["policy_error"] = self.core.policy_error
+            waiting = sum(len(s.pending) for s in self.slots.values())
+            if waiting:
+                info["table_error"] = f"{waiting} trainer events wait for the job table (it is locked); retrying"
+            return info
 
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
         """Block until every trainer has loaded its model (or failed to)."""
@@ -125,11 +200,24 @@ class SchedulerActor:
     def submit(self, submission_json: str) -> JobRecord:
         return self.submit_many([submission_json])[0]
 
-    def submit_many(self, submissions_json: list[str]) -> list[JobRecord]:
-        """Jobs submitted together start together (one decision round; see `SchedulerCore.submit_many`)."""
-        submissions = [JobSubmission.model_validate_json(text) for text in submissions_json]
+    def submit_many(self, submissions_json: list[str], job_ids: list[str] | None = None) -> list[JobRecord]:
+        """Jobs submitted together start together (one decision round; see `SchedulerCore.submit_many`).
+        All or none: a bad one is named and nothing is entered."""
+        submissions, problems = [], []
+        for index, text in enumerate(submissions_json):
+            try:
+                submissions.append(JobSubmission.model_validate_json(text))
+            except ValueError as error:
+                problems.append(f"submission {index + 1} of {len(submissions_json)}: {error}")
+        if problems:
+            raise SubmissionError("nothing was submitted: " + "; ".join(problems))
         with self.lock:
-            return self.core.submit_many(submissions)
+            return self.core.submit_many(submissions, job_ids)
+
+    def submission(self, key: str) -> str:
+        """The job's submission as stored (JSON), e.g. to compare a jobs file against it."""
+        with self.lock:
+            return self.table.submission(self.table.find(key).id).model_dump_json()
 
     def jobs(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
         with self.lock:
@@ -151,8 +239,9 @@ class SchedulerActor:
         with self.lock:
             record = self.table.find(key)
             if record.id in self.starting:       # not on its trainer yet
+                record = self.table.set_state(record.id, "cancelled", reason, trainer=None)
                 del self.starting[record.id]
-                return self.table.set_state(record.id, "cancelled", reason, trainer=None)
+                return record
             record, stop = self.core.cancel(key, reason)
             self._send_stop(stop)
             return record
@@ -161,15 +250,23 @@ class SchedulerActor:
         with self.lock:
             record = self.table.find(key)
             if record.id in self.starting:
+                record = self.table.set_state(record.id, "paused", "paused by the user", trainer=None)
                 del self.starting[record.id]
-                return self.table.set_state(record.id, "paused", "paused by the user", trainer=None)
+                return record
             record, stop = self.core.pause(key)
             self._send_stop(stop)
             return record
 
-    def resume(self, key: str) -> JobRecord:
+    def resume(self, key: str, reason: str = "resumed by the user") -> JobRecord:
         with self.lock:
-            return self.core.resume(key)
+            return self.core.resume(key, reason)
+
+    def delete(self, key: str) -> None:
+        with self.lock:
+            record = self.table.find(key)
+            if record.id in self.starting:
+                raise ValueError(f"job {record.id} is starting; cancel it first")
+            self.core.delete(key)
 
     def trainers(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -177,19 +274,28 @@ class SchedulerActor:
 
     def shutdown(self) -> None:
         """Stop the loop and the trainers (their running jobs are paused with a checkpoint and queued
-        again for the next start of the service)."""
+        again for the next start of the service). Events the job table cannot take within a minute are
+        written next to it and applied at the next start."""
         self.stopping.set()
         self.thread.join(timeout=30)
         with self.lock:
             refs = {sid: s.handle.shutdown.remote() for sid, s in self.slots.items() if s.status is not None}
             for sid, ref in refs.items():
                 try:
-                    for event in ray.get(ref, timeout=180):
-                        if event.kind == "paused":
-                            self.core.preempting[event.job_id] = "the service stopped; resumes from its checkpoint"
-                        self.core.apply_event(sid, event)
+                    events = ray.get(ref, timeout=180)
                 except RayError as error:
                     log.warning("scheduler: trainer %s did not shut down cleanly: %s", sid, error)
+                    continue
+                for event in events:
+                    if event.kind == "paused" and not event.data.get("retry"):
+                        self.core.preempting[event.job_id] = "the service stopped; resumes from its checkpoint"
+                self.slots[sid].pending.extend(events)
+            deadline = time.monotonic() + 60
+            while any(s.pending for s in self.slots.values()) and time.monotonic() < deadline:
+                self.table_retry_at = 0.0
+                if not self._apply_all_pending():
+                    time.sleep(1.0)
+            self._spill_unapplied_events()
             for slot in self.slots.values():
                 if slot.handle is not None:
                     ray.kill(slot.handle)
@@ -205,6 +311,8 @@ class SchedulerActor:
             try:
                 with self.lock:
                     self._tick()
+            except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
+                log.warning("scheduler: %s; the next round tries again", error)
             except Exception:  # noqa: BLE001 - keep the service alive; the error is logged
                 log.exception("scheduler: error in the scheduling loop")
             self.stopping.wait(self.config.tick_seconds)
@@ -212,11 +320,15 @@ class SchedulerActor:
     def _tick(self) -> None:
         for slot in self.slots.values():
             self._watch(slot)
+        if not self._apply_all_pending():
+            return   # the table is locked: nothing is decided until what the trainers reported is in it
         self._finish_starts()
         ready = [s.status for s in self.slots.values() if s.status is not None]
         if ready:
             self.rounds += 1
-            for action in self.core.plan(ready):
+            with self.table.transaction():   # a round is decided whole or not at all
+                actions = self.core.plan(ready)
+            for action in actions:
                 if isinstance(action, Start):
                     self._begin_start(action)
                 elif isinstance(action, Preempt):
@@ -226,9 +338,80 @@ class SchedulerActor:
         self._release_job_actors()
         self._explain_waits()
 
+    # -- the job table's intake ----------------------------------------------------------------------------
+    def _apply_all_pending(self) -> bool:
+        """Apply every trainer's waiting events (one transaction per trainer, in order); False while the
+        table refuses them (they stay queued and are tried again with backoff)."""
+        if not any(slot.pending for slot in self.slots.values()):
+            return True
+        if time.monotonic() < self.table_retry_at:
+            return False
+        for slot in self.slots.values():
+            if not slot.pending:
+                continue
+            try:
+                self._apply_pending(slot)
+            except JobTableBusy as error:
+                log.warning("scheduler: %d events of %s wait for the job table: %s; trying again in %.1fs",
+                            len(slot.pending), slot.trainer_id, error, self.table_backoff)
+                self.table_retry_at = time.monotonic() + self.table_backoff
+                self.table_backoff = min(self.table_backoff * 2, TABLE_RETRY_S[1])
+                return False
+        self.table_backoff = TABLE_RETRY_S[0]
+        return True
+
+    def _apply_pending(self, slot: TrainerSlot) -> None:
+        """One transaction for the slot's queue; the listeners hear each event once it is committed, in
+        the order the trainer reported them (a job's progress before its `completed`)."""
+        status = slot.status
+        batch = list(slot.pending)
+        with self.table.transaction():
+            for item in batch:
+                if isinstance(item, TrainerLost):
+                    for job_id in self.core.trainer_lost(slot.trainer_id, item.why):
+                        self.table.after_commit(lambda job_id=job_id: self.starting.pop(job_id, None))
+                    continue
+                self.core.apply_event(slot.trainer_id, item)
+                if status is not None:
+                    self.table.after_commit(lambda item=item: self.listeners.trainer_polled(status, [item]))
+        for _ in batch:
+            slot.pending.popleft()
+
+    def _spill_unapplied_events(self) -> None:
+        """Write the events the table could not take to a file beside it (applied at the next start)."""
+        left = [(slot.trainer_id, item) for slot in self.slots.values() for item in slot.pending
+                if isinstance(item, TrainerEvent)]
+        if not left:
+            return
+        path = self.state_dir / UNAPPLIED_EVENTS
+        with path.open("a") as handle:
+            for trainer_id, event in left:
+                handle.write(json.dumps({"trainer": trainer_id, **asdict(event)}, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        log.error("scheduler: the job table stayed locked; %d trainer events were written to %s and are applied "
+                  "at the next start", len(left), path)
+
+    def _replay_unapplied_events(self) -> None:
+        path = self.state_dir / UNAPPLIED_EVENTS
+        if not path.exists():
+            return
+        events = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                row = json.loads(line)
+                events.append((row.pop("trainer"), TrainerEvent(**row)))
+            except (ValueError, TypeError, KeyError) as error:   # a line cut by a crash: the rest still counts
+                log.error("scheduler: %s:%d is not a trainer event (%s); skipped", path, number, error)
+        with self.table.transaction():
+            for trainer_id, event in events:
+                self.core.apply_event(trainer_id, event)
+        path.unlink()
+        log.info("scheduler: applied %d trainer events left from the last run (%s)", len(events), path)
+
     def _launch(self, slot: TrainerSlot) -> None:
         service = ray.get_runtime_context().get_actor_name() or "aspen"
-        slot.actor_name = f"{service}.{slot.trainer_id}.{slot.restarts}"
+        slot.actor_name = f"{service}.{slot.trainer_id}.{self.incarnation}.{slot.restarts}"
         options: dict[str, Any] = {"num_cpus": slot.config.num_cpus, "num_gpus": slot.config.num_gpus,
                                    "name": slot.actor_name, "namespace": NAMESPACE}
         slot.handle = GpuTrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
@@ -263,29 +446,29 @@ class SchedulerActor:
             return
         slot.poll_ref = None
         slot.status = status
-        # each event to the job table and then to the listeners, one at a time, so that listeners see a
-        # job's progress and its state changes in the order they happened (progress before "completed")
-        for event in events:
-            self.core.apply_event(slot.trainer_id, event)
-            self.listeners.trainer_polled(status, [event])
+        slot.pending.extend(events)   # into the job table by _apply_all_pending, retried while it is locked
         if not events:
             self.listeners.trainer_polled(status, [])
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
+        """Start a new trainer; its predecessor's jobs are queued again once everything it reported before
+        it died is in the table (so that a job it finished is not run again)."""
         log.warning("scheduler: trainer %s lost (%s); starting a new one", slot.trainer_id, why)
-        lost = self.core.trainer_lost(slot.trainer_id, why)
-        for job_id in lost:
-            self.starting.pop(job_id, None)
+        slot.pending.append(TrainerLost(why))
         try:
             ray.kill(slot.handle)
-        except RayError:
-            pass
+        except RayError as error:
+            log.info("scheduler: killing lost trainer %s: %s", slot.trainer_id, error)
         slot.restarts += 1
         self._launch(slot)
 
     def _begin_start(self, start: Start) -> None:
         job_id = start.job
         actor = self.job_actors.get(job_id)
+        if actor is not None and job_id in self.core.replace_job_actor:   # lost or hung: never reused
+            ray.kill(self.job_actors.pop(job_id))
+            actor = None
+        self.core.replace_job_actor.discard(job_id)
         if actor is None:
             submission = self.table.submission(job_id)
             actor = JobActor.options(name=f"aspen-job-{job_id}-{int(time.time() * 1000)}").remote(
@@ -322,6 +505,9 @@ class SchedulerActor:
             return None  # cancelled, paused or requeued meanwhile
         try:
             summary, eval_examples = ray.get(starting.prepare_ref)
+        except RayActorError as error:   # the job actor died: start the job again with a new one
+            self.core.start_lost(job_id, f"its job actor was lost while reading its data ({type(error).__name__})")
+            return None
         except RayError as error:
             cause = getattr(error, "cause", None) or error
             self.core.start_failed(job_id, f"its data could not be read: {cause}")
@@ -332,8 +518,15 @@ class SchedulerActor:
 
     def _release_job_actors(self) -> None:
         for job_id in list(self.job_actors):
-            if self.table.get(job_id).state in TERMINAL_STATES | {"paused"} and job_id not in self.starting:
+            if job_id in self.starting:
+                continue
+            try:
+                state = self.table.get(job_id).state
+            except KeyError:    # deleted
+                state = "cancelled"
+            if state in TERMINAL_STATES | {"paused"} or job_id in self.core.replace_job_actor:
                 ray.kill(self.job_actors.pop(job_id))
+                self.core.replace_job_actor.discard(job_id)
 
     def _explain_waits(self) -> None:
         broken = [s for s in self.slots.values() if s.error]

@@ -35,11 +35,13 @@ def _service_config(args: argparse.Namespace):
 def _cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
-    client = Client.serve(_service_config(args), address=args.address)
+    client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
     info = client.wait_ready()
     print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
     if info.get("mqtt_url"):
         print(f"  job events: {info['mqtt_url']} (topics {info.get('mqtt_topics', 'aspen/v1/#')})")
+    if info.get("mqtt_credentials"):
+        print(f"  job events' read-only account: {info['mqtt_credentials']} (`aspen watch --events` reads it)")
     for trainer in info["trainers"]:
         where = trainer.get("device", "?")
         print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
@@ -89,6 +91,26 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
     from orchestrator.watch import watch
 
+    if args.events:
+        from orchestrator.events import reader_settings
+        from orchestrator.watch import watch_events
+
+        if args.once:
+            raise ValueError("--once shows the job table; --events follows the job events until Ctrl-C (use one)")
+        try:
+            if args.state_dir:
+                settings = reader_settings(args.state_dir)
+            else:
+                settings = Client.connect(args.address).event_settings()
+            print(f"job events from {settings.url} (as {settings.username}, settings in {settings.source}); "
+                  "Ctrl-C to leave", file=sys.stderr, flush=True)
+            watch_events(settings, progress=args.progress)
+        except OSError as error:   # no or unreadable credentials, a refused or lost connection
+            print(f"aspen: {error}", file=sys.stderr)
+            return 2
+        return 0
+    if args.state_dir or args.progress:
+        raise ValueError("--state-dir and --progress go with --events")
     client = Client.connect(args.address)
     console = Console(width=max(Console().width, 140)) if args.once and not sys.stdout.isatty() else Console()
     watch(client.jobs, once=args.once, interval=args.interval, console=console)
@@ -195,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--step-tokens", type=int, default=4096)
     serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
                                         "or an installed entry point (group aspen.policies)")
+    serve.add_argument("--insecure", action="store_true", help="start the service even on a Ray cluster without "
+                       "token authentication (by default refused: anyone who reaches such a cluster runs code on it)")
     serve.set_defaults(handler=_cmd_serve)
 
     submit = with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file"))
@@ -210,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "ETA (Ctrl-C to leave)"))
     watch.add_argument("--once", action="store_true", help="print the table once and exit")
     watch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    watch.add_argument("--events", action="store_true", help="instead of the table: one line per job state change "
+                       "and job event as the service publishes them over MQTT (its embedded broker's read-only "
+                       "account, from the service's state dir; Ctrl-C to leave)")
+    watch.add_argument("--state-dir", help="with --events: the service's state dir to read the MQTT reader account "
+                       "from (default: ask the service for it)")
+    watch.add_argument("--progress", action="store_true", help="with --events: also a line per optimizer step")
     watch.set_defaults(handler=_cmd_watch)
 
     report = commands.add_parser("report", help="loss curves (report.png) and a summary table (report.md) of "

@@ -11,6 +11,7 @@ jobs, follow and cancel them.
 from __future__ import annotations
 
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -18,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.core.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.core.job_table import TERMINAL_STATES, JobRecord
-from actors.engine.spec import JobSpec, JobSubmission, RunSpec
+from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.spec import SpecError, load_run_spec, parse_run_spec
 
@@ -31,8 +32,13 @@ class ServiceError(RuntimeError):
     """The service refused a request or is not reachable."""
 
 
+RESTART_WAIT_S = 90.0   # how long a call waits for a scheduler that is restarting
+
+
 def _call(ref: ray.ObjectRef, timeout: float | None = 120) -> Any:
-    """`ray.get`, with the service's own error (not Ray's wrapper) raised."""
+    """`ray.get`, with the service's own error (not Ray's wrapper) raised: a bad request as ValueError /
+    KeyError with the service's message, a service that cannot act now (its job table is locked, its
+    state dir in use) as ServiceError."""
     try:
         return ray.get(ref, timeout=timeout)
     except RayTaskError as error:
@@ -40,7 +46,42 @@ def _call(ref: ray.ObjectRef, timeout: float | None = 120) -> Any:
         if isinstance(cause, (KeyError, ValueError)):
             message = cause.args[0] if cause.args else str(cause)
             raise type(cause)(message) from None
+        if isinstance(cause, (RuntimeError, TimeoutError, OSError)) and not isinstance(cause, RayActorError):
+            raise ServiceError(str(cause)) from None
         raise
+    except GetTimeoutError:
+        raise ServiceError(f"the aspen service did not answer within {timeout:.0f}s; it may be busy or stuck "
+                           "(see its log: the Ray dashboard, or /tmp/ray/session_latest/logs)") from None
+
+
+def _init_failure(error: RayActorError) -> str:
+    """The last line of the scheduler's constructor error (Ray's message around it is long)."""
+    text = str(getattr(error, "error_msg", "") or error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast, with the address and the fix, where no Ray cluster answers (ray.init would wait for
+    minutes). Ray client addresses (ray://) are left to Ray."""
+    if address.startswith("ray://"):
+        return
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        target = canonicalize_bootstrap_address_or_die(address)
+    except ConnectionError as error:
+        raise ServiceError(f"no running Ray cluster found ({error}); start one with `ray start --head` (see the "
+                           "README's cluster set-up) or pass --address / set RAY_ADDRESS") from None
+    except ValueError as error:
+        raise ValueError(f"--address {address!r}: {error}; give host:port, e.g. 127.0.0.1:6379") from None
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            pass
+    except OSError as error:
+        raise ServiceError(f"no Ray cluster answers at {target} ({error.strerror or error}); check --address / "
+                           "RAY_ADDRESS, or start the cluster with `ray start --head`") from None
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
@@ -50,6 +91,7 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        _check_reachable(address)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
         return
     init_kwargs.setdefault("include_dashboard", False)
@@ -117,25 +159,59 @@ class Client:
         return client
 
     @classmethod
-    def serve(cls, config: ServiceConfig | dict | None = None, address: str = "auto") -> Client:
-        """Start the long-lived, detached service on a Ray cluster, or connect to it if it runs."""
+    def serve(cls, config: ServiceConfig | dict | None = None, address: str = "auto", *,
+              insecure: bool = False) -> Client:
+        """Start the long-lived, detached service on a Ray cluster, or connect to it if it runs. A new
+        service starts only on a cluster that requires Ray's token authentication (else
+        `orchestrator.cluster_auth.InsecureClusterError`, a ServiceError) unless `insecure` is true."""
         config = ServiceConfig.model_validate(config or {})
         ensure_ray(address)
         from actors.scheduler_actor import SchedulerActor
+        from orchestrator.cluster_auth import require_token_auth
+
+        try:
+            ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)   # already running: left alone
+        except ValueError:
+            require_token_auth(insecure)
 
         scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached",
                                            get_if_exists=True).remote(config.model_dump_json())
         return cls(scheduler)
 
+    def _request(self, method: str, *args: Any, timeout: float | None = 120) -> Any:
+        """Call the scheduler; while it restarts (its process died and Ray brings it back), wait for it and
+        ask again (every request is safe to repeat: submissions carry their job ids)."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                return _call(getattr(self.scheduler, method).remote(*args), timeout=timeout)
+            except RayActorError as error:
+                if error.actor_init_failed:   # it could not start (e.g. its state dir is in use): say why
+                    raise ServiceError(f"the aspen service could not start: {_init_failure(error)}") from None
+                if time.monotonic() > deadline:
+                    raise ServiceError(f"the aspen service is gone ({type(error).__name__}) and did not come back "
+                                       f"within {RESTART_WAIT_S:.0f}s; start it again (`aspen serve`): every job "
+                                       "is kept and unfinished ones resume from their checkpoints") from None
+                time.sleep(1.0)
+
     def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
-        info = _call(self.scheduler.wait_ready.remote(timeout), timeout=timeout + 30)
+        info = self._request("wait_ready", timeout, timeout=timeout + 30)
         broken = [t for t in info["trainers"] if t.get("error")]
         if broken and len(broken) == len(info["trainers"]):
             raise ServiceError("no trainer could start: " + "; ".join(f"{t['id']}: {t['error']}" for t in broken))
         return info
 
     def info(self) -> dict[str, Any]:
-        return _call(self.scheduler.info.remote())
+        return self._request("info")
+
+    def event_settings(self) -> Any:
+        """Where and how to subscribe to this service's job events (an `orchestrator.events.EventSettings`):
+        its embedded MQTT broker's address and read-only account, read from the service's state dir (so
+        this machine must see that folder, and this user read its `mqtt-reader.json`). Raises
+        FileNotFoundError / PermissionError saying so."""
+        from orchestrator.events import reader_settings
+
+        return reader_settings(self.info()["state_dir"])
 
     # -- submitting ---------------------------------------------------------------------------------------
     def submit(self, spec: JobSpec | JobSubmission | dict | str | Path, *, base_model: str = "smollm2-135m",
@@ -149,22 +225,38 @@ class Client:
                 raise SpecError(f"{spec}: has {len(run.jobs)} jobs; submit it with submit_run() (or "
                                 "`aspen submit`) to get one handle per job")
             return self.submit_run(run)[0]
+        if isinstance(spec, dict) and "jobs" in spec:
+            run = parse_run_spec(spec, source="<dict>", base_dir=Path.cwd())
+            if len(run.jobs) != 1:
+                raise SpecError(f"<dict>: has {len(run.jobs)} jobs; use submit_run() for several")
+            return self.submit_run(run)[0]
+        return self._submit(self._as_submission(spec, base_model=base_model, quantization=quantization, dtype=dtype,
+                                                seed=seed, output_dir=output_dir))
+
+    @staticmethod
+    def _as_submission(spec: JobSpec | JobSubmission | dict, *, base_model: str = "smollm2-135m",
+                       quantization: str = "none", dtype: str = "auto", seed: int = 0,
+                       output_dir: str | Path | None = None) -> JobSubmission:
+        """A job spec (a dict of job fields, a `JobSpec` or a `JobSubmission`) as the service takes it,
+        validated here: a bad spec raises `SpecError` naming the field."""
+        if isinstance(spec, JobSubmission):
+            return spec
         if isinstance(spec, dict):
-            if "jobs" in spec:
-                run = parse_run_spec(spec, source="<dict>", base_dir=Path.cwd())
-                if len(run.jobs) != 1:
-                    raise SpecError(f"<dict>: has {len(run.jobs)} jobs; use submit_run() for several")
-                return self.submit_run(run)[0]
+            # the service checks the micro-batch against its trainers' steps; here only the spec's own values
             run = parse_run_spec({"base_model": base_model, "quantization": quantization, "dtype": dtype,
-                                  "seed": seed, "jobs": [spec]}, source="<job>", base_dir=Path.cwd())
+                                  "seed": seed, "step_tokens": MAX_STEP_TOKENS, "jobs": [spec]}, source="<job>",
+                                 base_dir=Path.cwd())
             spec = run.jobs[0]
-        if isinstance(spec, JobSpec):
-            if not spec.data.is_file():
-                raise SpecError(f"job '{spec.name}', field data: file {spec.data} does not exist")
-            spec = JobSubmission(job=spec, base_model=base_model, quantization=quantization, dtype=dtype,
+        if not isinstance(spec, JobSpec):
+            raise SpecError(f"expected a JobSpec, a JobSubmission or a dict of job fields, got {type(spec).__name__}")
+        if not spec.data.is_file():
+            raise SpecError(f"job '{spec.name}', field data: file {spec.data} does not exist")
+        try:
+            return JobSubmission(job=spec, base_model=base_model, quantization=quantization, dtype=dtype,
                                  seed=spec.seed if spec.seed is not None else seed,
                                  output_dir=Path(output_dir).resolve() if output_dir else None)
-        return self._submit(spec)
+        except ValueError as error:
+            raise SpecError(f"job '{spec.name}': {error}") from None
 
     def submit_run(self, run: RunSpec | str | Path) -> list[JobHandle]:
         """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
@@ -178,38 +270,64 @@ class Client:
     def _submit(self, submission: JobSubmission) -> JobHandle:
         return self._submit_many([submission])[0]
 
+    def submit_many(self, specs: Iterable[JobSpec | JobSubmission | dict], **run_settings: Any) -> list[JobHandle]:
+        """Submit several jobs in one request, all or none: every spec is validated first, and a bad one is
+        named (its position and job name) with nothing submitted. `run_settings` (base_model,
+        quantization, dtype, seed) apply to specs that are not `JobSubmission`s."""
+        submissions, problems = [], []
+        specs = list(specs)
+        for index, spec in enumerate(specs):
+            try:
+                submissions.append(self._as_submission(spec, **run_settings))
+            except (SpecError, ValueError) as error:
+                name = spec.get("name") if isinstance(spec, dict) else getattr(getattr(spec, "job", spec), "name", "?")
+                problems.append(f"spec {index + 1} of {len(specs)} (job '{name}'): {error}")
+        if problems:
+            raise SpecError("nothing was submitted:\n" + "\n".join(problems))
+        return self._submit_many(submissions)
+
     def _submit_many(self, submissions: list[JobSubmission]) -> list[JobHandle]:
-        records: list[JobRecord] = _call(self.scheduler.submit_many.remote([s.model_dump_json() for s in submissions]))
+        ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]   # a repeated request finds them
+        records: list[JobRecord] = self._request("submit_many", [s.model_dump_json() for s in submissions], ids)
         return [JobHandle(self, record.id, record.name) for record in records]
 
     # -- following ----------------------------------------------------------------------------------------
     def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
-        return _call(self.scheduler.jobs.remote(tuple(states) if states else None))
+        return self._request("jobs", tuple(states) if states else None)
 
     def status(self, job: str) -> JobRecord:
-        return _call(self.scheduler.status.remote(job))
+        return self._request("status", job)
 
     def handle(self, job: str) -> JobHandle:
         record = self.status(job)
         return JobHandle(self, record.id, record.name)
 
+    def submission(self, job: str) -> JobSubmission:
+        """The job's submission as the service stored it."""
+        return JobSubmission.model_validate_json(self._request("submission", job))
+
     def losses(self, job: str) -> list[dict[str, Any]]:
-        return _call(self.scheduler.progress.remote(job))
+        return self._request("progress", job)
 
     def transitions(self, job: str) -> list[tuple[float, str, str]]:
-        return _call(self.scheduler.transitions.remote(job))
+        return self._request("transitions", job)
 
     def trainers(self) -> list[dict[str, Any]]:
-        return _call(self.scheduler.trainers.remote())
+        return self._request("trainers")
 
     def cancel(self, job: str) -> JobRecord:
-        return _call(self.scheduler.cancel.remote(job))
+        return self._request("cancel", job)
 
     def pause(self, job: str) -> JobRecord:
-        return _call(self.scheduler.pause.remote(job))
+        return self._request("pause", job)
 
-    def resume(self, job: str) -> JobRecord:
-        return _call(self.scheduler.resume.remote(job))
+    def resume(self, job: str, reason: str = "resumed by the user") -> JobRecord:
+        """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
+        return self._request("resume", job, reason)
+
+    def delete(self, job: str) -> None:
+        """Forget a job that is not running (its files stay)."""
+        self._request("delete", job)
 
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
         """Block until the job has ended (completed, stopped early, failed or cancelled)."""

@@ -23,7 +23,7 @@ def write_task_data(folder: Path, name: str, rows: int = 32, offset: int = 0) ->
 
 
 def job_dict(name: str, data: Path, steps: int, **extra) -> dict:
-    return {"name": name, "data": str(data), "batch_size": 4, "max_steps": steps, "lr": 1e-3,
+    return {"name": name, "data": str(data), "batch_size": 4, "max_seq_len": 128, "max_steps": steps, "lr": 1e-3,
             "format": {"type": "prompt_response", "prompt": "Q: {question}\nA:", "response": " {answer}"},
             "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}, **extra}
 

@@ -86,7 +86,7 @@ def test_bad_specs_fail_at_submit_and_unheld_base_models_wait_with_a_reason(serv
     with pytest.raises(SpecError, match=r"data: file .*missing.jsonl does not exist"):
         service.submit(job_dict("nodata", tmp_path / "missing.jsonl", 5))
     data = write_task_data(tmp_path / "data", "t")
-    with pytest.raises(SpecError, match=r"lora.*r.*greater than or equal to 1"):
+    with pytest.raises(SpecError, match=r"lora\.r: must be between 1 and 1024"):
         service.submit({**job_dict("badr", data, 5), "lora": {"r": 0}})
     handle = service.submit(job_dict("orphan", data, 5), base_model="some-org/model-nobody-holds")
     record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer") and r, what="a reason")

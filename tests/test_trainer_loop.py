@@ -169,7 +169,7 @@ def test_submit_many_enters_all_jobs_or_none(tmp_path):
     core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
     a, b = spec.submissions()
     clash = b.model_copy(update={"output_dir": a.output_dir})
-    with pytest.raises(ValueError, match="two of the submitted jobs would write to .*give job 'b'"):
+    with pytest.raises(ValueError, match=r"nothing was submitted: submission 2 of 2 \(job 'b'\): two of the submitted jobs would write to"):
         core.submit_many([a, clash])
     assert core.table.all() == []
     records = core.submit_many([a, b])

@@ -8,6 +8,8 @@ checkpoint's position asks for exactly the micro-batches the uninterrupted job w
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,12 +20,35 @@ from actors.engine.data import Example
 T = TypeVar("T", covariant=True)
 
 
+class JobLinkLost(RuntimeError):
+    """The other end of a job's link is gone (its job actor died): the job's state on the trainer is intact,
+    so the trainer checkpoints it and gives it back to be started again with a new job actor."""
+
+
 class Pending(Protocol, Generic[T]):
-    """A result on its way: a `concurrent.futures.Future`, or a Ray object ref behind a small adapter."""
+    """A result on its way: a `concurrent.futures.Future`, or a Ray object ref behind a small adapter.
+    `result()` raises `JobLinkLost` when the other end died."""
 
     def done(self) -> bool: ...
 
     def result(self) -> T: ...
+
+
+def wait_for(pending: Pending[Any], timeout: float) -> bool:
+    """Whether `pending` is done within `timeout` seconds (its own `wait` where it has one)."""
+    if timeout <= 0 or pending.done():
+        return pending.done()
+    wait = getattr(pending, "wait", None)
+    if wait is not None:
+        return bool(wait(timeout))
+    if isinstance(pending, concurrent.futures.Future):
+        return bool(concurrent.futures.wait([pending], timeout).done)
+    deadline = time.monotonic() + timeout
+    while not pending.done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 @dataclass
@@ -43,6 +68,9 @@ class Done(Generic[T]):
     value: T
 
     def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float) -> bool:
         return True
 
     def result(self) -> T:
@@ -72,6 +100,14 @@ class MicroBatchFeed:
     def prime(self) -> None:
         """Start fetching now (a newly assigned job's data is on its way before its first step)."""
         self._pump()
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether `next_batch` will answer without blocking (a micro-batch is here, or the answer to the
+        request in flight is, or the data has ended), waiting up to `timeout` seconds for it."""
+        self._pump()
+        if self.buffer or self.in_flight is None:
+            return True
+        return wait_for(self.in_flight, timeout)
 
     def _absorb(self, chunk: FeedChunk) -> None:
         self.buffer.extend(zip(chunk.positions, chunk.batches))

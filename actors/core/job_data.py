@@ -97,17 +97,26 @@ class JobData:
         step the rule predicts the job will stop at."""
         self.last_update = time.time()
         if update.resumed_from is not None:
+            # the checkpoint's steps are the truth (a new job actor knows none of them, a kept one all)
             self.history.truncate(update.resumed_from)
+            if update.steps:
+                self.history.train = [(row["step"], row["loss"]) for row in update.steps]
+                self.tokens = sum(row["tokens"] for row in update.steps)
             self.decision = None
+            return Verdict(None, None)
         for row in update.steps:
             self.history.train.append((row["step"], row["loss"]))
             self.tokens += row["tokens"]
         self.history.eval.extend(update.evals)
         predicted = None
         if self.decision is None and self.stop_rule is not None and (update.steps or update.evals):
-            self.decision = self.stop_rule.decide(self.history)
-            if self.decision is None and update.evals and hasattr(self.stop_rule, "predicted_stop_step"):
-                predicted = self.stop_rule.predicted_stop_step(self.history)
+            try:
+                self.decision = self.stop_rule.decide(self.history)
+                if self.decision is None and update.evals and hasattr(self.stop_rule, "predicted_stop_step"):
+                    predicted = self.stop_rule.predicted_stop_step(self.history)
+            except Exception:  # noqa: BLE001 - a stop rule that fails costs this job its early stop, nothing else
+                log.exception("job %s: its stop rule failed; it trains to the end of its budget", self.job_id)
+                self.stop_rule = None
         return Verdict(self.decision, predicted)
 
     def _cursor(self) -> DataCursor:

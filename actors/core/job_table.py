@@ -1,14 +1,23 @@
 """The service's job table, persisted in SQLite in its state folder: every job with its state, reason
 and timestamps, its progress (one row per optimizer step and evaluation), and its state transitions.
-After a restart the scheduler reads it back: nothing submitted is lost."""
+After a restart the scheduler reads it back: nothing submitted is lost.
+
+Writes go through `transaction()`: one SQLite transaction (nested calls join the outer one), and the
+change listeners hear about a state change only once it is committed. When another process holds the
+file's write lock (a backup, an open `sqlite3` shell, a slow network disk) longer than `busy_timeout`, a
+write raises `JobTableBusy` and leaves the table as it was, so that the caller can retry the whole
+transaction later without applying anything twice."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from actors.engine.spec import JobSubmission
 
@@ -46,7 +55,23 @@ CREATE TABLE IF NOT EXISTS progress (
     eval_loss REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step));
 CREATE TABLE IF NOT EXISTS transitions (
     job_id TEXT NOT NULL, time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name);
+CREATE INDEX IF NOT EXISTS jobs_by_output_dir ON jobs (output_dir);
+CREATE INDEX IF NOT EXISTS jobs_by_submitted_at ON jobs (submitted_at, id);
+CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
 """
+
+BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
+
+
+class JobTableBusy(RuntimeError):
+    """The job table's file is locked by another process (or its disk refuses writes); nothing was changed."""
+
+
+def _is_busy(error: sqlite3.OperationalError) -> bool:
+    text = str(error).lower()
+    return any(word in text for word in ("locked", "busy", "disk is full", "disk i/o error", "readonly"))
 
 
 @dataclass
@@ -87,34 +112,101 @@ RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
 
 
 class JobTable:
-    def __init__(self, path: str | Path, on_change: Callable[[JobRecord, str | None], None] | None = None):
-        """`on_change(record, previous_state)` is called after every state change (previous None for a
-        new job), e.g. to publish it; it must not raise."""
+    def __init__(self, path: str | Path, on_change: Callable[[JobRecord, str | None], None] | None = None,
+                 busy_timeout: float = BUSY_TIMEOUT_S):
+        """`on_change(record, previous_state)` is called after every committed state change (previous None
+        for a new job), e.g. to publish it; it must not raise."""
         self.path = Path(path)
         self.on_change = on_change
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
+        self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout)
+        self.db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        self._guard = threading.RLock()      # one transaction at a time on this connection
+        self._depth = 0
+        self._after_commit: list[Callable[[], None]] = []
+        with self._busy_as_error("open the job table"):
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(SCHEMA)
 
     def close(self) -> None:
         self.db.close()
 
+    # -- transactions ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One SQLite transaction for everything inside (nested calls join it). Raises `JobTableBusy`,
+        with nothing written, when the file stays locked by another process."""
+        with self._guard:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+                return
+            with self._busy_as_error("write to the job table"):
+                self.db.execute("BEGIN IMMEDIATE")
+            self._depth = 1
+            try:
+                yield
+                with self._busy_as_error("commit to the job table"):
+                    self.db.execute("COMMIT")
+            except BaseException:
+                self._depth = 0
+                self._after_commit.clear()
+                if self.db.in_transaction:
+                    self.db.execute("ROLLBACK")
+                raise
+            self._depth = 0
+            hooks, self._after_commit = self._after_commit, []
+        for hook in hooks:
+            hook()
+
+    def after_commit(self, hook: Callable[[], None]) -> None:
+        """Run `hook` once the current transaction commits (at once outside a transaction); dropped if it
+        rolls back."""
+        if self._depth:
+            self._after_commit.append(hook)
+        else:
+            hook()
+
+    @contextlib.contextmanager
+    def _busy_as_error(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as error:
+            if not _is_busy(error):
+                raise
+            raise JobTableBusy(f"cannot {what} {self.path}: {error} (another process holds it: a backup, an open "
+                               f"sqlite3 shell, a slow disk?); nothing was changed, and the service retries "
+                               f"what it must write") from error
+
+    def _notify(self, record: JobRecord, previous: str | None) -> None:
+        if self.on_change is not None:
+            on_change = self.on_change
+            self.after_commit(lambda: on_change(record, previous))
+
     # -- jobs -------------------------------------------------------------------------------------------
     def add(self, job_id: str, submission: JobSubmission, output_dir: Path) -> JobRecord:
         now = time.time()
-        with self.db:
+        with self.transaction():
             self.db.execute(
                 "INSERT INTO jobs (id, name, submission, base_model, quantization, priority, output_dir, state, "
                 "reason, submitted_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', 'submitted', ?, ?)",
                 (job_id, submission.job.name, submission.model_dump_json(), submission.base_model,
                  submission.quantization, submission.job.priority, str(output_dir), now, now))
             self.db.execute("INSERT INTO transitions VALUES (?, ?, 'queued', 'submitted')", (job_id, now))
-        record = self.get(job_id)
-        if self.on_change is not None:
-            self.on_change(record, None)
+            record = self.get(job_id)
+            self._notify(record, None)
         return record
+
+    def delete(self, job_id: str) -> None:
+        """Forget a job: its row, progress and history (e.g. a run started over with --overwrite)."""
+        with self.transaction():
+            for table in ("progress", "transitions"):
+                self.db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+            self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     def get(self, job_id: str) -> JobRecord:
         row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)).fetchone()
@@ -146,32 +238,44 @@ class JobTable:
             args = tuple(states)
         return [JobRecord(*row) for row in self.db.execute(query + " ORDER BY submitted_at, id", args)]
 
+    def counts(self) -> dict[str, int]:
+        """Jobs per state (every state present, 0 where none)."""
+        counts = dict.fromkeys(JOB_STATES, 0)
+        counts.update(self.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+        return counts
+
+    def writing_to(self, output_dir: Path | str, states: tuple[str, ...]) -> JobRecord | None:
+        """A job in one of `states` whose output folder is `output_dir`, if any."""
+        row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE output_dir = ? AND state IN "
+                              f"({', '.join('?' * len(states))}) LIMIT 1", (str(output_dir), *states)).fetchone()
+        return JobRecord(*row) if row else None
+
     def set_state(self, job_id: str, state: str, reason: str, **columns: Any) -> JobRecord:
         if state not in JOB_STATES:
             raise ValueError(f"unknown job state '{state}'")
         now = time.time()
-        current = self.get(job_id)
-        values = {"state": state, "reason": reason, "updated_at": now, **columns}
-        if state == "running" and current.started_at is None:
-            values["started_at"] = now
-        if state in TERMINAL_STATES:
-            values["finished_at"] = now
-        with self.db:
+        with self.transaction():
+            current = self.get(job_id)
+            values = {"state": state, "reason": reason, "updated_at": now, **columns}
+            if state == "running" and current.started_at is None:
+                values["started_at"] = now
+            if state in TERMINAL_STATES:
+                values["finished_at"] = now
             self._update(job_id, values)
             if current.state != state or current.reason != reason:
                 self.db.execute("INSERT INTO transitions VALUES (?, ?, ?, ?)", (job_id, now, state, reason))
-        record = self.get(job_id)
-        if self.on_change is not None and current.state != state:
-            self.on_change(record, current.state)
+            record = self.get(job_id)
+            if current.state != state:
+                self._notify(record, current.state)
         return record
 
     def set_reason(self, job_id: str, reason: str) -> None:
         """Say why a queued job waits (not a transition: no history row)."""
-        with self.db:
+        with self.transaction():
             self.db.execute("UPDATE jobs SET reason = ? WHERE id = ? AND reason != ?", (reason, job_id, reason))
 
     def update(self, job_id: str, **columns: Any) -> None:
-        with self.db:
+        with self.transaction():
             self._update(job_id, {"updated_at": time.time(), **columns})
 
     def _update(self, job_id: str, values: dict[str, Any]) -> None:
@@ -187,14 +291,14 @@ class JobTable:
 
     # -- progress ---------------------------------------------------------------------------------------
     def add_progress(self, job_id: str, row: dict[str, Any]) -> None:
-        with self.db:
+        with self.transaction():
             self.db.execute("INSERT OR REPLACE INTO progress (job_id, step, loss, tokens, lr, grad_norm, time) "
                             "VALUES (?, ?, ?, ?, ?, ?, ?)",
                             (job_id, row["step"], row.get("loss"), row.get("tokens"), row.get("lr"),
                              row.get("grad_norm"), time.time()))
 
     def add_eval(self, job_id: str, step: int, eval_loss: float) -> None:
-        with self.db:
+        with self.transaction():
             cursor = self.db.execute("UPDATE progress SET eval_loss = ? WHERE job_id = ? AND step = ?",
                                      (eval_loss, job_id, step))
             if cursor.rowcount == 0:
@@ -203,7 +307,7 @@ class JobTable:
 
     def forget_progress_after(self, job_id: str, step: int) -> None:
         """A job resumed from a checkpoint at `step` replays the steps after it."""
-        with self.db:
+        with self.transaction():
             self.db.execute("DELETE FROM progress WHERE job_id = ? AND step > ?", (job_id, step))
 
     def progress(self, job_id: str) -> list[dict[str, Any]]:

@@ -1,26 +1,40 @@
 """The scheduler actor's core: the job table, what trainers report, and the policy's decisions.
 
 Everything here is synchronous and Ray-free; the actor shell calls it from its loop and carries the
-decisions out (starting job actors, assigning and stopping jobs on trainers)."""
+decisions out (starting job actors, assigning and stopping jobs on trainers).
+
+One job never stops the service: a submission is checked whole before anything is written (a batch is
+all or none); a policy or estimator that raises on one job parks that job with the reason and the others
+are scheduled; a policy that raises on everything is replaced by FIFO with a logged error. Trainer events
+are applied inside the caller's transaction, so that a batch the table could not take (another process
+holds the file) is retried whole, never half-applied or dropped."""
 
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
+from actors.core.config import TrainerConfig
 from actors.core.events import TrainerEvent, TrainerStatus
 from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
-from actors.engine.spec import JobSubmission
+from actors.engine.spec import JobSubmission, step_limit_problem
 from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait
+from policies.fifo import FifoPolicy
 from policies.memory import adapter_memory_bytes
 
 log = logging.getLogger(__name__)
 
 ACTIVE_STATES = ("queued", "running", "paused")
+RESTARTABLE_STATES = ("paused", "failed", "cancelled")
+MAX_RETRIES = 3   # a job its trainer gave back (job actor lost or hung) is queued again this often, then fails
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
+POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before the policy itself is replaced
 
 
 @dataclass(frozen=True)
@@ -33,51 +47,158 @@ class StopRequest:
     reason: str
 
 
+class SubmissionError(ValueError):
+    """A submission the service cannot take; nothing of its batch was entered."""
+
+
 class SchedulerCore:
     def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
-                 on_decision: Callable[[str, str, str], None] | None = None):
+                 on_decision: Callable[[str, str, str], None] | None = None, *,
+                 trainers: Sequence[TrainerConfig] = (), output_root: Path | None = None):
         """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
-        (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round)."""
+        (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
+        service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
+        refused). `output_root`: where submitted jobs may write (None: anywhere the service can)."""
         self.table = table
         self.on_decision = on_decision
         self.wait_causes: dict[str, str] = {}     # job id -> why it waited in the last round
         self.policy = policy
+        self.policy_error: str | None = None      # why the configured policy was replaced by FIFO
+        self.parked_by_policy: set[str] = set()   # jobs parked since the policy last decided with queued jobs
         self.state_dir = Path(state_dir)
+        self.trainer_configs = list(trainers)
+        self.output_root = Path(output_root).expanduser().resolve() if output_root is not None else None
+        self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
         self.preempting: dict[str, str] = {}      # job id -> reason: its `paused` event means "queue again"
         self.predicted_remaining: dict[str, int] = {}   # job id -> steps a stop rule predicts are left
         self.submissions: dict[str, JobSubmission] = {}  # parsed once, not on every scheduling tick
+        self.retries: dict[str, int] = {}         # job id -> times its trainer gave it back
+        self.replace_job_actor: set[str] = set()  # jobs whose job actor must not be reused (lost or hung)
 
     # -- submissions ------------------------------------------------------------------------------------
     def submit(self, submission: JobSubmission) -> JobRecord:
         return self.submit_many([submission])[0]
 
-    def submit_many(self, submissions: list[JobSubmission]) -> list[JobRecord]:
-        """Enter jobs in the table together (all or none): the next decision round sees them all, so jobs
-        submitted together (a jobs file) start together and share their trainer's steps from the first."""
+    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
+        """Enter jobs in the table together, all or none: every submission is checked first (the error
+        names which one and why), then all are written in one transaction. The next decision round sees
+        them all, so jobs submitted together (a jobs file) start together. `job_ids`: ids the client
+        chose, so that a request repeated after a lost answer returns the jobs it entered the first time."""
+        if job_ids is not None:
+            if len(job_ids) != len(submissions) or len(set(job_ids)) != len(job_ids):
+                raise SubmissionError(f"{len(job_ids)} job ids for {len(submissions)} submissions (or repeated ids)")
+            bad = [job_id for job_id in job_ids if not JOB_ID.match(job_id)]
+            if bad:
+                raise SubmissionError(f"job ids {bad} are not letters, digits, '-' and '_' (at most 72)")
+            existing = self._already_entered(submissions, job_ids)
+            if existing is not None:
+                return existing
         planned: list[tuple[str, JobSubmission, Path]] = []
-        taken = {Path(other.output_dir): other for other in self.table.all(ACTIVE_STATES)}
-        for submission in submissions:
+        problems: list[str] = []
+        for index, submission in enumerate(submissions):
             name = submission.job.name
-            job_id = f"{name[:56]}-{uuid.uuid4().hex[:6]}"
-            output_dir = Path(submission.output_dir) if submission.output_dir else self.state_dir / "outputs" / job_id
-            output_dir = output_dir.expanduser().resolve()
-            if output_dir in taken:
-                other = taken[output_dir]
-                raise ValueError(f"job {other.id} ({other.state}) already writes to {output_dir}; give job "
-                                 f"'{name}' another output_dir or wait for that job to end")
-            if any(output_dir == planned_dir for _, _, planned_dir in planned):
-                raise ValueError(f"two of the submitted jobs would write to {output_dir}; give job '{name}' "
-                                 "another output_dir")
+            where = f"submission {index + 1} of {len(submissions)} (job '{name}')" if len(submissions) > 1 \
+                else f"job '{name}'"
+            job_id = job_ids[index] if job_ids is not None else f"{name[:56]}-{uuid.uuid4().hex[:6]}"
+            try:
+                output_dir = self._output_dir(submission, job_id)
+                self._check_limits(submission)
+                other = self.table.writing_to(output_dir, ACTIVE_STATES)
+                if other is not None:
+                    raise SubmissionError(f"job {other.id} ({other.state}) already writes to {output_dir}; give "
+                                          "this job another output_dir or wait for that job to end")
+                if any(output_dir == planned_dir for _, _, planned_dir in planned):
+                    raise SubmissionError(f"two of the submitted jobs would write to {output_dir}; give this job "
+                                          "another output_dir")
+            except SubmissionError as error:
+                problems.append(f"{where}: {error}")
+                continue
             planned.append((job_id, submission, output_dir))
-        return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
+        if problems:
+            raise SubmissionError(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
+        with self.table.transaction():
+            return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
 
-    def recover(self) -> list[str]:
-        """After a (re)start: jobs that were running are queued again; they resume from their checkpoints."""
+    def _already_entered(self, submissions: list[JobSubmission], job_ids: list[str]) -> list[JobRecord] | None:
+        """The records of a batch entered before under these ids (a repeated request), or None if none was."""
+        found = []
+        for submission, job_id in zip(submissions, job_ids):
+            try:
+                record = self.table.get(job_id)
+            except KeyError:
+                found.append(None)
+                continue
+            if self.table.submission(job_id) != submission:
+                raise SubmissionError(f"job id {job_id} is taken by another job; submit again (the client picks "
+                                      "new ids)")
+            found.append(record)
+        if all(r is None for r in found):
+            return None
+        if any(r is None for r in found):
+            raise SubmissionError(f"part of this batch was entered before ({[r.id for r in found if r]}), part not; "
+                                  "check `aspen status` before submitting again")
+        return found
+
+    def _output_dir(self, submission: JobSubmission, job_id: str) -> Path:
+        root = self.output_root
+        if submission.output_dir is None:
+            return ((root or self.state_dir / "outputs") / job_id).resolve()
+        requested = Path(submission.output_dir).expanduser()
+        if root is not None and not requested.is_absolute():
+            requested = root / requested
+        resolved = requested.resolve()
+        if root is not None and not resolved.is_relative_to(root):
+            raise SubmissionError(f"output_dir {resolved} is outside this service's output root {root}; jobs "
+                                  "submitted to a shared service write only there: leave output_dir out (the job "
+                                  f"gets {root}/<job id>) or give a path under {root}")
+        return resolved
+
+    def _check_limits(self, submission: JobSubmission) -> None:
+        """Refuse what no trainer of the job's base could ever run: a micro-batch beyond every trainer's
+        step, or an adapter that does not fit any trainer's memory budget next to the base and a step."""
+        same_base = [t for t in self.trainer_configs
+                     if t.base_model == submission.base_model and t.quantization == submission.quantization]
+        if same_base:
+            problems = [step_limit_problem(submission.job, t.step_tokens) for t in same_base]
+            if all(problems):
+                raise SubmissionError(problems[0])
+        views = [self.trainer_view(s) for s in self.statuses.values()
+                 if s.base_model == submission.base_model and s.quantization == submission.quantization]
+        if views:
+            try:
+                need = adapter_memory_bytes(submission.job.lora, dict(
+                    (name, (i, o)) for name, i, o in views[0].linear_shapes))
+            except ValueError as error:   # target_modules that the base model does not have
+                raise SubmissionError(str(error)) from None
+            problem = self._never_fits(submission, need, views)
+            if problem:
+                raise SubmissionError(problem)
+
+    @staticmethod
+    def _never_fits(submission: JobSubmission, need: int, views: list[TrainerView]) -> str | None:
+        """Why a job whose adapter needs `need` bytes exceeds the memory budget of every trainer that holds
+        its base even alone, or None."""
+        if any(v.base_bytes + v.step_memory_bytes + need <= v.memory_budget_bytes for v in views):
+            return None
+        best = max(views, key=lambda v: v.memory_budget_bytes - v.base_bytes - v.step_memory_bytes)
+        left = best.memory_budget_bytes - best.base_bytes - best.step_memory_bytes
+        return (f"its adapter (lora.r={submission.job.lora.r}) needs {need / 2**20:.0f} MiB but {best.id}'s memory "
+                f"budget ({best.memory_budget_bytes / 2**20:.0f} MiB) leaves {max(left, 0) / 2**20:.0f} MiB after the "
+                "base model and a full step; lower lora.r or target fewer modules, or give the trainer a larger "
+                "memory_budget_bytes or a smaller step_tokens")
+
+    def recover(self, resume: bool = True) -> list[str]:
+        """After a (re)start: jobs that were running are queued again (they resume from their checkpoints),
+        or, with `resume=False`, paused until someone asks for them (`requeue`)."""
         recovered = []
         for record in self.table.all(("running",)):
             step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
-            self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
+            if resume:
+                self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
+            else:
+                self.table.set_state(record.id, "paused", f"the service restarted; held until resumed (from {step})",
+                                     trainer=None)
             recovered.append(record.id)
         return recovered
 
@@ -98,14 +219,29 @@ class SchedulerCore:
             return self.table.set_state(record.id, "paused", reason), None
         raise ValueError(f"job {record.id} is {record.state}; only queued or running jobs can be paused")
 
-    def resume(self, key: str) -> JobRecord:
+    def resume(self, key: str, reason: str = "resumed by the user") -> JobRecord:
+        """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
         record = self.table.find(key)
-        if record.state != "paused":
-            raise ValueError(f"job {record.id} is {record.state}, not paused")
-        return self.table.set_state(record.id, "queued", "resumed by the user")
+        if record.state not in RESTARTABLE_STATES:
+            raise ValueError(f"job {record.id} is {record.state}; only paused, failed or cancelled jobs can be "
+                             "resumed")
+        self.retries.pop(record.id, None)
+        step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+        return self.table.set_state(record.id, "queued", f"{reason}; resumes from {step}", trainer=None)
+
+    def delete(self, key: str) -> None:
+        """Forget a job that is not running (its files are left as they are)."""
+        record = self.table.find(key)
+        if record.state == "running":
+            raise ValueError(f"job {record.id} is running; cancel it first")
+        self.table.delete(record.id)
+        for cache in (self.memory, self.predicted_remaining, self.submissions, self.retries, self.wait_causes):
+            cache.pop(record.id, None)
 
     # -- trainer reports --------------------------------------------------------------------------------
     def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
+        """Book one trainer event in the table. Called inside the caller's transaction: changes to this
+        object's own memory are made only once that transaction commits."""
         if event.kind == "step":   # the trainer's own step row: for metrics, not the job table
             return
         job_id, data = event.job_id, event.data
@@ -117,6 +253,7 @@ class SchedulerCore:
         if record.state in TERMINAL_STATES:
             return
         kind = event.kind
+        after = self.table.after_commit
         if kind == "started":
             resumed = data.get("resumed_from")
             columns = {}
@@ -127,6 +264,8 @@ class SchedulerCore:
                 last = data["history"][-1] if data.get("history") else {}
                 columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
             reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")
+            if data.get("checkpoint_note"):
+                reason += f" ({data['checkpoint_note']})"
             self.table.set_state(job_id, "running", reason, trainer=trainer_id, step=event.step,
                                  total_steps=data.get("total_steps"), **columns)
         elif kind == "progress":
@@ -139,10 +278,14 @@ class SchedulerCore:
         elif kind == "checkpoint":
             self.table.update(job_id, checkpoint_step=event.step)
         elif kind == "prediction":   # the job's stop rule expects it to end early: less work left
-            self.predicted_remaining[job_id] = max(int(data["predicted_stop_step"]) - event.step, 0)
+            remaining = max(int(data["predicted_stop_step"]) - event.step, 0)
+            after(lambda: self.predicted_remaining.__setitem__(job_id, remaining))
+        elif kind == "paused" and data.get("retry"):
+            self._given_back(job_id, data)
         elif kind == "paused" and job_id in self.preempting:
-            self.table.set_state(job_id, "queued", self.preempting.pop(job_id), trainer=None,
+            self.table.set_state(job_id, "queued", self.preempting[job_id], trainer=None,
                                  checkpoint_step=data.get("checkpoint_step"))
+            after(lambda: self.preempting.pop(job_id, None))
         else:  # completed, stopped_early, cancelled, paused, failed
             columns = {"trainer": None, "step": event.step}
             for key in ("adapter_dir", "eval_loss", "checkpoint_step"):
@@ -151,9 +294,35 @@ class SchedulerCore:
             if "eval_loss" in data:
                 self.table.add_eval(job_id, event.step, data["eval_loss"])
             self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
+            after(lambda: self.preempting.pop(job_id, None))
+
+    def _given_back(self, job_id: str, data: dict) -> None:
+        """The trainer gave a job back for a reason outside the job itself (its job actor died or hung):
+        queue it again with a new job actor, from the checkpoint just written, at most MAX_RETRIES times."""
+        attempt = self.retries.get(job_id, 0) + 1
+        reason = data.get("reason", "given back by its trainer")
+        checkpoint = data.get("checkpoint_step")
+        if attempt > MAX_RETRIES:
+            self.table.set_state(job_id, "failed", f"{reason}; this happened {attempt} times, giving up (resume it "
+                                 "with `aspen resume` once the cause is fixed)", trainer=None,
+                                 checkpoint_step=checkpoint)
+        else:
+            step = f"its checkpoint at step {checkpoint}" if checkpoint else "the start"
+            self.table.set_state(job_id, "queued", f"{reason}; resumes from {step} with a new job actor (retry "
+                                 f"{attempt} of {MAX_RETRIES})", trainer=None, checkpoint_step=checkpoint)
+
+        def remember() -> None:
+            self.retries[job_id] = attempt
+            self.replace_job_actor.add(job_id)
+            self.preempting.pop(job_id, None)
+        self.table.after_commit(remember)
 
     def start_failed(self, job_id: str, reason: str) -> None:
         self.table.set_state(job_id, "failed", reason, trainer=None)
+
+    def start_lost(self, job_id: str, reason: str) -> None:
+        """A job's actor died before the job reached its trainer: start it again with a new one (bounded)."""
+        self._given_back(job_id, {"reason": reason, "checkpoint_step": self.table.get(job_id).checkpoint_step})
 
     def trainer_lost(self, trainer_id: str, error: str) -> list[str]:
         """A trainer died: its jobs are queued again and resume from their last checkpoints."""
@@ -170,18 +339,27 @@ class SchedulerCore:
     # -- decisions --------------------------------------------------------------------------------------
     def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
         views = tuple(self.trainer_view(t) for t in trainers)
-        jobs = tuple(self._job_view(r, trainers) for r in self.table.all(ACTIVE_STATES))
-        return Snapshot(time.time(), views, jobs)
+        jobs = []
+        for record in self.table.all(ACTIVE_STATES):
+            try:
+                view = self._job_view(record, views)
+            except Exception as error:  # noqa: BLE001 - an estimator failing on one job parks that job alone
+                log.exception("scheduler: estimating job %s failed", record.id)
+                self._park(record, f"the service could not estimate its work or memory: {error!r}")
+                continue
+            if view is not None:
+                jobs.append(view)
+        return Snapshot(time.time(), views, tuple(jobs))
 
     def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt]:
         """Ask the policy; record why waiting jobs wait; mark started jobs running (so that the next
         tick does not start them twice) and return what the actor must carry out."""
+        self.statuses = {t.trainer_id: t for t in trainers}
         snapshot = self.snapshot(trainers)
         known = {j.id: j for j in snapshot.jobs}
         trainer_ids = {t.id for t in snapshot.trainers}
         actions: list[Start | Preempt] = []
-        decisions: list[Decision] = self.policy.decide(snapshot)
-        for decision in decisions:
+        for decision in self._decide(snapshot):
             job = known.get(decision.job)
             if job is None:
                 log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
@@ -190,22 +368,100 @@ class SchedulerCore:
                 if job.state == "queued":
                     self.table.set_reason(job.id, decision.reason)
                     if self.wait_causes.get(job.id) != decision.cause:
-                        self.wait_causes[job.id] = decision.cause
-                        self._decided(f"wait_{decision.cause}", job.id, decision.reason)
+                        self.table.after_commit(lambda job=job, decision=decision: self._waits(job.id, decision))
             elif isinstance(decision, Start):
                 if job.state != "queued" or decision.trainer not in trainer_ids:
                     log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
                                 decision.trainer)
                     continue
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
-                self.wait_causes.pop(job.id, None)
+                self.table.after_commit(lambda job=job: self.wait_causes.pop(job.id, None))
                 actions.append(decision)
             elif isinstance(decision, Preempt):
                 if job.state == "running" and job.trainer:
-                    self.preempting[job.id] = f"preempted: {decision.reason}"
-                    self._decided("preempt", job.id, decision.reason)
+                    self.table.after_commit(lambda job=job, decision=decision: self._preempting(job.id, decision))
                     actions.append(decision)
         return actions
+
+    def _waits(self, job_id: str, decision: Wait) -> None:
+        self.wait_causes[job_id] = decision.cause
+        self._decided(f"wait_{decision.cause}", job_id, decision.reason)
+
+    def _preempting(self, job_id: str, decision: Preempt) -> None:
+        self.preempting[job_id] = f"preempted: {decision.reason}"
+        self._decided("preempt", job_id, decision.reason)
+
+    # -- third-party policy code, contained -----------------------------------------------------------------
+    def _decide(self, snapshot: Snapshot) -> list[Decision]:
+        """The policy's decisions. If it raises (or answers with something that is not a list of
+        decisions), find the queued jobs it fails on by asking about each alone, park those with the
+        reason and decide for the rest; if it fails even with no queued job, or on every one, replace it
+        with FIFO for the rest of this service's life (logged)."""
+        try:
+            return self._ask(snapshot)
+        except Exception as error:  # noqa: BLE001 - plug-in code: contained below
+            first = error
+        queued = [j for j in snapshot.jobs if j.state == "queued"]
+        others = tuple(j for j in snapshot.jobs if j.state != "queued")
+        try:
+            self._ask(replace(snapshot, jobs=others))
+        except Exception as error:  # noqa: BLE001
+            return self._fall_back(snapshot, error)
+        culprits: dict[str, Exception] = {}
+        for job in queued:
+            try:
+                self._ask(replace(snapshot, jobs=(*others, job)))
+            except Exception as error:  # noqa: BLE001
+                culprits[job.id] = error
+        if (not culprits or len(culprits) == len(queued) > 1
+                or len(self.parked_by_policy) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):
+            return self._fall_back(snapshot, first)
+        for job in queued:
+            if job.id in culprits:
+                self._park(self.table.get(job.id), f"the scheduling policy '{self.policy.name}' fails on this "
+                                                   f"job: {culprits[job.id]!r}")
+                self.parked_by_policy.add(job.id)
+        rest = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.id not in culprits))
+        try:
+            return self._ask(rest)
+        except Exception as error:  # noqa: BLE001 - fails only in combination: give up on the policy
+            return self._fall_back(rest, error)
+
+    def _ask(self, snapshot: Snapshot) -> list[Decision]:
+        decisions = self.policy.decide(snapshot)
+        if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Wait)) for d in decisions):
+            raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decisions!r:.200}, not a "
+                            "list of Start / Preempt / Wait")
+        if any(j.state == "queued" for j in snapshot.jobs):
+            self.parked_by_policy.clear()   # it works with queued jobs: earlier parked jobs were its exceptions
+        return decisions
+
+    def _fall_back(self, snapshot: Snapshot, error: Exception) -> list[Decision]:
+        """Replace the policy by FIFO (logged, and reported by the service's info) and give back the jobs
+        parked because of it: they were not at fault."""
+        name = getattr(self.policy, "name", type(self.policy).__name__)
+        self.policy_error = (f"policy '{name}' failed ({error!r}); the service schedules FIFO until it restarts "
+                             "with a working policy")
+        log.error("scheduler: %s", self.policy_error, exc_info=error)
+        self.policy = FifoPolicy()
+        for job_id in sorted(self.parked_by_policy):
+            if self.table.get(job_id).state == "paused":
+                self.table.set_state(job_id, "queued", f"policy '{name}' was replaced by FIFO", trainer=None)
+        self.parked_by_policy.clear()
+        return self._ask(replace(snapshot, jobs=tuple(self._refresh(snapshot.jobs))))
+
+    def _refresh(self, jobs: tuple[JobView, ...]) -> list[JobView]:
+        """The views with the states now in the table (jobs given back by `_fall_back` are queued again)."""
+        states = {r.id: r.state for r in self.table.all(ACTIVE_STATES)}
+        return [replace(j, state=states[j.id]) for j in jobs if j.id in states]
+
+    def _park(self, record: JobRecord, why: str) -> None:
+        """Take a job out of scheduling with the reason (paused: `aspen resume` once the cause is fixed)."""
+        log.error("scheduler: job %s parked: %s", record.id, why)
+        if record.state == "running":
+            return   # it keeps training; it is only left out of this round's decisions
+        self.table.set_state(record.id, "paused", f"{why}; the other jobs go on (resume it once the cause is fixed)",
+                             trainer=None)
 
     def _decided(self, kind: str, job_id: str, reason: str) -> None:
         if self.on_decision is not None:
@@ -219,8 +475,8 @@ class SchedulerCore:
             constant, per_token, per_square, _ = status.memory_coefficients
             tokens = status.step_tokens or 4096
             step = per_token * tokens + per_square * tokens * min(tokens, max(status.longest_sequence, 1))
-            fixed = max(int(constant), status.base_bytes)
-            step_memory = max(int(step), 0)
+            fixed = max(int(constant), status.base_bytes) if math.isfinite(constant) else status.base_bytes
+            step_memory = max(int(step), 0) if math.isfinite(step) else status.activation_bytes_estimate
         else:
             fixed, step_memory = status.base_bytes, status.activation_bytes_estimate
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
@@ -231,25 +487,27 @@ class SchedulerCore:
             self.submissions[job_id] = self.table.submission(job_id)
         return self.submissions[job_id]
 
-    def _job_view(self, record: JobRecord, trainers: list[TrainerStatus]) -> JobView:
-        if record.id not in self.memory:
-            same_base = [t for t in trainers if t.base_model == record.base_model]
-            if same_base:
-                lora = self._submission(record.id).job.lora
-                try:
-                    self.memory[record.id] = adapter_memory_bytes(lora, same_base[0].linear_shapes)
-                except ValueError as error:   # target_modules that the base model does not have
-                    self.table.set_state(record.id, "failed", str(error), trainer=None)
-                    record = self.table.get(record.id)
+    def _job_view(self, record: JobRecord, trainers: tuple[TrainerView, ...]) -> JobView | None:
+        """The policy's view of a job; None for a job just failed (it can never run)."""
+        spec = self._submission(record.id)
+        same_base = [t for t in trainers if t.base_model == record.base_model and t.quantization == record.quantization]
+        if record.id not in self.memory and same_base:
+            try:
+                self.memory[record.id] = adapter_memory_bytes(spec.job.lora, dict(
+                    (name, (i, o)) for name, i, o in same_base[0].linear_shapes))
+            except ValueError as error:   # target_modules that the base model does not have
+                self.table.set_state(record.id, "failed", str(error), trainer=None)
+                return None
+        if record.state == "queued" and same_base:
+            problem = self._never_fits(spec, self.memory[record.id], same_base)
+            if problem:
+                self.table.set_state(record.id, "failed", f"cannot run on any trainer: {problem}", trainer=None)
+                return None
         if record.step and record.tokens:
             tokens_per_step = record.tokens / record.step
         else:   # not measured yet: half of max_seq_len per sequence
-            spec = self._submission(record.id).job
-            tokens_per_step = spec.batch_size * spec.grad_accum * spec.max_seq_len / 2
-        total = record.total_steps
-        if total is None:
-            spec = self._submission(record.id).job
-            total = spec.max_steps
+            tokens_per_step = spec.job.batch_size * spec.job.grad_accum * spec.job.max_seq_len / 2
+        total = record.total_steps if record.total_steps is not None else spec.job.max_steps
         return JobView(record.id, record.name, record.state, record.priority, record.submitted_at,
                        record.base_model, record.quantization, record.trainer, record.step, total,
                        self.memory.get(record.id), tokens_per_step, self.predicted_remaining.get(record.id),

@@ -2,6 +2,12 @@
 continuously. Jobs join at the next step boundary and leave (finished, stopped early, cancelled, paused,
 failed) with a checkpoint and their adapter written out, without the trainer restarting.
 
+One job's trouble stays that job's: a job whose data does not arrive within `data_grace_s` is left out of
+the steps (the others go on), and after `data_timeout_s` it is checkpointed and given back to the
+scheduler, as is a job whose job actor died; a job whose folder refuses writes fails after a few tries
+with the reason. Checkpoints are written every `checkpoint_every` steps and every `checkpoint_every_s`
+seconds, so that a crash loses bounded work.
+
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
 
@@ -17,15 +23,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from actors.core.config import TrainerConfig
 from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.feed import Done, FeedChunk, MicroBatchFeed, Pending
+from actors.core.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending
 from actors.core.job_data import DataSummary, JobData, JobUpdate
-from actors.engine.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from actors.core.job_files import JobFiles
+from actors.engine.checkpoint import CheckpointError, has_checkpoint, load_checkpoint, save_checkpoint
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names, remove_adapter
@@ -42,6 +49,8 @@ from policies.stopping import Verdict
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FOLDER = "checkpoint"
+FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
+FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
 
 
 class JobLink(Protocol):
@@ -80,10 +89,12 @@ class ActiveJob:
     assignment: Assignment
     job: TrainingJob
     feed: MicroBatchFeed
-    metrics: IO[str]
+    files: JobFiles
     decisions: list[Pending[Verdict]] = field(default_factory=list)
     last_step_time: float = field(default_factory=time.time)
     last_eval_step: int = -1
+    last_checkpoint: float = field(default_factory=time.monotonic)
+    stalled_since: float | None = None   # when its data was first late (monotonic), while it is
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -160,6 +171,7 @@ class TrainerLoop:
         self.step_log_path = Path(config.step_log or Path(state_dir) / "trainers" / f"{trainer_id}.jsonl")
         self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
         self.step_log = self.step_log_path.open("a")
+        self.step_log_failing = False
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
 
     # -- thread-safe entry points -------------------------------------------------------------------
@@ -195,10 +207,13 @@ class TrainerLoop:
         self._apply_commands()
         self._apply_decisions()
         ready = []
+        deadline = time.monotonic() + self.config.data_grace_s
         for active in list(self.active.values()):
             try:
-                if active.job.peek() is not None:
+                if self._data_arrived(active, deadline) and active.job.peek() is not None:
                     ready.append(active.job)
+            except JobLinkLost as error:   # its job actor died: the job itself is intact
+                self._give_back(active, f"its job actor was lost ({error})")
             except Exception as error:  # noqa: BLE001 - the job's data link broke: that job fails
                 self._finish(active, "failed", f"could not get the job's data: {error!r}")
         report = None
@@ -227,6 +242,36 @@ class TrainerLoop:
             self.wake.clear()
         return report
 
+    def _data_arrived(self, active: ActiveJob, deadline: float) -> bool:
+        """Whether the job's next micro-batch is here. A job whose data is late is waited for until
+        `deadline` (shared by all jobs of this step) the first time, then left out of the steps without
+        waiting; after `data_timeout_s` it is given back to the scheduler (checkpointed first)."""
+        job = active.job
+        if job.pending is not None or job.done:
+            return True
+        now = time.monotonic()
+        if active.feed.ready(0.0 if active.stalled_since is not None else max(deadline - now, 0.0)):
+            if active.stalled_since is not None:
+                log.info("trainer %s: job %s: its data arrived again after %.1fs", self.trainer_id,
+                         active.assignment.job_id, now - active.stalled_since)
+            active.stalled_since = None
+            return True
+        if active.stalled_since is None:
+            active.stalled_since = now
+            log.warning("trainer %s: job %s: its data is late (waited up to %gs); its steps wait, the other jobs "
+                        "go on", self.trainer_id, active.assignment.job_id, self.config.data_grace_s)
+        elif now - active.stalled_since >= self.config.data_timeout_s:
+            self._give_back(active, f"its data did not arrive for {now - active.stalled_since:.0f}s "
+                                    f"(data_timeout_s={self.config.data_timeout_s:g}; its job actor hung?)")
+        return False
+
+    def _give_back(self, active: ActiveJob, reason: str) -> None:
+        """Checkpoint a job whose link to its data failed and hand it back to the scheduler, which starts
+        it again with a new job actor (or fails it after a few such tries)."""
+        log.warning("trainer %s: job %s: %s; checkpointing it and giving it back", self.trainer_id,
+                    active.assignment.job_id, reason)
+        self._finish(active, "paused", reason, retry=True)
+
     # -- commands ---------------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
         while True:
@@ -252,33 +297,51 @@ class TrainerLoop:
         submission = assignment.submission
         spec = submission.job.model_copy(update={"name": job_id})
         feed = MicroBatchFeed(assignment.link.fetch, assignment.data.start, prefetch=self.config.prefetch)
+        files = JobFiles(job_id, assignment.output_dir)
         job = None
+        note = ""
         try:
             job = TrainingJob.attach(spec, self.base, feed, assignment.eval_examples, assignment.data.total_steps,
                                      seed=submission.seed)
             folder = assignment.output_dir / CHECKPOINT_FOLDER
             resumed_from = None
             if has_checkpoint(folder):
-                load_checkpoint(job, folder)
-                resumed_from = job.step
-                assignment.link.update(JobUpdate(resumed_from=resumed_from))
-            assignment.output_dir.mkdir(parents=True, exist_ok=True)
-            metrics = (assignment.output_dir / "metrics.jsonl").open("w")
-            for record in job.history:
-                metrics.write(json.dumps(record.as_row()) + "\n")
-            metrics.flush()
+                resumed_from, note = self._resume(job, folder, job_id)
+                if resumed_from is not None:
+                    assignment.link.update(JobUpdate(resumed_from=resumed_from,
+                                                     steps=[r.as_row() for r in job.history]))
+            try:
+                files.start([record.as_row() for record in job.history])
+            except OSError as error:
+                raise OSError(f"cannot write its files in {assignment.output_dir}: {error}; make the folder "
+                              "writable (or free space there) and resume the job") from error
             feed.prime()
             self.trainer.add_job(job)
         except Exception as error:  # noqa: BLE001 - a job that cannot start fails alone
             log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
             if job is not None:
                 remove_adapter(self.base.model, job_id)
+            files.close()
             self._emit("failed", job_id, 0, reason=f"could not start: {error}")
             return
-        self.active[job_id] = ActiveJob(assignment, job, feed, metrics)
+        self.active[job_id] = ActiveJob(assignment, job, feed, files)
         history = [record.as_row() for record in job.history] if resumed_from is not None else []
         self._emit("started", job_id, job.step, resumed_from=resumed_from, total_steps=job.total_steps,
-                   trainer=self.trainer_id, history=history, tokens=job.tokens_seen)
+                   trainer=self.trainer_id, history=history, tokens=job.tokens_seen, checkpoint_note=note)
+
+    def _resume(self, job: TrainingJob, folder: Path, job_id: str) -> tuple[int | None, str]:
+        """Restore the job from its newest valid checkpoint: (its step, a note on what was skipped), or
+        (0, why) when none is valid (the job starts over, and says so)."""
+        try:
+            loaded = load_checkpoint(job, folder)
+        except CheckpointError as error:
+            log.error("trainer %s: job %s: no usable checkpoint, it starts over: %s", self.trainer_id, job_id, error)
+            return 0, f"no usable checkpoint, started over: {error}"
+        note = ""
+        if loaded.skipped:
+            note = f"resumed from the previous checkpoint; skipped: {'; '.join(loaded.skipped)}"
+            log.warning("trainer %s: job %s: %s", self.trainer_id, job_id, note)
+        return job.step, note
 
     def _apply_decisions(self) -> None:
         for active in list(self.active.values()):
@@ -289,6 +352,9 @@ class TrainerLoop:
                     continue
                 try:
                     verdict = pending.result()
+                except JobLinkLost as error:   # its job actor died: its stop rule and data with it
+                    self._give_back(active, f"its job actor was lost ({error})")
+                    break
                 except Exception as error:  # noqa: BLE001 - losing a job's history must not stop training
                     log.warning("trainer %s: job %s: its loss update was lost: %r", self.trainer_id,
                                 active.assignment.job_id, error)
@@ -320,8 +386,7 @@ class TrainerLoop:
         row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
                "predicted_memory_bytes": predicted, "adapter_parameters": adapter_parameters,
                "sequence_lengths": report.sequence_lengths}
-        self.step_log.write(json.dumps(row) + "\n")
-        self.step_log.flush()
+        self._write_step_log(row)
         self._emit("step", "", report.step, **row)
         now = time.time()
         for result in report.results:
@@ -331,8 +396,7 @@ class TrainerLoop:
                 continue
             job = active.job
             update = JobUpdate(steps=[record.as_row()])
-            active.metrics.write(json.dumps(record.as_row()) + "\n")
-            active.metrics.flush()
+            active.files.append(record.as_row())
             seconds = max(now - active.last_step_time, 1e-9)
             active.last_step_time = now
             self._emit("progress", result.job, record.step, **record.as_row(), tokens_per_s=record.tokens / seconds,
@@ -343,34 +407,88 @@ class TrainerLoop:
                 active.last_eval_step = record.step
                 update.evals.append((record.step, eval_loss))
                 self._emit("eval", result.job, record.step, eval_loss=eval_loss)
-            if record.step % spec.checkpoint_every == 0 and not job.done:
-                save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
-                self._emit("checkpoint", result.job, record.step)
+            if self._checkpoint_due(active, record.step) and not job.done:
+                self._checkpoint(active)
             active.decisions.append(active.assignment.link.update(update))
+            if active.files.failed:
+                self._finish(active, "failed", active.files.failed)
 
-    def _finish(self, active: ActiveJob, kind: str, reason: str) -> None:
+    def _checkpoint_due(self, active: ActiveJob, step: int) -> bool:
+        every_s = active.job.spec.checkpoint_every_s
+        return (step % active.job.spec.checkpoint_every == 0
+                or (every_s is not None and time.monotonic() - active.last_checkpoint >= every_s))
+
+    def _checkpoint(self, active: ActiveJob) -> None:
+        """A periodic checkpoint; a failed write is counted against the job's folder and tried again at its
+        next step (the previous checkpoint stays in place meanwhile)."""
+        job = active.job
+        try:
+            save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
+        except OSError as error:
+            active.files.failed_write(error, CHECKPOINT_FOLDER)
+            return
+        active.files.succeeded()
+        active.last_checkpoint = time.monotonic()
+        self._emit("checkpoint", active.assignment.job_id, job.step)
+
+    def _write_step_log(self, row: dict[str, Any]) -> None:
+        """The trainer's own step row (for reports); a disk that refuses it costs the row, never a job."""
+        try:
+            self.step_log.write(json.dumps(row) + "\n")
+            self.step_log.flush()
+        except OSError as error:
+            if not self.step_log_failing:
+                log.warning("trainer %s: cannot write its step log %s (%s); training goes on, rows are lost "
+                            "until it can", self.trainer_id, self.step_log_path, error)
+            self.step_log_failing = True
+            return
+        self.step_log_failing = False
+
+    def _finish(self, active: ActiveJob, kind: str, reason: str, *, retry: bool = False) -> None:
         """Take a job off the trainer: checkpoint it (unless it failed), write its adapter when it is
-        done, and report how it ended."""
+        done, and report how it ended. `retry`: a `paused` job the scheduler should start again."""
         job, job_id = active.job, active.assignment.job_id
         data: dict[str, Any] = {"reason": reason, "tokens": job.tokens_seen}
+        if retry:
+            data["retry"] = True
         try:
             if kind in ("completed", "stopped_early"):
                 if job.eval_examples and active.last_eval_step != job.step:
                     data["eval_loss"] = self.trainer.evaluate(job)
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
-                data["adapter_dir"] = str(save_adapter(job.adapter, active.assignment.output_dir,
-                                                       self.base.source.description))
+                data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
+                    job.adapter, active.assignment.output_dir, self.base.source.description)))
             if kind != "failed":
-                save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
+                self._write(active, "its checkpoint", lambda: save_checkpoint(
+                    job, active.checkpoint_dir, self.base.source.description))
                 data["checkpoint_step"] = job.step
+        except OSError as error:   # the folder refused every try: one clear reason, no false success
+            kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
+                                              f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
+                                              "make it writable, then resume the job")
+            data.pop("retry", None)
         except Exception as error:  # noqa: BLE001 - writing failed: report it rather than a false success
             log.exception("trainer %s: job %s: writing its results failed", self.trainer_id, job_id)
             kind, data["reason"] = "failed", f"{reason}; then writing its results failed: {error!r}"
+            data.pop("retry", None)
         finally:
             del self.active[job_id]
-            active.metrics.close()
+            active.files.close()
             self.trainer.remove_job(job.name)
         self._emit(kind, job_id, job.step, **data)
+
+    @staticmethod
+    def _write(active: ActiveJob, what: str, write: Any) -> Any:
+        """`write()` with a few tries (a full disk may free up); the last OSError is raised."""
+        for attempt in range(FINAL_WRITE_ATTEMPTS):
+            try:
+                return write()
+            except OSError as error:
+                active.files.failed_write(error, what)
+                if attempt + 1 == FINAL_WRITE_ATTEMPTS:
+                    raise
+                time.sleep(FINAL_WRITE_BACKOFF_S[min(attempt, len(FINAL_WRITE_BACKOFF_S) - 1)])
+        raise AssertionError("unreachable")
 
     def _emit(self, kind: str, job_id: str, step: int, /, **data: Any) -> None:
         with self.lock:

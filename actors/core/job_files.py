@@ -1,0 +1,92 @@
+"""A job's own writer on its trainer: its `metrics.jsonl` rows, and the bookkeeping of I/O failures in its
+output folder (metrics, checkpoints, the adapter), so that a full disk or a folder it may not write to
+fails that one job, after a bounded number of tries, with one clear reason, and never costs another job a
+row. Rows that could not be written are kept and written with the next ones once the folder takes writes
+again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
+
+
+class JobFiles:
+    def __init__(self, job_id: str, folder: Path, attempts: int = IO_ATTEMPTS):
+        self.job_id = job_id
+        self.folder = Path(folder)
+        self.attempts = attempts
+        self.failures = 0                  # consecutive failed writes
+        self.last_error: OSError | None = None
+        self.unwritten: list[str] = []     # metric lines not yet written
+        self.fd: int | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """Why the job must fail (writes failed `attempts` times in a row), or None."""
+        if self.failures < self.attempts or self.last_error is None:
+            return None
+        return (f"cannot write its files in {self.folder}: {self.last_error} ({self.failures} attempts in a row); "
+                "free space there or make it writable, then resume the job (`aspen resume`): it continues from its "
+                "last checkpoint")
+
+    def start(self, history: list[dict[str, Any]]) -> None:
+        """Create the folder and write metrics.jsonl afresh from the job's history (a resumed job's rows up
+        to its checkpoint). Raises OSError: a job whose folder cannot be written at all does not start."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.folder / METRICS_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.unwritten = [json.dumps(row) + "\n" for row in history]
+        self._flush()
+        if self.failures:
+            assert self.last_error is not None
+            raise self.last_error
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.unwritten.append(json.dumps(row) + "\n")
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write the rows not written yet, whole: a write that fails part-way is cut back to the last whole
+        row, and the rows stay to be written next time."""
+        if not self.unwritten or self.fd is None:
+            return
+        data = memoryview("".join(self.unwritten).encode())
+        try:
+            end = os.lseek(self.fd, 0, os.SEEK_END)
+            written = 0
+            while written < len(data):
+                written += os.write(self.fd, data[written:])
+        except OSError as error:
+            if written:
+                try:
+                    os.ftruncate(self.fd, end)
+                except OSError as cut:
+                    log.warning("job %s: could not cut a half-written row from %s: %s", self.job_id,
+                                self.folder / METRICS_NAME, cut)
+            self.failed_write(error, METRICS_NAME)
+            return
+        self.unwritten.clear()
+        self.succeeded()
+
+    def failed_write(self, error: OSError, what: str) -> None:
+        """A write in the job's folder failed (counted; one log line, no traceback)."""
+        self.failures += 1
+        self.last_error = error
+        log.warning("job %s: writing %s in %s failed (%d of %d attempts): %s", self.job_id, what, self.folder,
+                    self.failures, self.attempts, error)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.last_error = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

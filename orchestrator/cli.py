@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from orchestrator.spec import SpecError, load_run_spec
@@ -25,6 +26,8 @@ def _service_config(args: argparse.Namespace):
         data["state_dir"] = args.state_dir
     if args.policy:
         data["policy"] = args.policy
+    if args.output_root:
+        data["output_root"] = args.output_root
     if args.base_model or args.cpu_trainers:
         trainer = {"base_model": args.base_model or "smollm2-135m", "count": args.cpu_trainers or 1,
                    "quantization": args.quantization, "step_tokens": args.step_tokens}
@@ -38,6 +41,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
     info = client.wait_ready()
     print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
+    if info.get("output_root"):
+        print(f"  jobs write under {info['output_root']}")
     if info.get("mqtt_url"):
         print(f"  job events: {info['mqtt_url']} (topics {info.get('mqtt_topics', 'aspen/v1/#')})")
     if info.get("mqtt_credentials"):
@@ -134,6 +139,22 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pause(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    record = Client.connect(args.address).pause(args.job)
+    print(f"{record.id}: {record.state}" + (" (pausing at its next step)" if record.state == "running" else ""))
+    return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    record = Client.connect(args.address).resume(args.job)
+    print(f"{record.id}: {record.state} ({record.reason})")
+    return 0
+
+
 def _cmd_stop(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
@@ -143,6 +164,8 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """Train a jobs file through a service of its own. Run again on the same output folder, it resumes the
+    unfinished jobs from their checkpoints and leaves finished ones alone (`orchestrator.run_plan`)."""
     spec = load_run_spec(args.file)
     if args.output_dir:
         spec = spec.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
@@ -151,17 +174,39 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from actors.core.config import ServiceConfig, TrainerConfig
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, print_table, summary_table
+    from orchestrator.run_plan import changed_message, clear_job_folder, plan_run
 
     output_dir = Path(spec.output_dir).resolve()
+    spec = spec.model_copy(update={"output_dir": output_dir})
     trainer = TrainerConfig(base_model=spec.base_model, quantization=spec.quantization, dtype=spec.dtype,
                             step_tokens=spec.step_tokens, layout=spec.layout, step_log=output_dir / "trainer.jsonl",
                             num_gpus=1 if spec.device.startswith("cuda") or (spec.device == "auto" and _has_gpu()) else 0)
-    config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer], policy=spec.policy)
+    # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
+    config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer], policy=spec.policy,
+                           resume_on_start=False)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
     try:
-        handles = client.submit_run(spec.model_copy(update={"output_dir": output_dir}))
-        ids = {h.id for h in handles}
-        records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
+        plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
+        if plan.changed and not args.overwrite:
+            raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        if args.overwrite:
+            earlier = [*plan.resume, *plan.done, *plan.changed_records]
+            for record in earlier:
+                client.delete(record.id)
+                clear_job_folder(Path(record.output_dir))
+                print(f"{record.name}: started over (--overwrite); its earlier results were deleted")
+            plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
+        for line in plan.lines(saved_step=_saved_step):
+            print(line)
+        for record in plan.resume:
+            client.resume(record.id, "resumed by aspen run")
+        ids = {r.id for r in (*plan.resume, *plan.done)}
+        ids |= {h.id for h in client.submit_many(plan.submit)} if plan.submit else set()
+        try:
+            records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
+        except KeyboardInterrupt:
+            print("aspen: interrupted; checkpointing the running jobs ...", file=sys.stderr, flush=True)
+            raise RunInterrupted() from None
     finally:
         client.shutdown()
     print_table(summary_table(records, title=f"{len(records)} jobs on {spec.base_model}"))
@@ -170,6 +215,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for record in failed:
         print(f"aspen: job {record.name} {record.state}: {record.reason}", file=sys.stderr)
     return 1 if failed else 0
+
+
+class RunSpecChanged(ValueError):
+    """`aspen run` again with a jobs file whose jobs differ from the earlier run's (exit 2)."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `aspen run`: the running jobs were checkpointed."""
+
+
+def _saved_step(output_dir: str) -> int | None:
+    from actors.engine.checkpoint import saved_step
+    from actors.core.trainer_loop import CHECKPOINT_FOLDER
+
+    return saved_step(Path(output_dir) / CHECKPOINT_FOLDER)
 
 
 def _has_gpu() -> bool:
@@ -201,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aspen", description="Fine-tune many LoRA adapters at once on one "
                                      "shared, frozen base model.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def with_address(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -217,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--step-tokens", type=int, default=4096)
     serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
                                         "or an installed entry point (group aspen.policies)")
+    serve.add_argument("--output-root", help="submitted jobs write only under this folder (default: "
+                       "<state dir>/outputs)")
     serve.add_argument("--insecure", action="store_true", help="start the service even on a Ray cluster without "
                        "token authentication (by default refused: anyone who reaches such a cluster runs code on it)")
     serve.set_defaults(handler=_cmd_serve)
@@ -251,6 +314,16 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job")
     cancel.set_defaults(handler=_cmd_cancel)
 
+    pause = with_address(commands.add_parser("pause", help="pause a job (it is checkpointed; `aspen resume` "
+                                                         "continues it)"))
+    pause.add_argument("job")
+    pause.set_defaults(handler=_cmd_pause)
+
+    resume = with_address(commands.add_parser("resume", help="queue a paused, failed or cancelled job again; it "
+                                                           "continues from its last checkpoint"))
+    resume.add_argument("job")
+    resume.set_defaults(handler=_cmd_resume)
+
     stop = with_address(commands.add_parser("stop", help="stop the service (jobs are checkpointed)"))
     stop.set_defaults(handler=_cmd_stop)
 
@@ -260,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output-dir", help="override output_dir of the file")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     run.add_argument("--in-process", action="store_true", help="train in this process, without Ray")
+    run.add_argument("--overwrite", action="store_true", help="start every job of the file over: delete the "
+                     "results of an earlier run in the same output folder (by default a run resumes unfinished "
+                     "jobs, leaves finished ones alone, and stops if the file changed in a way resuming cannot)")
     run.set_defaults(handler=_cmd_run)
 
     demo = commands.add_parser("demo", help="train 4 small generated tasks on smollm2-135m and show accuracy")
@@ -270,21 +346,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    from orchestrator.client import ServiceError
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success, 2 for bad usage or a bad jobs file or request, 1 for a runtime failure (a job
+    failed, the cluster or service cannot be reached), 130 for Ctrl-C. Errors are one line; --debug adds
+    the traceback."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
+    except KeyboardInterrupt as interrupt:
+        _debug(args)
+        if isinstance(interrupt, RunInterrupted):
+            print("aspen: interrupted; the running jobs were checkpointed, and the same command continues where "
+                  "they stopped", file=sys.stderr)
+        else:
+            print("aspen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except SpecError as error:
+        _debug(args)
         print(f"aspen: invalid jobs file:\n{error}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError, KeyError, ServiceError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        return EXIT_USAGE
+    except Exception as error:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
+        _debug(args)
+        code, message = _describe(error)
         print(f"aspen: {message}", file=sys.stderr)
-        return 2
+        return code
+
+
+def _describe(error: Exception) -> tuple[int, str]:
+    """The exit code and the one line for an error that ended a command."""
+    from orchestrator.client import ServiceError
+
+    if isinstance(error, ServiceError):
+        return EXIT_FAILED, str(error)
+    if isinstance(error, KeyError):     # an unknown job: the service's message is its first argument
+        return EXIT_USAGE, str(error.args[0] if error.args else error)
+    if isinstance(error, (ValueError, FileNotFoundError, IsADirectoryError)):
+        return EXIT_USAGE, str(error)
+    if isinstance(error, OSError):
+        return EXIT_FAILED, str(error)
+    text = str(error).strip().splitlines()
+    return EXIT_FAILED, (f"{type(error).__name__}: {text[-1] if text else ''} (run again with --debug for the "
+                         "traceback)")
+
+
+def _debug(args: argparse.Namespace) -> None:
+    if getattr(args, "debug", False):
+        traceback.print_exc()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def _check_reachable(address: str) -> None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
             pass
     except OSError as error:
-        raise ServiceError(f"no Ray cluster answers at {target} ({error.strerror or error}); check --address / "
+        shown = address if target == address else f"{address} ({target})"
+        raise ServiceError(f"no Ray cluster answers at {shown}: {error.strerror or error}; check --address / "
                            "RAY_ADDRESS, or start the cluster with `ray start --head`") from None
 
 
@@ -161,10 +162,12 @@ class Client:
     @classmethod
     def serve(cls, config: ServiceConfig | dict | None = None, address: str = "auto", *,
               insecure: bool = False) -> Client:
-        """Start the long-lived, detached service on a Ray cluster, or connect to it if it runs. A new
-        service starts only on a cluster that requires Ray's token authentication (else
+        """Start the long-lived, detached service on a Ray cluster, or connect to it if it runs. Its jobs
+        write only under `config.output_root` (default `<state_dir>/outputs`). A new service starts only on a cluster that requires Ray's token authentication (else
         `orchestrator.cluster_auth.InsecureClusterError`, a ServiceError) unless `insecure` is true."""
         config = ServiceConfig.model_validate(config or {})
+        if config.output_root is None:   # a shared service: jobs write only under its output root
+            config = config.model_copy(update={"output_root": Path(config.state_dir).expanduser() / "outputs"})
         ensure_ray(address)
         from actors.scheduler_actor import SchedulerActor
         from orchestrator.cluster_auth import require_token_auth

@@ -228,9 +228,11 @@ def test_ray_job_submit_runs_aspen_run_with_token_auth(head, tiny_model_dirs, tm
 def test_ray_job_submit_to_a_running_aspen_serve(head, tiny_model_dirs, tmp_path):
     work = write_working_dir(tmp_path / "work", tiny_model_dirs["llama"], tmp_path / "out", steps=4)
     served = ray_job_submit(head, work, "aspen", "serve", "--state-dir", str(tmp_path / "state"),
-                            "--base-model", str(tiny_model_dirs["llama"]), "--step-tokens", "512")
+                            "--base-model", str(tiny_model_dirs["llama"]), "--step-tokens", "512",
+                            "--output-root", str(tmp_path / "out"))
     assert served.returncode == 0, (served.stdout + served.stderr)[-4000:]
     assert "aspen service running" in served.stdout + served.stderr
+    assert f"jobs write under {tmp_path / 'out'}" in served.stdout + served.stderr
     submitted = ray_job_submit(head, work, "aspen", "submit", "jobs.yaml")
     assert submitted.returncode == 0, (submitted.stdout + submitted.stderr)[-4000:]
     ids = re.findall(r"submitted (\S+-[0-9a-f]{6}) \((alpha|beta)\)", submitted.stdout + submitted.stderr)

@@ -23,17 +23,20 @@ class JobFiles:
         self.job_id = job_id
         self.folder = Path(folder)
         self.attempts = attempts
-        self.failures = 0                  # consecutive failed writes
+        self.failures: dict[str, int] = {}   # what was written -> its consecutive failed writes
         self.last_error: OSError | None = None
         self.unwritten: list[str] = []     # metric lines not yet written
         self.fd: int | None = None
 
     @property
     def failed(self) -> str | None:
-        """Why the job must fail (writes failed `attempts` times in a row), or None."""
-        if self.failures < self.attempts or self.last_error is None:
+        """Why the job must fail (writes of one kind, its metrics or its checkpoint, failed `attempts` times
+        in a row), or None. Counted per kind, so that metric rows that still fit do not hide checkpoints
+        that never do."""
+        worst = max(self.failures.values(), default=0)
+        if worst < self.attempts or self.last_error is None:
             return None
-        return (f"cannot write its files in {self.folder}: {self.last_error} ({self.failures} attempts in a row); "
+        return (f"cannot write its files in {self.folder}: {self.last_error} ({worst} attempts in a row); "
                 "free space there or make it writable, then resume the job (`aspen resume`): it continues from its "
                 "last checkpoint")
 
@@ -44,7 +47,7 @@ class JobFiles:
         self.fd = os.open(self.folder / METRICS_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.unwritten = [json.dumps(row) + "\n" for row in history]
         self._flush()
-        if self.failures:
+        if self.failures.get(METRICS_NAME):
             assert self.last_error is not None
             raise self.last_error
 
@@ -58,9 +61,9 @@ class JobFiles:
         if not self.unwritten or self.fd is None:
             return
         data = memoryview("".join(self.unwritten).encode())
+        end, written = 0, 0
         try:
             end = os.lseek(self.fd, 0, os.SEEK_END)
-            written = 0
             while written < len(data):
                 written += os.write(self.fd, data[written:])
         except OSError as error:
@@ -73,18 +76,19 @@ class JobFiles:
             self.failed_write(error, METRICS_NAME)
             return
         self.unwritten.clear()
-        self.succeeded()
+        self.succeeded(METRICS_NAME)
 
     def failed_write(self, error: OSError, what: str) -> None:
-        """A write in the job's folder failed (counted; one log line, no traceback)."""
-        self.failures += 1
+        """A write of `what` in the job's folder failed (counted; one log line, no traceback)."""
+        self.failures[what] = self.failures.get(what, 0) + 1
         self.last_error = error
         log.warning("job %s: writing %s in %s failed (%d of %d attempts): %s", self.job_id, what, self.folder,
-                    self.failures, self.attempts, error)
+                    self.failures[what], self.attempts, error)
 
-    def succeeded(self) -> None:
-        self.failures = 0
-        self.last_error = None
+    def succeeded(self, what: str) -> None:
+        self.failures.pop(what, None)
+        if not self.failures:
+            self.last_error = None
 
     def close(self) -> None:
         if self.fd is not None:

@@ -190,9 +190,10 @@ class SchedulerCore:
 
     def recover(self, resume: bool = True) -> list[str]:
         """After a (re)start: jobs that were running are queued again (they resume from their checkpoints),
-        or, with `resume=False`, paused until someone asks for them (`requeue`)."""
+        or, with `resume=False`, they and the queued ones are paused until someone resumes them (`aspen run`
+        decides per job whether its spec still matches)."""
         recovered = []
-        for record in self.table.all(("running",)):
+        for record in self.table.all(("running",) if resume else ("running", "queued")):
             step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
             if resume:
                 self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)

@@ -427,7 +427,7 @@ class TrainerLoop:
         except OSError as error:
             active.files.failed_write(error, CHECKPOINT_FOLDER)
             return
-        active.files.succeeded()
+        active.files.succeeded(CHECKPOINT_FOLDER)
         active.last_checkpoint = time.monotonic()
         self._emit("checkpoint", active.assignment.job_id, job.step)
 

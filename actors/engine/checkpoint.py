@@ -260,6 +260,19 @@ def has_checkpoint(folder: str | Path) -> bool:
     return (folder / STATE_NAME).is_file() or (previous_folder(folder) / STATE_NAME).is_file()
 
 
+def saved_step(folder: str | Path) -> int | None:
+    """The step of the newest checkpoint whose state file reads (`folder`, else its `.previous`), without
+    validating the rest: what to tell a user before a resume (`load_checkpoint` decides what is used)."""
+    folder = Path(folder)
+    for candidate in (folder, previous_folder(folder)):
+        try:
+            step = _read_state(candidate / STATE_NAME)["step"]
+        except _Invalid:
+            continue
+        return int(step)
+    return None
+
+
 def load_checkpoint(job: TrainingJob, folder: str | Path) -> LoadedCheckpoint:
     """Restore a freshly created job (same spec, same data) from the newest valid checkpoint: `folder`,
     else its `.previous`. Each is validated fully before the job is touched. Raises CheckpointError,

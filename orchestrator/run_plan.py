@@ -1,0 +1,107 @@
+"""`aspen run` started again on the same output folder: what to do with each job of the jobs file, given the
+jobs its service's table already holds from earlier runs. A job trained to its end is left alone; an
+unfinished one (interrupted, failed, cancelled, or held since the last run stopped) resumes from its
+checkpoint; a new one is submitted. A job whose spec changed in a way that makes its checkpoint wrong for
+it (data, model, adapter, optimisation, budget) is not resumed: the run stops and says which job, what
+changed, and that `--overwrite` starts it over."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actors.core.job_table import JobRecord
+from actors.engine.spec import JobSubmission
+
+FINISHED = ("completed", "stopped_early")
+# Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
+# checkpointed, stopped early or scheduled, not what a step computes.
+SAFE_TO_CHANGE = {"job.priority", "job.eval_every", "job.checkpoint_every", "job.checkpoint_every_s", "job.early_stop"}
+
+
+@dataclass
+class RunPlan:
+    submit: list[JobSubmission] = field(default_factory=list)    # new jobs
+    resume: list[JobRecord] = field(default_factory=list)        # unfinished, same spec
+    done: list[JobRecord] = field(default_factory=list)          # finished, same spec: left alone
+    changed: list[tuple[str, list[str]]] = field(default_factory=list)   # job name, its differences
+    changed_records: list[JobRecord] = field(default_factory=list)        # the earlier jobs of `changed`
+
+    def lines(self, saved_step: Callable[[str], int | None] | None = None) -> list[str]:
+        """One line per job that was there before. `saved_step(output_dir)`: the step of the checkpoint on
+        disk, which a run killed at once may not have reported to its table."""
+        out = [f"{r.name}: already {r.state} at step {r.step}; left alone" for r in self.done]
+        for record in self.resume:
+            step = saved_step(record.output_dir) if saved_step is not None else None
+            step = step if step is not None else record.checkpoint_step
+            where = f"its checkpoint at step {step}" if step else "the start"
+            out.append(f"{record.name}: unfinished in the last run ({record.reason}); resumes from {where}")
+        return out
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            flat.update(flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix.rstrip("."): data}
+
+
+def differences(old: JobSubmission, new: JobSubmission) -> list[str]:
+    """What differs between two submissions of a job, as 'field: old -> new', leaving out the fields that
+    do not change what the job computes (SAFE_TO_CHANGE)."""
+    before, after = flatten(old.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
+    found = []
+    for key in sorted(set(before) | set(after)):
+        if any(key == safe or key.startswith(safe + ".") for safe in SAFE_TO_CHANGE):
+            continue
+        if before.get(key) != after.get(key):
+            found.append(f"{key.removeprefix('job.')}: {before.get(key)!r} -> {after.get(key)!r}")
+    return found
+
+
+def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
+             stored: Callable[[str], JobSubmission]) -> RunPlan:
+    """Match each submission with the newest earlier job of the same name writing to the same folder."""
+    latest: dict[tuple[str, str], JobRecord] = {}
+    for record in sorted(records, key=lambda r: r.submitted_at):
+        latest[(record.name, str(Path(record.output_dir).resolve()))] = record
+    plan = RunPlan()
+    for submission in submissions:
+        assert submission.output_dir is not None, "a run's jobs always name their folder"
+        record = latest.get((submission.job.name, str(Path(submission.output_dir).resolve())))
+        if record is None:
+            plan.submit.append(submission)
+            continue
+        changes = differences(stored(record.id), submission)
+        if changes:
+            plan.changed.append((submission.job.name, changes))
+            plan.changed_records.append(record)
+        elif record.state in FINISHED:
+            plan.done.append(record)
+        else:
+            plan.resume.append(record)
+    return plan
+
+
+def clear_job_folder(folder: Path) -> None:
+    """Delete what an earlier run left in a job's folder (checkpoints, adapter, metrics), keeping the
+    folder itself (it may be a mount point)."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:
+    jobs = "\n".join(f"  job '{name}': {'; '.join(items)}" for name, items in changed)
+    return (f"{output_dir} holds jobs of an earlier run whose spec differs from this file's, so resuming them would "
+            f"mix two configurations:\n{jobs}\nrestore those fields, or run with --overwrite to start them over "
+            "(their checkpoints, adapters and metrics are deleted), or give the run another output_dir")

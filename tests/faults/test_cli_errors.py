@@ -1,0 +1,97 @@
+"""The `aspen` command never shows a traceback for a user error or an unreachable cluster: one line that
+says what happened and what to do, exit 2 for bad usage or a bad jobs file, exit 1 for a runtime failure,
+and `--debug` for the traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def aspen(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+JOBS = """\
+base_model: smollm2-135m
+output_dir: out
+jobs:
+  - name: job-a
+    data: data.jsonl
+    format: {type: prompt_response, prompt: "{q}", response: " {a}"}
+    lr: LR
+    max_steps: 5
+"""
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    (tmp_path / "data.jsonl").write_text('{"q": "1+1", "a": "2"}\n')
+    return tmp_path
+
+
+@pytest.mark.parametrize("lr, expected", [(".inf", "lr: must be a finite number greater than 0 and at most 10 "
+                                                    "(got inf)"),
+                                           ('"fast"', "lr: Input should be a valid number")])
+def test_a_bad_jobs_file_is_one_message_and_exit_2(folder, lr, expected):
+    (folder / "jobs.yaml").write_text(JOBS.replace("LR", lr))
+    result = aspen("run", "jobs.yaml", cwd=folder)
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    assert "jobs.yaml:7: job 'job-a' (jobs[0]), field " + expected in result.stderr, result.stderr
+
+
+def test_a_missing_jobs_file_and_bad_usage_exit_2(folder):
+    result = aspen("run", "nothere.yaml", cwd=folder)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "nothere.yaml" in result.stderr
+    result = aspen("run", cwd=folder)                  # argparse: missing argument
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    result = aspen("watch", "--state-dir", "x", cwd=folder)   # a flag that needs another one
+    assert result.returncode == 2 and "--state-dir and --progress go with --events" in result.stderr
+
+
+def test_an_unreachable_cluster_is_one_line_and_exit_1(folder):
+    port = free_port()
+    result = aspen("status", "--address", f"127.0.0.1:{port}", cwd=folder)
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and "ray start --head" in lines[0], lines
+
+
+def test_debug_shows_the_traceback(folder):
+    result = aspen("--debug", "status", "--address", f"127.0.0.1:{free_port()}", cwd=folder)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "ServiceError" in result.stderr
+
+
+def test_ctrl_c_while_connecting_is_one_line_and_exit_130(folder):
+    """SIGINT while the command waits on something: no traceback."""
+    script = textwrap.dedent("""
+        import os, signal, sys, threading
+        from orchestrator import cli
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        def slow(args):
+            import time
+            time.sleep(30)
+            return 0
+        cli._cmd_status = slow
+        sys.exit(cli.main(["status"]))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=folder, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130, result
+    assert "Traceback" not in result.stderr and "interrupted" in result.stderr, result.stderr

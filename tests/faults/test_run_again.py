@@ -1,0 +1,168 @@
+"""`aspen run` as a user runs it, interrupted the ways users interrupt it, then run again:
+
+- Ctrl-C (SIGINT to the whole process group, as a terminal sends it): one line, exit 130, no traceback,
+  running jobs checkpointed; the same command again resumes them and they end as an uninterrupted run;
+- the same command once more: finished jobs are left alone, one line each, exit 0;
+- the spec changed in a way that makes resuming wrong: exit 2, naming the job, the field and `--overwrite`;
+  with `--overwrite` the jobs start over;
+- everything killed at once (SIGKILL to the process group: `ray stop`, a reboot): the same command resumes
+  every unfinished job from its last checkpoint, written by time (`checkpoint_every_s`) as well as by
+  step, and the adapters equal those of an undisturbed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from actors.engine.local_run import train_locally
+from actors.engine.models import load_base_model
+from orchestrator.spec import load_run_spec
+from tests.service_helpers import adapter_tensors, max_relative_difference, wait_for, write_task_data
+
+JOBS = """\
+base_model: {base}
+output_dir: out
+step_tokens: 512
+jobs:
+  - name: first
+    data: data/first.jsonl
+    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    batch_size: 4
+    max_seq_len: 128
+    lr: {lr}
+    max_steps: {steps}
+    checkpoint_every: {every}
+    checkpoint_every_s: {every_s}
+  - name: second
+    data: data/second.jsonl
+    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    batch_size: 4
+    max_seq_len: 128
+    lr: 1.0e-3
+    max_steps: {steps}
+    checkpoint_every: {every}
+    checkpoint_every_s: {every_s}
+"""
+
+
+def write_run(folder: Path, base: Path, *, steps: int = 120, lr: str = "1.0e-3", every: int = 10,
+              every_s: float = 600) -> Path:
+    write_task_data(folder / "data", "first")
+    write_task_data(folder / "data", "second", offset=5)
+    path = folder / "jobs.yaml"
+    path.write_text(JOBS.format(base=base, steps=steps, lr=lr, every=every, every_s=every_s))
+    return path
+
+
+def start(folder: Path, *args: str) -> subprocess.Popen:
+    """`aspen run jobs.yaml` in its own process group, as a terminal would start it."""
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--quiet", "jobs.yaml", *args],
+                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 400) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"aspen run did not end within {timeout}s:\n{out}\n{err}") from None
+    return process.returncode, out, err
+
+
+def run(folder: Path, *args: str) -> tuple[int, str, str]:
+    return finish(start(folder, *args))
+
+
+def checkpoint_step(folder: Path) -> int:
+    try:
+        return json.loads((folder / "checkpoint" / "state.json").read_text())["step"]
+    except (FileNotFoundError, ValueError, KeyError):
+        return 0
+
+
+def metric_steps(folder: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_like_undisturbed(folder: Path, base: Path, names=("first", "second")) -> None:
+    spec = load_run_spec(folder / "jobs.yaml")
+    reference = folder / "reference"
+    train_locally(spec.model_copy(update={"output_dir": reference}),
+                  base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False)
+    for name in names:
+        difference = max_relative_difference(adapter_tensors(folder / "out" / name), adapter_tensors(reference / name))
+        assert difference <= 1e-4, f"{name}: {difference:.2e} from an undisturbed run"
+
+
+def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone(tmp_path, tiny_model_dirs):
+    base = tiny_model_dirs["llama"]
+    write_run(tmp_path, base)
+    process = start(tmp_path)
+    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 10 or
+             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
+    assert process.poll() is None, finish(process)
+    os.killpg(process.pid, signal.SIGINT)            # Ctrl-C in the terminal
+    code, out, err = finish(process)
+    assert code == 130, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert "interrupted" in err and "the same command continues" in err, err
+    interrupted_at = {n: checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")}
+    assert all(0 < step < 120 for step in interrupted_at.values()), interrupted_at
+
+    code, out, err = run(tmp_path)                   # the same command again
+    assert code == 0, (out, err)
+    for name in ("first", "second"):
+        assert f"{name}: " in out and "resumes from its checkpoint at step" in out, out
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, 121))
+    assert_like_undisturbed(tmp_path, base)
+
+    adapter = (tmp_path / "out/first/adapter_model.safetensors").read_bytes()
+    started = time.monotonic()
+    code, out, err = run(tmp_path)                   # and once more: nothing left to do
+    assert code == 0, (out, err)
+    assert "first: already completed at step 120; left alone" in out, out
+    assert "second: already completed at step 120; left alone" in out, out
+    assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() == adapter
+    assert time.monotonic() - started < 120
+
+    write_run(tmp_path, base, lr="2.0e-3")           # a change that makes the old results wrong
+    code, out, err = run(tmp_path)
+    assert code == 2, (code, out, err)
+    assert "job 'first': lr: 0.001 -> 0.002" in err and "--overwrite" in err, err
+    assert "second" not in err.split("job 'first'")[1].splitlines()[0]
+    assert "Traceback" not in err
+
+    code, out, err = run(tmp_path, "--overwrite")
+    assert code == 0, (out, err)
+    assert metric_steps(tmp_path / "out" / "first") == list(range(1, 121))
+    assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != adapter   # trained again, at 2e-3
+    assert_like_undisturbed(tmp_path, base)
+
+
+def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpoints(tmp_path, tiny_model_dirs):
+    base = tiny_model_dirs["llama"]
+    write_run(tmp_path, base, steps=200, every=100000, every_s=1)   # checkpoints by time only
+    process = start(tmp_path)
+    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 5 or
+             process.poll() is not None, timeout=300, what="time-based checkpoints")
+    assert process.poll() is None, finish(process)
+    os.killpg(process.pid, signal.SIGKILL)           # the driver, its Ray, the trainer: all at once
+    finish(process)
+    killed_at = {n: checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")}
+    assert all(0 < step < 200 for step in killed_at.values()), killed_at
+
+    code, out, err = run(tmp_path)
+    assert code == 0, (out, err)
+    assert out.count("resumes from its checkpoint at step") == 2, out
+    for name in ("first", "second"):
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, 201))
+    assert_like_undisturbed(tmp_path, base)

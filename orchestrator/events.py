@@ -444,7 +444,7 @@ class MqttListener:
         if kind == "preempt":
             self._event(job_id, "preempted", reason=reason)
 
-    def tick(self, jobs: list[JobRecord], trainers: list[TrainerStatus]) -> None:
+    def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
         """Jobs this listener has not published yet (from before the service started) get their state
         published once, so that a fresh broker holds every job's retained state."""
         for record in jobs:

@@ -157,20 +157,20 @@ class MetricsListener:
         elif kind.startswith("wait_"):
             self.deferred.labels(kind.removeprefix("wait_")).inc()
 
-    def tick(self, jobs: list[JobRecord], trainers: list[TrainerStatus]) -> None:
-        counts = dict.fromkeys(JOB_STATES, 0)
+    def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
         now = time.time()
         oldest = 0.0
+        running = set()
         for record in jobs:
-            counts[record.state] = counts.get(record.state, 0) + 1
             if record.state == "queued":
                 oldest = max(oldest, now - record.submitted_at)
             if record.state == "running":
+                running.add(record.id)
                 self._set_job(record)
-            else:
-                self._drop_job(record.id)
-        for state, count in counts.items():
-            self.jobs.labels(state).set(count)
+        for job_id in self.job_series - running:   # ended, paused or deleted since: its series go
+            self._drop_job(job_id)
+        for state in JOB_STATES:
+            self.jobs.labels(state).set(counts.get(state, 0))
         self.oldest_queued.set(oldest)
 
     def describe(self) -> dict[str, str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 
@@ -73,7 +74,16 @@ class Snapshot:
         return sorted((j for j in self.jobs if j.state == "queued"), key=lambda j: (j.submitted_at, j.id))
 
     def on_trainer(self, trainer_id: str) -> list[JobView]:
-        return [j for j in self.jobs if j.trainer == trainer_id and j.state == "running"]
+        """The jobs running on a trainer (looked up, not scanned: a policy asks once per queued job)."""
+        return list(self._running_by_trainer.get(trainer_id, ()))
+
+    @cached_property
+    def _running_by_trainer(self) -> dict[str, list[JobView]]:
+        running: dict[str, list[JobView]] = {}
+        for job in self.jobs:
+            if job.state == "running" and job.trainer is not None:
+                running.setdefault(job.trainer, []).append(job)
+        return running
 
 
 @dataclass(frozen=True)

@@ -144,14 +144,26 @@ class AdaptivePolicy:
     def order(self, job: JobView, now: float) -> tuple:
         return (self.log_score(job, now), -job.priority, job.submitted_at, job.id)
 
-    def may_preempt(self, job: JobView, victim: JobView, now: float) -> bool:
+    def requeued(self, victim: JobView, now: float) -> tuple[tuple, float]:
+        """A running job's order and log score if it were queued again."""
+        again = replace(victim, state="queued")
+        return self.order(again, now), self.log_score(again, now)
+
+    def may_preempt(self, job: JobView, victim: JobView, now: float,
+                    requeued: tuple[tuple, float] | None = None) -> bool:
         """Worth a checkpoint and a restart; never a victim that, queued again, would come first: it
-        would take the room back and the two would take turns."""
-        queued_again = replace(victim, state="queued")
-        return (self.order(job, now) < self.order(queued_again, now)
-                and self.log_score(queued_again, now) >= self.log_ratio + self.log_score(job, now))
+        would take the room back and the two would take turns. `requeued`: `self.requeued(victim, now)`,
+        if already known."""
+        order, log_score = requeued if requeued is not None else self.requeued(victim, now)
+        return self.order(job, now) < order and log_score >= self.log_ratio + self.log_score(job, now)
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         now = snapshot.time
-        return plan(snapshot, lambda j: self.order(j, now), preempt=True,
-                    may_preempt=lambda job, victim: self.may_preempt(job, victim, now))
+        requeued: dict[str, tuple[tuple, float]] = {}   # per victim, once per round (not once per queued job)
+
+        def may_preempt(job: JobView, victim: JobView) -> bool:
+            if victim.id not in requeued:
+                requeued[victim.id] = self.requeued(victim, now)
+            return self.may_preempt(job, victim, now, requeued[victim.id])
+
+        return plan(snapshot, lambda j: self.order(j, now), preempt=True, may_preempt=may_preempt)

@@ -116,7 +116,7 @@ def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
                 core.apply_event("trainer-0", event)
             status = loop.status()
             listener.trainer_polled(status, events)
-            listener.tick(table.all(), [status])
+            listener.tick(table.all(), table.counts(), [status])
             steps.extend(e.data for e in events if e.kind == "step")
             if done():
                 return status
@@ -202,7 +202,7 @@ def test_preemptions_early_stops_and_deferrals_are_counted(scenario):
     listener = MetricsListener(MetricsConfig(port=0))
     try:
         record = scenario.during_records[scenario.long]
-        listener.tick([record], [scenario.status])
+        listener.tick([record], {record.state: 1}, [scenario.status])
         listener.decided("wait_memory", "a", "waiting for memory: needs 900 MiB")
         listener.decided("wait_memory", "b", "waiting for memory: needs 900 MiB")
         listener.decided("preempt", record.id, "a higher priority job")
@@ -256,7 +256,7 @@ def test_a_taken_port_is_logged_with_the_fix_and_the_service_runs_on(caplog, sce
             (error,) = listener.describe().values()
             assert f"127.0.0.1:{port}" in error and "metrics.port" in error
             listener.trainer_polled(scenario.status, [])     # still collects, without a page
-            listener.tick(scenario.table.all(), [scenario.status])
+            listener.tick(scenario.table.all(), scenario.table.counts(), [scenario.status])
         finally:
             listener.close()
     message = caplog.text

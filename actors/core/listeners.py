@@ -25,8 +25,10 @@ class ServiceListener(Protocol):
         """A scheduling decision: `preempt`, or `wait_<cause>` (memory, slots, no_trainer, priority,
         other) for a queued job that the policy did not start this round."""
 
-    def tick(self, jobs: list[JobRecord], trainers: list[TrainerStatus]) -> None:
-        """Once per scheduler round: every job (all states) and the ready trainers."""
+    def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
+        """Once per scheduler round: the unfinished jobs (queued, running, paused; on the service's first
+        round every job, finished ones too), the number of jobs in each state, and the ready trainers.
+        Finished jobs are not passed each round: a table of thousands of them costs a round nothing."""
 
     def describe(self) -> dict[str, str]:
         """Where users reach it, e.g. {"metrics_url": "http://127.0.0.1:9464/metrics"}."""
@@ -60,8 +62,8 @@ class Listeners:
     def decided(self, kind: str, job_id: str, reason: str) -> None:
         self._call("decided", kind, job_id, reason)
 
-    def tick(self, jobs: list[JobRecord], trainers: list[TrainerStatus]) -> None:
-        self._call("tick", jobs, trainers)
+    def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
+        self._call("tick", jobs, counts, trainers)
 
     def describe(self) -> dict[str, str]:
         found: dict[str, str] = {}

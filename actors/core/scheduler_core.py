@@ -74,7 +74,8 @@ class SchedulerCore:
         self.predicted_remaining: dict[str, int] = {}   # job id -> steps a stop rule predicts are left
         self.submissions: dict[str, JobSubmission] = {}  # parsed once, not on every scheduling tick
         self.retries: dict[str, int] = {}         # job id -> times its trainer gave it back
-        self.replace_job_actor: set[str] = set()  # jobs whose job actor must not be reused (lost or hung)
+        self.replace_job_actor: set[str] = set()
+        self.reasons: dict[str, str] = {}          # job id -> its reason in the table when the round began  # jobs whose job actor must not be reused (lost or hung)
 
     # -- submissions ------------------------------------------------------------------------------------
     def submit(self, submission: JobSubmission) -> JobRecord:
@@ -341,7 +342,9 @@ class SchedulerCore:
     def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
         views = tuple(self.trainer_view(t) for t in trainers)
         jobs = []
+        self.reasons = {}
         for record in self.table.all(ACTIVE_STATES):
+            self.reasons[record.id] = record.reason
             try:
                 view = self._job_view(record, views)
             except Exception as error:  # noqa: BLE001 - an estimator failing on one job parks that job alone
@@ -367,7 +370,8 @@ class SchedulerCore:
                 continue
             if isinstance(decision, Wait):
                 if job.state == "queued":
-                    self.table.set_reason(job.id, decision.reason)
+                    if self.reasons.get(job.id) != decision.reason:   # most waits repeat: no write then
+                        self.table.set_reason(job.id, decision.reason)
                     if self.wait_causes.get(job.id) != decision.cause:
                         self.table.after_commit(lambda job=job, decision=decision: self._waits(job.id, decision))
             elif isinstance(decision, Start):

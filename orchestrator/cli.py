@@ -40,6 +40,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
     info = client.wait_ready()
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
     print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
     if info.get("output_root"):
         print(f"  jobs write under {info['output_root']}")
@@ -61,7 +64,11 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
     client = Client.connect(args.address)
-    for handle in client.submit_run(args.file):
+    handles = client.submit_run(args.file)
+    if args.json:
+        print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))
+        return 0
+    for handle in handles:
         print(f"submitted {handle.id} ({handle.name})")
     return 0
 
@@ -74,7 +81,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.job:
         record = client.status(args.job)
         if args.json:
-            print(json.dumps(record.as_dict(), indent=1))
+            history = [{"time": when, "state": state, "reason": reason}
+                       for when, state, reason in client.transitions(record.id)]
+            print(json.dumps({**record.as_dict(), "history": history}, indent=1))
             return 0
         for key, value in record.as_dict().items():
             print(f"{key:>16}: {value}")
@@ -102,6 +111,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
         if args.once:
             raise ValueError("--once shows the job table; --events follows the job events until Ctrl-C (use one)")
+
         try:
             if args.state_dir:
                 settings = reader_settings(args.state_dir)
@@ -109,14 +119,20 @@ def _cmd_watch(args: argparse.Namespace) -> int:
                 settings = Client.connect(args.address).event_settings()
             print(f"job events from {settings.url} (as {settings.username}, settings in {settings.source}); "
                   "Ctrl-C to leave", file=sys.stderr, flush=True)
-            watch_events(settings, progress=args.progress)
+            watch_events(settings, progress=args.progress, as_json=args.json)
         except OSError as error:   # no or unreadable credentials, a refused or lost connection
             print(f"aspen: {error}", file=sys.stderr)
             return 2
         return 0
     if args.state_dir or args.progress:
         raise ValueError("--state-dir and --progress go with --events")
+    if args.json and not args.once:
+        raise ValueError("--json goes with --once (the job table once, as JSON) or --events (one JSON object per "
+                         "event); the live table has no JSON form")
     client = Client.connect(args.address)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in client.jobs()], indent=1))
+        return 0
     console = Console(width=max(Console().width, 140)) if args.once and not sys.stdout.isatty() else Console()
     watch(client.jobs, once=args.once, interval=args.interval, console=console)
     return 0
@@ -125,8 +141,11 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from orchestrator.report import write_report
+    from orchestrator.report import collect, report_data, write_report
 
+    if args.json:
+        print(json.dumps(report_data(collect(Path(args.run_dir))), indent=1))
+        return 0
     write_report(Path(args.run_dir), console=Console(width=max(Console().width, 120)))
     return 0
 
@@ -135,6 +154,9 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
     record = Client.connect(args.address).cancel(args.job)
+    if args.json:
+        print(json.dumps(record.as_dict(), indent=1))
+        return 0
     print(f"{record.id}: {record.state}" + (" (cancelling at its next step)" if record.state == "running" else ""))
     return 0
 
@@ -143,6 +165,9 @@ def _cmd_pause(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
     record = Client.connect(args.address).pause(args.job)
+    if args.json:
+        print(json.dumps(record.as_dict(), indent=1))
+        return 0
     print(f"{record.id}: {record.state}" + (" (pausing at its next step)" if record.state == "running" else ""))
     return 0
 
@@ -151,6 +176,9 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
     record = Client.connect(args.address).resume(args.job)
+    if args.json:
+        print(json.dumps(record.as_dict(), indent=1))
+        return 0
     print(f"{record.id}: {record.state} ({record.reason})")
     return 0
 
@@ -264,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="on an error, also print its traceback")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    def with_json(command: argparse.ArgumentParser, what: str) -> argparse.ArgumentParser:
+        command.add_argument("--json", action="store_true", help=f"print {what} as JSON")
+        return command
+
     def with_address(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
         command.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
                              help="Ray cluster (default: $RAY_ADDRESS or the cluster on this machine)")
@@ -282,15 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "<state dir>/outputs)")
     serve.add_argument("--insecure", action="store_true", help="start the service even on a Ray cluster without "
                        "token authentication (by default refused: anyone who reaches such a cluster runs code on it)")
+    with_json(serve, "the running service's description (trainers, URLs, state dir)")
     serve.set_defaults(handler=_cmd_serve)
 
     submit = with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file"))
     submit.add_argument("file")
+    with_json(submit, "the submitted jobs' ids and names")
     submit.set_defaults(handler=_cmd_submit)
 
     status = with_address(commands.add_parser("status", help="all jobs, or one job in detail"))
     status.add_argument("job", nargs="?", help="job id (or a unique job name)")
-    status.add_argument("--json", action="store_true")
+    with_json(status, "the jobs (one job: with its state history)")
     status.set_defaults(handler=_cmd_status)
 
     watch = with_address(commands.add_parser("watch", help="a live table of the jobs: state, step, loss, tokens/s, "
@@ -303,25 +337,30 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--state-dir", help="with --events: the service's state dir to read the MQTT reader account "
                        "from (default: ask the service for it)")
     watch.add_argument("--progress", action="store_true", help="with --events: also a line per optimizer step")
+    with_json(watch, "with --once: the jobs; with --events: one JSON object per event (topic, retained, payload)")
     watch.set_defaults(handler=_cmd_watch)
 
     report = commands.add_parser("report", help="loss curves (report.png) and a summary table (report.md) of "
                                                 "a run's jobs")
     report.add_argument("run_dir", help="a run's output folder (one folder per job) or a service's state folder")
+    with_json(report, "each job's numbers and loss curve (no files written)")
     report.set_defaults(handler=_cmd_report)
 
     cancel = with_address(commands.add_parser("cancel", help="cancel a job (it is checkpointed first)"))
     cancel.add_argument("job")
+    with_json(cancel, "the job's record")
     cancel.set_defaults(handler=_cmd_cancel)
 
     pause = with_address(commands.add_parser("pause", help="pause a job (it is checkpointed; `aspen resume` "
                                                          "continues it)"))
     pause.add_argument("job")
+    with_json(pause, "the job's record")
     pause.set_defaults(handler=_cmd_pause)
 
     resume = with_address(commands.add_parser("resume", help="queue a paused, failed or cancelled job again; it "
                                                            "continues from its last checkpoint"))
     resume.add_argument("job")
+    with_json(resume, "the job's record")
     resume.set_defaults(handler=_cmd_resume)
 
     stop = with_address(commands.add_parser("stop", help="stop the service (jobs are checkpointed)"))

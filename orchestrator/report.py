@@ -120,6 +120,14 @@ def summary_rows(jobs: list[JobMetrics]) -> list[list[str]]:
 COLUMNS = ["job", "steps", "final loss", "best eval loss", "tokens", "state"]
 
 
+def report_data(jobs: list[JobMetrics]) -> list[dict]:
+    """The report's numbers per job, as `aspen report --json` prints them."""
+    return [{"job": job.name, "folder": str(job.folder), "state": job.state, "steps": job.steps[-1] if job.steps else 0,
+             "final_loss": job.final_loss, "best_eval_loss": job.best_eval, "tokens": job.tokens,
+             "losses": [{"step": s, "loss": l} for s, l in zip(job.steps, job.losses)],
+             "evals": [{"step": s, "eval_loss": l} for s, l in sorted(job.evals.items())]} for job in jobs]
+
+
 def markdown_table(jobs: list[JobMetrics]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in summary_rows(jobs)]

@@ -124,8 +124,19 @@ def event_line(topic: str, payload: bytes, retained: bool, prefix: str = "aspen/
     return f"{_clock(data)}  {topic}{mark}  {text}"
 
 
+def event_json(topic: str, payload: bytes, retained: bool) -> str:
+    """One message as one JSON object on a line: {"topic", "retained", "payload"} (the payload parsed from
+    JSON where it is JSON, else its text; an empty payload, a cleared retained message, is null)."""
+    text = payload.decode("utf-8", errors="replace")
+    try:
+        data: Any = json.loads(text) if text else None
+    except ValueError:
+        data = text
+    return json.dumps({"topic": topic, "retained": retained, "payload": data})
+
+
 async def _follow_events(settings: EventSettings, out: Callable[[str], None], progress: bool,
-                         stop: threading.Event | None) -> None:
+                         stop: threading.Event | None, as_json: bool = False) -> None:
     import aiomqtt
 
     prefix = settings.topic_prefix
@@ -142,7 +153,7 @@ async def _follow_events(settings: EventSettings, out: Callable[[str], None], pr
                 if any(getattr(code, "is_failure", False) or code == 0x80 for code in granted):
                     raise PermissionError(f"the broker at {where} refused the subscription to {topic}: is that the "
                                           "service's reader account and topic prefix?")
-            reader = asyncio.create_task(_print_messages(client, out, prefix))
+            reader = asyncio.create_task(_print_messages(client, out, prefix, as_json))
             try:
                 while not reader.done() and not (stop is not None and stop.is_set()):
                     await asyncio.wait({reader}, timeout=0.1)
@@ -156,22 +167,23 @@ async def _follow_events(settings: EventSettings, out: Callable[[str], None], pr
                               "the embedded broker), and are these its current credentials?") from None
 
 
-async def _print_messages(client: Any, out: Callable[[str], None], prefix: str) -> None:
+async def _print_messages(client: Any, out: Callable[[str], None], prefix: str, as_json: bool = False) -> None:
     import aiomqtt
 
     async for message in client.messages:
-        out(event_line(str(message.topic), bytes(message.payload), bool(message.retain), prefix))
+        topic, payload, retained = str(message.topic), bytes(message.payload), bool(message.retain)
+        out(event_json(topic, payload, retained) if as_json else event_line(topic, payload, retained, prefix))
     raise aiomqtt.MqttError("the broker closed the connection (the service stopped?)")
 
 
 def watch_events(settings: EventSettings, *, out: Callable[[str], None] | None = None, progress: bool = False,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, as_json: bool = False) -> None:
     """Print (`out`, default: print and flush) one line per job state change, job event and service status
     the service publishes, from the retained current ones on, until Ctrl-C (returns quietly) or `stop` is
     set. Raises ConnectionError when the broker refuses or drops the connection, PermissionError when it
     refuses the subscription."""
     out = out or (lambda line: print(line, flush=True))
     try:
-        asyncio.run(_follow_events(settings, out, progress, stop))
+        asyncio.run(_follow_events(settings, out, progress, stop, as_json))
     except KeyboardInterrupt:
         pass

@@ -126,6 +126,40 @@ def test_report_writes_loss_curves_and_a_table_read_back_from_metrics(finished_r
     assert rows["alpha"][3] != "-" and rows["beta"][3] == "-"   # alpha has an eval split, beta none
 
 
+def test_read_commands_print_json(finished_run, capsys):
+    """`--json` on status (all jobs; one job with its history), watch --once and report: what the table
+    shows, machine-readable."""
+    client, run_dir, records, _ = finished_run
+
+    def printed(*argv: str):
+        assert main(list(argv)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    jobs = {j["id"]: j for j in printed("status", "--json")}
+    watched = {j["id"]: j for j in printed("watch", "--once", "--json")}
+    for record in records:
+        assert jobs[record.id]["state"] == watched[record.id]["state"] == "completed"
+        assert jobs[record.id]["step"] == record.step and jobs[record.id]["loss"] == pytest.approx(record.loss)
+        one = printed("status", record.id, "--json")
+        assert one["id"] == record.id
+        assert [h["state"] for h in one["history"]] == [state for _, state, _ in client.transitions(record.id)]
+        assert one["history"][-1]["state"] == "completed"
+    report = {j["job"]: j for j in printed("report", str(run_dir), "--json")}
+    assert not (run_dir / "report.json").exists()
+    for record in records:
+        metrics = [json.loads(line) for line in (run_dir / record.name / "metrics.jsonl").read_text().splitlines()]
+        job = report[record.name]
+        assert job["steps"] == metrics[-1]["step"] and job["state"] == "completed"
+        assert [p["loss"] for p in job["losses"]] == pytest.approx([row["loss"] for row in metrics])
+        assert job["tokens"] == sum(row["tokens"] for row in metrics)
+    assert report["alpha"]["evals"] and report["beta"]["evals"] == []
+
+
+def test_watch_json_needs_once_or_events(capsys):
+    assert main(["watch", "--json"]) == 2
+    assert "--json goes with --once" in capsys.readouterr().err
+
+
 def test_report_names_the_folder_when_there_are_no_metrics(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     error = capsys.readouterr().err

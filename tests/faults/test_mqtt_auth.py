@@ -293,6 +293,39 @@ def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_accou
     assert any("service online" in line for line in lines), lines
 
 
+def test_aspen_watch_events_json_prints_one_object_per_event(service):
+    listener, state_dir = service
+    aspen = Path(sys.executable).with_name("aspen")
+    process = subprocess.Popen([str(aspen), "watch", "--events", "--json", "--state-dir", str(state_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    collector = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    collector.start()
+
+    def events() -> list[dict]:
+        return [json.loads(line) for line in list(lines)]   # every line is one JSON object
+
+    try:
+        state_topic = f"aspen/v1/jobs/{JOB}/state"
+        retained = wait_for(lambda: [e for e in events() if e["topic"] == state_topic and e["retained"]],
+                            timeout=30, what=f"the retained state as JSON: {lines}")
+        assert retained[0]["payload"]["state"] == "running"
+        listener.job_changed(record("completed", step=10), "running")
+        changed = wait_for(lambda: [e for e in events() if e["topic"] == state_topic and not e["retained"]
+                                    and e["payload"]["state"] == "completed"], timeout=15,
+                           what=f"the state change as JSON: {lines}")
+        assert changed[0]["payload"]["previous"] == "running" and changed[0]["payload"]["step"] == 10
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=15)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        collector.join(5)
+    assert code == 0, process.stderr.read()
+
+
 def test_aspen_watch_events_says_where_the_credentials_are_missing(tmp_path, capsys):
     assert aspen_main(["watch", "--events", "--state-dir", str(tmp_path)]) == 2
     error = capsys.readouterr().err

@@ -5,8 +5,8 @@ port, the bound one is in `describe()`).
 
 Naming: every metric starts with `aspen_`, uses base units (`_seconds`, `_bytes`), counters end in
 `_total`, `_ratio` gauges lie in 0..1. Labels stay bounded: `trainer` (the service's trainer ids),
-`state`, `kind`, `cause`, and `job_id` only on the `aspen_job_*` gauges of RUNNING jobs, whose series
-are removed as soon as the job leaves `running` (`job_id`, not `job`: Prometheus gives every scraped
+`state`, `kind`, `cause`, and `job_id` only on the `aspen_job_*` series of RUNNING jobs, which are
+removed as soon as the job leaves `running` (`job_id`, not `job`: Prometheus gives every scraped
 series `job`, the scrape job's name). If the port is taken the service runs on without metrics (a
 warning says how to pick another port)."""
 
@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from actors.core.config import MetricsConfig
 from actors.core.events import TrainerEvent, TrainerStatus
 from actors.core.job_table import JOB_STATES, JobRecord
+from actors.engine.extras import DISTRIBUTION
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class MetricsListener:
         self.registry = CollectorRegistry(auto_describe=True)
         self.lock = threading.Lock()
         self.job_series: set[str] = set()      # running jobs that have aspen_job_* series
+        self.job_tokens_seen: dict[str, int] = {}   # each such job's token count at its last update
         self.server: WSGIServer | None = None
         self.url: str | None = None
         self.error: str | None = None          # why there is no endpoint (the port was taken)
@@ -93,7 +95,9 @@ class MetricsListener:
             self.decisions.labels(kind)
         # running jobs only (series removed when the job leaves running)
         self.job_loss = Gauge("aspen_job_loss", "The running job's last training loss", ["job_id"], registry=r)
-        self.job_tokens = Gauge("aspen_job_tokens", "Tokens the running job has trained on", ["job_id"], registry=r)
+        self.job_tokens = Counter("aspen_job_tokens", "Tokens the running job has trained on (a job resumed from "
+                                  "an earlier checkpoint does not take any back: it adds what it trains from "
+                                  "there)", ["job_id"], registry=r)
         self.job_speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
                                "last optimizer step", ["job_id"], registry=r)
         self.job_step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
@@ -190,7 +194,13 @@ class MetricsListener:
         with self.lock:
             self.job_series.add(record.id)
             self.job_step.labels(record.id).set(record.step)
-            self.job_tokens.labels(record.id).set(record.tokens)
+            # a new series starts at the job's count so far, then grows by each update's increase; a job
+            # resumed from a checkpoint restarts its count lower, which adds nothing (counters never go down)
+            counter = self.job_tokens.labels(record.id)
+            grown = record.tokens - self.job_tokens_seen.get(record.id, 0)
+            if grown > 0:
+                counter.inc(grown)
+            self.job_tokens_seen[record.id] = record.tokens
             if record.loss is not None:
                 self.job_loss.labels(record.id).set(record.loss)
             if record.tokens_per_s is not None:
@@ -201,14 +211,15 @@ class MetricsListener:
             if job_id not in self.job_series:
                 return
             self.job_series.discard(job_id)
-            for gauge in (self.job_loss, self.job_tokens, self.job_speed, self.job_step):
-                gauge.remove(job_id)   # a no-op for a series never set (e.g. no loss yet)
+            self.job_tokens_seen.pop(job_id, None)
+            for metric in (self.job_loss, self.job_tokens, self.job_speed, self.job_step):
+                metric.remove(job_id)   # a no-op for a series never set (e.g. no loss yet)
 
 
 def _aspen_version() -> str:
     try:
-        return importlib.metadata.version("aspen")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        log.warning("metrics: the aspen package is not installed (run from a source tree?); "
-                    "aspen_build_info says version=unknown")
+        log.warning("metrics: the %s distribution is not installed (run from a source tree?); "
+                    "aspen_build_info says version=unknown", DISTRIBUTION)
         return "unknown"

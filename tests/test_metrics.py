@@ -2,7 +2,8 @@
 real scheduler core (job table, fifo policy) drive a `MetricsListener` the way the scheduler actor does;
 its `/metrics` page, fetched over HTTP and read with prometheus_client's own text parser, has to agree
 with the trainer's status, its step rows and the job table; a job's series go when it ends; every metric
-keeps Prometheus' naming rules; the Grafana dashboard only names metrics that exist."""
+keeps Prometheus' naming rules; the Grafana dashboards only name metrics that exist and pick their
+data source with a variable."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import socket
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -190,12 +192,57 @@ def test_running_jobs_have_series_that_go_when_they_end(scenario):
     during, _ = scenario.during
     long = scenario.during_records[scenario.long]
     assert long.state == "running" and long.loss is not None
-    for name, expected in (("aspen_job_step", long.step), ("aspen_job_tokens", long.tokens),
+    for name, expected in (("aspen_job_step", long.step), ("aspen_job_tokens_total", long.tokens),
                            ("aspen_job_loss", long.loss), ("aspen_job_tokens_per_second", long.tokens_per_s)):
         assert series(during, name) == [{"job_id": scenario.long}], name    # not `short`, which had completed
         assert value(during, name, job_id=scenario.long) == pytest.approx(expected), name
     after, _ = scenario.after
     assert not [key for key in after if key[0].startswith("aspen_job_")]
+
+
+def test_a_jobs_token_counter_only_grows_and_goes_with_its_series(scenario):
+    """`aspen_job_tokens_total` adds each update's increase of the job's token count; a count that restarts
+    lower (a job resumed from an earlier checkpoint) adds nothing, and the growth after it is added again."""
+    listener = MetricsListener(MetricsConfig(port=0), serve=False)
+    record = replace(scenario.during_records[scenario.long], tokens=1000)
+
+    def tokens() -> float | None:
+        return listener.registry.get_sample_value("aspen_job_tokens_total", {"job_id": record.id})
+
+    def tick(count: int) -> None:
+        listener.tick([replace(record, tokens=count)], {"running": 1}, [scenario.status])
+
+    families = {family.name: family.type for family in listener.registry.collect()}
+    assert families["aspen_job_tokens"] == "counter"
+    tick(1000)
+    assert tokens() == 1000                   # a new series starts at the job's count so far
+    tick(1000)
+    tick(1500)
+    assert tokens() == 1500
+    tick(400)                                 # resumed from a checkpoint: the count restarts lower
+    assert tokens() == 1500
+    tick(700)
+    assert tokens() == 1800                   # what it trained since the restart
+    listener.job_changed(replace(record, state="queued"), "running")   # preempted: its series go
+    assert tokens() is None and record.id not in listener.job_tokens_seen
+    tick(700)                                 # running again: a new series (a counter reset for Prometheus)
+    assert tokens() == 700
+    listener.tick([], {}, [scenario.status])  # gone from the table
+    assert tokens() is None and not listener.job_tokens_seen
+
+
+def test_monotonic_values_are_counters(scenario):
+    """A value that only grows is a counter (`_total`): besides the trainers' and the scheduler's counts,
+    the jobs' token counts. The gauges that stay are levels, ratios, last values or positions that can go
+    back (`aspen_job_step` restarts at the checkpoint's step when a job resumes)."""
+    _, families = scenario.during
+    kinds = {family: kind for family, kind in families.values()}
+    for family in ("aspen_tokens", "aspen_trainer_steps", "aspen_trainer_busy_seconds", "aspen_early_stops",
+                   "aspen_preemptions", "aspen_admissions_deferred", "aspen_scheduler_decisions",
+                   "aspen_job_tokens"):
+        assert kinds[family] == "counter", family
+    assert "aspen_job_tokens" not in families          # only its `_total` sample is on the page
+    assert kinds["aspen_job_step"] == kinds["aspen_job_tokens_per_second"] == "gauge"
 
 
 def test_preemptions_early_stops_and_deferrals_are_counted(scenario):
@@ -278,39 +325,90 @@ def test_service_listeners_serve_metrics_only_when_enabled(tmp_path):
                                            events=EventsConfig(enabled=False))) == []
 
 
-# -- the Grafana dashboard and provisioning --------------------------------------------------------------------
-def dashboard() -> dict:
-    return json.loads((GRAFANA / "dashboards" / "aspen.json").read_text())
+# -- the Grafana dashboards and provisioning -------------------------------------------------------------------
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+COUNTER_CALLS = ("rate", "increase")   # a graph of a counter shows how fast it grows, not its running total
 
 
-def test_the_dashboard_only_names_metrics_the_service_exports(scenario):
-    during, _ = scenario.during
+def dashboards() -> dict[str, dict]:
+    boards = {path.name: json.loads(path.read_text()) for path in sorted((GRAFANA / "dashboards").glob("*.json"))}
+    assert "aspen.json" in boards
+    return boards
+
+
+def values_of(key: str, node, where: str = "") -> Iterator[tuple[str, object]]:
+    """Every value of `key` anywhere in a dashboard, with where it is."""
+    if isinstance(node, dict):
+        for name, item in node.items():
+            if name == key:
+                yield f"{where}.{key}", item
+            yield from values_of(key, item, f"{where}.{name}")
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            yield from values_of(key, item, f"{where}[{index}]")
+
+
+def test_every_dashboard_only_names_metrics_the_service_exports(scenario):
+    during, families = scenario.during
     exported = {name for name, _ in during}
-    panels = dashboard()["panels"]
-    ids = [p["id"] for p in panels]
-    assert len(ids) == len(set(ids)) >= 10
-    queries = [t["expr"] for p in panels for t in p["targets"]]
-    queries += [v["query"]["query"] for v in dashboard()["templating"]["list"]]
-    named = {name for q in queries for name in re.findall(r"\baspen_[a-z0-9_]+", q)}
-    assert named and named <= exported, named - exported
+    named = set()
+    for name, board in dashboards().items():
+        panels = board["panels"]
+        ids = [p["id"] for p in panels]
+        assert len(ids) == len(set(ids)), name
+        graphs = [t["expr"] for p in panels for t in p["targets"]]
+        lookups = [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+        assert graphs, name
+        for query in graphs + lookups:
+            for metric in re.findall(r"\baspen_[a-z0-9_]+", query):
+                assert metric in exported, (name, metric, query)
+                named.add(metric)
+                if query in lookups:   # label_values(): only its labels matter
+                    continue
+                if metric.endswith(("_total", "_bucket")):   # counters, and histograms' counters
+                    assert re.search(rf"\b({'|'.join(COUNTER_CALLS)})\(\s*{metric}\b", query), (name, query)
+                else:
+                    assert families[metric][1] != "counter", (name, metric)
+    assert len(dashboards()["aspen.json"]["panels"]) >= 10
     for family in ("aspen_tokens_total", "aspen_padding_ratio", "aspen_trainer_utilization_ratio",
                    "aspen_memory_in_use_bytes", "aspen_step_predicted_peak_memory_bytes", "aspen_job_loss",
-                   "aspen_jobs", "aspen_preemptions_total", "aspen_admissions_deferred_total",
-                   "aspen_early_stops_total", "aspen_step_duration_seconds_bucket", "aspen_queue_wait_seconds_bucket"):
+                   "aspen_job_tokens_total", "aspen_job_tokens_per_second", "aspen_job_step", "aspen_jobs",
+                   "aspen_preemptions_total", "aspen_admissions_deferred_total", "aspen_early_stops_total",
+                   "aspen_step_duration_seconds_bucket", "aspen_queue_wait_seconds_bucket"):
         assert family in named, family
 
 
-def test_the_dashboard_uses_the_provisioned_data_source_and_is_provisioned():
+def test_every_dashboard_picks_its_data_source_with_a_variable():
+    """Importing a dashboard works on any Grafana: no panel, target or variable names a data source uid;
+    they all use the `datasource` variable, which offers the Prometheus data sources and opens on the
+    org's default one."""
+    for name, board in dashboards().items():
+        assert "__inputs" not in board and "__requires" not in board, name
+        variables = board["templating"]["list"]
+        (variable,) = [v for v in variables if v["name"] == "datasource"]
+        assert variable["type"] == "datasource" and variable["query"] == "prometheus", name
+        assert variable.get("current", {}).get("value") in (None, "default"), name   # no fixed uid
+        for other in variables:
+            if other is not variable:
+                assert other["datasource"] == DATASOURCE, (name, other["name"])
+        for panel in board["panels"]:
+            assert panel["datasource"] == DATASOURCE, (name, panel["title"])
+            assert panel["targets"], (name, panel["title"])
+            for target in panel["targets"]:
+                assert target["datasource"] == DATASOURCE, (name, panel["title"], target["refId"])
+        # nothing else names a data source or a uid (but the dashboard's own uid, at the top)
+        assert [(where, ds) for where, ds in values_of("datasource", board) if ds != DATASOURCE] == [], name
+        uids = [(where, uid) for where, uid in values_of("uid", board) if where != ".uid"]
+        assert uids and {uid for _, uid in uids} == {"${datasource}"}, (name, uids)
+
+
+def test_the_dashboards_are_provisioned_with_a_default_data_source_they_pick():
     sources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())["datasources"]
     (source,) = sources
     assert source["type"] == "prometheus" and source["url"] == "http://127.0.0.1:9090"
-    board = dashboard()
-    for panel in board["panels"]:
-        assert panel["datasource"] == {"type": "prometheus", "uid": source["uid"]}, panel["title"]
-        for target in panel["targets"]:
-            assert target["datasource"]["uid"] == source["uid"], panel["title"]
-    for variable in board["templating"]["list"]:
-        assert variable["datasource"]["uid"] == source["uid"]
+    assert source["isDefault"] is True     # what each dashboard's `datasource` variable opens on
+    for name, board in dashboards().items():
+        assert source["uid"] not in json.dumps(board), name   # the dashboards do not depend on it
     (provider,) = yaml.safe_load((GRAFANA / "provisioning/dashboards/aspen.yaml").read_text())["providers"]
     assert provider["type"] == "file"
     provisioning = GRAFANA / "provisioning"   # what GF_PATHS_PROVISIONING points at

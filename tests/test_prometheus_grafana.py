@@ -1,8 +1,8 @@
-"""The metrics endpoint and the Grafana dashboard against a real Prometheus server (the `prometheus`
+"""The metrics endpoint and the Grafana dashboards against a real Prometheus server (the `prometheus`
 binary; Debian package `prometheus`): a real service run on a tiny model is scraped every second, every
-query of the dashboard (its panels and its variables) returns data, and Prometheus' totals agree with
-the trainer's own step log. Without the binary the test skips, except under CI (`CI=true`), where it
-fails."""
+query of the dashboards (their panels and their query variables) returns data, and Prometheus' totals
+agree with the trainer's own step log. Without the binary the test skips, except under CI (`CI=true`),
+where it fails."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from actors.core.config import MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from tests.service_helpers import job_dict, wait_for, write_task_data
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "dashboards" / "aspen.json"
+DASHBOARDS = Path(__file__).resolve().parents[1] / "grafana" / "dashboards"
 GRAFANA_INTERVALS = {"$__rate_interval": "30s", "$__range": "5m", "$__interval": "5s"}
 
 
@@ -90,24 +90,27 @@ def number(prometheus: str, expression: str) -> float | None:
 
 
 def dashboard_queries() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
-    """Every panel target as (panel title, PromQL with Grafana's variables filled in: intervals by fixed
-    durations, the dashboard's own variables by `.*`), and every variable's `label_values(metric, label)`."""
-    board = json.loads(DASHBOARD.read_text())
-    variables = {f"${v['name']}": ".*" for v in board["templating"]["list"]}
-    substitutions = {**GRAFANA_INTERVALS, **variables}
-    panels = []
-    for panel in board["panels"]:
-        for target in panel["targets"]:
-            expression = target["expr"]
-            for name in sorted(substitutions, key=len, reverse=True):
-                expression = expression.replace(name, substitutions[name])
-            assert "$" not in expression, (panel["title"], expression)
-            panels.append((panel["title"], expression))
-    labels = []
-    for variable in board["templating"]["list"]:
-        match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["query"]["query"])
-        assert match, variable
-        labels.append((variable["name"], match.group(1), match.group(2)))
+    """Every panel target of every dashboard as (panel title, PromQL with Grafana's variables filled in:
+    intervals by fixed durations, the dashboard's query variables by `.*`), and every query variable's
+    `label_values(metric, label)` (the `datasource` variable picks the Prometheus: here, this one)."""
+    panels, labels = [], []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        board = json.loads(path.read_text())
+        variables = [v for v in board["templating"]["list"] if v["type"] != "datasource"]
+        substitutions = {**GRAFANA_INTERVALS, **{f"${v['name']}": ".*" for v in variables}}
+        for panel in board["panels"]:
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] == "${datasource}", (path.name, panel["title"])
+                expression = target["expr"]
+                for name in sorted(substitutions, key=len, reverse=True):
+                    expression = expression.replace(name, substitutions[name])
+                assert "$" not in expression, (path.name, panel["title"], expression)
+                panels.append((f"{path.name}: {panel['title']}", expression))
+        for variable in variables:
+            match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variable["query"]["query"])
+            assert match, (path.name, variable)
+            labels.append((f"{path.name}: {variable['name']}", match.group(1), match.group(2)))
+    assert panels and labels
     return panels, labels
 
 
@@ -147,6 +150,8 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(ray_session, tiny_m
                 values = {r["metric"].get(label) for r in query(prometheus, metric)}
                 assert values and None not in values, (name, metric, label)
             assert {r["metric"]["job_id"] for r in query(prometheus, "aspen_job_loss")} == {long.id}
+            assert number(prometheus, f'aspen_job_tokens_total{{job_id="{long.id}"}}') > 0
+            assert number(prometheus, f'resets(aspen_job_tokens_total{{job_id="{long.id}"}}[1m])') == 0
 
             client.cancel(long.id)
             assert long.wait(timeout=60).state == "cancelled"
@@ -156,6 +161,7 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(ray_session, tiny_m
             assert number(prometheus, "sum(aspen_tokens_total)") == sum(row["tokens"] for row in rows)
             assert number(prometheus, 'aspen_tokens_total{kind="padding"}') == sum(r["padding_tokens"] for r in rows)
             wait_for(lambda: not query(prometheus, "aspen_job_loss"), timeout=20, what="the job's series to go")
+            assert not query(prometheus, "aspen_job_tokens_total")
             assert number(prometheus, 'aspen_jobs{state="completed"}') == 1
             assert number(prometheus, 'aspen_jobs{state="cancelled"}') == 1
             assert number(prometheus, 'aspen_admissions_deferred_total{cause="slots"}') == 1

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from actors.engine.attention import use_varlen_attention
+from actors.engine.extras import require
 from actors.engine.lora import freeze
 from actors.engine.sources import (ALIASES, DEFAULT_BASE_MODEL, ModelSource, load_base_tokenizer, load_tokenizer,
                                    resolve_source, smollm2_folder)
@@ -74,7 +75,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, device: torch.device) -> None:
     """Replace every linear layer but the LM head by its bitsandbytes counterpart."""
-    import bitsandbytes as bnb
+    bnb = require("bitsandbytes", "quant", f"quantization: {quantization}")
 
     output = model.get_output_embeddings()
     for name, module in list(model.named_modules()):

@@ -13,7 +13,13 @@ from typing import Protocol
 
 import numpy as np
 
-from actors.engine.spec import EarlyStopConfig, JobSpec
+
+
+class EarlyStopSettings(Protocol):
+    """What a job's `early_stop:` gives a stop rule (the job spec's EarlyStopConfig has these)."""
+
+    min_improvement: float
+    patience: int
 
 
 @dataclass(frozen=True)
@@ -176,8 +182,8 @@ class PredictiveRule:
                             + f" < min_improvement {self.min_improvement:.2%}")
 
 
-def stop_rule_for(spec: JobSpec, budget_steps: int) -> StopRule | None:
-    config: EarlyStopConfig | None = spec.early_stop
-    if config is None:
+def stop_rule_for(early_stop: EarlyStopSettings | None, eval_every: int | None, budget_steps: int) -> StopRule | None:
+    """The stop rule of a job with these `early_stop` settings (None: it runs its whole budget)."""
+    if early_stop is None:
         return None
-    return PredictiveRule(config.min_improvement, config.patience, budget_steps, every=spec.eval_every or 10)
+    return PredictiveRule(early_stop.min_improvement, early_stop.patience, budget_steps, every=eval_every or 10)

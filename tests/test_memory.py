@@ -44,3 +44,25 @@ def test_cpu_peak_estimate_matches_the_profilers_allocation_peak(tokens):
     step_bytes = estimate - weights  # weights were allocated before the step, the profiler does not see them
     assert measured > 0
     assert abs(step_bytes - measured) / measured <= 0.2, (step_bytes, measured)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
+def test_the_admission_estimate_counts_the_parameters_peft_trains(targets):
+    """`policies.memory` gets plain shapes from `adapted_shapes`; its parameter count is PEFT's for the
+    same LoRA config on the same model (16 bytes each: weight, gradient, two AdamW moments)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from actors.engine.lora import adapted_shapes
+    from policies.memory import BYTES_PER_ADAPTER_PARAMETER, adapter_memory_bytes, adapter_parameters
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama")
+    output = model.get_output_embeddings()
+    linear_shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and m is not output}
+    shapes = adapted_shapes(targets, linear_shapes)
+    peft_model = get_peft_model(model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    trained = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert adapter_parameters(4, shapes) == trained
+    assert adapter_memory_bytes(4, shapes) == BYTES_PER_ADAPTER_PARAMETER * trained

@@ -86,7 +86,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     from actors.core.job_table import JobTable
     from actors.core.scheduler_core import SchedulerCore
     from actors.core.trainer_loop import TrainerLoop
-    from actors.engine.spec import LoraConfig
+    from actors.engine.lora import adapted_shapes
     from policies.fifo import FifoPolicy
     from policies.memory import adapter_memory_bytes
     from tests.conftest import tiny_config
@@ -106,7 +106,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     # the trainer's own first estimate of its fixed and per-step memory (before any step is measured)
     probe = TrainerLoop(load_base_model(base, dtype="float32", device="cpu"), trainer, "probe", tmp_path / "probe")
     view = SchedulerCore(JobTable(tmp_path / "probe.sqlite"), FifoPolicy(), tmp_path).trainer_view(probe.status())
-    job_bytes = adapter_memory_bytes(LoraConfig(**lora), probe.status().linear_shapes)
+    job_bytes = adapter_memory_bytes(lora["r"], adapted_shapes(lora["target_modules"], probe.status().linear_shapes))
     budget = int(view.base_bytes + view.step_memory_bytes + 2.5 * job_bytes)
     config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,
                            trainers=[trainer.model_copy(update={"memory_budget_bytes": budget})])

@@ -66,7 +66,7 @@ class JobData:
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
         self.summary = DataSummary(len(train), len(self.eval), loaded.dropped, planned_steps(spec, len(train)),
                                    self.cursor.state_dict())
-        self.stop_rule = stop_rule_for(spec, self.summary.total_steps)
+        self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
 
     def fetch(self, position: dict[str, Any], count: int) -> FeedChunk:

@@ -23,7 +23,8 @@ from pathlib import Path
 from actors.core.config import TrainerConfig
 from actors.core.events import TrainerEvent, TrainerStatus
 from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
-from actors.engine.spec import JobSubmission, step_limit_problem
+from actors.engine.lora import adapted_shapes
+from actors.engine.spec import JobSubmission, LoraConfig, step_limit_problem
 from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait
 from policies.fifo import FifoPolicy
 from policies.memory import adapter_memory_bytes
@@ -35,6 +36,12 @@ RESTARTABLE_STATES = ("paused", "failed", "cancelled")
 MAX_RETRIES = 3   # a job its trainer gave back (job actor lost or hung) is queued again this often, then fails
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
 POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before the policy itself is replaced
+
+
+def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView) -> int:
+    """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have)."""
+    shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
+    return adapter_memory_bytes(lora.r, shapes)
 
 
 @dataclass(frozen=True)
@@ -168,8 +175,7 @@ class SchedulerCore:
                  if s.base_model == submission.base_model and s.quantization == submission.quantization]
         if views:
             try:
-                need = adapter_memory_bytes(submission.job.lora, dict(
-                    (name, (i, o)) for name, i, o in views[0].linear_shapes))
+                need = job_adapter_bytes(submission.job.lora, views[0])
             except ValueError as error:   # target_modules that the base model does not have
                 raise SubmissionError(str(error)) from None
             problem = self._never_fits(submission, need, views)
@@ -498,8 +504,7 @@ class SchedulerCore:
         same_base = [t for t in trainers if t.base_model == record.base_model and t.quantization == record.quantization]
         if record.id not in self.memory and same_base:
             try:
-                self.memory[record.id] = adapter_memory_bytes(spec.job.lora, dict(
-                    (name, (i, o)) for name, i, o in same_base[0].linear_shapes))
+                self.memory[record.id] = job_adapter_bytes(spec.job.lora, same_base[0])
             except ValueError as error:   # target_modules that the base model does not have
                 self.table.set_state(record.id, "failed", str(error), trainer=None)
                 return None

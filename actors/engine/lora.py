@@ -216,6 +216,12 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[s
     return match_targets(linear_module_names(model), target_modules)
 
 
+def adapted_shapes(target_modules: list[str] | str, linear_shapes: dict[str, tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (in, out) shapes of the linear layers that `target_modules` adapts, of a model whose linear
+    layers have `linear_shapes` (ValueError naming the fix for a target that matches none)."""
+    return [linear_shapes[name] for name in match_targets(list(linear_shapes), target_modules)]
+
+
 def match_targets(candidates: list[str], target_modules: list[str] | str) -> list[str]:
     """Which of the linear layers named `candidates` a LoRA config's `target_modules` selects."""
     if target_modules == "all-linear":

@@ -191,8 +191,8 @@ class PromptResponseFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["prompt_response"] = "prompt_response"
-    prompt: str
-    response: str
+    prompt: str = Field(description="template of the prompt, e.g. `Question: {question}\\nAnswer:`")
+    response: str = Field(description="template of the target, e.g. ` {answer}`")
 
     @field_validator("prompt", "response")
     @classmethod
@@ -216,7 +216,7 @@ class ChatFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["chat"] = "chat"
-    messages_field: str = "messages"
+    messages_field: str = Field("messages", description="the row field holding the messages")
 
     def fields(self) -> set[str]:
         return {self.messages_field}
@@ -227,7 +227,7 @@ class TextFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"] = "text"
-    field: str = "text"
+    field: str = Field("text", description="the row field holding the text")
 
     def fields(self) -> set[str]:
         return {self.field}

@@ -106,11 +106,14 @@ class LoraConfig(StrictModel):
     """One adapter's shape. `target_modules` is a list of module names (matched like PEFT: the full
     dotted name or its last components) or the string `all-linear` (every linear layer but the LM head)."""
 
-    r: Annotated[int, Bounds(1, 1024)] = 8
-    alpha: Annotated[float, Bounds(0, 65536, low_open=True)] = 16.0
-    dropout: Annotated[float, Bounds(0.0, 1.0, high_open=True)] = 0.0
-    use_rslora: bool = False
-    target_modules: list[str] | Literal["all-linear"] = ["q_proj", "v_proj"]
+    r: Annotated[int, Bounds(1, 1024)] = Field(8, description="the adapter's rank")
+    alpha: Annotated[float, Bounds(0, 65536, low_open=True)] = Field(
+        16.0, description="scaling: the update is multiplied by alpha / r (alpha / sqrt(r) with use_rslora)")
+    dropout: Annotated[float, Bounds(0.0, 1.0, high_open=True)] = Field(
+        0.0, description="dropout on the adapter's input (each job draws its own masks)")
+    use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        ["q_proj", "v_proj"], description="module names to adapt, or `all-linear`")
 
     @field_validator("target_modules")
     @classmethod
@@ -129,7 +132,8 @@ class EarlyStopConfig(StrictModel):
     smoothed train loss where it has no eval split) predicts less than `min_improvement` (relative) from
     now to the end of its budget, after at least `patience` + 3 evaluations."""
 
-    min_improvement: Annotated[float, Bounds(0, 100)] = 0.01
+    min_improvement: Annotated[float, Bounds(0, 100)] = Field(
+        0.01, description="the relative loss improvement still worth the rest of the budget (0.01: 1%)")
     patience: Annotated[int, Bounds(1, 10_000)] = Field(
         3, description="evaluations without enough improvement before stopping")
 
@@ -137,22 +141,24 @@ class EarlyStopConfig(StrictModel):
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
-    name: str = Field(pattern=JOB_NAME_PATTERN)
-    data: Path
-    format: DataFormat
-    lora: LoraConfig = LoraConfig()
+    name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
+    data: Path = Field(description="JSONL file or one JSON array of rows")
+    format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
+    lora: LoraConfig = Field(LoraConfig(), description="the adapter")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
-    lr: Annotated[float, Bounds(0, 10, low_open=True)] = 3e-4
-    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
-    warmup_steps: Annotated[int, Bounds(0, 10**9)] = 0
-    weight_decay: Annotated[float, Bounds(0, 10)] = 0.0
-    max_grad_norm: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = 1.0
+    lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")
+    warmup_steps: Annotated[int, Bounds(0, 10**9)] = Field(0, description="optimizer steps of linear warm-up")
+    weight_decay: Annotated[float, Bounds(0, 10)] = Field(0.0, description="AdamW weight decay")
+    max_grad_norm: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = Field(
+        1.0, description="clip the adapter's gradient norm (null: no clipping)")
     max_steps: StepCount | None = Field(None, description="optimizer steps")
-    epochs: Annotated[float, Bounds(0, 10_000, low_open=True)] | None = None
+    epochs: Annotated[float, Bounds(0, 10_000, low_open=True)] | None = Field(
+        None, description="passes over the data (with max_steps, the smaller budget wins; neither: 1 epoch)")
     max_seq_len: Annotated[int, Bounds(8, 1_048_576)] = Field(512, description="tokens per sequence (longer rows "
                                                                                "are cut)")
-    train_on_prompt: bool = False
+    train_on_prompt: bool = Field(False, description="also learn the prompt tokens (else their labels are -100)")
     eval_split: Annotated[float, Bounds(0, 10**9)] = Field(0.0, description="held-out rows: a fraction (< 1) or "
                                                                            "a count (a whole number >= 1)")
     eval_every: StepCount | None = Field(None, description="optimizer steps between evaluations")
@@ -161,9 +167,9 @@ class JobSpec(StrictModel):
         600.0, description="seconds between time-based checkpoints, beside the step-based `checkpoint_every`: a "
                            "crash then loses at most this much wall time of the job's training (None: only "
                            "`checkpoint_every`)")
-    early_stop: EarlyStopConfig | None = None
+    early_stop: EarlyStopConfig | None = Field(None, description="stop when training stops paying off")
     priority: Priority = Field(0, description="higher runs first under priority-aware policies")
-    seed: Seed | None = None
+    seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
 
     @field_validator("name")
     @classmethod
@@ -211,16 +217,21 @@ def step_limit_problem(job: JobSpec, step_tokens: int) -> str | None:
 class RunSpec(StrictModel):
     """A `jobs.yaml` file: one base model and the jobs that share it."""
 
-    base_model: str = "smollm2-135m"
-    quantization: Literal["none", "int8", "nf4"] = "none"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    seed: Seed = 0
-    output_dir: Path = Path("runs/example")
+    base_model: str = Field("smollm2-135m", description="an alias (smollm2-135m), a Hugging Face folder, a .gguf "
+                                                        "file or a hub id already in the local cache")
+    quantization: Literal["none", "int8", "nf4"] = Field("none", description="the frozen base's linear layers "
+                                                                           "(bitsandbytes: the `quant` extra)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (in-process runs)")
+    seed: Seed = Field(0, description="seeds data order, adapter initialisation and dropout")
+    output_dir: Path = Field(Path("runs/example"), description="one folder per job under it")
     step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
-    layout: Literal["packed", "padded", "padded_fused"] = "packed"
+    layout: Literal["packed", "padded", "padded_fused"] = Field(
+        "packed", description="packed (no padding), padded (each job's rows to its longest) or padded_fused "
+                              "(mLoRA: every row to the step's longest)")
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
-    jobs: list[JobSpec] = Field(min_length=1)
+    jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunSpec:

@@ -272,6 +272,7 @@ class SchedulerActor:
             if record.id in self.starting:
                 raise ValueError(f"job {record.id} is starting; cancel it first")
             self.core.delete(key)
+            self.listeners.job_deleted(record.id)
 
     def trainers(self) -> list[dict[str, Any]]:
         with self.lock:

@@ -13,6 +13,14 @@ Topics (under `events.topic_prefix`, default `aspen/v1`):
     jobs/<job>/events    early stop, preemption, stop-rule predictions, evaluations, failures, QoS 1
     service/status       `online` (retained, at connect), `offline` (retained: last will, and on close)
 
+Retained job states are cleared (a zero-length retained publish on `jobs/<job>/state`, MQTT's way to
+remove a retained message; subscribers then see an empty payload) when a job is deleted, and
+`events.retain_finished_s` (default 7 days; null keeps them) after a job finished (completed,
+stopped_early, failed, cancelled). A late subscriber thus gets the states of the current and recently
+finished jobs. Finish times come from the job table, so jobs that finished longer ago than that before
+the service started are cleared at its first round (an external broker may still hold their states);
+a clearing dropped while the broker was away is sent again at the next connect.
+
 The embedded broker admits only the accounts the service generates (random passwords, kept in the
 service's state dir, all files mode 0600, reused across restarts):
     mqtt-credentials.json  {"version": 1, "service": {"username", "password"}, "reader": {...}}: the
@@ -31,6 +39,7 @@ External brokers (`events.broker: mqtt://...`) use `events.username`/`events.pas
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import os
@@ -348,6 +357,7 @@ class Message:
     payload: bytes
     qos: int
     retain: bool
+    clears: str | None = None    # the job whose retained state this (empty, retained) message clears
 
 
 class MqttListener:
@@ -380,6 +390,11 @@ class MqttListener:
         self.queue_size = queue_size
         self.queue_lock = threading.Lock()
         self.published_states: dict[str, bytes] = {}   # job id -> its last state payload (republished on reconnect)
+        self.retain_finished_s = config.retain_finished_s
+        self.tracking_lock = threading.Lock()
+        self.clear_due: dict[str, float] = {}          # finished job id -> when its retained state is cleared
+        self.clear_queue: list[tuple[float, str]] = []   # heap of (due, job id); entries not in clear_due are stale
+        self.unsent_clears: set[str] = set()   # job ids whose clearing is not published yet: sent again at connects
         self.connected = False
         self.down = False            # a connection attempt failed and none succeeded since: drop, don't queue
         self.disabled = False        # the embedded broker could not start: no events at all
@@ -422,9 +437,16 @@ class MqttListener:
     def job_changed(self, record: JobRecord, previous: str | None) -> None:
         payload = self._state_payload(record, previous)
         self.published_states[record.id] = payload
+        with self.queue_lock:
+            self.unsent_clears.discard(record.id)
         self._put(Message(self.job_topic(record.id, "state"), payload, 1, True))
+        self._track(record)
         if record.state in ("stopped_early", "failed"):
             self._event(record.id, record.state, step=record.step, reason=record.reason)
+
+    def job_deleted(self, job_id: str) -> None:
+        """The job is gone: clear its retained state."""
+        self._clear(job_id)
 
     def trainer_polled(self, status: TrainerStatus, events: list[TrainerEvent]) -> None:
         for event in events:
@@ -446,10 +468,26 @@ class MqttListener:
 
     def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
         """Jobs this listener has not published yet (from before the service started) get their state
-        published once, so that a fresh broker holds every job's retained state."""
+        published once, so that a fresh broker holds every job's retained state; of those, jobs that
+        finished longer than `retain_finished_s` ago get theirs cleared instead. Then the finished jobs
+        whose retention ran out are cleared (each once)."""
+        now = time.time()
         for record in jobs:
-            if record.id not in self.published_states:
+            if record.id in self.published_states:
+                continue
+            due = self._clear_time(record)
+            if due is None or due > now:
                 self.job_changed(record, None)
+            elif not self.embedded:   # the embedded broker starts empty: nothing of it to clear
+                self._clear(record.id)
+        while True:
+            with self.tracking_lock:
+                if not self.clear_queue or self.clear_queue[0][0] > now:
+                    break
+                due, job_id = heapq.heappop(self.clear_queue)
+                if self.clear_due.get(job_id) != due:
+                    continue     # published again, or cleared already, since it was queued
+            self._clear(job_id)
 
     def describe(self) -> dict[str, str]:
         if self.disabled:
@@ -471,6 +509,32 @@ class MqttListener:
                 log.warning("events: the MQTT thread did not stop within %.0fs", CLOSE_TIMEOUT_S + 5)
         self.thread.join(timeout=1)
 
+    # -- retention ----------------------------------------------------------------------------------------
+    def _clear_time(self, record: JobRecord) -> float | None:
+        """When a job's retained state is due to be cleared: None while it runs, or when finished states
+        are kept."""
+        if not record.finished or self.retain_finished_s is None:
+            return None
+        return (record.finished_at or record.updated_at) + self.retain_finished_s
+
+    def _track(self, record: JobRecord) -> None:
+        due = self._clear_time(record)
+        with self.tracking_lock:
+            if due is None:
+                self.clear_due.pop(record.id, None)
+            elif self.clear_due.get(record.id) != due:
+                self.clear_due[record.id] = due
+                heapq.heappush(self.clear_queue, (due, record.id))
+
+    def _clear(self, job_id: str) -> None:
+        """Clear the job's retained state on the broker (a zero-length retained publish) and forget it: it
+        is not published again at reconnects. Until the broker has it, the clearing is sent again at each
+        (re)connect (so one dropped while the broker was away is not lost)."""
+        self.published_states.pop(job_id, None)
+        with self.tracking_lock:
+            self.clear_due.pop(job_id, None)
+        self._put(Message(self.job_topic(job_id, "state"), b"", 1, True, clears=job_id))
+
     # -- the queue ----------------------------------------------------------------------------------------
     def _event(self, job_id: str, kind: str, **data: Any) -> None:
         payload = {"job": job_id, "kind": kind, **data, "time": time.time()}
@@ -480,6 +544,8 @@ class MqttListener:
         if self.disabled or self.stop_requested:
             return
         with self.queue_lock:
+            if message.clears is not None:   # until it is published (queued, or dropped right here)
+                self.unsent_clears.add(message.clears)
             full = len(self.queue) >= self.queue_size
             if not full and not self.down:
                 self.queue.append(message)
@@ -617,6 +683,9 @@ class MqttListener:
                     watcher = asyncio.create_task(self._watch_connection(client))
                     try:
                         await client.publish(self.status_topic, self._status_payload("online"), qos=1, retain=True)
+                        for job_id in self._unsent_clears():
+                            await client.publish(self.job_topic(job_id, "state"), b"", qos=1, retain=True)
+                            self._cleared(job_id)
                         for payload_topic, payload in self._republish():
                             await client.publish(payload_topic, payload, qos=1, retain=True)
                         while True:
@@ -626,6 +695,8 @@ class MqttListener:
                                 await client.publish(pending.topic, pending.payload, qos=pending.qos,
                                                      retain=pending.retain, timeout=10)
                                 self.published += 1
+                                if pending.clears is not None:
+                                    self._cleared(pending.clears)
                                 pending = None
                                 continue
                             if self.stop_requested:
@@ -682,6 +753,16 @@ class MqttListener:
     def _take_peek(self) -> bool:
         with self.queue_lock:
             return bool(self.queue)
+
+    def _unsent_clears(self) -> list[str]:
+        """At each (re)connect: the clearings that were dropped (those still queued go out in turn)."""
+        with self.queue_lock:
+            queued = {message.clears for message in self.queue if message.clears is not None}
+            return sorted(self.unsent_clears - queued)
+
+    def _cleared(self, job_id: str) -> None:
+        with self.queue_lock:
+            self.unsent_clears.discard(job_id)
 
     def _republish(self) -> list[tuple[str, bytes]]:
         """At each (re)connect: every job's last state again (a state change may have been dropped while

@@ -97,6 +97,8 @@ def event_line(topic: str, payload: bytes, retained: bool, prefix: str = "aspen/
     """One line for a message of the service's topics (see `orchestrator.events`); `retained` marks what
     the broker kept from before (the current state when the watch starts)."""
     text = payload.decode("utf-8", errors="replace")
+    if not text:   # an empty retained message: the broker's copy was cleared (a job deleted or past retention)
+        return f"{time.strftime('%H:%M:%S')}  {topic}  (retained state cleared)"
     try:
         data = json.loads(text)
     except ValueError:

@@ -1,9 +1,10 @@
 """MQTT job events, checked by a real subscriber (an aiomqtt client in the test): against a real mosquitto
 started by the test and against the service's embedded amqtt broker (subscribing there with the reader
 account from the service's state dir), a job's states, progress and events arrive, late subscribers get the
-retained state and service status, a stopped service leaves a retained `offline`, and a listener whose
-broker is down neither blocks nor stops anything. tests/faults/test_mqtt_auth.py checks who may connect,
-publish and subscribe on the embedded broker."""
+retained state and service status, a stopped service leaves a retained `offline`, a listener whose
+broker is down neither blocks nor stops anything, and retained states are cleared when a job is deleted
+and once a finished job's retention (events.retain_finished_s) ran out. tests/faults/test_mqtt_auth.py
+checks who may connect, publish and subscribe on the embedded broker."""
 
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def mosquitto(tmp_path_factory):
 
 
 class Subscriber:
-    """An aiomqtt client in a thread of its own, subscribed to `topic`; records (topic, payload, retain)."""
+    """An aiomqtt client in a thread of its own, subscribed to `topic`; records (topic, payload, retain),
+    the payload parsed from JSON (None for an empty one: a retained message being cleared)."""
 
     def __init__(self, port: int, topic: str = "aspen/v1/#", username: str | None = None,
                  password: str | None = None):
@@ -125,7 +127,8 @@ class Subscriber:
 
             async def read() -> None:
                 async for message in client.messages:
-                    self.messages.append((str(message.topic), json.loads(message.payload), bool(message.retain)))
+                    payload = json.loads(message.payload) if message.payload else None
+                    self.messages.append((str(message.topic), payload, bool(message.retain)))
 
             reader = asyncio.create_task(read())
             while not self.stopping.is_set():
@@ -152,6 +155,29 @@ def retained(port: int, topic: str, wait: float = 10, **credentials: str) -> dic
     payload, was_retained = found[0]
     assert was_retained
     return payload
+
+
+def retained_states(port: int, prefix: str, present: str, settle: float = 0.5, **credentials: str) -> dict[str, dict]:
+    """The retained job states (job id -> payload) that a subscriber to `<prefix>/jobs/#` connecting now
+    gets: waits for job `present`'s, then `settle` seconds for the others (the broker sends them together)."""
+    late = Subscriber(port, f"{prefix}/jobs/#", **credentials)
+    try:
+        wait_for(lambda: late.on(f"{prefix}/jobs/{present}/state"), timeout=10, what=f"the retained state of {present}")
+        time.sleep(settle)
+    finally:
+        late.close()
+    states = {}
+    for topic, payload, was_retained in list(late.messages):
+        if was_retained and topic.endswith("/state"):
+            assert payload is not None, topic    # a cleared retained message is gone, not kept with no payload
+            states[topic.split("/")[-2]] = payload
+    return states
+
+
+def job_record(job_id: str, state: str, finished_at: float | None = None) -> JobRecord:
+    now = time.time()
+    return JobRecord(job_id, job_id, state, "why", "m", "none", 0, "/out", None, 3, 10, 300, 1.5, None, 20.0, None,
+                     None, now, now, finished_at, finished_at or now)
 
 
 def service_config(state_dir: Path, base: Path, events: dict) -> ServiceConfig:
@@ -225,16 +251,21 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
     try:
         listener.job_changed(record, "queued")
-        wait_for(lambda: listener.published >= 1, timeout=10, what="the first state to be published")
+        listener.job_changed(job_record("job-def456", "queued"), None)
+        wait_for(lambda: listener.published >= 2, timeout=10, what="the first states to be published")
         stop_mosquitto(broker)           # persistence off: the restarted broker has no retained messages
         with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
             wait_for(lambda: listener.down, timeout=20, what="the listener to notice the broker left")
             record.state, record.step = "completed", 10
             listener.job_changed(record, "running")     # dropped: the broker is away
+            listener.job_deleted("job-def456")          # dropped too: its clearing is sent at the reconnect
+        assert listener.unsent_clears == {"job-def456"}
         broker = start_mosquitto(tmp_path / "broker", port)
         wait_for(lambda: listener.connected, timeout=30, what="the listener to reconnect")
         state = retained(port, "aspen/v1/jobs/job-abc123/state")
         assert (state["state"], state["step"]) == ("completed", 10)
+        assert set(retained_states(port, "aspen/v1", "job-abc123")) == {"job-abc123"}   # the deleted one is not back
+        wait_for(lambda: not listener.unsent_clears, timeout=10, what="the dropped clearing to be sent")
         assert retained(port, "aspen/v1/service/status")["state"] == "online"
         assert any("unreachable" in r.getMessage() for r in caplog.records)
     finally:
@@ -281,6 +312,75 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
                    for r in caplog.records)
     finally:
         stop_mosquitto(broker)
+
+
+@pytest.mark.parametrize("broker", ["mosquitto", "embedded"])
+def test_a_deleted_jobs_retained_state_is_cleared(broker, request, tmp_path):
+    prefix = f"test-{uuid.uuid4().hex[:8]}/v1"
+    if broker == "mosquitto":
+        port = request.getfixturevalue("mosquitto")
+        listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}", topic_prefix=prefix))
+        credentials: dict[str, str] = {}
+    else:
+        listener = MqttListener(EventsConfig(embedded_port=0, topic_prefix=prefix), state_dir=tmp_path)
+        reader = reader_settings(tmp_path)
+        port, credentials = reader.port, {"username": reader.username, "password": reader.password}
+    try:
+        kept, deleted = job_record("kept-000001", "queued"), job_record("gone-000002", "completed", time.time())
+        listener.job_changed(kept, None)
+        listener.job_changed(deleted, "running")
+        wait_for(lambda: listener.published >= 2, timeout=10, what="the states to be published")
+        assert set(retained_states(port, prefix, kept.id, **credentials)) == {kept.id, deleted.id}
+
+        live = Subscriber(port, f"{prefix}/jobs/#", **credentials)
+        wait_for(lambda: len(live.messages) >= 2, timeout=10, what="the retained states at the live subscriber")
+        listener.job_deleted(deleted.id)
+        cleared = wait_for(lambda: [p for p, _ in live.on(f"{prefix}/jobs/{deleted.id}/state") if p is None],
+                           timeout=10, what="the clearing at the live subscriber")
+        assert len(cleared) == 1
+        live.close()
+        assert set(retained_states(port, prefix, kept.id, **credentials)) == {kept.id}
+        assert deleted.id not in dict(listener._republish())   # not published again at a reconnect
+    finally:
+        listener.close()
+
+
+def test_finished_jobs_retained_states_are_cleared_after_the_retention(mosquitto):
+    prefix = f"test-{uuid.uuid4().hex[:8]}/v1"
+    url = f"mqtt://127.0.0.1:{mosquitto}"
+    old = job_record("old-000001", "failed", time.time() - 3600)    # finished long before the restart
+    earlier = MqttListener(EventsConfig(broker=url, topic_prefix=prefix, retain_finished_s=None))
+    try:   # the service's previous run, which kept finished states
+        earlier.job_changed(old, "running")
+        wait_for(lambda: earlier.published >= 1, timeout=10, what="the old job's state to be published")
+    finally:
+        earlier.close()
+    assert retained(mosquitto, f"{prefix}/jobs/{old.id}/state")["state"] == "failed"
+
+    listener = MqttListener(EventsConfig(broker=url, topic_prefix=prefix, retain_finished_s=1.0))
+    live = Subscriber(mosquitto, f"{prefix}/jobs/#")
+    try:
+        running = job_record("run-000002", "running")
+        listener.job_changed(running, "queued")
+        done = job_record("done-000003", "completed", time.time())
+        listener.job_changed(done, "running")
+        listener.tick([old, running, done], {}, [])      # the first round after the start: every job
+        wait_for(lambda: [p for p, _ in live.on(f"{prefix}/jobs/{old.id}/state") if p is None], timeout=10,
+                 what="the old job's state to be cleared at the first round")
+        assert set(retained_states(mosquitto, prefix, running.id)) == {running.id, done.id}
+
+        time.sleep(1.2)
+        for _ in range(3):                                # later rounds: the unfinished jobs only
+            listener.tick([running], {}, [])
+        wait_for(lambda: [p for p, _ in live.on(f"{prefix}/jobs/{done.id}/state") if p is None], timeout=10,
+                 what="the finished job's state to be cleared after its retention")
+        assert set(retained_states(mosquitto, prefix, running.id)) == {running.id}
+        assert set(dict(listener._republish())) == {listener.job_topic(running.id, "state")}
+        cleared = [t.split("/")[-2] for t, p, _ in list(live.messages) if p is None]
+        assert sorted(cleared) == sorted([done.id, old.id])      # each cleared once
+    finally:
+        live.close()
+        listener.close()
 
 
 def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog, tmp_path):
@@ -331,6 +431,12 @@ def test_job_events_on_a_real_mosquitto(ray_session, mosquitto, tiny_model_dirs,
         # a subscriber that comes after the fact gets the retained state and service status
         assert retained(mosquitto, f"aspen/v1/jobs/{job.id}/state")["state"] == "completed"
         assert retained(mosquitto, "aspen/v1/service/status")["state"] == "online"
+
+        # deleting a job clears its retained state
+        assert retained(mosquitto, f"aspen/v1/jobs/{stopper.id}/state")["state"] == "stopped_early"
+        client.delete(stopper.id)
+        wait_for(lambda: stopper.id not in retained_states(mosquitto, "aspen/v1", job.id), timeout=10,
+                 what="the deleted job's retained state to be cleared")
 
         client.shutdown()
         stopped = True

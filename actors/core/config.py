@@ -69,6 +69,10 @@ class EventsConfig(StrictModel):
     password: str | None = None
     ca_file: Path | None = Field(None, description="CA certificate for mqtts:// (default: the system's)")
     topic_prefix: str = "aspen/v1"
+    retain_finished_s: Annotated[float, Bounds(0, 10**9)] | None = Field(
+        7 * 24 * 3600.0, description="seconds after a job finished (completed, stopped early, failed, cancelled) "
+                                     "that its retained state is cleared from the broker (null: kept until the job "
+                                     "is deleted; a deleted job's is cleared at once)")
 
 
 class ServiceConfig(StrictModel):

@@ -17,6 +17,10 @@ class ServiceListener(Protocol):
     def job_changed(self, record: JobRecord, previous: str | None) -> None:
         """A job changed state (`previous` is None for a job just submitted)."""
 
+    def job_deleted(self, job_id: str) -> None:
+        """A job was deleted from the service (its row is gone). Optional: `Listeners` skips a listener
+        that does not define it."""
+
     def trainer_polled(self, status: TrainerStatus, events: list[TrainerEvent]) -> None:
         """A trainer's status and what it reported since the last poll: its fused steps (kind `step`,
         one row of its step log each) and its jobs' progress, evaluations, checkpoints and endings."""
@@ -46,8 +50,10 @@ class Listeners:
     def add(self, listener: ServiceListener) -> None:
         self.listeners.append(listener)
 
-    def _call(self, method: str, *args: object) -> None:
+    def _call(self, method: str, *args: object, optional: bool = False) -> None:
         for listener in self.listeners:
+            if optional and not hasattr(listener, method):
+                continue
             try:
                 getattr(listener, method)(*args)
             except Exception:  # noqa: BLE001 - observability must never stop training; the error is logged
@@ -55,6 +61,9 @@ class Listeners:
 
     def job_changed(self, record: JobRecord, previous: str | None) -> None:
         self._call("job_changed", record, previous)
+
+    def job_deleted(self, job_id: str) -> None:
+        self._call("job_deleted", job_id, optional=True)
 
     def trainer_polled(self, status: TrainerStatus, events: list[TrainerEvent]) -> None:
         self._call("trainer_polled", status, events)

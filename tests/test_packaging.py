@@ -67,3 +67,19 @@ def test_quantizing_without_bitsandbytes_fails_before_training(monkeypatch, tiny
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(MissingExtraError, match=r"aspen-lora\[quant\]"):
         load_base_model(str(tiny_model_dirs["llama"]), quantization="nf4", device="cpu")
+
+
+def test_without_the_broker_extra_the_service_runs_with_events_off_and_says_why(monkeypatch, tmp_path):
+    from actors.core.config import EventsConfig
+    from orchestrator.events import MqttListener
+    from tests.test_mqtt_events import job_record
+
+    monkeypatch.setitem(sys.modules, "amqtt", None)   # as if the [broker] extra were not installed
+    listener = MqttListener(EventsConfig(embedded_port=0), state_dir=tmp_path)
+    try:
+        error = listener.describe()["events_error"]
+        assert "the embedded MQTT broker" in error and "pip install 'aspen-lora[broker]'" in error
+        assert "events.broker" in error and "off" in error
+        listener.job_changed(job_record("job-1", "running"), None)   # hears the service as before, publishes nothing
+    finally:
+        listener.close()

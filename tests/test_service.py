@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 

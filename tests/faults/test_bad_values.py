@@ -148,7 +148,7 @@ def test_a_bad_step_tokens_names_line_field_and_range(tmp_path, text, expected):
 @pytest.mark.parametrize("text", [str(2**64), "-1", ".nan"])
 def test_a_bad_run_seed_is_named(tmp_path, text):
     source = with_line(GOOD, "seed:", f"seed: {text}")
-    with pytest.raises(SpecError, match=rf"jobs.yaml:2: seed: "):
+    with pytest.raises(SpecError, match=r"jobs.yaml:2: seed: "):
         load_run_spec(write(tmp_path, source))
 
 

@@ -19,7 +19,7 @@ from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.spec import JobSpec, JobSubmission
 from actors.engine.trainer import FusedTrainer
-from policies.base import JobView, Snapshot, Start, TrainerView, Wait
+from policies.base import JobView, Snapshot, Start, TrainerView
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy
 from tests.conftest import random_examples, tiny_model

@@ -8,8 +8,8 @@ from typing import Any
 
 import ray
 
-from actors.core.feed import FeedChunk
-from actors.core.job_data import DataSummary, JobData, JobUpdate
+from actors.service.feed import FeedChunk
+from actors.service.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
 from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission

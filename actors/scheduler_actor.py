@@ -12,6 +12,7 @@ table, and the jobs that were running resume from their checkpoints."""
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import logging
 import os
@@ -26,16 +27,15 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from actors.core.config import NAMESPACE, ServiceConfig, TrainerConfig
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable, JobTableBusy
-from actors.core.listeners import Listeners
-from actors.core.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
+from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable, JobTableBusy
+from actors.service.listeners import Listeners
+from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
 from actors.engine.spec import JobSubmission
 from actors.job_actor import JobActor
 from actors.niceness import background_priority
-from actors.trainer_actor import GpuTrainerActor
-from orchestrator.observability import service_listeners
+from actors.trainer_actor import TrainerActor
 from policies.base import Preempt, Start
 from policies.registry import load_policy
 
@@ -134,9 +134,22 @@ def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
     return [TrainerConfig()]
 
 
+def build_listeners(factory: str | None, config: ServiceConfig) -> list:
+    """The listeners `factory` ('module:function') builds for `config`; none without a factory."""
+    if factory is None:
+        return []
+    module, _, function = factory.partition(":")
+    if not module or not function:
+        raise ValueError(f"listeners factory '{factory}' is not 'module:function'")
+    return list(getattr(importlib.import_module(module), function)(config))
+
+
 @ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)
 class SchedulerActor:
-    def __init__(self, config_json: str):
+    def __init__(self, config_json: str, listeners: str | None = None):
+        """`listeners`: 'module:function' that builds the service's listeners from its configuration (the
+        client passes `orchestrator.observability:service_listeners`: metrics and MQTT events); None: none.
+        Named, not imported here, so that this layer does not depend on the user-facing one above it."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
         self.config = ServiceConfig.model_validate_json(config_json)
@@ -145,7 +158,7 @@ class SchedulerActor:
         self.state_lock = lock_state_dir(self.state_dir)
         self.incarnation = f"{int(time.time() * 1000):x}"
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        self.listeners = Listeners(service_listeners(self.config))
+        self.listeners = Listeners(build_listeners(listeners, self.config))
         self.table = open_job_table(self.state_dir / "jobs.sqlite", self.listeners.job_changed)
         output_root = self.config.output_root
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
@@ -427,7 +440,7 @@ class SchedulerActor:
         slot.actor_name = f"{service}.{slot.trainer_id}.{self.incarnation}.{slot.restarts}"
         options: dict[str, Any] = {"num_cpus": slot.config.num_cpus, "num_gpus": slot.config.num_gpus,
                                    "name": slot.actor_name, "namespace": NAMESPACE}
-        slot.handle = GpuTrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
+        slot.handle = TrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
                                                                str(self.state_dir), slot.threads, self.config.policy)
         slot.ready_ref = slot.handle.start.remote()
         slot.poll_ref, slot.status, slot.error = None, None, None

@@ -1,4 +1,5 @@
-"""`GpuTrainerActor`: one per GPU (or a configured number on CPU). It loads its base model once and runs
+"""`TrainerActor`: one per GPU, or a configured number on CPU (`GpuTrainerActor` is its old name, kept as an
+alias). It loads its base model once and runs
 fused steps continuously over the jobs assigned to it.
 
 The actor takes one call at a time, and drives itself: each `tick` runs one fused step and queues the
@@ -14,10 +15,10 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.core.config import TrainerConfig
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.job_data import DataSummary
-from actors.core.trainer_loop import Assignment, TrainerLoop
+from actors.service.config import TrainerConfig
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.job_data import DataSummary
+from actors.service.trainer_loop import Assignment, TrainerLoop
 from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
@@ -33,7 +34,7 @@ IDLE_WAIT_S = 0.05   # without jobs, how long a tick waits before letting queued
 
 
 @ray.remote(max_restarts=0)
-class GpuTrainerActor:
+class TrainerActor:
     def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None,
                  policy: str | None = None):
         """`policy`: the service's policy; where it composes steps (`compose_step`, e.g. minpad), the
@@ -94,3 +95,6 @@ class GpuTrainerActor:
         self.stopping = True
         self.loop.close()
         return self.loop.drain_events()
+
+
+GpuTrainerActor = TrainerActor   # the name of earlier releases: it runs on CPU as well

@@ -41,10 +41,10 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from actors.core.config import TrainerConfig  # noqa: E402
-from actors.core.events import TrainerEvent  # noqa: E402
-from actors.core.job_data import JobData  # noqa: E402
-from actors.core.trainer_loop import Assignment, LocalJobLink, TrainerLoop  # noqa: E402
+from actors.service.config import TrainerConfig  # noqa: E402
+from actors.service.trainer_reports import TrainerEvent  # noqa: E402
+from actors.service.job_data import JobData  # noqa: E402
+from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop  # noqa: E402
 from actors.engine.models import BaseModel, load_base_model  # noqa: E402
 from actors.engine.spec import JobSubmission, RunSpec  # noqa: E402
 

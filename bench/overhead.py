@@ -38,7 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from actors.core.config import ServiceConfig, TrainerConfig  # noqa: E402
+from actors.service.config import ServiceConfig, TrainerConfig  # noqa: E402
 from actors.engine.local_run import train_locally  # noqa: E402
 from actors.engine.models import load_base_model, load_base_tokenizer  # noqa: E402
 from actors.engine.spec import RunSpec  # noqa: E402
@@ -80,7 +80,7 @@ def run_through_service(spec: RunSpec, state_dir: Path, threads: int | None = No
     """`threads`: the trainer's torch threads (default: the service's own choice, the node's cores)."""
     from orchestrator.client import Client
 
-    # the trainer runs where the in-process engine ran: on the GPU when there is one (a GpuTrainerActor)
+    # the trainer runs where the in-process engine ran: on the GPU when there is one (a TrainerActor)
     trainer = TrainerConfig(base_model=spec.base_model, step_tokens=spec.step_tokens, layout=spec.layout,
                             num_gpus=1 if torch.cuda.is_available() else 0, threads=threads,
                             step_log=Path(spec.output_dir) / "trainer.jsonl")

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.overhead import require_completed  # noqa: E402
-from actors.core.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
 from policies.simulate import Lengths, Simulator, Trace, TraceJob, TrainerSpec, calibrate  # noqa: E402
 from policies.registry import load_policy  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
 
-from actors.core.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
 import deep_tiny_model  # noqa: E402  (bench/ is on sys.path when run as a script)
 from orchestrator.client import Client  # noqa: E402
 

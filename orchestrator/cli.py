@@ -11,13 +11,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from orchestrator.spec import SpecError, load_run_spec
+from orchestrator.jobs_file import SpecError, load_run_spec
 
 
 def _service_config(args: argparse.Namespace):
     import yaml
 
-    from actors.core.config import ServiceConfig, TrainerConfig
+    from actors.service.config import ServiceConfig, TrainerConfig
 
     data: dict = {}
     if args.config:
@@ -106,7 +106,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator.watch import watch
 
     if args.events:
-        from orchestrator.events import reader_settings
+        from orchestrator.mqtt_events import reader_settings
         from orchestrator.watch import watch_events
 
         if args.once:
@@ -199,7 +199,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
     if args.in_process:
         return _run_in_process(spec, args.quiet)
-    from actors.core.config import ServiceConfig, TrainerConfig
+    from actors.service.config import ServiceConfig, TrainerConfig
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, print_table, summary_table
     from orchestrator.run_plan import changed_message, clear_job_folder, plan_run
@@ -255,7 +255,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 def _saved_step(output_dir: str) -> int | None:
     from actors.engine.checkpoint import saved_step
-    from actors.core.trainer_loop import CHECKPOINT_FOLDER
+    from actors.service.trainer_loop import CHECKPOINT_FOLDER
 
     return saved_step(Path(output_dir) / CHECKPOINT_FOLDER)
 

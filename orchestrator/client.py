@@ -21,11 +21,15 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.core.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
-from actors.core.job_table import TERMINAL_STATES, JobRecord
+from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
+from actors.service.job_table import TERMINAL_STATES, JobRecord
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
 from orchestrator.private_ray import start_private_cluster
-from orchestrator.spec import SpecError, load_run_spec, parse_run_spec
+from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
+
+
+# what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
+LISTENERS = "orchestrator.observability:service_listeners"
 
 
 class ServiceError(RuntimeError):
@@ -153,7 +157,7 @@ class Client:
         from actors.scheduler_actor import SchedulerActor
 
         name = name or f"{SCHEDULER_NAME}-local-{uuid.uuid4().hex[:8]}"
-        scheduler = SchedulerActor.options(name=name, namespace=NAMESPACE).remote(config.model_dump_json())
+        scheduler = SchedulerActor.options(name=name, namespace=NAMESPACE).remote(config.model_dump_json(), LISTENERS)
         client = cls(scheduler, owned=True)
         if wait_ready:
             client.wait_ready()
@@ -178,7 +182,7 @@ class Client:
             require_token_auth(insecure)
 
         scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached",
-                                           get_if_exists=True).remote(config.model_dump_json())
+                                           get_if_exists=True).remote(config.model_dump_json(), LISTENERS)
         return cls(scheduler)
 
     def _request(self, method: str, *args: Any, timeout: float | None = 120) -> Any:
@@ -208,11 +212,11 @@ class Client:
         return self._request("info")
 
     def event_settings(self) -> Any:
-        """Where and how to subscribe to this service's job events (an `orchestrator.events.EventSettings`):
+        """Where and how to subscribe to this service's job events (an `orchestrator.mqtt_events.EventSettings`):
         its embedded MQTT broker's address and read-only account, read from the service's state dir (so
         this machine must see that folder, and this user read its `mqtt-reader.json`). Raises
         FileNotFoundError / PermissionError saying so."""
-        from orchestrator.events import reader_settings
+        from orchestrator.mqtt_events import reader_settings
 
         return reader_settings(self.info()["state_dir"])
 

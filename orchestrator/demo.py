@@ -228,7 +228,7 @@ def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
 def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     """Start a service (scheduler, one trainer, a job actor per job) on a local Ray, submit the four
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
-    from actors.core.config import ServiceConfig, TrainerConfig
+    from actors.service.config import ServiceConfig, TrainerConfig
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs
 

@@ -22,9 +22,9 @@ from wsgiref.simple_server import WSGIServer
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from actors.core.config import MetricsConfig
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.job_table import JOB_STATES, JobRecord
+from actors.service.config import MetricsConfig
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.job_table import JOB_STATES, JobRecord
 from actors.engine.extras import DISTRIBUTION
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The embedded MQTT broker (amqtt, installed with the `broker` extra): its accounts' password file, the
 plugins that admit only those accounts and let only the service publish, and its configuration. Imported
-only when the service starts the embedded broker (`orchestrator.events`)."""
+only when the service starts the embedded broker (`orchestrator.mqtt_events`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
-from orchestrator.events import PASSWORD_FILE, BrokerCredentials, _is_private, write_private
+from orchestrator.mqtt_events import PASSWORD_FILE, BrokerCredentials, _is_private, write_private
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The service's listeners, built from its configuration: the Prometheus endpoint (`metrics`) and the MQTT
 job events (`events`; the embedded broker keeps its accounts in the service's state dir). The scheduler
-actor calls them (`actors.core.listeners`)."""
+actor calls them (`actors.service.listeners`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from actors.core.config import ServiceConfig
-from actors.core.listeners import ServiceListener
+from actors.service.config import ServiceConfig
+from actors.service.listeners import ServiceListener
 
 
 def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
@@ -17,7 +17,7 @@ def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
 
         listeners.append(MetricsListener(config.metrics))
     if config.events.enabled:
-        from orchestrator.events import MqttListener
+        from orchestrator.mqtt_events import MqttListener
 
         state_dir = Path(config.state_dir).expanduser()
         listeners.append(MqttListener(config.events, state_dir=state_dir,

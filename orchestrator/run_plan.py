@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.core.job_table import JobRecord
+from actors.service.job_table import JobRecord
 from actors.engine.spec import JobSubmission
 
 FINISHED = ("completed", "stopped_early")

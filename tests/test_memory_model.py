@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from actors.core.trainer_loop import activation_bytes_estimate
+from actors.service.trainer_loop import activation_bytes_estimate
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.spec import JobSpec

@@ -24,10 +24,10 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
-from actors.core.job_table import JobRecord
+from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.service.job_table import JobRecord
 from orchestrator.client import Client
-from orchestrator.events import MqttListener, reader_settings, topic_level
+from orchestrator.mqtt_events import MqttListener, reader_settings, topic_level
 from orchestrator.report import write_report
 from tests.service_helpers import job_dict, wait_for, write_task_data
 
@@ -223,7 +223,7 @@ def test_a_dead_broker_never_blocks_and_warns(caplog):
     port = free_port()   # nothing listens there
     record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
                        1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
-    with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
         listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"), queue_size=100)
         try:
             started = time.perf_counter()
@@ -254,7 +254,7 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
         listener.job_changed(job_record("job-def456", "queued"), None)
         wait_for(lambda: listener.published >= 2, timeout=10, what="the first states to be published")
         stop_mosquitto(broker)           # persistence off: the restarted broker has no retained messages
-        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
             wait_for(lambda: listener.down, timeout=20, what="the listener to notice the broker left")
             record.state, record.step = "completed", 10
             listener.job_changed(record, "running")     # dropped: the broker is away
@@ -301,7 +301,7 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
             listener.close()
         assert retained(plain, "aspen/v1/jobs/job-abc123/state", username="aspen", password="s3cret")["state"] == \
             "completed"
-        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
             wrong = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="wrong",
                                               ca_file=folder / "cert.pem"))
             try:
@@ -388,7 +388,7 @@ def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog, tmp_pat
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
             listener = MqttListener(EventsConfig(embedded_port=port), state_dir=tmp_path)
         try:
             assert listener.describe() == {}

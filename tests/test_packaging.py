@@ -70,8 +70,8 @@ def test_quantizing_without_bitsandbytes_fails_before_training(monkeypatch, tiny
 
 
 def test_without_the_broker_extra_the_service_runs_with_events_off_and_says_why(monkeypatch, tmp_path):
-    from actors.core.config import EventsConfig
-    from orchestrator.events import MqttListener
+    from actors.service.config import EventsConfig
+    from orchestrator.mqtt_events import MqttListener
     from tests.test_mqtt_events import job_record
 
     monkeypatch.setitem(sys.modules, "amqtt", None)   # as if the [broker] extra were not installed

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.core.config import MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.config import MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from tests.service_helpers import job_dict, wait_for, write_task_data
 

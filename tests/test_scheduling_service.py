@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 
-from actors.core.config import ServiceConfig, TrainerConfig
+from actors.service.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from actors.engine.local_run import train_locally
 from actors.engine.models import load_base_model
@@ -83,9 +83,9 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
 def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.core.job_table import JobTable
-    from actors.core.scheduler_core import SchedulerCore
-    from actors.core.trainer_loop import TrainerLoop
+    from actors.service.job_table import JobTable
+    from actors.service.scheduler_core import SchedulerCore
+    from actors.service.trainer_loop import TrainerLoop
     from actors.engine.lora import adapted_shapes
     from policies.fifo import FifoPolicy
     from policies.memory import adapter_memory_bytes

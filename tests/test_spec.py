@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from orchestrator.spec import SpecError, load_run_spec, parse_run_spec
+from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
 
 GOOD = """\
 base_model: smollm2-135m

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from actors.core.config import TrainerConfig
-from actors.core.events import TrainerStatus
-from actors.core.job_data import JobData
-from actors.core.job_table import JobTable
-from actors.core.scheduler_core import SchedulerCore
-from actors.core.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.config import TrainerConfig
+from actors.service.trainer_reports import TrainerStatus
+from actors.service.job_data import JobData
+from actors.service.job_table import JobTable
+from actors.service.scheduler_core import SchedulerCore
+from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
 from actors.engine.local_run import train_locally
 from actors.engine.models import load_base_model
 from policies.base import Start, Wait
@@ -193,7 +193,7 @@ def test_fifo_respects_the_memory_budget():
 
 
 def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
-    from actors.core.events import TrainerEvent
+    from actors.service.trainer_reports import TrainerEvent
 
     data = write_task_data(tmp_path / "data", "t")
     spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 1000)])
@@ -209,7 +209,7 @@ def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
 
 
 def test_a_failing_listener_does_not_stop_the_others(caplog):
-    from actors.core.listeners import Listeners
+    from actors.service.listeners import Listeners
 
     heard = []
 

@@ -13,8 +13,8 @@ import matplotlib.image
 import pytest
 from rich.console import Console
 
-from actors.core.config import SCHEDULER_NAME, ServiceConfig, TrainerConfig
-from actors.core.job_table import JobRecord
+from actors.service.config import SCHEDULER_NAME, ServiceConfig, TrainerConfig
+from actors.service.job_table import JobRecord
 from orchestrator.cli import main
 from orchestrator.client import Client
 from orchestrator.watch import eta_seconds, watch

@@ -179,7 +179,7 @@ class AlpacaFormat(BaseModel):
     """Stanford Alpaca rows: ``instruction``, optional ``input``, ``output``."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["alpaca"] = "alpaca"
+    type: Literal["alpaca"] = Field("alpaca", description="rows with instruction, optional input, output")
 
     def fields(self) -> set[str]:
         return {"instruction", "input", "output"}
@@ -190,7 +190,7 @@ class PromptResponseFormat(BaseModel):
     ``prompt="Question: {question}\\nAnswer:"``, ``response=" {answer}"``."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["prompt_response"] = "prompt_response"
+    type: Literal["prompt_response"] = Field("prompt_response", description="two templates over the row's fields")
     prompt: str = Field(description="template of the prompt, e.g. `Question: {question}\\nAnswer:`")
     response: str = Field(description="template of the target, e.g. ` {answer}`")
 
@@ -215,7 +215,7 @@ class ChatFormat(BaseModel):
     tokenizer's chat template; the assistant turns are the targets."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["chat"] = "chat"
+    type: Literal["chat"] = Field("chat", description="messages through the tokenizer's chat template")
     messages_field: str = Field("messages", description="the row field holding the messages")
 
     def fields(self) -> set[str]:
@@ -226,7 +226,7 @@ class TextFormat(BaseModel):
     """Plain text in one field; every token is a target."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"] = "text"
+    type: Literal["text"] = Field("text", description="plain text; every token is a target")
     field: str = Field("text", description="the row field holding the text")
 
     def fields(self) -> set[str]:

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from actors.core.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
 from actors.engine.spec import JobSpec, JobSubmission, RunSpec, step_limit_problem
-from orchestrator.spec import SpecError, load_run_spec
+from orchestrator.jobs_file import SpecError, load_run_spec
 
 GOOD = """\
 base_model: smollm2-135m

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import json
 
-from actors.core.job_files import METRICS_NAME, JobFiles
+from actors.service.job_files import METRICS_NAME, JobFiles
 from tests.faults.disks import fill
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from actors.core.config import EventsConfig, ServiceConfig, TrainerConfig
-from actors.core.job_table import JobRecord
+from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.service.job_table import JobRecord
 from orchestrator.cli import main as aspen_main
 from orchestrator.client import Client
-from orchestrator.events import (CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, MqttListener,
+from orchestrator.mqtt_events import (CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, MqttListener,
                                  reader_settings)
 from orchestrator.observability import service_listeners
 from orchestrator.watch import watch_events
@@ -225,7 +225,7 @@ def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(
         second.close()
 
     files[0].chmod(0o644)    # someone made the accounts readable: their passwords may be known
-    with caplog.at_level(logging.WARNING, logger="orchestrator.events"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
         third = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
     try:
         wait_for(lambda: third.connected, timeout=20, what="the service account to connect with new passwords")

@@ -19,12 +19,13 @@ NAMESPACE = "aspen"
 class TrainerConfig(StrictModel):
     """One kind of trainer: `count` of them (or one per GPU with `gpus_per_trainer: 1`)."""
 
-    base_model: str = "smollm2-135m"
-    quantization: Literal["none", "int8", "nf4"] = "none"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    base_model: str = Field("smollm2-135m", description="the base model this kind of trainer holds (as in a jobs file)")
+    quantization: Literal["none", "int8", "nf4"] = Field("none", description="of the frozen base (the `quant` extra)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
-    layout: Literal["packed", "padded", "padded_fused"] = "packed"
-    count: Annotated[int, Bounds(1, 1024)] = 1
+    layout: Literal["packed", "padded", "padded_fused"] = Field("packed", description="token layout of its fused steps")
+    count: Annotated[int, Bounds(1, 1024)] = Field(1, description="trainers of this kind")
     num_gpus: Annotated[float, Bounds(0, 1024)] = Field(0, description="GPUs per trainer (1 on a GPU machine)")
     num_cpus: Annotated[float, Bounds(0, 65536)] = Field(1, description="CPUs Ray reserves per trainer")
     threads: Annotated[int, Bounds(1, 4096)] | None = Field(
@@ -53,22 +54,22 @@ class TrainerConfig(StrictModel):
 class MetricsConfig(StrictModel):
     """The Prometheus scrape endpoint the service serves (`/metrics`)."""
 
-    enabled: bool = True
-    host: str = "127.0.0.1"
+    enabled: bool = Field(True, description="serve /metrics")
+    host: str = Field("127.0.0.1", description="address to listen on (127.0.0.1: this machine only)")
     port: Port = Field(9464, description="0: any free port (the service reports which)")
 
 
 class EventsConfig(StrictModel):
     """Job events over MQTT: an embedded broker started with the service, or an external one."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="publish job events over MQTT")
     broker: str = Field("embedded", description="'embedded' (amqtt on 127.0.0.1:embedded_port) or a URL "
                                                 "mqtt://host:1883 / mqtts://host:8883")
     embedded_port: Port = Field(1883, description="0: any free port")
-    username: str | None = None
-    password: str | None = None
+    username: str | None = Field(None, description="an external broker's account (the embedded one generates its own)")
+    password: str | None = Field(None, description="that account's password")
     ca_file: Path | None = Field(None, description="CA certificate for mqtts:// (default: the system's)")
-    topic_prefix: str = "aspen/v1"
+    topic_prefix: str = Field("aspen/v1", description="topics are <prefix>/service/status, <prefix>/jobs/<job>/...")
     retain_finished_s: Annotated[float, Bounds(0, 10**9)] | None = Field(
         7 * 24 * 3600.0, description="seconds after a job finished (completed, stopped early, failed, cancelled) "
                                      "that its retained state is cleared from the broker (null: kept until the job "
@@ -76,14 +77,15 @@ class EventsConfig(StrictModel):
 
 
 class ServiceConfig(StrictModel):
-    state_dir: Path = Path("~/.aspen").expanduser()
+    state_dir: Path = Field(Path("~/.aspen").expanduser(), description="the job table, trainer logs, MQTT accounts, "
+                                                                    "default job folders")
     trainers: list[TrainerConfig] = Field(default_factory=list, description="default: one per GPU, else one CPU trainer")
     policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | module:Class | an entry "
                                                  "point name in the group aspen.policies")
     tick_seconds: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
         0.25, description="seconds between scheduling rounds")
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    events: EventsConfig = Field(default_factory=EventsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="the Prometheus endpoint")
+    events: EventsConfig = Field(default_factory=EventsConfig, description="job events over MQTT")
     trainer_timeout_s: Annotated[float, Bounds(0, 10**7, low_open=True)] = Field(
         600.0, description="a trainer that does not answer a poll this long (a hung process; a dead one is "
                            "noticed at once) is replaced")

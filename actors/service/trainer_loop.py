@@ -27,11 +27,11 @@ from typing import Any, Protocol
 
 import torch
 
-from actors.core.config import TrainerConfig
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending
-from actors.core.job_data import DataSummary, JobData, JobUpdate
-from actors.core.job_files import JobFiles
+from actors.service.config import TrainerConfig
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending
+from actors.service.job_data import DataSummary, JobData, JobUpdate
+from actors.service.job_files import JobFiles
 from actors.engine.checkpoint import CheckpointError, has_checkpoint, load_checkpoint, save_checkpoint
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob

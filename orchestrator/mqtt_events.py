@@ -56,9 +56,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from actors.core.config import EventsConfig
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.job_table import JobRecord
+from actors.service.config import EventsConfig
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.job_table import JobRecord
 from actors.engine.extras import MissingExtraError, require
 
 log = logging.getLogger(__name__)

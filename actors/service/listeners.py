@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.job_table import JobRecord
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.job_table import JobRecord
 
 log = logging.getLogger(__name__)
 

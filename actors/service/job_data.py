@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from actors.core.feed import FeedChunk
+from actors.service.feed import FeedChunk
 from actors.engine.data import DataCursor, Example, load_examples, split_eval
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for

@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from actors.core.config import TrainerConfig
-from actors.core.events import TrainerEvent, TrainerStatus
-from actors.core.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.service.config import TrainerConfig
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.engine.lora import adapted_shapes
 from actors.engine.spec import JobSubmission, LoraConfig, step_limit_problem
 from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait

@@ -85,6 +85,7 @@ TABLE_OPEN_S = 120.0            # how long a starting service waits for a locked
 # that a submission rarely waits behind one: with thousands of queued jobs rounds come less often than
 # tick_seconds (a 40 ms round: every 2 s). Trainer events are still taken every tick.
 ROUND_SHARE = 0.02
+ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
 UNAPPLIED_EVENTS = "unapplied-events.jsonl"   # events the table could not take before the service stopped
 STATE_LOCK = "scheduler.lock"
 
@@ -346,7 +347,8 @@ class SchedulerActor:
         if ready and time.monotonic() >= self.next_round_at:
             started = time.monotonic()
             self._decide_round(ready)
-            self.next_round_at = started + (time.monotonic() - started) / ROUND_SHARE
+            took = time.monotonic() - started
+            self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
         self._release_job_actors()
         self._explain_waits()
 

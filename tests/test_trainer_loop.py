@@ -5,6 +5,7 @@ its table through a restart."""
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from actors.service.trainer_reports import TrainerStatus
 from actors.service.job_data import JobData
 from actors.service.job_table import JobTable
 from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.trainer_loop import VERDICT_LAG, Assignment, LocalJobLink, TrainerLoop
 from actors.engine.local_run import train_locally
 from actors.engine.models import load_base_model
 from policies.base import Start, Wait
@@ -225,3 +226,62 @@ def test_a_failing_listener_does_not_stop_the_others(caplog):
     listeners.decided("preempt", "j", "why")
     assert heard == ["preempt"]
     assert "Broken failed in decided" in caplog.text
+
+
+class LateVerdicts:
+    """A job link whose answers to loss updates arrive late (as from a busy job actor): each after a
+    random delay; the data itself comes at once."""
+
+    def __init__(self, data: JobData, seed: int, longest_s: float = 0.15):
+        self.inner = LocalJobLink(data)
+        self.random = random.Random(seed)
+        self.longest_s = longest_s
+
+    def fetch(self, position, count):
+        return self.inner.fetch(position, count)
+
+    def update(self, update):
+        return LatePending(self.inner.update(update).result(), self.random.uniform(0, self.longest_s))
+
+
+class LatePending:
+    def __init__(self, value, delay: float):
+        self.value, self.ready_at = value, time.monotonic() + delay
+
+    def done(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def wait(self, timeout: float) -> bool:
+        time.sleep(max(0.0, min(timeout, self.ready_at - time.monotonic())))
+        return self.done()
+
+    def result(self):
+        self.wait(self.ready_at - time.monotonic())
+        return self.value
+
+
+def test_a_job_stops_at_the_same_step_however_late_its_verdicts_arrive(tmp_path, tiny_base, tiny_model_dirs):
+    """The stop rule fires on the losses through step k; the job ends after step k + VERDICT_LAG - 1
+    whether its job actor's answers come at once or late (two random patterns), with the same adapter."""
+    data = tmp_path / "data"
+    plateau = job_dict("flat", write_task_data(data, "flat"), 200, lr=1e-7, lr_schedule="constant",
+                       eval_split=8, eval_every=2, early_stop={"min_improvement": 0.05, "patience": 3})
+    stops, adapters = [], []
+    for late in (None, 1, 2):
+        spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / f"out-{late}", [plateau])
+        (submission,) = spec.submissions()
+        job_data = JobData("flat-1", submission, tiny_base.tokenizer)
+        summary = job_data.prepare()
+        link = LocalJobLink(job_data) if late is None else LateVerdicts(job_data, seed=late)
+        loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-t", tmp_path / f"state-{late}")
+        loop.assign(Assignment("flat-1", submission, Path(submission.output_dir), summary, job_data.eval_examples(),
+                               link))
+        events = run_until_idle(loop)
+        (ended,) = [e for e in events if e.kind == "stopped_early"]
+        assert job_data.decision is not None
+        assert ended.step == job_data.decision.step + VERDICT_LAG - 1
+        assert [e.step for e in events if e.kind == "progress"][-1] == ended.step
+        stops.append(ended.step)
+        adapters.append(adapter_tensors(tmp_path / f"out-{late}" / "flat"))
+    assert len(set(stops)) == 1, stops
+    assert all(max_relative_difference(a, adapters[0]) == 0.0 for a in adapters[1:])

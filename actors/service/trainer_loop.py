@@ -29,7 +29,7 @@ import torch
 
 from actors.service.config import TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending
+from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
 from actors.service.job_data import DataSummary, JobData, JobUpdate
 from actors.service.job_files import JobFiles
 from actors.engine.checkpoint import CheckpointError, has_checkpoint, load_checkpoint, save_checkpoint
@@ -49,6 +49,12 @@ from policies.stopping import Verdict
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FOLDER = "checkpoint"
+# A job's stop verdict for optimizer step k (its job actor's answer to that step's update) takes effect
+# after step k + VERDICT_LAG - 1, however early or late it arrives: before the job's step k + VERDICT_LAG
+# starts, the trainer has that answer (waiting for it like for late data) and applies the verdicts up to
+# it, never one after it. So the step a job stops at depends on its losses alone, not on how busy its job
+# actor was; the answer has a whole step's time to arrive.
+VERDICT_LAG = 2
 FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
 FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
 
@@ -90,7 +96,7 @@ class ActiveJob:
     job: TrainingJob
     feed: MicroBatchFeed
     files: JobFiles
-    decisions: list[Pending[Verdict]] = field(default_factory=list)
+    decisions: list[tuple[int, Pending[Verdict]]] = field(default_factory=list)   # (step, its verdict)
     last_step_time: float = field(default_factory=time.time)
     last_eval_step: int = -1
     last_checkpoint: float = field(default_factory=time.monotonic)
@@ -250,7 +256,12 @@ class TrainerLoop:
         if job.pending is not None or job.done:
             return True
         now = time.monotonic()
-        if active.feed.ready(0.0 if active.stalled_since is not None else max(deadline - now, 0.0)):
+        wait = 0.0 if active.stalled_since is not None else max(deadline - now, 0.0)
+        verdicts_here = self._verdicts_due_here(active, wait)
+        if self.active.get(active.assignment.job_id) is not active:
+            return False   # a verdict just stopped it (or its job actor was lost)
+        if verdicts_here and active.feed.ready(
+                0.0 if active.stalled_since is not None else max(deadline - time.monotonic(), 0.0)):
             if active.stalled_since is not None:
                 log.info("trainer %s: job %s: its data arrived again after %.1fs", self.trainer_id,
                          active.assignment.job_id, now - active.stalled_since)
@@ -258,12 +269,23 @@ class TrainerLoop:
             return True
         if active.stalled_since is None:
             active.stalled_since = now
-            log.warning("trainer %s: job %s: its data is late (waited up to %gs); its steps wait, the other jobs "
-                        "go on", self.trainer_id, active.assignment.job_id, self.config.data_grace_s)
+            log.warning("trainer %s: job %s: its data or stop verdict is late (waited up to %gs); its steps wait, "
+                        "the other jobs go on", self.trainer_id, active.assignment.job_id, self.config.data_grace_s)
         elif now - active.stalled_since >= self.config.data_timeout_s:
             self._give_back(active, f"its data did not arrive for {now - active.stalled_since:.0f}s "
                                     f"(data_timeout_s={self.config.data_timeout_s:g}; its job actor hung?)")
         return False
+
+    def _verdicts_due_here(self, active: ActiveJob, timeout: float) -> bool:
+        """Whether the verdicts the job's next step must follow (`VERDICT_LAG`) are here (waiting up to
+        `timeout`); applied at once when they are, so that a stop ends the job before that step."""
+        due_through = active.job.step + 1 - VERDICT_LAG
+        due = [pending for step, pending in active.decisions if step <= due_through]
+        if not all(wait_for(pending, timeout) for pending in due):
+            return False
+        if due:
+            self._apply_job_decisions(active)
+        return True
 
     def _give_back(self, active: ActiveJob, reason: str) -> None:
         """Checkpoint a job whose link to its data failed and hand it back to the scheduler, which starts
@@ -345,28 +367,32 @@ class TrainerLoop:
 
     def _apply_decisions(self) -> None:
         for active in list(self.active.values()):
-            keep = []
-            for pending in active.decisions:
-                if not pending.done():
-                    keep.append(pending)
-                    continue
-                try:
-                    verdict = pending.result()
-                except JobLinkLost as error:   # its job actor died: its stop rule and data with it
-                    self._give_back(active, f"its job actor was lost ({error})")
-                    break
-                except Exception as error:  # noqa: BLE001 - losing a job's history must not stop training
-                    log.warning("trainer %s: job %s: its loss update was lost: %r", self.trainer_id,
-                                active.assignment.job_id, error)
-                    continue
-                if verdict.predicted_stop_step is not None:
-                    self._emit("prediction", active.assignment.job_id, active.job.step,
-                               predicted_stop_step=verdict.predicted_stop_step)
-                if verdict.stop is not None:
-                    self._finish(active, "stopped_early", verdict.stop.reason)
-                    break
-            else:
-                active.decisions = keep
+            self._apply_job_decisions(active)
+
+    def _apply_job_decisions(self, active: ActiveJob) -> None:
+        """Apply the job's verdicts that are due (`VERDICT_LAG`) and here, in step order; a stop ends it."""
+        due_through = active.job.step + 1 - VERDICT_LAG
+        keep = []
+        for step, pending in active.decisions:
+            if step > due_through or keep or not pending.done():
+                keep.append((step, pending))   # not due yet, or behind one that is not here
+                continue
+            try:
+                verdict = pending.result()
+            except JobLinkLost as error:   # its job actor died: its stop rule and data with it
+                self._give_back(active, f"its job actor was lost ({error})")
+                return
+            except Exception as error:  # noqa: BLE001 - losing a job's history must not stop training
+                log.warning("trainer %s: job %s: its loss update was lost: %r", self.trainer_id,
+                            active.assignment.job_id, error)
+                continue
+            if verdict.predicted_stop_step is not None:
+                self._emit("prediction", active.assignment.job_id, active.job.step,
+                           predicted_stop_step=verdict.predicted_stop_step)
+            if verdict.stop is not None:
+                self._finish(active, "stopped_early", verdict.stop.reason)
+                return
+        active.decisions = keep
 
     # -- after a step -----------------------------------------------------------------------------------
     def _shape(self, micro_batches: list[JobMicroBatch]) -> StepShape:
@@ -409,7 +435,7 @@ class TrainerLoop:
                 self._emit("eval", result.job, record.step, eval_loss=eval_loss)
             if self._checkpoint_due(active, record.step) and not job.done:
                 self._checkpoint(active)
-            active.decisions.append(active.assignment.link.update(update))
+            active.decisions.append((record.step, active.assignment.link.update(update)))
             if active.files.failed:
                 self._finish(active, "failed", active.files.failed)
 

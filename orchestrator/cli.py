@@ -150,37 +150,27 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_cancel(args: argparse.Namespace) -> int:
-    from orchestrator.client import Client
+def _job_command(verb: str, running_note: str):
+    """`aspen cancel|pause|resume JOB`: the client's `verb` on one job, and the job's record after it."""
 
-    record = Client.connect(args.address).cancel(args.job)
-    if args.json:
-        print(json.dumps(record.as_dict(), indent=1))
+    def command(args: argparse.Namespace) -> int:
+        from orchestrator.client import Client
+
+        record = getattr(Client.connect(args.address), verb)(args.job)
+        if args.json:
+            print(json.dumps(record.as_dict(), indent=1))
+        elif record.state == "running" and running_note:
+            print(f"{record.id}: {record.state} ({running_note})")
+        else:
+            print(f"{record.id}: {record.state} ({record.reason})")
         return 0
-    print(f"{record.id}: {record.state}" + (" (cancelling at its next step)" if record.state == "running" else ""))
-    return 0
+
+    return command
 
 
-def _cmd_pause(args: argparse.Namespace) -> int:
-    from orchestrator.client import Client
-
-    record = Client.connect(args.address).pause(args.job)
-    if args.json:
-        print(json.dumps(record.as_dict(), indent=1))
-        return 0
-    print(f"{record.id}: {record.state}" + (" (pausing at its next step)" if record.state == "running" else ""))
-    return 0
-
-
-def _cmd_resume(args: argparse.Namespace) -> int:
-    from orchestrator.client import Client
-
-    record = Client.connect(args.address).resume(args.job)
-    if args.json:
-        print(json.dumps(record.as_dict(), indent=1))
-        return 0
-    print(f"{record.id}: {record.state} ({record.reason})")
-    return 0
+_cmd_cancel = _job_command("cancel", "cancelling at its next step")
+_cmd_pause = _job_command("pause", "pausing at its next step")
+_cmd_resume = _job_command("resume", "")
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:

@@ -155,6 +155,28 @@ def test_read_commands_print_json(finished_run, capsys):
     assert report["alpha"]["evals"] and report["beta"]["evals"] == []
 
 
+def test_pause_resume_and_cancel_from_the_command_line(finished_run, tmp_path, capsys):
+    client, _, records, _ = finished_run
+    long = client.submit(job_dict("long-cli", write_task_data(tmp_path, "long-cli"), 5000),
+                         base_model=records[0].base_model, output_dir=tmp_path / "long-cli")
+    try:
+        wait_for(lambda: client.status(long.id).step >= 2, timeout=60, what="the job to train")
+        assert main(["pause", long.id]) == 0
+        assert capsys.readouterr().out.startswith(f"{long.id}: ")
+        paused = wait_for(lambda: client.status(long.id).state == "paused" and client.status(long.id),
+                          timeout=60, what="the job to pause")
+        assert paused.checkpoint_step >= 2
+        assert main(["resume", long.id, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["state"] in ("queued", "running")
+        wait_for(lambda: client.status(long.id).step > paused.step, timeout=60, what="the job to go on")
+    finally:
+        assert main(["cancel", long.id, "--json"]) == 0
+        capsys.readouterr()
+        assert long.wait(timeout=60).state == "cancelled"
+    assert main(["cancel", "no-such-job"]) == 2
+    assert "no job with id or name 'no-such-job'" in capsys.readouterr().err
+
+
 def test_watch_json_needs_once_or_events(capsys):
     assert main(["watch", "--json"]) == 2
     assert "--json goes with --once" in capsys.readouterr().err

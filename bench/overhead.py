@@ -38,8 +38,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from actors.service.config import ServiceConfig, TrainerConfig  # noqa: E402
-from actors.engine.local_run import train_locally  # noqa: E402
+from actors.service.config import run_service_config  # noqa: E402
+from actors.service.local_run import train_locally  # noqa: E402
 from actors.engine.models import load_base_model, load_base_tokenizer  # noqa: E402
 from actors.engine.spec import RunSpec  # noqa: E402
 from actors.engine.warmup import settle_garbage_collector, warm_up  # noqa: E402
@@ -81,10 +81,8 @@ def run_through_service(spec: RunSpec, state_dir: Path, threads: int | None = No
     from orchestrator.client import Client
 
     # the trainer runs where the in-process engine ran: on the GPU when there is one (a TrainerActor)
-    trainer = TrainerConfig(base_model=spec.base_model, step_tokens=spec.step_tokens, layout=spec.layout,
-                            num_gpus=1 if torch.cuda.is_available() else 0, threads=threads,
-                            step_log=Path(spec.output_dir) / "trainer.jsonl")
-    client = Client.local(ServiceConfig(state_dir=state_dir, trainers=[trainer]))   # waits for the model
+    config = run_service_config(spec, state_dir=state_dir, trainer={"threads": threads})
+    client = Client.local(config)   # waits for the model
     try:
         started = time.perf_counter()
         handles = client.submit_run(spec)

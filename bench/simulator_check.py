@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.overhead import require_completed  # noqa: E402
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
+from actors.service.config import EventsConfig, MetricsConfig, run_service_config  # noqa: E402
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
 from policies.simulate import Lengths, Simulator, Trace, TraceJob, TrainerSpec, calibrate  # noqa: E402
 from policies.registry import load_policy  # noqa: E402
@@ -42,9 +42,8 @@ def real_run(work: Path, steps: list[int], gaps: float, policy: str) -> dict:
             for job, n in zip(spec.jobs, steps)]
     spec = spec.model_copy(update={"jobs": jobs, "policy": policy})
     state = work / "state"
-    trainer = TrainerConfig(base_model=spec.base_model, step_tokens=spec.step_tokens, layout=spec.layout)
-    config = ServiceConfig(state_dir=state, trainers=[trainer], policy=policy,
-                           metrics=MetricsConfig(enabled=False), events=EventsConfig(enabled=False))
+    config = run_service_config(spec, state_dir=state, metrics=MetricsConfig(enabled=False),
+                                events=EventsConfig(enabled=False))
     client = Client.local(config)
     try:
         handles = []

@@ -189,19 +189,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
     if args.in_process:
         return _run_in_process(spec, args.quiet)
-    from actors.service.config import ServiceConfig, TrainerConfig
+    from actors.service.config import run_service_config
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, print_table, summary_table
-    from orchestrator.run_plan import changed_message, clear_job_folder, plan_run
+    from actors.service.job_files import clear_job_folder
+    from orchestrator.run_plan import changed_message, plan_run
 
     output_dir = Path(spec.output_dir).resolve()
     spec = spec.model_copy(update={"output_dir": output_dir})
-    trainer = TrainerConfig(base_model=spec.base_model, quantization=spec.quantization, dtype=spec.dtype,
-                            step_tokens=spec.step_tokens, layout=spec.layout, step_log=output_dir / "trainer.jsonl",
-                            num_gpus=1 if spec.device.startswith("cuda") or (spec.device == "auto" and _has_gpu()) else 0)
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
-    config = ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer], policy=spec.policy,
-                           resume_on_start=False)
+    config = run_service_config(spec, resume_on_start=False)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
     try:
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
@@ -250,23 +247,21 @@ def _saved_step(output_dir: str) -> int | None:
     return saved_step(Path(output_dir) / CHECKPOINT_FOLDER)
 
 
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _run_in_process(spec, quiet: bool) -> int:
-    from actors.engine.local_run import train_locally
+    """The same run in this process, without Ray (`actors.service.local_run`): a debugging aid."""
+    from actors.service.local_run import train_locally
 
     summaries = train_locally(spec, progress=not quiet)
-    print(f"\n{'job':<24}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
+    print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
     for s in summaries:
         fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
-        print(f"{s.name:<24}{s.steps:>7}{s.tokens:>10}{fmt(s.first_loss):>12}{fmt(s.final_loss):>12}"
+        print(f"{s.name:<24}{s.state:>14}{s.steps:>7}{s.tokens:>10}{fmt(s.first_loss):>12}{fmt(s.final_loss):>12}"
               f"{fmt(s.eval_loss):>11}")
     print(f"\nadapters and metrics in {spec.output_dir}")
-    return 0
+    failed = [s for s in summaries if s.state not in ("completed", "stopped_early")]
+    for summary in failed:
+        print(f"aspen: job {summary.name} {summary.state}: {summary.reason}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -228,16 +228,14 @@ def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
 def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     """Start a service (scheduler, one trainer, a job actor per job) on a local Ray, submit the four
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
-    from actors.service.config import ServiceConfig, TrainerConfig
+    from actors.service.config import run_service_config
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs
 
-    output_dir = output_dir.resolve()
-    trainer = TrainerConfig(base_model=spec.base_model, step_tokens=spec.step_tokens, layout=spec.layout,
-                            step_log=output_dir / "trainer.jsonl")
-    client = Client.local(ServiceConfig(state_dir=output_dir / ".aspen", trainers=[trainer]))
+    spec = spec.model_copy(update={"output_dir": output_dir.resolve()})
+    client = Client.local(run_service_config(spec))
     try:
-        handles = client.submit_run(spec.model_copy(update={"output_dir": output_dir}))
+        handles = client.submit_run(spec)
         ids = {h.id for h in handles}
         return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)
     finally:

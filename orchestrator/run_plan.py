@@ -7,7 +7,6 @@ changed, and that `--overwrite` starts it over."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,18 +85,6 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         else:
             plan.resume.append(record)
     return plan
-
-
-def clear_job_folder(folder: Path) -> None:
-    """Delete what an earlier run left in a job's folder (checkpoints, adapter, metrics), keeping the
-    folder itself (it may be a mount point)."""
-    if not folder.is_dir():
-        return
-    for path in folder.iterdir():
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:

@@ -13,7 +13,7 @@ import torch
 
 from actors.service.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
-from actors.engine.local_run import train_locally
+from actors.service.local_run import train_locally
 from actors.engine.models import load_base_model
 from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec, wait_for,
                                    write_task_data)

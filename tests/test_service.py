@@ -12,7 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from actors.service.config import ServiceConfig, TrainerConfig
-from actors.engine.local_run import train_locally
+from actors.service.local_run import train_locally
 from actors.engine.models import load_base_model
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError

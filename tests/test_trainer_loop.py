@@ -17,7 +17,7 @@ from actors.service.job_data import JobData
 from actors.service.job_table import JobTable
 from actors.service.scheduler_core import SchedulerCore
 from actors.service.trainer_loop import VERDICT_LAG, Assignment, LocalJobLink, TrainerLoop
-from actors.engine.local_run import train_locally
+from actors.service.local_run import train_locally
 from actors.engine.models import load_base_model
 from policies.base import Start, Wait
 from policies.fifo import FifoPolicy

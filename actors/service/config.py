@@ -4,11 +4,11 @@ model) and which policy assigns jobs to them."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from actors.engine.spec import INT64_MAX, Bounds, StepTokens, StrictModel, canonical_base_model
+from actors.engine.spec import INT64_MAX, Bounds, RunSpec, StepTokens, StrictModel, canonical_base_model
 
 Port = Annotated[int, Bounds(0, 65535)]
 
@@ -97,3 +97,25 @@ class ServiceConfig(StrictModel):
     resume_on_start: bool = Field(
         True, description="jobs that were running when the service stopped resume at its start (false: they are "
                           "held as paused until resumed; `aspen run` decides per job)")
+
+
+def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields: Any) -> ServiceConfig:
+    """The service configuration that runs a jobs file, the one translation every way of running it uses
+    (`aspen run`, its in-process mode, the demo, the benchmarks): one trainer with the run's base model,
+    quantization, dtype, step budget and layout, on the GPU where the run's device is (or, with `auto`,
+    where there is one), its step log in `<output_dir>/trainer.jsonl`; the run's policy; the state in
+    `<output_dir>/.aspen` unless `state_dir` says otherwise. `fields`: further ServiceConfig fields;
+    `trainer` (a dict): further TrainerConfig fields."""
+    output_dir = Path(spec.output_dir)
+    trainer_fields = dict(fields.pop("trainer", {}))
+    if spec.device == "auto":
+        import torch
+
+        gpus = 1 if torch.cuda.is_available() else 0
+    else:
+        gpus = 1 if spec.device.startswith("cuda") else 0
+    trainer = TrainerConfig(**{"base_model": spec.base_model, "quantization": spec.quantization, "dtype": spec.dtype,
+                               "step_tokens": spec.step_tokens, "layout": spec.layout, "num_gpus": gpus,
+                               "step_log": output_dir / "trainer.jsonl", **trainer_fields})
+    return ServiceConfig(**{"state_dir": state_dir or output_dir / ".aspen", "trainers": [trainer],
+                            "policy": spec.policy, **fields})

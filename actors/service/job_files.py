@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,15 @@ class JobFiles:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def clear_job_folder(folder: Path) -> None:
+    """Delete what an earlier run left in a job's folder (checkpoints, adapter, metrics), keeping the
+    folder itself (it may be a mount point)."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()

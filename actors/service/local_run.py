@@ -1,0 +1,131 @@
+"""The service in this process, without Ray (`aspen run --in-process`, tests, benchmarks): the same
+scheduler core, policy and memory admission, trainer loop, job data, stop rules, evaluations and
+checkpoints as `aspen run`, with direct calls where the service has Ray's. A run spec gives the same
+steps, stop steps, evaluations and adapters in both modes (`tests/test_one_path.py`)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors.engine.models import BaseModel, load_base_model
+from actors.engine.spec import RunSpec
+from actors.engine.trainer import StepReport
+from actors.service.config import run_service_config
+from actors.service.job_data import JobData
+from actors.service.job_files import clear_job_folder
+from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.service.scheduler_core import SchedulerCore
+from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from policies.base import Preempt, Start, StepComposer
+from policies.registry import load_policy
+
+log = logging.getLogger(__name__)
+
+TRAINER_ID = "in-process"
+IDLE_ROUNDS = 50   # rounds in a row without a step or a change before a run that cannot go on says why
+
+
+@dataclass
+class JobSummary:
+    name: str
+    state: str
+    steps: int
+    tokens: int
+    first_loss: float | None
+    final_loss: float | None
+    eval_loss: float | None
+    adapter_dir: Path | None
+    reason: str
+    evals: list[tuple[int, float]]   # (step, eval loss) of each evaluation
+
+
+class RunStuck(RuntimeError):
+    """Jobs that can never start in this process (e.g. beyond the memory budget): the reasons."""
+
+
+def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
+                  on_step: Callable[[StepReport], None] | None = None) -> list[JobSummary]:
+    """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
+    ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
+    over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first, since
+    this mode keeps no job table to tell whether resuming it would be right (`aspen run` does)."""
+    from tqdm import tqdm
+
+    if base is None:
+        base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
+                               quantization=spec.quantization)
+    with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state:
+        config = run_service_config(spec, state_dir=Path(state))
+        trainer_config = config.trainers[0]
+        policy = load_policy(config.policy)
+        table = JobTable(Path(state) / "jobs.sqlite")
+        core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config])
+        loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),
+                           policy if isinstance(policy, StepComposer) else None)
+        submissions = spec.submissions()
+        for submission in submissions:
+            clear_job_folder(Path(submission.output_dir))
+        records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
+        ids = [record.id for record in records]
+        bar = tqdm(total=sum(job.max_steps or 0 for job in spec.jobs) or None, unit="step", disable=not progress,
+                   desc=f"{len(ids)} jobs on {spec.base_model}")
+        try:
+            _run(core, loop, table, base, ids, bar, on_step)
+        finally:
+            bar.close()
+            loop.close()
+            final = [table.get(job_id) for job_id in ids]
+            summaries = [_summary(record, table) for record in final]
+            table.close()
+    return summaries
+
+
+def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseModel, ids: list[str], bar,
+         on_step: Callable[[StepReport], None] | None) -> None:
+    """What the scheduler actor's tick and the trainer actor's loop do, in turn, until every job ended."""
+    idle = 0
+    while True:
+        with table.transaction():
+            actions = core.plan([loop.status()])
+        starts = [_assignment(table, action.job, base) for action in actions if isinstance(action, Start)]
+        if starts:
+            loop.assign(starts)   # started together, as the service starts a group
+        for action in actions:
+            if isinstance(action, Preempt):
+                loop.stop_job(action.job, "paused", action.reason)
+        report = loop.run_once(idle_wait=0)
+        events = loop.drain_events()
+        with table.transaction():
+            for event in events:
+                core.apply_event(TRAINER_ID, event)
+        if report is not None:
+            bar.update(sum(1 for r in report.results if r.optimizer_step is not None))
+            if on_step is not None:
+                on_step(report)
+        unfinished = [r for r in (table.get(job_id) for job_id in ids) if r.state not in TERMINAL_STATES]
+        if not unfinished:
+            return
+        idle = 0 if (report is not None or events or starts) else idle + 1
+        if idle >= IDLE_ROUNDS and not loop.active:
+            raise RunStuck("; ".join(f"job {r.name} {r.state}: {r.reason}" for r in unfinished))
+
+
+def _assignment(table: JobTable, job_id: str, base: BaseModel) -> Assignment:
+    submission = table.submission(job_id)
+    data = JobData(job_id, submission, base.tokenizer)
+    summary = data.prepare()
+    return Assignment(job_id, submission, Path(submission.output_dir), summary, data.eval_examples(),
+                      LocalJobLink(data))
+
+
+def _summary(record: JobRecord, table: JobTable) -> JobSummary:
+    rows = table.progress(record.id)
+    losses = [row["loss"] for row in rows if row.get("loss") is not None]
+    evals = [(row["step"], row["eval_loss"]) for row in rows if row.get("eval_loss") is not None]
+    return JobSummary(record.name, record.state, record.step, record.tokens, losses[0] if losses else None,
+                      losses[-1] if losses else None, record.eval_loss,
+                      Path(record.adapter_dir) if record.adapter_dir else None, record.reason, evals)

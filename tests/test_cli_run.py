@@ -83,22 +83,24 @@ def check_outputs(out: Path, steps: dict[str, int], base_folder: Path, gguf_file
         reference = model.unload()
 
 
-def test_aspen_run_on_a_tiny_model(tmp_path, tiny_model_dirs):
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["service", "in-process"])
+def test_aspen_run_on_a_tiny_model(tmp_path, tiny_model_dirs, mode):
     write_data(tmp_path / "data")
     (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=3))
-    result = aspen("run", "jobs.yaml", cwd=tmp_path)
+    result = aspen("run", *mode, "jobs.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "add" in result.stdout and "adapters and metrics in" in result.stdout
     # chat: 12 rows, batch 3, one epoch -> 4 optimizer steps
     check_outputs(tmp_path / "out", {"add": 3, "alpaca": 3, "chat": 4}, tiny_model_dirs["llama"])
 
 
-def test_malformed_row_fails_with_file_line_and_field(tmp_path, tiny_model_dirs):
+@pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["service", "in-process"])
+def test_malformed_row_fails_with_file_line_and_field(tmp_path, tiny_model_dirs, mode):
     write_data(tmp_path / "data")
     with (tmp_path / "data" / "add.jsonl").open("a") as f:
         f.write(json.dumps({"question": "1+1", "answr": "2"}) + "\n")
     (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=1))
-    result = aspen("run", "jobs.yaml", cwd=tmp_path)
+    result = aspen("run", *mode, "jobs.yaml", cwd=tmp_path)
     assert result.returncode == 1
     assert "add.jsonl:25: field 'answer' is missing" in result.stderr
     assert "job add failed" in result.stderr

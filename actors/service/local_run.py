@@ -91,7 +91,14 @@ def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseMode
     while True:
         with table.transaction():
             actions = core.plan([loop.status()])
-        starts = [_assignment(table, action.job, base) for action in actions if isinstance(action, Start)]
+        starts = []
+        for action in actions:
+            if isinstance(action, Start):
+                try:
+                    starts.append(_assignment(table, action.job, base))
+                except Exception as error:  # noqa: BLE001 - a job whose data cannot be read fails alone, as in the service
+                    with table.transaction():
+                        core.start_failed(action.job, f"its data could not be read: {error}")
         if starts:
             loop.assign(starts)   # started together, as the service starts a group
         for action in actions:

@@ -265,6 +265,17 @@ def test_an_external_broker_keeps_the_configured_account_and_writes_no_files(tmp
         MqttListener(EventsConfig(embedded_port=0))
 
 
+def interrupt(process: subprocess.Popen, collector: threading.Thread) -> int:
+    """Ctrl-C to `aspen watch --events`; its exit code (killed if it does not end within 15 s)."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout=15)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        collector.join(5)
+
+
 def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_account(service):
     listener, state_dir = service
     aspen = Path(sys.executable).with_name("aspen")
@@ -280,13 +291,7 @@ def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_accou
         wait_for(lambda: any(JOB in line and "running -> completed" in line and "step 10/10" in line
                              for line in lines), timeout=15, what=f"the state change in the output: {lines}")
     finally:
-        process.send_signal(signal.SIGINT)     # Ctrl-C
-        try:
-            code = process.wait(timeout=15)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        collector.join(5)
+        code = interrupt(process, collector)
     errors = process.stderr.read()
     assert code == 0, errors
     assert "Traceback" not in errors and "Task exception" not in errors, errors
@@ -316,13 +321,7 @@ def test_aspen_watch_events_json_prints_one_object_per_event(service):
                            what=f"the state change as JSON: {lines}")
         assert changed[0]["payload"]["previous"] == "running" and changed[0]["payload"]["step"] == 10
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            code = process.wait(timeout=15)
-        finally:
-            if process.poll() is None:
-                process.kill()
-        collector.join(5)
+        code = interrupt(process, collector)
     assert code == 0, process.stderr.read()
 
 

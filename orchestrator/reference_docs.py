@@ -148,10 +148,16 @@ def render_floor_plan(repo: Path = REPO) -> str:
     parts.append("")
     for folder, text in FOLDERS:
         parts += [f"## `{folder}/`", "", text, "", "| module | what it holds |", "|---|---|"]
-        for module in sorted((repo / folder).glob("*.py")):
-            if module.name == "__init__.py":
+        others = [repo / f for f, _ in FOLDERS if f != folder and f.startswith(folder + "/")]
+        for module in sorted((repo / folder).rglob("*.py")):
+            if any(module.is_relative_to(other) for other in others):
+                continue   # a folder of its own below
+            if module.name == "__init__.py" and module.parent == repo / folder:
                 continue
-            parts.append(f"| `{module.name}` | {first_line(module).replace('|', '/')} |")
+            name = module.relative_to(repo / folder).as_posix()
+            if module.name == "__init__.py":
+                name = module.parent.relative_to(repo / folder).as_posix() + "/"
+            parts.append(f"| `{name}` | {first_line(module).replace('|', '/')} |")
         parts.append("")
     parts += ["## Other folders", ""]
     parts += [f"- `{folder}/`: {text}" for folder, text in OTHER_FOLDERS]

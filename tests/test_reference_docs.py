@@ -32,3 +32,6 @@ def test_the_floor_plan_lists_every_module():
         for module in (REPO / folder).glob("*.py"):
             if module.name != "__init__.py":
                 assert f"| `{module.name}` |" in plan, f"{folder}/{module.name}"
+    for module in (REPO / "actors/engine/data").glob("*.py"):
+        if module.name != "__init__.py":
+            assert f"| `data/{module.name}` |" in plan, module

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.overhead import require_completed  # noqa: E402
 from actors.service.config import EventsConfig, MetricsConfig, run_service_config  # noqa: E402
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
-from policies.simulate import Lengths, Simulator, Trace, TraceJob, TrainerSpec, calibrate  # noqa: E402
+from policies.sim_calibration import calibrate  # noqa: E402
+from policies.sim_trace import Lengths, Trace, TraceJob, TrainerSpec  # noqa: E402
+from policies.simulate import Simulator  # noqa: E402
 from policies.registry import load_policy  # noqa: E402
 
 GOAL = 0.15

@@ -22,196 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sqlite3
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field
 
 from policies.base import JobView, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
 from policies.memory import BYTES_PER_ADAPTER_PARAMETER
-from policies.memory_model import MemoryModel, StepShape
+from policies.memory_model import StepShape
 from policies.registry import load_policy
+from policies.sim_calibration import calibrate
+from policies.sim_trace import Trace, TraceJob, TrainerSpec, load_trace
 from policies.stopping import LossHistory, PredictiveRule
 
 DEFAULT_POLICIES = ("fifo", "sjf", "priority", "adaptive")
-
-
-# -- the trace ----------------------------------------------------------------------------------------------
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StepCost(Strict):
-    """Seconds of one fused step: constant + per_token·T + per_square·ΣL²."""
-
-    constant: float = Field(0.05, ge=0)
-    per_token: float = Field(0.004, ge=0)
-    per_square: float = Field(0.0, ge=0)
-
-    def seconds(self, tokens: int, sum_squares: int) -> float:
-        return self.constant + self.per_token * tokens + self.per_square * sum_squares
-
-
-class StepMemory(Strict):
-    """Peak bytes of one fused step (the memory model's four coefficients)."""
-
-    constant: float = Field(1.2e9, ge=0)
-    per_token: float = Field(2.0e5, ge=0)
-    per_square: float = Field(0.0, ge=0)
-    per_parameter: float = Field(16.0, ge=0)
-
-    def peak(self, shape: StepShape) -> int:
-        return int(self.constant + self.per_token * shape.tokens + self.per_square * shape.sum_squared_lengths
-                   + self.per_parameter * shape.adapter_parameters)
-
-
-class Calibration(Strict):
-    step: StepCost = StepCost()
-    memory: StepMemory = StepMemory()
-    job_start_seconds: float = Field(1.0, ge=0, description="from a start decision to the job's first step")
-    checkpoint_seconds: float = Field(0.5, ge=0, description="a preempted job's checkpoint at its step boundary")
-    memory_noise: float = Field(0.0, ge=0, description="relative error of the memory model: true peaks vary by "
-                                                      "this much (normal), so budgets cut too close can OOM")
-
-
-class TrainerSpec(Strict):
-    id: str = "trainer-0"
-    memory_budget_bytes: int = Field(ge=1)
-    step_tokens: int = Field(4096, ge=16)
-    layout: Literal["packed", "padded", "padded_fused"] = "packed"
-    max_jobs: int | None = None
-
-
-class Lengths(Strict):
-    """Sequence lengths in tokens: a clipped normal."""
-
-    mean: float = Field(gt=0)
-    std: float = Field(0.0, ge=0)
-    min: int = Field(8, ge=1)
-    max: int = Field(2048, ge=1)
-
-
-class LossCurve(Strict):
-    """Eval loss at optimizer step s: floor + (initial − floor)·(1 + s/scale)^(−rate), plus noise."""
-
-    initial: float = 2.5
-    floor: float = 1.0
-    scale: float = Field(20.0, gt=0)
-    rate: float = Field(1.0, gt=0)
-    noise: float = Field(0.005, ge=0, description="relative")
-
-    def at(self, step: int, rng: np.random.Generator) -> float:
-        clean = self.floor + (self.initial - self.floor) * (1 + step / self.scale) ** (-self.rate)
-        return clean * (1 + self.noise * rng.standard_normal())
-
-
-class EarlyStop(Strict):
-    min_improvement: float = 0.01
-    patience: int = 3
-
-
-class TraceJob(Strict):
-    name: str
-    arrival: float = Field(0.0, ge=0, description="seconds after the trace starts")
-    steps: int = Field(ge=1, description="optimizer steps (the job's budget)")
-    batch_size: int = Field(4, ge=1)
-    grad_accum: int = Field(1, ge=1)
-    lengths: Lengths
-    priority: int = 0
-    rank: int = Field(8, ge=1)
-    loss: LossCurve = LossCurve()
-    eval_every: int = Field(10, ge=1)
-    early_stop: EarlyStop | None = None
-
-
-class Trace(Strict):
-    name: str = "trace"
-    seed: int = 0
-    trainers: list[TrainerSpec] = Field(min_length=1)
-    base_model: str = "smollm2-135m"
-    parameters_per_rank: int = Field(57_600, ge=1, description="adapter parameters per LoRA rank (default: "
-                                                                "q_proj + v_proj of smollm2-135m)")
-    calibration: Calibration = Calibration()
-    tick_seconds: float = Field(0.25, gt=0, description="the scheduler decides on new jobs at these intervals")
-    jobs: list[TraceJob] = Field(min_length=1)
-
-
-def load_trace(path: Path) -> Trace:
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) if Path(path).suffix in (".yaml", ".yml") else json.loads(text)
-    try:
-        return Trace.model_validate(data)
-    except Exception as error:
-        raise ValueError(f"{path}: not a valid trace: {error}") from error
-
-
-# -- calibration from a real run -----------------------------------------------------------------------------
-
-def calibrate(state_dir: Path, base: Calibration | None = None) -> Calibration:
-    """Fit the step-time and memory models to a real run's step logs (and the start-up time to its job
-    table, where there is one)."""
-    state_dir = Path(state_dir)
-    logs = sorted(state_dir.glob("trainers/*.jsonl")) or sorted(state_dir.glob("*.jsonl"))
-    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("sequence_lengths")]
-    if len(rows) < 4:
-        raise ValueError(f"{state_dir}: {len(rows)} logged steps in trainers/*.jsonl; a calibration needs at least 4 "
-                         "(run some jobs on the service first)")
-    calibration = (base or Calibration()).model_copy()
-    tokens = np.array([r["tokens"] for r in rows], dtype=np.float64)
-    squares = np.array([sum(n * n for n in r["sequence_lengths"]) for r in rows], dtype=np.float64)
-    seconds = np.array([r["seconds"] for r in rows], dtype=np.float64)
-    constant, per_token, per_square = nonnegative_fit(np.stack([np.ones_like(tokens), tokens, squares], 1), seconds)
-    calibration.step = StepCost(constant=constant, per_token=per_token, per_square=per_square)
-    model = MemoryModel([0.0, 0.0, 0.0, float(BYTES_PER_ADAPTER_PARAMETER)], prior_weight=1e-6)
-    for row in rows:
-        model.observe(StepShape.of(row["sequence_lengths"], row.get("adapter_parameters", 0), row["tokens"]),
-                      row["peak_memory_bytes"], row.get("predicted_memory_bytes"))
-    c0, c1, c2, c3 = (max(float(v), 0.0) for v in model.coefficients)
-    calibration.memory = StepMemory(constant=c0, per_token=c1, per_square=c2, per_parameter=c3)
-    calibration.memory_noise = float(model.mean_error or 0.0)
-    starts = job_start_delays(state_dir / "jobs.sqlite", rows)
-    if starts:
-        calibration.job_start_seconds = float(np.median(starts))
-    return calibration
-
-
-def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
-    """Least squares with coefficients ≥ 0 (a negative one is dropped and the rest refitted)."""
-    free = list(range(x.shape[1]))
-    solution = np.zeros(x.shape[1])
-    while free:
-        solution = np.zeros(x.shape[1])
-        solution[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
-        negative = [i for i in free if solution[i] < 0]
-        if not negative:
-            break
-        free = [i for i in free if i not in negative]
-    return tuple(float(v) for v in solution)
-
-
-def job_start_delays(table: Path, rows: list[dict]) -> list[float]:
-    """Per job: from the decision to start it to the end of its first fused step, minus that step."""
-    if not table.exists():
-        return []
-    db = sqlite3.connect(table)
-    try:
-        starts = db.execute("SELECT job_id, MIN(time) FROM transitions WHERE state = 'running' GROUP BY job_id").fetchall()
-    finally:
-        db.close()
-    delays = []
-    for job_id, started in starts:
-        first = min((r for r in rows if job_id in r.get("jobs", []) and r["time"] >= started), key=lambda r: r["time"],
-                    default=None)
-        if first is not None:
-            delays.append(max(first["time"] - first["seconds"] - started, 0.0))
-    return delays
 
 
 # -- the simulation --------------------------------------------------------------------------------------------

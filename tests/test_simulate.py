@@ -10,7 +10,9 @@ import pytest
 
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy
-from policies.simulate import Simulator, Trace, calibrate, load_trace, main
+from policies.sim_calibration import calibrate
+from policies.sim_trace import Trace, load_trace
+from policies.simulate import Simulator, main
 
 TRACES = Path(__file__).resolve().parents[1] / "policies" / "traces"
 

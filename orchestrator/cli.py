@@ -106,7 +106,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator.watch import watch
 
     if args.events:
-        from orchestrator.mqtt_events import reader_settings
+        from orchestrator.mqtt_settings import reader_settings
         from orchestrator.watch import watch_events
 
         if args.once:

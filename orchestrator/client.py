@@ -216,7 +216,7 @@ class Client:
         its embedded MQTT broker's address and read-only account, read from the service's state dir (so
         this machine must see that folder, and this user read its `mqtt-reader.json`). Raises
         FileNotFoundError / PermissionError saying so."""
-        from orchestrator.mqtt_events import reader_settings
+        from orchestrator.mqtt_settings import reader_settings
 
         return reader_settings(self.info()["state_dir"])
 

@@ -15,7 +15,7 @@ from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
-from orchestrator.mqtt_events import PASSWORD_FILE, BrokerCredentials, _is_private, write_private
+from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private, write_private
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from rich.table import Table
 from actors.service.job_table import JobRecord
 
 if TYPE_CHECKING:
-    from orchestrator.mqtt_events import EventSettings
+    from orchestrator.mqtt_settings import EventSettings
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:

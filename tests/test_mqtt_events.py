@@ -27,7 +27,8 @@ import pytest
 from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
 from actors.service.job_table import JobRecord
 from orchestrator.client import Client
-from orchestrator.mqtt_events import MqttListener, reader_settings, topic_level
+from orchestrator.mqtt_events import MqttListener, topic_level
+from orchestrator.mqtt_settings import reader_settings
 from orchestrator.report import write_report
 from tests.service_helpers import job_dict, wait_for, write_task_data
 

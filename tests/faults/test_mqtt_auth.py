@@ -27,8 +27,8 @@ from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
 from actors.service.job_table import JobRecord
 from orchestrator.cli import main as aspen_main
 from orchestrator.client import Client
-from orchestrator.mqtt_events import (CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, MqttListener,
-                                 reader_settings)
+from orchestrator.mqtt_events import MqttListener
+from orchestrator.mqtt_settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
 from orchestrator.observability import service_listeners
 from orchestrator.watch import watch_events
 from tests.service_helpers import job_dict, wait_for, write_task_data
@@ -225,7 +225,7 @@ def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(
         second.close()
 
     files[0].chmod(0o644)    # someone made the accounts readable: their passwords may be known
-    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_settings"):
         third = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
     try:
         wait_for(lambda: third.connected, timeout=20, what="the service account to connect with new passwords")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.memory import BYTES_PER_ADAPTER_PARAMETER
+from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.memory_model import MemoryModel, StepShape
 from policies.sim_trace import Calibration, StepCost, StepMemory
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from policies.base import JobView, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
-from policies.memory import BYTES_PER_ADAPTER_PARAMETER
+from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.memory_model import StepShape
 from policies.registry import load_policy
 from policies.sim_calibration import calibrate

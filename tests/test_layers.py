@@ -77,3 +77,13 @@ def test_the_check_catches_a_wrong_way_import(tmp_path):
     module.write_text("def f():\n    from orchestrator.client import Client\n    return Client\n")
     assert project_imports(module) == [(2, "orchestrator.client")]
     assert layer_of("orchestrator.client") < layer_of("policies.bad")
+
+
+def test_no_two_modules_share_a_name():
+    """A name says what a module holds: two modules of one name in different rooms would hold different
+    things under the same word."""
+    names: dict[str, list[str]] = {}
+    for name, path in modules():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(name)
+    assert not {n: m for n, m in names.items() if len(m) > 1}

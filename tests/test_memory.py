@@ -48,13 +48,13 @@ def test_cpu_peak_estimate_matches_the_profilers_allocation_peak(tokens):
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
 def test_the_admission_estimate_counts_the_parameters_peft_trains(targets):
-    """`policies.memory` gets plain shapes from `adapted_shapes`; its parameter count is PEFT's for the
+    """`policies.adapter_memory` gets plain shapes from `adapted_shapes`; its parameter count is PEFT's for the
     same LoRA config on the same model (16 bytes each: weight, gradient, two AdamW moments)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     from actors.engine.lora import adapted_shapes
-    from policies.memory import BYTES_PER_ADAPTER_PARAMETER, adapter_memory_bytes, adapter_parameters
+    from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER, adapter_memory_bytes, adapter_parameters
     from tests.conftest import tiny_model
 
     model = tiny_model("llama")

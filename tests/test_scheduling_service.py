@@ -88,7 +88,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     from actors.service.trainer_loop import TrainerLoop
     from actors.engine.lora import adapted_shapes
     from policies.fifo import FifoPolicy
-    from policies.memory import adapter_memory_bytes
+    from policies.adapter_memory import adapter_memory_bytes
     from tests.conftest import tiny_config
 
     # A tiny Llama four times as wide as the shared one, so that an adapter (r=1024 on every linear layer:

@@ -27,7 +27,7 @@ from actors.engine.lora import adapted_shapes
 from actors.engine.spec import JobSubmission, LoraConfig, step_limit_problem
 from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait
 from policies.fifo import FifoPolicy
-from policies.memory import adapter_memory_bytes
+from policies.adapter_memory import adapter_memory_bytes
 
 log = logging.getLogger(__name__)
 

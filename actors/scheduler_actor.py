@@ -11,12 +11,9 @@ table, and the jobs that were running resume from their checkpoints."""
 
 from __future__ import annotations
 
-import fcntl
 import importlib
-import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections import deque
@@ -29,8 +26,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable, JobTableBusy
+from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTableBusy
 from actors.service.listeners import Listeners
+from actors.service.state_dir import (forget_spilled_events, lock_state_dir, open_job_table,
+                                      read_spilled_events, spill_events)
 from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
 from actors.engine.spec import JobSubmission
 from actors.job_actor import JobActor
@@ -80,50 +79,11 @@ class StartingJob:
 # efficient steps; bench/overhead.py).
 GROUP_WAIT_S = 120.0
 TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job table could not take
-TABLE_OPEN_S = 120.0            # how long a starting service waits for a locked job table
 # A decision round (snapshot, policy, listeners) may take at most this share of the scheduler's time, so
 # that a submission rarely waits behind one: with thousands of queued jobs rounds come less often than
 # tick_seconds (a 40 ms round: every 2 s). Trainer events are still taken every tick.
 ROUND_SHARE = 0.02
 ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
-UNAPPLIED_EVENTS = "unapplied-events.jsonl"   # events the table could not take before the service stopped
-STATE_LOCK = "scheduler.lock"
-
-
-class StateDirInUse(RuntimeError):
-    """Another aspen service already runs on this state folder."""
-
-
-def lock_state_dir(state_dir: Path) -> Any:
-    """An exclusive lock on the state folder for this process's life (released by the OS when it dies), so
-    that two services never write one job table and one set of job folders."""
-    handle = (state_dir / STATE_LOCK).open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise StateDirInUse(f"another aspen service runs on {state_dir} ({holder}); stop it (`aspen stop`) or give "
-                            "this one another state_dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    handle.flush()
-    return handle
-
-
-def open_job_table(path: Path, on_change: Any, timeout: float = TABLE_OPEN_S) -> JobTable:
-    """The job table, waiting (with a log line) while another process holds its file."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return JobTable(path, on_change=on_change)
-        except JobTableBusy as error:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("scheduler: %s; waiting", error)
-            time.sleep(2.0)
 
 
 def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
@@ -409,33 +369,20 @@ class SchedulerActor:
         """Write the events the table could not take to a file beside it (applied at the next start)."""
         left = [(slot.trainer_id, item) for slot in self.slots.values() for item in slot.pending
                 if isinstance(item, TrainerEvent)]
-        if not left:
-            return
-        path = self.state_dir / UNAPPLIED_EVENTS
-        with path.open("a") as handle:
-            for trainer_id, event in left:
-                handle.write(json.dumps({"trainer": trainer_id, **asdict(event)}, default=str) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        log.error("scheduler: the job table stayed locked; %d trainer events were written to %s and are applied "
-                  "at the next start", len(left), path)
+        if left:
+            path = spill_events(self.state_dir, left)
+            log.error("scheduler: the job table stayed locked; %d trainer events were written to %s and are "
+                      "applied at the next start", len(left), path)
 
     def _replay_unapplied_events(self) -> None:
-        path = self.state_dir / UNAPPLIED_EVENTS
-        if not path.exists():
+        events = read_spilled_events(self.state_dir)
+        if events is None:
             return
-        events = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            try:
-                row = json.loads(line)
-                events.append((row.pop("trainer"), TrainerEvent(**row)))
-            except (ValueError, TypeError, KeyError) as error:   # a line cut by a crash: the rest still counts
-                log.error("scheduler: %s:%d is not a trainer event (%s); skipped", path, number, error)
         with self.table.transaction():
             for trainer_id, event in events:
                 self.core.apply_event(trainer_id, event)
-        path.unlink()
-        log.info("scheduler: applied %d trainer events left from the last run (%s)", len(events), path)
+        forget_spilled_events(self.state_dir)
+        log.info("scheduler: applied %d trainer events left from the last run", len(events))
 
     def _launch(self, slot: TrainerSlot) -> None:
         service = ray.get_runtime_context().get_actor_name() or "aspen"

@@ -1,0 +1,33 @@
+"""The service's state folder: one service per folder, and trainer events the job table could not take
+kept across a stop, including after a crash cut the file's last line."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.service.state_dir import (UNAPPLIED_EVENTS, StateDirInUse, forget_spilled_events, lock_state_dir,
+                                      read_spilled_events, spill_events)
+from actors.service.trainer_reports import TrainerEvent
+
+
+def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_path):
+    first = lock_state_dir(tmp_path)
+    try:
+        with pytest.raises(StateDirInUse, match=r"another aspen service runs on .*pid \d+.*aspen stop"):
+            lock_state_dir(tmp_path)
+    finally:
+        first.close()
+    lock_state_dir(tmp_path).close()   # free again once the first let go
+
+
+def test_spilled_events_come_back_in_order_and_a_cut_line_is_skipped(tmp_path, caplog):
+    events = [("trainer-0", TrainerEvent("progress", "job-a", step, {"loss": 1.0 / step})) for step in (1, 2, 3)]
+    assert read_spilled_events(tmp_path) is None
+    spill_events(tmp_path, events[:2])
+    spill_events(tmp_path, events[2:])
+    with (tmp_path / UNAPPLIED_EVENTS).open("a") as handle:
+        handle.write('{"trainer": "trainer-0", "kind": "progr')   # a crash mid-write
+    assert read_spilled_events(tmp_path) == events
+    assert f"{UNAPPLIED_EVENTS}:4 is not a trainer event" in caplog.text
+    forget_spilled_events(tmp_path)
+    assert read_spilled_events(tmp_path) is None

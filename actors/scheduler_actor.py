@@ -26,13 +26,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTableBusy
+from actors.service.job_table import JobRecord, JobTableBusy
 from actors.service.listeners import Listeners
 from actors.service.state_dir import (forget_spilled_events, lock_state_dir, open_job_table,
                                       read_spilled_events, spill_events)
 from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
 from actors.engine.spec import JobSubmission
-from actors.job_actor import JobActor
+from actors.job_starts import JobStarts
 from actors.niceness import background_priority
 from actors.trainer_actor import TrainerActor
 from policies.base import Preempt, Start
@@ -64,20 +64,6 @@ class TrainerSlot:
     pending: deque = field(default_factory=deque)   # TrainerEvent | TrainerLost not yet in the job table
 
 
-@dataclass
-class StartingJob:
-    trainer_id: str
-    actor: Any
-    prepare_ref: Any
-    group: int                     # jobs started by one decision round join their trainer together
-    since: float = field(default_factory=time.time)
-
-
-# A slow job's data does not hold the rest of its group back longer than this. Generous: on a 2-core machine
-# four job actors starting at once (each importing torch and transformers, then tokenizing) take 35-45 s,
-# and a group that starts piecemeal runs its first and last steps with part of its jobs (smaller, less
-# efficient steps; bench/overhead.py).
-GROUP_WAIT_S = 120.0
 TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job table could not take
 # A decision round (snapshot, policy, listeners) may take at most this share of the scheduler's time, so
 # that a submission rarely waits behind one: with thousands of queued jobs rounds come less often than
@@ -145,8 +131,7 @@ class SchedulerActor:
                 self._launch(slot)
                 self.slots[slot.trainer_id] = slot
                 index += 1
-        self.job_actors: dict[str, Any] = {}
-        self.starting: dict[str, StartingJob] = {}
+        self.job_starts = JobStarts(self.table, self.core, self.state_dir)
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
         self.stopping = threading.Event()
@@ -217,9 +202,9 @@ class SchedulerActor:
     def cancel(self, key: str, reason: str = "cancelled by the user") -> JobRecord:
         with self.lock:
             record = self.table.find(key)
-            if record.id in self.starting:       # not on its trainer yet
+            if record.id in self.job_starts:       # not on its trainer yet
                 record = self.table.set_state(record.id, "cancelled", reason, trainer=None)
-                del self.starting[record.id]
+                self.job_starts.drop(record.id)
                 return record
             record, stop = self.core.cancel(key, reason)
             self._send_stop(stop)
@@ -228,9 +213,9 @@ class SchedulerActor:
     def pause(self, key: str) -> JobRecord:
         with self.lock:
             record = self.table.find(key)
-            if record.id in self.starting:
+            if record.id in self.job_starts:
                 record = self.table.set_state(record.id, "paused", "paused by the user", trainer=None)
-                del self.starting[record.id]
+                self.job_starts.drop(record.id)
                 return record
             record, stop = self.core.pause(key)
             self._send_stop(stop)
@@ -243,7 +228,7 @@ class SchedulerActor:
     def delete(self, key: str) -> None:
         with self.lock:
             record = self.table.find(key)
-            if record.id in self.starting:
+            if record.id in self.job_starts:
                 raise ValueError(f"job {record.id} is starting; cancel it first")
             self.core.delete(key)
             self.listeners.job_deleted(record.id)
@@ -279,9 +264,7 @@ class SchedulerActor:
             for slot in self.slots.values():
                 if slot.handle is not None:
                     ray.kill(slot.handle)
-            for actor in self.job_actors.values():
-                ray.kill(actor)
-            self.job_actors.clear()
+            self.job_starts.kill_all()
             self.listeners.close()
             self.table.close()
 
@@ -302,14 +285,14 @@ class SchedulerActor:
             self._watch(slot)
         if not self._apply_all_pending():
             return   # the table is locked: nothing is decided until what the trainers reported is in it
-        self._finish_starts()
+        self.job_starts.finish(lambda trainer_id, assignments: self.slots[trainer_id].handle.assign.remote(assignments))
         ready = [s.status for s in self.slots.values() if s.status is not None]
         if ready and time.monotonic() >= self.next_round_at:
             started = time.monotonic()
             self._decide_round(ready)
             took = time.monotonic() - started
             self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
-        self._release_job_actors()
+        self.job_starts.release()
         self._explain_waits()
 
     def _decide_round(self, ready: list[TrainerStatus]) -> None:
@@ -318,7 +301,7 @@ class SchedulerActor:
             actions = self.core.plan(ready)
         for action in actions:
             if isinstance(action, Start):
-                self._begin_start(action)
+                self.job_starts.begin(action, self.rounds)
             elif isinstance(action, Preempt):
                 record = self.table.get(action.job)
                 self._send_stop(StopRequest(action.job, record.trainer or "", "paused", action.reason))
@@ -357,7 +340,7 @@ class SchedulerActor:
             for item in batch:
                 if isinstance(item, TrainerLost):
                     for job_id in self.core.trainer_lost(slot.trainer_id, item.why):
-                        self.table.after_commit(lambda job_id=job_id: self.starting.pop(job_id, None))
+                        self.table.after_commit(lambda job_id=job_id: self.job_starts.drop(job_id))
                     continue
                 self.core.apply_event(slot.trainer_id, item)
                 if status is not None:
@@ -436,72 +419,6 @@ class SchedulerActor:
             log.info("scheduler: killing lost trainer %s: %s", slot.trainer_id, error)
         slot.restarts += 1
         self._launch(slot)
-
-    def _begin_start(self, start: Start) -> None:
-        job_id = start.job
-        actor = self.job_actors.get(job_id)
-        if actor is not None and job_id in self.core.replace_job_actor:   # lost or hung: never reused
-            ray.kill(self.job_actors.pop(job_id))
-            actor = None
-        self.core.replace_job_actor.discard(job_id)
-        if actor is None:
-            submission = self.table.submission(job_id)
-            actor = JobActor.options(name=f"aspen-job-{job_id}-{int(time.time() * 1000)}").remote(
-                job_id, submission.model_dump_json(), str(self.state_dir / "cache"))
-            self.job_actors[job_id] = actor
-        self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), self.rounds)
-
-    def _finish_starts(self) -> None:
-        """Hand prepared jobs to their trainers: a decision round's jobs together (so that jobs submitted
-        together train together from their first step), unless one of them takes too long."""
-        ready = {job_id for job_id, s in self.starting.items() if ray.wait([s.prepare_ref], timeout=0)[0]}
-        groups: dict[int, list[str]] = {}
-        for job_id, starting in self.starting.items():
-            groups.setdefault(starting.group, []).append(job_id)
-        now = time.time()
-        batches: dict[str, list[tuple]] = {}
-        for members in groups.values():
-            overdue = any(now - self.starting[j].since > GROUP_WAIT_S for j in members)
-            if not overdue and not all(j in ready for j in members):
-                continue
-            for job_id in members:
-                if job_id not in ready:
-                    continue
-                starting = self.starting.pop(job_id)
-                assignment = self._prepared(job_id, starting)
-                if assignment is not None:
-                    batches.setdefault(starting.trainer_id, []).append(assignment)
-        for trainer_id, assignments in batches.items():
-            self.slots[trainer_id].handle.assign.remote(assignments)
-
-    def _prepared(self, job_id: str, starting: StartingJob) -> tuple | None:
-        record = self.table.get(job_id)
-        if record.state != "running" or record.trainer != starting.trainer_id:
-            return None  # cancelled, paused or requeued meanwhile
-        try:
-            summary, eval_examples = ray.get(starting.prepare_ref)
-        except RayActorError as error:   # the job actor died: start the job again with a new one
-            self.core.start_lost(job_id, f"its job actor was lost while reading its data ({type(error).__name__})")
-            return None
-        except RayError as error:
-            cause = getattr(error, "cause", None) or error
-            self.core.start_failed(job_id, f"its data could not be read: {cause}")
-            return None
-        self.table.update(job_id, total_steps=summary.total_steps)
-        submission = self.table.submission(job_id)
-        return (job_id, submission.model_dump_json(), record.output_dir, summary, eval_examples, starting.actor)
-
-    def _release_job_actors(self) -> None:
-        for job_id in list(self.job_actors):
-            if job_id in self.starting:
-                continue
-            try:
-                state = self.table.get(job_id).state
-            except KeyError:    # deleted
-                state = "cancelled"
-            if state in TERMINAL_STATES | {"paused"} or job_id in self.core.replace_job_actor:
-                ray.kill(self.job_actors.pop(job_id))
-                self.core.replace_job_actor.discard(job_id)
 
     def _explain_waits(self) -> None:
         broken = [s for s in self.slots.values() if s.error]

@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Top first. A module may import from its own layer and the layers below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("user-facing: client, CLI, observability", ("orchestrator",)),
-    ("Ray actors", ("actors.scheduler_actor", "actors.trainer_actor", "actors.job_actor", "actors.ray_links",
-                    "actors.niceness")),
+    ("Ray actors", ("actors.scheduler_actor", "actors.job_starts", "actors.trainer_actor", "actors.job_actor",
+                    "actors.ray_links", "actors.niceness")),
     ("Ray-free service cores", ("actors.service",)),
     ("compute engine and data", ("actors.engine",)),
     ("policies: decisions over a snapshot", ("policies",)),

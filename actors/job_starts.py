@@ -1,0 +1,127 @@
+"""Starting jobs on their trainers, for the scheduler actor: a job actor per started job (created when the
+policy starts the job, never reused once it was lost or hung), the job's data prepared by it, the job
+handed to its trainer together with the rest of its decision round (so that jobs submitted together train
+together from their first step), and the job actor let go once the job ends or pauses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from actors.job_actor import JobActor
+from actors.service.job_table import TERMINAL_STATES, JobTable
+from actors.service.scheduler_core import SchedulerCore
+from policies.base import Start
+
+# A slow job's data does not hold the rest of its group back longer than this. Generous: on a 2-core machine
+# four job actors starting at once (each importing torch and transformers, then tokenizing) take 35-45 s,
+# and a group that starts piecemeal runs its first and last steps with part of its jobs (smaller, less
+# efficient steps; bench/overhead.py).
+GROUP_WAIT_S = 120.0
+
+
+@dataclass
+class StartingJob:
+    trainer_id: str
+    actor: Any
+    prepare_ref: Any
+    group: int                     # jobs started by one decision round join their trainer together
+    since: float = field(default_factory=time.time)
+
+
+class JobStarts:
+    """The job actors of a scheduler and the jobs on their way to a trainer (called under its lock)."""
+
+    def __init__(self, table: JobTable, core: SchedulerCore, state_dir: Path):
+        self.table = table
+        self.core = core
+        self.state_dir = state_dir
+        self.actors: dict[str, Any] = {}             # job id -> its job actor
+        self.starting: dict[str, StartingJob] = {}   # job id -> on its way to its trainer
+
+    def __contains__(self, job_id: str) -> bool:
+        """Whether the job is on its way to its trainer (started, not assigned yet)."""
+        return job_id in self.starting
+
+    def drop(self, job_id: str) -> None:
+        """Forget a job on its way (cancelled, paused or its trainer lost before it arrived)."""
+        self.starting.pop(job_id, None)
+
+    def kill_all(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors.clear()
+
+    def begin(self, start: Start, round_number: int) -> None:
+        """Create (or reuse) the job's actor and have it prepare the job's data."""
+        job_id = start.job
+        actor = self.actors.get(job_id)
+        if actor is not None and job_id in self.core.replace_job_actor:   # lost or hung: never reused
+            ray.kill(self.actors.pop(job_id))
+            actor = None
+        self.core.replace_job_actor.discard(job_id)
+        if actor is None:
+            submission = self.table.submission(job_id)
+            actor = JobActor.options(name=f"aspen-job-{job_id}-{int(time.time() * 1000)}").remote(
+                job_id, submission.model_dump_json(), str(self.state_dir / "cache"))
+            self.actors[job_id] = actor
+        self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), round_number)
+
+    def finish(self, assign: Callable[[str, list[tuple]], Any]) -> None:
+        """Hand prepared jobs to their trainers: a decision round's jobs together (so that jobs submitted
+        together train together from their first step), unless one of them takes too long."""
+        ready = {job_id for job_id, s in self.starting.items() if ray.wait([s.prepare_ref], timeout=0)[0]}
+        groups: dict[int, list[str]] = {}
+        for job_id, starting in self.starting.items():
+            groups.setdefault(starting.group, []).append(job_id)
+        now = time.time()
+        batches: dict[str, list[tuple]] = {}
+        for members in groups.values():
+            overdue = any(now - self.starting[j].since > GROUP_WAIT_S for j in members)
+            if not overdue and not all(j in ready for j in members):
+                continue
+            for job_id in members:
+                if job_id not in ready:
+                    continue
+                starting = self.starting.pop(job_id)
+                assignment = self._prepared(job_id, starting)
+                if assignment is not None:
+                    batches.setdefault(starting.trainer_id, []).append(assignment)
+        for trainer_id, assignments in batches.items():
+            assign(trainer_id, assignments)
+
+    def _prepared(self, job_id: str, starting: StartingJob) -> tuple | None:
+        record = self.table.get(job_id)
+        if record.state != "running" or record.trainer != starting.trainer_id:
+            return None  # cancelled, paused or requeued meanwhile
+        try:
+            summary, eval_examples = ray.get(starting.prepare_ref)
+        except RayActorError as error:   # the job actor died: start the job again with a new one
+            self.core.start_lost(job_id, f"its job actor was lost while reading its data ({type(error).__name__})")
+            return None
+        except RayError as error:
+            cause = getattr(error, "cause", None) or error
+            self.core.start_failed(job_id, f"its data could not be read: {cause}")
+            return None
+        self.table.update(job_id, total_steps=summary.total_steps)
+        submission = self.table.submission(job_id)
+        return (job_id, submission.model_dump_json(), record.output_dir, summary, eval_examples, starting.actor)
+
+    def release(self) -> None:
+        """Let go of the job actors of jobs that ended, paused or must get a new one."""
+        for job_id in list(self.actors):
+            if job_id in self.starting:
+                continue
+            try:
+                state = self.table.get(job_id).state
+            except KeyError:    # deleted
+                state = "cancelled"
+            if state in TERMINAL_STATES | {"paused"} or job_id in self.core.replace_job_actor:
+                ray.kill(self.actors.pop(job_id))
+                self.core.replace_job_actor.discard(job_id)

@@ -83,18 +83,24 @@ def write_format_1(job: TrainingJob, folder: Path, optimizer_payload: object | N
     (folder / "state.json").write_text(json.dumps(state, indent=1) + "\n")
 
 
-def test_resumed_job_ends_with_the_uninterrupted_adapter(tmp_path):
-    base = from_module(tiny_model("llama", VOCAB), None)
-    data = random_examples(0, count=10, vocab=VOCAB)
-    other_data = random_examples(1, vocab=VOCAB)
-
+def uninterrupted_run(base, data) -> tuple[dict, list[float]]:
+    """The job trained to its end without a break: its adapter weights and its losses (the reference)."""
     trainer = FusedTrainer(base)
     job = TrainingJob.create(spec(), base, data, [], seed=0)
     trainer.add_job(job)
     while not job.done:
         trainer.train_step()
-    uninterrupted, history = weights(job), [r.loss for r in job.history]
+    result = weights(job), [r.loss for r in job.history]
     trainer.remove_job(job.name)
+    return result
+
+
+def test_resumed_job_ends_with_the_uninterrupted_adapter(tmp_path):
+    base = from_module(tiny_model("llama", VOCAB), None)
+    data = random_examples(0, count=10, vocab=VOCAB)
+    other_data = random_examples(1, vocab=VOCAB)
+
+    uninterrupted, history = uninterrupted_run(base, data)
 
     # Interrupted after 5 micro-batches (mid-accumulation, with a neighbour job sharing the steps).
     trainer = FusedTrainer(base)
@@ -131,13 +137,7 @@ def test_resumed_job_ends_with_the_uninterrupted_adapter(tmp_path):
 def test_a_format_1_checkpoint_resumes_read_with_weights_only(tmp_path, monkeypatch):
     base = from_module(tiny_model("llama", VOCAB), None)
     data = random_examples(0, count=10, vocab=VOCAB)
-    trainer = FusedTrainer(base)
-    job = TrainingJob.create(spec(), base, data, [], seed=0)
-    trainer.add_job(job)
-    while not job.done:
-        trainer.train_step()
-    uninterrupted, history = weights(job), [r.loss for r in job.history]
-    trainer.remove_job(job.name)
+    uninterrupted, history = uninterrupted_run(base, data)
 
     trainer = FusedTrainer(base)
     job = TrainingJob.create(spec(), base, data, [], seed=0)

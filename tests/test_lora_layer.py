@@ -185,3 +185,19 @@ def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode)
     for clean, poisoned in zip(*grads):
         assert torch.isfinite(poisoned).all()
         assert torch.equal(clean, poisoned)
+
+
+def test_jobs_may_be_named_like_module_attributes():
+    """'train', 'half', 'cuda' are nn.Module attributes; a job of that name still gets its adapter."""
+    from actors.engine.lora import add_adapter, remove_adapter
+    from actors.engine.spec import LoraConfig
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", vocab_size=300)
+    plain = {name for name, _ in model.named_modules()}
+    for name in ("train", "half", "cuda", "forward"):
+        handle = add_adapter(model, name, LoraConfig(r=2, target_modules=["q_proj"]), seed=0)
+        assert handle.parameters()
+    for name in ("train", "half", "cuda", "forward"):
+        remove_adapter(model, name)
+    assert {name for name, _ in model.named_modules()} == plain

@@ -40,8 +40,8 @@ def test_accumulation_steps_every_grad_accum_micro_batches_and_clips():
         (weight * torch.tensor([10.0, 0, 0, 0])).sum().backward()
         due.append(opt.micro_step_done())
         if due[-1]:
-            lr, norm = opt.step()
-            assert norm == pytest.approx(30.0)  # three accumulated gradients of norm 10, before clipping
+            lr, norm = opt.step(targets=3)
+            assert norm == pytest.approx(10.0)  # three summed gradients of norm 10 over 3 targets, before clipping
     assert due == [False, False, True, False, False, True]
     assert opt.step_count == 2 and weight.grad is None
 
@@ -64,7 +64,7 @@ def test_job_optimizer_steps_like_torch_reference_adamw():
             p.grad = g.clone()
         for p, g in zip(theirs, grads):
             p.grad = g.clone()
-        opt.step()
+        opt.step(targets=1)
         for group in reference.param_groups:
             group["lr"] = spec.lr * lr_factor(step, schedule="cosine", warmup_steps=2, total_steps=8)
         torch.nn.utils.clip_grad_norm_(theirs, 0.5)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import shutil
@@ -171,8 +172,11 @@ def _encode_optimizer(job: TrainingJob, tensors: dict[str, torch.Tensor]) -> dic
         gradients.append(parameter.grad is not None)
         if parameter.grad is not None:
             tensors[f"grad.{i}"] = parameter.grad.detach().to("cpu").contiguous().clone()
-    return {"step_count": full["step_count"], "micro_count": full["micro_count"], "param_groups": param_groups,
-            "state_tensors": state_tensors, "state_values": state_values, "gradients": gradients}
+    encoded = {"step_count": full["step_count"], "micro_count": full["micro_count"], "param_groups": param_groups,
+               "state_tensors": state_tensors, "state_values": state_values, "gradients": gradients}
+    if "loss_scale" in full:   # float16 bases: the job's dynamic loss scale
+        encoded["loss_scale"] = full["loss_scale"]
+    return encoded
 
 
 def _encode_value(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -465,6 +469,14 @@ def _decode_optimizer(state_path: Path, tensors_path: Path, encoded: Any, tensor
                        f"{' ...' if len(unexpected) > 5 else ''}")
     optimizer = {"optimizer": {"state": torch_state, "param_groups": param_groups},
                  "step_count": encoded["step_count"], "micro_count": encoded["micro_count"]}
+    if "loss_scale" in encoded:
+        scale = encoded["loss_scale"]
+        if not (isinstance(scale, dict) and set(scale) == {"scale", "clean_steps"}
+                and isinstance(scale["scale"], (int, float)) and math.isfinite(scale["scale"]) and scale["scale"] > 0
+                and _is_int(scale["clean_steps"]) and scale["clean_steps"] >= 0):
+            raise _Invalid(f"{state_path}: optimizer loss_scale is {scale!r}; expected "
+                           "{\"scale\": a positive number, \"clean_steps\": a count}")
+        optimizer["loss_scale"] = scale
     return optimizer, gradients
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from actors.engine.data import DataCursor, Example
 from actors.engine.lora import AdapterHandle, add_adapter
 from actors.engine.models import BaseModel
@@ -28,7 +30,9 @@ class BatchSource(Protocol):
 
 @dataclass
 class StepAccumulator:
-    """Loss and tokens of the micro-batches of the optimizer step in progress."""
+    """Loss and tokens of the micro-batches of the optimizer step in progress. `loss_sum` sums the target
+    tokens' losses, so `loss` is the mean over all the step's target tokens (token-weighted, like its
+    gradient)."""
 
     loss_sum: float = 0.0
     micro_batches: int = 0
@@ -36,14 +40,15 @@ class StepAccumulator:
     targets: int = 0
 
     def add(self, loss: float, tokens: int, targets: int) -> None:
-        self.loss_sum += loss
+        """`loss`: the micro-batch's mean over its `targets` target tokens."""
+        self.loss_sum += loss * targets
         self.micro_batches += 1
         self.tokens += tokens
         self.targets += targets
 
     @property
     def loss(self) -> float:
-        return self.loss_sum / max(self.micro_batches, 1)
+        return self.loss_sum / max(self.targets, 1)
 
 
 @dataclass
@@ -87,7 +92,8 @@ class TrainingJob:
                total_steps: int, *, seed: int) -> TrainingJob:
         """A job whose micro-batches come from `source` (e.g. streamed from a job actor)."""
         adapter = add_adapter(base.model, spec.name, spec.lora, seed=seed)
-        optimizer = JobOptimizer(spec, adapter.parameters(), total_steps)
+        optimizer = JobOptimizer(spec, adapter.parameters(), total_steps,
+                                 loss_scaling=base.dtype == torch.float16)
         return cls(spec, adapter, optimizer, source, eval_examples, total_steps, seed)
 
     @property
@@ -134,7 +140,7 @@ class TrainingJob:
             due = True
         if not due:
             return None
-        lr, grad_norm = self.optimizer.step()
+        lr, grad_norm = self.optimizer.step(self.accumulator.targets)
         record = OptimizerStepRecord(self.step, self.accumulator.loss, self.accumulator.tokens, lr, grad_norm)
         self.accumulator = StepAccumulator()
         self.history.append(record)

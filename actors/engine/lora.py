@@ -161,13 +161,41 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
     return F.pad(real, (0, 0, 0, 1))[group.scatter]                                       # zeros elsewhere
 
 
+class JobAdapters(nn.ModuleDict):
+    """A layer's adapters by job name, held under `job_<name>`: a job may be named like a module attribute
+    ('train', 'half', 'cuda', 'forward'), which nn.ModuleDict refuses as a key."""
+
+    PREFIX = "job_"
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return super().__getitem__(self.PREFIX + name)
+
+    def __setitem__(self, name: str, module: nn.Module) -> None:
+        super().__setitem__(self.PREFIX + name, module)
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(self.PREFIX + name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(self.PREFIX + name)
+
+    def keys(self) -> list[str]:
+        return [key[len(self.PREFIX):] for key in super().keys()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def items(self) -> list[tuple[str, nn.Module]]:
+        return [(key[len(self.PREFIX):], module) for key, module in super().items()]
+
+
 class FusedLoraLinear(nn.Module):
     """Wraps a frozen linear layer; holds the adapters of every job that targets it."""
 
     def __init__(self, base: nn.Module):
         super().__init__()
         self.base = base
-        self.adapters = nn.ModuleDict()
+        self.adapters = JobAdapters()
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
 

@@ -1,5 +1,12 @@
 """Per-job optimisation: AdamW over the job's adapter, its learning-rate schedule, gradient
-accumulation bookkeeping and grad-norm clipping."""
+accumulation bookkeeping, grad-norm clipping and (for a float16 base) dynamic loss scaling.
+
+Gradient accumulation is token-weighted, as in Hugging Face's Trainer since 4.46: every target token of
+every micro-batch of an optimizer step counts once, so the step's gradient is that of the sum of its
+tokens' losses divided by the number of its target tokens (not the mean of the micro-batches' means,
+which lets a short micro-batch's tokens weigh more than a long one's). The fused step backpropagates
+each token's loss with weight 1 (times the job's loss scale), the adapter's float32 gradients sum them,
+and `step(targets)` divides by the step's target count (and the scale) before clipping."""
 
 from __future__ import annotations
 
@@ -42,10 +49,45 @@ def fused_option(parameters: list[torch.nn.Parameter]) -> dict[str, bool]:
     return {}
 
 
-class JobOptimizer:
-    """AdamW + schedule for one job; `ready()` tells when its accumulation is complete."""
+class LossScale:
+    """Dynamic loss scaling of one job on a float16 base (torch.amp.GradScaler's rule, kept per job so that
+    no job's overflow changes another's step): each token's loss is backpropagated times `scale`, so that
+    small activation gradients do not underflow float16; a step whose gradients hold inf or NaN is skipped
+    and the scale halved; after `growth_interval` clean steps in a row it doubles.
 
-    def __init__(self, spec: JobSpec, parameters: list[torch.nn.Parameter], total_steps: int):
+    Tokens weigh 1 each (not 1/N), so activation gradients do not shrink with the step's size: the initial
+    scale is 2**10 rather than GradScaler's 2**16 (which assumes a mean over the batch's tokens)."""
+
+    INITIAL = 2.0**10
+    GROWTH, BACKOFF, GROWTH_INTERVAL = 2.0, 0.5, 1000
+    MIN, MAX = 2.0**-24, 2.0**24
+
+    def __init__(self, scale: float = INITIAL, clean_steps: int = 0):
+        self.scale = float(scale)
+        self.clean_steps = int(clean_steps)
+        self.skipped_steps = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale = max(self.scale * self.BACKOFF, self.MIN)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.GROWTH_INTERVAL:
+            self.scale = min(self.scale * self.GROWTH, self.MAX)
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+
+class JobOptimizer:
+    """AdamW + schedule for one job; `micro_step_done()` tells when its accumulation is complete.
+    `loss_scaling`: dynamic loss scaling (for a float16 base; bfloat16 and float32 need none)."""
+
+    def __init__(self, spec: JobSpec, parameters: list[torch.nn.Parameter], total_steps: int, *,
+                 loss_scaling: bool = False):
         self.spec = spec
         self.parameters = parameters
         self.total_steps = total_steps
@@ -53,7 +95,13 @@ class JobOptimizer:
                                            **fused_option(parameters))
         self.step_count = 0
         self.micro_count = 0
+        self.loss_scale = LossScale() if loss_scaling else None
         self.set_lr()
+
+    @property
+    def token_weight(self) -> float:
+        """What each target token's loss is backpropagated with: 1, or the loss scale."""
+        return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     @property
     def lr(self) -> float:
@@ -69,9 +117,22 @@ class JobOptimizer:
         self.micro_count += 1
         return self.micro_count % self.spec.grad_accum == 0
 
-    def step(self) -> tuple[float, float]:
-        """Clip, step, zero the gradients. Returns (lr used, gradient norm before clipping)."""
+    def step(self, targets: int) -> tuple[float, float]:
+        """Turn the summed gradients of the step's `targets` target tokens into their mean, clip, step, zero
+        the gradients. Returns (lr used, gradient norm before clipping; inf for a step skipped because its
+        float16 gradients overflowed)."""
         lr = self.lr
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, self.token_weight * max(targets, 1))
+        if self.loss_scale is not None:
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            self.loss_scale.update(finite)
+            if not finite:   # as torch's GradScaler: the step is skipped, the schedule goes on
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step_count += 1
+                self.set_lr()
+                return lr, float("inf")
         if self.spec.max_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.parameters, self.spec.max_grad_norm))
         else:
@@ -91,11 +152,16 @@ class JobOptimizer:
         return 2 * self.gradient_bytes()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
-                "micro_count": self.micro_count}
+        state = {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
+                 "micro_count": self.micro_count}
+        if self.loss_scale is not None:
+            state["loss_scale"] = self.loss_scale.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step_count"]
         self.micro_count = state["micro_count"]
+        if self.loss_scale is not None and state.get("loss_scale"):
+            self.loss_scale = LossScale(**state["loss_scale"])
         self.set_lr()

@@ -194,11 +194,14 @@ class FusedTrainer:
         chosen = self.compose()
         return self.run_step(chosen) if chosen else None
 
-    def _token_weights(self, batch: FusedBatch, jobs: list[TrainingJob]) -> torch.Tensor:
-        """Each target token weighs 1 / (its job's targets in this micro-batch x grad_accum): the step's
-        loss is the sum over jobs of each job's mean loss, so no job's scale depends on its neighbours."""
-        per_job = torch.tensor([1.0 / (max(n, 1) * job.spec.grad_accum) for n, job in zip(batch.job_targets, jobs)],
-                               dtype=torch.float32, device=batch.target_job.device)
+    @staticmethod
+    def _token_weights(batch: FusedBatch, jobs: list[TrainingJob]) -> torch.Tensor:
+        """Each target token weighs its job's token weight (1, or its float16 loss scale): the adapters'
+        gradients sum their own tokens' gradients, and each job's optimizer turns the sum into the mean
+        over its step's target tokens (token-weighted accumulation), so no job's scale depends on its
+        neighbours or on how its tokens fell into micro-batches."""
+        per_job = torch.tensor([job.optimizer.token_weight for job in jobs], dtype=torch.float32,
+                               device=batch.target_job.device)
         return per_job[batch.target_job]
 
     @staticmethod

@@ -1,0 +1,182 @@
+"""Gradient accumulation against Hugging Face's Trainer (token-weighted since transformers 4.46: the loss of
+an optimizer step is the sum of its target tokens' losses over their count, whatever micro-batch they
+came in), and float16 dynamic loss scaling (per job, so that one job's overflow skips only its own step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from torch.utils.data import SequentialSampler
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+from actors.engine.checkpoint import load_checkpoint, save_checkpoint
+from actors.engine.data import Example
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module
+from actors.engine.optim import LossScale
+from actors.engine.peft_io import WEIGHTS_NAME, adapter_state_dict, save_adapter
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
+from tests.conftest import random_examples, tiny_config
+
+VOCAB = 300
+
+
+class FixedOrder:
+    """A BatchSource that hands out `examples` in order, `batch_size` at a time (HF's SequentialSampler)."""
+
+    def __init__(self, examples: list[Example], batch_size: int):
+        self.examples, self.batch_size, self.position = examples, batch_size, 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.position >= len(self.examples)
+
+    def next_batch(self) -> list[Example] | None:
+        if self.exhausted:
+            return None
+        batch = self.examples[self.position:self.position + self.batch_size]
+        self.position += len(batch)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+class InOrderTrainer(Trainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+def _pad(rows: list[dict]) -> dict[str, torch.Tensor]:
+    longest = max(len(r["input_ids"]) for r in rows)
+    return {"input_ids": torch.tensor([r["input_ids"] + [0] * (longest - len(r["input_ids"])) for r in rows]),
+            "labels": torch.tensor([r["labels"] + [-100] * (longest - len(r["labels"])) for r in rows]),
+            "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * (longest - len(r["input_ids"]))
+                                            for r in rows])}
+
+
+def _uneven_examples() -> list[Example]:
+    """Micro-batches whose target counts differ by an order of magnitude: averaging micro-batch means would
+    weigh a target token of a short micro-batch ~10x one of a long micro-batch."""
+    short = random_examples(1, count=6, vocab=VOCAB, min_len=6, max_len=8, prompt_share=0.7)
+    long = random_examples(2, count=6, vocab=VOCAB, min_len=40, max_len=48, prompt_share=0.1)
+    return [short[0], short[1], long[0], long[1], short[2], long[2],
+            long[3], long[4], short[3], short[4], long[5], short[5]]
+
+
+def test_accumulation_weighs_tokens_as_hugging_face_trainer_does(tmp_path):
+    torch.manual_seed(0)
+    hf_model = LlamaForCausalLM(tiny_config("llama", VOCAB)).eval()
+    ours = LlamaForCausalLM(tiny_config("llama", VOCAB))
+    ours.load_state_dict(hf_model.state_dict())
+    base = from_module(ours, None)
+    spec = JobSpec(name="acc", data="unused.jsonl", format={"type": "text"}, batch_size=2, grad_accum=3,
+                   max_steps=2, lr=1e-2, lr_schedule="constant", weight_decay=0.0, max_grad_norm=1.0,
+                   lora={"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    examples = _uneven_examples()
+    job = TrainingJob.attach(spec, base, FixedOrder(examples, spec.batch_size), [], total_steps=2, seed=0)
+    save_adapter(job.adapter, tmp_path / "initial", "tiny")   # both start from the same adapter
+    trainer = FusedTrainer(base)
+    trainer.add_job(job)
+    losses = []
+    while (report := trainer.train_step()) is not None:
+        losses += [r.optimizer_step.loss for r in report.results if r.optimizer_step is not None]
+    ours_after = adapter_state_dict(job.adapter)
+
+    peft_model = PeftModel.from_pretrained(hf_model, tmp_path / "initial", is_trainable=True)
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=3, max_steps=2, learning_rate=1e-2,
+                             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+                             report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0,
+                             remove_unused_columns=False, dataloader_num_workers=0)
+    rows = [{"input_ids": list(e.input_ids), "labels": list(e.labels)} for e in examples]
+    hf = InOrderTrainer(model=peft_model, args=args, train_dataset=rows, data_collator=_pad)
+    hf.train()
+    hf_after = {key.replace(".default", ""): value.detach() for key, value in peft_model.state_dict().items()
+                if "lora_" in key}
+    hf_losses = [row["loss"] for row in hf.state.log_history if "loss" in row]
+
+    assert set(hf_after) == set(ours_after)
+    initial = load_file(str(tmp_path / "initial" / WEIGHTS_NAME))
+    moved = max(float((hf_after[k] - initial[k]).abs().max()) for k in hf_after if "lora_B" in k)
+    assert moved > 1e-3, "the adapters did not move: nothing was compared"
+    for key in hf_after:
+        assert torch.allclose(ours_after[key], hf_after[key], rtol=1e-4, atol=1e-6), key
+    assert losses == pytest.approx(hf_losses, rel=1e-4)
+
+
+def test_loss_scale_backs_off_on_overflow_and_grows_after_clean_steps():
+    scale = LossScale()
+    scale.update(finite=False)
+    assert scale.scale == LossScale.INITIAL / 2 and scale.skipped_steps == 1
+    for _ in range(LossScale.GROWTH_INTERVAL):
+        scale.update(finite=True)
+    assert scale.scale == LossScale.INITIAL
+
+
+def test_float16_overflow_skips_only_that_jobs_step():
+    """On a float16 base each job has its own loss scale: an absurd scale overflows one job's float16
+    activation gradients, that job's step is skipped (its adapter unchanged, its scale halved), and the other
+    job's adapter equals the one it gets when trained alone."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama", VOCAB)).to(torch.float16)
+    base = from_module(model, None)
+
+    def spec(name: str) -> JobSpec:
+        return JobSpec(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=2, max_steps=1, lr=1e-2,
+                       lr_schedule="constant", lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+
+    def run(names: list[str], blow_up: str | None) -> dict[str, tuple[TrainingJob, dict[str, torch.Tensor]]]:
+        trainer = FusedTrainer(base)
+        jobs = {}
+        for name in names:
+            seed = ord(name)
+            job = TrainingJob.create(spec(name), base, random_examples(seed, count=2, vocab=VOCAB), [], seed=seed)
+            assert job.optimizer.loss_scale is not None, "a float16 base scales its jobs' losses"
+            if name == blow_up:
+                job.optimizer.loss_scale.scale = 2.0**24   # float16 tops out at 65504
+            trainer.add_job(job)
+            jobs[name] = job
+        while trainer.train_step() is not None:
+            pass
+        out = {name: (job, {k: v.detach().clone() for k, v in job.adapter.named_parameters()})
+               for name, job in jobs.items()}
+        for name in names:
+            trainer.remove_job(name)
+        return out
+
+    fused = run(["a", "b"], blow_up="a")
+    alone = run(["b"], blow_up=None)
+    job_a, weights_a = fused["a"]
+    assert all(float(v.abs().max()) == 0.0 for k, v in weights_a.items() if "lora_B" in k), \
+        "a's overflowed step was skipped: its adapter is as it started"
+    assert job_a.history[-1].grad_norm == float("inf")
+    assert job_a.optimizer.loss_scale.scale == 2.0**23
+    job_b, b_fused = fused["b"]
+    assert job_b.optimizer.loss_scale.skipped_steps == 0
+    b_alone = alone["b"][1]
+    assert any(float(v.abs().max()) > 0 for k, v in b_fused.items() if "lora_B" in k)
+    for key in b_alone:
+        assert torch.equal(b_fused[key], b_alone[key]), key
+
+
+def test_a_float16_jobs_loss_scale_survives_its_checkpoint(tmp_path):
+    def half_base():
+        torch.manual_seed(0)
+        return from_module(LlamaForCausalLM(tiny_config("llama", VOCAB)).to(torch.float16), None)
+
+    base = half_base()
+    spec = JobSpec(name="half", data="unused.jsonl", format={"type": "text"}, batch_size=2, max_steps=3,
+                   lora={"r": 4, "target_modules": ["q_proj"]})
+    job = TrainingJob.create(spec, base, random_examples(5, count=4, vocab=VOCAB), [], seed=5)
+    job.optimizer.loss_scale.scale, job.optimizer.loss_scale.clean_steps = 2.0**7, 11
+    save_checkpoint(job, tmp_path / "ckpt", "tiny")
+    resumed = TrainingJob.create(spec, half_base(), random_examples(5, count=4, vocab=VOCAB), [], seed=5)
+    load_checkpoint(resumed, tmp_path / "ckpt")
+    assert (resumed.optimizer.loss_scale.scale, resumed.optimizer.loss_scale.clean_steps) == (2.0**7, 11)

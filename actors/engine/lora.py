@@ -250,6 +250,21 @@ def adapted_shapes(target_modules: list[str] | str, linear_shapes: dict[str, tup
     return [linear_shapes[name] for name in match_targets(list(linear_shapes), target_modules)]
 
 
+def peft_target_modules(candidates: list[str], targets: list[str]) -> list[str]:
+    """PEFT's `target_modules` for exactly the layers `targets` out of the linear layers `candidates`: a
+    short name ('q_proj') where the targets hold every layer of that name, else those layers' full paths
+    (PEFT matches a full path exactly), so that PEFT puts the adapter where it was trained, no more."""
+    chosen = set(targets)
+    out: set[str] = set()
+    for short in {name.rsplit(".", 1)[-1] for name in targets}:
+        every = [name for name in candidates if name.rsplit(".", 1)[-1] == short]
+        if all(name in chosen for name in every):
+            out.add(short)
+        else:
+            out.update(name for name in every if name in chosen)
+    return sorted(out)
+
+
 def match_targets(candidates: list[str], target_modules: list[str] | str) -> list[str]:
     """Which of the linear layers named `candidates` a LoRA config's `target_modules` selects."""
     if target_modules == "all-linear":
@@ -291,11 +306,12 @@ class AdapterHandle:
     """The parameters of one job's adapter across all the layers it targets."""
 
     def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter],
-                 generator: torch.Generator | None):
+                 generator: torch.Generator | None, peft_targets: list[str] | None = None):
         self.name = name
         self.config = config
         self.layers = layers
         self.dropout_generator = generator
+        self.peft_targets = peft_targets if peft_targets is not None else sorted(layers)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for layer in self.layers.values() for p in (layer.lora_A, layer.lora_B)]
@@ -314,7 +330,8 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
     """Attach a new adapter to the (frozen) model without reloading it."""
     if any(isinstance(m, FusedLoraLinear) and name in m.adapters for m in model.modules()):
         raise ValueError(f"an adapter named '{name}' is already attached")
-    targets = resolve_targets(model, config.target_modules)
+    candidates = linear_module_names(model)
+    targets = match_targets(candidates, config.target_modules)
     device = next(model.parameters()).device
     init_generator = torch.Generator().manual_seed(seed)
     dropout_generator = None
@@ -328,7 +345,7 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         adapter.dropout_generator = dropout_generator
         fused.adapters[name] = adapter
         layers[module_name] = adapter
-    return AdapterHandle(name, config, layers, dropout_generator)
+    return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets))
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:

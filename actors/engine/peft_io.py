@@ -18,8 +18,8 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
 
-def peft_config_dict(config: LoraConfig, targets: list[str], base_model_name: str) -> dict:
-    short_targets = sorted({name.rsplit(".", 1)[-1] for name in targets})
+def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_name: str) -> dict:
+    """`target_modules`: PEFT's names for exactly the adapted layers (AdapterHandle.peft_targets)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -28,7 +28,7 @@ def peft_config_dict(config: LoraConfig, targets: list[str], base_model_name: st
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "use_rslora": config.use_rslora,
-        "target_modules": short_targets,
+        "target_modules": target_modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -77,7 +77,7 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
     """Write the adapter atomically (each file written to a temporary name, then renamed)."""
     folder = Path(folder)
     tensors = adapter_state_dict(adapter)
-    config = peft_config_dict(adapter.config, list(adapter.layers), base_model_name)
+    config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
     _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     _atomic_write(folder / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     return folder

@@ -52,11 +52,11 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
               [("sliding-window layers", {"use_sliding_window": False})]),
     "gemma": ({}, []),
     "gemma2": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
-                "final_logit_softcapping": 2.0, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 64},
+                "final_logit_softcapping": 2.0, "attn_logit_softcapping": 0.5, "query_pre_attn_scalar": 4},
                [("final logit soft-capping", {"final_logit_softcapping": None}),
                 ("attention soft-capping", {"attn_logit_softcapping": None}),
                 ("sliding layers", {"layer_types": ALL_FULL}),
-                ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16})]),
+                ("query_pre_attn_scalar", {"query_pre_attn_scalar": 256})]),
     "gemma3_text": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
                      "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 64,
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
@@ -253,7 +253,7 @@ def test_gpt_oss_sinks_matter_and_experts_are_not_adapted():
 # -- refusals -----------------------------------------------------------------------------------------
 
 REFUSED = [
-    ("starcoder2", {}, r"model_type 'starcoder2' is not in aspen's verified table .*llama, mistral"),
+    ("starcoder2", {}, r"model_type 'starcoder2'\) is not in aspen's verified table .*: llama, mistral, qwen2"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
      r"rope type 'dynamic'.*packed row's longest sequence.*refused"),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,

@@ -57,13 +57,16 @@ class LogitTransform:
 @dataclass(frozen=True)
 class ArchitectureSupport:
     """One verified architecture: its transformers `model_type`, a real model of that type, what the engine
-    does for it beyond a plain Llama-like decoder, what it refuses for it, and its logit transform."""
+    reproduces beyond a plain Llama-like decoder (after the LM head; in attention; elsewhere), what it
+    refuses for this type beyond what it refuses everywhere, its logit transform and its own checks."""
 
     model_type: str
     example: str
-    handled: str
-    refused: str = ""
-    logits: Callable[[Any], LogitTransform] = field(default=lambda config: LogitTransform())
+    logits: str = "—"
+    attention: str = "causal"
+    other: str = "—"
+    refused: str = "—"
+    transform: Callable[[Any], LogitTransform] = field(default=lambda config: LogitTransform())
     check: Callable[[Any], list[str]] = field(default=lambda config: [])
 
 
@@ -95,36 +98,35 @@ def _no_router_loss(config: Any) -> list[str]:
     return []
 
 
-_ROPE = "RoPE default / linear / llama3 / yarn"
+_BIDIRECTIONAL = "`use_bidirectional_attention`"
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
-    ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B", _ROPE, "dynamic NTK RoPE"),
-    ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", f"sliding window; {_ROPE}", "dynamic NTK RoPE"),
-    ArchitectureSupport("qwen2", "Qwen/Qwen2.5-0.5B", f"sliding-window layers (use_sliding_window); {_ROPE}",
-                        "dynamic NTK RoPE"),
-    ArchitectureSupport("qwen3", "Qwen/Qwen3-0.6B", f"q/k norm; sliding-window layers; {_ROPE}", "dynamic NTK RoPE"),
-    ArchitectureSupport("gemma", "google/gemma-2b", "embedding scale; RoPE default", "bidirectional attention",
+    ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
+    ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
+    ArchitectureSupport("qwen2", "Qwen/Qwen2.5-0.5B", attention="sliding-window layers (`use_sliding_window`)"),
+    ArchitectureSupport("qwen3", "Qwen/Qwen3-0.6B", attention="sliding-window layers (`use_sliding_window`)",
+                        other="q/k norm"),
+    ArchitectureSupport("gemma", "google/gemma-2b", other="embedding scale", refused=_BIDIRECTIONAL,
                         check=_no_bidirectional),
-    ArchitectureSupport("gemma2", "google/gemma-2-2b",
-                        "final logit soft-capping; attention soft-capping; sliding/global layers; "
-                        "query_pre_attn_scalar", "bidirectional attention", logits=_softcapped,
+    ArchitectureSupport("gemma2", "google/gemma-2-2b", logits="tanh soft-cap (`final_logit_softcapping`)",
+                        attention="soft-cap (`attn_logit_softcapping`); sliding/global layers; `query_pre_attn_scalar`",
+                        other="embedding scale", refused=_BIDIRECTIONAL, transform=_softcapped, check=_no_bidirectional),
+    ArchitectureSupport("gemma3_text", "google/gemma-3-1b-pt", logits="tanh soft-cap (`final_logit_softcapping`)",
+                        attention="sliding/global layers; `query_pre_attn_scalar`",
+                        other="a RoPE per layer type; q/k norm", refused=_BIDIRECTIONAL, transform=_softcapped,
                         check=_no_bidirectional),
-    ArchitectureSupport("gemma3_text", "google/gemma-3-1b-pt",
-                        "final logit soft-capping (when set); sliding/global layers with their own RoPE; "
-                        "query_pre_attn_scalar; q/k norm", "bidirectional attention", logits=_softcapped,
-                        check=_no_bidirectional),
-    ArchitectureSupport("phi3", "microsoft/Phi-3-mini-4k-instruct", "fused qkv_proj / gate_up_proj; sliding window",
-                        "longrope (the 128k models)"),
-    ArchitectureSupport("granite", "ibm-granite/granite-3.1-2b-base",
-                        "logits_scaling; embedding / residual / attention multipliers; " + _ROPE, "dynamic NTK RoPE",
-                        logits=_granite_logits),
-    ArchitectureSupport("gpt_oss", "openai/gpt-oss-20b",
-                        "attention sinks; sliding/full layers; RoPE yarn; MoE experts are not linear layers, so "
-                        "LoRA adapts attention only", "output_router_logits", check=_no_router_loss),
-    ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", "q/k norm over all heads; post-norm blocks; " + _ROPE,
-                        "dynamic NTK RoPE"),
-    ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", "logit_scale; parallel attention/MLP block",
-                        "dynamic NTK RoPE", logits=_cohere_logits),
-    ArchitectureSupport("smollm3", "HuggingFaceTB/SmolLM3-3B", f"NoPE layers; {_ROPE}", "dynamic NTK RoPE"),
+    ArchitectureSupport("phi3", "microsoft/Phi-3-mini-4k-instruct", attention="sliding window",
+                        other="fused `qkv_proj` / `gate_up_proj` (LoRA adapts them whole)",
+                        refused="longrope (the 128k models)"),
+    ArchitectureSupport("granite", "ibm-granite/granite-3.1-2b-base", logits="÷ `logits_scaling`",
+                        attention="`attention_multiplier` as the scale", other="embedding / residual multipliers",
+                        transform=_granite_logits),
+    ArchitectureSupport("gpt_oss", "openai/gpt-oss-20b", attention="sinks; sliding/full layers",
+                        other="RoPE yarn; MoE experts are not linear layers: LoRA adapts attention only",
+                        refused="`output_router_logits` (the router's loss)", check=_no_router_loss),
+    ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", other="q/k norm over all heads; norms after the blocks"),
+    ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",
+                        other="parallel attention / MLP block", transform=_cohere_logits),
+    ArchitectureSupport("smollm3", "HuggingFaceTB/SmolLM3-3B", other="NoPE layers (`no_rope_layers`)"),
 )}
 
 
@@ -172,12 +174,14 @@ def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
     problems = _rope_problems(model_type, config) + row.check(config)
     if problems:
         raise UnsupportedModelError(f"{subject}: " + "; ".join(problems))
-    return row.logits(config)
+    return row.transform(config)
 
 
 def markdown_table() -> str:
     """The table of README.md's "Supported models" section (a test keeps the two the same)."""
-    lines = ["| model type | example model | handled | refused |", "|---|---|---|---|"]
+    lines = ["| model type | example | logits | attention | also | refused (besides the refusals for all) |",
+             "|---|---|---|---|---|---|"]
     for row in SUPPORTED.values():
-        lines.append(f"| `{row.model_type}` | {row.example} | {row.handled} | {row.refused or '—'} |")
+        lines.append(f"| `{row.model_type}` | {row.example} | {row.logits} | {row.attention} | {row.other} "
+                     f"| {row.refused} |")
     return "\n".join(lines)

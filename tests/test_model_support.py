@@ -11,6 +11,7 @@ load, with their message; the README's table is the code's table."""
 from __future__ import annotations
 
 import copy
+import importlib
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.engine import trainer as trainer_module
-from actors.engine.attention import varlen_attention_forward
+from actors.engine.attention import use_varlen_attention, varlen_attention_forward
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.layout import StepLayout, step_layout
@@ -69,7 +70,8 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     "phi3": ({"sliding_window": WINDOW}, [("sliding window", {"sliding_window": None})]),
     "granite": ({"logits_scaling": 4.0, "attention_multiplier": 0.5, "embedding_multiplier": 3.0,
                  "residual_multiplier": 0.5},
-                [("logits_scaling", {"logits_scaling": 1.0}), ("attention_multiplier", {"attention_multiplier": 0.25})]),
+                [("logits_scaling", {"logits_scaling": 1.0}),
+                 ("attention_multiplier", {"attention_multiplier": 0.25})]),
     "gpt_oss": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
                  "num_local_experts": 4, "num_experts_per_tok": 2,
                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -185,9 +187,9 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
         for example, count, reference_loss in zip(batch, counts, reference_losses):
             engine_loss = float(token_losses[offset:offset + count].mean())
             offset += count
-            assert engine_loss == pytest.approx(float(reference_loss), rel=LOSS_TOLERANCE), (job.name, len(example))
+            assert engine_loss == pytest.approx(reference_loss.item(), rel=LOSS_TOLERANCE), (job.name, len(example))
         job_loss = sum(loss * count for loss, count in zip(reference_losses, counts)) / sum(counts)
-        assert result.loss == pytest.approx(float(job_loss), rel=LOSS_TOLERANCE)
+        assert result.loss == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
         job_loss.backward()
         peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad
                       for name, p in peft_model.named_parameters() if "lora_" in name}
@@ -199,8 +201,9 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
         assert relative(flat_engine, flat_peft) <= GRADIENT_TOLERANCE, job.name
         # the evaluation path and the logits path: the same transforms as the model's own forward
         with torch.no_grad():
-            assert trainer.evaluate(job, batch) == pytest.approx(float(job_loss), rel=LOSS_TOLERANCE)
-            rows = torch.tensor([e.input_ids[:6] for e in batch])
+            assert trainer.evaluate(job, batch) == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
+            shortest = min(len(e) for e in batch)   # equal-length rows, longer than the window but for job-b
+            rows = torch.tensor([e.input_ids[:shortest] for e in batch])
             peft_logits = peft_model(input_ids=rows, use_cache=False).logits
             assert relative(trainer.logits(job.name, rows), peft_logits) <= LOSS_TOLERANCE
             hidden = peft_model.base_model.model.model(input_ids=rows, use_cache=False).last_hidden_state
@@ -282,7 +285,6 @@ def test_dynamic_rope_would_make_a_job_depend_on_its_neighbours():
     so the same sequence gets another loss when a long one is packed beside it."""
     model = build_model(build_config("llama", max_position_embeddings=16,
                                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10.0}))
-    from actors.engine.attention import use_varlen_attention
     use_varlen_attention(model)
     short, long = examples(0, [12])[0], examples(1, [40])[0]
 
@@ -353,8 +355,6 @@ def test_softcap_and_sink_attention_equals_the_models_eager_attention(model_type
     """The per-sequence path for soft-capping (Gemma 2) and sinks (gpt-oss) against the model's own eager
     attention run on each sequence with its causal sliding-window mask. On CUDA in bfloat16 this is also
     the path taken instead of the varlen kernels, which lack both features."""
-    import importlib
-
     eager = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}").eager_attention_forward
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)

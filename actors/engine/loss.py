@@ -45,7 +45,8 @@ class _TargetCrossEntropy(torch.autograd.Function):
             tgt = targets[start:end]
             losses[start:end] = log_norm - logits.gather(1, tgt[:, None]).squeeze(1)
             if need_grad:
-                # d loss / d logits = softmax - one-hot; with a soft-cap, d logits / d raw = slope * (1 - (logits/cap)^2)
+                # d loss / d logits = softmax - one-hot;
+                # d logits / d raw = slope, times (1 - (logits / cap)^2) under a soft-cap
                 capped = logits.div(cap).square_().neg_().add_(1.0) if cap is not None else None
                 probs = logits.sub_(log_norm[:, None]).exp_()
                 probs[torch.arange(end - start, device=probs.device), tgt] -= 1.0

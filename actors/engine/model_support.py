@@ -45,10 +45,6 @@ class LogitTransform:
     softcap: float | None = None  # Gemma 2 / 3's final_logit_softcapping
 
     @property
-    def identity(self) -> bool:
-        return self.multiply == 1.0 and self.divide == 1.0 and self.softcap is None
-
-    @property
     def slope(self) -> float:
         """d logits / d raw before the soft-cap."""
         return self.multiply / self.divide
@@ -109,7 +105,8 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         check=_no_bidirectional),
     ArchitectureSupport("gemma2", "google/gemma-2-2b", logits="tanh soft-cap (`final_logit_softcapping`)",
                         attention="soft-cap (`attn_logit_softcapping`); sliding/global layers; `query_pre_attn_scalar`",
-                        other="embedding scale", refused=_BIDIRECTIONAL, transform=_softcapped, check=_no_bidirectional),
+                        other="embedding scale", refused=_BIDIRECTIONAL, transform=_softcapped,
+                        check=_no_bidirectional),
     ArchitectureSupport("gemma3_text", "google/gemma-3-1b-pt", logits="tanh soft-cap (`final_logit_softcapping`)",
                         attention="sliding/global layers; `query_pre_attn_scalar`",
                         other="a RoPE per layer type; q/k norm", refused=_BIDIRECTIONAL, transform=_softcapped,
@@ -142,7 +139,7 @@ def _rope_types(config: Any) -> list[tuple[str | None, str]]:
     return [(None, str(parameters.get("rope_type", parameters.get("type", "default"))))]
 
 
-def _rope_problems(model_type: str, config: Any) -> list[str]:
+def _rope_problems(config: Any) -> list[str]:
     problems = []
     for layer_type, rope_type in _rope_types(config):
         where = f" (its {layer_type} layers)" if layer_type else ""
@@ -171,7 +168,7 @@ def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
             f"equal the unfused model's: {', '.join(SUPPORTED)}. An unverified architecture may do something "
             "outside the decoder or inside its attention (logit scaling, soft-capping, sinks, length-dependent "
             "RoPE) that the engine would silently drop; use a model of a verified type")
-    problems = _rope_problems(model_type, config) + row.check(config)
+    problems = _rope_problems(config) + row.check(config)
     if problems:
         raise UnsupportedModelError(f"{subject}: " + "; ".join(problems))
     return row.transform(config)

@@ -14,6 +14,7 @@ from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralC
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 VOCAB = 49152  # the SmolLM2 tokenizer's
+MISTRAL_WINDOW = 16
 
 
 def tiny_config(arch: str, vocab_size: int = VOCAB):
@@ -25,7 +26,8 @@ def tiny_config(arch: str, vocab_size: int = VOCAB):
     if arch == "qwen2":
         return Qwen2Config(**common)
     if arch == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        # a window shorter than most random_examples (8-40 tokens): the sliding path is exercised
+        return MistralConfig(**common, sliding_window=MISTRAL_WINDOW)
     raise ValueError(arch)
 
 

@@ -5,13 +5,17 @@ sequence or a padded row) attends only to itself, causally. On CUDA in a half dt
 flash-attention kernel over the whole stream: PyTorch's own `torch.nn.attention.varlen.varlen_attn`
 (torch >= 2.10), else flash-attn's `flash_attn_varlen_func` where that package is installed. Elsewhere it
 runs scaled-dot-product attention per sequence, so compute is sum(L^2), not T^2 (one kernel launch per
-sequence and layer: fine on a CPU, slow on a GPU). Outside a fused step (no layout set) it falls back to
-plain sdpa."""
+sequence and layer: fine on a CPU, slow on a GPU). Features the varlen kernels lack (Gemma 2's attention
+soft-capping, gpt-oss's attention sinks) run in the per-sequence path on every device, there in float32
+(`exact_sequence_attention`); sliding windows (per layer: each layer passes its own) run everywhere.
+Outside a fused step (no layout set) it falls back to plain sdpa, or to the model's own eager attention
+for those features. An argument it does not know that would change the result is refused, not dropped."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -30,22 +34,79 @@ except ImportError:   # torch < 2.10
 VARLEN_TAKES_GQA = torch_varlen_attn is not None and "enable_gqa" in inspect.signature(torch_varlen_attn).parameters
 
 
-def _sliding_causal_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+# arguments transformers' attention modules pass that do not change the attention's result (and `output_*`:
+# what the model returns besides)
+_NEUTRAL_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "return_dict", "layer_idx",
+                                "past_key_values", "cache"})
+
+
+def _sliding_causal_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
     index = torch.arange(length, device=device)
     distance = index[:, None] - index[None, :]
+    if window is None:
+        return distance >= 0
     return (distance >= 0) & (distance < window)
+
+
+def _refuse_unknown(module: torch.nn.Module, kwargs: dict) -> None:
+    unknown = sorted(name for name, value in kwargs.items()
+                     if name not in _NEUTRAL_ARGUMENTS and not name.startswith("output_") and value is not None
+                     and not (name == "is_causal" and value is True))
+    if unknown or getattr(module, "is_causal", True) is False:
+        what = ", ".join(unknown) if unknown else "is_causal=False (bidirectional attention)"
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {what} to its attention, which aspen's varlen attention does not "
+            "implement: the result would silently differ from the model's. Add it to actors/engine/attention.py "
+            "and the model to actors/engine/model_support.py's verified table, with a test")
+
+
+def exact_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                             sliding_window: int | None, softcap: float | None,
+                             sinks: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of one sequence with soft-capping and sinks, in float32 (what the models' eager
+    attention computes): scores = softcap * tanh(q.k * scaling / softcap), masked causally (and to the
+    window); each head's sink logit joins the softmax's denominator and is dropped after it.
+    query: (1, heads, L, dim); key/value: (1, kv_heads, L, dim). Returns (1, heads, L, dim)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    allowed = _sliding_causal_mask(query.shape[2], sliding_window, query.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(1, -1, query.shape[2], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, value.float()).to(value.dtype)
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, sliding_window: int | None = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
-    """query: (1, heads, T, dim); key/value: (1, kv_heads, T, dim). Returns (1, T, heads, dim)."""
+    """query: (1, heads, T, dim); key/value: (1, kv_heads, T, dim). Returns (1, T, heads, dim).
+    `softcap`: Gemma 2's attention soft-cap; `s_aux`: gpt-oss's per-head sink logits."""
+    softcap = kwargs.pop("softcap", None)
+    sinks = kwargs.pop("s_aux", None)
+    _refuse_unknown(module, kwargs)
+    exact = softcap is not None or sinks is not None   # features the varlen kernels do not have
     layout = current_layout()
     if layout is None or query.shape[0] != 1:
+        if exact:   # the model's own eager attention, which has them (sdpa refuses softcap, drops sinks)
+            eager = sys.modules[type(module).__module__].eager_attention_forward
+            extra = {"softcap": softcap} if softcap is not None else {}
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         sliding_window=sliding_window, **extra, **kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, sliding_window=sliding_window, **kwargs)
-    on_gpu = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    if dropout != 0.0 and exact:
+        raise NotImplementedError(f"{type(module).__name__}: attention dropout with soft-capping or sinks is not "
+                                  "implemented (the frozen base runs in eval mode, without dropout)")
+    on_gpu = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not exact
     if on_gpu and torch_varlen_attn is not None and dropout == 0.0:
         cu_seqlens = layout.cu_seqlens(query.device)
         longest = layout.max_sequence_length
@@ -74,7 +135,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     outputs = []
     for start, end in layout.sequences:
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        if sliding_window and end - start > sliding_window:
+        if exact:
+            out = exact_sequence_attention(q, k, v, scaling, sliding_window, softcap, sinks)
+        elif sliding_window and end - start > sliding_window:
             mask = _sliding_causal_mask(end - start, sliding_window, query.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                                  enable_gqa=gqa)

@@ -60,7 +60,7 @@ def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int
             with step_layout(layout):
                 hidden = base.decoder(input_ids=flat[None], position_ids=positions[None], attention_mask=None,
                                       use_cache=False).last_hidden_state[0]
-            logits = base.lm_head(hidden[ends])
+            logits = base.output_logits(hidden[ends])   # the model's logit transform included
             chosen = logits.argmax(dim=-1).tolist()
             still_active = []
             for i, token in zip(active, chosen):

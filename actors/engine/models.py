@@ -146,24 +146,31 @@ def keep_quantized_layers_trainable(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> nn.Module:
+    """The model of `source` on `device` in `dtype`, its linear layers quantized while loading (module
+    docstring): a folder through transformers' on-the-fly quantization, a GGUF file linear by linear."""
+    kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    quantize_after = quantization != "none" and source.gguf_file is not None
+    if quantization != "none" and not quantize_after:
+        kwargs.update(quantization_config=bitsandbytes_config(quantization, dtype), device_map={"": device})
+    elif quantize_after:
+        require("bitsandbytes", "quant", f"quantization: {quantization}")
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=source.local_files_only,
+                                                 **kwargs)
+    if quantize_after:
+        quantize_linears(model, quantization, dtype, device)
+    return model.to(device)
+
+
 def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",
                     quantization: str = "none") -> BaseModel:
     """Load, freeze and prepare a base model for fused training."""
     source = resolve_source(base_model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    # quantized while loading where transformers can (a folder); a GGUF file is quantized after, on the CPU
-    quantize_after = quantization != "none" and source.gguf_file is not None
-    if quantization != "none" and not quantize_after:
-        kwargs.update(quantization_config=bitsandbytes_config(quantization, torch_dtype),
-                      device_map={"": torch_device})
-    elif quantize_after:
-        require("bitsandbytes", "quant", f"quantization: {quantization}")
     try:
         tokenizer = load_tokenizer(source)
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype,
-                                                     local_files_only=source.local_files_only, **kwargs)
+        model = load_model(source, torch_dtype, torch_device, quantization)
     except OSError as error:
         raise FileNotFoundError(
             f"base_model '{base_model}' could not be loaded from {source.description}: {error}. A hub id works "
@@ -172,9 +179,6 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     for attribute in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, attribute, None):
             raise NotImplementedError(f"base_model '{base_model}': models with {attribute} are not supported yet")
-    if quantize_after:
-        quantize_linears(model, quantization, torch_dtype, torch_device)
-    model.to(torch_device)
     keep_quantized_layers_trainable(model)
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training

@@ -114,7 +114,8 @@ def quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, de
         if isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):
             continue
         has_bias = module.bias is not None
-        weight = module.weight.data.to(dtype)
+        # from the CPU: bitsandbytes quantizes an int8 weight only when moving it from the CPU to a device
+        weight = module.weight.data.to(device="cpu", dtype=dtype)
         if quantization == "int8":
             new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias=has_bias,
                                       has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
@@ -152,7 +153,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, qu
     kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     quantize_after = quantization != "none" and source.gguf_file is not None
     if quantization != "none" and not quantize_after:
-        kwargs.update(quantization_config=bitsandbytes_config(quantization, dtype), device_map={"": device})
+        kwargs.update(quantization_config=bitsandbytes_config(quantization, dtype), device_map={"": str(device)})
     elif quantize_after:
         require("bitsandbytes", "quant", f"quantization: {quantization}")
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=source.local_files_only,

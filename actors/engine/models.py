@@ -6,12 +6,16 @@ local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unl
 `quantization: int8 | nf4` quantizes the linear layers with bitsandbytes (the LM head and the embeddings
 stay as they are) while loading, so that a base that fits on the device only quantized can be loaded there:
 - a Hugging Face folder goes through transformers' on-the-fly quantization (`BitsAndBytesConfig`), which
-  reads one tensor at a time from the checkpoint, quantizes it and places it on the device: the device
-  never holds more than the quantized model and one tensor in float;
+  reads one tensor at a time from the checkpoint, quantizes it and places it on the device: the loading
+  peak stays within the quantized model and one decoder layer in float (tests/test_quantized_loading.py);
 - a GGUF file (transformers dequantizes it to float and cannot combine that with a `quantization_config`)
   is loaded in float on the CPU and quantized linear by linear, each linear moved to the device only once
   quantized; the rest (embeddings, norms, LM head) follows. The float model then lives in host memory
-  only, never on the device.
+  only, never on a GPU (on a CPU-only machine the host is the device: there the GGUF path peaks at the
+  float model, as transformers' GGUF reader dequantizes the whole file at once).
+
+int8 loses quality on large models without outlier handling; quantization is the user's choice of memory
+over accuracy, and `nf4` is the usual one for LoRA (QLoRA).
 
 int8 runs without LLM.int8()'s outlier decomposition (threshold 0): with a threshold, the columns computed
 in 16 bits are those where *any* token of the fused step has an outlier, so one job's activations would

@@ -72,3 +72,44 @@ def test_grouped_lora_is_the_default_on_cuda_and_equals_per_segment(monkeypatch)
     assert calls, "auto did not take the grouped way on CUDA"
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "nf4"])
+def test_a_quantized_base_loads_within_its_quantized_size_plus_one_layer_of_gpu_memory(tmp_path, quantization):
+    """On the GPU, with its allocator's own peak counter: loading a quantized base (bfloat16, from a float32
+    folder) peaks at most one float32 decoder layer + 4 MiB above the quantized model; the previous way
+    (the float model moved to the GPU, then quantized) peaks above that bound."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.models import load_model, quantize_linears
+    from actors.engine.sources import resolve_source
+    from tests.load_peak_probe import tensor_bytes
+
+    config = LlamaConfig(vocab_size=300, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    layer_bytes = sum(p.numel() for p in LlamaForCausalLM(config).model.layers[0].parameters()) * 4
+    device = torch.device("cuda")
+
+    def peak(load) -> tuple[int, int]:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model = load()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before, tensor_bytes(model)
+
+    new_peak, model_bytes = peak(lambda: load_model(resolve_source(str(tmp_path)), torch.bfloat16, device,
+                                                    quantization))
+    bound = model_bytes + layer_bytes + 4 * 2**20
+    assert new_peak <= bound, (new_peak, bound)
+
+    def old_way():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to(device)
+        quantize_linears(model, quantization, torch.bfloat16, device)
+        return model
+
+    old_peak, _ = peak(old_way)
+    assert old_peak > bound, (old_peak, bound)

@@ -32,6 +32,11 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return num / den
 
 
+def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit for bit the same adapter: isolation's truth on the CPU (tests/test_isolation.py says why)."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def train(base, specs_and_data, *, layout="packed", step_tokens=100_000, composer=None,
           reports=None) -> dict[str, dict[str, torch.Tensor]]:
     trainer = FusedTrainer(base, step_tokens=step_tokens, layout=layout, composer=composer)
@@ -53,7 +58,7 @@ def train(base, specs_and_data, *, layout="packed", step_tokens=100_000, compose
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_fused_adapter_equals_solo_run(arch, layout):
-    """Isolation: an adapter trained alongside other jobs ends with the weights of the job trained alone."""
+    """Isolation: an adapter trained alongside other jobs ends with exactly the weights of the job trained alone."""
     base = from_module(tiny_model(arch, VOCAB), None)
     target = (job_spec("target", grad_accum=2), random_examples(0, vocab=VOCAB), 0)
     others = [
@@ -68,7 +73,7 @@ def test_fused_adapter_equals_solo_run(arch, layout):
     start_job = TrainingJob.create(target[0], base, target[1], [], seed=0)
     start = {k: v.detach().clone() for k, v in start_job.adapter.named_parameters()}
     assert relative_difference(solo, start) > 1e-2, "the adapter did not train"
-    assert relative_difference(solo, fused) <= 1e-4
+    assert identical(solo, fused), relative_difference(solo, fused)
 
 
 def test_isolation_holds_with_dropout_and_a_tight_token_budget():
@@ -79,7 +84,7 @@ def test_isolation_holds_with_dropout_and_a_tight_token_budget():
     other = (job_spec("other", batch_size=4), random_examples(5, vocab=VOCAB, max_len=60), 5)
     fused = train(base, [other, target], step_tokens=150)["target"]
     solo = train(base, [target], step_tokens=150)["target"]
-    assert relative_difference(solo, fused) <= 1e-4
+    assert identical(solo, fused), relative_difference(solo, fused)
 
 
 def test_base_is_frozen_and_gets_no_gradients():
@@ -152,7 +157,11 @@ def test_first_step_loss_equals_plain_transformers_loss(tiny_model_dirs):
 
 def test_minpad_groups_jobs_by_length_and_keeps_them_isolated():
     """MinPad (OptimalBatch) on mLoRA's padded_fused layout: far less padding than round-robin fusing of
-    every job, every job still trains all its steps, each adapter equals its solo run."""
+    every job, every job still trains all its steps, each adapter equals its solo run to 1e-5 relative.
+    Not exactly: padded_fused pads every row of a step to the step's longest row, so a job fused with a
+    longer one runs its attention over more (masked) key positions than alone; the masked keys add exact
+    zeros, but the kernel's blocking and vector tails over the key length change the order of its sums
+    (float32 rounding, ~1e-7 per attention output). Measured: 2.2e-6 relative after 6 steps."""
     from policies.minpad import MinPadPolicy
 
     base = from_module(tiny_model("llama", VOCAB), None)
@@ -173,13 +182,17 @@ def test_minpad_groups_jobs_by_length_and_keeps_them_isolated():
     assert all(any(set(r.jobs) <= group for group in groups) for r in minpad), [r.jobs for r in minpad]
     for spec, examples, seed in (jobs[0], jobs[3]):
         solo = train(base, [(spec, examples, seed)], layout="padded_fused")[spec.name]
-        assert relative_difference(solo, fused[spec.name]) <= 1e-4
+        assert relative_difference(solo, fused[spec.name]) <= 1e-5
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_grouped_adapters_keep_fused_equal_to_solo(monkeypatch, layout):
     """The batched LoRA way (CUDA's default, forced here on the CPU): a job trained beside others with
-    other ranks, targets and dropout still ends with the weights of the job trained alone."""
+    other ranks, targets and dropout still ends with the weights of the job trained alone, to 1e-5 relative.
+    Not exactly: alone, a job's update runs the per-segment products (grouping needs two adapters), fused the
+    batched ones over the jobs' padded batch, whose gradient sums over the longest job's length (the padding
+    rows add exact zeros) in another kernel and order: float32 rounding. Measured: 5.2e-7 relative after
+    20 steps. (Both ways take only the job's own tokens, which tests/test_isolation.py checks exactly.)"""
     from actors.engine import lora
 
     monkeypatch.setattr(lora, "GROUPING", "grouped")
@@ -194,7 +207,7 @@ def test_grouped_adapters_keep_fused_equal_to_solo(monkeypatch, layout):
     ]
     fused = train(base, [others[0], target, others[1]], layout=layout)["target"]
     solo = train(base, [target], layout=layout)["target"]
-    assert relative_difference(solo, fused) <= 1e-4
+    assert relative_difference(solo, fused) <= 1e-5
 
 
 def _operations_per_step(base, jobs: int, sequences: list) -> int:

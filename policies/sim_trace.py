@@ -87,6 +87,7 @@ class LossCurve(Strict):
 class EarlyStop(Strict):
     min_improvement: float = 0.01
     patience: int = 3
+    min_delta: float | None = Field(None, ge=0, description="absolute (loss units; null: 0.1% of the first loss)")
 
 
 class TraceJob(Strict):

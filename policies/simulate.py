@@ -122,7 +122,7 @@ class Simulator:
             if job.spec.early_stop:
                 budget = job.spec.steps
                 job.rule = PredictiveRule(job.spec.early_stop.min_improvement, job.spec.early_stop.patience, budget,
-                                          every=job.spec.eval_every)
+                                          every=job.spec.eval_every, min_delta=job.spec.early_stop.min_delta)
         self.clock = {t.id: 0.0 for t in trace.trainers}
         self.trainers = {t.id: t for t in trace.trainers}
         self.rotation = dict.fromkeys(self.clock, 0)

@@ -13,6 +13,7 @@ import torch
 
 from actors.engine.checkpoint import LoadedCheckpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
+from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSpec
@@ -172,3 +173,28 @@ def test_a_format_1_checkpoint_resumes_read_with_weights_only(tmp_path, monkeypa
     # the next save writes format 2 over it
     save_checkpoint(resumed, tmp_path / "ckpt", "tiny")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == FORMAT_2_FILES
+
+
+
+def test_a_checkpoint_keeps_the_eval_losses_and_reads_older_ones_without_them(tmp_path):
+    """The eval losses a stop rule judges come back with the checkpoint (a paused job keeps its history);
+    a checkpoint written before they were saved (no "evals" in state.json) loads with none."""
+    base = from_module(tiny_model("llama", VOCAB), None)
+    data = random_examples(0, count=12, vocab=VOCAB)
+    trainer = FusedTrainer(base)
+    job = TrainingJob.create(spec(), base, data, data[:4], seed=0)
+    trainer.add_job(job)
+    while job.step < 4:
+        trainer.train_step()
+    job.evals = [(2, trainer.evaluate(job)), (4, trainer.evaluate(job))]
+    save_checkpoint(job, tmp_path / "ckpt", "tiny")
+    trainer.remove_job(job.name)
+    resumed = TrainingJob.create(spec(), base, data, data[:4], seed=0)
+    load_checkpoint(resumed, tmp_path / "ckpt")
+    assert resumed.evals == job.evals and len(resumed.evals) == 2
+    state = json.loads((tmp_path / "ckpt/state.json").read_text())
+    del state["evals"]
+    (tmp_path / "ckpt/state.json").write_text(json.dumps(state))
+    remove_adapter(base.model, resumed.name)
+    older = TrainingJob.create(spec(), base, data, data[:4], seed=0)
+    assert load_checkpoint(older, tmp_path / "ckpt").step == 4 and older.evals == []

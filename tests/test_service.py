@@ -200,7 +200,7 @@ def test_pause_resume_and_early_stop_through_the_actors(service, tiny_model_dirs
 
     ended = flat.wait(timeout=180)
     assert ended.state == "stopped_early", ended
-    assert "predicted" in ended.reason and "< min_improvement" in ended.reason and ended.step < 60
+    assert "has not improved on its best" in ended.reason and "min_delta" in ended.reason and ended.step < 60
     losses = flat.losses()
     assert sum(r["eval_loss"] is not None for r in losses) >= 4       # evaluated every 2 steps
     assert (tmp_path / "flat" / "adapter_model.safetensors").is_file()

@@ -3,7 +3,10 @@ does not, noise does not fool it, and the prediction of the final loss is close 
 
 from __future__ import annotations
 
+import math
 import random
+
+import pytest
 
 from policies.stopping import LossHistory, PredictiveRule, fit_power_law
 
@@ -75,3 +78,72 @@ def test_no_stop_within_the_budgets_last_patience_evaluations():
     plateau = LossHistory(eval=curve(1.0, 8.0, 1.5, steps, noise=0.001, seed=1))
     assert PredictiveRule(0.01, 3, budget_steps=360, every=20).decide(plateau) is None     # 3 evaluations left
     assert PredictiveRule(0.01, 3, budget_steps=380, every=20).decide(plateau) is not None
+
+
+def memorised_curve(steps: int = 300) -> list[tuple[int, float]]:
+    """The train loss of a job that memorises its one repeated example: from 6.2 to ~2e-4 by step 41, then
+    creeping down as a power law (to ~5e-5 by step 250: still ~75% better in relative terms)."""
+    return [(s, 6.2 * math.exp(-(s - 1) / 3.5) + 2e-4 * (s / 41) ** -0.8) for s in range(1, steps + 1)]
+
+
+def test_a_memorised_job_stops_on_its_absolute_plateau():
+    train = memorised_curve()
+    history = LossHistory(train=[p for p in train if p[0] <= 100])
+    rule = PredictiveRule(min_improvement=0.01, patience=3, budget_steps=300)
+    stops = [step for step in range(10, 101, 10)
+             if rule.decide(LossHistory(train=[p for p in train if p[0] <= step])) is not None]
+    assert stops and stops[0] < 100, stops
+    reason = rule.decide(LossHistory(train=[p for p in train if p[0] <= stops[0]])).reason
+    assert "min_delta 0.0062 (0.1% of the first train loss 6.204)" in reason, reason
+    # judged on relative improvement alone (no absolute threshold), the same curve trains on
+    relative_only = PredictiveRule(min_improvement=0.01, patience=3, budget_steps=300, min_delta=0.0)
+    assert relative_only.decide(history) is None
+    # the remaining relative improvement really is large: the loss at step 100 vs 300
+    assert (train[99][1] - train[299][1]) / train[99][1] > 0.5
+    assert rule.predicted_stop_step(history) <= 100 < relative_only.predicted_stop_step(history)
+
+
+def test_equal_losses_are_no_improvement():
+    flat = LossHistory(eval=[(s, 2.0) for s in range(20, 220, 20)])
+    decision = PredictiveRule(0.0, 3, budget_steps=1000, min_delta=0.0).decide(flat)
+    assert decision is not None and "has not improved on its best (2)" in decision.reason
+    assert "min_delta 0 (given)" in decision.reason
+
+
+def test_a_gain_below_min_delta_is_no_improvement():
+    # eval loss 0.002 lower per evaluation: over 3 evaluations 0.006
+    slow = LossHistory(eval=[(s, 3.0 - 0.0001 * s) for s in range(20, 220, 20)])
+    assert PredictiveRule(0.0, 3, budget_steps=1000, min_delta=0.007).decide(slow) is not None
+    assert PredictiveRule(0.0, 3, budget_steps=1000, min_delta=0.005).decide(slow) is None
+
+
+def test_a_predicted_gain_below_min_delta_stops_a_job():
+    """Still beating its best by more than min_delta, but with less than min_delta left to gain in its
+    budget: the absolute prediction stops it where the relative one (2% left) would not."""
+    steep = LossHistory(eval=[(s, 0.5 + 1e4 * s ** -3.0) for s in range(10, 110, 10)])
+    gain_left = 1e4 * 100 ** -3.0 - 1e4 * 1000 ** -3.0           # ~0.0100 from step 100 to 1000
+    gained_last = 1e4 * 70 ** -3.0 - 1e4 * 100 ** -3.0           # ~0.019 over the last 3 evaluations
+    assert gain_left < 0.015 < gained_last
+    decision = PredictiveRule(0.001, 3, budget_steps=1000, min_delta=0.015).decide(steep)
+    assert decision is not None and decision.reason.endswith("< min_delta 0.015 (given)"), decision
+    assert PredictiveRule(0.001, 3, budget_steps=1000, min_delta=0.005).decide(steep) is None
+
+
+def test_min_delta_defaults_to_a_thousandth_of_the_first_loss():
+    rule = PredictiveRule(0.01, 3, budget_steps=1000)
+    with_eval = LossHistory(train=[(1, 9.0)], eval=[(10, 6.2), (20, 5.0)])
+    assert rule.resolved_min_delta(with_eval).value == pytest.approx(0.0062)
+    assert "first eval loss 6.2" in rule.resolved_min_delta(with_eval).source
+    train_only = LossHistory(train=[(1, 9.0), (2, 8.0)])
+    assert rule.resolved_min_delta(train_only).value == pytest.approx(0.009)
+    assert PredictiveRule(0.01, 3, budget_steps=1000, min_delta=0.5).resolved_min_delta(train_only).value == 0.5
+    # the default in action (relative improvement not judged): 0.005 per evaluation (0.015 over 3) beats
+    # 0.1% of 6.2 (0.0062), 0.001 (0.003) does not
+    absolute_only = PredictiveRule(0.0, 3, budget_steps=1000)
+    assert absolute_only.decide(LossHistory(eval=[(s, 6.2 - 0.00025 * s) for s in range(20, 220, 20)])) is None
+    assert absolute_only.decide(LossHistory(eval=[(s, 6.2 - 0.00005 * s) for s in range(20, 220, 20)])) is not None
+
+
+def test_the_smoothed_train_loss_is_a_mean_over_each_window():
+    history = LossHistory(train=[(s, float(s)) for s in range(1, 26)])
+    assert history.smoothed_train(10) == [(10, 5.5), (20, 15.5)]

@@ -1,6 +1,7 @@
 """Job checkpoints that a crash never loses: the adapter (PEFT format), the optimizer state and partial
-gradient accumulation, the data cursor position, the dropout RNG state and the metrics history, so that
-a resumed job ends with the same adapter as an uninterrupted one.
+gradient accumulation, the data cursor position, the dropout RNG state, the metrics history and the eval
+losses, so that a resumed job ends with the same adapter as an uninterrupted one (and its stop rule sees
+the same loss history).
 
 Saving writes a complete checkpoint into a staging folder next to the checkpoint, fsyncs every file and
 the folder, then swaps it in with renames (`folder` -> `.<name>.previous`, staging -> `folder`) and only
@@ -14,7 +15,8 @@ Format 2 on disk (`<name>/`):
     optimizer.safetensors   tensors: `state.<id>.<key>` (AdamW exp_avg / exp_avg_sq / step per parameter),
                             `grad.<i>` (partial accumulation, where not None), `dropout_rng` (uint8),
                             `param_groups.<g>.<key>` (tensor-valued optimizer settings, if any)
-    state.json              format, job, step, cursor, accumulator, history, the optimizer's non-tensor
+    state.json              format, job, step, cursor, accumulator, history, evals ([step, eval loss]
+                            pairs; optional: older checkpoints have none), the optimizer's non-tensor
                             parts (param_groups, step_count, micro_count, which tensors exist) and the
                             size and sha256 of every other file; written last
 One writer per checkpoint folder: a save removes the staging folders an earlier (crashed) save left."""
@@ -86,6 +88,7 @@ class _Saved:
     dropout_rng: torch.Tensor | None
     accumulator: StepAccumulator
     history: list[OptimizerStepRecord]
+    evals: list[tuple[int, float]]
 
 
 def previous_folder(folder: str | Path) -> Path:
@@ -140,6 +143,7 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
         "cursor": job.data_position(),
         "accumulator": asdict(job.accumulator),
         "history": [asdict(record) for record in job.history],
+        "evals": [[step, loss] for step, loss in job.evals],
         "optimizer": optimizer,
         "dropout_rng": generator is not None,
         "files": files,
@@ -523,7 +527,8 @@ def _read_format_1(folder: Path, state: dict[str, Any]) -> _Saved:
                   *_read_progress(state_path, state))
 
 
-def _read_progress(state_path: Path, state: dict[str, Any]) -> tuple[StepAccumulator, list[OptimizerStepRecord]]:
+def _read_progress(state_path: Path, state: dict[str, Any]
+                   ) -> tuple[StepAccumulator, list[OptimizerStepRecord], list[tuple[int, float]]]:
     try:
         accumulator = StepAccumulator(**state["accumulator"])
     except TypeError as error:
@@ -538,7 +543,22 @@ def _read_progress(state_path: Path, state: dict[str, Any]) -> tuple[StepAccumul
             history.append(OptimizerStepRecord(**record))
         except TypeError as error:
             raise _Invalid(f"{state_path}: history record {i} is malformed ({error})") from error
-    return accumulator, history
+    return accumulator, history, _read_evals(state_path, state)
+
+
+def _read_evals(state_path: Path, state: dict[str, Any]) -> list[tuple[int, float]]:
+    """The job's eval losses up to the checkpoint's step ([] where an older checkpoint has none)."""
+    raw = state.get("evals", [])
+    if not isinstance(raw, list):
+        raise _Invalid(f"{state_path}: \"evals\" is a {type(raw).__name__}, not a list of [step, eval loss]")
+    evals = []
+    for i, pair in enumerate(raw):
+        ok = (isinstance(pair, list) and len(pair) == 2 and _is_int(pair[0]) and 0 <= pair[0] <= state["step"]
+              and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool))
+        if not ok:
+            raise _Invalid(f"{state_path}: evals entry {i} is {pair!r}, not [step <= {state['step']}, eval loss]")
+        evals.append((pair[0], float(pair[1])))
+    return evals
 
 
 def _check_against_job(saved: _Saved, job: TrainingJob) -> None:
@@ -656,6 +676,7 @@ def _restore(job: TrainingJob, saved: _Saved) -> None:
     job.tokens_seen = saved.state["tokens_seen"]
     job.accumulator = saved.accumulator
     job.history = saved.history
+    job.evals = saved.evals
 
 
 def _is_int(value: Any) -> bool:

@@ -80,6 +80,7 @@ class TrainingJob:
     accumulator: StepAccumulator = field(default_factory=StepAccumulator)
     tokens_seen: int = 0
     history: list[OptimizerStepRecord] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)   # (optimizer step, eval loss), in order
 
     @classmethod
     def create(cls, spec: JobSpec, base: BaseModel, train: list[Example], eval_examples: list[Example],

@@ -129,11 +129,18 @@ class LoraConfig(StrictModel):
 
 class EarlyStopConfig(StrictModel):
     """Stop a job once further training stops paying off: a power law fitted to its eval losses (or its
-    smoothed train loss where it has no eval split) predicts less than `min_improvement` (relative) from
-    now to the end of its budget, after at least `patience` + 3 evaluations."""
+    smoothed train loss where it has no eval split) predicts less than `min_improvement` (relative) or less
+    than `min_delta` (absolute) from now to the end of its budget, or the loss has not beaten its best by
+    at least `min_delta` for `patience` evaluations; judged after at least `patience` + 3 evaluations."""
 
     min_improvement: Annotated[float, Bounds(0, 100)] = Field(
         0.01, description="the relative loss improvement still worth the rest of the budget (0.01: 1%)")
+    min_delta: Annotated[float, Bounds(0, 1e6)] | None = Field(
+        None, description="the absolute loss improvement (in loss units) that counts: a loss not lower than its "
+                          "best by more than this is no improvement (an equal one neither), and a predicted "
+                          "remaining gain below it stops the job (null: 0.1% of the job's first recorded loss, "
+                          "its first eval loss or, without an eval split, its first train loss; the stop "
+                          "reason shows the value used)")
     patience: Annotated[int, Bounds(1, 10_000)] = Field(
         3, description="evaluations without enough improvement before stopping")
 

@@ -15,6 +15,10 @@ from actors.engine.data import DataCursor, Example, load_examples, split_eval
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
 
+VERDICT_LAG = 2
+"""A verdict for optimizer step k takes effect after step k + VERDICT_LAG - 1 (the trainer loop applies it;
+see there why); on resume the stop decisions of a job's last VERDICT_LAG steps are made again."""
+
 log = logging.getLogger(__name__)
 
 
@@ -97,13 +101,15 @@ class JobData:
         step the rule predicts the job will stop at."""
         self.last_update = time.time()
         if update.resumed_from is not None:
-            # the checkpoint's steps are the truth (a new job actor knows none of them, a kept one all)
+            # the checkpoint's steps and evals are the truth (a new job actor knows none of them, a kept one all)
             self.history.truncate(update.resumed_from)
             if update.steps:
                 self.history.train = [(row["step"], row["loss"]) for row in update.steps]
                 self.tokens = sum(row["tokens"] for row in update.steps)
-            self.decision = None
-            return Verdict(None, None)
+            if update.evals:
+                self.history.eval = [(step, loss) for step, loss in update.evals if step <= update.resumed_from]
+            self.decision = self._decision_on_resume(update.resumed_from)
+            return Verdict(self.decision, None)
         for row in update.steps:
             self.history.train.append((row["step"], row["loss"]))
             self.tokens += row["tokens"]
@@ -118,6 +124,25 @@ class JobData:
                 log.exception("job %s: its stop rule failed; it trains to the end of its budget", self.job_id)
                 self.stop_rule = None
         return Verdict(self.decision, predicted)
+
+    def _decision_on_resume(self, step: int) -> StopDecision | None:
+        """The stop decision of the job's last `VERDICT_LAG` steps up to `step` (its checkpoint), made again
+        from the restored history: a pause may have ended the job before the trainer applied them. The
+        rule depends on the history alone, so this is the decision those steps' updates got (or would have)."""
+        if self.stop_rule is None:
+            return None
+        for last in range(max(step - VERDICT_LAG + 1, 1), step + 1):
+            history = LossHistory(list(self.history.train), list(self.history.eval))
+            history.truncate(last)
+            try:
+                decision = self.stop_rule.decide(history)
+            except Exception:  # noqa: BLE001 - a stop rule that fails costs this job its early stop, nothing else
+                log.exception("job %s: its stop rule failed; it trains to the end of its budget", self.job_id)
+                self.stop_rule = None
+                return None
+            if decision is not None:
+                return decision
+        return None
 
     def _cursor(self) -> DataCursor:
         if self.cursor is None:

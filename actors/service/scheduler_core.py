@@ -269,6 +269,8 @@ class SchedulerCore:
                 self.table.forget_progress_after(job_id, resumed)
                 for row in data.get("history", []):
                     self.table.add_progress(job_id, row)
+                for step, eval_loss in data.get("evals", []):   # add_progress replaced those rows whole
+                    self.table.add_eval(job_id, step, eval_loss)
                 last = data["history"][-1] if data.get("history") else {}
                 columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
             reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")

@@ -30,7 +30,7 @@ import torch
 from actors.service.config import TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
-from actors.service.job_data import DataSummary, JobData, JobUpdate
+from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
 from actors.service.job_files import JobFiles
 from actors.engine.checkpoint import CheckpointError, has_checkpoint, load_checkpoint, save_checkpoint
 from actors.engine.data import Example
@@ -53,8 +53,8 @@ CHECKPOINT_FOLDER = "checkpoint"
 # after step k + VERDICT_LAG - 1, however early or late it arrives: before the job's step k + VERDICT_LAG
 # starts, the trainer has that answer (waiting for it like for late data) and applies the verdicts up to
 # it, never one after it. So the step a job stops at depends on its losses alone, not on how busy its job
-# actor was; the answer has a whole step's time to arrive.
-VERDICT_LAG = 2
+# actor was; the answer has a whole step's time to arrive. (VERDICT_LAG is job_data's: a resumed job's data
+# makes its last VERDICT_LAG steps' decisions again.)
 FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
 FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
 
@@ -209,9 +209,11 @@ class TrainerLoop:
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:
-        """Apply pending commands, run one fused step if any job has data, end the jobs that are done."""
-        self._apply_commands()
+        """Apply the verdicts that are due and pending commands, run one fused step if any job has data,
+        end the jobs that are done. Verdicts first: a job whose stop is due stops even when a pause for it
+        arrived at the same step boundary, as it would have without the pause."""
         self._apply_decisions()
+        self._apply_commands()
         ready = []
         deadline = time.monotonic() + self.config.data_grace_s
         for active in list(self.active.values()):
@@ -327,11 +329,12 @@ class TrainerLoop:
                                      seed=submission.seed)
             folder = assignment.output_dir / CHECKPOINT_FOLDER
             resumed_from = None
+            resume_verdict = None
             if has_checkpoint(folder):
                 resumed_from, note = self._resume(job, folder, job_id)
-                if resumed_from is not None:
-                    assignment.link.update(JobUpdate(resumed_from=resumed_from,
-                                                     steps=[r.as_row() for r in job.history]))
+                if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
+                    resume_verdict = assignment.link.update(JobUpdate(
+                        resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals)))
             try:
                 files.start([record.as_row() for record in job.history])
             except OSError as error:
@@ -346,10 +349,18 @@ class TrainerLoop:
             files.close()
             self._emit("failed", job_id, 0, reason=f"could not start: {error}")
             return
-        self.active[job_id] = ActiveJob(assignment, job, feed, files)
+        active = ActiveJob(assignment, job, feed, files)
+        if resume_verdict is not None:
+            # the stop decisions of its last steps before the checkpoint, made again from the restored history
+            # (a pause may have cut them off): due like step k - 1's verdict; a stop decided at step k waits
+            # for its own turn (`_apply_job_decisions`), so the job stops where an unpaused one does
+            active.decisions.append((job.step - 1, resume_verdict))
+        self.active[job_id] = active
         history = [record.as_row() for record in job.history] if resumed_from is not None else []
+        evals = [[step, loss] for step, loss in job.evals] if resumed_from is not None else []
         self._emit("started", job_id, job.step, resumed_from=resumed_from, total_steps=job.total_steps,
-                   trainer=self.trainer_id, history=history, tokens=job.tokens_seen, checkpoint_note=note)
+                   trainer=self.trainer_id, history=history, evals=evals, tokens=job.tokens_seen,
+                   checkpoint_note=note)
 
     def _resume(self, job: TrainingJob, folder: Path, job_id: str) -> tuple[int | None, str]:
         """Restore the job from its newest valid checkpoint: (its step, a note on what was skipped), or
@@ -385,6 +396,9 @@ class TrainerLoop:
             except Exception as error:  # noqa: BLE001 - losing a job's history must not stop training
                 log.warning("trainer %s: job %s: its loss update was lost: %r", self.trainer_id,
                             active.assignment.job_id, error)
+                continue
+            if verdict.stop is not None and verdict.stop.step > step:
+                keep.append((verdict.stop.step, Done(verdict)))   # a resumed job's stop for a later step
                 continue
             if verdict.predicted_stop_step is not None:
                 self._emit("prediction", active.assignment.job_id, active.job.step,
@@ -430,6 +444,7 @@ class TrainerLoop:
             spec = job.spec
             if job.eval_examples and spec.eval_every and record.step % spec.eval_every == 0:
                 eval_loss = self.trainer.evaluate(job)
+                job.evals.append((record.step, eval_loss))   # checkpointed: a resumed job's stop rule sees it
                 active.last_eval_step = record.step
                 update.evals.append((record.step, eval_loss))
                 self._emit("eval", result.job, record.step, eval_loss=eval_loss)
@@ -481,6 +496,7 @@ class TrainerLoop:
             if kind in ("completed", "stopped_early"):
                 if job.eval_examples and active.last_eval_step != job.step:
                     data["eval_loss"] = self.trainer.evaluate(job)
+                    job.evals.append((job.step, data["eval_loss"]))
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
                     job.adapter, active.assignment.output_dir, self.base.source.description)))

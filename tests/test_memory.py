@@ -59,7 +59,8 @@ def _case(dtype: torch.dtype, recompute: str, jobs: int, rank: int, rows: int, l
     prior = StepMemoryPrior(base, probe_base_activation(base, recompute=recompute), linear_shapes,
                             recompute=recompute)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    memory = MemoryModel.for_model(weights + prior.activation.constant, prior.activation.per_token)
+    memory = MemoryModel.for_model(weights + prior.activation.constant, prior.activation.per_token,
+                                   bytes_per_adapter_parameter=prior.activation.bytes_per_adapter_parameter)
     trainer = FusedTrainer(base, step_tokens=10**6, recompute=recompute)
     example = Example(tuple(range(3, 3 + length)), tuple([-100] * (length // 3) + list(range(3 + length // 3, 3 + length))))
     for j in range(jobs):

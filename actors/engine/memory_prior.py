@@ -41,8 +41,8 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
         for name in names:
             in_features = linear_shapes[name][0]
             per_token = lora.r
-            if lora.dropout > 0:
-                per_token += 2 * in_features
+            if lora.dropout > 0:   # the mask is kept only where the input itself needs a gradient
+                per_token += in_features if name in input_groups.get("no_grad", ()) else 2 * in_features
             elif base_dtype != torch.float32:
                 per_token += in_features
             else:
@@ -53,24 +53,28 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
 
 
 def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:
-    """Which linear layers read the same input tensor (one id per tensor), seen in one forward pass."""
+    """Which linear layers read the same input tensor (one id per tensor), seen in one forward pass, and
+    (under "no_grad") those whose input needs no gradient whatever adapters sit upstream (e.g. the first
+    layer's attention projections: the frozen embeddings' norm; seen with an adapter on every layer)."""
     from actors.engine.lora import FusedLoraLinear
 
     groups: dict[str, int] = {}
+    no_grad: set[str] = set()
     handles = []
     for name, module in model.named_modules():
         if isinstance(module, FusedLoraLinear):
             def record(_module, args, name=name):
                 groups[name] = args[0].untyped_storage().data_ptr()
+                if not args[0].requires_grad:
+                    no_grad.add(name)
             handles.append(module.register_forward_pre_hook(record))
     try:
-        with torch.no_grad():
-            run_forward()
+        run_forward()
     finally:
         for handle in handles:
             handle.remove()
     ids = {ptr: i for i, ptr in enumerate(dict.fromkeys(groups.values()))}
-    return {name: ids[ptr] for name, ptr in groups.items()}
+    return {**{name: ids[ptr] for name, ptr in groups.items()}, "no_grad": frozenset(no_grad)}
 
 
 def loss_transient_bytes(targets: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
@@ -108,6 +112,12 @@ class BaseActivation:
     layers: int
     input_groups: dict
     loss_scale: float = 1.0   # measured share of `loss_transient_bytes` that is live on top of the forward's end
+
+    @property
+    def bytes_per_adapter_parameter(self) -> float:
+        """Held per adapter parameter at the peak: the float32 weight and two AdamW moments, and the
+        gradients of the layers backward has reached (the last one, at the backward peak)."""
+        return 12.0 + 4.0 / self.layers
 
     def backward_peak(self, tokens: int) -> float:
         return self.constant + self.per_token * tokens

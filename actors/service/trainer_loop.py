@@ -177,7 +177,8 @@ class TrainerLoop:
         # recompute mode) by two small probe steps; the adapters' and the loss's bytes are analytic per step
         activation = probe_base_activation(base, layout=config.layout, recompute=config.recompute)
         self.memory_prior = StepMemoryPrior(base, activation, self.linear_shapes, recompute=config.recompute)
-        self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token)
+        self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token,
+                                                  bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
         self.activation_estimate = int(activation.constant + activation.per_token * config.step_tokens
                                        + loss_transient_bytes(config.step_tokens, self.memory_prior.vocab,
                                                               self.memory_prior.hidden, base.dtype))

@@ -250,3 +250,11 @@ class StepMemoryPrior:
             backward, forward = adapters * (layers - 0.5) / layers, adapters
         excess = activation.forward_end(tokens) + forward + loss - activation.backward_peak(tokens) - backward
         return int(backward + max(0.0, excess))
+
+
+def predict_resident(runtime_bytes: int, load_bytes: int, step_peak_bytes: int) -> int:
+    """A CPU trainer's peak resident set: the process's runtime (interpreter, torch and its libraries: the
+    resident set measured before the model is loaded), plus the larger of the model's load-time peak (the
+    weights as read and their converted copy, both live for a moment) and a step's predicted allocator peak
+    (which holds the weights, the adapters and their optimizer state, the step's activations)."""
+    return int(runtime_bytes + max(load_bytes, step_peak_bytes))

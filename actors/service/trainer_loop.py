@@ -13,6 +13,7 @@ state; the fused steps themselves run in one thread, one `run_once` at a time.""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -58,6 +59,7 @@ CHECKPOINT_FOLDER = "checkpoint"
 VERDICT_LAG = 2
 MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
 MEASURE_EVERY = 20     # CPU: and every this many steps after
+MEMORY_MARGIN = 0.03   # a step is composed only if its predicted peak plus this share fits the budget
 FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
 FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
 
@@ -183,6 +185,7 @@ class TrainerLoop:
                                        + loss_transient_bytes(config.step_tokens, self.memory_prior.vocab,
                                                               self.memory_prior.hidden, base.dtype))
         self.measured_steps = 0
+        self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
         self.longest_sequence = 0
         self.step_log_path = Path(config.step_log or Path(state_dir) / "trainers" / f"{trainer_id}.jsonl")
         self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +252,7 @@ class TrainerLoop:
             self.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
             if report.memory_measured:   # the model learns from the allocator's counts only
                 self.measured_steps += 1
+                self.under_predictions.append((report.peak_memory_bytes - predicted) / report.peak_memory_bytes)
                 self.memory_model.observe(shape, report.peak_memory_bytes, predicted)
             self._after_step(report, predicted, shape.adapter_parameters)
         for active in list(self.active.values()):
@@ -423,7 +427,13 @@ class TrainerLoop:
                             analytic_bytes=self.memory_prior.analytic_bytes(parts))
 
     def _fits_budget(self, micro_batches: list[JobMicroBatch]) -> bool:
-        return self.memory_model.predict(self._shape(micro_batches)) <= self.budget
+        """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
+        return self.memory_model.predict(self._shape(micro_batches)) * (1 + self.memory_margin) <= self.budget
+
+    @property
+    def memory_margin(self) -> float:
+        """MEMORY_MARGIN, or the largest share by which a measured peak has exceeded its prediction."""
+        return max([MEMORY_MARGIN, *self.under_predictions])
 
     def _after_step(self, report: StepReport, predicted: int, adapter_parameters: int) -> None:
         self.busy_seconds += report.seconds

@@ -1,10 +1,12 @@
 """Predicting a fused step's peak memory from its shape, fitted online to the trainer's measured peaks.
 
-    peak ≈ β0 + β1·T + β2·ΣL² + β3·P
+    peak ≈ β0 + β1·T + β2·ΣL² + β3·P + β4·A
 
 T: tokens in the step (padding included), ΣL²: the sum of squared sequence lengths (attention scores
 where the kernel materialises them), P: adapter parameters held by the trainer (each with its gradient
-and AdamW state). β0 absorbs the frozen base's weights and fixed buffers.
+and AdamW state), A: the step's analytic bytes that depend on its jobs' LoRA configs and targets rather
+than on its size alone (the adapters' own activations, the loss's transient: actors/engine/memory_prior.py;
+0 where not known, its prior coefficient 1). β0 absorbs the frozen base's weights and fixed buffers.
 
 The fit is least squares on the observed steps with non-negative slopes, regularised (slightly) towards
 a prior built from the model's shape (so that the first predictions, before there are enough distinct
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("constant", "tokens", "sum_squared_lengths", "adapter_parameters")
+FEATURES = ("constant", "tokens", "sum_squared_lengths", "adapter_parameters", "analytic_bytes")
 
 
 @dataclass(frozen=True)
@@ -25,17 +27,23 @@ class StepShape:
     tokens: int
     sum_squared_lengths: int
     adapter_parameters: int
+    analytic_bytes: int = 0
 
     @classmethod
-    def of(cls, lengths: list[int], adapter_parameters: int, tokens: int | None = None) -> StepShape:
-        return cls(tokens if tokens is not None else sum(lengths), sum(n * n for n in lengths), adapter_parameters)
+    def of(cls, lengths: list[int], adapter_parameters: int, tokens: int | None = None,
+           analytic_bytes: int = 0) -> StepShape:
+        return cls(tokens if tokens is not None else sum(lengths), sum(n * n for n in lengths), adapter_parameters,
+                   analytic_bytes)
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.tokens, self.sum_squared_lengths, self.adapter_parameters], dtype=np.float64)
+        return np.array([1.0, self.tokens, self.sum_squared_lengths, self.adapter_parameters, self.analytic_bytes],
+                        dtype=np.float64)
 
 
 class MemoryModel:
     def __init__(self, prior: list[float], *, window: int = 1024, prior_weight: float = 1e-4):
+        if len(prior) == len(FEATURES) - 1:   # no analytic part given: it counts as itself
+            prior = [*prior, 1.0]
         if len(prior) != len(FEATURES):
             raise ValueError(f"prior needs {len(FEATURES)} coefficients ({', '.join(FEATURES)})")
         self.prior = np.array(prior, dtype=np.float64)
@@ -46,9 +54,9 @@ class MemoryModel:
 
     @classmethod
     def for_model(cls, base_bytes: int, activation_bytes_per_token: float, attention_bytes_per_square: float = 0.0,
-                  bytes_per_adapter_parameter: float = 16.0) -> MemoryModel:
+                  bytes_per_adapter_parameter: float = 16.0, per_analytic_byte: float = 1.0) -> MemoryModel:
         return cls([float(base_bytes), activation_bytes_per_token, attention_bytes_per_square,
-                    bytes_per_adapter_parameter])
+                    bytes_per_adapter_parameter, per_analytic_byte])
 
     def predict(self, shape: StepShape) -> int:
         return int(round(float(shape.features() @ self.coefficients)))

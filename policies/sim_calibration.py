@@ -35,7 +35,7 @@ def calibrate(state_dir: Path, base: Calibration | None = None) -> Calibration:
     for row in rows:
         model.observe(StepShape.of(row["sequence_lengths"], row.get("adapter_parameters", 0), row["tokens"]),
                       row["peak_memory_bytes"], row.get("predicted_memory_bytes"))
-    c0, c1, c2, c3 = (max(float(v), 0.0) for v in model.coefficients)
+    c0, c1, c2, c3 = (max(float(v), 0.0) for v in model.coefficients[:4])
     calibration.memory = StepMemory(constant=c0, per_token=c1, per_square=c2, per_parameter=c3)
     calibration.memory_noise = float(model.mean_error or 0.0)
     starts = job_start_delays(state_dir / "jobs.sqlite", rows)

@@ -1,7 +1,10 @@
-"""The CPU peak-memory estimate (saved tensors + weights + gradients + optimizer state) against an
-independent measurement: the allocation timeline recorded by torch.profiler during the same step."""
+"""The trainer's memory prediction against an independent measurement: the allocation timeline recorded by
+torch.profiler during the same step (the peak of live CPU allocations), over a small grid of step sizes, job
+counts, LoRA ranks, dropout, dtypes and recomputation. Goal: 3% median and 6% max relative error."""
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
@@ -10,40 +13,89 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
+from actors.engine.lora import linear_module_names
+from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
+from actors.engine.packing import JobMicroBatch
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from policies.memory_model import MemoryModel, StepShape
 
 
-def _profiled_step(tokens: int) -> tuple[int, int, int]:
-    """(engine estimate, weights, profiler-measured peak growth of live CPU allocations)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2)
-    base = from_module(LlamaForCausalLM(config), None)
-    trainer = FusedTrainer(base, step_tokens=tokens)
-    rows = tokens // 2 // 128
-    for j in range(2):
-        examples = [Example(tuple(range(3, 131)), tuple([-100] * 50 + list(range(53, 131))))] * rows
-        spec = JobSpec(name=f"j{j}", data="x", format={"type": "text"}, batch_size=rows, max_steps=1,
-                       lora={"r": 16, "target_modules": "all-linear"})
-        trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=j))
-    chosen = trainer.compose()
+def _profiler_peak(run) -> int:
+    """Peak growth of live CPU allocations while `run()` runs, from the profiler's memory events."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        report = trainer.run_step(chosen)
+        run()
     live = peak = 0
     for event in sorted(prof.events(), key=lambda e: e.time_range.start):
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
-    return report.peak_memory_bytes, trainer.meter.weights, peak
+    return peak
 
 
-@pytest.mark.parametrize("tokens", [1024, 2048])
-def test_cpu_peak_estimate_matches_the_profilers_allocation_peak(tokens):
-    estimate, weights, measured = _profiled_step(tokens)
-    step_bytes = estimate - weights  # weights were allocated before the step, the profiler does not see them
-    assert measured > 0
-    assert abs(step_bytes - measured) / measured <= 0.2, (step_bytes, measured)
+def _held(model: torch.nn.Module, trainer: FusedTrainer) -> int:
+    """Bytes of every tensor the trainer holds before a step: each storage once."""
+    storages = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for job in trainer.jobs.values() for state in job.optimizer.optimizer.state.values()
+                for v in state.values() if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _case(dtype: torch.dtype, recompute: str, jobs: int, rank: int, rows: int, length: int,
+          dropout: float = 0.0) -> tuple[int, int]:
+    """(predicted, measured) peak bytes of the second step of `jobs` jobs of `rows` sequences each."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    base = from_module(LlamaForCausalLM(config).to(dtype), None)
+    model = base.model
+    linear_shapes = {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features)
+                     for n in linear_module_names(model)}
+    prior = StepMemoryPrior(base, probe_base_activation(base, recompute=recompute), linear_shapes,
+                            recompute=recompute)
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    memory = MemoryModel.for_model(weights + prior.activation.constant, prior.activation.per_token,
+                                   bytes_per_adapter_parameter=prior.activation.bytes_per_adapter_parameter)
+    trainer = FusedTrainer(base, step_tokens=10**6, recompute=recompute)
+    example = Example(tuple(range(3, 3 + length)), tuple([-100] * (length // 3) + list(range(3 + length // 3, 3 + length))))
+    for j in range(jobs):
+        spec = JobSpec(name=f"j{j}", data="x", format={"type": "text"}, batch_size=rows, max_steps=4,
+                       warmup_steps=0, lora={"r": rank, "dropout": dropout, "target_modules": "all-linear"})
+        trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * rows), [], seed=j))
+    trainer.train_step()   # the optimizer state exists from here on
+    chosen = trainer.compose()
+    parts = [(job.spec.lora, rows * length, batch) for job, batch in chosen]
+    lengths = [len(e) for _, batch in chosen for e in batch]
+    parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
+    shape = StepShape.of(lengths, parameters, analytic_bytes=prior.analytic_bytes(parts))
+    predicted = memory.predict(shape)
+    held = _held(model, trainer)
+    measured = held + _profiler_peak(lambda: trainer.run_step(chosen))
+    return predicted, measured
+
+
+GRID = [
+    (torch.float32, "none", 2, 8, 2, 128, 0.0),
+    (torch.float32, "none", 2, 8, 4, 128, 0.0),
+    (torch.float32, "none", 4, 8, 2, 96, 0.0),
+    (torch.float32, "none", 2, 32, 2, 128, 0.1),
+    (torch.float32, "layers", 2, 8, 4, 128, 0.0),
+    (torch.bfloat16, "none", 2, 8, 4, 128, 0.0),
+    (torch.bfloat16, "layers", 3, 16, 2, 128, 0.1),
+]
+
+
+def test_predicted_peak_matches_the_profilers_allocation_peak():
+    errors = []
+    for case in GRID:
+        predicted, measured = _case(*case)
+        errors.append(abs(predicted - measured) / measured)
+    assert statistics.median(errors) <= 0.03 and max(errors) <= 0.06, [round(e, 4) for e in errors]
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])

@@ -1,6 +1,11 @@
 """Peak memory of one fused step.
 
-On CUDA: `torch.cuda.max_memory_allocated` around the step. On CPU there is no allocator counter, so we
+Measured (`measure_peak`): the allocator's own count. On CUDA `torch.cuda.max_memory_allocated`; on CPU,
+where torch keeps no allocator counter, the peak of live allocations recorded by torch.profiler's memory
+events (every allocation and free of the step, in time order) over what was allocated before the step.
+The trainer's memory model is fitted to these measurements.
+
+Estimated (`StepMemoryMeter`, every step, cheap): on CUDA: `torch.cuda.max_memory_allocated` around the step. On CPU there is no allocator counter, so we
 count what a step really holds at its peak (the end of the forward pass): every tensor autograd saves
 for backward (through saved-tensor hooks, each storage once, parameters excluded), plus the model's
 weights and buffers, the adapters' gradients and optimizer state, plus the largest transient of the
@@ -10,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -91,3 +98,48 @@ class StepMemoryMeter:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return self.weights + self.counter.saved_bytes + gradient_bytes + optimizer_bytes + transient_bytes
+
+
+T = TypeVar("T")
+
+
+def live_tensor_bytes(model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """What a trainer holds between steps: weights and buffers (the adapters' included), the optimizers'
+    state and any gradients still held (accumulation)."""
+    gradients: dict[int, int] = {}
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            ptr, nbytes = _storage_key(parameter.grad)
+            gradients[ptr] = max(gradients.get(ptr, 0), nbytes)
+    return model_bytes(model) + sum(optimizer_state_bytes(o) for o in optimizers) + sum(gradients.values())
+
+
+def measure_peak(run: Callable[[], T], device: torch.device) -> tuple[T, int]:
+    result, peak, _ = measure_allocations(run, device)
+    return result, peak
+
+
+def measure_allocations(run: Callable[[], T], device: torch.device) -> tuple[T, int, int]:
+    """Run `run()`; (its result, the peak bytes the allocator had live during it over those live before,
+    and the bytes still live at its end over those before).
+
+    CUDA: `max_memory_allocated` minus `memory_allocated` before. CPU: torch.profiler's memory events (the
+    bytes of each allocation and free, in time order), their running sum's maximum: a real count of what
+    the CPU allocator handed out, independent of what the engine thinks it keeps."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = run()
+        torch.cuda.synchronize(device)
+        return (result, int(torch.cuda.max_memory_allocated(device)) - before,
+                int(torch.cuda.memory_allocated(device)) - before)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return result, peak, live

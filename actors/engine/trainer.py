@@ -19,9 +19,10 @@ from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
-from actors.engine.memory import StepMemoryMeter
+from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
+from actors.engine.recompute import RECOMPUTE_MODES, Recompute, decoder_layers, recomputed_layers
 from policies.base import NextBatch, StepComposer
 
 log = logging.getLogger(__name__)
@@ -48,16 +49,27 @@ class StepReport:
     peak_memory_bytes: int
     sequence_lengths: list[int] = field(default_factory=list)
     results: list[JobStepResult] = field(default_factory=list)
+    # peak_memory_bytes counted by the allocator (CUDA always; CPU when the step ran with `measure`), not
+    # the saved-tensor estimate of `StepMemoryMeter`
+    memory_measured: bool = False
 
     def as_row(self) -> dict:
         return {"step": self.step, "jobs": self.jobs, "tokens": self.tokens,
                 "padding_tokens": self.padding_tokens, "seconds": round(self.seconds, 6),
-                "peak_memory_bytes": self.peak_memory_bytes}
+                "peak_memory_bytes": self.peak_memory_bytes, "memory_measured": self.memory_measured}
 
 
 class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
-                 loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None):
+                 loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
+                 recompute: Recompute = "none"):
+        """`recompute`: "layers" keeps only each decoder layer's input for backward and runs the layer's
+        forward again there (less activation memory, about a third more arithmetic); "none" keeps all."""
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, not '{recompute}'")
+        if recompute == "layers":
+            decoder_layers(base.decoder)   # a model without a layer stack is refused here, not at the first step
+        self.recompute = recompute
         self.base = base
         self.composer = composer
         self.composer_failed = False             # its last answer was unusable: round-robin meanwhile
@@ -157,8 +169,19 @@ class FusedTrainer:
         return sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
 
     # -- running a step ---------------------------------------------------------------------------
-    def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:
-        """One fused forward/backward over the chosen jobs' micro-batches, then their optimizer steps."""
+    def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False) -> StepReport:
+        """One fused forward/backward over the chosen jobs' micro-batches, then their optimizer steps.
+        `measure` (CPU): the step's peak is counted from the allocator's events (torch.profiler, slower:
+        `memory.measure_peak`) over the bytes held before it, instead of estimated."""
+        if not measure or self.base.device.type == "cuda":
+            return self._run_step(chosen)
+        held = live_tensor_bytes(self.base.model, [job.optimizer.optimizer for job in self.jobs.values()])
+        report, growth = measure_peak(lambda: self._run_step(chosen), self.base.device)
+        report.peak_memory_bytes = held + growth
+        report.memory_measured = True
+        return report
+
+    def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
         batch = pack(micro_batches, self.layout, self.base.pad_token_id).to(self.base.device)
@@ -166,7 +189,7 @@ class FusedTrainer:
         model = self.base.model
         set_adapters_training(model, True)
         with self.meter.forward():
-            with step_layout(batch.layout):
+            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute):
                 hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             head = self.base.lm_head
@@ -190,7 +213,8 @@ class FusedTrainer:
             torch.cuda.synchronize(self.base.device)
         self.step_count += 1
         return StepReport(self.step_count, batch.jobs, batch.num_tokens, batch.padding_tokens,
-                          time.perf_counter() - started, peak, batch.sequence_lengths, results)
+                          time.perf_counter() - started, peak, batch.sequence_lengths, results,
+                          memory_measured=self.base.device.type == "cuda")
 
     def train_step(self) -> StepReport | None:
         chosen = self.compose()

@@ -25,6 +25,9 @@ class TrainerConfig(StrictModel):
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
     layout: Literal["packed", "padded", "padded_fused"] = Field("packed", description="token layout of its fused steps")
+    recompute: Literal["none", "layers"] = Field(
+        "none", description="layers: keep only each decoder layer's input for backward and recompute the layer "
+                            "there (less activation memory, about a third more compute per step)")
     count: Annotated[int, Bounds(1, 1024)] = Field(1, description="trainers of this kind")
     num_gpus: Annotated[float, Bounds(0, 1024)] = Field(0, description="GPUs per trainer (1 on a GPU machine)")
     num_cpus: Annotated[float, Bounds(0, 65536)] = Field(1, description="CPUs Ray reserves per trainer")

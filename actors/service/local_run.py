@@ -48,18 +48,20 @@ class RunStuck(RuntimeError):
 
 
 def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
-                  on_step: Callable[[StepReport], None] | None = None) -> list[JobSummary]:
+                  on_step: Callable[[StepReport], None] | None = None,
+                  trainer: dict | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
     over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first, since
-    this mode keeps no job table to tell whether resuming it would be right (`aspen run` does)."""
+    this mode keeps no job table to tell whether resuming it would be right (`aspen run` does). `trainer`:
+    further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them."""
     from tqdm import tqdm
 
     if base is None:
         base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization)
     with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state:
-        config = run_service_config(spec, state_dir=Path(state))
+        config = run_service_config(spec, state_dir=Path(state), trainer=trainer or {})
         trainer_config = config.trainers[0]
         policy = load_policy(config.policy)
         table = JobTable(Path(state) / "jobs.sqlite")

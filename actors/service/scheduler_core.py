@@ -485,7 +485,7 @@ class SchedulerCore:
         full step of `step_tokens` in sequences as long as the longest seen so far)."""
         shapes = tuple((name, i, o) for name, (i, o) in sorted(status.linear_shapes.items()))
         if status.memory_coefficients:
-            constant, per_token, per_square, _ = status.memory_coefficients
+            constant, per_token, per_square = status.memory_coefficients[:3]
             tokens = status.step_tokens or 4096
             step = per_token * tokens + per_square * tokens * min(tokens, max(status.longest_sequence, 1))
             fixed = max(int(constant), status.base_bytes) if math.isfinite(constant) else status.base_bytes

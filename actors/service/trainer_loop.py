@@ -59,7 +59,8 @@ CHECKPOINT_FOLDER = "checkpoint"
 # makes its last VERDICT_LAG steps' decisions again.)
 MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
 MEASURE_EVERY = 20     # CPU: and every this many steps after
-MEMORY_MARGIN = 0.03   # a step is composed only if its predicted peak plus this share fits the budget
+MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this share fits the budget (the
+                       # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
 FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
 

@@ -11,6 +11,7 @@ from actors.engine.job import TrainingJob
 from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module, load_base_model
 from actors.engine.trainer import FusedTrainer
+from actors.service.config import run_service_config
 from actors.service.local_run import train_locally
 from tests.conftest import random_examples, tiny_model
 from tests.service_helpers import adapter_tensors, job_dict, run_spec, write_task_data
@@ -98,8 +99,9 @@ def test_the_in_process_driver_trains_the_same_with_recomputation(tiny_model_dir
     base = load_base_model(base_dir, dtype="float32", device="cpu")
     adapters = {}
     for mode in ("none", "layers"):
-        spec = run_spec(base_dir, tmp_path / mode, jobs, step_tokens=512)
-        summaries = train_locally(spec, base=base, progress=False, trainer={"recompute": mode})
+        spec = run_spec(base_dir, tmp_path / mode, jobs, step_tokens=512).model_copy(update={"recompute": mode})
+        assert run_service_config(spec).trainers[0].recompute == mode   # the jobs file's `recompute:`
+        summaries = train_locally(spec, base=base, progress=False)
         assert [s.state for s in summaries] == ["completed", "completed"]
         adapters[mode] = {name: adapter_tensors(tmp_path / mode / name) for name in ("one", "two")}
     for name in ("one", "two"):
@@ -111,7 +113,6 @@ def test_the_service_trains_with_recomputation_as_the_in_process_driver_without(
                                                                                  tmp_path):
     """The service on Ray with `recompute: layers` in its trainer config ends with the adapters the in-process
     driver trains without recomputation."""
-    from actors.service.config import run_service_config
     from orchestrator.client import Client
     from tests.service_helpers import max_relative_difference
 

@@ -237,6 +237,9 @@ class RunSpec(StrictModel):
     layout: Literal["packed", "padded", "padded_fused"] = Field(
         "packed", description="packed (no padding), padded (each job's rows to its longest) or padded_fused "
                               "(mLoRA: every row to the step's longest)")
+    recompute: Literal["none", "layers"] = Field(
+        "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
+                            "more time; the same adapters)")
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
     jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
 

@@ -105,7 +105,7 @@ class ServiceConfig(StrictModel):
 def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields: Any) -> ServiceConfig:
     """The service configuration that runs a jobs file, the one translation every way of running it uses
     (`aspen run`, its in-process mode, the demo, the benchmarks): one trainer with the run's base model,
-    quantization, dtype, step budget and layout, on the GPU where the run's device is (or, with `auto`,
+    quantization, dtype, step budget, layout and recompute mode, on the GPU where the run's device is (or, with `auto`,
     where there is one), its step log in `<output_dir>/trainer.jsonl`; the run's policy; the state in
     `<output_dir>/.aspen` unless `state_dir` says otherwise. `fields`: further ServiceConfig fields;
     `trainer` (a dict): further TrainerConfig fields."""
@@ -118,7 +118,8 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
     else:
         gpus = 1 if spec.device.startswith("cuda") else 0
     trainer = TrainerConfig(**{"base_model": spec.base_model, "quantization": spec.quantization, "dtype": spec.dtype,
-                               "step_tokens": spec.step_tokens, "layout": spec.layout, "num_gpus": gpus,
+                               "step_tokens": spec.step_tokens, "layout": spec.layout, "recompute": spec.recompute,
+                               "num_gpus": gpus,
                                "step_log": output_dir / "trainer.jsonl", **trainer_fields})
     return ServiceConfig(**{"state_dir": state_dir or output_dir / ".aspen", "trainers": [trainer],
                             "policy": spec.policy, **fields})

@@ -32,12 +32,6 @@ MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden
              num_key_value_heads=2, max_position_embeddings=1024)
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
 
 def one_configuration(case: dict) -> dict:
     """Run in a fresh process: build, probe, two steps of the case's jobs; predicted vs measured."""
@@ -46,22 +40,22 @@ def one_configuration(case: dict) -> dict:
     from actors.engine.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.lora import linear_module_names
-    from actors.engine.memory import live_tensor_bytes, measure_peak, model_bytes
+    from actors.engine.memory import (keep_resident_with_live_tensors, live_tensor_bytes, measure_peak, model_bytes,
+                                      peak_resident_bytes, resident_bytes)
     from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
-    from actors.engine.models import _quantize_linears, from_module
+    from actors.engine.models import quantize_linears, from_module
     from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
     from policies.memory_model import MemoryModel, StepShape
 
     torch.set_num_threads(1)
-    runtime = _status("VmRSS")
+    keep_resident_with_live_tensors()   # as a CPU trainer does at start
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
-    built = model_bytes(model)                      # float32 as built: the load-time copy
     model = model.to(dtype)
     if case["quantization"] == "nf4":
-        _quantize_linears(model, "nf4", dtype, torch.device("cpu"))
+        quantize_linears(model, "nf4", dtype, torch.device("cpu"))
     base = from_module(model, None)
     weights = model_bytes(model)
     shapes = {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features)
@@ -79,20 +73,26 @@ def one_configuration(case: dict) -> dict:
                        warmup_steps=0, lora={"r": case["rank"], "dropout": case["dropout"],
                                              "target_modules": "all-linear"})
         trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * rows), [], seed=j))
-    trainer.train_step()
+    # predicted before the jobs' first step, from the prior alone
     chosen = trainer.compose()
     parts = [(job.spec.lora, rows * length, batch) for job, batch in chosen]
     parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
     shape = StepShape.of([len(e) for _, b in chosen for e in b], parameters,
                          analytic_bytes=prior.analytic_bytes(parts))
     predicted = memory.predict(shape)
-    held = live_tensor_bytes(model, [job.optimizer.optimizer for job in trainer.jobs.values()])
-    _, growth = measure_peak(lambda: trainer.run_step(chosen), base.device)
-    measured = held + growth
-    load = built + (weights if dtype != torch.float32 else 0)   # the float32 model and its converted copy
-    resident_predicted = predict_resident(runtime, load, predicted)
-    return {**case, "predicted": predicted, "measured": measured, "resident_predicted": resident_predicted,
-            "resident_measured": _status("VmHWM")}
+    optimizers = [job.optimizer.optimizer for job in trainer.jobs.values()]
+    uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
+    resident_predicted = predict_resident(resident_bytes(), live_tensor_bytes(model, optimizers), predicted,
+                                          uncounted, peak_resident_bytes())
+    # the resident set measured over two steps that no profiler watches
+    trainer.run_step(chosen)
+    trainer.train_step()
+    resident_measured = peak_resident_bytes()
+    # then the allocator's count of a third step (torch.profiler)
+    held = live_tensor_bytes(model, optimizers)
+    _, growth = measure_peak(lambda: trainer.train_step(), base.device)
+    return {**case, "predicted": predicted, "measured": held + growth, "resident_predicted": resident_predicted,
+            "resident_measured": resident_measured}
 
 
 def recompute_side_by_side(steps: int) -> list[dict]:

@@ -143,3 +143,63 @@ def measure_allocations(run: Callable[[], T], device: torch.device) -> tuple[T, 
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return result, peak, live
+
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 16
+
+
+def keep_resident_with_live_tensors() -> bool:
+    """On CPU, make the process's resident set follow the live tensors: glibc malloc's mmap threshold fixed
+    at 64 KiB (setting it disables glibc's dynamic threshold, which after a large free rises up to 32 MiB so
+    that later large tensors come from the heap, whose freed pages stay resident and the resident set grows
+    above what is live). Tensors above 64 KiB are then mapped on allocation and returned on free. Returns
+    whether it took effect: a C library other than glibc (musl, macOS, Windows) has no `mallopt`; there it
+    is a no-op, logged, and the resident set may then exceed the prediction."""
+    import ctypes
+    import ctypes.util
+    import logging
+    import platform
+
+    log = logging.getLogger(__name__)
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        log.info("resident memory: not glibc (%s, %s): malloc's mmap threshold left as it is, so the resident "
+                 "set may grow above the live tensors", platform.system(), platform.libc_ver()[0] or "unknown libc")
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+        log.warning("resident memory: glibc mallopt(M_MMAP_THRESHOLD, %d) refused: the resident set may grow "
+                    "above the live tensors", MMAP_THRESHOLD_BYTES)
+        return False
+    return True
+
+
+def _status_bytes(field: str) -> int:
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux: VmRSS of /proc/self/status)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set since it started or since the last `measure_resident` (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def measure_resident(run: Callable[[], T]) -> tuple[T, int]:
+    """Run `run()`; (its result, the process's peak resident set during it over the resident set before).
+    Linux only: the peak (VmHWM) is reset first through /proc/self/clear_refs."""
+    from pathlib import Path
+
+    before = resident_bytes()
+    Path("/proc/self/clear_refs").write_text("5")
+    result = run()
+    return result, peak_resident_bytes() - before

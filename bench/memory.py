@@ -132,6 +132,46 @@ def recompute_side_by_side(steps: int) -> list[dict]:
              "steps": steps} for mode in trainers]
 
 
+def malloc_side_by_side(steps: int) -> dict:
+    """What fixing glibc's mmap threshold costs (`memory.keep_resident_with_live_tensors`): the same steps in
+    one process, alternated between the fixed 64 KiB threshold (large tensors mapped and unmapped each time)
+    and the state glibc's dynamic threshold reaches after large frees (32 MiB, trimming at twice that:
+    tensors up to 32 MiB reused from the heap). Runs in its own process: mallopt is process-wide."""
+    import ctypes
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.data import Example
+    from actors.engine.job import TrainingJob
+    from actors.engine.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES
+    from actors.engine.models import from_module
+    from actors.engine.spec import JobSpec
+    from actors.engine.trainer import FusedTrainer
+
+    libc = ctypes.CDLL("libc.so.6")
+    settings = {"fixed 64K": (MMAP_THRESHOLD_BYTES, 128 * 1024), "dynamic's ceiling 32M": (32 << 20, 64 << 20)}
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)), None)
+    length = 256
+    example = Example(tuple(range(3, 3 + length)), tuple([-100] * 80 + list(range(83, 3 + length))))
+    trainer = FusedTrainer(base, step_tokens=10**6)
+    for j in range(2):
+        spec = JobSpec(name=f"m{j}", data="-", format={"type": "text"}, batch_size=4, max_steps=2 * steps + 2,
+                       warmup_steps=0, lora={"r": 16, "target_modules": "all-linear"})
+        trainer.add_job(TrainingJob.create(spec, base, [example] * 4, [], seed=j))
+    trainer.train_step()
+    seconds = {name: [] for name in settings}
+    for _ in range(steps):
+        for name, (mmap_threshold, trim_threshold) in settings.items():
+            libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
+            started = time.perf_counter()
+            trainer.train_step()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in seconds.items()} | {"steps": steps}
+
+
 def admission(quick: bool) -> dict:
     """The in-process driver under a budget a step of every job overruns by ~5%; every step measured."""
     import actors.service.trainer_loop as trainer_loop
@@ -209,9 +249,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--malloc", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(one_configuration(json.loads(args.case))))
+        return
+    if args.malloc:
+        print(json.dumps(malloc_side_by_side(args.malloc)))
         return
     cases = CASES[::3] if args.quick else CASES
     results = []
@@ -233,6 +277,12 @@ def main() -> None:
     print(f"step peak (allocator): median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
     print(f"peak resident (VmHWM): median |error| {statistics.median(resident_errors):.1%}, "
           f"max {max(resident_errors):.1%}")
+    out = subprocess.run([sys.executable, __file__, "--malloc", "4" if args.quick else "8"], capture_output=True,
+                         text=True, env=env, check=True)
+    malloc = json.loads(out.stdout.strip().splitlines()[-1])
+    fixed, dynamic = malloc["fixed 64K"], malloc["dynamic's ceiling 32M"]
+    print(f"malloc: mmap threshold fixed at 64K, median step {fixed:.3f}s; at the dynamic threshold's ceiling (32M) "
+          f"{dynamic:.3f}s ({fixed / dynamic - 1:+.1%}; {malloc['steps']} steps each, alternated)")
     side = recompute_side_by_side(3 if args.quick else 6)
     off, on = side
     print(f"recompute off: step peak {off['step_peak_bytes'] / 2**20:.1f}M, median step {off['median_step_s']:.3f}s; "

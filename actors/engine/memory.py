@@ -9,18 +9,30 @@ Estimated (`StepMemoryMeter`, every step, cheap): on CUDA: `torch.cuda.max_memor
 count what a step really holds at its peak (the end of the forward pass): every tensor autograd saves
 for backward (through saved-tensor hooks, each storage once, parameters excluded), plus the model's
 weights and buffers, the adapters' gradients and optimizer state, plus the largest transient of the
-loss (one chunk of logits). The scheduler fits its memory model to these numbers."""
+loss (one chunk of logits). The scheduler fits its memory model to these numbers.
+
+Resident (CPU): the process's resident set (`resident_bytes`), its peak (`peak_resident_bytes`, VmHWM) and
+a run's peak over what was resident before (`measure_resident`); `keep_resident_with_live_tensors` makes
+glibc's malloc give large freed blocks back, so that the resident set follows the live tensors and can be
+predicted (`memory_prior.predict_resident`)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import logging
+import platform
 from collections.abc import Iterable, Iterator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -157,17 +169,13 @@ def keep_resident_with_live_tensors() -> bool:
     above what is live). Tensors above 64 KiB are then mapped on allocation and returned on free. Returns
     whether it took effect: a C library other than glibc (musl, macOS, Windows) has no `mallopt`; there it
     is a no-op, logged, and the resident set may then exceed the prediction."""
-    import ctypes
-    import ctypes.util
-    import logging
-    import platform
-
-    log = logging.getLogger(__name__)
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        log.info("resident memory: not glibc (%s, %s): malloc's mmap threshold left as it is, so the resident "
-                 "set may grow above the live tensors", platform.system(), platform.libc_ver()[0] or "unknown libc")
+    libc = None
+    if platform.system() == "Linux":
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):   # only glibc has it
+        log.info("resident memory: %s without glibc: malloc's mmap threshold left as it is, so the resident "
+                 "set may grow above the live tensors", platform.system())
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
         log.warning("resident memory: glibc mallopt(M_MMAP_THRESHOLD, %d) refused: the resident set may grow "
                     "above the live tensors", MMAP_THRESHOLD_BYTES)
@@ -176,8 +184,6 @@ def keep_resident_with_live_tensors() -> bool:
 
 
 def _status_bytes(field: str) -> int:
-    from pathlib import Path
-
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
@@ -194,11 +200,14 @@ def peak_resident_bytes() -> int:
     return _status_bytes("VmHWM")
 
 
+def resident_measurable() -> bool:
+    """Whether `measure_resident` works here (Linux's /proc: VmHWM, and clear_refs to reset it)."""
+    return Path("/proc/self/clear_refs").exists() and Path("/proc/self/status").exists()
+
+
 def measure_resident(run: Callable[[], T]) -> tuple[T, int]:
     """Run `run()`; (its result, the process's peak resident set during it over the resident set before).
     Linux only: the peak (VmHWM) is reset first through /proc/self/clear_refs."""
-    from pathlib import Path
-
     before = resident_bytes()
     Path("/proc/self/clear_refs").write_text("5")
     result = run()

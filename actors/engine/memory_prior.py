@@ -9,7 +9,11 @@ two small steps through a rank-1 probe adapter, their peaks counted by the alloc
 rather than derived from a formula that each architecture, dtype, NF4 dequantisation and attention kernel
 would break in its own way. The adapters' own per-token activations and the loss's transient depend on
 each job's LoRA config and on the step's targets, not on the base: those two are analytic (below) and
-added per step."""
+added per step.
+
+On CPU the budget is the process's memory: `predict_resident` turns a step's predicted allocator peak into
+the process's peak resident set (VmHWM), from the resident set measured with the libraries warm and the
+probe-measured scratch beyond the allocator's count."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import torch
 
 from actors.engine.data import Example
 from actors.engine.loss import DEFAULT_CHUNK
-from actors.engine.memory import measure_allocations, measure_resident
+from actors.engine.memory import measure_allocations, measure_resident, resident_measurable
 from actors.engine.models import BaseModel
 from actors.engine.spec import JobSpec, LoraConfig
 
@@ -141,7 +145,10 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     """Probe steps of one and two sequences of `sequence` tokens (one target each: the loss negligible)
     through a rank-1 adapter on every linear layer; each step's peak, and what is live at the end of its
     forward pass, counted by the allocator (`memory.measure_allocations`); the probe adapter's analytic
-    bytes taken out; a straight line through the two points of each."""
+    bytes taken out; a straight line through the two points of each. On CPU each probe step also runs once
+    unprofiled, its resident set's peak read from the kernel (VmHWM, `memory.measure_resident`): what it adds
+    beyond the allocator's count (scratch torch's allocator does not hand out; the loss's, per target token,
+    from the step whose every token is a target) is the prior's `resident_*` part."""
     from actors.engine.job import TrainingJob
     from actors.engine.layout import step_layout
     from actors.engine.lora import linear_module_names, remove_adapter
@@ -173,6 +180,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
 
     tokens, peaks, ends = [], [], []
     residents, growths = [], []
+    measure_rss = base.device.type == "cpu" and resident_measurable()
     layers = len(decoder_layers(base.decoder))
     groups = linear_input_groups(model, lambda: forward(1))
 
@@ -187,7 +195,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         for rows in (1, 2):
             batch = [example] * rows
             trainer.run_step([(job, batch)])   # a first step: the optimizer state exists from here on
-            if base.device.type == "cpu":   # the same step unprofiled: what the process's resident set adds
+            if measure_rss:   # the same step unprofiled: what the process's resident set adds
                 _, resident = measure_resident(lambda: trainer.run_step([(job, batch)]))
                 residents.append(resident)
             _, growth, _ = measure_allocations(lambda: trainer.run_step([(job, batch)]), base.device)
@@ -202,8 +210,9 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         # the same step with every token a target: how much of the loss's bytes lie above the backward peak
         full = [Example(tuple(ids), tuple(ids))] * 2
         trainer.run_step([(job, full)])
-        _, full_resident = measure_resident(lambda: trainer.run_step([(job, full)]))
-        residents.append(full_resident)
+        if measure_rss:
+            _, full_resident = measure_resident(lambda: trainer.run_step([(job, full)]))
+            residents.append(full_resident)
         _, full_growth, _ = measure_allocations(lambda: trainer.run_step([(job, full)]), base.device)
         loss = loss_transient_bytes(example_targets(full), vocab, int(getattr(config, "hidden_size")), base.dtype,
                                     loss_chunk)

@@ -7,10 +7,13 @@ peak resident memory, what activation recomputation saves and costs, and admissi
    process: the memory model's prediction for a step, as the trainer makes it (the probe-measured prior,
    actors/engine/memory_prior.py, before any step of the jobs was seen), against the step's peak counted by
    the allocator (CUDA: max_memory_allocated; CPU: torch.profiler's memory events over the live tensors
-   held before the step), and the predicted peak resident set against the process's VmHWM.
-2. Recomputation on vs off side by side in one process: the allocator peak and the step time of the same
+   held before the step), and the predicted peak resident set (`memory_prior.predict_resident`, made before
+   the jobs' first step) against the process's VmHWM over two steps no profiler watches.
+2. glibc's mmap threshold fixed (what a CPU trainer sets) vs at its dynamic ceiling: step time, alternated
+   in one process.
+3. Recomputation on vs off side by side in one process: the allocator peak and the step time of the same
    steps, alternated.
-3. Admission: the in-process driver with a budget that a step of every job would overrun by ~5% (the
+4. Admission: the in-process driver with a budget that a step of every job would overrun by ~5% (the
    composer fills it to ~95%), every step's peak measured: how many exceed the budget."""
 
 from __future__ import annotations

@@ -7,10 +7,13 @@ peak resident memory, what activation recomputation saves and costs, and admissi
    process: the memory model's prediction for a step, as the trainer makes it (the probe-measured prior,
    actors/engine/memory_prior.py, before any step of the jobs was seen), against the step's peak counted by
    the allocator (CUDA: max_memory_allocated; CPU: torch.profiler's memory events over the live tensors
-   held before the step), and the predicted peak resident set against the process's VmHWM.
-2. Recomputation on vs off side by side in one process: the allocator peak and the step time of the same
+   held before the step), and the predicted peak resident set (`memory_prior.predict_resident`, made before
+   the jobs' first step) against the process's VmHWM over two steps no profiler watches.
+2. glibc's mmap threshold fixed (what a CPU trainer sets) vs at its dynamic ceiling: step time, alternated
+   in one process.
+3. Recomputation on vs off side by side in one process: the allocator peak and the step time of the same
    steps, alternated.
-3. Admission: the in-process driver with a budget that a step of every job would overrun by ~5% (the
+4. Admission: the in-process driver with a budget that a step of every job would overrun by ~5% (the
    composer fills it to ~95%), every step's peak measured: how many exceed the budget."""
 
 from __future__ import annotations
@@ -32,12 +35,6 @@ MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden
              num_key_value_heads=2, max_position_embeddings=1024)
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
 
 def one_configuration(case: dict) -> dict:
     """Run in a fresh process: build, probe, two steps of the case's jobs; predicted vs measured."""
@@ -46,22 +43,22 @@ def one_configuration(case: dict) -> dict:
     from actors.engine.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.lora import linear_module_names
-    from actors.engine.memory import live_tensor_bytes, measure_peak, model_bytes
+    from actors.engine.memory import (keep_resident_with_live_tensors, live_tensor_bytes, measure_peak, model_bytes,
+                                      peak_resident_bytes, resident_bytes)
     from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
-    from actors.engine.models import _quantize_linears, from_module
+    from actors.engine.models import quantize_linears, from_module
     from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
     from policies.memory_model import MemoryModel, StepShape
 
     torch.set_num_threads(1)
-    runtime = _status("VmRSS")
+    keep_resident_with_live_tensors()   # as a CPU trainer does at start
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
-    built = model_bytes(model)                      # float32 as built: the load-time copy
     model = model.to(dtype)
     if case["quantization"] == "nf4":
-        _quantize_linears(model, "nf4", dtype, torch.device("cpu"))
+        quantize_linears(model, "nf4", dtype, torch.device("cpu"))
     base = from_module(model, None)
     weights = model_bytes(model)
     shapes = {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features)
@@ -79,20 +76,26 @@ def one_configuration(case: dict) -> dict:
                        warmup_steps=0, lora={"r": case["rank"], "dropout": case["dropout"],
                                              "target_modules": "all-linear"})
         trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * rows), [], seed=j))
-    trainer.train_step()
+    # predicted before the jobs' first step, from the prior alone
     chosen = trainer.compose()
     parts = [(job.spec.lora, rows * length, batch) for job, batch in chosen]
     parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
     shape = StepShape.of([len(e) for _, b in chosen for e in b], parameters,
                          analytic_bytes=prior.analytic_bytes(parts))
     predicted = memory.predict(shape)
-    held = live_tensor_bytes(model, [job.optimizer.optimizer for job in trainer.jobs.values()])
-    _, growth = measure_peak(lambda: trainer.run_step(chosen), base.device)
-    measured = held + growth
-    load = built + (weights if dtype != torch.float32 else 0)   # the float32 model and its converted copy
-    resident_predicted = predict_resident(runtime, load, predicted)
-    return {**case, "predicted": predicted, "measured": measured, "resident_predicted": resident_predicted,
-            "resident_measured": _status("VmHWM")}
+    optimizers = [job.optimizer.optimizer for job in trainer.jobs.values()]
+    uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
+    resident_predicted = predict_resident(resident_bytes(), live_tensor_bytes(model, optimizers), predicted,
+                                          uncounted, peak_resident_bytes())
+    # the resident set measured over two steps that no profiler watches
+    trainer.run_step(chosen)
+    trainer.train_step()
+    resident_measured = peak_resident_bytes()
+    # then the allocator's count of a third step (torch.profiler)
+    held = live_tensor_bytes(model, optimizers)
+    _, growth = measure_peak(lambda: trainer.train_step(), base.device)
+    return {**case, "predicted": predicted, "measured": held + growth, "resident_predicted": resident_predicted,
+            "resident_measured": resident_measured}
 
 
 def recompute_side_by_side(steps: int) -> list[dict]:
@@ -130,6 +133,46 @@ def recompute_side_by_side(steps: int) -> list[dict]:
         _, peaks[mode] = measure_peak(lambda: trainer.train_step(), base.device)
     return [{"recompute": mode, "step_peak_bytes": peaks[mode], "median_step_s": statistics.median(seconds[mode]),
              "steps": steps} for mode in trainers]
+
+
+def malloc_side_by_side(steps: int) -> dict:
+    """What fixing glibc's mmap threshold costs (`memory.keep_resident_with_live_tensors`): the same steps in
+    one process, alternated between the fixed 64 KiB threshold (large tensors mapped and unmapped each time)
+    and the state glibc's dynamic threshold reaches after large frees (32 MiB, trimming at twice that:
+    tensors up to 32 MiB reused from the heap). Runs in its own process: mallopt is process-wide."""
+    import ctypes
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.data import Example
+    from actors.engine.job import TrainingJob
+    from actors.engine.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES
+    from actors.engine.models import from_module
+    from actors.engine.spec import JobSpec
+    from actors.engine.trainer import FusedTrainer
+
+    libc = ctypes.CDLL("libc.so.6")
+    settings = {"fixed 64K": (MMAP_THRESHOLD_BYTES, 128 * 1024), "dynamic's ceiling 32M": (32 << 20, 64 << 20)}
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)), None)
+    length = 256
+    example = Example(tuple(range(3, 3 + length)), tuple([-100] * 80 + list(range(83, 3 + length))))
+    trainer = FusedTrainer(base, step_tokens=10**6)
+    for j in range(2):
+        spec = JobSpec(name=f"m{j}", data="-", format={"type": "text"}, batch_size=4, max_steps=2 * steps + 2,
+                       warmup_steps=0, lora={"r": 16, "target_modules": "all-linear"})
+        trainer.add_job(TrainingJob.create(spec, base, [example] * 4, [], seed=j))
+    trainer.train_step()
+    seconds = {name: [] for name in settings}
+    for _ in range(steps):
+        for name, (mmap_threshold, trim_threshold) in settings.items():
+            libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
+            started = time.perf_counter()
+            trainer.train_step()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in seconds.items()} | {"steps": steps}
 
 
 def admission(quick: bool) -> dict:
@@ -209,9 +252,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--malloc", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(one_configuration(json.loads(args.case))))
+        return
+    if args.malloc:
+        print(json.dumps(malloc_side_by_side(args.malloc)))
         return
     cases = CASES[::3] if args.quick else CASES
     results = []
@@ -233,6 +280,12 @@ def main() -> None:
     print(f"step peak (allocator): median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
     print(f"peak resident (VmHWM): median |error| {statistics.median(resident_errors):.1%}, "
           f"max {max(resident_errors):.1%}")
+    out = subprocess.run([sys.executable, __file__, "--malloc", "4" if args.quick else "8"], capture_output=True,
+                         text=True, env=env, check=True)
+    malloc = json.loads(out.stdout.strip().splitlines()[-1])
+    fixed, dynamic = malloc["fixed 64K"], malloc["dynamic's ceiling 32M"]
+    print(f"malloc: mmap threshold fixed at 64K, median step {fixed:.3f}s; at the dynamic threshold's ceiling (32M) "
+          f"{dynamic:.3f}s ({fixed / dynamic - 1:+.1%}; {malloc['steps']} steps each, alternated)")
     side = recompute_side_by_side(3 if args.quick else 6)
     off, on = side
     print(f"recompute off: step peak {off['step_peak_bytes'] / 2**20:.1f}M, median step {off['median_step_s']:.3f}s; "

@@ -9,18 +9,30 @@ Estimated (`StepMemoryMeter`, every step, cheap): on CUDA: `torch.cuda.max_memor
 count what a step really holds at its peak (the end of the forward pass): every tensor autograd saves
 for backward (through saved-tensor hooks, each storage once, parameters excluded), plus the model's
 weights and buffers, the adapters' gradients and optimizer state, plus the largest transient of the
-loss (one chunk of logits). The scheduler fits its memory model to these numbers."""
+loss (one chunk of logits). The scheduler fits its memory model to these numbers.
+
+Resident (CPU): the process's resident set (`resident_bytes`), its peak (`peak_resident_bytes`, VmHWM) and
+a run's peak over what was resident before (`measure_resident`); `keep_resident_with_live_tensors` makes
+glibc's malloc give large freed blocks back, so that the resident set follows the live tensors and can be
+predicted (`memory_prior.predict_resident`)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import logging
+import platform
 from collections.abc import Iterable, Iterator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -143,3 +155,60 @@ def measure_allocations(run: Callable[[], T], device: torch.device) -> tuple[T, 
         live += event.self_cpu_memory_usage
         peak = max(peak, live)
     return result, peak, live
+
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 16
+
+
+def keep_resident_with_live_tensors() -> bool:
+    """On CPU, make the process's resident set follow the live tensors: glibc malloc's mmap threshold fixed
+    at 64 KiB (setting it disables glibc's dynamic threshold, which after a large free rises up to 32 MiB so
+    that later large tensors come from the heap, whose freed pages stay resident and the resident set grows
+    above what is live). Tensors above 64 KiB are then mapped on allocation and returned on free. Returns
+    whether it took effect: a C library other than glibc (musl, macOS, Windows) has no `mallopt`; there it
+    is a no-op, logged, and the resident set may then exceed the prediction."""
+    libc = None
+    if platform.system() == "Linux":
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):   # only glibc has it
+        log.info("resident memory: %s without glibc: malloc's mmap threshold left as it is, so the resident "
+                 "set may grow above the live tensors", platform.system())
+        return False
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+        log.warning("resident memory: glibc mallopt(M_MMAP_THRESHOLD, %d) refused: the resident set may grow "
+                    "above the live tensors", MMAP_THRESHOLD_BYTES)
+        return False
+    return True
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (Linux: VmRSS of /proc/self/status)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set since it started or since the last `measure_resident` (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def resident_measurable() -> bool:
+    """Whether `measure_resident` works here (Linux's /proc: VmHWM, and clear_refs to reset it)."""
+    return Path("/proc/self/clear_refs").exists() and Path("/proc/self/status").exists()
+
+
+def measure_resident(run: Callable[[], T]) -> tuple[T, int]:
+    """Run `run()`; (its result, the process's peak resident set during it over the resident set before).
+    Linux only: the peak (VmHWM) is reset first through /proc/self/clear_refs."""
+    before = resident_bytes()
+    Path("/proc/self/clear_refs").write_text("5")
+    result = run()
+    return result, peak_resident_bytes() - before

@@ -9,7 +9,11 @@ two small steps through a rank-1 probe adapter, their peaks counted by the alloc
 rather than derived from a formula that each architecture, dtype, NF4 dequantisation and attention kernel
 would break in its own way. The adapters' own per-token activations and the loss's transient depend on
 each job's LoRA config and on the step's targets, not on the base: those two are analytic (below) and
-added per step."""
+added per step.
+
+On CPU the budget is the process's memory: `predict_resident` turns a step's predicted allocator peak into
+the process's peak resident set (VmHWM), from the resident set measured with the libraries warm and the
+probe-measured scratch beyond the allocator's count."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import torch
 
 from actors.engine.data import Example
 from actors.engine.loss import DEFAULT_CHUNK
-from actors.engine.memory import measure_allocations
+from actors.engine.memory import measure_allocations, measure_resident, resident_measurable
 from actors.engine.models import BaseModel
 from actors.engine.spec import JobSpec, LoraConfig
 
@@ -112,6 +116,11 @@ class BaseActivation:
     layers: int
     input_groups: dict
     loss_scale: float = 1.0   # measured share of `loss_transient_bytes` that is live on top of the forward's end
+    # CPU, probe-measured: what a step adds to the process's resident set beyond the allocator's count
+    # (scratch torch's allocator does not hand out): constant + per token, and during the loss per target
+    resident_constant: float = 0.0
+    resident_per_token: float = 0.0
+    resident_per_target: float = 0.0
 
     @property
     def bytes_per_adapter_parameter(self) -> float:
@@ -136,7 +145,10 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     """Probe steps of one and two sequences of `sequence` tokens (one target each: the loss negligible)
     through a rank-1 adapter on every linear layer; each step's peak, and what is live at the end of its
     forward pass, counted by the allocator (`memory.measure_allocations`); the probe adapter's analytic
-    bytes taken out; a straight line through the two points of each."""
+    bytes taken out; a straight line through the two points of each. On CPU each probe step also runs once
+    unprofiled, its resident set's peak read from the kernel (VmHWM, `memory.measure_resident`): what it adds
+    beyond the allocator's count (scratch torch's allocator does not hand out; the loss's, per target token,
+    from the step whose every token is a target) is the prior's `resident_*` part."""
     from actors.engine.job import TrainingJob
     from actors.engine.layout import step_layout
     from actors.engine.lora import linear_module_names, remove_adapter
@@ -167,6 +179,8 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
                                 attention_mask=None, use_cache=False).last_hidden_state
 
     tokens, peaks, ends = [], [], []
+    residents, growths = [], []
+    measure_rss = base.device.type == "cpu" and resident_measurable()
     layers = len(decoder_layers(base.decoder))
     groups = linear_input_groups(model, lambda: forward(1))
 
@@ -181,7 +195,11 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         for rows in (1, 2):
             batch = [example] * rows
             trainer.run_step([(job, batch)])   # a first step: the optimizer state exists from here on
+            if measure_rss:   # the same step unprofiled: what the process's resident set adds
+                _, resident = measure_resident(lambda: trainer.run_step([(job, batch)]))
+                residents.append(resident)
             _, growth, _ = measure_allocations(lambda: trainer.run_step([(job, batch)]), base.device)
+            growths.append(growth)
             hidden, _, live = measure_allocations(lambda: forward(rows), base.device)
             raw = (growth, live)
             del hidden
@@ -192,6 +210,9 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         # the same step with every token a target: how much of the loss's bytes lie above the backward peak
         full = [Example(tuple(ids), tuple(ids))] * 2
         trainer.run_step([(job, full)])
+        if measure_rss:
+            _, full_resident = measure_resident(lambda: trainer.run_step([(job, full)]))
+            residents.append(full_resident)
         _, full_growth, _ = measure_allocations(lambda: trainer.run_step([(job, full)]), base.device)
         loss = loss_transient_bytes(example_targets(full), vocab, int(getattr(config, "hidden_size")), base.dtype,
                                     loss_chunk)
@@ -204,7 +225,18 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     backward, forward_end = raw
     above = full_growth if full_growth > backward * 1.01 else backward
     loss_scale = max(above - forward_end, 0.0) / max(loss, 1)
-    return BaseActivation(constant, per_token, forward_constant, forward_per_token, layers, groups, loss_scale)
+    resident = (0.0, 0.0, 0.0)
+    if residents:   # the resident set's growth beyond the allocator's count: per token, and the loss's scratch
+        excess = [max(r - g, 0.0) for r, g in zip(residents, growths)]
+        resident_constant, resident_per_token = _line(tokens, excess)
+        full_tokens = sum(len(e) for e in full)
+        # the full step's resident peak lies in its loss: what is live then (the forward's end, the adapters'
+        # activations, the loss's counted bytes) plus the loss's uncounted scratch, per target token
+        loss_phase = forward_end + loss_scale * loss + resident_constant + resident_per_token * full_tokens
+        resident = (resident_constant, resident_per_token,
+                    max(residents[2] - loss_phase, 0.0) / example_targets(full))
+    return BaseActivation(constant, per_token, forward_constant, forward_per_token, layers, groups, loss_scale,
+                          *resident)
 
 
 class StepMemoryPrior:
@@ -231,11 +263,13 @@ class StepMemoryPrior:
             self._targets[key] = match_targets(list(self.linear_shapes), lora.target_modules)
         return self._targets[key]
 
-    def analytic_bytes(self, parts: list[tuple[LoraConfig, int, list[Example]]]) -> int:
+    def analytic_bytes(self, parts: list[tuple[LoraConfig, int, list[Example]]], *, resident: bool = False) -> int:
         """A step's bytes beyond the base's backward peak: its adapters' activations (with recomputation,
         one layer's share: only the layer being recomputed holds them), and what the loss needs beyond that
         peak (the forward pass's end plus the loss's own bytes, where that is higher). `parts`: per job its
-        LoRA config, its tokens in the step (padding included) and its examples."""
+        LoRA config, its tokens in the step (padding included) and its examples. `resident` (CPU): what the
+        process's resident set adds beyond the allocator's peak comes on top (`BaseActivation.resident_*`:
+        scratch the allocator does not count, during the whole step and during the loss)."""
         adapters = adapter_bytes([(lora, self.adapted(lora), tokens) for lora, tokens, _ in parts],
                                  self.linear_shapes, self.activation.input_groups, self.base.dtype)
         tokens = sum(t for _, t, _ in parts)
@@ -248,13 +282,23 @@ class StepMemoryPrior:
             backward, forward = adapters / layers, 0.0
         else:   # at the backward peak the last layer has freed about half of what it kept
             backward, forward = adapters * (layers - 0.5) / layers, adapters
+        if resident:
+            loss += activation.resident_per_target * targets
         excess = activation.forward_end(tokens) + forward + loss - activation.backward_peak(tokens) - backward
-        return int(backward + max(0.0, excess))
+        uncounted = activation.resident_constant + activation.resident_per_token * tokens if resident else 0.0
+        return int(backward + max(0.0, excess) + uncounted)
 
 
-def predict_resident(runtime_bytes: int, load_bytes: int, step_peak_bytes: int) -> int:
-    """A CPU trainer's peak resident set: the process's runtime (interpreter, torch and its libraries: the
-    resident set measured before the model is loaded), plus the larger of the model's load-time peak (the
-    weights as read and their converted copy, both live for a moment) and a step's predicted allocator peak
-    (which holds the weights, the adapters and their optimizer state, the step's activations)."""
-    return int(runtime_bytes + max(load_bytes, step_peak_bytes))
+def predict_resident(resident_bytes: int, held_bytes: int, step_peak_bytes: int, resident_excess_bytes: int,
+                     peak_so_far_bytes: int = 0) -> int:
+    """A CPU trainer's peak resident set (VmHWM) once it runs a step, predicted before the step:
+    `resident_bytes`, the process's resident set now, with the libraries warm (measured after the probe
+    steps: interpreter, torch and the code and scratch its kernels mapped, the weights, what the trainer
+    holds: `held_bytes` of live tensors), minus what it holds, plus the step's predicted allocator peak
+    (which holds the weights, the adapters and their optimizer state, the step's activations), plus what the
+    step's scratch adds beyond the allocator's count (`StepMemoryPrior.analytic_bytes(parts, resident=True)`
+    minus `analytic_bytes(parts)`: probe-measured);
+    at least the peak already reached (`peak_so_far_bytes`: loading the model, the probe). It holds where
+    the resident set follows the live tensors: `memory.keep_resident_with_live_tensors` (glibc)."""
+    step = resident_bytes - held_bytes + step_peak_bytes + resident_excess_bytes
+    return int(max(step, peak_so_far_bytes))

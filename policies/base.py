@@ -33,6 +33,10 @@ class TrainerView:
     jobs: tuple[str, ...]
     linear_shapes: tuple[tuple[str, int, int], ...]   # (module name, in_features, out_features)
     max_jobs: int | None = None     # a cap on jobs at once, where configured
+    # the trainer holding no job: its weights and a full step by its first (cautious, unfitted) estimate;
+    # what "this job can never run here" is judged against (a model fitted while jobs are held can fold
+    # their adapters into its constant)
+    empty_bytes: int | None = None
 
 
 @dataclass(frozen=True)

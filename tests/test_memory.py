@@ -139,5 +139,6 @@ def test_predicted_peak_resident_set_matches_the_kernels_count(dtype, recompute)
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     r = json.loads(result.stdout.strip().splitlines()[-1])
     step_growth = r["measured"] - r["resident_before"]
-    assert step_growth > 0.1 * r["measured"], r   # the steps' share is large enough for the check to mean something
+    # the steps' share is larger than the tolerance: a prediction that left the steps out would fail
+    assert step_growth > 0.06 * r["measured"], r
     assert abs(r["predicted"] - r["measured"]) <= 0.06 * r["measured"], r

@@ -188,6 +188,8 @@ class SchedulerCore:
         its base even alone, or None."""
         if any(v.base_bytes + v.step_memory_bytes + need <= v.memory_budget_bytes for v in views):
             return None
+        if any(v.empty_bytes is not None and v.empty_bytes + need <= v.memory_budget_bytes for v in views):
+            return None   # it fits a trainer once that trainer's jobs are gone: it waits
         best = max(views, key=lambda v: v.memory_budget_bytes - v.base_bytes - v.step_memory_bytes)
         left = best.memory_budget_bytes - best.base_bytes - best.step_memory_bytes
         return (f"its adapter (lora.r={submission.job.lora.r}) needs {need / 2**20:.0f} MiB but {best.id}'s memory "
@@ -481,19 +483,18 @@ class SchedulerCore:
             self.on_decision(kind, job_id, reason)
 
     def trainer_view(self, status: TrainerStatus) -> TrainerView:
-        """The trainer's fixed memory and a worst-case step's memory, from its fitted memory model (a
-        full step of `step_tokens` in sequences as long as the longest seen so far)."""
+        """The trainer's fixed memory (its weights) and a full step's memory (its probe-measured estimate)."""
         shapes = tuple((name, i, o) for name, (i, o) in sorted(status.linear_shapes.items()))
-        if status.memory_coefficients:
-            constant, per_token, per_square = status.memory_coefficients[:3]
-            tokens = status.step_tokens or 4096
-            step = per_token * tokens + per_square * tokens * min(tokens, max(status.longest_sequence, 1))
-            fixed = max(int(constant), status.base_bytes) if math.isfinite(constant) else status.base_bytes
-            step_memory = max(int(step), 0) if math.isfinite(step) else status.activation_bytes_estimate
-        else:
-            fixed, step_memory = status.base_bytes, status.activation_bytes_estimate
+        # Weights known exactly, and a full step by the trainer's estimate from its probe steps (measured by
+        # the allocator at start). The fitted model is not used here: fitted while the same jobs are held,
+        # its constant and per-token slope fold their adapters in, and the view (which adds each job's
+        # adapter bytes itself) would count them twice and stay inflated after they leave. The trainer's
+        # own per-step gate uses the fitted model, with the jobs as features of their own.
+        fixed = status.base_bytes
+        step_memory = status.activation_bytes_estimate
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
-                           fixed, step_memory, tuple(status.jobs), shapes, status.max_jobs)
+                           fixed, step_memory, tuple(status.jobs), shapes, status.max_jobs,
+                           status.base_bytes + status.activation_bytes_estimate)
 
     def _submission(self, job_id: str) -> JobSubmission:
         if job_id not in self.submissions:

@@ -1,7 +1,9 @@
 """Starting jobs on their trainers, for the scheduler actor: a job actor per started job (created when the
 policy starts the job, never reused once it was lost or hung), the job's data prepared by it, the job
 handed to its trainer together with the rest of its decision round (so that jobs submitted together train
-together from their first step), and the job actor let go once the job ends or pauses."""
+together from their first step), and the job actor let go once the job ends or pauses. A job actor runs on
+its trainer's node where it can (it feeds that trainer; a lost node takes both, and both start again on a
+live one)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.job_actor import JobActor
 from actors.service.job_table import TERMINAL_STATES, JobTable
@@ -38,7 +41,10 @@ class StartingJob:
 class JobStarts:
     """The job actors of a scheduler and the jobs on their way to a trainer (called under its lock)."""
 
-    def __init__(self, table: JobTable, core: SchedulerCore, state_dir: Path):
+    def __init__(self, table: JobTable, core: SchedulerCore, state_dir: Path,
+                 node_of: Callable[[str], str | None] = lambda trainer_id: None):
+        """`node_of`: the node a trainer runs on (None: unknown; the job actor goes where Ray puts it)."""
+        self.node_of = node_of
         self.table = table
         self.core = core
         self.state_dir = state_dir
@@ -68,8 +74,12 @@ class JobStarts:
         self.core.replace_job_actor.discard(job_id)
         if actor is None:
             submission = self.table.submission(job_id)
-            actor = JobActor.options(name=f"aspen-job-{job_id}-{int(time.time() * 1000)}").remote(
-                job_id, submission.model_dump_json(), str(self.state_dir / "cache"))
+            options: dict[str, Any] = {"name": f"aspen-job-{job_id}-{int(time.time() * 1000)}"}
+            node = self.node_of(start.trainer)
+            if node is not None:
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+            actor = JobActor.options(**options).remote(job_id, submission.model_dump_json(),
+                                                       str(self.state_dir / "cache"))
             self.actors[job_id] = actor
         self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), round_number)
 

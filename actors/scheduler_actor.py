@@ -7,13 +7,19 @@ Nothing a trainer reports is lost: polled events wait in a queue per trainer unt
 them (one transaction per batch, retried with backoff while another process holds the table's file), and
 the events still waiting when the service stops are written next to the table and applied at its next
 start. The actor restarts itself when its process dies (`max_restarts=-1`): the new instance reloads the
-table, and the jobs that were running resume from their checkpoints."""
+table, and the jobs that were running resume from their checkpoints.
+
+The trainers follow the cluster (`actors/service/cluster_plan.py`): every `cluster_poll_s` the scheduler
+reads the live nodes, starts the planned trainers that do not run yet (each pinned to its node, its threads
+sized from that node) and retires those whose node left; a retired trainer's jobs are queued again and
+resume from their last checkpoints on another trainer, each with a new job actor (job actors run on their
+trainer's node where they can). The scheduler itself runs on the head node (`Client.serve` pins it
+there), next to its job table."""
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -23,7 +29,9 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.service.cluster_plan import NodeInfo, TrainerKey, plan_trainers, trainer_kinds
 from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.job_table import JobRecord, JobTableBusy
@@ -53,6 +61,9 @@ class TrainerSlot:
     trainer_id: str
     config: TrainerConfig
     threads: int | None
+    key: TrainerKey = ()
+    node: str | None = None       # the node it is pinned to
+    retired: bool = False         # its node left the cluster: gone once its last events are in the table
     handle: Any = None
     ready_ref: Any = None
     poll_ref: Any = None
@@ -72,13 +83,25 @@ ROUND_SHARE = 0.02
 ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
 
 
-def default_trainers(config: ServiceConfig) -> list[TrainerConfig]:
-    if config.trainers:
-        return list(config.trainers)
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    if gpus:
-        return [TrainerConfig(count=gpus, num_gpus=1)]
-    return [TrainerConfig()]
+def alive_nodes() -> list[NodeInfo]:
+    """The cluster's live nodes, the head first."""
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources") or {}
+        nodes.append(NodeInfo(node["NodeID"], node.get("NodeManagerAddress", ""), float(resources.get("CPU", 0)),
+                              float(resources.get("GPU", 0)), "node:__internal_head__" in resources))
+    return sorted(nodes, key=lambda n: (not n.head, n.id))
+
+
+def head_node_id() -> str | None:
+    """The head node of the cluster this process is connected to (where the service's scheduler lives)."""
+    return next((node.id for node in alive_nodes() if node.head), None)
+
+
+def short_node(node_id: str | None) -> str:
+    return node_id[:8] if node_id else "(any)"
 
 
 def build_listeners(factory: str | None, config: ServiceConfig) -> list:
@@ -108,8 +131,10 @@ class SchedulerActor:
         self.listeners = Listeners(build_listeners(listeners, self.config))
         self.table = open_job_table(self.state_dir / "jobs.sqlite", self.listeners.job_changed)
         output_root = self.config.output_root
+        nodes = alive_nodes()
+        self.kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
-                                  on_decision=self.listeners.decided, trainers=default_trainers(self.config),
+                                  on_decision=self.listeners.decided, trainers=self.kinds,
                                   output_root=output_root)
         self.lock = threading.RLock()
         self.table_retry_at = 0.0          # while the table is locked: when to try again
@@ -121,17 +146,14 @@ class SchedulerActor:
                      "will resume from their checkpoints" if self.config.resume_on_start or restarted
                      else "are held until resumed")
         self.slots: dict[str, TrainerSlot] = {}
-        cpu_trainers = sum(t.count for t in default_trainers(self.config) if t.num_gpus == 0)
-        index = 0
-        for trainer in default_trainers(self.config):
-            threads = trainer.threads or (max(1, (os.cpu_count() or 1) // max(cpu_trainers, 1))
-                                          if trainer.num_gpus == 0 else None)
-            for _ in range(trainer.count):
-                slot = TrainerSlot(f"trainer-{index}", trainer, threads)
-                self._launch(slot)
-                self.slots[slot.trainer_id] = slot
-                index += 1
-        self.job_starts = JobStarts(self.table, self.core, self.state_dir)
+        self.next_trainer = 0
+        self.nodes: dict[str, NodeInfo] = {}
+        self.nodes_seen_at = 0.0
+        self._follow_cluster(nodes)
+        if not self.slots:
+            log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until "
+                        "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
+        self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self._node_of)
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
         self.stopping = threading.Event()
@@ -244,7 +266,8 @@ class SchedulerActor:
         self.stopping.set()
         self.thread.join(timeout=30)
         with self.lock:
-            refs = {sid: s.handle.shutdown.remote() for sid, s in self.slots.items() if s.status is not None}
+            refs = {sid: s.handle.shutdown.remote() for sid, s in self.slots.items()
+                    if s.status is not None and not s.retired}
             for sid, ref in refs.items():
                 try:
                     events = ray.get(ref, timeout=180)
@@ -281,12 +304,16 @@ class SchedulerActor:
             self.stopping.wait(self.config.tick_seconds)
 
     def _tick(self) -> None:
-        for slot in self.slots.values():
+        if time.monotonic() - self.nodes_seen_at >= self.config.cluster_poll_s:
+            self._follow_cluster(alive_nodes())
+        for slot in list(self.slots.values()):
             self._watch(slot)
         if not self._apply_all_pending():
             return   # the table is locked: nothing is decided until what the trainers reported is in it
-        self.job_starts.finish(lambda trainer_id, assignments: self.slots[trainer_id].handle.assign.remote(assignments))
-        ready = [s.status for s in self.slots.values() if s.status is not None]
+        for slot in [s for s in self.slots.values() if s.retired and not s.pending]:
+            del self.slots[slot.trainer_id]
+        self.job_starts.finish(self._assign)
+        ready = [s.status for s in self.slots.values() if s.status is not None and not s.retired]
         if ready and time.monotonic() >= self.next_round_at:
             started = time.monotonic()
             self._decide_round(ready)
@@ -367,18 +394,82 @@ class SchedulerActor:
         forget_spilled_events(self.state_dir)
         log.info("scheduler: applied %d trainer events left from the last run", len(events))
 
+    # -- the trainers, following the cluster ---------------------------------------------------------------
+    def _follow_cluster(self, nodes: list[NodeInfo]) -> None:
+        """Start the planned trainers that are not running, move `any` trainers off nodes that left, retire
+        the trainers of nodes that left (their jobs resume elsewhere)."""
+        self.nodes_seen_at = time.monotonic()
+        live = {node.id for node in nodes}
+        if self.nodes:
+            for node in nodes:
+                if node.id not in self.nodes:
+                    log.info("scheduler: node %s (%s) joined the cluster", short_node(node.id), node.address)
+        for node_id, node in self.nodes.items():
+            if node_id not in live:
+                log.warning("scheduler: node %s (%s) left the cluster", short_node(node_id), node.address)
+        self.nodes = {node.id: node for node in nodes}
+        running = {slot.key: slot for slot in self.slots.values() if not slot.retired}
+        plan = plan_trainers(self.kinds, nodes, {key: slot.node for key, slot in running.items()})
+        for planned in plan:
+            slot = running.pop(planned.key, None)
+            if slot is None:
+                slot = TrainerSlot(f"trainer-{self.next_trainer}", planned.config, planned.threads, key=planned.key,
+                                   node=planned.node)
+                self.next_trainer += 1
+                self.slots[slot.trainer_id] = slot
+                self._launch(slot)
+                log.info("scheduler: %s starts on node %s (%s threads)", slot.trainer_id, short_node(slot.node),
+                         slot.threads or "default")
+            elif slot.node != planned.node:   # an `any` trainer whose node left: started on a live one
+                lost_node = slot.node
+                slot.node, slot.threads = planned.node, planned.threads
+                self._replace(slot, f"its node {short_node(lost_node)} left the cluster")
+        for slot in running.values():      # planned no more: its node left
+            self._retire(slot, f"its node {short_node(slot.node)} left the cluster")
+
+    def _retire(self, slot: TrainerSlot, why: str) -> None:
+        log.warning("scheduler: trainer %s retired (%s); its jobs resume on other trainers", slot.trainer_id, why)
+        slot.pending.append(TrainerLost(why))
+        slot.retired, slot.status, slot.poll_ref, slot.ready_ref = True, None, None, None
+        try:
+            ray.kill(slot.handle)
+        except RayError as error:
+            log.info("scheduler: killing retired trainer %s: %s", slot.trainer_id, error)
+
+    def _node_left(self, slot: TrainerSlot) -> bool:
+        """Whether the slot's node has left the cluster (looked up now); if so the trainers follow."""
+        if slot.node is None:
+            return False
+        nodes = alive_nodes()
+        if any(node.id == slot.node for node in nodes):
+            return False
+        self._follow_cluster(nodes)
+        return True
+
+    def _node_of(self, trainer_id: str) -> str | None:
+        slot = self.slots.get(trainer_id)
+        return slot.node if slot is not None else None
+
+    def _assign(self, trainer_id: str, assignments: list[tuple]) -> None:
+        slot = self.slots.get(trainer_id)
+        if slot is None or slot.retired:
+            return   # its jobs were queued again when it was retired
+        slot.handle.assign.remote(assignments)
+
     def _launch(self, slot: TrainerSlot) -> None:
         service = ray.get_runtime_context().get_actor_name() or "aspen"
         slot.actor_name = f"{service}.{slot.trainer_id}.{self.incarnation}.{slot.restarts}"
         options: dict[str, Any] = {"num_cpus": slot.config.num_cpus, "num_gpus": slot.config.num_gpus,
                                    "name": slot.actor_name, "namespace": NAMESPACE}
+        if slot.node is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node, soft=False)
         slot.handle = TrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
                                                                str(self.state_dir), slot.threads, self.config.policy)
         slot.ready_ref = slot.handle.start.remote()
         slot.poll_ref, slot.status, slot.error = None, None, None
 
     def _watch(self, slot: TrainerSlot) -> None:
-        if slot.error:
+        if slot.error or slot.retired:
             return
         if slot.status is None:
             if not ray.wait([slot.ready_ref], timeout=0)[0]:
@@ -387,6 +478,8 @@ class SchedulerActor:
                 slot.status = ray.get(slot.ready_ref)
                 log.info("scheduler: %s ready (%s)", slot.trainer_id, slot.status.base_model)
             except RayError as error:
+                if self._node_left(slot):
+                    return
                 slot.error = f"could not start: {getattr(error, 'cause', error)}"
                 log.error("scheduler: trainer %s %s", slot.trainer_id, slot.error)
             return
@@ -410,7 +503,10 @@ class SchedulerActor:
 
     def _replace(self, slot: TrainerSlot, why: str) -> None:
         """Start a new trainer; its predecessor's jobs are queued again once everything it reported before
-        it died is in the table (so that a job it finished is not run again)."""
+        it died is in the table (so that a job it finished is not run again). A trainer whose node left the
+        cluster is retired instead (or, of an `any` kind, started on a live node)."""
+        if not why.startswith("its node") and self._node_left(slot):
+            return
         log.warning("scheduler: trainer %s lost (%s); starting a new one", slot.trainer_id, why)
         slot.pending.append(TrainerLost(why))
         try:
@@ -436,10 +532,13 @@ class SchedulerActor:
         slot.handle.stop_job.remote(stop.job, stop.kind, stop.reason)
 
     def _slot_info(self, slot: TrainerSlot) -> dict[str, Any]:
+        node = self.nodes.get(slot.node or "")
         info: dict[str, Any] = {"id": slot.trainer_id, "base_model": slot.config.base_model,
                                 "quantization": slot.config.quantization, "error": slot.error,
                                 "restarts": slot.restarts, "ready": slot.status is not None,
-                                "actor_name": slot.actor_name}
+                                "actor_name": slot.actor_name, "node_id": slot.node,
+                                "node_address": node.address if node else None, "threads": slot.threads,
+                                "retired": slot.retired}
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")

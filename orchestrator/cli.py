@@ -28,8 +28,12 @@ def _service_config(args: argparse.Namespace):
         data["policy"] = args.policy
     if args.output_root:
         data["output_root"] = args.output_root
-    if args.base_model or args.cpu_trainers:
-        trainer = {"base_model": args.base_model or "smollm2-135m", "count": args.cpu_trainers or 1,
+    if args.cpu_trainers and args.per_node:
+        raise SystemExit("aspen serve: give --cpu-trainers (trainers anywhere on the cluster) or --per-node "
+                         "(trainers on every node), not both")
+    if args.base_model or args.cpu_trainers or args.per_node:
+        trainer = {"base_model": args.base_model or "smollm2-135m", "count": args.cpu_trainers or args.per_node or 1,
+                   "nodes": "each" if args.per_node else "any",
                    "quantization": args.quantization, "step_tokens": args.step_tokens}
         data["trainers"] = [TrainerConfig.model_validate(trainer).model_dump()]
     return ServiceConfig.model_validate(data)
@@ -51,7 +55,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if info.get("mqtt_credentials"):
         print(f"  job events' read-only account: {info['mqtt_credentials']} (`aspen watch --events` reads it)")
     for trainer in info["trainers"]:
-        where = trainer.get("device", "?")
+        where = trainer.get("device", "?") + (f" of node {trainer['node_address']}" if trainer.get("node_address")
+                                              else "")
         print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
               + (f"  ERROR: {trainer['error']}" if trainer.get("error") else ""))
     for key, value in info.items():   # what the service's listeners report: metrics_url, metrics_error, ...
@@ -291,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--state-dir", help="where the job table and outputs live (default ~/.aspen)")
     serve.add_argument("--base-model", help="one kind of trainer with this base model (default smollm2-135m)")
     serve.add_argument("--quantization", default="none", choices=["none", "int8", "nf4"])
-    serve.add_argument("--cpu-trainers", type=int, help="how many trainers of that kind")
+    serve.add_argument("--cpu-trainers", type=int, help="how many trainers of that kind (spread over the cluster)")
+    serve.add_argument("--per-node", type=int, help="trainers of that kind on every node of the cluster, following "
+                                                     "nodes as they join and leave")
     serve.add_argument("--step-tokens", type=int, default=4096)
     serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
                                         "or an installed entry point (group aspen.policies)")

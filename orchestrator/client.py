@@ -130,6 +130,18 @@ class JobHandle:
         return self.client.losses(self.id)
 
 
+def _on_head_node() -> dict[str, Any]:
+    """Actor options that keep the scheduler on the cluster's head node, next to its job table: a worker
+    node may leave the cluster at any time, the head lives as long as the cluster does (and a scheduler
+    restarted after its process died comes back there, to the same table)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.scheduler_actor import head_node_id
+
+    head = head_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)} if head else {}
+
+
 class Client:
     def __init__(self, scheduler: ray.actor.ActorHandle, *, owned: bool = False):
         self.scheduler = scheduler
@@ -157,7 +169,8 @@ class Client:
         from actors.scheduler_actor import SchedulerActor
 
         name = name or f"{SCHEDULER_NAME}-local-{uuid.uuid4().hex[:8]}"
-        scheduler = SchedulerActor.options(name=name, namespace=NAMESPACE).remote(config.model_dump_json(), LISTENERS)
+        scheduler = SchedulerActor.options(name=name, namespace=NAMESPACE, **_on_head_node()).remote(
+            config.model_dump_json(), LISTENERS)
         client = cls(scheduler, owned=True)
         if wait_ready:
             client.wait_ready()
@@ -182,7 +195,8 @@ class Client:
             require_token_auth(insecure)
 
         scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached",
-                                           get_if_exists=True).remote(config.model_dump_json(), LISTENERS)
+                                           get_if_exists=True, **_on_head_node()).remote(config.model_dump_json(),
+                                                                                          LISTENERS)
         return cls(scheduler)
 
     def _request(self, method: str, *args: Any, timeout: float | None = 120) -> Any:

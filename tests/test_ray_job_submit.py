@@ -9,17 +9,9 @@ on the machine)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,104 +19,13 @@ import pytest
 
 from tests.service_helpers import write_task_data
 
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def plain_env(home: Path) -> dict[str, str]:
-    """This environment without Ray's variables, with `home` as HOME: no ~/.ray/auth_token of the test
-    session's own Ray (or the developer's) is found by accident."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-    env["HOME"] = str(home)
-    return env
-
-
-def session_pids(session: int) -> list[int]:
-    """The processes of a process session (Linux /proc; elsewhere none): Ray's workers run in process
-    groups of their own but stay in the session of the `ray start` that started their node."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == session:
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def stop_head(head: dict) -> None:
-    """SIGTERM to the head's process group (`ray start --block` stops its node), then SIGKILL to whatever
-    of its session is left."""
-    process: subprocess.Popen = head["process"]
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=5)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for pid in session_pids(process.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=10)
-    for folder in (head["temp_dir"], head["home"]):
-        shutil.rmtree(folder, ignore_errors=True)
+from tests.ray_nodes import BIN, plain_env, start_head, stop_head
 
 
 @pytest.fixture(scope="module")
 def client_home(tmp_path_factory) -> Path:
     """HOME of every client command here: empty, so the token reaches them only by RAY_AUTH_TOKEN."""
     return tmp_path_factory.mktemp("client-home")
-
-
-def start_head(*, token: bool) -> dict:
-    """A head node as a fresh machine starts it: HOME an empty folder; with `token`, the README's
-    `ray get-auth-token --generate` first (Ray then turns token authentication on), else Ray runs open."""
-    home = Path(tempfile.mkdtemp(prefix="aspen-home-"))
-    env = plain_env(home)
-    if token:
-        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True, text=True,
-                       timeout=120, check=True)
-    gcs, dashboard = free_port(), free_port()
-    # every port of its own: the defaults (52365, 10001, ...) may be held by the test session's own Ray or by
-    # the other head, and a head whose job agent cannot bind answers every submission with "No available agent"
-    ports = [f"--port={gcs}", f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
-             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}"]
-    temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")  # short: Ray's socket paths must stay short
-    process = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-         "--num-cpus=2", "--object-store-memory=200000000", f"--temp-dir={temp_dir}", *ports],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    head = {"process": process, "temp_dir": temp_dir, "home": home, "dashboard": f"http://127.0.0.1:{dashboard}",
-            "gcs": f"127.0.0.1:{gcs}", "token": (home / ".ray" / "auth_token").read_text().strip() if token else None}
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{head['dashboard']}/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:   # 401 without a token: the server is up
-                break
-            except OSError:
-                if time.time() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"ray start --head did not come up (exit code {process.poll()})") from None
-                time.sleep(1)
-    except BaseException:
-        stop_head(head)
-        raise
-    return head
 
 
 @pytest.fixture(scope="module")

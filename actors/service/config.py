@@ -28,11 +28,17 @@ class TrainerConfig(StrictModel):
     recompute: Literal["none", "layers"] = Field(
         "none", description="layers: keep only each decoder layer's input for backward and recompute the layer "
                             "there (less activation memory, about a third more compute per step)")
-    count: Annotated[int, Bounds(1, 1024)] = Field(1, description="trainers of this kind")
+    count: Annotated[int, Bounds(1, 1024)] = Field(
+        1, description="trainers of this kind (nodes: each: on every node, GPU kinds at most one per num_gpus "
+                       "of the node's GPUs)")
+    nodes: Literal["any", "each"] = Field(
+        "any", description="any: `count` trainers spread over the cluster's nodes that have their resources (one "
+                           "whose node is lost starts again on a live node); each: on every node, following the "
+                           "cluster as nodes join and leave")
     num_gpus: Annotated[float, Bounds(0, 1024)] = Field(0, description="GPUs per trainer (1 on a GPU machine)")
     num_cpus: Annotated[float, Bounds(0, 65536)] = Field(1, description="CPUs Ray reserves per trainer")
     threads: Annotated[int, Bounds(1, 4096)] | None = Field(
-        None, description="torch CPU threads (default: the node's cores / trainers)")
+        None, description="torch CPU threads (default: its node's CPUs / the CPU trainers on that node)")
     memory_budget_bytes: Annotated[int, Bounds(1, INT64_MAX)] | None = Field(
         None, description="default: 90% of the GPU, or half the RAM")
     max_jobs: Annotated[int, Bounds(1, 100_000)] | None = Field(
@@ -82,7 +88,14 @@ class EventsConfig(StrictModel):
 class ServiceConfig(StrictModel):
     state_dir: Path = Field(Path("~/.aspen").expanduser(), description="the job table, trainer logs, MQTT accounts, "
                                                                     "default job folders")
-    trainers: list[TrainerConfig] = Field(default_factory=list, description="default: one per GPU, else one CPU trainer")
+    trainers: list[TrainerConfig] = Field(
+        default_factory=list, description="default: one per GPU of every node with GPUs; on a cluster without "
+                                          "GPUs, cpu_trainers_per_node on every node (following the cluster)")
+    cpu_trainers_per_node: Annotated[int, Bounds(1, 1024)] = Field(
+        1, description="CPU trainers per node where `trainers` is left to its default on a cluster without GPUs")
+    cluster_poll_s: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(
+        2.0, description="seconds between looks at the cluster's nodes (trainers start on nodes that join; a lost "
+                         "node's jobs resume elsewhere)")
     policy: str = Field("adaptive", description="fifo | sjf | priority | adaptive | module:Class | an entry "
                                                  "point name in the group aspen.policies")
     tick_seconds: Annotated[float, Bounds(0, 3600, low_open=True)] = Field(

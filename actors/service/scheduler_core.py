@@ -337,7 +337,8 @@ class SchedulerCore:
         self._given_back(job_id, {"reason": reason, "checkpoint_step": self.table.get(job_id).checkpoint_step})
 
     def trainer_lost(self, trainer_id: str, error: str) -> list[str]:
-        """A trainer died: its jobs are queued again and resume from their last checkpoints."""
+        """A trainer died (or its node left the cluster): its jobs are queued again and resume from their last
+        checkpoints, each with a new job actor (the old one may have been on the same lost node)."""
         lost = []
         for record in self.table.all(("running",)):
             if record.trainer != trainer_id:
@@ -346,6 +347,7 @@ class SchedulerCore:
             self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); resumes from {step}",
                                  trainer=None)
             lost.append(record.id)
+        self.table.after_commit(lambda: self.replace_job_actor.update(lost))
         return lost
 
     # -- decisions --------------------------------------------------------------------------------------

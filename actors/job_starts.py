@@ -7,6 +7,7 @@ live one)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from actors.job_actor import JobActor
 from actors.service.job_table import TERMINAL_STATES, JobTable
 from actors.service.scheduler_core import SchedulerCore
 from policies.base import Start
+
+log = logging.getLogger(__name__)
 
 # A slow job's data does not hold the rest of its group back longer than this. Generous: on a 2-core machine
 # four job actors starting at once (each importing torch and transformers, then tokenizing) take 35-45 s,
@@ -80,6 +83,7 @@ class JobStarts:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             actor = JobActor.options(**options).remote(job_id, submission.model_dump_json(),
                                                        str(self.state_dir / "cache"))
+            log.info("job %s: a new job actor, next to %s (node %s)", job_id, start.trainer, (node or "any")[:8])
             self.actors[job_id] = actor
         self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), round_number)
 

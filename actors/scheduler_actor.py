@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.service.cluster_plan import NodeInfo, TrainerKey, plan_trainers, trainer_kinds
@@ -64,6 +64,7 @@ class TrainerSlot:
     key: TrainerKey = ()
     node: str | None = None       # the node it is pinned to
     retired: bool = False         # its node left the cluster: gone once its last events are in the table
+    unavailable_since: float = 0.0   # monotonic time of its first ActorUnavailableError in a row (0: none)
     handle: Any = None
     ready_ref: Any = None
     poll_ref: Any = None
@@ -75,6 +76,9 @@ class TrainerSlot:
     pending: deque = field(default_factory=deque)   # TrainerEvent | TrainerLost not yet in the job table
 
 
+# A trainer Ray reports unavailable (its node dying, a network hiccup) is asked again this long before it
+# is replaced; a node Ray declares dead meanwhile retires it at once.
+UNAVAILABLE_GRACE_S = 60.0
 TABLE_RETRY_S = (0.5, 10.0)     # backoff between tries to write what the job table could not take
 # A decision round (snapshot, policy, listeners) may take at most this share of the scheduler's time, so
 # that a submission rarely waits behind one: with thousands of queued jobs rounds come less often than
@@ -492,10 +496,20 @@ class SchedulerActor:
             return
         try:
             status, events = ray.get(slot.poll_ref)
+        except ActorUnavailableError as error:
+            # its node may be dying (Ray has not declared it dead yet) or the network hiccupped: ask again
+            # until the node is known lost (the trainer is retired) or UNAVAILABLE_GRACE_S have passed
+            slot.poll_ref = None
+            slot.unavailable_since = slot.unavailable_since or time.monotonic()
+            if self._node_left(slot):
+                return
+            if time.monotonic() - slot.unavailable_since > UNAVAILABLE_GRACE_S:
+                self._replace(slot, f"{type(error).__name__} for {UNAVAILABLE_GRACE_S:.0f}s")
+            return
         except (RayActorError, GetTimeoutError, RayError) as error:
             self._replace(slot, type(error).__name__)
             return
-        slot.poll_ref = None
+        slot.poll_ref, slot.unavailable_since = None, 0.0
         slot.status = status
         slot.pending.extend(events)   # into the job table by _apply_all_pending, retried while it is locked
         if not events:
@@ -514,6 +528,7 @@ class SchedulerActor:
         except RayError as error:
             log.info("scheduler: killing lost trainer %s: %s", slot.trainer_id, error)
         slot.restarts += 1
+        slot.unavailable_since = 0.0
         self._launch(slot)
 
     def _explain_waits(self) -> None:

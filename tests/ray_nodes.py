@@ -89,6 +89,10 @@ def stop_head(head: dict) -> None:
     except ProcessLookupError:
         pass
     process.wait(timeout=10)
+    keep = os.environ.get("ASPEN_KEEP_RAY_LOGS")   # a folder to copy the node's Ray logs to, for debugging
+    if keep:
+        shutil.copytree(Path(head["temp_dir"]) / "session_latest" / "logs",
+                        Path(keep) / Path(head["temp_dir"]).name, dirs_exist_ok=True)
     for folder in (head["temp_dir"], head.get("home")):
         if folder:
             shutil.rmtree(folder, ignore_errors=True)

@@ -2,8 +2,7 @@
 policy starts the job, never reused once it was lost or hung), the job's data prepared by it, the job
 handed to its trainer together with the rest of its decision round (so that jobs submitted together train
 together from their first step), and the job actor let go once the job ends or pauses. A job actor runs on
-its trainer's node where it can (it feeds that trainer; a lost node takes both, and both start again on a
-live one)."""
+its trainer's node (it feeds that trainer; a lost node takes both, and both start again on a live one)."""
 
 from __future__ import annotations
 
@@ -80,7 +79,9 @@ class JobStarts:
             options: dict[str, Any] = {"name": f"aspen-job-{job_id}-{int(time.time() * 1000)}"}
             node = self.node_of(start.trainer)
             if node is not None:
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+                # not soft: Ray's soft affinity sends a 0-CPU actor elsewhere when the node's CPUs are all held (by
+                # its trainer); a node that is gone fails the start, and the job starts again with a new actor
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             actor = JobActor.options(**options).remote(job_id, submission.model_dump_json(),
                                                        str(self.state_dir / "cache"))
             log.info("job %s: a new job actor, next to %s (node %s)", job_id, start.trainer, (node or "any")[:8])

@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -84,13 +85,19 @@ class StorageURI(str):
         return self.rstrip("/") == root or self.startswith(root + "/")
 
 
+_MANGLED_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/([^/].*)$")
+
+
 def as_location(value: Any) -> Path | StorageURI:
     """A URI string as a `StorageURI` (kept intact: `Path("s3://b/x")` would lose a slash), anything else as
-    a `Path`."""
+    a `Path`. A URI already passed through `Path` (`s3:/b/x`) is given its slash back."""
     if isinstance(value, StorageURI):
         return value
     if isinstance(value, str) and is_uri(value):
         return StorageURI(value.rstrip("/"))
+    mangled = _MANGLED_URI.match(str(value))
+    if isinstance(value, Path) and mangled:
+        return StorageURI(f"{mangled.group(1)}://{mangled.group(2)}".rstrip("/"))
     return Path(value)
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from actors.engine.checkpoint import load_checkpoint
+from actors.engine.data import DataError, read_rows
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import (POINTER_NAME, CorruptCheckpoint, StorageError, StorageLocation, StorageURI,
@@ -164,7 +164,7 @@ def _s3_adapter(location: StorageLocation) -> dict[str, torch.Tensor]:
 
 def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed_adapter(
         s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
-    job = job_dict("mirrored", write_task_data(tmp_path / "data", "mirrored"), 10, checkpoint_every=3)
+    job = job_dict("mirrored", write_task_data(tmp_path / "data", "mirrored"), 6, checkpoint_every=2)
     uri = f"s3://{s3_bucket}/runs"
     (submission,) = run_spec(str(tiny_model_dirs["llama"]), uri, [job]).submissions()
     assert submission.output_dir == f"{uri}/mirrored"
@@ -172,15 +172,16 @@ def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed
     node_a = tmp_path / "node-a"
     loop = TrainerLoop(tiny_base, config, "trainer-a", node_a)
     loop.assign(assignment_for(submission, "mirrored-1", tiny_base.tokenizer))
-    for _ in range(5):
+    for _ in range(3):
         loop.run_once(idle_wait=0)
     loop.stop_job("mirrored-1", "paused", "test")
     events = run_until_idle(loop)
+    assert [e.step for e in events if e.kind == "checkpoint"] == [2]
     paused = next(e for e in events if e.kind == "paused")
-    assert paused.data["checkpoint_step"] == 5
+    assert paused.data["checkpoint_step"] == 3
     location = StorageLocation(f"{uri}/mirrored")
-    assert read_pointer(location)["step"] == 5
-    assert [json.loads(r)["step"] for r in location.read_bytes("metrics.jsonl").decode().splitlines()] == [1, 2, 3, 4, 5]
+    assert read_pointer(location)["step"] == 3
+    assert [json.loads(r)["step"] for r in location.read_bytes("metrics.jsonl").decode().splitlines()] == [1, 2, 3]
     assert not location.exists("adapter_model.safetensors"), "a paused job uploaded an adapter"
     shutil.rmtree(node_a)   # the node is gone with its staging folder
 
@@ -188,32 +189,28 @@ def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed
     loop2.assign(assignment_for(submission, "mirrored-1", tiny_base.tokenizer))
     events = run_until_idle(loop2)
     started = next(e for e in events if e.kind == "started")
-    assert started.data["resumed_from"] == 5
+    assert started.data["resumed_from"] == 3
     completed = next(e for e in events if e.kind == "completed")
     assert completed.data["adapter_dir"] == f"{uri}/mirrored"
-    assert read_pointer(location)["step"] == 10
+    assert read_pointer(location)["step"] == 6
 
-    # the reference: the same job undisturbed, written to a local folder
+    # the reference: the same job undisturbed, written to a local folder (by the now idle second trainer)
     local = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "local", [job])
     (local_submission,) = local.submissions()
-    loop3 = TrainerLoop(tiny_base, config, "trainer-c", tmp_path / "node-c")
-    loop3.assign(assignment_for(local_submission, "mirrored-1", tiny_base.tokenizer))
-    run_until_idle(loop3)
+    loop2.assign(assignment_for(local_submission, "mirrored-1", tiny_base.tokenizer))
+    events = run_until_idle(loop2)
+    assert next(e for e in events if e.kind == "started").data["resumed_from"] is None
     reference = adapter_tensors(tmp_path / "local" / "mirrored")
     resumed = _s3_adapter(location)
     assert reference.keys() == resumed.keys()
     assert all(torch.equal(reference[key], resumed[key]) for key in reference)
     rows = [json.loads(r) for r in location.read_bytes("metrics.jsonl").decode().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))
-    # the uploaded checkpoint loads into a fresh job on a third node
-    download_checkpoint(location, tmp_path / "node-d" / "checkpoint")
-    assert json.loads((tmp_path / "node-d" / "checkpoint" / "state.json").read_text())["step"] == 10
-    assert callable(load_checkpoint)
+    assert [r["step"] for r in rows] == list(range(1, 7))
 
 
 def test_a_failed_upload_keeps_the_job_and_the_next_checkpoint_uploads_again(
         s3_bucket, tmp_path, tiny_base, tiny_model_dirs, monkeypatch):
-    job = job_dict("flaky", write_task_data(tmp_path / "data", "flaky"), 6, checkpoint_every=2)
+    job = job_dict("flaky", write_task_data(tmp_path / "data", "flaky"), 4, checkpoint_every=2)
     (submission,) = run_spec(str(tiny_model_dirs["llama"]), f"s3://{s3_bucket}/runs", [job]).submissions()
     loop = TrainerLoop(tiny_base, TrainerConfig(base_model=submission.base_model), "trainer-a", tmp_path / "node")
     loop.assign(assignment_for(submission, "flaky-1", tiny_base.tokenizer))
@@ -221,7 +218,7 @@ def test_a_failed_upload_keeps_the_job_and_the_next_checkpoint_uploads_again(
     refused = []
 
     def step_4_refused(self, name, data):
-        if name.startswith("checkpoints/000000004"):
+        if name.startswith("checkpoints/000000002"):
             refused.append(name)
             raise StorageError(f"{self.uri}/{name}: writing failed: permission denied (a test)")
         return real_write(self, name, data)
@@ -229,17 +226,17 @@ def test_a_failed_upload_keeps_the_job_and_the_next_checkpoint_uploads_again(
     monkeypatch.setattr(StorageLocation, "write_bytes", step_4_refused)
     events = run_until_idle(loop)
     checkpoints = [(e.step, e.data) for e in events if e.kind == "checkpoint"]
-    assert [step for step, _ in checkpoints] == [2, 4]
-    assert "upload_error" in checkpoints[1][1] and "uploaded again at the next checkpoint" in checkpoints[1][1]["upload_error"]
+    assert [step for step, _ in checkpoints] == [2]
+    assert "uploaded again at the next checkpoint" in checkpoints[0][1]["upload_error"]
     assert refused
-    assert any(e.kind == "completed" for e in events)
-    assert read_pointer(StorageLocation(f"s3://{s3_bucket}/runs/flaky"))["step"] == 6
+    assert any(e.kind == "completed" for e in events), [e.data.get("reason") for e in events if e.kind != "step"]
+    assert read_pointer(StorageLocation(f"s3://{s3_bucket}/runs/flaky"))["step"] == 4
 
 
 def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
     data = write_task_data(tmp_path / "data", "remote")
     StorageLocation(f"s3://{s3_bucket}/datasets").upload_file(data, "remote.jsonl")
-    steps = 4
+    steps = 3
     on_s3 = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "s3-data",
                      [job_dict("remote", f"s3://{s3_bucket}/datasets/remote.jsonl", steps)])
     on_disk = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "local-data", [job_dict("remote", data, steps)])
@@ -248,10 +245,8 @@ def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_mo
     assert from_s3.state == "completed" and from_s3.steps == steps
     a, b = adapter_tensors(tmp_path / "s3-data" / "remote"), adapter_tensors(tmp_path / "local-data" / "remote")
     assert all(torch.equal(a[key], b[key]) for key in a)
-    missing = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "missing",
-                       [job_dict("gone", f"s3://{s3_bucket}/datasets/gone.jsonl", steps)])
-    (failed,) = train_locally(missing, base=tiny_base, progress=False)
-    assert failed.state == "failed" and f"s3://{s3_bucket}/datasets/gone.jsonl" in failed.reason
+    with pytest.raises(DataError, match=f"s3://{s3_bucket}/datasets/gone.jsonl: not found"):
+        read_rows(f"s3://{s3_bucket}/datasets/gone.jsonl")
 
 
 def test_an_output_root_uri_places_and_guards_job_folders(s3_bucket, tmp_path, tiny_model_dirs):

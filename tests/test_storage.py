@@ -7,6 +7,7 @@ from s3://; a service whose output root is a URI places and guards job folders t
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +16,8 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
+
+from rich.console import Console
 
 from actors.engine.data import DataError, read_rows
 from actors.engine.models import load_base_model
@@ -26,6 +29,7 @@ from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
 from actors.service.scheduler_core import SchedulerCore, SubmissionError
 from actors.service.trainer_loop import TrainerLoop
+from orchestrator.report import collect, write_report
 from policies.fifo import FifoPolicy
 from tests.service_helpers import adapter_tensors, job_dict, run_spec, write_task_data
 from tests.test_trainer_loop import assignment_for, run_until_idle
@@ -234,17 +238,29 @@ def test_a_failed_upload_keeps_the_job_and_the_next_checkpoint_uploads_again(
 
 
 def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
+    """Through `train_locally` (`aspen run --in-process`): data and output both on S3, against the same job
+    with both on disk; an earlier run's leftovers under the URI are cleared first, as in a folder."""
     data = write_task_data(tmp_path / "data", "remote")
     StorageLocation(f"s3://{s3_bucket}/datasets").upload_file(data, "remote.jsonl")
+    output = StorageLocation(f"s3://{s3_bucket}/out")
+    output.write_bytes("remote/checkpoint.json", b"left by an earlier run")
     steps = 3
-    on_s3 = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "s3-data",
+    on_s3 = run_spec(str(tiny_model_dirs["llama"]), output.uri,
                      [job_dict("remote", f"s3://{s3_bucket}/datasets/remote.jsonl", steps)])
     on_disk = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "local-data", [job_dict("remote", data, steps)])
     (from_s3,) = train_locally(on_s3, base=tiny_base, progress=False)
     (from_disk,) = train_locally(on_disk, base=tiny_base, progress=False)
-    assert from_s3.state == "completed" and from_s3.steps == steps
-    a, b = adapter_tensors(tmp_path / "s3-data" / "remote"), adapter_tensors(tmp_path / "local-data" / "remote")
-    assert all(torch.equal(a[key], b[key]) for key in a)
+    assert from_s3.state == "completed" and from_s3.steps == steps, from_s3.reason
+    assert from_s3.adapter_dir == f"{output.uri}/remote"
+    assert read_pointer(output.child("remote"))["step"] == steps
+    a, b = _s3_adapter(output.child("remote")), adapter_tensors(tmp_path / "local-data" / "remote")
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    # the report reads the metrics from the URI and uploads its files there
+    (metrics,) = collect(output.uri)
+    local_rows = [json.loads(r) for r in (tmp_path / "local-data" / "remote" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics.losses == [row["loss"] for row in local_rows]
+    write_report(output.uri, console=Console(file=io.StringIO()))
+    assert output.read_bytes("report.png").startswith(b"\x89PNG")
     with pytest.raises(DataError, match=f"s3://{s3_bucket}/datasets/gone.jsonl: not found"):
         read_rows(f"s3://{s3_bucket}/datasets/gone.jsonl")
 

@@ -18,6 +18,7 @@ API (small on purpose):
     is_uri(location) -> bool                     "scheme://..." (a Path never is)
     StorageURI(str)                              a URI that joins with `/` like a Path: `uri / "job-1"`
     as_location(value) -> Path | StorageURI      what spec fields hold (a URI kept intact, a path as a Path)
+    resolve_location(value)                      the same, a path made absolute
     StorageLocation(uri)                         one folder-like place: `.child(name)`, `.read_bytes(name)`,
                                                  `.write_bytes(name, data)`, `.exists(name)`, `.delete()`,
                                                  `.upload_file(local, name)`, `.download_file(name, local)`,
@@ -99,6 +100,12 @@ def as_location(value: Any) -> Path | StorageURI:
     if isinstance(value, Path) and mangled:
         return StorageURI(f"{mangled.group(1)}://{mangled.group(2)}".rstrip("/"))
     return Path(value)
+
+
+def resolve_location(value: str | os.PathLike[str]) -> Path | StorageURI:
+    """A location as a service compares and stores it: a URI as it is, a path expanded and made absolute."""
+    location = as_location(value)
+    return location if isinstance(location, StorageURI) else location.expanduser().resolve()
 
 
 def _s3_settings() -> dict[str, Any]:

@@ -281,3 +281,38 @@ def test_an_output_root_uri_places_and_guards_job_folders(s3_bucket, tmp_path, t
         core.submit(JobSubmission.model_validate({**b.model_dump(mode="json"), "output_dir": f"s3://{s3_bucket}/x"}))
     with pytest.raises(SubmissionError, match="a path on this machine"):
         core.submit(JobSubmission.model_validate({**b.model_dump(mode="json"), "output_dir": str(tmp_path / "b")}))
+
+
+def test_a_job_whose_uploads_all_fail_fails_with_the_uri_and_resumes_from_its_node_copy(
+        s3_bucket, tmp_path, tiny_base, tiny_model_dirs, monkeypatch):
+    job = job_dict("offline", write_task_data(tmp_path / "data", "offline"), 4, checkpoint_every=2)
+    uri = f"s3://{s3_bucket}/runs"
+    (submission,) = run_spec(str(tiny_model_dirs["llama"]), uri, [job]).submissions()
+    config = TrainerConfig(base_model=submission.base_model)
+    real_write = StorageLocation.write_bytes
+
+    def refused(self, name, data):
+        if not name.startswith(".aspen-write-check"):   # the store took the job, then went away
+            raise StorageError(f"{self.uri}/{name}: writing failed: the storage endpoint cannot be reached (a test)")
+        return real_write(self, name, data)
+
+    monkeypatch.setattr(StorageLocation, "write_bytes", refused)
+    loop = TrainerLoop(tiny_base, config, "trainer-a", tmp_path / "node")
+    loop.assign(assignment_for(submission, "offline-1", tiny_base.tokenizer))
+    events = run_until_idle(loop)
+    failed = next(e for e in events if e.kind == "failed")
+    assert f"{uri}/offline" in failed.data["reason"] and "cannot be reached" in failed.data["reason"]
+    assert read_pointer(StorageLocation(f"{uri}/offline")) is None
+    monkeypatch.undo()
+    # the store is back: the same node resumes from the checkpoint only it holds, and uploads everything
+    loop2 = TrainerLoop(tiny_base, config, "trainer-a2", tmp_path / "node")
+    loop2.assign(assignment_for(submission, "offline-1", tiny_base.tokenizer))
+    events = run_until_idle(loop2)
+    started = next(e for e in events if e.kind == "started")
+    assert started.data["resumed_from"] == 4 and "none was uploaded" in started.data["checkpoint_note"]
+    assert any(e.kind == "completed" for e in events)
+    location = StorageLocation(f"{uri}/offline")
+    assert read_pointer(location)["step"] == 4
+    local = adapter_tensors(tmp_path / "node" / "staging" / "offline-1")
+    remote = _s3_adapter(location)
+    assert all(torch.equal(local[key], remote[key]) for key in local)

@@ -410,9 +410,9 @@ class TrainerLoop:
 
     def _fetch_checkpoint(self, remote: StorageLocation, folder: Path, job_id: str) -> str:
         """Put the job's newest checkpoint in its node-local `folder`: the URI's latest complete upload, unless
-        this node holds a newer one (an upload that failed). With no upload at all, a local one is a stale
-        leftover (the job's URI was cleared) and is deleted. Returns a note for the job's reason; raises
-        StorageError when the URI cannot be read (the job does not start rather than start over)."""
+        this node holds a newer one (uploads that failed; the folder is the job's own, by its unique id).
+        Returns a note for the job's reason; raises StorageError when the URI cannot be read (the job does not
+        start rather than start over)."""
         local = saved_step(folder)
         try:
             pointer = read_pointer(remote)
@@ -421,12 +421,9 @@ class TrainerLoop:
                 return f"its uploaded checkpoint is unusable ({error}); resumed from this node's copy"
             return f"its uploaded checkpoint is unusable, started over: {error}"
         if pointer is None:
-            if local is not None:
-                log.warning("trainer %s: job %s: %s holds no checkpoint; deleting this node's stale copy in %s",
-                            self.trainer_id, job_id, remote.uri, folder)
-            for stale in (folder, previous_folder(folder)):
-                shutil.rmtree(stale, ignore_errors=True)
-            return ""
+            if local is None:
+                return ""
+            return f"resumed from this node's checkpoint at step {local}: none was uploaded to {remote.uri} yet"
         if local is not None and local > pointer["step"]:
             return (f"resumed from this node's checkpoint at step {local}, newer than the one uploaded to "
                     f"{remote.uri} (step {pointer['step']})")

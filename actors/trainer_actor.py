@@ -22,6 +22,7 @@ from actors.service.trainer_loop import Assignment, TrainerLoop
 from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
+from actors.engine.storage import as_location
 from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
@@ -83,7 +84,7 @@ class TrainerActor:
     def assign(self, jobs: list[tuple[str, str, str, DataSummary, list[Example], ray.actor.ActorHandle]]) -> None:
         """Jobs to start, all at the same step boundary: (job id, submission JSON, output folder, data
         summary, eval examples, its JobActor) each."""
-        self.loop.assign([Assignment(job_id, JobSubmission.model_validate_json(submission), Path(output_dir),
+        self.loop.assign([Assignment(job_id, JobSubmission.model_validate_json(submission), as_location(output_dir),
                                      summary, eval_examples, ActorJobLink(job_actor))
                           for job_id, submission, output_dir, summary, eval_examples, job_actor in jobs])
 

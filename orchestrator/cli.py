@@ -11,6 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from actors.engine.storage import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, load_run_spec
 
 
@@ -149,9 +150,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from orchestrator.report import collect, report_data, write_report
 
     if args.json:
-        print(json.dumps(report_data(collect(Path(args.run_dir))), indent=1))
+        print(json.dumps(report_data(collect(as_location(args.run_dir))), indent=1))
         return 0
-    write_report(Path(args.run_dir), console=Console(width=max(Console().width, 120)))
+    write_report(as_location(args.run_dir), console=Console(width=max(Console().width, 120)))
     return 0
 
 
@@ -191,7 +192,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     unfinished jobs from their checkpoints and leaves finished ones alone (`orchestrator.run_plan`)."""
     spec = load_run_spec(args.file)
     if args.output_dir:
-        spec = spec.model_copy(update={"output_dir": Path(args.output_dir).resolve()})
+        spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
         return _run_in_process(spec, args.quiet)
     from actors.service.config import run_service_config
@@ -200,7 +201,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from actors.service.job_files import clear_job_folder
     from orchestrator.run_plan import changed_message, plan_run
 
-    output_dir = Path(spec.output_dir).resolve()
+    output_dir = resolve_location(spec.output_dir)
     spec = spec.model_copy(update={"output_dir": output_dir})
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
@@ -213,7 +214,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             earlier = [*plan.resume, *plan.done, *plan.changed_records]
             for record in earlier:
                 client.delete(record.id)
-                clear_job_folder(Path(record.output_dir))
+                clear_job_folder(as_location(record.output_dir))
                 print(f"{record.name}: started over (--overwrite); its earlier results were deleted")
             plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
         for line in plan.lines(saved_step=_saved_step):
@@ -246,9 +247,14 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def _saved_step(output_dir: str) -> int | None:
+    """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
     from actors.engine.checkpoint import saved_step
+    from actors.engine.storage import StorageLocation, is_uri, read_pointer
     from actors.service.trainer_loop import CHECKPOINT_FOLDER
 
+    if is_uri(output_dir):
+        pointer = read_pointer(StorageLocation(output_dir))
+        return None if pointer is None else pointer["step"]
     return saved_step(Path(output_dir) / CHECKPOINT_FOLDER)
 
 

@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.job_table import TERMINAL_STATES, JobRecord
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.engine.storage import is_uri, resolve_location
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
 
@@ -270,12 +271,12 @@ class Client:
             spec = run.jobs[0]
         if not isinstance(spec, JobSpec):
             raise SpecError(f"expected a JobSpec, a JobSubmission or a dict of job fields, got {type(spec).__name__}")
-        if not spec.data.is_file():
+        if not is_uri(spec.data) and not spec.data.is_file():   # a URI is read when the job starts
             raise SpecError(f"job '{spec.name}', field data: file {spec.data} does not exist")
         try:
             return JobSubmission(job=spec, base_model=base_model, quantization=quantization, dtype=dtype,
                                  seed=spec.seed if spec.seed is not None else seed,
-                                 output_dir=Path(output_dir).resolve() if output_dir else None)
+                                 output_dir=resolve_location(output_dir) if output_dir else None)
         except ValueError as error:
             raise SpecError(f"job '{spec.name}': {error}") from None
 
@@ -285,7 +286,7 @@ class Client:
         the run's base model and writes to `<output_dir>/<job name>`."""
         if not isinstance(run, RunSpec):
             run = load_run_spec(run)
-        run = run.model_copy(update={"output_dir": Path(run.output_dir).expanduser().resolve()})
+        run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
         return self._submit_many(run.submissions())
 
     def _submit(self, submission: JobSubmission) -> JobHandle:

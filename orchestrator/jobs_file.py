@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.engine.spec import JobSpec, LoraConfig, RunSpec
+from actors.engine.storage import is_uri
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]
 
@@ -78,21 +79,21 @@ def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple,
 
 def _resolve_paths(data: dict, base_dir: Path) -> None:
     for job in data.get("jobs") or []:
-        if isinstance(job, dict) and isinstance(job.get("data"), str):
+        if isinstance(job, dict) and isinstance(job.get("data"), str) and not is_uri(job["data"]):
             path = Path(job["data"]).expanduser()
             job["data"] = str(path if path.is_absolute() else base_dir / path)
     model = data.get("base_model")
     if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
         data["base_model"] = str(base_dir / model)
     output = data.get("output_dir")
-    if isinstance(output, str) and not Path(output).expanduser().is_absolute():
+    if isinstance(output, str) and not is_uri(output) and not Path(output).expanduser().is_absolute():
         data["output_dir"] = str(base_dir / output)
 
 
 def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
     missing = []
     for index, job in enumerate(spec.jobs):
-        if not job.data.is_file():
+        if not is_uri(job.data) and not job.data.is_file():   # a URI is read (and checked) when the job starts
             line = lines.get(("jobs", index, "data"))
             prefix = f"{source}:{line}: " if line else f"{source}: "
             missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: file {job.data} does not exist")

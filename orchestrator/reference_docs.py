@@ -21,6 +21,7 @@ from pydantic_core import PydanticUndefined
 from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
 from actors.engine.data import AlpacaFormat, ChatFormat, PromptResponseFormat, TextFormat
 from actors.engine.spec import Bounds, EarlyStopConfig, JobSpec, LoraConfig, RunSpec
+from actors.engine.storage import StorageURI
 
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",
@@ -54,6 +55,8 @@ def type_name(annotation: typing.Any) -> str:
         return f"[{annotation.__name__}](#{annotation.__name__.lower()})"
     if isinstance(annotation, type) and issubclass(annotation, Path):
         return "path"
+    if isinstance(annotation, type) and issubclass(annotation, StorageURI):
+        return "storage URI"
     if isinstance(annotation, type):
         return annotation.__name__
     return re.sub(r"\b(typing|pathlib|actors\.[\w.]+)\.", "", str(annotation))

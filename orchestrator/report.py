@@ -5,7 +5,11 @@ and written to `RUN_DIR/report.md`.
 RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service state in `.aspen/`) or a
 service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
 step (step, loss, tokens, lr, grad_norm); eval losses and states come from the job table when there is one
-(read-only), or from an `eval_loss` field of the rows."""
+(read-only), or from an `eval_loss` field of the rows.
+
+RUN_DIR may be a storage URI (s3://bucket/runs/x, where a run's output_dir is one): the jobs' metrics are
+read from there, and report.png / report.md are uploaded next to them (a URI run's job table stays on the
+machine that ran it, so states are left out)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ import json
 import logging
 import sqlite3
 from dataclasses import dataclass, field
+import tempfile
 from pathlib import Path
+
+from actors.engine.storage import StorageLocation, StorageURI, as_location, is_uri
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +32,7 @@ class ReportError(ValueError):
 @dataclass
 class JobMetrics:
     name: str
-    folder: Path
+    folder: Path | StorageURI
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -42,8 +49,13 @@ class JobMetrics:
 
 
 def read_metrics(path: Path, name: str) -> JobMetrics:
-    job = JobMetrics(name, path.parent)
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    return parse_metrics(path.read_text(), path, name, path.parent)
+
+
+def parse_metrics(text: str, path: Path | str, name: str, folder: Path | StorageURI) -> JobMetrics:
+    """A job's metrics from the text of its metrics.jsonl (`path`: where it came from, for errors)."""
+    job = JobMetrics(name, folder)
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -93,7 +105,9 @@ def _add_table_facts(jobs: list[JobMetrics], database: Path) -> None:
         db.close()
 
 
-def collect(run_dir: Path) -> list[JobMetrics]:
+def collect(run_dir: Path | str) -> list[JobMetrics]:
+    if is_uri(run_dir):
+        return _collect_uri(str(run_dir))
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder")
@@ -105,6 +119,22 @@ def collect(run_dir: Path) -> list[JobMetrics]:
     database = _job_table(run_dir)
     if database is not None:
         _add_table_facts(jobs, database)
+    return jobs
+
+
+def _collect_uri(uri: str) -> list[JobMetrics]:
+    """The jobs' metrics under a storage URI: `<uri>/<job>/metrics.jsonl` and `<uri>/outputs/<job>/metrics.jsonl`."""
+    location = StorageLocation(uri)
+    jobs = []
+    for prefix in ("", "outputs/"):
+        for name in location.list(prefix):
+            metrics = f"{prefix}{name}/metrics.jsonl"
+            if location.exists(metrics):
+                jobs.append(parse_metrics(location.read_bytes(metrics).decode("utf-8"), f"{uri}/{metrics}", name,
+                                          as_location(f"{uri}/{prefix}{name}")))
+    if not jobs:
+        raise ReportError(f"no metrics.jsonl in {uri}/<job>/ or {uri}/outputs/<job>/: give a run's output_dir or a "
+                          "service's output root")
     return jobs
 
 
@@ -157,17 +187,25 @@ def plot(jobs: list[JobMetrics], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def write_report(run_dir: Path, console=None) -> tuple[Path, Path]:
-    """Write `report.png` and `report.md` into `run_dir`; print the table. Returns both paths."""
+def write_report(run_dir: Path | str, console=None) -> tuple[Path | StorageURI, Path | StorageURI]:
+    """Write `report.png` and `report.md` into `run_dir` (uploaded, for a storage URI); print the table.
+    Returns both paths."""
     from rich.console import Console
     from rich.table import Table
 
-    run_dir = Path(run_dir)
     jobs = collect(run_dir)
-    png, markdown = run_dir / "report.png", run_dir / "report.md"
-    plot(jobs, png, f"aspen: {len(jobs)} jobs in {run_dir.resolve().name}")
-    markdown.write_text(f"# aspen report: {run_dir.resolve()}\n\n![loss curves](report.png)\n\n"
-                        + markdown_table(jobs))
+    if is_uri(run_dir):
+        uri = as_location(str(run_dir))
+        with tempfile.TemporaryDirectory(prefix="aspen-report-") as folder:
+            _write_files(jobs, Path(folder), uri.name, str(uri))
+            location = StorageLocation(str(uri))
+            for name in ("report.png", "report.md"):
+                location.upload_file(Path(folder) / name, name)
+        png, markdown = uri / "report.png", uri / "report.md"
+    else:
+        run_dir = Path(run_dir)
+        _write_files(jobs, run_dir, run_dir.resolve().name, str(run_dir.resolve()))
+        png, markdown = run_dir / "report.png", run_dir / "report.md"
     table = Table(title=f"{len(jobs)} jobs in {run_dir}")
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("job", "state") else "right")
@@ -177,3 +215,9 @@ def write_report(run_dir: Path, console=None) -> tuple[Path, Path]:
     console.print(table)
     console.print(f"loss curves in {png}, table in {markdown}")
     return png, markdown
+
+
+def _write_files(jobs: list[JobMetrics], folder: Path, name: str, where: str) -> None:
+    plot(jobs, folder / "report.png", f"aspen: {len(jobs)} jobs in {name}")
+    (folder / "report.md").write_text(f"# aspen report: {where}\n\n![loss curves](report.png)\n\n"
+                                      + markdown_table(jobs))

@@ -14,6 +14,7 @@ from typing import Any
 
 from actors.service.job_table import JobRecord
 from actors.engine.spec import JobSubmission
+from actors.engine.storage import resolve_location
 
 FINISHED = ("completed", "stopped_early")
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
@@ -68,11 +69,11 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
     """Match each submission with the newest earlier job of the same name writing to the same folder."""
     latest: dict[tuple[str, str], JobRecord] = {}
     for record in sorted(records, key=lambda r: r.submitted_at):
-        latest[(record.name, str(Path(record.output_dir).resolve()))] = record
+        latest[(record.name, str(resolve_location(record.output_dir)))] = record
     plan = RunPlan()
     for submission in submissions:
         assert submission.output_dir is not None, "a run's jobs always name their folder"
-        record = latest.get((submission.job.name, str(Path(submission.output_dir).resolve())))
+        record = latest.get((submission.job.name, str(resolve_location(submission.output_dir))))
         if record is None:
             plan.submit.append(submission)
             continue

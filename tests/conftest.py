@@ -95,3 +95,19 @@ def ray_session():
                           namespace=NAMESPACE, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto_server) for the session, its endpoint in this process's environment
+    (AWS_ENDPOINT_URL_S3); killed by its PID at the end (tests/s3_server.py)."""
+    from tests.s3_server import running_s3_server
+
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture()
+def s3_bucket(s3_server) -> str:
+    """A fresh, empty bucket on the session's S3 server: its name."""
+    return s3_server.make_bucket()

@@ -13,18 +13,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, PlainSerializer,
+                      PlainValidator, ValidationError, WithJsonSchema, field_validator, model_validator)
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
 from actors.engine.data import DataFormat
+from actors.engine.storage import StorageURI, as_location
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 
 INT64_MAX = 2**63 - 1
 """The largest integer SQLite's INTEGER column (a signed 64-bit integer) holds."""
+
+
+def _location(value: Any) -> Path | StorageURI:
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"expected a path or a storage URI (s3://bucket/prefix), not {type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("expected a path or a storage URI (s3://bucket/prefix), not an empty string")
+    return as_location(value)
+
+
+Location = Annotated[Path | StorageURI, PlainValidator(_location), PlainSerializer(str, return_type=str),
+                     WithJsonSchema({"type": "string", "description": "a path or a storage URI"})]
+"""A folder or file: a path, or a storage URI (`s3://bucket/prefix`, `gs://...`, `file:///...`) kept intact
+as a `StorageURI` (actors/engine/storage.py)."""
 
 
 def canonical_base_model(value: str) -> str:
@@ -149,7 +164,8 @@ class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
-    data: Path = Field(description="JSONL file or one JSON array of rows")
+    data: Location = Field(description="JSONL file or one JSON array of rows: a path or a storage URI "
+                                       "(s3://bucket/train.jsonl, gs://..., file:///...)")
     format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
@@ -232,7 +248,9 @@ class RunSpec(StrictModel):
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (in-process runs)")
     seed: Seed = Field(0, description="seeds data order, adapter initialisation and dropout")
-    output_dir: Path = Field(Path("runs/example"), description="one folder per job under it")
+    output_dir: Location = Field(Path("runs/example"), description="one folder per job under it: a path, or a storage "
+                                                                  "URI (s3://bucket/prefix, gs://...) where "
+                                                                  "checkpoints, adapters and metrics are uploaded")
     step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
     layout: Literal["packed", "padded", "padded_fused"] = Field(
         "packed", description="packed (no padding), padded (each job's rows to its longest) or padded_fused "
@@ -286,7 +304,8 @@ class JobSubmission(StrictModel):
     quantization: Literal["none", "int8", "nf4"] = "none"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: Seed = 0
-    output_dir: Path | None = Field(None, description="the job's own folder (default: in the service's state folder)")
+    output_dir: Location | None = Field(None, description="the job's own folder, a path or a storage URI (default: "
+                                                          "under the service's output root or state folder)")
 
     @field_validator("base_model")
     @classmethod

@@ -3,12 +3,14 @@ model) and which policy assigns jobs to them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from actors.engine.spec import INT64_MAX, Bounds, RunSpec, StepTokens, StrictModel, canonical_base_model
+from actors.engine.spec import INT64_MAX, Bounds, Location, RunSpec, StepTokens, StrictModel, canonical_base_model
+from actors.engine.storage import is_uri
 
 Port = Annotated[int, Bounds(0, 65535)]
 
@@ -50,6 +52,9 @@ class TrainerConfig(StrictModel):
     data_grace_s: Annotated[float, Bounds(0, 3600)] = Field(
         10.0, description="how long a step waits for a job's late micro-batch before it runs without that job "
                           "(once per delay; the other jobs go on)")
+    staging_dir: Path | None = Field(
+        None, description="node-local folder where the jobs whose output_dir is a storage URI (s3://...) are written "
+                          "before their checkpoints, adapters and metrics are uploaded (default: <state_dir>/staging)")
     data_timeout_s: Annotated[float, Bounds(1, 10**6)] = Field(
         120.0, description="a job whose data has not arrived for this long (its job actor hung) is checkpointed "
                            "and started again with a new job actor")
@@ -105,10 +110,11 @@ class ServiceConfig(StrictModel):
     trainer_timeout_s: Annotated[float, Bounds(0, 10**7, low_open=True)] = Field(
         600.0, description="a trainer that does not answer a poll this long (a hung process; a dead one is "
                            "noticed at once) is replaced")
-    output_root: Path | None = Field(
-        None, description="where submitted jobs may write: a job's relative output_dir is taken under it, an "
-                          "absolute one must lie in it, and a job without one writes to <output_root>/<job id>. "
-                          "None: anywhere the service can write (a service of the user's own, `aspen run`); "
+    output_root: Location | None = Field(
+        None, description="where submitted jobs may write, a path or a storage URI (s3://bucket/prefix, gs://...: "
+                          "every job's checkpoints, adapter and metrics are uploaded there): a job's relative "
+                          "output_dir is taken under it, an absolute one must lie in it, and a job without one "
+                          "writes to <output_root>/<job id>. None: anywhere the service can write (a service of the user's own, `aspen run`); "
                           "`aspen serve` sets <state_dir>/outputs unless the config names a root")
     resume_on_start: bool = Field(
         True, description="jobs that were running when the service stopped resume at its start (false: they are "
@@ -120,9 +126,13 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
     (`aspen run`, its in-process mode, the demo, the benchmarks): one trainer with the run's base model,
     quantization, dtype, step budget, layout and recompute mode, on the GPU where the run's device is (or, with `auto`,
     where there is one), its step log in `<output_dir>/trainer.jsonl`; the run's policy; the state in
-    `<output_dir>/.aspen` unless `state_dir` says otherwise. `fields`: further ServiceConfig fields;
-    `trainer` (a dict): further TrainerConfig fields."""
+    `<output_dir>/.aspen` unless `state_dir` says otherwise. A run whose output_dir is a storage URI keeps its
+    state and step log on this machine instead, in `~/.aspen/runs/<bucket-and-prefix>` (its job table must be
+    a local file). `fields`: further ServiceConfig fields; `trainer` (a dict): further TrainerConfig fields."""
     output_dir = Path(spec.output_dir)
+    if is_uri(spec.output_dir):
+        where = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(spec.output_dir).split("://", 1)[1]).strip("_")
+        output_dir = Path("~/.aspen/runs").expanduser() / where
     trainer_fields = dict(fields.pop("trainer", {}))
     if spec.device == "auto":
         import torch

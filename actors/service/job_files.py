@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from actors.engine.storage import StorageLocation, is_uri
+
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
@@ -97,9 +99,14 @@ class JobFiles:
             self.fd = None
 
 
-def clear_job_folder(folder: Path) -> None:
+def clear_job_folder(folder: Path | str) -> None:
     """Delete what an earlier run left in a job's folder (checkpoints, adapter, metrics), keeping the
-    folder itself (it may be a mount point)."""
+    folder itself (it may be a mount point); a storage URI's objects under it are deleted (StorageError
+    when they cannot be)."""
+    if is_uri(folder):
+        StorageLocation(str(folder)).delete()
+        return
+    folder = Path(folder)
     if not folder.is_dir():
         return
     for path in folder.iterdir():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from actors.engine.models import BaseModel, load_base_model
 from actors.engine.spec import RunSpec
+from actors.engine.storage import StorageURI, as_location
 from actors.engine.trainer import StepReport
 from actors.service.config import run_service_config
 from actors.service.job_data import JobData
@@ -38,7 +39,7 @@ class JobSummary:
     first_loss: float | None
     final_loss: float | None
     eval_loss: float | None
-    adapter_dir: Path | None
+    adapter_dir: Path | StorageURI | None   # a storage URI where the run's output_dir is one
     reason: str
     evals: list[tuple[int, float]]   # (step, eval loss) of each evaluation
 
@@ -70,7 +71,7 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
                            policy if isinstance(policy, StepComposer) else None)
         submissions = spec.submissions()
         for submission in submissions:
-            clear_job_folder(Path(submission.output_dir))
+            clear_job_folder(submission.output_dir)
         records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
         ids = [record.id for record in records]
         bar = tqdm(total=sum(job.max_steps or 0 for job in spec.jobs) or None, unit="step", disable=not progress,
@@ -127,7 +128,7 @@ def _assignment(table: JobTable, job_id: str, base: BaseModel) -> Assignment:
     submission = table.submission(job_id)
     data = JobData(job_id, submission, base.tokenizer)
     summary = data.prepare()
-    return Assignment(job_id, submission, Path(submission.output_dir), summary, data.eval_examples(),
+    return Assignment(job_id, submission, as_location(submission.output_dir), summary, data.eval_examples(),
                       LocalJobLink(data))
 
 
@@ -137,4 +138,4 @@ def _summary(record: JobRecord, table: JobTable) -> JobSummary:
     evals = [(row["step"], row["eval_loss"]) for row in rows if row.get("eval_loss") is not None]
     return JobSummary(record.name, record.state, record.step, record.tokens, losses[0] if losses else None,
                       losses[-1] if losses else None, record.eval_loss,
-                      Path(record.adapter_dir) if record.adapter_dir else None, record.reason, evals)
+                      as_location(record.adapter_dir) if record.adapter_dir else None, record.reason, evals)

@@ -25,6 +25,7 @@ from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.engine.lora import adapted_shapes
 from actors.engine.spec import JobSubmission, LoraConfig, step_limit_problem
+from actors.engine.storage import StorageURI, as_location, is_uri
 from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait
 from policies.fifo import FifoPolicy
 from policies.adapter_memory import adapter_memory_bytes
@@ -61,11 +62,12 @@ class SubmissionError(ValueError):
 class SchedulerCore:
     def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
                  on_decision: Callable[[str, str, str], None] | None = None, *,
-                 trainers: Sequence[TrainerConfig] = (), output_root: Path | None = None):
+                 trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None):
         """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
         (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
         service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
-        refused). `output_root`: where submitted jobs may write (None: anywhere the service can)."""
+        refused). `output_root`: where submitted jobs may write, a path or a storage URI (None: anywhere the
+        service can)."""
         self.table = table
         self.on_decision = on_decision
         self.wait_causes: dict[str, str] = {}     # job id -> why it waited in the last round
@@ -74,7 +76,10 @@ class SchedulerCore:
         self.parked_by_policy: set[str] = set()   # jobs parked since the policy last decided with queued jobs
         self.state_dir = Path(state_dir)
         self.trainer_configs = list(trainers)
-        self.output_root = Path(output_root).expanduser().resolve() if output_root is not None else None
+        self.output_root: Path | StorageURI | None = None
+        if output_root is not None:
+            root = as_location(output_root)
+            self.output_root = root if isinstance(root, StorageURI) else root.expanduser().resolve()
         self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
         self.preempting: dict[str, str] = {}      # job id -> reason: its `paused` event means "queue again"
@@ -148,10 +153,19 @@ class SchedulerCore:
                                   "check `aspen status` before submitting again")
         return found
 
-    def _output_dir(self, submission: JobSubmission, job_id: str) -> Path:
+    def _output_dir(self, submission: JobSubmission, job_id: str) -> Path | StorageURI:
+        """The job's folder: a resolved path, or a storage URI (its checkpoints and results are uploaded)."""
         root = self.output_root
+        if isinstance(root, StorageURI):
+            return self._uri_output_dir(submission, job_id, root)
         if submission.output_dir is None:
             return ((root or self.state_dir / "outputs") / job_id).resolve()
+        if is_uri(submission.output_dir):
+            if root is not None:
+                raise SubmissionError(f"output_dir {submission.output_dir} is outside this service's output root "
+                                      f"{root}; leave output_dir out (the job gets {root}/<job id>) or give a path "
+                                      f"under {root}")
+            return as_location(str(submission.output_dir))
         requested = Path(submission.output_dir).expanduser()
         if root is not None and not requested.is_absolute():
             requested = root / requested
@@ -161,6 +175,26 @@ class SchedulerCore:
                                   "submitted to a shared service write only there: leave output_dir out (the job "
                                   f"gets {root}/<job id>) or give a path under {root}")
         return resolved
+
+    @staticmethod
+    def _uri_output_dir(submission: JobSubmission, job_id: str, root: StorageURI) -> StorageURI:
+        """A job's folder under a storage-URI output root: `<root>/<job id>`, `<root>/<relative output_dir>`,
+        or a URI under the root."""
+        requested = submission.output_dir
+        if requested is None:
+            return root / job_id
+        if is_uri(requested):
+            uri = StorageURI(str(requested).rstrip("/"))
+        elif Path(requested).is_absolute() or ".." in Path(requested).parts:
+            raise SubmissionError(f"output_dir {requested} is a path on this machine, but this service's output root "
+                                  f"is {root}: leave output_dir out (the job gets {root}/<job id>) or give a folder "
+                                  f"name relative to it (or a URI under {root})")
+        else:
+            uri = root / Path(requested).as_posix()
+        if not uri.is_relative_to(root) or "/../" in f"{uri}/":
+            raise SubmissionError(f"output_dir {uri} is outside this service's output root {root}; leave output_dir "
+                                  f"out (the job gets {root}/<job id>) or give a URI under {root}")
+        return uri
 
     def _check_limits(self, submission: JobSubmission) -> None:
         """Refuse what no trainer of the job's base could ever run: a micro-batch beyond every trainer's
@@ -287,8 +321,12 @@ class SchedulerCore:
         elif kind == "eval":
             self.table.add_eval(job_id, event.step, data["eval_loss"])
             self.table.update(job_id, eval_loss=data["eval_loss"])
+        elif kind == "checkpoint" and data.get("upload_error"):   # the uploaded checkpoint is an older one
+            self.table.update(job_id, reason=f"training on {trainer_id}; {data['upload_error']}")
         elif kind == "checkpoint":
             self.table.update(job_id, checkpoint_step=event.step)
+            if data.get("upload_recovered"):
+                self.table.update(job_id, reason=f"training on {trainer_id}; its checkpoints upload again")
         elif kind == "prediction":   # the job's stop rule expects it to end early: less work left
             remaining = max(int(data["predicted_stop_step"]) - event.step, 0)
             after(lambda: self.predicted_remaining.__setitem__(job_id, remaining))

@@ -8,6 +8,12 @@ scheduler, as is a job whose job actor died; a job whose folder refuses writes f
 with the reason. Checkpoints are written every `checkpoint_every` steps and every `checkpoint_every_s`
 seconds, so that a crash loses bounded work.
 
+A job whose output_dir is a storage URI (s3://..., actors/engine/storage.py) is written to a node-local
+staging folder (`<staging_dir>/<job id>`) exactly as a local job's folder, and each complete checkpoint is
+then mirrored to the URI; its adapter and metrics go there when it leaves. A failed upload costs no work:
+the local checkpoint stays, the next checkpoint uploads again, and the job's reason says what failed. A job
+starting on any node first takes the URI's latest complete checkpoint (or this node's newer one).
+
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
 
@@ -19,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -32,8 +39,9 @@ from actors.service.config import TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
-from actors.service.job_files import JobFiles
-from actors.engine.checkpoint import CheckpointError, has_checkpoint, load_checkpoint, save_checkpoint
+from actors.service.job_files import METRICS_NAME, JobFiles
+from actors.engine.checkpoint import (CheckpointError, has_checkpoint, load_checkpoint, previous_folder,
+                                     save_checkpoint, saved_step)
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names, remove_adapter
@@ -43,6 +51,8 @@ from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, pr
 from actors.engine.models import BaseModel
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSubmission
+from actors.engine.storage import (CorruptCheckpoint, StorageLocation, StorageURI, as_location, download_checkpoint,
+                                   is_uri, read_pointer, upload_checkpoint)
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
 from policies.base import StepComposer
@@ -91,10 +101,13 @@ class LocalJobLink:
 class Assignment:
     job_id: str
     submission: JobSubmission
-    output_dir: Path
+    output_dir: Path | StorageURI
     data: DataSummary
     eval_examples: list[Example]
     link: JobLink
+
+    def __post_init__(self) -> None:
+        self.output_dir = as_location(self.output_dir)   # a URI that went through Path() gets its "//" back
 
 
 @dataclass
@@ -103,15 +116,18 @@ class ActiveJob:
     job: TrainingJob
     feed: MicroBatchFeed
     files: JobFiles
+    local_dir: Path                      # where its files are written: output_dir, or a staging folder
+    remote: StorageLocation | None       # output_dir when it is a storage URI
     decisions: list[tuple[int, Pending[Verdict]]] = field(default_factory=list)   # (step, its verdict)
     last_step_time: float = field(default_factory=time.time)
     last_eval_step: int = -1
     last_checkpoint: float = field(default_factory=time.monotonic)
     stalled_since: float | None = None   # when its data was first late (monotonic), while it is
+    upload_error: str | None = None      # why its last checkpoint upload failed, until one succeeds
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.assignment.output_dir / CHECKPOINT_FOLDER
+        return self.local_dir / CHECKPOINT_FOLDER
 
 
 def default_memory_budget(device: torch.device) -> int:
@@ -195,6 +211,7 @@ class TrainerLoop:
         self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
         self.step_log = self.step_log_path.open("a")
         self.step_log_failing = False
+        self.staging_dir = Path(config.staging_dir or Path(state_dir) / "staging").expanduser()
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
 
     # -- thread-safe entry points -------------------------------------------------------------------
@@ -341,15 +358,23 @@ class TrainerLoop:
         submission = assignment.submission
         spec = submission.job.model_copy(update={"name": job_id})
         feed = MicroBatchFeed(assignment.link.fetch, assignment.data.start, prefetch=self.config.prefetch)
-        files = JobFiles(job_id, assignment.output_dir)
+        remote = None
+        local_dir = Path(assignment.output_dir)
+        if is_uri(assignment.output_dir):
+            local_dir = self.staging_dir / job_id
+        files = JobFiles(job_id, local_dir)
         job = None
         note = ""
         try:
+            if is_uri(assignment.output_dir):
+                remote = StorageLocation(str(assignment.output_dir))
+                remote.check_writable()
             job = TrainingJob.attach(spec, self.base, feed, assignment.eval_examples, assignment.data.total_steps,
                                      seed=submission.seed)
-            folder = assignment.output_dir / CHECKPOINT_FOLDER
+            folder = local_dir / CHECKPOINT_FOLDER
             resumed_from = None
             resume_verdict = None
+            fetch_note = self._fetch_checkpoint(remote, folder, job_id) if remote is not None else ""
             if has_checkpoint(folder):
                 resumed_from, note = self._resume(job, folder, job_id)
                 if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
@@ -369,7 +394,8 @@ class TrainerLoop:
             files.close()
             self._emit("failed", job_id, 0, reason=f"could not start: {error}")
             return
-        active = ActiveJob(assignment, job, feed, files)
+        note = "; ".join(part for part in (fetch_note, note) if part)
+        active = ActiveJob(assignment, job, feed, files, local_dir, remote)
         if resume_verdict is not None:
             # the stop decisions of its last steps before the checkpoint, made again from the restored history
             # (a pause may have cut them off): due like step k - 1's verdict; a stop decided at step k waits
@@ -381,6 +407,45 @@ class TrainerLoop:
         self._emit("started", job_id, job.step, resumed_from=resumed_from, total_steps=job.total_steps,
                    trainer=self.trainer_id, history=history, evals=evals, tokens=job.tokens_seen,
                    checkpoint_note=note)
+
+    def _fetch_checkpoint(self, remote: StorageLocation, folder: Path, job_id: str) -> str:
+        """Put the job's newest checkpoint in its node-local `folder`: the URI's latest complete upload, unless
+        this node holds a newer one (uploads that failed; the folder is the job's own, by its unique id).
+        Returns a note for the job's reason; raises StorageError when the URI cannot be read (the job does not
+        start rather than start over)."""
+        local = saved_step(folder)
+        try:
+            pointer = read_pointer(remote)
+        except CorruptCheckpoint as error:
+            if local is not None:
+                return f"its uploaded checkpoint is unusable ({error}); resumed from this node's copy"
+            return f"its uploaded checkpoint is unusable, started over: {error}"
+        if pointer is None:
+            if local is None:
+                return ""
+            return f"resumed from this node's checkpoint at step {local}: none was uploaded to {remote.uri} yet"
+        if local is not None and local > pointer["step"]:
+            return (f"resumed from this node's checkpoint at step {local}, newer than the one uploaded to "
+                    f"{remote.uri} (step {pointer['step']})")
+        try:
+            shutil.rmtree(previous_folder(folder), ignore_errors=True)
+            download_checkpoint(remote, folder)
+        except CorruptCheckpoint as error:
+            if local is not None:
+                return f"its uploaded checkpoint is unusable ({error}); resumed from this node's copy"
+            return f"its uploaded checkpoint is unusable, started over: {error}"
+        return ""
+
+    def _upload(self, active: ActiveJob, outputs: bool) -> None:
+        """Mirror a remote job's files to its URI: its metrics, with `outputs` every file at the top of its
+        local folder (the adapter), then its checkpoint (the pointer last). Raises StorageError."""
+        remote = active.remote
+        assert remote is not None
+        for path in sorted(active.local_dir.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and (outputs or path.name == METRICS_NAME):
+                remote.upload_file(path, path.name)
+        if has_checkpoint(active.checkpoint_dir):
+            upload_checkpoint(remote, active.checkpoint_dir, active.job.step)
 
     def _resume(self, job: TrainingJob, folder: Path, job_id: str) -> tuple[int | None, str]:
         """Restore the job from its newest valid checkpoint: (its step, a note on what was skipped), or
@@ -506,7 +571,22 @@ class TrainerLoop:
             return
         active.files.succeeded(CHECKPOINT_FOLDER)
         active.last_checkpoint = time.monotonic()
-        self._emit("checkpoint", active.assignment.job_id, job.step)
+        if active.remote is None:
+            self._emit("checkpoint", active.assignment.job_id, job.step)
+            return
+        try:
+            self._upload(active, outputs=False)
+        except OSError as error:   # the local checkpoint stays; the next checkpoint uploads again
+            active.upload_error = (f"uploading its checkpoint at step {job.step} to {active.remote.uri} failed "
+                                   f"({error}); it is kept on {self.trainer_id} and uploaded again at the next "
+                                   "checkpoint")
+            log.warning("trainer %s: job %s: %s", self.trainer_id, active.assignment.job_id, active.upload_error)
+            self._emit("checkpoint", active.assignment.job_id, job.step, upload_error=active.upload_error)
+            return
+        recovered = active.upload_error is not None
+        active.upload_error = None
+        self._emit("checkpoint", active.assignment.job_id, job.step, uploaded=active.remote.uri,
+                   upload_recovered=recovered)
 
     def _write_step_log(self, row: dict[str, Any]) -> None:
         """The trainer's own step row (for reports); a disk that refuses it costs the row, never a job."""
@@ -535,11 +615,16 @@ class TrainerLoop:
                     job.evals.append((job.step, data["eval_loss"]))
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
-                    job.adapter, active.assignment.output_dir, self.base.source.description)))
+                    job.adapter, active.local_dir, self.base.source.description)))
             if kind != "failed":
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
                     job, active.checkpoint_dir, self.base.source.description))
                 data["checkpoint_step"] = job.step
+            if active.remote is not None and kind != "failed":
+                outputs = kind in ("completed", "stopped_early")
+                self._write(active, f"its results to {active.remote.uri}", lambda: self._upload(active, outputs))
+                if outputs:
+                    data["adapter_dir"] = active.remote.uri
         except OSError as error:   # the folder refused every try: one clear reason, no false success
             kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
                                               f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "

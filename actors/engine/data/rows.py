@@ -1,11 +1,14 @@
 """Reading a dataset file (JSONL, or one JSON array) into rows, and `DataError`, whose message names
-the file, the 1-based line and the field of every problem."""
+the file, the 1-based line and the field of every problem. The file may be a path or a storage URI
+(s3://bucket/train.jsonl, gs://..., file:///...: actors/engine/storage.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from actors.engine.storage import StorageError, is_uri, read_uri_bytes
 
 
 # --------------------------------------------------------------------------
@@ -155,8 +158,14 @@ def _read_json_array(text: str, source: str) -> list[tuple[int, dict[str, Any]]]
 def read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """Read a JSONL file (one object per line, blank lines skipped) or a file
     holding one JSON array of objects; return ``(line_number, row)`` pairs with
-    1-based line numbers (for arrays, the line each element starts on)."""
+    1-based line numbers (for arrays, the line each element starts on). `path` may be a storage URI."""
     source = str(path)
+    if is_uri(source):
+        try:
+            raw = read_uri_bytes(source)
+        except StorageError as error:
+            raise DataError(f"the dataset {error}", source=source) from error
+        return _parse(_decode_utf8(raw, source), source)
     file = Path(path)
     if not file.exists():
         raise DataError(f"{source}: file not found; check the dataset path", source=source)
@@ -165,7 +174,10 @@ def read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
             f"{source}: not a regular file; point the dataset path at a .jsonl or .json file",
             source=source,
         )
-    text = _decode_utf8(file.read_bytes(), source)
+    return _parse(_decode_utf8(file.read_bytes(), source), source)
+
+
+def _parse(text: str, source: str) -> list[tuple[int, dict[str, Any]]]:
     first = _skip_ws(text, 0)
     if first < len(text) and text[first] == "[":
         return _read_json_array(text, source)

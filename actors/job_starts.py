@@ -17,6 +17,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.engine.storage import StorageUnreachable
 from actors.job_actor import JobActor
 from actors.service.job_table import TERMINAL_STATES, JobTable
 from actors.service.scheduler_core import SchedulerCore
@@ -122,7 +123,10 @@ class JobStarts:
             return None
         except RayError as error:
             cause = getattr(error, "cause", None) or error
-            self.core.start_failed(job_id, f"its data could not be read: {cause}")
+            if isinstance(cause, StorageUnreachable):   # the storage did not answer: started again (bounded)
+                self.core.start_lost(job_id, f"its data could not be read: {cause}")
+            else:
+                self.core.start_failed(job_id, f"its data could not be read: {cause}")
             return None
         self.table.update(job_id, total_steps=summary.total_steps)
         submission = self.table.submission(job_id)

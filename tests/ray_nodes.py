@@ -190,10 +190,11 @@ def live_nodes(head: dict, home: Path) -> list[dict]:
 
 
 CLIENT_LOOP = """
-import json, sys
+import json, os, sys
+answers = os.fdopen(int(sys.argv[2]), "w")   # a pipe of its own: Ray writes worker logs to stdout
 from orchestrator.client import Client
 c = Client.connect(sys.argv[1])
-print("READY", flush=True)
+print("READY", file=answers, flush=True)
 for line in sys.stdin:
     request = json.loads(line)
     names = {"c": c}
@@ -202,7 +203,7 @@ for line in sys.stdin:
         answer = {"value": eval(request["expression"], names)}
     except Exception as error:
         answer = {"error": repr(error)}
-    print("RESULT " + json.dumps(answer, default=lambda o: getattr(o, "__dict__", str(o))), flush=True)
+    print("RESULT " + json.dumps(answer, default=lambda o: getattr(o, "__dict__", str(o))), file=answers, flush=True)
 """
 
 
@@ -211,12 +212,14 @@ class ClientProcess:
     process keeps its own Ray session), asked expressions in `c` one at a time; values come back as JSON."""
 
     def __init__(self, head: dict, home: Path):
-        self.process = subprocess.Popen([sys.executable, "-c", CLIENT_LOOP, head["gcs"]],
-                                        env=client_env(head, home), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True,
-                                        cwd=REPO)
+        read_end, write_end = os.pipe()
+        self.process = subprocess.Popen([sys.executable, "-c", CLIENT_LOOP, head["gcs"], str(write_end)],
+                                        env=client_env(head, home), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, text=True, cwd=REPO, pass_fds=(write_end,))
+        os.close(write_end)
+        self.answers = os.fdopen(read_end)
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.answers], daemon=True).start()
         self._expect("READY", 300)
 
     def _expect(self, prefix: str, timeout: float) -> str:
@@ -240,3 +243,4 @@ class ClientProcess:
     def close(self) -> None:
         self.process.kill()
         self.process.wait(timeout=30)
+        self.answers.close()

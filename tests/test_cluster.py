@@ -2,14 +2,16 @@
 get-auth-token --generate`, a second node with `ray start --address`, one CPU each): a trainer per node, each
 sized from its own node; jobs through `ray job submit` and the Python client spread over both trainers;
 then the second node is killed mid-run (SIGKILL of its raylet and workers): every job on it resumes on the
-head's trainer from its last checkpoint in shared storage, none is lost, and each final adapter equals an
-undisturbed solo run's; a node that joins gets a trainer of its own.
+head's trainer from its last checkpoint in shared storage (a real S3-compatible server: moto in server
+mode), none is lost, and each final adapter equals an undisturbed solo run's; a node that joins gets a
+trainer of its own.
 
 Every node is stopped by its process session, never `ray stop`."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -18,8 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 
 from actors.engine.models import load_base_model
+from actors.engine.storage import StorageLocation
 from actors.service.local_run import train_locally
 from tests.ray_nodes import (BIN, FAST_NODE_DEATH, ClientProcess, client_env, kill_node, live_nodes, start_head,
                              start_worker, stop_head, stop_node)
@@ -29,7 +33,9 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="nodes are stopp
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict]:
+def cluster(tmp_path_factory, s3_server) -> Iterator[dict]:
+    """Head + second node; the S3 server's endpoint and credentials are in this process's environment, so
+    every node's processes (trainers, job actors) reach it, as `ray start` on a configured machine would."""
     home = tmp_path_factory.mktemp("cluster-client-home")
     head = start_head(token=True, num_cpus=1, env=FAST_NODE_DEATH)
     nodes = {"head": head, "home": home, "workers": []}
@@ -63,14 +69,15 @@ def ray_job_submit(cluster: dict, working_dir: Path, *entrypoint: str) -> subpro
         time.sleep(3)
 
 
-def wait_until(predicate, timeout: float, what: str):
+def wait_until(predicate, timeout: float, what: str, state=None):
+    """Poll `predicate` until truthy (returned); on timeout fail with `state()`, what the service shows."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {state()}" if state else ""))
 
 
 def jobs_by_name(client: ClientProcess) -> dict[str, dict]:
@@ -127,12 +134,19 @@ def test_a_trainer_per_node_and_jobs_spread_over_both(cluster, tiny_model_dirs, 
         stop_service(cluster)
 
 
-def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, tiny_model_dirs, tmp_path):
+def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_server, tiny_model_dirs, tmp_path):
+    """Data and outputs on S3 (a real S3-compatible server); the lost node's own staging folder is deleted
+    with it, so the job resumes from what was uploaded."""
     base = str(tiny_model_dirs["llama"])
     steps = 200
-    jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), steps, checkpoint_every=5)
-            for index, name in enumerate(["left", "right"])]
-    config = {"state_dir": str(tmp_path / "state"), "output_root": str(tmp_path / "shared"), "cluster_poll_s": 1,
+    bucket = s3_server.make_bucket()
+    local_jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), steps, checkpoint_every=5)
+                  for index, name in enumerate(["left", "right"])]
+    jobs = []
+    for job in local_jobs:
+        StorageLocation(f"s3://{bucket}/data").upload_file(Path(job["data"]), f"{job['name']}.jsonl")
+        jobs.append({**job, "data": f"s3://{bucket}/data/{job['name']}.jsonl"})
+    config = {"state_dir": str(tmp_path / "state"), "output_root": f"s3://{bucket}/outputs", "cluster_poll_s": 1,
               "trainers": [{"base_model": base, "nodes": "each", "count": 1, "step_tokens": 512}]}
     (tmp_path / "service.yaml").write_text(json.dumps(config))
     served = aspen(cluster, "serve", "--config", str(tmp_path / "service.yaml"))
@@ -154,6 +168,7 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, tin
         victim = wait_until(worker_job_checkpointed, 240, "a job on the second node's trainer to checkpoint")
         kill_node(cluster["workers"].pop())
         lost_at = time.time()
+        shutil.rmtree(tmp_path / "state" / "staging" / victim["id"])   # the lost machine's disk goes with it
         resumed = wait_until(lambda: (j := jobs_by_name(client)[victim["name"]])["state"] == "running"
                              and j["trainer"] not in (None, on_worker) and j, 120, "the lost job to run again")
         recovery_s = time.time() - lost_at
@@ -163,7 +178,7 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, tin
         cluster["workers"].append(start_worker(cluster["head"], num_cpus=1))   # a node joins: a trainer on it
         new_node = {n["id"] for n in live_nodes(cluster["head"], cluster["home"])} - {t["node_id"] for t in trainers}
         wait_until(lambda: any(t["node_id"] in new_node and t["ready"] for t in client("c.trainers()")),
-                   180, "a trainer on the node that joined")
+                   300, "a trainer on the node that joined", lambda: client("c.trainers()"))
 
         done = wait_until(lambda: (found := jobs_by_name(client)) and all(
             j["state"] in ("completed", "failed", "cancelled") for j in found.values()) and found, 300,
@@ -171,9 +186,14 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, tin
         assert {name: j["state"] for name, j in done.items()} == {"left": "completed", "right": "completed"}
         reasons = [reason for _, _, reason in client(f"c.transitions({victim['id']!r})")]
         assert any("left the cluster" in r and "resumes from its checkpoint" in r for r in reasons), reasons
+        assert not any("job actor" in r for r in reasons), reasons      # a new job actor came with the requeue
+        survivor = next(j for name, j in done.items() if name != victim["name"])
+        survivor_reasons = [reason for _, _, reason in client(f"c.transitions({survivor['id']!r})")]
+        assert not any("lost" in r for r in survivor_reasons), survivor_reasons   # the head's job went on
         losses = client(f"c.losses({victim['id']!r})")
         assert [row["step"] for row in losses] == list(range(1, steps + 1))
-        outputs = {name: Path(j["output_dir"]) for name, j in done.items()}
+        outputs = {name: j["output_dir"] for name, j in done.items()}
+        assert all(out.startswith(f"s3://{bucket}/outputs/") for out in outputs.values()), outputs
     finally:
         client.close()
         stop_service(cluster)
@@ -181,13 +201,14 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, tin
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # as the trainers ran: one CPU per node
     try:
-        for job in jobs:          # each job alone: the undisturbed run
+        for job in local_jobs:    # each job alone, its data and output on disk: the undisturbed run
             train_locally(run_spec(base, tmp_path / "reference", [job], step_tokens=512),
                           base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
     finally:
         torch.set_num_threads(threads)
     for name, folder in outputs.items():
-        got, want = adapter_tensors(folder), adapter_tensors(tmp_path / "reference" / name)
+        got = load_safetensors(StorageLocation(folder).read_bytes("adapter_model.safetensors"))
+        want = adapter_tensors(tmp_path / "reference" / name)
         assert got.keys() == want.keys()
         for key in want:
             assert torch.equal(got[key], want[key]), (name, key, float((got[key] - want[key]).abs().max()))

@@ -22,8 +22,8 @@ from rich.console import Console
 from actors.engine.data import DataError, read_rows
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
-from actors.engine.storage import (POINTER_NAME, CorruptCheckpoint, StorageError, StorageLocation, StorageURI,
-                                   download_checkpoint, read_pointer, upload_checkpoint)
+from actors.engine.storage import (POINTER_NAME, CorruptCheckpoint, StorageError, StorageLocation, StorageUnreachable,
+                                   StorageURI, download_checkpoint, read_pointer, upload_checkpoint)
 from actors.service.config import TrainerConfig
 from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
@@ -128,6 +128,11 @@ def test_errors_name_the_uri_and_the_fix(s3_server, monkeypatch):
         with pytest.raises(StorageError) as caught:
             StorageLocation("s3://bucket/prefix").check_writable()
     assert "cannot be reached" in str(caught.value) and "AWS_ENDPOINT_URL_S3" in str(caught.value)
+    assert isinstance(caught.value, StorageUnreachable)   # transient: a job whose data it is starts again
+    with socket_closed() as port:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+        with pytest.raises(StorageUnreachable, match="the dataset s3://bucket/data.jsonl: reading failed"):
+            read_rows("s3://bucket/data.jsonl")   # not a DataError: nothing is wrong with the data
 
 
 class socket_closed:

@@ -28,7 +28,8 @@ API (small on purpose):
     download_checkpoint(location, folder)        the latest complete upload into `folder` (replaced);
                                                  returns its step, or None when there is none
     read_uri_bytes(uri) -> bytes                 one object (a job's dataset)
-    StorageError(OSError), CorruptCheckpoint(StorageError): messages name the URI and what to do
+    StorageError(OSError), CorruptCheckpoint(StorageError): messages name the URI and what to do;
+    StorageUnreachable(StorageError): the endpoint did not answer (transient: a job's start is retried)
 
 S3 settings come from the standard environment: credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
 (/ AWS_SESSION_TOKEN, ~/.aws, instance roles, as the AWS SDK finds them), the region from AWS_REGION /
@@ -54,11 +55,18 @@ POINTER_NAME = "checkpoint.json"
 UPLOADS_FOLDER = "checkpoints"
 POINTER_FORMAT = 1
 CONNECT_TIMEOUT_S = 5.0
+# how long a request may go without a byte before it fails (the AWS SDK's default, 3 s, failed uploads and
+# dataset reads against a busy S3-compatible server on a loaded machine: seen in tests/test_cluster.py)
+REQUEST_TIMEOUT_S = 60.0
 S3_ATTEMPTS = 3
 
 
 class StorageError(OSError):
     """A storage URI could not be read or written; the message names the URI and what to do."""
+
+
+class StorageUnreachable(StorageError):
+    """The storage endpoint did not answer (network, a busy or restarting server): worth trying again later."""
 
 
 class CorruptCheckpoint(StorageError):
@@ -113,7 +121,7 @@ def _s3_settings() -> dict[str, Any]:
     AWS_ACCESS_KEY_ID etc. itself, but not AWS_ENDPOINT_URL[_S3])."""
     import pyarrow.fs as pafs
 
-    settings: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S,
+    settings: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "request_timeout": REQUEST_TIMEOUT_S,
                                 "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS)}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
@@ -159,8 +167,9 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
     if isinstance(error, StorageError):
         return error
     if "NETWORK_CONNECTION" in upper or "COULD NOT CONNECT" in upper or "RESOLVE HOST" in upper:
-        hint = ("the storage endpoint cannot be reached: check the network, and for an S3-compatible store set "
-                "AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in every aspen process's environment")
+        return StorageUnreachable(f"{uri}: {doing} failed: the storage endpoint cannot be reached: check the network, "
+                                  "and for an S3-compatible store set AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in "
+                                  f"every aspen process's environment ({type(error).__name__}: {text})")
     elif "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper:
         hint = "the bucket does not exist: create it (or fix the bucket name in the URI)"
     elif ("ACCESS_DENIED" in upper or "ACCESSDENIED" in upper or "FORBIDDEN" in upper or " 403" in text

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.engine.storage import StorageError, is_uri, read_uri_bytes
+from actors.engine.storage import StorageError, StorageUnreachable, is_uri, read_uri_bytes
 
 
 # --------------------------------------------------------------------------
@@ -163,6 +163,8 @@ def read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     if is_uri(source):
         try:
             raw = read_uri_bytes(source)
+        except StorageUnreachable as error:   # not the data's fault: the job's start is tried again
+            raise StorageUnreachable(f"the dataset {error}") from error
         except StorageError as error:
             raise DataError(f"the dataset {error}", source=source) from error
         return _parse(_decode_utf8(raw, source), source)

@@ -1,9 +1,11 @@
 """The scheduler core carrying out a `Move` in-process (no Ray): three jobs started while only one trainer
 was up; once a second trainer is there, one job is paused with a checkpoint on the first and started,
 pinned, on the second when its pause lands; it is not moved back, and a target gone before the pause
-lands leaves the job to the policy."""
+lands leaves the job to the policy. With real trainer loops, the moved job's adapter equals a solo run's."""
 
 from __future__ import annotations
+
+import json
 
 from actors.service.job_table import JobTable
 from actors.service.scheduler_core import SchedulerCore
@@ -75,3 +77,67 @@ def test_a_move_whose_target_is_gone_leaves_the_job_to_the_policy(tmp_path):
         actions = core.plan([fake_status("trainer-0", "smollm2-135m", jobs=others)])
     assert actions == [Start(move.job, "trainer-0")]
     assert core.moving == {}
+
+
+def test_a_job_moved_between_real_trainer_loops_ends_like_a_solo_run(tmp_path, tiny_model_dirs):
+    """Two in-process trainer loops under the core, with the steps the scheduler actor takes each tick: three
+    jobs start on trainer-0 while trainer-1 is not up; once it is, one moves there, resumes from the
+    checkpoint its pause wrote, and its adapter equals an uninterrupted solo run's."""
+    from actors.engine.models import load_base_model
+    from actors.service.config import TrainerConfig
+    from actors.service.local_run import train_locally
+    from actors.service.trainer_loop import TrainerLoop
+    from tests.service_helpers import adapter_tensors, max_relative_difference
+    from tests.test_trainer_loop import assignment_for
+
+    path = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 16, checkpoint_every=1000,
+                    batch_size=2, max_seq_len=48) for i in range(3)]
+    spec = run_spec(path, tmp_path / "out", jobs, step_tokens=512)
+    loops = {tid: TrainerLoop(load_base_model(path, dtype="float32", device="cpu"),
+                              TrainerConfig(base_model=spec.base_model, step_tokens=512), tid, tmp_path / "state")
+             for tid in ("trainer-0", "trainer-1")}
+    tokenizer = loops["trainer-0"].base.tokenizer
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), AdaptivePolicy(), tmp_path / "state")
+    ids = [r.id for r in core.submit_many(spec.submissions())]
+    moves: list[Move] = []
+
+    def tick(up: list[str]) -> None:
+        with core.table.transaction():
+            actions = core.plan([loops[tid].status() for tid in up])
+        for action in actions:
+            if isinstance(action, Start):
+                loops[action.trainer].assign(assignment_for(core.table.submission(action.job), action.job, tokenizer))
+            elif isinstance(action, Move):
+                moves.append(action)
+                loops[core.table.get(action.job).trainer].stop_job(action.job, "paused", action.reason)
+        for tid in up:
+            loops[tid].run_once(idle_wait=0)
+            events = loops[tid].drain_events()
+            with core.table.transaction():
+                for event in events:
+                    core.apply_event(tid, event)
+
+    for _ in range(3):
+        tick(["trainer-0"])
+    assert {core.table.get(i).trainer for i in ids} == {"trainer-0"}
+    for _ in range(300):
+        tick(["trainer-0", "trainer-1"])
+        if all(core.table.get(i).state == "completed" for i in ids):
+            break
+    records = [core.table.get(i) for i in ids]
+    assert all(r.state == "completed" for r in records), [(r.name, r.state, r.reason) for r in records]
+    assert len(moves) == 1, moves
+    moved = core.table.get(moves[0].job)
+    reasons = [reason for _, _, reason in core.table.transitions(moved.id)]
+    assert any(r.startswith("training on trainer-1, resumed from step") for r in reasons), reasons
+    stepped = {tid: [json.loads(line)["jobs"] for line in (tmp_path / "state" / "trainers" / f"{tid}.jsonl")
+                     .read_text().splitlines()] for tid in loops}
+    assert any(moved.id in jobs_ for jobs_ in stepped["trainer-0"]) and any(moved.id in jobs_ for jobs_ in stepped["trainer-1"])
+    assert all(set(jobs_) == {moved.id} for jobs_ in stepped["trainer-1"])   # nothing else moved there
+    solo = run_spec(path, tmp_path / "solo", [next(j for j in jobs if j["name"] == moved.name)], step_tokens=512)
+    train_locally(solo, base=load_base_model(path, dtype="float32", device="cpu"), progress=False)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "out" / moved.name),
+                                         adapter_tensors(tmp_path / "solo" / moved.name))
+    assert difference <= 1e-4, difference

@@ -43,6 +43,7 @@ class TrainerView:
     # what "this job can never run here" is judged against (a model fitted while jobs are held can fold
     # their adapters into its constant)
     empty_bytes: int | None = None
+    tokens_per_s: float | None = None   # real tokens it steps per second of its steps, once measured
 
 
 @dataclass(frozen=True)

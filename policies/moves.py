@@ -9,9 +9,10 @@ done. A job moves from trainer A to trainer B when
 
     max(load A − r, load B + r + cost)  ≤  (1 − margin) · max(load A, load B)
 
-(r: the job's remaining tokens; cost: `cost_steps` fused steps on B, the job's micro-batch included, for
-the checkpoint on A and the reload on B), i.e. only when the finish of the two improves by a clear margin
-after paying for the move. Hysteresis: a job moved less than `cooldown_s` ago, one already pausing or on
+(r: the job's remaining tokens; cost: the checkpoint on A and the reload on B, as the larger of
+`cost_steps` fused steps on B, the job's micro-batch included, and `cost_s` seconds of B's measured
+tokens per second), i.e. only when the finish of the two improves by a clear margin after paying for the
+move. Hysteresis: a job moved less than `cooldown_s` ago, one already pausing or on
 its way to its trainer, is not moved; a trainer gives or takes at most one job per round; nothing moves
 onto a trainer where a waiting job would fit (it takes the room first). Trainers are assumed to step
 tokens at similar rates (same base model and hardware); moves are between trainers of the job's base."""
@@ -26,15 +27,16 @@ from policies.base import Admission, Decision, JobView, Move, Preempt, Snapshot,
 @dataclass(frozen=True)
 class MoveRule:
     margin: float = 0.2        # the later finish of the two trainers must improve by this share
-    cost_steps: float = 10.0   # a move's checkpoint + reload, in fused steps on the target
+    cost_steps: float = 10.0   # a move's checkpoint + reload, in fused steps on the target, and at least
+    cost_s: float = 30.0       # this many seconds of the target's measured throughput (where measured)
     cooldown_s: float = 600.0  # a job moved less than this long ago stays where it is
 
     def __post_init__(self) -> None:
         if not 0.0 < self.margin < 1.0:
             raise ValueError(f"MoveRule: margin must be between 0 and 1 (exclusive), got {self.margin!r}")
-        if self.cost_steps < 0 or self.cooldown_s < 0:
-            raise ValueError(f"MoveRule: cost_steps and cooldown_s must be >= 0, got {self.cost_steps!r}, "
-                             f"{self.cooldown_s!r}")
+        if min(self.cost_steps, self.cost_s, self.cooldown_s) < 0:
+            raise ValueError(f"MoveRule: cost_steps, cost_s and cooldown_s must be >= 0, got {self.cost_steps!r}, "
+                             f"{self.cost_s!r}, {self.cooldown_s!r}")
 
     def movable(self, job: JobView, snapshot: Snapshot, trainers: dict[str, tuple[str, ...]]) -> bool:
         return (job.state == "running" and job.trainer is not None and not job.preempting
@@ -71,6 +73,8 @@ class MoveRule:
                         continue
                     before = max(source_load, admission.load[target.id])
                     cost = self.cost_steps * (step_tokens[target.id] + (job.tokens_per_step or 1.0))
+                    if target.tokens_per_s:
+                        cost = max(cost, self.cost_s * target.tokens_per_s)
                     after = max(source_load - remaining, admission.load[target.id] + remaining + cost)
                     if after <= (1.0 - self.margin) * before and (best is None or after - before < best[0]):
                         best = (after - before, job, target.id, before, after)
@@ -85,4 +89,4 @@ class MoveRule:
             busy.add(job.id)
             moves.append(Move(job.id, target_id, f"moving from {job.trainer} to {by_id[target_id].id}: queued step "
                                                  f"tokens ~{before:.0f} -> ~{after:.0f} for the later of the two "
-                                                 f"(move cost ~{self.cost_steps:g} steps included)"))
+                                                 f"(the move's cost included)"))

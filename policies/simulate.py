@@ -146,8 +146,10 @@ class Simulator:
             step = memory.peak(StepShape(spec.step_tokens, spec.step_tokens * min(spec.step_tokens, self.longest[spec.id]), 0))
             # the jobs a trainer reports: those that reached it (not those still starting)
             on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state == "running")
+            rate = spec.step_tokens / self.calibration.step.seconds(spec.step_tokens, 0)   # a full step's
             trainers.append(TrainerView(spec.id, self.trace.base_model, "none", spec.memory_budget_bytes,
-                                        int(memory.constant), int(step - memory.constant), on, (), spec.max_jobs))
+                                        int(memory.constant), int(step - memory.constant), on, (), spec.max_jobs,
+                                        tokens_per_s=rate))
         views = []
         for job in self.jobs.values():
             if job.state in ("pending", "done"):

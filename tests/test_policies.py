@@ -222,6 +222,11 @@ def test_adaptive_moves_a_job_to_an_idle_trainer_with_hysteresis():
     decisions = AdaptivePolicy().decide(snapshot(trainers, running, now=5000.0))
     moves = [d for d in decisions if isinstance(d, Move)]
     assert len(moves) == 1 and moves[0].trainer == "t1" and moves[0].job in {"r0", "r1", "r2"}
+    # a slow reload on a fast trainer: 30 s (cost_s) at t1's measured 10k tokens/s outweighs the gain
+    fast = [on("t0", "r0", "r1", "r2"), replace_trainer(on("t1"), tokens_per_s=10_000.0)]
+    assert not any(isinstance(d, Move) for d in AdaptivePolicy().decide(snapshot(fast, running, now=5000.0)))
+    assert any(isinstance(d, Move) for d in AdaptivePolicy().decide(
+        snapshot([on("t0", "r0", "r1", "r2"), replace_trainer(on("t1"), tokens_per_s=1000.0)], running, now=5000.0)))
     # no clear gain once the move's cost counts: a job with a little work left on a balanced pair stays
     balanced = [job("a", state="running", trainer="t0", total=100, step=90), job("b", state="running", trainer="t0",
                 total=100, step=95), job("c", state="running", trainer="t1", total=100, step=88)]
@@ -254,6 +259,12 @@ def test_a_move_leaves_room_for_a_queued_job_first():
 
 
 def replace_job(view: JobView, **changes) -> JobView:
+    from dataclasses import replace
+
+    return replace(view, **changes)
+
+
+def replace_trainer(view: TrainerView, **changes) -> TrainerView:
     from dataclasses import replace
 
     return replace(view, **changes)

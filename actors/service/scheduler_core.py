@@ -559,9 +559,10 @@ class SchedulerCore:
         # own per-step gate uses the fitted model, with the jobs as features of their own.
         fixed = status.base_bytes
         step_memory = status.activation_bytes_estimate
+        rate = (status.tokens - status.padding_tokens) / status.busy_seconds if status.busy_seconds > 0 else None
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
                            fixed, step_memory, tuple(status.jobs), shapes, status.max_jobs,
-                           status.base_bytes + status.activation_bytes_estimate)
+                           status.base_bytes + status.activation_bytes_estimate, rate or None)
 
     def _submission(self, job_id: str) -> JobSubmission:
         if job_id not in self.submissions:

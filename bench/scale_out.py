@@ -20,7 +20,7 @@ submitted together once every trainer is ready (trainer start-up is not timed).
 On a machine with fewer cores than trainers the trainers share cores: the numbers then say what the
 placement does (every trainer busy), not how throughput scales with hardware.
 
-    .venv/bin/python bench/scale_out.py [--quick] [--trainers 1,2,4] [--jobs 8] [--steps N] [--json FILE]
+    .venv/bin/python bench/scale_out.py [--quick] [--trainers 1,2,4] [--jobs 8] [--steps N] [--json FILE] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -152,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=float, default=float(os.cpu_count() or 1),
                         help="the machine budget: Ray's CPUs, shared by the trainers (default: this machine's cores)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the state folders (step logs, job tables) here")
     args = parser.parse_args(argv)
     steps = args.steps or (12 if args.quick else 60)
     counts = [int(n) for n in args.trainers.split(",")]
     with tempfile.TemporaryDirectory(prefix="aspen-scaleout-") as tmp:
-        work = Path(tmp)
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         base = work / "base"
         deep_tiny_model.main([str(base)])
         data = write_data(work / "data", args.jobs)

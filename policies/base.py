@@ -217,6 +217,12 @@ class Admission:
         self.count[trainer_id] += 1
         self.load[trainer_id] += job.remaining_tokens
 
+    def unreserve(self, trainer_id: str, job: JobView) -> None:
+        """Undo `reserve` (e.g. a `place` the policy decided against)."""
+        self.used[trainer_id] -= job.memory_bytes or 0
+        self.count[trainer_id] -= 1
+        self.load[trainer_id] -= job.remaining_tokens
+
     def release(self, job: JobView) -> None:
         if job.trainer in self.used:
             self.used[job.trainer] -= job.memory_bytes or 0

@@ -15,7 +15,8 @@ submitted together once every trainer is ready (trainer start-up is not timed).
 - utilisation of a trainer: its time inside fused steps / the training window, i.e. the share of the time
   while jobs still had work queued somewhere that this trainer was stepping (goal >= 90%: no trainer
   idles while jobs wait). A trainer's step log (`<state>/trainers/<id>.jsonl`) has each step's end time
-  and seconds.
+  and seconds. Beside it, as a diagnostic, "steady": the same from each trainer's fourth step on (a
+  batch's first steps wait for its job actors' first answers).
 
 On a machine with fewer cores than trainers the trainers share cores: the numbers then say what the
 placement does (every trainer busy), not how throughput scales with hardware.
@@ -44,6 +45,7 @@ import deep_tiny_model  # noqa: E402  (bench/ is on sys.path)
 from orchestrator.client import Client, ensure_ray  # noqa: E402
 
 GOAL_UTILISATION = 0.90
+STEADY_FROM = 3   # steps of each trainer left out of the steady utilisation (a diagnostic)
 
 
 def log(message: str) -> None:
@@ -111,18 +113,24 @@ def run(trainers: int, base: Path, data: list[Path], steps: int, seq_len: int, c
     wall = done - submitted
     tokens = sum(r["tokens"] - r["padding_tokens"] for r in all_rows)
     utilisation = {tid: sum(r["seconds"] for r in per) / window for tid, per in rows.items()}
+    # a diagnostic beside it: from each trainer's STEADY_FROM-th step to the last step anywhere (the first
+    # steps of a batch wait for the job actors' first answers, which a loaded machine makes slow)
+    steady = {tid: sum(r["seconds"] for r in per[STEADY_FROM:]) / (last - (per[STEADY_FROM]["time"]
+                                                                          - per[STEADY_FROM]["seconds"]))
+              for tid, per in rows.items() if len(per) > STEADY_FROM}
     jobs_per_trainer = {tid: len({j for r in per for j in r["jobs"]}) for tid, per in rows.items()}
     moved = sum(len(set(t)) > 1 for t in placements.values())
     first_step = {tid: min(r["time"] - r["seconds"] for r in per) - submitted for tid, per in rows.items() if per}
     result = {"trainers": trainers, "jobs": len(records), "wall_s": wall, "training_window_s": window,
               "jobs_per_hour": 3600 * len(records) / wall, "tokens": tokens, "tokens_per_s": tokens / wall,
               "training_tokens_per_s": tokens / window, "utilisation": utilisation,
-              "jobs_per_trainer": jobs_per_trainer, "fused_steps": len(all_rows), "moved_jobs": moved,
+              "steady_utilisation": steady, "jobs_per_trainer": jobs_per_trainer, "fused_steps": len(all_rows), "moved_jobs": moved,
               "trainer_start_s": ready - started, "first_step_after_s": first_step, "data_waits": data_waits,
               "mean_step_s": sum(r["seconds"] for r in all_rows) / len(all_rows)}
     log(f"  {len(records)} jobs in {wall:.1f}s ({window:.1f}s from first step to last), {tokens} tokens; "
         f"jobs per trainer {jobs_per_trainer}; moved jobs {moved}; utilisation "
         + ", ".join(f"{tid} {share:.0%}" for tid, share in utilisation.items())
+        + f" (from step {STEADY_FROM + 1} on: " + ", ".join(f"{tid} {share:.0%}" for tid, share in steady.items()) + ")"
         + f"; {len(all_rows)} fused steps of {result['mean_step_s']:.2f}s on average; first step "
         + ", ".join(f"{tid} {t:.1f}s" for tid, t in first_step.items()) + " after submission; data waits "
         + ", ".join(f"{tid} {n}" for tid, n in data_waits.items()))
@@ -131,12 +139,13 @@ def run(trainers: int, base: Path, data: list[Path], steps: int, seq_len: int, c
 
 def table(results: list[dict]) -> str:
     lines = [f"{'trainers':>8} {'jobs/h':>8} {'tokens/s':>9} {'train tok/s':>11} {'wall':>8} {'window':>8} "
-             f"{'min util':>8} {'mean util':>9}  jobs per trainer"]
+             f"{'min util':>8} {'mean util':>9} {'steady min':>10}  jobs per trainer"]
     for r in results:
         shares = list(r["utilisation"].values())
         lines.append(f"{r['trainers']:>8} {r['jobs_per_hour']:>8.0f} {r['tokens_per_s']:>9.0f} "
                      f"{r['training_tokens_per_s']:>11.0f} {r['wall_s']:>7.1f}s {r['training_window_s']:>7.1f}s "
-                     f"{min(shares):>8.0%} {sum(shares) / len(shares):>9.0%}  "
+                     f"{min(shares):>8.0%} {sum(shares) / len(shares):>9.0%} "
+                     f"{min(r['steady_utilisation'].values(), default=float('nan')):>10.0%}  "
                      + " ".join(str(n) for n in r["jobs_per_trainer"].values()))
     return "\n".join(lines)
 

@@ -43,7 +43,7 @@ from actors.engine.spec import JobSubmission
 from actors.job_starts import JobStarts
 from actors.niceness import background_priority
 from actors.trainer_actor import TrainerActor
-from policies.base import Preempt, Start
+from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,7 @@ class SchedulerActor:
         for action in actions:
             if isinstance(action, Start):
                 self.job_starts.begin(action, self.rounds)
-            elif isinstance(action, Preempt):
+            elif isinstance(action, (Preempt, Move)):   # a move pauses the job first (SchedulerCore.plan)
                 record = self.table.get(action.job)
                 self._send_stop(StopRequest(action.job, record.trainer or "", "paused", action.reason))
         # the first round after a start tells the listeners of every job (e.g. to publish its retained state)

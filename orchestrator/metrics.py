@@ -30,7 +30,7 @@ from actors.engine.extras import DISTRIBUTION
 log = logging.getLogger(__name__)
 
 WAIT_CAUSES = ("memory", "slots", "no_trainer", "priority", "other")
-DECISION_KINDS = ("start", "preempt", *(f"wait_{cause}" for cause in WAIT_CAUSES))
+DECISION_KINDS = ("start", "preempt", "move", *(f"wait_{cause}" for cause in WAIT_CAUSES))
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
@@ -87,7 +87,7 @@ class MetricsListener:
                                    registry=r)
         self.deferred = Counter("aspen_admissions_deferred", "A queued job was not started, once per job and "
                                 "cause (memory, slots, no_trainer, priority, other)", ["cause"], registry=r)
-        self.decisions = Counter("aspen_scheduler_decisions", "Scheduling decisions by kind (start, preempt, "
+        self.decisions = Counter("aspen_scheduler_decisions", "Scheduling decisions by kind (start, preempt, move, "
                                  "wait_<cause>)", ["kind"], registry=r)
         for cause in WAIT_CAUSES:
             self.deferred.labels(cause)

@@ -10,7 +10,7 @@ training goes on.
 Topics (under `events.topic_prefix`, default `aspen/v1`):
     jobs/<job>/state     every state change, retained, QoS 1
     jobs/<job>/progress  every optimizer step, QoS 0
-    jobs/<job>/events    early stop, preemption, stop-rule predictions, evaluations, failures, QoS 1
+    jobs/<job>/events    early stop, preemption, move, stop-rule predictions, evaluations, failures, QoS 1
     service/status       `online` (retained, at connect), `offline` (retained: last will, and on close)
 
 Retained job states are cleared (a zero-length retained publish on `jobs/<job>/state`, MQTT's way to
@@ -204,6 +204,8 @@ class MqttListener:
     def decided(self, kind: str, job_id: str, reason: str) -> None:
         if kind == "preempt":
             self._event(job_id, "preempted", reason=reason)
+        elif kind == "move":
+            self._event(job_id, "moved", reason=reason)
 
     def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
         """Jobs this listener has not published yet (from before the service started) get their state

@@ -7,8 +7,14 @@ snapshot of the service and returns decisions.
             ...
 
 Decisions: `Start(job, trainer)` puts a queued job on a trainer; `Preempt(job, reason)` pauses a running
-job at its next step boundary (checkpointed; it is queued again); `Wait(job, reason)` says why a queued
-job stays queued (shown to users).
+job at its next step boundary (checkpointed; it is queued again); `Move(job, trainer, reason)` pauses a
+running job the same way and resumes it from that checkpoint on another trainer (with the same base);
+`Wait(job, reason)` says why a queued job stays queued (shown to users).
+
+Placement (`Admission.place`, which every built-in policy uses): among the trainers holding the job's base
+where it fits (memory budget, `max_jobs`), the least loaded by queued step tokens (the remaining tokens of
+the jobs on it, including those placed earlier in the same round), then the one with the most free memory,
+then the lowest trainer id; so no trainer idles while a job that fits it waits.
 
 A policy may also choose which jobs' next micro-batches share each fused step: a `compose_step` method
 (see `StepComposer`) is called by every trainer before each step; without one, trainers take the jobs
@@ -37,6 +43,7 @@ class TrainerView:
     # what "this job can never run here" is judged against (a model fitted while jobs are held can fold
     # their adapters into its constant)
     empty_bytes: int | None = None
+    tokens_per_s: float | None = None   # real tokens it steps per second of its steps, once measured
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class JobView:
     tokens_per_step: float | None = None          # measured so far, else estimated from the spec
     predicted_remaining_steps: int | None = None  # where a stop rule predicts an early end
     preempting: bool = False                      # asked to pause; its memory frees at its next step
+    moving_to: str | None = None                  # being moved there (pausing on `trainer`, then resumed there)
+    moved_at: float | None = None                 # when it was last moved (snapshot time), if ever
 
     @property
     def remaining_steps(self) -> int:
@@ -103,13 +112,22 @@ class Preempt:
 
 
 @dataclass(frozen=True)
+class Move:
+    """Pause a running job at its next step boundary (checkpointed) and resume it on `trainer`."""
+
+    job: str
+    trainer: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Wait:
     job: str
     reason: str
     cause: str = "other"   # memory | slots | no_trainer | priority | other (counted in the service's metrics)
 
 
-Decision = Start | Preempt | Wait
+Decision = Start | Preempt | Move | Wait
 
 
 @runtime_checkable
@@ -143,8 +161,8 @@ class StepComposer(Protocol):
 
 
 class Admission:
-    """Memory bookkeeping while a policy plans: what each trainer holds, and where a job fits. A job
-    is never placed past its trainer's budget."""
+    """Memory and load bookkeeping while a policy plans: what each trainer holds, its queued step tokens,
+    and where a job goes. A job is never placed past its trainer's budget."""
 
     def __init__(self, snapshot: Snapshot):
         self.snapshot = snapshot
@@ -152,6 +170,12 @@ class Admission:
         self.releasing = {t.id: sum(j.memory_bytes or 0 for j in snapshot.on_trainer(t.id) if j.preempting)
                           for t in snapshot.trainers}
         self.count = {t.id: len(snapshot.on_trainer(t.id)) for t in snapshot.trainers}
+        # queued step tokens: the remaining work of the jobs that stay on each trainer
+        self.load = {t.id: sum(j.remaining_tokens for j in snapshot.on_trainer(t.id) if not j.preempting)
+                     for t in snapshot.trainers}
+        for job in snapshot.jobs:   # a job on its way to another trainer holds its room there already
+            if job.moving_to in self.used and job.state == "running":
+                self.reserve(job.moving_to, job)
 
     def candidates(self, job: JobView) -> list[TrainerView]:
         return [t for t in self.snapshot.trainers if compatible(job, t)]
@@ -162,8 +186,15 @@ class Admission:
     def has_slot(self, trainer: TrainerView) -> bool:
         return trainer.max_jobs is None or self.count[trainer.id] < trainer.max_jobs
 
+    def fits(self, trainer: TrainerView, job: JobView) -> bool:
+        return self.has_slot(trainer) and self.free(trainer) >= (job.memory_bytes or 0)
+
+    def order(self, trainer: TrainerView) -> tuple:
+        """Least queued step tokens first, then most free memory, then trainer id."""
+        return (self.load[trainer.id], -self.free(trainer), trainer.id)
+
     def place(self, job: JobView) -> Start | Wait:
-        """Start the job on the compatible trainer with the most free memory, or say why it waits."""
+        """Start the job on the least-loaded compatible trainer where it fits (`order`), or say why it waits."""
         candidates = self.candidates(job)
         if not candidates:
             return Wait(job.id, no_trainer_reason(job, self.snapshot.trainers), "no_trainer")
@@ -176,15 +207,28 @@ class Admission:
         if not fitting:
             free = ", ".join(f"{t.id}: {self.free(t) / 2**20:.0f} MiB free" for t in open_trainers)
             return Wait(job.id, f"waiting for memory: needs {need / 2**20:.0f} MiB ({free})", "memory")
-        trainer = max(fitting, key=lambda t: (self.free(t), -self.count[t.id]))
-        self.used[trainer.id] += need
-        self.count[trainer.id] += 1
+        trainer = min(fitting, key=self.order)
+        self.reserve(trainer.id, job)
         return Start(job.id, trainer.id)
+
+    def reserve(self, trainer_id: str, job: JobView) -> None:
+        """Count `job` on `trainer_id` from now on in this round (memory, slot and load)."""
+        self.used[trainer_id] += job.memory_bytes or 0
+        self.count[trainer_id] += 1
+        self.load[trainer_id] += job.remaining_tokens
+
+    def unreserve(self, trainer_id: str, job: JobView) -> None:
+        """Undo `reserve` (e.g. a `place` the policy decided against)."""
+        self.used[trainer_id] -= job.memory_bytes or 0
+        self.count[trainer_id] -= 1
+        self.load[trainer_id] -= job.remaining_tokens
 
     def release(self, job: JobView) -> None:
         if job.trainer in self.used:
             self.used[job.trainer] -= job.memory_bytes or 0
             self.count[job.trainer] -= 1
+            if not job.preempting:
+                self.load[job.trainer] -= job.remaining_tokens
 
 
 def compatible(job: JobView, trainer: TrainerView) -> bool:

@@ -12,7 +12,7 @@ decides how much of it is padding. MinPad picks, before every step, the set of j
 With `padding_weight` 4, a job joins when the padding it causes is under a quarter of its real tokens; a
 short job is not padded to a long job's length, and long jobs go together. In the `packed` layout there
 is no padding and MinPad takes as many jobs as fit, like round-robin.
-Admission and ordering are the `adaptive` policy's."""
+Admission, ordering and moves are the `adaptive` policy's."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from itertools import combinations
 
 from policies.base import NextBatch
+from policies.moves import MoveRule
 from policies.ordering import AdaptivePolicy
 
 EXHAUSTIVE_UP_TO = 10
@@ -29,8 +30,8 @@ class MinPadPolicy(AdaptivePolicy):
     name = "minpad"
 
     def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, priority_weight: float = 4.0,
-                 padding_weight: float = 4.0):
-        super().__init__(aging_s, preempt_ratio, priority_weight)
+                 padding_weight: float = 4.0, moves: MoveRule | None = MoveRule()):
+        super().__init__(aging_s, preempt_ratio, priority_weight, moves)
         self.padding_weight = padding_weight
 
     def compose_step(self, batches: list[NextBatch], cost: Callable[[list[NextBatch]], int], step_tokens: int,

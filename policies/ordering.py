@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from policies.base import Admission, Decision, JobView, Preempt, Snapshot, Start, Wait
+from policies.moves import MoveRule
 
 
 def outranks(job: JobView, victim: JobView) -> bool:
@@ -24,10 +25,10 @@ def outranks(job: JobView, victim: JobView) -> bool:
 
 
 def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
-         may_preempt: Callable[[JobView, JobView], bool] = outranks) -> list[Decision]:
+         may_preempt: Callable[[JobView, JobView], bool] = outranks, moves: MoveRule | None = None) -> list[Decision]:
     """Place queued jobs in `key` order; with `preempt`, make room for a job by pausing running jobs that
     `may_preempt(job, victim)` allows (by default: lower priority) on a compatible trainer (lowest
-    priority, then most remaining work, first)."""
+    priority, then most remaining work, first); with `moves`, then move running jobs where it pays."""
     admission = Admission(snapshot)
     decisions: list[Decision] = []
     preempted: set[str] = set()
@@ -49,8 +50,9 @@ def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
             decisions.append(Preempt(victim.id, f"making room on {trainer_id} for {job.id} ({why})"))
         decisions.append(Wait(job.id, f"waiting for {len(victims)} preempted job(s) on {trainer_id} to pause",
                               "priority"))
-        admission.used[trainer_id] += job.memory_bytes or 0   # reserved: nothing else takes it this round
-        admission.count[trainer_id] += 1
+        admission.reserve(trainer_id, job)   # reserved: nothing else takes it this round
+    if moves is not None:
+        decisions.extend(moves.decide(snapshot, admission, decisions))
     return decisions
 
 
@@ -107,12 +109,16 @@ class AdaptivePolicy:
     or of the same level with a quarter of the work left. Waiting ages a job: every `aging_s` queued
     adds a level (in whole levels, so that jobs of one level still go shortest-first).
 
+    `moves` (default `MoveRule()`; None: never) moves a running job to a less loaded trainer when the
+    later of the two trainers' estimated finishes improves by its margin, the move's cost included.
+
     Scores are kept as logarithms (`log_score`), so that no priority, age or amount of work can overflow:
     4 ** 600 does not fit a float, 600 * log(4) does."""
 
     name = "adaptive"
 
-    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, priority_weight: float = 4.0):
+    def __init__(self, aging_s: float = 3600.0, preempt_ratio: float = 4.0, priority_weight: float = 4.0,
+                 moves: MoveRule | None = MoveRule()):
         for name, value, low in (("aging_s", aging_s, 0.0), ("preempt_ratio", preempt_ratio, 1.0),
                                  ("priority_weight", priority_weight, 1.0)):
             if not math.isfinite(value) or value <= low:
@@ -122,6 +128,7 @@ class AdaptivePolicy:
         self.priority_weight = priority_weight
         self.log_weight = math.log(priority_weight)
         self.log_ratio = math.log(preempt_ratio)
+        self.moves = moves
 
     def effective_priority(self, job: JobView, now: float) -> float:
         waited = max(now - job.submitted_at, 0.0) if job.state == "queued" else 0.0
@@ -166,4 +173,4 @@ class AdaptivePolicy:
                 requeued[victim.id] = self.requeued(victim, now)
             return self.may_preempt(job, victim, now, requeued[victim.id])
 
-        return plan(snapshot, lambda j: self.order(j, now), preempt=True, may_preempt=may_preempt)
+        return plan(snapshot, lambda j: self.order(j, now), preempt=True, may_preempt=may_preempt, moves=self.moves)

@@ -7,7 +7,10 @@ job's loss curve, from which its evaluations are drawn so that the real stop rul
 (`policies.stopping.PredictiveRule`) can end it early. Each policy (the real classes, by name) then
 schedules the same jobs with the same data, the trainers step like the real one (round-robin within
 `step_tokens` and the memory budget, or the policy's own step composer), and the simulator prints per
-policy: mean and p95 turnaround, mean waiting time, makespan, throughput and OOM count.
+policy: mean and p95 turnaround, mean waiting time, makespan, throughput, moves and OOM count. A `Move` is
+carried out like the service does: the job leaves its trainer at its next step boundary with a checkpoint
+(`checkpoint_seconds`) and starts on the target after `job_start_seconds`. `--without-moves` also runs
+each policy that moves jobs with its moves turned off (named `<policy>-nomoves`), to see what they gain.
 
 The calibration comes from a real run: `--calibrate STATE_DIR` (a service's state folder, or any folder
 with `trainers/*.jsonl` step logs and optionally `jobs.sqlite`) fits
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import JobView, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
+from policies.base import JobView, Move, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.memory_model import StepShape
 from policies.registry import load_policy
@@ -74,6 +77,9 @@ class SimJob:
     predicted_stop: int | None = None
     rule: PredictiveRule | None = None
     steps_since_joined: int = 0
+    move_to: str | None = None         # leaves its trainer at its next step boundary for this one
+    moved_at: float | None = None
+    moves: int = 0
 
     def draw(self) -> tuple[int, ...]:
         spec = self.spec.lengths
@@ -93,6 +99,7 @@ class Result:
     stopped_early: int
     fused_steps: int
     priorities: list[int] = field(default_factory=list)
+    moves: int = 0
 
     def by_priority(self) -> dict[int, float]:
         """Mean turnaround of each priority level."""
@@ -106,7 +113,8 @@ class Result:
                 "p95_turnaround_s": float(np.quantile(turnaround, 0.95)), "mean_wait_s": float(np.mean(self.waiting)),
                 "makespan_s": self.makespan, "throughput_tokens_per_s": self.tokens / max(self.makespan, 1e-9),
                 "jobs_per_hour": 3600 * len(self.turnaround) / max(self.makespan, 1e-9), "oom": self.ooms,
-                "stopped_early": self.stopped_early, "optimizer_steps": self.steps, "fused_steps": self.fused_steps}
+                "stopped_early": self.stopped_early, "optimizer_steps": self.steps, "fused_steps": self.fused_steps,
+                "moves": self.moves}
 
 
 class Simulator:
@@ -136,9 +144,12 @@ class Simulator:
         for spec in self.trainers.values():
             memory = self.calibration.memory
             step = memory.peak(StepShape(spec.step_tokens, spec.step_tokens * min(spec.step_tokens, self.longest[spec.id]), 0))
-            on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state in ("starting", "running"))
+            # the jobs a trainer reports: those that reached it (not those still starting)
+            on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state == "running")
+            rate = spec.step_tokens / self.calibration.step.seconds(spec.step_tokens, 0)   # a full step's
             trainers.append(TrainerView(spec.id, self.trace.base_model, "none", spec.memory_budget_bytes,
-                                        int(memory.constant), int(step - memory.constant), on, (), spec.max_jobs))
+                                        int(memory.constant), int(step - memory.constant), on, (), spec.max_jobs,
+                                        tokens_per_s=rate))
         views = []
         for job in self.jobs.values():
             if job.state in ("pending", "done"):
@@ -148,7 +159,8 @@ class Simulator:
             remaining = max(job.predicted_stop - job.step, 0) if job.predicted_stop is not None else None
             views.append(JobView(spec.name, spec.name, state, spec.priority, spec.arrival, self.trace.base_model, "none",
                                  job.trainer, job.step, spec.steps, job.parameters * BYTES_PER_ADAPTER_PARAMETER,
-                                 spec.batch_size * spec.grad_accum * spec.lengths.mean, remaining, job.preempting))
+                                 spec.batch_size * spec.grad_accum * spec.lengths.mean, remaining, job.preempting,
+                                 job.move_to if job.preempting else None, job.moved_at))
         return Snapshot(now, tuple(trainers), tuple(views))
 
     def decide(self, now: float) -> None:
@@ -164,6 +176,10 @@ class Simulator:
                     job.first_start = now
             elif isinstance(decision, Preempt) and job.state in ("starting", "running"):
                 job.preempting = True
+            elif (isinstance(decision, Move) and job.state == "running" and not job.preempting
+                  and decision.trainer in self.trainers and decision.trainer != job.trainer):
+                job.preempting, job.move_to, job.moved_at = True, decision.trainer, now
+                job.moves += 1
 
     # -- one trainer step ---------------------------------------------------------------------------------
     def compose(self, trainer: TrainerSpec, ready: list[SimJob]) -> list[SimJob]:
@@ -202,12 +218,15 @@ class Simulator:
         """Run one fused step on `trainer` at `now` (its clock); False when nothing happened (no job ready,
         none preempted)."""
         preempted = False
-        for job in self.jobs.values():   # preempted jobs leave at this step boundary, checkpointed
+        for job in self.jobs.values():   # preempted and moved jobs leave at this step boundary, checkpointed
             if job.trainer == trainer.id and job.preempting and job.state in ("starting", "running"):
                 job.state, job.trainer, job.preempting, job.queued_since = "queued", None, False, now
                 self.clock[trainer.id] = now + self.calibration.checkpoint_seconds
                 now = self.clock[trainer.id]
                 preempted = True
+                if job.move_to is not None:   # started on its target from that checkpoint
+                    job.state, job.trainer, job.move_to = "starting", job.move_to, None
+                    job.ready_at = now + self.calibration.job_start_seconds
         ready = [j for j in self.jobs.values() if j.trainer == trainer.id and j.state in ("starting", "running")
                  and j.ready_at <= now]
         for job in ready:
@@ -267,7 +286,10 @@ class Simulator:
                 if job.state == "pending" and self.seen_at(job) <= now:
                     job.state, job.queued_since = "queued", job.spec.arrival
             self.decide(now)
-            trainer_id = min(self.clock, key=lambda t: self.clock[t])
+            # the earliest trainer; of trainers at the same time, one with a job first (an idle one would
+            # otherwise wait for a time that never comes)
+            holding = {j.trainer for j in self.jobs.values() if j.state in ("starting", "running")}
+            trainer_id = min(self.clock, key=lambda t: (self.clock[t], t not in holding))
             trainer = self.trainers[trainer_id]
             at = max(self.clock[trainer_id], now)
             if self.step(trainer, at):
@@ -290,11 +312,28 @@ class Simulator:
         return Result(self.policy.name, [j.finish - j.spec.arrival for j in jobs], [j.waited for j in jobs],
                       max(j.finish for j in jobs) - first, sum(j.tokens for j in jobs), sum(j.step for j in jobs),
                       self.ooms, sum(j.ended == "stopped_early" for j in jobs), self.fused_steps,
-                      [j.spec.priority for j in jobs])
+                      [j.spec.priority for j in jobs], sum(j.moves for j in jobs))
 
 
-def simulate(trace: Trace, policies: list[str]) -> list[Result]:
-    return [Simulator(trace, load_policy(name)).run() for name in policies]
+def without_moves(policy: Policy) -> Policy | None:
+    """A copy of a policy that moves jobs (a `moves` attribute, e.g. `adaptive`) with moves off; None for
+    one that does not move jobs."""
+    if getattr(policy, "moves", None) is None:
+        return None
+    copy = type(policy).__new__(type(policy))
+    copy.__dict__.update(policy.__dict__, moves=None, name=f"{policy.name}-nomoves")
+    return copy
+
+
+def simulate(trace: Trace, policies: list[str], compare_moves: bool = False) -> list[Result]:
+    results = []
+    for name in policies:
+        policy = load_policy(name)
+        results.append(Simulator(trace, policy).run())
+        still = without_moves(policy) if compare_moves else None
+        if still is not None:
+            results.append(Simulator(trace, still).run())
+    return results
 
 
 # -- the command -----------------------------------------------------------------------------------------------
@@ -302,14 +341,14 @@ def simulate(trace: Trace, policies: list[str]) -> list[Result]:
 def table(results: list[Result], reference: str = "fifo") -> str:
     rows = [r.row() for r in results]
     base = next((r for r in rows if r["policy"] == reference), None)
-    header = (f"{'policy':<10} {'turnaround':>11} {'vs ' + reference:>8} {'p95':>9} {'wait':>9} {'makespan':>9} "
-              f"{'tokens/s':>9} {'jobs/h':>7} {'early':>5} {'OOM':>4}")
+    header = (f"{'policy':<17} {'turnaround':>11} {'vs ' + reference:>8} {'p95':>9} {'wait':>9} {'makespan':>9} "
+              f"{'tokens/s':>9} {'jobs/h':>7} {'early':>5} {'moves':>5} {'OOM':>4}")
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = f"{row['mean_turnaround_s'] / base['mean_turnaround_s']:.2f}x" if base else "-"
-        lines.append(f"{row['policy']:<10} {row['mean_turnaround_s']:>10.1f}s {ratio:>8} {row['p95_turnaround_s']:>8.1f}s "
+        lines.append(f"{row['policy']:<17} {row['mean_turnaround_s']:>10.1f}s {ratio:>8} {row['p95_turnaround_s']:>8.1f}s "
                      f"{row['mean_wait_s']:>8.1f}s {row['makespan_s']:>8.1f}s {row['throughput_tokens_per_s']:>9.0f} "
-                     f"{row['jobs_per_hour']:>7.1f} {row['stopped_early']:>5} {row['oom']:>4}")
+                     f"{row['jobs_per_hour']:>7.1f} {row['stopped_early']:>5} {row['moves']:>5} {row['oom']:>4}")
     if any(len(r.by_priority()) > 1 for r in results):
         lines.append("mean turnaround by priority (highest first):")
         for result in results:
@@ -326,13 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate", type=Path, default=None,
                         help="a real run's state folder (trainers/*.jsonl, jobs.sqlite): fit the step time, memory "
                              "and job start-up models to it instead of the trace's calibration")
+    parser.add_argument("--without-moves", action="store_true",
+                        help="also run each policy that moves jobs between trainers with its moves off")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     try:
         trace = load_trace(args.trace)
         if args.calibrate:
             trace = trace.model_copy(update={"calibration": calibrate(args.calibrate, trace.calibration)})
-        results = simulate(trace, [p.strip() for p in args.policies.split(",") if p.strip()])
+        results = simulate(trace, [p.strip() for p in args.policies.split(",") if p.strip()], args.without_moves)
     except (ValueError, OSError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

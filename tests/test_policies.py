@@ -155,3 +155,116 @@ def test_adaptive_weighs_a_priority_level_as_four_times_the_work_and_preempts_wh
     assert isinstance(decisions[0], Preempt) and decisions[0].job == "long"
     decisions = AdaptivePolicy().decide(snapshot([t], [running, job("half", total=25)]))
     assert not any(isinstance(d, Preempt) for d in decisions)
+
+
+# -- placement over several trainers, and moves ---------------------------------------------------------------
+
+def built_in_policies():
+    from policies.registry import builtin_policies
+
+    return [cls() for cls in builtin_policies().values()]
+
+
+def placements(decisions) -> dict[str, list[str]]:
+    placed: dict[str, list[str]] = {}
+    for d in decisions:
+        if isinstance(d, Start):
+            placed.setdefault(d.trainer, []).append(d.job)
+    return placed
+
+
+def test_every_policy_spreads_small_jobs_over_idle_trainers():
+    # the reported bug: 4 small jobs, 2 idle CPU trainers with room for all of them: all went to the one
+    # with the most free memory (each trainer's step memory is its own probe's measurement: they differ by
+    # more than a few small adapters)
+    trainers = [trainer("t0", step=150 * MiB), trainer("t1")]
+    jobs = [job(f"j{i}", memory=10 * MiB, submitted=float(i)) for i in range(4)]
+    for policy in built_in_policies():
+        placed = placements(policy.decide(snapshot(trainers, jobs)))
+        assert sorted(len(v) for v in placed.values()) == [2, 2], (policy.name, placed)
+
+
+def test_placement_goes_by_queued_step_tokens_then_free_memory():
+    # t0 already runs a long job: the newcomers go to t1 until its queued tokens pass t0's
+    trainers = [trainer("t0"), trainer("t1", budget=2000 * MiB)]
+    running = job("long", state="running", trainer="t0", total=1000, memory=10 * MiB)    # 100k tokens left
+    small = [job(f"s{i}", total=100, memory=10 * MiB, submitted=float(i)) for i in range(3)]   # 10k each
+    for policy in built_in_policies():
+        assert placements(policy.decide(snapshot(trainers, [running, *small])))  == {"t1": ["s0", "s1", "s2"]}, \
+            policy.name
+    # equal load: the trainer with more free memory, then the lower id
+    assert FifoPolicy().decide(snapshot(trainers, [small[0]])) == [Start("s0", "t1")]
+    assert FifoPolicy().decide(snapshot([trainer("t1"), trainer("t0")], [small[0]])) == [Start("s0", "t0")]
+
+
+def test_a_big_job_goes_where_it_fits_and_a_job_only_to_its_base_model():
+    small_t = trainer("small", budget=400 * MiB + 200 * MiB + 50 * MiB)
+    big_t = trainer("big", budget=400 * MiB + 200 * MiB + 500 * MiB)
+    busy = job("busy", state="running", trainer="big", total=10_000, memory=10 * MiB)   # big is loaded
+    decisions = FifoPolicy().decide(snapshot([small_t, big_t], [busy, job("huge", memory=300 * MiB)]))
+    assert decisions == [Start("huge", "big")]       # more loaded, but the only one it fits
+    other = trainer("other", model="x")
+    jobs = [job(f"m{i}", submitted=float(i), memory=10 * MiB) for i in range(2)] + [job("x1", model="x", submitted=5)]
+    placed = placements(FifoPolicy().decide(snapshot([trainer("t0"), other, trainer("t1")], jobs)))
+    assert placed == {"t0": ["m0"], "t1": ["m1"], "other": ["x1"]}
+
+
+def on(tid, *jobs_here) -> TrainerView:
+    return TrainerView(tid, "m", "none", 10_000 * MiB, 400 * MiB, 200 * MiB, tuple(jobs_here), ())
+
+
+def test_adaptive_moves_a_job_to_an_idle_trainer_with_hysteresis():
+    from policies.base import Move
+
+    # t0 runs three long jobs; t1 has nothing: one moves (the estimate for the pair: 300k tokens -> 200k)
+    running = [job(f"r{i}", state="running", trainer="t0", total=1000, memory=10 * MiB) for i in range(3)]
+    trainers = [on("t0", "r0", "r1", "r2"), on("t1")]
+    decisions = AdaptivePolicy().decide(snapshot(trainers, running, now=5000.0))
+    moves = [d for d in decisions if isinstance(d, Move)]
+    assert len(moves) == 1 and moves[0].trainer == "t1" and moves[0].job in {"r0", "r1", "r2"}
+    # a slow reload on a fast trainer: 30 s (cost_s) at t1's measured 10k tokens/s outweighs the gain
+    fast = [on("t0", "r0", "r1", "r2"), replace_trainer(on("t1"), tokens_per_s=10_000.0)]
+    assert not any(isinstance(d, Move) for d in AdaptivePolicy().decide(snapshot(fast, running, now=5000.0)))
+    assert any(isinstance(d, Move) for d in AdaptivePolicy().decide(
+        snapshot([on("t0", "r0", "r1", "r2"), replace_trainer(on("t1"), tokens_per_s=1000.0)], running, now=5000.0)))
+    # no clear gain once the move's cost counts: a job with a little work left on a balanced pair stays
+    balanced = [job("a", state="running", trainer="t0", total=100, step=90), job("b", state="running", trainer="t0",
+                total=100, step=95), job("c", state="running", trainer="t1", total=100, step=88)]
+    decisions = AdaptivePolicy().decide(snapshot([on("t0", "a", "b"), on("t1", "c")], balanced, now=5000.0))
+    assert not any(isinstance(d, Move) for d in decisions)
+    # a job moved recently, or pausing, or still on its way to its trainer, is not moved (again)
+    recent = [replace_job(j, moved_at=4900.0) for j in running]
+    assert not any(isinstance(d, Move) for d in AdaptivePolicy().decide(snapshot(trainers, recent, now=5000.0)))
+    assert any(isinstance(d, Move) for d in AdaptivePolicy().decide(snapshot(trainers, recent, now=5600.0)))
+    arriving = [on("t0"), on("t1")]
+    assert not any(isinstance(d, Move) for d in AdaptivePolicy().decide(snapshot(arriving, running, now=5000.0)))
+    # a job being moved holds its room and work on the target: nothing else moves there, nothing queued fits
+    moving = [replace_job(running[0], preempting=True, moving_to="t1"), *running[1:]]
+    decisions = AdaptivePolicy().decide(snapshot(trainers, moving, now=5000.0))
+    assert not any(isinstance(d, Move) for d in decisions)
+    # never without moves enabled, nor in the policies that do not move
+    assert not any(isinstance(d, Move) for d in AdaptivePolicy(moves=None).decide(snapshot(trainers, running)))
+    for policy in (FifoPolicy(), SjfPolicy(), PriorityPolicy()):
+        assert not any(isinstance(d, Move) for d in policy.decide(snapshot(trainers, running)))
+
+
+def test_a_move_leaves_room_for_a_queued_job_first():
+    from policies.base import Move
+
+    running = [job(f"r{i}", state="running", trainer="t0", total=1000, memory=10 * MiB) for i in range(3)]
+    trainers = [on("t0", "r0", "r1", "r2"), on("t1")]
+    decisions = AdaptivePolicy().decide(snapshot(trainers, running + [job("new", total=2000, memory=10 * MiB)]))
+    assert Start("new", "t1") in decisions            # the idle trainer takes the queued job
+    assert not any(isinstance(d, Move) for d in decisions)   # and then t1 is no less loaded: no move
+
+
+def replace_job(view: JobView, **changes) -> JobView:
+    from dataclasses import replace
+
+    return replace(view, **changes)
+
+
+def replace_trainer(view: TrainerView, **changes) -> TrainerView:
+    from dataclasses import replace
+
+    return replace(view, **changes)

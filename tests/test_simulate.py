@@ -101,3 +101,56 @@ def test_a_bad_trace_names_the_file_and_the_field(tmp_path, capsys):
     assert main([str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.yaml" in err and "steps" in err
+
+
+def three_jobs_two_trainers(steps: int) -> Trace:
+    """Two equal trainers, three equal jobs at once; a job's micro-batch costs 1 s, fused steps add up."""
+    job = {"batch_size": 1, "steps": steps, "lengths": {"mean": 10, "std": 0, "min": 10, "max": 10}}
+    return Trace.model_validate({
+        "trainers": [{"id": "t0", "memory_budget_bytes": 10**12}, {"id": "t1", "memory_budget_bytes": 10**12}],
+        "calibration": {"step": {"constant": 0.0, "per_token": 0.1}, "job_start_seconds": 0.0,
+                        "checkpoint_seconds": 0.0},
+        "jobs": [{"name": name, **job} for name in ("a", "b", "c")]})
+
+
+def test_moving_a_job_to_the_idle_trainer_shortens_the_makespan():
+    from policies.moves import MoveRule
+    from policies.simulate import without_moves
+
+    trace = three_jobs_two_trainers(100)
+    # placed 2 + 1 (least queued tokens, then trainer id): t0 steps a and c fused (2 s a step) until 200 s,
+    # t1 runs b alone (1 s a step) and idles from 100 s
+    still = Simulator(trace, AdaptivePolicy(moves=None))
+    plain = still.run()
+    assert plain.makespan == pytest.approx(200.0) and plain.moves == 0
+    assert {n: j.finish for n, j in still.jobs.items()} == pytest.approx({"a": 200.0, "b": 100.0, "c": 200.0})
+    moving = Simulator(trace, AdaptivePolicy())
+    result = moving.run()
+    # by hand: at time x t0 holds 2000 - 10x queued tokens, t1 1000 - 10x; the move's cost is the larger of
+    # 10 steps of 20 tokens and 30 s at t1's 10 tokens/s: 300 tokens; moving one of t0's jobs gives
+    # max(1000 - 5x, 2300 - 15x), worth it once <= 0.8 (2000 - 10x): x >= 100, when b ends: a (50 steps
+    # done) moves to the idle t1 and ends with c at 150 s, the best any schedule does
+    assert result.moves == 1 and all(j.moves <= 1 for j in moving.jobs.values())
+    assert result.makespan == pytest.approx(150.0)
+    assert {n: j.finish for n, j in moving.jobs.items()} == pytest.approx({"a": 150.0, "b": 100.0, "c": 150.0})
+    # a cheaper move (no time cost) pays off earlier: at t0's step boundary at 86 s (x >= 85.7 with 200
+    # tokens), a (43 steps done) joins b (14 left) on t1: fused until 114 s, then alone to 157 s
+    cheap = Simulator(trace, AdaptivePolicy(moves=MoveRule(cost_s=0.0)))
+    assert cheap.run().makespan == pytest.approx(157.0)
+    assert {n: j.finish for n, j in cheap.jobs.items()} == pytest.approx({"a": 157.0, "b": 114.0, "c": 143.0})
+    assert result.steps == plain.steps == 300 and result.ooms == 0     # nothing lost or repeated
+    assert without_moves(load_policy("fifo")) is None                 # fifo never moves
+    # too short to pay for a move: no move, the same schedule
+    short = three_jobs_two_trainers(10)
+    assert Simulator(short, AdaptivePolicy()).run().moves == 0
+
+
+def test_the_uneven_trace_gains_from_moves(capsys):
+    trace = load_trace(TRACES / "uneven.yaml")
+    assert main([str(TRACES / "uneven.yaml"), "--policies", "fifo,adaptive", "--without-moves"]) == 0
+    out = capsys.readouterr().out
+    assert "adaptive-nomoves" in out
+    with_moves = Simulator(trace, load_policy("adaptive")).run()
+    from policies.simulate import without_moves
+    plain = Simulator(trace, without_moves(load_policy("adaptive"))).run()
+    assert with_moves.moves > 0 and with_moves.makespan < plain.makespan

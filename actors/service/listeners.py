@@ -26,7 +26,7 @@ class ServiceListener(Protocol):
         one row of its step log each) and its jobs' progress, evaluations, checkpoints and endings."""
 
     def decided(self, kind: str, job_id: str, reason: str) -> None:
-        """A scheduling decision: `preempt`, or `wait_<cause>` (memory, slots, no_trainer, priority,
+        """A scheduling decision: `preempt`, `move`, or `wait_<cause>` (memory, slots, no_trainer, priority,
         other) for a queued job that the policy did not start this round."""
 
     def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:

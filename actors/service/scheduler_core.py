@@ -5,14 +5,18 @@ decisions out (starting job actors, assigning and stopping jobs on trainers).
 
 One job never stops the service: a submission is checked whole before anything is written (a batch is
 all or none); a policy or estimator that raises on one job parks that job with the reason and the others
-are scheduled; a policy that raises on everything is replaced by FIFO with a logged error. Trainer events
+are scheduled; a policy that raises on everything is replaced by FIFO with a logged error.
+
+A `Move` is carried out in two rounds: the job is paused at its next step boundary with a checkpoint (like a
+preemption, reason "moving to ..."); when its `paused` event lands it is queued, pinned to the target, and
+the next round starts it there (before the policy is asked), if the target is still there and still
+holds it; otherwise the pin is dropped and the policy places it like any queued job. Trainer events
 are applied inside the caller's transaction, so that a batch the table could not take (another process
 holds the file) is retried whole, never half-applied or dropped."""
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 import uuid
@@ -26,7 +30,7 @@ from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.engine.lora import adapted_shapes
 from actors.engine.spec import JobSubmission, LoraConfig, step_limit_problem
 from actors.engine.storage import StorageURI, as_location, is_uri
-from policies.base import Decision, JobView, Policy, Preempt, Snapshot, Start, TrainerView, Wait
+from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, TrainerView, Wait, memory_in_use
 from policies.fifo import FifoPolicy
 from policies.adapter_memory import adapter_memory_bytes
 
@@ -83,6 +87,8 @@ class SchedulerCore:
         self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.memory: dict[str, int] = {}          # job id -> its adapter's memory on a trainer
         self.preempting: dict[str, str] = {}      # job id -> reason: its `paused` event means "queue again"
+        self.moving: dict[str, str] = {}          # job id -> the trainer it moves to (pausing, then pinned there)
+        self.moved_at: dict[str, float] = {}      # job id -> when it was last moved (the policy's hysteresis)
         self.predicted_remaining: dict[str, int] = {}   # job id -> steps a stop rule predicts are left
         self.submissions: dict[str, JobSubmission] = {}  # parsed once, not on every scheduling tick
         self.retries: dict[str, int] = {}         # job id -> times its trainer gave it back
@@ -279,7 +285,8 @@ class SchedulerCore:
         if record.state == "running":
             raise ValueError(f"job {record.id} is running; cancel it first")
         self.table.delete(record.id)
-        for cache in (self.memory, self.predicted_remaining, self.submissions, self.retries, self.wait_causes):
+        for cache in (self.memory, self.predicted_remaining, self.submissions, self.retries, self.wait_causes,
+                      self.moving, self.moved_at):
             cache.pop(record.id, None)
 
     # -- trainer reports --------------------------------------------------------------------------------
@@ -333,8 +340,10 @@ class SchedulerCore:
         elif kind == "paused" and data.get("retry"):
             self._given_back(job_id, data)
         elif kind == "paused" and job_id in self.preempting:
-            self.table.set_state(job_id, "queued", self.preempting[job_id], trainer=None,
-                                 checkpoint_step=data.get("checkpoint_step"))
+            reason = self.preempting[job_id]
+            if job_id in self.moving:
+                reason = f"{reason}; paused on {trainer_id}, resumes on {self.moving[job_id]}"
+            self.table.set_state(job_id, "queued", reason, trainer=None, checkpoint_step=data.get("checkpoint_step"))
             after(lambda: self.preempting.pop(job_id, None))
         else:  # completed, stopped_early, cancelled, paused, failed
             columns = {"trainer": None, "step": event.step}
@@ -344,7 +353,7 @@ class SchedulerCore:
             if "eval_loss" in data:
                 self.table.add_eval(job_id, event.step, data["eval_loss"])
             self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
-            after(lambda: self.preempting.pop(job_id, None))
+            after(lambda: (self.preempting.pop(job_id, None), self.moving.pop(job_id, None)))
 
     def _given_back(self, job_id: str, data: dict) -> None:
         """The trainer gave a job back for a reason outside the job itself (its job actor died or hung):
@@ -365,6 +374,7 @@ class SchedulerCore:
             self.retries[job_id] = attempt
             self.replace_job_actor.add(job_id)
             self.preempting.pop(job_id, None)
+            self.moving.pop(job_id, None)   # a new job actor: the policy places it afresh
         self.table.after_commit(remember)
 
     def start_failed(self, job_id: str, reason: str) -> None:
@@ -384,6 +394,8 @@ class SchedulerCore:
             step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
             self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); resumes from {step}",
                                  trainer=None)
+            # a job that was pausing to move on stays pinned to its target (started there next round)
+            self.table.after_commit(lambda job_id=record.id: self.preempting.pop(job_id, None))
             lost.append(record.id)
         self.table.after_commit(lambda: self.replace_job_actor.update(lost))
         return lost
@@ -405,14 +417,16 @@ class SchedulerCore:
                 jobs.append(view)
         return Snapshot(time.time(), views, tuple(jobs))
 
-    def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt]:
-        """Ask the policy; record why waiting jobs wait; mark started jobs running (so that the next
-        tick does not start them twice) and return what the actor must carry out."""
+    def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
+        """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started
+        jobs running (so that the next tick does not start them twice) and return what the actor must
+        carry out (a `Move`: pause the job on its trainer, like a `Preempt`)."""
         self.statuses = {t.trainer_id: t for t in trainers}
+        actions: list[Start | Preempt | Move] = self._start_moved(trainers)
         snapshot = self.snapshot(trainers)
         known = {j.id: j for j in snapshot.jobs}
         trainer_ids = {t.id for t in snapshot.trainers}
-        actions: list[Start | Preempt] = []
+        on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
         for decision in self._decide(snapshot):
             job = known.get(decision.job)
             if job is None:
@@ -436,7 +450,59 @@ class SchedulerCore:
                 if job.state == "running" and job.trainer:
                     self.table.after_commit(lambda job=job, decision=decision: self._preempting(job.id, decision))
                     actions.append(decision)
+            elif isinstance(decision, Move):
+                if (job.state != "running" or decision.trainer not in trainer_ids or decision.trainer == job.trainer
+                        or job.id not in on_trainer.get(job.trainer or "", ()) or job.preempting):
+                    log.warning("policy %s: cannot move %s (%s on %s) to %s", self.policy.name, job.id, job.state,
+                                job.trainer, decision.trainer)
+                    continue
+                self.table.set_reason(job.id, f"{decision.reason}; pausing on {job.trainer} at its next step")
+                self.table.after_commit(lambda job=job, decision=decision, now=snapshot.time:
+                                        self._moving(job.id, decision, now))
+                actions.append(decision)
         return actions
+
+    def _start_moved(self, trainers: list[TrainerStatus]) -> list[Start]:
+        """Start the moved jobs whose pause has landed on their target trainers, where those still hold them."""
+        starts: list[Start] = []
+        statuses = {t.trainer_id: t for t in trainers}
+        for job_id, target in list(self.moving.items()):
+            try:
+                record = self.table.get(job_id)
+            except KeyError:
+                self.table.after_commit(lambda job_id=job_id: self.moving.pop(job_id, None))
+                continue
+            if record.state != "queued":
+                continue   # still pausing on its old trainer (or paused / ended by the user meanwhile)
+            status = statuses.get(target)
+            problem = "it is gone" if status is None else self._no_room(job_id, status)
+            if problem:
+                log.warning("scheduler: moved job %s cannot resume on %s (%s); the policy places it", job_id, target,
+                            problem)
+                self.table.set_reason(job_id, f"{record.reason}; {target} no longer holds it ({problem})")
+            else:
+                self.table.set_state(job_id, "running", f"starting on {target} (moved)", trainer=target)
+                starts.append(Start(job_id, target))
+            self.table.after_commit(lambda job_id=job_id: self.moving.pop(job_id, None))
+        return starts
+
+    def _no_room(self, job_id: str, status: TrainerStatus) -> str | None:
+        """Why the trainer cannot take the job now (memory budget, max_jobs), or None."""
+        view = self.trainer_view(status)
+        here = [r for r in self.table.all(("running",)) if r.trainer == status.trainer_id]
+        if view.max_jobs is not None and len(here) >= view.max_jobs:
+            return f"it runs {view.max_jobs} jobs (max_jobs)"
+        held = memory_in_use(view, []) + sum(self.memory.get(r.id, 0) for r in here)
+        need = self.memory.get(job_id, 0)
+        if held + need > view.memory_budget_bytes:
+            return f"{max(view.memory_budget_bytes - held, 0) / 2**20:.0f} MiB free, it needs {need / 2**20:.0f} MiB"
+        return None
+
+    def _moving(self, job_id: str, decision: Move, now: float) -> None:
+        self.preempting[job_id] = f"moving to {decision.trainer}: {decision.reason}"
+        self.moving[job_id] = decision.trainer
+        self.moved_at[job_id] = now
+        self._decided("move", job_id, decision.reason)
 
     def _waits(self, job_id: str, decision: Wait) -> None:
         self.wait_causes[job_id] = decision.cause
@@ -484,9 +550,9 @@ class SchedulerCore:
 
     def _ask(self, snapshot: Snapshot) -> list[Decision]:
         decisions = self.policy.decide(snapshot)
-        if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Wait)) for d in decisions):
+        if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Move, Wait)) for d in decisions):
             raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decisions!r:.200}, not a "
-                            "list of Start / Preempt / Wait")
+                            "list of Start / Preempt / Move / Wait")
         if any(j.state == "queued" for j in snapshot.jobs):
             self.parked_by_policy.clear()   # it works with queued jobs: earlier parked jobs were its exceptions
         return decisions
@@ -532,9 +598,10 @@ class SchedulerCore:
         # own per-step gate uses the fitted model, with the jobs as features of their own.
         fixed = status.base_bytes
         step_memory = status.activation_bytes_estimate
+        rate = (status.tokens - status.padding_tokens) / status.busy_seconds if status.busy_seconds > 0 else None
         return TrainerView(status.trainer_id, status.base_model, status.quantization, status.memory_budget_bytes,
                            fixed, step_memory, tuple(status.jobs), shapes, status.max_jobs,
-                           status.base_bytes + status.activation_bytes_estimate)
+                           status.base_bytes + status.activation_bytes_estimate, rate or None)
 
     def _submission(self, job_id: str) -> JobSubmission:
         if job_id not in self.submissions:
@@ -564,4 +631,8 @@ class SchedulerCore:
         return JobView(record.id, record.name, record.state, record.priority, record.submitted_at,
                        record.base_model, record.quantization, record.trainer, record.step, total,
                        self.memory.get(record.id), tokens_per_step, self.predicted_remaining.get(record.id),
-                       record.id in self.preempting)
+                       record.id in self.preempting, self._moving_to(record), self.moved_at.get(record.id))
+
+    def _moving_to(self, record: JobRecord) -> str | None:
+        target = self.moving.get(record.id)
+        return target if record.state == "running" and record.trainer != target else None

@@ -29,7 +29,7 @@ class FixedConcurrencyPolicy:
             decision = admission.place(job)
             if isinstance(decision, Start):
                 if count[decision.trainer] >= self.max_jobs:       # placed on a full trainer: undo
-                    admission.used[decision.trainer] -= job.memory_bytes or 0
+                    admission.unreserve(decision.trainer, job)
                     decisions.append(Wait(job.id, f"every trainer already runs {self.max_jobs} jobs"))
                     continue
                 count[decision.trainer] += 1

@@ -106,6 +106,10 @@ class SegmentGroup:
             scatter = np.full(num_tokens, covered, dtype=np.int64)
             scatter[token_of] = np.arange(covered, dtype=np.int64)
             self.scatter = torch.from_numpy(scatter).to(device)
+        # segments of one length, back to back in row order from the stream's start: the batch is a view of
+        # the stream and the result a reshape (no gathering, no index backward)
+        self.regular = (self.scatter is None and bool((lengths == self.longest).all())
+                        and np.array_equal(starts, np.arange(self.count) * self.longest))
         self.gather = torch.from_numpy(gather).to(device)
         self.row_of = torch.from_numpy(row_of).to(device)
         self.position_of = torch.from_numpy(position_of).to(device)
@@ -144,12 +148,22 @@ def rank_order(adapters: list[LoraAdapter]) -> list[int]:
     return sorted(range(len(adapters)), key=lambda index: adapters[index].r)
 
 
+def _stacked(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters stacked on a new first dimension: a view for one (no operation), else one stack."""
+    return parameters[0].unsqueeze(0) if len(parameters) == 1 else torch.stack(parameters)
+
+
 def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: torch.Tensor) -> torch.Tensor:
-    """Every adapter's update on its own segment; (tokens, out_features). `adapters` are in the group's row
+    """Every adapter's update on its own segment: (tokens, out_features), or for a regular group
+    (jobs, longest, out_features) in stream order, not contiguous. `adapters` are in the group's row
     order with equal ranks adjacent (`rank_order`): one pair of batched products per distinct rank, so the
     operations per layer grow with the number of distinct ranks, never with the number of adapters."""
     dtype = adapters[0].lora_A.dtype
-    rows = flat_x.to(dtype)[group.gather]                   # (jobs, longest, in)
+    flat_x = flat_x.to(dtype)
+    if group.regular:
+        rows = flat_x.view(group.count, group.longest, flat_x.shape[-1])
+    else:
+        rows = flat_x[group.gather]                         # (jobs, longest, in)
     if any(adapter.drops for adapter in adapters):
         # each adapter draws its own mask from its own generator (isolation); the padding rows and the jobs
         # without dropout keep ones; one division by the keep probabilities gives every mask its scale
@@ -167,8 +181,8 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
         while end < len(adapters) and adapters[end].r == adapters[start].r:
             end += 1
         bucket = adapters[start:end]
-        lora_a = torch.stack([a.lora_A for a in bucket])                                  # (jobs, rank, in)
-        lora_b = torch.stack([a.lora_B for a in bucket])                                  # (jobs, out, rank)
+        lora_a = _stacked([a.lora_A for a in bucket])                                     # (jobs, rank, in)
+        lora_b = _stacked([a.lora_B for a in bucket])                                     # (jobs, out, rank)
         # Products in the (features, tokens) orientation: the gradients of the stacked A and B then come out
         # in the parameters' own (rank, in) / (out, rank) layout, so each adapter's gradient is a view
         # autograd keeps as it is, where the (tokens, features) orientation made it copy every one (2 copies
@@ -177,6 +191,8 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
         updates.append(torch.bmm(lora_b, hidden) * scalings[start:end])                    # (jobs, out, longest)
         start = end
     update = updates[0] if len(updates) == 1 else torch.cat(updates)
+    if group.regular:   # (jobs, longest, out), strided: the caller's addition reads it as it lies
+        return update.transpose(1, 2)
     real = update.transpose(1, 2)[group.row_of, group.position_of]                        # (real rows, out)
     if group.scatter is None:                                                             # stream order
         return real
@@ -236,8 +252,8 @@ class FusedLoraLinear(nn.Module):
         if _use_grouping(adapters, bounds, flat_x):
             order = rank_order(adapters)
             group = SegmentGroup.of(layout, tuple(bounds[index] for index in order), flat_x.device)
-            delta = _grouped_delta([adapters[index] for index in order], group, flat_x)
-            return out + delta.to(out.dtype).view(out.shape)
+            delta = _grouped_delta([adapters[index] for index in order], group, flat_x).to(out.dtype)
+            return (out.view(delta.shape) + delta).view(out.shape)
         pieces: list[torch.Tensor] = []
         position = 0
         for adapter, (start, end) in present:

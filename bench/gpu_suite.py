@@ -173,12 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands(args, out.resolve())
     report = {"started_utc": started.isoformat(timespec="seconds"), "quick": args.quick,
               "base_model": args.base_model, "environment": environment(), "parts": []}
-    for name in parts:
+    for name in parts:   # the report is rewritten after every part: an interrupted suite leaves what it did
         report["parts"].append(run_part(name, plan[name], args.timeout))
-    report["key_numbers"] = key_numbers(out)
-    report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+        report["key_numbers"] = key_numbers(out)
+        report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(markdown(report))
     failed = [p["part"] for p in report["parts"] if p["status"] != "passed"]
     print(f"[gpu-suite] report: {out / 'report.md'}; "
           + (f"failed: {', '.join(failed)}" if failed else "every part passed"), flush=True)

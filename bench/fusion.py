@@ -663,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         results["operations"] = bench_operations(base)
         results["timings_s"]["operations"] = time.perf_counter() - started
 
-    data = None if {"b", "c"} <= skip else load_real_data(base, args.data_dir)
+    # a base without a tokenizer (tiny-llama) cannot tokenize the real data: (c) then uses generated data
+    data = None if {"b", "c"} <= skip or base.tokenizer is None else load_real_data(base, args.data_dir)
     if {"b", "c"} <= skip:
         pass
     elif data is None:

@@ -8,8 +8,9 @@ Two ways to compute the adapters' updates, with the same arithmetic per job:
   token slices gathered into one padded (jobs, longest slice, features) batch and every adapter run in
   two batched products (`torch.bmm`) per distinct rank (adapters of equal rank stacked together), then
   the real rows brought back: the same few launches per layer whatever the number of jobs (a job with
-  dropout adds its own mask draw, from its own generator). Each job's batch row holds only its own tokens (a shorter job's row is
-  padded with its own first token, and the padding's results are never read back), so no job's
+  dropout adds its own mask draw, from its own generator). Each job's batch row holds only its own
+  tokens (a shorter job's row is padded with its own first token, and the padding's results are never
+  read back), so no job's
   arithmetic, forward or backward, touches another job's tokens: the isolation argument of the
   per-segment way holds unchanged, even if another job's activations are inf or NaN.
   Used (auto) on CUDA when at least two adapters take part and padding at most doubles the rows;

@@ -10,9 +10,8 @@ Two ways to compute the adapters' updates, with the same arithmetic per job:
   the real rows brought back: the same few launches per layer whatever the number of jobs (a job with
   dropout adds its own mask draw, from its own generator). Each job's batch row holds only its own
   tokens (a shorter job's row is padded with its own first token, and the padding's results are never
-  read back), so no job's
-  arithmetic, forward or backward, touches another job's tokens: the isolation argument of the
-  per-segment way holds unchanged, even if another job's activations are inf or NaN.
+  read back), so no job's arithmetic, forward or backward, touches another job's tokens: the isolation
+  argument of the per-segment way holds unchanged, even if another job's activations are inf or NaN.
   Used (auto) on CUDA when at least two adapters take part and padding at most doubles the rows;
   GROUPING = "grouped" forces it for any number of adapters (tests, benchmarks, the operation count).
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aspen-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench gpu-suite clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/fusion.py
+
+# every CUDA check and benchmark, one JSON + Markdown report under runs/gpu-suite/ (refuses to run without CUDA)
+gpu-suite: $(STAMP)
+	$(PY) bench/gpu_suite.py $(GPU_SUITE_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,7 +11,16 @@
     4 jobs trained one after another with PEFT (padded batches, attention mask, the model's own loss)
     on a separate copy of the same base model, on the same examples, for the same number of steps.
 
+(d) operation count (`--proxy` runs only this part): the operations (aten operators that do work, views
+    left out: actors/engine/operations.py) one fused step dispatches (forward, backward, loss and the
+    optimizer steps, through `FusedTrainer.run_step`, after a first step that allocated the optimizers'
+    state) with 1, 2, 4, 8, 16 and 32 adapters at equal total tokens per step, grouped LoRA and per-segment
+    LoRA side by side, as a ratio to 1 adapter; the optimizer steps' share counted apart. Where a step is
+    bound by kernel launches (a small model on a GPU) each operation is about one launch, so this is the
+    machine-independent proxy of fusion efficiency (goal: <= 1.05 at 8 and 32 adapters, grouped).
+
 Usage: .venv/bin/python bench/fusion.py [--quick] [--base-model smollm2-135m] [--device auto] [--json PATH]
+       .venv/bin/python bench/fusion.py --proxy [--base-model tiny-llama]
 """
 
 from __future__ import annotations
@@ -49,9 +58,11 @@ from actors.engine.data import (  # noqa: E402
 from actors.engine import lora  # noqa: E402
 from actors.engine.job import TrainingJob  # noqa: E402
 from actors.engine.models import BaseModel, load_base_model  # noqa: E402
-from actors.engine.operations import count_operations  # noqa: E402
+from actors.engine import trainer as trainer_module  # noqa: E402
+from actors.engine.operations import OperationCounter, count_operations  # noqa: E402
 from actors.engine.packing import JobMicroBatch, pack  # noqa: E402
 from actors.engine.spec import JobSpec, LoraConfig  # noqa: E402
+from actors.engine.recompute import decoder_layers  # noqa: E402
 from actors.engine.trainer import FusedTrainer  # noqa: E402
 
 DATA_DIR = REPO.parent / "shared" / "data"
@@ -65,6 +76,7 @@ LR = 3e-4
 MAX_GRAD_NORM = 1.0
 
 GOAL_FUSION = 0.97
+GOAL_OPERATIONS = 1.05
 GOAL_PACKED_PADDING = 0.01
 GOAL_SPEEDUP = 1.5
 NOISY_SHARE = 0.10   # other processes' share of the CPU above which timings are flagged
@@ -244,6 +256,84 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
         log(f"    N={n}: median {median[n]:.3f}s  {tps[n]:.0f} tok/s  ratio {tps[n] / tps[order[0]]:.3f}  "
             f"(fastest steps {best[n] / best[order[0]]:.3f}, per round {paired[n]:.3f})")
     return result
+
+
+# --------------------------------------------------------------------------------------------------
+# (d) operations per fused step
+# --------------------------------------------------------------------------------------------------
+
+PROXY_ADAPTERS = (1, 2, 4, 8, 16, 32)
+
+
+def tiny_llama(device: torch.device, vocab: int = 512, layers: int = 4) -> BaseModel:
+    """A small random Llama (the operation count does not depend on the weights' values)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.models import from_module
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, pad_token_id=2, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return from_module(LlamaForCausalLM(config).eval().to(device), None)
+
+
+def operations_per_step(base: BaseModel, jobs: int, sequences: list[Example], lora_config: LoraConfig = LORA
+                        ) -> tuple[int, int]:
+    """(all operations, of which the optimizer steps') of one fused step of `jobs` jobs sharing `sequences`
+    evenly, after a first step (the optimizers' state is allocated at their first step)."""
+    if len(sequences) % jobs:
+        raise ValueError(f"{len(sequences)} sequences do not split evenly over {jobs} jobs")
+    per_job = len(sequences) // jobs
+    trainer = FusedTrainer(base, step_tokens=10**9, layout="packed")
+    chosen = []
+    for index in range(jobs):
+        spec = job_spec(f"ops{jobs}-{index}", TextFormat(), per_job).model_copy(update={"lora": lora_config})
+        job = TrainingJob.create(spec, base, sequences, [], seed=index)
+        trainer.add_job(job)
+        chosen.append((job, sequences[index * per_job:(index + 1) * per_job]))
+    trainer.run_step(chosen)
+    optimizer = OperationCounter()
+    original = trainer_module.step_jobs
+
+    def counted(*args, **kwargs):
+        with optimizer:   # nested: the outer counter sees these operations too
+            return original(*args, **kwargs)
+
+    trainer_module.step_jobs = counted
+    try:
+        total = count_operations(lambda: trainer.run_step(chosen))
+    finally:
+        trainer_module.step_jobs = original
+        for job, _ in chosen:
+            trainer.remove_job(job.name)
+    return total, optimizer.count
+
+
+def bench_operations(base: BaseModel, adapters: tuple[int, ...] = PROXY_ADAPTERS, seq_len: int = 16) -> dict:
+    vocab = int(base.model.config.vocab_size)
+    rng = random.Random(4321)
+    sequences = [synthetic_example(rng, seq_len, vocab) for _ in range(max(adapters))]
+    log(f"(d) operations per fused step: {len(sequences)} x {seq_len} tokens, adapters {list(adapters)}, "
+        f"LoRA r={LORA.r} on {', '.join(LORA.target_modules)}, dropout {LORA.dropout}")
+    saved = lora.GROUPING
+    rows: dict[str, dict] = {}
+    try:
+        for mode in ("grouped", "segments"):
+            lora.GROUPING = mode
+            counts = {n: operations_per_step(base, n, sequences) for n in adapters}
+            first = counts[adapters[0]][0]
+            rows[mode] = {str(n): {"operations": total, "optimizer_operations": optimizer,
+                                   "ratio_to_1": total / first} for n, (total, optimizer) in counts.items()}
+    finally:
+        lora.GROUPING = saved
+    log("    adapters  grouped (ratio, of which optimizer)   per segment (ratio, of which optimizer)")
+    for n in adapters:
+        g, p = rows["grouped"][str(n)], rows["segments"][str(n)]
+        log(f"    {n:8d}  {g['operations']:6d} ({g['ratio_to_1']:.3f}, {g['optimizer_operations']:4d})"
+            f"            {p['operations']:6d} ({p['ratio_to_1']:.3f}, {p['optimizer_operations']:4d})")
+    return {"sequences": len(sequences), "seq_len": seq_len, "lora": LORA.model_dump(),
+            "layers": len(decoder_layers(base.decoder)), "per_mode": rows}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,6 +537,16 @@ def summary(results: dict) -> list[tuple[str, str, str, str]]:
             goal = f">= {GOAL_FUSION}" if n == last else ""
             ok = ("met" if item["ratio_to_1"] >= GOAL_FUSION else "NOT met") if goal else ""
             rows.append((f"(a) fusion efficiency, {n} adapters / 1", f"{item['ratio_to_1']:.3f}", goal, ok))
+    operations = results.get("operations")
+    if operations:
+        for mode, label in (("grouped", "grouped"), ("segments", "per segment")):
+            per = operations["per_mode"][mode]
+            for n in ("8", "32"):
+                if n in per:
+                    goal = f"<= {GOAL_OPERATIONS}" if mode == "grouped" else ""
+                    ok = ("met" if per[n]["ratio_to_1"] <= GOAL_OPERATIONS else "NOT met") if goal else ""
+                    rows.append((f"(d) operations per step, {label}, {n} adapters / 1", f"{per[n]['ratio_to_1']:.3f}",
+                                 goal, ok))
     padding = results.get("padding")
     if "padding" not in results:
         pass  # skipped on request
@@ -491,7 +591,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"folder with {GSM8K.name} and {CODE_ALPACA.name} (default: ../shared/data)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice, one per core)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: a,b,c,d")
+    parser.add_argument("--proxy", action="store_true",
+                        help="run only (d), the operation count (with --base-model tiny-llama: a small random Llama)")
+    parser.add_argument("--adapters", default=None,
+                        help="(a): comma-separated numbers of adapters (default 1,2,4,8; each must divide --sequences)")
+    parser.add_argument("--sequences", type=int, default=None, help="(a): sequences per step (default 8)")
     parser.add_argument("--lora-grouping", default="auto", choices=["auto", "grouped", "segments"],
                         help="how the engine runs the adapters' updates (auto: grouped on CUDA, per segment elsewhere)")
     args = parser.parse_args(argv)
@@ -506,7 +611,17 @@ def main(argv: list[str] | None = None) -> int:
 
     run_started = time.perf_counter()
     started = time.perf_counter()
-    base = load_base_model(args.base_model, dtype=args.dtype, device=args.device)
+    if args.proxy:
+        skip |= {"a", "b", "c"}
+    if args.adapters:
+        s.fusion_adapters = tuple(int(n) for n in args.adapters.split(","))
+    if args.sequences:
+        s.fusion_sequences = args.sequences
+    if args.base_model == "tiny-llama":
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        base = tiny_llama(torch.device(auto if args.device == "auto" else args.device))
+    else:
+        base = load_base_model(args.base_model, dtype=args.dtype, device=args.device)
     # The PEFT baseline's own copy, taken before the engine attaches any adapter, with plain sdpa attention.
     peft_source = None
     if "c" not in skip:
@@ -543,8 +658,16 @@ def main(argv: list[str] | None = None) -> int:
         results["fusion"] = bench_fusion(base, s)
         finish_part("fusion", started, monitor)
 
-    data = load_real_data(base, args.data_dir)
-    if data is None:
+    if "d" not in skip:
+        started = time.perf_counter()
+        results["operations"] = bench_operations(base)
+        results["timings_s"]["operations"] = time.perf_counter() - started
+
+    # a base without a tokenizer (tiny-llama) cannot tokenize the real data: (c) then uses generated data
+    data = None if {"b", "c"} <= skip or base.tokenizer is None else load_real_data(base, args.data_dir)
+    if {"b", "c"} <= skip:
+        pass
+    elif data is None:
         log(f"{args.data_dir} is missing GSM8K / Code Alpaca: skipping (b); (c) uses generated data")
         results["padding"] = None
     elif "b" not in skip:

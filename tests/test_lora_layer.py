@@ -158,6 +158,26 @@ def test_grouped_adapters_equal_per_segment_adapters_forward_and_backward(monkey
     torch.testing.assert_close(out[13:], layer.base(x[0, 13:]) + x[0, 13:] @ c.lora_A.T @ c.lora_B.T * 0.5)
 
 
+def test_grouped_adapters_on_equal_back_to_back_segments_equal_per_segment(monkeypatch):
+    """The grouped way's regular case (equal segments covering the stream in order: the batch is a view of the
+    stream, the result added as it lies), three rank buckets (2; 4, 4; 8), dropout on two adapters: same output
+    and gradients as per segment, the output the formula."""
+    configs = {"a": LoraConfig(r=2, alpha=8, dropout=0.3), "b": LoraConfig(r=4, alpha=2, use_rslora=True),
+               "c": LoraConfig(r=4, alpha=2), "d": LoraConfig(r=8, alpha=16, dropout=0.1)}
+    layer = _layer_with_adapters(configs)
+    layer.adapters.train(True)
+    x = torch.randn(1, 20, 16)
+    layout = StepLayout((("a", 0, 5), ("b", 5, 10), ("c", 10, 15), ("d", 15, 20)), ((0, 10), (10, 20)), 20)
+    results = _grouped_and_segment_runs(monkeypatch, layer, x, layout, torch.randn(1, 20, 12))
+    for key in results["segments"]:
+        torch.testing.assert_close(results["grouped"][key], results["segments"][key], msg=key)
+    groups = [value for value in layout.tensors.values() if isinstance(value, lora_module.SegmentGroup)]
+    assert [group.regular for group in groups] == [True]
+    c = layer.adapters["c"]
+    torch.testing.assert_close(results["grouped"]["out"][0, 10:15],
+                               layer.base(x[0, 10:15]) + x[0, 10:15] @ c.lora_A.T @ c.lora_B.T * 0.5)
+
+
 @pytest.mark.parametrize("mode", ["grouped", "segments"])
 def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode):
     """Isolation in the worst case: a job whose activations are NaN leaves the other adapters' outputs

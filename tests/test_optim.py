@@ -73,3 +73,57 @@ def test_job_optimizer_steps_like_torch_reference_adamw():
     for a, b, s in zip(ours, theirs, start):
         assert not torch.equal(a, s)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _jobs_with_gradients(seed: int, specs: list[JobSpec], loss_scaling: list[bool] | None = None):
+    """One JobOptimizer per spec over a few parameters of assorted shapes, with random gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizers = []
+    for index, spec in enumerate(specs):
+        parameters = [torch.nn.Parameter(torch.randn(shape, generator=generator))
+                      for shape in ((4, 8), (8, 4), (3, 5))[: 2 + index % 2]]
+        optimizers.append(JobOptimizer(spec, parameters, total_steps=10,
+                                       loss_scaling=bool(loss_scaling and loss_scaling[index])))
+    return optimizers, generator
+
+
+def _set_gradients(optimizers, generator, scale: float) -> None:
+    for optimizer in optimizers:
+        for parameter in optimizer.parameters:
+            parameter.grad = torch.randn(parameter.shape, generator=generator) * scale
+
+
+def test_jobs_stepped_together_equal_their_own_steps_and_each_other_alone():
+    """`step_jobs` (the trainer's batched optimizer step) against each job's `JobOptimizer.step` (torch's
+    clip_grad_norm_ and AdamW): the same lr, the same norm and weights to float32 rounding of the norm
+    (summed in float64, another order); a loss-scaled job takes its own step. And a job stepped beside others
+    ends bit for bit where it ends stepped alone (isolation)."""
+    from actors.engine.optim import step_jobs
+
+    def spec(name, **overrides):
+        fields = dict(name=name, data="x", format={"type": "text"}, lr=0.05, lr_schedule="cosine", warmup_steps=1,
+                      max_grad_norm=1.0)
+        return JobSpec(**{**fields, **overrides})
+
+    specs = [spec("a"), spec("b", max_grad_norm=None), spec("c", lr=0.01, weight_decay=0.1), spec("d"),
+             spec("e", max_grad_norm=100.0)]
+    scaled = [False, False, False, True, False]
+    together, gen_together = _jobs_with_gradients(0, specs, scaled)
+    alone, gen_alone = _jobs_with_gradients(0, specs, scaled)
+    single = [_jobs_with_gradients(0, specs, scaled)[0][index] for index in range(len(specs))]
+    for step in range(3):
+        _set_gradients(together, gen_together, scale=3.0)
+        _set_gradients(alone, gen_alone, scale=3.0)
+        for job, reference in zip(single, alone):
+            for parameter, source in zip(job.parameters, reference.parameters):
+                parameter.grad = source.grad.clone()
+        targets = [5, 7, 1, 4, 9]
+        batched = step_jobs(together, targets)
+        own = [optimizer.step(count) for optimizer, count in zip(alone, targets)]
+        by_itself = [step_jobs([job], [count])[0] for job, count in zip(single, targets)]
+        for index, ((lr, norm), (lr_own, norm_own)) in enumerate(zip(batched, own)):
+            assert lr == lr_own and norm == pytest.approx(norm_own, rel=1e-6), (step, index)
+            for p, q, r in zip(together[index].parameters, alone[index].parameters, single[index].parameters):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+                assert torch.equal(p, r), (step, index)
+            assert by_itself[index] == batched[index]

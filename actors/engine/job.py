@@ -134,14 +134,24 @@ class TrainingJob:
     def record_micro_batch(self, loss: float, tokens: int, targets: int) -> OptimizerStepRecord | None:
         """Book a finished micro-batch; step the optimizer when its accumulation is complete (or the
         data ran out mid-accumulation). Returns the optimizer step's record, if one was taken."""
+        if not self.book_micro_batch(loss, tokens, targets):
+            return None
+        lr, grad_norm = self.optimizer.step(self.accumulator.targets)
+        return self.optimizer_stepped(lr, grad_norm)
+
+    def book_micro_batch(self, loss: float, tokens: int, targets: int) -> bool:
+        """Book a finished micro-batch; True when the job's optimizer step is due (its accumulation is
+        complete, or the data ran out mid-accumulation): take it (`optimizer.step`, or the trainer's
+        `optim.step_jobs` with other jobs') with `accumulator.targets`, then call `optimizer_stepped`."""
         self.accumulator.add(loss, tokens, targets)
         self.tokens_seen += tokens
         due = self.optimizer.micro_step_done()
         if not due and self.cursor.exhausted and self.peek() is None:
             due = True
-        if not due:
-            return None
-        lr, grad_norm = self.optimizer.step(self.accumulator.targets)
+        return due
+
+    def optimizer_stepped(self, lr: float, grad_norm: float) -> OptimizerStepRecord:
+        """The record of the optimizer step just taken; the next accumulation starts."""
         record = OptimizerStepRecord(self.step, self.accumulator.loss, self.accumulator.tokens, lr, grad_norm)
         self.accumulator = StepAccumulator()
         self.history.append(record)

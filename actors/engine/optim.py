@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adam import adam as functional_adam
 
 from actors.engine.spec import JobSpec
 
@@ -165,3 +166,91 @@ class JobOptimizer:
         if self.loss_scale is not None and state.get("loss_scale"):
             self.loss_scale = LossScale(**state["loss_scale"])
         self.set_lr()
+
+
+def _batchable(optimizer: JobOptimizer) -> bool:
+    """A job whose step `step_jobs` may take with others': fused AdamW, one parameter group, no loss scale
+    (a float16 job's overflow check stays its own), no amsgrad / maximize."""
+    groups = optimizer.optimizer.param_groups
+    if optimizer.loss_scale is not None or len(groups) != 1:
+        return False
+    group = groups[0]
+    return bool(group["fused"]) and not group["amsgrad"] and not group["maximize"] and not group["capturable"]
+
+
+def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[float, float]]:
+    """The optimizer steps of several jobs at once (`JobOptimizer.step` of each, with `targets[i]` target
+    tokens): the gradients' division, the per-job norms and clipping and the AdamW updates each run as one
+    multi-tensor operation over every job's parameters (AdamW once per set of equal hyperparameters: lr,
+    betas, eps, weight decay), so the operations of a fused step do not grow with its number of jobs.
+
+    Each job's result depends on its own gradients only (every operation is per tensor or per job; a job's
+    squared norms are summed in its own order), so a job steps the same alone as beside others. Against
+    `JobOptimizer.step` (torch's clip_grad_norm_): the gradient norm is summed in float64 in another order
+    (float32 rounding of the norm and the clip factor; the updates are otherwise AdamW's own kernel).
+    A job that cannot join (loss scaling, an unfused optimizer) takes its own `step`."""
+    results: dict[int, tuple[float, float]] = {}
+    joined = [index for index, optimizer in enumerate(optimizers) if _batchable(optimizer)]
+    for index, optimizer in enumerate(optimizers):
+        if index not in joined:
+            results[index] = optimizer.step(targets[index])
+    joined = [index for index in joined if any(p.grad is not None for p in optimizers[index].parameters)]
+    for index in set(range(len(optimizers))) - set(results) - set(joined):   # no gradient at all: norm 0
+        optimizer = optimizers[index]
+        lr = optimizer.lr
+        optimizer.step_count += 1
+        optimizer.set_lr()
+        results[index] = (lr, 0.0)
+    if joined:
+        _step_together([optimizers[index] for index in joined], [targets[index] for index in joined],
+                       results, joined)
+    return [results[index] for index in range(len(optimizers))]
+
+
+def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: dict[int, tuple[float, float]],
+                   indices: list[int]) -> None:
+    grads: list[torch.Tensor] = []
+    owner: list[int] = []
+    divisors: list[float] = []
+    for position, (optimizer, count) in enumerate(zip(optimizers, targets)):
+        own = [p.grad for p in optimizer.parameters if p.grad is not None]
+        grads.extend(own)
+        owner.extend([position] * len(own))
+        divisors.extend([optimizer.token_weight * max(count, 1)] * len(own))
+    torch._foreach_div_(grads, divisors)
+    device = grads[0].device
+    norms = torch.stack(torch._foreach_norm(grads)).to(device=device, dtype=torch.float64)
+    owners = torch.tensor(owner, device=device)
+    totals = torch.zeros(len(optimizers), dtype=torch.float64, device=device)
+    totals = totals.index_add_(0, owners, norms.square_()).sqrt_().tolist()
+    factors: list[float] = []
+    clipped: list[torch.Tensor] = []
+    for grad, position in zip(grads, owner):
+        limit = optimizers[position].spec.max_grad_norm
+        if limit is not None:
+            clipped.append(grad)
+            factors.append(min(limit / (totals[position] + 1e-6), 1.0))
+    if clipped:
+        torch._foreach_mul_(clipped, factors)
+    by_hyperparameters: dict[tuple, list[int]] = {}
+    lrs = [optimizer.lr for optimizer in optimizers]
+    for position, optimizer in enumerate(optimizers):
+        group = optimizer.optimizer.param_groups[0]
+        key = (lrs[position], tuple(group["betas"]), group["eps"], group["weight_decay"],
+               group["decoupled_weight_decay"])
+        by_hyperparameters.setdefault(key, []).append(position)
+    for (lr, (beta1, beta2), eps, weight_decay, decoupled), members in by_hyperparameters.items():
+        lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+        for position in members:
+            adamw = optimizers[position].optimizer
+            adamw._init_group(adamw.param_groups[0], *lists)   # torch's own lazy state initialisation
+        params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
+        functional_adam(params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                        fused=True, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
+                        beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    for position, optimizer in enumerate(optimizers):
+        for parameter in optimizer.parameters:
+            parameter.grad = None
+        optimizer.step_count += 1
+        optimizer.set_lr()
+        results[indices[position]] = (lrs[position], totals[position])

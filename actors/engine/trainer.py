@@ -3,7 +3,8 @@
 A step packs one micro-batch from each joining job into one token stream (grouped by job), runs the
 base model once with each job's tokens through its own adapter, computes each job's loss as the mean
 over its own target tokens (LM head only at target positions, in chunks), sums the jobs' losses, runs
-one backward, and steps each job's optimizer whose accumulation is complete."""
+one backward, and steps the optimizers of the jobs whose accumulation is complete (together:
+`optim.step_jobs`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
+from actors.engine.optim import step_jobs
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
@@ -204,11 +206,13 @@ class FusedTrainer:
                                          self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
                                          softcapped=self.base.logit_transform.softcap is not None))
         per_job = self._per_job_losses(batch, losses)
-        results = []
-        for index, (job, _) in enumerate(chosen):
-            record = job.record_micro_batch(per_job[index], batch.job_tokens[index], batch.job_targets[index])
-            results.append(JobStepResult(job.name, per_job[index], batch.job_tokens[index],
-                                         batch.job_targets[index], record))
+        due = [job for index, (job, _) in enumerate(chosen)
+               if job.book_micro_batch(per_job[index], batch.job_tokens[index], batch.job_targets[index])]
+        # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
+        stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due])
+        records = {job.name: job.optimizer_stepped(lr, norm) for job, (lr, norm) in zip(due, stepped)}
+        results = [JobStepResult(job.name, per_job[index], batch.job_tokens[index], batch.job_targets[index],
+                                 records.get(job.name)) for index, (job, _) in enumerate(chosen)]
         if self.base.device.type == "cuda":
             torch.cuda.synchronize(self.base.device)
         self.step_count += 1

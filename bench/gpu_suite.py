@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""The GPU suite: every check and benchmark that needs a CUDA machine, in one command, one report.
+
+Parts, each in its own process (a part that fails or runs past its time limit is recorded in the report
+and the suite goes on with the next):
+  tests       pytest tests/test_cuda.py (device placement, bf16, varlen attention, grouped LoRA on CUDA)
+  fusion      bench/fusion.py (a): fusion efficiency at 1, 2, 4, 8, 16 and 32 adapters (32 sequences per
+              step), once with grouped LoRA and once per segment
+  operations  bench/fusion.py --proxy (d): operations per fused step, grouped vs per segment, 1..32 adapters
+  overhead    bench/overhead.py: the actor system against the in-process engine
+  memory      bench/memory.py: predicted against measured step peaks, recomputation, admission
+  peft        bench/fusion.py (c): 4 jobs fused in the engine against PEFT one after another
+
+It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the GPU, torch and CUDA
+versions, with each part's exit status, time, key numbers and the tail of its output. Without CUDA it
+stops with exit status 2, unless --allow-cpu (a dry run: --allow-cpu --quick --base-model tiny-llama checks
+the suite end to end on a CPU in minutes). Exit status 1 when a part failed.
+
+    make gpu-suite                       # .venv/bin/python bench/gpu_suite.py
+    python bench/gpu_suite.py [--quick] [--parts tests,fusion,...] [--out DIR] [--base-model NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft")
+ADAPTERS = "1,2,4,8,16,32"
+TAIL = 4000   # characters of each part's output kept in the report
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(), "machine": platform.machine(), "host": platform.node()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        info["cudnn"] = torch.backends.cudnn.version()
+    else:
+        info["gpu"] = None
+    return info
+
+
+def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
+    """Each part's commands (a part may run several)."""
+    py = sys.executable
+    quick = ["--quick"] if args.quick else []
+    seq_len = ["--seq-len", "32" if args.quick else "128"]
+    fusion = [py, "bench/fusion.py", *quick, "--base-model", args.base_model]
+    return {
+        "tests": [[py, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py", f"--junitxml={out / 'tests.xml'}"]],
+        "fusion": [[*fusion, "--skip", "b,c,d", "--adapters", ADAPTERS, "--sequences", "32", *seq_len,
+                    "--lora-grouping", mode, "--json", str(out / f"fusion-{mode}.json")]
+                   for mode in ("grouped", "segments")],
+        "operations": [[*fusion, "--proxy", "--json", str(out / "operations.json")]],
+        "overhead": [[py, "bench/overhead.py", *quick, "--json", str(out / "overhead.json")]],
+        "memory": [[py, "bench/memory.py", *quick]],
+        "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
+    }
+
+
+def run_part(name: str, part_commands: list[list[str]], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result: dict = {"part": name, "commands": [" ".join(c) for c in part_commands], "status": "passed",
+                    "exit_codes": [], "seconds": 0.0, "output_tail": ""}
+    started = time.perf_counter()
+    outputs = []
+    for command in part_commands:
+        print(f"[gpu-suite] {name}: {' '.join(command)}", flush=True)
+        try:
+            done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            result["status"] = "timed out"
+            result["exit_codes"].append(None)
+            outputs.append(_text(expired.stdout) + _text(expired.stderr) + f"\n[timed out after {timeout:.0f}s]")
+            break
+        result["exit_codes"].append(done.returncode)
+        outputs.append(done.stdout + ("\n[stderr]\n" + done.stderr if done.stderr.strip() else ""))
+        if done.returncode != 0:
+            result["status"] = "failed"
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["output_tail"] = "\n".join(outputs)[-TAIL:]
+    print(f"[gpu-suite] {name}: {result['status']} in {result['seconds']:.0f}s", flush=True)
+    return result
+
+
+def _text(value: bytes | str | None) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def key_numbers(out: Path) -> dict:
+    """The numbers worth a glance, from the parts' JSON files (those that exist)."""
+    numbers: dict = {}
+    for mode in ("grouped", "segments"):
+        fusion = _json(out / f"fusion-{mode}.json")
+        if fusion and fusion.get("fusion"):
+            per = fusion["fusion"]["per_adapters"]
+            numbers[f"fusion_efficiency_{mode}"] = {n: round(v["ratio_to_1"], 3) for n, v in per.items()}
+            numbers[f"tokens_per_s_{mode}"] = {n: round(v["tokens_per_s"]) for n, v in per.items()}
+    operations = _json(out / "operations.json")
+    if operations and operations.get("operations"):
+        for mode, per in operations["operations"]["per_mode"].items():
+            numbers[f"operations_ratio_{mode}"] = {n: round(v["ratio_to_1"], 3) for n, v in per.items()}
+    peft = _json(out / "peft.json")
+    if peft and peft.get("engine_vs_peft"):
+        numbers["engine_over_peft"] = round(peft["engine_vs_peft"]["ratio"], 3)
+    overhead = _json(out / "overhead.json")
+    if overhead:
+        numbers["overhead"] = {k: v for k, v in overhead.items() if "ratio" in k}
+    return numbers
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# GPU suite, {report['started_utc']}", "",
+             f"- GPU: {env.get('gpu') or 'none (CPU dry run)'}"
+             + (f", compute capability {env['compute_capability']}" if env.get("compute_capability") else ""),
+             f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}",
+             f"- settings: {'quick' if report['quick'] else 'full'}, base model {report['base_model']}", "",
+             "| part | status | seconds |", "|---|---|---|"]
+    lines += [f"| {p['part']} | {p['status']} | {p['seconds']:.0f} |" for p in report["parts"]]
+    lines += ["", "## Key numbers", "", "```", json.dumps(report["key_numbers"], indent=2), "```"]
+    for part in report["parts"]:
+        lines += ["", f"## {part['part']} ({part['status']})", "", *[f"    {c}" for c in part["commands"]], "",
+                  "```", part["output_tail"].rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="each benchmark's --quick settings (a smoke run)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a dry run of the suite itself)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--out", type=Path, default=None, help="report folder (default runs/gpu-suite/<UTC time>)")
+    parser.add_argument("--base-model", default="smollm2-135m",
+                        help="base model of the fusion, operations and PEFT parts (tiny-llama: a small random Llama)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds each command may run")
+    args = parser.parse_args(argv)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print(f"gpu-suite: no CUDA device visible to torch {torch.__version__} (CUDA build: {torch.version.cuda}); "
+              "run it on a machine with an NVIDIA GPU and a CUDA build of torch, or pass --allow-cpu for a dry "
+              "run of the suite on this CPU", file=sys.stderr)
+        return 2
+    started = datetime.now(timezone.utc)
+    out = args.out or REPO / "runs" / "gpu-suite" / started.strftime("%Y%m%dT%H%M%SZ")
+    out.mkdir(parents=True, exist_ok=True)
+    plan = commands(args, out.resolve())
+    report = {"started_utc": started.isoformat(timespec="seconds"), "quick": args.quick,
+              "base_model": args.base_model, "environment": environment(), "parts": []}
+    for name in parts:   # the report is rewritten after every part: an interrupted suite leaves what it did
+        report["parts"].append(run_part(name, plan[name], args.timeout))
+        report["key_numbers"] = key_numbers(out)
+        report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        (out / "report.json").write_text(json.dumps(report, indent=2))
+        (out / "report.md").write_text(markdown(report))
+    failed = [p["part"] for p in report["parts"] if p["status"] != "passed"]
+    print(f"[gpu-suite] report: {out / 'report.md'}; "
+          + (f"failed: {', '.join(failed)}" if failed else "every part passed"), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

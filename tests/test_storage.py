@@ -38,7 +38,7 @@ from tests.test_trainer_loop import assignment_for, run_until_idle
 def _raw_s3(server) -> pafs.S3FileSystem:
     """A filesystem on the server that bypasses aspen's storage module (to damage objects behind its back)."""
     return pafs.S3FileSystem(endpoint_override=server.endpoint.split("://", 1)[1], scheme="http",
-                             access_key="testing", secret_key="testing", region="us-east-1")
+                             access_key="testing", secret_key="testing", region="us-east-1", request_timeout=60)
 
 
 def _checkpoint_like(folder: Path, marker: bytes) -> dict[str, bytes]:

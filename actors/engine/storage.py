@@ -54,6 +54,8 @@ POINTER_NAME = "checkpoint.json"
 UPLOADS_FOLDER = "checkpoints"
 POINTER_FORMAT = 1
 CONNECT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 60.0   # a request that transfers nothing this long fails (the AWS SDK's default, 3 s, fails
+                           # requests to a busy store: it is curl's low-speed time on Linux)
 S3_ATTEMPTS = 3
 
 
@@ -113,7 +115,7 @@ def _s3_settings() -> dict[str, Any]:
     AWS_ACCESS_KEY_ID etc. itself, but not AWS_ENDPOINT_URL[_S3])."""
     import pyarrow.fs as pafs
 
-    settings: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S,
+    settings: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "request_timeout": REQUEST_TIMEOUT_S,
                                 "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS)}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:

@@ -308,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--step-tokens", type=int, default=4096)
     serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
                                         "or an installed entry point (group aspen.policies)")
-    serve.add_argument("--output-root", help="submitted jobs write only under this folder (default: "
-                       "<state dir>/outputs)")
+    serve.add_argument("--output-root", help="submitted jobs write only under this folder or storage URI, e.g. "
+                       "s3://bucket/aspen (default: <state dir>/outputs)")
     serve.add_argument("--insecure", action="store_true", help="start the service even on a Ray cluster without "
                        "token authentication (by default refused: anyone who reaches such a cluster runs code on it)")
     with_json(serve, "the running service's description (trainers, URLs, state dir)")
@@ -367,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train every job of a jobs YAML file through a service of its own, "
                                           "with a progress bar per job")
     run.add_argument("file", help="jobs YAML file")
-    run.add_argument("--output-dir", help="override output_dir of the file")
+    run.add_argument("--output-dir", help="override output_dir of the file (a folder or a storage URI, "
+                     "e.g. s3://bucket/runs/x)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     run.add_argument("--in-process", action="store_true", help="train in this process, without Ray")
     run.add_argument("--overwrite", action="store_true", help="start every job of the file over: delete the "

@@ -35,7 +35,8 @@ class S3Server:
         name = name or f"aspen-{uuid.uuid4().hex[:10]}"
         filesystem = pafs.S3FileSystem(endpoint_override=self.endpoint.split("://", 1)[1], scheme="http",
                                        allow_bucket_creation=True, access_key=ENVIRONMENT["AWS_ACCESS_KEY_ID"],
-                                       secret_key=ENVIRONMENT["AWS_SECRET_ACCESS_KEY"], region="us-east-1")
+                                       secret_key=ENVIRONMENT["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
+                                       request_timeout=60)
         filesystem.create_dir(name)
         return name
 

@@ -23,12 +23,14 @@ from actors.engine.data import DataError, read_rows
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import (POINTER_NAME, CorruptCheckpoint, StorageError, StorageLocation, StorageUnreachable,
-                                   StorageURI, download_checkpoint, read_pointer, upload_checkpoint)
+                                   StorageURI, as_location, download_checkpoint, read_pointer, resolve_location,
+                                   upload_checkpoint)
 from actors.service.config import TrainerConfig
 from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
 from actors.service.scheduler_core import SchedulerCore, SubmissionError
 from actors.service.trainer_loop import TrainerLoop
+from orchestrator.cli import _saved_step
 from orchestrator.report import collect, write_report
 from policies.fifo import FifoPolicy
 from tests.service_helpers import adapter_tensors, job_dict, run_spec, write_task_data
@@ -38,7 +40,7 @@ from tests.test_trainer_loop import assignment_for, run_until_idle
 def _raw_s3(server) -> pafs.S3FileSystem:
     """A filesystem on the server that bypasses aspen's storage module (to damage objects behind its back)."""
     return pafs.S3FileSystem(endpoint_override=server.endpoint.split("://", 1)[1], scheme="http",
-                             access_key="testing", secret_key="testing", region="us-east-1")
+                             access_key="testing", secret_key="testing", region="us-east-1", request_timeout=60)
 
 
 def _checkpoint_like(folder: Path, marker: bytes) -> dict[str, bytes]:
@@ -157,6 +159,8 @@ def test_a_file_uri_works_like_a_bucket(tmp_path):
     assert download_checkpoint(location, tmp_path / "back" / "checkpoint") == 2
     assert _read_folder(tmp_path / "back" / "checkpoint") == files
     assert StorageURI("s3://b/p") / "job" == "s3://b/p/job"
+    assert as_location(Path("s3://b/p/job")) == "s3://b/p/job", "a URI mangled by Path() is not given back"
+    assert resolve_location("runs/x") == Path.cwd() / "runs/x" and resolve_location("gs://b/x/") == "gs://b/x"
 
 
 # ------------------------------------------------------------------------------------ whole jobs
@@ -192,6 +196,7 @@ def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed
     assert read_pointer(location)["step"] == 3
     assert [json.loads(r)["step"] for r in location.read_bytes("metrics.jsonl").decode().splitlines()] == [1, 2, 3]
     assert not location.exists("adapter_model.safetensors"), "a paused job uploaded an adapter"
+    assert _saved_step(f"{uri}/mirrored") == 3   # what `aspen run` tells before resuming
     shutil.rmtree(node_a)   # the node is gone with its staging folder
 
     loop2 = TrainerLoop(tiny_base, config, "trainer-b", tmp_path / "node-b")

@@ -55,9 +55,8 @@ POINTER_NAME = "checkpoint.json"
 UPLOADS_FOLDER = "checkpoints"
 POINTER_FORMAT = 1
 CONNECT_TIMEOUT_S = 5.0
-# how long a request may go without a byte before it fails (the AWS SDK's default, 3 s, failed uploads and
-# dataset reads against a busy S3-compatible server on a loaded machine: seen in tests/test_cluster.py)
-REQUEST_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 60.0   # a request that transfers nothing this long fails (the AWS SDK's default, 3 s, fails
+                           # requests to a busy store: it is curl's low-speed time on Linux)
 S3_ATTEMPTS = 3
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -63,8 +64,11 @@ def running_s3_server() -> Iterator[S3Server]:
             pytest.fail(message)
         pytest.skip(message)
     port = _free_port()
+    # its request log goes to a file: a pipe nobody reads fills up (64 KiB, a few hundred requests) and the
+    # server then blocks in every request's log line
+    log_file = tempfile.NamedTemporaryFile(prefix="moto-server-", suffix=".log", delete=False)
     process = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+                               stderr=log_file)
     endpoint = f"http://127.0.0.1:{port}"
     saved = {key: os.environ.get(key) for key in (*ENVIRONMENT, "AWS_ENDPOINT_URL_S3")}
     try:
@@ -72,7 +76,7 @@ def running_s3_server() -> Iterator[S3Server]:
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"moto_server exited ({process.returncode}): "
-                                   f"{process.stderr.read().decode(errors='replace')[-2000:]}")
+                                   f"{Path(log_file.name).read_text(errors='replace')[-2000:]}")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
@@ -95,3 +99,5 @@ def running_s3_server() -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
+        log_file.close()
+        os.unlink(log_file.name)

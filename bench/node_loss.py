@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
 
 from tests.ray_nodes import (BIN, FAST_NODE_DEATH, ClientProcess, client_env, kill_node, start_head,  # noqa: E402
                              start_worker, stop_head, stop_node)
-from tests.service_helpers import job_dict, write_task_data  # noqa: E402
+from tests.service_helpers import job_dict, wait_for, write_task_data  # noqa: E402
 
 
 def tiny_llama(folder: Path) -> Path:
@@ -47,16 +47,6 @@ def tiny_llama(folder: Path) -> Path:
     tiny_model("llama").save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-def wait_until(predicate, timeout: float, what: str, every: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -89,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
             records = client("[r.__dict__ for r in c.jobs()]")
             return records if all(r["state"] == "running" and (r["checkpoint_step"] or 0) > 0 for r in records) else None
 
-        records = wait_until(all_checkpointed, 600, "every job to run and checkpoint", every=1.0)
+        records = wait_for(all_checkpointed, 600, "every job to run and checkpoint")
         victims = {r["id"]: r for r in records if r["trainer"] in on_worker}
         if not victims:
             raise RuntimeError(f"no job on the second node's trainer: {[(r['name'], r['trainer']) for r in records]}")
@@ -101,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
             return any(r["state"] == "queued" or (r["trainer"] not in on_worker and r["trainer"])
                        for r in client("[r.__dict__ for r in c.jobs()]") if r["id"] in victims)
 
-        wait_until(noticed, 300, "the scheduler to notice the lost node")
+        wait_for(noticed, 300, "the scheduler to notice the lost node")
         noticed_s = time.time() - lost_at
 
         def all_running_again():
@@ -109,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
             return all(now[j]["state"] in ("running", "completed") and now[j]["trainer"] not in on_worker
                        and now[j]["step"] > (now[j]["checkpoint_step"] or 0) for j in victims)
 
-        wait_until(all_running_again, 600, "every job of the lost node to run again")
+        wait_for(all_running_again, 600, "every job of the lost node to run again")
         running_s = time.time() - lost_at
         return {"jobs": args.jobs, "jobs_on_lost_node": len(victims), "fast_detection": args.fast_detection,
                 "noticed_s": round(noticed_s, 2), "running_again_s": round(running_s, 2)}

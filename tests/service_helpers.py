@@ -46,12 +46,13 @@ def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tenso
     return worst
 
 
-def wait_for(predicate, timeout: float = 120, what: str = "condition"):
-    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout` seconds."""
+def wait_for(predicate, timeout: float = 120, what: str = "condition", *, every: float = 0.2, state=None):
+    """Poll `predicate` every `every` seconds until it returns something truthy (returned), or fail after
+    `timeout` seconds, with `state()` (what the service shows) in the message where given."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {state()}" if state else ""))

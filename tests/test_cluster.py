@@ -27,7 +27,7 @@ from actors.engine.storage import StorageLocation
 from actors.service.local_run import train_locally
 from tests.ray_nodes import (BIN, FAST_NODE_DEATH, ClientProcess, client_env, kill_node, live_nodes, start_head,
                              start_worker, stop_head, stop_node)
-from tests.service_helpers import adapter_tensors, job_dict, run_spec, write_task_data
+from tests.service_helpers import adapter_tensors, job_dict, run_spec, wait_for, write_task_data
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="nodes are stopped through /proc sessions")
 
@@ -69,17 +69,6 @@ def ray_job_submit(cluster: dict, working_dir: Path, *entrypoint: str) -> subpro
         time.sleep(3)
 
 
-def wait_until(predicate, timeout: float, what: str, state=None):
-    """Poll `predicate` until truthy (returned); on timeout fail with `state()`, what the service shows."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {state()}" if state else ""))
-
-
 def jobs_by_name(client: ClientProcess) -> dict[str, dict]:
     return {job["name"]: job for job in client("[r.__dict__ for r in c.jobs()]")}
 
@@ -117,7 +106,7 @@ def test_a_trainer_per_node_and_jobs_spread_over_both(cluster, tiny_model_dirs, 
         client("[h.id for h in handles]",
                     f"handles = c.submit_many({json.dumps(jobs[2:])}, base_model={base!r})")
 
-        done = wait_until(lambda: (found := jobs_by_name(client)) and len(found) == 4
+        done = wait_for(lambda: (found := jobs_by_name(client)) and len(found) == 4
                           and all(j["state"] == "completed" for j in found.values()) and found,
                           300, "the four jobs to complete")
         used = {}
@@ -165,11 +154,11 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_
             assert not any(j["state"] in ("completed", "failed") for j in found.values()), found
             return hit[0] if hit else None
 
-        victim = wait_until(worker_job_checkpointed, 240, "a job on the second node's trainer to checkpoint")
+        victim = wait_for(worker_job_checkpointed, 240, "a job on the second node's trainer to checkpoint")
         kill_node(cluster["workers"].pop())
         lost_at = time.time()
         shutil.rmtree(tmp_path / "state" / "staging" / victim["id"])   # the lost machine's disk goes with it
-        resumed = wait_until(lambda: (j := jobs_by_name(client)[victim["name"]])["state"] == "running"
+        resumed = wait_for(lambda: (j := jobs_by_name(client)[victim["name"]])["state"] == "running"
                              and j["trainer"] not in (None, on_worker) and j, 120, "the lost job to run again")
         recovery_s = time.time() - lost_at
         print(f"node loss to the lost job running again: {recovery_s:.1f}s (health checks every 1 s, 3 missed)")
@@ -177,10 +166,10 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_
 
         cluster["workers"].append(start_worker(cluster["head"], num_cpus=1))   # a node joins: a trainer on it
         new_node = {n["id"] for n in live_nodes(cluster["head"], cluster["home"])} - {t["node_id"] for t in trainers}
-        wait_until(lambda: any(t["node_id"] in new_node and t["ready"] for t in client("c.trainers()")),
-                   300, "a trainer on the node that joined", lambda: client("c.trainers()"))
+        wait_for(lambda: any(t["node_id"] in new_node and t["ready"] for t in client("c.trainers()")),
+                 300, "a trainer on the node that joined", state=lambda: client("c.trainers()"))
 
-        done = wait_until(lambda: (found := jobs_by_name(client)) and all(
+        done = wait_for(lambda: (found := jobs_by_name(client)) and all(
             j["state"] in ("completed", "failed", "cancelled") for j in found.values()) and found, 300,
             "both jobs to finish")
         assert {name: j["state"] for name, j in done.items()} == {"left": "completed", "right": "completed"}

@@ -19,6 +19,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
 from actors.engine.data import DataFormat
+from actors.engine.data.sources import hub_id_problem
 from actors.engine.storage import StorageURI, as_location
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
@@ -164,9 +165,22 @@ class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
-    data: Location = Field(description="JSONL file or one JSON array of rows: a path or a storage URI "
-                                       "(s3://bucket/train.jsonl, gs://..., file:///...)")
+    data: Location = Field(description="the dataset: a JSONL file or one JSON array of rows, a .parquet or .arrow "
+                                       "file, a folder saved by datasets' save_to_disk, or a folder of such files; a "
+                                       "path or a storage URI (s3://bucket/train.parquet, gs://..., file:///...); "
+                                       "no hub ids (nothing is downloaded)")
     format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
+    split: str = Field("train", min_length=1, description="the split of a saved DatasetDict or of a folder whose "
+                                                         "file names name splits (train-*.parquet, test.jsonl)")
+    columns: dict[str, str] | None = Field(
+        None, description="the format's field names mapped to the dataset's column names, e.g. {instruction: "
+                          "question, output: answer}")
+    streaming: bool = Field(False, description="read and tokenize the data a window of rows at a time instead of "
+                                               "whole (data larger than memory); eval_split must then be a count "
+                                               "(the first rows)")
+    shuffle_window: Annotated[int, Bounds(0, 10**7)] = Field(
+        1000, description="streaming: rows shuffled together (each window of this many rows is permuted with the "
+                          "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
@@ -209,6 +223,28 @@ class JobSpec(StrictModel):
                 "eval_split", "must be a fraction less than 1 or a whole count of rows (got {got})",
                 {"got": str(value)})
         return value
+
+    @field_validator("data")
+    @classmethod
+    def _not_a_hub_uri(cls, value: Path | StorageURI) -> Path | StorageURI:
+        problem = hub_id_problem(str(value)) if isinstance(value, StorageURI) else None
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _data_options(self) -> JobSpec:
+        if self.streaming and 0 < self.eval_split < 1:
+            raise ValueError(f"eval_split={self.eval_split} is a fraction, which streaming cannot take (the rows are "
+                             "not all read up front): give a count of rows, e.g. eval_split: 200 (the first rows)")
+        fields = getattr(self.format, "fields", None)
+        if self.columns and fields is not None:
+            unknown = sorted(set(self.columns) - set(fields()))
+            if unknown:
+                raise ValueError(f"columns maps {', '.join(unknown)}, not a field of format {self.format.type} "
+                                 f"(its fields: {', '.join(sorted(fields()))}); map the format's field names to "
+                                 "the dataset's column names")
+        return self
 
     @model_validator(mode="after")
     def _has_budget(self) -> JobSpec:

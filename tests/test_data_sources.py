@@ -339,11 +339,14 @@ def test_a_hub_id_is_refused_with_what_to_do(tmp_path, smol_tokenizer, monkeypat
 # ------------------------------------------------------------------------------------------- a job
 
 
-def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, tiny_model_dirs):
-    """Three jobs in one in-process run (`train_locally`, JobData): JSONL; parquet with a column mapping;
-    the same parquet streamed with one shuffle window over all its rows. Same seed and data order: the same
-    adapter."""
+def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, tiny_model_dirs, smol_tokenizer):
+    """The service's job data (`JobData`) of a parquet job with a column mapping holds the JSONL job's
+    examples, eval split included; and two jobs in one in-process run (`train_locally`): JSONL, and the same
+    rows as parquet streamed with one shuffle window over all of them. Same seed, so the same data order: the
+    same adapter."""
     from actors.engine.models import load_base_model
+    from actors.engine.spec import JobSubmission
+    from actors.service.job_data import JobData
     from actors.service.local_run import train_locally
     from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec
 
@@ -351,16 +354,22 @@ def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, ti
     jsonl = write_jsonl(tmp_path / "qa.jsonl", rows)
     parquet = write_parquet(tmp_path / "qa.parquet", renamed(rows), row_group_size=5)
     steps = 3
+    prepared = []
+    for data, extra in ((jsonl, {}), (parquet, {"columns": COLUMNS})):
+        job = JobSpec.model_validate(job_dict("j", data, steps, eval_split=0.25, **extra))
+        job_data = JobData("j", JobSubmission(job=job, seed=4), smol_tokenizer)
+        summary = job_data.prepare()
+        prepared.append((summary.train_examples, summary.eval_examples, job_data.eval_examples(),
+                         job_data.fetch(summary.start, 5).batches))
+    assert prepared[0] == prepared[1] and prepared[0][:2] == (18, 6)
+
     spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [
         job_dict("from-jsonl", jsonl, steps),
-        job_dict("from-parquet", parquet, steps, columns=COLUMNS),
         job_dict("streamed", parquet, steps, columns=COLUMNS, streaming=True, shuffle_window=64),
     ])
     base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
     results = train_locally(spec, base=base, progress=False)
-    assert [(r.state, r.steps) for r in results] == [("completed", steps)] * 3, [r.reason for r in results]
-    adapters = {r.name: adapter_tensors(tmp_path / "out" / r.name) for r in results}
-    reference_adapter = adapters["from-jsonl"]
+    assert [(r.state, r.steps) for r in results] == [("completed", steps)] * 2, [r.reason for r in results]
+    reference_adapter = adapter_tensors(tmp_path / "out" / "from-jsonl")
     assert any(float(t.abs().max()) > 0 for key, t in reference_adapter.items() if "lora_B" in key)
-    for name in ("from-parquet", "streamed"):
-        assert max_relative_difference(adapters[name], reference_adapter) < 1e-5, name
+    assert max_relative_difference(adapter_tensors(tmp_path / "out" / "streamed"), reference_adapter) < 1e-5

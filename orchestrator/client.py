@@ -24,7 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.job_table import TERMINAL_STATES, JobRecord
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
-from actors.engine.data.sources import hub_id_problem
+from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import is_uri, resolve_location
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec

@@ -1,4 +1,4 @@
-"""Dataset sources beyond one JSON file (actors/engine/data/sources.py, dataset.py, streaming.py,
+"""Dataset sources beyond one JSON file (actors/engine/data/tables.py, dataset.py, streaming.py,
 sharegpt.py): a saved DatasetDict with a split and a column mapping, parquet, arrow and folders of files give
 the examples the equivalent JSONL gives (read by the JSONL reader, `load_examples`); ShareGPT rows the
 tokens and labels of the equivalent `messages` rows; streaming the batches of the in-memory `DataCursor`
@@ -131,6 +131,11 @@ def test_parquet_is_read_from_a_storage_uri(s3_bucket, tmp_path, smol_tokenizer)
                          shuffle_window=0)
     assert [e for _ in range(3) for e in stream.cursor.next_batch()] == want
     assert stream.train_rows == 15 and stream.cursor.exhausted
+    # JSONL under a URI streams too (read a chunk at a time)
+    StorageLocation(f"s3://{s3_bucket}/lines").upload_file(write_jsonl(tmp_path / "t.jsonl", rows), "t.jsonl")
+    lines = open_stream(f"s3://{s3_bucket}/lines/t.jsonl", QA, smol_tokenizer, max_seq_len=MAX_LEN, batch_size=5,
+                        seed=0, epochs=1, shuffle_window=0)
+    assert [e for _ in range(3) for e in lines.cursor.next_batch()] == want and lines.cursor.exhausted
     # a folder URI: its parquet files
     assert load_dataset_examples(f"s3://{s3_bucket}/sets", QA, smol_tokenizer, max_seq_len=MAX_LEN).examples == want
 

@@ -19,7 +19,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
 from actors.engine.data import DataFormat
-from actors.engine.data.sources import hub_id_problem
+from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import StorageURI, as_location
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.

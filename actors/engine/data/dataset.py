@@ -1,4 +1,4 @@
-"""A job's dataset read whole into labelled examples, from any location `sources.open_table` opens (JSON /
+"""A job's dataset read whole into labelled examples, from any location `tables.open_table` opens (JSON /
 JSONL, parquet, arrow, a saved `datasets` folder, a folder of files), with a `split` and a column mapping
 (`columns`: the format's field name -> the dataset's column name) applied to every row."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.engine.data.rows import DataError, _row_error
-from actors.engine.data.sources import Row, RowTable, open_table
+from actors.engine.data.tables import Row, RowTable, open_table
 from actors.engine.data.tokenize import (
     Example,
     LoadedData,
@@ -96,7 +96,7 @@ def load_dataset_examples(
     columns: Mapping[str, str] | None = None,
     table: RowTable | None = None,
 ) -> LoadedData:
-    """Read and tokenize a whole dataset (`data`: see sources.py); like `load_examples` for a JSON file,
+    """Read and tokenize a whole dataset (`data`: see tables.py); like `load_examples` for a JSON file,
     which it reads the same way."""
     tokenize = RowTokenizer(fmt, tokenizer, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt,
                             columns=columns)

@@ -77,6 +77,8 @@ def test_a_saved_dataset_dict_with_a_split_and_columns_gives_the_jsonl_examples(
             == reference(tmp_path, train, smol_tokenizer))
     with pytest.raises(DataError, match=r"saved: the dataset has no split 'validation'; its splits: train, test"):
         load_dataset_examples(saved, QA, smol_tokenizer, max_seq_len=MAX_LEN, split="validation", columns=COLUMNS)
+    with pytest.raises(DataError, match=r"single: split 'test' was asked for, but this data has no splits"):
+        load_dataset_examples(single, QA, smol_tokenizer, max_seq_len=MAX_LEN, split="test")
 
 
 def _arrow_stream(path: Path, rows: list[dict[str, Any]]) -> Path:

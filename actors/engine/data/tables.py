@@ -36,6 +36,8 @@ ARROW_CHUNK_ROWS = 1024
 JSONL_CHUNK_BYTES = 1 << 20
 """Bytes read at a time from a JSONL file."""
 DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+"""JSON files of a `datasets` folder or a hub snapshot that describe the data rather than hold it."""
 HUB_SCHEMES = ("hf", "hf-hub", "huggingface")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -267,6 +269,14 @@ class ConcatTable(RowTable):
 # --------------------------------------------------------------------------------------------- opening
 
 
+def _check_no_split(source: str, split: str) -> None:
+    """A split other than the default asked of data that has no splits is refused (not silently ignored)."""
+    if split != "train":
+        raise DataError(f"{source}: split '{split}' was asked for, but this data has no splits (one file, a saved "
+                        "Dataset, or a folder whose file names name no split); remove split or point data at the "
+                        "split's own file", source=source)
+
+
 def _arrow_file(path: Path) -> ArrowTable:
     import pyarrow as pa
 
@@ -299,6 +309,7 @@ def _saved_dataset(folder: Path, split: str) -> ArrowTable:
         dataset = loaded[split]
         source = f"{folder} (split {split})"
     else:
+        _check_no_split(source, split)
         dataset = loaded
     arrow = dataset.with_format("arrow")
     return ArrowTable(source, len(arrow), lambda a, b: arrow[a:b])
@@ -332,6 +343,7 @@ def _split_files(folder: str, files: list[str], split: str) -> list[str]:
         relative = file[len(folder):].lstrip("/")
         by_split.setdefault(split_of(relative) or "", []).append(file)
     if set(by_split) == {""}:
+        _check_no_split(folder, split)
         return sorted(files)
     named = sorted(s for s in by_split if s)
     if split not in by_split:
@@ -342,7 +354,7 @@ def _split_files(folder: str, files: list[str], split: str) -> list[str]:
 
 def _folder_of_files(source: str, files: list[str], split: str,
                      make: Callable[[str, str], RowTable]) -> RowTable:
-    data = [f for f in files if f.lower().endswith(DATA_SUFFIXES)]
+    data = [f for f in files if f.lower().endswith(DATA_SUFFIXES) and Path(f).name not in METADATA_FILES]
     if not data:
         raise DataError(f"{source}: the folder holds no data files ({', '.join(DATA_SUFFIXES)}) and is not a saved "
                         "dataset (datasets' save_to_disk writes dataset_dict.json or state.json)", source=source)
@@ -360,7 +372,8 @@ def _open_local(path: Path, split: str) -> RowTable:
     if path.is_dir():
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
             return _saved_dataset(path, split)
-        files = [str(f) for f in sorted(path.rglob("*")) if f.is_file() and not f.name.startswith(".")]
+        files = [str(f) for f in sorted(path.rglob("*"))
+                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)]
         return _folder_of_files(source, files, split,
                                 lambda f, suffix: _kind_table(f, suffix, lambda: open(f, "rb"), Path(f)))
     if not path.exists():
@@ -368,6 +381,7 @@ def _open_local(path: Path, split: str) -> RowTable:
         if problem is not None:
             raise DataError(problem, source=source)
         raise DataError(f"{source}: file not found; check the dataset path", source=source)
+    _check_no_split(source, split)
     return _kind_table(source, path.suffix.lower(), lambda: open(path, "rb"), path)
 
 
@@ -402,6 +416,7 @@ def _open_uri(uri: str, split: str) -> RowTable:
             raise _reading_error(uri, "listing", error) from error
         files = [i.path for i in infos if i.type == pafs.FileType.File and not i.base_name.startswith(".")]
         return _folder_of_files(uri, files, split, make)
+    _check_no_split(uri, split)
     return make(location.path, Path(location.path).suffix.lower())
 
 

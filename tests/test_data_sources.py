@@ -299,6 +299,12 @@ def test_errors_name_the_file_the_row_and_the_column(tmp_path, smol_tokenizer):
     with pytest.raises(DataError, match=r"nulls.parquet, row 7: field 'answer' must be a string, got null"):
         load_dataset_examples(write_parquet(tmp_path / "nulls.parquet", nulls), QA, smol_tokenizer,
                               max_seq_len=MAX_LEN)
+    # streamed, the bad row fails the batch whose window holds it (the job then fails with this message)
+    cursor = open_stream(tmp_path / "nulls.parquet", QA, smol_tokenizer, max_seq_len=MAX_LEN, batch_size=4, seed=0,
+                         epochs=None, shuffle_window=5).cursor
+    assert len(cursor.next_batch()) == 4   # window 0: rows 0-4
+    with pytest.raises(DataError, match=r"nulls.parquet, row 7: field 'answer' must be a string, got null"):
+        cursor.next_batch()
     numbers = [{"question": r["question"], "answer": r["id"]} for r in rows]
     with pytest.raises(DataError, match=r"numbers.parquet, row 0: field 'answer' must be a string, got int"):
         load_dataset_examples(write_parquet(tmp_path / "numbers.parquet", numbers), QA, smol_tokenizer,

@@ -6,8 +6,8 @@ Order (deterministic, resumable): the training rows are cut into consecutive win
 window is read, tokenized and permuted with `random.Random(seed * 1_000_003 + epoch + w * 2**64)` (window w of
 that epoch); the epoch visits the windows in order. With `window` >= the training rows there is one window
 and its permutation is `DataCursor`'s for that epoch: a streaming job then sees exactly the batches of a
-non-streaming one (when no row is dropped by truncation and there is no eval split). `shuffle: false` reads
-the rows in order. Unlike `datasets`' buffer shuffle, no state but the position is needed to resume: a cursor
+non-streaming one (when no row is dropped by truncation and there is no eval split). `shuffle_window: 0`
+reads the rows in file order. Unlike `datasets`' buffer shuffle, no state but the position is needed to resume: a cursor
 restored to a saved position re-reads that window and continues exactly where the saved one would have.
 
 The position counts rows (not examples): rows whose tokens are all cut by `max_seq_len` are skipped.

@@ -41,6 +41,7 @@ from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pe
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
 from actors.service.job_files import METRICS_NAME, JobFiles
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
+from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import (CheckpointError, has_checkpoint, load_checkpoint, previous_folder,
                                      save_checkpoint, saved_step)
 from actors.engine.data import Example
@@ -215,6 +216,9 @@ class TrainerLoop:
         self.step_log_failing = False
         self.staging_dir = Path(config.staging_dir or Path(state_dir) / "staging").expanduser()
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
+        # what adapters record as their base: an id a serving engine resolves, and where it was loaded from
+        self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
+                                           dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
 
     # -- thread-safe entry points -------------------------------------------------------------------
@@ -573,7 +577,7 @@ class TrainerLoop:
         next step (the previous checkpoint stays in place meanwhile)."""
         job = active.job
         try:
-            save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
+            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id)
         except OSError as error:
             active.files.failed_write(error, CHECKPOINT_FOLDER)
             return
@@ -624,11 +628,12 @@ class TrainerLoop:
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
                     if active.tracker is not None:
                         active.tracker.eval(job.step, data["eval_loss"])
+                metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
-                    job.adapter, active.local_dir, self.base.source.description)))
+                    job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
             if kind != "failed":
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
-                    job, active.checkpoint_dir, self.base.source.description))
+                    job, active.checkpoint_dir, self.base_identity.serving_id))
                 data["checkpoint_step"] = job.step
             if active.remote is not None and kind != "failed":
                 outputs = kind in ("completed", "stopped_early")

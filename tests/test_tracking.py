@@ -124,3 +124,36 @@ def test_a_failing_tracker_leaves_training_intact(tiny_base, tiny_model_dirs, tm
     events = EventAccumulator(str(tmp_path / "out" / "no-server" / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
+
+
+def test_a_resumed_job_continues_its_run_and_tensorboard_drops_the_lost_steps(tmp_path, monkeypatch):
+    """A job paused at step 4 whose trainer died after step 4 resumes from its checkpoint at step 2: the
+    same MLflow run goes on (status SCHEDULED while paused), and TensorBoard shows the resumed session's
+    values for steps 3 and 4, not the lost ones."""
+    from actors.engine.spec import JobSpec, JobSubmission
+    from actors.service.tracking import start_tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    spec = JobSpec(name="resumed", data="unused.jsonl", format={"type": "text"}, max_steps=5,
+                   tracking={"tensorboard": True, "mlflow": True})
+    submission = JobSubmission(job=spec)
+    first = start_tracker("resumed-1", submission, tmp_path, None, None)
+    for step in (1, 2, 3, 4):
+        first.step({"step": step, "loss": 10.0 - step, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100}, 50.0)
+    first.finish("paused", 4, None)
+    assert first.wait(60) and not first.problems
+    second = start_tracker("resumed-1", submission, tmp_path, None, resumed_from=2)
+    for step in (3, 4, 5):
+        second.step({"step": step, "loss": 20.0 - step, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100}, 50.0)
+    second.finish("completed", 5, None)
+    assert second.wait(60) and not second.problems
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 9), (2, 8), (3, 17), (4, 16), (5, 15)]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("aspen").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["max_steps"] == "5"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "train/loss"))
+    assert history[-1] == (5, 15) and {(3, 17), (4, 16)} <= set(history)   # MLflow keeps both sessions' points

@@ -7,7 +7,8 @@ folder's `aspen.json`, which PEFT and vLLM ignore).
   the adapter was trained on those weights, dequantized, which differ from the hub's bfloat16 weights by the
   Q4_1 rounding);
 - a folder inside a Hugging Face cache (`.../models--ORG--NAME/snapshots/REV`) records `ORG/NAME`; another
-  folder whose config.json names a hub id in `_name_or_path` records that id; any other folder or `.gguf`
+  folder whose config.json names a hub id in `_name_or_path` (`_model_name_or_path` since transformers 5)
+  records that id; any other folder or `.gguf`
   file records its absolute path;
 - a hub id (from the local cache) records itself."""
 
@@ -48,10 +49,14 @@ def hub_id_of_folder(folder: Path) -> str | None:
             if len(org_and_name) == 2 and all(org_and_name):
                 return "/".join(org_and_name)
     try:
-        recorded = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return recorded if isinstance(recorded, str) and is_hub_id(recorded) else None
+    for key in ("_name_or_path", "_model_name_or_path"):   # transformers 4 / 5 write the id it was loaded from
+        recorded = config.get(key)
+        if isinstance(recorded, str) and is_hub_id(recorded):
+            return recorded
+    return None
 
 
 def base_identity(base_model: str, source: ModelSource | None = None, *, quantization: str = "none",

@@ -126,8 +126,22 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
     except OSError as error:
         raise ExportError(f"the adapter's base {source.description} could not be loaded ({error}); give a local "
                           "copy with --base (a model folder, a .gguf file, or a hub id in the local cache)") from error
+    if source.gguf_file:
+        _as_plain_model(model, source)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     return peft_model.merge_and_unload(), source
+
+
+def _as_plain_model(model: torch.nn.Module, source: ModelSource) -> None:
+    """A model transformers dequantized from a GGUF file, made an ordinary float model (transformers keeps
+    its GGUF 'quantizer' attached, and refuses to save a model that has one)."""
+    kept = sorted({type(p).__name__ for p in model.parameters() if not p.dtype.is_floating_point})
+    if kept:
+        raise ExportError(f"transformers kept the weights of {source.description} in GGUF blocks ({', '.join(kept)}); "
+                          "merging needs float weights: give a float copy of the base with --base")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def export_merged(adapter_dir: Path, out: Path, *, base: str | None = None, dtype: str = "auto",

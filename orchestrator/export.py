@@ -1,4 +1,4 @@
-"""`aspen export JOB`: find a job's final adapter and hand it off (actors/engine/export.py): a PEFT folder
+"""`aspen export JOB`: find a job's final adapter and hand it off (actors/engine/adapter_export.py): a PEFT folder
 for vLLM's `--lora-modules` or PEFT, or with `--merge` the base with the adapter merged, as a transformers
 folder.
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.engine.export import ExportError, export_adapter, export_merged, has_adapter
+from actors.engine.adapter_export import ExportError, export_adapter, export_merged, has_adapter
 from actors.engine.storage import StorageLocation, as_location, is_uri
 
 FINISHED = ("completed", "stopped_early")

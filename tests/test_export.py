@@ -66,6 +66,15 @@ def engine_logits(base_model: str, adapter_dir: Path, spec: JobSpec, ids: torch.
         return FusedTrainer(base).logits("exported", ids)
 
 
+def offline(monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1, as a serving machine without the hub sets it before it starts (huggingface_hub reads
+    it once, at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 def sample_ids(count: int = 2, length: int = 24) -> torch.Tensor:
     return torch.tensor([list(e.input_ids) for e in random_examples(11, count=count, min_len=length, max_len=length)])
 
@@ -80,7 +89,7 @@ def test_peft_resolves_the_recorded_base_id_and_gives_the_engines_logits(trained
     recorded = json.loads((exported / "aspen.json").read_text())["base_model"]
     assert recorded["local_path"].endswith(REVISION) and recorded["id"] == HUB_ID
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch)
     model = AutoPeftModelForCausalLM.from_pretrained(str(exported), cache_dir=str(hub_cache), local_files_only=True,
                                                      dtype=torch.float32).eval()
     adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A) > 0]
@@ -182,7 +191,7 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
     hub_model.save_pretrained(snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(REVISION)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch)
     model = AutoPeftModelForCausalLM.from_pretrained(str(exported), cache_dir=str(tmp_path / "hub"),
                                                      local_files_only=True, dtype=torch.float32).eval()
     with torch.no_grad():

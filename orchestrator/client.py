@@ -349,6 +349,16 @@ class Client:
         """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
         return self._request("resume", job, reason)
 
+    def export(self, job: str, out: str | Path | None = None, *, merge: bool = False, force: bool = False,
+               checkpoint: bool = False, base: str | None = None, dtype: str = "auto") -> Path:
+        """Write the job's final adapter as a PEFT folder (vLLM's --lora-modules), or with `merge` the base with
+        it merged as a transformers folder; returns the folder (`aspen export`, orchestrator/export.py). The
+        job's output folder must be reachable from here (a shared mount or a storage URI)."""
+        from orchestrator.export import export_job
+
+        return export_job(job, out, merge=merge, force=force, checkpoint=checkpoint, base=base, dtype=dtype,
+                          service=self.status)
+
     def delete(self, job: str) -> None:
         """Forget a job that is not running (its files stay)."""
         self._request("delete", job)

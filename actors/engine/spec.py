@@ -161,6 +161,38 @@ class EarlyStopConfig(StrictModel):
         3, description="evaluations without enough improvement before stopping")
 
 
+class MlflowTracking(StrictModel):
+    """Where a job's MLflow run goes: one run per job (found again by its job id when the job resumes),
+    with the job's spec as parameters, its loss, eval loss, learning rate, gradient norm and tokens/s as
+    metrics per optimizer step, and its final adapter as an artefact (`adapter/`)."""
+
+    tracking_uri: str | None = Field(
+        None, description="an MLflow tracking URI (http://host:5000, file:///mnt/mlruns, databricks, ...); null: "
+                          "$MLFLOW_TRACKING_URI of the trainer's process, else a file store in the job's folder "
+                          "(<job>/mlruns; aspen sets MLFLOW_ALLOW_FILE_STORE=true, mlflow's opt-in to its "
+                          "file store, while it writes there)")
+    experiment: str = Field("aspen", min_length=1, max_length=500, description="the MLflow experiment's name")
+
+
+class TrackingConfig(StrictModel):
+    """Experiment tracking of a job. A tracker that fails (a bad URI, an unreachable server, a full disk)
+    is logged once and switched off for that job; the job trains on."""
+
+    tensorboard: bool = Field(False, description="TensorBoard event files in the job's folder (<job>/tb): "
+                                                 "`tensorboard --logdir <output_dir>`")
+    mlflow: MlflowTracking | None = Field(None, description="an MLflow run per job: `true` (the defaults) or "
+                                                            "{tracking_uri, experiment}")
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _bool_means_defaults(cls, value: Any) -> Any:
+        if value is True:
+            return MlflowTracking()
+        if value is False:
+            return None
+        return value
+
+
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
@@ -207,6 +239,8 @@ class JobSpec(StrictModel):
     early_stop: EarlyStopConfig | None = Field(None, description="stop when training stops paying off")
     priority: Priority = Field(0, description="higher runs first under priority-aware policies")
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
+    tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
+                                                              "(default: the run's `tracking`)")
 
     @field_validator("name")
     @classmethod
@@ -295,6 +329,8 @@ class RunSpec(StrictModel):
         "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
                             "more time; the same adapters)")
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
+    tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
+                                                              "sets none of its own")
     jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
 
     @model_validator(mode="after")
@@ -322,12 +358,18 @@ class RunSpec(StrictModel):
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
 
+    def _with_tracking(self, job: JobSpec) -> JobSpec:
+        """The job, with the run's tracking where it sets none of its own."""
+        if job.tracking is not None or self.tracking is None:
+            return job
+        return job.model_copy(update={"tracking": self.tracking})
+
     def job_seed(self, job: JobSpec) -> int:
         return self.seed if job.seed is None else job.seed
 
     def submissions(self) -> list[JobSubmission]:
         """The run's jobs as the service takes them (each carries the run-level settings)."""
-        return [JobSubmission(job=job, base_model=self.base_model, quantization=self.quantization,
+        return [JobSubmission(job=self._with_tracking(job), base_model=self.base_model, quantization=self.quantization,
                               dtype=self.dtype, seed=self.job_seed(job), output_dir=self.output_dir / job.name)
                 for job in self.jobs]
 

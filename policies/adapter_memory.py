@@ -1,6 +1,6 @@
 """Memory estimates for admission: what one job's adapter costs on a trainer (fp32 weights, their
-gradients and AdamW's two moments: 16 bytes per adapter parameter; DoRA's magnitude vector, one per output
-row, is such a parameter; PiSSA / OLoRA keep a frozen fp32 copy of the initial A and B: 4 bytes per LoRA
+gradients and AdamW's two moments: 16 bytes per adapter parameter). DoRA's magnitude vector (one per output
+row) is such a parameter; PiSSA / OLoRA also keep a frozen fp32 copy of the initial A and B (4 bytes per LoRA
 parameter more). Plain numbers in, plain numbers out: which layers a LoRA config adapts is the engine's
 business (`actors.engine.lora.adapted_shapes`)."""
 

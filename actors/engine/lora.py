@@ -15,6 +15,10 @@ Two ways to compute the adapters' updates, with the same arithmetic per job:
   Used (auto) on CUDA when at least two adapters take part and padding at most doubles the rows;
   GROUPING = "grouped" forces it for any number of adapters (tests, benchmarks, the operation count).
 
+DoRA and PiSSA / OLoRA adapters (LoraAdapter says how they compute, as PEFT) always take the per-segment
+way, beside grouped plain adapters: the base projection still runs once for every token, and their
+corrections touch their own job's tokens only.
+
 Adapters are added and removed at run time. Each adapter owns its dropout random generator, so a job's
 dropout masks do not depend on which other jobs share its steps (isolation holds with dropout too)."""
 

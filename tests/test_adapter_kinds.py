@@ -353,3 +353,34 @@ def test_the_exported_config_is_peft_s_conversion(tmp_path):
     save_adapter(handle, tmp_path, "tiny")
     config = json.loads((tmp_path / CONFIG_NAME).read_text())
     assert (config["r"], config["lora_alpha"], config["init_lora_weights"], config["use_dora"]) == (8, 16, True, True)
+
+
+def test_the_step_memory_prior_counts_what_dora_keeps_for_backward():
+    """What autograd keeps for a DoRA adapter beyond a plain one (counted by the saved-tensor hooks the
+    trainer's CPU meter uses) against memory_prior.adapter_bytes' two (out) rows per token and layer; PiSSA's
+    frozen product keeps nothing per token."""
+    from actors.engine.memory import SavedTensorCounter, _storage_key
+    from actors.engine.memory_prior import adapter_bytes
+
+    base = from_module(tiny_model("llama", VOCAB), None)
+    output = base.model.get_output_embeddings()
+    shapes = {name: (m.in_features, m.out_features) for name, m in base.model.named_modules()
+              if isinstance(m, torch.nn.Linear) and m is not output}
+    tokens = 200
+    ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+    measured, analytic = {}, {}
+    for kind, fields in (("plain", {}), ("dora", {"use_dora": True}), ("pissa", {"init_lora_weights": "pissa"})):
+        config = LoraConfig(r=4, alpha=8, target_modules="all-linear", **fields)
+        add_adapter(base.model, kind, config, seed=0)
+        counter = SavedTensorCounter(exclude={_storage_key(t)[0] for t in [*base.model.parameters(),
+                                                                            *base.model.buffers()]})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            aspen_logits(base.model, kind, ids)
+        measured[kind] = counter.saved_bytes
+        analytic[kind] = adapter_bytes([(config, list(shapes), tokens)], shapes, {}, torch.float32)
+        remove_adapter(base.model, kind)
+    transient = 3 * max(i * o for i, o in shapes.values()) * 4   # the norm's W + BA, counted once
+    dora_extra = measured["dora"] - measured["plain"]
+    assert dora_extra > 0
+    assert abs((analytic["dora"] - transient - analytic["plain"]) - dora_extra) <= 0.02 * dora_extra
+    assert measured["pissa"] == measured["plain"] and analytic["pissa"] == analytic["plain"]

@@ -216,10 +216,12 @@ def mixed_jobs() -> list[tuple[JobSpec, list, int]]:
             for index, spec in enumerate(specs)]
 
 
-def test_every_kind_fused_with_plain_lora_trains_exactly_as_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kind_fused_with_plain_lora_trains_exactly_as_alone(dtype):
     """One fused step at a time for a DoRA job (with dropout), a PiSSA job, a LoRA+ job and a plain job: each
-    ends with the weights (magnitudes included) and the losses of its solo run, bit for bit."""
-    assert_isolated(from_module(tiny_model("llama", VOCAB), None), mixed_jobs())
+    ends with the weights (magnitudes included) and the losses of its solo run, bit for bit (on a bfloat16
+    base too: DoRA reads the base's bfloat16 output and weight, in float32)."""
+    assert_isolated(from_module(tiny_model("llama", VOCAB).to(dtype), None), mixed_jobs())
 
 
 def test_grouped_way_leaves_dora_and_pissa_on_their_own_segments(monkeypatch):

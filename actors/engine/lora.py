@@ -51,7 +51,8 @@ class LoraAdapter(nn.Module):
       delta(x) = scaling * (B A dropout(x) - B0 A0 x), which is PEFT's forward on W_res. B0, A0 are buffers
       (`lora_B0`, `lora_A0`), saved with the adapter (as the rank-2r LoRA [B, -B0] [A; A0] PEFT converts to).
     - use_dora: a trainable magnitude m per output row (initialised to the row norms of W_res + scaling B A,
-      as PEFT), the update rescaled row by row by m / ||W_res + scaling B A|| (the norm detached, as PEFT):
+      as PEFT), the update rescaled row by row by m / ||W_res + scaling B A|| (the norm detached, as PEFT;
+      on a quantized base, of the dequantized W, as PEFT):
       delta(x) = (m/n - 1) W_res x' + (m/n) scaling B A x', with x' = dropout(x); without dropout W x' is
       the base layer's own output (no second product); with it, W x' is recomputed on the job's tokens
       (PEFT's form)."""
@@ -139,9 +140,11 @@ class LoraAdapter(nn.Module):
             return update if initial is None else update - initial
         if base_out is None or base is None:
             raise ValueError("a DoRA adapter's update needs the base layer and its output")
-        scale = (self.magnitude / self._weight_norm(base.weight)).view(1, -1)
+        weight = base_weight(base)
+        scale = (self.magnitude / self._weight_norm(weight)).view(1, -1)
+        del weight   # a quantized base's dequantized copy: transient
         if self.drops:   # PEFT's form: W_res on the dropped input, computed again
-            base_result = F.linear(dropped, base.weight.to(dropped.dtype))
+            base_result = F.linear(dropped, base_weight(base).to(dropped.dtype))
             if initial is not None:
                 base_result = base_result - self._initial(dropped)
         else:
@@ -152,6 +155,24 @@ class LoraAdapter(nn.Module):
                 base_result = base_result - initial
         update = (scale - 1) * base_result + scale * update * self.scaling
         return update if initial is None else update - initial
+
+
+def base_weight(base: nn.Module) -> torch.Tensor:
+    """The base layer's weight W (out, in) in floating point: itself, or for a bitsandbytes layer its
+    dequantized copy (as PEFT's dequantize_module_weight: NF4 through dequantize_4bit, int8 rows times
+    their absmax / 127), which DoRA's row norms read."""
+    weight = base.weight
+    kind = type(weight).__name__
+    if kind not in ("Params4bit", "Int8Params"):
+        return weight
+    import bitsandbytes as bnb
+
+    if kind == "Params4bit":
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)
+    scales = getattr(getattr(base, "state", None), "SCB", None)
+    if scales is None:
+        scales = weight.SCB
+    return bnb.functional.int8_vectorwise_dequant(weight.data, scales.to(weight.data.device))
 
 
 def principal_factors(weight: torch.Tensor, config: LoraConfig, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -529,17 +550,17 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
     if config.dropout > 0:
         dropout_generator = torch.Generator(device=device).manual_seed(seed + 1)
     reads_weight = config.use_dora or config.init_lora_weights.startswith(("pissa", "olora"))
-    if reads_weight:
+    if needs_full_precision_base(config) is not None:
         quantized = [name for name in targets if not _full_precision(model.get_submodule(name))]
         if quantized:
-            problem = needs_full_precision_base(config) or "this adapter reads the base weights"
+            problem = needs_full_precision_base(config)
             raise ValueError(f"adapter '{name}': {problem} (e.g. {quantized[0]} is "
                              f"{type(model.get_submodule(quantized[0])).__name__})")
     layers: dict[str, LoraAdapter] = {}
     for module_name in targets:
         fused = _wrap(model, module_name)
         adapter = LoraAdapter(fused.in_features, fused.out_features, config, generator=init_generator,
-                              device=device, dtype=dtype, base_weight=fused.base.weight if reads_weight else None,
+                              device=device, dtype=dtype, base_weight=base_weight(fused.base) if reads_weight else None,
                               seed=seed)
         adapter.dropout_generator = dropout_generator
         fused.adapters[name] = adapter

@@ -140,12 +140,10 @@ BASE_DEPENDENT_INITS = ("pissa", "olora")
 
 def needs_full_precision_base(lora: LoraConfig) -> str | None:
     """Why `lora` cannot train on a quantized base (int8 / nf4), naming the field and the fix; None if it can.
-    DoRA's weight norm and PiSSA / OLoRA's decomposition read the base weight W itself, and the engine does
-    not dequantize it (PEFT does, and for PiSSA / OLoRA re-quantizes W minus the initial product: a
-    different base than the one the other jobs share)."""
-    if lora.use_dora:
-        return ("lora.use_dora: DoRA needs the base's full-precision weights (the row norms of W + BA) and the "
-                "base is quantized; set quantization: none, or use_dora: false")
+    PiSSA / OLoRA decompose W and train on W - scaling B0 A0; PEFT re-quantizes that residual, which would
+    be another base than the quantized W the other jobs share, and keeping W quantized while subtracting
+    B0 A0 is not PEFT's model either: refused. (DoRA is accepted: its row norms read the dequantized W, as
+    PEFT's.)"""
     if lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS):
         return (f"lora.init_lora_weights: '{lora.init_lora_weights}' decomposes the base's full-precision "
                 "weights and the base is quantized; set quantization: none, or init_lora_weights: default")
@@ -165,7 +163,8 @@ class LoraConfig(StrictModel):
     target_modules: list[str] | Literal["all-linear"] = Field(
         ["q_proj", "v_proj"], description="module names to adapt, or `all-linear`")
     use_dora: bool = Field(False, description="DoRA (PEFT's use_dora): a trainable magnitude per output row, the "
-                                              "weight's direction adapted by LoRA (full-precision bases only)")
+                                              "weight's direction adapted by LoRA (on a quantized base, the "
+                                              "norms of the dequantized weight, as PEFT)")
     init_lora_weights: InitLoraWeights = Field(
         "default", description="default (PEFT's True: A Kaiming-uniform, B zero), gaussian (A normal, std 1/r), "
                                "pissa (A, B from W's top-r singular values and vectors; pissa_niter_N: a "

@@ -131,6 +131,7 @@ class LoraAdapter(nn.Module):
               ) -> torch.Tensor:
         """The update on these tokens `x`; `base_out` (the base layer's output on them) and `base` (the base
         layer) are read by DoRA only."""
+        input_dtype = x.dtype
         x = x.to(self.lora_A.dtype)
         dropped = x * self.draw_dropout_mask(torch.empty_like(x)) if self.drops else x
         update = F.linear(F.linear(dropped, self.lora_A), self.lora_B)
@@ -140,11 +141,9 @@ class LoraAdapter(nn.Module):
             return update if initial is None else update - initial
         if base_out is None or base is None:
             raise ValueError("a DoRA adapter's update needs the base layer and its output")
-        weight = base_weight(base)
-        scale = (self.magnitude / self._weight_norm(weight)).view(1, -1)
-        del weight   # a quantized base's dequantized copy: transient
+        scale = (self.magnitude / self._weight_norm(base_weight(base))).view(1, -1)
         if self.drops:   # PEFT's form: W_res on the dropped input, computed again
-            base_result = F.linear(dropped, base_weight(base).to(dropped.dtype))
+            base_result = _base_product(base, dropped.to(input_dtype)).to(update.dtype)
             if initial is not None:
                 base_result = base_result - self._initial(dropped)
         else:
@@ -155,6 +154,17 @@ class LoraAdapter(nn.Module):
                 base_result = base_result - initial
         update = (scale - 1) * base_result + scale * update * self.scaling
         return update if initial is None else update - initial
+
+
+def _base_product(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """W x without the bias, in the base's own arithmetic: F.linear with the weight itself, so that backward
+    keeps no float32 copy of it; a quantized layer's own product (bitsandbytes dequantizes in its backward)
+    less its bias. (PEFT multiplies by the dequantized weight in the adapter's dtype: the same on a float32
+    base; on a bfloat16 or quantized one, another rounding.)"""
+    if _full_precision(base):
+        return F.linear(x.to(base.weight.dtype), base.weight)
+    out = base(x)
+    return out if base.bias is None else out - base.bias.to(out.dtype)
 
 
 def base_weight(base: nn.Module) -> torch.Tensor:
@@ -551,7 +561,7 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         dropout_generator = torch.Generator(device=device).manual_seed(seed + 1)
     reads_weight = config.use_dora or config.init_lora_weights.startswith(("pissa", "olora"))
     if needs_full_precision_base(config) is not None:
-        quantized = [name for name in targets if not _full_precision(model.get_submodule(name))]
+        quantized = [target for target in targets if not _full_precision(model.get_submodule(target))]
         if quantized:
             problem = needs_full_precision_base(config)
             raise ValueError(f"adapter '{name}': {problem} (e.g. {quantized[0]} is "

@@ -1,18 +1,25 @@
 """Memory estimates for admission: what one job's adapter costs on a trainer (fp32 weights, their
-gradients and AdamW's two moments: 16 bytes per adapter parameter). Plain numbers in, plain numbers out:
-which layers a LoRA config adapts is the engine's business (`actors.engine.lora.adapted_shapes`)."""
+gradients and AdamW's two moments: 16 bytes per adapter parameter). DoRA's magnitude vector (one per output
+row) is such a parameter; PiSSA / OLoRA also keep a frozen fp32 copy of the initial A and B (4 bytes per LoRA
+parameter more). Plain numbers in, plain numbers out: which layers a LoRA config adapts is the engine's
+business (`actors.engine.lora.adapted_shapes`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 BYTES_PER_ADAPTER_PARAMETER = 4 * 4   # weight, gradient, AdamW exp_avg and exp_avg_sq, fp32 each
+BYTES_PER_FROZEN_VALUE = 4            # PiSSA / OLoRA's initial A0, B0: fp32 buffers, no gradient, no moments
 
 
-def adapter_parameters(rank: int, shapes: Iterable[tuple[int, int]]) -> int:
-    """LoRA parameters of rank `rank` on linear layers of these (in, out) shapes: r x (in + out) each."""
-    return sum(rank * (fan_in + fan_out) for fan_in, fan_out in shapes)
+def adapter_parameters(rank: int, shapes: Iterable[tuple[int, int]], *, dora: bool = False) -> int:
+    """LoRA parameters of rank `rank` on linear layers of these (in, out) shapes: r x (in + out) each, and
+    with DoRA `out` magnitudes each."""
+    return sum(rank * (fan_in + fan_out) + (fan_out if dora else 0) for fan_in, fan_out in shapes)
 
 
-def adapter_memory_bytes(rank: int, shapes: Iterable[tuple[int, int]]) -> int:
-    return adapter_parameters(rank, shapes) * BYTES_PER_ADAPTER_PARAMETER
+def adapter_memory_bytes(rank: int, shapes: Iterable[tuple[int, int]], *, dora: bool = False,
+                         frozen_initial: bool = False) -> int:
+    shapes = list(shapes)
+    frozen = adapter_parameters(rank, shapes) * BYTES_PER_FROZEN_VALUE if frozen_initial else 0
+    return adapter_parameters(rank, shapes, dora=dora) * BYTES_PER_ADAPTER_PARAMETER + frozen

@@ -11,7 +11,8 @@ invalid. Nothing in a job folder is ever unpickled: format 2 is safetensors + JS
 checkpoints (`optimizer.pt`) are read only with `torch.load(weights_only=True)`.
 
 Format 2 on disk (`<name>/`):
-    adapter_config.json, adapter_model.safetensors   the adapter, loadable by PEFT
+    adapter_config.json, adapter_model.safetensors   the adapter, loadable by PEFT (DoRA's magnitudes and
+                            PiSSA / OLoRA's frozen A0, B0 included: peft_io)
     optimizer.safetensors   tensors: `state.<id>.<key>` (AdamW exp_avg / exp_avg_sq / step per parameter),
                             `grad.<i>` (partial accumulation, where not None), `dropout_rng` (uint8),
                             `param_groups.<g>.<key>` (tensor-valued optimizer settings, if any)
@@ -41,7 +42,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from actors.engine.job import OptimizerStepRecord, StepAccumulator, TrainingJob
-from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
+from actors.engine.peft_io import (CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict_shapes, load_adapter_state,
+                                   save_adapter)
 
 log = logging.getLogger(__name__)
 
@@ -567,17 +569,16 @@ def _check_against_job(saved: _Saved, job: TrainingJob) -> None:
     tensors_path = saved.folder / (OPTIMIZER_NAME if saved.format == 2 else LEGACY_OPTIMIZER_NAME)
     weights_path = saved.folder / WEIGHTS_NAME
 
-    named = list(job.adapter.named_parameters())
-    keys = {f"base_model.model.{name}": param for name, param in named}
+    keys = adapter_state_dict_shapes(job.adapter)   # DoRA's magnitudes, PiSSA / OLoRA's A0 and B0 included
     missing = [key for key in keys if key not in saved.adapter]
     extra = [key for key in saved.adapter if key not in keys]
     if missing or extra:
-        raise _Invalid(f"{weights_path}: saved with other target modules ({len(missing)} tensors missing, "
-                       f"{len(extra)} unexpected, e.g. {(missing + extra)[0]})")
-    for key, param in keys.items():
-        if tuple(saved.adapter[key].shape) != tuple(param.shape):
+        raise _Invalid(f"{weights_path}: saved with other target modules or another adapter kind ({len(missing)} "
+                       f"tensors missing, {len(extra)} unexpected, e.g. {(missing + extra)[0]})")
+    for key, shape in keys.items():
+        if tuple(saved.adapter[key].shape) != shape:
             raise _Invalid(f"{weights_path}: '{key}' has shape {tuple(saved.adapter[key].shape)}, the adapter "
-                           f"{tuple(param.shape)} (another LoRA rank?)")
+                           f"{shape} (another LoRA rank or init_lora_weights?)")
 
     step, step_count = saved.state["step"], saved.optimizer["step_count"]
     if step != step_count:
@@ -658,9 +659,7 @@ def _restore(job: TrainingJob, saved: _Saved) -> None:
         raise _Invalid(f"{saved.folder / STATE_NAME}: its data position does not fit this job's data "
                        f"({error})") from error
     try:
-        with torch.no_grad():
-            for name, param in job.adapter.named_parameters():
-                param.copy_(saved.adapter[f"base_model.model.{name}"].to(param.device, param.dtype))
+        load_adapter_state(job.adapter, saved.adapter, str(saved.folder / WEIGHTS_NAME))
         job.optimizer.load_state_dict(saved.optimizer)
         for parameter, gradient in zip(job.adapter.parameters(), saved.gradients):
             parameter.grad = None if gradient is None else gradient.to(parameter.device, parameter.dtype)

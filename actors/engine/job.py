@@ -93,8 +93,8 @@ class TrainingJob:
                total_steps: int, *, seed: int) -> TrainingJob:
         """A job whose micro-batches come from `source` (e.g. streamed from a job actor)."""
         adapter = add_adapter(base.model, spec.name, spec.lora, seed=seed)
-        optimizer = JobOptimizer(spec, adapter.parameters(), total_steps,
-                                 loss_scaling=base.dtype == torch.float16)
+        optimizer = JobOptimizer(spec, adapter.parameters(), total_steps, loss_scaling=base.dtype == torch.float16,
+                                 fast_parameters=adapter.parameter_groups()[1])
         return cls(spec, adapter, optimizer, source, eval_examples, total_steps, seed)
 
     @property

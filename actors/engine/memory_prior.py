@@ -38,13 +38,21 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
     layer (in, out) and token: the rank-r hidden A·x; with dropout the mask and the dropped input (in each);
     without, the input A reads: where the base is float32 that is the layer's input itself, a slice of the
     whole stream's tensor, kept once for every layer that reads the same tensor (`input_groups`: q/k/v
-    share one, so do gate/up) and the whole stream long; otherwise its float32 copy (in, per layer)."""
+    share one, so do gate/up) and the whole stream long; otherwise its float32 copy (in, per layer).
+    DoRA keeps two (out) rows more per token (the base's output and the low-rank update, which the
+    magnitude's gradient reads), and computes each layer's row norms of W + B A on a transient of about
+    three float32 (out, in) matrices (one layer at a time: the largest counts once)."""
     total = 0
     kept_inputs: dict[int, int] = {}
+    dora_transient = 0
     for lora, names, tokens in jobs:
         for name in names:
             in_features = linear_shapes[name][0]
             per_token = lora.r
+            if lora.use_dora:
+                out_features = linear_shapes[name][1]
+                per_token += 2 * out_features
+                dora_transient = max(dora_transient, 3 * in_features * out_features * ADAPTER_WIDTH)
             if lora.dropout > 0:   # the mask is kept only where the input itself needs a gradient
                 per_token += in_features if name in input_groups.get("no_grad", ()) else 2 * in_features
             elif base_dtype != torch.float32:
@@ -53,7 +61,7 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
                 kept_inputs[input_groups.get(name, id(name))] = in_features
             total += per_token * ADAPTER_WIDTH * tokens
     stream = sum(tokens for _, _, tokens in jobs)
-    return total + sum(kept_inputs.values()) * ADAPTER_WIDTH * stream
+    return total + sum(kept_inputs.values()) * ADAPTER_WIDTH * stream + dora_transient
 
 
 def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:

@@ -85,14 +85,26 @@ class LossScale:
 
 class JobOptimizer:
     """AdamW + schedule for one job; `micro_step_done()` tells when its accumulation is complete.
-    `loss_scaling`: dynamic loss scaling (for a float16 base; bfloat16 and float32 need none)."""
+    `loss_scaling`: dynamic loss scaling (for a float16 base; bfloat16 and float32 need none).
+    LoRA+ (`spec.lora.loraplus_lr_ratio`): `fast_parameters` (B and DoRA's magnitudes, a subset of
+    `parameters`) form a second parameter group at lr * ratio, the others stay at lr; both follow the
+    schedule (each group's lr is its own peak times the schedule's factor, as torch's LambdaLR)."""
 
     def __init__(self, spec: JobSpec, parameters: list[torch.nn.Parameter], total_steps: int, *,
-                 loss_scaling: bool = False):
+                 loss_scaling: bool = False, fast_parameters: list[torch.nn.Parameter] | None = None):
         self.spec = spec
         self.parameters = parameters
         self.total_steps = total_steps
-        self.optimizer = torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay,
+        ratio = spec.lora.loraplus_lr_ratio
+        groups: list[dict] = [{"params": parameters, "lr_ratio": 1.0}]
+        if ratio is not None:
+            if not fast_parameters:
+                raise ValueError(f"job '{spec.name}': lora.loraplus_lr_ratio needs the adapter's B parameters "
+                                 "(fast_parameters)")
+            fast = {id(p) for p in fast_parameters}
+            groups = [{"params": [p for p in parameters if id(p) not in fast], "lr_ratio": 1.0},
+                      {"params": [p for p in parameters if id(p) in fast], "lr_ratio": float(ratio)}]
+        self.optimizer = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=spec.weight_decay,
                                            **fused_option(parameters))
         self.step_count = 0
         self.micro_count = 0
@@ -105,13 +117,20 @@ class JobOptimizer:
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
 
     @property
+    def lr_factor(self) -> float:
+        return lr_factor(self.step_count, schedule=self.spec.lr_schedule, warmup_steps=self.spec.warmup_steps,
+                         total_steps=self.total_steps)
+
+    @property
     def lr(self) -> float:
-        return self.spec.lr * lr_factor(self.step_count, schedule=self.spec.lr_schedule,
-                                        warmup_steps=self.spec.warmup_steps, total_steps=self.total_steps)
+        """The job's learning rate now (LoRA+: A's; B's is lr_ratio times it)."""
+        return self.spec.lr * self.lr_factor
 
     def set_lr(self) -> None:
+        factor = self.lr_factor
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+            ratio = group.get("lr_ratio", 1.0)
+            group["lr"] = self.spec.lr * factor if ratio == 1.0 else self.spec.lr * ratio * factor
 
     def micro_step_done(self) -> bool:
         """Count one micro-batch; True when an optimizer step is due."""
@@ -169,13 +188,13 @@ class JobOptimizer:
 
 
 def _batchable(optimizer: JobOptimizer) -> bool:
-    """A job whose step `step_jobs` may take with others': fused AdamW, one parameter group, no loss scale
-    (a float16 job's overflow check stays its own), no amsgrad / maximize."""
-    groups = optimizer.optimizer.param_groups
-    if optimizer.loss_scale is not None or len(groups) != 1:
+    """A job whose step `step_jobs` may take with others': fused AdamW, no loss scale (a float16 job's
+    overflow check stays its own), no amsgrad / maximize. Its parameter groups (two with LoRA+) each join
+    the AdamW call of their own hyperparameters."""
+    if optimizer.loss_scale is not None:
         return False
-    group = groups[0]
-    return bool(group["fused"]) and not group["amsgrad"] and not group["maximize"] and not group["capturable"]
+    return all(bool(group["fused"]) and not group["amsgrad"] and not group["maximize"] and not group["capturable"]
+               for group in optimizer.optimizer.param_groups)
 
 
 def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[float, float]]:
@@ -232,18 +251,17 @@ def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: 
             factors.append(min(limit / (totals[position] + 1e-6), 1.0))
     if clipped:
         torch._foreach_mul_(clipped, factors)
-    by_hyperparameters: dict[tuple, list[int]] = {}
+    by_hyperparameters: dict[tuple, list[tuple[torch.optim.Optimizer, dict]]] = {}
     lrs = [optimizer.lr for optimizer in optimizers]
-    for position, optimizer in enumerate(optimizers):
-        group = optimizer.optimizer.param_groups[0]
-        key = (lrs[position], tuple(group["betas"]), group["eps"], group["weight_decay"],
-               group["decoupled_weight_decay"])
-        by_hyperparameters.setdefault(key, []).append(position)
+    for optimizer in optimizers:
+        for group in optimizer.optimizer.param_groups:   # LoRA+: two groups, at two learning rates
+            key = (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"],
+                   group["decoupled_weight_decay"])
+            by_hyperparameters.setdefault(key, []).append((optimizer.optimizer, group))
     for (lr, (beta1, beta2), eps, weight_decay, decoupled), members in by_hyperparameters.items():
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
-        for position in members:
-            adamw = optimizers[position].optimizer
-            adamw._init_group(adamw.param_groups[0], *lists)   # torch's own lazy state initialisation
+        for adamw, group in members:
+            adamw._init_group(group, *lists)   # torch's own lazy state initialisation
         params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
         functional_adam(params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
                         fused=True, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,

@@ -1,5 +1,12 @@
 """Adapters in PEFT's on-disk format: `adapter_config.json` + `adapter_model.safetensors`, loadable
-with `peft.PeftModel.from_pretrained` on the same base model."""
+with `peft.PeftModel.from_pretrained` on the same (unmodified) base model.
+
+DoRA adapters are written as PEFT writes them (`use_dora`, a `lora_magnitude_vector` per layer). PiSSA /
+OLoRA adapters are written as PEFT's own conversion writes them (`save_pretrained(...,
+path_initial_model_for_weight_conversion=...)`): the rank-2r LoRA A' = [A; A0], B' = [B, -B0] (r and alpha
+doubled, so the scaling is unchanged; alpha times sqrt(2) with rslora), whose update on the unmodified base W
+is scaling (B A - B0 A0): the trained adapter on PEFT's residual base. The file keeps every tensor the
+adapter has, so a checkpoint restores A, B, A0 and B0 exactly from it (`load_adapter_state`)."""
 
 from __future__ import annotations
 
@@ -19,14 +26,24 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 METADATA_NAME = "aspen.json"
 
 
+def converted(config: LoraConfig) -> bool:
+    """Whether the adapter is saved as PEFT's rank-2r conversion (PiSSA / OLoRA: a frozen initial product)."""
+    return config.init_lora_weights.startswith(("pissa", "olora"))
+
+
 def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_name: str) -> dict:
-    """`target_modules`: PEFT's names for exactly the adapted layers (AdapterHandle.peft_targets)."""
+    """`target_modules`: PEFT's names for exactly the adapted layers (AdapterHandle.peft_targets). The
+    initialisation is always PEFT's default (`true`): the weights are the trained ones, and a PiSSA / OLoRA
+    init would make PEFT decompose (and rewrite) the base again at load time."""
+    rank, alpha = config.r, config.alpha
+    if converted(config):
+        rank, alpha = 2 * rank, alpha * (2**0.5 if config.use_rslora else 2)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name,
-        "r": config.r,
-        "lora_alpha": config.alpha,
+        "r": rank,
+        "lora_alpha": alpha,
         "lora_dropout": config.dropout,
         "use_rslora": config.use_rslora,
         "target_modules": target_modules,
@@ -39,7 +56,7 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},
-        "use_dora": False,
+        "use_dora": config.use_dora,
         "revision": None,
     }
 
@@ -68,10 +85,57 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
+PREFIX = "base_model.model."
+
+
 def adapter_state_dict(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
-    """PEFT's key names: `base_model.model.<module path>.lora_A.weight` (adapter name stripped)."""
-    return {f"base_model.model.{name}": param.detach().to("cpu", torch.float32).contiguous().clone()
-            for name, param in adapter.named_parameters()}
+    """PEFT's key names: `base_model.model.<module path>.lora_A.weight` (adapter name stripped), and with
+    DoRA `....lora_magnitude_vector`; PiSSA / OLoRA layers as the rank-2r conversion [A; A0], [B, -B0]."""
+    tensors = {f"{PREFIX}{name}": param.detach().to("cpu", torch.float32).contiguous().clone()
+               for name, param in adapter.named_parameters()}
+    for module_name, lora_a0, lora_b0 in adapter.frozen_initial():
+        key_a, key_b = f"{PREFIX}{module_name}.lora_A.weight", f"{PREFIX}{module_name}.lora_B.weight"
+        tensors[key_a] = torch.cat([tensors[key_a], lora_a0.detach().to("cpu", torch.float32)], dim=0)
+        tensors[key_b] = torch.cat([tensors[key_b], -lora_b0.detach().to("cpu", torch.float32)], dim=1)
+    return tensors
+
+
+def load_adapter_state(adapter: AdapterHandle, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copy `adapter_state_dict`-form tensors into an attached adapter of the same config (the PiSSA /
+    OLoRA conversion split back into A, B and the frozen A0, B0). ValueError naming `where` and the key
+    for a missing tensor or a shape that does not fit."""
+    expected = adapter_state_dict_shapes(adapter)
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise ValueError(f"{where}: tensor '{key}' is missing; the adapter was saved with other target modules")
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(f"{where}: '{key}' has shape {tuple(tensors[key].shape)}, the adapter {shape} "
+                             "(another LoRA rank or init_lora_weights?)")
+    initial = {module_name: (a0, b0) for module_name, a0, b0 in adapter.frozen_initial()}
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            value = tensors[f"{PREFIX}{name}"]
+            module_name, _, kind = name.partition(".lora_")
+            if module_name in initial and kind in ("A.weight", "B.weight"):
+                lora_a0, lora_b0 = initial[module_name]
+                rank = param.shape[0] if kind == "A.weight" else param.shape[1]
+                if kind == "A.weight":
+                    value, frozen = value[:rank], value[rank:]
+                    lora_a0.copy_(frozen.to(lora_a0.device, lora_a0.dtype))
+                else:
+                    value, frozen = value[:, :rank], value[:, rank:]
+                    lora_b0.copy_((-frozen).to(lora_b0.device, lora_b0.dtype))
+            param.copy_(value.to(param.device, param.dtype))
+
+
+def adapter_state_dict_shapes(adapter: AdapterHandle) -> dict[str, tuple[int, ...]]:
+    """The keys and shapes `adapter_state_dict` writes for this adapter (without copying any tensor)."""
+    shapes = {f"{PREFIX}{name}": tuple(param.shape) for name, param in adapter.named_parameters()}
+    for module_name, lora_a0, lora_b0 in adapter.frozen_initial():
+        key_a, key_b = f"{PREFIX}{module_name}.lora_A.weight", f"{PREFIX}{module_name}.lora_B.weight"
+        shapes[key_a] = (shapes[key_a][0] + lora_a0.shape[0], shapes[key_a][1])
+        shapes[key_b] = (shapes[key_b][0], shapes[key_b][1] + lora_b0.shape[1])
+    return shapes
 
 
 def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: str,
@@ -92,11 +156,4 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
 def load_adapter_weights(adapter: AdapterHandle, folder: str | Path) -> None:
     """Copy saved PEFT-format weights into an attached adapter of the same shape."""
     path = Path(folder) / WEIGHTS_NAME
-    tensors = load_file(str(path))
-    expected = dict(adapter.named_parameters())
-    for name, param in expected.items():
-        key = f"base_model.model.{name}"
-        if key not in tensors:
-            raise ValueError(f"{path}: tensor '{key}' is missing; the adapter was saved with other target modules")
-        with torch.no_grad():
-            param.copy_(tensors[key].to(param.device, param.dtype))
+    load_adapter_state(adapter, load_file(str(path)), str(path))

@@ -118,6 +118,39 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+PISSA_NITER_PATTERN = r"^pissa_niter_[1-9][0-9]{0,3}$"
+INIT_NAMES = ("default", "gaussian", "pissa", "olora")
+
+
+def _init_lora_weights(value: Any) -> str:
+    if value is True:   # PEFT's spelling of the default
+        return "default"
+    if isinstance(value, str) and (value in INIT_NAMES or re.match(PISSA_NITER_PATTERN, value)):
+        return value
+    raise PydanticCustomError(
+        "init_lora_weights", "must be default, gaussian, pissa, pissa_niter_N (a randomized SVD of N iterations, "
+        "e.g. pissa_niter_4) or olora (got {got})", {"got": repr(value)})
+
+
+InitLoraWeights = Annotated[str, PlainValidator(_init_lora_weights), WithJsonSchema(
+    {"anyOf": [{"enum": list(INIT_NAMES)}, {"type": "string", "pattern": PISSA_NITER_PATTERN}]})]
+"""How a LoRA adapter starts (PEFT's `init_lora_weights`): one of INIT_NAMES, or `pissa_niter_N`."""
+
+BASE_DEPENDENT_INITS = ("pissa", "olora")
+
+
+def needs_full_precision_base(lora: LoraConfig) -> str | None:
+    """Why `lora` cannot train on a quantized base (int8 / nf4), naming the field and the fix; None if it can.
+    PiSSA / OLoRA decompose W and train on W - scaling B0 A0; PEFT re-quantizes that residual, which would
+    be another base than the quantized W the other jobs share, and keeping W quantized while subtracting
+    B0 A0 is not PEFT's model either: refused. (DoRA is accepted: its row norms read the dequantized W, as
+    PEFT's.)"""
+    if lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS):
+        return (f"lora.init_lora_weights: '{lora.init_lora_weights}' decomposes the base's full-precision "
+                "weights and the base is quantized; set quantization: none, or init_lora_weights: default")
+    return None
+
+
 class LoraConfig(StrictModel):
     """One adapter's shape. `target_modules` is a list of module names (matched like PEFT: the full
     dotted name or its last components) or the string `all-linear` (every linear layer but the LM head)."""
@@ -130,6 +163,19 @@ class LoraConfig(StrictModel):
     use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     target_modules: list[str] | Literal["all-linear"] = Field(
         ["q_proj", "v_proj"], description="module names to adapt, or `all-linear`")
+    use_dora: bool = Field(False, description="DoRA (PEFT's use_dora): a trainable magnitude per output row, the "
+                                              "weight's direction adapted by LoRA (on a quantized base, the "
+                                              "norms of the dequantized weight, as PEFT)")
+    init_lora_weights: InitLoraWeights = Field(
+        "default", description="default (PEFT's True: A Kaiming-uniform, B zero), gaussian (A normal, std 1/r), "
+                               "pissa (A, B from W's top-r singular values and vectors; pissa_niter_N: a "
+                               "randomized SVD of N iterations) or olora (A, B from W's QR decomposition); with "
+                               "pissa and olora the adapter starts at W's principal part and subtracts its "
+                               "frozen initial product, so the shared base stays untouched (full-precision "
+                               "bases only)")
+    loraplus_lr_ratio: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = Field(
+        None, description="LoRA+: B (and DoRA's magnitude) learns at lr * this ratio, A at lr (PEFT's "
+                          "create_loraplus_optimizer; the paper suggests 2 to 16; null: one lr)")
 
     @field_validator("target_modules")
     @classmethod
@@ -358,6 +404,15 @@ class RunSpec(StrictModel):
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
 
+    @model_validator(mode="after")
+    def _adapters_fit_the_base(self) -> RunSpec:
+        if self.quantization != "none":
+            for job in self.jobs:
+                problem = needs_full_precision_base(job.lora)
+                if problem is not None:
+                    raise ValueError(f"job '{job.name}': {problem} (quantization is {self.quantization})")
+        return self
+
     def _with_tracking(self, job: JobSpec) -> JobSpec:
         """The job, with the run's tracking where it sets none of its own."""
         if job.tracking is not None or self.tracking is None:
@@ -389,6 +444,13 @@ class JobSubmission(StrictModel):
     @classmethod
     def _canonical(cls, value: str) -> str:
         return canonical_base_model(value)
+
+    @model_validator(mode="after")
+    def _adapter_fits_the_base(self) -> JobSubmission:
+        problem = needs_full_precision_base(self.job.lora) if self.quantization != "none" else None
+        if problem is not None:
+            raise ValueError(f"job '{self.job.name}': {problem} (quantization is {self.quantization})")
+        return self
 
 
 def planned_steps(spec: JobSpec, num_train_examples: int) -> int:

@@ -28,7 +28,7 @@ from actors.service.config import TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.engine.lora import adapted_shapes
-from actors.engine.spec import JobSubmission, LoraConfig, step_limit_problem
+from actors.engine.spec import BASE_DEPENDENT_INITS, JobSubmission, LoraConfig, step_limit_problem
 from actors.engine.storage import StorageURI, as_location, is_uri
 from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, TrainerView, Wait, memory_in_use
 from policies.fifo import FifoPolicy
@@ -46,7 +46,8 @@ POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before
 def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView) -> int:
     """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have)."""
     shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
-    return adapter_memory_bytes(lora.r, shapes)
+    return adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
+                                frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS))
 
 
 @dataclass(frozen=True)

@@ -334,6 +334,11 @@ class Client:
     def transitions(self, job: str) -> list[tuple[float, str, str]]:
         return self._request("transitions", job)
 
+    def transitions_after(self, after: int | None, limit: int = 1000) -> tuple[int, list[dict[str, Any]]]:
+        """Every job's state transitions after the one numbered `after` (None: none), oldest first, and the
+        newest one's number: to follow the whole job table without gaps (`JobTable.transitions_after`)."""
+        return self._request("transitions_after", after, limit)
+
     def trainers(self) -> list[dict[str, Any]]:
         return self._request("trainers")
 

@@ -180,6 +180,8 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
             job_dict("twin", data, 3), job_dict("twin", data, 3)]}, headers=auth), 422, "two jobs are named 'twin'"),
         ("a duplicate of an unfinished job's name", lambda: raw.post("/v1/jobs", json={
             **job_dict("held-http", data, 5), "base_model": NOBODYS_MODEL}, headers=auth), 409, "already queued"),
+        ("another job's output folder", lambda: raw.post("/v1/jobs", json={
+            **fresh, "output_dir": api.ray.status(held.id).output_dir}, headers=auth), 409, "already writes to"),
         ("an unknown job", lambda: raw.get("/v1/jobs/no-such-job", headers=auth), 404, "no job with id or name"),
         ("cancelling an unknown job", lambda: raw.post("/v1/jobs/no-such-job/cancel", headers=auth), 404,
          "no job with id or name"),

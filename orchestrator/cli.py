@@ -75,9 +75,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if key.endswith(("_url", "_error")):
             print(f"  {key.replace('_', ' ')}: {value}")
     if args.http:
+        import ray
+
         from orchestrator.http_api import serve
 
-        serve(host=args.http_host, port=args.http_port, client=client)
+        ray.shutdown()   # the service is detached; the API reaches it from a process of its own (http_bridge)
+        serve(address=args.address, host=args.http_host, port=args.http_port)
     return 0
 
 

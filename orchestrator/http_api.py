@@ -1,6 +1,7 @@
 """The HTTP API next to the Ray client (FastAPI, run by uvicorn; `aspen http`): submit, list, follow and
-cancel jobs without being a Ray driver. The server process is the Ray driver: it attaches to the running
-service (`Client.connect`) and answers over the client's calls.
+cancel jobs without being a Ray driver. The app answers over the Ray client's calls through a `link`:
+`aspen http` keeps the Ray connection in a child process (`orchestrator.http_bridge.ProcessLink`, so that
+the server outlives a Ray cluster that goes away); `ServiceLink` calls a client in this process.
 
     POST /v1/jobs                 a job spec (JSON or YAML): 201 with the entered jobs
     GET  /v1/jobs[?state=...]     every job (or those in the given states)
@@ -50,8 +51,7 @@ from starlette.concurrency import run_in_threadpool
 
 from actors.engine.spec import JobSpec, RunSpec
 from actors.service.config import SCHEDULER_NAME
-from actors.service.job_table import JOB_STATES, JobRecord
-from actors.service.scheduler_core import ACTIVE_STATES, SubmissionConflict, SubmissionError
+from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
 from orchestrator.jobs_file import SpecError
 
@@ -63,6 +63,7 @@ MAX_BODY_BYTES = 1 << 20     # a job spec is a few hundred bytes; its data is a 
 EVENTS_POLL_S = 1.0
 EVENTS_BATCH = 500           # transitions per poll at most (a backlog is sent in batches without waiting)
 T = TypeVar("T")
+UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
 
 
 class ServiceLink:
@@ -154,6 +155,7 @@ def _as_http(error: Exception) -> HTTPException | None:
     service's (a bug: 500)."""
     from ray.exceptions import RayError, RayTaskError
 
+    from actors.service.scheduler_core import SubmissionConflict, SubmissionError   # (imports torch: only here)
     from orchestrator.client import ServiceError
 
     if isinstance(error, KeyError):
@@ -164,6 +166,10 @@ def _as_http(error: Exception) -> HTTPException | None:
         return HTTPException(422, str(error))
     if isinstance(error, ValueError):          # a job in the wrong state for the request
         return HTTPException(409, str(error))
+    if isinstance(error, ConnectionError) and "ray" in str(error).lower():   # ray.init could not join the cluster
+        return HTTPException(503, f"cannot reach the Ray cluster: {error}; if it uses token authentication, this "
+                                  "server needs RAY_AUTH_MODE=token (and the token: ~/.ray/auth_token or "
+                                  "RAY_AUTH_TOKEN)", headers={"Retry-After": "5"})
     if isinstance(error, (ServiceError, TimeoutError)) or (isinstance(error, RayError)
                                                            and not isinstance(error, RayTaskError)):
         return HTTPException(503, f"the aspen service cannot answer: {_first_line(error) or type(error).__name__}",
@@ -177,6 +183,8 @@ def _call(link: ServiceLink, request: Callable[[Any], T]) -> T:
     try:
         client = link.client()
         return request(client)
+    except (HTTPException, Refused):   # answered already (e.g. by the Ray connection's process)
+        raise
     except Exception as error:  # noqa: BLE001 - each error is answered (or re-raised as a bug below)
         answer = _as_http(error)
         if answer is None:
@@ -306,11 +314,11 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
             submissions = submissions_from(data, text=text, output_root=client.info().get("output_root"))
             with submit_lock:
                 names = {s.job.name for s in submissions}
-                held = [r for r in client.jobs(ACTIVE_STATES) if r.name in names]
+                held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
                 if held:
                     raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}" for r in held)
                                         + "; cancel it, wait for it to end, or choose another name")
-                return [client.status(handle.id) for handle in client.submit_many(submissions)]
+                return client.submit_records(submissions)
 
         records = await run_in_threadpool(_call, link, enter)
         headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
@@ -437,14 +445,15 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT_PORT, token_file: str | None = None,
-          client: Any = None, ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
-    """Run the API with uvicorn until interrupted (`aspen http`): over `client`, or the service that
-    `Client.connect(address)` finds (connected on the first request; a service not running yet is a 503
-    until it is). Bound to loopback unless `host` says otherwise (then a warning: the token is the only
-    guard, and without TLS it crosses the network in clear text)."""
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+    """Run the API with uvicorn until interrupted (`aspen http`), over the service that `Client.connect(address)`
+    finds, from a child process that holds the Ray connection (`orchestrator.http_bridge`: this process never
+    joins Ray, so it outlives the cluster; a service not running yet is a 503 until it is). Bound to loopback
+    unless `host` says otherwise (then a warning: the token is the only guard, and without TLS it crosses the
+    network in clear text)."""
     import uvicorn
 
-    from orchestrator.client import ensure_ray
+    from orchestrator.http_bridge import ProcessLink
     from orchestrator.http_token import ensure_token, token_file as token_path
 
     token = ensure_token(token_file)
@@ -452,15 +461,13 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
         print(f"aspen http: WARNING: serving on {host}, not loopback: anyone who reaches port {port} and holds the "
               "token can submit and cancel jobs" + ("" if ssl_certfile else ", and without TLS (--ssl-certfile) the "
                                                     "token crosses the network in clear text"), file=sys.stderr)
-    if client is None:
-        try:
-            ensure_ray(address)   # in this (main) thread; the service itself is found on the first request
-        except Exception as error:  # noqa: BLE001 - the API starts anyway and answers 503 with the reason
-            print(f"aspen http: the Ray cluster does not answer yet ({error}); requests get 503 until it does",
-                  file=sys.stderr)
-    link = ServiceLink(address, client=client)
+    link = ProcessLink(address)
     scheme = "https" if ssl_certfile else "http"
     print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs); its token is in "
           f"{token_path(token_file)} (`aspen http-token` prints it)", file=sys.stderr, flush=True)
-    uvicorn.run(create_app(link, token), host=host, port=port, log_level="info", ssl_certfile=ssl_certfile,
-                ssl_keyfile=ssl_keyfile)
+    try:
+        # event streams never end by themselves: a stop waits this long for them, then closes them
+        uvicorn.run(create_app(link, token), host=host, port=port, log_level="info", ssl_certfile=ssl_certfile,
+                    ssl_keyfile=ssl_keyfile, timeout_graceful_shutdown=5)
+    finally:
+        link.close()

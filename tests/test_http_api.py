@@ -26,6 +26,7 @@ import pytest
 from actors.service.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from orchestrator.http_api import ServiceLink, create_app
+from orchestrator.http_bridge import ProcessLink
 from orchestrator.http_client import Conflict, HttpClient, JobNotFound, SpecRefused, Unauthorized
 from orchestrator.http_token import TokenFileError, client_token, ensure_token, read_token
 from tests.service_helpers import job_dict, wait_for, write_task_data
@@ -61,6 +62,7 @@ class Api:
     token: str
     ray: Client      # the reference: the same service through the Ray client
     base: str        # the trainer's base model (a tiny random Llama)
+    link: ProcessLink
 
     def table(self) -> tuple:
         """Everything a request could change: every job's row and the newest transition's number."""
@@ -78,11 +80,14 @@ def api(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Api]:
         TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
     service = Client.local(config, name=name)
     token = ensure_token(tmp_path_factory.mktemp("token") / "http-token")
-    app = create_app(ServiceLink(name=name, client=service), token, max_body_bytes=BODY_LIMIT, events_poll_s=0.1)
+    # as `aspen http` serves: the Ray connection in a child process, attached to this session's cluster
+    link = ProcessLink(ray_session.get_runtime_context().gcs_address, name=name)
+    app = create_app(link, token, max_body_bytes=BODY_LIMIT, events_poll_s=0.1)
     try:
         with running_server(app) as url:
-            yield Api(url, token, service, base)
+            yield Api(url, token, service, base, link)
     finally:
+        link.close()
         service.shutdown()
 
 
@@ -263,7 +268,8 @@ def test_the_http_client_and_the_cli_with_url_need_no_ray(api, tmp_path):
     data = write_task_data(tmp_path / "data", "cli")
     (tmp_path / "jobs.yaml").write_text(json.dumps({"base_model": api.base, "output_dir": "out", "jobs": [
         {**job_dict("cli-http", Path("data/cli.jsonl"), 2)}]}))   # relative: taken from the file's folder
-    script = ("import sys; from orchestrator.cli import main; code = main(sys.argv[1:]); "
+    script = ("import sys, orchestrator.http_client; assert not {'ray', 'torch'} & set(sys.modules), 'imported'; "
+              "from orchestrator.cli import main; code = main(sys.argv[1:]); "
               "assert 'ray' not in sys.modules, 'ray was imported'; sys.exit(code)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "ASPEN_URL": api.url, "ASPEN_TOKEN": api.token}
 
@@ -285,10 +291,6 @@ def test_the_http_client_and_the_cli_with_url_need_no_ray(api, tmp_path):
     assert job["id"] in [r["id"] for r in json.loads(listed.stdout)]
     refused = aspen("cancel", job["id"])
     assert refused.returncode == 2 and "already ended" in refused.stderr and "(HTTP 409)" in refused.stderr
-    imported = subprocess.run([sys.executable, "-c", "import sys, orchestrator.http_client; "
-                               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')))"],
-                              env=env, capture_output=True, text=True, timeout=60)
-    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported
 
 
 def test_the_token_file_is_private_generated_once_and_read_by_clients(tmp_path, monkeypatch, capsys):
@@ -312,3 +314,16 @@ def test_the_token_file_is_private_generated_once_and_read_by_clients(tmp_path, 
         read_token(path)
     with pytest.raises(TokenFileError, match="no HTTP API token"):
         read_token(tmp_path / "missing")
+
+
+def test_the_ray_connection_lives_in_a_child_process_replaced_when_it_dies(api):
+    """The server never joins Ray (a driver dies with its cluster); its Ray connection's process does, and a
+    new one serves the next request."""
+    http = HttpClient(api.url, api.token)
+    assert http.jobs() == api.ray.jobs()
+    first = api.link.pid
+    assert first is not None and first != os.getpid()
+    os.kill(first, 9)
+    wait_for(lambda: not api.link.bridge.alive, timeout=10, what="the server to notice")
+    assert http.jobs() == api.ray.jobs()
+    assert api.link.pid not in (None, first)

@@ -67,27 +67,22 @@ UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL
 
 
 class ServiceLink:
-    """The server's connection to the service: made on first use, dropped when the service is gone and
-    made again on the next request (a restarted `aspen serve` is a new actor under the same name).
-    `connect` builds a client (default: `Client.connect(address, name=name)`); `client`: one to start with."""
+    """The service's Ray client in this process (`Client.connect(address, name=name)`, or `client`): made on
+    first use, dropped when the service is gone and made again on the next request (a restarted `aspen
+    serve` is a new actor under the same name)."""
 
-    def __init__(self, address: str = "auto", *, name: str = SCHEDULER_NAME, client: Any = None,
-                 connect: Callable[[], Any] | None = None):
+    def __init__(self, address: str = "auto", *, name: str = SCHEDULER_NAME, client: Any = None):
         self.address = address
         self.name = name
         self._client = client
-        self._connect = connect
         self._lock = threading.Lock()
 
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
-                if self._connect is not None:
-                    self._client = self._connect()
-                else:
-                    from orchestrator.client import Client
+                from orchestrator.client import Client
 
-                    self._client = Client.connect(self.address, name=self.name)
+                self._client = Client.connect(self.address, name=self.name)
             return self._client
 
     def forget(self, client: Any) -> None:
@@ -150,7 +145,7 @@ def _first_line(error: BaseException) -> str:
     return str(error)
 
 
-def _as_http(error: Exception) -> HTTPException | None:
+def as_http(error: Exception) -> HTTPException | None:
     """The HTTP answer for an error of a client call; None for one that is not the request's or the
     service's (a bug: 500)."""
     from ray.exceptions import RayError, RayTaskError
@@ -166,10 +161,6 @@ def _as_http(error: Exception) -> HTTPException | None:
         return HTTPException(422, str(error))
     if isinstance(error, ValueError):          # a job in the wrong state for the request
         return HTTPException(409, str(error))
-    if isinstance(error, ConnectionError) and "ray" in str(error).lower():   # ray.init could not join the cluster
-        return HTTPException(503, f"cannot reach the Ray cluster: {error}; if it uses token authentication, this "
-                                  "server needs RAY_AUTH_MODE=token (and the token: ~/.ray/auth_token or "
-                                  "RAY_AUTH_TOKEN)", headers={"Retry-After": "5"})
     if isinstance(error, (ServiceError, TimeoutError)) or (isinstance(error, RayError)
                                                            and not isinstance(error, RayTaskError)):
         return HTTPException(503, f"the aspen service cannot answer: {_first_line(error) or type(error).__name__}",
@@ -177,22 +168,37 @@ def _as_http(error: Exception) -> HTTPException | None:
     return None
 
 
-def _call(link: ServiceLink, request: Callable[[Any], T]) -> T:
+def _unreachable(error: Exception) -> HTTPException:
+    """503 for a client that could not be made: no Ray cluster at the address, one that refused this process
+    (token authentication), no service on it."""
+    detail = _first_line(error) or type(error).__name__
+    if isinstance(error, ConnectionError):   # ray.init could not join the cluster
+        detail += ("; if the cluster uses token authentication, this server needs RAY_AUTH_MODE=token (and the "
+                   "token: ~/.ray/auth_token or RAY_AUTH_TOKEN)")
+    return HTTPException(503, f"the aspen service cannot be reached: {detail}", headers={"Retry-After": "5"})
+
+
+def call_service(link: ServiceLink, request: Callable[[Any], T]) -> T:
     """`request(client)`, its errors as HTTP answers; a service that is gone is connected again next time."""
-    client = None
     try:
         client = link.client()
+    except HTTPException:   # answered already (by the Ray connection's process)
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever stops a connection is a 503 with its reason
+        answer = _unreachable(error)
+        log.warning("aspen http: %s", answer.detail)
+        raise answer from None
+    try:
         return request(client)
-    except (HTTPException, Refused):   # answered already (e.g. by the Ray connection's process)
+    except (HTTPException, Refused):   # answered already (by the Ray connection's process, or the request's check)
         raise
     except Exception as error:  # noqa: BLE001 - each error is answered (or re-raised as a bug below)
-        answer = _as_http(error)
+        answer = as_http(error)
         if answer is None:
             raise
         if answer.status_code == 503:
             log.warning("aspen http: %s", answer.detail)
-            if client is not None:
-                link.forget(client)
+            link.forget(client)
         raise answer from None
 
 
@@ -279,7 +285,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     def health() -> Any:
         """Is the API up, and does the service answer? No token needed; says nothing else about the service."""
         try:
-            _call(link, lambda client: client.info())
+            call_service(link, lambda client: client.info())
         except HTTPException as error:
             return JSONResponse(Health(status="degraded", service="unavailable", detail=error.detail).model_dump(),
                                 status_code=503)
@@ -290,7 +296,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     @api.get("/service", tags=["service"])
     def service_info() -> dict[str, Any]:
         """The service's description: state folder, policy, output root, trainers, metrics and events URLs."""
-        return _call(link, lambda client: client.info())
+        return call_service(link, lambda client: client.info())
 
     body_schema, components = _request_body_schema()
 
@@ -320,7 +326,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                                         + "; cancel it, wait for it to end, or choose another name")
                 return client.submit_records(submissions)
 
-        records = await run_in_threadpool(_call, link, enter)
+        records = await run_in_threadpool(call_service, link, enter)
         headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
@@ -331,27 +337,27 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         unknown = sorted(set(state or ()) - set(JOB_STATES))
         if unknown:
             raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
-        return _call(link, lambda client: client.jobs(state or None))
+        return call_service(link, lambda client: client.jobs(state or None))
 
     @api.get("/jobs/{job}", response_model=JobRecord, tags=["jobs"])
     def status(job: str) -> Any:
         """One job, by id or by a name that only one job has."""
-        return _call(link, lambda client: client.status(job))
+        return call_service(link, lambda client: client.status(job))
 
     @api.get("/jobs/{job}/losses", response_model=list[LossRow], tags=["jobs"])
     def losses(job: str) -> Any:
         """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss (where evaluated), time."""
-        return _call(link, lambda client: client.losses(job))
+        return call_service(link, lambda client: client.losses(job))
 
     @api.get("/jobs/{job}/transitions", response_model=list[Transition], tags=["jobs"])
     def transitions(job: str) -> Any:
         """The job's state history, oldest first."""
         return [Transition(time=when, state=state, reason=reason)
-                for when, state, reason in _call(link, lambda client: client.transitions(client.status(job).id))]
+                for when, state, reason in call_service(link, lambda client: client.transitions(client.status(job).id))]
 
     def job_verb(verb: str, what: str) -> None:
         def act(job: str) -> Any:
-            return _call(link, lambda client: getattr(client, verb)(job))
+            return call_service(link, lambda client: getattr(client, verb)(job))
 
         act.__name__ = verb
         act.__doc__ = what
@@ -370,11 +376,11 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         if last_event_id is not None and not last_event_id.strip().isdigit():
             raise HTTPException(422, f"Last-Event-ID {last_event_id!r} is not an event id of this stream (a whole "
                                      "number)")
-        key = _call(link, lambda client: client.status(job).id) if job else None
+        key = call_service(link, lambda client: client.status(job).id) if job else None
         if last_event_id is not None:
             return EventStart(key, int(last_event_id), None)
-        after, _ = _call(link, lambda client: client.transitions_after(None))
-        return EventStart(key, after, _call(link, lambda client: client.jobs()))   # after `after`: none missed
+        after, _ = call_service(link, lambda client: client.transitions_after(None))
+        return EventStart(key, after, call_service(link, lambda client: client.jobs()))   # after `after`: none missed
 
     @api.get("/events", response_class=EventSourceResponse, tags=["events"])
     async def events(request: Request, start: EventStart = Depends(event_start),
@@ -393,9 +399,9 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         failing = False
         while not await request.is_disconnected():
             try:
-                _, rows = await run_in_threadpool(_call, link, lambda client: client.transitions_after(after,
+                _, rows = await run_in_threadpool(call_service, link, lambda client: client.transitions_after(after,
                                                                                                       EVENTS_BATCH))
-                running = await run_in_threadpool(_call, link, lambda client: client.jobs(("running",))) \
+                running = await run_in_threadpool(call_service, link, lambda client: client.jobs(("running",))) \
                     if progress else []
             except HTTPException as error:
                 if not failing:

@@ -36,7 +36,7 @@ def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) 
     # a driver whose cluster is gone ends its process after this long (Ray's default: 60 s, while every call
     # waits): sooner here, so that the server answers 503 and connects again sooner
     os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_RECONNECT_S))
-    from orchestrator.http_api import ServiceLink, _call
+    from orchestrator.http_api import ServiceLink, call_service
 
     link = ServiceLink(address, name=name)
     sending = threading.Lock()
@@ -45,7 +45,7 @@ def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) 
         import ray
 
         try:
-            answer: tuple = ("ok", _call(link, lambda client: getattr(client, method)(*args)))
+            answer: tuple = ("ok", call_service(link, lambda client: getattr(client, method)(*args)))
         except HTTPException as error:
             answer = ("http", (error.status_code, error.detail, dict(error.headers or {})))
         except Exception:  # noqa: BLE001 - a bug: its traceback goes back to the server (a 500)

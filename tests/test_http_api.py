@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import signal
 import stat
 import subprocess
 import sys
@@ -327,3 +328,44 @@ def test_the_ray_connection_lives_in_a_child_process_replaced_when_it_dies(api):
     wait_for(lambda: not api.link.bridge.alive, timeout=10, what="the server to notice")
     assert http.jobs() == api.ray.jobs()
     assert api.link.pid not in (None, first)
+
+
+def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigterm(ray_session, tmp_path):
+    """`aspen http` as a user starts it: a token file made for it (0600), loopback, 401 without the token, a 503
+    naming the missing service (none runs under the default name here), and a prompt stop."""
+    from orchestrator.http_api import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.7")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token_path = tmp_path / "token"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "http", "--port", str(port), "--address",
+                               ray_session.get_runtime_context().gcs_address, "--token-file", str(token_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def answers() -> bool:
+            try:
+                return httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(answers, timeout=60, what="`aspen http` to answer", every=0.2)
+        assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+        token = read_token(token_path)
+        assert httpx.get(f"{url}/v1/jobs").status_code == 401
+        response = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert response.status_code == 503 and "no aspen service ('aspen-scheduler'" in response.json()["detail"]
+        server.terminate()
+        output, _ = server.communicate(timeout=30)
+        assert server.returncode in (0, -signal.SIGTERM), output   # uvicorn re-raises the signal once stopped
+        assert "Finished server process" in output
+        assert f"aspen HTTP API on http://127.0.0.1:{port}" in output and str(token_path) in output
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from actors.engine.spec import JobSpec, JobSubmission, RunSpec
+from actors.engine.storage import is_uri
 from actors.service.job_table import TERMINAL_STATES, JobRecord
 from orchestrator.http_submissions import as_request
 from orchestrator.http_token import client_token
@@ -89,6 +90,20 @@ def _error(response: httpx.Response) -> HttpApiError:
 
 def _record(data: dict[str, Any]) -> JobRecord:
     return JobRecord(**data)
+
+
+def _resolved_here(body: dict[str, Any]) -> dict[str, Any]:
+    """A body whose relative `data` paths are made absolute against this process's folder, as the Ray client
+    takes them (the service cannot know what they are relative to)."""
+    def resolve(job: Any) -> Any:
+        data = job.get("data") if isinstance(job, dict) else None
+        if isinstance(data, str) and data.strip() and not is_uri(data) and not Path(data).expanduser().is_absolute():
+            return {**job, "data": str(Path.cwd() / data)}
+        return job
+
+    if isinstance(body.get("jobs"), list):
+        return {**body, "jobs": [resolve(job) for job in body["jobs"]]}
+    return resolve(body)
 
 
 def _job_path(job: str, suffix: str = "") -> str:
@@ -172,8 +187,9 @@ class HttpClient:
                quantization: str | None = None, dtype: str | None = None,
                output_dir: str | Path | None = None) -> HttpJobHandle:
         """Submit one job: a dict of job fields, a `JobSpec`, a `JobSubmission`, or a jobs YAML file with one
-        job. Paths are the service's: `data` absolute (or a storage URI); a file's relative paths are
-        resolved here, against its folder. An invalid spec raises `SpecRefused` naming the field."""
+        job. Paths are the service's machine's: a relative `data` is made absolute here (against this
+        folder, or a file's folder), as the Ray client does. An invalid spec raises `SpecRefused` naming the
+        field."""
         if isinstance(spec, (str, Path)):
             handles = self.submit_run(spec)
             if len(handles) != 1:
@@ -199,7 +215,7 @@ class HttpClient:
         return self._submit(as_request({"jobs": jobs}, **run_settings))
 
     def _submit(self, body: dict[str, Any]) -> list[HttpJobHandle]:
-        answer = self._request("POST", "/v1/jobs", json=body)
+        answer = self._request("POST", "/v1/jobs", json=_resolved_here(body))
         return [HttpJobHandle(self, job["id"], job["name"]) for job in answer["jobs"]]
 
     # -- following ----------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def api(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Api]:
         service.shutdown()
 
 
-def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_path):
+def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_path, monkeypatch):
     http = HttpClient(api.url, api.token)
     stream = http.events(timeout=60)
     snapshot = next(stream)
@@ -132,7 +132,10 @@ def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_pa
         http.cancel(job.id)
     assert api.table() == before
 
-    long = http.submit(job_dict("long-http", data, 5000), base_model=api.base, output_dir=tmp_path / "long")
+    monkeypatch.chdir(tmp_path)   # a relative data path is taken from the client's folder, as the Ray client does
+    long = http.submit(job_dict("long-http", Path("data/sql.jsonl"), 5000), base_model=api.base,
+                       output_dir=tmp_path / "long")
+    assert api.ray.submission(long.id).job.data == data
     progress = http.events(job=long.id, progress=True, timeout=60)
     step = next(e for e in progress if e.kind == "progress")
     progress.close()

@@ -168,8 +168,9 @@ class HttpClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as error:
-            raise ServiceUnavailable(0, f"the aspen HTTP API at {self.url} does not answer: {error or type(error).__name__}; "
-                                        "is `aspen http` running there?") from None
+            why = str(error) or type(error).__name__
+            raise ServiceUnavailable(0, f"the aspen HTTP API at {self.url} does not answer: {why}; is `aspen http` "
+                                        "running there?") from None
         if response.is_error:
             raise _error(response)
         return response.json()
@@ -234,7 +235,8 @@ class HttpClient:
         return self._request("GET", _job_path(job, "/losses"))
 
     def transitions(self, job: str) -> list[tuple[float, str, str]]:
-        return [(row["time"], row["state"], row["reason"]) for row in self._request("GET", _job_path(job, "/transitions"))]
+        rows = self._request("GET", _job_path(job, "/transitions"))
+        return [(row["time"], row["state"], row["reason"]) for row in rows]
 
     def cancel(self, job: str) -> JobRecord:
         return _record(self._request("POST", _job_path(job, "/cancel")))

@@ -98,7 +98,8 @@ def _path_problems(data: dict, single_job: bool, output_root: str | None) -> lis
     jobs = data.get("jobs") if isinstance(data.get("jobs"), list) else []
     for index, job in enumerate(jobs):
         value = job.get("data") if isinstance(job, dict) else None
-        if isinstance(value, str) and value.strip() and not is_uri(value) and not Path(value).expanduser().is_absolute():
+        if (isinstance(value, str) and value.strip() and not is_uri(value)
+                and not Path(value).expanduser().is_absolute()):
             loc = ["data"] if single_job else ["jobs", index, "data"]
             problems.append({"loc": loc, "field": ".".join(map(str, loc)), "type": "relative_path",
                              "msg": f"relative path {value!r}: the service cannot tell what it is relative to; give "

@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,7 +124,8 @@ def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_pa
     resumed = http.events(job=job.id, after=seen[0].id, timeout=30)
     replay = [next(resumed) for _ in seen[1:]]
     resumed.close()
-    assert [(e.kind, e.id, e.data["state"]) for e in replay] == [("transition", e.id, e.data["state"]) for e in seen[1:]]
+    assert [(e.kind, e.id, e.data["state"]) for e in replay] == [("transition", e.id, e.data["state"])
+                                                                  for e in seen[1:]]
 
     before = api.table()
     with pytest.raises(Conflict, match="already ended"):          # 409: cancelling a finished job

@@ -319,6 +319,31 @@ def _run_in_process(spec, quiet: bool) -> int:
     return 1 if failed else 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """`aspen export JOB`: a PEFT folder for vLLM's --lora-modules, or with --merge a merged transformers folder."""
+    from orchestrator.export import export_job
+
+    def service(job: str):
+        from orchestrator.client import Client, ServiceError
+
+        try:
+            return Client.connect(args.address).status(job)
+        except ServiceError as error:
+            raise ServiceError(f"'{job}' is not a job folder, and asking the service for it failed: {error}; give "
+                               "the job's folder, or --from with the run's output folder") from None
+
+    out = export_job(args.job, args.out, merge=args.merge, force=args.force, checkpoint=args.checkpoint,
+                     run_dir=args.from_dir, base=args.base, dtype=args.dtype, service=service)
+    if args.json:
+        print(json.dumps({"job": args.job, "folder": str(out), "merged": args.merge}, indent=1))
+    elif args.merge:
+        print(f"merged model (transformers, safetensors) in {out}")
+    else:
+        print(f"PEFT adapter in {out}; serve it with: vllm serve <base> --enable-lora --lora-modules "
+              f"{out.name}={out}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from orchestrator.demo import run_demo
 
@@ -451,6 +476,24 @@ def build_parser() -> argparse.ArgumentParser:
                      "results of an earlier run in the same output folder (by default a run resumes unfinished "
                      "jobs, leaves finished ones alone, and stops if the file changed in a way resuming cannot)")
     run.set_defaults(handler=_cmd_run)
+
+    export = with_address(commands.add_parser("export", help="write a job's adapter as a PEFT folder (vLLM "
+                                                             "--lora-modules), or merged into its base (--merge)"))
+    export.add_argument("job", help="the job's folder, or its id or name (in --from DIR, else in the service)")
+    export.add_argument("--out", help="the folder to write (default ./<job>-lora, with --merge ./<job>-merged)")
+    export.add_argument("--merge", action="store_true", help="the base with the adapter merged, as a transformers "
+                        "folder (config.json, model.safetensors, tokenizer)")
+    export.add_argument("--force", action="store_true", help="replace --out if it exists")
+    export.add_argument("--from", dest="from_dir", help="a run's output folder or a service's state folder to find "
+                        "JOB in (without it, a JOB that is not a folder is looked up in the running service)")
+    export.add_argument("--checkpoint", action="store_true", help="export the job's last checkpoint instead of its "
+                        "final adapter (e.g. of a job still running)")
+    export.add_argument("--base", help="with --merge: load the base from here (a folder, a .gguf file, a cached hub "
+                        "id) instead of where the job trained on it")
+    export.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="with --merge: the merged weights' dtype (auto: the base's)")
+    with_json(export, "the folder written")
+    export.set_defaults(handler=_cmd_export)
 
     demo = commands.add_parser("demo", help="train 4 small generated tasks on smollm2-135m and show accuracy")
     demo.add_argument("--output-dir", default="runs/demo")

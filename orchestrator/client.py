@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.job_table import TERMINAL_STATES, JobRecord
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import is_uri, resolve_location
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
@@ -271,8 +272,9 @@ class Client:
             spec = run.jobs[0]
         if not isinstance(spec, JobSpec):
             raise SpecError(f"expected a JobSpec, a JobSubmission or a dict of job fields, got {type(spec).__name__}")
-        if not is_uri(spec.data) and not spec.data.is_file():   # a URI is read when the job starts
-            raise SpecError(f"job '{spec.name}', field data: file {spec.data} does not exist")
+        if not is_uri(spec.data) and not spec.data.exists():   # a URI is read when the job starts
+            problem = hub_id_problem(str(spec.data)) or f"file {spec.data} does not exist"
+            raise SpecError(f"job '{spec.name}', field data: {problem}")
         try:
             return JobSubmission(job=spec, base_model=base_model, quantization=quantization, dtype=dtype,
                                  seed=spec.seed if spec.seed is not None else seed,
@@ -355,6 +357,16 @@ class Client:
     def resume(self, job: str, reason: str = "resumed by the user") -> JobRecord:
         """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
         return self._request("resume", job, reason)
+
+    def export(self, job: str, out: str | Path | None = None, *, merge: bool = False, force: bool = False,
+               checkpoint: bool = False, base: str | None = None, dtype: str = "auto") -> Path:
+        """Write the job's final adapter as a PEFT folder (vLLM's --lora-modules), or with `merge` the base with
+        it merged as a transformers folder; returns the folder (`aspen export`, orchestrator/export.py). The
+        job's output folder must be reachable from here (a shared mount or a storage URI)."""
+        from orchestrator.export import export_job
+
+        return export_job(job, out, merge=merge, force=force, checkpoint=checkpoint, base=base, dtype=dtype,
+                          service=self.status)
 
     def delete(self, job: str) -> None:
         """Forget a job that is not running (its files stay)."""

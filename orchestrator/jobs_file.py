@@ -9,6 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.engine.spec import JobSpec, LoraConfig, RunSpec
+from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import is_uri
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]
@@ -81,6 +82,8 @@ def _resolve_paths(data: dict, base_dir: Path) -> None:
     for job in data.get("jobs") or []:
         if isinstance(job, dict) and isinstance(job.get("data"), str) and not is_uri(job["data"]):
             path = Path(job["data"]).expanduser()
+            if not path.is_absolute() and hub_id_problem(job["data"]) and not (base_dir / path).exists():
+                continue   # a hub id, refused by name when the files are checked
             job["data"] = str(path if path.is_absolute() else base_dir / path)
     model = data.get("base_model")
     if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
@@ -93,10 +96,11 @@ def _resolve_paths(data: dict, base_dir: Path) -> None:
 def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
     missing = []
     for index, job in enumerate(spec.jobs):
-        if not is_uri(job.data) and not job.data.is_file():   # a URI is read (and checked) when the job starts
+        if not is_uri(job.data) and not job.data.exists():   # a URI is read (and checked) when the job starts
             line = lines.get(("jobs", index, "data"))
             prefix = f"{source}:{line}: " if line else f"{source}: "
-            missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: file {job.data} does not exist")
+            problem = hub_id_problem(str(job.data)) or f"file {job.data} does not exist"
+            missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: {problem}")
     if missing:
         raise SpecError("\n".join(missing))
 

@@ -19,7 +19,8 @@ from actors.engine.storage import resolve_location
 FINISHED = ("completed", "stopped_early")
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
 # checkpointed, stopped early or scheduled, not what a step computes.
-SAFE_TO_CHANGE = {"job.priority", "job.eval_every", "job.checkpoint_every", "job.checkpoint_every_s", "job.early_stop"}
+SAFE_TO_CHANGE = {"job.priority", "job.eval_every", "job.checkpoint_every", "job.checkpoint_every_s", "job.early_stop",
+                  "job.tracking"}
 
 
 @dataclass

@@ -16,6 +16,7 @@ from actors.engine.spec import LoraConfig
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+METADATA_NAME = "aspen.json"
 
 
 def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_name: str) -> dict:
@@ -73,12 +74,17 @@ def adapter_state_dict(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
             for name, param in adapter.named_parameters()}
 
 
-def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: str) -> Path:
-    """Write the adapter atomically (each file written to a temporary name, then renamed)."""
+def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: str,
+                 metadata: dict | None = None) -> Path:
+    """Write the adapter atomically (each file written to a temporary name, then renamed). `base_model_name`:
+    what `base_model_name_or_path` says (actors/engine/base_identity.py); `metadata`: aspen's own facts
+    (where the base was loaded from, the job), written beside it as `aspen.json`, which PEFT and vLLM ignore."""
     folder = Path(folder)
     tensors = adapter_state_dict(adapter)
     config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
     _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    if metadata is not None:
+        _atomic_write(folder / METADATA_NAME, lambda tmp: Path(tmp).write_text(json.dumps(metadata, indent=2) + "\n"))
     _atomic_write(folder / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     return folder
 

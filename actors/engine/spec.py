@@ -19,6 +19,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
 from actors.engine.data import DataFormat
+from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import StorageURI, as_location
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
@@ -160,13 +161,58 @@ class EarlyStopConfig(StrictModel):
         3, description="evaluations without enough improvement before stopping")
 
 
+class MlflowTracking(StrictModel):
+    """Where a job's MLflow run goes: one run per job (found again by its job id when the job resumes),
+    with the job's spec as parameters, its loss, eval loss, learning rate, gradient norm and tokens/s as
+    metrics per optimizer step, and its final adapter as an artefact (`adapter/`)."""
+
+    tracking_uri: str | None = Field(
+        None, description="an MLflow tracking URI (http://host:5000, file:///mnt/mlruns, databricks, ...); null: "
+                          "$MLFLOW_TRACKING_URI of the trainer's process, else a file store in the job's folder "
+                          "(<job>/mlruns; aspen sets MLFLOW_ALLOW_FILE_STORE=true, mlflow's opt-in to its "
+                          "file store, while it writes there)")
+    experiment: str = Field("aspen", min_length=1, max_length=500, description="the MLflow experiment's name")
+
+
+class TrackingConfig(StrictModel):
+    """Experiment tracking of a job. A tracker that fails (a bad URI, an unreachable server, a full disk)
+    is logged once and switched off for that job; the job trains on."""
+
+    tensorboard: bool = Field(False, description="TensorBoard event files in the job's folder (<job>/tb): "
+                                                 "`tensorboard --logdir <output_dir>`")
+    mlflow: MlflowTracking | None = Field(None, description="an MLflow run per job: `true` (the defaults) or "
+                                                            "{tracking_uri, experiment}")
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _bool_means_defaults(cls, value: Any) -> Any:
+        if value is True:
+            return MlflowTracking()
+        if value is False:
+            return None
+        return value
+
+
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
-    data: Location = Field(description="JSONL file or one JSON array of rows: a path or a storage URI "
-                                       "(s3://bucket/train.jsonl, gs://..., file:///...)")
+    data: Location = Field(description="the dataset: a JSONL file or one JSON array of rows, a .parquet or .arrow "
+                                       "file, a folder saved by datasets' save_to_disk, or a folder of such files; a "
+                                       "path or a storage URI (s3://bucket/train.parquet, gs://..., file:///...); "
+                                       "no hub ids (nothing is downloaded)")
     format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
+    split: str = Field("train", min_length=1, description="the split of a saved DatasetDict or of a folder whose "
+                                                         "file names name splits (train-*.parquet, test.jsonl)")
+    columns: dict[str, str] | None = Field(
+        None, description="the format's field names mapped to the dataset's column names, e.g. {instruction: "
+                          "question, output: answer}")
+    streaming: bool = Field(False, description="read and tokenize the data a window of rows at a time instead of "
+                                               "whole (data larger than memory); eval_split must then be a count "
+                                               "(the first rows)")
+    shuffle_window: Annotated[int, Bounds(0, 10**7)] = Field(
+        1000, description="streaming: rows shuffled together (each window of this many rows is permuted with the "
+                          "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
@@ -193,6 +239,8 @@ class JobSpec(StrictModel):
     early_stop: EarlyStopConfig | None = Field(None, description="stop when training stops paying off")
     priority: Priority = Field(0, description="higher runs first under priority-aware policies")
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
+    tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
+                                                              "(default: the run's `tracking`)")
 
     @field_validator("name")
     @classmethod
@@ -209,6 +257,28 @@ class JobSpec(StrictModel):
                 "eval_split", "must be a fraction less than 1 or a whole count of rows (got {got})",
                 {"got": str(value)})
         return value
+
+    @field_validator("data")
+    @classmethod
+    def _not_a_hub_uri(cls, value: Path | StorageURI) -> Path | StorageURI:
+        problem = hub_id_problem(str(value)) if isinstance(value, StorageURI) else None
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _data_options(self) -> JobSpec:
+        if self.streaming and 0 < self.eval_split < 1:
+            raise ValueError(f"eval_split={self.eval_split} is a fraction, which streaming cannot take (the rows are "
+                             "not all read up front): give a count of rows, e.g. eval_split: 200 (the first rows)")
+        fields = getattr(self.format, "fields", None)
+        if self.columns and fields is not None:
+            unknown = sorted(set(self.columns) - set(fields()))
+            if unknown:
+                raise ValueError(f"columns maps {', '.join(unknown)}, not a field of format {self.format.type} "
+                                 f"(its fields: {', '.join(sorted(fields()))}); map the format's field names to "
+                                 "the dataset's column names")
+        return self
 
     @model_validator(mode="after")
     def _has_budget(self) -> JobSpec:
@@ -259,6 +329,8 @@ class RunSpec(StrictModel):
         "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
                             "more time; the same adapters)")
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
+    tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
+                                                              "sets none of its own")
     jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
 
     @model_validator(mode="after")
@@ -286,12 +358,18 @@ class RunSpec(StrictModel):
             raise ValidationError.from_exception_data(type(self).__name__, problems)
         return self
 
+    def _with_tracking(self, job: JobSpec) -> JobSpec:
+        """The job, with the run's tracking where it sets none of its own."""
+        if job.tracking is not None or self.tracking is None:
+            return job
+        return job.model_copy(update={"tracking": self.tracking})
+
     def job_seed(self, job: JobSpec) -> int:
         return self.seed if job.seed is None else job.seed
 
     def submissions(self) -> list[JobSubmission]:
         """The run's jobs as the service takes them (each carries the run-level settings)."""
-        return [JobSubmission(job=job, base_model=self.base_model, quantization=self.quantization,
+        return [JobSubmission(job=self._with_tracking(job), base_model=self.base_model, quantization=self.quantization,
                               dtype=self.dtype, seed=self.job_seed(job), output_dir=self.output_dir / job.name)
                 for job in self.jobs]
 

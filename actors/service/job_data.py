@@ -11,7 +11,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from actors.service.feed import FeedChunk
-from actors.engine.data import DataCursor, Example, load_examples, split_eval
+from actors.engine.data import DataCursor, Example, split_eval
+from actors.engine.data.dataset import load_dataset_examples
+from actors.engine.data.streaming import StreamingCursor, open_stream
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
 
@@ -47,7 +49,7 @@ class JobData:
         self.submission = submission
         self.spec = submission.job
         self.tokenizer = tokenizer
-        self.cursor: DataCursor | None = None
+        self.cursor: DataCursor | StreamingCursor | None = None
         self.eval: list[Example] = []
         self.summary: DataSummary | None = None
         self.history = LossHistory()
@@ -61,14 +63,31 @@ class JobData:
         if self.summary is not None:
             return self.summary
         spec = self.spec
-        loaded = load_examples(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
-                               train_on_prompt=spec.train_on_prompt)
+        if spec.streaming:
+            return self._prepare_stream()
+        loaded = load_dataset_examples(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
+                                       train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns)
         if loaded.dropped:
             log.warning("job %s: %d rows of %s have no target token left after truncation to max_seq_len=%d",
                         self.job_id, loaded.dropped, spec.data, spec.max_seq_len)
         train, self.eval = split_eval(loaded.examples, spec.eval_split, self.submission.seed)
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
         self.summary = DataSummary(len(train), len(self.eval), loaded.dropped, planned_steps(spec, len(train)),
+                                   self.cursor.state_dict())
+        self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
+        return self.summary
+
+    def _prepare_stream(self) -> DataSummary:
+        """A streaming job (actors/engine/data/streaming.py): only its eval rows (the first `eval_split`) are
+        read now; `train_examples` counts rows (0 where they are not counted: no `epochs`, no metadata)."""
+        spec = self.spec
+        stream = open_stream(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
+                             train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns,
+                             batch_size=spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec),
+                             eval_rows=int(spec.eval_split), shuffle_window=spec.shuffle_window)
+        self.cursor, self.eval = stream.cursor, stream.eval
+        rows = stream.train_rows or 0
+        self.summary = DataSummary(rows, len(self.eval), stream.eval_dropped, planned_steps(spec, rows),
                                    self.cursor.state_dict())
         self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
@@ -144,7 +163,7 @@ class JobData:
                 return decision
         return None
 
-    def _cursor(self) -> DataCursor:
+    def _cursor(self) -> DataCursor | StreamingCursor:
         if self.cursor is None:
             self.prepare()
         assert self.cursor is not None

@@ -40,6 +40,8 @@ from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
 from actors.service.job_files import METRICS_NAME, JobFiles
+from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
+from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import (CheckpointError, has_checkpoint, load_checkpoint, previous_folder,
                                      save_checkpoint, saved_step)
 from actors.engine.data import Example
@@ -124,6 +126,7 @@ class ActiveJob:
     last_checkpoint: float = field(default_factory=time.monotonic)
     stalled_since: float | None = None   # when its data was first late (monotonic), while it is
     upload_error: str | None = None      # why its last checkpoint upload failed, until one succeeds
+    tracker: JobTracker | None = None    # its TensorBoard / MLflow tracking (`tracking:` of its spec)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -213,6 +216,10 @@ class TrainerLoop:
         self.step_log_failing = False
         self.staging_dir = Path(config.staging_dir or Path(state_dir) / "staging").expanduser()
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
+        # what adapters record as their base: an id a serving engine resolves, and where it was loaded from
+        self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
+                                           dtype=str(base.dtype).removeprefix("torch."))
+        self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
 
     # -- thread-safe entry points -------------------------------------------------------------------
     def assign(self, assignments: Assignment | list[Assignment]) -> None:
@@ -396,6 +403,7 @@ class TrainerLoop:
             return
         note = "; ".join(part for part in (fetch_note, note) if part)
         active = ActiveJob(assignment, job, feed, files, local_dir, remote)
+        active.tracker = self._start_tracker(assignment, local_dir, resumed_from)
         if resume_verdict is not None:
             # the stop decisions of its last steps before the checkpoint, made again from the restored history
             # (a pause may have cut them off): due like step k - 1's verdict; a stop decided at step k waits
@@ -542,6 +550,8 @@ class TrainerLoop:
             active.last_step_time = now
             self._emit("progress", result.job, record.step, **record.as_row(), tokens_per_s=record.tokens / seconds,
                        total_steps=job.total_steps)
+            if active.tracker is not None:
+                active.tracker.step(record.as_row(), record.tokens / seconds)
             spec = job.spec
             if job.eval_examples and spec.eval_every and record.step % spec.eval_every == 0:
                 eval_loss = self.trainer.evaluate(job)
@@ -549,6 +559,8 @@ class TrainerLoop:
                 active.last_eval_step = record.step
                 update.evals.append((record.step, eval_loss))
                 self._emit("eval", result.job, record.step, eval_loss=eval_loss)
+                if active.tracker is not None:
+                    active.tracker.eval(record.step, eval_loss)
             if self._checkpoint_due(active, record.step) and not job.done:
                 self._checkpoint(active)
             active.decisions.append((record.step, active.assignment.link.update(update)))
@@ -565,7 +577,7 @@ class TrainerLoop:
         next step (the previous checkpoint stays in place meanwhile)."""
         job = active.job
         try:
-            save_checkpoint(job, active.checkpoint_dir, self.base.source.description)
+            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id)
         except OSError as error:
             active.files.failed_write(error, CHECKPOINT_FOLDER)
             return
@@ -614,11 +626,14 @@ class TrainerLoop:
                     data["eval_loss"] = self.trainer.evaluate(job)
                     job.evals.append((job.step, data["eval_loss"]))
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
+                    if active.tracker is not None:
+                        active.tracker.eval(job.step, data["eval_loss"])
+                metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
-                    job.adapter, active.local_dir, self.base.source.description)))
+                    job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
             if kind != "failed":
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
-                    job, active.checkpoint_dir, self.base.source.description))
+                    job, active.checkpoint_dir, self.base_identity.serving_id))
                 data["checkpoint_step"] = job.step
             if active.remote is not None and kind != "failed":
                 outputs = kind in ("completed", "stopped_early")
@@ -638,6 +653,11 @@ class TrainerLoop:
             del self.active[job_id]
             active.files.close()
             self.trainer.remove_job(job.name)
+        if active.tracker is not None:
+            adapter_written = kind in ("completed", "stopped_early")
+            active.tracker.finish(kind, job.step, active.local_dir if adapter_written else None)
+            if active.tracker.problems:   # known by now: the job's reason says so
+                data["reason"] = f"{data['reason']}; {'; '.join(active.tracker.problems)}"
         self._emit(kind, job_id, job.step, **data)
 
     @staticmethod
@@ -660,7 +680,27 @@ class TrainerLoop:
     def _publish_jobs(self) -> None:
         self.job_ids = list(self.active)
 
+    def _start_tracker(self, assignment: Assignment, local_dir: Path, resumed_from: int | None) -> JobTracker | None:
+        """The job's tracking (actors/service/tracking.py), or None; never raises (tracking never stops a job)."""
+        try:
+            tracker = start_tracker(assignment.job_id, assignment.submission, local_dir,
+                                    str(assignment.output_dir) if is_uri(assignment.output_dir) else None,
+                                    resumed_from)
+        except Exception:  # noqa: BLE001 - e.g. no thread could be started: the job trains without tracking
+            log.exception("trainer %s: job %s: its tracking could not start; it trains without it", self.trainer_id,
+                          assignment.job_id)
+            return None
+        if tracker is not None:
+            self.trackers = [t for t in self.trackers if not t.done.is_set()] + [tracker]
+        return tracker
+
     def close(self) -> None:
         for active in list(self.active.values()):
             self._finish(active, "paused", "the trainer is shutting down")
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for tracker in self.trackers:   # the last metrics and artefacts of the jobs that just left
+            if not tracker.wait(max(deadline - time.monotonic(), 0.0)):
+                log.warning("trainer %s: job %s: its tracking did not finish writing within %.0fs; its last metrics "
+                            "or its adapter artefact may be missing there", self.trainer_id, tracker.job_id,
+                            CLOSE_WAIT_S)
         self.step_log.close()

@@ -141,12 +141,14 @@ class PromptResponseFormat(BaseModel):
 
 
 class ChatFormat(BaseModel):
-    """Rows holding a list of ``{role, content}`` messages, rendered through the
-    tokenizer's chat template; the assistant turns are the targets."""
+    """Rows holding a list of ``{role, content}`` messages (or ShareGPT ``{from, value}`` turns: human, gpt,
+    system; see sharegpt.py), rendered through the tokenizer's chat template; the assistant turns are the
+    targets."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["chat"] = Field("chat", description="messages through the tokenizer's chat template")
-    messages_field: str = Field("messages", description="the row field holding the messages")
+    messages_field: str = Field("messages", description="the row field holding the messages (`conversations` for "
+                                                        "ShareGPT data: its {from, value} turns are recognised)")
 
     def fields(self) -> set[str]:
         return {self.messages_field}

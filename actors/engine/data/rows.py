@@ -37,8 +37,14 @@ class DataError(ValueError):
         self.field = field
 
 
+class RowIndex(int):
+    """The 0-based index of a row in a table (parquet, arrow, a saved dataset), where a JSON file has a
+    line number: errors show it as `file, row N` instead of `file:N`."""
+
+
 def _row_error(source: str, line: int, message: str, field: str | None = None) -> DataError:
-    return DataError(f"{source}:{line}: {message}", source=source, line=line, field=field)
+    where = f"{source}, row {line}" if isinstance(line, RowIndex) else f"{source}:{line}"
+    return DataError(f"{where}: {message}", source=source, line=line, field=field)
 
 
 def _type_name(value: object) -> str:

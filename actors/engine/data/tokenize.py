@@ -16,6 +16,7 @@ from actors.engine.data.formats import (
     TextFormat,
 )
 from actors.engine.data.rows import DataError, _row_error, _type_name, read_rows
+from actors.engine.data.sharegpt import is_sharegpt, sharegpt_messages
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -139,6 +140,8 @@ def _chat_messages(row: dict[str, Any], fmt: ChatFormat, source: str, line: int)
             field=name,
         )
     messages = row[name]
+    if is_sharegpt(messages):   # ShareGPT {from, value} turns: actors/engine/data/sharegpt.py
+        messages = sharegpt_messages(messages, name, source, line)
     if not isinstance(messages, list) or not messages:
         raise _row_error(
             source,

@@ -60,6 +60,8 @@ def parse_body(body: bytes, content_type: str | None) -> tuple[Any, str | None]:
         raise Refused(422, f"the body is not UTF-8 text: {error}") from None
     if not text.strip():
         raise Refused(422, "the body is empty; send a job spec (its fields, or a jobs file with `jobs: [...]`)")
+    too_deep = Refused(422, "the body is nested too deeply to be a job spec",
+                       [{"loc": ["body"], "msg": "nested too deeply", "type": "too_deep"}])
     if media in JSON_TYPES:
         try:
             return json.loads(text), None
@@ -67,11 +69,20 @@ def parse_body(body: bytes, content_type: str | None) -> tuple[Any, str | None]:
             raise Refused(422, f"malformed JSON: {error.msg} at line {error.lineno}, column {error.colno}",
                           [{"loc": ["body"], "msg": f"malformed JSON: {error.msg}", "type": "json_invalid",
                             "line": error.lineno, "column": error.colno}]) from None
+        except RecursionError:
+            raise too_deep from None
     try:
+        # aliases (*name) refused before anything follows them: a few bytes of them can stand for a structure
+        # too large to walk (a "billion laughs" body); a job spec has no use for them
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise Refused(422, "YAML aliases (*name) are not accepted in a job submission; write the values out",
+                          [{"loc": ["body"], "msg": "YAML aliases are not accepted", "type": "yaml_alias"}])
         return yaml.safe_load(text), text
     except yaml.YAMLError as error:
         raise Refused(422, f"malformed YAML: {error}",
                       [{"loc": ["body"], "msg": f"malformed YAML: {error}", "type": "yaml_invalid"}]) from None
+    except RecursionError:
+        raise too_deep from None
 
 
 def _field_errors(error: ValidationError, single_job: bool) -> list[dict[str, Any]]:

@@ -169,6 +169,10 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
          "malformed JSON"),
         ("malformed YAML", lambda: raw.post("/v1/jobs", content=b"name: [x\n", headers={
             **auth, "Content-Type": "application/yaml"}), 422, "malformed YAML"),
+        ("JSON nested beyond reason", lambda: raw.post("/v1/jobs", content=b"[" * 50_000, headers=json_type), 422,
+         "nested too deeply"),
+        ("YAML aliases", lambda: raw.post("/v1/jobs", content=b"a: &a [x, x]\nb: [*a, *a]\n", headers={
+            **auth, "Content-Type": "application/yaml"}), 422, "aliases"),
         ("not a mapping", lambda: raw.post("/v1/jobs", json=[fresh], headers=auth), 422, "send a mapping"),
         ("an empty body", lambda: raw.post("/v1/jobs", content=b"", headers=json_type), 422, "empty"),
         ("a form, not JSON or YAML", lambda: raw.post("/v1/jobs", data={"name": "x"}, headers=auth), 415,

@@ -225,6 +225,12 @@ class SchedulerActor:
         with self.lock:
             return self.table.transitions(self.table.find(key).id)
 
+    def transitions_after(self, after: int | None, limit: int = 1000) -> tuple[int, list[dict[str, Any]]]:
+        """The newest transition's number and the transitions after `after` (None: none, only the number),
+        as `JobTable.transitions_after`: what the HTTP API's event stream follows."""
+        with self.lock:
+            return self.table.last_transition(), ([] if after is None else self.table.transitions_after(after, limit))
+
     def cancel(self, key: str, reason: str = "cancelled by the user") -> JobRecord:
         with self.lock:
             record = self.table.find(key)

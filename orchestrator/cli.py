@@ -40,6 +40,17 @@ def _service_config(args: argparse.Namespace):
     return ServiceConfig.model_validate(data)
 
 
+def _service(args: argparse.Namespace):
+    """The service's client: over the HTTP API with --url (or $ASPEN_URL; no Ray needed), else over Ray."""
+    if getattr(args, "url", None):
+        from orchestrator.http_client import HttpClient
+
+        return HttpClient(args.url)
+    from orchestrator.client import Client
+
+    return Client.connect(args.address)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
 
@@ -63,14 +74,50 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for key, value in info.items():   # what the service's listeners report: metrics_url, metrics_error, ...
         if key.endswith(("_url", "_error")):
             print(f"  {key.replace('_', ' ')}: {value}")
+    if args.http:
+        import ray
+
+        from orchestrator.http_api import serve
+
+        ray.shutdown()   # the service is detached; the API reaches it from a process of its own (http_bridge)
+        serve(address=args.address, host=args.http_host, port=args.http_port)
+    return 0
+
+
+def _cmd_http(args: argparse.Namespace) -> int:
+    from orchestrator.http_api import serve
+
+    serve(address=args.address, host=args.host, port=args.port, token_file=args.token_file,
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+    return 0
+
+
+def _cmd_http_token(args: argparse.Namespace) -> int:
+    from orchestrator.http_token import ensure_token, token_file
+
+    token = ensure_token(args.token_file, rotate=args.rotate)
+    print(token)
+    if args.rotate:
+        print(f"aspen: a new token is in {token_file(args.token_file)}; restart `aspen http` to use it",
+              file=sys.stderr)
+    return 0
+
+
+def _cmd_losses(args: argparse.Namespace) -> int:
+    rows = _service(args).losses(args.job)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
+    print(f"{'step':>6}{'loss':>10}{'eval loss':>11}{'lr':>11}{'grad norm':>11}{'tokens':>9}")
+    for row in rows:
+        print(f"{row['step']:>6}{fmt(row['loss']):>10}{fmt(row['eval_loss']):>11}{fmt(row['lr'], '.3g'):>11}"
+              f"{fmt(row['grad_norm'], '.3g'):>11}{fmt(row['tokens'], 'd'):>9}")
     return 0
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from orchestrator.client import Client
-
-    client = Client.connect(args.address)
-    handles = client.submit_run(args.file)
+    handles = _service(args).submit_run(args.file)
     if args.json:
         print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))
         return 0
@@ -80,10 +127,9 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.client import Client
     from orchestrator.progress import print_table, summary_table
 
-    client = Client.connect(args.address)
+    client = _service(args)
     if args.job:
         record = client.status(args.job)
         if args.json:
@@ -160,9 +206,7 @@ def _job_command(verb: str, running_note: str):
     """`aspen cancel|pause|resume JOB`: the client's `verb` on one job, and the job's record after it."""
 
     def command(args: argparse.Namespace) -> int:
-        from orchestrator.client import Client
-
-        record = getattr(Client.connect(args.address), verb)(args.job)
+        record = getattr(_service(args), verb)(args.job)
         if args.json:
             print(json.dumps(record.as_dict(), indent=1))
         elif record.state == "running" and running_note:
@@ -322,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
                              help="Ray cluster (default: $RAY_ADDRESS or the cluster on this machine)")
         return command
 
+    def with_url(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        command.add_argument("--url", default=os.environ.get("ASPEN_URL"),
+                             help="talk to the service through its HTTP API at this URL (`aspen http`), without Ray "
+                                  "(default: $ASPEN_URL; the token from $ASPEN_TOKEN or ~/.aspen/http-token)")
+        return command
+
     serve = with_address(commands.add_parser("serve", help="start the service on the Ray cluster and return"))
     serve.add_argument("--config", help="service YAML (state_dir, trainers, policy)")
     serve.add_argument("--state-dir", help="where the job table and outputs live (default ~/.aspen)")
@@ -337,15 +387,41 @@ def build_parser() -> argparse.ArgumentParser:
                        "s3://bucket/aspen (default: <state dir>/outputs)")
     serve.add_argument("--insecure", action="store_true", help="start the service even on a Ray cluster without "
                        "token authentication (by default refused: anyone who reaches such a cluster runs code on it)")
+    serve.add_argument("--http", action="store_true", help="then serve the HTTP API in this process (as `aspen "
+                       "http`) until Ctrl-C; the service keeps running after")
+    serve.add_argument("--http-host", default="127.0.0.1", help="with --http: the address to bind (default loopback)")
+    serve.add_argument("--http-port", type=int, default=8765, help="with --http: the port (default 8765)")
     with_json(serve, "the running service's description (trainers, URLs, state dir)")
     serve.set_defaults(handler=_cmd_serve)
 
-    submit = with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file"))
+    http = with_address(commands.add_parser("http", help="serve the HTTP API of the running service (submit, list, "
+                                                       "status, cancel, losses, events; token auth) until Ctrl-C"))
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
+                      "another one is warned about)")
+    http.add_argument("--port", type=int, default=8765, help="port (default 8765)")
+    http.add_argument("--token-file", help="the bearer token's file (default ~/.aspen/http-token, generated with mode "
+                      "0600 where missing)")
+    http.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    http.add_argument("--ssl-keyfile", help="and this private key (PEM)")
+    http.set_defaults(handler=_cmd_http)
+
+    http_token = commands.add_parser("http-token", help="print the HTTP API's bearer token (generated where missing)")
+    http_token.add_argument("--token-file", help="default ~/.aspen/http-token")
+    http_token.add_argument("--rotate", action="store_true", help="replace it with a new token (restart `aspen http`)")
+    http_token.set_defaults(handler=_cmd_http_token)
+
+    losses = with_url(with_address(commands.add_parser("losses", help="a job's loss history: one row per optimizer "
+                                                                    "step (loss, eval loss, lr, grad norm, tokens)")))
+    losses.add_argument("job", help="job id (or a unique job name)")
+    with_json(losses, "the rows")
+    losses.set_defaults(handler=_cmd_losses)
+
+    submit = with_url(with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file")))
     submit.add_argument("file")
     with_json(submit, "the submitted jobs' ids and names")
     submit.set_defaults(handler=_cmd_submit)
 
-    status = with_address(commands.add_parser("status", help="all jobs, or one job in detail"))
+    status = with_url(with_address(commands.add_parser("status", help="all jobs, or one job in detail")))
     status.add_argument("job", nargs="?", help="job id (or a unique job name)")
     with_json(status, "the jobs (one job: with its state history)")
     status.set_defaults(handler=_cmd_status)
@@ -369,19 +445,19 @@ def build_parser() -> argparse.ArgumentParser:
     with_json(report, "each job's numbers and loss curve (no files written)")
     report.set_defaults(handler=_cmd_report)
 
-    cancel = with_address(commands.add_parser("cancel", help="cancel a job (it is checkpointed first)"))
+    cancel = with_url(with_address(commands.add_parser("cancel", help="cancel a job (it is checkpointed first)")))
     cancel.add_argument("job")
     with_json(cancel, "the job's record")
     cancel.set_defaults(handler=_cmd_cancel)
 
-    pause = with_address(commands.add_parser("pause", help="pause a job (it is checkpointed; `aspen resume` "
-                                                         "continues it)"))
+    pause = with_url(with_address(commands.add_parser("pause", help="pause a job (it is checkpointed; `aspen "
+                                                                  "resume` continues it)")))
     pause.add_argument("job")
     with_json(pause, "the job's record")
     pause.set_defaults(handler=_cmd_pause)
 
-    resume = with_address(commands.add_parser("resume", help="queue a paused, failed or cancelled job again; it "
-                                                           "continues from its last checkpoint"))
+    resume = with_url(with_address(commands.add_parser("resume", help="queue a paused, failed or cancelled job "
+                                                                    "again; it continues from its last checkpoint")))
     resume.add_argument("job")
     with_json(resume, "the job's record")
     resume.set_defaults(handler=_cmd_resume)
@@ -460,6 +536,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(error: Exception) -> tuple[int, str]:
     """The exit code and the one line for an error that ended a command."""
+    from orchestrator.http_client import HttpApiError
+
+    if isinstance(error, HttpApiError):   # 4xx: the request (exit 2); 5xx or no connection: the service (exit 1)
+        return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
     from orchestrator.client import ServiceError
 
     if isinstance(error, ServiceError):

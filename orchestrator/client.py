@@ -291,6 +291,12 @@ class Client:
         run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
         return self._submit_many(run.submissions())
 
+    def submit_records(self, submissions: list[JobSubmission]) -> list[JobRecord]:
+        """Enter submissions already validated (`JobSubmission`s), all or none, and return their records (what
+        the HTTP API calls: plain data, no handles)."""
+        ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]   # a repeated request finds them
+        return self._request("submit_many", [s.model_dump_json() for s in submissions], ids)
+
     def _submit(self, submission: JobSubmission) -> JobHandle:
         return self._submit_many([submission])[0]
 
@@ -311,9 +317,7 @@ class Client:
         return self._submit_many(submissions)
 
     def _submit_many(self, submissions: list[JobSubmission]) -> list[JobHandle]:
-        ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]   # a repeated request finds them
-        records: list[JobRecord] = self._request("submit_many", [s.model_dump_json() for s in submissions], ids)
-        return [JobHandle(self, record.id, record.name) for record in records]
+        return [JobHandle(self, record.id, record.name) for record in self.submit_records(submissions)]
 
     # -- following ----------------------------------------------------------------------------------------
     def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
@@ -335,6 +339,11 @@ class Client:
 
     def transitions(self, job: str) -> list[tuple[float, str, str]]:
         return self._request("transitions", job)
+
+    def transitions_after(self, after: int | None, limit: int = 1000) -> tuple[int, list[dict[str, Any]]]:
+        """Every job's state transitions after the one numbered `after` (None: none), oldest first, and the
+        newest one's number: to follow the whole job table without gaps (`JobTable.transitions_after`)."""
+        return self._request("transitions_after", after, limit)
 
     def trainers(self) -> list[dict[str, Any]]:
         return self._request("trainers")

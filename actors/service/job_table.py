@@ -289,6 +289,19 @@ class JobTable:
         return list(self.db.execute("SELECT time, state, reason FROM transitions WHERE job_id = ? ORDER BY rowid",
                                     (job_id,)))
 
+    def transitions_after(self, after: int, limit: int = 1000) -> list[dict[str, Any]]:
+        """Every job's transitions entered after the one numbered `after` (0: from the first), oldest first, at
+        most `limit`: each with its number (`seq`, increasing), the job's id and name, time, state and reason.
+        What a follower of the whole table polls (the HTTP API's event stream), without gaps."""
+        rows = self.db.execute("SELECT t.rowid, t.job_id, j.name, t.time, t.state, t.reason FROM transitions t "
+                               "LEFT JOIN jobs j ON j.id = t.job_id WHERE t.rowid > ? ORDER BY t.rowid LIMIT ?",
+                               (after, limit))
+        return [dict(zip(("seq", "job", "name", "time", "state", "reason"), row)) for row in rows]
+
+    def last_transition(self) -> int:
+        """The number (`seq`) of the newest transition, 0 when there is none."""
+        return self.db.execute("SELECT COALESCE(MAX(rowid), 0) FROM transitions").fetchone()[0]
+
     # -- progress ---------------------------------------------------------------------------------------
     def add_progress(self, job_id: str, row: dict[str, Any]) -> None:
         with self.transaction():

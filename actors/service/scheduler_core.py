@@ -64,6 +64,11 @@ class SubmissionError(ValueError):
     """A submission the service cannot take; nothing of its batch was entered."""
 
 
+class SubmissionConflict(SubmissionError):
+    """A submission that collides with jobs already in the table (their output folder, a job id); nothing of
+    its batch was entered."""
+
+
 class SchedulerCore:
     def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
                  on_decision: Callable[[str, str, str], None] | None = None, *,
@@ -116,6 +121,7 @@ class SchedulerCore:
                 return existing
         planned: list[tuple[str, JobSubmission, Path]] = []
         problems: list[str] = []
+        conflicts = 0   # problems that are collisions with jobs in the table (SubmissionConflict)
         for index, submission in enumerate(submissions):
             name = submission.job.name
             where = f"submission {index + 1} of {len(submissions)} (job '{name}')" if len(submissions) > 1 \
@@ -126,17 +132,19 @@ class SchedulerCore:
                 self._check_limits(submission)
                 other = self.table.writing_to(output_dir, ACTIVE_STATES)
                 if other is not None:
-                    raise SubmissionError(f"job {other.id} ({other.state}) already writes to {output_dir}; give "
-                                          "this job another output_dir or wait for that job to end")
+                    raise SubmissionConflict(f"job {other.id} ({other.state}) already writes to {output_dir}; give "
+                                             "this job another output_dir or wait for that job to end")
                 if any(output_dir == planned_dir for _, _, planned_dir in planned):
                     raise SubmissionError(f"two of the submitted jobs would write to {output_dir}; give this job "
                                           "another output_dir")
             except SubmissionError as error:
                 problems.append(f"{where}: {error}")
+                conflicts += isinstance(error, SubmissionConflict)
                 continue
             planned.append((job_id, submission, output_dir))
         if problems:
-            raise SubmissionError(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
+            kind = SubmissionConflict if conflicts == len(problems) else SubmissionError
+            raise kind(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
         with self.table.transaction():
             return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
 
@@ -150,14 +158,14 @@ class SchedulerCore:
                 found.append(None)
                 continue
             if self.table.submission(job_id) != submission:
-                raise SubmissionError(f"job id {job_id} is taken by another job; submit again (the client picks "
-                                      "new ids)")
+                raise SubmissionConflict(f"job id {job_id} is taken by another job; submit again (the client "
+                                         "picks new ids)")
             found.append(record)
         if all(r is None for r in found):
             return None
         if any(r is None for r in found):
-            raise SubmissionError(f"part of this batch was entered before ({[r.id for r in found if r]}), part not; "
-                                  "check `aspen status` before submitting again")
+            raise SubmissionConflict(f"part of this batch was entered before ({[r.id for r in found if r]}), part "
+                                     "not; check `aspen status` before submitting again")
         return found
 
     def _output_dir(self, submission: JobSubmission, job_id: str) -> Path | StorageURI:

@@ -1,0 +1,479 @@
+"""The HTTP API next to the Ray client (FastAPI, run by uvicorn; `aspen http`): submit, list, follow and
+cancel jobs without being a Ray driver. The app answers over the Ray client's calls through a `link`:
+`aspen http` keeps the Ray connection in a child process (`orchestrator.http_bridge.ProcessLink`, so that
+the server outlives a Ray cluster that goes away); `ServiceLink` calls a client in this process.
+
+    POST /v1/jobs                 a job spec (JSON or YAML): 201 with the entered jobs
+    GET  /v1/jobs[?state=...]     every job (or those in the given states)
+    GET  /v1/jobs/{job}           one job (by id, or by a name only one job has)
+    POST /v1/jobs/{job}/cancel    also /pause and /resume: the job's record after it
+    GET  /v1/jobs/{job}/losses    one row per optimizer step (step, loss, tokens, lr, grad_norm, eval_loss)
+    GET  /v1/jobs/{job}/transitions   its state history (time, state, reason)
+    GET  /v1/events               server-sent events: every job state change (and, with ?progress=true, steps)
+    GET  /v1/service              the service's description (trainers, policy, URLs)
+    GET  /v1/health               no token needed: is the API up, does the service answer
+    GET  /openapi.json            the OpenAPI schema (and /docs)
+
+Every /v1 endpoint but health needs `Authorization: Bearer <token>` (`orchestrator.http_token`; compared
+in constant time). Refusals are JSON `{"detail": ..., "errors": [...]}` and change nothing in the service:
+401 no or a wrong token, 404 an unknown job, 409 a name an unfinished job holds or a job in the wrong state
+(cancelling a finished one), 413 a body over `max_body_bytes`, 415 a body neither JSON nor YAML, 422 a
+malformed body or an invalid spec (each problem with its field). A service that does not answer (stopped,
+restarting, its job table locked) is a 503 with the reason; the server stays up and connects again.
+
+The event stream follows the job table's transitions by number (`Client.transitions_after`), polled every
+`events_poll_s`: the table is the service's record of every state change, so the stream has no gaps (a
+client that reconnects with `Last-Event-ID` gets every transition since), works whether or not the MQTT
+broker runs, and needs nothing but this server's Ray connection. The MQTT events, by contrast, are
+at-most-once for a subscriber that is not connected (only the last state per job is retained)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+import sys
+import threading
+from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.concurrency import run_in_threadpool
+
+from actors.engine.spec import JobSpec, RunSpec
+from actors.service.config import SCHEDULER_NAME
+from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
+from orchestrator.http_submissions import Refused, parse_body, submissions_from
+from orchestrator.jobs_file import SpecError
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "1"
+DEFAULT_PORT = 8765
+MAX_BODY_BYTES = 1 << 20     # a job spec is a few hundred bytes; its data is a path or URI, never inline
+EVENTS_POLL_S = 1.0
+EVENTS_BATCH = 500           # transitions per poll at most (a backlog is sent in batches without waiting)
+T = TypeVar("T")
+UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
+
+
+class ServiceLink:
+    """The service's Ray client in this process (`Client.connect(address, name=name)`, or `client`): made on
+    first use, dropped when the service is gone and made again on the next request (a restarted `aspen
+    serve` is a new actor under the same name)."""
+
+    def __init__(self, address: str = "auto", *, name: str = SCHEDULER_NAME, client: Any = None):
+        self.address = address
+        self.name = name
+        self._client = client
+        self._lock = threading.Lock()
+
+    def client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                from orchestrator.client import Client
+
+                self._client = Client.connect(self.address, name=self.name)
+            return self._client
+
+    def forget(self, client: Any) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+
+
+# -- response models (the OpenAPI schema's) -----------------------------------------------------------------
+class ErrorBody(BaseModel):
+    detail: str
+    errors: list[dict[str, Any]] | None = None
+
+
+class Submitted(BaseModel):
+    jobs: list[JobRecord]
+
+
+class LossRow(BaseModel):
+    step: int
+    loss: float | None = None
+    tokens: int | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    eval_loss: float | None = None
+    time: float
+
+
+class Transition(BaseModel):
+    time: float
+    state: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class EventStart:
+    """Where an event stream starts: its job (None: every job), the transition number it follows, and the
+    jobs of its snapshot (None when it resumes after a Last-Event-ID)."""
+
+    job: str | None
+    after: int
+    records: list[JobRecord] | None
+
+
+class Health(BaseModel):
+    status: str
+    service: str
+    detail: str | None = None
+
+
+REFUSALS = {status: {"model": ErrorBody, "description": text} for status, text in (
+    (401, "no token, or a wrong one"), (404, "no such job"), (409, "the job's state or name conflicts"),
+    (503, "the service does not answer; the reason"))}
+
+
+# -- the service's errors as HTTP statuses ------------------------------------------------------------------
+def _first_line(error: BaseException) -> str:
+    if isinstance(error, KeyError) and error.args:
+        return str(error.args[0])
+    return str(error)
+
+
+def as_http(error: Exception) -> HTTPException | None:
+    """The HTTP answer for an error of a client call; None for one that is not the request's or the
+    service's (a bug: 500)."""
+    from ray.exceptions import RayError, RayTaskError
+
+    from actors.service.scheduler_core import SubmissionConflict, SubmissionError   # (imports torch: only here)
+    from orchestrator.client import ServiceError
+
+    if isinstance(error, KeyError):
+        return HTTPException(404, _first_line(error))
+    if isinstance(error, SubmissionConflict):
+        return HTTPException(409, str(error))
+    if isinstance(error, (SpecError, SubmissionError)):
+        return HTTPException(422, str(error))
+    if isinstance(error, ValueError):          # a job in the wrong state for the request
+        return HTTPException(409, str(error))
+    if isinstance(error, (ServiceError, TimeoutError)) or (isinstance(error, RayError)
+                                                           and not isinstance(error, RayTaskError)):
+        return HTTPException(503, f"the aspen service cannot answer: {_first_line(error) or type(error).__name__}",
+                             headers={"Retry-After": "5"})
+    return None
+
+
+def _unreachable(error: Exception) -> HTTPException:
+    """503 for a client that could not be made: no Ray cluster at the address, one that refused this process
+    (token authentication), no service on it."""
+    detail = _first_line(error) or type(error).__name__
+    if isinstance(error, ConnectionError):   # ray.init could not join the cluster
+        detail += ("; if the cluster uses token authentication, this server needs RAY_AUTH_MODE=token (and the "
+                   "token: ~/.ray/auth_token or RAY_AUTH_TOKEN)")
+    return HTTPException(503, f"the aspen service cannot be reached: {detail}", headers={"Retry-After": "5"})
+
+
+def call_service(link: ServiceLink, request: Callable[[Any], T]) -> T:
+    """`request(client)`, its errors as HTTP answers; a service that is gone is connected again next time."""
+    try:
+        client = link.client()
+    except HTTPException:   # answered already (by the Ray connection's process)
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever stops a connection is a 503 with its reason
+        answer = _unreachable(error)
+        log.warning("aspen http: %s", answer.detail)
+        raise answer from None
+    try:
+        return request(client)
+    except (HTTPException, Refused):   # answered already (by the Ray connection's process, or the request's check)
+        raise
+    except Exception as error:  # noqa: BLE001 - each error is answered (or re-raised as a bug below)
+        answer = as_http(error)
+        if answer is None:
+            raise
+        if answer.status_code == 503:
+            log.warning("aspen http: %s", answer.detail)
+            link.forget(client)
+        raise answer from None
+
+
+class BodyLimit:
+    """413, as JSON with the limit, for a request body over `max_bytes`: at once where its Content-Length
+    says so, else when the endpoint reads past the limit (a chunked body), before anything is done with it."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self, size: str) -> HTTPException:
+        return HTTPException(413, f"the body has {size} bytes; this API takes at most {self.max_bytes} (a job spec "
+                                  "names its data by path or URI)")
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > self.max_bytes:
+            error = self.too_large(length)
+            await JSONResponse({"detail": error.detail}, status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise self.too_large(f"more than {self.max_bytes}")   # answered by the app's HTTPException handler
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _request_body_schema() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request body's schema (one job's fields or a jobs file) and the component schemas it refers to."""
+    (_, defs) = models_json_schema([(JobSpec, "validation"), (RunSpec, "validation")],
+                                   ref_template="#/components/schemas/{model}")
+    body = {"anyOf": [{"$ref": "#/components/schemas/JobSpec"}, {"$ref": "#/components/schemas/RunSpec"}]}
+    return body, defs.get("$defs", {})
+
+
+def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_BYTES,
+               events_poll_s: float = EVENTS_POLL_S) -> FastAPI:
+    """The API over the service reached through `link`, for requests that carry `token`."""
+    if len(token) < 16:
+        raise ValueError("the API token is shorter than 16 characters; generate one with `aspen http-token --rotate`")
+    app = FastAPI(title="aspen", version=API_VERSION,
+                  description="Fine-tune many LoRA adapters at once on one shared base model: submit, follow and "
+                              "cancel jobs of a running aspen service. Every /v1 endpoint but /v1/health needs "
+                              "`Authorization: Bearer <token>` (`aspen http-token` prints it).")
+    bearer = HTTPBearer(auto_error=False, description="the token that `aspen http-token` prints")
+    expected = token.encode()
+    submit_lock = threading.Lock()   # a name check and its submission are one step for this server
+
+    def require_token(request: Request,
+                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if credentials is None:
+            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <token>`; `aspen http-token` on the "
+                                     "service's machine prints the token", headers={"WWW-Authenticate": "Bearer"})
+        if not secrets.compare_digest(credentials.credentials.encode(), expected):
+            log.warning("aspen http: a wrong token from %s", request.client.host if request.client else "?")
+            raise HTTPException(401, "wrong token (`aspen http-token` on the service's machine prints the right one)",
+                                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(item.get("loc", ())), "msg": item.get("msg", ""), "type": item.get("type", "")}
+                  for item in error.errors()]
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        return JSONResponse({"detail": f"invalid request: {detail}", "errors": errors}, status_code=422)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, error: Refused) -> JSONResponse:
+        return JSONResponse({"detail": error.detail, "errors": error.errors}, status_code=error.status)
+
+    @app.get("/v1/health", response_model=Health, tags=["service"],
+             responses={503: {"model": Health, "description": "the service does not answer"}})
+    def health() -> Any:
+        """Is the API up, and does the service answer? No token needed; says nothing else about the service."""
+        try:
+            call_service(link, lambda client: client.info())
+        except HTTPException as error:
+            return JSONResponse(Health(status="degraded", service="unavailable", detail=error.detail).model_dump(),
+                                status_code=503)
+        return Health(status="ok", service="up")
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=REFUSALS)
+
+    @api.get("/service", tags=["service"])
+    def service_info() -> dict[str, Any]:
+        """The service's description: state folder, policy, output root, trainers, metrics and events URLs."""
+        return call_service(link, lambda client: client.info())
+
+    body_schema, components = _request_body_schema()
+
+    @api.post("/jobs", status_code=201, response_model=Submitted, tags=["jobs"],
+              responses={413: {"model": ErrorBody, "description": "the body is too large"},
+                         415: {"model": ErrorBody, "description": "the body is neither JSON nor YAML"},
+                         422: {"model": ErrorBody, "description": "malformed body or invalid spec; `errors` names "
+                                                                  "each field"}},
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": body_schema},
+                  "application/yaml": {"schema": {"type": "string", "description": "a jobs file, or one job's "
+                                                                                   "fields, as YAML text"}}}}})
+    async def submit(request: Request) -> Any:
+        """Submit one job (its fields, with base_model, quantization, dtype and output_dir beside them) or
+        every job of a jobs file (`jobs: [...]`), all or none. Paths are the service's machine's: data as an
+        absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
+        name keeps naming one job."""
+        data, text = parse_body(await request.body(), request.headers.get("content-type"))
+
+        def enter(client: Any) -> list[JobRecord]:
+            submissions = submissions_from(data, text=text, output_root=client.info().get("output_root"))
+            with submit_lock:
+                names = {s.job.name for s in submissions}
+                held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
+                if held:
+                    raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}" for r in held)
+                                        + "; cancel it, wait for it to end, or choose another name")
+                return client.submit_records(submissions)
+
+        records = await run_in_threadpool(call_service, link, enter)
+        headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
+        return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
+
+    @api.get("/jobs", response_model=list[JobRecord], tags=["jobs"])
+    def jobs(state: list[str] | None = Query(None, description=f"only jobs in these states: {', '.join(JOB_STATES)}")
+             ) -> Any:
+        """Every job (oldest first), or those in the given states (`?state=queued&state=running`)."""
+        unknown = sorted(set(state or ()) - set(JOB_STATES))
+        if unknown:
+            raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
+        return call_service(link, lambda client: client.jobs(state or None))
+
+    @api.get("/jobs/{job}", response_model=JobRecord, tags=["jobs"])
+    def status(job: str) -> Any:
+        """One job, by id or by a name that only one job has."""
+        return call_service(link, lambda client: client.status(job))
+
+    @api.get("/jobs/{job}/losses", response_model=list[LossRow], tags=["jobs"])
+    def losses(job: str) -> Any:
+        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss (where evaluated), time."""
+        return call_service(link, lambda client: client.losses(job))
+
+    @api.get("/jobs/{job}/transitions", response_model=list[Transition], tags=["jobs"])
+    def transitions(job: str) -> Any:
+        """The job's state history, oldest first."""
+        return [Transition(time=when, state=state, reason=reason)
+                for when, state, reason in call_service(link, lambda client: client.transitions(client.status(job).id))]
+
+    def job_verb(verb: str, what: str) -> None:
+        def act(job: str) -> Any:
+            return call_service(link, lambda client: getattr(client, verb)(job))
+
+        act.__name__ = verb
+        act.__doc__ = what
+        api.post(f"/jobs/{{job}}/{verb}", response_model=JobRecord, tags=["jobs"])(act)
+
+    job_verb("cancel", "Cancel a queued, running or paused job (a running one is checkpointed at its next step); "
+                       "409 for a job that has ended.")
+    job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
+    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
+
+    def event_start(job: str | None = Query(None, description="only this job (id or name)"),
+                    last_event_id: str | None = Header(None, description="resume after this event (the `id` of the "
+                                                                         "last event received)")) -> EventStart:
+        """Where a stream starts, checked before it opens (an unknown job is a 404, a service that does not
+        answer a 503, not an event)."""
+        if last_event_id is not None and not last_event_id.strip().isdigit():
+            raise HTTPException(422, f"Last-Event-ID {last_event_id!r} is not an event id of this stream (a whole "
+                                     "number)")
+        key = call_service(link, lambda client: client.status(job).id) if job else None
+        if last_event_id is not None:
+            return EventStart(key, int(last_event_id), None)
+        after, _ = call_service(link, lambda client: client.transitions_after(None))
+        return EventStart(key, after, call_service(link, lambda client: client.jobs()))   # after `after`: none missed
+
+    @api.get("/events", response_class=EventSourceResponse, tags=["events"])
+    async def events(request: Request, start: EventStart = Depends(event_start),
+                     progress: bool = Query(False, description="also an event per optimizer step of running jobs")
+                     ) -> AsyncIterator[ServerSentEvent]:
+        """Server-sent events. Without Last-Event-ID first a `snapshot` (every job), then a `transition` per
+        job state change (`id`: its number in the job table; reconnecting with Last-Event-ID sends every
+        transition since), `progress` per step with ?progress=true, and `error` while the service does not
+        answer (the stream stays open and goes on when it answers again)."""
+        key, after = start.job, start.after
+        states = {r.id: r.state for r in start.records or ()}
+        steps = {r.id: r.step for r in start.records or ()}
+        if start.records is not None:
+            shown = [r for r in start.records if key in (None, r.id)]
+            yield ServerSentEvent(event="snapshot", id=str(after), data={"jobs": shown, "seq": after})
+        failing = False
+        while not await request.is_disconnected():
+            try:
+                _, rows = await run_in_threadpool(call_service, link, lambda client: client.transitions_after(after,
+                                                                                                      EVENTS_BATCH))
+                running = await run_in_threadpool(call_service, link, lambda client: client.jobs(("running",))) \
+                    if progress else []
+            except HTTPException as error:
+                if not failing:
+                    yield ServerSentEvent(event="error", data={"detail": error.detail})
+                failing = True
+                await asyncio.sleep(max(events_poll_s, 1.0))
+                continue
+            if failing:
+                yield ServerSentEvent(event="error", data={"detail": None, "recovered": True})
+                failing = False
+            for row in rows:
+                after = row["seq"]
+                previous = states.get(row["job"])
+                states[row["job"]] = row["state"]
+                if key in (None, row["job"]):
+                    yield ServerSentEvent(event="transition", id=str(row["seq"]), data={**row, "previous": previous})
+            for record in running:
+                if key in (None, record.id) and steps.get(record.id) != record.step:
+                    steps[record.id] = record.step
+                    yield ServerSentEvent(event="progress", data={
+                        "job": record.id, "name": record.name, "step": record.step, "total_steps": record.total_steps,
+                        "loss": record.loss, "eval_loss": record.eval_loss, "tokens": record.tokens,
+                        "tokens_per_s": record.tokens_per_s, "time": record.updated_at})
+            if len(rows) < EVENTS_BATCH:
+                await asyncio.sleep(events_poll_s)
+
+    app.include_router(api)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT_PORT, token_file: str | None = None,
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+    """Run the API with uvicorn until interrupted (`aspen http`), over the service that `Client.connect(address)`
+    finds, from a child process that holds the Ray connection (`orchestrator.http_bridge`: this process never
+    joins Ray, so it outlives the cluster; a service not running yet is a 503 until it is). Bound to loopback
+    unless `host` says otherwise (then a warning: the token is the only guard, and without TLS it crosses the
+    network in clear text)."""
+    import uvicorn
+
+    from orchestrator.http_bridge import ProcessLink
+    from orchestrator.http_token import ensure_token, token_file as token_path
+
+    token = ensure_token(token_file)
+    if not is_loopback(host):
+        print(f"aspen http: WARNING: serving on {host}, not loopback: anyone who reaches port {port} and holds the "
+              "token can submit and cancel jobs" + ("" if ssl_certfile else ", and without TLS (--ssl-certfile) the "
+                                                    "token crosses the network in clear text"), file=sys.stderr)
+    link = ProcessLink(address)
+    scheme = "https" if ssl_certfile else "http"
+    print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs); its token is in "
+          f"{token_path(token_file)} (`aspen http-token` prints it)", file=sys.stderr, flush=True)
+    try:
+        # event streams never end by themselves: a stop waits this long for them, then closes them
+        uvicorn.run(create_app(link, token), host=host, port=port, log_level="info", ssl_certfile=ssl_certfile,
+                    ssl_keyfile=ssl_keyfile, timeout_graceful_shutdown=5)
+    finally:
+        link.close()

@@ -1,0 +1,302 @@
+"""A Python client for the HTTP API (`aspen http`) that needs no Ray: the Ray client's methods (`submit`,
+`submit_run`, `submit_many`, `jobs`, `status`, `losses`, `transitions`, `cancel`, `pause`, `resume`,
+`wait`, `info`) over HTTP, plus `events()` (the server-sent event stream). Job records come back as the
+Ray client's `JobRecord`s; a refusal is an `HttpApiError` carrying the server's status and message (a 404
+is also a KeyError, an invalid spec also a `SpecError`, a state conflict also a ValueError, as the Ray
+client raises them).
+
+    from orchestrator.http_client import HttpClient
+    client = HttpClient("http://127.0.0.1:8765")            # token from $ASPEN_TOKEN or ~/.aspen/http-token
+    job = client.submit({"name": "sql", "data": "/data/sql.jsonl", "format": {"type": "alpaca"}, "max_steps": 200})
+    print(job.wait(timeout=3600).state, job.losses()[-1])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from urllib.parse import quote
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from actors.engine.spec import JobSpec, JobSubmission, RunSpec
+from actors.engine.storage import is_uri
+from actors.service.job_table import TERMINAL_STATES, JobRecord
+from orchestrator.http_submissions import as_request
+from orchestrator.http_token import client_token
+from orchestrator.jobs_file import SpecError, load_run_spec
+
+URL_ENV = "ASPEN_URL"
+DEFAULT_TIMEOUT_S = 150.0   # the server waits up to 120 s for a busy service (the Ray client's own limit)
+
+
+class HttpApiError(Exception):
+    """The API refused a request (`status` 4xx) or could not serve it (5xx; 0: no connection). `detail` is
+    the server's message, `errors` its per-field problems (an invalid spec)."""
+
+    def __init__(self, status: int, detail: str, errors: list[dict[str, Any]] | None = None):
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.errors = errors or []
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+class Unauthorized(HttpApiError):
+    """401: no token, or a wrong one."""
+
+
+class JobNotFound(HttpApiError, KeyError):
+    """404: no job with that id or name."""
+
+    def __str__(self) -> str:   # KeyError would show the message quoted
+        return self.detail
+
+
+class SpecRefused(HttpApiError, SpecError):
+    """422: the spec is invalid (or the body malformed); `errors` names each field. Nothing was submitted."""
+
+
+class Conflict(HttpApiError, ValueError):
+    """409: a name an unfinished job holds, or a job in the wrong state for the request."""
+
+
+class ServiceUnavailable(HttpApiError):
+    """503 (the service does not answer; the API server is up), or no connection to the API server (status 0)."""
+
+
+_BY_STATUS = {401: Unauthorized, 404: JobNotFound, 409: Conflict, 422: SpecRefused, 503: ServiceUnavailable}
+
+
+def _error(response: httpx.Response) -> HttpApiError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"detail": response.text.strip() or response.reason_phrase}
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if not isinstance(detail, str):
+        detail = json.dumps(detail if detail is not None else body)
+    errors = body.get("errors") if isinstance(body, dict) else None
+    kind = _BY_STATUS.get(response.status_code, ServiceUnavailable if response.status_code >= 500 else HttpApiError)
+    return kind(response.status_code, f"{detail} (HTTP {response.status_code})", errors)
+
+
+def _record(data: dict[str, Any]) -> JobRecord:
+    return JobRecord(**data)
+
+
+def _resolved_here(body: dict[str, Any]) -> dict[str, Any]:
+    """A body whose relative `data` paths are made absolute against this process's folder, as the Ray client
+    takes them (the service cannot know what they are relative to)."""
+    def resolve(job: Any) -> Any:
+        data = job.get("data") if isinstance(job, dict) else None
+        if isinstance(data, str) and data.strip() and not is_uri(data) and not Path(data).expanduser().is_absolute():
+            return {**job, "data": str(Path.cwd() / data)}
+        return job
+
+    if isinstance(body.get("jobs"), list):
+        return {**body, "jobs": [resolve(job) for job in body["jobs"]]}
+    return resolve(body)
+
+
+def _job_path(job: str, suffix: str = "") -> str:
+    return f"/v1/jobs/{quote(job, safe='')}{suffix}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event: `kind` (snapshot, transition, progress, error), its `data` (decoded JSON) and
+    `id` (transitions: its number in the job table; resume after it with `events(after=...)`)."""
+
+    kind: str
+    data: Any
+    id: str | None = None
+
+
+class HttpJobHandle:
+    """A submitted job, as the Ray client's `JobHandle`."""
+
+    def __init__(self, client: HttpClient, job_id: str, name: str):
+        self.client = client
+        self.id = job_id
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"HttpJobHandle({self.id!r})"
+
+    def status(self) -> JobRecord:
+        return self.client.status(self.id)
+
+    def wait(self, timeout: float | None = None) -> JobRecord:
+        return self.client.wait(self.id, timeout)
+
+    def cancel(self) -> JobRecord:
+        return self.client.cancel(self.id)
+
+    def losses(self) -> list[dict[str, Any]]:
+        return self.client.losses(self.id)
+
+
+class HttpClient:
+    def __init__(self, url: str | None = None, token: str | None = None, *, token_file: str | Path | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S, transport: httpx.BaseTransport | None = None):
+        """`url`: the API (default `$ASPEN_URL`); `token`: default `$ASPEN_TOKEN`, else the token file's."""
+        url = url or os.environ.get(URL_ENV)
+        if not url:
+            raise ValueError(f"no API URL: pass one (e.g. http://127.0.0.1:8765) or set ${URL_ENV}")
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
+                                 headers={"Authorization": f"Bearer {token or client_token(token_file)}"})
+
+    def __enter__(self) -> HttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            why = str(error) or type(error).__name__
+            raise ServiceUnavailable(0, f"the aspen HTTP API at {self.url} does not answer: {why}; is `aspen http` "
+                                        "running there?") from None
+        if response.is_error:
+            raise _error(response)
+        return response.json()
+
+    # -- the service --------------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """The API's health (no token needed): raises ServiceUnavailable when the service does not answer."""
+        return self._request("GET", "/v1/health")
+
+    def info(self) -> dict[str, Any]:
+        return self._request("GET", "/v1/service")
+
+    # -- submitting ---------------------------------------------------------------------------------------
+    def submit(self, spec: JobSpec | JobSubmission | dict | str | Path, *, base_model: str | None = None,
+               quantization: str | None = None, dtype: str | None = None,
+               output_dir: str | Path | None = None) -> HttpJobHandle:
+        """Submit one job: a dict of job fields, a `JobSpec`, a `JobSubmission`, or a jobs YAML file with one
+        job. Paths are the service's machine's: a relative `data` is made absolute here (against this
+        folder, or a file's folder), as the Ray client does. An invalid spec raises `SpecRefused` naming the
+        field."""
+        if isinstance(spec, (str, Path)):
+            handles = self.submit_run(spec)
+            if len(handles) != 1:
+                raise SpecError(f"{spec}: has {len(handles)} jobs; submit_run() submits several")
+            return handles[0]
+        if isinstance(spec, JobSubmission):
+            base_model, quantization, dtype = spec.base_model, spec.quantization, spec.dtype
+            output_dir = output_dir or spec.output_dir
+            spec = spec.job.model_copy(update={"seed": spec.seed}) if spec.job.seed is None else spec.job
+        body = as_request(spec, base_model=base_model, quantization=quantization, dtype=dtype, output_dir=output_dir)
+        return self._submit(body)[0]
+
+    def submit_run(self, run: RunSpec | str | Path) -> list[HttpJobHandle]:
+        """Every job of a jobs YAML file (or `RunSpec`), all or none. Relative paths in a file are taken from
+        its folder (here); the file's `output_dir`, where it sets one, holds one folder per job."""
+        if not isinstance(run, RunSpec):
+            run = load_run_spec(run, check_files=False)   # the service checks its own files
+        return self._submit(as_request(run))
+
+    def submit_many(self, specs: Iterable[JobSpec | dict], **run_settings: Any) -> list[HttpJobHandle]:
+        """Several jobs with the same run settings (base_model, quantization, dtype), all or none."""
+        jobs = [as_request(spec) for spec in specs]
+        return self._submit(as_request({"jobs": jobs}, **run_settings))
+
+    def _submit(self, body: dict[str, Any]) -> list[HttpJobHandle]:
+        answer = self._request("POST", "/v1/jobs", json=_resolved_here(body))
+        return [HttpJobHandle(self, job["id"], job["name"]) for job in answer["jobs"]]
+
+    # -- following ----------------------------------------------------------------------------------------
+    def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
+        params = [("state", state) for state in states or ()]
+        return [_record(job) for job in self._request("GET", "/v1/jobs", params=params)]
+
+    def status(self, job: str) -> JobRecord:
+        return _record(self._request("GET", _job_path(job)))
+
+    def handle(self, job: str) -> HttpJobHandle:
+        record = self.status(job)
+        return HttpJobHandle(self, record.id, record.name)
+
+    def losses(self, job: str) -> list[dict[str, Any]]:
+        return self._request("GET", _job_path(job, "/losses"))
+
+    def transitions(self, job: str) -> list[tuple[float, str, str]]:
+        rows = self._request("GET", _job_path(job, "/transitions"))
+        return [(row["time"], row["state"], row["reason"]) for row in rows]
+
+    def cancel(self, job: str) -> JobRecord:
+        return _record(self._request("POST", _job_path(job, "/cancel")))
+
+    def pause(self, job: str) -> JobRecord:
+        return _record(self._request("POST", _job_path(job, "/pause")))
+
+    def resume(self, job: str) -> JobRecord:
+        return _record(self._request("POST", _job_path(job, "/resume")))
+
+    def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
+        """Block until the job has ended (completed, stopped early, failed or cancelled)."""
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            record = self.status(job)
+            if record.state in TERMINAL_STATES:
+                return record
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"job {record.id} is still {record.state} ({record.reason}) after {timeout}s")
+            time.sleep(poll)
+
+    def events(self, *, job: str | None = None, progress: bool = False, after: int | str | None = None,
+               timeout: float | None = None) -> Iterator[Event]:
+        """The event stream (`GET /v1/events`) as it arrives: without `after`, first a `snapshot` of the jobs;
+        then a `transition` per state change (with `after`: every one after that event id), `progress` per
+        step with `progress=True`, `error` while the service does not answer. Ends when the caller stops
+        iterating (or after `timeout` seconds without a byte, keep-alives included)."""
+        params: dict[str, Any] = {"progress": "true"} if progress else {}
+        if job:
+            params["job"] = job
+        headers = {"Last-Event-ID": str(after)} if after is not None else {}
+        try:
+            with self.http.stream("GET", "/v1/events", params=params, headers=headers,
+                                  timeout=httpx.Timeout(self.http.timeout.connect, read=timeout)) as response:
+                if response.is_error:
+                    response.read()
+                    raise _error(response)
+                yield from _parse_events(response.iter_lines())
+        except httpx.TransportError as error:
+            raise ServiceUnavailable(0, f"the event stream of {self.url} broke off: {error or type(error).__name__}") \
+                from None
+
+
+def _parse_events(lines: Iterable[str]) -> Iterator[Event]:
+    """Server-sent events (the WHATWG format: `event:`, `data:`, `id:` lines, a blank line ends one; `:`
+    lines are comments)."""
+    kind, data, event_id = "message", [], None
+    for line in lines:
+        if not line:
+            if data:
+                yield Event(kind, json.loads("\n".join(data)), event_id)
+            kind, data, event_id = "message", [], None
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            kind = value
+        elif name == "data":
+            data.append(value)
+        elif name == "id":
+            event_id = value

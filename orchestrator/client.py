@@ -285,9 +285,13 @@ class Client:
     def submit_run(self, run: RunSpec | str | Path) -> list[JobHandle]:
         """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
         and share their trainer's steps from the first (where the policy and memory let them); each keeps
-        the run's base model and writes to `<output_dir>/<job name>`."""
+        the run's base model and writes to `<output_dir>/<job name>`, or where the file names no output_dir,
+        where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses folders
+        outside its root)."""
         if not isinstance(run, RunSpec):
             run = load_run_spec(run)
+        if "output_dir" not in run.model_fields_set:
+            return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()])
         run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
         return self._submit_many(run.submissions())
 

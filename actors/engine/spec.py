@@ -344,13 +344,15 @@ def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
             f"or raise step_tokens to at least {tokens}")
 
 
-def step_limit_problem(job: JobSpec, step_tokens: int) -> str | None:
+def step_limit_problem(job: JobSpec, step_tokens: int, *, named: bool = True) -> str | None:
     """Why `job`'s largest micro-batch (`batch_size` sequences of up to `max_seq_len` tokens) cannot fit
-    in one fused step of `step_tokens` tokens, naming the job, the three numbers and the fix; or None when
-    it fits. A run checks its jobs against its own `step_tokens`; the service checks a submitted job
-    against its trainers'."""
+    in one fused step of `step_tokens` tokens, naming the job (unless `named` is False: the caller's message
+    names it already), the three numbers and the fix; or None when it fits. A run checks its jobs against
+    its own `step_tokens`; the service checks a submitted job against its trainers'."""
     problem = _micro_batch_overflow(job, step_tokens)
-    return None if problem is None else f"job '{job.name}': {problem}"
+    if problem is None or not named:
+        return problem
+    return f"job '{job.name}': {problem}"
 
 
 class RunSpec(StrictModel):

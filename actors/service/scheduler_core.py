@@ -217,7 +217,8 @@ class SchedulerCore:
         same_base = [t for t in self.trainer_configs
                      if t.base_model == submission.base_model and t.quantization == submission.quantization]
         if same_base:
-            problems = [step_limit_problem(submission.job, t.step_tokens) for t in same_base]
+            # unnamed: submit_many's message names the job already
+            problems = [step_limit_problem(submission.job, t.step_tokens, named=False) for t in same_base]
             if all(problems):
                 raise SubmissionError(problems[0])
         views = [self.trainer_view(s) for s in self.statuses.values()

@@ -160,6 +160,18 @@ class EarlyStopConfig(StrictModel):
         3, description="evaluations without enough improvement before stopping")
 
 
+class PreferenceConfig(StrictModel):
+    """The preference objective of a `method: dpo` or `orpo` job (as TRL's DPOConfig / ORPOConfig)."""
+
+    beta: Annotated[float, Bounds(0, 1000, low_open=True)] = Field(
+        0.1, description="DPO: the temperature of the sigmoid loss (how far the adapter may move from the base, "
+                         "its reference); ORPO: the weight (lambda) of the odds-ratio term beside the chosen "
+                         "completion's language-modelling loss")
+
+
+PREFERENCE_METHODS = ("dpo", "orpo")
+
+
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
@@ -193,6 +205,11 @@ class JobSpec(StrictModel):
     early_stop: EarlyStopConfig | None = Field(None, description="stop when training stops paying off")
     priority: Priority = Field(0, description="higher runs first under priority-aware policies")
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
+    method: Literal["sft", "dpo", "orpo"] = Field(
+        "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
+                           "base, the adapter off) or orpo (odds-ratio preference optimization): learn from "
+                           "preference pairs (format type preference)")
+    preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo objective")
 
     @field_validator("name")
     @classmethod
@@ -211,6 +228,28 @@ class JobSpec(StrictModel):
         return value
 
     @model_validator(mode="after")
+    def _method_fits_format(self) -> JobSpec:
+        pairs = self.format.type == "preference"
+        if self.method in PREFERENCE_METHODS and not pairs:
+            raise ValueError(f"method '{self.method}' learns from preference pairs: set format to "
+                             f"{{type: preference}} (rows with prompt, chosen, rejected), not '{self.format.type}'")
+        if self.method == "sft" and pairs:
+            raise ValueError("format preference holds preference pairs: set method to dpo or orpo (sft learns "
+                             "from one target sequence per row)")
+        if self.method == "sft" and "preference" in self.model_fields_set:
+            raise ValueError("preference settings apply to method dpo or orpo; this job's method is sft")
+        if self.method == "dpo" and self.train_on_prompt:
+            raise ValueError("train_on_prompt does not apply to method dpo (its loss compares the completions); "
+                             "remove it (with orpo it adds the prompt to the chosen sequence's language-modelling "
+                             "term)")
+        return self
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example adds to a micro-batch: 2 for a preference pair, else 1."""
+        return 2 if self.method in PREFERENCE_METHODS else 1
+
+    @model_validator(mode="after")
     def _has_budget(self) -> JobSpec:
         if self.max_steps is None and self.epochs is None:
             object.__setattr__(self, "epochs", 1.0)
@@ -220,9 +259,13 @@ class JobSpec(StrictModel):
 
 
 def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
-    tokens = job.batch_size * job.max_seq_len
+    tokens = job.batch_size * job.max_seq_len * job.sequences_per_example
     if tokens <= step_tokens:
         return None
+    if job.sequences_per_example > 1:   # a preference pair is two sequences
+        return (f"batch_size {job.batch_size} * 2 sequences per preference pair * max_seq_len {job.max_seq_len} = "
+                f"{tokens} tokens per micro-batch exceeds step_tokens {step_tokens} (a micro-batch must fit in one "
+                f"fused step); lower batch_size or max_seq_len, or raise step_tokens to at least {tokens}")
     return (f"batch_size {job.batch_size} * max_seq_len {job.max_seq_len} = {tokens} tokens per micro-batch exceeds "
             f"step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size or max_seq_len, "
             f"or raise step_tokens to at least {tokens}")

@@ -236,7 +236,7 @@ class JobSpec(StrictModel):
         if self.method == "sft" and pairs:
             raise ValueError("format preference holds preference pairs: set method to dpo or orpo (sft learns "
                              "from one target sequence per row)")
-        if self.method == "sft" and "preference" in self.model_fields_set:
+        if self.method == "sft" and self.preference != PreferenceConfig():
             raise ValueError("preference settings apply to method dpo or orpo; this job's method is sft")
         if self.method == "dpo" and self.train_on_prompt:
             raise ValueError("train_on_prompt does not apply to method dpo (its loss compares the completions); "

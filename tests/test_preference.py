@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from actors.engine.data import DataError, Example, PreferenceFormat, load_examples
-from actors.engine.data.preference import PreferencePair, tokenize_pair
+from actors.engine.data.pairs import PreferencePair, tokenize_pair
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.spec import JobSpec, RunSpec

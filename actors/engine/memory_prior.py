@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.data import Example
-from actors.engine.data.preference import example_rows
+from actors.engine.data.pairs import example_rows
 from actors.engine.loss import DEFAULT_CHUNK
 from actors.engine.memory import measure_allocations, measure_resident, resident_measurable
 from actors.engine.models import BaseModel

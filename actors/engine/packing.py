@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 
 from actors.engine.data import Example
-from actors.engine.data.preference import example_rows
+from actors.engine.data.pairs import example_rows
 from actors.engine.layout import StepLayout
 
 Layout = Literal["packed", "padded", "padded_fused"]

@@ -180,7 +180,8 @@ class JobSpec(StrictModel):
                                        "(s3://bucket/train.jsonl, gs://..., file:///...)")
     format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
-    batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
+    batch_size: Annotated[int, Bounds(1, 65536)] = Field(
+        4, description="sequences per micro-batch (preference pairs for dpo / orpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
     lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")

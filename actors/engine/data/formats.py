@@ -165,7 +165,7 @@ class TextFormat(BaseModel):
 
 class PreferenceFormat(BaseModel):
     """Preference pairs for `method: dpo` / `orpo`: a prompt and two completions, the preferred one and the
-    rejected one (actors/engine/data/preference.py). A row whose prompt is text holds text completions; a
+    rejected one (actors/engine/data/pairs.py). A row whose prompt is text holds text completions; a
     row whose prompt is a list of ``{role, content}`` messages is rendered with the tokenizer's chat
     template, its completions being assistant messages (a list of them, or one text)."""
 

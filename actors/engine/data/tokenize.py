@@ -350,8 +350,8 @@ def load_examples(
     _check_max_seq_len(max_seq_len)
     source = str(path)
     rows = read_rows(path)
-    if isinstance(fmt, PreferenceFormat):   # DPO / ORPO: pairs of sequences (actors/engine/data/preference.py)
-        from actors.engine.data.preference import load_pairs
+    if isinstance(fmt, PreferenceFormat):   # DPO / ORPO: pairs of sequences (actors/engine/data/pairs.py)
+        from actors.engine.data.pairs import load_pairs
 
         return load_pairs(rows, fmt, tokenizer, source=source, max_seq_len=max_seq_len,
                           train_on_prompt=train_on_prompt)

@@ -297,3 +297,51 @@ def test_a_dpo_job_runs_through_the_in_process_service(tiny_model_dirs, tmp_path
     assert [step for step, _ in prefer.evals] == [3] and prefer.eval_loss < 0.6931
     rows = [json.loads(line) for line in (Path(prefer.adapter_dir) / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all("rewards/margins" in row and "rewards/accuracies" in row for row in rows)
+
+
+def _dpo_spec(**changes) -> JobSpec:
+    return JobSpec(name="dpo", data="unused.jsonl", format={"type": "preference"}, method="dpo",
+                   **{"batch_size": 2, "grad_accum": 2, "max_steps": 2, "lr": 1e-2,
+                      "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}, **changes})
+
+
+def _train_dpo(base, pairs, *, layout: str = "packed", interrupt_after: int | None = None, folder=None):
+    """A DPO job trained to its end; with `interrupt_after`, checkpointed after that many micro-batches
+    (mid-accumulation) and resumed on a fresh trainer. Its adapter and its metrics rows."""
+    from actors.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    trainer = FusedTrainer(base, layout=layout)
+    job = TrainingJob.create(_dpo_spec(), base, pairs, [], seed=0)
+    trainer.add_job(job)
+    if interrupt_after is not None:
+        for _ in range(interrupt_after):
+            trainer.train_step()
+        assert job.accumulator.micro_batches == 1 and job.accumulator.metric_sums
+        save_checkpoint(job, folder, "tiny")
+        trainer.remove_job(job.name)
+        trainer = FusedTrainer(base, layout=layout)
+        job = TrainingJob.create(_dpo_spec(), base, pairs, [], seed=0)
+        load_checkpoint(job, folder)
+        trainer.add_job(job)
+    while not job.done:
+        trainer.train_step()
+    result = {name: p.detach().clone() for name, p in job.adapter.named_parameters()}, [r.as_row() for r in job.history]
+    trainer.remove_job(job.name)
+    return result
+
+
+def test_a_dpo_job_resumes_mid_accumulation_and_trains_alike_in_every_layout(tmp_path):
+    base = from_module(tiny_model("llama", 300), None)
+    pairs = _random_pairs(3, 8)
+    weights, rows = _train_dpo(base, pairs)
+    # the adapter starts as a no-op (B = 0): the first step's policy is its reference
+    assert len(rows) == 2 and abs(rows[0]["loss"] - 0.693147) < 1e-5 and rows[0]["rewards/margins"] == 0.0
+    resumed_weights, resumed_rows = _train_dpo(base, pairs, interrupt_after=3, folder=tmp_path / "ckpt")
+    assert resumed_rows == rows
+    for name, value in weights.items():
+        assert torch.equal(resumed_weights[name], value), name
+    for layout in ("padded", "padded_fused"):   # padding rows are never targets: the same training
+        padded_weights, padded_rows = _train_dpo(base, pairs, layout=layout)
+        assert abs(padded_rows[-1]["loss"] - rows[-1]["loss"]) < 1e-5, layout
+        for name, value in weights.items():
+            torch.testing.assert_close(padded_weights[name], value, rtol=1e-4, atol=1e-6)

@@ -340,8 +340,39 @@ def test_a_dpo_job_resumes_mid_accumulation_and_trains_alike_in_every_layout(tmp
     assert resumed_rows == rows
     for name, value in weights.items():
         assert torch.equal(resumed_weights[name], value), name
-    for layout in ("padded", "padded_fused"):   # padding rows are never targets: the same training
+    for layout in ("padded_fused",):   # padding rows are never targets: the same training
         padded_weights, padded_rows = _train_dpo(base, pairs, layout=layout)
         assert abs(padded_rows[-1]["loss"] - rows[-1]["loss"]) < 1e-5, layout
         for name, value in weights.items():
             torch.testing.assert_close(padded_weights[name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_dpo_references_are_computed_once_per_pair_and_reused():
+    """Two epochs of four pairs: the reference forward (the decoder run with no adapter in the layout) runs
+    in the first epoch's steps only, and training is the same as recomputing it every step."""
+    from actors.engine.layout import current_layout
+    from actors.engine.preference import ReferenceCache
+
+    base = from_module(tiny_model("llama", 300), None)
+    pairs = _random_pairs(4, 4)
+    reference_forwards = []
+    base.decoder.register_forward_hook(lambda *_: reference_forwards.append(current_layout().segments == ()))
+
+    def run(limit: int):
+        reference_forwards.clear()
+        trainer = FusedTrainer(base)
+        job = TrainingJob.create(_dpo_spec(grad_accum=1, max_steps=4), base, pairs, [], seed=0)
+        trainer.add_job(job)
+        trainer.reference_caches[job.name] = ReferenceCache(limit)
+        while not job.done:
+            trainer.train_step()
+        trainer.remove_job(job.name)
+        return [r.loss for r in job.history], {n: p.detach().clone() for n, p in job.adapter.named_parameters()}
+
+    cached_losses, cached = run(limit=100)
+    assert reference_forwards == [True, False, True, False, False, False]   # steps 3 and 4: no reference
+    losses, recomputed = run(limit=0)
+    assert reference_forwards.count(True) == 4
+    assert cached_losses == losses
+    for name, value in recomputed.items():
+        assert torch.equal(cached[name], value), name

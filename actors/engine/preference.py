@@ -19,6 +19,8 @@ Every operation here is on one job's own sequences, so isolation holds as for SF
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +109,58 @@ def reference_log_probs(base: BaseModel, micro_batches: list[JobMicroBatch], chu
     return out
 
 
+class ReferenceCache:
+    """A DPO job's reference log-probabilities by pair (a 128-bit digest of its tokens and labels): the base
+    is frozen, so a pair's reference is a constant, computed the first time the pair is trained on and
+    reused when the data comes round again (later epochs, evaluations of the same pairs). At most `limit`
+    pairs are kept (about 100 bytes each); beyond that, new pairs are computed each time."""
+
+    def __init__(self, limit: int = 1 << 18):
+        self.limit = limit
+        self.values: dict[bytes, tuple[float, float]] = {}
+
+    @staticmethod
+    def key(pair: PreferencePair) -> bytes:
+        digest = hashlib.blake2b(digest_size=16)
+        for row in pair.rows:
+            digest.update(array("q", row.input_ids).tobytes())
+            digest.update(array("q", row.labels).tobytes())
+            digest.update(b"|")
+        digest.update(str(pair.prompt_length).encode())
+        return digest.digest()
+
+    @staticmethod
+    def lookup(base: BaseModel, micro_batches: list[JobMicroBatch], caches: list[ReferenceCache], chunk: int
+               ) -> list[torch.Tensor]:
+        """`reference_log_probs` of the micro-batches (each with its job's cache), computing only the pairs
+        its cache does not hold (all jobs' in one forward) and keeping them."""
+        keys = [[ReferenceCache.key(pair) for pair in mb.examples] for mb in micro_batches]
+        todo: list[tuple[int, list[bytes], JobMicroBatch]] = []
+        for index, (mb, job_keys, cache) in enumerate(zip(micro_batches, keys, caches)):
+            wanted: dict[bytes, PreferencePair] = {}
+            for pair, key in zip(mb.examples, job_keys):
+                if key not in cache.values:
+                    wanted.setdefault(key, pair)
+            if wanted:
+                todo.append((index, list(wanted), JobMicroBatch(mb.job, list(wanted.values()))))
+        fresh: dict[int, dict[bytes, tuple[float, float]]] = {}
+        if todo:
+            computed = reference_log_probs(base, [mb for _, _, mb in todo], chunk)
+            for (index, wanted_keys, _), sums in zip(todo, computed):
+                fresh[index] = {key: (chosen, rejected) for key, (chosen, rejected) in zip(wanted_keys, sums.tolist())}
+                cache = caches[index]
+                for key, value in fresh[index].items():
+                    if len(cache.values) >= cache.limit:
+                        break
+                    cache.values[key] = value
+        out = []
+        for index, cache in enumerate(caches):
+            new = fresh.get(index, {})
+            rows = [cache.values[key] if key in cache.values else new[key] for key in keys[index]]
+            out.append(torch.tensor(rows, dtype=torch.float32, device=base.device))
+        return out
+
+
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable on both sides of -ln 2 (TRL's ORPO)."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
@@ -179,14 +233,17 @@ def job_outcome(method: str, beta: float, log_probs: torch.Tensor, targets: Sequ
 
 @torch.no_grad()
 def evaluate_preference(base: BaseModel, adapter: str, method: str, beta: float, examples: list[PreferencePair],
-                        batch_size: int, chunk: int) -> float:
+                        batch_size: int, chunk: int, cache: ReferenceCache | None = None) -> float:
     """A preference job's eval loss: its objective's mean over the pairs `examples` (ORPO's NLL per batch
-    of `batch_size` pairs), the adapter in evaluation mode (the caller's)."""
+    of `batch_size` pairs), the adapter in evaluation mode (the caller's); DPO's references through `cache`."""
     loss_sum, pairs = 0.0, 0
     head = base.lm_head
     for start in range(0, len(examples), batch_size):
         micro_batch = JobMicroBatch(adapter, examples[start:start + batch_size])
-        reference = reference_log_probs(base, [micro_batch], chunk)[0] if method == "dpo" else None
+        reference = None
+        if method == "dpo":
+            reference = ReferenceCache.lookup(base, [micro_batch], [cache if cache is not None else ReferenceCache(0)],
+                                              chunk)[0]
         batch = pack([micro_batch], "packed", base.pad_token_id).to(base.device)
         with step_layout(batch.layout):
             hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],

@@ -20,7 +20,7 @@ from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy, target_log_probs
-from actors.engine.preference import (PreferenceOutcome, evaluate_preference, job_outcome, reference_log_probs,
+from actors.engine.preference import (PreferenceOutcome, ReferenceCache, evaluate_preference, job_outcome,
                                       sequence_targets)
 from actors.engine.spec import PREFERENCE_METHODS
 from actors.engine.optim import step_jobs
@@ -86,6 +86,7 @@ class FusedTrainer:
         self.step_count = 0
         self.rotation = 0
         self.meter = StepMemoryMeter(base.model, base.device)
+        self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -97,6 +98,7 @@ class FusedTrainer:
     def remove_job(self, name: str) -> TrainingJob:
         job = self.jobs.pop(name)
         self.last_joined.pop(name, None)
+        self.reference_caches.pop(name, None)
         remove_adapter(self.base.model, name)
         self.meter.refresh_weights()
         return job
@@ -241,11 +243,13 @@ class FusedTrainer:
     def _references(self, chosen: list[tuple[TrainingJob, list[Example]]],
                     micro_batches: list[JobMicroBatch]) -> dict[int, torch.Tensor]:
         """The DPO jobs' reference log-probabilities ((pairs, 2) per job index): one no-grad forward of their
-        sequences with no adapter (`preference.reference_log_probs`)."""
+        sequences with no adapter (`preference.reference_log_probs`) for the pairs not yet in the job's
+        `ReferenceCache`."""
         dpo = [index for index, (job, _) in enumerate(chosen) if job.spec.method == "dpo"]
         if not dpo:
             return {}
-        sums = reference_log_probs(self.base, [micro_batches[index] for index in dpo], self.loss_chunk)
+        caches = [self.reference_caches.setdefault(chosen[index][0].name, ReferenceCache()) for index in dpo]
+        sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk)
         return dict(zip(dpo, sums))
 
     def _mixed_loss(self, batch: FusedBatch, hidden: torch.Tensor, token_weights: torch.Tensor,
@@ -307,7 +311,8 @@ class FusedTrainer:
         try:
             if job.spec.method in PREFERENCE_METHODS:   # the mean of its preference loss over the eval pairs
                 return evaluate_preference(self.base, job.name, job.spec.method, job.spec.preference.beta,
-                                           examples, batch_size, self.loss_chunk)
+                                           examples, batch_size, self.loss_chunk,
+                                           self.reference_caches.setdefault(job.name, ReferenceCache()))
             return self._evaluate_loss(job, examples, batch_size)
         finally:
             set_adapters_training(self.base.model, True)

@@ -194,7 +194,9 @@ class JobSpec(StrictModel):
         None, description="passes over the data (with max_steps, the smaller budget wins; neither: 1 epoch)")
     max_seq_len: Annotated[int, Bounds(8, 1_048_576)] = Field(512, description="tokens per sequence (longer rows "
                                                                                "are cut)")
-    train_on_prompt: bool = Field(False, description="also learn the prompt tokens (else their labels are -100)")
+    train_on_prompt: bool = Field(False, description="also learn the prompt tokens (else their labels are -100); "
+                                                     "orpo: its NLL term covers the chosen sequence's prompt too "
+                                                     "(as TRL's ORPOTrainer)")
     eval_split: Annotated[float, Bounds(0, 10**9)] = Field(0.0, description="held-out rows: a fraction (< 1) or "
                                                                            "a count (a whole number >= 1)")
     eval_every: StepCount | None = Field(None, description="optimizer steps between evaluations")

@@ -202,6 +202,8 @@ def _random_pairs(seed: int, count: int, vocab: int = 300) -> list[PreferencePai
 
 
 def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone():
+    """Two DPO jobs (their references from one shared no-adapter forward), an SFT job and an ORPO job with
+    dropout and accumulation: each one's losses and adapter equal its solo run's exactly (CPU)."""
     from tests.test_isolation import VOCAB, assert_isolated
 
     common = {"data": "unused.jsonl", "lr": 1e-2, "warmup_steps": 1,
@@ -210,6 +212,8 @@ def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone():
                      **common), _random_pairs(0, 6, VOCAB), 0),
             (JobSpec(name="sft", format={"type": "text"}, batch_size=3, max_steps=2, **common),
              random_examples(1, count=6, vocab=VOCAB), 1),
+            (JobSpec(name="dpo-2", format={"type": "preference"}, method="dpo", batch_size=1, max_steps=2,
+                     preference={"beta": 0.3}, **common), _random_pairs(3, 4, VOCAB), 3),
             (JobSpec(name="orpo", format={"type": "preference"}, method="orpo", batch_size=3, grad_accum=2,
                      max_steps=1, preference={"beta": 0.5}, **{**common, "lora": {"r": 2, "alpha": 4,
                                                                                "dropout": 0.1}}),

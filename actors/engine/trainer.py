@@ -4,7 +4,10 @@ A step packs one micro-batch from each joining job into one token stream (groupe
 base model once with each job's tokens through its own adapter, computes each job's loss as the mean
 over its own target tokens (LM head only at target positions, in chunks), sums the jobs' losses, runs
 one backward, and steps the optimizers of the jobs whose accumulation is complete (together:
-`optim.step_jobs`)."""
+`optim.step_jobs`). Preference jobs (method dpo / orpo) share the step: their pairs' sequences are packed
+beside the others' and their losses are functions of per-sequence log-probabilities
+(actors/engine/preference.py); a DPO job's reference is the base without adapter, from a no-grad forward
+of its new pairs before the step's forward (cached per pair)."""
 
 from __future__ import annotations
 

@@ -380,3 +380,34 @@ def test_dpo_references_are_computed_once_per_pair_and_reused():
     assert cached_losses == losses
     for name, value in recomputed.items():
         assert torch.equal(cached[name], value), name
+
+
+@pytest.mark.parametrize("transform", [{}, {"multiply": 0.5, "softcap": 3.0}])
+def test_target_log_probs_backpropagate_any_function_of_them(transform):
+    """The chunked head's per-token log-probabilities and their gradient through a nonlinear function of
+    per-sequence sums equal plain autograd through the whole logits (with a model's logit transform)."""
+    from actors.engine.loss import target_log_probs
+    from actors.engine.model_support import LogitTransform
+
+    transform = LogitTransform(**transform)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 16, generator=generator, dtype=torch.float64)
+    weight = torch.randn(40, 16, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 40, (50,), generator=generator)
+    sequence = torch.arange(50) // 10
+
+    def objective(log_probs):
+        sums = torch.zeros(5, dtype=log_probs.dtype).index_add(0, sequence, log_probs)
+        return torch.nn.functional.logsigmoid(0.3 * (sums[0::2][:2] - sums[1::2])).sum()
+
+    ours = hidden.clone().requires_grad_(True)
+    log_probs = target_log_probs(ours, weight, None, targets, chunk=16, transform=transform)
+    objective(log_probs).backward()
+    plain = hidden.clone().requires_grad_(True)
+    logits = plain @ weight.T * transform.multiply
+    if transform.softcap is not None:
+        logits = torch.tanh(logits / transform.softcap) * transform.softcap
+    expected = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    objective(expected).backward()
+    assert torch.allclose(log_probs.double(), expected, atol=1e-5)
+    assert torch.allclose(ours.grad, plain.grad, atol=1e-5) and float(plain.grad.abs().max()) > 1e-3

@@ -201,10 +201,12 @@ def _random_pairs(seed: int, count: int, vocab: int = 300) -> list[PreferencePai
     return pairs
 
 
-def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone():
+@pytest.mark.parametrize("config", ["float32", "float16"])
+def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone(config):
     """Two DPO jobs (their references from one shared no-adapter forward), an SFT job and an ORPO job with
-    dropout and accumulation: each one's losses and adapter equal its solo run's exactly (CPU)."""
-    from tests.test_isolation import VOCAB, assert_isolated
+    dropout and accumulation: each one's losses and adapter equal its solo run's exactly (CPU; float16:
+    each job with its own loss scale)."""
+    from tests.test_isolation import VOCAB, assert_isolated, base_for
 
     common = {"data": "unused.jsonl", "lr": 1e-2, "warmup_steps": 1,
               "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}}
@@ -218,7 +220,7 @@ def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone():
                      max_steps=1, preference={"beta": 0.5}, **{**common, "lora": {"r": 2, "alpha": 4,
                                                                                "dropout": 0.1}}),
              _random_pairs(2, 6, VOCAB), 2)]
-    assert_isolated(from_module(tiny_model("llama", VOCAB), None), jobs)
+    assert_isolated(base_for(config), jobs)
 
 
 def test_dpo_reference_is_the_base_without_any_adapter():

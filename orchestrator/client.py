@@ -28,6 +28,7 @@ from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import is_uri, resolve_location
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
+from orchestrator.job_handle import JobHandle
 
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
@@ -107,29 +108,6 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
     # steps on 2 cores). Our local cluster's workers run at normal priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
     start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
-
-
-class JobHandle:
-    def __init__(self, client: Client, job_id: str, name: str):
-        self.client = client
-        self.id = job_id
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"JobHandle({self.id!r})"
-
-    def status(self) -> JobRecord:
-        return self.client.status(self.id)
-
-    def wait(self, timeout: float | None = None) -> JobRecord:
-        return self.client.wait(self.id, timeout)
-
-    def cancel(self) -> JobRecord:
-        return self.client.cancel(self.id)
-
-    def losses(self) -> list[dict[str, Any]]:
-        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss (where evaluated)."""
-        return self.client.losses(self.id)
 
 
 def _on_head_node() -> dict[str, Any]:

@@ -55,21 +55,30 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return losses, (probs.to(weight.dtype) @ weight).to(hidden.dtype)
 
 
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+             scale: torch.Tensor | None, chunk: int, transform: LogitTransform, need_grad: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every target's loss (float32) and, with `need_grad`, the (targets x hidden) gradient, `chunk` rows at
+    a time (`_chunk`): the logits never exist whole."""
+    count = hidden.shape[0]
+    losses = torch.empty(count, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_grad else None
+    for start in range(0, count, chunk):
+        end = min(start + chunk, count)
+        losses[start:end], grad = _chunk(hidden[start:end], weight, bias, targets[start:end],
+                                         None if scale is None else scale[start:end], transform, need_grad)
+        if need_grad:
+            grad_hidden[start:end] = grad
+        del grad
+    return losses, grad_hidden
+
+
 class _TargetCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, token_weights: torch.Tensor, chunk: int, transform: LogitTransform):
-        count = hidden.shape[0]
-        losses = torch.empty(count, dtype=torch.float32, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
-        grad_hidden = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, count, chunk):
-            end = min(start + chunk, count)
-            losses[start:end], grad = _chunk(hidden[start:end], weight, bias, targets[start:end],
-                                             token_weights[start:end], transform, need_grad)
-            if need_grad:
-                grad_hidden[start:end] = grad
-            del grad
+        losses, grad_hidden = _chunked(hidden, weight, bias, targets, token_weights, chunk, transform, need_grad)
         total = (losses * token_weights).sum()
         ctx.mark_non_differentiable(losses)
         if need_grad:
@@ -91,17 +100,8 @@ class _TargetLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk: int, transform: LogitTransform):
-        count = hidden.shape[0]
-        losses = torch.empty(count, dtype=torch.float32, device=hidden.device)
         need_grad = ctx.needs_input_grad[0]
-        grad_hidden = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, count, chunk):
-            end = min(start + chunk, count)
-            losses[start:end], grad = _chunk(hidden[start:end], weight, bias, targets[start:end], None,
-                                             transform, need_grad)
-            if need_grad:
-                grad_hidden[start:end] = grad
-            del grad
+        losses, grad_hidden = _chunked(hidden, weight, bias, targets, None, chunk, transform, need_grad)
         if need_grad:
             ctx.save_for_backward(grad_hidden)
         return losses.neg_()

@@ -8,6 +8,7 @@ one backward, and steps the optimizers of the jobs whose accumulation is complet
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.engine.compiled import Compile, CompiledLayers, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
@@ -64,9 +66,12 @@ class StepReport:
 class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
-                 recompute: Recompute = "none"):
+                 recompute: Recompute = "none", compile: Compile = "none", compile_backend: str = "inductor"):
         """`recompute`: "layers" keeps only each decoder layer's input for backward and runs the layer's
-        forward again there (less activation memory, about a third more arithmetic); "none" keeps all."""
+        forward again there (less activation memory, about a third more arithmetic); "none" keeps all.
+        `compile`: "default" runs the decoder layers of each step under torch.compile (`compiled`: the stream
+        padded to a bucket length) with `compile_backend`; "none" eagerly."""
+        check_compile(compile, recompute=recompute, quantization=base.quantization)
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, not '{recompute}'")
         if recompute == "layers":
@@ -83,6 +88,7 @@ class FusedTrainer:
         self.step_count = 0
         self.rotation = 0
         self.meter = StepMemoryMeter(base.model, base.device)
+        self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -187,11 +193,14 @@ class FusedTrainer:
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
         batch = pack(micro_batches, self.layout, self.base.pad_token_id).to(self.base.device)
+        if self.compiled is not None:   # a bounded number of stream lengths: compiled graphs
+            batch = pad_to_bucket(batch, self.base.pad_token_id)
+        compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         token_weights = self._token_weights(batch, [job for job, _ in chosen])
         model = self.base.model
         set_adapters_training(model, True)
         with self.meter.forward():
-            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute):
+            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute), compiled:
                 hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             head = self.base.lm_head

@@ -383,14 +383,11 @@ class FusedLoraLinear(nn.Module):
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.adapted(x, self.base(x))
-
-    # Under torch.compile (`actors.engine.compiled`) the base product above is traced and this part runs eagerly:
-    # it reads the step's layout (Python numbers that change every step), which a graph would specialise on.
+    # Under torch.compile (`actors.engine.compiled`) it runs eagerly: it reads the step's layout (Python numbers
+    # that change every step), which a compiled graph would specialise on; its base product is one matrix product.
     @torch.compiler.disable
-    def adapted(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The base layer's output `out` on `x` plus each adapter's update on its own job's tokens."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
         layout = current_layout()
         if layout is None or len(self.adapters) == 0:
             return out

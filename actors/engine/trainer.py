@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.compiled import Compile, CompiledLayers, check_compile, pad_to_bucket
+from actors.engine.compiled import Compile, CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
@@ -172,9 +172,10 @@ class FusedTrainer:
         return [(by_name[name], batches[name]) for name in names]
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
-        """Tokens a step of these micro-batches processes, padding included."""
+        """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
         longest = max(len(e) for mb in micro_batches for e in mb.examples)
-        return sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
+        tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
+        return bucket_length(tokens) if self.compiled is not None else tokens
 
     # -- running a step ---------------------------------------------------------------------------
     def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False) -> StepReport:

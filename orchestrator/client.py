@@ -28,6 +28,7 @@ from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import is_uri, resolve_location
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
+from orchestrator.job_handle import JobHandle
 
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
@@ -107,29 +108,6 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
     # steps on 2 cores). Our local cluster's workers run at normal priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
     start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
-
-
-class JobHandle:
-    def __init__(self, client: Client, job_id: str, name: str):
-        self.client = client
-        self.id = job_id
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"JobHandle({self.id!r})"
-
-    def status(self) -> JobRecord:
-        return self.client.status(self.id)
-
-    def wait(self, timeout: float | None = None) -> JobRecord:
-        return self.client.wait(self.id, timeout)
-
-    def cancel(self) -> JobRecord:
-        return self.client.cancel(self.id)
-
-    def losses(self) -> list[dict[str, Any]]:
-        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss (where evaluated)."""
-        return self.client.losses(self.id)
 
 
 def _on_head_node() -> dict[str, Any]:
@@ -285,9 +263,13 @@ class Client:
     def submit_run(self, run: RunSpec | str | Path) -> list[JobHandle]:
         """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
         and share their trainer's steps from the first (where the policy and memory let them); each keeps
-        the run's base model and writes to `<output_dir>/<job name>`."""
+        the run's base model and writes to `<output_dir>/<job name>`, or where the file names no output_dir,
+        where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses folders
+        outside its root)."""
         if not isinstance(run, RunSpec):
             run = load_run_spec(run)
+        if "output_dir" not in run.model_fields_set:
+            return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()])
         run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
         return self._submit_many(run.submissions())
 

@@ -29,6 +29,7 @@ from actors.engine.storage import is_uri
 from actors.service.job_table import TERMINAL_STATES, JobRecord
 from orchestrator.http_submissions import as_request
 from orchestrator.http_token import client_token
+from orchestrator.job_handle import JobHandle
 from orchestrator.jobs_file import SpecError, load_run_spec
 
 URL_ENV = "ASPEN_URL"
@@ -120,28 +121,8 @@ class Event:
     id: str | None = None
 
 
-class HttpJobHandle:
-    """A submitted job, as the Ray client's `JobHandle`."""
-
-    def __init__(self, client: HttpClient, job_id: str, name: str):
-        self.client = client
-        self.id = job_id
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"HttpJobHandle({self.id!r})"
-
-    def status(self) -> JobRecord:
-        return self.client.status(self.id)
-
-    def wait(self, timeout: float | None = None) -> JobRecord:
-        return self.client.wait(self.id, timeout)
-
-    def cancel(self) -> JobRecord:
-        return self.client.cancel(self.id)
-
-    def losses(self) -> list[dict[str, Any]]:
-        return self.client.losses(self.id)
+class HttpJobHandle(JobHandle):
+    """A submitted job, as the Ray client's `JobHandle` (the same class, asking the HTTP client)."""
 
 
 class HttpClient:

@@ -19,17 +19,18 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
-from actors.engine.data import AlpacaFormat, ChatFormat, PromptResponseFormat, TextFormat
-from actors.engine.spec import Bounds, EarlyStopConfig, JobSpec, LoraConfig, MlflowTracking, RunSpec, TrackingConfig
+from actors.engine.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
+from actors.engine.spec import (Bounds, EarlyStopConfig, JobSpec, LoraConfig, MlflowTracking, PreferenceConfig, RunSpec,
+                                TrackingConfig)
 from actors.engine.storage import StorageURI
 
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",
      "A YAML file: the run's settings at the top, its jobs under `jobs:`. Relative paths are relative to the "
      "file. An unknown field is an error that names the file, line, job and field.",
-     [RunSpec, JobSpec, LoraConfig, EarlyStopConfig, TrackingConfig, MlflowTracking]),
+     [RunSpec, JobSpec, LoraConfig, EarlyStopConfig, PreferenceConfig, TrackingConfig, MlflowTracking]),
     ("Data formats (`format:` of a job)", "One of these, chosen by `type`.",
-     [AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat]),
+     [AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat, PreferenceFormat]),
     ("Service configuration (`aspen serve --config service.yaml`)",
      "The service's state, trainers and listeners; `aspen serve`'s flags set the common ones.",
      [ServiceConfig, TrainerConfig, MetricsConfig, EventsConfig]),

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.local_run import train_locally
+from actors.engine.spec import RunSpec
 from actors.engine.models import load_base_model
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
@@ -111,6 +112,22 @@ def test_jobs_of_one_run_file_share_every_step_as_in_process(service, tiny_model
     local_steps = [sorted(json.loads(line)["jobs"]) for line in (tmp_path / "local/trainer.jsonl").read_text().splitlines()]
     assert local_steps == [["alpha", "beta", "gamma"]] * 6
     assert service_steps == local_steps
+
+
+def test_a_jobs_file_without_output_dir_writes_where_the_service_puts_jobs(service, tiny_model_dirs, tmp_path,
+                                                                            monkeypatch):
+    """A jobs file that names no output_dir: each job goes where the service puts a job without one (a shared
+    service's output root, here its state folder), not under the submitting process's `runs/example` (which
+    a shared service would refuse as outside its root)."""
+    monkeypatch.chdir(tmp_path)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "unused",
+                    [job_dict("nofolder", write_task_data(tmp_path / "data", "nofolder"), 2)], step_tokens=512)
+    unset = RunSpec.model_validate(spec.model_dump(mode="json", exclude={"output_dir"}))
+    (handle,) = service.submit_run(unset)
+    assert handle.wait(timeout=120).state == "completed"
+    folder = Path(service.status(handle.id).output_dir)
+    assert folder.is_relative_to(Path(service.info()["state_dir"]).resolve()), folder
+    assert (folder / "adapter_model.safetensors").is_file() and not (tmp_path / "runs").exists()
 
 
 def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_session, tiny_model_dirs, tmp_path):

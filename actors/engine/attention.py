@@ -149,9 +149,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.transpose(1, 2).contiguous(), None
 
 
-# Under torch.compile (`actors.engine.compiled`) it runs eagerly: it reads the step's layout (where each sequence
-# starts and ends: Python numbers that change every step), which a compiled graph would specialise on.
-AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(varlen_attention_forward))
+AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
 
 
 def use_varlen_attention(model: torch.nn.Module) -> None:

@@ -535,7 +535,13 @@ def _read_progress(state_path: Path, state: dict[str, Any]
         accumulator = StepAccumulator(**state["accumulator"])
     except TypeError as error:
         raise _Invalid(f"{state_path}: \"accumulator\" is malformed ({error})") from error
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in asdict(accumulator).values()):
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    fields = asdict(accumulator)
+    sums = fields.pop("metric_sums")   # a preference job's metrics: a JSON object of numbers
+    if not (all(number(v) for v in fields.values()) and isinstance(sums, dict)
+            and all(isinstance(k, str) and number(v) for k, v in sums.items())):
         raise _Invalid(f"{state_path}: \"accumulator\" holds values that are not numbers: {state['accumulator']!r}")
     history = []
     for i, record in enumerate(state["history"]):

@@ -3,11 +3,14 @@ a bucket length so that the number of compiled shapes stays bounded.
 
 What is compiled and what is not. Each decoder layer's forward is compiled (static shapes: one graph per bucket
 length). The two parts of a layer that read the step's layout (which adapter owns which tokens, where each packed
-sequence starts and ends: Python numbers that change every step) run eagerly, behind `torch.compiler.disable`:
-the adapters' updates (`FusedLoraLinear.adapted`) and the varlen attention. The graph breaks around them; what is
-compiled is the layout-free rest (the base projections, the norms, the rotary embedding, the MLP's activation, the
-residual additions), whose shapes depend on the stream's length only. So a new set of jobs, new segment bounds or
-new sequence lengths never recompile: only a new bucket does, and the buckets are few (`bucket_length`).
+sequence starts and ends: Python numbers that change every step) run eagerly, behind `torch.compiler.disable`
+(switched in for the step's forward only, so that importing the engine does not import torch._dynamo): the fused
+LoRA linear layers (`FusedLoraLinear.forward`: the base product, one matrix product, and the adapters' updates)
+and the varlen attention. The graph breaks around them; what is compiled is the layout-free rest (the norms, the
+rotary embedding, the MLP's activation, the residual additions), whose shapes depend on the stream's length only.
+So new segment bounds or new sequence lengths never recompile: a new bucket does, and so does a new set of layers
+whose outputs need a gradient (the union of the step's jobs' target_modules: a few per run); the buckets are few
+(`bucket_length`).
 
 Padding and isolation. The padding tokens are appended after the last job's tokens as sequences of their own (each
 no longer than the step's longest real sequence, so their positions stay within what the real rows use), inside no
@@ -23,6 +26,7 @@ compiles) and a quantized base (bitsandbytes' layers do not trace)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -30,13 +34,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from transformers import AttentionInterface
+
+from actors.engine.attention import ATTENTION_NAME, varlen_attention_forward
 from actors.engine.layout import StepLayout
+from actors.engine.lora import FusedLoraLinear
 from actors.engine.packing import FusedBatch
 from actors.engine.recompute import decoder_layers
 from actors.engine.spec import compile_problem
 
 Compile = Literal["none", "default"]
 COMPILE_MODES: tuple[str, ...] = ("none", "default")
+_LORA_FORWARD = FusedLoraLinear.forward
 MIN_BUCKET = 64
 STEPS_PER_OCTAVE = 4   # bucket lengths 4, 5, 6, 7 x 2^k: at most a fifth of a padded stream is padding
 
@@ -84,8 +93,8 @@ def pad_to_bucket(batch: FusedBatch, pad_token_id: int) -> FusedBatch:
                                                        device=device)])
     position_ids = torch.cat([batch.position_ids, torch.cat(positions).to(device)])
     layout = StepLayout(batch.layout.segments, tuple(sequences), length + padding)
-    return FusedBatch(input_ids, position_ids, layout, batch.jobs, batch.target_index, batch.target_ids,
-                      batch.target_job, batch.job_targets, batch.job_tokens, batch.padding_tokens + padding)
+    return dataclasses.replace(batch, input_ids=input_ids, position_ids=position_ids, layout=layout,
+                               padding_tokens=batch.padding_tokens + padding)
 
 
 def check_compile(compile: str, *, recompute: str, quantization: str) -> None:
@@ -101,6 +110,25 @@ def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(layer).forward(layer, *args, **kwargs)
 
 
+_EAGER: dict[str, Callable[..., Any]] = {}   # the layout-reading functions behind torch.compiler.disable, made once
+
+
+@contextlib.contextmanager
+def _layout_readers_eager() -> Iterator[None]:
+    """While open, the fused LoRA linear layers and the varlen attention run eagerly under torch.compile (the same
+    function objects every step: the compiled graphs' guards on them hold)."""
+    if not _EAGER:
+        _EAGER["lora"] = torch.compiler.disable(FusedLoraLinear.forward)
+        _EAGER["attention"] = torch.compiler.disable(varlen_attention_forward)
+    AttentionInterface.register(ATTENTION_NAME, _EAGER["attention"])
+    FusedLoraLinear.forward = _EAGER["lora"]
+    try:
+        yield
+    finally:
+        FusedLoraLinear.forward = _LORA_FORWARD
+        AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
+
+
 class CompiledLayers:
     """The compiled forwards of a decoder's layers, switched in around one step's forward pass (`active`), so that
     evaluation and generation (unpadded, any length) stay eager. `backend`: torch.compile's backend ("inductor";
@@ -109,8 +137,8 @@ class CompiledLayers:
     def __init__(self, decoder: nn.Module, *, backend: str | Callable = "inductor", recompile_limit: int = 2048):
         self.layers = decoder_layers(decoder)
         self.backend = backend
-        # graphs one piece of code may hold: (bucket lengths) x (its layers' weight shapes) x (the first layer, whose
-        # input needs no gradient, and the others); past it torch runs that piece eagerly (the same numbers)
+        # graphs one piece of code may hold: (bucket lengths) x (which of its tensors need a gradient: the first
+        # layer's input does not, and it depends on the adapted layers); past it torch runs the piece eagerly
         self.recompile_limit = recompile_limit
         # one compiled function for every layer, the layer an argument: layers of one class share their graphs
         self._run = torch.compile(_layer_forward, backend=backend, dynamic=False, fullgraph=False)
@@ -122,7 +150,7 @@ class CompiledLayers:
     def active(self) -> Iterator[None]:
         patched = []
         with torch._dynamo.config.patch(recompile_limit=self.recompile_limit,
-                                        accumulated_recompile_limit=4 * self.recompile_limit):
+                                        accumulated_recompile_limit=4 * self.recompile_limit), _layout_readers_eager():
             try:
                 for layer in self.layers:
                     layer.forward = self._forward(layer)   # an instance attribute, removed below

@@ -38,13 +38,22 @@ class StepAccumulator:
     micro_batches: int = 0
     tokens: int = 0
     targets: int = 0
+    # a preference job's metrics (rewards, margins, ...): sums weighted like the loss
+    metric_sums: dict[str, float] = field(default_factory=dict)
 
-    def add(self, loss: float, tokens: int, targets: int) -> None:
-        """`loss`: the micro-batch's mean over its `targets` target tokens."""
+    def add(self, loss: float, tokens: int, targets: int, metrics: dict[str, float] | None = None) -> None:
+        """`loss`: the micro-batch's mean over its `targets` target tokens (a preference job's: over its
+        pairs); `metrics`: means over the same, averaged alike."""
         self.loss_sum += loss * targets
         self.micro_batches += 1
         self.tokens += tokens
         self.targets += targets
+        for name, value in (metrics or {}).items():
+            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value * targets
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {name: total / max(self.targets, 1) for name, total in self.metric_sums.items()}
 
     @property
     def loss(self) -> float:
@@ -60,10 +69,11 @@ class OptimizerStepRecord:
     tokens: int
     lr: float
     grad_norm: float
+    metrics: dict[str, float] = field(default_factory=dict)   # a preference job's (rewards/margins, ...)
 
     def as_row(self) -> dict:
         return {"step": self.step, "loss": self.loss, "tokens": self.tokens, "lr": self.lr,
-                "grad_norm": self.grad_norm}
+                "grad_norm": self.grad_norm, **self.metrics}
 
 
 @dataclass
@@ -139,11 +149,14 @@ class TrainingJob:
         lr, grad_norm = self.optimizer.step(self.accumulator.targets)
         return self.optimizer_stepped(lr, grad_norm)
 
-    def book_micro_batch(self, loss: float, tokens: int, targets: int) -> bool:
+    def book_micro_batch(self, loss: float, tokens: int, targets: int,
+                         metrics: dict[str, float] | None = None) -> bool:
         """Book a finished micro-batch; True when the job's optimizer step is due (its accumulation is
         complete, or the data ran out mid-accumulation): take it (`optimizer.step`, or the trainer's
-        `optim.step_jobs` with other jobs') with `accumulator.targets`, then call `optimizer_stepped`."""
-        self.accumulator.add(loss, tokens, targets)
+        `optim.step_jobs` with other jobs') with `accumulator.targets`, then call `optimizer_stepped`.
+        A preference job's `targets` are its pairs (its optimizer's mean is over them) and `metrics` its
+        rewards' means over them."""
+        self.accumulator.add(loss, tokens, targets, metrics)
         self.tokens_seen += tokens
         due = self.optimizer.micro_step_done()
         if not due and self.cursor.exhausted and self.peek() is None:
@@ -152,7 +165,8 @@ class TrainingJob:
 
     def optimizer_stepped(self, lr: float, grad_norm: float) -> OptimizerStepRecord:
         """The record of the optimizer step just taken; the next accumulation starts."""
-        record = OptimizerStepRecord(self.step, self.accumulator.loss, self.accumulator.tokens, lr, grad_norm)
+        record = OptimizerStepRecord(self.step, self.accumulator.loss, self.accumulator.tokens, lr, grad_norm,
+                                     self.accumulator.metrics)
         self.accumulator = StepAccumulator()
         self.history.append(record)
         return record

@@ -383,9 +383,6 @@ class FusedLoraLinear(nn.Module):
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
 
-    # Under torch.compile (`actors.engine.compiled`) it runs eagerly: it reads the step's layout (Python numbers
-    # that change every step), which a compiled graph would specialise on; its base product is one matrix product.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         layout = current_layout()

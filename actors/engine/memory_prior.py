@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.data import Example
+from actors.engine.data.pairs import example_rows
 from actors.engine.loss import DEFAULT_CHUNK
 from actors.engine.memory import measure_allocations, measure_resident, resident_measurable
 from actors.engine.models import BaseModel
@@ -104,7 +105,7 @@ def loss_transient_bytes(targets: int, vocab_size: int, hidden_size: int, dtype:
 
 def example_targets(examples: list[Example]) -> int:
     """Target tokens of a micro-batch (the positions whose next token is a label)."""
-    return sum(sum(1 for label in e.labels[1:] if label != -100) for e in examples)
+    return sum(sum(1 for label in e.labels[1:] if label != -100) for e in example_rows(examples))
 
 
 @dataclass(frozen=True)

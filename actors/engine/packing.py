@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from actors.engine.data import Example
+from actors.engine.data.pairs import example_rows
 from actors.engine.layout import StepLayout
 
 Layout = Literal["packed", "padded", "padded_fused"]
@@ -23,7 +24,12 @@ Layout = Literal["packed", "padded", "padded_fused"]
 @dataclass(frozen=True)
 class JobMicroBatch:
     job: str
-    examples: list[Example]
+    examples: list[Example]   # or `PreferencePair`s: two sequences each
+
+    @property
+    def rows(self) -> list[Example]:
+        """The micro-batch's sequences in stream order (a preference pair's two: chosen, then rejected)."""
+        return example_rows(self.examples)
 
     @property
     def num_tokens(self) -> int:
@@ -33,10 +39,11 @@ class JobMicroBatch:
         """Tokens this micro-batch occupies in a step of the given layout (padding included)."""
         if layout == "packed":
             return self.num_tokens
-        longest = max(len(e) for e in self.examples)
+        rows = self.rows
+        longest = max(len(e) for e in rows)
         if layout == "padded_fused":
             longest = max(longest, fused_longest)
-        return longest * len(self.examples)
+        return longest * len(rows)
 
 
 @dataclass
@@ -74,7 +81,7 @@ def pack(micro_batches: list[JobMicroBatch], layout: Layout = "packed", pad_toke
     """One stream from the jobs' micro-batches, in the order given (each job's tokens contiguous)."""
     if not micro_batches:
         raise ValueError("a fused step needs at least one job's micro-batch")
-    fused_longest = max(len(e) for mb in micro_batches for e in mb.examples)
+    fused_longest = max(len(e) for mb in micro_batches for e in mb.rows)
     ids: list[int] = []
     positions: list[int] = []
     sequences: list[tuple[int, int]] = []
@@ -91,11 +98,11 @@ def pack(micro_batches: list[JobMicroBatch], layout: Layout = "packed", pad_toke
         segment_start = len(ids)
         row_length = 0
         if layout == "padded":
-            row_length = max(len(e) for e in micro_batch.examples)
+            row_length = max(len(e) for e in micro_batch.rows)
         elif layout == "padded_fused":
             row_length = fused_longest
         targets_before = len(target_ids)
-        for example in micro_batch.examples:
+        for example in micro_batch.rows:
             start = len(ids)
             length = len(example)
             ids.extend(example.input_ids)

@@ -253,6 +253,18 @@ class TrackingConfig(StrictModel):
         return value
 
 
+class PreferenceConfig(StrictModel):
+    """The preference objective of a `method: dpo` or `orpo` job (as TRL's DPOConfig / ORPOConfig)."""
+
+    beta: Annotated[float, Bounds(0, 1000, low_open=True)] = Field(
+        0.1, description="DPO: the temperature of the sigmoid loss (how far the adapter may move from the base, "
+                         "its reference); ORPO: the weight (lambda) of the odds-ratio term beside the chosen "
+                         "completion's language-modelling loss")
+
+
+PREFERENCE_METHODS = ("dpo", "orpo")
+
+
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
@@ -274,7 +286,8 @@ class JobSpec(StrictModel):
         1000, description="streaming: rows shuffled together (each window of this many rows is permuted with the "
                           "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
-    batch_size: Annotated[int, Bounds(1, 65536)] = Field(4, description="sequences per micro-batch")
+    batch_size: Annotated[int, Bounds(1, 65536)] = Field(
+        4, description="sequences per micro-batch (preference pairs for dpo / orpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
     lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")
@@ -287,7 +300,9 @@ class JobSpec(StrictModel):
         None, description="passes over the data (with max_steps, the smaller budget wins; neither: 1 epoch)")
     max_seq_len: Annotated[int, Bounds(8, 1_048_576)] = Field(512, description="tokens per sequence (longer rows "
                                                                                "are cut)")
-    train_on_prompt: bool = Field(False, description="also learn the prompt tokens (else their labels are -100)")
+    train_on_prompt: bool = Field(False, description="also learn the prompt tokens (else their labels are -100); "
+                                                     "orpo: its NLL term covers the chosen sequence's prompt too "
+                                                     "(as TRL's ORPOTrainer)")
     eval_split: Annotated[float, Bounds(0, 10**9)] = Field(0.0, description="held-out rows: a fraction (< 1) or "
                                                                            "a count (a whole number >= 1)")
     eval_every: StepCount | None = Field(None, description="optimizer steps between evaluations")
@@ -301,6 +316,11 @@ class JobSpec(StrictModel):
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
                                                               "(default: the run's `tracking`)")
+    method: Literal["sft", "dpo", "orpo"] = Field(
+        "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
+                           "base, the adapter off) or orpo (odds-ratio preference optimization): learn from "
+                           "preference pairs (format type preference)")
+    preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo objective")
 
     @field_validator("name")
     @classmethod
@@ -341,6 +361,28 @@ class JobSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _method_fits_format(self) -> JobSpec:
+        pairs = self.format.type == "preference"
+        if self.method in PREFERENCE_METHODS and not pairs:
+            raise ValueError(f"method '{self.method}' learns from preference pairs: set format to "
+                             f"{{type: preference}} (rows with prompt, chosen, rejected), not '{self.format.type}'")
+        if self.method == "sft" and pairs:
+            raise ValueError("format preference holds preference pairs: set method to dpo or orpo (sft learns "
+                             "from one target sequence per row)")
+        if self.method == "sft" and self.preference != PreferenceConfig():
+            raise ValueError("preference settings apply to method dpo or orpo; this job's method is sft")
+        if self.method == "dpo" and self.train_on_prompt:
+            raise ValueError("train_on_prompt does not apply to method dpo (its loss compares the completions); "
+                             "remove it (with orpo it adds the prompt to the chosen sequence's language-modelling "
+                             "term)")
+        return self
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example adds to a micro-batch: 2 for a preference pair, else 1."""
+        return 2 if self.method in PREFERENCE_METHODS else 1
+
+    @model_validator(mode="after")
     def _has_budget(self) -> JobSpec:
         if self.max_steps is None and self.epochs is None:
             object.__setattr__(self, "epochs", 1.0)
@@ -350,21 +392,27 @@ class JobSpec(StrictModel):
 
 
 def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
-    tokens = job.batch_size * job.max_seq_len
+    tokens = job.batch_size * job.max_seq_len * job.sequences_per_example
     if tokens <= step_tokens:
         return None
+    if job.sequences_per_example > 1:   # a preference pair is two sequences
+        return (f"batch_size {job.batch_size} * 2 sequences per preference pair * max_seq_len {job.max_seq_len} = "
+                f"{tokens} tokens per micro-batch exceeds step_tokens {step_tokens} (a micro-batch must fit in one "
+                f"fused step); lower batch_size or max_seq_len, or raise step_tokens to at least {tokens}")
     return (f"batch_size {job.batch_size} * max_seq_len {job.max_seq_len} = {tokens} tokens per micro-batch exceeds "
             f"step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size or max_seq_len, "
             f"or raise step_tokens to at least {tokens}")
 
 
-def step_limit_problem(job: JobSpec, step_tokens: int) -> str | None:
+def step_limit_problem(job: JobSpec, step_tokens: int, *, named: bool = True) -> str | None:
     """Why `job`'s largest micro-batch (`batch_size` sequences of up to `max_seq_len` tokens) cannot fit
-    in one fused step of `step_tokens` tokens, naming the job, the three numbers and the fix; or None when
-    it fits. A run checks its jobs against its own `step_tokens`; the service checks a submitted job
-    against its trainers'."""
+    in one fused step of `step_tokens` tokens, naming the job (unless `named` is False: the caller's message
+    names it already), the three numbers and the fix; or None when it fits. A run checks its jobs against
+    its own `step_tokens`; the service checks a submitted job against its trainers'."""
     problem = _micro_batch_overflow(job, step_tokens)
-    return None if problem is None else f"job '{job.name}': {problem}"
+    if problem is None or not named:
+        return problem
+    return f"job '{job.name}': {problem}"
 
 
 class RunSpec(StrictModel):

@@ -4,7 +4,10 @@ A step packs one micro-batch from each joining job into one token stream (groupe
 base model once with each job's tokens through its own adapter, computes each job's loss as the mean
 over its own target tokens (LM head only at target positions, in chunks), sums the jobs' losses, runs
 one backward, and steps the optimizers of the jobs whose accumulation is complete (together:
-`optim.step_jobs`)."""
+`optim.step_jobs`). Preference jobs (method dpo / orpo) share the step: their pairs' sequences are packed
+beside the others' and their losses are functions of per-sequence log-probabilities
+(actors/engine/preference.py); a DPO job's reference is the base without adapter, from a no-grad forward
+of its new pairs before the step's forward (cached per pair)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ from actors.engine.data import Example
 from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
-from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
+from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy, target_log_probs
+from actors.engine.preference import (PreferenceOutcome, ReferenceCache, evaluate_preference, job_outcome,
+                                      sequence_targets)
+from actors.engine.spec import PREFERENCE_METHODS
 from actors.engine.optim import step_jobs
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
@@ -88,6 +94,7 @@ class FusedTrainer:
         self.step_count = 0
         self.rotation = 0
         self.meter = StepMemoryMeter(base.model, base.device)
+        self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
 
     # -- jobs -------------------------------------------------------------------------------------
@@ -100,6 +107,7 @@ class FusedTrainer:
     def remove_job(self, name: str) -> TrainingJob:
         job = self.jobs.pop(name)
         self.last_joined.pop(name, None)
+        self.reference_caches.pop(name, None)
         remove_adapter(self.base.model, name)
         self.meter.refresh_weights()
         return job
@@ -173,7 +181,7 @@ class FusedTrainer:
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
         """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
-        longest = max(len(e) for mb in micro_batches for e in mb.examples)
+        longest = max(len(e) for mb in micro_batches for e in mb.rows)
         tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
         return bucket_length(tokens) if self.compiled is not None else tokens
 
@@ -198,16 +206,23 @@ class FusedTrainer:
             batch = pad_to_bucket(batch, self.base.pad_token_id)
         compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         token_weights = self._token_weights(batch, [job for job, _ in chosen])
+        preference = [index for index, (job, _) in enumerate(chosen) if job.spec.method in PREFERENCE_METHODS]
+        references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
         model = self.base.model
         set_adapters_training(model, True)
+        outcomes: dict[int, PreferenceOutcome] = {}
         with self.meter.forward():
             with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute), compiled:
                 hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             head = self.base.lm_head
-            total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
-                                                 batch.target_ids, token_weights, self.loss_chunk,
-                                                 self.base.logit_transform)
+            if not preference:
+                total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
+                                                     batch.target_ids, token_weights, self.loss_chunk,
+                                                     self.base.logit_transform)
+            else:
+                total, losses = self._mixed_loss(batch, hidden, token_weights, chosen, micro_batches, preference,
+                                                 references, outcomes)
         total.backward()
         gradient_bytes = sum(job.optimizer.gradient_bytes() for job, _ in chosen)
         optimizer_bytes = sum(job.optimizer.state_bytes() for job in self.jobs.values())
@@ -216,8 +231,12 @@ class FusedTrainer:
                                          self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
                                          softcapped=self.base.logit_transform.softcap is not None))
         per_job = self._per_job_losses(batch, losses)
+        counts = list(batch.job_targets)   # what each job's loss is the mean over: target tokens, or pairs
+        metrics: list[dict[str, float] | None] = [None] * len(chosen)
+        for index, outcome in outcomes.items():
+            per_job[index], counts[index], metrics[index] = outcome.loss, outcome.pairs, outcome.metrics
         due = [job for index, (job, _) in enumerate(chosen)
-               if job.book_micro_batch(per_job[index], batch.job_tokens[index], batch.job_targets[index])]
+               if job.book_micro_batch(per_job[index], batch.job_tokens[index], counts[index], metrics[index])]
         # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
         stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due])
         records = {job.name: job.optimizer_stepped(lr, norm) for job, (lr, norm) in zip(due, stepped)}
@@ -233,6 +252,48 @@ class FusedTrainer:
     def train_step(self) -> StepReport | None:
         chosen = self.compose()
         return self.run_step(chosen) if chosen else None
+
+    def _references(self, chosen: list[tuple[TrainingJob, list[Example]]],
+                    micro_batches: list[JobMicroBatch]) -> dict[int, torch.Tensor]:
+        """The DPO jobs' reference log-probabilities ((pairs, 2) per job index): one no-grad forward of their
+        sequences with no adapter (`preference.reference_log_probs`) for the pairs not yet in the job's
+        `ReferenceCache`."""
+        dpo = [index for index, (job, _) in enumerate(chosen) if job.spec.method == "dpo"]
+        if not dpo:
+            return {}
+        caches = [self.reference_caches.setdefault(chosen[index][0].name, ReferenceCache()) for index in dpo]
+        sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk)
+        return dict(zip(dpo, sums))
+
+    def _mixed_loss(self, batch: FusedBatch, hidden: torch.Tensor, token_weights: torch.Tensor,
+                    chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
+                    preference: list[int], references: dict[int, torch.Tensor],
+                    outcomes: dict[int, PreferenceOutcome]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with preference jobs: the SFT jobs' targets through the token-weighted cross-entropy as
+        always, the preference jobs' through per-token log-probabilities into their objectives
+        (actors/engine/preference.py; `outcomes` filled per job index). Returns the step's differentiable
+        total and every target's loss (detached), as `target_cross_entropy`."""
+        head = self.base.lm_head
+        targets = sequence_targets(batch, micro_batches, preference)
+        keep = torch.ones(batch.target_ids.numel(), dtype=torch.bool, device=hidden.device)
+        keep[targets.select] = False
+        plain = torch.nonzero(keep).squeeze(1)
+        total, plain_losses = target_cross_entropy(hidden[batch.target_index[plain]], head.weight, head.bias,
+                                                   batch.target_ids[plain], token_weights[plain], self.loss_chunk,
+                                                   self.base.logit_transform)
+        log_probs = target_log_probs(hidden[batch.target_index[targets.select]], head.weight, head.bias,
+                                     batch.target_ids[targets.select], self.loss_chunk, self.base.logit_transform)
+        for index in preference:
+            job = chosen[index][0]
+            outcome = job_outcome(job.spec.method, job.spec.preference.beta, log_probs, targets,
+                                  targets.first_sequence[index], len(micro_batches[index].examples),
+                                  references.get(index))
+            total = total + outcome.objective * job.optimizer.token_weight
+            outcomes[index] = outcome
+        losses = torch.empty(batch.target_ids.numel(), dtype=torch.float32, device=hidden.device)
+        losses[plain] = plain_losses
+        losses[targets.select] = -log_probs.detach()
+        return total, losses
 
     @staticmethod
     def _token_weights(batch: FusedBatch, jobs: list[TrainingJob]) -> torch.Tensor:
@@ -254,12 +315,17 @@ class FusedTrainer:
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, job: TrainingJob, examples: list[Example] | None = None, batch_size: int = 8) -> float:
-        """Mean loss over the target tokens of `examples` (default: the job's eval split)."""
+        """Mean loss over the target tokens of `examples` (default: the job's eval split); for a preference
+        job, the mean of its DPO / ORPO loss over the pairs."""
         examples = job.eval_examples if examples is None else examples
         if not examples:
             raise ValueError(f"job '{job.name}' has no eval examples (set eval_split)")
         set_adapters_training(self.base.model, False)
         try:
+            if job.spec.method in PREFERENCE_METHODS:   # the mean of its preference loss over the eval pairs
+                return evaluate_preference(self.base, job.name, job.spec.method, job.spec.preference.beta,
+                                           examples, batch_size, self.loss_chunk,
+                                           self.reference_caches.setdefault(job.name, ReferenceCache()))
             return self._evaluate_loss(job, examples, batch_size)
         finally:
             set_adapters_training(self.base.model, True)

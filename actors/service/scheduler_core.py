@@ -217,7 +217,8 @@ class SchedulerCore:
         same_base = [t for t in self.trainer_configs
                      if t.base_model == submission.base_model and t.quantization == submission.quantization]
         if same_base:
-            problems = [step_limit_problem(submission.job, t.step_tokens) for t in same_base]
+            # unnamed: submit_many's message names the job already
+            problems = [step_limit_problem(submission.job, t.step_tokens, named=False) for t in same_base]
             if all(problems):
                 raise SubmissionError(problems[0])
         views = [self.trainer_view(s) for s in self.statuses.values()
@@ -634,8 +635,9 @@ class SchedulerCore:
                 return None
         if record.step and record.tokens:
             tokens_per_step = record.tokens / record.step
-        else:   # not measured yet: half of max_seq_len per sequence
-            tokens_per_step = spec.job.batch_size * spec.job.grad_accum * spec.job.max_seq_len / 2
+        else:   # not measured yet: half of max_seq_len per sequence (a preference pair is two)
+            tokens_per_step = (spec.job.batch_size * spec.job.grad_accum * spec.job.max_seq_len / 2
+                               * spec.job.sequences_per_example)
         total = record.total_steps if record.total_steps is not None else spec.job.max_steps
         return JobView(record.id, record.name, record.state, record.priority, record.submitted_at,
                        record.base_model, record.quantization, record.trainer, record.step, total,

@@ -509,7 +509,7 @@ class TrainerLoop:
         return self.measured_steps < MEASURE_FIRST or step % MEASURE_EVERY == 0
 
     def _shape(self, micro_batches: list[JobMicroBatch]) -> StepShape:
-        lengths = [len(e) for mb in micro_batches for e in mb.examples]
+        lengths = [len(e) for mb in micro_batches for e in mb.rows]
         parameters = sum(p.numel() for job in self.trainer.jobs.values() for p in job.adapter.parameters())
         longest = max(lengths)
         parts = [(self.trainer.jobs[mb.job].spec.lora, mb.padded_tokens(self.trainer.layout, longest), mb.examples)

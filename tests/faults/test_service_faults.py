@@ -221,8 +221,9 @@ def test_a_micro_batch_no_trainer_can_step_is_refused_at_submit(ray_session, tin
     try:
         data = write_task_data(tmp_path / "data", "huge")
         with pytest.raises(ValueError, match=r"batch_size 1000 \* max_seq_len 128 = 128000 tokens per "
-                                             r"micro-batch exceeds step_tokens 512.*lower batch_size"):
+                                             r"micro-batch exceeds step_tokens 512.*lower batch_size") as refused:
             client.submit({**job_dict("huge", data, 5), "batch_size": 1000}, base_model=str(base))
+        assert str(refused.value).count("'huge'") == 1, str(refused.value)   # named once, not twice
         with pytest.raises(SpecError, match=r"batch_size: must be between 1 and 65536"):
             client.submit({**job_dict("absurd", data, 5), "batch_size": 1_000_000_000_000}, base_model=str(base))
         assert client.jobs() == []     # nothing entered

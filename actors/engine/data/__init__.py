@@ -15,6 +15,7 @@ from actors.engine.data.formats import (
     AlpacaFormat,
     ChatFormat,
     DataFormat,
+    PreferenceFormat,
     PromptResponseFormat,
     TextFormat,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "DataFormat",
     "Example",
     "LoadedData",
+    "PreferenceFormat",
     "PromptResponseFormat",
     "TextFormat",
     "load_examples",

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.engine.data.formats import PreferenceFormat
+from actors.engine.data.pairs import PreferencePair, pair_tokens, tokenize_pair
 from actors.engine.data.rows import DataError, _row_error
 from actors.engine.data.tables import Row, RowTable, open_table
 from actors.engine.data.tokenize import (
@@ -51,9 +53,11 @@ class RowTokenizer:
         self.add_bos = _adds_bos(tokenizer)
         self.shortest_dropped_prompt: int | None = None
 
-    def __call__(self, item: Row) -> Example | None:
+    def __call__(self, item: Row) -> Example | PreferencePair | None:
         source, line, row = item
         row = remap_columns(row, self.columns, source, line)
+        if isinstance(self.fmt, PreferenceFormat):   # dpo / orpo: a pair of sequences per row
+            return self._pair(row, source, line)
         ids, labels, prompt_len = _row_tokens(row, self.fmt, self.tokenizer, train_on_prompt=self.train_on_prompt,
                                               add_bos=self.add_bos, source=source, line=line)
         example = _finish(ids, labels, self.max_seq_len)
@@ -61,6 +65,16 @@ class RowTokenizer:
             shortest = self.shortest_dropped_prompt
             self.shortest_dropped_prompt = prompt_len if shortest is None else min(shortest, prompt_len)
         return example
+
+    def _pair(self, row: dict[str, Any], source: str, line: int) -> PreferencePair | None:
+        pair = tokenize_pair(row, self.fmt, self.tokenizer, max_seq_len=self.max_seq_len,
+                             train_on_prompt=self.train_on_prompt, add_bos=self.add_bos, source=source, line=line)
+        if pair is None:
+            _, _, prompt_len = pair_tokens(row, self.fmt, self.tokenizer, add_bos=self.add_bos, source=source,
+                                           line=line)
+            shortest = self.shortest_dropped_prompt
+            self.shortest_dropped_prompt = prompt_len if shortest is None else min(shortest, prompt_len)
+        return pair
 
     def all_dropped(self, source: str, rows: int) -> DataError:
         needed = (self.shortest_dropped_prompt or 0) + 1

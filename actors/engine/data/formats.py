@@ -165,7 +165,23 @@ class TextFormat(BaseModel):
         return {self.field}
 
 
+class PreferenceFormat(BaseModel):
+    """Preference pairs for `method: dpo` / `orpo`: a prompt and two completions, the preferred one and the
+    rejected one (actors/engine/data/pairs.py). A row whose prompt is text holds text completions; a
+    row whose prompt is a list of ``{role, content}`` messages is rendered with the tokenizer's chat
+    template, its completions being assistant messages (a list of them, or one text)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["preference"] = Field("preference", description="prompt, chosen and rejected (DPO, ORPO)")
+    prompt_field: str = Field("prompt", description="the row field holding the prompt (text or messages)")
+    chosen_field: str = Field("chosen", description="the row field holding the preferred completion")
+    rejected_field: str = Field("rejected", description="the row field holding the rejected completion")
+
+    def fields(self) -> set[str]:
+        return {self.prompt_field, self.chosen_field, self.rejected_field}
+
+
 DataFormat = Annotated[
-    Union[AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat],
+    Union[AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat, PreferenceFormat],
     Field(discriminator="type"),
 ]

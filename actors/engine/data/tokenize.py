@@ -12,6 +12,7 @@ from actors.engine.data.formats import (
     ALPACA_PROMPT_WITH_INPUT,
     AlpacaFormat,
     ChatFormat,
+    PreferenceFormat,
     PromptResponseFormat,
     TextFormat,
 )
@@ -352,6 +353,11 @@ def load_examples(
     _check_max_seq_len(max_seq_len)
     source = str(path)
     rows = read_rows(path)
+    if isinstance(fmt, PreferenceFormat):   # DPO / ORPO: pairs of sequences (actors/engine/data/pairs.py)
+        from actors.engine.data.pairs import load_pairs
+
+        return load_pairs(rows, fmt, tokenizer, source=source, max_seq_len=max_seq_len,
+                          train_on_prompt=train_on_prompt)
     if not rows:
         raise DataError(f"{source}: the file holds no rows; add at least one JSON object", source=source)
     add_bos = _adds_bos(tokenizer)

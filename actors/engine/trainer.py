@@ -72,7 +72,8 @@ class StepReport:
 class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
-                 recompute: Recompute = "none", compile: Compile = "none", compile_backend: str = "inductor"):
+                 recompute: Recompute = "none", compile: Compile = "none",
+                 compile_backend: str | Callable = "inductor"):
         """`recompute`: "layers" keeps only each decoder layer's input for backward and runs the layer's
         forward again there (less activation memory, about a third more arithmetic); "none" keeps all.
         `compile`: "default" runs the decoder layers of each step under torch.compile (`compiled`: the stream

@@ -10,6 +10,8 @@ and the suite goes on with the next):
   overhead    bench/overhead.py: the actor system against the in-process engine
   memory      bench/memory.py: predicted against measured step peaks, recomputation, admission
   peft        bench/fusion.py (c): 4 jobs fused in the engine against PEFT one after another
+  compile     bench/compile_step.py: seconds per fused step, eager against compile: default (inductor), the
+              graphs compiled, the adapters' difference
 
 It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the GPU, torch and CUDA
 versions, with each part's exit status, time, key numbers and the tail of its output. Without CUDA it
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft")
+PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft", "compile")
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 4000   # characters of each part's output kept in the report
 
@@ -69,6 +71,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
         "overhead": [[py, "bench/overhead.py", *quick, "--json", str(out / "overhead.json")]],
         "memory": [[py, "bench/memory.py", *quick]],
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
+        "compile": [[py, "bench/compile_step.py", "--base-model", args.base_model,
+                     *(["--warmup", "6", "--steps", "4"] if args.quick else []), "--json", str(out / "compile.json")]],
     }
 
 
@@ -126,6 +130,10 @@ def key_numbers(out: Path) -> dict:
     peft = _json(out / "peft.json")
     if peft and peft.get("engine_vs_peft"):
         numbers["engine_over_peft"] = round(peft["engine_vs_peft"]["ratio"], 3)
+    compiled = _json(out / "compile.json")
+    if compiled:
+        numbers["compile"] = {k: compiled[k] for k in ("median_step_s", "compiled_over_eager", "graphs_in_warmup",
+                                                        "graphs_in_timed_steps", "max_adapter_difference")}
     overhead = _json(out / "overhead.json")
     if overhead:
         numbers["overhead"] = {k: v for k, v in overhead.items() if "ratio" in k}

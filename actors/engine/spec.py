@@ -139,6 +139,20 @@ InitLoraWeights = Annotated[str, PlainValidator(_init_lora_weights), WithJsonSch
 BASE_DEPENDENT_INITS = ("pissa", "olora")
 
 
+def compile_problem(compile: str, *, recompute: str, quantization: str) -> str | None:
+    """Why `compile` cannot go with this recompute mode or quantization, naming the fields and the fix; None if
+    it can (`actors.engine.compiled`)."""
+    if compile == "none":
+        return None
+    if recompute != "none":
+        return (f"compile: {compile} with recompute: {recompute} is not offered (the recomputation's checkpoint wraps "
+                "the decoder layers that compile compiles); set compile: none or recompute: none")
+    if quantization != "none":
+        return (f"compile: {compile} on a quantized base (quantization: {quantization}) is not offered "
+                "(bitsandbytes' layers do not trace under torch.compile); set compile: none or quantization: none")
+    return None
+
+
 def needs_full_precision_base(lora: LoraConfig) -> str | None:
     """Why `lora` cannot train on a quantized base (int8 / nf4), naming the field and the fix; None if it can.
     PiSSA / OLoRA decompose W and train on W - scaling B0 A0; PEFT re-quantizes that residual, which would
@@ -422,10 +436,21 @@ class RunSpec(StrictModel):
     recompute: Literal["none", "layers"] = Field(
         "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
                             "more time; the same adapters)")
+    compile: Literal["none", "default"] = Field(
+        "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
+                            "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
+                            "quantized base)")
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
                                                               "sets none of its own")
     jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
+
+    @model_validator(mode="after")
+    def _compile_combination(self) -> RunSpec:
+        problem = compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> RunSpec:

@@ -11,6 +11,7 @@ of its new pairs before the step's forward (cached per pair)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors.engine.compiled import Compile, CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
@@ -70,9 +72,13 @@ class StepReport:
 class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
-                 recompute: Recompute = "none"):
+                 recompute: Recompute = "none", compile: Compile = "none",
+                 compile_backend: str | Callable = "inductor"):
         """`recompute`: "layers" keeps only each decoder layer's input for backward and runs the layer's
-        forward again there (less activation memory, about a third more arithmetic); "none" keeps all."""
+        forward again there (less activation memory, about a third more arithmetic); "none" keeps all.
+        `compile`: "default" runs the decoder layers of each step under torch.compile (`compiled`: the stream
+        padded to a bucket length) with `compile_backend`; "none" eagerly."""
+        check_compile(compile, recompute=recompute, quantization=base.quantization)
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, not '{recompute}'")
         if recompute == "layers":
@@ -90,6 +96,7 @@ class FusedTrainer:
         self.rotation = 0
         self.meter = StepMemoryMeter(base.model, base.device)
         self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
+        self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -174,9 +181,10 @@ class FusedTrainer:
         return [(by_name[name], batches[name]) for name in names]
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
-        """Tokens a step of these micro-batches processes, padding included."""
+        """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
         longest = max(len(e) for mb in micro_batches for e in mb.rows)
-        return sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
+        tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
+        return bucket_length(tokens) if self.compiled is not None else tokens
 
     # -- running a step ---------------------------------------------------------------------------
     def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False) -> StepReport:
@@ -195,6 +203,9 @@ class FusedTrainer:
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
         batch = pack(micro_batches, self.layout, self.base.pad_token_id).to(self.base.device)
+        if self.compiled is not None:   # a bounded number of stream lengths: compiled graphs
+            batch = pad_to_bucket(batch, self.base.pad_token_id)
+        compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         token_weights = self._token_weights(batch, [job for job, _ in chosen])
         preference = [index for index, (job, _) in enumerate(chosen) if job.spec.method in PREFERENCE_METHODS]
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
@@ -202,7 +213,7 @@ class FusedTrainer:
         set_adapters_training(model, True)
         outcomes: dict[int, PreferenceOutcome] = {}
         with self.meter.forward():
-            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute):
+            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute), compiled:
                 hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             head = self.base.lm_head

@@ -7,9 +7,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from actors.engine.spec import INT64_MAX, Bounds, Location, RunSpec, StepTokens, StrictModel, canonical_base_model
+from actors.engine.spec import compile_problem
 from actors.engine.storage import is_uri
 
 Port = Annotated[int, Bounds(0, 65535)]
@@ -30,6 +31,10 @@ class TrainerConfig(StrictModel):
     recompute: Literal["none", "layers"] = Field(
         "none", description="layers: keep only each decoder layer's input for backward and recompute the layer "
                             "there (less activation memory, about a third more compute per step)")
+    compile: Literal["none", "default"] = Field(
+        "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
+                            "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
+                            "quantized base)")
     count: Annotated[int, Bounds(1, 1024)] = Field(
         1, description="trainers of this kind (nodes: each: on every node, GPU kinds at most one per num_gpus "
                        "of the node's GPUs)")
@@ -63,6 +68,13 @@ class TrainerConfig(StrictModel):
     @classmethod
     def _canonical(cls, value: str) -> str:
         return canonical_base_model(value)
+
+    @model_validator(mode="after")
+    def _compile_combination(self) -> TrainerConfig:
+        problem = compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
 
 class MetricsConfig(StrictModel):
@@ -142,6 +154,7 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
         gpus = 1 if spec.device.startswith("cuda") else 0
     trainer = TrainerConfig(**{"base_model": spec.base_model, "quantization": spec.quantization, "dtype": spec.dtype,
                                "step_tokens": spec.step_tokens, "layout": spec.layout, "recompute": spec.recompute,
+                               "compile": spec.compile,
                                "num_gpus": gpus,
                                "step_log": output_dir / "trainer.jsonl", **trainer_fields})
     return ServiceConfig(**{"state_dir": state_dir or output_dir / ".aspen", "trainers": [trainer],

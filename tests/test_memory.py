@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names
+from actors.engine.memory import measure_allocations
 from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch
@@ -31,12 +32,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _profiler_peak(run) -> int:
-    """Peak growth of live CPU allocations while `run()` runs, from the profiler's memory events."""
+    """Peak growth of live CPU allocations while `run()` runs: the profiler's raw memory records (one per
+    allocation and free, with its bytes and time), summed in time order."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
+    for _, nbytes in records:
+        live += nbytes
         peak = max(peak, live)
     return peak
 
@@ -142,3 +146,25 @@ def test_predicted_peak_resident_set_matches_the_kernels_count(dtype, recompute)
     # the steps' share is larger than the tolerance: a prediction that left the steps out would fail
     assert step_growth > 0.06 * r["measured"], r
     assert abs(r["predicted"] - r["measured"]) <= 0.06 * r["measured"], r
+
+
+def test_the_cpu_peak_is_the_allocation_timelines_peak():
+    """`measure_allocations` on CPU against allocations whose sizes are known: the peak of live bytes in
+    time order, including a transient that an operation allocates and its caller frees (cross-entropy's
+    log-softmax), which counting per operation would place before its own allocation."""
+    mib = 1 << 20
+
+    def known() -> None:
+        a = torch.empty(4 * mib, dtype=torch.uint8)
+        b = torch.empty(8 * mib, dtype=torch.uint8)
+        del a
+        c = torch.empty(2 * mib, dtype=torch.uint8)
+        del b, c
+
+    _, peak, left = measure_allocations(known, torch.device("cpu"))
+    assert (peak, left) == (12 * mib, 0)
+
+    logits = torch.randn(512, 4096)
+    targets = torch.randint(0, 4096, (512,))
+    _, peak, _ = measure_allocations(lambda: torch.nn.functional.cross_entropy(logits, targets), torch.device("cpu"))
+    assert peak >= logits.numel() * logits.element_size(), peak   # the log-probabilities, as large as the logits

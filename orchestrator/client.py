@@ -22,13 +22,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
-from actors.service.job_table import TERMINAL_STATES, JobRecord
+from actors.service.job_table import JobRecord
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
 from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import is_uri, resolve_location
 from orchestrator.private_ray import start_private_cluster
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
-from orchestrator.job_handle import JobHandle
+from orchestrator.job_handle import JobHandle, wait_until_ended
 
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
@@ -356,14 +356,7 @@ class Client:
 
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
         """Block until the job has ended (completed, stopped early, failed or cancelled)."""
-        deadline = None if timeout is None else time.time() + timeout
-        while True:
-            record = self.status(job)
-            if record.state in TERMINAL_STATES:
-                return record
-            if deadline is not None and time.time() > deadline:
-                raise TimeoutError(f"job {record.id} is still {record.state} ({record.reason}) after {timeout}s")
-            time.sleep(poll)
+        return wait_until_ended(self.status, job, timeout, poll)
 
     def wait_all(self, jobs: Iterable[str], timeout: float | None = None, poll: float = 0.5) -> list[JobRecord]:
         deadline = None if timeout is None else time.time() + timeout

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from urllib.parse import quote
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -26,10 +25,10 @@ import httpx
 
 from actors.engine.spec import JobSpec, JobSubmission, RunSpec
 from actors.engine.storage import is_uri
-from actors.service.job_table import TERMINAL_STATES, JobRecord
+from actors.service.job_table import JobRecord
 from orchestrator.http_submissions import as_request
 from orchestrator.http_token import client_token
-from orchestrator.job_handle import JobHandle
+from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec
 
 URL_ENV = "ASPEN_URL"
@@ -230,14 +229,7 @@ class HttpClient:
 
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
         """Block until the job has ended (completed, stopped early, failed or cancelled)."""
-        deadline = None if timeout is None else time.time() + timeout
-        while True:
-            record = self.status(job)
-            if record.state in TERMINAL_STATES:
-                return record
-            if deadline is not None and time.time() > deadline:
-                raise TimeoutError(f"job {record.id} is still {record.state} ({record.reason}) after {timeout}s")
-            time.sleep(poll)
+        return wait_until_ended(self.status, job, timeout, poll)
 
     def events(self, *, job: str | None = None, progress: bool = False, after: int | str | None = None,
                timeout: float | None = None) -> Iterator[Event]:

@@ -4,10 +4,11 @@ an HTTP library)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from actors.service.job_table import JobRecord
+from actors.service.job_table import TERMINAL_STATES, JobRecord
 
 
 class JobControl(Protocol):
@@ -45,3 +46,17 @@ class JobHandle:
     def losses(self) -> list[dict[str, Any]]:
         """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss (where evaluated)."""
         return self.client.losses(self.id)
+
+
+def wait_until_ended(status: Callable[[str], JobRecord], job: str, timeout: float | None = None,
+                     poll: float = 0.5) -> JobRecord:
+    """Ask `status(job)` every `poll` seconds until the job has ended (completed, stopped early, failed or
+    cancelled); TimeoutError naming its state and reason after `timeout` seconds."""
+    deadline = None if timeout is None else time.time() + timeout
+    while True:
+        record = status(job)
+        if record.state in TERMINAL_STATES:
+            return record
+        if deadline is not None and time.time() > deadline:
+            raise TimeoutError(f"job {record.id} is still {record.state} ({record.reason}) after {timeout}s")
+        time.sleep(poll)

@@ -48,6 +48,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -330,15 +331,22 @@ def read_uri_bytes(uri: str) -> bytes:
 # ---------------------------------------------------------------------------------------- checkpoints
 
 
-def upload_checkpoint(location: StorageLocation, folder: str | Path, step: int) -> dict[str, Any]:
+def upload_checkpoint(location: StorageLocation, folder: str | Path, step: int,
+                      go_on: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Mirror the complete local checkpoint `folder` to a fresh `checkpoints/<step>-<token>/` under
     `location`, then point `checkpoint.json` at it (written last), then delete older uploads. A failure
-    before the pointer leaves the previous pointer and its upload untouched. Returns the new pointer."""
+    before the pointer leaves the previous pointer and its upload untouched. Returns the new pointer.
+    `go_on`: asked before the pointer is written; False (its uploader gave up waiting for it, e.g. the job
+    resumes elsewhere meanwhile) leaves the pointer as it was and raises StorageError."""
     folder = Path(folder)
     upload = f"{UPLOADS_FOLDER}/{step:09d}-{uuid.uuid4().hex[:8]}"
     files = location.upload_folder(folder, upload)
     if not files:
         raise StorageError(f"{folder}: no checkpoint files to upload to {location.uri}")
+    if go_on is not None and not go_on():
+        location.delete(upload)
+        raise StorageError(f"{location.uri}: the upload of the checkpoint at step {step} was abandoned before its "
+                           "pointer (its trainer stopped waiting for it); the previous checkpoint stays the latest")
     pointer = {"format": POINTER_FORMAT, "step": int(step), "upload": upload, "files": files,
                "time": round(time.time(), 3)}
     location.write_bytes(POINTER_NAME, (json.dumps(pointer, indent=1) + "\n").encode())

@@ -63,6 +63,11 @@ class TrainerConfig(StrictModel):
     data_timeout_s: Annotated[float, Bounds(1, 10**6)] = Field(
         120.0, description="a job whose data has not arrived for this long (its job actor hung) is checkpointed "
                            "and started again with a new job actor")
+    upload_timeout_s: Annotated[float, Bounds(0, 10**6, low_open=True)] = Field(
+        600.0, description="a job leaving this trainer (completed, paused, moved, ...) whose output_dir is a storage "
+                           "URI is reported ended once its adapter, metrics and checkpoint are uploaded; one whose "
+                           "upload has not ended after this long fails with that reason (its checkpoint stays on the "
+                           "node). A trainer shutting down waits at most this long (and 120 s) for uploads")
 
     @field_validator("base_model")
     @classmethod

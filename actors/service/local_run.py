@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 TRAINER_ID = "in-process"
 IDLE_ROUNDS = 50   # rounds in a row without a step or a change before a run that cannot go on says why
+UPLOAD_WAIT_S = 0.05   # a round's wait while the only work left is jobs' uploads (a wake-up ends it early)
 
 
 @dataclass
@@ -107,7 +108,7 @@ def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseMode
         for action in actions:
             if isinstance(action, Preempt):
                 loop.stop_job(action.job, "paused", action.reason)
-        report = loop.run_once(idle_wait=0)
+        report = loop.run_once(idle_wait=UPLOAD_WAIT_S if loop.leaving and not loop.active else 0)
         events = loop.drain_events()
         with table.transaction():
             for event in events:
@@ -120,7 +121,7 @@ def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseMode
         if not unfinished:
             return
         idle = 0 if (report is not None or events or starts) else idle + 1
-        if idle >= IDLE_ROUNDS and not loop.active:
+        if idle >= IDLE_ROUNDS and not loop.active and not loop.leaving:
             raise RunStuck("; ".join(f"job {r.name} {r.state}: {r.reason}" for r in unfinished))
 
 

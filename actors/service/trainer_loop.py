@@ -140,6 +140,7 @@ class ActiveJob:
     tracker: JobTracker | None = None    # its TensorBoard / MLflow tracking (`tracking:` of its spec)
     upload: Future | None = None         # its periodic checkpoint's upload in the background, while it runs
     upload_step: int = 0                 # the step of that checkpoint
+    checkpoint_step: int = 0             # the step of its newest checkpoint on this node
     upload_due: bool = False             # a newer checkpoint waits for that upload to end
 
     @property
@@ -482,7 +483,7 @@ class TrainerLoop:
     def _upload_checkpoint(self, active: ActiveJob) -> None:
         """Hand the job's newest checkpoint (and its metrics) to the background uploads as a snapshot; the
         result is taken by `_collect_uploads`. A snapshot that cannot be made is a failed upload."""
-        remote, step = active.remote, active.job.step
+        remote, step = active.remote, active.checkpoint_step   # steps may have run since it was saved
         assert remote is not None
         active.upload_due = False
         active.upload_step = step
@@ -729,6 +730,7 @@ class TrainerLoop:
             return
         active.files.succeeded(CHECKPOINT_FOLDER)
         active.last_checkpoint = time.monotonic()
+        active.checkpoint_step = job.step
         if active.remote is None:
             self._emit("checkpoint", active.assignment.job_id, job.step)
             return

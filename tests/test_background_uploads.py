@@ -129,8 +129,7 @@ def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_a
     uri = f"s3://{s3_bucket}/runs"
     (leaving,) = run_spec(base, uri, [leaving_job]).submissions()
     (other,) = run_spec(base, tmp_path / "out", [other_job]).submissions()
-    config = TrainerConfig(base_model=base)
-    loop = TrainerLoop(tiny_base, config, "trainer-a", tmp_path / "node-a")
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=base), "trainer-a", tmp_path / "node-a")
     loop.assign([assignment_for(leaving, "leaving-1", tiny_base.tokenizer),
                  assignment_for(other, "other-1", tiny_base.tokenizer)])
     loop.run_once(idle_wait=0)
@@ -165,16 +164,14 @@ def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_a
     assert ended is not None, "the leaving job was never reported"
     assert "leaving-1" not in loop.status().jobs
     run_until_idle(loop)
-    loop.close()
-    shutil.rmtree(tmp_path / "node-a")   # its node is gone: the job resumes from S3 alone
-
-    loop2 = TrainerLoop(tiny_base, config, "trainer-b", tmp_path / "node-b")
-    loop2.assign(assignment_for(leaving, "leaving-1", tiny_base.tokenizer))
-    events = run_until_idle(loop2)
+    # its node's copy is lost (as on another node, whose trainer this idle one stands in for): it resumes from S3
+    shutil.rmtree(tmp_path / "node-a" / "staging" / "leaving-1")
+    loop.assign(assignment_for(leaving, "leaving-1", tiny_base.tokenizer))
+    events = run_until_idle(loop)
     assert next(e for e in events if e.kind == "started").data["resumed_from"] == 3
     assert next(e for e in events if e.kind == "completed").data["adapter_dir"] == f"{uri}/leaving"
     (reference,) = run_spec(base, tmp_path / "ref", [leaving_job]).submissions()
-    loop2.assign(assignment_for(reference, "ref-1", tiny_base.tokenizer))
-    run_until_idle(loop2)
-    loop2.close()
+    loop.assign(assignment_for(reference, "ref-1", tiny_base.tokenizer))
+    run_until_idle(loop)
+    loop.close()
     assert _equal(_s3_adapter(location), adapter_tensors(tmp_path / "ref" / "leaving"))

@@ -37,6 +37,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -142,6 +143,7 @@ class ActiveJob:
     upload_step: int = 0                 # the step of that checkpoint
     checkpoint_step: int = 0             # the step of its newest checkpoint on this node
     upload_due: bool = False             # a newer checkpoint waits for that upload to end
+    abandoned: threading.Event = field(default_factory=threading.Event)   # set: its uploads write no pointer
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -158,7 +160,6 @@ class LeavingJob:
     data: dict[str, Any]
     upload: Future
     deadline: float
-    abandoned: threading.Event = field(default_factory=threading.Event)   # set: its upload writes no pointer
 
 
 def default_memory_budget(device: torch.device) -> int:
@@ -251,6 +252,7 @@ class TrainerLoop:
         self.uploads = Uploads(trainer_id)
         self.leaving: dict[str, LeavingJob] = {}   # jobs whose end waits for their final upload
         self.closing = threading.Event()           # set: uploads still running write no pointer
+        self.waiting_starts: list[Assignment] = []  # jobs assigned again while still leaving here
 
     # -- thread-safe entry points -------------------------------------------------------------------
     def assign(self, assignments: Assignment | list[Assignment]) -> None:
@@ -375,6 +377,9 @@ class TrainerLoop:
 
     # -- commands ---------------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
+        waiting, self.waiting_starts = self.waiting_starts, []
+        for assignment in waiting:   # back in `waiting_starts` while its job still leaves
+            self._start(assignment)
         while True:
             try:
                 command = self.commands.get_nowait()
@@ -391,8 +396,10 @@ class TrainerLoop:
 
     def _start(self, assignment: Assignment) -> None:
         job_id = assignment.job_id
-        if job_id in self.leaving:   # its end waits for its upload: that ends (bounded) before it starts again
-            self._settle(job_id)
+        if job_id in self.leaving:   # its end waits for its upload (bounded): it starts again after that
+            log.info("trainer %s: job %s starts once its last upload here ended", self.trainer_id, job_id)
+            self.waiting_starts.append(assignment)
+            return
         if job_id in self.active:
             log.warning("trainer %s: job %s is already running here; ignoring the second assignment",
                         self.trainer_id, job_id)
@@ -499,15 +506,18 @@ class TrainerLoop:
             try:
                 if (snapshot / METRICS_NAME).is_file():
                     remote.upload_file(snapshot / METRICS_NAME, METRICS_NAME)
-                return upload_checkpoint(remote, snapshot / CHECKPOINT_FOLDER, step, go_on=self._uploads_go_on)
+                return upload_checkpoint(remote, snapshot / CHECKPOINT_FOLDER, step,
+                                         go_on=lambda: self._uploads_go_on(active))
             finally:
                 shutil.rmtree(snapshot, ignore_errors=True)
 
         active.upload = self.uploads.submit(active.assignment.job_id, upload)
         active.upload.add_done_callback(lambda _: self.wake.set())
 
-    def _uploads_go_on(self) -> bool:
-        return not self.closing.is_set()
+    def _uploads_go_on(self, active: ActiveJob) -> bool:
+        """Whether the job's upload may still move its pointer: not once its trainer or the job gave up on it
+        (it may be resuming elsewhere meanwhile)."""
+        return not self.closing.is_set() and not active.abandoned.is_set()
 
     def _collect_uploads(self) -> None:
         """Take the background uploads that ended: a periodic checkpoint's event (and the next upload, where a
@@ -531,7 +541,7 @@ class TrainerLoop:
                     self._report_upload_failed(leaving, f"uploading its results to {remote.uri} failed "
                                                         f"{FINAL_WRITE_ATTEMPTS} times: {error}")
             elif now >= leaving.deadline:
-                leaving.abandoned.set()   # should it end after all, it moves no pointer
+                active.abandoned.set()   # should it end after all, it moves no pointer
                 self._report_upload_failed(leaving, f"uploading its results to {remote.uri} did not end within "
                                                     f"{self.config.upload_timeout_s:g}s (upload_timeout_s)")
             else:
@@ -557,17 +567,6 @@ class TrainerLoop:
         if active.upload_due and self.active.get(job_id) is active:
             self._upload_checkpoint(active)
 
-    def _settle(self, job_id: str) -> None:
-        """Wait (until its deadline) for a leaving job's final upload, and report its end."""
-        leaving = self.leaving[job_id]
-        for upload in (leaving.active.upload, leaving.upload):
-            if upload is not None:
-                try:
-                    upload.exception(timeout=max(leaving.deadline - time.monotonic(), 0.0))
-                except TimeoutError:
-                    break   # past its deadline: _collect_uploads fails it
-        self._collect_uploads()
-
     def _leave(self, active: ActiveJob, kind: str, data: dict[str, Any]) -> None:
         """Upload a leaving job's results in the background (after its periodic upload, if one runs); its end
         is reported when that is done (`_collect_uploads`)."""
@@ -577,7 +576,7 @@ class TrainerLoop:
         leaving = LeavingJob(active, kind, data, Future(), time.monotonic() + self.config.upload_timeout_s)
 
         def go_on() -> bool:
-            return self._uploads_go_on() and not leaving.abandoned.is_set()
+            return self._uploads_go_on(active)
 
         def upload() -> None:
             for attempt in range(FINAL_WRITE_ATTEMPTS):
@@ -864,7 +863,7 @@ class TrainerLoop:
 
 
 def upload_results(remote: StorageLocation, local_dir: Path, step: int, outputs: bool,
-                   go_on: Any = None) -> None:
+                   go_on: Callable[[], bool] | None = None) -> None:
     """Mirror a job's files to its URI: its metrics, with `outputs` every file at the top of its local folder
     (the adapter), then its checkpoint (the pointer last; not written once `go_on()` is False). Raises
     StorageError."""

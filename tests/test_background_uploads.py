@@ -3,13 +3,12 @@ SIGSTOP for a while: its port still takes connections, no request is answered, a
 trainer keeps stepping its jobs while a job's upload hangs, the newest checkpoint is uploaded after the one in
 flight, and the adapters equal an undisturbed run's; a job that leaves while its upload hangs is reported
 ended only once everything it leaves is on S3, and another node resumes it from there to the adapter of an
-undisturbed run."""
+undisturbed run (a job assigned again meanwhile starts after that, from its uploaded checkpoint)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -120,7 +119,7 @@ def test_steps_go_on_while_an_upload_hangs_and_the_adapters_equal_an_undisturbed
     assert _equal(adapter_tensors(tmp_path / "out" / "local"), adapter_tensors(tmp_path / "ref" / "local"))
 
 
-def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_and_resumes_elsewhere(
+def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_and_restarts_after(
         s3_server, s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
     base = str(tiny_model_dirs["llama"])
     data = tmp_path / "data"
@@ -137,24 +136,28 @@ def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_a
     with server_stopped(s3_server) as stall:
         loop.run_once(idle_wait=0)                       # step 2: its checkpoint's upload hangs
         loop.run_once(idle_wait=0)                       # step 3
+        loop.drain_events()
         loop.stop_job("leaving-1", "paused", "moved by the test")
+        loop.assign(assignment_for(leaving, "leaving-1", tiny_base.tokenizer))   # back at once: it waits
         steps_after = []
         for _ in range(3):                               # it leaves; the other job goes on stepping
             report = loop.run_once(idle_wait=0)
             assert report is not None
             steps_after.append({r.job for r in report.results})
         events = loop.drain_events()
-        assert not [e for e in events if e.job_id == "leaving-1" and e.kind in ("paused", "failed")], events
+        assert not [e for e in events if e.job_id == "leaving-1" and e.kind in ("paused", "failed", "started")], events
         assert "leaving-1" in loop.leaving and "leaving-1" in loop.status().jobs
     assert not stall["by_safety"]
     assert steps_after == [{"other-1"}] * 3
     ended = None
     for _ in range(400):
         loop.run_once(idle_wait=0.05)
-        for event in loop.drain_events():
-            if event.job_id == "leaving-1" and event.kind in ("paused", "failed"):
-                ended = event
+        events = [e for e in loop.drain_events() if e.job_id == "leaving-1"]
+        ended = next((e for e in events if e.kind in ("paused", "failed")), None)
         if ended is not None:
+            lifecycle = [e for e in events if e.kind in ("paused", "failed", "started")]
+            assert [e.kind for e in lifecycle] == [ended.kind, "started"], events   # started again after it ended
+            assert lifecycle[1].data["resumed_from"] == 3
             # what is on S3 the moment its end is reported: its checkpoint at step 3 and all 3 metric rows
             assert ended.kind == "paused" and ended.data["checkpoint_step"] == 3, ended
             assert read_pointer(location)["step"] == 3
@@ -162,14 +165,9 @@ def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_a
             assert metric_steps == [1, 2, 3]
             break
     assert ended is not None, "the leaving job was never reported"
-    assert "leaving-1" not in loop.status().jobs
-    run_until_idle(loop)
-    # its node's copy is lost (as on another node, whose trainer this idle one stands in for): it resumes from S3
-    shutil.rmtree(tmp_path / "node-a" / "staging" / "leaving-1")
-    loop.assign(assignment_for(leaving, "leaving-1", tiny_base.tokenizer))
     events = run_until_idle(loop)
-    assert next(e for e in events if e.kind == "started").data["resumed_from"] == 3
-    assert next(e for e in events if e.kind == "completed").data["adapter_dir"] == f"{uri}/leaving"
+    assert next(e for e in events if e.job_id == "leaving-1" and e.kind == "completed").data["adapter_dir"] == \
+        f"{uri}/leaving"
     (reference,) = run_spec(base, tmp_path / "ref", [leaving_job]).submissions()
     loop.assign(assignment_for(reference, "ref-1", tiny_base.tokenizer))
     run_until_idle(loop)

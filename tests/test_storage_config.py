@@ -6,6 +6,7 @@ environment's); bad values are refused when the configuration is loaded, naming 
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pyarrow.fs as pafs
@@ -68,7 +69,7 @@ def test_a_run_configured_by_storage_alone_trains_to_s3(s3_server, s3_bucket, tm
     names = {info.base_name for info in raw.get_file_info(pafs.FileSelector(prefix))}
     assert {"adapter_model.safetensors", "adapter_config.json", "metrics.jsonl", POINTER_NAME} <= names, names
     with raw.open_input_stream(f"{prefix}/{POINTER_NAME}") as stream:
-        pointer = __import__("json").loads(stream.read())
+        pointer = json.loads(stream.read())
     assert pointer["step"] == 3
     uploaded = {info.base_name for info in raw.get_file_info(pafs.FileSelector(f"{prefix}/{pointer['upload']}"))}
     assert uploaded == set(pointer["files"]) and "state.json" in uploaded

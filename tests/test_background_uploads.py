@@ -173,3 +173,34 @@ def test_a_job_leaving_while_its_upload_hangs_is_reported_once_all_is_uploaded_a
     run_until_idle(loop)
     loop.close()
     assert _equal(_s3_adapter(location), adapter_tensors(tmp_path / "ref" / "leaving"))
+
+
+def test_a_final_upload_that_does_not_end_in_time_fails_the_job_and_moves_no_pointer_later(
+        s3_server, s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
+    base = str(tiny_model_dirs["llama"])
+    uri = f"s3://{s3_bucket}/runs"
+    (stuck,) = run_spec(base, uri, [job_dict("stuck", write_task_data(tmp_path / "data", "stuck"), 2)]).submissions()
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=base, upload_timeout_s=1.0), "trainer-a", tmp_path / "node")
+    loop.assign(assignment_for(stuck, "stuck-1", tiny_base.tokenizer))
+    loop.run_once(idle_wait=0)
+    with server_stopped(s3_server) as stall:
+        loop.run_once(idle_wait=0)                 # its last step: it completes, its results' upload hangs
+        left = time.monotonic()
+        failed = None
+        while failed is None and time.monotonic() - left < 20:
+            loop.run_once(idle_wait=0.05)
+            failed = next((e for e in loop.drain_events() if e.kind in ("failed", "completed")), None)
+        waited = time.monotonic() - left
+        upload_running = loop.uploads.pending("stuck-1")
+    assert not stall["by_safety"]
+    assert failed is not None and failed.kind == "failed", failed
+    assert 1.0 <= waited < 10, waited
+    assert f"{uri}/stuck" in failed.data["reason"] and "upload_timeout_s" in failed.data["reason"], failed.data
+    assert "kept on trainer-a" in failed.data["reason"]
+    assert upload_running, "the upload had ended before the server was let go"
+    deadline = time.monotonic() + SAFETY_S
+    while loop.uploads.pending("stuck-1") and time.monotonic() < deadline:   # the server answers: it ends
+        time.sleep(0.1)
+    assert not loop.uploads.pending("stuck-1")
+    assert read_pointer(StorageLocation(f"{uri}/stuck")) is None, "an abandoned upload moved the pointer"
+    loop.close()

@@ -8,6 +8,8 @@ from typing import Any
 
 import ray
 
+from actors.engine.storage import configure_storage
+from actors.service.config import StorageConfig
 from actors.service.feed import FeedChunk
 from actors.service.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
@@ -19,8 +21,11 @@ from policies.stopping import LossHistory, Verdict
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class JobActor:
-    def __init__(self, job_id: str, submission_json: str, cache_dir: str):
+    def __init__(self, job_id: str, submission_json: str, cache_dir: str, storage_json: str | None = None):
+        """`storage_json`: the service's `storage:` settings (StorageConfig JSON): how its data URI is read."""
         background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
+        if storage_json is not None:
+            configure_storage(StorageConfig.model_validate_json(storage_json).settings())
         submission = JobSubmission.model_validate_json(submission_json)
         tokenizer = load_base_tokenizer(submission.base_model, Path(cache_dir))
         self.data = JobData(job_id, submission, tokenizer)

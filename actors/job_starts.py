@@ -45,8 +45,10 @@ class JobStarts:
     """The job actors of a scheduler and the jobs on their way to a trainer (called under its lock)."""
 
     def __init__(self, table: JobTable, core: SchedulerCore, state_dir: Path,
-                 node_of: Callable[[str], str | None] = lambda trainer_id: None):
-        """`node_of`: the node a trainer runs on (None: unknown; the job actor goes where Ray puts it)."""
+                 node_of: Callable[[str], str | None] = lambda trainer_id: None, storage_json: str | None = None):
+        """`node_of`: the node a trainer runs on (None: unknown; the job actor goes where Ray puts it).
+        `storage_json`: the service's `storage:` settings (StorageConfig JSON), handed to every job actor."""
+        self.storage_json = storage_json
         self.node_of = node_of
         self.table = table
         self.core = core
@@ -84,7 +86,7 @@ class JobStarts:
                 # its trainer); a node that is gone fails the start, and the job starts again with a new actor
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
             actor = JobActor.options(**options).remote(job_id, submission.model_dump_json(),
-                                                       str(self.state_dir / "cache"))
+                                                       str(self.state_dir / "cache"), storage_json=self.storage_json)
             log.info("job %s: a new job actor, next to %s (node %s)", job_id, start.trainer, (node or "any")[:8])
             self.actors[job_id] = actor
         self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), round_number)

@@ -40,6 +40,7 @@ from actors.service.state_dir import (forget_spilled_events, lock_state_dir, ope
                                       read_spilled_events, spill_events)
 from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
 from actors.engine.spec import JobSubmission
+from actors.engine.storage import configure_storage
 from actors.job_starts import JobStarts
 from actors.niceness import background_priority
 from actors.trainer_actor import TrainerActor
@@ -127,6 +128,7 @@ class SchedulerActor:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
         self.config = ServiceConfig.model_validate_json(config_json)
+        configure_storage(self.config.storage.settings())   # and each trainer and job actor it starts
         self.state_dir = Path(self.config.state_dir).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.state_lock = lock_state_dir(self.state_dir)
@@ -157,7 +159,8 @@ class SchedulerActor:
         if not self.slots:
             log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until "
                         "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
-        self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self._node_of)
+        self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self._node_of,
+                                    storage_json=self.config.storage.model_dump_json())
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
         self.stopping = threading.Event()
@@ -474,7 +477,8 @@ class SchedulerActor:
         if slot.node is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node, soft=False)
         slot.handle = TrainerActor.options(**options).remote(slot.trainer_id, slot.config.model_dump_json(),
-                                                               str(self.state_dir), slot.threads, self.config.policy)
+                                                               str(self.state_dir), slot.threads, self.config.policy,
+                                                               storage_json=self.config.storage.model_dump_json())
         slot.ready_ref = slot.handle.start.remote()
         slot.poll_ref, slot.status, slot.error = None, None, None
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.service.config import TrainerConfig
+from actors.service.config import StorageConfig, TrainerConfig
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.job_data import DataSummary
 from actors.service.trainer_loop import Assignment, TrainerLoop
 from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
-from actors.engine.storage import as_location
+from actors.engine.storage import as_location, configure_storage
 from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
@@ -37,11 +37,14 @@ IDLE_WAIT_S = 0.05   # without jobs, how long a tick waits before letting queued
 @ray.remote(max_restarts=0)
 class TrainerActor:
     def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None,
-                 policy: str | None = None):
+                 policy: str | None = None, storage_json: str | None = None):
         """`policy`: the service's policy; where it composes steps (`compose_step`, e.g. minpad), the
-        trainer loads it and lets it choose which jobs share each step."""
+        trainer loads it and lets it choose which jobs share each step. `storage_json`: the service's
+        `storage:` settings (StorageConfig JSON): how its jobs' storage URIs are reached."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = TrainerConfig.model_validate_json(config_json)
+        if storage_json is not None:
+            configure_storage(StorageConfig.model_validate_json(storage_json).settings())
         if threads:
             torch.set_num_threads(threads)
         normal_priority()

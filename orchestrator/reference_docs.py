@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, StorageConfig, TrainerConfig
 from actors.engine.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
 from actors.engine.spec import (Bounds, EarlyStopConfig, JobSpec, LoraConfig, MlflowTracking, PreferenceConfig, RunSpec,
                                 TrackingConfig)
@@ -33,7 +33,7 @@ SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
      [AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat, PreferenceFormat]),
     ("Service configuration (`aspen serve --config service.yaml`)",
      "The service's state, trainers and listeners; `aspen serve`'s flags set the common ones.",
-     [ServiceConfig, TrainerConfig, MetricsConfig, EventsConfig]),
+     [ServiceConfig, TrainerConfig, MetricsConfig, EventsConfig, StorageConfig]),
 ]
 
 

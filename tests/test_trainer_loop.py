@@ -40,9 +40,9 @@ def assignment_for(submission, job_id: str, tokenizer) -> Assignment:
 def run_until_idle(loop: TrainerLoop, limit: int = 500) -> list:
     events = []
     for _ in range(limit):
-        loop.run_once(idle_wait=0)
+        loop.run_once(idle_wait=0.05 if loop.leaving and not loop.active else 0)   # uploads wake it
         events += loop.drain_events()
-        if not loop.active and loop.commands.empty():
+        if not loop.active and not loop.leaving and loop.commands.empty():
             return events
     raise AssertionError("the trainer loop did not finish its jobs")
 

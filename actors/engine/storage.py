@@ -35,7 +35,13 @@ S3 settings come from the standard environment: credentials from AWS_ACCESS_KEY_
 (/ AWS_SESSION_TOKEN, ~/.aws, instance roles, as the AWS SDK finds them), the region from AWS_REGION /
 AWS_DEFAULT_REGION, and an S3-compatible endpoint (MinIO, Ceph, moto) from AWS_ENDPOINT_URL_S3 or
 AWS_ENDPOINT_URL (`http://host:9000`), which pyarrow itself does not read. Every process that touches the
-URI (the trainers and the job actors on every node) needs them."""
+URI (the trainers and the job actors on every node) needs them.
+
+A service's configuration may give them instead (`storage:` of actors/service/config.py): the service hands
+its `S3Settings` to every process it starts, which calls `configure_storage` (`storage_configured` for a
+scope); a configured endpoint or region wins over the environment's. Credentials are never configured
+values: `access_key_env` / `secret_key_env` / `session_token_env` name the environment variables each
+process reads them from (without them: the AWS SDK's own chain, as above)."""
 
 from __future__ import annotations
 
@@ -47,6 +53,9 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -115,25 +124,103 @@ def resolve_location(value: str | os.PathLike[str]) -> Path | StorageURI:
     return location if isinstance(location, StorageURI) else location.expanduser().resolve()
 
 
+@dataclass(frozen=True)
+class S3Settings:
+    """S3 settings a service's configuration gives (`storage:`), used before the environment's. The `*_env`
+    fields name environment variables (the credentials themselves are never settings)."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_env: str | None = None
+    secret_key_env: str | None = None
+    session_token_env: str | None = None
+
+
+_configured = S3Settings()
+
+
+def configure_storage(settings: S3Settings | None) -> None:
+    """Use `settings` for every storage URI this process opens from now on (None: the environment's only)."""
+    global _configured
+    _configured = settings or S3Settings()
+
+
+def configured_storage() -> S3Settings:
+    return _configured
+
+
+@contextmanager
+def storage_configured(settings: S3Settings | None) -> Iterator[None]:
+    """`configure_storage(settings)` for the block; what was configured before is put back after it."""
+    before = _configured
+    configure_storage(settings)
+    try:
+        yield
+    finally:
+        configure_storage(before)
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why `endpoint` is not an S3 endpoint URL (http[s]://host[:port][/path]), or None."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{endpoint!r} is not an endpoint URL: write http://host:port or https://host (e.g. http://minio.local:9000)"
+    if parts.username or parts.password or parts.query or parts.fragment:
+        return (f"{endpoint!r}: an endpoint URL holds no credentials, query or fragment: give http[s]://host:port and "
+                "the credentials in environment variables (access_key_env / secret_key_env name them)")
+    try:
+        parts.port
+    except ValueError:
+        return f"{endpoint!r}: its port is not a number from 0 to 65535"
+    return None
+
+
 def _s3_settings() -> dict[str, Any]:
-    """S3FileSystem arguments from the environment: the endpoint of an S3-compatible store (pyarrow reads
-    AWS_ACCESS_KEY_ID etc. itself, but not AWS_ENDPOINT_URL[_S3])."""
+    """S3FileSystem arguments: the configured settings (`configure_storage`), else the environment's: the
+    endpoint of an S3-compatible store (pyarrow reads AWS_ACCESS_KEY_ID etc. itself, but not
+    AWS_ENDPOINT_URL[_S3]), the region, and credentials from the environment variables the settings name."""
     import pyarrow.fs as pafs
 
     settings: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, "request_timeout": REQUEST_TIMEOUT_S,
                                 "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_ATTEMPTS)}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
+    configured = _configured
+    if configured.endpoint_url:
+        problem = endpoint_problem(configured.endpoint_url)
+        if problem:
+            raise StorageError(f"storage.endpoint_url of the service's configuration: {problem}")
+        parts = urlsplit(configured.endpoint_url)
+        settings["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
+        settings["scheme"] = parts.scheme
+    elif endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
         parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
         if not parts.netloc:
             raise StorageError(f"AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL is {endpoint!r}, not an endpoint URL; set it "
                                "to e.g. http://minio.local:9000")
         settings["endpoint_override"] = parts.netloc + parts.path.rstrip("/")
         settings["scheme"] = parts.scheme
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    region = configured.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         settings["region"] = region
+    if configured.access_key_env or configured.secret_key_env:
+        settings["access_key"] = _named_variable("access_key_env", configured.access_key_env)
+        settings["secret_key"] = _named_variable("secret_key_env", configured.secret_key_env)
+        if configured.session_token_env:
+            settings["session_token"] = _named_variable("session_token_env", configured.session_token_env)
     return settings
+
+
+def _named_variable(field: str, name: str | None) -> str:
+    """The value of the environment variable that `storage.<field>` names; a StorageError saying where to set it."""
+    value = os.environ.get(name) if name else None
+    if not value:
+        import socket
+
+        raise StorageError(f"storage.{field} of the service's configuration names the environment variable {name!r}, "
+                           f"which is not set in this aspen process on {socket.gethostname()}: set it in the "
+                           "environment of every node's `ray start` (or of `aspen serve`), or drop the "
+                           "storage.*_env settings to use the AWS SDK's own credentials (AWS_ACCESS_KEY_ID, "
+                           "~/.aws, instance roles)")
+    return value
 
 
 def _filesystem(uri: str) -> tuple[Any, str]:
@@ -167,8 +254,9 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
         return error
     if "NETWORK_CONNECTION" in upper or "COULD NOT CONNECT" in upper or "RESOLVE HOST" in upper:
         return StorageUnreachable(f"{uri}: {doing} failed: the storage endpoint cannot be reached: check the network, "
-                                  "and for an S3-compatible store set AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in "
-                                  f"every aspen process's environment ({type(error).__name__}: {text})")
+                                  "and for an S3-compatible store set storage.endpoint_url in the service's configuration "
+                                  "or AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in every aspen process's environment "
+                                  f"({type(error).__name__}: {text})")
     elif "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper:
         hint = "the bucket does not exist: create it (or fix the bucket name in the URI)"
     elif ("ACCESS_DENIED" in upper or "ACCESSDENIED" in upper or "FORBIDDEN" in upper or " 403" in text
@@ -177,7 +265,8 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
     elif ("CREDENTIAL" in upper or "INVALID_ACCESS_KEY" in upper or "SIGNATURE" in upper
           or "UNRECOGNIZEDCLIENT" in upper):
         hint = ("no valid credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile / instance "
-                "role) in every aspen process's environment")
+                "role, or the variables storage.access_key_env / secret_key_env of the service's configuration name) "
+                "in every aspen process's environment")
     elif isinstance(error, FileNotFoundError):
         hint = "it does not exist: check the URI (and that the bucket exists)"
     else:
@@ -330,15 +419,22 @@ def read_uri_bytes(uri: str) -> bytes:
 # ---------------------------------------------------------------------------------------- checkpoints
 
 
-def upload_checkpoint(location: StorageLocation, folder: str | Path, step: int) -> dict[str, Any]:
+def upload_checkpoint(location: StorageLocation, folder: str | Path, step: int,
+                      go_on: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Mirror the complete local checkpoint `folder` to a fresh `checkpoints/<step>-<token>/` under
     `location`, then point `checkpoint.json` at it (written last), then delete older uploads. A failure
-    before the pointer leaves the previous pointer and its upload untouched. Returns the new pointer."""
+    before the pointer leaves the previous pointer and its upload untouched. Returns the new pointer.
+    `go_on`: asked before the pointer is written; False (its uploader gave up waiting for it, e.g. the job
+    resumes elsewhere meanwhile) leaves the pointer as it was and raises StorageError."""
     folder = Path(folder)
     upload = f"{UPLOADS_FOLDER}/{step:09d}-{uuid.uuid4().hex[:8]}"
     files = location.upload_folder(folder, upload)
     if not files:
         raise StorageError(f"{folder}: no checkpoint files to upload to {location.uri}")
+    if go_on is not None and not go_on():
+        location.delete(upload)
+        raise StorageError(f"{location.uri}: the upload of the checkpoint at step {step} was abandoned before its "
+                           "pointer (its trainer stopped waiting for it); the previous checkpoint stays the latest")
     pointer = {"format": POINTER_FORMAT, "step": int(step), "upload": upload, "files": files,
                "time": round(time.time(), 3)}
     location.write_bytes(POINTER_NAME, (json.dumps(pointer, indent=1) + "\n").encode())

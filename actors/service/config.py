@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from actors.engine.spec import INT64_MAX, Bounds, Location, RunSpec, StepTokens, StrictModel, canonical_base_model
 from actors.engine.spec import compile_problem
-from actors.engine.storage import is_uri
+from actors.engine.storage import S3Settings, endpoint_problem, is_uri
 
 Port = Annotated[int, Bounds(0, 65535)]
 
@@ -63,6 +63,11 @@ class TrainerConfig(StrictModel):
     data_timeout_s: Annotated[float, Bounds(1, 10**6)] = Field(
         120.0, description="a job whose data has not arrived for this long (its job actor hung) is checkpointed "
                            "and started again with a new job actor")
+    upload_timeout_s: Annotated[float, Bounds(0, 10**6, low_open=True)] = Field(
+        600.0, description="a job leaving this trainer (completed, paused, moved, ...) whose output_dir is a storage "
+                           "URI is reported ended once its adapter, metrics and checkpoint are uploaded; one whose "
+                           "upload has not ended after this long fails with that reason (its checkpoint stays on the "
+                           "node). A trainer shutting down waits at most this long (and 120 s) for uploads")
 
     @field_validator("base_model")
     @classmethod
@@ -102,6 +107,60 @@ class EventsConfig(StrictModel):
                                      "is deleted; a deleted job's is cleared at once)")
 
 
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class StorageConfig(StrictModel):
+    """How every process of the service (scheduler, trainers, job actors, on every node) reaches storage URIs
+    (s3://...): given here, they need no S3 settings in their environment. Credentials never go in this file:
+    the `*_env` fields name the environment variables each process reads them from (default: the AWS SDK's
+    own chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws, instance roles). A value given here wins
+    over the environment's (AWS_ENDPOINT_URL_S3, AWS_REGION), which is used where none is given."""
+
+    endpoint_url: str | None = Field(
+        None, description="an S3-compatible store's endpoint, http://host:port or https://host (MinIO, Ceph, ...; "
+                          "default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS S3 itself)")
+    region: str | None = Field(None, description="the S3 region (default: AWS_REGION / AWS_DEFAULT_REGION)")
+    access_key_env: str | None = Field(
+        None, description="the NAME of the environment variable holding the access key id (with secret_key_env; "
+                          "default: the AWS SDK's credential chain)")
+    secret_key_env: str | None = Field(
+        None, description="the NAME of the environment variable holding the secret access key")
+    session_token_env: str | None = Field(
+        None, description="the NAME of the environment variable holding a session token (temporary credentials)")
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            problem = endpoint_problem(value.strip())
+            if problem:
+                raise ValueError(f"storage.endpoint_url: {problem}")
+            return value.strip().rstrip("/")
+        return value
+
+    @field_validator("access_key_env", "secret_key_env", "session_token_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not ENV_NAME.match(value):
+            raise ValueError(f"{value!r} is not an environment variable name (letters, digits, _): these fields name "
+                             "the variable that holds the credential, e.g. MINIO_ACCESS_KEY, never the credential")
+        return value
+
+    @model_validator(mode="after")
+    def _key_pair(self) -> StorageConfig:
+        if (self.access_key_env is None) != (self.secret_key_env is None):
+            raise ValueError("storage: give both access_key_env and secret_key_env (the names of the variables holding "
+                             "the access key id and the secret key), or neither (the AWS SDK's credential chain)")
+        if self.session_token_env is not None and self.access_key_env is None:
+            raise ValueError("storage: session_token_env goes with access_key_env and secret_key_env")
+        return self
+
+    def settings(self) -> S3Settings:
+        return S3Settings(self.endpoint_url, self.region, self.access_key_env, self.secret_key_env,
+                          self.session_token_env)
+
+
 class ServiceConfig(StrictModel):
     state_dir: Path = Field(Path("~/.aspen").expanduser(), description="the job table, trainer logs, MQTT accounts, "
                                                                     "default job folders")
@@ -128,6 +187,10 @@ class ServiceConfig(StrictModel):
                           "output_dir is taken under it, an absolute one must lie in it, and a job without one "
                           "writes to <output_root>/<job id>. None: anywhere the service can write (a service of the user's own, `aspen run`); "
                           "`aspen serve` sets <state_dir>/outputs unless the config names a root")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="S3 settings every process of the service uses for storage URIs "
+                                                   "(the endpoint, the region, which environment variables hold "
+                                                   "the credentials)")
     resume_on_start: bool = Field(
         True, description="jobs that were running when the service stopped resume at its start (false: they are "
                           "held as paused until resumed; `aspen run` decides per job)")

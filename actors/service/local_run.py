@@ -13,9 +13,9 @@ from pathlib import Path
 
 from actors.engine.models import BaseModel, load_base_model
 from actors.engine.spec import RunSpec
-from actors.engine.storage import StorageURI, as_location
+from actors.engine.storage import StorageURI, as_location, configured_storage, storage_configured
 from actors.engine.trainer import StepReport
-from actors.service.config import run_service_config
+from actors.service.config import StorageConfig, run_service_config
 from actors.service.job_data import JobData
 from actors.service.job_files import clear_job_folder
 from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 TRAINER_ID = "in-process"
 IDLE_ROUNDS = 50   # rounds in a row without a step or a change before a run that cannot go on says why
+UPLOAD_WAIT_S = 0.05   # a round's wait while the only work left is jobs' uploads (a wake-up ends it early)
 
 
 @dataclass
@@ -50,19 +51,24 @@ class RunStuck(RuntimeError):
 
 def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
                   on_step: Callable[[StepReport], None] | None = None,
-                  trainer: dict | None = None) -> list[JobSummary]:
+                  trainer: dict | None = None, storage: StorageConfig | dict | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
     over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first, since
     this mode keeps no job table to tell whether resuming it would be right (`aspen run` does). `trainer`:
-    further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them."""
+    further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them.
+    `storage`: the service's `storage:` settings (S3 endpoint, region, credential variables), used in this
+    process for the run (the environment's where it gives none)."""
     from tqdm import tqdm
 
     if base is None:
         base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization)
-    with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state:
-        config = run_service_config(spec, state_dir=Path(state), trainer=trainer or {})
+    storage_config = StorageConfig.model_validate(storage) if isinstance(storage, dict) else storage
+    with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state, \
+            storage_configured(storage_config.settings() if storage_config else configured_storage()):
+        config = run_service_config(spec, state_dir=Path(state), trainer=trainer or {},
+                                    **({"storage": storage_config} if storage_config else {}))
         trainer_config = config.trainers[0]
         policy = load_policy(config.policy)
         table = JobTable(Path(state) / "jobs.sqlite")
@@ -107,7 +113,7 @@ def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseMode
         for action in actions:
             if isinstance(action, Preempt):
                 loop.stop_job(action.job, "paused", action.reason)
-        report = loop.run_once(idle_wait=0)
+        report = loop.run_once(idle_wait=UPLOAD_WAIT_S if loop.leaving and not loop.active else 0)
         events = loop.drain_events()
         with table.transaction():
             for event in events:
@@ -120,7 +126,7 @@ def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseMode
         if not unfinished:
             return
         idle = 0 if (report is not None or events or starts) else idle + 1
-        if idle >= IDLE_ROUNDS and not loop.active:
+        if idle >= IDLE_ROUNDS and not loop.active and not loop.leaving:
             raise RunStuck("; ".join(f"job {r.name} {r.state}: {r.reason}" for r in unfinished))
 
 

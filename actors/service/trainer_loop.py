@@ -14,6 +14,14 @@ then mirrored to the URI; its adapter and metrics go there when it leaves. A fai
 the local checkpoint stays, the next checkpoint uploads again, and the job's reason says what failed. A job
 starting on any node first takes the URI's latest complete checkpoint (or this node's newer one).
 
+Uploads run in the background (actors/service/uploads.py), so that a slow or unreachable store stalls no
+step: a periodic checkpoint is handed off as an immutable snapshot (hard links), one upload per job at a
+time; a checkpoint taken while the job's previous one still uploads is uploaded after it (the newest then,
+earlier ones are skipped). A job that leaves (completed, stopped early, paused, cancelled, moved) stops
+stepping at once, but is reported ended only when its final adapter, metrics and checkpoint are all uploaded
+(the other jobs step meanwhile); one whose final upload fails `FINAL_WRITE_ATTEMPTS` times, or does not end
+within `upload_timeout_s`, fails with the URI and the reason. `close` waits for the uploads (bounded).
+
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
 
@@ -29,6 +37,8 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +51,7 @@ from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pe
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
 from actors.service.job_files import METRICS_NAME, JobFiles
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
+from actors.service.uploads import Uploads, remove_snapshots, snapshot_checkpoint
 from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import (CheckpointError, has_checkpoint, load_checkpoint, previous_folder,
                                      save_checkpoint, saved_step)
@@ -53,8 +64,8 @@ from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, pr
 from actors.engine.models import BaseModel
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSubmission
-from actors.engine.storage import (CorruptCheckpoint, StorageLocation, StorageURI, as_location, download_checkpoint,
-                                   is_uri, read_pointer, upload_checkpoint)
+from actors.engine.storage import (CorruptCheckpoint, StorageLocation, StorageURI, as_location,
+                                   download_checkpoint, is_uri, read_pointer, upload_checkpoint)
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
 from policies.base import StepComposer
@@ -76,6 +87,7 @@ MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this
                        # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 FINAL_WRITE_ATTEMPTS = 3          # tries to write a leaving job's adapter and checkpoint
 FINAL_WRITE_BACKOFF_S = (0.2, 1.0)
+CLOSE_UPLOAD_WAIT_S = 120.0       # at most this long (and upload_timeout_s) a closing trainer waits for uploads
 
 
 class JobLink(Protocol):
@@ -127,10 +139,27 @@ class ActiveJob:
     stalled_since: float | None = None   # when its data was first late (monotonic), while it is
     upload_error: str | None = None      # why its last checkpoint upload failed, until one succeeds
     tracker: JobTracker | None = None    # its TensorBoard / MLflow tracking (`tracking:` of its spec)
+    upload: Future | None = None         # its periodic checkpoint's upload in the background, while it runs
+    upload_step: int = 0                 # the step of that checkpoint
+    checkpoint_step: int = 0             # the step of its newest checkpoint on this node
+    upload_due: bool = False             # a newer checkpoint waits for that upload to end
+    abandoned: threading.Event = field(default_factory=threading.Event)   # set: its uploads write no pointer
 
     @property
     def checkpoint_dir(self) -> Path:
         return self.local_dir / CHECKPOINT_FOLDER
+
+
+@dataclass
+class LeavingJob:
+    """A job off the steps whose end waits for its final upload: reported as `kind` with `data` once it is
+    uploaded, as failed when the upload fails or is not done by `deadline` (monotonic)."""
+
+    active: ActiveJob
+    kind: str
+    data: dict[str, Any]
+    upload: Future
+    deadline: float
 
 
 def default_memory_budget(device: torch.device) -> int:
@@ -220,6 +249,10 @@ class TrainerLoop:
         self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
                                            dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
+        self.uploads = Uploads(trainer_id)
+        self.leaving: dict[str, LeavingJob] = {}   # jobs whose end waits for their final upload
+        self.closing = threading.Event()           # set: uploads still running write no pointer
+        self.waiting_starts: list[Assignment] = []  # jobs assigned again while still leaving here
 
     # -- thread-safe entry points -------------------------------------------------------------------
     def assign(self, assignments: Assignment | list[Assignment]) -> None:
@@ -252,7 +285,9 @@ class TrainerLoop:
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:
         """Apply the verdicts that are due and pending commands, run one fused step if any job has data,
         end the jobs that are done. Verdicts first: a job whose stop is due stops even when a pause for it
-        arrived at the same step boundary, as it would have without the pause."""
+        arrived at the same step boundary, as it would have without the pause. The background uploads that
+        ended meanwhile are taken first (events, the next upload, the leaving jobs' ends)."""
+        self._collect_uploads()
         self._apply_decisions()
         self._apply_commands()
         ready = []
@@ -342,6 +377,9 @@ class TrainerLoop:
 
     # -- commands ---------------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
+        waiting, self.waiting_starts = self.waiting_starts, []
+        for assignment in waiting:   # back in `waiting_starts` while its job still leaves
+            self._start(assignment)
         while True:
             try:
                 command = self.commands.get_nowait()
@@ -358,6 +396,10 @@ class TrainerLoop:
 
     def _start(self, assignment: Assignment) -> None:
         job_id = assignment.job_id
+        if job_id in self.leaving:   # its end waits for its upload (bounded): it starts again after that
+            log.info("trainer %s: job %s starts once its last upload here ended", self.trainer_id, job_id)
+            self.waiting_starts.append(assignment)
+            return
         if job_id in self.active:
             log.warning("trainer %s: job %s is already running here; ignoring the second assignment",
                         self.trainer_id, job_id)
@@ -369,6 +411,7 @@ class TrainerLoop:
         local_dir = Path(assignment.output_dir)
         if is_uri(assignment.output_dir):
             local_dir = self.staging_dir / job_id
+            remove_snapshots(local_dir)   # an earlier trainer's, left by a crash mid-upload
         files = JobFiles(job_id, local_dir)
         job = None
         note = ""
@@ -444,16 +487,119 @@ class TrainerLoop:
             return f"its uploaded checkpoint is unusable, started over: {error}"
         return ""
 
-    def _upload(self, active: ActiveJob, outputs: bool) -> None:
-        """Mirror a remote job's files to its URI: its metrics, with `outputs` every file at the top of its
-        local folder (the adapter), then its checkpoint (the pointer last). Raises StorageError."""
-        remote = active.remote
+    def _upload_checkpoint(self, active: ActiveJob) -> None:
+        """Hand the job's newest checkpoint (and its metrics) to the background uploads as a snapshot; the
+        result is taken by `_collect_uploads`. A snapshot that cannot be made is a failed upload."""
+        remote, step = active.remote, active.checkpoint_step   # steps may have run since it was saved
         assert remote is not None
-        for path in sorted(active.local_dir.iterdir()):
-            if path.is_file() and not path.name.startswith(".") and (outputs or path.name == METRICS_NAME):
-                remote.upload_file(path, path.name)
-        if has_checkpoint(active.checkpoint_dir):
-            upload_checkpoint(remote, active.checkpoint_dir, active.job.step)
+        active.upload_due = False
+        active.upload_step = step
+        try:
+            snapshot = snapshot_checkpoint(active.local_dir, active.checkpoint_dir, active.local_dir / METRICS_NAME)
+        except OSError as error:
+            failed: Future = Future()
+            failed.set_exception(error)
+            active.upload = failed
+            return
+
+        def upload() -> dict[str, Any]:
+            try:
+                if (snapshot / METRICS_NAME).is_file():
+                    remote.upload_file(snapshot / METRICS_NAME, METRICS_NAME)
+                return upload_checkpoint(remote, snapshot / CHECKPOINT_FOLDER, step,
+                                         go_on=lambda: self._uploads_go_on(active))
+            finally:
+                shutil.rmtree(snapshot, ignore_errors=True)
+
+        active.upload = self.uploads.submit(active.assignment.job_id, upload)
+        active.upload.add_done_callback(lambda _: self.wake.set())
+
+    def _uploads_go_on(self, active: ActiveJob) -> bool:
+        """Whether the job's upload may still move its pointer: not once its trainer or the job gave up on it
+        (it may be resuming elsewhere meanwhile)."""
+        return not self.closing.is_set() and not active.abandoned.is_set()
+
+    def _collect_uploads(self) -> None:
+        """Take the background uploads that ended: a periodic checkpoint's event (and the next upload, where a
+        newer checkpoint waits), a leaving job's end; a leaving job past its deadline fails."""
+        for active in [*self.active.values(), *(leaving.active for leaving in self.leaving.values())]:
+            if active.upload is not None and active.upload.done():
+                self._uploaded(active)
+        now = time.monotonic()
+        for job_id, leaving in list(self.leaving.items()):
+            active, remote = leaving.active, leaving.active.remote
+            assert remote is not None
+            if leaving.upload.done() and active.upload is None:
+                error = leaving.upload.exception()
+                if error is None:
+                    if leaving.kind in ("completed", "stopped_early"):
+                        leaving.data["adapter_dir"] = remote.uri
+                    self._report_end(active, leaving.kind, leaving.data)
+                else:
+                    log.warning("trainer %s: job %s: uploading its results to %s failed: %s", self.trainer_id,
+                                job_id, remote.uri, error)
+                    self._report_upload_failed(leaving, f"uploading its results to {remote.uri} failed "
+                                                        f"{FINAL_WRITE_ATTEMPTS} times: {error}")
+            elif now >= leaving.deadline:
+                active.abandoned.set()   # should it end after all, it moves no pointer
+                self._report_upload_failed(leaving, f"uploading its results to {remote.uri} did not end within "
+                                                    f"{self.config.upload_timeout_s:g}s (upload_timeout_s)")
+            else:
+                continue
+            del self.leaving[job_id]
+        self._publish_jobs()
+
+    def _uploaded(self, active: ActiveJob) -> None:
+        """A periodic checkpoint's upload ended: its `checkpoint` event; a newer checkpoint's upload next."""
+        upload, step, job_id, remote = active.upload, active.upload_step, active.assignment.job_id, active.remote
+        assert upload is not None and remote is not None
+        active.upload = None
+        error = upload.exception()
+        if error is not None:   # the local checkpoint stays; the next checkpoint uploads again
+            active.upload_error = (f"uploading its checkpoint at step {step} to {remote.uri} failed ({error}); it is "
+                                   f"kept on {self.trainer_id} and uploaded again at the next checkpoint")
+            log.warning("trainer %s: job %s: %s", self.trainer_id, job_id, active.upload_error)
+            self._emit("checkpoint", job_id, step, upload_error=active.upload_error)
+        else:
+            recovered = active.upload_error is not None
+            active.upload_error = None
+            self._emit("checkpoint", job_id, step, uploaded=remote.uri, upload_recovered=recovered)
+        if active.upload_due and self.active.get(job_id) is active:
+            self._upload_checkpoint(active)
+
+    def _leave(self, active: ActiveJob, kind: str, data: dict[str, Any]) -> None:
+        """Upload a leaving job's results in the background (after its periodic upload, if one runs); its end
+        is reported when that is done (`_collect_uploads`)."""
+        remote, local_dir, step = active.remote, active.local_dir, active.job.step
+        assert remote is not None
+        outputs = kind in ("completed", "stopped_early")
+        leaving = LeavingJob(active, kind, data, Future(), time.monotonic() + self.config.upload_timeout_s)
+
+        def go_on() -> bool:
+            return self._uploads_go_on(active)
+
+        def upload() -> None:
+            for attempt in range(FINAL_WRITE_ATTEMPTS):
+                try:
+                    return upload_results(remote, local_dir, step, outputs, go_on)
+                except OSError as error:
+                    if attempt + 1 == FINAL_WRITE_ATTEMPTS or not go_on():
+                        raise
+                    log.warning("trainer %s: job %s: uploading its results to %s failed (%d of %d attempts): %s",
+                                self.trainer_id, active.assignment.job_id, remote.uri, attempt + 1,
+                                FINAL_WRITE_ATTEMPTS, error)
+                    time.sleep(FINAL_WRITE_BACKOFF_S[min(attempt, len(FINAL_WRITE_BACKOFF_S) - 1)])
+
+        leaving.upload = self.uploads.submit(active.assignment.job_id, upload)
+        leaving.upload.add_done_callback(lambda _: self.wake.set())
+        self.leaving[active.assignment.job_id] = leaving
+
+    def _report_upload_failed(self, leaving: LeavingJob, why: str) -> None:
+        data = leaving.data
+        data["reason"] = (f"{data['reason']}; then {why}; its checkpoint at step {data.get('checkpoint_step')} is "
+                          f"kept on {self.trainer_id}'s node: make the store reachable, then resume the job")
+        data.pop("retry", None)
+        self._report_end(leaving.active, "failed", data)
 
     def _resume(self, job: TrainingJob, folder: Path, job_id: str) -> tuple[int | None, str]:
         """Restore the job from its newest valid checkpoint: (its step, a note on what was skipped), or
@@ -583,22 +729,14 @@ class TrainerLoop:
             return
         active.files.succeeded(CHECKPOINT_FOLDER)
         active.last_checkpoint = time.monotonic()
+        active.checkpoint_step = job.step
         if active.remote is None:
             self._emit("checkpoint", active.assignment.job_id, job.step)
             return
-        try:
-            self._upload(active, outputs=False)
-        except OSError as error:   # the local checkpoint stays; the next checkpoint uploads again
-            active.upload_error = (f"uploading its checkpoint at step {job.step} to {active.remote.uri} failed "
-                                   f"({error}); it is kept on {self.trainer_id} and uploaded again at the next "
-                                   "checkpoint")
-            log.warning("trainer %s: job %s: %s", self.trainer_id, active.assignment.job_id, active.upload_error)
-            self._emit("checkpoint", active.assignment.job_id, job.step, upload_error=active.upload_error)
-            return
-        recovered = active.upload_error is not None
-        active.upload_error = None
-        self._emit("checkpoint", active.assignment.job_id, job.step, uploaded=active.remote.uri,
-                   upload_recovered=recovered)
+        if active.upload is None:   # uploaded in the background; its event when that ends (`_uploaded`)
+            self._upload_checkpoint(active)
+        else:                       # the previous one still uploads: the newest checkpoint goes after it
+            active.upload_due = True
 
     def _write_step_log(self, row: dict[str, Any]) -> None:
         """The trainer's own step row (for reports); a disk that refuses it costs the row, never a job."""
@@ -635,11 +773,6 @@ class TrainerLoop:
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
                     job, active.checkpoint_dir, self.base_identity.serving_id))
                 data["checkpoint_step"] = job.step
-            if active.remote is not None and kind != "failed":
-                outputs = kind in ("completed", "stopped_early")
-                self._write(active, f"its results to {active.remote.uri}", lambda: self._upload(active, outputs))
-                if outputs:
-                    data["adapter_dir"] = active.remote.uri
         except OSError as error:   # the folder refused every try: one clear reason, no false success
             kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
                                               f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
@@ -653,6 +786,14 @@ class TrainerLoop:
             del self.active[job_id]
             active.files.close()
             self.trainer.remove_job(job.name)
+        if active.remote is not None and kind != "failed":   # reported when its results are uploaded
+            self._leave(active, kind, data)
+            return
+        self._report_end(active, kind, data)
+
+    def _report_end(self, active: ActiveJob, kind: str, data: dict[str, Any]) -> None:
+        """Report how a job ended (its tracking finished first, its problems added to its reason)."""
+        job, job_id = active.job, active.assignment.job_id
         if active.tracker is not None:
             adapter_written = kind in ("completed", "stopped_early")
             active.tracker.finish(kind, job.step, active.local_dir if adapter_written else None)
@@ -678,7 +819,7 @@ class TrainerLoop:
             self.events.append(TrainerEvent(kind, job_id, step, data))  # type: ignore[arg-type]
 
     def _publish_jobs(self) -> None:
-        self.job_ids = list(self.active)
+        self.job_ids = list(self.active) + [job_id for job_id in self.leaving if job_id not in self.active]
 
     def _start_tracker(self, assignment: Assignment, local_dir: Path, resumed_from: int | None) -> JobTracker | None:
         """The job's tracking (actors/service/tracking.py), or None; never raises (tracking never stops a job)."""
@@ -697,6 +838,7 @@ class TrainerLoop:
     def close(self) -> None:
         for active in list(self.active.values()):
             self._finish(active, "paused", "the trainer is shutting down")
+        self._wait_for_uploads(min(self.config.upload_timeout_s, CLOSE_UPLOAD_WAIT_S))
         deadline = time.monotonic() + CLOSE_WAIT_S
         for tracker in self.trackers:   # the last metrics and artefacts of the jobs that just left
             if not tracker.wait(max(deadline - time.monotonic(), 0.0)):
@@ -704,3 +846,29 @@ class TrainerLoop:
                             "or its adapter artefact may be missing there", self.trainer_id, tracker.job_id,
                             CLOSE_WAIT_S)
         self.step_log.close()
+
+    def _wait_for_uploads(self, timeout: float) -> None:
+        """Wait up to `timeout` for the leaving jobs' uploads and report their ends; those not done by then
+        fail (their uploads write no pointer any more). The uploads are closed."""
+        deadline = time.monotonic() + timeout
+        while self.leaving and time.monotonic() < deadline:
+            self._collect_uploads()
+            self.wake.wait(min(0.1, max(deadline - time.monotonic(), 0.0)))
+            self.wake.clear()
+        for leaving in self.leaving.values():
+            leaving.deadline = min(leaving.deadline, time.monotonic())
+        self.closing.set()
+        self._collect_uploads()
+        self.uploads.close()
+
+
+def upload_results(remote: StorageLocation, local_dir: Path, step: int, outputs: bool,
+                   go_on: Callable[[], bool] | None = None) -> None:
+    """Mirror a job's files to its URI: its metrics, with `outputs` every file at the top of its local folder
+    (the adapter), then its checkpoint (the pointer last; not written once `go_on()` is False). Raises
+    StorageError."""
+    for path in sorted(local_dir.iterdir()):
+        if path.is_file() and not path.name.startswith(".") and (outputs or path.name == METRICS_NAME):
+            remote.upload_file(path, path.name)
+    if has_checkpoint(local_dir / CHECKPOINT_FOLDER):
+        upload_checkpoint(remote, local_dir / CHECKPOINT_FOLDER, step, go_on=go_on)

@@ -25,8 +25,8 @@ few at a time into one folder: a report already in --out is kept and the parts r
     make gpu-suite                       # .venv/bin/python bench/gpu_suite.py
     python bench/gpu_suite.py [--quick] [--parts tests,fusion,...] [--out DIR] [--base-model NAME]
                               [--part-timeout SECONDS]
-    python bench/gpu_suite.py --parts tests,operations --out runs/gpu-suite/h200 --part-timeout 270
-    python bench/gpu_suite.py --parts fusion --out runs/gpu-suite/h200 --part-timeout 540     # and so on
+    python bench/gpu_suite.py --parts tests,operations,peft --out runs/gpu-suite/h200 --total-timeout 540
+    python bench/gpu_suite.py --parts fusion --out runs/gpu-suite/h200 --total-timeout 540      # and so on
 """
 
 from __future__ import annotations
@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds each part may run, all its commands together (default 540: a part fits a "
                              "10-minute command with room for the start); past it the part's processes are "
                              "killed and it is recorded as timed out")
+    parser.add_argument("--total-timeout", type=float, default=None,
+                        help="seconds for this whole invocation (a leased machine's limit per command, less the "
+                             "start): each part gets what is left up to --part-timeout; parts with no time left "
+                             "are recorded as not run")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -231,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
               "run it on a machine with an NVIDIA GPU and a CUDA build of torch, or pass --allow-cpu for a dry "
               "run of the suite on this CPU", file=sys.stderr)
         return 2
-    if args.part_timeout <= 0:
-        parser.error("--part-timeout: a positive number of seconds")
+    if args.part_timeout <= 0 or (args.total_timeout is not None and args.total_timeout <= 0):
+        parser.error("--part-timeout, --total-timeout: a positive number of seconds")
+    deadline = None if args.total_timeout is None else time.monotonic() + args.total_timeout
     started = datetime.now(timezone.utc)
     out = args.out or REPO / "runs" / "gpu-suite" / started.strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
@@ -249,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         report["started_utc"] = earlier["started_utc"]   # this run adds to it: parts run again replace theirs
         report["parts"] = [p for p in earlier["parts"] if p["part"] not in parts]
     for name in parts:   # the report is rewritten after every part: an interrupted suite leaves what it did
-        report["parts"].append(run_part(name, plan[name], args.part_timeout))
+        left = args.part_timeout if deadline is None else min(args.part_timeout, deadline - time.monotonic())
+        if left < 1:
+            report["parts"].append({"part": name, "commands": [" ".join(c) for c in plan[name]], "status": "not run",
+                                    "exit_codes": [], "seconds": 0.0, "timeout_s": 0.0, "host": platform.node(),
+                                    "finished_utc": None, "output_tail": "[no time left of --total-timeout]"})
+        else:
+            report["parts"].append(run_part(name, plan[name], left))
         report["key_numbers"] = key_numbers(out)
         report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         (out / "report.json").write_text(json.dumps(report, indent=2))

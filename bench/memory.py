@@ -16,7 +16,10 @@ peak resident memory, what activation recomputation saves and costs, and admissi
 4. Admission: the in-process driver with a budget that the scheduler's admission estimate (the trainer's
    weights and a full step by its probe-measured estimate, plus each held job's adapter) has room for 2 of
    4 jobs at once: those 2 are admitted, the others wait for one to end, every step's peak is measured;
-   it fails unless exactly 2 jobs were held at once, every job completed and no step exceeded the budget."""
+   it fails unless exactly 2 jobs were held at once, every job completed and no step exceeded the budget.
+   Then the trainer's own per-step gate with no admission in front of it: all 4 jobs on one trainer loop
+   under a budget 5% below the predicted peak of a step of all 4 (the composer fills it to ~95%): it fails
+   where a step exceeds that budget or the steps stay as large as without it."""
 
 from __future__ import annotations
 
@@ -204,6 +207,42 @@ def admission_estimate(spec, base) -> tuple[int, list[int]]:
     return memory_in_use(view, []), [job_adapter_bytes(job.lora, view) for job in spec.jobs]
 
 
+def step_gate(spec, base, budget: int) -> list[dict]:
+    """The trainer's own per-step gate with no admission in front of it: every job of `spec` assigned to one
+    TrainerLoop at once under `budget`; each step is composed of the jobs whose predicted peak (the fitted
+    model, raised by MEMORY_MARGIN) fits. The step log's rows."""
+    from actors.engine.storage import as_location
+    from actors.service.config import run_service_config
+    from actors.service.job_data import JobData
+    from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+    from actors.service.trainer_reports import FINAL_KINDS
+
+    with tempfile.TemporaryDirectory() as state:
+        config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": budget})
+        loop = TrainerLoop(base, config.trainers[0], "step-gate", Path(state))
+        assignments = []
+        for submission in spec.submissions():
+            data = JobData(submission.job.name, submission, base.tokenizer)
+            summary = data.prepare()
+            assignments.append(Assignment(submission.job.name, submission, as_location(submission.output_dir),
+                                          summary, data.eval_examples(), LocalJobLink(data)))
+        loop.assign(assignments)
+        ended = []
+        try:
+            for _ in range(10_000):
+                loop.run_once(idle_wait=0)
+                ended += [(e.job_id, e.kind, e.data.get("reason")) for e in loop.drain_events()
+                          if e.kind in FINAL_KINDS]
+                if not loop.active and loop.commands.empty():
+                    break
+        finally:
+            loop.close()
+        unfinished = [e for e in ended if e[1] != "completed"]
+        if unfinished or len(ended) < len(assignments):
+            raise RuntimeError(f"step gate run: jobs did not complete: {ended}")
+        return [json.loads(line) for line in config.trainers[0].step_log.read_text().splitlines()]
+
+
 def admission(quick: bool) -> dict:
     """The in-process driver under a budget that the scheduler's admission estimate (the empty trainer
     with a full step, plus each held job's adapter) has room for ADMITTED of the 4 jobs at once: those
@@ -234,6 +273,9 @@ def admission(quick: bool) -> dict:
         # the step budget in tokens: the largest step it took (all jobs fit one step: only memory limits them)
         spec = spec.model_copy(update={"output_dir": folder / "budgeted",
                                        "step_tokens": max(r["tokens"] for r in free)})
+        # the per-step gate alone: 5% below the predicted peak of a step of every job
+        gate_budget = int(0.95 * max(r["predicted_memory_bytes"] for r in free))
+        gated = step_gate(spec.model_copy(update={"output_dir": folder / "gated"}), base, gate_budget)
         empty, adapters = admission_estimate(spec, base)
         # room for ADMITTED jobs' adapters next to the empty trainer and a full step, and half of one more
         budget = empty + sum(sorted(adapters)[:ADMITTED]) + max(adapters) // 2
@@ -249,20 +291,31 @@ def admission(quick: bool) -> dict:
             spans[job] = (spans.get(job, (index, index))[0], index)
     held = max(sum(first <= index <= last for first, last in spans.values()) for index in range(len(rows)))
     measured = [r for r in rows if r.get("memory_measured")]
+    gated_measured = [r for r in gated if r.get("memory_measured")]
+    gate = {"budget": gate_budget, "steps": len(gated), "measured_steps": len(gated_measured),
+            "over_budget": sum(r["peak_memory_bytes"] > gate_budget for r in gated_measured),
+            "max_measured_share": max(r["peak_memory_bytes"] for r in gated_measured) / gate_budget,
+            "max_predicted_share": max(r["predicted_memory_bytes"] for r in gated) / gate_budget,
+            "mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in gated)}
     result = {"budget": budget, "empty_bytes": empty, "adapter_bytes": max(adapters), "admitted": ADMITTED,
               "held_at_once": held, "steps": len(rows), "measured_steps": len(measured),
               "over_budget": sum(r["peak_memory_bytes"] > budget for r in measured),
               "max_measured_share": max(r["peak_memory_bytes"] for r in measured) / budget,
               "max_predicted_share": max(r["predicted_memory_bytes"] for r in rows) / budget,
               "mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in rows),
-              "free_mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in free)}
+              "free_mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in free), "step_gate": gate}
     problems = []
     if held != ADMITTED:
         problems.append(f"{held} jobs were held at once where the budget has room for {ADMITTED}")
     if result["over_budget"]:
         problems.append(f"{result['over_budget']} steps' measured peaks exceeded the budget")
-    if len(measured) != len(rows):
-        problems.append(f"only {len(measured)} of {len(rows)} steps were measured")
+    if len(measured) != len(rows) or len(gated_measured) != len(gated):
+        problems.append(f"only {len(measured)} of {len(rows)} and {len(gated_measured)} of {len(gated)} steps were "
+                        "measured")
+    if gate["over_budget"]:
+        problems.append(f"step gate: {gate['over_budget']} steps' measured peaks exceeded its budget")
+    if gate["mean_jobs_per_step"] >= result["free_mean_jobs_per_step"]:
+        problems.append("step gate: its budget below a step of every job left the steps as large as without it")
     if problems:
         raise RuntimeError(f"admission run: {'; '.join(problems)}: {result}")
     return result
@@ -350,6 +403,11 @@ def main() -> None:
           f"highest predicted {result['max_predicted_share']:.1%} and measured {result['max_measured_share']:.1%} "
           f"of the budget, {result['over_budget']} steps over it (without the budget: "
           f"{result['free_mean_jobs_per_step']:.2f} jobs per step)")
+    gate = result["step_gate"]
+    print(f"step gate (every job assigned to the trainer, no admission): budget {gate['budget'] / 2**20:.1f}M (95% of "
+          f"the predicted peak of a step of every job), {gate['steps']} steps ({gate['measured_steps']} measured), "
+          f"{gate['mean_jobs_per_step']:.2f} jobs per step, highest predicted {gate['max_predicted_share']:.1%} and "
+          f"measured {gate['max_measured_share']:.1%} of the budget, {gate['over_budget']} steps over it")
 
 
 if __name__ == "__main__":

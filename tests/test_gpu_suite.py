@@ -59,5 +59,10 @@ def test_parts_add_up_to_one_report_and_a_slow_part_is_killed_whole(tmp_path, mo
     markdown = (out / "report.md").read_text()
     assert f"torch {environment['torch']}" in markdown and "CUDA" in markdown and environment["device"] in markdown
     assert "| fusion | timed out |" in markdown
+    # a part with no time left of --total-timeout is recorded as not run; the others' results stay
+    assert gpu_suite.main([*base, "--parts", "fusion,tests", "--part-timeout", "2", "--total-timeout", "1.5"]) == 1
+    parts = {p["part"]: p for p in json.loads((out / "report.json").read_text())["parts"]}
+    assert parts["fusion"]["status"] == "timed out" and parts["tests"]["status"] == "not run"
+    assert parts["memory"]["status"] == "failed"
     # another base model is another run: not mixed into this report
     assert gpu_suite.main([*base, "--parts", "tests", "--base-model", "tiny-llama"]) == 2

@@ -125,7 +125,12 @@ def run_command(command: list[str], env: dict, timeout: float) -> tuple[int | No
         stdout, stderr = process.communicate(timeout=max(timeout, 0.0))
     except subprocess.TimeoutExpired:
         _kill_group(process.pid)
-        stdout, stderr = process.communicate()
+        try:   # its output so far; a process that left the group (setsid) may hold the pipes open
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired as still_open:
+            process.wait()
+            stdout, stderr = still_open.stdout, (_text(still_open.stderr)
+                                                 + "\n[its output pipes stayed open 30 s after the kill]")
         return None, _text(stdout) + _text(stderr)
     finally:
         _kill_group(process.pid)   # what it left running after it exited (a no-op where nothing is left)

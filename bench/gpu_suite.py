@@ -271,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / "report.md").write_text(markdown(report))
     failed = [p["part"] for p in report["parts"] if p["part"] in parts and p["status"] != "passed"]
+    earlier_failed = [f"{p['part']} ({p['status']})" for p in report["parts"]
+                      if p["part"] not in parts and p["status"] != "passed"]
     print(f"[gpu-suite] report: {out / 'report.md'}; "
-          + (f"failed: {', '.join(failed)}" if failed else "every part passed"), flush=True)
+          + (f"failed: {', '.join(failed)}" if failed else "every part run now passed")
+          + (f"; from earlier runs in the report: {', '.join(earlier_failed)}" if earlier_failed else ""), flush=True)
     return 1 if failed else 0
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The GPU suite: every check and benchmark that needs a CUDA machine, in one command, one report.
 
-Parts, each in its own process (a part that fails or runs past its time limit is recorded in the report
-and the suite goes on with the next):
+Parts, each in its own process group (a part that fails or runs past its time limit, --part-timeout, is
+recorded in the report, its processes killed, and the suite goes on with the next):
   tests       pytest tests/test_cuda.py (device placement, bf16, varlen attention, grouped LoRA on CUDA)
   fusion      bench/fusion.py (a): fusion efficiency at 1, 2, 4, 8, 16 and 32 adapters (32 sequences per
               step), once with grouped LoRA and once per segment
@@ -13,13 +13,20 @@ and the suite goes on with the next):
   compile     bench/compile_step.py: seconds per fused step, eager against compile: default (inductor), the
               graphs compiled, the adapters' difference
 
-It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the GPU, torch and CUDA
-versions, with each part's exit status, time, key numbers and the tail of its output. Without CUDA it
+It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the device, GPU, torch and
+CUDA versions, with each part's exit status, time, key numbers and the tail of its output. Without CUDA it
 stops with exit status 2, unless --allow-cpu (a dry run: --allow-cpu --quick --base-model tiny-llama checks
-the suite end to end on a CPU in minutes). Exit status 1 when a part failed.
+the suite end to end on a CPU; there --quick runs the overhead part with 2 steps per job, and overhead and
+memory take minutes each). Exit status 1 when a part failed.
+
+Where one command may only run so long (a leased GPU machine: 10 minutes a command), run the parts one or a
+few at a time into one folder: a report already in --out is kept and the parts run again replace theirs.
 
     make gpu-suite                       # .venv/bin/python bench/gpu_suite.py
     python bench/gpu_suite.py [--quick] [--parts tests,fusion,...] [--out DIR] [--base-model NAME]
+                              [--part-timeout SECONDS]
+    python bench/gpu_suite.py --parts tests,operations,peft --out runs/gpu-suite/h200 --total-timeout 540
+    python bench/gpu_suite.py --parts fusion --out runs/gpu-suite/h200 --total-timeout 540      # and so on
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -44,14 +52,17 @@ TAIL = 4000   # characters of each part's output kept in the report
 
 def environment() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cuda_available": torch.cuda.is_available(), "machine": platform.machine(), "host": platform.node()}
+            "cuda_available": torch.cuda.is_available(), "machine": platform.machine(), "host": platform.node(),
+            "cpus": os.cpu_count()}
     if torch.cuda.is_available():
+        info["device"] = f"cuda:0 ({torch.cuda.get_device_name(0)})"
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpu_count"] = torch.cuda.device_count()
         info["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         info["cudnn"] = torch.backends.cudnn.version()
     else:
+        info["device"] = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
         info["gpu"] = None
     return info
 
@@ -68,7 +79,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
                     "--lora-grouping", mode, "--json", str(out / f"fusion-{mode}.json")]
                    for mode in ("grouped", "segments")],
         "operations": [[*fusion, "--proxy", "--json", str(out / "operations.json")]],
-        "overhead": [[py, "bench/overhead.py", *quick, "--json", str(out / "overhead.json")]],
+        "overhead": [[py, "bench/overhead.py", *quick, *(["--steps", "2"] if args.quick and not torch.cuda.is_available()
+                                                       else []), "--json", str(out / "overhead.json")]],
         "memory": [[py, "bench/memory.py", *quick]],
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
         "compile": [[py, "bench/compile_step.py", "--base-model", args.base_model,
@@ -77,28 +89,59 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
 
 
 def run_part(name: str, part_commands: list[list[str]], timeout: float) -> dict:
+    """Run a part's commands one after another, `timeout` seconds for all of them together."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result: dict = {"part": name, "commands": [" ".join(c) for c in part_commands], "status": "passed",
-                    "exit_codes": [], "seconds": 0.0, "output_tail": ""}
+                    "exit_codes": [], "seconds": 0.0, "timeout_s": timeout, "host": platform.node(),
+                    "finished_utc": None, "output_tail": ""}
     started = time.perf_counter()
     outputs = []
     for command in part_commands:
         print(f"[gpu-suite] {name}: {' '.join(command)}", flush=True)
-        try:
-            done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as expired:
+        left = timeout - (time.perf_counter() - started)
+        code, output = run_command(command, env, left)
+        result["exit_codes"].append(code)
+        outputs.append(output)
+        if code is None:
             result["status"] = "timed out"
-            result["exit_codes"].append(None)
-            outputs.append(_text(expired.stdout) + _text(expired.stderr) + f"\n[timed out after {timeout:.0f}s]")
+            outputs.append(f"[timed out: the part's limit is {timeout:.0f}s (--part-timeout)]")
             break
-        result["exit_codes"].append(done.returncode)
-        outputs.append(done.stdout + ("\n[stderr]\n" + done.stderr if done.stderr.strip() else ""))
-        if done.returncode != 0:
+        if code != 0:
             result["status"] = "failed"
     result["seconds"] = round(time.perf_counter() - started, 1)
+    result["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     result["output_tail"] = "\n".join(outputs)[-TAIL:]
     print(f"[gpu-suite] {name}: {result['status']} in {result['seconds']:.0f}s", flush=True)
     return result
+
+
+def run_command(command: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+    """The command's exit status (None: killed at `timeout`) and its output. It runs in a process group of
+    its own, killed whole at the limit: the processes a benchmark starts (its cases, Ray's workers, compile
+    workers) do not outlive it and keep the device busy for the next part."""
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=max(timeout, 0.0))
+    except subprocess.TimeoutExpired:
+        _kill_group(process.pid)
+        try:   # its output so far; a process that left the group (setsid) may hold the pipes open
+            stdout, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired as still_open:
+            process.wait()
+            stdout, stderr = still_open.stdout, (_text(still_open.stderr)
+                                                 + "\n[its output pipes stayed open 30 s after the kill]")
+        return None, _text(stdout) + _text(stderr)
+    finally:
+        _kill_group(process.pid)   # what it left running after it exited (a no-op where nothing is left)
+    return process.returncode, stdout + ("\n[stderr]\n" + stderr if stderr.strip() else "")
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:   # the group has no process left
+        pass
 
 
 def _text(value: bytes | str | None) -> str:
@@ -143,17 +186,31 @@ def key_numbers(out: Path) -> dict:
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [f"# GPU suite, {report['started_utc']}", "",
+             f"- device: {env.get('device', 'unknown')}",
              f"- GPU: {env.get('gpu') or 'none (CPU dry run)'}"
              + (f", compute capability {env['compute_capability']}" if env.get("compute_capability") else ""),
-             f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}",
+             f"- torch {env['torch']}, CUDA {env['cuda'] or 'none (a CPU build of torch)'}, Python {env['python']}",
              f"- settings: {'quick' if report['quick'] else 'full'}, base model {report['base_model']}", "",
-             "| part | status | seconds |", "|---|---|---|"]
-    lines += [f"| {p['part']} | {p['status']} | {p['seconds']:.0f} |" for p in report["parts"]]
+             "| part | status | seconds | limit (s) |", "|---|---|---|---|"]
+    lines += [f"| {p['part']} | {p['status']} | {p['seconds']:.0f} | {p.get('timeout_s', float('nan')):.0f} |"
+              for p in report["parts"]]
     lines += ["", "## Key numbers", "", "```", json.dumps(report["key_numbers"], indent=2), "```"]
     for part in report["parts"]:
         lines += ["", f"## {part['part']} ({part['status']})", "", *[f"    {c}" for c in part["commands"]], "",
                   "```", part["output_tail"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _mismatch(earlier: dict, report: dict) -> str | None:
+    """Why an earlier report in the same folder is not one this run may add to (other settings, another
+    machine or software), or None."""
+    for key in ("quick", "base_model"):
+        if earlier.get(key) != report[key]:
+            return f"{key} {earlier.get(key)!r} there, {report[key]!r} now"
+    for key in ("device", "torch", "cuda"):   # the host may differ (a lease's next machine, the same GPU)
+        if earlier.get("environment", {}).get(key) != report["environment"][key]:
+            return f"{key} {earlier.get('environment', {}).get(key)!r} there, {report['environment'][key]!r} now"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +220,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default runs/gpu-suite/<UTC time>)")
     parser.add_argument("--base-model", default="smollm2-135m",
-                        help="base model of the fusion, operations and PEFT parts (tiny-llama: a small random Llama)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds each command may run")
+                        help="base model of the fusion, operations, PEFT and compile parts (tiny-llama: a small "
+                             "random Llama)")
+    parser.add_argument("--part-timeout", "--timeout", dest="part_timeout", type=float, default=540,
+                        help="seconds each part may run, all its commands together (default 540: a part fits a "
+                             "10-minute command with room for the start); past it the part's processes are "
+                             "killed and it is recorded as timed out")
+    parser.add_argument("--total-timeout", type=float, default=None,
+                        help="seconds for this whole invocation (a leased machine's limit per command, less the "
+                             "start): each part gets what is left up to --part-timeout; parts with no time left "
+                             "are recorded as not run")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -175,21 +240,42 @@ def main(argv: list[str] | None = None) -> int:
               "run it on a machine with an NVIDIA GPU and a CUDA build of torch, or pass --allow-cpu for a dry "
               "run of the suite on this CPU", file=sys.stderr)
         return 2
+    if args.part_timeout <= 0 or (args.total_timeout is not None and args.total_timeout <= 0):
+        parser.error("--part-timeout, --total-timeout: a positive number of seconds")
+    deadline = None if args.total_timeout is None else time.monotonic() + args.total_timeout
     started = datetime.now(timezone.utc)
     out = args.out or REPO / "runs" / "gpu-suite" / started.strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
     plan = commands(args, out.resolve())
     report = {"started_utc": started.isoformat(timespec="seconds"), "quick": args.quick,
               "base_model": args.base_model, "environment": environment(), "parts": []}
+    earlier = _json(out / "report.json")
+    if earlier and earlier.get("parts"):
+        problem = _mismatch(earlier, report)
+        if problem:
+            print(f"gpu-suite: {out} holds a report of another run ({problem}); give another --out or run the "
+                  "same settings on the same machine", file=sys.stderr)
+            return 2
+        report["started_utc"] = earlier["started_utc"]   # this run adds to it: parts run again replace theirs
+        report["parts"] = [p for p in earlier["parts"] if p["part"] not in parts]
     for name in parts:   # the report is rewritten after every part: an interrupted suite leaves what it did
-        report["parts"].append(run_part(name, plan[name], args.timeout))
+        left = args.part_timeout if deadline is None else min(args.part_timeout, deadline - time.monotonic())
+        if left < 1:
+            report["parts"].append({"part": name, "commands": [" ".join(c) for c in plan[name]], "status": "not run",
+                                    "exit_codes": [], "seconds": 0.0, "timeout_s": 0.0, "host": platform.node(),
+                                    "finished_utc": None, "output_tail": "[no time left of --total-timeout]"})
+        else:
+            report["parts"].append(run_part(name, plan[name], left))
         report["key_numbers"] = key_numbers(out)
         report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / "report.md").write_text(markdown(report))
-    failed = [p["part"] for p in report["parts"] if p["status"] != "passed"]
+    failed = [p["part"] for p in report["parts"] if p["part"] in parts and p["status"] != "passed"]
+    earlier_failed = [f"{p['part']} ({p['status']})" for p in report["parts"]
+                      if p["part"] not in parts and p["status"] != "passed"]
     print(f"[gpu-suite] report: {out / 'report.md'}; "
-          + (f"failed: {', '.join(failed)}" if failed else "every part passed"), flush=True)
+          + (f"failed: {', '.join(failed)}" if failed else "every part run now passed")
+          + (f"; from earlier runs in the report: {', '.join(earlier_failed)}" if earlier_failed else ""), flush=True)
     return 1 if failed else 0
 
 

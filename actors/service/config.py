@@ -53,7 +53,9 @@ class TrainerConfig(StrictModel):
     prefetch: Annotated[int, Bounds(1, 1024)] = Field(
         4, description="micro-batches each job keeps on their way to the trainer")
     step_log: Path | None = Field(None, description="where its per-step rows go (default: "
-                                                    "<state_dir>/trainers/<trainer id>.jsonl)")
+                                                    "<state_dir>/trainers/<trainer id>.jsonl); a kind of several "
+                                                    "trainers (count > 1 or nodes: each) gives each its own "
+                                                    "<name>.<trainer id>.jsonl next to it")
     data_grace_s: Annotated[float, Bounds(0, 3600)] = Field(
         10.0, description="how long a step waits for a job's late micro-batch before it runs without that job "
                           "(once per delay; the other jobs go on)")
@@ -80,6 +82,17 @@ class TrainerConfig(StrictModel):
         if problem is not None:
             raise ValueError(problem)
         return self
+
+
+def trainer_step_log(config: TrainerConfig, state_dir: Path, trainer_id: str) -> Path:
+    """Where trainer `trainer_id` of kind `config` writes its step rows: `step_log` where the kind runs one
+    trainer, `<stem>.<trainer id><suffix>` beside it where it runs several (they would share one file),
+    `<state_dir>/trainers/<trainer id>.jsonl` without one."""
+    if config.step_log is None:
+        return Path(state_dir) / "trainers" / f"{trainer_id}.jsonl"
+    if config.count == 1 and config.nodes == "any":
+        return Path(config.step_log)
+    return Path(config.step_log).with_name(f"{Path(config.step_log).stem}.{trainer_id}{Path(config.step_log).suffix}")
 
 
 class MetricsConfig(StrictModel):
@@ -200,7 +213,8 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
     """The service configuration that runs a jobs file, the one translation every way of running it uses
     (`aspen run`, its in-process mode, the demo, the benchmarks): one trainer with the run's base model,
     quantization, dtype, step budget, layout and recompute mode, on the GPU where the run's device is (or, with `auto`,
-    where there is one), its step log in `<output_dir>/trainer.jsonl`; the run's policy; the state in
+    where there is one), its step log in `<output_dir>/trainer.jsonl` (with `trainer={"count": n}`, each
+    trainer's in `<output_dir>/trainer.<trainer id>.jsonl`); the run's policy; the state in
     `<output_dir>/.aspen` unless `state_dir` says otherwise. A run whose output_dir is a storage URI keeps its
     state and step log on this machine instead, in `~/.aspen/runs/<bucket-and-prefix>` (its job table must be
     a local file). `fields`: further ServiceConfig fields; `trainer` (a dict): further TrainerConfig fields."""

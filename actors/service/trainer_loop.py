@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
-from actors.service.config import TrainerConfig
+from actors.service.config import TrainerConfig, trainer_step_log
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
@@ -239,7 +239,7 @@ class TrainerLoop:
         self.measured_steps = 0
         self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
         self.longest_sequence = 0
-        self.step_log_path = Path(config.step_log or Path(state_dir) / "trainers" / f"{trainer_id}.jsonl")
+        self.step_log_path = trainer_step_log(config, Path(state_dir), trainer_id)
         self.step_log_path.parent.mkdir(parents=True, exist_ok=True)
         self.step_log = self.step_log_path.open("a")
         self.step_log_failing = False

@@ -249,7 +249,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     spec = spec.model_copy(update={"output_dir": output_dir})
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
-    client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
+    # the plan needs only the job table: the trainers (a model load each) are waited for only where there is
+    # something to train, so a run whose jobs are all done, or whose spec changed, answers without them
+    client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
     try:
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
         if plan.changed and not args.overwrite:
@@ -263,6 +265,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
         for line in plan.lines(saved_step=_saved_step):
             print(line)
+        if plan.resume or plan.submit:
+            client.wait_ready()
         for record in plan.resume:
             client.resume(record.id, "resumed by aspen run")
         ids = {r.id for r in (*plan.resume, *plan.done)}

@@ -166,13 +166,14 @@ class Client:
         if config.output_root is None:   # a shared service: jobs write only under its output root
             config = config.model_copy(update={"output_root": Path(config.state_dir).expanduser() / "outputs"})
         ensure_ray(address)
-        from actors.scheduler_actor import SchedulerActor
         from orchestrator.cluster_auth import require_token_auth
 
         try:
             ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)   # already running: left alone
         except ValueError:
             require_token_auth(insecure)
+        # after the check: the service's modules (torch, transformers) take seconds to import, a refusal none
+        from actors.scheduler_actor import SchedulerActor
 
         scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached",
                                            get_if_exists=True, **_on_head_node()).remote(config.model_dump_json(),

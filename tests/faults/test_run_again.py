@@ -52,7 +52,15 @@ jobs:
 """
 
 
-def write_run(folder: Path, base: Path, *, steps: int = 120, lr: str = "1.0e-3", every: int = 10,
+# Steps per job: what the claims need is room for the interruption after the first checkpoints (step 10, or
+# the first time-based ones) and before the end; a step of the tiny model takes 0.05-0.3 s, and the Ctrl-C
+# reaches the trainer within a second or two, so 60 steps leave tens of steps to spare. Every step here is
+# trained up to four times (the run, its resumption, the reference, --overwrite), so fewer steps is most
+# of these tests' time.
+STEPS = 60
+
+
+def write_run(folder: Path, base: Path, *, steps: int = STEPS, lr: str = "1.0e-3", every: int = 10,
               every_s: float = 600) -> Path:
     write_task_data(folder / "data", "first")
     write_task_data(folder / "data", "second", offset=5)
@@ -116,21 +124,21 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
     assert "Traceback" not in err and "Traceback" not in out, err
     assert "interrupted" in err and "the same command continues" in err, err
     interrupted_at = {n: checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")}
-    assert all(0 < step < 120 for step in interrupted_at.values()), interrupted_at
+    assert all(0 < step < STEPS for step in interrupted_at.values()), interrupted_at
 
     code, out, err = run(tmp_path)                   # the same command again
     assert code == 0, (out, err)
     for name in ("first", "second"):
         assert f"{name}: " in out and "resumes from its checkpoint at step" in out, out
-        assert metric_steps(tmp_path / "out" / name) == list(range(1, 121))
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
     assert_like_undisturbed(tmp_path, base)
 
     adapter = (tmp_path / "out/first/adapter_model.safetensors").read_bytes()
     started = time.monotonic()
     code, out, err = run(tmp_path)                   # and once more: nothing left to do
     assert code == 0, (out, err)
-    assert "first: already completed at step 120; left alone" in out, out
-    assert "second: already completed at step 120; left alone" in out, out
+    assert f"first: already completed at step {STEPS}; left alone" in out, out
+    assert f"second: already completed at step {STEPS}; left alone" in out, out
     assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() == adapter
     assert time.monotonic() - started < 120
 
@@ -143,14 +151,14 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
 
     code, out, err = run(tmp_path, "--overwrite")
     assert code == 0, (out, err)
-    assert metric_steps(tmp_path / "out" / "first") == list(range(1, 121))
+    assert metric_steps(tmp_path / "out" / "first") == list(range(1, STEPS + 1))
     assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != adapter   # trained again, at 2e-3
     assert_like_undisturbed(tmp_path, base)
 
 
 def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpoints(tmp_path, tiny_model_dirs):
     base = tiny_model_dirs["llama"]
-    write_run(tmp_path, base, steps=200, every=100000, every_s=1)   # checkpoints by time only
+    write_run(tmp_path, base, every=100000, every_s=1)   # checkpoints by time only
     process = start(tmp_path)
     wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 5 or
              process.poll() is not None, timeout=300, what="time-based checkpoints")
@@ -158,11 +166,11 @@ def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpo
     os.killpg(process.pid, signal.SIGKILL)           # the driver, its Ray, the trainer: all at once
     finish(process)
     killed_at = {n: checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")}
-    assert all(0 < step < 200 for step in killed_at.values()), killed_at
+    assert all(0 < step < STEPS for step in killed_at.values()), killed_at
 
     code, out, err = run(tmp_path)
     assert code == 0, (out, err)
     assert out.count("resumes from its checkpoint at step") == 2, out
     for name in ("first", "second"):
-        assert metric_steps(tmp_path / "out" / name) == list(range(1, 201))
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
     assert_like_undisturbed(tmp_path, base)

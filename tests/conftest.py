@@ -4,6 +4,7 @@ Llama, Qwen2 and Mistral models built from configs, saved as Hugging Face folder
 from __future__ import annotations
 
 import importlib.util
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 VOCAB = 49152  # the SmolLM2 tokenizer's
 MISTRAL_WINDOW = 16
+
+# The Ctrl-C tests send SIGINT to `aspen` processes they start. A test run started in the background by a
+# non-interactive shell (`make test &`, nohup) inherits SIGINT ignored, and passes that on to its children
+# (Python keeps an ignored SIGINT ignored): they would then never see the Ctrl-C. Give the run the
+# terminal's default back, so that children start as they would from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def tiny_config(arch: str, vocab_size: int = VOCAB):

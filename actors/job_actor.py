@@ -8,14 +8,14 @@ from typing import Any
 
 import ray
 
-from actors.engine.storage import configure_storage
-from actors.service.config import StorageConfig
-from actors.service.feed import FeedChunk
-from actors.service.job_data import DataSummary, JobData, JobUpdate
 from actors.engine.data import Example
 from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission
+from actors.engine.storage import configure_storage
 from actors.niceness import background_priority, idle_priority
+from actors.service.config import StorageConfig
+from actors.service.feed import FeedChunk
+from actors.service.job_data import DataSummary, JobData, JobUpdate
 from policies.stopping import LossHistory, Verdict
 
 

@@ -31,18 +31,23 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.service.cluster_plan import NodeInfo, TrainerKey, plan_trainers, trainer_kinds
-from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_table import JobRecord, JobTableBusy
-from actors.service.listeners import Listeners
-from actors.service.state_dir import (forget_spilled_events, lock_state_dir, open_job_table,
-                                      read_spilled_events, spill_events)
-from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import configure_storage
 from actors.job_starts import JobStarts
 from actors.niceness import background_priority
+from actors.service.cluster_plan import NodeInfo, TrainerKey, plan_trainers, trainer_kinds
+from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
+from actors.service.job_table import JobRecord, JobTableBusy
+from actors.service.listeners import Listeners
+from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
+from actors.service.state_dir import (
+    forget_spilled_events,
+    lock_state_dir,
+    open_job_table,
+    read_spilled_events,
+    spill_events,
+)
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.trainer_actor import TrainerActor
 from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
@@ -312,7 +317,7 @@ class SchedulerActor:
                     self._tick()
             except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
                 log.warning("scheduler: %s; the next round tries again", error)
-            except Exception:  # noqa: BLE001 - keep the service alive; the error is logged
+            except Exception:  # keep the service alive; the error is logged
                 log.exception("scheduler: error in the scheduling loop")
             self.stopping.wait(self.config.tick_seconds)
 

@@ -15,10 +15,6 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.service.config import StorageConfig, TrainerConfig
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_data import DataSummary
-from actors.service.trainer_loop import Assignment, TrainerLoop
 from actors.engine.data import Example
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
@@ -26,6 +22,10 @@ from actors.engine.storage import as_location, configure_storage
 from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
+from actors.service.config import StorageConfig, TrainerConfig
+from actors.service.job_data import DataSummary
+from actors.service.trainer_loop import Assignment, TrainerLoop
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from policies.base import StepComposer
 from policies.registry import load_policy
 
@@ -74,7 +74,7 @@ class TrainerActor:
             return
         try:
             self.loop.run_once(idle_wait=IDLE_WAIT_S)
-        except Exception:  # noqa: BLE001 - a step's own errors are handled inside; this is a bug, logged
+        except Exception:  # a step's own errors are handled inside; this is a bug, logged
             log.exception("trainer %s: unexpected error in a step", self.loop.trainer_id)
         ray.get_runtime_context().current_actor.tick.remote()
 

@@ -29,12 +29,12 @@ from torch._dynamo.backends.registry import lookup_backend
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from actors.engine.compiled import bucket_length  # noqa: E402
-from actors.engine.data import Example  # noqa: E402
-from actors.engine.job import TrainingJob  # noqa: E402
-from actors.engine.models import load_base_model  # noqa: E402
-from actors.engine.spec import JobSpec  # noqa: E402
-from actors.engine.trainer import FusedTrainer  # noqa: E402
+from actors.engine.compiled import bucket_length
+from actors.engine.data import Example
+from actors.engine.job import TrainingJob
+from actors.engine.models import load_base_model
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
 
 
 class CountingBackend:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if base.device.type == "cuda":
             torch.cuda.synchronize(base.device)
         started = time.perf_counter()
-        trainers[mode].run_step(list(zip(jobs[mode], step)))
+        trainers[mode].run_step(list(zip(jobs[mode], step, strict=True)))
         if base.device.type == "cuda":
             torch.cuda.synchronize(base.device)
         return time.perf_counter() - started
@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     for index, step in enumerate(steps[args.warmup:]):
         for mode in (("eager", "compiled") if index % 2 == 0 else ("compiled", "eager")):
             times[mode].append(run(mode, step))
-    difference = max(float((a - b).abs().max()) for eager_job, compiled_job in zip(jobs["eager"], jobs["compiled"])
+    difference = max(float((a - b).abs().max()) for eager_job, compiled_job in zip(jobs["eager"], jobs["compiled"],
+                                                                                   strict=True)
                      for (_, a), (_, b) in zip(eager_job.adapter.named_parameters(),
-                                               compiled_job.adapter.named_parameters()))
+                                               compiled_job.adapter.named_parameters(), strict=True))
     lengths = [sum(len(e) for batch in step for e in batch) for step in steps]
     result = {"base_model": args.base_model, "device": str(base.device), "dtype": str(base.dtype),
               "backend": args.backend, "torch": torch.__version__, "jobs": args.jobs,

@@ -31,22 +31,23 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from actors.service.config import TrainerConfig  # noqa: E402
-from actors.service.trainer_reports import TrainerEvent  # noqa: E402
-from actors.service.job_data import JobData  # noqa: E402
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop  # noqa: E402
-from actors.engine.models import BaseModel, load_base_model  # noqa: E402
-from actors.engine.spec import JobSubmission, RunSpec  # noqa: E402
+from actors.engine.models import BaseModel, load_base_model
+from actors.engine.spec import JobSubmission, RunSpec
+from actors.service.config import TrainerConfig
+from actors.service.job_data import JobData
+from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.trainer_reports import TrainerEvent
 
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
 DATA_FILES = ("gsm8k_train.jsonl", "code_alpaca_2k.json", "alpaca_seed_tasks.jsonl")

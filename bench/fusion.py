@@ -44,9 +44,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from actors.engine.data import (  # noqa: E402
+from actors.engine import lora
+from actors.engine import trainer as trainer_module
+from actors.engine.data import (
     IGNORE_INDEX,
     AlpacaFormat,
     DataCursor,
@@ -55,15 +57,13 @@ from actors.engine.data import (  # noqa: E402
     TextFormat,
     load_examples,
 )
-from actors.engine import lora  # noqa: E402
-from actors.engine.job import TrainingJob  # noqa: E402
-from actors.engine.models import BaseModel, load_base_model  # noqa: E402
-from actors.engine import trainer as trainer_module  # noqa: E402
-from actors.engine.operations import OperationCounter, count_operations  # noqa: E402
-from actors.engine.packing import JobMicroBatch, pack  # noqa: E402
-from actors.engine.spec import JobSpec, LoraConfig  # noqa: E402
-from actors.engine.recompute import decoder_layers  # noqa: E402
-from actors.engine.trainer import FusedTrainer  # noqa: E402
+from actors.engine.job import TrainingJob
+from actors.engine.models import BaseModel, load_base_model
+from actors.engine.operations import OperationCounter, count_operations
+from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.recompute import decoder_layers
+from actors.engine.spec import JobSpec, LoraConfig
+from actors.engine.trainer import FusedTrainer
 
 DATA_DIR = REPO.parent / "shared" / "data"
 GSM8K = DATA_DIR / "gsm8k_train.jsonl"
@@ -230,8 +230,8 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
         rotated = order[rep % len(order):] + order[:rep % len(order)]
         for n in rotated:
             times[n].append(one_step(n))
-        log("    rep %d: %s" % (rep + 1, "  ".join(f"N={n}: {times[n][-1]:.3f}s" for n in order)))
-    operations = {n: count_operations(lambda: one_step(n)) for n in order}
+        log(f"    rep {rep + 1}: " + "  ".join(f"N={n}: {times[n][-1]:.3f}s" for n in order))
+    operations = {n: count_operations(lambda n=n: one_step(n)) for n in order}
     log("    operations dispatched per step (non-view; on CUDA each is about one kernel launch): "
         + "  ".join(f"N={n}: {operations[n]}" for n in order))
     for trainer, chosen in setups.values():
@@ -242,7 +242,7 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
     # Two cross-checks that shrug off noise differently: the ratio of the fastest steps, and the median of the
     # ratios within each round (a slow spell that hits a whole round cancels out).
     best = {n: total_tokens / min(times[n]) for n in order}
-    paired = {n: statistics.median(a / b for a, b in zip(times[order[0]], times[n])) for n in order}
+    paired = {n: statistics.median(a / b for a, b in zip(times[order[0]], times[n], strict=True)) for n in order}
     result = {"tokens_per_step": total_tokens, "seq_len": s.fusion_seq_len, "sequences": s.fusion_sequences,
               "warmup_steps": s.fusion_warmup, "timed_steps": s.fusion_reps,
               "per_adapters": {str(n): {"median_step_s": median[n], "min_step_s": min(times[n]),
@@ -356,7 +356,8 @@ def minpad_padding_share(gsm: list[Example], code: list[Example], s: Settings) -
     waited = dict.fromkeys(cursors, 0)
     policy, processed, real = MinPadPolicy(), 0, 0
     while any(left.values()):
-        batches = [NextBatch(name, tuple(len(e) for e in pending[name]), waited[name]) for name in cursors if left[name]]
+        batches = [NextBatch(name, tuple(len(e) for e in pending[name]),
+                             waited[name]) for name in cursors if left[name]]
         chosen = policy.compose_step(batches, cost, 10**9, lambda chosen: True)
         processed += cost([b for b in batches if b.job in chosen])
         for name in cursors:
@@ -368,7 +369,8 @@ def minpad_padding_share(gsm: list[Example], code: list[Example], s: Settings) -
     return (processed - real) / processed
 
 def bench_padding(gsm: list[Example], code: list[Example], pad_id: int, s: Settings) -> dict:
-    cursors = {"gsm8k": DataCursor(gsm, s.padding_batch, seed=0), "code_alpaca": DataCursor(code, s.padding_batch, seed=1)}
+    cursors = {"gsm8k": DataCursor(gsm, s.padding_batch, seed=0), "code_alpaca": DataCursor(code, s.padding_batch,
+                                                                                            seed=1)}
     layouts = ("packed", "padded", "padded_fused")
     processed = dict.fromkeys(layouts, 0)
     padding = dict.fromkeys(layouts, 0)
@@ -404,7 +406,8 @@ def padded_batch(examples: list[Example], pad_id: int, device: torch.device):
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets: list[tuple[str, object, list[Example]]],
+def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets: list[tuple[str, object,
+                                                                                             list[Example]]],
                          s: Settings) -> dict:
     """Engine: every job in every step, packed. PEFT: each job on its own (its own adapter and AdamW, padded
     batches, the model's loss), one job's step after another. The two are interleaved step by step (engine
@@ -462,7 +465,7 @@ def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets
     engine_loss: dict[int, dict[str, float]] = {}
     peft_loss: dict[int, dict[str, float]] = {}
     for step in range(steps):
-        chosen = [(job, batches[step]) for job, (_, _, _, batches) in zip(jobs, plan)]
+        chosen = [(job, batches[step]) for job, (_, _, _, batches) in zip(jobs, plan, strict=True)]
         sync(device)
         started = time.perf_counter()
         report = trainer.run_step(chosen)
@@ -483,7 +486,7 @@ def bench_engine_vs_peft(base: BaseModel, peft_source: torch.nn.Module, datasets
     for job in jobs:
         trainer.remove_job(job.name)
     peft_model.unload()
-    del peft_model, peft_optimizers, peft_params
+    peft_model = peft_optimizers = peft_params = None   # the PEFT copy's memory goes before the report
 
     engine_time = sum(engine_step_times)
     peft_time = sum(peft_job_times.values())
@@ -559,8 +562,10 @@ def summary(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("(b) padding share", "skipped", "", "no ../shared/data"))
     e2e = results.get("engine_vs_peft")
     if e2e:
-        rows.append(("(c) engine, 4 jobs fused+packed, eff. tok/s", f"{e2e['engine_effective_tokens_per_s']:.0f}", "", ""))
-        rows.append(("(c) PEFT, 4 jobs one after another, eff. tok/s", f"{e2e['peft_effective_tokens_per_s']:.0f}", "", ""))
+        rows.append(("(c) engine, 4 jobs fused+packed, eff. tok/s", f"{e2e['engine_effective_tokens_per_s']:.0f}", "",
+                     ""))
+        rows.append(("(c) PEFT, 4 jobs one after another, eff. tok/s", f"{e2e['peft_effective_tokens_per_s']:.0f}", "",
+                     ""))
         rows.append(("(c) engine / PEFT", f"{e2e['ratio']:.2f}x", f">= {GOAL_SPEEDUP}x",
                      "met" if e2e["ratio"] >= GOAL_SPEEDUP else "NOT met"))
     return rows
@@ -571,7 +576,7 @@ def print_table(rows: list[tuple[str, str, str, str]]) -> None:
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
     line = "  ".join("-" * w for w in widths)
     print(line)
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip())
     print(line)
     for r in rows:
         print("  ".join([r[0].ljust(widths[0]), r[1].rjust(widths[1]), r[2].ljust(widths[2]), r[3]]).rstrip())
@@ -586,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help="(a): tokens per sequence, 8 sequences per step (default: 256 on CPU, 128 with --quick, 512 on CUDA)")
+                        help="(a): tokens per sequence, 8 sequences per step (default: 256 on CPU, 128 with "
+                             "--quick, 512 on CUDA)")
     parser.add_argument("--data-dir", type=Path, default=DATA_DIR,
                         help=f"folder with {GSM8K.name} and {CODE_ALPACA.name} (default: ../shared/data)")
     parser.add_argument("--threads", type=int, default=None,
@@ -637,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     elif device.type == "cuda":
         s.fusion_seq_len = 512  # 8 x 512 = 4096 tokens, the engine's default step_tokens
     machine = machine_line(device)
-    log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}; LoRA updates: {args.lora_grouping}")
+    log(f"loaded {args.base_model} ({base.dtype}, {device}) in {time.perf_counter() - started:.1f}s; {machine}; "
+        f"LoRA updates: {args.lora_grouping}")
 
     results: dict = {"quick": s.quick, "base_model": args.base_model, "device": str(device), "machine": machine,
                      "torch": torch.__version__, "dtype": str(base.dtype).replace("torch.", ""),
@@ -651,7 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         share = monitor.others_share()
         results["other_processes_cpu_share"][key] = share
         if share is not None and share > NOISY_SHARE:
-            log(f"    WARNING: other processes used {fmt_pct(share)} of the CPU during this part; its timings are noisy")
+            log(f"    WARNING: other processes used {fmt_pct(share)} of the CPU during this part; "
+                "its timings are noisy")
 
     if "a" not in skip:
         started, monitor = time.perf_counter(), CpuMonitor()

@@ -39,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -79,7 +79,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
                     "--lora-grouping", mode, "--json", str(out / f"fusion-{mode}.json")]
                    for mode in ("grouped", "segments")],
         "operations": [[*fusion, "--proxy", "--json", str(out / "operations.json")]],
-        "overhead": [[py, "bench/overhead.py", *quick, *(["--steps", "2"] if args.quick and not torch.cuda.is_available()
+        "overhead": [[py, "bench/overhead.py", *quick, *(["--steps",
+                                                          "2"] if args.quick and not torch.cuda.is_available()
                                                        else []), "--json", str(out / "overhead.json")]],
         "memory": [[py, "bench/memory.py", *quick]],
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
@@ -109,7 +110,7 @@ def run_part(name: str, part_commands: list[list[str]], timeout: float) -> dict:
         if code != 0:
             result["status"] = "failed"
     result["seconds"] = round(time.perf_counter() - started, 1)
-    result["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    result["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     result["output_tail"] = "\n".join(outputs)[-TAIL:]
     print(f"[gpu-suite] {name}: {result['status']} in {result['seconds']:.0f}s", flush=True)
     return result
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part_timeout <= 0 or (args.total_timeout is not None and args.total_timeout <= 0):
         parser.error("--part-timeout, --total-timeout: a positive number of seconds")
     deadline = None if args.total_timeout is None else time.monotonic() + args.total_timeout
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     out = args.out or REPO / "runs" / "gpu-suite" / started.strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
     plan = commands(args, out.resolve())
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report["parts"].append(run_part(name, plan[name], left))
         report["key_numbers"] = key_numbers(out)
-        report["finished_utc"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        report["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / "report.md").write_text(markdown(report))
     failed = [p["part"] for p in report["parts"] if p["part"] in parts and p["status"] != "passed"]

@@ -21,15 +21,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.engine import lora  # noqa: E402
-from actors.engine.data import TextFormat  # noqa: E402
-from actors.engine.job import TrainingJob  # noqa: E402
-from actors.engine.models import from_module  # noqa: E402
-from actors.engine.trainer import FusedTrainer  # noqa: E402
-from bench.fusion import job_spec, synthetic_example  # noqa: E402
+from actors.engine import lora
+from actors.engine.data import TextFormat
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module
+from actors.engine.trainer import FusedTrainer
+from bench.fusion import job_spec, synthetic_example
 
 COMMON = dict(tie_word_embeddings=False, pad_token_id=2, bos_token_id=1, eos_token_id=2, max_position_embeddings=2048)
 MODELS = {
@@ -80,7 +80,7 @@ def measure(name: str, adapters: list[int], steps: int) -> dict:
             rows[str(n)] = {"grouped_median_s": statistics.median(times["grouped"]),
                             "segments_median_s": statistics.median(times["segments"]),
                             "grouped_over_segments": statistics.median(
-                                g / s for g, s in zip(times["grouped"], times["segments"])),
+                                g / s for g, s in zip(times["grouped"], times["segments"], strict=True)),
                             "times_s": times}
             r = rows[str(n)]
             print(f"{name:8s} {n:2d} adapters, {count} x {length} tokens: grouped {r['grouped_median_s']:.4f}s, "

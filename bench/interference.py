@@ -15,8 +15,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.overhead import (TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, load_base_model, log,  # noqa: E402
-                            make_rows, run_in_process, write_jsonl)
+from bench.overhead import (
+    TASKS,
+    TRAIN_ROWS,
+    TRAIN_SEED,
+    build_spec,
+    load_base_model,
+    log,
+    make_rows,
+    run_in_process,
+    write_jsonl,
+)
 
 BURNER = """
 import os, sys, time

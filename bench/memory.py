@@ -48,10 +48,16 @@ def one_configuration(case: dict) -> dict:
     from actors.engine.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.lora import linear_module_names
-    from actors.engine.memory import (keep_resident_with_live_tensors, live_tensor_bytes, measure_peak, model_bytes,
-                                      peak_resident_bytes, resident_bytes)
+    from actors.engine.memory import (
+        keep_resident_with_live_tensors,
+        live_tensor_bytes,
+        measure_peak,
+        model_bytes,
+        peak_resident_bytes,
+        resident_bytes,
+    )
     from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
-    from actors.engine.models import quantize_linears, from_module
+    from actors.engine.models import from_module, quantize_linears
     from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
     from policies.memory_model import MemoryModel, StepShape
@@ -98,7 +104,7 @@ def one_configuration(case: dict) -> dict:
     resident_measured = peak_resident_bytes()
     # then the allocator's count of a third step (torch.profiler)
     held = live_tensor_bytes(model, optimizers)
-    _, growth = measure_peak(lambda: trainer.train_step(), base.device)
+    _, growth = measure_peak(trainer.train_step, base.device)
     return {**case, "predicted": predicted, "measured": held + growth, "resident_predicted": resident_predicted,
             "resident_measured": resident_measured}
 
@@ -135,7 +141,7 @@ def recompute_side_by_side(steps: int) -> list[dict]:
             trainer.train_step()
             seconds[mode].append(time.perf_counter() - started)
     for mode, trainer in trainers.items():
-        _, peaks[mode] = measure_peak(lambda: trainer.train_step(), base.device)
+        _, peaks[mode] = measure_peak(trainer.train_step, base.device)
     return [{"recompute": mode, "step_peak_bytes": peaks[mode], "median_step_s": statistics.median(seconds[mode]),
              "steps": steps} for mode in trainers]
 
@@ -247,11 +253,12 @@ def admission(quick: bool) -> dict:
     """The in-process driver under a budget that the scheduler's admission estimate (the empty trainer
     with a full step, plus each held job's adapter) has room for ADMITTED of the 4 jobs at once: those
     are admitted, the others wait until one ends; every step's peak measured against the budget."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     import actors.service.trainer_loop as trainer_loop
     from actors.engine.models import load_base_model
     from actors.engine.spec import RunSpec
     from actors.service.local_run import train_locally
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     trainer_loop.MEASURE_EVERY = 1   # the allocator counts every step of this run
     with tempfile.TemporaryDirectory() as folder:
@@ -336,13 +343,19 @@ CASES = [
     dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=2048, length=256, recompute="none"),
     dict(dtype="float32", quantization="none", jobs=4, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
     dict(dtype="float32", quantization="none", jobs=2, rank=64, dropout=0.0, tokens=1024, length=128, recompute="none"),
-    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.05, tokens=1024, length=128, recompute="none"),
-    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="layers"),
-    dict(dtype="float32", quantization="none", jobs=4, rank=16, dropout=0.05, tokens=2048, length=256, recompute="layers"),
-    dict(dtype="bfloat16", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
-    dict(dtype="bfloat16", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="layers"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.05, tokens=1024, length=128,
+         recompute="none"),
+    dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128,
+         recompute="layers"),
+    dict(dtype="float32", quantization="none", jobs=4, rank=16, dropout=0.05, tokens=2048, length=256,
+         recompute="layers"),
+    dict(dtype="bfloat16", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128,
+         recompute="none"),
+    dict(dtype="bfloat16", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128,
+         recompute="layers"),
     dict(dtype="bfloat16", quantization="nf4", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
-    dict(dtype="bfloat16", quantization="nf4", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="layers"),
+    dict(dtype="bfloat16", quantization="nf4", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128,
+         recompute="layers"),
 ]
 
 
@@ -398,7 +411,8 @@ def main() -> None:
     result = admission(args.quick)
     print(f"admission: budget {result['budget'] / 2**20:.1f}M (empty trainer with a full step "
           f"{result['empty_bytes'] / 2**20:.1f}M + {result['admitted']}.5 adapters of "
-          f"{result['adapter_bytes'] / 2**20:.1f}M), {result['held_at_once']} jobs held at once, {result['steps']} steps "
+          f"{result['adapter_bytes'] / 2**20:.1f}M), {result['held_at_once']} jobs held at once, {result['steps']} "
+          f"steps "
           f"({result['measured_steps']} measured), {result['mean_jobs_per_step']:.2f} jobs per step, "
           f"highest predicted {result['max_predicted_share']:.1%} and measured {result['max_measured_share']:.1%} "
           f"of the budget, {result['over_budget']} steps over it (without the budget: "

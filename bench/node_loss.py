@@ -29,9 +29,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.ray_nodes import (BIN, FAST_NODE_DEATH, ClientProcess, client_env, kill_node, start_head,  # noqa: E402
-                             start_worker, stop_head, stop_node)
-from tests.service_helpers import job_dict, wait_for, write_task_data  # noqa: E402
+from tests.ray_nodes import (
+    BIN,
+    FAST_NODE_DEATH,
+    ClientProcess,
+    client_env,
+    kill_node,
+    start_head,
+    start_worker,
+    stop_head,
+    stop_node,
+)
+from tests.service_helpers import job_dict, wait_for, write_task_data
 
 
 def tiny_llama(folder: Path) -> Path:
@@ -77,7 +86,8 @@ def run(args: argparse.Namespace) -> dict:
 
         def all_checkpointed():
             records = client("[r.__dict__ for r in c.jobs()]")
-            return records if all(r["state"] == "running" and (r["checkpoint_step"] or 0) > 0 for r in records) else None
+            ready = all(r["state"] == "running" and (r["checkpoint_step"] or 0) > 0 for r in records)
+            return records if ready else None
 
         records = wait_for(all_checkpointed, 600, "every job to run and checkpoint")
         victims = {r["id"]: r for r in records if r["trainer"] in on_worker}

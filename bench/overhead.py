@@ -38,12 +38,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from actors.service.config import run_service_config  # noqa: E402
-from actors.service.local_run import train_locally  # noqa: E402
-from actors.engine.models import load_base_model, load_base_tokenizer  # noqa: E402
-from actors.engine.spec import RunSpec  # noqa: E402
-from actors.engine.warmup import settle_garbage_collector, warm_up  # noqa: E402
-from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
+from actors.engine.models import load_base_model, load_base_tokenizer
+from actors.engine.spec import RunSpec
+from actors.engine.warmup import settle_garbage_collector, warm_up
+from actors.service.config import run_service_config
+from actors.service.local_run import train_locally
+from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl
 
 
 def log(message: str) -> None:
@@ -60,7 +60,7 @@ def run_in_process(spec: RunSpec, base, label: str = "in-process engine") -> dic
     train_locally(spec, base=base, progress=False, on_step=lambda report: ends.append(time.time()))
     seconds = time.perf_counter() - started
     rows = step_rows(Path(spec.output_dir) / "trainer.jsonl")
-    for row, end in zip(rows, ends):
+    for row, end in zip(rows, ends, strict=False):   # a step log row may outnumber the callbacks seen
         row["time"] = end
     return summarize(label, rows, seconds)
 

@@ -40,11 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-import ray  # noqa: E402
+import deep_tiny_model
+import ray
 
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
-import deep_tiny_model  # noqa: E402  (bench/ is on sys.path)
-from orchestrator.client import Client, ensure_ray  # noqa: E402
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from orchestrator.client import Client, ensure_ray
 
 GOAL_UTILISATION = 0.90
 STEADY_FROM = 3   # steps of each trainer left out of the steady utilisation (a diagnostic)
@@ -100,7 +100,8 @@ def run(trainers: int, base: Path, data: list[Path], steps: int, seq_len: int, c
         for handle in handles:
             history = client.transitions(handle.id)
             trainers_seen = [reason.split(" on ", 1)[1].split()[0].rstrip(",")
-                             for _, state_, reason in history if state_ == "running" and reason.startswith("training on ")]
+                             for _, state_, reason in history
+                             if state_ == "running" and reason.startswith("training on ")]
             placements[handle.id] = trainers_seen
             started_at[handle.id] = min(at for at, state_, _ in history if state_ == "running")
     finally:
@@ -133,13 +134,15 @@ def run(trainers: int, base: Path, data: list[Path], steps: int, seq_len: int, c
               "jobs_per_hour": 3600 * len(records) / wall, "tokens": tokens, "tokens_per_s": tokens / wall,
               "training_tokens_per_s": tokens / window, "utilisation": utilisation,
               "utilisation_while_work_waited": while_waiting,
-              "steady_utilisation": steady, "jobs_per_trainer": jobs_per_trainer, "fused_steps": len(all_rows), "moved_jobs": moved,
+              "steady_utilisation": steady, "jobs_per_trainer": jobs_per_trainer, "fused_steps": len(all_rows),
+              "moved_jobs": moved,
               "trainer_start_s": ready - started, "first_step_after_s": first_step, "data_waits": data_waits,
               "mean_step_s": sum(r["seconds"] for r in all_rows) / len(all_rows)}
     log(f"  {len(records)} jobs in {wall:.1f}s ({window:.1f}s from first step to last), {tokens} tokens; "
         f"jobs per trainer {jobs_per_trainer}; moved jobs {moved}; utilisation "
         + ", ".join(f"{tid} {share:.0%}" for tid, share in utilisation.items())
-        + "; while it held jobs or jobs waited: " + ", ".join(f"{tid} {share:.0%}" for tid, share in while_waiting.items())
+        + "; while it held jobs or jobs waited: " + ", ".join(f"{tid} {share:.0%}" for tid,
+                                                              share in while_waiting.items())
         + f" (from step {STEADY_FROM + 1} on: " + ", ".join(f"{tid} {share:.0%}" for tid, share in steady.items()) + ")"
         + f"; {len(all_rows)} fused steps of {result['mean_step_s']:.2f}s on average; first step "
         + ", ".join(f"{tid} {t:.1f}s" for tid, t in first_step.items()) + " after submission; data waits "

@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.overhead import require_completed  # noqa: E402
-from actors.service.config import EventsConfig, MetricsConfig, run_service_config  # noqa: E402
-from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl  # noqa: E402
-from policies.sim_calibration import calibrate  # noqa: E402
-from policies.sim_trace import Lengths, Trace, TraceJob, TrainerSpec  # noqa: E402
-from policies.simulate import Simulator  # noqa: E402
-from policies.registry import load_policy  # noqa: E402
+from actors.service.config import EventsConfig, MetricsConfig, run_service_config
+from bench.overhead import require_completed
+from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl
+from policies.registry import load_policy
+from policies.sim_calibration import calibrate
+from policies.sim_trace import Lengths, Trace, TraceJob, TrainerSpec
+from policies.simulate import Simulator
 
 GOAL = 0.15
 
@@ -41,7 +41,7 @@ def real_run(work: Path, steps: list[int], gaps: float, policy: str) -> dict:
             for task in TASKS}
     spec = build_spec(work / "out", data, max(steps))
     jobs = [job.model_copy(update={"max_steps": n, "warmup_steps": min(job.warmup_steps, n - 1)})
-            for job, n in zip(spec.jobs, steps)]
+            for job, n in zip(spec.jobs, steps, strict=True)]
     spec = spec.model_copy(update={"jobs": jobs, "policy": policy})
     state = work / "state"
     config = run_service_config(spec, state_dir=state, metrics=MetricsConfig(enabled=False),
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             f"goal ≤ 3% on average): {'met' if statistics.fmean(size) <= 0.03 else 'NOT met'}")
     if args.json:
         args.json.write_text(json.dumps({"measured_makespan_s": measured, "simulated_makespan_s": predicted,
-                                         "relative_error": error, "memory_errors": errors, "calibration": c.model_dump(),
+                                         "relative_error": error, "memory_errors": errors,
+                                         "calibration": c.model_dump(),
                                          "trace": trace.model_dump(mode="json")}, indent=2))
     return 0
 

@@ -27,11 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import ray  # noqa: E402
+import deep_tiny_model
+import ray
 
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig  # noqa: E402
-import deep_tiny_model  # noqa: E402  (bench/ is on sys.path when run as a script)
-from orchestrator.client import Client  # noqa: E402
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from orchestrator.client import Client
 
 UNHELD_BASE = "bench-base-no-trainer-holds"   # jobs for it wait in the queue with a reason
 FILL_BATCH = 200
@@ -70,7 +70,8 @@ def measure(client: Client, data: Path, samples: int, label: str, base_model: st
 def fill(client: Client, data: Path, count: int, finished: bool, prefix: str, base_model: str) -> None:
     """Add `count` jobs in batches; with `finished`, cancel them (queued -> cancelled) as they come."""
     for start in range(0, count, FILL_BATCH):
-        handles = client.submit_many([job(f"{prefix}-{start + i}", data) for i in range(min(FILL_BATCH, count - start))],
+        handles = client.submit_many([job(f"{prefix}-{start + i}", data) for i in range(min(FILL_BATCH,
+                                                                                            count - start))],
                                      base_model=base_model)
         if finished:
             for handle in handles:

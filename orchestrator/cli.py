@@ -108,7 +108,7 @@ def _cmd_losses(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731 - a formatter local to this table
     print(f"{'step':>6}{'loss':>10}{'eval loss':>11}{'lr':>11}{'grad norm':>11}{'tokens':>9}")
     for row in rows:
         print(f"{row['step']:>6}{fmt(row['loss']):>10}{fmt(row['eval_loss']):>11}{fmt(row['lr'], '.3g'):>11}"
@@ -240,9 +240,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.in_process:
         return _run_in_process(spec, args.quiet)
     from actors.service.config import run_service_config
+    from actors.service.job_files import clear_job_folder
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, print_table, summary_table
-    from actors.service.job_files import clear_job_folder
     from orchestrator.run_plan import changed_message, plan_run
 
     output_dir = resolve_location(spec.output_dir)
@@ -313,7 +313,7 @@ def _run_in_process(spec, quiet: bool) -> int:
     summaries = train_locally(spec, progress=not quiet)
     print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
     for s in summaries:
-        fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
+        fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731 - a formatter local to this table
         print(f"{s.name:<24}{s.state:>14}{s.steps:>7}{s.tokens:>10}{fmt(s.first_loss):>12}{fmt(s.final_loss):>12}"
               f"{fmt(s.eval_loss):>11}")
     print(f"\nadapters and metrics in {spec.output_dir}")

@@ -21,15 +21,14 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.engine.data.tables import hub_id_problem
+from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.engine.storage import is_uri, resolve_location
 from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.job_table import JobRecord
-from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
-from actors.engine.data.tables import hub_id_problem
-from actors.engine.storage import is_uri, resolve_location
-from orchestrator.private_ray import start_private_cluster
-from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
 from orchestrator.job_handle import JobHandle, wait_until_ended
-
+from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
+from orchestrator.private_ray import start_private_cluster
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
 LISTENERS = "orchestrator.observability:service_listeners"
@@ -160,7 +159,8 @@ class Client:
     def serve(cls, config: ServiceConfig | dict | None = None, address: str = "auto", *,
               insecure: bool = False) -> Client:
         """Start the long-lived, detached service on a Ray cluster, or connect to it if it runs. Its jobs
-        write only under `config.output_root` (default `<state_dir>/outputs`). A new service starts only on a cluster that requires Ray's token authentication (else
+        write only under `config.output_root` (default `<state_dir>/outputs`). A new service starts only on a cluster
+        that requires Ray's token authentication (else
         `orchestrator.cluster_auth.InsecureClusterError`, a ServiceError) unless `insecure` is true."""
         config = ServiceConfig.model_validate(config or {})
         if config.output_root is None:   # a shared service: jobs write only under its output root

@@ -207,7 +207,7 @@ def answer_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str | No
 def accuracy(base: BaseModel, adapter: str | None, eval_set: EvalSet, stops: set[int]) -> tuple[float, list[str]]:
     outputs = greedy_generate(base, adapter, eval_set.prompts, eval_set.max_new_tokens, stops)
     texts = [answer_text(base, tokens, stops) for tokens in outputs]
-    correct = sum(text == expected for text, expected in zip(texts, eval_set.answers))
+    correct = sum(text == expected for text, expected in zip(texts, eval_set.answers, strict=True))
     return correct / len(eval_set.answers), [t if t is not None else "<no stop>" for t in texts]
 
 

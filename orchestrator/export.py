@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import sqlite3
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from actors.engine.adapter_export import ExportError, export_adapter, export_merged, has_adapter
 from actors.engine.storage import StorageLocation, as_location, is_uri
@@ -94,7 +95,8 @@ def _no_adapter(found: FoundJob, where: str) -> ExportError:
         advice = (f"its folder {found.folder} is not on this machine; run `aspen export` where it is, or give the "
                   "service an output root every machine reaches (a shared mount or a storage URI)")
     elif found.state in FINISHED:
-        advice = f"its folder {found.folder} has lost its adapter files; restore them, or export its checkpoint (--checkpoint)"
+        advice = (f"its folder {found.folder} has lost its adapter files; restore them, or export its checkpoint "
+                  "(--checkpoint)")
     elif found.state in ("running", "queued", "paused", None):
         advice = ("wait until it completes (`aspen status " + found.name + "`), or export its last checkpoint "
                   "now with --checkpoint")

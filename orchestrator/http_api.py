@@ -35,8 +35,8 @@ import logging
 import secrets
 import sys
 import threading
-from dataclasses import dataclass
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
@@ -64,6 +64,7 @@ EVENTS_POLL_S = 1.0
 EVENTS_BATCH = 500           # transitions per poll at most (a backlog is sent in batches without waiting)
 T = TypeVar("T")
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
+STATE_FILTER = f"only jobs in these states: {', '.join(JOB_STATES)}"
 
 
 class ServiceLink:
@@ -150,7 +151,7 @@ def as_http(error: Exception) -> HTTPException | None:
     service's (a bug: 500)."""
     from ray.exceptions import RayError, RayTaskError
 
-    from actors.service.scheduler_core import SubmissionConflict, SubmissionError   # (imports torch: only here)
+    from actors.service.scheduler_core import SubmissionConflict, SubmissionError  # (imports torch: only here)
     from orchestrator.client import ServiceError
 
     if isinstance(error, KeyError):
@@ -192,7 +193,7 @@ def call_service(link: ServiceLink, request: Callable[[Any], T]) -> T:
         return request(client)
     except (HTTPException, Refused):   # answered already (by the Ray connection's process, or the request's check)
         raise
-    except Exception as error:  # noqa: BLE001 - each error is answered (or re-raised as a bug below)
+    except Exception as error:  # each error is answered (or re-raised as a bug below)
         answer = as_http(error)
         if answer is None:
             raise
@@ -331,7 +332,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
     @api.get("/jobs", response_model=list[JobRecord], tags=["jobs"])
-    def jobs(state: list[str] | None = Query(None, description=f"only jobs in these states: {', '.join(JOB_STATES)}")
+    def jobs(state: list[str] | None = Query(None, description=STATE_FILTER)
              ) -> Any:
         """Every job (oldest first), or those in the given states (`?state=queued&state=running`)."""
         unknown = sorted(set(state or ()) - set(JOB_STATES))
@@ -399,7 +400,8 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         failing = False
         while not await request.is_disconnected():
             try:
-                _, rows = await run_in_threadpool(call_service, link, lambda client: client.transitions_after(after,
+                _, rows = await run_in_threadpool(call_service, link, lambda client,
+                                                  after=after: client.transitions_after(after,
                                                                                                       EVENTS_BATCH))
                 running = await run_in_threadpool(call_service, link, lambda client: client.jobs(("running",))) \
                     if progress else []
@@ -460,7 +462,8 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
     import uvicorn
 
     from orchestrator.http_bridge import ProcessLink
-    from orchestrator.http_token import ensure_token, token_file as token_path
+    from orchestrator.http_token import ensure_token
+    from orchestrator.http_token import token_file as token_path
 
     token = ensure_token(token_file)
     if not is_loopback(host):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-from urllib.parse import quote
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 

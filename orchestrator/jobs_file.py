@@ -8,8 +8,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from actors.engine.spec import JobSpec, LoraConfig, RunSpec
 from actors.engine.data.tables import hub_id_problem
+from actors.engine.spec import JobSpec, LoraConfig, RunSpec
 from actors.engine.storage import is_uri
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]

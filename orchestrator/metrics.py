@@ -22,10 +22,10 @@ from wsgiref.simple_server import WSGIServer
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from actors.service.config import MetricsConfig
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_table import JOB_STATES, JobRecord
 from actors.engine.extras import DISTRIBUTION
+from actors.service.config import MetricsConfig
+from actors.service.job_table import JOB_STATES, JobRecord
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 
 log = logging.getLogger(__name__)
 

@@ -54,12 +54,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.service.config import EventsConfig
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_table import JobRecord
 from actors.engine.extras import MissingExtraError, require
-from orchestrator.mqtt_settings import (CREDENTIALS_FILE, READER_FILE, BrokerAddress, broker_credentials,
-                                        parse_broker_url, write_reader_settings)
+from actors.service.config import EventsConfig
+from actors.service.job_table import JobRecord
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from orchestrator.mqtt_settings import (
+    CREDENTIALS_FILE,
+    READER_FILE,
+    BrokerAddress,
+    broker_credentials,
+    parse_broker_url,
+    write_reader_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +330,7 @@ class MqttListener:
     def _thread_main(self) -> None:
         try:
             asyncio.run(self._main())
-        except Exception:  # noqa: BLE001 - events must never stop the service; the error is logged
+        except Exception:  # events must never stop the service; the error is logged
             log.exception("events: the MQTT thread failed; job events are off")
             self.disabled = True
         finally:
@@ -350,7 +356,7 @@ class MqttListener:
             if broker is not None:
                 try:
                     await broker.shutdown()
-                except Exception:  # noqa: BLE001 - shutting down anyway; the error is logged
+                except Exception:  # shutting down anyway; the error is logged
                     log.exception("events: the embedded MQTT broker did not shut down cleanly")
 
     async def _start_embedded(self) -> Any:

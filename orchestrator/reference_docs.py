@@ -18,11 +18,19 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, StorageConfig, TrainerConfig
 from actors.engine.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
-from actors.engine.spec import (Bounds, EarlyStopConfig, JobSpec, LoraConfig, MlflowTracking, PreferenceConfig, RunSpec,
-                                TrackingConfig)
+from actors.engine.spec import (
+    Bounds,
+    EarlyStopConfig,
+    JobSpec,
+    LoraConfig,
+    MlflowTracking,
+    PreferenceConfig,
+    RunSpec,
+    TrackingConfig,
+)
 from actors.engine.storage import StorageURI
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, StorageConfig, TrainerConfig
 
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-from dataclasses import dataclass, field
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engine.storage import StorageLocation, StorageURI, as_location, is_uri
@@ -154,8 +154,8 @@ def report_data(jobs: list[JobMetrics]) -> list[dict]:
     """The report's numbers per job, as `aspen report --json` prints them."""
     return [{"job": job.name, "folder": str(job.folder), "state": job.state, "steps": job.steps[-1] if job.steps else 0,
              "final_loss": job.final_loss, "best_eval_loss": job.best_eval, "tokens": job.tokens,
-             "losses": [{"step": s, "loss": l} for s, l in zip(job.steps, job.losses)],
-             "evals": [{"step": s, "eval_loss": l} for s, l in sorted(job.evals.items())]} for job in jobs]
+             "losses": [{"step": s, "loss": loss} for s, loss in zip(job.steps, job.losses, strict=True)],
+             "evals": [{"step": s, "eval_loss": loss} for s, loss in sorted(job.evals.items())]} for job in jobs]
 
 
 def markdown_table(jobs: list[JobMetrics]) -> str:

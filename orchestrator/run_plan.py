@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.service.job_table import JobRecord
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import resolve_location
+from actors.service.job_table import JobRecord
 
 FINISHED = ("completed", "stopped_early")
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,

@@ -69,7 +69,8 @@ class JobView:
     def remaining_steps(self) -> int:
         planned = (self.total_steps or 0) - self.step
         if self.predicted_remaining_steps is not None:
-            return max(0, min(planned, self.predicted_remaining_steps)) if self.total_steps else self.predicted_remaining_steps
+            return max(0, min(planned,
+                              self.predicted_remaining_steps)) if self.total_steps else self.predicted_remaining_steps
         return max(planned, 0)
 
     @property

@@ -100,5 +100,6 @@ class MemoryModel:
         return float(np.mean(self.errors)) if self.errors else None
 
     def state(self) -> dict:
-        return {"coefficients": dict(zip(FEATURES, self.coefficients.tolist())), "observations": len(self.rows),
+        return {"coefficients": dict(zip(FEATURES, self.coefficients.tolist(), strict=True)),
+                "observations": len(self.rows),
                 "mean_relative_error": self.mean_error}

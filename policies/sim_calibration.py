@@ -66,7 +66,8 @@ def job_start_delays(table: Path, rows: list[dict]) -> list[float]:
         return []
     db = sqlite3.connect(table)
     try:
-        starts = db.execute("SELECT job_id, MIN(time) FROM transitions WHERE state = 'running' GROUP BY job_id").fetchall()
+        starts = db.execute("SELECT job_id, MIN(time) FROM transitions WHERE state = 'running' "
+                            "GROUP BY job_id").fetchall()
     finally:
         db.close()
     delays = []

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from policies.base import JobView, Move, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
+from policies.base import JobView, Move, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
 from policies.memory_model import StepShape
 from policies.registry import load_policy
 from policies.sim_calibration import calibrate
@@ -104,12 +104,13 @@ class Result:
     def by_priority(self) -> dict[int, float]:
         """Mean turnaround of each priority level."""
         levels = sorted(set(self.priorities), reverse=True)
-        return {level: float(np.mean([t for t, p in zip(self.turnaround, self.priorities) if p == level]))
+        return {level: float(np.mean([t for t, p in zip(self.turnaround, self.priorities, strict=True) if p == level]))
                 for level in levels}
 
     def row(self) -> dict[str, Any]:
         turnaround = np.array(self.turnaround)
-        return {"turnaround_by_priority_s": self.by_priority(), "policy": self.policy, "mean_turnaround_s": float(turnaround.mean()),
+        return {"turnaround_by_priority_s": self.by_priority(), "policy": self.policy,
+                "mean_turnaround_s": float(turnaround.mean()),
                 "p95_turnaround_s": float(np.quantile(turnaround, 0.95)), "mean_wait_s": float(np.mean(self.waiting)),
                 "makespan_s": self.makespan, "throughput_tokens_per_s": self.tokens / max(self.makespan, 1e-9),
                 "jobs_per_hour": 3600 * len(self.turnaround) / max(self.makespan, 1e-9), "oom": self.ooms,
@@ -143,7 +144,8 @@ class Simulator:
         trainers = []
         for spec in self.trainers.values():
             memory = self.calibration.memory
-            step = memory.peak(StepShape(spec.step_tokens, spec.step_tokens * min(spec.step_tokens, self.longest[spec.id]), 0))
+            step = memory.peak(StepShape(spec.step_tokens, spec.step_tokens * min(spec.step_tokens,
+                                                                                  self.longest[spec.id]), 0))
             # the jobs a trainer reports: those that reached it (not those still starting)
             on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state == "running")
             rate = spec.step_tokens / self.calibration.step.seconds(spec.step_tokens, 0)   # a full step's
@@ -157,7 +159,8 @@ class Simulator:
             state = "running" if job.state in ("starting", "running") else "queued"
             spec = job.spec
             remaining = max(job.predicted_stop - job.step, 0) if job.predicted_stop is not None else None
-            views.append(JobView(spec.name, spec.name, state, spec.priority, spec.arrival, self.trace.base_model, "none",
+            views.append(JobView(spec.name, spec.name, state, spec.priority, spec.arrival, self.trace.base_model,
+                                 "none",
                                  job.trainer, job.step, spec.steps, job.parameters * BYTES_PER_ADAPTER_PARAMETER,
                                  spec.batch_size * spec.grad_accum * spec.lengths.mean, remaining, job.preempting,
                                  job.move_to if job.preempting else None, job.moved_at))
@@ -211,7 +214,7 @@ class Simulator:
         return sum(j.parameters for j in self.jobs.values() if j.trainer == trainer_id and j.state == "running")
 
     def predicted_peak(self, trainer: TrainerSpec, lengths: list[tuple[int, ...]]) -> int:
-        flat = [n for l in lengths for n in l]
+        flat = [n for job_lengths in lengths for n in job_lengths]
         return self.calibration.memory.peak(StepShape.of(flat, self.held_parameters(trainer.id)))
 
     def step(self, trainer: TrainerSpec, now: float) -> bool:
@@ -237,10 +240,11 @@ class Simulator:
             return preempted
         chosen = self.compose(trainer, ready)
         lengths = [j.next_lengths for j in chosen]
-        flat = [n for l in lengths for n in l]
+        flat = [n for job_lengths in lengths for n in job_lengths]
         tokens = layout_tokens(trainer.layout, lengths)
         squares = sum(n * n for n in flat)
-        peak = self.predicted_peak(trainer, lengths) * (1 + self.calibration.memory_noise * abs(self.noise.standard_normal()))
+        peak = self.predicted_peak(trainer,
+                                   lengths) * (1 + self.calibration.memory_noise * abs(self.noise.standard_normal()))
         if peak > trainer.memory_budget_bytes:
             self.ooms += 1
         self.longest[trainer.id] = max(self.longest[trainer.id], max(flat))
@@ -346,7 +350,8 @@ def table(results: list[Result], reference: str = "fifo") -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = f"{row['mean_turnaround_s'] / base['mean_turnaround_s']:.2f}x" if base else "-"
-        lines.append(f"{row['policy']:<17} {row['mean_turnaround_s']:>10.1f}s {ratio:>8} {row['p95_turnaround_s']:>8.1f}s "
+        lines.append(f"{row['policy']:<17} {row['mean_turnaround_s']:>10.1f}s {ratio:>8} "
+                     f"{row['p95_turnaround_s']:>8.1f}s "
                      f"{row['mean_wait_s']:>8.1f}s {row['makespan_s']:>8.1f}s {row['throughput_tokens_per_s']:>9.0f} "
                      f"{row['jobs_per_hour']:>7.1f} {row['stopped_early']:>5} {row['moves']:>5} {row['oom']:>4}")
     if any(len(r.by_priority()) > 1 for r in results):
@@ -378,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     c = trace.calibration
-    print(f"trace {trace.name}: {len(trace.jobs)} jobs, {len(trace.trainers)} trainer(s); step ≈ {c.step.constant:.3g} s "
+    print(f"trace {trace.name}: {len(trace.jobs)} jobs, {len(trace.trainers)} trainer(s); step ≈ "
+          f"{c.step.constant:.3g} s "
           f"+ {c.step.per_token:.3g} s/token + {c.step.per_square:.3g} s/token²; job start {c.job_start_seconds:.2f} s")
     print(table(results))
     if args.json:

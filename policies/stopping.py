@@ -2,7 +2,8 @@
 
 A rule is a plain object with `decide(history) -> StopDecision | None`; the job actor asks it after
 every optimizer step it hears of. `PredictiveRule` fits a power law to the job's eval losses (without an
-eval split: its train loss, averaged over windows of `eval_every` steps), predicts the loss at the job's budget and stops the job when the predicted remaining improvement
+eval split: its train loss, averaged over windows of `eval_every` steps), predicts the loss at the job's budget and
+stops the job when the predicted remaining improvement
 is below `min_improvement` (relative) or below `min_delta` (absolute, in loss units) even at the optimistic
 end of its uncertainty. A loss that has not beaten its best by at least `min_delta` for `patience`
 evaluations stops the job as well (Keras' `min_delta`; an equal loss is no improvement)."""
@@ -13,8 +14,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-
-
 
 DEFAULT_MIN_DELTA_FRACTION = 0.001
 """`min_delta` when a job gives none: this fraction (0.1%) of the first loss the rule judges (the first
@@ -181,7 +180,7 @@ class PredictiveRule:
         gains, relative = [], []
         for _ in range(self.samples):
             noisy = fitted + rng.choice(residuals, size=len(residuals), replace=True)
-            refit = fit_power_law(list(zip(t, noisy.tolist())))
+            refit = fit_power_law(list(zip(t, noisy.tolist(), strict=True)))
             if refit is not None:
                 gain = refit(step) - refit(self.budget_steps)
                 gains.append(gain)

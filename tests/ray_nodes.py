@@ -177,9 +177,9 @@ def start_worker(head: dict, *, num_cpus: int = 1, env: dict[str, str] | None = 
 
 def live_nodes(head: dict, home: Path) -> list[dict]:
     """The head's live nodes as `ray.nodes()` lists them, asked from a separate process."""
-    script = ("import json, ray; ray.init(address='%s', log_to_driver=False); "
+    script = (f"import json, ray; ray.init(address='{head['gcs']}', log_to_driver=False); "
               "print(json.dumps([{'id': n['NodeID'], 'cpus': n['Resources'].get('CPU', 0)} "
-              "for n in ray.nodes() if n['Alive']]))" % head["gcs"])
+              "for n in ray.nodes() if n['Alive']]))")
     result = subprocess.run([sys.executable, "-c", script], env=client_env(head, home), capture_output=True,
                             text=True, timeout=120)
     if result.returncode != 0:

@@ -17,8 +17,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names
-from actors.engine.memory import (keep_resident_with_live_tensors, live_tensor_bytes, model_bytes,
-                                  peak_resident_bytes, resident_bytes)
+from actors.engine.memory import (
+    keep_resident_with_live_tensors,
+    live_tensor_bytes,
+    model_bytes,
+    peak_resident_bytes,
+    resident_bytes,
+)
 from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
 from actors.engine.models import from_module
 from actors.engine.spec import JobSpec

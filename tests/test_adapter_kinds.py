@@ -21,7 +21,7 @@ from actors.engine import lora as lora_module
 from actors.engine.checkpoint import load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import add_adapter, adapted_shapes, remove_adapter, set_adapters_training
+from actors.engine.lora import adapted_shapes, add_adapter, remove_adapter, set_adapters_training
 from actors.engine.models import from_module
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
 from actors.engine.spec import JobSpec, JobSubmission, LoraConfig, RunSpec
@@ -157,7 +157,7 @@ def test_peft_loads_the_export_on_the_unmodified_base(kind, tmp_path):
             layer.lora_B0.zero_()
     load_adapter_weights(copy_handle, tmp_path / "adapter")
     for (key, value), (_, restored) in zip(adapter_state_dict(trained.adapter).items(),
-                                           adapter_state_dict(copy_handle).items()):
+                                           adapter_state_dict(copy_handle).items(), strict=True):
         assert torch.equal(value, restored), key
 
 

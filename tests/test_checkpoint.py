@@ -50,7 +50,7 @@ def training_state(job: TrainingJob) -> dict:
 def assert_same_training_state(actual: dict, expected: dict) -> None:
     assert actual["counts"] == expected["counts"]
     assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
-    for got, want in zip(actual["optimizer"]["param_groups"], expected["optimizer"]["param_groups"]):
+    for got, want in zip(actual["optimizer"]["param_groups"], expected["optimizer"]["param_groups"], strict=True):
         assert {k: type(v) for k, v in got.items()} == {k: type(v) for k, v in want.items()}  # betas a tuple
     assert actual["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
     for param_id, entries in expected["optimizer"]["state"].items():
@@ -59,7 +59,7 @@ def assert_same_training_state(actual: dict, expected: dict) -> None:
             got = actual["optimizer"]["state"][param_id][key]
             assert got.dtype == value.dtype and got.device == value.device and torch.equal(got, value), key
     assert len(actual["gradients"]) == len(expected["gradients"])
-    for got, want in zip(actual["gradients"], expected["gradients"]):
+    for got, want in zip(actual["gradients"], expected["gradients"], strict=True):
         assert (got is None) == (want is None)
         if want is not None:
             assert torch.equal(got, want)

@@ -25,8 +25,18 @@ from safetensors.torch import load as load_safetensors
 from actors.engine.models import load_base_model
 from actors.engine.storage import StorageLocation
 from actors.service.local_run import train_locally
-from tests.ray_nodes import (BIN, FAST_NODE_DEATH, ClientProcess, client_env, kill_node, live_nodes, start_head,
-                             start_worker, stop_head, stop_node)
+from tests.ray_nodes import (
+    BIN,
+    FAST_NODE_DEATH,
+    ClientProcess,
+    client_env,
+    kill_node,
+    live_nodes,
+    start_head,
+    start_worker,
+    stop_head,
+    stop_node,
+)
 from tests.service_helpers import adapter_tensors, job_dict, run_spec, wait_for, write_task_data
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="nodes are stopped through /proc sessions")

@@ -224,7 +224,8 @@ def test_combinations_not_offered_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match="set compile: none or recompute: none"):
         TrainerConfig(compile="default", recompute="layers")
     with pytest.raises(ValueError, match="set compile: none or quantization: none"):
-        RunSpec(compile="default", quantization="int8", jobs=[{"name": "a", "data": "d.jsonl", "format": {"type": "text"}}])
+        RunSpec(compile="default", quantization="int8", jobs=[{"name": "a", "data": "d.jsonl",
+                                                               "format": {"type": "text"}}])
     assert TrainerConfig(compile="default").compile == "default"
 
 
@@ -234,7 +235,8 @@ def test_a_run_spec_sets_its_trainers_compile():
 
     spec = RunSpec(compile="default", jobs=[{"name": "a", "data": "d.jsonl", "format": {"type": "text"}}])
     assert run_service_config(spec).trainers[0].compile == "default"
-    assert run_service_config(RunSpec(jobs=[{"name": "a", "data": "d.jsonl", "format": {"type": "text"}}])).trainers[0].compile == "none"
+    assert run_service_config(RunSpec(jobs=[{"name": "a", "data": "d.jsonl",
+                                             "format": {"type": "text"}}])).trainers[0].compile == "none"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -36,7 +36,7 @@ def test_varlen_kernel_equals_per_sequence_sdpa_forward_and_backward(monkeypatch
             out, _ = attention.varlen_attention_forward(None, *inputs, None, scaling=0.125)
         out.float().square().sum().backward()
         results.append([out.float(), *(t.grad.float() for t in inputs)])
-    for got, expected in zip(*results):
+    for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
@@ -70,7 +70,7 @@ def test_grouped_lora_is_the_default_on_cuda_and_equals_per_segment(monkeypatch)
         results.append([out.float(), *(a.lora_A.grad.clone() for a in layer.adapters.values()),
                         *(a.lora_B.grad.clone() for a in layer.adapters.values())])
     assert calls, "auto did not take the grouped way on CUDA"
-    for got, expected in zip(*results):
+    for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
 
 

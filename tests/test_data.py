@@ -112,7 +112,7 @@ def test_prompt_response_boundary_and_labels(tok: Any) -> None:
     assert ex.input_ids[-1] == tok.eos_token_id
     assert tok.decode(targets(ex)) == response + tok.eos_token
     # Unshifted: every label is either -100 or the token at the same position.
-    assert all(lab in (-100, tid) for lab, tid in zip(ex.labels, ex.input_ids))
+    assert all(lab in (-100, tid) for lab, tid in zip(ex.labels, ex.input_ids, strict=True))
     n_prompt = len(tok(prompt, add_special_tokens=False).input_ids)
     assert all(lab == -100 for lab in ex.labels[:n_prompt])
     assert ex.labels[n_prompt:] == ex.input_ids[n_prompt:]

@@ -18,8 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from actors.engine.data import (AlpacaFormat, ChatFormat, DataCursor, DataError, PromptResponseFormat, load_examples,
-                                tokenize_example)
+from actors.engine.data import (
+    AlpacaFormat,
+    ChatFormat,
+    DataCursor,
+    DataError,
+    PromptResponseFormat,
+    load_examples,
+    tokenize_example,
+)
 from actors.engine.data.dataset import load_dataset_examples
 from actors.engine.data.streaming import open_stream
 from actors.engine.spec import JobSpec
@@ -159,7 +166,7 @@ def test_sharegpt_rows_give_the_tokens_and_labels_of_messages_rows(tmp_path, smo
     messages = [{"messages": [{"role": ROLE[who], "content": text} for who, text in c]} for c in CONVERSATIONS]
     as_messages = ChatFormat(type="chat")
     as_sharegpt = ChatFormat(type="chat", messages_field="conversations")
-    for share_row, message_row, conversation in zip(sharegpt, messages, CONVERSATIONS):
+    for share_row, message_row, conversation in zip(sharegpt, messages, CONVERSATIONS, strict=True):
         got = tokenize_example(share_row, as_sharegpt, smol_tokenizer, max_seq_len=256)
         want = tokenize_example(message_row, as_messages, smol_tokenizer, max_seq_len=256)
         assert got == want

@@ -49,7 +49,8 @@ def trained(hub_cache, tmp_path_factory) -> tuple[Path, JobSpec]:
     base = hub_cache / f"models--{HUB_ID.replace('/', '--')}" / "snapshots" / REVISION
     folder = tmp_path_factory.mktemp("run")
     data = write_task_data(folder / "data", "add", rows=24)
-    job = job_dict("add", data, 3, lr=2e-2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    job = job_dict("add", data, 3, lr=2e-2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj",
+                                                                                         "down_proj"]})
     spec = run_spec(str(base), folder / "out", [job], step_tokens=1024)
     (summary,) = train_locally(spec, base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False)
     assert summary.state == "completed", summary.reason
@@ -164,7 +165,8 @@ def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
         table.add("add-4d5e6f", submission, out_dir / "add")
         table.set_state("add-4d5e6f", "completed", "trained 3 of 3 steps", step=3, total_steps=3)
     exported = export_job("add", tmp_path / "via-service", service=table.find)
-    assert (exported / "adapter_model.safetensors").read_bytes() == (out_dir / "add" / "adapter_model.safetensors").read_bytes()
+    weights = "adapter_model.safetensors"
+    assert (exported / weights).read_bytes() == (out_dir / "add" / weights).read_bytes()
     with pytest.raises(KeyError, match="no job with id or name 'other'"):
         export_job("other", tmp_path / "other", service=table.find)
     table.close()

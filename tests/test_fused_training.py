@@ -136,7 +136,8 @@ def test_first_step_loss_equals_plain_transformers_loss(tiny_model_dirs):
     examples = random_examples(4, count=3)
     trainer = FusedTrainer(base)
     for i in range(2):  # a neighbour job in the same step must not change the target job's loss
-        other = TrainingJob.create(job_spec(f"n{i}", max_steps=1, warmup_steps=0), base, random_examples(10 + i), [], seed=10 + i)
+        other = TrainingJob.create(job_spec(f"n{i}", max_steps=1, warmup_steps=0), base, random_examples(10 + i), [],
+                                   seed=10 + i)
         trainer.add_job(other)
     job = TrainingJob.create(job_spec("first", batch_size=3, max_steps=1, warmup_steps=0), base, examples, [], seed=0)
     trainer.add_job(job)

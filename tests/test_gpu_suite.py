@@ -13,12 +13,14 @@ import time
 from pathlib import Path
 
 # loaded from its file: bench/ on sys.path would shadow modules for the rest of the session
-_spec = importlib.util.spec_from_file_location("gpu_suite", Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.py")
+_spec = importlib.util.spec_from_file_location("gpu_suite",
+                                               Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.py")
 gpu_suite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_suite)
 
 # a command that starts a child which writes its pid and sleeps, then sleeps itself
-SPAWNS = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+SPAWNS = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+          "time.sleep(60)']); "
           "open(sys.argv[1], 'w').write(str(child.pid)); time.sleep(60)")
 
 

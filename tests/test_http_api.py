@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import signal
+import socket
 import stat
 import subprocess
 import sys

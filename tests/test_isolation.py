@@ -91,7 +91,8 @@ def assert_isolated(base, jobs) -> None:
         for key, solo in solo_weights[name].items():
             difference = float((fused_weights[name][key].float() - solo.float()).abs().max())
             assert torch.equal(fused_weights[name][key], solo), (name, key, difference)
-        trained = max(trained, max(float(w.float().abs().max()) for k, w in solo_weights[name].items() if "lora_B" in k))
+        trained = max(trained, max(float(w.float().abs().max()) for k,
+                                   w in solo_weights[name].items() if "lora_B" in k))
     assert trained > 0, "no adapter trained: nothing was compared"
 
 

@@ -202,7 +202,7 @@ def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode)
         (out * up).sum().backward()
         a = layer.adapters["a"]
         grads.append((out[0, :5].detach(), a.lora_A.grad.clone(), a.lora_B.grad.clone(), x_run.grad[0, :5].clone()))
-    for clean, poisoned in zip(*grads):
+    for clean, poisoned in zip(*grads, strict=True):
         assert torch.isfinite(poisoned).all()
         assert torch.equal(clean, poisoned)
 

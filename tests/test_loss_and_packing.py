@@ -69,6 +69,6 @@ def test_packed_stream_hidden_states_equal_each_sequence_run_alone():
                               attention_mask=None, use_cache=False).last_hidden_state[0]
     base.model.set_attn_implementation("sdpa")
     with torch.no_grad():
-        for (start, _), example in zip(batch.layout.sequences, examples):
+        for (start, _), example in zip(batch.layout.sequences, examples, strict=True):
             alone = base.decoder(input_ids=torch.tensor([example.input_ids]), use_cache=False).last_hidden_state[0]
             torch.testing.assert_close(packed[start:start + len(example)], alone, rtol=1e-4, atol=1e-5)

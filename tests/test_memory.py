@@ -23,7 +23,6 @@ from actors.engine.lora import linear_module_names
 from actors.engine.memory import measure_allocations
 from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
-from actors.engine.packing import JobMicroBatch
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
 from policies.memory_model import MemoryModel, StepShape
@@ -74,7 +73,8 @@ def _case(dtype: torch.dtype, recompute: str, jobs: int, rank: int, rows: int, l
     memory = MemoryModel.for_model(weights + prior.activation.constant, prior.activation.per_token,
                                    bytes_per_adapter_parameter=prior.activation.bytes_per_adapter_parameter)
     trainer = FusedTrainer(base, step_tokens=10**6, recompute=recompute)
-    example = Example(tuple(range(3, 3 + length)), tuple([-100] * (length // 3) + list(range(3 + length // 3, 3 + length))))
+    example = Example(tuple(range(3, 3 + length)), tuple([-100] * (length // 3) + list(range(3 + length // 3,
+                                                                                             3 + length))))
     for j in range(jobs):
         spec = JobSpec(name=f"j{j}", data="x", format={"type": "text"}, batch_size=rows, max_steps=4,
                        warmup_steps=0, lora={"r": rank, "dropout": dropout, "target_modules": "all-linear"})

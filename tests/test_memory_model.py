@@ -8,11 +8,11 @@ import random
 import numpy as np
 import torch
 
-from actors.service.trainer_loop import activation_bytes_estimate
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.service.trainer_loop import activation_bytes_estimate
 from policies.memory_model import MemoryModel, StepShape
 from tests.conftest import random_examples, tiny_model
 

@@ -22,13 +22,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from actors.engine.models import load_base_model
 from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
-from actors.service.trainer_reports import TrainerStatus
 from actors.service.job_data import JobData
 from actors.service.job_table import JOB_STATES, JobRecord, JobTable
 from actors.service.scheduler_core import SchedulerCore
 from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
-from actors.engine.models import load_base_model
+from actors.service.trainer_reports import TrainerStatus
 from orchestrator.metrics import MetricsListener
 from orchestrator.observability import service_listeners
 from policies.base import Start

@@ -178,17 +178,17 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
     assert report.jobs == [name for name, _, _ in JOBS] and all(r.optimizer_step is None for r in report.results)
     token_losses = captured[0]
     offset = 0
-    for job, batch, result in zip(jobs, batches, report.results):
+    for job, batch, result in zip(jobs, batches, report.results, strict=True):
         folder = tmp_path / job.name
         save_adapter(job.adapter, folder, "tiny")
         peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), folder, is_trainable=True).eval()
         reference_losses = sequence_reference(peft_model, batch)
         counts = [target_count(e) for e in batch]
-        for example, count, reference_loss in zip(batch, counts, reference_losses):
+        for example, count, reference_loss in zip(batch, counts, reference_losses, strict=True):
             engine_loss = float(token_losses[offset:offset + count].mean())
             offset += count
             assert engine_loss == pytest.approx(reference_loss.item(), rel=LOSS_TOLERANCE), (job.name, len(example))
-        job_loss = sum(loss * count for loss, count in zip(reference_losses, counts)) / sum(counts)
+        job_loss = sum(loss * count for loss, count in zip(reference_losses, counts, strict=True)) / sum(counts)
         assert result.loss == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
         job_loss.backward()
         peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad

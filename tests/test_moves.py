@@ -36,7 +36,7 @@ def three_jobs_on_one_trainer(tmp_path) -> tuple[SchedulerCore, list[str], list]
 
 def test_the_core_moves_a_job_to_an_idle_trainer_and_resumes_it_there(tmp_path):
     core, ids, decisions = three_jobs_on_one_trainer(tmp_path)
-    both = lambda t0, t1: [fake_status("trainer-0", "smollm2-135m", jobs=t0),   # noqa: E731
+    both = lambda t0, t1: [fake_status("trainer-0", "smollm2-135m", jobs=t0),   # noqa: E731 - the two trainers' statuses, built inline per call
                            fake_status("trainer-1", "smollm2-135m", jobs=t1)]
     with core.table.transaction():
         actions = core.plan(both(ids, []))
@@ -134,7 +134,8 @@ def test_a_job_moved_between_real_trainer_loops_ends_like_a_solo_run(tmp_path, t
     assert any(r.startswith("training on trainer-1, resumed from step") for r in reasons), reasons
     stepped = {tid: [json.loads(line)["jobs"] for line in (tmp_path / "state" / "trainers" / f"{tid}.jsonl")
                      .read_text().splitlines()] for tid in loops}
-    assert any(moved.id in jobs_ for jobs_ in stepped["trainer-0"]) and any(moved.id in jobs_ for jobs_ in stepped["trainer-1"])
+    assert any(moved.id in jobs_ for jobs_ in stepped["trainer-0"])
+    assert any(moved.id in jobs_ for jobs_ in stepped["trainer-1"])
     assert all(set(jobs_) == {moved.id} for jobs_ in stepped["trainer-1"])   # nothing else moved there
     solo = run_spec(path, tmp_path / "solo", [next(j for j in jobs if j["name"] == moved.name)], step_tokens=512)
     train_locally(solo, base=load_base_model(path, dtype="float32", device="cpu"), progress=False)

@@ -285,7 +285,8 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
                    capture_output=True)
     plain, tls = free_port(), free_port()
     # as root, mosquitto drops to the user 'mosquitto', who cannot read the test's private folder
-    settings = (f"user {getpass.getuser()}\nper_listener_settings false\nallow_anonymous false\npassword_file {folder / 'passwords'}\n"
+    settings = (f"user {getpass.getuser()}\nper_listener_settings false\nallow_anonymous false\npassword_file "
+                f"{folder / 'passwords'}\n"
                 f"persistence false\nlistener {plain} 127.0.0.1\nlistener {tls} 127.0.0.1\n"
                 f"certfile {folder / 'cert.pem'}\nkeyfile {folder / 'key.pem'}\n")
     broker = start_mosquitto(folder, plain, settings, tls_port=tls)

@@ -34,7 +34,8 @@ SCHED_OTHER, SCHED_IDLE = 0, 5   # linux/sched.h
 
 
 def kernel_policies(pid: int) -> dict[int, tuple[int, int]]:
-    """(scheduling policy, nice) of each thread of `pid`, from /proc/PID/task/TID/stat (fields 41 and 19; field 3 is the first after the name)."""
+    """(scheduling policy, nice) of each thread of `pid`, from /proc/PID/task/TID/stat (fields 41 and 19; field 3 is
+    the first after the name)."""
     result = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         fields = (task / "stat").read_text().rsplit(")", 1)[1].split()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
-                          get_linear_schedule_with_warmup)
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
 
 from actors.engine.optim import JobOptimizer, lr_factor
 from actors.engine.spec import JobSpec
@@ -60,9 +63,9 @@ def test_job_optimizer_steps_like_torch_reference_adamw():
     reference = torch.optim.AdamW(theirs, lr=spec.lr, weight_decay=spec.weight_decay, foreach=False)
     for step in range(8):
         grads = [torch.randn_like(t) for t in start]
-        for p, g in zip(ours, grads):
+        for p, g in zip(ours, grads, strict=True):
             p.grad = g.clone()
-        for p, g in zip(theirs, grads):
+        for p, g in zip(theirs, grads, strict=True):
             p.grad = g.clone()
         opt.step(targets=1)
         for group in reference.param_groups:
@@ -70,7 +73,7 @@ def test_job_optimizer_steps_like_torch_reference_adamw():
         torch.nn.utils.clip_grad_norm_(theirs, 0.5)
         reference.step()
         reference.zero_grad(set_to_none=True)
-    for a, b, s in zip(ours, theirs, start):
+    for a, b, s in zip(ours, theirs, start, strict=True):
         assert not torch.equal(a, s)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -114,16 +117,17 @@ def test_jobs_stepped_together_equal_their_own_steps_and_each_other_alone():
     for step in range(3):
         _set_gradients(together, gen_together, scale=3.0)
         _set_gradients(alone, gen_alone, scale=3.0)
-        for job, reference in zip(single, alone):
-            for parameter, source in zip(job.parameters, reference.parameters):
+        for job, reference in zip(single, alone, strict=True):
+            for parameter, source in zip(job.parameters, reference.parameters, strict=True):
                 parameter.grad = source.grad.clone()
         targets = [5, 7, 1, 4, 9]
         batched = step_jobs(together, targets)
-        own = [optimizer.step(count) for optimizer, count in zip(alone, targets)]
-        by_itself = [step_jobs([job], [count])[0] for job, count in zip(single, targets)]
-        for index, ((lr, norm), (lr_own, norm_own)) in enumerate(zip(batched, own)):
+        own = [optimizer.step(count) for optimizer, count in zip(alone, targets, strict=True)]
+        by_itself = [step_jobs([job], [count])[0] for job, count in zip(single, targets, strict=True)]
+        for index, ((lr, norm), (lr_own, norm_own)) in enumerate(zip(batched, own, strict=True)):
             assert lr == lr_own and norm == pytest.approx(norm_own, rel=1e-6), (step, index)
-            for p, q, r in zip(together[index].parameters, alone[index].parameters, single[index].parameters):
+            for p, q, r in zip(together[index].parameters, alone[index].parameters, single[index].parameters,
+                               strict=True):
                 torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
                 assert torch.equal(p, r), (step, index)
             assert by_itself[index] == batched[index]

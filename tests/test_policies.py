@@ -34,7 +34,8 @@ def test_fifo_starts_in_submission_order_within_the_budget_and_explains_the_rest
     assert decisions[0] == Wait("other-model", decisions[0].reason, "no_trainer")
     assert "no trainer holds" in decisions[0].reason
     assert decisions[1:4] == [Start("early", "t0"), Start("mid", "t0"), Start("late", "t0")]
-    assert isinstance(decisions[4], Wait) and decisions[4].cause == "memory" and "waiting for memory" in decisions[4].reason
+    assert isinstance(decisions[4],
+                      Wait) and decisions[4].cause == "memory" and "waiting for memory" in decisions[4].reason
 
 
 def test_a_budget_for_two_jobs_never_starts_a_third():
@@ -72,7 +73,8 @@ def test_priority_preempts_the_lowest_priority_job_to_make_room():
 
 
 def test_adaptive_orders_by_weighted_remaining_work_and_ages_waiting_jobs():
-    jobs = [job("long-high", priority=1, total=1000, submitted=100), job("short-high", priority=1, total=5, submitted=100),
+    jobs = [job("long-high", priority=1, total=1000, submitted=100), job("short-high", priority=1, total=5,
+                                                                         submitted=100),
             job("short-low", priority=0, total=5, submitted=100)]
     t = trainer(budget=400 * MiB + 200 * MiB + 100 * MiB)   # room for one
     decisions = AdaptivePolicy().decide(snapshot([t], jobs, now=100))
@@ -129,7 +131,7 @@ def test_minpad_puts_jobs_of_similar_length_together_and_starves_none():
         if {"a", "b"} & set(chosen):
             assert not {"c", "d"} & set(chosen), chosen   # short rows never padded to 100
     for name, steps in joined.items():   # nobody waits longer than there are jobs
-        gaps = [b - a for a, b in zip([-1, *steps], steps)]
+        gaps = [b - a for a, b in zip([-1, *steps], steps, strict=True)]
         assert steps and max(gaps) <= len(lengths), (name, steps)
 
 

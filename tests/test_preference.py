@@ -103,7 +103,7 @@ def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
         real = batch["attention_mask"][i].bool()
         ids = batch["input_ids"][i][real].tolist()
         completion = batch["completion_mask"][i][real].bool().tolist()
-        rows.append((Example(tuple(ids), tuple(t if c else -100 for t, c in zip(ids, completion))),
+        rows.append((Example(tuple(ids), tuple(t if c else -100 for t, c in zip(ids, completion, strict=True))),
                      completion.index(True)))
     pairs = [PreferencePair(rows[i][0], rows[count + i][0], rows[i][1]) for i in range(count)]
     # aspen's own tokenization of the rows gives TRL's sequences
@@ -153,7 +153,7 @@ def _orpo_batch(pairs: list[PreferencePair]) -> dict[str, torch.Tensor]:
         ids = torch.zeros(len(rows), longest, dtype=torch.long)
         mask = torch.zeros(len(rows), longest, dtype=torch.long)
         labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-        for i, (row, pair) in enumerate(zip(rows, pairs)):
+        for i, (row, pair) in enumerate(zip(rows, pairs, strict=True)):
             ids[i, :len(row)] = torch.tensor(row.input_ids)
             mask[i, :len(row)] = 1
             labels[i, pair.prompt_length:len(row)] = torch.tensor(row.input_ids[pair.prompt_length:])
@@ -247,7 +247,7 @@ def test_dpo_reference_is_the_base_without_any_adapter():
         for parameter in job.adapter.parameters():
             parameter.fill_(0.5)   # an adapter that would change every logit
     got = reference_log_probs(base, [JobMicroBatch("dpo", pairs)], 1024)[0].flatten().tolist()
-    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
 
 
 def test_preference_specs_and_rows_are_checked(smol_tokenizer, tmp_path):

@@ -63,7 +63,8 @@ def prometheus_server(binary: str, target: str, folder: Path) -> Iterator[str]:
     try:
         def ready() -> bool:
             if process.poll() is not None:
-                raise AssertionError(f"prometheus exited ({process.returncode}): {(folder / 'prometheus.log').read_text()}")
+                raise AssertionError(f"prometheus exited ({process.returncode}): "
+                                     f"{(folder / 'prometheus.log').read_text()}")
             try:
                 return urllib.request.urlopen(f"{url}/-/ready", timeout=2).status == 200
             except OSError:

@@ -74,7 +74,7 @@ def test_linear_by_linear_quantization_equals_transformers_on_the_fly(tiny_model
     quantize_linears(after, quantization, torch.float32, torch.device("cpu"))
     kind = bnb.nn.Linear8bitLt if quantization == "int8" else bnb.nn.Linear4bit
     compared = 0
-    for (name, a), (_, b) in zip(on_the_fly.named_modules(), after.named_modules()):
+    for (name, a), (_, b) in zip(on_the_fly.named_modules(), after.named_modules(), strict=True):
         if not isinstance(a, torch.nn.Linear):
             continue
         if a is on_the_fly.get_output_embeddings():
@@ -119,7 +119,8 @@ def test_lora_gradients_through_nf4_layers_equal_those_of_the_dequantized_float_
     reference = tiny_model("llama", 300)
     for name, module in list(quantized.named_modules()):
         if isinstance(module, bnb.nn.Linear4bit):
-            reference.get_submodule(name).weight.data = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            reference.get_submodule(name).weight.data = weight.float()
     ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(0))
     got, expected = _adapter_gradients(quantized, ids), _adapter_gradients(reference, ids)
     assert got.keys() == expected.keys()

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.service_helpers import write_task_data
-
 from tests.ray_nodes import BIN, plain_env, start_head, stop_head
+from tests.service_helpers import write_task_data
 
 
 @pytest.fixture(scope="module")

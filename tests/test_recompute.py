@@ -50,7 +50,8 @@ def test_recomputation_trains_the_same_adapters_bit_for_bit(arch):
     plain, plain_losses = _train(base, _jobs(), "none")
     recomputed, recomputed_losses = _train(base, _jobs(), "layers")
     spec, examples, seed = _jobs()[0]
-    start = {k: v.detach().clone() for k, v in TrainingJob.create(spec, base, examples, [], seed=seed).adapter.named_parameters()}
+    start = {k: v.detach().clone() for k, v in TrainingJob.create(spec, base, examples, [],
+                                                                  seed=seed).adapter.named_parameters()}
     remove_adapter(base.model, "a")
     assert relative_difference(plain["a"], start) > 1e-2, "the adapter did not train"
     assert recomputed_losses == plain_losses
@@ -86,7 +87,7 @@ def test_recomputation_lowers_the_allocation_peak():
         trainer.add_job(job)
         trainer.train_step()
         chosen = trainer.compose()
-        peaks[mode] = _profiler_peak(lambda: trainer.run_step(chosen))
+        peaks[mode] = _profiler_peak(lambda trainer=trainer, chosen=chosen: trainer.run_step(chosen))
         trainer.remove_job("a")
     assert peaks["layers"] < 0.6 * peaks["none"], peaks
 

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import torch
 
-
-from actors.service.config import ServiceConfig, TrainerConfig
-from orchestrator.client import Client
-from actors.service.local_run import train_locally
 from actors.engine.models import load_base_model
-from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec, wait_for,
-                                   write_task_data)
+from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.local_run import train_locally
+from orchestrator.client import Client
+from tests.service_helpers import (
+    adapter_tensors,
+    job_dict,
+    max_relative_difference,
+    run_spec,
+    wait_for,
+    write_task_data,
+)
 
 
 def step_rows(state_dir: Path) -> list[dict]:
@@ -85,12 +90,12 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
 def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from actors.engine.lora import adapted_shapes
     from actors.service.job_table import JobTable
     from actors.service.scheduler_core import SchedulerCore
     from actors.service.trainer_loop import TrainerLoop
-    from actors.engine.lora import adapted_shapes
-    from policies.fifo import FifoPolicy
     from policies.adapter_memory import adapter_memory_bytes
+    from policies.fifo import FifoPolicy
     from tests.conftest import tiny_config
 
     # A tiny Llama four times as wide as the shared one, so that an adapter (r=1024 on every linear layer:

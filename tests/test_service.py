@@ -11,14 +11,20 @@ import pytest
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from actors.engine.models import load_base_model
+from actors.engine.spec import RunSpec
 from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.local_run import train_locally
-from actors.engine.spec import RunSpec
-from actors.engine.models import load_base_model
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
-from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec, wait_for,
-                                   write_task_data)
+from tests.service_helpers import (
+    adapter_tensors,
+    job_dict,
+    max_relative_difference,
+    run_spec,
+    wait_for,
+    write_task_data,
+)
 
 
 def service_config(state_dir: Path, base: Path, **trainer) -> ServiceConfig:
@@ -109,7 +115,8 @@ def test_jobs_of_one_run_file_share_every_step_as_in_process(service, tiny_model
                      for row in map(json.loads, log.read_text().splitlines()) if set(row["jobs"]) & set(names)]
     train_locally(run_spec(base, tmp_path / "local", jobs, step_tokens=512),
                   base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
-    local_steps = [sorted(json.loads(line)["jobs"]) for line in (tmp_path / "local/trainer.jsonl").read_text().splitlines()]
+    local_lines = (tmp_path / "local/trainer.jsonl").read_text().splitlines()
+    local_steps = [sorted(json.loads(line)["jobs"]) for line in local_lines]
     assert local_steps == [["alpha", "beta", "gamma"]] * 6
     assert service_steps == local_steps
 
@@ -149,7 +156,8 @@ def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_s
         assert client.trainers()[0]["restarts"] == 1
         reasons = [reason for _, _, reason in client.transitions(handle.id)]
         assert any("was lost" in r for r in reasons), reasons
-        assert [r["step"] for r in handle.losses()] == list(range(1, 121)), (handle.losses(), client.transitions(handle.id), record)
+        assert [r["step"] for r in handle.losses()] == list(range(1, 121)), (handle.losses(),
+                                                                             client.transitions(handle.id), record)
     finally:
         client.shutdown()
     reference = run_spec(str(base), tmp_path / "reference", [job], step_tokens=512)

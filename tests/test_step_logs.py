@@ -35,7 +35,7 @@ def test_two_trainers_of_one_kind_write_separate_step_logs(tmp_path, tiny_model_
     config = run_service_config(spec, state_dir=tmp_path / "state", trainer={"count": 2}).trainers[0]
     assert config.count == 2 and config.step_log == tmp_path / "out" / "trainer.jsonl"
     loops = [TrainerLoop(base, config, f"trainer-{i}", tmp_path / "state") for i in range(2)]
-    for loop, submission in zip(loops, spec.submissions()):
+    for loop, submission in zip(loops, spec.submissions(), strict=True):
         loop.assign(assignment_for(submission, submission.job.name, base.tokenizer))
     for loop in loops:   # in turn, each to its end, both logs open at once
         run_until_idle(loop)

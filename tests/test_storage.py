@@ -15,16 +15,25 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 import torch
-from safetensors.torch import load as load_safetensors
-
 from rich.console import Console
+from safetensors.torch import load as load_safetensors
 
 from actors.engine.data import DataError, read_rows
 from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
-from actors.engine.storage import (POINTER_NAME, CorruptCheckpoint, StorageError, StorageLocation, StorageUnreachable,
-                                   StorageURI, as_location, download_checkpoint, read_pointer, resolve_location,
-                                   upload_checkpoint)
+from actors.engine.storage import (
+    POINTER_NAME,
+    CorruptCheckpoint,
+    StorageError,
+    StorageLocation,
+    StorageUnreachable,
+    StorageURI,
+    as_location,
+    download_checkpoint,
+    read_pointer,
+    resolve_location,
+    upload_checkpoint,
+)
 from actors.service.config import TrainerConfig
 from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
@@ -267,7 +276,8 @@ def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_mo
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     # the report reads the metrics from the URI and uploads its files there
     (metrics,) = collect(output.uri)
-    local_rows = [json.loads(r) for r in (tmp_path / "local-data" / "remote" / "metrics.jsonl").read_text().splitlines()]
+    local_lines = (tmp_path / "local-data" / "remote" / "metrics.jsonl").read_text().splitlines()
+    local_rows = [json.loads(r) for r in local_lines]
     assert metrics.losses == [row["loss"] for row in local_rows]
     write_report(output.uri, console=Console(file=io.StringIO()))
     assert output.read_bytes("report.png").startswith(b"\x89PNG")

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from actors.engine.models import load_base_model
 from actors.service.config import TrainerConfig
-from actors.service.trainer_reports import TrainerStatus
 from actors.service.job_data import JobData
 from actors.service.job_table import JobTable
+from actors.service.local_run import train_locally
 from actors.service.scheduler_core import SchedulerCore
 from actors.service.trainer_loop import VERDICT_LAG, Assignment, LocalJobLink, TrainerLoop
-from actors.service.local_run import train_locally
-from actors.engine.models import load_base_model
+from actors.service.trainer_reports import TrainerStatus
 from policies.base import Start, Wait
 from policies.fifo import FifoPolicy
-from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec,
-                                   write_task_data)
+from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
 
 
 @pytest.fixture()
@@ -171,7 +170,8 @@ def test_submit_many_enters_all_jobs_or_none(tmp_path):
     core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
     a, b = spec.submissions()
     clash = b.model_copy(update={"output_dir": a.output_dir})
-    with pytest.raises(ValueError, match=r"nothing was submitted: submission 2 of 2 \(job 'b'\): two of the submitted jobs would write to"):
+    with pytest.raises(ValueError, match=r"nothing was submitted: submission 2 of 2 \(job 'b'\): two of the "
+                                         r"submitted jobs would write to"):
         core.submit_many([a, clash])
     assert core.table.all() == []
     records = core.submit_many([a, b])
@@ -274,7 +274,8 @@ def test_a_job_stops_at_the_same_step_however_late_its_verdicts_arrive(tmp_path,
         job_data = JobData("flat-1", submission, tiny_base.tokenizer)
         summary = job_data.prepare()
         link = LocalJobLink(job_data) if late is None else LateVerdicts(job_data, seed=late)
-        loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-t", tmp_path / f"state-{late}")
+        loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-t",
+                           tmp_path / f"state-{late}")
         loop.assign(Assignment("flat-1", submission, Path(submission.output_dir), summary, job_data.eval_examples(),
                                link))
         events = run_until_idle(loop)

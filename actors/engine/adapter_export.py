@@ -109,7 +109,8 @@ def export_adapter(adapter_dir: Path, out: Path, *, force: bool = False) -> Path
         raise
 
 
-def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "auto") -> tuple[torch.nn.Module, ModelSource]:
+def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "auto") -> tuple[torch.nn.Module,
+                                                                                              ModelSource]:
     """The base with the adapter merged into its weights (a transformers model, on the CPU), and where the
     base came from. `dtype`: auto (the base's own: its config's dtype, float32 for a GGUF file) or a name."""
     from peft import PeftModel

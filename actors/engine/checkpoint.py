@@ -42,8 +42,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from actors.engine.job import OptimizerStepRecord, StepAccumulator, TrainingJob
-from actors.engine.peft_io import (CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict_shapes, load_adapter_state,
-                                   save_adapter)
+from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict_shapes, load_adapter_state, save_adapter
 
 log = logging.getLogger(__name__)
 
@@ -509,7 +508,7 @@ def _read_format_1(folder: Path, state: dict[str, Any]) -> _Saved:
         raise _Invalid(f"{path}: refused: this format-1 optimizer state holds objects other than tensors and "
                        f"plain values, and nothing is unpickled from a job folder ({detail.strip()}); delete "
                        "this checkpoint (the job resumes from the other one, or starts over)") from error
-    except Exception as error:  # noqa: BLE001 - any failure to read the file makes this checkpoint invalid
+    except Exception as error:  # any failure to read the file makes this checkpoint invalid
         raise _Invalid(f"{path}: cannot be read ({type(error).__name__}: {error})") from error
     ok = (isinstance(saved, dict) and {"optimizer", "gradients", "dropout_rng"} <= set(saved)
           and isinstance(saved["optimizer"], dict)
@@ -600,7 +599,7 @@ def _check_against_job(saved: _Saved, job: TrainingJob) -> None:
     if len(groups) != len(job_groups):
         raise _Invalid(f"{tensors_path}: {len(groups)} optimizer parameter groups, the job has {len(job_groups)}")
     by_id: dict[int, torch.nn.Parameter] = {}
-    for g, (group, job_group) in enumerate(zip(groups, job_groups)):
+    for g, (group, job_group) in enumerate(zip(groups, job_groups, strict=True)):
         ids = group.get("params")
         if not isinstance(ids, list) or len(ids) != len(job_group["params"]) or not all(map(_is_int, ids)):
             raise _Invalid(f"{tensors_path}: optimizer group {g} holds {ids!r} parameter ids, the job's "
@@ -608,7 +607,7 @@ def _check_against_job(saved: _Saved, job: TrainingJob) -> None:
         missing = sorted(REQUIRED_GROUP_KEYS - set(group))
         if missing:
             raise _Invalid(f"{tensors_path}: optimizer group {g} lacks {', '.join(missing)}")
-        by_id.update(zip(ids, job_group["params"]))
+        by_id.update(zip(ids, job_group["params"], strict=True))
     if len(by_id) != len(parameters):
         raise _Invalid(f"{tensors_path}: the optimizer's parameter ids are not one per adapter parameter")
     state_ids = set(torch_state["state"])
@@ -637,7 +636,7 @@ def _check_against_job(saved: _Saved, job: TrainingJob) -> None:
 
     if len(saved.gradients) != len(parameters):
         raise _Invalid(f"{tensors_path}: {len(saved.gradients)} gradients saved for {len(parameters)} parameters")
-    for i, (gradient, param) in enumerate(zip(saved.gradients, parameters)):
+    for i, (gradient, param) in enumerate(zip(saved.gradients, parameters, strict=True)):
         if gradient is not None and tuple(gradient.shape) != tuple(param.shape):
             raise _Invalid(f"{tensors_path}: gradient {i} has shape {tuple(gradient.shape)}, the parameter "
                            f"{tuple(param.shape)}")
@@ -667,7 +666,7 @@ def _restore(job: TrainingJob, saved: _Saved) -> None:
     try:
         load_adapter_state(job.adapter, saved.adapter, str(saved.folder / WEIGHTS_NAME))
         job.optimizer.load_state_dict(saved.optimizer)
-        for parameter, gradient in zip(job.adapter.parameters(), saved.gradients):
+        for parameter, gradient in zip(job.adapter.parameters(), saved.gradients, strict=True):
             parameter.grad = None if gradient is None else gradient.to(parameter.device, parameter.dtype)
         generator = job.adapter.dropout_generator
         if generator is not None and saved.dropout_rng is not None:

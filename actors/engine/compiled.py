@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-
 from transformers import AttentionInterface
 
 from actors.engine.attention import ATTENTION_NAME, varlen_attention_forward

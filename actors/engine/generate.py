@@ -63,7 +63,7 @@ def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int
             logits = base.output_logits(hidden[ends])   # the model's logit transform included
             chosen = logits.argmax(dim=-1).tolist()
             still_active = []
-            for i, token in zip(active, chosen):
+            for i, token in zip(active, chosen, strict=True):
                 outputs[i].append(int(token))
                 if int(token) not in stop_token_ids and len(outputs[i]) < max_new_tokens:
                     still_active.append(i)

@@ -314,7 +314,7 @@ def _grouped_delta(adapters: list[LoraAdapter], group: SegmentGroup, flat_x: tor
         # each adapter draws its own mask from its own generator (isolation); the padding rows and the jobs
         # without dropout keep ones; one division by the keep probabilities gives every mask its scale
         keep = torch.ones_like(rows)
-        for index, (adapter, length) in enumerate(zip(adapters, group.lengths)):
+        for index, (adapter, length) in enumerate(zip(adapters, group.lengths, strict=True)):
             if adapter.drops:
                 keep[index, :length].bernoulli_(1.0 - adapter.dropout, generator=adapter.dropout_generator)
         probabilities = tuple(1.0 - adapter.dropout if adapter.drops else 1.0 for adapter in adapters)

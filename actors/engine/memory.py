@@ -5,7 +5,8 @@ where torch keeps no allocator counter, the peak of live allocations recorded by
 events (every allocation and free of the step, in time order) over what was allocated before the step.
 The trainer's memory model is fitted to these measurements.
 
-Estimated (`StepMemoryMeter`, every step, cheap): on CUDA: `torch.cuda.max_memory_allocated` around the step. On CPU there is no allocator counter, so we
+Estimated (`StepMemoryMeter`, every step, cheap): on CUDA: `torch.cuda.max_memory_allocated` around the step. On CPU
+there is no allocator counter, so we
 count what a step really holds at its peak (the end of the forward pass): every tensor autograd saves
 for backward (through saved-tensor hooks, each storage once, parameters excluded), plus the model's
 weights and buffers, the adapters' gradients and optimizer state, plus the largest transient of the
@@ -23,8 +24,7 @@ import ctypes
 import ctypes.util
 import logging
 import platform
-from collections.abc import Iterable, Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -161,8 +161,14 @@ def with_memory_records(run: Callable[[], T]) -> tuple[T, list]:
     30-layer model's step has ~180,000 operation records beside ~50,000 memory records, and collecting
     and converting them cost 1-3 s a measured step, while the trainer stood idle."""
     from torch._C._profiler import RecordScope, _ExperimentalConfig
-    from torch.autograd import (ProfilerActivity, ProfilerConfig, ProfilerState, _disable_profiler,
-                                _enable_profiler, _prepare_profiler)
+    from torch.autograd import (
+        ProfilerActivity,
+        ProfilerConfig,
+        ProfilerState,
+        _disable_profiler,
+        _enable_profiler,
+        _prepare_profiler,
+    )
 
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}

@@ -167,7 +167,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
 
     model = base.model
     config = model.config
-    vocab = int(getattr(config, "vocab_size"))
+    vocab = int(config.vocab_size)
     length = min(sequence, int(getattr(config, "max_position_embeddings", sequence) or sequence))
     spec = JobSpec(name="aspen-memory-probe", data="-", format={"type": "text"}, batch_size=2, max_steps=100,
                    warmup_steps=0, lora={"r": PROBE_RANK, "alpha": PROBE_RANK, "dropout": 0.0,
@@ -205,11 +205,11 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
             batch = [example] * rows
             trainer.run_step([(job, batch)])   # a first step: the optimizer state exists from here on
             if measure_rss:   # the same step unprofiled: what the process's resident set adds
-                _, resident = measure_resident(lambda: trainer.run_step([(job, batch)]))
+                _, resident = measure_resident(lambda batch=batch: trainer.run_step([(job, batch)]))
                 residents.append(resident)
-            _, growth, _ = measure_allocations(lambda: trainer.run_step([(job, batch)]), base.device)
+            _, growth, _ = measure_allocations(lambda batch=batch: trainer.run_step([(job, batch)]), base.device)
             growths.append(growth)
-            hidden, _, live = measure_allocations(lambda: forward(rows), base.device)
+            hidden, _, live = measure_allocations(lambda rows=rows: forward(rows), base.device)
             raw = (growth, live)
             del hidden
             adapter = probe_adapter(rows)
@@ -223,7 +223,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
             _, full_resident = measure_resident(lambda: trainer.run_step([(job, full)]))
             residents.append(full_resident)
         _, full_growth, _ = measure_allocations(lambda: trainer.run_step([(job, full)]), base.device)
-        loss = loss_transient_bytes(example_targets(full), vocab, int(getattr(config, "hidden_size")), base.dtype,
+        loss = loss_transient_bytes(example_targets(full), vocab, int(config.hidden_size), base.dtype,
                                     loss_chunk)
     finally:
         trainer.jobs.pop(job.name, None)
@@ -236,7 +236,8 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     loss_scale = max(above - forward_end, 0.0) / max(loss, 1)
     resident = (0.0, 0.0, 0.0)
     if residents:   # the resident set's growth beyond the allocator's count: per token, and the loss's scratch
-        excess = [max(r - g, 0.0) for r, g in zip(residents, growths)]
+        # the last resident (the full step's) has no growth beside it: zip stops before it
+        excess = [max(r - g, 0.0) for r, g in zip(residents, growths, strict=False)]
         resident_constant, resident_per_token = _line(tokens, excess)
         full_tokens = sum(len(e) for e in full)
         # the full step's resident peak lies in its loss: what is live then (the forward's end, the adapters'
@@ -260,8 +261,8 @@ class StepMemoryPrior:
         self.linear_shapes = linear_shapes
         self.loss_chunk = loss_chunk
         config = base.model.config
-        self.vocab = int(getattr(config, "vocab_size"))
-        self.hidden = int(getattr(config, "hidden_size"))
+        self.vocab = int(config.vocab_size)
+        self.hidden = int(config.hidden_size)
         self._targets: dict[tuple, list[str]] = {}
 
     def adapted(self, lora: LoraConfig) -> list[str]:

@@ -39,8 +39,15 @@ from actors.engine.extras import require
 from actors.engine.lora import freeze
 from actors.engine.loss import transform_logits
 from actors.engine.model_support import LogitTransform, UnsupportedModelError, check_model_support
-from actors.engine.sources import (ALIASES, DEFAULT_BASE_MODEL, ModelSource, load_base_tokenizer, load_tokenizer,
-                                   resolve_source, smollm2_folder)
+from actors.engine.sources import (
+    ALIASES,
+    DEFAULT_BASE_MODEL,
+    ModelSource,
+    load_base_tokenizer,
+    load_tokenizer,
+    resolve_source,
+    smollm2_folder,
+)
 
 __all__ = ["ALIASES", "DEFAULT_BASE_MODEL", "BaseModel", "ModelSource", "from_module", "load_base_model",
            "load_base_tokenizer", "load_tokenizer", "resolve_source", "smollm2_folder", "UnsupportedModelError"]

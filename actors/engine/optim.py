@@ -231,7 +231,7 @@ def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: 
     grads: list[torch.Tensor] = []
     owner: list[int] = []
     divisors: list[float] = []
-    for position, (optimizer, count) in enumerate(zip(optimizers, targets)):
+    for position, (optimizer, count) in enumerate(zip(optimizers, targets, strict=True)):
         own = [p.grad for p in optimizer.parameters if p.grad is not None]
         grads.extend(own)
         owner.extend([position] * len(own))
@@ -244,7 +244,7 @@ def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: 
     totals = totals.index_add_(0, owners, norms.square_()).sqrt_().tolist()
     factors: list[float] = []
     clipped: list[torch.Tensor] = []
-    for grad, position in zip(grads, owner):
+    for grad, position in zip(grads, owner, strict=True):
         limit = optimizers[position].spec.max_grad_norm
         if limit is not None:
             clipped.append(grad)

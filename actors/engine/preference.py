@@ -136,9 +136,9 @@ class ReferenceCache:
         its cache does not hold (all jobs' in one forward) and keeping them."""
         keys = [[ReferenceCache.key(pair) for pair in mb.examples] for mb in micro_batches]
         todo: list[tuple[int, list[bytes], JobMicroBatch]] = []
-        for index, (mb, job_keys, cache) in enumerate(zip(micro_batches, keys, caches)):
+        for index, (mb, job_keys, cache) in enumerate(zip(micro_batches, keys, caches, strict=True)):
             wanted: dict[bytes, PreferencePair] = {}
-            for pair, key in zip(mb.examples, job_keys):
+            for pair, key in zip(mb.examples, job_keys, strict=True):
                 if key not in cache.values:
                     wanted.setdefault(key, pair)
             if wanted:
@@ -146,8 +146,9 @@ class ReferenceCache:
         fresh: dict[int, dict[bytes, tuple[float, float]]] = {}
         if todo:
             computed = reference_log_probs(base, [mb for _, _, mb in todo], chunk)
-            for (index, wanted_keys, _), sums in zip(todo, computed):
-                fresh[index] = {key: (chosen, rejected) for key, (chosen, rejected) in zip(wanted_keys, sums.tolist())}
+            for (index, wanted_keys, _), sums in zip(todo, computed, strict=True):
+                fresh[index] = {key: (chosen, rejected) for key, (chosen, rejected) in zip(wanted_keys, sums.tolist(),
+                                                                                           strict=True)}
                 cache = caches[index]
                 for key, value in fresh[index].items():
                     if len(cache.values) >= cache.limit:

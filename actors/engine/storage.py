@@ -169,7 +169,7 @@ def endpoint_problem(endpoint: str) -> str | None:
         return (f"{endpoint!r}: an endpoint URL holds no credentials, query or fragment: give http[s]://host:port and "
                 "the credentials in environment variables (access_key_env / secret_key_env name them)")
     try:
-        parts.port
+        _ = parts.port   # urllib checks the port only when it is read
     except ValueError:
         return f"{endpoint!r}: its port is not a number from 0 to 65535"
     return None
@@ -254,7 +254,8 @@ def _explain(uri: str, doing: str, error: BaseException) -> StorageError:
         return error
     if "NETWORK_CONNECTION" in upper or "COULD NOT CONNECT" in upper or "RESOLVE HOST" in upper:
         return StorageUnreachable(f"{uri}: {doing} failed: the storage endpoint cannot be reached: check the network, "
-                                  "and for an S3-compatible store set storage.endpoint_url in the service's configuration "
+                                  "and for an S3-compatible store set storage.endpoint_url in the service's "
+                                  "configuration "
                                   "or AWS_ENDPOINT_URL_S3 (e.g. http://host:9000) in every aspen process's environment "
                                   f"({type(error).__name__}: {text})")
     elif "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper:

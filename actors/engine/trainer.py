@@ -25,14 +25,19 @@ from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy, target_log_probs
-from actors.engine.preference import (PreferenceOutcome, ReferenceCache, evaluate_preference, job_outcome,
-                                      sequence_targets)
-from actors.engine.spec import PREFERENCE_METHODS
-from actors.engine.optim import step_jobs
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
+from actors.engine.optim import step_jobs
 from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
+from actors.engine.preference import (
+    PreferenceOutcome,
+    ReferenceCache,
+    evaluate_preference,
+    job_outcome,
+    sequence_targets,
+)
 from actors.engine.recompute import RECOMPUTE_MODES, Recompute, decoder_layers, recomputed_layers
+from actors.engine.spec import PREFERENCE_METHODS
 from policies.base import NextBatch, StepComposer
 
 log = logging.getLogger(__name__)
@@ -134,7 +139,7 @@ class FusedTrainer:
         if self.composer is not None:
             try:
                 chosen = self._composed(ordered, fits)
-            except Exception as error:  # noqa: BLE001 - a policy's step composer is plug-in code: contained
+            except Exception as error:  # a policy's step composer is plug-in code: contained
                 if not self.composer_failed:
                     log.exception("step composer %s failed (%r); composing round-robin until it works again",
                                   type(self.composer).__name__, error)
@@ -240,7 +245,7 @@ class FusedTrainer:
                if job.book_micro_batch(per_job[index], batch.job_tokens[index], counts[index], metrics[index])]
         # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
         stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due])
-        records = {job.name: job.optimizer_stepped(lr, norm) for job, (lr, norm) in zip(due, stepped)}
+        records = {job.name: job.optimizer_stepped(lr, norm) for job, (lr, norm) in zip(due, stepped, strict=True)}
         results = [JobStepResult(job.name, per_job[index], batch.job_tokens[index], batch.job_targets[index],
                                  records.get(job.name)) for index, (job, _) in enumerate(chosen)]
         if self.base.device.type == "cuda":
@@ -264,7 +269,7 @@ class FusedTrainer:
             return {}
         caches = [self.reference_caches.setdefault(chosen[index][0].name, ReferenceCache()) for index in dpo]
         sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk)
-        return dict(zip(dpo, sums))
+        return dict(zip(dpo, sums, strict=True))
 
     def _mixed_loss(self, batch: FusedBatch, hidden: torch.Tensor, token_weights: torch.Tensor,
                     chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],

@@ -9,8 +9,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from actors.engine.spec import INT64_MAX, Bounds, Location, RunSpec, StepTokens, StrictModel, canonical_base_model
-from actors.engine.spec import compile_problem
+from actors.engine.spec import (
+    INT64_MAX,
+    Bounds,
+    Location,
+    RunSpec,
+    StepTokens,
+    StrictModel,
+    canonical_base_model,
+    compile_problem,
+)
 from actors.engine.storage import S3Settings, endpoint_problem, is_uri
 
 Port = Annotated[int, Bounds(0, 65535)]
@@ -198,7 +206,8 @@ class ServiceConfig(StrictModel):
         None, description="where submitted jobs may write, a path or a storage URI (s3://bucket/prefix, gs://...: "
                           "every job's checkpoints, adapter and metrics are uploaded there): a job's relative "
                           "output_dir is taken under it, an absolute one must lie in it, and a job without one "
-                          "writes to <output_root>/<job id>. None: anywhere the service can write (a service of the user's own, `aspen run`); "
+                          "writes to <output_root>/<job id>. None: anywhere the service can write (a service of the "
+                          "user's own, `aspen run`); "
                           "`aspen serve` sets <state_dir>/outputs unless the config names a root")
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="S3 settings every process of the service uses for storage URIs "

@@ -110,7 +110,7 @@ class MicroBatchFeed:
         return wait_for(self.in_flight, timeout)
 
     def _absorb(self, chunk: FeedChunk) -> None:
-        self.buffer.extend(zip(chunk.positions, chunk.batches))
+        self.buffer.extend(zip(chunk.positions, chunk.batches, strict=True))
         self.request_from = dict(chunk.end)
         self.end_known = chunk.exhausted or not chunk.batches
 

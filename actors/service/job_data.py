@@ -10,11 +10,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from actors.service.feed import FeedChunk
 from actors.engine.data import DataCursor, Example, split_eval
 from actors.engine.data.dataset import load_dataset_examples
 from actors.engine.data.streaming import StreamingCursor, open_stream
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
+from actors.service.feed import FeedChunk
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
 
 VERDICT_LAG = 2
@@ -139,7 +139,7 @@ class JobData:
                 self.decision = self.stop_rule.decide(self.history)
                 if self.decision is None and update.evals and hasattr(self.stop_rule, "predicted_stop_step"):
                     predicted = self.stop_rule.predicted_stop_step(self.history)
-            except Exception:  # noqa: BLE001 - a stop rule that fails costs this job its early stop, nothing else
+            except Exception:  # a stop rule that fails costs this job its early stop, nothing else
                 log.exception("job %s: its stop rule failed; it trains to the end of its budget", self.job_id)
                 self.stop_rule = None
         return Verdict(self.decision, predicted)
@@ -155,7 +155,7 @@ class JobData:
             history.truncate(last)
             try:
                 decision = self.stop_rule.decide(history)
-            except Exception:  # noqa: BLE001 - a stop rule that fails costs this job its early stop, nothing else
+            except Exception:  # a stop rule that fails costs this job its early stop, nothing else
                 log.exception("job %s: its stop rule failed; it trains to the end of its budget", self.job_id)
                 self.stop_rule = None
                 return None

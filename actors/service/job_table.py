@@ -296,7 +296,7 @@ class JobTable:
         rows = self.db.execute("SELECT t.rowid, t.job_id, j.name, t.time, t.state, t.reason FROM transitions t "
                                "LEFT JOIN jobs j ON j.id = t.job_id WHERE t.rowid > ? ORDER BY t.rowid LIMIT ?",
                                (after, limit))
-        return [dict(zip(("seq", "job", "name", "time", "state", "reason"), row)) for row in rows]
+        return [dict(zip(("seq", "job", "name", "time", "state", "reason"), row, strict=True)) for row in rows]
 
     def last_transition(self) -> int:
         """The number (`seq`) of the newest transition, 0 when there is none."""
@@ -327,4 +327,4 @@ class JobTable:
         columns = ("step", "loss", "tokens", "lr", "grad_norm", "eval_loss", "time")
         rows = self.db.execute(f"SELECT {', '.join(columns)} FROM progress WHERE job_id = ? ORDER BY step",
                                (job_id,))
-        return [dict(zip(columns, row)) for row in rows]
+        return [dict(zip(columns, row, strict=True)) for row in rows]

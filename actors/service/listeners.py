@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.job_table import JobRecord
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Listeners:
                 continue
             try:
                 getattr(listener, method)(*args)
-            except Exception:  # noqa: BLE001 - observability must never stop training; the error is logged
+            except Exception:  # observability must never stop training; the error is logged
                 log.exception("listener %s failed in %s", type(listener).__name__, method)
 
     def job_changed(self, record: JobRecord, previous: str | None) -> None:

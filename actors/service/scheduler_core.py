@@ -24,15 +24,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from actors.service.config import TrainerConfig
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.engine.lora import adapted_shapes
 from actors.engine.spec import BASE_DEPENDENT_INITS, JobSubmission, LoraConfig, step_limit_problem
 from actors.engine.storage import StorageURI, as_location, is_uri
+from actors.service.config import TrainerConfig
+from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from policies.adapter_memory import adapter_memory_bytes
 from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, TrainerView, Wait, memory_in_use
 from policies.fifo import FifoPolicy
-from policies.adapter_memory import adapter_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,8 @@ class SchedulerCore:
         self.predicted_remaining: dict[str, int] = {}   # job id -> steps a stop rule predicts are left
         self.submissions: dict[str, JobSubmission] = {}  # parsed once, not on every scheduling tick
         self.retries: dict[str, int] = {}         # job id -> times its trainer gave it back
-        self.replace_job_actor: set[str] = set()
-        self.reasons: dict[str, str] = {}          # job id -> its reason in the table when the round began  # jobs whose job actor must not be reused (lost or hung)
+        self.replace_job_actor: set[str] = set()   # jobs whose job actor must not be reused (lost or hung)
+        self.reasons: dict[str, str] = {}          # job id -> its reason in the table when the round began
 
     # -- submissions ------------------------------------------------------------------------------------
     def submit(self, submission: JobSubmission) -> JobRecord:
@@ -151,7 +151,7 @@ class SchedulerCore:
     def _already_entered(self, submissions: list[JobSubmission], job_ids: list[str]) -> list[JobRecord] | None:
         """The records of a batch entered before under these ids (a repeated request), or None if none was."""
         found = []
-        for submission, job_id in zip(submissions, job_ids):
+        for submission, job_id in zip(submissions, job_ids, strict=True):
             try:
                 record = self.table.get(job_id)
             except KeyError:
@@ -419,7 +419,7 @@ class SchedulerCore:
             self.reasons[record.id] = record.reason
             try:
                 view = self._job_view(record, views)
-            except Exception as error:  # noqa: BLE001 - an estimator failing on one job parks that job alone
+            except Exception as error:  # an estimator failing on one job parks that job alone
                 log.exception("scheduler: estimating job %s failed", record.id)
                 self._park(record, f"the service could not estimate its work or memory: {error!r}")
                 continue
@@ -536,13 +536,13 @@ class SchedulerCore:
         others = tuple(j for j in snapshot.jobs if j.state != "queued")
         try:
             self._ask(replace(snapshot, jobs=others))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - plug-in code failing with no queued job: FIFO takes over
             return self._fall_back(snapshot, error)
         culprits: dict[str, Exception] = {}
         for job in queued:
             try:
                 self._ask(replace(snapshot, jobs=(*others, job)))
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - plug-in code: this job is parked, the others go on
                 culprits[job.id] = error
         if (not culprits or len(culprits) == len(queued) > 1
                 or len(self.parked_by_policy) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):

@@ -268,14 +268,14 @@ class JobTracker:
         if tracking.mlflow is not None:
             try:
                 backends.append(_Mlflow(tracking.mlflow, None if self.remote_uri else self.local_dir / MLFLOW_FOLDER))
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - tracking must never stop training
                 self._fail("MLflow", "connecting", error)
         started = []
         for backend in backends:
             try:
                 backend.start(self.submission, self.job_id)
                 started.append(backend)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:  # noqa: BLE001 - tracking must never stop training
                 self._fail(backend.name, f"starting the job's run at {backend.where}", error)
                 backend.abandon()
         return started

@@ -45,16 +45,15 @@ from typing import Any, Protocol
 
 import torch
 
-from actors.service.config import TrainerConfig, trainer_step_log
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
-from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
-from actors.service.job_files import METRICS_NAME, JobFiles
-from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
-from actors.service.uploads import Uploads, remove_snapshots, snapshot_checkpoint
 from actors.engine.base_identity import base_identity
-from actors.engine.checkpoint import (CheckpointError, has_checkpoint, load_checkpoint, previous_folder,
-                                     save_checkpoint, saved_step)
+from actors.engine.checkpoint import (
+    CheckpointError,
+    has_checkpoint,
+    load_checkpoint,
+    previous_folder,
+    save_checkpoint,
+    saved_step,
+)
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names, remove_adapter
@@ -62,12 +61,27 @@ from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes
 from actors.engine.memory import keep_resident_with_live_tensors
 from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
 from actors.engine.models import BaseModel
+from actors.engine.packing import JobMicroBatch
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSubmission
-from actors.engine.storage import (CorruptCheckpoint, StorageLocation, StorageURI, as_location,
-                                   download_checkpoint, is_uri, read_pointer, upload_checkpoint)
-from actors.engine.packing import JobMicroBatch
+from actors.engine.storage import (
+    CorruptCheckpoint,
+    StorageLocation,
+    StorageURI,
+    as_location,
+    download_checkpoint,
+    is_uri,
+    read_pointer,
+    upload_checkpoint,
+)
 from actors.engine.trainer import FusedTrainer, StepReport
+from actors.service.config import TrainerConfig, trainer_step_log
+from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
+from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
+from actors.service.job_files import METRICS_NAME, JobFiles
+from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
+from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.uploads import Uploads, remove_snapshots, snapshot_checkpoint
 from policies.base import StepComposer
 from policies.memory_model import MemoryModel, StepShape
 from policies.stopping import Verdict
@@ -196,7 +210,8 @@ def activation_bytes_estimate(model: torch.nn.Module, tokens: int, dtype: torch.
     layers = getattr(config, "num_hidden_layers", 1)
     width = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     vocab = getattr(config, "vocab_size", 0)
-    return tokens * layers * (12 * hidden + 3 * intermediate) * width + logits_transient_bytes(DEFAULT_CHUNK, vocab, tokens)
+    return tokens * layers * (12 * hidden + 3 * intermediate) * width + logits_transient_bytes(DEFAULT_CHUNK, vocab,
+                                                                                               tokens)
 
 
 class TrainerLoop:
@@ -308,7 +323,7 @@ class TrainerLoop:
             predicted = self.memory_model.predict(shape)
             try:
                 report = self.trainer.run_step(chosen, measure=self._measure_this_step())
-            except Exception as error:  # noqa: BLE001 - the step failed (e.g. out of memory): its jobs fail
+            except Exception as error:  # the step failed (e.g. out of memory): its jobs fail
                 log.exception("trainer %s: fused step failed", self.trainer_id)
                 for job, _ in chosen:
                     self._finish(self.active[job.name], "failed", f"fused step failed: {error!r}")
@@ -437,7 +452,7 @@ class TrainerLoop:
                               "writable (or free space there) and resume the job") from error
             feed.prime()
             self.trainer.add_job(job)
-        except Exception as error:  # noqa: BLE001 - a job that cannot start fails alone
+        except Exception as error:  # a job that cannot start fails alone
             log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
             if job is not None:
                 remove_adapter(self.base.model, job_id)
@@ -778,7 +793,7 @@ class TrainerLoop:
                                               f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
                                               "make it writable, then resume the job")
             data.pop("retry", None)
-        except Exception as error:  # noqa: BLE001 - writing failed: report it rather than a false success
+        except Exception as error:  # writing failed: report it rather than a false success
             log.exception("trainer %s: job %s: writing its results failed", self.trainer_id, job_id)
             kind, data["reason"] = "failed", f"{reason}; then writing its results failed: {error!r}"
             data.pop("retry", None)
@@ -827,7 +842,7 @@ class TrainerLoop:
             tracker = start_tracker(assignment.job_id, assignment.submission, local_dir,
                                     str(assignment.output_dir) if is_uri(assignment.output_dir) else None,
                                     resumed_from)
-        except Exception:  # noqa: BLE001 - e.g. no thread could be started: the job trains without tracking
+        except Exception:  # e.g. no thread could be started: the job trains without tracking
             log.exception("trainer %s: job %s: its tracking could not start; it trains without it", self.trainer_id,
                           assignment.job_id)
             return None

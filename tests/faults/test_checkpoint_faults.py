@@ -16,8 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine.checkpoint import (CheckpointError, LoadedCheckpoint, has_checkpoint, load_checkpoint,
-                                      previous_folder, save_checkpoint)
+from actors.engine.checkpoint import (
+    CheckpointError,
+    LoadedCheckpoint,
+    has_checkpoint,
+    load_checkpoint,
+    previous_folder,
+    save_checkpoint,
+)
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer

@@ -13,12 +13,12 @@ from fractions import Fraction
 import pytest
 import torch
 
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore, SubmissionError
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.spec import JobSpec, JobSubmission
 from actors.engine.trainer import FusedTrainer
+from actors.service.job_table import JobTable
+from actors.service.scheduler_core import SchedulerCore, SubmissionError
 from policies.base import JobView, Snapshot, Start, TrainerView
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy
@@ -57,7 +57,7 @@ def test_extreme_priorities_neither_overflow_nor_misorder(priorities):
     """What older tables or other clients may still hold (priority 600, 2**70): the adaptive policy orders
     such jobs exactly as exact arithmetic does, where floats would overflow (4.0 ** 600)."""
     with pytest.raises(OverflowError):
-        4.0 ** 600    # what the policy used to compute
+        _ = 4.0 ** 600    # what the policy used to compute
     jobs = tuple(JobView(f"j{i}", f"j{i}", "queued", p, 0.0, "m", "none", None, 0, 10 + 7 * i, 1,
                          tokens_per_step=100.0 + i)
                  for i, p in enumerate(priorities))

@@ -25,14 +25,20 @@ from pathlib import Path
 
 import pytest
 
+from actors.engine.models import load_base_model
 from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.local_run import train_locally
-from actors.engine.models import load_base_model
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.faults.disks import fill
-from tests.service_helpers import (adapter_tensors, job_dict, max_relative_difference, run_spec, wait_for,
-                                   write_task_data)
+from tests.service_helpers import (
+    adapter_tensors,
+    job_dict,
+    max_relative_difference,
+    run_spec,
+    wait_for,
+    write_task_data,
+)
 
 
 def service_config(state_dir: Path, base: Path, **trainer) -> ServiceConfig:

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from actors.service.state_dir import (UNAPPLIED_EVENTS, StateDirInUse, forget_spilled_events, lock_state_dir,
-                                      read_spilled_events, spill_events)
+from actors.service.state_dir import (
+    UNAPPLIED_EVENTS,
+    StateDirInUse,
+    forget_spilled_events,
+    lock_state_dir,
+    read_spilled_events,
+    spill_events,
+)
 from actors.service.trainer_reports import TrainerEvent
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 
 # --------------------------------------------------------------------------
 # Dataset formats
@@ -182,6 +181,6 @@ class PreferenceFormat(BaseModel):
 
 
 DataFormat = Annotated[
-    Union[AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat, PreferenceFormat],
+    AlpacaFormat | PromptResponseFormat | ChatFormat | TextFormat | PreferenceFormat,
     Field(discriminator="type"),
 ]

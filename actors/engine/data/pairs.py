@@ -111,7 +111,7 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:
     length = 0
-    for a, b in zip(ids, other):
+    for a, b in zip(ids, other, strict=False):   # the shorter one ends the common prefix
         if a != b:
             break
         length += 1

@@ -10,7 +10,6 @@ from typing import Any
 
 from actors.engine.storage import StorageError, StorageUnreachable, is_uri, read_uri_bytes
 
-
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------

@@ -90,7 +90,9 @@ class RowTable(ABC):
         return known if known is not None else sum(1 for _ in self.rows(0))
 
     def check_streamable(self) -> None:
-        """Raise a `DataError` where the data cannot be read a part at a time."""
+        """Raise a `DataError` where the data cannot be read a part at a time (every table can, unless it
+        says otherwise)."""
+        return None
 
 
 def _reading_error(source: str, doing: str, error: BaseException) -> Exception:

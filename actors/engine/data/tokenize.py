@@ -263,7 +263,7 @@ def _row_tokens(
     """Untruncated ``(input_ids, labels, prompt_length)`` for one row."""
     if isinstance(fmt, ChatFormat):
         ids, targets = _chat_ids(row, fmt, tokenizer, source, line)
-        labels = [tok if (train_on_prompt or hit) else IGNORE_INDEX for tok, hit in zip(ids, targets)]
+        labels = [tok if (train_on_prompt or hit) else IGNORE_INDEX for tok, hit in zip(ids, targets, strict=True)]
         first_target = next((i for i, hit in enumerate(targets) if hit), len(ids))
         if labels:
             labels[0] = IGNORE_INDEX

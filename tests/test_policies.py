@@ -39,11 +39,18 @@ def test_fifo_starts_in_submission_order_within_the_budget_and_explains_the_rest
 
 
 def test_a_budget_for_two_jobs_never_starts_a_third():
+    """Each policy keeps the third job waiting for memory (and says so), and starts it once the budget holds
+    three: a policy that decided nothing, or refused everything, fails here."""
     running = [job("a", state="running", trainer="t0"), job("b", state="running", trainer="t0")]
-    t = trainer(budget=400 * MiB + 200 * MiB + 250 * MiB)   # base + step + 2.5 jobs
+    tight = trainer(budget=400 * MiB + 200 * MiB + 250 * MiB)   # base + step + 2.5 jobs
+    roomy = trainer(budget=400 * MiB + 200 * MiB + 300 * MiB)   # base + step + 3 jobs
     for policy in (FifoPolicy(), SjfPolicy(), PriorityPolicy(), AdaptivePolicy()):
-        decisions = policy.decide(snapshot([t], running + [job("c", priority=0)]))
+        decisions = policy.decide(snapshot([tight], running + [job("c", priority=0)]))
         assert not any(isinstance(d, Start) for d in decisions), policy.name
+        waits = [d for d in decisions if isinstance(d, Wait) and d.job == "c"]
+        assert len(waits) == 1 and waits[0].cause == "memory", (policy.name, decisions)
+        decisions = policy.decide(snapshot([roomy], running + [job("c", priority=0)]))
+        assert Start("c", "t0") in decisions, (policy.name, decisions)
 
 
 def test_sjf_starts_the_shortest_remaining_work_first():

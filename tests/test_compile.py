@@ -229,14 +229,37 @@ def test_combinations_not_offered_are_refused_naming_the_fix():
     assert TrainerConfig(compile="default").compile == "default"
 
 
-def test_a_run_spec_sets_its_trainers_compile():
-    from actors.engine.spec import RunSpec
-    from actors.service.config import run_service_config
+def test_a_jobs_file_with_compile_trains_its_jobs_compiled(tiny_model_dirs, tmp_path, monkeypatch):
+    """`compile: default` in a jobs file reaches the trainer that steps its jobs (`aspen run --in-process`): its
+    decoder layers go through torch.compile (the backend sees graphs) and every step's stream is padded up to a
+    bucket length, as its step log shows; the same file without it compiles nothing and pads no step."""
+    import json
 
-    spec = RunSpec(compile="default", jobs=[{"name": "a", "data": "d.jsonl", "format": {"type": "text"}}])
-    assert run_service_config(spec).trainers[0].compile == "default"
-    assert run_service_config(RunSpec(jobs=[{"name": "a", "data": "d.jsonl",
-                                             "format": {"type": "text"}}])).trainers[0].compile == "none"
+    from actors.engine import trainer as trainer_module
+    from actors.engine.compiled import CompiledLayers
+    from actors.engine.models import load_base_model
+    from actors.engine.spec import RunSpec
+    from actors.service.local_run import train_locally
+    from tests.service_helpers import job_dict, write_task_data
+
+    counting = CountingBackend("aot_eager")
+    monkeypatch.setattr(trainer_module, "CompiledLayers",
+                        lambda decoder, backend: CompiledLayers(decoder, backend=counting))
+    base_dir = str(tiny_model_dirs["llama"])
+    data = write_task_data(tmp_path / "data", "task")
+    graphs, rows = {}, {}
+    for mode in ("default", "none"):
+        before = counting.graphs
+        spec = RunSpec.model_validate({"base_model": base_dir, "output_dir": str(tmp_path / mode), "step_tokens": 512,
+                                       "compile": mode, "jobs": [job_dict("a", data, 2), job_dict("b", data, 2)]})
+        train_locally(spec, base=load_base_model(base_dir, dtype="float32", device="cpu"), progress=False)
+        graphs[mode] = counting.graphs - before
+        rows[mode] = [json.loads(line) for line in (tmp_path / mode / "trainer.jsonl").read_text().splitlines()]
+    assert graphs["default"] > 0 and graphs["none"] == 0
+    buckets = set(buckets_between(MIN_BUCKET, 8192))
+    assert rows["default"] and all(r["tokens"] in buckets and r["padding_tokens"] > 0
+                                   for r in rows["default"]), rows["default"]
+    assert rows["none"] and all(r["padding_tokens"] == 0 for r in rows["none"]), rows["none"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -26,16 +26,13 @@ from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
 from actors.engine.storage import is_uri, resolve_location
 from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.job_table import JobRecord
+from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
 from orchestrator.private_ray import start_private_cluster
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
 LISTENERS = "orchestrator.observability:service_listeners"
-
-
-class ServiceError(RuntimeError):
-    """The service refused a request or is not reachable."""
 
 
 RESTART_WAIT_S = 90.0   # how long a call waits for a scheduler that is restarting

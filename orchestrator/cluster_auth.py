@@ -26,7 +26,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from orchestrator.client import ServiceError
+from orchestrator.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,7 @@
+"""The error a client of the service raises when the service refuses a request or cannot be reached."""
+
+from __future__ import annotations
+
+
+class ServiceError(RuntimeError):
+    """The service refused a request or is not reachable."""

@@ -47,6 +47,7 @@ from actors.service.state_dir import (
     read_spilled_events,
     spill_events,
 )
+from actors.service.table_backup import TableBackups
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.trainer_actor import TrainerActor
 from policies.base import Move, Preempt, Start
@@ -141,6 +142,7 @@ class SchedulerActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.listeners = Listeners(build_listeners(listeners, self.config))
         self.table = open_job_table(self.state_dir / "jobs.sqlite", self.listeners.job_changed)
+        self.backups = TableBackups(self.table.path).start()   # jobs.sqlite.backup, in a thread of its own
         output_root = self.config.output_root
         nodes = alive_nodes()
         self.kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
@@ -308,6 +310,7 @@ class SchedulerActor:
             self.job_starts.kill_all()
             self.listeners.close()
             self.table.close()
+            self.backups.close()   # the last copy, of the table as this service leaves it
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -544,9 +544,10 @@ def _describe(error: Exception) -> tuple[int, str]:
 
     if isinstance(error, HttpApiError):   # 4xx: the request (exit 2); 5xx or no connection: the service (exit 1)
         return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
+    from actors.service.table_backup import JobTableDamaged
     from orchestrator.client import ServiceError
 
-    if isinstance(error, ServiceError):
+    if isinstance(error, (ServiceError, JobTableDamaged)):   # their message is the one line, with the fix
         return EXIT_FAILED, str(error)
     if isinstance(error, KeyError):     # an unknown job: the service's message is its first argument
         return EXIT_USAGE, str(error.args[0] if error.args else error)

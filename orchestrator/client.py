@@ -11,6 +11,7 @@ jobs, follow and cancel them.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 import uuid
@@ -61,7 +62,10 @@ def _init_failure(error: RayActorError) -> str:
     """The last line of the scheduler's constructor error (Ray's message around it is long)."""
     text = str(getattr(error, "error_msg", "") or error).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+    if not lines:
+        return type(error).__name__
+    # the service's own errors say everything in their message: `actors.x.JobTableDamaged: ...` without the name
+    return re.sub(r"^actors(\.\w+)+: ", "", lines[-1])
 
 
 def _check_reachable(address: str) -> None:
@@ -364,5 +368,10 @@ class Client:
         """Stop the service: running jobs are checkpointed (and resume when it starts again)."""
         try:
             _call(self.scheduler.shutdown.remote(), timeout=300)
+        except RayActorError as error:
+            if not error.actor_init_failed:
+                raise
+            # it never started (a damaged job table, its state dir in use): nothing to stop, and the reason
+            # was raised by the call that met it (`aspen run` calls this in a `finally`)
         finally:
             ray.kill(self.scheduler)

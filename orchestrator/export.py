@@ -19,6 +19,7 @@ from typing import Any
 
 from actors.engine.adapter_export import ExportError, export_adapter, export_merged, has_adapter
 from actors.engine.storage import StorageLocation, as_location, is_uri
+from actors.service.table_backup import JobTableDamaged, damaged_message, is_damage
 
 FINISHED = ("completed", "stopped_early")
 CHECKPOINT_FOLDER = "checkpoint"
@@ -44,6 +45,10 @@ def _from_table(database: Path, job: str) -> FoundJob | None:
     try:
         rows = db.execute("SELECT id, name, output_dir, state, step, total_steps FROM jobs WHERE id = ? OR name = ? "
                           "ORDER BY submitted_at DESC", (job, job)).fetchall()
+    except sqlite3.DatabaseError as error:
+        if not is_damage(error):
+            raise
+        raise JobTableDamaged(damaged_message(database, error)) from None
     finally:
         db.close()
     exact = [row for row in rows if row[0] == job]

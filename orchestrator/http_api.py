@@ -17,8 +17,11 @@ the server outlives a Ray cluster that goes away); `ServiceLink` calls a client 
 Every /v1 endpoint but health needs `Authorization: Bearer <token>` (`orchestrator.http_token`; compared
 in constant time). Refusals are JSON `{"detail": ..., "errors": [...]}` and change nothing in the service:
 401 no or a wrong token, 404 an unknown job, 409 a name an unfinished job holds or a job in the wrong state
-(cancelling a finished one), 413 a body over `max_body_bytes`, 415 a body neither JSON nor YAML, 422 a
-malformed body or an invalid spec (each problem with its field). A service that does not answer (stopped,
+(cancelling a finished one), 413 a body over `max_body_bytes` or with more values than a job spec has, 415 a
+body neither JSON nor YAML, 422 a malformed body (with its line and column), one nested too deeply or with
+YAML anchors or aliases, or an invalid spec (each problem with its field). Bodies are parsed in worker
+threads within limits (`orchestrator/spec_text.py`), never on the event loop: a hostile body is refused in
+well under a second, and the other endpoints answer meanwhile. A service that does not answer (stopped,
 restarting, its job table locked) is a 503 with the reason; the server stays up and connects again.
 
 The event stream follows the job table's transitions by number (`Client.transitions_after`), polled every
@@ -39,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -61,6 +65,7 @@ API_VERSION = "1"
 DEFAULT_PORT = 8765
 MAX_BODY_BYTES = 1 << 20     # a job spec is a few hundred bytes; its data is a path or URI, never inline
 EVENTS_POLL_S = 1.0
+PARSE_THREADS = 2            # bodies parsed at once (each within http_submissions.BODY_LIMITS); more wait their turn
 EVENTS_BATCH = 500           # transitions per poll at most (a backlog is sent in batches without waiting)
 T = TypeVar("T")
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
@@ -257,6 +262,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     bearer = HTTPBearer(auto_error=False, description="the token that `aspen http-token` prints")
     expected = token.encode()
     submit_lock = threading.Lock()   # a name check and its submission are one step for this server
+    parsers = anyio.CapacityLimiter(PARSE_THREADS)
 
     def require_token(request: Request,
                       credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
@@ -315,7 +321,9 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         every job of a jobs file (`jobs: [...]`), all or none. Paths are the service's machine's: data as an
         absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
         name keeps naming one job."""
-        data, text = parse_body(await request.body(), request.headers.get("content-type"))
+        # off the event loop (the API answers meanwhile), at most PARSE_THREADS at once, within BODY_LIMITS
+        data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
+                                                    request.headers.get("content-type"), limiter=parsers)
 
         def enter(client: Any) -> list[JobRecord]:
             submissions = submissions_from(data, text=text, output_root=client.info().get("output_root"))

@@ -28,10 +28,15 @@ from pydantic import ValidationError
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
 from actors.engine.storage import as_location, is_uri
 from orchestrator.jobs_file import SpecError, parse_run_spec
+from orchestrator.spec_text import TextLimits, TooComplex, load_json, load_yaml
 
 JSON_TYPES = ("application/json",)
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml", "text/plain")
 RUN_FIELDS_BESIDE_A_JOB = ("base_model", "quantization", "dtype", "output_dir")   # `seed` is also a job field
+# a body is job specs: 5 deep, about 25 values per job (30 000: some 1 200 jobs); no anchors or aliases (a few
+# bytes of them can stand for a structure too large to walk); read within 2 s (libyaml checks 30 000 values in
+# about 0.1 s)
+BODY_LIMITS = TextLimits(depth=32, values=30_000, aliases=False, seconds=2.0)
 
 
 @dataclass
@@ -47,9 +52,11 @@ class Refused(Exception):
         return self.detail
 
 
-def parse_body(body: bytes, content_type: str | None) -> tuple[Any, str | None]:
-    """The body's data and, for YAML, its text (for line numbers); 415 for another media type, 422 for a
-    body that is not valid JSON / YAML / UTF-8."""
+def parse_body(body: bytes, content_type: str | None, limits: TextLimits = BODY_LIMITS) -> tuple[Any, str | None]:
+    """The body's data and, for YAML, its text (for line numbers); 415 for another media type, 413 for more
+    values than `limits` allow, 422 for a body that is not valid JSON / YAML / UTF-8, nested too deeply, with
+    YAML anchors or aliases, or not read within the time limit (each with its line and column where known).
+    Slow only within its limits: call it off the server's event loop."""
     media = (content_type or "").split(";")[0].strip().lower()
     if media not in JSON_TYPES + YAML_TYPES:
         raise Refused(415, f"a job submission is JSON (Content-Type: application/json) or YAML (Content-Type: "
@@ -60,29 +67,31 @@ def parse_body(body: bytes, content_type: str | None) -> tuple[Any, str | None]:
         raise Refused(422, f"the body is not UTF-8 text: {error}") from None
     if not text.strip():
         raise Refused(422, "the body is empty; send a job spec (its fields, or a jobs file with `jobs: [...]`)")
-    too_deep = Refused(422, "the body is nested too deeply to be a job spec",
-                       [{"loc": ["body"], "msg": "nested too deeply", "type": "too_deep"}])
-    if media in JSON_TYPES:
-        try:
-            return json.loads(text), None
-        except json.JSONDecodeError as error:
-            raise Refused(422, f"malformed JSON: {error.msg} at line {error.lineno}, column {error.colno}",
-                          [{"loc": ["body"], "msg": f"malformed JSON: {error.msg}", "type": "json_invalid",
-                            "line": error.lineno, "column": error.colno}]) from None
-        except RecursionError:
-            raise too_deep from None
     try:
-        # aliases (*name) refused before anything follows them: a few bytes of them can stand for a structure
-        # too large to walk (a "billion laughs" body); a job spec has no use for them
-        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
-            raise Refused(422, "YAML aliases (*name) are not accepted in a job submission; write the values out",
-                          [{"loc": ["body"], "msg": "YAML aliases are not accepted", "type": "yaml_alias"}])
-        return yaml.safe_load(text), text
+        if media in JSON_TYPES:
+            return load_json(text, limits), None
+        return load_yaml(text, limits), text
+    except TooComplex as error:
+        where = {key: value for key, value in (("line", error.line), ("column", error.column)) if value is not None}
+        if error.kind == "too_many_values":
+            raise Refused(413, f"the body holds {error}; submit the jobs in several requests",
+                          [{"loc": ["body"], "msg": str(error), "type": error.kind, **where}]) from None
+        detail = {"too_deep": f"the body is nested too deeply to be a job spec: {error}",
+                  "too_slow": f"the body was {error}; send a smaller one"}.get(error.kind, str(error))
+        raise Refused(422, detail, [{"loc": ["body"], "msg": str(error), "type": error.kind, **where}]) from None
+    except json.JSONDecodeError as error:
+        raise Refused(422, f"malformed JSON: {error.msg} at line {error.lineno}, column {error.colno}",
+                      [{"loc": ["body"], "msg": f"malformed JSON: {error.msg}", "type": "json_invalid",
+                        "line": error.lineno, "column": error.colno}]) from None
     except yaml.YAMLError as error:
-        raise Refused(422, f"malformed YAML: {error}",
-                      [{"loc": ["body"], "msg": f"malformed YAML: {error}", "type": "yaml_invalid"}]) from None
-    except RecursionError:
-        raise too_deep from None
+        mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+        where = {"line": mark.line + 1, "column": mark.column + 1} if mark is not None else {}
+        problem = " ".join(part for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+        problem = problem or " ".join(str(error).split())
+        at = f" at line {where['line']}, column {where['column']}" if where else ""
+        raise Refused(422, f"malformed YAML: {problem}{at}",
+                      [{"loc": ["body"], "msg": f"malformed YAML: {problem}", "type": "yaml_invalid", **where}]
+                      ) from None
 
 
 def _field_errors(error: ValidationError, single_job: bool) -> list[dict[str, Any]]:

@@ -11,8 +11,13 @@ from pydantic import ValidationError
 from actors.engine.data.tables import hub_id_problem
 from actors.engine.spec import JobSpec, LoraConfig, RunSpec
 from actors.engine.storage import is_uri
+from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]
+
+# a jobs file is the user's own: anchors and aliases are welcome (`<<: *defaults`), but neither they nor its
+# nesting may stand for more than a jobs file could hold (a "billion laughs" file is refused in milliseconds)
+FILE_LIMITS = TextLimits(depth=32, values=1_000_000, aliases=True)
 
 
 class SpecError(ValueError):
@@ -35,8 +40,8 @@ def _yaml_lines(text: str) -> dict[tuple, int]:
                 walk(item, path + (index,))
 
     try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
+        root = compose_yaml(text)   # libyaml, within the limits the text was read with
+    except (yaml.YAMLError, TooComplex):
         return lines
     if root is not None:
         walk(root, ())
@@ -131,7 +136,10 @@ def load_run_spec(path: str | Path, *, check_files: bool = True) -> RunSpec:
         raise SpecError(f"{path}: no such file")
     text = path.read_text()
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, FILE_LIMITS)
+    except TooComplex as error:
+        where = f"{path}:{error.line}: " if error.line else f"{path}: "
+        raise SpecError(where + error.reason) from None
     except yaml.YAMLError as error:
         raise SpecError(f"{path}: not valid YAML: {error}") from None
     return parse_run_spec(data, source=str(path), base_dir=path.parent.resolve(), text=text,

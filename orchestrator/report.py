@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engine.storage import StorageLocation, StorageURI, as_location, is_uri
+from actors.service.table_backup import damaged_message, is_damage
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,10 @@ def _add_table_facts(jobs: list[JobMetrics], database: Path) -> None:
                 "SELECT step, eval_loss FROM progress WHERE job_id = ? AND eval_loss IS NOT NULL ORDER BY step",
                 (job_id,))} or job.evals
     except sqlite3.Error as error:
-        log.warning("report: cannot read %s (%s); states and eval losses are left out", database, error)
+        if is_damage(error):
+            log.warning("report: %s; the report leaves out states and eval losses", damaged_message(database, error))
+        else:
+            log.warning("report: cannot read %s (%s); states and eval losses are left out", database, error)
     finally:
         db.close()
 

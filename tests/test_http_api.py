@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import httpx
 import pytest
 
 from actors.service.config import ServiceConfig, TrainerConfig
+from orchestrator import http_api
 from orchestrator.client import Client
 from orchestrator.http_api import ServiceLink, create_app
 from orchestrator.http_bridge import ProcessLink
@@ -242,6 +244,76 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
     for job_id in [held.id, *(j["id"] for j in entered)]:
         assert http.cancel(job_id).state == "cancelled"
     assert api.ray.status(held.id).state == "cancelled"
+
+
+def test_hostile_bodies_are_refused_within_a_second_and_a_slow_parse_stalls_nothing(api, tmp_path, monkeypatch):
+    """The bodies that hung the server when it parsed YAML on its event loop (a megabyte of nested brackets:
+    no answer in 120 s, /v1/health stalled for 60 s; a megabyte with a late alias: 6.6 s, health stalled as
+    long), sent to a server with the default body limit (1 MiB, so that they reach the parser): each refused in
+    under a second, naming the limit, nothing entered. Then a parse that takes its time (held until the test
+    lets it go, busy, as a pure-Python parser holds the GIL) while /v1/health and /v1/jobs answer; the jobs
+    file it parses is entered once it is let go."""
+    app = create_app(api.link, api.token, events_poll_s=0.1)
+    yaml_type = {**api.auth(), "Content-Type": "application/yaml"}
+    json_type = {**api.auth(), "Content-Type": "application/json"}
+    late_alias = ("padding: '" + "p" * 1_000_000 + "'\nfirst: &x 1\nsecond: *x\n").encode()
+    many_values = ("\n".join(f"k{i}: v{i}" for i in range(70_000)) + "\nfirst: &x 1\nsecond: *x\n").encode()
+    cases = [   # (what, body, headers, status, a phrase of the answer)
+        ("a megabyte of nested brackets (YAML)", b"[" * 1_000_000, yaml_type, 422, "nested too deeply"),
+        ("a megabyte of nested brackets (JSON)", b"[" * 1_000_000, json_type, 422, "nested too deeply"),
+        ("a megabyte, then an alias", late_alias, yaml_type, 422, "anchors and aliases"),
+        ("a megabyte of values, then an alias", many_values, yaml_type, 413, "more than 30000 values"),
+        ("over the body limit", b"[" * (2**20 + 1), yaml_type, 413, f"at most {2**20}"),
+    ]
+    data = write_task_data(tmp_path / "data", "slow")
+    jobs_file = "\n".join([f"base_model: {NOBODYS_MODEL}", "jobs:"] + [
+        f"  - {{name: {name}, data: {data}, max_steps: 2, format: {{type: alpaca}}}}" for name in ("slow-a", "slow-b")])
+    with running_server(app) as url:
+        raw = httpx.Client(base_url=url, timeout=120)
+        before = api.table()
+        for what, body, headers, status, phrase in cases:
+            started = time.monotonic()
+            response = raw.post("/v1/jobs", content=body, headers=headers)
+            took = time.monotonic() - started
+            assert response.status_code == status, (what, response.status_code, response.text[:300])
+            assert phrase in response.json()["detail"], (what, response.json()["detail"][:300])
+            assert took < 1.0, f"{what}: answered in {took:.2f} s"
+        assert api.table() == before
+
+        parsing, release = threading.Event(), threading.Event()
+        parse_body = http_api.parse_body
+
+        def slow_parse(*args, **kwargs):
+            parsing.set()
+            deadline = time.monotonic() + 120
+            while not release.is_set() and time.monotonic() < deadline:
+                pass   # busy in Python, as a slow parser is: the GIL is given up only at switch intervals
+            return parse_body(*args, **kwargs)
+
+        monkeypatch.setattr(http_api, "parse_body", slow_parse)
+        answers = {}
+        submit = threading.Thread(target=lambda: answers.update(
+            submitted=raw.post("/v1/jobs", content=jobs_file, headers=yaml_type)))
+        submit.start()
+        try:
+            assert parsing.wait(timeout=60), "the submission was never parsed"
+            for _ in range(3):
+                started = time.monotonic()
+                health = raw.get("/v1/health")
+                took = time.monotonic() - started
+                assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+                assert took < 1.0, f"/v1/health answered in {took:.2f} s during a parse"
+            assert raw.get("/v1/jobs", headers=api.auth()).status_code == 200
+            assert submit.is_alive() and "submitted" not in answers   # all of it while the parse went on
+        finally:
+            release.set()
+            submit.join(timeout=120)
+    response = answers["submitted"]
+    assert response.status_code == 201, response.text
+    entered = response.json()["jobs"]
+    assert [job["name"] for job in entered] == ["slow-a", "slow-b"]
+    for job in entered:
+        assert api.ray.cancel(job["id"]).state == "cancelled"
 
 
 def test_the_openapi_schema_lists_every_endpoint_and_the_bearer_scheme(api):

@@ -6,20 +6,28 @@ Writes go through `transaction()`: one SQLite transaction (nested calls join the
 change listeners hear about a state change only once it is committed. When another process holds the
 file's write lock (a backup, an open `sqlite3` shell, a slow network disk) longer than `busy_timeout`, a
 write raises `JobTableBusy` and leaves the table as it was, so that the caller can retry the whole
-transaction later without applying anything twice."""
+transaction later without applying anything twice.
+
+A damaged file (overwritten, cut short, a bad disk) is found when the table opens (`PRAGMA quick_check`)
+or when a read or write meets it, and raised as `JobTableDamaged`: one line naming the file, its backup
+beside it and the commands that restore it (`actors/service/table_backup.py`)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from actors.engine.spec import JobSubmission
+from actors.service.table_backup import JobTableDamaged, backup_path, check_result, damaged_message, is_damage
+
+__all__ = ["JOB_STATES", "TERMINAL_STATES", "JobRecord", "JobTable", "JobTableBusy", "JobTableDamaged"]
 
 JobState = Literal["queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled"]
 JOB_STATES: tuple[str, ...] = ("queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled")
@@ -74,6 +82,20 @@ def _is_busy(error: sqlite3.OperationalError) -> bool:
     return any(word in text for word in ("locked", "busy", "disk is full", "disk i/o error", "readonly"))
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _reads(method: Method) -> Method:
+    """A read of the table: a damaged file raises `JobTableDamaged` (one line: the file and the fix)."""
+
+    @functools.wraps(method)
+    def read(self: JobTable, *args: Any, **kwargs: Any) -> Any:
+        with self._damage_as_error():
+            return method(self, *args, **kwargs)
+
+    return read  # type: ignore[return-value]
+
+
 @dataclass
 class JobRecord:
     """A job as the service reports it."""
@@ -119,15 +141,25 @@ class JobTable:
         self.path = Path(path)
         self.on_change = on_change
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file() and self.path.stat().st_size == 0 and backup_path(self.path).is_file():
+            # SQLite takes an empty file for a new table: every job would be forgotten without a word
+            raise JobTableDamaged(damaged_message(self.path, "the file is empty, and a backup of it exists"))
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=busy_timeout)
         self.db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         self._guard = threading.RLock()      # one transaction at a time on this connection
         self._depth = 0
         self._after_commit: list[Callable[[], None]] = []
-        with self._busy_as_error("open the job table"):
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(SCHEMA)
+        try:
+            with self._busy_as_error("open the job table"), self._damage_as_error():
+                problem = check_result(self.db)   # a cut or overwritten file is found here, not mid-run
+                if problem:
+                    raise JobTableDamaged(damaged_message(self.path, problem))
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                self.db.executescript(SCHEMA)
+        except BaseException:
+            self.db.close()
+            raise
 
     def close(self) -> None:
         self.db.close()
@@ -145,13 +177,14 @@ class JobTable:
                 finally:
                     self._depth -= 1
                 return
-            with self._busy_as_error("write to the job table"):
+            with self._busy_as_error("write to the job table"), self._damage_as_error():
                 self.db.execute("BEGIN IMMEDIATE")
             self._depth = 1
             try:
-                yield
-                with self._busy_as_error("commit to the job table"):
-                    self.db.execute("COMMIT")
+                with self._damage_as_error():
+                    yield
+                    with self._busy_as_error("commit to the job table"):
+                        self.db.execute("COMMIT")
             except BaseException:
                 self._depth = 0
                 self._after_commit.clear()
@@ -182,6 +215,15 @@ class JobTable:
                                f"sqlite3 shell, a slow disk?); nothing was changed, and the service retries "
                                f"what it must write") from error
 
+    @contextlib.contextmanager
+    def _damage_as_error(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.DatabaseError as error:
+            if not is_damage(error):
+                raise
+            raise JobTableDamaged(damaged_message(self.path, error)) from error
+
     def _notify(self, record: JobRecord, previous: str | None) -> None:
         if self.on_change is not None:
             on_change = self.on_change
@@ -208,12 +250,14 @@ class JobTable:
                 self.db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             self.db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
+    @_reads
     def get(self, job_id: str) -> JobRecord:
         row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise KeyError(job_id)
         return JobRecord(*row)
 
+    @_reads
     def find(self, key: str) -> JobRecord:
         """A job by id, or by name when exactly one job has that name (the newest one is not guessed)."""
         try:
@@ -226,10 +270,12 @@ class JobTable:
                 raise KeyError(f"{len(ids)} jobs are named '{key}' ({', '.join(ids)}); give the job id") from None
             raise KeyError(f"no job with id or name '{key}'") from None
 
+    @_reads
     def submission(self, job_id: str) -> JobSubmission:
         (text,) = self.db.execute("SELECT submission FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return JobSubmission.model_validate_json(text)
 
+    @_reads
     def all(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
         query = f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs"
         args: tuple = ()
@@ -238,12 +284,14 @@ class JobTable:
             args = tuple(states)
         return [JobRecord(*row) for row in self.db.execute(query + " ORDER BY submitted_at, id", args)]
 
+    @_reads
     def counts(self) -> dict[str, int]:
         """Jobs per state (every state present, 0 where none)."""
         counts = dict.fromkeys(JOB_STATES, 0)
         counts.update(self.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
         return counts
 
+    @_reads
     def writing_to(self, output_dir: Path | str, states: tuple[str, ...]) -> JobRecord | None:
         """A job in one of `states` whose output folder is `output_dir`, if any."""
         row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE output_dir = ? AND state IN "
@@ -285,10 +333,12 @@ class JobTable:
         assignments = ", ".join(f"{key} = ?" for key in values)
         self.db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values.values(), job_id))
 
+    @_reads
     def transitions(self, job_id: str) -> list[tuple[float, str, str]]:
         return list(self.db.execute("SELECT time, state, reason FROM transitions WHERE job_id = ? ORDER BY rowid",
                                     (job_id,)))
 
+    @_reads
     def transitions_after(self, after: int, limit: int = 1000) -> list[dict[str, Any]]:
         """Every job's transitions entered after the one numbered `after` (0: from the first), oldest first, at
         most `limit`: each with its number (`seq`, increasing), the job's id and name, time, state and reason.
@@ -298,6 +348,7 @@ class JobTable:
                                (after, limit))
         return [dict(zip(("seq", "job", "name", "time", "state", "reason"), row, strict=True)) for row in rows]
 
+    @_reads
     def last_transition(self) -> int:
         """The number (`seq`) of the newest transition, 0 when there is none."""
         return self.db.execute("SELECT COALESCE(MAX(rowid), 0) FROM transitions").fetchone()[0]
@@ -323,6 +374,7 @@ class JobTable:
         with self.transaction():
             self.db.execute("DELETE FROM progress WHERE job_id = ? AND step > ?", (job_id, step))
 
+    @_reads
     def progress(self, job_id: str) -> list[dict[str, Any]]:
         columns = ("step", "loss", "tokens", "lr", "grad_norm", "eval_loss", "time")
         rows = self.db.execute(f"SELECT {', '.join(columns)} FROM progress WHERE job_id = ? ORDER BY step",

@@ -15,7 +15,8 @@ from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
-from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private, write_private
+from actors.engine.durable import write_durably
+from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ def write_password_file(state_dir: str | Path, credentials: BrokerCredentials) -
                     return path
             except Exception as error:  # noqa: BLE001 - pwdlib's errors for a malformed hash; the file is rewritten
                 log.info("events: %s has an unreadable hash (%r); writing it again", path, error)
-    write_private(path, "".join(f"{user}:{hasher.hash(password)}\n" for user, password in accounts.items()))
+    hashes = "".join(f"{user}:{hasher.hash(password)}\n" for user, password in accounts.items())
+    write_durably(path, hashes, private=True)
     return path
 
 

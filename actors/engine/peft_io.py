@@ -11,13 +11,12 @@ adapter has, so a checkpoint restores A, B, A0 and B0 exactly from it (`load_ada
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from actors.engine.durable import write_durably
 from actors.engine.lora import AdapterHandle
 from actors.engine.spec import LoraConfig
 
@@ -59,30 +58,6 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
         "use_dora": config.use_dora,
         "revision": None,
     }
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write `path` through a temporary file: its content is fsynced before the rename, and the folder
-    after it, so that after a crash `path` holds either the old or the complete new content."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(temporary)
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-        fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 PREFIX = "base_model.model."
@@ -146,10 +121,11 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
     folder = Path(folder)
     tensors = adapter_state_dict(adapter)
     config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
-    _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    # mode 0600, as these files always had (the temporary files they were first written to were made so)
+    write_durably(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), private=True)
     if metadata is not None:
-        _atomic_write(folder / METADATA_NAME, lambda tmp: Path(tmp).write_text(json.dumps(metadata, indent=2) + "\n"))
-    _atomic_write(folder / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        write_durably(folder / METADATA_NAME, json.dumps(metadata, indent=2) + "\n", private=True)
+    write_durably(folder / CONFIG_NAME, json.dumps(config, indent=2) + "\n", private=True)
     return folder
 
 

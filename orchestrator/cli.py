@@ -11,6 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from actors.engine.base_settings import QUANTIZATIONS
 from actors.engine.storage import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, load_run_spec
 
@@ -380,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="service YAML (state_dir, trainers, policy)")
     serve.add_argument("--state-dir", help="where the job table and outputs live (default ~/.aspen)")
     serve.add_argument("--base-model", help="one kind of trainer with this base model (default smollm2-135m)")
-    serve.add_argument("--quantization", default="none", choices=["none", "int8", "nf4"])
+    serve.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     serve.add_argument("--cpu-trainers", type=int, help="how many trainers of that kind (spread over the cluster)")
     serve.add_argument("--per-node", type=int, help="trainers of that kind on every node of the cluster, following "
                                                      "nodes as they join and leave")

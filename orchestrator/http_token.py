@@ -10,6 +10,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from actors.engine.durable import write_durably
+
 DEFAULT_TOKEN_FILE = Path("~/.aspen/http-token")
 TOKEN_ENV = "ASPEN_TOKEN"
 TOKEN_FILE_ENV = "ASPEN_TOKEN_FILE"
@@ -53,17 +55,7 @@ def ensure_token(path: str | Path | None = None, *, rotate: bool = False) -> str
         return read_token(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     token = secrets.token_urlsafe(TOKEN_BYTES)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(token + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staging, path)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
+    write_durably(path, token + "\n", private=True)
     return token
 
 

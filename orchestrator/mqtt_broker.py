@@ -1,6 +1,21 @@
-"""The embedded MQTT broker (amqtt, installed with the `broker` extra): its accounts' password file, the
-plugins that admit only those accounts and let only the service publish, and its configuration. Imported
-only when the service starts the embedded broker (`orchestrator.mqtt_events`)."""
+"""The embedded MQTT broker (amqtt, the `broker` extra) behind a listening socket of our own, and its accounts.
+
+Its accounts' password file, the plugins that admit only those accounts and let only the service publish,
+its configuration, and `EmbeddedBroker`. Imported only when the service starts the embedded broker
+(`orchestrator.mqtt_connection`).
+
+The embedded broker admits only the accounts the service generates (random passwords, kept in the
+service's state dir, all files mode 0600, reused across restarts):
+    mqtt-credentials.json  {"version": 1, "service": {"username", "password"}, "reader": {...}}: the
+                           service's publisher account and the subscribers' read-only account
+    mqtt-passwords         `username:<argon2 hash>` lines, amqtt's FileAuthPlugin reads them
+    mqtt-reader.json       {"url", "topic_prefix", "username", "password"}: what a subscriber needs (the
+                           reader account and the running broker's address; see `reader_settings`),
+                           written when the broker starts. It holds no publisher secret, so it is the
+                           file to share (e.g. `chmod g+r`) with people who may watch the jobs.
+Anonymous connections are refused; only the service account may publish (under the topic prefix), the
+reader and the service may subscribe to the prefix (amqtt's TopicAccessControlListPlugin). A publish
+that the ACL refuses is acknowledged by the broker but dropped: nobody receives it, nothing is retained."""
 
 from __future__ import annotations
 
@@ -11,13 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
+from amqtt.broker import Broker
 from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
-from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private, write_private
+from actors.engine.durable import write_durably
+from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private
 
 log = logging.getLogger(__name__)
+
+LISTENER = "default"   # the broker's one listener, whose socket EmbeddedBroker holds
 
 
 def _password_hasher() -> Any:
@@ -47,7 +67,8 @@ def write_password_file(state_dir: str | Path, credentials: BrokerCredentials) -
                     return path
             except Exception as error:  # noqa: BLE001 - pwdlib's errors for a malformed hash; the file is rewritten
                 log.info("events: %s has an unreadable hash (%r); writing it again", path, error)
-    write_private(path, "".join(f"{user}:{hasher.hash(password)}\n" for user, password in accounts.items()))
+    hashes = "".join(f"{user}:{hasher.hash(password)}\n" for user, password in accounts.items())
+    write_durably(path, hashes, private=True)
     return path
 
 
@@ -93,14 +114,59 @@ class TopicAclPlugin(TopicAccessControlListPlugin):
         subscribe_acl: dict[str, list[str]] = field(default_factory=dict)
 
 
-def embedded_broker_config(port: int, password_file: Path, credentials: BrokerCredentials,
-                           topic_prefix: str) -> dict[str, Any]:
-    """The amqtt broker configuration: one TCP listener on 127.0.0.1:`port`, only the generated accounts,
-    only the service publishing (under the prefix), the service and the reader subscribing to it."""
+def embedded_broker_config(password_file: Path, credentials: BrokerCredentials, topic_prefix: str) -> dict[str, Any]:
+    """The amqtt broker configuration: one listener whose socket `EmbeddedBroker` holds (amqtt's `external`
+    type), only the generated accounts, only the service publishing (under the prefix), the service and the
+    reader subscribing to it."""
     topics = [f"{topic_prefix}/#"]
     publish_acl = {credentials.service.username: topics}
     subscribe_acl = {credentials.service.username: topics, credentials.reader.username: topics}
-    return {"listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}},
+    return {"listeners": {LISTENER: {"type": "external"}},
             "plugins": {f"{__name__}.AccountsAuthPlugin": {"password_file": str(password_file),
                                                            "publish_acl": publish_acl},
                         f"{__name__}.TopicAclPlugin": {"publish_acl": publish_acl, "subscribe_acl": subscribe_acl}}}
+
+
+class EmbeddedBroker:
+    """amqtt's broker behind a listening socket of our own on 127.0.0.1, handed each connection through
+    amqtt's public `external_connected` (its way to embed the broker in a server of one's own): we bind, so
+    we know the port (`embedded_port: 0` picks any free one) without reading the broker's internals."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.broker: Broker | None = None
+
+    async def bind(self, port: int) -> None:
+        """Take 127.0.0.1:`port` (0: any free port), accepting nobody yet; OSError where it is taken."""
+        self.server = await asyncio.start_server(self._connected, "127.0.0.1", port, reuse_address=True,
+                                                 start_serving=False)
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+    async def start(self, config: dict[str, Any]) -> None:
+        """Start the broker with `config` (`embedded_broker_config`), then accept connections."""
+        assert self.server is not None
+        self.broker = Broker(config)
+        await self.broker.start()
+        try:
+            await self.server.start_serving()
+        except BaseException:
+            await self.broker.shutdown()
+            raise
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.broker is not None   # connections are accepted only once it started
+        await self.broker.external_connected(StreamReaderAdapter(reader), StreamWriterAdapter(writer), LISTENER)
+
+    async def close(self) -> None:
+        """Stop the broker (its sessions end), then the listening socket."""
+        try:
+            if self.broker is not None and self.broker.transitions.state == "started":
+                await self.broker.shutdown()
+        finally:
+            if self.server is not None:
+                self.server.close()
+                await self.server.wait_closed()

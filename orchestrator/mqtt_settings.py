@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from actors.engine.durable import write_durably
+
 log = logging.getLogger(__name__)
 
 ACCOUNT_NAME = re.compile(r"[A-Za-z0-9._-]+")
@@ -85,26 +87,6 @@ def _is_private(mode: int) -> bool:
     return not mode & (stat.S_IRWXG | stat.S_IRWXO)
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, as a file that is mode 0600 from its creation on (a fresh
-    temporary file made with O_EXCL and mode 0600, then renamed over `path`)."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    try:
-        os.fchmod(descriptor, 0o600)   # the umask can only narrow it; this makes it exactly 0600
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            descriptor = -1
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if descriptor >= 0:
-            os.close(descriptor)
-        temporary.unlink(missing_ok=True)
-        raise
-
-
 def _new_credentials() -> BrokerCredentials:
     return BrokerCredentials(Account(SERVICE_ACCOUNT, secrets.token_urlsafe(32)),
                              Account(READER_ACCOUNT, secrets.token_urlsafe(32)))
@@ -142,10 +124,11 @@ def broker_credentials(state_dir: str | Path) -> BrokerCredentials:
         log.warning("events: %s was readable or writable by others (mode %o); the MQTT accounts get new passwords "
                     "(subscribers read them again from %s)", path, stat.S_IMODE(mode), path.with_name(READER_FILE))
         credentials = _new_credentials()
-    write_private(path, json.dumps({
+    write_durably(path, json.dumps({
         "version": 1,
         "service": {"username": credentials.service.username, "password": credentials.service.password},
-        "reader": {"username": credentials.reader.username, "password": credentials.reader.password}}, indent=1) + "\n")
+        "reader": {"username": credentials.reader.username, "password": credentials.reader.password}}, indent=1) + "\n",
+        private=True)
     return credentials
 
 
@@ -160,7 +143,7 @@ def write_reader_settings(state_dir: str | Path, address: BrokerAddress, topic_p
             return path
     except FileNotFoundError:
         pass
-    write_private(path, text)
+    write_durably(path, text, private=True)
     return path
 
 

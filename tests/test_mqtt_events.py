@@ -27,8 +27,9 @@ import pytest
 from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
 from actors.service.job_table import JobRecord
 from orchestrator.client import Client
-from orchestrator.mqtt_events import MqttListener, topic_level
+from orchestrator.mqtt_events import MqttListener
 from orchestrator.mqtt_settings import reader_settings
+from orchestrator.mqtt_topics import topic_level
 from orchestrator.report import write_report
 from tests.service_helpers import job_dict, wait_for, write_task_data
 
@@ -211,7 +212,7 @@ def test_topic_levels_cannot_contain_wildcards_or_separators():
     assert topic_level("ok.name_1-abc123") == "ok.name_1-abc123"
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{free_port()}", topic_prefix="lab/aspen/"))
     try:
-        assert listener.job_topic("x/+#-00ff", "state") == "lab/aspen/jobs/x___-00ff/state"
+        assert listener.topics.job_topic("x/+#-00ff", "state") == "lab/aspen/jobs/x___-00ff/state"
     finally:
         listener.close()
     with pytest.raises(ValueError, match="events.topic_prefix"):
@@ -232,8 +233,8 @@ def test_a_dead_broker_never_blocks_and_warns(caplog):
                 listener.job_changed(record, "queued")
                 listener.decided("preempt", record.id, "a higher priority job")
             assert time.perf_counter() - started < 2.0
-            assert len(listener.queue) <= 100
-            wait_for(lambda: listener.down, timeout=10, what="the listener to notice the broker is down")
+            assert len(listener.connection.outbox) <= 100
+            wait_for(lambda: listener.connection.down, timeout=10, what="the listener to notice the broker is down")
             listener.job_changed(record, "queued")
         finally:
             started = time.perf_counter()
@@ -253,20 +254,21 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
     try:
         listener.job_changed(record, "queued")
         listener.job_changed(job_record("job-def456", "queued"), None)
-        wait_for(lambda: listener.published >= 2, timeout=10, what="the first states to be published")
+        wait_for(lambda: listener.connection.published >= 2, timeout=10, what="the first states to be published")
         stop_mosquitto(broker)           # persistence off: the restarted broker has no retained messages
         with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
-            wait_for(lambda: listener.down, timeout=20, what="the listener to notice the broker left")
+            wait_for(lambda: listener.connection.down, timeout=20, what="the listener to notice the broker left")
             record.state, record.step = "completed", 10
             listener.job_changed(record, "running")     # dropped: the broker is away
             listener.job_deleted("job-def456")          # dropped too: its clearing is sent at the reconnect
-        assert listener.unsent_clears == {"job-def456"}
+        assert listener.connection.outbox.unsent_clears == {"job-def456"}
         broker = start_mosquitto(tmp_path / "broker", port)
-        wait_for(lambda: listener.connected, timeout=30, what="the listener to reconnect")
+        wait_for(lambda: listener.connection.connected, timeout=30, what="the listener to reconnect")
         state = retained(port, "aspen/v1/jobs/job-abc123/state")
         assert (state["state"], state["step"]) == ("completed", 10)
         assert set(retained_states(port, "aspen/v1", "job-abc123")) == {"job-abc123"}   # the deleted one is not back
-        wait_for(lambda: not listener.unsent_clears, timeout=10, what="the dropped clearing to be sent")
+        wait_for(lambda: not listener.connection.outbox.unsent_clears, timeout=10,
+                 what="the dropped clearing to be sent")
         assert retained(port, "aspen/v1/service/status")["state"] == "online"
         assert any("unreachable" in r.getMessage() for r in caplog.records)
     finally:
@@ -298,7 +300,7 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
         try:
             assert listener.describe()["mqtt_url"] == f"mqtts://127.0.0.1:{tls}"
             listener.job_changed(record, "running")
-            wait_for(lambda: listener.published >= 1, timeout=10, what="a publish over TLS")
+            wait_for(lambda: listener.connection.published >= 1, timeout=10, what="a publish over TLS")
         finally:
             listener.close()
         assert retained(plain, "aspen/v1/jobs/job-abc123/state", username="aspen", password="s3cret")["state"] == \
@@ -307,7 +309,7 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
             wrong = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="wrong",
                                               ca_file=folder / "cert.pem"))
             try:
-                wait_for(lambda: wrong.down, timeout=10, what="a refused password to be noticed")
+                wait_for(lambda: wrong.connection.down, timeout=10, what="a refused password to be noticed")
             finally:
                 wrong.close()
         assert any("unreachable" in r.getMessage() and f"mqtts://127.0.0.1:{tls}" in r.getMessage()
@@ -331,7 +333,7 @@ def test_a_deleted_jobs_retained_state_is_cleared(broker, request, tmp_path):
         kept, deleted = job_record("kept-000001", "queued"), job_record("gone-000002", "completed", time.time())
         listener.job_changed(kept, None)
         listener.job_changed(deleted, "running")
-        wait_for(lambda: listener.published >= 2, timeout=10, what="the states to be published")
+        wait_for(lambda: listener.connection.published >= 2, timeout=10, what="the states to be published")
         assert set(retained_states(port, prefix, kept.id, **credentials)) == {kept.id, deleted.id}
 
         live = Subscriber(port, f"{prefix}/jobs/#", **credentials)
@@ -342,7 +344,8 @@ def test_a_deleted_jobs_retained_state_is_cleared(broker, request, tmp_path):
         assert len(cleared) == 1
         live.close()
         assert set(retained_states(port, prefix, kept.id, **credentials)) == {kept.id}
-        assert deleted.id not in dict(listener._republish())   # not published again at a reconnect
+        # not published again at a reconnect
+        assert [m.topic for m in listener.topics.retained_states()] == [listener.topics.job_topic(kept.id, "state")]
     finally:
         listener.close()
 
@@ -354,7 +357,7 @@ def test_finished_jobs_retained_states_are_cleared_after_the_retention(mosquitto
     earlier = MqttListener(EventsConfig(broker=url, topic_prefix=prefix, retain_finished_s=None))
     try:   # the service's previous run, which kept finished states
         earlier.job_changed(old, "running")
-        wait_for(lambda: earlier.published >= 1, timeout=10, what="the old job's state to be published")
+        wait_for(lambda: earlier.connection.published >= 1, timeout=10, what="the old job's state to be published")
     finally:
         earlier.close()
     assert retained(mosquitto, f"{prefix}/jobs/{old.id}/state")["state"] == "failed"
@@ -377,7 +380,7 @@ def test_finished_jobs_retained_states_are_cleared_after_the_retention(mosquitto
         wait_for(lambda: [p for p, _ in live.on(f"{prefix}/jobs/{done.id}/state") if p is None], timeout=10,
                  what="the finished job's state to be cleared after its retention")
         assert set(retained_states(mosquitto, prefix, running.id)) == {running.id}
-        assert set(dict(listener._republish())) == {listener.job_topic(running.id, "state")}
+        assert [m.topic for m in listener.topics.retained_states()] == [listener.topics.job_topic(running.id, "state")]
         cleared = [t.split("/")[-2] for t, p, _ in list(live.messages) if p is None]
         assert sorted(cleared) == sorted([done.id, old.id])      # each cleared once
     finally:

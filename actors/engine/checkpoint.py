@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import pickle
 import shutil
 import tempfile
@@ -41,6 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from actors.engine.durable import fsync_tree, replace_durably
 from actors.engine.job import OptimizerStepRecord, StepAccumulator, TrainingJob
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict_shapes, load_adapter_state, save_adapter
 
@@ -114,7 +114,7 @@ def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str) 
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=_staging_prefix(folder)))
     try:
         _write_checkpoint(job, staging, base_model_name)
-        _fsync_tree(staging)
+        fsync_tree(staging)
         _swap_in(staging, folder)
     except BaseException:
         _remove_tree(staging, "the staging folder of a failed checkpoint save")
@@ -209,13 +209,11 @@ def _swap_in(staging: Path, folder: Path) -> None:
             # older `.previous` is no longer needed
             if previous.exists():
                 shutil.rmtree(previous)
-            os.replace(folder, previous)
-            _fsync_dir(folder.parent)
+            replace_durably(folder, previous)
         else:
             # no state file: not a checkpoint (and `.previous`, if any, is the complete one to keep)
             shutil.rmtree(folder)
-    os.replace(staging, folder)
-    _fsync_dir(folder.parent)
+    replace_durably(staging, folder)
     if previous.exists():
         _remove_tree(previous, "the previous checkpoint (the new one is complete; the next save retries)")
 
@@ -236,28 +234,6 @@ def _remove_tree(path: Path, what: str) -> None:
         pass
     except OSError as error:
         log.warning("%s: could not delete %s: %s; delete it by hand if it stays", path, what, error)
-
-
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file under `folder`, then the folders themselves (deepest first)."""
-    for path in sorted(folder.iterdir()):
-        if path.is_dir():
-            _fsync_tree(path)
-        else:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------- loading

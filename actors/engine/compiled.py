@@ -29,21 +29,20 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 
 from actors.engine.attention import ATTENTION_NAME, varlen_attention_forward
+from actors.engine.base_settings import COMPILE_MODES
 from actors.engine.layout import StepLayout
 from actors.engine.lora import FusedLoraLinear
 from actors.engine.packing import FusedBatch
 from actors.engine.recompute import decoder_layers
 from actors.engine.spec import compile_problem
 
-Compile = Literal["none", "default"]
-COMPILE_MODES: tuple[str, ...] = ("none", "default")
 _LORA_FORWARD = FusedLoraLinear.forward
 MIN_BUCKET = 64
 STEPS_PER_OCTAVE = 4   # bucket lengths 4, 5, 6, 7 x 2^k: at most a fifth of a padded stream is padding

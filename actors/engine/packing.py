@@ -10,15 +10,13 @@ Only positions whose next token is a training target are gathered for the LM hea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from actors.engine.base_settings import Layout
 from actors.engine.data import Example
 from actors.engine.data.pairs import example_rows
 from actors.engine.layout import StepLayout
-
-Layout = Literal["packed", "padded", "padded_fused"]
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,12 @@ adapter has, so a checkpoint restores A, B, A0 and B0 exactly from it (`load_ada
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from actors.engine.durable import write_durably
 from actors.engine.lora import AdapterHandle
 from actors.engine.spec import LoraConfig
 
@@ -32,57 +31,24 @@ def converted(config: LoraConfig) -> bool:
 
 
 def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_name: str) -> dict:
-    """`target_modules`: PEFT's names for exactly the adapted layers (AdapterHandle.peft_targets). The
-    initialisation is always PEFT's default (`true`): the weights are the trained ones, and a PiSSA / OLoRA
-    init would make PEFT decompose (and rewrite) the base again at load time."""
-    rank, alpha = config.r, config.alpha
-    if converted(config):
-        rank, alpha = 2 * rank, alpha * (2**0.5 if config.use_rslora else 2)
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name,
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": config.dropout,
-        "use_rslora": config.use_rslora,
-        "target_modules": target_modules,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "use_dora": config.use_dora,
-        "revision": None,
-    }
+    """What PEFT's `PeftModel.save_pretrained` writes as adapter_config.json for this adapter: a
+    `peft.LoraConfig` of aspen's settings, as PEFT saves it (`inference_mode` on). `target_modules`: PEFT's
+    names for exactly the adapted layers (AdapterHandle.peft_targets), kept in their (sorted) order where PEFT
+    writes its set in any order. A PiSSA / OLoRA adapter is saved as PEFT's own conversion saves it (`converted`:
+    rank and alpha doubled, `init_lora_weights` true, so that PEFT does not decompose the base again at load
+    time); the other kinds keep their `init_lora_weights` (true for the default, `gaussian`)."""
+    from peft import LoraConfig as PeftLoraConfig  # here, not at the top: importing PEFT takes seconds
 
-
-def _atomic_write(path: Path, write) -> None:
-    """Write `path` through a temporary file: its content is fsynced before the rename, and the folder
-    after it, so that after a crash `path` holds either the old or the complete new content."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(temporary)
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, path)
-        fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    rank, alpha, init = config.r, config.alpha, config.init_lora_weights
+    if converted(config):   # as PeftModel.save_pretrained(..., path_initial_model_for_weight_conversion=...)
+        rank, alpha, init = 2 * rank, alpha * (2**0.5 if config.use_rslora else 2), "default"
+    peft_config = PeftLoraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_model_name, inference_mode=True,
+                                 r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_rslora=config.use_rslora,
+                                 target_modules=target_modules, use_dora=config.use_dora,
+                                 init_lora_weights=True if init == "default" else init)
+    saved = peft_config.to_dict()
+    saved["target_modules"] = list(target_modules)
+    return saved
 
 
 PREFIX = "base_model.model."
@@ -146,10 +112,11 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
     folder = Path(folder)
     tensors = adapter_state_dict(adapter)
     config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
-    _atomic_write(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    # mode 0600, as these files always had (the temporary files they were first written to were made so)
+    write_durably(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), private=True)
     if metadata is not None:
-        _atomic_write(folder / METADATA_NAME, lambda tmp: Path(tmp).write_text(json.dumps(metadata, indent=2) + "\n"))
-    _atomic_write(folder / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+        write_durably(folder / METADATA_NAME, json.dumps(metadata, indent=2) + "\n", private=True)
+    write_durably(folder / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n", private=True)
     return folder
 
 

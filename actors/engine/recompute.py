@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from actors.engine.base_settings import RECOMPUTE_MODES, Recompute
 from actors.engine.layout import current_layout, step_layout
 from actors.engine.lora import LoraAdapter
-
-Recompute = Literal["none", "layers"]
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "layers")
 
 
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:

@@ -29,6 +29,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
+from actors.engine.base_settings import Compile, Dtype, Layout, Quantization, Recompute
 from actors.engine.data import DataFormat
 from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import StorageURI, as_location
@@ -431,9 +432,9 @@ class RunSpec(StrictModel):
 
     base_model: str = Field("smollm2-135m", description="an alias (smollm2-135m), a Hugging Face folder, a .gguf "
                                                         "file or a hub id already in the local cache")
-    quantization: Literal["none", "int8", "nf4"] = Field("none", description="the frozen base's linear layers "
+    quantization: Quantization = Field("none", description="the frozen base's linear layers "
                                                                            "(bitsandbytes: the `quant` extra)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: Dtype = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N (in-process runs)")
     seed: Seed = Field(0, description="seeds data order, adapter initialisation and dropout")
@@ -441,13 +442,13 @@ class RunSpec(StrictModel):
                                                                   "URI (s3://bucket/prefix, gs://...) where "
                                                                   "checkpoints, adapters and metrics are uploaded")
     step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
-    layout: Literal["packed", "padded", "padded_fused"] = Field(
+    layout: Layout = Field(
         "packed", description="packed (no padding), padded (each job's rows to its longest) or padded_fused "
                               "(mLoRA: every row to the step's longest)")
-    recompute: Literal["none", "layers"] = Field(
+    recompute: Recompute = Field(
         "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
                             "more time; the same adapters)")
-    compile: Literal["none", "default"] = Field(
+    compile: Compile = Field(
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
                             "quantized base)")
@@ -518,8 +519,8 @@ class JobSubmission(StrictModel):
 
     job: JobSpec
     base_model: str = "smollm2-135m"
-    quantization: Literal["none", "int8", "nf4"] = "none"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Quantization = "none"
+    dtype: Dtype = "auto"
     seed: Seed = 0
     output_dir: Location | None = Field(None, description="the job's own folder, a path or a storage URI (default: "
                                                           "under the service's output root or state folder)")

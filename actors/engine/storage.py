@@ -60,6 +60,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from actors.engine.durable import write_durably
+
 POINTER_NAME = "checkpoint.json"
 UPLOADS_FOLDER = "checkpoints"
 POINTER_FORMAT = 1
@@ -318,16 +320,11 @@ class StorageLocation:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Write one object whole. On object stores a PUT is atomic; on a file system it is written to a
-        temporary name and renamed, so that a reader never sees a part of it."""
+        temporary name and renamed (`durable.write_durably`), so that a reader never sees a part of it."""
         full = self._full(name)
         try:
             if _is_local(self.fs):
-                self.fs.create_dir(full.rsplit("/", 1)[0], recursive=True)
-                temporary = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-                with self.fs.open_output_stream(temporary) as stream:
-                    stream.write(data)
-                _fsync_local(temporary)
-                self.fs.move(temporary, full)
+                write_durably(full, data)
             else:
                 with self.fs.open_output_stream(full) as stream:
                     stream.write(data)
@@ -398,14 +395,6 @@ def _is_local(filesystem: Any) -> bool:
     import pyarrow.fs as pafs
 
     return isinstance(filesystem, pafs.LocalFileSystem)
-
-
-def _fsync_local(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_uri_bytes(uri: str) -> bytes:

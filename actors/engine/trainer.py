@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.compiled import Compile, CompiledLayers, bucket_length, check_compile, pad_to_bucket
+from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
+from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
@@ -28,7 +29,7 @@ from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cro
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
 from actors.engine.optim import step_jobs
-from actors.engine.packing import FusedBatch, JobMicroBatch, Layout, pack
+from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import (
     PreferenceOutcome,
     ReferenceCache,
@@ -36,7 +37,7 @@ from actors.engine.preference import (
     job_outcome,
     sequence_targets,
 )
-from actors.engine.recompute import RECOMPUTE_MODES, Recompute, decoder_layers, recomputed_layers
+from actors.engine.recompute import decoder_layers, recomputed_layers
 from actors.engine.spec import PREFERENCE_METHODS
 from policies.base import NextBatch, StepComposer
 

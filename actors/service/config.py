@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from actors.engine.base_settings import Compile, Dtype, Layout, Quantization, Recompute
 from actors.engine.spec import (
     INT64_MAX,
     Bounds,
@@ -31,15 +32,15 @@ class TrainerConfig(StrictModel):
     """One kind of trainer: `count` of them (or one per GPU with `gpus_per_trainer: 1`)."""
 
     base_model: str = Field("smollm2-135m", description="the base model this kind of trainer holds (as in a jobs file)")
-    quantization: Literal["none", "int8", "nf4"] = Field("none", description="of the frozen base (the `quant` extra)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    quantization: Quantization = Field("none", description="of the frozen base (the `quant` extra)")
+    dtype: Dtype = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
     step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
-    layout: Literal["packed", "padded", "padded_fused"] = Field("packed", description="token layout of its fused steps")
-    recompute: Literal["none", "layers"] = Field(
+    layout: Layout = Field("packed", description="token layout of its fused steps")
+    recompute: Recompute = Field(
         "none", description="layers: keep only each decoder layer's input for backward and recompute the layer "
                             "there (less activation memory, about a third more compute per step)")
-    compile: Literal["none", "default"] = Field(
+    compile: Compile = Field(
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
                             "quantized base)")

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from actors.engine.models import BaseModel, load_base_model
 from actors.engine.spec import RunSpec
 from actors.engine.storage import StorageURI, as_location, configured_storage, storage_configured
@@ -59,8 +62,6 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them.
     `storage`: the service's `storage:` settings (S3 endpoint, region, credential variables), used in this
     process for the run (the environment's where it gives none)."""
-    from tqdm import tqdm
-
     if base is None:
         base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization)
@@ -80,12 +81,14 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
             clear_job_folder(submission.output_dir)
         records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
         ids = [record.id for record in records]
-        bar = tqdm(total=sum(job.max_steps or 0 for job in spec.jobs) or None, unit="step", disable=not progress,
-                   desc=f"{len(ids)} jobs on {spec.base_model}")
+        bar = _step_bar(progress)
+        steps = bar.add_task(f"{len(ids)} jobs on {spec.base_model}",
+                             total=sum(job.max_steps or 0 for job in spec.jobs) or None)
+        bar.start()
         try:
-            _run(core, loop, table, base, ids, bar, on_step)
+            _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step)
         finally:
-            bar.close()
+            bar.stop()
             loop.close()
             final = [table.get(job_id) for job_id in ids]
             summaries = [_summary(record, table) for record in final]
@@ -93,8 +96,16 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     return summaries
 
 
-def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseModel, ids: list[str], bar,
-         on_step: Callable[[StepReport], None] | None) -> None:
+def _step_bar(enabled: bool) -> Progress:
+    """The run's progress on stderr: optimizer steps of all its jobs together (of the sum of their max_steps,
+    where every job gives one), drawn by rich as the CLI draws its tables and `aspen watch`."""
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+               TimeElapsedColumn()]
+    return Progress(*columns, console=Console(stderr=True), disable=not enabled)
+
+
+def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseModel, ids: list[str],
+         advance: Callable[[int], None], on_step: Callable[[StepReport], None] | None) -> None:
     """What the scheduler actor's tick and the trainer actor's loop do, in turn, until every job ended."""
     idle = 0
     while True:
@@ -119,7 +130,7 @@ def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseMode
             for event in events:
                 core.apply_event(TRAINER_ID, event)
         if report is not None:
-            bar.update(sum(1 for r in report.results if r.optimizer_step is not None))
+            advance(sum(1 for r in report.results if r.optimizer_step is not None))
             if on_step is not None:
                 on_step(report)
         unfinished = [r for r in (table.get(job_id) for job_id in ids) if r.state not in TERMINAL_STATES]

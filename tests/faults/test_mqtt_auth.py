@@ -84,9 +84,9 @@ def service(tmp_path):
     state_dir = tmp_path / "state"
     listener = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
     try:
-        wait_for(lambda: listener.connected, timeout=20, what="the service account to connect")
+        wait_for(lambda: listener.connection.connected, timeout=20, what="the service account to connect")
         listener.job_changed(record(), "queued")
-        wait_for(lambda: listener.published >= 1, timeout=10, what="the service to publish the job's state")
+        wait_for(lambda: listener.connection.published >= 1, timeout=10, what="the service to publish the job's state")
         yield listener, state_dir
     finally:
         listener.close()
@@ -114,7 +114,7 @@ def test_wrong_passwords_and_unknown_accounts_are_refused(service):
                                (SERVICE_ACCOUNT, settings.password), (SERVICE_ACCOUNT, ""), ("admin", "admin")):
         assert_refused(connect_error(settings.port, username=username, password=password))
     assert connect_error(settings.port, **reader_account(state_dir)) is None
-    assert listener.connected      # the service's own connection is untouched
+    assert listener.connection.connected      # the service's own connection is untouched
 
 
 def test_a_readers_publish_is_dropped_and_the_retained_state_stays_the_services(service):
@@ -197,7 +197,7 @@ def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(
     finally:
         os.umask(previous)
     try:
-        wait_for(lambda: first.connected, timeout=20, what="the service account to connect")
+        wait_for(lambda: first.connection.connected, timeout=20, what="the service account to connect")
         assert first.describe()["mqtt_credentials"] == str(state_dir / READER_FILE)
         assert [file_mode(path) for path in files] == [0o600] * 3
         assert not [p.name for p in state_dir.iterdir() if p.name.endswith(".tmp")]    # no temporary left over
@@ -214,7 +214,7 @@ def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(
 
     second = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)   # a restart, on a new port
     try:
-        wait_for(lambda: second.connected, timeout=20, what="the service account to connect again")
+        wait_for(lambda: second.connection.connected, timeout=20, what="the service account to connect again")
         assert files[0].read_text() == saved[files[0]] and files[1].read_text() == saved[files[1]]
         assert [file_mode(path) for path in files] == [0o600] * 3
         settings = reader_settings(state_dir)
@@ -228,7 +228,8 @@ def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(
     with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_settings"):
         third = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
     try:
-        wait_for(lambda: third.connected, timeout=20, what="the service account to connect with new passwords")
+        wait_for(lambda: third.connection.connected, timeout=20,
+                 what="the service account to connect with new passwords")
         assert file_mode(files[0]) == 0o600 and json.loads(files[0].read_text()) != credentials
         assert any("readable or writable by others" in r.getMessage() for r in caplog.records)
         port = reader_settings(state_dir).port
@@ -243,8 +244,8 @@ def test_service_listeners_give_the_broker_the_expanded_state_dir(tmp_path, monk
     config = ServiceConfig(state_dir="~/service", metrics={"enabled": False}, events={"embedded_port": 0})
     [listener] = service_listeners(config)
     try:
-        assert listener.state_dir == tmp_path / "service"
-        wait_for(lambda: listener.connected, timeout=20, what="the service account to connect")
+        assert listener.connection.state_dir == tmp_path / "service"
+        wait_for(lambda: listener.connection.connected, timeout=20, what="the service account to connect")
         assert reader_settings("~/service").url == listener.describe()["mqtt_url"]
     finally:
         listener.close()
@@ -255,8 +256,8 @@ def test_an_external_broker_keeps_the_configured_account_and_writes_no_files(tmp
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}", username="lab", password="s3cret"),
                             state_dir=tmp_path)
     try:
-        assert (listener.address.username, listener.address.password) == ("lab", "s3cret")
-        assert "s3cret" not in repr(listener.address)
+        assert (listener.connection.address.username, listener.connection.address.password) == ("lab", "s3cret")
+        assert "s3cret" not in repr(listener.connection.address)
         assert "mqtt_credentials" not in listener.describe()
     finally:
         listener.close()

@@ -1,0 +1,359 @@
+"""The connection that carries the service's MQTT messages (`orchestrator.mqtt_topics`) to the broker.
+
+The scheduler's threads only put messages in a bounded `Outbox`; a daemon thread runs its own asyncio
+loop: it starts the embedded amqtt broker where configured (`orchestrator.mqtt_broker`), connects with
+aiomqtt and publishes the outbox in order, reconnecting with backoff. At each connect it publishes the
+retained `online` status, the clearings dropped while the broker was away and every job's last state; its
+last will, and its last message when closed, is the retained `offline`. When the broker is unreachable or
+the outbox is full, messages are dropped with a (rate-limited) warning and training goes on.
+
+External brokers (`events.broker: mqtt://...`) use `events.username`/`events.password` as configured;
+the embedded one admits only the accounts the service generates (`orchestrator.mqtt_broker`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from actors.engine.extras import MissingExtraError, require
+from actors.service.config import EventsConfig
+from orchestrator.mqtt_settings import (
+    CREDENTIALS_FILE,
+    READER_FILE,
+    BrokerAddress,
+    broker_credentials,
+    write_reader_settings,
+)
+from orchestrator.mqtt_topics import EventTopics, Message
+
+if TYPE_CHECKING:   # imported where the broker starts: amqtt is an extra
+    from orchestrator.mqtt_broker import EmbeddedBroker
+
+log = logging.getLogger("orchestrator.mqtt_events")   # the events' one logger, whichever module logs
+
+QUEUE_SIZE = 10_000
+WARN_EVERY_S = 30.0
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.5, 30.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+class Outbox:
+    """The bounded queue between the service's threads and the publishing loop. `put` never blocks: a full
+    outbox, or one whose broker is `down`, drops the message (a warning every WARN_EVERY_S at most). It also
+    remembers the clearings of retained states not published yet, to send them again at the next connect."""
+
+    def __init__(self, size: int, where: str):
+        self.size = size
+        self.where = where            # the broker, as warnings name it
+        self.lock = threading.Lock()
+        self.queue: deque[Message] = deque()
+        self.unsent_clears: set[str] = set()   # jobs whose clearing is not published yet
+        self.down = False             # a connection attempt failed and none succeeded since: drop, don't queue
+        self.closed = False           # stopping, or events are off: take nothing more
+        self.dropped = 0
+        self.last_warning = 0.0
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.queue)
+
+    def put(self, message: Message) -> bool:
+        """Queue the message; False where it was dropped (or the outbox is closed)."""
+        if message.state_of is not None and message.clears is None:
+            with self.lock:
+                self.unsent_clears.discard(message.state_of)   # a newer state supersedes a dropped clearing
+        if self.closed:
+            return False
+        with self.lock:
+            if message.clears is not None:   # until it is published (queued, or dropped right here)
+                self.unsent_clears.add(message.clears)
+            full = len(self.queue) >= self.size
+            accepted = not full and not self.down
+            if accepted:
+                self.queue.append(message)
+        if not accepted:
+            self._dropped("the queue is full" if full else "the broker is unreachable")
+        return accepted
+
+    def take(self) -> Message | None:
+        with self.lock:
+            return self.queue.popleft() if self.queue else None
+
+    def drop_all(self) -> int:
+        """Empty the outbox (the broker went away); how many messages were dropped."""
+        with self.lock:
+            lost = len(self.queue)
+            self.queue.clear()
+        return lost
+
+    def pending_clears(self) -> list[str]:
+        """At each (re)connect: the clearings that were dropped (those still queued go out in turn)."""
+        with self.lock:
+            queued = {message.clears for message in self.queue if message.clears is not None}
+            return sorted(self.unsent_clears - queued)
+
+    def published(self, message: Message) -> None:
+        if message.clears is not None:
+            with self.lock:
+                self.unsent_clears.discard(message.clears)
+
+    def _dropped(self, why: str) -> None:
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self.last_warning >= WARN_EVERY_S:
+            log.warning("events: dropped %d MQTT event(s) since the last warning: %s (%s); training goes on, "
+                        "reconnecting with backoff", self.dropped, why, self.where)
+            self.last_warning = now
+            self.dropped = 0
+
+
+class MqttConnection:
+    """The publishing thread: its asyncio loop, the embedded broker (`address` None until it listens) or
+    an external one (`address` given), and the connection to it. `connected`, `down`, `disabled` and
+    `published` say how it goes."""
+
+    def __init__(self, config: EventsConfig, topics: EventTopics, *, address: BrokerAddress | None,
+                 state_dir: Path | None, queue_size: int = QUEUE_SIZE, start_timeout: float = 10.0):
+        self.config = config
+        self.topics = topics
+        self.address = address
+        self.state_dir = state_dir
+        self.reader_file: Path | None = None     # written once the embedded broker listens
+        self.outbox = Outbox(queue_size, address.url if address else "the embedded broker")
+        self.connected = False
+        self.disabled = False        # the embedded broker could not start: no events at all
+        self.broker_error: str | None = None   # why not, where the user can act on it (a missing extra)
+        self.published = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake: asyncio.Event | None = None
+        self.stop_requested = False
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self.thread = threading.Thread(target=self._thread_main, name="mqtt-events", daemon=True)
+        self.thread.start()
+        if not self.ready.wait(start_timeout):
+            log.warning("events: the MQTT thread did not start within %.0fs; events are queued until it does",
+                        start_timeout)
+
+    @property
+    def down(self) -> bool:
+        return self.outbox.down
+
+    def send(self, messages: list[Message]) -> None:
+        """Queue messages for the broker (from any thread; never blocks)."""
+        if any([self.outbox.put(message) for message in messages]):   # a list: every message is put
+            self._wake_loop()
+
+    def close(self) -> None:
+        """Publish the retained `offline` status, disconnect, stop the embedded broker (waits a few
+        seconds at most)."""
+        if self.loop is not None and not self.finished.is_set():
+            self.stop_requested = True
+            self.outbox.closed = True
+            self._wake_loop()
+            if not self.finished.wait(CLOSE_TIMEOUT_S + 5):
+                log.warning("events: the MQTT thread did not stop within %.0fs", CLOSE_TIMEOUT_S + 5)
+        self.thread.join(timeout=1)
+
+    def _wake_loop(self) -> None:
+        loop, wake = self.loop, self.wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:   # the loop has closed (the service is stopping): nothing left to wake
+                log.debug("events: the MQTT loop has closed")
+
+    # -- the thread ---------------------------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except Exception:  # events must never stop the service; the error is logged
+            log.exception("events: the MQTT thread failed; job events are off")
+            self.disabled = self.outbox.closed = True
+        finally:
+            self.ready.set()
+            self.finished.set()
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        broker = None
+        if self.address is None:
+            broker = await self._start_embedded()
+            if broker is None:
+                self.disabled = self.outbox.closed = True
+                self.outbox.drop_all()
+                self.ready.set()
+                return
+        self.ready.set()
+        try:
+            await self._publish_forever()
+        finally:
+            if broker is not None:
+                try:
+                    await broker.close()
+                except Exception:  # shutting down anyway; the error is logged
+                    log.exception("events: the embedded MQTT broker did not shut down cleanly")
+
+    async def _start_embedded(self) -> EmbeddedBroker | None:
+        """The embedded broker, listening, with `address` and the reader settings set; None (logged, with
+        the fix) where it cannot start."""
+        try:
+            require("amqtt", "broker", "the embedded MQTT broker (events.broker: embedded, the default)")
+        except MissingExtraError as error:
+            self.broker_error = f"{error}; or set events.broker to an external broker's URL. Job events are off"
+            log.warning("events: %s", self.broker_error)
+            return None
+        from orchestrator.mqtt_broker import EmbeddedBroker, embedded_broker_config, write_password_file
+
+        logging.getLogger("amqtt").setLevel(logging.WARNING)
+        logging.getLogger("transitions").setLevel(logging.WARNING)   # amqtt's state machines, chatty at INFO
+        port = self.config.embedded_port
+        assert self.state_dir is not None
+        broker = EmbeddedBroker()
+        try:
+            await broker.bind(port)
+        except OSError as error:
+            self._embedded_failed(port, error)
+            return None
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            credentials = broker_credentials(self.state_dir)
+            password_file = write_password_file(self.state_dir, credentials)
+        except (OSError, ValueError) as error:
+            log.warning("events: cannot set up the embedded MQTT broker's accounts in %s (%s); job events are off. "
+                        "The service's user must be able to write its state dir", self.state_dir, error)
+            await broker.close()
+            return None
+        try:
+            await broker.start(embedded_broker_config(password_file, credentials, self.topics.prefix))
+        except Exception as error:  # noqa: BLE001 - the service runs on without events; the fix is logged
+            await broker.close()
+            self._embedded_failed(port, error.__cause__ or error)
+            return None
+        self.address = BrokerAddress("127.0.0.1", broker.port, username=credentials.service.username,
+                                     password=credentials.service.password)
+        self.outbox.where = self.address.url
+        try:
+            self.reader_file = write_reader_settings(self.state_dir, self.address, self.topics.prefix,
+                                                     credentials.reader)
+        except OSError as error:
+            log.warning("events: cannot write the MQTT reader settings to %s (%s); subscribers must take the reader "
+                        "account from %s", self.state_dir / READER_FILE, error, self.state_dir / CREDENTIALS_FILE)
+        log.info("events: embedded MQTT broker on %s (accounts in %s)", self.address.url, self.state_dir)
+        return broker
+
+    @staticmethod
+    def _embedded_failed(port: int, cause: BaseException) -> None:
+        log.warning("events: cannot start the embedded MQTT broker on 127.0.0.1:%d (%s); job events are off. "
+                    "Set events.embedded_port to a free port (0 = any free port) or events.broker to an "
+                    "external broker's URL (mqtt://host:1883), or events.enabled: false", port, cause)
+
+    # -- publishing ---------------------------------------------------------------------------------------
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if self.address is None or not self.address.tls:
+            return None
+        cafile = str(self.config.ca_file) if self.config.ca_file else None
+        return ssl.create_default_context(cafile=cafile)
+
+    async def _publish_forever(self) -> None:
+        import aiomqtt
+
+        assert self.address is not None
+        address = self.address
+        # unguessable: amqtt lets a connection that claims a client id end that id's session before it checks
+        # the credentials, so a guessable id would let anyone on the host knock the publisher off
+        identifier = f"aspen-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(8)}"
+        status_topic = self.topics.status_topic
+        will = aiomqtt.Will(status_topic, self.topics.status("offline", reason="connection lost"), 1, True)
+        backoff = BACKOFF_MIN_S
+        pending: Message | None = None
+        while True:
+            try:
+                async with aiomqtt.Client(address.host, address.port, username=address.username,
+                                          password=address.password, identifier=identifier, will=will,
+                                          tls_context=self._tls_context(), timeout=10) as client:
+                    self.connected, self.outbox.down, backoff = True, False, BACKOFF_MIN_S
+                    log.info("events: connected to %s", address.url)
+                    watcher = asyncio.create_task(self._watch_connection(client))
+                    try:
+                        await client.publish(status_topic, self.topics.status("online"), qos=1, retain=True)
+                        resent = [self.topics.clearing(job_id) for job_id in self.outbox.pending_clears()]
+                        for message in resent + self.topics.retained_states():
+                            await client.publish(message.topic, message.payload, qos=message.qos,
+                                                 retain=message.retain)
+                            self.outbox.published(message)
+                        while True:
+                            if pending is None:
+                                pending = self.outbox.take()
+                            if pending is not None:
+                                await client.publish(pending.topic, pending.payload, qos=pending.qos,
+                                                     retain=pending.retain, timeout=10)
+                                self.published += 1
+                                self.outbox.published(pending)
+                                pending = None
+                                continue
+                            if self.stop_requested:
+                                await client.publish(status_topic, self.topics.status("offline", reason="shutdown"),
+                                                     qos=1, retain=True, timeout=CLOSE_TIMEOUT_S)
+                                return
+                            await self._idle(watcher)
+                    finally:
+                        watcher.cancel()
+            except (aiomqtt.MqttError, OSError) as error:
+                self.connected = False
+                if self.stop_requested:
+                    log.warning("events: could not publish the offline status to %s: %s", address.url, error)
+                    return
+                if not self.outbox.down:
+                    self.outbox.down = True
+                    lost = self.outbox.drop_all()
+                    log.warning("events: MQTT broker %s unreachable (%s); %d queued event(s) dropped, events are "
+                                "dropped until it is back, retrying with backoff (check events.broker)",
+                                address.url, error, lost)
+                else:
+                    log.debug("events: still cannot reach %s: %s", address.url, error)
+                pending = None
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                if self.stop_requested:
+                    return
+
+    async def _idle(self, watcher: asyncio.Task) -> None:
+        """Wait for a message to publish, a stop request, or the connection to drop (raises MqttError)."""
+        assert self.wake is not None
+        self.wake.clear()
+        if len(self.outbox) or self.stop_requested:
+            return
+        waiter = asyncio.create_task(self.wake.wait())
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            waiter.cancel()
+            watcher.result()
+
+    @staticmethod
+    async def _watch_connection(client: Any) -> None:
+        """Ends (with aiomqtt's MqttError) when the connection drops, so that an idle publisher notices at
+        once rather than at its next publish. Nothing is subscribed: no messages arrive."""
+        import aiomqtt
+
+        async for _ in client.messages:
+            pass
+        raise aiomqtt.MqttError("the connection to the broker closed")
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self.wake is not None
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), seconds)
+        except TimeoutError:
+            pass

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from actors.engine.durable import write_durably
+
 log = logging.getLogger(__name__)
 
 BACKUP_SUFFIX = ".backup"
@@ -60,11 +62,9 @@ def take_backup(table: Path) -> Path:
     of a connection of its own), check the copy and rename it into place. Raises `JobTableDamaged` where the
     table fails the check (the previous backup is kept), `sqlite3.Error` / `OSError` where it cannot be
     read or the copy written."""
-    from actors.engine.peft_io import _atomic_write  # fsync, rename, fsync the folder (torch: imported late)
-
-    def write(temporary: str) -> None:
+    def write(temporary: Path) -> None:
         source = sqlite3.connect(_uri(table, "rw"), uri=True, timeout=30)   # never creates a missing table
-        copy = sqlite3.connect(temporary)
+        copy = sqlite3.connect(temporary)   # an empty file: SQLite makes it a database
         try:
             source.backup(copy)                           # every page in one step: one snapshot of the table
             copy.execute("PRAGMA journal_mode=DELETE")    # one self-contained file (the table's mode is WAL)
@@ -80,7 +80,7 @@ def take_backup(table: Path) -> Path:
             raise JobTableDamaged(damaged_message(table, problem))
 
     target = backup_path(table)
-    _atomic_write(target, write)
+    write_durably(target, write)   # fsynced, renamed over the last backup, the folder fsynced
     return target
 
 

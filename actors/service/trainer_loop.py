@@ -78,7 +78,7 @@ from actors.engine.trainer import FusedTrainer, StepReport
 from actors.service.config import TrainerConfig, trainer_step_log
 from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
-from actors.service.job_files import METRICS_NAME, JobFiles
+from actors.service.job_files import METRICS_NAME, JobFiles, metrics_rows
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.uploads import Uploads, remove_snapshots, snapshot_checkpoint
@@ -446,7 +446,7 @@ class TrainerLoop:
                     resume_verdict = assignment.link.update(JobUpdate(
                         resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals)))
             try:
-                files.start([record.as_row() for record in job.history])
+                files.start(metrics_rows([record.as_row() for record in job.history], job.evals))
             except OSError as error:
                 raise OSError(f"cannot write its files in {assignment.output_dir}: {error}; make the folder "
                               "writable (or free space there) and resume the job") from error
@@ -706,7 +706,7 @@ class TrainerLoop:
                 continue
             job = active.job
             update = JobUpdate(steps=[record.as_row()])
-            active.files.append(record.as_row())
+            row = record.as_row()   # its metrics.jsonl row, written once the step's evaluation (if any) is done
             seconds = max(now - active.last_step_time, 1e-9)
             active.last_step_time = now
             self._emit("progress", result.job, record.step, **record.as_row(), tokens_per_s=record.tokens / seconds,
@@ -722,6 +722,8 @@ class TrainerLoop:
                 self._emit("eval", result.job, record.step, eval_loss=eval_loss)
                 if active.tracker is not None:
                     active.tracker.eval(record.step, eval_loss)
+                row["eval_loss"] = eval_loss
+            active.files.append(row)
             if self._checkpoint_due(active, record.step) and not job.done:
                 self._checkpoint(active)
             active.decisions.append((record.step, active.assignment.link.update(update)))
@@ -781,6 +783,9 @@ class TrainerLoop:
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
                     if active.tracker is not None:
                         active.tracker.eval(job.step, data["eval_loss"])
+                    # its last step's row is already written: the rows again, that one with this eval loss
+                    rows = metrics_rows([record.as_row() for record in job.history], job.evals)
+                    self._write(active, "its metrics", lambda: active.files.rewrite(rows))
                 metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
                     job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))

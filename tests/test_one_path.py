@@ -84,3 +84,17 @@ def test_the_service_and_the_in_process_mode_train_the_same(ray_session, tiny_mo
     assert {name: [(e["step"], e["eval_loss"]) for e in evals] for name, evals in reported.items()} == \
         {name: list(read_metrics(tmp_path / "in-process" / name / "metrics.jsonl", name).evals.items())
          for name in ("flat", "learning")}
+
+
+def test_a_final_evaluation_between_eval_steps_lands_in_the_last_row(tiny_model_dirs, tmp_path):
+    """A job whose last step is not a multiple of eval_every is evaluated once more as it ends: that eval loss
+    is in its last metrics.jsonl row (the file written again whole), and the rows before are as they were."""
+    base = str(tiny_model_dirs["llama"])
+    spec = run_spec(base, tmp_path / "run", [job_dict("odd", write_task_data(tmp_path / "data", "odd"), 5,
+                                                      eval_split=4, eval_every=2)])
+    (summary,) = train_locally(spec, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
+    assert summary.state == "completed" and [step for step, _ in summary.evals] == [2, 4, 5]
+    rows = [json.loads(line) for line in (tmp_path / "run/odd/metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5] and all(row["loss"] > 0 for row in rows)
+    assert [(row["step"], row["eval_loss"]) for row in rows if "eval_loss" in row] == summary.evals
+    assert list(collect(tmp_path / "run")[0].evals.items()) == summary.evals

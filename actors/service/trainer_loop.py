@@ -48,6 +48,7 @@ import torch
 from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import (
     CheckpointError,
+    DataChanged,
     has_checkpoint,
     load_checkpoint,
     previous_folder,
@@ -436,6 +437,7 @@ class TrainerLoop:
                 remote.check_writable()
             job = TrainingJob.attach(spec, self.base, feed, assignment.eval_examples, assignment.data.total_steps,
                                      seed=submission.seed)
+            job.data_digest = assignment.data.digest   # checked against its checkpoint's (DataChanged), saved with it
             folder = local_dir / CHECKPOINT_FOLDER
             resumed_from = None
             resume_verdict = None
@@ -453,7 +455,10 @@ class TrainerLoop:
             feed.prime()
             self.trainer.add_job(job)
         except Exception as error:  # a job that cannot start fails alone
-            log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
+            if isinstance(error, DataChanged):   # the user's to act on: the message says what to do
+                log.error("trainer %s: job %s could not start: %s", self.trainer_id, job_id, error)
+            else:
+                log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
             if job is not None:
                 remove_adapter(self.base.model, job_id)
             files.close()
@@ -628,7 +633,7 @@ class TrainerLoop:
         if loaded.skipped:
             note = f"resumed from the previous checkpoint; skipped: {'; '.join(loaded.skipped)}"
             log.warning("trainer %s: job %s: %s", self.trainer_id, job_id, note)
-        return job.step, note
+        return job.step, "; ".join([*([note] if note else []), *loaded.notes])
 
     def _apply_decisions(self) -> None:
         for active in list(self.active.values()):

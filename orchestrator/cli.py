@@ -254,7 +254,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # something to train, so a run whose jobs are all done, or whose spec changed, answers without them
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
     try:
-        plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
+        plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
+                        saved_data=_saved_data_digest)
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
         if args.overwrite:
@@ -305,6 +306,25 @@ def _saved_step(output_dir: str) -> int | None:
         pointer = read_pointer(StorageLocation(output_dir))
         return None if pointer is None else pointer["step"]
     return saved_step(Path(output_dir) / CHECKPOINT_FOLDER)
+
+
+def _saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
+    """The step and data digest of the job's checkpoint (the one uploaded to a storage URI, or on disk)."""
+    from actors.engine.checkpoint import STATE_NAME, saved_data_digest
+    from actors.engine.storage import StorageLocation, is_uri, read_pointer
+    from actors.service.trainer_loop import CHECKPOINT_FOLDER
+
+    if is_uri(output_dir):
+        location = StorageLocation(output_dir)
+        pointer = read_pointer(location)
+        if pointer is None:
+            return None
+        try:
+            state = json.loads(location.read_bytes(f"{pointer['upload']}/{STATE_NAME}"))
+        except ValueError:   # a damaged upload: its trainer refuses it when the job starts, and says why
+            return pointer["step"], None
+        return pointer["step"], state.get("data_digest") if isinstance(state, dict) else None
+    return saved_data_digest(Path(output_dir) / CHECKPOINT_FOLDER)
 
 
 def _run_in_process(spec, quiet: bool) -> int:

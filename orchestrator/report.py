@@ -4,8 +4,9 @@ and written to `RUN_DIR/report.md`.
 
 RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service state in `.aspen/`) or a
 service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
-step (step, loss, tokens, lr, grad_norm); eval losses and states come from the job table when there is one
-(read-only), or from an `eval_loss` field of the rows.
+step (step, loss, tokens, lr, grad_norm, and `eval_loss` where the job was evaluated after that step: every
+run mode writes it, `--in-process` included, which keeps no job table); states, and the eval losses of
+runs older than that, come from the job table when there is one (read-only).
 
 RUN_DIR may be a storage URI (s3://bucket/runs/x, where a run's output_dir is one): the jobs' metrics are
 read from there, and report.png / report.md are uploaded next to them (a URI run's job table stays on the

@@ -2,8 +2,9 @@
 jobs its service's table already holds from earlier runs. A job trained to its end is left alone; an
 unfinished one (interrupted, failed, cancelled, or held since the last run stopped) resumes from its
 checkpoint; a new one is submitted. A job whose spec changed in a way that makes its checkpoint wrong for
-it (data, model, adapter, optimisation, budget) is not resumed: the run stops and says which job, what
-changed, and that `--overwrite` starts it over."""
+it (data, model, adapter, optimisation, budget), or whose data changed since its checkpoint (the digest
+the checkpoint records, actors/engine/data/digest.py, against the data's now: a file rewritten in place), is
+not resumed: the run stops and says which job, what changed, and that `--overwrite` starts it over."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.engine.data.digest import describe_change, job_data_digest
+from actors.engine.data.rows import DataError
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import resolve_location
 from actors.service.job_table import JobRecord
@@ -65,9 +68,28 @@ def differences(old: JobSubmission, new: JobSubmission) -> list[str]:
     return found
 
 
+def data_changes(submission: JobSubmission, saved: tuple[int, str | None] | None) -> list[str]:
+    """The job's data now against `saved`, the (step, data digest) of its checkpoint: one line where they
+    differ; none without a checkpoint, with one that records no digest (an older aspen's), or where the data
+    cannot be read now (the job's start then says why)."""
+    if saved is None or saved[1] is None:
+        return []
+    step, digest = saved
+    job = submission.job
+    try:
+        current = job_data_digest(job.data, job.split, streaming=job.streaming)
+    except (DataError, OSError):
+        return []
+    if current == digest:
+        return []
+    return [f"data: {job.data} changed since its checkpoint at step {step} ({describe_change(digest, current)})"]
+
+
 def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
-             stored: Callable[[str], JobSubmission]) -> RunPlan:
-    """Match each submission with the newest earlier job of the same name writing to the same folder."""
+             stored: Callable[[str], JobSubmission],
+             saved_data: Callable[[str], tuple[int, str | None] | None] | None = None) -> RunPlan:
+    """Match each submission with the newest earlier job of the same name writing to the same folder.
+    `saved_data(output_dir)`: the (step, data digest) of the job's checkpoint there, to compare its data with."""
     latest: dict[tuple[str, str], JobRecord] = {}
     for record in sorted(records, key=lambda r: r.submitted_at):
         latest[(record.name, str(resolve_location(record.output_dir)))] = record
@@ -79,6 +101,8 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             plan.submit.append(submission)
             continue
         changes = differences(stored(record.id), submission)
+        if not changes and saved_data is not None:
+            changes = data_changes(submission, saved_data(record.output_dir))
         if changes:
             plan.changed.append((submission.job.name, changes))
             plan.changed_records.append(record)
@@ -91,6 +115,7 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
 
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:
     jobs = "\n".join(f"  job '{name}': {'; '.join(items)}" for name, items in changed)
-    return (f"{output_dir} holds jobs of an earlier run whose spec differs from this file's, so resuming them would "
-            f"mix two configurations:\n{jobs}\nrestore those fields, or run with --overwrite to start them over "
-            "(their checkpoints, adapters and metrics are deleted), or give the run another output_dir")
+    return (f"{output_dir} holds jobs of an earlier run whose spec or data differ from this file's, so resuming "
+            f"them would mix two configurations:\n{jobs}\nrestore those fields or that data, or run with --overwrite "
+            "to start them over (their checkpoints, adapters and metrics are deleted), or give the run another "
+            "output_dir")

@@ -4,12 +4,13 @@ came in), and float16 dynamic loss scaling (per job, so that one job's overflow 
 
 from __future__ import annotations
 
-import pytest
+import math
+
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 from torch.utils.data import SequentialSampler
-from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from actors.engine.checkpoint import load_checkpoint, save_checkpoint
 from actors.engine.data import Example
@@ -20,6 +21,7 @@ from actors.engine.peft_io import WEIGHTS_NAME, adapter_state_dict, save_adapter
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
 from tests.conftest import random_examples, tiny_config
+from tests.tolerances import adamw_first_step_bound, llama_chain_terms, rounding_tolerance
 
 VOCAB = 300
 
@@ -70,7 +72,38 @@ def _uneven_examples() -> list[Example]:
             long[3], long[4], short[3], short[4], long[5], short[5]]
 
 
+class _StepCapture(TrainerCallback):
+    """Hugging Face's Trainer: each optimizer step's gradient (as AdamW gets it: summed over the micro-batches,
+    divided by the step's target tokens, clipped) and the adapter after the step, by aspen's parameter names."""
+
+    def __init__(self, model):
+        self.parameters = {name.removeprefix("base_model.model.").replace(".default", ""): parameter
+                           for name, parameter in model.named_parameters() if "lora_" in name}
+        self.gradients: list[dict[str, torch.Tensor]] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.gradients.append({name: p.grad.detach().clone() for name, p in self.parameters.items()})
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.weights.append({name: p.detach().clone() for name, p in self.parameters.items()})
+
+
+def _target_tokens(examples: list[Example]) -> int:
+    """A causal LM's targets: every label but the first of each sequence that is not -100."""
+    return sum(sum(1 for label in e.labels[1:] if label != -100) for e in examples)
+
+
 def test_accumulation_weighs_tokens_as_hugging_face_trainer_does(tmp_path):
+    """Two optimizer steps of three uneven micro-batches each, aspen and Hugging Face's Trainer from the same
+    weights and adapter: the first step's gradient (every token weighing the same, whatever its micro-batch;
+    the sum divided by the step's target tokens), its gradient norm and both steps' losses agree within the
+    rounding tolerances of tests/tolerances.py (the same sums in other orders), and so do the weights after
+    the first AdamW step, within the bound its update g/(|g|+eps) puts on each entry for gradients that differ
+    by that tolerance. Not compared with one fixed tolerance: weights after AdamW steps (an entry whose
+    gradient is near zero moves by up to lr·δ/eps for a rounding difference δ). A mean of the micro-batches'
+    means instead of the tokens' mean moves the gradient by more than its largest entry here; an accumulation
+    that does not start again at step 2 moves that step's loss by 4e-3, some 18 times its tolerance."""
     torch.manual_seed(0)
     hf_model = LlamaForCausalLM(tiny_config("llama", VOCAB)).eval()
     ours = LlamaForCausalLM(tiny_config("llama", VOCAB))
@@ -84,9 +117,23 @@ def test_accumulation_weighs_tokens_as_hugging_face_trainer_does(tmp_path):
     save_adapter(job.adapter, tmp_path / "initial", "tiny")   # both start from the same adapter
     trainer = FusedTrainer(base)
     trainer.add_job(job)
-    losses = []
+    parameters = dict(job.adapter.named_parameters())
+    summed = {name: torch.zeros_like(p) for name, p in parameters.items()}   # step 1's backward passes, added
+
+    def add_to(name: str):
+        def hook(grad: torch.Tensor) -> None:   # returns nothing: the gradient itself is left as it is
+            summed[name].add_(grad)
+        return hook
+
+    hooks = [p.register_hook(add_to(name)) for name, p in parameters.items()]
+    losses, after_first = [], None
     while (report := trainer.train_step()) is not None:
-        losses += [r.optimizer_step.loss for r in report.results if r.optimizer_step is not None]
+        steps = [r.optimizer_step for r in report.results if r.optimizer_step is not None]
+        losses += [step.loss for step in steps]
+        if steps and after_first is None:
+            after_first = {name: p.detach().clone() for name, p in parameters.items()}
+            for hook in hooks:
+                hook.remove()
     ours_after = adapter_state_dict(job.adapter)
 
     peft_model = PeftModel.from_pretrained(hf_model, tmp_path / "initial", is_trainable=True)
@@ -96,19 +143,45 @@ def test_accumulation_weighs_tokens_as_hugging_face_trainer_does(tmp_path):
                              report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, seed=0,
                              remove_unused_columns=False, dataloader_num_workers=0)
     rows = [{"input_ids": list(e.input_ids), "labels": list(e.labels)} for e in examples]
-    hf = InOrderTrainer(model=peft_model, args=args, train_dataset=rows, data_collator=_pad)
+    capture = _StepCapture(peft_model)
+    hf = InOrderTrainer(model=peft_model, args=args, train_dataset=rows, data_collator=_pad, callbacks=[capture])
     hf.train()
     hf_after = {key.replace(".default", ""): value.detach() for key, value in peft_model.state_dict().items()
                 if "lora_" in key}
-    hf_losses = [row["loss"] for row in hf.state.log_history if "loss" in row]
-
-    assert set(hf_after) == set(ours_after)
+    logged = [row for row in hf.state.log_history if "loss" in row]
+    assert set(hf_after) == set(ours_after) and len(capture.gradients) == 2 == len(logged)
     initial = load_file(str(tmp_path / "initial" / WEIGHTS_NAME))
     moved = max(float((hf_after[k] - initial[k]).abs().max()) for k in hf_after if "lora_B" in k)
     assert moved > 1e-3, "the adapters did not move: nothing was compared"
-    for key in hf_after:
-        assert torch.allclose(ours_after[key], hf_after[key], rtol=1e-4, atol=1e-6), key
-    assert losses == pytest.approx(hf_losses, rel=1e-4)
+
+    # step 1's gradient: aspen backpropagates each token's loss with weight 1 and divides the sum by the step's
+    # target tokens; below the clipping threshold (norm < 1), which both then leave alone
+    norm = job.history[0].grad_norm
+    assert norm < spec.max_grad_norm
+    gradient = {name: total / _target_tokens(examples[:6]) for name, total in summed.items()}
+    largest = max(float(g.abs().max()) for g in capture.gradients[0].values())
+    longest = max(len(e) for e in examples)
+    terms = llama_chain_terms(base.model.config, sequence=longest, tokens=sum(len(e) for e in examples[:6]))
+    delta = rounding_tolerance(terms, largest)
+    print(f"step 1: largest gradient entry {largest:.2e}, tolerance {delta:.2e}")
+    for name, expected in capture.gradients[0].items():
+        assert float((gradient[name] - expected).abs().max()) <= delta, name
+    # its norm: within the entries' tolerance times the square root of their count
+    count = sum(g.numel() for g in gradient.values())
+    assert abs(norm - logged[0]["grad_norm"]) <= delta * math.sqrt(count)
+    # the weights after the first AdamW step: per entry, lr·δ·eps/(|g|-δ+eps)^2 (tests/tolerances.py)
+    for name, expected in capture.weights[0].items():
+        bound = adamw_first_step_bound(capture.gradients[0][name], delta, spec.lr, expected)
+        assert bool(((after_first[name] - expected).abs().double() <= bound).all()), name
+
+    # the losses: token-weighted means of same-sign terms, each token's terms (its logit and the log-sum-exp)
+    # taken as twice its loss; step 2's also moves with the weights' difference after step 1, to first order
+    # by the sum over entries of |step 2's gradient| times that difference
+    loss_terms = llama_chain_terms(base.model.config, sequence=longest, tokens=longest, backward=False)
+    assert abs(losses[0] - logged[0]["loss"]) <= rounding_tolerance(loss_terms, 2 * logged[0]["loss"])
+    drift = sum(float((capture.gradients[1][name].double() * (after_first[name] - weights).double()).abs().sum())
+                for name, weights in capture.weights[0].items())
+    assert abs(losses[1] - logged[1]["loss"]) <= rounding_tolerance(loss_terms, 2 * logged[1]["loss"]) + drift
 
 
 def test_loss_scale_backs_off_on_overflow_and_grows_after_clean_steps():

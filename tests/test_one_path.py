@@ -1,6 +1,7 @@
 """One training path: the same jobs file through the service on Ray and in this process (which only swaps
 Ray's transport for direct calls) gives the same steps, the same early stop at the same step, the same
-evaluations and checkpoints, and equal adapters."""
+evaluations and checkpoints, and equal adapters; both write each job's eval losses into its folder
+(metrics.jsonl), where `aspen report` reads them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from actors.service.config import run_service_config
 from actors.service.local_run import train_locally
 from actors.service.trainer_loop import CHECKPOINT_FOLDER
 from orchestrator.client import Client
+from orchestrator.report import collect, read_metrics, report_data
 from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
 
 
@@ -67,3 +69,32 @@ def test_the_service_and_the_in_process_mode_train_the_same(ray_session, tiny_mo
         assert local[name]["checkpoint"] == service[name]["checkpoint"] == local[name]["steps"][-1], name
         assert max_relative_difference(local[name]["adapter"], service[name]["adapter"]) <= 1e-6, name
     assert local["learning"]["evals"] and [s for s, _ in local["learning"]["evals"]] == [4, 8, 12]
+
+    # each job's folder holds its eval losses (its metrics.jsonl rows), whichever way it ran: the service's
+    # table (the reference here) and the in-process run's folder agree, and `aspen report` shows them
+    for name in ("flat", "learning"):
+        written = {mode: read_metrics(tmp_path / mode / name / "metrics.jsonl", name).evals
+                   for mode in ("in-process", "service")}
+        assert list(written["service"].items()) == service_evals[name], name
+        assert list(written["in-process"]) == [step for step, _ in service_evals[name]], name
+        assert list(written["in-process"].values()) == pytest.approx([v for _, v in service_evals[name]],
+                                                                     rel=1e-6), name
+    assert not (tmp_path / "in-process" / ".aspen").exists(), "the in-process run keeps no job table"
+    reported = {job["job"]: job["evals"] for job in report_data(collect(tmp_path / "in-process"))}
+    assert {name: [(e["step"], e["eval_loss"]) for e in evals] for name, evals in reported.items()} == \
+        {name: list(read_metrics(tmp_path / "in-process" / name / "metrics.jsonl", name).evals.items())
+         for name in ("flat", "learning")}
+
+
+def test_a_final_evaluation_between_eval_steps_lands_in_the_last_row(tiny_model_dirs, tmp_path):
+    """A job whose last step is not a multiple of eval_every is evaluated once more as it ends: that eval loss
+    is in its last metrics.jsonl row (the file written again whole), and the rows before are as they were."""
+    base = str(tiny_model_dirs["llama"])
+    spec = run_spec(base, tmp_path / "run", [job_dict("odd", write_task_data(tmp_path / "data", "odd"), 5,
+                                                      eval_split=4, eval_every=2)])
+    (summary,) = train_locally(spec, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
+    assert summary.state == "completed" and [step for step, _ in summary.evals] == [2, 4, 5]
+    rows = [json.loads(line) for line in (tmp_path / "run/odd/metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5] and all(row["loss"] > 0 for row in rows)
+    assert [(row["step"], row["eval_loss"]) for row in rows if "eval_loss" in row] == summary.evals
+    assert list(collect(tmp_path / "run")[0].evals.items()) == summary.evals

@@ -6,6 +6,7 @@ preference data and specs are refused naming the fix; a DPO job runs through the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from actors.engine.models import from_module
 from actors.engine.spec import JobSpec, RunSpec
 from actors.engine.trainer import FusedTrainer
 from tests.conftest import random_examples, tiny_model
+from tests.tolerances import llama_chain_terms, rounding_tolerance
 
 ROWS = [{"prompt": "Question: what is 2+2?\nAnswer:", "chosen": " 4", "rejected": " five, I think"},
         {"prompt": "Name a colour.", "chosen": " Blue is a colour.", "rejected": " A dog"},
@@ -67,9 +69,10 @@ def _aspen_job(method: str, pairs: list[PreferencePair], peft_model, **spec):
     return trainer, job
 
 
-def _compare_gradients(job, pairs: int, peft_model) -> float:
+def _compare_gradients(job, pairs: int, peft_model) -> tuple[float, float]:
     """The largest difference between aspen's gradient (summed over the pairs, divided here by their
-    number as its optimizer does) and PEFT's (TRL's loss is the mean over the batch)."""
+    number as its optimizer does) and PEFT's (TRL's loss is the mean over the batch), and PEFT's largest
+    gradient entry."""
     reference = _peft_lora(peft_model)
     worst, largest = 0.0, 0.0
     for name, parameter in job.adapter.named_parameters():
@@ -78,7 +81,21 @@ def _compare_gradients(job, pairs: int, peft_model) -> float:
         worst = max(worst, float((parameter.grad / pairs - expected).abs().max()))
         largest = max(largest, float(expected.abs().max()))
     assert largest > 1e-4, "TRL's gradients are all zero: nothing was compared"
-    return worst
+    return worst, largest
+
+
+def _tolerances(config, pairs: list[PreferencePair], largest: float, logps: float) -> tuple[float, float]:
+    """(gradient, log-prob) tolerances of aspen against TRL (tests/tolerances.py: the same sums in other
+    orders). A gradient entry: the chain through the forward and backward of the pairs' sequences, relative to
+    the largest entry. A sequence's log-prob (`logps`: the batch's largest in magnitude): the forward and the
+    sum over its tokens; its tokens' log-probs are all <= 0 (no cancellation), and each token's terms (its
+    logit and the log-sum-exp) are taken as twice its log-prob (probabilities below 1/2, as in these random
+    models)."""
+    longest = max(len(row) for pair in pairs for row in pair.rows)
+    tokens = sum(len(row) for pair in pairs for row in pair.rows)
+    gradient = rounding_tolerance(llama_chain_terms(config, sequence=longest, tokens=tokens), largest)
+    logp = rounding_tolerance(llama_chain_terms(config, sequence=longest, tokens=longest, backward=False), 2 * logps)
+    return gradient, logp
 
 
 def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
@@ -116,17 +133,28 @@ def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
     result = report.results[0]
     assert result.optimizer_step is None
     loss_difference = abs(result.loss - loss.item())
-    gradient_difference = _compare_gradients(job, len(pairs), peft_model)
+    gradient_difference, largest = _compare_gradients(job, len(pairs), peft_model)
     print(f"DPO vs TRL: loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
-          f"max |gradient difference| {gradient_difference:.2e}")
+          f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
     assert abs(loss.item() - 0.6931) > 1e-3, "the adapter changed nothing: DPO's loss is log 2"
-    assert loss_difference < 1e-5
-    assert gradient_difference < 1e-6
-    # the reward metrics are TRL's
     metrics = job.accumulator.metrics
+    # the batch's largest sequence log-prob: at most the pairs' count times the larger mean (all are <= 0)
+    logps = len(pairs) * max(abs(metrics["logps/chosen"]), abs(metrics["logps/rejected"]))
+    gradient_tolerance, logp_tolerance = _tolerances(trainer.base.model.config, pairs, largest, logps)
+    print(f"tolerances: gradient {gradient_tolerance:.2e}, log-prob {logp_tolerance:.2e}")
+    assert gradient_difference <= gradient_tolerance
+    # a pair's loss -log σ(β·margin) moves at most β times its margin, a sum of four log-probs (policy and
+    # reference, chosen and rejected)
+    beta = job.spec.preference.beta
+    assert loss_difference <= beta * 4 * logp_tolerance
+    # the reward metrics are TRL's: β times two log-probs (chosen, rejected), four (margins); the accuracies
+    # (the share of margins > 0) exactly: a margin would have to lie within its tolerance of 0 to flip one
     logged = trl._metrics["train"]
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):
-        assert abs(metrics[name] - logged[name][-1]) < 1e-4, (name, metrics[name], logged[name][-1])
+    reward = beta * 2 * logp_tolerance
+    for name, tolerance in (("rewards/chosen", reward), ("rewards/rejected", reward),
+                            ("rewards/margins", 2 * reward), ("logps/chosen", logp_tolerance)):
+        assert abs(metrics[name] - logged[name][-1]) <= tolerance, (name, metrics[name], logged[name][-1])
+    assert metrics["rewards/accuracies"] == logged["rewards/accuracies"][-1]
 
 
 def _orpo_trainer(beta: float):
@@ -175,14 +203,26 @@ def test_orpo_loss_and_gradients_equal_trl(smol_tokenizer):
     trainer, job = _aspen_job("orpo", pairs, peft_model, preference={"beta": beta}, train_on_prompt=True)
     result = trainer.train_step().results[0]
     loss_difference = abs(result.loss - loss.item())
-    gradient_difference = _compare_gradients(job, len(pairs), peft_model)
+    gradient_difference, largest = _compare_gradients(job, len(pairs), peft_model)
     print(f"ORPO vs TRL: loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
-          f"max |gradient difference| {gradient_difference:.2e}")
-    assert loss_difference < 1e-5
-    assert gradient_difference < 1e-6
+          f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
     ours = job.accumulator.metrics
-    for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/margins", "rewards/accuracies"):
-        assert abs(ours[name] - metrics[name]) < 1e-5, (name, ours[name], metrics[name])
+    # ORPO's log-probs are means over each sequence's tokens: their magnitude is the larger mean itself
+    logps = len(pairs) * max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
+    gradient_tolerance, logp_tolerance = _tolerances(trainer.base.model.config, pairs, largest, logps)
+    print(f"tolerances: gradient {gradient_tolerance:.2e}, log-prob {logp_tolerance:.2e}")
+    assert gradient_difference <= gradient_tolerance
+    # the log-odds of a pair: two mean log-probs, each with log1p(-exp(.)) of it (whose derivative, below 1 for
+    # log-probs below -log 2, adds at most as much again); their log-sigmoid moves at most as much; the NLL is a
+    # mean log-prob; the loss, NLL - β·log σ(log-odds); the margins, β times two mean log-probs. (Coarse for
+    # the log-odds and margins, small differences of log-probs: the gradients, which follow from them, are
+    # the close check.)
+    odds = 4 * logp_tolerance
+    for name, tolerance in (("nll_loss", logp_tolerance), ("log_odds_chosen", odds), ("log_odds_ratio", odds),
+                            ("rewards/margins", beta * 2 * logp_tolerance)):
+        assert abs(ours[name] - metrics[name]) <= tolerance, (name, ours[name], metrics[name])
+    assert loss_difference <= logp_tolerance + beta * odds
+    assert ours["rewards/accuracies"] == metrics["rewards/accuracies"]
 
 
 def _random_pairs(seed: int, count: int, vocab: int = 300) -> list[PreferencePair]:
@@ -247,7 +287,13 @@ def test_dpo_reference_is_the_base_without_any_adapter():
         for parameter in job.adapter.parameters():
             parameter.fill_(0.5)   # an adapter that would change every logit
     got = reference_log_probs(base, [JobMicroBatch("dpo", pairs)], 1024)[0].flatten().tolist()
-    assert max(abs(a - b) for a, b in zip(got, expected, strict=True)) < 1e-4
+    # the same sums in other orders (a packed forward, a chunked head): each sequence's log-prob within the
+    # rounding tolerance of its forward and its tokens' sum (tests/tolerances.py), its tokens' terms taken as
+    # twice its log-prob (all <= 0; probabilities below 1/2 in this random model)
+    longest = max(len(row) for pair in pairs for row in pair.rows)
+    terms = llama_chain_terms(model.config, sequence=longest, tokens=longest, backward=False)
+    for a, b in zip(got, expected, strict=True):
+        assert abs(a - b) <= rounding_tolerance(terms, 2 * abs(b)), (a, b)
 
 
 def test_preference_specs_and_rows_are_checked(smol_tokenizer, tmp_path):
@@ -337,46 +383,86 @@ def _dpo_spec(**changes) -> JobSpec:
                       "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}, **changes})
 
 
-def _train_dpo(base, pairs, *, layout: str = "packed", interrupt_after: int | None = None, folder=None):
-    """A DPO job trained to its end; with `interrupt_after`, checkpointed after that many micro-batches
-    (mid-accumulation) and resumed on a fresh trainer. Its adapter and its metrics rows."""
+def _train_dpo(base, pairs, *, layout: str = "packed", interrupt_after: int | None = None, folder=None,
+               resume_from=None):
+    """A DPO job trained to its end in `layout`: its adapter, its metrics rows, and each micro-batch's gradient
+    (what its backward pass adds to each adapter parameter). With `interrupt_after`, checkpointed into `folder`
+    after that many micro-batches (mid-accumulation) and resumed on a fresh trainer; with `resume_from`,
+    started from that checkpoint."""
     from actors.engine.checkpoint import load_checkpoint, save_checkpoint
 
-    trainer = FusedTrainer(base, layout=layout)
-    job = TrainingJob.create(_dpo_spec(), base, pairs, [], seed=0)
-    trainer.add_job(job)
+    gradients: list[dict[str, torch.Tensor]] = []
+
+    def start(checkpoint) -> tuple[FusedTrainer, TrainingJob]:
+        trainer = FusedTrainer(base, layout=layout)
+        job = TrainingJob.create(_dpo_spec(), base, pairs, [], seed=0)
+        if checkpoint is not None:
+            load_checkpoint(job, checkpoint)
+        trainer.add_job(job)
+        return trainer, job
+
+    def step(trainer: FusedTrainer, job: TrainingJob) -> None:
+        added: dict[str, torch.Tensor] = {}
+        hooks = [parameter.register_hook(lambda grad, name=name: added.__setitem__(name, grad.detach().clone()))
+                 for name, parameter in job.adapter.named_parameters()]
+        trainer.train_step()
+        for hook in hooks:
+            hook.remove()
+        gradients.append(added)
+
+    trainer, job = start(resume_from)
     if interrupt_after is not None:
         for _ in range(interrupt_after):
-            trainer.train_step()
+            step(trainer, job)
         assert job.accumulator.micro_batches == 1 and job.accumulator.metric_sums
         save_checkpoint(job, folder, "tiny")
         trainer.remove_job(job.name)
-        trainer = FusedTrainer(base, layout=layout)
-        job = TrainingJob.create(_dpo_spec(), base, pairs, [], seed=0)
-        load_checkpoint(job, folder)
-        trainer.add_job(job)
+        trainer, job = start(folder)
     while not job.done:
-        trainer.train_step()
-    result = {name: p.detach().clone() for name, p in job.adapter.named_parameters()}, [r.as_row() for r in job.history]
+        step(trainer, job)
+    weights = {name: p.detach().clone() for name, p in job.adapter.named_parameters()}
     trainer.remove_job(job.name)
-    return result
+    return weights, [r.as_row() for r in job.history], gradients
 
 
 def test_a_dpo_job_resumes_mid_accumulation_and_trains_alike_in_every_layout(tmp_path):
+    """Resumed mid-accumulation (after micro-batch 3 of 4), a DPO job ends exactly as uninterrupted: the same
+    arithmetic on the same state, so equality. In another layout (padding rows, never targets) the same sums
+    run in other orders (attention over padded keys, products of other shapes), so its micro-batches'
+    gradients agree within the rounding tolerance of tests/tolerances.py, each computed from the same state:
+    micro-batches 1 and 2 (step 1) from the same initial adapter, micro-batch 4 (step 2) from the checkpoint
+    after micro-batch 3.
+    Not compared across layouts: the losses (a tolerance derived from the log-probabilities' magnitudes is
+    some 0.5% of the loss, far looser than the gradients' 3e-5 of their largest entry, and a loss follows from
+    the same sums), and the weights after AdamW, whose update g/(|g|+eps) moves a weight by up to lr·δ/eps for
+    a rounding difference δ in a gradient entry near zero (an entry of 5e-8 that differed by 5e-11 between
+    the layouts moved its weight by 1.5e-6 on an AMD CPU, 3.2e-6 on an Intel one): no tolerance on them
+    follows from the rounding."""
     base = from_module(tiny_model("llama", 300), None)
     pairs = _random_pairs(3, 8)
-    weights, rows = _train_dpo(base, pairs)
-    # the adapter starts as a no-op (B = 0): the first step's policy is its reference
-    assert len(rows) == 2 and abs(rows[0]["loss"] - 0.693147) < 1e-5 and rows[0]["rewards/margins"] == 0.0
-    resumed_weights, resumed_rows = _train_dpo(base, pairs, interrupt_after=3, folder=tmp_path / "ckpt")
+    weights, rows, gradients = _train_dpo(base, pairs)
+    # the adapter starts as a no-op (B = 0): the first step's policy is its reference, its margins exactly 0,
+    # its loss -log σ(0) = log 2: in float32, the mean of the step's four equal pair losses, each rounded once
+    assert len(rows) == 2 and rows[0]["rewards/margins"] == 0.0
+    assert abs(rows[0]["loss"] - math.log(2)) <= rounding_tolerance(4, math.log(2))
+    resumed_weights, resumed_rows, _ = _train_dpo(base, pairs, interrupt_after=3, folder=tmp_path / "ckpt")
     assert resumed_rows == rows
     for name, value in weights.items():
         assert torch.equal(resumed_weights[name], value), name
-    for layout in ("padded_fused",):   # padding rows are never targets: the same training
-        padded_weights, padded_rows = _train_dpo(base, pairs, layout=layout)
-        assert abs(padded_rows[-1]["loss"] - rows[-1]["loss"]) < 1e-5, layout
-        for name, value in weights.items():
-            torch.testing.assert_close(padded_weights[name], value, rtol=1e-4, atol=1e-6)
+
+    # gradients: the terms along a gradient's chain (sequences of at most `longest` tokens, a micro-batch of two
+    # pairs: four sequences), relative to the micro-batch's largest gradient entry: 3e-5 of it here, so that a
+    # gradient wrong by more than that fails
+    longest = max(len(row) for pair in pairs for row in pair.rows)
+    terms = llama_chain_terms(base.model.config, sequence=longest, tokens=4 * longest)
+    assert rounding_tolerance(terms, 1.0) < 1e-3
+    for layout in ("padded_fused",):
+        _, _, padded = _train_dpo(base, pairs, layout=layout)
+        _, _, from_checkpoint = _train_dpo(base, pairs, layout=layout, resume_from=tmp_path / "ckpt")
+        for ours, theirs in [(gradients[0], padded[0]), (gradients[1], padded[1]), (gradients[3], from_checkpoint[0])]:
+            bound = rounding_tolerance(terms, max(float(g.abs().max()) for g in ours.values()))
+            for name, value in ours.items():
+                assert float((theirs[name] - value).abs().max()) <= bound, (layout, name)
 
 
 def test_dpo_references_are_computed_once_per_pair_and_reused():

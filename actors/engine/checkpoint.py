@@ -17,9 +17,13 @@ Format 2 on disk (`<name>/`):
                             `grad.<i>` (partial accumulation, where not None), `dropout_rng` (uint8),
                             `param_groups.<g>.<key>` (tensor-valued optimizer settings, if any)
     state.json              format, job, step, cursor, accumulator, history, evals ([step, eval loss]
-                            pairs; optional: older checkpoints have none), the optimizer's non-tensor
-                            parts (param_groups, step_count, micro_count, which tensors exist) and the
-                            size and sha256 of every other file; written last
+                            pairs; optional: older checkpoints have none), data_digest (of the data the
+                            job trains on, data/digest.py; optional: older checkpoints, and jobs whose
+                            data is not known, have none), the optimizer's non-tensor parts
+                            (param_groups, step_count, micro_count, which tensors exist) and the size and
+                            sha256 of every other file; written last
+A job whose data digest differs from its checkpoint's is not resumed (`DataChanged`): its data changed
+since. A checkpoint without a digest is resumed, and says that its data could not be checked.
 One writer per checkpoint folder: a save removes the staging folders an earlier (crashed) save left."""
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from actors.engine.data.digest import describe_change
 from actors.engine.durable import fsync_tree, replace_durably
 from actors.engine.job import OptimizerStepRecord, StepAccumulator, TrainingJob
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict_shapes, load_adapter_state, save_adapter
@@ -61,15 +66,22 @@ class CheckpointError(ValueError):
     """No valid checkpoint: the message names every candidate folder and why it was rejected."""
 
 
+class DataChanged(ValueError):
+    """The job's data is not what its checkpoint was trained on (their digests differ): the job must not
+    resume from it. The message names the job, its data and what to do."""
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """What `load_checkpoint` restored: the job's step, the folder it came from (the checkpoint or its
-    `.previous`), its format, and one message per checkpoint skipped on the way (path: why)."""
+    `.previous`), its format, one message per checkpoint skipped on the way (path: why), and notes on what
+    could not be checked (its data, where it records no digest)."""
 
     step: int
     folder: Path
     skipped: list[str] = field(default_factory=list)
     format: int = FORMAT_VERSION
+    notes: list[str] = field(default_factory=list)
 
 
 class _Invalid(Exception):
@@ -145,6 +157,7 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
         "accumulator": asdict(job.accumulator),
         "history": [asdict(record) for record in job.history],
         "evals": [[step, loss] for step, loss in job.evals],
+        "data_digest": job.data_digest,
         "optimizer": optimizer,
         "dropout_rng": generator is not None,
         "files": files,
@@ -274,7 +287,12 @@ def load_checkpoint(job: TrainingJob, folder: str | Path) -> LoadedCheckpoint:
         if skipped:
             log.warning("job %s: resumed from %s at step %d; skipped: %s", job.name, candidate, job.step,
                         "; ".join(skipped))
-        return LoadedCheckpoint(step=job.step, folder=candidate, skipped=skipped, format=saved.format)
+        notes = []
+        if job.data_digest is not None and saved.state.get("data_digest") is None:
+            notes.append(f"its checkpoint {candidate} records no digest of its data (written by an older aspen), so "
+                         f"whether {job.spec.data} changed since could not be checked; its next checkpoint records it")
+            log.warning("job %s: %s", job.name, notes[-1])
+        return LoadedCheckpoint(step=job.step, folder=candidate, skipped=skipped, format=saved.format, notes=notes)
     raise CheckpointError(f"no valid checkpoint for job '{job.name}': {'; '.join(skipped)}. Start the job "
                           f"over, or put a valid checkpoint back in {folder}")
 
@@ -286,6 +304,7 @@ def _read_checkpoint(folder: Path, job: TrainingJob) -> _Saved:
     state = _read_state(state_path)
     if state["job"] != job.name:
         raise _Invalid(f"{state_path}: a checkpoint of job '{state['job']}', not of '{job.name}'")
+    _check_data(state, state_path, job)
     if state["format"] == 2:
         saved = _read_format_2(folder, state)
     else:
@@ -333,7 +352,33 @@ def _read_state(path: Path) -> dict[str, Any]:
     for key, kind in (("cursor", dict), ("accumulator", dict), ("history", list)):
         if not isinstance(state[key], kind):
             raise _Invalid(f"{path}: \"{key}\" is a {type(state[key]).__name__}, not a {kind.__name__}")
+    if not isinstance(state.get("data_digest"), str | None):
+        raise _Invalid(f"{path}: \"data_digest\" is {state['data_digest']!r}, not a digest string")
     return state
+
+
+def _check_data(state: dict[str, Any], state_path: Path, job: TrainingJob) -> None:
+    """Raise `DataChanged` where the checkpoint's data digest and the job's are both known and differ."""
+    saved, current = state.get("data_digest"), job.data_digest
+    if saved is None or current is None or saved == current:
+        return
+    raise DataChanged(f"job '{job.name}': its data {job.spec.data} changed since its checkpoint at step "
+                      f"{state['step']} ({state_path}): {describe_change(saved, current)}; resuming would train one "
+                      "adapter on two datasets. Put back the data it trained on, or start the job over "
+                      "(`aspen run --overwrite`; a service's job: submit it again)")
+
+
+def saved_data_digest(folder: str | Path) -> tuple[int, str | None] | None:
+    """The step and data digest (None: an older checkpoint records none) of the newest checkpoint whose
+    state file reads (`folder`, else its `.previous`), without validating the rest; None without one."""
+    folder = Path(folder)
+    for candidate in (folder, previous_folder(folder)):
+        try:
+            state = _read_state(candidate / STATE_NAME)
+        except _Invalid:
+            continue
+        return int(state["step"]), state.get("data_digest")
+    return None
 
 
 def _read_format_2(folder: Path, state: dict[str, Any]) -> _Saved:

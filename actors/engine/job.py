@@ -91,6 +91,7 @@ class TrainingJob:
     tokens_seen: int = 0
     history: list[OptimizerStepRecord] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)   # (optimizer step, eval loss), in order
+    data_digest: str | None = None   # of the data it trains on (data/digest.py), where known: kept with its checkpoints
 
     @classmethod
     def create(cls, spec: JobSpec, base: BaseModel, train: list[Example], eval_examples: list[Example],

@@ -12,7 +12,9 @@ from transformers import PreTrainedTokenizerBase
 
 from actors.engine.data import DataCursor, Example, split_eval
 from actors.engine.data.dataset import load_dataset_examples
+from actors.engine.data.digest import data_digest
 from actors.engine.data.streaming import StreamingCursor, open_stream
+from actors.engine.data.tables import RowTable, open_table
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from actors.service.feed import FeedChunk
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
@@ -31,6 +33,7 @@ class DataSummary:
     dropped: int
     total_steps: int
     start: dict[str, Any]        # the cursor position of the job's first micro-batch
+    digest: str | None = None    # of the data it read (actors/engine/data/digest.py), kept with its checkpoints
 
 
 @dataclass
@@ -63,32 +66,35 @@ class JobData:
         if self.summary is not None:
             return self.summary
         spec = self.spec
+        table = open_table(spec.data, spec.split)
+        digest = data_digest(table, streaming=spec.streaming)
         if spec.streaming:
-            return self._prepare_stream()
+            return self._prepare_stream(table, digest)
         loaded = load_dataset_examples(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
-                                       train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns)
+                                       train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns,
+                                       table=table)
         if loaded.dropped:
             log.warning("job %s: %d rows of %s have no target token left after truncation to max_seq_len=%d",
                         self.job_id, loaded.dropped, spec.data, spec.max_seq_len)
         train, self.eval = split_eval(loaded.examples, spec.eval_split, self.submission.seed)
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
         self.summary = DataSummary(len(train), len(self.eval), loaded.dropped, planned_steps(spec, len(train)),
-                                   self.cursor.state_dict())
+                                   self.cursor.state_dict(), digest)
         self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
 
-    def _prepare_stream(self) -> DataSummary:
+    def _prepare_stream(self, table: RowTable, digest: str) -> DataSummary:
         """A streaming job (actors/engine/data/streaming.py): only its eval rows (the first `eval_split`) are
         read now; `train_examples` counts rows (0 where they are not counted: no `epochs`, no metadata)."""
         spec = self.spec
         stream = open_stream(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
                              train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns,
                              batch_size=spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec),
-                             eval_rows=int(spec.eval_split), shuffle_window=spec.shuffle_window)
+                             eval_rows=int(spec.eval_split), shuffle_window=spec.shuffle_window, table=table)
         self.cursor, self.eval = stream.cursor, stream.eval
         rows = stream.train_rows or 0
         self.summary = DataSummary(rows, len(self.eval), stream.eval_dropped, planned_steps(spec, rows),
-                                   self.cursor.state_dict())
+                                   self.cursor.state_dict(), digest)
         self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
 

@@ -1,4 +1,5 @@
-"""A job's own writer on its trainer: its `metrics.jsonl` rows, and the bookkeeping of I/O failures in its
+"""A job's own writer on its trainer: its `metrics.jsonl` rows (one per optimizer step, with the step's eval
+loss where the job was evaluated after it: `metrics_rows`), and the bookkeeping of I/O failures in its
 output folder (metrics, checkpoints, the adapter), so that a full disk or a folder it may not write to
 fails that one job, after a bounded number of tries, with one clear reason, and never costs another job a
 row. Rows that could not be written are kept and written with the next ones once the folder takes writes
@@ -54,6 +55,24 @@ class JobFiles:
             assert self.last_error is not None
             raise self.last_error
 
+    def rewrite(self, rows: list[dict[str, Any]]) -> None:
+        """Replace metrics.jsonl with `rows` (e.g. a job's whole history once a final evaluation adds its loss
+        to a row already written): written beside it, then renamed over it, so that a failure leaves the file
+        as it was. Raises OSError."""
+        path = self.folder / METRICS_NAME
+        staged = self.folder / f".{METRICS_NAME}.rewrite"
+        try:
+            with open(staged, "w") as out:
+                out.write("".join(json.dumps(row) + "\n" for row in rows))
+            os.replace(staged, path)
+        except OSError:
+            staged.unlink(missing_ok=True)
+            raise
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = os.open(path, os.O_WRONLY)
+        self.unwritten = []
+
     def append(self, row: dict[str, Any]) -> None:
         self.unwritten.append(json.dumps(row) + "\n")
         self._flush()
@@ -97,6 +116,16 @@ class JobFiles:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def metrics_rows(steps: list[dict[str, Any]], evals: list[tuple[int, float]]) -> list[dict[str, Any]]:
+    """A job's metrics.jsonl rows: its optimizer steps' rows, each with `eval_loss` where the job was evaluated
+    after that step (an evaluation at a step without a row, before the first step, gets a row of its own).
+    What `aspen report` reads for the eval losses of a run in any mode."""
+    losses = dict(evals)
+    rows = [{**row, "eval_loss": losses.pop(row["step"])} if row["step"] in losses else dict(row) for row in steps]
+    rows += [{"step": step, "eval_loss": loss} for step, loss in losses.items()]
+    return sorted(rows, key=lambda row: row["step"])
 
 
 def clear_job_folder(folder: Path | str) -> None:

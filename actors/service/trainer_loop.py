@@ -48,6 +48,7 @@ import torch
 from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import (
     CheckpointError,
+    DataChanged,
     has_checkpoint,
     load_checkpoint,
     previous_folder,
@@ -78,7 +79,7 @@ from actors.engine.trainer import FusedTrainer, StepReport
 from actors.service.config import TrainerConfig, trainer_step_log
 from actors.service.feed import Done, FeedChunk, JobLinkLost, MicroBatchFeed, Pending, wait_for
 from actors.service.job_data import VERDICT_LAG, DataSummary, JobData, JobUpdate
-from actors.service.job_files import METRICS_NAME, JobFiles
+from actors.service.job_files import METRICS_NAME, JobFiles, metrics_rows
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker, start_tracker
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from actors.service.uploads import Uploads, remove_snapshots, snapshot_checkpoint
@@ -436,6 +437,7 @@ class TrainerLoop:
                 remote.check_writable()
             job = TrainingJob.attach(spec, self.base, feed, assignment.eval_examples, assignment.data.total_steps,
                                      seed=submission.seed)
+            job.data_digest = assignment.data.digest   # checked against its checkpoint's (DataChanged), saved with it
             folder = local_dir / CHECKPOINT_FOLDER
             resumed_from = None
             resume_verdict = None
@@ -446,14 +448,17 @@ class TrainerLoop:
                     resume_verdict = assignment.link.update(JobUpdate(
                         resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals)))
             try:
-                files.start([record.as_row() for record in job.history])
+                files.start(metrics_rows([record.as_row() for record in job.history], job.evals))
             except OSError as error:
                 raise OSError(f"cannot write its files in {assignment.output_dir}: {error}; make the folder "
                               "writable (or free space there) and resume the job") from error
             feed.prime()
             self.trainer.add_job(job)
         except Exception as error:  # a job that cannot start fails alone
-            log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
+            if isinstance(error, DataChanged):   # the user's to act on: the message says what to do
+                log.error("trainer %s: job %s could not start: %s", self.trainer_id, job_id, error)
+            else:
+                log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)
             if job is not None:
                 remove_adapter(self.base.model, job_id)
             files.close()
@@ -628,7 +633,7 @@ class TrainerLoop:
         if loaded.skipped:
             note = f"resumed from the previous checkpoint; skipped: {'; '.join(loaded.skipped)}"
             log.warning("trainer %s: job %s: %s", self.trainer_id, job_id, note)
-        return job.step, note
+        return job.step, "; ".join([*([note] if note else []), *loaded.notes])
 
     def _apply_decisions(self) -> None:
         for active in list(self.active.values()):
@@ -706,7 +711,7 @@ class TrainerLoop:
                 continue
             job = active.job
             update = JobUpdate(steps=[record.as_row()])
-            active.files.append(record.as_row())
+            row = record.as_row()   # its metrics.jsonl row, written once the step's evaluation (if any) is done
             seconds = max(now - active.last_step_time, 1e-9)
             active.last_step_time = now
             self._emit("progress", result.job, record.step, **record.as_row(), tokens_per_s=record.tokens / seconds,
@@ -722,6 +727,8 @@ class TrainerLoop:
                 self._emit("eval", result.job, record.step, eval_loss=eval_loss)
                 if active.tracker is not None:
                     active.tracker.eval(record.step, eval_loss)
+                row["eval_loss"] = eval_loss
+            active.files.append(row)
             if self._checkpoint_due(active, record.step) and not job.done:
                 self._checkpoint(active)
             active.decisions.append((record.step, active.assignment.link.update(update)))
@@ -781,6 +788,9 @@ class TrainerLoop:
                     active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
                     if active.tracker is not None:
                         active.tracker.eval(job.step, data["eval_loss"])
+                    # its last step's row is already written: the rows again, that one with this eval loss
+                    rows = metrics_rows([record.as_row() for record in job.history], job.evals)
+                    self._write(active, "its metrics", lambda: active.files.rewrite(rows))
                 metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
                     job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))

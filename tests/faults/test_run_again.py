@@ -3,8 +3,9 @@
 - Ctrl-C (SIGINT to the whole process group, as a terminal sends it): one line, exit 130, no traceback,
   running jobs checkpointed; the same command again resumes them and they end as an uninterrupted run;
 - the same command once more: finished jobs are left alone, one line each, exit 0;
-- the spec changed in a way that makes resuming wrong: exit 2, naming the job, the field and `--overwrite`;
-  with `--overwrite` the jobs start over;
+- the spec changed in a way that makes resuming wrong, or a job's data file was rewritten in place (same
+  path, same row count, one row's text changed): exit 2, naming the job, the field or the file, and
+  `--overwrite`; with `--overwrite` the jobs start over (on the changed data);
 - everything killed at once (SIGKILL to the process group: `ray stop`, a reboot): the same command resumes
   every unfinished job from its last checkpoint, written by time (`checkpoint_every_s`) as well as by
   step, and the adapters equal those of an undisturbed run."""
@@ -90,6 +91,15 @@ def run(folder: Path, *args: str) -> tuple[int, str, str]:
     return finish(start(folder, *args))
 
 
+def change_a_row(path: Path) -> None:
+    """One row's answer reversed: the same path, row count and size, another row."""
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[3])
+    row["answer"] = row["answer"][::-1]
+    lines[3] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def checkpoint_step(folder: Path) -> int:
     try:
         return json.loads((folder / "checkpoint" / "state.json").read_text())["step"]
@@ -142,18 +152,30 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
     assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() == adapter
     assert time.monotonic() - started < 120
 
+    change_a_row(tmp_path / "data" / "second.jsonl")   # its data rewritten in place: the same stop as a spec change
+    code, out, err = run(tmp_path)
+    assert code == 2, (code, out, err)
+    assert f"job 'second': data: {tmp_path / 'data' / 'second.jsonl'} changed since its checkpoint at step {STEPS}" \
+        in err and "--overwrite" in err, err
+    assert "job 'first'" not in err and "Traceback" not in err, err
+
     write_run(tmp_path, base, lr="2.0e-3")           # a change that makes the old results wrong
+    change_a_row(tmp_path / "data" / "second.jsonl")
     code, out, err = run(tmp_path)
     assert code == 2, (code, out, err)
     assert "job 'first': lr: 0.001 -> 0.002" in err and "--overwrite" in err, err
     assert "second" not in err.split("job 'first'")[1].splitlines()[0]
+    assert "job 'second': data: " in err, err
     assert "Traceback" not in err
 
+    second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
     code, out, err = run(tmp_path, "--overwrite")
     assert code == 0, (out, err)
-    assert metric_steps(tmp_path / "out" / "first") == list(range(1, STEPS + 1))
+    for name in ("first", "second"):
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
     assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != adapter   # trained again, at 2e-3
-    assert_like_undisturbed(tmp_path, base)
+    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() != second   # and on the changed row
+    assert_like_undisturbed(tmp_path, base)   # each as an undisturbed run on the files as they are now
 
 
 def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpoints(tmp_path, tiny_model_dirs):

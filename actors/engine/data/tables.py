@@ -94,6 +94,10 @@ class RowTable(ABC):
         says otherwise)."""
         return None
 
+    def files(self) -> list[str]:
+        """The files (paths or storage URIs) its rows are read from, in reading order (what digest.py hashes)."""
+        return [self.source]
+
 
 def _reading_error(source: str, doing: str, error: BaseException) -> Exception:
     """A failed read: a storage endpoint that did not answer stays `StorageUnreachable` (the job's start is
@@ -220,13 +224,17 @@ class ArrowTable(RowTable):
     """A memory-mapped Arrow table (an `.arrow` file or a saved dataset's split), converted to Python rows a
     chunk at a time: its pages are read as they are touched, so it is never wholly in memory."""
 
-    def __init__(self, source: str, num_rows: int, slicer: Callable[[int, int], Any]):
+    def __init__(self, source: str, num_rows: int, slicer: Callable[[int, int], Any], files: list[str]):
         self.source = source
         self.num_rows = num_rows
         self._slice = slicer   # (start, stop) -> pyarrow.Table of those rows
+        self._files = files
 
     def known_rows(self) -> int:
         return self.num_rows
+
+    def files(self) -> list[str]:
+        return list(self._files)
 
     def rows(self, start: int = 0) -> Iterator[Row]:
         for first in range(start, self.num_rows, ARROW_CHUNK_ROWS):
@@ -256,6 +264,9 @@ class ConcatTable(RowTable):
     def check_streamable(self) -> None:
         for part in self.parts:
             part.check_streamable()
+
+    def files(self) -> list[str]:
+        return [file for part in self.parts for file in part.files()]
 
     def rows(self, start: int = 0) -> Iterator[Row]:
         for part in self.parts:
@@ -292,7 +303,7 @@ def _arrow_file(path: Path) -> ArrowTable:
             table = pa.ipc.open_stream(mapped).read_all()   # what datasets writes (data-00000-of-00001.arrow)
     except (OSError, ValueError) as error:
         raise DataError(f"{source}: not a readable Arrow IPC file: pyarrow says: {error}", source=source) from error
-    return ArrowTable(source, table.num_rows, lambda a, b: table.slice(a, b - a))
+    return ArrowTable(source, table.num_rows, lambda a, b: table.slice(a, b - a), [source])
 
 
 def _saved_dataset(folder: Path, split: str) -> ArrowTable:
@@ -314,7 +325,10 @@ def _saved_dataset(folder: Path, split: str) -> ArrowTable:
         _check_no_split(source, split)
         dataset = loaded
     arrow = dataset.with_format("arrow")
-    return ArrowTable(source, len(arrow), lambda a, b: arrow[a:b])
+    # its Arrow files (those of the chosen split); a dataset that names none: every file of the folder
+    files = [entry["filename"] for entry in dataset.cache_files] or [
+        str(f) for f in sorted(folder.rglob("*")) if f.is_file() and not f.name.startswith(".")]
+    return ArrowTable(source, len(arrow), lambda a, b: arrow[a:b], files)
 
 
 def _kind_table(source: str, suffix: str, opener: Callable[[], Any], local: Path | None) -> RowTable:

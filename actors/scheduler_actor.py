@@ -37,9 +37,10 @@ from actors.job_starts import JobStarts
 from actors.niceness import background_priority
 from actors.service.cluster_plan import NodeInfo, TrainerKey, plan_trainers, trainer_kinds
 from actors.service.config import NAMESPACE, ServiceConfig, TrainerConfig
-from actors.service.job_table import JobRecord, JobTableBusy
+from actors.service.job_fit import trainer_view
+from actors.service.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
 from actors.service.listeners import Listeners
-from actors.service.scheduler_core import ACTIVE_STATES, SchedulerCore, StopRequest, SubmissionError
+from actors.service.scheduler_core import SchedulerCore, StopRequest, SubmissionError
 from actors.service.state_dir import (
     forget_spilled_events,
     lock_state_dir,
@@ -294,7 +295,8 @@ class SchedulerActor:
                     continue
                 for event in events:
                     if event.kind == "paused" and not event.data.get("retry"):
-                        self.core.preempting[event.job_id] = "the service stopped; resumes from its checkpoint"
+                        self.core.booking.expect_pause(event.job_id,
+                                                       "the service stopped; resumes from its checkpoint")
                 self.slots[sid].pending.extend(events)
             deadline = time.monotonic() + 60
             while any(s.pending for s in self.slots.values()) and time.monotonic() < deadline:
@@ -573,6 +575,6 @@ class SchedulerActor:
             status = asdict(slot.status)
             status.pop("linear_shapes")
             info.update(status)
-            view = self.core.trainer_view(slot.status)
+            view = trainer_view(slot.status)
             info.update(memory_fixed_bytes=view.base_bytes, memory_step_bytes=view.step_memory_bytes)
         return info

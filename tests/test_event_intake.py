@@ -83,7 +83,7 @@ def test_a_lost_trainers_jobs_are_queued_again_only_after_what_it_reported_befor
     assert record.state == "queued" and record.trainer is None
     assert "trainer trainer-0 was lost (ActorDiedError)" in record.reason and record.step == 1
     assert requeued == [(b, "queued")]             # heard once committed
-    assert core.states[b].replace_job_actor        # it gets a new job actor (the old one may be gone with it)
+    assert core.scheduling[b].replace_job_actor        # it gets a new job actor (the old one may be gone with it)
 
 
 def test_what_a_locked_table_did_not_take_before_the_stop_is_booked_at_the_next_start(tmp_path):

@@ -4,14 +4,14 @@ predicted early stop and end, a job given back by its trainer, and the jobs of a
 A job given back (its job actor lost or hung) is queued again a bounded number of times; the jobs of a lost
 trainer resume elsewhere from their checkpoints. Events are booked inside the caller's transaction, so that
 a batch the table could not take (another process holds its file) is retried whole, never half-applied or
-dropped; the scheduler's memory of a job (`JobStates`) changes only once that transaction commits."""
+dropped; the scheduler's memory of a job (`SchedulingStates`) changes only once that transaction commits."""
 
 from __future__ import annotations
 
 import logging
 
-from actors.service.job_states import JobStates
 from actors.service.job_table import TERMINAL_STATES, JobTable
+from actors.service.scheduling_state import SchedulingStates
 from actors.service.trainer_reports import TrainerEvent
 
 log = logging.getLogger(__name__)
@@ -20,9 +20,9 @@ MAX_RETRIES = 3   # a job its trainer gave back (job actor lost or hung) is queu
 
 
 class EventBooking:
-    def __init__(self, table: JobTable, states: JobStates):
+    def __init__(self, table: JobTable, scheduling: SchedulingStates):
         self.table = table
-        self.states = states
+        self.scheduling = scheduling
 
     def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
         """Book one trainer event in the table. Called inside the caller's transaction: changes to the
@@ -39,7 +39,7 @@ class EventBooking:
             return
         kind = event.kind
         after = self.table.after_commit
-        state = self.states.get(job_id)
+        state = self.scheduling.get(job_id)
         if kind == "started":
             self._started(trainer_id, event)
         elif kind == "progress":
@@ -57,7 +57,7 @@ class EventBooking:
                 self.table.update(job_id, reason=f"training on {trainer_id}; its checkpoints upload again")
         elif kind == "prediction":   # the job's stop rule expects it to end early: less work left
             remaining = max(int(data["predicted_stop_step"]) - event.step, 0)
-            after(lambda: setattr(self.states.of(job_id), "predicted_remaining", remaining))
+            after(lambda: setattr(self.scheduling.of(job_id), "predicted_remaining", remaining))
         elif kind == "paused" and data.get("retry"):
             self.given_back(job_id, data)
         elif kind == "paused" and state is not None and state.preempting is not None:
@@ -99,7 +99,7 @@ class EventBooking:
     def given_back(self, job_id: str, data: dict) -> None:
         """The trainer gave a job back for a reason outside the job itself (its job actor died or hung):
         queue it again with a new job actor, from the checkpoint just written, at most MAX_RETRIES times."""
-        attempt = self.states.of(job_id).retries + 1
+        attempt = self.scheduling.of(job_id).retries + 1
         reason = data.get("reason", "given back by its trainer")
         checkpoint = data.get("checkpoint_step")
         if attempt > MAX_RETRIES:
@@ -112,7 +112,7 @@ class EventBooking:
                                  f"{attempt} of {MAX_RETRIES})", trainer=None, checkpoint_step=checkpoint)
 
         def remember() -> None:
-            state = self.states.of(job_id)
+            state = self.scheduling.of(job_id)
             state.retries = attempt
             state.replace_job_actor = True
             state.preempting = None
@@ -140,7 +140,7 @@ class EventBooking:
 
         def remember() -> None:
             for job_id in lost:
-                state = self.states.of(job_id)
+                state = self.scheduling.of(job_id)
                 # a job that was pausing to move on stays pinned to its target (started there next round)
                 state.preempting = None
                 state.replace_job_actor = True
@@ -149,4 +149,4 @@ class EventBooking:
 
     def expect_pause(self, job_id: str, reason: str) -> None:
         """The job's coming `paused` event means "queue it again" with `reason` (the service stopping)."""
-        self.states.of(job_id).preempting = reason
+        self.scheduling.of(job_id).preempting = reason

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from actors.service.job_states import JobStates
 from actors.service.job_table import ACTIVE_STATES, JobRecord, JobTable
+from actors.service.scheduling_state import SchedulingStates
 from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
 from policies.fifo import FifoPolicy
 
@@ -31,11 +31,11 @@ def park(table: JobTable, record: JobRecord, why: str) -> None:
 
 
 class PolicyGuard:
-    def __init__(self, policy: Policy, table: JobTable, states: JobStates):
+    def __init__(self, policy: Policy, table: JobTable, scheduling: SchedulingStates):
         self.policy = policy
         self.error: str | None = None     # why the configured policy was replaced by FIFO
         self.table = table
-        self.states = states
+        self.scheduling = scheduling
 
     def decide(self, snapshot: Snapshot) -> list[Decision]:
         """The policy's decisions. If it fails, find the queued jobs it fails on by asking about each alone,
@@ -58,13 +58,13 @@ class PolicyGuard:
             except Exception as error:  # noqa: BLE001 - plug-in code: this job is parked, the others go on
                 culprits[job.id] = error
         if (not culprits or len(culprits) == len(queued) > 1
-                or len(self.states.parked_by_policy()) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):
+                or len(self.scheduling.parked_by_policy()) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):
             return self._fall_back(snapshot, first)
         for job in queued:
             if job.id in culprits:
                 park(self.table, self.table.get(job.id), f"the scheduling policy '{self.policy.name}' fails on "
                                                          f"this job: {culprits[job.id]!r}")
-                self.states.of(job.id).parked_by_policy = True
+                self.scheduling.of(job.id).parked_by_policy = True
         rest = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.id not in culprits))
         try:
             return self._ask(rest)
@@ -77,7 +77,7 @@ class PolicyGuard:
             raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decisions!r:.200}, not a "
                             "list of Start / Preempt / Move / Wait")
         if any(j.state == "queued" for j in snapshot.jobs):
-            self.states.clear_parked()   # it works with queued jobs: earlier parked jobs were its exceptions
+            self.scheduling.clear_parked()   # it works with queued jobs: earlier parked jobs were its exceptions
         return decisions
 
     def _fall_back(self, snapshot: Snapshot, error: Exception) -> list[Decision]:
@@ -88,10 +88,10 @@ class PolicyGuard:
                       "working policy")
         log.error("scheduler: %s", self.error, exc_info=error)
         self.policy = FifoPolicy()
-        for job_id in self.states.parked_by_policy():
+        for job_id in self.scheduling.parked_by_policy():
             if self.table.get(job_id).state == "paused":
                 self.table.set_state(job_id, "queued", f"policy '{name}' was replaced by FIFO", trainer=None)
-        self.states.clear_parked()
+        self.scheduling.clear_parked()
         return self._ask(replace(snapshot, jobs=tuple(self._refresh(snapshot.jobs))))
 
     def _refresh(self, jobs: tuple[JobView, ...]) -> list[JobView]:

@@ -2,8 +2,9 @@
 trainer events and the policy each handled by a part of its own.
 
 The parts: entering jobs (`submissions.py`), booking what trainers report (`event_booking.py`), the policy
-contained (`policy_guard.py`), and one `JobState` per job for what the scheduler remembers beside the table
-(`job_states.py`); `SchedulerCore` holds them together for the scheduler actor and the in-process run.
+contained (`policy_guard.py`), and one `SchedulingState` per job for what the scheduler remembers beside the
+table (`scheduling_state.py`); `SchedulerCore` holds them together for the scheduler actor and the in-process
+run.
 
 Everything here is synchronous and Ray-free; the actor shell calls it from its loop and carries the
 decisions out (starting job actors, assigning and stopping jobs on trainers).
@@ -32,9 +33,9 @@ from actors.engine.storage import StorageURI
 from actors.service.config import TrainerConfig
 from actors.service.event_booking import EventBooking
 from actors.service.job_fit import job_adapter_bytes, never_fits, trainer_view
-from actors.service.job_states import JobStates
 from actors.service.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
 from actors.service.policy_guard import PolicyGuard, park
+from actors.service.scheduling_state import SchedulingStates
 from actors.service.submissions import SubmissionConflict, SubmissionError, Submissions
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from policies.base import JobView, Move, Policy, Preempt, Snapshot, Start, TrainerView, Wait, memory_in_use
@@ -68,12 +69,12 @@ class SchedulerCore:
         service can)."""
         self.table = table
         self.on_decision = on_decision
-        self.states = JobStates()
+        self.scheduling = SchedulingStates()
         self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.submissions = Submissions(table, state_dir, trainers=trainers, output_root=output_root,
                                        statuses=lambda: self.statuses.values())
-        self.booking = EventBooking(table, self.states)
-        self.guard = PolicyGuard(policy, table, self.states)
+        self.booking = EventBooking(table, self.scheduling)
+        self.guard = PolicyGuard(policy, table, self.scheduling)
 
     @property
     def policy(self) -> Policy:
@@ -148,8 +149,8 @@ class SchedulerCore:
         if record.state not in RESTARTABLE_STATES:
             raise ValueError(f"job {record.id} is {record.state}; only paused, failed or cancelled jobs can be "
                              "resumed")
-        if record.id in self.states:
-            self.states[record.id].retries = 0
+        if record.id in self.scheduling:
+            self.scheduling[record.id].retries = 0
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
         return self.table.set_state(record.id, "queued", f"{reason}; resumes from {step}", trainer=None)
 
@@ -159,14 +160,14 @@ class SchedulerCore:
         if record.state == "running":
             raise ValueError(f"job {record.id} is running; cancel it first")
         self.table.delete(record.id)
-        self.states.forget(record.id)
+        self.scheduling.forget(record.id)
 
     # -- decisions --------------------------------------------------------------------------------------
     def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
         views = tuple(trainer_view(t) for t in trainers)
         jobs = []
         for record in self.table.all(ACTIVE_STATES):
-            self.states.of(record.id).table_reason = record.reason
+            self.scheduling.of(record.id).table_reason = record.reason
             try:
                 view = self._job_view(record, views)
             except Exception as error:  # an estimator failing on one job parks that job alone
@@ -192,7 +193,7 @@ class SchedulerCore:
             if job is None:
                 log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
                 continue
-            state = self.states.of(job.id)
+            state = self.scheduling.of(job.id)
             if isinstance(decision, Wait):
                 if job.state == "queued":
                     if state.table_reason != decision.reason:   # most waits repeat: no write then
@@ -227,7 +228,7 @@ class SchedulerCore:
         """Start the moved jobs whose pause has landed on their target trainers, where those still hold them."""
         starts: list[Start] = []
         statuses = {t.trainer_id: t for t in trainers}
-        moving = sorted(((job_id, state) for job_id, state in self.states.items() if state.moving_to is not None),
+        moving = sorted(((job_id, state) for job_id, state in self.scheduling.items() if state.moving_to is not None),
                         key=lambda item: item[1].moved_at or 0.0)   # in the order they were moved
         for job_id, state in moving:
             target = state.moving_to
@@ -264,22 +265,22 @@ class SchedulerCore:
 
     def _memory(self, job_id: str) -> int:
         """The job's adapter memory as estimated so far (0 before its first estimate)."""
-        state = self.states.get(job_id)
+        state = self.scheduling.get(job_id)
         return (state.memory or 0) if state is not None else 0
 
     def _moving(self, job_id: str, decision: Move, now: float) -> None:
-        state = self.states.of(job_id)
+        state = self.scheduling.of(job_id)
         state.preempting = f"moving to {decision.trainer}: {decision.reason}"
         state.moving_to = decision.trainer
         state.moved_at = now
         self._decided("move", job_id, decision.reason)
 
     def _waits(self, job_id: str, decision: Wait) -> None:
-        self.states.of(job_id).wait_cause = decision.cause
+        self.scheduling.of(job_id).wait_cause = decision.cause
         self._decided(f"wait_{decision.cause}", job_id, decision.reason)
 
     def _preempting(self, job_id: str, decision: Preempt) -> None:
-        self.states.of(job_id).preempting = f"preempted: {decision.reason}"
+        self.scheduling.of(job_id).preempting = f"preempted: {decision.reason}"
         self._decided("preempt", job_id, decision.reason)
 
     def _decided(self, kind: str, job_id: str, reason: str) -> None:
@@ -287,7 +288,7 @@ class SchedulerCore:
             self.on_decision(kind, job_id, reason)
 
     def _submission(self, job_id: str) -> JobSubmission:
-        state = self.states.of(job_id)
+        state = self.scheduling.of(job_id)
         if state.submission is None:
             state.submission = self.table.submission(job_id)
         return state.submission
@@ -295,7 +296,7 @@ class SchedulerCore:
     def _job_view(self, record: JobRecord, trainers: tuple[TrainerView, ...]) -> JobView | None:
         """The policy's view of a job; None for a job just failed (it can never run)."""
         spec = self._submission(record.id)
-        state = self.states.of(record.id)
+        state = self.scheduling.of(record.id)
         same_base = [t for t in trainers if t.base_model == record.base_model and t.quantization == record.quantization]
         if state.memory is None and same_base:
             try:

@@ -1,5 +1,5 @@
-"""The scheduler's memory of each job beside the job table: one `JobState` per job id, so that forgetting a
-job is one `del`.
+"""The scheduler's memory of each job beside the job table: one `SchedulingState` per job id, so that
+forgetting a job is one `del`.
 
 A record holds the job's parsed submission, its adapter's memory, a preemption or move under way, how often
 its trainer gave it back, why it waited in the last round. Nothing here is persisted: after a restart the
@@ -14,7 +14,7 @@ from actors.engine.spec import JobSubmission
 
 
 @dataclass
-class JobState:
+class SchedulingState:
     """One job's scheduling memory (every field has the value of a job the scheduler knows nothing of)."""
 
     submission: JobSubmission | None = None   # parsed once, not on every scheduling tick
@@ -30,13 +30,13 @@ class JobState:
     parked_by_policy: bool = False            # parked since the policy last decided with queued jobs
 
 
-class JobStates(dict[str, JobState]):
-    """job id -> `JobState`; `of` makes a record on first use, `get` (a dict's) only reads."""
+class SchedulingStates(dict[str, SchedulingState]):
+    """job id -> `SchedulingState`; `of` makes a record on first use, `get` (a dict's) only reads."""
 
-    def of(self, job_id: str) -> JobState:
+    def of(self, job_id: str) -> SchedulingState:
         state = self.get(job_id)
         if state is None:
-            state = self[job_id] = JobState()
+            state = self[job_id] = SchedulingState()
         return state
 
     def forget(self, job_id: str) -> None:

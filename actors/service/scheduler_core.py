@@ -176,7 +176,7 @@ class SchedulerCore:
                 continue
             if view is not None:
                 jobs.append(view)
-        return Snapshot(time.time(), views, tuple(jobs))
+        return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs))
 
     def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
         """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started

@@ -296,7 +296,7 @@ class TrainerFleet:
         if not why.startswith("its node") and self._node_left(slot):
             return
         log.warning("scheduler: trainer %s lost (%s); starting a new one", slot.trainer_id, why)
-        self.intake.put(slot.trainer_id, [TrainerLost(why)])
+        self.intake.put(slot.trainer_id, [TrainerLost(why=why)])
         self._kill(slot, "lost")
         slot.restarts += 1
         slot.unavailable_since = 0.0
@@ -304,7 +304,7 @@ class TrainerFleet:
 
     def _retire(self, slot: TrainerSlot, why: str) -> None:
         log.warning("scheduler: trainer %s retired (%s); its jobs resume on other trainers", slot.trainer_id, why)
-        self.intake.put(slot.trainer_id, [TrainerLost(why)])
+        self.intake.put(slot.trainer_id, [TrainerLost(why=why)])
         slot.retired, slot.status, slot.poll, slot.ready = True, None, None, None
         self._kill(slot, "retired")
 

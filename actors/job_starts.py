@@ -73,10 +73,10 @@ class JobStarts:
         """Create (or reuse) the job's actor and have it prepare the job's data."""
         job_id = start.job
         actor = self.actors.get(job_id)
-        if actor is not None and job_id in self.core.replace_job_actor:   # lost or hung: never reused
+        if actor is not None and self.core.scheduling.needs_new_job_actor(job_id):   # lost or hung: never reused
             ray.kill(self.actors.pop(job_id))
             actor = None
-        self.core.replace_job_actor.discard(job_id)
+        self.core.scheduling.job_actor_replaced(job_id)
         if actor is None:
             submission = self.table.submission(job_id)
             options: dict[str, Any] = {"name": f"aspen-job-{job_id}-{int(time.time() * 1000)}"}
@@ -143,6 +143,6 @@ class JobStarts:
                 state = self.table.get(job_id).state
             except KeyError:    # deleted
                 state = "cancelled"
-            if state in TERMINAL_STATES | {"paused"} or job_id in self.core.replace_job_actor:
+            if state in TERMINAL_STATES | {"paused"} or self.core.scheduling.needs_new_job_actor(job_id):
                 ray.kill(self.actors.pop(job_id))
-                self.core.replace_job_actor.discard(job_id)
+                self.core.scheduling.job_actor_replaced(job_id)

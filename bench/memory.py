@@ -190,26 +190,22 @@ ADMITTED = 2   # jobs the admission bench's budget has room for at once (of its 
 
 
 def admission_estimate(spec, base) -> tuple[int, list[int]]:
-    """What the scheduler counts when it admits jobs to a trainer of `spec`'s run (scheduler_core._no_room):
+    """What the scheduler counts when it admits jobs to a trainer of `spec`'s run (SchedulerCore._no_room):
     the trainer holding no job (its weights and a full step of step_tokens by its probe-measured estimate),
     and each job's adapter bytes. From a TrainerLoop of the same configuration and the scheduler's own view."""
     from actors.service.config import run_service_config
-    from actors.service.job_table import JobTable
-    from actors.service.scheduler_core import SchedulerCore, job_adapter_bytes
+    from actors.service.job_fit import job_adapter_bytes, trainer_view
     from actors.service.trainer_loop import TrainerLoop
     from policies.base import memory_in_use
-    from policies.fifo import FifoPolicy
 
     with tempfile.TemporaryDirectory() as state:
         config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": 2**40,
                                                                          "step_log": Path(state) / "steps.jsonl"})
         loop = TrainerLoop(base, config.trainers[0], "estimate", Path(state))
-        table = JobTable(Path(state) / "jobs.sqlite")
         try:
-            view = SchedulerCore(table, FifoPolicy(), Path(state), trainers=config.trainers).trainer_view(loop.status())
+            view = trainer_view(loop.status())
         finally:
             loop.close()
-            table.close()
     return memory_in_use(view, []), [job_adapter_bytes(job.lora, view) for job in spec.jobs]
 
 

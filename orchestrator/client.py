@@ -116,7 +116,7 @@ def _on_head_node() -> dict[str, Any]:
     restarted after its process died comes back there, to the same table)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from actors.scheduler_actor import head_node_id
+    from actors.ray_trainers import head_node_id
 
     head = head_node_id()
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)} if head else {}

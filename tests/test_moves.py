@@ -76,7 +76,7 @@ def test_a_move_whose_target_is_gone_leaves_the_job_to_the_policy(tmp_path):
     with core.table.transaction():     # trainer-1 died meanwhile: the policy starts the job where it fits
         actions = core.plan([fake_status("trainer-0", "smollm2-135m", jobs=others)])
     assert actions == [Start(move.job, "trainer-0")]
-    assert core.moving == {}
+    assert all(state.moving_to is None for state in core.scheduling.values())   # the pin is dropped
 
 
 def test_a_job_moved_between_real_trainer_loops_ends_like_a_solo_run(tmp_path, tiny_model_dirs):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from policies.base import JobView, Preempt, Snapshot, Start, TrainerView, Wait
@@ -138,7 +140,7 @@ def test_minpad_puts_jobs_of_similar_length_together_and_starves_none():
         if {"a", "b"} & set(chosen):
             assert not {"c", "d"} & set(chosen), chosen   # short rows never padded to 100
     for name, steps in joined.items():   # nobody waits longer than there are jobs
-        gaps = [b - a for a, b in zip([-1, *steps], steps, strict=True)]
+        gaps = [b - a for a, b in itertools.pairwise([-1, *steps])]
         assert steps and max(gaps) <= len(lengths), (name, steps)
 
 

@@ -91,11 +91,9 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.lora import adapted_shapes
-    from actors.service.job_table import JobTable
-    from actors.service.scheduler_core import SchedulerCore
+    from actors.service.job_fit import trainer_view
     from actors.service.trainer_loop import TrainerLoop
     from policies.adapter_memory import adapter_memory_bytes
-    from policies.fifo import FifoPolicy
     from tests.conftest import tiny_config
 
     # A tiny Llama four times as wide as the shared one, so that an adapter (r=1024 on every linear layer:
@@ -112,7 +110,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     trainer = TrainerConfig(base_model=base, step_tokens=128, num_cpus=0.5, threads=1)
     # the trainer's own first estimate of its fixed and per-step memory (before any step is measured)
     probe = TrainerLoop(load_base_model(base, dtype="float32", device="cpu"), trainer, "probe", tmp_path / "probe")
-    view = SchedulerCore(JobTable(tmp_path / "probe.sqlite"), FifoPolicy(), tmp_path).trainer_view(probe.status())
+    view = trainer_view(probe.status())   # what the scheduler sees of it
     job_bytes = adapter_memory_bytes(lora["r"], adapted_shapes(lora["target_modules"], probe.status().linear_shapes))
     budget = int(view.base_bytes + view.step_memory_bytes + 2.5 * job_bytes)
     config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,

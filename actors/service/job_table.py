@@ -32,6 +32,7 @@ __all__ = ["JOB_STATES", "TERMINAL_STATES", "JobRecord", "JobTable", "JobTableBu
 JobState = Literal["queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled"]
 JOB_STATES: tuple[str, ...] = ("queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled")
 TERMINAL_STATES = frozenset({"completed", "stopped_early", "failed", "cancelled"})
+ACTIVE_STATES: tuple[str, ...] = ("queued", "running", "paused")   # the states the scheduler decides about
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

@@ -204,3 +204,20 @@ def test_a_failing_step_composer_leaves_the_trainer_training_with_the_same_resul
     assert "composer bug" in caplog.text and caplog.text.count("step composer Broken failed") == 1
     for key, value in results[0].items():
         torch.testing.assert_close(results[1][key], value, rtol=0, atol=0)
+
+
+def test_a_parked_job_deleted_before_the_policy_is_replaced_is_not_given_back(tmp_path):
+    """A job parked for the policy and then deleted by its user is gone: when the policy is replaced by FIFO
+    later, only the parked jobs that still exist are queued again, and the round goes on."""
+    core, [poison] = core_with(FailsOnPoison(), tmp_path, names=("poison",))
+    status = fake_status("trainer-0", "smollm2-135m")
+    assert core.plan([status]) == []
+    assert core.table.get(poison.id).state == "paused"
+    core.delete(poison.id)
+    more = []
+    for index in range(2):   # two more jobs it fails on, alone each: the policy is replaced
+        spec = run_spec("smollm2-135m", tmp_path / f"more{index}",
+                        [job_dict("poison", write_task_data(tmp_path / "data", f"p{index}"), 5)])
+        more += core.submit_many(spec.submissions())
+    assert core.plan([status]) == [Start(r.id, "trainer-0") for r in more]
+    assert core.policy.name == "fifo" and "fails-on-poison" in core.policy_error

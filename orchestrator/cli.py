@@ -298,7 +298,7 @@ def _saved_step(output_dir: str) -> int | None:
     """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
     from actors.engine.checkpoint import saved_step
     from actors.engine.storage import StorageLocation, is_uri, read_pointer
-    from actors.service.trainer_loop import CHECKPOINT_FOLDER
+    from actors.service.job_files import CHECKPOINT_FOLDER
 
     if is_uri(output_dir):
         pointer = read_pointer(StorageLocation(output_dir))

@@ -119,6 +119,8 @@ def test_admission_keeps_a_step_under_its_budget_by_the_allocators_count(three_j
     chosen = trainer.compose(fits=admission.fits)
     assert 1 <= len(chosen) < len(jobs), [job.name for job, _ in chosen]
     report = trainer.run_step(chosen, measure=True)
+    # within the budget whenever the prediction meets its goal (at most MEMORY_MARGIN below the allocator's
+    # count): admitted means predicted * (1 + MEMORY_MARGIN) <= budget (this CPU: 0.7% off, 8% under the budget)
     assert report.memory_measured and 0 < report.peak_memory_bytes <= admission.budget
 
 

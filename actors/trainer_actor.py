@@ -24,7 +24,8 @@ from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
 from actors.service.config import StorageConfig, TrainerConfig
 from actors.service.job_data import DataSummary
-from actors.service.trainer_loop import Assignment, TrainerLoop
+from actors.service.job_link import Assignment
+from actors.service.trainer_loop import TrainerLoop
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from policies.base import StepComposer
 from policies.registry import load_policy
@@ -87,8 +88,9 @@ class TrainerActor:
     def assign(self, jobs: list[tuple[str, str, str, DataSummary, list[Example], ray.actor.ActorHandle]]) -> None:
         """Jobs to start, all at the same step boundary: (job id, submission JSON, output folder, data
         summary, eval examples, its JobActor) each."""
-        self.loop.assign([Assignment(job_id, JobSubmission.model_validate_json(submission), as_location(output_dir),
-                                     summary, eval_examples, ActorJobLink(job_actor))
+        self.loop.assign([Assignment(job_id=job_id, submission=JobSubmission.model_validate_json(submission),
+                                     output_dir=as_location(output_dir), data=summary, eval_examples=eval_examples,
+                                     link=ActorJobLink(job_actor))
                           for job_id, submission, output_dir, summary, eval_examples, job_actor in jobs])
 
     def stop_job(self, job_id: str, kind: str, reason: str) -> None:

@@ -46,7 +46,8 @@ from actors.engine.models import BaseModel, load_base_model
 from actors.engine.spec import JobSubmission, RunSpec
 from actors.service.config import TrainerConfig
 from actors.service.job_data import JobData
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.job_link import Assignment, LocalJobLink
+from actors.service.trainer_loop import TrainerLoop
 from actors.service.trainer_reports import TrainerEvent
 
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
@@ -180,8 +181,8 @@ class JobRun:
 def assignment_for(submission: JobSubmission, job_id: str, base: BaseModel) -> Assignment:
     data = JobData(job_id, submission, base.tokenizer)
     summary = data.prepare()
-    return Assignment(job_id, submission, Path(submission.output_dir), summary, data.eval_examples(),
-                      LocalJobLink(data))
+    return Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir), data=summary,
+                      eval_examples=data.eval_examples(), link=LocalJobLink(data))
 
 
 def run_fused(spec: RunSpec, base: BaseModel, state_dir: Path) -> tuple[dict[str, JobRun], dict[str, Any]]:

@@ -216,7 +216,8 @@ def step_gate(spec, base, budget: int) -> list[dict]:
     from actors.engine.storage import as_location
     from actors.service.config import run_service_config
     from actors.service.job_data import JobData
-    from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+    from actors.service.job_link import Assignment, LocalJobLink
+    from actors.service.trainer_loop import TrainerLoop
     from actors.service.trainer_reports import FINAL_KINDS
 
     with tempfile.TemporaryDirectory() as state:
@@ -226,8 +227,9 @@ def step_gate(spec, base, budget: int) -> list[dict]:
         for submission in spec.submissions():
             data = JobData(submission.job.name, submission, base.tokenizer)
             summary = data.prepare()
-            assignments.append(Assignment(submission.job.name, submission, as_location(submission.output_dir),
-                                          summary, data.eval_examples(), LocalJobLink(data)))
+            assignments.append(Assignment(job_id=submission.job.name, submission=submission,
+                                          output_dir=as_location(submission.output_dir), data=summary,
+                                          eval_examples=data.eval_examples(), link=LocalJobLink(data)))
         loop.assign(assignments)
         ended = []
         try:
@@ -251,12 +253,12 @@ def admission(quick: bool) -> dict:
     are admitted, the others wait until one ends; every step's peak measured against the budget."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import actors.service.trainer_loop as trainer_loop
+    import actors.service.step_admission as step_admission
     from actors.engine.models import load_base_model
     from actors.engine.spec import RunSpec
     from actors.service.local_run import train_locally
 
-    trainer_loop.MEASURE_EVERY = 1   # the allocator counts every step of this run
+    step_admission.MEASURE_EVERY = 1   # the allocator counts every step of this run
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
         torch.manual_seed(0)

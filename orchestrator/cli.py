@@ -300,7 +300,7 @@ def _saved_step(output_dir: str) -> int | None:
     """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
     from actors.engine.checkpoint import saved_step
     from actors.engine.storage import StorageLocation, is_uri, read_pointer
-    from actors.service.trainer_loop import CHECKPOINT_FOLDER
+    from actors.service.job_files import CHECKPOINT_FOLDER
 
     if is_uri(output_dir):
         pointer = read_pointer(StorageLocation(output_dir))
@@ -312,7 +312,7 @@ def _saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
     """The step and data digest of the job's checkpoint (the one uploaded to a storage URI, or on disk)."""
     from actors.engine.checkpoint import STATE_NAME, saved_data_digest
     from actors.engine.storage import StorageLocation, is_uri, read_pointer
-    from actors.service.trainer_loop import CHECKPOINT_FOLDER
+    from actors.service.job_files import CHECKPOINT_FOLDER
 
     if is_uri(output_dir):
         location = StorageLocation(output_dir)

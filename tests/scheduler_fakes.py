@@ -48,9 +48,10 @@ def running_jobs(tmp_path: Path, names=("a", "b"), trainer: str = "trainer-0") -
     with table.transaction():
         assert core.plan([status(trainer)]) == [Start(job=i, trainer=trainer) for i in ids]
         for job_id in ids:
-            core.apply_event(trainer, TrainerEvent("started", job_id, 0, {"total_steps": 10}))
+            core.apply_event(trainer, TrainerEvent(kind="started", job_id=job_id, step=0, data={"total_steps": 10}))
     return table, core, ids
 
 
 def progress(job_id: str, step: int) -> TrainerEvent:
-    return TrainerEvent("progress", job_id, step, {"step": step, "loss": 2.0 / step, "tokens": 100})
+    return TrainerEvent(kind="progress", job_id=job_id, step=step, data={"step": step, "loss": 2.0 / step,
+                                                                         "tokens": 100})

@@ -95,12 +95,12 @@ def test_steps_go_on_while_an_upload_hangs_and_the_adapters_equal_an_undisturbed
         for _ in range(3):   # step 2 checkpoints "remote" (its upload hangs), steps 3 and 4 run meanwhile
             report = loop.run_once(idle_wait=0)
             assert report is not None and {r.job for r in report.results} == {"remote-1", "local-1"}
-            during.append(loop.uploads.pending("remote-1"))
-        hanging = loop.active["remote-1"].upload
+            during.append(loop.outputs.uploads.pending("remote-1"))
+        hanging = loop.active["remote-1"].mirror.upload
         assert hanging is not None and not hanging.done(), "the upload did not hang: the server was not stopped?"
     assert not stall["by_safety"], "the trainer waited for the stopped server (its uploads ran on its thread)"
     assert during == [True, True, True]
-    rows = [json.loads(line) for line in loop.step_log_path.read_text().splitlines()]
+    rows = [json.loads(line) for line in loop.step_log.path.read_text().splitlines()]
     in_stall = [r["step"] for r in rows if stall["stopped"] - time.monotonic() + time.time() <= r["time"]]
     assert len(in_stall) >= 3, rows   # (wall-clock times of the step log: steps 2-4 ran after the stop)
     hanging.exception(timeout=SAFETY_S)   # the server answers again: the hanging upload ends
@@ -196,7 +196,7 @@ def test_a_final_upload_that_does_not_end_in_time_fails_the_job_and_moves_no_poi
             loop.run_once(idle_wait=0.05)
             failed = next((e for e in loop.drain_events() if e.kind in ("failed", "completed")), None)
         waited = time.monotonic() - left
-        upload_running = loop.uploads.pending("stuck-1")
+        upload_running = loop.outputs.uploads.pending("stuck-1")
     assert not stall["by_safety"]
     assert failed is not None and failed.kind == "failed", failed
     assert 1.0 <= waited < 10, waited
@@ -204,8 +204,8 @@ def test_a_final_upload_that_does_not_end_in_time_fails_the_job_and_moves_no_poi
     assert "kept on trainer-a" in failed.data["reason"]
     assert upload_running, "the upload had ended before the server was let go"
     deadline = time.monotonic() + SAFETY_S
-    while loop.uploads.pending("stuck-1") and time.monotonic() < deadline:   # the server answers: it ends
+    while loop.outputs.uploads.pending("stuck-1") and time.monotonic() < deadline:   # the server answers: it ends
         time.sleep(0.1)
-    assert not loop.uploads.pending("stuck-1")
+    assert not loop.outputs.uploads.pending("stuck-1")
     assert read_pointer(StorageLocation(f"{uri}/stuck")) is None, "an abandoned upload moved the pointer"
     loop.close()

@@ -28,7 +28,8 @@ from actors.engine.storage import StorageLocation
 from actors.engine.trainer import FusedTrainer
 from actors.service.config import TrainerConfig
 from actors.service.job_data import JobData
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.job_link import Assignment, LocalJobLink
+from actors.service.trainer_loop import TrainerLoop
 from tests.conftest import random_examples, tiny_model
 from tests.service_helpers import job_dict, run_spec, write_task_data
 
@@ -162,8 +163,9 @@ def tiny_base(tiny_model_dirs):
 
 def _assignment(submission, job_id: str, tokenizer) -> Assignment:
     data = JobData(job_id, submission, tokenizer)
-    return Assignment(job_id, submission, Path(submission.output_dir), data.prepare(), data.eval_examples(),
-                      LocalJobLink(data))
+    return Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir),
+                      data=data.prepare(), eval_examples=data.eval_examples(),
+                      link=LocalJobLink(data))
 
 
 def _run(loop: TrainerLoop) -> list:

@@ -13,8 +13,9 @@ import torch
 from actors.engine.models import load_base_model
 from actors.service.config import TrainerConfig
 from actors.service.job_data import JobData
+from actors.service.job_link import Assignment, LocalJobLink
 from actors.service.local_run import train_locally
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.trainer_loop import TrainerLoop
 from tests.conftest import tiny_model
 from tests.service_helpers import job_dict, run_spec, write_task_data
 from tests.test_trainer_loop import LateVerdicts, run_until_idle
@@ -83,7 +84,8 @@ def run_with_pause(tmp_path: Path, base, model_dir: Path, pause_after: int | Non
         data = JobData("flat", submission, base.tokenizer)
         summary = data.prepare()
         link = LocalJobLink(data) if late is None else LateVerdicts(data, seed=late)
-        loop.assign(Assignment("flat", submission, Path(submission.output_dir), summary, data.eval_examples(), link))
+        loop.assign(Assignment(job_id="flat", submission=submission, output_dir=Path(submission.output_dir),
+                               data=summary, eval_examples=data.eval_examples(), link=link))
 
     start()
     events, evals_before = [], []

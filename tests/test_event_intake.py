@@ -44,7 +44,7 @@ def test_events_wait_for_a_locked_table_with_backoff_and_land_once_in_order(tmp_
     heard: list[tuple[str, str, int]] = []
     intake = EventIntake(table, core, tmp_path / "state", clock=clock,
                          on_event=lambda trainer, event: heard.append((trainer, event.kind, event.step)))
-    done = TrainerEvent("completed", a, 3, {"reason": "max_steps reached"})
+    done = TrainerEvent(kind="completed", job_id=a, step=3, data={"reason": "max_steps reached"})
     with locked(table.path), caplog.at_level(logging.WARNING):
         intake.put("trainer-0", [progress(a, 1), progress(a, 2)])
         delays = []
@@ -75,7 +75,8 @@ def test_a_lost_trainers_jobs_are_queued_again_only_after_what_it_reported_befor
     requeued: list[tuple[str, str]] = []
     intake = EventIntake(table, core, tmp_path / "state",
                          on_requeued=lambda job_id: requeued.append((job_id, committed_state(table.path, job_id))))
-    intake.put("trainer-0", [progress(a, 1), TrainerEvent("completed", a, 1, {"reason": "done"}), progress(b, 1)])
+    intake.put("trainer-0", [progress(a, 1), TrainerEvent(kind="completed", job_id=a, step=1, data={"reason": "done"}),
+                             progress(b, 1)])
     intake.put("trainer-0", [TrainerLost("ActorDiedError")])
     assert intake.apply_all()
     assert table.get(a).state == "completed"       # finished before the loss: not run again
@@ -91,8 +92,9 @@ def test_what_a_locked_table_did_not_take_before_the_stop_is_booked_at_the_next_
     clock = Clock()
     state_dir = tmp_path / "state"
     intake = EventIntake(table, core, state_dir, clock=clock)
-    reported = [progress(a, 1), progress(a, 2), TrainerEvent("completed", a, 2, {"reason": "done"}),
-                TrainerEvent("eval", b, 1, {"eval_loss": 1.5})]
+    reported = [progress(a, 1), progress(a, 2), TrainerEvent(kind="completed", job_id=a, step=2,
+                                                             data={"reason": "done"}),
+                TrainerEvent(kind="eval", job_id=b, step=1, data={"eval_loss": 1.5})]
     with locked(table.path):
         intake.put("trainer-0", reported[:3])
         intake.put("trainer-1", reported[3:])

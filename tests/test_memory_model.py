@@ -1,18 +1,19 @@
-"""The step-memory model: it recovers known coefficients from synthetic data, and fitted online to a
-real trainer's measured peaks it predicts the next steps within 3%."""
+"""The step-memory model: it recovers known coefficients from synthetic data, and, as the trainer loop's
+step admission uses it (its prior probed on the model, fitted online to the measured peaks), it predicts a
+real trainer's next steps within 3% of the allocator's count."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
-import torch
 
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
+from actors.engine.packing import JobMicroBatch
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
-from actors.service.trainer_loop import activation_bytes_estimate
+from actors.service.step_admission import StepAdmission
 from policies.memory_model import MemoryModel, StepShape
 from tests.conftest import random_examples, tiny_model
 
@@ -34,8 +35,7 @@ def test_recovers_known_coefficients_from_synthetic_steps():
 def test_predicts_a_real_trainers_steps_within_three_percent(tiny_model_dirs, smol_tokenizer):
     base = from_module(tiny_model("llama"), smol_tokenizer)
     trainer = FusedTrainer(base, step_tokens=1024)
-    weights = sum(t.numel() * t.element_size() for t in [*base.model.parameters(), *base.model.buffers()])
-    model = MemoryModel.for_model(weights, activation_bytes_estimate(base.model, 1024, torch.float32) / 1024)
+    admission = StepAdmission(trainer)   # the trainer loop's: its prior from probe steps on this model
     rng = random.Random(1)
     errors = []
     for step in range(40):
@@ -46,14 +46,13 @@ def test_predicts_a_real_trainers_steps_within_three_percent(tiny_model_dirs, sm
             examples = random_examples(index, 64, min_len=8, max_len=rng.choice([40, 120, 200]))
             trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=index))
         chosen = trainer.compose()
-        lengths = [len(e) for _, batch in chosen for e in batch]
-        parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
-        shape = StepShape.of(lengths, parameters)
-        predicted = model.predict(shape)
+        shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+        predicted = admission.predict(shape)
         report = trainer.run_step(chosen, measure=True)   # the allocator's count, not the engine's arithmetic
         assert report.memory_measured
         if step >= 24:
             errors.append(abs(predicted - report.peak_memory_bytes) / report.peak_memory_bytes)
-        model.observe(shape, report.peak_memory_bytes, predicted)
+        admission.observe(shape, report, predicted)
+    assert admission.measured_steps == 40
     assert float(np.mean(errors)) <= 0.03, errors
     assert max(errors) <= 0.06, errors

@@ -25,9 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from actors.engine.models import load_base_model
 from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
 from actors.service.job_data import JobData
+from actors.service.job_link import Assignment, LocalJobLink
 from actors.service.job_table import JOB_STATES, JobRecord, JobTable
 from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.trainer_loop import TrainerLoop
 from actors.service.trainer_reports import TrainerStatus
 from orchestrator.metrics import MetricsListener
 from orchestrator.observability import service_listeners
@@ -84,8 +85,8 @@ def assignment_for(table: JobTable, job_id: str, tokenizer) -> Assignment:
     submission = table.submission(job_id)
     data = JobData(job_id, submission, tokenizer)
     summary = data.prepare()
-    return Assignment(job_id, submission, Path(submission.output_dir), summary, data.eval_examples(),
-                      LocalJobLink(data))
+    return Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir), data=summary,
+                      eval_examples=data.eval_examples(), link=LocalJobLink(data))
 
 
 @pytest.fixture(scope="module")

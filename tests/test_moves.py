@@ -27,10 +27,11 @@ def three_jobs_on_one_trainer(tmp_path) -> tuple[SchedulerCore, list[str], list]
         assert core.plan([fake_status("trainer-0", "smollm2-135m")]) == [Start(i, "trainer-0") for i in ids]
     with core.table.transaction():
         for job_id in ids:
-            core.apply_event("trainer-0", TrainerEvent("started", job_id, 0, {"total_steps": 200}))
-            core.apply_event("trainer-0", TrainerEvent("progress", job_id, 10, {"step": 10, "loss": 1.0,
-                                                                                 "tokens": 2000}))
-            core.apply_event("trainer-0", TrainerEvent("checkpoint", job_id, 10, {}))
+            core.apply_event("trainer-0", TrainerEvent(kind="started", job_id=job_id, step=0,
+                                                       data={"total_steps": 200}))
+            core.apply_event("trainer-0", TrainerEvent(kind="progress", job_id=job_id, step=10,
+                                                       data={"step": 10, "loss": 1.0, "tokens": 2000}))
+            core.apply_event("trainer-0", TrainerEvent(kind="checkpoint", job_id=job_id, step=10))
     return core, ids, decisions
 
 
@@ -48,7 +49,8 @@ def test_the_core_moves_a_job_to_an_idle_trainer_and_resumes_it_there(tmp_path):
     with core.table.transaction():     # still pausing: nothing else moves, nothing moves twice
         assert core.plan(both(ids, [])) == []
     with core.table.transaction():     # the pause lands with its checkpoint
-        core.apply_event("trainer-0", TrainerEvent("paused", moved, 12, {"checkpoint_step": 12}))
+        core.apply_event("trainer-0", TrainerEvent(kind="paused", job_id=moved, step=12,
+                                                   data={"checkpoint_step": 12}))
     record = core.table.get(moved)
     assert record.state == "queued" and record.checkpoint_step == 12 and "resumes on trainer-1" in record.reason
     others = [i for i in ids if i != moved]
@@ -56,7 +58,8 @@ def test_the_core_moves_a_job_to_an_idle_trainer_and_resumes_it_there(tmp_path):
         assert core.plan(both(others, [])) == [Start(moved, "trainer-1")]
     assert core.table.get(moved).trainer == "trainer-1"
     with core.table.transaction():
-        core.apply_event("trainer-1", TrainerEvent("started", moved, 12, {"resumed_from": 12, "total_steps": 200}))
+        core.apply_event("trainer-1", TrainerEvent(kind="started", job_id=moved, step=12,
+                                                   data={"resumed_from": 12, "total_steps": 200}))
     record = core.table.get(moved)
     assert record.state == "running" and "resumed from step 12" in record.reason and record.step == 12
     for _ in range(3):                 # balanced now (2 + 1): nothing moves back or on
@@ -71,7 +74,8 @@ def test_a_move_whose_target_is_gone_leaves_the_job_to_the_policy(tmp_path):
         [move] = core.plan([fake_status("trainer-0", "smollm2-135m", jobs=ids),
                             fake_status("trainer-1", "smollm2-135m")])
     with core.table.transaction():
-        core.apply_event("trainer-0", TrainerEvent("paused", move.job, 11, {"checkpoint_step": 11}))
+        core.apply_event("trainer-0", TrainerEvent(kind="paused", job_id=move.job, step=11,
+                                                   data={"checkpoint_step": 11}))
     others = [i for i in ids if i != move.job]
     with core.table.transaction():     # trainer-1 died meanwhile: the policy starts the job where it fits
         actions = core.plan([fake_status("trainer-0", "smollm2-135m", jobs=others)])

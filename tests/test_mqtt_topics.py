@@ -56,11 +56,13 @@ def test_a_state_change_is_retained_on_the_jobs_state_topic():
 
 def test_progress_predictions_evaluations_and_decisions():
     topics = EventTopics(PREFIX, retain_finished_s=None)
-    events = [TrainerEvent("progress", "a/b", 4, {"loss": 2.0, "tokens_per_s": 50.0, "tokens": 64, "total_steps": 9,
+    events = [TrainerEvent(kind="progress", job_id="a/b", step=4, data={"loss": 2.0, "tokens_per_s": 50.0,
+                                                                        "tokens": 64, "total_steps": 9,
                                                   "lr": 1e-3}, time=12.5),
-              TrainerEvent("prediction", "a/b", 4, {"predicted_stop_step": 7}),
-              TrainerEvent("eval", "a/b", 4, {"eval_loss": 1.25}),
-              TrainerEvent("checkpoint", "a/b", 4, {}), TrainerEvent("step", "", 4, {})]
+              TrainerEvent(kind="prediction", job_id="a/b", step=4, data={"predicted_stop_step": 7}),
+              TrainerEvent(kind="eval", job_id="a/b", step=4, data={"eval_loss": 1.25}),
+              TrainerEvent(kind="checkpoint", job_id="a/b", step=4, data={}), TrainerEvent(kind="step", job_id="",
+                                                                                           step=4, data={})]
     progress, prediction, evaluation = topics.trainer_polled(events)
     assert (progress.topic, progress.qos, progress.retain) == ("lab/v1/jobs/a_b/progress", 0, False)
     assert payload(progress) == {"job": "a/b", "step": 4, "loss": 2.0, "tokens_per_s": 50.0, "tokens": 64,

@@ -13,8 +13,8 @@ import pytest
 from actors.engine.checkpoint import saved_step
 from actors.engine.models import load_base_model
 from actors.service.config import run_service_config
+from actors.service.job_files import CHECKPOINT_FOLDER
 from actors.service.local_run import train_locally
-from actors.service.trainer_loop import CHECKPOINT_FOLDER
 from orchestrator.client import Client
 from orchestrator.report import collect, read_metrics, report_data
 from tests.service_helpers import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data

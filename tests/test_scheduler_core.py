@@ -22,10 +22,12 @@ def test_a_deleted_job_is_forgotten_whole_and_its_id_starts_afresh(tmp_path):
     def start_and_give_back() -> str:
         with core.table.transaction():
             assert core.plan([status("trainer-0")]) == [Start(job="same", trainer="trainer-0")]
-            core.apply_event("trainer-0", TrainerEvent("started", "same", 0, {"total_steps": 100}))
-            core.apply_event("trainer-0", TrainerEvent("prediction", "same", 10, {"predicted_stop_step": 40}))
+            core.apply_event("trainer-0", TrainerEvent(kind="started", job_id="same", step=0,
+                                                       data={"total_steps": 100}))
+            core.apply_event("trainer-0", TrainerEvent(kind="prediction", job_id="same", step=10,
+                                                       data={"predicted_stop_step": 40}))
         with core.table.transaction():
-            core.apply_event("trainer-0", TrainerEvent("paused", "same", 10, {"retry": True,
+            core.apply_event("trainer-0", TrainerEvent(kind="paused", job_id="same", step=10, data={"retry": True,
                                                                               "reason": "its job actor was lost"}))
         return core.table.get("same").reason
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-import actors.service.trainer_loop as trainer_loop
+import actors.service.step_admission as step_admission
 from actors.engine.models import load_base_model
 from actors.service.config import run_service_config
 from actors.service.trainer_loop import TrainerLoop
@@ -17,16 +17,16 @@ from tests.test_trainer_loop import assignment_for, run_until_idle
 def test_two_trainers_of_one_kind_write_separate_step_logs(tmp_path, tiny_model_dirs, monkeypatch):
     base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
     # both trainers hold the same model: its activation probe (seconds) is measured once, for the first
-    probe, measured = trainer_loop.probe_base_activation, []
+    probe, measured = step_admission.probe_base_activation, []
 
     def probe_once(*args, **kwargs):
         if not measured:
             measured.append(probe(*args, **kwargs))
         return measured[0]
 
-    monkeypatch.setattr(trainer_loop, "probe_base_activation", probe_once)
-    monkeypatch.setattr(trainer_loop, "MEASURE_FIRST", 0)   # the allocator's count (torch.profiler, slow on CPU)
-    monkeypatch.setattr(trainer_loop, "MEASURE_EVERY", 10**9)   # only on each trainer's first step
+    monkeypatch.setattr(step_admission, "probe_base_activation", probe_once)
+    monkeypatch.setattr(step_admission, "MEASURE_FIRST", 0)   # the allocator's count (torch.profiler, slow on CPU)
+    monkeypatch.setattr(step_admission, "MEASURE_EVERY", 10**9)   # only on each trainer's first step
     data = tmp_path / "data"
     steps = {"a": 2, "b": 1}
     jobs = [job_dict(name, write_task_data(data, name, rows=16, offset=i), count, max_seq_len=32)

@@ -155,7 +155,8 @@ def test_a_dead_trainer_is_replaced_and_only_its_unfinished_jobs_start_again(tmp
     fleet, intake, table, (a, b), _ = fleet_with(tmp_path, cluster)
     bring_up(fleet, cluster)
     first = cluster.current("trainer-0")
-    first.answer_poll([progress(a, 1), TrainerEvent("completed", a, 1, {"reason": "done"}), progress(b, 1)])
+    first.answer_poll([progress(a, 1), TrainerEvent(kind="completed", job_id=a, step=1, data={"reason": "done"}),
+                       progress(b, 1)])
     fleet.watch_all()                       # its events wait for the table
     fleet.watch_all()                       # the next poll is sent...
     first.polls[-1].fail(TrainerCallFailed("ActorDiedError", "the actor died unexpectedly"))
@@ -282,7 +283,7 @@ def test_a_stopping_fleet_collects_each_trainers_last_events(tmp_path, caplog):
     cluster = FakeCluster(HEAD, WORKER)
     fleet, _, _, (a, _), _ = fleet_with(tmp_path, cluster)
     bring_up(fleet, cluster)
-    paused = TrainerEvent("paused", a, 3, {"checkpoint_step": 3})
+    paused = TrainerEvent(kind="paused", job_id=a, step=3, data={"checkpoint_step": 3})
     cluster.current("trainer-0").last_words.give([paused])
     cluster.current("trainer-1").last_words.fail(TrainerCallFailed("GetTimeoutError", "no answer in 180 s"))
     with caplog.at_level(logging.WARNING):

@@ -14,10 +14,12 @@ import pytest
 from actors.engine.models import load_base_model
 from actors.service.config import TrainerConfig
 from actors.service.job_data import JobData
+from actors.service.job_link import Assignment, LocalJobLink
 from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
 from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_loop import VERDICT_LAG, Assignment, LocalJobLink, TrainerLoop
+from actors.service.stop_verdicts import VERDICT_LAG
+from actors.service.trainer_loop import TrainerLoop
 from actors.service.trainer_reports import TrainerStatus
 from policies.base import Start, Wait
 from policies.fifo import FifoPolicy
@@ -32,8 +34,8 @@ def tiny_base(tiny_model_dirs):
 def assignment_for(submission, job_id: str, tokenizer) -> Assignment:
     data = JobData(job_id, submission, tokenizer)
     summary = data.prepare()
-    return Assignment(job_id, submission, Path(submission.output_dir), summary, data.eval_examples(),
-                      LocalJobLink(data))
+    return Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir), data=summary,
+                      eval_examples=data.eval_examples(), link=LocalJobLink(data))
 
 
 def run_until_idle(loop: TrainerLoop, limit: int = 500) -> list:
@@ -130,9 +132,12 @@ def test_a_plateau_stops_a_job_early_and_a_failing_job_fails_alone(tmp_path, tin
 
 
 def fake_status(trainer_id: str, base_model: str, budget: int = 10 * 2**30, jobs=()) -> TrainerStatus:
-    return TrainerStatus(trainer_id, "x", base_model, "none", "cpu", list(jobs), 0, 0, 0, 0.0, time.time(),
-                         100 * 2**20, 0, budget, 50 * 2**20, {"model.layers.0.self_attn.q_proj": (64, 64),
-                                                              "model.layers.0.self_attn.v_proj": (64, 32)})
+    return TrainerStatus(trainer_id=trainer_id, incarnation="x", base_model=base_model, quantization="none",
+                         device="cpu", jobs=list(jobs), steps=0, tokens=0, padding_tokens=0, busy_seconds=0.0,
+                         started_at=time.time(), base_bytes=100 * 2**20, peak_memory_bytes=0,
+                         memory_budget_bytes=budget, activation_bytes_estimate=50 * 2**20,
+                         linear_shapes={"model.layers.0.self_attn.q_proj": (64, 64),
+                                        "model.layers.0.self_attn.v_proj": (64, 32)})
 
 
 def test_scheduler_core_keeps_jobs_through_a_restart_and_explains_waits(tmp_path):
@@ -201,11 +206,13 @@ def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
     spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 1000)])
     core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
     record = core.submit(spec.submissions()[0])
-    core.apply_event("trainer-0", TrainerEvent("started", record.id, 0, {"total_steps": 1000}))
-    core.apply_event("trainer-0", TrainerEvent("progress", record.id, 100, {"step": 100, "loss": 1.0, "tokens": 400}))
+    core.apply_event("trainer-0", TrainerEvent(kind="started", job_id=record.id, step=0, data={"total_steps": 1000}))
+    core.apply_event("trainer-0", TrainerEvent(kind="progress", job_id=record.id, step=100,
+                                               data={"step": 100, "loss": 1.0, "tokens": 400}))
     view = core.snapshot([fake_status("trainer-0", "smollm2-135m", jobs=[record.id])]).jobs[0]
     assert view.remaining_steps == 900
-    core.apply_event("trainer-0", TrainerEvent("prediction", record.id, 100, {"predicted_stop_step": 250}))
+    core.apply_event("trainer-0", TrainerEvent(kind="prediction", job_id=record.id, step=100,
+                                               data={"predicted_stop_step": 250}))
     view = core.snapshot([fake_status("trainer-0", "smollm2-135m", jobs=[record.id])]).jobs[0]
     assert view.remaining_steps == 150 and view.remaining_tokens == 150 * 4.0
 
@@ -276,8 +283,8 @@ def test_a_job_stops_at_the_same_step_however_late_its_verdicts_arrive(tmp_path,
         link = LocalJobLink(job_data) if late is None else LateVerdicts(job_data, seed=late)
         loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model), "trainer-t",
                            tmp_path / f"state-{late}")
-        loop.assign(Assignment("flat-1", submission, Path(submission.output_dir), summary, job_data.eval_examples(),
-                               link))
+        loop.assign(Assignment(job_id="flat-1", submission=submission, output_dir=Path(submission.output_dir),
+                               data=summary, eval_examples=job_data.eval_examples(), link=link))
         events = run_until_idle(loop)
         (ended,) = [e for e in events if e.kind == "stopped_early"]
         assert job_data.decision is not None

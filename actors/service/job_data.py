@@ -17,11 +17,8 @@ from actors.engine.data.streaming import StreamingCursor, open_stream
 from actors.engine.data.tables import RowTable, open_table
 from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from actors.service.feed import FeedChunk
+from actors.service.stop_verdicts import VERDICT_LAG
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
-
-VERDICT_LAG = 2
-"""A verdict for optimizer step k takes effect after step k + VERDICT_LAG - 1 (the trainer loop applies it;
-see there why); on resume the stop decisions of a job's last VERDICT_LAG steps are made again."""
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from actors.engine.storage import StorageLocation, is_uri
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
+CHECKPOINT_FOLDER = "checkpoint"   # the job's newest checkpoint (actors/engine/checkpoint.py), in its folder
 IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
 
 

@@ -21,9 +21,10 @@ from actors.engine.trainer import StepReport
 from actors.service.config import StorageConfig, run_service_config
 from actors.service.job_data import JobData
 from actors.service.job_files import clear_job_folder
+from actors.service.job_link import Assignment, LocalJobLink
 from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_loop import Assignment, LocalJobLink, TrainerLoop
+from actors.service.trainer_loop import TrainerLoop
 from policies.base import Preempt, Start, StepComposer
 from policies.registry import load_policy
 
@@ -34,7 +35,7 @@ IDLE_ROUNDS = 50   # rounds in a row without a step or a change before a run tha
 UPLOAD_WAIT_S = 0.05   # a round's wait while the only work left is jobs' uploads (a wake-up ends it early)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobSummary:
     name: str
     state: str
@@ -145,14 +146,16 @@ def _assignment(table: JobTable, job_id: str, base: BaseModel) -> Assignment:
     submission = table.submission(job_id)
     data = JobData(job_id, submission, base.tokenizer)
     summary = data.prepare()
-    return Assignment(job_id, submission, as_location(submission.output_dir), summary, data.eval_examples(),
-                      LocalJobLink(data))
+    return Assignment(job_id=job_id, submission=submission, output_dir=as_location(submission.output_dir),
+                      data=summary, eval_examples=data.eval_examples(), link=LocalJobLink(data))
 
 
 def _summary(record: JobRecord, table: JobTable) -> JobSummary:
     rows = table.progress(record.id)
     losses = [row["loss"] for row in rows if row.get("loss") is not None]
     evals = [(row["step"], row["eval_loss"]) for row in rows if row.get("eval_loss") is not None]
-    return JobSummary(record.name, record.state, record.step, record.tokens, losses[0] if losses else None,
-                      losses[-1] if losses else None, record.eval_loss,
-                      as_location(record.adapter_dir) if record.adapter_dir else None, record.reason, evals)
+    return JobSummary(name=record.name, state=record.state, steps=record.step, tokens=record.tokens,
+                      first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+                      eval_loss=record.eval_loss,
+                      adapter_dir=as_location(record.adapter_dir) if record.adapter_dir else None,
+                      reason=record.reason, evals=evals)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -11,7 +12,7 @@ EventKind = Literal["step", "started", "progress", "eval", "checkpoint", "predic
 FINAL_KINDS = ("completed", "stopped_early", "cancelled", "paused", "failed")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerEvent:
     """What happened to a job (`job_id`), or, for kind `step`, one fused step of the trainer (job_id is
     empty; `data` is the step's row of the trainer's step log)."""
@@ -23,8 +24,10 @@ class TrainerEvent:
     time: float = field(default_factory=time.time)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainerStatus:
+    """A trainer's state, polled by the scheduler (and its metrics)."""
+
     trainer_id: str
     incarnation: str
     base_model: str
@@ -39,7 +42,7 @@ class TrainerStatus:
     base_bytes: int               # the frozen base's weights
     peak_memory_bytes: int        # the highest step peak so far (0 before the first step)
     memory_budget_bytes: int
-    activation_bytes_estimate: int
+    activation_bytes_estimate: int   # a full step's bytes over the weights, before any step was measured
     linear_shapes: dict[str, tuple[int, int]]
     data_waits: int = 0           # times a step waited for a job's data
     memory_coefficients: tuple[float, ...] = ()   # the fitted step-memory model (policies.memory_model)
@@ -48,3 +51,20 @@ class TrainerStatus:
     step_tokens: int = 0
     max_jobs: int | None = None
     memory_in_use_bytes: int = 0  # now: allocated CUDA memory, or the process's resident memory on CPU
+
+
+class TrainerEvents:
+    """The events a trainer has not reported yet (thread-safe): its loop emits them, a poll drains them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list[TrainerEvent] = []
+
+    def emit(self, kind: EventKind, job_id: str, step: int, /, **data: Any) -> None:
+        with self.lock:
+            self.pending.append(TrainerEvent(kind=kind, job_id=job_id, step=step, data=data))
+
+    def drain(self) -> list[TrainerEvent]:
+        with self.lock:
+            events, self.pending = self.pending, []
+        return events

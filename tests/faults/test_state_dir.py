@@ -27,7 +27,8 @@ def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_pa
 
 
 def test_spilled_events_come_back_in_order_and_a_cut_line_is_skipped(tmp_path, caplog):
-    events = [("trainer-0", TrainerEvent("progress", "job-a", step, {"loss": 1.0 / step})) for step in (1, 2, 3)]
+    events = [("trainer-0", TrainerEvent(kind="progress", job_id="job-a", step=step, data={"loss": 1.0 / step}))
+              for step in (1, 2, 3)]
     assert read_spilled_events(tmp_path) is None
     spill_events(tmp_path, events[:2])
     spill_events(tmp_path, events[2:])

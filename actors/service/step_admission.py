@@ -1,0 +1,111 @@
+"""Step admission: whether a fused step fits the trainer's memory budget (its predicted peak plus a margin),
+and the step-memory model behind it, fitted on the allocator's counts of past steps."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from actors.engine.lora import linear_module_names
+from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
+from actors.engine.packing import JobMicroBatch
+from actors.engine.trainer import FusedTrainer, StepReport
+from policies.memory_model import MemoryModel, StepShape
+
+log = logging.getLogger(__name__)
+
+MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
+MEASURE_EVERY = 20     # CPU: and every this many steps after
+MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this share fits the budget (the
+                       # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
+
+
+def default_memory_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Memory held right now: the CUDA allocator's allocated bytes, or this process's resident set on CPU
+    (Linux's /proc/self/statm; 0, with a warning once, where there is none)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError as error:
+        _warn_once(f"memory in use is reported as 0: cannot read the resident set size ({error})")
+        return 0
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+class StepAdmission:
+    """A trainer's memory admission. Its prior: the base's activation bytes per token measured on this model
+    (dtype, quantization, layout, recompute mode) by two small probe steps (actors/engine/memory_prior.py),
+    the adapters' and the loss's bytes analytic per step; then fitted online (policies/memory_model.py) on the
+    steps whose peak the allocator counted. `budget_bytes`: None for the device's default budget."""
+
+    def __init__(self, trainer: FusedTrainer, budget_bytes: int | None = None):
+        base, model = trainer.base, trainer.base.model
+        self.trainer = trainer
+        self.base_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        self.budget = budget_bytes or default_memory_budget(base.device)
+        self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
+                              for name in linear_module_names(model)}
+        activation = probe_base_activation(base, layout=trainer.layout, recompute=trainer.recompute)
+        self.memory_prior = StepMemoryPrior(base, activation, self.linear_shapes, recompute=trainer.recompute)
+        self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token,
+                                                  bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
+        # a full step's bytes over the weights before any step was measured (the scheduler's first guess)
+        self.activation_estimate = int(activation.constant + activation.per_token * trainer.step_tokens
+                                       + loss_transient_bytes(trainer.step_tokens, self.memory_prior.vocab,
+                                                              self.memory_prior.hidden, base.dtype))
+        self.measured_steps = 0
+        self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
+
+    @property
+    def margin(self) -> float:
+        """MEMORY_MARGIN, or the largest share by which a measured peak has exceeded its prediction."""
+        return max([MEMORY_MARGIN, *self.under_predictions])
+
+    def shape(self, micro_batches: list[JobMicroBatch]) -> StepShape:
+        """The step's features for the memory model (its jobs are the trainer's)."""
+        trainer = self.trainer
+        lengths = [len(e) for mb in micro_batches for e in mb.rows]
+        parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
+        longest = max(lengths)
+        parts = [(trainer.jobs[mb.job].spec.lora, mb.padded_tokens(trainer.layout, longest), mb.examples)
+                 for mb in micro_batches]
+        return StepShape.of(lengths, parameters, tokens=trainer.step_cost(micro_batches),
+                            analytic_bytes=self.memory_prior.analytic_bytes(parts))
+
+    def predict(self, shape: StepShape) -> int:
+        return self.memory_model.predict(shape)
+
+    def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
+        """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
+        return self.predict(self.shape(micro_batches)) * (1 + self.margin) <= self.budget
+
+    def measure_next_step(self) -> bool:
+        """Whether the allocator should count the next step's peak: on CPU (torch.profiler, slower) the first
+        MEASURE_FIRST steps and every MEASURE_EVERY-th step after; on CUDA every step is counted anyway."""
+        return self.measured_steps < MEASURE_FIRST or self.trainer.step_count % MEASURE_EVERY == 0
+
+    def observe(self, shape: StepShape, report: StepReport, predicted: int) -> None:
+        """Learn from a step that ran: only from the allocator's count (a step that was not measured teaches
+        nothing); a peak above its prediction raises the margin."""
+        if not report.memory_measured:
+            return
+        self.measured_steps += 1
+        self.under_predictions.append((report.peak_memory_bytes - predicted) / report.peak_memory_bytes)
+        self.memory_model.observe(shape, report.peak_memory_bytes, predicted)

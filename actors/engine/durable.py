@@ -74,3 +74,21 @@ def write_durably(path: str | Path, content: Content, *, private: bool = False) 
         temporary.unlink(missing_ok=True)
         raise
     return path
+
+
+def append_whole(descriptor: int, data: bytes) -> None:
+    """Append `data` to the end of the file open at `descriptor`, whole or not at all: a write that fails
+    part-way (a full disk) is cut back to where it began, so that the file holds no part of a record, and its
+    error propagates. Where even the cut fails, the file may keep the part: that error's note says so."""
+    end = os.lseek(descriptor, 0, os.SEEK_END)
+    view, written = memoryview(data), 0
+    try:
+        while written < len(view):
+            written += os.write(descriptor, view[written:])
+    except OSError as error:
+        if written:
+            try:
+                os.ftruncate(descriptor, end)
+            except OSError as cut:
+                error.add_note(f"and the {written} bytes written could not be cut back: {cut}")
+        raise

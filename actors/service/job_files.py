@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from actors.engine.durable import append_whole
 from actors.engine.storage import StorageLocation, is_uri
 
 log = logging.getLogger(__name__)
@@ -83,19 +84,9 @@ class JobFiles:
         row, and the rows stay to be written next time."""
         if not self.unwritten or self.fd is None:
             return
-        data = memoryview("".join(self.unwritten).encode())
-        end, written = 0, 0
         try:
-            end = os.lseek(self.fd, 0, os.SEEK_END)
-            while written < len(data):
-                written += os.write(self.fd, data[written:])
+            append_whole(self.fd, "".join(self.unwritten).encode())
         except OSError as error:
-            if written:
-                try:
-                    os.ftruncate(self.fd, end)
-                except OSError as cut:
-                    log.warning("job %s: could not cut a half-written row from %s: %s", self.job_id,
-                                self.folder / METRICS_NAME, cut)
             self.failed_write(error, METRICS_NAME)
             return
         self.unwritten.clear()

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.engine.durable import append_whole
 from actors.engine.trainer import StepReport
 
 log = logging.getLogger(__name__)
@@ -44,13 +46,12 @@ class StepLog:
         self.path = path
         self.trainer_id = trainer_id
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         self.failing = False   # the last row could not be written (warned once until one is)
 
     def write(self, row: dict[str, Any]) -> None:
         try:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+            append_whole(self.fd, (json.dumps(row) + "\n").encode())   # a row the disk cuts is taken back whole
         except OSError as error:
             if not self.failing:
                 log.warning("trainer %s: cannot write its step log %s (%s); training goes on, rows are lost "
@@ -60,4 +61,4 @@ class StepLog:
         self.failing = False
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)

@@ -67,8 +67,6 @@ def test_the_step_log_goes_on_past_a_full_disk_warning_once(small_disks, tmp_pat
     assert text.startswith('{"step": 1, ') and text.endswith('{"step": 8, "loss": 0.5}\n')
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (before the trainer split as after): a row the full disk cut "
-                                       "part-way stays in the step log, and the next row is glued to it")
 def test_the_step_log_keeps_only_whole_rows_past_a_full_disk(small_disks, tmp_path):
     path, _ = write_past_a_full_disk(small_disks, tmp_path)
     rows = [json.loads(line) for line in path.read_text().splitlines()]

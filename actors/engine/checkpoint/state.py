@@ -7,9 +7,10 @@ a step); what must agree between fields or files (steps, shapes, digests) is che
 Unknown keys. At the top level of state.json they are ignored: later aspens add optional keys within a
 format (`evals`, `data_digest` were added so), and an aspen one version back must still resume such a
 checkpoint; a key that no reader may ignore comes with a new format number instead. Inside the objects below
-them (a history record, the accumulator, the optimizer section, a file entry) an unknown key is refused: each
-is restored field by field into the job, where an unknown field has nowhere to go, so it means another
-format or damage.
+it (a history record, the accumulator, the optimizer section's own keys, a file entry) an unknown key is
+refused: each is restored field by field, where an unknown field has nowhere to go, so it means another
+format or damage. (The optimizer's parameter groups and state values hold torch's settings as torch has
+them: any keys.)
 
 Non-finite numbers. A loss, gradient norm, eval loss or metric may be inf or NaN in a valid checkpoint: a
 float16 job's skipped step records an inf gradient norm, a diverged job NaN losses, and such a job must

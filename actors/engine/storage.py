@@ -6,7 +6,7 @@ Plain paths stay plain paths: nothing here is used for them (`is_uri` is False),
 local folder (or a mounted shared one) behaves as it always did.
 
 The model (as Ray Train's `storage_path`): a trainer writes checkpoints atomically to a NODE-LOCAL staging
-folder (actors/engine/checkpoint.py, unchanged), then `upload_checkpoint` mirrors that complete folder to
+folder (actors/engine/checkpoint/, unchanged), then `upload_checkpoint` mirrors that complete folder to
 `<uri>/checkpoints/<step>-<token>/` and only then writes the pointer `<uri>/checkpoint.json` (one object,
 written last) naming that upload with every file's size and sha256. A reader (`download_checkpoint`, on any
 node) follows the pointer, so it never sees a half-written upload: a crash between the files and the pointer

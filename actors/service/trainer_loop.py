@@ -58,7 +58,6 @@ from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names, remove_adapter
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes
-from actors.engine.memory import keep_resident_with_live_tensors
 from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
@@ -221,8 +220,6 @@ class TrainerLoop:
         self.base = base
         self.config = config
         self.trainer_id = trainer_id
-        if base.device.type == "cpu":   # the process's resident set then follows the live tensors
-            keep_resident_with_live_tensors()
         self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer,
                                     recompute=config.recompute, compile=config.compile)
         self.incarnation = uuid.uuid4().hex[:12]

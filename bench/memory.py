@@ -8,7 +8,7 @@ peak resident memory, what activation recomputation saves and costs, and admissi
    actors/engine/memory_prior.py, before any step of the jobs was seen), against the step's peak counted by
    the allocator (CUDA: max_memory_allocated; CPU: torch.profiler's memory events over the live tensors
    held before the step), and the predicted peak resident set (`memory_prior.predict_resident`, made before
-   the jobs' first step) against the process's VmHWM over two steps no profiler watches.
+   the jobs' first step) against the process's VmHWM over 8 steps no profiler watches (RESIDENT_STEPS).
 2. glibc malloc's default (what a CPU trainer runs) vs its mmap threshold fixed at 64 KiB (what CPU
    trainers ran on 2026-11-25/26, so that the resident set followed the live tensors): step time and the
    process's peak resident set of the same steps, each setting in fresh processes of its own (mallopt is
@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RESIDENT_STEPS = 8   # steps over which a configuration's peak resident set is measured
 MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
 
@@ -83,7 +84,7 @@ def one_configuration(case: dict) -> dict:
     example = Example(tuple(range(3, 3 + length)),
                       tuple([-100] * (length // 3) + list(range(3 + length // 3, 3 + length))))
     for j in range(case["jobs"]):
-        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=rows, max_steps=4,
+        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=rows, max_steps=RESIDENT_STEPS + 2,
                        warmup_steps=0, lora={"r": case["rank"], "dropout": case["dropout"],
                                              "target_modules": "all-linear"})
         trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * rows), [], seed=j))
@@ -98,11 +99,13 @@ def one_configuration(case: dict) -> dict:
     uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
     resident_predicted = predict_resident(resident_bytes(), live_tensor_bytes(model, optimizers), predicted,
                                           uncounted, peak_resident_bytes())
-    # the resident set measured over two steps that no profiler watches
+    # the resident set measured over steps that no profiler watches (glibc's heap keeps freed pages for the next
+    # steps to reuse: the peak may rise after the first)
     trainer.run_step(chosen)
-    trainer.train_step()
+    for _ in range(RESIDENT_STEPS - 1):
+        trainer.train_step()
     resident_measured = peak_resident_bytes()
-    # then the allocator's count of a third step (torch.profiler)
+    # then the allocator's count of one more step (torch.profiler)
     held = live_tensor_bytes(model, optimizers)
     _, growth = measure_peak(trainer.train_step, base.device)
     return {**case, "predicted": predicted, "measured": held + growth, "resident_predicted": resident_predicted,

@@ -247,10 +247,10 @@ def peft_side(plan: dict) -> dict:
 # rounds
 # --------------------------------------------------------------------------------------------------
 
-def run_side(side: str, plan_path: Path) -> tuple[dict, float | None]:
+def run_side(side: str, plan_path: Path, extra_env: dict[str, str] | None = None) -> tuple[dict, float | None]:
     """One side in a fresh process: its result and the share of the CPU other processes took meanwhile."""
     monitor = CpuMonitor()
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {})}
     done = subprocess.run([sys.executable, __file__, "--side", side, "--plan", str(plan_path)], cwd=REPO, env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
@@ -276,6 +276,7 @@ def compare(args: argparse.Namespace) -> dict:
 
     threads = args.threads or torch.get_num_threads()
     args.threads = threads
+    aspen_env = dict(item.split("=", 1) for item in args.aspen_env)
     rounds = []
     with tempfile.TemporaryDirectory(prefix="aspen-vs-peft-") as folder:
         folder = Path(folder)
@@ -289,7 +290,8 @@ def compare(args: argparse.Namespace) -> dict:
         log(f"(c) aspen vs PEFT, each side in a fresh process: {args.jobs} jobs ({', '.join(n for n, _, _ in jobs)}; "
             f"{data} data) x batch {args.batch}, 1 warm-up + {args.steps} timed steps each, {plan['dtype']} on "
             f"{plan['device']}, {threads} torch threads, {args.rounds} round(s); batches tokenized in "
-            f"{time.perf_counter() - started:.1f}s")
+            f"{time.perf_counter() - started:.1f}s"
+            + (f"; the aspen side's environment: {aspen_env}" if aspen_env else ""))
         for index in range(args.rounds):
             order = ("aspen", "peft") if index % 2 == 0 else ("peft", "aspen")
             results, shares = {}, {}
@@ -300,7 +302,7 @@ def compare(args: argparse.Namespace) -> dict:
                     path.write_text(json.dumps({"spec": {**spec, "output_dir": str(out)}, "threads": threads}))
                 else:
                     path = folder / "peft.json"
-                results[side], shares[side] = run_side(side, path)
+                results[side], shares[side] = run_side(side, path, aspen_env if side == "aspen" else None)
             aspen, peft = results["aspen"], results["peft"]
             same_batches(aspen, peft)
             for side, result in results.items():
@@ -328,7 +330,8 @@ def compare(args: argparse.Namespace) -> dict:
         "last step's: " + ", ".join(f"{name} {first['aspen']['per_job'][name][-1][1]:.3f}/{steps[-1][1]:.3f}"
                                     for name, steps in first["peft"]["per_job"].items()))
     ratios = [r["ratio"] for r in rounds]
-    result = {"machine": cpu_model(), "threads": threads, "jobs": [n for n, _, _ in jobs], "data": data,
+    result = {"machine": cpu_model(), "threads": threads, "aspen_env": aspen_env, "jobs": [n for n, _, _ in jobs],
+              "data": data,
               "batch_size": args.batch, "timed_steps_per_job": args.steps, "dtype": plan["dtype"],
               "device": plan["device"], "rounds": rounds, "ratios": ratios, "aspen_effective_tokens_per_s": aspen_tps,
               "peft_effective_tokens_per_s": peft_tps, "ratio": aspen_tps / peft_tps,
@@ -353,6 +356,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path, default=DATA_DIR,
                    help=f"folder with {GSM8K} and {CODE_ALPACA} (default ../shared/data; generated text without)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--aspen-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the aspen side only, for A/B runs (e.g. "
+                        "MALLOC_MMAP_THRESHOLD_=65536: glibc's mmap threshold fixed at 64 KiB from the start, as "
+                        "CPU trainers set it on 2026-11-25/26)")
     p.add_argument("--side", choices=["aspen", "peft"], help=argparse.SUPPRESS)
     p.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     return p

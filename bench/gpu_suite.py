@@ -9,7 +9,7 @@ recorded in the report, its processes killed, and the suite goes on with the nex
   operations  bench/fusion.py --proxy (d): operations per fused step, grouped vs per segment, 1..32 adapters
   overhead    bench/overhead.py: the actor system against the in-process engine
   memory      bench/memory.py: predicted against measured step peaks, recomputation, admission
-  peft        bench/fusion.py (c): 4 jobs fused in the engine against PEFT one after another
+  peft        bench/fusion.py (c): 4 jobs fused by aspen against PEFT one after another, each in its own process
   compile     bench/compile_step.py: seconds per fused step, eager against compile: default (inductor), the
               graphs compiled, the adapters' difference
 
@@ -172,8 +172,8 @@ def key_numbers(out: Path) -> dict:
         for mode, per in operations["operations"]["per_mode"].items():
             numbers[f"operations_ratio_{mode}"] = {n: round(v["ratio_to_1"], 3) for n, v in per.items()}
     peft = _json(out / "peft.json")
-    if peft and peft.get("engine_vs_peft"):
-        numbers["engine_over_peft"] = round(peft["engine_vs_peft"]["ratio"], 3)
+    if peft and peft.get("aspen_vs_peft"):
+        numbers["aspen_over_peft"] = round(peft["aspen_vs_peft"]["ratio"], 3)
     compiled = _json(out / "compile.json")
     if compiled:
         numbers["compile"] = {k: compiled[k] for k in ("median_step_s", "compiled_over_eager", "graphs_in_warmup",

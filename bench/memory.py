@@ -8,9 +8,11 @@ peak resident memory, what activation recomputation saves and costs, and admissi
    actors/engine/memory_prior.py, before any step of the jobs was seen), against the step's peak counted by
    the allocator (CUDA: max_memory_allocated; CPU: torch.profiler's memory events over the live tensors
    held before the step), and the predicted peak resident set (`memory_prior.predict_resident`, made before
-   the jobs' first step) against the process's VmHWM over two steps no profiler watches.
-2. glibc's mmap threshold fixed (what a CPU trainer sets) vs at its dynamic ceiling: step time, alternated
-   in one process.
+   the jobs' first step) against the process's VmHWM over 8 steps no profiler watches (RESIDENT_STEPS).
+2. glibc malloc's default (what a CPU trainer runs) vs its mmap threshold fixed at 64 KiB (what CPU
+   trainers ran on 2026-11-25/26, so that the resident set followed the live tensors): step time and the
+   process's peak resident set of the same steps, each setting in fresh processes of its own (mallopt is
+   process-wide and a heap's state outlives a setting's change), alternated A-B-B-A.
 3. Recomputation on vs off side by side in one process: the allocator peak and the step time of the same
    steps, alternated.
 4. Admission: the in-process driver with a budget that the scheduler's admission estimate (the trainer's
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+RESIDENT_STEPS = 8   # steps over which a configuration's peak resident set is measured
 MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
 
@@ -49,7 +52,6 @@ def one_configuration(case: dict) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.lora import linear_module_names
     from actors.engine.memory import (
-        keep_resident_with_live_tensors,
         live_tensor_bytes,
         measure_peak,
         model_bytes,
@@ -63,7 +65,6 @@ def one_configuration(case: dict) -> dict:
     from policies.memory_model import MemoryModel, StepShape
 
     torch.set_num_threads(1)
-    keep_resident_with_live_tensors()   # as a CPU trainer does at start
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
@@ -83,7 +84,7 @@ def one_configuration(case: dict) -> dict:
     example = Example(tuple(range(3, 3 + length)),
                       tuple([-100] * (length // 3) + list(range(3 + length // 3, 3 + length))))
     for j in range(case["jobs"]):
-        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=rows, max_steps=4,
+        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=rows, max_steps=RESIDENT_STEPS + 2,
                        warmup_steps=0, lora={"r": case["rank"], "dropout": case["dropout"],
                                              "target_modules": "all-linear"})
         trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * rows), [], seed=j))
@@ -98,11 +99,13 @@ def one_configuration(case: dict) -> dict:
     uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
     resident_predicted = predict_resident(resident_bytes(), live_tensor_bytes(model, optimizers), predicted,
                                           uncounted, peak_resident_bytes())
-    # the resident set measured over two steps that no profiler watches
+    # the resident set measured over steps that no profiler watches (glibc's heap keeps freed pages for the next
+    # steps to reuse: the peak may rise after the first)
     trainer.run_step(chosen)
-    trainer.train_step()
+    for _ in range(RESIDENT_STEPS - 1):
+        trainer.train_step()
     resident_measured = peak_resident_bytes()
-    # then the allocator's count of a third step (torch.profiler)
+    # then the allocator's count of one more step (torch.profiler)
     held = live_tensor_bytes(model, optimizers)
     _, growth = measure_peak(trainer.train_step, base.device)
     return {**case, "predicted": predicted, "measured": held + growth, "resident_predicted": resident_predicted,
@@ -146,24 +149,27 @@ def recompute_side_by_side(steps: int) -> list[dict]:
              "steps": steps} for mode in trainers]
 
 
-def malloc_side_by_side(steps: int) -> dict:
-    """What fixing glibc's mmap threshold costs (`memory.keep_resident_with_live_tensors`): the same steps in
-    one process, alternated between the fixed 64 KiB threshold (large tensors mapped and unmapped each time)
-    and the state glibc's dynamic threshold reaches after large frees (32 MiB, trimming at twice that:
-    tensors up to 32 MiB reused from the heap). Runs in its own process: mallopt is process-wide."""
+M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter
+MALLOC_SETTINGS = ("glibc default", "mmap threshold 64K")
+
+
+def malloc_steps(setting: str, steps: int) -> dict:
+    """The same fused steps under one malloc setting, in this (fresh) process: median step time and the
+    process's peak resident set. "mmap threshold 64K": every block above 64 KiB mapped on allocation and
+    unmapped on free (setting it also turns glibc's dynamic threshold off)."""
     import ctypes
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.data import Example
     from actors.engine.job import TrainingJob
-    from actors.engine.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, MMAP_THRESHOLD_BYTES
+    from actors.engine.memory import peak_resident_bytes
     from actors.engine.models import from_module
     from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
 
-    libc = ctypes.CDLL("libc.so.6")
-    settings = {"fixed 64K": (MMAP_THRESHOLD_BYTES, 128 * 1024), "dynamic's ceiling 32M": (32 << 20, 64 << 20)}
+    if setting == "mmap threshold 64K" and ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024) != 1:
+        raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD, 64 KiB)")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)), None)
@@ -171,19 +177,31 @@ def malloc_side_by_side(steps: int) -> dict:
     example = Example(tuple(range(3, 3 + length)), tuple([-100] * 80 + list(range(83, 3 + length))))
     trainer = FusedTrainer(base, step_tokens=10**6)
     for j in range(2):
-        spec = JobSpec(name=f"m{j}", data="-", format={"type": "text"}, batch_size=4, max_steps=2 * steps + 2,
+        spec = JobSpec(name=f"m{j}", data="-", format={"type": "text"}, batch_size=4, max_steps=steps + 2,
                        warmup_steps=0, lora={"r": 16, "target_modules": "all-linear"})
         trainer.add_job(TrainingJob.create(spec, base, [example] * 4, [], seed=j))
     trainer.train_step()
-    seconds = {name: [] for name in settings}
+    seconds = []
     for _ in range(steps):
-        for name, (mmap_threshold, trim_threshold) in settings.items():
-            libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
-            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
-            started = time.perf_counter()
-            trainer.train_step()
-            seconds[name].append(time.perf_counter() - started)
-    return {name: statistics.median(values) for name, values in seconds.items()} | {"steps": steps}
+        started = time.perf_counter()
+        trainer.train_step()
+        seconds.append(time.perf_counter() - started)
+    return {"setting": setting, "median_step_s": statistics.median(seconds), "steps": steps,
+            "peak_resident_bytes": peak_resident_bytes()}
+
+
+def malloc_side_by_side(steps: int, env: dict) -> dict:
+    """`malloc_steps` for each setting in fresh processes, A-B-B-A: per setting the median of its two
+    processes' median step times, and its larger peak resident set."""
+    runs: dict[str, list[dict]] = {name: [] for name in MALLOC_SETTINGS}
+    for setting in (*MALLOC_SETTINGS, *reversed(MALLOC_SETTINGS)):
+        out = subprocess.run([sys.executable, __file__, "--malloc", setting, "--malloc-steps", str(steps)],
+                             capture_output=True, text=True, env=env, check=True)
+        runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {name: {"median_step_s": statistics.median(r["median_step_s"] for r in rows),
+                   "peak_resident_bytes": max(r["peak_resident_bytes"] for r in rows),
+                   "step_s_per_process": [r["median_step_s"] for r in rows]}
+            for name, rows in runs.items()} | {"steps": steps}
 
 
 ADMITTED = 2   # jobs the admission bench's budget has room for at once (of its 4)
@@ -366,13 +384,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
     parser.add_argument("--case", help=argparse.SUPPRESS)
-    parser.add_argument("--malloc", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--malloc", choices=MALLOC_SETTINGS, help=argparse.SUPPRESS)
+    parser.add_argument("--malloc-steps", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(one_configuration(json.loads(args.case))))
         return
     if args.malloc:
-        print(json.dumps(malloc_side_by_side(args.malloc)))
+        print(json.dumps(malloc_steps(args.malloc, args.malloc_steps)))
         return
     cases = CASES[::3] if args.quick else CASES
     results = []
@@ -394,12 +413,13 @@ def main() -> None:
     print(f"step peak (allocator): median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
     print(f"peak resident (VmHWM): median |error| {statistics.median(resident_errors):.1%}, "
           f"max {max(resident_errors):.1%}")
-    out = subprocess.run([sys.executable, __file__, "--malloc", "4" if args.quick else "8"], capture_output=True,
-                         text=True, env=env, check=True)
-    malloc = json.loads(out.stdout.strip().splitlines()[-1])
-    fixed, dynamic = malloc["fixed 64K"], malloc["dynamic's ceiling 32M"]
-    print(f"malloc: mmap threshold fixed at 64K, median step {fixed:.3f}s; at the dynamic threshold's ceiling (32M) "
-          f"{dynamic:.3f}s ({fixed / dynamic - 1:+.1%}; {malloc['steps']} steps each, alternated)")
+    malloc = malloc_side_by_side(4 if args.quick else 8, env)
+    glibc, fixed = (malloc[name] for name in MALLOC_SETTINGS)
+    slower = fixed["median_step_s"] / glibc["median_step_s"] - 1
+    print(f"malloc (each setting in fresh processes, A-B-B-A, {malloc['steps']} steps each): glibc's default, median "
+          f"step {glibc['median_step_s']:.3f}s, peak resident {glibc['peak_resident_bytes'] / 2**20:.0f}M; mmap "
+          f"threshold fixed at 64K {fixed['median_step_s']:.3f}s ({slower:+.1%}), peak resident "
+          f"{fixed['peak_resident_bytes'] / 2**20:.0f}M")
     side = recompute_side_by_side(3 if args.quick else 6)
     off, on = side
     print(f"recompute off: step peak {off['step_peak_bytes'] / 2**20:.1f}M, median step {off['median_step_s']:.3f}s; "

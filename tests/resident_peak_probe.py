@@ -1,9 +1,9 @@
 """Predicts, then measures, a small CPU training's peak resident memory in a process of its own: run as
 `python -m tests.resident_peak_probe DTYPE RECOMPUTE`, prints one JSON line.
 
-What a CPU trainer does at start (glibc's malloc told to map large blocks, the probe steps), then the
+What a CPU trainer does at start (the probe steps; glibc's malloc left as it is), then the
 prediction for the jobs' steps, made before their first step from the probe-measured prior alone
-(`memory_prior.predict_resident`); then three steps that no profiler watches, and the process's peak
+(`memory_prior.predict_resident`); then STEPS steps that no profiler watches, and the process's peak
 resident set (VmHWM of /proc/self/status: the kernel's count, independent of the engine)."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names
 from actors.engine.memory import (
-    keep_resident_with_live_tensors,
     live_tensor_bytes,
     model_bytes,
     peak_resident_bytes,
@@ -32,12 +31,11 @@ from policies.memory_model import MemoryModel, StepShape
 
 MODEL = dict(vocab_size=8000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
-JOBS, ROWS, LENGTH = 2, 4, 128
+JOBS, ROWS, LENGTH, STEPS = 2, 4, 128, 8
 
 
 def main(dtype_name: str, recompute: str) -> dict:
     torch.set_num_threads(1)
-    keep_resident_with_live_tensors()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL)).to(dtype)
@@ -51,7 +49,7 @@ def main(dtype_name: str, recompute: str) -> dict:
     trainer = FusedTrainer(base, step_tokens=10**6, recompute=recompute)
     example = Example(tuple(range(3, 3 + LENGTH)), tuple([-100] * 16 + list(range(19, 3 + LENGTH))))
     for j in range(JOBS):
-        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=ROWS, max_steps=4,
+        spec = JobSpec(name=f"j{j}", data="-", format={"type": "text"}, batch_size=ROWS, max_steps=STEPS,
                        warmup_steps=0, lora={"r": 8, "target_modules": "all-linear"})
         trainer.add_job(TrainingJob.create(spec, base, [example] * (2 * ROWS), [], seed=j))
     chosen = trainer.compose()
@@ -65,8 +63,8 @@ def main(dtype_name: str, recompute: str) -> dict:
     uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
     predicted = predict_resident(before, live_tensor_bytes(model, optimizers), step_peak, uncounted, peak_before)
     trainer.run_step(chosen)
-    trainer.train_step()
-    trainer.train_step()
+    for _ in range(STEPS - 1):   # later steps reuse (or not) the heap pages the earlier ones left resident
+        trainer.train_step()
     return {"predicted": predicted, "measured": peak_resident_bytes(), "resident_before": before,
             "peak_before": peak_before}
 

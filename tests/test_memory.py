@@ -137,7 +137,8 @@ def test_the_admission_estimate_counts_the_parameters_peft_trains(targets):
 def test_predicted_peak_resident_set_matches_the_kernels_count(dtype, recompute):
     """A small CPU training in a process of its own: the peak resident set predicted before its first step
     (runtime with the libraries warm, the step's allocator peak, the scratch the allocator does not count)
-    against the kernel's VmHWM after three steps, within the prediction's goal of 6%."""
+    against the kernel's VmHWM after eight steps (glibc's heap keeps freed pages resident for the next steps
+    to reuse: the peak may creep), within the prediction's goal of 6%."""
     result = subprocess.run([sys.executable, "-m", "tests.resident_peak_probe", dtype, recompute],
                             capture_output=True, text=True, check=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -13,9 +13,13 @@ weights and buffers, the adapters' gradients and optimizer state, plus the large
 loss (one chunk of logits). The scheduler fits its memory model to these numbers.
 
 Resident (CPU): the process's resident set (`resident_bytes`), its peak (`peak_resident_bytes`, VmHWM) and
-a run's peak over what was resident before (`measure_resident`); `keep_resident_with_live_tensors` makes
-glibc's malloc give large freed blocks back, so that the resident set follows the live tensors and can be
-predicted (`memory_prior.predict_resident`)."""
+a run's peak over what was resident before (`measure_resident`). glibc's malloc is left as it is (its
+dynamic mmap threshold: after a large free, blocks up to 32 MiB come from the heap, whose freed pages stay
+resident and are reused by the next step); the resident set then runs above the live tensors by what the
+heap retains, and `memory_prior` measures that on the probe steps, from a heap whose free pages were given
+back first (`release_free_heap`), to predict it (`memory_prior.predict_resident`). Mapping every block above
+64 KiB instead (a fixed mmap threshold) made the resident set follow the live tensors, but every large tensor
+was then mapped, faulted in page by page and unmapped again, every step: 25-40% of a CPU step's time."""
 
 from __future__ import annotations
 
@@ -203,29 +207,25 @@ def allocation_peak(events: Iterable) -> tuple[int, int]:
     return peak, live
 
 
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 1 << 16
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (the only one with `malloc_trim`), else None."""
+    if platform.system() != "Linux":
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
 
 
-def keep_resident_with_live_tensors() -> bool:
-    """On CPU, make the process's resident set follow the live tensors: glibc malloc's mmap threshold fixed
-    at 64 KiB (setting it disables glibc's dynamic threshold, which after a large free rises up to 32 MiB so
-    that later large tensors come from the heap, whose freed pages stay resident and the resident set grows
-    above what is live). Tensors above 64 KiB are then mapped on allocation and returned on free. Returns
-    whether it took effect: a C library other than glibc (musl, macOS, Windows) has no `mallopt`; there it
-    is a no-op, logged, and the resident set may then exceed the prediction."""
-    libc = None
-    if platform.system() == "Linux":
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    if libc is None or not hasattr(libc, "gnu_get_libc_version"):   # only glibc has it
-        log.info("resident memory: %s without glibc: malloc's mmap threshold left as it is, so the resident "
-                 "set may grow above the live tensors", platform.system())
+def release_free_heap() -> bool:
+    """Give the pages of malloc's free heap blocks back to the system (glibc's `malloc_trim(0)`), so that the
+    resident set is what is live (plus the runtime) and a measurement starting now counts what a step touches.
+    Costs about a second and the pages are faulted in again when reused: for one-off measurements (the
+    memory probe), never between training steps. Returns whether it ran: a no-op, logged, without glibc."""
+    libc = _glibc()
+    if libc is None:
+        log.info("resident memory: %s without glibc: no malloc_trim, freed heap pages stay resident until reused",
+                 platform.system())
         return False
-    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
-        log.warning("resident memory: glibc mallopt(M_MMAP_THRESHOLD, %d) refused: the resident set may grow "
-                    "above the live tensors", MMAP_THRESHOLD_BYTES)
-        return False
+    libc.malloc_trim(0)
     return True
 
 

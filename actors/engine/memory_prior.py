@@ -13,7 +13,9 @@ added per step.
 
 On CPU the budget is the process's memory: `predict_resident` turns a step's predicted allocator peak into
 the process's peak resident set (VmHWM), from the resident set measured with the libraries warm and the
-probe-measured scratch beyond the allocator's count."""
+probe-measured bytes beyond the allocator's count: the pages glibc's heap touches beyond the live tensors
+(freed blocks that a later, larger one cannot reuse; kept resident, and reused by the next steps) and the
+scratch torch's allocator does not hand out."""
 
 from __future__ import annotations
 
@@ -24,12 +26,15 @@ import torch
 from actors.engine.data import Example
 from actors.engine.data.pairs import example_rows
 from actors.engine.loss import DEFAULT_CHUNK
-from actors.engine.memory import measure_allocations, measure_resident, resident_measurable
+from actors.engine.memory import measure_allocations, measure_resident, release_free_heap, resident_measurable
 from actors.engine.models import BaseModel
 from actors.engine.spec import JobSpec, LoraConfig
 
 ADAPTER_WIDTH = 4   # adapters train in float32
 PROBE_RANK = 1
+# glibc's dynamic mmap threshold rises up to this (64-bit): blocks above it are always mapped, and given back
+# when freed; blocks up to it end up in the heap, whose freed pages stay resident
+HEAP_BLOCK_CEILING = 32 << 20
 
 
 def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: dict[str, tuple[int, int]],
@@ -125,8 +130,9 @@ class BaseActivation:
     layers: int
     input_groups: dict
     loss_scale: float = 1.0   # measured share of `loss_transient_bytes` that is live on top of the forward's end
-    # CPU, probe-measured: what a step adds to the process's resident set beyond the allocator's count
-    # (scratch torch's allocator does not hand out): constant + per token, and during the loss per target
+    # CPU, probe-measured: what a step adds to the process's resident set beyond the allocator's count (the
+    # heap's pages beyond the live tensors, scratch torch's allocator does not hand out): constant + per
+    # token, and during the loss per target
     resident_constant: float = 0.0
     resident_per_token: float = 0.0
     resident_per_target: float = 0.0
@@ -155,9 +161,11 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     through a rank-1 adapter on every linear layer; each step's peak, and what is live at the end of its
     forward pass, counted by the allocator (`memory.measure_allocations`); the probe adapter's analytic
     bytes taken out; a straight line through the two points of each. On CPU each probe step also runs once
-    unprofiled, its resident set's peak read from the kernel (VmHWM, `memory.measure_resident`): what it adds
-    beyond the allocator's count (scratch torch's allocator does not hand out; the loss's, per target token,
-    from the step whose every token is a target) is the prior's `resident_*` part."""
+    unprofiled, after the heap's free pages were given back (`memory.release_free_heap`), its resident set's
+    peak read from the kernel (VmHWM, `memory.measure_resident`): what it adds beyond the allocator's count
+    (the heap's pages beyond the live tensors; scratch torch's allocator does not hand out; the loss's, per
+    target token, from the step whose every token is a target) is the prior's `resident_*` part. The probe
+    ends by giving the heap's free pages back, so that the resident set is then what is live."""
     from actors.engine.job import TrainingJob
     from actors.engine.layout import step_layout
     from actors.engine.lora import linear_module_names, remove_adapter
@@ -204,7 +212,8 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         for rows in (1, 2):
             batch = [example] * rows
             trainer.run_step([(job, batch)])   # a first step: the optimizer state exists from here on
-            if measure_rss:   # the same step unprofiled: what the process's resident set adds
+            if measure_rss:   # the same step unprofiled, from a heap with no free page resident: what it touches
+                release_free_heap()
                 _, resident = measure_resident(lambda batch=batch: trainer.run_step([(job, batch)]))
                 residents.append(resident)
             _, growth, _ = measure_allocations(lambda batch=batch: trainer.run_step([(job, batch)]), base.device)
@@ -220,6 +229,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         full = [Example(tuple(ids), tuple(ids))] * 2
         trainer.run_step([(job, full)])
         if measure_rss:
+            release_free_heap()
             _, full_resident = measure_resident(lambda: trainer.run_step([(job, full)]))
             residents.append(full_resident)
         _, full_growth, _ = measure_allocations(lambda: trainer.run_step([(job, full)]), base.device)
@@ -228,6 +238,8 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     finally:
         trainer.jobs.pop(job.name, None)
         remove_adapter(model, job.name)
+        if measure_rss:   # what the probe's steps left in the heap goes: the resident set is then what is live
+            release_free_heap()
     constant, per_token = _line(tokens, peaks)
     forward_constant, forward_per_token = _line(tokens, ends)
     # a loss that raised the peak tells its live share; one hidden under the backward peak bounds it
@@ -238,7 +250,10 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     if residents:   # the resident set's growth beyond the allocator's count: per token, and the loss's scratch
         # the last resident (the full step's) has no growth beside it: zip stops before it
         excess = [max(r - g, 0.0) for r, g in zip(residents, growths, strict=False)]
-        resident_constant, resident_per_token = _line(tokens, excess)
+        # a line through the origin (least squares): the heap's pages come in lumps of a few pages to a few
+        # MB, which a line through two points this close together would turn into a slope off by half
+        resident_constant = 0.0
+        resident_per_token = sum(e * t for e, t in zip(excess, tokens, strict=True)) / sum(t * t for t in tokens)
         full_tokens = sum(len(e) for e in full)
         # the full step's resident peak lies in its loss: what is live then (the forward's end, the adapters'
         # activations, the loss's counted bytes) plus the loss's uncounted scratch, per target token
@@ -295,8 +310,20 @@ class StepMemoryPrior:
         if resident:
             loss += activation.resident_per_target * targets
         excess = activation.forward_end(tokens) + forward + loss - activation.backward_peak(tokens) - backward
-        uncounted = activation.resident_constant + activation.resident_per_token * tokens if resident else 0.0
+        uncounted = 0.0
+        if resident:
+            uncounted = (activation.resident_constant + activation.resident_per_token * tokens
+                         + self.heap_block_slack(targets))
         return int(backward + max(0.0, excess) + uncounted)
+
+    def heap_block_slack(self, targets: int) -> int:
+        """The heap's room for a step's largest block, the loss's float32 logits chunk, where glibc keeps it in
+        the heap (up to HEAP_BLOCK_CEILING): once a block of the trainer's lasting state (an optimizer's
+        moments, a gradient) lands in the pages a freed chunk left, the next chunk extends the heap by its own
+        size, and the resident set keeps it. Seen as one such jump within a run's first steps, not as a
+        steady creep (tests/test_memory.py; docs/benchmarks.md, memory)."""
+        block = min(self.loss_chunk, targets) * self.vocab * 4
+        return block if block <= HEAP_BLOCK_CEILING else 0
 
 
 def predict_resident(resident_bytes: int, held_bytes: int, step_peak_bytes: int, resident_excess_bytes: int,
@@ -308,7 +335,9 @@ def predict_resident(resident_bytes: int, held_bytes: int, step_peak_bytes: int,
     (which holds the weights, the adapters and their optimizer state, the step's activations), plus what the
     step's scratch adds beyond the allocator's count (`StepMemoryPrior.analytic_bytes(parts, resident=True)`
     minus `analytic_bytes(parts)`: probe-measured);
-    at least the peak already reached (`peak_so_far_bytes`: loading the model, the probe). It holds where
-    the resident set follows the live tensors: `memory.keep_resident_with_live_tensors` (glibc)."""
+    at least the peak already reached (`peak_so_far_bytes`: loading the model, the probe). With glibc's
+    malloc as it is: the probe measured the pages a step's heap touches from a heap with no free page
+    resident, which is where `probe_base_activation` leaves it; later steps reuse what the earlier ones left
+    resident, so the peak stays near this (tests/test_memory.py; bench/memory.py prints it per configuration)."""
     step = resident_bytes - held_bytes + step_peak_bytes + resident_excess_bytes
     return int(max(step, peak_so_far_bytes))

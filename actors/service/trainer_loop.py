@@ -25,7 +25,6 @@ from typing import Any
 
 from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import DataChanged, save_checkpoint
-from actors.engine.memory import keep_resident_with_live_tensors
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.peft_io import save_adapter
@@ -60,8 +59,6 @@ class TrainerLoop:
         """`composer`: the service policy's `compose_step`, where it has one (e.g. MinPad)."""
         self.config = config
         self.trainer_id = trainer_id
-        if base.device.type == "cpu":   # the process's resident set then follows the live tensors
-            keep_resident_with_live_tensors()
         self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer,
                                     recompute=config.recompute, compile=config.compile)
         self.totals = StepTotals()

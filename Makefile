@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aspen-installed
 
-.PHONY: setup demo test lint bench gpu-suite clean
+.PHONY: setup demo test test-unit lint bench gpu-suite clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the fast part (tests/unit: no Ray, no server), for the edit-test loop
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m unit
 
 # ruff's rules are in pyproject.toml; CI fails on any finding
 lint: $(STAMP)

@@ -3,7 +3,7 @@
 
 Parts, each in its own process group (a part that fails or runs past its time limit, --part-timeout, is
 recorded in the report, its processes killed, and the suite goes on with the next):
-  tests       pytest tests/test_cuda.py (device placement, bf16, varlen attention, grouped LoRA on CUDA)
+  tests       pytest tests/gpu/test_cuda.py (device placement, bf16, varlen attention, grouped LoRA on CUDA)
   fusion      bench/fusion.py (a): fusion efficiency at 1, 2, 4, 8, 16 and 32 adapters (32 sequences per
               step), once with grouped LoRA and once per segment
   operations  bench/fusion.py --proxy (d): operations per fused step, grouped vs per segment, 1..32 adapters
@@ -74,7 +74,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     seq_len = ["--seq-len", "32" if args.quick else "128"]
     fusion = [py, "bench/fusion.py", *quick, "--base-model", args.base_model]
     return {
-        "tests": [[py, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py", f"--junitxml={out / 'tests.xml'}"]],
+        "tests": [[py, "-m", "pytest", "-q", "-rs", "tests/gpu/test_cuda.py", f"--junitxml={out / 'tests.xml'}"]],
         "fusion": [[*fusion, "--skip", "b,c,d", "--adapters", ADAPTERS, "--sequences", "32", *seq_len,
                     "--lora-grouping", mode, "--json", str(out / f"fusion-{mode}.json")]
                    for mode in ("grouped", "segments")],

@@ -282,7 +282,7 @@ def admission(quick: bool) -> dict:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": 49152})).save_pretrained(folder / "model")
         _smollm2_tokenizer().save_pretrained(folder / "model")   # the real tokenizer (49152 tokens)
-        from tests.service_helpers import job_dict, write_task_data
+        from tests.helpers.service import job_dict, write_task_data
 
         jobs = [job_dict(f"job{i}", write_task_data(folder / "data", f"task{i}", rows=64, offset=i), 6 if quick else 12,
                          lora={"r": 16, "alpha": 32, "target_modules": "all-linear"}, batch_size=8, max_seq_len=32)

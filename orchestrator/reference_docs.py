@@ -3,7 +3,7 @@ service-configuration reference from the pydantic models that validate them (eve
 default, allowed range and description), and `docs/architecture.md`, the floor plan: every folder and
 module with the first line of its docstring.
 
-    python -m orchestrator.reference_docs      (writes both; tests/test_reference_docs.py checks they are current)
+    python -m orchestrator.reference_docs      (writes both; tests/unit/test_reference_docs.py checks they are current)
 """
 
 from __future__ import annotations
@@ -132,8 +132,46 @@ FOLDERS: list[tuple[str, str]] = [
     ("policies", "scheduling decisions over an immutable snapshot, no Ray: built-in policies, memory model, "
                  "loss-curve predictor, simulator"),
 ]
+# A newcomer's path through the code: one job from `aspen run` to a fused step and back to the job table.
+# Every module named here must exist (render_floor_plan checks), so the path cannot point at a moved file.
+NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
+    ("`aspen run jobs.yaml` reads and validates the jobs file", ["orchestrator/cli.py", "orchestrator/jobs_file.py",
+                                                                 "actors/engine/spec.py"]),
+    ("decides what to do with jobs an earlier run left, and submits the rest through the client",
+     ["orchestrator/run_plan.py", "orchestrator/client.py"]),
+    ("the scheduler actor enters them in the job table, all or none", ["actors/scheduler_actor.py",
+                                                                       "actors/service/submissions.py",
+                                                                       "actors/service/job_table.py"]),
+    ("each decision round asks the policy, contained, which queued jobs start where, under memory budgets",
+     ["actors/service/scheduler_core.py", "actors/service/policy_guard.py", "policies/fifo.py",
+      "actors/service/job_fit.py"]),
+    ("a started job gets a job actor (its data, tokenized) and an assignment on its trainer",
+     ["actors/job_starts.py", "actors/job_actor.py", "actors/service/job_data.py", "actors/service/job_link.py"]),
+    ("the trainer's loop attaches the job's adapter and restores its newest checkpoint",
+     ["actors/trainer_actor.py", "actors/service/trainer_loop.py", "actors/service/job_start.py"]),
+    ("each fused step is admitted under the memory budget, packed, and run: one forward/backward, each job's "
+     "tokens through its own adapter, each job's loss and optimizer",
+     ["actors/service/step_admission.py", "actors/engine/trainer.py", "actors/engine/packing.py",
+      "actors/engine/lora.py", "actors/engine/loss.py", "actors/engine/optim.py"]),
+    ("the step's rows go to the step log and the job's metrics.jsonl, checkpoints are saved crash-safely",
+     ["actors/service/step_log.py", "actors/service/job_files.py", "actors/engine/checkpoint/save.py"]),
+    ("the scheduler polls the trainer's events and books them into the job table, in order",
+     ["actors/service/trainer_fleet.py", "actors/service/event_intake.py", "actors/service/event_booking.py"]),
+    ("the job actor's loss history decides when training stops paying off; the adapter is saved in PEFT's format",
+     ["actors/service/stop_verdicts.py", "policies/stopping.py", "actors/engine/peft_io.py"]),
+]
+TEST_FOLDERS = [
+    ("tests/unit", "one module's behaviour against an independent reference (PEFT, TRL, a solo run), in the test's "
+                   "process, no Ray, no server: `make test-unit` (`pytest -m unit`), the edit-test loop"),
+    ("tests/service", "the service as users run it, on a real local Ray: actors, the CLI, the client, "
+                      "`ray job submit`"),
+    ("tests/servers", "against real servers: S3 (moto), prometheus, mosquitto, the HTTP API"),
+    ("tests/faults", "failures caused on purpose: full disks, killed actors, damaged files, locked tables, bad input"),
+    ("tests/gpu", "CUDA only, skipped without it (`bench/gpu_suite.py` runs them on a GPU)"),
+    ("tests/helpers", "what tests share: tiny models, service runs, servers, fakes (no test module imports another)"),
+]
 OTHER_FOLDERS = [
-    ("tests", "the test suite (tiny random models; `tests/faults/`: fault injection)"),
+    ("tests", "the test suite, a folder per kind, each a pytest marker (below)"),
     ("bench", "benchmarks that print ratios measured side by side (results in docs/benchmarks.md)"),
     ("grafana", "the Grafana dashboard and provisioning"),
     ("examples", "a scheduling policy shipped as its own package (entry point group aspen.policies)"),
@@ -171,8 +209,21 @@ def render_floor_plan(repo: Path = REPO) -> str:
                 name = module.parent.relative_to(repo / folder).as_posix() + "/"
             parts.append(f"| `{name}` | {first_line(module).replace('|', '/')} |")
         parts.append("")
+    parts += ["## A newcomer's path: one job, from `aspen run` to a fused step and back", ""]
+    for number, (text, modules) in enumerate(NEWCOMERS_PATH, 1):
+        missing = [m for m in modules if not (repo / m).exists()]
+        if missing:
+            raise FileNotFoundError(f"orchestrator/reference_docs.py NEWCOMERS_PATH names {missing}, which do not "
+                                    "exist: point it at the modules that now hold that step")
+        parts.append(f"{number}. {text}: " + ", ".join(f"`{m}`" for m in modules))
+    parts.append("")
     parts += ["## Other folders", ""]
     parts += [f"- `{folder}/`: {text}" for folder, text in OTHER_FOLDERS]
+    parts += ["", "## Tests", ""]
+    for folder, text in TEST_FOLDERS:
+        if not (repo / folder).is_dir():
+            raise FileNotFoundError(f"orchestrator/reference_docs.py TEST_FOLDERS names {folder}, which does not exist")
+        parts.append(f"- `{folder}/`: {text}")
     return "\n".join(parts).rstrip() + "\n"
 
 

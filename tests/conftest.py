@@ -8,21 +8,11 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import (
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-VOCAB = 49152  # the SmolLM2 tokenizer's
-MISTRAL_WINDOW = 16
+from tests.helpers.models import MODEL_CLASSES, tiny_model
 
 # The Ctrl-C tests send SIGINT to `aspen` processes they start. A test run started in the background by a
 # non-interactive shell (`make test &`, nohup) inherits SIGINT ignored, and passes that on to its children
@@ -32,26 +22,22 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def tiny_config(arch: str, vocab_size: int = VOCAB):
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, pad_token_id=2, bos_token_id=1, eos_token_id=2)
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen2":
-        return Qwen2Config(**common)
-    if arch == "mistral":
-        # a window shorter than most random_examples (8-40 tokens): the sliding path is exercised
-        return MistralConfig(**common, sliding_window=MISTRAL_WINDOW)
-    raise ValueError(arch)
+KINDS = ("unit", "service", "servers", "faults", "gpu")   # the folders under tests/, each a marker (pyproject.toml)
+NOT_IN_UNIT = {"ray_session", "s3_server", "s3_bucket"}     # fixtures that start Ray or a server
 
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}
-
-
-def tiny_model(arch: str = "llama", vocab_size: int = VOCAB, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return MODEL_CLASSES[arch](tiny_config(arch, vocab_size)).eval()
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its folder's kind; a unit test that asks for Ray or a server is refused, so that
+    `pytest -m unit` stays fast and needs nothing running."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        kind = Path(item.fspath).resolve().relative_to(tests).parts[0]
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: a test module belongs in one of tests/{{{','.join(KINDS)}}}/")
+        item.add_marker(getattr(pytest.mark, kind))
+        if kind == "unit" and NOT_IN_UNIT & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid}: a unit test uses {sorted(NOT_IN_UNIT & set(item.fixturenames))}; "
+                                    "move it to tests/service/ (Ray) or tests/servers/ (a server)")
 
 
 @pytest.fixture(scope="session")
@@ -81,19 +67,12 @@ def tiny_model_dirs(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
     return dirs
 
 
-def random_examples(seed: int, count: int = 16, vocab: int = VOCAB, min_len: int = 8, max_len: int = 40,
-                    prompt_share: float = 0.4):
-    """Examples of random tokens; the first part of each is prompt (labels -100)."""
-    from actors.engine.data import Example
+@pytest.fixture()
+def tiny_base(tiny_model_dirs):
+    """The tiny Llama loaded as aspen's base model (float32, CPU), fresh for each test."""
+    from actors.engine.models import load_base_model
 
-    generator = torch.Generator().manual_seed(seed)
-    examples = []
-    for _ in range(count):
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=generator))
-        ids = torch.randint(3, vocab, (length,), generator=generator).tolist()
-        prompt = max(1, int(length * prompt_share))
-        examples.append(Example(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
-    return examples
+    return load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -115,8 +94,8 @@ def ray_session():
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto_server) for the session, its endpoint in this process's environment
-    (AWS_ENDPOINT_URL_S3); killed by its PID at the end (tests/s3_server.py)."""
-    from tests.s3_server import running_s3_server
+    (AWS_ENDPOINT_URL_S3); killed by its PID at the end (tests/helpers/s3_server.py)."""
+    from tests.helpers.s3_server import running_s3_server
 
     with running_s3_server() as server:
         yield server

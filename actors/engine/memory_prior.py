@@ -321,7 +321,7 @@ class StepMemoryPrior:
         the heap (up to HEAP_BLOCK_CEILING): once a block of the trainer's lasting state (an optimizer's
         moments, a gradient) lands in the pages a freed chunk left, the next chunk extends the heap by its own
         size, and the resident set keeps it. Seen as one such jump within a run's first steps, not as a
-        steady creep (tests/test_memory.py; docs/benchmarks.md, memory)."""
+        steady creep (tests/unit/engine/test_memory.py; docs/benchmarks.md, memory)."""
         block = min(self.loss_chunk, targets) * self.vocab * 4
         return block if block <= HEAP_BLOCK_CEILING else 0
 
@@ -338,6 +338,7 @@ def predict_resident(resident_bytes: int, held_bytes: int, step_peak_bytes: int,
     at least the peak already reached (`peak_so_far_bytes`: loading the model, the probe). With glibc's
     malloc as it is: the probe measured the pages a step's heap touches from a heap with no free page
     resident, which is where `probe_base_activation` leaves it; later steps reuse what the earlier ones left
-    resident, so the peak stays near this (tests/test_memory.py; bench/memory.py prints it per configuration)."""
+    resident, so the peak stays near this (tests/unit/engine/test_memory.py; bench/memory.py prints it per
+    configuration)."""
     step = resident_bytes - held_bytes + step_peak_bytes + resident_excess_bytes
     return int(max(step, peak_so_far_bytes))

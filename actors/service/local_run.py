@@ -1,7 +1,7 @@
 """The service in this process, without Ray (`aspen run --in-process`, tests, benchmarks): the same
 scheduler core, policy and memory admission, trainer loop, job data, stop rules, evaluations and
 checkpoints as `aspen run`, with direct calls where the service has Ray's. A run spec gives the same
-steps, stop steps, evaluations and adapters in both modes (`tests/test_one_path.py`)."""
+steps, stop steps, evaluations and adapters in both modes (`tests/service/test_one_path.py`)."""
 
 from __future__ import annotations
 

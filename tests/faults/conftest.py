@@ -1,3 +1,3 @@
 """Fixtures of the fault-injection suite."""
 
-from tests.faults.disks import small_disks  # noqa: F401  (a fixture)
+from tests.helpers.disks import small_disks  # noqa: F401  (a fixture)

@@ -29,32 +29,13 @@ from actors.engine.checkpoint import (
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from tests.conftest import REPO, random_examples, tiny_model
-from tests.test_checkpoint import VOCAB, spec, weights, write_format_1
-
-A_MICRO_BATCHES = 3  # checkpoint A: step 1, one micro-batch into step 2
-B_MICRO_BATCHES = 5  # checkpoint B: step 2, one micro-batch into step 3
+from tests.helpers.checkpoint_run import A_MICRO_BATCHES, B_MICRO_BATCHES, Run
+from tests.helpers.checkpoints import VOCAB, spec, weights, write_format_1
+from tests.helpers.models import REPO, random_examples, tiny_model
 
 
 class SimulatedCrash(BaseException):
     """Stands for the process dying at that instant (not an Exception: nothing may handle it as one)."""
-
-
-class Run:
-    """A tiny Llama with the resumable job on its own trainer."""
-
-    def __init__(self) -> None:
-        self.base = from_module(tiny_model("llama", VOCAB), None)
-        self.trainer = FusedTrainer(self.base)
-        self.job = TrainingJob.create(spec(), self.base, random_examples(0, count=10, vocab=VOCAB), [], seed=0)
-        self.trainer.add_job(self.job)
-        self.micro_batches = 0
-
-    def train_to(self, micro_batches: int | None = None) -> Run:
-        while not self.job.done and (micro_batches is None or self.micro_batches < micro_batches):
-            self.trainer.train_step()
-            self.micro_batches += 1
-        return self
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +140,7 @@ CHILD = """
 import os, sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from tests.faults.test_checkpoint_faults import A_MICRO_BATCHES, B_MICRO_BATCHES, Run
+from tests.helpers.checkpoint_run import A_MICRO_BATCHES, B_MICRO_BATCHES, Run
 from actors.engine.checkpoint import save_checkpoint
 folder = Path({folder!r})
 run = Run().train_to(A_MICRO_BATCHES)

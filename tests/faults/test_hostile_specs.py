@@ -5,7 +5,7 @@ any job spec has. Each is refused naming the limit and, where the parser knows i
 let through is the data PyYAML's own `yaml.safe_load` (or `json.loads`) gives, the reference. The limits hold
 on PyYAML's pure-Python parser too (a PyYAML built without libyaml), whose slowness the time limit bounds.
 The server-side timings (answered in under a second while other requests are answered) are in
-tests/test_http_api.py."""
+tests/servers/test_http_api.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import errno
 import json
 
 from actors.service.job_files import METRICS_NAME, JobFiles
-from tests.faults.disks import fill
+from tests.helpers.disks import fill
 
 
 def rows(folder) -> list[dict]:

@@ -26,7 +26,7 @@ from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.job_table import JobTable, JobTableDamaged
 from actors.service.table_backup import TableBackups, backup_path, take_backup
 from orchestrator.client import Client, ServiceError
-from tests.service_helpers import job_dict, run_spec, wait_for, write_task_data
+from tests.helpers.service import job_dict, run_spec, wait_for, write_task_data
 
 NOBODYS_MODEL = "some-org/model-nobody-holds"   # no trainer holds it: its jobs stay queued, never train
 

@@ -31,8 +31,8 @@ from orchestrator.mqtt_events import MqttListener
 from orchestrator.mqtt_settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
 from orchestrator.observability import service_listeners
 from orchestrator.watch import watch_events
-from tests.service_helpers import job_dict, wait_for, write_task_data
-from tests.test_mqtt_events import Subscriber, free_port, retained
+from tests.helpers.mqtt import Subscriber, free_port, retained
+from tests.helpers.service import job_dict, wait_for, write_task_data
 
 JOB = "victim-1a2b3c"
 STATE = f"aspen/v1/jobs/{JOB}/state"

@@ -22,10 +22,10 @@ from actors.service.scheduler_core import SchedulerCore, SubmissionError
 from policies.base import JobView, Snapshot, Start, TrainerView
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy
-from tests.conftest import random_examples, tiny_model
-from tests.faults.fault_policies import AlwaysFails, AnswersGarbage, FailsOnPoison
-from tests.service_helpers import job_dict, run_spec, write_task_data
-from tests.test_trainer_loop import fake_status
+from tests.helpers.fault_policies import AlwaysFails, AnswersGarbage, FailsOnPoison
+from tests.helpers.models import random_examples, tiny_model
+from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.trainer import fake_status
 
 
 def roomy_trainer() -> TrainerView:

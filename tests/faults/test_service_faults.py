@@ -30,8 +30,8 @@ from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.local_run import train_locally
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
-from tests.faults.disks import fill
-from tests.service_helpers import (
+from tests.helpers.disks import fill
+from tests.helpers.service import (
     adapter_tensors,
     job_dict,
     max_relative_difference,

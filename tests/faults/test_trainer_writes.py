@@ -13,7 +13,7 @@ import pytest
 
 from actors.service.retries import with_retries
 from actors.service.step_log import StepLog
-from tests.faults.disks import fill
+from tests.helpers.disks import fill
 
 
 def test_a_final_write_on_a_full_disk_succeeds_once_space_frees(small_disks, tmp_path):

@@ -1,0 +1,60 @@
+"""Training jobs fused and alone on one base, and the check that they end bit for bit alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module, quantize_linears
+from actors.engine.trainer import FusedTrainer
+from tests.helpers.models import tiny_model
+
+VOCAB = 300
+
+
+# (dtype of the base and of its computation, quantization of its linear layers)
+CONFIGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "none"),
+           "float16": (torch.float16, "none"), "nf4": (torch.float32, "nf4"), "int8": (torch.float32, "int8"),
+           "nf4-bfloat16": (torch.bfloat16, "nf4"), "int8-bfloat16": (torch.bfloat16, "int8")}
+
+
+def base_for(config: str):
+    dtype, quantization = CONFIGS[config]
+    model = tiny_model("llama", VOCAB).to(dtype)
+    if quantization != "none":
+        pytest.importorskip("bitsandbytes")
+        quantize_linears(model, quantization, dtype, torch.device("cpu"))
+    return from_module(model, None)
+
+
+def train(base, jobs) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, list[float]]]:
+    """Train `jobs` fused to the end; each job's adapter weights and its micro-batch losses in order."""
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    created = [TrainingJob.create(spec, base, examples, [], seed=seed) for spec, examples, seed in jobs]
+    for job in created:
+        trainer.add_job(job)
+    losses: dict[str, list[float]] = {job.name: [] for job in created}
+    while (report := trainer.train_step()) is not None:
+        for result in report.results:
+            losses[result.job].append(result.loss)
+    weights = {job.name: {k: v.detach().clone() for k, v in job.adapter.named_parameters()} for job in created}
+    for job in created:
+        assert job.step == job.spec.max_steps
+        trainer.remove_job(job.name)
+    return weights, losses
+
+
+def assert_isolated(base, jobs) -> None:
+    fused_weights, fused_losses = train(base, jobs)
+    trained = 0.0
+    for job in jobs:
+        name = job[0].name
+        solo_weights, solo_losses = train(base, [job])
+        assert fused_losses[name] == solo_losses[name], (name, fused_losses[name], solo_losses[name])
+        for key, solo in solo_weights[name].items():
+            difference = float((fused_weights[name][key].float() - solo.float()).abs().max())
+            assert torch.equal(fused_weights[name][key], solo), (name, key, difference)
+        trained = max(trained, max(float(w.float().abs().max()) for k,
+                                   w in solo_weights[name].items() if "lora_B" in k))
+    assert trained > 0, "no adapter trained: nothing was compared"

@@ -1,0 +1,24 @@
+"""Random preference pairs (prompt, chosen, rejected) of token ids."""
+
+from __future__ import annotations
+
+import torch
+
+from actors.engine.data import Example
+from actors.engine.data.pairs import PreferencePair
+
+
+def random_pairs(seed: int, count: int, vocab: int = 300) -> list[PreferencePair]:
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(count):
+        prompt = torch.randint(3, vocab, (int(torch.randint(2, 12, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        sides = []
+        for _ in range(2):
+            completion = torch.randint(3, vocab, (int(torch.randint(1, 15, (1,), generator=generator)),),
+                                       generator=generator).tolist()
+            ids = prompt + completion
+            sides.append(Example(tuple(ids), tuple([-100] * len(prompt) + completion)))
+        pairs.append(PreferencePair(sides[0], sides[1], len(prompt)))
+    return pairs

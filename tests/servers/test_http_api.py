@@ -1,0 +1,450 @@
+"""The HTTP API (orchestrator/http_api.py) on a real uvicorn server on a loopback port, over a real service on
+the session's Ray, driven with real HTTP requests: the Ray-free client (orchestrator/http_client.py) and raw
+httpx. What it answers is checked against the Ray client's view of the same service (the reference), and
+every refused request (no or a wrong token, malformed or invalid bodies, unknown jobs, duplicates,
+oversized bodies) is checked to leave the job table exactly as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from actors.service.config import ServiceConfig, TrainerConfig
+from orchestrator import http_api
+from orchestrator.client import Client
+from orchestrator.http_api import ServiceLink, create_app
+from orchestrator.http_bridge import ProcessLink
+from orchestrator.http_client import Conflict, HttpClient, JobNotFound, SpecRefused, Unauthorized
+from orchestrator.http_token import TokenFileError, client_token, ensure_token, read_token
+from tests.helpers.service import job_dict, wait_for, write_task_data
+
+REPO = Path(__file__).resolve().parents[2]
+BODY_LIMIT = 64 * 1024
+NOBODYS_MODEL = "some-org/model-nobody-holds"   # no trainer holds it: a job for it stays queued, never trains
+
+
+@contextlib.contextmanager
+def running_server(app) -> Iterator[str]:
+    """uvicorn serving `app` in a thread on a free loopback port; its URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=30, what="uvicorn to start", every=0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@dataclass
+class Api:
+    url: str
+    token: str
+    ray: Client      # the reference: the same service through the Ray client
+    base: str        # the trainer's base model (a tiny random Llama)
+    link: ProcessLink
+
+    def table(self) -> tuple:
+        """Everything a request could change: every job's row and the newest transition's number."""
+        return [r.as_dict() for r in self.ray.jobs()], self.ray.transitions_after(None)[0]
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@pytest.fixture(scope="module")
+def api(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Api]:
+    base = str(tiny_model_dirs["llama"])
+    name = f"aspen-http-test-{uuid.uuid4().hex[:6]}"
+    config = ServiceConfig(state_dir=tmp_path_factory.mktemp("state"), tick_seconds=0.1, trainers=[
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
+    service = Client.local(config, name=name)
+    token = ensure_token(tmp_path_factory.mktemp("token") / "http-token")
+    # as `aspen http` serves: the Ray connection in a child process, attached to this session's cluster
+    link = ProcessLink(ray_session.get_runtime_context().gcs_address, name=name)
+    app = create_app(link, token, max_body_bytes=BODY_LIMIT, events_poll_s=0.1)
+    try:
+        with running_server(app) as url:
+            yield Api(url, token, service, base, link)
+    finally:
+        link.close()
+        service.shutdown()
+
+
+def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_path, monkeypatch):
+    http = HttpClient(api.url, api.token)
+    stream = http.events(timeout=60)
+    snapshot = next(stream)
+    assert snapshot.kind == "snapshot" and int(snapshot.id) == api.ray.transitions_after(None)[0]
+    data = write_task_data(tmp_path / "data", "sql")
+    job = http.submit(job_dict("sql-http", data, 3), base_model=api.base, output_dir=tmp_path / "sql")
+    assert job.id in [r.id for r in http.jobs()]
+    assert http.status("sql-http").id == job.id                  # by its name, as the Ray client finds it
+    done = job.wait(timeout=120)
+    assert done.state == "completed", done
+    assert http.status(job.id) == api.ray.status(job.id)          # the same record as the Ray client's
+    assert http.jobs(["completed"]) == api.ray.jobs(("completed",))
+    losses = job.losses()
+    assert losses == api.ray.losses(job.id) and [r["step"] for r in losses] == [1, 2, 3]
+    assert all(r["loss"] > 0 for r in losses)
+    assert http.transitions(job.id) == [tuple(t) for t in api.ray.transitions(job.id)]
+    assert (tmp_path / "sql" / "adapter_model.safetensors").is_file()
+
+    seen = []   # the stream, opened before the submission, has every transition of the job, in order
+    for event in stream:
+        if event.kind == "transition" and event.data["job"] == job.id:
+            seen.append(event)
+            if event.data["state"] == "completed":
+                break
+    stream.close()
+    assert [e.data["state"] for e in seen] == [state for _, state, _ in api.ray.transitions(job.id)]
+    assert seen[0].data["previous"] is None and seen[-1].data["previous"] == "running"
+    assert seen[0].data["name"] == "sql-http" and [int(e.id) for e in seen] == sorted(int(e.id) for e in seen)
+    # resuming after the first event (Last-Event-ID) replays the rest, and no snapshot
+    resumed = http.events(job=job.id, after=seen[0].id, timeout=30)
+    replay = [next(resumed) for _ in seen[1:]]
+    resumed.close()
+    assert [(e.kind, e.id, e.data["state"]) for e in replay] == [("transition", e.id, e.data["state"])
+                                                                  for e in seen[1:]]
+
+    before = api.table()
+    with pytest.raises(Conflict, match="already ended"):          # 409: cancelling a finished job
+        http.cancel(job.id)
+    assert api.table() == before
+
+    monkeypatch.chdir(tmp_path)   # a relative data path is taken from the client's folder, as the Ray client does
+    long = http.submit(job_dict("long-http", Path("data/sql.jsonl"), 5000), base_model=api.base,
+                       output_dir=tmp_path / "long")
+    assert api.ray.submission(long.id).job.data == data
+    progress = http.events(job=long.id, progress=True, timeout=60)
+    step = next(e for e in progress if e.kind == "progress")
+    progress.close()
+    assert step.data["job"] == long.id and step.data["step"] >= 1 and step.data["loss"] > 0
+    assert http.cancel(long.id).state in ("running", "cancelled")   # a running job stops at its next step
+    assert long.wait(timeout=60).state == "cancelled"
+    assert api.ray.status(long.id).state == "cancelled"
+
+
+def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
+    http = HttpClient(api.url, api.token)
+    data = write_task_data(tmp_path / "data", "held")
+    held = http.submit(job_dict("held-http", data, 5), base_model=NOBODYS_MODEL)
+    wait_for(lambda: http.status(held.id).reason.startswith("no trainer"), what="the job's waiting reason")
+    fresh = {**job_dict("fresh-http", data, 3), "base_model": api.base}
+    raw = httpx.Client(base_url=api.url, timeout=30)
+    auth = api.auth()
+    json_type = {**auth, "Content-Type": "application/json"}
+    cases = [   # (what, request, status, a phrase of the answer)
+        ("no token", lambda: raw.post("/v1/jobs", json=fresh), 401, "Authorization: Bearer"),
+        ("a wrong token", lambda: raw.post("/v1/jobs", json=fresh, headers={"Authorization": "Bearer " + "x" * 43}),
+         401, "wrong token"),
+        ("a token one character short", lambda: raw.post("/v1/jobs", json=fresh, headers={
+            "Authorization": f"Bearer {api.token[:-1]}"}), 401, "wrong token"),
+        ("basic authentication", lambda: raw.post("/v1/jobs", json=fresh, headers={
+            "Authorization": "Basic dXNlcjpwYXNz"}), 401, "Authorization: Bearer"),
+        ("no token, cancelling", lambda: raw.post(f"/v1/jobs/{held.id}/cancel"), 401, "Authorization"),
+        ("no token, listing", lambda: raw.get("/v1/jobs"), 401, "Authorization"),
+        ("no token, events", lambda: raw.get("/v1/events"), 401, "Authorization"),
+        ("malformed JSON", lambda: raw.post("/v1/jobs", content=b'{"name": "x", "data": ', headers=json_type), 422,
+         "malformed JSON"),
+        ("malformed YAML", lambda: raw.post("/v1/jobs", content=b"name: [x\n", headers={
+            **auth, "Content-Type": "application/yaml"}), 422, "malformed YAML"),
+        ("JSON nested beyond reason", lambda: raw.post("/v1/jobs", content=b"[" * 50_000, headers=json_type), 422,
+         "nested too deeply"),
+        ("YAML aliases", lambda: raw.post("/v1/jobs", content=b"a: &a [x, x]\nb: [*a, *a]\n", headers={
+            **auth, "Content-Type": "application/yaml"}), 422, "aliases"),
+        ("not a mapping", lambda: raw.post("/v1/jobs", json=[fresh], headers=auth), 422, "send a mapping"),
+        ("an empty body", lambda: raw.post("/v1/jobs", content=b"", headers=json_type), 422, "empty"),
+        ("a form, not JSON or YAML", lambda: raw.post("/v1/jobs", data={"name": "x"}, headers=auth), 415,
+         "application/json"),
+        ("an oversized body", lambda: raw.post("/v1/jobs", content=b" " * (BODY_LIMIT + 1), headers=json_type), 413,
+         f"at most {BODY_LIMIT}"),
+        ("an oversized chunked body", lambda: raw.post("/v1/jobs", content=iter([b" " * BODY_LIMIT, b" {}"]),
+                                                       headers=json_type), 413, f"at most {BODY_LIMIT}"),
+        ("an invalid spec", lambda: raw.post("/v1/jobs", json={**fresh, "lora": {"r": 0}}, headers=auth), 422,
+         "field lora.r: must be between 1 and 1024"),
+        ("an unknown field", lambda: raw.post("/v1/jobs", json={**fresh, "learning_rate": 0.1}, headers=auth), 422,
+         "field learning_rate: unknown field"),
+        ("a missing data file", lambda: raw.post("/v1/jobs", json={**fresh, "data": str(tmp_path / "nope.jsonl")},
+                                                 headers=auth), 422, "field data: file"),
+        ("a relative data path", lambda: raw.post("/v1/jobs", json={**fresh, "data": "data/held.jsonl"},
+                                                  headers=auth), 422, "relative path"),
+        ("two jobs of one name in a batch", lambda: raw.post("/v1/jobs", json={"base_model": api.base, "jobs": [
+            job_dict("twin", data, 3), job_dict("twin", data, 3)]}, headers=auth), 422, "two jobs are named 'twin'"),
+        ("a duplicate of an unfinished job's name", lambda: raw.post("/v1/jobs", json={
+            **job_dict("held-http", data, 5), "base_model": NOBODYS_MODEL}, headers=auth), 409, "already queued"),
+        ("another job's output folder", lambda: raw.post("/v1/jobs", json={
+            **fresh, "output_dir": api.ray.status(held.id).output_dir}, headers=auth), 409, "already writes to"),
+        ("an unknown job", lambda: raw.get("/v1/jobs/no-such-job", headers=auth), 404, "no job with id or name"),
+        ("cancelling an unknown job", lambda: raw.post("/v1/jobs/no-such-job/cancel", headers=auth), 404,
+         "no job with id or name"),
+        ("losses of an unknown job", lambda: raw.get("/v1/jobs/no-such-job/losses", headers=auth), 404, "no job"),
+        ("events of an unknown job", lambda: raw.get("/v1/events?job=no-such-job", headers=auth), 404, "no job"),
+        ("resuming a queued job", lambda: raw.post(f"/v1/jobs/{held.id}/resume", headers=auth), 409,
+         "only paused, failed or cancelled"),
+        ("an unknown state filter", lambda: raw.get("/v1/jobs?state=done", headers=auth), 422, "unknown job states"),
+        ("a bad Last-Event-ID", lambda: raw.get("/v1/events", headers={**auth, "Last-Event-ID": "x"}), 422,
+         "Last-Event-ID"),
+    ]
+    before = api.table()
+    for what, request, status, phrase in cases:
+        response = request()
+        assert response.status_code == status, (what, response.status_code, response.text)
+        assert response.headers["content-type"].startswith("application/json"), (what, response.headers)
+        assert phrase in response.json()["detail"], (what, response.json())
+        assert api.table() == before, f"{what}: the service changed"
+    # the 422 names each field as data: its location and message
+    errors = raw.post("/v1/jobs", json={**fresh, "lora": {"r": 0}, "lr": -1}, headers=auth).json()["errors"]
+    assert sorted(e["field"] for e in errors) == ["lora.r", "lr"], errors
+    assert [e["loc"] for e in errors if e["field"] == "lora.r"] == [["lora", "r"]]
+    assert raw.post("/v1/jobs", json=fresh).headers["www-authenticate"].startswith("Bearer")
+    # the Ray-free client raises the server's refusals as exceptions carrying its message
+    with pytest.raises(Unauthorized, match="wrong token"):
+        HttpClient(api.url, "y" * 43).jobs()
+    with pytest.raises(JobNotFound, match="no job with id or name 'no-such-job'"):
+        http.status("no-such-job")
+    with pytest.raises(SpecRefused, match=r"field lora\.r: must be between 1 and 1024") as refused:
+        http.submit({**job_dict("bad-http", data, 3), "lora": {"r": 0}}, base_model=api.base)
+    assert refused.value.status == 422 and refused.value.errors[0]["loc"] == ["lora", "r"]
+    with pytest.raises(Conflict, match="already queued"):
+        http.submit(job_dict("held-http", data, 5), base_model=NOBODYS_MODEL)
+    assert api.table() == before
+
+    # what is accepted: a jobs file as YAML, all of its jobs at once
+    yaml_text = "\n".join([f"base_model: {NOBODYS_MODEL}", "jobs:"] + [
+        f"  - {{name: {name}, data: {data}, max_steps: 2, format: {{type: prompt_response, prompt: 'Q: {{question}}',"
+        f" response: ' {{answer}}'}}}}" for name in ("yaml-a", "yaml-b")])
+    response = raw.post("/v1/jobs", content=yaml_text, headers={**auth, "Content-Type": "application/yaml"})
+    assert response.status_code == 201, response.text
+    entered = response.json()["jobs"]
+    assert [j["name"] for j in entered] == ["yaml-a", "yaml-b"] and all(j["state"] == "queued" for j in entered)
+    assert {j["id"] for j in entered} <= {r.id for r in api.ray.jobs()}
+    for job_id in [held.id, *(j["id"] for j in entered)]:
+        assert http.cancel(job_id).state == "cancelled"
+    assert api.ray.status(held.id).state == "cancelled"
+
+
+def test_hostile_bodies_are_refused_within_a_second_and_a_slow_parse_stalls_nothing(api, tmp_path, monkeypatch):
+    """The bodies that hung the server when it parsed YAML on its event loop (a megabyte of nested brackets:
+    no answer in 120 s, /v1/health stalled for 60 s; a megabyte with a late alias: 6.6 s, health stalled as
+    long), sent to a server with the default body limit (1 MiB, so that they reach the parser): each refused in
+    under a second, naming the limit, nothing entered. Then a parse that takes its time (held until the test
+    lets it go, busy, as a pure-Python parser holds the GIL) while /v1/health and /v1/jobs answer; the jobs
+    file it parses is entered once it is let go."""
+    app = create_app(api.link, api.token, events_poll_s=0.1)
+    yaml_type = {**api.auth(), "Content-Type": "application/yaml"}
+    json_type = {**api.auth(), "Content-Type": "application/json"}
+    late_alias = ("padding: '" + "p" * 1_000_000 + "'\nfirst: &x 1\nsecond: *x\n").encode()
+    many_values = ("\n".join(f"k{i}: v{i}" for i in range(70_000)) + "\nfirst: &x 1\nsecond: *x\n").encode()
+    cases = [   # (what, body, headers, status, a phrase of the answer)
+        ("a megabyte of nested brackets (YAML)", b"[" * 1_000_000, yaml_type, 422, "nested too deeply"),
+        ("a megabyte of nested brackets (JSON)", b"[" * 1_000_000, json_type, 422, "nested too deeply"),
+        ("a megabyte, then an alias", late_alias, yaml_type, 422, "anchors and aliases"),
+        ("a megabyte of values, then an alias", many_values, yaml_type, 413, "more than 30000 values"),
+        ("over the body limit", b"[" * (2**20 + 1), yaml_type, 413, f"at most {2**20}"),
+    ]
+    data = write_task_data(tmp_path / "data", "slow")
+    jobs_file = "\n".join([f"base_model: {NOBODYS_MODEL}", "jobs:"] + [
+        f"  - {{name: {name}, data: {data}, max_steps: 2, format: {{type: alpaca}}}}" for name in ("slow-a", "slow-b")])
+    with running_server(app) as url:
+        raw = httpx.Client(base_url=url, timeout=120)
+        before = api.table()
+        for what, body, headers, status, phrase in cases:
+            started = time.monotonic()
+            response = raw.post("/v1/jobs", content=body, headers=headers)
+            took = time.monotonic() - started
+            assert response.status_code == status, (what, response.status_code, response.text[:300])
+            assert phrase in response.json()["detail"], (what, response.json()["detail"][:300])
+            assert took < 1.0, f"{what}: answered in {took:.2f} s"
+        assert api.table() == before
+
+        parsing, release = threading.Event(), threading.Event()
+        parse_body = http_api.parse_body
+
+        def slow_parse(*args, **kwargs):
+            parsing.set()
+            deadline = time.monotonic() + 120
+            while not release.is_set() and time.monotonic() < deadline:
+                pass   # busy in Python, as a slow parser is: the GIL is given up only at switch intervals
+            return parse_body(*args, **kwargs)
+
+        monkeypatch.setattr(http_api, "parse_body", slow_parse)
+        answers = {}
+        submit = threading.Thread(target=lambda: answers.update(
+            submitted=raw.post("/v1/jobs", content=jobs_file, headers=yaml_type)))
+        submit.start()
+        try:
+            assert parsing.wait(timeout=60), "the submission was never parsed"
+            for _ in range(3):
+                started = time.monotonic()
+                health = raw.get("/v1/health")
+                took = time.monotonic() - started
+                assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+                assert took < 1.0, f"/v1/health answered in {took:.2f} s during a parse"
+            assert raw.get("/v1/jobs", headers=api.auth()).status_code == 200
+            assert submit.is_alive() and "submitted" not in answers   # all of it while the parse went on
+        finally:
+            release.set()
+            submit.join(timeout=120)
+    response = answers["submitted"]
+    assert response.status_code == 201, response.text
+    entered = response.json()["jobs"]
+    assert [job["name"] for job in entered] == ["slow-a", "slow-b"]
+    for job in entered:
+        assert api.ray.cancel(job["id"]).state == "cancelled"
+
+
+def test_the_openapi_schema_lists_every_endpoint_and_the_bearer_scheme(api):
+    schema = httpx.get(f"{api.url}/openapi.json").json()
+    assert {"/v1/jobs", "/v1/jobs/{job}", "/v1/jobs/{job}/cancel", "/v1/jobs/{job}/losses", "/v1/events",
+            "/v1/health", "/v1/service"} <= set(schema["paths"])
+    assert set(schema["paths"]["/v1/jobs"]) == {"get", "post"}
+    body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
+    assert set(body) == {"application/json", "application/yaml"}
+    assert {"JobSpec", "RunSpec", "LoraConfig", "JobRecord"} <= set(schema["components"]["schemas"])
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert "security" not in schema["paths"]["/v1/health"]["get"]
+    assert schema["paths"]["/v1/jobs/{job}"]["get"]["security"] == [{"HTTPBearer": []}]
+    assert httpx.get(f"{api.url}/v1/health").json() == {"status": "ok", "service": "up", "detail": None}
+
+
+def test_a_service_that_does_not_answer_is_a_503_and_the_server_stays_up(ray_session, tmp_path):
+    token = ensure_token(tmp_path / "token")
+    app = create_app(ServiceLink(name=f"aspen-nobody-{uuid.uuid4().hex[:6]}"), token)
+    with running_server(app) as url:
+        for _ in range(2):   # the server answers again (and tries to connect again) after a failure
+            response = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {token}"})
+            assert response.status_code == 503 and "no aspen service" in response.json()["detail"], response.text
+            assert response.headers["retry-after"] == "5"
+        health = httpx.get(f"{url}/v1/health")
+        assert health.status_code == 503 and health.json()["service"] == "unavailable"
+        assert httpx.get(f"{url}/v1/jobs").status_code == 401   # the token is checked first
+
+
+def test_the_http_client_and_the_cli_with_url_need_no_ray(api, tmp_path):
+    """`aspen submit/status/losses/cancel --url` in a fresh process: it works, and Ray is never imported."""
+    data = write_task_data(tmp_path / "data", "cli")
+    (tmp_path / "jobs.yaml").write_text(json.dumps({"base_model": api.base, "output_dir": "out", "jobs": [
+        {**job_dict("cli-http", Path("data/cli.jsonl"), 2)}]}))   # relative: taken from the file's folder
+    script = ("import sys, orchestrator.http_client; assert not {'ray', 'torch'} & set(sys.modules), 'imported'; "
+              "from orchestrator.cli import main; code = main(sys.argv[1:]); "
+              "assert 'ray' not in sys.modules, 'ray was imported'; sys.exit(code)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ASPEN_URL": api.url, "ASPEN_TOKEN": api.token}
+
+    def aspen(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path)
+
+    submitted = aspen("submit", "jobs.yaml", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    (job,) = json.loads(submitted.stdout)
+    assert job["name"] == "cli-http"
+    assert api.ray.submission(job["id"]).job.data == data            # the file's relative path, resolved
+    assert api.ray.status(job["id"]).output_dir == str(tmp_path / "out" / "cli-http")
+    assert api.ray.wait(job["id"], timeout=120).state == "completed"
+    losses = aspen("losses", job["id"], "--json")
+    assert losses.returncode == 0, losses.stderr
+    assert json.loads(losses.stdout) == api.ray.losses(job["id"])
+    listed = aspen("status", "--json", "--url", api.url)
+    assert job["id"] in [r["id"] for r in json.loads(listed.stdout)]
+    refused = aspen("cancel", job["id"])
+    assert refused.returncode == 2 and "already ended" in refused.stderr and "(HTTP 409)" in refused.stderr
+
+
+def test_the_token_file_is_private_generated_once_and_read_by_clients(tmp_path, monkeypatch, capsys):
+    from orchestrator.cli import main
+
+    path = tmp_path / "aspen" / "http-token"
+    token = ensure_token(path)
+    assert len(token) >= 43 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert ensure_token(path) == token == read_token(path)
+    assert main(["http-token", "--token-file", str(path)]) == 0
+    assert capsys.readouterr().out.strip() == token
+    monkeypatch.delenv("ASPEN_TOKEN", raising=False)
+    monkeypatch.setenv("ASPEN_TOKEN_FILE", str(path))
+    assert client_token() == token
+    monkeypatch.setenv("ASPEN_TOKEN", "from-the-environment")
+    assert client_token() == "from-the-environment"
+    rotated = ensure_token(path, rotate=True)
+    assert rotated != token and read_token(path) == rotated
+    path.chmod(0o644)
+    with pytest.raises(TokenFileError, match="readable by other users"):
+        read_token(path)
+    with pytest.raises(TokenFileError, match="no HTTP API token"):
+        read_token(tmp_path / "missing")
+
+
+def test_the_ray_connection_lives_in_a_child_process_replaced_when_it_dies(api):
+    """The server never joins Ray (a driver dies with its cluster); its Ray connection's process does, and a
+    new one serves the next request."""
+    http = HttpClient(api.url, api.token)
+    assert http.jobs() == api.ray.jobs()
+    first = api.link.pid
+    assert first is not None and first != os.getpid()
+    os.kill(first, 9)
+    wait_for(lambda: not api.link.bridge.alive, timeout=10, what="the server to notice")
+    assert http.jobs() == api.ray.jobs()
+    assert api.link.pid not in (None, first)
+
+
+def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigterm(ray_session, tmp_path):
+    """`aspen http` as a user starts it: a token file made for it (0600), loopback, 401 without the token, a 503
+    naming the missing service (none runs under the default name here), and a prompt stop."""
+    from orchestrator.http_api import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.7")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token_path = tmp_path / "token"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "http", "--port", str(port), "--address",
+                               ray_session.get_runtime_context().gcs_address, "--token-file", str(token_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def answers() -> bool:
+            try:
+                return httpx.get(f"{url}/openapi.json", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(answers, timeout=60, what="`aspen http` to answer", every=0.2)
+        assert stat.S_IMODE(token_path.stat().st_mode) == 0o600
+        token = read_token(token_path)
+        assert httpx.get(f"{url}/v1/jobs").status_code == 401
+        response = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert response.status_code == 503 and "no aspen service ('aspen-scheduler'" in response.json()["detail"]
+        server.terminate()
+        output, _ = server.communicate(timeout=30)
+        assert server.returncode in (0, -signal.SIGTERM), output   # uvicorn re-raises the signal once stopped
+        assert "Finished server process" in output
+        assert f"aspen HTTP API on http://127.0.0.1:{port}" in output and str(token_path) in output
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()

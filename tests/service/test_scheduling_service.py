@@ -1,0 +1,136 @@
+"""Policies driving real runs on the local Ray: a higher-priority job preempts a running one, which
+resumes from its checkpoint later with nothing lost (its adapter equals an uninterrupted run's), and a
+third-party policy found by its entry point drives a run (its limit of two jobs per trainer holds in
+every fused step)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from actors.engine.models import load_base_model
+from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.local_run import train_locally
+from orchestrator.client import Client
+from tests.helpers.service import (
+    adapter_tensors,
+    job_dict,
+    max_relative_difference,
+    run_spec,
+    wait_for,
+    write_task_data,
+)
+
+
+def step_rows(state_dir: Path) -> list[dict]:
+    path = state_dir / "trainers" / "trainer-0.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_session, tiny_model_dirs, tmp_path):
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    config = ServiceConfig(state_dir=tmp_path / "state", policy="priority", tick_seconds=0.1, trainers=[
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1, max_jobs=2)])
+    # 120 steps: the urgent job arrives once both have trained 2, and preempts one within a scheduler tick or
+    # two; the rest is what the victim and its solo reference train (twice over: fewer is most of the time)
+    low = [job_dict(f"low{i}", write_task_data(data, f"low{i}", offset=i), 120, checkpoint_every=1000)
+           for i in range(2)]
+    client = Client.local(config)
+    try:
+        first, second = client.submit_run(run_spec(base, tmp_path / "out", low, step_tokens=512))
+        wait_for(lambda: client.status(first.id).step >= 2 and client.status(second.id).step >= 2,
+                 what="both low-priority jobs to train")
+        urgent = client.submit(job_dict("urgent", write_task_data(data, "urgent"), 10, priority=5), base_model=base)
+        assert urgent.wait(timeout=120).state == "completed"
+        victims = [h for h in (first, second)
+                   if any(reason.startswith("preempted") for _, _, reason in client.transitions(h.id))]
+        assert len(victims) == 1, [client.transitions(h.id) for h in (first, second)]
+        victim = victims[0]
+        for handle in (first, second):
+            assert handle.wait(timeout=300).state == "completed"
+        reasons = [reason for _, _, reason in client.transitions(victim.id)]
+        assert any("resumed from step" in r for r in reasons), reasons
+        assert [r["step"] for r in victim.losses()] == list(range(1, 121))
+        rows = step_rows(tmp_path / "state")
+        assert max(len(r["jobs"]) for r in rows) == 2
+    finally:
+        client.shutdown()
+    name = victim.name
+    solo = run_spec(base, tmp_path / "solo", [next(j for j in low if j["name"] == name)], step_tokens=512)
+    train_locally(solo, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "out" / name),
+                                         adapter_tensors(tmp_path / "solo" / name))
+    assert difference <= 1e-4, difference
+
+
+def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs, tmp_path):
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    config = ServiceConfig(state_dir=tmp_path / "state", policy="fixed-concurrency", tick_seconds=0.1, trainers=[
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
+    spec = run_spec(base, tmp_path / "out", [job_dict(f"j{i}", write_task_data(data, f"j{i}"), 15) for i in range(3)],
+                    step_tokens=512)
+    client = Client.local(config)
+    try:
+        assert client.info()["policy"] == "fixed-concurrency"
+        handles = client.submit_run(spec)
+        records = client.wait_all([h.id for h in handles], timeout=180)
+        assert all(r.state == "completed" for r in records)
+        ids = [h.id for h in handles]
+    finally:
+        client.shutdown()
+    rows = step_rows(tmp_path / "state")
+    assert max(len(r["jobs"]) for r in rows) == 2                  # the plug-in's limit held
+    assert {j for r in rows for j in r["jobs"]} == set(ids)
+
+
+def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_tokenizer, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.lora import adapted_shapes
+    from actors.service.job_fit import trainer_view
+    from actors.service.trainer_loop import TrainerLoop
+    from policies.adapter_memory import adapter_memory_bytes
+    from tests.helpers.models import tiny_config
+
+    # A tiny Llama four times as wide as the shared one, so that an adapter (r=1024 on every linear layer:
+    # 184 MB with its gradients and AdamW state) is large against the difference between the trainer's
+    # first, cautious memory estimate and its model fitted to measured peaks (~40 MB here: the first
+    # estimate assumes a logits chunk over every token of the step). The budget below then fits two jobs
+    # and not three by either estimate, and by measurement.
+    torch.manual_seed(0)
+    base = str(tmp_path / "wide-llama")
+    wide = {k: v for k, v in tiny_config("llama").to_dict().items() if k != "head_dim"}
+    LlamaForCausalLM(LlamaConfig(**{**wide, "hidden_size": 256, "intermediate_size": 1024})).save_pretrained(base)
+    smol_tokenizer.save_pretrained(base)
+    lora = {"r": 1024, "alpha": 16, "target_modules": "all-linear"}
+    trainer = TrainerConfig(base_model=base, step_tokens=128, num_cpus=0.5, threads=1)
+    # the trainer's own first estimate of its fixed and per-step memory (before any step is measured)
+    probe = TrainerLoop(load_base_model(base, dtype="float32", device="cpu"), trainer, "probe", tmp_path / "probe")
+    view = trainer_view(probe.status())   # what the scheduler sees of it
+    job_bytes = adapter_memory_bytes(lora["r"], adapted_shapes(lora["target_modules"], probe.status().linear_shapes))
+    budget = int(view.base_bytes + view.step_memory_bytes + 2.5 * job_bytes)
+    config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,
+                           trainers=[trainer.model_copy(update={"memory_budget_bytes": budget})])
+    data = tmp_path / "data"
+    jobs = [job_dict(f"m{i}", write_task_data(data, f"m{i}", offset=i), 60, lora=lora, batch_size=2, max_seq_len=32)
+            for i in range(3)]
+    client = Client.local(config)
+    try:
+        handles = client.submit_run(run_spec(base, tmp_path / "out", jobs, step_tokens=128))
+        waiting = wait_for(lambda: [h for h in handles if "waiting for memory" in client.status(h.id).reason],
+                           what="a job waiting for memory")
+        records = client.wait_all([h.id for h in handles], timeout=240)
+    finally:
+        client.shutdown()
+    assert all(r.state == "completed" for r in records), [(r.name, r.state, r.reason) for r in records]
+    rows = step_rows(tmp_path / "state")
+    assert max(len(r["jobs"]) for r in rows) == 2
+    assert all(r["peak_memory_bytes"] <= budget and r["predicted_memory_bytes"] <= budget for r in rows)
+    late = waiting[0].id
+    first_late_step = min(i for i, r in enumerate(rows) if late in r["jobs"])
+    ended_before = {j for r in rows[:first_late_step] for j in r["jobs"]} - set(rows[first_late_step]["jobs"])
+    assert ended_before, "the third job started before either of the others had finished"

@@ -1,0 +1,233 @@
+"""The actor system on a real (local) Ray: jobs join a running trainer, cancel leaves a loadable
+checkpoint, a killed trainer is replaced and its job ends with the same adapter as an uninterrupted
+run, a killed scheduler comes back with every job, and a job nobody can train waits with a reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from actors.engine.models import load_base_model
+from actors.engine.spec import RunSpec
+from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.local_run import train_locally
+from orchestrator.client import Client
+from orchestrator.jobs_file import SpecError
+from tests.helpers.service import (
+    adapter_tensors,
+    job_dict,
+    max_relative_difference,
+    run_spec,
+    wait_for,
+    write_task_data,
+)
+
+
+def service_config(state_dir: Path, base: Path, **trainer) -> ServiceConfig:
+    trainer = {"base_model": str(base), "step_tokens": 512, "num_cpus": 0.5, "threads": 1, **trainer}
+    return ServiceConfig(state_dir=state_dir, trainers=[TrainerConfig(**trainer)], tick_seconds=0.1)
+
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, tiny_model_dirs, tmp_path_factory):
+    client = Client.local(service_config(tmp_path_factory.mktemp("state"), tiny_model_dirs["llama"]))
+    yield client
+    client.shutdown()
+
+
+def test_jobs_submitted_while_others_run_join_without_a_restart(service, tiny_model_dirs, tmp_path):
+    data = tmp_path / "data"
+    base = str(tiny_model_dirs["llama"])
+    first = service.submit(job_dict("first", write_task_data(data, "first"), 5000), base_model=base,
+                           output_dir=tmp_path / "first")
+    wait_for(lambda: service.status(first.id).step >= 3, what="the first job to train")
+    incarnation = service.trainers()[0]["incarnation"]
+    second = service.submit(job_dict("second", write_task_data(data, "second", offset=3), 5), base_model=base,
+                            output_dir=tmp_path / "second")
+    done_second = second.wait(timeout=120)
+    assert done_second.state == "completed", done_second
+    assert service.status(first.id).state == "running"      # the second joined and left while the first ran
+    service.cancel(first.id)
+    assert first.wait(timeout=60).state == "cancelled"
+    trainer = service.trainers()[0]
+    assert trainer["incarnation"] == incarnation and trainer["restarts"] == 0
+    rows = [json.loads(line) for line in
+            (Path(service.info()["state_dir"]) / "trainers" / "trainer-0.jsonl").read_text().splitlines()]
+    shared = [row for row in rows if set(row["jobs"]) == {first.id, second.id}]
+    assert shared and shared[0]["step"] > 3
+    losses = second.losses()
+    assert [r["step"] for r in losses] == [1, 2, 3, 4, 5] and all(r["loss"] > 0 for r in losses)
+    states = [state for _, state, _ in service.transitions(second.id)]
+    assert states[0] == "queued" and states[-1] == "completed" and "running" in states
+    assert (tmp_path / "second" / "adapter_model.safetensors").is_file()
+
+
+def test_cancel_mid_run_leaves_a_loadable_checkpoint(service, tiny_model_dirs, tmp_path):
+    data = write_task_data(tmp_path / "data", "long")
+    handle = service.submit(job_dict("long", data, 500, checkpoint_every=100), base_model=str(tiny_model_dirs["llama"]),
+                            output_dir=tmp_path / "long")
+    wait_for(lambda: handle.status().step >= 3, what="the job to train")
+    service.cancel(handle.id)
+    record = handle.wait(timeout=60)
+    assert record.state == "cancelled" and record.checkpoint_step is not None and record.checkpoint_step >= 3
+    checkpoint = tmp_path / "long" / "checkpoint"
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert state["step"] == record.checkpoint_step
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])
+    peft_model = PeftModel.from_pretrained(model, checkpoint)
+    saved = adapter_tensors(checkpoint)
+    loaded = {k: v for k, v in peft_model.state_dict().items() if "lora_" in k}
+    assert len(loaded) == len(saved) > 0
+    assert any(float(v.abs().max()) > 0 for k, v in saved.items() if "lora_B" in k)   # it did train
+    with pytest.raises(ValueError, match="already ended"):
+        service.cancel(handle.id)
+
+
+def test_bad_specs_fail_at_submit_and_unheld_base_models_wait_with_a_reason(service, tmp_path):
+    with pytest.raises(SpecError, match=r"data: file .*missing.jsonl does not exist"):
+        service.submit(job_dict("nodata", tmp_path / "missing.jsonl", 5))
+    data = write_task_data(tmp_path / "data", "t")
+    with pytest.raises(SpecError, match=r"lora\.r: must be between 1 and 1024"):
+        service.submit({**job_dict("badr", data, 5), "lora": {"r": 0}})
+    handle = service.submit(job_dict("orphan", data, 5), base_model="some-org/model-nobody-holds")
+    record = wait_for(lambda: (r := handle.status()).reason.startswith("no trainer") and r, what="a reason")
+    assert record.state == "queued"
+    assert "some-org/model-nobody-holds" in record.reason and "trainers hold" in record.reason
+    assert service.cancel(handle.id).state == "cancelled"
+
+
+def test_jobs_of_one_run_file_share_every_step_as_in_process(service, tiny_model_dirs, tmp_path):
+    """A jobs file's jobs start together: the service's fused steps hold the same jobs as the in-process
+    engine's steps for the same file (none trains its first steps alone while the others' data loads)."""
+    base = str(tiny_model_dirs["llama"])
+    jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), 6)
+            for index, name in enumerate(["alpha", "beta", "gamma"])]
+    handles = service.submit_run(run_spec(base, tmp_path / "service", jobs, step_tokens=512))
+    assert all(h.wait(timeout=180).state == "completed" for h in handles)
+    names = {h.id: h.name for h in handles}
+    log = Path(service.info()["state_dir"]) / "trainers" / "trainer-0.jsonl"
+    service_steps = [sorted(names[j] for j in row["jobs"])
+                     for row in map(json.loads, log.read_text().splitlines()) if set(row["jobs"]) & set(names)]
+    train_locally(run_spec(base, tmp_path / "local", jobs, step_tokens=512),
+                  base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
+    local_lines = (tmp_path / "local/trainer.jsonl").read_text().splitlines()
+    local_steps = [sorted(json.loads(line)["jobs"]) for line in local_lines]
+    assert local_steps == [["alpha", "beta", "gamma"]] * 6
+    assert service_steps == local_steps
+
+
+def test_a_jobs_file_without_output_dir_writes_where_the_service_puts_jobs(service, tiny_model_dirs, tmp_path,
+                                                                            monkeypatch):
+    """A jobs file that names no output_dir: each job goes where the service puts a job without one (a shared
+    service's output root, here its state folder), not under the submitting process's `runs/example` (which
+    a shared service would refuse as outside its root)."""
+    monkeypatch.chdir(tmp_path)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "unused",
+                    [job_dict("nofolder", write_task_data(tmp_path / "data", "nofolder"), 2)], step_tokens=512)
+    unset = RunSpec.model_validate(spec.model_dump(mode="json", exclude={"output_dir"}))
+    (handle,) = service.submit_run(unset)
+    assert handle.wait(timeout=120).state == "completed"
+    folder = Path(service.status(handle.id).output_dir)
+    assert folder.is_relative_to(Path(service.info()["state_dir"]).resolve()), folder
+    assert (folder / "adapter_model.safetensors").is_file() and not (tmp_path / "runs").exists()
+
+
+def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_session, tiny_model_dirs, tmp_path):
+    import ray
+
+    base = tiny_model_dirs["llama"]
+    # 120 steps: the trainer is killed after the checkpoint at 20, with ~95 steps left to resume; every step
+    # is trained twice (the run, its reference), so more steps only cost time
+    job = job_dict("survivor", write_task_data(tmp_path / "data", "survivor"), 120, checkpoint_every=20)
+    spec = run_spec(str(base), tmp_path / "out", [job], step_tokens=512)
+    client = Client.local(service_config(tmp_path / "state", base))
+    try:
+        (handle,) = client.submit_run(spec)
+        wait_for(lambda: handle.status().step >= 25, what="the job to pass a checkpoint")
+        trainer = client.trainers()[0]
+        ray.kill(ray.get_actor(trainer["actor_name"]))
+        record = handle.wait(timeout=240)
+        assert record.state == "completed", record
+        assert client.trainers()[0]["restarts"] == 1
+        reasons = [reason for _, _, reason in client.transitions(handle.id)]
+        assert any("was lost" in r for r in reasons), reasons
+        assert [r["step"] for r in handle.losses()] == list(range(1, 121)), (handle.losses(),
+                                                                             client.transitions(handle.id), record)
+    finally:
+        client.shutdown()
+    reference = run_spec(str(base), tmp_path / "reference", [job], step_tokens=512)
+    train_locally(reference, base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "out/survivor"),
+                                         adapter_tensors(tmp_path / "reference/survivor"))
+    assert difference <= 1e-4, difference
+
+
+def test_a_killed_scheduler_comes_back_with_every_job(ray_session, tiny_model_dirs, tmp_path):
+    import ray
+
+    base = tiny_model_dirs["llama"]
+    data = tmp_path / "data"
+    config = service_config(tmp_path / "state", base)
+    client = Client.local(config, name="aspen-scheduler-restart-test")
+    done = client.submit(job_dict("quick", write_task_data(data, "quick"), 3), base_model=str(base))
+    assert done.wait(timeout=120).state == "completed"
+    running = client.submit(job_dict("slow", write_task_data(data, "slow"), 400, checkpoint_every=2),
+                            base_model=str(base))
+    wait_for(lambda: (client.status(running.id).checkpoint_step or 0) >= 2, what="a checkpoint")
+    queued = client.submit(job_dict("elsewhere", write_task_data(data, "e"), 3), base_model="not/held")
+    ray.kill(client.scheduler)
+    wait_for(lambda: _gone(ray, "aspen-scheduler-restart-test"), what="the scheduler to die")
+
+    client = Client.local(config, name="aspen-scheduler-restart-test")
+    try:
+        jobs = {r.id: r for r in client.jobs()}
+        assert jobs[done.id].state == "completed"
+        assert jobs[queued.id].state == "queued"
+        assert running.id in jobs
+        record = wait_for(lambda: (r := client.status(running.id)).state == "running" and "resumed" in r.reason and r,
+                          what="the unfinished job to resume")
+        assert record.step >= 2
+        client.cancel(running.id)
+        client.cancel(queued.id)
+        assert client.wait(running.id, timeout=60).state == "cancelled"
+    finally:
+        client.shutdown()
+
+
+def _gone(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return True
+    return False
+
+
+def test_pause_resume_and_early_stop_through_the_actors(service, tiny_model_dirs, tmp_path):
+    base = str(tiny_model_dirs["llama"])
+    data = tmp_path / "data"
+    paused = service.submit(job_dict("pausable", write_task_data(data, "p"), 3000, checkpoint_every=1000),
+                            base_model=base, output_dir=tmp_path / "pausable")
+    flat = service.submit(job_dict("flat", write_task_data(data, "flat"), 400, lr=1e-7, lr_schedule="constant",
+                                   eval_split=8, eval_every=2, early_stop={"min_improvement": 0.05, "patience": 3}),
+                          base_model=base, output_dir=tmp_path / "flat")
+    wait_for(lambda: paused.status().step >= 3, what="the job to train")
+    service.pause(paused.id)
+    record = wait_for(lambda: (r := paused.status()).state == "paused" and r, what="the job to pause")
+    assert record.checkpoint_step == record.step >= 3
+    service.resume(paused.id)
+    record = wait_for(lambda: (r := paused.status()).state == "running" and "resumed from step" in r.reason and r,
+                      what="the job to resume")
+    service.cancel(paused.id)
+    assert paused.wait(timeout=60).state == "cancelled"
+
+    ended = flat.wait(timeout=180)
+    assert ended.state == "stopped_early", ended
+    assert "has not improved on its best" in ended.reason and "min_delta" in ended.reason and ended.step < 60
+    losses = flat.losses()
+    assert sum(r["eval_loss"] is not None for r in losses) >= 4       # evaluated every 2 steps
+    assert (tmp_path / "flat" / "adapter_model.safetensors").is_file()

@@ -1,0 +1,140 @@
+"""`actors.engine.durable.write_durably`, the one way aspen replaces a file crash-safely: a write that fails
+half-way (an error in this process, or the process killed outright) leaves the old content intact and, in
+this process, no temporary file; the new content is on disk (fsynced) before the rename, and the rename is
+made durable (the folder fsynced) after it; the file gets the mode an ordinary new file gets, or exactly
+0600 with `private`."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from actors.engine.durable import write_durably
+
+REPO = Path(__file__).resolve().parents[3]
+OLD = b"the old, complete content\n"
+
+
+class Interrupted(Exception):
+    """The error a write is interrupted with."""
+
+
+def leftovers(folder: Path, keep: str) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != keep)
+
+
+def test_a_write_that_fails_half_way_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "state.json"
+    target.write_bytes(OLD)
+
+    def half_then_fail(path: Path) -> None:          # a writer that dies after writing part of the file
+        with open(path, "wb") as handle:
+            handle.write(b"the new con")
+            handle.flush()
+            raise Interrupted("died half-way")
+
+    with pytest.raises(Interrupted):
+        write_durably(target, half_then_fail)
+    assert target.read_bytes() == OLD and leftovers(tmp_path, target.name) == []
+
+    real_write = os.write
+    calls: list[int] = []
+
+    def short_then_fail(descriptor: int, data) -> int:   # the disk fills up after the first bytes
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(descriptor, bytes(data[:4]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", short_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        write_durably(target, b"x" * 1000)
+    monkeypatch.setattr(os, "write", real_write)
+    assert calls == [1000, 996]
+    assert target.read_bytes() == OLD and leftovers(tmp_path, target.name) == []
+
+    def failing_replace(*args, **kwargs):
+        raise Interrupted("the rename failed")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(Interrupted):
+        write_durably(target, "complete, but never renamed")
+    monkeypatch.undo()
+    assert target.read_bytes() == OLD and leftovers(tmp_path, target.name) == []
+
+    write_durably(target, "the new content\n")       # and a write that succeeds replaces it whole
+    assert target.read_text() == "the new content\n" and leftovers(tmp_path, target.name) == []
+
+
+CHILD = """
+import os, sys
+sys.path.insert(0, {repo!r})
+from actors.engine.durable import write_durably
+real_write = os.write
+def dying_write(descriptor, data):
+    real_write(descriptor, bytes(data[:len(data) // 2]))
+    os._exit(17)   # killed mid-write: no cleanup, no finally
+os.write = dying_write
+write_durably({target!r}, b"n" * 100_000)
+"""
+
+
+def test_a_process_killed_mid_write_leaves_the_old_file(tmp_path):
+    target = tmp_path / "data.bin"
+    target.write_bytes(OLD)
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD.format(repo=str(REPO), target=str(target)))],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 17, child.stderr
+    assert target.read_bytes() == OLD
+    # the killed process left its partial temporary beside the file, under a hidden name of its own
+    [partial] = leftovers(tmp_path, target.name)
+    assert partial.startswith(f".{target.name}.") and partial.endswith(".tmp")
+    assert 0 < (tmp_path / partial).stat().st_size < 100_000
+
+
+def test_the_content_is_synced_before_the_rename_and_the_rename_after(tmp_path, monkeypatch):
+    target = tmp_path / "sub" / "adapter_config.json"      # the folder is made
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(descriptor: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{descriptor}")))
+        real_fsync(descriptor)
+
+    def replace(source, destination, *args, **kwargs):
+        events.append(("replace", str(source)))
+        return real_replace(source, destination, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_durably(target, b"{}\n")
+    monkeypatch.undo()
+    [(_, temporary)] = [e for e in events if e[0] == "replace"]
+    assert events == [("fsync", temporary), ("replace", temporary), ("fsync", str(target.parent))]
+    assert target.read_bytes() == b"{}\n"
+
+
+def test_modes_an_ordinary_file_and_a_private_one(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        ordinary = tmp_path / "ordinary"
+        with open(ordinary, "w") as handle:        # the reference: what Python's open() creates
+            handle.write("x")
+        written = write_durably(tmp_path / "written", "x")
+        os.umask(0)                                # a file created the ordinary way would be open to all
+        secret = write_durably(tmp_path / "secret", "token\n", private=True)
+        replaced = tmp_path / "replaced"
+        replaced.write_text("old")
+        replaced.chmod(0o644)
+        write_durably(replaced, "new", private=True)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(ordinary.stat().st_mode) == 0o644
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(replaced.stat().st_mode) == 0o600 and replaced.read_text() == "new"

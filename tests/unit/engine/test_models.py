@@ -1,0 +1,106 @@
+"""Base-model loading: HF folders, the embedded GGUF alias, hub ids (cache only), bitsandbytes quantization."""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from actors.engine.job import TrainingJob
+from actors.engine.models import load_base_model, resolve_source
+from actors.engine.sources import tokenizer_cache_folder, tokenizer_cache_lock
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
+from tests.helpers.models import random_examples
+
+
+def test_hf_folder_loads_frozen_float32_on_cpu(tiny_model_dirs):
+    base = load_base_model(str(tiny_model_dirs["qwen2"]), device="cpu")
+    assert base.dtype == torch.float32 and base.device.type == "cpu"
+    assert not any(p.requires_grad for p in base.model.parameters())
+    assert base.model.config._attn_implementation == "aspen_varlen"
+    assert base.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_uncached_hub_id_and_missing_paths_give_actionable_errors(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(FileNotFoundError, match="only when it is already in the local Hugging Face cache"):
+        load_base_model("someone/not-a-cached-model", device="cpu")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_source(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("quantization, weight_dtypes", [("int8", {torch.int8}), ("nf4", {torch.uint8})])
+def test_quantized_base_trains_on_cpu(tiny_model_dirs, quantization, weight_dtypes):
+    folder = tiny_model_dirs["llama"]
+    base = load_base_model(str(folder), device="cpu", quantization=quantization)
+    q_proj = base.model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype in weight_dtypes
+    # the quantized model stays close to the float one (reference: the float model's logits)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.tensor([random_examples(0, count=1, min_len=16, max_len=16)[0].input_ids])
+    with torch.no_grad():
+        float_logits = reference(input_ids=ids).logits
+        quant_logits = base.model(input_ids=ids, use_cache=False).logits
+    assert torch.nn.functional.cosine_similarity(float_logits.flatten(), quant_logits.flatten(), dim=0) > 0.95
+
+    examples = random_examples(1, count=4)
+    spec = JobSpec(name="q", data="x", format={"type": "text"}, max_steps=12, lr=2e-2, batch_size=4,
+                   lora={"r": 4, "target_modules": "all-linear"})
+    trainer = FusedTrainer(base)
+    job = TrainingJob.create(spec, base, examples, examples, seed=0)
+    trainer.add_job(job)
+    before = trainer.evaluate(job)
+    while trainer.train_step() is not None:
+        pass
+    assert trainer.evaluate(job) < before - 0.1
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_alias_loads_the_gguf_model():
+    base = load_base_model("smollm2-135m", device="cpu")
+    assert base.source.gguf_file and base.source.gguf_file.endswith(".gguf")
+    assert base.model.config.num_hidden_layers == 30 and base.model.config.hidden_size == 576
+    assert base.dtype == torch.float32
+    ids = base.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = base.model(input_ids=ids, use_cache=False).logits
+    assert base.tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_job_actors_starting_together_build_the_tokenizer_cache_once(tmp_path, smol_tokenizer):
+    """While one process builds the GGUF tokenizer's cache, another waits for it and then loads it from
+    the cache instead of rebuilding it. Shown with a marker token that only the cached copy has."""
+    source = resolve_source("smollm2-135m")
+    folder = tokenizer_cache_folder(source, tmp_path)
+    folder.parent.mkdir(parents=True)
+    lock_path = tokenizer_cache_lock(folder)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # "another job actor is building it"
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from actors.engine.sources import load_base_tokenizer; "
+             "t = load_base_tokenizer('smollm2-135m', sys.argv[1]); print(len(t), '<|marker|>' in t.get_vocab())",
+             str(tmp_path)], cwd=Path(__file__).resolve().parents[3], stdout=subprocess.PIPE, text=True)
+        inode = os.stat(lock_path).st_ino
+        deadline = time.time() + 120
+        while not any("->" in line and f":{inode} " in line for line in Path("/proc/locks").read_text().splitlines()):
+            assert child.poll() is None, "the second process did not wait for the first one's cache"
+            assert time.time() < deadline, "the second process never asked for the cache lock"
+            time.sleep(0.05)
+        marked = copy.deepcopy(smol_tokenizer)
+        marked.add_special_tokens({"additional_special_tokens": ["<|marker|>"]})
+        marked.save_pretrained(folder)
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0
+    assert out.split() == [str(len(smol_tokenizer) + 1), "True"]

@@ -1,0 +1,417 @@
+"""The Prometheus endpoint (`orchestrator.metrics`), in-process: a real trainer loop on a tiny model and a
+real scheduler core (job table, fifo policy) drive a `MetricsListener` the way the scheduler actor does;
+its `/metrics` page, fetched over HTTP and read with prometheus_client's own text parser, has to agree
+with the trainer's status, its step rows and the job table; a job's series go when it ends; every metric
+keeps Prometheus' naming rules; the Grafana dashboards only name metrics that exist and pick their
+data source with a variable."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from actors.engine.models import load_base_model
+from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.job_data import JobData
+from actors.service.job_link import Assignment, LocalJobLink
+from actors.service.job_table import JOB_STATES, JobRecord, JobTable
+from actors.service.scheduler_core import SchedulerCore
+from actors.service.trainer_loop import TrainerLoop
+from actors.service.trainer_reports import TrainerStatus
+from orchestrator.metrics import MetricsListener
+from orchestrator.observability import service_listeners
+from policies.base import Start
+from policies.fifo import FifoPolicy
+from tests.helpers.service import job_dict, run_spec, write_task_data
+
+REPO = Path(__file__).resolve().parents[3]
+GRAFANA = REPO / "grafana"
+ALLOWED_LABELS = {"trainer", "kind", "state", "cause", "job_id", "le", "version", "torch", "python"}
+
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+def scrape(url: str) -> tuple[Samples, dict[str, tuple[str, str]]]:
+    """Every sample of the page, keyed by (sample name, labels), and each sample name's (family, type).
+    The `_created` samples (creation timestamps that prometheus_client adds to counters and histograms)
+    are left out."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples: Samples = {}
+    families: dict[str, tuple[str, str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            families[sample.name] = (family.name, family.type)
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples, families
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def series(samples: Samples, name: str) -> list[dict[str, str]]:
+    return [dict(labels) for sample, labels in samples if sample == name]
+
+
+@dataclass
+class Scenario:
+    listener: MetricsListener
+    table: JobTable
+    status: TrainerStatus          # the last status the listener heard
+    steps: list[dict]              # every step row the listener heard
+    short: str                     # completed after 3 steps
+    long: str                      # running at `during`, cancelled at `after`
+    during: tuple[Samples, dict[str, tuple[str, str]]]
+    after: tuple[Samples, dict[str, tuple[str, str]]]
+    during_records: dict[str, JobRecord]   # the job table at `during`
+
+
+def assignment_for(table: JobTable, job_id: str, tokenizer) -> Assignment:
+    submission = table.submission(job_id)
+    data = JobData(job_id, submission, tokenizer)
+    summary = data.prepare()
+    return Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir), data=summary,
+                      eval_examples=data.eval_examples(), link=LocalJobLink(data))
+
+
+@pytest.fixture(scope="module")
+def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
+    """Two jobs on a one-slot trainer: `short` runs 3 steps while `long` waits for the slot (a deferral),
+    then `long` runs until it is cancelled. Each round does what the scheduler actor's tick does."""
+    tmp = tmp_path_factory.mktemp("metrics")
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    listener = MetricsListener(MetricsConfig(port=0))
+    url = listener.describe()["metrics_url"]
+    table = JobTable(tmp / "state/jobs.sqlite", on_change=listener.job_changed)
+    core = SchedulerCore(table, FifoPolicy(), tmp / "state", on_decision=listener.decided)
+    data = tmp / "data"
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp / "out",
+                    [job_dict("short", write_task_data(data, "short"), 3),
+                     job_dict("long", write_task_data(data, "long", offset=4), 500)], step_tokens=512)
+    loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=512, max_jobs=1), "trainer-0",
+                       tmp / "state")
+    short, long = (core.submit(s).id for s in spec.submissions())
+    steps: list[dict] = []
+
+    def run_until(done, limit: int = 200) -> TrainerStatus:
+        for _ in range(limit):
+            for action in core.plan([loop.status()]):
+                if isinstance(action, Start):
+                    loop.assign(assignment_for(table, action.job, base.tokenizer))
+            loop.run_once(idle_wait=0)
+            events = loop.drain_events()
+            for event in events:
+                core.apply_event("trainer-0", event)
+            status = loop.status()
+            listener.trainer_polled(status, events)
+            listener.tick(table.all(), table.counts(), [status])
+            steps.extend(e.data for e in events if e.kind == "step")
+            if done():
+                return status
+        raise AssertionError("the scenario did not reach its state")
+
+    try:
+        run_until(lambda: table.get(short).state == "completed" and table.get(long).step >= 2)
+        during = scrape(url)
+        during_records = {r.id: r for r in table.all()}
+        _, stop = core.cancel(long, "enough")
+        loop.stop_job(stop.job, stop.kind, stop.reason)
+        status = run_until(lambda: table.get(long).state == "cancelled")
+        after = scrape(url)
+        yield Scenario(listener, table, status, list(steps), short, long, during, after, during_records)
+    finally:
+        listener.close()
+        table.close()
+
+
+def test_trainer_metrics_match_the_trainers_status_and_step_rows(scenario):
+    samples, _ = scenario.after
+    status, steps = scenario.status, scenario.steps
+    assert len(steps) == status.steps >= 5
+    effective = sum(row["tokens"] - row["padding_tokens"] for row in steps)
+    padding = sum(row["padding_tokens"] for row in steps)
+    assert effective == status.tokens - status.padding_tokens > 0
+    assert value(samples, "aspen_tokens_total", trainer="trainer-0", kind="effective") == effective
+    assert value(samples, "aspen_tokens_total", trainer="trainer-0", kind="padding") == padding == status.padding_tokens
+    assert value(samples, "aspen_trainer_steps_total", trainer="trainer-0") == status.steps
+    assert value(samples, "aspen_step_duration_seconds_count", trainer="trainer-0") == len(steps)
+    assert value(samples, "aspen_step_duration_seconds_sum", trainer="trainer-0") == pytest.approx(
+        sum(row["seconds"] for row in steps))
+    assert value(samples, "aspen_trainer_busy_seconds_total", trainer="trainer-0") == pytest.approx(
+        status.busy_seconds, rel=1e-4)
+    slowest = max(row["seconds"] for row in steps)
+    bucket = min(b for b in (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0) if b >= slowest)
+    assert value(samples, "aspen_step_duration_seconds_bucket", trainer="trainer-0", le=str(bucket)) == len(steps)
+    assert value(samples, "aspen_padding_ratio", trainer="trainer-0") == pytest.approx(
+        status.padding_tokens / status.tokens)
+    utilization = value(samples, "aspen_trainer_utilization_ratio", trainer="trainer-0")
+    assert 0 < utilization <= 1
+    assert utilization == pytest.approx(status.busy_seconds / (time.time() - status.started_at), rel=0.5)
+    assert value(samples, "aspen_memory_in_use_bytes", trainer="trainer-0") == status.memory_in_use_bytes > 2**20
+    assert value(samples, "aspen_memory_budget_bytes", trainer="trainer-0") == status.memory_budget_bytes
+    assert value(samples, "aspen_step_peak_memory_bytes", trainer="trainer-0") == steps[-1]["peak_memory_bytes"] > 0
+    assert value(samples, "aspen_step_predicted_peak_memory_bytes", trainer="trainer-0") == \
+        steps[-1]["predicted_memory_bytes"] > 0
+    assert value(samples, "aspen_trainer_jobs", trainer="trainer-0") == len(status.jobs) == 0
+
+
+def test_job_and_scheduler_metrics_match_the_job_table(scenario):
+    samples, _ = scenario.after
+    records = scenario.table.all()
+    counts = Counter(r.state for r in records)
+    assert counts == {"completed": 1, "cancelled": 1}
+    for state in JOB_STATES:
+        assert value(samples, "aspen_jobs", state=state) == counts.get(state, 0)
+    waits = [r.started_at - r.submitted_at for r in records]
+    assert value(samples, "aspen_queue_wait_seconds_count") == 2
+    assert value(samples, "aspen_queue_wait_seconds_sum") == pytest.approx(sum(waits))
+    assert value(samples, "aspen_oldest_queued_job_wait_seconds") == 0
+    # `long` waited for the one slot while `short` ran: one deferral (once per job and cause), two starts
+    assert value(samples, "aspen_admissions_deferred_total", cause="slots") == 1
+    assert value(samples, "aspen_admissions_deferred_total", cause="memory") == 0
+    assert value(samples, "aspen_scheduler_decisions_total", kind="wait_slots") == 1
+    assert value(samples, "aspen_scheduler_decisions_total", kind="start") == 2
+    assert value(samples, "aspen_preemptions_total") == value(samples, "aspen_early_stops_total") == 0
+
+
+def test_running_jobs_have_series_that_go_when_they_end(scenario):
+    during, _ = scenario.during
+    long = scenario.during_records[scenario.long]
+    assert long.state == "running" and long.loss is not None
+    for name, expected in (("aspen_job_step", long.step), ("aspen_job_tokens_total", long.tokens),
+                           ("aspen_job_loss", long.loss), ("aspen_job_tokens_per_second", long.tokens_per_s)):
+        assert series(during, name) == [{"job_id": scenario.long}], name    # not `short`, which had completed
+        assert value(during, name, job_id=scenario.long) == pytest.approx(expected), name
+    after, _ = scenario.after
+    assert not [key for key in after if key[0].startswith("aspen_job_")]
+
+
+def test_a_jobs_token_counter_only_grows_and_goes_with_its_series(scenario):
+    """`aspen_job_tokens_total` adds each update's increase of the job's token count; a count that restarts
+    lower (a job resumed from an earlier checkpoint) adds nothing, and the growth after it is added again."""
+    listener = MetricsListener(MetricsConfig(port=0), serve=False)
+    record = replace(scenario.during_records[scenario.long], tokens=1000)
+
+    def tokens() -> float | None:
+        return listener.registry.get_sample_value("aspen_job_tokens_total", {"job_id": record.id})
+
+    def tick(count: int) -> None:
+        listener.tick([replace(record, tokens=count)], {"running": 1}, [scenario.status])
+
+    families = {family.name: family.type for family in listener.registry.collect()}
+    assert families["aspen_job_tokens"] == "counter"
+    tick(1000)
+    assert tokens() == 1000                   # a new series starts at the job's count so far
+    tick(1000)
+    tick(1500)
+    assert tokens() == 1500
+    tick(400)                                 # resumed from a checkpoint: the count restarts lower
+    assert tokens() == 1500
+    tick(700)
+    assert tokens() == 1800                   # what it trained since the restart
+    listener.job_changed(replace(record, state="queued"), "running")   # preempted: its series go
+    assert tokens() is None and record.id not in listener.job_tokens_seen
+    tick(700)                                 # running again: a new series (a counter reset for Prometheus)
+    assert tokens() == 700
+    listener.tick([], {}, [scenario.status])  # gone from the table
+    assert tokens() is None and not listener.job_tokens_seen
+
+
+def test_monotonic_values_are_counters(scenario):
+    """A value that only grows is a counter (`_total`): besides the trainers' and the scheduler's counts,
+    the jobs' token counts. The gauges that stay are levels, ratios, last values or positions that can go
+    back (`aspen_job_step` restarts at the checkpoint's step when a job resumes)."""
+    _, families = scenario.during
+    kinds = {family: kind for family, kind in families.values()}
+    for family in ("aspen_tokens", "aspen_trainer_steps", "aspen_trainer_busy_seconds", "aspen_early_stops",
+                   "aspen_preemptions", "aspen_admissions_deferred", "aspen_scheduler_decisions",
+                   "aspen_job_tokens"):
+        assert kinds[family] == "counter", family
+    assert "aspen_job_tokens" not in families          # only its `_total` sample is on the page
+    assert kinds["aspen_job_step"] == kinds["aspen_job_tokens_per_second"] == "gauge"
+
+
+def test_preemptions_early_stops_and_deferrals_are_counted(scenario):
+    listener = MetricsListener(MetricsConfig(port=0))
+    try:
+        record = scenario.during_records[scenario.long]
+        listener.tick([record], {record.state: 1}, [scenario.status])
+        listener.decided("wait_memory", "a", "waiting for memory: needs 900 MiB")
+        listener.decided("wait_memory", "b", "waiting for memory: needs 900 MiB")
+        listener.decided("preempt", record.id, "a higher priority job")
+        listener.job_changed(replace(record, state="queued"), "running")
+        listener.job_changed(replace(record, state="stopped_early"), "running")
+        samples, _ = scrape(listener.describe()["metrics_url"])
+    finally:
+        listener.close()
+    assert value(samples, "aspen_admissions_deferred_total", cause="memory") == 2
+    assert value(samples, "aspen_scheduler_decisions_total", kind="wait_memory") == 2
+    assert value(samples, "aspen_preemptions_total") == 1
+    assert value(samples, "aspen_scheduler_decisions_total", kind="preempt") == 1
+    assert value(samples, "aspen_early_stops_total") == 1
+    assert not [key for key in samples if key[0].startswith("aspen_job_")]   # it left running
+
+
+def test_every_metric_keeps_the_naming_rules(scenario):
+    during, families = scenario.during
+    assert len({family for family, _ in families.values()}) >= 20
+    for sample_name, (family, kind) in families.items():
+        for name in (sample_name, family):
+            assert name.startswith("aspen_"), name
+            assert not re.search(r"_(ms|us|kb|mb|gb|kib|mib|gib|minutes|hours|percent)(_|$)", name), name
+        words = set(family.split("_"))
+        if words & {"memory", "budget"}:
+            assert family.endswith("_bytes"), family
+        if words & {"duration", "wait", "busy"}:
+            assert family.removesuffix("_total").endswith("_seconds"), family
+        assert family.endswith("_ratio") == ("ratio" in words) and not (kind != "gauge" and "ratio" in words), family
+        assert sample_name.endswith("_total") == (kind == "counter"), (sample_name, kind)
+        if kind == "histogram":
+            assert sample_name.removeprefix(family) in ("_bucket", "_sum", "_count"), sample_name
+    for (sample, labels), number in during.items():
+        if sample.endswith("_ratio"):
+            assert 0 <= number <= 1, (sample, number)
+        names = {label for label, _ in labels}
+        assert names <= ALLOWED_LABELS, (sample, names)
+        assert ("job_id" in names) == sample.startswith("aspen_job_"), sample
+    info = series(during, "aspen_build_info")
+    assert len(info) == 1 and info[0]["version"] and info[0]["torch"] and info[0]["python"]
+
+
+def test_a_taken_port_is_logged_with_the_fix_and_the_service_runs_on(caplog, scenario):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="orchestrator.metrics"):
+            listener = MetricsListener(MetricsConfig(port=port))
+        try:
+            (error,) = listener.describe().values()
+            assert f"127.0.0.1:{port}" in error and "metrics.port" in error
+            listener.trainer_polled(scenario.status, [])     # still collects, without a page
+            listener.tick(scenario.table.all(), scenario.table.counts(), [scenario.status])
+        finally:
+            listener.close()
+    message = caplog.text
+    assert f"127.0.0.1:{port}" in message and "metrics.port" in message and "0 = any free port" in message
+
+
+def test_service_listeners_serve_metrics_only_when_enabled(tmp_path):
+    (listener,) = service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(port=0),
+                                                  events=EventsConfig(enabled=False)))
+    try:
+        url = listener.describe()["metrics_url"]
+        port = int(re.fullmatch(r"http://127\.0\.0\.1:(\d+)/metrics", url).group(1))
+        assert port > 0
+        samples, _ = scrape(url)
+        assert series(samples, "aspen_build_info")
+    finally:
+        listener.close()
+    assert service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(enabled=False),
+                                           events=EventsConfig(enabled=False))) == []
+
+
+# -- the Grafana dashboards and provisioning -------------------------------------------------------------------
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+COUNTER_CALLS = ("rate", "increase")   # a graph of a counter shows how fast it grows, not its running total
+
+
+def dashboards() -> dict[str, dict]:
+    boards = {path.name: json.loads(path.read_text()) for path in sorted((GRAFANA / "dashboards").glob("*.json"))}
+    assert "aspen.json" in boards
+    return boards
+
+
+def values_of(key: str, node, where: str = "") -> Iterator[tuple[str, object]]:
+    """Every value of `key` anywhere in a dashboard, with where it is."""
+    if isinstance(node, dict):
+        for name, item in node.items():
+            if name == key:
+                yield f"{where}.{key}", item
+            yield from values_of(key, item, f"{where}.{name}")
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            yield from values_of(key, item, f"{where}[{index}]")
+
+
+def test_every_dashboard_only_names_metrics_the_service_exports(scenario):
+    during, families = scenario.during
+    exported = {name for name, _ in during}
+    named = set()
+    for name, board in dashboards().items():
+        panels = board["panels"]
+        ids = [p["id"] for p in panels]
+        assert len(ids) == len(set(ids)), name
+        graphs = [t["expr"] for p in panels for t in p["targets"]]
+        lookups = [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+        assert graphs, name
+        for query in graphs + lookups:
+            for metric in re.findall(r"\baspen_[a-z0-9_]+", query):
+                assert metric in exported, (name, metric, query)
+                named.add(metric)
+                if query in lookups:   # label_values(): only its labels matter
+                    continue
+                if metric.endswith(("_total", "_bucket")):   # counters, and histograms' counters
+                    assert re.search(rf"\b({'|'.join(COUNTER_CALLS)})\(\s*{metric}\b", query), (name, query)
+                else:
+                    assert families[metric][1] != "counter", (name, metric)
+    assert len(dashboards()["aspen.json"]["panels"]) >= 10
+    for family in ("aspen_tokens_total", "aspen_padding_ratio", "aspen_trainer_utilization_ratio",
+                   "aspen_memory_in_use_bytes", "aspen_step_predicted_peak_memory_bytes", "aspen_job_loss",
+                   "aspen_job_tokens_total", "aspen_job_tokens_per_second", "aspen_job_step", "aspen_jobs",
+                   "aspen_preemptions_total", "aspen_admissions_deferred_total", "aspen_early_stops_total",
+                   "aspen_step_duration_seconds_bucket", "aspen_queue_wait_seconds_bucket"):
+        assert family in named, family
+
+
+def test_every_dashboard_picks_its_data_source_with_a_variable():
+    """Importing a dashboard works on any Grafana: no panel, target or variable names a data source uid;
+    they all use the `datasource` variable, which offers the Prometheus data sources and opens on the
+    org's default one."""
+    for name, board in dashboards().items():
+        assert "__inputs" not in board and "__requires" not in board, name
+        variables = board["templating"]["list"]
+        (variable,) = [v for v in variables if v["name"] == "datasource"]
+        assert variable["type"] == "datasource" and variable["query"] == "prometheus", name
+        assert variable.get("current", {}).get("value") in (None, "default"), name   # no fixed uid
+        for other in variables:
+            if other is not variable:
+                assert other["datasource"] == DATASOURCE, (name, other["name"])
+        for panel in board["panels"]:
+            assert panel["datasource"] == DATASOURCE, (name, panel["title"])
+            assert panel["targets"], (name, panel["title"])
+            for target in panel["targets"]:
+                assert target["datasource"] == DATASOURCE, (name, panel["title"], target["refId"])
+        # nothing else names a data source or a uid (but the dashboard's own uid, at the top)
+        assert [(where, ds) for where, ds in values_of("datasource", board) if ds != DATASOURCE] == [], name
+        uids = [(where, uid) for where, uid in values_of("uid", board) if where != ".uid"]
+        assert uids and {uid for _, uid in uids} == {"${datasource}"}, (name, uids)
+
+
+def test_the_dashboards_are_provisioned_with_a_default_data_source_they_pick():
+    sources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())["datasources"]
+    (source,) = sources
+    assert source["type"] == "prometheus" and source["url"] == "http://127.0.0.1:9090"
+    assert source["isDefault"] is True     # what each dashboard's `datasource` variable opens on
+    for name, board in dashboards().items():
+        assert source["uid"] not in json.dumps(board), name   # the dashboards do not depend on it
+    (provider,) = yaml.safe_load((GRAFANA / "provisioning/dashboards/aspen.yaml").read_text())["providers"]
+    assert provider["type"] == "file"
+    provisioning = GRAFANA / "provisioning"   # what GF_PATHS_PROVISIONING points at
+    path = Path(provider["options"]["path"].replace("${GF_PATHS_PROVISIONING}", str(provisioning))).resolve()
+    assert path == (GRAFANA / "dashboards").resolve() and (path / "aspen.json").is_file()

@@ -1,0 +1,44 @@
+"""The scheduler core's memory of a job beside the job table, without Ray: a deleted job is forgotten whole,
+so that a job entered again under the same client-chosen id starts with nothing of its predecessor (its
+retries, a stop rule's prediction, a move under way)."""
+
+from __future__ import annotations
+
+from actors.service.event_booking import MAX_RETRIES
+from actors.service.job_table import JobTable
+from actors.service.scheduler_core import SchedulerCore
+from actors.service.trainer_reports import TrainerEvent
+from policies.base import Start
+from policies.fifo import FifoPolicy
+from tests.helpers.scheduler_fakes import status
+from tests.helpers.service import job_dict, run_spec, write_task_data
+
+
+def test_a_deleted_job_is_forgotten_whole_and_its_id_starts_afresh(tmp_path):
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("again", data, 100)])
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
+
+    def start_and_give_back() -> str:
+        with core.table.transaction():
+            assert core.plan([status("trainer-0")]) == [Start(job="same", trainer="trainer-0")]
+            core.apply_event("trainer-0", TrainerEvent(kind="started", job_id="same", step=0,
+                                                       data={"total_steps": 100}))
+            core.apply_event("trainer-0", TrainerEvent(kind="prediction", job_id="same", step=10,
+                                                       data={"predicted_stop_step": 40}))
+        with core.table.transaction():
+            core.apply_event("trainer-0", TrainerEvent(kind="paused", job_id="same", step=10, data={"retry": True,
+                                                                              "reason": "its job actor was lost"}))
+        return core.table.get("same").reason
+
+    core.submit_many(spec.submissions(), job_ids=["same"])
+    assert "(retry 1 of" in start_and_give_back()
+    assert f"(retry 2 of {MAX_RETRIES})" in start_and_give_back()
+    [view] = core.snapshot([status("trainer-0")]).jobs
+    assert view.predicted_remaining_steps == 30
+    core.delete("same")
+    assert core.table.all() == []
+    core.submit_many(spec.submissions(), job_ids=["same"])
+    [view] = core.snapshot([status("trainer-0")]).jobs
+    assert view.predicted_remaining_steps is None and view.moving_to is None and not view.preempting
+    assert f"(retry 1 of {MAX_RETRIES})" in start_and_give_back()   # not the predecessor's third

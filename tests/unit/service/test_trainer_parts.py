@@ -1,0 +1,188 @@
+"""The trainer loop's parts alone, without Ray and without a loop: the stop-verdict protocol against its rule
+(a verdict for step k takes effect after step k + VERDICT_LAG - 1, however early or late it arrives, in step
+order), step admission against the allocator's count of the steps it admits, and the retries of a leaving
+job's writes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module
+from actors.engine.packing import JobMicroBatch
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
+from actors.service.feed import Done, JobLinkLost
+from actors.service.retries import with_retries
+from actors.service.step_admission import MEMORY_MARGIN, StepAdmission
+from actors.service.stop_verdicts import VERDICT_LAG, StopVerdicts
+from policies.stopping import StopDecision, Verdict
+from tests.helpers.models import random_examples, tiny_model
+
+
+def stop_at(step: int) -> Verdict:
+    return Verdict(stop=StopDecision(step=step, reason=f"no better since step {step}"))
+
+
+# -- stop verdicts ------------------------------------------------------------------------------------------
+def test_a_verdict_takes_effect_after_step_k_plus_lag_minus_one_however_early_it_arrives():
+    k = 5
+    verdicts = StopVerdicts("trainer t: job j")
+    verdicts.expect(k, Done(stop_at(k)))   # here at once
+    for job_step in range(k, k + VERDICT_LAG - 1):
+        assert verdicts.arrived(job_step, timeout=0)
+        assert verdicts.next_due(job_step) is None, job_step   # the job's steps up to k + VERDICT_LAG - 1 run
+    assert verdicts.next_due(k + VERDICT_LAG - 1) == stop_at(k)   # its step k + VERDICT_LAG does not
+    assert verdicts.next_due(k + VERDICT_LAG) is None             # handed out once
+
+
+def test_a_late_verdict_holds_the_step_that_must_follow_it_until_it_arrives():
+    k = 3
+    verdicts = StopVerdicts("trainer t: job j")
+    late: Future = Future()
+    verdicts.expect(k, late)
+    assert verdicts.arrived(k + VERDICT_LAG - 2, timeout=0)     # not due yet: nothing to wait for
+    assert not verdicts.arrived(k + VERDICT_LAG - 1, timeout=0)
+    assert verdicts.next_due(k + VERDICT_LAG - 1) is None
+    threading.Timer(0.05, late.set_result, [stop_at(k)]).start()
+    assert verdicts.arrived(k + VERDICT_LAG - 1, timeout=30)    # waited for
+    assert verdicts.next_due(k + VERDICT_LAG - 1) == stop_at(k)  # and applied where an early one is
+
+
+def test_verdicts_apply_in_step_order_and_one_not_here_holds_back_the_later_ones():
+    verdicts = StopVerdicts("trainer t: job j")
+    first: Future = Future()
+    verdicts.expect(1, first)
+    verdicts.expect(2, Done(stop_at(2)))
+    both_due = 2 + VERDICT_LAG - 1
+    assert verdicts.next_due(both_due) is None   # step 1's answer is not here: step 2's stop waits behind it
+    first.set_result(Verdict(predicted_stop_step=40))
+    assert verdicts.next_due(both_due) == Verdict(predicted_stop_step=40)
+    assert verdicts.next_due(both_due) == stop_at(2)
+    assert verdicts.next_due(both_due) is None
+
+
+def test_a_lost_update_is_skipped_with_a_warning_and_a_lost_job_actor_is_raised(caplog):
+    verdicts = StopVerdicts("trainer t: job j")
+    lost: Future = Future()
+    lost.set_exception(ConnectionResetError("the update was dropped"))
+    verdicts.expect(1, lost)
+    verdicts.expect(2, Done(stop_at(2)))
+    with caplog.at_level(logging.WARNING, logger="actors.service.stop_verdicts"):
+        assert verdicts.next_due(2 + VERDICT_LAG - 1) == stop_at(2)
+    assert "trainer t: job j: its loss update was lost" in caplog.text and "dropped" in caplog.text
+    gone: Future = Future()
+    gone.set_exception(JobLinkLost("the job actor is gone (ActorDiedError)"))
+    verdicts.expect(3, gone)
+    with pytest.raises(JobLinkLost, match="is gone"):
+        verdicts.next_due(3 + VERDICT_LAG - 1)
+
+
+def test_a_resumed_jobs_stop_at_its_checkpoint_step_takes_effect_where_an_unpaused_jobs_does():
+    """The loop expects a job resumed at step c to answer for step c - 1; its job actor, having made the
+    decisions of its last steps again, may answer with a stop at step c: that waits for step c's turn."""
+    c = 10
+    unpaused, resumed = StopVerdicts("unpaused"), StopVerdicts("resumed")
+    unpaused.expect(c, Done(stop_at(c)))
+    resumed.expect(c - 1, Done(stop_at(c)))
+    for job_step in range(c, c + VERDICT_LAG + 1):
+        assert resumed.next_due(job_step) == unpaused.next_due(job_step), job_step
+    assert not resumed.waiting and not unpaused.waiting
+
+
+# -- step admission -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def three_jobs_trainer(smol_tokenizer) -> FusedTrainer:
+    base = from_module(tiny_model("llama"), smol_tokenizer)
+    trainer = FusedTrainer(base, step_tokens=4096)
+    for index in range(3):
+        spec = JobSpec(name=f"j{index}", data="unused.jsonl", format={"type": "text"}, max_steps=1000, batch_size=4,
+                       lora={"r": 8, "target_modules": "all-linear"})
+        examples = random_examples(index, 32, min_len=24, max_len=48)
+        trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=index))
+    return trainer
+
+
+def test_admission_keeps_a_step_under_its_budget_by_the_allocators_count(three_jobs_trainer):
+    trainer = three_jobs_trainer
+    admission = StepAdmission(trainer)
+    jobs = list(trainer.jobs.values())
+    one = admission.predict(admission.shape([JobMicroBatch(jobs[0].name, jobs[0].peek())]))
+    every = admission.predict(admission.shape([JobMicroBatch(job.name, job.peek()) for job in jobs]))
+    assert every > one
+    # room for the first job's step with its margin, not for a step of all three
+    admission.budget = int((one + every) / 2 * (1 + MEMORY_MARGIN))
+    chosen = trainer.compose(fits=admission.fits)
+    assert 1 <= len(chosen) < len(jobs), [job.name for job, _ in chosen]
+    report = trainer.run_step(chosen, measure=True)
+    # within the budget whenever the prediction meets its goal (at most MEMORY_MARGIN below the allocator's
+    # count): admitted means predicted * (1 + MEMORY_MARGIN) <= budget (this CPU: 0.7% off, 8% under the budget)
+    assert report.memory_measured and 0 < report.peak_memory_bytes <= admission.budget
+
+
+def test_a_measured_peak_above_its_prediction_widens_the_margin_and_an_unmeasured_step_teaches_nothing(
+        three_jobs_trainer):
+    trainer = three_jobs_trainer
+    admission = StepAdmission(trainer)
+    chosen = trainer.compose()
+    shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+    coefficients = admission.memory_model.coefficients.copy()
+    unmeasured = trainer.run_step(chosen, measure=False)   # on CPU: no allocator count
+    assert not unmeasured.memory_measured
+    admission.observe(shape, unmeasured, admission.predict(shape))
+    assert admission.measured_steps == 0 and admission.margin == MEMORY_MARGIN
+    assert (admission.memory_model.coefficients == coefficients).all()
+    chosen = trainer.compose()
+    shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+    measured = trainer.run_step(chosen, measure=True)
+    under = MEMORY_MARGIN * 3                               # its prediction had been this share too low
+    admission.observe(shape, measured, int(measured.peak_memory_bytes * (1 - under)))
+    assert admission.measured_steps == 1
+    assert admission.margin == pytest.approx(under, abs=1 / measured.peak_memory_bytes)
+
+
+# -- retries ------------------------------------------------------------------------------------------------
+def test_a_write_is_tried_again_after_an_os_error_and_the_last_error_is_raised():
+    attempts, failures = [], []
+
+    def flaky() -> str:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise OSError(28, "No space left on device")
+        return "written"
+
+    def note(error: OSError, tries: int, last: bool) -> None:
+        failures.append((tries, last))
+
+    assert with_retries(flaky, attempts=3, backoff_s=(0.0,), on_failure=note) == "written"
+    assert failures == [(1, False), (2, False)]
+
+    attempts.clear(), failures.clear()
+    with pytest.raises(OSError, match="No space left"):
+        with_retries(flaky, attempts=2, backoff_s=(0.0,), on_failure=note)
+    assert failures == [(1, False), (2, True)]
+
+
+def test_retries_end_early_when_told_to_and_other_errors_are_not_retried():
+    calls = []
+
+    def refused() -> None:
+        calls.append(1)
+        raise PermissionError(13, "Permission denied")
+
+    with pytest.raises(PermissionError):
+        with_retries(refused, attempts=5, backoff_s=(0.0,), go_on=lambda: False)
+    assert len(calls) == 1
+
+    def broken() -> None:
+        calls.append(1)
+        raise ValueError("a bug, not the disk")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        with_retries(broken, attempts=5, backoff_s=(0.0,))
+    assert len(calls) == 1

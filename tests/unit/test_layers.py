@@ -1,0 +1,89 @@
+"""The floor plan's rule, checked on the code: imports point down the layers only. Every import of a
+project module (at the top of a module or inside a function) is read from the source, so a wrong-way
+import fails here, named with its file and line, before anyone builds on it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Top first. A module may import from its own layer and the layers below it, never above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("user-facing: client, CLI, observability", ("orchestrator",)),
+    ("Ray actors", ("actors.scheduler_actor", "actors.job_starts", "actors.trainer_actor", "actors.job_actor",
+                    "actors.ray_links", "actors.ray_trainers", "actors.niceness")),
+    ("Ray-free service cores", ("actors.service",)),
+    ("compute engine and data", ("actors.engine",)),
+    ("policies: decisions over a snapshot", ("policies",)),
+]
+PACKAGES = ("orchestrator", "actors", "policies")
+
+
+def layer_of(module: str) -> int | None:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    return None
+
+
+def project_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PACKAGES and layer_of(name) is not None:
+                found.append((node.lineno, name))
+                break
+    return found
+
+
+def modules() -> list[tuple[str, Path]]:
+    found = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+            found.append((name, path))
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name, _ in modules() if layer_of(name) is None and name not in PACKAGES]
+    assert not unplaced, f"modules in no layer of tests/unit/test_layers.py: {unplaced}"
+
+
+def test_imports_point_down_only():
+    wrong = []
+    for name, path in modules():
+        own = layer_of(name)
+        if own is None:
+            continue
+        for line, imported in project_imports(path):
+            target = layer_of(imported)
+            if target is not None and target < own:
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {name} ({LAYERS[own][0]}) imports {imported} "
+                             f"({LAYERS[target][0]}), a layer above it")
+    assert not wrong, "imports pointing up the layers:\n" + "\n".join(wrong)
+
+
+def test_the_check_catches_a_wrong_way_import(tmp_path):
+    """The checker itself: a policy importing the client is found."""
+    module = tmp_path / "bad.py"
+    module.write_text("def f():\n    from orchestrator.client import Client\n    return Client\n")
+    assert project_imports(module) == [(2, "orchestrator.client")]
+    assert layer_of("orchestrator.client") < layer_of("policies.bad")
+
+
+def test_no_two_modules_share_a_name():
+    """A name says what a module holds: two modules of one name in different rooms would hold different
+    things under the same word."""
+    names: dict[str, list[str]] = {}
+    for name, path in modules():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(name)
+    assert not {n: m for n, m in names.items() if len(m) > 1}

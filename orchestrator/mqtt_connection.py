@@ -59,7 +59,8 @@ class Outbox:
         self.unsent_clears: set[str] = set()   # jobs whose clearing is not published yet
         self.down = False             # a connection attempt failed and none succeeded since: drop, don't queue
         self.closed = False           # stopping, or events are off: take nothing more
-        self.dropped = 0
+        self.dropped = 0              # since the last warning
+        self.dropped_total = 0        # since the start (`aspen serve`'s info shows it)
         self.last_warning = 0.0
 
     def __len__(self) -> int:
@@ -93,6 +94,7 @@ class Outbox:
         with self.lock:
             lost = len(self.queue)
             self.queue.clear()
+            self.dropped_total += lost
         return lost
 
     def pending_clears(self) -> list[str]:
@@ -108,6 +110,7 @@ class Outbox:
 
     def _dropped(self, why: str) -> None:
         self.dropped += 1
+        self.dropped_total += 1
         now = time.monotonic()
         if now - self.last_warning >= WARN_EVERY_S:
             log.warning("events: dropped %d MQTT event(s) since the last warning: %s (%s); training goes on, "

@@ -69,7 +69,9 @@ class MqttListener:
             return {"events_error": connection.broker_error} if connection.broker_error else {}
         if connection.address is None:
             return {}
-        described = {"mqtt_url": connection.address.url, "mqtt_topics": f"{self.topics.prefix}/#"}
+        described = {"mqtt_url": connection.address.url, "mqtt_topics": f"{self.topics.prefix}/#",
+                     "mqtt_connected": "yes" if connection.connected else "no",
+                     "mqtt_dropped": str(connection.outbox.dropped_total)}   # events dropped while the broker was away
         if connection.reader_file is not None:
             described["mqtt_credentials"] = str(connection.reader_file)
         return described

@@ -34,9 +34,10 @@ from actors.service.config import ServiceConfig
 from actors.service.event_intake import EventIntake
 from actors.service.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
 from actors.service.listeners import Listeners
+from actors.service.loop_errors import LoopErrors
 from actors.service.scheduler_core import SchedulerCore, StopRequest, SubmissionError
 from actors.service.state_dir import lock_state_dir, open_job_table
-from actors.service.table_backup import TableBackups
+from actors.service.table_backup import JobTableDamaged, TableBackups
 from actors.service.trainer_fleet import TrainerFleet
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from policies.base import Move, Preempt, Start
@@ -240,14 +241,16 @@ class SchedulerActor:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        errors = LoopErrors(log, "scheduler: error in the scheduling loop", quiet=(JobTableDamaged,))
         while not self.stopping.is_set():
             try:
                 with self.lock:
                     self._tick()
+                errors.cleared()
             except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
                 log.warning("scheduler: %s; the next round tries again", error)
-            except Exception:  # keep the service alive; the error is logged
-                log.exception("scheduler: error in the scheduling loop")
+            except Exception as error:  # noqa: BLE001 - the loop goes on; LoopErrors logs it (a repeat once a minute)
+                errors.report(error)
             self.stopping.wait(self.config.tick_seconds)
 
     def _tick(self) -> None:

@@ -28,7 +28,7 @@ from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainerView:
     id: str
     base_model: str
@@ -46,7 +46,7 @@ class TrainerView:
     tokens_per_s: float | None = None   # real tokens it steps per second of its steps, once measured
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobView:
     id: str
     name: str

@@ -64,10 +64,14 @@ def job_start_delays(table: Path, rows: list[dict]) -> list[float]:
     """Per job: from the decision to start it to the end of its first fused step, minus that step."""
     if not table.exists():
         return []
-    db = sqlite3.connect(table)
+    db = sqlite3.connect(f"{table.absolute().as_uri()}?mode=ro", uri=True)   # read only: never repairs or creates
     try:
         starts = db.execute("SELECT job_id, MIN(time) FROM transitions WHERE state = 'running' "
                             "GROUP BY job_id").fetchall()
+    except sqlite3.DatabaseError as error:   # damaged, not a job table, locked: the calibration cannot use it
+        raise ValueError(f"cannot read job start times from {table}: {error}; calibrate from a sound copy (a "
+                         f"service keeps one beside it: {table.name}.backup) or from a folder of step logs "
+                         f"without it") from error
     finally:
         db.close()
     delays = []

@@ -87,7 +87,7 @@ class SimJob:
         return tuple(int(min(max(round(v), spec.min), spec.max)) for v in values)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Result:
     policy: str
     turnaround: list[float]
@@ -149,9 +149,10 @@ class Simulator:
             # the jobs a trainer reports: those that reached it (not those still starting)
             on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state == "running")
             rate = spec.step_tokens / self.calibration.step.seconds(spec.step_tokens, 0)   # a full step's
-            trainers.append(TrainerView(spec.id, self.trace.base_model, "none", spec.memory_budget_bytes,
-                                        int(memory.constant), int(step - memory.constant), on, (), spec.max_jobs,
-                                        tokens_per_s=rate))
+            trainers.append(TrainerView(id=spec.id, base_model=self.trace.base_model, quantization="none",
+                                        memory_budget_bytes=spec.memory_budget_bytes, base_bytes=int(memory.constant),
+                                        step_memory_bytes=int(step - memory.constant), jobs=on, linear_shapes=(),
+                                        max_jobs=spec.max_jobs, tokens_per_s=rate))
         views = []
         for job in self.jobs.values():
             if job.state in ("pending", "done"):
@@ -159,11 +160,13 @@ class Simulator:
             state = "running" if job.state in ("starting", "running") else "queued"
             spec = job.spec
             remaining = max(job.predicted_stop - job.step, 0) if job.predicted_stop is not None else None
-            views.append(JobView(spec.name, spec.name, state, spec.priority, spec.arrival, self.trace.base_model,
-                                 "none",
-                                 job.trainer, job.step, spec.steps, job.parameters * BYTES_PER_ADAPTER_PARAMETER,
-                                 spec.batch_size * spec.grad_accum * spec.lengths.mean, remaining, job.preempting,
-                                 job.move_to if job.preempting else None, job.moved_at))
+            views.append(JobView(id=spec.name, name=spec.name, state=state, priority=spec.priority,
+                                 submitted_at=spec.arrival, base_model=self.trace.base_model, quantization="none",
+                                 trainer=job.trainer, step=job.step, total_steps=spec.steps,
+                                 memory_bytes=job.parameters * BYTES_PER_ADAPTER_PARAMETER,
+                                 tokens_per_step=spec.batch_size * spec.grad_accum * spec.lengths.mean,
+                                 predicted_remaining_steps=remaining, preempting=job.preempting,
+                                 moving_to=job.move_to if job.preempting else None, moved_at=job.moved_at))
         return Snapshot(now, tuple(trainers), tuple(views))
 
     def decide(self, now: float) -> None:
@@ -313,10 +316,11 @@ class Simulator:
                 raise RuntimeError(f"policy {self.policy.name}: the trace did not finish within {limit_s:.0f} s")
         jobs = list(self.jobs.values())
         first = min(j.spec.arrival for j in jobs)
-        return Result(self.policy.name, [j.finish - j.spec.arrival for j in jobs], [j.waited for j in jobs],
-                      max(j.finish for j in jobs) - first, sum(j.tokens for j in jobs), sum(j.step for j in jobs),
-                      self.ooms, sum(j.ended == "stopped_early" for j in jobs), self.fused_steps,
-                      [j.spec.priority for j in jobs], sum(j.moves for j in jobs))
+        return Result(policy=self.policy.name, turnaround=[j.finish - j.spec.arrival for j in jobs],
+                      waiting=[j.waited for j in jobs], makespan=max(j.finish for j in jobs) - first,
+                      tokens=sum(j.tokens for j in jobs), steps=sum(j.step for j in jobs), ooms=self.ooms,
+                      stopped_early=sum(j.ended == "stopped_early" for j in jobs), fused_steps=self.fused_steps,
+                      priorities=[j.spec.priority for j in jobs], moves=sum(j.moves for j in jobs))
 
 
 def without_moves(policy: Policy) -> Policy | None:

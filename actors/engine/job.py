@@ -28,7 +28,7 @@ class BatchSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepAccumulator:
     """Loss and tokens of the micro-batches of the optimizer step in progress. `loss_sum` sums the target
     tokens' losses, so `loss` is the mean over all the step's target tokens (token-weighted, like its
@@ -60,7 +60,7 @@ class StepAccumulator:
         return self.loss_sum / max(self.targets, 1)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimizerStepRecord:
     """One row of a job's metrics.jsonl."""
 
@@ -166,8 +166,8 @@ class TrainingJob:
 
     def optimizer_stepped(self, lr: float, grad_norm: float) -> OptimizerStepRecord:
         """The record of the optimizer step just taken; the next accumulation starts."""
-        record = OptimizerStepRecord(self.step, self.accumulator.loss, self.accumulator.tokens, lr, grad_norm,
-                                     self.accumulator.metrics)
+        record = OptimizerStepRecord(step=self.step, loss=self.accumulator.loss, tokens=self.accumulator.tokens, lr=lr,
+                                     grad_norm=grad_norm, metrics=self.accumulator.metrics)
         self.accumulator = StepAccumulator()
         self.history.append(record)
         return record

@@ -113,7 +113,7 @@ def example_targets(examples: list[Example]) -> int:
     return sum(sum(1 for label in e.labels[1:] if label != -100) for e in example_rows(examples))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BaseActivation:
     """Measured on the model, over what the trainer holds, as straight lines in the step's tokens T (the
     base's part; the adapters' and the loss's analytic bytes come on top):
@@ -246,7 +246,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     backward, forward_end = raw
     above = full_growth if full_growth > backward * 1.01 else backward
     loss_scale = max(above - forward_end, 0.0) / max(loss, 1)
-    resident = (0.0, 0.0, 0.0)
+    resident: dict[str, float] = {}   # no resident measure: the fields keep their defaults (0)
     if residents:   # the resident set's growth beyond the allocator's count: per token, and the loss's scratch
         # the last resident (the full step's) has no growth beside it: zip stops before it
         excess = [max(r - g, 0.0) for r, g in zip(residents, growths, strict=False)]
@@ -258,10 +258,11 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         # the full step's resident peak lies in its loss: what is live then (the forward's end, the adapters'
         # activations, the loss's counted bytes) plus the loss's uncounted scratch, per target token
         loss_phase = forward_end + loss_scale * loss + resident_constant + resident_per_token * full_tokens
-        resident = (resident_constant, resident_per_token,
-                    max(residents[2] - loss_phase, 0.0) / example_targets(full))
-    return BaseActivation(constant, per_token, forward_constant, forward_per_token, layers, groups, loss_scale,
-                          *resident)
+        resident = {"resident_constant": resident_constant, "resident_per_token": resident_per_token,
+                    "resident_per_target": max(residents[2] - loss_phase, 0.0) / example_targets(full)}
+    return BaseActivation(constant=constant, per_token=per_token, forward_constant=forward_constant,
+                          forward_per_token=forward_per_token, layers=layers, input_groups=groups,
+                          loss_scale=loss_scale, **resident)
 
 
 class StepMemoryPrior:

@@ -44,7 +44,7 @@ class JobMicroBatch:
         return longest * len(rows)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FusedBatch:
     input_ids: torch.Tensor        # (T,) long
     position_ids: torch.Tensor     # (T,) long
@@ -70,9 +70,10 @@ class FusedBatch:
         return [end - start for start, end in self.layout.sequences]
 
     def to(self, device: torch.device) -> FusedBatch:
-        return FusedBatch(self.input_ids.to(device), self.position_ids.to(device), self.layout, self.jobs,
-                          self.target_index.to(device), self.target_ids.to(device), self.target_job.to(device),
-                          self.job_targets, self.job_tokens, self.padding_tokens)
+        return FusedBatch(input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
+                          layout=self.layout, jobs=self.jobs, target_index=self.target_index.to(device),
+                          target_ids=self.target_ids.to(device), target_job=self.target_job.to(device),
+                          job_targets=self.job_targets, job_tokens=self.job_tokens, padding_tokens=self.padding_tokens)
 
 
 def pack(micro_batches: list[JobMicroBatch], layout: Layout = "packed", pad_token_id: int = 0) -> FusedBatch:

@@ -44,7 +44,7 @@ from policies.base import NextBatch, StepComposer
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobStepResult:
     job: str
     loss: float            # mean over the job's target tokens in this micro-batch
@@ -53,7 +53,7 @@ class JobStepResult:
     optimizer_step: OptimizerStepRecord | None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepReport:
     """One row of trainer.jsonl (plus per-job results)."""
 
@@ -247,13 +247,15 @@ class FusedTrainer:
         # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
         stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due])
         records = {job.name: job.optimizer_stepped(lr, norm) for job, (lr, norm) in zip(due, stepped, strict=True)}
-        results = [JobStepResult(job.name, per_job[index], batch.job_tokens[index], batch.job_targets[index],
-                                 records.get(job.name)) for index, (job, _) in enumerate(chosen)]
+        results = [JobStepResult(job=job.name, loss=per_job[index], tokens=batch.job_tokens[index],
+                                 targets=batch.job_targets[index], optimizer_step=records.get(job.name))
+                   for index, (job, _) in enumerate(chosen)]
         if self.base.device.type == "cuda":
             torch.cuda.synchronize(self.base.device)
         self.step_count += 1
-        return StepReport(self.step_count, batch.jobs, batch.num_tokens, batch.padding_tokens,
-                          time.perf_counter() - started, peak, batch.sequence_lengths, results,
+        return StepReport(step=self.step_count, jobs=batch.jobs, tokens=batch.num_tokens,
+                          padding_tokens=batch.padding_tokens, seconds=time.perf_counter() - started,
+                          peak_memory_bytes=peak, sequence_lengths=batch.sequence_lengths, results=results,
                           memory_measured=self.base.device.type == "cuda")
 
     def train_step(self) -> StepReport | None:

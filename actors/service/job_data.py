@@ -23,7 +23,7 @@ from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataSummary:
     train_examples: int
     eval_examples: int
@@ -75,8 +75,9 @@ class JobData:
                         self.job_id, loaded.dropped, spec.data, spec.max_seq_len)
         train, self.eval = split_eval(loaded.examples, spec.eval_split, self.submission.seed)
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
-        self.summary = DataSummary(len(train), len(self.eval), loaded.dropped, planned_steps(spec, len(train)),
-                                   self.cursor.state_dict(), digest)
+        self.summary = DataSummary(train_examples=len(train), eval_examples=len(self.eval), dropped=loaded.dropped,
+                                   total_steps=planned_steps(spec, len(train)), start=self.cursor.state_dict(),
+                                   digest=digest)
         self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
 
@@ -90,8 +91,8 @@ class JobData:
                              eval_rows=int(spec.eval_split), shuffle_window=spec.shuffle_window, table=table)
         self.cursor, self.eval = stream.cursor, stream.eval
         rows = stream.train_rows or 0
-        self.summary = DataSummary(rows, len(self.eval), stream.eval_dropped, planned_steps(spec, rows),
-                                   self.cursor.state_dict(), digest)
+        self.summary = DataSummary(train_examples=rows, eval_examples=len(self.eval), dropped=stream.eval_dropped,
+                                   total_steps=planned_steps(spec, rows), start=self.cursor.state_dict(), digest=digest)
         self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
 

@@ -97,7 +97,7 @@ def _reads(method: Method) -> Method:
     return read  # type: ignore[return-value]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class JobRecord:
     """A job as the service reports it."""
 
@@ -132,6 +132,11 @@ class JobRecord:
 
 
 RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
+
+
+def record_of(row: tuple) -> JobRecord:
+    """A job record from a row of the RECORD_COLUMNS, each value under its column's name."""
+    return JobRecord(**dict(zip(RECORD_COLUMNS, row, strict=True)))
 
 
 class JobTable:
@@ -256,7 +261,7 @@ class JobTable:
         row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise KeyError(job_id)
-        return JobRecord(*row)
+        return record_of(row)
 
     @_reads
     def find(self, key: str) -> JobRecord:
@@ -283,7 +288,7 @@ class JobTable:
         if states:
             query += f" WHERE state IN ({', '.join('?' * len(states))})"
             args = tuple(states)
-        return [JobRecord(*row) for row in self.db.execute(query + " ORDER BY submitted_at, id", args)]
+        return [record_of(row) for row in self.db.execute(query + " ORDER BY submitted_at, id", args)]
 
     @_reads
     def counts(self) -> dict[str, int]:
@@ -297,7 +302,7 @@ class JobTable:
         """A job in one of `states` whose output folder is `output_dir`, if any."""
         row = self.db.execute(f"SELECT {', '.join(RECORD_COLUMNS)} FROM jobs WHERE output_dir = ? AND state IN "
                               f"({', '.join('?' * len(states))}) LIMIT 1", (str(output_dir), *states)).fetchone()
-        return JobRecord(*row) if row else None
+        return record_of(row) if row else None
 
     def set_state(self, job_id: str, state: str, reason: str, **columns: Any) -> JobRecord:
         if state not in JOB_STATES:

@@ -29,8 +29,8 @@ from tests.helpers.trainer import fake_status
 
 
 def roomy_trainer() -> TrainerView:
-    return TrainerView("t0", "m", "none", memory_budget_bytes=2**62, base_bytes=1, step_memory_bytes=1, jobs=(),
-                       linear_shapes=())
+    return TrainerView(id="t0", base_model="m", quantization="none", memory_budget_bytes=2**62, base_bytes=1,
+                       step_memory_bytes=1, jobs=(), linear_shapes=())
 
 
 def exact_less(a: JobView, b: JobView) -> bool:
@@ -58,7 +58,8 @@ def test_extreme_priorities_neither_overflow_nor_misorder(priorities):
     such jobs exactly as exact arithmetic does, where floats would overflow (4.0 ** 600)."""
     with pytest.raises(OverflowError):
         _ = 4.0 ** 600    # what the policy used to compute
-    jobs = tuple(JobView(f"j{i}", f"j{i}", "queued", p, 0.0, "m", "none", None, 0, 10 + 7 * i, 1,
+    jobs = tuple(JobView(id=f"j{i}", name=f"j{i}", state="queued", priority=p, submitted_at=0.0, base_model="m",
+                         quantization="none", trainer=None, step=0, total_steps=10 + 7 * i, memory_bytes=1,
                          tokens_per_step=100.0 + i)
                  for i, p in enumerate(priorities))
     policy = AdaptivePolicy()
@@ -71,10 +72,16 @@ def test_extreme_priorities_neither_overflow_nor_misorder(priorities):
 
 def test_preemption_decisions_match_exact_arithmetic_at_extreme_priorities():
     policy = AdaptivePolicy()
-    running = JobView("victim", "victim", "running", -600, 0.0, "m", "none", "t0", 0, 1000, 1, 100.0)
+    running = JobView(id="victim", name="victim", state="running", priority=-600, submitted_at=0.0, base_model="m",
+                      quantization="none", trainer="t0", step=0, total_steps=1000, memory_bytes=1,
+                      tokens_per_step=100.0)
     for priority, work in ((-600, 1000), (-599, 1000), (-600, 100), (600, 10**6)):
-        job = JobView("new", "new", "queued", priority, 0.0, "m", "none", None, 0, work, 1, 100.0)
-        queued_victim = JobView("victim", "victim", "queued", -600, 0.0, "m", "none", None, 0, 1000, 1, 100.0)
+        job = JobView(id="new", name="new", state="queued", priority=priority, submitted_at=0.0, base_model="m",
+                      quantization="none", trainer=None, step=0, total_steps=work, memory_bytes=1,
+                      tokens_per_step=100.0)
+        queued_victim = JobView(id="victim", name="victim", state="queued", priority=-600, submitted_at=0.0,
+                                base_model="m", quantization="none", trainer=None, step=0, total_steps=1000,
+                                memory_bytes=1, tokens_per_step=100.0)
         exact = (exact_score(job) < exact_score(queued_victim)
                  and exact_score(queued_victim) >= 4 * exact_score(job))
         assert policy.may_preempt(job, running, 0.0) == exact, (priority, work)

@@ -153,5 +153,7 @@ def retained_states(port: int, prefix: str, present: str, settle: float = 0.5, *
 
 def job_record(job_id: str, state: str, finished_at: float | None = None) -> JobRecord:
     now = time.time()
-    return JobRecord(job_id, job_id, state, "why", "m", "none", 0, "/out", None, 3, 10, 300, 1.5, None, 20.0, None,
-                     None, now, now, finished_at, finished_at or now)
+    return JobRecord(id=job_id, name=job_id, state=state, reason="why", base_model="m", quantization="none", priority=0,
+                     output_dir="/out", trainer=None, step=3, total_steps=10, tokens=300, loss=1.5, eval_loss=None,
+                     tokens_per_s=20.0, checkpoint_step=None, adapter_dir=None, submitted_at=now, started_at=now,
+                     finished_at=finished_at, updated_at=finished_at or now)

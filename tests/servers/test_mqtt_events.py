@@ -91,8 +91,10 @@ def test_topic_levels_cannot_contain_wildcards_or_separators():
 
 def test_a_dead_broker_never_blocks_and_warns(caplog):
     port = free_port()   # nothing listens there
-    record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
-                       1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
+    record = JobRecord(id="job-abc123", name="job", state="running", reason="training", base_model="m",
+                       quantization="none", priority=0, output_dir="/out", trainer="trainer-0", step=3, total_steps=10,
+                       tokens=300, loss=1.5, eval_loss=None, tokens_per_s=20.0, checkpoint_step=None, adapter_dir=None,
+                       submitted_at=time.time(), started_at=time.time(), finished_at=None, updated_at=time.time())
     with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
         listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"), queue_size=100)
         try:
@@ -116,8 +118,10 @@ def test_a_dead_broker_never_blocks_and_warns(caplog):
 def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path, caplog):
     port = free_port()
     broker = start_mosquitto(tmp_path / "broker", port)
-    record = JobRecord("job-abc123", "job", "running", "training", "m", "none", 0, "/out", "trainer-0", 3, 10, 300,
-                       1.5, None, 20.0, None, None, time.time(), time.time(), None, time.time())
+    record = JobRecord(id="job-abc123", name="job", state="running", reason="training", base_model="m",
+                       quantization="none", priority=0, output_dir="/out", trainer="trainer-0", step=3, total_steps=10,
+                       tokens=300, loss=1.5, eval_loss=None, tokens_per_s=20.0, checkpoint_step=None, adapter_dir=None,
+                       submitted_at=time.time(), started_at=time.time(), finished_at=None, updated_at=time.time())
     listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"))
     try:
         listener.job_changed(record, "queued")
@@ -160,8 +164,11 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
                 f"persistence false\nlistener {plain} 127.0.0.1\nlistener {tls} 127.0.0.1\n"
                 f"certfile {folder / 'cert.pem'}\nkeyfile {folder / 'key.pem'}\n")
     broker = start_mosquitto(folder, plain, settings, tls_port=tls)
-    record = JobRecord("job-abc123", "job", "completed", "done", "m", "none", 0, "/out", None, 10, 10, 300,
-                       1.5, None, 20.0, None, None, time.time(), time.time(), time.time(), time.time())
+    record = JobRecord(id="job-abc123", name="job", state="completed", reason="done", base_model="m",
+                       quantization="none", priority=0, output_dir="/out", trainer=None, step=10, total_steps=10,
+                       tokens=300, loss=1.5, eval_loss=None, tokens_per_s=20.0, checkpoint_step=None, adapter_dir=None,
+                       submitted_at=time.time(), started_at=time.time(), finished_at=time.time(),
+                       updated_at=time.time())
     try:
         listener = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="s3cret",
                                              ca_file=folder / "cert.pem"))
@@ -265,8 +272,11 @@ def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog, tmp_pat
             listener = MqttListener(EventsConfig(embedded_port=port), state_dir=tmp_path)
         try:
             assert listener.describe() == {}
-            listener.job_changed(JobRecord("j-1", "j", "queued", "submitted", "m", "none", 0, "/o", None, 0, None, 0,
-                                           None, None, None, None, None, 0.0, None, None, 0.0), None)
+            listener.job_changed(JobRecord(id="j-1", name="j", state="queued", reason="submitted", base_model="m",
+                                           quantization="none", priority=0, output_dir="/o", trainer=None, step=0,
+                                           total_steps=None, tokens=0, loss=None, eval_loss=None, tokens_per_s=None,
+                                           checkpoint_step=None, adapter_dir=None, submitted_at=0.0, started_at=None,
+                                           finished_at=None, updated_at=0.0), None)
         finally:
             listener.close()
     message = " ".join(r.getMessage() for r in caplog.records)

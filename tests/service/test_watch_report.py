@@ -99,8 +99,10 @@ def test_watch_refreshes_live_until_its_duration(finished_run):
 
 def test_eta_comes_from_tokens_per_second_or_steps_per_second():
     now = time.time()
-    record = JobRecord("j-1", "j", "running", "", "m", "none", 0, "/o", "trainer-0", 10, 110, 1000, 1.0, None,
-                       50.0, None, None, now - 30, now - 20, None, now)
+    record = JobRecord(id="j-1", name="j", state="running", reason="", base_model="m", quantization="none", priority=0,
+                       output_dir="/o", trainer="trainer-0", step=10, total_steps=110, tokens=1000, loss=1.0,
+                       eval_loss=None, tokens_per_s=50.0, checkpoint_step=None, adapter_dir=None, submitted_at=now - 30,
+                       started_at=now - 20, finished_at=None, updated_at=now)
     assert eta_seconds(record, now) == pytest.approx(100 * 100 / 50.0)     # 100 steps x 100 tokens at 50 tokens/s
     record.tokens_per_s = None
     assert eta_seconds(record, now) == pytest.approx(100 / (10 / 20))      # 10 steps in 20 s

@@ -29,7 +29,7 @@ from actors.engine.checkpoint.state import (
 from actors.engine.peft_io import WEIGHTS_NAME
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SavedCheckpoint:
     """A checkpoint read from its folder, its files consistent with its state.json; not yet checked
     against a job."""
@@ -71,7 +71,8 @@ def _read_format_2(folder: Path, state: CheckpointStateV2) -> SavedCheckpoint:
             raise Invalid(f"{folder / OPTIMIZER_NAME}: tensor 'dropout_rng' is missing (state.json lists it)")
         dropout_rng = tensors.pop("dropout_rng")
     optimizer, gradients = decode_optimizer(folder / STATE_NAME, folder / OPTIMIZER_NAME, state.optimizer, tensors)
-    return SavedCheckpoint(folder, state, adapter, optimizer, gradients, dropout_rng)
+    return SavedCheckpoint(folder=folder, state=state, adapter=adapter, optimizer=optimizer, gradients=gradients,
+                           dropout_rng=dropout_rng)
 
 
 def _read_listed_file(path: Path) -> bytes:
@@ -155,4 +156,5 @@ def _read_format_1(folder: Path, state: CheckpointState) -> SavedCheckpoint:
     except ValidationError as error:
         raise Invalid(f"{path}: not a format-1 optimizer state (expected optimizer, gradients and dropout_rng): "
                       f"{describe(error)}") from None
-    return SavedCheckpoint(folder, state, adapter, saved["optimizer"], saved["gradients"], saved["dropout_rng"])
+    return SavedCheckpoint(folder=folder, state=state, adapter=adapter, optimizer=saved["optimizer"],
+                           gradients=saved["gradients"], dropout_rng=saved["dropout_rng"])

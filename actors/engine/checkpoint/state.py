@@ -79,7 +79,8 @@ class AccumulatorState(_Record):
     metric_sums: dict[str, Number] = {}   # a preference job's; older checkpoints have none
 
     def restore(self) -> StepAccumulator:
-        return StepAccumulator(self.loss_sum, self.micro_batches, self.tokens, self.targets, dict(self.metric_sums))
+        return StepAccumulator(loss_sum=self.loss_sum, micro_batches=self.micro_batches, tokens=self.tokens,
+                               targets=self.targets, metric_sums=dict(self.metric_sums))
 
 
 class HistoryRecord(_Record):
@@ -93,7 +94,8 @@ class HistoryRecord(_Record):
     metrics: dict[str, Number] = {}   # a preference job's; older checkpoints have none
 
     def restore(self) -> OptimizerStepRecord:
-        return OptimizerStepRecord(self.step, self.loss, self.tokens, self.lr, self.grad_norm, dict(self.metrics))
+        return OptimizerStepRecord(step=self.step, loss=self.loss, tokens=self.tokens, lr=self.lr,
+                                   grad_norm=self.grad_norm, metrics=dict(self.metrics))
 
 
 class FileEntry(_Record):

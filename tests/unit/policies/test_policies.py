@@ -16,13 +16,15 @@ MiB = 2**20
 
 
 def trainer(tid="t0", model="m", budget=1000 * MiB, base=400 * MiB, step=200 * MiB) -> TrainerView:
-    return TrainerView(tid, model, "none", budget, base, step, (), ())
+    return TrainerView(id=tid, base_model=model, quantization="none", memory_budget_bytes=budget, base_bytes=base,
+                       step_memory_bytes=step, jobs=(), linear_shapes=())
 
 
 def job(jid, *, state="queued", priority=0, submitted=0.0, model="m", trainer=None, step=0, total=100,
         memory=100 * MiB, tokens_per_step=100.0, preempting=False) -> JobView:
-    return JobView(jid, jid, state, priority, submitted, model, "none", trainer, step, total, memory,
-                   tokens_per_step, None, preempting)
+    return JobView(id=jid, name=jid, state=state, priority=priority, submitted_at=submitted, base_model=model,
+                   quantization="none", trainer=trainer, step=step, total_steps=total, memory_bytes=memory,
+                   tokens_per_step=tokens_per_step, predicted_remaining_steps=None, preempting=preempting)
 
 
 def snapshot(trainers, jobs, now=0.0) -> Snapshot:
@@ -107,7 +109,8 @@ def test_policies_are_found_by_name_module_and_entry_point():
 
 
 def test_max_jobs_caps_a_trainer_and_priority_preempts_for_a_slot():
-    t = TrainerView("t0", "m", "none", 10_000 * MiB, 400 * MiB, 200 * MiB, (), (), max_jobs=2)
+    t = TrainerView(id="t0", base_model="m", quantization="none", memory_budget_bytes=10_000 * MiB,
+                    base_bytes=400 * MiB, step_memory_bytes=200 * MiB, jobs=(), linear_shapes=(), max_jobs=2)
     running = [job("a", state="running", trainer="t0", step=50), job("b", state="running", trainer="t0", step=5)]
     decisions = FifoPolicy().decide(snapshot([t], running + [job("c")]))
     assert isinstance(decisions[0], Wait) and decisions[0].cause == "slots" and "max_jobs" in decisions[0].reason
@@ -221,7 +224,8 @@ def test_a_big_job_goes_where_it_fits_and_a_job_only_to_its_base_model():
 
 
 def on(tid, *jobs_here) -> TrainerView:
-    return TrainerView(tid, "m", "none", 10_000 * MiB, 400 * MiB, 200 * MiB, tuple(jobs_here), ())
+    return TrainerView(id=tid, base_model="m", quantization="none", memory_budget_bytes=10_000 * MiB,
+                       base_bytes=400 * MiB, step_memory_bytes=200 * MiB, jobs=tuple(jobs_here), linear_shapes=())
 
 
 def test_adaptive_moves_a_job_to_an_idle_trainer_with_hysteresis():

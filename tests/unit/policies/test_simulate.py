@@ -84,6 +84,20 @@ def test_calibration_recovers_step_costs_from_a_step_log(tmp_path):
     assert calibration.memory.per_token == pytest.approx(5000, rel=0.02)
 
 
+def test_calibrating_from_a_damaged_job_table_says_which_file_and_what_to_do(tmp_path, capsys):
+    (tmp_path / "trainers").mkdir()
+    (tmp_path / "trainers" / "trainer-0.jsonl").write_text("".join(json.dumps(
+        {"step": i, "jobs": ["j"], "tokens": 10 * i, "padding_tokens": 0, "time": 1000.0 + i, "seconds": 0.1 * i,
+         "sequence_lengths": [10] * i, "peak_memory_bytes": 10**6 * i, "adapter_parameters": 10}) + "\n"
+        for i in range(1, 9)))
+    table = tmp_path / "jobs.sqlite"
+    table.write_bytes(b"SQLite format 3\x00" + bytes(range(256)) * 16)   # a header, then garbage: damaged
+    assert main([str(TRACES / "burst.yaml"), "--calibrate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"cannot read job start times from {table}" in err and "jobs.sqlite.backup" in err
+
+
 def test_adaptive_beats_fifo_on_the_steady_trace_with_no_oom(capsys):
     trace = load_trace(TRACES / "steady.yaml")
     fifo, adaptive = (Simulator(trace, load_policy(name)).run() for name in ("fifo", "adaptive"))

@@ -157,9 +157,10 @@ def test_submit_many_enters_all_jobs_or_none(tmp_path):
 def test_fifo_respects_the_memory_budget():
     from policies.base import JobView, Snapshot, TrainerView
 
-    trainer = TrainerView("t0", "m", "none", memory_budget_bytes=1000, base_bytes=500, step_memory_bytes=200,
-                          jobs=(), linear_shapes=())
-    jobs = tuple(JobView(f"j{i}", f"j{i}", "queued", 0, float(i), "m", "none", None, 0, 10, 120) for i in range(4))
+    trainer = TrainerView(id="t0", base_model="m", quantization="none", memory_budget_bytes=1000, base_bytes=500,
+                          step_memory_bytes=200, jobs=(), linear_shapes=())
+    jobs = tuple(JobView(id=f"j{i}", name=f"j{i}", state="queued", priority=0, submitted_at=float(i), base_model="m",
+                         quantization="none", trainer=None, step=0, total_steps=10, memory_bytes=120) for i in range(4))
     decisions = FifoPolicy().decide(Snapshot(0.0, (trainer,), jobs))
     assert decisions[:2] == [Start("j0", "t0"), Start("j1", "t0")]
     assert all(isinstance(d, Wait) and "waiting for memory" in d.reason for d in decisions[2:])

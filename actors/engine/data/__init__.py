@@ -8,9 +8,11 @@ micro-batches.  Every problem with the data is reported as a ``DataError``
 whose message names the file, the 1-based line and the offending field.
 
 Its parts: `rows` (reading files, `DataError`), `formats`, `tokenize` (rows into `Example`s),
+`pairs` (preference pairs), `file_examples` (a whole file into examples),
 `batches` (the evaluation split and the cursor)."""
 
 from actors.engine.data.batches import DataCursor, split_eval
+from actors.engine.data.file_examples import load_examples
 from actors.engine.data.formats import (
     AlpacaFormat,
     ChatFormat,
@@ -24,7 +26,6 @@ from actors.engine.data.tokenize import (
     IGNORE_INDEX,
     Example,
     LoadedData,
-    load_examples,
     tokenize_example,
 )
 

@@ -4,7 +4,6 @@ target, per format, truncated to max_seq_len."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.engine.data.formats import (
@@ -12,11 +11,10 @@ from actors.engine.data.formats import (
     ALPACA_PROMPT_WITH_INPUT,
     AlpacaFormat,
     ChatFormat,
-    PreferenceFormat,
     PromptResponseFormat,
     TextFormat,
 )
-from actors.engine.data.rows import DataError, _row_error, _type_name, read_rows
+from actors.engine.data.rows import DataError, _row_error, _type_name
 from actors.engine.data.sharegpt import is_sharegpt, sharegpt_messages
 
 if TYPE_CHECKING:
@@ -337,27 +335,21 @@ def tokenize_example(
     return _finish(ids, labels, max_seq_len)
 
 
-def load_examples(
-    path: str | Path,
+def tokenize_rows(
+    rows: list[tuple[int, dict[str, Any]]],
     fmt: AlpacaFormat | PromptResponseFormat | ChatFormat | TextFormat,
     tokenizer: PreTrainedTokenizerBase,
     *,
+    source: str,
     max_seq_len: int,
     train_on_prompt: bool = False,
 ) -> LoadedData:
-    """Read and tokenize a whole dataset file.
+    """Tokenize a dataset's (line, row) pairs into examples (`source` names the file in errors).
 
     Rows left without a target token by truncation are dropped and counted;
-    an empty file or one where every row is dropped is a ``DataError``.
+    no rows, or every row dropped, is a ``DataError``.
     """
     _check_max_seq_len(max_seq_len)
-    source = str(path)
-    rows = read_rows(path)
-    if isinstance(fmt, PreferenceFormat):   # DPO / ORPO: pairs of sequences (actors/engine/data/pairs.py)
-        from actors.engine.data.pairs import load_pairs
-
-        return load_pairs(rows, fmt, tokenizer, source=source, max_seq_len=max_seq_len,
-                          train_on_prompt=train_on_prompt)
     if not rows:
         raise DataError(f"{source}: the file holds no rows; add at least one JSON object", source=source)
     add_bos = _adds_bos(tokenizer)

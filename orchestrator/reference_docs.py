@@ -163,6 +163,8 @@ NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
 TEST_FOLDERS = [
     ("tests/unit", "one module's behaviour against an independent reference (PEFT, TRL, a solo run), in the test's "
                    "process, no Ray, no server: `make test-unit` (`pytest -m unit`), the edit-test loop"),
+    ("tests/slow", "like tests/unit, but minutes: the real smollm2-135m, torch.compile, memory measured in fresh "
+                   "processes"),
     ("tests/service", "the service as users run it, on a real local Ray: actors, the CLI, the client, "
                       "`ray job submit`"),
     ("tests/servers", "against real servers: S3 (moto), prometheus, mosquitto, the HTTP API"),

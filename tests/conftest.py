@@ -22,7 +22,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-KINDS = ("unit", "service", "servers", "faults", "gpu")   # the folders under tests/, each a marker (pyproject.toml)
+KINDS = ("unit", "slow", "service", "servers", "faults", "gpu")   # the folders under tests/, each a marker
 NOT_IN_UNIT = {"ray_session", "s3_server", "s3_bucket"}     # fixtures that start Ray or a server
 
 
@@ -35,9 +35,10 @@ def pytest_collection_modifyitems(config, items):
         if kind not in KINDS:
             raise pytest.UsageError(f"{item.nodeid}: a test module belongs in one of tests/{{{','.join(KINDS)}}}/")
         item.add_marker(getattr(pytest.mark, kind))
-        if kind == "unit" and NOT_IN_UNIT & set(getattr(item, "fixturenames", ())):
-            raise pytest.UsageError(f"{item.nodeid}: a unit test uses {sorted(NOT_IN_UNIT & set(item.fixturenames))}; "
-                                    "move it to tests/service/ (Ray) or tests/servers/ (a server)")
+        servers = sorted(NOT_IN_UNIT & set(getattr(item, "fixturenames", ())))
+        if kind in ("unit", "slow") and servers:
+            raise pytest.UsageError(f"{item.nodeid}: a {kind} test uses {servers}; move it to tests/service/ (Ray) "
+                                    "or tests/servers/ (a server)")
 
 
 @pytest.fixture(scope="session")

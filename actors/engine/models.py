@@ -7,7 +7,7 @@ local cache (nothing is downloaded). dtype: float32 on CPU, bfloat16 on CUDA unl
 stay as they are) while loading, so that a base that fits on the device only quantized can be loaded there:
 - a Hugging Face folder goes through transformers' on-the-fly quantization (`BitsAndBytesConfig`), which
   reads one tensor at a time from the checkpoint, quantizes it and places it on the device: the loading
-  peak stays within the quantized model and one decoder layer in float (tests/unit/engine/test_quantized_loading.py);
+  peak stays within the quantized model and one decoder layer in float (tests/slow/test_quantized_loading.py);
 - a GGUF file (transformers dequantizes it to float and cannot combine that with a `quantization_config`)
   is loaded in float on the CPU and quantized linear by linear, each linear moved to the device only once
   quantized; the rest (embeddings, norms, LM head) follows. The float model then lives in host memory

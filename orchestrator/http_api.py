@@ -1,7 +1,8 @@
 """The HTTP API next to the Ray client (FastAPI, run by uvicorn; `aspen http`): submit, list, follow and
 cancel jobs without being a Ray driver. The app answers over the Ray client's calls through a `link`:
 `aspen http` keeps the Ray connection in a child process (`orchestrator.http_bridge.ProcessLink`, so that
-the server outlives a Ray cluster that goes away); `ServiceLink` calls a client in this process.
+the server outlives a Ray cluster that goes away); `ServiceLink` (orchestrator/service_calls.py) calls a
+client in this process.
 
     POST /v1/jobs                 a job spec (JSON or YAML): 201 with the entered jobs
     GET  /v1/jobs[?state=...]     every job (or those in the given states)
@@ -40,7 +41,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
@@ -54,10 +55,9 @@ from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
 from actors.engine.spec import JobSpec, RunSpec
-from actors.service.config import SCHEDULER_NAME
 from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
-from orchestrator.jobs_file import SpecError
+from orchestrator.service_calls import ServiceLink, call_service
 
 log = logging.getLogger(__name__)
 
@@ -67,34 +67,8 @@ MAX_BODY_BYTES = 1 << 20     # a job spec is a few hundred bytes; its data is a 
 EVENTS_POLL_S = 1.0
 PARSE_THREADS = 2            # bodies parsed at once (each within http_submissions.BODY_LIMITS); more wait their turn
 EVENTS_BATCH = 500           # transitions per poll at most (a backlog is sent in batches without waiting)
-T = TypeVar("T")
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
 STATE_FILTER = f"only jobs in these states: {', '.join(JOB_STATES)}"
-
-
-class ServiceLink:
-    """The service's Ray client in this process (`Client.connect(address, name=name)`, or `client`): made on
-    first use, dropped when the service is gone and made again on the next request (a restarted `aspen
-    serve` is a new actor under the same name)."""
-
-    def __init__(self, address: str = "auto", *, name: str = SCHEDULER_NAME, client: Any = None):
-        self.address = address
-        self.name = name
-        self._client = client
-        self._lock = threading.Lock()
-
-    def client(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                from orchestrator.client import Client
-
-                self._client = Client.connect(self.address, name=self.name)
-            return self._client
-
-    def forget(self, client: Any) -> None:
-        with self._lock:
-            if self._client is client:
-                self._client = None
 
 
 # -- response models (the OpenAPI schema's) -----------------------------------------------------------------
@@ -142,70 +116,6 @@ class Health(BaseModel):
 REFUSALS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (401, "no token, or a wrong one"), (404, "no such job"), (409, "the job's state or name conflicts"),
     (503, "the service does not answer; the reason"))}
-
-
-# -- the service's errors as HTTP statuses ------------------------------------------------------------------
-def _first_line(error: BaseException) -> str:
-    if isinstance(error, KeyError) and error.args:
-        return str(error.args[0])
-    return str(error)
-
-
-def as_http(error: Exception) -> HTTPException | None:
-    """The HTTP answer for an error of a client call; None for one that is not the request's or the
-    service's (a bug: 500)."""
-    from ray.exceptions import RayError, RayTaskError
-
-    from actors.service.scheduler_core import SubmissionConflict, SubmissionError  # (imports torch: only here)
-    from orchestrator.client import ServiceError
-
-    if isinstance(error, KeyError):
-        return HTTPException(404, _first_line(error))
-    if isinstance(error, SubmissionConflict):
-        return HTTPException(409, str(error))
-    if isinstance(error, (SpecError, SubmissionError)):
-        return HTTPException(422, str(error))
-    if isinstance(error, ValueError):          # a job in the wrong state for the request
-        return HTTPException(409, str(error))
-    if isinstance(error, (ServiceError, TimeoutError)) or (isinstance(error, RayError)
-                                                           and not isinstance(error, RayTaskError)):
-        return HTTPException(503, f"the aspen service cannot answer: {_first_line(error) or type(error).__name__}",
-                             headers={"Retry-After": "5"})
-    return None
-
-
-def _unreachable(error: Exception) -> HTTPException:
-    """503 for a client that could not be made: no Ray cluster at the address, one that refused this process
-    (token authentication), no service on it."""
-    detail = _first_line(error) or type(error).__name__
-    if isinstance(error, ConnectionError):   # ray.init could not join the cluster
-        detail += ("; if the cluster uses token authentication, this server needs RAY_AUTH_MODE=token (and the "
-                   "token: ~/.ray/auth_token or RAY_AUTH_TOKEN)")
-    return HTTPException(503, f"the aspen service cannot be reached: {detail}", headers={"Retry-After": "5"})
-
-
-def call_service(link: ServiceLink, request: Callable[[Any], T]) -> T:
-    """`request(client)`, its errors as HTTP answers; a service that is gone is connected again next time."""
-    try:
-        client = link.client()
-    except HTTPException:   # answered already (by the Ray connection's process)
-        raise
-    except Exception as error:  # noqa: BLE001 - whatever stops a connection is a 503 with its reason
-        answer = _unreachable(error)
-        log.warning("aspen http: %s", answer.detail)
-        raise answer from None
-    try:
-        return request(client)
-    except (HTTPException, Refused):   # answered already (by the Ray connection's process, or the request's check)
-        raise
-    except Exception as error:  # each error is answered (or re-raised as a bug below)
-        answer = as_http(error)
-        if answer is None:
-            raise
-        if answer.status_code == 503:
-            log.warning("aspen http: %s", answer.detail)
-            link.forget(client)
-        raise answer from None
 
 
 class BodyLimit:

@@ -36,7 +36,7 @@ def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) 
     # a driver whose cluster is gone ends its process after this long (Ray's default: 60 s, while every call
     # waits): sooner here, so that the server answers 503 and connects again sooner
     os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(GCS_RECONNECT_S))
-    from orchestrator.http_api import ServiceLink, call_service
+    from orchestrator.service_calls import ServiceLink, call_service
 
     link = ServiceLink(address, name=name)
     sending = threading.Lock()

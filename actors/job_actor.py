@@ -9,7 +9,6 @@ from typing import Any
 import ray
 
 from actors.engine.data import Example
-from actors.engine.sources import load_base_tokenizer
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import configure_storage
 from actors.niceness import background_priority, idle_priority
@@ -27,6 +26,10 @@ class JobActor:
         if storage_json is not None:
             configure_storage(StorageConfig.model_validate_json(storage_json).settings())
         submission = JobSubmission.model_validate_json(submission_json)
+        # imported here, in the job's own process: transformers (and the torch it imports) take seconds, and
+        # the scheduler that creates this actor imports this module without needing them
+        from actors.engine.sources import load_base_tokenizer
+
         tokenizer = load_base_tokenizer(submission.base_model, Path(cache_dir))
         self.data = JobData(job_id, submission, tokenizer)
 

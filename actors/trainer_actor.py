@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
-from actors.engine.data import Example
-from actors.engine.models import load_base_model
 from actors.engine.spec import JobSubmission
 from actors.engine.storage import as_location, configure_storage
-from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
 from actors.service.config import StorageConfig, TrainerConfig
 from actors.service.job_data import DataSummary
 from actors.service.job_link import Assignment
-from actors.service.trainer_loop import TrainerLoop
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from policies.base import StepComposer
-from policies.registry import load_policy
+
+if TYPE_CHECKING:
+    from actors.engine.data import Example
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +43,14 @@ class TrainerActor:
         config = TrainerConfig.model_validate_json(config_json)
         if storage_json is not None:
             configure_storage(StorageConfig.model_validate_json(storage_json).settings())
-        if threads:
-            torch.set_num_threads(threads)
         normal_priority()
-        device = "cuda" if config.num_gpus > 0 else "cpu"
-        base = load_base_model(config.base_model, dtype=config.dtype, device=device,
-                               quantization=config.quantization)
-        warm_up_seconds = warm_up(base, config.step_tokens)   # one-time costs, before any job's first step
-        settle_garbage_collector()
-        composer = load_policy(policy) if policy else None
-        self.loop = TrainerLoop(base, config, trainer_id, Path(state_dir),
-                                composer if isinstance(composer, StepComposer) else None)
+        # imported here, in the trainer's own process: torch, transformers and the engine take seconds to
+        # import, and the scheduler that creates trainers imports this module without needing them
+        from actors.service.trainer_setup import start_trainer_loop
+
+        self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy)
         self.stopping = False
         self.started = False
-        log.info("trainer %s: %s on %s, %d torch threads, warm-up step %.2fs", trainer_id, config.base_model,
-                 base.device, torch.get_num_threads(), warm_up_seconds)
 
     def start(self) -> TrainerStatus:
         """Start stepping (idempotent); returns the trainer's status."""

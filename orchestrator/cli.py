@@ -10,10 +10,15 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actors.engine.base_settings import QUANTIZATIONS
 from actors.engine.storage import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, load_run_spec
+
+if TYPE_CHECKING:
+    from actors.engine.spec import RunSpec
+    from actors.service.job_table import JobRecord
 
 
 def _service_config(args: argparse.Namespace):
@@ -242,16 +247,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _run_in_process(spec, args.quiet)
     from actors.service.config import run_service_config
     from actors.service.job_files import clear_job_folder
+    from actors.service.job_table import read_jobs
     from orchestrator.client import Client
-    from orchestrator.progress import follow_jobs, print_table, summary_table
+    from orchestrator.progress import follow_jobs
     from orchestrator.run_plan import changed_message, plan_run
 
     output_dir = resolve_location(spec.output_dir)
     spec = spec.model_copy(update={"output_dir": output_dir})
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
-    # the plan needs only the job table: the trainers (a model load each) are waited for only where there is
-    # something to train, so a run whose jobs are all done, or whose spec changed, answers without them
+    # The plan needs only the job table. Read without a service first: a run whose jobs are all done, or whose
+    # spec or data changed, answers at once, with no Ray started; else the service's own table is asked (it
+    # may have been changed since, by a run that was still ending), and the trainers (a model load each) are
+    # waited for only where there is something to train.
+    earlier = read_jobs(Path(config.state_dir) / "jobs.sqlite")
+    if earlier is not None:
+        submissions = {record.id: submission for record, submission in earlier}
+        plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
+                        saved_data=_saved_data_digest)
+        if plan.changed and not args.overwrite:
+            raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        if not (plan.submit or plan.resume or plan.changed):
+            for line in plan.lines(saved_step=_saved_step):
+                print(line)
+            return _run_summary(spec, output_dir, plan.done)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
     try:
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
@@ -280,6 +299,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise RunInterrupted() from None
     finally:
         client.shutdown()
+    return _run_summary(spec, output_dir, records)
+
+
+def _run_summary(spec: RunSpec, output_dir: Path | str, records: list[JobRecord]) -> int:
+    """The end of `aspen run`: the jobs' table, where their files are, a line per job that did not finish;
+    the exit status (1 where one did not)."""
+    from orchestrator.progress import print_table, summary_table
+
     print_table(summary_table(records, title=f"{len(records)} jobs on {spec.base_model}"))
     print(f"adapters and metrics in {output_dir}")
     failed = [r for r in records if r.state not in ("completed", "stopped_early")]

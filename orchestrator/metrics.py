@@ -19,7 +19,6 @@ import threading
 import time
 from wsgiref.simple_server import WSGIServer
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from actors.engine.extras import DISTRIBUTION
@@ -55,7 +54,7 @@ class MetricsListener:
         r = self.registry
         self.build_info = Gauge("aspen_build_info", "Always 1; the labels say which aspen, torch and Python run",
                                 ["version", "torch", "python"], registry=r)
-        self.build_info.labels(_aspen_version(), torch.__version__, platform.python_version()).set(1)
+        self.build_info.labels(_aspen_version(), _torch_version(), platform.python_version()).set(1)
         # trainers, from their fused steps (step events) and their polled status
         self.tokens = Counter("aspen_tokens", "Tokens through fused steps: kind=effective (real tokens) or padding",
                               ["trainer", "kind"], registry=r)
@@ -223,3 +222,12 @@ def _aspen_version() -> str:
         log.warning("metrics: the %s distribution is not installed (run from a source tree?); "
                     "aspen_build_info says version=unknown", DISTRIBUTION)
         return "unknown"
+
+
+def _torch_version() -> str:
+    """torch's installed version, read from its package metadata: the scheduler, which exports these metrics,
+    never imports torch itself (seconds of start-up and some 300 MB of memory for one label)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"

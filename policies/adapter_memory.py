@@ -2,7 +2,7 @@
 gradients and AdamW's two moments: 16 bytes per adapter parameter). DoRA's magnitude vector (one per output
 row) is such a parameter; PiSSA / OLoRA also keep a frozen fp32 copy of the initial A and B (4 bytes per LoRA
 parameter more). Plain numbers in, plain numbers out: which layers a LoRA config adapts is the engine's
-business (`actors.engine.lora.adapted_shapes`)."""
+business (`actors.engine.lora_targets.adapted_shapes`)."""
 
 from __future__ import annotations
 

@@ -282,7 +282,7 @@ class StepMemoryPrior:
         self._targets: dict[tuple, list[str]] = {}
 
     def adapted(self, lora: LoraConfig) -> list[str]:
-        from actors.engine.lora import match_targets
+        from actors.engine.lora_targets import match_targets
 
         key = tuple(lora.target_modules) if isinstance(lora.target_modules, list) else lora.target_modules
         if key not in self._targets:

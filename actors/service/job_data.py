@@ -6,9 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from actors.engine.data import DataCursor, Example, split_eval
 from actors.engine.data.dataset import load_dataset_examples
@@ -19,6 +17,9 @@ from actors.engine.spec import JobSubmission, cursor_epochs, planned_steps
 from actors.service.feed import FeedChunk
 from actors.service.stop_verdicts import VERDICT_LAG
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
+
+if TYPE_CHECKING:   # transformers takes a second or more to import: the scheduler, which imports this, needs none
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 

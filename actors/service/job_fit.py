@@ -3,7 +3,7 @@ adapter bytes on it, and why a job could never run on any trainer."""
 
 from __future__ import annotations
 
-from actors.engine.lora import adapted_shapes
+from actors.engine.lora_targets import adapted_shapes
 from actors.engine.spec import BASE_DEPENDENT_INITS, JobSubmission, LoraConfig
 from actors.service.trainer_reports import TrainerStatus
 from policies.adapter_memory import adapter_memory_bytes

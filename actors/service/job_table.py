@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sqlite3
 import threading
 import time
@@ -132,6 +133,8 @@ class JobRecord:
 
 
 RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
+
+log = logging.getLogger(__name__)
 
 
 def record_of(row: tuple) -> JobRecord:
@@ -386,3 +389,27 @@ class JobTable:
         rows = self.db.execute(f"SELECT {', '.join(columns)} FROM progress WHERE job_id = ? ORDER BY step",
                                (job_id,))
         return [dict(zip(columns, row, strict=True)) for row in rows]
+
+
+def read_jobs(path: Path) -> list[tuple[JobRecord, JobSubmission]] | None:
+    """Every job of the table at `path` with its submission, read without a service and without writing: a
+    read-only connection creates, repairs and checkpoints nothing, and takes no lock a service would wait
+    for. None where there is no table, or where it cannot be read so (damaged, or a killed service's
+    write-ahead log that needs writing back first): the service that opens it does that, or says in its one
+    line what is wrong."""
+    if not path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as error:
+        log.info("%s: not read without the service (%s)", path, error)
+        return None
+    try:
+        rows = db.execute(f"SELECT {', '.join(RECORD_COLUMNS)}, submission FROM jobs").fetchall()
+        return [(record_of(row[:-1]), JobSubmission.model_validate_json(row[-1])) for row in rows]
+    except sqlite3.Error as error:
+        log.info("%s: not read without the service (%s)", path, error)
+        return None
+    finally:
+        db.close()
+

@@ -90,7 +90,7 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
 def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.engine.lora import adapted_shapes
+    from actors.engine.lora_targets import adapted_shapes
     from actors.service.job_fit import trainer_view
     from actors.service.trainer_loop import TrainerLoop
     from policies.adapter_memory import adapter_memory_bytes

@@ -21,7 +21,8 @@ from actors.engine import lora as lora_module
 from actors.engine.checkpoint import load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import adapted_shapes, add_adapter, remove_adapter, set_adapters_training
+from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
+from actors.engine.lora_targets import adapted_shapes
 from actors.engine.models import from_module
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
 from actors.engine.spec import JobSpec, JobSubmission, LoraConfig, RunSpec

@@ -18,7 +18,7 @@ def test_the_admission_estimate_counts_the_parameters_peft_trains(targets):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    from actors.engine.lora import adapted_shapes
+    from actors.engine.lora_targets import adapted_shapes
     from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER, adapter_memory_bytes, adapter_parameters
     from tests.helpers.models import tiny_model
 

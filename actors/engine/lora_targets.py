@@ -1,0 +1,41 @@
+"""Which linear layers a LoRA config's `target_modules` selects, by name and PEFT's matching rule: plain
+string work with no torch, so that the scheduler (which sizes an adapter from a trainer's layer shapes) and
+the memory prior use it without importing the model code."""
+
+from __future__ import annotations
+
+
+def adapted_shapes(target_modules: list[str] | str, linear_shapes: dict[str, tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (in, out) shapes of the linear layers that `target_modules` adapts, of a model whose linear
+    layers have `linear_shapes` (ValueError naming the fix for a target that matches none)."""
+    return [linear_shapes[name] for name in match_targets(list(linear_shapes), target_modules)]
+
+
+def peft_target_modules(candidates: list[str], targets: list[str]) -> list[str]:
+    """PEFT's `target_modules` for exactly the layers `targets` out of the linear layers `candidates`: a
+    short name ('q_proj') where the targets hold every layer of that name, else those layers' full paths
+    (PEFT matches a full path exactly), so that PEFT puts the adapter where it was trained, no more."""
+    chosen = set(targets)
+    out: set[str] = set()
+    for short in {name.rsplit(".", 1)[-1] for name in targets}:
+        every = [name for name in candidates if name.rsplit(".", 1)[-1] == short]
+        if all(name in chosen for name in every):
+            out.add(short)
+        else:
+            out.update(name for name in every if name in chosen)
+    return sorted(out)
+
+
+def match_targets(candidates: list[str], target_modules: list[str] | str) -> list[str]:
+    """Which of the linear layers named `candidates` a LoRA config's `target_modules` selects."""
+    if target_modules == "all-linear":
+        return candidates
+    chosen: list[str] = []
+    for target in target_modules:
+        matched = [n for n in candidates if n == target or n.endswith("." + target)]
+        if not matched:
+            short = sorted({n.rsplit(".", 1)[-1] for n in candidates})
+            raise ValueError(f"lora.target_modules: '{target}' matches no linear layer of the base model; "
+                             f"its linear layers are named {', '.join(short)} (or use 'all-linear')")
+        chosen.extend(m for m in matched if m not in chosen)
+    return chosen

@@ -1,0 +1,42 @@
+"""The processes that train nothing import no torch and no transformers: the driver (`aspen run`, the
+client, the CLI) and the scheduler, which creates trainers and job actors from their classes. torch and
+transformers take seconds of CPU to import and some 300 MB of memory each time; a scheduler that imported
+them (through the actor classes it creates) cost every `aspen run` and every service start that much before
+its first step. Checked in a fresh interpreter, as a Ray worker or `aspen` starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+# what the driver and the scheduler's process import: the scheduler actor with the classes it creates, its
+# listeners (metrics, MQTT events), its policies, and the client and CLI
+SCHEDULER_SIDE = ["actors.scheduler_actor", "actors.job_actor", "actors.trainer_actor", "actors.job_starts",
+                  "actors.ray_trainers", "orchestrator.observability", "orchestrator.metrics",
+                  "orchestrator.mqtt_events", "orchestrator.client", "orchestrator.cli", "orchestrator.run_plan",
+                  "policies.registry", "policies.fifo", "policies.minpad", "policies.ordering"]
+HEAVY = ["torch", "transformers", "peft"]
+
+
+def imported_after(modules: list[str]) -> set[str]:
+    code = (f"import importlib, json, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    return set(json.loads(out))
+
+
+def test_the_driver_and_the_scheduler_import_neither_torch_nor_transformers():
+    loaded = imported_after(SCHEDULER_SIDE)
+    assert "actors.scheduler_actor" in loaded and "ray" in loaded
+    assert not [name for name in HEAVY if name in loaded], [name for name in HEAVY if name in loaded]
+
+
+def test_the_check_sees_a_heavy_import_where_there_is_one():
+    """The same check on the trainer's set-up, which does import torch: the test above can fail."""
+    loaded = imported_after(["actors.service.trainer_setup"])
+    assert "torch" in loaded and "transformers" in loaded

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -49,6 +47,7 @@ from actors.service.job_data import JobData
 from actors.service.job_link import Assignment, LocalJobLink
 from actors.service.trainer_loop import TrainerLoop
 from actors.service.trainer_reports import TrainerEvent
+from bench.machine import cpu_model
 
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"
 DATA_FILES = ("gsm8k_train.jsonl", "code_alpaca_2k.json", "alpaca_seed_tasks.jsonl")
@@ -272,16 +271,7 @@ def summarize(task: Task, stop: JobRun, full: JobRun | None) -> dict[str, Any]:
 
 
 def machine_line() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"CPU {model}, {cores} cores available, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

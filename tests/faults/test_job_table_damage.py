@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 
 from actors.engine.spec import JobSubmission
-from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.config import ServiceConfig
 from actors.service.job_table import JobTable, JobTableDamaged
 from actors.service.table_backup import TableBackups, backup_path, take_backup
 from orchestrator.client import Client, ServiceError
-from tests.helpers.service import job_dict, run_spec, wait_for, write_task_data
+from tests.helpers.service import NO_LISTENERS, job_dict, run_spec, wait_for, write_task_data
+from tests.helpers.service import service_config as shared_service_config
 
 NOBODYS_MODEL = "some-org/model-nobody-holds"   # no trainer holds it: its jobs stay queued, never train
 
@@ -250,9 +251,8 @@ def test_aspen_report_and_export_on_a_damaged_table_say_so_in_one_line(tmp_path)
 
 
 def service_config(state_dir: Path, base: Path) -> ServiceConfig:
-    return ServiceConfig(state_dir=state_dir, tick_seconds=0.1, events={"enabled": False},
-                         metrics={"enabled": False},
-                         trainers=[TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)])
+    """The shared one-trainer service, without MQTT events or a metrics endpoint."""
+    return shared_service_config(state_dir, base, listeners=NO_LISTENERS)
 
 
 def test_a_service_on_a_damaged_table_says_so_in_one_line_and_starts_again_from_its_backup(

@@ -26,12 +26,13 @@ from pathlib import Path
 import pytest
 
 from actors.engine.models import load_base_model
-from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.config import ServiceConfig
 from actors.service.local_run import train_locally
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.helpers.disks import fill
 from tests.helpers.service import (
+    NO_LISTENERS,
     adapter_tensors,
     job_dict,
     max_relative_difference,
@@ -39,12 +40,12 @@ from tests.helpers.service import (
     wait_for,
     write_task_data,
 )
+from tests.helpers.service import service_config as shared_service_config
 
 
 def service_config(state_dir: Path, base: Path, **trainer) -> ServiceConfig:
-    trainer = {"base_model": str(base), "step_tokens": 512, "num_cpus": 0.5, "threads": 1, **trainer}
-    return ServiceConfig(state_dir=state_dir, trainers=[TrainerConfig(**trainer)], tick_seconds=0.1,
-                         events={"enabled": False}, metrics={"enabled": False})
+    """The shared one-trainer service, without MQTT events or a metrics endpoint."""
+    return shared_service_config(state_dir, base, listeners=NO_LISTENERS, **trainer)
 
 
 def reference_adapters(base: Path, jobs: list[dict], folder: Path) -> Path:

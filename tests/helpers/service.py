@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from actors.engine.spec import RunSpec
+from actors.service.config import ServiceConfig, TrainerConfig
 
 
 def write_task_data(folder: Path, name: str, rows: int = 32, offset: int = 0) -> Path:
@@ -56,3 +57,15 @@ def wait_for(predicate, timeout: float = 120, what: str = "condition", *, every:
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f": {state()}" if state else ""))
+
+
+NO_LISTENERS = {"events": {"enabled": False}, "metrics": {"enabled": False}}   # no MQTT events, no metrics port
+
+
+def service_config(state_dir: Path, base: Path, *, listeners: dict | None = None, **trainer) -> ServiceConfig:
+    """A service of one CPU trainer on `base` (512-token steps, half a CPU, one thread), ticking every 0.1 s;
+    `listeners`: its `events` / `metrics` settings (their defaults where not given); `trainer`: more of the
+    trainer's settings."""
+    trainer = {"base_model": str(base), "step_tokens": 512, "num_cpus": 0.5, "threads": 1, **trainer}
+    return ServiceConfig(state_dir=state_dir, trainers=[TrainerConfig(**trainer)], tick_seconds=0.1,
+                         **(listeners or {}))

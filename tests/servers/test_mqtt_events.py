@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.service.config import EventsConfig, ServiceConfig
 from actors.service.job_table import JobRecord
 from orchestrator.client import Client
 from orchestrator.mqtt_events import MqttListener
@@ -37,6 +37,7 @@ from tests.helpers.mqtt import (
     stop_mosquitto,
 )
 from tests.helpers.service import job_dict, wait_for, write_task_data
+from tests.helpers.service import service_config as shared_service_config
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,7 @@ def mosquitto(tmp_path_factory):
 
 
 def service_config(state_dir: Path, base: Path, events: dict) -> ServiceConfig:
-    trainer = TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
-    return ServiceConfig(state_dir=state_dir, trainers=[trainer], tick_seconds=0.1, events=events)
+    return shared_service_config(state_dir, base, listeners={"events": events})
 
 
 def check_job_lifecycle(subscriber: Subscriber, client: Client, job_id: str, steps: int) -> None:

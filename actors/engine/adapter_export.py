@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from actors.engine.base_identity import ALIAS_HUB_IDS, METADATA_NAME, hub_id_of_folder, read_metadata
+from actors.engine.gguf_cache import converted_source
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.sources import DEFAULT_BASE_MODEL, ModelSource, resolve_source, smollm2_folder
 
@@ -119,15 +120,16 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
     source = base_source(Path(adapter_dir), base)
     if dtype != "auto" and dtype not in DTYPES:
         raise ExportError(f"dtype '{dtype}' is not one of auto, {', '.join(DTYPES)}")
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    read_from = converted_source(source)   # a GGUF file: its converted folder (actors/engine/gguf_cache.py)
+    kwargs = {"gguf_file": read_from.gguf_file} if read_from.gguf_file else {}
     torch_dtype = DTYPES.get(dtype, torch.float32 if source.gguf_file else "auto")
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype,
-                                                     local_files_only=source.local_files_only, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(read_from.path, dtype=torch_dtype,
+                                                     local_files_only=read_from.local_files_only, **kwargs)
     except OSError as error:
         raise ExportError(f"the adapter's base {source.description} could not be loaded ({error}); give a local "
                           "copy with --base (a model folder, a .gguf file, or a hub id in the local cache)") from error
-    if source.gguf_file:
+    if read_from.gguf_file:
         _as_plain_model(model, source)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     return peft_model.merge_and_unload(), source
@@ -154,8 +156,9 @@ def export_merged(adapter_dir: Path, out: Path, *, base: str | None = None, dtyp
     if out.exists() and not force:   # before minutes of loading and merging
         raise ExportError(f"{out} exists; give --force to replace it, or another --out")
     model, source = merged_model(adapter_dir, base=base, dtype=dtype)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+    read_from = converted_source(source)
+    kwargs = {"gguf_file": read_from.gguf_file} if read_from.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(read_from.path, local_files_only=read_from.local_files_only, **kwargs)
     staging = _staging(out, force)
     try:
         model.save_pretrained(staging)

@@ -36,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBa
 
 from actors.engine.attention import use_varlen_attention
 from actors.engine.extras import require
+from actors.engine.gguf_cache import converted_source
 from actors.engine.lora import freeze
 from actors.engine.loss import transform_logits
 from actors.engine.model_support import LogitTransform, UnsupportedModelError, check_model_support
@@ -171,11 +172,15 @@ def keep_quantized_layers_trainable(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> nn.Module:
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, quantization: str = "none", *,
+               quantize_after: bool | None = None) -> nn.Module:
     """The model of `source` on `device` in `dtype`, its linear layers quantized while loading (module
-    docstring): a folder through transformers' on-the-fly quantization, a GGUF file linear by linear."""
+    docstring): a folder through transformers' on-the-fly quantization, a GGUF file linear by linear.
+    `quantize_after`: quantize the loaded float model linear by linear (default: for a GGUF file; also for
+    a GGUF file's converted folder, so that it is quantized as the file itself is)."""
     kwargs: dict = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    quantize_after = quantization != "none" and source.gguf_file is not None
+    if quantize_after is None:
+        quantize_after = quantization != "none" and source.gguf_file is not None
     if quantization != "none" and not quantize_after:
         kwargs.update(quantization_config=bitsandbytes_config(quantization, dtype), device_map={"": str(device)})
     elif quantize_after:
@@ -200,15 +205,17 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     source = resolve_source(base_model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    read_from = converted_source(source)   # a GGUF file: its converted folder (actors/engine/gguf_cache.py)
+    kwargs = {"gguf_file": read_from.gguf_file} if read_from.gguf_file else {}
     try:
-        config = AutoConfig.from_pretrained(source.path, local_files_only=source.local_files_only, **kwargs)
+        config = AutoConfig.from_pretrained(read_from.path, local_files_only=read_from.local_files_only, **kwargs)
     except OSError as error:
         raise _not_loadable(base_model, source, error) from error
     transform = check_model_support(config, base_model)   # before the weights are read: refusing costs nothing
     try:
-        tokenizer = load_tokenizer(source)
-        model = load_model(source, torch_dtype, torch_device, quantization)
+        tokenizer = load_tokenizer(read_from)
+        model = load_model(read_from, torch_dtype, torch_device, quantization,
+                           quantize_after=quantization != "none" and source.gguf_file is not None)
     except OSError as error:
         raise _not_loadable(base_model, source, error) from error
     keep_quantized_layers_trainable(model)

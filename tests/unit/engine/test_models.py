@@ -80,7 +80,8 @@ def test_job_actors_starting_together_build_the_tokenizer_cache_once(tmp_path, s
         child = subprocess.Popen(
             [sys.executable, "-c", "import sys; from actors.engine.sources import load_base_tokenizer; "
              "t = load_base_tokenizer('smollm2-135m', sys.argv[1]); print(len(t), '<|marker|>' in t.get_vocab())",
-             str(tmp_path)], cwd=Path(__file__).resolve().parents[3], stdout=subprocess.PIPE, text=True)
+             str(tmp_path)], cwd=Path(__file__).resolve().parents[3], stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "ASPEN_CACHE_DIR": "off"})   # not a converted model folder (gguf_cache.py)
         inode = os.stat(lock_path).st_ino
         deadline = time.time() + 120
         while not any("->" in line and f":{inode} " in line for line in Path("/proc/locks").read_text().splitlines()):

@@ -4,7 +4,16 @@ Llama, Qwen2 and Mistral models built from configs, saved as Hugging Face folder
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
+
+# OpenMP threads that wait at a barrier sleep instead of spinning, in this process and every process a test
+# starts (Ray's workers, `aspen run`, trainers): set before torch is imported. The tests run several
+# torch processes at once on few cores (two test workers, Ray's trainers next to in-process references),
+# and a spinning thread holds a core that another process's thread needs to reach the same barrier:
+# measured on 2 cores, a torch test next to a busy 2-thread torch process took 109 s spinning, 31 s
+# passive, 27 s alone. Where a user (or CI) sets it, that setting stands.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 
 import pytest

@@ -57,7 +57,7 @@ def test_the_gguf_base_read_from_its_converted_folder_is_the_gguf_model(smollm2,
     from actors.engine.sources import resolve_source
 
     source = resolve_source("smollm2-135m")
-    folders = list((gguf_cache / "models").iterdir())
+    folders = [f for f in (gguf_cache / "models").iterdir() if not f.name.startswith(".")]   # not its lock
     assert len(folders) == 1 and (folders[0] / "model.safetensors").is_file(), folders
     reference = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
     ours, theirs = smollm2.model.state_dict(), reference.state_dict()

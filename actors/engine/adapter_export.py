@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from actors.engine.base_identity import ALIAS_HUB_IDS, METADATA_NAME, hub_id_of_folder, read_metadata
+from actors.engine.durable import staging_folder
 from actors.engine.gguf_cache import converted_source
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.sources import DEFAULT_BASE_MODEL, ModelSource, resolve_source, smollm2_folder
@@ -79,7 +79,7 @@ def _staging(out: Path, force: bool) -> Path:
     if out.exists() and not force:
         raise ExportError(f"{out} exists; give --force to replace it, or another --out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.staging-"))
+    return staging_folder(out.parent, f".{out.name}.staging-")
 
 
 def _move_into_place(staging: Path, out: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,29 @@ def fsync_tree(folder: str | Path) -> None:
         else:
             fsync_path(path)
     fsync_path(folder)
+
+
+def current_umask() -> int:
+    """This process's umask (Linux's /proc/self/status; elsewhere set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def staging_folder(parent: str | Path, prefix: str) -> Path:
+    """A new, uniquely named folder in `parent` to build a folder in before `replace_durably` puts it in
+    place, with the mode `mkdir` gives (0777 less the umask): `tempfile.mkdtemp` makes it 0700, and the
+    folder keeps its mode when renamed, so an adapter's checkpoint or an export would be readable by its
+    owner alone, unlike every other output."""
+    folder = Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    folder.chmod(0o777 & ~current_umask())
+    return folder
 
 
 def replace_durably(source: str | Path, target: str | Path) -> None:
@@ -68,6 +92,8 @@ def write_durably(path: str | Path, content: Content, *, private: bool = False) 
             os.close(descriptor)
         if callable(content):
             content(temporary)
+            # the writer may have made the file anew (safetensors writes 0600): the mode this file was to have
+            temporary.chmod(0o600 if private else 0o666 & ~current_umask())
             fsync_path(temporary)
         replace_durably(temporary, path)
     except BaseException:

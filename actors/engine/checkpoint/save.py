@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from safetensors.torch import save as save_safetensors
 
 from actors.engine.checkpoint.optimizer import encode_optimizer
 from actors.engine.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, STATE_NAME, previous_folder
-from actors.engine.durable import fsync_tree, replace_durably
+from actors.engine.durable import fsync_tree, replace_durably, staging_folder
 from actors.engine.job import TrainingJob
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
 
@@ -29,7 +28,7 @@ def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str) 
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(folder)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=_staging_prefix(folder)))
+    staging = staging_folder(folder.parent, _staging_prefix(folder))
     try:
         _write_checkpoint(job, staging, base_model_name)
         fsync_tree(staging)

@@ -138,3 +138,33 @@ def test_modes_an_ordinary_file_and_a_private_one(tmp_path):
     assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(ordinary.stat().st_mode) == 0o644
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE(replaced.stat().st_mode) == 0o600 and replaced.read_text() == "new"
+
+
+def test_a_jobs_adapter_and_checkpoint_get_the_modes_of_ordinary_files_and_folders(tmp_path, tiny_model_dirs,
+                                                                                    tiny_base):
+    """What a run writes for users to share (the adapter, aspen.json, the checkpoint folder and its files) has
+    the modes Python's open() and mkdir give under the same umask, as PEFT's save_pretrained writes an
+    adapter: not 0600 / 0700, which `tempfile` would leave on them."""
+    from actors.service.local_run import train_locally
+    from tests.helpers.service import job_dict, run_spec, write_task_data
+
+    previous = os.umask(0o022)
+    try:
+        (tmp_path / "reference-folder").mkdir()
+        with open(tmp_path / "reference-file", "w") as handle:
+            handle.write("x")
+        data = write_task_data(tmp_path / "data", "modes")
+        spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out",
+                        [job_dict("modes", data, 2, checkpoint_every=1)], step_tokens=512)
+        train_locally(spec, base=tiny_base, progress=False)
+    finally:
+        os.umask(previous)
+    file_mode = stat.S_IMODE((tmp_path / "reference-file").stat().st_mode)
+    folder_mode = stat.S_IMODE((tmp_path / "reference-folder").stat().st_mode)
+    job = tmp_path / "out" / "modes"
+    written = [job, *job.rglob("*")]
+    assert {"adapter_model.safetensors", "adapter_config.json", "aspen.json", "checkpoint"} <= {p.name for p in written}
+    assert len([p for p in written if p.parent.name == "checkpoint"]) >= 3
+    wrong = {str(p.relative_to(job)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written
+             if stat.S_IMODE(p.stat().st_mode) != (folder_mode if p.is_dir() else file_mode)}
+    assert not wrong, (oct(file_mode), oct(folder_mode), wrong)

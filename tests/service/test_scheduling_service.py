@@ -29,14 +29,20 @@ def step_rows(state_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+LOW_STEPS = 400
+
+
 def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_session, tiny_model_dirs, tmp_path):
     base = str(tiny_model_dirs["llama"])
     data = tmp_path / "data"
     config = ServiceConfig(state_dir=tmp_path / "state", policy="priority", tick_seconds=0.1, trainers=[
         TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1, max_jobs=2)])
-    # 120 steps: the urgent job arrives once both have trained 2, and preempts one within a scheduler tick or
-    # two; the rest is what the victim and its solo reference train (twice over: fewer is most of the time)
-    low = [job_dict(f"low{i}", write_task_data(data, f"low{i}", offset=i), 120, checkpoint_every=1000)
+    # The urgent job arrives once both have trained 2 steps and preempts one within a scheduler tick or two,
+    # where the scheduler gets the CPU: it runs at background priority, and on 2 cores busy with other tests
+    # it waited seconds while the trainer's steps (~0.07 s each) went on, so a low job of 120 steps could end
+    # first, leaving a free place and nobody to preempt. 400 steps leave it half a minute; the rest is what
+    # the victim and its solo reference train.
+    low = [job_dict(f"low{i}", write_task_data(data, f"low{i}", offset=i), LOW_STEPS, checkpoint_every=1000)
            for i in range(2)]
     client = Client.local(config)
     try:
@@ -53,7 +59,7 @@ def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_
             assert handle.wait(timeout=300).state == "completed"
         reasons = [reason for _, _, reason in client.transitions(victim.id)]
         assert any("resumed from step" in r for r in reasons), reasons
-        assert [r["step"] for r in victim.losses()] == list(range(1, 121))
+        assert [r["step"] for r in victim.losses()] == list(range(1, LOW_STEPS + 1))
         rows = step_rows(tmp_path / "state")
         assert max(len(r["jobs"]) for r in rows) == 2
     finally:

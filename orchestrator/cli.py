@@ -261,6 +261,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # may have been changed since, by a run that was still ending), and the trainers (a model load each) are
     # waited for only where there is something to train.
     earlier = read_jobs(Path(config.state_dir) / "jobs.sqlite")
+    data_checked: set[str] = set()   # folders of jobs whose data matched their checkpoint in the first plan
     if earlier is not None:
         submissions = {record.id: submission for record, submission in earlier}
         plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
@@ -271,10 +272,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             for line in plan.lines(saved_step=_saved_step):
                 print(line)
             return _run_summary(spec, output_dir, plan.done)
+        data_checked = {record.output_dir for record in (*plan.resume, *plan.done)}
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
     try:
+        # each job's data is read for its digest once per run: not again for the jobs the first plan checked
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
-                        saved_data=_saved_data_digest)
+                        saved_data=lambda folder: None if folder in data_checked else _saved_data_digest(folder))
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
         if args.overwrite:

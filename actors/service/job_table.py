@@ -412,4 +412,3 @@ def read_jobs(path: Path) -> list[tuple[JobRecord, JobSubmission]] | None:
         return None
     finally:
         db.close()
-

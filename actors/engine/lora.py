@@ -67,15 +67,10 @@ class LoraAdapter(nn.Module):
         self.dropout = config.dropout
         self.use_dora = config.use_dora
         init = config.init_lora_weights
-        lora_a = torch.empty(config.r, in_features, dtype=dtype)
+        lora_a = self.initial_a(config, in_features, generator, dtype)
         lora_b = torch.zeros(out_features, config.r, dtype=dtype)
         initial: tuple[torch.Tensor, torch.Tensor] | None = None
-        if init == "default":
-            # PEFT's default initialisation: A Kaiming-uniform, B zero (so the adapter starts as a no-op)
-            nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=generator)
-        elif init == "gaussian":
-            nn.init.normal_(lora_a, std=1 / config.r, generator=generator)
-        else:
+        if lora_a is None:
             if base_weight is None:
                 raise ValueError(f"lora.init_lora_weights '{init}' needs the base layer's weight")
             b0, a0 = principal_factors(base_weight, config, seed=seed)
@@ -97,6 +92,21 @@ class LoraAdapter(nn.Module):
             with torch.no_grad():
                 self.magnitude = nn.Parameter(self._weight_norm(base_weight))
         self.dropout_generator: torch.Generator | None = None
+
+    @staticmethod
+    def initial_a(config: LoraConfig, in_features: int, generator: torch.Generator,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """A's initial value drawn from `generator` (PEFT's default: Kaiming-uniform; "gaussian"), or None
+        for the kinds initialised from the base weight (PiSSA / OLoRA), which draw nothing from it."""
+        lora_a = torch.empty(config.r, in_features, dtype=dtype)
+        if config.init_lora_weights == "default":
+            # PEFT's default initialisation: A Kaiming-uniform, B zero (so the adapter starts as a no-op)
+            nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5), generator=generator)
+        elif config.init_lora_weights == "gaussian":
+            nn.init.normal_(lora_a, std=1 / config.r, generator=generator)
+        else:
+            return None
+        return lora_a
 
     @property
     def plain(self) -> bool:
@@ -449,6 +459,11 @@ def _full_precision(module: nn.Module) -> bool:
             and weight.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
+def _on_meta(module: nn.Module) -> bool:
+    """A linear layer (wrapped or not) whose weight is on `meta`: held by another pipeline stage."""
+    return (module.base if isinstance(module, FusedLoraLinear) else module).weight.is_meta
+
+
 def _parent_and_child(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent_name, _, child = name.rpartition(".")
     return (model.get_submodule(parent_name) if parent_name else model), child
@@ -519,20 +534,28 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         raise ValueError(f"an adapter named '{name}' is already attached")
     candidates = linear_module_names(model)
     targets = match_targets(candidates, config.target_modules)
-    device = next(model.parameters()).device
+    # a pipeline stage holds some layers only, the others on `meta` (actors/engine/pipeline/stage_model.py)
+    device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     init_generator = torch.Generator().manual_seed(seed)
     dropout_generator = None
     if config.dropout > 0:
         dropout_generator = torch.Generator(device=device).manual_seed(seed + 1)
     reads_weight = config.use_dora or config.init_lora_weights.startswith(("pissa", "olora"))
     if needs_full_precision_base(config) is not None:
-        quantized = [target for target in targets if not _full_precision(model.get_submodule(target))]
+        quantized = [target for target in targets if not _full_precision(model.get_submodule(target))
+                     and not _on_meta(model.get_submodule(target))]
         if quantized:
             problem = needs_full_precision_base(config)
             raise ValueError(f"adapter '{name}': {problem} (e.g. {quantized[0]} is "
                              f"{type(model.get_submodule(quantized[0])).__name__})")
     layers: dict[str, LoraAdapter] = {}
     for module_name in targets:
+        module = model.get_submodule(module_name)
+        if _on_meta(module):
+            # another pipeline stage's layer: draw what its initialisation draws, so that this stage's
+            # layers start where they would on one device, and attach nothing
+            LoraAdapter.initial_a(config, module.in_features, init_generator, dtype)
+            continue
         fused = _wrap(model, module_name)
         adapter = LoraAdapter(fused.in_features, fused.out_features, config, generator=init_generator,
                               device=device, dtype=dtype, base_weight=base_weight(fused.base) if reads_weight else None,

@@ -204,7 +204,8 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[
     betas, eps, weight decay), so the operations of a fused step do not grow with its number of jobs.
 
     Each job's result depends on its own gradients only (every operation is per tensor or per job; a job's
-    squared norms are summed in its own order), so a job steps the same alone as beside others. Against
+    squared norms are summed in its own order, `chained_sum`), so a job steps the same alone as beside
+    others, and on a pipeline trainer whose stages each hold part of its adapter. Against
     `JobOptimizer.step` (torch's clip_grad_norm_): the gradient norm is summed in float64 in another order
     (float32 rounding of the norm and the clip factor; the updates are otherwise AdamW's own kernel).
     A job that cannot join (loss scaling, an unfused optimizer) takes its own `step`."""
@@ -226,29 +227,39 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[
     return [results[index] for index in range(len(optimizers))]
 
 
-def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: dict[int, tuple[float, float]],
-                   indices: list[int]) -> None:
-    grads: list[torch.Tensor] = []
-    owner: list[int] = []
-    divisors: list[float] = []
-    for position, (optimizer, count) in enumerate(zip(optimizers, targets, strict=True)):
-        own = [p.grad for p in optimizer.parameters if p.grad is not None]
-        grads.extend(own)
-        owner.extend([position] * len(own))
-        divisors.extend([optimizer.token_weight * max(count, 1)] * len(own))
-    torch._foreach_div_(grads, divisors)
-    device = grads[0].device
-    norms = torch.stack(torch._foreach_norm(grads)).to(device=device, dtype=torch.float64)
-    owners = torch.tensor(owner, device=device)
-    totals = torch.zeros(len(optimizers), dtype=torch.float64, device=device)
-    totals = totals.index_add_(0, owners, norms.square_()).sqrt_().tolist()
-    factors: list[float] = []
+def gradient_squares(optimizer: JobOptimizer, targets: int) -> list[float]:
+    """Turn the job's summed gradients into their mean over `targets` target tokens (in place) and return
+    each gradient's squared norm (float64), in parameter order: the first half of a step, which a pipeline
+    stage takes on its own share of the adapter."""
+    grads = [p.grad for p in optimizer.parameters if p.grad is not None]
+    if not grads:
+        return []
+    torch._foreach_div_(grads, optimizer.token_weight * max(targets, 1))
+    return torch.stack(torch._foreach_norm(grads)).to(torch.float64).square_().tolist()
+
+
+def chained_sum(squares: list[float], start: float = 0.0) -> float:
+    """The squared gradient norm summed one tensor at a time from the adapter's last tensor back to its first,
+    continuing from `start`: the same float64 additions in the same order whether one process holds every
+    tensor or pipeline stages each add their own share and pass the partial sum on (last stage first)."""
+    total = start
+    for value in reversed(squares):
+        total += value
+    return total
+
+
+def apply_step(optimizers: list[JobOptimizer], norms: list[float]) -> list[tuple[float, float]]:
+    """The second half of the jobs' steps, their gradients already divided (`gradient_squares`): clip each
+    job's gradients to its max_grad_norm by its total norm `norms[i]`, one fused AdamW per set of equal
+    hyperparameters, zero the gradients. Returns (lr used, norm) per job."""
     clipped: list[torch.Tensor] = []
-    for grad, position in zip(grads, owner, strict=True):
-        limit = optimizers[position].spec.max_grad_norm
+    factors: list[float] = []
+    for optimizer, norm in zip(optimizers, norms, strict=True):
+        limit = optimizer.spec.max_grad_norm
         if limit is not None:
-            clipped.append(grad)
-            factors.append(min(limit / (totals[position] + 1e-6), 1.0))
+            own = [p.grad for p in optimizer.parameters if p.grad is not None]
+            clipped.extend(own)
+            factors.extend([min(limit / (norm + 1e-6), 1.0)] * len(own))
     if clipped:
         torch._foreach_mul_(clipped, factors)
     by_hyperparameters: dict[tuple, list[tuple[torch.optim.Optimizer, dict]]] = {}
@@ -263,12 +274,23 @@ def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: 
         for adamw, group in members:
             adamw._init_group(group, *lists)   # torch's own lazy state initialisation
         params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
-        functional_adam(params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                        fused=True, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
-                        beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-    for position, optimizer in enumerate(optimizers):
+        if params:
+            functional_adam(params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                            fused=True, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
+                            beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
+    results = []
+    for optimizer, lr, norm in zip(optimizers, lrs, norms, strict=True):
         for parameter in optimizer.parameters:
             parameter.grad = None
         optimizer.step_count += 1
         optimizer.set_lr()
-        results[indices[position]] = (lrs[position], totals[position])
+        results.append((lr, norm))
+    return results
+
+
+def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: dict[int, tuple[float, float]],
+                   indices: list[int]) -> None:
+    norms = [math.sqrt(chained_sum(gradient_squares(optimizer, count)))
+             for optimizer, count in zip(optimizers, targets, strict=True)]
+    for position, outcome in enumerate(apply_step(optimizers, norms)):
+        results[indices[position]] = outcome

@@ -25,20 +25,15 @@ from actors.engine.data import Example
 from actors.engine.job import OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
-from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy, target_log_probs
+from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
 from actors.engine.optim import step_jobs
-from actors.engine.packing import FusedBatch, JobMicroBatch, pack
-from actors.engine.preference import (
-    PreferenceOutcome,
-    ReferenceCache,
-    evaluate_preference,
-    job_outcome,
-    sequence_targets,
-)
+from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
 from actors.engine.spec import PREFERENCE_METHODS
+from actors.engine.step_objective import ObjectiveJob, step_objective
 from policies.base import NextBatch, StepComposer
 
 log = logging.getLogger(__name__)
@@ -212,36 +207,25 @@ class FusedTrainer:
         if self.compiled is not None:   # a bounded number of stream lengths: compiled graphs
             batch = pad_to_bucket(batch, self.base.pad_token_id)
         compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
-        token_weights = self._token_weights(batch, [job for job, _ in chosen])
-        preference = [index for index, (job, _) in enumerate(chosen) if job.spec.method in PREFERENCE_METHODS]
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
         model = self.base.model
         set_adapters_training(model, True)
-        outcomes: dict[int, PreferenceOutcome] = {}
         with self.meter.forward():
             with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute), compiled:
                 hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
-            head = self.base.lm_head
-            if not preference:
-                total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
-                                                     batch.target_ids, token_weights, self.loss_chunk,
-                                                     self.base.logit_transform)
-            else:
-                total, losses = self._mixed_loss(batch, hidden, token_weights, chosen, micro_batches, preference,
-                                                 references, outcomes)
-        total.backward()
+            objective = step_objective(self.base, batch, hidden,
+                                       [ObjectiveJob(job.spec, job.optimizer.token_weight) for job, _ in chosen],
+                                       micro_batches, references, self.loss_chunk)
+        objective.total.backward()
+        head = self.base.lm_head
         gradient_bytes = sum(job.optimizer.gradient_bytes() for job, _ in chosen)
         optimizer_bytes = sum(job.optimizer.state_bytes() for job in self.jobs.values())
         peak = self.meter.peak_bytes(gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
                                      transient_bytes=logits_transient_bytes(
                                          self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
                                          softcapped=self.base.logit_transform.softcap is not None))
-        per_job = self._per_job_losses(batch, losses)
-        counts = list(batch.job_targets)   # what each job's loss is the mean over: target tokens, or pairs
-        metrics: list[dict[str, float] | None] = [None] * len(chosen)
-        for index, outcome in outcomes.items():
-            per_job[index], counts[index], metrics[index] = outcome.loss, outcome.pairs, outcome.metrics
+        per_job, counts, metrics = objective.losses, objective.counts, objective.metrics
         due = [job for index, (job, _) in enumerate(chosen)
                if job.book_micro_batch(per_job[index], batch.job_tokens[index], counts[index], metrics[index])]
         # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
@@ -273,53 +257,6 @@ class FusedTrainer:
         caches = [self.reference_caches.setdefault(chosen[index][0].name, ReferenceCache()) for index in dpo]
         sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk)
         return dict(zip(dpo, sums, strict=True))
-
-    def _mixed_loss(self, batch: FusedBatch, hidden: torch.Tensor, token_weights: torch.Tensor,
-                    chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
-                    preference: list[int], references: dict[int, torch.Tensor],
-                    outcomes: dict[int, PreferenceOutcome]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A step with preference jobs: the SFT jobs' targets through the token-weighted cross-entropy as
-        always, the preference jobs' through per-token log-probabilities into their objectives
-        (actors/engine/preference.py; `outcomes` filled per job index). Returns the step's differentiable
-        total and every target's loss (detached), as `target_cross_entropy`."""
-        head = self.base.lm_head
-        targets = sequence_targets(batch, micro_batches, preference)
-        keep = torch.ones(batch.target_ids.numel(), dtype=torch.bool, device=hidden.device)
-        keep[targets.select] = False
-        plain = torch.nonzero(keep).squeeze(1)
-        total, plain_losses = target_cross_entropy(hidden[batch.target_index[plain]], head.weight, head.bias,
-                                                   batch.target_ids[plain], token_weights[plain], self.loss_chunk,
-                                                   self.base.logit_transform)
-        log_probs = target_log_probs(hidden[batch.target_index[targets.select]], head.weight, head.bias,
-                                     batch.target_ids[targets.select], self.loss_chunk, self.base.logit_transform)
-        for index in preference:
-            job = chosen[index][0]
-            outcome = job_outcome(job.spec.method, job.spec.preference.beta, log_probs, targets,
-                                  targets.first_sequence[index], len(micro_batches[index].examples),
-                                  references.get(index))
-            total = total + outcome.objective * job.optimizer.token_weight
-            outcomes[index] = outcome
-        losses = torch.empty(batch.target_ids.numel(), dtype=torch.float32, device=hidden.device)
-        losses[plain] = plain_losses
-        losses[targets.select] = -log_probs.detach()
-        return total, losses
-
-    @staticmethod
-    def _token_weights(batch: FusedBatch, jobs: list[TrainingJob]) -> torch.Tensor:
-        """Each target token weighs its job's token weight (1, or its float16 loss scale): the adapters'
-        gradients sum their own tokens' gradients, and each job's optimizer turns the sum into the mean
-        over its step's target tokens (token-weighted accumulation), so no job's scale depends on its
-        neighbours or on how its tokens fell into micro-batches."""
-        per_job = torch.tensor([job.optimizer.token_weight for job in jobs], dtype=torch.float32,
-                               device=batch.target_job.device)
-        return per_job[batch.target_job]
-
-    @staticmethod
-    def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> list[float]:
-        sums = torch.zeros(len(batch.jobs), dtype=torch.float32, device=losses.device)
-        sums.index_add_(0, batch.target_job, losses)
-        counts = torch.tensor(batch.job_targets, dtype=torch.float32, device=losses.device).clamp_min(1)
-        return (sums / counts).tolist()
 
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,0 +1,276 @@
+"""The pipeline trainer's head: the jobs as the trainer sees them (data cursors, accumulation, history), the
+composer of micro-batches, and the stream of messages every stage runs from. It lives in stage 0's process.
+
+Composing needs no result from the stages: which micro-batch closes a job's accumulation is known when it
+is composed (every `grad_accum`-th, or the last of the data). So the head composes whenever the schedule
+wants a plan, sends it to every stage and runs stage 0's operations; losses and gradient norms come back as
+the operations run and are booked in plan order. A plan takes up to ⌈jobs / stages⌉ jobs that would not
+wait (their step done), within `step_tokens`, so that with enough jobs every stage has work."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engine.data import DataCursor, Example
+from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
+from actors.engine.optim import lr_factor
+from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.pipeline.stage import JobSetup, PlanMessage, StageRuntime
+from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
+from actors.engine.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
+from policies.pipeline_schedule import MicroBatchPlan
+
+
+@dataclass
+class HeadJob:
+    spec: JobSpec
+    cursor: BatchSource
+    total_steps: int
+    seed: int
+    micro_count: int = 0
+    planned_steps: int = 0        # optimizer steps planned (their closing micro-batches composed)
+    step_targets: int = 0         # targets of the accumulation being composed
+    pending: list[Example] | None = None
+    position_before_pending: dict | None = None
+    accumulator: StepAccumulator = field(default_factory=StepAccumulator)
+    history: list[OptimizerStepRecord] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)     # every micro-batch's loss, in order
+    tokens_seen: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def peek(self) -> list[Example] | None:
+        if self.pending is None and self.planned_steps < self.total_steps:
+            self.position_before_pending = self.cursor.state_dict()
+            self.pending = self.cursor.next_batch()
+        return self.pending
+
+    def data_position(self) -> dict:
+        """The cursor's state as of the next micro-batch not yet planned (a peeked one included)."""
+        if self.pending is not None and self.position_before_pending is not None:
+            return dict(self.position_before_pending)
+        return self.cursor.state_dict()
+
+    @property
+    def composable(self) -> bool:
+        return self.peek() is not None
+
+    @property
+    def done(self) -> bool:
+        """Every planned micro-batch is booked and no more will be planned."""
+        return not self.composable and self.accumulator.micro_batches == 0 and len(self.history) == self.planned_steps
+
+
+@dataclass(kw_only=True)
+class PlanReport:
+    index: int
+    jobs: list[str]
+    tokens: int
+    padding_tokens: int
+    losses: dict[str, float]
+
+
+class PipelineTrainer:
+    """Stage 0's process: `add_job`, `run`, `job_state`, `remove_job`, `close` (the other stages stop)."""
+
+    def __init__(self, runtime: StageRuntime, links: StageLinks, *, step_tokens: int = 4096):
+        if runtime.stage != 0:
+            raise ValueError("the pipeline head runs in stage 0's process")
+        self.runtime = runtime
+        self.links = links
+        self.stages = runtime.stages
+        self.step_tokens = step_tokens
+        self.layout = runtime.settings.layout
+        self.jobs: dict[str, HeadJob] = {}
+        self.plans: dict[int, tuple[MicroBatchPlan, dict[str, int]]] = {}
+        self.results: dict[int, dict] = {}
+        self.booked = -1
+        self.next_index = 0
+        self.rotation = 0
+        self.reports: list[PlanReport] = []
+        self.replies: list[dict] = []
+        runtime.on_result = self._on_result
+
+    # -- messages to every stage -------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        for stage in range(1, self.stages):
+            self.links.send_object(message, stage, TAG_COMMAND)
+        replies = self.runtime.handle(message)
+        if replies:
+            self.replies.extend(replies)
+        self._book()
+
+    def close(self) -> None:
+        for stage in range(1, self.stages):
+            self.links.send_object(("stop",), stage, TAG_COMMAND)
+        self.links.flush()
+
+    # -- jobs --------------------------------------------------------------------------------------
+    def add_job(self, spec: JobSpec, train: list[Example] | None = None, *, seed: int,
+                cursor: BatchSource | None = None,
+                total_steps: int | None = None, state: dict | None = None) -> None:
+        """A job from its examples (or a `cursor` and its `total_steps`), optionally resumed from `state`
+        (`job_state` of an earlier run: adapter, optimizer moments and counters, data position)."""
+        if spec.name in self.jobs:
+            raise ValueError(f"job '{spec.name}' is already on this pipeline")
+        if spec.method == "dpo":
+            raise ValueError(f"job '{spec.name}': method dpo needs the base's reference log-probabilities, which a "
+                             "pipeline trainer does not compute yet; train it on a single-device trainer")
+        if self.runtime.model.base.dtype == torch.float16:
+            raise ValueError("a pipeline trainer trains bfloat16 or float32 bases: float16's per-job loss scaling "
+                             "over stages is not implemented; load the base in bfloat16")
+        if cursor is None:
+            if train is None:
+                raise ValueError("add_job needs the job's examples or a cursor")
+            cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=cursor_epochs(spec))
+            total_steps = planned_steps(spec, len(train))
+        job = HeadJob(spec, cursor, int(total_steps), seed)
+        if state is not None:
+            job.cursor.load_state_dict(state["data_position"])
+            job.planned_steps = state["step_count"]
+            job.micro_count = state["micro_count"]
+            job.history = [OptimizerStepRecord(**row) for row in state.get("history", [])]
+        self.jobs[spec.name] = job
+        self._send(("add", JobSetup(spec, seed, job.total_steps, state)))
+
+    def job_state(self, name: str) -> dict:
+        """The job's whole state once its planned work is done: adapter tensors and optimizer moments by
+        parameter name (gathered from every stage), counters, data position, history."""
+        self._send(("read", name))
+        return self._state_reply(name)
+
+    def remove_job(self, name: str) -> dict:
+        """Stop planning the job, let its micro-batches in flight end, take its state, detach it everywhere."""
+        state = self.job_state(name)
+        self._send(("remove", name))
+        del self.jobs[name]
+        return state
+
+    def _state_reply(self, name: str) -> dict:
+        while not any(reply["job"] == name for reply in self.replies):
+            self._send(("drain",))
+        reply = next(reply for reply in self.replies if reply["job"] == name)
+        self.replies.remove(reply)
+        job = self.jobs[name]
+        state = reply["state"]
+        state["step_count"], state["micro_count"] = job.planned_steps, job.micro_count
+        state["data_position"] = job.data_position()
+        state["history"] = [dataclasses.asdict(record) for record in job.history]
+        return state
+
+    # -- running -----------------------------------------------------------------------------------
+    def run(self, max_plans: int | None = None, *, until: Callable[[], bool] | None = None) -> list[PlanReport]:
+        """Compose and run micro-batches while any job has data (at most `max_plans`, or until `until()`),
+        then let everything in flight finish. Returns the reports of the plans booked meanwhile."""
+        start = len(self.reports)
+        composed = 0
+        while max_plans is None or composed < max_plans:
+            if until is not None and until():
+                break
+            if not self.runtime.schedule.wants_plan:
+                raise RuntimeError("pipeline schedule stalled: it wants no plan but has nothing to run")
+            message = self._compose()
+            if message is None:
+                break
+            self._send(("plan", message))
+            composed += 1
+        self._send(("drain",))
+        return self.reports[start:]
+
+    def stats(self) -> list[dict]:
+        """Each stage's busy time, span and bubble share (idle share of its span)."""
+        out = [self.runtime.stats()]
+        for stage in range(1, self.stages):
+            self.links.send_object(("stats",), stage, TAG_COMMAND)
+        out += [self.links.recv_object(stage, TAG_REPLY) for stage in range(1, self.stages)]
+        return out
+
+    def _compose(self) -> PlanMessage | None:
+        live = [job for job in self.jobs.values() if job.composable]
+        if not live:
+            return None
+        start = self.rotation % len(live)
+        self.rotation += 1
+        ordered = live[start:] + live[:start]
+        schedule = self.runtime.schedule
+        free = [job for job in ordered if not schedule.job_waits(job.name)]
+        candidates = free or ordered[:1]
+        share = max(1, math.ceil(len(live) / self.stages))
+        chosen: list[HeadJob] = []
+        tokens = 0
+        for job in candidates:
+            if len(chosen) >= share:
+                break
+            batch_tokens = sum(len(e) for e in JobMicroBatch(job.name, job.peek()).rows)
+            if chosen and tokens + batch_tokens > self.step_tokens:
+                continue
+            chosen.append(job)
+            tokens += batch_tokens
+        order = {name: i for i, name in enumerate(self.jobs)}
+        chosen.sort(key=lambda job: order[job.name])
+        micro_batches, closes, serial, step_targets = [], [], [], {}
+        for job in chosen:
+            examples = job.pending
+            job.pending = None
+            micro = JobMicroBatch(job.name, examples)
+            micro_batches.append(micro)
+            job.micro_count += 1
+            if job.spec.method in PREFERENCE_METHODS:
+                job.step_targets += len(examples)
+            else:
+                job.step_targets += pack([micro], self.layout).job_targets[0]
+            if job.spec.lora.dropout > 0:
+                serial.append(job.name)
+            if job.micro_count % job.spec.grad_accum == 0 or job.peek() is None:
+                closes.append(job.name)
+                step_targets[job.name] = job.step_targets
+                job.step_targets = 0
+                job.planned_steps += 1
+        plan = MicroBatchPlan(self.next_index, tuple(mb.job for mb in micro_batches), tuple(closes), tuple(serial),
+                              float(tokens))
+        self.plans[plan.index] = (plan, step_targets)
+        self.next_index += 1
+        return PlanMessage(plan, tuple(micro_batches), step_targets)
+
+    # -- results -----------------------------------------------------------------------------------
+    def _on_result(self, result: dict) -> None:
+        self.results[result["index"]] = result
+
+    def _book(self) -> None:
+        """Book results in plan order, each once its closing jobs' norms are known (stage 0's backward)."""
+        while (index := self.booked + 1) in self.results:
+            plan, step_targets = self.plans[index]
+            if any((job, index) not in self.runtime.norms for job in plan.closes):
+                return
+            result = self.results.pop(index)
+            del self.plans[index]
+            losses = {}
+            for position, name in enumerate(result["jobs"]):
+                job = self.jobs.get(name)
+                loss = result["losses"][position]
+                losses[name] = loss
+                if job is None:
+                    continue
+                job.losses.append(loss)
+                job.accumulator.add(loss, result["tokens"][position], result["counts"][position],
+                                    result["metrics"][position])
+                job.tokens_seen += result["tokens"][position]
+                if name in plan.closes:
+                    step = len(job.history)
+                    factor = lr_factor(step, schedule=job.spec.lr_schedule, warmup_steps=job.spec.warmup_steps,
+                                       total_steps=job.total_steps)
+                    norm = self.runtime.norms.pop((name, index))
+                    job.history.append(OptimizerStepRecord(step=step + 1, loss=job.accumulator.loss,
+                                                           tokens=job.accumulator.tokens, lr=job.spec.lr * factor,
+                                                           grad_norm=norm, metrics=job.accumulator.metrics))
+                    job.accumulator = StepAccumulator()
+            self.reports.append(PlanReport(index=index, jobs=list(result["jobs"]), tokens=result["stream"],
+                                           padding_tokens=result["padding"], losses=losses))
+            self.booked = index

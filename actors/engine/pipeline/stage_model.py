@@ -1,0 +1,124 @@
+"""One pipeline stage's share of the base model: a contiguous run of decoder layers (stage 0 with the token
+embeddings, the last stage with the final norm and the LM head).
+
+The stage keeps the model's whole module tree, so that its adapters carry the same module names (PEFT's)
+as on a single device and draw their initial weights from the same random sequence; the layers of other
+stages are moved to the `meta` device (no memory). Its forward runs the model's own decoder forward over
+its layers only (`inputs_embeds` carries the previous stage's hidden states), so the rotary embeddings,
+masks and layers compute exactly what they compute on one device."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from actors.engine.models import BaseModel
+from actors.engine.recompute import decoder_layers
+
+# model types whose decoder forward does nothing to `inputs_embeds` before its first layer (Gemma scales
+# them by sqrt(hidden), so a later stage would scale its input again): checked against one device's forward
+# by tests/unit/engine/test_pipeline.py
+STAGEABLE = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class StageModel:
+    base: BaseModel
+    stage: int
+    stages: int
+    first_layer: int
+    layers: int
+    view: nn.Module     # the decoder with this stage's layers only (and no final norm before the last stage)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.base.model.config.hidden_size)
+
+    def forward(self, *, position_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, d) hidden states after this stage's layers (the last stage's after the final norm), from token
+        ids (stage 0) or the previous stage's (T, d) hidden states."""
+        if self.first:
+            out = self.view(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None,
+                            use_cache=False)
+        else:
+            out = self.view(inputs_embeds=hidden[None], position_ids=position_ids[None], attention_mask=None,
+                            use_cache=False)
+        return out.last_hidden_state[0]
+
+    def held_bytes(self) -> int:
+        """Bytes of the weights and buffers this stage holds on its device."""
+        seen: set[int] = set()
+        total = 0
+        for tensor in list(self.base.model.parameters()) + list(self.base.model.buffers()):
+            if tensor.is_meta or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+        return total
+
+
+def check_stageable(base: BaseModel) -> None:
+    model_type = getattr(base.model.config, "model_type", None)
+    if model_type not in STAGEABLE:
+        raise ValueError(f"base_model '{base.name}' (model_type '{model_type}') cannot be cut into pipeline "
+                         f"stages yet: aspen cuts {', '.join(STAGEABLE)} (their decoders take the previous "
+                         "stage's hidden states unchanged); train it on a single-device trainer (stages: 1)")
+    if base.quantization != "none":
+        raise ValueError(f"base_model '{base.name}': a pipeline trainer cuts a float base, not a {base.quantization}"
+                         " one (quantized layers cannot be moved between devices yet); use stages: 1")
+
+
+def cut_stage(base: BaseModel, split: list[int], stage: int, device: torch.device | None = None) -> StageModel:
+    """Keep stage `stage` of `split` (layer counts per stage) in `base`, move it to `device`, and free the
+    rest (moved to `meta`). `base` is changed in place and holds this stage only afterwards."""
+    check_stageable(base)
+    stages = len(split)
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} of a {stages}-stage split")
+    decoder = base.decoder
+    layers = decoder_layers(decoder)
+    if sum(split) != len(layers):
+        raise ValueError(f"pipeline split {split} holds {sum(split)} layers; the model has {len(layers)}")
+    first_layer = sum(split[:stage])
+    own = range(first_layer, first_layer + split[stage])
+    embeddings = decoder.get_input_embeddings()
+    head = base.model.get_output_embeddings()
+    tied = head is not None and head.weight is embeddings.weight
+    first, last = stage == 0, stage == stages - 1
+    for index, layer in enumerate(layers):
+        if index not in own:
+            layer.to("meta")
+    if not first and not (last and tied):
+        embeddings.to("meta")
+    if not last:
+        decoder.norm.to("meta")
+        if not (first and tied):
+            head.to("meta")
+    if device is not None:
+        rotary = [decoder.rotary_emb] if hasattr(decoder, "rotary_emb") else []
+        for module in [layers[index] for index in own] + rotary:
+            module.to(device)
+        if first or (last and tied):
+            embeddings.to(device)
+        if last:
+            decoder.norm.to(device)
+            head.to(device)
+        base.device = device
+    view = copy.copy(decoder)
+    view._modules = dict(decoder._modules)
+    view._modules["layers"] = nn.ModuleList([layers[index] for index in own])
+    if not last:
+        view._modules["norm"] = nn.Identity()
+    return StageModel(base, stage, stages, first_layer, split[stage], view)

@@ -1,0 +1,103 @@
+"""How pipeline stages talk: `torch.distributed` point-to-point over a process group set up the way Ray Train
+sets up its workers' (a TCP rendezvous at rank 0's address; NCCL between GPUs, gloo between CPU processes).
+
+Two channels: `data` carries activations and their gradients on the stages' devices (NCCL on GPUs, so GPU
+tensors never pass through host memory; gloo on CPU); `control` (always gloo, host memory) carries the small
+things: the head's plans and commands, the last stage's results, dropout generators' states and the jobs'
+partial gradient norms. Every send is asynchronous (its tensor kept alive until done); a receive blocks and
+its waiting time is counted (a stage's bubble)."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# message kinds: each has its own tag, so that a kind's messages between two stages keep their order
+TAG_ACTIVATION, TAG_GRADIENT, TAG_GENERATOR, TAG_PARTIAL, TAG_TOTAL, TAG_RESULT, TAG_COMMAND, TAG_REPLY = range(1, 9)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class StageLinks:
+    """This stage's ends of the two channels."""
+
+    def __init__(self, rank: int, world: int, address: str, port: int, device: torch.device,
+                 timeout_s: float = 600.0):
+        self.rank, self.world, self.device = rank, world, device
+        timeout = timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend_for(device), init_method=f"tcp://{address}:{port}", rank=rank,
+                                world_size=world, timeout=timeout)
+        self.data = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.waited = 0.0        # seconds blocked in receives
+
+    def close(self, *, flush: bool = True) -> None:
+        """Leave the process group; `flush=False` after a failure (a peer may never take what is pending)."""
+        if flush:
+            self.flush()
+        self.pending.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- sending -------------------------------------------------------------------------------------
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int, group) -> None:
+        self.pending.append((dist.isend(tensor, dst, group=group, tag=tag), tensor))
+        if len(self.pending) > 64:
+            self.pending = [(work, kept) for work, kept in self.pending if not work.is_completed()]
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self._isend(tensor.contiguous(), dst, tag, self.data)
+
+    def send_object(self, value: object, dst: int, tag: int) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        self._isend(torch.tensor([payload.numel()], dtype=torch.int64), dst, tag, self.control)
+        self._isend(payload, dst, tag, self.control)
+
+    def send_float(self, value: float, dst: int, tag: int) -> None:
+        self._isend(torch.tensor([value], dtype=torch.float64), dst, tag, self.control)
+
+    def send_state(self, state: torch.Tensor, dst: int, tag: int) -> None:
+        """A random generator's state (a CPU byte tensor whatever the device)."""
+        self._isend(state.clone(), dst, tag, self.control)
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+    # -- receiving -----------------------------------------------------------------------------------
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int, group) -> torch.Tensor:
+        started = time.perf_counter()
+        dist.recv(tensor, src, group=group, tag=tag)
+        self.waited += time.perf_counter() - started
+        return tensor
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        return self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, tag, self.data)
+
+    def recv_object(self, src: int, tag: int) -> object:
+        size = int(self._recv(torch.empty(1, dtype=torch.int64), src, tag, self.control))
+        payload = self._recv(torch.empty(size, dtype=torch.uint8), src, tag, self.control)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def recv_float(self, src: int, tag: int) -> float:
+        return float(self._recv(torch.empty(1, dtype=torch.float64), src, tag, self.control))
+
+    def recv_state(self, size: int, src: int, tag: int) -> torch.Tensor:
+        return self._recv(torch.empty(size, dtype=torch.uint8), src, tag, self.control)

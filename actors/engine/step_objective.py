@@ -1,0 +1,92 @@
+"""The loss of one fused step from the final hidden states: what a single-device trainer and a pipeline's
+last stage both compute.
+
+SFT jobs' target tokens go through the token-weighted chunked cross-entropy (LM head only at target
+positions); preference jobs' (method dpo / orpo) through per-token log-probabilities into their objectives
+(actors/engine/preference.py). Returns the step's differentiable total and, per job, its loss (the mean
+over its target tokens, or its preference loss), what that mean is over (targets, or pairs) and its
+metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.loss import target_cross_entropy, target_log_probs
+from actors.engine.models import BaseModel
+from actors.engine.packing import FusedBatch, JobMicroBatch
+from actors.engine.preference import job_outcome, sequence_targets
+from actors.engine.spec import PREFERENCE_METHODS, JobSpec
+
+
+@dataclass(frozen=True)
+class ObjectiveJob:
+    """What the objective needs of a job: its spec (method, preference beta) and its token weight (1, or its
+    float16 loss scale)."""
+
+    spec: JobSpec
+    token_weight: float = 1.0
+
+
+@dataclass
+class StepObjective:
+    total: torch.Tensor                       # differentiable: backward from it
+    losses: list[float]                       # per job
+    counts: list[int]                         # what each job's loss is the mean over: target tokens, or pairs
+    metrics: list[dict[str, float] | None]    # a preference job's rewards / margins
+
+
+def token_weights(batch: FusedBatch, jobs: list[ObjectiveJob]) -> torch.Tensor:
+    """Each target token weighs its job's token weight (1, or its float16 loss scale): the adapters'
+    gradients sum their own tokens' gradients, and each job's optimizer turns the sum into the mean
+    over its step's target tokens (token-weighted accumulation), so no job's scale depends on its
+    neighbours or on how its tokens fell into micro-batches."""
+    per_job = torch.tensor([job.token_weight for job in jobs], dtype=torch.float32, device=batch.target_job.device)
+    return per_job[batch.target_job]
+
+
+def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, jobs: list[ObjectiveJob],
+                   micro_batches: list[JobMicroBatch], references: dict[int, torch.Tensor],
+                   loss_chunk: int) -> StepObjective:
+    """`hidden`: the step's final hidden states (T, d); `references`: the DPO jobs' reference
+    log-probabilities by job index."""
+    weights = token_weights(batch, jobs)
+    head = base.lm_head
+    preference = [index for index, job in enumerate(jobs) if job.spec.method in PREFERENCE_METHODS]
+    counts = list(batch.job_targets)
+    metrics: list[dict[str, float] | None] = [None] * len(jobs)
+    if not preference:
+        total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias, batch.target_ids,
+                                             weights, loss_chunk, base.logit_transform)
+        return StepObjective(total, _per_job_losses(batch, losses), counts, metrics)
+    targets = sequence_targets(batch, micro_batches, preference)
+    keep = torch.ones(batch.target_ids.numel(), dtype=torch.bool, device=hidden.device)
+    keep[targets.select] = False
+    plain = torch.nonzero(keep).squeeze(1)
+    total, plain_losses = target_cross_entropy(hidden[batch.target_index[plain]], head.weight, head.bias,
+                                               batch.target_ids[plain], weights[plain], loss_chunk,
+                                               base.logit_transform)
+    log_probs = target_log_probs(hidden[batch.target_index[targets.select]], head.weight, head.bias,
+                                 batch.target_ids[targets.select], loss_chunk, base.logit_transform)
+    outcomes = {}
+    for index in preference:
+        spec = jobs[index].spec
+        outcome = job_outcome(spec.method, spec.preference.beta, log_probs, targets, targets.first_sequence[index],
+                              len(micro_batches[index].examples), references.get(index))
+        total = total + outcome.objective * jobs[index].token_weight
+        outcomes[index] = outcome
+    losses = torch.empty(batch.target_ids.numel(), dtype=torch.float32, device=hidden.device)
+    losses[plain] = plain_losses
+    losses[targets.select] = -log_probs.detach()
+    per_job = _per_job_losses(batch, losses)
+    for index, outcome in outcomes.items():
+        per_job[index], counts[index], metrics[index] = outcome.loss, outcome.pairs, outcome.metrics
+    return StepObjective(total, per_job, counts, metrics)
+
+
+def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> list[float]:
+    sums = torch.zeros(len(batch.jobs), dtype=torch.float32, device=losses.device)
+    sums.index_add_(0, batch.target_job, losses)
+    counts = torch.tensor(batch.job_targets, dtype=torch.float32, device=losses.device).clamp_min(1)
+    return (sums / counts).tolist()

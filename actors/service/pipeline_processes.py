@@ -1,0 +1,147 @@
+"""A pipeline trainer run as local processes, without Ray: stage 0 (with the head) in this process, every
+other stage in a process of its own, over the same transport a Ray pipeline uses (torch.distributed:
+gloo between CPU processes, NCCL between GPUs). `aspen run --in-process` with `stages:` and the tests use it.
+
+Each stage process loads the base itself (`loader`, a picklable callable returning a `BaseModel`), keeps
+its own stage (actors/engine/pipeline/stage_model.py) and runs the messages the head sends until told to
+stop. A stage that fails prints its error and exits; the head's next exchange with it then fails, and
+`LocalPipeline` names the stage and its exit code."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.models import BaseModel
+from actors.engine.pipeline.head import PipelineTrainer
+from actors.engine.pipeline.stage import StageRuntime, StageSettings
+from actors.engine.pipeline.stage_model import check_stageable, cut_stage
+from actors.engine.pipeline.stage_split import balanced_split, check_split, even_split, measure_layer_costs
+from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks, free_port
+from actors.engine.recompute import decoder_layers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageLaunch:
+    """What a stage process needs: who it is, where to meet the others, what to load and keep."""
+
+    rank: int
+    world: int
+    address: str
+    port: int
+    loader: Callable[[], BaseModel]
+    split: tuple[int, ...]
+    device: str
+    settings: StageSettings
+    threads: int | None = None
+    timeout_s: float = 600.0
+
+
+def stage_main(launch: StageLaunch) -> None:
+    """A stage process's whole life: load, cut, meet the others, run the head's messages until `stop`."""
+    try:
+        if launch.threads:
+            torch.set_num_threads(launch.threads)
+        base = launch.loader()
+        model = cut_stage(base, list(launch.split), launch.rank, torch.device(launch.device))
+        links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
+                           launch.timeout_s)
+        runtime = StageRuntime(model, links, launch.settings)
+        while True:
+            message = links.recv_object(0, TAG_COMMAND)
+            if message[0] == "stop":
+                break
+            reply = runtime.handle(message)
+            if message[0] == "stats":
+                links.send_object(reply, 0, TAG_REPLY)
+        links.close()
+    except BaseException:  # noqa: BLE001 - printed with its traceback, then the process exits non-zero
+        print(f"pipeline stage {launch.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def resolve_split(base: BaseModel, stages: int, split: list[int] | str) -> list[int]:
+    """`split`: layer counts per stage, "even", or "measured" (balanced by each layer's measured time and
+    memory on this process's device)."""
+    layers = len(decoder_layers(base.decoder))
+    if isinstance(split, str):
+        if split == "even":
+            return even_split(layers, stages)
+        if split == "measured":
+            return balanced_split(measure_layer_costs(base), stages)
+        raise ValueError(f"pipeline split '{split}': give layer counts per stage, 'even' or 'measured'")
+    return check_split(list(split), layers, stages)
+
+
+class LocalPipeline:
+    """`with LocalPipeline(loader, 2) as pipeline: pipeline.trainer.add_job(...); pipeline.trainer.run()`."""
+
+    def __init__(self, loader: Callable[[], BaseModel], stages: int, *, split: list[int] | str = "measured",
+                 devices: list[str] | None = None, settings: StageSettings | None = None,
+                 step_tokens: int = 4096, threads: int | None = None, timeout_s: float = 600.0):
+        if stages < 2:
+            raise ValueError(f"a pipeline trainer has 2 or more stages, not {stages} (stages: 1 is the "
+                             "single-device trainer)")
+        settings = settings or StageSettings()
+        devices = devices or ["cpu"] * stages
+        if len(devices) != stages:
+            raise ValueError(f"{len(devices)} devices for {stages} pipeline stages: give one device per stage")
+        if threads:
+            torch.set_num_threads(threads)
+        base = loader()
+        check_stageable(base)
+        self.split = resolve_split(base, stages, split)
+        port = free_port()
+        context = multiprocessing.get_context("spawn")
+        self.processes = []
+        for rank in range(1, stages):
+            launch = StageLaunch(rank, stages, "127.0.0.1", port, loader, tuple(self.split), devices[rank], settings,
+                                 threads, timeout_s)
+            process = context.Process(target=stage_main, args=(launch,), name=f"aspen-stage-{rank}", daemon=True)
+            process.start()
+            self.processes.append(process)
+        try:
+            model = cut_stage(base, self.split, 0, torch.device(devices[0]))
+            self.links = StageLinks(0, stages, "127.0.0.1", port, torch.device(devices[0]), timeout_s)
+        except BaseException:
+            self._stop_processes()
+            raise
+        self.trainer = PipelineTrainer(StageRuntime(model, self.links, settings), self.links, step_tokens=step_tokens)
+
+    def failed_stages(self) -> list[str]:
+        return [f"stage {rank} (exit code {process.exitcode})"
+                for rank, process in enumerate(self.processes, start=1) if process.exitcode not in (None, 0)]
+
+    def _stop_processes(self) -> None:
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def close(self, *, failed: bool = False) -> None:
+        """Stop every stage: told to, or (`failed`, or a stage already gone) killed."""
+        failed = failed or not all(process.is_alive() for process in self.processes)
+        try:
+            if not failed:
+                self.trainer.close()
+        finally:
+            if failed:
+                for process in self.processes:
+                    process.kill()
+            self._stop_processes()
+            self.links.close(flush=not failed)
+
+    def __enter__(self) -> LocalPipeline:
+        return self
+
+    def __exit__(self, kind, value, trace) -> None:
+        self.close(failed=kind is not None)

@@ -533,7 +533,11 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
     if any(isinstance(m, FusedLoraLinear) and name in m.adapters for m in model.modules()):
         raise ValueError(f"an adapter named '{name}' is already attached")
     candidates = linear_module_names(model)
-    targets = match_targets(candidates, config.target_modules)
+    # in the model's own order, layer by layer, whatever the order of `target_modules`: a pipeline stage then
+    # holds a contiguous run of the adapter's tensors, and its gradient norm sums in the same order
+    # (optim.chained_sum) on one device and over stages
+    wanted = set(match_targets(candidates, config.target_modules))
+    targets = [name for name in candidates if name in wanted]
     # a pipeline stage holds some layers only, the others on `meta` (actors/engine/pipeline/stage_model.py)
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     init_generator = torch.Generator().manual_seed(seed)

@@ -235,7 +235,10 @@ def gradient_squares(optimizer: JobOptimizer, targets: int) -> list[float]:
     if not grads:
         return []
     torch._foreach_div_(grads, optimizer.token_weight * max(targets, 1))
-    return torch.stack(torch._foreach_norm(grads)).to(torch.float64).square_().tolist()
+    # in float64, from fresh copies: a float32 norm's vectorised sum rounds by where the gradient's data starts
+    # in memory (autograd may hand a parameter a gradient that is a view into a larger buffer), which would
+    # make the norm, last bit, depend on the process and the step's neighbours
+    return torch.stack(torch._foreach_norm([g.to(torch.float64, copy=True) for g in grads])).square_().tolist()
 
 
 def chained_sum(squares: list[float], start: float = 0.0) -> float:

@@ -29,6 +29,11 @@ from actors.engine.recompute import decoder_layers
 log = logging.getLogger(__name__)
 
 
+def dist_errors() -> type[Exception]:
+    """torch.distributed's error for a failed exchange (a peer gone): DistBackendError where torch has it."""
+    return getattr(torch.distributed, "DistBackendError", RuntimeError)
+
+
 @dataclass(frozen=True)
 class StageLaunch:
     """What a stage process needs: who it is, where to meet the others, what to load and keep."""
@@ -81,8 +86,14 @@ def resolve_split(base: BaseModel, stages: int, split: list[int] | str) -> list[
     return check_split(list(split), layers, stages)
 
 
+class StageLost(RuntimeError):
+    """A stage process ended while the pipeline ran: the pipeline cannot go on; rebuild it and resume the jobs
+    from their last states (`PipelineTrainer.job_state`) or checkpoints."""
+
+
 class LocalPipeline:
-    """`with LocalPipeline(loader, 2) as pipeline: pipeline.trainer.add_job(...); pipeline.trainer.run()`."""
+    """`with LocalPipeline(loader, 2) as pipeline: pipeline.add_job(...); pipeline.run()`; the trainer's
+    calls, with a lost stage reported as `StageLost` naming it."""
 
     def __init__(self, loader: Callable[[], BaseModel], stages: int, *, split: list[int] | str = "measured",
                  devices: list[str] | None = None, settings: StageSettings | None = None,
@@ -94,8 +105,9 @@ class LocalPipeline:
         devices = devices or ["cpu"] * stages
         if len(devices) != stages:
             raise ValueError(f"{len(devices)} devices for {stages} pipeline stages: give one device per stage")
+        self.threads_before = torch.get_num_threads()
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads)   # stage 0 runs here: as many threads as each other stage
         base = loader()
         check_stageable(base)
         self.split = resolve_split(base, stages, split)
@@ -115,6 +127,35 @@ class LocalPipeline:
             self._stop_processes()
             raise
         self.trainer = PipelineTrainer(StageRuntime(model, self.links, settings), self.links, step_tokens=step_tokens)
+
+    # -- the trainer's calls, a lost stage named --------------------------------------------------------
+    def _guarded(self, call: Callable, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except (RuntimeError, dist_errors()) as error:
+            for process in self.processes:
+                process.join(timeout=5 if process.exitcode is None else 0)
+            lost = self.failed_stages() or [f"stage {rank}" for rank, process in enumerate(self.processes, start=1)
+                                            if not process.is_alive()]
+            if not lost:
+                raise
+            raise StageLost(f"pipeline stage lost: {', '.join(lost)} ({error}); the pipeline cannot go on: close "
+                            "it, start a new one and resume its jobs from their last states") from error
+
+    def add_job(self, *args, **kwargs) -> None:
+        self._guarded(self.trainer.add_job, *args, **kwargs)
+
+    def run(self, *args, **kwargs):
+        return self._guarded(self.trainer.run, *args, **kwargs)
+
+    def job_state(self, name: str) -> dict:
+        return self._guarded(self.trainer.job_state, name)
+
+    def remove_job(self, name: str) -> dict:
+        return self._guarded(self.trainer.remove_job, name)
+
+    def stats(self) -> list[dict]:
+        return self._guarded(self.trainer.stats)
 
     def failed_stages(self) -> list[str]:
         return [f"stage {rank} (exit code {process.exitcode})"
@@ -139,6 +180,7 @@ class LocalPipeline:
                     process.kill()
             self._stop_processes()
             self.links.close(flush=not failed)
+            torch.set_num_threads(self.threads_before)
 
     def __enter__(self) -> LocalPipeline:
         return self

@@ -96,10 +96,14 @@ class StageJob:
             for parameter, state in self.optimizer.optimizer.state.items():
                 moments[by_id[id(parameter)]] = {key: value.detach().cpu().clone() for key, value in state.items()}
             counters = {"step_count": self.optimizer.step_count, "micro_count": self.optimizer.micro_count}
-        return {"tensors": tensors, "moments": moments, **counters}
+        generator = self.adapter.dropout_generator
+        return {"tensors": tensors, "moments": moments, **counters,
+                "dropout_generator": generator.get_state().clone() if generator is not None else None}
 
     def load(self, state: dict[str, Any]) -> None:
         named = dict(self.adapter.named_parameters())
+        if state.get("dropout_generator") is not None and self.adapter.dropout_generator is not None:
+            self.adapter.dropout_generator.set_state(state["dropout_generator"])
         with torch.no_grad():
             for name, parameter in named.items():
                 parameter.copy_(state["tensors"][name])
@@ -317,8 +321,11 @@ class StageRuntime:
             self.links.send_object(state, 0, TAG_REPLY)
             return None
         shares = [state] + [self.links.recv_object(stage, TAG_REPLY) for stage in range(1, self.stages)]
+        # stage 0's dropout generator is the job's current one: the last stage's state came back with the
+        # results of the job's last micro-batch (taken before this operation)
         merged: dict[str, Any] = {"tensors": {}, "moments": {}, "step_count": shares[0]["step_count"],
-                                  "micro_count": shares[0]["micro_count"]}
+                                  "micro_count": shares[0]["micro_count"],
+                                  "dropout_generator": shares[0]["dropout_generator"]}
         for share in shares:
             merged["tensors"].update(share["tensors"])
             merged["moments"].update(share["moments"])

@@ -38,6 +38,9 @@ class StageLinks:
                  timeout_s: float = 600.0):
         self.rank, self.world, self.device = rank, world, device
         timeout = timedelta(seconds=timeout_s)
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a pipeline stage (torch.distributed is initialised): "
+                               "one pipeline per process; close the other first")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend_for(device), init_method=f"tcp://{address}:{port}", rank=rank,

@@ -1,0 +1,58 @@
+"""Pipeline trainers that run alone (one pipeline per process: stage 0 lives in it): recomputation on stages,
+and a stage killed mid-run, after which the jobs resume on a new pipeline and end exactly as on one device.
+The reference and the reasons for exactness: tests/service/test_pipeline_trainer.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from actors.engine.pipeline.stage import StageSettings
+from actors.service.pipeline_processes import LocalPipeline, StageLost
+from tests.helpers.pipeline import loader, single_device, tiny_base
+from tests.service.test_pipeline_trainer import LAYERS, assert_same_as_single_device, run_and_keep_heads, sft
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_recomputation_on_stages_is_exact():
+    jobs = [sft("re-a", 30, lora={"dropout": 0.2}), sft("re-b", 31, grad_accum=2)]
+    reference = single_device(tiny_base(layers=LAYERS), jobs, recompute="layers")
+    with LocalPipeline(loader(layers=LAYERS), 2, split=[3, 2], threads=1,
+                       settings=StageSettings(recompute="layers")) as pipeline:
+        states, heads = run_and_keep_heads(pipeline, jobs)
+    assert_same_as_single_device(states, heads, jobs, reference)
+
+
+def test_a_killed_stage_is_named_and_its_jobs_resume_exactly_on_a_new_pipeline():
+    jobs = [sft("kill-a", 40, steps=6, lora={"dropout": 0.1}), sft("kill-b", 41, steps=6)]
+    kept: dict[str, dict] = {}
+    losses: dict[str, list[float]] = {}
+    with LocalPipeline(loader(layers=LAYERS), 3, split="even", threads=1) as pipeline:
+        for spec, examples, seed in jobs:
+            pipeline.add_job(spec, examples, seed=seed)
+        pipeline.run(max_plans=4)
+        for spec, _, _ in jobs:   # what a checkpoint keeps
+            kept[spec.name] = pipeline.job_state(spec.name)
+            losses[spec.name] = list(pipeline.trainer.jobs[spec.name].losses)
+        os.kill(pipeline.processes[1].pid, signal.SIGKILL)   # stage 2's process
+        with pytest.raises(StageLost, match="stage 2"):
+            pipeline.run()
+    with LocalPipeline(loader(layers=LAYERS), 3, split="even", threads=1) as rebuilt:
+        for spec, examples, seed in jobs:
+            rebuilt.add_job(spec, examples, seed=seed, state=kept[spec.name])
+        rebuilt.run()
+        heads = {spec.name: rebuilt.trainer.jobs[spec.name] for spec, _, _ in jobs}
+        for name, head in heads.items():
+            head.losses[:0] = losses[name]
+        states = {spec.name: rebuilt.remove_job(spec.name) for spec, _, _ in jobs}
+    assert_same_as_single_device(states, heads, jobs)

@@ -18,6 +18,8 @@ VOCAB = 300
 def tiny_base(arch: str = "llama", layers: int = 4, seed: int = 0, dtype: str = "float32") -> BaseModel:
     config = tiny_config(arch, VOCAB)
     config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * layers
     torch.manual_seed(seed)
     model = MODEL_CLASSES[arch](config).eval().to(getattr(torch, dtype))
     return from_module(model, None)

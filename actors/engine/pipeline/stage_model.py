@@ -117,6 +117,10 @@ def cut_stage(base: BaseModel, split: list[int], stage: int, device: torch.devic
             head.to(device)
         base.device = device
     view = copy.copy(decoder)
+    view.config = copy.copy(decoder.config)   # per-layer settings indexed from the stage's first layer
+    view.config.num_hidden_layers = split[stage]
+    if getattr(decoder.config, "layer_types", None):
+        view.config.layer_types = list(decoder.config.layer_types[first_layer:first_layer + split[stage]])
     view._modules = dict(decoder._modules)
     view._modules["layers"] = nn.ModuleList([layers[index] for index in own])
     if not last:

@@ -12,6 +12,12 @@ recorded in the report, its processes killed, and the suite goes on with the nex
   peft        bench/fusion.py (c): 4 jobs fused by aspen against PEFT one after another, each in its own process
   compile     bench/compile_step.py: seconds per fused step, eager against compile: default (inductor), the
               graphs compiled, the adapters' difference
+  mfu         bench/lora_mfu.py --parts mfu: LoRA-MFU of 4 jobs fused on a Llama-3.1-8B-shaped base (random bf16
+              weights), beside PEFT one job at a time in its own process
+  fusion8b    bench/lora_mfu.py --parts fusion: fusion efficiency 1..32 adapters on that base
+  pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer over NCCL against the single-device trainer
+              (needs two GPUs: NCCL puts one rank per device)
+(the memory model's error on the GPU: the `memory` part)
 
 It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the device, GPU, torch and
 CUDA versions, with each part's exit status, time, key numbers and the tail of its output. Without CUDA it
@@ -45,7 +51,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft", "compile")
+PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft", "compile", "mfu", "fusion8b", "pipeline")
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 4000   # characters of each part's output kept in the report
 
@@ -73,6 +79,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     quick = ["--quick"] if args.quick else []
     seq_len = ["--seq-len", "32" if args.quick else "128"]
     fusion = [py, "bench/fusion.py", *quick, "--base-model", args.base_model]
+    shape = ["--shape", "tiny", "--steps", "2"] if args.quick else []   # --quick: the 8B shape's parts on a tiny one
     return {
         "tests": [[py, "-m", "pytest", "-q", "-rs", "tests/gpu/test_cuda.py", f"--junitxml={out / 'tests.xml'}"]],
         "fusion": [[*fusion, "--skip", "b,c,d", "--adapters", ADAPTERS, "--sequences", "32", *seq_len,
@@ -84,6 +91,9 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
                                                        else []), "--json", str(out / "overhead.json")]],
         "memory": [[py, "bench/memory.py", *quick]],
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
+        "mfu": [[py, "bench/lora_mfu.py", "--parts", "mfu", *shape, "--json", str(out / "mfu.json")]],
+        "fusion8b": [[py, "bench/lora_mfu.py", "--parts", "fusion", *shape, "--json", str(out / "fusion8b.json")]],
+        "pipeline": [[py, "bench/pipeline_check.py"]],
         "compile": [[py, "bench/compile_step.py", "--base-model", args.base_model,
                      *(["--warmup", "6", "--steps", "4"] if args.quick else []), "--json", str(out / "compile.json")]],
     }
@@ -181,6 +191,14 @@ def key_numbers(out: Path) -> dict:
     overhead = _json(out / "overhead.json")
     if overhead:
         numbers["overhead"] = {k: v for k, v in overhead.items() if "ratio" in k}
+    mfu = _json(out / "mfu.json")
+    if mfu and mfu.get("mfu"):
+        numbers["lora_mfu"] = mfu["mfu"]["aspen"]["lora_mfu"]
+        numbers["lora_tokens_per_s"] = round(mfu["mfu"]["aspen"]["tokens_per_s"])
+        numbers["lora_aspen_over_peft"] = round(mfu["mfu"]["versus_peft"], 3)
+    fusion8b = _json(out / "fusion8b.json")
+    if fusion8b and fusion8b.get("fusion"):
+        numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["fusion"]["efficiency"].items()}
     return numbers
 
 

@@ -76,10 +76,11 @@ class PipelineSchedule:
     decided operations with `take(stage)`. `wants_plan` says when stage 0 is ready for a plan not yet fed."""
 
     def __init__(self, stages: int, *, backward_ratio: float = 2.0, stage_weights: list[float] | None = None,
-                 flush: bool = False):
+                 flush: bool = False, transfer: float = 0.0):
         """`flush`: a generic pipeline's schedule for comparison (bench/pipeline.py): every adapter steps at
         once at a flush, so a micro-batch of a job already in the global batch in progress waits until every
-        earlier micro-batch has left every stage."""
+        earlier micro-batch has left every stage. `transfer`: the time an activation or its gradient takes
+        from one stage to the next (in the same unit as the costs), for simulations."""
         if stages < 1:
             raise ValueError(f"a pipeline needs at least one stage, not {stages}")
         self.stages = stages
@@ -88,6 +89,7 @@ class PipelineSchedule:
         if len(self.weights) != stages:
             raise ValueError(f"{len(self.weights)} stage weights for {stages} stages")
         self.flush = flush
+        self.transfer = transfer
         self.state = [_Stage() for _ in range(stages)]
         self.plans: dict[int, MicroBatchPlan] = {}
         self.next_index = 0                 # the next plan stage 0 forwards
@@ -249,23 +251,23 @@ class PipelineSchedule:
         if kind == "F":
             state.forwarded.append(index)
             state.in_flight += 1
-            self.state[s + 1].forward_ready[index] = end
+            self.state[s + 1].forward_ready[index] = end + self.transfer
             return
         if kind == "FB":
             state.forwarded.append(index)
             state.next_backward += 1
             if s > 0:
-                self.state[s - 1].backward_ready[index] = end
+                self.state[s - 1].backward_ready[index] = end + self.transfer
             for job in plan.serial:
                 if self.serial_pending.get(job) == index:
                     del self.serial_pending[job]
-                    self.serial_ready[job] = end
+                    self.serial_ready[job] = end + self.transfer * (self.stages - 1)   # back to stage 0
         else:  # B
             state.in_flight -= 1
             state.next_backward += 1
             del state.backward_ready[index]
             if s > 0:
-                self.state[s - 1].backward_ready[index] = end
+                self.state[s - 1].backward_ready[index] = end + self.transfer
         self._backward_done(s, plan, end)
 
     def _enter(self, plan: MicroBatchPlan) -> None:

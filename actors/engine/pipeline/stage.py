@@ -57,6 +57,7 @@ class StageSettings:
     loss_chunk: int = 1024
     recompute: str = "none"
     backward_ratio: float = 2.0
+    flush: bool = False       # a generic pipeline's flush at every step (bench/pipeline.py's comparison only)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class StageRuntime:
         self.links = links
         self.settings = settings
         self.stage, self.stages = model.stage, model.stages
-        self.schedule = PipelineSchedule(self.stages, backward_ratio=settings.backward_ratio)
+        self.schedule = PipelineSchedule(self.stages, backward_ratio=settings.backward_ratio, flush=settings.flush)
         self.jobs: dict[str, StageJob] = {}
         self.plans: dict[int, PlanMessage] = {}
         self.flight: dict[int, _Flight] = {}

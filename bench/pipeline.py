@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""A pipeline trainer against one trainer on the same cores, and the pipeline schedule simulated at 4-16 stages.
+
+Measured (CPU): the same jobs, k at a time (k = 1, 2, 4, 8), trained by
+  single    one fused trainer in one process with 2 threads (the single-device trainer);
+  pipeline  2 stages, one process and one thread each (stage 0 with the head), LoRA-aware schedule;
+  flush     the same 2 stages with a generic pipeline's flush at every step (every adapter steps together,
+            the next global batch waits until the pipeline is empty)
+each side in its own process, as users run them. Printed: trained tokens/s of each side and the ratio to
+the single trainer, each stage's bubble share (the share of its busy span it waited), at each k.
+Goals (issue "One base over several devices"): bubble share <= 10% at >= 2 x stages jobs, and tokens/s
+>= 0.9 of the single trainer's.
+
+Simulated: the schedule alone (policies/pipeline_schedule.py) at 4, 8 and 16 stages with 1, S/2, S and 2S
+jobs of equal micro-batches, forward 1 and backward 2 units per stage, a transfer of 0 or 0.1 units between
+stages: each stage's mean bubble share, LoRA-aware and flushed.
+
+    .venv/bin/python bench/pipeline.py [--jobs 1,2,4,8] [--steps 6] [--simulate-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
+
+LAYERS, HIDDEN, VOCAB = 8, 256, 8192
+
+
+def bench_base(layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB):
+    """A random Llama-shaped base (8 layers of width 256, vocabulary 8192): a fused step of 4 jobs takes
+    ~0.1-0.3 s on a CPU core, so compute, not messaging, dominates as it does for real bases."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.engine.models import from_module
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return from_module(LlamaForCausalLM(config).eval(), None)
+
+
+def bench_jobs(count: int, steps: int):
+    import torch
+
+    from actors.engine.data import Example
+    from actors.engine.spec import JobSpec
+    jobs = []
+    for index in range(count):
+        generator = torch.Generator().manual_seed(index)
+        examples = []
+        for _ in range(4 * steps):
+            length = int(torch.randint(32, 97, (1,), generator=generator))
+            ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+            examples.append(Example(tuple(ids), tuple([-100] * (length // 3) + ids[length // 3:])))
+        spec = JobSpec(name=f"job-{index}", data="unused.jsonl", format={"type": "text"}, batch_size=4,
+                       max_steps=steps, lr=1e-3, lora={"r": 8, "alpha": 16, "target_modules": "all-linear",
+                                                       "dropout": 0.05 if index % 2 else 0.0})
+        jobs.append((spec, examples, index))
+    return jobs
+
+
+def run_single(count: int, steps: int) -> dict:
+    import torch
+
+    from actors.engine.job import TrainingJob
+    from actors.engine.trainer import FusedTrainer
+    torch.set_num_threads(2)
+    base = bench_base()
+    trainer = FusedTrainer(base, step_tokens=1 << 16)
+    for spec, examples, seed in bench_jobs(count, steps):
+        trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=seed))
+    tokens = 0
+    started = time.perf_counter()
+    while (report := trainer.train_step()) is not None:
+        tokens += report.tokens - report.padding_tokens
+    return {"tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+def run_pipeline(count: int, steps: int, flush: bool) -> dict:
+    from actors.engine.pipeline.stage import StageSettings
+    from actors.service.pipeline_processes import LocalPipeline
+    with LocalPipeline(functools.partial(bench_base), 2, split="measured", threads=1,
+                       settings=StageSettings(flush=flush), step_tokens=1 << 16) as pipeline:
+        for spec, examples, seed in bench_jobs(count, steps):
+            pipeline.add_job(spec, examples, seed=seed)
+        started = time.perf_counter()
+        reports = pipeline.run()
+        seconds = time.perf_counter() - started
+        stats = pipeline.stats()
+        split = pipeline.split
+    return {"tokens": sum(r.tokens - r.padding_tokens for r in reports), "seconds": seconds,
+            "bubble": [round(s["bubble_share"], 3) for s in stats], "split": split, "plans": len(reports)}
+
+
+def side(name: str, count: int, steps: int) -> dict:
+    """One side in its own process."""
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    out = subprocess.run([sys.executable, __file__, "--side", name, "--concurrent", str(count), "--steps", str(steps)],
+                         capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{name} side failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measured(counts: list[int], steps: int) -> None:
+    print(f"measured: {LAYERS} layers of width {HIDDEN}, vocabulary {VOCAB}, jobs of {steps} steps of 4 sequences "
+          "(32-96 tokens), r=8 all-linear; tokens/s of real tokens trained")
+    print(f"{'jobs':>4} {'single':>9} {'pipeline':>9} {'ratio':>6} {'bubble (stage 0, 1)':>20} {'flush':>9} "
+          f"{'ratio':>6} {'bubble':>14} split")
+    for count in counts:
+        single = side("single", count, steps)
+        lora_aware = side("pipeline", count, steps)
+        flushed = side("flush", count, steps)
+        rate = {name: result["tokens"] / result["seconds"] for name, result in
+                (("single", single), ("pipeline", lora_aware), ("flush", flushed))}
+        print(f"{count:>4} {rate['single']:>9.0f} {rate['pipeline']:>9.0f} {rate['pipeline'] / rate['single']:>6.2f} "
+              f"{str(lora_aware['bubble']):>20} {rate['flush']:>9.0f} {rate['flush'] / rate['single']:>6.2f} "
+              f"{str(flushed['bubble']):>14} {lora_aware['split']}", flush=True)
+
+
+def simulate(stages: int, jobs: int, *, flush: bool, transfer: float, steps: int = 16) -> float:
+    schedule = PipelineSchedule(stages, flush=flush, transfer=transfer)
+    micro = {f"j{index}": 0 for index in range(jobs)}
+    rotation, index = 0, 0
+    per_plan = max(1, math.ceil(jobs / stages))
+    while True:
+        live = [job for job in micro if micro[job] < steps]
+        if not live:
+            break
+        ordered = live[rotation % len(live):] + live[:rotation % len(live)]
+        rotation += 1
+        free = [job for job in ordered if not schedule.job_waits(job)]
+        chosen = (free or ordered[:1])[:per_plan]
+        for job in chosen:
+            micro[job] += 1
+        schedule.add_plan(MicroBatchPlan(index, tuple(chosen), tuple(chosen), (), float(len(chosen))))
+        index += 1
+    schedule.drain()
+    return sum(schedule.bubble_share()) / stages
+
+
+def simulated() -> None:
+    print("\nsimulated (policies/pipeline_schedule.py): mean bubble share per stage, 16 steps per job, "
+          "jobs packed ceil(jobs/S) per micro-batch")
+    print(f"{'stages':>6} {'jobs':>5} {'transfer':>8} {'LoRA-aware':>10} {'flush':>7}")
+    for stages in (4, 8, 16):
+        for jobs in sorted({1, stages // 2, stages, 2 * stages}):
+            for transfer in (0.0, 0.1):
+                aware = simulate(stages, jobs, flush=False, transfer=transfer)
+                flushed = simulate(stages, jobs, flush=True, transfer=transfer)
+                print(f"{stages:>6} {jobs:>5} {transfer:>8.1f} {aware:>10.3f} {flushed:>7.3f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", default="1,2,4,8")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--simulate-only", action="store_true")
+    parser.add_argument("--side", choices=("single", "pipeline", "flush"), help=argparse.SUPPRESS)
+    parser.add_argument("--concurrent", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.side:
+        if args.side == "single":
+            result = run_single(args.concurrent, args.steps)
+        else:
+            result = run_pipeline(args.concurrent, args.steps, flush=args.side == "flush")
+        print(json.dumps(result))
+        return 0
+    if not args.simulate_only:
+        measured([int(c) for c in args.jobs.split(",")], args.steps)
+    simulated()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,7 +7,8 @@ Measured (CPU): the same jobs, k at a time (k = 1, 2, 4, 8), trained by
   flush     the same 2 stages with a generic pipeline's flush at every step (every adapter steps together,
             the next global batch waits until the pipeline is empty)
 each side in its own process, as users run them. Printed: trained tokens/s of each side and the ratio to
-the single trainer, each stage's bubble share (the share of its busy span it waited), at each k.
+the single trainer (and, for scale, the single trainer with one thread), each stage's bubble share (the
+share of its busy span it waited), at each k.
 Goals (issue "One base over several devices"): bubble share <= 10% at >= 2 x stages jobs, and tokens/s
 >= 0.9 of the single trainer's.
 
@@ -72,12 +73,12 @@ def bench_jobs(count: int, steps: int):
     return jobs
 
 
-def run_single(count: int, steps: int) -> dict:
+def run_single(count: int, steps: int, threads: int = 2) -> dict:
     import torch
 
     from actors.engine.job import TrainingJob
     from actors.engine.trainer import FusedTrainer
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     base = bench_base()
     trainer = FusedTrainer(base, step_tokens=1 << 16)
     for spec, examples, seed in bench_jobs(count, steps):
@@ -118,15 +119,17 @@ def side(name: str, count: int, steps: int) -> dict:
 def measured(counts: list[int], steps: int) -> None:
     print(f"measured: {LAYERS} layers of width {HIDDEN}, vocabulary {VOCAB}, jobs of {steps} steps of 4 sequences "
           "(32-96 tokens), r=8 all-linear; tokens/s of real tokens trained")
-    print(f"{'jobs':>4} {'single':>9} {'pipeline':>9} {'ratio':>6} {'bubble (stage 0, 1)':>20} {'flush':>9} "
-          f"{'ratio':>6} {'bubble':>14} split")
+    print(f"{'jobs':>4} {'1 thread':>9} {'single':>9} {'pipeline':>9} {'ratio':>6} {'bubble (stage 0, 1)':>20} "
+          f"{'flush':>9} {'ratio':>6} {'bubble':>14} split")
     for count in counts:
+        one_thread = side("single1", count, steps)
         single = side("single", count, steps)
         lora_aware = side("pipeline", count, steps)
         flushed = side("flush", count, steps)
         rate = {name: result["tokens"] / result["seconds"] for name, result in
                 (("single", single), ("pipeline", lora_aware), ("flush", flushed))}
-        print(f"{count:>4} {rate['single']:>9.0f} {rate['pipeline']:>9.0f} {rate['pipeline'] / rate['single']:>6.2f} "
+        print(f"{count:>4} {one_thread['tokens'] / one_thread['seconds']:>9.0f}"
+              f" {rate['single']:>9.0f} {rate['pipeline']:>9.0f} {rate['pipeline'] / rate['single']:>6.2f} "
               f"{str(lora_aware['bubble']):>20} {rate['flush']:>9.0f} {rate['flush'] / rate['single']:>6.2f} "
               f"{str(flushed['bubble']):>14} {lora_aware['split']}", flush=True)
 
@@ -169,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--simulate-only", action="store_true")
-    parser.add_argument("--side", choices=("single", "pipeline", "flush"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("single", "single1", "pipeline", "flush"), help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
-        if args.side == "single":
-            result = run_single(args.concurrent, args.steps)
+        if args.side.startswith("single"):
+            result = run_single(args.concurrent, args.steps, threads=1 if args.side == "single1" else 2)
         else:
             result = run_pipeline(args.concurrent, args.steps, flush=args.side == "flush")
         print(json.dumps(result))

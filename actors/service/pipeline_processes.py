@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine import lora
 from actors.engine.models import BaseModel
 from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage import StageRuntime, StageSettings
@@ -55,6 +56,8 @@ def stage_main(launch: StageLaunch) -> None:
     try:
         if launch.threads:
             torch.set_num_threads(launch.threads)
+        if launch.settings.lora_grouping is not None:
+            lora.GROUPING = launch.settings.lora_grouping
         base = launch.loader()
         model = cut_stage(base, list(launch.split), launch.rank, torch.device(launch.device))
         links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
@@ -106,6 +109,9 @@ class LocalPipeline:
         if len(devices) != stages:
             raise ValueError(f"{len(devices)} devices for {stages} pipeline stages: give one device per stage")
         self.threads_before = torch.get_num_threads()
+        self.grouping_before = lora.GROUPING
+        if settings.lora_grouping is not None:
+            lora.GROUPING = settings.lora_grouping
         if threads:
             torch.set_num_threads(threads)   # stage 0 runs here: as many threads as each other stage
         base = loader()
@@ -181,6 +187,7 @@ class LocalPipeline:
             self._stop_processes()
             self.links.close(flush=not failed)
             torch.set_num_threads(self.threads_before)
+            lora.GROUPING = self.grouping_before
 
     def __enter__(self) -> LocalPipeline:
         return self

@@ -33,6 +33,24 @@ def test_recomputation_on_stages_is_exact():
     assert_same_as_single_device(states, heads, jobs, reference)
 
 
+def test_grouped_lora_on_stages_agrees_with_one_device(monkeypatch):
+    """Grouped LoRA (one batched product per rank for all of a step's adapters, each job's rows padded to the
+    longest) on both sides: equal to 1e-5, not bit for bit, since a pipeline packs fewer jobs per micro-batch
+    than one device packs per step, and the batched product's shape changes its float32 sums."""
+    from actors.engine import lora
+    jobs = [sft("group-a", 50), sft("group-b", 51, lora={"r": 8, "alpha": 16}), sft("group-c", 52),
+            sft("group-d", 53, grad_accum=2)]
+    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    weights, _, _ = single_device(tiny_base(layers=LAYERS), jobs)
+    with LocalPipeline(loader(layers=LAYERS), 2, split="even", threads=1,
+                       settings=StageSettings(lora_grouping="grouped")) as pipeline:
+        states, _ = run_and_keep_heads(pipeline, jobs)
+    for name, tensors in weights.items():
+        for key, value in tensors.items():
+            scale = float(value.abs().max())
+            assert float((states[name]["tensors"][key] - value).abs().max()) <= 1e-5 * max(scale, 1e-3), (name, key)
+
+
 def test_a_killed_stage_is_named_and_its_jobs_resume_exactly_on_a_new_pipeline():
     jobs = [sft("kill-a", 40, steps=6, lora={"dropout": 0.1}), sft("kill-b", 41, steps=6)]
     kept: dict[str, dict] = {}

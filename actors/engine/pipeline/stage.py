@@ -58,6 +58,7 @@ class StageSettings:
     recompute: str = "none"
     backward_ratio: float = 2.0
     flush: bool = False       # a generic pipeline's flush at every step (bench/pipeline.py's comparison only)
+    lora_grouping: str | None = None   # actors.engine.lora.GROUPING in every stage process (None: as it is)
 
 
 @dataclass(frozen=True)

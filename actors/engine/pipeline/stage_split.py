@@ -16,6 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from actors.engine.layout import StepLayout, step_layout
+from actors.engine.lora import add_adapter, remove_adapter
+from actors.engine.loss import target_cross_entropy
+from actors.engine.models import BaseModel
+from actors.engine.recompute import decoder_layers
+from actors.engine.spec import LoraConfig
+
 
 @dataclass(frozen=True)
 class LayerCosts:
@@ -111,42 +118,44 @@ def _weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
 
 
-def measure_layer_costs(base, tokens: int = 512, repeats: int = 2) -> LayerCosts:
-    """Time each decoder layer's forward and backward on a probe of `tokens` random hidden states (one
-    packed sequence), the embeddings' lookup, and the final norm, LM head and loss; weigh each part's weights.
-    `base`: an `actors.engine.models.BaseModel` held whole on its device (before it is cut)."""
-    from actors.engine.layout import StepLayout, step_layout
-    from actors.engine.loss import target_cross_entropy
-    from actors.engine.recompute import decoder_layers
+PROBE = "aspen-split-probe"   # the adapter a measurement attaches for its duration
 
+
+def measure_layer_costs(base: BaseModel, tokens: int = 512, repeats: int = 2) -> LayerCosts:
+    """Time each decoder layer's forward and backward on a probe of `tokens` random hidden states (one
+    packed sequence, through a probe adapter of rank 8 on every linear layer, as jobs' tokens go through
+    theirs), the embeddings' lookup, and the final norm, LM head and loss; weigh each part's weights.
+    `base` is held whole on its device (before it is cut)."""
     decoder = base.decoder
     layers = decoder_layers(decoder)
+    embeddings, head = decoder.get_input_embeddings(), base.lm_head
+    sizes = tuple(_weight_bytes(layer) for layer in layers)
+    first_bytes, last_bytes = _weight_bytes(embeddings), _weight_bytes(decoder.norm) + _weight_bytes(head)
     device, dtype = base.device, base.dtype
-    hidden_size = base.model.config.hidden_size
     positions = torch.arange(tokens, device=device)[None]
-    probe = torch.randn(1, tokens, hidden_size, device=device, dtype=dtype)
+    probe = torch.randn(1, tokens, base.model.config.hidden_size, device=device, dtype=dtype)
     rotary = decoder.rotary_emb(probe, positions)
-    layout = StepLayout.single("", [tokens])
-    seconds = []
-    for layer in layers:
-        def run(layer=layer):
-            x = probe.detach().requires_grad_(True)
-            with step_layout(layout):
-                out = layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
-            out = out[0] if isinstance(out, tuple) else out
-            out.float().sum().backward()
-        seconds.append(_timed(run, device, repeats))
+    layout = StepLayout.single(PROBE, [tokens])
+    add_adapter(base.model, PROBE, LoraConfig(r=8, alpha=16, target_modules="all-linear"), seed=0)
+    try:
+        seconds = []
+        for layer in layers:
+            def run(layer=layer):
+                x = probe.detach().requires_grad_(True)
+                with step_layout(layout):
+                    out = layer(x, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+                out = out[0] if isinstance(out, tuple) else out
+                out.float().sum().backward()
+            seconds.append(_timed(run, device, repeats))
+    finally:
+        remove_adapter(base.model, PROBE)
     ids = torch.randint(0, base.model.config.vocab_size, (1, tokens), device=device)
-    embeddings = decoder.get_input_embeddings()
     first = _timed(lambda: embeddings(ids), device, repeats)
-    head = base.lm_head
-    targets = ids[0]
     weights = torch.ones(tokens, device=device)
 
     def run_head():
         x = probe[0].detach().requires_grad_(True)
-        total, _ = target_cross_entropy(decoder.norm(x), head.weight, head.bias, targets, weights)
+        total, _ = target_cross_entropy(decoder.norm(x), head.weight, head.bias, ids[0], weights)
         total.backward()
     last = _timed(run_head, device, repeats)
-    return LayerCosts(tuple(seconds), tuple(_weight_bytes(layer) for layer in layers), first, last,
-                      _weight_bytes(embeddings), _weight_bytes(decoder.norm) + _weight_bytes(head))
+    return LayerCosts(tuple(seconds), sizes, first, last, first_bytes, last_bytes)

@@ -156,3 +156,14 @@ def test_what_cannot_be_cut_is_refused_with_the_reason():
     whole.model.config.model_type = "gemma"
     with pytest.raises(ValueError, match="cannot be cut into pipeline stages yet"):
         check_stageable(whole)
+
+
+def test_measured_costs_cover_every_layer_and_leave_no_probe_behind():
+    from actors.engine.lora import FusedLoraLinear
+    from actors.engine.pipeline.stage_split import measure_layer_costs
+    whole = base("llama", layers=3)
+    costs = measure_layer_costs(whole, tokens=64, repeats=1)
+    assert len(costs.seconds) == 3 and min(costs.seconds) > 0 and costs.last_seconds > 0
+    assert costs.bytes[0] == sum(p.numel() * 4 for p in whole.decoder.layers[0].parameters())
+    assert not any(isinstance(m, FusedLoraLinear) for m in whole.model.modules())
+    assert len(balanced_split(costs, 2)) == 2

@@ -59,14 +59,7 @@ class StageModel:
 
     def held_bytes(self) -> int:
         """Bytes of the weights and buffers this stage holds on its device."""
-        seen: set[int] = set()
-        total = 0
-        for tensor in list(self.base.model.parameters()) + list(self.base.model.buffers()):
-            if tensor.is_meta or id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
-        return total
+        return _bytes([self.base.model])
 
 
 def check_stageable(base: BaseModel) -> None:
@@ -78,6 +71,29 @@ def check_stageable(base: BaseModel) -> None:
     if base.quantization != "none":
         raise ValueError(f"base_model '{base.name}': a pipeline trainer cuts a float base, not a {base.quantization}"
                          " one (quantized layers cannot be moved between devices yet); use stages: 1")
+
+
+def _bytes(modules: list[nn.Module]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            if id(tensor) not in seen and not tensor.is_meta:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def check_stage_fits(stage: int, needed: int, device: torch.device, free: int | None = None) -> None:
+    """Refuse a stage whose weights do not fit its device's free memory (CUDA), naming the numbers."""
+    if device.type != "cuda":
+        return
+    if free is None:
+        free = torch.cuda.mem_get_info(device)[0]
+    if needed > free:
+        raise MemoryError(f"pipeline stage {stage}: its weights need {needed / 2**30:.2f} GiB and {device} has "
+                          f"{free / 2**30:.2f} GiB free; cut the base into more stages, give this stage fewer "
+                          "layers (an explicit split) or free the device")
 
 
 def cut_stage(base: BaseModel, split: list[int], stage: int, device: torch.device | None = None) -> StageModel:
@@ -108,6 +124,9 @@ def cut_stage(base: BaseModel, split: list[int], stage: int, device: torch.devic
             head.to("meta")
     if device is not None:
         rotary = [decoder.rotary_emb] if hasattr(decoder, "rotary_emb") else []
+        kept = [layers[index] for index in own] + rotary + ([embeddings] if first or (last and tied) else []) \
+            + ([decoder.norm, head] if last else [])
+        check_stage_fits(stage, _bytes(kept), device)
         for module in [layers[index] for index in own] + rotary:
             module.to(device)
         if first or (last and tied):

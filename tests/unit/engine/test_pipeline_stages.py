@@ -167,3 +167,11 @@ def test_measured_costs_cover_every_layer_and_leave_no_probe_behind():
     assert costs.bytes[0] == sum(p.numel() * 4 for p in whole.decoder.layers[0].parameters())
     assert not any(isinstance(m, FusedLoraLinear) for m in whole.model.modules())
     assert len(balanced_split(costs, 2)) == 2
+
+
+def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers():
+    from actors.engine.pipeline.stage_model import check_stage_fits
+    check_stage_fits(1, 10 * 2**30, torch.device("cpu"))   # no CUDA memory to check on a CPU
+    check_stage_fits(1, 2**30, torch.device("cuda:1"), free=2 * 2**30)
+    with pytest.raises(MemoryError, match=r"pipeline stage 2: its weights need 3.00 GiB and cuda:1 has 2.00 GiB free"):
+        check_stage_fits(2, 3 * 2**30, torch.device("cuda:1"), free=2 * 2**30)

@@ -20,6 +20,7 @@ Every operation here is on one job's own sequences, so isolation holds as for SF
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -87,15 +88,26 @@ def sequence_sums(values: torch.Tensor, targets: SequenceTargets, mask: torch.Te
 
 
 @torch.no_grad()
+def reference_layout(batch: FusedBatch) -> StepLayout:
+    """The batch's sequences with no adapter's segment: no LoRA layer adds anything (the base alone)."""
+    return StepLayout((), batch.layout.sequences, batch.layout.num_tokens)
+
+
 def reference_log_probs(base: BaseModel, micro_batches: list[JobMicroBatch], chunk: int) -> list[torch.Tensor]:
     """Per micro-batch (of preference pairs) its pairs' (chosen, rejected) summed completion log-probabilities
     under the base alone: one no-grad forward of their sequences, packed, with no adapter in the layout (so
     no LoRA layer adds anything) - the reference policy of DPO without a second copy of the model."""
     batch = pack(micro_batches, "packed", base.pad_token_id).to(base.device)
-    layout = StepLayout((), batch.layout.sequences, batch.layout.num_tokens)   # no adapter's segment
-    with step_layout(layout):
+    with step_layout(reference_layout(batch)):
         hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                               attention_mask=None, use_cache=False).last_hidden_state[0]
+    return reference_sums(base, batch, micro_batches, hidden, chunk)
+
+
+def reference_sums(base: BaseModel, batch: FusedBatch, micro_batches: list[JobMicroBatch], hidden: torch.Tensor,
+                   chunk: int) -> list[torch.Tensor]:
+    """`reference_log_probs` from the final hidden states of the reference forward (a pipeline's last stage
+    has them from the stage before)."""
     head = base.lm_head
     weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
     _, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias, batch.target_ids, weights,
@@ -134,6 +146,16 @@ class ReferenceCache:
                ) -> list[torch.Tensor]:
         """`reference_log_probs` of the micro-batches (each with its job's cache), computing only the pairs
         its cache does not hold (all jobs' in one forward) and keeping them."""
+        keys, todo = ReferenceCache.missing(micro_batches, caches)
+        computed = reference_log_probs(base, [mb for _, _, mb in todo], chunk) if todo else []
+        fresh = ReferenceCache.store(todo, computed, caches)
+        return ReferenceCache.assemble(keys, caches, fresh, base.device)
+
+    @staticmethod
+    def missing(micro_batches: list[JobMicroBatch], caches: list[ReferenceCache]
+                ) -> tuple[list[list[bytes]], list[tuple[int, list[bytes], JobMicroBatch]]]:
+        """Each micro-batch's pair keys, and what to compute: (micro-batch index, its uncached keys, a
+        micro-batch of those pairs) for each micro-batch with pairs its cache lacks."""
         keys = [[ReferenceCache.key(pair) for pair in mb.examples] for mb in micro_batches]
         todo: list[tuple[int, list[bytes], JobMicroBatch]] = []
         for index, (mb, job_keys, cache) in enumerate(zip(micro_batches, keys, caches, strict=True)):
@@ -143,22 +165,33 @@ class ReferenceCache:
                     wanted.setdefault(key, pair)
             if wanted:
                 todo.append((index, list(wanted), JobMicroBatch(mb.job, list(wanted.values()))))
+        return keys, todo
+
+    @staticmethod
+    def store(todo: list[tuple[int, list[bytes], JobMicroBatch]], computed: list[torch.Tensor] | None,
+              caches: list[ReferenceCache]) -> dict[int, dict[bytes, tuple[float, float]]]:
+        """Keep the computed pairs (up to each cache's limit); `computed` None keeps the keys only, with no
+        value (a pipeline's head, which mirrors which pairs its last stage holds). Returns them by index."""
         fresh: dict[int, dict[bytes, tuple[float, float]]] = {}
-        if todo:
-            computed = reference_log_probs(base, [mb for _, _, mb in todo], chunk)
-            for (index, wanted_keys, _), sums in zip(todo, computed, strict=True):
-                fresh[index] = {key: (chosen, rejected) for key, (chosen, rejected) in zip(wanted_keys, sums.tolist(),
-                                                                                           strict=True)}
-                cache = caches[index]
-                for key, value in fresh[index].items():
-                    if len(cache.values) >= cache.limit:
-                        break
-                    cache.values[key] = value
+        for position, (index, wanted_keys, _) in enumerate(todo):
+            values = computed[position].tolist() if computed is not None else [(math.nan, math.nan)] * len(wanted_keys)
+            fresh[index] = {key: (chosen, rejected) for key, (chosen, rejected) in zip(wanted_keys, values,
+                                                                                       strict=True)}
+            cache = caches[index]
+            for key, value in fresh[index].items():
+                if len(cache.values) >= cache.limit:
+                    break
+                cache.values[key] = value
+        return fresh
+
+    @staticmethod
+    def assemble(keys: list[list[bytes]], caches: list[ReferenceCache], fresh: dict[int, dict[bytes, tuple]],
+                 device: torch.device) -> list[torch.Tensor]:
         out = []
         for index, cache in enumerate(caches):
             new = fresh.get(index, {})
             rows = [cache.values[key] if key in cache.values else new[key] for key in keys[index]]
-            out.append(torch.tensor(rows, dtype=torch.float32, device=base.device))
+            out.append(torch.tensor(rows, dtype=torch.float32, device=device))
         return out
 
 
@@ -238,7 +271,6 @@ def evaluate_preference(base: BaseModel, adapter: str, method: str, beta: float,
     """A preference job's eval loss: its objective's mean over the pairs `examples` (ORPO's NLL per batch
     of `batch_size` pairs), the adapter in evaluation mode (the caller's); DPO's references through `cache`."""
     loss_sum, pairs = 0.0, 0
-    head = base.lm_head
     for start in range(0, len(examples), batch_size):
         micro_batch = JobMicroBatch(adapter, examples[start:start + batch_size])
         reference = None
@@ -249,11 +281,18 @@ def evaluate_preference(base: BaseModel, adapter: str, method: str, beta: float,
         with step_layout(batch.layout):
             hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                   attention_mask=None, use_cache=False).last_hidden_state[0]
-        weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
-        _, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias, batch.target_ids,
-                                         weights, chunk, base.logit_transform)
-        targets = sequence_targets(batch, [micro_batch], [0])
-        outcome = job_outcome(method, beta, -losses[targets.select], targets, 0, len(micro_batch.examples), reference)
+        outcome = evaluation_outcome(base, method, beta, batch, micro_batch, hidden, chunk, reference)
         loss_sum += outcome.loss * outcome.pairs
         pairs += outcome.pairs
     return loss_sum / max(pairs, 1)
+
+
+def evaluation_outcome(base: BaseModel, method: str, beta: float, batch: FusedBatch, micro_batch: JobMicroBatch,
+                       hidden: torch.Tensor, chunk: int, reference: torch.Tensor | None) -> PreferenceOutcome:
+    """One eval batch's preference outcome from its final hidden states."""
+    head = base.lm_head
+    weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
+    _, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias, batch.target_ids,
+                                     weights, chunk, base.logit_transform)
+    targets = sequence_targets(batch, [micro_batch], [0])
+    return job_outcome(method, beta, -losses[targets.select], targets, 0, len(micro_batch.examples), reference)

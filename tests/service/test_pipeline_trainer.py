@@ -135,10 +135,54 @@ def test_a_job_resumed_from_its_state_ends_as_the_uninterrupted_one(pipeline):
     assert_same_as_single_device(states, heads, jobs)
 
 
-def test_a_dpo_job_is_refused_with_the_reason(pipeline):
-    spec = JobSpec(name="dpo", data="unused.jsonl", format={"type": "preference"}, method="dpo", batch_size=2,
-                   max_steps=2, lora={"r": 4, "alpha": 8})
-    with pytest.raises(ValueError, match="method dpo needs the base's reference"):
-        pipeline.add_job(spec, random_pairs(0, 4), seed=0)
-    pipeline.run()   # the pipeline goes on
-    assert not pipeline.trainer.jobs
+def test_a_job_added_twice_is_refused_and_the_pipeline_goes_on(pipeline):
+    spec, examples, seed = sft("twice", 90, steps=2)
+    pipeline.add_job(spec, examples, seed=seed)
+    with pytest.raises(ValueError, match="job 'twice' is already on this pipeline"):
+        pipeline.add_job(spec, examples, seed=seed)
+    pipeline.run()
+    assert len(pipeline.trainer.jobs["twice"].history) == 2
+    pipeline.remove_job("twice")
+
+
+def preference_job(name: str, method: str, index: int, **overrides):
+    spec = JobSpec(name=name, data="unused.jsonl", format={"type": "preference"}, method=method, batch_size=2,
+                   lr=5e-3, lora={"r": 4, "alpha": 8}, **{"max_steps": 3, **overrides})
+    return spec, random_pairs(index, 6), index
+
+
+def test_dpo_jobs_take_their_references_through_the_stages_exactly(pipeline):
+    """DPO's reference is the base alone: the pairs not yet cached go through every stage with no adapter
+    before their micro-batch, the last stage keeps them; pairs seen again (a second epoch) come from there."""
+    jobs = [preference_job("dpo-a", "dpo", 60, max_steps=None, epochs=2),
+            preference_job("dpo-b", "dpo", 61, grad_accum=2, max_grad_norm=0.5),
+            sft("dpo-neighbour", 62)]
+    states, heads = run_and_keep_heads(pipeline, jobs)
+    assert_same_as_single_device(states, heads, jobs)
+
+
+def test_evaluation_equals_the_single_device_trainers(pipeline):
+    from actors.engine.job import TrainingJob
+    from actors.engine.trainer import FusedTrainer
+    jobs = [sft("eval-sft", 70, lora={"dropout": 0.1}), preference_job("eval-orpo", "orpo", 71),
+            preference_job("eval-dpo", "dpo", 72)]
+    evals = {spec.name: (random_pairs(80 + seed, 5) if spec.method != "sft"
+                         else random_examples(80 + seed, count=5, vocab=VOCAB, min_len=5, max_len=30))
+             for spec, _, seed in jobs}
+    base = tiny_base(layers=LAYERS)
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    created = [TrainingJob.create(spec, base, examples, evals[spec.name], seed=seed) for spec, examples, seed in jobs]
+    for job in created:
+        trainer.add_job(job)
+    before = {job.name: trainer.evaluate(job, batch_size=2) for job in created}
+    while trainer.train_step() is not None:
+        pass
+    after = {job.name: trainer.evaluate(job, batch_size=2) for job in created}
+    for spec, examples, seed in jobs:
+        pipeline.add_job(spec, examples, seed=seed, eval_examples=evals[spec.name])
+    assert {spec.name: pipeline.trainer.evaluate(spec.name, batch_size=2) for spec, _, _ in jobs} == before
+    pipeline.run()
+    assert {spec.name: pipeline.trainer.evaluate(spec.name, batch_size=2) for spec, _, _ in jobs} == after
+    assert after != before
+    for spec, _, _ in jobs:
+        pipeline.remove_job(spec.name)

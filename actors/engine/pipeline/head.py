@@ -20,8 +20,9 @@ from actors.engine.data import DataCursor, Example
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
 from actors.engine.optim import lr_factor
 from actors.engine.packing import JobMicroBatch, pack
-from actors.engine.pipeline.stage import JobSetup, PlanMessage, StageRuntime
+from actors.engine.pipeline.stage import EvalRequest, JobSetup, PlanMessage, StageRuntime
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
+from actors.engine.preference import ReferenceCache
 from actors.engine.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
 from policies.pipeline_schedule import MicroBatchPlan
 
@@ -41,6 +42,7 @@ class HeadJob:
     history: list[OptimizerStepRecord] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)     # every micro-batch's loss, in order
     tokens_seen: int = 0
+    eval_examples: list[Example] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -95,6 +97,7 @@ class PipelineTrainer:
         self.next_index = 0
         self.rotation = 0
         self.reports: list[PlanReport] = []
+        self.reference_caches: dict[str, ReferenceCache] = {}   # which DPO pairs the last stage holds
         self.replies: list[dict] = []
         runtime.on_result = self._on_result
 
@@ -114,15 +117,12 @@ class PipelineTrainer:
 
     # -- jobs --------------------------------------------------------------------------------------
     def add_job(self, spec: JobSpec, train: list[Example] | None = None, *, seed: int,
-                cursor: BatchSource | None = None,
-                total_steps: int | None = None, state: dict | None = None) -> None:
+                cursor: BatchSource | None = None, total_steps: int | None = None, state: dict | None = None,
+                eval_examples: list[Example] | None = None) -> None:
         """A job from its examples (or a `cursor` and its `total_steps`), optionally resumed from `state`
         (`job_state` of an earlier run: adapter, optimizer moments and counters, data position)."""
         if spec.name in self.jobs:
             raise ValueError(f"job '{spec.name}' is already on this pipeline")
-        if spec.method == "dpo":
-            raise ValueError(f"job '{spec.name}': method dpo needs the base's reference log-probabilities, which a "
-                             "pipeline trainer does not compute yet; train it on a single-device trainer")
         if self.runtime.model.base.dtype == torch.float16:
             raise ValueError("a pipeline trainer trains bfloat16 or float32 bases: float16's per-job loss scaling "
                              "over stages is not implemented; load the base in bfloat16")
@@ -131,7 +131,7 @@ class PipelineTrainer:
                 raise ValueError("add_job needs the job's examples or a cursor")
             cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=cursor_epochs(spec))
             total_steps = planned_steps(spec, len(train))
-        job = HeadJob(spec, cursor, int(total_steps), seed)
+        job = HeadJob(spec, cursor, int(total_steps), seed, eval_examples=list(eval_examples or []))
         if state is not None:
             job.cursor.load_state_dict(state["data_position"])
             job.planned_steps = state["step_count"]
@@ -151,6 +151,7 @@ class PipelineTrainer:
         state = self.job_state(name)
         self._send(("remove", name))
         del self.jobs[name]
+        self.reference_caches.pop(name, None)
         return state
 
     def _state_reply(self, name: str) -> dict:
@@ -237,7 +238,35 @@ class PipelineTrainer:
                               float(tokens))
         self.plans[plan.index] = (plan, step_targets)
         self.next_index += 1
-        return PlanMessage(plan, tuple(micro_batches), step_targets)
+        dpo = [mb for mb in micro_batches if self.jobs[mb.job].spec.method == "dpo"]
+        return PlanMessage(plan, tuple(micro_batches), step_targets, self._reference_todo(dpo))
+
+    def _reference_todo(self, micro_batches: list[JobMicroBatch]) -> tuple:
+        """The DPO pairs the last stage has no reference for (this head's mirror of its caches, kept in step)."""
+        if not micro_batches:
+            return ()
+        caches = [self.reference_caches.setdefault(mb.job, ReferenceCache()) for mb in micro_batches]
+        _, todo = ReferenceCache.missing(micro_batches, caches)
+        ReferenceCache.store(todo, None, caches)
+        return tuple(todo)
+
+    def evaluate(self, name: str, examples: list | None = None, batch_size: int = 8) -> float:
+        """The job's mean eval loss over `examples` (default: the eval examples it was added with), as the
+        single-device trainer computes it: every in-flight micro-batch and pending step done first."""
+        job = self.jobs[name]
+        examples = job.eval_examples if examples is None else examples
+        if not examples:
+            raise ValueError(f"job '{name}' has no eval examples (set eval_split)")
+        self._send(("drain",))
+        batches = []
+        for start in range(0, len(examples), batch_size):
+            micro_batch = JobMicroBatch(name, examples[start:start + batch_size])
+            todo = self._reference_todo([micro_batch]) if job.spec.method == "dpo" else ()
+            batches.append((micro_batch, todo))
+        message = ("eval", EvalRequest(name, tuple(batches)))
+        for stage in range(1, self.stages):
+            self.links.send_object(message, stage, TAG_COMMAND)
+        return float(self.runtime.handle(message))
 
     # -- results -----------------------------------------------------------------------------------
     def _on_result(self, result: dict) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from actors.engine.layout import step_layout
 from actors.engine.lora import AdapterHandle, add_adapter, remove_adapter, set_adapters_training
+from actors.engine.loss import target_cross_entropy
 from actors.engine.optim import JobOptimizer, apply_step, chained_sum, gradient_squares
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import StageModel
@@ -43,8 +44,9 @@ from actors.engine.pipeline.transport import (
     TAG_TOTAL,
     StageLinks,
 )
+from actors.engine.preference import ReferenceCache, evaluation_outcome, reference_layout, reference_sums
 from actors.engine.recompute import recomputed_layers
-from actors.engine.spec import JobSpec
+from actors.engine.spec import PREFERENCE_METHODS, JobSpec
 from actors.engine.step_objective import ObjectiveJob, step_objective
 from policies.pipeline_schedule import MicroBatchPlan, Op, PipelineSchedule
 
@@ -69,6 +71,17 @@ class PlanMessage:
     plan: MicroBatchPlan
     micro_batches: tuple[JobMicroBatch, ...]
     step_targets: dict[str, int] = field(default_factory=dict)
+    # DPO: the pairs whose reference log-probabilities the last stage lacks (`ReferenceCache.missing` of the
+    # plan's DPO micro-batches), run through the stages with no adapter before the plan's forward
+    references: tuple = ()
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """A job's evaluation: its eval batches (each with the DPO reference pairs to compute first, if any)."""
+
+    job: str
+    batches: tuple[tuple[JobMicroBatch, tuple], ...]
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,7 @@ class StageRuntime:
         self.totals_order: deque[tuple[str, int]] = deque()   # the order stage 0 sends totals in
         self.totals: dict[tuple[str, int], float] = {}
         self.results_received = -1
+        self.reference_caches: dict[str, ReferenceCache] = {}   # the last stage's DPO references, by job
         self.on_result = None          # stage 0: the head's callback for each result
         self.busy = 0.0                # seconds running operations, waits excluded
         self.first_op: float | None = None
@@ -169,6 +183,8 @@ class StageRuntime:
             self.schedule.drain()
         elif kind == "stats":
             return self.stats()
+        elif kind == "eval":
+            return self._evaluate(message[1])
         else:
             raise ValueError(f"unknown pipeline message {kind!r}")
         return self.run_ops()
@@ -233,7 +249,39 @@ class StageRuntime:
             generator.set_state(self.links.recv_state(generator.get_state().numel(), self.stage - 1, TAG_GENERATOR))
         return hidden.requires_grad_(True)
 
+    def _reference_forward(self, micro_batches: list[JobMicroBatch]) -> list[torch.Tensor] | None:
+        """The base alone (no adapter) over these pairs, through this stage; the last stage returns their
+        reference log-probabilities (`preference.reference_sums`)."""
+        base = self.model.base
+        batch = pack(micro_batches, "packed", base.pad_token_id).to(base.device)
+        hidden = None
+        if not self.model.first:
+            hidden = self.links.recv((batch.num_tokens, self.model.hidden_size), base.dtype, self.stage - 1,
+                                     TAG_ACTIVATION)
+        with torch.no_grad(), step_layout(reference_layout(batch)):
+            output = self.model.forward(position_ids=batch.position_ids, input_ids=batch.input_ids, hidden=hidden)
+        if not self.model.last:
+            self.links.send(output, self.stage + 1, TAG_ACTIVATION)
+            return None
+        return reference_sums(base, batch, micro_batches, output, self.settings.loss_chunk)
+
+    def _references(self, micro_batches: list[JobMicroBatch], todo: tuple) -> dict[int, torch.Tensor]:
+        """The DPO micro-batches' reference log-probabilities by their index among `micro_batches`: the pairs
+        in `todo` computed through the stages (every stage takes part), the others from the last stage's
+        caches, as `ReferenceCache.lookup` on one device."""
+        computed = self._reference_forward([mb for _, _, mb in todo]) if todo else []
+        if not self.model.last:
+            return {}
+        dpo = [index for index, mb in enumerate(micro_batches) if self.jobs[mb.job].spec.method == "dpo"]
+        caches = [self.reference_caches.setdefault(micro_batches[index].job, ReferenceCache()) for index in dpo]
+        keys, missing = ReferenceCache.missing([micro_batches[index] for index in dpo], caches)
+        if [(i, k) for i, k, _ in missing] != [(i, k) for i, k, _ in todo]:
+            raise RuntimeError("pipeline: the head's and the last stage's DPO reference caches disagree")
+        fresh = ReferenceCache.store(missing, computed, caches)
+        return dict(zip(dpo, ReferenceCache.assemble(keys, caches, fresh, self.model.base.device), strict=True))
+
     def _op_F(self, op: Op) -> None:
+        self._references(list(self.plans[op.index].micro_batches), self.plans[op.index].references)
         batch = self._batch(op.index)
         hidden = self._receive_input(op, batch)
         output = self._forward(batch, hidden)
@@ -244,13 +292,14 @@ class StageRuntime:
 
     def _op_FB(self, op: Op) -> None:
         message = self.plans[op.index]
+        references = self._references(list(message.micro_batches), message.references)
         batch = self._batch(op.index)
         hidden = self._receive_input(op, batch)
         output = self._forward(batch, hidden)
         states = {job: self._generator(job).get_state().clone() for job in message.plan.serial}
         objective = step_objective(self.model.base, batch, output,
                                    [ObjectiveJob(self.jobs[mb.job].spec) for mb in message.micro_batches],
-                                   list(message.micro_batches), {}, self.settings.loss_chunk)
+                                   list(message.micro_batches), references, self.settings.loss_chunk)
         objective.total.backward()
         if hidden is not None:
             self.links.send(hidden.grad, self.stage - 1, TAG_GRADIENT)
@@ -313,8 +362,54 @@ class StageRuntime:
         if self.on_result is not None:
             self.on_result(result)
 
+    def _evaluate(self, request: EvalRequest) -> float | None:
+        """A job's eval loss, as `FusedTrainer.evaluate` computes it, every stage taking part (the pipeline
+        drained first by the head); stage 0 returns it."""
+        base = self.model.base
+        spec = self.jobs[request.job].spec
+        loss_sum, count = 0.0, 0
+        set_adapters_training(base.model, False)
+        try:
+            with torch.no_grad():
+                for micro_batch, todo in request.batches:
+                    references = self._references([micro_batch], todo) if spec.method == "dpo" else {}
+                    batch = pack([micro_batch], "packed", base.pad_token_id).to(base.device)
+                    hidden = None
+                    if not self.model.first:
+                        hidden = self.links.recv((batch.num_tokens, self.model.hidden_size), base.dtype,
+                                                 self.stage - 1, TAG_ACTIVATION)
+                    with step_layout(batch.layout):
+                        output = self.model.forward(position_ids=batch.position_ids, input_ids=batch.input_ids,
+                                                    hidden=hidden)
+                    if not self.model.last:
+                        self.links.send(output, self.stage + 1, TAG_ACTIVATION)
+                        continue
+                    if spec.method in PREFERENCE_METHODS:
+                        outcome = evaluation_outcome(base, spec.method, spec.preference.beta, batch, micro_batch,
+                                                     output, self.settings.loss_chunk, references.get(0))
+                        loss_sum += outcome.loss * outcome.pairs
+                        count += outcome.pairs
+                        continue
+                    head = base.lm_head
+                    weights = torch.ones(batch.target_ids.numel(), device=output.device)
+                    total, _ = target_cross_entropy(output[batch.target_index], head.weight, head.bias,
+                                                    batch.target_ids, weights, self.settings.loss_chunk,
+                                                    base.logit_transform)
+                    loss_sum += float(total)
+                    count += int(batch.target_ids.numel())
+        finally:
+            set_adapters_training(base.model, True)
+        if self.model.last:
+            value = loss_sum / max(count, 1)
+            if self.stages == 1:
+                return value
+            self.links.send_object(value, 0, TAG_REPLY)
+            return None
+        return self.links.recv_object(self.stages - 1, TAG_REPLY) if self.model.first else None
+
     def _op_X(self, op: Op) -> None:
         self.jobs.pop(op.job)
+        self.reference_caches.pop(op.job, None)
         remove_adapter(self.model.base.model, op.job)
 
     def _op_Q(self, op: Op) -> dict | None:

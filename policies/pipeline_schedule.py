@@ -42,6 +42,7 @@ class MicroBatchPlan:
     closes: tuple[str, ...] = ()
     serial: tuple[str, ...] = ()
     cost: float = 1.0
+    not_before: float = 0.0     # the simulator's clock: it enters stage 0 no earlier
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ class PipelineSchedule:
     def _forward_gate(self, index: int) -> float:
         """When plan `index` may enter stage 0 (its jobs' steps and dropout draws done); inf if not yet known."""
         plan = self.plans[index]
-        gate = 0.0
+        gate = plan.not_before
         for job in plan.jobs:
             if job in self.step_pending or job in self.serial_pending:
                 return math.inf

@@ -59,6 +59,10 @@ class TrainerSpec(Strict):
     step_tokens: int = Field(4096, ge=16)
     layout: Literal["packed", "padded", "padded_fused"] = "packed"
     max_jobs: int | None = None
+    stages: int = Field(1, ge=1, le=64, description="a pipeline trainer: the base cut into this many stages, each "
+                        "on its own device holding 1/stages of the layers; memory_budget_bytes is each stage's")
+    transfer_seconds: float = Field(0.0, ge=0, description="a pipeline trainer: an activation's (or its "
+                                    "gradient's) time from one stage to the next")
 
 
 class Lengths(Strict):

@@ -35,6 +35,7 @@ import numpy as np
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.base import JobView, Move, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
 from policies.memory_model import StepShape
+from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
 from policies.registry import load_policy
 from policies.sim_calibration import calibrate
 from policies.sim_trace import Trace, TraceJob, TrainerSpec, load_trace
@@ -80,6 +81,7 @@ class SimJob:
     move_to: str | None = None         # leaves its trainer at its next step boundary for this one
     moved_at: float | None = None
     moves: int = 0
+    planned: int = 0                   # a pipeline trainer's: micro-batches composed (some still in flight)
 
     def draw(self) -> tuple[int, ...]:
         spec = self.spec.lengths
@@ -138,6 +140,7 @@ class Simulator:
         self.ooms = 0
         self.fused_steps = 0
         self.longest = dict.fromkeys(self.clock, 1)
+        self.pipelines = {t.id: PipelineModel(t) for t in trace.trainers if t.stages > 1}
 
     # -- what the policy sees ---------------------------------------------------------------------------
     def snapshot(self, now: float) -> Snapshot:
@@ -223,6 +226,8 @@ class Simulator:
     def step(self, trainer: TrainerSpec, now: float) -> bool:
         """Run one fused step on `trainer` at `now` (its clock); False when nothing happened (no job ready,
         none preempted)."""
+        if trainer.id in self.pipelines:
+            return self.pipeline_step(trainer, now)
         preempted = False
         for job in self.jobs.values():   # preempted and moved jobs leave at this step boundary, checkpointed
             if job.trainer == trainer.id and job.preempting and job.state in ("starting", "running"):
@@ -263,6 +268,59 @@ class Simulator:
             if job.micro % job.spec.grad_accum == 0:
                 job.step += 1
                 self.after_optimizer_step(job, end)
+        return True
+
+    def pipeline_step(self, trainer: TrainerSpec, now: float) -> bool:
+        """A pipeline trainer (actors/engine/pipeline): compose one micro-batch as its head does (up to
+        ceil(jobs / stages) jobs, those that would not wait for their own optimizer step first, within
+        `step_tokens` and each stage's budget) and give it to the real LoRA-aware schedule
+        (policies/pipeline_schedule.py), each stage's forward and backward taking 1/stages of the fused
+        step's calibrated time; a job's optimizer step lands when its closing micro-batch leaves stage 0's
+        backward. The trainer's clock is when stage 0 can take the next micro-batch. Preempted and moved jobs
+        leave once the pipeline has drained."""
+        model = self.pipelines[trainer.id]
+        leaving = [j for j in self.jobs.values() if j.trainer == trainer.id and j.preempting
+                   and j.state in ("starting", "running")]
+        if leaving:
+            self.clock[trainer.id] = max(now, model.drain(self)) + self.calibration.checkpoint_seconds
+            for job in leaving:
+                job.micro = job.planned
+                job.state, job.trainer, job.preempting, job.queued_since = "queued", None, False, now
+                if job.move_to is not None:
+                    job.state, job.trainer, job.move_to = "starting", job.move_to, None
+                    job.ready_at = self.clock[trainer.id] + self.calibration.job_start_seconds
+            return True
+        ready = [j for j in self.jobs.values() if j.trainer == trainer.id and j.state in ("starting", "running")
+                 and j.ready_at <= now and j.planned < j.spec.steps * j.spec.grad_accum]
+        for job in ready:
+            job.state = "running"
+            job.planned = max(job.planned, job.micro)   # a job that trained elsewhere before
+            if not job.next_lengths:
+                job.next_lengths = job.draw()
+        if not ready:
+            if not model.in_flight():
+                return False
+            self.clock[trainer.id] = max(now, model.drain(self))
+            return True
+        free = [j for j in ready if not model.schedule.job_waits(j.spec.name)]
+        chosen = self.compose(trainer, free or ready)[:max(1, math.ceil(len(ready) / trainer.stages))]
+        lengths = [j.next_lengths for j in chosen]
+        tokens = layout_tokens(trainer.layout, lengths)
+        flat = [n for job_lengths in lengths for n in job_lengths]
+        if self.predicted_peak(trainer, lengths) / trainer.stages > trainer.memory_budget_bytes:
+            self.ooms += 1
+        self.longest[trainer.id] = max(self.longest[trainer.id], max(flat))
+        seconds = self.calibration.step.seconds(tokens, sum(n * n for n in flat))
+        closes = []
+        for job in chosen:
+            job.tokens += sum(job.next_lengths)
+            job.next_lengths = job.draw()
+            job.planned += 1
+            if job.planned % job.spec.grad_accum == 0:
+                closes.append(job.spec.name)
+        self.fused_steps += 1
+        model.add(self, [j.spec.name for j in chosen], closes, seconds, now)
+        self.clock[trainer.id] = max(now, model.next_free())
         return True
 
     def after_optimizer_step(self, job: SimJob, now: float) -> None:
@@ -321,6 +379,51 @@ class Simulator:
                       tokens=sum(j.tokens for j in jobs), steps=sum(j.step for j in jobs), ooms=self.ooms,
                       stopped_early=sum(j.ended == "stopped_early" for j in jobs), fused_steps=self.fused_steps,
                       priorities=[j.spec.priority for j in jobs], moves=sum(j.moves for j in jobs))
+
+
+class PipelineModel:
+    """A pipeline trainer's schedule in the simulator: its plans, and the optimizer steps they close."""
+
+    def __init__(self, trainer: TrainerSpec):
+        self.stages = trainer.stages
+        self.transfer = trainer.transfer_seconds
+        self.schedule = PipelineSchedule(trainer.stages, transfer=trainer.transfer_seconds)
+        self.closing: dict[int, tuple[str, ...]] = {}
+        self.fed = 0
+
+    def add(self, simulator: Simulator, jobs: list[str], closes: list[str], seconds: float, now: float) -> None:
+        # each stage: 1/stages of the step's layers, forward and backward (backward twice the forward)
+        forward = seconds / self.stages / (1 + self.schedule.backward_ratio)
+        self.closing[self.fed] = tuple(closes)
+        self.schedule.add_plan(MicroBatchPlan(self.fed, tuple(jobs), tuple(closes), (), forward, not_before=now))
+        self.fed += 1
+        self._land(simulator)
+
+    def drain(self, simulator: Simulator) -> float:
+        """Run everything in flight to its end; when that is."""
+        self.schedule.drain()
+        self._land(simulator)
+        return self.schedule.state[0].free_at
+
+    def in_flight(self) -> bool:
+        return not self.schedule.idle()
+
+    def next_free(self) -> float:
+        return self.schedule.state[0].free_at
+
+    def _land(self, simulator: Simulator) -> None:
+        """The optimizer steps of the plans whose stage-0 backward was decided."""
+        for op in self.schedule.take(0):
+            if op.kind in ("B", "FB") and op.index in self.closing:
+                for name in self.closing.pop(op.index):
+                    job = simulator.jobs[name]
+                    if job.state == "done":
+                        continue
+                    job.micro = job.planned
+                    job.step += 1
+                    simulator.after_optimizer_step(job, op.end)
+        for stage in range(1, self.stages):
+            self.schedule.take(stage)
 
 
 def without_moves(policy: Policy) -> Policy | None:

@@ -168,3 +168,36 @@ def test_the_uneven_trace_gains_from_moves(capsys):
     from policies.simulate import without_moves
     plain = Simulator(trace, without_moves(load_policy("adaptive"))).run()
     assert with_moves.moves > 0 and with_moves.makespan < plain.makespan
+
+
+def pipeline_trace(stages: int, transfer: float = 0.0) -> Trace:
+    """8 jobs of 12 steps, one 100-token sequence each, on one trainer: a fused step costs 1 ms a token."""
+    job = {"batch_size": 1, "steps": 12, "arrival": 0.0, "lengths": {"mean": 100, "std": 0, "min": 100, "max": 100}}
+    return Trace.model_validate({
+        "trainers": [{"memory_budget_bytes": 10**12, "step_tokens": 10_000, "stages": stages,
+                      "transfer_seconds": transfer}],
+        "calibration": {"step": {"constant": 0.0, "per_token": 0.001}, "job_start_seconds": 0.0,
+                        "checkpoint_seconds": 0.0},
+        "jobs": [{"name": f"j{index}", **job} for index in range(8)]})
+
+
+def test_a_pipeline_trainer_runs_the_same_work_stages_times_faster_plus_one_fill():
+    """One device: 12 fused steps of all 8 jobs, 0.8 s each: 9.6 s. Four stages: 48 micro-batches of 2 jobs
+    (ceil(8 / 4)), each stage 1/4 of a 0.2 s step (forward and backward) = 0.05 s, back to back once the
+    pipeline is full, plus filling it once (3 stages x 0.05 s): 2.55 s at best; at most one micro-batch's round
+    trip through the stages more (0.2 s: at the end fewer jobs than stages are left, each waiting for its own
+    step); a flush per step would cost a fill per step (12 x 0.15 s)."""
+    single = Simulator(pipeline_trace(1), load_policy("fifo")).run()
+    assert single.makespan == pytest.approx(9.6)
+    piped = Simulator(pipeline_trace(4), load_policy("fifo")).run()
+    assert 9.6 / 4 + 3 * 0.05 - 1e-9 <= piped.makespan <= 9.6 / 4 + 3 * 0.05 + 0.2
+    assert piped.steps == single.steps == 8 * 12 and piped.tokens == single.tokens
+
+
+@pytest.mark.parametrize("stages", [4, 8, 16])
+def test_every_policy_schedules_onto_pipeline_trainers_and_transfers_cost_time(stages):
+    for policy in ("fifo", "sjf", "adaptive"):
+        quick = Simulator(pipeline_trace(stages), load_policy(policy)).run()
+        slow = Simulator(pipeline_trace(stages, transfer=0.01), load_policy(policy)).run()
+        assert quick.steps == slow.steps == 8 * 12
+        assert slow.makespan > quick.makespan

@@ -227,18 +227,28 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[
     return [results[index] for index in range(len(optimizers))]
 
 
-def gradient_squares(optimizer: JobOptimizer, targets: int) -> list[float]:
-    """Turn the job's summed gradients into their mean over `targets` target tokens (in place) and return
-    each gradient's squared norm (float64), in parameter order: the first half of a step, which a pipeline
-    stage takes on its own share of the adapter."""
-    grads = [p.grad for p in optimizer.parameters if p.grad is not None]
+def gradient_squares(optimizers: list[JobOptimizer], targets: list[int]) -> list[list[float]]:
+    """Turn each job's summed gradients into their mean over its `targets[i]` target tokens (in place) and
+    return, per job, each gradient's squared norm (float64) in parameter order: the first half of a step,
+    which a pipeline stage takes on its own share of the adapter. A few multi-tensor operations whatever
+    the number of jobs."""
+    grads: list[torch.Tensor] = []
+    divisors: list[float] = []
+    counts: list[int] = []
+    for optimizer, count in zip(optimizers, targets, strict=True):
+        own = [p.grad for p in optimizer.parameters if p.grad is not None]
+        grads.extend(own)
+        divisors.extend([optimizer.token_weight * max(count, 1)] * len(own))
+        counts.append(len(own))
     if not grads:
-        return []
-    torch._foreach_div_(grads, optimizer.token_weight * max(targets, 1))
-    # in float64, from fresh copies: a float32 norm's vectorised sum rounds by where the gradient's data starts
-    # in memory (autograd may hand a parameter a gradient that is a view into a larger buffer), which would
-    # make the norm, last bit, depend on the process and the step's neighbours
-    return torch.stack(torch._foreach_norm([g.to(torch.float64, copy=True) for g in grads])).square_().tolist()
+        return [[] for _ in optimizers]
+    torch._foreach_div_(grads, divisors)
+    squares = torch.stack(torch._foreach_norm(grads)).to(torch.float64).square_().tolist()
+    out, start = [], 0
+    for count in counts:
+        out.append(squares[start:start + count])
+        start += count
+    return out
 
 
 def chained_sum(squares: list[float], start: float = 0.0) -> float:
@@ -293,7 +303,6 @@ def apply_step(optimizers: list[JobOptimizer], norms: list[float]) -> list[tuple
 
 def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: dict[int, tuple[float, float]],
                    indices: list[int]) -> None:
-    norms = [math.sqrt(chained_sum(gradient_squares(optimizer, count)))
-             for optimizer, count in zip(optimizers, targets, strict=True)]
+    norms = [math.sqrt(chained_sum(squares)) for squares in gradient_squares(optimizers, targets)]
     for position, outcome in enumerate(apply_step(optimizers, norms)):
         results[indices[position]] = outcome

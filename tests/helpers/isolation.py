@@ -30,7 +30,16 @@ def base_for(config: str):
 
 def train(base, jobs) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, list[float]]]:
     """Train `jobs` fused to the end; each job's adapter weights and its micro-batch losses in order."""
-    trainer = FusedTrainer(base, step_tokens=100_000)
+    weights, losses, history = train_fused(base, jobs)
+    for (spec, _, _), records in zip(jobs, history.values(), strict=True):
+        assert len(records) == spec.max_steps
+    return weights, losses
+
+
+def train_fused(base, jobs, *, recompute: str = "none", step_tokens: int = 100_000):
+    """Train (spec, examples, seed) jobs fused on one device to the end: each job's adapter tensors by PEFT
+    name, its micro-batch losses in order and its optimizer-step records."""
+    trainer = FusedTrainer(base, step_tokens=step_tokens, recompute=recompute)
     created = [TrainingJob.create(spec, base, examples, [], seed=seed) for spec, examples, seed in jobs]
     for job in created:
         trainer.add_job(job)
@@ -39,10 +48,10 @@ def train(base, jobs) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, lis
         for result in report.results:
             losses[result.job].append(result.loss)
     weights = {job.name: {k: v.detach().clone() for k, v in job.adapter.named_parameters()} for job in created}
+    history = {job.name: job.history for job in created}
     for job in created:
-        assert job.step == job.spec.max_steps
         trainer.remove_job(job.name)
-    return weights, losses
+    return weights, losses, history
 
 
 def assert_isolated(base, jobs) -> None:

@@ -326,7 +326,7 @@ class StageRuntime:
         """The closing jobs' gradient norms: this stage's share added to the partial sum from the next."""
         for name in message.plan.closes:
             job = self.jobs[name]
-            squares = gradient_squares(job.optimizer, message.step_targets[name]) if job.optimizer else []
+            squares = gradient_squares([job.optimizer], [message.step_targets[name]])[0] if job.optimizer else []
             start = self.links.recv_float(self.stage + 1, TAG_PARTIAL) if not self.model.last else 0.0
             partial = chained_sum(squares, start)
             if self.stage > 0:

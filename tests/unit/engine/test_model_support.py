@@ -19,7 +19,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from actors.engine import trainer as trainer_module
+from actors.engine import step_objective as objective_module
 from actors.engine.attention import use_varlen_attention, varlen_attention_forward
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
@@ -163,18 +163,18 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
         batches.append(list(job.peek()))
 
     captured = []
-    real_loss = trainer_module.target_cross_entropy
+    real_loss = objective_module.target_cross_entropy
 
     def spy(*args, **kwargs):
         total, losses = real_loss(*args, **kwargs)
         captured.append(losses)
         return total, losses
 
-    trainer_module.target_cross_entropy = spy
+    objective_module.target_cross_entropy = spy
     try:
         report = trainer.run_step(trainer.compose())
     finally:
-        trainer_module.target_cross_entropy = real_loss
+        objective_module.target_cross_entropy = real_loss
     assert report.jobs == [name for name, _, _ in JOBS] and all(r.optimizer_step is None for r in report.results)
     token_losses = captured[0]
     offset = 0

@@ -97,6 +97,8 @@ def test_every_kind_of_job_trains_exactly_as_on_one_device(pipeline):
     assert_same_as_single_device(states, heads, jobs)
     stats = pipeline.stats()
     assert len(stats) == pipeline.trainer.stages and all(s["busy_s"] > 0 for s in stats)
+    whole = sum(p.numel() * p.element_size() for p in tiny_base(layers=LAYERS).model.parameters())
+    assert sum(s["weight_bytes"] for s in stats) < 1.5 * whole   # each stage holds its share (+ small shared parts)
 
 
 def test_jobs_joining_and_leaving_mid_run_change_no_other_job(pipeline):

@@ -190,9 +190,14 @@ class StageRuntime:
         return self.run_ops()
 
     def stats(self) -> dict[str, float]:
+        """Busy time, span and bubble share (the span's idle share); the weights held and, on CUDA, the
+        allocator's peak so far."""
         span = (self.last_op - self.first_op) if self.first_op is not None else 0.0
+        device = self.model.base.device
         return {"stage": self.stage, "busy_s": self.busy, "span_s": span,
-                "bubble_share": (1.0 - self.busy / span) if span > 0 else 0.0}
+                "bubble_share": (1.0 - self.busy / span) if span > 0 else 0.0,
+                "weight_bytes": self.model.held_bytes(),
+                "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
     def _add(self, setup: JobSetup) -> None:
         name = setup.spec.name

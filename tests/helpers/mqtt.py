@@ -74,6 +74,9 @@ def stop_mosquitto(process: subprocess.Popen) -> None:
     process.wait(timeout=10)
 
 
+SUBSCRIBE_WAIT_S = 30.0
+
+
 class Subscriber:
     """An aiomqtt client in a thread of its own, subscribed to `topic`; records (topic, payload, retain),
     the payload parsed from JSON (None for an empty one: a retained message being cleared)."""
@@ -87,7 +90,9 @@ class Subscriber:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        assert self.subscribed.wait(10), f"subscriber could not subscribe on port {port}: {self.error!r}"
+        # 30 s: the embedded broker is a thread of the test's own process, which shares two cores with the
+        # other test worker's processes (a pipeline test runs three); 10 s was once not enough
+        assert self.subscribed.wait(SUBSCRIBE_WAIT_S), f"subscriber could not subscribe on port {port}: {self.error!r}"
 
     def _run(self) -> None:
         try:

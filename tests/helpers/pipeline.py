@@ -29,3 +29,11 @@ def loader(**kwargs) -> functools.partial:
 
 
 single_device = train_fused   # the reference a pipeline's jobs are compared with
+
+
+def background(pipeline) -> None:
+    """Run the other stages' processes at background priority, as the scheduler runs (actors/niceness.py):
+    a test beside them on the other test worker (a broker, a server) keeps its share of the two cores."""
+    import os
+    for process in pipeline.processes:
+        os.setpriority(os.PRIO_PROCESS, process.pid, 10)

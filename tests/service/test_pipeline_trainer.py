@@ -20,7 +20,7 @@ from actors.service.pipeline_processes import LocalPipeline
 from tests.helpers.fused import job_spec
 from tests.helpers.models import random_examples
 from tests.helpers.pairs import random_pairs
-from tests.helpers.pipeline import VOCAB, loader, single_device, tiny_base
+from tests.helpers.pipeline import VOCAB, background, loader, single_device, tiny_base
 
 LAYERS = 5
 
@@ -55,6 +55,7 @@ def one_thread():
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
 def pipeline(request, one_thread):
     with LocalPipeline(loader(layers=LAYERS), request.param, split="even", threads=1) as running:
+        background(running)
         yield running
 
 

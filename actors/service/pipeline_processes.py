@@ -58,8 +58,10 @@ def stage_main(launch: StageLaunch) -> None:
             torch.set_num_threads(launch.threads)
         if launch.settings.lora_grouping is not None:
             lora.GROUPING = launch.settings.lora_grouping
-        base = launch.loader()
-        model = cut_stage(base, list(launch.split), launch.rank, torch.device(launch.device))
+        if hasattr(launch.loader, "stage"):   # a StageLoader: this stage's tensors only
+            model = launch.loader.stage(list(launch.split), launch.rank, launch.device)
+        else:
+            model = cut_stage(launch.loader(), list(launch.split), launch.rank, torch.device(launch.device))
         links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
                            launch.timeout_s)
         runtime = StageRuntime(model, links, launch.settings)
@@ -96,7 +98,9 @@ class StageLost(RuntimeError):
 
 class LocalPipeline:
     """`with LocalPipeline(loader, 2) as pipeline: pipeline.add_job(...); pipeline.run()`; the trainer's
-    calls, with a lost stage reported as `StageLost` naming it."""
+    calls, with a lost stage reported as `StageLost` naming it. `loader`: a picklable callable returning the
+    whole base, which each process loads and cuts; or a `StageLoader`, with which each process reads only
+    its stage's tensors (and the head the whole base only for a measured split)."""
 
     def __init__(self, loader: Callable[[], BaseModel], stages: int, *, split: list[int] | str = "measured",
                  devices: list[str] | None = None, settings: StageSettings | None = None,
@@ -114,9 +118,14 @@ class LocalPipeline:
             lora.GROUPING = settings.lora_grouping
         if threads:
             torch.set_num_threads(threads)   # stage 0 runs here: as many threads as each other stage
-        base = loader()
-        check_stageable(base)
-        self.split = resolve_split(base, stages, split)
+        base = None
+        if hasattr(loader, "stage") and split != "measured":   # a StageLoader: no process reads the whole base
+            layers = loader.layers()
+            self.split = even_split(layers, stages) if split == "even" else check_split(list(split), layers, stages)
+        else:
+            base = loader()
+            check_stageable(base)
+            self.split = resolve_split(base, stages, split)
         port = free_port()
         context = multiprocessing.get_context("spawn")
         self.processes = []
@@ -127,7 +136,8 @@ class LocalPipeline:
             process.start()
             self.processes.append(process)
         try:
-            model = cut_stage(base, self.split, 0, torch.device(devices[0]))
+            model = (loader.stage(self.split, 0, devices[0]) if base is None
+                     else cut_stage(base, self.split, 0, torch.device(devices[0])))
             self.links = StageLinks(0, stages, "127.0.0.1", port, torch.device(devices[0]), timeout_s)
         except BaseException:
             self._stop_processes()

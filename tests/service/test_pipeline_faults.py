@@ -74,3 +74,22 @@ def test_a_killed_stage_is_named_and_its_jobs_resume_exactly_on_a_new_pipeline()
             head.losses[:0] = losses[name]
         states = {spec.name: rebuilt.remove_job(spec.name) for spec, _, _ in jobs}
     assert_same_as_single_device(states, heads, jobs)
+
+
+def test_stages_that_read_only_their_own_tensors_train_as_one_device(tmp_path, smol_tokenizer):
+    """A `StageLoader`: no process reads the whole base (an even split needs no measurement)."""
+    import torch
+
+    from actors.engine.models import load_base_model
+    from actors.engine.pipeline.stage_loading import StageLoader
+    from tests.helpers.models import MODEL_CLASSES, tiny_config
+    config = tiny_config("llama", 300)
+    config.num_hidden_layers = LAYERS
+    torch.manual_seed(2)
+    MODEL_CLASSES["llama"](config).save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    jobs = [sft("read-a", 60, lora={"dropout": 0.1}), sft("read-b", 61, grad_accum=2)]
+    reference = single_device(load_base_model(str(tmp_path / "model"), device="cpu", dtype="float32"), jobs)
+    with LocalPipeline(StageLoader(str(tmp_path / "model"), dtype="float32"), 2, split="even", threads=1) as pipeline:
+        states, heads = run_and_keep_heads(pipeline, jobs)
+    assert_same_as_single_device(states, heads, jobs, reference)

@@ -1,0 +1,77 @@
+"""Loading one pipeline stage's tensors only (actors/engine/pipeline/stage_loading.py), against the
+independent reference of loading the whole base with `load_base_model` and cutting it: every tensor the
+stage holds is equal, nothing else is materialised, and the stages chained compute the whole decoder; a
+checkpoint that lacks a stage's tensor is refused naming it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from actors.engine.layout import step_layout
+from actors.engine.models import load_base_model
+from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.pipeline.stage_loading import StageLoader, load_stage
+from actors.engine.pipeline.stage_model import cut_stage
+from tests.helpers.models import MODEL_CLASSES, random_examples, tiny_config
+
+VOCAB = 300
+
+
+def saved(folder, tied: bool, tokenizer, layers: int = 4):
+    config = tiny_config("llama", VOCAB)
+    config.num_hidden_layers, config.tie_word_embeddings = layers, tied
+    torch.manual_seed(1)
+    MODEL_CLASSES["llama"](config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def materialised(stage) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in stage.base.model.named_parameters(remove_duplicate=False) if not p.is_meta}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_stage_reads_exactly_its_own_tensors(tmp_path, tied, smol_tokenizer):
+    folder = saved(tmp_path / "model", tied, smol_tokenizer)
+    split = [1, 2, 1]
+    whole = load_base_model(folder, device="cpu")
+    batch = pack([JobMicroBatch("x", random_examples(3, count=3, vocab=VOCAB, min_len=10, max_len=30))])
+    hidden = None
+    for index in range(3):
+        ours = load_stage(folder, split, index, device="cpu")
+        theirs = cut_stage(copy.deepcopy(whole), split, index)
+        mine, reference = materialised(ours), materialised(theirs)
+        assert mine.keys() == reference.keys()
+        for name, tensor in reference.items():
+            assert torch.equal(mine[name], tensor), name
+        layers = ours.base.decoder.layers
+        assert [not layers[i].self_attn.q_proj.weight.is_meta for i in range(4)] == \
+            [sum(split[:index]) <= i < sum(split[:index + 1]) for i in range(4)]
+        with torch.no_grad(), step_layout(batch.layout):
+            hidden = ours.forward(position_ids=batch.position_ids, input_ids=batch.input_ids, hidden=hidden)
+    with torch.no_grad(), step_layout(batch.layout):
+        expected = whole.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                 attention_mask=None, use_cache=False).last_hidden_state[0]
+    assert torch.equal(hidden, expected)
+
+
+def test_a_checkpoint_without_a_stage_tensor_is_refused_naming_it(tmp_path, smol_tokenizer):
+    folder = tmp_path / "model"
+    saved(folder, False, smol_tokenizer)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.2.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    load_stage(str(folder), [2, 2], 0, device="cpu")   # stage 0 does not need it
+    with pytest.raises(ValueError, match=r"lacks model\.layers\.2\.mlp\.down_proj\.weight"):
+        load_stage(str(folder), [2, 2], 1, device="cpu")
+
+
+def test_the_loader_tells_the_layers_and_loads_whole_or_a_stage(tmp_path, smol_tokenizer):
+    loader = StageLoader(saved(tmp_path / "model", True, smol_tokenizer), dtype="float32")
+    assert loader.layers() == 4
+    assert len(loader().decoder.layers) == 4
+    assert loader.stage([3, 1], 1, "cpu").layers == 1

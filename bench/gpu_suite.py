@@ -15,8 +15,8 @@ recorded in the report, its processes killed, and the suite goes on with the nex
   mfu         bench/lora_mfu.py --parts mfu: LoRA-MFU of 4 jobs fused on a Llama-3.1-8B-shaped base (random bf16
               weights), beside PEFT one job at a time in its own process
   fusion8b    bench/lora_mfu.py --parts fusion: fusion efficiency 1..32 adapters on that base
-  pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer over NCCL against the single-device trainer
-              (needs two GPUs: NCCL puts one rank per device)
+  pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer against the single-device trainer (two GPUs:
+              NCCL between them; one GPU: both stages on it, tensors by CUDA IPC)
 (the memory model's error on the GPU: the `memory` part)
 
 It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the device, GPU, torch and

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""The GPU suite's part `pipeline`: a 2-stage pipeline trainer on CUDA (NCCL between its stages) trains 4 jobs
-(dropout, accumulation, clipping among them) beside the single-device trainer on the same base; the adapters
-must agree within bfloat16's reach and every job must have trained.
+"""The GPU suite's part `pipeline`: a 2-stage pipeline trainer on CUDA trains 4 jobs (dropout, accumulation,
+clipping among them) beside the single-device trainer on the same base; the adapters must agree within
+bfloat16's reach and every job must have trained. With two GPUs the stages are on cuda:0 and cuda:1 and talk
+by NCCL; with one, both stages are on cuda:0 and their tensors pass by CUDA IPC (transport "shared": NCCL
+puts one rank per device).
 
 On CUDA the two are not bit for bit alike (cuBLAS picks its kernels by the number of rows, so the fused
 stream's sums are ordered differently: tests/unit/engine/test_isolation.py); the bound here is relative:
 each job's adapter differs from the single-device one by at most 5% of its own update (the updates of a
-few AdamW steps in bfloat16 forward passes). NCCL puts one rank per GPU: with two GPUs the stages are on
-cuda:0 and cuda:1; with one, NCCL cannot pair two ranks on one device, and the part says so and fails
-(a transport between processes on one GPU, by CUDA IPC, is not built yet).
+few AdamW steps in bfloat16 forward passes).
 
     python bench/pipeline_check.py [--layers 8] [--hidden 512]
 """
@@ -66,10 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this part checks the NCCL path of a pipeline trainer", file=sys.stderr)
         return 2
-    if torch.cuda.device_count() < 2:
-        print("one GPU: NCCL cannot put two pipeline stages (two ranks) on one device, and a same-GPU transport "
-              "(CUDA IPC) is not built yet; this check needs two GPUs", file=sys.stderr)
-        return 1
+    two = torch.cuda.device_count() >= 2
+    devices, transport = (["cuda:0", "cuda:1"], "distributed") if two else (["cuda:0", "cuda:0"], "shared")
     from actors.engine.job import TrainingJob
     from actors.engine.trainer import FusedTrainer
     from actors.service.pipeline_processes import LocalPipeline
@@ -84,13 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     reference = {job.name: {k: v.detach().float() for k, v in job.adapter.named_parameters()} for job in created}
     started = time.perf_counter()
     loader = functools.partial(cuda_base, args.layers, args.hidden, "cpu")
-    with LocalPipeline(loader, 2, split="even", devices=["cuda:0", "cuda:1"], step_tokens=1 << 15) as pipeline:
+    with LocalPipeline(loader, 2, split="even", devices=devices, step_tokens=1 << 15, transport=transport) as pipeline:
         for spec, examples, seed in jobs():
             pipeline.add_job(spec, examples, seed=seed)
         reports = pipeline.run()
         states = {spec.name: pipeline.remove_job(spec.name) for spec, _, _ in jobs()}
         stats = pipeline.stats()
-    print(f"pipeline: {len(reports)} micro-batches in {time.perf_counter() - started:.1f}s; bubble shares "
+    print(f"pipeline on {devices} ({transport}): {len(reports)} micro-batches in {time.perf_counter() - started:.1f}s; "
+          f"bubble shares "
           f"{[round(s['bubble_share'], 3) for s in stats]}")
     worst = 0.0
     for name, weights in reference.items():

@@ -10,7 +10,6 @@ stop. A stage that fails prints its error and exits; the head's next exchange wi
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage import StageRuntime, StageSettings
 from actors.engine.pipeline.stage_model import check_stageable, cut_stage
 from actors.engine.pipeline.stage_split import balanced_split, check_split, even_split, measure_layer_costs
-from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks, free_port
+from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks, free_port, shared_queues
 from actors.engine.recompute import decoder_layers
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,7 @@ class StageLaunch:
     settings: StageSettings
     threads: int | None = None
     timeout_s: float = 600.0
+    queues: dict | None = None     # the data channel's queues where the stages share a device (transport.py)
 
 
 def stage_main(launch: StageLaunch) -> None:
@@ -63,7 +63,7 @@ def stage_main(launch: StageLaunch) -> None:
         else:
             model = cut_stage(launch.loader(), list(launch.split), launch.rank, torch.device(launch.device))
         links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
-                           launch.timeout_s)
+                           launch.timeout_s, launch.queues)
         runtime = StageRuntime(model, links, launch.settings)
         while True:
             message = links.recv_object(0, TAG_COMMAND)
@@ -104,7 +104,10 @@ class LocalPipeline:
 
     def __init__(self, loader: Callable[[], BaseModel], stages: int, *, split: list[int] | str = "measured",
                  devices: list[str] | None = None, settings: StageSettings | None = None,
-                 step_tokens: int = 4096, threads: int | None = None, timeout_s: float = 600.0):
+                 step_tokens: int = 4096, threads: int | None = None, timeout_s: float = 600.0,
+                 transport: str = "distributed"):
+        """`transport`: "distributed" (torch.distributed point-to-point: NCCL between GPUs, gloo on CPU) or
+        "shared" (torch.multiprocessing queues: CUDA IPC for stages sharing one GPU, shared memory on CPU)."""
         if stages < 2:
             raise ValueError(f"a pipeline trainer has 2 or more stages, not {stages} (stages: 1 is the "
                              "single-device trainer)")
@@ -127,18 +130,21 @@ class LocalPipeline:
             check_stageable(base)
             self.split = resolve_split(base, stages, split)
         port = free_port()
-        context = multiprocessing.get_context("spawn")
+        context = torch.multiprocessing.get_context("spawn")   # its queues pass CUDA tensors by IPC
+        if transport not in ("distributed", "shared"):
+            raise ValueError(f"pipeline transport '{transport}': 'distributed' or 'shared'")
+        queues = shared_queues(context, stages) if transport == "shared" else None
         self.processes = []
         for rank in range(1, stages):
             launch = StageLaunch(rank, stages, "127.0.0.1", port, loader, tuple(self.split), devices[rank], settings,
-                                 threads, timeout_s)
+                                 threads, timeout_s, queues)
             process = context.Process(target=stage_main, args=(launch,), name=f"aspen-stage-{rank}", daemon=True)
             process.start()
             self.processes.append(process)
         try:
             model = (loader.stage(self.split, 0, devices[0]) if base is None
                      else cut_stage(base, self.split, 0, torch.device(devices[0])))
-            self.links = StageLinks(0, stages, "127.0.0.1", port, torch.device(devices[0]), timeout_s)
+            self.links = StageLinks(0, stages, "127.0.0.1", port, torch.device(devices[0]), timeout_s, queues)
         except BaseException:
             self._stop_processes()
             raise

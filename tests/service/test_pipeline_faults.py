@@ -93,3 +93,14 @@ def test_stages_that_read_only_their_own_tensors_train_as_one_device(tmp_path, s
     with LocalPipeline(StageLoader(str(tmp_path / "model"), dtype="float32"), 2, split="even", threads=1) as pipeline:
         states, heads = run_and_keep_heads(pipeline, jobs)
     assert_same_as_single_device(states, heads, jobs, reference)
+
+
+def test_stages_sharing_a_device_pass_tensors_through_shared_queues_exactly():
+    """transport "shared" (what stages on one GPU use, by CUDA IPC there; shared memory here): the same
+    adapters, losses and records as one device."""
+    jobs = [sft("shared-a", 70, lora={"dropout": 0.1}), sft("shared-b", 71, grad_accum=2, max_grad_norm=0.05),
+            sft("shared-c", 72)]
+    reference = single_device(tiny_base(layers=LAYERS), jobs)
+    with LocalPipeline(loader(layers=LAYERS), 3, split="even", threads=1, transport="shared") as pipeline:
+        states, heads = run_and_keep_heads(pipeline, jobs)
+    assert_same_as_single_device(states, heads, jobs, reference)

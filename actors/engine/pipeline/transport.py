@@ -5,14 +5,22 @@ Two channels: `data` carries activations and their gradients on the stages' devi
 tensors never pass through host memory; gloo on CPU); `control` (always gloo, host memory) carries the small
 things: the head's plans and commands, the last stage's results, dropout generators' states and the jobs'
 partial gradient norms. Every send is asynchronous (its tensor kept alive until done); a receive blocks and
-its waiting time is counted (a stage's bubble)."""
+its waiting time is counted (a stage's bubble).
+
+Stages that share one GPU cannot use NCCL (it puts one rank per device): `queues` (a `shared_queues` set, made
+by the parent of all stage processes) carry their activations and gradients instead through
+torch.multiprocessing queues, which pass a CUDA tensor between processes by CUDA IPC (device memory, not
+host memory) and a CPU tensor through shared memory; the receiver copies it into its own memory. A stage
+that dies is then noticed only by its control messages, or after `timeout_s` on the data channel."""
 
 from __future__ import annotations
 
 import pickle
+import queue
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,20 +39,33 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def shared_queues(context: Any, stages: int) -> dict[tuple[int, int, int], Any]:
+    """The data channel's queues of a pipeline whose stages share a device: (from, to, tag) -> queue, for each
+    stage's activations to the next and gradients to the one before. `context`: a multiprocessing context."""
+    out = {}
+    for stage in range(stages - 1):
+        out[(stage, stage + 1, TAG_ACTIVATION)] = context.Queue()
+        out[(stage + 1, stage, TAG_GRADIENT)] = context.Queue()
+    return out
+
+
 class StageLinks:
     """This stage's ends of the two channels."""
 
     def __init__(self, rank: int, world: int, address: str, port: int, device: torch.device,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, queues: dict[tuple[int, int, int], Any] | None = None):
         self.rank, self.world, self.device = rank, world, device
+        self.queues = queues
+        self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         if dist.is_initialized():
             raise RuntimeError("this process already holds a pipeline stage (torch.distributed is initialised): "
                                "one pipeline per process; close the other first")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend_for(device), init_method=f"tcp://{address}:{port}", rank=rank,
-                                world_size=world, timeout=timeout)
+        backend = "gloo" if queues is not None else backend_for(device)   # queues: no NCCL communicator
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+                                timeout=timeout)
         self.data = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -65,6 +86,9 @@ class StageLinks:
             self.pending = [(work, kept) for work, kept in self.pending if not work.is_completed()]
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        if self.queues is not None:
+            self.queues[(self.rank, dst, tag)].put(tensor.detach().contiguous())
+            return
         self._isend(tensor.contiguous(), dst, tag, self.data)
 
     def send_object(self, value: object, dst: int, tag: int) -> None:
@@ -92,7 +116,19 @@ class StageLinks:
         return tensor
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        return self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, tag, self.data)
+        if self.queues is None:
+            return self._recv(torch.empty(shape, dtype=dtype, device=self.device), src, tag, self.data)
+        started = time.perf_counter()
+        try:
+            shared = self.queues[(src, self.rank, tag)].get(timeout=self.timeout_s)
+        except queue.Empty as error:
+            raise RuntimeError(f"pipeline stage {src} sent nothing to stage {self.rank} within {self.timeout_s:.0f} s "
+                               "(lost, or hung)") from error
+        self.waited += time.perf_counter() - started
+        if tuple(shared.shape) != tuple(shape) or shared.dtype != dtype:
+            raise RuntimeError(f"pipeline stage {self.rank} expected a {tuple(shape)} {dtype} tensor from stage {src} "
+                               f"and got {tuple(shared.shape)} {shared.dtype}")
+        return torch.empty(shape, dtype=dtype, device=self.device).copy_(shared)   # its own memory
 
     def recv_object(self, src: int, tag: int) -> object:
         size = int(self._recv(torch.empty(1, dtype=torch.int64), src, tag, self.control))

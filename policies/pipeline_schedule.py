@@ -103,7 +103,6 @@ class PipelineSchedule:
         self.serial_pending: dict[str, int] = {}
         self.job_last: dict[str, int] = {}          # job -> its last planned micro-batch
         self.commands: deque[tuple[str, str]] = deque()   # (X or Q, job) waiting for the job's ops to end
-        self.backwarded: dict[int, int] = {}        # index -> stages that finished its backward
         self.since_flush: set[str] = set()          # flush mode: jobs of the global batch in progress
         self.flush_time = 0.0                       # when the last stage-0 backward ended
         self.serial_seen: dict[str, int] = {}       # dropout job -> its last micro-batch entered
@@ -186,7 +185,7 @@ class PipelineSchedule:
         if self.flush and self.since_flush.intersection(plan.jobs):
             # a generic pipeline: a job's next micro-batch starts a new global batch, after everything
             # before has left every stage (the flush) and every adapter stepped
-            if any(self.backwarded.get(i, 0) < self.stages for i in range(index)):
+            if self.state[0].next_backward < index:   # stage 0's backward is a plan's last operation
                 return math.inf
             gate = max(gate, self.flush_time)
         return gate
@@ -277,7 +276,7 @@ class PipelineSchedule:
         if self.stages > 1:
             previous = [self.serial_seen[job] for job in plan.serial if job in self.serial_seen]
             if previous:
-                self._take_results(max(previous), before_last=True)
+                self._take_results(max(previous))
         for job in plan.jobs:
             self.step_ready.pop(job, None)
             self.serial_ready.pop(job, None)
@@ -292,7 +291,6 @@ class PipelineSchedule:
             self.since_flush.update(plan.jobs)
 
     def _backward_done(self, s: int, plan: MicroBatchPlan, end: float) -> None:
-        self.backwarded[plan.index] = self.backwarded.get(plan.index, 0) + 1
         for job in plan.closes:
             self.state[s].pending_steps[job] = plan.index
         if s == 0:
@@ -303,8 +301,9 @@ class PipelineSchedule:
             self.flush_time = max(self.flush_time, end)
             if self.stages > 1:
                 self._take_results(plan.index)
+            del self.plans[plan.index]   # its last operation: nothing reads it again
 
-    def _take_results(self, index: int, *, before_last: bool = False) -> None:
+    def _take_results(self, index: int) -> None:
         """Stage 0 receives the last stage's results (losses, dropout generators' states) up to `index`:
         before a forward whose dropout jobs need their generators, and after each backward."""
         if index <= self.results_taken:

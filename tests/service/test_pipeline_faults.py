@@ -11,17 +11,21 @@ import pytest
 
 from actors.engine.pipeline.stage import StageSettings
 from actors.service.pipeline_processes import LocalPipeline, StageLost
-from tests.helpers.pipeline import loader, single_device, tiny_base
-from tests.service.test_pipeline_trainer import LAYERS, assert_same_as_single_device, run_and_keep_heads, sft
+from tests.helpers.pipeline import (
+    LAYERS,
+    assert_same_as_single_device,
+    loader,
+    one_thread_per_process,
+    run_and_keep_heads,
+    sft,
+    single_device,
+    tiny_base,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    yield from one_thread_per_process()
 
 
 def test_recomputation_on_stages_is_exact():

@@ -165,6 +165,36 @@ def compile_problem(compile: str, *, recompute: str, quantization: str) -> str |
     return None
 
 
+Stages = Annotated[int, Bounds(1, 256)]
+StageSplit = list[Annotated[int, Bounds(1, 100_000)]] | Literal["even", "measured"]
+STAGES_DESCRIPTION = ("pipeline stages the base's decoder is cut into, each a process of its own on its own device "
+                      "(one GPU each with num_gpus >= stages; all on one GPU with num_gpus: 1; on CPU, one process "
+                      "each); 1: the single-device trainer")
+STAGE_SPLIT_DESCRIPTION = ("with stages >= 2: decoder layers per stage (a list), even, or measured (balanced by "
+                           "each layer's measured time and memory)")
+
+
+def pipeline_problem(stages: int, split: list[int] | str, *, quantization: str, dtype: str, layout: str,
+                     compile: str) -> str | None:
+    """Why a trainer of `stages` pipeline stages cannot have these settings, naming the field and the fix; None
+    if it can (actors/engine/pipeline/)."""
+    if stages == 1:
+        return None
+    if isinstance(split, list) and len(split) != stages:
+        return f"stage_split lists {len(split)} stages' layer counts and stages is {stages}: give one count per stage"
+    if quantization != "none":
+        return (f"stages: {stages} with quantization: {quantization} is not offered (a stage loads its tensors in "
+                "full precision); set quantization: none or stages: 1")
+    if dtype == "float16":
+        return ("stages >= 2 with dtype: float16 is not offered (float16's per-job loss scaling over stages is not "
+                "built); set dtype: bfloat16")
+    if layout != "packed":
+        return f"stages >= 2 packs its micro-batches; set layout: packed (not {layout}) or stages: 1"
+    if compile != "none":
+        return f"stages >= 2 runs its stages eagerly; set compile: none (not {compile}) or stages: 1"
+    return None
+
+
 def needs_full_precision_base(lora: LoraConfig) -> str | None:
     """Why `lora` cannot train on a quantized base (int8 / nf4), naming the field and the fix; None if it can.
     PiSSA / OLoRA decompose W and train on W - scaling B0 A0; PEFT re-quantizes that residual, which would
@@ -452,6 +482,8 @@ class RunSpec(StrictModel):
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
                             "quantized base)")
+    stages: Stages = Field(1, description=STAGES_DESCRIPTION)
+    stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
                                                               "sets none of its own")
@@ -459,7 +491,9 @@ class RunSpec(StrictModel):
 
     @model_validator(mode="after")
     def _compile_combination(self) -> RunSpec:
-        problem = compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+                   or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
+                                       layout=self.layout, compile=self.compile))
         if problem is not None:
             raise ValueError(problem)
         return self

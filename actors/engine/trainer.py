@@ -22,7 +22,7 @@ import torch
 from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
-from actors.engine.job import OptimizerStepRecord, TrainingJob
+from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
@@ -32,7 +32,7 @@ from actors.engine.optim import step_jobs
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
-from actors.engine.spec import PREFERENCE_METHODS
+from actors.engine.spec import PREFERENCE_METHODS, JobSpec
 from actors.engine.step_objective import ObjectiveJob, step_objective
 from policies.base import NextBatch, StepComposer
 
@@ -105,6 +105,19 @@ class FusedTrainer:
             raise ValueError(f"job '{job.name}' is already on this trainer")
         self.jobs[job.name] = job
         self.meter.refresh_weights()
+
+    def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
+               seed: int) -> TrainingJob:
+        """A job whose micro-batches come from `source`, its adapter on the base; not yet in the steps."""
+        return TrainingJob.attach(spec, self.base, source, eval_examples, total_steps, seed=seed)
+
+    def restored(self, job: TrainingJob) -> None:
+        """A checkpoint was loaded into `job`: its tensors are already the ones the steps use."""
+
+    def discard(self, name: str) -> None:
+        """Take a job that could not start (attached, perhaps not added) off the base."""
+        self.jobs.pop(name, None)
+        remove_adapter(self.base.model, name)
 
     def remove_job(self, name: str) -> TrainingJob:
         job = self.jobs.pop(name)

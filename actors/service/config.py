@@ -12,13 +12,18 @@ from pydantic import Field, field_validator, model_validator
 from actors.engine.base_settings import Compile, Dtype, Layout, Quantization, Recompute
 from actors.engine.spec import (
     INT64_MAX,
+    STAGE_SPLIT_DESCRIPTION,
+    STAGES_DESCRIPTION,
     Bounds,
     Location,
     RunSpec,
+    Stages,
+    StageSplit,
     StepTokens,
     StrictModel,
     canonical_base_model,
     compile_problem,
+    pipeline_problem,
 )
 from actors.engine.storage import S3Settings, endpoint_problem, is_uri
 
@@ -44,6 +49,8 @@ class TrainerConfig(StrictModel):
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
                             "quantized base)")
+    stages: Stages = Field(1, description=STAGES_DESCRIPTION)
+    stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
     count: Annotated[int, Bounds(1, 1024)] = Field(
         1, description="trainers of this kind (nodes: each: on every node, GPU kinds at most one per num_gpus "
                        "of the node's GPUs)")
@@ -87,7 +94,12 @@ class TrainerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _compile_combination(self) -> TrainerConfig:
-        problem = compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+                   or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
+                                       layout=self.layout, compile=self.compile))
+        if problem is None and self.stages > 1 and 1 < self.num_gpus < self.stages:
+            problem = (f"stages: {self.stages} with num_gpus: {self.num_gpus:g}: give each stage a GPU (num_gpus: "
+                       f"{self.stages}) or put them all on one (num_gpus: 1)")
         if problem is not None:
             raise ValueError(problem)
         return self
@@ -241,7 +253,7 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
         gpus = 1 if spec.device.startswith("cuda") else 0
     trainer = TrainerConfig(**{"base_model": spec.base_model, "quantization": spec.quantization, "dtype": spec.dtype,
                                "step_tokens": spec.step_tokens, "layout": spec.layout, "recompute": spec.recompute,
-                               "compile": spec.compile,
+                               "compile": spec.compile, "stages": spec.stages, "stage_split": spec.stage_split,
                                "num_gpus": gpus,
                                "step_log": output_dir / "trainer.jsonl", **trainer_fields})
     return ServiceConfig(**{"state_dir": state_dir or output_dir / ".aspen", "trainers": [trainer],

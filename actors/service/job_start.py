@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from actors.engine.checkpoint import CheckpointError, has_checkpoint, load_checkpoint
 from actors.engine.job import TrainingJob
-from actors.engine.lora import remove_adapter
 from actors.engine.storage import is_uri
 from actors.engine.trainer import FusedTrainer
 from actors.service.active_job import ActiveJob, JobMirror
@@ -21,6 +21,9 @@ from actors.service.remote_outputs import RemoteOutputs
 from actors.service.stop_verdicts import StopVerdicts
 from actors.service.tracking import JobTracker, start_tracker
 from policies.stopping import Verdict
+
+if TYPE_CHECKING:
+    from actors.service.pipeline_engine import PipelineEngine
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,11 @@ class StartedJob:
     resume_verdict: Pending[Verdict] | None   # its job actor's verdict on its history as of that checkpoint
 
 
-def start_job(assignment: Assignment, trainer: FusedTrainer, outputs: RemoteOutputs, trainer_id: str, *,
-              prefetch: int) -> StartedJob:
+def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, outputs: RemoteOutputs,
+              trainer_id: str, *, prefetch: int) -> StartedJob:
     """Attach the job to `trainer`, restored from its newest checkpoint where it has one. Raises whatever kept
     it from starting (its folder or store refusing writes, its store unreadable, ...): nothing of it is left
-    on the trainer then."""
+    on the trainer then. `trainer`: one device's, or a pipeline's (`PipelineEngine`)."""
     job_id = assignment.job_id
     submission = assignment.submission
     spec = submission.job.model_copy(update={"name": job_id})
@@ -54,8 +57,7 @@ def start_job(assignment: Assignment, trainer: FusedTrainer, outputs: RemoteOutp
     try:
         if is_uri(assignment.output_dir):
             mirror = outputs.mirror(assignment.output_dir, local_dir)
-        job = TrainingJob.attach(spec, trainer.base, feed, assignment.eval_examples, assignment.data.total_steps,
-                                 seed=submission.seed)
+        job = trainer.attach(spec, feed, assignment.eval_examples, assignment.data.total_steps, seed=submission.seed)
         job.data_digest = assignment.data.digest   # checked against its checkpoint's (DataChanged), saved with it
         folder = local_dir / CHECKPOINT_FOLDER
         resumed_from = None
@@ -63,6 +65,7 @@ def start_job(assignment: Assignment, trainer: FusedTrainer, outputs: RemoteOutp
         fetch_note = outputs.fetch_checkpoint(mirror, folder) if mirror is not None else ""
         if has_checkpoint(folder):
             resumed_from, note = resume(job, folder, f"trainer {trainer_id}: job {job_id}")
+            trainer.restored(job)   # a pipeline's stages take what was loaded (or the job as it was)
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
                 resume_verdict = assignment.link.update(JobUpdate(
                     resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals)))
@@ -75,7 +78,7 @@ def start_job(assignment: Assignment, trainer: FusedTrainer, outputs: RemoteOutp
         trainer.add_job(job)
     except Exception:   # nothing of the job stays on the trainer; the caller reports why
         if job is not None:
-            remove_adapter(trainer.base.model, job_id)
+            trainer.discard(job_id)
         files.close()
         raise
     note = "; ".join(part for part in (fetch_note, note) if part)

@@ -6,6 +6,7 @@ steps, stop steps, evaluations and adapters in both modes (`tests/service/test_o
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,11 +19,12 @@ from actors.engine.models import BaseModel, load_base_model
 from actors.engine.spec import RunSpec
 from actors.engine.storage import StorageURI, as_location, configured_storage, storage_configured
 from actors.engine.trainer import StepReport
-from actors.service.config import StorageConfig, run_service_config
+from actors.service.config import StorageConfig, TrainerConfig, run_service_config
 from actors.service.job_data import JobData
 from actors.service.job_files import clear_job_folder
 from actors.service.job_link import Assignment, LocalJobLink
 from actors.service.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.service.pipeline_engine import PipelineEngine, start_pipeline
 from actors.service.scheduler_core import SchedulerCore
 from actors.service.trainer_loop import TrainerLoop
 from policies.base import Preempt, Start, StepComposer
@@ -55,15 +57,18 @@ class RunStuck(RuntimeError):
 
 def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
                   on_step: Callable[[StepReport], None] | None = None,
-                  trainer: dict | None = None, storage: StorageConfig | dict | None = None) -> list[JobSummary]:
+                  trainer: dict | None = None, storage: StorageConfig | dict | None = None,
+                  loader: Callable[[], BaseModel] | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
     over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first, since
     this mode keeps no job table to tell whether resuming it would be right (`aspen run` does). `trainer`:
     further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them.
     `storage`: the service's `storage:` settings (S3 endpoint, region, credential variables), used in this
-    process for the run (the environment's where it gives none)."""
-    if base is None:
+    process for the run (the environment's where it gives none). With `stages: N` the stages run as processes
+    of this one (actors/service/pipeline_engine.py), each loading its share of the base (`loader`: a picklable
+    callable returning the whole base instead, which each stage process then cuts)."""
+    if base is None and spec.stages == 1:
         base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization)
     storage_config = StorageConfig.model_validate(storage) if isinstance(storage, dict) else storage
@@ -76,7 +81,9 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
         table = JobTable(Path(state) / "jobs.sqlite")
         core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config])
         loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),
-                           policy if isinstance(policy, StepComposer) else None)
+                           policy if isinstance(policy, StepComposer) else None,
+                           engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)
+        base = loop.base
         submissions = spec.submissions()
         for submission in submissions:
             clear_job_folder(submission.output_dir)
@@ -95,6 +102,12 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
             summaries = [_summary(record, table) for record in final]
             table.close()
     return summaries
+
+
+def _pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None) -> PipelineEngine:
+    """The run's pipeline stages as local processes: on CPU, the cores shared among them (or `threads` each)."""
+    threads = config.threads or (None if config.num_gpus else max(1, (os.cpu_count() or 1) // config.stages))
+    return start_pipeline(config, loader, threads=threads)
 
 
 def _step_bar(enabled: bool) -> Progress:

@@ -179,6 +179,9 @@ class LocalPipeline:
     def stats(self) -> list[dict]:
         return self._guarded(self.trainer.stats)
 
+    def evaluate(self, name: str, examples: list | None = None, batch_size: int = 8) -> float:
+        return self._guarded(self.trainer.evaluate, name, examples, batch_size)
+
     def failed_stages(self) -> list[str]:
         return [f"stage {rank} (exit code {process.exitcode})"
                 for rank, process in enumerate(self.processes, start=1) if process.exitcode not in (None, 0)]

@@ -36,6 +36,7 @@ from actors.service.job_data import JobUpdate
 from actors.service.job_files import CHECKPOINT_FOLDER, metrics_rows
 from actors.service.job_link import Assignment
 from actors.service.job_start import start_job, start_tracking
+from actors.service.pipeline_engine import PipelineAdmission, PipelineEngine
 from actors.service.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.step_admission import StepAdmission, memory_in_use
@@ -54,24 +55,32 @@ class TrainerLoop:
     """A trainer's fused steps over its jobs. From any thread: `assign`, `stop_job`, `drain_events`, `status`;
     from the stepping thread: `run_once`, `close`; `active` and `leaving` are the jobs here."""
 
-    def __init__(self, base: BaseModel, config: TrainerConfig, trainer_id: str, state_dir: Path,
-                 composer: StepComposer | None = None):
-        """`composer`: the service policy's `compose_step`, where it has one (e.g. MinPad)."""
+    def __init__(self, base: BaseModel | None, config: TrainerConfig, trainer_id: str, state_dir: Path,
+                 composer: StepComposer | None = None, *, engine: PipelineEngine | None = None):
+        """`composer`: the service policy's `compose_step`, where it has one (e.g. MinPad). `engine`: a
+        pipeline trainer's (`stages: N`; the loop owns it and closes it) instead of one device's over `base`."""
         self.config = config
         self.trainer_id = trainer_id
-        self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout, composer=composer,
-                                    recompute=config.recompute, compile=config.compile)
+        self.trainer: FusedTrainer | PipelineEngine
+        if engine is not None:
+            self.trainer = engine
+            self.admission: StepAdmission | PipelineAdmission = PipelineAdmission(engine, config.memory_budget_bytes)
+        else:
+            assert base is not None
+            self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout,
+                                        composer=composer, recompute=config.recompute, compile=config.compile)
+            self.admission = StepAdmission(self.trainer, config.memory_budget_bytes)
         self.totals = StepTotals()
         self.commands = Commands()
         self.events = TrainerEvents()
         self.active: dict[str, ActiveJob] = {}
-        self.admission = StepAdmission(self.trainer, config.memory_budget_bytes)
         self.step_log = StepLog(trainer_step_log(config, Path(state_dir), trainer_id), trainer_id)
         staging_dir = Path(config.staging_dir or Path(state_dir) / "staging").expanduser()
         self.outputs = RemoteOutputs(trainer_id, staging_dir, config.upload_timeout_s, self.events,
                                      self.commands.wake)
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
         # what adapters record as their base: an id a serving engine resolves, and where it was loaded from
+        base = self.trainer.base
         self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
                                            dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
@@ -399,3 +408,5 @@ class TrainerLoop:
                             "or its adapter artefact may be missing there", self.trainer_id, tracker.job_id,
                             CLOSE_WAIT_S)
         self.step_log.close()
+        if isinstance(self.trainer, PipelineEngine):
+            self.trainer.close()   # its stages stop

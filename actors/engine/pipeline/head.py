@@ -43,13 +43,15 @@ class HeadJob:
     losses: list[float] = field(default_factory=list)     # every micro-batch's loss, in order
     tokens_seen: int = 0
     eval_examples: list[Example] = field(default_factory=list)
+    step_limit: int | None = None     # compose no micro-batch of a later optimizer step (None: up to total_steps)
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     def peek(self) -> list[Example] | None:
-        if self.pending is None and self.planned_steps < self.total_steps:
+        limit = self.total_steps if self.step_limit is None else min(self.total_steps, self.step_limit)
+        if self.pending is None and self.planned_steps < limit:
             self.position_before_pending = self.cursor.state_dict()
             self.pending = self.cursor.next_batch()
         return self.pending
@@ -66,8 +68,9 @@ class HeadJob:
 
     @property
     def done(self) -> bool:
-        """Every planned micro-batch is booked and no more will be planned."""
-        return not self.composable and self.accumulator.micro_batches == 0 and len(self.history) == self.planned_steps
+        """Every planned micro-batch is booked and no more will be planned (asks the data source nothing)."""
+        no_more = self.planned_steps >= self.total_steps or (self.pending is None and self.cursor.exhausted)
+        return no_more and self.accumulator.micro_batches == 0 and len(self.history) == self.planned_steps
 
 
 @dataclass(kw_only=True)
@@ -137,6 +140,10 @@ class PipelineTrainer:
             job.planned_steps = state["step_count"]
             job.micro_count = state["micro_count"]
             job.history = [OptimizerStepRecord(**row) for row in state.get("history", [])]
+            job.tokens_seen = state.get("tokens_seen", 0)
+            if state.get("accumulator") is not None:   # resumed mid-accumulation (its gradients in `state`)
+                job.accumulator = state["accumulator"]
+                job.step_targets = job.accumulator.targets
         self.jobs[spec.name] = job
         self._send(("add", JobSetup(spec, seed, job.total_steps, state)))
 
@@ -164,6 +171,7 @@ class PipelineTrainer:
         state["step_count"], state["micro_count"] = job.planned_steps, job.micro_count
         state["data_position"] = job.data_position()
         state["history"] = [dataclasses.asdict(record) for record in job.history]
+        state["tokens_seen"] = job.tokens_seen
         return state
 
     # -- running -----------------------------------------------------------------------------------

@@ -122,6 +122,8 @@ class StageJob:
         with torch.no_grad():
             for name, parameter in named.items():
                 parameter.copy_(state["tensors"][name])
+                gradient = state.get("gradients", {}).get(name)   # resumed mid-accumulation
+                parameter.grad = None if gradient is None else gradient.to(parameter.device, parameter.dtype)
             for name, a0, b0 in self.adapter.frozen_initial():
                 a0.copy_(state["tensors"][f"{name}.lora_A0"])
                 b0.copy_(state["tensors"][f"{name}.lora_B0"])

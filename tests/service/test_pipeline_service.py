@@ -1,0 +1,115 @@
+"""Pipeline trainers in the trainer loop (`stages: N`), against the single-device trainer as the reference: a
+jobs file run in-process with `stages: 2` writes the same adapters, metrics, evaluations and stop steps bit
+for bit; a job checkpointed on a pipeline resumes on one device, and one checkpointed on one device resumes
+on a pipeline, each ending as if never interrupted. CPU, float32, one thread in every process (an SVD's or a
+reduction's rounding may depend on the thread count): tests/service/test_pipeline_trainer.py says why such a
+pipeline is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from actors.engine.models import load_base_model
+from actors.service.config import TrainerConfig
+from actors.service.local_run import train_locally
+from actors.service.pipeline_engine import start_pipeline
+from actors.service.trainer_loop import TrainerLoop
+from tests.helpers.pipeline import one_thread_per_process
+from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.trainer import assignment_for, run_until_idle
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    yield from one_thread_per_process()
+
+
+def outputs(folder) -> dict:
+    """What a run leaves in a job's folder that must not depend on the trainer kind."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {"adapter": load_file(str(folder / "adapter_model.safetensors")), "metrics": rows,
+            "config": json.loads((folder / "adapter_config.json").read_text())}
+
+
+def assert_same_outputs(ours: dict, theirs: dict, name: str) -> None:
+    assert ours["metrics"] == theirs["metrics"], name
+    assert ours["config"] == theirs["config"], name
+    assert ours["adapter"].keys() == theirs["adapter"].keys(), name
+    for key, value in theirs["adapter"].items():
+        assert torch.equal(ours["adapter"][key], value), (name, key)
+    assert any(float(v.abs().max()) > 0 for k, v in ours["adapter"].items() if "lora_B" in k), "nothing trained"
+
+
+def test_a_jobs_file_with_stages_trains_as_on_one_device(tmp_path, tiny_model_dirs):
+    data = tmp_path / "data"
+    jobs = [job_dict("plain", write_task_data(data, "plain"), 6, eval_split=4, eval_every=2),
+            job_dict("accum", write_task_data(data, "accum", offset=3), 4, grad_accum=2, max_grad_norm=0.05,
+                     lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}),
+            job_dict("flat", write_task_data(data, "flat", offset=5), 60, lr=1e-7, lr_schedule="constant",
+                     eval_split=8, eval_every=2, early_stop={"min_improvement": 0.05, "patience": 3})]
+    model = str(tiny_model_dirs["llama"])
+    single = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
+    reference = train_locally(single, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    staged = run_spec(model, tmp_path / "staged", jobs, step_tokens=512).model_copy(
+        update={"stages": 2, "stage_split": "even"})
+    summaries = train_locally(staged, progress=False, trainer={"threads": 1})
+    assert [(s.name, s.state, s.steps, s.evals) for s in summaries] == \
+        [(s.name, s.state, s.steps, s.evals) for s in reference]
+    assert {s.name: s.state for s in summaries} == {"plain": "completed", "accum": "completed",
+                                                   "flat": "stopped_early"}
+    for job in jobs:
+        assert_same_outputs(outputs(tmp_path / "staged" / job["name"]), outputs(tmp_path / "single" / job["name"]),
+                            job["name"])
+    trainer_rows = [json.loads(line) for line in (tmp_path / "staged/trainer.jsonl").read_text().splitlines()]
+    assert trainer_rows and all(row["tokens"] > 0 for row in trainer_rows)
+
+
+def loop_for(kind: str, tmp_path, model: str, name: str) -> TrainerLoop:
+    config = TrainerConfig(base_model=model, stages=2 if kind == "pipeline" else 1, stage_split="even", threads=1)
+    if kind == "pipeline":
+        return TrainerLoop(None, config, name, tmp_path / "state", engine=start_pipeline(config, threads=1))
+    return TrainerLoop(load_base_model(model, dtype="float32", device="cpu"), config, name, tmp_path / "state")
+
+
+@pytest.mark.parametrize("first,then,extra", [("pipeline", "single", 0), ("single", "pipeline", 0),
+                                              ("single", "pipeline", 1)],
+                         ids=["pipeline-to-single", "single-to-pipeline", "single-mid-accumulation-to-pipeline"])
+def test_a_job_paused_on_one_trainer_kind_resumes_on_the_other_exactly(tmp_path, tiny_model_dirs, first, then, extra):
+    """`extra`: micro-batches run after the step-3 boundary before the pause (one device's checkpoint then holds
+    the accumulation in progress: its gradients, which the pipeline's stages take)."""
+    model = str(tiny_model_dirs["llama"])
+    job = job_dict("moving", write_task_data(tmp_path / "data", "moving"), 8, grad_accum=2, checkpoint_every=3,
+                   lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    spec = run_spec(model, tmp_path / "out", [job])
+    (submission,) = spec.submissions()
+    loop = loop_for(first, tmp_path, model, "first")
+    try:
+        loop.assign(assignment_for(submission, "moving", loop.base.tokenizer))
+        while loop.active.get("moving") is None or loop.active["moving"].job.step < 3:
+            loop.run_once(idle_wait=0)
+        for _ in range(extra):
+            loop.run_once(idle_wait=0)
+        loop.stop_job("moving", "paused", "moved to another trainer")
+        events = run_until_idle(loop)
+    finally:
+        loop.close()
+    paused = next(e for e in events if e.kind == "paused")
+    assert paused.data["checkpoint_step"] == 3
+    state = json.loads((tmp_path / "out/moving/checkpoint/state.json").read_text())
+    assert state["accumulator"]["micro_batches"] == extra and sum(state["optimizer"]["gradients"]) == (
+        0 if extra == 0 else len(state["optimizer"]["gradients"]))
+    loop = loop_for(then, tmp_path, model, "then")
+    try:
+        loop.assign(assignment_for(submission, "moving", loop.base.tokenizer))
+        events = run_until_idle(loop)
+    finally:
+        loop.close()
+    assert next(e for e in events if e.kind == "started").data["resumed_from"] == 3
+    assert any(e.kind == "completed" for e in events)
+    uninterrupted = run_spec(model, tmp_path / "uninterrupted", [job])
+    train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    assert_same_outputs(outputs(tmp_path / "out/moving"), outputs(tmp_path / "uninterrupted/moving"), "moving")

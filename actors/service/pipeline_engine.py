@@ -34,7 +34,7 @@ from actors.engine.pipeline.stage import StageSettings
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import JobStepResult, StepReport
-from actors.service.pipeline_processes import LocalPipeline
+from actors.service.pipeline_processes import LocalPipeline, StageLost
 from policies.memory_model import MemoryModel, StepShape
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class PipelineJob:
         """Bring the mirror up to date with the stages (nothing is in flight between loop steps)."""
         if not self.stale:
             return
-        state = self.engine.pipeline.job_state(self.name)
+        state = self.engine._guarded(lambda: self.engine.pipeline.job_state(self.name))
         if self._adapter is None:
             self._adapter = mirror_adapter(self.name, self.spec, state, self.engine.module_order,
                                            self.engine.peft_targets(self.name))
@@ -217,16 +217,38 @@ class PipelineEngine:
 
     recompute = "none"
 
-    def __init__(self, pipeline: LocalPipeline, *, step_tokens: int, layout: str = "packed"):
+    def __init__(self, launch: Callable[[], LocalPipeline], *, step_tokens: int, layout: str = "packed"):
+        """`launch`: starts the stages (again after one was lost: `rebuild`)."""
         if layout != "packed":
             raise ValueError(f"a pipeline trainer packs its micro-batches; layout '{layout}' is for one device")
-        self.pipeline = pipeline
-        self.head: PipelineTrainer = pipeline.trainer
+        self.launch = launch
+        self.pipeline = launch()
+        self.head: PipelineTrainer = self.pipeline.trainer
         self.step_tokens = step_tokens
         self.layout = layout
         self.jobs: dict[str, PipelineJob] = {}
         self.step_count = 0
+        self.lost: StageLost | None = None   # the stage lost, until `rebuild`
         self.module_order = linear_module_names(self.base.model)
+
+    def _guarded(self, call: Callable, *args, **kwargs):
+        """A call to the stages; after a stage was lost, every call raises that until `rebuild`."""
+        if self.lost is not None:
+            raise self.lost
+        try:
+            return call(*args, **kwargs)
+        except StageLost as error:
+            self.lost = error
+            raise
+
+    def rebuild(self) -> None:
+        """New stages for the lost ones: the old processes stopped, every job dropped (each resumes from its
+        last checkpoint when assigned again)."""
+        self.pipeline.close(failed=True)
+        self.jobs.clear()
+        self.pipeline = self.launch()
+        self.head = self.pipeline.trainer
+        self.lost = None
 
     @property
     def base(self) -> BaseModel:
@@ -244,7 +266,8 @@ class PipelineEngine:
     def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
                seed: int) -> PipelineJob:
         """The job on every stage, its adapter initialised as on one device; not yet in the steps (`add_job`)."""
-        self.pipeline.add_job(spec, cursor=source, total_steps=total_steps, seed=seed, eval_examples=eval_examples)
+        self._guarded(self.pipeline.add_job, spec, cursor=source, total_steps=total_steps, seed=seed,
+                      eval_examples=eval_examples)
         head = self.head.jobs[spec.name]
         head.step_limit = 0
         return PipelineJob(self, head, list(eval_examples), seed)
@@ -252,9 +275,9 @@ class PipelineEngine:
     def restored(self, job: PipelineJob) -> None:
         """A checkpoint was loaded into the job's mirror: the stages take it, the head its counters."""
         state = job.mirror_state()
-        self.pipeline.remove_job(job.name)
-        self.pipeline.add_job(job.spec, cursor=job.head.cursor, total_steps=job.total_steps, seed=job.seed,
-                              eval_examples=job.eval_examples, state=state)
+        self._guarded(self.pipeline.remove_job, job.name)
+        self._guarded(self.pipeline.add_job, job.spec, cursor=job.head.cursor, total_steps=job.total_steps,
+                      seed=job.seed, eval_examples=job.eval_examples, state=state)
         job.head = self.head.jobs[job.name]
         job.head.step_limit = 0
         job.stale = True
@@ -265,14 +288,16 @@ class PipelineEngine:
         self.jobs[job.name] = job
 
     def discard(self, name: str) -> None:
-        """Take a job that could not start off every stage."""
+        """Take a job that could not start off every stage (after a lost stage: off this engine only)."""
         self.jobs.pop(name, None)
-        if name in self.head.jobs:
-            self.pipeline.remove_job(name)
+        if name in self.head.jobs and self.lost is None:
+            self._guarded(self.pipeline.remove_job, name)
 
     def remove_job(self, name: str) -> PipelineJob:
+        """Off every stage (after a lost stage: off this engine only; `rebuild` drops the rest)."""
         job = self.jobs.pop(name)
-        self.pipeline.remove_job(name)
+        if self.lost is None:
+            self._guarded(self.pipeline.remove_job, name)
         return job
 
     # -- steps ----------------------------------------------------------------------------------------
@@ -291,7 +316,7 @@ class PipelineEngine:
         for name, head in self.head.jobs.items():
             head.step_limit = head.planned_steps + 1 if name in names else head.planned_steps
         try:
-            plans = self.pipeline.run()
+            plans = self._guarded(self.pipeline.run)
         finally:
             for head in self.head.jobs.values():
                 head.step_limit = head.planned_steps
@@ -307,13 +332,13 @@ class PipelineEngine:
                           seconds=time.perf_counter() - started, peak_memory_bytes=0, results=results)
 
     def evaluate(self, job: PipelineJob, examples: list[Example] | None = None, batch_size: int = 8) -> float:
-        return self.pipeline.evaluate(job.name, examples, batch_size)
+        return self._guarded(self.pipeline.evaluate, job.name, examples, batch_size)
 
     def stats(self) -> list[dict]:
-        return self.pipeline.stats()
+        return self._guarded(self.pipeline.stats)
 
     def close(self) -> None:
-        self.pipeline.close()
+        self.pipeline.close(failed=self.lost is not None)
 
 
 class PipelineAdmission:
@@ -368,7 +393,13 @@ def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None
         devices, transport = ["cuda:0"] * stages, "shared"
     settings = StageSettings(layout=config.layout, recompute=config.recompute)
     split = config.stage_split if isinstance(config.stage_split, str) else list(config.stage_split)
-    pipeline = LocalPipeline(loader or StageLoader(config.base_model, config.dtype), stages, split=split,
-                             devices=devices, settings=settings, step_tokens=config.step_tokens, threads=threads,
-                             transport=transport)
-    return PipelineEngine(pipeline, step_tokens=config.step_tokens, layout=config.layout)
+    loader = loader or StageLoader(config.base_model, config.dtype)
+
+    chosen: dict[str, Any] = {"split": split}
+
+    def launch() -> LocalPipeline:   # a rebuilt pipeline keeps the first one's split (none measured again)
+        pipeline = LocalPipeline(loader, stages, split=chosen["split"], devices=devices, settings=settings,
+                                 step_tokens=config.step_tokens, threads=threads, transport=transport)
+        chosen["split"] = list(pipeline.split)
+        return pipeline
+    return PipelineEngine(launch, step_tokens=config.step_tokens, layout=config.layout)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.engine.base_identity import base_identity
-from actors.engine.checkpoint import DataChanged, save_checkpoint
+from actors.engine.checkpoint import DataChanged, save_checkpoint, saved_step
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.peft_io import save_adapter
@@ -37,6 +37,7 @@ from actors.service.job_files import CHECKPOINT_FOLDER, metrics_rows
 from actors.service.job_link import Assignment
 from actors.service.job_start import start_job, start_tracking
 from actors.service.pipeline_engine import PipelineAdmission, PipelineEngine
+from actors.service.pipeline_processes import StageLost
 from actors.service.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.step_admission import StepAdmission, memory_in_use
@@ -128,6 +129,13 @@ class TrainerLoop:
         end the jobs that are done. Verdicts first: a job whose stop is due stops even when a pause for it
         arrived at the same step boundary, as it would have without the pause. The background uploads that
         ended meanwhile are taken first (events, the next upload, the leaving jobs' ends)."""
+        try:
+            return self._run_once(idle_wait)
+        except StageLost as error:   # a pipeline's stage: every job here goes back, the stages start again
+            self._pipeline_lost(error)
+            return None
+
+    def _run_once(self, idle_wait: float) -> StepReport | None:
         self._collect_uploads()
         for active in list(self.active.values()):
             self._apply_verdicts(active)
@@ -150,6 +158,8 @@ class TrainerLoop:
             predicted = self.admission.predict(shape)
             try:
                 report = self.trainer.run_step(chosen, measure=self.admission.measure_next_step())
+            except StageLost:
+                raise
             except Exception as error:  # the step failed (e.g. out of memory): its jobs fail
                 log.exception("trainer %s: fused step failed", self.trainer_id)
                 for job, _ in chosen:
@@ -254,6 +264,9 @@ class TrainerLoop:
             return
         try:
             start = start_job(assignment, self.trainer, self.outputs, self.trainer_id, prefetch=self.config.prefetch)
+        except StageLost as error:   # not the job's fault: it goes back and starts again on the new stages
+            self.events.emit("paused", job_id, 0, reason=f"it could not start: {error}", retry=True)
+            raise
         except Exception as error:  # a job that cannot start fails alone
             if isinstance(error, DataChanged):   # the user's to act on: the message says what to do
                 log.error("trainer %s: job %s could not start: %s", self.trainer_id, job_id, error)
@@ -345,6 +358,7 @@ class TrainerLoop:
         done, and report how it ended. `retry`: a `paused` job the scheduler should start again."""
         job, job_id = active.job, active.job_id
         data: dict[str, Any] = {"reason": reason, "tokens": job.tokens_seen}
+        lost: StageLost | None = None
         if retry:
             data["retry"] = True
         try:
@@ -365,6 +379,10 @@ class TrainerLoop:
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
                     job, active.checkpoint_dir, self.base_identity.serving_id))
                 data["checkpoint_step"] = job.step
+        except StageLost as error:   # nothing could be read from the stages: it resumes from its last checkpoint
+            lost = error
+            kind, data = "paused", {"reason": f"{reason}; then {self._lost_reason(error)}", "retry": True,
+                                    "tokens": job.tokens_seen, "checkpoint_step": saved_step(active.checkpoint_dir)}
         except OSError as error:   # the folder refused every try: one clear reason, no false success
             kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
                                               f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
@@ -378,10 +396,34 @@ class TrainerLoop:
             del self.active[job_id]
             active.files.close()
             self.trainer.remove_job(job.name)
+        if lost is not None:
+            active.report_end(self.events, kind, data)
+            raise lost
         if active.mirror is not None and kind != "failed":   # reported when its results are uploaded
             self.outputs.leave(active, kind, data)
             return
         active.report_end(self.events, kind, data)
+
+    @staticmethod
+    def _lost_reason(error: StageLost) -> str:
+        return (f"its pipeline trainer lost a stage ({error}); the stages were started again and the job resumes "
+                "from its last checkpoint")
+
+    def _pipeline_lost(self, error: StageLost) -> None:
+        """A pipeline's stage was lost: every job here goes back to the scheduler (paused, to be started again
+        from its last checkpoint: nothing can be read from the stages any more) and new stages start."""
+        log.error("trainer %s: %s", self.trainer_id, error)
+        for active in list(self.active.values()):
+            del self.active[active.job_id]
+            active.files.close()
+            self.trainer.remove_job(active.job.name)
+            active.report_end(self.events, "paused", {"reason": self._lost_reason(error), "retry": True,
+                                                      "tokens": active.job.tokens_seen,
+                                                      "checkpoint_step": saved_step(active.checkpoint_dir)})
+        assert isinstance(self.trainer, PipelineEngine)
+        self.trainer.rebuild()
+        self.admission = PipelineAdmission(self.trainer, self.config.memory_budget_bytes)
+        self._publish_jobs()
 
     @staticmethod
     def _write(active: ActiveJob, what: str, write: Any) -> Any:

@@ -113,3 +113,40 @@ def test_a_job_paused_on_one_trainer_kind_resumes_on_the_other_exactly(tmp_path,
     uninterrupted = run_spec(model, tmp_path / "uninterrupted", [job])
     train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
     assert_same_outputs(outputs(tmp_path / "out/moving"), outputs(tmp_path / "uninterrupted/moving"), "moving")
+
+
+def test_a_stage_killed_mid_run_restarts_the_stages_and_every_job_resumes_exactly(tmp_path, tiny_model_dirs,
+                                                                                    caplog):
+    """Stage 1's process SIGKILLed after the third loop step: the trainer gives every job back (paused, to
+    resume from its last checkpoint), starts new stages, and the jobs end as on one device, none lost, none
+    failed."""
+    import multiprocessing
+    import os
+    import signal
+
+    data = tmp_path / "data"
+    jobs = [job_dict("steady", write_task_data(data, "steady"), 7, checkpoint_every=2),
+            job_dict("noisy", write_task_data(data, "noisy", offset=4), 6, grad_accum=2, checkpoint_every=2,
+                     lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]})]
+    model = str(tiny_model_dirs["llama"])
+    reference = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
+    train_locally(reference, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    killed: list[int] = []
+
+    def kill_stage_once(report) -> None:
+        if report.step == 3 and not killed:
+            (stage,) = [p for p in multiprocessing.active_children() if p.name == "aspen-stage-1"]
+            os.kill(stage.pid, signal.SIGKILL)
+            killed.append(stage.pid)
+
+    staged = run_spec(model, tmp_path / "staged", jobs, step_tokens=512).model_copy(
+        update={"stages": 2, "stage_split": "even"})
+    summaries = train_locally(staged, progress=False, trainer={"threads": 1}, on_step=kill_stage_once)
+    assert killed, "no stage was killed: the test tested nothing"
+    assert "pipeline stage lost: stage 1 (exit code -9)" in caplog.text
+    assert [(s.name, s.state, s.steps) for s in summaries] == [("steady", "completed", 7), ("noisy", "completed", 6)]
+    for job in jobs:
+        assert_same_outputs(outputs(tmp_path / "staged" / job["name"]), outputs(tmp_path / "single" / job["name"]),
+                            job["name"])
+    stages_now = [p for p in multiprocessing.active_children() if p.name == "aspen-stage-1"]
+    assert not stages_now, "the rebuilt pipeline's stage outlived the run"

@@ -13,6 +13,7 @@ import torch
 from actors.engine.models import load_base_model
 from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.service.config import TrainerConfig
+from actors.service.pipeline_engine import start_pipeline
 from actors.service.trainer_loop import TrainerLoop
 from policies.base import StepComposer
 from policies.registry import load_policy
@@ -27,11 +28,16 @@ def start_trainer_loop(trainer_id: str, config: TrainerConfig, state_dir: Path, 
     minpad) to let it choose which jobs share each step."""
     if threads:
         torch.set_num_threads(threads)
+    composer = load_policy(policy) if policy else None
+    if config.stages > 1:   # the base cut into stages, each a process of this trainer's (its jobs' steps composed
+        engine = start_pipeline(config, threads=threads)   # by the pipeline's head: no step-composing policy)
+        log.info("trainer %s: %s in %d pipeline stages (layers %s), %d torch threads each", trainer_id,
+                 config.base_model, config.stages, engine.pipeline.split, torch.get_num_threads())
+        return TrainerLoop(None, config, trainer_id, state_dir, engine=engine)
     device = "cuda" if config.num_gpus > 0 else "cpu"
     base = load_base_model(config.base_model, dtype=config.dtype, device=device, quantization=config.quantization)
     warm_up_seconds = warm_up(base, config.step_tokens)   # one-time costs, before any job's first step
     settle_garbage_collector()
-    composer = load_policy(policy) if policy else None
     loop = TrainerLoop(base, config, trainer_id, state_dir, composer if isinstance(composer, StepComposer) else None)
     log.info("trainer %s: %s on %s, %d torch threads, warm-up step %.2fs", trainer_id, config.base_model,
              base.device, torch.get_num_threads(), warm_up_seconds)

@@ -150,3 +150,30 @@ def test_a_stage_killed_mid_run_restarts_the_stages_and_every_job_resumes_exactl
                             job["name"])
     stages_now = [p for p in multiprocessing.active_children() if p.name == "aspen-stage-1"]
     assert not stages_now, "the rebuilt pipeline's stage outlived the run"
+
+
+def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, tiny_model_dirs, tmp_path):
+    """`aspen run`'s service on Ray with a `stages: 2` trainer: its actor runs stage 0 and starts stage 1 beside
+    it; the jobs end as the in-process single-device run ends them."""
+    from actors.service.config import run_service_config
+    from orchestrator.client import Client
+
+    data = tmp_path / "data"
+    jobs = [job_dict("plain", write_task_data(data, "plain"), 5, eval_split=4, eval_every=5, checkpoint_every=2),
+            job_dict("accum", write_task_data(data, "accum", offset=3), 3, grad_accum=2)]
+    model = str(tiny_model_dirs["llama"])
+    reference = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
+    expected = train_locally(reference, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    staged = run_spec(model, tmp_path / "staged", jobs, step_tokens=512).model_copy(
+        update={"stages": 2, "stage_split": "even"})
+    client = Client.local(run_service_config(staged, tick_seconds=0.1, trainer={"num_cpus": 0.5, "threads": 1}))
+    try:
+        handles = client.submit_run(staged)
+        records = {r.name: r for r in client.wait_all([h.id for h in handles], timeout=300)}
+    finally:
+        client.shutdown()
+    assert {name: (r.state, r.step, r.eval_loss) for name, r in records.items()} == \
+        {s.name: (s.state, s.steps, s.eval_loss) for s in expected}
+    for job in jobs:
+        assert_same_outputs(outputs(tmp_path / "staged" / job["name"]), outputs(tmp_path / "single" / job["name"]),
+                            job["name"])

@@ -48,7 +48,20 @@ class TrainerActor:
         # import, and the scheduler that creates trainers imports this module without needing them
         from actors.service.trainer_setup import start_trainer_loop
 
-        self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy)
+        stages = None
+        if config.stages > 1:   # the other stages: actors in a placement group of their own
+            from actors.stage_actors import RayStageStarter, node_address
+            name = ray.get_runtime_context().get_actor_name() or trainer_id
+            starter = RayStageStarter(name, config.stages, num_cpus=config.num_cpus, num_gpus=config.num_gpus,
+                                      strategy=config.stage_placement.upper())
+            stages = {"starter": starter, "address": node_address(), "on_close": starter.close}
+        try:
+            self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy,
+                                           stages=stages)
+        except BaseException:
+            if stages is not None:
+                stages["on_close"]()   # the stages' placement group
+            raise
         self.stopping = False
         self.started = False
 

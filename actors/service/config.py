@@ -51,6 +51,10 @@ class TrainerConfig(StrictModel):
                             "quantized base)")
     stages: Stages = Field(1, description=STAGES_DESCRIPTION)
     stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
+    stage_placement: Literal["pack", "strict_pack", "spread"] = Field(
+        "pack", description="with stages >= 2 on Ray: how the other stages' actors are placed (a placement group "
+                            "of one bundle per stage, num_cpus / num_gpus each): pack (together where they fit), "
+                            "strict_pack (all on one node) or spread (over nodes)")
     count: Annotated[int, Bounds(1, 1024)] = Field(
         1, description="trainers of this kind (nodes: each: on every node, GPU kinds at most one per num_gpus "
                        "of the node's GPUs)")
@@ -58,8 +62,10 @@ class TrainerConfig(StrictModel):
         "any", description="any: `count` trainers spread over the cluster's nodes that have their resources (one "
                            "whose node is lost starts again on a live node); each: on every node, following the "
                            "cluster as nodes join and leave")
-    num_gpus: Annotated[float, Bounds(0, 1024)] = Field(0, description="GPUs per trainer (1 on a GPU machine)")
-    num_cpus: Annotated[float, Bounds(0, 65536)] = Field(1, description="CPUs Ray reserves per trainer")
+    num_gpus: Annotated[float, Bounds(0, 1024)] = Field(
+        0, description="GPUs per trainer (1 on a GPU machine); with stages >= 2 on Ray, per stage")
+    num_cpus: Annotated[float, Bounds(0, 65536)] = Field(
+        1, description="CPUs Ray reserves per trainer; with stages >= 2, per stage")
     threads: Annotated[int, Bounds(1, 4096)] | None = Field(
         None, description="torch CPU threads (default: its node's CPUs / the CPU trainers on that node)")
     memory_budget_bytes: Annotated[int, Bounds(1, INT64_MAX)] | None = Field(
@@ -97,9 +103,10 @@ class TrainerConfig(StrictModel):
         problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
                    or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
                                        layout=self.layout, compile=self.compile))
-        if problem is None and self.stages > 1 and 1 < self.num_gpus < self.stages:
-            problem = (f"stages: {self.stages} with num_gpus: {self.num_gpus:g}: give each stage a GPU (num_gpus: "
-                       f"{self.stages}) or put them all on one (num_gpus: 1)")
+        if problem is None and self.stages > 1 and 0 < self.num_gpus < 1:
+            problem = (f"stages: {self.stages} with num_gpus: {self.num_gpus:g}: num_gpus is per stage and each stage "
+                       "needs a GPU of its own (NCCL: one rank per device); set num_gpus: 1 (stages sharing one GPU: "
+                       "`aspen run --in-process`)")
         if problem is not None:
             raise ValueError(problem)
         return self

@@ -34,7 +34,7 @@ from actors.engine.pipeline.stage import StageSettings
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import JobStepResult, StepReport
-from actors.service.pipeline_processes import LocalPipeline, StageLost
+from actors.service.pipeline_processes import LocalPipeline, StageLost, StageStarter
 from policies.memory_model import MemoryModel, StepShape
 
 if TYPE_CHECKING:
@@ -217,11 +217,13 @@ class PipelineEngine:
 
     recompute = "none"
 
-    def __init__(self, launch: Callable[[], LocalPipeline], *, step_tokens: int, layout: str = "packed"):
-        """`launch`: starts the stages (again after one was lost: `rebuild`)."""
+    def __init__(self, launch: Callable[[], LocalPipeline], *, step_tokens: int, layout: str = "packed",
+                 on_close: Callable[[], None] | None = None):
+        """`launch`: starts the stages (again after one was lost: `rebuild`); `on_close`: after `close`."""
         if layout != "packed":
             raise ValueError(f"a pipeline trainer packs its micro-batches; layout '{layout}' is for one device")
         self.launch = launch
+        self.on_close = on_close
         self.pipeline = launch()
         self.head: PipelineTrainer = self.pipeline.trainer
         self.step_tokens = step_tokens
@@ -338,7 +340,11 @@ class PipelineEngine:
         return self._guarded(self.pipeline.stats)
 
     def close(self) -> None:
-        self.pipeline.close(failed=self.lost is not None)
+        try:
+            self.pipeline.close(failed=self.lost is not None)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
 
 class PipelineAdmission:
@@ -379,15 +385,20 @@ class PipelineAdmission:
 
 
 def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None = None, *,
-                   threads: int | None = None) -> PipelineEngine:
-    """The stages of a `stages: N` trainer as processes of this one (stage 0 here), each on its device: one GPU
-    each where the trainer has as many (`num_gpus`), all on one GPU where it has one (their activations then
-    pass by CUDA IPC), or the CPU. `loader`: the base (default: `config.base_model`, each stage reading only
-    its own tensors); `threads`: torch threads per stage process."""
+                   threads: int | None = None, starter: StageStarter | None = None, address: str = "127.0.0.1",
+                   on_close: Callable[[], None] | None = None) -> PipelineEngine:
+    """The stages of a `stages: N` trainer, stage 0 in this process. Without a `starter`, the others are
+    processes of this one, each on its device: one GPU each where this machine has as many, all on its first
+    GPU otherwise (their activations then pass by CUDA IPC), or the CPU. With one (Ray's stage actors, which
+    meet stage 0 at `address`), each stage sees its own GPU. `loader`: the base (default:
+    `config.base_model`, each stage reading only its own tensors); `threads`: torch threads per stage;
+    `on_close`: called once the stages stopped (e.g. to free their placement group)."""
     stages = config.stages
     if config.num_gpus == 0:
         devices, transport = ["cpu"] * stages, "distributed"
-    elif config.num_gpus >= stages:
+    elif starter is not None:
+        devices, transport = ["cuda:0"] * stages, "distributed"
+    elif torch.cuda.device_count() >= stages:
         devices, transport = [f"cuda:{index}" for index in range(stages)], "distributed"
     else:
         devices, transport = ["cuda:0"] * stages, "shared"
@@ -399,7 +410,8 @@ def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None
 
     def launch() -> LocalPipeline:   # a rebuilt pipeline keeps the first one's split (none measured again)
         pipeline = LocalPipeline(loader, stages, split=chosen["split"], devices=devices, settings=settings,
-                                 step_tokens=config.step_tokens, threads=threads, transport=transport)
+                                 step_tokens=config.step_tokens, threads=threads, transport=transport,
+                                 starter=starter, address=address)
         chosen["split"] = list(pipeline.split)
         return pipeline
-    return PipelineEngine(launch, step_tokens=config.step_tokens, layout=config.layout)
+    return PipelineEngine(launch, step_tokens=config.step_tokens, layout=config.layout, on_close=on_close)

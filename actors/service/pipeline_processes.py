@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -51,31 +52,56 @@ class StageLaunch:
     queues: dict | None = None     # the data channel's queues where the stages share a device (transport.py)
 
 
+class StageHandle(Protocol):
+    """A running stage other than stage 0, as the pipeline watches it: a local process
+    (`multiprocessing.Process`), or a Ray stage actor (actors/stage_actors.py)."""
+
+    name: str
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+StageStarter = Callable[["StageLaunch"], StageHandle]
+
+
 def stage_main(launch: StageLaunch) -> None:
-    """A stage process's whole life: load, cut, meet the others, run the head's messages until `stop`."""
+    """A stage process's whole life (`run_stage`); a failure is printed with its traceback, and the process
+    exits non-zero."""
     try:
-        if launch.threads:
-            torch.set_num_threads(launch.threads)
-        if launch.settings.lora_grouping is not None:
-            lora.GROUPING = launch.settings.lora_grouping
-        if hasattr(launch.loader, "stage"):   # a StageLoader: this stage's tensors only
-            model = launch.loader.stage(list(launch.split), launch.rank, launch.device)
-        else:
-            model = cut_stage(launch.loader(), list(launch.split), launch.rank, torch.device(launch.device))
-        links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
-                           launch.timeout_s, launch.queues)
-        runtime = StageRuntime(model, links, launch.settings)
-        while True:
-            message = links.recv_object(0, TAG_COMMAND)
-            if message[0] == "stop":
-                break
-            reply = runtime.handle(message)
-            if message[0] == "stats":
-                links.send_object(reply, 0, TAG_REPLY)
-        links.close()
+        run_stage(launch)
     except BaseException:  # noqa: BLE001 - printed with its traceback, then the process exits non-zero
         print(f"pipeline stage {launch.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def run_stage(launch: StageLaunch) -> None:
+    """Load, cut, meet the others, run the head's messages until `stop`."""
+    if launch.threads:
+        torch.set_num_threads(launch.threads)
+    if launch.settings.lora_grouping is not None:
+        lora.GROUPING = launch.settings.lora_grouping
+    if hasattr(launch.loader, "stage"):   # a StageLoader: this stage's tensors only
+        model = launch.loader.stage(list(launch.split), launch.rank, launch.device)
+    else:
+        model = cut_stage(launch.loader(), list(launch.split), launch.rank, torch.device(launch.device))
+    links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
+                       launch.timeout_s, launch.queues)
+    runtime = StageRuntime(model, links, launch.settings)
+    while True:
+        message = links.recv_object(0, TAG_COMMAND)
+        if message[0] == "stop":
+            break
+        reply = runtime.handle(message)
+        if message[0] == "stats":
+            links.send_object(reply, 0, TAG_REPLY)
+    links.close()
 
 
 def resolve_split(base: BaseModel, stages: int, split: list[int] | str) -> list[int]:
@@ -105,9 +131,11 @@ class LocalPipeline:
     def __init__(self, loader: Callable[[], BaseModel], stages: int, *, split: list[int] | str = "measured",
                  devices: list[str] | None = None, settings: StageSettings | None = None,
                  step_tokens: int = 4096, threads: int | None = None, timeout_s: float = 600.0,
-                 transport: str = "distributed"):
+                 transport: str = "distributed", starter: StageStarter | None = None, address: str = "127.0.0.1"):
         """`transport`: "distributed" (torch.distributed point-to-point: NCCL between GPUs, gloo on CPU) or
-        "shared" (torch.multiprocessing queues: CUDA IPC for stages sharing one GPU, shared memory on CPU)."""
+        "shared" (torch.multiprocessing queues: CUDA IPC for stages sharing one GPU, shared memory on CPU).
+        `starter`: starts each other stage (default: a process of this one's); `address`: where they meet
+        stage 0 (this machine's address that the other stages reach)."""
         if stages < 2:
             raise ValueError(f"a pipeline trainer has 2 or more stages, not {stages} (stages: 1 is the "
                              "single-device trainer)")
@@ -129,24 +157,36 @@ class LocalPipeline:
             base = loader()
             check_stageable(base)
             self.split = resolve_split(base, stages, split)
-        port = free_port()
+        port = free_port("0.0.0.0" if address != "127.0.0.1" else address)
         context = torch.multiprocessing.get_context("spawn")   # its queues pass CUDA tensors by IPC
         if transport not in ("distributed", "shared"):
             raise ValueError(f"pipeline transport '{transport}': 'distributed' or 'shared'")
+        if transport == "shared" and starter is not None:
+            raise ValueError("pipeline transport 'shared' passes tensors between processes of this one: it takes no "
+                             "other stage starter")
         queues = shared_queues(context, stages) if transport == "shared" else None
-        self.processes = []
-        for rank in range(1, stages):
-            launch = StageLaunch(rank, stages, "127.0.0.1", port, loader, tuple(self.split), devices[rank], settings,
-                                 threads, timeout_s, queues)
-            process = context.Process(target=stage_main, args=(launch,), name=f"aspen-stage-{rank}", daemon=True)
+
+        def start_process(launch: StageLaunch) -> StageHandle:
+            process = context.Process(target=stage_main, args=(launch,), name=f"aspen-stage-{launch.rank}",
+                                      daemon=True)
             process.start()
-            self.processes.append(process)
+            return process
+
+        self.processes: list[StageHandle] = []
+        try:
+            for rank in range(1, stages):
+                launch = StageLaunch(rank, stages, address, port, loader, tuple(self.split), devices[rank], settings,
+                                     threads, timeout_s, queues)
+                self.processes.append((starter or start_process)(launch))
+        except BaseException:
+            self._stop_processes(kill=True)
+            raise
         try:
             model = (loader.stage(self.split, 0, devices[0]) if base is None
                      else cut_stage(base, self.split, 0, torch.device(devices[0])))
-            self.links = StageLinks(0, stages, "127.0.0.1", port, torch.device(devices[0]), timeout_s, queues)
+            self.links = StageLinks(0, stages, address, port, torch.device(devices[0]), timeout_s, queues)
         except BaseException:
-            self._stop_processes()
+            self._stop_processes(kill=True)
             raise
         self.trainer = PipelineTrainer(StageRuntime(model, self.links, settings), self.links, step_tokens=step_tokens)
 
@@ -186,12 +226,14 @@ class LocalPipeline:
         return [f"stage {rank} (exit code {process.exitcode})"
                 for rank, process in enumerate(self.processes, start=1) if process.exitcode not in (None, 0)]
 
-    def _stop_processes(self) -> None:
+    def _stop_processes(self, *, kill: bool = False) -> None:
         for process in self.processes:
+            if kill:
+                process.kill()
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-                process.join()
+                process.join(timeout=30)
 
     def close(self, *, failed: bool = False) -> None:
         """Stop every stage: told to, or (`failed`, or a stage already gone) killed."""

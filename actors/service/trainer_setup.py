@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,15 +23,17 @@ log = logging.getLogger(__name__)
 
 
 def start_trainer_loop(trainer_id: str, config: TrainerConfig, state_dir: Path, *, threads: int | None = None,
-                       policy: str | None = None) -> TrainerLoop:
+                       policy: str | None = None, stages: dict[str, Any] | None = None) -> TrainerLoop:
     """The trainer's loop over its base model. `threads`: torch's thread count (None: torch's default);
     `policy`: the service's policy, which the trainer loads where it composes steps (`compose_step`, e.g.
-    minpad) to let it choose which jobs share each step."""
+    minpad) to let it choose which jobs share each step. `stages`: with `stages: N`, how the other stages
+    start (`start_pipeline`'s starter, address and on_close: Ray's stage actors); default: as processes of
+    this one."""
     if threads:
         torch.set_num_threads(threads)
     composer = load_policy(policy) if policy else None
-    if config.stages > 1:   # the base cut into stages, each a process of this trainer's (its jobs' steps composed
-        engine = start_pipeline(config, threads=threads)   # by the pipeline's head: no step-composing policy)
+    if config.stages > 1:   # the base cut into stages; the pipeline's head composes the steps (no policy does)
+        engine = start_pipeline(config, threads=threads, **(stages or {}))
         log.info("trainer %s: %s in %d pipeline stages (layers %s), %d torch threads each", trainer_id,
                  config.base_model, config.stages, engine.pipeline.split, torch.get_num_threads())
         return TrainerLoop(None, config, trainer_id, state_dir, engine=engine)

@@ -153,27 +153,47 @@ def test_a_stage_killed_mid_run_restarts_the_stages_and_every_job_resumes_exactl
 
 
 def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, tiny_model_dirs, tmp_path):
-    """`aspen run`'s service on Ray with a `stages: 2` trainer: its actor runs stage 0 and starts stage 1 beside
-    it; the jobs end as the in-process single-device run ends them."""
+    """`aspen run`'s service on Ray with a `stages: 2` trainer: the trainer actor runs stage 0, stage 1 is a
+    stage actor in the trainer's placement group. The stage actor is killed mid-run: the trainer starts a new
+    one and every job resumes from its checkpoint; the jobs end as the in-process single-device run ends them,
+    and the placement group is freed when the service stops."""
+    import ray
+
     from actors.service.config import run_service_config
     from orchestrator.client import Client
+    from tests.helpers.service import wait_for
 
     data = tmp_path / "data"
-    jobs = [job_dict("plain", write_task_data(data, "plain"), 5, eval_split=4, eval_every=5, checkpoint_every=2),
-            job_dict("accum", write_task_data(data, "accum", offset=3), 3, grad_accum=2)]
+    jobs = [job_dict("plain", write_task_data(data, "plain"), 10, eval_split=4, eval_every=5, checkpoint_every=2),
+            job_dict("accum", write_task_data(data, "accum", offset=3), 6, grad_accum=2, checkpoint_every=1)]
     model = str(tiny_model_dirs["llama"])
     reference = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
     expected = train_locally(reference, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
     staged = run_spec(model, tmp_path / "staged", jobs, step_tokens=512).model_copy(
         update={"stages": 2, "stage_split": "even"})
+
+    def stage_actors() -> list[str]:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if ".stage-1." in a["name"]]
+
     client = Client.local(run_service_config(staged, tick_seconds=0.1, trainer={"num_cpus": 0.5, "threads": 1}))
     try:
         handles = client.submit_run(staged)
+        wait_for(lambda: client.status(handles[0].id).step >= 3, what="the first job's third step")
+        (first,) = stage_actors()
+        namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a["name"] == first)
+        ray.kill(ray.get_actor(first, namespace=namespace))
         records = {r.name: r for r in client.wait_all([h.id for h in handles], timeout=300)}
+        reasons = [reason for handle in handles for _, _, reason in client.transitions(handle.id)]
+        replaced = stage_actors()
     finally:
         client.shutdown()
+    assert replaced and replaced != [first], "no new stage actor replaced the killed one"
+    assert any("lost a stage" in reason for reason in reasons), reasons
     assert {name: (r.state, r.step, r.eval_loss) for name, r in records.items()} == \
         {s.name: (s.state, s.steps, s.eval_loss) for s in expected}
     for job in jobs:
         assert_same_outputs(outputs(tmp_path / "staged" / job["name"]), outputs(tmp_path / "single" / job["name"]),
                             job["name"])
+    groups = [g for g in ray.util.placement_group_table().values() if g["name"].endswith(".stages")]
+    assert groups and all(g["state"] == "REMOVED" for g in groups), groups

@@ -6,6 +6,8 @@ Measured (CPU): the same jobs, k at a time (k = 1, 2, 4, 8), trained by
   pipeline  2 stages, one process and one thread each (stage 0 with the head), LoRA-aware schedule;
   flush     the same 2 stages with a generic pipeline's flush at every step (every adapter steps together,
             the next global batch waits until the pipeline is empty)
+  loop      the LoRA-aware pipeline as the trainer loop drives it (`stages: N` in the service and `aspen run`):
+            one optimizer step of every job per loop step, drained at its end
 each side in its own process, as users run them. Printed: trained tokens/s of each side and the ratio to
 the single trainer (and, for scale, the single trainer with one thread), each stage's bubble share (the
 share of its busy span it waited), at each k.
@@ -36,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
 
 LAYERS, HIDDEN, VOCAB = 16, 192, 8192
+DROPOUT = 0.05
 
 
 def bench_base(layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB):
@@ -68,7 +71,7 @@ def bench_jobs(count: int, steps: int):
             examples.append(Example(tuple(ids), tuple([-100] * (length // 3) + ids[length // 3:])))
         spec = JobSpec(name=f"job-{index}", data="unused.jsonl", format={"type": "text"}, batch_size=4,
                        max_steps=steps, lr=1e-3, lora={"r": 8, "alpha": 16, "target_modules": "all-linear",
-                                                       "dropout": 0.05 if index % 2 else 0.0})
+                                                       "dropout": DROPOUT if index % 2 else 0.0})
         jobs.append((spec, examples, index))
     return jobs
 
@@ -90,7 +93,10 @@ def run_single(count: int, steps: int, threads: int = 2) -> dict:
     return {"tokens": tokens, "seconds": time.perf_counter() - started}
 
 
-def run_pipeline(count: int, steps: int, flush: bool) -> dict:
+def run_pipeline(count: int, steps: int, flush: bool, rounds: bool = False) -> dict:
+    """`rounds`: as the trainer loop drives a pipeline (actors/service/pipeline_engine.py): one optimizer step
+    of every job per loop step, the stages drained at its end (so that the loop sees each job at a step
+    boundary: stop verdicts, evaluations, checkpoints)."""
     from actors.engine.pipeline.stage import StageSettings
     from actors.service.pipeline_processes import LocalPipeline
     with LocalPipeline(functools.partial(bench_base), 2, split="measured", threads=1,
@@ -98,7 +104,14 @@ def run_pipeline(count: int, steps: int, flush: bool) -> dict:
         for spec, examples, seed in bench_jobs(count, steps):
             pipeline.add_job(spec, examples, seed=seed)
         started = time.perf_counter()
-        reports = pipeline.run()
+        if rounds:
+            reports, heads = [], pipeline.trainer.jobs
+            while not all(head.done for head in heads.values()):
+                for head in heads.values():
+                    head.step_limit = head.planned_steps + 1
+                reports += pipeline.run()
+        else:
+            reports = pipeline.run()
         seconds = time.perf_counter() - started
         stats = pipeline.stats()
         split = pipeline.split
@@ -119,18 +132,20 @@ def measured(counts: list[int], steps: int) -> None:
     print(f"measured: {LAYERS} layers of width {HIDDEN}, vocabulary {VOCAB}, jobs of {steps} steps of 4 sequences "
           "(32-96 tokens), r=8 all-linear; tokens/s of real tokens trained")
     print(f"{'jobs':>4} {'1 thread':>9} {'single':>9} {'pipeline':>9} {'ratio':>6} {'bubble (stage 0, 1)':>20} "
-          f"{'flush':>9} {'ratio':>6} {'bubble':>14} split")
+          f"{'flush':>9} {'ratio':>6} {'bubble':>14} {'loop':>9} {'ratio':>6} {'bubble':>14} split")
     for count in counts:
         one_thread = side("single1", count, steps)
         single = side("single", count, steps)
         lora_aware = side("pipeline", count, steps)
         flushed = side("flush", count, steps)
+        loop = side("loop", count, steps)
         rate = {name: result["tokens"] / result["seconds"] for name, result in
-                (("single", single), ("pipeline", lora_aware), ("flush", flushed))}
+                (("single", single), ("pipeline", lora_aware), ("flush", flushed), ("loop", loop))}
         print(f"{count:>4} {one_thread['tokens'] / one_thread['seconds']:>9.0f}"
               f" {rate['single']:>9.0f} {rate['pipeline']:>9.0f} {rate['pipeline'] / rate['single']:>6.2f} "
               f"{str(lora_aware['bubble']):>20} {rate['flush']:>9.0f} {rate['flush'] / rate['single']:>6.2f} "
-              f"{str(flushed['bubble']):>14} {lora_aware['split']}", flush=True)
+              f"{str(flushed['bubble']):>14} {rate['loop']:>9.0f} {rate['loop'] / rate['single']:>6.2f} "
+              f"{str(loop['bubble']):>14} {lora_aware['split']}", flush=True)
 
 
 def simulate(stages: int, jobs: int, *, flush: bool, transfer: float, steps: int = 16) -> float:
@@ -171,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--simulate-only", action="store_true")
-    parser.add_argument("--side", choices=("single", "single1", "pipeline", "flush"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("single", "single1", "pipeline", "flush", "loop"), help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side:
         if args.side.startswith("single"):
             result = run_single(args.concurrent, args.steps, threads=1 if args.side == "single1" else 2)
         else:
-            result = run_pipeline(args.concurrent, args.steps, flush=args.side == "flush")
+            result = run_pipeline(args.concurrent, args.steps, flush=args.side == "flush", rounds=args.side == "loop")
         print(json.dumps(result))
         return 0
     if not args.simulate_only:

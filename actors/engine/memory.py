@@ -185,6 +185,42 @@ def with_memory_records(run: Callable[[], T]) -> tuple[T, list]:
     return result, records
 
 
+class MemoryWindow:
+    """The allocator's peak over a window that spans several calls (a pipeline stage's share of a loop step):
+    `start(live)` with the bytes live now, `stop()` the peak bytes live in between. CUDA: the allocator's
+    peak counter; CPU: torch.profiler's memory records, as `with_memory_records` takes them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.live = 0
+        self.open = False
+
+    def start(self, live: int) -> None:
+        if self.open:
+            raise RuntimeError("a memory window is already open")
+        self.live, self.open = live, True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        from torch._C._profiler import RecordScope, _ExperimentalConfig
+        from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        _prepare_profiler(config, {ProfilerActivity.CPU})
+        _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+
+    def stop(self) -> int:
+        if not self.open:
+            raise RuntimeError("no memory window is open")
+        self.open = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return int(torch.cuda.max_memory_allocated(self.device))
+        from torch.autograd import _disable_profiler
+        peak, _ = allocation_peak(_disable_profiler().events())
+        return self.live + peak
+
+
 CPU_MEMORY_DEVICES = (torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN,
                       torch.autograd.DeviceType.IDEEP)
 

@@ -30,6 +30,9 @@ from actors.engine.recompute import decoder_layers
 log = logging.getLogger(__name__)
 
 
+REPLYING = ("stats", "memory", "measure")   # the head's messages each stage answers
+
+
 def dist_errors() -> type[Exception]:
     """torch.distributed's error for a failed exchange (a peer gone): DistBackendError where torch has it."""
     return getattr(torch.distributed, "DistBackendError", RuntimeError)
@@ -99,7 +102,7 @@ def run_stage(launch: StageLaunch) -> None:
         if message[0] == "stop":
             break
         reply = runtime.handle(message)
-        if message[0] == "stats":
+        if message[0] in REPLYING:
             links.send_object(reply, 0, TAG_REPLY)
     links.close()
 
@@ -221,6 +224,14 @@ class LocalPipeline:
 
     def evaluate(self, name: str, examples: list | None = None, batch_size: int = 8) -> float:
         return self._guarded(self.trainer.evaluate, name, examples, batch_size)
+
+    def memory(self) -> list:
+        """Each stage's memory model (`StageMemory`), stage 0's first."""
+        return self._guarded(self.trainer.ask, ("memory",))
+
+    def measure(self, on: bool) -> list:
+        """Open (`on`) each stage's allocator window, or close it: each stage's peak bytes meanwhile."""
+        return self._guarded(self.trainer.ask, ("measure", on))
 
     def failed_stages(self) -> list[str]:
         return [f"stage {rank} (exit code {process.exitcode})"

@@ -6,12 +6,13 @@ One job's trouble stays that job's: a job whose data does not arrive within `dat
 the steps (the others go on), and after `data_timeout_s` it is checkpointed and given back to the
 scheduler, as is a job whose job actor died; a job whose folder refuses writes fails after a few tries
 with the reason. Checkpoints are written every `checkpoint_every` steps and every `checkpoint_every_s`
-seconds, so that a crash loses bounded work.
+seconds, so that a crash loses bounded work. The loop drives one device's `FusedTrainer`, or a pipeline
+trainer's stages (`stages: N`: actors/service/pipeline_engine.py) through the same calls.
 
 The loop's parts, each in its own module: what it holds for each job (active_job.py) and how a job starts
 (job_start.py), the link to each job's data and stop rule (job_link.py, stop_verdicts.py), memory admission
-(step_admission.py), its step log (step_log.py), the jobs whose output_dir is a storage URI
-(remote_outputs.py), and its commands from other threads (trainer_commands.py).
+(step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), the jobs whose output_dir
+is a storage URI (remote_outputs.py), and its commands from other threads (trainer_commands.py).
 
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
@@ -21,30 +22,28 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from actors.engine.base_identity import base_identity
-from actors.engine.checkpoint import DataChanged, save_checkpoint, saved_step
+from actors.engine.checkpoint import DataChanged, save_checkpoint
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
-from actors.engine.peft_io import save_adapter
 from actors.engine.trainer import FusedTrainer, StepReport
 from actors.service.active_job import ActiveJob
 from actors.service.config import TrainerConfig, trainer_step_log
 from actors.service.feed import JobLinkLost
 from actors.service.job_data import JobUpdate
-from actors.service.job_files import CHECKPOINT_FOLDER, metrics_rows
+from actors.service.job_ends import JobEnds
+from actors.service.job_files import CHECKPOINT_FOLDER
 from actors.service.job_link import Assignment
 from actors.service.job_start import start_job, start_tracking
 from actors.service.pipeline_engine import PipelineAdmission, PipelineEngine
 from actors.service.pipeline_processes import StageLost
 from actors.service.remote_outputs import LeavingJob, RemoteOutputs
-from actors.service.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.step_admission import StepAdmission, memory_in_use
 from actors.service.step_log import StepLog, StepTotals
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker
 from actors.service.trainer_commands import Commands
-from actors.service.trainer_reports import EventKind, TrainerEvent, TrainerEvents, TrainerStatus
+from actors.service.trainer_reports import TrainerEvent, TrainerEvents, TrainerStatus
 from policies.base import StepComposer
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ log = logging.getLogger(__name__)
 CLOSE_UPLOAD_WAIT_S = 120.0       # at most this long (and upload_timeout_s) a closing trainer waits for uploads
 
 
-class TrainerLoop:
+class TrainerLoop(JobEnds):
     """A trainer's fused steps over its jobs. From any thread: `assign`, `stop_job`, `drain_events`, `status`;
     from the stepping thread: `run_once`, `close`; `active` and `leaving` are the jobs here."""
 
@@ -351,85 +350,6 @@ class TrainerLoop:
             self.events.emit("checkpoint", active.job_id, job.step)
             return
         self.outputs.checkpoint_saved(active, job.step)   # uploaded in the background; its event when that ends
-
-    # -- a job's end --------------------------------------------------------------------------------------
-    def _finish(self, active: ActiveJob, kind: EventKind, reason: str, *, retry: bool = False) -> None:
-        """Take a job off the trainer: checkpoint it (unless it failed), write its adapter when it is
-        done, and report how it ended. `retry`: a `paused` job the scheduler should start again."""
-        job, job_id = active.job, active.job_id
-        data: dict[str, Any] = {"reason": reason, "tokens": job.tokens_seen}
-        lost: StageLost | None = None
-        if retry:
-            data["retry"] = True
-        try:
-            if kind in ("completed", "stopped_early"):
-                if job.eval_examples and active.last_eval_step != job.step:
-                    data["eval_loss"] = self.trainer.evaluate(job)
-                    job.evals.append((job.step, data["eval_loss"]))
-                    active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
-                    if active.tracker is not None:
-                        active.tracker.eval(job.step, data["eval_loss"])
-                    # its last step's row is already written: the rows again, that one with this eval loss
-                    rows = metrics_rows([record.as_row() for record in job.history], job.evals)
-                    self._write(active, "its metrics", lambda: active.files.rewrite(rows))
-                metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
-                data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
-                    job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
-            if kind != "failed":
-                self._write(active, "its checkpoint", lambda: save_checkpoint(
-                    job, active.checkpoint_dir, self.base_identity.serving_id))
-                data["checkpoint_step"] = job.step
-        except StageLost as error:   # nothing could be read from the stages: it resumes from its last checkpoint
-            lost = error
-            kind, data = "paused", {"reason": f"{reason}; then {self._lost_reason(error)}", "retry": True,
-                                    "tokens": job.tokens_seen, "checkpoint_step": saved_step(active.checkpoint_dir)}
-        except OSError as error:   # the folder refused every try: one clear reason, no false success
-            kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
-                                              f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
-                                              "make it writable, then resume the job")
-            data.pop("retry", None)
-        except Exception as error:  # writing failed: report it rather than a false success
-            log.exception("trainer %s: job %s: writing its results failed", self.trainer_id, job_id)
-            kind, data["reason"] = "failed", f"{reason}; then writing its results failed: {error!r}"
-            data.pop("retry", None)
-        finally:
-            del self.active[job_id]
-            active.files.close()
-            self.trainer.remove_job(job.name)
-        if lost is not None:
-            active.report_end(self.events, kind, data)
-            raise lost
-        if active.mirror is not None and kind != "failed":   # reported when its results are uploaded
-            self.outputs.leave(active, kind, data)
-            return
-        active.report_end(self.events, kind, data)
-
-    @staticmethod
-    def _lost_reason(error: StageLost) -> str:
-        return (f"its pipeline trainer lost a stage ({error}); the stages were started again and the job resumes "
-                "from its last checkpoint")
-
-    def _pipeline_lost(self, error: StageLost) -> None:
-        """A pipeline's stage was lost: every job here goes back to the scheduler (paused, to be started again
-        from its last checkpoint: nothing can be read from the stages any more) and new stages start."""
-        log.error("trainer %s: %s", self.trainer_id, error)
-        for active in list(self.active.values()):
-            del self.active[active.job_id]
-            active.files.close()
-            self.trainer.remove_job(active.job.name)
-            active.report_end(self.events, "paused", {"reason": self._lost_reason(error), "retry": True,
-                                                      "tokens": active.job.tokens_seen,
-                                                      "checkpoint_step": saved_step(active.checkpoint_dir)})
-        assert isinstance(self.trainer, PipelineEngine)
-        self.trainer.rebuild()
-        self.admission = PipelineAdmission(self.trainer, self.config.memory_budget_bytes)
-        self._publish_jobs()
-
-    @staticmethod
-    def _write(active: ActiveJob, what: str, write: Any) -> Any:
-        """`write()` with a few tries (a full disk may free up), each failure counted against the job's
-        folder; the last OSError is raised."""
-        return with_retries(write, on_failure=lambda error, _tries, _last: active.files.failed_write(error, what))
 
     def _collect_uploads(self) -> None:
         self.outputs.collect(self.active)

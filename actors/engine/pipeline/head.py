@@ -195,11 +195,14 @@ class PipelineTrainer:
 
     def stats(self) -> list[dict]:
         """Each stage's busy time, span and bubble share (idle share of its span)."""
-        out = [self.runtime.stats()]
+        return self.ask(("stats",))
+
+    def ask(self, message: tuple) -> list:
+        """Every stage's answer to `message` (stats, memory, measure), stage 0's first; nothing in flight."""
         for stage in range(1, self.stages):
-            self.links.send_object(("stats",), stage, TAG_COMMAND)
-        out += [self.links.recv_object(stage, TAG_REPLY) for stage in range(1, self.stages)]
-        return out
+            self.links.send_object(message, stage, TAG_COMMAND)
+        out = [self.runtime.handle(message)]
+        return out + [self.links.recv_object(stage, TAG_REPLY) for stage in range(1, self.stages)]
 
     def _compose(self) -> PlanMessage | None:
         live = [job for job in self.jobs.values() if job.composable]

@@ -31,8 +31,10 @@ import torch
 from actors.engine.layout import step_layout
 from actors.engine.lora import AdapterHandle, add_adapter, remove_adapter, set_adapters_training
 from actors.engine.loss import target_cross_entropy
+from actors.engine.memory import MemoryWindow, optimizer_state_bytes
 from actors.engine.optim import JobOptimizer, apply_step, chained_sum, gradient_squares
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
+from actors.engine.pipeline.stage_memory import StageActivation, StageMemory, probe_stage_activation
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.pipeline.transport import (
     TAG_ACTIVATION,
@@ -163,6 +165,8 @@ class StageRuntime:
         self.results_received = -1
         self.reference_caches: dict[str, ReferenceCache] = {}   # the last stage's DPO references, by job
         self.on_result = None          # stage 0: the head's callback for each result
+        self.activation: StageActivation | None = None   # probed on the first `memory` message
+        self.window = MemoryWindow(model.base.device)
         self.busy = 0.0                # seconds running operations, waits excluded
         self.first_op: float | None = None
         self.last_op = 0.0
@@ -185,6 +189,10 @@ class StageRuntime:
             self.schedule.drain()
         elif kind == "stats":
             return self.stats()
+        elif kind == "memory":
+            return self.memory()
+        elif kind == "measure":
+            return self._measure(message[1])
         elif kind == "eval":
             return self._evaluate(message[1])
         else:
@@ -200,6 +208,30 @@ class StageRuntime:
                 "bubble_share": (1.0 - self.busy / span) if span > 0 else 0.0,
                 "weight_bytes": self.model.held_bytes(),
                 "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+    def held_bytes(self) -> int:
+        """What this stage holds between steps: its weights and adapters, AdamW moments, gradients."""
+        gradients = sum(p.grad.numel() * p.grad.element_size() for p in self.model.base.model.parameters()
+                        if p.grad is not None)
+        optimizers = sum(optimizer_state_bytes(job.optimizer.optimizer) for job in self.jobs.values()
+                         if job.optimizer is not None)
+        return self.model.held_bytes() + optimizers + gradients
+
+    def memory(self) -> StageMemory:
+        """This stage's memory model (its activations probed once, on first asking)."""
+        if self.activation is None:
+            self.activation = probe_stage_activation(self.model, recompute=self.settings.recompute)
+        config = self.model.base.model.config
+        return StageMemory(self.stage, self.stages, self.held_bytes(), self.activation, int(config.vocab_size),
+                           self.model.hidden_size, self.model.base.dtype, self.settings.loss_chunk)
+
+    def _measure(self, on: bool) -> int | None:
+        """Open (`on`) or close the allocator's window over the operations in between; closing answers the
+        peak bytes live meanwhile."""
+        if on:
+            self.window.start(self.held_bytes())
+            return None
+        return self.window.stop()
 
     def _add(self, setup: JobSetup) -> None:
         name = setup.spec.name

@@ -18,7 +18,9 @@ Simulated: the schedule alone (policies/pipeline_schedule.py) at 4, 8 and 16 sta
 jobs of equal micro-batches, forward 1 and backward 2 units per stage, a transfer of 0 or 0.1 units between
 stages: each stage's mean bubble share, LoRA-aware and flushed.
 
-    .venv/bin/python bench/pipeline.py [--jobs 1,2,4,8] [--steps 6] [--simulate-only]
+Memory: each stage's predicted peak against the allocator's count, step by step (`--memory-only`).
+
+    .venv/bin/python bench/pipeline.py [--jobs 1,2,4,8] [--steps 6] [--simulate-only] [--memory-only]
 """
 
 from __future__ import annotations
@@ -148,6 +150,45 @@ def measured(counts: list[int], steps: int) -> None:
               f"{str(loop['bubble']):>14} {lora_aware['split']}", flush=True)
 
 
+def memory(count: int = 4, steps: int = 24) -> None:
+    """Each stage's predicted peak (actors/service/pipeline_admission.py: the probe's prior, refitted on the
+    measured steps) against the allocator's count over each loop step, as the trainer loop runs them."""
+    import torch
+
+    from actors.engine.data import DataCursor
+    from actors.engine.packing import JobMicroBatch
+    from actors.service.config import TrainerConfig
+    from actors.service.pipeline_admission import PipelineAdmission
+    from actors.service.pipeline_engine import start_pipeline
+    torch.set_num_threads(1)
+    engine = start_pipeline(TrainerConfig(stages=2, stage_split="even", step_tokens=4096),
+                            functools.partial(bench_base, 8, 128, VOCAB), threads=1)
+    try:
+        admission = PipelineAdmission(engine)
+        jobs = []
+        for spec, examples, seed in bench_jobs(count, steps):
+            job = engine.attach(spec, DataCursor(examples, spec.batch_size, seed=seed), [], steps, seed=seed)
+            engine.add_job(job)
+            jobs.append(job)
+        errors: list[list[float]] = [[], []]
+        for step in range(steps):
+            chosen = engine.compose(jobs, admission.fits)
+            shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+            predicted = [model.predict(s) for model, s in zip(admission.models, admission.shapes, strict=True)]
+            report = engine.run_step(chosen, measure=True)
+            admission.observe(shape, report, max(predicted))
+            if step >= 4:
+                for stage, (guess, peak) in enumerate(zip(predicted, engine.last_peaks, strict=True)):
+                    errors[stage].append((guess - peak) / peak)
+    finally:
+        engine.close()
+    print(f"\nmemory model per stage (8 layers of width 128, {count} jobs, r=8 all-linear, half with dropout; "
+          f"steps 5-{steps}, each stage's peak counted by the allocator)")
+    for stage, values in enumerate(errors):
+        mean = sum(abs(v) for v in values) / len(values)
+        print(f"stage {stage}: mean |error| {mean:.3f}, worst under {min(values):+.3f}, worst over {max(values):+.3f}")
+
+
 def simulate(stages: int, jobs: int, *, flush: bool, transfer: float, steps: int = 16) -> float:
     schedule = PipelineSchedule(stages, flush=flush, transfer=transfer)
     micro = {f"j{index}": 0 for index in range(jobs)}
@@ -186,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--simulate-only", action="store_true")
+    parser.add_argument("--memory-only", action="store_true", help="only the per-stage memory model's errors")
     parser.add_argument("--side", choices=("single", "single1", "pipeline", "flush", "loop"), help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -196,8 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             result = run_pipeline(args.concurrent, args.steps, flush=args.side == "flush", rounds=args.side == "loop")
         print(json.dumps(result))
         return 0
+    if args.memory_only:
+        memory()
+        return 0
     if not args.simulate_only:
         measured([int(c) for c in args.jobs.split(",")], args.steps)
+        memory()
     simulated()
     return 0
 

@@ -196,8 +196,9 @@ class MemoryWindow:
         self.open = False
 
     def start(self, live: int) -> None:
+        """Open a window; one left open (its step failed before `stop`) is closed first, unread."""
         if self.open:
-            raise RuntimeError("a memory window is already open")
+            self.stop()
         self.live, self.open = live, True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -12,7 +12,8 @@ from actors.engine.peft_io import save_adapter
 from actors.service.active_job import ActiveJob
 from actors.service.job_data import JobUpdate
 from actors.service.job_files import metrics_rows
-from actors.service.pipeline_engine import PipelineAdmission, PipelineEngine
+from actors.service.pipeline_admission import PipelineAdmission
+from actors.service.pipeline_engine import PipelineEngine
 from actors.service.pipeline_processes import StageLost
 from actors.service.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.trainer_reports import EventKind

@@ -32,10 +32,10 @@ from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.head import HeadJob, PipelineTrainer
 from actors.engine.pipeline.stage import StageSettings
 from actors.engine.pipeline.stage_loading import StageLoader
+from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import JobStepResult, StepReport
 from actors.service.pipeline_processes import LocalPipeline, StageLost, StageStarter
-from policies.memory_model import MemoryModel, StepShape
 
 if TYPE_CHECKING:
     from actors.service.config import TrainerConfig
@@ -230,6 +230,8 @@ class PipelineEngine:
         self.layout = layout
         self.jobs: dict[str, PipelineJob] = {}
         self.step_count = 0
+        self.rotation = 0
+        self.last_peaks: list[int] = []      # each stage's measured peak in the last measured step
         self.lost: StageLost | None = None   # the stage lost, until `rebuild`
         self.module_order = linear_module_names(self.base.model)
 
@@ -246,6 +248,9 @@ class PipelineEngine:
     def rebuild(self) -> None:
         """New stages for the lost ones: the old processes stopped, every job dropped (each resumes from its
         last checkpoint when assigned again)."""
+        window = self.head.runtime.window
+        if window.open:   # stage 0's, in this process: left open by the step that lost the stage
+            window.stop()
         self.pipeline.close(failed=True)
         self.jobs.clear()
         self.pipeline = self.launch()
@@ -303,9 +308,23 @@ class PipelineEngine:
         return job
 
     # -- steps ----------------------------------------------------------------------------------------
-    def compose(self, jobs: list[PipelineJob], fits=None) -> list[tuple[PipelineJob, list[Example]]]:
-        """Every ready job takes part in the next loop step (the head packs their micro-batches itself)."""
-        return [(job, batch) for job in jobs if job.name in self.jobs and (batch := job.peek()) is not None]
+    def compose(self, jobs: list[PipelineJob],
+                fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[PipelineJob, list[Example]]]:
+        """Which ready jobs take part in the next loop step (the head packs their micro-batches itself):
+        round-robin from where the last step left off, each while `fits` allows (every stage's memory); the
+        first always joins."""
+        candidates = [job for job in jobs if job.name in self.jobs and job.peek() is not None]
+        if not candidates:
+            return []
+        start = self.rotation % len(candidates)
+        self.rotation += 1
+        chosen: list[tuple[PipelineJob, list[Example]]] = []
+        for job in candidates[start:] + candidates[:start]:
+            trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, job.peek())]
+            if chosen and fits is not None and not fits(trial):
+                continue
+            chosen.append((job, job.peek()))
+        return chosen
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
         return sum(len(example) for micro_batch in micro_batches for example in micro_batch.rows)
@@ -317,11 +336,14 @@ class PipelineEngine:
         before = {name: len(self.head.jobs[name].history) for name in names}
         for name, head in self.head.jobs.items():
             head.step_limit = head.planned_steps + 1 if name in names else head.planned_steps
+        if measure:
+            self._guarded(self.pipeline.measure, True)
         try:
             plans = self._guarded(self.pipeline.run)
         finally:
             for head in self.head.jobs.values():
                 head.step_limit = head.planned_steps
+        self.last_peaks = [int(peak) for peak in self._guarded(self.pipeline.measure, False)] if measure else []
         results = []
         for job, _ in chosen:
             job.stale = True
@@ -331,7 +353,8 @@ class PipelineEngine:
         self.step_count += 1
         return StepReport(step=self.step_count, jobs=sorted(names), tokens=sum(p.tokens for p in plans),
                           padding_tokens=sum(p.padding_tokens for p in plans),
-                          seconds=time.perf_counter() - started, peak_memory_bytes=0, results=results)
+                          seconds=time.perf_counter() - started, peak_memory_bytes=max(self.last_peaks, default=0),
+                          results=results, memory_measured=bool(self.last_peaks))
 
     def evaluate(self, job: PipelineJob, examples: list[Example] | None = None, batch_size: int = 8) -> float:
         return self._guarded(self.pipeline.evaluate, job.name, examples, batch_size)
@@ -339,49 +362,16 @@ class PipelineEngine:
     def stats(self) -> list[dict]:
         return self._guarded(self.pipeline.stats)
 
+    def memory(self) -> list[StageMemory]:
+        """Each stage's memory model (pipeline_admission.py), its held bytes as of now."""
+        return self._guarded(self.pipeline.memory)
+
     def close(self) -> None:
         try:
             self.pipeline.close(failed=self.lost is not None)
         finally:
             if self.on_close is not None:
                 self.on_close()
-
-
-class PipelineAdmission:
-    """A pipeline trainer's memory admission, as far as it goes: each stage's weights were checked to fit its
-    device when it started (`check_stage_fits`), and the budget is per stage; a step's activation memory per
-    stage is not modelled yet, so every step is admitted and the model reports the largest stage's weights.
-    The attributes are `StepAdmission`'s, which the trainer's status reports."""
-
-    def __init__(self, engine: PipelineEngine, budget_bytes: int | None = None):
-        from actors.service.step_admission import default_memory_budget
-        self.engine = engine
-        stats = engine.stats()
-        self.stage_bytes = [int(share["weight_bytes"]) for share in stats]
-        self.base_bytes = max(self.stage_bytes)
-        self.budget = budget_bytes or default_memory_budget(engine.base.device)
-        model = engine.base.model
-        self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
-                              for name in engine.module_order}
-        self.activation_estimate = 0
-        self.memory_model = MemoryModel.for_model(self.base_bytes, 0.0)
-        self.measured_steps = 0
-
-    def shape(self, micro_batches: list[JobMicroBatch]) -> StepShape:
-        lengths = [len(example) for micro_batch in micro_batches for example in micro_batch.rows]
-        return StepShape.of(lengths, 0, tokens=sum(lengths))
-
-    def predict(self, shape: StepShape) -> int:
-        return self.base_bytes
-
-    def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
-        return True
-
-    def measure_next_step(self) -> bool:
-        return False
-
-    def observe(self, shape: StepShape, report: StepReport, predicted: int) -> None:
-        return None
 
 
 def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None = None, *,

@@ -36,7 +36,8 @@ from actors.service.job_ends import JobEnds
 from actors.service.job_files import CHECKPOINT_FOLDER
 from actors.service.job_link import Assignment
 from actors.service.job_start import start_job, start_tracking
-from actors.service.pipeline_engine import PipelineAdmission, PipelineEngine
+from actors.service.pipeline_admission import PipelineAdmission
+from actors.service.pipeline_engine import PipelineEngine
 from actors.service.pipeline_processes import StageLost
 from actors.service.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.step_admission import StepAdmission, memory_in_use

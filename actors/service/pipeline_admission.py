@@ -34,6 +34,11 @@ class PipelineAdmission:
         self.budget = budget_bytes or default_memory_budget(engine.base.device)
         self.stages: list[StageMemory] = engine.memory()   # no job yet: held = the stages' weights
         self.weights = [memory.held for memory in self.stages]
+        for stage, weights in enumerate(self.weights):
+            if weights >= self.budget:
+                raise MemoryError(f"pipeline stage {stage}: its weights take {weights / 2**20:.0f} MiB, the memory "
+                                  f"budget per stage is {self.budget / 2**20:.0f} MiB; raise memory_budget_bytes, "
+                                  "cut the base into more stages, or give this stage fewer layers (stage_split)")
         self.models = [self._prior(memory) for memory in self.stages]
         self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
         self.shapes: list[StepShape] = []

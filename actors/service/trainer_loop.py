@@ -65,7 +65,12 @@ class TrainerLoop(JobEnds):
         self.trainer: FusedTrainer | PipelineEngine
         if engine is not None:
             self.trainer = engine
-            self.admission: StepAdmission | PipelineAdmission = PipelineAdmission(engine, config.memory_budget_bytes)
+            try:
+                self.admission: StepAdmission | PipelineAdmission = PipelineAdmission(engine,
+                                                                                      config.memory_budget_bytes)
+            except BaseException:
+                engine.close()   # its stages stop with the refusal
+                raise
         else:
             assert base is not None
             self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout,

@@ -3,7 +3,8 @@ count of each stage's peak over each loop step (torch.profiler's memory records 
 prediction, refitted online, stays within one in-flight micro-batch of the measured peak (what the model
 cannot know before the head composes: which of the step's micro-batches are in flight together at a stage);
 the budget is per stage, the status reports the critical stage (its share of the weights, not the whole
-base's); a budget that fits one job's step but not two's runs the jobs one per step."""
+base's); a budget that fits one job's step but not two's runs the jobs one per step; a budget below a stage's
+weights is refused, naming the stage and the numbers."""
 
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def test_each_stages_peak_is_predicted_within_one_micro_batch_and_a_tight_budget
     config = TrainerConfig(stages=2, stage_split="even", step_tokens=2048)
     engine = start_pipeline(config, functools.partial(tiny_base, layers=6), threads=1)
     try:
+        with pytest.raises(MemoryError, match=r"pipeline stage 0: its weights take \d+ MiB, the memory budget per "
+                                              r"stage is 0 MiB; raise memory_budget_bytes"):
+            PipelineAdmission(engine, budget_bytes=1 << 10)
         admission = PipelineAdmission(engine)
         whole = sum(p.numel() * p.element_size() for p in tiny_base(layers=6).model.parameters())
         assert admission.base_bytes < 0.8 * whole   # the critical stage's share of the weights

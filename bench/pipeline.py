@@ -7,7 +7,8 @@ Measured (CPU): the same jobs, k at a time (k = 1, 2, 4, 8), trained by
   flush     the same 2 stages with a generic pipeline's flush at every step (every adapter steps together,
             the next global batch waits until the pipeline is empty)
   loop      the LoRA-aware pipeline as the trainer loop drives it (`stages: N` in the service and `aspen run`):
-            one optimizer step of every job per loop step, drained at its end
+            one optimizer step of every job per loop step, drained at its end, the jobs spread over 4
+            micro-batches a stage
 each side in its own process, as users run them. Printed: trained tokens/s of each side and the ratio to
 the single trainer (and, for scale, the single trainer with one thread), each stage's bubble share (the
 share of its busy span it waited), at each k.
@@ -41,6 +42,7 @@ from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
 
 LAYERS, HIDDEN, VOCAB = 16, 192, 8192
 DROPOUT = 0.05
+PLANS_PER_STAGE = 4   # as actors/service/pipeline_engine.py sets it
 
 
 def bench_base(layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB):
@@ -107,6 +109,7 @@ def run_pipeline(count: int, steps: int, flush: bool, rounds: bool = False) -> d
             pipeline.add_job(spec, examples, seed=seed)
         started = time.perf_counter()
         if rounds:
+            pipeline.trainer.plans_per_stage = PLANS_PER_STAGE
             reports, heads = [], pipeline.trainer.jobs
             while not all(head.done for head in heads.values()):
                 for head in heads.values():
@@ -230,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-only", action="store_true", help="only the per-stage memory model's errors")
     parser.add_argument("--side", choices=("single", "single1", "pipeline", "flush", "loop"), help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--plans-per-stage", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plans_per_stage:
+        global PLANS_PER_STAGE
+        PLANS_PER_STAGE = args.plans_per_stage
     if args.side:
         if args.side.startswith("single"):
             result = run_single(args.concurrent, args.steps, threads=1 if args.side == "single1" else 2)

@@ -13,7 +13,6 @@ stages): on the safe side."""
 from __future__ import annotations
 
 import collections
-import math
 
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.stage_memory import StageMemory
@@ -78,10 +77,10 @@ class PipelineAdmission:
         return max([MEMORY_MARGIN, *self.under_predictions])
 
     def largest_plan(self, micro_batches: list[JobMicroBatch]) -> list[tuple[LoraConfig, int]]:
-        """The largest micro-batch the head may compose of these jobs' (⌈jobs / stages⌉ of them, within
+        """The largest micro-batch the head may compose of these jobs' (its `share` of them, within
         step_tokens): per job its LoRA config and tokens."""
         engine = self.engine
-        share = max(1, math.ceil(len(micro_batches) / engine.stages))
+        share = engine.head.share(len(micro_batches))
         sized = sorted(((engine.jobs[mb.job].spec.lora, sum(len(e) for e in mb.rows)) for mb in micro_batches),
                        key=lambda part: -part[1])
         plan: list[tuple[LoraConfig, int]] = []

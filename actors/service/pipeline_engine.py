@@ -6,7 +6,8 @@ One loop step on a pipeline is one optimizer step of every job the loop found re
 micro-batches (a job's whole accumulation, several jobs per micro-batch, every stage busy while any job has
 work) and the step ends when every one of those steps is booked. Between loop steps nothing is in flight, so
 the loop's verdicts, checkpoints, pauses and cancellations see each job at a step boundary, as on one device.
-The price is one pipeline fill and drain per loop step (bench/pipeline.py measures the engine without it).
+The price is one pipeline fill and drain per loop step, made smaller by spreading the step's jobs over more,
+smaller micro-batches (`PLANS_PER_STAGE`; bench/pipeline.py's loop column against the engine left running).
 
 Each job also has a mirror on this process's CPU: its whole adapter and AdamW state as a `TrainingJob` would
 hold them, filled from the stages when read (`PipelineJob.adapter`, `.optimizer`), and given back to them
@@ -39,6 +40,13 @@ from actors.service.pipeline_processes import LocalPipeline, StageLost, StageSta
 
 if TYPE_CHECKING:
     from actors.service.config import TrainerConfig
+
+
+# micro-batches per stage a loop step's jobs are spread over (`PipelineTrainer.plans_per_stage`): the stages
+# fill and drain once per loop step, which costs less the more micro-batches the step has (bench/pipeline.py,
+# loop column: 4 and 8 jobs on 2 CPU stages trained 0.84-0.91x the single trainer's tokens/s with 1, 1.04-1.07x
+# with 4); smaller micro-batches fuse fewer jobs, which a GPU would rather not, hence not more
+PLANS_PER_STAGE = 4
 
 
 class MirrorLayer(nn.Module):
@@ -226,6 +234,7 @@ class PipelineEngine:
         self.on_close = on_close
         self.pipeline = launch()
         self.head: PipelineTrainer = self.pipeline.trainer
+        self.head.plans_per_stage = PLANS_PER_STAGE
         self.step_tokens = step_tokens
         self.layout = layout
         self.jobs: dict[str, PipelineJob] = {}
@@ -255,6 +264,7 @@ class PipelineEngine:
         self.jobs.clear()
         self.pipeline = self.launch()
         self.head = self.pipeline.trainer
+        self.head.plans_per_stage = PLANS_PER_STAGE
         self.lost = None
 
     @property

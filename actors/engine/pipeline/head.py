@@ -5,7 +5,7 @@ Composing needs no result from the stages: which micro-batch closes a job's accu
 is composed (every `grad_accum`-th, or the last of the data). So the head composes whenever the schedule
 wants a plan, sends it to every stage and runs stage 0's operations; losses and gradient norms come back as
 the operations run and are booked in plan order. A plan takes up to ⌈jobs / stages⌉ jobs that would not
-wait (their step done), within `step_tokens`, so that with enough jobs every stage has work."""
+wait (their step done), within `step_tokens`, so that with enough jobs every stage has work (`share`)."""
 
 from __future__ import annotations
 
@@ -101,6 +101,10 @@ class PipelineTrainer:
         self.rotation = 0
         self.reports: list[PlanReport] = []
         self.reference_caches: dict[str, ReferenceCache] = {}   # which DPO pairs the last stage holds
+        # micro-batches per stage that take each composable job once: 1 keeps them large (the pipeline runs
+        # on, one fill for the whole run); more make them smaller where the pipeline drains often (once per
+        # trainer loop step: actors/service/pipeline_engine.py), so that its fill costs less
+        self.plans_per_stage = 1
         self.replies: list[dict] = []
         runtime.on_result = self._on_result
 
@@ -204,6 +208,11 @@ class PipelineTrainer:
         out = [self.runtime.handle(message)]
         return out + [self.links.recv_object(stage, TAG_REPLY) for stage in range(1, self.stages)]
 
+    def share(self, jobs: int) -> int:
+        """How many of `jobs` composable jobs a micro-batch takes: enough that `plans_per_stage` x stages
+        micro-batches take each once."""
+        return max(1, math.ceil(jobs / (self.stages * self.plans_per_stage)))
+
     def _compose(self) -> PlanMessage | None:
         live = [job for job in self.jobs.values() if job.composable]
         if not live:
@@ -214,7 +223,7 @@ class PipelineTrainer:
         schedule = self.runtime.schedule
         free = [job for job in ordered if not schedule.job_waits(job.name)]
         candidates = free or ordered[:1]
-        share = max(1, math.ceil(len(live) / self.stages))
+        share = self.share(len(live))
         chosen: list[HeadJob] = []
         tokens = 0
         for job in candidates:

@@ -168,8 +168,9 @@ def compile_problem(compile: str, *, recompute: str, quantization: str) -> str |
 Stages = Annotated[int, Bounds(1, 256)]
 StageSplit = list[Annotated[int, Bounds(1, 100_000)]] | Literal["even", "measured"]
 STAGES_DESCRIPTION = ("pipeline stages the base's decoder is cut into, each a process of its own on its own device "
-                      "(one GPU each with num_gpus >= stages; all on one GPU with num_gpus: 1; on CPU, one process "
-                      "each); 1: the single-device trainer")
+                      "(in-process: one GPU each where the machine has as many, else all on its first GPU; on Ray a "
+                      "stage actor each, with num_gpus / num_cpus per stage; on CPU the cores shared); 1: the "
+                      "single-device trainer")
 STAGE_SPLIT_DESCRIPTION = ("with stages >= 2: decoder layers per stage (a list), even, or measured (balanced by "
                            "each layer's measured time and memory)")
 

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
 
 
 # micro-batches per stage a loop step's jobs are spread over (`PipelineTrainer.plans_per_stage`): the stages
-# fill and drain once per loop step, which costs less the more micro-batches the step has (bench/pipeline.py,
-# loop column: 4 and 8 jobs on 2 CPU stages trained 0.84-0.91x the single trainer's tokens/s with 1, 1.04-1.07x
-# with 4); smaller micro-batches fuse fewer jobs, which a GPU would rather not, hence not more
+# fill and drain once per loop step, which costs less the more micro-batches the step has (bench/pipeline.py's
+# loop column, 4 and 8 jobs on 2 CPU stages: 0.75-0.78x the tokens/s of the pipeline left running with 1,
+# 0.91-0.93x with 4); smaller micro-batches fuse fewer jobs, which a GPU would rather not, hence not more
 PLANS_PER_STAGE = 4
 
 

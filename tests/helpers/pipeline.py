@@ -100,3 +100,18 @@ def one_thread_per_process():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def running_pipeline(stages: int):
+    """A module fixture's pipeline of `stages` over the tiny base of LAYERS layers (an even split, one thread in
+    every process, this one's too, the other stages at background priority), stopped after the module; a
+    generator."""
+    from actors.service.pipeline_processes import LocalPipeline
+    threads = one_thread_per_process()
+    next(threads)
+    try:
+        with LocalPipeline(loader(layers=LAYERS), stages, split="even", threads=1) as running:
+            background(running)
+            yield running
+    finally:
+        next(threads, None)

@@ -6,31 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from actors.service.pipeline_processes import LocalPipeline
 from tests.helpers.pipeline import (
     LAYERS,
     assert_same_as_single_device,
-    background,
-    loader,
     mixed_jobs,
-    one_thread_per_process,
     preference_job,
     run_and_keep_heads,
+    running_pipeline,
     sft,
     tiny_base,
 )
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    yield from one_thread_per_process()
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
-def pipeline(request, one_thread):
-    with LocalPipeline(loader(layers=LAYERS), request.param, split="even", threads=1) as running:
-        background(running)
-        yield running
+def pipeline(request):
+    yield from running_pipeline(request.param)
 
 
 def test_every_kind_of_job_trains_exactly_as_on_one_device(pipeline):

@@ -15,32 +15,22 @@ from __future__ import annotations
 
 import pytest
 
-from actors.service.pipeline_processes import LocalPipeline
 from tests.helpers.models import random_examples
 from tests.helpers.pairs import random_pairs
 from tests.helpers.pipeline import (
     LAYERS,
     VOCAB,
     assert_same_as_single_device,
-    background,
-    loader,
-    one_thread_per_process,
     preference_job,
+    running_pipeline,
     sft,
     tiny_base,
 )
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    yield from one_thread_per_process()
-
-
-@pytest.fixture(scope="module")
-def pipeline(one_thread):
-    with LocalPipeline(loader(layers=LAYERS), 2, split="even", threads=1) as running:
-        background(running)
-        yield running
+def pipeline():
+    yield from running_pipeline(2)
 
 
 def test_jobs_joining_and_leaving_mid_run_change_no_other_job(pipeline):

@@ -23,7 +23,7 @@ from actors.engine.gguf_cache import converted_source
 from actors.engine.lora import freeze
 from actors.engine.model_support import check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
-from actors.engine.pipeline.stage_model import StageModel, cut_stage
+from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
 from actors.engine.recompute import decoder_layers
 from actors.engine.sources import load_tokenizer, resolve_source
 
@@ -74,6 +74,7 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
         own += [decoder.norm] + ([] if tied else [head])
     names = {id(module): name for name, module in model.named_modules()}
     prefixes = [names[id(module)] + "." for module in own]
+    check_stage_fits(stage, stage_bytes(own), torch_device)   # before anything is allocated on the device
     for module in own:
         module.to_empty(device=torch_device)
     files = checkpoint_files(Path(read_from.path))

@@ -73,15 +73,21 @@ def check_stageable(base: BaseModel) -> None:
                          " one (quantized layers cannot be moved between devices yet); use stages: 1")
 
 
-def _bytes(modules: list[nn.Module]) -> int:
+def _bytes(modules: list[nn.Module], *, meta: bool = False) -> int:
+    """The bytes of the modules' tensors, each once; those on `meta` (held elsewhere) only with `meta`."""
     seen: set[int] = set()
     total = 0
     for module in modules:
         for tensor in list(module.parameters()) + list(module.buffers()):
-            if id(tensor) not in seen and not tensor.is_meta:
+            if id(tensor) not in seen and (meta or not tensor.is_meta):
                 seen.add(id(tensor))
                 total += tensor.numel() * tensor.element_size()
     return total
+
+
+def stage_bytes(modules: list[nn.Module]) -> int:
+    """What the modules will take once on a device, whether their tensors are there or still on `meta`."""
+    return _bytes(modules, meta=True)
 
 
 def check_stage_fits(stage: int, needed: int, device: torch.device, free: int | None = None) -> None:

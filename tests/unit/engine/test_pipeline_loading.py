@@ -75,3 +75,21 @@ def test_the_loader_tells_the_layers_and_loads_whole_or_a_stage(tmp_path, smol_t
     assert loader.layers() == 4
     assert len(loader().decoder.layers) == 4
     assert loader.stage([3, 1], 1, "cpu").layers == 1
+
+
+def test_a_stage_that_would_not_fit_its_gpu_is_refused_before_anything_is_allocated(tmp_path, smol_tokenizer,
+                                                                                     monkeypatch):
+    """The stage's size is counted on `meta` (nothing loaded yet) and checked against the device's free memory
+    first: a CUDA device reporting 1 KiB free refuses the stage naming it and the numbers, with no CUDA call
+    beyond the free-memory query (this machine has no GPU: the query is stubbed)."""
+    from actors.engine.pipeline import stage_loading, stage_model
+    folder = saved(tmp_path / "model", False, smol_tokenizer)
+    whole = load_base_model(folder, dtype="float32", device="cpu")
+    layer = whole.decoder.layers[0]
+    on_meta = copy.deepcopy(layer).to("meta")
+    assert stage_model.stage_bytes([on_meta]) == sum(p.numel() * 4 for p in layer.parameters()) > 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1024, 1024))
+    monkeypatch.setattr(stage_loading, "resolve_device", lambda device: torch.device("cuda:0"))
+    with pytest.raises(MemoryError, match=r"pipeline stage 1: its weights need 0\.00 GiB and cuda:0 has 0\.00 GiB "
+                                          r"free; cut the base into more stages"):
+        load_stage(folder, [2, 2], 1, device="cuda:0", dtype="float32")

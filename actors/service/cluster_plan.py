@@ -10,7 +10,9 @@ GPU of every node with GPUs, or on a cluster without GPUs `cpu_trainers_per_node
 node.
 
 Each CPU trainer's torch threads are its node's CPUs shared among the CPU trainers planned on that node
-(unless the kind sets `threads`): sized from its own node, not from the scheduler's."""
+(unless the kind sets `threads`): sized from its own node, not from the scheduler's. A pipeline trainer
+(`stages: N`) counts as its N stages on its node (N times its resources, N sharers of the CPUs; with
+`stage_placement: spread`, stage 0 only: the others go to other nodes)."""
 
 from __future__ import annotations
 
@@ -54,15 +56,27 @@ def trainer_kinds(config: ServiceConfig, cluster_has_gpus: bool) -> list[Trainer
     return [TrainerConfig(nodes="each", count=config.cpu_trainers_per_node)]
 
 
+def _on_its_node(kind: TrainerConfig) -> int:
+    """How many processes of a trainer run on the node it is pinned to: its pipeline stages, unless they are
+    spread over nodes (then stage 0 only is sure to be there); 1 for a single-device trainer."""
+    return 1 if kind.stage_placement == "spread" else kind.stages
+
+
+def _demand(kind: TrainerConfig) -> tuple[float, float]:
+    """The CPUs and GPUs a trainer takes on its node (a pipeline's: every stage placed with it)."""
+    return kind.num_cpus * _on_its_node(kind), kind.num_gpus * _on_its_node(kind)
+
+
 def _fits(kind: TrainerConfig, node: NodeInfo) -> bool:
-    return node.cpus >= kind.num_cpus and node.gpus >= kind.num_gpus and (kind.num_gpus > 0 or node.cpus > 0)
+    cpus, gpus = _demand(kind)
+    return node.cpus >= cpus and node.gpus >= gpus and (kind.num_gpus > 0 or node.cpus > 0)
 
 
 def _per_node(kind: TrainerConfig, node: NodeInfo) -> int:
     if not _fits(kind, node):
         return 0
     if kind.num_gpus > 0:
-        return min(kind.count, int(node.gpus // kind.num_gpus + 1e-9))
+        return min(kind.count, int(node.gpus // _demand(kind)[1] + 1e-9))
     return kind.count
 
 
@@ -79,8 +93,9 @@ def plan_trainers(kinds: Sequence[TrainerConfig], nodes: Sequence[NodeInfo],
     def book(key: TrainerKey, kind: TrainerConfig, node_id: str | None) -> None:
         placed.append((key, kind, node_id))
         if node_id is not None:
-            used_cpus[node_id] += kind.num_cpus
-            used_gpus[node_id] += kind.num_gpus
+            cpus, gpus = _demand(kind)
+            used_cpus[node_id] += cpus
+            used_gpus[node_id] += gpus
 
     for index, kind in enumerate(kinds):
         if kind.nodes == "each":
@@ -99,8 +114,8 @@ def plan_trainers(kinds: Sequence[TrainerConfig], nodes: Sequence[NodeInfo],
 
     cpu_trainers: dict[str, int] = {}
     for _, kind, node_id in placed:
-        if node_id is not None and kind.num_gpus == 0:
-            cpu_trainers[node_id] = cpu_trainers.get(node_id, 0) + 1
+        if node_id is not None and kind.num_gpus == 0:   # a pipeline's stages each compute on their own threads
+            cpu_trainers[node_id] = cpu_trainers.get(node_id, 0) + _on_its_node(kind)
     plan = []
     for key, kind, node_id in placed:
         threads = kind.threads
@@ -122,6 +137,7 @@ def _roomiest(kind: TrainerConfig, nodes: Sequence[NodeInfo], used_cpus: dict[st
     candidates = [node for node in nodes if _fits(kind, node)]
     if not candidates:
         return None
+    cpus, gpus = _demand(kind)
     fitting = [node for node in candidates
-               if node.cpus - used_cpus[node.id] >= kind.num_cpus and node.gpus - used_gpus[node.id] >= kind.num_gpus]
+               if node.cpus - used_cpus[node.id] >= cpus and node.gpus - used_gpus[node.id] >= gpus]
     return max(fitting or candidates, key=lambda node: (left(node), node.head, node.id)).id

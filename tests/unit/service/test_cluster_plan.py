@@ -54,3 +54,17 @@ def test_explicit_threads_and_kinds_without_a_fitting_node():
     idle_head = NodeInfo(HEAD.id, HEAD.address, cpus=0, gpus=0, head=True)
     assert {p.node for p in plan_trainers(trainer_kinds(ServiceConfig(), False), [idle_head, CPU_WORKER])} == {
         CPU_WORKER.id}
+
+
+def test_a_pipeline_trainer_counts_its_stages_on_its_node():
+    """A 2-stage GPU kind takes 2 GPUs a trainer (4-GPU node: 2 trainers); a 2-stage CPU trainer's stages
+    share the node's CPUs as two trainers would; spread over nodes, only stage 0 is counted on its node."""
+    gpu = TrainerConfig(num_gpus=1, stages=2, nodes="each", count=8)
+    assert len(plan_trainers([gpu], [HEAD, GPU_WORKER])) == 2
+    spread = TrainerConfig(num_gpus=1, stages=2, nodes="each", count=8, stage_placement="spread")
+    assert len(plan_trainers([spread], [HEAD, GPU_WORKER])) == 4
+    cpu = TrainerConfig(stages=2, nodes="each", count=1)
+    assert {p.node: p.threads for p in plan_trainers([cpu], [HEAD])} == {HEAD.id: 4}
+    whole = TrainerConfig(num_gpus=1, stages=8, count=1, stage_placement="strict_pack")
+    assert [p.node for p in plan_trainers([whole], [HEAD, GPU_WORKER])] == [None]   # no node has 8 GPUs
+

@@ -16,7 +16,8 @@ recorded in the report, its processes killed, and the suite goes on with the nex
               weights), beside PEFT one job at a time in its own process
   fusion8b    bench/lora_mfu.py --parts fusion: fusion efficiency 1..32 adapters on that base
   pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer against the single-device trainer (two GPUs:
-              NCCL between them; one GPU: both stages on it, tensors by CUDA IPC)
+              NCCL between them; one GPU: both stages on it, tensors by CUDA IPC); then each stage's memory
+              model against CUDA's counters (bench/pipeline.py --memory-only --device cuda)
 (the memory model's error on the GPU: the `memory` part)
 
 It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the device, GPU, torch and
@@ -93,7 +94,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
         "mfu": [[py, "bench/lora_mfu.py", "--parts", "mfu", *shape, "--json", str(out / "mfu.json")]],
         "fusion8b": [[py, "bench/lora_mfu.py", "--parts", "fusion", *shape, "--json", str(out / "fusion8b.json")]],
-        "pipeline": [[py, "bench/pipeline_check.py"]],
+        "pipeline": [[py, "bench/pipeline_check.py"], [py, "bench/pipeline.py", "--memory-only", "--device", "cuda"]],
         "compile": [[py, "bench/compile_step.py", "--base-model", args.base_model,
                      *(["--warmup", "6", "--steps", "4"] if args.quick else []), "--json", str(out / "compile.json")]],
     }

@@ -153,9 +153,10 @@ def measured(counts: list[int], steps: int) -> None:
               f"{str(loop['bubble']):>14} {lora_aware['split']}", flush=True)
 
 
-def memory(count: int = 4, steps: int = 24) -> None:
+def memory(count: int = 4, steps: int = 24, device: str = "cpu") -> None:
     """Each stage's predicted peak (actors/service/pipeline_admission.py: the probe's prior, refitted on the
-    measured steps) against the allocator's count over each loop step, as the trainer loop runs them."""
+    measured steps) against the allocator's count over each loop step, as the trainer loop runs them. On
+    `device` "cuda": one GPU each where there are two, else both stages on one (by CUDA IPC)."""
     import torch
 
     from actors.engine.data import DataCursor
@@ -163,9 +164,11 @@ def memory(count: int = 4, steps: int = 24) -> None:
     from actors.service.config import TrainerConfig
     from actors.service.pipeline_admission import PipelineAdmission
     from actors.service.pipeline_engine import start_pipeline
-    torch.set_num_threads(1)
-    engine = start_pipeline(TrainerConfig(stages=2, stage_split="even", step_tokens=4096),
-                            functools.partial(bench_base, 8, 128, VOCAB), threads=1)
+    cuda = device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    engine = start_pipeline(TrainerConfig(stages=2, stage_split="even", step_tokens=4096, num_gpus=1 if cuda else 0),
+                            functools.partial(bench_base, 8, 128, VOCAB), threads=None if cuda else 1)
     try:
         admission = PipelineAdmission(engine)
         jobs = []
@@ -185,8 +188,8 @@ def memory(count: int = 4, steps: int = 24) -> None:
                     errors[stage].append((guess - peak) / peak)
     finally:
         engine.close()
-    print(f"\nmemory model per stage (8 layers of width 128, {count} jobs, r=8 all-linear, half with dropout; "
-          f"steps 5-{steps}, each stage's peak counted by the allocator)")
+    print(f"\nmemory model per stage on {device} (8 layers of width 128, {count} jobs, r=8 all-linear, half with "
+          f"dropout; steps 5-{steps}, each stage's peak counted by the allocator)")
     for stage, values in enumerate(errors):
         mean = sum(abs(v) for v in values) / len(values)
         print(f"stage {stage}: mean |error| {mean:.3f}, worst under {min(values):+.3f}, worst over {max(values):+.3f}")
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--simulate-only", action="store_true")
     parser.add_argument("--memory-only", action="store_true", help="only the per-stage memory model's errors")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where --memory-only runs")
     parser.add_argument("--side", choices=("single", "single1", "pipeline", "flush", "loop"), help=argparse.SUPPRESS)
     parser.add_argument("--concurrent", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--plans-per-stage", type=int, default=None, help=argparse.SUPPRESS)
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     if args.memory_only:
-        memory()
+        memory(device=args.device)
         return 0
     if not args.simulate_only:
         measured([int(c) for c in args.jobs.split(",")], args.steps)

@@ -1,7 +1,8 @@
 """Pipeline trainers in the trainer loop (`stages: N`), against the single-device trainer as the reference: a
-jobs file run in-process with `stages: 2` writes the same adapters, metrics, evaluations and stop steps bit
-for bit; a job checkpointed on a pipeline resumes on one device, and one checkpointed on one device resumes
-on a pipeline, each ending as if never interrupted. CPU, float32, one thread in every process (an SVD's or a
+jobs file run in-process with `stages: 2` writes the same adapters, metrics, evaluations and stop step bit for
+bit, though a stage process is killed mid-run; a job moved between the two trainer kinds (mid-accumulation
+too) ends as if never interrupted; the service on Ray runs a pipeline trainer whose stage actor is killed
+mid-run, and its jobs end as on one device. CPU, float32, one thread in every process (an SVD's or a
 reduction's rounding may depend on the thread count): tests/service/test_pipeline_trainer.py says why such a
 pipeline is exact."""
 
@@ -51,39 +52,37 @@ def loop_for(kind: str, tmp_path, model: str, name: str) -> TrainerLoop:
     return TrainerLoop(load_base_model(model, dtype="float32", device="cpu"), config, name, tmp_path / "state")
 
 
-@pytest.mark.parametrize("first,then,extra", [("pipeline", "single", 0), ("single", "pipeline", 1)],
-                         ids=["pipeline-to-single", "single-mid-accumulation-to-pipeline"])
-def test_a_job_paused_on_one_trainer_kind_resumes_on_the_other_exactly(tmp_path, tiny_model_dirs, first, then, extra):
-    """`extra`: micro-batches run after the step-3 boundary before the pause (one device's checkpoint then holds
-    the accumulation in progress: its gradients, which the pipeline's stages take)."""
+def test_a_job_moved_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_path, tiny_model_dirs):
+    """Paused on a pipeline at step 3 (its checkpoint written from the stages), resumed on one device and paused
+    there mid-accumulation at step 5 (its checkpoint holds the accumulation's gradients, which the stages then
+    take), resumed on a pipeline to the end: the same adapter and metrics as one device's uninterrupted run."""
     model = str(tiny_model_dirs["llama"])
     job = job_dict("moving", write_task_data(tmp_path / "data", "moving"), 8, grad_accum=2, checkpoint_every=3,
                    lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj", "down_proj"]})
-    spec = run_spec(model, tmp_path / "out", [job])
-    (submission,) = spec.submissions()
-    loop = loop_for(first, tmp_path, model, "first")
-    try:
-        loop.assign(assignment_for(submission, "moving", loop.base.tokenizer))
-        while loop.active.get("moving") is None or loop.active["moving"].job.step < 3:
-            loop.run_once(idle_wait=0)
-        for _ in range(extra):
-            loop.run_once(idle_wait=0)
-        loop.stop_job("moving", "paused", "moved to another trainer")
-        events = run_until_idle(loop)
-    finally:
-        loop.close()
-    paused = next(e for e in events if e.kind == "paused")
-    assert paused.data["checkpoint_step"] == 3
-    state = json.loads((tmp_path / "out/moving/checkpoint/state.json").read_text())
-    assert state["accumulator"]["micro_batches"] == extra and sum(state["optimizer"]["gradients"]) == (
-        0 if extra == 0 else len(state["optimizer"]["gradients"]))
-    loop = loop_for(then, tmp_path, model, "then")
-    try:
-        loop.assign(assignment_for(submission, "moving", loop.base.tokenizer))
-        events = run_until_idle(loop)
-    finally:
-        loop.close()
-    assert next(e for e in events if e.kind == "started").data["resumed_from"] == 3
+    (submission,) = run_spec(model, tmp_path / "out", [job]).submissions()
+    moves = [("pipeline", 3, 0), ("single", 5, 1), ("pipeline", None, 0)]
+    for index, (kind, pause_at, extra) in enumerate(moves):
+        loop = loop_for(kind, tmp_path, model, f"trainer-{index}")
+        try:
+            loop.assign(assignment_for(submission, "moving", loop.base.tokenizer))
+            if pause_at is None:
+                events = run_until_idle(loop)
+            else:
+                while loop.active.get("moving") is None or loop.active["moving"].job.step < pause_at:
+                    loop.run_once(idle_wait=0)
+                for _ in range(extra):   # micro-batches of the next step before the pause
+                    loop.run_once(idle_wait=0)
+                loop.stop_job("moving", "paused", "moved to another trainer")
+                events = run_until_idle(loop)
+        finally:
+            loop.close()
+        if index:
+            assert next(e for e in events if e.kind == "started").data["resumed_from"] == moves[index - 1][1]
+        if pause_at is not None:
+            assert next(e for e in events if e.kind == "paused").data["checkpoint_step"] == pause_at
+            state = json.loads((tmp_path / "out/moving/checkpoint/state.json").read_text())
+            assert state["accumulator"]["micro_batches"] == extra
+            assert sum(state["optimizer"]["gradients"]) == (len(state["optimizer"]["gradients"]) if extra else 0)
     assert any(e.kind == "completed" for e in events)
     uninterrupted = run_spec(model, tmp_path / "uninterrupted", [job])
     train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
@@ -146,8 +145,8 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     from tests.helpers.service import wait_for
 
     data = tmp_path / "data"
-    jobs = [job_dict("plain", write_task_data(data, "plain"), 10, eval_split=4, eval_every=5, checkpoint_every=2),
-            job_dict("accum", write_task_data(data, "accum", offset=3), 6, grad_accum=2, checkpoint_every=1)]
+    jobs = [job_dict("plain", write_task_data(data, "plain"), 7, eval_split=4, eval_every=3, checkpoint_every=2),
+            job_dict("accum", write_task_data(data, "accum", offset=3), 4, grad_accum=2, checkpoint_every=1)]
     model = str(tiny_model_dirs["llama"])
     reference = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
     expected = train_locally(reference, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
@@ -160,7 +159,7 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     client = Client.local(run_service_config(staged, tick_seconds=0.1, trainer={"num_cpus": 0.5, "threads": 1}))
     try:
         handles = client.submit_run(staged)
-        wait_for(lambda: client.status(handles[0].id).step >= 3, what="the first job's third step")
+        wait_for(lambda: client.status(handles[0].id).step >= 2, what="the first job's second step")
         (first,) = stage_actors()
         namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
                          if a["name"] == first)

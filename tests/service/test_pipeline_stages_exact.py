@@ -1,6 +1,7 @@
-"""The same exactness on 3 stages (a middle stage that neither embeds nor scores): every kind of job, and DPO's
-references through the stages. The reference and the reasons: tests/service/test_pipeline_trainer.py; the
-2-stage pipeline runs every test there, this file only the ones a middle stage changes."""
+"""The same exactness on 3 stages (a first stage that embeds, a middle one that neither embeds nor scores, a
+last one that scores: every link a 2-stage pipeline has, and one more): every kind of job, and DPO's
+references through the stages. The reference and the reasons: tests/service/test_pipeline_trainer.py, whose
+2-stage pipeline runs the other tests."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from tests.helpers.pipeline import (
 )
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
-def pipeline(request):
-    yield from running_pipeline(request.param)
+@pytest.fixture(scope="module")
+def pipeline():
+    yield from running_pipeline(3)
 
 
 def test_every_kind_of_job_trains_exactly_as_on_one_device(pipeline):

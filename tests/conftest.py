@@ -35,9 +35,22 @@ KINDS = ("unit", "slow", "service", "servers", "faults", "gpu")   # the folders 
 NOT_IN_UNIT = {"ray_session", "s3_server", "s3_bucket"}     # fixtures that start Ray or a server
 
 
+# The files that take minutes (CI's durations, 2026-11-27), longest first. `make test`'s workers take whole files
+# in collection order (pytest-xdist's loadfile), so these go first and the many short files fill in at the end:
+# in folder order a long file could start last on one worker, which then ended over a minute after the other.
+LONG_FILES = ("tests/faults/test_run_again.py", "tests/service/test_cli_run.py", "tests/service/test_cluster.py",
+              "tests/faults/test_service_faults.py", "tests/service/test_ray_job_submit.py",
+              "tests/service/test_scheduling_service.py", "tests/slow/test_quantized_loading.py",
+              "tests/service/test_pipeline_service.py", "tests/service/test_service.py",
+              "tests/slow/test_smollm2.py", "tests/servers/test_prometheus_grafana.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its folder's kind; a unit test that asks for Ray or a server is refused, so that
-    `pytest -m unit` stays fast and needs nothing running."""
+    `pytest -m unit` stays fast and needs nothing running. The long files first (LONG_FILES), each file's tests
+    still together and in their order."""
+    rank = {name: index for index, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
     tests = Path(__file__).resolve().parent
     for item in items:
         kind = Path(item.fspath).resolve().relative_to(tests).parts[0]

@@ -1,18 +1,16 @@
 """Pipeline trainers that run alone (one pipeline per process: stage 0 lives in it): recomputation on stages,
-and a stage killed mid-run, after which the jobs resume on a new pipeline and end exactly as on one device.
+grouped LoRA, stages sharing a device. A stage killed mid-run (the jobs resume from their checkpoints on new
+stages and end exactly as on one device): tests/service/test_pipeline_service.py.
 The reference and the reasons for exactness: tests/service/test_pipeline_trainer.py. Stages that read only
 their own tensors (`StageLoader`) train as one device: tests/service/test_pipeline_service.py, whose trainers
 load their stages so."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from actors.engine.pipeline.stage import StageSettings
-from actors.service.pipeline_processes import LocalPipeline, StageLost
+from actors.service.pipeline_processes import LocalPipeline
 from tests.helpers.pipeline import (
     LAYERS,
     assert_same_as_single_device,
@@ -55,31 +53,6 @@ def test_grouped_lora_on_stages_agrees_with_one_device(monkeypatch):
         for key, value in tensors.items():
             scale = float(value.abs().max())
             assert float((states[name]["tensors"][key] - value).abs().max()) <= 1e-5 * max(scale, 1e-3), (name, key)
-
-
-def test_a_killed_stage_is_named_and_its_jobs_resume_exactly_on_a_new_pipeline():
-    jobs = [sft("kill-a", 40, steps=4, lora={"dropout": 0.1}), sft("kill-b", 41, steps=4)]
-    kept: dict[str, dict] = {}
-    losses: dict[str, list[float]] = {}
-    with LocalPipeline(loader(layers=LAYERS), 3, split="even", threads=1) as pipeline:
-        for spec, examples, seed in jobs:
-            pipeline.add_job(spec, examples, seed=seed)
-        pipeline.run(max_plans=3)
-        for spec, _, _ in jobs:   # what a checkpoint keeps
-            kept[spec.name] = pipeline.job_state(spec.name)
-            losses[spec.name] = list(pipeline.trainer.jobs[spec.name].losses)
-        os.kill(pipeline.processes[1].pid, signal.SIGKILL)   # stage 2's process
-        with pytest.raises(StageLost, match="stage 2"):
-            pipeline.run()
-    with LocalPipeline(loader(layers=LAYERS), 3, split="even", threads=1) as rebuilt:
-        for spec, examples, seed in jobs:
-            rebuilt.add_job(spec, examples, seed=seed, state=kept[spec.name])
-        rebuilt.run()
-        heads = {spec.name: rebuilt.trainer.jobs[spec.name] for spec, _, _ in jobs}
-        for name, head in heads.items():
-            head.losses[:0] = losses[name]
-        states = {spec.name: rebuilt.remove_job(spec.name) for spec, _, _ in jobs}
-    assert_same_as_single_device(states, heads, jobs)
 
 
 def test_stages_sharing_a_device_pass_tensors_through_shared_queues_exactly():

@@ -62,16 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without CUDA, both stages on the CPU (a dry run of this script, not a CUDA check)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: this part checks the NCCL path of a pipeline trainer", file=sys.stderr)
+    if torch.cuda.is_available():
+        two = torch.cuda.device_count() >= 2
+        devices, transport = (["cuda:0", "cuda:1"], "distributed") if two else (["cuda:0", "cuda:0"], "shared")
+    elif args.allow_cpu:
+        devices, transport = ["cpu", "cpu"], "shared"
+    else:
+        print("no CUDA device: this part checks a pipeline trainer's stages on CUDA (--allow-cpu: a dry run on the "
+              "CPU)", file=sys.stderr)
         return 2
-    two = torch.cuda.device_count() >= 2
-    devices, transport = (["cuda:0", "cuda:1"], "distributed") if two else (["cuda:0", "cuda:0"], "shared")
     from actors.engine.job import TrainingJob
     from actors.engine.trainer import FusedTrainer
     from actors.service.pipeline_processes import LocalPipeline
-    base = cuda_base(args.layers, args.hidden)
+    base = cuda_base(args.layers, args.hidden, devices[0])
     trainer = FusedTrainer(base, step_tokens=1 << 15)
     created = [TrainingJob.create(spec, base, examples, [], seed=seed) for spec, examples, seed in jobs()]
     initial = {job.name: {k: v.detach().float().clone() for k, v in job.adapter.named_parameters()} for job in created}
@@ -94,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     worst = 0.0
     for name, weights in reference.items():
         update = sum(float((w - initial[name][k]).norm() ** 2) for k, w in weights.items()) ** 0.5
-        gap = sum(float((states[name]["tensors"][k].float().cuda() - w).norm() ** 2) for k, w in weights.items()) ** 0.5
+        tensors = states[name]["tensors"]
+        gap = sum(float((tensors[k].float().to(w.device) - w).norm() ** 2) for k, w in weights.items()) ** 0.5
         assert update > 0, f"{name} did not train"
         worst = max(worst, gap / update)
         print(f"{name}: |pipeline - single| / |update| = {gap / update:.4f}")

@@ -3,14 +3,14 @@
 does not depend on the values), for the GPU suite's parts `mfu` and `fusion8b`.
 
   mfu      trained tokens/s of 4 jobs fused by aspen's engine (bf16, packed, mixed sequence lengths
-           64-1024) as a share of the device's dense bf16 peak, counting 4 x (matmul parameters) FLOPs per
+           64-768) as a share of the device's dense bf16 peak, counting 4 x (matmul parameters) FLOPs per
            trained token (forward, plus the input gradient; the frozen weights get no weight gradient):
            "LoRA-MFU". Beside it PEFT training the same 4 jobs one after another on the same base (padded
            batches, attention mask, the model's own loss), in a process of its own: the ratio of effective
            (real) tokens/s. Goals on an H100: LoRA-MFU >= 45% (LoRAFusion's 14,875 tokens/s for
            Llama-3.1-8B), >= 2x PEFT.
   fusion   tokens/s of one fused step with 1, 2, 4, 8, 16, 32 adapters at equal total tokens (32 sequences of
-           256 tokens split evenly over the jobs), as a ratio to 1 adapter. Goal: >= 0.95 at 8.
+           128 tokens split evenly over the jobs), as a ratio to 1 adapter. Goal: >= 0.95 at 8.
 
     python bench/lora_mfu.py [--parts mfu,fusion] [--shape llama-3.1-8b] [--steps 6] [--json PATH]
     python bench/lora_mfu.py --shape tiny --device cpu --steps 2      # a dry run on a CPU
@@ -44,9 +44,11 @@ SHAPES = {   # LlamaConfig fields
 PEAKS = {"H100 80GB HBM3": 989.4e12, "H100 SXM": 989.4e12, "H100 PCIe": 756.0e12, "H100 NVL": 835.0e12,
          "H200": 989.4e12, "A100": 312.0e12, "L40S": 362.0e12}
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
-# 4 jobs x 4 sequences of 64-1024 tokens: ~8.7k tokens a fused step, whose activations (~4.5 MB a token
-# for this shape in bf16) fit an 80 GB H100 beside the 16 GB base
-JOBS, SEQUENCES_PER_JOB, MIN_LEN, MAX_LEN = 4, 4, 64, 1024
+# 4 jobs x 2 sequences of 64-768 tokens: 2.0k-3.9k tokens a fused step. On an H100 (2026-11-27) a step took
+# ~13 MB a token for this shape (bf16 layers ~6.5 MB, the adapted modules' inputs cast to the adapters'
+# float32 ~5 MB, the 128k-vocabulary logits ~1.5 MB): 4 x 4 sequences of 64-1024 (~8.7k tokens) and
+# 4 x 2 of 64-1024 (up to 5.5k) ran out of the 80 GB beside the 16 GB base
+JOBS, SEQUENCES_PER_JOB, MIN_LEN, MAX_LEN = 4, 2, 64, 768
 RESULT = "RESULT "
 
 
@@ -170,7 +172,7 @@ def fusion_side(shape: str, device: torch.device, steps: int, warmup: int) -> di
     base = from_module(random_model(shape, device, dtype), None)
     vocab = SHAPES[shape]["vocab_size"]
     rng = random.Random(0)
-    sequences, length = 32, 256 if device.type == "cuda" else 64   # 8192 tokens a step on a GPU
+    sequences, length = 32, 128 if device.type == "cuda" else 64   # 4096 tokens a step on a GPU (8192 ran out)
     rates = {}
     for adapters in (1, 2, 4, 8, 16, 32):
         trainer = FusedTrainer(base, step_tokens=1 << 17)

@@ -395,10 +395,12 @@ def main() -> None:
         return
     cases = CASES[::3] if args.quick else CASES
     results = []
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     for case in cases:
         out = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True,
-                             env=env, check=True)
+                             env=env, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"case {case} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"torch {torch.__version__}, CPU, model {MODEL}")
     print("dtype    q    recomp jobs rank  drop tokens | predicted  measured  error | resident pred  meas  error")

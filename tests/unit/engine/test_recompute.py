@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.engine import lora
 from actors.engine.job import TrainingJob
 from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module, load_base_model
@@ -44,8 +45,11 @@ def _train(base, jobs, recompute: str, step_tokens: int = 100_000) -> tuple[dict
     return weights, losses
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_recomputation_trains_the_same_adapters_bit_for_bit(arch):
+@pytest.mark.parametrize("arch,grouping", [("llama", "segments"), ("qwen2", "segments"), ("llama", "grouped")])
+def test_recomputation_trains_the_same_adapters_bit_for_bit(arch, grouping, monkeypatch):
+    """Also with grouped LoRA (the CUDA default), whose layers reading one input share its rows
+    (`lora._input_rows`): the recomputed forward saves what the first one saved."""
+    monkeypatch.setattr(lora, "GROUPING", grouping)
     base = from_module(tiny_model(arch, VOCAB), None)
     plain, plain_losses = _train(base, _jobs(), "none")
     recomputed, recomputed_losses = _train(base, _jobs(), "layers")

@@ -1,0 +1,81 @@
+"""Asynchronous successive halving (ASHA, Li et al. 2020): the sweep's rule for stopping its weak trials.
+
+Rungs lie at `grace_steps * reduction**k` optimizer steps (k = 0, 1, ... up to `max_steps`). When a trial
+first reports an objective at or past a rung it has not been judged at, it is judged there against every
+result recorded at that rung so far: it goes on if it is within the best `1/reduction` of them (at or
+better than their `1 - 1/reduction` quantile, linearly interpolated), else it stops; its result is then
+recorded at that rung. The first trial at a rung always goes on. Trials are never paused, so a slot freed by
+a stopped trial is taken by the next one at once (the "asynchronous" of ASHA).
+
+The decisions are Ray Tune's `ASHAScheduler` (one bracket, `stop_last_trials`) for the same results in the
+same order, tested against it (tests/unit/test_successive_halving.py), except that a trial reaching
+`max_steps` is not "stopped" here: it completes. A NaN objective is a diverged trial: stopped at once, and
+not recorded (Ray Tune's comparison lets it go on). Objectives are minimised (`mode="min"`: losses) or
+maximised (`mode="max"`: exact match, a user metric).
+
+A building block of sweeps (issue 34): nothing drives it yet."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class HalvingDecision:
+    stop: bool
+    rung: int | None           # the rung's step the trial was judged at (None: no rung reached anew)
+    cutoff: float | None       # the objective a trial had to reach there (None: the first at the rung)
+    reason: str
+
+
+@dataclass
+class SuccessiveHalving:
+    grace_steps: int
+    max_steps: int
+    reduction: float = 3.0
+    mode: Literal["min", "max"] = "min"
+    recorded: dict[int, dict[str, float]] = field(default_factory=dict, init=False)   # rung step -> trial -> score
+
+    def __post_init__(self) -> None:
+        if self.grace_steps < 1:
+            raise ValueError(f"stopping.asha.grace_steps: {self.grace_steps}; give at least 1 step")
+        if self.max_steps < self.grace_steps:
+            raise ValueError(f"stopping.asha.grace_steps: {self.grace_steps} is past the trials' max_steps "
+                             f"{self.max_steps}; give a grace period of fewer steps")
+        if not self.reduction > 1:
+            raise ValueError(f"stopping.asha.reduction: {self.reduction}; give a factor above 1 (3 keeps a third "
+                             "of the trials at each rung)")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode: {self.mode!r}; give 'min' (a loss) or 'max' (a score)")
+        count = int(np.log(self.max_steps / self.grace_steps) / np.log(self.reduction) + 1)
+        self.rungs = [self.grace_steps * self.reduction ** k for k in range(count)]
+        self.recorded = {index: {} for index in range(count)}
+
+    def report(self, trial: str, step: int, objective: float) -> HalvingDecision:
+        """The decision on `trial`'s `objective` after `step` optimizer steps."""
+        if math.isnan(objective):
+            return HalvingDecision(True, None, None, f"objective is NaN at step {step}: the trial diverged")
+        score = -objective if self.mode == "min" else objective   # higher is better from here on
+        for index in reversed(range(len(self.rungs))):
+            rung, recorded = self.rungs[index], self.recorded[index]
+            if step < rung or trial in recorded:
+                continue
+            cutoff = float(np.nanpercentile(list(recorded.values()), (1 - 1 / self.reduction) * 100)) \
+                if recorded else None
+            recorded[trial] = score
+            shown_cutoff = None if cutoff is None else (-cutoff if self.mode == "min" else cutoff)
+            if cutoff is not None and score < cutoff:
+                return HalvingDecision(True, _step(rung), shown_cutoff,
+                                       f"{objective:.6g} at step {step} is outside the best 1/{self.reduction:g} of "
+                                       f"the {len(recorded) - 1} trials judged at step {_step(rung)} (needed "
+                                       f"{'<=' if self.mode == 'min' else '>='} {shown_cutoff:.6g})")
+            return HalvingDecision(False, _step(rung), shown_cutoff, f"kept at step {_step(rung)}")
+        return HalvingDecision(False, None, None, "no new rung")
+
+
+def _step(rung: float) -> int:
+    return math.ceil(rung)

@@ -1,4 +1,4 @@
-"""Asynchronous successive halving (ASHA, Li et al. 2020): the sweep's rule for stopping its weak trials.
+"""Asynchronous successive halving (ASHA; Li and others, 2020): the rule a sweep stops its weak trials by.
 
 Rungs lie at `grace_steps * reduction**k` optimizer steps (k = 0, 1, ... up to `max_steps`). When a trial
 first reports an objective at or past a rung it has not been judged at, it is judged there against every

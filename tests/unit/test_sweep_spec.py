@@ -1,0 +1,85 @@
+"""Sweep files (actors/engine/sweep_spec.py) and their search spaces (policies/search_space.py): every trial a
+valid job with its drawn settings, reproducible by seed, random draws distributed as written, grids in
+order, and every mistake refused before anything starts, naming the field of the space and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from actors.engine.spec import JobSpec
+from actors.engine.sweep_spec import SweepSpec
+from policies.search_space import parse_space, random_trials
+
+JOB = {"name": "qa", "data": "qa.jsonl", "format": {"type": "alpaca"}, "max_steps": 400, "eval_split": 64,
+       "eval_every": 20, "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}
+SPACE = {"lr": {"loguniform": [1.0e-5, 1.0e-3]}, "lora.r": {"choice": [8, 16, 32]},
+         "lora.target_modules": {"choice": [["q_proj", "v_proj"], "all-linear"]}, "warmup_steps": {"randint": [0, 20]}}
+
+
+def sweep(**overrides) -> SweepSpec:
+    return SweepSpec(**{"name": "lr-rank", "output_dir": "runs/lr-rank", "job": JOB, "space": SPACE, "trials": 12,
+                        "stopping": {"asha": {"grace_steps": 20}}, **overrides})
+
+
+def test_each_trial_is_the_job_with_its_settings():
+    spec = sweep()
+    settings, jobs = spec.trial_settings(), spec.trial_jobs()
+    assert [job.name for job in jobs] == [f"qa-t{index}" for index in range(12)]
+    for drawn, job in zip(settings, jobs, strict=True):
+        assert isinstance(job, JobSpec)
+        assert job.lr == drawn["lr"] and job.lora.r == drawn["lora.r"] and job.warmup_steps == drawn["warmup_steps"]
+        assert job.lora.target_modules == drawn["lora.target_modules"]
+        # the rest is the sweep's job, untouched
+        assert (job.max_steps, job.eval_split, job.eval_every, job.lora.alpha) == (400, 64, 20, 16)
+        assert 1e-5 <= job.lr <= 1e-3 and job.lora.r in (8, 16, 32) and 0 <= job.warmup_steps <= 20
+    assert sweep().trial_settings() == settings                     # the same file and seed: the same trials
+    assert sweep(seed=1).trial_settings() != settings
+
+
+def test_random_draws_follow_their_distributions():
+    space = parse_space({"lr": {"loguniform": [1e-5, 1e-3]}, "x": {"uniform": [2.0, 4.0]}, "r": {"choice": [8, 16]}})
+    draws = random_trials(space, 4000, seed=0)
+    # log-uniform: below the geometric mean half the time; uniform: below the middle half the time; a choice:
+    # each option half the time. Each a binomial share of 4000 draws: standard deviation 0.0079, bound 5 of them
+    below = {"lr": sum(d["lr"] < math.sqrt(1e-5 * 1e-3) for d in draws), "x": sum(d["x"] < 3.0 for d in draws),
+             "r": sum(d["r"] == 8 for d in draws)}
+    for name, count in below.items():
+        assert abs(count / 4000 - 0.5) < 5 * math.sqrt(0.25 / 4000), (name, count)
+    assert all(1e-5 <= d["lr"] <= 1e-3 and 2.0 <= d["x"] <= 4.0 for d in draws)
+
+
+def test_a_grid_is_every_combination_in_order():
+    spec = sweep(space={"lora.r": {"choice": [8, 16]}, "lr": {"choice": [1e-4, 1e-3]}}, search="grid", trials=None)
+    assert spec.trial_settings() == [{"lora.r": 8, "lr": 1e-4}, {"lora.r": 8, "lr": 1e-3},
+                                     {"lora.r": 16, "lr": 1e-4}, {"lora.r": 16, "lr": 1e-3}]
+    assert len(sweep(space={"lora.r": {"choice": [8, 16]}}, search="grid", trials=1).trial_jobs()) == 1
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"space": {"lora.rank": {"choice": [8]}}}, "space.lora.rank: job.lora has no field 'rank'; did you mean lora.r?"),
+    ({"space": {"preference.bta": {"uniform": [0.1, 1]}}}, "did you mean preference.beta?"),
+    ({"space": {"lr.x": {"uniform": [0.1, 1]}}}, "space.lr.x: job.lr has no field 'x'"),
+    ({"space": {"lora.r": {"choice": [2048]}}}, "space.lora.r.choice: 2048 does not make a valid job: lora.r: must be"),
+    ({"space": {"lr": {"uniform": [0, 1]}}}, "space.lr.uniform: 0 does not make a valid job: lr: "),
+    ({"space": {"name": {"choice": ["a"]}}}, "space.name: a sweep does not vary job.name"),
+    ({"space": {"data": {"choice": ["b.jsonl"]}}}, "space.data: a sweep does not vary job.data"),
+    ({"space": {"lr": {"loguniform": [0, 1e-3]}}}, "space.lr.loguniform: low 0 must be above 0"),
+    ({"space": {"lr": {"loguniform": [1e-3, 1e-5]}}}, "space.lr.loguniform: low 0.001 is not below high 1e-05"),
+    ({"space": {"lr": {"normal": [0, 1]}}}, "space.lr: give one of {loguniform: ...}"),
+    ({"space": {"warmup_steps": {"randint": [0, 2.5]}}}, "space.warmup_steps.randint: give whole numbers"),
+    ({"space": {"lora.r": {"choice": []}}}, "space.lora.r.choice: give a non-empty list"),
+    ({"space": {}}, "space: give a mapping of job fields to dimensions"),
+    ({"search": "grid"}, "space.lr: a grid search takes only {choice: [...]} dimensions"),
+    ({"search": "grid", "space": {"lora.r": {"choice": [8, 16]}}, "trials": 3}, "trials: 3 is more than the grid's 2"),
+    ({"trials": None}, "trials: a random search needs a number of trials"),
+    ({"job": {**JOB, "eval_split": 0}}, "objective: eval_loss needs job.eval_split"),
+    ({"stopping": {"asha": {"grace_steps": 500}}}, "stopping.asha.grace_steps: 500 is past job.max_steps 400"),
+    ({"job": {**JOB, "max_steps": None, "epochs": 1}}, "stopping.asha: successive halving counts optimizer steps"),
+])
+def test_mistakes_are_refused_naming_the_field(changes, message):
+    with pytest.raises(ValidationError) as error:
+        sweep(**changes)
+    assert message in str(error.value), str(error.value)

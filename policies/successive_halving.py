@@ -9,9 +9,9 @@ a stopped trial is taken by the next one at once (the "asynchronous" of ASHA).
 
 The decisions are Ray Tune's `ASHAScheduler` (one bracket, `stop_last_trials`) for the same results in the
 same order, tested against it (tests/unit/test_successive_halving.py), except that a trial reaching
-`max_steps` is not "stopped" here: it completes. A NaN objective is a diverged trial: stopped at once, and
-not recorded (Ray Tune's comparison lets it go on). Objectives are minimised (`mode="min"`: losses) or
-maximised (`mode="max"`: exact match, a user metric).
+`max_steps` is not "stopped" here: it completes (and is not judged at a rung there). A NaN objective is a
+diverged trial: stopped at once, and not recorded (Ray Tune's comparison lets it go on). Objectives are
+minimised (`mode="min"`: losses) or maximised (`mode="max"`: exact match, a user metric).
 
 A building block of sweeps (issue 34): nothing drives it yet."""
 
@@ -59,6 +59,8 @@ class SuccessiveHalving:
         """The decision on `trial`'s `objective` after `step` optimizer steps."""
         if math.isnan(objective):
             return HalvingDecision(True, None, None, f"objective is NaN at step {step}: the trial diverged")
+        if step >= self.max_steps:   # trained to the end: nothing left to save (Ray Tune stops it there too)
+            return HalvingDecision(False, None, None, f"reached max_steps {self.max_steps}")
         score = -objective if self.mode == "min" else objective   # higher is better from here on
         for index in reversed(range(len(self.rungs))):
             rung, recorded = self.rungs[index], self.recorded[index]
@@ -71,10 +73,14 @@ class SuccessiveHalving:
             if cutoff is not None and score < cutoff:
                 return HalvingDecision(True, _step(rung), shown_cutoff,
                                        f"{objective:.6g} at step {step} is outside the best 1/{self.reduction:g} of "
-                                       f"the {len(recorded) - 1} trials judged at step {_step(rung)} (needed "
+                                       f"the {_trials(len(recorded) - 1)} judged at step {_step(rung)} (needed "
                                        f"{'<=' if self.mode == 'min' else '>='} {shown_cutoff:.6g})")
             return HalvingDecision(False, _step(rung), shown_cutoff, f"kept at step {_step(rung)}")
         return HalvingDecision(False, None, None, "no new rung")
+
+
+def _trials(count: int) -> str:
+    return f"{count} trial{'s' if count != 1 else ''}"
 
 
 def _step(rung: float) -> int:

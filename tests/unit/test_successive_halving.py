@@ -33,6 +33,8 @@ def test_a_hand_computed_trace():
     assert late.rung == 3 and late.stop and late.cutoff == pytest.approx(0.4 + (0.9 - 0.4) / 3)   # {0.4, 0.9}
     assert "e" not in halving.recorded[0]
     assert halving.report("f", 2, math.nan).stop                              # diverged: stopped at once
+    end = halving.report("g", 9, 100.0)                   # at max_steps the trial has trained: it completes
+    assert not end.stop and end.rung is None and "g" not in halving.recorded[2]
 
 
 def test_scores_to_maximise():

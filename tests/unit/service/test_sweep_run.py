@@ -1,0 +1,95 @@
+"""A sweep's bookkeeping (actors/service/sweep_run.py) driven through simulated trials whose loss curves are
+planted: one learning rate is best, so the best trial is known from the settings alone. At most
+`max_concurrent` trials run, a stopped trial's slot goes to the next at once, the best trial is found and
+never stopped, and a sweep saved to JSON and restored halfway ends exactly as one never interrupted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from actors.engine.sweep_spec import SweepSpec
+from actors.service.sweep_run import SweepRun
+
+JOB = {"name": "qa", "data": "qa.jsonl", "format": {"type": "alpaca"}, "max_steps": 90, "eval_split": 16,
+       "eval_every": 10}
+BEST_LR = 3e-4
+
+
+def spec(**overrides) -> SweepSpec:
+    return SweepSpec(**{"name": "lr", "output_dir": "runs/lr", "job": JOB, "trials": 16, "max_concurrent": 4,
+                        "space": {"lr": {"loguniform": [1e-5, 1e-2]}, "lora.r": {"choice": [8, 16]}},
+                        "stopping": {"asha": {"grace_steps": 10, "reduction": 3}}, **overrides})
+
+
+def planted_loss(settings: dict, step: int) -> float:
+    """Lower the closer lr is to BEST_LR (in log space); falls with the steps; r barely matters."""
+    return (1.0 + abs(math.log10(settings["lr"] / BEST_LR))) / math.sqrt(step) + (0.001 if settings["lora.r"] == 8
+                                                                                  else 0.0)
+
+
+def drive(run: SweepRun, rounds: int | None = None) -> list[int]:
+    """Advance every running trial by eval_every steps a round; returns the running counts seen."""
+    seen, steps = [], {}
+    for trial in run.trials.values():
+        if trial.state == "running":
+            steps[trial.name] = trial.steps
+    while not run.done and (rounds is None or rounds > 0):
+        for job in run.to_start():
+            steps[job.name] = 0
+        running = [t for t in run.trials.values() if t.state == "running"]
+        seen.append(len(running))
+        for trial in running:
+            steps[trial.name] += JOB["eval_every"]
+            run.report(trial.name, steps[trial.name], planted_loss(trial.settings, steps[trial.name]))
+            if trial.state == "running" and steps[trial.name] >= JOB["max_steps"]:
+                run.ended(trial.name, "completed", steps[trial.name])
+        rounds = None if rounds is None else rounds - 1
+    return seen
+
+
+def test_a_sweep_finds_the_planted_best_and_stops_the_weak():
+    run = SweepRun(spec())
+    seen = drive(run)
+    assert max(seen) == 4 and seen[0] == 4
+    board = run.leaderboard()
+    expected = min(run.trials.values(), key=lambda t: planted_loss(t.settings, 90))
+    assert board["best"] == expected.name
+    states = {t["name"]: t["state"] for t in board["trials"]}
+    assert states[expected.name] == "completed"
+    stopped = [t for t in board["trials"] if t["state"] == "stopped"]
+    assert stopped and all("outside the best 1/3" in t["stopped_because"] for t in stopped)
+    assert all(t["steps"] < JOB["max_steps"] for t in stopped)                 # stopped early, slots freed
+    assert set(states.values()) <= {"completed", "stopped"} and run.done
+    assert board["trials"][0]["name"] == expected.name                         # best first
+    assert set(board["trials"][0]) == {"name", "settings", "state", "objective", "steps", "stopped_because"}
+
+
+def test_a_restored_sweep_ends_as_an_uninterrupted_one():
+    whole = SweepRun(spec())
+    drive(whole)
+    halfway = SweepRun(spec())
+    drive(halfway, rounds=4)
+    assert not halfway.done
+    restored = SweepRun.restore(spec(), json.loads(json.dumps(halfway.state_dict())))
+    drive(restored)
+    assert restored.leaderboard() == whole.leaderboard()
+
+
+def test_a_changed_sweep_file_is_not_restored_as_the_old_one():
+    run = SweepRun(spec())
+    drive(run, rounds=2)
+    with pytest.raises(ValueError, match="the space, trials or seed changed"):
+        SweepRun.restore(spec(trials=8), run.state_dict())
+
+
+def test_without_halving_a_diverged_trial_still_stops():
+    run = SweepRun(spec(stopping=None))
+    first = run.to_start()[0]
+    assert run.report(first.name, 10, math.nan) is None
+    assert run.trials[first.name].state == "stopped" and "NaN" in run.trials[first.name].stopped_because
+    assert len(run.to_start()) == 1      # its slot goes to the next trial
+    run.ended(first.name, "cancelled")   # the driver's cancel arriving later changes nothing
+    assert run.trials[first.name].state == "stopped"

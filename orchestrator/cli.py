@@ -374,6 +374,23 @@ def _run_in_process(spec, quiet: bool) -> int:
     return 1 if failed else 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    """Run a sweep file's trials through a service of its own (`orchestrator.sweep`); run again, it carries on."""
+    from actors.service.config import run_service_config
+    from orchestrator.client import Client
+    from orchestrator.sweep import SweepDriver, leaderboard_table, load_sweep_spec, service_run_spec
+
+    spec = load_sweep_spec(args.file)
+    folder = Path(spec.output_dir)
+    client = Client.local(run_service_config(service_run_spec(spec)), address=os.environ.get("RAY_ADDRESS"))
+    try:
+        board = SweepDriver(client, spec, folder).follow(poll_s=args.poll)
+    finally:
+        client.shutdown()
+    print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
+    return 0 if board["best"] is not None else 1
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     """`aspen export JOB`: a PEFT folder for vLLM's --lora-modules, or with --merge a merged transformers folder."""
     from orchestrator.export import export_job
@@ -532,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "jobs, leaves finished ones alone, and stops if the file changed in a way resuming cannot)")
     run.set_defaults(handler=_cmd_run)
 
+    sweep = commands.add_parser("sweep", help="a sweep file's trials trained as jobs of a service of its own, the "
+                                              "weak ones stopped early; ends with the leaderboard")
+    sweep.add_argument("file", help="sweep YAML file (docs/sweeps.md)")
+    sweep.add_argument("--json", action="store_true", help="print the leaderboard as JSON")
+    sweep.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the trials (default 1)")
+    sweep.set_defaults(handler=_cmd_sweep)
+
     export = with_address(commands.add_parser("export", help="write a job's adapter as a PEFT folder (vLLM "
                                                              "--lora-modules), or merged into its base (--merge)"))
     export.add_argument("job", help="the job's folder, or its id or name (in --from DIR, else in the service)")
@@ -580,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except SpecError as error:
         _debug(args)
-        print(f"aspen: invalid jobs file:\n{error}", file=sys.stderr)
+        kind = "sweep file" if getattr(args, "handler", None) is _cmd_sweep else "jobs file"
+        print(f"aspen: invalid {kind}:\n{error}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as error:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
         _debug(args)

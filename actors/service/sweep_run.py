@@ -51,19 +51,21 @@ class SweepRun:
             trial.state = "running"
         return [self.jobs[trial.name] for trial in starting]
 
-    def report(self, name: str, step: int, objective: float) -> HalvingDecision | None:
+    def report(self, name: str, step: int, objective: float, *, live: bool = True) -> HalvingDecision | None:
         """A running trial's objective after `step` optimizer steps; the halving's decision (None without
-        one). A stop decision ends the trial here (`stopped`): the driver cancels its job."""
+        one). A stop decision ends the trial here (`stopped`): the driver cancels its job. `live=False`: the
+        trial's job has already ended (its results are read after its end): the results still count at the
+        rungs for the trials after it, but there is nothing left to stop (`ended` says how it ended)."""
         trial = self._trial(name)
         if trial.state != "running":
             return None   # a report that crossed the trial's end: already decided
         trial.objective, trial.steps = objective, step
         if self.halving is None:
-            if math.isnan(objective):
+            if math.isnan(objective) and live:
                 trial.state, trial.stopped_because = "stopped", f"objective is NaN at step {step}: the trial diverged"
             return None
         decision = self.halving.report(name, step, objective)
-        if decision.stop:
+        if decision.stop and live:
             trial.state, trial.stopped_because = "stopped", decision.reason
         return decision
 

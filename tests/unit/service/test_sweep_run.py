@@ -93,3 +93,18 @@ def test_without_halving_a_diverged_trial_still_stops():
     assert len(run.to_start()) == 1      # its slot goes to the next trial
     run.ended(first.name, "cancelled")   # the driver's cancel arriving later changes nothing
     assert run.trials[first.name].state == "stopped"
+
+
+def test_results_read_after_a_trial_ended_still_count_at_the_rungs():
+    run = SweepRun(spec(max_concurrent=2))
+    first, second = run.to_start()
+    assert not run.report(first.name, 10, 4.0).stop
+    # the second trial's job ended before its results were read: judged weak at the rung, but there is
+    # nothing left to stop; it ends as its job did, and its result counts for the trials after it
+    late = run.report(second.name, 10, 5.0, live=False)
+    assert late.stop and run.trials[second.name].state == "running"
+    run.ended(second.name, "completed", 90)
+    assert run.trials[second.name].state == "completed" and run.trials[second.name].stopped_because is None
+    third = run.to_start()[0]
+    assert run.report(third.name, 10, 4.8).stop                    # outside the best third of {4.0, 5.0}
+    assert run.halving.recorded[0] == {first.name: -4.0, second.name: -5.0, third.name: -4.8}

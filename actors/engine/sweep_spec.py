@@ -104,8 +104,12 @@ class SweepSpec(StrictModel):
 
     def trial_jobs(self) -> list[JobSpec]:
         """Each trial as a job: the sweep's job with the trial's settings, named `<job>-t<index>`."""
-        return [trial_job(self.job, settings, f"{self.job.name}-t{index}")
+        return [trial_job(self.job, settings, trial_name(self.job.name, index))
                 for index, settings in enumerate(self.trial_settings())]
+
+
+def trial_name(job_name: str, index: int) -> str:
+    return f"{job_name}-t{index}"
 
 
 def trial_job(job: JobSpec, settings: dict[str, Any], name: str) -> JobSpec:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from actors.engine.spec import JobSpec
-from actors.engine.sweep_spec import SweepSpec
+from actors.engine.sweep_spec import SweepSpec, trial_job, trial_name
 from policies.successive_halving import HalvingDecision, SuccessiveHalving
 
 ACTIVE = ("running",)
@@ -35,9 +35,12 @@ class Trial:
 class SweepRun:
     def __init__(self, spec: SweepSpec):
         self.spec = spec
-        self.jobs: dict[str, JobSpec] = {job.name: job for job in spec.trial_jobs()}
-        self.trials: dict[str, Trial] = {name: Trial(name, settings) for name, settings
-                                         in zip(self.jobs, spec.trial_settings(), strict=True)}
+        settings = spec.trial_settings()   # drawn once: the jobs and the trials from the same draw
+        self.jobs: dict[str, JobSpec] = {}
+        self.trials: dict[str, Trial] = {}
+        for index, drawn in enumerate(settings):
+            job = trial_job(spec.job, drawn, trial_name(spec.job.name, index))
+            self.jobs[job.name], self.trials[job.name] = job, Trial(job.name, drawn)
         asha = spec.stopping.asha if spec.stopping is not None else None
         self.halving = None if asha is None else SuccessiveHalving(
             grace_steps=asha.grace_steps, max_steps=spec.job.max_steps or 0, reduction=asha.reduction, mode="min")

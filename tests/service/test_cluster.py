@@ -91,9 +91,11 @@ def stop_service(cluster: dict) -> None:
 def test_a_trainer_per_node_and_jobs_spread_over_both(cluster, tiny_model_dirs, tmp_path):
     base = str(tiny_model_dirs["llama"])
     work = tmp_path / "work"
-    # the first two (submitted first) still train when the other two arrive, so that where those go depends on
-    # the load, not on whether the first two already finished (4 steps each ended first in one CI run: 3 / 1)
-    jobs = [job_dict(name, write_task_data(work / "data", name, offset=index), 40 if index < 2 else 4)
+    # where the last two go depends on how far the first two have come when they arrive (least queued tokens:
+    # policies/base.py, tested in tests/unit/policies/test_policies.py), so only what does not depend on timing
+    # is asserted: the first two, submitted in one file, are entered in one transaction and placed in one round,
+    # one on each trainer; and both trainers get work
+    jobs = [job_dict(name, write_task_data(work / "data", name, offset=index), 4)
             for index, name in enumerate(["alpha", "beta", "gamma", "delta"])]
     for job in jobs:
         job["data"] = f"data/{job['name']}.jsonl"
@@ -129,7 +131,8 @@ def test_a_trainer_per_node_and_jobs_spread_over_both(cluster, tiny_model_dirs, 
             used[name] = started[0]
             assert (Path(job["output_dir"]) / "adapter_model.safetensors").is_file()
             assert Path(job["output_dir"]).is_relative_to(tmp_path / "shared")
-        assert sorted(list(used.values()).count(t["id"]) for t in trainers) == [2, 2], used
+        assert used["alpha"] != used["beta"], used                     # one round, the least-loaded trainer each
+        assert set(used.values()) == {t["id"] for t in trainers}, used
     finally:
         client.close()
         stop_service(cluster)

@@ -10,8 +10,10 @@ file again carries on where it stopped: finished trials are left alone, a trial 
 has is followed again, a trial started but lost is started again. The leaderboard ends it
 (`<output_dir>/leaderboard.json`, and printed).
 
-Issue 34, not yet here: Ray Tune / Optuna searchers, generation objectives, `POST /v1/sweeps`, the sweep
-inside the scheduler (so that it outlives this driver), report.png, the metrics."""
+Each trial's settings come from the sweep's searcher when its slot opens (random, grid, or a Ray Tune
+searcher such as Optuna: policies/searchers.py), which hears every trial's objectives; its state is part of
+sweep.json, so a re-run asks the same searcher. Issue 34, not yet here: generation objectives,
+`POST /v1/sweeps`, the sweep inside the scheduler (so that it outlives this driver), report.png, the metrics."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from actors.engine.sweep_spec import SweepSpec
 from actors.service.sweep_run import SweepRun
 from orchestrator.jobs_file import FILE_LIMITS, SpecError
 from orchestrator.spec_text import TooComplex, load_yaml
+from policies.searchers import BUILT_IN, build_searcher
 
 STATE_FILE = "sweep.json"
 LEADERBOARD_FILE = "leaderboard.json"
@@ -53,7 +56,7 @@ def load_sweep_spec(path: str | Path) -> SweepSpec:
     if isinstance(data.get("output_dir"), str) and "://" not in data["output_dir"]:
         data["output_dir"] = str((path.parent / data["output_dir"]).resolve())
     try:
-        return SweepSpec.model_validate(data)
+        spec = SweepSpec.model_validate(data)
     except ValidationError as error:
         problems = []
         for problem in error.errors():
@@ -61,6 +64,13 @@ def load_sweep_spec(path: str | Path) -> SweepSpec:
             message = problem["msg"].removeprefix("Value error, ")
             problems.append(f"{path}: {where + ': ' if where else ''}{message}")
         raise SpecError("\n".join(problems)) from None
+    if spec.search not in BUILT_IN:   # a searcher that cannot be built (not installed, bad options): now
+        try:
+            build_searcher(spec.search, spec.parsed_space(), trials=spec.trials, seed=spec.seed,
+                           options=spec.search_options)
+        except ValueError as error:
+            raise SpecError(f"{path}: {error}") from None
+    return spec
 
 
 def service_run_spec(spec: SweepSpec) -> RunSpec:
@@ -80,7 +90,10 @@ class SweepDriver:
         self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
         self.reported: dict[str, int] = {}     # trial name -> the last step handed to the sweep
         state = self._read_state()
-        self.run = SweepRun.restore(spec, state["run"]) if state else SweepRun(spec)
+        try:
+            self.run = SweepRun.restore(spec, state["run"]) if state else SweepRun(spec)
+        except (ValueError, KeyError) as error:
+            raise SpecError(f"{folder / STATE_FILE}: {error}") from None
         if state:
             self.job_ids, self.reported = dict(state["job_ids"]), dict(state["reported"])
             self._readopt()

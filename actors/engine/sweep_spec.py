@@ -5,11 +5,11 @@
     output_dir: runs/lr-rank
     job: {name: qa, data: qa.jsonl, format: {type: alpaca}, max_steps: 400, eval_split: 64, eval_every: 20}
     space: {lr: {loguniform: [1.0e-5, 1.0e-3]}, lora.r: {choice: [8, 16, 32]}}
-    search: random            # or grid
+    search: random            # grid | a Ray Tune searcher (optuna, hyperopt, ...) | module:Class
     trials: 12
     max_concurrent: 4
     objective: eval_loss      # or train_loss
-    stopping: {asha: {grace_steps: 20, reduction: 3}}
+    stopping: {asha: {grace_steps: 20, reduction: 3}, predictive: {min_delta: 0.01}}
     seed: 0
 
 Everything a trial may be is checked before anything starts: each path of the space is a field of the job
@@ -17,8 +17,8 @@ Everything a trial may be is checked before anything starts: each path of the sp
 job (`lora.r: {choice: [2048]}` is refused with the job field's own bound), the objective can be measured
 (eval_loss needs `eval_split` and `eval_every`), successive halving's grace period lies within `max_steps`.
 Trial i is the job with the i-th drawn settings, named `<job>-t<i>` (policies/search_space.py draws them;
-policies/successive_halving.py stops the weak ones). Not yet: the service's sweep driver, Ray Tune / Optuna
-searchers, generation objectives, the leaderboard (issue 34)."""
+policies/searchers.py suggests them; policies/successive_halving.py stops the weak ones). Not yet: generation
+objectives (issue 34)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from actors.engine.spec import JOB_NAME_PATTERN, Bounds, JobSpec, Location, Seed, StepTokens, StrictModel
 from policies.search_space import Dimension, grid_trials, parse_space, random_trials
+from policies.searchers import BUILT_IN, TUNE_SEARCHERS, check_search
 
 UNSEARCHABLE = ("name", "data", "format", "split", "columns", "seed", "tracking")
 """Job fields a space may not vary: the trials' names and seeds are the sweep's, and the data is the one task
@@ -46,8 +47,17 @@ class AshaConfig(StrictModel):
         3.0, description="keep the best 1/reduction of the trials at each rung")
 
 
+class PredictiveConfig(StrictModel):
+    min_delta: Annotated[float, Bounds(0, 1e6)] = Field(
+        0.0, description="stop a trial whose forecast final objective cannot beat the best finished trial's by this")
+    min_points: Annotated[int, Bounds(4, 10**6)] = Field(5, description="objectives a trial reports before it is "
+                                                                        "forecast (the curve has 3 parameters)")
+
+
 class StoppingConfig(StrictModel):
     asha: AshaConfig | None = Field(None, description="asynchronous successive halving")
+    predictive: PredictiveConfig | None = Field(None, description="stop trials whose loss-curve forecast cannot beat "
+                                                                  "the best finished trial")
 
 
 class SweepSpec(StrictModel):
@@ -60,9 +70,14 @@ class SweepSpec(StrictModel):
     job: JobSpec = Field(description="the job every trial is, but for the settings the space gives it")
     space: dict[str, Any] = Field(description="job field (dotted: lora.r) -> {loguniform | uniform | randint | "
                                               "choice: ...}")
-    search: Literal["random", "grid"] = Field("random", description="how trials are drawn from the space")
+    search: str = Field("random", description="how trials are drawn: random, grid, a Ray Tune searcher "
+                                              f"({', '.join(TUNE_SEARCHERS)}) or module:Class (a "
+                                              "ray.tune.search.Searcher)")
+    search_options: dict[str, Any] = Field({}, description="keyword arguments of a Ray Tune searcher's constructor "
+                                                           "(the sweep gives space, metric, mode and seed)")
     trials: Annotated[int, Bounds(1, 100_000)] | None = Field(
-        None, description="trials to run (random: required; grid: at most the grid's size, default all of it)")
+        None, description="trials to run (random and searchers: required; grid: at most the grid's size, default "
+                          "all of it)")
     max_concurrent: Annotated[int, Bounds(1, 100_000)] = Field(4, description="trials training at once")
     objective: Literal["eval_loss", "train_loss"] = Field("eval_loss", description="what the best trial minimises")
     stopping: StoppingConfig | None = Field(None, description="stopping weak trials early")
@@ -74,8 +89,12 @@ class SweepSpec(StrictModel):
         for path, dimension in space.items():
             _check_path(path)
             _check_values(self.job, path, dimension)
-        if self.search == "random" and self.trials is None:
-            raise ValueError("trials: a random search needs a number of trials")
+        check_search(self.search)
+        if self.search != "grid" and self.trials is None:
+            raise ValueError(f"trials: search {self.search} needs a number of trials")
+        if self.search_options and self.search in BUILT_IN:
+            raise ValueError(f"search_options: the built-in {self.search} search takes none (they are a Ray Tune "
+                             "searcher's constructor arguments)")
         if self.search == "grid":
             size = len(grid_trials(space))
             if self.trials is not None and self.trials > size:
@@ -84,6 +103,8 @@ class SweepSpec(StrictModel):
         if self.objective == "eval_loss" and (not self.job.eval_split or self.job.eval_every is None):
             raise ValueError("objective: eval_loss needs job.eval_split (held-out rows) and job.eval_every; set "
                              "both, or objective: train_loss")
+        if self.stopping is not None and self.stopping.predictive is not None and self.job.max_steps is None:
+            raise ValueError("stopping.predictive: a forecast is made for the trials' last step; give job.max_steps")
         if self.stopping is not None and self.stopping.asha is not None:
             if self.job.max_steps is None:
                 raise ValueError("stopping.asha: successive halving counts optimizer steps; give job.max_steps")
@@ -96,7 +117,10 @@ class SweepSpec(StrictModel):
         return parse_space(self.space)
 
     def trial_settings(self) -> list[dict[str, Any]]:
-        """Each trial's settings, in trial order: the same for the same file and seed."""
+        """Each trial's settings, in trial order: the same for the same file and seed (random and grid only: a
+        searcher's depend on the results)."""
+        if self.search not in BUILT_IN:
+            raise ValueError(f"a {self.search} search's trials are known only as the sweep runs")
         space = self.parsed_space()
         if self.search == "grid":
             return grid_trials(space)[:self.trials]

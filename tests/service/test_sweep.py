@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from actors.engine.models import load_base_model
 from actors.service.config import run_service_config
 from actors.service.local_run import train_locally
@@ -64,14 +66,20 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_resumes_done(ray_s
     assert difference <= 1e-4, difference
 
 
-def test_a_bad_sweep_file_is_refused_before_anything_starts(tmp_path):
+@pytest.mark.parametrize(("extra", "message"), [
+    ("space: {lora.rank: {choice: [8, 16]}}\n", "sweep.yaml: space.lora.rank: job.lora has no field 'rank'; did you "
+                                                 "mean lora.r?"),
+    ("space: {lora.r: {choice: [8, 16]}}\nsearch: optuna\nsearch_options: {n_startup: 3}\n",
+     "sweep.yaml: search_options: optuna (ray.tune.search.optuna.optuna_search.OptunaSearch) refused them"),
+])
+def test_a_bad_sweep_file_is_refused_before_anything_starts(tmp_path, extra, message):
     (tmp_path / "qa.jsonl").write_text("")
     (tmp_path / "sweep.yaml").write_text(
         "name: s\noutput_dir: out\njob: {name: qa, data: qa.jsonl, format: {type: alpaca}, max_steps: 40, "
-        "eval_split: 8, eval_every: 4}\nspace: {lora.rank: {choice: [8, 16]}}\ntrials: 2\n")
+        "eval_split: 8, eval_every: 4}\ntrials: 2\n" + extra)
     result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "sweep.yaml"], cwd=tmp_path,
                             capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})
     assert result.returncode == 2, result
     assert "aspen: invalid sweep file:" in result.stderr
-    assert "sweep.yaml: space.lora.rank: job.lora has no field 'rank'; did you mean lora.r?" in result.stderr
+    assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

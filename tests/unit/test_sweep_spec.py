@@ -74,7 +74,7 @@ def test_a_grid_is_every_combination_in_order():
     ({"space": {}}, "space: give a mapping of job fields to dimensions"),
     ({"search": "grid"}, "space.lr: a grid search takes only {choice: [...]} dimensions"),
     ({"search": "grid", "space": {"lora.r": {"choice": [8, 16]}}, "trials": 3}, "trials: 3 is more than the grid's 2"),
-    ({"trials": None}, "trials: a random search needs a number of trials"),
+    ({"trials": None}, "trials: search random needs a number of trials"),
     ({"job": {**JOB, "eval_split": 0}}, "objective: eval_loss needs job.eval_split"),
     ({"stopping": {"asha": {"grace_steps": 500}}}, "stopping.asha.grace_steps: 500 is past job.max_steps 400"),
     ({"job": {**JOB, "max_steps": None, "epochs": 1}}, "stopping.asha: successive halving counts optimizer steps"),

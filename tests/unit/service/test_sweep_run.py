@@ -26,7 +26,7 @@ def spec(**overrides) -> SweepSpec:
 
 def planted_loss(settings: dict, step: int) -> float:
     """Lower the closer lr is to BEST_LR (in log space); falls with the steps; r barely matters."""
-    return (1.0 + abs(math.log10(settings["lr"] / BEST_LR))) / math.sqrt(step) + (0.001 if settings["lora.r"] == 8
+    return (1.0 + abs(math.log10(settings["lr"] / BEST_LR))) / math.sqrt(step) + (0.001 if settings.get("lora.r") == 8
                                                                                   else 0.0)
 
 
@@ -81,14 +81,21 @@ def test_a_restored_sweep_ends_as_an_uninterrupted_one():
 def test_a_changed_sweep_file_is_not_restored_as_the_old_one():
     run = SweepRun(spec())
     drive(run, rounds=2)
-    with pytest.raises(ValueError, match="the space, trials or seed changed"):
-        SweepRun.restore(spec(trials=8), run.state_dict())
+    with pytest.raises(ValueError, match="trial qa-t0 ran with other settings than the file now gives"):
+        SweepRun.restore(spec(seed=1), run.state_dict())
+    with pytest.raises(ValueError, match=f"it has run {len(run.trials)} trials, more than the file's 2"):
+        SweepRun.restore(spec(trials=2), run.state_dict())
+    with pytest.raises(ValueError, match="it ran with search random, the file now says grid"):
+        SweepRun.restore(spec(search="grid", trials=None, space={"lora.r": {"choice": [8, 16]}}), run.state_dict())
+    more = SweepRun.restore(spec(trials=20), run.state_dict())   # more trials of the same draw: carries on
+    assert drive(more) and len(more.trials) == 20
 
 
 def test_without_halving_a_diverged_trial_still_stops():
     run = SweepRun(spec(stopping=None))
     first = run.to_start()[0]
-    assert run.report(first.name, 10, math.nan) is None
+    decision = run.report(first.name, 10, math.nan)
+    assert decision.stop and "NaN" in decision.reason
     assert run.trials[first.name].state == "stopped" and "NaN" in run.trials[first.name].stopped_because
     assert len(run.to_start()) == 1      # its slot goes to the next trial
     run.ended(first.name, "cancelled")   # the driver's cancel arriving later changes nothing

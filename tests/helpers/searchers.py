@@ -1,0 +1,39 @@
+"""A plug-in searcher as a user writes one (`search: tests.helpers.searchers:FirstChoices`): a Ray Tune
+`Searcher` subclass that tries each choice's options in turn and writes down everything the sweep tells it."""
+
+from __future__ import annotations
+
+import pickle
+
+from ray.tune.search import Searcher
+
+
+class FirstChoices(Searcher):
+    def __init__(self, offset: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.offset, self.space, self.suggested, self.results, self.completed = offset, None, {}, [], {}
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        self._metric, self._mode, self.space = metric, mode, config
+        return True
+
+    def suggest(self, trial_id: str):
+        index = len(self.suggested) + self.offset
+        config = {path: domain.categories[index % len(domain.categories)] if hasattr(domain, "categories")
+                  else domain.lower for path, domain in self.space.items()}
+        self.suggested[trial_id] = config
+        return config
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        self.results.append((trial_id, result["training_iteration"], result[self._metric]))
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        self.completed[trial_id] = None if error else result[self._metric]
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as file:
+            pickle.dump({k: v for k, v in self.__dict__.items() if k != "space"}, file)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as file:
+            self.__dict__.update(pickle.load(file))

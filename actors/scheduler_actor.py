@@ -11,7 +11,8 @@ backoff while another process holds the table's file), and those still waiting w
 are written next to the table and applied at its next start. The actor restarts itself when its process
 dies (`max_restarts=-1`): the new instance reloads the table, and the jobs that were running resume from
 their checkpoints. The scheduler itself runs on the head node (`Client.serve` pins it there), next to its
-job table."""
+job table. It also runs the service's sweeps (`actors/service/sweep_book.py`): each tick advances them, so a
+sweep goes on without whoever submitted it and, its state in the state folder, after a restart."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from typing import Any
 import ray
 
 from actors.engine.spec import JobSubmission
+from actors.engine.spec import JobSpec
 from actors.engine.storage import configure_storage
+from actors.engine.sweep_spec import SweepSpec
 from actors.job_starts import JobStarts
 from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
@@ -37,6 +40,7 @@ from actors.service.listeners import Listeners
 from actors.service.loop_errors import LoopErrors
 from actors.service.scheduler_core import SchedulerCore, StopRequest, SubmissionError
 from actors.service.state_dir import lock_state_dir, open_job_table
+from actors.service.sweep_book import SweepBook
 from actors.service.table_backup import JobTableDamaged, TableBackups
 from actors.service.trainer_fleet import TrainerFleet
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
@@ -107,6 +111,7 @@ class SchedulerActor:
                         "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
         self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self.fleet.node_of,
                                     storage_json=storage_json)
+        self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self))
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
         self.stopping = threading.Event()
@@ -218,6 +223,25 @@ class SchedulerActor:
         with self.lock:
             return self.fleet.describe()
 
+    # -- sweeps ---------------------------------------------------------------------------------------------
+    def submit_sweep(self, spec_json: str) -> dict[str, Any]:
+        """Take a sweep (validated again here); its first trials start at the next tick."""
+        spec = SweepSpec.model_validate_json(spec_json)
+        with self.lock:
+            return self.sweeps.add(spec)
+
+    def sweep(self, name: str) -> dict[str, Any]:
+        with self.lock:
+            return self.sweeps.status(name)
+
+    def sweeps_list(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return self.sweeps.all()
+
+    def cancel_sweep(self, name: str) -> dict[str, Any]:
+        with self.lock:
+            return self.sweeps.cancel(name)
+
     def shutdown(self) -> None:
         """Stop the loop and the trainers (their running jobs are paused with a checkpoint and queued
         again for the next start of the service). Events the job table cannot take within a minute are
@@ -268,6 +292,7 @@ class SchedulerActor:
             self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
         self.job_starts.release()
         self._explain_waits()
+        self.sweeps.poll_all()
 
     def _decide_round(self, ready: list[TrainerStatus]) -> None:
         self.rounds += 1
@@ -299,3 +324,26 @@ class SchedulerActor:
     def _send_stop(self, stop: StopRequest | None) -> None:
         if stop is not None:
             self.fleet.stop_job(stop.trainer, stop.job, stop.kind, stop.reason)
+
+
+class SchedulerJobs:
+    """The scheduler's own calls as a sweep's `SweepJobs` (actors/service/sweep_driver.py)."""
+
+    def __init__(self, scheduler: SchedulerActor):
+        self.scheduler = scheduler
+
+    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str) -> str:
+        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir)
+        return self.scheduler.core.submit_many([submission])[0].id
+
+    def status(self, job_id: str) -> JobRecord:
+        return self.scheduler.table.get(job_id)
+
+    def losses(self, job_id: str) -> list[dict[str, Any]]:
+        return self.scheduler.table.progress(job_id)
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        self.scheduler.cancel(job_id, reason)
+
+    def job_ids(self) -> set[str]:
+        return {record.id for record in self.scheduler.table.all()}

@@ -375,20 +375,51 @@ def _run_in_process(spec, quiet: bool) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    """Run a sweep file's trials through a service of its own (`orchestrator.sweep`); run again, it carries on."""
-    from actors.service.config import run_service_config
-    from orchestrator.client import Client
-    from orchestrator.sweep import SweepDriver, leaderboard_table, load_sweep_spec, service_run_spec
+    """`aspen sweep FILE`: the sweep run by a service of its own (or the running one at --address / --url),
+    followed to its end; run again, it carries on. `aspen sweep status NAME|FOLDER`: its leaderboard."""
+    from orchestrator.sweep import follow_sweep, leaderboard_table, load_sweep_spec, service_run_spec
 
-    spec = load_sweep_spec(args.file)
-    folder = Path(spec.output_dir)
-    client = Client.local(run_service_config(service_run_spec(spec)), address=os.environ.get("RAY_ADDRESS"))
-    try:
-        board = SweepDriver(client, spec, folder).follow(poll_s=args.poll)
-    finally:
-        client.shutdown()
+    if args.target[0] == "status" and len(args.target) == 2:
+        return _sweep_status(args, args.target[1])
+    if len(args.target) != 1:
+        raise SpecError("give a sweep file (aspen sweep FILE) or aspen sweep status NAME")
+    spec = load_sweep_spec(args.target[0])
+    if args.address or args.url:
+        service = _service(argparse.Namespace(url=args.url, address=args.address or "auto"))
+        status = follow_sweep(service, service.sweep(spec)["name"], poll_s=args.poll)
+    else:
+        from actors.service.config import run_service_config
+        from orchestrator.client import Client
+
+        client = Client.local(run_service_config(service_run_spec(spec)), address=os.environ.get("RAY_ADDRESS"))
+        try:
+            status = follow_sweep(client, client.sweep(spec)["name"], poll_s=args.poll)
+        finally:
+            client.shutdown()
+    board = {"trials": status["trials"], "best": status["best"]}
     print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
+    if status["state"] == "failed":
+        print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
+        return 1
     return 0 if board["best"] is not None else 1
+
+
+def _sweep_status(args: argparse.Namespace, name: str) -> int:
+    """A sweep's leaderboard: from its folder (an ended sweep, no service needed), else from the service."""
+    from orchestrator.sweep import leaderboard_table, read_results
+
+    if Path(name).is_dir():
+        status = {"name": Path(name).name, "state": "ended", **read_results(Path(name))}
+    else:
+        service = _service(argparse.Namespace(url=args.url, address=args.address or os.environ.get("RAY_ADDRESS",
+                                                                                                  "auto")))
+        status = service.sweep_status(name)
+    if args.json:
+        print(json.dumps(status, indent=1))
+    else:
+        print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
+        print(leaderboard_table(status))
+    return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -549,9 +580,14 @@ def build_parser() -> argparse.ArgumentParser:
                      "jobs, leaves finished ones alone, and stops if the file changed in a way resuming cannot)")
     run.set_defaults(handler=_cmd_run)
 
-    sweep = commands.add_parser("sweep", help="a sweep file's trials trained as jobs of a service of its own, the "
-                                              "weak ones stopped early; ends with the leaderboard")
-    sweep.add_argument("file", help="sweep YAML file (docs/sweeps.md)")
+    sweep = commands.add_parser("sweep", help="a sweep file's trials trained as jobs of a service of its own (or "
+                                              "the running one: --address, --url), the weak ones stopped early; "
+                                              "ends with the leaderboard. `aspen sweep status NAME|FOLDER`: a sweep's "
+                                              "leaderboard")
+    sweep.add_argument("target", nargs="+", metavar="FILE | status NAME",
+                       help="sweep YAML file (docs/sweeps.md), or `status` and a sweep's name (or its folder)")
+    sweep.add_argument("--address", help="a running service's Ray cluster (default: a service of the sweep's own)")
+    sweep.add_argument("--url", help="a running service's HTTP API (`aspen http`)")
     sweep.add_argument("--json", action="store_true", help="print the leaderboard as JSON")
     sweep.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the trials (default 1)")
     sweep.set_defaults(handler=_cmd_sweep)

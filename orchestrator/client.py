@@ -303,6 +303,34 @@ class Client:
     def _submit_many(self, submissions: list[JobSubmission]) -> list[JobHandle]:
         return [JobHandle(self, record.id, record.name) for record in self.submit_records(submissions)]
 
+    # -- sweeps -------------------------------------------------------------------------------------------
+    def sweep(self, spec: Any) -> dict[str, Any]:
+        """Start a sweep (docs/sweeps.md): a sweep file's path (paths in it relative to it), a dict of its fields
+        (paths relative to this process's folder) or a `SweepSpec`. The service runs it from now on; the answer
+        is its status (`sweep_status`). The same sweep submitted again is the same sweep (nothing new starts)."""
+        from actors.engine.sweep_spec import SweepSpec
+        from orchestrator.sweep import load_sweep_spec, sweep_spec_from
+
+        if isinstance(spec, (str, Path)):
+            spec = load_sweep_spec(spec)
+        elif isinstance(spec, dict):
+            spec = sweep_spec_from(spec, source="<sweep>", base_dir=Path.cwd())
+        if not isinstance(spec, SweepSpec):
+            raise SpecError(f"expected a sweep file, a dict or a SweepSpec, got {type(spec).__name__}")
+        return self._request("submit_sweep", spec.model_dump_json())
+
+    def sweep_status(self, name: str) -> dict[str, Any]:
+        """`{"name", "state" (running, done, cancelled, failed), "error", "trials": [{"name", "settings", "state",
+        "objective", "steps", "stopped_because"}], "best", ...}`; KeyError for an unknown sweep."""
+        return self._request("sweep", name)
+
+    def sweeps(self) -> list[dict[str, Any]]:
+        return self._request("sweeps_list")
+
+    def cancel_sweep(self, name: str) -> dict[str, Any]:
+        """Start no more trials of the sweep and cancel its running ones."""
+        return self._request("cancel_sweep", name)
+
     # -- following ----------------------------------------------------------------------------------------
     def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
         return self._request("jobs", tuple(states) if states else None)

@@ -10,6 +10,9 @@ client in this process.
     POST /v1/jobs/{job}/cancel    also /pause and /resume: the job's record after it
     GET  /v1/jobs/{job}/losses    one row per optimizer step (step, loss, tokens, lr, grad_norm, eval_loss)
     GET  /v1/jobs/{job}/transitions   its state history (time, state, reason)
+    POST /v1/sweeps               a sweep file (JSON or YAML): 201 with the sweep's status; the service runs it
+    GET  /v1/sweeps[/{name}]      every sweep, or one: its state, trials (leaderboard) and best trial
+    POST /v1/sweeps/{name}/cancel no more trials; the running ones cancelled
     GET  /v1/events               server-sent events: every job state change (and, with ?progress=true, steps)
     GET  /v1/service              the service's description (trainers, policy, URLs)
     GET  /v1/health               no token needed: is the API up, does the service answer
@@ -57,6 +60,7 @@ from starlette.concurrency import run_in_threadpool
 from actors.engine.spec import JobSpec, RunSpec
 from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
+from orchestrator.jobs_file import SpecError
 from orchestrator.service_calls import ServiceLink, call_service
 
 log = logging.getLogger(__name__)
@@ -286,6 +290,44 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                        "409 for a job that has ended.")
     job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
     job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
+
+    @api.post("/sweeps", status_code=201, tags=["sweeps"],
+              responses={422: {"model": ErrorBody, "description": "an invalid sweep; `detail` names each field"},
+                         409: {"model": ErrorBody, "description": "a sweep of that name with other settings"}})
+    async def submit_sweep(request: Request) -> Any:
+        """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
+        the service's machine). The service runs it from now on; 201 with its status. The same sweep sent
+        again answers with it (nothing new starts)."""
+        data, _ = await anyio.to_thread.run_sync(parse_body, await request.body(),
+                                                 request.headers.get("content-type"), limiter=parsers)
+
+        def start(client: Any) -> dict[str, Any]:
+            from orchestrator.sweep import sweep_spec_from
+
+            try:
+                spec = sweep_spec_from(data, source="request", base_dir=None)
+            except SpecError as error:
+                raise Refused(422, f"nothing was started:\n{error}") from None
+            return client.sweep(spec)
+
+        status = await run_in_threadpool(call_service, link, start)
+        return JSONResponse(status, status_code=201, headers={"Location": f"/v1/sweeps/{status['name']}"})
+
+    @api.get("/sweeps", tags=["sweeps"])
+    def sweeps() -> Any:
+        """Every sweep of the service with its leaderboard."""
+        return call_service(link, lambda client: client.sweeps())
+
+    @api.get("/sweeps/{name}", tags=["sweeps"])
+    def sweep_status(name: str) -> Any:
+        """One sweep: state (running, done, cancelled, failed), its trials (settings, state, objective, steps,
+        why stopped), the best trial."""
+        return call_service(link, lambda client: client.sweep_status(name))
+
+    @api.post("/sweeps/{name}/cancel", tags=["sweeps"])
+    def cancel_sweep(name: str) -> Any:
+        """Start no more trials of the sweep and cancel its running ones."""
+        return call_service(link, lambda client: client.cancel_sweep(name))
 
     def event_start(job: str | None = Query(None, description="only this job (id or name)"),
                     last_event_id: str | None = Header(None, description="resume after this event (the `id` of the "

@@ -199,6 +199,33 @@ class HttpClient:
         answer = self._request("POST", "/v1/jobs", json=_resolved_here(body))
         return [HttpJobHandle(self, job["id"], job["name"]) for job in answer["jobs"]]
 
+    # -- sweeps -------------------------------------------------------------------------------------------
+    def sweep(self, spec: Any) -> dict[str, Any]:
+        """`Client.sweep` over HTTP: a sweep file's path (read and checked here) or a dict of its fields (checked
+        by the service: its refusal, a `SpecRefused`, names the field), relative paths resolved here."""
+        from orchestrator.sweep import load_sweep_spec
+
+        if isinstance(spec, (str, Path)):
+            body = load_sweep_spec(spec).model_dump(mode="json", exclude_unset=True)
+        elif isinstance(spec, dict):
+            body = dict(spec)
+            if isinstance(body.get("job"), dict):
+                body["job"] = _resolved_here(body["job"])
+            if isinstance(body.get("output_dir"), str) and not is_uri(body["output_dir"]):
+                body["output_dir"] = str(Path.cwd() / Path(body["output_dir"]).expanduser())
+        else:
+            body = spec.model_dump(mode="json", exclude_unset=True)   # a SweepSpec
+        return self._request("POST", "/v1/sweeps", json=body)
+
+    def sweep_status(self, name: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/sweeps/{quote(name, safe='')}")
+
+    def sweeps(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/sweeps")
+
+    def cancel_sweep(self, name: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/sweeps/{quote(name, safe='')}/cancel")
+
     # -- following ----------------------------------------------------------------------------------------
     def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
         params = [("state", state) for state in states or ()]

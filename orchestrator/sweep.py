@@ -1,19 +1,14 @@
-"""`aspen sweep FILE`: a sweep's trials trained as ordinary jobs of a service, weak ones stopped early.
+"""`aspen sweep FILE`, `Client.sweep`, `POST /v1/sweeps`: a sweep's trials trained as ordinary jobs of a
+service, weak ones stopped early, the leaderboard at the end.
 
-The driver submits the trials `actors/service/sweep_run.py` says may start (at most `max_concurrent` at once:
-they share fused steps with each other and any other job on the trainers), reads each running trial's
-progress from the service (its eval losses, or its train losses with `objective: train_loss`), hands each
-new objective to the sweep's successive halving and cancels a trial it stops; a trial's slot goes to the
-next one as soon as it ends. The sweep's state (its trials' states, objectives and the halving's records, and
-which job each trial is) is written to `<output_dir>/sweep.json` after every change, so running the same
-file again carries on where it stopped: finished trials are left alone, a trial whose job the service still
-has is followed again, a trial started but lost is started again. The leaderboard ends it
-(`<output_dir>/leaderboard.json`, and printed).
-
-Each trial's settings come from the sweep's searcher when its slot opens (random, grid, or a Ray Tune
-searcher such as Optuna: policies/searchers.py), which hears every trial's objectives; its state is part of
-sweep.json, so a re-run asks the same searcher. Issue 34, not yet here: generation objectives,
-`POST /v1/sweeps`, the sweep inside the scheduler (so that it outlives this driver), report.png, the metrics."""
+The service's scheduler runs the sweep (actors/service/sweep_book.py, sweep_driver.py): it starts each trial
+when a slot opens (its settings from the sweep's searcher: random, grid, or a Ray Tune searcher such as
+Optuna: policies/searchers.py), hands every objective to the stopping rules and cancels the trials they stop,
+and keeps the sweep's state in its state folder, so a sweep goes on without whoever submitted it and
+survives a restart. This module reads a sweep file (`load_sweep_spec`: paths relative to the file, errors
+naming the file and field), follows a sweep to its end (`follow_sweep`), prints the leaderboard, and reads an
+ended sweep's results from its folder (`read_results`). Issue 34, not yet here: generation objectives, the
+Prometheus gauges."""
 
 from __future__ import annotations
 
@@ -25,16 +20,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from actors.engine.spec import RunSpec
-from actors.engine.storage import is_uri
 from actors.engine.sweep_spec import SweepSpec
-from actors.service.sweep_run import SweepRun
+from actors.service.sweep_book import LEADERBOARD_FILE
 from orchestrator.jobs_file import FILE_LIMITS, SpecError
 from orchestrator.spec_text import TooComplex, load_yaml
 from policies.searchers import BUILT_IN, build_searcher
-
-STATE_FILE = "sweep.json"
-LEADERBOARD_FILE = "leaderboard.json"
-ENDS = {"completed": "completed", "stopped_early": "completed", "failed": "failed", "cancelled": "cancelled"}
 
 
 def load_sweep_spec(path: str | Path) -> SweepSpec:
@@ -47,30 +37,7 @@ def load_sweep_spec(path: str | Path) -> SweepSpec:
         data = load_yaml(path.read_text(), FILE_LIMITS)
     except TooComplex as error:
         raise SpecError(f"{path}: {error}") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping with name, job, space, ... at the top level")
-    data = dict(data)
-    job = data.get("job")
-    if isinstance(job, dict) and isinstance(job.get("data"), str) and "://" not in job["data"]:
-        data["job"] = {**job, "data": str((path.parent / job["data"]).resolve())}
-    if isinstance(data.get("output_dir"), str) and "://" not in data["output_dir"]:
-        data["output_dir"] = str((path.parent / data["output_dir"]).resolve())
-    try:
-        spec = SweepSpec.model_validate(data)
-    except ValidationError as error:
-        problems = []
-        for problem in error.errors():
-            where = ".".join(str(part) for part in problem["loc"])
-            message = problem["msg"].removeprefix("Value error, ")
-            problems.append(f"{path}: {where + ': ' if where else ''}{message}")
-        raise SpecError("\n".join(problems)) from None
-    if spec.search not in BUILT_IN:   # a searcher that cannot be built (not installed, bad options): now
-        try:
-            build_searcher(spec.search, spec.parsed_space(), trials=spec.trials, seed=spec.seed,
-                           options=spec.search_options)
-        except ValueError as error:
-            raise SpecError(f"{path}: {error}") from None
-    return spec
+    return sweep_spec_from(data, source=str(path), base_dir=path.parent)
 
 
 def service_run_spec(spec: SweepSpec) -> RunSpec:
@@ -79,100 +46,69 @@ def service_run_spec(spec: SweepSpec) -> RunSpec:
                    seed=spec.seed, jobs=[spec.job])
 
 
-class SweepDriver:
-    """Drives one sweep through a `Client` (`orchestrator.client`), one `poll()` at a time."""
-
-    def __init__(self, client: Any, spec: SweepSpec, folder: Path):
-        if is_uri(spec.output_dir):
-            raise SpecError(f"sweep '{spec.name}': output_dir {spec.output_dir} is a storage URI; a sweep's folder "
-                            "(its state, its trials' adapters) is a local path for now")
-        self.client, self.spec, self.folder = client, spec, folder
-        self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
-        self.reported: dict[str, int] = {}     # trial name -> the last step handed to the sweep
-        state = self._read_state()
+def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None) -> SweepSpec:
+    """A sweep from its parsed YAML / JSON: relative paths (the job's data, the output folder) against
+    `base_dir` (None: they must be absolute: the service's machine cannot know what they are relative to)."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping with name, job, space, ... at the top level")
+    data = dict(data)
+    if isinstance(data.get("job"), dict):
+        data["job"] = dict(data["job"])
+    for holder, key, name in ((data.get("job"), "data", "job.data"), (data, "output_dir", "output_dir")):
+        value = holder.get(key) if isinstance(holder, dict) else None
+        if not isinstance(value, str) or "://" in value:
+            continue
+        if base_dir is not None:
+            holder[key] = str((base_dir / Path(value).expanduser()).resolve())
+        elif not Path(value).expanduser().is_absolute():
+            raise SpecError(f"{source}: {name}: {value} is a relative path; give an absolute path on the service's "
+                            "machine (or a storage URI)")
+    try:
+        spec = SweepSpec.model_validate(data)
+    except ValidationError as error:
+        problems = []
+        for problem in error.errors():
+            where = ".".join(str(part) for part in problem["loc"])
+            message = problem["msg"].removeprefix("Value error, ")
+            problems.append(f"{source}: {where + ': ' if where else ''}{message}")
+        raise SpecError("\n".join(problems)) from None
+    if spec.search not in BUILT_IN:   # a searcher that cannot be built (not installed, bad options): now
         try:
-            self.run = SweepRun.restore(spec, state["run"]) if state else SweepRun(spec)
-        except (ValueError, KeyError) as error:
-            raise SpecError(f"{folder / STATE_FILE}: {error}") from None
-        if state:
-            self.job_ids, self.reported = dict(state["job_ids"]), dict(state["reported"])
-            self._readopt()
-
-    def _read_state(self) -> dict | None:
-        path = self.folder / STATE_FILE
-        if not path.exists():
-            return None
-        try:
-            return json.loads(path.read_text())
+            build_searcher(spec.search, spec.parsed_space(), trials=spec.trials, seed=spec.seed,
+                           options=spec.search_options)
         except ValueError as error:
-            raise SpecError(f"{path}: not a sweep's state ({error}); move it away to start the sweep afresh") from None
+            raise SpecError(f"{source}: {error}") from None
+    return spec
 
-    def _readopt(self) -> None:
-        """After a restart: a running trial whose job the service no longer has starts again."""
-        known = {record.id for record in self.client.jobs()}
-        for name, trial in self.run.trials.items():
-            if trial.state == "running" and self.job_ids.get(name) not in known:
-                trial.state = "pending"
-                self.job_ids.pop(name, None)
-                self.reported.pop(name, None)
 
-    def _save(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        state = {"run": self.run.state_dict(), "job_ids": self.job_ids, "reported": self.reported}
-        temporary = self.folder / (STATE_FILE + ".tmp")
-        temporary.write_text(json.dumps(state, indent=1))
-        temporary.replace(self.folder / STATE_FILE)
+def follow_sweep(client: Any, name: str, *, poll_s: float = 1.0, say=print) -> dict[str, Any]:
+    """Wait for a sweep to end, saying each trial's state as it changes; its last status."""
+    seen: dict[str, str] = {}
+    while True:
+        status = client.sweep_status(name)
+        for trial in sorted(status["trials"], key=lambda t: _trial_number(t["name"])):
+            if seen.get(trial["name"]) != trial["state"]:
+                seen[trial["name"]] = trial["state"]
+                objective = f", objective {trial['objective']:.4f}" if trial["objective"] is not None else ""
+                why = f": {trial['stopped_because']}" if trial["state"] != "completed" and trial["stopped_because"] \
+                    else ""
+                say(f"{trial['name']}: {trial['state']} (step {trial['steps']}{objective}){why}")
+        if status["state"] != "running":
+            return status
+        time.sleep(poll_s)
 
-    def poll(self) -> bool:
-        """Start what may start, hand new objectives to the sweep, cancel what it stops, note what ended.
-        True once every trial has ended."""
-        for job in self.run.to_start():
-            handle = self.client.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
-                                        output_dir=str(Path(self.spec.output_dir) / job.name))
-            self.job_ids[job.name] = handle.id
-        for name, trial in self.run.trials.items():
-            if trial.state != "running" or name not in self.job_ids:
-                continue
-            job_id = self.job_ids[name]
-            record = self.client.status(job_id)   # before its losses: a job that ended has them all written
-            live = record.state not in ENDS
-            for step, objective in self._objectives(job_id):
-                if step <= self.reported.get(name, 0):
-                    continue
-                self.reported[name] = step
-                decision = self.run.report(name, step, objective, live=live)
-                if trial.state == "stopped":
-                    self._cancel(job_id)
-                    print(f"{name}: stopped at step {step}: {decision.reason if decision else trial.stopped_because}")
-                    break
-            if trial.state == "running" and record.state in ENDS:
-                self.run.ended(name, ENDS[record.state], record.step, record.reason)
-                print(f"{name}: {trial.state} at step {record.step}"
-                      + (f", objective {trial.objective:.4f}" if trial.objective is not None else ""))
-        self._save()
-        return self.run.done
 
-    def _cancel(self, job_id: str) -> None:
-        """Cancel a stopped trial's job; one that ended meanwhile (its last steps ran between two looks) has
-        nothing left to stop."""
-        if self.client.status(job_id).state not in ENDS:
-            try:
-                self.client.cancel(job_id)
-            except ValueError as error:   # it ended between the look and the cancel
-                if "already ended" not in str(error):
-                    raise
+def read_results(folder: Path) -> dict[str, Any]:
+    """An ended sweep's leaderboard from its output folder (no service needed)."""
+    path = Path(folder) / LEADERBOARD_FILE
+    if not path.is_file():
+        raise SpecError(f"{folder}: no {LEADERBOARD_FILE} (not a sweep's folder, or no trial of it has ended yet)")
+    return json.loads(path.read_text())
 
-    def _objectives(self, job_id: str) -> list[tuple[int, float]]:
-        rows = self.client.losses(job_id)
-        column = "eval_loss" if self.spec.objective == "eval_loss" else "loss"
-        return sorted((int(row["step"]), float(row[column])) for row in rows if row.get(column) is not None)
 
-    def follow(self, poll_s: float = 1.0) -> dict[str, Any]:
-        while not self.poll():
-            time.sleep(poll_s)
-        board = self.run.leaderboard()
-        (self.folder / LEADERBOARD_FILE).write_text(json.dumps(board, indent=1))
-        return board
+def _trial_number(name: str) -> int:
+    tail = name.rsplit("-t", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 def leaderboard_table(board: dict[str, Any]) -> str:

@@ -63,7 +63,10 @@ def parse_space(raw: Any, where: str = "space") -> dict[str, Dimension]:
             continue
         if (not isinstance(values, list) or len(values) != 2
                 or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)):
-            raise ValueError(f"{here}.{kind}: give [low, high] as two numbers, not {values!r}")
+            texts = [v for v in values if isinstance(v, str) and _number(v)] if isinstance(values, list) else []
+            hint = (f" ({texts[0]!r} is text: YAML reads a number like 1e-5 without a dot as text; write "
+                    f"{_with_dot(texts[0])})" if texts else "")
+            raise ValueError(f"{here}.{kind}: give [low, high] as two numbers, not {values!r}{hint}")
         low, high = values
         if not low < high:
             raise ValueError(f"{here}.{kind}: low {low} is not below high {high}")
@@ -87,3 +90,17 @@ def grid_trials(space: dict[str, Dimension], where: str = "space") -> list[dict[
                          "values to try, or use search: random")
     paths = list(space)
     return [dict(zip(paths, values, strict=True)) for values in itertools.product(*(space[p].values for p in paths))]
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _with_dot(text: str) -> str:
+    """1e-5 as YAML reads it as a number: 1.0e-5."""
+    mantissa, e, exponent = text.lower().partition("e")
+    return f"{mantissa if '.' in mantissa else mantissa + '.0'}{e}{exponent}"

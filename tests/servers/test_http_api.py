@@ -316,10 +316,48 @@ def test_hostile_bodies_are_refused_within_a_second_and_a_slow_parse_stalls_noth
         assert api.ray.cancel(job["id"]).state == "cancelled"
 
 
+def test_a_sweep_over_http_runs_in_the_service_and_refusals_name_the_field(api, tmp_path, monkeypatch):
+    """POST /v1/sweeps as the Ray client's Client.sweep (the reference: the same sweep's status through Ray);
+    invalid sweeps refused with the field (422), an unknown sweep a 404, a cancelled sweep's trials cancelled."""
+    http = HttpClient(api.url, api.token)
+    monkeypatch.chdir(tmp_path)
+    write_task_data(tmp_path / "data", "qa", rows=24)
+    job = {**job_dict("qa", "data/qa.jsonl", 4, eval_split=4, eval_every=2), "checkpoint_every": 100}
+    sweep = {"name": "http-lr", "base_model": api.base, "output_dir": str(tmp_path / "out"), "step_tokens": 512,
+             "job": job, "search": "grid", "max_concurrent": 2, "space": {"lr": {"choice": [1e-3, 2e-3]}}}
+    before = api.table()
+    refused = httpx.post(f"{api.url}/v1/sweeps", headers=api.auth(), json=sweep)   # raw: a relative path
+    assert refused.status_code == 422 and "job.data: data/qa.jsonl is a relative path" in refused.json()["detail"]
+    with pytest.raises(SpecRefused, match="space.lora.rank: job.lora has no field 'rank'; did you mean lora.r"):
+        http.sweep({**sweep, "space": {"lora.rank": {"choice": [4, 8]}}})
+    with pytest.raises(JobNotFound, match="no sweep named 'nope'"):
+        http.sweep_status("nope")
+    assert api.table() == before                                  # nothing of them reached the service
+
+    started = http.sweep(sweep)                                   # data resolved against this folder
+    assert started["name"] == "http-lr" and started["state"] == "running"
+    status = wait_for(lambda: (found := http.sweep_status("http-lr"))["state"] == "done" and found, 180,
+                      "the sweep over HTTP to end")
+    assert status == api.ray.sweep_status("http-lr")
+    assert [t["state"] for t in status["trials"]] == ["completed", "completed"] and status["best"]
+    assert {t["name"] for t in status["trials"]} <= {r.name for r in api.ray.jobs(("completed",))}
+
+    cancelled = http.sweep({**sweep, "name": "http-cancel", "output_dir": str(tmp_path / "cancel"),
+                            "job": {**job, "max_steps": 400, "eval_every": 200}})
+    assert cancelled["state"] == "running"
+    wait_for(lambda: http.sweep_status("http-cancel")["trials"], 60, "the cancelled sweep's first trials")
+    http.cancel_sweep("http-cancel")
+    status = wait_for(lambda: (found := http.sweep_status("http-cancel"))["state"] != "running" and found, 120,
+                      "the cancelled sweep to end")
+    assert status["state"] == "cancelled" and all(t["state"] == "cancelled" for t in status["trials"]), status
+    assert "http-cancel" in {s["name"] for s in http.sweeps()}
+
+
 def test_the_openapi_schema_lists_every_endpoint_and_the_bearer_scheme(api):
     schema = httpx.get(f"{api.url}/openapi.json").json()
     assert {"/v1/jobs", "/v1/jobs/{job}", "/v1/jobs/{job}/cancel", "/v1/jobs/{job}/losses", "/v1/events",
-            "/v1/health", "/v1/service"} <= set(schema["paths"])
+            "/v1/health", "/v1/service", "/v1/sweeps", "/v1/sweeps/{name}", "/v1/sweeps/{name}/cancel"
+            } <= set(schema["paths"])
     assert set(schema["paths"]["/v1/jobs"]) == {"get", "post"}
     body = schema["paths"]["/v1/jobs"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/yaml"}

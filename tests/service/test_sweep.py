@@ -1,10 +1,12 @@
-"""`aspen sweep`'s driver (orchestrator/sweep.py) on a real service: a grid with one planted good learning rate
-and one that cannot learn, with successive halving. The first trial (good) trains to the end and the best is a
-good one; the hopeless ones are stopped at the first rung against it and their jobs cancelled; the best
-trial's adapter equals the same job trained alone; the sweep file run again finds every trial done and submits
-nothing. One trial at a time (max_concurrent: 1): which trial a rung judges first is then the trial order,
-not the order two job actors' evaluations happened to arrive in (trials fused together: tests/unit/service/
-test_sweep_run.py and the fused-job tests)."""
+"""Sweeps run by a real service's scheduler (actors/service/sweep_book.py), submitted through the client: a grid
+with one planted good learning rate and one that cannot learn, with successive halving. The first trial (good)
+trains to the end and the best is a good one; the hopeless ones are stopped at the first rung against it and
+their jobs cancelled; the best trial's adapter equals the same job trained alone. The scheduler's process is
+killed mid-sweep: it restarts, reads the sweep's state and carries on, losing no trial. The leaderboard and
+report.png are in the sweep's folder; the same sweep submitted to a new service on the same state finds every
+trial done and starts nothing. One trial at a time (max_concurrent: 1): which trial a rung judges first is then
+the trial order, not the order two job actors' evaluations happened to arrive in (trials fused together:
+tests/unit/service/test_sweep_run.py and the fused-job tests)."""
 
 from __future__ import annotations
 
@@ -14,24 +16,33 @@ import subprocess
 import sys
 
 import pytest
+import ray
 
 from actors.engine.models import load_base_model
 from actors.service.config import run_service_config
 from actors.service.local_run import train_locally
 from orchestrator.client import Client
-from orchestrator.sweep import SweepDriver, load_sweep_spec, service_run_spec
-from tests.helpers.service import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
+from orchestrator.sweep import follow_sweep, load_sweep_spec, service_run_spec
+from tests.helpers.service import (
+    adapter_tensors,
+    job_dict,
+    max_relative_difference,
+    run_spec,
+    wait_for,
+    write_task_data,
+)
 
 GOOD_LR, HOPELESS_LR = 5e-3, 1e-9
 STEPS = 24
 
 
-def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_resumes_done(ray_session, tiny_model_dirs, tmp_path):
+def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_scheduler(ray_session, tiny_model_dirs,
+                                                                                      tmp_path):
     base = str(tiny_model_dirs["llama"])
     data = write_task_data(tmp_path / "data", "qa", rows=48)
-    # 24 steps of the tiny model take seconds: a hopeless trial judged at step 4 (the driver looks every 0.2 s)
+    # 24 steps of the tiny model take seconds: a hopeless trial judged at step 4 (the scheduler looks every tick)
     # is cancelled long before its end
-    job = {**job_dict("qa", data, STEPS, eval_split=8, eval_every=4), "checkpoint_every": 1000}
+    job = {**job_dict("qa", data, STEPS, eval_split=8, eval_every=4), "checkpoint_every": 4}
     sweep = {"name": "lr", "base_model": base, "output_dir": str(tmp_path / "out"), "step_tokens": 1024,
              "job": job, "search": "grid", "max_concurrent": 1, "objective": "eval_loss",
              # the good rate first: the hopeless ones then meet its results at the first rung
@@ -39,26 +50,50 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_resumes_done(ray_s
              "stopping": {"asha": {"grace_steps": 4, "reduction": 2}}}
     (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))   # JSON is YAML
     spec = load_sweep_spec(tmp_path / "sweep.yaml")
-    client = Client.local(run_service_config(service_run_spec(spec), state_dir=tmp_path / "state"))
+    config = run_service_config(service_run_spec(spec), state_dir=tmp_path / "state")
+    client = Client.local(config)
     try:
-        board = SweepDriver(client, spec, tmp_path / "out").follow(poll_s=0.2)
-        trials = {t["name"]: t for t in board["trials"]}
+        started = client.sweep(tmp_path / "sweep.yaml")
+        assert started["name"] == "lr" and started["state"] == "running" and started["trials_planned"] == 4
+        # the scheduler's process dies while the first trial trains: it comes back and carries the sweep on
+        wait_for(lambda: any(t["steps"] >= 4 for t in client.sweep_status("lr")["trials"]), 300, "a trial's first eval")
+        ray.kill(client.scheduler, no_restart=False)
+        status = follow_sweep(client, "lr", poll_s=0.2)
+        assert status["state"] == "done" and status["error"] is None, status
+        trials = {t["name"]: t for t in status["trials"]}
+        assert sorted(trials) == ["qa-t0", "qa-t1", "qa-t2", "qa-t3"]               # none lost, none twice
         good = [t for t in trials.values() if t["settings"]["lr"] == GOOD_LR]
         hopeless = [t for t in trials.values() if t["settings"]["lr"] == HOPELESS_LR]
         assert trials["qa-t0"]["state"] == "completed" and trials["qa-t0"]["steps"] == STEPS
         assert all(t["state"] in ("completed", "stopped") for t in good), good   # the second judged against it
-        assert board["best"] in {t["name"] for t in good if t["state"] == "completed"}
+        assert status["best"] in {t["name"] for t in good if t["state"] == "completed"}
         assert all(t["state"] == "stopped" and t["steps"] == 4 and "outside the best 1/2" in t["stopped_because"]
                    for t in hopeless), hopeless
         jobs = {record.name: record for record in client.jobs()}
+        assert len(jobs) == 4
         assert all(jobs[t["name"]].state == "cancelled" and jobs[t["name"]].step < STEPS for t in hopeless)
+        board = {"trials": status["trials"], "best": status["best"]}
         assert json.loads((tmp_path / "out" / "leaderboard.json").read_text()) == board
-        submitted = len(client.jobs())
-        again = SweepDriver(client, load_sweep_spec(tmp_path / "sweep.yaml"), tmp_path / "out")
-        assert again.poll() and len(client.jobs()) == submitted and again.run.leaderboard() == board
+        assert (tmp_path / "out" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert client.sweeps() == [client.sweep_status("lr")]
+        shown = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", str(tmp_path / "out"),
+                                "--json"], capture_output=True, text=True,
+                               env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})   # from the folder: no service
+        assert shown.returncode == 0 and json.loads(shown.stdout)["trials"] == status["trials"], shown
     finally:
         client.shutdown()
-    best = next(job for job in spec.trial_jobs() if job.name == board["best"])
+    again = Client.local(config)                    # the same state: the sweep is there, done; nothing starts
+    try:
+        assert again.sweep(tmp_path / "sweep.yaml")["state"] == "done"
+        assert len(again.jobs()) == 4 and again.sweep_status("lr")["trials"] == status["trials"]
+        changed = {**sweep, "max_concurrent": 2}
+        with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):
+            again.sweep(changed)
+        with pytest.raises(KeyError, match="no sweep named 'nope'"):
+            again.sweep_status("nope")
+    finally:
+        again.shutdown()
+    best = next(job for job in spec.trial_jobs() if job.name == status["best"])
     alone = run_spec(base, tmp_path / "alone", [best.model_dump(mode="json", exclude_unset=True)], step_tokens=1024)
     train_locally(alone, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)
     difference = max_relative_difference(adapter_tensors(tmp_path / "out" / best.name),

@@ -61,6 +61,8 @@ def test_a_grid_is_every_combination_in_order():
 @pytest.mark.parametrize("changes, message", [
     ({"space": {"lora.rank": {"choice": [8]}}}, "space.lora.rank: job.lora has no field 'rank'; did you mean lora.r?"),
     ({"space": {"preference.bta": {"uniform": [0.1, 1]}}}, "did you mean preference.beta?"),
+    ({"space": {"lr": {"loguniform": ["1e-06", 1.0e-3]}}}, "space.lr.loguniform: give [low, high] as two numbers, not "
+     "['1e-06', 0.001] ('1e-06' is text: YAML reads a number like 1e-5 without a dot as text; write 1.0e-06)"),
     ({"space": {"lr.x": {"uniform": [0.1, 1]}}}, "space.lr.x: job.lr has no field 'x'"),
     ({"space": {"lora.r": {"choice": [2048]}}}, "space.lora.r.choice: 2048 does not make a valid job: lora.r: must be"),
     ({"space": {"lr": {"uniform": [0, 1]}}}, "space.lr.uniform: 0 does not make a valid job: lr: "),

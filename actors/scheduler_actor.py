@@ -25,8 +25,7 @@ from typing import Any
 
 import ray
 
-from actors.engine.spec import JobSubmission
-from actors.engine.spec import JobSpec
+from actors.engine.spec import JobSpec, JobSubmission
 from actors.engine.storage import configure_storage
 from actors.engine.sweep_spec import SweepSpec
 from actors.job_starts import JobStarts
@@ -292,7 +291,9 @@ class SchedulerActor:
             self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
         self.job_starts.release()
         self._explain_waits()
-        self.sweeps.poll_all()
+        if self.sweeps.drivers:
+            self.sweeps.poll_all()
+            self.listeners.sweeps(self.sweeps.all())
 
     def _decide_round(self, ready: list[TrainerStatus]) -> None:
         self.rounds += 1

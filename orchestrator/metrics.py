@@ -26,6 +26,7 @@ from actors.service.config import MetricsConfig
 from actors.service.job_table import JOB_STATES, JobRecord
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 
+TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled")
 log = logging.getLogger(__name__)
 
 WAIT_CAUSES = ("memory", "slots", "no_trainer", "priority", "other")
@@ -100,6 +101,11 @@ class MetricsListener:
         self.job_speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
                                "last optimizer step", ["job_id"], registry=r)
         self.job_step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
+        # sweeps (docs/sweeps.md): bounded by the service's sweeps
+        self.sweep_trials = Gauge("aspen_sweep_trials", "A sweep's trials in each state (pending, running, "
+                                  "completed, stopped, failed, cancelled)", ["sweep", "state"], registry=r)
+        self.sweep_best = Gauge("aspen_sweep_best_objective", "The objective of the sweep's best completed trial "
+                                "(its loss: lower is better)", ["sweep"], registry=r)
 
     def _serve(self) -> None:
         host, port = self.config.host, self.config.port
@@ -175,6 +181,17 @@ class MetricsListener:
         for state in JOB_STATES:
             self.jobs.labels(state).set(counts.get(state, 0))
         self.oldest_queued.set(oldest)
+
+    def sweeps(self, statuses: list[dict]) -> None:
+        """Each sweep's trial counts by state and its best objective (a sweep without a completed trial has
+        no best series)."""
+        for status in statuses:
+            name = status["name"]
+            for state in TRIAL_STATES:
+                self.sweep_trials.labels(name, state).set(sum(t["state"] == state for t in status["trials"]))
+            best = next((t["objective"] for t in status["trials"] if t["name"] == status.get("best")), None)
+            if best is not None:
+                self.sweep_best.labels(name).set(best)
 
     def describe(self) -> dict[str, str]:
         if self.url:

@@ -34,6 +34,10 @@ class ServiceListener(Protocol):
         round every job, finished ones too), the number of jobs in each state, and the ready trainers.
         Finished jobs are not passed each round: a table of thousands of them costs a round nothing."""
 
+    def sweeps(self, statuses: list[dict]) -> None:
+        """Every sweep's status (`SweepBook.all`), once per scheduler tick while the service has sweeps.
+        Optional."""
+
     def describe(self) -> dict[str, str]:
         """Where users reach it, e.g. {"metrics_url": "http://127.0.0.1:9464/metrics"}."""
 
@@ -73,6 +77,9 @@ class Listeners:
 
     def tick(self, jobs: list[JobRecord], counts: dict[str, int], trainers: list[TrainerStatus]) -> None:
         self._call("tick", jobs, counts, trainers)
+
+    def sweeps(self, statuses: list[dict]) -> None:
+        self._call("sweeps", statuses, optional=True)
 
     def describe(self) -> dict[str, str]:
         found: dict[str, str] = {}

@@ -66,7 +66,7 @@ class SweepBook:
                 if ended != self.ended_seen.get(name):     # a trial ended: the results on disk follow
                     self.ended_seen[name] = ended
                     self._write_results(driver)
-            except Exception as error:  # noqa: BLE001 - one sweep's failure is its own; the others go on
+            except Exception as error:   # one sweep's failure is its own (logged, in its status); the others go on
                 self.errors[name] = f"{type(error).__name__}: {error}"
                 log.exception("sweeps: sweep '%s' failed", name)
 
@@ -108,7 +108,8 @@ class SweepBook:
         write_report(folder / REPORT_FILE, driver.spec, board, driver.curves())
 
 
-def write_report(path: Path, spec: SweepSpec, board: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) -> None:
+def write_report(path: Path, spec: SweepSpec, board: dict[str, Any],
+                 curves: dict[str, list[tuple[int, float]]]) -> None:
     """One plot of every trial's objective over its steps: completed trials as lines, stopped ones ending in
     an x at the step they were stopped, the best one thick."""
     import matplotlib

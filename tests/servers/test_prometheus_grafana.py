@@ -170,5 +170,18 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(ray_session, tiny_m
             assert number(prometheus, 'aspen_jobs{state="completed"}') == 1
             assert number(prometheus, 'aspen_admissions_deferred_total{cause="slots"}') == 1
             assert number(prometheus, "aspen_queue_wait_seconds_count") == 2
+
+            # a sweep's gauges: its trials by state and its best objective, as the service's status says
+            job = {**job_dict("qa", write_task_data(data, "qa", offset=5), 3, eval_split=4, eval_every=1),
+                   "checkpoint_every": 100}
+            client.sweep({"name": "gauged", "base_model": base, "output_dir": str(tmp_path / "sweep"),
+                          "step_tokens": 512, "job": job, "search": "grid", "space": {"lr": {"choice": [1e-3, 2e-3]}}})
+            status = wait_for(lambda: (found := client.sweep_status("gauged"))["state"] == "done" and found,
+                              timeout=120, what="the sweep to end")
+            best = next(t["objective"] for t in status["trials"] if t["name"] == status["best"])
+            wait_for(lambda: number(prometheus, 'aspen_sweep_trials{sweep="gauged",state="completed"}') == 2,
+                     timeout=20, what="the sweep's trials in aspen_sweep_trials")
+            assert number(prometheus, 'aspen_sweep_trials{sweep="gauged",state="stopped"}') == 0
+            assert number(prometheus, 'aspen_sweep_best_objective{sweep="gauged"}') == pytest.approx(best, rel=1e-12)
     finally:
         client.shutdown()

@@ -26,7 +26,8 @@ def alive_nodes() -> list[NodeInfo]:
         resources = node.get("Resources") or {}
         nodes.append(NodeInfo(id=node["NodeID"], address=node.get("NodeManagerAddress", ""),
                               cpus=float(resources.get("CPU", 0)), gpus=float(resources.get("GPU", 0)),
-                              head="node:__internal_head__" in resources))
+                              head="node:__internal_head__" in resources,
+                              memory_bytes=float(resources.get("memory", 0))))
     return sorted(nodes, key=lambda n: (not n.head, n.id))
 
 

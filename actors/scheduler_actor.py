@@ -110,6 +110,7 @@ class SchedulerActor:
                         "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
         self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self.fleet.node_of,
                                     storage_json=storage_json)
+        self.core.node_of = self.fleet.node_of
         self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self))
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
@@ -122,7 +123,8 @@ class SchedulerActor:
         with self.lock:
             info = {"state_dir": str(self.state_dir), "policy": self.core.policy.name,
                     "output_root": str(self.core.output_root) if self.core.output_root else None,
-                    "trainers": self.fleet.describe(), **self.listeners.describe()}
+                    "trainers": self.fleet.describe(), "job_slots": dict(self.core.job_slots),
+                    **self.listeners.describe()}
             if self.core.policy_error:
                 info["policy_error"] = self.core.policy_error
             waiting = self.intake.waiting()
@@ -284,6 +286,9 @@ class SchedulerActor:
         self.fleet.drop_retired()
         self.job_starts.finish(self.fleet.assign)
         ready = self.fleet.ready_statuses()
+        # running jobs each node holds: their actors' processes within its memory (ServiceConfig.job_slots)
+        self.core.job_slots = {node.id: self.config.job_slots(node.memory_bytes) for node in self.fleet.nodes.values()
+                               if node.memory_bytes > 0 or self.config.job_processes_per_node is not None}
         if ready and time.monotonic() >= self.next_round_at:
             started = time.monotonic()
             self._decide_round(ready)

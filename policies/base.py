@@ -23,7 +23,7 @@ round-robin while the step stays within its token budget."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, runtime_checkable
 
@@ -44,6 +44,7 @@ class TrainerView:
     # their adapters into its constant)
     empty_bytes: int | None = None
     tokens_per_s: float | None = None   # real tokens it steps per second of its steps, once measured
+    node: str | None = None         # the node it runs on: its jobs' actors run there (Snapshot.job_slots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,9 @@ class Snapshot:
     time: float
     trainers: tuple[TrainerView, ...]
     jobs: tuple[JobView, ...]
+    # node -> running jobs it holds at most (each job's actor is a process on its trainer's node, with host
+    # memory of its own); a node not named has no such limit
+    job_slots: dict[str, int] = field(default_factory=dict)
 
     def queued(self) -> list[JobView]:
         return sorted((j for j in self.jobs if j.state == "queued"), key=lambda j: (j.submitted_at, j.id))
@@ -125,7 +129,7 @@ class Move:
 class Wait:
     job: str
     reason: str
-    cause: str = "other"   # memory | slots | no_trainer | priority | other (counted in the service's metrics)
+    cause: str = "other"   # memory | slots | host | no_trainer | priority | other (counted in the metrics)
 
 
 Decision = Start | Preempt | Move | Wait
@@ -171,6 +175,10 @@ class Admission:
         self.releasing = {t.id: sum(j.memory_bytes or 0 for j in snapshot.on_trainer(t.id) if j.preempting)
                           for t in snapshot.trainers}
         self.count = {t.id: len(snapshot.on_trainer(t.id)) for t in snapshot.trainers}
+        self.node_count: dict[str, int] = {}   # running jobs on each node with a job_slots limit
+        for t in snapshot.trainers:
+            if t.node in snapshot.job_slots:
+                self.node_count[t.node] = self.node_count.get(t.node, 0) + self.count[t.id]
         # queued step tokens: the remaining work of the jobs that stay on each trainer
         self.load = {t.id: sum(j.remaining_tokens for j in snapshot.on_trainer(t.id) if not j.preempting)
                      for t in snapshot.trainers}
@@ -185,7 +193,12 @@ class Admission:
         return trainer.memory_budget_bytes - self.used[trainer.id]
 
     def has_slot(self, trainer: TrainerView) -> bool:
-        return trainer.max_jobs is None or self.count[trainer.id] < trainer.max_jobs
+        return (trainer.max_jobs is None or self.count[trainer.id] < trainer.max_jobs) and self.host_room(trainer)
+
+    def host_room(self, trainer: TrainerView) -> bool:
+        """Whether the trainer's node may take another running job (its job actor's process)."""
+        limit = self.snapshot.job_slots.get(trainer.node) if trainer.node is not None else None
+        return limit is None or self.node_count.get(trainer.node, 0) < limit
 
     def fits(self, trainer: TrainerView, job: JobView) -> bool:
         return self.has_slot(trainer) and self.free(trainer) >= (job.memory_bytes or 0)
@@ -202,8 +215,14 @@ class Admission:
         need = job.memory_bytes or 0
         open_trainers = [t for t in candidates if self.has_slot(t)]
         if not open_trainers:
+            if not any(self.host_room(t) for t in candidates):
+                nodes = sorted({t.node for t in candidates if t.node is not None})
+                return Wait(job.id, "waiting for host memory: " + ", ".join(
+                    f"node {node[:12]} runs {self.snapshot.job_slots[node]} jobs, each with a process of its own "
+                    "(job_processes_per_node)" for node in nodes), "host")
             return Wait(job.id, "waiting for a free slot: " + ", ".join(f"{t.id} runs {t.max_jobs} jobs (max_jobs)"
-                                                                        for t in candidates), "slots")
+                                                                        for t in candidates if self.host_room(t)),
+                        "slots")
         fitting = [t for t in open_trainers if self.free(t) >= need]
         if not fitting:
             free = ", ".join(f"{t.id}: {self.free(t) / 2**20:.0f} MiB free" for t in open_trainers)
@@ -217,17 +236,25 @@ class Admission:
         self.used[trainer_id] += job.memory_bytes or 0
         self.count[trainer_id] += 1
         self.load[trainer_id] += job.remaining_tokens
+        self._count_node(trainer_id, 1)
 
     def unreserve(self, trainer_id: str, job: JobView) -> None:
         """Undo `reserve` (e.g. a `place` the policy decided against)."""
         self.used[trainer_id] -= job.memory_bytes or 0
         self.count[trainer_id] -= 1
         self.load[trainer_id] -= job.remaining_tokens
+        self._count_node(trainer_id, -1)
+
+    def _count_node(self, trainer_id: str, change: int) -> None:
+        node = next((t.node for t in self.snapshot.trainers if t.id == trainer_id), None)
+        if node in self.snapshot.job_slots:
+            self.node_count[node] = self.node_count.get(node, 0) + change
 
     def release(self, job: JobView) -> None:
         if job.trainer in self.used:
             self.used[job.trainer] -= job.memory_bytes or 0
             self.count[job.trainer] -= 1
+            self._count_node(job.trainer, -1)
             if not job.preempting:
                 self.load[job.trainer] -= job.remaining_tokens
 

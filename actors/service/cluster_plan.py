@@ -33,6 +33,7 @@ class NodeInfo:
     cpus: float
     gpus: float
     head: bool = False
+    memory_bytes: float = 0.0   # Ray's `memory` resource: what it lets tasks and actors use
 
 
 # ("each", kind index, node id, index on the node) or ("any", kind index, index)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from actors.engine.spec import JobSubmission
@@ -75,6 +75,10 @@ class SchedulerCore:
                                        statuses=lambda: self.statuses.values())
         self.booking = EventBooking(table, self.scheduling)
         self.guard = PolicyGuard(policy, table, self.scheduling)
+        # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the
+        # scheduler actor from its fleet and the nodes' memory; none known, no host limit
+        self.node_of: Callable[[str], str | None] = lambda trainer_id: None
+        self.job_slots: dict[str, int] = {}
 
     @property
     def policy(self) -> Policy:
@@ -164,7 +168,7 @@ class SchedulerCore:
 
     # -- decisions --------------------------------------------------------------------------------------
     def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
-        views = tuple(trainer_view(t) for t in trainers)
+        views = tuple(replace(trainer_view(t), node=self.node_of(t.trainer_id)) for t in trainers)
         jobs = []
         for record in self.table.all(ACTIVE_STATES):
             self.scheduling.of(record.id).table_reason = record.reason
@@ -176,7 +180,7 @@ class SchedulerCore:
                 continue
             if view is not None:
                 jobs.append(view)
-        return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs))
+        return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs), job_slots=dict(self.job_slots))
 
     def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
         """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started

@@ -144,3 +144,30 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     first_late_step = min(i for i, r in enumerate(rows) if late in r["jobs"])
     ended_before = {j for r in rows[:first_late_step] for j in r["jobs"]} - set(rows[first_late_step]["jobs"])
     assert ended_before, "the third job started before either of the others had finished"
+
+
+def test_a_node_runs_at_most_its_job_processes_and_the_rest_wait_without_one(ray_session, tiny_model_dirs, tmp_path):
+    """job_processes_per_node: 2 on the one node: of five short jobs submitted at once, never more than two
+    are running (the job table's own history) or share a step (the trainer's step log); the others wait queued,
+    saying why, and every one completes."""
+    base = str(tiny_model_dirs["llama"])
+    config = ServiceConfig(state_dir=tmp_path / "state", tick_seconds=0.1, job_processes_per_node=2,
+                           trainers=[TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
+    jobs = [job_dict(f"h{i}", write_task_data(tmp_path / "data", f"h{i}", offset=i), 6) for i in range(5)]
+    client = Client.local(config)
+    try:
+        handles = client.submit_run(run_spec(base, tmp_path / "out", jobs, step_tokens=512))
+        waiting = wait_for(lambda: [h for h in handles if "waiting for host memory" in client.status(h.id).reason],
+                           what="a job waiting for host memory")
+        assert "job_processes_per_node" in client.status(waiting[0].id).reason
+        records = client.wait_all([h.id for h in handles], timeout=240)
+        _, history = client.transitions_after(0, 10_000)
+    finally:
+        client.shutdown()
+    assert all(r.state == "completed" for r in records), [(r.name, r.state, r.reason) for r in records]
+    running, most = set(), 0
+    for row in history:                      # every state change of every job, in order
+        (running.add if row["state"] == "running" else running.discard)(row["job"])
+        most = max(most, len(running))
+    assert most == 2, history
+    assert max(len(r["jobs"]) for r in step_rows(tmp_path / "state")) == 2

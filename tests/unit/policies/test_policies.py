@@ -211,6 +211,30 @@ def test_placement_goes_by_queued_step_tokens_then_free_memory():
     assert FifoPolicy().decide(snapshot([trainer("t1"), trainer("t0")], [small[0]])) == [Start("s0", "t0")]
 
 
+def test_a_nodes_job_processes_cap_its_running_jobs_and_the_rest_wait_for_host_memory():
+    """Each running job has a process (its job actor) on its trainer's node: a node holds at most its
+    job_slots of them, counted over all its trainers, those running already included; jobs beyond wait
+    queued (cause `host`, naming the setting); a node without a limit takes the rest."""
+    from dataclasses import replace
+
+    small = 5 * MiB   # memory and step slots would let every job run: only the host limit holds them back
+    one = [replace(trainer("t0"), node="n1"), replace(trainer("t1"), node="n1")]
+    running = job("r0", state="running", trainer="t0", memory=small)
+    queued = [job(f"q{i}", memory=small, submitted=float(i)) for i in range(5)]
+    for policy in built_in_policies():
+        decisions = policy.decide(Snapshot(0.0, tuple(one), (running, *queued), job_slots={"n1": 3}))
+        started = [d.job for d in decisions if isinstance(d, Start)]
+        waits = [d for d in decisions if isinstance(d, Wait)]
+        assert len(started) == 2, (policy.name, decisions)                  # 1 running + 2 = the node's 3
+        assert {d.job for d in waits} == {q.id for q in queued} - set(started), (policy.name, decisions)
+        assert all(d.cause == "host" and "job_processes_per_node" in d.reason for d in waits), waits
+        other = [*one, replace(trainer("t2"), node="n2")]                   # another node, no limit there
+        decisions = policy.decide(Snapshot(0.0, tuple(other), (running, *queued), job_slots={"n1": 3}))
+        placed = placements(decisions)
+        assert len(placed.get("t0", [])) + len(placed.get("t1", [])) <= 2 and sum(map(len, placed.values())) == 5, \
+            (policy.name, placed)
+
+
 def test_a_big_job_goes_where_it_fits_and_a_job_only_to_its_base_model():
     small_t = trainer("small", budget=400 * MiB + 200 * MiB + 50 * MiB)
     big_t = trainer("big", budget=400 * MiB + 200 * MiB + 500 * MiB)

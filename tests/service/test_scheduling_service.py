@@ -147,13 +147,13 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
 
 
 def test_a_node_runs_at_most_its_job_processes_and_the_rest_wait_without_one(ray_session, tiny_model_dirs, tmp_path):
-    """job_processes_per_node: 2 on the one node: of five short jobs submitted at once, never more than two
+    """job_processes_per_node: 2 on the one node: of four short jobs submitted at once, never more than two
     are running (the job table's own history) or share a step (the trainer's step log); the others wait queued,
     saying why, and every one completes."""
     base = str(tiny_model_dirs["llama"])
     config = ServiceConfig(state_dir=tmp_path / "state", tick_seconds=0.1, job_processes_per_node=2,
                            trainers=[TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
-    jobs = [job_dict(f"h{i}", write_task_data(tmp_path / "data", f"h{i}", offset=i), 6) for i in range(5)]
+    jobs = [job_dict(f"h{i}", write_task_data(tmp_path / "data", f"h{i}", offset=i), 4) for i in range(4)]
     client = Client.local(config)
     try:
         handles = client.submit_run(run_spec(base, tmp_path / "out", jobs, step_tokens=512))

@@ -3,8 +3,8 @@ with one planted good learning rate and one that cannot learn, with successive h
 trains to the end and the best is a good one; the hopeless ones are stopped at the first rung against it and
 their jobs cancelled; the best trial's adapter equals the same job trained alone. The scheduler's process is
 killed mid-sweep: it restarts, reads the sweep's state and carries on, losing no trial. The leaderboard and
-report.png are in the sweep's folder; the same sweep submitted to a new service on the same state finds every
-trial done and starts nothing. One trial at a time (max_concurrent: 1): which trial a rung judges first is then
+report.png are in the sweep's folder; the same sweep submitted again finds every trial done and starts
+nothing. One trial at a time (max_concurrent: 1): which trial a rung judges first is then
 the trial order, not the order two job actors' evaluations happened to arrive in (trials fused together:
 tests/unit/service/test_sweep_run.py and the fused-job tests)."""
 
@@ -80,19 +80,14 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
                                 "--json"], capture_output=True, text=True,
                                env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})   # from the folder: no service
         assert shown.returncode == 0 and json.loads(shown.stdout)["trials"] == status["trials"], shown
+        # the same sweep again (as `aspen sweep FILE` run again submits it) is the one that ran: nothing starts
+        assert client.sweep(tmp_path / "sweep.yaml")["state"] == "done" and len(client.jobs()) == 4
+        with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):
+            client.sweep({**sweep, "max_concurrent": 2})
+        with pytest.raises(KeyError, match="no sweep named 'nope'"):
+            client.sweep_status("nope")
     finally:
         client.shutdown()
-    again = Client.local(config)                    # the same state: the sweep is there, done; nothing starts
-    try:
-        assert again.sweep(tmp_path / "sweep.yaml")["state"] == "done"
-        assert len(again.jobs()) == 4 and again.sweep_status("lr")["trials"] == status["trials"]
-        changed = {**sweep, "max_concurrent": 2}
-        with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):
-            again.sweep(changed)
-        with pytest.raises(KeyError, match="no sweep named 'nope'"):
-            again.sweep_status("nope")
-    finally:
-        again.shutdown()
     best = next(job for job in spec.trial_jobs() if job.name == status["best"])
     alone = run_spec(base, tmp_path / "alone", [best.model_dump(mode="json", exclude_unset=True)], step_tokens=1024)
     train_locally(alone, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)

@@ -1,0 +1,110 @@
+"""The service's sweeps (actors/service/sweep_book.py) over a fake job service whose trials train by a planted
+loss curve: a sweep runs to its end with its results on disk; a sweep that fails (its state file cannot be
+written: a folder in the way of its file) is marked failed with the error while another goes on; a damaged state file is
+reported for that sweep alone when the book is built again, the others carried on; a book built again on the
+same folder (a restarted scheduler) ends a half-run sweep as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from actors.engine.sweep_spec import SweepSpec
+from actors.service.sweep_book import SweepBook
+
+JOB = {"name": "qa", "data": "qa.jsonl", "format": {"type": "alpaca"}, "max_steps": 8, "eval_split": 4,
+       "eval_every": 2}
+
+
+@dataclass
+class Record:
+    state: str
+    step: int
+    reason: str = ""
+
+
+class FakeJobs:
+    """Jobs that advance two steps (one evaluation) each `advance()`, eval loss falling with the lr's distance
+    to 1e-3; cancel ends them."""
+
+    def __init__(self):
+        self.jobs: dict[str, dict] = {}
+
+    def submit(self, job, *, base_model, seed, output_dir) -> str:
+        job_id = f"{job.name}-{len(self.jobs)}"
+        self.jobs[job_id] = {"spec": job, "step": 0, "state": "running", "rows": []}
+        return job_id
+
+    def advance(self) -> None:
+        for job in self.jobs.values():
+            if job["state"] != "running":
+                continue
+            job["step"] += 2
+            loss = 1.0 + abs(job["spec"].lr - 1e-3) * 100 + 1.0 / job["step"]
+            job["rows"].append({"step": job["step"], "loss": loss, "eval_loss": loss})
+            if job["step"] >= job["spec"].max_steps:
+                job["state"] = "completed"
+
+    def status(self, job_id):
+        job = self.jobs[job_id]
+        return Record(job["state"], job["step"])
+
+    def losses(self, job_id):
+        return list(self.jobs[job_id]["rows"])
+
+    def cancel(self, job_id, reason):
+        self.jobs[job_id]["state"] = "cancelled"
+
+    def job_ids(self):
+        return set(self.jobs)
+
+
+def spec(name: str, folder: Path) -> SweepSpec:
+    return SweepSpec(name=name, output_dir=str(folder / name), job=JOB, search="grid", max_concurrent=2,
+                     space={"lr": {"choice": [1e-3, 3e-3, 1e-2]}})
+
+
+def run(book: SweepBook, jobs: FakeJobs, rounds: int = 50) -> None:
+    for _ in range(rounds):
+        book.poll_all()
+        jobs.advance()
+
+
+def test_a_sweep_runs_to_its_end_and_a_failing_one_stops_alone(tmp_path):
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state2", jobs)
+    book.add(spec("good", tmp_path / "b"))
+    book.add(spec("doomed", tmp_path / "b"))
+    blocker = tmp_path / "state2" / "sweeps" / "doomed.json.tmp"
+    blocker.mkdir()                        # its state cannot be written (a directory where its temp file goes)
+    run(book, jobs)
+    good, doomed = book.status("good"), book.status("doomed")
+    assert good["state"] == "done" and good["best"] == "qa-t0" and good["error"] is None
+    assert doomed["state"] == "failed" and "doomed.json.tmp" in doomed["error"]
+    board = json.loads((tmp_path / "b" / "good" / "leaderboard.json").read_text())
+    assert board == {"trials": good["trials"], "best": "qa-t0"}
+    assert (tmp_path / "b" / "good" / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_damaged_state_file_is_that_sweeps_alone_and_a_rebuilt_book_carries_on(tmp_path):
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(spec("one", tmp_path))
+    book.add(spec("two", tmp_path))
+    run(book, jobs, rounds=2)                                     # halfway: trials running
+    assert {s["state"] for s in book.all()} == {"running"}
+    (tmp_path / "state" / "sweeps" / "two.json").write_text("{not json")
+    again = SweepBook(tmp_path / "state", jobs)                   # a restarted scheduler
+    assert again.status("two")["state"] == "failed" and "two.json" in again.status("two")["error"]
+    run(again, jobs)
+    whole_jobs = FakeJobs()
+    whole = SweepBook(tmp_path / "whole", whole_jobs)
+    whole.add(spec("one", tmp_path / "w"))
+    run(whole, whole_jobs)
+    assert again.status("one")["state"] == "done"
+    assert again.status("one")["trials"] == whole.status("one")["trials"]
+    with pytest.raises(KeyError, match="no sweep named 'three'"):
+        again.status("three")

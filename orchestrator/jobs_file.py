@@ -24,7 +24,7 @@ class SpecError(ValueError):
     """A jobs file or job spec that cannot be used, with every problem listed."""
 
 
-def _yaml_lines(text: str) -> dict[tuple, int]:
+def yaml_lines(text: str) -> dict[tuple, int]:
     """1-based line of every mapping key and sequence item, by path, e.g. ('jobs', 0, 'lora', 'r')."""
     lines: dict[tuple, int] = {}
 
@@ -117,7 +117,7 @@ def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None =
         raise SpecError(f"{source}: expected a mapping with base_model, jobs, ... at the top level")
     data = dict(data)
     data["jobs"] = [dict(job) if isinstance(job, dict) else job for job in data.get("jobs") or []]
-    lines = _yaml_lines(text) if text else {}
+    lines = yaml_lines(text) if text else {}
     if base_dir is not None:
         _resolve_paths(data, base_dir)
     try:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from actors.engine.spec import RunSpec
 from actors.engine.sweep_spec import SweepSpec
 from actors.service.sweep_book import LEADERBOARD_FILE
-from orchestrator.jobs_file import FILE_LIMITS, SpecError
+from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
 from policies.searchers import BUILT_IN, build_searcher
 
@@ -34,10 +34,11 @@ def load_sweep_spec(path: str | Path) -> SweepSpec:
     if not path.is_file():
         raise SpecError(f"{path}: no such file")
     try:
-        data = load_yaml(path.read_text(), FILE_LIMITS)
+        text = path.read_text()
+        data = load_yaml(text, FILE_LIMITS)
     except TooComplex as error:
         raise SpecError(f"{path}: {error}") from None
-    return sweep_spec_from(data, source=str(path), base_dir=path.parent)
+    return sweep_spec_from(data, source=str(path), base_dir=path.parent, text=text)
 
 
 def service_run_spec(spec: SweepSpec) -> RunSpec:
@@ -46,9 +47,11 @@ def service_run_spec(spec: SweepSpec) -> RunSpec:
                    seed=spec.seed, jobs=[spec.job])
 
 
-def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None) -> SweepSpec:
+def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None, text: str | None = None) -> SweepSpec:
     """A sweep from its parsed YAML / JSON: relative paths (the job's data, the output folder) against
-    `base_dir` (None: they must be absolute: the service's machine cannot know what they are relative to)."""
+    `base_dir` (None: they must be absolute: the service's machine cannot know what they are relative to).
+    With the file's `text`, each refusal names the line of the field it is about."""
+    lines = yaml_lines(text) if text else {}
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping with name, job, space, ... at the top level")
     data = dict(data)
@@ -70,15 +73,31 @@ def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None) -> SweepSp
         for problem in error.errors():
             where = ".".join(str(part) for part in problem["loc"])
             message = problem["msg"].removeprefix("Value error, ")
-            problems.append(f"{source}: {where + ': ' if where else ''}{message}")
+            # a check of the whole sweep names its field at the start of its message (`space.lora.rank: ...`)
+            named = where or message.split(": ", 1)[0]
+            line = _line_of(named, lines)
+            problems.append(f"{source}:{line}: " if line else f"{source}: ")
+            problems[-1] += f"{where + ': ' if where else ''}{message}"
         raise SpecError("\n".join(problems)) from None
     if spec.search not in BUILT_IN:   # a searcher that cannot be built (not installed, bad options): now
         try:
             build_searcher(spec.search, spec.parsed_space(), trials=spec.trials, seed=spec.seed,
                            options=spec.search_options)
         except ValueError as error:
-            raise SpecError(f"{source}: {error}") from None
+            line = _line_of(str(error).split(": ", 1)[0], lines)
+            raise SpecError(f"{source}:{line}: {error}" if line else f"{source}: {error}") from None
     return spec
+
+
+def _line_of(dotted: str, lines: dict[tuple, int]) -> int | None:
+    """The line of the longest YAML path that `dotted` (e.g. space.lora.r.choice, whose space key has a dot)
+    starts with."""
+    best, length = None, -1
+    for path, line in lines.items():
+        text = ".".join(str(part) for part in path)
+        if path and (dotted == text or dotted.startswith(text + ".")) and len(text) > length:
+            best, length = line, len(text)
+    return best
 
 
 def follow_sweep(client: Any, name: str, *, poll_s: float = 1.0, say=print) -> dict[str, Any]:

@@ -97,10 +97,10 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ("space: {lora.rank: {choice: [8, 16]}}\n", "sweep.yaml: space.lora.rank: job.lora has no field 'rank'; did you "
+    ("space: {lora.rank: {choice: [8, 16]}}\n", "sweep.yaml:5: space.lora.rank: job.lora has no field 'rank'; did you "
                                                  "mean lora.r?"),
     ("space: {lora.r: {choice: [8, 16]}}\nsearch: optuna\nsearch_options: {n_startup: 3}\n",
-     "sweep.yaml: search_options: optuna (ray.tune.search.optuna.optuna_search.OptunaSearch) refused them"),
+     "sweep.yaml:7: search_options: optuna (ray.tune.search.optuna.optuna_search.OptunaSearch) refused them"),
 ])
 def test_a_bad_sweep_file_is_refused_before_anything_starts(tmp_path, extra, message):
     (tmp_path / "qa.jsonl").write_text("")

@@ -1,0 +1,53 @@
+"""A sweep file read as users write it (orchestrator/sweep.py): each refusal names the file, the line of the
+field it is about (found in the YAML itself, space keys with dots included) and the field; relative paths
+are the file's folder's."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.jobs_file import SpecError
+from orchestrator.sweep import load_sweep_spec
+
+SWEEP = """\
+name: lr-rank
+output_dir: runs/lr-rank
+job:
+  name: qa
+  data: qa.jsonl
+  format: {{type: alpaca}}
+  max_steps: 40
+  eval_split: 8
+  eval_every: 4
+space:
+  lr: {{loguniform: [{low}, 1.0e-3]}}
+  lora.r:
+    choice: [{rank}, 16]
+trials: {trials}
+stopping:
+  asha: {{grace_steps: {grace}}}
+"""
+
+
+def write(tmp_path, **fields):
+    values = {"low": "1.0e-5", "rank": 8, "trials": 4, "grace": 4, **fields}
+    (tmp_path / "sweep.yaml").write_text(SWEEP.format(**values))
+    return tmp_path / "sweep.yaml"
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"rank": 4096}, ":13: space.lora.r.choice: 4096 does not make a valid job: lora.r:"),
+    ({"low": "1e-5"}, ":11: space.lr.loguniform: give [low, high] as two numbers"),
+    ({"trials": 0}, ":14: trials: must be between 1 and 100000 (got 0)"),
+    ({"grace": 400}, ":16: stopping.asha.grace_steps: 400 is past job.max_steps 40"),
+])
+def test_a_refusal_names_the_line_and_the_field(tmp_path, fields, expected):
+    path = write(tmp_path, **fields)
+    with pytest.raises(SpecError) as caught:
+        load_sweep_spec(path)
+    assert f"{path}{expected}" in str(caught.value), str(caught.value)
+
+
+def test_paths_are_the_files_folders(tmp_path):
+    spec = load_sweep_spec(write(tmp_path))
+    assert str(spec.job.data) == str(tmp_path / "qa.jsonl") and str(spec.output_dir) == str(tmp_path / "runs/lr-rank")

@@ -245,22 +245,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
         return _run_in_process(spec, args.quiet)
-    from actors.service.config import run_service_config
+    from actors.service.config import run_local_dir, run_service_config
     from actors.service.job_files import clear_job_folder
     from actors.service.job_table import read_jobs
-    from orchestrator.client import Client
-    from orchestrator.progress import follow_jobs
     from orchestrator.run_plan import changed_message, plan_run
 
     output_dir = resolve_location(spec.output_dir)
     spec = spec.model_copy(update={"output_dir": output_dir})
-    # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
-    config = run_service_config(spec, resume_on_start=False)
     # The plan needs only the job table. Read without a service first: a run whose jobs are all done, or whose
     # spec or data changed, answers at once, with no Ray started; else the service's own table is asked (it
     # may have been changed since, by a run that was still ending), and the trainers (a model load each) are
     # waited for only where there is something to train.
-    earlier = read_jobs(Path(config.state_dir) / "jobs.sqlite")
+    earlier = read_jobs(run_local_dir(spec) / ".aspen" / "jobs.sqlite")
     data_checked: set[str] = set()   # folders of jobs whose data matched their checkpoint in the first plan
     if earlier is not None:
         submissions = {record.id: submission for record, submission in earlier}
@@ -273,6 +269,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print(line)
             return _run_summary(spec, output_dir, plan.done)
         data_checked = {record.output_dir for record in (*plan.resume, *plan.done)}
+    from orchestrator.client import Client
+    from orchestrator.progress import follow_jobs
+
+    # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
+    config = run_service_config(spec, resume_on_start=False)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
     try:
         # each job's data is read for its digest once per run: not again for the jobs the first plan checked

@@ -12,6 +12,7 @@ from actors.engine.lora import AdapterHandle, add_adapter
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.spec import JobSpec, cursor_epochs, planned_steps
+from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
 
 
 class BatchSource(Protocol):
@@ -26,54 +27,6 @@ class BatchSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass(kw_only=True)
-class StepAccumulator:
-    """Loss and tokens of the micro-batches of the optimizer step in progress. `loss_sum` sums the target
-    tokens' losses, so `loss` is the mean over all the step's target tokens (token-weighted, like its
-    gradient)."""
-
-    loss_sum: float = 0.0
-    micro_batches: int = 0
-    tokens: int = 0
-    targets: int = 0
-    # a preference job's metrics (rewards, margins, ...): sums weighted like the loss
-    metric_sums: dict[str, float] = field(default_factory=dict)
-
-    def add(self, loss: float, tokens: int, targets: int, metrics: dict[str, float] | None = None) -> None:
-        """`loss`: the micro-batch's mean over its `targets` target tokens (a preference job's: over its
-        pairs); `metrics`: means over the same, averaged alike."""
-        self.loss_sum += loss * targets
-        self.micro_batches += 1
-        self.tokens += tokens
-        self.targets += targets
-        for name, value in (metrics or {}).items():
-            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value * targets
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        return {name: total / max(self.targets, 1) for name, total in self.metric_sums.items()}
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(self.targets, 1)
-
-
-@dataclass(kw_only=True)
-class OptimizerStepRecord:
-    """One row of a job's metrics.jsonl."""
-
-    step: int
-    loss: float
-    tokens: int
-    lr: float
-    grad_norm: float
-    metrics: dict[str, float] = field(default_factory=dict)   # a preference job's (rewards/margins, ...)
-
-    def as_row(self) -> dict:
-        return {"step": self.step, "loss": self.loss, "tokens": self.tokens, "lr": self.lr,
-                "grad_norm": self.grad_norm, **self.metrics}
 
 
 @dataclass

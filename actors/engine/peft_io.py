@@ -18,10 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from actors.engine.durable import write_durably
 from actors.engine.lora import AdapterHandle
+from actors.engine.peft_names import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.spec import LoraConfig
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 METADATA_NAME = "aspen.json"
 
 

@@ -254,6 +254,15 @@ class ServiceConfig(StrictModel):
         return max(1, int(self.job_host_share * memory_bytes // self.job_process_bytes))
 
 
+def run_local_dir(spec: RunSpec) -> Path:
+    """Where a run's own service keeps its state (`<here>/.aspen`) and step log: the run's output folder, or
+    for one that is a storage URI, `~/.aspen/runs/<bucket-and-prefix>` on this machine."""
+    if is_uri(spec.output_dir):
+        where = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(spec.output_dir).split("://", 1)[1]).strip("_")
+        return Path("~/.aspen/runs").expanduser() / where
+    return Path(spec.output_dir)
+
+
 def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields: Any) -> ServiceConfig:
     """The service configuration that runs a jobs file, the one translation every way of running it uses
     (`aspen run`, its in-process mode, the demo, the benchmarks): one trainer with the run's base model,
@@ -263,10 +272,7 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
     `<output_dir>/.aspen` unless `state_dir` says otherwise. A run whose output_dir is a storage URI keeps its
     state and step log on this machine instead, in `~/.aspen/runs/<bucket-and-prefix>` (its job table must be
     a local file). `fields`: further ServiceConfig fields; `trainer` (a dict): further TrainerConfig fields."""
-    output_dir = Path(spec.output_dir)
-    if is_uri(spec.output_dir):
-        where = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(spec.output_dir).split("://", 1)[1]).strip("_")
-        output_dir = Path("~/.aspen/runs").expanduser() / where
+    output_dir = run_local_dir(spec)
     trainer_fields = dict(fields.pop("trainer", {}))
     if spec.device == "auto":
         import torch

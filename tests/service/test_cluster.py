@@ -142,7 +142,7 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_
     """Data and outputs on S3 (a real S3-compatible server); the lost node's own staging folder is deleted
     with it, so the job resumes from what was uploaded."""
     base = str(tiny_model_dirs["llama"])
-    steps = 200
+    steps = 120
     bucket = s3_server.make_bucket()
     local_jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), steps, checkpoint_every=5)
                   for index, name in enumerate(["left", "right"])]

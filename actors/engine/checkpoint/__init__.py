@@ -30,17 +30,24 @@ Its parts: `state` (file names, state.json's models and reading it), `optimizer`
 JSON + tensors, and back), `save`, `read` (a folder's files into memory), `load` (checks against the job,
 restoring, the fallback to `.previous`)."""
 
-from actors.engine.checkpoint.load import (
-    CheckpointError,
-    DataChanged,
-    LoadedCheckpoint,
-    has_checkpoint,
-    load_checkpoint,
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# what needs only state.json (`aspen run` asks it of every job before anything starts): light, at once
+from actors.engine.checkpoint.state import (
+    FORMAT_VERSION,
+    OPTIMIZER_NAME,
+    STATE_NAME,
+    previous_folder,
     saved_data_digest,
     saved_step,
 )
-from actors.engine.checkpoint.save import save_checkpoint
-from actors.engine.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, STATE_NAME, previous_folder
+
+# loading and saving (torch, the adapter's modules): imported on first use
+_LAZY = {"CheckpointError": "load", "DataChanged": "load", "LoadedCheckpoint": "load", "has_checkpoint": "load",
+         "load_checkpoint": "load", "save_checkpoint": "save"}
 
 __all__ = [
     "FORMAT_VERSION",
@@ -56,3 +63,9 @@ __all__ = [
     "saved_data_digest",
     "saved_step",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

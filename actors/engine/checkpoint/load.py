@@ -55,30 +55,6 @@ def has_checkpoint(folder: str | Path) -> bool:
     return (folder / STATE_NAME).is_file() or (previous_folder(folder) / STATE_NAME).is_file()
 
 
-def saved_step(folder: str | Path) -> int | None:
-    """The step of the newest checkpoint whose state file is valid (`folder`, else its `.previous`),
-    without reading the other files: what to tell a user before a resume (`load_checkpoint` decides what
-    is used)."""
-    state = _newest_state(Path(folder))
-    return None if state is None else state.step
-
-
-def saved_data_digest(folder: str | Path) -> tuple[int, str | None] | None:
-    """The step and data digest (None: an older checkpoint records none) of the newest checkpoint whose
-    state file is valid (`folder`, else its `.previous`), without reading the other files; None without one."""
-    state = _newest_state(Path(folder))
-    return None if state is None else (state.step, state.data_digest)
-
-
-def _newest_state(folder: Path) -> CheckpointState | None:
-    for candidate in (folder, previous_folder(folder)):
-        try:
-            return read_state(candidate / STATE_NAME)
-        except Invalid:
-            continue
-    return None
-
-
 def load_checkpoint(job: TrainingJob, folder: str | Path) -> LoadedCheckpoint:
     """Restore a freshly created job (same spec, same data) from the newest valid checkpoint: `folder`,
     else its `.previous`. Each is validated fully before the job is touched. Raises CheckpointError,

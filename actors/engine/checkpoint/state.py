@@ -25,8 +25,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
-from actors.engine.job import OptimizerStepRecord, StepAccumulator
-from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME
+from actors.engine.peft_names import CONFIG_NAME, WEIGHTS_NAME
+from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
 
 STATE_NAME = "state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
@@ -260,3 +260,27 @@ def _problem(item: Any) -> str:
         shown = json.dumps(found)
         return f"{message} (found {shown if len(shown) <= 60 else shown[:57] + '...'})"
     return f"{message} (found a {type(found).__name__})"
+
+
+def saved_step(folder: str | Path) -> int | None:
+    """The step of the newest checkpoint whose state file is valid (`folder`, else its `.previous`),
+    without reading the other files: what to tell a user before a resume (`load_checkpoint` decides what
+    is used)."""
+    state = _newest_state(Path(folder))
+    return None if state is None else state.step
+
+
+def saved_data_digest(folder: str | Path) -> tuple[int, str | None] | None:
+    """The step and data digest (None: an older checkpoint records none) of the newest checkpoint whose
+    state file is valid (`folder`, else its `.previous`), without reading the other files; None without one."""
+    state = _newest_state(Path(folder))
+    return None if state is None else (state.step, state.data_digest)
+
+
+def _newest_state(folder: Path) -> CheckpointState | None:
+    for candidate in (folder, previous_folder(folder)):
+        try:
+            return read_state(candidate / STATE_NAME)
+        except Invalid:
+            continue
+    return None

@@ -95,7 +95,9 @@ class SweepDriver:
 
     def poll(self) -> bool:
         """Start what may start, hand new objectives to the sweep, cancel what it stops, note what ended.
-        True once every trial has ended."""
+        True once every trial has ended. The state is written only when something changed (the scheduler
+        polls every tick; a searcher's state is a pickle)."""
+        before = self._marker()
         if not self.cancelled:
             for job in self.run.to_start():
                 self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
@@ -120,8 +122,15 @@ class SweepDriver:
                 self.run.ended(name, ENDS[record.state], record.step, record.reason)
                 self.say(f"{name}: {trial.state} at step {record.step}"
                          + (f", objective {trial.objective:.4f}" if trial.objective is not None else ""))
-        self.save()
+        if self._marker() != before:
+            self.save()
         return self.done
+
+    def _marker(self) -> tuple:
+        """What a poll can change: the trials' jobs, the steps handed on, each trial's state and steps (the
+        searcher and the stopping rules change only with these)."""
+        return (tuple(self.job_ids.items()), tuple(self.reported.items()), self.cancelled,
+                tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
 
     def cancel(self, reason: str) -> None:
         """Start no more trials and cancel the running ones (they end `cancelled`)."""

@@ -1,12 +1,18 @@
-"""Batched greedy decoding through one adapter (or the base model alone) with the fused LoRA layers.
+"""Batched greedy decoding with a KV cache, each prompt through its own adapter (or the base model alone).
 
-No KV cache: at every step the unfinished sequences (prompt plus the tokens generated so far) are packed
-back to back into one row with position ids restarting per sequence, run through the decoder once under
-a `StepLayout` whose single segment names the adapter, and the LM head is applied only at each
-sequence's last position. Meant for evaluation of small models on short prompts, where recomputing the
-prefix is cheap and the code stays independent of transformers' cache classes."""
+One forward per new token for the whole batch: the prompts are left-padded into rows grouped by adapter,
+prefilled once into transformers' `DynamicCache`, then each step feeds one token per row. The fused LoRA
+layers see a `StepLayout` whose segments are the adapter groups' rows (a (rows, T) batch flattens row by
+row, so each group's tokens are contiguous), so several adapters decode in one pass, each exactly through
+its own weights. Attention runs as the model's `sdpa` (or `eager`, for soft-capping and sinks) with the
+padding mask, for the duration of the call; the varlen attention of fused steps needs no cache and no mask.
+
+Used by the generation metrics of evaluations (actors/engine/generation_eval.py) and by the demo."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -24,51 +30,111 @@ def _adapter_training_states(model: nn.Module) -> list[tuple[nn.Module, bool]]:
             if isinstance(module, FusedLoraLinear)]
 
 
-def _is_attached(model: nn.Module, adapter: str) -> bool:
-    return any(isinstance(m, FusedLoraLinear) and adapter in m.adapters for m in model.modules())
+def _attached(model: nn.Module) -> set[str]:
+    return {name for m in model.modules() if isinstance(m, FusedLoraLinear) for name in m.adapters}
+
+
+def _needs_eager(model: nn.Module) -> bool:
+    """Attention features sdpa does not have: soft-capping (Gemma 2) and sink logits (gpt-oss)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "attn_logit_softcapping", None)) or getattr(config, "model_type", "") == "gpt_oss"
+
+
+@contextlib.contextmanager
+def _masked_attention(model: nn.Module) -> Iterator[None]:
+    """The model's own masked attention for the call (a padded batch with a cache), its own one after."""
+    config = getattr(model, "config", None)
+    before = getattr(config, "_attn_implementation", None)
+    if before is None or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation("eager" if _needs_eager(model) else "sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _row_layout(groups: list[tuple[str, int, int]], width: int, rows: int) -> StepLayout:
+    """Adapter segments over a (rows, width) batch; no packed sequences (attention takes the mask)."""
+    segments = tuple((name, first * width, end * width) for name, first, end in groups)
+    return StepLayout(segments, (), rows * width)
 
 
 @torch.no_grad()
-def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int]], max_new_tokens: int,
-                    stop_token_ids: set[int]) -> list[list[int]]:
-    """Greedy continuations of `prompts` through `adapter` (None: the base model alone).
+def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
+                         max_new_tokens: int, stop_token_ids: set[int]) -> list[list[int]]:
+    """Greedy continuations of `(adapter, prompt)` requests in one batch (adapter None: the base alone).
 
-    Returns, per prompt, the generated tokens only (not the prompt); a sequence ends after
+    Returns, per request in the given order, the generated tokens only; a sequence ends after
     `max_new_tokens` tokens or at the first token in `stop_token_ids`, which is kept as its last token
     (as `transformers` `generate` keeps the EOS token)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    for index, prompt in enumerate(prompts):
+    for index, (_, prompt) in enumerate(requests):
         if not prompt:
             raise ValueError(f"prompt {index} is empty; greedy decoding needs at least one token")
     model = base.model
-    if adapter is not None and not _is_attached(model, adapter):
-        raise ValueError(f"no adapter named '{adapter}' is attached to the model")
-    segment_name = BASE_ONLY if adapter is None else adapter
-    outputs: list[list[int]] = [[] for _ in prompts]
-    active = [i for i in range(len(prompts))] if max_new_tokens > 0 else []
+    attached = _attached(model)
+    for adapter in {adapter for adapter, _ in requests if adapter is not None}:
+        if adapter not in attached:
+            raise ValueError(f"no adapter named '{adapter}' is attached to the model")
+    outputs: list[list[int]] = [[] for _ in requests]
+    if max_new_tokens == 0 or not requests:
+        return outputs
+    # rows grouped by adapter (stable within a group), so each adapter's tokens are one contiguous segment
+    order = sorted(range(len(requests)), key=lambda i: (requests[i][0] is not None, requests[i][0] or ""))
+    groups: list[tuple[str, int, int]] = []
+    for row, index in enumerate(order):
+        name = requests[index][0] or BASE_ONLY
+        if groups and groups[-1][0] == name:
+            groups[-1] = (name, groups[-1][1], row + 1)
+        else:
+            groups.append((name, row, row + 1))
+    rows, device = len(order), base.device
+    width = max(len(requests[i][1]) for i in order)
+    input_ids = torch.full((rows, width), base.pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros((rows, width), dtype=torch.long, device=device)
+    for row, index in enumerate(order):
+        prompt = list(requests[index][1])
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
+        mask[row, width - len(prompt):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    from transformers import DynamicCache  # transformers is imported by the model already
+
+    cache = DynamicCache(config=getattr(model, "config", None))
     states = _adapter_training_states(model)
     set_adapters_training(model, False)
+    active = [True] * rows
     try:
-        while active:
-            sequences = [list(prompts[i]) + outputs[i] for i in active]
-            lengths = [len(s) for s in sequences]
-            flat = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=base.device)
-            positions = torch.cat([torch.arange(n, device=base.device) for n in lengths])
-            ends = torch.tensor(lengths, device=base.device).cumsum(0) - 1
-            layout = StepLayout.single(segment_name, lengths)
-            with step_layout(layout):
-                hidden = base.decoder(input_ids=flat[None], position_ids=positions[None], attention_mask=None,
-                                      use_cache=False).last_hidden_state[0]
-            logits = base.output_logits(hidden[ends])   # the model's logit transform included
-            chosen = logits.argmax(dim=-1).tolist()
-            still_active = []
-            for i, token in zip(active, chosen, strict=True):
-                outputs[i].append(int(token))
-                if int(token) not in stop_token_ids and len(outputs[i]) < max_new_tokens:
-                    still_active.append(i)
-            active = still_active
+        with _masked_attention(model):
+            feed = input_ids
+            while True:
+                with step_layout(_row_layout(groups, feed.shape[1], rows)):
+                    hidden = base.decoder(input_ids=feed, attention_mask=mask, position_ids=positions,
+                                          past_key_values=cache, use_cache=True).last_hidden_state
+                chosen = base.output_logits(hidden[:, -1]).argmax(dim=-1).tolist()
+                for row, index in enumerate(order):
+                    if not active[row]:
+                        continue
+                    token = int(chosen[row])
+                    outputs[index].append(token)
+                    if token in stop_token_ids or len(outputs[index]) >= max_new_tokens:
+                        active[row] = False
+                if not any(active):
+                    break
+                feed = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
+                mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
+                positions = positions[:, -1:] + 1
     finally:
         for adapters, training in states:
             adapters.train(training)
     return outputs
+
+
+def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int]], max_new_tokens: int,
+                    stop_token_ids: set[int]) -> list[list[int]]:
+    """Greedy continuations of `prompts`, all through `adapter` (None: the base model alone); see
+    `greedy_generate_many`."""
+    return greedy_generate_many(base, [(adapter, prompt) for prompt in prompts], max_new_tokens, stop_token_ids)

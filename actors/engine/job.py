@@ -44,6 +44,7 @@ class TrainingJob:
     tokens_seen: int = 0
     history: list[OptimizerStepRecord] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)   # (optimizer step, eval loss), in order
+    scores: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, eval_generate score)
     data_digest: str | None = None   # of the data it trains on (data/digest.py), where known: kept with its checkpoints
 
     @classmethod

@@ -307,6 +307,58 @@ class PreferenceConfig(StrictModel):
 
 PREFERENCE_METHODS = ("dpo", "orpo")
 
+GENERATION_METRICS = ("exact_match", "contains", "regex")
+USER_METRIC_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class GenerationEval(StrictModel):
+    """A generation metric at each evaluation: the adapter continues each held-out row's prompt greedily
+    (its trainer, between steps, batched over adapters) and the continuation is scored against the row's
+    target text; the evaluation's score is the mean over the rows (higher is better)."""
+
+    metric: str = Field(description="exact_match (the stripped texts are equal), contains (the target text is in "
+                                    "the continuation), regex (`pattern` finds the same answer in both: its first "
+                                    "group, or the whole match), or module:function, called as function(prediction, "
+                                    "row) -> float with row {prompt, reference} (texts)")
+    pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
+    max_new_tokens: Annotated[int, Bounds(1, 4096)] = Field(64, description="the longest continuation (it also "
+                                                                          "ends at the tokenizer's EOS)")
+    rows: Annotated[int, Bounds(1, 10**6)] | None = Field(None, description="score the first this many eval rows "
+                                                                           "(null: all of them)")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, value: str) -> str:
+        if value in GENERATION_METRICS:
+            return value
+        if not re.match(USER_METRIC_PATTERN, value):
+            raise ValueError(f"'{value}' is neither {', '.join(GENERATION_METRICS)} nor module:function (a "
+                             "function(prediction, row) -> float that Python can import)")
+        import importlib
+
+        module, _, function = value.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), function, None)
+        except ImportError as error:
+            raise ValueError(f"cannot import module '{module}' of metric '{value}' ({error}); put it on PYTHONPATH "
+                             "(or in the Ray job's working_dir)") from None
+        if not callable(found):
+            raise ValueError(f"module '{module}' has no function '{function}' (metric '{value}')")
+        return value
+
+    @model_validator(mode="after")
+    def _pattern_with_regex(self) -> GenerationEval:
+        if self.metric == "regex":
+            if not self.pattern:
+                raise ValueError("metric regex needs `pattern` (the answer's regular expression)")
+            try:
+                re.compile(self.pattern)
+            except re.error as error:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {error}") from None
+        elif self.pattern is not None:
+            raise ValueError(f"pattern applies to metric regex, not {self.metric}; remove it")
+        return self
+
 
 class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
@@ -349,6 +401,9 @@ class JobSpec(StrictModel):
     eval_split: Annotated[float, Bounds(0, 10**9)] = Field(0.0, description="held-out rows: a fraction (< 1) or "
                                                                            "a count (a whole number >= 1)")
     eval_every: StepCount | None = Field(None, description="optimizer steps between evaluations")
+    eval_generate: GenerationEval | None = Field(
+        None, description="also score greedy generations of the eval rows at each evaluation (an sft job's; its "
+                          "eval_split must hold rows): exact match, contains, regex or a function of yours")
     checkpoint_every: StepCount = Field(50, description="optimizer steps between checkpoints")
     checkpoint_every_s: Annotated[float, Bounds(1, 10**7)] | None = Field(
         600.0, description="seconds between time-based checkpoints, beside the step-based `checkpoint_every`: a "
@@ -414,6 +469,12 @@ class JobSpec(StrictModel):
                              "from one target sequence per row)")
         if self.method == "sft" and self.preference != PreferenceConfig():
             raise ValueError("preference settings apply to method dpo or orpo; this job's method is sft")
+        if self.eval_generate is not None and self.method != "sft":
+            raise ValueError(f"eval_generate scores generations against an sft job's target text; method "
+                             f"'{self.method}' has none (remove eval_generate)")
+        if self.eval_generate is not None and not self.eval_split:
+            raise ValueError("eval_generate scores the held-out rows, and eval_split holds none: set eval_split "
+                             "(e.g. 64 rows)")
         if self.method == "dpo" and self.train_on_prompt:
             raise ValueError("train_on_prompt does not apply to method dpo (its loss compares the completions); "
                              "remove it (with orpo it adds the prompt to the chosen sequence's language-modelling "

@@ -22,6 +22,7 @@ import torch
 from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
+from actors.engine.generation_eval import generation_scores
 from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
@@ -288,6 +289,14 @@ class FusedTrainer:
             return self._evaluate_loss(job, examples, batch_size)
         finally:
             set_adapters_training(self.base.model, True)
+
+    def evaluate_generation(self, jobs: list[TrainingJob]) -> list[float]:
+        """Each job's `eval_generate` score over its eval rows (actors/engine/generation_eval.py), all jobs'
+        rows decoded in one batch through their own adapters."""
+        for job in jobs:
+            if job.spec.eval_generate is None or not job.eval_examples:
+                raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
+        return generation_scores(self.base, [(job.name, job.spec.eval_generate, job.eval_examples) for job in jobs])
 
     @torch.no_grad()
     def _evaluate_loss(self, job: TrainingJob, examples: list[Example], batch_size: int) -> float:

@@ -47,7 +47,7 @@ class EventBooking:
             self.table.update(job_id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
                               tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"))
         elif kind == "eval":
-            self.table.add_eval(job_id, event.step, data["eval_loss"])
+            self.table.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
             self.table.update(job_id, eval_loss=data["eval_loss"])
         elif kind == "checkpoint" and data.get("upload_error"):   # the uploaded checkpoint is an older one
             self.table.update(job_id, reason=f"training on {trainer_id}; {data['upload_error']}")
@@ -72,7 +72,7 @@ class EventBooking:
                 if data.get(key) is not None:
                     columns[key] = data[key]
             if "eval_loss" in data:
-                self.table.add_eval(job_id, event.step, data["eval_loss"])
+                self.table.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
             self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
             if state is not None:
                 after(lambda: (setattr(state, "preempting", None), setattr(state, "moving_to", None)))
@@ -88,6 +88,8 @@ class EventBooking:
                 self.table.add_progress(job_id, row)
             for step, eval_loss in data.get("evals", []):   # add_progress replaced those rows whole
                 self.table.add_eval(job_id, step, eval_loss)
+            for step, score in data.get("scores", []):
+                self.table.add_eval(job_id, step, None, score)
             last = data["history"][-1] if data.get("history") else {}
             columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
         reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")

@@ -41,6 +41,7 @@ class JobUpdate:
 
     steps: list[dict] = field(default_factory=list)       # OptimizerStepRecord rows
     evals: list[tuple[int, float]] = field(default_factory=list)
+    scores: list[tuple[int, float]] = field(default_factory=list)   # eval_generate's (step, score)
     resumed_from: int | None = None
 
 

@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from actors.engine.checkpoint import save_checkpoint, saved_step
+from actors.engine.generation_eval import MetricError
 from actors.engine.peft_io import save_adapter
 from actors.service.active_job import ActiveJob
 from actors.service.job_data import JobUpdate
@@ -38,13 +39,13 @@ class JobEnds:
         try:
             if kind in ("completed", "stopped_early"):
                 if job.eval_examples and active.last_eval_step != job.step:
-                    data["eval_loss"] = self.trainer.evaluate(job)
-                    job.evals.append((job.step, data["eval_loss"]))
-                    active.assignment.link.update(JobUpdate(evals=[(job.step, data["eval_loss"])]))
-                    if active.tracker is not None:
-                        active.tracker.eval(job.step, data["eval_loss"])
+                    update = JobUpdate()
+                    data["eval_loss"], score = self._evaluate(active, update)
+                    if score is not None:
+                        data["eval_score"] = score
+                    active.assignment.link.update(update)
                     # its last step's row is already written: the rows again, that one with this eval loss
-                    rows = metrics_rows([record.as_row() for record in job.history], job.evals)
+                    rows = metrics_rows([record.as_row() for record in job.history], job.evals, job.scores)
                     self._write(active, "its metrics", lambda: active.files.rewrite(rows))
                 metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
@@ -61,6 +62,9 @@ class JobEnds:
             kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
                                               f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
                                               "make it writable, then resume the job")
+            data.pop("retry", None)
+        except MetricError as error:   # its eval_generate metric (a user's function) refused a prediction
+            kind, data["reason"] = "failed", f"{reason}; then its final evaluation failed: {error}"
             data.pop("retry", None)
         except Exception as error:  # writing failed: report it rather than a false success
             log.exception("trainer %s: job %s: writing its results failed", self.trainer_id, job_id)

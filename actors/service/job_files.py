@@ -110,14 +110,17 @@ class JobFiles:
             self.fd = None
 
 
-def metrics_rows(steps: list[dict[str, Any]], evals: list[tuple[int, float]]) -> list[dict[str, Any]]:
-    """A job's metrics.jsonl rows: its optimizer steps' rows, each with `eval_loss` where the job was evaluated
-    after that step (an evaluation at a step without a row, before the first step, gets a row of its own).
-    What `aspen report` reads for the eval losses of a run in any mode."""
-    losses = dict(evals)
-    rows = [{**row, "eval_loss": losses.pop(row["step"])} if row["step"] in losses else dict(row) for row in steps]
-    rows += [{"step": step, "eval_loss": loss} for step, loss in losses.items()]
-    return sorted(rows, key=lambda row: row["step"])
+def metrics_rows(steps: list[dict[str, Any]], evals: list[tuple[int, float]],
+                 scores: list[tuple[int, float]] = ()) -> list[dict[str, Any]]:
+    """A job's metrics.jsonl rows: its optimizer steps' rows, each with `eval_loss` (and `eval_score`, its
+    eval_generate metric) where the job was evaluated after that step (an evaluation at a step without a row,
+    before the first step, gets a row of its own). What `aspen report` reads for the eval losses of a run in
+    any mode."""
+    rows = {row["step"]: dict(row) for row in steps}
+    for column, values in (("eval_loss", evals), ("eval_score", scores)):
+        for step, value in values:
+            rows.setdefault(step, {"step": step})[column] = value
+    return sorted(rows.values(), key=lambda row: row["step"])
 
 
 def clear_job_folder(folder: Path | str) -> None:

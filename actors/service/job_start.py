@@ -68,9 +68,10 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
             trainer.restored(job)   # a pipeline's stages take what was loaded (or the job as it was)
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
                 resume_verdict = assignment.link.update(JobUpdate(
-                    resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals)))
+                    resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals),
+                    scores=list(job.scores)))
         try:
-            files.start(metrics_rows([record.as_row() for record in job.history], job.evals))
+            files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores))
         except OSError as error:
             raise OSError(f"cannot write its files in {assignment.output_dir}: {error}; make the folder "
                           "writable (or free space there) and resume the job") from error

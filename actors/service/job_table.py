@@ -62,7 +62,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE TABLE IF NOT EXISTS progress (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, lr REAL, grad_norm REAL,
-    eval_loss REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step));
+    eval_loss REAL, eval_score REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step));
 CREATE TABLE IF NOT EXISTS transitions (
     job_id TEXT NOT NULL, time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
@@ -71,6 +71,8 @@ CREATE INDEX IF NOT EXISTS jobs_by_output_dir ON jobs (output_dir);
 CREATE INDEX IF NOT EXISTS jobs_by_submitted_at ON jobs (submitted_at, id);
 CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
 """
+
+ADDED_COLUMNS = (("progress", "eval_score", "REAL"),)   # (table, column, type) added after the first release
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 
@@ -166,12 +168,20 @@ class JobTable:
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.execute("PRAGMA synchronous=NORMAL")
                 self.db.executescript(SCHEMA)
+                self._add_missing_columns()
         except BaseException:
             self.db.close()
             raise
 
     def close(self) -> None:
         self.db.close()
+
+    def _add_missing_columns(self) -> None:
+        """A table written by an older aspen gains the columns added since (empty for its rows)."""
+        for table, column, kind in ADDED_COLUMNS:
+            present = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     # -- transactions ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -370,13 +380,20 @@ class JobTable:
                             (job_id, row["step"], row.get("loss"), row.get("tokens"), row.get("lr"),
                              row.get("grad_norm"), time.time()))
 
-    def add_eval(self, job_id: str, step: int, eval_loss: float) -> None:
+    def add_eval(self, job_id: str, step: int, eval_loss: float | None, eval_score: float | None = None) -> None:
+        """An evaluation after `step`: its loss and (eval_generate) its score; a None leaves that column be."""
+        values = {name: value for name, value in (("eval_loss", eval_loss), ("eval_score", eval_score))
+                  if value is not None}
+        if not values:
+            return
         with self.transaction():
-            cursor = self.db.execute("UPDATE progress SET eval_loss = ? WHERE job_id = ? AND step = ?",
-                                     (eval_loss, job_id, step))
+            assignments = ", ".join(f"{name} = ?" for name in values)
+            cursor = self.db.execute(f"UPDATE progress SET {assignments} WHERE job_id = ? AND step = ?",
+                                     (*values.values(), job_id, step))
             if cursor.rowcount == 0:
-                self.db.execute("INSERT INTO progress (job_id, step, eval_loss, time) VALUES (?, ?, ?, ?)",
-                                (job_id, step, eval_loss, time.time()))
+                self.db.execute(f"INSERT INTO progress (job_id, step, {', '.join(values)}, time) "
+                                f"VALUES (?, ?, {', '.join('?' for _ in values)}, ?)",
+                                (job_id, step, *values.values(), time.time()))
 
     def forget_progress_after(self, job_id: str, step: int) -> None:
         """A job resumed from a checkpoint at `step` replays the steps after it."""
@@ -385,7 +402,7 @@ class JobTable:
 
     @_reads
     def progress(self, job_id: str) -> list[dict[str, Any]]:
-        columns = ("step", "loss", "tokens", "lr", "grad_norm", "eval_loss", "time")
+        columns = ("step", "loss", "tokens", "lr", "grad_norm", "eval_loss", "eval_score", "time")
         rows = self.db.execute(f"SELECT {', '.join(columns)} FROM progress WHERE job_id = ? ORDER BY step",
                                (job_id,))
         return [dict(zip(columns, row, strict=True)) for row in rows]

@@ -89,6 +89,7 @@ class PipelineJob:
         self.eval_examples = eval_examples
         self.seed = seed
         self.evals: list[tuple[int, float]] = []
+        self.scores: list[tuple[int, float]] = []   # eval_generate is refused on pipeline trainers (attach)
         self.data_digest: str | None = None
         self.cursor_state_before_pending: dict | None = None
         self._adapter: AdapterHandle | None = None
@@ -283,6 +284,9 @@ class PipelineEngine:
     def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
                seed: int) -> PipelineJob:
         """The job on every stage, its adapter initialised as on one device; not yet in the steps (`add_job`)."""
+        if spec.eval_generate is not None:
+            raise ValueError(f"job '{spec.name}': eval_generate (greedy generation) is not available on a pipeline "
+                             "trainer yet; run the job on a single-device trainer, or drop eval_generate")
         self._guarded(self.pipeline.add_job, spec, cursor=source, total_steps=total_steps, seed=seed,
                       eval_examples=eval_examples)
         head = self.head.jobs[spec.name]

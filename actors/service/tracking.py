@@ -239,8 +239,11 @@ class JobTracker:
         values["train/tokens_per_s"] = float(tokens_per_s)
         self.queue.put(_Op("step", int(row["step"]), values))
 
-    def eval(self, step: int, eval_loss: float) -> None:
-        self.queue.put(_Op("eval", step, {"eval/loss": float(eval_loss)}))
+    def eval(self, step: int, eval_loss: float, eval_score: float | None = None) -> None:
+        values = {"eval/loss": float(eval_loss)}
+        if eval_score is not None:
+            values["eval/score"] = float(eval_score)
+        self.queue.put(_Op("eval", step, values))
 
     def finish(self, state: str, step: int, adapter_dir: Path | None) -> None:
         """The job left its trainer (`state`); `adapter_dir`: the local folder of its final adapter, if any."""

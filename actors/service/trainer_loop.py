@@ -25,6 +25,7 @@ from pathlib import Path
 
 from actors.engine.base_identity import base_identity
 from actors.engine.checkpoint import DataChanged, save_checkpoint
+from actors.engine.generation_eval import MetricError
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
@@ -321,20 +322,39 @@ class TrainerLoop(JobEnds):
                 active.tracker.step(record.as_row(), record.tokens / seconds)
             spec = job.spec
             if job.eval_examples and spec.eval_every and record.step % spec.eval_every == 0:
-                eval_loss = self.trainer.evaluate(job)
-                job.evals.append((record.step, eval_loss))   # checkpointed: a resumed job's stop rule sees it
-                active.last_eval_step = record.step
-                update.evals.append((record.step, eval_loss))
-                self.events.emit("eval", result.job, record.step, eval_loss=eval_loss)
-                if active.tracker is not None:
-                    active.tracker.eval(record.step, eval_loss)
+                try:
+                    eval_loss, score = self._evaluate(active, update)
+                except MetricError as error:   # a user's metric function: that job fails, the others go on
+                    self._finish(active, "failed", f"evaluation after step {record.step} failed: {error}")
+                    continue
+                self.events.emit("eval", result.job, record.step, eval_loss=eval_loss, eval_score=score)
                 row["eval_loss"] = eval_loss
+                if score is not None:
+                    row["eval_score"] = score
             active.files.append(row)
             if self._checkpoint_due(active, record.step) and not job.done:
                 self._checkpoint(active)
             active.verdicts.expect(record.step, active.assignment.link.update(update))
             if active.files.failed:
                 self._finish(active, "failed", active.files.failed)
+
+    def _evaluate(self, active: ActiveJob, update: JobUpdate) -> tuple[float, float | None]:
+        """Evaluate the job after its last step: its eval loss and, with eval_generate, its generation score;
+        both booked with the job (checkpointed: a resumed job's stop rule sees them), in `update` and with
+        its tracker."""
+        job = active.job
+        eval_loss = self.trainer.evaluate(job)
+        job.evals.append((job.step, eval_loss))
+        update.evals.append((job.step, eval_loss))
+        score = None
+        if job.spec.eval_generate is not None:
+            score = self.trainer.evaluate_generation([job])[0]
+            job.scores.append((job.step, score))
+            update.scores.append((job.step, score))
+        active.last_eval_step = job.step
+        if active.tracker is not None:
+            active.tracker.eval(job.step, eval_loss, score)
+        return eval_loss, score
 
     def _checkpoint_due(self, active: ActiveJob, step: int) -> bool:
         every_s = active.job.spec.checkpoint_every_s

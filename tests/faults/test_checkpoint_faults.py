@@ -237,8 +237,9 @@ def test_no_checkpoint_at_all_names_both_candidates(tmp_path):
     (lambda state: [state["optimizer"].update(step_count=3), state.update(step=3),
                     state["history"][-1].update(step=3)],
      "the optimizer state is at step 2, the job at step 3"),
-    (lambda state: state.update(evals=[[1, 2.5], [5, 2.4]]), "evals entry 1 is [5, 2.4], not [step <= 2, eval loss]"),
-], ids=["state-step", "history-step", "optimizer-step-count", "eval-after-the-step"])
+    (lambda state: state.update(evals=[[1, 2.5], [5, 2.4]]), "evals entry 1 is [5, 2.4], not [step <= 2, value]"),
+    (lambda state: state.update(scores=[[3, 0.5]]), "scores entry 0 is [3, 0.5], not [step <= 2, value]"),
+], ids=["state-step", "history-step", "optimizer-step-count", "eval-after-the-step", "score-after-the-step"])
 def test_step_numbers_that_disagree_are_rejected(tmp_path, monkeypatch, uninterrupted, edit, problem):
     folder = two_checkpoints(tmp_path, monkeypatch)
     state = json.loads((folder / "state.json").read_text())

@@ -17,7 +17,8 @@ Format 2 on disk (`<name>/`):
                             `grad.<i>` (partial accumulation, where not None), `dropout_rng` (uint8),
                             `param_groups.<g>.<key>` (tensor-valued optimizer settings, if any)
     state.json              format, job, step, cursor, accumulator, history, evals ([step, eval loss]
-                            pairs; optional: older checkpoints have none), data_digest (of the data the
+                            pairs) and scores ([step, eval_generate score] pairs; both optional: older
+                            checkpoints have none), data_digest (of the data the
                             job trains on, data/digest.py; optional: older checkpoints, and jobs whose
                             data is not known, have none), the optimizer's non-tensor parts
                             (param_groups, step_count, micro_count, which tensors exist) and the size and

@@ -114,9 +114,11 @@ def _check_steps(saved: SavedCheckpoint) -> None:
     """The step numbers of state.json, its history, its evals and the optimizer state agree."""
     state_path = saved.folder / STATE_NAME
     step, step_count = saved.state.step, saved.optimizer["step_count"]
-    for i, (eval_step, loss) in enumerate(saved.state.evals):
-        if eval_step > step:
-            raise Invalid(f"{state_path}: evals entry {i} is [{eval_step}, {loss!r}], not [step <= {step}, eval loss]")
+    for key, values in (("evals", saved.state.evals), ("scores", saved.state.scores)):
+        for i, (eval_step, value) in enumerate(values):
+            if eval_step > step:
+                raise Invalid(f"{state_path}: {key} entry {i} is [{eval_step}, {value!r}], not [step <= {step}, "
+                              "value]")
     if step != step_count:
         raise Invalid(f"{state_path}: step {step} but the optimizer state is at step {step_count} "
                       "(files of different checkpoints)")
@@ -237,6 +239,7 @@ def _restore(job: TrainingJob, saved: SavedCheckpoint) -> None:
     job.accumulator = saved.state.accumulator.restore()
     job.history = [record.restore() for record in saved.state.history]
     job.evals = [(step, loss) for step, loss in saved.state.evals]
+    job.scores = [(step, score) for step, score in saved.state.scores]
 
 
 def _is_int(value: object) -> bool:

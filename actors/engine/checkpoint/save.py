@@ -66,6 +66,7 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
         "accumulator": asdict(job.accumulator),
         "history": [asdict(record) for record in job.history],
         "evals": [[step, loss] for step, loss in job.evals],
+        "scores": [[step, score] for step, score in job.scores],
         "data_digest": job.data_digest,
         "optimizer": optimizer,
         "dropout_rng": generator is not None,

@@ -160,6 +160,7 @@ class CheckpointState(BaseModel):
     accumulator: AccumulatorState
     history: list[HistoryRecord]
     evals: list[tuple[Count, Number]] = []   # [step, eval loss]; older checkpoints have none
+    scores: list[tuple[Count, Number]] = []  # [step, eval_generate score]; older checkpoints have none
     data_digest: Text | None = None   # data/digest.py; older checkpoints, and jobs of unknown data, have none
 
 

@@ -1,5 +1,6 @@
-"""greedy_generate against transformers' own greedy `generate` (base model) and PEFT's (with an adapter),
-on a tiny random Llama, one prompt at a time on the reference side, all prompts batched on ours."""
+"""greedy_generate against transformers' own greedy `generate` (base model) and PEFT's (with an adapter,
+merged into the model or not), on a tiny random Llama, one prompt at a time on the reference side, all
+prompts batched on ours (one batch over several adapters and the base, with a KV cache)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.engine.generate import greedy_generate
+from actors.engine.generate import greedy_generate, greedy_generate_many
 from actors.engine.lora import FusedLoraLinear, add_adapter, remove_adapter
 from actors.engine.models import BaseModel, from_module
 from actors.engine.peft_io import save_adapter
@@ -124,3 +125,31 @@ def test_reattached_adapter_after_removal_gives_same_output(models, adapter_dir)
     handle = add_adapter(base.model, "a", LORA, seed=99)
     load_adapter_weights(handle, adapter_dir)
     assert greedy_generate(base, "a", PROMPTS, MAX_NEW, {EOS}) == before
+
+
+def test_one_batch_over_two_adapters_and_the_base_matches_each_merged_model(models, adapter_dir, tmp_path):
+    """Requests for `a`, `b` and the base interleaved in one batch: each equals `generate` of its own model
+    (PEFT's adapter merged into a copy of the base: `merge_and_unload`)."""
+    from peft import PeftModel
+
+    base, reference = models
+    handle = add_adapter(base.model, "b", LORA, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for layer in handle.layers.values():
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.3)
+    b_dir = save_adapter(handle, tmp_path / "adapter-b", "tiny-llama")
+    try:
+        merged = {name: PeftModel.from_pretrained(copy.deepcopy(reference), str(path)).merge_and_unload().eval()
+                  for name, path in (("a", adapter_dir), ("b", b_dir))}
+        merged[None] = reference
+        requests = [(adapter, prompt) for prompt in PROMPTS for adapter in ("b", None, "a")]
+        got = greedy_generate_many(base, requests, MAX_NEW, {EOS})
+        expected = [_reference_generate(merged[adapter], [prompt], MAX_NEW, EOS)[0] for adapter, prompt in requests]
+        assert got == expected
+        by_adapter = {adapter: [g for (a, _), g in zip(requests, got, strict=True) if a == adapter]
+                      for adapter in ("a", "b", None)}
+        assert len({tuple(map(tuple, outputs)) for outputs in by_adapter.values()}) == 3   # all three differ
+        assert base.model.config._attn_implementation == "aspen_varlen"   # the fused steps' attention is back
+    finally:
+        remove_adapter(base.model, "b")

@@ -1,0 +1,131 @@
+"""Generation metrics of an evaluation: each held-out row's prompt continued greedily through the job's
+adapter, the continuation scored against the row's target text, the score averaged over the rows.
+
+A row is its tokenized example: the prompt is every token before its first target token, the reference is
+the text of its first run of target tokens (the tokenizer's special tokens, e.g. the EOS the format
+appends, left out). Continuations end at the tokenizer's EOS (left out of the prediction's text too) or
+after `max_new_tokens`. Several jobs' rows decode in one batch (actors/engine/generate.py); a job's
+rows decoded with its own `max_new_tokens` are a prefix of those decoded with a larger one (greedy), so one
+batch serves every length."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from actors.engine.data import Example
+from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.engine.generate import greedy_generate_many
+from actors.engine.models import BaseModel
+from actors.engine.spec import GenerationEval
+
+Metric = Callable[[str, dict], float]
+
+
+class MetricError(ValueError):
+    """A user's metric function raised, or returned something that is not a number."""
+
+
+@dataclass(frozen=True)
+class ScoredRow:
+    """One row's prompt tokens and the text its continuation is scored against."""
+
+    prompt: tuple[int, ...]
+    reference: str
+    prompt_text: str
+
+
+def _answer(pattern: re.Pattern[str], text: str) -> str | None:
+    match = pattern.search(text)
+    if match is None:
+        return None
+    return (match.group(1) if pattern.groups else match.group(0)).strip()
+
+
+def metric_function(config: GenerationEval) -> Metric:
+    """`config.metric` as a function(prediction, row) -> float."""
+    if config.metric == "exact_match":
+        return lambda prediction, row: float(prediction.strip() == row["reference"].strip())
+    if config.metric == "contains":
+        return lambda prediction, row: float(row["reference"].strip() in prediction)
+    if config.metric == "regex":
+        pattern = re.compile(config.pattern or "")
+
+        def regex(prediction: str, row: dict) -> float:
+            expected = _answer(pattern, row["reference"])
+            return float(expected is not None and _answer(pattern, prediction) == expected)
+
+        return regex
+    module, _, name = config.metric.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def scored_rows(examples: Sequence[Example], base: BaseModel, limit: int | None) -> list[ScoredRow]:
+    """The rows a generation metric scores: the first `limit` examples (all: None) that have a prompt
+    and a target."""
+    rows = []
+    tokenizer = base.tokenizer
+    for example in examples[:limit] if limit is not None else examples:
+        first = next((i for i, label in enumerate(example.labels) if label != IGNORE_INDEX), None)
+        if not first:   # no target, or a target at position 0 (nothing to continue from)
+            continue
+        end = first
+        while end < len(example.labels) and example.labels[end] != IGNORE_INDEX:
+            end += 1
+        prompt = tuple(example.input_ids[:first])
+        rows.append(ScoredRow(prompt, tokenizer.decode(list(example.input_ids[first:end]), skip_special_tokens=True),
+                              tokenizer.decode(list(prompt), skip_special_tokens=True)))
+    return rows
+
+
+def stop_token_ids(base: BaseModel) -> set[int]:
+    """Where a continuation ends: the tokenizer's EOS and the model's generation config's EOS ids."""
+    stops: set[int] = set()
+    eos = getattr(base.tokenizer, "eos_token_id", None)
+    if eos is not None:
+        stops.add(int(eos))
+    generation = getattr(base.model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    if configured is not None:
+        stops.update(int(t) for t in (configured if isinstance(configured, list | tuple) else [configured]))
+    return stops
+
+
+def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]]) -> list[float]:
+    """Per `(adapter, config, eval examples)`, the mean score of its rows' greedy continuations (all jobs in
+    one batch). A job with no scorable row raises ValueError naming it."""
+    plans = []
+    for adapter, config, examples in jobs:
+        rows = scored_rows(examples, base, config.rows)
+        if not rows:
+            raise ValueError(f"adapter '{adapter}': none of its {len(examples)} eval rows has a prompt and a target "
+                             "to score a generation against")
+        plans.append((adapter, config, rows))
+    if not plans:
+        return []
+    stops = stop_token_ids(base)
+    requests = [(adapter, list(row.prompt)) for adapter, _, rows in plans for row in rows]
+    longest = max(config.max_new_tokens for _, config, _ in plans)
+    outputs = iter(greedy_generate_many(base, requests, longest, stops))
+    scores = []
+    for _, config, rows in plans:
+        metric = metric_function(config)
+        total = 0.0
+        for row in rows:
+            tokens = next(outputs)[:config.max_new_tokens]
+            for index, token in enumerate(tokens):   # ends at its first stop token, which is not text
+                if token in stops:
+                    tokens = tokens[:index]
+                    break
+            prediction = base.tokenizer.decode(tokens, skip_special_tokens=True)
+            try:
+                value = float(metric(prediction, {"prompt": row.prompt_text, "reference": row.reference}))
+            except Exception as error:
+                raise MetricError(f"eval_generate metric '{config.metric}' failed on eval row {rows.index(row)} "
+                                  f"(prediction {prediction[:80]!r}): {type(error).__name__}: {error}; it must "
+                                  "return a number for any text") from error
+            total += value
+        scores.append(total / len(rows))
+    return scores

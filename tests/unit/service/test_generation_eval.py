@@ -1,0 +1,158 @@
+"""eval_generate: a job's generation metric at each evaluation. The continuations its metric scores are
+`transformers`' greedy `generate` of the base with the job's adapter merged (PEFT `merge_and_unload`), on
+the same held-out rows; the built-in metrics score texts as stated; a metric that raises fails its job
+alone; an older job table gains the score column; bad settings are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.engine.generation_eval import metric_function
+from actors.engine.spec import GenerationEval, JobSpec
+from actors.service.config import TrainerConfig
+from actors.service.job_data import JobData
+from actors.service.job_table import JobTable
+from actors.service.trainer_loop import TrainerLoop
+from tests.helpers import metrics
+from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.trainer import assignment_for, run_until_idle
+
+MAX_NEW = 12
+
+
+def test_builtin_metrics_score_texts_as_documented():
+    exact = metric_function(GenerationEval(metric="exact_match"))
+    contains = metric_function(GenerationEval(metric="contains"))
+    regex = metric_function(GenerationEval(metric="regex", pattern=r"####\s*(-?[0-9.,]+)"))
+    whole = metric_function(GenerationEval(metric="regex", pattern=r"\d+"))
+    row = {"prompt": "Q: 2 + 40?\nA:", "reference": " 42 \n"}
+    assert exact(" 42", row) == 1.0 and exact("42!", row) == 0.0
+    assert contains("it is 42.", row) == 1.0 and contains("4 2", row) == 0.0
+    gsm = {"prompt": "", "reference": "2 + 40 = 42\n#### 42"}
+    assert regex("so #### 42 done", gsm) == 1.0 and regex("#### 41", gsm) == 0.0 and regex("42", gsm) == 0.0
+    assert regex("#### 42", {"prompt": "", "reference": "no answer"}) == 0.0   # the reference has none: no match
+    assert whole("x 42 y", {"prompt": "", "reference": "42"}) == 1.0
+
+
+@pytest.mark.parametrize("settings, field, words", [
+    ({"metric": "bleu"}, "eval_generate.metric", "neither exact_match"),
+    ({"metric": "regex"}, "eval_generate", "needs `pattern`"),
+    ({"metric": "regex", "pattern": "(unclosed"}, "eval_generate", "not a regular expression"),
+    ({"metric": "contains", "pattern": "x"}, "eval_generate", "applies to metric regex"),
+    ({"metric": "tests.helpers.metrics:missing"}, "eval_generate.metric", "has no function 'missing'"),
+    ({"metric": "no_such_module_here:f"}, "eval_generate.metric", "cannot import module"),
+    ({"metric": "contains", "max_new_tokens": 0}, "eval_generate.max_new_tokens", "between 1 and 4096"),
+])
+def test_bad_settings_are_refused_naming_the_field(tmp_path, settings, field, words):
+    job = job_dict("q", tmp_path / "q.jsonl", 4, eval_split=4, eval_generate=settings)
+    with pytest.raises(ValidationError) as caught:
+        JobSpec.model_validate(job)
+    text = str(caught.value)
+    assert field in text and words in text, text
+
+
+def test_a_job_without_eval_rows_or_with_preference_pairs_is_refused(tmp_path):
+    with pytest.raises(ValidationError, match="eval_split holds none"):
+        JobSpec.model_validate(job_dict("q", tmp_path / "q.jsonl", 4, eval_generate={"metric": "contains"}))
+    pairs = job_dict("p", tmp_path / "p.jsonl", 4, eval_split=4, method="dpo", format={"type": "preference"},
+                     eval_generate={"metric": "contains"})
+    with pytest.raises(ValidationError, match="method 'dpo' has none"):
+        JobSpec.model_validate(pairs)
+
+
+def _reference_predictions(model_dir, adapter_dir, examples, tokenizer) -> list[str]:
+    """transformers' greedy generate of the base with the adapter merged, row by row, no padding."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().eval()
+    predictions = []
+    for example in examples:
+        first = next(i for i, label in enumerate(example.labels) if label != IGNORE_INDEX)
+        prompt = torch.tensor([list(example.input_ids[:first])])
+        with torch.no_grad():
+            out = merged.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=MAX_NEW, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.eos_token_id)
+        predictions.append(tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True))
+    return predictions
+
+
+def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(tmp_path, tiny_base,
+                                                                                 tiny_model_dirs):
+    data = tmp_path / "data"
+    scored = job_dict("scored", write_task_data(data, "scored"), 6, eval_split=5, eval_every=3,
+                      eval_generate={"metric": "tests.helpers.metrics:recorded", "max_new_tokens": MAX_NEW})
+    other = job_dict("other", write_task_data(data, "other", offset=3), 6, eval_split=4, eval_every=3,
+                     eval_generate={"metric": "contains", "max_new_tokens": 4})
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [scored, other], step_tokens=1024)
+    submissions = spec.submissions()
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model, step_tokens=1024), "trainer-t",
+                       tmp_path / "state")
+    for submission in submissions:
+        loop.assign(assignment_for(submission, f"{submission.job.name}-1", tiny_base.tokenizer))
+    metrics.CALLS.clear()
+    events = run_until_idle(loop)
+    assert sorted(e.job_id for e in events if e.kind == "completed") == ["other-1", "scored-1"]
+    rows = [json.loads(r) for r in (tmp_path / "out/scored/metrics.jsonl").read_text().splitlines()]
+    scores = {row["step"]: row["eval_score"] for row in rows if "eval_score" in row}
+    assert sorted(scores) == [3, 6]
+    evals = [e for e in events if e.kind == "eval" and e.job_id == "scored-1"]
+    assert [(e.step, e.data["eval_score"]) for e in evals] == sorted(scores.items())
+
+    data_of = JobData("scored-1", submissions[0], tiny_base.tokenizer)
+    data_of.prepare()
+    examples = data_of.eval_examples()
+    assert len(metrics.CALLS) == 2 * len(examples)   # every eval row at both evaluations, the other job's not
+    final_calls = metrics.CALLS[len(examples):]
+    expected = _reference_predictions(tiny_model_dirs["llama"], tmp_path / "out/scored", examples,
+                                       tiny_base.tokenizer)
+    assert [prediction for prediction, _ in final_calls] == expected
+    assert len(set(expected)) > 1   # the rows' continuations differ: the comparison is not of one string
+    assert scores[6] == pytest.approx(sum((len(p) % 7) / 6 for p in expected) / len(expected), abs=1e-12)
+    for (_, row), example in zip(final_calls, examples, strict=True):
+        targets = [t for t, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX]
+        assert row["reference"] == tiny_base.tokenizer.decode(targets, skip_special_tokens=True)
+        assert row["prompt"].startswith("Q: scored ")
+
+
+def test_a_metric_that_raises_fails_its_job_alone(tmp_path, tiny_base, tiny_model_dirs):
+    data = tmp_path / "data"
+    jobs = [job_dict("bad", write_task_data(data, "bad"), 4, eval_split=4, eval_every=2,
+                     eval_generate={"metric": "tests.helpers.metrics:broken", "max_new_tokens": 3}),
+            job_dict("good", write_task_data(data, "good"), 4, eval_split=4, eval_every=2,
+                     eval_generate={"metric": "contains", "max_new_tokens": 3})]
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", jobs, step_tokens=1024)
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model, step_tokens=1024), "trainer-t",
+                       tmp_path / "state")
+    for submission in spec.submissions():
+        loop.assign(assignment_for(submission, f"{submission.job.name}-1", tiny_base.tokenizer))
+    events = run_until_idle(loop)
+    ends = {e.job_id: e for e in events if e.kind in ("completed", "failed")}
+    assert ends["good-1"].kind == "completed"
+    assert ends["bad-1"].kind == "failed"
+    reason = ends["bad-1"].data["reason"]
+    assert "tests.helpers.metrics:broken" in reason and "KeyError" in reason and "after step 2" in reason
+
+
+def test_an_older_job_table_gains_the_score_column(tmp_path):
+    path = tmp_path / "jobs.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE progress (job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, "
+               "lr REAL, grad_norm REAL, eval_loss REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step))")
+    db.execute("INSERT INTO progress VALUES ('j', 1, 2.5, 10, 0.001, 1.0, 2.7, 0)")
+    db.commit()
+    db.close()
+    table = JobTable(path)
+    table.add_eval("j", 1, None, 0.25)
+    table.add_eval("j", 2, 2.4, 0.5)
+    assert [(r["step"], r["loss"], r["eval_loss"], r["eval_score"]) for r in table.progress("j")] == [
+        (1, 2.5, 2.7, 0.25), (2, None, 2.4, 0.5)]
+    table.close()

@@ -7,8 +7,8 @@ Optuna: policies/searchers.py), hands every objective to the stopping rules and 
 and keeps the sweep's state in its state folder, so a sweep goes on without whoever submitted it and
 survives a restart. This module reads a sweep file (`load_sweep_spec`: paths relative to the file, errors
 naming the file and field), follows a sweep to its end (`follow_sweep`), prints the leaderboard, and reads an
-ended sweep's results from its folder (`read_results`). Issue 34, not yet here: generation objectives, the
-Prometheus gauges."""
+ended sweep's results from its folder (`read_results`). The Prometheus gauges of sweeps are
+orchestrator/metrics.py's."""
 
 from __future__ import annotations
 

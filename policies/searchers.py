@@ -10,8 +10,9 @@ base64) and `restore(state)` carries on from it, so a resumed sweep asks the sea
 
 A Ray Tune searcher sees the space in Ray Tune's own terms (`tune.loguniform`, `tune.uniform`,
 `tune.randint` with its exclusive upper end, `tune.choice`), keyed by the dotted job paths, and one metric,
-`objective`, minimised. A choice among values that are not plain scalars (`lora.target_modules` lists) is
-offered to it as the values' JSON texts (Optuna's categories must be scalars) and mapped back."""
+`objective`, minimised (a loss) or maximised (a generation metric's score). A choice among values that are
+not plain scalars (`lora.target_modules` lists) is offered to it as the values' JSON texts (Optuna's
+categories must be scalars) and mapped back."""
 
 from __future__ import annotations
 
@@ -58,14 +59,14 @@ def check_search(search: str) -> None:
 
 
 def build_searcher(search: str, space: dict[str, Dimension], *, trials: int | None, seed: int,
-                   options: dict[str, Any] | None = None) -> Searcher:
+                   options: dict[str, Any] | None = None, mode: str = "min") -> Searcher:
     """The searcher a sweep file names; errors say what to install or fix."""
     check_search(search)
     if search == "grid":
         return ListSearch(grid_trials(space)[:trials])
     if search == "random":
         return ListSearch(random_trials(space, trials or 0, seed))
-    return TuneSearch(search, space, seed=seed, options=options or {})
+    return TuneSearch(search, space, seed=seed, options=options or {}, mode=mode)
 
 
 class ListSearch:
@@ -96,7 +97,9 @@ class ListSearch:
 class TuneSearch:
     """A Ray Tune searcher behind the sweep's `Searcher` interface (module docstring)."""
 
-    def __init__(self, search: str, space: dict[str, Dimension], *, seed: int, options: dict[str, Any]):
+    def __init__(self, search: str, space: dict[str, Dimension], *, seed: int, options: dict[str, Any],
+                 mode: str = "min"):
+        """`mode`: "min" (a loss) or "max" (a generation metric's score)."""
         self.name = search
         self.space = space
         self.encoded = {path: not all(_scalar(v) for v in dim.values) for path, dim in space.items()
@@ -114,7 +117,7 @@ class TuneSearch:
         except ImportError as error:
             raise ValueError(f"search: {search} needs a package that is not installed ({error}); install it "
                              f"(optuna: pip install 'aspen-lora[sweep]')") from None
-        if not self.searcher.set_search_properties(METRIC, "min", self._tune_space()):
+        if not self.searcher.set_search_properties(METRIC, mode, self._tune_space()):
             raise ValueError(f"search: {search} was already given a space or metric in search_options; leave "
                              "space, metric and mode to the sweep file")
         self.config: dict[str, dict[str, Any]] = {}   # trial -> the config the searcher gave (its own terms)

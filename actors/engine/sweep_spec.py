@@ -8,26 +8,37 @@
     search: random            # grid | a Ray Tune searcher (optuna, hyperopt, ...) | module:Class
     trials: 12
     max_concurrent: 4
-    objective: eval_loss      # or train_loss
+    objective: eval_loss      # or train_loss, or a generation metric: {metric: exact_match, max_new_tokens: 32}
     stopping: {asha: {grace_steps: 20, reduction: 3}, predictive: {min_delta: 0.01}}
     seed: 0
 
 Everything a trial may be is checked before anything starts: each path of the space is a field of the job
 (`lora.rank` is refused, suggesting `lora.r`), each end of a range and each option of a choice makes a valid
 job (`lora.r: {choice: [2048]}` is refused with the job field's own bound), the objective can be measured
-(eval_loss needs `eval_split` and `eval_every`), successive halving's grace period lies within `max_steps`.
-Trial i is the job with the i-th drawn settings, named `<job>-t<i>` (policies/search_space.py draws them;
-policies/searchers.py suggests them; policies/successive_halving.py stops the weak ones). Not yet: generation
-objectives (issue 34)."""
+(eval_loss and a generation metric need `eval_split` and `eval_every`), successive halving's grace period lies
+within `max_steps`. A generation metric (actors/engine/generation_eval.py) becomes every trial's `eval_generate`
+and is maximised; a loss is minimised. Trial i is the job with the i-th drawn settings, named `<job>-t<i>`
+(policies/search_space.py draws them; policies/searchers.py suggests them; policies/successive_halving.py stops
+the weak ones)."""
 
 from __future__ import annotations
 
 import difflib
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from actors.engine.spec import JOB_NAME_PATTERN, Bounds, JobSpec, Location, Seed, StepTokens, StrictModel
+from actors.engine.spec import (
+    GENERATION_METRICS,
+    JOB_NAME_PATTERN,
+    Bounds,
+    GenerationEval,
+    JobSpec,
+    Location,
+    Seed,
+    StepTokens,
+    StrictModel,
+)
 from policies.search_space import Dimension, grid_trials, parse_space, random_trials
 from policies.searchers import BUILT_IN, TUNE_SEARCHERS, check_search
 
@@ -79,9 +90,36 @@ class SweepSpec(StrictModel):
         None, description="trials to run (random and searchers: required; grid: at most the grid's size, default "
                           "all of it)")
     max_concurrent: Annotated[int, Bounds(1, 100_000)] = Field(4, description="trials training at once")
-    objective: Literal["eval_loss", "train_loss"] = Field("eval_loss", description="what the best trial minimises")
+    objective: Literal["eval_loss", "train_loss"] | GenerationEval = Field(
+        "eval_loss", description="what ranks the trials: eval_loss or train_loss (minimised), or a generation metric "
+                                 "of the eval rows, {metric: exact_match | contains | regex | module:function, "
+                                 "pattern, max_new_tokens, rows} (maximised; each trial's eval_generate)")
     stopping: StoppingConfig | None = Field(None, description="stopping weak trials early")
     seed: Seed = Field(0, description="the random search's seed (and the trials' run seed)")
+
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _objective_kind(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in GENERATION_METRICS:
+            raise ValueError(f"'{value}' is a generation metric: write objective: {{metric: {value}}} (with "
+                             "max_new_tokens, and pattern for regex, as you need)")
+        if isinstance(value, str) and value not in ("eval_loss", "train_loss"):
+            raise ValueError(f"'{value}' is not an objective: give eval_loss, train_loss or {{metric: ...}}")
+        if isinstance(value, dict | GenerationEval):
+            return GenerationEval.model_validate(value)   # its own errors, named under objective
+        return value
+
+    @property
+    def mode(self) -> Literal["min", "max"]:
+        """"min" for a loss, "max" for a generation metric's score."""
+        return "max" if isinstance(self.objective, GenerationEval) else "min"
+
+    @property
+    def objective_column(self) -> str:
+        """The job table's progress column that holds the objective."""
+        if isinstance(self.objective, GenerationEval):
+            return "eval_score"
+        return "eval_loss" if self.objective == "eval_loss" else "loss"
 
     @model_validator(mode="after")
     def _check(self) -> SweepSpec:
@@ -100,9 +138,15 @@ class SweepSpec(StrictModel):
             if self.trials is not None and self.trials > size:
                 raise ValueError(f"trials: {self.trials} is more than the grid's {size} combinations; give at most "
                                  f"{size} or leave trials out")
-        if self.objective == "eval_loss" and (not self.job.eval_split or self.job.eval_every is None):
-            raise ValueError("objective: eval_loss needs job.eval_split (held-out rows) and job.eval_every; set "
-                             "both, or objective: train_loss")
+        if self.objective != "train_loss" and (not self.job.eval_split or self.job.eval_every is None):
+            what = "eval_loss" if self.objective == "eval_loss" else "a generation metric"
+            raise ValueError(f"objective: {what} needs job.eval_split (held-out rows) and job.eval_every; set "
+                             "both" + (", or objective: train_loss" if what == "eval_loss" else ""))
+        if isinstance(self.objective, GenerationEval):
+            self._objective_into_job(self.objective)
+        if self.stopping is not None and self.stopping.predictive is not None and self.mode == "max":
+            raise ValueError("stopping.predictive forecasts a falling loss curve; with a generation metric as the "
+                             "objective use stopping.asha")
         if self.stopping is not None and self.stopping.predictive is not None and self.job.max_steps is None:
             raise ValueError("stopping.predictive: a forecast is made for the trials' last step; give job.max_steps")
         if self.stopping is not None and self.stopping.asha is not None:
@@ -112,6 +156,18 @@ class SweepSpec(StrictModel):
                 raise ValueError(f"stopping.asha.grace_steps: {self.stopping.asha.grace_steps} is past job.max_steps "
                                  f"{self.job.max_steps}; give fewer")
         return self
+
+    def _objective_into_job(self, objective: GenerationEval) -> None:
+        """Every trial scores the generation metric at its evaluations: the job's eval_generate is the objective."""
+        if self.job.eval_generate is not None and self.job.eval_generate != objective:
+            raise ValueError("job.eval_generate differs from the sweep's objective metric; leave it out of the job "
+                             "(the sweep sets it from objective)")
+        if self.job.method != "sft":
+            raise ValueError(f"objective: a generation metric scores an sft job's target text; job.method is "
+                             f"{self.job.method} (use objective: eval_loss)")
+        raw = self.job.model_dump(exclude_unset=True, mode="json")
+        raw["eval_generate"] = objective.model_dump(mode="json", exclude_unset=True)
+        object.__setattr__(self, "job", JobSpec(**raw))
 
     def parsed_space(self) -> dict[str, Dimension]:
         return parse_space(self.space)

@@ -2,12 +2,13 @@
 
 A poll starts the trials `actors/service/sweep_run.py` says may start (at most `max_concurrent` at once: they
 share fused steps with each other and any other job on the trainers), reads each running trial's progress
-(its eval losses, or its train losses with `objective: train_loss`), hands each new objective to the sweep
-(successive halving, the forecast rule, the searcher) and cancels a trial it stops; a trial's slot goes to the
-next one as soon as it ends. The sweep's state (its trials, the stopping rules' records, the searcher's state
-and which job each trial is) is written to its state file after every change, so a driver built again on
-that file (a restarted scheduler) carries on where it stopped: finished trials are left alone, a trial whose
-job the service still has is followed again, a trial started but lost is started again."""
+(its eval losses, its train losses with `objective: train_loss`, or its generation metric's scores), hands each
+new objective to the sweep (successive halving, the forecast rule, the searcher) and cancels a trial it stops;
+a trial's slot goes to the next one as soon as it ends. The sweep's state (its trials, the stopping rules'
+records, the searcher's state and which job each trial is) is written to its state file after every change,
+so a driver built again on that file (a restarted scheduler) carries on where it stopped: finished trials are
+left alone, a trial whose job the service still has is followed again, a trial started but lost is started
+again."""
 
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ class SweepDriver:
 
     def _objectives(self, job_id: str) -> list[tuple[int, float]]:
         rows = self.jobs.losses(job_id)
-        column = "eval_loss" if self.spec.objective == "eval_loss" else "loss"
+        column = self.spec.objective_column
         return sorted((int(row["step"]), float(row[column])) for row in rows if row.get(column) is not None)
 
     def curves(self) -> dict[str, list[tuple[int, float]]]:

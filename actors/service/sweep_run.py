@@ -7,7 +7,8 @@ starts, so a model-based searcher learns from the trials before it), tells it ea
 once) and how each trial ended (`ended`); the searcher hears both. `state_dict()` is JSON and
 `SweepRun.restore(spec, state)` carries on from it with the same decisions an uninterrupted sweep makes (the
 halving's records and the searcher's state go with it), so a sweep survives what its driver survives. The
-objective of a trial is its last reported one (its final adapter's), minimised (`eval_loss`, `train_loss`)."""
+objective of a trial is its last reported one (its final adapter's), minimised (`eval_loss`, `train_loss`) or
+maximised (a generation metric's score: the spec's `mode`)."""
 
 from __future__ import annotations
 
@@ -41,14 +42,14 @@ class SweepRun:
     def __init__(self, spec: SweepSpec, searcher: Searcher | None = None):
         self.spec = spec
         self.searcher = searcher or build_searcher(spec.search, spec.parsed_space(), trials=spec.trials,
-                                                   seed=spec.seed, options=spec.search_options)
+                                                   seed=spec.seed, options=spec.search_options, mode=spec.mode)
         self.total = spec.trials if spec.trials is not None else len(spec.trial_settings())
         self.finished = False              # the searcher has nothing more to suggest
         self.jobs: dict[str, JobSpec] = {}
         self.trials: dict[str, Trial] = {}   # the trials suggested so far, in trial order
         asha = spec.stopping.asha if spec.stopping is not None else None
         self.halving = None if asha is None else SuccessiveHalving(
-            grace_steps=asha.grace_steps, max_steps=spec.job.max_steps or 0, reduction=asha.reduction, mode="min")
+            grace_steps=asha.grace_steps, max_steps=spec.job.max_steps or 0, reduction=asha.reduction, mode=spec.mode)
         predictive = spec.stopping.predictive if spec.stopping is not None else None
         self.forecast = None if predictive is None else TrialForecast(
             max_steps=spec.job.max_steps or 0, min_delta=predictive.min_delta, min_points=predictive.min_points)
@@ -132,10 +133,12 @@ class SweepRun:
 
     # -- results ----------------------------------------------------------------------------------
     def leaderboard(self) -> dict[str, Any]:
-        """`{"trials": [...], "best": NAME | None}`: trials with an objective first, best (lowest) first; the
-        best is the best completed trial (a stopped one's objective is from fewer steps)."""
+        """`{"trials": [...], "best": NAME | None}`: trials with an objective first, best first (the lowest
+        loss, the highest score); the best is the best completed trial (a stopped one's objective is from fewer
+        steps)."""
+        sign = -1.0 if self.spec.mode == "max" else 1.0
         ordered = sorted(self.trials.values(), key=lambda t: (t.objective is None or math.isnan(t.objective),
-                                                              t.objective if t.objective is not None else 0.0))
+                                                              sign * t.objective if t.objective is not None else 0.0))
         completed = [t for t in ordered if t.state == "completed" and t.objective is not None
                      and not math.isnan(t.objective)]
         return {"trials": [asdict(t) for t in ordered], "best": completed[0].name if completed else None}

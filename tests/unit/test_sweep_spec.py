@@ -80,8 +80,31 @@ def test_a_grid_is_every_combination_in_order():
     ({"job": {**JOB, "eval_split": 0}}, "objective: eval_loss needs job.eval_split"),
     ({"stopping": {"asha": {"grace_steps": 500}}}, "stopping.asha.grace_steps: 500 is past job.max_steps 400"),
     ({"job": {**JOB, "max_steps": None, "epochs": 1}}, "stopping.asha: successive halving counts optimizer steps"),
+    ({"objective": "exact_match"}, "'exact_match' is a generation metric: write objective: {metric: exact_match}"),
+    ({"objective": "accuracy"}, "'accuracy' is not an objective: give eval_loss, train_loss or {metric: ...}"),
+    ({"objective": {"metric": "regex"}}, "metric regex needs `pattern`"),
+    ({"objective": {"metric": "contains", "max_new_tokens": 0}},
+     "objective.max_new_tokens\n  must be between 1 and 4096 (got 0)"),
+    ({"objective": {"metric": "contains"}, "job": {**JOB, "eval_every": None}},
+     "objective: a generation metric needs job.eval_split (held-out rows) and job.eval_every; set both"),
+    ({"objective": {"metric": "contains"}, "stopping": {"predictive": {}}},
+     "stopping.predictive forecasts a falling loss curve; with a generation metric as the objective use "
+     "stopping.asha"),
+    ({"objective": {"metric": "contains"}, "job": {**JOB, "eval_generate": {"metric": "exact_match"}}},
+     "job.eval_generate differs from the sweep's objective metric"),
 ])
 def test_mistakes_are_refused_naming_the_field(changes, message):
     with pytest.raises(ValidationError) as error:
         sweep(**changes)
     assert message in str(error.value), str(error.value)
+
+
+def test_a_generation_metric_is_every_trials_eval_generate_and_is_maximised():
+    spec = sweep(objective={"metric": "regex", "pattern": r"(\d+)", "max_new_tokens": 16})
+    assert spec.mode == "max" and spec.objective_column == "eval_score"
+    for job in spec.trial_jobs():
+        assert job.eval_generate == spec.objective
+    again = SweepSpec(**spec.model_dump(mode="json"))   # its saved state reads back the same
+    assert again == spec
+    assert sweep().mode == "min" and sweep().objective_column == "eval_loss"
+    assert sweep(objective="train_loss").objective_column == "loss"

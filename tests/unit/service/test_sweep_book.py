@@ -44,7 +44,10 @@ class FakeJobs:
                 continue
             job["step"] += 2
             loss = 1.0 + abs(job["spec"].lr - 1e-3) * 100 + 1.0 / job["step"]
-            job["rows"].append({"step": job["step"], "loss": loss, "eval_loss": loss})
+            row = {"step": job["step"], "loss": loss, "eval_loss": loss}
+            if job["spec"].eval_generate is not None:   # a score that rises as the loss falls, as the table has it
+                row["eval_score"] = 1.0 / loss
+            job["rows"].append(row)
             if job["step"] >= job["spec"].max_steps:
                 job["state"] = "completed"
 
@@ -87,6 +90,22 @@ def test_a_sweep_runs_to_its_end_and_a_failing_one_stops_alone(tmp_path):
     board = json.loads((tmp_path / "b" / "good" / "leaderboard.json").read_text())
     assert board == {"trials": good["trials"], "best": "qa-t0"}
     assert (tmp_path / "b" / "good" / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_generation_objective_is_read_from_the_trials_scores_and_maximised(tmp_path):
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    scored = SweepSpec(**{**spec("scored", tmp_path).model_dump(mode="json"),
+                          "objective": {"metric": "contains", "max_new_tokens": 8}})
+    book.add(scored)
+    run(book, jobs)
+    status = book.status("scored")
+    assert status["state"] == "done" and status["best"] == "qa-t0"
+    by_name = {t["name"]: t for t in status["trials"]}
+    for job in jobs.jobs.values():   # each trial's objective is its last score, each trial scored its generations
+        assert job["spec"].eval_generate == scored.objective
+        assert by_name[job["spec"].name]["objective"] == job["rows"][-1]["eval_score"]
+    assert [t["name"] for t in status["trials"]] == ["qa-t0", "qa-t1", "qa-t2"]   # the highest score first
 
 
 def test_a_damaged_state_file_is_that_sweeps_alone_and_a_rebuilt_book_carries_on(tmp_path):

@@ -30,7 +30,12 @@ def planted_loss(settings: dict, step: int) -> float:
                                                                                   else 0.0)
 
 
-def drive(run: SweepRun, rounds: int | None = None) -> list[int]:
+def planted_score(settings: dict, step: int) -> float:
+    """A generation metric's score (maximised): higher the lower the planted loss."""
+    return 1.0 - planted_loss(settings, step) / 4
+
+
+def drive(run: SweepRun, rounds: int | None = None, measure=planted_loss) -> list[int]:
     """Advance every running trial by eval_every steps a round; returns the running counts seen."""
     seen, steps = [], {}
     for trial in run.trials.values():
@@ -43,7 +48,7 @@ def drive(run: SweepRun, rounds: int | None = None) -> list[int]:
         seen.append(len(running))
         for trial in running:
             steps[trial.name] += JOB["eval_every"]
-            run.report(trial.name, steps[trial.name], planted_loss(trial.settings, steps[trial.name]))
+            run.report(trial.name, steps[trial.name], measure(trial.settings, steps[trial.name]))
             if trial.state == "running" and steps[trial.name] >= JOB["max_steps"]:
                 run.ended(trial.name, "completed", steps[trial.name])
         rounds = None if rounds is None else rounds - 1
@@ -65,6 +70,22 @@ def test_a_sweep_finds_the_planted_best_and_stops_the_weak():
     assert set(states.values()) <= {"completed", "stopped"} and run.done
     assert board["trials"][0]["name"] == expected.name                         # best first
     assert set(board["trials"][0]) == {"name", "settings", "state", "objective", "steps", "stopped_because"}
+
+
+def test_a_generation_metric_is_maximised_by_halving_and_leaderboard():
+    run = SweepRun(spec(objective={"metric": "exact_match"}))
+    drive(run, measure=planted_score)
+    board = run.leaderboard()
+    expected = max(run.trials.values(), key=lambda t: planted_score(t.settings, 90))
+    assert board["best"] == expected.name == board["trials"][0]["name"]
+    objectives = [t["objective"] for t in board["trials"]]
+    assert objectives == sorted(objectives, reverse=True)                      # highest first
+    stopped = [t for t in board["trials"] if t["state"] == "stopped"]
+    assert stopped and all(">=" in t["stopped_because"] for t in stopped)
+    # the same decisions as the loss it mirrors: the score is a falling function of that loss
+    mirrored = SweepRun(spec())
+    drive(mirrored)
+    assert [t["name"] for t in mirrored.leaderboard()["trials"]] == [t["name"] for t in board["trials"]]
 
 
 def test_a_restored_sweep_ends_as_an_uninterrupted_one():

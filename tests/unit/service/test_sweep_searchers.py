@@ -40,6 +40,19 @@ def test_optunas_study_holds_the_settings_and_objectives_the_leaderboard_shows()
         return abs(math.log10(trial.params["lr"] / BEST_LR))
     assert statistics.median(map(distance, study.trials[14:])) < statistics.median(map(distance, study.trials[:10]))
 
+def test_optuna_maximises_a_generation_metric():
+    from tests.unit.service.test_sweep_run import planted_score
+
+    run = SweepRun(spec(search="optuna", trials=12, objective={"metric": "contains"}))
+    drive(run, measure=planted_score)
+    study = run.searcher.searcher._ot_study
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE
+    board = run.leaderboard()
+    told = {tuple(sorted(t.params.items())): t.value for t in study.trials}
+    assert told == {tuple(sorted(t["settings"].items())): t["objective"] for t in board["trials"]}
+    assert study.best_trial.params == next(t["settings"] for t in board["trials"] if t["name"] == board["best"])
+
+
 def test_a_sweep_with_optuna_restored_halfway_ends_as_an_uninterrupted_one():
     whole = SweepRun(spec(search="optuna", trials=12))
     drive(whole)

@@ -8,7 +8,7 @@ client in this process.
     GET  /v1/jobs[?state=...]     every job (or those in the given states)
     GET  /v1/jobs/{job}           one job (by id, or by a name only one job has)
     POST /v1/jobs/{job}/cancel    also /pause and /resume: the job's record after it
-    GET  /v1/jobs/{job}/losses    one row per optimizer step (step, loss, tokens, lr, grad_norm, eval_loss)
+    GET  /v1/jobs/{job}/losses    one row per optimizer step (step, loss, tokens, lr, grad_norm, eval_loss, eval_score)
     GET  /v1/jobs/{job}/transitions   its state history (time, state, reason)
     POST /v1/sweeps               a sweep file (JSON or YAML): 201 with the sweep's status; the service runs it
     GET  /v1/sweeps[/{name}]      every sweep, or one: its state, trials (leaderboard) and best trial
@@ -269,7 +269,8 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
 
     @api.get("/jobs/{job}/losses", response_model=list[LossRow], tags=["jobs"])
     def losses(job: str) -> Any:
-        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss (where evaluated), time."""
+        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss and eval_score (where evaluated),
+        time."""
         return call_service(link, lambda client: client.losses(job))
 
     @api.get("/jobs/{job}/transitions", response_model=list[Transition], tags=["jobs"])

@@ -59,6 +59,7 @@ jobs:
 # trained up to four times (the run, its resumption, the reference, --overwrite), so fewer steps is most
 # of these tests' time.
 STEPS = 60
+OVERWRITE_STEPS = 20   # the run started over with --overwrite: only that it starts over, on the files as they are
 KILLED_STEPS = 40   # SIGKILL reaches at once (no checkpoint on the way out): 5 time-based checkpoints + margin
 
 
@@ -165,7 +166,8 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
         in err and "--overwrite" in err, err
     assert "job 'first'" not in err and "Traceback" not in err, err
 
-    write_run(tmp_path, base, lr="2.0e-3")           # a change that makes the old results wrong
+    # a change that makes the old results wrong (fewer steps too: the run with --overwrite below trains them all)
+    write_run(tmp_path, base, lr="2.0e-3", steps=OVERWRITE_STEPS)
     change_a_row(tmp_path / "data" / "second.jsonl")
     code, out, err = run(tmp_path, env=NO_RAY)
     assert code == 2, (code, out, err)
@@ -178,7 +180,7 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
     code, out, err = run(tmp_path, "--overwrite")
     assert code == 0, (out, err)
     for name in ("first", "second"):
-        assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, OVERWRITE_STEPS + 1))
     assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != adapter   # trained again, at 2e-3
     assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() != second   # and on the changed row
     assert_like_undisturbed(tmp_path, base)   # each as an undisturbed run on the files as they are now

@@ -92,6 +92,7 @@ class LossRow(BaseModel):
     lr: float | None = None
     grad_norm: float | None = None
     eval_loss: float | None = None
+    eval_score: float | None = None   # the job's eval_generate metric, where it has one
     time: float
 
 

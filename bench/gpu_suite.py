@@ -15,6 +15,9 @@ recorded in the report, its processes killed, and the suite goes on with the nex
   mfu         bench/lora_mfu.py --parts mfu: LoRA-MFU of 4 jobs fused on a Llama-3.1-8B-shaped base (random bf16
               weights), beside PEFT one job at a time in its own process
   fusion8b    bench/lora_mfu.py --parts fusion: fusion efficiency 1..32 adapters on that base
+  sweep       bench/sweep.py --device cuda: an aspen sweep against Ray Tune + PEFT (a quarter GPU per trial), 8
+              trials 4 at once: trials per hour, host and GPU memory peaks, best objective (needs Ray, and
+              ../shared/data's GSM8K rows)
   pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer against the single-device trainer (two GPUs:
               NCCL between them; one GPU: both stages on it, tensors by CUDA IPC); then each stage's memory
               model against CUDA's counters (bench/pipeline.py --memory-only --device cuda)
@@ -52,7 +55,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft", "compile", "mfu", "fusion8b", "pipeline")
+PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft", "compile", "mfu", "fusion8b", "pipeline",
+         "sweep")
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 4000   # characters of each part's output kept in the report
 
@@ -94,6 +98,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
         "mfu": [[py, "bench/lora_mfu.py", "--parts", "mfu", *shape, "--json", str(out / "mfu.json")]],
         "fusion8b": [[py, "bench/lora_mfu.py", "--parts", "fusion", *shape, "--json", str(out / "fusion8b.json")]],
+        "sweep": [[py, "bench/sweep.py", "--device", "cuda" if torch.cuda.is_available() else "cpu",
+                   *(["--steps", "8"] if args.quick else []), "--json", str(out / "sweep.json")]],
         "pipeline": [[py, "bench/pipeline_check.py"], [py, "bench/pipeline.py", "--memory-only", "--device", "cuda"]],
         "compile": [[py, "bench/compile_step.py", "--base-model", args.base_model,
                      *(["--warmup", "6", "--steps", "4"] if args.quick else []), "--json", str(out / "compile.json")]],
@@ -197,6 +203,9 @@ def key_numbers(out: Path) -> dict:
         numbers["lora_mfu"] = mfu["mfu"]["aspen"]["lora_mfu"]
         numbers["lora_tokens_per_s"] = round(mfu["mfu"]["aspen"]["tokens_per_s"])
         numbers["lora_aspen_over_peft"] = round(mfu["mfu"]["versus_peft"], 3)
+    sweep = _json(out / "sweep.json")
+    if sweep:
+        numbers["sweep"] = {k: sweep.get(k) for k in ("trials_per_hour_ratio", "peak_memory_ratio", "gpu_memory_ratio")}
     fusion8b = _json(out / "fusion8b.json")
     if fusion8b and fusion8b.get("fusion"):
         numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["fusion"]["efficiency"].items()}

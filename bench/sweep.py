@@ -12,7 +12,12 @@ loss over the same held-out rows: the mean over their target tokens on both side
 34, on CPU at 4+ concurrent trials): >= 2x trials per hour, <= 0.3x peak memory, the best objective equal
 within noise.
 
-    .venv/bin/python bench/sweep.py [--steps 24] [--eval-every 4] [--json FILE]
+On a CUDA machine (the GPU suite's `sweep` part) both sides train there in bfloat16 (aspen's `dtype: auto`):
+the aspen side on its service's one trainer, the Ray Tune side with a quarter of the GPU per trial
+(`resources: gpu 1/4`, as Ray Tune users share a GPU); the peak memory is then also the GPU's (the sum of
+every process's use, `nvidia-smi`, sampled with the host memory). Both sides need Ray (`ray[tune]`).
+
+    .venv/bin/python bench/sweep.py [--steps 24] [--eval-every 4] [--device auto|cpu|cuda] [--json FILE]
 """
 
 from __future__ import annotations
@@ -45,15 +50,29 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+def gpu_used_bytes() -> int | None:
+    """The GPU memory every process uses now (nvidia-smi's compute apps), None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return sum(int(line) for line in out.stdout.split() if line.strip().isdigit()) * 2**20
+
+
 class TreeMemory:
     """The peak of the summed resident memory of every process created after `since` (the side's command,
-    its children and the Ray processes it started, which Ray reparents)."""
+    its children and the Ray processes it started, which Ray reparents); with `gpu`, also the peak of the
+    GPU memory all processes use."""
 
-    def __init__(self, since: float, skip: set[int]):
+    def __init__(self, since: float, skip: set[int], gpu: bool = False):
         import psutil
 
-        self.psutil, self.since, self.skip = psutil, since, skip
+        self.psutil, self.since, self.skip, self.gpu = psutil, since, skip, gpu
         self.peak = 0
+        self.gpu_peak = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -68,6 +87,8 @@ class TreeMemory:
                 if info["memory_info"] is not None:
                     total += info["memory_info"].rss
             self.peak = max(self.peak, total)
+            if self.gpu:
+                self.gpu_peak = max(self.gpu_peak, gpu_used_bytes() or 0)
             self.stopping.wait(0.5)
 
     def stop(self) -> int:
@@ -112,7 +133,7 @@ def tune_plan(folder: Path, sweep_path: Path, args: argparse.Namespace) -> Path:
     pad = next((int(t) for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     plan = {"model_path": str(source.path), "pad": pad, "batches": batches, "eval": evals, "lrs": LRS, "ranks": RANKS,
             "alpha": ALPHA, "targets": TARGETS, "steps": args.steps, "eval_every": args.eval_every,
-            "grace": args.grace, "concurrent": CONCURRENT, "storage": str(folder / "tune")}
+            "grace": args.grace, "concurrent": CONCURRENT, "storage": str(folder / "tune"), "device": args.device}
     path = folder / "plan.json"
     path.write_text(json.dumps(plan))
     return path
@@ -134,7 +155,9 @@ def tune_side(plan_path: Path) -> dict:
 
         torch.set_num_threads(1)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(plan["model_path"], dtype=torch.float32)
+        device = torch.device(plan["device"])
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # aspen's dtype: auto
+        model = AutoModelForCausalLM.from_pretrained(plan["model_path"], dtype=dtype).to(device)
         model = get_peft_model(model, LoraConfig(r=config["r"], lora_alpha=plan["alpha"], lora_dropout=0.0,
                                                  target_modules=plan["targets"], bias="none", task_type="CAUSAL_LM"))
         parameters = [p for p in model.parameters() if p.requires_grad]
@@ -148,7 +171,7 @@ def tune_side(plan_path: Path) -> dict:
             for row, (tokens, targets) in enumerate(batch):
                 ids[row, :len(tokens)], mask[row, :len(tokens)] = torch.tensor(tokens), 1
                 labels[row, :len(tokens)] = torch.tensor(targets)
-            return ids, mask, labels
+            return ids.to(device), mask.to(device), labels.to(device)
 
         @torch.no_grad()
         def eval_loss() -> float:
@@ -156,7 +179,7 @@ def tune_side(plan_path: Path) -> dict:
             total, count = 0.0, 0
             for start in range(0, len(plan["eval"]), 8):
                 ids, mask, labels = padded(plan["eval"][start:start + 8])
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
                 targets = labels[:, 1:]
                 losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                                            ignore_index=-100, reduction="sum")
@@ -178,7 +201,10 @@ def tune_side(plan_path: Path) -> dict:
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
     scheduler = ASHAScheduler(time_attr="training_iteration", max_t=plan["steps"] // plan["eval_every"],
                               grace_period=plan["grace"], reduction_factor=2, stop_last_trials=True)
-    tuner = tune.Tuner(tune.with_resources(trainable, {"cpu": 2 / plan["concurrent"]}),
+    resources = {"cpu": 2 / plan["concurrent"]}
+    if plan["device"] == "cuda":
+        resources["gpu"] = 1 / plan["concurrent"]
+    tuner = tune.Tuner(tune.with_resources(trainable, resources),
                        param_space={"lr": tune.grid_search(plan["lrs"]), "r": tune.grid_search(plan["ranks"])},
                        tune_config=tune.TuneConfig(metric="eval_loss", mode="min", scheduler=scheduler,
                                                    max_concurrent_trials=plan["concurrent"]),
@@ -197,9 +223,9 @@ def tune_side(plan_path: Path) -> dict:
 
 # -- the parent -----------------------------------------------------------------------------------------------
 
-def run_side(command: list[str], folder: Path) -> tuple[dict, float, int]:
+def run_side(command: list[str], folder: Path, gpu: bool = False) -> tuple[dict, float, int, int]:
     started = time.time()
-    memory = TreeMemory(started - 0.01, skip={os.getpid()})
+    memory = TreeMemory(started - 0.01, skip={os.getpid()}, gpu=gpu)
     environment = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}   # a Ray of its own
     process = subprocess.run(command, cwd=folder, capture_output=True, text=True, env=environment)
     wall = time.time() - started
@@ -208,8 +234,9 @@ def run_side(command: list[str], folder: Path) -> tuple[dict, float, int]:
         raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{process.stderr[-4000:]}")
     text = process.stdout
     if command[-1] == "--json":   # the leaderboard: the last top-level JSON object printed
-        return json.loads(text[text.rindex("\n{\n") + 1:] if "\n{\n" in text else text), wall, peak
-    return json.loads(text[text.rindex(RESULT) + len(RESULT):]), wall, peak
+        return (json.loads(text[text.rindex("\n{\n") + 1:] if "\n{\n" in text else text), wall, peak,
+                memory.gpu_peak)
+    return json.loads(text[text.rindex(RESULT) + len(RESULT):]), wall, peak, memory.gpu_peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,14 +246,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace", type=int, default=1, help="ASHA's grace period in evaluations (default 1)")
     parser.add_argument("--side", choices=["tune"], help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where both sides train (auto: cuda when there is one)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.side == "tune":
         print(RESULT + json.dumps(tune_side(args.plan)), flush=True)
         return 0
     if not DATA.is_file():
         log(f"{DATA} is missing: the benchmark trains on GSM8K rows")
         return 2
+    try:
+        import ray  # noqa: F401  (both sides: aspen's service and Ray Tune)
+    except ImportError:
+        log("Ray is not installed here: both sides of this benchmark need it (pip install 'ray[tune]')")
+        return 2
+    gpu = args.device == "cuda"
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:
         folder = Path(tmp)
         sweep_path = sweep_file(folder, args)
@@ -234,17 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         trials = len(LRS) * len(RANKS)
         log(f"{trials} trials (lr {LRS} x r {RANKS}), {args.steps} steps, eval every {args.eval_every} on "
             f"{EVAL_ROWS} rows, ASHA grace {args.grace} evaluation(s), reduction 2, {CONCURRENT} at once")
-        aspen, aspen_wall, aspen_peak = run_side([sys.executable, "-m", "orchestrator.cli", "sweep", "sweep.yaml",
-                                                  "--json"], folder)
+        aspen, aspen_wall, aspen_peak, aspen_gpu = run_side([sys.executable, "-m", "orchestrator.cli", "sweep",
+                                                             "sweep.yaml", "--json"], folder, gpu)
         aspen_best = next(t for t in aspen["trials"] if t["name"] == aspen["best"])
         log(f"aspen sweep: {aspen_wall:.0f} s, peak {aspen_peak / 2**30:.2f} GiB, best {aspen_best['objective']:.4f} "
             f"{aspen_best['settings']}")
-        tune_result, tune_wall, tune_peak = run_side([sys.executable, str(Path(__file__).resolve()), "--side", "tune",
-                                                      "--plan", str(plan_path)], folder)
+        tune_command = [sys.executable, str(Path(__file__).resolve()), "--side", "tune", "--plan", str(plan_path)]
+        tune_result, tune_wall, tune_peak, tune_gpu = run_side(tune_command, folder, gpu)
         tune_best = tune_result["best"]
         log(f"Ray Tune + PEFT: {tune_wall:.0f} s, peak {tune_peak / 2**30:.2f} GiB, best "
             f"{tune_best['objective']:.4f} {tune_best['settings']}")
-    result = {"trials": trials, "steps": args.steps,
+    result = {"trials": trials, "steps": args.steps, "device": args.device,
               "aspen": {"wall_s": round(aspen_wall, 1), "trials_per_hour": round(trials / aspen_wall * 3600, 1),
                         "peak_bytes": aspen_peak, "best": aspen_best,
                         "stopped": sum(t["state"] == "stopped" for t in aspen["trials"])},
@@ -253,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                             "stopped": sum(t["steps"] != args.steps for t in tune_result["trials"])}}
     result["trials_per_hour_ratio"] = round(tune_wall / aspen_wall, 2)
     result["peak_memory_ratio"] = round(aspen_peak / tune_peak, 2)
+    if gpu:
+        result["aspen"]["gpu_peak_bytes"], result["tune_peft"]["gpu_peak_bytes"] = aspen_gpu, tune_gpu
+        result["gpu_memory_ratio"] = round(aspen_gpu / tune_gpu, 2) if tune_gpu else None
+        log(f"GPU memory peak: aspen {aspen_gpu / 2**30:.2f} GiB, Ray Tune + PEFT {tune_gpu / 2**30:.2f} GiB")
     log(f"aspen / Ray Tune + PEFT: trials per hour {result['trials_per_hour_ratio']}x (goal >= 2), peak memory "
         f"{result['peak_memory_ratio']}x (goal <= 0.3); best eval loss {aspen_best['objective']:.4f} vs "
         f"{tune_best['objective']:.4f}; stopped early {result['aspen']['stopped']} vs {result['tune_peft']['stopped']}")

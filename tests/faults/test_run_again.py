@@ -166,8 +166,7 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
         in err and "--overwrite" in err, err
     assert "job 'first'" not in err and "Traceback" not in err, err
 
-    # a change that makes the old results wrong (fewer steps too: the run with --overwrite below trains them all)
-    write_run(tmp_path, base, lr="2.0e-3", steps=OVERWRITE_STEPS)
+    write_run(tmp_path, base, lr="2.0e-3")           # a change that makes the old results wrong
     change_a_row(tmp_path / "data" / "second.jsonl")
     code, out, err = run(tmp_path, env=NO_RAY)
     assert code == 2, (code, out, err)
@@ -177,6 +176,8 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
     assert "Traceback" not in err
 
     second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
+    write_run(tmp_path, base, lr="2.0e-3", steps=OVERWRITE_STEPS)   # fewer steps: what counts is that they start over
+    change_a_row(tmp_path / "data" / "second.jsonl")                # (writing the run wrote the data files again)
     code, out, err = run(tmp_path, "--overwrite")
     assert code == 0, (out, err)
     for name in ("first", "second"):

@@ -338,8 +338,8 @@ class SchedulerJobs:
     def __init__(self, scheduler: SchedulerActor):
         self.scheduler = scheduler
 
-    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str) -> str:
-        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir)
+    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
+        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
         return self.scheduler.core.submit_many([submission])[0].id
 
     def status(self, job_id: str) -> JobRecord:

@@ -86,7 +86,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from orchestrator.http_api import serve
 
         ray.shutdown()   # the service is detached; the API reaches it from a process of its own (http_bridge)
-        serve(address=args.address, host=args.http_host, port=args.http_port)
+        serve(address=args.address, host=args.http_host, port=args.http_port, state_dir=info["state_dir"])
     return 0
 
 
@@ -94,7 +94,7 @@ def _cmd_http(args: argparse.Namespace) -> int:
     from orchestrator.http_api import serve
 
     serve(address=args.address, host=args.host, port=args.port, token_file=args.token_file,
-          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, state_dir=args.state_dir)
     return 0
 
 
@@ -505,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     http.add_argument("--token-file", help="the bearer token's file (default ~/.aspen/http-token, generated with mode "
                       "0600 where missing)")
+    http.add_argument("--state-dir", default="~/.aspen", help="the service's state folder: its users.json (`aspen user "
+                      "add`) and audit.jsonl (default ~/.aspen)")
     http.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     http.add_argument("--ssl-keyfile", help="and this private key (PEM)")
     http.set_defaults(handler=_cmd_http)
@@ -513,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     http_token.add_argument("--token-file", help="default ~/.aspen/http-token")
     http_token.add_argument("--rotate", action="store_true", help="replace it with a new token (restart `aspen http`)")
     http_token.set_defaults(handler=_cmd_http_token)
+
+    from orchestrator import users_cli
+
+    users_cli.add_parser(commands)
 
     losses = with_url(with_address(commands.add_parser("losses", help="a job's loss history: one row per optimizer "
                                                                     "step (loss, eval loss, lr, grad norm, tokens)")))

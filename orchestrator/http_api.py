@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import secrets
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -58,8 +57,11 @@ from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
 from actors.engine.spec import JobSpec, RunSpec
+from actors.service.audit import AuditLog
 from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
+from actors.service.users import UserBook, UsersFileError
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
+from orchestrator.http_users import Caller, Gate, find_job, find_sweep, visible
 from orchestrator.jobs_file import SpecError
 from orchestrator.service_calls import ServiceLink, call_service
 
@@ -166,28 +168,45 @@ def _request_body_schema() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_BYTES,
-               events_poll_s: float = EVENTS_POLL_S) -> FastAPI:
-    """The API over the service reached through `link`, for requests that carry `token`."""
+               events_poll_s: float = EVENTS_POLL_S, users: UserBook | None = None,
+               audit: AuditLog | None = None) -> FastAPI:
+    """The API over the service reached through `link`, for requests that carry `token` (while there is no
+    users file: an admin's) or a token of `users` (orchestrator/http_users.py); actions are written to
+    `audit` where given."""
     if len(token) < 16:
         raise ValueError("the API token is shorter than 16 characters; generate one with `aspen http-token --rotate`")
     app = FastAPI(title="aspen", version=API_VERSION,
                   description="Fine-tune many LoRA adapters at once on one shared base model: submit, follow and "
                               "cancel jobs of a running aspen service. Every /v1 endpoint but /v1/health needs "
                               "`Authorization: Bearer <token>` (`aspen http-token` prints it).")
-    bearer = HTTPBearer(auto_error=False, description="the token that `aspen http-token` prints")
-    expected = token.encode()
+    bearer = HTTPBearer(auto_error=False, description="your token (`aspen user add`), or, on a service without "
+                                                      "users, the one `aspen http-token` prints")
+    gate = Gate(token, users)
     submit_lock = threading.Lock()   # a name check and its submission are one step for this server
     parsers = anyio.CapacityLimiter(PARSE_THREADS)
 
     def require_token(request: Request,
-                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
         if credentials is None:
-            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <token>`; `aspen http-token` on the "
-                                     "service's machine prints the token", headers={"WWW-Authenticate": "Bearer"})
-        if not secrets.compare_digest(credentials.credentials.encode(), expected):
+            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <token>`; " + (
+                "`aspen user add NAME` on the service's machine issues one" if gate.has_users else
+                "`aspen http-token` on the service's machine prints the token"), headers={"WWW-Authenticate": "Bearer"})
+        try:
+            caller = gate.caller(credentials.credentials)
+        except UsersFileError as error:
+            raise HTTPException(503, f"the users file cannot be read: {error}") from None
+        if caller is None:
             log.warning("aspen http: a wrong token from %s", request.client.host if request.client else "?")
-            raise HTTPException(401, "wrong token (`aspen http-token` on the service's machine prints the right one)",
-                                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+            raise HTTPException(401, "wrong token (" + (
+                "removed, rotated, or never issued: `aspen user token NAME --rotate` issues a new one" if gate.has_users
+                else "`aspen http-token` on the service's machine prints the right one") + ")",
+                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+        request.state.caller = caller
+        return caller
+
+    def audited(caller: Caller, action: str, target: str, **details: Any) -> None:
+        if audit is not None:
+            audit.record(caller.name, action, target, **details)
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
@@ -231,7 +250,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                   "application/json": {"schema": body_schema},
                   "application/yaml": {"schema": {"type": "string", "description": "a jobs file, or one job's "
                                                                                    "fields, as YAML text"}}}}})
-    async def submit(request: Request) -> Any:
+    async def submit(request: Request, caller: Caller = Depends(require_token)) -> Any:
         """Submit one job (its fields, with base_model, quantization, dtype and output_dir beside them) or
         every job of a jobs file (`jobs: [...]`), all or none. Paths are the service's machine's: data as an
         absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
@@ -241,48 +260,62 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                                                     request.headers.get("content-type"), limiter=parsers)
 
         def enter(client: Any) -> list[JobRecord]:
-            submissions = submissions_from(data, text=text, output_root=client.info().get("output_root"))
+            submissions = [submission.model_copy(update={"user": caller.name}) for submission in
+                           submissions_from(data, text=text, output_root=client.info().get("output_root"))]
             with submit_lock:
                 names = {s.job.name for s in submissions}
                 held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
-                if held:
-                    raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}" for r in held)
+                if held:   # another user's job is not described: only that its name is taken
+                    raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}"
+                                                       if caller.sees(r.user) else
+                                                       f"job name '{r.name}' is held by another user's unfinished job"
+                                                       for r in held)
                                         + "; cancel it, wait for it to end, or choose another name")
-                return client.submit_records(submissions)
+                records = client.submit_records(submissions)
+            for record in records:
+                audited(caller, "job.submit", record.id, name=record.name)
+            return records
 
         records = await run_in_threadpool(call_service, link, enter)
         headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
     @api.get("/jobs", response_model=list[JobRecord], tags=["jobs"])
-    def jobs(state: list[str] | None = Query(None, description=STATE_FILTER)
-             ) -> Any:
-        """Every job (oldest first), or those in the given states (`?state=queued&state=running`)."""
+    def jobs(state: list[str] | None = Query(None, description=STATE_FILTER),
+             caller: Caller = Depends(require_token)) -> Any:
+        """Every job of yours (an admin: everyone's), oldest first, or those in the given states
+        (`?state=queued&state=running`)."""
         unknown = sorted(set(state or ()) - set(JOB_STATES))
         if unknown:
             raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
-        return call_service(link, lambda client: client.jobs(state or None))
+        return visible(call_service(link, lambda client: client.jobs(state or None)), caller)
 
     @api.get("/jobs/{job}", response_model=JobRecord, tags=["jobs"])
-    def status(job: str) -> Any:
-        """One job, by id or by a name that only one job has."""
-        return call_service(link, lambda client: client.status(job))
+    def status(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """One job of yours, by id or by a name that only one of your jobs has."""
+        return call_service(link, lambda client: find_job(client, caller, job))
 
     @api.get("/jobs/{job}/losses", response_model=list[LossRow], tags=["jobs"])
-    def losses(job: str) -> Any:
-        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss and eval_score (where evaluated),
-        time."""
-        return call_service(link, lambda client: client.losses(job))
+    def losses(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss and eval_score (where
+        evaluated), time."""
+        return call_service(link, lambda client: client.losses(find_job(client, caller, job).id))
 
     @api.get("/jobs/{job}/transitions", response_model=list[Transition], tags=["jobs"])
-    def transitions(job: str) -> Any:
+    def transitions(job: str, caller: Caller = Depends(require_token)) -> Any:
         """The job's state history, oldest first."""
-        return [Transition(time=when, state=state, reason=reason)
-                for when, state, reason in call_service(link, lambda client: client.transitions(client.status(job).id))]
+        rows = call_service(link, lambda client: client.transitions(find_job(client, caller, job).id))
+        return [Transition(time=when, state=state, reason=reason) for when, state, reason in rows]
 
     def job_verb(verb: str, what: str) -> None:
-        def act(job: str) -> Any:
-            return call_service(link, lambda client: getattr(client, verb)(job))
+        def act(job: str, caller: Caller = Depends(require_token)) -> Any:
+            def run(client: Any) -> JobRecord:
+                record = find_job(client, caller, job)
+                after = getattr(client, verb)(record.id)
+                audited(caller, f"job.{verb}", record.id, name=record.name)
+                return after
+
+            return call_service(link, run)
 
         act.__name__ = verb
         act.__doc__ = what
@@ -296,7 +329,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     @api.post("/sweeps", status_code=201, tags=["sweeps"],
               responses={422: {"model": ErrorBody, "description": "an invalid sweep; `detail` names each field"},
                          409: {"model": ErrorBody, "description": "a sweep of that name with other settings"}})
-    async def submit_sweep(request: Request) -> Any:
+    async def submit_sweep(request: Request, caller: Caller = Depends(require_token)) -> Any:
         """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
         the service's machine). The service runs it from now on; 201 with its status. The same sweep sent
         again answers with it (nothing new starts)."""
@@ -310,36 +343,63 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                 spec = sweep_spec_from(data, source="request", base_dir=None)
             except SpecError as error:
                 raise Refused(422, f"nothing was started:\n{error}") from None
-            return client.sweep(spec)
+            if spec.user not in (None, caller.name) and not caller.admin:
+                raise Refused(422, f"user: you submit as {caller.name}; leave user out (nothing was started)")
+            spec = spec.model_copy(update={"user": spec.user or caller.name})
+            held = [s for s in client.sweeps() if s["name"] == spec.name and not caller.sees(s.get("user"))]
+            if held:
+                raise Refused(409, f"sweep name '{spec.name}' is held by another user's sweep; choose another name")
+            status = client.sweep(spec)
+            audited(caller, "sweep.submit", spec.name)
+            return status
 
         status = await run_in_threadpool(call_service, link, start)
         return JSONResponse(status, status_code=201, headers={"Location": f"/v1/sweeps/{status['name']}"})
 
     @api.get("/sweeps", tags=["sweeps"])
-    def sweeps() -> Any:
-        """Every sweep of the service with its leaderboard."""
-        return call_service(link, lambda client: client.sweeps())
+    def sweeps(caller: Caller = Depends(require_token)) -> Any:
+        """Every sweep of yours (an admin: everyone's) with its leaderboard."""
+        return [s for s in call_service(link, lambda client: client.sweeps()) if caller.sees(s.get("user"))]
 
     @api.get("/sweeps/{name}", tags=["sweeps"])
-    def sweep_status(name: str) -> Any:
-        """One sweep: state (running, done, cancelled, failed), its trials (settings, state, objective, steps,
-        why stopped), the best trial."""
-        return call_service(link, lambda client: client.sweep_status(name))
+    def sweep_status(name: str, caller: Caller = Depends(require_token)) -> Any:
+        """One sweep of yours: state (running, done, cancelled, failed), its trials (settings, state, objective,
+        steps, why stopped), the best trial."""
+        return call_service(link, lambda client: find_sweep(client, caller, name))
 
     @api.post("/sweeps/{name}/cancel", tags=["sweeps"])
-    def cancel_sweep(name: str) -> Any:
+    def cancel_sweep(name: str, caller: Caller = Depends(require_token)) -> Any:
         """Start no more trials of the sweep and cancel its running ones."""
-        return call_service(link, lambda client: client.cancel_sweep(name))
+        def run(client: Any) -> dict[str, Any]:
+            find_sweep(client, caller, name)
+            status = client.cancel_sweep(name)
+            audited(caller, "sweep.cancel", name)
+            return status
+
+        return call_service(link, run)
+
+    @api.get("/audit", tags=["service"], responses={403: {"model": ErrorBody, "description": "not an admin"}})
+    def audit_rows(user: str | None = Query(None, description="only this user's actions"),
+                   after: float | None = Query(None, description="only actions after this time (seconds since "
+                                                                 "the epoch)"),
+                   caller: Caller = Depends(require_token)) -> Any:
+        """The audit log (admins only): one row per action (time, user, action, target, details), oldest first."""
+        if not caller.admin:
+            raise HTTPException(403, "the audit log is for admins (`aspen user add NAME --admin`)")
+        if audit is None:
+            return []
+        return audit.rows(user=user, after=after)
 
     def event_start(job: str | None = Query(None, description="only this job (id or name)"),
                     last_event_id: str | None = Header(None, description="resume after this event (the `id` of the "
-                                                                         "last event received)")) -> EventStart:
+                                                                         "last event received)"),
+                    caller: Caller = Depends(require_token)) -> EventStart:
         """Where a stream starts, checked before it opens (an unknown job is a 404, a service that does not
         answer a 503, not an event)."""
         if last_event_id is not None and not last_event_id.strip().isdigit():
             raise HTTPException(422, f"Last-Event-ID {last_event_id!r} is not an event id of this stream (a whole "
                                      "number)")
-        key = call_service(link, lambda client: client.status(job).id) if job else None
+        key = call_service(link, lambda client: find_job(client, caller, job).id) if job else None
         if last_event_id is not None:
             return EventStart(key, int(last_event_id), None)
         after, _ = call_service(link, lambda client: client.transitions_after(None))
@@ -347,8 +407,8 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
 
     @api.get("/events", response_class=EventSourceResponse, tags=["events"])
     async def events(request: Request, start: EventStart = Depends(event_start),
-                     progress: bool = Query(False, description="also an event per optimizer step of running jobs")
-                     ) -> AsyncIterator[ServerSentEvent]:
+                     progress: bool = Query(False, description="also an event per optimizer step of running jobs"),
+                     caller: Caller = Depends(require_token)) -> AsyncIterator[ServerSentEvent]:
         """Server-sent events. Without Last-Event-ID first a `snapshot` (every job), then a `transition` per
         job state change (`id`: its number in the job table; reconnecting with Last-Event-ID sends every
         transition since), `progress` per step with ?progress=true, and `error` while the service does not
@@ -356,8 +416,9 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         key, after = start.job, start.after
         states = {r.id: r.state for r in start.records or ()}
         steps = {r.id: r.step for r in start.records or ()}
+        owners = {r.id: r.user for r in start.records or ()}   # a user's stream carries their own jobs only
         if start.records is not None:
-            shown = [r for r in start.records if key in (None, r.id)]
+            shown = [r for r in visible(start.records, caller) if key in (None, r.id)]
             yield ServerSentEvent(event="snapshot", id=str(after), data={"jobs": shown, "seq": after})
         failing = False
         while not await request.is_disconnected():
@@ -376,14 +437,21 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
             if failing:
                 yield ServerSentEvent(event="error", data={"detail": None, "recovered": True})
                 failing = False
+            if not caller.admin and any(row["job"] not in owners for row in rows):   # jobs new to this stream
+                try:
+                    listing = await run_in_threadpool(call_service, link, lambda client: client.jobs())
+                except HTTPException:
+                    await asyncio.sleep(max(events_poll_s, 1.0))
+                    continue   # the same rows again next time (`after` has not moved)
+                owners.update({r.id: r.user for r in listing})
             for row in rows:
                 after = row["seq"]
                 previous = states.get(row["job"])
                 states[row["job"]] = row["state"]
-                if key in (None, row["job"]):
+                if key in (None, row["job"]) and caller.sees(owners.get(row["job"])):
                     yield ServerSentEvent(event="transition", id=str(row["seq"]), data={**row, "previous": previous})
             for record in running:
-                if key in (None, record.id) and steps.get(record.id) != record.step:
+                if key in (None, record.id) and caller.sees(record.user) and steps.get(record.id) != record.step:
                     steps[record.id] = record.step
                     yield ServerSentEvent(event="progress", data={
                         "job": record.id, "name": record.name, "step": record.step, "total_steps": record.total_steps,
@@ -415,12 +483,13 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT_PORT, token_file: str | None = None,
-          ssl_certfile: str | None = None, ssl_keyfile: str | None = None) -> None:
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None, state_dir: str | None = "~/.aspen") -> None:
     """Run the API with uvicorn until interrupted (`aspen http`), over the service that `Client.connect(address)`
     finds, from a child process that holds the Ray connection (`orchestrator.http_bridge`: this process never
     joins Ray, so it outlives the cluster; a service not running yet is a 503 until it is). Bound to loopback
     unless `host` says otherwise (then a warning: the token is the only guard, and without TLS it crosses the
-    network in clear text)."""
+    network in clear text). Requests are made as the users of `<state_dir>/users.json` once it exists
+    (`aspen user add`), and their actions written to `<state_dir>/audit.jsonl`."""
     import uvicorn
 
     from orchestrator.http_bridge import ProcessLink
@@ -437,8 +506,10 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
     print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs); its token is in "
           f"{token_path(token_file)} (`aspen http-token` prints it)", file=sys.stderr, flush=True)
     try:
+        users = UserBook.in_state_dir(state_dir) if state_dir else None
+        audit = AuditLog.in_state_dir(state_dir) if state_dir else None
         # event streams never end by themselves: a stop waits this long for them, then closes them
-        uvicorn.run(create_app(link, token), host=host, port=port, log_level="info", ssl_certfile=ssl_certfile,
-                    ssl_keyfile=ssl_keyfile, timeout_graceful_shutdown=5)
+        uvicorn.run(create_app(link, token, users=users, audit=audit), host=host, port=port, log_level="info",
+                    ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_graceful_shutdown=5)
     finally:
         link.close()

@@ -36,6 +36,8 @@ from actors.engine.storage import StorageURI, as_location
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+USER_NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+"""A user of a shared service (actors/service/users.py): also a folder name and an MQTT topic level."""
 
 INT64_MAX = 2**63 - 1
 """The largest integer SQLite's INTEGER column (a signed 64-bit integer) holds."""
@@ -620,6 +622,9 @@ class JobSubmission(StrictModel):
     seed: Seed = 0
     output_dir: Location | None = Field(None, description="the job's own folder, a path or a storage URI (default: "
                                                           "under the service's output root or state folder)")
+    user: str | None = Field(None, pattern=USER_NAME_PATTERN, description="who submitted it: set by the HTTP API from "
+                                                                         "the request's token (none: an operator, "
+                                                                         "through Ray)")
 
     @field_validator("base_model")
     @classmethod

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from actors.engine.spec import (
     GENERATION_METRICS,
     JOB_NAME_PATTERN,
+    USER_NAME_PATTERN,
     Bounds,
     GenerationEval,
     JobSpec,
@@ -96,6 +97,8 @@ class SweepSpec(StrictModel):
                                  "pattern, max_new_tokens, rows} (maximised; each trial's eval_generate)")
     stopping: StoppingConfig | None = Field(None, description="stopping weak trials early")
     seed: Seed = Field(0, description="the random search's seed (and the trials' run seed)")
+    user: str | None = Field(None, pattern=USER_NAME_PATTERN, description="who submitted it, and so its trials (set "
+                                                                         "by the HTTP API from the request's token)")
 
     @field_validator("objective", mode="before")
     @classmethod

@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     submitted_at REAL NOT NULL,
     started_at REAL,
     finished_at REAL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    user TEXT
 );
 CREATE TABLE IF NOT EXISTS progress (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, lr REAL, grad_norm REAL,
@@ -72,7 +73,8 @@ CREATE INDEX IF NOT EXISTS jobs_by_submitted_at ON jobs (submitted_at, id);
 CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
 """
 
-ADDED_COLUMNS = (("progress", "eval_score", "REAL"),)   # (table, column, type) added after the first release
+# (table, column, type) added after the first release: an older table gains them when it opens
+ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"))
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 
@@ -125,6 +127,7 @@ class JobRecord:
     started_at: float | None
     finished_at: float | None
     updated_at: float
+    user: str | None = None     # who submitted it (the HTTP API's user; None: an operator through Ray)
 
     @property
     def finished(self) -> bool:
@@ -254,9 +257,9 @@ class JobTable:
         with self.transaction():
             self.db.execute(
                 "INSERT INTO jobs (id, name, submission, base_model, quantization, priority, output_dir, state, "
-                "reason, submitted_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', 'submitted', ?, ?)",
+                "reason, submitted_at, updated_at, user) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', 'submitted', ?, ?, ?)",
                 (job_id, submission.job.name, submission.model_dump_json(), submission.base_model,
-                 submission.quantization, submission.job.priority, str(output_dir), now, now))
+                 submission.quantization, submission.job.priority, str(output_dir), now, now, submission.user))
             self.db.execute("INSERT INTO transitions VALUES (?, ?, 'queued', 'submitted')", (job_id, now))
             record = self.get(job_id)
             self._notify(record, None)
@@ -422,7 +425,9 @@ def read_jobs(path: Path) -> list[tuple[JobRecord, JobSubmission]] | None:
         log.info("%s: not read without the service (%s)", path, error)
         return None
     try:
-        rows = db.execute(f"SELECT {', '.join(RECORD_COLUMNS)}, submission FROM jobs").fetchall()
+        present = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}   # an older table lacks the added ones
+        columns = [column if column in present else f"NULL AS {column}" for column in RECORD_COLUMNS]
+        rows = db.execute(f"SELECT {', '.join(columns)}, submission FROM jobs").fetchall()
         return [(record_of(row[:-1]), JobSubmission.model_validate_json(row[-1])) for row in rows]
     except sqlite3.Error as error:
         log.info("%s: not read without the service (%s)", path, error)

@@ -83,7 +83,7 @@ class SweepBook:
         state = ("failed" if name in self.errors else "cancelled" if driver.cancelled and driver.done
                  else "done" if driver.done else "running")
         return {"name": name, "state": state, "error": self.errors.get(name), "trials_planned": driver.run.total,
-                "output_dir": str(driver.spec.output_dir), **driver.run.leaderboard()}
+                "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.run.leaderboard()}
 
     def all(self) -> list[dict[str, Any]]:
         return [self.status(name) for name in sorted({*self.drivers, *self.errors})]

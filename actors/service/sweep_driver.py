@@ -26,7 +26,8 @@ ENDS = {"completed": "completed", "stopped_early": "completed", "failed": "faile
 class SweepJobs(Protocol):
     """What a sweep needs of the service: the scheduler's own calls, or a client's."""
 
-    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str) -> str: ...
+    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
+        ...
 
     def status(self, job_id: str) -> Any: ...   # a JobRecord: state, step, reason
 
@@ -102,7 +103,8 @@ class SweepDriver:
         if not self.cancelled:
             for job in self.run.to_start():
                 self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
-                                                          output_dir=str(Path(self.spec.output_dir) / job.name))
+                                                          output_dir=str(Path(self.spec.output_dir) / job.name),
+                                                          user=self.spec.user)
         for name, trial in self.run.trials.items():
             if trial.state != "running" or name not in self.job_ids:
                 continue

@@ -24,7 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from actors.service.audit import AuditLog
 from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.users import UserBook
 from orchestrator import http_api
 from orchestrator.client import Client
 from orchestrator.http_api import ServiceLink, create_app
@@ -486,3 +488,65 @@ def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigte
         if server.poll() is None:
             server.kill()
             server.communicate()
+
+
+def test_each_user_sees_and_acts_on_their_own_jobs_only(api, tmp_path):
+    """Users of a users file (actors/service/users.py): another user's job answers exactly as an unknown one on
+    every endpoint and is in none of the lists, snapshots or streams; its name is taken without saying whose;
+    an admin sees it; a rotated or removed token is refused from the next request on; every action is in the
+    audit log, which only admins read. The Ray client's record (the reference) names the job's owner."""
+    users, audit = UserBook.in_state_dir(tmp_path / "state"), AuditLog.in_state_dir(tmp_path / "state")
+    root, _ = users.add("root", admin=True)
+    alice, _ = users.add("alice")
+    bob, _ = users.add("bob")
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users, audit=audit)
+    data = write_task_data(tmp_path / "data", "own")
+    with running_server(app) as url:
+        raw = httpx.Client(base_url=url, timeout=60)
+
+        def get(path: str, token: str) -> httpx.Response:
+            return raw.get(path, headers={"Authorization": f"Bearer {token}"})
+
+        assert get("/v1/jobs", api.token).status_code == 401        # with users, the single token is no one's
+        as_alice, as_bob, as_root = HttpClient(url, alice), HttpClient(url, bob), HttpClient(url, root)
+        bobs_stream = as_bob.events(timeout=60)
+        assert next(bobs_stream).kind == "snapshot"
+        job = as_alice.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL, output_dir=tmp_path / "a")
+        assert api.ray.status(job.id).user == "alice"
+        for key in (job.id, "alices-job"):
+            for path in (f"/v1/jobs/{key}", f"/v1/jobs/{key}/losses", f"/v1/jobs/{key}/transitions"):
+                answer = get(path, bob)
+                assert answer.status_code == 404 and answer.json()["detail"] == f"no job with id or name '{key}'", path
+            for verb in ("cancel", "pause", "resume"):
+                answer = raw.post(f"/v1/jobs/{key}/{verb}", headers={"Authorization": f"Bearer {bob}"})
+                assert answer.status_code == 404 and answer.json()["detail"] == f"no job with id or name '{key}'"
+        assert job.id not in [r.id for r in as_bob.jobs()]
+        assert job.id in [r.id for r in as_alice.jobs()] and as_root.status(job.id).user == "alice"
+        later = as_bob.events(timeout=60)
+        assert job.id not in [r["id"] for r in next(later).data["jobs"]]
+        later.close()
+        with pytest.raises(Conflict) as taken:
+            as_bob.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL, output_dir=tmp_path / "b")
+        assert "held by another user's unfinished job" in str(taken.value) and job.id not in str(taken.value)
+        assert as_alice.cancel(job.id).state == "cancelled"
+        mine = as_bob.submit(job_dict("bobs-job", data, 2), base_model=NOBODYS_MODEL, output_dir=tmp_path / "b")
+        seen = []
+        for event in bobs_stream:   # bob's stream, open since before alice's job: bob's job only
+            if event.kind == "transition":
+                seen.append(event.data["job"])
+                if event.data["job"] == mine.id:
+                    break
+        bobs_stream.close()
+        assert seen == [mine.id]
+        assert as_bob.cancel(mine.id).state == "cancelled"
+
+        rotated = users.rotate("alice")            # refused from the next request on, the new one admitted
+        assert get("/v1/jobs", alice).status_code == 401 and get("/v1/jobs", rotated).status_code == 200
+        users.remove("bob")
+        assert get("/v1/jobs", bob).status_code == 401
+        assert get("/v1/audit", rotated).status_code == 403
+        rows = get("/v1/audit", root).json()
+        assert [(r["user"], r["action"], r["target"]) for r in rows] == [
+            ("alice", "job.submit", job.id), ("alice", "job.cancel", job.id), ("bob", "job.submit", mine.id),
+            ("bob", "job.cancel", mine.id)]
+        assert rows == audit.rows() and all(r["time"] > 0 for r in rows)

@@ -33,7 +33,7 @@ class FakeJobs:
     def __init__(self):
         self.jobs: dict[str, dict] = {}
 
-    def submit(self, job, *, base_model, seed, output_dir) -> str:
+    def submit(self, job, *, base_model, seed, output_dir, user=None) -> str:
         job_id = f"{job.name}-{len(self.jobs)}"
         self.jobs[job_id] = {"spec": job, "step": 0, "state": "running", "rows": []}
         return job_id

@@ -1,0 +1,184 @@
+"""The users of a shared service: their names, roles, shares, and API tokens kept only as SHA-256 hashes.
+
+One JSON file, `<state_dir>/users.json` (mode 0600 in a folder of mode 0700), changed by `aspen user ...`
+under a lock (`users.json.lock`: two commands at once do not lose each other's change) and written
+atomically; the HTTP API reads it again whenever it changed (its size, time or inode), so a removed user or
+a rotated token is refused from the next request on. A token is shown once, when it is issued; the file
+holds its hash only (a 256-bit random token needs no slow hash: it cannot be guessed from a list). The
+service's single token from before there were users (`aspen http-token`) becomes the first admin's.
+Ray-free and torch-free."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from actors.engine.durable import write_durably
+from actors.engine.spec import USER_NAME_PATTERN
+
+USERS_FILE = "users.json"
+TOKEN_BYTES = 32          # 256 bits, 43 URL-safe characters (as the service's own token)
+FORMAT = 1
+
+
+class UserError(ValueError):
+    """A user command that cannot be carried out (unknown or duplicate name, bad value); nothing changed."""
+
+
+class UsersFileError(OSError):
+    """The users file cannot be read (damaged, or readable by others); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    admin: bool
+    share: float               # the weight of the user's fair share of the trainers
+    token_sha256: str
+    created_at: float
+
+    def public(self) -> dict:
+        """What `aspen user list` shows: everything but the token's hash."""
+        return {"name": self.name, "admin": self.admin, "share": self.share, "created_at": self.created_at}
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def check_name(name: str) -> str:
+    if not re.match(USER_NAME_PATTERN, name or ""):
+        raise UserError(f"user name {name!r}: use 1-32 lower-case letters, digits, '-' or '_', starting with a letter")
+    return name
+
+
+class UserBook:
+    """The users file at `path` (`<state_dir>/users.json`)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        self._seen: tuple[int, int, int] | None = None
+        self._users: dict[str, User] = {}
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str | Path) -> UserBook:
+        return cls(Path(state_dir).expanduser() / USERS_FILE)
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    # -- reading ----------------------------------------------------------------------------------
+    def users(self) -> list[User]:
+        """Every user, by name (read again when the file changed)."""
+        self._refresh()
+        return sorted(self._users.values(), key=lambda user: user.name)
+
+    def get(self, name: str) -> User:
+        self._refresh()
+        if name not in self._users:
+            raise UserError(f"no user named '{name}' in {self.path} (`aspen user list` shows them)")
+        return self._users[name]
+
+    def authenticate(self, token: str) -> User | None:
+        """The user whose token this is, or None."""
+        self._refresh()
+        digest = token_hash(token)
+        found = None
+        for user in self._users.values():   # every hash compared, in constant time each
+            if hmac.compare_digest(user.token_sha256, digest):
+                found = user
+        return found
+
+    def _refresh(self) -> None:
+        try:
+            info = self.path.stat()
+        except FileNotFoundError:
+            self._seen, self._users = None, {}
+            return
+        seen = (info.st_mtime_ns, info.st_size, info.st_ino)
+        if seen != self._seen:
+            self._users = self._read()
+            self._seen = seen
+
+    def _read(self) -> dict[str, User]:
+        mode = self.path.stat().st_mode
+        if mode & 0o077:
+            raise UsersFileError(f"{self.path} is readable by other accounts (mode {oct(mode & 0o777)}); its hashes "
+                                 f"name every user: `chmod 600 {self.path}`")
+        try:
+            data = json.loads(self.path.read_text())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
+            return {entry["name"]: User(**entry) for entry in data["users"]}
+        except (ValueError, KeyError, TypeError) as error:
+            raise UsersFileError(f"{self.path} cannot be read ({type(error).__name__}: {error}); restore it from a "
+                                 "backup, or delete it and add the users again (their tokens change)") from None
+
+    # -- changing ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, User]]:
+        """The users under the file's lock; what the block leaves in the dict is written atomically."""
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        with os.fdopen(descriptor, "r+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                self._seen = None
+                self._refresh()
+                users = dict(self._users)
+                yield users
+                body = {"format": FORMAT, "users": [asdict(users[name]) for name in sorted(users)]}
+                write_durably(self.path, json.dumps(body, indent=1) + "\n", private=True)
+                self._seen = None
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def add(self, name: str, *, admin: bool = False, share: float = 1.0,
+            adopt_token: str | None = None) -> tuple[str | None, list[str]]:
+        """Add a user; returns their new token (None where `adopt_token` became theirs) and notes. The first
+        admin takes `adopt_token` (the service's token from before there were users) where it is given."""
+        check_name(name)
+        if not (0 < share <= 1000):
+            raise UserError(f"share {share}: give a weight above 0 and at most 1000 (1: an equal share)")
+        notes = []
+        with self._changing() as users:
+            if name in users:
+                raise UserError(f"user '{name}' exists; `aspen user token {name} --rotate` issues a new token")
+            token: str | None = secrets.token_urlsafe(TOKEN_BYTES)
+            digest = token_hash(token)
+            if admin and adopt_token and not any(user.admin for user in users.values()):
+                token, digest = None, token_hash(adopt_token)
+                notes.append(f"the service's existing HTTP token (`aspen http-token`) is now {name}'s")
+            if any(hmac.compare_digest(user.token_sha256, digest) for user in users.values()):
+                raise UserError("that token is another user's already")
+            users[name] = User(name, admin, float(share), digest, round(time.time(), 3))
+        return token, notes
+
+    def rotate(self, name: str) -> str:
+        """A new token for `name`; the old one is refused from now on."""
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        with self._changing() as users:
+            if name not in users:
+                raise UserError(f"no user named '{name}' in {self.path} (`aspen user list` shows them)")
+            user = users[name]
+            users[name] = User(user.name, user.admin, user.share, token_hash(token), user.created_at)
+        return token
+
+    def remove(self, name: str) -> None:
+        with self._changing() as users:
+            if name not in users:
+                raise UserError(f"no user named '{name}' in {self.path} (`aspen user list` shows them)")
+            if users[name].admin and sum(user.admin for user in users.values()) == 1 and len(users) > 1:
+                raise UserError(f"'{name}' is the last admin; add another admin first (`aspen user add NAME "
+                                "--admin`)")
+            del users[name]   # the last one too: the file stays, and no token opens the API until one is added

@@ -1,0 +1,84 @@
+"""Who an HTTP request is, and what of the service it may see: the request's bearer token names a user of
+the users file (actors/service/users.py; read again when it changes, so a removed user or a rotated token is
+refused from the next request on), or, while the service has no users file, the service's single token
+(`aspen http-token`), which acts as an admin named `admin`.
+
+A user sees and acts on their own jobs and sweeps only: another user's answers exactly as one that does not
+exist (404 with the same text), and a name another user's unfinished job or sweep holds is "taken" without
+saying whose or in what state. Admins see and act on everything. Ray-free."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from actors.service.job_table import JobRecord
+from actors.service.users import UserBook
+
+SINGLE_TOKEN_USER = "admin"
+
+
+@dataclass(frozen=True)
+class Caller:
+    name: str
+    admin: bool
+
+    def sees(self, owner: str | None) -> bool:
+        return self.admin or owner == self.name
+
+
+class Gate:
+    """The callers the server admits: the users file's, or the single token's while there is no users file."""
+
+    def __init__(self, token: str, users: UserBook | None = None):
+        self.expected = token.encode()
+        self.users = users
+
+    def caller(self, presented: str) -> Caller | None:
+        if self.users is not None and self.users.exists():
+            user = self.users.authenticate(presented)
+            return None if user is None else Caller(user.name, user.admin)
+        if secrets.compare_digest(presented.encode(), self.expected):
+            return Caller(SINGLE_TOKEN_USER, True)
+        return None
+
+    @property
+    def has_users(self) -> bool:
+        return self.users is not None and self.users.exists()
+
+
+def visible(records: Iterable[JobRecord], caller: Caller) -> list[JobRecord]:
+    return [record for record in records if caller.sees(record.user)]
+
+
+def find_job(client: Any, caller: Caller, key: str) -> JobRecord:
+    """A job by id, or by a name only one of the caller's jobs has; KeyError (404) for another user's job
+    with the text an unknown job gets."""
+    if caller.admin:
+        return client.status(key)
+    mine = visible(client.jobs(), caller)
+    for record in mine:
+        if record.id == key:
+            return record
+    named = [record for record in mine if record.name == key]
+    if len(named) == 1:
+        return named[0]
+    if named:
+        raise KeyError(f"{len(named)} jobs are named '{key}' ({', '.join(r.id for r in named)}); give the job id")
+    raise KeyError(f"no job with id or name '{key}'")
+
+
+def find_sweep(client: Any, caller: Caller, name: str) -> dict[str, Any]:
+    """A sweep's status; KeyError (404) for another user's, with the text an unknown sweep gets."""
+    if caller.admin:
+        return client.sweep_status(name)
+    try:
+        status = client.sweep_status(name)
+    except KeyError:   # its text lists every sweep's name: this caller's only instead
+        status = None
+    if status is None or not caller.sees(status.get("user")):
+        known = [s["name"] for s in client.sweeps() if caller.sees(s.get("user"))]
+        raise KeyError(f"no sweep named '{name}' (sweeps: {', '.join(sorted(known)) or 'none'})")
+    return status

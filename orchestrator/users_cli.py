@@ -1,0 +1,102 @@
+"""`aspen user add | list | token | remove`: the users of a shared service (actors/service/users.py), run on
+the service's machine by whoever may write its state folder (the operator). A token is printed once, when it
+is issued (`add`, `token --rotate`); `--json` prints `{"name", "token"}`. The service's single HTTP token
+from before there were users (`aspen http-token`) becomes the first admin's."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+from pathlib import Path
+
+from actors.service.audit import AuditLog
+from actors.service.users import UserBook, UserError
+
+DEFAULT_STATE_DIR = "~/.aspen"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    user = commands.add_parser("user", help="the users of a shared service and their API tokens (add, list, token, "
+                                            "remove)")
+    actions = user.add_subparsers(dest="action", required=True)
+
+    def common(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                            help="the service's state folder, which holds users.json (default ~/.aspen)")
+        parser.add_argument("--json", action="store_true", help="print the result as JSON")
+        parser.set_defaults(handler=run)
+        return parser
+
+    add = common(actions.add_parser("add", help="add a user and print their token (shown once)"))
+    add.add_argument("name", help="1-32 lower-case letters, digits, '-' or '_'")
+    add.add_argument("--admin", action="store_true", help="may see and act on every user's jobs, and read the audit")
+    add.add_argument("--share", type=float, default=1.0, help="their weight in the fair share (default 1)")
+    add.add_argument("--token-file", help="the service's single HTTP token (default ~/.aspen/http-token): the "
+                                          "first admin takes it over")
+    common(actions.add_parser("list", help="every user (names, roles, shares; never tokens)"))
+    token = common(actions.add_parser("token", help="issue a user a new token (--rotate): the old one stops at once"))
+    token.add_argument("name")
+    token.add_argument("--rotate", action="store_true", help="replace their token (required: tokens are kept only "
+                                                             "as hashes, so an issued one cannot be shown again)")
+    remove = common(actions.add_parser("remove", help="remove a user: their token is refused from the next request"))
+    remove.add_argument("name")
+
+
+def _legacy_token(path: str | None) -> str | None:
+    from orchestrator.http_token import TokenFileError, read_token, token_file
+
+    if not token_file(path).is_file():
+        return None
+    try:
+        return read_token(path)
+    except TokenFileError:
+        return None
+
+
+def _account() -> str:
+    """Who ran the command: the machine's account (`os:<login>`), as the audit log names it."""
+    try:
+        return f"os:{getpass.getuser()}"
+    except (KeyError, OSError):   # no login name (a container's anonymous uid)
+        return f"os:uid-{os.getuid()}"
+
+
+def run(args: argparse.Namespace) -> int:
+    book = UserBook.in_state_dir(Path(args.state_dir))
+    audit = AuditLog.in_state_dir(Path(args.state_dir))
+    if args.action == "add":
+        token, notes = book.add(args.name, admin=args.admin, share=args.share,
+                                adopt_token=_legacy_token(args.token_file) if args.admin else None)
+        if token is None:   # the service's existing token became theirs
+            token = _legacy_token(args.token_file)
+        audit.record(_account(), "user.add", args.name, admin=args.admin, share=args.share)
+        _say(args, {"name": args.name, "token": token}, f"{token}", notes)
+    elif args.action == "list":
+        users = [user.public() for user in book.users()]
+        if args.json:
+            print(json.dumps(users, indent=1))
+        else:
+            for user in users:
+                print(f"{user['name']:<24}{'admin' if user['admin'] else 'user':<7}share {user['share']:g}")
+    elif args.action == "token":
+        if not args.rotate:
+            raise UserError(f"tokens are kept only as hashes, so {args.name}'s cannot be shown again: `aspen user "
+                            f"token {args.name} --rotate` issues a new one (the old one stops working at once)")
+        token = book.rotate(args.name)
+        audit.record(_account(), "user.token", args.name)
+        _say(args, {"name": args.name, "token": token}, token, [f"{args.name}'s old token is refused from now on"])
+    else:
+        book.remove(args.name)
+        audit.record(_account(), "user.remove", args.name)
+        _say(args, {"name": args.name, "removed": True}, f"removed {args.name}", [])
+    return 0
+
+
+def _say(args: argparse.Namespace, data: dict, text: str, notes: list[str]) -> None:
+    import sys
+
+    print(json.dumps(data) if args.json else text)
+    for note in notes:
+        print(f"aspen: {note}", file=sys.stderr)

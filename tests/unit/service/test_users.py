@@ -1,0 +1,134 @@
+"""The users file (actors/service/users.py) and the audit log (actors/service/audit.py), through the files
+themselves and from several processes at once: tokens are kept only as hashes; a change made by another
+process (another `aspen user` command) is seen at once; two processes adding users at once lose nothing;
+the service's single token becomes the first admin's; a damaged or world-readable file, a bad name, a
+duplicate and removing the last admin are refused with the fix; concurrent audit lines stay whole."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import multiprocessing
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.service.audit import AuditLog
+from actors.service.users import UserBook, UserError, UsersFileError
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_tokens_are_kept_only_as_hashes_and_changes_are_seen_at_once(tmp_path):
+    book = UserBook.in_state_dir(tmp_path)
+    alice, _ = book.add("alice")
+    bob, _ = book.add("bob", share=2)
+    text = book.path.read_text()
+    assert alice not in text and bob not in text                         # hashes only
+    assert stat.S_IMODE(book.path.stat().st_mode) == 0o600
+    assert book.authenticate(alice).name == "alice" and book.authenticate(bob).share == 2.0
+    assert book.authenticate("not-a-token") is None
+
+    other = UserBook.in_state_dir(tmp_path)     # the HTTP server's view, kept while commands change the file
+    assert other.authenticate(alice).name == "alice"
+    new = book.rotate("alice")
+    assert other.authenticate(alice) is None and other.authenticate(new).name == "alice"
+    book.remove("bob")
+    assert other.authenticate(bob) is None and [u.name for u in other.users()] == ["alice"]
+
+
+def _add_many(state_dir: str, prefix: str, count: int) -> None:
+    book = UserBook.in_state_dir(state_dir)
+    for index in range(count):
+        book.add(f"{prefix}{index}")
+
+
+def test_two_processes_adding_at_once_lose_nothing(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_add_many, args=(str(tmp_path), prefix, 15)) for prefix in ("a", "b")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    names = [user.name for user in UserBook.in_state_dir(tmp_path).users()]
+    assert sorted(names) == sorted([f"a{i}" for i in range(15)] + [f"b{i}" for i in range(15)])
+
+
+def test_the_single_token_becomes_the_first_admins_and_mistakes_are_refused(tmp_path):
+    book = UserBook.in_state_dir(tmp_path)
+    single = "the-services-single-token-0123456789"
+    token, notes = book.add("root", admin=True, adopt_token=single)
+    assert token is None and "now root's" in notes[0] and book.authenticate(single).admin
+    second, notes = book.add("ops", admin=True, adopt_token=single)   # only the first admin takes it
+    assert second and not notes and book.authenticate(second).name == "ops"
+    with pytest.raises(UserError, match="user 'ops' exists"):
+        book.add("ops")
+    with pytest.raises(UserError, match="user name 'Ops'"):
+        book.add("Ops")
+    with pytest.raises(UserError, match="share 0"):
+        book.add("zero", share=0)
+    with pytest.raises(UserError, match="no user named 'nobody'"):
+        book.rotate("nobody")
+    book.add("user1")
+    book.remove("ops")
+    with pytest.raises(UserError, match="'root' is the last admin"):
+        book.remove("root")
+
+
+def test_a_damaged_or_readable_file_is_refused_with_the_fix(tmp_path):
+    book = UserBook.in_state_dir(tmp_path)
+    book.add("alice")
+    os.chmod(book.path, 0o644)
+    with pytest.raises(UsersFileError, match="chmod 600"):
+        UserBook.in_state_dir(tmp_path).users()
+    os.chmod(book.path, 0o600)
+    book.path.write_text('{"format": 1, "users": [{"name": "x"}]}')
+    with pytest.raises(UsersFileError, match="cannot be read .*restore it from a backup"):
+        UserBook.in_state_dir(tmp_path).users()
+
+
+def test_the_cli_prints_a_token_once_and_never_again(tmp_path):
+    def user(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "user", *args, "--state-dir", str(tmp_path)],
+                              capture_output=True, text=True, cwd=REPO, env={**os.environ, "ASPEN_TOKEN_FILE":
+                                                                            str(tmp_path / "no-token")})
+    added = user("add", "alice", "--json")
+    assert added.returncode == 0, added.stderr
+    token = json.loads(added.stdout)["token"]
+    assert UserBook.in_state_dir(tmp_path).authenticate(token).name == "alice"
+    shown = user("token", "alice")
+    assert shown.returncode == 2 and "--rotate" in shown.stderr and token not in shown.stdout + shown.stderr
+    rotated = user("token", "alice", "--rotate", "--json")
+    assert rotated.returncode == 0 and UserBook.in_state_dir(tmp_path).authenticate(token) is None
+    listed = user("list", "--json")
+    assert json.loads(listed.stdout)[0]["name"] == "alice" and "sha256" not in listed.stdout
+    rows = AuditLog.in_state_dir(tmp_path).rows()   # the changes audited, as the account that ran the command
+    assert [(row["action"], row["target"]) for row in rows] == [("user.add", "alice"), ("user.token", "alice")]
+    assert {row["user"] for row in rows} == {f"os:{getpass.getuser()}"}
+
+
+def _write_audit(path: str, who: str, count: int) -> None:
+    log = AuditLog(path)
+    for index in range(count):
+        log.record(who, "job.submit", f"{who}-{index}", padding="x" * 3000)
+
+
+def test_concurrent_audit_lines_stay_whole(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_write_audit, args=(str(path), who, 200)) for who in ("alice", "bob")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    rows = AuditLog(path).rows()
+    assert len(rows) == 400 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [r["target"] for r in rows if r["user"] == "alice"] == [f"alice-{i}" for i in range(200)]
+    assert len(AuditLog(path).rows(user="bob")) == 200
+    assert AuditLog(path).rows(after=rows[-1]["time"]) == []

@@ -88,7 +88,7 @@ class SchedulerActor:
         kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
                                   on_decision=self.listeners.decided, trainers=kinds,
-                                  output_root=self.config.output_root)
+                                  output_root=self.config.output_root, data_roots=self.config.data_roots)
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, self.state_dir, on_event=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))

@@ -260,8 +260,9 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                                                     request.headers.get("content-type"), limiter=parsers)
 
         def enter(client: Any) -> list[JobRecord]:
-            submissions = [submission.model_copy(update={"user": caller.name}) for submission in
-                           submissions_from(data, text=text, output_root=client.info().get("output_root"))]
+            submissions = [submission.model_copy(update={"user": caller.owner}) for submission in
+                           submissions_from(data, text=text, output_root=client.info().get("output_root"),
+                                            check_files=caller.admin)]
             with submit_lock:
                 names = {s.job.name for s in submissions}
                 held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
@@ -345,7 +346,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                 raise Refused(422, f"nothing was started:\n{error}") from None
             if spec.user not in (None, caller.name) and not caller.admin:
                 raise Refused(422, f"user: you submit as {caller.name}; leave user out (nothing was started)")
-            spec = spec.model_copy(update={"user": spec.user or caller.name})
+            spec = spec.model_copy(update={"user": spec.user or caller.owner})
             held = [s for s in client.sweeps() if s["name"] == spec.name and not caller.sees(s.get("user"))]
             if held:
                 raise Refused(409, f"sweep name '{spec.name}' is held by another user's sweep; choose another name")

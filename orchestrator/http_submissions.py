@@ -162,8 +162,11 @@ def _refuse(problems: list[dict[str, Any]], single_job: bool, names: list[Any], 
     return Refused(422, f"nothing was submitted:\n{detail}", problems)
 
 
-def submissions_from(data: Any, *, text: str | None = None, output_root: str | None = None) -> list[JobSubmission]:
-    """The request's jobs as the service takes them, or `Refused` (422) naming every problem's field."""
+def submissions_from(data: Any, *, text: str | None = None, output_root: str | None = None,
+                     check_files: bool = True) -> list[JobSubmission]:
+    """The request's jobs as the service takes them, or `Refused` (422) naming every problem's field.
+    `check_files`: refuse data files that do not exist here (off for a user's request: the service checks
+    the data roots first, so that whether a file outside them exists is not revealed)."""
     if not isinstance(data, dict):
         raise Refused(422, f"the body is a {type(data).__name__}; send a mapping: a job's fields, or a jobs file "
                            "with `jobs: [...]`", [{"loc": [], "field": "(top level)", "type": "model_type",
@@ -193,7 +196,7 @@ def submissions_from(data: Any, *, text: str | None = None, output_root: str | N
             problems = _field_errors(validation, single_job)
         message = None if single_job else str(error)   # a jobs file's own message has its YAML line numbers
         raise _refuse(problems, single_job, names, message) from None
-    problems = _missing_files(run, single_job)
+    problems = _missing_files(run, single_job) if check_files else []
     if problems:
         raise _refuse(problems, single_job, names)
     output_dir = as_location(str(data["output_dir"])) if output_given else None

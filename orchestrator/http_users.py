@@ -24,9 +24,15 @@ SINGLE_TOKEN_USER = "admin"
 class Caller:
     name: str
     admin: bool
+    single: bool = False    # the service's single token (no users file): the operator, as through Ray
 
     def sees(self, owner: str | None) -> bool:
         return self.admin or owner == self.name
+
+    @property
+    def owner(self) -> str | None:
+        """What its jobs record as their user: none for the single token (an operator's, as through Ray)."""
+        return None if self.single else self.name
 
 
 class Gate:
@@ -41,7 +47,7 @@ class Gate:
             user = self.users.authenticate(presented)
             return None if user is None else Caller(user.name, user.admin)
         if secrets.compare_digest(presented.encode(), self.expected):
-            return Caller(SINGLE_TOKEN_USER, True)
+            return Caller(SINGLE_TOKEN_USER, True, single=True)
         return None
 
     @property

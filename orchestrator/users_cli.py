@@ -33,6 +33,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add.add_argument("name", help="1-32 lower-case letters, digits, '-' or '_'")
     add.add_argument("--admin", action="store_true", help="may see and act on every user's jobs, and read the audit")
     add.add_argument("--share", type=float, default=1.0, help="their weight in the fair share (default 1)")
+    add.add_argument("--data-root", action="append", default=[], metavar="PATH|URI",
+                     help="a folder or storage URI prefix their jobs may read, besides the service's data_roots "
+                          "(repeat for several)")
     add.add_argument("--token-file", help="the service's single HTTP token (default ~/.aspen/http-token): the "
                                           "first admin takes it over")
     common(actions.add_parser("list", help="every user (names, roles, shares; never tokens)"))
@@ -67,11 +70,12 @@ def run(args: argparse.Namespace) -> int:
     book = UserBook.in_state_dir(Path(args.state_dir))
     audit = AuditLog.in_state_dir(Path(args.state_dir))
     if args.action == "add":
-        token, notes = book.add(args.name, admin=args.admin, share=args.share,
+        token, notes = book.add(args.name, admin=args.admin, share=args.share, data_roots=args.data_root,
                                 adopt_token=_legacy_token(args.token_file) if args.admin else None)
         if token is None:   # the service's existing token became theirs
             token = _legacy_token(args.token_file)
-        audit.record(_account(), "user.add", args.name, admin=args.admin, share=args.share)
+        audit.record(_account(), "user.add", args.name, admin=args.admin, share=args.share,
+                     data_roots=args.data_root)
         _say(args, {"name": args.name, "token": token}, f"{token}", notes)
     elif args.action == "list":
         users = [user.public() for user in book.users()]

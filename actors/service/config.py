@@ -229,6 +229,12 @@ class ServiceConfig(StrictModel):
                           "writes to <output_root>/<job id>. None: anywhere the service can write (a service of the "
                           "user's own, `aspen run`); "
                           "`aspen serve` sets <state_dir>/outputs unless the config names a root")
+    data_roots: list[str] | None = Field(
+        None, description="where jobs may read data: folders (and everything under them, links resolved) and "
+                          "storage URI prefixes (s3://bucket/prefix); a user's jobs may also read their own "
+                          "(`aspen user add --data-root`). None: an operator's and an admin's jobs read anywhere, "
+                          "a user's only under their own roots. No job reads the state folder or another user's "
+                          "outputs")
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="S3 settings every process of the service uses for storage URIs "
                                                    "(the endpoint, the region, which environment variables hold "

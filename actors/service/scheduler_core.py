@@ -61,18 +61,19 @@ class StopRequest:
 class SchedulerCore:
     def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
                  on_decision: Callable[[str, str, str], None] | None = None, *,
-                 trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None):
+                 trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None,
+                 data_roots: Sequence[str] | None = None):
         """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
         (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
         service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
         refused). `output_root`: where submitted jobs may write, a path or a storage URI (None: anywhere the
-        service can)."""
+        service can). `data_roots`: where jobs may read (actors/service/data_roots.py)."""
         self.table = table
         self.on_decision = on_decision
         self.scheduling = SchedulingStates()
         self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.submissions = Submissions(table, state_dir, trainers=trainers, output_root=output_root,
-                                       statuses=lambda: self.statuses.values())
+                                       statuses=lambda: self.statuses.values(), data_roots=data_roots)
         self.booking = EventBooking(table, self.scheduling)
         self.guard = PolicyGuard(policy, table, self.scheduling)
         # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the

@@ -13,9 +13,11 @@ from pathlib import Path
 from actors.engine.spec import JobSubmission, step_limit_problem
 from actors.engine.storage import StorageURI, as_location, is_uri
 from actors.service.config import TrainerConfig
+from actors.service.data_roots import as_root, data_problem
 from actors.service.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.job_table import ACTIVE_STATES, JobRecord, JobTable
 from actors.service.trainer_reports import TrainerStatus
+from actors.service.users import User, UserBook, UserError
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
 
@@ -32,11 +34,13 @@ class SubmissionConflict(SubmissionError):
 class Submissions:
     def __init__(self, table: JobTable, state_dir: Path, *, trainers: Sequence[TrainerConfig] = (),
                  output_root: Path | str | None = None,
-                 statuses: Callable[[], Iterable[TrainerStatus]] = tuple):
+                 statuses: Callable[[], Iterable[TrainerStatus]] = tuple, data_roots: Sequence[str] | None = None):
         """`trainers`: the service's trainer kinds (a submission whose micro-batch no trainer of its base can
         step is refused). `output_root`: where submitted jobs may write, a path or a storage URI (None:
         anywhere the service can). `statuses`: the trainers' last reported statuses (a job whose adapter
-        fits none of them is refused)."""
+        fits none of them is refused). `data_roots`: where jobs may read (None: an operator's and an admin's
+        anywhere; a user's job only under these and their own roots); no job reads the state folder or
+        another user's outputs. A user's job writes under `<output root>/<user>/`."""
         self.table = table
         self.state_dir = Path(state_dir)
         self.trainer_configs = list(trainers)
@@ -45,6 +49,7 @@ class Submissions:
         if output_root is not None:
             root = as_location(output_root)
             self.output_root = root if isinstance(root, StorageURI) else root.expanduser().resolve()
+        self.data_roots = None if data_roots is None else [as_root(root) for root in data_roots]
 
     def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
         """Enter jobs in the table together, all or none: every submission is checked first (the error
@@ -69,7 +74,9 @@ class Submissions:
                 else f"job '{name}'"
             job_id = job_ids[index] if job_ids is not None else f"{name[:56]}-{uuid.uuid4().hex[:6]}"
             try:
-                output_dir = self._output_dir(submission, job_id)
+                user = self._user(submission)
+                self._check_data(submission, user)
+                output_dir = self._output_dir(submission, job_id, self._root_of(user))
                 self._check_limits(submission)
                 other = self.table.writing_to(output_dir, ACTIVE_STATES)
                 if other is not None:
@@ -109,9 +116,45 @@ class Submissions:
                                      "not; check `aspen status` before submitting again")
         return found
 
-    def _output_dir(self, submission: JobSubmission, job_id: str) -> Path | StorageURI:
-        """The job's folder: a resolved path, or a storage URI (its checkpoints and results are uploaded)."""
-        root = self.output_root
+    def _user(self, submission: JobSubmission) -> User | None:
+        """The submitting user's record (None: an operator, through Ray); an unknown user is refused."""
+        if submission.user is None:
+            return None
+        try:
+            return UserBook.in_state_dir(self.state_dir).get(submission.user)
+        except UserError:
+            raise SubmissionError(f"'{submission.user}' is not a user of this service (no such name in "
+                                  f"{self.state_dir / 'users.json'})") from None
+
+    def _outputs(self) -> Path | StorageURI:
+        return self.output_root or (self.state_dir / "outputs").resolve()
+
+    def _root_of(self, user: User | None) -> Path | StorageURI | None:
+        """Where the job writes: a user's under `<output root>/<user>`; an operator's under the output root."""
+        if user is None:
+            return self.output_root
+        outputs = self._outputs()
+        return outputs / user.name
+
+    def _check_data(self, submission: JobSubmission, user: User | None) -> None:
+        """The job's data lies where it may read (actors/service/data_roots.py)."""
+        forbidden = [(as_root(self.state_dir), f"the service's state folder {self.state_dir}", None)]
+        roots = self.data_roots
+        if user is not None and not user.admin:
+            roots = [*(self.data_roots or []), *(as_root(root) for root in user.data_roots)]
+            outputs = self._outputs()
+            forbidden.append((outputs, "the service's outputs other than yours", outputs / user.name))
+        problem = data_problem(submission.job.data, roots, forbidden)
+        if problem is not None:
+            raise SubmissionError(problem)
+        data = submission.job.data
+        if user is not None and not is_uri(str(data)) and not Path(data).expanduser().exists():
+            raise SubmissionError(f"data: file {data} does not exist on the service's machine")
+
+    def _output_dir(self, submission: JobSubmission, job_id: str,
+                    root: Path | StorageURI | None) -> Path | StorageURI:
+        """The job's folder under `root`: a resolved path, or a storage URI (its checkpoints and results are
+        uploaded)."""
         if isinstance(root, StorageURI):
             return self._uri_output_dir(submission, job_id, root)
         if submission.output_dir is None:

@@ -19,7 +19,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,10 +46,12 @@ class User:
     share: float               # the weight of the user's fair share of the trainers
     token_sha256: str
     created_at: float
+    data_roots: tuple[str, ...] = ()   # where their jobs may read besides the service's data roots
 
     def public(self) -> dict:
         """What `aspen user list` shows: everything but the token's hash."""
-        return {"name": self.name, "admin": self.admin, "share": self.share, "created_at": self.created_at}
+        return {"name": self.name, "admin": self.admin, "share": self.share, "data_roots": list(self.data_roots),
+                "created_at": self.created_at}
 
 
 def token_hash(token: str) -> str:
@@ -119,7 +121,8 @@ class UserBook:
             data = json.loads(self.path.read_text())
             if data.get("format") != FORMAT:
                 raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
-            return {entry["name"]: User(**entry) for entry in data["users"]}
+            return {entry["name"]: User(**{**entry, "data_roots": tuple(entry.get("data_roots", ()))})
+                    for entry in data["users"]}
         except (ValueError, KeyError, TypeError) as error:
             raise UsersFileError(f"{self.path} cannot be read ({type(error).__name__}: {error}); restore it from a "
                                  "backup, or delete it and add the users again (their tokens change)") from None
@@ -143,7 +146,7 @@ class UserBook:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def add(self, name: str, *, admin: bool = False, share: float = 1.0,
+    def add(self, name: str, *, admin: bool = False, share: float = 1.0, data_roots: Sequence[str] = (),
             adopt_token: str | None = None) -> tuple[str | None, list[str]]:
         """Add a user; returns their new token (None where `adopt_token` became theirs) and notes. The first
         admin takes `adopt_token` (the service's token from before there were users) where it is given."""
@@ -161,7 +164,7 @@ class UserBook:
                 notes.append(f"the service's existing HTTP token (`aspen http-token`) is now {name}'s")
             if any(hmac.compare_digest(user.token_sha256, digest) for user in users.values()):
                 raise UserError("that token is another user's already")
-            users[name] = User(name, admin, float(share), digest, round(time.time(), 3))
+            users[name] = User(name, admin, float(share), digest, round(time.time(), 3), tuple(map(str, data_roots)))
         return token, notes
 
     def rotate(self, name: str) -> str:
@@ -171,7 +174,7 @@ class UserBook:
             if name not in users:
                 raise UserError(f"no user named '{name}' in {self.path} (`aspen user list` shows them)")
             user = users[name]
-            users[name] = User(user.name, user.admin, user.share, token_hash(token), user.created_at)
+            users[name] = User(user.name, user.admin, user.share, token_hash(token), user.created_at, user.data_roots)
         return token
 
     def remove(self, name: str) -> None:

@@ -67,6 +67,7 @@ class Api:
     ray: Client      # the reference: the same service through the Ray client
     base: str        # the trainer's base model (a tiny random Llama)
     link: ProcessLink
+    state_dir: Path  # the service's state folder
 
     def table(self) -> tuple:
         """Everything a request could change: every job's row and the newest transition's number."""
@@ -80,7 +81,8 @@ class Api:
 def api(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Api]:
     base = str(tiny_model_dirs["llama"])
     name = f"aspen-http-test-{uuid.uuid4().hex[:6]}"
-    config = ServiceConfig(state_dir=tmp_path_factory.mktemp("state"), tick_seconds=0.1, trainers=[
+    state_dir = tmp_path_factory.mktemp("state")
+    config = ServiceConfig(state_dir=state_dir, tick_seconds=0.1, trainers=[
         TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
     service = Client.local(config, name=name)
     token = ensure_token(tmp_path_factory.mktemp("token") / "http-token")
@@ -89,7 +91,7 @@ def api(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Api]:
     app = create_app(link, token, max_body_bytes=BODY_LIMIT, events_poll_s=0.1)
     try:
         with running_server(app) as url:
-            yield Api(url, token, service, base, link)
+            yield Api(url, token, service, base, link, state_dir)
     finally:
         link.close()
         service.shutdown()
@@ -490,17 +492,29 @@ def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigte
             server.communicate()
 
 
-def test_each_user_sees_and_acts_on_their_own_jobs_only(api, tmp_path):
+@pytest.fixture()
+def users(api, tmp_path) -> Iterator[UserBook]:
+    """The service's users file (its state folder's: the scheduler checks each job's user and data there),
+    removed after the test."""
+    book = UserBook.in_state_dir(api.state_dir)
+    try:
+        yield book
+    finally:
+        book.path.unlink(missing_ok=True)
+
+
+def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
     """Users of a users file (actors/service/users.py): another user's job answers exactly as an unknown one on
     every endpoint and is in none of the lists, snapshots or streams; its name is taken without saying whose;
     an admin sees it; a rotated or removed token is refused from the next request on; every action is in the
-    audit log, which only admins read. The Ray client's record (the reference) names the job's owner."""
-    users, audit = UserBook.in_state_dir(tmp_path / "state"), AuditLog.in_state_dir(tmp_path / "state")
-    root, _ = users.add("root", admin=True)
-    alice, _ = users.add("alice")
-    bob, _ = users.add("bob")
-    app = create_app(api.link, api.token, events_poll_s=0.1, users=users, audit=audit)
+    audit log, which only admins read. The Ray client's record (the reference) names the job's owner, and the
+    job writes under the outputs' folder of its user."""
+    audit = AuditLog.in_state_dir(tmp_path / "audit")
     data = write_task_data(tmp_path / "data", "own")
+    root, _ = users.add("root", admin=True)
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
+    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users, audit=audit)
     with running_server(app) as url:
         raw = httpx.Client(base_url=url, timeout=60)
 
@@ -511,8 +525,9 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, tmp_path):
         as_alice, as_bob, as_root = HttpClient(url, alice), HttpClient(url, bob), HttpClient(url, root)
         bobs_stream = as_bob.events(timeout=60)
         assert next(bobs_stream).kind == "snapshot"
-        job = as_alice.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL, output_dir=tmp_path / "a")
+        job = as_alice.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL)
         assert api.ray.status(job.id).user == "alice"
+        assert api.ray.status(job.id).output_dir == str((api.state_dir / "outputs" / "alice" / job.id).resolve())
         for key in (job.id, "alices-job"):
             for path in (f"/v1/jobs/{key}", f"/v1/jobs/{key}/losses", f"/v1/jobs/{key}/transitions"):
                 answer = get(path, bob)
@@ -526,10 +541,10 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, tmp_path):
         assert job.id not in [r["id"] for r in next(later).data["jobs"]]
         later.close()
         with pytest.raises(Conflict) as taken:
-            as_bob.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL, output_dir=tmp_path / "b")
+            as_bob.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL)
         assert "held by another user's unfinished job" in str(taken.value) and job.id not in str(taken.value)
         assert as_alice.cancel(job.id).state == "cancelled"
-        mine = as_bob.submit(job_dict("bobs-job", data, 2), base_model=NOBODYS_MODEL, output_dir=tmp_path / "b")
+        mine = as_bob.submit(job_dict("bobs-job", data, 2), base_model=NOBODYS_MODEL)
         seen = []
         for event in bobs_stream:   # bob's stream, open since before alice's job: bob's job only
             if event.kind == "transition":
@@ -550,3 +565,38 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, tmp_path):
             ("alice", "job.submit", job.id), ("alice", "job.cancel", job.id), ("bob", "job.submit", mine.id),
             ("bob", "job.cancel", mine.id)]
         assert rows == audit.rows() and all(r["time"] > 0 for r in rows)
+
+
+def test_a_users_job_reads_only_under_its_data_roots(api, users, tmp_path):
+    """A user's job whose data lies outside the service's and the user's data roots is refused at submit,
+    naming the roots, and nothing is entered: a plain path, `../` out of a root, a symlink out of a root (a
+    data folder with a file that links out: tests/unit/service/test_users.py), a URI prefix not listed, the
+    service's state folder and another user's outputs; a file outside that does not exist is refused as
+    outside (its existence is not revealed); the same data inside the root is taken. Refusals change nothing
+    in the table."""
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    good = write_task_data(inside, "good")
+    secret = write_task_data(outside, "secret")
+    (inside / "link.jsonl").symlink_to(secret)
+    state_data = write_task_data(api.state_dir / "stolen", "state")
+    others = write_task_data(api.state_dir / "outputs" / "root" / "x", "others")
+    alice, _ = users.add("alice", data_roots=[str(inside), "s3://team-a/data"])
+    users.add("root", admin=True)
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    cases = [(secret, "is outside the data roots"), (inside / ".." / "outside" / "secret.jsonl", "is outside"),
+             (inside / "link.jsonl", "is outside"), (outside / "missing.jsonl", "is outside"),
+             ("s3://team-a/database/x.jsonl", "is outside"), ("s3://team-a/data/../other/x.jsonl", "'..'"),
+             (state_data, "the service's state folder"), (others, "the service's state folder")]
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        before = api.table()
+        for data, phrase in cases:
+            with pytest.raises(SpecRefused) as refused:
+                as_alice.submit(job_dict("reader", data, 2), base_model=NOBODYS_MODEL)
+            assert phrase in str(refused.value), (data, str(refused.value))
+            if phrase.startswith("is outside"):
+                assert str(inside) in str(refused.value) and "s3://team-a/data" in str(refused.value)
+        assert api.table() == before
+        job = as_alice.submit(job_dict("reader", good, 2), base_model=NOBODYS_MODEL)
+        assert api.ray.status(job.id).user == "alice"
+        as_alice.cancel(job.id)

@@ -132,3 +132,26 @@ def test_concurrent_audit_lines_stay_whole(tmp_path):
     assert [r["target"] for r in rows if r["user"] == "alice"] == [f"alice-{i}" for i in range(200)]
     assert len(AuditLog(path).rows(user="bob")) == 200
     assert AuditLog(path).rows(after=rows[-1]["time"]) == []
+
+
+def test_data_roots_follow_links_and_folders_and_compare_uris_by_component(tmp_path):
+    from actors.service.data_roots import as_root, data_problem
+
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    (inside / "folder" / "nested").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret.jsonl").write_text("{}\n")
+    (inside / "folder" / "a.jsonl").write_text("{}\n")
+    roots = [as_root(inside), as_root("s3://team/data/")]
+    assert data_problem(inside / "folder", roots) is None
+    (inside / "folder" / "nested" / "b.jsonl").symlink_to(outside / "secret.jsonl")   # deep inside, links out
+    assert "links out" in data_problem(inside / "folder", roots)
+    assert "is outside" in data_problem(inside / ".." / "outside" / "secret.jsonl", roots)
+    assert data_problem("s3://team/data/x.jsonl", roots) is None
+    assert "is outside" in data_problem("s3://team/database/x.jsonl", roots)
+    assert "'..'" in data_problem("s3://team/data/../x.jsonl", roots)
+    assert "is outside" in data_problem(inside / "folder" / "a.jsonl", [])   # no roots: nothing may be read
+    forbidden = [(as_root(inside), "the state folder", as_root(inside / "folder"))]
+    assert data_problem(inside / "folder" / "a.jsonl", None, forbidden) is None          # the allowed part
+    (inside / "other.jsonl").write_text("{}\n")
+    assert "lies in the state folder" in data_problem(inside / "other.jsonl", None, forbidden)

@@ -88,7 +88,8 @@ class SchedulerActor:
         kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
                                   on_decision=self.listeners.decided, trainers=kinds,
-                                  output_root=self.config.output_root, data_roots=self.config.data_roots)
+                                  output_root=self.config.output_root, data_roots=self.config.data_roots,
+                                  fair_share_window_s=self.config.fair_share_window_s)
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, self.state_dir, on_event=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))

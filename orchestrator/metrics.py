@@ -29,7 +29,7 @@ from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled")
 log = logging.getLogger(__name__)
 
-WAIT_CAUSES = ("memory", "slots", "host", "no_trainer", "priority", "other")
+WAIT_CAUSES = ("memory", "slots", "host", "no_trainer", "priority", "quota", "other")
 DECISION_KINDS = ("start", "preempt", "move", *(f"wait_{cause}" for cause in WAIT_CAUSES))
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)

@@ -33,6 +33,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add.add_argument("name", help="1-32 lower-case letters, digits, '-' or '_'")
     add.add_argument("--admin", action="store_true", help="may see and act on every user's jobs, and read the audit")
     add.add_argument("--share", type=float, default=1.0, help="their weight in the fair share (default 1)")
+    add.add_argument("--quota", action="append", default=[], metavar="KEY=N",
+                     help="running=N (jobs at once), queued=N (jobs waiting), tokens_per_day=N (trained over any 24 "
+                          "hours); repeat for several")
     add.add_argument("--data-root", action="append", default=[], metavar="PATH|URI",
                      help="a folder or storage URI prefix their jobs may read, besides the service's data_roots "
                           "(repeat for several)")
@@ -66,11 +69,23 @@ def _account() -> str:
         return f"os:uid-{os.getuid()}"
 
 
+def _quotas(items: list[str]) -> dict[str, int]:
+    quotas = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            quotas[key.strip()] = int(float(value)) if value.strip() else -1
+        except ValueError:
+            raise UserError(f"--quota {item}: give KEY=N with N a whole number (e.g. running=4)") from None
+    return quotas
+
+
 def run(args: argparse.Namespace) -> int:
     book = UserBook.in_state_dir(Path(args.state_dir))
     audit = AuditLog.in_state_dir(Path(args.state_dir))
     if args.action == "add":
         token, notes = book.add(args.name, admin=args.admin, share=args.share, data_roots=args.data_root,
+                                quotas=_quotas(args.quota),
                                 adopt_token=_legacy_token(args.token_file) if args.admin else None)
         if token is None:   # the service's existing token became theirs
             token = _legacy_token(args.token_file)
@@ -83,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(users, indent=1))
         else:
             for user in users:
-                print(f"{user['name']:<24}{'admin' if user['admin'] else 'user':<7}share {user['share']:g}")
+                quotas = " ".join(f"{key}={value}" for key, value in user["quotas"].items())
+                print(f"{user['name']:<24}{'admin' if user['admin'] else 'user':<7}share {user['share']:g}"
+                      + (f"  quotas {quotas}" if quotas else ""))
     elif args.action == "token":
         if not args.rotate:
             raise UserError(f"tokens are kept only as hashes, so {args.name}'s cannot be shown again: `aspen user "

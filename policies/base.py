@@ -16,6 +16,11 @@ where it fits (memory budget, `max_jobs`), the least loaded by queued step token
 the jobs on it, including those placed earlier in the same round), then the one with the most free memory,
 then the lowest trainer id; so no trainer idles while a job that fits it waits.
 
+Users (a shared service's: `JobView.user`, `Snapshot.users`): every built-in policy orders the queue by the
+users' fair share first (`Snapshot.fair_share`: the tokens a user's jobs trained over the service's window,
+per unit of their share; the least served user's jobs first), then by its own rule within that; and
+`Admission.place` keeps a user within their quotas (running jobs at once, tokens a day: cause `quota`).
+
 A policy may also choose which jobs' next micro-batches share each fused step: a `compose_step` method
 (see `StepComposer`) is called by every trainer before each step; without one, trainers take the jobs
 round-robin while the step stays within its token budget."""
@@ -65,6 +70,7 @@ class JobView:
     preempting: bool = False                      # asked to pause; its memory frees at its next step
     moving_to: str | None = None                  # being moved there (pausing on `trainer`, then resumed there)
     moved_at: float | None = None                 # when it was last moved (snapshot time), if ever
+    user: str | None = None                       # who submitted it (None: an operator)
 
     @property
     def remaining_steps(self) -> int:
@@ -79,6 +85,22 @@ class JobView:
         return self.remaining_steps * (self.tokens_per_step or 1.0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class UserShare:
+    """A user's standing: their share's weight, the tokens their jobs trained over the fair-share window,
+    and their quotas (None: no limit)."""
+
+    share: float = 1.0
+    trained_tokens: float = 0.0
+    max_running: int | None = None
+    tokens_per_day: int | None = None
+    tokens_today: float = 0.0            # trained over the last 24 hours
+
+    @property
+    def out_of_tokens(self) -> bool:
+        return self.tokens_per_day is not None and self.tokens_today >= self.tokens_per_day
+
+
 @dataclass(frozen=True)
 class Snapshot:
     time: float
@@ -87,6 +109,14 @@ class Snapshot:
     # node -> running jobs it holds at most (each job's actor is a process on its trainer's node, with host
     # memory of its own); a node not named has no such limit
     job_slots: dict[str, int] = field(default_factory=dict)
+    # user -> their standing (users.json's and the job table's); jobs of a user not named (an operator's,
+    # None) count as a user of share 1 with what they trained
+    users: dict[str | None, UserShare] = field(default_factory=dict)
+
+    def fair_share(self, job: JobView) -> float:
+        """The job's user's trained tokens per unit of share: lower is served first."""
+        standing = self.users.get(job.user)
+        return 0.0 if standing is None else standing.trained_tokens / standing.share
 
     def queued(self) -> list[JobView]:
         return sorted((j for j in self.jobs if j.state == "queued"), key=lambda j: (j.submitted_at, j.id))
@@ -185,6 +215,10 @@ class Admission:
         for job in snapshot.jobs:   # a job on its way to another trainer holds its room there already
             if job.moving_to in self.used and job.state == "running":
                 self.reserve(job.moving_to, job)
+        self.user_running: dict[str | None, int] = {}   # each user's running jobs, those placed this round too
+        for job in snapshot.jobs:
+            if job.state == "running":
+                self.user_running[job.user] = self.user_running.get(job.user, 0) + 1
 
     def candidates(self, job: JobView) -> list[TrainerView]:
         return [t for t in self.snapshot.trainers if compatible(job, t)]
@@ -212,6 +246,9 @@ class Admission:
         candidates = self.candidates(job)
         if not candidates:
             return Wait(job.id, no_trainer_reason(job, self.snapshot.trainers), "no_trainer")
+        quota = self.quota_reason(job)
+        if quota is not None:
+            return Wait(job.id, quota, "quota")
         need = job.memory_bytes or 0
         open_trainers = [t for t in candidates if self.has_slot(t)]
         if not open_trainers:
@@ -231,12 +268,26 @@ class Admission:
         self.reserve(trainer.id, job)
         return Start(job.id, trainer.id)
 
+    def quota_reason(self, job: JobView) -> str | None:
+        """Why the job's user may not start another job now (None: they may)."""
+        standing = self.snapshot.users.get(job.user)
+        if standing is None:
+            return None
+        if standing.max_running is not None and self.user_running.get(job.user, 0) >= standing.max_running:
+            return f"waiting for a job of {job.user} to end: their quota is {standing.max_running} running at once"
+        if standing.out_of_tokens:
+            return (f"waiting for {job.user}'s daily token quota ({standing.tokens_per_day}) to free up: "
+                    f"{standing.tokens_today:.0f} trained over the last 24 hours")
+        return None
+
     def reserve(self, trainer_id: str, job: JobView) -> None:
         """Count `job` on `trainer_id` from now on in this round (memory, slot and load)."""
         self.used[trainer_id] += job.memory_bytes or 0
         self.count[trainer_id] += 1
         self.load[trainer_id] += job.remaining_tokens
         self._count_node(trainer_id, 1)
+        if job.state == "queued":
+            self.user_running[job.user] = self.user_running.get(job.user, 0) + 1
 
     def unreserve(self, trainer_id: str, job: JobView) -> None:
         """Undo `reserve` (e.g. a `place` the policy decided against)."""
@@ -244,6 +295,8 @@ class Admission:
         self.count[trainer_id] -= 1
         self.load[trainer_id] -= job.remaining_tokens
         self._count_node(trainer_id, -1)
+        if job.state == "queued":
+            self.user_running[job.user] = self.user_running.get(job.user, 0) - 1
 
     def _count_node(self, trainer_id: str, change: int) -> None:
         node = next((t.node for t in self.snapshot.trainers if t.id == trainer_id), None)

@@ -26,13 +26,14 @@ def outranks(job: JobView, victim: JobView) -> bool:
 
 def plan(snapshot: Snapshot, key: Callable[[JobView], tuple], *, preempt: bool,
          may_preempt: Callable[[JobView, JobView], bool] = outranks, moves: MoveRule | None = None) -> list[Decision]:
-    """Place queued jobs in `key` order; with `preempt`, make room for a job by pausing running jobs that
-    `may_preempt(job, victim)` allows (by default: lower priority) on a compatible trainer (lowest
-    priority, then most remaining work, first); with `moves`, then move running jobs where it pays."""
+    """Place queued jobs by their users' fair share (`Snapshot.fair_share`), then in `key` order; with
+    `preempt`, make room for a job by pausing running jobs that `may_preempt(job, victim)` allows (by
+    default: lower priority) on a compatible trainer (lowest priority, then most remaining work, first);
+    with `moves`, then move running jobs where it pays."""
     admission = Admission(snapshot)
     decisions: list[Decision] = []
     preempted: set[str] = set()
-    for job in sorted(snapshot.queued(), key=key):
+    for job in sorted(snapshot.queued(), key=lambda j: (snapshot.fair_share(j), key(j))):
         placed = admission.place(job)
         if isinstance(placed, Start) or not preempt or not admission.candidates(job):
             decisions.append(placed)

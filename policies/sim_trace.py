@@ -10,7 +10,7 @@ from typing import Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.memory_model import StepShape
 
@@ -106,6 +106,7 @@ class TraceJob(Strict):
     loss: LossCurve = LossCurve()
     eval_every: int = Field(10, ge=1)
     early_stop: EarlyStop | None = None
+    user: str | None = Field(None, description="who submitted it (a name of the trace's `users`; none: an operator)")
 
 
 class Trace(Strict):
@@ -117,7 +118,17 @@ class Trace(Strict):
                                                                 "q_proj + v_proj of smollm2-135m)")
     calibration: Calibration = Calibration()
     tick_seconds: float = Field(0.25, gt=0, description="the scheduler decides on new jobs at these intervals")
+    users: dict[str, float] = Field({}, description="each user's share (weight) of the fair share")
+    fair_share_window_s: float = Field(3600.0, gt=0, description="the window of trained tokens the fair share "
+                                                                  "counts")
     jobs: list[TraceJob] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _known_users(self) -> Trace:
+        unknown = sorted({job.user for job in self.jobs if job.user is not None} - set(self.users))
+        if unknown:
+            raise ValueError(f"jobs name users {unknown} that `users` does not list (with their shares)")
+        return self
 
 
 def load_trace(path: Path) -> Trace:

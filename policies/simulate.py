@@ -33,7 +33,18 @@ from typing import Any
 import numpy as np
 
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
-from policies.base import JobView, Move, NextBatch, Policy, Preempt, Snapshot, Start, StepComposer, TrainerView
+from policies.base import (
+    JobView,
+    Move,
+    NextBatch,
+    Policy,
+    Preempt,
+    Snapshot,
+    Start,
+    StepComposer,
+    TrainerView,
+    UserShare,
+)
 from policies.memory_model import StepShape
 from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
 from policies.registry import load_policy
@@ -102,6 +113,7 @@ class Result:
     fused_steps: int
     priorities: list[int] = field(default_factory=list)
     moves: int = 0
+    trained: list[tuple[float, str | None, int]] = field(default_factory=list)   # (time, user, tokens)
 
     def by_priority(self) -> dict[int, float]:
         """Mean turnaround of each priority level."""
@@ -138,6 +150,7 @@ class Simulator:
         self.trainers = {t.id: t for t in trace.trainers}
         self.rotation = dict.fromkeys(self.clock, 0)
         self.ooms = 0
+        self.trained: list[tuple[float, str | None, int]] = []   # (time, user, tokens) of every job's micro-batch
         self.fused_steps = 0
         self.longest = dict.fromkeys(self.clock, 1)
         self.pipelines = {t.id: PipelineModel(t) for t in trace.trainers if t.stages > 1}
@@ -169,8 +182,23 @@ class Simulator:
                                  memory_bytes=job.parameters * BYTES_PER_ADAPTER_PARAMETER,
                                  tokens_per_step=spec.batch_size * spec.grad_accum * spec.lengths.mean,
                                  predicted_remaining_steps=remaining, preempting=job.preempting,
-                                 moving_to=job.move_to if job.preempting else None, moved_at=job.moved_at))
-        return Snapshot(now, tuple(trainers), tuple(views))
+                                 moving_to=job.move_to if job.preempting else None, moved_at=job.moved_at,
+                                 user=spec.user))
+        return Snapshot(now, tuple(trainers), tuple(views), users=self.standing(now))
+
+    def standing(self, now: float) -> dict[str | None, UserShare]:
+        """The users' shares and tokens trained over the window (as the service's scheduler counts them)."""
+        if not self.trace.users:
+            return {}
+        since = now - self.trace.fair_share_window_s
+        trained: dict[str | None, float] = {}
+        for when, user, tokens in self.trained:
+            if since <= when <= now:
+                trained[user] = trained.get(user, 0.0) + tokens
+        standing = {name: UserShare(share=share, trained_tokens=trained.get(name, 0.0))
+                    for name, share in self.trace.users.items()}
+        standing[None] = UserShare(trained_tokens=trained.get(None, 0.0))
+        return standing
 
     def decide(self, now: float) -> None:
         for decision in self.policy.decide(self.snapshot(now)):
@@ -263,6 +291,7 @@ class Simulator:
             job.steps_since_joined = 0 if job in chosen else job.steps_since_joined + 1
         for job in chosen:
             job.tokens += sum(job.next_lengths)
+            self.trained.append((end, job.spec.user, sum(job.next_lengths)))
             job.next_lengths = job.draw()
             job.micro += 1
             if job.micro % job.spec.grad_accum == 0:
@@ -314,6 +343,7 @@ class Simulator:
         closes = []
         for job in chosen:
             job.tokens += sum(job.next_lengths)
+            self.trained.append((now + seconds, job.spec.user, sum(job.next_lengths)))
             job.next_lengths = job.draw()
             job.planned += 1
             if job.planned % job.spec.grad_accum == 0:
@@ -378,7 +408,8 @@ class Simulator:
                       waiting=[j.waited for j in jobs], makespan=max(j.finish for j in jobs) - first,
                       tokens=sum(j.tokens for j in jobs), steps=sum(j.step for j in jobs), ooms=self.ooms,
                       stopped_early=sum(j.ended == "stopped_early" for j in jobs), fused_steps=self.fused_steps,
-                      priorities=[j.spec.priority for j in jobs], moves=sum(j.moves for j in jobs))
+                      priorities=[j.spec.priority for j in jobs], moves=sum(j.moves for j in jobs),
+                      trained=list(self.trained))
 
 
 class PipelineModel:

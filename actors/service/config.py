@@ -229,6 +229,8 @@ class ServiceConfig(StrictModel):
                           "writes to <output_root>/<job id>. None: anywhere the service can write (a service of the "
                           "user's own, `aspen run`); "
                           "`aspen serve` sets <state_dir>/outputs unless the config names a root")
+    fair_share_window_s: Annotated[float, Bounds(1, 10**8)] = Field(
+        3600.0, description="the users' fair share counts the tokens their jobs trained over this many seconds")
     data_roots: list[str] | None = Field(
         None, description="where jobs may read data: folders (and everything under them, links resolved) and "
                           "storage URI prefixes (s3://bucket/prefix); a user's jobs may also read their own "

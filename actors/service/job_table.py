@@ -398,6 +398,21 @@ class JobTable:
                                 f"VALUES (?, ?, {', '.join('?' for _ in values)}, ?)",
                                 (job_id, step, *values.values(), time.time()))
 
+    @_reads
+    def tokens_by_user(self, since: float) -> dict[str | None, int]:
+        """The tokens each user's jobs trained since the time `since` (None: an operator's jobs)."""
+        rows = self.db.execute("SELECT jobs.user, SUM(progress.tokens) FROM progress JOIN jobs ON progress.job_id = "
+                               "jobs.id WHERE progress.time >= ? AND progress.tokens IS NOT NULL GROUP BY jobs.user",
+                               (since,))
+        return {user: int(total or 0) for user, total in rows}
+
+    @_reads
+    def unfinished_of(self, user: str) -> dict[str, int]:
+        """How many of the user's jobs are in each unfinished state."""
+        rows = self.db.execute("SELECT state, COUNT(*) FROM jobs WHERE user = ? AND state IN ('queued', 'running', "
+                               "'paused') GROUP BY state", (user,))
+        return dict(rows)
+
     def forget_progress_after(self, job_id: str, step: int) -> None:
         """A job resumed from a checkpoint at `step` replays the steps after it."""
         with self.transaction():

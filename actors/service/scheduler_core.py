@@ -38,9 +38,23 @@ from actors.service.policy_guard import PolicyGuard, park
 from actors.service.scheduling_state import SchedulingStates
 from actors.service.submissions import SubmissionConflict, SubmissionError, Submissions
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from policies.base import JobView, Move, Policy, Preempt, Snapshot, Start, TrainerView, Wait, memory_in_use
+from actors.service.users import UserBook, UsersFileError
+from policies.base import (
+    JobView,
+    Move,
+    Policy,
+    Preempt,
+    Snapshot,
+    Start,
+    TrainerView,
+    UserShare,
+    Wait,
+    memory_in_use,
+)
 
 log = logging.getLogger(__name__)
+
+STANDING_REFRESH_S = 5.0   # how often the users' standing (users.json, trained tokens) is read again
 
 RESTARTABLE_STATES = ("paused", "failed", "cancelled")
 
@@ -62,7 +76,7 @@ class SchedulerCore:
     def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
                  on_decision: Callable[[str, str, str], None] | None = None, *,
                  trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None,
-                 data_roots: Sequence[str] | None = None):
+                 data_roots: Sequence[str] | None = None, fair_share_window_s: float = 3600.0):
         """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
         (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
         service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
@@ -74,6 +88,9 @@ class SchedulerCore:
         self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.submissions = Submissions(table, state_dir, trainers=trainers, output_root=output_root,
                                        statuses=lambda: self.statuses.values(), data_roots=data_roots)
+        self.fair_share_window_s = fair_share_window_s
+        self._standing: dict[str | None, UserShare] | None = None
+        self._standing_at = 0.0
         self.booking = EventBooking(table, self.scheduling)
         self.guard = PolicyGuard(policy, table, self.scheduling)
         # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the
@@ -181,7 +198,34 @@ class SchedulerCore:
                 continue
             if view is not None:
                 jobs.append(view)
-        return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs), job_slots=dict(self.job_slots))
+        return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs), job_slots=dict(self.job_slots),
+                        users=self.standing())
+
+    def standing(self) -> dict[str | None, UserShare]:
+        """Each user's share, trained tokens over the fair-share window and quotas (users.json and the job
+        table), read again at most every STANDING_REFRESH_S; none without a users file (every job is then
+        ordered by the policy alone)."""
+        now = time.time()
+        if self._standing is not None and now - self._standing_at < STANDING_REFRESH_S:
+            return self._standing
+        book = UserBook.in_state_dir(self.submissions.state_dir)
+        standing: dict[str | None, UserShare] = {}
+        if book.exists():
+            try:
+                users = book.users()
+            except UsersFileError as error:   # the operator is told; scheduling goes on as without users
+                log.error("scheduler: %s", error)
+                users = []
+            window = self.table.tokens_by_user(now - self.fair_share_window_s)
+            day = self.table.tokens_by_user(now - 86_400)
+            for user in users:
+                standing[user.name] = UserShare(share=user.share, trained_tokens=window.get(user.name, 0),
+                                                max_running=user.max_running, tokens_per_day=user.tokens_per_day,
+                                                tokens_today=day.get(user.name, 0))
+            for name, tokens in window.items():   # an operator's jobs (None), a removed user's: share 1
+                standing.setdefault(name, UserShare(trained_tokens=tokens))
+        self._standing, self._standing_at = standing, now
+        return standing
 
     def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
         """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started
@@ -326,4 +370,4 @@ class SchedulerCore:
                        quantization=record.quantization, trainer=record.trainer, step=record.step,
                        total_steps=total, memory_bytes=state.memory, tokens_per_step=tokens_per_step,
                        predicted_remaining_steps=state.predicted_remaining, preempting=state.preempting is not None,
-                       moving_to=moving_to, moved_at=state.moved_at)
+                       moving_to=moving_to, moved_at=state.moved_at, user=record.user)

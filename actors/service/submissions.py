@@ -6,6 +6,7 @@ A request repeated under the same client-chosen ids returns the jobs it entered 
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -66,7 +67,7 @@ class Submissions:
             if existing is not None:
                 return existing
         planned: list[tuple[str, JobSubmission, Path | StorageURI]] = []
-        problems: list[str] = []
+        problems: list[str] = self._quota_problems(submissions)
         conflicts = 0   # problems that are collisions with jobs in the table (SubmissionConflict)
         for index, submission in enumerate(submissions):
             name = submission.job.name
@@ -115,6 +116,27 @@ class Submissions:
             raise SubmissionConflict(f"part of this batch was entered before ({[r.id for r in found if r]}), part "
                                      "not; check `aspen status` before submitting again")
         return found
+
+    def _quota_problems(self, submissions: list[JobSubmission]) -> list[str]:
+        """Each user whose batch would pass their quota of queued jobs, or whose daily tokens are spent."""
+        problems = []
+        for name in sorted({s.user for s in submissions if s.user is not None}):
+            try:
+                user = UserBook.in_state_dir(self.state_dir).get(name)
+            except UserError:
+                continue   # refused per job (`_user`)
+            new = sum(s.user == name for s in submissions)
+            if user.max_queued is not None:
+                queued = self.table.unfinished_of(name).get("queued", 0)
+                if queued + new > user.max_queued:
+                    problems.append(f"user {name}: quota queued={user.max_queued}: {queued} of their jobs are queued "
+                                    f"and this adds {new}; wait for some to start or end, or ask the operator")
+            if user.tokens_per_day is not None:
+                trained = self.table.tokens_by_user(time.time() - 86_400).get(name, 0)
+                if trained >= user.tokens_per_day:
+                    problems.append(f"user {name}: quota tokens_per_day={user.tokens_per_day}: their jobs trained "
+                                    f"{trained} tokens over the last 24 hours; submit again later")
+        return problems
 
     def _user(self, submission: JobSubmission) -> User | None:
         """The submitting user's record (None: an operator, through Ray); an unknown user is refused."""

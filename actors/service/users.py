@@ -20,7 +20,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from actors.engine.durable import write_durably
@@ -47,11 +47,18 @@ class User:
     token_sha256: str
     created_at: float
     data_roots: tuple[str, ...] = ()   # where their jobs may read besides the service's data roots
+    max_running: int | None = None     # quotas (None: no limit): jobs running at once,
+    max_queued: int | None = None      # jobs queued,
+    tokens_per_day: int | None = None  # tokens trained over any 24 hours
 
     def public(self) -> dict:
         """What `aspen user list` shows: everything but the token's hash."""
         return {"name": self.name, "admin": self.admin, "share": self.share, "data_roots": list(self.data_roots),
-                "created_at": self.created_at}
+                "quotas": self.quotas(), "created_at": self.created_at}
+
+    def quotas(self) -> dict[str, int]:
+        return {key: value for key, value in (("running", self.max_running), ("queued", self.max_queued),
+                                              ("tokens_per_day", self.tokens_per_day)) if value is not None}
 
 
 def token_hash(token: str) -> str:
@@ -62,6 +69,19 @@ def check_name(name: str) -> str:
     if not re.match(USER_NAME_PATTERN, name or ""):
         raise UserError(f"user name {name!r}: use 1-32 lower-case letters, digits, '-' or '_', starting with a letter")
     return name
+
+
+QUOTAS = ("running", "queued", "tokens_per_day")
+
+
+def check_quotas(quotas: dict[str, int]) -> dict[str, int]:
+    unknown = sorted(set(quotas) - set(QUOTAS))
+    if unknown:
+        raise UserError(f"quota {', '.join(unknown)}: the quotas are {', '.join(QUOTAS)} (e.g. --quota running=4)")
+    for key, value in quotas.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**62:
+            raise UserError(f"quota {key}={value!r}: give a whole number >= 0")
+    return dict(quotas)
 
 
 class UserBook:
@@ -147,12 +167,13 @@ class UserBook:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def add(self, name: str, *, admin: bool = False, share: float = 1.0, data_roots: Sequence[str] = (),
-            adopt_token: str | None = None) -> tuple[str | None, list[str]]:
+            quotas: dict[str, int] | None = None, adopt_token: str | None = None) -> tuple[str | None, list[str]]:
         """Add a user; returns their new token (None where `adopt_token` became theirs) and notes. The first
         admin takes `adopt_token` (the service's token from before there were users) where it is given."""
         check_name(name)
         if not (0 < share <= 1000):
             raise UserError(f"share {share}: give a weight above 0 and at most 1000 (1: an equal share)")
+        limits = check_quotas(quotas or {})
         notes = []
         with self._changing() as users:
             if name in users:
@@ -164,7 +185,9 @@ class UserBook:
                 notes.append(f"the service's existing HTTP token (`aspen http-token`) is now {name}'s")
             if any(hmac.compare_digest(user.token_sha256, digest) for user in users.values()):
                 raise UserError("that token is another user's already")
-            users[name] = User(name, admin, float(share), digest, round(time.time(), 3), tuple(map(str, data_roots)))
+            users[name] = User(name, admin, float(share), digest, round(time.time(), 3), tuple(map(str, data_roots)),
+                               max_running=limits.get("running"), max_queued=limits.get("queued"),
+                               tokens_per_day=limits.get("tokens_per_day"))
         return token, notes
 
     def rotate(self, name: str) -> str:
@@ -174,7 +197,7 @@ class UserBook:
             if name not in users:
                 raise UserError(f"no user named '{name}' in {self.path} (`aspen user list` shows them)")
             user = users[name]
-            users[name] = User(user.name, user.admin, user.share, token_hash(token), user.created_at, user.data_roots)
+            users[name] = replace(user, token_sha256=token_hash(token))
         return token
 
     def remove(self, name: str) -> None:

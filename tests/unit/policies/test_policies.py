@@ -307,3 +307,36 @@ def replace_trainer(view: TrainerView, **changes) -> TrainerView:
     from dataclasses import replace
 
     return replace(view, **changes)
+
+
+def user_job(jid, user, **kwargs) -> JobView:
+    from dataclasses import replace
+
+    return replace(job(jid, **kwargs), user=user)
+
+
+@pytest.mark.parametrize("name", ["fifo", "sjf", "priority", "adaptive", "minpad"])
+def test_every_built_in_policy_serves_the_least_served_user_first_and_keeps_quotas(name):
+    from policies.base import UserShare
+
+    one_slot = TrainerView(id="t0", base_model="m", quantization="none", memory_budget_bytes=1000 * MiB,
+                           base_bytes=400 * MiB, step_memory_bytes=200 * MiB, jobs=(), linear_shapes=(), max_jobs=1)
+    # a's twenty jobs came first, b's one afterwards: b has trained least per unit of share, so b's job takes the
+    # free slot (the policy's own order holds within a user)
+    jobs = [user_job(f"a{i}", "a", submitted=float(i)) for i in range(20)] + [user_job("b0", "b", submitted=30.0)]
+    users = {"a": UserShare(share=1.0, trained_tokens=1000.0), "b": UserShare(share=1.0, trained_tokens=200.0)}
+    decisions = load_policy(name).decide(Snapshot(0.0, (one_slot,), tuple(jobs), users=users))
+    assert [d for d in decisions if isinstance(d, Start)] == [Start("b0", "t0")]
+    # shares weigh the tokens: a with share 10 has trained 100 per unit, b 200: a's job first
+    weighted = {"a": UserShare(share=10.0, trained_tokens=1000.0), "b": UserShare(share=1.0, trained_tokens=200.0)}
+    decisions = load_policy(name).decide(Snapshot(0.0, (one_slot,), tuple(jobs), users=weighted))
+    assert [d.job for d in decisions if isinstance(d, Start)] == ["a0"]
+    # quotas: b may run one job at once (one runs), a has spent its tokens of the day: both wait, cause quota
+    quota = {"a": UserShare(tokens_per_day=500, tokens_today=600.0),
+             "b": UserShare(max_running=1)}
+    running = user_job("b-running", "b", state="running", trainer="t0")
+    decisions = load_policy(name).decide(Snapshot(0.0, (trainer(),), (*jobs[:2], jobs[-1], running), users=quota))
+    waits = {d.job: d for d in decisions if isinstance(d, Wait)}
+    assert not [d for d in decisions if isinstance(d, Start)]
+    assert waits["b0"].cause == "quota" and "quota is 1 running at once" in waits["b0"].reason
+    assert waits["a0"].cause == "quota" and "daily token quota (500)" in waits["a0"].reason

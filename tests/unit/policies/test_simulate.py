@@ -201,3 +201,27 @@ def test_every_policy_schedules_onto_pipeline_trainers_and_transfers_cost_time(s
         slow = Simulator(pipeline_trace(stages, transfer=0.01), load_policy(policy)).run()
         assert quick.steps == slow.steps == 8 * 12
         assert slow.makespan > quick.makespan
+
+
+def test_users_token_shares_follow_their_weights():
+    """Two users with shares 1 and 3, each with more jobs than the trainer holds at once, all submitted at the
+    start (the first user's first): over the run, each user's trained tokens per window follow the weights
+    within 10% once both have jobs running (the first windows are the start's)."""
+    job = {"batch_size": 1, "steps": 20, "lengths": {"mean": 10, "std": 0, "min": 10, "max": 10}}
+    trace = Trace.model_validate({
+        "trainers": [{"memory_budget_bytes": 10**12, "max_jobs": 4}], "users": {"light": 1.0, "heavy": 3.0},
+        "fair_share_window_s": 10_000.0,
+        "calibration": {"step": {"constant": 1.0, "per_token": 0.0}, "job_start_seconds": 0.0,
+                        "checkpoint_seconds": 0.0},
+        "jobs": [{"name": f"light-{i}", "arrival": 0.0, "user": "light", **job} for i in range(30)]
+                + [{"name": f"heavy-{i}", "arrival": 0.01, "user": "heavy", **job} for i in range(90)]})
+    for policy in ("fifo", "adaptive"):
+        result = Simulator(trace, load_policy(policy)).run()
+        busy_until = min(max(t for t, u, _ in result.trained if u == user) for user in ("light", "heavy"))
+        for window_end in (busy_until / 2, busy_until):   # cumulative share at half-time and at the end
+            tokens = {user: sum(n for t, u, n in result.trained if u == user and t <= window_end)
+                      for user in ("light", "heavy")}
+            heavy = tokens["heavy"] / (tokens["light"] + tokens["heavy"])
+            assert abs(heavy - 0.75) <= 0.075, (policy, window_end, tokens)
+    with pytest.raises(ValueError, match="users .'nobody'. that `users` does not list"):
+        Trace.model_validate({**trace.model_dump(), "jobs": [{"name": "x", "user": "nobody", **job}]})

@@ -155,3 +155,47 @@ def test_data_roots_follow_links_and_folders_and_compare_uris_by_component(tmp_p
     assert data_problem(inside / "folder" / "a.jsonl", None, forbidden) is None          # the allowed part
     (inside / "other.jsonl").write_text("{}\n")
     assert "lies in the state folder" in data_problem(inside / "other.jsonl", None, forbidden)
+
+
+def test_the_scheduler_serves_the_least_served_user_and_refuses_past_quotas(tmp_path):
+    """A real job table and users file: a, with 20 jobs queued first and tokens trained, and b, with one job
+    submitted after them: when the one slot frees, b's job starts in that round. Quotas: b's queued quota
+    refuses a batch that would pass it (naming the quota, nothing entered); an unknown user is refused."""
+    from dataclasses import replace
+
+    from actors.engine.spec import JobSubmission
+    from actors.service.job_table import JobTable
+    from actors.service.scheduler_core import SchedulerCore
+    from actors.service.submissions import SubmissionError
+    from policies.base import Start
+    from policies.registry import load_policy
+    from tests.helpers.service import job_dict, write_task_data
+    from tests.helpers.trainer import fake_status
+
+    state = tmp_path / "state"
+    data = write_task_data(tmp_path / "data", "q")
+    book = UserBook.in_state_dir(state)
+    book.add("a", data_roots=[str(tmp_path / "data")])
+    book.add("b", data_roots=[str(tmp_path / "data")], quotas={"queued": 2})
+    table = JobTable(state / "jobs.sqlite")
+    core = SchedulerCore(table, load_policy("adaptive"), state)
+
+    def submit(name: str, user: str) -> str:
+        return core.submit(JobSubmission(job=job_dict(name, data, 5), user=user)).id
+
+    first = submit("a-0", "a")
+    table.add_progress(first, {"step": 1, "loss": 2.0, "tokens": 5000})   # a has trained already
+    a_jobs = [first] + [submit(f"a-{i}", "a") for i in range(1, 20)]
+    b_job = submit("b-0", "b")
+    one_slot = replace(fake_status("trainer-0", "smollm2-135m"), max_jobs=1)
+    started = [action for action in core.plan([one_slot]) if isinstance(action, Start)]
+    assert started == [Start(b_job, "trainer-0")]
+    assert table.get(b_job).user == "b" and all(table.get(j).state == "queued" for j in a_jobs)
+    before = len(table.all())
+    submissions = [JobSubmission(job=job_dict(f"b-{i}", data, 5), user="b") for i in (1, 2)]
+    with pytest.raises(SubmissionError, match="user b: quota queued=2: 0 of their jobs are queued and this adds 3"):
+        core.submissions.submit_many(submissions + [JobSubmission(job=job_dict("b-3", data, 5), user="b")])
+    assert len(table.all()) == before
+    with pytest.raises(SubmissionError, match="'c' is not a user of this service"):
+        core.submit(JobSubmission(job=job_dict("c-0", data, 5), user="c"))
+    table.close()

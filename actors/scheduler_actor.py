@@ -240,6 +240,10 @@ class SchedulerActor:
         with self.lock:
             return self.sweeps.all()
 
+    def accounts(self) -> list[dict[str, Any]]:
+        """What each user's jobs used (`JobTable.accounts`): jobs, trained tokens, step-seconds, GPU-seconds."""
+        return [{"user": user, **usage} for user, usage in self.table.accounts().items()]
+
     def cancel_sweep(self, name: str) -> dict[str, Any]:
         with self.lock:
             return self.sweeps.cancel(name)
@@ -314,6 +318,7 @@ class SchedulerActor:
         # the first round after a start tells the listeners of every job (e.g. to publish its retained state)
         jobs = self.table.all(ACTIVE_STATES if self.rounds > 1 else None)
         self.listeners.tick(jobs, self.table.counts(), ready)
+        self.listeners.accounts(self.accounts())
 
     def _booked(self, trainer_id: str, event: TrainerEvent) -> None:
         """An event is in the table: the listeners hear it with its trainer's status (none once retired)."""

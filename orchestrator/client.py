@@ -327,6 +327,11 @@ class Client:
     def sweeps(self) -> list[dict[str, Any]]:
         return self._request("sweeps_list")
 
+    def accounts(self) -> list[dict[str, Any]]:
+        """Each user's jobs and what they used: `{"user", "jobs", "tokens", "step_seconds", "gpu_seconds"}` (user
+        None: jobs submitted through Ray)."""
+        return self._request("accounts")
+
     def cancel_sweep(self, name: str) -> dict[str, Any]:
         """Start no more trials of the sweep and cancel its running ones."""
         return self._request("cancel_sweep", name)

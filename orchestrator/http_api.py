@@ -379,6 +379,14 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
 
         return call_service(link, run)
 
+    @api.get("/accounts", tags=["service"])
+    def accounts(caller: Caller = Depends(require_token)) -> Any:
+        """What each user's jobs used, summed over the fused steps they took part in: jobs, trained tokens,
+        step-seconds (their share of each step's time by their tokens) and GPU-seconds. Yours only (an admin:
+        every user's; user null: jobs submitted through Ray)."""
+        rows = call_service(link, lambda client: client.accounts())
+        return [row for row in rows if caller.admin or row["user"] == caller.name]
+
     @api.get("/audit", tags=["service"], responses={403: {"model": ErrorBody, "description": "not an admin"}})
     def audit_rows(user: str | None = Query(None, description="only this user's actions"),
                    after: float | None = Query(None, description="only actions after this time (seconds since "

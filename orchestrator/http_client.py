@@ -223,6 +223,10 @@ class HttpClient:
     def sweeps(self) -> list[dict[str, Any]]:
         return self._request("GET", "/v1/sweeps")
 
+    def accounts(self) -> list[dict[str, Any]]:
+        """What your jobs used (an admin: every user's): jobs, tokens, step_seconds, gpu_seconds."""
+        return self._request("GET", "/v1/accounts")
+
     def cancel_sweep(self, name: str) -> dict[str, Any]:
         return self._request("POST", f"/v1/sweeps/{quote(name, safe='')}/cancel")
 

@@ -101,6 +101,14 @@ class MetricsListener:
         self.job_speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
                                "last optimizer step", ["job_id"], registry=r)
         self.job_step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
+        # users' accounts (docs/users.md): bounded by the service's users (jobs through Ray: user "")
+        self.user_tokens = Counter("aspen_user_trained_tokens_total", "Real tokens a user's jobs trained (every "
+                                   "fused step they took part in)", ["user"], registry=r)
+        self.user_step_seconds = Counter("aspen_user_step_seconds_total", "A user's jobs' shares of the fused "
+                                         "steps' time, by their tokens", ["user"], registry=r)
+        self.user_gpu_seconds = Counter("aspen_user_gpu_seconds_total", "A user's step-seconds times the GPUs each "
+                                        "step ran on", ["user"], registry=r)
+        self._accounted: dict[tuple[str, str], float] = {}
         # sweeps (docs/sweeps.md): bounded by the service's sweeps
         self.sweep_trials = Gauge("aspen_sweep_trials", "A sweep's trials in each state (pending, running, "
                                   "completed, stopped, failed, cancelled)", ["sweep", "state"], registry=r)
@@ -192,6 +200,18 @@ class MetricsListener:
             best = next((t["objective"] for t in status["trials"] if t["name"] == status.get("best")), None)
             if best is not None:
                 self.sweep_best.labels(name).set(best)
+
+    def accounts(self, rows: list[dict]) -> None:
+        """The users' accounts as counters: each grows by what the table's totals grew since the last round
+        (a total that fell, a job deleted, is not taken back)."""
+        for row in rows:
+            user = row["user"] or ""
+            for key, counter in (("tokens", self.user_tokens), ("step_seconds", self.user_step_seconds),
+                                 ("gpu_seconds", self.user_gpu_seconds)):
+                before = self._accounted.get((user, key), 0.0)
+                if row[key] > before:
+                    counter.labels(user).inc(row[key] - before)
+                    self._accounted[(user, key)] = row[key]
 
     def describe(self) -> dict[str, str]:
         if self.url:

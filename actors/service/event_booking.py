@@ -27,7 +27,8 @@ class EventBooking:
     def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
         """Book one trainer event in the table. Called inside the caller's transaction: changes to the
         jobs' states in memory are made only once that transaction commits."""
-        if event.kind == "step":   # the trainer's own step row: for metrics, not the job table
+        if event.kind == "step":   # the trainer's own step row: its jobs' users are accounted their shares of it
+            self._account(event.data)
             return
         job_id, data = event.job_id, event.data
         try:
@@ -76,6 +77,18 @@ class EventBooking:
             self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
             if state is not None:
                 after(lambda: (setattr(state, "preempting", None), setattr(state, "moving_to", None)))
+
+    def _account(self, row: dict) -> None:
+        """Each job of a fused step is accounted its real tokens and its share of the step's seconds by those
+        tokens (and as many GPU-seconds times the step's GPUs), so that the accounts add up to the step log."""
+        tokens = row.get("job_tokens") or {}
+        total = sum(tokens.values())
+        if total <= 0:
+            return
+        seconds, gpus = float(row.get("seconds") or 0.0), int(row.get("gpus") or 0)
+        for job_id, count in tokens.items():
+            share = seconds * count / total
+            self.table.add_usage(job_id, int(count), share, share * gpus)
 
     def _started(self, trainer_id: str, event: TrainerEvent) -> None:
         """A job began (or resumed) on its trainer: a resumed job's history is the checkpoint's."""

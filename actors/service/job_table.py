@@ -59,7 +59,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at REAL,
     finished_at REAL,
     updated_at REAL NOT NULL,
-    user TEXT
+    user TEXT,
+    account_tokens INTEGER NOT NULL DEFAULT 0,
+    step_seconds REAL NOT NULL DEFAULT 0,
+    gpu_seconds REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS progress (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, lr REAL, grad_norm REAL,
@@ -74,7 +77,10 @@ CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
 """
 
 # (table, column, type) added after the first release: an older table gains them when it opens
-ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"))
+ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
+                 ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
+                 ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
+                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"))
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 
@@ -397,6 +403,22 @@ class JobTable:
                 self.db.execute(f"INSERT INTO progress (job_id, step, {', '.join(values)}, time) "
                                 f"VALUES (?, ?, {', '.join('?' for _ in values)}, ?)",
                                 (job_id, step, *values.values(), time.time()))
+
+    def add_usage(self, job_id: str, tokens: int, step_seconds: float, gpu_seconds: float) -> None:
+        """A fused step's share of a job: its real tokens, its share of the step's time by those tokens, and
+        that time the GPUs the step ran on."""
+        with self.transaction():
+            self.db.execute("UPDATE jobs SET account_tokens = account_tokens + ?, step_seconds = step_seconds + ?, "
+                            "gpu_seconds = gpu_seconds + ? WHERE id = ?", (tokens, step_seconds, gpu_seconds, job_id))
+
+    @_reads
+    def accounts(self) -> dict[str | None, dict[str, float]]:
+        """Each user's jobs and what they used (None: an operator's jobs): trained tokens, step-seconds and
+        GPU-seconds, summed over every fused step their jobs took part in."""
+        rows = self.db.execute("SELECT user, COUNT(*), SUM(account_tokens), SUM(step_seconds), SUM(gpu_seconds) "
+                               "FROM jobs GROUP BY user")
+        return {user: {"jobs": jobs, "tokens": int(tokens or 0), "step_seconds": float(seconds or 0.0),
+                       "gpu_seconds": float(gpu or 0.0)} for user, jobs, tokens, seconds, gpu in rows}
 
     @_reads
     def tokens_by_user(self, since: float) -> dict[str | None, int]:

@@ -38,6 +38,9 @@ class ServiceListener(Protocol):
         """Every sweep's status (`SweepBook.all`), once per scheduler tick while the service has sweeps.
         Optional."""
 
+    def accounts(self, rows: list[dict]) -> None:
+        """What each user's jobs used so far (`SchedulerActor.accounts`), once per scheduler round. Optional."""
+
     def describe(self) -> dict[str, str]:
         """Where users reach it, e.g. {"metrics_url": "http://127.0.0.1:9464/metrics"}."""
 
@@ -80,6 +83,9 @@ class Listeners:
 
     def sweeps(self, statuses: list[dict]) -> None:
         self._call("sweeps", statuses, optional=True)
+
+    def accounts(self, rows: list[dict]) -> None:
+        self._call("accounts", rows, optional=True)
 
     def describe(self) -> dict[str, str]:
         found: dict[str, str] = {}

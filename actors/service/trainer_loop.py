@@ -302,7 +302,11 @@ class TrainerLoop(JobEnds):
         self.totals.add(report)
         row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
                "predicted_memory_bytes": predicted, "adapter_parameters": adapter_parameters,
-               "sequence_lengths": report.sequence_lengths}
+               "sequence_lengths": report.sequence_lengths,
+               # what each user is accounted (actors/service/event_booking.py): each job's real tokens of the
+               # step, and the GPUs the step ran on (its stages on CUDA; none on a CPU)
+               "job_tokens": {result.job: result.tokens for result in report.results},
+               "gpus": self.config.stages if self.base.device.type == "cuda" else 0}
         self.step_log.write(row)
         self.events.emit("step", "", report.step, **row)
         now = time.time()

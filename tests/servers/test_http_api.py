@@ -565,6 +565,9 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
             ("alice", "job.submit", job.id), ("alice", "job.cancel", job.id), ("bob", "job.submit", mine.id),
             ("bob", "job.cancel", mine.id)]
         assert rows == audit.rows() and all(r["time"] > 0 for r in rows)
+        accounts = {row["user"]: row for row in as_root.accounts()}   # their jobs never trained: no usage yet
+        assert accounts["alice"] == {"user": "alice", "jobs": 1, "tokens": 0, "step_seconds": 0.0, "gpu_seconds": 0.0}
+        assert [row["user"] for row in HttpClient(url, rotated).accounts()] == ["alice"]   # a user: their own
 
 
 def test_a_users_job_reads_only_under_its_data_roots(api, users, tmp_path):

@@ -120,6 +120,7 @@ def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
             status = loop.status()
             listener.trainer_polled(status, events)
             listener.tick(table.all(), table.counts(), [status])
+            listener.accounts([{"user": user, **usage} for user, usage in table.accounts().items()])
             steps.extend(e.data for e in events if e.kind == "step")
             if done():
                 return status
@@ -199,6 +200,17 @@ def test_running_jobs_have_series_that_go_when_they_end(scenario):
         assert value(during, name, job_id=scenario.long) == pytest.approx(expected), name
     after, _ = scenario.after
     assert not [key for key in after if key[0].startswith("aspen_job_")]
+
+
+def test_the_users_accounts_are_counters_that_add_up_to_the_step_rows(scenario):
+    """Jobs submitted through Ray (user ""): their tokens and step-seconds counters are the sums of the
+    trainer's step rows, which the scheduler booked into the job table."""
+    samples = scenario.listener.registry.get_sample_value
+    assert samples("aspen_user_trained_tokens_total", {"user": ""}) == sum(
+        sum(row["job_tokens"].values()) for row in scenario.steps) > 0
+    assert samples("aspen_user_step_seconds_total", {"user": ""}) == pytest.approx(
+        sum(row["seconds"] for row in scenario.steps), rel=1e-9)
+    assert samples("aspen_user_gpu_seconds_total", {"user": ""}) is None   # a CPU: none (no series)
 
 
 def test_a_jobs_token_counter_only_grows_and_goes_with_its_series(scenario):

@@ -199,3 +199,48 @@ def test_the_scheduler_serves_the_least_served_user_and_refuses_past_quotas(tmp_
     with pytest.raises(SubmissionError, match="'c' is not a user of this service"):
         core.submit(JobSubmission(job=job_dict("c-0", data, 5), user="c"))
     table.close()
+
+
+def test_the_accounts_add_up_to_the_trainers_step_log(tmp_path, tiny_base, tiny_model_dirs):
+    """Two users' jobs fused on one trainer: each user is accounted their jobs' real tokens and their shares of
+    each step's seconds by those tokens; summed, they are the step log's (the reference: what the trainer
+    wrote), per job and in total; on a CPU no GPU-seconds."""
+    from actors.engine.spec import JobSubmission
+    from actors.service.config import TrainerConfig
+    from actors.service.job_table import JobTable
+    from actors.service.scheduler_core import SchedulerCore
+    from actors.service.trainer_loop import TrainerLoop
+    from policies.fifo import FifoPolicy
+    from tests.helpers.service import job_dict, write_task_data
+    from tests.helpers.trainer import assignment_for, run_until_idle
+
+    state = tmp_path / "state"
+    data = tmp_path / "data"
+    book = UserBook.in_state_dir(state)
+    for user in ("alice", "bob"):
+        book.add(user, data_roots=[str(data)])
+    table = JobTable(state / "jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), state)
+    submissions = [JobSubmission(job=job_dict(f"{user}-job", write_task_data(data, user, offset=i), 4 + 2 * i),
+                                 base_model=str(tiny_model_dirs["llama"]), user=user,
+                                 output_dir=str(state / "outputs" / user / "job"))
+                   for i, user in enumerate(("alice", "bob"))]
+    records = [core.submit(submission) for submission in submissions]
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=str(tiny_model_dirs["llama"]), step_tokens=1024),
+                       "trainer-t", state)
+    for record, submission in zip(records, submissions, strict=True):
+        loop.assign(assignment_for(submission, record.id, tiny_base.tokenizer))
+    events = run_until_idle(loop)
+    with table.transaction():
+        for event in events:
+            core.booking.apply_event("trainer-t", event)
+    rows = [json.loads(line) for line in (state / "trainers" / "trainer-t.jsonl").read_text().splitlines()]
+    assert any(len(row["job_tokens"]) == 2 for row in rows)            # the two users' jobs shared steps
+    accounts = table.accounts()
+    for record in records:
+        logged = sum(row["job_tokens"].get(record.id, 0) for row in rows)
+        assert accounts[record.user]["tokens"] == logged > 0
+    assert sum(a["step_seconds"] for a in accounts.values()) == pytest.approx(sum(r["seconds"] for r in rows),
+                                                                             rel=1e-9)
+    assert all(a["gpu_seconds"] == 0 and a["jobs"] == 1 for a in accounts.values())
+    table.close()

@@ -38,7 +38,8 @@ from tests.helpers.service import job_dict, run_spec, write_task_data
 
 REPO = Path(__file__).resolve().parents[3]
 GRAFANA = REPO / "grafana"
-ALLOWED_LABELS = {"trainer", "kind", "state", "cause", "job_id", "le", "version", "torch", "python"}
+# bounded labels: trainers, fixed kinds, running jobs, the service's users (users.json: an operator's few)
+ALLOWED_LABELS = {"trainer", "kind", "state", "cause", "job_id", "le", "version", "torch", "python", "user"}
 
 
 Samples = dict[tuple[str, frozenset], float]

@@ -160,7 +160,8 @@ class Submissions:
 
     def _check_data(self, submission: JobSubmission, user: User | None) -> None:
         """The job's data lies where it may read (actors/service/data_roots.py)."""
-        forbidden = [(as_root(self.state_dir), f"the service's state folder {self.state_dir}", None)]
+        state = as_root(self.state_dir)   # its outputs (the default output root) are the outputs' rule's
+        forbidden = [(state, f"the service's state folder {self.state_dir}", state / "outputs")]
         roots = self.data_roots
         if user is not None and not user.admin:
             roots = [*(self.data_roots or []), *(as_root(root) for root in user.data_roots)]

@@ -281,7 +281,7 @@ def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_mo
 
 def test_an_output_root_uri_places_and_guards_job_folders(s3_bucket, tmp_path, tiny_model_dirs):
     root = f"s3://{s3_bucket}/service"
-    core = SchedulerCore(JobTable(tmp_path / "jobs.sqlite"), FifoPolicy(), tmp_path, output_root=root)
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state", output_root=root)
     spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "ignored",
                     [job_dict("a", tmp_path / "a.jsonl", 2), job_dict("b", tmp_path / "b.jsonl", 2)])
     a, b = spec.submissions()

@@ -1,8 +1,10 @@
-"""Sweeps run by a real service's scheduler (actors/service/sweep_book.py), submitted through the client: a grid
+"""Sweeps run by a real service's scheduler (actors/service/sweep_book.py), submitted with `aspen sweep FILE
+--address` (the CLI, in a process of its own, following it to the end and printing the leaderboard): a grid
 with one planted good learning rate and one that cannot learn, with successive halving. The first trial (good)
 trains to the end and the best is a good one; the hopeless ones are stopped at the first rung against it and
-their jobs cancelled; the best trial's adapter equals the same job trained alone. The scheduler's process is
-killed mid-sweep: it restarts, reads the sweep's state and carries on, losing no trial. The leaderboard and
+their jobs cancelled; the best trial's adapter equals the same job trained alone. The trainer's process is
+killed while the first trial trains (it is replaced and the trial resumes from its checkpoint), then the
+scheduler's mid-sweep: it restarts, reads the sweep's state and carries on, losing no trial. The leaderboard and
 report.png are in the sweep's folder; the same sweep submitted again finds every trial done and starts
 nothing. One trial at a time (max_concurrent: 1): which trial a rung judges first is then
 the trial order, not the order two job actors' evaluations happened to arrive in (trials fused together:
@@ -19,10 +21,10 @@ import pytest
 import ray
 
 from actors.engine.models import load_base_model
-from actors.service.config import run_service_config
+from actors.service.config import SCHEDULER_NAME, run_service_config
 from actors.service.local_run import train_locally
 from orchestrator.client import Client
-from orchestrator.sweep import follow_sweep, load_sweep_spec, service_run_spec
+from orchestrator.sweep import load_sweep_spec, service_run_spec
 from tests.helpers.service import (
     adapter_tensors,
     job_dict,
@@ -51,15 +53,29 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
     (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))   # JSON is YAML
     spec = load_sweep_spec(tmp_path / "sweep.yaml")
     config = run_service_config(service_run_spec(spec), state_dir=tmp_path / "state")
-    client = Client.local(config)
+    client = Client.local(config, name=SCHEDULER_NAME)   # the name `aspen sweep --address` looks for
     try:
-        started = client.sweep(tmp_path / "sweep.yaml")
-        assert started["name"] == "lr" and started["state"] == "running" and started["trials_planned"] == 4
-        # the scheduler's process dies while the first trial trains: it comes back and carries the sweep on
-        wait_for(lambda: any(t["steps"] >= 4 for t in client.sweep_status("lr")["trials"]), 300, "a trial's first eval")
-        ray.kill(client.scheduler, no_restart=False)
-        status = follow_sweep(client, "lr", poll_s=0.2)
+        cli = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "sweep", "sweep.yaml", "--json", "--poll",
+                                "0.2", "--address", ray.get_runtime_context().gcs_address], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def first_trial() -> dict:
+            trials = client.sweep_status("lr")["trials"] if client.sweeps() else []
+            return next((t for t in trials if t["name"] == "qa-t0"), {"steps": 0, "state": "pending"})
+
+        wait_for(lambda: first_trial()["steps"] >= 4, 300, "the first trial's first eval")
+        assert client.sweep_status("lr")["trials_planned"] == 4
+        trainer = client.trainers()[0]   # its process dies while the first trial trains: replaced, the trial resumes
+        ray.kill(ray.get_actor(trainer["actor_name"]))
+        wait_for(lambda: first_trial()["steps"] >= 8 or first_trial()["state"] != "running", 300,
+                 "the first trial to go on after its trainer's end")
+        assert client.sweep_status("lr")["state"] == "running"
+        ray.kill(client.scheduler, no_restart=False)   # then the scheduler's: it comes back and carries the sweep on
+        out, err = cli.communicate(timeout=600)
+        assert cli.returncode == 0, (out, err)
+        status = client.sweep_status("lr")
         assert status["state"] == "done" and status["error"] is None, status
+        assert json.loads(out[out.rindex("\n{\n") + 1:]) == {"trials": status["trials"], "best": status["best"]}
         trials = {t["name"]: t for t in status["trials"]}
         assert sorted(trials) == ["qa-t0", "qa-t1", "qa-t2", "qa-t3"]               # none lost, none twice
         good = [t for t in trials.values() if t["settings"]["lr"] == GOOD_LR]

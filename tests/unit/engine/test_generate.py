@@ -58,16 +58,20 @@ def models() -> tuple[BaseModel, torch.nn.Module]:
     return from_module(model, tokenizer=None), reference
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(models, tmp_path_factory) -> Path:
-    """An adapter `a` with random nonzero lora_B attached to the fused model, saved in PEFT's format."""
-    base, _ = models
-    handle = add_adapter(base.model, "a", LORA, seed=3)
-    generator = torch.Generator().manual_seed(4)
+def random_adapter(base: BaseModel, name: str, seed: int, folder: Path) -> Path:
+    """An adapter with random nonzero lora_B attached to the fused model, saved in PEFT's format."""
+    handle = add_adapter(base.model, name, LORA, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for layer in handle.layers.values():
             layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.3)
-    return save_adapter(handle, tmp_path_factory.mktemp("adapter-a"), "tiny-llama")
+    return save_adapter(handle, folder, "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(models, tmp_path_factory) -> Path:
+    """Adapter `a` (random_adapter)."""
+    return random_adapter(models[0], "a", 3, tmp_path_factory.mktemp("adapter-a"))
 
 
 def test_base_model_matches_transformers_generate(models, adapter_dir):
@@ -133,12 +137,7 @@ def test_one_batch_over_two_adapters_and_the_base_matches_each_merged_model(mode
     from peft import PeftModel
 
     base, reference = models
-    handle = add_adapter(base.model, "b", LORA, seed=5)
-    generator = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for layer in handle.layers.values():
-            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.3)
-    b_dir = save_adapter(handle, tmp_path / "adapter-b", "tiny-llama")
+    b_dir = random_adapter(base, "b", 5, tmp_path / "adapter-b")
     try:
         merged = {name: PeftModel.from_pretrained(copy.deepcopy(reference), str(path)).merge_and_unload().eval()
                   for name, path in (("a", adapter_dir), ("b", b_dir))}

@@ -47,14 +47,19 @@ def _add_many(state_dir: str, prefix: str, count: int) -> None:
         book.add(f"{prefix}{index}")
 
 
-def test_two_processes_adding_at_once_lose_nothing(tmp_path):
+def in_processes(target, arguments: list[tuple]) -> None:
+    """`target(*args)` for each of `arguments` in processes of their own, all at once; each must succeed."""
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_add_many, args=(str(tmp_path), prefix, 15)) for prefix in ("a", "b")]
+    workers = [context.Process(target=target, args=args) for args in arguments]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join(60)
         assert worker.exitcode == 0
+
+
+def test_two_processes_adding_at_once_lose_nothing(tmp_path):
+    in_processes(_add_many, [(str(tmp_path), prefix, 15) for prefix in ("a", "b")])
     names = [user.name for user in UserBook.in_state_dir(tmp_path).users()]
     assert sorted(names) == sorted([f"a{i}" for i in range(15)] + [f"b{i}" for i in range(15)])
 
@@ -120,13 +125,7 @@ def _write_audit(path: str, who: str, count: int) -> None:
 
 def test_concurrent_audit_lines_stay_whole(tmp_path):
     path = tmp_path / "audit.jsonl"
-    context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_write_audit, args=(str(path), who, 200)) for who in ("alice", "bob")]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(60)
-        assert worker.exitcode == 0
+    in_processes(_write_audit, [(str(path), who, 200) for who in ("alice", "bob")])
     rows = AuditLog(path).rows()
     assert len(rows) == 400 and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [r["target"] for r in rows if r["user"] == "alice"] == [f"alice-{i}" for i in range(200)]

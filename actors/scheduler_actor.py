@@ -230,6 +230,8 @@ class SchedulerActor:
         """Take a sweep (validated again here); its first trials start at the next tick."""
         spec = SweepSpec.model_validate_json(spec_json)
         with self.lock:
+            if spec.user is not None:   # its user's trials may read its data: refused now, not at its first trial
+                self.core.submissions.check_reader(spec.job, spec.user)
             return self.sweeps.add(spec)
 
     def sweep(self, name: str) -> dict[str, Any]:

@@ -141,7 +141,7 @@ def _path_problems(data: dict, single_job: bool, output_root: str | None) -> lis
 def _missing_files(run: RunSpec, single_job: bool) -> list[dict[str, Any]]:
     problems = []
     for index, job in enumerate(run.jobs):
-        if not is_uri(job.data) and not Path(job.data).is_file():   # a URI is read (and checked) when the job starts
+        if not is_uri(job.data) and not Path(job.data).exists():   # a URI is read (and checked) when the job starts
             loc = ["data"] if single_job else ["jobs", index, "data"]
             problems.append({"loc": loc, "field": ".".join(map(str, loc)), "type": "file_missing",
                              "msg": f"file {job.data} does not exist on the service's machine"})

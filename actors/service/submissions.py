@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from actors.engine.spec import JobSubmission, step_limit_problem
+from actors.engine.spec import JobSpec, JobSubmission, step_limit_problem
 from actors.engine.storage import StorageURI, as_location, is_uri
 from actors.service.config import TrainerConfig
 from actors.service.data_roots import as_root, data_problem
@@ -147,6 +147,11 @@ class Submissions:
         except UserError:
             raise SubmissionError(f"'{submission.user}' is not a user of this service (no such name in "
                                   f"{self.state_dir / 'users.json'})") from None
+
+    def check_reader(self, job: JobSpec, user: str) -> None:
+        """SubmissionError where `user` is not a user of this service or `job`'s data is not theirs to read."""
+        submission = JobSubmission(job=job, user=user)
+        self._check_data(submission, self._user(submission))
 
     def _outputs(self) -> Path | StorageURI:
         return self.output_root or (self.state_dir / "outputs").resolve()

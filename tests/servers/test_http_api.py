@@ -572,24 +572,27 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
 
 def test_a_users_job_reads_only_under_its_data_roots(api, users, tmp_path):
     """A user's job whose data lies outside the service's and the user's data roots is refused at submit,
-    naming the roots, and nothing is entered: a plain path, `../` out of a root, a symlink out of a root (a
-    data folder with a file that links out: tests/unit/service/test_users.py), a URI prefix not listed, the
-    service's state folder and another user's outputs; a file outside that does not exist is refused as
-    outside (its existence is not revealed); the same data inside the root is taken. Refusals change nothing
-    in the table."""
+    naming the roots, and nothing is entered: a plain path, `../` out of a root, a symlink out of a root (the
+    data itself, or a file inside a data folder), a URI prefix not listed, the service's state folder and
+    another user's outputs; a file outside that does not exist is refused as outside (its existence is not
+    revealed); a sweep whose job reads outside is refused when it is posted; the same data inside the root is
+    taken. Refusals change nothing in the table."""
     inside, outside = tmp_path / "inside", tmp_path / "outside"
     good = write_task_data(inside, "good")
     secret = write_task_data(outside, "secret")
     (inside / "link.jsonl").symlink_to(secret)
+    folder = inside / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").symlink_to(secret)                 # a data folder with a file that links out
     state_data = write_task_data(api.state_dir / "stolen", "state")
     others = write_task_data(api.state_dir / "outputs" / "root" / "x", "others")
     alice, _ = users.add("alice", data_roots=[str(inside), "s3://team-a/data"])
     users.add("root", admin=True)
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
     cases = [(secret, "is outside the data roots"), (inside / ".." / "outside" / "secret.jsonl", "is outside"),
-             (inside / "link.jsonl", "is outside"), (outside / "missing.jsonl", "is outside"),
+             (inside / "link.jsonl", "is outside"), (outside / "missing.jsonl", "is outside"), (folder, "links out"),
              ("s3://team-a/database/x.jsonl", "is outside"), ("s3://team-a/data/../other/x.jsonl", "'..'"),
-             (state_data, "the service's state folder"), (others, "the service's state folder")]
+             (state_data, "the service's state folder"), (others, "the service's outputs other than yours")]
     with running_server(app) as url:
         as_alice = HttpClient(url, alice)
         before = api.table()
@@ -597,9 +600,15 @@ def test_a_users_job_reads_only_under_its_data_roots(api, users, tmp_path):
             with pytest.raises(SpecRefused) as refused:
                 as_alice.submit(job_dict("reader", data, 2), base_model=NOBODYS_MODEL)
             assert phrase in str(refused.value), (data, str(refused.value))
-            if phrase.startswith("is outside"):
+            if phrase.startswith("is outside") or phrase == "links out":
                 assert str(inside) in str(refused.value) and "s3://team-a/data" in str(refused.value)
         assert api.table() == before
+        sweep = {"name": "outside", "base_model": NOBODYS_MODEL, "output_dir": str(tmp_path / "sweep"),
+                 "job": {**job_dict("reader", secret, 4), "eval_split": 4, "eval_every": 2}, "search": "grid",
+                 "space": {"lr": {"choice": [1e-3, 1e-2]}}}
+        answer = httpx.post(f"{url}/v1/sweeps", json=sweep, headers={"Authorization": f"Bearer {alice}"}, timeout=60)
+        assert answer.status_code == 422 and "is outside the data roots" in answer.json()["detail"], answer.text
+        assert as_alice.sweeps() == [] and api.table() == before
         job = as_alice.submit(job_dict("reader", good, 2), base_model=NOBODYS_MODEL)
         assert api.ray.status(job.id).user == "alice"
         as_alice.cancel(job.id)

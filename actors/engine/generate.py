@@ -12,6 +12,7 @@ Used by the generation metrics of evaluations (actors/engine/generation_eval.py)
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -104,6 +105,8 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
     from transformers import DynamicCache  # transformers is imported by the model already
 
     cache = DynamicCache(config=getattr(model, "config", None))
+    # transformers renamed `past_key_values` to `cache` (5.2x; the old name warns): whichever the decoder takes
+    cache_argument = "cache" if "cache" in inspect.signature(base.decoder.forward).parameters else "past_key_values"
     states = _adapter_training_states(model)
     set_adapters_training(model, False)
     active = [True] * rows
@@ -113,7 +116,7 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
             while True:
                 with step_layout(_row_layout(groups, feed.shape[1], rows)):
                     hidden = base.decoder(input_ids=feed, attention_mask=mask, position_ids=positions,
-                                          past_key_values=cache, use_cache=True).last_hidden_state
+                                          use_cache=True, **{cache_argument: cache}).last_hidden_state
                 chosen = base.output_logits(hidden[:, -1]).argmax(dim=-1).tolist()
                 for row, index in enumerate(order):
                     if not active[row]:

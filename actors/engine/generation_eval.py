@@ -113,7 +113,7 @@ def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval,
     for _, config, rows in plans:
         metric = metric_function(config)
         total = 0.0
-        for row in rows:
+        for number, row in enumerate(rows):
             tokens = next(outputs)[:config.max_new_tokens]
             for index, token in enumerate(tokens):   # ends at its first stop token, which is not text
                 if token in stops:
@@ -123,7 +123,7 @@ def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval,
             try:
                 value = float(metric(prediction, {"prompt": row.prompt_text, "reference": row.reference}))
             except Exception as error:
-                raise MetricError(f"eval_generate metric '{config.metric}' failed on eval row {rows.index(row)} "
+                raise MetricError(f"eval_generate metric '{config.metric}' failed on eval row {number} "
                                   f"(prediction {prediction[:80]!r}): {type(error).__name__}: {error}; it must "
                                   "return a number for any text") from error
             total += value

@@ -38,7 +38,7 @@ from actors.service.policy_guard import PolicyGuard, park
 from actors.service.scheduling_state import SchedulingStates
 from actors.service.submissions import SubmissionConflict, SubmissionError, Submissions
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from actors.service.users import UserBook, UsersFileError
+from actors.service.users import UsersFileError
 from policies.base import (
     JobView,
     Move,
@@ -208,7 +208,7 @@ class SchedulerCore:
         now = time.time()
         if self._standing is not None and now - self._standing_at < STANDING_REFRESH_S:
             return self._standing
-        book = UserBook.in_state_dir(self.submissions.state_dir)
+        book = self.submissions.users
         standing: dict[str | None, UserShare] = {}
         if book.exists():
             try:

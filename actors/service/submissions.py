@@ -51,6 +51,7 @@ class Submissions:
             root = as_location(output_root)
             self.output_root = root if isinstance(root, StorageURI) else root.expanduser().resolve()
         self.data_roots = None if data_roots is None else [as_root(root) for root in data_roots]
+        self.users = UserBook.in_state_dir(self.state_dir)   # read again only when the file changes
 
     def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
         """Enter jobs in the table together, all or none: every submission is checked first (the error
@@ -122,7 +123,7 @@ class Submissions:
         problems = []
         for name in sorted({s.user for s in submissions if s.user is not None}):
             try:
-                user = UserBook.in_state_dir(self.state_dir).get(name)
+                user = self.users.get(name)
             except UserError:
                 continue   # refused per job (`_user`)
             new = sum(s.user == name for s in submissions)
@@ -143,7 +144,7 @@ class Submissions:
         if submission.user is None:
             return None
         try:
-            return UserBook.in_state_dir(self.state_dir).get(submission.user)
+            return self.users.get(submission.user)
         except UserError:
             raise SubmissionError(f"'{submission.user}' is not a user of this service (no such name in "
                                   f"{self.state_dir / 'users.json'})") from None

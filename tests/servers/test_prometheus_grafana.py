@@ -25,7 +25,7 @@ import yaml
 
 from actors.service.config import MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client
-from tests.helpers.service import job_dict, wait_for, write_task_data
+from tests.helpers.service import job_dict, run_spec, wait_for, write_task_data
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
 GRAFANA_INTERVALS = {"$__rate_interval": "30s", "$__range": "5m", "$__interval": "5s"}
@@ -129,10 +129,11 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(ray_session, tiny_m
             wait_for(lambda: number(prometheus, 'up{job="aspen"}') == 1, timeout=30,
                      what="prometheus to scrape the service")
             data = tmp_path / "data"
-            short = client.submit(job_dict("short", write_task_data(data, "short"), 4), base_model=base,
-                                  output_dir=tmp_path / "short")
-            long = client.submit(job_dict("long", write_task_data(data, "long", offset=3), 5000), base_model=base,
-                                 output_dir=tmp_path / "long")   # waits for the one slot, then runs
+            # entered in one transaction, both are decided in one round: the short one starts, the long one
+            # waits for the one slot (cause `slots`) whatever the machine's speed, then runs
+            short, long = client.submit_run(run_spec(base, tmp_path / "out", [
+                job_dict("short", write_task_data(data, "short"), 4),
+                job_dict("long", write_task_data(data, "long", offset=3), 5000)], step_tokens=512))
             wait_for(lambda: short.status().state == "completed" and long.status().step >= 3, timeout=120,
                      what="the short job to complete and the long one to train")
             panels, variables = dashboard_queries()

@@ -58,7 +58,10 @@ def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_
         # the other low job has shown what it had to (it kept its place); cancelled, it leaves the victim's
         # remaining steps alone on the trainer (on a CPU a fused step's time grows with its tokens)
         survivor = second if victim is first else first
-        client.cancel(survivor.id)
+        try:
+            client.cancel(survivor.id)
+        except ValueError as error:   # it may have trained its last step meanwhile (a slow scheduler round)
+            assert "has already ended (completed" in str(error), error
         assert survivor.wait(timeout=120).state in ("cancelled", "completed")
         assert victim.wait(timeout=300).state == "completed"
         reasons = [reason for _, _, reason in client.transitions(victim.id)]

@@ -423,6 +423,23 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
     return 0
 
 
+def _export_over_http(args: argparse.Namespace) -> Path:
+    """`aspen export JOB --url`: the adapter fetched through the HTTP API; with --merge merged here."""
+    import tempfile
+
+    from actors.engine.adapter_export import export_merged
+    from orchestrator.http_client import HttpClient
+
+    with HttpClient(args.url) as client:
+        if not args.merge:
+            return client.export(args.job, args.out, checkpoint=args.checkpoint, force=args.force)
+        record = client.status(args.job)
+        out = Path(args.out) if args.out else Path.cwd() / f"{record.name}-merged"
+        with tempfile.TemporaryDirectory(prefix="aspen-export-") as scratch:
+            adapter = client.export(record.id, Path(scratch) / "adapter", checkpoint=args.checkpoint)
+            return export_merged(adapter, out, base=args.base, dtype=args.dtype, force=args.force)
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     """`aspen export JOB`: a PEFT folder for vLLM's --lora-modules, or with --merge a merged transformers folder."""
     from orchestrator.export import export_job
@@ -436,8 +453,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
             raise ServiceError(f"'{job}' is not a job folder, and asking the service for it failed: {error}; give "
                                "the job's folder, or --from with the run's output folder") from None
 
-    out = export_job(args.job, args.out, merge=args.merge, force=args.force, checkpoint=args.checkpoint,
-                     run_dir=args.from_dir, base=args.base, dtype=args.dtype, service=service)
+    if args.url and args.from_dir is None:   # over the HTTP API: the service sends it (its owner's or an admin's)
+        out = _export_over_http(args)
+    else:
+        out = export_job(args.job, args.out, merge=args.merge, force=args.force, checkpoint=args.checkpoint,
+                         run_dir=args.from_dir, base=args.base, dtype=args.dtype, service=service)
     if args.json:
         print(json.dumps({"job": args.job, "folder": str(out), "merged": args.merge}, indent=1))
     elif args.merge:
@@ -614,6 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "id) instead of where the job trained on it")
     export.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="with --merge: the merged weights' dtype (auto: the base's)")
+    with_url(export)
     with_json(export, "the folder written")
     export.set_defaults(handler=_cmd_export)
 

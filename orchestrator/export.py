@@ -10,7 +10,9 @@ storage URI)."""
 
 from __future__ import annotations
 
+import io
 import sqlite3
+import tarfile
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,3 +153,38 @@ def export_job(job: str, out: str | Path | None = None, *, merge: bool = False, 
         if merge:
             return export_merged(adapter, out, base=base, dtype=dtype, force=force)
         return export_adapter(adapter, out, force=force)
+
+
+
+def adapter_archive(found: FoundJob, *, checkpoint: bool = False) -> bytes:
+    """The job's adapter as `aspen export` writes it (a PEFT folder), packed as a gzipped tar of that folder's
+    files (what `GET /v1/jobs/{job}/adapter` sends); ExportError where the job has none (the message says why
+    and what to do)."""
+    with tempfile.TemporaryDirectory(prefix="aspen-export-") as scratch:
+        (Path(scratch) / "adapter").mkdir()
+        adapter = _local_adapter(found, checkpoint, Path(scratch) / "adapter")
+        folder = export_adapter(adapter, Path(scratch) / "out")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+            for file in sorted(folder.iterdir()):
+                archive.add(file, arcname=file.name)
+        return buffer.getvalue()
+
+
+def unpack_adapter(archive: bytes, out: Path, *, force: bool = False) -> Path:
+    """Write an adapter archive (`adapter_archive`) into the folder `out`, refusing members that are not plain
+    files at its top level (tarfile's `data` filter, and no folders: nothing lands outside `out`)."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise ExportError(f"{out} exists; give --force to replace it, or another --out")
+    with tempfile.TemporaryDirectory(prefix="aspen-export-", dir=out.parent if out.parent.is_dir() else None) \
+            as scratch:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as packed:
+            members = packed.getmembers()
+            wrong = [m.name for m in members if not m.isfile() or "/" in m.name or m.name in ("", ".", "..")]
+            if wrong:
+                raise ExportError(f"the adapter archive holds {', '.join(wrong[:3])}: not an aspen adapter archive")
+            packed.extractall(scratch, filter="data")
+        if not has_adapter(Path(scratch)):
+            raise ExportError("the adapter archive holds no adapter_config.json and adapter_model.safetensors")
+        return export_adapter(Path(scratch), out, force=force)

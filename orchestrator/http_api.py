@@ -10,6 +10,7 @@ client in this process.
     POST /v1/jobs/{job}/cancel    also /pause and /resume: the job's record after it
     GET  /v1/jobs/{job}/losses    one row per optimizer step (step, loss, tokens, lr, grad_norm, eval_loss, eval_score)
     GET  /v1/jobs/{job}/transitions   its state history (time, state, reason)
+    GET  /v1/jobs/{job}/adapter   its adapter as `aspen export` writes it (a PEFT folder), tar.gz (?checkpoint=true)
     POST /v1/sweeps               a sweep file (JSON or YAML): 201 with the sweep's status; the service runs it
     GET  /v1/sweeps[/{name}]      every sweep, or one: its state, trials (leaderboard) and best trial
     POST /v1/sweeps/{name}/cancel no more trials; the running ones cancelled
@@ -49,17 +50,19 @@ import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
+from actors.engine.adapter_export import ExportError
 from actors.engine.spec import JobSpec, RunSpec
 from actors.service.audit import AuditLog
 from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from actors.service.users import UserBook, UsersFileError
+from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
 from orchestrator.http_users import Caller, Gate, find_job, find_sweep, visible
 from orchestrator.jobs_file import SpecError
@@ -326,6 +329,26 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
                        "409 for a job that has ended.")
     job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
     job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
+
+    @api.get("/jobs/{job}/adapter", response_class=Response, tags=["jobs"],
+             responses={200: {"content": {"application/gzip": {}}, "description": "the PEFT folder's files, tar.gz"},
+                        409: {"model": ErrorBody, "description": "the job has no adapter to export (yet)"}})
+    def adapter(job: str, checkpoint: bool = Query(False, description="its last checkpoint instead of its final "
+                                                                      "adapter (a job still training)"),
+                caller: Caller = Depends(require_token)) -> Response:
+        """The job's adapter as `aspen export` writes it (a PEFT folder for vLLM's --lora-modules or PEFT:
+        adapter_config.json naming the base, adapter_model.safetensors, aspen.json), as a gzipped tar of
+        those files; `aspen export JOB --url` unpacks it. 409 where the job has none yet, saying why."""
+        record = call_service(link, lambda client: find_job(client, caller, job))
+        found = FoundJob(record.name, record.output_dir, record.state, record.step, record.total_steps)
+        try:
+            archive = adapter_archive(found, checkpoint=checkpoint)
+        except (ExportError, FileNotFoundError) as error:
+            raise HTTPException(409, str(error)) from None
+        audited(caller, "job.export", record.id, name=record.name, checkpoint=checkpoint)
+        name = f"{record.name}-{'checkpoint' if checkpoint else 'lora'}.tar.gz"
+        return Response(archive, media_type="application/gzip",
+                        headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
     @api.post("/sweeps", status_code=201, tags=["sweeps"],
               responses={422: {"model": ErrorBody, "description": "an invalid sweep; `detail` names each field"},

@@ -144,7 +144,7 @@ class HttpClient:
     def close(self) -> None:
         self.http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _request(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as error:
@@ -153,7 +153,7 @@ class HttpClient:
                                         "running there?") from None
         if response.is_error:
             raise _error(response)
-        return response.json()
+        return response.content if raw else response.json()
 
     # -- the service --------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -248,6 +248,19 @@ class HttpClient:
     def transitions(self, job: str) -> list[tuple[float, str, str]]:
         rows = self._request("GET", _job_path(job, "/transitions"))
         return [(row["time"], row["state"], row["reason"]) for row in rows]
+
+    def export(self, job: str, out: str | Path | None = None, *, checkpoint: bool = False,
+               force: bool = False) -> Path:
+        """Write the job's adapter (`checkpoint`: its last checkpoint's) as a PEFT folder at `out` (default
+        `./<job name>-lora`), fetched from the service (`GET /v1/jobs/{job}/adapter`); returns the folder.
+        Conflict (409) where the job has no adapter yet, with the reason."""
+        from orchestrator.export import unpack_adapter
+
+        record = self.status(job)
+        out = Path(out) if out is not None else Path.cwd() / f"{record.name}-{'checkpoint' if checkpoint else 'lora'}"
+        archive = self._request("GET", _job_path(record.id, "/adapter"), raw=True,
+                                params={"checkpoint": "true"} if checkpoint else None)
+        return unpack_adapter(archive, out, force=force)
 
     def cancel(self, job: str) -> JobRecord:
         return _record(self._request("POST", _job_path(job, "/cancel")))

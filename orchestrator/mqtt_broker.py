@@ -15,7 +15,14 @@ service's state dir, all files mode 0600, reused across restarts):
                            file to share (e.g. `chmod g+r`) with people who may watch the jobs.
 Anonymous connections are refused; only the service account may publish (under the topic prefix), the
 reader and the service may subscribe to the prefix (amqtt's TopicAccessControlListPlugin). A publish
-that the ACL refuses is acknowledged by the broker but dropped: nobody receives it, nothing is retained."""
+that the ACL refuses is acknowledged by the broker but dropped: nobody receives it, nothing is retained.
+
+On a shared service (`<state_dir>/users.json`, `aspen user add`) each user is an account too: username
+their user name, password their API token, checked against the users file as it is now (read again when
+it changes: a removed user or a rotated token is refused from the next connection on, and a removed
+user's open session receives nothing more). A user may subscribe only under `<prefix>/users/<name>/`
+(where the service publishes their own jobs a second time: `orchestrator/mqtt_topics.py`) and to the
+service's status; an admin under the whole prefix; no user may publish."""
 
 from __future__ import annotations
 
@@ -28,11 +35,13 @@ from typing import Any
 
 from amqtt.adapters import StreamReaderAdapter, StreamWriterAdapter
 from amqtt.broker import Broker
+from amqtt.contexts import Action
 from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
 from actors.engine.durable import write_durably
+from actors.service.users import User, UserBook, UsersFileError
 from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,42 @@ def may_publish(acl: dict[str, list[str]], username: str | None, topic: str) -> 
     return any(TopicAccessControlListPlugin.topic_ac(topic, allowed) for allowed in acl.get(username or "", []))
 
 
+class UserAccounts:
+    """The service's users as broker accounts (`<state_dir>/users.json`, read again when it changes), and the
+    topics each may read."""
+
+    def __init__(self, users_file: str | Path, topic_prefix: str):
+        self.book = UserBook(users_file)
+        self.prefix = topic_prefix
+
+    def user(self, username: str | None) -> User | None:
+        """The user of that name as the file holds it now (None: no such user, or the file unreadable)."""
+        if not username:
+            return None
+        try:
+            return next((user for user in self.book.users() if user.name == username), None)
+        except (OSError, UsersFileError) as error:
+            log.warning("events: cannot read the users file (%s); user accounts are refused until it is fixed", error)
+            return None
+
+    def login(self, username: str, token: str) -> bool:
+        """Whether `token` is the API token of the user named `username`."""
+        try:
+            user = self.book.authenticate(token)
+        except (OSError, UsersFileError) as error:
+            log.warning("events: cannot read the users file (%s); user accounts are refused until it is fixed", error)
+            return False
+        return user is not None and user.name == username
+
+    def readable(self, user: User) -> list[str]:
+        """The topic filters a user may subscribe to and receive on."""
+        from orchestrator.mqtt_topics import topic_level
+
+        if user.admin:
+            return [f"{self.prefix}/#"]
+        return [f"{self.prefix}/users/{topic_level(user.name)}/#", f"{self.prefix}/service/status"]
+
+
 class AccountsAuthPlugin(FileAuthPlugin):
     """amqtt's FileAuthPlugin (accounts and argon2 hashes from `password_file`), with the hash checked off
     the broker's event loop, connections without a username refused, and a last will refused on a topic
@@ -87,6 +132,8 @@ class AccountsAuthPlugin(FileAuthPlugin):
     class Config:
         password_file: str | Path | None = None
         publish_acl: dict[str, list[str]] = field(default_factory=dict)
+        users_file: str | Path | None = None   # the service's users, each an account with their API token
+        topic_prefix: str = "aspen/v1"
 
     async def authenticate(self, *, session: Session) -> bool:
         username = session.username if session else None
@@ -94,6 +141,16 @@ class AccountsAuthPlugin(FileAuthPlugin):
             log.info("events: refused an MQTT connection without credentials")
             return False
         stored = self._users.get(username)
+        if stored is None and self.config.users_file is not None:
+            accounts = UserAccounts(self.config.users_file, self.config.topic_prefix)
+            if not await asyncio.to_thread(accounts.login, username, session.password or ""):
+                log.info("events: refused an MQTT connection as '%s': no such user, or not their token", username)
+                return False
+            if session.will_flag:
+                log.info("events: refused an MQTT connection as user '%s': users may not publish (its last will "
+                         "is on '%s')", username, session.will_topic)
+                return False
+            return True
         if stored is None or not await asyncio.to_thread(self.pwd_hasher.verify, session.password or "", stored):
             log.info("events: refused an MQTT connection as '%s': unknown account or wrong password", username)
             return False
@@ -112,19 +169,46 @@ class TopicAclPlugin(TopicAccessControlListPlugin):
     class Config:
         publish_acl: dict[str, list[str]] = field(default_factory=dict)
         subscribe_acl: dict[str, list[str]] = field(default_factory=dict)
+        users_file: str | Path | None = None
+        topic_prefix: str = "aspen/v1"
+
+    def __init__(self, context: Any) -> None:
+        super().__init__(context)
+        users_file = self._get_config_option("users_file", None)
+        self.accounts = UserAccounts(users_file, self._get_config_option("topic_prefix", "aspen/v1")) \
+            if users_file else None
+
+    async def topic_filtering(self, *, session: Session | None = None, topic: str | None = None,
+                              action: Action | None = None) -> bool | None:
+        """The generated accounts by the configured lists; a service user by the users file as it is now (for
+        every message delivered too: a removed user's session gets nothing more)."""
+        username = session.username if session else None
+        static = username in self._get_config_option("publish_acl", {}) or \
+            username in self._get_config_option("subscribe_acl", {})
+        if static or self.accounts is None:
+            if action == Action.RECEIVE:
+                return True
+            return await super().topic_filtering(session=session, topic=topic, action=action)
+        user = await asyncio.to_thread(self.accounts.user, username)
+        if user is None or not topic or action == Action.PUBLISH:
+            return False
+        return any(self.topic_ac(topic, allowed) for allowed in self.accounts.readable(user))
 
 
-def embedded_broker_config(password_file: Path, credentials: BrokerCredentials, topic_prefix: str) -> dict[str, Any]:
+def embedded_broker_config(password_file: Path, credentials: BrokerCredentials, topic_prefix: str,
+                           users_file: Path | None = None) -> dict[str, Any]:
     """The amqtt broker configuration: one listener whose socket `EmbeddedBroker` holds (amqtt's `external`
-    type), only the generated accounts, only the service publishing (under the prefix), the service and the
-    reader subscribing to it."""
+    type), only the generated accounts and the users of `users_file`, only the service publishing (under the
+    prefix), the service and the reader subscribing to it, each user to their own jobs' topics."""
     topics = [f"{topic_prefix}/#"]
     publish_acl = {credentials.service.username: topics}
     subscribe_acl = {credentials.service.username: topics, credentials.reader.username: topics}
+    users = {"users_file": str(users_file), "topic_prefix": topic_prefix} if users_file is not None else {}
     return {"listeners": {LISTENER: {"type": "external"}},
             "plugins": {f"{__name__}.AccountsAuthPlugin": {"password_file": str(password_file),
-                                                           "publish_acl": publish_acl},
-                        f"{__name__}.TopicAclPlugin": {"publish_acl": publish_acl, "subscribe_acl": subscribe_acl}}}
+                                                           "publish_acl": publish_acl, **users},
+                        f"{__name__}.TopicAclPlugin": {"publish_acl": publish_acl, "subscribe_acl": subscribe_acl,
+                                                       **users}}}
 
 
 class EmbeddedBroker:

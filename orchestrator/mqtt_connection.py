@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.engine.extras import MissingExtraError, require
 from actors.service.config import EventsConfig
+from actors.service.users import USERS_FILE
 from orchestrator.mqtt_settings import (
     CREDENTIALS_FILE,
     READER_FILE,
@@ -238,7 +239,8 @@ class MqttConnection:
             await broker.close()
             return None
         try:
-            await broker.start(embedded_broker_config(password_file, credentials, self.topics.prefix))
+            await broker.start(embedded_broker_config(password_file, credentials, self.topics.prefix,
+                                                      self.state_dir / USERS_FILE))
         except Exception as error:  # noqa: BLE001 - the service runs on without events; the fix is logged
             await broker.close()
             self._embedded_failed(port, error.__cause__ or error)
@@ -290,7 +292,7 @@ class MqttConnection:
                     watcher = asyncio.create_task(self._watch_connection(client))
                     try:
                         await client.publish(status_topic, self.topics.status("online"), qos=1, retain=True)
-                        resent = [self.topics.clearing(job_id) for job_id in self.outbox.pending_clears()]
+                        resent = [m for job_id in self.outbox.pending_clears() for m in self.topics.clearing(job_id)]
                         for message in resent + self.topics.retained_states():
                             await client.publish(message.topic, message.payload, qos=message.qos,
                                                  retain=message.retain)

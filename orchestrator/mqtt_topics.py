@@ -9,6 +9,11 @@ Topics (under `events.topic_prefix`, default `aspen/v1`):
     jobs/<job>/events    early stop, preemption, move, stop-rule predictions, evaluations, failures, QoS 1
     service/status       `online` (retained, at connect), `offline` (retained: last will, and on close)
 
+A job submitted by a user (a shared service: `aspen user add`) is published a second time under that user's
+own topics, `users/<user>/jobs/<job>/state|progress|events`: the embedded broker lets each user's account
+(their name, their API token as the password) read there and nowhere else (`orchestrator/mqtt_broker.py`),
+while the service's reader account and admins read the whole prefix.
+
 Retained job states are cleared (a zero-length retained publish on `jobs/<job>/state`, MQTT's way to
 remove a retained message; subscribers then see an empty payload) when a job is deleted, and
 `events.retain_finished_s` (default 7 days; null keeps them) after a job finished (completed,
@@ -79,6 +84,7 @@ class EventTopics:
         self.states: dict[str, bytes] = {}         # job id -> its last state payload
         self.clear_due: dict[str, float] = {}      # finished job id -> when its retained state is cleared
         self.clear_queue: list[tuple[float, str]] = []   # heap of (due, job id); entries not in clear_due are stale
+        self.owners: dict[str, str] = {}           # job id -> the user who submitted it (jobs with a user only)
 
     # -- topics and payloads ------------------------------------------------------------------------------
     @property
@@ -88,13 +94,28 @@ class EventTopics:
     def job_topic(self, job_id: str, kind: str) -> str:
         return f"{self.prefix}/jobs/{topic_level(job_id)}/{kind}"
 
+    def user_prefix(self, user: str) -> str:
+        """The topics a user's account may read: their own jobs'."""
+        return f"{self.prefix}/users/{topic_level(user)}"
+
+    def job_topics(self, job_id: str, kind: str) -> list[str]:
+        """Where a job's messages go: the service-wide topic, and its user's own where it has one."""
+        with self.lock:
+            user = self.owners.get(job_id)
+        topic = self.job_topic(job_id, kind)
+        return [topic] if user is None else [topic, f"{self.user_prefix(user)}/jobs/{topic_level(job_id)}/{kind}"]
+
+    def _messages(self, job_id: str, kind: str, payload: bytes, qos: int, retain: bool,
+                  state_of: str | None = None) -> list[Message]:
+        return [Message(topic, payload, qos, retain, state_of=state_of) for topic in self.job_topics(job_id, kind)]
+
     def status(self, state: str, **extra: Any) -> bytes:
         """The service's status payload: `online` or `offline` (with a reason), and the service's facts."""
         return _json({"state": state, "time": time.time(), **self.service_info, **extra})
 
-    def _event(self, job_id: str, kind: str, **data: Any) -> Message:
+    def _event(self, job_id: str, kind: str, **data: Any) -> list[Message]:
         payload = {"job": job_id, "kind": kind, **data, "time": time.time()}
-        return Message(self.job_topic(job_id, "events"), _json(payload), 1, False)
+        return self._messages(job_id, "events", _json(payload), 1, False)
 
     # -- the scheduler's events ---------------------------------------------------------------------------
     def job_changed(self, record: JobRecord, previous: str | None) -> list[Message]:
@@ -105,15 +126,17 @@ class EventTopics:
                          "output_dir": record.output_dir, "time": time.time()})
         with self.lock:
             self.states[record.id] = payload
-        messages = [Message(self.job_topic(record.id, "state"), payload, 1, True, state_of=record.id)]
+            if record.user is not None:
+                self.owners[record.id] = record.user
+        messages = self._messages(record.id, "state", payload, 1, True, state_of=record.id)
         self._track(record)
         if record.state in ("stopped_early", "failed"):
-            messages.append(self._event(record.id, record.state, step=record.step, reason=record.reason))
+            messages += self._event(record.id, record.state, step=record.step, reason=record.reason)
         return messages
 
     def job_deleted(self, job_id: str) -> list[Message]:
         """The job is gone: its retained state is cleared."""
-        return [self._clear(job_id)]
+        return self._clear(job_id)
 
     def trainer_polled(self, events: list[TrainerEvent]) -> list[Message]:
         """Each optimizer step's progress; stop-rule predictions and evaluations as events."""
@@ -124,20 +147,20 @@ class EventTopics:
                 payload = {"job": event.job_id, "step": event.step, "loss": data.get("loss"),
                            "tokens_per_s": data.get("tokens_per_s"), "tokens": data.get("tokens"),
                            "total_steps": data.get("total_steps"), "lr": data.get("lr"), "time": event.time}
-                messages.append(Message(self.job_topic(event.job_id, "progress"), _json(payload), 0, False))
+                messages += self._messages(event.job_id, "progress", _json(payload), 0, False)
             elif event.kind == "prediction":
-                messages.append(self._event(event.job_id, "prediction", step=event.step,
-                                            predicted_stop_step=data.get("predicted_stop_step")))
+                messages += self._event(event.job_id, "prediction", step=event.step,
+                                        predicted_stop_step=data.get("predicted_stop_step"))
             elif event.kind == "eval":
-                messages.append(self._event(event.job_id, "eval", step=event.step, eval_loss=data.get("eval_loss")))
+                messages += self._event(event.job_id, "eval", step=event.step, eval_loss=data.get("eval_loss"))
         return messages
 
     def decided(self, kind: str, job_id: str, reason: str) -> list[Message]:
         """Preemptions and moves as events (the waits of queued jobs are not published)."""
         if kind == "preempt":
-            return [self._event(job_id, "preempted", reason=reason)]
+            return self._event(job_id, "preempted", reason=reason)
         if kind == "move":
-            return [self._event(job_id, "moved", reason=reason)]
+            return self._event(job_id, "moved", reason=reason)
         return []
 
     def tick(self, jobs: list[JobRecord], *, clear_unknown: bool, now: float | None = None) -> list[Message]:
@@ -156,7 +179,10 @@ class EventTopics:
             if due is None or due > now:
                 messages += self.job_changed(record, None)
             elif clear_unknown:
-                messages.append(self._clear(record.id))
+                with self.lock:
+                    if record.user is not None:
+                        self.owners[record.id] = record.user
+                messages += self._clear(record.id)
         while True:
             with self.lock:
                 if not self.clear_queue or self.clear_queue[0][0] > now:
@@ -164,7 +190,7 @@ class EventTopics:
                 due, job_id = heapq.heappop(self.clear_queue)
                 if self.clear_due.get(job_id) != due:
                     continue     # published again, or cleared already, since it was queued
-            messages.append(self._clear(job_id))
+            messages += self._clear(job_id)
         return messages
 
     def retained_states(self) -> list[Message]:
@@ -172,12 +198,12 @@ class EventTopics:
         the broker was away, and an embedded broker starts empty)."""
         with self.lock:
             states = list(self.states.items())
-        return [Message(self.job_topic(job_id, "state"), payload, 1, True, state_of=job_id)
-                for job_id, payload in states]
+        return [message for job_id, payload in states for message in self._messages(job_id, "state", payload, 1, True,
+                                                                                      state_of=job_id)]
 
-    def clearing(self, job_id: str) -> Message:
-        """The message that clears the job's retained state (sent again at a connect when it was dropped)."""
-        return Message(self.job_topic(job_id, "state"), b"", 1, True, state_of=job_id)
+    def clearing(self, job_id: str) -> list[Message]:
+        """The messages that clear the job's retained state (sent again at a connect when one was dropped)."""
+        return self._messages(job_id, "state", b"", 1, True, state_of=job_id)
 
     # -- retention ----------------------------------------------------------------------------------------
     def _clear_time(self, record: JobRecord) -> float | None:
@@ -196,9 +222,11 @@ class EventTopics:
                 self.clear_due[record.id] = due
                 heapq.heappush(self.clear_queue, (due, record.id))
 
-    def _clear(self, job_id: str) -> Message:
+    def _clear(self, job_id: str) -> list[Message]:
         """Clear the job's retained state and forget it: it is not published again at reconnects."""
+        messages = self.clearing(job_id)
         with self.lock:
             self.states.pop(job_id, None)
             self.clear_due.pop(job_id, None)
-        return self.clearing(job_id)
+            self.owners.pop(job_id, None)
+        return messages

@@ -371,3 +371,76 @@ def test_a_real_jobs_states_reach_watch_events_through_client_event_settings(ray
         stop.set()
         follower.join(10)
         client.shutdown()
+
+
+def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refused_at_once(tmp_path):
+    """On a shared service each user is a broker account (their name, their API token): a user subscribes
+    under their own `users/<name>/` topics only and gets their own jobs there, never another's; an admin reads
+    the whole prefix; users publish nothing; a rotated token or a removed user is refused from the next
+    connection on, and a removed user's open subscription receives nothing more."""
+    from dataclasses import replace
+
+    from actors.service.users import UserBook
+
+    state_dir = tmp_path / "state"
+    book = UserBook.in_state_dir(state_dir)
+    alice, _ = book.add("alice")
+    bob, _ = book.add("bob")
+    root, _ = book.add("root", admin=True)
+    listener = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
+    try:
+        wait_for(lambda: listener.connection.connected, timeout=20, what="the service account to connect")
+        port = reader_settings(state_dir).port
+
+        async def granted(username: str, password: str, topic: str) -> bool:
+            async with aiomqtt.Client("127.0.0.1", port, username=username, password=password, timeout=10) as client:
+                codes = await client.subscribe(topic, qos=1)
+                return not any(code.is_failure for code in codes)
+
+        assert asyncio.run(granted("alice", alice, "aspen/v1/users/alice/#"))
+        assert asyncio.run(granted("alice", alice, "aspen/v1/service/status"))
+        for topic in ("aspen/v1/#", "aspen/v1/users/bob/#", "aspen/v1/users/+/jobs/#", "aspen/v1/jobs/+/state", "#"):
+            assert not asyncio.run(granted("alice", alice, topic)), topic
+        assert asyncio.run(granted("root", root, "aspen/v1/#"))
+        assert_refused(connect_error(port, username="alice", password=bob))      # bob's token is not alice's
+        assert_refused(connect_error(port, username="alice", password="wrong"))
+        assert_refused(connect_error(port, username="alice", password=alice,
+                                     will=aiomqtt.Will("aspen/v1/users/alice/jobs/x/state", FORGED, 1, True)))
+
+        mine = Subscriber(port, "aspen/v1/users/alice/#", username="alice", password=alice)
+        admin = Subscriber(port, "aspen/v1/#", username="root", password=root)
+        try:
+            listener.job_changed(replace(record(job_id="a-000001"), user="alice"), "queued")
+            listener.job_changed(replace(record(job_id="b-000001"), user="bob"), "queued")
+            listener.decided("preempt", "b-000001", "a higher priority job")
+            listener.decided("preempt", "a-000001", "a higher priority job")
+            events = wait_for(lambda: mine.on("aspen/v1/users/alice/jobs/a-000001/events"), timeout=10,
+                              what="alice's event on her own topic")
+            assert events[0][0]["kind"] == "preempted"
+            assert mine.on("aspen/v1/users/alice/jobs/a-000001/state")[0][0]["state"] == "running"
+            topics = {topic for topic, _, _ in mine.messages}   # bob's never reach her
+            assert topics <= {"aspen/v1/service/status", "aspen/v1/users/alice/jobs/a-000001/state",
+                              "aspen/v1/users/alice/jobs/a-000001/events"}, topics
+            wait_for(lambda: admin.on("aspen/v1/users/bob/jobs/b-000001/events"), timeout=10,
+                     what="the admin to read bob's topics")
+            assert admin.on("aspen/v1/jobs/b-000001/state")    # and the service-wide ones
+            publish(port, "aspen/v1/users/alice/jobs/a-000001/state", FORGED, username="alice", password=alice)
+            assert retained(port, "aspen/v1/users/alice/jobs/a-000001/state", username="alice",
+                            password=alice)["state"] == "running"   # her publish was dropped
+
+            new_alice = book.rotate("alice")
+            assert_refused(connect_error(port, username="alice", password=alice))
+            assert connect_error(port, username="alice", password=new_alice) is None
+            book.remove("alice")
+            assert_refused(connect_error(port, username="alice", password=new_alice))
+            seen = len(mine.messages)
+            listener.job_changed(replace(record("completed", job_id="a-000001"), user="alice"), "running")
+            wait_for(lambda: admin.on("aspen/v1/users/alice/jobs/a-000001/state")[-1:][0][0]["state"] == "completed",
+                     timeout=10, what="the admin to see the change")
+            time.sleep(0.3)
+            assert len(mine.messages) == seen, mine.messages[seen:]    # the removed user's session gets nothing more
+        finally:
+            mine.close()
+            admin.close()
+    finally:
+        listener.close()

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from actors.engine.adapter_export import export_adapter
 from actors.service.audit import AuditLog
 from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.users import UserBook
@@ -115,6 +116,11 @@ def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_pa
     assert all(r["loss"] > 0 for r in losses)
     assert http.transitions(job.id) == [tuple(t) for t in api.ray.transitions(job.id)]
     assert (tmp_path / "sql" / "adapter_model.safetensors").is_file()
+    exported = http.export(job.id, tmp_path / "exported")         # as `aspen export` writes it from the folder
+    local = export_adapter(tmp_path / "sql", tmp_path / "exported-here")
+    assert sorted(p.name for p in exported.iterdir()) == sorted(p.name for p in local.iterdir())
+    for file in local.iterdir():
+        assert (exported / file.name).read_bytes() == file.read_bytes(), file.name
 
     seen = []   # the stream, opened before the submission, has every transition of the job, in order
     for event in stream:
@@ -146,6 +152,9 @@ def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_pa
     step = next(e for e in progress if e.kind == "progress")
     progress.close()
     assert step.data["job"] == long.id and step.data["step"] >= 1 and step.data["loss"] > 0
+    with pytest.raises(Conflict, match="wait until it completes"):   # still training: no final adapter yet
+        http.export(long.id, tmp_path / "too-soon")
+    assert not (tmp_path / "too-soon").exists()
     assert http.cancel(long.id).state in ("running", "cancelled")   # a running job stops at its next step
     assert long.wait(timeout=60).state == "cancelled"
     assert api.ray.status(long.id).state == "cancelled"
@@ -360,6 +369,7 @@ def test_a_sweep_over_http_runs_in_the_service_and_refusals_name_the_field(api, 
 def test_the_openapi_schema_lists_every_endpoint_and_the_bearer_scheme(api):
     schema = httpx.get(f"{api.url}/openapi.json").json()
     assert {"/v1/jobs", "/v1/jobs/{job}", "/v1/jobs/{job}/cancel", "/v1/jobs/{job}/losses", "/v1/events",
+            "/v1/jobs/{job}/adapter",
             "/v1/health", "/v1/service", "/v1/sweeps", "/v1/sweeps/{name}", "/v1/sweeps/{name}/cancel"
             } <= set(schema["paths"])
     assert set(schema["paths"]["/v1/jobs"]) == {"get", "post"}
@@ -411,6 +421,11 @@ def test_the_http_client_and_the_cli_with_url_need_no_ray(api, tmp_path):
     assert json.loads(losses.stdout) == api.ray.losses(job["id"])
     listed = aspen("status", "--json", "--url", api.url)
     assert job["id"] in [r["id"] for r in json.loads(listed.stdout)]
+    exported = aspen("export", "cli-http", "--out", "cli-lora", "--json")   # through the API: its owner's adapter
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads(exported.stdout)["folder"] == "cli-lora"
+    assert (tmp_path / "cli-lora" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "out" / "cli-http" / "adapter_model.safetensors").read_bytes()
     refused = aspen("cancel", job["id"])
     assert refused.returncode == 2 and "already ended" in refused.stderr and "(HTTP 409)" in refused.stderr
 
@@ -529,7 +544,8 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
         assert api.ray.status(job.id).user == "alice"
         assert api.ray.status(job.id).output_dir == str((api.state_dir / "outputs" / "alice" / job.id).resolve())
         for key in (job.id, "alices-job"):
-            for path in (f"/v1/jobs/{key}", f"/v1/jobs/{key}/losses", f"/v1/jobs/{key}/transitions"):
+            for path in (f"/v1/jobs/{key}", f"/v1/jobs/{key}/losses", f"/v1/jobs/{key}/transitions",
+                         f"/v1/jobs/{key}/adapter"):
                 answer = get(path, bob)
                 assert answer.status_code == 404 and answer.json()["detail"] == f"no job with id or name '{key}'", path
             for verb in ("cancel", "pause", "resume"):
@@ -612,3 +628,41 @@ def test_a_users_job_reads_only_under_its_data_roots(api, users, tmp_path):
         job = as_alice.submit(job_dict("reader", good, 2), base_model=NOBODYS_MODEL)
         assert api.ray.status(job.id).user == "alice"
         as_alice.cancel(job.id)
+
+
+def test_a_second_users_job_starts_at_the_first_free_slot_ahead_of_anothers_twenty(ray_session, tiny_model_dirs,
+                                                                                   tmp_path):
+    """Fair share on a real service, through HTTP: on a trainer that runs one job at a time, alice submits 20
+    jobs and, once hers train, bob submits one; the very next job the scheduler starts after his submission
+    is his (his share of the trained tokens is none, hers all of them), not one of hers queued before his.
+    The order is read from the job table's own transition log (through the Ray client)."""
+    from tests.helpers.service import NO_LISTENERS, service_config
+
+    state_dir = tmp_path / "state"
+    book = UserBook.in_state_dir(state_dir)
+    alice, _ = book.add("alice", data_roots=[str(tmp_path / "data")])
+    bob, _ = book.add("bob", data_roots=[str(tmp_path / "data")])
+    base = str(tiny_model_dirs["llama"])
+    service = Client.local(service_config(state_dir, tiny_model_dirs["llama"], listeners=NO_LISTENERS, max_jobs=1),
+                           name=f"aspen-fair-{uuid.uuid4().hex[:6]}")
+    try:
+        app = create_app(ServiceLink(client=service), "unused-single-token", events_poll_s=0.1, users=book)
+        with running_server(app) as url:
+            as_alice, as_bob = HttpClient(url, alice), HttpClient(url, bob)
+            data = write_task_data(tmp_path / "data", "fair")
+            hers = as_alice.submit_many([job_dict(f"a{i:02d}", data, 3) for i in range(20)], base_model=base)
+            wait_for(lambda: any(r.step >= 1 for r in as_alice.jobs()), timeout=120, what="alice's jobs to train")
+            [his] = as_bob.submit_many([job_dict("b00", data, 2)], base_model=base)
+            assert his.wait(timeout=180).state == "completed"
+            _, rows = service.transitions_after(0, 10000)
+            submitted = next(row["seq"] for row in rows if row["job"] == his.id)
+            started = [row["job"] for row in rows if row["state"] == "running" and row["seq"] < submitted]
+            first_after = next(row["job"] for row in rows if row["state"] == "running" and row["seq"] > submitted
+                               and row["job"] not in started)
+            assert first_after == his.id, [(r["job"], r["state"]) for r in rows if r["seq"] > submitted][:6]
+            assert len({h.id for h in hers} - set(started)) >= 15, started   # most of hers still queued then
+            for handle in hers:
+                if service.status(handle.id).state in ("queued", "running"):
+                    service.cancel(handle.id)
+    finally:
+        service.shutdown()

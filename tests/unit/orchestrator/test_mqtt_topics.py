@@ -163,9 +163,29 @@ def test_the_outbox_remembers_clearings_until_they_are_published():
     [queued] = topics.job_deleted("queued-clear")
     assert outbox.put(queued)
     assert outbox.pending_clears() == ["gone"]           # a queued one goes out in turn
-    outbox.published(topics.clearing("gone"))
+    for message in topics.clearing("gone"):
+        outbox.published(message)
     assert outbox.pending_clears() == [] and outbox.unsent_clears == {"queued-clear"}
     # a newer state of the job supersedes its unsent clearing
     [state] = topics.job_changed(record("queued-clear", "queued"), None)
     outbox.put(state)
     assert outbox.unsent_clears == set()
+
+
+def test_a_users_job_goes_to_the_service_topic_and_the_users_own_and_is_cleared_on_both():
+    from dataclasses import replace
+
+    topics = EventTopics(PREFIX, retain_finished_s=None)
+    states = topics.job_changed(replace(record("job-u", "running"), user="alice"), "queued")
+    assert [(m.topic, m.retain, m.qos) for m in states] == [(f"{PREFIX}/jobs/job-u/state", True, 1),
+                                                         (f"{PREFIX}/users/alice/jobs/job-u/state", True, 1)]
+    assert states[0].payload == states[1].payload
+    progress = topics.trainer_polled([TrainerEvent(kind="progress", job_id="job-u", step=4, data={"loss": 1.0})])
+    assert [m.topic for m in progress] == [f"{PREFIX}/jobs/job-u/progress", f"{PREFIX}/users/alice/jobs/job-u/progress"]
+    assert [m.topic for m in topics.decided("preempt", "job-u", "why")] == [
+        f"{PREFIX}/jobs/job-u/events", f"{PREFIX}/users/alice/jobs/job-u/events"]
+    assert [m.topic for m in topics.retained_states()] == [m.topic for m in states]
+    cleared = topics.job_deleted("job-u")
+    assert [(m.topic, m.payload, m.clears) for m in cleared] == [(m.topic, b"", "job-u") for m in states]
+    [operator] = topics.job_changed(record("job-o", "running"), "queued")   # an operator's job: one topic
+    assert operator.topic == f"{PREFIX}/jobs/job-o/state"

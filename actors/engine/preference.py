@@ -1,4 +1,4 @@
-"""Preference objectives of a fused step: DPO and ORPO jobs beside SFT jobs in one forward/backward.
+"""Preference objectives of a fused step: DPO, ORPO and CPO jobs beside SFT jobs in one forward/backward.
 
 A preference job's micro-batch is a list of `PreferencePair`s, each two sequences of the stream (prompt +
 chosen, prompt + rejected) through the job's own adapter. The head gives each of their target tokens a
@@ -10,7 +10,10 @@ then enter the job's loss as plain torch expressions, as in TRL:
   layout; no second model);
 - ORPO (TRL's ORPOTrainer): the chosen sequences' mean token NLL (its labels: the completion, or with
   `train_on_prompt` the whole sequence as in TRL) minus beta * mean log sigmoid(log-odds ratio), the odds
-  from the completions' mean token log-probabilities.
+  from the completions' mean token log-probabilities;
+- CPO (TRL's CPOTrainer, loss_type sigmoid, no label smoothing): -log sigmoid(beta * (pc - pr)) per pair from
+  the completions' summed log-probabilities (no reference), plus cpo_alpha times the chosen sequences' mean
+  token NLL (its labels as ORPO's).
 Each job backpropagates the sum over its pairs of its per-pair loss (ORPO's NLL counted once per pair),
 times its token weight; its optimizer divides by the pairs of its optimizer step, so its step's loss is
 the mean over its pairs (as TRL's over a batch), whatever shares the fused step.
@@ -241,8 +244,30 @@ def orpo_objective(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, nll: 
                     "log_odds_chosen": log_odds.detach()}
 
 
+def cpo_objective(chosen: torch.Tensor, rejected: torch.Tensor, nll: torch.Tensor, beta: float, alpha: float
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-pair CPO losses (the sigmoid loss on beta times the summed completion log-probability margin, plus
+    `alpha` times the micro-batch's chosen NLL `nll`, counted once per pair) and TRL's metrics."""
+    if alpha == 0:
+        nll = torch.zeros_like(nll)   # TRL's: no NLL term, and 0 as its metric
+    losses = -F.logsigmoid(beta * (chosen - rejected)) + alpha * nll
+    chosen_rewards, rejected_rewards = beta * chosen.detach(), beta * rejected.detach()
+    return losses, {"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+                    "rewards/margins": chosen_rewards - rejected_rewards,
+                    "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+                    "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach(),
+                    "nll_loss": nll.detach().expand_as(chosen)}
+
+
+def chosen_nll(log_probs: torch.Tensor, targets: SequenceTargets, first: int, pairs: int) -> torch.Tensor:
+    """The mean token NLL over the chosen sequences' targets (ORPO's and CPO's language-modelling term)."""
+    every = sequence_sums(log_probs, targets)[first:first + 2 * pairs:2]
+    count = sequence_sums(torch.ones_like(log_probs), targets)[first:first + 2 * pairs:2].sum()
+    return -every.sum() / count.clamp_min(1.0)
+
+
 def job_outcome(method: str, beta: float, log_probs: torch.Tensor, targets: SequenceTargets, first: int, pairs: int,
-                reference: torch.Tensor | None) -> PreferenceOutcome:
+                reference: torch.Tensor | None, cpo_alpha: float = 1.0) -> PreferenceOutcome:
     """One preference job's objective from the step's preference log-probabilities (`log_probs`, one per
     target of `targets`): its sequences are `first` .. `first + 2 * pairs`, chosen then rejected per pair."""
     completion = sequence_sums(log_probs, targets, targets.completion)[first:first + 2 * pairs]
@@ -252,22 +277,22 @@ def job_outcome(method: str, beta: float, log_probs: torch.Tensor, targets: Sequ
             raise ValueError("a DPO job's step needs its reference log-probabilities")
         losses, metrics = dpo_objective(chosen, rejected, reference, beta)
     elif method == "orpo":
-        ones = torch.ones_like(log_probs)
-        counts = sequence_sums(ones, targets, targets.completion)[first:first + 2 * pairs]
-        every = sequence_sums(log_probs, targets)[first:first + 2 * pairs:2]           # the chosen rows' targets
-        chosen_targets = sequence_sums(ones, targets)[first:first + 2 * pairs:2].sum()
-        nll = -every.sum() / chosen_targets.clamp_min(1.0)
+        counts = sequence_sums(torch.ones_like(log_probs), targets, targets.completion)[first:first + 2 * pairs]
+        nll = chosen_nll(log_probs, targets, first, pairs)
         losses, metrics = orpo_objective(chosen / counts[0::2].clamp_min(1.0), rejected / counts[1::2].clamp_min(1.0),
                                          nll, beta)
+    elif method == "cpo":
+        losses, metrics = cpo_objective(chosen, rejected, chosen_nll(log_probs, targets, first, pairs), beta, cpo_alpha)
     else:
-        raise ValueError(f"method '{method}' has no preference objective (dpo or orpo)")
+        raise ValueError(f"method '{method}' has no preference objective (dpo, orpo or cpo)")
     means = {name: float(value.float().mean()) for name, value in metrics.items()}
     return PreferenceOutcome(losses.sum(), float(losses.detach().mean()), pairs, means)
 
 
 @torch.no_grad()
 def evaluate_preference(base: BaseModel, adapter: str, method: str, beta: float, examples: list[PreferencePair],
-                        batch_size: int, chunk: int, cache: ReferenceCache | None = None) -> float:
+                        batch_size: int, chunk: int, cache: ReferenceCache | None = None, *,
+                        cpo_alpha: float = 1.0) -> float:
     """A preference job's eval loss: its objective's mean over the pairs `examples` (ORPO's NLL per batch
     of `batch_size` pairs), the adapter in evaluation mode (the caller's); DPO's references through `cache`."""
     loss_sum, pairs = 0.0, 0
@@ -281,18 +306,20 @@ def evaluate_preference(base: BaseModel, adapter: str, method: str, beta: float,
         with step_layout(batch.layout):
             hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                   attention_mask=None, use_cache=False).last_hidden_state[0]
-        outcome = evaluation_outcome(base, method, beta, batch, micro_batch, hidden, chunk, reference)
+        outcome = evaluation_outcome(base, method, beta, batch, micro_batch, hidden, chunk, reference, cpo_alpha)
         loss_sum += outcome.loss * outcome.pairs
         pairs += outcome.pairs
     return loss_sum / max(pairs, 1)
 
 
 def evaluation_outcome(base: BaseModel, method: str, beta: float, batch: FusedBatch, micro_batch: JobMicroBatch,
-                       hidden: torch.Tensor, chunk: int, reference: torch.Tensor | None) -> PreferenceOutcome:
+                       hidden: torch.Tensor, chunk: int, reference: torch.Tensor | None,
+                       cpo_alpha: float = 1.0) -> PreferenceOutcome:
     """One eval batch's preference outcome from its final hidden states."""
     head = base.lm_head
     weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
     _, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias, batch.target_ids,
                                      weights, chunk, base.logit_transform)
     targets = sequence_targets(batch, [micro_batch], [0])
-    return job_outcome(method, beta, -losses[targets.select], targets, 0, len(micro_batch.examples), reference)
+    return job_outcome(method, beta, -losses[targets.select], targets, 0, len(micro_batch.examples), reference,
+                       cpo_alpha)

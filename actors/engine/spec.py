@@ -299,15 +299,20 @@ class TrackingConfig(StrictModel):
 
 
 class PreferenceConfig(StrictModel):
-    """The preference objective of a `method: dpo` or `orpo` job (as TRL's DPOConfig / ORPOConfig)."""
+    """The preference objective of a `method: dpo`, `orpo` or `cpo` job (as TRL's DPOConfig / ORPOConfig /
+    CPOConfig)."""
 
     beta: Annotated[float, Bounds(0, 1000, low_open=True)] = Field(
         0.1, description="DPO: the temperature of the sigmoid loss (how far the adapter may move from the base, "
                          "its reference); ORPO: the weight (lambda) of the odds-ratio term beside the chosen "
-                         "completion's language-modelling loss")
+                         "completion's language-modelling loss; CPO: the temperature of its sigmoid loss on the "
+                         "completions' log-probability margin")
+    cpo_alpha: Annotated[float, Bounds(0, 1000)] = Field(
+        1.0, description="CPO only: the weight of the chosen sequence's language-modelling (NLL) term (TRL's "
+                         "cpo_alpha; 0 leaves the preference term alone)")
 
 
-PREFERENCE_METHODS = ("dpo", "orpo")
+PREFERENCE_METHODS = ("dpo", "orpo", "cpo")
 
 GENERATION_METRICS = ("exact_match", "contains", "regex")
 USER_METRIC_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -384,7 +389,7 @@ class JobSpec(StrictModel):
                           "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(
-        4, description="sequences per micro-batch (preference pairs for dpo / orpo)")
+        4, description="sequences per micro-batch (preference pairs for dpo / orpo / cpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
     lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")
@@ -416,11 +421,12 @@ class JobSpec(StrictModel):
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
                                                               "(default: the run's `tracking`)")
-    method: Literal["sft", "dpo", "orpo"] = Field(
+    method: Literal["sft", "dpo", "orpo", "cpo"] = Field(
         "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
-                           "base, the adapter off) or orpo (odds-ratio preference optimization): learn from "
-                           "preference pairs (format type preference)")
-    preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo objective")
+                           "base, the adapter off), orpo (odds-ratio preference optimization) or cpo (Contrastive "
+                           "Preference Optimization, no reference): learn from preference pairs (format type "
+                           "preference)")
+    preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo / cpo objective")
 
     @field_validator("name")
     @classmethod
@@ -467,10 +473,13 @@ class JobSpec(StrictModel):
             raise ValueError(f"method '{self.method}' learns from preference pairs: set format to "
                              f"{{type: preference}} (rows with prompt, chosen, rejected), not '{self.format.type}'")
         if self.method == "sft" and pairs:
-            raise ValueError("format preference holds preference pairs: set method to dpo or orpo (sft learns "
+            raise ValueError("format preference holds preference pairs: set method to dpo, orpo or cpo (sft learns "
                              "from one target sequence per row)")
         if self.method == "sft" and self.preference != PreferenceConfig():
-            raise ValueError("preference settings apply to method dpo or orpo; this job's method is sft")
+            raise ValueError("preference settings apply to method dpo, orpo or cpo; this job's method is sft")
+        if self.method != "cpo" and self.preference.cpo_alpha != PreferenceConfig().cpo_alpha:
+            raise ValueError(f"preference.cpo_alpha applies to method cpo; this job's method is {self.method} "
+                             "(remove it)")
         if self.eval_generate is not None and self.method != "sft":
             raise ValueError(f"eval_generate scores generations against an sft job's target text; method "
                              f"'{self.method}' has none (remove eval_generate)")
@@ -479,8 +488,8 @@ class JobSpec(StrictModel):
                              "(e.g. 64 rows)")
         if self.method == "dpo" and self.train_on_prompt:
             raise ValueError("train_on_prompt does not apply to method dpo (its loss compares the completions); "
-                             "remove it (with orpo it adds the prompt to the chosen sequence's language-modelling "
-                             "term)")
+                             "remove it (with orpo or cpo it adds the prompt to the chosen sequence's "
+                             "language-modelling term)")
         return self
 
     @property

@@ -73,7 +73,7 @@ def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, job
     for index in preference:
         spec = jobs[index].spec
         outcome = job_outcome(spec.method, spec.preference.beta, log_probs, targets, targets.first_sequence[index],
-                              len(micro_batches[index].examples), references.get(index))
+                              len(micro_batches[index].examples), references.get(index), spec.preference.cpo_alpha)
         total = total + outcome.objective * jobs[index].token_weight
         outcomes[index] = outcome
     losses = torch.empty(batch.target_ids.numel(), dtype=torch.float32, device=hidden.device)

@@ -285,7 +285,8 @@ class FusedTrainer:
             if job.spec.method in PREFERENCE_METHODS:   # the mean of its preference loss over the eval pairs
                 return evaluate_preference(self.base, job.name, job.spec.method, job.spec.preference.beta,
                                            examples, batch_size, self.loss_chunk,
-                                           self.reference_caches.setdefault(job.name, ReferenceCache()))
+                                           self.reference_caches.setdefault(job.name, ReferenceCache()),
+                                           cpo_alpha=job.spec.preference.cpo_alpha)
             return self._evaluate_loss(job, examples, batch_size)
         finally:
             set_adapters_training(self.base.model, True)

@@ -425,7 +425,8 @@ class StageRuntime:
                         continue
                     if spec.method in PREFERENCE_METHODS:
                         outcome = evaluation_outcome(base, spec.method, spec.preference.beta, batch, micro_batch,
-                                                     output, self.settings.loss_chunk, references.get(0))
+                                                     output, self.settings.loss_chunk, references.get(0),
+                                                     spec.preference.cpo_alpha)
                         loss_sum += outcome.loss * outcome.pairs
                         count += outcome.pairs
                         continue

@@ -226,10 +226,60 @@ def test_orpo_loss_and_gradients_equal_trl(smol_tokenizer):
     assert ours["rewards/accuracies"] == metrics["rewards/accuracies"]
 
 
+def _cpo_trainer(beta: float, cpo_alpha: float):
+    """TRL's CPOTrainer's loss code (get_batch_loss_metrics: concatenated forward, sigmoid loss, NLL) on a batch,
+    without its dataset machinery: the attributes those methods read (loss_type sigmoid, no AlphaPO, no label
+    smoothing: its defaults)."""
+    from trl.experimental.cpo import CPOTrainer
+
+    trainer = object.__new__(CPOTrainer)
+    trainer.beta, trainer.cpo_alpha = beta, cpo_alpha
+    trainer.loss_type, trainer.alpha, trainer.label_smoothing, trainer.simpo_gamma = "sigmoid", 0.0, 0.0, 0.5
+    trainer.is_encoder_decoder = False
+    trainer.pad_token_id = 0
+    trainer.aux_loss_enabled = False
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda value: value)
+    return trainer
+
+
+@pytest.mark.parametrize("cpo_alpha", [1.0, 0.0])
+def test_cpo_loss_and_gradients_equal_trl(smol_tokenizer, cpo_alpha):
+    beta = 0.2
+    fmt = PreferenceFormat()
+    # CPO's NLL covers the chosen completion (TRL's labels mask the prompt): no train_on_prompt
+    pairs = [tokenize_pair(row, fmt, smol_tokenizer, max_seq_len=512) for row in ROWS]
+    from peft import get_peft_model
+
+    peft_model = _randomize_b(get_peft_model(tiny_model("llama"), _peft_config()), 2)
+    loss, metrics = _cpo_trainer(beta, cpo_alpha).get_batch_loss_metrics(peft_model, _orpo_batch(pairs))
+    loss.backward()
+
+    preference = {"beta": beta} | ({"cpo_alpha": cpo_alpha} if cpo_alpha != 1.0 else {})
+    trainer, job = _aspen_job("cpo", pairs, peft_model, preference=preference)
+    result = trainer.train_step().results[0]
+    loss_difference = abs(result.loss - loss.item())
+    gradient_difference, largest = _compare_gradients(job, len(pairs), peft_model)
+    print(f"CPO vs TRL (cpo_alpha {cpo_alpha}): loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
+          f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
+    ours = job.accumulator.metrics
+    logps = len(pairs) * max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
+    gradient_tolerance, logp_tolerance = _tolerances(trainer.base.model.config, pairs, largest, logps)
+    print(f"tolerances: gradient {gradient_tolerance:.2e}, log-prob {logp_tolerance:.2e}")
+    assert gradient_difference <= gradient_tolerance
+    # a pair's -log σ(β·margin) moves at most β times its margin (two log-probs); the NLL is a mean log-prob
+    for name, tolerance in (("logps/chosen", logp_tolerance), ("rewards/margins", beta * 2 * logp_tolerance),
+                            ("nll_loss", logp_tolerance)):
+        assert abs(ours[name] - metrics[name]) <= tolerance, (name, ours[name], metrics[name])
+    assert loss_difference <= beta * 2 * logp_tolerance + cpo_alpha * logp_tolerance
+    assert ours["rewards/accuracies"] == metrics["rewards/accuracies"]
+    if cpo_alpha == 0.0:
+        assert metrics["nll_loss"] == 0.0 and loss.item() == pytest.approx(result.loss, abs=beta * 2 * logp_tolerance)
+
+
 @pytest.mark.parametrize("config", ["float32", "float16"])
 def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone(config):
-    """Two DPO jobs (their references from one shared no-adapter forward), an SFT job and an ORPO job with
-    dropout and accumulation: each one's losses and adapter equal its solo run's exactly (CPU; float16:
+    """Two DPO jobs (their references from one shared no-adapter forward), an SFT job, an ORPO job with
+    dropout and accumulation and a CPO job: each one's losses and adapter equal its solo run's exactly (CPU; float16:
     each job with its own loss scale)."""
     from tests.helpers.isolation import VOCAB, assert_isolated, base_for
 
@@ -244,7 +294,9 @@ def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone(config):
             (JobSpec(name="orpo", format={"type": "preference"}, method="orpo", batch_size=3, grad_accum=2,
                      max_steps=1, preference={"beta": 0.5}, **{**common, "lora": {"r": 2, "alpha": 4,
                                                                                "dropout": 0.1}}),
-             random_pairs(2, 6, VOCAB), 2)]
+             random_pairs(2, 6, VOCAB), 2),
+            (JobSpec(name="cpo", format={"type": "preference"}, method="cpo", batch_size=2, max_steps=2,
+                     preference={"beta": 0.2, "cpo_alpha": 0.5}, **common), random_pairs(4, 4, VOCAB), 4)]
     assert_isolated(base_for(config), jobs)
 
 
@@ -284,7 +336,7 @@ def test_dpo_reference_is_the_base_without_any_adapter():
 def test_preference_specs_and_rows_are_checked(smol_tokenizer, tmp_path):
     with pytest.raises(ValidationError, match="method 'dpo' learns from preference pairs: set format to"):
         JobSpec(name="a", data="x.jsonl", format={"type": "alpaca"}, method="dpo")
-    with pytest.raises(ValidationError, match="set method to dpo or orpo"):
+    with pytest.raises(ValidationError, match="set method to dpo, orpo or cpo"):
         JobSpec(name="a", data="x.jsonl", format={"type": "preference"})
     with pytest.raises(ValidationError, match="train_on_prompt does not apply to method dpo"):
         JobSpec(name="a", data="x.jsonl", format={"type": "preference"}, method="dpo", train_on_prompt=True)

@@ -1,4 +1,5 @@
-"""Batched greedy decoding with a KV cache, each prompt through its own adapter (or the base model alone).
+"""Batched decoding with a KV cache, each prompt through its own adapter (or the base model alone): greedy,
+or sampled (`Sampling`: temperature, top-k, a seeded generator).
 
 One forward per new token for the whole batch: the prompts are left-padded into rows grouped by adapter,
 prefilled once into transformers' `DynamicCache`, then each step feeds one token per row. The fused LoRA
@@ -7,13 +8,15 @@ row, so each group's tokens are contiguous), so several adapters decode in one p
 its own weights. Attention runs as the model's `sdpa` (or `eager`, for soft-capping and sinks) with the
 padding mask, for the duration of the call; the varlen attention of fused steps needs no cache and no mask.
 
-Used by the generation metrics of evaluations (actors/engine/generation_eval.py) and by the demo."""
+Used by the generation metrics of evaluations (actors/engine/generation_eval.py), by GRPO jobs' rollouts
+(actors/engine/grpo.py) and by the demo."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -56,6 +59,24 @@ def _masked_attention(model: nn.Module) -> Iterator[None]:
         model.set_attn_implementation(before)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding: each next token drawn from softmax(logits / temperature), among the `top_k` likeliest
+    only where top_k > 0, with `generator` (seeded by the caller: the same seed, the same tokens)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    generator: torch.Generator | None = None
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        scores = logits.float() / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probabilities = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probabilities, 1, generator=self.generator).squeeze(-1)
+
+
 def _row_layout(groups: list[tuple[str, int, int]], width: int, rows: int) -> StepLayout:
     """Adapter segments over a (rows, width) batch; no packed sequences (attention takes the mask)."""
     segments = tuple((name, first * width, end * width) for name, first, end in groups)
@@ -64,8 +85,10 @@ def _row_layout(groups: list[tuple[str, int, int]], width: int, rows: int) -> St
 
 @torch.no_grad()
 def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
-                         max_new_tokens: int, stop_token_ids: set[int]) -> list[list[int]]:
-    """Greedy continuations of `(adapter, prompt)` requests in one batch (adapter None: the base alone).
+                         max_new_tokens: int, stop_token_ids: set[int],
+                         sampling: Sampling | None = None) -> list[list[int]]:
+    """Greedy continuations of `(adapter, prompt)` requests in one batch (adapter None: the base alone), or
+    sampled ones with `sampling`.
 
     Returns, per request in the given order, the generated tokens only; a sequence ends after
     `max_new_tokens` tokens or at the first token in `stop_token_ids`, which is kept as its last token
@@ -117,7 +140,8 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
                 with step_layout(_row_layout(groups, feed.shape[1], rows)):
                     hidden = base.decoder(input_ids=feed, attention_mask=mask, position_ids=positions,
                                           use_cache=True, **{cache_argument: cache}).last_hidden_state
-                chosen = base.output_logits(hidden[:, -1]).argmax(dim=-1).tolist()
+                logits = base.output_logits(hidden[:, -1])
+                chosen = (logits.argmax(dim=-1) if sampling is None else sampling.pick(logits)).tolist()
                 for row, index in enumerate(order):
                     if not active[row]:
                         continue

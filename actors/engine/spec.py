@@ -314,6 +314,56 @@ class PreferenceConfig(StrictModel):
 
 PREFERENCE_METHODS = ("dpo", "orpo", "cpo")
 
+REWARDS = ("exact_match", "contains", "regex")
+
+
+class GrpoConfig(StrictModel):
+    """The objective of a `method: grpo` job (as TRL's GRPOConfig): each prompt's `num_generations`
+    completions sampled with the job's own adapter on its trainer, scored by `reward`, and trained on their
+    group-relative advantages."""
+
+    reward: str = Field(description="exact_match (the completion, stripped, equals the row's target text), "
+                                    "contains, regex (`pattern` finds the same answer in both), or "
+                                    "module:function, called as function(prompts, completions, rows) -> list of "
+                                    "floats with rows [{prompt, reference}] (texts), one reward per completion")
+    pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
+    num_generations: Annotated[int, Bounds(2, 256)] = Field(8, description="completions sampled per prompt (G)")
+    max_new_tokens: Annotated[int, Bounds(1, 4096)] = Field(
+        64, description="the longest completion (it also ends at the tokenizer's EOS); TRL's max_completion_length")
+    temperature: Annotated[float, Bounds(0, 100, low_open=True)] = Field(
+        1.0, description="sampling temperature; the log-probabilities trained on are taken at it too (as TRL)")
+    top_k: Annotated[int, Bounds(0, 10**6)] = Field(0, description="sample among the k likeliest tokens (0: all)")
+    beta: Annotated[float, Bounds(0, 1000)] = Field(
+        0.0, description="weight of the KL term to the base with the adapter off (TRL's default 0: none)")
+    epsilon: Annotated[float, Bounds(0, 10)] = Field(0.2, description="the ratio's clipping range")
+    loss_type: Literal["dapo", "grpo"] = Field(
+        "dapo", description="dapo: the mean over every completion token of the optimizer step (TRL's default); "
+                            "grpo: each completion's token mean, averaged over the completions")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantages divided by the rewards' standard deviation in the prompt's group, in the "
+                             "micro-batch, or not at all")
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, value: str) -> str:
+        if value in REWARDS:
+            return value
+        if not re.match(USER_METRIC_PATTERN, value):
+            raise ValueError(f"'{value}' is neither {', '.join(REWARDS)} nor module:function (a "
+                             "function(prompts, completions, rows) -> list of floats that Python can import)")
+        return value
+
+    @model_validator(mode="after")
+    def _pattern_for_regex(self) -> GrpoConfig:
+        if self.reward == "regex" and not self.pattern:
+            raise ValueError("reward regex needs pattern (e.g. '####\\s*(-?[0-9.,]+)')")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as error:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {error}") from None
+        return self
+
 GENERATION_METRICS = ("exact_match", "contains", "regex")
 USER_METRIC_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -421,12 +471,14 @@ class JobSpec(StrictModel):
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
                                                               "(default: the run's `tracking`)")
-    method: Literal["sft", "dpo", "orpo", "cpo"] = Field(
+    method: Literal["sft", "dpo", "orpo", "cpo", "grpo"] = Field(
         "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
                            "base, the adapter off), orpo (odds-ratio preference optimization) or cpo (Contrastive "
                            "Preference Optimization, no reference): learn from preference pairs (format type "
-                           "preference)")
+                           "preference); grpo (Group Relative Policy Optimization): learn from the rewards of "
+                           "completions the adapter samples for each row's prompt (`grpo`)")
     preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo / cpo objective")
+    grpo: GrpoConfig | None = Field(None, description="the grpo objective: its reward and sampling (method grpo)")
 
     @field_validator("name")
     @classmethod
@@ -480,7 +532,13 @@ class JobSpec(StrictModel):
         if self.method != "cpo" and self.preference.cpo_alpha != PreferenceConfig().cpo_alpha:
             raise ValueError(f"preference.cpo_alpha applies to method cpo; this job's method is {self.method} "
                              "(remove it)")
-        if self.eval_generate is not None and self.method != "sft":
+        if (self.method == "grpo") != (self.grpo is not None):
+            raise ValueError("method grpo needs `grpo: {reward: ...}` (its reward and sampling)" if self.grpo is None
+                             else f"grpo settings apply to method grpo; this job's method is {self.method}")
+        if self.method == "grpo" and pairs:
+            raise ValueError("method grpo samples its own completions for each row's prompt: use a format with a "
+                             "prompt and a target text (alpaca, prompt_response, chat), not preference")
+        if self.eval_generate is not None and self.method not in ("sft", "grpo"):
             raise ValueError(f"eval_generate scores generations against an sft job's target text; method "
                              f"'{self.method}' has none (remove eval_generate)")
         if self.eval_generate is not None and not self.eval_split:
@@ -494,7 +552,10 @@ class JobSpec(StrictModel):
 
     @property
     def sequences_per_example(self) -> int:
-        """Sequences one example adds to a micro-batch: 2 for a preference pair, else 1."""
+        """Sequences one example adds to a micro-batch: 2 for a preference pair, a grpo job's
+        num_generations completions, else 1."""
+        if self.grpo is not None:
+            return self.grpo.num_generations
         return 2 if self.method in PREFERENCE_METHODS else 1
 
     @model_validator(mode="after")
@@ -508,6 +569,14 @@ class JobSpec(StrictModel):
 
 def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
     tokens = job.batch_size * job.max_seq_len * job.sequences_per_example
+    if job.grpo is not None:   # each prompt's completions: the prompt (up to max_seq_len) and max_new_tokens
+        tokens = job.batch_size * job.grpo.num_generations * (job.max_seq_len + job.grpo.max_new_tokens)
+        if tokens <= step_tokens:
+            return None
+        return (f"batch_size {job.batch_size} prompts * grpo.num_generations {job.grpo.num_generations} * (max_seq_len "
+                f"{job.max_seq_len} + grpo.max_new_tokens {job.grpo.max_new_tokens}) = {tokens} tokens per micro-batch "
+                f"exceeds step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size, "
+                f"num_generations, max_seq_len or max_new_tokens, or raise step_tokens to at least {tokens}")
     if tokens <= step_tokens:
         return None
     if job.sequences_per_example > 1:   # a preference pair is two sequences

@@ -2,10 +2,11 @@
 last stage both compute.
 
 SFT jobs' target tokens go through the token-weighted chunked cross-entropy (LM head only at target
-positions); preference jobs' (method dpo / orpo) through per-token log-probabilities into their objectives
-(actors/engine/preference.py). Returns the step's differentiable total and, per job, its loss (the mean
-over its target tokens, or its preference loss), what that mean is over (targets, or pairs) and its
-metrics."""
+positions); preference jobs' (method dpo / orpo / cpo) through per-token log-probabilities into their
+objectives (actors/engine/preference.py), GRPO jobs' completions likewise into theirs
+(actors/engine/grpo.py). Returns the step's differentiable total and, per job, its loss (the mean over its
+target tokens, or its preference / GRPO loss), what that mean is over (targets, pairs, completion tokens or
+completions) and its metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine.grpo import completion_targets, grpo_outcome, tempered
 from actors.engine.loss import target_cross_entropy, target_log_probs
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch
@@ -50,35 +52,53 @@ def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, job
                    micro_batches: list[JobMicroBatch], references: dict[int, torch.Tensor],
                    loss_chunk: int) -> StepObjective:
     """`hidden`: the step's final hidden states (T, d); `references`: the DPO jobs' reference
-    log-probabilities by job index."""
+    log-probabilities by job index ((pairs, 2) sums), and the GRPO jobs' with beta > 0 (per completion token)."""
     weights = token_weights(batch, jobs)
     head = base.lm_head
     preference = [index for index, job in enumerate(jobs) if job.spec.method in PREFERENCE_METHODS]
+    grpo = [index for index, job in enumerate(jobs) if job.spec.method == "grpo"]
     counts = list(batch.job_targets)
     metrics: list[dict[str, float] | None] = [None] * len(jobs)
-    if not preference:
+    if not preference and not grpo:
         total, losses = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias, batch.target_ids,
                                              weights, loss_chunk, base.logit_transform)
         return StepObjective(total, _per_job_losses(batch, losses), counts, metrics)
-    targets = sequence_targets(batch, micro_batches, preference)
     keep = torch.ones(batch.target_ids.numel(), dtype=torch.bool, device=hidden.device)
-    keep[targets.select] = False
+    targets = sequence_targets(batch, micro_batches, preference) if preference else None
+    completions = completion_targets(batch, micro_batches, grpo) if grpo else None
+    for special in (targets, completions):
+        if special is not None:
+            keep[special.select] = False
     plain = torch.nonzero(keep).squeeze(1)
     total, plain_losses = target_cross_entropy(hidden[batch.target_index[plain]], head.weight, head.bias,
                                                batch.target_ids[plain], weights[plain], loss_chunk,
                                                base.logit_transform)
-    log_probs = target_log_probs(hidden[batch.target_index[targets.select]], head.weight, head.bias,
-                                 batch.target_ids[targets.select], loss_chunk, base.logit_transform)
-    outcomes = {}
-    for index in preference:
-        spec = jobs[index].spec
-        outcome = job_outcome(spec.method, spec.preference.beta, log_probs, targets, targets.first_sequence[index],
-                              len(micro_batches[index].examples), references.get(index), spec.preference.cpo_alpha)
-        total = total + outcome.objective * jobs[index].token_weight
-        outcomes[index] = outcome
     losses = torch.empty(batch.target_ids.numel(), dtype=torch.float32, device=hidden.device)
     losses[plain] = plain_losses
-    losses[targets.select] = -log_probs.detach()
+    outcomes = {}
+    if targets is not None:
+        log_probs = target_log_probs(hidden[batch.target_index[targets.select]], head.weight, head.bias,
+                                     batch.target_ids[targets.select], loss_chunk, base.logit_transform)
+        for index in preference:
+            spec = jobs[index].spec
+            outcomes[index] = job_outcome(spec.method, spec.preference.beta, log_probs, targets,
+                                          targets.first_sequence[index], len(micro_batches[index].examples),
+                                          references.get(index), spec.preference.cpo_alpha)
+        losses[targets.select] = -log_probs.detach()
+    if completions is not None:
+        for index in grpo:
+            config = jobs[index].spec.grpo
+            first = completions.first_sequence[index]
+            mine = (completions.sequence >= first) & (completions.sequence < first + len(micro_batches[index].rows))
+            select = completions.select[mine]
+            logp = target_log_probs(hidden[batch.target_index[select]], head.weight, head.bias,
+                                    batch.target_ids[select], loss_chunk, tempered(base.logit_transform,
+                                                                                   config.temperature))
+            outcomes[index] = grpo_outcome(config, logp, completions.sequence[mine] - first, references.get(index),
+                                           micro_batches[index].examples)
+            losses[select] = -logp.detach()
+    for index, outcome in outcomes.items():
+        total = total + outcome.objective * jobs[index].token_weight
     per_job = _per_job_losses(batch, losses)
     for index, outcome in outcomes.items():
         per_job[index], counts[index], metrics[index] = outcome.loss, outcome.pairs, outcome.metrics

@@ -7,7 +7,8 @@ one backward, and steps the optimizers of the jobs whose accumulation is complet
 `optim.step_jobs`). Preference jobs (method dpo / orpo) share the step: their pairs' sequences are packed
 beside the others' and their losses are functions of per-sequence log-probabilities
 (actors/engine/preference.py); a DPO job's reference is the base without adapter, from a no-grad forward
-of its new pairs before the step's forward (cached per pair)."""
+of its new pairs before the step's forward (cached per pair). GRPO jobs' prompts become sampled, scored
+completions before the step (`rollouts`: actors/engine/grpo.py) and train beside the others."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recomp
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.generation_eval import generation_scores
+from actors.engine.grpo import RewardError, reference_token_log_probs, rollout_seed, rollouts
 from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
@@ -160,7 +162,8 @@ class FusedTrainer:
             chosen = []
             for job in ordered:
                 batch = job.peek()
-                trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, batch)]
+                trial = [self.planned(JobMicroBatch(j.name, b)) for j, b in chosen] + [
+                    self.planned(JobMicroBatch(job.name, batch))]
                 cost = self.step_cost(trial)
                 if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
                     continue
@@ -182,7 +185,7 @@ class FusedTrainer:
                  for job in ordered]
 
         def micro(chosen: list[NextBatch]) -> list[JobMicroBatch]:
-            return [JobMicroBatch(v.job, batches[v.job]) for v in chosen]
+            return [self.planned(JobMicroBatch(v.job, batches[v.job])) for v in chosen]
 
         names = self.composer.compose_step(views, lambda chosen: self.step_cost(micro(chosen)), self.step_tokens,
                                            lambda chosen: fits is None or fits(micro(chosen)))
@@ -194,6 +197,37 @@ class FusedTrainer:
             raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}, which exceeds the "
                              f"step's {self.step_tokens} tokens")
         return [(by_name[name], batches[name]) for name in names]
+
+    def planned(self, micro_batch: JobMicroBatch) -> JobMicroBatch:
+        """The micro-batch as the step will hold it: a GRPO job's prompts each as `num_generations` sequences of
+        the prompt's row and `max_new_tokens` more (the most its completions take), the others as they are."""
+        job = self.jobs.get(micro_batch.job)
+        config = job.spec.grpo if job is not None else None
+        if config is None or not micro_batch.examples or not isinstance(micro_batch.examples[0], Example):
+            return micro_batch
+        stand_ins = [Example((0,) * (len(e) + config.max_new_tokens), (0,) * (len(e) + config.max_new_tokens))
+                     for e in micro_batch.examples for _ in range(config.num_generations)]
+        return JobMicroBatch(micro_batch.job, stand_ins)
+
+    def rollouts(self, chosen: list[tuple[TrainingJob, list[Example]]]
+                 ) -> tuple[list[tuple[TrainingJob, list]], list[tuple[TrainingJob, Exception]]]:
+        """The chosen micro-batches with each GRPO job's prompts expanded into sampled, scored completions
+        (`grpo.rollouts`, through the job's adapter, seeded by the job's seed and position: the same alone or
+        fused), and the GRPO jobs whose reward failed (RewardError) or whose rows have no prompt, to be failed
+        by the caller (the others' steps go on)."""
+        kept: list[tuple[TrainingJob, list]] = []
+        failed: list[tuple[TrainingJob, Exception]] = []
+        for job, batch in chosen:
+            if job.spec.grpo is None:
+                kept.append((job, batch))
+                continue
+            try:
+                expanded, _ = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job))
+            except (RewardError, ValueError) as error:
+                failed.append((job, error))
+                continue
+            kept.append((job, expanded))
+        return kept, failed
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
         """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
@@ -257,20 +291,29 @@ class FusedTrainer:
                           memory_measured=self.base.device.type == "cuda")
 
     def train_step(self) -> StepReport | None:
+        """Compose the next step, expand its GRPO jobs' rollouts (a failed reward raises), run it."""
         chosen = self.compose()
-        return self.run_step(chosen) if chosen else None
+        if not chosen:
+            return None
+        chosen, failed = self.rollouts(chosen)
+        if failed:
+            raise failed[0][1]
+        return self.run_step(chosen)
 
     def _references(self, chosen: list[tuple[TrainingJob, list[Example]]],
                     micro_batches: list[JobMicroBatch]) -> dict[int, torch.Tensor]:
         """The DPO jobs' reference log-probabilities ((pairs, 2) per job index): one no-grad forward of their
         sequences with no adapter (`preference.reference_log_probs`) for the pairs not yet in the job's
-        `ReferenceCache`."""
+        `ReferenceCache`; and the GRPO jobs' with beta > 0 (per completion token, a no-grad forward each)."""
+        references = {index: reference_token_log_probs(self.base, micro_batches[index], job.spec.grpo.temperature,
+                                                       self.loss_chunk)
+                      for index, (job, _) in enumerate(chosen) if job.spec.grpo is not None and job.spec.grpo.beta}
         dpo = [index for index, (job, _) in enumerate(chosen) if job.spec.method == "dpo"]
         if not dpo:
-            return {}
+            return references
         caches = [self.reference_caches.setdefault(chosen[index][0].name, ReferenceCache()) for index in dpo]
         sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk)
-        return dict(zip(dpo, sums, strict=True))
+        return references | dict(zip(dpo, sums, strict=True))
 
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()

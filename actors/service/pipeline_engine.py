@@ -287,6 +287,9 @@ class PipelineEngine:
         if spec.eval_generate is not None:
             raise ValueError(f"job '{spec.name}': eval_generate (greedy generation) is not available on a pipeline "
                              "trainer yet; run the job on a single-device trainer, or drop eval_generate")
+        if spec.method == "grpo":
+            raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
+                             "pipeline trainer yet; run the job on a single-device trainer")
         self._guarded(self.pipeline.add_job, spec, cursor=source, total_steps=total_steps, seed=seed,
                       eval_examples=eval_examples)
         head = self.head.jobs[spec.name]

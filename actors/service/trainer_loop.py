@@ -160,6 +160,10 @@ class TrainerLoop(JobEnds):
         if ready:
             waits_before = sum(a.feed.waits for a in self.active.values())
             chosen = self.trainer.compose(ready, fits=self.admission.fits)
+            chosen = self._rollouts(chosen)
+            if not chosen:
+                self._publish_jobs()
+                return None
             shape = self.admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
             predicted = self.admission.predict(shape)
             try:
@@ -182,6 +186,17 @@ class TrainerLoop(JobEnds):
         if report is None:
             self.commands.idle(idle_wait)
         return report
+
+    def _rollouts(self, chosen: list) -> list:
+        """The step's GRPO jobs' completions sampled and scored (`FusedTrainer.rollouts`); a job whose reward
+        failed fails alone, the others' step goes on. (A pipeline trainer runs no GRPO job.)"""
+        expand = getattr(self.trainer, "rollouts", None)
+        if expand is None:
+            return chosen
+        kept, failed = expand(chosen)
+        for job, error in failed:
+            self._finish(self.active[job.name], "failed", f"its rollout failed: {error}")
+        return kept
 
     def _data_arrived(self, active: ActiveJob, deadline: float) -> bool:
         """Whether the job's next micro-batch is here. A job whose data is late is waited for until

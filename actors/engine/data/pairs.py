@@ -51,13 +51,13 @@ class PreferencePair:
 
 def example_rows(examples: list[Any]) -> list[Example]:
     """The sequences of a micro-batch in stream order: an `Example` is one, a `PreferencePair` two (chosen,
-    then rejected)."""
+    then rejected), a GRPO `Rollout` (actors/engine/grpo.py) its completions."""
     rows: list[Example] = []
     for example in examples:
-        if isinstance(example, PreferencePair):
-            rows.extend(example.rows)
-        else:
+        if isinstance(example, Example):
             rows.append(example)
+        else:
+            rows.extend(example.rows)
     return rows
 
 

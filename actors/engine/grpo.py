@@ -1,0 +1,263 @@
+"""GRPO jobs in a fused step: sampled completions, their rewards, and TRL's GRPO loss beside other jobs.
+
+A `method: grpo` job's data is prompts with a target text (any SFT format: the prompt is every token before
+the first target, the reference the target's text). Before each fused step its micro-batch of prompts becomes
+`Rollout`s (`rollouts`): `num_generations` completions per prompt sampled with the job's own adapter on the
+trainer (actors/engine/generate.py, a seeded generator: the same seed and step give the same completions,
+alone or fused), each scored by the job's reward (`reward_function`: exact match, contains, regex against the
+row's reference, or the user's `module:function(prompts, completions, rows)`), and the rewards turned into
+group-relative advantages (`advantages`: TRL's, reward minus its group's mean, over the group's standard
+deviation plus 1e-4). The completions (prompt + completion, the completion's tokens the targets, up to and
+including an EOS) are packed into the fused step like any job's rows, through the job's adapter.
+
+The loss (`grpo_outcome`) is TRL's GRPOTrainer's for one iteration per generation (its default): per
+completion token -min(r * A, clip(r, 1 - epsilon, 1 + epsilon) * A) with r = exp(logp - logp.detach()) (1
+in value, its gradient the policy gradient), plus beta times the k3 estimate of the KL to the reference
+(exp(ref - logp) - (ref - logp) - 1, times r as TRL's default `use_bias_correction_kl`; the reference being
+the base with the adapter off, as DPO's is), the
+log-probabilities taken at the sampling temperature; `dapo` (TRL's default) averages it over every
+completion token of the optimizer step, `grpo` over each completion's tokens, then over the completions.
+
+A reward that raises or returns something other than one finite number per completion is a `RewardError`:
+that job fails, the others go on (the trainer loop). Every operation here is on one job's own sequences."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from actors.engine.data import Example
+from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.engine.generate import Sampling, greedy_generate_many
+from actors.engine.generation_eval import ScoredRow, metric_function, scored_rows, stop_token_ids
+from actors.engine.layout import step_layout
+from actors.engine.loss import target_log_probs
+from actors.engine.model_support import LogitTransform
+from actors.engine.models import BaseModel
+from actors.engine.packing import FusedBatch, JobMicroBatch, pack
+from actors.engine.preference import PreferenceOutcome, reference_layout
+from actors.engine.spec import GenerationEval, GrpoConfig
+
+Reward = Callable[[list[str], list[str], list[dict]], Sequence[float]]
+
+
+class RewardError(ValueError):
+    """A GRPO job's reward function raised or returned something other than one finite number per completion."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One prompt's sampled completions as training sequences (prompt + completion, the completion's tokens
+    the targets), their rewards and advantages. `len()` is their tokens (what they occupy in a packed step)."""
+
+    completions: tuple[Example, ...]
+    prompt_length: int
+    rewards: tuple[float, ...]
+    advantages: tuple[float, ...]
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self.completions)
+
+    @property
+    def rows(self) -> tuple[Example, ...]:
+        return self.completions
+
+    @property
+    def num_targets(self) -> int:
+        return sum(c.num_targets for c in self.completions)
+
+
+def reward_function(config: GrpoConfig) -> Reward:
+    """The job's reward as function(prompts, completions, rows) -> one float per completion."""
+    if config.reward in ("exact_match", "contains", "regex"):
+        metric = metric_function(GenerationEval(metric=config.reward, pattern=config.pattern))
+        return lambda prompts, completions, rows: [metric(c, row) for c, row in zip(completions, rows, strict=True)]
+    module, _, name = config.reward.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise RewardError(f"grpo.reward '{config.reward}' cannot be imported ({error}); put its module on the "
+                          "trainers' PYTHONPATH") from None
+    return function
+
+
+def scored_rewards(reward: Reward, config: GrpoConfig, prompts: list[str], completions: list[str],
+                   rows: list[dict]) -> list[float]:
+    """The reward of each completion, checked: RewardError where the function raised or returned other than one
+    finite number per completion."""
+    try:
+        values = list(reward(prompts, completions, rows))
+    except Exception as error:
+        raise RewardError(f"grpo.reward '{config.reward}' raised {type(error).__name__}: {error} (on completions "
+                          f"such as {completions[0][:80]!r}); it must return a number for any text") from error
+    if len(values) != len(completions):
+        raise RewardError(f"grpo.reward '{config.reward}' returned {len(values)} rewards for {len(completions)} "
+                          "completions; it must return one per completion")
+    try:
+        numbers = [float(value) for value in values]
+    except (TypeError, ValueError) as error:
+        raise RewardError(f"grpo.reward '{config.reward}' returned a reward that is not a number ({error})") from None
+    if not all(math.isfinite(number) for number in numbers):
+        raise RewardError(f"grpo.reward '{config.reward}' returned a reward that is not finite ({numbers[:8]})")
+    return numbers
+
+
+def advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
+    """TRL's group-relative advantages of `rewards` (prompts, G): each reward minus its group's mean, divided
+    (scale `group`) by the group's standard deviation + 1e-4, (`batch`) by all the rewards' + 1e-4, or
+    (`none`) not at all. Standard deviations with Bessel's correction, as torch's and TRL's."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "group":
+        return centred / (rewards.std(dim=1, keepdim=True) + 1e-4)
+    if scale == "batch":
+        return centred / (rewards.std() + 1e-4)
+    return centred
+
+
+def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str:
+    for index, token in enumerate(tokens):
+        if token in stops:
+            tokens = tokens[:index]
+            break
+    return base.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequence[Example], seed: int
+             ) -> tuple[list[Rollout], dict[str, float]]:
+    """Each example's prompt, `num_generations` sampled completions through `adapter` (a generator seeded with
+    `seed`), scored and turned into advantages; and the rollouts' metrics (mean reward, the groups' mean
+    reward standard deviation, the completions' mean length). ValueError where an example has no prompt."""
+    rows: list[ScoredRow] = scored_rows(examples, base, None)
+    if len(rows) != len(examples):
+        raise ValueError(f"job '{adapter}': {len(examples) - len(rows)} of its rows have no prompt before their "
+                         "target (a grpo job continues each row's prompt)")
+    groups = config.num_generations
+    generator = torch.Generator(device=base.device).manual_seed(seed)
+    stops = stop_token_ids(base)
+    requests = [(adapter, list(row.prompt)) for row in rows for _ in range(groups)]
+    outputs = greedy_generate_many(base, requests, config.max_new_tokens, stops,
+                                   Sampling(config.temperature, config.top_k, generator))
+    texts = [_completion_text(base, tokens, stops) for tokens in outputs]
+    contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows for _ in range(groups)]
+    rewards = scored_rewards(reward_function(config), config, [c["prompt"] for c in contexts], texts, contexts)
+    table = torch.tensor(rewards, dtype=torch.float64).view(len(rows), groups)
+    advantage = advantages(table, config.scale_rewards)
+    out = []
+    for index, row in enumerate(rows):
+        completions = []
+        for tokens in outputs[index * groups:(index + 1) * groups]:
+            completions.append(Example(tuple(row.prompt) + tuple(tokens),
+                                       (IGNORE_INDEX,) * len(row.prompt) + tuple(tokens)))
+        out.append(Rollout(tuple(completions), len(row.prompt), tuple(table[index].tolist()),
+                           tuple(advantage[index].tolist())))
+    metrics = {"reward": float(table.mean()), "reward_std": float(table.std(dim=1).mean()),
+               "completions/mean_length": sum(len(tokens) for tokens in outputs) / len(outputs)}
+    return out, metrics
+
+
+def rollout_seed(job: Any) -> int:
+    """The generator seed of a GRPO job's next rollout: from its seed and its position (optimizer steps taken,
+    micro-batches of the current accumulation), so the same job samples the same completions alone or fused,
+    and again after resuming from a checkpoint."""
+    digest = hashlib.blake2b(f"{job.seed}:{job.step}:{job.accumulator.micro_batches}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class CompletionTargets:
+    """The GRPO jobs' target tokens of a packed batch: `select` picks them out of the batch's targets,
+    `sequence` is each one's completion (0-based over the GRPO jobs' completions, in stream order)."""
+
+    select: torch.Tensor
+    sequence: torch.Tensor
+    sequences: int
+    first_sequence: dict[int, int] = field(default_factory=dict)   # job index in the batch -> its first completion
+
+
+def completion_targets(batch: FusedBatch, micro_batches: list[JobMicroBatch], jobs: list[int]) -> CompletionTargets:
+    """Where the targets of the micro-batches `jobs` (indices into `micro_batches`, whose examples are
+    `Rollout`s) lie, by completion."""
+    device = batch.target_index.device
+    sequence_of_row: list[int] = []
+    first: dict[int, int] = {}
+    count = 0
+    for index, micro_batch in enumerate(micro_batches):
+        rows = len(micro_batch.rows)
+        if index in jobs:
+            if not all(isinstance(example, Rollout) for example in micro_batch.examples):
+                raise TypeError(f"job '{micro_batch.job}' is a grpo job but its micro-batch holds no rollouts (its "
+                                "prompts were not expanded before the step: FusedTrainer.rollouts)")
+            first[index] = count
+            sequence_of_row += list(range(count, count + rows))
+            count += rows
+        else:
+            sequence_of_row += [-1] * rows
+    starts = torch.tensor([start for start, _ in batch.layout.sequences], dtype=torch.long, device=device)
+    row = torch.searchsorted(starts, batch.target_index, right=True) - 1
+    row_sequence = torch.tensor(sequence_of_row, dtype=torch.long, device=device)[row]
+    select = torch.nonzero(row_sequence >= 0).squeeze(1)
+    return CompletionTargets(select, row_sequence[select], count, first)
+
+
+def tempered(transform: LogitTransform, temperature: float) -> LogitTransform:
+    """The model's logit transform followed by a division by `temperature` (TRL divides the logits by its
+    sampling temperature before their log-softmax)."""
+    if temperature == 1.0:
+        return transform
+    if transform.softcap is not None:
+        raise ValueError(f"grpo.temperature {temperature} on a model whose logits are soft-capped: the temperature "
+                         "would apply after the cap, which aspen does not compute; use temperature 1.0")
+    return replace(transform, divide=transform.divide * temperature)
+
+
+def grpo_outcome(config: GrpoConfig, logp: torch.Tensor, sequence: torch.Tensor, reference: torch.Tensor | None,
+                 batch_rollouts: Sequence[Rollout]) -> PreferenceOutcome:
+    """One GRPO job's objective from its completion tokens' log-probabilities `logp` (at its temperature), each
+    token's completion (`sequence`, 0-based over the job's completions in stream order) and, with beta > 0,
+    the base's log-probabilities of the same tokens (`reference`). `pairs` of the outcome is what its loss is the
+    mean over: completion tokens (dapo) or completions (grpo)."""
+    completions = sum(len(r.completions) for r in batch_rollouts)
+    advantage = torch.tensor([a for r in batch_rollouts for a in r.advantages], dtype=logp.dtype,
+                             device=logp.device)[sequence]
+    ratio = torch.exp(logp - logp.detach())
+    clipped = torch.clamp(ratio, 1 - config.epsilon, 1 + config.epsilon)
+    per_token = -torch.min(ratio * advantage, clipped * advantage)
+    metrics: dict[str, float] = {}
+    if config.beta:
+        if reference is None:
+            raise ValueError("a grpo job with beta > 0 needs its reference log-probabilities")
+        delta = reference - logp
+        kl = (torch.exp(delta) - delta - 1) * ratio   # times the ratio: TRL's use_bias_correction_kl (its default)
+        per_token = per_token + config.beta * kl
+        metrics["kl"] = float(kl.detach().mean()) if kl.numel() else 0.0
+    tokens = int(logp.numel())
+    if config.loss_type == "dapo":
+        objective, count = per_token.sum(), tokens
+    else:
+        zeros = torch.zeros(completions, dtype=per_token.dtype, device=per_token.device)
+        lengths = zeros.index_add(0, sequence, torch.ones_like(per_token))
+        sums = zeros.index_add(0, sequence, per_token)
+        objective, count = (sums / lengths.clamp_min(1.0)).sum(), completions
+    rewards = [value for r in batch_rollouts for value in r.rewards]
+    metrics |= {"reward": sum(rewards) / len(rewards), "completions/mean_length": tokens / max(completions, 1)}
+    return PreferenceOutcome(objective, float(objective.detach()) / max(count, 1), count, metrics)
+
+
+@torch.no_grad()
+def reference_token_log_probs(base: BaseModel, micro_batch: JobMicroBatch, temperature: float, chunk: int
+                              ) -> torch.Tensor:
+    """The base's (no adapter) log-probabilities of a GRPO micro-batch's completion tokens, in the order of
+    its targets (a no-grad forward of its sequences alone: the KL term's reference)."""
+    batch = pack([micro_batch], "packed", base.pad_token_id).to(base.device)
+    with step_layout(reference_layout(batch)):
+        hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                              attention_mask=None, use_cache=False).last_hidden_state[0]
+    head = base.lm_head
+    return target_log_probs(hidden[batch.target_index], head.weight, head.bias, batch.target_ids, chunk,
+                            tempered(base.logit_transform, temperature))

@@ -1,0 +1,27 @@
+"""Reward functions for GRPO tests (a job names them as `tests.helpers.rewards:NAME`), and a tokenizer of
+plain token numbers for tiny random models with no real tokenizer."""
+
+from __future__ import annotations
+
+
+def sevens(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    """The share of a completion's tokens that are token 7 (texts of `NumberTokenizer`)."""
+    return [text.split().count("7") / max(len(text.split()), 1) for text in completions]
+
+
+def raises(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    raise RuntimeError("the reward service is down")
+
+
+def too_few(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    return [1.0]
+
+
+class NumberTokenizer:
+    """Decodes token ids as their numbers separated by spaces; token 2 is the end of a sequence."""
+
+    eos_token_id = 2
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(str(int(i)) for i in ids if not (skip_special_tokens and int(i) in (0, 2)))

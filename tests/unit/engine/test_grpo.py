@@ -1,0 +1,212 @@
+"""GRPO jobs (method grpo): for fixed completions the loss and the adapter's gradients equal TRL's
+GRPOTrainer's (its `_compute_loss` on a PEFT LoRA model with the same weights, the KL reference being PEFT's
+model with its adapter disabled), for the dapo and grpo losses with and without the KL term; advantages are
+TRL's group-relative ones (checked against hand-computed values); a GRPO job fused with SFT and DPO jobs
+trains exactly as alone (its completions sampled alike, seeded by its own position); a reward that raises,
+returns the wrong count or a non-number fails its job alone with a message naming the reward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from actors.engine.data import Example
+from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.engine.grpo import RewardError, Rollout, advantages
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module
+from actors.engine.spec import JobSpec
+from actors.engine.trainer import FusedTrainer
+from tests.helpers.isolation import VOCAB, assert_isolated
+from tests.helpers.models import random_examples, tiny_model
+from tests.helpers.pairs import random_pairs
+from tests.helpers.rewards import NumberTokenizer
+from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+from tests.unit.engine.test_preference import _compare_gradients, _peft_config, _peft_lora, _randomize_b
+
+G = 3
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+COMPLETIONS = [[[12, 13], [14, 15, 16], [17]], [[18, 19, 20, 21], [22], [23, 24]]]
+ADVANTAGES = [[1.1, -0.3, -0.8], [0.0, 0.7, -0.7]]
+
+
+def _trl_trainer(smol_tokenizer, tmp_path, *, beta: float, loss_type: str):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=G * len(PROMPTS), num_generations=G,
+                      beta=beta, loss_type=loss_type, report_to=[], use_cpu=True, max_completion_length=8,
+                      bf16=False)   # TRL's default autocasts the forward to bfloat16, even on a CPU
+    trainer = GRPOTrainer(model=tiny_model("llama"), reward_funcs=lambda prompts, completions, **_: [0.0] * len(
+        completions), args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 6),
+        processing_class=smol_tokenizer, peft_config=_peft_config())
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def _trl_inputs(trainer, pad: int) -> dict[str, torch.Tensor]:
+    """TRL's inputs for the fixed completions: prompts left-padded, completions right-padded, one row per
+    completion; the KL reference from TRL's own log-probabilities with the adapter disabled."""
+    rows = [(prompt, completion) for prompt, group in zip(PROMPTS, COMPLETIONS, strict=True) for completion in group]
+    width_p = max(len(p) for p, _ in rows)
+    width_c = max(len(c) for _, c in rows)
+    prompt_ids = torch.full((len(rows), width_p), pad)
+    prompt_mask = torch.zeros((len(rows), width_p), dtype=torch.long)
+    completion_ids = torch.full((len(rows), width_c), pad)
+    completion_mask = torch.zeros((len(rows), width_c), dtype=torch.long)
+    for i, (prompt, completion) in enumerate(rows):
+        prompt_ids[i, width_p - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[i, width_p - len(prompt):] = 1
+        completion_ids[i, :len(completion)] = torch.tensor(completion)
+        completion_mask[i, :len(completion)] = 1
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "advantages": torch.tensor(sum(ADVANTAGES, [])),
+              "num_items_in_batch": completion_mask.sum()}
+    if trainer.beta:
+        with torch.no_grad(), trainer.model.disable_adapter():
+            reference, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1),
+                width_c)
+        inputs["ref_per_token_logps"] = reference
+    return inputs
+
+
+def _rollouts() -> list[Rollout]:
+    out = []
+    for prompt, group, advantage in zip(PROMPTS, COMPLETIONS, ADVANTAGES, strict=True):
+        completions = tuple(Example(tuple(prompt + c), (IGNORE_INDEX,) * len(prompt) + tuple(c)) for c in group)
+        out.append(Rollout(completions, len(prompt), (0.0,) * G, tuple(advantage)))
+    return out
+
+
+@pytest.mark.parametrize(("loss_type", "beta"), [("dapo", 0.0), ("dapo", 0.04), ("grpo", 0.04)])
+def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(smol_tokenizer, tmp_path, loss_type, beta):
+    trl = _trl_trainer(smol_tokenizer, tmp_path, beta=beta, loss_type=loss_type)
+    peft_model = _randomize_b(trl.model, 3)
+    inputs = _trl_inputs(trl, smol_tokenizer.pad_token_id)
+    peft_model.train()
+    loss = trl._compute_loss(peft_model, inputs)
+    loss.backward()
+
+    base = from_module(tiny_model("llama"), smol_tokenizer)
+    spec = JobSpec(name="grpo", data="unused.jsonl", format={"type": "prompt_response", "prompt": "{q}",
+                                                              "response": "{a}"},
+                   method="grpo", grpo={"reward": "exact_match", "num_generations": G, "beta": beta,
+                                        "loss_type": loss_type},
+                   batch_size=len(PROMPTS), grad_accum=2, max_steps=5,
+                   lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    job = TrainingJob.create(spec, base, _prompt_rows(0, 2), [], seed=0)   # its rows unused: run_step gets rollouts
+    weights = _peft_lora(peft_model)
+    with torch.no_grad():
+        for name, parameter in job.adapter.named_parameters():
+            parameter.copy_(weights[name])
+    trainer = FusedTrainer(base)
+    trainer.add_job(job)
+    result = trainer.run_step([(job, _rollouts())]).results[0]
+    assert result.optimizer_step is None
+    tokens = sum(len(c) for group in COMPLETIONS for c in group)
+    count = tokens if loss_type == "dapo" else G * len(PROMPTS)
+    gradient_difference, largest = _compare_gradients(job, count, peft_model)
+    longest = max(len(p) + len(c) for p, group in zip(PROMPTS, COMPLETIONS, strict=True) for c in group)
+    config = base.model.config
+    gradient_tolerance = rounding_tolerance(llama_chain_terms(config, sequence=longest, tokens=tokens + 20), largest)
+    # the loss: advantages times ratios of 1 (exact) plus beta times the KL of log-probs that agree to their
+    # rounding (a token's log-prob: the forward over its sequence; the KL's derivative is below 1 there)
+    logp = rounding_tolerance(llama_chain_terms(config, sequence=longest, tokens=longest, backward=False),
+                              2 * max(1.0, abs(loss.item())))
+    print(f"GRPO ({loss_type}, beta {beta}) vs TRL: loss {loss.item():.6f} / {result.loss:.6f}, max |gradient "
+          f"difference| {gradient_difference:.2e} (largest {largest:.2e}, tolerance {gradient_tolerance:.2e})")
+    assert gradient_difference <= gradient_tolerance
+    assert abs(result.loss - loss.item()) <= 1e-6 + beta * logp
+    if beta:
+        assert job.accumulator.metrics["kl"] > 0
+
+
+def test_advantages_are_group_relative_as_trls():
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [3.0, 1.0, 2.0]], dtype=torch.float64)
+    std = math.sqrt(1 / 3)                      # (2/3)^2 + 2 (1/3)^2 over n - 1 = 2, Bessel-corrected
+    expected = [[(2 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4)], [0.0, 0.0, 0.0],
+                [1 / (1 + 1e-4), -1 / (1 + 1e-4), 0.0]]
+    assert advantages(rewards, "group").flatten().tolist() == pytest.approx(sum(expected, []), abs=1e-12)
+    assert advantages(rewards, "none").flatten().tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0, 1, -1, 0])
+    overall = float(torch.tensor([1.0, 0, 0, 0.5, 0.5, 0.5, 3, 1, 2], dtype=torch.float64).std())
+    assert advantages(rewards, "batch")[2].tolist() == pytest.approx([1 / (overall + 1e-4), -1 / (overall + 1e-4),
+                                                                      0.0])
+
+
+def _grpo_spec(name: str, reward: str, **changes) -> JobSpec:
+    return JobSpec(**{"name": name, "data": "unused.jsonl", "format": {"type": "text"}, "method": "grpo",
+                      "grpo": {"reward": reward, "num_generations": 4, "max_new_tokens": 5, "temperature": 1.0},
+                      "batch_size": 2, "max_steps": 2, "lr": 1e-2, "warmup_steps": 1,
+                      "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}, **changes})
+
+
+def _prompt_rows(seed: int, count: int) -> list[Example]:
+    """Rows whose first half is the prompt (the rest the target, whose text the built-in rewards compare)."""
+    rows = []
+    for example in random_examples(seed, count=count, vocab=VOCAB, min_len=6, max_len=12):
+        half = len(example.input_ids) // 2
+        rows.append(Example(example.input_ids, (IGNORE_INDEX,) * half + tuple(example.input_ids[half:])))
+    return rows
+
+
+def _number_base():
+    return from_module(tiny_model("llama", VOCAB), NumberTokenizer())
+
+
+def test_a_grpo_job_fused_with_sft_and_dpo_jobs_trains_exactly_as_alone():
+    common = {"data": "unused.jsonl", "lr": 1e-2, "warmup_steps": 1,
+              "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}}
+    jobs = [(_grpo_spec("grpo", "tests.helpers.rewards:sevens"), _prompt_rows(0, 4), 0),
+            (JobSpec(name="sft", format={"type": "text"}, batch_size=3, max_steps=2, **common),
+             random_examples(1, count=6, vocab=VOCAB), 1),
+            (JobSpec(name="dpo", format={"type": "preference"}, method="dpo", batch_size=2, max_steps=2,
+                     **common), random_pairs(2, 4, VOCAB), 2),
+            (_grpo_spec("grpo-kl", "contains", grpo={"reward": "contains", "num_generations": 3, "max_new_tokens": 4,
+                                                     "beta": 0.1, "loss_type": "grpo", "top_k": 20}),
+             _prompt_rows(3, 4), 3)]
+    assert_isolated(_number_base(), jobs)
+
+
+@pytest.mark.parametrize(("reward", "message"), [
+    ("tests.helpers.rewards:raises", "raised RuntimeError: the reward service is down"),
+    ("tests.helpers.rewards:too_few", "returned 1 rewards for 8 completions"),
+    ("tests.helpers.rewards:no_such_function", "cannot be imported")])
+def test_a_failing_reward_fails_its_job_alone(reward, message):
+    base = _number_base()
+    trainer = FusedTrainer(base)
+    bad = TrainingJob.create(_grpo_spec("bad", reward), base, _prompt_rows(0, 4), [], seed=0)
+    good = TrainingJob.create(JobSpec(name="good", data="unused.jsonl", format={"type": "text"}, batch_size=2,
+                                      max_steps=2), base, random_examples(1, count=4, vocab=VOCAB), [], seed=1)
+    trainer.add_job(bad)
+    trainer.add_job(good)
+    kept, failed = trainer.rollouts(trainer.compose())
+    assert [job.name for job, _ in kept] == ["good"] and [job.name for job, _ in failed] == ["bad"]
+    assert isinstance(failed[0][1], RewardError) and message in str(failed[0][1]), failed[0][1]
+    assert f"grpo.reward '{reward}'" in str(failed[0][1])
+    assert trainer.run_step(kept).results[0].job == "good"        # the others' step goes on
+    with pytest.raises(RewardError, match=message):                # alone, train_step says why
+        trainer2 = FusedTrainer(base)
+        trainer2.add_job(TrainingJob.create(_grpo_spec("bad2", reward), base, _prompt_rows(0, 4), [], seed=0))
+        trainer2.train_step()
+
+
+def test_grpo_specs_are_checked():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"method grpo needs `grpo: \{reward: ...\}`"):
+        JobSpec(name="a", data="x.jsonl", format={"type": "text"}, method="grpo")
+    with pytest.raises(ValidationError, match="grpo settings apply to method grpo"):
+        JobSpec(name="a", data="x.jsonl", format={"type": "text"}, grpo={"reward": "exact_match"})
+    with pytest.raises(ValidationError, match="not preference"):
+        JobSpec(name="a", data="x.jsonl", format={"type": "preference"}, method="grpo", grpo={"reward": "contains"})
+    with pytest.raises(ValidationError, match="reward regex needs pattern"):
+        _grpo_spec("a", "regex")
+    with pytest.raises(ValidationError, match="neither exact_match, contains, regex nor module:function"):
+        _grpo_spec("a", "my reward")
+    from actors.engine.spec import step_limit_problem
+
+    problem = step_limit_problem(_grpo_spec("a", "contains", max_seq_len=64), 512)
+    assert "batch_size 2 prompts * grpo.num_generations 4 * (max_seq_len 64 + grpo.max_new_tokens 5) = 552" in problem

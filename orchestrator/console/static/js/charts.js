@@ -26,7 +26,7 @@ export function lineChart(label, xs, series, { height = 220 } = {}) {
     summary.textContent = `${label} (${newXs.length} points${last.length ? `; last: ${last.join(", ")}` : ""})`;
     numbers.replaceChildren(numbersTable(label, newXs, newSeries));
     const data = [newXs, ...newSeries.map((s) => s.values)];
-    const width = Math.max(260, Math.min(plotArea.clientWidth || 640, 900));
+    const width = Math.max(240, plotArea.clientWidth || 320);
     if (plot && plot.series.length === newSeries.length + 1) {
       plot.setData(data);
       return;
@@ -35,7 +35,7 @@ export function lineChart(label, xs, series, { height = 220 } = {}) {
     plot = new uPlot({
       width, height,
       scales: { x: { time: false } },
-      axes: [{ label: "step" }, {}],
+      axes: [{ label: "step" }, { size: 64, values: (u, ticks) => ticks.map((t) => num(t, 3)) }],
       series: [{ label: "step" }, ...newSeries.map((s, i) => ({
         label: s.label, stroke: s.colour || COLOURS[i % COLOURS.length], width: s.dash ? 1 : 2,
         dash: s.dash ? [6, 4] : undefined, spanGaps: true, points: { show: newXs.length < 40 },
@@ -43,6 +43,11 @@ export function lineChart(label, xs, series, { height = 220 } = {}) {
     }, data, plotArea);
   }
   update(xs, series);
+  new ResizeObserver(() => {
+    if (plot && plotArea.clientWidth && Math.abs(plot.width - plotArea.clientWidth) > 4) {
+      plot.setSize({ width: plotArea.clientWidth, height });
+    }
+  }).observe(plotArea);
   return { node, update };
 }
 

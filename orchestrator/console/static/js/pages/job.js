@@ -6,8 +6,19 @@ import { api, follow, jobPath } from "../api.js";
 import { lineChart } from "../charts.js";
 import { el, int, message, num, setView, stateBadge, table, when } from "../ui.js";
 
+// Rows are booked in batches (one time per scheduler poll): tokens/s per batch, on the batch's last step.
 function tokensPerSecond(rows) {
-  return rows.map((r, i) => (i === 0 || !r.tokens ? null : r.tokens / Math.max(r.time - rows[i - 1].time, 1e-6)));
+  const values = rows.map(() => null);
+  let start = 0;
+  let previousTime = null;
+  for (let i = 0; i < rows.length; i += 1) {
+    if (i + 1 < rows.length && rows[i + 1].time === rows[i].time) continue;
+    const tokens = rows.slice(start, i + 1).reduce((sum, r) => sum + (r.tokens || 0), 0);
+    if (previousTime !== null && rows[i].time > previousTime) values[i] = tokens / (rows[i].time - previousTime);
+    previousTime = rows[i].time;
+    start = i + 1;
+  }
+  return values;
 }
 
 export function render(key, session) {

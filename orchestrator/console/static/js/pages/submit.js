@@ -7,7 +7,7 @@ const EXAMPLE = `base_model: smollm2-135m
 jobs:
   - name: my-job
     data: /absolute/path/on/the/service/train.jsonl
-    format: alpaca
+    format: {type: alpaca}
     max_steps: 100
 `;
 

@@ -543,7 +543,8 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
                                                     "token crosses the network in clear text"), file=sys.stderr)
     link = ProcessLink(address)
     scheme = "https" if ssl_certfile else "http"
-    print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs); its token is in "
+    print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs; the web console: /); its "
+          "token is in "
           f"{token_path(token_file)} (`aspen http-token` prints it)", file=sys.stderr, flush=True)
     try:
         users = UserBook.in_state_dir(state_dir) if state_dir else None

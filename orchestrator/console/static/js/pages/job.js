@@ -6,19 +6,22 @@ import { api, follow, jobPath } from "../api.js";
 import { lineChart } from "../charts.js";
 import { el, int, message, num, setView, stateBadge, table, when } from "../ui.js";
 
-// Rows are booked in batches (one time per scheduler poll): tokens/s per batch, on the batch's last step.
+// A row's time is when the service booked it (a trainer's steps are booked in batches, microseconds apart):
+// tokens/s over a window of at least WINDOW_S seconds ending at each batch's last row.
+const WINDOW_S = 2;
 function tokensPerSecond(rows) {
-  const values = rows.map(() => null);
   let start = 0;
-  let previousTime = null;
-  for (let i = 0; i < rows.length; i += 1) {
-    if (i + 1 < rows.length && rows[i + 1].time === rows[i].time) continue;
-    const tokens = rows.slice(start, i + 1).reduce((sum, r) => sum + (r.tokens || 0), 0);
-    if (previousTime !== null && rows[i].time > previousTime) values[i] = tokens / (rows[i].time - previousTime);
-    previousTime = rows[i].time;
-    start = i + 1;
-  }
-  return values;
+  let tokens = 0;
+  return rows.map((row, i) => {
+    tokens += row.tokens || 0;
+    while (start + 1 < i && row.time - rows[start + 1].time >= WINDOW_S) {
+      start += 1;
+      tokens -= rows[start].tokens || 0;
+    }
+    const span = row.time - rows[start].time;
+    const batchEnd = i + 1 === rows.length || rows[i + 1].time - row.time > 0.05;
+    return span >= WINDOW_S && batchEnd ? (tokens - (rows[start].tokens || 0)) / span : null;
+  });
 }
 
 export function render(key, session) {

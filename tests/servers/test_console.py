@@ -179,6 +179,8 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     reference = alice.generate(long_job.id, "Q: sql 3 and 9\nA:", 8)   # the base alone does not change as it trains
     assert page.text_content("#try-base") == reference["base"] and reference["base"]
     assert page.text_content("#try-adapter")
+    shot(page, console, "job-try")
+    page.evaluate("window.scrollTo(0, 0)")
     shot(page, console, "job")
 
     # a job that is not running cannot be tried (409, said on the page); another user's job is not found
@@ -292,6 +294,6 @@ def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browse
     assert phone.evaluate("document.documentElement.scrollWidth") <= 390 + 1
     phone.close()
     if os.environ.get("ASPEN_CONSOLE_SCREENSHOTS"):
-        assert {p.name for p in console.shots.glob("*.png")} >= {"login.png", "jobs.png", "job.png", "submit-error.png",
-                                                                 "trainers.png", "sweeps.png"}
+        assert {p.name for p in console.shots.glob("*.png")} >= {
+            "login.png", "jobs.png", "job.png", "job-try.png", "submit-error.png", "trainers.png", "sweeps.png"}
     console.http("bob").cancel(bobs.id)

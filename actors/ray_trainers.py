@@ -93,6 +93,9 @@ class RayTrainers:
     def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None:
         handle.stop_job.remote(job, kind, reason)
 
+    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int) -> RefCall:
+        return RefCall(handle.generate.remote(job, prompt, max_new_tokens))
+
     def shutdown(self, handle: Any) -> RefCall:
         return RefCall(handle.shutdown.remote())
 

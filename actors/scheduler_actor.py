@@ -41,12 +41,14 @@ from actors.service.scheduler_core import SchedulerCore, StopRequest, Submission
 from actors.service.state_dir import lock_state_dir, open_job_table
 from actors.service.sweep_book import SweepBook
 from actors.service.table_backup import JobTableDamaged, TableBackups
-from actors.service.trainer_fleet import TrainerFleet
+from actors.service.trainer_fleet import TrainerCallFailed, TrainerFleet
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
 from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
+
+GENERATE_WAIT_S = 90.0   # a "try it" request waits for the trainer's current step, then for its generation
 
 # A decision round (snapshot, policy, listeners) may take at most this share of the scheduler's time, so
 # that a submission rarely waits behind one: with thousands of queued jobs rounds come less often than
@@ -212,6 +214,23 @@ class SchedulerActor:
     def resume(self, key: str, reason: str = "resumed by the user") -> JobRecord:
         with self.lock:
             return self.core.resume(key, reason)
+
+    def generate(self, key: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
+        """"Try it": `prompt` continued by the running job's current adapter and by the base alone, on its
+        trainer between two steps (actors/service/try_adapter.py). ValueError for a job not running."""
+        with self.lock:
+            record = self.table.find(key)
+            if record.state != "running" or record.trainer is None:
+                raise ValueError(f"job {record.id} is {record.state}, not running on a trainer: only a running job's "
+                                 "adapter can be tried here; a finished job's is in its output folder (`aspen "
+                                 "export`, then vLLM or PEFT)")
+            call = self.fleet.generate(record.trainer, record.id, prompt, max_new_tokens)
+        try:   # outside the lock: the service answers meanwhile
+            return call.result(timeout=GENERATE_WAIT_S)
+        except TrainerCallFailed as error:
+            if isinstance(error.cause, ValueError):   # the request's (not on its steps now, a bad prompt)
+                raise ValueError(str(error.cause.args[0] if error.cause.args else error.cause)) from None
+            raise RuntimeError(f"trainer {record.trainer} could not generate: {error}") from None
 
     def delete(self, key: str) -> None:
         with self.lock:

@@ -99,6 +99,11 @@ class TrainerActor:
     def stop_job(self, job_id: str, kind: str, reason: str) -> None:
         self.loop.stop_job(job_id, kind, reason)
 
+    def generate(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
+        """`prompt` continued by the job's current adapter and by the base alone, between two steps (this actor
+        takes one call at a time): actors/service/try_adapter.py."""
+        return self.loop.try_prompt(job_id, prompt, max_new_tokens)
+
     def shutdown(self) -> list[TrainerEvent]:
         """Stop stepping; jobs still here are paused with a checkpoint. Returns the last events."""
         self.stopping = True

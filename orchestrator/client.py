@@ -375,6 +375,12 @@ class Client:
         """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
         return self._request("resume", job, reason)
 
+    def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
+        """"Try it": `prompt` continued greedily by the running job's current adapter and by the base alone, on
+        its trainer between two steps: `{"job", "step", "prompt", "adapter", "base", "prompt_tokens", "new_tokens",
+        "seconds"}`. ValueError for a job that is not running (queued, paused, ended)."""
+        return self._request("generate", job, prompt, max_new_tokens)
+
     def export(self, job: str, out: str | Path | None = None, *, merge: bool = False, force: bool = False,
                checkpoint: bool = False, base: str | None = None, dtype: str = "auto") -> Path:
         """Write the job's final adapter as a PEFT folder (vLLM's --lora-modules), or with `merge` the base with

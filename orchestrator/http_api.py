@@ -11,13 +11,17 @@ client in this process.
     GET  /v1/jobs/{job}/losses    one row per optimizer step (step, loss, tokens, lr, grad_norm, eval_loss, eval_score)
     GET  /v1/jobs/{job}/transitions   its state history (time, state, reason)
     GET  /v1/jobs/{job}/adapter   its adapter as `aspen export` writes it (a PEFT folder), tar.gz (?checkpoint=true)
+    GET  /v1/jobs/{job}/spec      its spec as a jobs file (YAML) that submits it again
+    POST /v1/jobs/{job}/generate  "try it": a prompt continued by a running job's adapter and by the base alone
     POST /v1/sweeps               a sweep file (JSON or YAML): 201 with the sweep's status; the service runs it
     GET  /v1/sweeps[/{name}]      every sweep, or one: its state, trials (leaderboard) and best trial
     POST /v1/sweeps/{name}/cancel no more trials; the running ones cancelled
     GET  /v1/events               server-sent events: every job state change (and, with ?progress=true, steps)
+    GET  /v1/whoami               who the token is (name, admin)
     GET  /v1/service              the service's description (trainers, policy, URLs)
     GET  /v1/health               no token needed: is the API up, does the service answer
     GET  /openapi.json            the OpenAPI schema (and /docs)
+    GET  /                        the web console (orchestrator/http_console.py, docs/console.md)
 
 Every /v1 endpoint but health needs `Authorization: Bearer <token>` (`orchestrator.http_token`; compared
 in constant time). Refusals are JSON `{"detail": ..., "errors": [...]}` and change nothing in the service:
@@ -63,6 +67,7 @@ from actors.service.audit import AuditLog
 from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from actors.service.users import UserBook, UsersFileError
 from orchestrator.export import FoundJob, adapter_archive
+from orchestrator.http_console import Generated, GenerateRequest, mount_console, spec_answer
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
 from orchestrator.http_users import Caller, Gate, find_job, find_sweep, visible
 from orchestrator.jobs_file import SpecError
@@ -172,10 +177,10 @@ def _request_body_schema() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_BYTES,
                events_poll_s: float = EVENTS_POLL_S, users: UserBook | None = None,
-               audit: AuditLog | None = None) -> FastAPI:
+               audit: AuditLog | None = None, console: bool = True) -> FastAPI:
     """The API over the service reached through `link`, for requests that carry `token` (while there is no
     users file: an admin's) or a token of `users` (orchestrator/http_users.py); actions are written to
-    `audit` where given."""
+    `audit` where given. `console`: the web console at `/`."""
     if len(token) < 16:
         raise ValueError("the API token is shorter than 16 characters; generate one with `aspen http-token --rotate`")
     app = FastAPI(title="aspen", version=API_VERSION,
@@ -241,6 +246,11 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     def service_info() -> dict[str, Any]:
         """The service's description: state folder, policy, output root, trainers, metrics and events URLs."""
         return call_service(link, lambda client: client.info())
+
+    @api.get("/whoami", tags=["service"])
+    def whoami(caller: Caller = Depends(require_token)) -> dict[str, Any]:
+        """Who the token is: `{"name", "admin"}` (the console shows an admin everyone's jobs and a user filter)."""
+        return {"name": caller.name, "admin": caller.admin}
 
     body_schema, components = _request_body_schema()
 
@@ -310,6 +320,25 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         """The job's state history, oldest first."""
         rows = call_service(link, lambda client: client.transitions(find_job(client, caller, job).id))
         return [Transition(time=when, state=state, reason=reason) for when, state, reason in rows]
+
+    @api.get("/jobs/{job}/spec", tags=["jobs"])
+    def job_spec(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """The job's spec as a jobs file that submits it again (`yaml`: its text, `jobs_file`: its data); its
+        output folder is left out (a clone gets its own)."""
+        return call_service(link, lambda client: spec_answer(client.submission(find_job(client, caller, job).id)))
+
+    @api.post("/jobs/{job}/generate", response_model=Generated, tags=["jobs"])
+    def generate(job: str, body: GenerateRequest, caller: Caller = Depends(require_token)) -> Any:
+        """"Try it": the prompt continued greedily by the job's current adapter and by the base model alone, on
+        its trainer between two steps (the steps wait meanwhile). 409 for a job not running on a trainer (queued,
+        paused or ended: export a finished job's adapter and serve it with vLLM or PEFT instead)."""
+        def run(client: Any) -> dict[str, Any]:
+            record = find_job(client, caller, job)
+            answer = client.generate(record.id, body.prompt, body.max_new_tokens)
+            audited(caller, "job.generate", record.id, name=record.name)
+            return answer
+
+        return call_service(link, run)
 
     def job_verb(verb: str, what: str) -> None:
         def act(job: str, caller: Caller = Depends(require_token)) -> Any:
@@ -502,6 +531,8 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if console:
+        mount_console(app)   # last: /v1, /docs and /openapi.json are matched first
     return app
 
 
@@ -535,7 +566,8 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
                                                     "token crosses the network in clear text"), file=sys.stderr)
     link = ProcessLink(address)
     scheme = "https" if ssl_certfile else "http"
-    print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs); its token is in "
+    print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs; the web console: /); its "
+          "token is in "
           f"{token_path(token_file)} (`aspen http-token` prints it)", file=sys.stderr, flush=True)
     try:
         users = UserBook.in_state_dir(state_dir) if state_dir else None

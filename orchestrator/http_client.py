@@ -271,6 +271,16 @@ class HttpClient:
     def resume(self, job: str) -> JobRecord:
         return _record(self._request("POST", _job_path(job, "/resume")))
 
+    def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
+        """"Try it": `prompt` continued by the running job's current adapter and by the base alone (`Client.generate`);
+        `Conflict` for a job that is not running."""
+        return self._request("POST", _job_path(job, "/generate"), json={"prompt": prompt,
+                                                                        "max_new_tokens": max_new_tokens})
+
+    def spec(self, job: str) -> dict[str, Any]:
+        """The job's spec as a jobs file that submits it again: `{"yaml": text, "jobs_file": data}`."""
+        return self._request("GET", _job_path(job, "/spec"))
+
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
         """Block until the job has ended (completed, stopped early, failed or cancelled)."""
         return wait_until_ended(self.status, job, timeout, poll)

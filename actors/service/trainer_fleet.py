@@ -72,6 +72,9 @@ class TrainerHandles(Protocol):
 
     def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None: ...
 
+    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int) -> TrainerCall:
+        """Continue `prompt` by the job's adapter and by the base alone, between two of its steps."""
+
     def shutdown(self, handle: Any) -> TrainerCall:
         """Pause its jobs with a checkpoint and stop; answers its last events."""
 
@@ -182,6 +185,13 @@ class TrainerFleet:
         if slot is None or slot.handle is None:
             raise ValueError(f"job {job} is on trainer {trainer_id}, which this service does not have")
         self.handles.stop_job(slot.handle, job, kind, reason)
+
+    def generate(self, trainer_id: str, job: str, prompt: str, max_new_tokens: int) -> TrainerCall:
+        """Ask the trainer holding `job` to continue `prompt` by its adapter and by the base alone."""
+        slot = self.slots.get(trainer_id)
+        if slot is None or slot.handle is None or slot.status is None or slot.retired:
+            raise ValueError(f"job {job} is on trainer {trainer_id}, which is not ready now; try again in a moment")
+        return self.handles.generate(slot.handle, job, prompt, max_new_tokens)
 
     def shutdown(self, timeout_s: float = 180.0) -> list[tuple[str, list[TrainerEvent]]]:
         """Stop the ready trainers (their running jobs pause with a checkpoint); each one's last events."""

@@ -46,6 +46,7 @@ from actors.service.step_log import StepLog, StepTotals
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker
 from actors.service.trainer_commands import Commands
 from actors.service.trainer_reports import TrainerEvent, TrainerEvents, TrainerStatus
+from actors.service.try_adapter import try_adapter
 from policies.base import StepComposer
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,16 @@ class TrainerLoop(JobEnds):
             memory_error=admission.memory_model.mean_error, longest_sequence=totals.longest_sequence,
             step_tokens=self.config.step_tokens, max_jobs=self.config.max_jobs,
             memory_in_use_bytes=memory_in_use(base.device))
+
+    def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
+        """From the stepping thread, between steps: `prompt` continued by the job's current adapter and by
+        the base alone (actors/service/try_adapter.py)."""
+        if not isinstance(self.trainer, FusedTrainer):
+            raise ValueError(f"trainer {self.trainer_id} is a pipeline trainer (stages > 1), which cannot generate "
+                             "yet; export the adapter (`aspen export`) and try it with vLLM or PEFT")
+        active = self.active.get(job_id)
+        return try_adapter(self.base, {key: a.job.name for key, a in self.active.items()}, job_id,
+                           active.job.step if active else 0, prompt, max_new_tokens)
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:

@@ -1,0 +1,174 @@
+// Job: its curves (loss and eval loss, learning rate, gradient norm, tokens/s) updated live from
+// /v1/events, its state transitions with reasons, its spec as YAML (and a clone of it), its checkpoint, the
+// adapter's folder with the vLLM / PEFT lines that serve it, and "try it": a prompt continued by the job's
+// current adapter and by the base alone, on its trainer between two steps.
+import { api, follow, jobPath } from "../api.js";
+import { lineChart } from "../charts.js";
+import { el, int, message, num, setView, stateBadge, table, when } from "../ui.js";
+
+// A row's time is when the service booked it (a trainer's steps are booked in batches, microseconds apart):
+// tokens/s over a window of at least WINDOW_S seconds ending at each batch's last row.
+const WINDOW_S = 2;
+function tokensPerSecond(rows) {
+  let start = 0;
+  let tokens = 0;
+  return rows.map((row, i) => {
+    tokens += row.tokens || 0;
+    while (start + 1 < i && row.time - rows[start + 1].time >= WINDOW_S) {
+      start += 1;
+      tokens -= rows[start].tokens || 0;
+    }
+    const span = row.time - rows[start].time;
+    const batchEnd = i + 1 === rows.length || rows[i + 1].time - row.time > 0.05;
+    return span >= WINDOW_S && batchEnd ? (tokens - (rows[start].tokens || 0)) / span : null;
+  });
+}
+
+export function render(key, session) {
+  const head = el("div", { class: "job-head" });
+  const charts = el("div", { class: "charts" });
+  const history = el("section", { "aria-labelledby": "history-title" });
+  const files = el("section", { "aria-labelledby": "files-title" });
+  const spec = el("section", { "aria-labelledby": "spec-title" });
+  const tryIt = el("section", { "aria-labelledby": "try-title", class: "try" });
+  setView("Job", head, charts, tryIt, history, files, spec);
+  const curves = {};
+  let job = null;
+
+  function drawHead() {
+    const verbs = { cancel: ["queued", "running", "paused"], pause: ["queued", "running"],
+      resume: ["paused", "failed", "cancelled"] };
+    const note = el("span", { class: "status", role: "status" });
+    head.replaceChildren(
+      el("p", {}, el("strong", { id: "job-name", text: job.name }), " ", stateBadge(job.state), " ",
+        el("span", { class: "reason", text: job.reason })),
+      el("dl", { class: "facts" }, ...[
+        ["id", job.id], ["user", job.user || "(operator)"], ["base model", job.base_model],
+        ["trainer", job.trainer || "–"], ["step", `${job.step} / ${job.total_steps ?? "?"}`],
+        ["loss", num(job.loss)], ["eval loss", num(job.eval_loss)],
+        ["tokens/s", job.tokens_per_s ? int(job.tokens_per_s) : "–"], ["priority", job.priority],
+        ["submitted", when(job.submitted_at)]].flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
+      el("div", { class: "actions" }, Object.entries(verbs).map(([verb, states]) => el("button", {
+        type: "button", disabled: !states.includes(job.state), onclick: async () => {
+          try { job = await api(jobPath(job.id, `/${verb}`), { method: "POST" }); drawHead(); } catch (error) {
+            note.textContent = error.message;
+          }
+        }, text: verb[0].toUpperCase() + verb.slice(1) })), note));
+  }
+
+  async function drawCurves() {
+    const rows = await api(jobPath(job.id, "/losses"));
+    const steps = rows.map((r) => r.step);
+    const sets = {
+      loss: ["Loss and eval loss", [{ label: "loss", values: rows.map((r) => r.loss) },
+        { label: "eval loss", values: rows.map((r) => r.eval_loss), colour: "#d62728" }]],
+      lr: ["Learning rate", [{ label: "lr", values: rows.map((r) => r.lr) }]],
+      grad: ["Gradient norm", [{ label: "grad norm", values: rows.map((r) => r.grad_norm) }]],
+      speed: ["Tokens per second", [{ label: "tokens/s", values: tokensPerSecond(rows) }]],
+    };
+    for (const [name, [label, series]] of Object.entries(sets)) {
+      if (curves[name]) curves[name].update(steps, series);
+      else {
+        curves[name] = lineChart(label, steps, series);
+        curves[name].node.dataset.chart = name;
+        charts.append(curves[name].node);
+        curves[name].update(steps, series);   // sized now that it is in the page
+      }
+    }
+  }
+
+  async function drawHistory() {
+    const rows = await api(jobPath(job.id, "/transitions"));
+    history.replaceChildren(el("h2", { id: "history-title", text: "State transitions" }),
+      table(["time", "state", "reason"], rows.map((r) => [when(r.time), stateBadge(r.state), r.reason]),
+        { className: "transitions" }));
+  }
+
+  function drawFiles() {
+    const adapter = job.adapter_dir;
+    const name = job.name.replace(/[^A-Za-z0-9_.-]/g, "-");
+    const folder = adapter || job.output_dir;
+    files.replaceChildren(el("h2", { id: "files-title", text: "Checkpoints and adapter" }),
+      el("dl", { class: "facts" },
+        el("dt", { text: "output folder" }), el("dd", {}, el("code", { text: job.output_dir })),
+        el("dt", { text: "last checkpoint" }),
+        el("dd", { text: job.checkpoint_step ? `step ${job.checkpoint_step} (${job.output_dir}/checkpoint)` : "none yet" }),
+        el("dt", { text: "exported adapter" }),
+        el("dd", {}, adapter ? el("code", { id: "adapter-dir", text: adapter })
+          : "written to the output folder when the job ends")),
+      el("p", { text: adapter ? "Serve it:" : "Once written, serve it:" }),
+      el("pre", { class: "snippet" }, el("code", { text:
+        `vllm serve ${job.base_model} --enable-lora --lora-modules ${name}=${folder}` })),
+      el("pre", { class: "snippet" }, el("code", { text:
+        `from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n`
+        + `base = AutoModelForCausalLM.from_pretrained("${job.base_model}")\n`
+        + `model = PeftModel.from_pretrained(base, "${folder}")` })));
+  }
+
+  async function drawSpec() {
+    try {
+      const answer = await api(jobPath(job.id, "/spec"));
+      spec.replaceChildren(el("h2", { id: "spec-title", text: "Spec" }),
+        el("pre", { class: "yaml", id: "spec-yaml" }, el("code", { text: answer.yaml })),
+        el("a", { class: "button", href: `#/submit?clone=${encodeURIComponent(job.id)}`, text: "Clone this spec" }));
+    } catch (error) {
+      spec.replaceChildren(el("h2", { id: "spec-title", text: "Spec" }), message(error.message, "error"));
+    }
+  }
+
+  function drawTry() {
+    const prompt = el("textarea", { id: "try-prompt", rows: 3, placeholder: "a prompt to continue" });
+    const tokens = el("input", { id: "try-tokens", type: "number", min: 1, max: 256, value: 32 });
+    const out = el("div", { class: "try-out", "aria-live": "polite" });
+    const run = async (event) => {
+      event.preventDefault();
+      out.replaceChildren(message("Generating between two steps of its trainer…"));
+      try {
+        const answer = await api(jobPath(job.id, "/generate"), { method: "POST",
+          body: { prompt: prompt.value, max_new_tokens: Number(tokens.value) } });
+        out.replaceChildren(el("div", { class: "pair" },
+          el("figure", {}, el("figcaption", { text: `with the adapter (step ${answer.step})` }),
+            el("pre", { id: "try-adapter", text: answer.adapter })),
+          el("figure", {}, el("figcaption", { text: "the base alone" }), el("pre", { id: "try-base", text: answer.base }))),
+        el("p", { class: "help", text: `${answer.prompt_tokens} prompt tokens, ${answer.seconds} s` }));
+      } catch (error) {
+        out.replaceChildren(message(error.message, "error"));
+      }
+    };
+    tryIt.replaceChildren(el("h2", { id: "try-title", text: "Try it" }),
+      el("form", { onsubmit: run },
+        el("label", { for: "try-prompt", text: "Prompt" }), prompt,
+        el("label", { for: "try-tokens", text: "New tokens at most" }), tokens,
+        el("button", { type: "submit", text: "Generate" })),
+      out);
+  }
+
+  async function load() {
+    try {
+      job = await api(jobPath(key));
+    } catch (error) {
+      setView("Job", message(error.status === 404 ? `Job not found: ${error.message}` : error.message, "error"));
+      return;
+    }
+    document.querySelector("#view h1").textContent = `Job ${job.name}`;
+    drawHead();
+    drawTry();
+    drawFiles();
+    await Promise.all([drawCurves(), drawHistory(), drawSpec()]);
+  }
+
+  let busy = false;
+  async function refresh() {
+    if (busy || !job) return;
+    busy = true;
+    try {
+      job = await api(jobPath(job.id));
+      drawHead();
+      drawFiles();
+      await Promise.all([drawCurves(), drawHistory()]);
+    } catch { /* the next event tries again */ } finally { busy = false; }
+  }
+
+  load();
+  return follow(`progress=true&job=${encodeURIComponent(key)}`, { progress: refresh, transition: refresh });
+}

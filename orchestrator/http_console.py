@@ -1,0 +1,56 @@
+"""The web console's part of the HTTP server: its static files (orchestrator/console/static: HTML, JS
+modules, CSS and the vendored chart library, all shipped in the package, nothing fetched from elsewhere)
+served at `/`, and what its pages need beyond the job endpoints: a job's spec as a jobs file to clone
+(`GET /v1/jobs/{job}/spec`) and "try it" (`POST /v1/jobs/{job}/generate`). docs/console.md shows it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+
+from actors.engine.spec import JobSubmission
+
+STATIC_DIR = Path(__file__).resolve().parent / "console" / "static"
+MAX_NEW_TOKENS = 256          # as actors/service/try_adapter.py takes
+MAX_PROMPT_CHARS = 4000
+
+
+class GenerateRequest(BaseModel):
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the text to continue")
+    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS, description="how many tokens to generate at most")
+
+
+class Generated(BaseModel):
+    job: str
+    step: int = Field(description="the job's step whose adapter generated")
+    prompt: str
+    adapter: str = Field(description="the continuation through the job's adapter")
+    base: str = Field(description="the continuation through the base model alone")
+    prompt_tokens: int
+    new_tokens: list[int]
+    seconds: float
+
+
+def jobs_file_of(submission: JobSubmission) -> dict[str, Any]:
+    """A jobs file that submits the job again (its output folder left to the service: a clone writes its own)."""
+    job = submission.job.model_dump(mode="json", exclude_defaults=True)
+    job.setdefault("name", submission.job.name)
+    return {"base_model": submission.base_model, "quantization": submission.quantization, "dtype": submission.dtype,
+            "seed": submission.seed, "jobs": [job]}
+
+
+def spec_answer(submission: JobSubmission) -> dict[str, Any]:
+    data = jobs_file_of(submission)
+    return {"yaml": yaml.safe_dump(data, sort_keys=False, allow_unicode=True), "jobs_file": data}
+
+
+def mount_console(app: FastAPI) -> None:
+    """The console's files at `/` (index.html there); mounted last, so that /v1, /docs and /openapi.json win."""
+    if not (STATIC_DIR / "index.html").is_file():
+        raise FileNotFoundError(f"the web console's files are missing from {STATIC_DIR}; reinstall aspen-lora")
+    app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="console")

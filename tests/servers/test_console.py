@@ -1,0 +1,299 @@
+"""The web console (orchestrator/http_console.py, orchestrator/console/static) in a real browser: Debian's
+chromium, headless, driven by Playwright, against the HTTP API on a uvicorn server over a real service on
+the session's Ray with a tiny Llama. What each page shows is checked against the API's own JSON for the
+same thing; the refusals are caused for real (a wrong token, malformed YAML, another user's job, trying a
+job that is not running). Screenshots of each page go to $ASPEN_CONSOLE_SCREENSHOTS (docs/console for the
+docs) or the test's tmp folder. Under CI=true a missing chromium or playwright fails the test."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from actors.service.audit import AuditLog
+from actors.service.users import UserBook
+from orchestrator.client import Client
+from orchestrator.http_api import ServiceLink, create_app
+from orchestrator.http_client import HttpClient
+from orchestrator.http_console import STATIC_DIR
+from orchestrator.http_token import ensure_token
+from tests.helpers.service import NO_LISTENERS, job_dict, service_config, wait_for, write_task_data
+from tests.servers.test_http_api import NOBODYS_MODEL, running_server
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+VIEWPORT = {"width": 1280, "height": 800}
+WAIT_MS = 60_000
+
+
+def browser_or_skip() -> None:
+    """chromium and playwright present, or a skip (a failure under CI=true) saying how to get them."""
+    problems = []
+    if not Path(CHROMIUM).is_file():
+        problems.append(f"no {CHROMIUM} (Debian/Ubuntu: apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        problems.append("no playwright (pip install -e '.[dev]')")
+    if not problems:
+        return
+    message = "the console's browser test needs " + " and ".join(problems)
+    if os.environ.get("CI") == "true":
+        pytest.fail(message + "; under CI a server-backed test fails instead of skipping")
+    pytest.skip(message)
+
+
+@dataclass
+class Console:
+    url: str
+    service: Client        # the reference: the same service through the Ray client
+    base: str
+    data: Path
+    tokens: dict[str, str]
+    shots: Path
+    state_dir: Path
+
+    def http(self, user: str) -> HttpClient:
+        return HttpClient(self.url, self.tokens[user])
+
+
+@pytest.fixture(scope="module")
+def console(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Console]:
+    browser_or_skip()
+    base = tiny_model_dirs["llama"]
+    state_dir = tmp_path_factory.mktemp("state")
+    data = write_task_data(tmp_path_factory.mktemp("data"), "sql", rows=48)
+    service = Client.local(service_config(state_dir, base, listeners=NO_LISTENERS),
+                           name=f"aspen-console-test-{uuid.uuid4().hex[:6]}")
+    users = UserBook.in_state_dir(state_dir)
+    tokens = {"root": users.add("root", admin=True)[0],
+              "alice": users.add("alice", data_roots=[str(data.parent)])[0],
+              "bob": users.add("bob", data_roots=[str(data.parent)])[0]}
+    token = ensure_token(tmp_path_factory.mktemp("token") / "http-token")
+    app = create_app(ServiceLink(client=service), token, events_poll_s=0.2, users=users,
+                     audit=AuditLog.in_state_dir(state_dir))
+    shots = Path(os.environ.get("ASPEN_CONSOLE_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        with running_server(app) as url:
+            yield Console(url, service, str(base), data, tokens, shots, state_dir)
+    finally:
+        service.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser(console):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def log_in(browser, console: Console, user: str):
+    page = browser.new_page(viewport=VIEWPORT)
+    page.set_default_timeout(WAIT_MS)
+    page.goto(console.url + "/")
+    page.fill("#token", console.tokens[user])
+    page.click("#login-form button[type=submit]")
+    page.wait_for_selector("#nav:not([hidden])")
+    return page
+
+
+def shot(page, console: Console, name: str) -> None:
+    page.screenshot(path=str(console.shots / f"{name}.png"))
+
+
+def test_the_console_ships_every_asset_and_refers_to_no_other_host():
+    """Every file the pages load is in the package folder, and none names another host (a licence banner
+    comment aside): the console works offline."""
+    files = [p for p in STATIC_DIR.rglob("*") if p.is_file()]
+    names = {p.relative_to(STATIC_DIR).as_posix() for p in files}
+    assert {"index.html", "console.css", "js/app.js", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css"} <= names
+    index = (STATIC_DIR / "index.html").read_text()
+    for ref in re.findall(r'(?:src|href)="([^"#]+)"', index):
+        assert (STATIC_DIR / ref).is_file(), ref
+    for path in files:
+        if path.suffix not in (".html", ".js", ".css"):
+            continue
+        text = re.sub(r"/\*!.*?\*/", "", path.read_text(), flags=re.S)   # licence banners
+        assert not re.findall(r"https?://", text), path
+        for module in re.findall(r'from "(\.[^"]+)"', text):   # every module an import names is there
+            assert (path.parent / module).resolve().is_file(), (path, module)
+
+
+def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
+    # a wrong token is refused, and the login stays
+    page = browser.new_page(viewport=VIEWPORT)
+    page.set_default_timeout(WAIT_MS)
+    page.goto(console.url + "/")
+    page.fill("#token", "not-a-token-of-anyone-at-all")
+    page.click("#login-form button[type=submit]")
+    page.wait_for_function("document.querySelector('#login-error').textContent.includes('wrong token')")
+    assert page.is_visible("#login") and page.is_hidden("#nav")
+    shot(page, console, "login")
+    page.close()
+
+    alice, bob = console.http("alice"), console.http("bob")
+    page = log_in(browser, console, "alice")
+    assert page.text_content("#who") == "alice"
+    # jobs submitted after the page opened appear, and their steps advance, without reloading
+    long_job = alice.submit(job_dict("alice-long", console.data, 400, checkpoint_every=1000), base_model=console.base)
+    queued = alice.submit(job_dict("alice-queued", console.data, 2), base_model=NOBODYS_MODEL)
+    bobs = bob.submit(job_dict("bobs-job", console.data, 2), base_model=NOBODYS_MODEL)
+    row = f"#jobs-table tr[data-job='{long_job.id}']"
+    page.wait_for_selector(f"{row}[data-state=running]")
+    first = int(page.text_content(f"{row} .step").split("/")[0])
+    page.wait_for_function(f"parseInt(document.querySelector(\"{row} .step\").textContent) > {first}")
+    assert page.url.endswith("/") or "#/jobs" in page.url            # the same page: no reload, no navigation
+    shown = {r.get_attribute("data-job") for r in page.query_selector_all("#jobs-table tbody tr[data-job]")}
+    assert shown == {r.id for r in alice.jobs()} == {long_job.id, queued.id}   # not bob's
+    assert page.text_content(f"{row} td:nth-child(11)") == "alice"
+    shot(page, console, "jobs")
+
+    # the job's page: its loss curve gains points as it trains
+    page.click(f"{row} a")
+    page.wait_for_selector("[data-chart=loss] figcaption")
+    caption = "document.querySelector('[data-chart=loss] figcaption').textContent"
+    points = int(re.search(r"\((\d+) points", page.text_content("[data-chart=loss] figcaption")).group(1))
+    page.wait_for_function(f"parseInt({caption}.match(/\\((\\d+) points/)[1]) > {points + 1}")
+    numbers = page.query_selector_all("[data-chart=loss] .numbers tbody tr")
+    assert len(numbers) <= len(alice.losses(long_job.id)) and len(numbers) > points   # the API's rows, as they grow
+    assert page.text_content("#spec-yaml").count("alice-long") == 1
+    assert "max_steps: 400" in page.text_content("#spec-yaml")
+    # try it: the prompt continued through the adapter and through the base alone, on its trainer
+    page.fill("#try-prompt", "Q: sql 3 and 9\nA:")
+    page.fill("#try-tokens", "8")
+    page.click(".try button[type=submit]")
+    page.wait_for_selector("#try-base")
+    reference = alice.generate(long_job.id, "Q: sql 3 and 9\nA:", 8)   # the base alone does not change as it trains
+    assert page.text_content("#try-base") == reference["base"] and reference["base"]
+    assert page.text_content("#try-adapter")
+    shot(page, console, "job-try")
+    page.evaluate("window.scrollTo(0, 0)")
+    shot(page, console, "job")
+
+    # a job that is not running cannot be tried (409, said on the page); another user's job is not found
+    page.goto(f"{console.url}/#/jobs/{queued.id}")
+    page.wait_for_selector("#try-prompt")
+    page.fill("#try-prompt", "hello")
+    page.click(".try button[type=submit]")
+    page.wait_for_selector(".try-out .error")
+    assert "not running on a trainer" in page.text_content(".try-out .error")
+    refused = httpx.post(f"{console.url}/v1/jobs/{queued.id}/generate", json={"prompt": "hello"},
+                         headers={"Authorization": f"Bearer {console.tokens['alice']}"})
+    assert refused.status_code == 409
+    page.goto(f"{console.url}/#/jobs/{bobs.id}")
+    page.wait_for_selector("#view .error")
+    assert "not found" in page.text_content("#view .error").lower()
+
+    # submit: malformed YAML and an unknown field are refused, each with its line marked (as the API says)
+    page.goto(f"{console.url}/#/submit")
+    for bad, line, field in ((f"jobs:\n  - name: bad\n    data: {console.data}\n   max_steps: 2\n", None, None),
+                             (f"jobs:\n  - name: bad\n    data: {console.data}\n    format: {{type: alpaca}}\n"
+                              "    max_stepz: 2\n    lr: 0.001\n", 5, "jobs.0.max_stepz")):
+        answer = httpx.post(f"{console.url}/v1/jobs", content=bad, headers={
+            "Authorization": f"Bearer {console.tokens['alice']}", "Content-Type": "application/yaml"})
+        assert answer.status_code == 422
+        errors = answer.json()["errors"]
+        line = line or errors[0]["line"]
+        assert field is None or (f"request:{line}:" in answer.json()["detail"] and errors[0]["field"] == field), errors
+        page.fill("#jobs-yaml", bad)
+        page.click("form button[type=submit]")
+        page.wait_for_selector(f".gutter span[data-line='{line}'].marked")
+        assert f"At line {line}." in page.text_content("#submit-error .at-lines")
+        assert [s.get_attribute("data-line") for s in page.query_selector_all(".gutter .marked")] == [str(line)]
+        if field:
+            assert field in page.text_content("#submit-error ul")
+    shot(page, console, "submit-error")
+    before = {r.id for r in alice.jobs()}
+    good = (f"base_model: {NOBODYS_MODEL}\njobs:\n  - name: from-the-console\n    data: {console.data}\n"
+            "    format: {type: prompt_response, prompt: 'Q: {question}', response: ' {answer}'}\n"
+            "    batch_size: 2\n    max_seq_len: 128\n    max_steps: 2\n")
+    page.fill("#jobs-yaml", good)
+    page.click("form button[type=submit]")
+    page.wait_for_selector("#submit-result .ok")
+    entered = [r for r in alice.jobs() if r.id not in before]
+    assert [r.name for r in entered] == ["from-the-console"]
+    assert page.text_content("#submit-result li a") == "from-the-console"
+    # clone an existing job's spec
+    page.goto(f"{console.url}/#/submit?clone={long_job.id}")
+    page.wait_for_function("document.querySelector('#jobs-yaml').value.includes('alice-long')")
+    assert page.input_value("#jobs-yaml") == alice.spec(long_job.id)["yaml"]
+
+    # cancel from the table: select, cancel, the row's state changes
+    page.goto(f"{console.url}/#/jobs")
+    page.check(f"input[data-job='{long_job.id}']")
+    page.check(f"input[data-job='{entered[0].id}']")
+    page.click("button[data-verb=cancel]")
+    page.wait_for_selector(f"{row}[data-state=cancelled]")
+    assert alice.status(long_job.id).state == "cancelled" and alice.status(entered[0].id).state == "cancelled"
+    alice.cancel(queued.id)
+    bob.cancel(bobs.id)
+    page.close()
+
+
+def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browser):
+    root = console.http("root")
+    out = console.state_dir / "outputs" / "root" / "sweep"   # under the admin's own outputs' folder
+    sweep = {"name": "console-lr", "base_model": console.base, "output_dir": str(out),
+             "step_tokens": 512, "search": "grid", "max_concurrent": 2, "space": {"lr": {"choice": [1e-3, 3e-3]}},
+             "job": {**job_dict("lr", console.data, 4, eval_split=4, eval_every=2), "checkpoint_every": 100}}
+    root.sweep(sweep)
+    bobs = console.http("bob").submit(job_dict("bobs-waiting", console.data, 2), base_model=NOBODYS_MODEL)
+    page = log_in(browser, console, "root")
+    assert page.text_content("#who") == "root (admin)"
+    page.wait_for_selector("#filter-user")
+    wait_for(lambda: page.query_selector_all("#filter-user option[value=bob]"), 30, "bob in the user filter")
+    everyone = {r.id for r in root.jobs()}
+    page.wait_for_function(f"document.querySelectorAll('#jobs-table tbody tr[data-job]').length >= {len(everyone)}")
+    page.select_option("#filter-user", "bob")
+    shown = {r.get_attribute("data-job") for r in page.query_selector_all("#jobs-table tbody tr[data-job]")}
+    assert shown == {r.id for r in root.jobs() if r.user == "bob"} and bobs.id in shown
+    accounts = {a["user"] for a in root.accounts()}
+    assert {row.text_content() for row in page.query_selector_all("#view section table tbody td:first-child")} \
+        >= {a or "(operator)" for a in accounts}
+
+    page.goto(f"{console.url}/#/trainers")
+    page.wait_for_selector("[data-trainer]")
+    trainers = root.info()["trainers"]
+    assert [c.get_attribute("data-trainer") for c in page.query_selector_all("[data-trainer]")] == \
+        [t["id"] for t in trainers]
+    assert console.base in page.text_content("[data-trainer]")
+    shot(page, console, "trainers")
+
+    status = wait_for(lambda: (s := root.sweep_status("console-lr"))["state"] != "running" and s, 120, "the sweep",
+                      state=lambda: [(r.name, r.state, r.reason) for r in root.jobs()])
+    assert status["state"] == "done", status
+    page.goto(f"{console.url}/#/sweeps/console-lr")
+    page.wait_for_selector(".leaderboard tbody tr")
+    names = [r.text_content() for r in page.query_selector_all(".leaderboard tbody td:nth-child(2)")]
+    assert names == [t["name"] for t in status["trials"]]
+    page.wait_for_selector("[data-chart=trials]")
+    best = next(r for r in root.jobs() if r.name == status["best"])
+    assert page.text_content("#best-adapter") == best.adapter_dir
+    shot(page, console, "sweeps")
+    page.close()
+
+    # a phone's screen: the jobs page lays out in one column and still answers
+    phone = browser.new_page(viewport={"width": 390, "height": 800})
+    phone.goto(console.url + "/")
+    phone.fill("#token", console.tokens["root"])
+    phone.press("#token", "Enter")   # the keyboard alone
+    phone.wait_for_selector("#jobs-table tbody tr[data-job]")
+    assert phone.evaluate("document.documentElement.scrollWidth") <= 390 + 1
+    phone.close()
+    if os.environ.get("ASPEN_CONSOLE_SCREENSHOTS"):
+        assert {p.name for p in console.shots.glob("*.png")} >= {
+            "login.png", "jobs.png", "job.png", "job-try.png", "submit-error.png", "trainers.png", "sweeps.png"}
+    console.http("bob").cancel(bobs.id)

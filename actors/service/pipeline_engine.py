@@ -287,6 +287,10 @@ class PipelineEngine:
         if spec.eval_generate is not None:
             raise ValueError(f"job '{spec.name}': eval_generate (greedy generation) is not available on a pipeline "
                              "trainer yet; run the job on a single-device trainer, or drop eval_generate")
+        if spec.lora.kind == "vera":
+            raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
+                             "stages would each hold a share of the shared projections); run the job on a "
+                             "single-device trainer, or use kind: lora")
         self._guarded(self.pipeline.add_job, spec, cursor=source, total_steps=total_steps, seed=seed,
                       eval_examples=eval_examples)
         head = self.head.jobs[spec.name]

@@ -263,23 +263,24 @@ class LoraConfig(StrictModel):
 
     @model_validator(mode="after")
     def _kind_fields(self) -> LoraConfig:
-        """VeRA has no alpha, no LoRA initialisation and no LoRA variant; VeRA's fields need kind: vera."""
+        """VeRA has no alpha, no LoRA initialisation and no LoRA variant; VeRA's fields need kind: vera. A field
+        at its default is accepted either way (a dumped spec carries every field)."""
+        def changed(name: str) -> bool:
+            return getattr(self, name) != type(self).model_fields[name].default
+
         if self.kind == "vera":
-            given = self.model_fields_set
-            refused = [(name, why) for name, why in (
-                ("alpha", "VeRA has no alpha: its scaling vectors learn the scale"),
-                ("use_rslora", "rsLoRA scales LoRA's update by alpha / sqrt(r); VeRA has no such scaling"),
-                ("use_dora", "DoRA is a LoRA variant; PEFT's VeRA has no magnitude vector"),
-                ("init_lora_weights", "VeRA starts from lambda_b = 0 and lambda_d = d_initial"),
-                ("loraplus_lr_ratio", "LoRA+ sets B's learning rate; VeRA trains two vectors at one lr"),
-            ) if name in given and getattr(self, name) not in (False, None, "default")]
-            if refused:
-                name, why = refused[0]
-                raise ValueError(f"lora.{name} does not apply to lora.kind: vera ({why}); remove lora.{name} or "
-                                 "use kind: lora")
+            for name, why in (("alpha", "VeRA has no alpha: its scaling vectors learn the scale"),
+                              ("use_rslora", "rsLoRA scales LoRA's update by alpha / sqrt(r); VeRA has no such "
+                                             "scaling"),
+                              ("use_dora", "DoRA is a LoRA variant; PEFT's VeRA has no magnitude vector"),
+                              ("init_lora_weights", "VeRA starts from lambda_b = 0 and lambda_d = d_initial"),
+                              ("loraplus_lr_ratio", "LoRA+ sets B's learning rate; VeRA trains two vectors at one lr")):
+                if changed(name):
+                    raise ValueError(f"lora.{name} does not apply to lora.kind: vera ({why}); remove lora.{name} "
+                                     "or use kind: lora")
         else:
             for name in ("projection_prng_key", "d_initial", "save_projection"):
-                if name in self.model_fields_set:
+                if changed(name):
                     raise ValueError(f"lora.{name} is a VeRA setting; set lora.kind: vera, or remove lora.{name}")
         return self
 

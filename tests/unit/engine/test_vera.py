@@ -226,6 +226,9 @@ def test_spec_defaults_and_refusals():
             LoraConfig(**{field: value})
     with pytest.raises(ValidationError, match="kind"):
         LoraConfig(kind="ia3")
+    # a dumped spec carries every field at its default: it validates again, as the service round-trips it
+    for config in (LoraConfig(), LoraConfig(kind="vera", d_initial=0.5, projection_prng_key=3, save_projection=False)):
+        assert LoraConfig.model_validate(config.model_dump()) == config
 
 
 def test_memory_estimate_counts_vectors_and_projections():

@@ -1,7 +1,9 @@
 """Memory estimates for admission: what one job's adapter costs on a trainer (fp32 weights, their
 gradients and AdamW's two moments: 16 bytes per adapter parameter). DoRA's magnitude vector (one per output
 row) is such a parameter; PiSSA / OLoRA also keep a frozen fp32 copy of the initial A and B (4 bytes per LoRA
-parameter more). Plain numbers in, plain numbers out: which layers a LoRA config adapts is the engine's
+parameter more). A VeRA adapter trains two vectors per layer (r and out values) and keeps one pair of frozen
+fp32 projections (r x largest in, largest out x r). Plain numbers in, plain numbers out: which layers a LoRA
+config adapts is the engine's
 business (`actors.engine.lora_targets.adapted_shapes`)."""
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ def adapter_parameters(rank: int, shapes: Iterable[tuple[int, int]], *, dora: bo
     return sum(rank * (fan_in + fan_out) + (fan_out if dora else 0) for fan_in, fan_out in shapes)
 
 
+def vera_parameters(rank: int, shapes: Iterable[tuple[int, int]]) -> int:
+    """VeRA's trainable values on layers of these (in, out) shapes: lambda_d (r) and lambda_b (out) each."""
+    return sum(rank + fan_out for _, fan_out in shapes)
+
+
 def adapter_memory_bytes(rank: int, shapes: Iterable[tuple[int, int]], *, dora: bool = False,
-                         frozen_initial: bool = False) -> int:
+                         frozen_initial: bool = False, vera: bool = False) -> int:
     shapes = list(shapes)
+    if vera:
+        projections = rank * (max(i for i, _ in shapes) + max(o for _, o in shapes)) if shapes else 0
+        return vera_parameters(rank, shapes) * BYTES_PER_ADAPTER_PARAMETER + projections * BYTES_PER_FROZEN_VALUE
     frozen = adapter_parameters(rank, shapes) * BYTES_PER_FROZEN_VALUE if frozen_initial else 0
     return adapter_parameters(rank, shapes, dora=dora) * BYTES_PER_ADAPTER_PARAMETER + frozen

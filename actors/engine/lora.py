@@ -15,8 +15,9 @@ Two ways to compute the adapters' updates, with the same arithmetic per job:
   Used (auto) on CUDA when at least two adapters take part and padding at most doubles the rows;
   GROUPING = "grouped" forces it for any number of adapters (tests, benchmarks, the operation count).
 
-DoRA and PiSSA / OLoRA adapters (LoraAdapter says how they compute, as PEFT) always take the per-segment
-way, beside grouped plain adapters: the base projection still runs once for every token, and their
+DoRA and PiSSA / OLoRA adapters (LoraAdapter says how they compute, as PEFT) and VeRA adapters
+(actors/engine/vera.py) always take the per-segment way, beside grouped plain adapters: the base projection
+still runs once for every token, and their
 corrections touch their own job's tokens only.
 
 Adapters are added and removed at run time. Each adapter owns its dropout random generator, so a job's
@@ -36,6 +37,7 @@ from torch import nn
 from actors.engine.layout import StepLayout, current_layout
 from actors.engine.lora_targets import match_targets, peft_target_modules
 from actors.engine.spec import LoraConfig, needs_full_precision_base
+from actors.engine.vera import VeraAdapter, VeraProjections
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -510,21 +512,34 @@ def _unwrap(model: nn.Module, name: str) -> None:
 class AdapterHandle:
     """The parameters of one job's adapter across all the layers it targets."""
 
-    def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter],
-                 generator: torch.Generator | None, peft_targets: list[str] | None = None):
+    def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter | VeraAdapter],
+                 generator: torch.Generator | None, peft_targets: list[str] | None = None,
+                 projections: VeraProjections | None = None):
         self.name = name
         self.config = config
         self.layers = layers
         self.dropout_generator = generator
         self.peft_targets = peft_targets if peft_targets is not None else sorted(layers)
+        self.projections = projections   # VeRA: the job's frozen projections, shared by its layers
+
+    def use_projections(self, projections: VeraProjections) -> None:
+        """Make every layer of this VeRA adapter read `projections` (those of a saved adapter)."""
+        self.projections = projections
+        for layer in self.layers.values():
+            layer.projections = projections
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
 
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """The trainable tensors under PEFT's names (adapter name stripped): `<module>.lora_A.weight`,
-        `<module>.lora_B.weight` and, with DoRA, `<module>.lora_magnitude_vector`."""
+        `<module>.lora_B.weight` and, with DoRA, `<module>.lora_magnitude_vector`; VeRA's
+        `<module>.vera_lambda_b` and `<module>.vera_lambda_d`."""
         for module_name, layer in self.layers.items():
+            if isinstance(layer, VeraAdapter):
+                yield f"{module_name}.vera_lambda_b", layer.vera_lambda_b
+                yield f"{module_name}.vera_lambda_d", layer.vera_lambda_d
+                continue
             yield f"{module_name}.lora_A.weight", layer.lora_A
             yield f"{module_name}.lora_B.weight", layer.lora_B
             if layer.magnitude is not None:
@@ -573,9 +588,22 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
             problem = needs_full_precision_base(config)
             raise ValueError(f"adapter '{name}': {problem} (e.g. {quantized[0]} is "
                              f"{type(model.get_submodule(quantized[0])).__name__})")
-    layers: dict[str, LoraAdapter] = {}
+    projections = None
+    if config.kind == "vera":   # sized over every adapted layer, those of other pipeline stages included
+        shapes = [(model.get_submodule(t).in_features, model.get_submodule(t).out_features) for t in targets]
+        projections = VeraProjections.generate(config, shapes, device)
+    layers: dict[str, LoraAdapter | VeraAdapter] = {}
     for module_name in targets:
         module = model.get_submodule(module_name)
+        if projections is not None:
+            if _on_meta(module):
+                continue
+            fused = _wrap(model, module_name)
+            vera = VeraAdapter(fused.in_features, fused.out_features, config, projections, device=device, dtype=dtype)
+            vera.dropout_generator = dropout_generator
+            fused.adapters[name] = vera
+            layers[module_name] = vera
+            continue
         if _on_meta(module):
             # another pipeline stage's layer: draw what its initialisation draws, so that this stage's
             # layers start where they would on one device, and attach nothing
@@ -588,7 +616,8 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         adapter.dropout_generator = dropout_generator
         fused.adapters[name] = adapter
         layers[module_name] = adapter
-    return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets))
+    return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets),
+                         projections)
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:

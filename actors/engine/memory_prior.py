@@ -47,7 +47,9 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
     share one, so do gate/up) and the whole stream long; otherwise its float32 copy (in, per layer).
     DoRA keeps two (out) rows more per token (the base's output and the low-rank update, which the
     magnitude's gradient reads), and computes each layer's row norms of W + B A on a transient of about
-    three float32 (out, in) matrices (one layer at a time: the largest counts once)."""
+    three float32 (out, in) matrices (one layer at a time: the largest counts once). VeRA keeps per token
+    and layer A x (r, for lambda_d's gradient) and the B product (out, for lambda_b's) and no input (its
+    projections are frozen), besides dropout's mask and dropped input."""
     total = 0
     kept_inputs: dict[int, int] = {}
     dora_transient = 0
@@ -55,6 +57,12 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
         for name in names:
             in_features = linear_shapes[name][0]
             per_token = lora.r
+            if lora.kind == "vera":
+                per_token += linear_shapes[name][1]
+                if lora.dropout > 0:
+                    per_token += 2 * in_features
+                total += per_token * ADAPTER_WIDTH * tokens
+                continue
             if lora.use_dora:
                 out_features = linear_shapes[name][1]
                 per_token += 2 * out_features

@@ -124,7 +124,23 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",
                         other="parallel attention / MLP block", transform=_cohere_logits),
     ArchitectureSupport("smollm3", "HuggingFaceTB/SmolLM3-3B", other="NoPE layers (`no_rope_layers`)"),
+    ArchitectureSupport("glm", "THUDM/glm-4-9b-hf", attention="q/k/v bias",
+                        other="partial, interleaved RoPE (`partial_rotary_factor`); fused `gate_up_proj` (LoRA "
+                              "adapts it whole)", refused="the remote-code ChatGLM2/3 (`chatglm`)"),
+    ArchitectureSupport("glm4", "THUDM/GLM-4-9B-0414", attention="q/k/v bias",
+                        other="partial, interleaved RoPE (`partial_rotary_factor`); fused `gate_up_proj` (LoRA "
+                              "adapts it whole); norms after attention and MLP",
+                        refused="the remote-code ChatGLM2/3 (`chatglm`)"),
 )}
+
+# Model types whose only implementation is the checkpoint's own Python code (`trust_remote_code`), which
+# aspen never runs: each with what to use instead.
+REMOTE_CODE: dict[str, str] = {
+    "chatglm": "the remote-code ChatGLM2/3 / GLM-4 checkpoints (model_type 'chatglm', e.g. THUDM/chatglm3-6b or "
+               "THUDM/glm-4-9b) run their own modeling code (trust_remote_code), which aspen never executes: "
+               "refused; use a transformers-native GLM-4 checkpoint instead (model_type 'glm' or 'glm4', e.g. "
+               "THUDM/glm-4-9b-hf, THUDM/glm-4-9b-chat-hf or THUDM/GLM-4-9B-0414)",
+}
 
 
 def _rope_types(config: Any) -> list[tuple[str | None, str]]:
@@ -161,6 +177,8 @@ def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
     a supported model. `config` is a transformers config; `name` the base model as the user gave it."""
     model_type = getattr(config, "model_type", None)
     subject = f"base_model '{name}' (model_type '{model_type}')" if name else f"model_type '{model_type}'"
+    if model_type in REMOTE_CODE:
+        raise UnsupportedModelError(f"{subject}: {REMOTE_CODE[model_type]}")
     row = SUPPORTED.get(model_type)
     if row is None:
         raise UnsupportedModelError(
@@ -172,6 +190,21 @@ def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
     if problems:
         raise UnsupportedModelError(f"{subject}: " + "; ".join(problems))
     return row.transform(config)
+
+
+def check_raw_config(raw: dict, name: str | None = None) -> None:
+    """Refuse a config.json (as a plain dict, read without running any of the checkpoint's code) of a
+    remote-code model type (REMOTE_CODE), which transformers itself cannot even parse without
+    `trust_remote_code`; anything else is left to `check_model_support` on the parsed config."""
+    model_type = raw.get("model_type")
+    if model_type in REMOTE_CODE:
+        subject = f"base_model '{name}' (model_type '{model_type}')" if name else f"model_type '{model_type}'"
+        raise UnsupportedModelError(f"{subject}: {REMOTE_CODE[model_type]}")
+    if raw.get("auto_map"):
+        subject = f"base_model '{name}' (model_type '{model_type}')" if name else f"model_type '{model_type}'"
+        raise UnsupportedModelError(
+            f"{subject} needs its own modeling code (`auto_map`, trust_remote_code), which aspen never runs: "
+            f"refused; use a transformers-native checkpoint of a verified type: {', '.join(SUPPORTED)}")
 
 
 def markdown_table() -> str:

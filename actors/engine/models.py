@@ -32,14 +32,19 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from actors.engine.attention import use_varlen_attention
 from actors.engine.extras import require
 from actors.engine.gguf_cache import converted_source
 from actors.engine.lora import freeze
 from actors.engine.loss import transform_logits
-from actors.engine.model_support import LogitTransform, UnsupportedModelError, check_model_support
+from actors.engine.model_support import (
+    LogitTransform,
+    UnsupportedModelError,
+    check_model_support,
+    check_raw_config,
+)
 from actors.engine.sources import (
     ALIASES,
     DEFAULT_BASE_MODEL,
@@ -211,6 +216,13 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
         config = AutoConfig.from_pretrained(read_from.path, local_files_only=read_from.local_files_only, **kwargs)
     except OSError as error:
         raise _not_loadable(base_model, source, error) from error
+    except ValueError:
+        # transformers cannot parse it without running the checkpoint's code (an unknown model type, e.g. the
+        # remote-code ChatGLM): say which and what to use instead, from the raw config.json
+        raw, _ = PretrainedConfig.get_config_dict(read_from.path, local_files_only=read_from.local_files_only,
+                                                  **kwargs)
+        check_raw_config(raw, base_model)
+        raise
     transform = check_model_support(config, base_model)   # before the weights are read: refusing costs nothing
     try:
         tokenizer = load_tokenizer(read_from)

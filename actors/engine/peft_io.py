@@ -6,7 +6,11 @@ OLoRA adapters are written as PEFT's own conversion writes them (`save_pretraine
 path_initial_model_for_weight_conversion=...)`): the rank-2r LoRA A' = [A; A0], B' = [B, -B0] (r and alpha
 doubled, so the scaling is unchanged; alpha times sqrt(2) with rslora), whose update on the unmodified base W
 is scaling (B A - B0 A0): the trained adapter on PEFT's residual base. The file keeps every tensor the
-adapter has, so a checkpoint restores A, B, A0 and B0 exactly from it (`load_adapter_state`)."""
+adapter has, so a checkpoint restores A, B, A0 and B0 exactly from it (`load_adapter_state`).
+
+VeRA adapters are written as PEFT's VeraModel writes them: `peft_type: VERA`, each layer's
+`vera_lambda_b` / `vera_lambda_d` and, with `save_projection` (the default), the shared projections once, as
+`base_model.vera_A` / `base_model.vera_B`."""
 
 from __future__ import annotations
 
@@ -37,7 +41,16 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
     rank and alpha doubled, `init_lora_weights` true, so that PEFT does not decompose the base again at load
     time); the other kinds keep their `init_lora_weights` (true for the default, `gaussian`)."""
     from peft import LoraConfig as PeftLoraConfig  # here, not at the top: importing PEFT takes seconds
+    from peft import VeraConfig
 
+    if config.kind == "vera":
+        vera = VeraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_model_name, inference_mode=True,
+                          r=config.r, target_modules=target_modules, projection_prng_key=config.projection_prng_key,
+                          save_projection=config.save_projection, vera_dropout=config.dropout,
+                          d_initial=config.d_initial)
+        saved = vera.to_dict()
+        saved["target_modules"] = list(target_modules)
+        return saved
     rank, alpha, init = config.r, config.alpha, config.init_lora_weights
     if converted(config):   # as PeftModel.save_pretrained(..., path_initial_model_for_weight_conversion=...)
         rank, alpha, init = 2 * rank, alpha * (2**0.5 if config.use_rslora else 2), "default"
@@ -51,6 +64,15 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
 
 
 PREFIX = "base_model.model."
+# VeRA's shared projections, once per adapter (PEFT's checkpoint keys, the adapter name stripped)
+VERA_A, VERA_B = "base_model.vera_A", "base_model.vera_B"
+
+
+def _projection_tensors(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
+    if adapter.projections is None or not adapter.config.save_projection:
+        return {}
+    return {VERA_A: adapter.projections.vera_A.detach().to("cpu", torch.float32).contiguous().clone(),
+            VERA_B: adapter.projections.vera_B.detach().to("cpu", torch.float32).contiguous().clone()}
 
 
 def adapter_state_dict(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
@@ -62,6 +84,7 @@ def adapter_state_dict(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
         key_a, key_b = f"{PREFIX}{module_name}.lora_A.weight", f"{PREFIX}{module_name}.lora_B.weight"
         tensors[key_a] = torch.cat([tensors[key_a], lora_a0.detach().to("cpu", torch.float32)], dim=0)
         tensors[key_b] = torch.cat([tensors[key_b], -lora_b0.detach().to("cpu", torch.float32)], dim=1)
+    tensors.update(_projection_tensors(adapter))
     return tensors
 
 
@@ -76,6 +99,8 @@ def load_adapter_state(adapter: AdapterHandle, tensors: dict[str, torch.Tensor],
         if tuple(tensors[key].shape) != shape:
             raise ValueError(f"{where}: '{key}' has shape {tuple(tensors[key].shape)}, the adapter {shape} "
                              "(another LoRA rank or init_lora_weights?)")
+    if VERA_A in expected:
+        _use_saved_projections(adapter, tensors[VERA_A], tensors[VERA_B])
     initial = {module_name: (a0, b0) for module_name, a0, b0 in adapter.frozen_initial()}
     with torch.no_grad():
         for name, param in adapter.named_parameters():
@@ -93,6 +118,18 @@ def load_adapter_state(adapter: AdapterHandle, tensors: dict[str, torch.Tensor],
             param.copy_(value.to(param.device, param.dtype))
 
 
+def _use_saved_projections(adapter: AdapterHandle, vera_a: torch.Tensor, vera_b: torch.Tensor) -> None:
+    """A saved VeRA adapter's projections: the ones `projection_prng_key` draws here (then nothing to do), or,
+    drawn elsewhere to other values, that adapter's own copy (as PEFT loads them from the file)."""
+    from actors.engine.vera import VeraProjections
+
+    if adapter.projections is None or adapter.projections.equals(vera_a, vera_b):
+        return
+    device = adapter.projections.vera_A.device
+    adapter.use_projections(VeraProjections(vera_a.to(device, torch.float32).clone(),
+                                            vera_b.to(device, torch.float32).clone()))
+
+
 def adapter_state_dict_shapes(adapter: AdapterHandle) -> dict[str, tuple[int, ...]]:
     """The keys and shapes `adapter_state_dict` writes for this adapter (without copying any tensor)."""
     shapes = {f"{PREFIX}{name}": tuple(param.shape) for name, param in adapter.named_parameters()}
@@ -100,6 +137,9 @@ def adapter_state_dict_shapes(adapter: AdapterHandle) -> dict[str, tuple[int, ..
         key_a, key_b = f"{PREFIX}{module_name}.lora_A.weight", f"{PREFIX}{module_name}.lora_B.weight"
         shapes[key_a] = (shapes[key_a][0] + lora_a0.shape[0], shapes[key_a][1])
         shapes[key_b] = (shapes[key_b][0], shapes[key_b][1] + lora_b0.shape[1])
+    if adapter.projections is not None and adapter.config.save_projection:
+        shapes[VERA_A] = tuple(adapter.projections.vera_A.shape)
+        shapes[VERA_B] = tuple(adapter.projections.vera_B.shape)
     return shapes
 
 

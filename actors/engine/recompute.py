@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from actors.engine.base_settings import RECOMPUTE_MODES, Recompute
 from actors.engine.layout import current_layout, step_layout
 from actors.engine.lora import LoraAdapter
+from actors.engine.vera import VeraAdapter
 
 
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
@@ -36,7 +37,7 @@ def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
 def _dropout_generators(layer: nn.Module) -> list[torch.Generator]:
     seen: dict[int, torch.Generator] = {}
     for module in layer.modules():
-        if isinstance(module, LoraAdapter) and module.dropout_generator is not None:
+        if isinstance(module, (LoraAdapter, VeraAdapter)) and module.dropout_generator is not None:
             seen.setdefault(id(module.dropout_generator), module.dropout_generator)
     return list(seen.values())
 

@@ -210,11 +210,22 @@ def needs_full_precision_base(lora: LoraConfig) -> str | None:
     return None
 
 
+VERA_DEFAULT_RANK = 256   # PEFT's VeraConfig.r
+
+
 class LoraConfig(StrictModel):
     """One adapter's shape. `target_modules` is a list of module names (matched like PEFT: the full
-    dotted name or its last components) or the string `all-linear` (every linear layer but the LM head)."""
+    dotted name or its last components) or the string `all-linear` (every linear layer but the LM head).
+    `kind: vera` trains a VeRA adapter (PEFT's VeraConfig) instead: frozen random projections shared by the
+    job's layers and two trainable scaling vectors per layer; `r` then defaults to 256."""
 
-    r: Annotated[int, Bounds(1, 1024)] = Field(8, description="the adapter's rank")
+    kind: Literal["lora", "vera"] = Field(
+        "lora", description="lora (LoRA and its variants: rsLoRA, DoRA, PiSSA, OLoRA, LoRA+) or vera (VeRA: frozen "
+                            "random projections A (r, in) and B (out, r), shared by all adapted layers and sized for "
+                            "the largest, and per layer trainable vectors lambda_d (r) and lambda_b (out), as PEFT's "
+                            "VeraConfig)")
+    r: Annotated[int, Bounds(1, 1024)] = Field(8, description="the adapter's rank (VeRA: its projections' rank, "
+                                                              "default 256)")
     alpha: Annotated[float, Bounds(0, 65536, low_open=True)] = Field(
         16.0, description="scaling: the update is multiplied by alpha / r (alpha / sqrt(r) with use_rslora)")
     dropout: Annotated[float, Bounds(0.0, 1.0, high_open=True)] = Field(
@@ -235,6 +246,43 @@ class LoraConfig(StrictModel):
     loraplus_lr_ratio: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = Field(
         None, description="LoRA+: B (and DoRA's magnitude) learns at lr * this ratio, A at lr (PEFT's "
                           "create_loraplus_optimizer; the paper suggests 2 to 16; null: one lr)")
+    projection_prng_key: Annotated[int, Bounds(0, 2**63 - 1)] = Field(
+        0, description="VeRA: the seed of its random projections (PEFT's projection_prng_key)")
+    d_initial: Annotated[float, Bounds(-1e6, 1e6)] = Field(
+        0.1, description="VeRA: the initial value of every lambda_d (PEFT's d_initial; the paper suggests <= 0.1)")
+    save_projection: bool = Field(
+        True, description="VeRA: save the projections with the adapter (PEFT's save_projection); false: PEFT "
+                          "draws them again from projection_prng_key when it loads the adapter")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vera_rank(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("kind") == "vera" and "r" not in data:
+            return {**data, "r": VERA_DEFAULT_RANK}
+        return data
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> LoraConfig:
+        """VeRA has no alpha, no LoRA initialisation and no LoRA variant; VeRA's fields need kind: vera. A field
+        at its default is accepted either way (a dumped spec carries every field)."""
+        def changed(name: str) -> bool:
+            return getattr(self, name) != type(self).model_fields[name].default
+
+        if self.kind == "vera":
+            for name, why in (("alpha", "VeRA has no alpha: its scaling vectors learn the scale"),
+                              ("use_rslora", "rsLoRA scales LoRA's update by alpha / sqrt(r); VeRA has no such "
+                                             "scaling"),
+                              ("use_dora", "DoRA is a LoRA variant; PEFT's VeRA has no magnitude vector"),
+                              ("init_lora_weights", "VeRA starts from lambda_b = 0 and lambda_d = d_initial"),
+                              ("loraplus_lr_ratio", "LoRA+ sets B's learning rate; VeRA trains two vectors at one lr")):
+                if changed(name):
+                    raise ValueError(f"lora.{name} does not apply to lora.kind: vera ({why}); remove lora.{name} "
+                                     "or use kind: lora")
+        else:
+            for name in ("projection_prng_key", "d_initial", "save_projection"):
+                if changed(name):
+                    raise ValueError(f"lora.{name} is a VeRA setting; set lora.kind: vera, or remove lora.{name}")
+        return self
 
     @field_validator("target_modules")
     @classmethod

@@ -14,7 +14,8 @@ def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView) -> int:
     """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have)."""
     shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
     return adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
-                                frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS))
+                                frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
+                                vera=lora.kind == "vera")
 
 
 def trainer_view(status: TrainerStatus) -> TrainerView:

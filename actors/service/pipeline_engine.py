@@ -290,6 +290,10 @@ class PipelineEngine:
         if spec.method == "grpo":
             raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
                              "pipeline trainer yet; run the job on a single-device trainer")
+        if spec.lora.kind == "vera":
+            raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
+                             "stages would each hold a share of the shared projections); run the job on a "
+                             "single-device trainer, or use kind: lora")
         self._guarded(self.pipeline.add_job, spec, cursor=source, total_steps=total_steps, seed=seed,
                       eval_examples=eval_examples)
         head = self.head.jobs[spec.name]

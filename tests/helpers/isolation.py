@@ -65,5 +65,5 @@ def assert_isolated(base, jobs) -> None:
             difference = float((fused_weights[name][key].float() - solo.float()).abs().max())
             assert torch.equal(fused_weights[name][key], solo), (name, key, difference)
         trained = max(trained, max(float(w.float().abs().max()) for k,
-                                   w in solo_weights[name].items() if "lora_B" in k))
+                                   w in solo_weights[name].items() if "lora_B" in k or "vera_lambda_b" in k))
     assert trained > 0, "no adapter trained: nothing was compared"

@@ -70,7 +70,8 @@ def probe_stage_activation(model: StageModel, *, recompute: str = "none",
     handle = add_adapter(base.model, PROBE_JOB, lora, seed=0)
     set_adapters_training(base.model, True)
     names = list(handle.layers)
-    shapes = {name: (layer.lora_A.shape[1], layer.lora_B.shape[0]) for name, layer in handle.layers.items()}
+    shapes = {name: (base.model.get_submodule(name).in_features, base.model.get_submodule(name).out_features)
+              for name in handle.layers}
     tokens, saved, steps = [], [], []
     groups: dict = {}
     try:

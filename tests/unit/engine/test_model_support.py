@@ -25,7 +25,13 @@ from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_cross_entropy
-from actors.engine.model_support import SUPPORTED, LogitTransform, UnsupportedModelError, markdown_table
+from actors.engine.model_support import (
+    SUPPORTED,
+    LogitTransform,
+    UnsupportedModelError,
+    check_model_support,
+    markdown_table,
+)
 from actors.engine.models import from_module, load_base_model
 from actors.engine.peft_io import save_adapter
 from actors.engine.spec import JobSpec
@@ -43,6 +49,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
 SLIDING_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 ALL_FULL = ["full_attention"] * 3
+GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
 
 # model_type -> (config fields, [(what is turned off, config fields that turn it off)])
 CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
@@ -81,6 +88,13 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     "cohere": ({"logit_scale": 4.0, "use_qk_norm": False}, [("logit_scale", {"logit_scale": 1.0})]),
     "smollm3": ({"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},
                 [("NoPE layers", {"no_rope_layers": [1, 1, 1]})]),
+    # GLM-4: q/k/v biases, RoPE on half of each head interleaved (not rotate-half), one fused gate_up_proj;
+    # glm4 adds norms after the attention and the MLP (shown to matter below); a small rope_theta, so that
+    # rotating half of each head or all of it makes a clear difference on short sequences
+    "glm": ({"rope_parameters": GLM_ROPE, "attention_bias": True},
+            [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+    "glm4": ({"rope_parameters": GLM_ROPE, "attention_bias": True},
+             [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
 }
 # Static RoPE variants, on Llama (one of them also on gpt-oss and Gemma 3 above)
 ROPE_CASES = {
@@ -105,6 +119,10 @@ def build_model(config, seed: int = 0) -> torch.nn.Module:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
+    with torch.no_grad():   # GLM's q/k/v biases start at zero: make them count
+        for name, parameter in model.named_parameters() if config.model_type in ("glm", "glm4") else ():
+            if name.endswith("_proj.bias"):
+                parameter.normal_(0.0, 0.5)
     return model
 
 
@@ -255,6 +273,47 @@ def test_gpt_oss_sinks_matter_and_experts_are_not_adapted():
     assert {name.rsplit(".", 1)[-1] for name in job.adapter.layers} == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
+def test_glm_interleaved_rope_and_glm4_post_norms_matter(tmp_path):
+    """GLM's RoPE rotates interleaved pairs of the first half of each head, and GLM-4 normalises the outputs of
+    its attention and MLP: a model without them (rotate-half RoPE; the post-norms as identities) has
+    another loss, so the fused step's equality above covers both; GLM's fused gate_up_proj is adapted whole."""
+    from transformers.models.glm import modeling_glm
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as rotate_half_rope
+
+    batch = examples(0, [24, 13])
+    glm = build_model(build_config("glm"))
+    interleaved = _hf_loss(glm, batch)
+    original = modeling_glm.apply_rotary_pos_emb
+
+    def half_rope(q, k, cos, sin, unsqueeze_dim=1):
+        rotary = cos.shape[-1]
+        q_rot, k_rot = rotate_half_rope(q[..., :rotary], k[..., :rotary], cos, sin, unsqueeze_dim)
+        return torch.cat([q_rot, q[..., rotary:]], -1), torch.cat([k_rot, k[..., rotary:]], -1)
+
+    modeling_glm.apply_rotary_pos_emb = half_rope
+    try:
+        assert abs(_hf_loss(glm, batch) - interleaved) > FEATURE_EFFECT * interleaved
+    finally:
+        modeling_glm.apply_rotary_pos_emb = original
+
+    glm4 = build_model(build_config("glm4"))
+    with torch.no_grad():
+        for layer in glm4.model.layers:
+            layer.post_self_attn_layernorm.weight.normal_(1.0, 0.5)
+            layer.post_mlp_layernorm.weight.normal_(1.0, 0.5)
+    without_post_norms = copy.deepcopy(glm4)
+    for layer in without_post_norms.model.layers:
+        layer.post_self_attn_layernorm = torch.nn.Identity()
+        layer.post_mlp_layernorm = torch.nn.Identity()
+    assert abs(_hf_loss(glm4, batch) - _hf_loss(without_post_norms, batch)) > FEATURE_EFFECT * _hf_loss(glm4, batch)
+    check_fused_step_against_hf(glm4, tmp_path)   # with non-trivial post-norms
+
+    job = TrainingJob.create(job_spec("glm", 1, {"r": 2, "target_modules": "all-linear"}), from_module(glm, None),
+                             examples(0, [10]), [], seed=0)
+    assert {name.rsplit(".", 1)[-1] for name in job.adapter.layers} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_up_proj", "down_proj"}
+
+
 # -- refusals -----------------------------------------------------------------------------------------
 
 REFUSED = [
@@ -279,6 +338,32 @@ def test_refused_at_load_with_its_reason(model_type, fields, message, tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match=message):
         load_base_model(str(tmp_path), device="cpu")
+
+
+CHATGLM_CONFIG = {"model_type": "chatglm", "architectures": ["ChatGLMModel"],
+                  "auto_map": {"AutoConfig": "configuration_chatglm.ChatGLMConfig",
+                               "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"},
+                  "num_layers": 2, "hidden_size": 64, "padded_vocab_size": 128, "multi_query_attention": True,
+                  "multi_query_group_num": 2, "kv_channels": 16, "ffn_hidden_size": 96}
+
+
+def test_remote_code_chatglm_is_refused_naming_native_glm4(tmp_path):
+    """The remote-code ChatGLM2/3 (its config.json names model_type 'chatglm' and its own Python classes):
+    transformers cannot even read its config without trust_remote_code; aspen refuses it before anything is
+    run, naming the transformers-native GLM-4 model types to use instead."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(CHATGLM_CONFIG))
+    message = r"model_type 'chatglm'.*trust_remote_code.*refused; use a transformers-native GLM-4.*'glm' or 'glm4'"
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_base_model(str(tmp_path), device="cpu")
+    # another remote-code type aspen does not know: refused for its auto_map, naming the verified types
+    (tmp_path / "config.json").write_text(json.dumps({**CHATGLM_CONFIG, "model_type": "internlm2"}))
+    with pytest.raises(UnsupportedModelError, match=r"'internlm2'\) needs its own modeling code .*auto_map.*glm4"):
+        load_base_model(str(tmp_path), device="cpu")
+    # a config object of that type (e.g. built by remote code elsewhere) is refused the same way
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_model_support(type("ChatGLMConfig", (), {"model_type": "chatglm"})())
 
 
 def test_dynamic_rope_would_make_a_job_depend_on_its_neighbours():

@@ -163,7 +163,8 @@ class TrainerFleet:
                                 "restarts": slot.restarts, "ready": slot.status is not None,
                                 "actor_name": slot.actor_name, "node_id": slot.node,
                                 "node_address": node.address if node else None, "threads": slot.threads,
-                                "retired": slot.retired}
+                                "retired": slot.retired, "stages": slot.config.stages,
+                                "stage_split": slot.config.stage_split}
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")

@@ -87,6 +87,7 @@ class TrainerLoop(JobEnds):
         self.outputs = RemoteOutputs(trainer_id, staging_dir, config.upload_timeout_s, self.events,
                                      self.commands.wake)
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
+        self.last_step_job_tokens: dict[str, int] = {}   # each job's real tokens in the last fused step (status)
         # what adapters record as their base: an id a serving engine resolves, and where it was loaded from
         base = self.trainer.base
         self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
@@ -128,7 +129,7 @@ class TrainerLoop(JobEnds):
             data_waits=totals.data_waits, memory_coefficients=tuple(admission.memory_model.coefficients.tolist()),
             memory_error=admission.memory_model.mean_error, longest_sequence=totals.longest_sequence,
             step_tokens=self.config.step_tokens, max_jobs=self.config.max_jobs,
-            memory_in_use_bytes=memory_in_use(base.device))
+            memory_in_use_bytes=memory_in_use(base.device), last_step_job_tokens=dict(self.last_step_job_tokens))
 
     def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
         """From the stepping thread, between steps: `prompt` continued by the job's current adapter and by
@@ -334,6 +335,7 @@ class TrainerLoop(JobEnds):
                "job_tokens": {result.job: result.tokens for result in report.results},
                "gpus": self.config.stages if self.base.device.type == "cuda" else 0}
         self.step_log.write(row)
+        self.last_step_job_tokens = dict(row["job_tokens"])   # after its row is in the step log
         self.events.emit("step", "", report.step, **row)
         now = time.time()
         for result in report.results:

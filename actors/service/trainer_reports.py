@@ -51,6 +51,7 @@ class TrainerStatus:
     step_tokens: int = 0
     max_jobs: int | None = None
     memory_in_use_bytes: int = 0  # now: allocated CUDA memory, or the process's resident memory on CPU
+    last_step_job_tokens: dict[str, int] = field(default_factory=dict)   # each job's real tokens in the last step
 
 
 class TrainerEvents:

@@ -160,6 +160,14 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     assert shown == {r.id for r in alice.jobs()} == {long_job.id, queued.id}   # not bob's
     assert page.text_content(f"{row} td:nth-child(11)") == "alice"
     shot(page, console, "jobs")
+    # keyboard focus stays on the row's checkbox while live updates redraw the table
+    page.focus(f"{row} input[type=checkbox]")
+    now = int(page.text_content(f"{row} .step").split("/")[0])
+    page.wait_for_function(f"parseInt(document.querySelector(\"{row} .step\").textContent) > {now}")
+    assert page.evaluate("document.activeElement.getAttribute('data-job')") == long_job.id
+    page.keyboard.press("Space")                                   # and acts on it: selected
+    assert page.is_checked(f"{row} input[type=checkbox]")
+    page.keyboard.press("Space")
 
     # the job's page: its loss curve gains points as it trains
     page.click(f"{row} a")

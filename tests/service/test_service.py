@@ -41,6 +41,11 @@ def test_jobs_submitted_while_others_run_join_without_a_restart(service, tiny_mo
                            output_dir=tmp_path / "first")
     wait_for(lambda: service.status(first.id).step >= 3, what="the first job to train")
     incarnation = service.trainers()[0]["incarnation"]
+    # each job's real tokens in the trainer's last fused step (the console's share), as its step log has them
+    last = wait_for(lambda: service.trainers()[0]["last_step_job_tokens"], what="the trainer's last step")
+    logged = [json.loads(line) for line in
+              (Path(service.info()["state_dir"]) / "trainers" / "trainer-0.jsonl").read_text().splitlines()]
+    assert last.keys() == {first.id} and last[first.id] in {row["job_tokens"][first.id] for row in logged}
     second = service.submit(job_dict("second", write_task_data(data, "second", offset=3), 5), base_model=base,
                             output_dir=tmp_path / "second")
     done_second = second.wait(timeout=120)
@@ -49,7 +54,7 @@ def test_jobs_submitted_while_others_run_join_without_a_restart(service, tiny_mo
     service.cancel(first.id)
     assert first.wait(timeout=60).state == "cancelled"
     trainer = service.trainers()[0]
-    assert trainer["incarnation"] == incarnation and trainer["restarts"] == 0
+    assert trainer["incarnation"] == incarnation and trainer["restarts"] == 0 and trainer["stages"] == 1
     rows = [json.loads(line) for line in
             (Path(service.info()["state_dir"]) / "trainers" / "trainer-0.jsonl").read_text().splitlines()]
     shared = [row for row in rows if set(row["jobs"]) == {first.id, second.id}]

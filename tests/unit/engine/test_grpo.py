@@ -210,3 +210,30 @@ def test_grpo_specs_are_checked():
 
     problem = step_limit_problem(_grpo_spec("a", "contains", max_seq_len=64), 512)
     assert "batch_size 2 prompts * grpo.num_generations 4 * (max_seq_len 64 + grpo.max_new_tokens 5) = 552" in problem
+
+
+def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_model_dirs, tmp_path):
+    """The whole path a user takes: a jobs file with a GRPO job (its reward a user function, its held-out
+    rows scored by eval_generate) and an SFT job, run by the service in this process: both complete, the
+    GRPO job's metrics.jsonl has its rewards per step, and its adapter is a PEFT folder."""
+    import json
+    from pathlib import Path
+
+    from actors.engine.spec import RunSpec
+    from actors.service.local_run import train_locally
+    from tests.helpers.service import job_dict, write_task_data
+
+    data = write_task_data(tmp_path / "data", "arith")
+    grpo = job_dict("grpo", data, 3, method="grpo", batch_size=2, eval_split=4, eval_every=3,
+                    grpo={"reward": "contains", "num_generations": 3, "max_new_tokens": 6, "beta": 0.05},
+                    eval_generate={"metric": "contains", "max_new_tokens": 6})
+    spec = RunSpec(base_model=str(tiny_model_dirs["llama"]), output_dir=tmp_path / "runs", step_tokens=2048,
+                   jobs=[grpo, job_dict("sft", data, 3)])
+    results = {r.name: r for r in train_locally(spec, progress=False)}
+    assert results["grpo"].state == "completed" and results["grpo"].steps == 3, results["grpo"].reason
+    assert results["sft"].state == "completed", results["sft"].reason
+    rows = [json.loads(line) for line in (Path(results["grpo"].adapter_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(0.0 <= row["reward"] <= 1.0 and row["kl"] >= 0 for row in rows), rows
+    assert "eval_score" in rows[-1]
+    assert (Path(results["grpo"].adapter_dir) / "adapter_config.json").is_file()

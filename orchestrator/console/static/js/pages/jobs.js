@@ -60,6 +60,10 @@ export function render(params, session) {
 
   function draw() {
     const rows = shown();
+    // live updates redraw the rows: the focused checkbox or link is found again by its job and kind
+    const focused = body.contains(document.activeElement) ? document.activeElement : null;
+    const focusJob = focused?.closest("tr")?.getAttribute("data-job");
+    const focusKind = focused?.tagName;
     body.replaceChildren(...rows.map((job) => {
       const box = el("input", { type: "checkbox", "aria-label": `select ${job.name}`, "data-job": job.id,
         checked: selected.has(job.id),
@@ -78,6 +82,11 @@ export function render(params, session) {
         el("td", { text: job.priority }),
         el("td", { text: job.user || "(operator)" }));
     }));
+    if (focusJob) {
+      const row = [...body.querySelectorAll("tr")].find((tr) => tr.getAttribute("data-job") === focusJob);
+      const again = row?.querySelector(focusKind === "A" ? "a" : "input");
+      if (again) again.focus({ preventScroll: true });
+    }
     status.textContent = `${rows.length} of ${jobs.size} jobs shown; ${selected.size} selected`;
     if (!jobs.size) body.replaceChildren(el("tr", {}, el("td", { colspan: 11, text: "No jobs yet: submit one." })));
   }

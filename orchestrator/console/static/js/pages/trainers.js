@@ -1,6 +1,6 @@
 // Trainers: per trainer its base model, the jobs it holds, its fused tokens per step and each job's share
-// of them (by the jobs' tokens per second), utilisation (time in steps over time up), memory in use /
-// predicted / budget and mean step time; refreshed every few seconds.
+// of them (measured: each job's tokens in the trainer's last fused step), utilisation (time in steps over
+// time up), memory in use / predicted / budget and mean step time; refreshed every few seconds.
 import { api } from "../api.js";
 import { bytes, duration, el, int, message, num, setView, table } from "../ui.js";
 
@@ -8,7 +8,6 @@ const REFRESH_MS = 3000;
 
 function trainerCard(trainer, jobs) {
   const here = (trainer.jobs || []).map((id) => jobs.get(id)).filter(Boolean);
-  const rate = here.reduce((sum, j) => sum + (j.tokens_per_s || 0), 0);
   const up = trainer.started_at ? Date.now() / 1000 - trainer.started_at : null;
   const predicted = (trainer.memory_fixed_bytes || 0) + (trainer.memory_step_bytes || 0);
   const facts = [
@@ -25,15 +24,20 @@ function trainerCard(trainer, jobs) {
     ["memory budget", bytes(trainer.memory_budget_bytes)],
     ["peak", bytes(trainer.peak_memory_bytes)],
   ];
-  if (trainer.stages) facts.push(["pipeline stages", trainer.stages]);
+  if (trainer.stages > 1) {
+    const split = Array.isArray(trainer.stage_split) ? `layers ${trainer.stage_split.join(" / ")}` : trainer.stage_split;
+    facts.push(["pipeline stages", `${trainer.stages} (${split})`]);
+  }
+  const last = trainer.last_step_job_tokens || {};
+  const stepped = here.reduce((sum, j) => sum + (last[j.id] || 0), 0);
   const shares = here.map((j) => [el("a", { href: `#/jobs/${encodeURIComponent(j.id)}`, text: j.name }),
     j.tokens_per_s ? int(j.tokens_per_s) : "–",
-    rate ? `${Math.round((100 * (j.tokens_per_s || 0)) / rate)} %` : "–",
-    rate && trainer.step_tokens ? int(((j.tokens_per_s || 0) / rate) * trainer.step_tokens) : "–"]);
+    stepped ? `${Math.round((100 * (last[j.id] || 0)) / stepped)} %` : "–",
+    j.id in last ? int(last[j.id]) : "–"]);
   return el("article", { class: "card", "data-trainer": trainer.id, "aria-labelledby": `trainer-${trainer.id}` },
     el("h2", { id: `trainer-${trainer.id}`, text: `Trainer ${trainer.id}` }),
     el("dl", { class: "facts" }, facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
-    here.length ? table(["job", "tokens/s", "share", "≈ tokens per step"], shares,
+    here.length ? table(["job", "tokens/s", "share of the last step", "tokens in the last step"], shares,
       { caption: `jobs held: ${here.length}` }) : el("p", { text: "No jobs held." }));
 }
 

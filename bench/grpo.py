@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""A GRPO job learning beside SFT jobs on one base (issue 37): smollm2-135m (the embedded default), one fused
+trainer, the in-process service (`train_locally`, as `aspen run` runs a jobs file):
+
+- `arith` (method grpo): generated single-digit additions asked in chat form ("What is 7+5? Reply with the
+  number only."), 8 completions per prompt sampled with its own adapter each step, rewarded by `reward`
+  below (1 for exactly the sum, 0.5 more for the sum anywhere in it); 24 held-out additions (never trained
+  on) scored by greedy generation before (the base alone) and after (its adapter): exact match and contains;
+- `reverse` and `date` (method sft): two of the demo's generated tasks, sharing the same fused steps.
+
+Printed: the held-out exact-match score of the base alone and of the GRPO job's adapter (the same greedy
+decoding), its mean training reward per step, and the SFT jobs' first and last losses. The claim is that the
+held-out score rises above the base's while the SFT jobs train.
+
+    .venv/bin/python bench/grpo.py [--steps 40] [--lr 1e-4] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+QUESTION = "What is {a}+{b}? Reply with the number only."
+
+
+def reward(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    """1 for a completion that is exactly the sum, 0.5 more for one that holds it anywhere: the base almost
+    never answers with the number alone (2 of 832 sampled completions in a first run with exact match alone,
+    whose group advantages were then almost always 0), but often writes it in a sentence ("7 + 5 = 12")."""
+    out = []
+    for completion, row in zip(completions, rows, strict=True):
+        answer = row["reference"].strip()
+        out.append(float(completion.strip() == answer) + 0.5 * float(answer in completion))
+    return out
+
+
+def arithmetic_rows(count: int, seed: int, exclude: set[tuple[int, int]] = frozenset()) -> list[dict]:
+    """Chat rows of distinct single-digit additions (not in `exclude`), the sum as the assistant's answer."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10) if (a, b) not in exclude]
+    rng.shuffle(pairs)
+    return [{"messages": [{"role": "user", "content": QUESTION.format(a=a, b=b)},
+                          {"role": "assistant", "content": str(a + b)}], "pair": [a, b]} for a, b in pairs[:count]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=1e-4, help="the GRPO job's learning rate")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+
+    from actors.engine.data.formats import ChatFormat
+    from actors.engine.data.tokenize import tokenize_example
+    from actors.engine.generation_eval import generation_scores
+    from actors.engine.lora import add_adapter
+    from actors.engine.models import load_base_model
+    from actors.engine.peft_io import load_adapter_weights
+    from actors.engine.spec import GenerationEval, LoraConfig, RunSpec
+    from actors.service.local_run import train_locally
+    from orchestrator.demo import TASKS, make_rows, write_jsonl
+
+    held_out = arithmetic_rows(24, seed=1)
+    train = arithmetic_rows(57, seed=2, exclude={tuple(row["pair"]) for row in held_out})
+    lora = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+    metrics = [GenerationEval(metric=name, max_new_tokens=8) for name in ("exact_match", "contains")]
+    with tempfile.TemporaryDirectory(prefix="aspen-grpo-") as scratch:
+        folder = Path(scratch)
+        arith = write_jsonl(folder / "arith.jsonl", [{"messages": r["messages"]} for r in train])
+        sft = {task.name: write_jsonl(folder / f"{task.name}.jsonl", make_rows(task, 200, seed=0))
+               for task in TASKS if task.name in ("reverse", "date")}
+        jobs = [{"name": "arith", "data": str(arith), "format": {"type": "chat"}, "method": "grpo",
+                 "grpo": {"reward": "bench.grpo:reward", "num_generations": 8, "max_new_tokens": 8},
+                 "batch_size": 4, "max_steps": args.steps, "lr": args.lr, "max_seq_len": 64, "lora": lora}]
+        for task in TASKS:
+            if task.name in sft:
+                jobs.append({"name": task.name, "data": str(sft[task.name]), "format": task.format.model_dump(),
+                             "batch_size": 4, "max_steps": args.steps, "lr": 2e-4, "max_seq_len": 64, "lora": lora})
+        spec = RunSpec.model_validate({"base_model": "smollm2-135m", "output_dir": str(folder / "runs"),
+                                       "step_tokens": 4096, "dtype": "float32", "jobs": jobs})
+        base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
+        held = [tokenize_example({"messages": r["messages"]}, ChatFormat(type="chat"), base.tokenizer, max_seq_len=64)
+                for r in held_out]
+        base_scores = generation_scores(base, [(None, metric, held) for metric in metrics])
+        started = time.time()
+        results = {r.name: r for r in train_locally(spec, base=base, progress=False)}
+        seconds = time.time() - started
+        handle = add_adapter(base.model, "arith", LoraConfig(**lora), seed=0)
+        load_adapter_weights(handle, Path(results["arith"].adapter_dir))
+        grpo_scores = generation_scores(base, [("arith", metric, held) for metric in metrics])
+        rows = [json.loads(line) for line in (Path(results["arith"].adapter_dir) / "metrics.jsonl").read_text()
+                .splitlines()]
+    rewards = [round(row["reward"], 3) for row in rows]
+    figures = {"held_out": {"base": dict(zip(("exact_match", "contains"), base_scores, strict=True)),
+                            "grpo": dict(zip(("exact_match", "contains"), grpo_scores, strict=True))},
+               "grpo_train_reward_per_step": rewards, "seconds": round(seconds, 1),
+               "sft": {name: {"first_loss": r.first_loss, "final_loss": r.final_loss, "state": r.state}
+                       for name, r in results.items() if name != "arith"},
+               "grpo_state": results["arith"].state}
+    for who, values in figures["held_out"].items():
+        print(f"held-out, {who:>4}: exact match {values['exact_match']:.3f}, contains {values['contains']:.3f}")
+    print(f"GRPO job, mean training reward per step: {rewards}")
+    for name, row in figures["sft"].items():
+        print(f"SFT job {name}: loss {row['first_loss']:.3f} -> {row['final_loss']:.3f} ({row['state']})")
+    print(f"{args.steps} fused steps in {seconds:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

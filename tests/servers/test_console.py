@@ -254,9 +254,12 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
 def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browser):
     root = console.http("root")
     out = console.state_dir / "outputs" / "root" / "sweep"   # under the admin's own outputs' folder
+    # one trial at a time, the good rate first: the hopeless one meets its result at the first rung and is
+    # stopped there (tests/service/test_sweep.py: the same pair), so the chart has a stopped curve to mark
     sweep = {"name": "console-lr", "base_model": console.base, "output_dir": str(out),
-             "step_tokens": 512, "search": "grid", "max_concurrent": 2, "space": {"lr": {"choice": [1e-3, 3e-3]}},
-             "job": {**job_dict("lr", console.data, 4, eval_split=4, eval_every=2), "checkpoint_every": 100}}
+             "step_tokens": 512, "search": "grid", "max_concurrent": 1, "space": {"lr": {"choice": [5e-3, 1e-9]}},
+             "stopping": {"asha": {"grace_steps": 4, "reduction": 2}},
+             "job": {**job_dict("lr", console.data, 24, eval_split=4, eval_every=4), "checkpoint_every": 100}}
     root.sweep(sweep)
     bobs = console.http("bob").submit(job_dict("bobs-waiting", console.data, 2), base_model=NOBODYS_MODEL)
     page = log_in(browser, console, "root")
@@ -288,6 +291,12 @@ def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browse
     names = [r.text_content() for r in page.query_selector_all(".leaderboard tbody td:nth-child(2)")]
     assert names == [t["name"] for t in status["trials"]]
     page.wait_for_selector("[data-chart=trials]")
+    stopped = [t["name"] for t in status["trials"] if t["state"] == "stopped"]
+    assert len(stopped) == 1, status["trials"]
+    states = [r.text_content() for r in page.query_selector_all(".leaderboard tbody td:nth-child(3)")]
+    assert states == [t["state"] for t in status["trials"]]
+    headers = [h.text_content() for h in page.query_selector_all("[data-chart=trials] .numbers thead th")]
+    assert f"{stopped[0]} (stopped)" in headers, headers   # its curve marked (dashed) in the chart and its numbers
     best = next(r for r in root.jobs() if r.name == status["best"])
     assert page.text_content("#best-adapter") == best.adapter_dir
     shot(page, console, "sweeps")

@@ -41,7 +41,7 @@ from actors.engine.loss import target_log_probs
 from actors.engine.model_support import LogitTransform
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
-from actors.engine.preference import PreferenceOutcome, reference_layout
+from actors.engine.preference import PreferenceOutcome, reference_layout, targets_of_rows
 from actors.engine.spec import GenerationEval, GrpoConfig
 
 Reward = Callable[[list[str], list[str], list[dict]], Sequence[float]]
@@ -183,7 +183,6 @@ class CompletionTargets:
 def completion_targets(batch: FusedBatch, micro_batches: list[JobMicroBatch], jobs: list[int]) -> CompletionTargets:
     """Where the targets of the micro-batches `jobs` (indices into `micro_batches`, whose examples are
     `Rollout`s) lie, by completion."""
-    device = batch.target_index.device
     sequence_of_row: list[int] = []
     first: dict[int, int] = {}
     count = 0
@@ -198,11 +197,8 @@ def completion_targets(batch: FusedBatch, micro_batches: list[JobMicroBatch], jo
             count += rows
         else:
             sequence_of_row += [-1] * rows
-    starts = torch.tensor([start for start, _ in batch.layout.sequences], dtype=torch.long, device=device)
-    row = torch.searchsorted(starts, batch.target_index, right=True) - 1
-    row_sequence = torch.tensor(sequence_of_row, dtype=torch.long, device=device)[row]
-    select = torch.nonzero(row_sequence >= 0).squeeze(1)
-    return CompletionTargets(select, row_sequence[select], count, first)
+    select, sequence, _, _ = targets_of_rows(batch, sequence_of_row)
+    return CompletionTargets(select, sequence, count, first)
 
 
 def tempered(transform: LogitTransform, temperature: float) -> LogitTransform:

@@ -50,6 +50,19 @@ class SequenceTargets:
     first_sequence: dict[int, int] = field(default_factory=dict)   # job index in the batch -> its first sequence
 
 
+def targets_of_rows(batch: FusedBatch, sequence_of_row: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor]:
+    """The batch's targets that lie in rows with a sequence number (`sequence_of_row`: one per row of the
+    stream, -1 for rows of no interest): (their indices among the batch's targets, their sequence numbers,
+    their rows, every row's start in the stream)."""
+    device = batch.target_index.device
+    starts = torch.tensor([start for start, _ in batch.layout.sequences], dtype=torch.long, device=device)
+    row = torch.searchsorted(starts, batch.target_index, right=True) - 1
+    row_sequence = torch.tensor(sequence_of_row, dtype=torch.long, device=device)[row]
+    select = torch.nonzero(row_sequence >= 0).squeeze(1)
+    return select, row_sequence[select], row[select], starts
+
+
 def sequence_targets(batch: FusedBatch, micro_batches: list[JobMicroBatch], jobs: list[int]) -> SequenceTargets:
     """Where the targets of the micro-batches `jobs` (indices into `micro_batches`, whose examples are
     `PreferencePair`s) lie, by sequence."""
@@ -72,14 +85,10 @@ def sequence_targets(batch: FusedBatch, micro_batches: list[JobMicroBatch], jobs
             rows = len(micro_batch.rows)
             sequence_of_row += [-1] * rows
             prompt_of_row += [0] * rows
-    starts = torch.tensor([start for start, _ in batch.layout.sequences], dtype=torch.long, device=device)
-    row = torch.searchsorted(starts, batch.target_index, right=True) - 1
-    row_sequence = torch.tensor(sequence_of_row, dtype=torch.long, device=device)[row]
-    select = torch.nonzero(row_sequence >= 0).squeeze(1)
-    row = row[select]
+    select, sequence, row, starts = targets_of_rows(batch, sequence_of_row)
     position = batch.target_index[select] + 1 - starts[row]   # the label's position in its sequence
     completion = position >= torch.tensor(prompt_of_row, dtype=torch.long, device=device)[row]
-    return SequenceTargets(select, row_sequence[select], completion, count, first)
+    return SequenceTargets(select, sequence, completion, count, first)
 
 
 def sequence_sums(values: torch.Tensor, targets: SequenceTargets, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,8 +4,9 @@ trainer, the in-process service (`train_locally`, as `aspen run` runs a jobs fil
 
 - `arith` (method grpo): generated single-digit additions asked in chat form ("What is 7+5? Reply with the
   number only."), 8 completions per prompt sampled with its own adapter each step, rewarded by `reward`
-  below (1 for exactly the sum, 0.5 more for the sum anywhere in it); 24 held-out additions (never trained
-  on) scored by greedy generation before (the base alone) and after (its adapter): exact match and contains;
+  below (1 for exactly the sum, 0.5 more where its last number is the sum, up to 0.5 more for brevity); 24
+  held-out additions (never trained on) scored by greedy generation before (the base alone) and after (its
+  adapter): exact match and contains;
 - `reverse` and `date` (method sft): two of the demo's generated tasks, sharing the same fused steps.
 
 Printed: the held-out exact-match score of the base alone and of the GRPO job's adapter (the same greedy
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import tempfile
 import time
@@ -33,13 +35,18 @@ QUESTION = "What is {a}+{b}? Reply with the number only."
 
 
 def reward(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
-    """1 for a completion that is exactly the sum, 0.5 more for one that holds it anywhere: the base almost
-    never answers with the number alone (2 of 832 sampled completions in a first run with exact match alone,
-    whose group advantages were then almost always 0), but often writes it in a sentence ("7 + 5 = 12")."""
+    """1 for a completion that is exactly the sum; 0.5 more where its last number is the sum, and up to 0.5
+    more the fewer characters it takes beyond the sum's. The base almost never answers with the number alone
+    (2 of 832 sampled completions in a first run with exact match alone, whose group advantages were then
+    almost always 0), but often writes it in a sentence ("7 + 5 = 12"). Earlier shapings were gamed: "holds
+    the sum" by "1+3=44" (holds 4), "few words" by dropping the spaces ("8+5=13.")."""
     out = []
     for completion, row in zip(completions, rows, strict=True):
-        answer = row["reference"].strip()
-        out.append(float(completion.strip() == answer) + 0.5 * float(answer in completion))
+        answer, text = row["reference"].strip(), completion.strip()
+        numbers = re.findall(r"-?\d+", text)
+        right = float(bool(numbers) and numbers[-1] == answer)
+        brevity = max(0.0, 1.0 - (len(text) - len(answer)) / 10)
+        out.append(float(text == answer) + 0.5 * right + 0.5 * right * brevity)
     return out
 
 
@@ -50,6 +57,20 @@ def arithmetic_rows(count: int, seed: int, exclude: set[tuple[int, int]] = froze
     rng.shuffle(pairs)
     return [{"messages": [{"role": "user", "content": QUESTION.format(a=a, b=b)},
                           {"role": "assistant", "content": str(a + b)}], "pair": [a, b]} for a, b in pairs[:count]]
+
+
+def held_out_samples(base, examples) -> dict[str, list[str]]:
+    """What the base alone and the GRPO adapter answer (greedy, 8 tokens, special tokens shown) to a few
+    held-out prompts."""
+    from actors.engine.generate import greedy_generate_many
+    from actors.engine.generation_eval import scored_rows, stop_token_ids
+
+    rows = scored_rows(examples, base, None)
+    out = {}
+    for who, adapter in (("base", None), ("grpo", "arith")):
+        tokens = greedy_generate_many(base, [(adapter, list(r.prompt)) for r in rows], 8, stop_token_ids(base))
+        out[who] = [repr(base.tokenizer.decode(t)) for t in tokens]
+    return out
 
 
 def main() -> int:
@@ -97,6 +118,7 @@ def main() -> int:
         handle = add_adapter(base.model, "arith", LoraConfig(**lora), seed=0)
         load_adapter_weights(handle, Path(results["arith"].adapter_dir))
         grpo_scores = generation_scores(base, [("arith", metric, held) for metric in metrics])
+        samples = held_out_samples(base, held[:4])
         rows = [json.loads(line) for line in (Path(results["arith"].adapter_dir) / "metrics.jsonl").read_text()
                 .splitlines()]
     rewards = [round(row["reward"], 3) for row in rows]
@@ -109,6 +131,9 @@ def main() -> int:
     for who, values in figures["held_out"].items():
         print(f"held-out, {who:>4}: exact match {values['exact_match']:.3f}, contains {values['contains']:.3f}")
     print(f"GRPO job, mean training reward per step: {rewards}")
+    for who, texts in samples.items():
+        print(f"held-out answers, {who}: {', '.join(texts)}")
+    figures["held_out_samples"] = samples
     for name, row in figures["sft"].items():
         print(f"SFT job {name}: loss {row['first_loss']:.3f} -> {row['final_loss']:.3f} ({row['state']})")
     print(f"{args.steps} fused steps in {seconds:.0f} s")

@@ -31,7 +31,7 @@ from orchestrator.mqtt_events import MqttListener
 from orchestrator.mqtt_settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
 from orchestrator.observability import service_listeners
 from orchestrator.watch import watch_events
-from tests.helpers.mqtt import Subscriber, free_port, retained
+from tests.helpers.mqtt import SUBSCRIBE_WAIT_S, Subscriber, free_port, retained
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 JOB = "victim-1a2b3c"
@@ -52,7 +52,8 @@ def record(state: str = "running", step: int = 3, job_id: str = JOB) -> JobRecor
 def connect_error(port: int, **options) -> aiomqtt.MqttError | None:
     """Why a client with these options cannot connect to 127.0.0.1:`port`, or None when it can."""
     async def attempt() -> None:
-        async with aiomqtt.Client("127.0.0.1", port, identifier=f"test-{uuid.uuid4().hex[:8]}", timeout=10,
+        async with aiomqtt.Client("127.0.0.1", port, identifier=f"test-{uuid.uuid4().hex[:8]}",
+                                  timeout=SUBSCRIBE_WAIT_S,
                                   **options):
             pass
 
@@ -66,7 +67,8 @@ def connect_error(port: int, **options) -> aiomqtt.MqttError | None:
 def publish(port: int, topic: str, payload: bytes, **options) -> None:
     """Connect, publish retained at QoS 1 (the broker acknowledges it, allowed or not), disconnect."""
     async def send() -> None:
-        async with aiomqtt.Client("127.0.0.1", port, identifier=f"test-{uuid.uuid4().hex[:8]}", timeout=10,
+        async with aiomqtt.Client("127.0.0.1", port, identifier=f"test-{uuid.uuid4().hex[:8]}",
+                                  timeout=SUBSCRIBE_WAIT_S,
                                   **options) as client:
             await client.publish(topic, payload, qos=1, retain=True)
 
@@ -156,8 +158,10 @@ def test_a_reader_may_subscribe_to_the_service_topics_only(service):
     settings = reader_settings(state_dir)
 
     async def granted(topic: str) -> bool:
+        # 30 s: the broker is a thread of this process, which shares two cores with the other test worker
+        # (tests/helpers/mqtt.py: SUBSCRIBE_WAIT_S); 10 s was once not enough in CI
         async with aiomqtt.Client("127.0.0.1", settings.port, username=settings.username,
-                                  password=settings.password, timeout=10) as client:
+                                  password=settings.password, timeout=SUBSCRIBE_WAIT_S) as client:
             codes = await client.subscribe(topic, qos=1)
             return not any(code.is_failure for code in codes)
 
@@ -393,7 +397,8 @@ def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refuse
         port = reader_settings(state_dir).port
 
         async def granted(username: str, password: str, topic: str) -> bool:
-            async with aiomqtt.Client("127.0.0.1", port, username=username, password=password, timeout=10) as client:
+            async with aiomqtt.Client("127.0.0.1", port, username=username, password=password,
+                                      timeout=SUBSCRIBE_WAIT_S) as client:
                 codes = await client.subscribe(topic, qos=1)
                 return not any(code.is_failure for code in codes)
 
@@ -414,14 +419,14 @@ def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refuse
             listener.job_changed(replace(record(job_id="b-000001"), user="bob"), "queued")
             listener.decided("preempt", "b-000001", "a higher priority job")
             listener.decided("preempt", "a-000001", "a higher priority job")
-            events = wait_for(lambda: mine.on("aspen/v1/users/alice/jobs/a-000001/events"), timeout=10,
+            events = wait_for(lambda: mine.on("aspen/v1/users/alice/jobs/a-000001/events"), timeout=30,
                               what="alice's event on her own topic")
             assert events[0][0]["kind"] == "preempted"
             assert mine.on("aspen/v1/users/alice/jobs/a-000001/state")[0][0]["state"] == "running"
             topics = {topic for topic, _, _ in mine.messages}   # bob's never reach her
             assert topics <= {"aspen/v1/service/status", "aspen/v1/users/alice/jobs/a-000001/state",
                               "aspen/v1/users/alice/jobs/a-000001/events"}, topics
-            wait_for(lambda: admin.on("aspen/v1/users/bob/jobs/b-000001/events"), timeout=10,
+            wait_for(lambda: admin.on("aspen/v1/users/bob/jobs/b-000001/events"), timeout=30,
                      what="the admin to read bob's topics")
             assert admin.on("aspen/v1/jobs/b-000001/state")    # and the service-wide ones
             publish(port, "aspen/v1/users/alice/jobs/a-000001/state", FORGED, username="alice", password=alice)
@@ -436,7 +441,7 @@ def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refuse
             seen = len(mine.messages)
             listener.job_changed(replace(record("completed", job_id="a-000001"), user="alice"), "running")
             wait_for(lambda: admin.on("aspen/v1/users/alice/jobs/a-000001/state")[-1:][0][0]["state"] == "completed",
-                     timeout=10, what="the admin to see the change")
+                     timeout=30, what="the admin to see the change")
             time.sleep(0.3)
             assert len(mine.messages) == seen, mine.messages[seen:]    # the removed user's session gets nothing more
         finally:

@@ -98,10 +98,21 @@ class JobEnds:
             active.report_end(self.events, "paused", {"reason": self._lost_reason(error), "retry": True,
                                                       "tokens": active.job.tokens_seen,
                                                       "checkpoint_step": saved_step(active.checkpoint_dir)})
-        assert isinstance(self.trainer, PipelineEngine)
-        self.trainer.rebuild()
-        self.admission = PipelineAdmission(self.trainer, self.config.memory_budget_bytes)
+        self._restart_stages()
         self._publish_jobs()
+
+    def _restart_stages(self: TrainerLoop) -> str | None:
+        """New stages for a pipeline that lost one: None once they run, else why they could not start (logged;
+        the engine stays lost, and the next job assigned here tries again)."""
+        assert isinstance(self.trainer, PipelineEngine)
+        try:
+            self.trainer.rebuild()
+        except Exception as error:   # logged, and returned to the job that waits for the stages
+            log.exception("trainer %s: its pipeline stages could not be started again; the next job assigned "
+                          "here tries again", self.trainer_id)
+            return f"its pipeline trainer's stages could not be started again ({error})"
+        self.admission = PipelineAdmission(self.trainer, self.config.memory_budget_bytes)
+        return None
 
     @staticmethod
     def _write(active: ActiveJob, what: str, write: Any) -> Any:

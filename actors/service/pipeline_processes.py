@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +25,21 @@ from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage import StageRuntime, StageSettings
 from actors.engine.pipeline.stage_model import check_stageable, cut_stage
 from actors.engine.pipeline.stage_split import balanced_split, check_split, even_split, measure_layer_costs
-from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks, free_port, shared_queues
+from actors.engine.pipeline.transport import (
+    TAG_COMMAND,
+    TAG_REPLY,
+    StageLinks,
+    open_rendezvous,
+    ready_key,
+    shared_queues,
+)
 from actors.engine.recompute import decoder_layers
 
 log = logging.getLogger(__name__)
 
 
 REPLYING = ("stats", "memory", "measure")   # the head's messages each stage answers
+STARTUP_POLL_S = 0.1   # how often stage 0 looks at the other stages while they start
 
 
 def dist_errors() -> type[Exception]:
@@ -160,7 +169,6 @@ class LocalPipeline:
             base = loader()
             check_stageable(base)
             self.split = resolve_split(base, stages, split)
-        port = free_port("0.0.0.0" if address != "127.0.0.1" else address)
         context = torch.multiprocessing.get_context("spawn")   # its queues pass CUDA tensors by IPC
         if transport not in ("distributed", "shared"):
             raise ValueError(f"pipeline transport '{transport}': 'distributed' or 'shared'")
@@ -176,22 +184,41 @@ class LocalPipeline:
             return process
 
         self.processes: list[StageHandle] = []
+        store = open_rendezvous(stages, timeout_s)
         try:
             for rank in range(1, stages):
-                launch = StageLaunch(rank, stages, address, port, loader, tuple(self.split), devices[rank], settings,
-                                     threads, timeout_s, queues)
+                launch = StageLaunch(rank, stages, address, store.port, loader, tuple(self.split), devices[rank],
+                                     settings, threads, timeout_s, queues)
                 self.processes.append((starter or start_process)(launch))
-        except BaseException:
-            self._stop_processes(kill=True)
-            raise
-        try:
             model = (loader.stage(self.split, 0, devices[0]) if base is None
                      else cut_stage(base, self.split, 0, torch.device(devices[0])))
-            self.links = StageLinks(0, stages, address, port, torch.device(devices[0]), timeout_s, queues)
+            self._await_stages(store, timeout_s)
+            self.links = StageLinks(0, stages, address, store.port, torch.device(devices[0]), timeout_s, queues,
+                                    store=store)
         except BaseException:
             self._stop_processes(kill=True)
             raise
         self.trainer = PipelineTrainer(StageRuntime(model, self.links, settings), self.links, step_tokens=step_tokens)
+
+    def _await_stages(self, store, timeout_s: float) -> None:
+        """Until every other stage has loaded its share of the base and reached the rendezvous: StageLost
+        naming a stage that ended meanwhile (it could not be placed, load or start), TimeoutError naming those
+        still missing after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(range(1, len(self.processes) + 1))
+        while True:
+            waiting = [rank for rank in waiting if not store.check([ready_key(rank)])]
+            if not waiting:
+                return
+            ended = [f"stage {rank} ({self.processes[rank - 1].name}, exit code {self.processes[rank - 1].exitcode})"
+                     for rank in waiting if self.processes[rank - 1].exitcode is not None]
+            if ended:
+                raise StageLost(f"pipeline stage ended while starting: {', '.join(ended)}; its log has the error")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pipeline stages {waiting} did not load their layers and meet stage 0 within "
+                                   f"{timeout_s:.0f} s: still waiting for resources, or still loading; see their "
+                                   "logs")
+            time.sleep(STARTUP_POLL_S)
 
     # -- the trainer's calls, a lost stage named --------------------------------------------------------
     def _guarded(self, call: Callable, *args, **kwargs):

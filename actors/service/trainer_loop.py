@@ -295,6 +295,11 @@ class TrainerLoop(JobEnds):
             log.warning("trainer %s: job %s is already running here; ignoring the second assignment",
                         self.trainer_id, job_id)
             return
+        if isinstance(self.trainer, PipelineEngine) and self.trainer.lost is not None:   # its stages first
+            failed = self._restart_stages()
+            if failed is not None:
+                self.events.emit("paused", job_id, 0, reason=f"it could not start: {failed}", retry=True)
+                return
         try:
             start = start_job(assignment, self.trainer, self.outputs, self.trainer_id, prefetch=self.config.prefetch)
         except StageLost as error:   # not the job's fault: it goes back and starts again on the new stages

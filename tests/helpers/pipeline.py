@@ -3,7 +3,10 @@ tests train, and the single-device reference run a pipeline's jobs are compared 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+import time
 
 import torch
 
@@ -29,6 +32,22 @@ def tiny_base(arch: str = "llama", layers: int = 4, seed: int = 0, dtype: str = 
 
 def loader(**kwargs) -> functools.partial:
     return functools.partial(tiny_base, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderFailingInStages:
+    """A base that loads in the process that made this loader (stage 0's) and not in a stage process: there it
+    raises, or (`hang_s`) takes that long first, as a stage that cannot read its share or is still waiting."""
+
+    hang_s: float = 0.0
+    owner: int = dataclasses.field(default_factory=os.getpid)
+
+    def __call__(self) -> BaseModel:
+        if os.getpid() != self.owner:
+            if self.hang_s:
+                time.sleep(self.hang_s)
+            raise OSError("this stage cannot read its base (a test's failing loader)")
+        return tiny_base(layers=LAYERS)
 
 
 single_device = train_fused   # the reference a pipeline's jobs are compared with

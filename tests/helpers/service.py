@@ -69,3 +69,28 @@ def service_config(state_dir: Path, base: Path, *, listeners: dict | None = None
     trainer = {"base_model": str(base), "step_tokens": 512, "num_cpus": 0.5, "threads": 1, **trainer}
     return ServiceConfig(state_dir=state_dir, trainers=[TrainerConfig(**trainer)], tick_seconds=0.1,
                          **(listeners or {}))
+
+
+def ray_actor_logs(*classes: str, tail: int = 6000) -> str:
+    """What this Ray session's workers that ran one of `classes` (e.g. "TrainerActor") logged last, and where
+    each of those still running is now (py-spy, installed with ray[default]): what a service test that timed
+    out shows, since its actors' logs do not reach the test's output."""
+    import subprocess
+    import sys
+
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    out = []
+    for path in sorted(logs.glob("worker-*.err")):
+        text = path.read_text(errors="replace")
+        if not any(f"actor_name:{name}" in text for name in classes):
+            continue
+        lines = [line[:400] for line in text.splitlines() if not line.startswith("USDT")]
+        out.append(f"===== {path.name}\n" + "\n".join(lines)[-tail:])
+        pid = path.stem.rsplit("-", 1)[-1]
+        spy = Path(sys.executable).parent / "py-spy"
+        if pid.isdigit() and Path(f"/proc/{pid}").exists() and spy.exists():
+            dump = subprocess.run([str(spy), "dump", "--pid", pid], capture_output=True, text=True, timeout=60)
+            out.append(f"----- py-spy dump of {pid}\n{dump.stdout[-tail:]}{dump.stderr[-500:]}")
+    return "\n".join(out) or f"no log of {classes} in {logs}"

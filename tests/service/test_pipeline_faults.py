@@ -7,12 +7,16 @@ load their stages so."""
 
 from __future__ import annotations
 
+import multiprocessing
+import time
+
 import pytest
 
 from actors.engine.pipeline.stage import StageSettings
-from actors.service.pipeline_processes import LocalPipeline
+from actors.service.pipeline_processes import LocalPipeline, StageLost
 from tests.helpers.pipeline import (
     LAYERS,
+    LoaderFailingInStages,
     assert_same_as_single_device,
     loader,
     one_thread_per_process,
@@ -64,3 +68,21 @@ def test_stages_sharing_a_device_pass_tensors_through_shared_queues_exactly():
     with LocalPipeline(loader(layers=LAYERS), 3, split="even", threads=1, transport="shared") as pipeline:
         states, heads = run_and_keep_heads(pipeline, jobs)
     assert_same_as_single_device(states, heads, jobs, reference)
+
+
+def test_a_stage_that_fails_while_starting_is_named_at_once_and_nothing_is_left_running():
+    """Stage 1 cannot load its base: stage 0 does not wait out the rendezvous timeout (600 s here) but names
+    the stage as soon as it ended, and no stage process is left behind."""
+    with pytest.raises(StageLost, match=r"stage ended while starting: stage 1 \(aspen-stage-1, exit code 1\)"):
+        LocalPipeline(LoaderFailingInStages(), 2, split="even", threads=1, timeout_s=600)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("aspen-stage")]
+
+
+def test_a_stage_that_does_not_start_in_time_is_named_and_stopped():
+    """Stage 1 still loading after the pipeline's timeout: TimeoutError naming it, its process stopped."""
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"pipeline stages \[1\] did not load their layers and meet stage 0 "
+                                           r"within 5 s"):
+        LocalPipeline(LoaderFailingInStages(hang_s=120), 2, split="even", threads=1, timeout_s=5)
+    assert time.monotonic() - started < 60, "the stage's process was not stopped (joined until it ended)"
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("aspen-stage")]

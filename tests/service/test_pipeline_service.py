@@ -133,19 +133,62 @@ def test_a_jobs_file_with_stages_trains_as_on_one_device_though_a_stage_is_kille
         "a stage process outlived the run"
 
 
+def test_stages_that_cannot_start_again_leave_the_trainer_to_try_at_the_next_job(tmp_path, tiny_model_dirs, caplog):
+    """Stage 1 is SIGKILLed mid-run and its replacement cannot start (the first relaunch fails): the job is
+    given back (paused, to be retried), the failure is logged, and the trainer stays usable: the job assigned
+    again starts new stages and ends as one device's uninterrupted run."""
+    import multiprocessing
+    import os
+    import signal
+
+    model = str(tiny_model_dirs["llama"])
+    job = job_dict("again", write_task_data(tmp_path / "data", "again"), 6, checkpoint_every=2)
+    (submission,) = run_spec(model, tmp_path / "out", [job]).submissions()
+    loop = loop_for("pipeline", tmp_path, model, "trainer-relaunch")
+    launch, failures = loop.trainer.launch, []
+
+    def failing_once():
+        if not failures:
+            failures.append(1)
+            raise OSError("no room for the new stage (a test's failing relaunch)")
+        return launch()
+
+    loop.trainer.launch = failing_once
+    try:
+        loop.assign(assignment_for(submission, "again", loop.base.tokenizer))
+        while loop.active.get("again") is None or loop.active["again"].job.step < 3:
+            loop.run_once(idle_wait=0)
+        (stage,) = [p for p in multiprocessing.active_children() if p.name == "aspen-stage-1"]
+        os.kill(stage.pid, signal.SIGKILL)
+        events = run_until_idle(loop)
+        paused = [e for e in events if e.kind == "paused"]
+        assert paused and paused[-1].data["retry"] and "lost a stage" in paused[-1].data["reason"], events
+        assert failures and "its pipeline stages could not be started again" in caplog.text
+        loop.assign(assignment_for(submission, "again", loop.base.tokenizer))
+        events = run_until_idle(loop)
+    finally:
+        loop.close()
+    assert next(e for e in events if e.kind == "started").data["resumed_from"] == 2
+    assert any(e.kind == "completed" for e in events), events
+    uninterrupted = run_spec(model, tmp_path / "uninterrupted", [job])
+    train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    assert_same_outputs(outputs(tmp_path / "out/again"), outputs(tmp_path / "uninterrupted/again"), "again")
+
+
 def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, tiny_model_dirs, tmp_path):
     """`aspen run`'s service on Ray with a `stages: 2` trainer: the trainer actor runs stage 0, stage 1 is a
-    stage actor in the trainer's placement group. The stage actor is killed mid-run: the trainer starts a new
-    one and every job resumes from its checkpoint; the jobs end as the in-process single-device run ends them,
-    and the placement group is freed when the service stops."""
+    stage actor in the trainer's placement group. The stage actor is killed mid-run (at the first job's second
+    step of 60, so that the jobs cannot have ended before the kill lands): the trainer starts a new one and
+    every job resumes from its checkpoint; the jobs end as the in-process single-device run ends them, and the
+    placement group is freed when the service stops."""
     import ray
 
     from actors.service.config import run_service_config
     from orchestrator.client import Client
-    from tests.helpers.service import wait_for
+    from tests.helpers.service import ray_actor_logs, wait_for
 
     data = tmp_path / "data"
-    jobs = [job_dict("plain", write_task_data(data, "plain"), 7, eval_split=4, eval_every=3, checkpoint_every=2),
+    jobs = [job_dict("plain", write_task_data(data, "plain"), 60, eval_split=4, eval_every=3, checkpoint_every=2),
             job_dict("accum", write_task_data(data, "accum", offset=3), 4, grad_accum=2, checkpoint_every=1)]
     model = str(tiny_model_dirs["llama"])
     reference = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
@@ -164,7 +207,10 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
         namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
                          if a["name"] == first)
         ray.kill(ray.get_actor(first, namespace=namespace))
-        records = {r.name: r for r in client.wait_all([h.id for h in handles], timeout=300)}
+        try:
+            records = {r.name: r for r in client.wait_all([h.id for h in handles], timeout=300)}
+        except TimeoutError as error:
+            raise AssertionError(f"{error}\n{ray_actor_logs('TrainerActor', 'StageActor')}") from error
         reasons = [reason for handle in handles for _, _, reason in client.transitions(handle.id)]
         replaced = stage_actors()
     finally:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pickle
 import queue
-import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -29,10 +28,18 @@ import torch.distributed as dist
 TAG_ACTIVATION, TAG_GRADIENT, TAG_GENERATOR, TAG_PARTIAL, TAG_TOTAL, TAG_RESULT, TAG_COMMAND, TAG_REPLY = range(1, 9)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+def open_rendezvous(world: int, timeout_s: float) -> dist.TCPStore:
+    """Stage 0's rendezvous store, listening on every interface at a port the OS picks as it binds it (a port
+    probed free and bound later could be taken meanwhile by another process); the other stages connect to its
+    `.port` at stage 0's address. Each marks itself ready there (`ready_key`) once its share of the base is
+    loaded, so that stage 0 can watch them start (pipeline_processes.py) rather than block in
+    `init_process_group` until its timeout when one never comes."""
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def ready_key(rank: int) -> str:
+    return f"aspen/stage-ready/{rank}"
 
 
 def backend_for(device: torch.device) -> str:
@@ -53,7 +60,10 @@ class StageLinks:
     """This stage's ends of the two channels."""
 
     def __init__(self, rank: int, world: int, address: str, port: int, device: torch.device,
-                 timeout_s: float = 600.0, queues: dict[tuple[int, int, int], Any] | None = None):
+                 timeout_s: float = 600.0, queues: dict[tuple[int, int, int], Any] | None = None,
+                 store: dist.Store | None = None):
+        """`store`: stage 0's rendezvous (`open_rendezvous`); the other stages connect to it at `address`:`port`
+        and mark themselves ready there."""
         self.rank, self.world, self.device = rank, world, device
         self.queues = queues
         self.timeout_s = timeout_s
@@ -64,8 +74,10 @@ class StageLinks:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "gloo" if queues is not None else backend_for(device)   # queues: no NCCL communicator
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-                                timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
+            store.set(ready_key(rank), "1")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.data = dist.group.WORLD
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []

@@ -2,11 +2,11 @@
 """A GRPO job learning beside SFT jobs on one base (issue 37): smollm2-135m (the embedded default), one fused
 trainer, the in-process service (`train_locally`, as `aspen run` runs a jobs file):
 
-- `arith` (method grpo): generated single-digit additions asked in chat form ("What is 7+5? Reply with the
-  number only."), 8 completions per prompt sampled with its own adapter each step, rewarded by `reward`
-  below (1 for exactly the sum, 0.5 more where its last number is the sum, up to 0.5 more for brevity); 24
-  held-out additions (never trained on) scored by greedy generation before (the base alone) and after (its
-  adapter): exact match and contains;
+- `arith` (method grpo): generated single-digit additions asked in chat form, after three solved ones as
+  earlier turns ("What is 2+3?" "5", ...; format chat with mask_history: the sum of the last question is
+  the only target), 8 completions per prompt sampled with its own adapter each step, rewarded by the built-in
+  exact_match (1 where the completion is exactly the sum, else 0); 24 held-out additions (never trained on)
+  scored by greedy generation before (the base alone) and after (its adapter): exact match and contains;
 - `reverse` and `date` (method sft): two of the demo's generated tasks, sharing the same fused steps.
 
 Printed: the held-out exact-match score of the base alone and of the GRPO job's adapter (the same greedy
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import tempfile
 import time
@@ -31,31 +30,20 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-QUESTION = "What is {a}+{b}? Reply with the number only."
-
-
-def reward(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
-    """1 for a completion that is exactly the sum; 0.5 more where its last number is the sum, and up to 0.5
-    more the fewer characters it takes beyond the sum's. The base almost never answers with the number alone
-    (2 of 832 sampled completions in a first run with exact match alone, whose group advantages were then
-    almost always 0), but often writes it in a sentence ("7 + 5 = 12"). Earlier shapings were gamed: "holds
-    the sum" by "1+3=44" (holds 4), "few words" by dropping the spaces ("8+5=13.")."""
-    out = []
-    for completion, row in zip(completions, rows, strict=True):
-        answer, text = row["reference"].strip(), completion.strip()
-        numbers = re.findall(r"-?\d+", text)
-        right = float(bool(numbers) and numbers[-1] == answer)
-        brevity = max(0.0, 1.0 - (len(text) - len(answer)) / 10)
-        out.append(float(text == answer) + 0.5 * right + 0.5 * right * brevity)
-    return out
+QUESTION = "What is {a}+{b}?"
+SHOTS = ((2, 3), (4, 4), (6, 1))   # earlier turns of every conversation: how an answer looks (a bare number)
 
 
 def arithmetic_rows(count: int, seed: int, exclude: set[tuple[int, int]] = frozenset()) -> list[dict]:
-    """Chat rows of distinct single-digit additions (not in `exclude`), the sum as the assistant's answer."""
+    """Chat rows of distinct single-digit additions (not in `exclude`, nor among the shots): three solved
+    additions as earlier turns, then the question; the sum is the last assistant turn (the only target, with
+    the chat format's mask_history)."""
     rng = random.Random(seed)
-    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10) if (a, b) not in exclude]
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10) if (a, b) not in exclude and (a, b) not in SHOTS]
     rng.shuffle(pairs)
-    return [{"messages": [{"role": "user", "content": QUESTION.format(a=a, b=b)},
+    shots = [turn for a, b in SHOTS for turn in ({"role": "user", "content": QUESTION.format(a=a, b=b)},
+                                                 {"role": "assistant", "content": str(a + b)})]
+    return [{"messages": [*shots, {"role": "user", "content": QUESTION.format(a=a, b=b)},
                           {"role": "assistant", "content": str(a + b)}], "pair": [a, b]} for a, b in pairs[:count]]
 
 
@@ -99,18 +87,18 @@ def main() -> int:
         arith = write_jsonl(folder / "arith.jsonl", [{"messages": r["messages"]} for r in train])
         sft = {task.name: write_jsonl(folder / f"{task.name}.jsonl", make_rows(task, 200, seed=0))
                for task in TASKS if task.name in ("reverse", "date")}
-        jobs = [{"name": "arith", "data": str(arith), "format": {"type": "chat"}, "method": "grpo",
-                 "grpo": {"reward": "bench.grpo:reward", "num_generations": 8, "max_new_tokens": 8},
-                 "batch_size": 4, "max_steps": args.steps, "lr": args.lr, "max_seq_len": 64, "lora": lora}]
+        jobs = [{"name": "arith", "data": str(arith), "format": {"type": "chat", "mask_history": True},
+                 "method": "grpo", "grpo": {"reward": "exact_match", "num_generations": 8, "max_new_tokens": 8},
+                 "batch_size": 4, "max_steps": args.steps, "lr": args.lr, "max_seq_len": 160, "lora": lora}]
         for task in TASKS:
             if task.name in sft:
                 jobs.append({"name": task.name, "data": str(sft[task.name]), "format": task.format.model_dump(),
                              "batch_size": 4, "max_steps": args.steps, "lr": 2e-4, "max_seq_len": 64, "lora": lora})
         spec = RunSpec.model_validate({"base_model": "smollm2-135m", "output_dir": str(folder / "runs"),
-                                       "step_tokens": 4096, "dtype": "float32", "jobs": jobs})
+                                       "step_tokens": 8192, "dtype": "float32", "jobs": jobs})
         base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
-        held = [tokenize_example({"messages": r["messages"]}, ChatFormat(type="chat"), base.tokenizer, max_seq_len=64)
-                for r in held_out]
+        chat = ChatFormat(type="chat", mask_history=True)
+        held = [tokenize_example({"messages": r["messages"]}, chat, base.tokenizer, max_seq_len=160) for r in held_out]
         base_scores = generation_scores(base, [(None, metric, held) for metric in metrics])
         started = time.time()
         results = {r.name: r for r in train_locally(spec, base=base, progress=False)}

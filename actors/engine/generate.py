@@ -38,7 +38,7 @@ def _attached(model: nn.Module) -> set[str]:
     return {name for m in model.modules() if isinstance(m, FusedLoraLinear) for name in m.adapters}
 
 
-def _needs_eager(model: nn.Module) -> bool:
+def needs_eager_attention(model: nn.Module) -> bool:
     """Attention features sdpa does not have: soft-capping (Gemma 2) and sink logits (gpt-oss)."""
     config = getattr(model, "config", None)
     return bool(getattr(config, "attn_logit_softcapping", None)) or getattr(config, "model_type", "") == "gpt_oss"
@@ -52,7 +52,7 @@ def _masked_attention(model: nn.Module) -> Iterator[None]:
     if before is None or not hasattr(model, "set_attn_implementation"):
         yield
         return
-    model.set_attn_implementation("eager" if _needs_eager(model) else "sdpa")
+    model.set_attn_implementation("eager" if needs_eager_attention(model) else "sdpa")
     try:
         yield
     finally:

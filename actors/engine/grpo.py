@@ -34,7 +34,7 @@ import torch
 
 from actors.engine.data import Example
 from actors.engine.data.tokenize import IGNORE_INDEX
-from actors.engine.generate import Sampling, greedy_generate_many
+from actors.engine.generate import Sampling, greedy_generate_many, needs_eager_attention
 from actors.engine.generation_eval import ScoredRow, metric_function, scored_rows, stop_token_ids
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_log_probs
@@ -159,6 +159,37 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
     metrics = {"reward": float(table.mean()), "reward_std": float(table.std(dim=1).mean()),
                "completions/mean_length": sum(len(tokens) for tokens in outputs) / len(outputs)}
     return out, metrics
+
+
+def kv_bytes_per_token(base: BaseModel) -> int:
+    """The bytes one token's keys and values take in the KV cache of sampling: every layer's, in the compute
+    dtype (what transformers' DynamicCache holds)."""
+    config = base.model.config
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=base.dtype).element_size()
+
+
+def sampling_bytes(base: BaseModel, rows: int, width: int) -> int:
+    """What sampling `rows` sequences of up to `width` tokens each (prompt and completion) needs beyond what
+    the trainer holds, at most: the KV cache of every token (`kv_bytes_per_token`), its last layer's copy
+    while a step appends to it, the prompt pass's hidden states and MLP activations of one layer (no
+    gradients are kept while sampling; its attention scores too where the model needs eager attention), the
+    padded batch's attention mask (width x width per row), and the last position's logits in float32 three
+    times over (the logits, the tempered scores, their softmax). tests/unit/engine/test_grpo.py checks it
+    against the allocator's count."""
+    config = base.model.config
+    config = getattr(config, "text_config", None) or config
+    element = torch.empty((), dtype=base.dtype).element_size()
+    cache = kv_bytes_per_token(base) * rows * width
+    layer_copy = cache // config.num_hidden_layers
+    scores = 2 * config.num_attention_heads * width if needs_eager_attention(base.model) else 0   # sdpa keeps none
+    prompt_pass = rows * width * element * (4 * config.hidden_size + 3 * config.intermediate_size + scores)
+    mask = rows * width * width * 5   # the padded batch's 4-D attention mask: float32, and its boolean form
+    logits = 3 * rows * config.vocab_size * 4
+    return cache + layer_copy + prompt_pass + mask + logits
 
 
 def rollout_seed(job: Any) -> int:

@@ -24,7 +24,7 @@ from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recomp
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.generation_eval import generation_scores
-from actors.engine.grpo import RewardError, reference_token_log_probs, rollout_seed, rollouts
+from actors.engine.grpo import RewardError, reference_token_log_probs, rollout_seed, rollouts, sampling_bytes
 from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
@@ -225,6 +225,15 @@ class FusedTrainer:
                 expanded, _ = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job))
             except (RewardError, ValueError) as error:
                 failed.append((job, error))
+                continue
+            except torch.OutOfMemoryError as error:   # its sampling alone: the others' step goes on
+                config = job.spec.grpo
+                rows = len(batch) * config.num_generations
+                width = max(len(e) for e in batch) + config.max_new_tokens
+                failed.append((job, MemoryError(
+                    f"sampling its {rows} completions ran out of memory ({error}); they need some "
+                    f"{sampling_bytes(self.base, rows, width) / 2**20:.0f} MiB beside what the trainer holds: "
+                    "lower batch_size, grpo.num_generations, max_seq_len or grpo.max_new_tokens")))
                 continue
             kept.append((job, expanded))
         return kept, failed

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
+from actors.engine.grpo import sampling_bytes
 from actors.engine.lora import linear_module_names
 from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
 from actors.engine.packing import JobMicroBatch
+from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer, StepReport
 from policies.memory_model import MemoryModel, StepShape
 
@@ -95,6 +97,22 @@ class StepAdmission:
     def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
         """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
         return self.predict(self.shape(micro_batches)) * (1 + self.margin) <= self.budget
+
+    def sampling_refusal(self, spec: JobSpec) -> str | None:
+        """Why a GRPO job's sampling could never fit this trainer's budget, or None: its largest rollout
+        (batch_size prompts, num_generations completions each, max_seq_len + max_new_tokens tokens) beside the
+        base's weights, raised by the margin."""
+        config = spec.grpo
+        if config is None:
+            return None
+        rows, width = spec.batch_size * config.num_generations, spec.max_seq_len + config.max_new_tokens
+        need = sampling_bytes(self.trainer.base, rows, width)
+        if (self.base_bytes + need) * (1 + self.margin) <= self.budget:
+            return None
+        return (f"sampling its completions ({rows} sequences of up to {width} tokens) needs some "
+                f"{need / 2**20:.0f} MiB beside the base's {self.base_bytes / 2**20:.0f} MiB, more than the "
+                f"trainer's memory budget of {self.budget / 2**20:.0f} MiB; lower batch_size, grpo.num_generations, "
+                "max_seq_len or grpo.max_new_tokens")
 
     def measure_next_step(self) -> bool:
         """Whether the allocator should count the next step's peak: on CPU (torch.profiler, slower) the first

@@ -300,6 +300,11 @@ class TrainerLoop(JobEnds):
             if failed is not None:
                 self.events.emit("paused", job_id, 0, reason=f"it could not start: {failed}", retry=True)
                 return
+        refusal = getattr(self.admission, "sampling_refusal", lambda spec: None)(assignment.submission.job)
+        if refusal is not None:
+            log.error("trainer %s: job %s could not start: %s", self.trainer_id, job_id, refusal)
+            self.events.emit("failed", job_id, 0, reason=f"could not start: {refusal}")
+            return
         try:
             start = start_job(assignment, self.trainer, self.outputs, self.trainer_id, prefetch=self.config.prefetch)
         except StageLost as error:   # not the job's fault: it goes back and starts again on the new stages

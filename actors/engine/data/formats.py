@@ -142,12 +142,16 @@ class PromptResponseFormat(BaseModel):
 class ChatFormat(BaseModel):
     """Rows holding a list of ``{role, content}`` messages (or ShareGPT ``{from, value}`` turns: human, gpt,
     system; see sharegpt.py), rendered through the tokenizer's chat template; the assistant turns are the
-    targets."""
+    targets (the last one only, with `mask_history`)."""
 
     model_config = ConfigDict(extra="forbid")
     type: Literal["chat"] = Field("chat", description="messages through the tokenizer's chat template")
     messages_field: str = Field("messages", description="the row field holding the messages (`conversations` for "
                                                         "ShareGPT data: its {from, value} turns are recognised)")
+    mask_history: bool = Field(False, description="only the last assistant turn is a target; the earlier turns "
+                                                  "are context (a conversation's history, few-shot examples), "
+                                                  "as LLaMA-Factory's mask_history. A GRPO job's prompt is then "
+                                                  "everything before the last assistant turn")
 
     def fields(self) -> set[str]:
         return {self.messages_field}

@@ -214,7 +214,8 @@ def _chat_ids(
     generation prompt marks where assistant turn ``i`` starts and
     ``messages[:i+1]`` where it ends.  The full text is tokenized once (as
     ``apply_chat_template(tokenize=True)`` does) and tokens are assigned by
-    their character offsets; a token overlapping an assistant span is a target.
+    their character offsets; a token overlapping an assistant span is a target
+    (the last assistant turn's only, with ``mask_history``).
     """
     messages = _chat_messages(row, fmt, source, line)
     if not getattr(tokenizer, "is_fast", False):
@@ -235,6 +236,8 @@ def _chat_ids(
                 field=f"{fmt.messages_field}[{i}]",
             )
         spans.append((len(before), len(through)))
+    if fmt.mask_history:
+        spans = spans[-1:]
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoding["input_ids"])
     offsets = encoding["offset_mapping"]

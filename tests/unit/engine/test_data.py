@@ -228,6 +228,28 @@ def test_chat_format(tok: Any) -> None:
                             max_seq_len=8, train_on_prompt=False, source="c", line=1) is None
 
 
+def test_chat_mask_history_trains_on_the_last_assistant_turn_only(tok: Any) -> None:
+    """mask_history: the same tokens as the chat template's, the last assistant turn (and its end of turn) the
+    only target, so that everything before it is the prompt: the template's own generation prompt for the
+    earlier messages (what a GRPO job samples from, and what generation metrics continue)."""
+    shots = [{"role": "user", "content": "2+3"}, {"role": "assistant", "content": "5"},
+             {"role": "user", "content": "4+4"}, {"role": "assistant", "content": "8"}]
+    messages = [*shots, {"role": "user", "content": "6+1"}, {"role": "assistant", "content": "7"}]
+    fmt = ChatFormat(type="chat", mask_history=True)
+    ex = tokenize_example({"messages": messages}, fmt, tok, max_seq_len=512, train_on_prompt=False,
+                          source="c", line=1)
+    assert ex is not None
+    reference = tok.apply_chat_template(messages, tokenize=True)
+    assert list(ex.input_ids) == list(reference["input_ids"] if not isinstance(reference, list) else reference)
+    assert tok.decode(targets(ex)) == "7" + tok.eos_token + "\n"
+    first = next(i for i, label in enumerate(ex.labels) if label != -100)
+    prompt = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    assert list(ex.input_ids[:first]) == tok(prompt, add_special_tokens=False)["input_ids"]
+    every = tokenize_example({"messages": messages}, ChatFormat(type="chat"), tok, max_seq_len=512,
+                             train_on_prompt=False, source="c", line=1)
+    assert every is not None and tok.decode(targets(every)).count(tok.eos_token) == 3
+
+
 def test_chat_default_system_prompt_and_errors(tok: Any) -> None:
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
     ex = tokenize_example({"conv": messages}, ChatFormat(type="chat", messages_field="conv"), tok,

@@ -237,3 +237,78 @@ def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_m
     assert all(0.0 <= row["reward"] <= 1.0 and row["kl"] >= 0 for row in rows), rows
     assert "eval_score" in rows[-1]
     assert (Path(results["grpo"].adapter_dir) / "adapter_config.json").is_file()
+
+
+def test_sampling_that_runs_out_of_memory_fails_its_job_alone(monkeypatch):
+    """Sampling a GRPO job's completions runs out of memory: that job fails with the sizes to lower, the
+    others' step goes on (nothing retries the same sampling forever)."""
+    import actors.engine.grpo as grpo
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(grpo, "greedy_generate_many", out_of_memory)
+    base = _number_base()
+    trainer = FusedTrainer(base)
+    trainer.add_job(TrainingJob.create(_grpo_spec("big", "contains"), base, _prompt_rows(0, 4), [], seed=0))
+    good = JobSpec(name="good", data="unused.jsonl", format={"type": "text"}, batch_size=2, max_steps=2)
+    trainer.add_job(TrainingJob.create(good, base, random_examples(1, count=4, vocab=VOCAB), [], seed=1))
+    kept, failed = trainer.rollouts(trainer.compose())
+    assert [job.name for job, _ in kept] == ["good"] and [job.name for job, _ in failed] == ["big"]
+    message = str(failed[0][1])
+    assert "sampling its 8 completions ran out of memory (CUDA out of memory" in message, message
+    assert "lower batch_size, grpo.num_generations, max_seq_len or grpo.max_new_tokens" in message
+    assert trainer.run_step(kept).results[0].job == "good"
+
+
+@pytest.mark.parametrize(("rows", "prompt", "new"), [(4, 6, 3), (24, 40, 8), (12, 90, 30), (8, 600, 20)])
+def test_sampling_bytes_bound_what_the_allocator_counts(rows, prompt, new):
+    """The sampling estimate (KV cache, one layer's prompt pass, the logits) against torch's allocator
+    count of the same sampling (the profiler's memory records on CPU): never below it, and not so far above
+    that it would refuse what fits (within 3x: the prompt pass's transients are counted as if all were live
+    at once)."""
+    from actors.engine.generate import Sampling, greedy_generate_many
+    from actors.engine.grpo import sampling_bytes
+    from actors.engine.memory import measure_peak
+
+    base = _number_base()
+    prompts = [[(7 * i + j) % (VOCAB - 10) + 5 for j in range(prompt - i % 3)] for i in range(rows)]
+    generator = torch.Generator().manual_seed(0)
+    _, measured = measure_peak(lambda: greedy_generate_many(base, [(None, p) for p in prompts], new, set(),
+                                                             Sampling(1.0, 0, generator)), base.device)
+    estimate = sampling_bytes(base, rows, prompt + new)
+    assert measured <= estimate <= 3 * measured, (measured, estimate)
+
+
+def test_a_grpo_job_whose_sampling_cannot_fit_the_budget_is_refused_at_start(tiny_model_dirs, tmp_path):
+    """A trainer whose memory budget leaves less than a GRPO job's largest rollout needs: the job assigned to
+    it fails at start naming the sizes to lower (rather than running out of memory mid-run); an SFT job
+    assigned with it completes."""
+    from actors.engine.grpo import sampling_bytes
+    from actors.engine.models import load_base_model
+    from actors.service.config import TrainerConfig
+    from actors.service.trainer_loop import TrainerLoop
+    from tests.helpers.service import job_dict, run_spec, write_task_data
+    from tests.helpers.trainer import assignment_for, run_until_idle
+
+    model = str(tiny_model_dirs["llama"])
+    data = write_task_data(tmp_path / "data", "arith")
+    grpo = job_dict("grpo", data, 2, method="grpo", batch_size=4, max_seq_len=256,
+                    grpo={"reward": "contains", "num_generations": 16, "max_new_tokens": 64})
+    base = load_base_model(model, dtype="float32", device="cpu")
+    weights = sum(t.numel() * t.element_size() for t in [*base.model.parameters(), *base.model.buffers()])
+    budget = weights + sampling_bytes(base, 64, 320) // 2   # half of what the largest rollout needs
+    submissions = run_spec(model, tmp_path / "out", [grpo, job_dict("sft", data, 2)], step_tokens=32768).submissions()
+    loop = TrainerLoop(base, TrainerConfig(base_model=model, memory_budget_bytes=budget), "trainer-0", tmp_path / "s")
+    try:
+        for submission in submissions:
+            loop.assign(assignment_for(submission, submission.job.name, base.tokenizer))
+        events = run_until_idle(loop)
+    finally:
+        loop.close()
+    ends = {e.job_id: e for e in events if e.kind in ("failed", "completed")}
+    assert ends["grpo"].kind == "failed"
+    reason = ends["grpo"].data["reason"]
+    assert "could not start: sampling its completions (64 sequences of up to 320 tokens) needs some" in reason
+    assert "lower batch_size, grpo.num_generations, max_seq_len or grpo.max_new_tokens" in reason
+    assert ends["sft"].kind == "completed", ends["sft"]

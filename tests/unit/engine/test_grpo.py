@@ -22,9 +22,9 @@ from actors.engine.trainer import FusedTrainer
 from tests.helpers.isolation import VOCAB, assert_isolated
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.pairs import random_pairs
+from tests.helpers.peft_reference import compare_gradients, copy_peft_lora, peft_config, randomize_b
 from tests.helpers.rewards import NumberTokenizer
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
-from tests.unit.engine.test_preference import _compare_gradients, _peft_config, _peft_lora, _randomize_b
 
 G = 3
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -41,7 +41,7 @@ def _trl_trainer(smol_tokenizer, tmp_path, *, beta: float, loss_type: str):
                       bf16=False)   # TRL's default autocasts the forward to bfloat16, even on a CPU
     trainer = GRPOTrainer(model=tiny_model("llama"), reward_funcs=lambda prompts, completions, **_: [0.0] * len(
         completions), args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 6),
-        processing_class=smol_tokenizer, peft_config=_peft_config())
+        processing_class=smol_tokenizer, peft_config=peft_config())
     trainer.current_gradient_accumulation_steps = 1
     return trainer
 
@@ -84,7 +84,7 @@ def _rollouts() -> list[Rollout]:
 @pytest.mark.parametrize(("loss_type", "beta"), [("dapo", 0.0), ("dapo", 0.04), ("grpo", 0.04)])
 def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(smol_tokenizer, tmp_path, loss_type, beta):
     trl = _trl_trainer(smol_tokenizer, tmp_path, beta=beta, loss_type=loss_type)
-    peft_model = _randomize_b(trl.model, 3)
+    peft_model = randomize_b(trl.model, 3)
     inputs = _trl_inputs(trl, smol_tokenizer.pad_token_id)
     peft_model.train()
     loss = trl._compute_loss(peft_model, inputs)
@@ -98,17 +98,14 @@ def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(smol_tokenizer,
                    batch_size=len(PROMPTS), grad_accum=2, max_steps=5,
                    lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     job = TrainingJob.create(spec, base, _prompt_rows(0, 2), [], seed=0)   # its rows unused: run_step gets rollouts
-    weights = _peft_lora(peft_model)
-    with torch.no_grad():
-        for name, parameter in job.adapter.named_parameters():
-            parameter.copy_(weights[name])
+    copy_peft_lora(job, peft_model)
     trainer = FusedTrainer(base)
     trainer.add_job(job)
     result = trainer.run_step([(job, _rollouts())]).results[0]
     assert result.optimizer_step is None
     tokens = sum(len(c) for group in COMPLETIONS for c in group)
     count = tokens if loss_type == "dapo" else G * len(PROMPTS)
-    gradient_difference, largest = _compare_gradients(job, count, peft_model)
+    gradient_difference, largest = compare_gradients(job, count, peft_model)
     longest = max(len(p) + len(c) for p, group in zip(PROMPTS, COMPLETIONS, strict=True) for c in group)
     config = base.model.config
     gradient_tolerance = rounding_tolerance(llama_chain_terms(config, sequence=longest, tokens=tokens + 20), largest)

@@ -22,35 +22,12 @@ from actors.engine.spec import JobSpec, RunSpec
 from actors.engine.trainer import FusedTrainer
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.pairs import random_pairs
+from tests.helpers.peft_reference import TARGETS, compare_gradients, copy_peft_lora, peft_config, randomize_b
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
 ROWS = [{"prompt": "Question: what is 2+2?\nAnswer:", "chosen": " 4", "rejected": " five, I think"},
         {"prompt": "Name a colour.", "chosen": " Blue is a colour.", "rejected": " A dog"},
         {"prompt": "Say hi", "chosen": " Hello there!", "rejected": " Go away"}]
-TARGETS = ["q_proj", "v_proj"]
-
-
-def _peft_config():
-    from peft import LoraConfig
-
-    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0)
-
-
-def _randomize_b(model, seed: int):
-    """PEFT's B matrices random (not its zeros), so that the adapter changes the log-probabilities and both
-    A and B get gradients."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    return model
-
-
-def _peft_lora(model) -> dict[str, torch.nn.Parameter]:
-    """PEFT's LoRA parameters by aspen's names (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
-    return {name.removeprefix("base_model.model.").replace(".default", ""): parameter
-            for name, parameter in model.named_parameters() if "lora_" in name}
 
 
 def _aspen_job(method: str, pairs: list[PreferencePair], peft_model, **spec):
@@ -61,28 +38,10 @@ def _aspen_job(method: str, pairs: list[PreferencePair], peft_model, **spec):
                        batch_size=len(pairs), grad_accum=2, max_steps=5,
                        lora={"r": 4, "alpha": 8, "target_modules": TARGETS}, **spec)
     job = TrainingJob.create(job_spec, base, pairs, [], seed=0)
-    weights = _peft_lora(peft_model)
-    with torch.no_grad():
-        for name, parameter in job.adapter.named_parameters():
-            parameter.copy_(weights[name])
+    copy_peft_lora(job, peft_model)
     trainer = FusedTrainer(base)
     trainer.add_job(job)
     return trainer, job
-
-
-def _compare_gradients(job, pairs: int, peft_model) -> tuple[float, float]:
-    """The largest difference between aspen's gradient (summed over the pairs, divided here by their
-    number as its optimizer does) and PEFT's (TRL's loss is the mean over the batch), and PEFT's largest
-    gradient entry."""
-    reference = _peft_lora(peft_model)
-    worst, largest = 0.0, 0.0
-    for name, parameter in job.adapter.named_parameters():
-        expected = reference[name].grad
-        assert expected is not None and parameter.grad is not None, name
-        worst = max(worst, float((parameter.grad / pairs - expected).abs().max()))
-        largest = max(largest, float(expected.abs().max()))
-    assert largest > 1e-4, "TRL's gradients are all zero: nothing was compared"
-    return worst, largest
 
 
 def _tolerances(config, pairs: list[PreferencePair], largest: float, logps: float) -> tuple[float, float]:
@@ -108,9 +67,9 @@ def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
     # a new adapter (peft_config): TRL's reference is then the base, the adapter disabled (a model that already
     # holds an adapter would get a frozen copy of it as its reference instead)
     trl = DPOTrainer(model=tiny_model("llama"), args=args, train_dataset=Dataset.from_list(ROWS),
-                     processing_class=smol_tokenizer, peft_config=_peft_config())
+                     processing_class=smol_tokenizer, peft_config=peft_config())
     assert set(trl.model.peft_config) == {"default"}
-    peft_model = _randomize_b(trl.model, 0)
+    peft_model = randomize_b(trl.model, 0)
     batch = next(iter(trl.get_train_dataloader()))
     loss = trl.compute_loss(trl.model, batch)
     loss.backward()
@@ -134,7 +93,7 @@ def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
     result = report.results[0]
     assert result.optimizer_step is None
     loss_difference = abs(result.loss - loss.item())
-    gradient_difference, largest = _compare_gradients(job, len(pairs), peft_model)
+    gradient_difference, largest = compare_gradients(job, len(pairs), peft_model)
     print(f"DPO vs TRL: loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
           f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
     assert abs(loss.item() - 0.6931) > 1e-3, "the adapter changed nothing: DPO's loss is log 2"
@@ -197,14 +156,14 @@ def test_orpo_loss_and_gradients_equal_trl(smol_tokenizer):
     pairs = [tokenize_pair(row, fmt, smol_tokenizer, max_seq_len=512, train_on_prompt=True) for row in ROWS]
     from peft import get_peft_model
 
-    peft_model = _randomize_b(get_peft_model(tiny_model("llama"), _peft_config()), 1)
+    peft_model = randomize_b(get_peft_model(tiny_model("llama"), peft_config()), 1)
     loss, metrics = _orpo_trainer(beta).get_batch_loss_metrics(peft_model, _orpo_batch(pairs))
     loss.backward()
 
     trainer, job = _aspen_job("orpo", pairs, peft_model, preference={"beta": beta}, train_on_prompt=True)
     result = trainer.train_step().results[0]
     loss_difference = abs(result.loss - loss.item())
-    gradient_difference, largest = _compare_gradients(job, len(pairs), peft_model)
+    gradient_difference, largest = compare_gradients(job, len(pairs), peft_model)
     print(f"ORPO vs TRL: loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
           f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
     ours = job.accumulator.metrics
@@ -250,7 +209,7 @@ def test_cpo_loss_and_gradients_equal_trl(smol_tokenizer, cpo_alpha):
     pairs = [tokenize_pair(row, fmt, smol_tokenizer, max_seq_len=512) for row in ROWS]
     from peft import get_peft_model
 
-    peft_model = _randomize_b(get_peft_model(tiny_model("llama"), _peft_config()), 2)
+    peft_model = randomize_b(get_peft_model(tiny_model("llama"), peft_config()), 2)
     loss, metrics = _cpo_trainer(beta, cpo_alpha).get_batch_loss_metrics(peft_model, _orpo_batch(pairs))
     loss.backward()
 
@@ -258,7 +217,7 @@ def test_cpo_loss_and_gradients_equal_trl(smol_tokenizer, cpo_alpha):
     trainer, job = _aspen_job("cpo", pairs, peft_model, preference=preference)
     result = trainer.train_step().results[0]
     loss_difference = abs(result.loss - loss.item())
-    gradient_difference, largest = _compare_gradients(job, len(pairs), peft_model)
+    gradient_difference, largest = compare_gradients(job, len(pairs), peft_model)
     print(f"CPO vs TRL (cpo_alpha {cpo_alpha}): loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
           f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
     ours = job.accumulator.metrics

@@ -161,11 +161,18 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
     return out, metrics
 
 
+SAMPLING_SIZES = "lower batch_size, grpo.num_generations, max_seq_len or grpo.max_new_tokens"   # what to lower
+
+
+def _text_config(base: BaseModel) -> Any:
+    config = base.model.config
+    return getattr(config, "text_config", None) or config
+
+
 def kv_bytes_per_token(base: BaseModel) -> int:
     """The bytes one token's keys and values take in the KV cache of sampling: every layer's, in the compute
     dtype (what transformers' DynamicCache holds)."""
-    config = base.model.config
-    config = getattr(config, "text_config", None) or config
+    config = _text_config(base)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -180,8 +187,7 @@ def sampling_bytes(base: BaseModel, rows: int, width: int) -> int:
     padded batch's attention mask (width x width per row), and the last position's logits in float32 three
     times over (the logits, the tempered scores, their softmax). tests/unit/engine/test_grpo.py checks it
     against the allocator's count."""
-    config = base.model.config
-    config = getattr(config, "text_config", None) or config
+    config = _text_config(base)
     element = torch.empty((), dtype=base.dtype).element_size()
     cache = kv_bytes_per_token(base) * rows * width
     layer_copy = cache // config.num_hidden_layers

@@ -24,7 +24,14 @@ from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recomp
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.data import Example
 from actors.engine.generation_eval import generation_scores
-from actors.engine.grpo import RewardError, reference_token_log_probs, rollout_seed, rollouts, sampling_bytes
+from actors.engine.grpo import (
+    SAMPLING_SIZES,
+    RewardError,
+    reference_token_log_probs,
+    rollout_seed,
+    rollouts,
+    sampling_bytes,
+)
 from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
@@ -233,7 +240,7 @@ class FusedTrainer:
                 failed.append((job, MemoryError(
                     f"sampling its {rows} completions ran out of memory ({error}); they need some "
                     f"{sampling_bytes(self.base, rows, width) / 2**20:.0f} MiB beside what the trainer holds: "
-                    "lower batch_size, grpo.num_generations, max_seq_len or grpo.max_new_tokens")))
+                    f"{SAMPLING_SIZES}")))
                 continue
             kept.append((job, expanded))
         return kept, failed

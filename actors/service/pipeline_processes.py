@@ -197,6 +197,7 @@ class LocalPipeline:
                                     store=store)
         except BaseException:
             self._stop_processes(kill=True)
+            del store   # closed now, not whenever the garbage collector reaches the traceback that holds this frame
             raise
         self.trainer = PipelineTrainer(StageRuntime(model, self.links, settings), self.links, step_tokens=step_tokens)
 
@@ -210,8 +211,9 @@ class LocalPipeline:
             waiting = [rank for rank in waiting if not store.check([ready_key(rank)])]
             if not waiting:
                 return
-            ended = [f"stage {rank} ({self.processes[rank - 1].name}, exit code {self.processes[rank - 1].exitcode})"
-                     for rank in waiting if self.processes[rank - 1].exitcode is not None]
+            codes = {rank: self.processes[rank - 1].exitcode for rank in waiting}   # a Ray stage's logs its error
+            ended = [f"stage {rank} ({self.processes[rank - 1].name}, exit code {code})"
+                     for rank, code in codes.items() if code is not None]
             if ended:
                 raise StageLost(f"pipeline stage ended while starting: {', '.join(ended)}; its log has the error")
             if time.monotonic() > deadline:

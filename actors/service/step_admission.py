@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from actors.engine.grpo import sampling_bytes
+from actors.engine.grpo import SAMPLING_SIZES, sampling_bytes
 from actors.engine.lora import linear_module_names
 from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
 from actors.engine.packing import JobMicroBatch
@@ -111,8 +111,7 @@ class StepAdmission:
             return None
         return (f"sampling its completions ({rows} sequences of up to {width} tokens) needs some "
                 f"{need / 2**20:.0f} MiB beside the base's {self.base_bytes / 2**20:.0f} MiB, more than the "
-                f"trainer's memory budget of {self.budget / 2**20:.0f} MiB; lower batch_size, grpo.num_generations, "
-                "max_seq_len or grpo.max_new_tokens")
+                f"trainer's memory budget of {self.budget / 2**20:.0f} MiB; {SAMPLING_SIZES}")
 
     def measure_next_step(self) -> bool:
         """Whether the allocator should count the next step's peak: on CPU (torch.profiler, slower) the first

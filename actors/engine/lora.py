@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.engine import lora_cuda
 from actors.engine.layout import StepLayout, current_layout
 from actors.engine.lora_targets import match_targets, peft_target_modules
 from actors.engine.spec import LoraConfig, needs_full_precision_base
@@ -416,20 +417,29 @@ class FusedLoraLinear(nn.Module):
         self.adapters = JobAdapters()
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
+        self.casts = lora_cuda.CastCache()   # the CUDA path's compute-dtype copies of the adapters, one step's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
         layout = current_layout()
         if layout is None or len(self.adapters) == 0:
-            return out
-        flat_x = x.reshape(-1, x.shape[-1])
-        num_tokens = flat_x.shape[0]
+            return self.base(x)
         present = [(self.adapters[name], (start, end)) for name, start, end in layout.segments
                    if name in self.adapters and end > start]
         if not present:
-            return out
-        # plain adapters may take the grouped way; DoRA and PiSSA / OLoRA adapters take their own segment's
+            return self.base(x)
         plain = [(adapter, bounds) for adapter, bounds in present if adapter.plain]
+        flat_x = x.reshape(-1, x.shape[-1])
+        if lora_cuda.takes([adapter for adapter, _ in plain], flat_x):
+            # the CUDA path (actors/engine/lora_cuda.py): the base product and the plain adapters' updates in
+            # the base's dtype, in one autograd function; the other kinds add their updates below
+            flat_out = lora_cuda.linear_with_adapters(self.base, _full_precision(self.base), flat_x,
+                                                      [adapter for adapter, _ in plain],
+                                                      [bounds for _, bounds in plain], layout, self.casts)
+            rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
+            out = flat_out.view(*x.shape[:-1], self.out_features)
+            return out if not rest else out + self._segment_deltas(rest, flat_x, flat_out, out.dtype).view(out.shape)
+        out = self.base(x)
+        num_tokens = flat_x.shape[0]
         rest = present
         grouped: torch.Tensor | None = None
         if plain and _use_grouping([a for a, _ in plain], [b for _, b in plain], flat_x):
@@ -440,20 +450,25 @@ class FusedLoraLinear(nn.Module):
             rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
             if not rest:
                 return (out.view(grouped.shape) + grouped).view(out.shape)
-        flat_out = out.reshape(-1, self.out_features)
-        pieces: list[torch.Tensor] = []
-        position = 0
-        for adapter, (start, end) in rest:
-            if start > position:
-                pieces.append(out.new_zeros(start - position, self.out_features))
-            pieces.append(adapter.delta(flat_x[start:end], flat_out[start:end], self.base).to(out.dtype))
-            position = end
-        if position < num_tokens:
-            pieces.append(out.new_zeros(num_tokens - position, self.out_features))
-        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        delta = self._segment_deltas(rest, flat_x, out.reshape(-1, self.out_features), out.dtype)
         if grouped is not None:   # the grouped rows are zeros on the other adapters' tokens, and vice versa
             delta = grouped.reshape(num_tokens, self.out_features) + delta
         return out + delta.view(out.shape)
+
+    def _segment_deltas(self, adapters: list[tuple[nn.Module, tuple[int, int]]], flat_x: torch.Tensor,
+                        flat_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each adapter's update on its own segment (adapter.delta), zeros elsewhere: (tokens, out_features)."""
+        num_tokens = flat_x.shape[0]
+        pieces: list[torch.Tensor] = []
+        position = 0
+        for adapter, (start, end) in adapters:
+            if start > position:
+                pieces.append(flat_out.new_zeros(start - position, self.out_features, dtype=dtype))
+            pieces.append(adapter.delta(flat_x[start:end], flat_out[start:end], self.base).to(dtype))
+            position = end
+        if position < num_tokens:
+            pieces.append(flat_out.new_zeros(num_tokens - position, self.out_features, dtype=dtype))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

@@ -90,3 +90,22 @@ def test_int8_outlier_threshold_would_let_one_job_change_another():
     assert any(not torch.equal(fused["quiet"][k], solo["quiet"][k]) for k in solo["quiet"]), \
         "the loud job's outliers did not reach the quiet job: the test shows nothing"
     assert_isolated(_outlier_base(0.0), jobs)
+
+
+@pytest.mark.parametrize("config,kernel", [("bfloat16", "segments"), ("bfloat16", "grouped_mm"),
+                                           ("float32", "segments"), ("int8-bfloat16", "grouped_mm"),
+                                           ("nf4-bfloat16", "segments")])
+def test_the_cuda_lora_path_keeps_fused_jobs_equal_to_their_solo_runs_exactly(monkeypatch, config, kernel):
+    """The CUDA path (actors/engine/lora_cuda.py: adapters in the base's dtype on their own segments, one
+    autograd function with the base product; per segment or grouped_mm), run here on the CPU: the same
+    argument as above holds, since each job's products read its own rows only (a quantized base's output
+    gets the updates added in place)."""
+    from actors.engine import lora_cuda
+
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
+    calls = []
+    original = lora_cuda.linear_with_adapters
+    monkeypatch.setattr(lora_cuda, "linear_with_adapters", lambda *args: calls.append(1) or original(*args))
+    assert_isolated(base_for(config), four_jobs())
+    assert calls, "the CUDA path was not taken"

@@ -64,6 +64,25 @@ def test_recomputation_trains_the_same_adapters_bit_for_bit(arch, grouping, monk
             assert torch.equal(plain[name][key], recomputed[name][key]), (name, key)
 
 
+@pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
+def test_recomputation_with_the_cuda_lora_path_trains_the_same_adapters_bit_for_bit(kernel, monkeypatch):
+    """The CUDA LoRA path (run here on the CPU, bfloat16): its recomputed forward draws each job's dropout masks
+    again from the job's generator as it stood at the layer's entry and reuses the step's compute copies of the
+    adapters, so the gradients, and the adapters, are those of the step without recomputation."""
+    from actors.engine import lora_cuda
+
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
+    base = from_module(tiny_model("llama", VOCAB).to(torch.bfloat16), None)
+    plain, plain_losses = _train(base, _jobs(4), "none")
+    recomputed, recomputed_losses = _train(base, _jobs(4), "layers")
+    assert recomputed_losses == plain_losses
+    assert max(float(v.abs().max()) for k, v in plain["a"].items() if "lora_B" in k) > 0, "the adapter did not train"
+    for name in plain:
+        for key in plain[name]:
+            assert torch.equal(plain[name][key], recomputed[name][key]), (name, key)
+
+
 def test_recomputation_keeps_isolation_with_dropout_and_a_tight_budget():
     base = from_module(tiny_model("llama", VOCAB), None)
     jobs = _jobs()

@@ -111,12 +111,27 @@ class TrainingJob:
         `optim.step_jobs` with other jobs') with `accumulator.targets`, then call `optimizer_stepped`.
         A preference job's `targets` are its pairs (its optimizer's mean is over them) and `metrics` its
         rewards' means over them."""
-        self.accumulator.add(loss, tokens, targets, metrics)
+        due = self.count_micro_batch(tokens, targets)
+        self.accumulator.add_loss(loss, targets, metrics)
+        return due
+
+    def count_micro_batch(self, tokens: int, targets: int) -> bool:
+        """`book_micro_batch` before the micro-batch's loss is known (a GPU step reads its losses back once,
+        after the optimizer steps are queued): its sizes counted, whether the optimizer step is due; the loss
+        follows with `accumulator.add_loss`, before `optimizer_stepped`."""
+        self.accumulator.count(tokens, targets)
         self.tokens_seen += tokens
         due = self.optimizer.micro_step_done()
         if not due and self.cursor.exhausted and self.peek() is None:
             due = True
         return due
+
+    def next_batch_ready(self) -> bool:
+        """Whether `peek` answers without waiting (its batch already peeked, in memory, or already fetched)."""
+        if self.pending is not None or self.done:
+            return True
+        ready = getattr(self.cursor, "ready", None)
+        return ready is None or bool(ready(0.0))
 
     def optimizer_stepped(self, lr: float, grad_norm: float) -> OptimizerStepRecord:
         """The record of the optimizer step just taken; the next accumulation starts."""

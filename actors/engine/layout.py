@@ -28,6 +28,8 @@ class StepLayout:
         return max((end - start for start, end in self.sequences), default=0)
 
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """The sequences' int32 bounds on `device` (a fused step's batch puts them there with its other tensors:
+        `FusedBatch.to`; made here otherwise)."""
         key = ("cu_seqlens", str(device))
         if key not in self.tensors:
             bounds = [0] + [end for _, end in self.sequences]

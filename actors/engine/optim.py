@@ -197,7 +197,8 @@ def _batchable(optimizer: JobOptimizer) -> bool:
                for group in optimizer.optimizer.param_groups)
 
 
-def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[float, float]]:
+def step_jobs(optimizers: list[JobOptimizer], targets: list[int], *, on_device: bool = False
+              ) -> list[tuple[float, float | torch.Tensor]]:
     """The optimizer steps of several jobs at once (`JobOptimizer.step` of each, with `targets[i]` target
     tokens): the gradients' division, the per-job norms and clipping and the AdamW updates each run as one
     multi-tensor operation over every job's parameters (AdamW once per set of equal hyperparameters: lr,
@@ -208,8 +209,13 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[
     others, and on a pipeline trainer whose stages each hold part of its adapter. Against
     `JobOptimizer.step` (torch's clip_grad_norm_): the gradient norm is summed in float64 in another order
     (float32 rounding of the norm and the clip factor; the updates are otherwise AdamW's own kernel).
-    A job that cannot join (loss scaling, an unfused optimizer) takes its own `step`."""
-    results: dict[int, tuple[float, float]] = {}
+    A job that cannot join (loss scaling, an unfused optimizer) takes its own `step`.
+
+    `on_device` (CUDA): the norms, the clip factors and the updates stay on the device and nothing is read
+    back (`_step_together_on_device`): a joined job's norm comes back as a 0-d float64 tensor, to be read with
+    the step's other results once the step is queued. Its norm is then summed in the device's order (not
+    `chained_sum`'s), so a pipeline's stages, which sum theirs on the host, agree with it to rounding."""
+    results: dict[int, tuple[float, float | torch.Tensor]] = {}
     joined = [index for index, optimizer in enumerate(optimizers) if _batchable(optimizer)]
     for index, optimizer in enumerate(optimizers):
         if index not in joined:
@@ -222,8 +228,8 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int]) -> list[tuple[
         optimizer.set_lr()
         results[index] = (lr, 0.0)
     if joined:
-        _step_together([optimizers[index] for index in joined], [targets[index] for index in joined],
-                       results, joined)
+        together = _step_together_on_device if on_device else _step_together
+        together([optimizers[index] for index in joined], [targets[index] for index in joined], results, joined)
     return [results[index] for index in range(len(optimizers))]
 
 
@@ -275,6 +281,12 @@ def apply_step(optimizers: list[JobOptimizer], norms: list[float]) -> list[tuple
             factors.extend([min(limit / (norm + 1e-6), 1.0)] * len(own))
     if clipped:
         torch._foreach_mul_(clipped, factors)
+    return _adamw_steps(optimizers, norms)
+
+
+def _adamw_steps(optimizers: list[JobOptimizer], norms: list) -> list[tuple[float, float | torch.Tensor]]:
+    """One fused AdamW per set of equal hyperparameters over the jobs' (divided, clipped) gradients, then zero
+    them and advance the schedules. Returns (lr used, norm) per job."""
     by_hyperparameters: dict[tuple, list[tuple[torch.optim.Optimizer, dict]]] = {}
     lrs = [optimizer.lr for optimizer in optimizers]
     for optimizer in optimizers:
@@ -299,6 +311,36 @@ def apply_step(optimizers: list[JobOptimizer], norms: list[float]) -> list[tuple
         optimizer.set_lr()
         results.append((lr, norm))
     return results
+
+
+def _step_together_on_device(optimizers: list[JobOptimizer], targets: list[int],
+                             results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int]) -> None:
+    """`_step_together` without reading anything back: each job's gradients divided by its target count, its
+    norm summed on the device (float64), its clip factor min(limit / (norm + 1e-6), 1) a device scalar that
+    multiplies its gradients, then the AdamW steps. A few operations per job (its norm, its factor), the
+    division and the updates multi-tensor over every job."""
+    grads: list[torch.Tensor] = []
+    divisors: list[float] = []
+    owned: list[list[torch.Tensor]] = []
+    for optimizer, count in zip(optimizers, targets, strict=True):
+        own = [p.grad for p in optimizer.parameters if p.grad is not None]
+        grads.extend(own)
+        owned.append(own)
+        divisors.extend([optimizer.token_weight * max(count, 1)] * len(own))
+    torch._foreach_div_(grads, divisors)
+    squares = torch.stack(torch._foreach_norm(grads)).to(torch.float64).square_()
+    norms: list[torch.Tensor] = []
+    start = 0
+    for optimizer, own in zip(optimizers, owned, strict=True):
+        norm = squares[start:start + len(own)].sum().sqrt()
+        start += len(own)
+        norms.append(norm)
+        limit = optimizer.spec.max_grad_norm
+        if limit is not None:
+            factor = torch.reciprocal(norm + 1e-6).mul_(limit).clamp_(max=1.0).to(torch.float32)
+            torch._foreach_mul_(own, factor)
+    for position, outcome in enumerate(_adamw_steps(optimizers, norms)):
+        results[indices[position]] = outcome
 
 
 def _step_together(optimizers: list[JobOptimizer], targets: list[int], results: dict[int, tuple[float, float]],

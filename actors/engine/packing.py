@@ -17,6 +17,7 @@ from actors.engine.base_settings import Layout
 from actors.engine.data import Example
 from actors.engine.data.pairs import example_rows
 from actors.engine.layout import StepLayout
+from actors.engine.transfer import concatenated_to_device
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class FusedBatch:
     job_targets: list[int]         # number of target tokens per job
     job_tokens: list[int]          # real (unpadded) tokens per job
     padding_tokens: int
+    job_target_counts: torch.Tensor | None = None   # `job_targets` as a tensor where the batch is (`to`)
 
     @property
     def num_tokens(self) -> int:
@@ -70,10 +72,19 @@ class FusedBatch:
         return [end - start for start, end in self.layout.sequences]
 
     def to(self, device: torch.device) -> FusedBatch:
-        return FusedBatch(input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
-                          layout=self.layout, jobs=self.jobs, target_index=self.target_index.to(device),
-                          target_ids=self.target_ids.to(device), target_job=self.target_job.to(device),
-                          job_targets=self.job_targets, job_tokens=self.job_tokens, padding_tokens=self.padding_tokens)
+        """The batch's tensors on `device` in one copy (actors/engine/transfer.py: on CUDA from pinned memory,
+        without waiting), with the layout's `cu_seqlens` made there too, so that nothing in the step copies from
+        the host again."""
+        bounds = torch.tensor([0] + [end for _, end in self.layout.sequences], dtype=torch.long)
+        counts = torch.tensor(self.job_targets, dtype=torch.long)
+        (input_ids, position_ids, target_index, target_ids, target_job, cu_seqlens,
+         job_target_counts) = concatenated_to_device([self.input_ids, self.position_ids, self.target_index,
+                                                      self.target_ids, self.target_job, bounds, counts], device)
+        self.layout.tensors[("cu_seqlens", str(cu_seqlens.device))] = cu_seqlens.to(torch.int32)
+        return FusedBatch(input_ids=input_ids, position_ids=position_ids, layout=self.layout, jobs=self.jobs,
+                          target_index=target_index, target_ids=target_ids, target_job=target_job,
+                          job_targets=self.job_targets, job_tokens=self.job_tokens, padding_tokens=self.padding_tokens,
+                          job_target_counts=job_target_counts)
 
 
 def pack(micro_batches: list[JobMicroBatch], layout: Layout = "packed", pad_token_id: int = 0) -> FusedBatch:

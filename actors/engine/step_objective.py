@@ -20,6 +20,7 @@ from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch
 from actors.engine.preference import job_outcome, sequence_targets
 from actors.engine.spec import PREFERENCE_METHODS, JobSpec
+from actors.engine.transfer import values_to_device
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,15 @@ class ObjectiveJob:
 @dataclass
 class StepObjective:
     total: torch.Tensor                       # differentiable: backward from it
-    losses: list[float]                       # per job
+    job_losses: torch.Tensor                  # (jobs,) float32 on the step's device: each job's loss
     counts: list[int]                         # what each job's loss is the mean over: target tokens, or pairs
     metrics: list[dict[str, float] | None]    # a preference job's rewards / margins
+
+    @property
+    def losses(self) -> list[float]:
+        """The jobs' losses read back to the host (on CUDA this waits for the step: read them after it is
+        queued whole; the trainer reads them with the optimizers' norms in one go)."""
+        return self.job_losses.tolist()
 
 
 def token_weights(batch: FusedBatch, jobs: list[ObjectiveJob]) -> torch.Tensor:
@@ -44,7 +51,7 @@ def token_weights(batch: FusedBatch, jobs: list[ObjectiveJob]) -> torch.Tensor:
     gradients sum their own tokens' gradients, and each job's optimizer turns the sum into the mean
     over its step's target tokens (token-weighted accumulation), so no job's scale depends on its
     neighbours or on how its tokens fell into micro-batches."""
-    per_job = torch.tensor([job.token_weight for job in jobs], dtype=torch.float32, device=batch.target_job.device)
+    per_job = values_to_device([job.token_weight for job in jobs], torch.float32, batch.target_job.device)
     return per_job[batch.target_job]
 
 
@@ -105,8 +112,11 @@ def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, job
     return StepObjective(total, per_job, counts, metrics)
 
 
-def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> list[float]:
+def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> torch.Tensor:
+    """Each job's mean loss over its target tokens, on the device (nothing read back here)."""
     sums = torch.zeros(len(batch.jobs), dtype=torch.float32, device=losses.device)
     sums.index_add_(0, batch.target_job, losses)
-    counts = torch.tensor(batch.job_targets, dtype=torch.float32, device=losses.device).clamp_min(1)
-    return (sums / counts).tolist()
+    counts = batch.job_target_counts
+    if counts is None or counts.device != losses.device:
+        counts = values_to_device(batch.job_targets, torch.long, losses.device)
+    return sums / counts.clamp_min(1)

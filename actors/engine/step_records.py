@@ -23,10 +23,17 @@ class StepAccumulator:
     def add(self, loss: float, tokens: int, targets: int, metrics: dict[str, float] | None = None) -> None:
         """`loss`: the micro-batch's mean over its `targets` target tokens (a preference job's: over its
         pairs); `metrics`: means over the same, averaged alike."""
-        self.loss_sum += loss * targets
+        self.count(tokens, targets)
+        self.add_loss(loss, targets, metrics)
+
+    def count(self, tokens: int, targets: int) -> None:
+        """A micro-batch's sizes, known before its loss is read back (`add_loss` adds that)."""
         self.micro_batches += 1
         self.tokens += tokens
         self.targets += targets
+
+    def add_loss(self, loss: float, targets: int, metrics: dict[str, float] | None = None) -> None:
+        self.loss_sum += loss * targets
         for name, value in (metrics or {}).items():
             self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value * targets
 

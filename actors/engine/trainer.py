@@ -39,7 +39,7 @@ from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cro
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
 from actors.engine.optim import step_jobs
-from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
 from actors.engine.spec import PREFERENCE_METHODS, JobSpec
@@ -108,6 +108,8 @@ class FusedTrainer:
         self.meter = StepMemoryMeter(base.model, base.device)
         self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
+        self.prepacked: tuple[tuple, FusedBatch] | None = None   # `_prepack_next`: (its key, the batch)
+        self.prepack = base.device.type == "cuda"   # pack the next step while this one runs (`_prepack_next`)
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -265,11 +267,13 @@ class FusedTrainer:
         return report
 
     def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:
+        """The step as the device runs it. Nothing inside waits for the device: the batch goes over in one copy
+        from pinned memory, losses and norms stay on the device, and the one read-back comes after every kernel
+        of the step (the optimizers' too) is queued; meanwhile the next step's batch is packed and sent
+        (`_prepack_next`)."""
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
-        batch = pack(micro_batches, self.layout, self.base.pad_token_id).to(self.base.device)
-        if self.compiled is not None:   # a bounded number of stream lengths: compiled graphs
-            batch = pad_to_bucket(batch, self.base.pad_token_id)
+        batch = self._device_batch(micro_batches)
         compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
         model = self.base.model
@@ -289,22 +293,57 @@ class FusedTrainer:
                                      transient_bytes=logits_transient_bytes(
                                          self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
                                          softcapped=self.base.logit_transform.softcap is not None))
-        per_job, counts, metrics = objective.losses, objective.counts, objective.metrics
+        counts, metrics = objective.counts, objective.metrics
         due = [job for index, (job, _) in enumerate(chosen)
-               if job.book_micro_batch(per_job[index], batch.job_tokens[index], counts[index], metrics[index])]
+               if job.count_micro_batch(batch.job_tokens[index], counts[index])]
         # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
-        stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due])
-        records = {job.name: job.optimizer_stepped(lr, norm) for job, (lr, norm) in zip(due, stepped, strict=True)}
+        stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due],
+                            on_device=self.base.device.type == "cuda")
+        self._prepack_next()
+        per_job, norms = _read_back(objective.job_losses, [norm for _, norm in stepped])   # the step's one wait
+        for index, (job, _) in enumerate(chosen):
+            job.accumulator.add_loss(per_job[index], counts[index], metrics[index])
+        records = {job.name: job.optimizer_stepped(lr, norm)
+                   for job, (lr, _), norm in zip(due, stepped, norms, strict=True)}
         results = [JobStepResult(job=job.name, loss=per_job[index], tokens=batch.job_tokens[index],
                                  targets=batch.job_targets[index], optimizer_step=records.get(job.name))
                    for index, (job, _) in enumerate(chosen)]
-        if self.base.device.type == "cuda":
-            torch.cuda.synchronize(self.base.device)
         self.step_count += 1
         return StepReport(step=self.step_count, jobs=batch.jobs, tokens=batch.num_tokens,
                           padding_tokens=batch.padding_tokens, seconds=time.perf_counter() - started,
                           peak_memory_bytes=peak, sequence_lengths=batch.sequence_lengths, results=results,
                           memory_measured=self.base.device.type == "cuda")
+
+    def _device_batch(self, micro_batches: list[JobMicroBatch]) -> FusedBatch:
+        """The step's packed batch on the device: the one `_prepack_next` sent during the last step when it was
+        packed from these very micro-batches, else packed now (padded to a bucket with `compile`)."""
+        key = tuple((mb.job, id(mb.examples)) for mb in micro_batches)
+        prepacked, self.prepacked = self.prepacked, None
+        if prepacked is not None and prepacked[0] == key:
+            return prepacked[1]
+        return self._packed(micro_batches)
+
+    def _packed(self, micro_batches: list[JobMicroBatch]) -> FusedBatch:
+        batch = pack(micro_batches, self.layout, self.base.pad_token_id)
+        if self.compiled is not None:   # a bounded number of stream lengths: compiled graphs
+            batch = pad_to_bucket(batch, self.base.pad_token_id)
+        return batch.to(self.base.device)
+
+    def _prepack_next(self) -> None:
+        """On CUDA, while the step's kernels run: pack the step most likely to come next (every active job's
+        next micro-batch, where they fit one step together and each is at hand without waiting) and send it,
+        so that the next step starts as soon as this one is read back. A step composed otherwise (a composer,
+        a memory budget, jobs that joined or left) packs its own; GRPO and preference jobs' steps are not
+        guessed (their rows are made or looked up per step)."""
+        if not self.prepack or self.composer is not None:
+            return
+        jobs = self.active_jobs
+        if not jobs or any(job.spec.method != "sft" for job in jobs) or not all(j.next_batch_ready() for j in jobs):
+            return
+        micro = [JobMicroBatch(job.name, batch) for job in jobs if (batch := job.peek()) is not None]
+        if not micro or (len(micro) > 1 and self.step_cost(micro) > self.step_tokens):
+            return
+        self.prepacked = (tuple((mb.job, id(mb.examples)) for mb in micro), self._packed(micro))
 
     def train_step(self) -> StepReport | None:
         """Compose the next step, expand its GRPO jobs' rollouts (a failed reward raises), run it."""
@@ -390,3 +429,17 @@ class FusedTrainer:
         finally:
             set_adapters_training(self.base.model, True)
         return out.logits.reshape(rows, length, -1)
+
+
+def _read_back(losses: torch.Tensor, norms: list[float | torch.Tensor]) -> tuple[list[float], list[float]]:
+    """The step's per-job losses and the optimizers' norms as floats, in one read (on CUDA: one wait, after the
+    whole step is queued)."""
+    on_device = [index for index, norm in enumerate(norms) if isinstance(norm, torch.Tensor)]
+    if not on_device:
+        return losses.tolist(), [float(norm) for norm in norms]
+    values = torch.cat([losses.to(torch.float64), torch.stack([norms[i] for i in on_device]).to(torch.float64)])
+    values = values.tolist()
+    read = list(norms)
+    for position, index in enumerate(on_device):
+        read[index] = values[len(losses) + position]
+    return values[:len(losses)], [float(norm) for norm in read]

@@ -299,10 +299,10 @@ def _step_gradients(base, jobs) -> dict[tuple[str, str], torch.Tensor]:
     captured: dict[tuple[str, str], torch.Tensor] = {}
     original = trainer_module.step_jobs
 
-    def capture(optimizers, targets):
+    def capture(optimizers, targets, **options):
         for job in created:
             captured.update({(job.name, n): p.grad.clone() for n, p in job.adapter.named_parameters()})
-        return original(optimizers, targets)
+        return original(optimizers, targets, **options)
 
     trainer_module.step_jobs = capture
     try:

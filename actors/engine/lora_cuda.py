@@ -53,6 +53,13 @@ DTYPES = (torch.bfloat16, torch.float32)
 RANK_ALIGNMENT = 8   # grouped_mm: 16-byte strides, 8 bfloat16 elements
 
 
+def applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether plain adapters on a base of this device and dtype take this path (`COMPUTE`)."""
+    if COMPUTE == "float32" or dtype not in DTYPES:
+        return False
+    return COMPUTE == "base" or device.type == "cuda"
+
+
 def takes(adapters: Sequence[nn.Module], x: torch.Tensor) -> bool:
     """Whether these plain adapters' updates on input `x` take this path."""
     if COMPUTE == "float32" or not adapters or x.dtype not in DTYPES:

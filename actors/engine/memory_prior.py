@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine import lora_cuda
 from actors.engine.data import Example
 from actors.engine.data.pairs import example_rows
 from actors.engine.loss import DEFAULT_CHUNK
@@ -38,7 +39,7 @@ HEAP_BLOCK_CEILING = 32 << 20
 
 
 def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: dict[str, tuple[int, int]],
-                  input_groups: dict[str, int], base_dtype: torch.dtype) -> int:
+                  input_groups: dict[str, int], base_dtype: torch.dtype, *, compute_path: bool = False) -> int:
     """Bytes autograd keeps for a step's adapters (a frozen base saves no linear layer's input itself).
     `jobs`: per job its LoRA config, the linear layers it adapts and its tokens in the step. Per adapted
     layer (in, out) and token: the rank-r hidden A·x; with dropout the mask and the dropped input (in each);
@@ -49,13 +50,22 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
     magnitude's gradient reads), and computes each layer's row norms of W + B A on a transient of about
     three float32 (out, in) matrices (one layer at a time: the largest counts once). VeRA keeps per token
     and layer A x (r, for lambda_d's gradient) and the B product (out, for lambda_b's) and no input (its
-    projections are frozen), besides dropout's mask and dropped input."""
+    projections are frozen), besides dropout's mask and dropped input.
+    `compute_path`: plain LoRA adapters take the CUDA path (actors/engine/lora_cuda.py, `lora_cuda.applies`),
+    which keeps in the base's dtype the rank-r hidden per token and layer, with dropout the mask (in), and the
+    layer's input itself, once per input tensor, the whole stream long."""
     total = 0
-    kept_inputs: dict[int, int] = {}
+    kept_inputs: dict[int, int] = {}   # bytes per stream token of each input tensor kept
     dora_transient = 0
+    width = torch.finfo(base_dtype).bits // 8 if base_dtype.is_floating_point else ADAPTER_WIDTH
     for lora, names, tokens in jobs:
+        plain = lora.kind != "vera" and not lora.use_dora and lora.init_lora_weights in ("default", "gaussian")
         for name in names:
             in_features = linear_shapes[name][0]
+            if compute_path and plain:
+                total += (lora.r + (in_features if lora.dropout > 0 else 0)) * width * tokens
+                kept_inputs[input_groups.get(name, id(name))] = in_features * width
+                continue
             per_token = lora.r
             if lora.kind == "vera":
                 per_token += linear_shapes[name][1]
@@ -72,10 +82,10 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
             elif base_dtype != torch.float32:
                 per_token += in_features
             else:
-                kept_inputs[input_groups.get(name, id(name))] = in_features
+                kept_inputs[input_groups.get(name, id(name))] = in_features * ADAPTER_WIDTH
             total += per_token * ADAPTER_WIDTH * tokens
     stream = sum(tokens for _, _, tokens in jobs)
-    return total + sum(kept_inputs.values()) * ADAPTER_WIDTH * stream + dora_transient
+    return total + sum(kept_inputs.values()) * stream + dora_transient
 
 
 def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:
@@ -209,8 +219,11 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     layers = len(decoder_layers(base.decoder))
     groups = linear_input_groups(model, lambda: forward(1))
 
+    compute_path = lora_cuda.applies(base.device, base.dtype)
+
     def probe_adapter(rows: int) -> float:
-        return adapter_bytes([(spec.lora, names, rows * length)], linear_shapes, groups, base.dtype)
+        return adapter_bytes([(spec.lora, names, rows * length)], linear_shapes, groups, base.dtype,
+                             compute_path=compute_path)
 
     def adapter_share(rows: int) -> float:
         adapter = probe_adapter(rows)
@@ -305,7 +318,8 @@ class StepMemoryPrior:
         process's resident set adds beyond the allocator's peak comes on top (`BaseActivation.resident_*`:
         scratch the allocator does not count, during the whole step and during the loss)."""
         adapters = adapter_bytes([(lora, self.adapted(lora), tokens) for lora, tokens, _ in parts],
-                                 self.linear_shapes, self.activation.input_groups, self.base.dtype)
+                                 self.linear_shapes, self.activation.input_groups, self.base.dtype,
+                                 compute_path=lora_cuda.applies(self.base.device, self.base.dtype))
         tokens = sum(t for _, t, _ in parts)
         targets = sum(example_targets(examples) for _, _, examples in parts)
         activation = self.activation

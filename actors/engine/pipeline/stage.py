@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from actors.engine import lora_cuda
 from actors.engine.layout import step_layout
 from actors.engine.lora import AdapterHandle, add_adapter, remove_adapter, set_adapters_training
 from actors.engine.loss import target_cross_entropy
@@ -222,8 +223,10 @@ class StageRuntime:
         if self.activation is None:
             self.activation = probe_stage_activation(self.model, recompute=self.settings.recompute)
         config = self.model.base.model.config
+        base = self.model.base
         return StageMemory(self.stage, self.stages, self.held_bytes(), self.activation, int(config.vocab_size),
-                           self.model.hidden_size, self.model.base.dtype, self.settings.loss_chunk)
+                           self.model.hidden_size, base.dtype, self.settings.loss_chunk,
+                           compute_path=lora_cuda.applies(base.device, base.dtype))
 
     def _measure(self, on: bool) -> int | None:
         """Open (`on`) or close the allocator's window over the operations in between; closing answers the

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine import lora_cuda
 from actors.engine.data import Example
 from actors.engine.layout import step_layout
 from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
@@ -99,7 +100,8 @@ def probe_stage_activation(model: StageModel, *, recompute: str = "none",
             output, _, live = measure_allocations(forward, base.device)
             del output
             _, peak, _ = measure_allocations(forward_backward, base.device)
-            probe = adapter_bytes([(lora, names, batch.num_tokens)], shapes, groups, base.dtype)
+            probe = adapter_bytes([(lora, names, batch.num_tokens)], shapes, groups, base.dtype,
+                                  compute_path=lora_cuda.applies(base.device, base.dtype))
             tokens.append(batch.num_tokens)
             saved.append(live - probe)
             steps.append(peak - probe)
@@ -124,6 +126,7 @@ class StageMemory:
     hidden: int
     dtype: torch.dtype
     loss_chunk: int
+    compute_path: bool = False     # plain adapters take the CUDA LoRA path here (`lora_cuda.applies`)
 
     def in_flight(self) -> int:
         """Micro-batches forwarded and not yet backwarded here at most (1F1B)."""
@@ -138,7 +141,7 @@ class StageMemory:
         a = self.activation
         names = list(a.linear_shapes)
         parts = [(lora, match_targets(names, lora.target_modules), tokens) for lora, tokens in plan]
-        return adapter_bytes(parts, a.linear_shapes, a.input_groups, self.dtype)
+        return adapter_bytes(parts, a.linear_shapes, a.input_groups, self.dtype, compute_path=self.compute_path)
 
     def predict(self, plan: list[tuple[LoraConfig, int]], held: int | None = None) -> int:
         """The stage's peak while micro-batches like `plan` (per job its LoRA config and tokens; the largest a

@@ -342,3 +342,59 @@ def test_a_fused_float32_step_through_the_path_equals_the_float32_path_within_ro
         assert magnitude > 0, key
         difference = float((path[key] - expected).abs().max())
         assert difference <= rounding_tolerance(terms, magnitude), (key, difference, magnitude)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_memory_prior_counts_what_the_path_keeps_for_backward(dtype):
+    """What autograd keeps for two jobs' adapters on the path (counted by the saved-tensor hooks the trainer's
+    CPU meter uses, the base's own saved tensors taken out by a step with no adapter) against
+    memory_prior.adapter_bytes(compute_path=True): each layer's input once per input tensor, the rank-r hidden
+    and, with dropout, the mask, in the base's dtype."""
+    from actors.engine.lora import add_adapter, remove_adapter
+    from actors.engine.memory import SavedTensorCounter, _storage_key
+    from actors.engine.memory_prior import adapter_bytes, linear_input_groups
+    from actors.engine.models import from_module
+    from tests.helpers.models import tiny_model
+
+    base = from_module(tiny_model("llama", 300).to(dtype), None)
+    model = base.model
+    output = model.get_output_embeddings()
+    shapes = {name: (m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and m is not output}
+    configs = {"plain": LoraConfig(r=4, alpha=8, target_modules="all-linear"),
+               "dropping": LoraConfig(r=8, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj", "down_proj"])}
+    bounds = {"plain": (0, 70), "dropping": (70, 130)}
+    ids = torch.randint(3, 300, (1, 130), generator=torch.Generator().manual_seed(0))
+    layout = StepLayout(tuple((name, *bounds[name]) for name in configs), ((0, 40), (40, 70), (70, 130)), 130)
+
+    embeddings = model.get_input_embeddings()(ids).detach().requires_grad_(True)   # the base's own activations
+                                                                                   # kept with or without adapters
+
+    def saved() -> int:
+        counter = SavedTensorCounter(exclude={_storage_key(t)[0] for t in [*model.parameters(), *model.buffers(),
+                                                                            embeddings]})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack), step_layout(layout):
+            model.model(inputs_embeds=embeddings, position_ids=torch.arange(130)[None], use_cache=False)
+        return counter.saved_bytes
+
+    without = saved()
+    for index, (name, config) in enumerate(configs.items()):
+        add_adapter(model, name, config, seed=index)
+    model.train(False)
+    for module in model.modules():
+        if isinstance(module, FusedLoraLinear):
+            module.adapters.train(True)
+    def forward():   # as the trainer's probe sees them: inside a step, every input kept (no storage reused)
+        with step_layout(layout):
+            return model.model(inputs_embeds=embeddings, position_ids=torch.arange(130)[None], use_cache=False)
+
+    groups = linear_input_groups(model, forward)
+    measured = saved() - without
+    from actors.engine.lora_targets import match_targets
+    jobs = [(config, match_targets(list(shapes), config.target_modules), bounds[name][1] - bounds[name][0])
+            for name, config in configs.items()]
+    analytic = adapter_bytes(jobs, shapes, groups, dtype, compute_path=True)
+    for name in configs:
+        remove_adapter(model, name)
+    assert measured > 0
+    assert analytic == measured, (analytic, measured)

@@ -126,6 +126,16 @@ StepCount = Annotated[int, Bounds(1, 10**9)]
 MAX_STEP_TOKENS = 16_777_216
 """The largest `step_tokens` a run or trainer may have (16 Mi tokens in one fused step)."""
 StepTokens = Annotated[int, Bounds(16, MAX_STEP_TOKENS)]
+AUTO_STEP_TOKENS_FLOOR = 4096
+"""`step_tokens: auto` is at least this where memory allows (CPU: exactly this); a jobs file is checked against it."""
+StepTokensSetting = StepTokens | Literal["auto"]
+STEP_TOKENS_DESCRIPTION = ("token budget of one fused step (padding included); auto: 4096 on CPU, on a GPU the "
+                           "largest step up to 8192 tokens that the trainer's memory model fits in its budget")
+
+
+def step_tokens_floor(setting: int | str) -> int:
+    """The fewest tokens a step of this setting may hold: itself, or auto's floor."""
+    return AUTO_STEP_TOKENS_FLOOR if setting == "auto" else int(setting)
 
 
 class StrictModel(BaseModel):
@@ -661,7 +671,7 @@ class RunSpec(StrictModel):
     output_dir: Location = Field(Path("runs/example"), description="one folder per job under it: a path, or a storage "
                                                                   "URI (s3://bucket/prefix, gs://...) where "
                                                                   "checkpoints, adapters and metrics are uploaded")
-    step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
+    step_tokens: StepTokensSetting = Field("auto", description=STEP_TOKENS_DESCRIPTION)
     layout: Layout = Field(
         "packed", description="packed (no padding), padded (each job's rows to its longest) or padded_fused "
                               "(mLoRA: every row to the step's longest)")
@@ -701,7 +711,7 @@ class RunSpec(StrictModel):
     def _micro_batches_fit_a_step(self) -> RunSpec:
         problems = []
         for index, job in enumerate(self.jobs):
-            problem = _micro_batch_overflow(job, self.step_tokens)
+            problem = _micro_batch_overflow(job, step_tokens_floor(self.step_tokens))
             if problem is None:
                 continue
             # the location names the job (jobs[i]); point at batch_size where only it was written

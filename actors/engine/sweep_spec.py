@@ -31,13 +31,14 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from actors.engine.spec import (
     GENERATION_METRICS,
     JOB_NAME_PATTERN,
+    STEP_TOKENS_DESCRIPTION,
     USER_NAME_PATTERN,
     Bounds,
     GenerationEval,
     JobSpec,
     Location,
     Seed,
-    StepTokens,
+    StepTokensSetting,
     StrictModel,
 )
 from policies.search_space import Dimension, grid_trials, parse_space, random_trials
@@ -78,7 +79,7 @@ class SweepSpec(StrictModel):
     name: str = Field(pattern=JOB_NAME_PATTERN, description="the sweep's name: the prefix of its folder")
     base_model: str = Field("smollm2-135m", description="the base every trial trains on")
     output_dir: Location = Field(description="the sweep's folder: one folder per trial in it")
-    step_tokens: StepTokens = Field(4096, description="token budget of one fused step")
+    step_tokens: StepTokensSetting = Field("auto", description=STEP_TOKENS_DESCRIPTION)
     job: JobSpec = Field(description="the job every trial is, but for the settings the space gives it")
     space: dict[str, Any] = Field(description="job field (dotted: lora.r) -> {loguniform | uniform | randint | "
                                               "choice: ...}")

@@ -14,12 +14,13 @@ from actors.engine.spec import (
     INT64_MAX,
     STAGE_SPLIT_DESCRIPTION,
     STAGES_DESCRIPTION,
+    STEP_TOKENS_DESCRIPTION,
     Bounds,
     Location,
     RunSpec,
     Stages,
     StageSplit,
-    StepTokens,
+    StepTokensSetting,
     StrictModel,
     canonical_base_model,
     compile_problem,
@@ -40,11 +41,12 @@ class TrainerConfig(StrictModel):
     quantization: Quantization = Field("none", description="of the frozen base (the `quant` extra)")
     dtype: Dtype = Field(
         "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
-    step_tokens: StepTokens = Field(4096, description="token budget of one fused step (padding included)")
+    step_tokens: StepTokensSetting = Field("auto", description=STEP_TOKENS_DESCRIPTION)
     layout: Layout = Field("packed", description="token layout of its fused steps")
     recompute: Recompute = Field(
         "none", description="layers: keep only each decoder layer's input for backward and recompute the layer "
-                            "there (less activation memory, about a third more compute per step)")
+                            "there (less activation memory; a frozen base's backward computes input gradients only, "
+                            "so the forward again is about half more of the step's matrix products)")
     compile: Compile = Field(
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "

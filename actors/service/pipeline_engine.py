@@ -34,7 +34,7 @@ from actors.engine.pipeline.head import HeadJob, PipelineTrainer
 from actors.engine.pipeline.stage import StageSettings
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.pipeline.stage_memory import StageMemory
-from actors.engine.spec import JobSpec
+from actors.engine.spec import JobSpec, step_tokens_floor
 from actors.engine.trainer import JobStepResult, StepReport
 from actors.service.pipeline_processes import LocalPipeline, StageLost, StageStarter
 
@@ -421,8 +421,9 @@ def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None
 
     def launch() -> LocalPipeline:   # a rebuilt pipeline keeps the first one's split (none measured again)
         pipeline = LocalPipeline(loader, stages, split=chosen["split"], devices=devices, settings=settings,
-                                 step_tokens=config.step_tokens, threads=threads, transport=transport,
-                                 starter=starter, address=address)
+                                 step_tokens=step_tokens_floor(config.step_tokens), threads=threads,
+                                 transport=transport, starter=starter, address=address)
         chosen["split"] = list(pipeline.split)
         return pipeline
-    return PipelineEngine(launch, step_tokens=config.step_tokens, layout=config.layout, on_close=on_close)
+    return PipelineEngine(launch, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
+                          on_close=on_close)

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
+from actors.engine.data import Example
 from actors.engine.grpo import SAMPLING_SIZES, sampling_bytes
 from actors.engine.lora import linear_module_names
 from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
 from actors.engine.packing import JobMicroBatch
-from actors.engine.spec import JobSpec
+from actors.engine.spec import AUTO_STEP_TOKENS_FLOOR, JobSpec, LoraConfig
 from actors.engine.trainer import FusedTrainer, StepReport
 from policies.memory_model import MemoryModel, StepShape
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
 MEASURE_EVERY = 20     # CPU: and every this many steps after
+AUTO_STEP_TOKENS_CEILING = 8192   # `step_tokens: auto` on a GPU plans at most this (`plan_step_tokens`)
 MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this share fits the budget (the
                        # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 
@@ -68,12 +70,42 @@ class StepAdmission:
         self.memory_prior = StepMemoryPrior(base, activation, self.linear_shapes, recompute=trainer.recompute)
         self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token,
                                                   bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
-        # a full step's bytes over the weights before any step was measured (the scheduler's first guess)
-        self.activation_estimate = int(activation.constant + activation.per_token * trainer.step_tokens
-                                       + loss_transient_bytes(trainer.step_tokens, self.memory_prior.vocab,
-                                                              self.memory_prior.hidden, base.dtype))
         self.measured_steps = 0
         self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
+
+    @property
+    def activation_estimate(self) -> int:
+        """A full step's bytes over the weights before any step was measured (the scheduler's first guess)."""
+        activation, tokens = self.memory_prior.activation, self.trainer.step_tokens
+        return int(activation.constant + activation.per_token * tokens
+                   + loss_transient_bytes(tokens, self.memory_prior.vocab, self.memory_prior.hidden,
+                                          self.trainer.base.dtype))
+
+    def plan_step_tokens(self, gpu: bool | None = None) -> int:
+        """`step_tokens: auto`: on CPU AUTO_STEP_TOKENS_FLOOR; on a GPU the largest multiple of 1024 tokens up to
+        AUTO_STEP_TOKENS_CEILING whose step (a job of rank 16 on every linear layer, every token a target: the
+        loss's largest bytes), raised by the margin, fits the budget beside the weights, by this trainer's memory
+        prior. Larger steps make the base's products larger (closer to the GPU's ceiling) and cost fewer launches
+        per token; past ~8k tokens a 4096-wide layer's products gain little, while a step's jobs wait longer for
+        their updates. Where even the floor does not fit, the largest that does (at least 1024), with a hint.
+        `gpu`: plan as on a GPU (default: where the base is)."""
+        if not (self.trainer.base.device.type == "cuda" if gpu is None else gpu):
+            return AUTO_STEP_TOKENS_FLOOR
+        lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
+        parameters = 2 * 16 * sum(i + o for i, o in self.linear_shapes.values())
+
+        def fits(tokens: int) -> bool:
+            example = Example(tuple(range(tokens)), tuple(range(tokens)))
+            shape = StepShape.of([tokens], parameters, tokens=tokens,
+                                 analytic_bytes=self.memory_prior.analytic_bytes([(lora, tokens, [example])]))
+            return self.predict(shape) * (1 + self.margin) <= self.budget
+
+        planned = next((t for t in range(AUTO_STEP_TOKENS_CEILING, 1023, -1024) if fits(t)), 1024)
+        if planned < AUTO_STEP_TOKENS_FLOOR:
+            log.warning("step_tokens auto: only %d tokens a step fit the memory budget of %d MiB beside the base; "
+                        "recompute: layers (less activation memory, half more of the step's matrix products) or "
+                        "a quantized base would allow larger steps", planned, self.budget >> 20)
+        return planned
 
     @property
     def margin(self) -> float:

@@ -28,6 +28,7 @@ from actors.engine.checkpoint import DataChanged, save_checkpoint
 from actors.engine.generation_eval import MetricError
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
+from actors.engine.spec import step_tokens_floor
 from actors.engine.trainer import FusedTrainer, StepReport
 from actors.service.active_job import ActiveJob
 from actors.service.config import TrainerConfig, trainer_step_log
@@ -75,9 +76,11 @@ class TrainerLoop(JobEnds):
                 raise
         else:
             assert base is not None
-            self.trainer = FusedTrainer(base, step_tokens=config.step_tokens, layout=config.layout,
+            self.trainer = FusedTrainer(base, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
                                         composer=composer, recompute=config.recompute, compile=config.compile)
             self.admission = StepAdmission(self.trainer, config.memory_budget_bytes)
+            if config.step_tokens == "auto":   # sized for the device by the memory model
+                self.trainer.step_tokens = self.admission.plan_step_tokens()
         self.totals = StepTotals()
         self.commands = Commands()
         self.events = TrainerEvents()
@@ -128,7 +131,7 @@ class TrainerLoop(JobEnds):
             activation_bytes_estimate=admission.activation_estimate, linear_shapes=dict(admission.linear_shapes),
             data_waits=totals.data_waits, memory_coefficients=tuple(admission.memory_model.coefficients.tolist()),
             memory_error=admission.memory_model.mean_error, longest_sequence=totals.longest_sequence,
-            step_tokens=self.config.step_tokens, max_jobs=self.config.max_jobs,
+            step_tokens=self.trainer.step_tokens, max_jobs=self.config.max_jobs,
             memory_in_use_bytes=memory_in_use(base.device), last_step_job_tokens=dict(self.last_step_job_tokens))
 
     def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:

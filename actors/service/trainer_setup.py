@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from actors.engine.models import load_base_model
+from actors.engine.spec import step_tokens_floor
 from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.service.config import TrainerConfig
 from actors.service.pipeline_engine import start_pipeline
@@ -39,7 +40,8 @@ def start_trainer_loop(trainer_id: str, config: TrainerConfig, state_dir: Path, 
         return TrainerLoop(None, config, trainer_id, state_dir, engine=engine)
     device = "cuda" if config.num_gpus > 0 else "cpu"
     base = load_base_model(config.base_model, dtype=config.dtype, device=device, quantization=config.quantization)
-    warm_up_seconds = warm_up(base, config.step_tokens)   # one-time costs, before any job's first step
+    # one-time costs, before any job's first step
+    warm_up_seconds = warm_up(base, step_tokens_floor(config.step_tokens))
     settle_garbage_collector()
     loop = TrainerLoop(base, config, trainer_id, state_dir, composer if isinstance(composer, StepComposer) else None)
     log.info("trainer %s: %s on %s, %d torch threads, warm-up step %.2fs", trainer_id, config.base_model,

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch
@@ -143,6 +144,40 @@ def test_a_measured_peak_above_its_prediction_widens_the_margin_and_an_unmeasure
     admission.observe(shape, measured, int(measured.peak_memory_bytes * (1 - under)))
     assert admission.measured_steps == 1
     assert admission.margin == pytest.approx(under, abs=1 / measured.peak_memory_bytes)
+
+
+def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocators_count(smol_tokenizer):
+    """`step_tokens: auto` on a GPU (planned here as on one): with a budget that holds a step of some 5k tokens
+    beside the weights, the plan is a multiple of 1024 below the 8192 ceiling, a step of that many tokens (a
+    rank-16 job on every layer, every token a target) stays within the budget by the allocator's count, and the
+    next 1024 would not have been admitted; on a CPU it is the 4096 floor whatever the budget."""
+    from actors.service.step_admission import AUTO_STEP_TOKENS_CEILING
+
+    base = from_module(tiny_model("llama"), smol_tokenizer)
+    trainer = FusedTrainer(base, step_tokens=4096)
+    admission = StepAdmission(trainer)
+    assert admission.plan_step_tokens() == 4096
+    admission.budget = 10**12
+    assert admission.plan_step_tokens(gpu=True) == AUTO_STEP_TOKENS_CEILING
+    spec = JobSpec(name="big", data="unused.jsonl", format={"type": "text"}, max_steps=10, batch_size=1,
+                   max_seq_len=8192, lora={"r": 16, "alpha": 32, "target_modules": "all-linear"})
+
+    def step(tokens: int) -> list[JobMicroBatch]:
+        ids = tuple(3 + (i % 200) for i in range(tokens))
+        return [JobMicroBatch("big", [Example(ids, ids)])]
+
+    job = TrainingJob.create(spec, base, [Example((3, 4), (3, 4))], [], seed=0)
+    trainer.add_job(job)
+    try:
+        admission.budget = int(admission.predict(admission.shape(step(5 * 1024 + 512))) * (1 + admission.margin))
+        planned = admission.plan_step_tokens(gpu=True)
+        assert planned == 5 * 1024, planned
+        assert not admission.fits(step(planned + 1024)) and admission.fits(step(planned))
+        example = step(planned)[0].examples
+        report = trainer.run_step([(job, example)], measure=True)
+        assert report.memory_measured and report.peak_memory_bytes <= admission.budget
+    finally:
+        trainer.remove_job("big")
 
 
 # -- retries ------------------------------------------------------------------------------------------------

@@ -20,15 +20,22 @@ from torch import nn
 from actors.engine import lora as lora_module
 from actors.engine import lora_cuda
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear, LoraAdapter
+from actors.engine.lora import FusedLoraLinear
 from actors.engine.spec import LoraConfig
-
-U = 2.0 ** -8
-F32 = 2.0 ** -24
-IN, OUT = 48, 40
-RANKS = (4, 8, 2)
-BOUNDS = ((0, 11), (11, 40), (40, 57))   # three jobs' contiguous segments
-SCALINGS = (2.0, 0.5, 4.0)
+from tests.helpers.lora_bounds import (
+    BOUNDS,
+    F32,
+    IN,
+    OUT,
+    RANKS,
+    U,
+    assert_within,
+    bf16_values,
+    exact,
+    fused_layer,
+    layout_of,
+    run_layer,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,88 +43,26 @@ def _on_this_cpu(monkeypatch):
     monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
 
 
-def _layer(dtype: torch.dtype = torch.bfloat16, ranks=RANKS, bias: bool = False) -> FusedLoraLinear:
-    torch.manual_seed(0)
-    base = nn.Linear(IN, OUT, bias=bias).to(dtype).requires_grad_(False)
-    layer = FusedLoraLinear(base)
-    for index, (rank, scaling) in enumerate(zip(ranks, SCALINGS, strict=False)):
-        adapter = LoraAdapter(IN, OUT, LoraConfig(r=rank, alpha=rank * scaling),
-                              generator=torch.Generator().manual_seed(index), device=torch.device("cpu"))
-        with torch.no_grad():
-            adapter.lora_B.normal_()
-        layer.adapters[f"job{index}"] = adapter
-    return layer
-
-
-def _layout(bounds=BOUNDS, names=None) -> StepLayout:
-    names = names or [f"job{index}" for index in range(len(bounds))]
-    return StepLayout(tuple((name, s, e) for name, (s, e) in zip(names, bounds, strict=True)),
-                      tuple(bounds), bounds[-1][1])
-
-
-def _bf16_values(*shape) -> torch.Tensor:
-    return torch.randn(*shape).to(torch.bfloat16)
-
-
-def _run(layer: FusedLoraLinear, x: torch.Tensor, upstream: torch.Tensor, layout: StepLayout):
-    for adapter in layer.adapters.values():
-        adapter.lora_A.grad = adapter.lora_B.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    with step_layout(layout):
-        out = layer(x)
-    (out.float() * upstream.float()).sum().backward()
-    return out, x.grad
-
-
-def _exact(layer: FusedLoraLinear, x: torch.Tensor, upstream: torch.Tensor, bounds=BOUNDS):
-    """Float64 forward and gradients, and the bounds of the module docstring."""
-    weight = layer.base.weight.double()
-    x64, g = x.double()[0], upstream.double()[0]
-    out = x64 @ weight.t()
-    out_bound = 2 * U * (x64.abs() @ weight.abs().t()) + IN * F32 * (x64.abs() @ weight.abs().t())
-    grad_x = g @ weight
-    grad_x_bound = (2 * U + OUT * F32) * (g.abs() @ weight.abs())
-    grads, grad_bounds = [], []
-    for adapter, (start, end) in zip(layer.adapters.values(), bounds, strict=True):
-        a, b, s = adapter.lora_A.double(), adapter.lora_B.double(), adapter.scaling
-        rows, rows_g = x64[start:end], g[start:end]
-        out[start:end] += s * (rows @ a.t()) @ b.t()
-        magnitude = s * (rows.abs() @ a.abs().t()) @ b.abs().t()
-        out_bound[start:end] += (4 * U + 2 * (IN + adapter.r) * F32) * magnitude
-        grad_x[start:end] += s * (rows_g @ b) @ a
-        grad_x_bound[start:end] += (4 * U + 2 * (OUT + adapter.r) * F32) * s * (rows_g.abs() @ b.abs()) @ a.abs()
-        grads.append((s * (rows_g @ b).t() @ rows, s * rows_g.t() @ (rows @ a.t())))
-        n = end - start
-        grad_bounds.append(((3 * U + (OUT + n) * F32) * s * (rows_g.abs() @ b.abs()).t() @ rows.abs(),
-                            (3 * U + (IN + n) * F32) * s * rows_g.abs().t() @ (rows.abs() @ a.abs().t())))
-    return out, out_bound, grad_x, grad_x_bound, grads, grad_bounds
-
-
-def _within(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str) -> None:
-    excess = (got.double() - expected).abs() - bound
-    assert bool((excess <= 0).all()), f"{what}: {float(excess.max()):.3g} beyond its bound"
-
-
 @pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
 def test_forward_and_gradients_within_the_bfloat16_bounds_of_the_exact_arithmetic(monkeypatch, kernel):
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
-    layer = _layer()
-    x, upstream = _bf16_values(1, 57, IN), _bf16_values(1, 57, OUT)
-    out, grad_x = _run(layer, x, upstream, _layout())
+    layer = fused_layer()
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    out, grad_x = run_layer(layer, x, upstream, layout_of())
     assert out.dtype == torch.bfloat16
     assert all(p.grad.dtype == torch.float32 for a in layer.adapters.values() for p in (a.lora_A, a.lora_B))
-    expected, out_bound, grad_x_exact, grad_x_bound, grads, grad_bounds = _exact(layer, x, upstream)
-    _within(out[0], expected, out_bound, "output")
-    _within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient")
+    expected, out_bound, grad_x_exact, grad_x_bound, grads, grad_bounds = exact(layer, x, upstream)
+    assert_within(out[0], expected, out_bound, "output")
+    assert_within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient")
     for adapter, (grad_a, grad_b), (bound_a, bound_b) in zip(layer.adapters.values(), grads, grad_bounds, strict=True):
-        _within(adapter.lora_A.grad, grad_a, bound_a, "A's gradient")
-        _within(adapter.lora_B.grad, grad_b, bound_b, "B's gradient")
+        assert_within(adapter.lora_A.grad, grad_a, bound_a, "A's gradient")
+        assert_within(adapter.lora_B.grad, grad_b, bound_b, "B's gradient")
 
 
 def test_the_bounds_catch_a_wrong_update(monkeypatch):
     """The bound is tight enough to fail a real mistake: an update with the scaling applied twice."""
-    layer = _layer()
-    x, upstream = _bf16_values(1, 57, IN), _bf16_values(1, 57, OUT)
+    layer = fused_layer()
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     adapter = layer.adapters["job1"]
     original = lora_cuda.adapter_copies
 
@@ -128,8 +73,8 @@ def test_the_bounds_catch_a_wrong_update(monkeypatch):
 
     monkeypatch.setattr(lora_cuda, "adapter_copies", doubled)
     monkeypatch.setattr(lora_cuda, "KERNEL", "segments")
-    out, _ = _run(layer, x, upstream, _layout())
-    expected, out_bound, *_ = _exact(layer, x, upstream)
+    out, _ = run_layer(layer, x, upstream, layout_of())
+    expected, out_bound, *_ = exact(layer, x, upstream)
     assert not bool(((out[0].double() - expected).abs() <= out_bound).all())
 
 
@@ -137,24 +82,24 @@ def test_the_bounds_catch_a_wrong_update(monkeypatch):
 def test_equals_the_float32_path_within_the_bound(monkeypatch, kernel):
     """The float32 path (today's CPU path, float32 adapters on a float32 copy of the layer) on the same
     bfloat16-valued inputs: its own error is float32 rounding only, so the bfloat16 bound covers both."""
-    layer16 = _layer()
-    layer32 = _layer(torch.float32)
+    layer16 = fused_layer()
+    layer32 = fused_layer(torch.float32)
     with torch.no_grad():
         layer32.base.weight.copy_(layer16.base.weight.float())
         for a16, a32 in zip(layer16.adapters.values(), layer32.adapters.values(), strict=True):
             a32.lora_B.copy_(a16.lora_B)
-    x, upstream = _bf16_values(1, 57, IN), _bf16_values(1, 57, OUT)
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
-    out16, grad16 = _run(layer16, x, upstream, _layout())
+    out16, grad16 = run_layer(layer16, x, upstream, layout_of())
     monkeypatch.setattr(lora_cuda, "COMPUTE", "float32")
-    out32, grad32 = _run(layer32, x.float(), upstream.float(), _layout())
-    _, out_bound, _, grad_x_bound, _, grad_bounds = _exact(layer16, x, upstream)
-    _within(out16[0], out32[0].double(), out_bound * 1.01, "output against the float32 path")
-    _within(grad16[0], grad32[0].double(), grad_x_bound * 1.01, "input gradient against the float32 path")
+    out32, grad32 = run_layer(layer32, x.float(), upstream.float(), layout_of())
+    _, out_bound, _, grad_x_bound, _, grad_bounds = exact(layer16, x, upstream)
+    assert_within(out16[0], out32[0].double(), out_bound * 1.01, "output against the float32 path")
+    assert_within(grad16[0], grad32[0].double(), grad_x_bound * 1.01, "input gradient against the float32 path")
     for a16, a32, (bound_a, bound_b) in zip(layer16.adapters.values(), layer32.adapters.values(), grad_bounds,
                                             strict=True):
-        _within(a16.lora_A.grad, a32.lora_A.grad.double(), bound_a * 1.01, "A's gradient against the float32 path")
-        _within(a16.lora_B.grad, a32.lora_B.grad.double(), bound_b * 1.01, "B's gradient against the float32 path")
+        assert_within(a16.lora_A.grad, a32.lora_A.grad.double(), bound_a * 1.01, "A's gradient, float32 path")
+        assert_within(a16.lora_B.grad, a32.lora_B.grad.double(), bound_b * 1.01, "B's gradient, float32 path")
 
 
 @pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
@@ -162,14 +107,14 @@ def test_a_job_alone_equals_the_same_job_fused(monkeypatch, kernel):
     """Isolation: a job's output rows and gradients are its own segment's arithmetic, the same bit for bit
     whether other jobs share the layer (or the row order of the stream) or not."""
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
-    layer = _layer()
-    x, upstream = _bf16_values(1, 57, IN), _bf16_values(1, 57, OUT)
-    out, grad_x = _run(layer, x, upstream, _layout())
+    layer = fused_layer()
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    out, grad_x = run_layer(layer, x, upstream, layout_of())
     fused = {name: (a.lora_A.grad.clone(), a.lora_B.grad.clone()) for name, a in layer.adapters.items()}
     for index, (start, end) in enumerate(BOUNDS):
         name = f"job{index}"
-        alone_out, alone_grad_x = _run(layer, x[:, start:end], upstream[:, start:end],
-                                       _layout(((0, end - start),), [name]))
+        alone_out, alone_grad_x = run_layer(layer, x[:, start:end], upstream[:, start:end],
+                                       layout_of(((0, end - start),), [name]))
         assert torch.equal(alone_out[0], out[0, start:end])
         assert torch.equal(alone_grad_x[0], grad_x[0, start:end])
         adapter = layer.adapters[name]
@@ -179,14 +124,14 @@ def test_a_job_alone_equals_the_same_job_fused(monkeypatch, kernel):
 @pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
 def test_a_nan_in_one_job_reaches_no_other_job(monkeypatch, kernel):
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
-    layer = _layer()
-    x, upstream = _bf16_values(1, 57, IN), _bf16_values(1, 57, OUT)
-    _run(layer, x, upstream, _layout())
+    layer = fused_layer()
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    run_layer(layer, x, upstream, layout_of())
     clean = {name: (a.lora_A.grad.clone(), a.lora_B.grad.clone()) for name, a in layer.adapters.items()}
     poisoned_x, poisoned_g = x.clone(), upstream.clone()
     poisoned_x[0, 13, 5] = float("nan")
     poisoned_g[0, 20, 3] = float("inf")
-    out, grad_x = _run(layer, poisoned_x, poisoned_g, _layout())
+    out, grad_x = run_layer(layer, poisoned_x, poisoned_g, layout_of())
     assert not bool(out[0, 11:40].isfinite().all())
     for name in ("job0", "job2"):
         adapter = layer.adapters[name]
@@ -200,49 +145,49 @@ def test_tokens_of_no_adapter_get_the_base_output_only(monkeypatch, kernel):
     """A job without an adapter on this layer (and the rows after the last segment): the base's product alone,
     as the exact arithmetic rounds it once; its rows' input gradient has no LoRA term."""
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
-    layer = _layer(ranks=RANKS[:2])
+    layer = fused_layer(ranks=RANKS[:2])
     bounds = ((0, 11), (11, 30), (30, 45), (45, 57))
     layout = StepLayout((("job0", 0, 11), ("other", 11, 30), ("job1", 30, 45), ("other2", 45, 57)),
                         tuple(bounds), 57)
-    x, upstream = _bf16_values(1, 57, IN), _bf16_values(1, 57, OUT)
-    out, grad_x = _run(layer, x, upstream, layout)
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    out, grad_x = run_layer(layer, x, upstream, layout)
     base_only = layer.base(x)
     assert torch.equal(out[0, 11:30], base_only[0, 11:30]) and torch.equal(out[0, 45:], base_only[0, 45:])
     assert torch.equal(grad_x[0, 11:30], (upstream[0, 11:30] @ layer.base.weight))
 
 
 def test_dropout_masks_come_from_each_jobs_generator_and_backward_uses_them():
-    layer = _layer(ranks=(4, 8))
+    layer = fused_layer(ranks=(4, 8))
     drop = layer.adapters["job0"]
     drop.dropout = 0.25
     drop.dropout_generator = torch.Generator().manual_seed(7)
     layer.adapters.train(True)
-    x, upstream = _bf16_values(1, 40, IN), _bf16_values(1, 40, OUT)
+    x, upstream = bf16_values(1, 40, IN), bf16_values(1, 40, OUT)
     replay = torch.Generator().set_state(drop.dropout_generator.get_state())
     mask = torch.empty(11, IN, dtype=torch.bfloat16).bernoulli_(0.75, generator=replay)
     assert 0 < int((mask == 0).sum()) < mask.numel()
-    out, grad_x = _run(layer, x, upstream, _layout(((0, 11), (11, 40))))
+    out, grad_x = run_layer(layer, x, upstream, layout_of(((0, 11), (11, 40))))
     # the reference: the same job with its input's dropped entries zeroed and the rest scaled by 1/keep, exactly
     dropped = (x[0, :11].double() * mask.double()) / 0.75
     a, b, s = drop.lora_A.double(), drop.lora_B.double(), drop.scaling
     expected = x[0, :11].double() @ layer.base.weight.double().t() + s * (dropped @ a.t()) @ b.t()
     magnitude = x[0, :11].double().abs() @ layer.base.weight.double().abs().t()
     lora_magnitude = s * (dropped.abs() @ a.abs().t()) @ b.abs().t()
-    _within(out[0, :11], expected, (2 * U + IN * F32) * magnitude + (5 * U + 2 * IN * F32) * lora_magnitude,
+    assert_within(out[0, :11], expected, (2 * U + IN * F32) * magnitude + (5 * U + 2 * IN * F32) * lora_magnitude,
             "output with dropout")
     g = upstream[0, :11].double()
     expected_grad_a = s * (g @ b).t() @ dropped
     bound_a = (3 * U + 64 * F32) * s * (g.abs() @ b.abs()).t() @ dropped.abs()
-    _within(drop.lora_A.grad, expected_grad_a, bound_a, "A's gradient with dropout")
+    assert_within(drop.lora_A.grad, expected_grad_a, bound_a, "A's gradient with dropout")
     expected_grad_x = g @ layer.base.weight.double() + s * ((g @ b) @ a) * mask.double() / 0.75
     bound_x = ((2 * U + OUT * F32) * (g.abs() @ layer.base.weight.double().abs())
                + (5 * U + 2 * OUT * F32) * s * ((g.abs() @ b.abs()) @ a.abs()) * mask.double() / 0.75)
-    _within(grad_x[0, :11], expected_grad_x, bound_x, "input gradient with dropout")
+    assert_within(grad_x[0, :11], expected_grad_x, bound_x, "input gradient with dropout")
 
 
 def test_compute_copies_are_made_once_a_step_and_again_after_an_update(monkeypatch):
     monkeypatch.setattr(lora_cuda, "KERNEL", "segments")
-    layer = _layer()
+    layer = fused_layer()
     casts = []
     original = lora_cuda.CastCache.get
 
@@ -250,8 +195,8 @@ def test_compute_copies_are_made_once_a_step_and_again_after_an_update(monkeypat
         return original(self, key, owner, versions, lambda: casts.append(key) or make())
 
     monkeypatch.setattr(lora_cuda.CastCache, "get", counting)
-    x = _bf16_values(1, 57, IN)
-    layout = _layout()
+    x = bf16_values(1, 57, IN)
+    layout = layout_of()
     with step_layout(layout):
         layer(x)
         layer(x)                     # a recomputed forward of the same step: no new copies
@@ -266,8 +211,8 @@ def test_compute_copies_are_made_once_a_step_and_again_after_an_update(monkeypat
         layer.adapters["job1"].scaling * (x[0, 11:40].double() @ a.double().t()) @ b.double().t())
     magnitude = x[0, 11:40].double().abs() @ layer.base.weight.double().abs().t() + (
         layer.adapters["job1"].scaling * (x[0, 11:40].double().abs() @ a.double().abs().t()) @ b.double().abs().t())
-    _within(out[0, 11:40], expected, (4 * U + 2 * IN * F32) * magnitude, "output after the update")
-    with step_layout(_layout()):   # a new step
+    assert_within(out[0, 11:40], expected, (4 * U + 2 * IN * F32) * magnitude, "output after the update")
+    with step_layout(layout_of()):   # a new step
         layer(x)
     assert len(casts) == 3
 
@@ -276,9 +221,9 @@ def test_the_float32_path_stays_on_a_cpu_by_default(monkeypatch):
     monkeypatch.setattr(lora_cuda, "COMPUTE", "auto")
     called = []
     monkeypatch.setattr(lora_cuda, "linear_with_adapters", lambda *args: called.append(1))
-    layer = _layer()
-    with step_layout(_layout()):
-        layer(_bf16_values(1, 57, IN))
+    layer = fused_layer()
+    with step_layout(layout_of()):
+        layer(bf16_values(1, 57, IN))
     assert not called
     assert lora_module.FusedLoraLinear is FusedLoraLinear
 

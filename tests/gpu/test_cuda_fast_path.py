@@ -1,0 +1,106 @@
+"""The GPU fast path on CUDA (skipped without it): the CUDA LoRA path's two kernels against the exact arithmetic
+within the bfloat16 bounds the CPU tests derive (tests/helpers/lora_bounds.py), grouped_mm's self-check passing
+on the device, and a fused step that never makes the host wait before its one read-back (CUDA's own sync
+debug mode raises on any synchronising call), with the same losses as the float32 path to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import lora_cuda
+from actors.engine import trainer as trainer_module
+from tests.helpers.lora_bounds import (
+    BOUNDS,
+    IN,
+    OUT,
+    assert_within,
+    bf16_values,
+    exact,
+    fused_layer,
+    layout_of,
+    run_layer,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
+def test_the_cuda_path_is_within_the_bfloat16_bounds_on_the_gpu(monkeypatch, kernel):
+    if kernel == "grouped_mm" and not lora_cuda.grouped_mm_works(torch.device("cuda")):
+        pytest.skip("torch._grouped_mm does not work on this GPU (logged); the path takes segments here")
+    monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
+    layer = fused_layer(device="cuda")
+    x, upstream = bf16_values(1, 57, IN).cuda(), bf16_values(1, 57, OUT).cuda()
+    calls = []
+    original = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    out, grad_x = run_layer(layer, x, upstream, layout_of())
+    assert bool(calls) == (kernel == "grouped_mm")
+    expected, out_bound, grad_x_exact, grad_x_bound, grads, grad_bounds = exact(layer, x, upstream, BOUNDS)
+    assert_within(out[0], expected, out_bound, "output")
+    assert_within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient")
+    for adapter, (grad_a, grad_b), (bound_a, bound_b) in zip(layer.adapters.values(), grads, grad_bounds, strict=True):
+        assert_within(adapter.lora_A.grad, grad_a, bound_a, "A's gradient")
+        assert_within(adapter.lora_B.grad, grad_b, bound_b, "B's gradient")
+
+
+def test_grouped_mm_is_what_auto_takes_on_a_hopper_gpu():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's kernel is for sm90 and newer")
+    assert lora_cuda.grouped_mm_works(torch.device("cuda"))
+
+
+def _three_job_trainer(dtype: torch.dtype):
+    from actors.engine.job import TrainingJob
+    from actors.engine.models import from_module
+    from tests.helpers.fused import VOCAB, job_spec
+    from tests.helpers.models import random_examples, tiny_model
+
+    base = from_module(tiny_model("llama", VOCAB).to("cuda", dtype), None)
+    trainer = trainer_module.FusedTrainer(base, step_tokens=100_000)
+    for index, lora in enumerate(({"r": 8, "alpha": 16, "target_modules": "all-linear"},
+                                  {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"},
+                                  {"r": 16, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})):
+        trainer.add_job(TrainingJob.create(job_spec(f"job-{index}", lora=lora, max_grad_norm=1.0), base,
+                                           random_examples(index, vocab=VOCAB), [], seed=index))
+    return trainer
+
+
+def test_a_fused_step_never_waits_for_the_gpu_before_its_read_back(monkeypatch):
+    """CUDA's sync debug mode set to error for the whole step but its one read-back (`_read_back`): a blocking
+    copy, an .item(), a .tolist() or a synchronize inside the step raises. The second step is the one checked
+    (the first builds the optimizers' state), and the step after it too (its batch packed during the last)."""
+    trainer = _three_job_trainer(torch.bfloat16)
+    trainer.train_step()
+    original = trainer_module._read_back
+
+    def read_back(*args):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return original(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(2)
+
+    monkeypatch.setattr(trainer_module, "_read_back", read_back)
+    for _ in range(2):
+        chosen = trainer.compose()
+        torch.cuda.set_sync_debug_mode(2)
+        try:
+            report = trainer.run_step(chosen)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert report.results and all(r.loss > 0 for r in report.results)
+
+
+def test_the_cuda_path_trains_like_the_float32_path_on_the_gpu(monkeypatch):
+    """Five steps of three jobs in float32 on the GPU: through the path (per segment) and through the float32
+    path the losses agree to float32 rounding of a tiny model's chain of sums (1e-4 relative covers it:
+    tests/helpers/tolerances.py's bound for this model's chain is below that)."""
+    losses = {}
+    for compute in ("auto", "float32"):
+        monkeypatch.setattr(lora_cuda, "COMPUTE", compute)
+        trainer = _three_job_trainer(torch.float32)
+        losses[compute] = [r.loss for _ in range(5) for r in trainer.train_step().results]
+    for got, expected in zip(losses["auto"], losses["float32"], strict=True):
+        assert abs(got - expected) <= 1e-4 * abs(expected), (got, expected)

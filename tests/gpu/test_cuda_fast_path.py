@@ -93,14 +93,24 @@ def test_a_fused_step_never_waits_for_the_gpu_before_its_read_back(monkeypatch):
         assert report.results and all(r.loss > 0 for r in report.results)
 
 
-def test_the_cuda_path_trains_like_the_float32_path_on_the_gpu(monkeypatch):
-    """Five steps of three jobs in float32 on the GPU: through the path (per segment) and through the float32
-    path the losses agree to float32 rounding of a tiny model's chain of sums (1e-4 relative covers it:
-    tests/helpers/tolerances.py's bound for this model's chain is below that)."""
+def test_the_cuda_path_computes_the_float32_paths_losses_on_the_gpu(monkeypatch):
+    """A first fused step of three jobs in float32 on the GPU (B made non-zero: the adapters take part): through
+    the path (per segment) and through the float32 path the jobs' losses agree within the rounding tolerance of
+    the model's longest chain of sums (tests/helpers/tolerances.py). Only the first step: AdamW's first update
+    magnifies a rounding difference near a zero gradient up to 2 lr, so later losses are no test of the path."""
+    from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+
     losses = {}
     for compute in ("auto", "float32"):
         monkeypatch.setattr(lora_cuda, "COMPUTE", compute)
         trainer = _three_job_trainer(torch.float32)
-        losses[compute] = [r.loss for _ in range(5) for r in trainer.train_step().results]
+        with torch.no_grad():
+            for job in trainer.jobs.values():
+                for name, parameter in job.adapter.named_parameters():
+                    if "lora_B" in name:
+                        parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+        losses[compute] = [r.loss for r in trainer.train_step().results]
+    config = trainer.base.model.config
+    terms = llama_chain_terms(config, sequence=64, tokens=200, backward=False)
     for got, expected in zip(losses["auto"], losses["float32"], strict=True):
-        assert abs(got - expected) <= 1e-4 * abs(expected), (got, expected)
+        assert abs(got - expected) <= rounding_tolerance(terms, abs(expected)), (got, expected)

@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
 
 import torch
 
-from actors.engine import lora
+from actors.engine import lora, lora_cuda
 from actors.engine import trainer as trainer_module
 from actors.engine.data import (
     IGNORE_INDEX,
@@ -467,9 +467,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="(a): comma-separated numbers of adapters (default 1,2,4,8; each must divide --sequences)")
     parser.add_argument("--sequences", type=int, default=None, help="(a): sequences per step (default 8)")
     parser.add_argument("--lora-grouping", default="auto", choices=["auto", "grouped", "segments"],
-                        help="how the engine runs the adapters' updates (auto: grouped on CUDA, per segment elsewhere)")
+                        help="how the engine runs the adapters' updates: grouped (on CUDA's path, torch._grouped_mm "
+                             "over the jobs' segments; on the float32 path, padded batched products) or per segment "
+                             "(auto: grouped on CUDA, per segment elsewhere)")
     args = parser.parse_args(argv)
     lora.GROUPING = args.lora_grouping
+    lora_cuda.KERNEL = {"auto": "auto", "grouped": "grouped_mm", "segments": "segments"}[args.lora_grouping]
     skip = {p.strip() for p in args.skip.split(",") if p.strip()}
     s = Settings.make(args.quick)
     logging.getLogger("transformers").setLevel(logging.ERROR)

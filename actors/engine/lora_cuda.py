@@ -267,6 +267,8 @@ class _Plan:
     def _grouped_backward(self, grad_out: torch.Tensor, x: torch.Tensor, grad_x: torch.Tensor | None,
                           hidden: torch.Tensor) -> list[torch.Tensor]:
         a_stack, b_stack = self.copies
+        if grad_out.data_ptr() % 16:   # a view into a larger gradient: the kernel needs 16-byte aligned operands
+            grad_out = grad_out.clone()
         grad_hidden = torch._grouped_mm(grad_out, b_stack, offs=self.offsets)                  # (T, rank)
         if grad_x is not None:
             grad_x.add_(torch._grouped_mm(grad_hidden, a_stack, offs=self.offsets))
@@ -300,36 +302,59 @@ def grouped_mm_works(device: torch.device) -> bool:
 
 
 def _check_grouped_mm(device: torch.device) -> bool:
+    """The four forms the path calls (the down and up projections; the backward's jagged-K weight gradients,
+    with transposed operands), on groups of 7, 0 and 33 rows, against float64 products of the same bfloat16
+    numbers: each entry within one bfloat16 rounding plus the float32 accumulation of its sum, relative to the
+    sum of its terms' magnitudes."""
     if not hasattr(torch, "_grouped_mm"):
         log.warning("this torch has no _grouped_mm; LoRA takes the per-segment kernel")
         return False
     generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(40, 32, generator=generator).to(torch.bfloat16)
-    weights = torch.randn(3, 8, 32, generator=generator).to(torch.bfloat16)
+
+    def values(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+    x, a, b, g, h = values(40, 32), values(3, 8, 32), values(3, 24, 8), values(40, 24), values(40, 8)
     bounds = [(0, 7), (7, 7), (7, 40)]   # an empty group too
+    # (the grouped call's operands on the device, each group's pair of float64 factors, jagged rows or sums)
+    forms = [((x, a.mT), lambda s, e, k: (x[s:e], a[k].t()), True),
+             ((g, b), lambda s, e, k: (g[s:e], b[k]), True),
+             ((h.t(), x), lambda s, e, k: (h[s:e].t(), x[s:e]), False),
+             ((g.t(), h), lambda s, e, k: (g[s:e].t(), h[s:e]), False)]
     try:
         offsets = torch.tensor([end for _, end in bounds], dtype=torch.int32).to(device)
-        got = torch._grouped_mm(x.to(device), weights.to(device).mT, offs=offsets).float().cpu()
-    except (RuntimeError, NotImplementedError) as error:
+        for form, ((left, right), factors, rows) in enumerate(forms):
+            got = torch._grouped_mm(left.to(device), right.to(device), offs=offsets).double().cpu()
+            pairs = [[t.double() for t in factors(s, e, k)] for k, (s, e) in enumerate(bounds)]
+            join = torch.cat if rows else torch.stack
+            expected = join([p @ q for p, q in pairs])
+            magnitude = join([p.abs() @ q.abs() for p, q in pairs])
+            terms = pairs[0][0].shape[1] if rows else x.shape[0]
+            if not bool(((got - expected).abs() <= (2.0 ** -8 + terms * 2.0 ** -24) * magnitude).all()):
+                log.warning("torch._grouped_mm's form %d disagrees with per-group products on %s; LoRA takes the "
+                            "per-segment kernel", form, device)
+                return False
+    except (RuntimeError, NotImplementedError, ValueError) as error:
         log.warning("torch._grouped_mm is not usable on %s (%s); LoRA takes the per-segment kernel", device, error)
-        return False
-    expected = torch.cat([x[s:e].double() @ weights[g].double().t() for g, (s, e) in enumerate(bounds)])
-    magnitude = torch.cat([x[s:e].double().abs() @ weights[g].double().abs().t() for g, (s, e) in enumerate(bounds)])
-    # one bfloat16 rounding of a float32-accumulated sum of 32 products of bfloat16 numbers
-    bound = (2.0 ** -8 + 32 * 2.0 ** -24) * magnitude
-    if not bool(((got.double() - expected).abs() <= bound).all()):
-        log.warning("torch._grouped_mm disagrees with per-segment products on %s; LoRA takes the per-segment "
-                    "kernel", device)
         return False
     return True
 
 
-def grouped_pays(segments: list[_Segment], x: torch.Tensor) -> bool:
+def grouped_fits(x: torch.Tensor, base: nn.Module) -> bool:
+    """Whether grouped_mm can take this layer at all: bfloat16, and every operand 16-byte aligned (the kernel's
+    TMA loads: the input's start, and rows of in / out features; the ranks are padded to 8)."""
+    return (x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
+            and base.in_features % RANK_ALIGNMENT == 0 and base.out_features % RANK_ALIGNMENT == 0)
+
+
+def grouped_pays(segments: list[_Segment], x: torch.Tensor, base: nn.Module) -> bool:
     """`auto`'s choice for a layer's adapters without dropout: grouped_mm on CUDA in bfloat16 for two or more
     adapters, where the kernel works."""
+    if not grouped_fits(x, base):
+        return False
     if KERNEL != "auto":
-        return KERNEL == "grouped_mm" and x.dtype == torch.bfloat16
-    return x.is_cuda and x.dtype == torch.bfloat16 and len(segments) >= 2 and grouped_mm_works(x.device)
+        return KERNEL == "grouped_mm"
+    return x.is_cuda and len(segments) >= 2 and grouped_mm_works(x.device)
 
 
 def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor, adapters: list[nn.Module],
@@ -343,7 +368,7 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     segments = [_Segment(start, end, adapter.scaling, 1.0 - adapter.dropout if adapter.drops else 1.0)
                 for adapter, (start, end) in zip(adapters, bounds, strict=True)]
     plain = [index for index, segment in enumerate(segments) if segment.keep == 1.0]
-    if plain and grouped_pays([segments[index] for index in plain], x):
+    if plain and grouped_pays([segments[index] for index in plain], x, base):
         dropping = [index for index in range(len(adapters)) if index not in plain]
         groups = [(plain, "grouped_mm")] + ([(dropping, "segments")] if dropping else [])
     else:

@@ -20,7 +20,7 @@ from torch import nn
 from actors.engine import lora as lora_module
 from actors.engine import lora_cuda
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear
+from actors.engine.lora import FusedLoraLinear, LoraAdapter
 from actors.engine.spec import LoraConfig
 from tests.helpers.lora_bounds import (
     BOUNDS,
@@ -343,3 +343,51 @@ def test_the_memory_prior_counts_what_the_path_keeps_for_backward(dtype):
         remove_adapter(model, name)
     assert measured > 0
     assert analytic == measured, (analytic, measured)
+
+
+def test_the_grouped_mm_self_check_passes_a_correct_kernel_and_refuses_a_wrong_or_failing_one(monkeypatch, caplog):
+    """The check run once per device before `auto` takes grouped_mm: torch's kernel here passes; one that is
+    off by more than a bfloat16 rounding in a single entry of the jagged-sum form, or that raises, is refused
+    with a warning naming the device (and the layers then take segments)."""
+    device = torch.device("cpu")
+    assert lora_cuda._check_grouped_mm(device)
+    original = torch._grouped_mm
+
+    def off_in_one_form(left, right, offs):
+        out = original(left, right, offs=offs)
+        if left.dim() == 2 and right.dim() == 2:   # the jagged-K form only
+            out = out.clone()
+            out[2, 0, 0] = out[2, 0, 0] * 1.05 + 0.5
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", off_in_one_form)
+    assert not lora_cuda._check_grouped_mm(device)
+    assert "disagrees" in caplog.text and "cpu" in caplog.text
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("expected data_ptr to be aligned to 16 bytes")
+
+    monkeypatch.setattr(torch, "_grouped_mm", failing)
+    assert not lora_cuda._check_grouped_mm(device)
+    assert "not usable" in caplog.text
+    monkeypatch.setattr(lora_cuda, "_GROUPED_CHECKED", {})
+    assert not lora_cuda.grouped_mm_works(device)
+
+
+def test_grouped_mm_is_not_taken_for_an_unaligned_layer(monkeypatch):
+    """A layer whose widths are not multiples of 8 (rows not 16-byte aligned for the kernel's loads) takes the
+    per-segment kernel even when grouped_mm is asked for."""
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+    calls = []
+    original = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    base = nn.Linear(20, 12).to(torch.bfloat16).requires_grad_(False)
+    layer = FusedLoraLinear(base)
+    for index in range(2):
+        layer.adapters[f"job{index}"] = LoraAdapter(20, 12, LoraConfig(r=4, alpha=8),
+                                                    generator=torch.Generator().manual_seed(index),
+                                                    device=torch.device("cpu"))
+    with step_layout(layout_of(((0, 5), (5, 9)))):
+        layer(bf16_values(1, 9, 20))
+    assert not calls

@@ -1,6 +1,6 @@
 """The CUDA paths against their CPU-tested references, where a GPU is present (skipped elsewhere: CI has
 none; run on a GPU machine with `pytest tests/gpu/test_cuda.py`): the varlen flash-attention kernel against
-per-sequence sdpa, and grouped LoRA (CUDA's default) against per-segment LoRA."""
+per-sequence sdpa, and the float32 path's grouped LoRA against per-segment LoRA."""
 
 from __future__ import annotations
 
@@ -40,7 +40,12 @@ def test_varlen_kernel_equals_per_sequence_sdpa_forward_and_backward(monkeypatch
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
-def test_grouped_lora_is_the_default_on_cuda_and_equals_per_segment(monkeypatch):
+def test_grouped_lora_is_the_float32_paths_default_on_cuda_and_equals_per_segment(monkeypatch):
+    """The float32 path's grouped way (a float16 base's on CUDA; bfloat16 and float32 take the CUDA LoRA path:
+    tests/gpu/test_cuda_fast_path.py)."""
+    from actors.engine import lora_cuda
+
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "float32")
     torch.manual_seed(0)
     base = torch.nn.Linear(64, 48).cuda().to(torch.bfloat16).requires_grad_(False)
     layer = FusedLoraLinear(base)

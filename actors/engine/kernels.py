@@ -95,9 +95,15 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
+_liger: ModuleType | None = None   # liger_kernel.transformers.functional once imported (the swapped forwards read it)
+
+
 def _functional() -> ModuleType:
-    return require("liger_kernel.transformers.functional", GPU_EXTRA, "kernels: liger", in_all=False)
+    """Liger's functional kernels, or MissingExtraError naming `pip install 'aspen-lora[gpu]'`."""
+    global _liger
+    if _liger is None:
+        _liger = require("liger_kernel.transformers.functional", GPU_EXTRA, "kernels: liger", in_all=False)
+    return _liger
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -189,11 +195,11 @@ def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[s
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Llama's RMSNorm (`casting_mode="llama"`: the mean square in float32, the product with the weight in the
     input's dtype; no offset)."""
-    return _functional().liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", False)
+    return _liger.liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", False)
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(_functional().liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_liger.liger_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 @functools.cache

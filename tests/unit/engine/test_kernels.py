@@ -23,6 +23,8 @@ from actors.engine import kernels
 from actors.engine.extras import MissingExtraError
 from actors.engine.loss import fused_loss, use_fused_loss
 from actors.engine.models import from_module
+from actors.engine.spec import RunSpec
+from actors.service.config import TrainerConfig, run_service_config
 from tests.helpers.kernels import forwards_rebound, tiny
 from tests.helpers.triton_interpreter import interpreter_on, liger_installed
 
@@ -50,12 +52,9 @@ def test_auto_on_a_cpu_applies_nothing():
 
 def test_liger_without_liger_kernel_names_the_gpu_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", None)   # as if not installed
-    kernels._functional.cache_clear()
-    try:
-        with pytest.raises(MissingExtraError) as error:
-            from_module(tiny("llama"), None, kernels="liger")
-    finally:
-        kernels._functional.cache_clear()
+    monkeypatch.setattr(kernels, "_liger", None)
+    with pytest.raises(MissingExtraError) as error:
+        from_module(tiny("llama"), None, kernels="liger")
     message = str(error.value)
     assert "kernels: liger" in message and "pip install 'aspen-lora[gpu]'" in message
     assert "[all]" not in message   # the gpu extra is not part of all
@@ -93,6 +92,14 @@ def test_an_architecture_without_liger_s_kernels_keeps_its_own_and_says_so(monke
     assert fused_loss(model.get_output_embeddings().weight) == "liger"
     said = [record.getMessage() for record in caplog.records if "model_type 'gemma'" in record.getMessage()]
     assert len(said) == 1 and "only the loss is fused" in said[0]
+
+
+def test_the_setting_reaches_the_trainer_and_stages_refuse_liger():
+    spec = RunSpec(jobs=[{"name": "a", "data": "a.jsonl", "format": {"type": "text"}}], kernels="none")
+    assert run_service_config(spec).trainers[0].kernels == "none"
+    assert TrainerConfig().kernels == "auto"
+    with pytest.raises(ValueError, match="stages >= 2 runs its stages without fused kernels"):
+        TrainerConfig(stages=2, kernels="liger")
 
 
 def test_the_fused_loss_mark_is_the_model_s_own():

@@ -7,9 +7,10 @@ skips itself elsewhere. Each kernel switched on alone, then all four, on a tiny 
 before RoPE): a packed step of two jobs, each with its own non-zero LoRA adapter, gives the model's hidden states,
 per-token losses, input gradient and adapter gradients within float32's rounding bound of the same model without
 kernels (tests/helpers/tolerances.py: the two differ in summation order only), and each kernel asked for is shown
-to have run, the others not (a spy on each). An architecture without Liger's kernels (Gemma: a GeGLU MLP, an
-offset RMSNorm) trains with the fused loss alone. The fused loss, with each logit transform, a bias and per-token
-weights, against autograd in float64."""
+to have run, the others not (a spy on each). Jobs trained fused on a base with all four kernels end bit for bit
+where they end trained alone (the kernels work token by token: kernels.py's isolation argument). An architecture
+without Liger's kernels (Gemma: a GeGLU MLP, an offset RMSNorm) trains with the fused loss alone. The fused loss,
+with each logit transform, a bias and per-token weights, against autograd in float64."""
 
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ import torch.nn.functional as F
 from actors.engine import kernels
 from actors.engine.loss import target_cross_entropy, target_log_probs, use_fused_loss
 from actors.engine.model_support import LogitTransform
+from actors.engine.models import from_module
+from actors.engine.spec import JobSpec
+from tests.helpers.isolation import assert_isolated
 from tests.helpers.kernels import LONGEST, SPIED, TOKENS, VOCAB, forwards_rebound, fused_step, spy_on_liger, tiny
+from tests.helpers.models import random_examples
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 from tests.helpers.triton_interpreter import liger_interpreted
 
@@ -57,6 +62,19 @@ def test_each_kernel_gives_the_model_s_hidden_states_losses_and_gradients(spied,
     for op, counted in SPIED.items():   # each kernel asked for ran, the others did not
         assert (spied[counted] > 0) == (op in ops), (op, dict(spied))
     assert_within_rounding(got, reference, model.config)
+
+
+def test_jobs_fused_on_liger_s_kernels_end_as_they_end_alone(spied):
+    jobs = []
+    for index, (shortest, longest, lora) in enumerate([(4, 10, {"r": 4, "alpha": 8}),
+                                                       (8, 24, {"r": 8, "alpha": 16, "dropout": 0.1})]):
+        spec = JobSpec(name=f"job-{index}", data="unused.jsonl", format={"type": "text"}, batch_size=2, max_steps=1,
+                       lr=1e-2, lora={"target_modules": "all-linear", **lora})
+        jobs.append((spec, random_examples(index, count=2, vocab=VOCAB, min_len=shortest, max_len=longest), index))
+    base = from_module(tiny("llama"), None, kernels="liger")
+    assert base.kernels == "liger"
+    assert_isolated(base, jobs)
+    assert all(spied[name] > 0 for name in SPIED.values())
 
 
 def test_an_architecture_without_liger_s_kernels_trains_with_the_fused_loss_alone(spied, monkeypatch):

@@ -173,23 +173,25 @@ def _architecture_problem(config: Any, architecture: LigerArchitecture | None) -
 
 def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[str],
                   functional: ModuleType) -> list[str]:
-    counts = dict.fromkeys(ops, 0)
+    classes = {"rms_norm": architecture.norm, "swiglu": architecture.mlp, "rope": architecture.attention}
+    found: dict[str, list[nn.Module]] = {op: [] for op in ops}
     for module in model.modules():
-        name = type(module).__name__
-        if "rms_norm" in counts and name == architecture.norm:
-            module.forward = MethodType(_rms_norm_forward, module)
-            counts["rms_norm"] += 1
-        elif "swiglu" in counts and name == architecture.mlp:
-            module.forward = MethodType(_swiglu_forward, module)
-            counts["swiglu"] += 1
-        elif "rope" in counts and name == architecture.attention:
-            module.forward = MethodType(_with_liger_rope(type(module).forward, functional.liger_rope), module)
-            counts["rope"] += 1
-    missing = [op for op, count in counts.items() if count == 0]
-    if missing:
+        for op in ops:
+            if type(module).__name__ == classes[op]:
+                found[op].append(module)
+    missing = [op for op, modules in found.items() if not modules]
+    if missing:   # refused before anything is swapped
         raise ValueError(f"kernels: liger: {type(model).__name__} has no {', '.join(missing)} module of the classes "
                          f"expected for its model_type ({architecture}); set kernels: none")
-    return [op for op in ops if counts[op]]
+    for op, modules in found.items():
+        for module in modules:
+            if op == "rms_norm":
+                module.forward = MethodType(_rms_norm_forward, module)
+            elif op == "swiglu":
+                module.forward = MethodType(_swiglu_forward, module)
+            else:
+                module.forward = MethodType(_with_liger_rope(type(module).forward, functional.liger_rope), module)
+    return list(ops)
 
 
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,16 @@ def test_an_architecture_without_liger_s_kernels_keeps_its_own_and_says_so(monke
     assert len(said) == 1 and "only the loss is fused" in said[0]
 
 
+def test_a_model_without_the_expected_modules_is_refused_before_anything_is_swapped(monkeypatch):
+    monkeypatch.setattr(kernels, "_functional", lambda: types.SimpleNamespace(liger_rope=None))
+    model = tiny("llama")
+    for layer in model.model.layers:
+        layer.mlp = torch.nn.Identity()   # not LlamaMLP: nothing for SwiGLU to replace
+    with pytest.raises(ValueError, match="has no swiglu module"):
+        kernels.apply_liger(model)
+    assert forwards_rebound(model) == []
+
+
 def test_the_setting_reaches_the_trainer_and_stages_refuse_liger():
     spec = RunSpec(jobs=[{"name": "a", "data": "a.jsonl", "format": {"type": "text"}}], kernels="none")
     assert run_service_config(spec).trainers[0].kernels == "none"

@@ -202,7 +202,12 @@ def target_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     return _TargetCrossEntropy.apply(hidden, weight, bias, targets, token_weights.float(), chunk, transform)
 
 
-def logits_transient_bytes(chunk: int, vocab_size: int, count: int, softcapped: bool = False) -> int:
+def logits_transient_bytes(chunk: int, vocab_size: int, count: int, softcapped: bool = False, *,
+                           fused: str | None = None, element_bytes: int = 2) -> int:
     """Largest transient of the loss: one chunk of float32 logits and its softmax (computed in place), and
-    with a soft-cap one more chunk (the cap's derivative)."""
+    with a soft-cap one more chunk (the cap's derivative). With a fused loss (`fused`: the head weight's
+    `fused_loss`), one chunk of logits in the head's dtype (`element_bytes` each), overwritten in place by
+    their gradient."""
+    if fused is not None:
+        return min(chunk, count) * vocab_size * element_bytes
     return min(chunk, count) * vocab_size * 4 * (3 if softcapped else 2)

@@ -28,10 +28,11 @@ the jobs of a fused step stay as isolated as with the model's own operations, a 
 
 Numerics. The kernels compute in float32 and round their results to the base's dtype once, where the model's
 operations round after each elementwise step: results agree with the model's to that rounding, not bit for bit
-(tests/gpu/test_kernels_cuda.py in bfloat16; tests/unit/engine/test_kernels.py on a CPU, in float32 under
-Triton's interpreter). The RoPE kernel rotates the query and key in place, in the projections' outputs, which
-no backward keeps; RMSNorm runs with `in_place=False` (its backward writes a new gradient tensor instead of
-overwriting the incoming one, which another consumer could hold)."""
+(tests/gpu/test_kernels_cuda.py in bfloat16; tests/unit/engine/test_kernels_interpreted.py on a CPU, in float32
+under Triton's interpreter, where fused jobs also end bit for bit as alone). The RoPE kernel rotates the query and
+key in place, in the projections' outputs, which no backward may keep (a LoRA path that saved a projection's
+output for its backward would get it rotated); RMSNorm runs with `in_place=False` (its backward writes a new
+gradient tensor instead of overwriting the incoming one, which another consumer could hold)."""
 
 from __future__ import annotations
 

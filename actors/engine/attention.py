@@ -5,11 +5,13 @@ sequence or a padded row) attends only to itself, causally. On CUDA in a half dt
 flash-attention kernel over the whole stream: PyTorch's own `torch.nn.attention.varlen.varlen_attn`
 (torch >= 2.10), else flash-attn's `flash_attn_varlen_func` where that package is installed. Elsewhere it
 runs scaled-dot-product attention per sequence, so compute is sum(L^2), not T^2 (one kernel launch per
-sequence and layer: fine on a CPU, slow on a GPU). Features the varlen kernels lack (Gemma 2's attention
-soft-capping, gpt-oss's attention sinks) run in the per-sequence path on every device, there in float32
-(`exact_sequence_attention`); sliding windows (per layer: each layer passes its own) run everywhere.
-Outside a fused step (no layout set) it falls back to plain sdpa, or to the model's own eager attention
-for those features. An argument it does not know that would change the result is refused, not dropped."""
+sequence and layer: fine on a CPU, slow on a GPU). Grouped-query attention (fewer key/value heads than query
+heads) reaches both kernels with its key/value heads as they are, not repeated (`VARLEN_GQA`). Features the
+varlen kernels lack (Gemma 2's attention soft-capping, gpt-oss's attention sinks) run in the per-sequence path
+on every device, there in float32 (`exact_sequence_attention`); sliding windows (per layer: each layer passes
+its own) run everywhere. Outside a fused step (no layout set) it falls back to plain sdpa, or to the model's
+own eager attention for those features. An argument it does not know that would change the result is refused,
+not dropped."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -30,8 +33,28 @@ try:
     from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
 except ImportError:   # torch < 2.10
     torch_varlen_attn = None
-# torch's varlen kernel takes grouped key/value heads itself from 2.12 on (`enable_gqa`); before, we repeat them
-VARLEN_TAKES_GQA = torch_varlen_attn is not None and "enable_gqa" in inspect.signature(torch_varlen_attn).parameters
+
+
+def varlen_gqa_mode(varlen: object, version: str) -> str:
+    """How torch's `varlen_attn` (`varlen`; None where torch has none) takes fewer key/value heads than query heads:
+    - "flag": `enable_gqa=True` (torch >= 2.12, where varlen_attn refuses unequal head counts without it);
+    - "native": torch 2.10 / 2.11, whose varlen_attn has neither the flag nor a check on the head counts and hands
+      key and value as they are to `aten._flash_attention_forward` / `_flash_attention_backward`, FlashAttention-2's
+      varlen kernels, which take any number of key/value heads dividing the query's (each query head reads its
+      group's key/value head; the backward sums each group's dK / dV);
+    - "repeat": anything else (no varlen_attn, or a later torch without the flag): the key/value heads repeated.
+    Read from torch's torch/nn/attention/varlen.py and aten's flash_attn/flash_api.cpp (mha_varlen_fwd / _bwd);
+    tests/gpu/test_cuda.py checks it against per-sequence sdpa on the GPU's torch."""
+    if varlen is None:
+        return "repeat"
+    if "enable_gqa" in inspect.signature(varlen).parameters:
+        return "flag"
+    if (2, 10) <= TorchVersion(version) < (2, 12):
+        return "native"
+    return "repeat"
+
+
+VARLEN_GQA = varlen_gqa_mode(torch_varlen_attn, torch.__version__)
 
 
 # arguments transformers' attention modules pass that do not change the attention's result (and `output_*`:
@@ -108,19 +131,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                   "implemented (the frozen base runs in eval mode, without dropout)")
     on_gpu = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not exact
     if on_gpu and torch_varlen_attn is not None and dropout == 0.0:
-        cu_seqlens = layout.cu_seqlens(query.device)
-        longest = layout.max_sequence_length
-        window = (sliding_window - 1, 0) if sliding_window else (-1, 0)   # (-1, 0): causal
-        groups = query.shape[1] // key.shape[1]
-        options = {}
-        if groups > 1 and VARLEN_TAKES_GQA:
-            options["enable_gqa"] = True
-        elif groups > 1:
-            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        out = torch_varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=window,
-                                **options)
-        return out.unsqueeze(0), None
+        return torch_varlen_attention(query, key, value, scaling, sliding_window), None
     if on_gpu and HAS_FLASH_ATTN:
         from flash_attn import flash_attn_varlen_func
 
@@ -147,6 +158,26 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                           sliding_window: int | None) -> torch.Tensor:
+    """torch's varlen flash-attention over the step's sequences (the current layout), causal, within the window.
+    query: (1, heads, T, dim); key/value: (1, kv_heads, T, dim), passed with their own head count where torch's
+    kernel takes them so (`VARLEN_GQA`), else repeated. Returns (1, T, heads, dim)."""
+    layout = current_layout()
+    cu_seqlens = layout.cu_seqlens(query.device)
+    longest = layout.max_sequence_length
+    window = (sliding_window - 1, 0) if sliding_window else (-1, 0)   # (-1, 0): causal
+    groups = query.shape[1] // key.shape[1]
+    options = {}
+    if groups > 1 and VARLEN_GQA == "flag":
+        options["enable_gqa"] = True
+    elif groups > 1 and VARLEN_GQA == "repeat":
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch_varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                            cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=window, **options)
+    return out.unsqueeze(0)
 
 
 AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)

@@ -1,10 +1,11 @@
-"""The base-model settings, one type alias each: quantization, dtype, layout, recompute, compile.
+"""The base-model settings, one type alias each: quantization, dtype, layout, recompute, compile, kernels.
 
 A jobs file (`RunSpec`), a submission (`JobSubmission`) and a trainer (`TrainerConfig`) share them, so each
 set of values is spelled once: how the frozen base is quantized and in which dtype it computes, how a fused
-step lays out its tokens, whether the decoder layers recompute their activations in backward, and whether
-they run under torch.compile. No torch here: the specs import these without loading the engine (`packing`,
-`recompute` and `compiled` implement them)."""
+step lays out its tokens, whether the decoder layers recompute their activations in backward, whether
+they run under torch.compile, and whether its memory-bound operations run as fused kernels. No torch here: the
+specs import these without loading the engine (`packing`, `recompute`, `compiled` and `kernels` implement
+them)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ Recompute = Literal["none", "layers"]
 Compile = Literal["none", "default"]
 """default: the decoder layers of each fused step under torch.compile (inductor)."""
 
+Kernels = Literal["auto", "liger", "none"]
+"""liger: Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and LM-head cross-entropy (the `gpu` extra); auto: those
+where Liger is installed and the base is on CUDA in bfloat16 / float16; none: the model's own operations."""
+
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
 COMPILE_MODES: tuple[str, ...] = get_args(Compile)
+KERNEL_MODES: tuple[str, ...] = get_args(Kernels)

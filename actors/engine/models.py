@@ -23,7 +23,8 @@ change another job's matmul. Without it every token's row is quantized on its ow
 multiplied in exact integer arithmetic, so each job's result depends on its own tokens only.
 
 Both ways in (`load_base_model`, `from_module`) check the model against the model-support contract
-(actors/engine/model_support.py) and refuse what the engine cannot train exactly."""
+(actors/engine/model_support.py) and refuse what the engine cannot train exactly, and apply the `kernels`
+setting last (actors/engine/kernels.py: Liger-Kernel's fused kernels where they apply)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from actors.engine.attention import use_varlen_attention
 from actors.engine.extras import require
 from actors.engine.gguf_cache import converted_source
+from actors.engine.kernels import apply_kernels
 from actors.engine.lora import freeze
 from actors.engine.loss import transform_logits
 from actors.engine.model_support import (
@@ -77,6 +79,7 @@ class BaseModel:
     quantization: str
     source: ModelSource
     logit_transform: LogitTransform = field(default_factory=LogitTransform)
+    kernels: str = "none"   # what the `kernels` setting resolved to: "liger" or "none"
 
     @property
     def decoder(self) -> nn.Module:
@@ -205,8 +208,8 @@ def _not_loadable(base_model: str, source: ModelSource, error: OSError) -> FileN
 
 
 def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto", device: str = "auto",
-                    quantization: str = "none") -> BaseModel:
-    """Load, freeze and prepare a base model for fused training."""
+                    quantization: str = "none", kernels: str = "auto") -> BaseModel:
+    """Load, freeze and prepare a base model for fused training (`kernels`: actors/engine/kernels.py)."""
     source = resolve_source(base_model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -234,16 +237,21 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training
     use_varlen_attention(model)
-    return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source, transform)
+    applied = apply_kernels(model, kernels)
+    return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source, transform,
+                     applied)
 
 
-def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str = "in-memory") -> BaseModel:
-    """Wrap an already-built model (tests build tiny random models from configs)."""
+def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str = "in-memory", *,
+                kernels: str = "auto") -> BaseModel:
+    """Wrap an already-built model (tests build tiny random models from configs); `kernels` as for
+    `load_base_model` (auto: Liger's kernels where installed and the model is on CUDA in a half dtype)."""
     transform = check_model_support(model.config, name)
     keep_quantized_layers_trainable(model)
     freeze(model)
     model.eval()
     use_varlen_attention(model)
+    applied = apply_kernels(model, kernels)
     parameter = next(model.parameters())
     return BaseModel(name, model, tokenizer, parameter.device, parameter.dtype, "none",
-                     ModelSource(name, None, True), transform)
+                     ModelSource(name, None, True), transform, applied)

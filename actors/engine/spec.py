@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, core_schema
 
-from actors.engine.base_settings import Compile, Dtype, Layout, Quantization, Recompute
+from actors.engine.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
 from actors.engine.data import DataFormat
 from actors.engine.data.tables import hub_id_problem
 from actors.engine.storage import StorageURI, as_location
@@ -183,12 +183,15 @@ STAGES_DESCRIPTION = ("pipeline stages the base's decoder is cut into, each a pr
                       "(in-process: one GPU each where the machine has as many, else all on its first GPU; on Ray a "
                       "stage actor each, with num_gpus / num_cpus per stage; on CPU the cores shared); 1: the "
                       "single-device trainer")
+KERNELS_DESCRIPTION = ("liger: Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and LM-head cross-entropy on a CUDA "
+                       "base (the `gpu` extra); auto: those where Liger is installed and the base is on CUDA in "
+                       "bfloat16 / float16; none: the model's own operations")
 STAGE_SPLIT_DESCRIPTION = ("with stages >= 2: decoder layers per stage (a list), even, or measured (balanced by "
                            "each layer's measured time and memory)")
 
 
 def pipeline_problem(stages: int, split: list[int] | str, *, quantization: str, dtype: str, layout: str,
-                     compile: str) -> str | None:
+                     compile: str, kernels: str = "auto") -> str | None:
     """Why a trainer of `stages` pipeline stages cannot have these settings, naming the field and the fix; None
     if it can (actors/engine/pipeline/)."""
     if stages == 1:
@@ -205,6 +208,9 @@ def pipeline_problem(stages: int, split: list[int] | str, *, quantization: str, 
         return f"stages >= 2 packs its micro-batches; set layout: packed (not {layout}) or stages: 1"
     if compile != "none":
         return f"stages >= 2 runs its stages eagerly; set compile: none (not {compile}) or stages: 1"
+    if kernels == "liger":
+        return ("stages >= 2 runs its stages without fused kernels (each loads its layers on the CPU first); set "
+                "kernels: auto or none (not liger) or stages: 1")
     return None
 
 
@@ -682,6 +688,7 @@ class RunSpec(StrictModel):
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
                             "quantized base)")
+    kernels: Kernels = Field("auto", description=KERNELS_DESCRIPTION)
     stages: Stages = Field(1, description=STAGES_DESCRIPTION)
     stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
     policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
@@ -693,7 +700,7 @@ class RunSpec(StrictModel):
     def _compile_combination(self) -> RunSpec:
         problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
                    or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
-                                       layout=self.layout, compile=self.compile))
+                                       layout=self.layout, compile=self.compile, kernels=self.kernels))
         if problem is not None:
             raise ValueError(problem)
         return self

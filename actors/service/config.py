@@ -9,9 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from actors.engine.base_settings import Compile, Dtype, Layout, Quantization, Recompute
+from actors.engine.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
 from actors.engine.spec import (
     INT64_MAX,
+    KERNELS_DESCRIPTION,
     STAGE_SPLIT_DESCRIPTION,
     STAGES_DESCRIPTION,
     STEP_TOKENS_DESCRIPTION,
@@ -51,6 +52,7 @@ class TrainerConfig(StrictModel):
         "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
                             "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
                             "quantized base)")
+    kernels: Kernels = Field("auto", description=KERNELS_DESCRIPTION)
     stages: Stages = Field(1, description=STAGES_DESCRIPTION)
     stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
     stage_placement: Literal["pack", "strict_pack", "spread"] = Field(
@@ -104,7 +106,7 @@ class TrainerConfig(StrictModel):
     def _compile_combination(self) -> TrainerConfig:
         problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
                    or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
-                                       layout=self.layout, compile=self.compile))
+                                       layout=self.layout, compile=self.compile, kernels=self.kernels))
         if problem is None and self.stages > 1 and 0 < self.num_gpus < 1:
             problem = (f"stages: {self.stages} with num_gpus: {self.num_gpus:g}: num_gpus is per stage and each stage "
                        "needs a GPU of its own (NCCL: one rank per device); set num_gpus: 1 (stages sharing one GPU: "
@@ -276,9 +278,9 @@ def run_local_dir(spec: RunSpec) -> Path:
 def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields: Any) -> ServiceConfig:
     """The service configuration that runs a jobs file, the one translation every way of running it uses
     (`aspen run`, its in-process mode, the demo, the benchmarks): one trainer with the run's base model,
-    quantization, dtype, step budget, layout and recompute mode, on the GPU where the run's device is (or, with `auto`,
-    where there is one), its step log in `<output_dir>/trainer.jsonl` (with `trainer={"count": n}`, each
-    trainer's in `<output_dir>/trainer.<trainer id>.jsonl`); the run's policy; the state in
+    quantization, dtype, step budget, layout, recompute mode and kernels, on the GPU where the run's device is
+    (or, with `auto`, where there is one), its step log in `<output_dir>/trainer.jsonl` (with
+    `trainer={"count": n}`, each trainer's in `<output_dir>/trainer.<trainer id>.jsonl`); the run's policy; the state in
     `<output_dir>/.aspen` unless `state_dir` says otherwise. A run whose output_dir is a storage URI keeps its
     state and step log on this machine instead, in `~/.aspen/runs/<bucket-and-prefix>` (its job table must be
     a local file). `fields`: further ServiceConfig fields; `trainer` (a dict): further TrainerConfig fields."""
@@ -292,7 +294,8 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
         gpus = 1 if spec.device.startswith("cuda") else 0
     trainer = TrainerConfig(**{"base_model": spec.base_model, "quantization": spec.quantization, "dtype": spec.dtype,
                                "step_tokens": spec.step_tokens, "layout": spec.layout, "recompute": spec.recompute,
-                               "compile": spec.compile, "stages": spec.stages, "stage_split": spec.stage_split,
+                               "compile": spec.compile, "kernels": spec.kernels, "stages": spec.stages,
+                               "stage_split": spec.stage_split,
                                "num_gpus": gpus,
                                "step_log": output_dir / "trainer.jsonl", **trainer_fields})
     return ServiceConfig(**{"state_dir": state_dir or output_dir / ".aspen", "trainers": [trainer],

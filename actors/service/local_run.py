@@ -70,7 +70,7 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     callable returning the whole base instead, which each stage process then cuts)."""
     if base is None and spec.stages == 1:
         base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
-                               quantization=spec.quantization)
+                               quantization=spec.quantization, kernels=spec.kernels)
     storage_config = StorageConfig.model_validate(storage) if isinstance(storage, dict) else storage
     with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state, \
             storage_configured(storage_config.settings() if storage_config else configured_storage()):

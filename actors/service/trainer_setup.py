@@ -39,7 +39,8 @@ def start_trainer_loop(trainer_id: str, config: TrainerConfig, state_dir: Path, 
                  config.base_model, config.stages, engine.pipeline.split, torch.get_num_threads())
         return TrainerLoop(None, config, trainer_id, state_dir, engine=engine)
     device = "cuda" if config.num_gpus > 0 else "cpu"
-    base = load_base_model(config.base_model, dtype=config.dtype, device=device, quantization=config.quantization)
+    base = load_base_model(config.base_model, dtype=config.dtype, device=device, quantization=config.quantization,
+                           kernels=config.kernels)
     # one-time costs, before any job's first step
     warm_up_seconds = warm_up(base, step_tokens_floor(config.step_tokens))
     settle_garbage_collector()

@@ -42,10 +42,12 @@ def test_the_wheel_is_aspen_lora_under_apache_2_with_extras_and_the_aspen_comman
         license_text = archive.read(f"{info}/licenses/LICENSE").decode()
     assert metadata["Name"] == "aspen-lora"
     assert metadata["License-Expression"] == "Apache-2.0" and "Apache License" in license_text
-    assert set(metadata.get_all("Provides-Extra")) >= {"quant", "broker", "all", "dev"}
+    assert set(metadata.get_all("Provides-Extra")) >= {"quant", "broker", "all", "dev", "gpu"}
     requires = metadata.get_all("Requires-Dist")
     assert any(r.startswith("bitsandbytes") and 'extra == "quant"' in r for r in requires)
     assert any(r.startswith("amqtt") and 'extra == "broker"' in r for r in requires)
+    # Liger-Kernel (and with it Triton) only through the gpu extra: not in all, nor in dev
+    assert [r for r in requires if r.startswith("liger-kernel")] == ['liger-kernel<0.9,>=0.8.5; extra == "gpu"']
     assert not any(r.startswith(("bitsandbytes", "amqtt")) and "extra ==" not in r for r in requires)
     assert "aspen = orchestrator.cli:main" in entry_points
     for package in ("orchestrator/cli.py", "actors/engine/extras.py", "policies/base.py"):

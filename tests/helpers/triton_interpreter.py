@@ -1,0 +1,65 @@
+"""Liger-Kernel's Triton kernels on CPU tensors, for the tests: Triton's interpreter runs each kernel's programs one
+after another in NumPy. It must be on (TRITON_INTERPRET=1) before triton is first imported, since triton's own
+library functions (tl.sum, tl.sigmoid, ...) are made interpreted or compiled then, and transformers imports triton
+as it loads a model: so the tests that run Liger's kernels (tests/unit/engine/test_kernels_interpreted.py) run in
+a process of their own started with it (tests/unit/engine/test_kernels.py starts it), not in the test suite's.
+
+Two gaps of Triton 3.x's interpreter are filled here, in that process only:
+- a float kernel argument (an epsilon, a soft-cap) reaches the kernel as a Python float, on which Liger's kernels
+  call `.to(tl.float32)`; a compiled kernel receives it as an fp32 scalar, so it is wrapped here as the
+  interpreter wraps an int (an fp32 scalar tensor);
+- libdevice's functions, which the interpreter does not emulate (a call returns None), are bound in the Liger
+  modules that import them to the interpreter's own: `rsqrt` (RMSNorm) to `tl.rsqrt`, `tanh` (the
+  cross-entropy's soft-cap) to 2·sigmoid(2x) - 1, the same function.
+The interpreter does not emulate bfloat16 arithmetic (NumPy has none: a bfloat16 product comes out as garbage),
+so the tests under it run in float32; bfloat16 runs on a GPU (tests/gpu/test_kernels_cuda.py)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+LIGER_MODULES = ("liger_kernel.ops.rms_norm", "liger_kernel.ops.cross_entropy", "liger_kernel.ops.rope",
+                 "liger_kernel.ops.swiglu")
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
+
+
+def interpreter_on() -> bool:
+    """Triton's library functions were made interpreted: TRITON_INTERPRET=1 was set before triton's import."""
+    if not liger_installed():
+        return False
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def liger_interpreted() -> bool:
+    """Liger's kernels can run here on CPU tensors (installed, the interpreter on from the start); the
+    interpreter's gaps filled once."""
+    if not interpreter_on():
+        return False
+    _patch_interpreter()
+    return True
+
+
+def _patch_interpreter() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._implicit_cvt
+
+    def with_floats(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return convert(arg)
+
+    interpreter._implicit_cvt = with_floats
+    modules = {name: importlib.import_module(name) for name in LIGER_MODULES}
+    modules["liger_kernel.ops.rms_norm"].rsqrt = lambda x: tl.rsqrt(x)
+    modules["liger_kernel.ops.cross_entropy"].tanh = lambda x: 2 * tl.sigmoid(2 * x) - 1

@@ -1,0 +1,164 @@
+"""Liger-Kernel's kernels as `kernels: liger` swaps them in (actors/engine/kernels.py, the fused loss in loss.py),
+run on the CPU under Triton's interpreter, in float32, against the Hugging Face model's own operations.
+
+This module runs in a process started with TRITON_INTERPRET=1 (tests/helpers/triton_interpreter.py says why and
+what the interpreter lacks; tests/unit/engine/test_kernels.py starts it where Liger-Kernel is installed) and
+skips itself elsewhere. Each kernel switched on alone, then all four, on a tiny Llama and a tiny Qwen3 (q/k norms
+before RoPE): a packed step of two jobs, each with its own non-zero LoRA adapter, gives the model's hidden states,
+per-token losses, input gradient and adapter gradients within float32's rounding bound of the same model without
+kernels (tests/helpers/tolerances.py: the two differ in summation order only), and each kernel asked for is shown
+to have run, the others not (a spy on each); Mistral (a sliding window) and Qwen2 (q/k/v biases) with all four.
+Jobs trained fused on a base with all four kernels end bit for bit where they end trained alone (the kernels work
+token by token: kernels.py's isolation argument), and recomputed layers end where kept ones do. An architecture
+without Liger's kernels (Gemma: a GeGLU MLP, an offset RMSNorm) trains with the fused loss alone. The fused loss,
+with each logit transform, a bias and per-token weights, against autograd in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors.engine import kernels
+from actors.engine.loss import target_cross_entropy, target_log_probs, use_fused_loss
+from actors.engine.model_support import LogitTransform
+from actors.engine.models import from_module
+from actors.engine.spec import JobSpec
+from tests.helpers.isolation import assert_isolated, train_fused
+from tests.helpers.kernels import LONGEST, SPIED, TOKENS, VOCAB, forwards_rebound, fused_step, spy_on_liger, tiny
+from tests.helpers.models import random_examples
+from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+from tests.helpers.triton_interpreter import liger_interpreted
+
+pytestmark = pytest.mark.skipif(not liger_interpreted(),
+                                reason="needs Liger-Kernel and Triton's interpreter on from the process's start "
+                                       "(TRITON_INTERPRET=1): tests/unit/engine/test_kernels.py runs it so")
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # set already; kernels: liger then runs on a CPU
+    return spy_on_liger(monkeypatch)
+
+
+def assert_within_rounding(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], config) -> None:
+    terms = {backward: llama_chain_terms(config, sequence=LONGEST, tokens=TOKENS, backward=backward)
+             for backward in (False, True)}
+    assert reference.keys() == got.keys()
+    for key, expected in reference.items():
+        bound = rounding_tolerance(terms[key not in ("hidden", "losses")], float(expected.abs().max()))
+        assert float((got[key] - expected).abs().max()) <= bound, key
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("ops", [("rms_norm",), ("rope",), ("swiglu",), ("loss",), kernels.OPS],
+                         ids=["rms_norm", "rope", "swiglu", "loss", "all"])
+def test_each_kernel_gives_the_model_s_hidden_states_losses_and_gradients(spied, model_type, ops):
+    model = tiny(model_type)
+    reference = fused_step(copy.deepcopy(model), ())
+    assert sum(spied.values()) == 0
+    got = fused_step(model, ops)
+    for op, counted in SPIED.items():   # each kernel asked for ran, the others did not
+        assert (spied[counted] > 0) == (op in ops), (op, dict(spied))
+    assert_within_rounding(got, reference, model.config)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_the_other_architectures_with_every_kernel(spied, model_type):
+    model = tiny(model_type, **({"sliding_window": 8} if model_type == "mistral" else {}))
+    reference = fused_step(copy.deepcopy(model), ())
+    got = fused_step(model, kernels.OPS)
+    assert all(spied[name] > 0 for name in SPIED.values())
+    assert_within_rounding(got, reference, model.config)
+
+
+def two_jobs() -> list:
+    jobs = []
+    for index, (shortest, longest, lora) in enumerate([(4, 10, {"r": 4, "alpha": 8}),
+                                                       (8, 24, {"r": 8, "alpha": 16, "dropout": 0.1})]):
+        spec = JobSpec(name=f"job-{index}", data="unused.jsonl", format={"type": "text"}, batch_size=2, max_steps=1,
+                       lr=1e-2, lora={"target_modules": "all-linear", **lora})
+        jobs.append((spec, random_examples(index, count=2, vocab=VOCAB, min_len=shortest, max_len=longest), index))
+    return jobs
+
+
+def test_jobs_fused_on_liger_s_kernels_end_as_they_end_alone(spied):
+    base = from_module(tiny("llama"), None, kernels="liger")
+    assert base.kernels == "liger"
+    assert_isolated(base, two_jobs())
+    assert all(spied[name] > 0 for name in SPIED.values())
+
+
+def test_recomputed_layers_run_liger_s_kernels_again_to_the_same_adapters(spied):
+    """recompute: layers runs each layer's forward again in backward: with Liger's kernels (RoPE's in place among
+    them) the adapters end bit for bit where they end without recomputation."""
+    base = from_module(tiny("qwen3"), None, kernels="liger")
+    kept, _, _ = train_fused(base, two_jobs())
+    calls = spied["liger_rope"]
+    recomputed, _, _ = train_fused(base, two_jobs(), recompute="layers")
+    assert spied["liger_rope"] > 2 * calls   # the recomputation ran the kernel again
+    for job, tensors in kept.items():
+        for name, tensor in tensors.items():
+            assert torch.equal(recomputed[job][name], tensor), (job, name)
+
+
+def test_an_architecture_without_liger_s_kernels_trains_with_the_fused_loss_alone(spied, monkeypatch):
+    monkeypatch.setattr(kernels, "_told", set())
+    model = tiny("gemma")
+    reference = fused_step(copy.deepcopy(model), ())
+    got = fused_step(model, kernels.OPS)
+    assert forwards_rebound(model) == []
+    assert spied["cross_entropy"] > 0 and spied["liger_rms_norm"] == spied["liger_swiglu"] == 0
+    assert_within_rounding(got, reference, model.config)
+
+
+TRANSFORMS = [LogitTransform(), LogitTransform(softcap=2.0), LogitTransform(divide=4.0),
+              LogitTransform(multiply=0.5, softcap=3.0)]
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=["plain", "softcap", "divide", "multiply+softcap"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_the_fused_loss_equals_autograd_in_float64(spied, transform, with_bias):
+    rows, hidden_size, chunk = 21, 32, 8
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, hidden_size, generator=generator)
+    weight = torch.nn.Parameter(torch.randn(VOCAB, hidden_size, generator=generator) * 0.3, requires_grad=False)
+    bias = torch.randn(VOCAB, generator=generator) if with_bias else None
+    targets = torch.randint(0, VOCAB, (rows,), generator=generator)
+    token_weights = torch.rand(rows, generator=generator) + 0.5
+    use_fused_loss(weight, "liger")
+
+    def exact_logits(h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, weight.double(), None if bias is None else bias.double())
+        logits = logits * transform.multiply / transform.divide
+        return logits if transform.softcap is None else transform.softcap * torch.tanh(logits / transform.softcap)
+
+    # the head's dot products, the softmax's sum, the gradient's product with the head, the weighted total
+    bound_terms = hidden_size + VOCAB + VOCAB + rows
+
+    def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+        bound = rounding_tolerance(bound_terms, float(expected.detach().abs().max()))
+        assert float((got.double() - expected.detach()).abs().max()) <= bound
+
+    fused_input = hidden.clone().requires_grad_(True)
+    total, losses = target_cross_entropy(fused_input, weight, bias, targets, token_weights, chunk, transform)
+    total.backward()
+    exact_input = hidden.double().requires_grad_(True)
+    exact = F.cross_entropy(exact_logits(exact_input), targets, reduction="none")
+    exact_total = (exact * token_weights.double()).sum()
+    exact_total.backward()
+    assert spied["cross_entropy"] == -(-rows // chunk)   # one launch per chunk
+    assert_close(losses, exact)
+    assert_close(total, exact_total)
+    assert_close(fused_input.grad, exact_input.grad)
+
+    log_input = hidden.clone().requires_grad_(True)
+    log_probs = target_log_probs(log_input, weight, bias, targets, chunk, transform)
+    (log_probs * token_weights).sum().backward()
+    exact_input.grad = None
+    exact_log_probs = -F.cross_entropy(exact_logits(exact_input), targets, reduction="none")
+    (exact_log_probs * token_weights.double()).sum().backward()
+    assert_close(log_probs, exact_log_probs)
+    assert_close(log_input.grad, exact_input.grad)

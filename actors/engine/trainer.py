@@ -35,7 +35,7 @@ from actors.engine.grpo import (
 from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
-from actors.engine.loss import DEFAULT_CHUNK, logits_transient_bytes, target_cross_entropy
+from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
 from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
 from actors.engine.models import BaseModel
 from actors.engine.optim import step_jobs
@@ -292,7 +292,8 @@ class FusedTrainer:
         peak = self.meter.peak_bytes(gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
                                      transient_bytes=logits_transient_bytes(
                                          self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
-                                         softcapped=self.base.logit_transform.softcap is not None))
+                                         softcapped=self.base.logit_transform.softcap is not None,
+                                         fused=fused_loss(head.weight), element_bytes=head.weight.element_size()))
         counts, metrics = objective.counts, objective.metrics
         due = [job for index, (job, _) in enumerate(chosen)
                if job.count_micro_batch(batch.job_tokens[index], counts[index])]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from actors.engine.base_settings import QUANTIZATIONS
 from actors.engine.storage import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, load_run_spec
+from orchestrator.run_plan import OVERWRITE_HELP
 
 if TYPE_CHECKING:
     from actors.engine.spec import RunSpec
@@ -261,7 +262,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if earlier is not None:
         submissions = {record.id: submission for record, submission in earlier}
         plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
-                        saved_data=_saved_data_digest)
+                        saved_data=_saved_data_digest, saved_step=_saved_step)
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
         if not (plan.submit or plan.resume or plan.changed):
@@ -278,16 +279,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         # each job's data is read for its digest once per run: not again for the jobs the first plan checked
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
-                        saved_data=lambda folder: None if folder in data_checked else _saved_data_digest(folder))
+                        saved_data=lambda folder: None if folder in data_checked else _saved_data_digest(folder),
+                        saved_step=_saved_step)
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
-        if args.overwrite:
-            earlier = [*plan.resume, *plan.done, *plan.changed_records]
-            for record in earlier:
-                client.delete(record.id)
-                clear_job_folder(as_location(record.output_dir))
-                print(f"{record.name}: started over (--overwrite); its earlier results were deleted")
-            plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job))
+        # only the jobs whose spec or data changed start over: unchanged ones resume or stay as they are
+        restarted = [*plan.changed_records, *(record for record, _ in plan.retry)]
+        for record in restarted:
+            client.delete(record.id)
+            clear_job_folder(as_location(record.output_dir))
+        for record in plan.changed_records:
+            print(f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results were "
+                  "deleted")
+        if restarted:
+            plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
+                            saved_step=_saved_step)
         for line in plan.lines(saved_step=_saved_step):
             print(line)
         if plan.resume or plan.submit:
@@ -613,9 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "e.g. s3://bucket/runs/x)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     run.add_argument("--in-process", action="store_true", help="train in this process, without Ray")
-    run.add_argument("--overwrite", action="store_true", help="start every job of the file over: delete the "
-                     "results of an earlier run in the same output folder (by default a run resumes unfinished "
-                     "jobs, leaves finished ones alone, and stops if the file changed in a way resuming cannot)")
+    run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     run.set_defaults(handler=_cmd_run)
 
     sweep = commands.add_parser("sweep", help="a sweep file's trials trained as jobs of a service of its own (or "

@@ -4,20 +4,23 @@ unfinished one (interrupted, failed, cancelled, or held since the last run stopp
 checkpoint; a new one is submitted. A job whose spec changed in a way that makes its checkpoint wrong for
 it (data, model, adapter, optimisation, budget), or whose data changed since its checkpoint (the digest
 the checkpoint records, actors/engine/data/digest.py, against the data's now: a file rewritten in place), is
-not resumed: the run stops and says which job, what changed, and that `--overwrite` starts it over."""
+not resumed: the run stops and says which job, what changed, and that `--overwrite` starts that job over.
+`--overwrite` starts over only those jobs: a job whose spec and data are unchanged is never deleted by it.
+An unfinished job that left no checkpoint (a job that failed at its start, say on a reward that raised) has
+nothing to mix with: with its spec changed it starts again on the new spec, without `--overwrite`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from actors.engine.data.digest import describe_change, job_data_digest
-from actors.engine.data.rows import DataError
-from actors.engine.spec import JobSubmission
 from actors.engine.storage import resolve_location
-from actors.service.job_table import JobRecord
+
+if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
+    from actors.engine.spec import JobSubmission
+    from actors.service.job_table import JobRecord
 
 FINISHED = ("completed", "stopped_early")
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
@@ -33,11 +36,14 @@ class RunPlan:
     done: list[JobRecord] = field(default_factory=list)          # finished, same spec: left alone
     changed: list[tuple[str, list[str]]] = field(default_factory=list)   # job name, its differences
     changed_records: list[JobRecord] = field(default_factory=list)        # the earlier jobs of `changed`
+    retry: list[tuple[JobRecord, list[str]]] = field(default_factory=list)   # unfinished, no checkpoint, changed
 
     def lines(self, saved_step: Callable[[str], int | None] | None = None) -> list[str]:
         """One line per job that was there before. `saved_step(output_dir)`: the step of the checkpoint on
         disk, which a run killed at once may not have reported to its table."""
         out = [f"{r.name}: already {r.state} at step {r.step}; left alone" for r in self.done]
+        out += [f"{r.name}: {r.state} in the last run with no checkpoint; starts again with the changed spec "
+                f"({'; '.join(items)})" for r, items in self.retry]
         for record in self.resume:
             step = saved_step(record.output_dir) if saved_step is not None else None
             step = step if step is not None else record.checkpoint_step
@@ -74,6 +80,9 @@ def data_changes(submission: JobSubmission, saved: tuple[int, str | None] | None
     cannot be read now (the job's start then says why)."""
     if saved is None or saved[1] is None:
         return []
+    from actors.engine.data.digest import describe_change, job_data_digest
+    from actors.engine.data.rows import DataError
+
     step, digest = saved
     job = submission.job
     try:
@@ -87,9 +96,12 @@ def data_changes(submission: JobSubmission, saved: tuple[int, str | None] | None
 
 def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
              stored: Callable[[str], JobSubmission],
-             saved_data: Callable[[str], tuple[int, str | None] | None] | None = None) -> RunPlan:
+             saved_data: Callable[[str], tuple[int, str | None] | None] | None = None,
+             saved_step: Callable[[str], int | None] | None = None) -> RunPlan:
     """Match each submission with the newest earlier job of the same name writing to the same folder.
-    `saved_data(output_dir)`: the (step, data digest) of the job's checkpoint there, to compare its data with."""
+    `saved_data(output_dir)`: the (step, data digest) of the job's checkpoint there, to compare its data with;
+    `saved_step(output_dir)`: the step of a checkpoint on disk (a run killed at once may not have told its
+    table), which, with the table's, tells whether an unfinished job left one."""
     latest: dict[tuple[str, str], JobRecord] = {}
     for record in sorted(records, key=lambda r: r.submitted_at):
         latest[(record.name, str(resolve_location(record.output_dir)))] = record
@@ -103,7 +115,10 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         changes = differences(stored(record.id), submission)
         if not changes and saved_data is not None:
             changes = data_changes(submission, saved_data(record.output_dir))
-        if changes:
+        if changes and record.state not in FINISHED and not _checkpointed(record, saved_step):
+            plan.retry.append((record, changes))
+            plan.submit.append(submission)
+        elif changes:
             plan.changed.append((submission.job.name, changes))
             plan.changed_records.append(record)
         elif record.state in FINISHED:
@@ -113,9 +128,20 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
     return plan
 
 
+def _checkpointed(record: JobRecord, saved_step: Callable[[str], int | None] | None) -> bool:
+    if record.checkpoint_step:
+        return True
+    return bool(saved_step(record.output_dir)) if saved_step is not None else False
+
+
+OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run: their checkpoints, adapters "
+                  "and metrics are deleted; the file's other jobs resume or are left alone as without it")
+
+
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:
     jobs = "\n".join(f"  job '{name}': {'; '.join(items)}" for name, items in changed)
+    names = ", ".join(f"'{name}'" for name, _ in changed)
     return (f"{output_dir} holds jobs of an earlier run whose spec or data differ from this file's, so resuming "
             f"them would mix two configurations:\n{jobs}\nrestore those fields or that data, or run with --overwrite "
-            "to start them over (their checkpoints, adapters and metrics are deleted), or give the run another "
-            "output_dir")
+            f"to start {names} over (their checkpoints, adapters and metrics are deleted; the file's other jobs "
+            "resume or are left alone as without it), or give the run another output_dir")

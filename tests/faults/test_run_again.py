@@ -5,7 +5,8 @@
 - the same command once more: finished jobs are left alone, one line each, exit 0;
 - the spec changed in a way that makes resuming wrong, or a job's data file was rewritten in place (same
   path, same row count, one row's text changed): exit 2, naming the job, the field or the file, and
-  `--overwrite`; with `--overwrite` the jobs start over (on the changed data);
+  `--overwrite`; with `--overwrite` the jobs start over (on the changed data), and only those: a job finished
+  and unchanged beside a changed one is left alone;
 - everything killed at once (SIGKILL to the process group: `ray stop`, a reboot): the same command resumes
   every unfinished job from its last checkpoint, written by time (`checkpoint_every_s`) as well as by
   step, and the adapters equal those of an undisturbed run."""
@@ -187,6 +188,20 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
     assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != adapter   # trained again, at 2e-3
     assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() != second   # and on the changed row
     assert_like_undisturbed(tmp_path, base)   # each as an undisturbed run on the files as they are now
+
+    # one job's spec changed again, the other finished and unchanged: --overwrite starts over only the first
+    second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
+    first = (tmp_path / "out/first/adapter_model.safetensors").read_bytes()
+    text = (tmp_path / "jobs.yaml").read_text()
+    (tmp_path / "jobs.yaml").write_text(text.replace("lr: 2.0e-3", "lr: 3.0e-3", 1))
+    code, out, err = run(tmp_path, "--overwrite")
+    assert code == 0, (out, err)
+    assert "first: started over (--overwrite: its spec or data changed)" in out, out
+    assert f"second: already completed at step {OVERWRITE_STEPS}; left alone" in out, out
+    assert "second: started over" not in out
+    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() == second   # never deleted
+    assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != first
+    assert metric_steps(tmp_path / "out" / "second") == list(range(1, OVERWRITE_STEPS + 1))
 
 
 def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpoints(tmp_path, tiny_model_dirs):

@@ -1,0 +1,69 @@
+"""`aspen run` again on the same output folder (orchestrator/run_plan.py): which earlier jobs are left alone, resumed,
+started again or refused, as the README, the refusal and `--help` say it: `--overwrite` starts over only the jobs
+whose spec or data changed; a job that finished unchanged is never deleted; a job that failed before its first
+checkpoint starts again on its changed spec without `--overwrite`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from actors.engine.spec import RunSpec
+from actors.service.job_table import JobRecord
+from orchestrator.run_plan import OVERWRITE_HELP, changed_message, plan_run
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def _spec(tmp_path: Path, lrs: dict[str, float]) -> RunSpec:
+    return RunSpec(output_dir=tmp_path, jobs=[
+        {"name": name, "data": "data.jsonl", "format": {"type": "text"}, "lr": lr, "max_steps": 10}
+        for name, lr in lrs.items()])
+
+
+def _record(submission, state: str, checkpoint_step: int | None = None, step: int = 10) -> JobRecord:
+    now = time.time()
+    return JobRecord(id=f"id-{submission.job.name}", name=submission.job.name, state=state, reason="", base_model="m",
+                     quantization="none", priority=0, output_dir=str(submission.output_dir), trainer=None, step=step,
+                     total_steps=10, tokens=0, loss=None, eval_loss=None, tokens_per_s=None,
+                     checkpoint_step=checkpoint_step, adapter_dir=None, submitted_at=now, started_at=now,
+                     finished_at=now, updated_at=now)
+
+
+def test_a_finished_unchanged_job_is_left_alone_and_only_the_changed_one_would_start_over(tmp_path):
+    """The user's sequence: 'done' finished, 'edited' finished too and then had its spec changed: the plan keeps
+    'done' (never deleted, with or without --overwrite) and refuses 'edited' without --overwrite, naming it."""
+    before = _spec(tmp_path, {"done": 1e-3, "edited": 1e-3}).submissions()
+    after = _spec(tmp_path, {"done": 1e-3, "edited": 5e-4}).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(before[0], "completed", 10), _record(before[1], "completed", 10)]
+    plan = plan_run(after, records, stored.__getitem__)
+    assert [r.name for r in plan.done] == ["done"]
+    assert [name for name, _ in plan.changed] == ["edited"] and [r.name for r in plan.changed_records] == ["edited"]
+    assert not plan.submit and not plan.resume and not plan.retry
+    message = changed_message(tmp_path, plan.changed)
+    assert "'edited'" in message and "lr: 0.001 -> 0.0005" in message
+    assert "the file's other jobs resume or are left alone" in message
+    assert "the file's other jobs resume or are left alone" in OVERWRITE_HELP
+
+
+def test_a_job_that_failed_before_any_checkpoint_starts_again_on_its_changed_spec(tmp_path):
+    before = _spec(tmp_path, {"done": 1e-3, "broken": 1e-3, "interrupted": 1e-3}).submissions()
+    after = _spec(tmp_path, {"done": 1e-3, "broken": 2e-3, "interrupted": 2e-3}).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(before[0], "completed", 10), _record(before[1], "failed", None, step=0),
+               _record(before[2], "failed", None, step=3)]
+    # 'interrupted' left a checkpoint on disk that its table never heard of (a run killed at once)
+    on_disk = {str(before[2].output_dir): 3}
+    plan = plan_run(after, records, stored.__getitem__, saved_step=on_disk.get)
+    assert [r.name for r in plan.done] == ["done"]
+    assert [record.name for record, _ in plan.retry] == ["broken"]
+    assert [s.job.name for s in plan.submit] == ["broken"] and plan.submit[0].job.lr == 2e-3
+    assert [name for name, _ in plan.changed] == ["interrupted"]   # its checkpoint would be mixed: --overwrite
+    assert any("broken: failed in the last run with no checkpoint; starts again" in line for line in plan.lines())
+
+
+def test_the_readme_says_what_overwrite_does():
+    text = README.read_text()
+    assert "`--overwrite` starts\nthose jobs over, and only those" in text
+    assert "aspen run --overwrite jobs.yaml  # start over the jobs whose spec or data changed (only those)" in text

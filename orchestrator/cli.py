@@ -100,8 +100,24 @@ def _cmd_http(args: argparse.Namespace) -> int:
 
 
 def _cmd_http_token(args: argparse.Namespace) -> int:
+    from actors.service.users import UserBook
     from orchestrator.http_token import ensure_token, token_file
 
+    book = UserBook.in_state_dir(args.state_dir)
+    if book.exists():   # the single token opens the API only where an admin holds it
+        holder = book.authenticate(ensure_token(args.token_file)) if token_file(args.token_file).is_file() else None
+        if holder is None or args.rotate:
+            path = token_file(args.token_file)
+            whose = "not one of them" if holder is None else (
+                f"the admin '{holder.name}''s (`aspen user token {holder.name} --rotate` gives them a new one)")
+            print(f"aspen: a users file is in force ({book.path}): the API takes only its users' tokens, and "
+                  f"{path} is {whose}. `aspen user add NAME --admin` issues an admin a token; `aspen user token "
+                  "NAME --rotate` a user a new one", file=sys.stderr)
+            return 1
+        print(ensure_token(args.token_file))
+        print(f"aspen: this token is the admin '{holder.name}''s (a users file is in force: {book.path})",
+              file=sys.stderr)
+        return 0
     token = ensure_token(args.token_file, rotate=args.rotate)
     print(token)
     if args.rotate:
@@ -550,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     http_token = commands.add_parser("http-token", help="print the HTTP API's bearer token (generated where missing)")
     http_token.add_argument("--token-file", help="default ~/.aspen/http-token")
+    http_token.add_argument("--state-dir", default="~/.aspen",
+                            help="the service's state folder: where a users file is in force, the token is printed "
+                                 "only while an admin holds it (default ~/.aspen)")
     http_token.add_argument("--rotate", action="store_true", help="replace it with a new token (restart `aspen http`)")
     http_token.set_defaults(handler=_cmd_http_token)
 

@@ -206,8 +206,12 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         if caller is None:
             log.warning("aspen http: a wrong token from %s", request.client.host if request.client else "?")
             raise HTTPException(401, "wrong token (" + (
-                "removed, rotated, or never issued: `aspen user token NAME --rotate` issues a new one" if gate.has_users
-                else "`aspen http-token` on the service's machine prints the right one") + ")",
+                f"a users file is in force ({gate.users.path}): only its users' tokens open the API, the service's "
+                "single token (`aspen http-token`) no longer unless an admin holds it (`aspen user list`); a token "
+                "removed, rotated or never issued: `aspen user token NAME --rotate` issues a new one"
+                if gate.has_users else
+                "no users file: the service's single token is in force; `aspen http-token` on the service's machine "
+                "prints it") + ")",
                 headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
         request.state.caller = caller
         return caller

@@ -1,7 +1,8 @@
 """`aspen user add | list | token | remove`: the users of a shared service (actors/service/users.py), run on
 the service's machine by whoever may write its state folder (the operator). A token is printed once, when it
 is issued (`add`, `token --rotate`); `--json` prints `{"name", "token"}`. The service's single HTTP token
-from before there were users (`aspen http-token`) becomes the first admin's."""
+from before there were users (`aspen http-token`) becomes the first admin's; where the first user added is
+not an admin, it stays valid as the admin `operator`'s (adding a user never locks the operator out)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 from pathlib import Path
 
 from actors.service.audit import AuditLog
-from actors.service.users import UserBook, UserError
+from actors.service.users import OPERATOR, UserBook, UserError
 
 DEFAULT_STATE_DIR = "~/.aspen"
 
@@ -84,11 +85,14 @@ def run(args: argparse.Namespace) -> int:
     book = UserBook.in_state_dir(Path(args.state_dir))
     audit = AuditLog.in_state_dir(Path(args.state_dir))
     if args.action == "add":
+        had_users = book.exists() and bool(book.users())
         token, notes = book.add(args.name, admin=args.admin, share=args.share, data_roots=args.data_root,
-                                quotas=_quotas(args.quota),
-                                adopt_token=_legacy_token(args.token_file) if args.admin else None)
+                                quotas=_quotas(args.quota), adopt_token=_legacy_token(args.token_file))
         if token is None:   # the service's existing token became theirs
             token = _legacy_token(args.token_file)
+        if not had_users and OPERATOR in {user.name for user in book.users()} and args.name != OPERATOR:
+            audit.record(_account(), "user.add", OPERATOR, admin=True, share=1.0, data_roots=[],
+                         reason="the service's single HTTP token, kept as an admin's when the first user was added")
         audit.record(_account(), "user.add", args.name, admin=args.admin, share=args.share,
                      data_roots=args.data_root)
         _say(args, {"name": args.name, "token": token}, f"{token}", notes)

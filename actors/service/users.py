@@ -84,6 +84,10 @@ def check_quotas(quotas: dict[str, int]) -> dict[str, int]:
     return dict(quotas)
 
 
+OPERATOR = "operator"
+"""The admin holding the service's single HTTP token when the first user added is not an admin (`UserBook.add`)."""
+
+
 class UserBook:
     """The users file at `path` (`<state_dir>/users.json`)."""
 
@@ -169,7 +173,9 @@ class UserBook:
     def add(self, name: str, *, admin: bool = False, share: float = 1.0, data_roots: Sequence[str] = (),
             quotas: dict[str, int] | None = None, adopt_token: str | None = None) -> tuple[str | None, list[str]]:
         """Add a user; returns their new token (None where `adopt_token` became theirs) and notes. The first
-        admin takes `adopt_token` (the service's token from before there were users) where it is given."""
+        admin takes `adopt_token` (the service's token from before there were users) where it is given; where
+        the first user added is not an admin, that token stays valid as the admin OPERATOR's, so that adding a
+        user never locks the operator out."""
         check_name(name)
         if not (0 < share <= 1000):
             raise UserError(f"share {share}: give a weight above 0 and at most 1000 (1: an equal share)")
@@ -183,6 +189,14 @@ class UserBook:
             if admin and adopt_token and not any(user.admin for user in users.values()):
                 token, digest = None, token_hash(adopt_token)
                 notes.append(f"the service's existing HTTP token (`aspen http-token`) is now {name}'s")
+            elif adopt_token and not users and name != OPERATOR:
+                # the first user, not an admin: the token the operator has used so far would stop opening the API
+                # (a users file, once there, is the only way in); it stays theirs, as an admin of its own
+                users[OPERATOR] = User(OPERATOR, True, 1.0, token_hash(adopt_token), round(time.time(), 3), ())
+                notes.append(f"a users file is in force from now on: only users' tokens open the API. The service's "
+                             f"existing HTTP token (`aspen http-token`) stays valid as the admin '{OPERATOR}'; "
+                             f"`aspen user remove {OPERATOR}` retires it once you have another admin "
+                             "(`aspen user add NAME --admin`)")
             if any(hmac.compare_digest(user.token_sha256, digest) for user in users.values()):
                 raise UserError("that token is another user's already")
             users[name] = User(name, admin, float(share), digest, round(time.time(), 3), tuple(map(str, data_roots)),

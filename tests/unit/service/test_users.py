@@ -243,3 +243,48 @@ def test_the_accounts_add_up_to_the_trainers_step_log(tmp_path, tiny_base, tiny_
                                                                              rel=1e-9)
     assert all(a["gpu_seconds"] == 0 and a["jobs"] == 1 for a in accounts.values())
     table.close()
+
+
+def test_adding_the_first_user_never_locks_the_operator_out(tmp_path):
+    """The README's order (`aspen http` with its single token, then `aspen user add alice`): the single token
+    stays valid as the admin 'operator' (said on stderr, audited); the HTTP gate admits it as an admin and
+    alice as herself; `aspen http-token` prints it and says whose it is; once operator is removed (another
+    admin added first), `aspen http-token` refuses to print a token that no longer opens the API (exit 1)."""
+    from orchestrator.http_token import ensure_token
+    from orchestrator.http_users import Gate
+
+    token_path = tmp_path / "http-token"
+    single = ensure_token(str(token_path))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                              cwd=REPO, env={**os.environ, "ASPEN_TOKEN_FILE": str(token_path)})
+
+    added = cli("user", "add", "alice", "--json", "--state-dir", str(tmp_path), "--token-file", str(token_path))
+    assert added.returncode == 0, added.stderr
+    assert "stays valid as the admin 'operator'" in added.stderr and "users file is in force" in added.stderr
+    alice = json.loads(added.stdout)["token"]
+    book = UserBook.in_state_dir(tmp_path)
+    gate = Gate(single, book)
+    operator, caller = gate.caller(single), gate.caller(alice)
+    assert (operator.name, operator.admin) == ("operator", True) and (caller.name, caller.admin) == ("alice", False)
+    assert [(row["action"], row["target"]) for row in AuditLog.in_state_dir(tmp_path).rows()] == [
+        ("user.add", "operator"), ("user.add", "alice")]
+    shown = cli("http-token", "--state-dir", str(tmp_path), "--token-file", str(token_path))
+    assert shown.returncode == 0 and shown.stdout.strip() == single and "the admin 'operator'" in shown.stderr
+    assert cli("user", "add", "root", "--admin", "--state-dir", str(tmp_path)).returncode == 0
+    assert cli("user", "remove", "operator", "--state-dir", str(tmp_path)).returncode == 0
+    refused = cli("http-token", "--state-dir", str(tmp_path), "--token-file", str(token_path))
+    assert refused.returncode == 1 and single not in refused.stdout
+    assert "users file is in force" in refused.stderr and "not one of them" in refused.stderr
+    assert gate.caller(single) is None
+
+
+def test_a_first_admin_takes_the_single_token_and_no_operator_is_made(tmp_path):
+    book = UserBook.in_state_dir(tmp_path)
+    single = "the-services-single-token-0123456789"
+    token, _ = book.add("root", admin=True, adopt_token=single)
+    assert token is None and [user.name for user in book.users()] == ["root"]
+    other = UserBook.in_state_dir(tmp_path / "other")
+    other.add("alice", adopt_token=None)   # no single token to keep: nobody is added beside alice
+    assert [user.name for user in other.users()] == ["alice"]

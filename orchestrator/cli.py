@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from actors.engine.base_settings import QUANTIZATIONS
 from actors.engine.storage import as_location, resolve_location
-from orchestrator.jobs_file import SpecError, load_run_spec
+from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 from orchestrator.run_plan import OVERWRITE_HELP
 
 if TYPE_CHECKING:
@@ -140,6 +140,7 @@ def _cmd_losses(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
+    check_data_rows(load_run_spec(args.file))   # a bad row or template refused here, before anything is submitted
     handles = _service(args).submit_run(args.file)
     if args.json:
         print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))
@@ -261,6 +262,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.output_dir:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
+        check_data_rows(spec)
         return _run_in_process(spec, args.quiet)
     from actors.service.config import run_local_dir, run_service_config
     from actors.service.job_files import clear_job_folder
@@ -286,6 +288,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 print(line)
             return _run_summary(spec, output_dir, plan.done)
         data_checked = {record.output_dir for record in (*plan.resume, *plan.done)}
+    # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
+    check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
+        r.name for r in (*plan.resume, *plan.changed_records)})
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs
 

@@ -144,3 +144,26 @@ def load_run_spec(path: str | Path, *, check_files: bool = True) -> RunSpec:
         raise SpecError(f"{path}: not valid YAML: {error}") from None
     return parse_run_spec(data, source=str(path), base_dir=path.parent.resolve(), text=text,
                           check_files=check_files)
+
+
+def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:
+    """Every row of the jobs' data (the first rows of a remote or streamed dataset) read and tokenized as its job
+    will read them (actors/engine/data/row_check.py), before anything starts: a `SpecError` listing each job's
+    first bad row, file:line and field, as the job itself would have failed on it. `names`: only these jobs (those
+    about to train). Reads the base model's tokenizer (not its weights)."""
+    from actors.engine.data.row_check import check_job_rows
+    from actors.engine.data.rows import DataError
+    from actors.engine.models import load_base_tokenizer
+
+    jobs = [job for job in spec.jobs if names is None or job.name in names]
+    if not jobs:
+        return
+    tokenizer = load_base_tokenizer(spec.base_model)
+    problems = []
+    for job in jobs:
+        try:
+            check_job_rows(job, tokenizer)
+        except DataError as error:
+            problems.append(f"job '{job.name}': {error}")
+    if problems:
+        raise SpecError("\n".join(problems) + "\n(nothing was started: fix the rows or the format, then run again)")

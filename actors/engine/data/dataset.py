@@ -40,6 +40,26 @@ def remap_columns(row: dict[str, Any], columns: Mapping[str, str] | None, source
     return mapped
 
 
+def check_encodable(value: Any, source: str, line: int, field: str | None = None) -> None:
+    """Every text in the row (nested in lists and objects too) can be encoded as UTF-8, which the tokenizer needs:
+    JSON may hold a lone surrogate (`"\\ud800"`), which Python reads but no tokenizer can encode; a `DataError`
+    names the file, the row, the field and where in it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise _row_error(source, line, f"field '{field}' holds text the tokenizer cannot encode: {error.reason} "
+                                           f"{value[error.start:error.end]!r} at character {error.start} (a lone "
+                                           "UTF-16 surrogate, as a JSON \\ud800 escape writes one); fix the row or "
+                                           "remove it", field=field) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_encodable(item, source, line, key if field is None else f"{field}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_encodable(item, source, line, f"{field}[{index}]")
+
+
 class RowTokenizer:
     """One row (after the column mapping) into an `Example`, or None where truncation to `max_seq_len` leaves
     no target token; `prompt_lengths` keeps the shortest prompt of a dropped row for the error message."""
@@ -56,6 +76,7 @@ class RowTokenizer:
     def __call__(self, item: Row) -> Example | PreferencePair | None:
         source, line, row = item
         row = remap_columns(row, self.columns, source, line)
+        check_encodable(row, source, line)
         if isinstance(self.fmt, PreferenceFormat):   # dpo / orpo: a pair of sequences per row
             return self._pair(row, source, line)
         ids, labels, prompt_len = _row_tokens(row, self.fmt, self.tokenizer, train_on_prompt=self.train_on_prompt,

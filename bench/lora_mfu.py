@@ -80,7 +80,7 @@ LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
 JOBS, SEQUENCES_PER_JOB, MIN_LEN, MAX_LEN = 4, 2, 64, 768
 PEFT_SEQUENCES_PER_STEP = 8      # (a): one job's 8 sequences a step, as many as a fused step holds of 4 jobs
 FUSION_ADAPTERS = (1, 2, 4, 8, 16, 32)
-SIDES = ("aspen", "peft", "packed", "concurrent", "frozen")
+SIDES = ("aspen", "peft", "packed", "frozen", "concurrent")   # the order they run in: what they tell
 SIDE_NAMES = {"aspen": "aspen, 4 jobs fused", "peft": "(a) PEFT loop, padded, jobs in turn",
               "packed": "(b) PEFT packed varlen (+Liger)", "concurrent": "(c) 4 PEFT processes at once",
               "frozen": "frozen base alone (ceiling)"}
@@ -319,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown side(s) or shape(s): {', '.join(unknown)}")
     parts = set(args.parts.split(","))
     _results.update({"device": args.device, "torch": torch.__version__, "quick": args.quick,
-                     "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
-                     "steps": args.steps, "warmup": args.warmup})
+                     "steps": args.steps, "warmup": args.warmup})   # no CUDA in this process: the sides' alone
     prediction = json.loads(args.prediction.read_text()) if args.prediction and args.prediction.is_file() else None
     if args.prediction and prediction is None:
         log(f"[lora_mfu] no prediction at {args.prediction}: the figures are printed without it")
@@ -339,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(_results, indent=1))
     from lora_report import report_lines
     _results["goals"] = GOALS
+    _results["gpu"] = next((side["device_name"] for r in _results.get("shapes", {}).values()
+                            for side in r["sides"].values() if side.get("device_name")),
+                           _results.get("fusion", {}).get("device_name"))
     print("\n".join(report_lines(_results)), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

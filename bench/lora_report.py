@@ -74,8 +74,8 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
     measured_as = result.get("measured_shape", shape)
     peak = next((s["peak_flops"] for s in sides.values() if s.get("peak_flops")), None)
     lines = [f"== {shape}{f' (measured as {measured_as})' if measured_as != shape else ''} on {device} ==",
-             "  bf16 matmul ceiling: " + (", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in ceilings.items())
-                                          if ceilings else "not measured")
+             "  matmul ceiling (bf16 on a GPU): "
+             + (", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in ceilings.items()) if ceilings else "not measured")
              + (f"; datasheet peak {peak / 1e12:.0f} TFLOP/s" if peak else ""),
              f"  {'side':<36} {'tokens/s':>9} {'median step (p10-p90)':>26} {'LoRA-MFU peak / ceiling':>16}  memory"]
     lines += [side_line(name, side, ceiling) for name, side in sides.items()]

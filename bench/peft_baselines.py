@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import random
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -30,19 +31,19 @@ except ImportError:   # torch < 2.10
     varlen_attn = None
 VARLEN_OPTIONS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
-_boundaries: dict = {"key": None}   # the last position-ids tensor's cu_seqlens: every layer passes the same one
+_boundaries: dict = {"of": lambda: None}   # the position ids (a weak reference) the cu_seqlens below are of
 
 
 def _cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Where each sequence starts in the packed row (position 0), as flash-attention's cu_seqlens, and the
-    longest sequence: computed once per forward (one host sync), reused by every layer."""
-    key = (position_ids.data_ptr(), position_ids.shape)
-    if _boundaries["key"] != key:
+    longest sequence: computed once per forward (one host sync), reused by every layer, which all get the same
+    position-ids tensor (held alive by the caller meanwhile: the identity test cannot match another step's)."""
+    if _boundaries["of"]() is not position_ids:
         flat = position_ids.reshape(-1)
         starts = torch.nonzero(flat == 0).reshape(-1)
         ends = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)])
-        cu = ends.to(torch.int32)
-        _boundaries.update(key=key, cu=cu, longest=int((ends[1:] - ends[:-1]).max()))
+        _boundaries.update(of=weakref.ref(position_ids), cu=ends.to(torch.int32),
+                           longest=int((ends[1:] - ends[:-1]).max()))
     return _boundaries["cu"], _boundaries["longest"]
 
 
@@ -77,6 +78,16 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+
+
+def probe_step(model, device: torch.device) -> None:
+    """One packed step of two short sequences through a throwaway adapter (does the patched model train?)."""
+    from peft import get_peft_model
+    model.train()
+    peft_model = get_peft_model(model, lora_config())
+    batch = [(list(range(3, 40)), list(range(3, 40))), (list(range(5, 30)), list(range(5, 30)))]
+    peft_model(**packed_tensors(batch, device), use_cache=False).loss.backward()
+    peft_model.unload()
 
 
 def apply_liger(model) -> str | None:
@@ -136,8 +147,11 @@ def optimizer_for(model, device: torch.device):
 
 def train_steps(peft_model, batches: list[list], device: torch.device, packed: bool,
                 clock: StepClock | None) -> tuple[list[int], list[int]]:
-    """One optimizer step a batch; `clock` marks after each (None: warm-up). Real and padded tokens a step."""
+    """One optimizer step a batch; `clock` marks before the first (the optimizer made) and after each (None:
+    warm-up). Real and padded tokens a step."""
     parameters, optimizer = optimizer_for(peft_model, device)
+    if clock is not None:
+        clock.mark()
     real, padded = [], []
     for batch in batches:
         inputs = packed_tensors(batch, device) if packed else padded_tensors(batch, device)
@@ -180,7 +194,6 @@ def run_jobs(model, jobs: dict[int, list], warm: list, device: torch.device, *, 
     real, padded = [], []
     for job, sequences in jobs.items():
         peft_model = wrap()
-        clock.mark()
         r, p = train_steps(peft_model, sorted_batches(sequences, per_step, seed=job), device, packed, clock)
         real += r
         padded += p

@@ -186,10 +186,22 @@ def run_command(command: list[str], env: dict, timeout: float) -> tuple[int | No
 
 
 def _kill_group(group: int) -> None:
+    """Kill the part's process group and every process under its leader that left the group (a new session:
+    Ray's daemons, a benchmark's own groups), while the leader still lives to name them."""
+    try:
+        import psutil
+        descendants = psutil.Process(group).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or the leader has exited: the group alone
+        descendants = []
     try:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:   # the group has no process left
         pass
+    for process in descendants:
+        try:
+            process.kill()
+        except Exception:  # noqa: BLE001 - it ended meanwhile
+            pass
 
 
 def _text(value: bytes | str | None) -> str:
@@ -249,9 +261,11 @@ def key_numbers(out: Path) -> dict:
     sweep = _json(out / "sweep.json")
     if sweep:
         numbers["sweep"] = {k: sweep.get(k) for k in ("trials_per_hour_ratio", "peak_memory_ratio", "gpu_memory_ratio")}
-    fusion8b = _json(out / "fusion8b.json")
-    if fusion8b and fusion8b.get("fusion", {}).get("efficiency"):
-        numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["fusion"]["efficiency"].items()}
+    fusion8b = (_json(out / "fusion8b.json") or {}).get("fusion")
+    if not (fusion8b or {}).get("efficiency"):   # the part killed at its limit: what the side wrote so far
+        fusion8b = next((_json(p) for p in sorted((out / "sides").glob("*-fusion.json"))), None)
+    if fusion8b and fusion8b.get("efficiency"):
+        numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["efficiency"].items()}
     return numbers
 
 

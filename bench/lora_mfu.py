@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
@@ -198,26 +197,31 @@ def with_mfu(result: dict, model, device: torch.device, ceiling: float | None = 
 
 def own_process(side: str, args: argparse.Namespace, shape: str, extra: list[str] | None = None,
                 timeout: float | None = None) -> dict:
-    """Run one side in a fresh process; its result is the JSON it writes (a side killed at `timeout` may have
-    written part of it: fusion does after each adapter count)."""
-    with tempfile.TemporaryDirectory(prefix=f"lora-mfu-{side}-") as folder:
-        result_file = Path(folder) / "result.json"
+    """Run one side in a fresh process; its result is the JSON it writes. Its result and its stderr are files in
+    `sides/` beside --json (a temporary folder without): a side killed at `timeout`, or this whole command
+    killed at its part's limit, leaves what it wrote (fusion writes after each adapter count, aspen before it
+    profiles) and its log there."""
+    keep = args.json.parent / "sides" if args.json else None
+    with tempfile.TemporaryDirectory(prefix=f"lora-mfu-{side}-") as scratch:
+        folder = keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        result_file, log_file = folder / f"{shape}-{side}.json", folder / f"{shape}-{side}.log"
+        result_file.unlink(missing_ok=True)
         command = [sys.executable, __file__, "--side", side, "--shape", shape, "--device", args.device,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result_file),
                    *(["--lengths", ",".join(map(str, QUICK_LENGTHS))] if args.quick else []), *(extra or [])]
         started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)   # its own group: (c)'s processes die with it
-        try:
-            _, stderr = process.communicate(timeout=timeout)
-            code = process.returncode
-        except subprocess.TimeoutExpired:
-            kill_group(process.pid)
-            _, stderr = process.communicate()
-            code = None
-        finally:
-            kill_group(process.pid)   # what it left running
+        with log_file.open("w") as log_handle:
+            # in this process's group: a suite that kills its part's group kills the sides with it
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+                kill_tree(process.pid)   # the side and its own processes ((c)'s four)
+                process.wait()
         wall = time.perf_counter() - started
+        stderr = log_file.read_text(errors="replace")
         sys.stderr.write(stderr[-3000:])
         result = json.loads(result_file.read_text()) if result_file.is_file() else {}
     status = "passed" if code == 0 else ("timed out" if code is None else f"failed (exit {code})")
@@ -227,11 +231,18 @@ def own_process(side: str, args: argparse.Namespace, shape: str, extra: list[str
     return {**result, "status": status, "process_wall_s": round(wall, 1)}
 
 
-def kill_group(group: int) -> None:
+def kill_tree(pid: int) -> None:
+    """Kill a process and every process under it."""
+    import psutil
     try:
-        os.killpg(group, signal.SIGKILL)
-    except ProcessLookupError:   # the group has no process left
-        pass
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def concurrent_sequences(peft: dict | None, quick: bool) -> int:

@@ -34,6 +34,18 @@ def side_line(name: str, side: dict, ceiling: float | None) -> str:
             f"{_pct(of_ceiling):>6}  {memory}{status}")
 
 
+def predicted_efficiency(prediction: dict | None) -> dict | None:
+    """The cost model's fusion efficiencies ({adapters: ratio}): a dict under a key naming efficiency, at the
+    top level or one level down (bench/gpu_cost_model.py --fusion)."""
+    def found(mapping: dict) -> dict | None:
+        return next((v for k, v in mapping.items() if "efficien" in k and isinstance(v, dict) and v
+                     and all(isinstance(x, int | float) for x in v.values())), None)
+    if not prediction:
+        return None
+    return found(prediction) or next((found(v) for v in prediction.values() if isinstance(v, dict) and found(v)),
+                                     None)
+
+
 def prediction_for(prediction: dict | None, shape: str) -> dict | None:
     if not prediction:
         return None
@@ -101,6 +113,9 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
         lines.append("  (b)'s pieces: " + "; ".join(f"{k}: {v}" for k, v in packed["pieces"].items())
                      + "; adapters: " + ", ".join(f"{k} {v['tokens_per_s']:,.0f} tokens/s"
                                                   for k, v in packed.get("variants", {}).items()))
+    if not small and aspen.get("step_bytes_per_token"):
+        lines.append(f"  aspen's step: {aspen['step_bytes_per_token'] / 1e6:.1f} MB a token over what it holds "
+                     "(the float32-adapter path took ~13 MB on an H100, 2026-11-27; the bf16 path's aim ~8 MB)")
     if sides.get("concurrent", {}).get("sequences_per_step"):
         lines.append(f"  (c): {sides['concurrent']['sequences_per_step']} sequences a step per process (what fits 4 "
                      "copies of the base and their steps on the card)")
@@ -131,8 +146,7 @@ def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
         lines.append(f"    {n:>2} adapters: median step {row['median_step_s']:.3f} s ({row['p10_step_s']:.3f}-"
                      f"{row['p90_step_s']:.3f}), {row['tokens_per_s_at_median']:,.0f} tokens/s, "
                      f"{_gb(row.get('peak_memory_bytes'))}")
-    predicted = next((v for k, v in (prediction or {}).items() if k.startswith("predicted") and "efficien" in k
-                      and isinstance(v, dict)), None)
+    predicted = predicted_efficiency(prediction)
     if predicted:
         lines.append("  predicted by the cost model: " + ", ".join(
             f"{n}: {float(p):.3f}" + (f" (measured {efficiency[str(n)]:.3f}, {float(p) / efficiency[str(n)]:.2f}x)"

@@ -1,27 +1,30 @@
 #!/usr/bin/env python
 """The GPU suite: every check and benchmark that needs a CUDA machine, in one command, one report.
 
-Parts, each in its own process group (a part that fails or runs past its time limit, --part-timeout, is
-recorded in the report, its processes killed, and the suite goes on with the next):
-  tests       pytest tests/gpu/test_cuda.py (device placement, bf16, varlen attention, grouped LoRA on CUDA)
-  fusion      bench/fusion.py (a): fusion efficiency at 1, 2, 4, 8, 16 and 32 adapters (32 sequences per
-              step), once with grouped LoRA and once per segment
-  operations  bench/fusion.py --proxy (d): operations per fused step, grouped vs per segment, 1..32 adapters
-  overhead    bench/overhead.py: the actor system against the in-process engine
-  memory      bench/memory.py: predicted against measured step peaks, recomputation, admission
-  peft        bench/fusion.py (c): 4 jobs fused by aspen against PEFT one after another, each in its own process
-  compile     bench/compile_step.py: seconds per fused step, eager against compile: default (inductor), the
-              graphs compiled, the adapters' difference
-  mfu         bench/lora_mfu.py --parts mfu: LoRA-MFU of 4 jobs fused on a Llama-3.1-8B-shaped base (random bf16
-              weights), beside PEFT one job at a time in its own process
-  fusion8b    bench/lora_mfu.py --parts fusion: fusion efficiency 1..32 adapters on that base
+Parts, each in its own process group (a part that fails or runs past its time limit is recorded in the
+report, its processes killed, and the suite goes on with the next):
+  tests       pytest tests/gpu (the CUDA paths against their references; the benchmarks' baselines)
+  mfu         bench/lora_mfu.py --parts mfu on the Llama-3.1-8B shape: aspen's 4 fused jobs beside (a) the careful
+              PEFT loop, (b) PEFT packed with varlen attention and Liger, (c) 4 PEFT processes at once, the frozen
+              base and the card's matmul ceiling, each in its own process; with one of aspen's steps profiled
+              (bench/profile_step.py: top kernels, launches, syncs, GPU busy) into profile/
+  fusion8b    bench/lora_mfu.py --parts fusion: fusion efficiency 1..32 adapters on that shape
+  mfu-smollm2 the mfu part's sides on smollm2-135m's shape (random weights)
+  memory      bench/memory.py --device cuda: the memory model's step peaks against CUDA's allocator, and
+              recomputation (one process)
+  pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer against the single-device trainer, in float32
+              against a derived bound (two GPUs: NCCL between them; one GPU: both stages on it, CUDA IPC)
+  pipeline-memory  bench/pipeline.py --memory-only --device cuda: each stage's memory model on CUDA
   sweep       bench/sweep.py --device cuda: an aspen sweep against Ray Tune + PEFT (a quarter GPU per trial), 8
-              trials 4 at once: trials per hour, host and GPU memory peaks, best objective (needs Ray, and
-              ../shared/data's GSM8K rows)
-  pipeline    bench/pipeline_check.py: a 2-stage pipeline trainer against the single-device trainer (two GPUs:
-              NCCL between them; one GPU: both stages on it, tensors by CUDA IPC); then each stage's memory
-              model against CUDA's counters (bench/pipeline.py --memory-only --device cuda)
-(the memory model's error on the GPU: the `memory` part)
+              trials 4 at once (needs Ray, and ../shared/data's GSM8K rows)
+  overhead    bench/overhead.py: the actor system against the in-process engine (needs Ray)
+  fusion      bench/fusion.py (a): fusion efficiency at 1..32 adapters on --base-model (32 sequences per step),
+              once with grouped LoRA and once per segment
+  operations  bench/fusion.py --proxy (d): operations per fused step, grouped vs per segment, 1..32 adapters
+  peft        bench/fusion.py (c): 4 jobs fused by aspen against PEFT one after another, each in its own process
+  compile     bench/compile_step.py: seconds per fused step, eager against compile
+A part may carry its own limit in --parts (`mfu:200,fusion8b:130`); others get --part-timeout. --prediction
+FILE (bench/gpu_cost_model.py's JSON) is printed beside lora_mfu's figures.
 
 It writes report.json and report.md (default: runs/gpu-suite/<UTC time>/) naming the device, GPU, torch and
 CUDA versions, with each part's exit status, time, key numbers and the tail of its output. Without CUDA it
@@ -55,10 +58,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "fusion", "operations", "overhead", "memory", "peft", "compile", "mfu", "fusion8b", "pipeline",
-         "sweep")
+PARTS = ("tests", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipeline", "pipeline-memory", "sweep", "overhead",
+         "fusion", "operations", "peft", "compile")
+# the lease's default: the parts in order of what they tell, each with its limit in seconds, from the H200 lease of
+# 2026-11-28 (mfu 63 s for 2 sides; fusion8b 70 s for 8 steps a count; tests 18 s; pipeline 68 s) and the
+# estimates in docs/gpu_lease.md
+LEASE_PARTS = "tests:40,mfu:220,fusion8b:120,memory:45,mfu-smollm2:90,pipeline:60,sweep:240,overhead:150"
 ADAPTERS = "1,2,4,8,16,32"
-TAIL = 4000   # characters of each part's output kept in the report
+TAIL = 8000   # characters of each part's output kept in the report (all of it in <part>.log)
 
 
 def environment() -> dict:
@@ -84,29 +91,48 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     quick = ["--quick"] if args.quick else []
     seq_len = ["--seq-len", "32" if args.quick else "128"]
     fusion = [py, "bench/fusion.py", *quick, "--base-model", args.base_model]
-    shape = ["--shape", "tiny", "--steps", "2"] if args.quick else []   # --quick: the 8B shape's parts on a tiny one
+    cuda = torch.cuda.is_available()
+    device = ["--device", "cuda" if cuda else "cpu"]
+    prediction = ["--prediction", str(args.prediction)] if args.prediction and args.prediction.is_file() else []
+    lora_mfu = [py, "bench/lora_mfu.py", *quick, *device, *prediction]
+    side_timeout = ["--side-timeout", "120" if cuda else "600"]
     return {
-        "tests": [[py, "-m", "pytest", "-q", "-rs", "tests/gpu/test_cuda.py", f"--junitxml={out / 'tests.xml'}"]],
+        "tests": [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
+                   "--ignore=tests/gpu/test_gpu_suite.py", f"--junitxml={out / 'tests.xml'}"]],
+        "mfu": [[*lora_mfu, "--parts", "mfu", "--shapes", "llama-3.1-8b", "--profile", str(out / "profile"),
+                 *side_timeout, "--json", str(out / "mfu.json")]],
+        "fusion8b": [[*lora_mfu, "--parts", "fusion", "--json", str(out / "fusion8b.json")]],
+        "mfu-smollm2": [[*lora_mfu, "--parts", "mfu", "--shapes", "smollm2-135m", *side_timeout,
+                         "--json", str(out / "mfu-smollm2.json")]],
+        "memory": [[py, "bench/memory.py", *quick, "--device", "cuda", *([] if cuda else ["--allow-cpu"]),
+                    "--json", str(out / "memory.json")]],
+        "pipeline": [[py, "bench/pipeline_check.py", *([] if cuda else ["--allow-cpu", "--layers", "2",
+                                                                          "--hidden", "128"])]],
+        "pipeline-memory": [[py, "bench/pipeline.py", "--memory-only", *device]],
+        "sweep": [[py, "bench/sweep.py", *device, "--base-model", args.base_model,
+                   *(["--steps", "8"] if args.quick else []), "--json", str(out / "sweep.json")]],
+        "overhead": [[py, "bench/overhead.py", *quick, "--base-model", args.base_model,
+                      *(["--steps", "2"] if args.quick and not cuda else []), "--json", str(out / "overhead.json")]],
         "fusion": [[*fusion, "--skip", "b,c,d", "--adapters", ADAPTERS, "--sequences", "32", *seq_len,
                     "--lora-grouping", mode, "--json", str(out / f"fusion-{mode}.json")]
                    for mode in ("grouped", "segments")],
         "operations": [[*fusion, "--proxy", "--json", str(out / "operations.json")]],
-        "overhead": [[py, "bench/overhead.py", *quick, *(["--steps",
-                                                          "2"] if args.quick and not torch.cuda.is_available()
-                                                       else []), "--json", str(out / "overhead.json")]],
-        "memory": [[py, "bench/memory.py", *quick]],
         "peft": [[*fusion, "--skip", "a,b,d", "--json", str(out / "peft.json")]],
-        "mfu": [[py, "bench/lora_mfu.py", "--parts", "mfu", *shape, "--json", str(out / "mfu.json")]],
-        "fusion8b": [[py, "bench/lora_mfu.py", "--parts", "fusion", *shape, "--json", str(out / "fusion8b.json")]],
-        "sweep": [[py, "bench/sweep.py", "--device", "cuda" if torch.cuda.is_available() else "cpu",
-                   *(["--steps", "8"] if args.quick else []), "--json", str(out / "sweep.json")]],
-        "pipeline": [[py, "bench/pipeline_check.py"], [py, "bench/pipeline.py", "--memory-only", "--device", "cuda"]],
         "compile": [[py, "bench/compile_step.py", "--base-model", args.base_model,
                      *(["--warmup", "6", "--steps", "4"] if args.quick else []), "--json", str(out / "compile.json")]],
     }
 
 
-def run_part(name: str, part_commands: list[list[str]], timeout: float) -> dict:
+def parse_parts(text: str, default_limit: float) -> list[tuple[str, float]]:
+    """`name[:seconds],...` -> [(name, limit)]."""
+    parts = []
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, _, limit = entry.partition(":")
+        parts.append((name, float(limit) if limit else default_limit))
+    return parts
+
+
+def run_part(name: str, part_commands: list[list[str]], timeout: float, log_dir: Path | None = None) -> dict:
     """Run a part's commands one after another, `timeout` seconds for all of them together."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result: dict = {"part": name, "commands": [" ".join(c) for c in part_commands], "status": "passed",
@@ -129,6 +155,8 @@ def run_part(name: str, part_commands: list[list[str]], timeout: float) -> dict:
     result["seconds"] = round(time.perf_counter() - started, 1)
     result["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     result["output_tail"] = "\n".join(outputs)[-TAIL:]
+    if log_dir is not None:
+        (log_dir / f"{name}.log").write_text("\n".join(outputs))
     print(f"[gpu-suite] {name}: {result['status']} in {result['seconds']:.0f}s", flush=True)
     return result
 
@@ -152,14 +180,28 @@ def run_command(command: list[str], env: dict, timeout: float) -> tuple[int | No
         return None, _text(stdout) + _text(stderr)
     finally:
         _kill_group(process.pid)   # what it left running after it exited (a no-op where nothing is left)
-    return process.returncode, stdout + ("\n[stderr]\n" + stderr if stderr.strip() else "")
+    # its stdout last, where the report's tail keeps it (a benchmark prints its figures there, its progress and
+    # warnings on stderr)
+    return process.returncode, ("[stderr]\n" + stderr + "\n[stdout]\n" if stderr.strip() else "") + stdout
 
 
 def _kill_group(group: int) -> None:
+    """Kill the part's process group and every process under its leader that left the group (a new session:
+    Ray's daemons, a benchmark's own groups), while the leader still lives to name them."""
+    try:
+        import psutil
+        descendants = psutil.Process(group).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or the leader has exited: the group alone
+        descendants = []
     try:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:   # the group has no process left
         pass
+    for process in descendants:
+        try:
+            process.kill()
+        except Exception:  # noqa: BLE001 - it ended meanwhile
+            pass
 
 
 def _text(value: bytes | str | None) -> str:
@@ -198,17 +240,32 @@ def key_numbers(out: Path) -> dict:
     overhead = _json(out / "overhead.json")
     if overhead:
         numbers["overhead"] = {k: v for k, v in overhead.items() if "ratio" in k}
-    mfu = _json(out / "mfu.json")
-    if mfu and mfu.get("mfu"):
-        numbers["lora_mfu"] = mfu["mfu"]["aspen"]["lora_mfu"]
-        numbers["lora_tokens_per_s"] = round(mfu["mfu"]["aspen"]["tokens_per_s"])
-        numbers["lora_aspen_over_peft"] = round(mfu["mfu"]["versus_peft"], 3)
+    for name in ("mfu", "mfu-smollm2"):
+        for shape, result in ((_json(out / f"{name}.json") or {}).get("shapes") or {}).items():
+            sides = result.get("sides", {})
+            numbers[shape] = {side: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in figures.items()
+                                     if k in ("tokens_per_s", "median_step_s", "lora_mfu", "peak_memory_bytes",
+                                              "step_bytes_per_token", "status")}
+                              for side, figures in sides.items()}
+            numbers[shape]["ratios"] = {k: round(v, 3) for k, v in result.get("ratios", {}).items()}
+            ceilings = sides.get("frozen", {}).get("matmul_ceilings")
+            if ceilings:
+                numbers[shape]["matmul_ceiling_tflops"] = {k: round(v / 1e12, 3) for k, v in ceilings.items()}
+            profile = sides.get("aspen", {}).get("profile")
+            if profile:
+                numbers[shape]["profile"] = {k: profile.get(k) for k in (
+                    "gpu_busy_of_unprofiled_step", "kernels_per_step", "launches_per_step", "syncs_per_step")}
+    memory = _json(out / "memory.json")
+    if memory:
+        numbers["memory_model_error"] = {k: memory.get(k) for k in ("median_abs_error", "max_abs_error")}
     sweep = _json(out / "sweep.json")
     if sweep:
         numbers["sweep"] = {k: sweep.get(k) for k in ("trials_per_hour_ratio", "peak_memory_ratio", "gpu_memory_ratio")}
-    fusion8b = _json(out / "fusion8b.json")
-    if fusion8b and fusion8b.get("fusion"):
-        numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["fusion"]["efficiency"].items()}
+    fusion8b = (_json(out / "fusion8b.json") or {}).get("fusion")
+    if not (fusion8b or {}).get("efficiency"):   # the part killed at its limit: what the side wrote so far
+        fusion8b = next((_json(p) for p in sorted((out / "sides").glob("*-fusion.json"))), None)
+    if fusion8b and fusion8b.get("efficiency"):
+        numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["efficiency"].items()}
     return numbers
 
 
@@ -246,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="each benchmark's --quick settings (a smoke run)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a dry run of the suite itself)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {','.join(PARTS)}, each optionally NAME:SECONDS (its limit)")
+    parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)   # tests: {part: [command, ...]} instead
+    parser.add_argument("--limit-scale", type=float, default=1.0,
+                        help="each part's limit times this (a dry run on a slow CPU: the lease's limits are a GPU's)")
+    parser.add_argument("--prediction", type=Path,
+                        help="bench/gpu_cost_model.py's JSON, shown beside lora_mfu's figures")
     parser.add_argument("--out", type=Path, default=None, help="report folder (default runs/gpu-suite/<UTC time>)")
     parser.add_argument("--base-model", default="smollm2-135m",
                         help="base model of the fusion, operations, PEFT and compile parts (tiny-llama: a small "
@@ -260,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                              "start): each part gets what is left up to --part-timeout; parts with no time left "
                              "are recorded as not run")
     args = parser.parse_args(argv)
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    limits = {name: limit * args.limit_scale
+              for name, limit in parse_parts(LEASE_PARTS if args.parts == "lease" else args.parts, args.part_timeout)}
+    parts = list(limits)
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         parser.error(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
@@ -275,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(UTC)
     out = args.out or REPO / "runs" / "gpu-suite" / started.strftime("%Y%m%dT%H%M%SZ")
     out.mkdir(parents=True, exist_ok=True)
-    plan = commands(args, out.resolve())
+    plan = json.loads(args.plan.read_text()) if args.plan else commands(args, out.resolve())
     report = {"started_utc": started.isoformat(timespec="seconds"), "quick": args.quick,
               "base_model": args.base_model, "environment": environment(), "parts": []}
     earlier = _json(out / "report.json")
@@ -288,13 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         report["started_utc"] = earlier["started_utc"]   # this run adds to it: parts run again replace theirs
         report["parts"] = [p for p in earlier["parts"] if p["part"] not in parts]
     for name in parts:   # the report is rewritten after every part: an interrupted suite leaves what it did
-        left = args.part_timeout if deadline is None else min(args.part_timeout, deadline - time.monotonic())
+        left = limits[name] if deadline is None else min(limits[name], deadline - time.monotonic())
         if left < 1:
             report["parts"].append({"part": name, "commands": [" ".join(c) for c in plan[name]], "status": "not run",
                                     "exit_codes": [], "seconds": 0.0, "timeout_s": 0.0, "host": platform.node(),
                                     "finished_utc": None, "output_tail": "[no time left of --total-timeout]"})
         else:
-            report["parts"].append(run_part(name, plan[name], left))
+            report["parts"].append(run_part(name, plan[name], left, out))
         report["key_numbers"] = key_numbers(out)
         report["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
         (out / "report.json").write_text(json.dumps(report, indent=2))

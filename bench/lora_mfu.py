@@ -1,35 +1,56 @@
 #!/usr/bin/env python
-"""LoRA-MFU, aspen against PEFT, and fusion efficiency on a Llama-3.1-8B-shaped base (random weights: the speed
-does not depend on the values), for the GPU suite's parts `mfu` and `fusion8b`.
+"""LoRA-MFU of aspen's fused step beside the setups a user would pick instead, each side in a process of its
+own, on the same sequences; and fusion efficiency at 1..32 adapters (issue 47, item 5).
 
-  mfu      trained tokens/s of 4 jobs fused by aspen's engine (bf16, packed, mixed sequence lengths
-           64-768) as a share of the device's dense bf16 peak, counting 4 x (matmul parameters) FLOPs per
-           trained token (forward, plus the input gradient; the frozen weights get no weight gradient):
-           "LoRA-MFU". Beside it PEFT training the same 4 jobs one after another on the same base (padded
-           batches, attention mask, the model's own loss), in a process of its own: the ratio of effective
-           (real) tokens/s. Goals on an H100: LoRA-MFU >= 45% (LoRAFusion's 14,875 tokens/s for
-           Llama-3.1-8B), >= 2x PEFT.
-  fusion   tokens/s of one fused step with 1, 2, 4, 8, 16, 32 adapters at equal total tokens (32 sequences of
-           128 tokens split evenly over the jobs), as a ratio to 1 adapter. Goal: >= 0.95 at 8.
+  mfu      per shape (Llama-3.1-8B and smollm2-135m, random weights: the speed does not depend on the values):
+           aspen      4 jobs x 2 sequences of 64-768 tokens a step fused by FusedTrainer, per the engine's
+                      defaults on the device
+           peft       (a) the careful single-job PEFT loop: 8 sequences a step sorted by length and padded to
+                      the longest, PEFT's default float32 adapters, fused AdamW, the model's own loss, the 4
+                      jobs one after another
+           packed     (b) the best single-job setup at hand: PEFT over packed sequences (one row, position ids
+                      restarting, a varlen attention kernel), Liger's kernels where liger_kernel imports, bf16
+                      and float32 adapters both timed (the faster counts), fused AdamW
+           concurrent (c) 4 processes of (a), one job each, at the same time on the one GPU (each its own copy
+                      of the base; sequences a step sized to fit the card from (a)'s measured bytes a token)
+           frozen     the frozen base over the same packed tokens (forward + input-gradient backward, no
+                      LoRA): the ceiling a LoRA trainer approaches; before it, the card's bf16 matmul ceiling
+                      (8192^3 and the shape's own GEMM)
+           Each timed over >= 20 steps after warm-up by CUDA events between steps (no host sync inside the
+           timed steps): median, p10 and p90 step, real (unpadded) tokens/s, peak allocated memory.
+           LoRA-MFU = 4 x (matmul parameters) x tokens/s (forward, plus the input gradient; the frozen weights
+           get no weight gradient) over the datasheet's dense bf16 peak and over the measured ceiling.
+  fusion   tokens/s of a fused step with 1, 2, 4, 8, 16, 32 adapters at equal total tokens (32 sequences of 128
+           tokens a step split evenly over the jobs), median of >= 20 timed steps each, as a ratio to 1 adapter.
 
-    python bench/lora_mfu.py [--parts mfu,fusion] [--shape llama-3.1-8b] [--steps 6] [--json PATH]
-    python bench/lora_mfu.py --shape tiny --device cpu --steps 2      # a dry run on a CPU
+--prediction FILE (bench/gpu_cost_model.py's JSON) prints each predicted figure beside the measured one;
+--profile DIR profiles two of aspen's fused steps after its timed ones (bench/profile_step.py). The goals of
+issue 47 are printed beside the figures. Needs torch, transformers and peft (and aspen's engine: pydantic);
+liger_kernel is optional.
 
-Needs torch, transformers and peft only (no Ray): it runs on the GPU machine's image as it is."""
+    python bench/lora_mfu.py [--parts mfu,fusion] [--shapes llama-3.1-8b,smollm2-135m]
+                             [--sides aspen,peft,packed,concurrent,frozen] [--steps 20] [--json PATH]
+                             [--prediction FILE] [--profile DIR] [--side-timeout S]
+    python bench/lora_mfu.py --quick --device cpu          # a dry run on a CPU: tiny shapes, a few steps
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import torch
 
@@ -37,19 +58,34 @@ SHAPES = {   # LlamaConfig fields
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                          rope_theta=500000.0, tie_word_embeddings=False),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
     "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False),
+    "tiny-tied": dict(vocab_size=1024, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=2048,
+                      tie_word_embeddings=True),
 }
+QUICK_SHAPES = {"llama-3.1-8b": "tiny", "smollm2-135m": "tiny-tied"}   # --quick: each shape's stand-in
+QUICK_LENGTHS = (16, 96)   # --quick: sequences of 16-96 tokens
 # dense bf16 peak FLOP/s without sparsity, from the vendors' data sheets
 PEAKS = {"H100 80GB HBM3": 989.4e12, "H100 SXM": 989.4e12, "H100 PCIe": 756.0e12, "H100 NVL": 835.0e12,
          "H200": 989.4e12, "A100": 312.0e12, "L40S": 362.0e12}
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
 # 4 jobs x 2 sequences of 64-768 tokens: 2.0k-3.9k tokens a fused step. On an H100 (2026-11-27) a step took
 # ~13 MB a token for this shape (bf16 layers ~6.5 MB, the adapted modules' inputs cast to the adapters'
-# float32 ~5 MB, the 128k-vocabulary logits ~1.5 MB): 4 x 4 sequences of 64-1024 (~8.7k tokens) and
-# 4 x 2 of 64-1024 (up to 5.5k) ran out of the 80 GB beside the 16 GB base
+# float32 ~5 MB, the 128k-vocabulary logits ~1.5 MB); the bf16 path should need ~8 MB
 JOBS, SEQUENCES_PER_JOB, MIN_LEN, MAX_LEN = 4, 2, 64, 768
-RESULT = "RESULT "
+PEFT_SEQUENCES_PER_STEP = 8      # (a): one job's 8 sequences a step, as many as a fused step holds of 4 jobs
+FUSION_ADAPTERS = (1, 2, 4, 8, 16, 32)
+SIDES = ("aspen", "peft", "packed", "frozen", "concurrent")   # the order they run in: what they tell
+SIDE_NAMES = {"aspen": "aspen, 4 jobs fused", "peft": "(a) PEFT loop, padded, jobs in turn",
+              "packed": "(b) PEFT packed varlen (+Liger)", "concurrent": "(c) 4 PEFT processes at once",
+              "frozen": "frozen base alone (ceiling)"}
+# issue 47's goals (an H100 or H200, measured side by side in one lease)
+GOALS = {"lora_mfu": 0.45, "lora_mfu_next": 0.50, "over_peft": 2.0, "over_packed": 1.2, "fusion_8": 0.95,
+         "fusion_32": 0.90, "small_over_peft": 1.3, "gpu_busy": 0.95, "cost_model_error": 0.20}
 
 
 def log(message: str) -> None:
@@ -75,7 +111,8 @@ def matmul_parameters(model) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def job_batches(job: int, steps: int, vocab: int) -> list[list[tuple[list[int], list[int]]]]:
+def job_batches(job: int, steps: int, vocab: int, min_len: int = MIN_LEN,
+                max_len: int = MAX_LEN) -> list[list[tuple[list[int], list[int]]]]:
     """Each step's micro-batch of one job: SEQUENCES_PER_JOB sequences of MIN_LEN..MAX_LEN tokens, the first
     quarter prompt (labels -100)."""
     rng = random.Random(job)
@@ -83,7 +120,7 @@ def job_batches(job: int, steps: int, vocab: int) -> list[list[tuple[list[int], 
     for _ in range(steps):
         batch = []
         for _ in range(SEQUENCES_PER_JOB):
-            length = rng.randint(MIN_LEN, MAX_LEN)
+            length = rng.randint(min_len, max_len)
             ids = [rng.randrange(3, vocab) for _ in range(length)]
             batch.append((ids, [-100] * (length // 4) + ids[length // 4:]))
         batches.append(batch)
@@ -95,157 +132,237 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def aspen_side(shape: str, device: torch.device, steps: int, warmup: int) -> dict:
-    """4 jobs fused, every step all four (packed): real tokens/s over the timed steps."""
-    from actors.engine.data import Example
-    from actors.engine.job import TrainingJob
-    from actors.engine.models import from_module
-    from actors.engine.spec import JobSpec
-    from actors.engine.trainer import FusedTrainer
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(shape, device, dtype)
-    base = from_module(model, None)
-    trainer = FusedTrainer(base, step_tokens=1 << 17)
-    vocab = SHAPES[shape]["vocab_size"]
-    for job in range(JOBS):
-        examples = [Example(tuple(ids), tuple(labels)) for batch in job_batches(job, warmup + steps, vocab)
-                    for ids, labels in batch]
-        spec = JobSpec(name=f"job-{job}", data="unused.jsonl", format={"type": "text"}, batch_size=SEQUENCES_PER_JOB,
-                       max_steps=warmup + steps, lr=1e-4, lora=LORA, max_seq_len=MAX_LEN)
-        trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=job))
-    for _ in range(warmup):
-        trainer.train_step()
-    sync(device)
-    started, tokens = time.perf_counter(), 0
-    for _ in range(steps):
-        report = trainer.train_step()
-        tokens += report.tokens - report.padding_tokens
-    sync(device)
-    seconds = time.perf_counter() - started
+def compute_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class StepClock:
+    """Each step's duration from CUDA events recorded between steps, read after the last one: no host sync
+    inside the timed steps, so a trainer that overlaps its next step's host work with this one's GPU work
+    keeps doing so, and a step's time includes the GPU's idle gaps. On a CPU, the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+def step_summary(seconds: list[float], tokens: list[int]) -> dict:
+    """Median, p10 and p90 step; real tokens/s over all timed steps (their tokens over their seconds)."""
+    ordered = sorted(seconds)
+
+    def quantile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"steps": len(seconds), "median_step_s": statistics.median(seconds), "p10_step_s": quantile(0.1),
+            "p90_step_s": quantile(0.9), "tokens": sum(tokens), "seconds": sum(seconds),
+            "tokens_per_s": sum(tokens) / sum(seconds), "step_seconds": [round(s, 5) for s in seconds],
+            "step_tokens": tokens}
+
+
+def memory_fields(device: torch.device, before_steps: int = 0, largest_step_tokens: int = 0) -> dict:
+    """The allocator's peak, the memory held before the timed steps, and the step's bytes a token."""
+    if device.type != "cuda":
+        return {"peak_memory_bytes": None}
+    peak = int(torch.cuda.max_memory_allocated(device))
+    fields = {"peak_memory_bytes": peak, "held_before_steps_bytes": before_steps,
+              "card_memory_bytes": torch.cuda.get_device_properties(device).total_memory}
+    if largest_step_tokens:
+        fields["step_bytes_per_token"] = (peak - before_steps) / largest_step_tokens
+    return fields
+
+
+def with_mfu(result: dict, model, device: torch.device, ceiling: float | None = None) -> dict:
+    flops = 4 * matmul_parameters(model) * result["tokens_per_s"]
     peak = peak_flops(device)
-    flops = 4 * matmul_parameters(model) * tokens / seconds
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "flops_per_s": flops,
+    return {**result, "matmul_parameters": matmul_parameters(model), "flops_per_s": flops,
             "lora_mfu": flops / peak if peak else None, "peak_flops": peak,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+            "lora_mfu_of_ceiling": flops / ceiling if ceiling else None}
 
 
-def peft_side(shape: str, device: torch.device, steps: int, warmup: int) -> dict:
-    """The same 4 jobs, one after another, each a PEFT model over the same base: padded batches."""
-    from peft import LoraConfig, get_peft_model
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(shape, device, dtype)
-    vocab = SHAPES[shape]["vocab_size"]
-    tokens, seconds = 0, 0.0
-    for job in range(JOBS):
-        peft_model = get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
-                                                      target_modules="all-linear"), adapter_name=f"job-{job}")
-        optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4)
-        for step, batch in enumerate(job_batches(job, warmup + steps, vocab)):
-            if step == warmup:
-                sync(device)
-                started = time.perf_counter()
-            longest = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([i + [0] * (longest - len(i)) for i, _ in batch], device=device)
-            labels = torch.tensor([label + [-100] * (longest - len(label)) for _, label in batch], device=device)
-            mask = torch.tensor([[1] * len(i) + [0] * (longest - len(i)) for i, _ in batch], device=device)
-            loss = peft_model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in peft_model.parameters() if p.requires_grad], 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step >= warmup:
-                tokens += sum(len(i) for i, _ in batch)
-        sync(device)
-        seconds += time.perf_counter() - started
-        model = peft_model.unload()
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+# -- running the sides ------------------------------------------------------------------------------------------
 
-
-def fusion_side(shape: str, device: torch.device, steps: int, warmup: int) -> dict:
-    """One fused step's tokens/s with N adapters at equal total tokens, as a ratio to 1 adapter."""
-    from actors.engine.data import Example
-    from actors.engine.job import TrainingJob
-    from actors.engine.models import from_module
-    from actors.engine.spec import JobSpec
-    from actors.engine.trainer import FusedTrainer
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = from_module(random_model(shape, device, dtype), None)
-    vocab = SHAPES[shape]["vocab_size"]
-    rng = random.Random(0)
-    sequences, length = 32, 128 if device.type == "cuda" else 64   # 4096 tokens a step on a GPU (8192 ran out)
-    rates = {}
-    for adapters in (1, 2, 4, 8, 16, 32):
-        trainer = FusedTrainer(base, step_tokens=1 << 17)
-        per_job = sequences // adapters
-        jobs = []
-        for job in range(adapters):
-            examples = []
-            for _ in range(per_job * (warmup + steps)):
-                ids = [rng.randrange(3, vocab) for _ in range(length)]
-                examples.append(Example(tuple(ids), tuple(ids)))
-            spec = JobSpec(name=f"f{adapters}-{job}", data="unused.jsonl", format={"type": "text"}, batch_size=per_job,
-                           max_steps=warmup + steps, lr=1e-4, lora=LORA)
-            jobs.append(TrainingJob.create(spec, base, examples, [], seed=job))
-            trainer.add_job(jobs[-1])
-        for _ in range(warmup):
-            trainer.train_step()
-        sync(device)
+def own_process(side: str, args: argparse.Namespace, shape: str, extra: list[str] | None = None,
+                timeout: float | None = None) -> dict:
+    """Run one side in a fresh process; its result is the JSON it writes. Its result and its stderr are files in
+    `sides/` beside --json (a temporary folder without): a side killed at `timeout`, or this whole command
+    killed at its part's limit, leaves what it wrote (fusion writes after each adapter count, aspen before it
+    profiles) and its log there."""
+    keep = args.json.parent / "sides" if args.json else None
+    with tempfile.TemporaryDirectory(prefix=f"lora-mfu-{side}-") as scratch:
+        folder = keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        result_file, log_file = folder / f"{shape}-{side}.json", folder / f"{shape}-{side}.log"
+        result_file.unlink(missing_ok=True)
+        command = [sys.executable, __file__, "--side", side, "--shape", shape, "--device", args.device,
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result_file),
+                   *(["--lengths", ",".join(map(str, QUICK_LENGTHS))] if args.quick else []), *(extra or [])]
         started = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step()
-        sync(device)
-        rates[adapters] = sequences * length * steps / (time.perf_counter() - started)
-        for job in jobs:
-            trainer.remove_job(job.name)
-    return {"tokens_per_s": rates, "efficiency": {n: rate / rates[1] for n, rate in rates.items()}}
+        with log_file.open("w") as log_handle:
+            # in this process's group: a suite that kills its part's group kills the sides with it
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+                kill_tree(process.pid)   # the side and its own processes ((c)'s four)
+                process.wait()
+        wall = time.perf_counter() - started
+        stderr = log_file.read_text(errors="replace")
+        sys.stderr.write(stderr[-3000:])
+        result = json.loads(result_file.read_text()) if result_file.is_file() else {}
+    status = "passed" if code == 0 else ("timed out" if code is None else f"failed (exit {code})")
+    if code != 0:
+        log(f"[lora_mfu] {shape} {side}: {status} after {wall:.0f}s; last error lines:\n{stderr[-1500:]}")
+        result["error"] = stderr[-1500:]
+    return {**result, "status": status, "process_wall_s": round(wall, 1)}
 
 
-def own_process(side: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--side", side, "--shape", args.shape, "--device", args.device,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
-    sys.stderr.write(out.stderr[-4000:])
-    if out.returncode != 0:
-        raise SystemExit(f"the {side} side failed (exit {out.returncode})")
-    return json.loads(next(line for line in reversed(out.stdout.splitlines()) if line.startswith(RESULT))[len(RESULT):])
+def kill_tree(pid: int) -> None:
+    """Kill a process and every process under it."""
+    import psutil
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def concurrent_sequences(peft: dict | None, quick: bool) -> int:
+    """(c)'s sequences a step per process: the most of 8, 4, 2, 1 for which 4 processes' weights and steps
+    (MAX_LEN tokens a sequence at (a)'s measured bytes a padded token) fit 90% of the card."""
+    if not peft or not peft.get("step_bytes_per_token") or not peft.get("card_memory_bytes"):
+        return 2 if not quick else PEFT_SEQUENCES_PER_STEP
+    room = 0.9 * peft["card_memory_bytes"] / JOBS - peft["held_before_steps_bytes"] - 2**30   # 1 GiB: context
+    for count in (8, 4, 2):
+        if count * MAX_LEN * peft["step_bytes_per_token"] <= room:
+            return count
+    return 1
+
+
+def run_shape(shape: str, args: argparse.Namespace) -> dict:
+    sides: dict[str, dict] = {}
+    stand_in = QUICK_SHAPES.get(shape, shape) if args.quick else shape
+    for side in args.sides:
+        extra: list[str] = []
+        if side == "aspen" and args.profile:
+            extra = ["--profile", str(Path(args.profile) / shape)]
+        if side == "frozen" and args.profile:
+            extra = ["--profile", str(Path(args.profile) / f"{shape}-frozen")]
+        if side == "concurrent":
+            extra = ["--sequences-per-step", str(concurrent_sequences(sides.get("peft"), args.quick))]
+        log(f"[lora_mfu] {shape}{f' (as {stand_in})' if stand_in != shape else ''}: {side}")
+        sides[side] = own_process(side, args, stand_in, extra, args.side_timeout)
+        write_partial(args, shape, sides)
+    return {"shape": shape, "measured_shape": stand_in, "sides": sides, "ratios": ratios(sides)}
+
+
+def ratios(sides: dict) -> dict:
+    rate = {name: side.get("tokens_per_s") for name, side in sides.items()}
+    aspen = rate.get("aspen")
+    return {f"aspen_over_{name}": aspen / value for name, value in rate.items()
+            if name != "aspen" and aspen and value}
+
+
+_results: dict = {}
+
+
+def write_partial(args: argparse.Namespace, shape: str, sides: dict) -> None:
+    """The JSON rewritten after every side: a part killed at its limit leaves what it measured."""
+    _results.setdefault("shapes", {})[shape] = {"shape": shape, "sides": sides, "ratios": ratios(sides)}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_results, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="mfu,fusion")
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--shapes", "--shape", dest="shapes", default="llama-3.1-8b",
+                        help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--adapters", default=",".join(map(str, FUSION_ADAPTERS)), help="fusion's adapter counts")
+    parser.add_argument("--quick", action="store_true", help="tiny stand-in shapes, 3 timed steps: a dry run")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--side", choices=("aspen", "peft", "fusion"), help=argparse.SUPPRESS)
+    parser.add_argument("--prediction", type=Path, help="bench/gpu_cost_model.py's JSON: printed beside the figures")
+    parser.add_argument("--profile", type=Path, help="profile two of aspen's steps after the timed ones, into DIR")
+    parser.add_argument("--side-timeout", type=float, help="seconds each side's process may run")
+    # one side in this process (the parent runs each so)
+    parser.add_argument("--side", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--sequences-per-step", type=int, default=PEFT_SEQUENCES_PER_STEP, help=argparse.SUPPRESS)
+    parser.add_argument("--job", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--barrier", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", default=f"{MIN_LEN},{MAX_LEN}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    if args.quick:
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     if args.side:
-        run = {"aspen": aspen_side, "peft": peft_side, "fusion": fusion_side}[args.side]
-        print(RESULT + json.dumps(run(args.shape, device, args.steps, args.warmup)), flush=True)
-        return 0
+        args.shape = args.shapes
+        args.min_len, args.max_len = (int(n) for n in args.lengths.split(","))
+        if args.device == "cpu":
+            torch.set_num_threads(1)   # a dry run beside other processes on few cores
+        from lora_sides import run_side
+        return run_side(args)
+    args.sides = [s for s in args.sides.split(",") if s]
+    unknown = sorted(set(args.sides) - set(SIDES)) + sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        parser.error(f"unknown side(s) or shape(s): {', '.join(unknown)}")
     parts = set(args.parts.split(","))
-    results: dict = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
-                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    _results.update({"device": args.device, "torch": torch.__version__, "quick": args.quick,
+                     "steps": args.steps, "warmup": args.warmup})   # no CUDA in this process: the sides' alone
+    prediction = json.loads(args.prediction.read_text()) if args.prediction and args.prediction.is_file() else None
+    if args.prediction and prediction is None:
+        log(f"[lora_mfu] no prediction at {args.prediction}: the figures are printed without it")
+    _results["prediction"] = prediction
     if "mfu" in parts:
-        aspen = own_process("aspen", args)
-        peft = own_process("peft", args)
-        results["mfu"] = {"aspen": aspen, "peft": peft, "versus_peft": aspen["tokens_per_s"] / peft["tokens_per_s"]}
-        mfu = aspen["lora_mfu"]
-        print(f"LoRA-MFU: {aspen['tokens_per_s']:.0f} trained tokens/s of 4 fused jobs = "
-              f"{'n/a (no peak known for this device)' if mfu is None else f'{mfu:.1%} of dense bf16 peak'} "
-              f"(goal >= 45%); PEFT one job at a time {peft['tokens_per_s']:.0f} tokens/s: "
-              f"aspen/PEFT {results['mfu']['versus_peft']:.2f}x (goal >= 2)", flush=True)
+        for shape in args.shapes.split(","):
+            _results.setdefault("shapes", {})[shape] = run_shape(shape, args)
     if "fusion" in parts:
-        fusion = own_process("fusion", args)
-        results["fusion"] = fusion
-        print("fusion efficiency: " + ", ".join(f"{n}: {value:.3f}" for n, value in fusion["efficiency"].items())
-              + " (goal >= 0.95 at 8)", flush=True)
+        shape = QUICK_SHAPES["llama-3.1-8b"] if args.quick else "llama-3.1-8b"
+        adapters = [int(n) for n in args.adapters.split(",")]
+        if args.quick:
+            adapters = [n for n in adapters if n <= 4]
+        _results["fusion"] = own_process("fusion", args, shape, ["--adapters", ",".join(map(str, adapters))],
+                                         args.side_timeout)
+        if args.json:
+            args.json.write_text(json.dumps(_results, indent=1))
+    from lora_report import report_lines
+    _results["goals"] = GOALS
+    _results["gpu"] = next((side["device_name"] for r in _results.get("shapes", {}).values()
+                            for side in r["sides"].values() if side.get("device_name")),
+                           _results.get("fusion", {}).get("device_name"))
+    print("\n".join(report_lines(_results)), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-    return 0
+        args.json.write_text(json.dumps(_results, indent=1))
+    failed = [f"{shape} {name}" for shape, r in _results.get("shapes", {}).items()
+              for name, side in r["sides"].items() if side.get("status") != "passed"]
+    if _results.get("fusion", {}).get("status", "passed") != "passed":
+        failed.append("fusion")
+    if failed:
+        log(f"[lora_mfu] sides that did not finish: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ peak resident memory, what activation recomputation saves and costs, and admissi
 
     PYTHONPATH=. python bench/memory.py [--quick]
 
+    PYTHONPATH=. python bench/memory.py --device cuda [--quick] [--json F]   # the GPU suite's part: the
+        step peaks on CUDA, every case in one process, and recomputation (no resident set, malloc, admission)
+
 1. Per configuration (dtype, NF4, job count, LoRA rank, dropout, step size, recomputation), in its own
    process: the memory model's prediction for a step, as the trainer makes it (the probe-measured prior,
    actors/engine/memory_prior.py, before any step of the jobs was seen), against the step's peak counted by
@@ -44,8 +47,10 @@ MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden
 
 
 
-def one_configuration(case: dict) -> dict:
-    """Run in a fresh process: build, probe, two steps of the case's jobs; predicted vs measured."""
+def one_configuration(case: dict, device: str = "cpu") -> dict:
+    """Build, probe, steps of the case's jobs; predicted vs measured. On the CPU in a fresh process (the
+    resident set is the process's); on CUDA one case after another in one process (the allocator's peak is
+    reset for each), without the resident set (a host matter: the CPU run measures it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.data import Example
@@ -64,14 +69,16 @@ def one_configuration(case: dict) -> dict:
     from actors.engine.trainer import FusedTrainer
     from policies.memory_model import MemoryModel, StepShape
 
-    torch.set_num_threads(1)
+    on_cpu = device == "cpu"
+    if on_cpu:
+        torch.set_num_threads(1)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case["dtype"]]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**MODEL))
     model = model.to(dtype)
     if case["quantization"] == "nf4":
-        quantize_linears(model, "nf4", dtype, torch.device("cpu"))
-    base = from_module(model, None)
+        quantize_linears(model, "nf4", dtype, torch.device(device))
+    base = from_module(model.to(device), None)
     weights = model_bytes(model)
     shapes = {n: (model.get_submodule(n).in_features, model.get_submodule(n).out_features)
               for n in linear_module_names(model)}
@@ -96,6 +103,11 @@ def one_configuration(case: dict) -> dict:
                          analytic_bytes=prior.analytic_bytes(parts))
     predicted = memory.predict(shape)
     optimizers = [job.optimizer.optimizer for job in trainer.jobs.values()]
+    if not on_cpu:
+        trainer.run_step(chosen)
+        held = live_tensor_bytes(model, optimizers)
+        _, growth = measure_peak(trainer.train_step, base.device)
+        return {**case, "device": device, "predicted": predicted, "measured": held + growth}
     uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
     resident_predicted = predict_resident(resident_bytes(), live_tensor_bytes(model, optimizers), predicted,
                                           uncounted, peak_resident_bytes())
@@ -108,11 +120,11 @@ def one_configuration(case: dict) -> dict:
     # then the allocator's count of one more step (torch.profiler)
     held = live_tensor_bytes(model, optimizers)
     _, growth = measure_peak(trainer.train_step, base.device)
-    return {**case, "predicted": predicted, "measured": held + growth, "resident_predicted": resident_predicted,
-            "resident_measured": resident_measured}
+    return {**case, "device": device, "predicted": predicted, "measured": held + growth,
+            "resident_predicted": resident_predicted, "resident_measured": resident_measured}
 
 
-def recompute_side_by_side(steps: int) -> list[dict]:
+def recompute_side_by_side(steps: int, device: str = "cpu") -> list[dict]:
     """The same steps with recomputation off and on, alternated in one process: peak and seconds."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -124,7 +136,7 @@ def recompute_side_by_side(steps: int) -> list[dict]:
     from actors.engine.trainer import FusedTrainer
 
     torch.manual_seed(0)
-    base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)), None)
+    base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)).to(device), None)
     length = 256
     example = Example(tuple(range(3, 3 + length)), tuple([-100] * 80 + list(range(83, 3 + length))))
     trainers = {}
@@ -142,6 +154,8 @@ def recompute_side_by_side(steps: int) -> list[dict]:
         for mode, trainer in trainers.items():
             started = time.perf_counter()
             trainer.train_step()
+            if device != "cpu":
+                torch.cuda.synchronize()
             seconds[mode].append(time.perf_counter() - started)
     for mode, trainer in trainers.items():
         _, peaks[mode] = measure_peak(trainer.train_step, base.device)
@@ -380,9 +394,58 @@ def _row(case: dict) -> str:
             f"{case['dropout']:>5} {case['tokens']:>6}")
 
 
+def gpu_main(device: str, quick: bool, json_path: Path | None) -> None:
+    """The memory model on the device (the GPU suite's `memory` part): every case one after another in this one
+    process (the allocator's peak reset for each: no process start and import per case, which made the CPU form
+    take 12 x ~9 s and run past the 75 s the lease gave it), then recomputation off and on. The resident set,
+    glibc's malloc settings and admission are the CPU form's (host memory; admission needs smollm2's tokenizer)."""
+    import gc
+
+    from actors.engine.extras import MissingExtraError
+    cases = CASES[::3] if quick else CASES
+    results, skipped = [], []
+    print(f"memory model on {device} (torch {torch.__version__}), model {MODEL}", flush=True)
+    print("dtype    q    recomp jobs rank  drop tokens | predicted  measured  error", flush=True)
+    for case in cases:
+        try:
+            row = one_configuration(case, device)
+        except MissingExtraError as error:   # nf4 without bitsandbytes
+            skipped.append(f"{_row(case)}: {error}")
+            continue
+        error = (row["predicted"] - row["measured"]) / row["measured"]
+        results.append({**row, "error": error})
+        print(f"{_row(row)} | {row['predicted'] / 2**20:8.1f}M {row['measured'] / 2**20:8.1f}M {error:+6.1%}",
+              flush=True)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    for line in skipped:
+        print(f"skipped {line}", flush=True)
+    errors = [abs(r["error"]) for r in results]
+    if errors:
+        print(f"step peak ({'CUDA allocator' if device.startswith('cuda') else 'CPU allocator'}): median |error| "
+              f"{statistics.median(errors):.1%}, max {max(errors):.1%} over {len(errors)} cases", flush=True)
+    off, on = recompute_side_by_side(3 if quick else 6, device)
+    print(f"recompute off: step peak {off['step_peak_bytes'] / 2**20:.1f}M, median step {off['median_step_s']:.3f}s; "
+          f"on: {on['step_peak_bytes'] / 2**20:.1f}M, {on['median_step_s']:.3f}s "
+          f"(saves {1 - on['step_peak_bytes'] / off['step_peak_bytes']:.0%} of the step's allocations, "
+          f"costs {on['median_step_s'] / off['median_step_s'] - 1:+.0%} time)", flush=True)
+    print("not run here: the resident set, malloc settings and admission (the CPU form: bench/memory.py)")
+    if json_path:
+        json_path.write_text(json.dumps({"device": device, "cases": results, "skipped": skipped,
+                                         "median_abs_error": statistics.median(errors) if errors else None,
+                                         "max_abs_error": max(errors) if errors else None,
+                                         "recompute": [off, on]}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the step peaks against CUDA's allocator, every case in one process (the GPU "
+                             "suite's part); cpu (default): also the resident set, malloc and admission")
+    parser.add_argument("--allow-cpu", action="store_true", help="--device cuda's form on the CPU (a dry run)")
+    parser.add_argument("--json", type=Path)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--malloc", choices=MALLOC_SETTINGS, help=argparse.SUPPRESS)
     parser.add_argument("--malloc-steps", type=int, default=8, help=argparse.SUPPRESS)
@@ -392,6 +455,11 @@ def main() -> None:
         return
     if args.malloc:
         print(json.dumps(malloc_steps(args.malloc, args.malloc_steps)))
+        return
+    if args.device == "cuda":
+        if not torch.cuda.is_available() and not args.allow_cpu:
+            raise SystemExit("--device cuda: no CUDA device here (--allow-cpu runs that form on the CPU)")
+        gpu_main("cuda" if torch.cuda.is_available() else "cpu", args.quick, args.json)
         return
     cases = CASES[::3] if args.quick else CASES
     results = []

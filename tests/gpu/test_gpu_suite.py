@@ -68,3 +68,46 @@ def test_parts_add_up_to_one_report_and_a_slow_part_is_killed_whole(tmp_path, mo
     assert parts["memory"]["status"] == "failed"
     # another base model is another run: not mixed into this report
     assert gpu_suite.main([*base, "--parts", "tests", "--base-model", "tiny-llama"]) == 2
+
+
+def test_the_lease_script_runs_its_parts_under_one_deadline_and_assembles_the_report(tmp_path):
+    """bench/gpu_lease.sh on stub parts, in a copy of the scripts (no carried folders): a part past its limit is
+    killed with its child, a failing part recorded, the part running at the deadline cut there, a part with no
+    time left recorded as not run, and report.md, report.json, log.txt and raw.tar.gz land in $OUT."""
+    import shutil
+    import subprocess
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    for name in ("gpu_lease.sh", "gpu_suite.py", "random_weights.py"):
+        shutil.copy(Path(gpu_suite.__file__).with_name(name), repo / "bench" / name)
+    pid_file = tmp_path / "child.pid"
+    plan = {"tests": [[sys.executable, "-c", "print('tests ran')"]],
+            "mfu": [[sys.executable, "-c", SPAWNS, str(pid_file)]],
+            "fusion8b": [[sys.executable, "-c", "import sys; print('broken'); sys.exit(3)"]],
+            "memory": [[sys.executable, "-c", "import time; time.sleep(120)"]],
+            "pipeline": [[sys.executable, "-c", "print('never')"]]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+           "LEASE_SUITE_ARGS": f"--plan {tmp_path / 'plan.json'} --limit-scale 1"}
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(repo / "bench" / "gpu_lease.sh"), "--allow-cpu", "--budget", "45",
+                           "--parts", "tests:10,mfu:3,fusion8b:10,memory:200,pipeline:10"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 60, done.stdout[-2000:]
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "raw.tar.gz", "report.json", "report.md"]
+    parts = {p["part"]: p for p in json.loads((out / "report.json").read_text())["parts"]}
+    assert parts["tests"]["status"] == "passed" and "tests ran" in parts["tests"]["output_tail"]
+    assert parts["mfu"]["status"] == "timed out" and parts["fusion8b"]["status"] == "failed"
+    assert parts["memory"]["status"] == "timed out" and parts["memory"]["seconds"] < 45   # cut at the deadline
+    assert parts["pipeline"]["status"] == "not run"
+    time.sleep(0.2)
+    assert not _alive(int(pid_file.read_text())), "the timed-out part's child process outlived it"
+    with tarfile.open(out / "raw.tar.gz") as raw:
+        names = {Path(n).name for n in raw.getnames()}
+    assert {"tests.log", "mfu.log", "fusion8b.log", "report.json"} <= names
+    assert "| mfu | timed out |" in (out / "report.md").read_text()
+    assert "tests ran" in (out / "log.txt").read_text() or "[gpu-suite] tests: passed" in (out / "log.txt").read_text()

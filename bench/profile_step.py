@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Where a training step's time goes: a few steps under torch.profiler, summarised as the top kernels by GPU
+time (share, ms a step, calls a step), kernel launches and host-device synchronisations a step, and the GPU's
+busy share (the union of its kernels' and copies' intervals) of the unprofiled median step and of the
+profiled span. Writes the profiler's tables (by device time, by self CPU time), a gzipped Chrome trace
+(chrome://tracing, Perfetto) and summary.json into the output folder.
+
+bench/lora_mfu.py calls `profile_steps` after its timed steps (`--profile DIR`: aspen's fused step and the
+frozen base's); run alone it builds aspen's side of lora_mfu (4 jobs fused on the shape) and profiles it:
+
+    python bench/profile_step.py [--shape llama-3.1-8b] [--steps 2] [--out DIR]
+    python bench/profile_step.py --shape tiny --device cpu            # a dry run on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _path in (REPO, REPO / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+# the runtime calls that wait for the device, and the operators that read a device value on the host
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length (µs in, s out) of the union of intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e6
+
+
+def summarise(prof, steps: int, median_step_s: float | None, own_syncs: int = 1) -> dict:
+    """The profile's figures per step. `own_syncs`: the synchronisations the profiling itself added."""
+    from torch.autograd import DeviceType
+    events = list(prof.events())
+    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for event in device_events:
+        by_name[event.name].append(event.time_range.elapsed_us() / 1e6)
+    device_total = sum(sum(v) for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:25]
+    counts: dict[str, int] = defaultdict(int)
+    for event in events:
+        if event.device_type != DeviceType.CUDA and event.name in (*LAUNCHES, *SYNCS):
+            counts[event.name] += 1
+    syncs = sum(counts[name] for name in SYNCS) - own_syncs
+    summary: dict = {"steps": steps, "device_events": len(device_events),
+                     "kernels_per_step": round(sum(1 for e in device_events if "Memcpy" not in e.name
+                                                   and "Memset" not in e.name) / steps, 1),
+                     "launches_per_step": round(sum(counts[n] for n in LAUNCHES) / steps, 1),
+                     "syncs_per_step": round(max(syncs, 0) / steps, 1),
+                     "sync_calls": {n: counts[n] for n in SYNCS if counts[n]},
+                     "kernel_s_per_step": round(device_total / steps, 5) if device_events else None}
+    if device_events:
+        intervals = [(e.time_range.start, e.time_range.end) for e in device_events]
+        busy = _union_seconds(intervals) / steps
+        cpu_starts = [e.time_range.start for e in events if e.device_type != DeviceType.CUDA]
+        span = (max(end for _, end in intervals) - min(cpu_starts + [s for s, _ in intervals])) / 1e6
+        summary.update(gpu_busy_s_per_step=round(busy, 5), gpu_busy_of_profiled_span=busy * steps / span,
+                       gpu_busy_of_unprofiled_step=busy / median_step_s if median_step_s else None)
+        summary["top_kernels"] = [{"name": name, "share": sum(times) / device_total,
+                                   "seconds_per_step": sum(times) / steps, "calls_per_step": len(times) / steps}
+                                  for name, times in top]
+    else:   # a CPU: the operators by self time
+        averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+        total = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1
+        summary["top_kernels"] = [{"name": e.key, "share": e.self_cpu_time_total / total,
+                                   "seconds_per_step": e.self_cpu_time_total / 1e6 / steps,
+                                   "calls_per_step": e.count / steps} for e in averages]
+    return summary
+
+
+def profile_steps(step: Callable[[], object], device: torch.device, steps: int, out: Path | str,
+                  median_step_s: float | None = None) -> dict:
+    """Run `step` `steps` times under torch.profiler (one synchronisation at the end) and write the tables, the
+    trace and summary.json into `out`; the summary."""
+    from torch.profiler import ProfilerActivity, profile
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities, record_shapes=False) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - started
+    averages = prof.key_averages()
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    (out / "by_device.txt").write_text(averages.table(sort_by=sort, row_limit=40, max_name_column_width=90))
+    (out / "by_cpu.txt").write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30,
+                                                   max_name_column_width=90))
+    summary = summarise(prof, steps, median_step_s, own_syncs=1 if device.type == "cuda" else 0)
+    summary.update(profiled_wall_s=round(wall, 4), out=str(out))
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as source, gzip.open(out / "trace.json.gz", "wb") as target:
+        shutil.copyfileobj(source, target)
+    trace.unlink()
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    import lora_mfu
+    from lora_report import profile_lines
+    from lora_sides import aspen_side
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(lora_mfu.SHAPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps before the profiled ones")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs/profile"))
+    args = parser.parse_args(argv)
+    side = argparse.Namespace(shape=args.shape, steps=args.steps, warmup=args.warmup, profile=args.out,
+                              result=None, device=args.device, min_len=lora_mfu.MIN_LEN, max_len=lora_mfu.MAX_LEN)
+    result = aspen_side(side, torch.device(args.device))
+    print(f"aspen fused step on {args.shape}: median {result['median_step_s']:.3f}s, "
+          f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
+    print("\n".join(profile_lines(result["profile"])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -188,7 +188,13 @@ def with_memory_records(run: Callable[[], T]) -> tuple[T, list]:
 class MemoryWindow:
     """The allocator's peak over a window that spans several calls (a pipeline stage's share of a loop step):
     `start(live)` with the bytes live now, `stop()` the peak bytes live in between. CUDA: the allocator's
-    peak counter; CPU: torch.profiler's memory records, as `with_memory_records` takes them."""
+    peak counter; CPU: torch.profiler's memory records, as `with_memory_records` takes them.
+
+    On CPU the profiler is on for the whole window, and work queued meanwhile on other threads (a pipeline
+    stage's asynchronous sends, which gloo runs on its own threads with the queuing thread's state, the
+    profiler's included) must have finished before `stop` turns it off: work still running then records into
+    a profiler state already taken apart, which corrupted the process's memory and crashed it at exit (in
+    the garbage collector). The stage waits for its sends first (`StageRuntime._measure`, `close`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -209,6 +215,12 @@ class MemoryWindow:
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         _prepare_profiler(config, {ProfilerActivity.CPU})
         _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+
+    def close(self) -> None:
+        """Close a window left open (a step that failed before `stop`), unread: on CPU the profiler it enabled is
+        disabled here, in order, not left to the interpreter's exit."""
+        if self.open:
+            self.stop()
 
     def stop(self) -> int:
         if not self.open:

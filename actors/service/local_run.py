@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.engine.models import BaseModel, load_base_model
-from actors.engine.spec import RunSpec
+from actors.engine.spec import RunSpec, canonical_base_model
 from actors.engine.storage import StorageURI, as_location, configured_storage, storage_configured
 from actors.engine.trainer import StepReport
 from actors.service.config import StorageConfig, TrainerConfig, run_service_config
@@ -68,8 +68,8 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     process for the run (the environment's where it gives none). With `stages: N` the stages run as processes
     of this one (actors/service/pipeline_engine.py), each loading its share of the base (`loader`: a picklable
     callable returning the whole base instead, which each stage process then cuts)."""
-    if base is None and spec.stages == 1:
-        base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device,
+    if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
+        base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization, kernels=spec.kernels)
     storage_config = StorageConfig.model_validate(storage) if isinstance(storage, dict) else storage
     with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state, \

@@ -113,7 +113,7 @@ def run_stage(launch: StageLaunch) -> None:
         reply = runtime.handle(message)
         if message[0] in REPLYING:
             links.send_object(reply, 0, TAG_REPLY)
-    links.close()
+    runtime.close()
 
 
 def resolve_split(base: BaseModel, stages: int, split: list[int] | str) -> list[int]:
@@ -286,9 +286,14 @@ class LocalPipeline:
                 for process in self.processes:
                     process.kill()
             self._stop_processes()
-            self.links.close(flush=not failed)
+            self.trainer.runtime.close(flush=not failed)
             torch.set_num_threads(self.threads_before)
             lora.GROUPING = self.grouping_before
+        if not failed:   # stopped when told to: each ended cleanly, or something of it crashed on the way out
+            crashed = [f"stage {rank} (exit code {process.exitcode})"
+                       for rank, process in enumerate(self.processes, start=1) if process.exitcode not in (0, None)]
+            if crashed:
+                log.warning("pipeline stages ended with an error after being told to stop: %s", ", ".join(crashed))
 
     def __enter__(self) -> LocalPipeline:
         return self

@@ -231,10 +231,20 @@ class StageRuntime:
     def _measure(self, on: bool) -> int | None:
         """Open (`on`) or close the allocator's window over the operations in between; closing answers the
         peak bytes live meanwhile."""
+        self.links.flush()   # no send queued outside the window runs inside it, nor one from inside after it
         if on:
             self.window.start(self.held_bytes())
             return None
         return self.window.stop()
+
+    def close(self, *, flush: bool = True) -> None:
+        """Leave the pipeline in order, nothing native left to the garbage collector: the sends waited for, a
+        memory window left open closed (its profiler off), then the process group destroyed (`links.close`).
+        `flush=False` after a failure (a peer may never take what is pending)."""
+        if flush:
+            self.links.flush()
+        self.window.close()
+        self.links.close(flush=flush)
 
     def _add(self, setup: JobSetup) -> None:
         name = setup.spec.name

@@ -90,6 +90,7 @@ class StageLinks:
         self.pending.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.data = self.control = None   # the groups' handles go now, with their threads and the store
 
     # -- sending -------------------------------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int, group) -> None:

@@ -563,8 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--port", type=int, default=8765, help="port (default 8765)")
     http.add_argument("--token-file", help="the bearer token's file (default ~/.aspen/http-token, generated with mode "
                       "0600 where missing)")
-    http.add_argument("--state-dir", default="~/.aspen", help="the service's state folder: its users.json (`aspen user "
-                      "add`) and audit.jsonl (default ~/.aspen)")
+    http.add_argument("--state-dir", default=None,
+                      help="the folder of the users file (`aspen user add`) and the audit log (default: the service's "
+                           "own state folder, which it is asked for)")
     http.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
     http.add_argument("--ssl-keyfile", help="and this private key (PEM)")
     http.set_defaults(handler=_cmd_http)

@@ -69,7 +69,7 @@ from actors.service.users import UserBook, UsersFileError
 from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http_console import Generated, GenerateRequest, mount_console, spec_answer
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
-from orchestrator.http_users import Caller, Gate, find_job, find_sweep, visible
+from orchestrator.http_users import Caller, Gate, ServiceStateFolder, find_job, find_sweep, visible
 from orchestrator.jobs_file import SpecError
 from orchestrator.service_calls import ServiceLink, call_service
 
@@ -550,13 +550,14 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT_PORT, token_file: str | None = None,
-          ssl_certfile: str | None = None, ssl_keyfile: str | None = None, state_dir: str | None = "~/.aspen") -> None:
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None, state_dir: str | None = None) -> None:
     """Run the API with uvicorn until interrupted (`aspen http`), over the service that `Client.connect(address)`
     finds, from a child process that holds the Ray connection (`orchestrator.http_bridge`: this process never
     joins Ray, so it outlives the cluster; a service not running yet is a 503 until it is). Bound to loopback
     unless `host` says otherwise (then a warning: the token is the only guard, and without TLS it crosses the
     network in clear text). Requests are made as the users of `<state_dir>/users.json` once it exists
-    (`aspen user add`), and their actions written to `<state_dir>/audit.jsonl`."""
+    (`aspen user add`), and their actions written to `<state_dir>/audit.jsonl`: `state_dir` given, or the
+    service's own state folder, which the service is asked for (`ServiceStateFolder`)."""
     import uvicorn
 
     from orchestrator.http_bridge import ProcessLink
@@ -574,8 +575,11 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
           "token is in "
           f"{token_path(token_file)} (`aspen http-token` prints it)", file=sys.stderr, flush=True)
     try:
-        users = UserBook.in_state_dir(state_dir) if state_dir else None
-        audit = AuditLog.in_state_dir(state_dir) if state_dir else None
+        if state_dir:   # given: these files, whatever the service says
+            users, audit = UserBook.in_state_dir(state_dir), AuditLog.in_state_dir(state_dir)
+        else:           # the service's own state folder, asked of it on first need
+            folder = ServiceStateFolder(lambda: call_service(link, lambda client: client.info()))
+            users, audit = folder.users(), folder.audit()
         # event streams never end by themselves: a stop waits this long for them, then closes them
         uvicorn.run(create_app(link, token, users=users, audit=audit), host=host, port=port, log_level="info",
                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_graceful_shutdown=5)

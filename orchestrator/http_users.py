@@ -9,13 +9,19 @@ saying whose or in what state. Admins see and act on everything. Ray-free."""
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from actors.service.audit import AuditLog
 from actors.service.job_table import JobRecord
 from actors.service.users import UserBook
+
+log = logging.getLogger(__name__)
 
 SINGLE_TOKEN_USER = "admin"
 
@@ -88,3 +94,71 @@ def find_sweep(client: Any, caller: Caller, name: str) -> dict[str, Any]:
         known = [s["name"] for s in client.sweeps() if caller.sees(s.get("user"))]
         raise KeyError(f"no sweep named '{name}' (sweeps: {', '.join(sorted(known)) or 'none'})")
     return status
+
+
+class ServiceStateFolder:
+    """The state folder whose users file and audit log an HTTP server over a running service reads and writes: the
+    service's own (`info()["state_dir"]`, asked on first need and kept), so that `aspen http --address ADDR` sees the
+    users `aspen user add --state-dir <the service's folder>` made. A service that cannot be asked yet is the
+    caller's 503 (`ask` raises it); a folder the service names that is not on this machine (the server runs
+    elsewhere) falls back to `fallback`, said once."""
+
+    def __init__(self, ask: Callable[[], dict], fallback: str | Path = "~/.aspen"):
+        self.ask = ask
+        self.fallback = Path(fallback).expanduser()
+        self.resolved: Path | None = None
+        self.lock = threading.Lock()
+
+    def path(self) -> Path:
+        with self.lock:
+            if self.resolved is None:
+                folder = Path(self.ask()["state_dir"]).expanduser()
+                if not folder.is_dir():
+                    log.warning("aspen http: the service keeps its state in %s, which is not on this machine: users "
+                                "and audit are read from %s (give --state-dir where the service's users are)",
+                                folder, self.fallback)
+                    folder = self.fallback
+                self.resolved = folder
+            return self.resolved
+
+    def users(self) -> ServiceUsers:
+        return ServiceUsers(self)
+
+    def audit(self) -> ServiceAudit:
+        return ServiceAudit(self)
+
+
+class ServiceUsers:
+    """A `UserBook` of the service's state folder, found on first use (`ServiceStateFolder`)."""
+
+    def __init__(self, folder: ServiceStateFolder):
+        self.folder = folder
+        self.book: UserBook | None = None
+
+    def _book(self) -> UserBook:
+        if self.book is None:
+            self.book = UserBook.in_state_dir(self.folder.path())
+        return self.book
+
+    @property
+    def path(self) -> Path:
+        return self._book().path
+
+    def exists(self) -> bool:
+        return self._book().exists()
+
+    def authenticate(self, token: str):
+        return self._book().authenticate(token)
+
+
+class ServiceAudit:
+    """An `AuditLog` of the service's state folder, found on first use (`ServiceStateFolder`)."""
+
+    def __init__(self, folder: ServiceStateFolder):
+        self.folder = folder
+
+    def record(self, *args: Any, **details: Any) -> None:
+        AuditLog.in_state_dir(self.folder.path()).record(*args, **details)
+
+    def rows(self, **filters: Any) -> list[dict]:
+        return AuditLog.in_state_dir(self.folder.path()).rows(**filters)

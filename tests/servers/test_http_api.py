@@ -666,3 +666,23 @@ def test_a_second_users_job_starts_at_the_first_free_slot_ahead_of_anothers_twen
                     service.cancel(handle.id)
     finally:
         service.shutdown()
+
+
+def test_a_server_over_a_running_service_reads_the_services_own_users(api, users, tmp_path):
+    """`aspen http --address ADDR` without --state-dir, as the README starts it, beside a service whose users were
+    added with `aspen user add --state-dir <its folder>`: the server asks the service where its state lives
+    (`ServiceStateFolder`, what `serve` builds), so alice's token opens the API and every action is audited there;
+    the single token, no longer in force, is refused with a 401 that says a users file is in force and where."""
+    from orchestrator.http_users import ServiceStateFolder
+    from orchestrator.service_calls import call_service
+
+    folder = ServiceStateFolder(lambda: call_service(api.link, lambda client: client.info()), fallback=tmp_path)
+    app = create_app(api.link, api.token, users=folder.users(), audit=folder.audit())
+    alice, _ = users.add("alice")
+    with running_server(app) as url:
+        mine = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60)
+        assert mine.status_code == 200, mine.text
+        single = httpx.get(f"{url}/v1/jobs", headers=api.auth(), timeout=60)
+        assert single.status_code == 401
+        assert "a users file is in force" in single.json()["detail"] and str(users.path) in single.json()["detail"]
+    assert folder.path() == Path(api.state_dir).resolve()

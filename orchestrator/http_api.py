@@ -568,7 +568,9 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
     if not is_loopback(host):
         print(f"aspen http: WARNING: serving on {host}, not loopback: anyone who reaches port {port} and holds the "
               "token can submit and cancel jobs" + ("" if ssl_certfile else ", and without TLS (--ssl-certfile) the "
-                                                    "token crosses the network in clear text"), file=sys.stderr)
+                                                    "token crosses the network in clear text") + "; while there is no "
+              "users file (`aspen user add`), the single token acts as an operator and may train on any file this "
+              "service's account can read", file=sys.stderr)
     link = ProcessLink(address)
     scheme = "https" if ssl_certfile else "http"
     print(f"aspen HTTP API on {scheme}://{host}:{port} (OpenAPI: /openapi.json, /docs; the web console: /); its "

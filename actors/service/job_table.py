@@ -338,12 +338,28 @@ class JobTable:
             if state in TERMINAL_STATES:
                 values["finished_at"] = now
             self._update(job_id, values)
-            if current.state != state or current.reason != reason:
+            if current.state != state:
                 self.db.execute("INSERT INTO transitions VALUES (?, ?, ?, ?)", (job_id, now, state, reason))
+            elif current.reason != reason:
+                self._amend_last_transition(job_id, state, reason)
             record = self.get(job_id)
             if current.state != state:
                 self._notify(record, current.state)
         return record
+
+    THEN = "; then "
+
+    def _amend_last_transition(self, job_id: str, state: str, reason: str) -> None:
+        """One history row per change of state: a new reason within the same state (starting on a trainer, then
+        training there, resumed from a step) amends the row that entered the state, which keeps the reason it
+        entered with and the latest one ("starting on trainer-0; then training on trainer-0, resumed from step
+        40"), instead of a second row of the same state that a reader could not take at its word."""
+        row = self.db.execute("SELECT rowid, state, reason FROM transitions WHERE job_id = ? ORDER BY rowid DESC "
+                              "LIMIT 1", (job_id,)).fetchone()
+        if row is None or row[1] != state:
+            return
+        first = row[2].split(self.THEN, 1)[0]
+        self.db.execute("UPDATE transitions SET reason = ? WHERE rowid = ?", (f"{first}{self.THEN}{reason}", row[0]))
 
     def set_reason(self, job_id: str, reason: str) -> None:
         """Say why a queued job waits (not a transition: no history row)."""

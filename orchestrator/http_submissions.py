@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
 from actors.engine.storage import as_location, is_uri
-from orchestrator.jobs_file import SpecError, parse_run_spec
+from orchestrator.jobs_file import SpecError, parse_run_spec, unknown_field, unknown_tag
 from orchestrator.spec_text import TextLimits, TooComplex, load_json, load_yaml
 
 JSON_TYPES = ("application/json",)
@@ -104,8 +104,10 @@ def _field_errors(error: ValidationError, single_job: bool) -> list[dict[str, An
         if single_job and loc[:2] == ["jobs", 0]:
             loc = loc[2:]
         message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown field (check its spelling; docs/spec.md lists the fields)"
+        if item["type"] == "extra_forbidden":   # RunSpec's loc (a single job's is made one of jobs[0] first)
+            message = unknown_field(tuple(item["loc"]))
+        elif item["type"] == "union_tag_invalid":
+            message = unknown_tag(item.get("ctx") or {}, tuple(loc))
         found.append({"loc": loc, "field": ".".join(str(part) for part in loc) or "(top level)", "msg": message,
                       "type": item["type"]})
     return found

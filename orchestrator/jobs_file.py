@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,93 @@ def _drop_union_tags(loc: tuple) -> tuple:
                  if not (i > 0 and loc[i - 1] == "format" and part in _FORMAT_TAGS))
 
 
+SPEC_DOC = "docs/spec.md"
+
+
+def _model_at(model: Any, loc: tuple) -> Any:
+    """The pydantic model whose field the last part of `loc` names (walking lists by index and a tagged union by
+    its tag: format.prompt_response.prompt), or None."""
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if model is None or not hasattr(model, "model_fields"):
+            return None
+        if part not in model.model_fields:
+            members = _union_members(model)
+            model = members.get(part)
+            continue
+        model = _inner_model(model.model_fields[part].annotation)
+    return model
+
+
+def _inner_model(annotation: Any) -> Any:
+    """The model (or the tagged union of models) a field holds, through list[...], X | None and Annotated."""
+    if hasattr(annotation, "model_fields"):
+        return annotation
+    for argument in getattr(annotation, "__args__", ()) or ():
+        found = _inner_model(argument)
+        if found is not None:
+            return _TaggedUnion(annotation) if _is_union_of_models(annotation) else found
+    origin = getattr(annotation, "__origin__", None)
+    return _inner_model(origin) if origin is not None and origin is not annotation else None
+
+
+def _is_union_of_models(annotation: Any) -> bool:
+    return sum(hasattr(argument, "model_fields") for argument in getattr(annotation, "__args__", ()) or ()) > 1
+
+
+class _TaggedUnion:
+    """A field holding one of several models told apart by their `type` (a job's `format`)."""
+
+    model_fields: dict = {}
+
+    def __init__(self, annotation: Any):
+        self.annotation = annotation
+
+
+def _union_members(model: Any) -> dict[str, Any]:
+    if not isinstance(model, _TaggedUnion):
+        return {}
+    members = {}
+    for argument in _flat_args(model.annotation):
+        if hasattr(argument, "model_fields") and "type" in argument.model_fields:
+            tag = argument.model_fields["type"].default
+            members[str(tag)] = argument
+    return members
+
+
+def _flat_args(annotation: Any) -> list[Any]:
+    out = []
+    for argument in getattr(annotation, "__args__", ()) or ():
+        out.extend([argument] if hasattr(argument, "model_fields") else _flat_args(argument))
+    return out
+
+
+def _suggestion(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=2, cutoff=0.6)
+    if not close:   # a prefix or a part of a field (rank -> r, max_step -> max_steps)
+        close = [c for c in choices if c.startswith(word) or word.startswith(c) and len(c) > 1][:2]
+    return f"; did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
+
+
+def unknown_field(loc: tuple) -> str:
+    """An unknown field's message: the close fields of the same place, and where they are all listed."""
+    model = _model_at(RunSpec, loc[:-1])
+    field = str(loc[-1])
+    fields = sorted(model.model_fields) if model is not None and hasattr(model, "model_fields") else []
+    known = {"rank": "r", "alpha": "alpha", "dropout": "dropout", "steps": "max_steps", "learning_rate": "lr"}
+    hint = (f"; did you mean `{known[field]}`?" if known.get(field) in fields else _suggestion(field, fields))
+    return f"unknown field{hint} ({SPEC_DOC} lists every field with its default and range)"
+
+
+def unknown_tag(context: dict, loc: tuple) -> str:
+    tag = str(context.get("tag"))
+    expected = [t.strip().strip("'") for t in str(context.get("expected_tags", "")).split(",") if t.strip()]
+    field = str(loc[-1]) if loc else "type"
+    return (f"{field} type '{tag}' is not one of {', '.join(expected)}{_suggestion(tag, expected)} "
+            f"({SPEC_DOC} lists each one's fields)")
+
+
 def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple, int]) -> str:
     problems = []
     for item in error.errors():
@@ -77,7 +165,9 @@ def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple,
         if item["type"] == "value_error":   # a validator's own message: pydantic prefixes "Value error, "
             message = message.removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
-            message = "unknown field (check its spelling; see the README for the fields a job takes)"
+            message = unknown_field(tuple(item["loc"]))
+        elif item["type"] == "union_tag_invalid":
+            message = unknown_tag(item.get("ctx") or {}, loc)
         prefix = f"{source}:{line}: " if line else f"{source}: "
         problems.append(f"{prefix}{where}: {message}")
     return "\n".join(problems)

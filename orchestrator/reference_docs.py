@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 
 from actors.engine.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
 from actors.engine.spec import (
+    AutoOr,
     Bounds,
     EarlyStopConfig,
     JobSpec,
@@ -72,7 +73,7 @@ def type_name(annotation: typing.Any) -> str:
 
 
 def bounds(field: FieldInfo) -> str:
-    found = [m for m in field.metadata if isinstance(m, Bounds)]
+    found = [m.bounds if isinstance(m, AutoOr) else m for m in field.metadata if isinstance(m, Bounds | AutoOr)]
     for argument in typing.get_args(field.annotation):   # Optional[Annotated[..., Bounds]]
         found += [m for m in getattr(argument, "__metadata__", ()) if isinstance(m, Bounds)]
     pattern = next((m.pattern for m in field.metadata if getattr(m, "pattern", None)), None)

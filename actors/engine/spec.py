@@ -7,6 +7,7 @@ when it is submitted, never overflow or crash the service later (a policy's `4.0
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pydantic import (
     GetJsonSchemaHandler,
     PlainSerializer,
     PlainValidator,
+    TypeAdapter,
     ValidationError,
     WithJsonSchema,
     field_validator,
@@ -128,7 +130,40 @@ MAX_STEP_TOKENS = 16_777_216
 StepTokens = Annotated[int, Bounds(16, MAX_STEP_TOKENS)]
 AUTO_STEP_TOKENS_FLOOR = 4096
 """`step_tokens: auto` is at least this where memory allows (CPU: exactly this); a jobs file is checked against it."""
-StepTokensSetting = StepTokens | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class AutoOr:
+    """A numeric setting that may also be "auto", as `Annotated[int | Literal["auto"], AutoOr(Bounds(...))]`: "auto",
+    anything else checked as a whole number within the bounds, with the bounds' one message (not pydantic's two
+    errors of a union)."""
+
+    bounds: Bounds
+
+    def _check(self, value: Any) -> Any:
+        if value == "auto":
+            return value
+        try:
+            return _whole_number(self.bounds).validate_python(value)
+        except ValidationError as error:
+            first = error.errors()[0]
+            raise PydanticCustomError(first["type"], "must be auto or a whole number " + self.bounds.describe()
+                                      + " (got {got})", {"got": str(value)}) from None
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_plain_validator_function(self._check)
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": self.bounds.low,
+                                              "maximum": self.bounds.high}]}
+
+
+@functools.cache
+def _whole_number(bounds: Bounds) -> TypeAdapter:
+    return TypeAdapter(Annotated[int, bounds])
+
+
+StepTokensSetting = Annotated[int | Literal["auto"], AutoOr(Bounds(16, MAX_STEP_TOKENS))]
 STEP_TOKENS_DESCRIPTION = ("token budget of one fused step (padding included); auto: 4096 on CPU, on a GPU the "
                            "largest step up to 8192 tokens that the trainer's memory model fits in its budget")
 

@@ -45,7 +45,7 @@ BATCH_SIZE = r"must be between 1 and 65536"
 MAX_SEQ_LEN = r"must be between 8 and 1_048_576"
 EPOCHS = r"must be a finite number greater than 0 and at most 10000"
 CHECKPOINT_EVERY_S = r"must be between 1 and 10_000_000"
-STEP_TOKENS = r"must be between 16 and 16_777_216"
+STEP_TOKENS = r"must be auto or a whole number between 16 and 16_777_216"
 
 # (job field, YAML value, the same value in Python, what the message must say)
 JOB_VALUES = [
@@ -137,7 +137,7 @@ def test_a_dangerous_template_names_line_job_field_and_limit(tmp_path, field, te
 @pytest.mark.parametrize("text, expected", [
     ("0", STEP_TOKENS + r" \(got 0\)"),
     (str(2**40), STEP_TOKENS),
-    (".inf", r"must be a finite number between 16 and 16_777_216 \(got inf\)"),
+    (".inf", r"must be auto or a whole number between 16 and 16_777_216 \(got inf\)"),
 ])
 def test_a_bad_step_tokens_names_line_field_and_range(tmp_path, text, expected):
     source = with_line(GOOD, "step_tokens:", f"step_tokens: {text}")
@@ -266,7 +266,7 @@ def test_service_and_trainer_config_refuse_non_finite_negative_and_oversized_val
 def test_config_errors_name_the_range():
     with pytest.raises(ValidationError, match=r"must be a finite number greater than 0 and at most 3600 \(got inf\)"):
         ServiceConfig(tick_seconds=math.inf)
-    with pytest.raises(ValidationError, match=r"must be between 16 and 16_777_216 \(got 0\)"):
+    with pytest.raises(ValidationError, match=r"must be auto or a whole number between 16 and 16_777_216 \(got 0\)"):
         TrainerConfig(step_tokens=0)
     with pytest.raises(ValidationError, match=r"trainers\.0\.num_gpus\n\s+must be a finite number between 0 and 1024"):
         ServiceConfig(trainers=[{"num_gpus": math.nan}])

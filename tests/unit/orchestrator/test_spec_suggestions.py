@@ -1,0 +1,43 @@
+"""Unknown fields and format types in a jobs file are refused with the close names a user most likely meant ("did
+you mean"), at their file:line, with the spec reference named; a field with no close name gets none."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.jobs_file import SpecError, parse_run_spec
+
+TEXT = """\
+output_dir: out
+jobs:
+  - name: a
+    data: data.jsonl
+    max_step: 3
+    lora: {rank: 8, alpah: 16}
+    format: {type: alpacca}
+  - name: b
+    data: data.jsonl
+    learning_rate: 1.0e-3
+    flavour: mint
+    format: {type: prompt_response, promt: "Q: {question}", response: " {answer}"}
+"""
+
+
+def test_unknown_fields_and_tags_get_a_did_you_mean(tmp_path):
+    import yaml
+
+    with pytest.raises(SpecError) as refused:
+        parse_run_spec(yaml.safe_load(TEXT), source="jobs.yaml", base_dir=tmp_path, text=TEXT, check_files=False)
+    lines = str(refused.value).splitlines()
+
+    def line_of(part: str) -> str:
+        return next(line for line in lines if part in line)
+
+    assert line_of("max_step:").startswith("jobs.yaml:5:") and "did you mean `max_steps`" in line_of("max_step:")
+    assert "field lora.rank: unknown field; did you mean `r`?" in line_of("lora.rank")
+    assert "did you mean `alpha`?" in line_of("lora.alpah")
+    assert "format type 'alpacca' is not one of alpaca, prompt_response" in line_of("alpacca")
+    assert "did you mean `alpaca`?" in line_of("alpacca")
+    assert "did you mean `prompt`?" in line_of("format.promt")
+    assert "did you mean `lr`?" in line_of("learning_rate")
+    assert "did you mean" not in line_of("flavour") and "docs/spec.md" in line_of("flavour")

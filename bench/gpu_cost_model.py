@@ -12,8 +12,10 @@ works, its parameters and how well it does.
     bench/gpu_cost_model.py --base                                          # the frozen base alone
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
 
-Writes predicted_step_s (the median of profile_step.py's timed steps), predicted_tokens_per_s and
+Writes predicted_step_s (the median of the timed steps), predicted_tokens_per_s (over them) and
 predicted_lora_mfu (bench/lora_mfu.py's count, against the 989.4 TFLOP/s datasheet peak) for the checkout,
+its steps run as bench/lora_mfu.py's aspen side runs them (2 warm-up steps, then --steps timed, in order,
+back to back),
 and calibration_error: the prediction of the profiled step by the code of 70c0645 against the measured
 0.682 s, signed ((predicted - measured) / measured). Each checkout runs in a process of its own."""
 
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--jobs", type=int, default=4, help="fused jobs, 1..32")
     parser.add_argument("--card", default="h200", choices=("h200", "h100"))
+    parser.add_argument("--steps", type=int, default=20,
+                        help="timed steps of the checkout's run, after 2 warm-up ones, as bench/lora_mfu.py times them")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--checkout", type=Path, default=REPO, help="the checkout to model (default: this one)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="module:ATTR=value",
@@ -101,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be 1..32")
     calibration = load(args.calibration_file)
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
-            "mode": "jobs", "settings": args.settings, "calibration": str(args.calibration_file.resolve())}
+            "mode": "jobs", "steps": args.steps, "settings": args.settings,
+            "calibration": str(args.calibration_file.resolve())}
     results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card}
     current = run_checkout(spec, "checkout")
     results["current"] = current
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = calibration["measured"]
         checkout = calibration_checkout(CALIBRATION_COMMIT, args.calibration_checkout)
         old = run_checkout({**spec, "checkout": str(checkout), "shape": measured["shape"], "jobs": measured["jobs"],
-                            "card": measured["card"], "settings": []}, CALIBRATION_COMMIT)
+                            "card": measured["card"], "settings": [], "profile_step": True}, CALIBRATION_COMMIT)
         results["calibration"] = old
         results["calibration_error"] = (old["predicted_step_s"] - measured["step_s"]) / measured["step_s"]
     if args.fusion:

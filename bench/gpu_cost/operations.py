@@ -61,6 +61,7 @@ class Op:
     shapes: tuple = ()         # (shape, stride, dtype) of the tensor inputs, then the outputs (kernels only)
     calls: int = 0             # torch functions and methods called from Python since the operation before
     new_node: bool = False     # the first operation of an autograd node (backward)
+    python: int = 0            # Python functions called since the operation before (the harness's aside)
 
     @property
     def bytes(self) -> float:

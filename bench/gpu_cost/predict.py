@@ -17,7 +17,7 @@ from gpu_cost.calibration import card_for, host_for
 from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS
 from gpu_cost.operations import FILLS, GATHERS, REDUCTIONS, SCATTERS, Op
 from gpu_cost.timeline import StepTiming, simulate
-from gpu_cost.workload import PROFILED, THROUGHPUT, TIMED, Recorded, Session, benchmark_module
+from gpu_cost.workload import PROFILED, THROUGHPUT, TIMED, WARMUP, Recorded, Session, benchmark_module
 
 DATASHEET_PEAK_BF16 = 989.4e12   # the LoRA-MFU denominator bench/lora_mfu.py uses for H100 / H200
 KNOWN_POINTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "silu", "silu_backward",
@@ -33,7 +33,7 @@ def _has_rule(op: Op) -> bool:
     return (op.name in MATMULS or op.name in ATTENTION or op.name in SCATTERS or op.name in GATHERS
             or op.name in SLICE_BACKWARDS or op.name in REDUCTIONS or op.name in FILLS or base in KNOWN_POINTWISE
             or op.name in KNOWN_POINTWISE or op.name.startswith("_foreach_") or op.name.startswith("_fused_")
-            or op.name.startswith("memcpy"))
+            or op.name.startswith("memcpy") or op.name.startswith("triton:"))
 
 
 def _with_step_syncs(steps: list[list[Op]]) -> list[list[Op]]:
@@ -42,10 +42,12 @@ def _with_step_syncs(steps: list[list[Op]]) -> list[list[Op]]:
 
 
 def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: range = TIMED,
-              throughput: range = THROUGHPUT, profiled: range | None = PROFILED) -> dict:
+              throughput: range = THROUGHPUT, profiled: range | None = PROFILED, step_syncs: bool = True) -> dict:
+    """`step_syncs`: each step timed with a synchronisation after it (profile_step.py), else back to back as
+    CUDA events between steps time them (bench/lora_mfu.py since: a step's time is the advance of its end)."""
     card, host = card_for(card_name, calibration), host_for(calibration)
-    per_step = simulate(_with_step_syncs(recorded.steps), card, host)
     flowing = simulate(recorded.steps, card, host)
+    per_step = simulate(_with_step_syncs(recorded.steps), card, host) if step_syncs else flowing
     timed_steps = [per_step[i] for i in timed if i < len(per_step)]
     through = [i for i in throughput if i < len(flowing)]
     seconds = sum(flowing[i].seconds for i in through)
@@ -103,9 +105,15 @@ def run_worker(args: dict) -> dict:
     card = card_for(args["card"], calibration)
     result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name}
     with Session(card.name) as session:
-        if args["mode"] == "jobs":
+        if args["mode"] == "jobs" and args.get("profile_step"):   # the 2026-11-28 measurement's set-up
             recorded = record_jobs(session, bench, args["shape"], args["jobs"])
             result.update(summarise(recorded, args["card"], calibration))
+        elif args["mode"] == "jobs":   # bench/lora_mfu.py's aspen side: warm-up, then timed steps in order
+            steps = WARMUP + args["steps"]
+            recorded = record_jobs(session, bench, args["shape"], args["jobs"], steps=steps, in_order=True)
+            timed = range(WARMUP, steps)
+            result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+                                    profiled=None, step_syncs=False))
         elif args["mode"] == "base":
             recorded = record_base(session, bench, args["shape"])
             result.update(summarise(recorded, args["card"], calibration, profiled=None))
@@ -114,7 +122,7 @@ def run_worker(args: dict) -> dict:
             rates = {}
             for count, recorded in fusion.items():
                 summary = summarise(recorded, args["card"], calibration, timed=range(1, len(recorded.steps)),
-                                    throughput=range(1, len(recorded.steps)), profiled=None)
+                                    throughput=range(1, len(recorded.steps)), profiled=None, step_syncs=False)
                 rates[count] = summary["predicted_tokens_per_s"]
                 result[f"adapters_{count}"] = {key: summary[key] for key in
                                                ("predicted_step_s", "predicted_tokens_per_s", "median_step")}

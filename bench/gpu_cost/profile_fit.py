@@ -19,11 +19,11 @@ that reproduces its class's total kernel time (not the step's time):
   HBM's; attention: the attention kernels' score-tile FLOPs over their time;
 - serial_add: accumulating index_puts' time beyond bytes and floors, over their duplicates;
 - host (profiled: the profiler's overhead included): an operation that launches nothing and an autograd
-  node cost their medians on the trace; a torch call from Python, an operation that launches and a further
-  launch: non-negative least squares over the host's time between consecutive operations' starts (less the
-  views' and nodes'); then the scale (unprofiled over
-  profiled host time) fitted so that the per-segment LoRA's measured tokens/s over the grouped way's
-  (calibration.json "measured", the one host-bound step measured that day) is reproduced.
+  node cost their medians on the trace; a Python function call, a torch call from Python, an operation
+  that launches and a further launch: non-negative least squares over the host's time between consecutive
+  operations' starts (less the views' and nodes'); then the scale (unprofiled over profiled host time)
+  fitted so that the per-segment LoRA's measured tokens/s over the grouped way's (calibration.json
+  "measured", the one host-bound step measured that day) is reproduced.
 
 Only the profile's own figures change calibration.json's "card", "host" and "profile" sections; its
 "measured" section (step times of unprofiled runs) is written by hand from the reports."""
@@ -198,21 +198,24 @@ def _nonnegative_least_squares(rows: list[list[float]], times: list[float]) -> l
 
 
 def host_features(ops: list) -> list[float]:
-    """What the host pays for over these operations: torch calls from Python, operations that launch nothing
+    """What the host pays for over these operations: Python functions called, torch calls from Python,
+    operations that launch nothing
     (views, metadata), operations that launch kernels, launches beyond each operation's first, autograd
     nodes started."""
     from gpu_cost.card import kernel_launches
 
     launches = [kernel_launches(op) for op in ops]
-    return [float(sum(op.calls for op in ops)), float(sum(1 for n in launches if n == 0)),
+    return [float(sum(op.python for op in ops)), float(sum(op.calls for op in ops)),
+            float(sum(1 for n in launches if n == 0)),
             float(sum(1 for n in launches if n > 0)), float(sum(n - 1 for n in launches if n > 1)),
             float(sum(1 for op in ops if op.new_node))]
 
 
 def fit_host(pairs: list[tuple[dict, int]], recorded: list, medians: dict[str, float]) -> dict:
     """Host costs (profiled: the profiler's own overhead included). An operation launching nothing and an
-    autograd node cost their medians measured on the trace (`host_medians`); the cost of a torch call from
-    Python, of an operation that launches and of each further launch come from non-negative least squares
+    autograd node cost their medians measured on the trace (`host_medians`); the cost of a Python function
+    call, of a torch call from Python, of an operation that launches and of each further launch come from
+    non-negative least squares
     over the intervals between consecutive operations' CPU starts on one thread that hold no
     synchronisation, less what the views and nodes in them cost."""
     rows, times = [], []
@@ -220,13 +223,14 @@ def fit_host(pairs: list[tuple[dict, int]], recorded: list, medians: dict[str, f
         elapsed = second["cpu"] - first["cpu"]
         if first["thread"] != second["thread"] or any(op.sync for op in recorded[i:j]) or not 0 < elapsed < 3000:
             continue
-        calls, views, kernels, launches, nodes = host_features(recorded[i:j])
-        calls = float(sum(op.calls for op in recorded[i + 1:j + 1]))   # the calls up to the next one
-        rows.append([calls, kernels, launches])
+        _, _, views, kernels, launches, nodes = host_features(recorded[i:j])
+        python = float(sum(op.python for op in recorded[i + 1:j + 1]))   # the Python up to the next one
+        calls = float(sum(op.calls for op in recorded[i + 1:j + 1]))
+        rows.append([python, calls, kernels, launches])
         times.append(elapsed * 1e-6 - views * medians["view"] - nodes * medians["node"])
-    call, kernel, launch = _nonnegative_least_squares(rows, times)
-    return {"call": call, "view": medians["view"], "kernel": kernel, "launch": launch, "node": medians["node"],
-            "_intervals": len(times)}
+    python, call, kernel, launch = _nonnegative_least_squares(rows, times)
+    return {"python": python, "call": call, "view": medians["view"], "kernel": kernel, "launch": launch,
+            "node": medians["node"], "_intervals": len(times)}
 
 
 def fit_host_scale(grouped: object, segments: object, calibration: dict, ratio: float) -> float:

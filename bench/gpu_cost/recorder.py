@@ -12,6 +12,7 @@ sequence lengths, the duplicates of an accumulating index_put."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,25 @@ from gpu_cost.operations import (
 )
 from gpu_cost.virtual_cuda import META, VALUE_LIMIT, Listener, VirtualCuda
 
+# the harness's entry points (the modes' handlers, entered on every torch call and property read)
+_HARNESS_FILES = {str(path) for path in Path(__file__).resolve().parent.glob("*.py")} | {
+    str(Path(torch.__file__).resolve().parent / name) for name in ("overrides.py", "utils/_python_dispatch.py")}
+
+
+class PythonCalls:
+    """Counts the Python functions the step's code calls (a sys.setprofile hook): the host's Python work
+    between operations, where no torch call shows it (the engine's loops over adapters and parameters, the
+    modules' forward calls). Not counted while the harness itself runs (`depth` > 0: inside the torch
+    function and dispatch modes, where the meta kernels written in Python run)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.depth = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and not self.depth and frame.f_code.co_filename not in _HARNESS_FILES:
+            self.count += 1
+
 
 class KernelRecorder(TorchDispatchMode, Listener):
     """`with VirtualCuda(recorder), recorder: ...`; `recording` on records (`ops`), off only keeps the
@@ -53,12 +73,14 @@ class KernelRecorder(TorchDispatchMode, Listener):
         self.unknown_values: set[str] = set()   # data-dependent operations answered with a placeholder
         self._calls = 0                         # torch calls from Python since the last recorded operation
         self._node: object = None                # the autograd node of the last recorded operation
+        self.python = PythonCalls()
 
     def attach(self, device: VirtualCuda) -> None:
         self.device = device
 
     def _append(self, op: Op) -> None:
         op.calls, self._calls = self._calls, 0
+        op.python, self.python.count = self.python.count, 0
         node = torch._C._current_autograd_node()
         if node is not None and node is not self._node:   # the autograd engine started another node
             op.new_node = True
@@ -68,6 +90,17 @@ class KernelRecorder(TorchDispatchMode, Listener):
     # -- the listener's side (virtual_cuda) ---------------------------------------------------------
     def python_call(self) -> None:
         self._calls += 1
+
+    def triton(self, name: str, args: tuple, kwargs: dict) -> None:
+        """A Triton kernel: one launch moving its tensor arguments' bytes (each read or written once: the
+        memory-bound kernels Liger fuses), at vectorised bandwidth; their values unknown from then on."""
+        operands = tensors((args, kwargs))
+        for tensor in operands:
+            self.device.forget(tensor)
+        if self.recording:
+            self._append(Op(f"triton:{name}", "kernel", launches=1, dtype=dtype_name(operands), node=_node(),
+                            read=float(sum(touched_bytes(t) for t in operands)), detail={"layout": "vectorised"},
+                            shapes=tuple((tuple(t.shape), t.stride(), str(t.dtype)[6:]) for t in operands)))
 
     def sync(self, reason: str) -> None:
         if self.recording:
@@ -79,7 +112,16 @@ class KernelRecorder(TorchDispatchMode, Listener):
 
     # -- dispatch ----------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
+        self.python.depth += 1
+        try:
+            return self._dispatch(func, args, kwargs or {})
+        finally:
+            self.python.depth -= 1
+
+    def harness(self, entering: bool) -> None:
+        self.python.depth += 1 if entering else -1
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         name = func._schema.name.split("::")[-1]
         inputs = tensors((args, kwargs))
         on_device = any(t.is_meta for t in inputs) or kwargs.get("device") == META

@@ -33,9 +33,10 @@ def render(results: dict, calibration: dict) -> str:
     current = results["current"]
     settings = f" with {'; '.join(current['settings'])}" if current.get("settings") else ""
     lines.append(f"This checkout ({current['checkout']}){settings}:")
-    lines.append(f"  predicted step {current['predicted_step_s']:.3f} s (median of profile_step.py's timed steps 2-5),"
-                 f" {current['predicted_tokens_per_s']:,.0f} tokens/s (bench/lora_mfu.py's steps 2-7), "
-                 f"LoRA-MFU {current['predicted_lora_mfu']:.1%}")
+    timed = current["timed_steps"]
+    lines.append(f"  predicted step {current['predicted_step_s']:.3f} s (the median of {len(timed)} timed steps after "
+                 f"{timed[0]} warm-up ones, back to back, as bench/lora_mfu.py times them), "
+                 f"{current['predicted_tokens_per_s']:,.0f} tokens/s, LoRA-MFU {current['predicted_lora_mfu']:.1%}")
     if "median_step" in current:
         lines.append(f"  the median step: {_step_line(current['median_step'])}")
         lines.append(f"  its GPU time by category (ms): {_categories(current['median_step'])}")
@@ -131,8 +132,8 @@ UNITS = {"peak_bf16": (1e-12, "TFLOP/s"), "peak_fp32": (1e-12, "TFLOP/s"), "gemm
          "fp32_skinny": (1.0, "of HBM"), "attention": (1e-12, "TFLOP/s"), "hbm": (1e-12, "TB/s"),
          "pcie": (1e-9, "GB/s"), "kernel_floor": (1e6, "us"), "launch_gap": (1e6, "us"), "serial_add": (1e6, "us"),
          "copy_latency": (1e6, "us"), "vectorised": (1.0, "of HBM"), "generic": (1.0, "of HBM"),
-         "transposed": (1.0, "of HBM"), "call": (1e6, "us"), "view": (1e6, "us"), "kernel": (1e6, "us"),
-         "launch": (1e6, "us"), "node": (1e6, "us"), "scale": (1.0, ""), "sync": (1e6, "us")}
+         "transposed": (1.0, "of HBM"), "python": (1e6, "us"), "call": (1e6, "us"), "view": (1e6, "us"),
+         "kernel": (1e6, "us"), "launch": (1e6, "us"), "node": (1e6, "us"), "scale": (1.0, ""), "sync": (1e6, "us")}
 
 
 def _parameters_lines(card_name: str, calibration: dict) -> list[str]:

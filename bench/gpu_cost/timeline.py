@@ -4,11 +4,11 @@ kernels; at most `Host.queue` kernels wait in the launch queue (the host blocks 
 synchronisation makes the host wait for the GPU. A step ends when both are done; steps run back to back, so
 work the host leaves queued at a step's end delays the next step.
 
-Host cost of an operation = `Host.call` per torch function or method the Python code called since the
-operation before, + `Host.view` for an operation that launches nothing (a view, metadata) or `Host.kernel`
-for one that launches (dispatch, autograd, the launch) and `Host.launch` per launch beyond its first,
-+ `Host.node` where it starts an autograd node (the engine's own work); all times `Host.scale` (the profiled
-costs include the profiler's overhead); a synchronisation adds `Host.sync`."""
+Host cost of an operation = `Host.python` per Python function and `Host.call` per torch function or method
+the step's code called since the operation before, + `Host.view` for an operation that launches nothing (a
+view, metadata) or `Host.kernel` for one that launches (dispatch, autograd, the launch) and `Host.launch` per
+launch beyond its first, + `Host.node` where it starts an autograd node (the engine's own work); all times
+`Host.scale` (the profiled costs include the profiler's overhead); a synchronisation adds `Host.sync`."""
 
 from __future__ import annotations
 
@@ -41,11 +41,14 @@ CATEGORIES = {
 def category(op: Op) -> str:
     if op.name.startswith("_foreach_"):
         return "optimizer"
+    if op.name.startswith("triton:"):
+        return "Triton kernels"
     return CATEGORIES.get(op.name, "other")
 
 
 @dataclass(frozen=True)
 class Host:
+    python: float = 0.5e-6      # s per Python function called (the harness's own aside)
     call: float = 2e-6          # s per torch call from Python
     view: float = 2e-6          # s per operation launching nothing
     kernel: float = 10e-6       # s per operation launching kernels (its first launch included)
@@ -57,7 +60,8 @@ class Host:
     sources: dict = field(default_factory=dict, compare=False)
 
     def cost(self, op: Op, launches: int) -> float:
-        work = self.call * op.calls + (self.kernel + self.launch * (launches - 1) if launches else self.view)
+        issue = self.kernel + self.launch * (launches - 1) if launches else self.view
+        work = self.python * op.python + self.call * op.calls + issue
         return self.scale * (work + (self.node if op.new_node else 0.0))
 
 

@@ -11,6 +11,8 @@ a device guard, so forward and backward run; the code above them is told they ar
 - a CUDA device given to a factory, `.to(...)`, `.cuda()` becomes meta;
 - `torch.cuda.*` that the engine and its benchmarks call are stand-ins (synchronize, memory counters, device
   properties, streams and events), and a CUDA `torch.Generator` is a CPU one;
+- a Triton kernel launch (`kernel[grid](...)`: Liger-Kernel's, the engine's own) is reported with its tensor
+  arguments instead of run;
 - `pin_memory()` marks the host tensor pinned (a CPU-only build cannot pin) and `is_pinned()` answers from
   that mark, so a pinned non-blocking copy is told from a blocking one;
 - reading a device tensor on the host (`tolist`, `item`, `float`, `bool`, `numpy`, ...) is a synchronisation:
@@ -57,6 +59,12 @@ class Listener:
 
     def python_call(self) -> None:   # pragma: no cover - the recorder's
         pass
+
+    def triton(self, name: str, args: tuple, kwargs: dict) -> None:   # pragma: no cover - the recorder's
+        pass
+
+    def harness(self, entering: bool) -> None:   # pragma: no cover - the recorder's
+        """The harness's own code starts (True) or ends: its Python is not the step's."""
 
 
 class _Properties(types.SimpleNamespace):
@@ -119,6 +127,26 @@ class _Event:
         return 0.0
 
 
+class _DeviceGuard:
+    """torch.cuda.device stand-in: one device."""
+
+    def __init__(self, device: Any = None):
+        self.device = device
+
+    def __enter__(self) -> _DeviceGuard:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        pass
+
+
+def _kernel_name(kernel: Any) -> str:
+    inner = kernel
+    while hasattr(inner, "fn") and not hasattr(inner, "__name__"):
+        inner = inner.fn
+    return getattr(inner, "__name__", type(kernel).__name__)
+
+
 class _GeneratorType(type):
     """torch.Generator while the device is virtual: a CUDA generator is made on the CPU (the device's random
     operations draw nothing); isinstance still answers for every real generator."""
@@ -158,7 +186,14 @@ class _DeviceMode(TorchFunctionMode):
         self.owner = owner
 
     def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = dict(kwargs or {})
+        listener = self.owner.listener
+        listener.harness(True)
+        try:
+            return self._function(func, args, dict(kwargs or {}))
+        finally:
+            listener.harness(False)
+
+    def _function(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         owner = self.owner
         if isinstance(func, types.MethodWrapperType):   # a property read: no call the host pays for
             if func.__self__ not in _PROPERTIES:
@@ -279,16 +314,31 @@ class VirtualCuda:
             "mem_get_info": lambda device=None: (self.properties.total_memory, self.properties.total_memory),
             "Stream": _Stream, "current_stream": lambda device=None: _Stream(),
             "default_stream": lambda device=None: _Stream(),
-            "stream": lambda stream=None: contextlib.nullcontext(stream), "Event": _Event,
+            "stream": lambda stream=None: contextlib.nullcontext(stream), "Event": _Event, "device": _DeviceGuard,
         }
         for name, value in patches.items():
             if hasattr(cuda, name):
                 self._patch(cuda, name, value)
         self._patch(torch, "Generator", _VirtualGenerator)
+        self._patch_triton()
         _ACTIVE.append(self)
         self._stack.callback(_ACTIVE.remove, self)
         self._stack.enter_context(_DeviceMode(self))
         return self
+
+    def _patch_triton(self) -> None:
+        """A Triton kernel (Liger's, or one of the engine's own) launched on the device is reported to the
+        listener with its tensor arguments instead of compiled and run."""
+        try:
+            from triton.runtime.jit import KernelInterface
+        except ImportError:   # no Triton: nothing launches one
+            return
+        listener = self.listener
+
+        def getitem(kernel: Any, grid: Any) -> Callable:
+            return lambda *args, **kwargs: listener.triton(_kernel_name(kernel), args, kwargs)
+
+        self._patch(KernelInterface, "__getitem__", getitem)
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()

@@ -31,8 +31,9 @@ EXTRA_SHAPES = {   # LlamaConfig fields of shapes bench/lora_mfu.py may lack
                          rope_theta=100000.0, tie_word_embeddings=True),
 }
 # profile_step.py: 2 warm-up steps, 4 timed (their median: the measured step), 2 profiled; bench/lora_mfu.py
-# timed steps 2-7 for its tokens/s
+# (then) timed steps 2-7 for its tokens/s
 STEPS, TIMED, THROUGHPUT, PROFILED = 8, range(2, 6), range(2, 8), range(6, 8)
+WARMUP = 2   # bench/lora_mfu.py's warm-up steps (since: 20 timed steps after them, in order, CUDA-event timed)
 FUSION_SEQUENCES, FUSION_LENGTH = 32, 128
 
 
@@ -115,9 +116,13 @@ class Session:
 
     def record(self, run: Any) -> tuple[Any, list[Op]]:
         self.recorder.recording = True
+        self.recorder.python.count = 0
+        previous = sys.getprofile()
+        sys.setprofile(self.recorder.python)
         try:
             result = run()
         finally:
+            sys.setprofile(previous)
             self.recorder.recording = False
         return result, self.recorder.take()
 
@@ -141,11 +146,39 @@ def _add_job(trainer: Any, base: Any, bench: ModuleType, name: str, examples: li
     return job
 
 
-def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, steps: int = STEPS) -> Recorded:
-    """bench/lora_mfu.py's aspen side as profile_step.py ran it: `jobs` jobs of SEQUENCES_PER_JOB sequences
-    of 64-768 tokens a step, every step all of them, packed; each step recorded."""
+class InOrder:
+    """A job's micro-batches in a fixed order (a BatchSource), as bench/lora_mfu.py's aspen side feeds them."""
+
+    def __init__(self, batches: list[list]):
+        self.batches, self.position = batches, 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.position >= len(self.batches)
+
+    def next_batch(self) -> list | None:
+        if self.exhausted:
+            return None
+        self.position += 1
+        return self.batches[self.position - 1]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, steps: int = STEPS,
+                in_order: bool = False) -> Recorded:
+    """`jobs` jobs of SEQUENCES_PER_JOB sequences of 64-768 tokens a step (bench/lora_mfu.py's job_batches),
+    every step all of them, packed; each step recorded. As profile_step.py ran it for the 2026-11-28 profile
+    (each job's batches through its DataCursor), or `in_order` as bench/lora_mfu.py's aspen side runs it since
+    (step k takes every job's k-th batch)."""
     from actors.engine.data import Example
+    from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
+    from actors.engine.spec import JobSpec
 
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)
@@ -153,8 +186,15 @@ def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, step
     trainer = _trainer(base)
     for job in range(jobs):
         batches = bench.job_batches(job, steps, config["vocab_size"])
-        examples = [Example(tuple(ids), tuple(labels)) for batch in batches for ids, labels in batch]
-        _add_job(trainer, base, bench, f"job-{job}", examples, bench.SEQUENCES_PER_JOB, steps, job, bench.MAX_LEN)
+        if not in_order:
+            examples = [Example(tuple(ids), tuple(labels)) for batch in batches for ids, labels in batch]
+            _add_job(trainer, base, bench, f"job-{job}", examples, bench.SEQUENCES_PER_JOB, steps, job,
+                     bench.MAX_LEN)
+            continue
+        source = InOrder([[Example(tuple(ids), tuple(labels)) for ids, labels in batch] for batch in batches])
+        spec = JobSpec(name=f"job-{job}", data="unused.jsonl", format={"type": "text"}, batch_size=len(batches[0]),
+                       max_steps=steps, lr=1e-4, lora=bench.LORA, max_seq_len=bench.MAX_LEN)
+        trainer.add_job(TrainingJob.attach(spec, base, source, [], steps, seed=job))
     recorded = Recorded([], [], _matmul_parameters(model))
     for _ in range(steps):
         report, ops = session.record(trainer.train_step)

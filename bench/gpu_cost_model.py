@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="module:ATTR=value",
                         help="set a module attribute before the steps (repeatable), e.g. "
                              "actors.engine.lora:GROUPING=segments")
+    parser.add_argument("--kernels", choices=("auto", "liger", "none"),
+                        help="the base's kernels setting where the checkout has one (from_module's kernels)")
     parser.add_argument("--fusion", help="adapters to predict fusion efficiency for, e.g. 1,2,4,8,16,32")
     parser.add_argument("--base", action="store_true", help="also the frozen base alone")
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be 1..32")
     calibration = load(args.calibration_file)
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
-            "mode": "jobs", "steps": args.steps, "settings": args.settings,
+            "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
             "calibration": str(args.calibration_file.resolve())}
     results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card}
     current = run_checkout(spec, "checkout")
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = calibration["measured"]
         checkout = calibration_checkout(CALIBRATION_COMMIT, args.calibration_checkout)
         old = run_checkout({**spec, "checkout": str(checkout), "shape": measured["shape"], "jobs": measured["jobs"],
-                            "card": measured["card"], "settings": [], "profile_step": True}, CALIBRATION_COMMIT)
+                            "card": measured["card"], "settings": [], "kernels": None, "profile_step": True},
+                           CALIBRATION_COMMIT)
         results["calibration"] = old
         results["calibration_error"] = (old["predicted_step_s"] - measured["step_s"]) / measured["step_s"]
     if args.fusion:

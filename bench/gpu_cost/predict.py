@@ -14,9 +14,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from gpu_cost.calibration import card_for, host_for
-from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS
+from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS, kernel_launches
 from gpu_cost.operations import FILLS, GATHERS, REDUCTIONS, SCATTERS, Op
-from gpu_cost.timeline import StepTiming, simulate
+from gpu_cost.timeline import Host, StepTiming, simulate
 from gpu_cost.workload import PROFILED, THROUGHPUT, TIMED, WARMUP, Recorded, Session, benchmark_module
 
 DATASHEET_PEAK_BF16 = 989.4e12   # the LoRA-MFU denominator bench/lora_mfu.py uses for H100 / H200
@@ -72,6 +72,7 @@ def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: r
     median = ordered[len(ordered) // 2] if ordered else None
     if median is not None:
         out["median_step"] = _step(median)
+        out["median_step"]["host_phases"] = host_phases(recorded.steps[per_step.index(median)], host)
     if profiled is not None and all(i < len(per_step) for i in profiled):
         categories: Counter = Counter()
         for i in profiled:
@@ -85,6 +86,18 @@ def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: r
     return out
 
 
+def host_phases(ops: list[Op], host: Host) -> dict[str, float]:
+    """The host's seconds in one step before its backward (packing, forward, loss), in the backward (autograd's
+    nodes) and after it (optimizer steps, read-backs)."""
+    backward = [index for index, op in enumerate(ops) if op.node is not None]
+    first, last = (backward[0], backward[-1]) if backward else (len(ops), len(ops))
+    phases = {"before backward": 0.0, "backward": 0.0, "after backward": 0.0}
+    for index, op in enumerate(ops):
+        phase = "before backward" if index < first else ("backward" if index <= last else "after backward")
+        phases[phase] += host.cost(op, kernel_launches(op))
+    return phases
+
+
 def _step(timing: StepTiming) -> dict:
     data = asdict(timing)
     data["gpu_busy"] = timing.gpu_busy
@@ -94,15 +107,29 @@ def _step(timing: StepTiming) -> dict:
 
 def run_worker(args: dict) -> dict:
     """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base), adapters, settings, calibration."""
-    from gpu_cost.workload import apply_settings, check_checkout, record_base, record_fusion, record_jobs
+    from gpu_cost.workload import (
+        apply_settings,
+        check_checkout,
+        preimport,
+        record_base,
+        record_fusion,
+        record_jobs,
+    )
 
     started = time.perf_counter()
     checkout = Path(args["checkout"])
     check_checkout(checkout)
+    preimport()
+    if args.get("kernels"):
+        import gpu_cost.workload as workload
+
+        workload.KERNELS = args["kernels"]
     calibration = json.loads(Path(args["calibration"]).read_text())
     bench = benchmark_module(checkout)
     applied = apply_settings(args.get("settings", []))
     card = card_for(args["card"], calibration)
+    if args.get("kernels"):
+        applied.append(f"kernels = {args['kernels']!r}")
     result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name}
     with Session(card.name) as session:
         if args["mode"] == "jobs" and args.get("profile_step"):   # the 2026-11-28 measurement's set-up

@@ -40,6 +40,10 @@ def render(results: dict, calibration: dict) -> str:
     if "median_step" in current:
         lines.append(f"  the median step: {_step_line(current['median_step'])}")
         lines.append(f"  its GPU time by category (ms): {_categories(current['median_step'])}")
+        phases = current["median_step"].get("host_phases", {})
+        if phases:
+            lines.append("  its host time (ms): "
+                         + ", ".join(f"{name} {value * 1e3:.0f}" for name, value in phases.items()))
     lines.append(f"  tokens per step: {current['tokens']}")
     if "calibration" in results:
         lines += _calibration(results, calibration)

@@ -59,6 +59,29 @@ def benchmark_module(checkout: Path) -> ModuleType:
     return module
 
 
+# libraries that look at the device when first imported (bitsandbytes loads its CUDA backend if
+# torch.cuda.is_available(); Liger picks its implementation by the device): imported before the virtual device
+# exists, so that they see this machine as it is
+OPTIONAL_IMPORTS = ("peft", "bitsandbytes", "liger_kernel.ops", "liger_kernel.transformers",
+                    "liger_kernel.transformers.functional")
+
+
+def preimport() -> list[str]:
+    """Import OPTIONAL_IMPORTS where installed; the names imported."""
+    found = []
+    for name in OPTIONAL_IMPORTS:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except (ImportError, AttributeError, RuntimeError, OSError) as error:   # absent or broken: the step decides
+            print(f"[gpu_cost] {name} not imported ({error}); the step imports it itself if it needs it",
+                  file=sys.stderr)
+            continue
+        found.append(name)
+    return found
+
+
 def shapes(bench: ModuleType) -> dict[str, dict]:
     return {**EXTRA_SHAPES, **bench.SHAPES}
 
@@ -127,6 +150,22 @@ class Session:
         return result, self.recorder.take()
 
 
+KERNELS: str | None = None   # from_module's `kernels` (auto | liger | none) where the checkout has it (--kernels)
+
+
+def _base(model: torch.nn.Module) -> Any:
+    """The checkout's BaseModel of `model` (from_module), with `kernels` where asked and known."""
+    import inspect
+
+    from actors.engine.models import from_module
+
+    if KERNELS is not None and "kernels" in inspect.signature(from_module).parameters:
+        return from_module(model, None, kernels=KERNELS)
+    if KERNELS is not None:
+        raise ValueError(f"--kernels {KERNELS}: this checkout's from_module has no kernels setting")
+    return from_module(model, None)
+
+
 def _trainer(base: Any) -> Any:
     from actors.engine.trainer import FusedTrainer
 
@@ -177,12 +216,11 @@ def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, step
     (step k takes every job's k-th batch)."""
     from actors.engine.data import Example
     from actors.engine.job import TrainingJob
-    from actors.engine.models import from_module
     from actors.engine.spec import JobSpec
 
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)
-    base = from_module(model, None)
+    base = _base(model)
     trainer = _trainer(base)
     for job in range(jobs):
         batches = bench.job_batches(job, steps, config["vocab_size"])
@@ -209,11 +247,10 @@ def record_fusion(session: Session, bench: ModuleType, shape: str, adapters: lis
     """bench/lora_mfu.py's fusion side: FUSION_SEQUENCES sequences of FUSION_LENGTH tokens a step split evenly
     over N adapters; the first step (optimizer state allocated) is a warm-up."""
     from actors.engine.data import Example
-    from actors.engine.models import from_module
 
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)
-    base = from_module(model, None)
+    base = _base(model)
     rng = random.Random(0)
     out = {}
     for count in adapters:

@@ -153,7 +153,8 @@ def test_the_tiny_shape_is_predicted_end_to_end(session, tmp_path):
 
 def test_the_command_writes_its_figures(tmp_path):
     out = tmp_path / "model.json"
-    assert gpu_cost_model.main(["--shape", "tiny", "--jobs", "2", "--no-calibration", "--json", str(out)]) == 0
+    assert gpu_cost_model.main(["--shape", "tiny", "--jobs", "2", "--steps", "3", "--no-calibration",
+                                "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):
         assert result[key] > 0

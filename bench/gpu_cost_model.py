@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                              "actors.engine.lora:GROUPING=segments")
     parser.add_argument("--kernels", choices=("auto", "liger", "none"),
                         help="the base's kernels setting where the checkout has one (from_module's kernels)")
-    parser.add_argument("--fusion", help="adapters to predict fusion efficiency for, e.g. 1,2,4,8,16,32")
+    parser.add_argument("--fusion", nargs="?", const=",".join(map(str, FUSION_ADAPTERS)),
+                        help="adapters to predict fusion efficiency for (alone: 1,2,4,8,16,32)")
     parser.add_argument("--base", action="store_true", help="also the frozen base alone")
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
     parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")

@@ -1,0 +1,160 @@
+"""One checkout's predictions, in its own process (`gpu_cost_model.py --worker`): record the workload's steps
+on the virtual device, play them on the card's timeline, and summarise as JSON: per step its time, GPU time,
+launches and synchronisations; the benchmark's figures (the median step of profile_step.py's timed steps,
+bench/lora_mfu.py's tokens/s and LoRA-MFU); the GPU time by category over the profiled steps; the operations
+that had no rule of their own (bytes-based) and the values the recorder could not know."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from gpu_cost.calibration import card_for, host_for
+from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS, kernel_launches
+from gpu_cost.operations import FILLS, GATHERS, REDUCTIONS, SCATTERS, Op
+from gpu_cost.timeline import Host, StepTiming, simulate
+from gpu_cost.workload import PROFILED, THROUGHPUT, TIMED, WARMUP, Recorded, Session, benchmark_module
+
+DATASHEET_PEAK_BF16 = 989.4e12   # the LoRA-MFU denominator bench/lora_mfu.py uses for H100 / H200
+KNOWN_POINTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "silu", "silu_backward",
+                   "sigmoid", "tanh", "cos", "sin", "where", "clamp", "clamp_min", "clamp_max", "abs", "remainder",
+                   "eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "masked_fill", "_to_copy", "copy_",
+                   "clone", "cat", "stack", "arange", "bitwise_and", "bitwise_or", "logical_not", "reciprocal",
+                   "gelu", "gelu_backward", "threshold_backward", "lerp", "addcmul", "addcdiv", "sign", "floor",
+                   "ceil", "round", "fmod", "exp2", "log1p", "expm1", "erf", "square", "sgn"}
+
+
+def _has_rule(op: Op) -> bool:
+    base = op.name.rstrip("_")
+    return (op.name in MATMULS or op.name in ATTENTION or op.name in SCATTERS or op.name in GATHERS
+            or op.name in SLICE_BACKWARDS or op.name in REDUCTIONS or op.name in FILLS or base in KNOWN_POINTWISE
+            or op.name in KNOWN_POINTWISE or op.name.startswith("_foreach_") or op.name.startswith("_fused_")
+            or op.name.startswith("memcpy") or op.name.startswith("triton:"))
+
+
+def _with_step_syncs(steps: list[list[Op]]) -> list[list[Op]]:
+    """profile_step.py synchronises after every step it times."""
+    return [ops + [Op("benchmark sync", "sync", sync=True)] for ops in steps]
+
+
+def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: range = TIMED,
+              throughput: range = THROUGHPUT, profiled: range | None = PROFILED, step_syncs: bool = True) -> dict:
+    """`step_syncs`: each step timed with a synchronisation after it (profile_step.py), else back to back as
+    CUDA events between steps time them (bench/lora_mfu.py since: a step's time is the advance of its end)."""
+    card, host = card_for(card_name, calibration), host_for(calibration)
+    flowing = simulate(recorded.steps, card, host)
+    per_step = simulate(_with_step_syncs(recorded.steps), card, host) if step_syncs else flowing
+    timed_steps = [per_step[i] for i in timed if i < len(per_step)]
+    through = [i for i in throughput if i < len(flowing)]
+    seconds = sum(flowing[i].seconds for i in through)
+    tokens = sum(recorded.tokens[i] for i in through)
+    tokens_per_s = tokens / seconds if seconds else 0.0
+    mfu = 4 * recorded.matmul_parameters * tokens_per_s / DATASHEET_PEAK_BF16
+    out = {
+        "predicted_step_s": statistics.median(t.seconds for t in timed_steps),
+        "predicted_tokens_per_s": tokens_per_s,
+        "predicted_lora_mfu": mfu,
+        "tokens": recorded.tokens,
+        "steps": [_step(t) for t in per_step],
+        "timed_steps": list(timed),
+        "throughput_steps": through,
+        "matmul_parameters": recorded.matmul_parameters,
+        "unknown_values": recorded.unknown_values,
+        "notes": recorded.notes,
+        "unruled_operations": sorted({op.name for ops in recorded.steps for op in ops
+                                      if op.kind == "kernel" and op.launches and not _has_rule(op)}),
+    }
+    ordered = sorted(timed_steps, key=lambda t: t.seconds)
+    median = ordered[len(ordered) // 2] if ordered else None
+    if median is not None:
+        out["median_step"] = _step(median)
+        out["median_step"]["host_phases"] = host_phases(recorded.steps[per_step.index(median)], host)
+    if profiled is not None and all(i < len(per_step) for i in profiled):
+        categories: Counter = Counter()
+        for i in profiled:
+            categories.update(per_step[i].categories)
+        out["profiled_steps"] = list(profiled)
+        out["profiled_categories_ms"] = {name: value * 1e3 for name, value in categories.items()}
+        # the profiled run's host: the profiled costs as measured (scale 1), a check of the timeline itself
+        profiled_host = simulate(_with_step_syncs(recorded.steps), card, replace(host, scale=1.0))
+        out["profiled_step_s"] = [profiled_host[i].seconds for i in profiled]
+        out["profiled_gpu_s"] = [per_step[i].gpu_seconds for i in profiled]
+    return out
+
+
+def host_phases(ops: list[Op], host: Host) -> dict[str, float]:
+    """The host's seconds in one step before its backward (packing, forward, loss), in the backward (autograd's
+    nodes) and after it (optimizer steps, read-backs)."""
+    backward = [index for index, op in enumerate(ops) if op.node is not None]
+    first, last = (backward[0], backward[-1]) if backward else (len(ops), len(ops))
+    phases = {"before backward": 0.0, "backward": 0.0, "after backward": 0.0}
+    for index, op in enumerate(ops):
+        phase = "before backward" if index < first else ("backward" if index <= last else "after backward")
+        phases[phase] += host.cost(op, kernel_launches(op))
+    return phases
+
+
+def _step(timing: StepTiming) -> dict:
+    data = asdict(timing)
+    data["gpu_busy"] = timing.gpu_busy
+    data["categories"] = {name: value for name, value in sorted(timing.categories.items(), key=lambda kv: -kv[1])}
+    return data
+
+
+def run_worker(args: dict) -> dict:
+    """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base), adapters, settings, calibration."""
+    from gpu_cost.workload import (
+        apply_settings,
+        check_checkout,
+        preimport,
+        record_base,
+        record_fusion,
+        record_jobs,
+    )
+
+    started = time.perf_counter()
+    checkout = Path(args["checkout"])
+    check_checkout(checkout)
+    preimport()
+    if args.get("kernels"):
+        import gpu_cost.workload as workload
+
+        workload.KERNELS = args["kernels"]
+    calibration = json.loads(Path(args["calibration"]).read_text())
+    bench = benchmark_module(checkout)
+    applied = apply_settings(args.get("settings", []))
+    card = card_for(args["card"], calibration)
+    if args.get("kernels"):
+        applied.append(f"kernels = {args['kernels']!r}")
+    result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name}
+    with Session(card.name) as session:
+        if args["mode"] == "jobs" and args.get("profile_step"):   # the 2026-11-28 measurement's set-up
+            recorded = record_jobs(session, bench, args["shape"], args["jobs"])
+            result.update(summarise(recorded, args["card"], calibration))
+        elif args["mode"] == "jobs":   # bench/lora_mfu.py's aspen side: warm-up, then timed steps in order
+            steps = WARMUP + args["steps"]
+            recorded = record_jobs(session, bench, args["shape"], args["jobs"], steps=steps, in_order=True)
+            timed = range(WARMUP, steps)
+            result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+                                    profiled=None, step_syncs=False))
+        elif args["mode"] == "base":
+            recorded = record_base(session, bench, args["shape"])
+            result.update(summarise(recorded, args["card"], calibration, profiled=None))
+        else:
+            fusion = record_fusion(session, bench, args["shape"], args["adapters"])
+            rates = {}
+            for count, recorded in fusion.items():
+                summary = summarise(recorded, args["card"], calibration, timed=range(1, len(recorded.steps)),
+                                    throughput=range(1, len(recorded.steps)), profiled=None, step_syncs=False)
+                rates[count] = summary["predicted_tokens_per_s"]
+                result[f"adapters_{count}"] = {key: summary[key] for key in
+                                               ("predicted_step_s", "predicted_tokens_per_s", "median_step")}
+            first = rates[min(rates)]
+            result["fusion_tokens_per_s"] = rates
+            result["fusion_efficiency"] = {count: rate / first for count, rate in rates.items()}
+    result["cpu_seconds"] = time.perf_counter() - started
+    return result

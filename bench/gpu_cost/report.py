@@ -1,0 +1,151 @@
+"""The printed report of gpu_cost_model.py: the checkout's predictions, every measured figure beside the
+model's prediction of it (the 70c0645 calibration run, per category), and the parameters with their
+sources."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from gpu_cost.calibration import card_for, host_for
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def _error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
+
+
+def _step_line(step: dict) -> str:
+    return (f"GPU kernels {step['gpu_seconds']:.3f} s (busy {step['gpu_busy']:.0%}), gaps {_ms(step['gap_seconds'])}, "
+            f"host {step['host_seconds']:.3f} s + {step['wait_seconds']:.3f} s waiting, "
+            f"{step['launches']:,} launches, {step['syncs']} syncs, {step['operations']:,} operations")
+
+
+def _categories(step: dict, limit: int = 9) -> str:
+    items = list(step["categories"].items())[:limit]
+    return ", ".join(f"{name} {value * 1e3:.0f}" for name, value in items)
+
+
+def render(results: dict, calibration: dict) -> str:
+    lines = [f"GPU cost model: {results['shape']}, {results['jobs']} jobs, {results['current']['card']}"]
+    current = results["current"]
+    settings = f" with {'; '.join(current['settings'])}" if current.get("settings") else ""
+    lines.append(f"This checkout ({current['checkout']}){settings}:")
+    timed = current["timed_steps"]
+    lines.append(f"  predicted step {current['predicted_step_s']:.3f} s (the median of {len(timed)} timed steps after "
+                 f"{timed[0]} warm-up ones, back to back, as bench/lora_mfu.py times them), "
+                 f"{current['predicted_tokens_per_s']:,.0f} tokens/s, LoRA-MFU {current['predicted_lora_mfu']:.1%}")
+    if "median_step" in current:
+        lines.append(f"  the median step: {_step_line(current['median_step'])}")
+        lines.append(f"  its GPU time by category (ms): {_categories(current['median_step'])}")
+        phases = current["median_step"].get("host_phases", {})
+        if phases:
+            lines.append("  its host time (ms): "
+                         + ", ".join(f"{name} {value * 1e3:.0f}" for name, value in phases.items()))
+    lines.append(f"  tokens per step: {current['tokens']}")
+    if "calibration" in results:
+        lines += _calibration(results, calibration)
+    if "fusion" in results:
+        lines += _fusion(results, calibration)
+    if "base" in results:
+        base = results["base"]
+        measured = calibration["measured"]
+        lines.append("The frozen base alone (profile_step.py's second measurement):")
+        same = results["shape"] == measured["shape"] and results["card"] == measured["card"]
+        known = (f"; measured (70c0645, H200) {measured['base_step_s']:.3f} s, {measured['base_tokens_per_s']:,}"
+                 f" tokens/s: {_error(base['predicted_step_s'], measured['base_step_s'])}") if same else ""
+        lines.append(f"  predicted step {base['predicted_step_s']:.3f} s, "
+                     f"{base['predicted_tokens_per_s']:,.0f} tokens/s{known}")
+        if "median_step" in base:
+            lines.append(f"  the median step: {_step_line(base['median_step'])}")
+    lines += _parameters_lines(results["card"], calibration)
+    unruled = sorted(set(current.get("unruled_operations", [])))
+    unknown = sorted(set(current.get("unknown_values", [])))
+    lines.append(f"Operations timed by the generic bytes rule (no rule of their own): {', '.join(unruled) or 'none'}")
+    lines.append(f"Values the recorder could not know (placeholders used): {', '.join(unknown) or 'none'}")
+    return "\n".join(lines)
+
+
+def _calibration(results: dict, calibration: dict) -> list[str]:
+    old, measured = results["calibration"], calibration["measured"]
+    profile = calibration.get("profile", {})
+    lines = [f"Calibration: the code of {measured['commit']} against the {measured['card'].upper()} profile of "
+             "2026-11-28 (unprofiled runs unless said)",
+             f"  {'figure':44s} {'predicted':>11s} {'measured':>11s} {'error':>8s}"]
+
+    def row(name: str, predicted: float, value: float, text: str = "{:.3f}") -> None:
+        lines.append(f"  {name:44s} {text.format(predicted):>11s} {text.format(value):>11s} "
+                     f"{_error(predicted, value):>8s}")
+
+    row("step, s (median of steps 2-5): calibration_error", old["predicted_step_s"], measured["step_s"])
+    row("tokens/s (steps 2-7)", old["predicted_tokens_per_s"], measured["tokens_per_s"], "{:,.0f}")
+    row("LoRA-MFU", old["predicted_lora_mfu"], measured["lora_mfu"], "{:.1%}")
+    if "profiled_gpu_s" in old:
+        gpu = sum(old["profiled_gpu_s"]) / len(old["profiled_gpu_s"])
+        row("GPU time a step, s (profiled steps 6, 7)", gpu, measured["gpu_s_per_step"])
+        step = sum(old["profiled_step_s"]) / len(old["profiled_step_s"])
+        row("step, s (steps 6, 7, profiled; host at scale 1)", step,
+            sum(measured["profiled_step_s"]) / len(measured["profiled_step_s"]))
+    median = old.get("median_step", {})
+    if median:
+        row("kernel launches a step", median["launches"], measured["launches_per_step"], "{:,.0f}")
+        row("synchronisations a step", median["syncs"] - 1, measured["syncs_per_step"], "{:.0f}")
+    categories = profile.get("categories_ms", {})
+    predicted = old.get("profiled_categories_ms", {})
+    if categories:
+        lines.append("  GPU time by category over the profiled steps 6 and 7 (ms; measured: each profiled kernel "
+                     "paired with its recorded operation)")
+        lines.append(f"  {'category':44s} {'predicted':>11s} {'measured':>11s} {'error':>8s}")
+        for name in sorted(set(categories) | set(predicted), key=lambda n: -categories.get(n, 0.0)):
+            value, guess = categories.get(name, 0.0), predicted.get(name, 0.0)
+            lines.append(f"  {name:44s} {guess:11.1f} {value:11.1f} {_error(guess, value):>8s}")
+        lines.append(f"  {'all':44s} {sum(predicted.values()):11.1f} {sum(categories.values()):11.1f} "
+                     f"{_error(sum(predicted.values()), sum(categories.values())):>8s}")
+    return lines
+
+
+def _fusion(results: dict, calibration: dict) -> list[str]:
+    fusion, measured = results["fusion"], calibration["measured"]
+    comparable = results["shape"] == measured["shape"] and results["card"] == measured["card"]
+    lines = ["Fusion efficiency (bench/lora_mfu.py's fusion side: 32 x 128 tokens a step over N adapters)"]
+    for count, value in fusion["fusion_efficiency"].items():
+        rate = fusion["fusion_tokens_per_s"][count]
+        known = measured["fusion_efficiency"].get(str(count)) if comparable else None
+        extra = f"; measured (70c0645) {known:.3f}" if known is not None else ""
+        lines.append(f"  {count:>3} adapters: {rate:,.0f} tokens/s, efficiency {value:.3f}{extra}")
+    return lines
+
+
+def parameters(card_name: str, calibration: dict) -> dict:
+    card, host = card_for(card_name, calibration), host_for(calibration)
+    out = {}
+    for item in fields(card):
+        if item.name in ("name", "sources"):
+            continue
+        out[f"card.{item.name}"] = {"value": getattr(card, item.name), "source": card.sources.get(item.name, "")}
+    for item in fields(host):
+        if item.name == "sources":
+            continue
+        out[f"host.{item.name}"] = {"value": getattr(host, item.name), "source": host.sources.get(item.name, "")}
+    return out
+
+
+UNITS = {"peak_bf16": (1e-12, "TFLOP/s"), "peak_fp32": (1e-12, "TFLOP/s"), "gemm_bf16": (1e-12, "TFLOP/s"),
+         "fp32_skinny": (1.0, "of HBM"), "attention": (1e-12, "TFLOP/s"), "hbm": (1e-12, "TB/s"),
+         "pcie": (1e-9, "GB/s"), "kernel_floor": (1e6, "us"), "launch_gap": (1e6, "us"), "serial_add": (1e6, "us"),
+         "copy_latency": (1e6, "us"), "vectorised": (1.0, "of HBM"), "generic": (1.0, "of HBM"),
+         "transposed": (1.0, "of HBM"), "python": (1e6, "us"), "call": (1e6, "us"), "view": (1e6, "us"),
+         "kernel": (1e6, "us"), "launch": (1e6, "us"), "node": (1e6, "us"), "scale": (1.0, ""), "sync": (1e6, "us")}
+
+
+def _parameters_lines(card_name: str, calibration: dict) -> list[str]:
+    lines = ["Parameters (datasheet; measured: an independent benchmark; profile: read off the 2026-11-28 profile's "
+             "kernels and host, class by class; assumed)"]
+    for key, item in parameters(card_name, calibration).items():
+        scale, unit = UNITS.get(key.split(".")[1], (1.0, ""))
+        value = item["value"]
+        text = f"{value * scale:.3g} {unit}" if isinstance(value, float) else f"{value} {unit}"
+        lines.append(f"  {key:24s} {text:>18s}  {item['source']}")
+    return lines

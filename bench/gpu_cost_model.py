@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""A model of the fused GPU step that runs on a CPU (issue 47, item 6): the checkout's real step code runs on
+a virtual CUDA device (meta tensors that call themselves cuda:0), every kernel-level operation is recorded
+with its FLOPs, bytes, launches and host synchronisations, each is timed from the card's ceilings, and a
+timeline of the host issuing them and the GPU running them predicts the step. Calibrated against the
+2026-11-28 H200 profile of main 70c0645 (bench/gpu_cost/calibration.json); docs/cost_model.md says how it
+works, its parameters and how well it does.
+
+    bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h200 --json F
+    bench/gpu_cost_model.py --set actors.engine.lora:GROUPING=segments     # rank a change before making it
+    bench/gpu_cost_model.py --fusion 1,2,4,8,16,32                          # fusion efficiency, equal tokens
+    bench/gpu_cost_model.py --base                                          # the frozen base alone
+    bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
+
+Writes predicted_step_s (the median of the timed steps), predicted_tokens_per_s (over them) and
+predicted_lora_mfu (bench/lora_mfu.py's count, against the 989.4 TFLOP/s datasheet peak) for the checkout,
+its steps run as bench/lora_mfu.py's aspen side runs them (2 warm-up steps, then --steps timed, in order,
+back to back),
+and calibration_error: the prediction of the profiled step by the code of 70c0645 against the measured
+0.682 s, signed ((predicted - measured) / measured). Each checkout runs in a process of its own."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+RESULT = "RESULT "
+FUSION_ADAPTERS = (1, 2, 4, 8, 16, 32)
+
+
+def _worker(spec: dict) -> int:
+    sys.path.insert(0, str(Path(spec["checkout"]).resolve()))
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    from gpu_cost.predict import run_worker
+
+    print(RESULT + json.dumps(run_worker(spec)), flush=True)
+    return 0
+
+
+def run_checkout(spec: dict, label: str) -> dict:
+    """One checkout's predictions, in a fresh process (two checkouts never share one)."""
+    started = time.perf_counter()
+    print(f"[{label}] recording {spec['mode']} steps of {spec['checkout']} on the virtual device...", file=sys.stderr,
+          flush=True)
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                         capture_output=True, text=True, check=False, cwd=str(BENCH))
+    if out.returncode != 0:
+        sys.stderr.write(out.stderr[-6000:])
+        raise SystemExit(f"[{label}] the worker for {spec['checkout']} failed (exit {out.returncode})")
+    line = next((line for line in reversed(out.stdout.splitlines()) if line.startswith(RESULT)), None)
+    if line is None:
+        sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
+        raise SystemExit(f"[{label}] the worker printed no result")
+    print(f"[{label}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(line[len(RESULT):])
+
+
+def calibration_checkout(commit: str, where: Path | None) -> Path:
+    """A checkout of `commit` (from this repository's history, by git archive), made once."""
+    target = where or Path(tempfile.gettempdir()) / f"aspen-gpu-cost-{commit}"
+    if (target / "actors" / "engine" / "trainer.py").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"git archive {commit} failed: {archive.stderr.decode()[-500:]} (give --calibration-checkout "
+                         "PATH, a checkout of that commit, or --no-calibration)")
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        return _worker(json.loads(sys.argv[2]))
+    sys.path.insert(0, str(BENCH))
+    from gpu_cost import report
+    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, load
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--jobs", type=int, default=4, help="fused jobs, 1..32")
+    parser.add_argument("--card", default="h200", choices=("h200", "h100"))
+    parser.add_argument("--steps", type=int, default=20,
+                        help="timed steps of the checkout's run, after 2 warm-up ones, as bench/lora_mfu.py times them")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--checkout", type=Path, default=REPO, help="the checkout to model (default: this one)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="module:ATTR=value",
+                        help="set a module attribute before the steps (repeatable), e.g. "
+                             "actors.engine.lora:GROUPING=segments")
+    parser.add_argument("--kernels", choices=("auto", "liger", "none"),
+                        help="the base's kernels setting where the checkout has one (from_module's kernels)")
+    parser.add_argument("--fusion", nargs="?", const=",".join(map(str, FUSION_ADAPTERS)),
+                        help="adapters to predict fusion efficiency for (alone: 1,2,4,8,16,32)")
+    parser.add_argument("--base", action="store_true", help="also the frozen base alone")
+    parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
+    parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")
+    parser.add_argument("--calibration-file", type=Path, default=PATH)
+    args = parser.parse_args(argv)
+    if not 1 <= args.jobs <= 32:
+        parser.error("--jobs must be 1..32")
+    calibration = load(args.calibration_file)
+    spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
+            "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
+            "calibration": str(args.calibration_file.resolve())}
+    results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card}
+    current = run_checkout(spec, "checkout")
+    results["current"] = current
+    for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):
+        results[key] = current[key]
+    if not args.no_calibration:
+        measured = calibration["measured"]
+        checkout = calibration_checkout(CALIBRATION_COMMIT, args.calibration_checkout)
+        old = run_checkout({**spec, "checkout": str(checkout), "shape": measured["shape"], "jobs": measured["jobs"],
+                            "card": measured["card"], "settings": [], "kernels": None, "profile_step": True},
+                           CALIBRATION_COMMIT)
+        results["calibration"] = old
+        results["calibration_error"] = (old["predicted_step_s"] - measured["step_s"]) / measured["step_s"]
+    if args.fusion:
+        adapters = [int(n) for n in args.fusion.split(",")]
+        results["fusion"] = run_checkout({**spec, "mode": "fusion", "adapters": adapters}, "fusion")
+    if args.base:
+        results["base"] = run_checkout({**spec, "mode": "base"}, "base")
+    print(report.render(results, calibration), flush=True)
+    results["parameters"] = report.parameters(args.card, calibration)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

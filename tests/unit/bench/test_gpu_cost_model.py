@@ -1,0 +1,161 @@
+"""bench/gpu_cost (the GPU step's cost model): what the recorder counts on the virtual CUDA device, against
+hand computations (a matmul's FLOPs and bytes, causal attention's FLOPs from the sequence lengths, an index's
+duplicates), which host interactions it takes for synchronisations (a host read and a blocking copy do, a
+pinned non-blocking copy does not), the timeline's arithmetic on hand-built operations, and the tiny shape's
+whole prediction end to end. No timing assertions: the model's figures are checked against the GPU in
+docs/cost_model.md, not here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+BENCH = REPO / "bench"
+# imported with bench/ on sys.path only for the import: bench's scripts must not shadow modules afterwards
+sys.path.insert(0, str(BENCH))
+try:
+    import gpu_cost_model
+    from gpu_cost.calibration import load
+    from gpu_cost.card import h200
+    from gpu_cost.operations import Op
+    from gpu_cost.predict import summarise
+    from gpu_cost.timeline import Host, simulate
+    from gpu_cost.workload import Session, benchmark_module, record_jobs
+finally:
+    sys.path.remove(str(BENCH))
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def session():
+    with Session("NVIDIA H200") as active:
+        yield active
+
+
+def _kernels(ops: list[Op], name: str) -> list[Op]:
+    return [op for op in ops if op.kind == "kernel" and op.name == name]
+
+
+def test_a_matmul_is_counted_exactly(session):
+    m, k, n = 96, 160, 48
+    a = torch.empty(m, k, device=CUDA, dtype=torch.bfloat16)
+    b = torch.empty(k, n, device=CUDA, dtype=torch.bfloat16)
+    assert a.is_cuda and a.device == CUDA   # the engine's CUDA branches are taken
+    out, ops = session.record(lambda: a @ b)
+    assert out.shape == (m, n)
+    (mm,) = _kernels(ops, "mm")
+    assert mm.flops == 2 * m * n * k
+    assert mm.read == (m * k + k * n) * 2          # bf16: 2 bytes an element
+    assert mm.written == m * n * 2
+    assert mm.gemm == (1, m, n, k)
+    assert mm.dtype == "bfloat16" and mm.launches == 1
+
+
+def test_a_linear_with_bias_reads_its_bias(session):
+    x = torch.empty(10, 32, device=CUDA)
+    weight, bias = torch.empty(24, 32, device=CUDA), torch.empty(24, device=CUDA)
+    _, ops = session.record(lambda: torch.nn.functional.linear(x, weight, bias))
+    (addmm,) = _kernels(ops, "addmm")
+    assert addmm.flops == 2 * 10 * 24 * 32
+    assert addmm.read == (10 * 32 + 24 * 32 + 24) * 4
+    assert addmm.written == 10 * 24 * 4
+
+
+def test_host_reads_and_blocking_copies_are_syncs_a_pinned_non_blocking_copy_is_not(session):
+    def run():
+        blocking = torch.arange(4).to(CUDA)                                     # pageable, blocking
+        quiet = torch.arange(6).pin_memory().to(CUDA, non_blocking=True)    # pinned, non-blocking
+        unpinned = torch.arange(5).to(CUDA, non_blocking=True)              # pageable: still waits
+        return blocking.tolist(), quiet, unpinned
+
+    (values, quiet, _), ops = session.record(run)
+    assert values == [0, 1, 2, 3]            # a host value copied over is known on the device
+    copies = [op for op in ops if op.kind == "h2d"]
+    assert [op.read for op in copies] == [4 * 8, 6 * 8, 5 * 8]
+    assert [op.sync for op in copies] == [True, False, True]
+    assert [op.name for op in ops if op.kind == "sync"] == ["tolist"]
+    assert sum(op.sync for op in ops) == 3
+    assert quiet.is_cuda
+
+
+def test_synchronize_and_item_are_syncs(session):
+    x = torch.ones(3, device=CUDA)
+    _, ops = session.record(lambda: (torch.cuda.synchronize(), float(x.sum())))
+    assert [op.name for op in ops if op.sync] == ["torch.cuda.synchronize", "__float__"]
+
+
+def test_causal_varlen_attention_flops_follow_the_sequence_lengths(session):
+    from torch.nn.attention.varlen import varlen_attn
+
+    lengths, heads, kv_heads, dim = [3, 5, 8], 4, 2, 16
+    tokens = sum(lengths)
+    bounds = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32).to(CUDA)
+    query = torch.empty(tokens, heads, dim, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    key = torch.empty(tokens, kv_heads, dim, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+
+    def run():
+        out = varlen_attn(query, key, key, bounds, bounds, max(lengths), max(lengths), window_size=(-1, 0),
+                          enable_gqa=True)
+        out.sum().backward()
+
+    _, ops = session.record(run)
+    forward = sum(2 * length * length * dim * heads for length in lengths)   # QK^T and PV, half each: causal
+    (fwd,) = _kernels(ops, "_varlen_attn")
+    (bwd,) = _kernels(ops, "_varlen_attn_backward")
+    assert fwd.flops == forward
+    assert bwd.flops == 2.5 * forward
+
+
+def test_an_accumulating_index_put_counts_its_duplicates(session):
+    source = torch.empty(6, 8, device=CUDA, requires_grad=True)
+    index = torch.from_numpy(np.array([1, 1, 1, 4, 1, 0])).to(CUDA)
+    _, ops = session.record(lambda: source[index].sum().backward())
+    (scatter,) = [op for op in ops if op.detail.get("accumulate")]
+    assert scatter.detail["max_duplicates"] == 4          # index 1, four times
+    assert scatter.detail["indices"] == 6
+
+
+def test_the_timeline_waits_at_a_sync_and_is_host_bound_when_the_host_is_slow():
+    card = h200().scaled(kernel_floor=0.0, launch_gap=0.0)
+    kernel = Op("add", "kernel", launches=1, read=card.hbm * card.vectorised * 1e-3, written=0.0,
+                detail={"layout": "vectorised"})                      # 1 ms of HBM traffic
+    free = Host(call=0.0, view=0.0, kernel=0.0, launch=0.0, node=0.0, sync=0.0)
+    (timing,) = simulate([[kernel, kernel, Op("tolist", "sync", sync=True)]], card, free)
+    assert timing.seconds == pytest.approx(2e-3)
+    assert timing.wait_seconds == pytest.approx(2e-3)
+    slow = Host(call=0.0, view=0.0, kernel=5e-3, launch=0.0, node=0.0, sync=0.0)   # 5 ms to issue each
+    (timing,) = simulate([[kernel, kernel, Op("tolist", "sync", sync=True)]], card, slow)
+    assert timing.seconds == pytest.approx(2 * 5e-3 + 1e-3)   # the GPU runs the last kernel after it is issued
+    assert timing.launches == 2 and timing.syncs == 1
+
+
+def test_the_tiny_shape_is_predicted_end_to_end(session, tmp_path):
+    bench = benchmark_module(REPO)
+    steps = 3
+    recorded = record_jobs(session, bench, "tiny", 2, steps=steps)
+    vocab = bench.SHAPES["tiny"]["vocab_size"]
+    every_token = sum(len(ids) for job in range(2) for batch in bench.job_batches(job, steps, vocab)
+                      for ids, _ in batch)
+    assert sum(recorded.tokens) == every_token     # each step takes one micro-batch of each job, all of them
+    assert all(any(op.kind == "kernel" for op in ops) for ops in recorded.steps)
+    summary = summarise(recorded, "h200", load(), timed=range(1, steps), throughput=range(1, steps),
+                        profiled=None)
+    assert summary["predicted_step_s"] > 0 and summary["predicted_tokens_per_s"] > 0
+    assert summary["unknown_values"] == []
+
+
+def test_the_command_writes_its_figures(tmp_path):
+    out = tmp_path / "model.json"
+    assert gpu_cost_model.main(["--shape", "tiny", "--jobs", "2", "--steps", "3", "--no-calibration",
+                                "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):
+        assert result[key] > 0
+    assert result["current"]["tokens"] and result["parameters"]["card.hbm"]["source"] == "datasheet"

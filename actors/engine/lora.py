@@ -95,6 +95,8 @@ class LoraAdapter(nn.Module):
             with torch.no_grad():
                 self.magnitude = nn.Parameter(self._weight_norm(base_weight))
         self.dropout_generator: torch.Generator | None = None
+        # (its job's `lora_cuda.MasterPool`, A's start, B's start): A and B as views of that pool's flat tensor
+        self.master_pool: tuple[lora_cuda.MasterPool, int, int] | None = None
 
     @staticmethod
     def initial_a(config: LoraConfig, in_features: int, generator: torch.Generator,
@@ -417,7 +419,6 @@ class FusedLoraLinear(nn.Module):
         self.adapters = JobAdapters()
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
-        self.casts = lora_cuda.CastCache()   # the CUDA path's compute-dtype copies of the adapters, one step's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = current_layout()
@@ -434,7 +435,7 @@ class FusedLoraLinear(nn.Module):
             # the base's dtype, in one autograd function; the other kinds add their updates below
             flat_out = lora_cuda.linear_with_adapters(self.base, _full_precision(self.base), flat_x,
                                                       [adapter for adapter, _ in plain],
-                                                      [bounds for _, bounds in plain], layout, self.casts)
+                                                      [bounds for _, bounds in plain], layout)
             rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
             out = flat_out.view(*x.shape[:-1], self.out_features)
             return out if not rest else out + self._segment_deltas(rest, flat_x, flat_out, out.dtype).view(out.shape)
@@ -631,8 +632,36 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         adapter.dropout_generator = dropout_generator
         fused.adapters[name] = adapter
         layers[module_name] = adapter
+    pool_masters(layers.values(), device)
     return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets),
                          projections)
+
+
+def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Tensor | None:
+    """Every plain adapter's A and B of one job made views of one flat tensor, every A first, then every B (their
+    values kept): the CUDA path casts a job's whole adapter to the compute dtype, B times the scaling, in two
+    operations a step (`lora_cuda.MasterPool`), not two per layer. Each adapter keeps `master_pool` = (the pool,
+    where its A starts, where its B starts)."""
+    adapters = [layer for layer in layers if isinstance(layer, LoraAdapter) and layer.plain]
+    if not adapters:
+        return None
+    dtype = adapters[0].lora_A.dtype
+    a_total = sum(a.lora_A.numel() for a in adapters)
+    flat = torch.empty(a_total + sum(a.lora_B.numel() for a in adapters), dtype=dtype, device=device)
+    pool = lora_cuda.MasterPool(flat, a_total, adapters[0].scaling)
+    positions = {"lora_A": 0, "lora_B": a_total}
+    starts: dict[int, dict[str, int]] = {}
+    for adapter in adapters:
+        for attribute in ("lora_A", "lora_B"):
+            parameter = getattr(adapter, attribute)
+            position = positions[attribute]
+            view = flat[position:position + parameter.numel()].view(parameter.shape)
+            view.copy_(parameter.detach())
+            setattr(adapter, attribute, nn.Parameter(view))
+            starts.setdefault(id(adapter), {})[attribute] = position
+            positions[attribute] = position + parameter.numel()
+        adapter.master_pool = (pool, starts[id(adapter)]["lora_A"], starts[id(adapter)]["lora_B"])
+    return flat
 
 
 def remove_adapter(model: nn.Module, name: str) -> None:
@@ -640,6 +669,7 @@ def remove_adapter(model: nn.Module, name: str) -> None:
     for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedLoraLinear) and name in module.adapters:
             del module.adapters[name]
+            lora_cuda.forget_masters(module.base)
             if len(module.adapters) == 0:
                 _unwrap(model, module_name)
 

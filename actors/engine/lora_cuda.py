@@ -26,7 +26,8 @@ and kept (one byte-sized mask per element would need a kernel of its own; the co
 too); under recomputation the generator states are replayed (actors/engine/recompute.py).
 
 Master weights stay float32 (`LoraAdapter.lora_A`, `lora_B`, their optimizer state too); their compute-dtype
-copies are made once per step layout and weight version (`CastCache`), and the gradients come back in float32.
+copies are made once a step, a job's whole adapter in one cast (its weights are views of one flat tensor:
+`lora.pool_masters`), kept with the step's layout (`step_tensors`); the gradients come back in float32.
 The CPU keeps the float32 path of actors/engine/lora.py (bit for bit fused == solo); this path runs on a CPU
 only when `COMPUTE = "base"` asks for it (its tests compare it there with the float32 path within a bound
 derived from bfloat16's rounding)."""
@@ -81,44 +82,75 @@ class _Segment:
         return self.end - self.start
 
 
-class CastCache:
-    """Compute-dtype copies of an adapter's A and scaling * B, made once per step: an entry holds the step's
-    layout it was made under (a new step has a new layout object) and the weights' versions (an optimizer step
-    or a load changes them in place), so a recomputed forward in the same step reuses it."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple, tuple[object, tuple[int, ...], tuple[torch.Tensor, ...]]] = {}
-        self.layout: object = None
-
-    def get(self, key: tuple, owner: object, versions: tuple[int, ...], make) -> tuple[torch.Tensor, ...]:
-        if owner is not self.layout:   # a new step: the last one's copies are dropped (memory stays one step's)
-            self.entries.clear()
-            self.layout = owner
-        entry = self.entries.get(key)
-        if entry is not None and entry[0] is owner and entry[1] == versions:
-            return entry[2]
-        tensors = make()
-        self.entries[key] = (owner, versions, tensors)
-        return tensors
+def step_tensors(layout: object) -> dict:
+    """What the path keeps for one step, shared by every layer: the layout's own `tensors` (a new step has a new
+    layout, so nothing outlives its step; a recomputed forward in the same step finds it)."""
+    return layout.tensors
 
 
-def _versions(adapters: Sequence[nn.Module]) -> tuple[int, ...]:
-    return tuple(v for a in adapters for v in (a.lora_A._version, a.lora_B._version))
+class MasterPool:
+    """One job's float32 masters (every A, then every B, of its plain adapters: `lora.pool_masters`) and their copy
+    in a compute dtype: kept from step to step and refreshed in place once a step (the As copied, the Bs times the
+    job's scaling: two operations for the whole adapter), each layer's copies views made once. Refreshed in place:
+    a backward still to come reads the values of its forward, since a job's weights change only at its optimizer
+    step, after the backward of every micro-batch of its accumulation (on one device and in a pipeline's stages
+    alike); between those, a refresh writes the same values again."""
+
+    def __init__(self, flat: torch.Tensor, b_region: int, scaling: float):
+        self.flat, self.b_region, self.scaling = flat, b_region, scaling
+        self.casts: dict[torch.dtype, torch.Tensor] = {}
+        self.views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.refreshed: dict[torch.dtype, tuple[object, int]] = {}   # dtype -> (the step's layout, flat's version)
+        self.generation = 0
+
+    def refresh(self, layout: object, dtype: torch.dtype) -> None:
+        """The copy in `dtype` as of now, once a step (and again where the masters changed in place since)."""
+        stamp = (layout, self.flat._version)
+        seen = self.refreshed.get(dtype)
+        if seen is not None and seen[0] is stamp[0] and seen[1] == stamp[1]:
+            return
+        cast = self.casts.get(dtype)
+        if cast is None:
+            cast = self.casts[dtype] = torch.empty(self.flat.shape, dtype=dtype, device=self.flat.device)
+        flat = self.flat.detach()
+        cast[:self.b_region].copy_(flat[:self.b_region])
+        torch.mul(flat[self.b_region:], self.scaling, out=cast[self.b_region:])
+        self.refreshed[dtype] = stamp
+        self.generation += 1
+
+    def weights(self, adapter: nn.Module, start_a: int, start_b: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(adapter), dtype)
+        if key not in self.views:
+            cast = self.casts[dtype]
+            self.views[key] = (cast[start_a:start_a + adapter.lora_A.numel()].view(adapter.lora_A.shape),
+                               cast[start_b:start_b + adapter.lora_B.numel()].view(adapter.lora_B.shape))
+        return self.views[key]
 
 
-def adapter_copies(cache: CastCache, layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per adapter (A (r, in), scaling * B (out, r)) in `dtype`."""
-    def make() -> tuple[torch.Tensor, ...]:
-        out: list[torch.Tensor] = []
-        for adapter in adapters:
-            out.append(adapter.lora_A.detach().to(dtype))
-            out.append((adapter.lora_B.detach() * adapter.scaling).to(dtype))
-        return tuple(out)
-
-    key = ("segments", dtype, tuple(id(a) for a in adapters))
-    flat = cache.get(key, layout, _versions(adapters), make)
-    return [(flat[2 * i], flat[2 * i + 1]) for i in range(len(adapters))]
+def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per adapter (A (r, in), scaling * B (out, r)) in `dtype`. A job's adapter pooled in one flat tensor
+    (`lora.pool_masters`, as every job's is) is cast whole, once a step (`MasterPool`): its layers' copies are
+    views of that cast; another adapter is cast by itself. A weight changed in place since (an optimizer step, a
+    load) is cast again."""
+    tensors = step_tensors(layout)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for adapter in adapters:
+        found = adapter.master_pool
+        if found is None:
+            lora_a, lora_b = adapter.lora_A, adapter.lora_B
+            key, version = ("lora-cast", id(adapter), dtype), (lora_a._version, lora_b._version)
+            entry = tensors.get(key)
+            if entry is None or entry[0] != version:
+                entry = tensors[key] = (version, (lora_a.detach().to(dtype),
+                                                  (lora_b.detach() * adapter.scaling).to(dtype)))
+            out.append(entry[1])
+            continue
+        pool, start_a, start_b = found
+        pool.refresh(layout, dtype)
+        out.append(pool.weights(adapter, start_a, start_b, dtype))
+    return out
 
 
 def padded_rank(adapters: Sequence[nn.Module]) -> int:
@@ -126,25 +158,47 @@ def padded_rank(adapters: Sequence[nn.Module]) -> int:
     return -(-longest // RANK_ALIGNMENT) * RANK_ALIGNMENT
 
 
-def stacked_copies(cache: CastCache, layout: object, adapters: Sequence[nn.Module | None], dtype: torch.dtype,
-                   in_features: int, out_features: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A stacked (groups, rank, in), scaling * B stacked (groups, out, rank)) in `dtype`, ranks padded with zero
-    rows to `padded_rank`; a group of None (tokens of no plain adapter) is all zeros."""
-    present = [a for a in adapters if a is not None]
-
-    def make() -> tuple[torch.Tensor, ...]:
+def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Module | None], dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A stacked (groups, rank, in), scaling * B stacked (groups, out, rank)) in `dtype` for `layer`'s groups; a
+    group of None (tokens of no plain adapter) is zeros. Adapters of one rank, a multiple of 8: one stack each of
+    their (pooled) copies; else zeros, ranks padded to `padded_rank`, filled adapter by adapter."""
+    tensors = step_tensors(layout)
+    present = [member for member in members if member is not None]
+    weights = dict(zip(map(id, present), compute_weights(layout, present, dtype), strict=True))
+    key = ("lora-stack", id(layer), dtype, tuple(id(member) for member in members), tuple(
+        member.master_pool[0].generation if member.master_pool else (member.lora_A._version, member.lora_B._version)
+        for member in present))
+    if key in tensors:
+        return tensors[key]
+    in_features, out_features = present[0].lora_A.shape[1], present[0].lora_B.shape[0]
+    ranks = {member.r for member in present}
+    device = present[0].lora_A.device
+    if len(ranks) == 1 and next(iter(ranks)) % RANK_ALIGNMENT == 0:
+        rank = next(iter(ranks))
+        zeros = _zeros(tensors, (rank, in_features), (out_features, rank), dtype, device)
+        a_stack = torch.stack([weights[id(m)][0] if m is not None else zeros[0] for m in members])
+        b_stack = torch.stack([weights[id(m)][1] if m is not None else zeros[1] for m in members])
+    else:
         rank = padded_rank(present)
-        a_stack = torch.zeros(len(adapters), rank, in_features, dtype=dtype, device=device)
-        b_stack = torch.zeros(len(adapters), out_features, rank, dtype=dtype, device=device)
-        for index, adapter in enumerate(adapters):
-            if adapter is not None:
-                a_stack[index, :adapter.r].copy_(adapter.lora_A.detach())
-                b_stack[index, :, :adapter.r].copy_(adapter.lora_B.detach() * adapter.scaling)
-        return a_stack, b_stack
-
-    key = ("grouped", dtype, tuple(id(a) for a in adapters))
-    a_stack, b_stack = cache.get(key, layout, _versions(present), make)
+        a_stack = torch.zeros(len(members), rank, in_features, dtype=dtype, device=device)
+        b_stack = torch.zeros(len(members), out_features, rank, dtype=dtype, device=device)
+        for index, member in enumerate(members):
+            if member is not None:
+                a_stack[index, :member.r].copy_(weights[id(member)][0])
+                b_stack[index, :, :member.r].copy_(weights[id(member)][1])
+    tensors[key] = (a_stack, b_stack)
     return a_stack, b_stack
+
+
+def _zeros(tensors: dict, shape_a: tuple[int, int], shape_b: tuple[int, int], dtype: torch.dtype,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gap group's zero weights of these shapes, one pair a step."""
+    key = ("lora-zeros", shape_a, shape_b, dtype, str(device))
+    if key not in tensors:
+        tensors[key] = (torch.zeros(shape_a, dtype=dtype, device=device), torch.zeros(shape_b, dtype=dtype,
+                                                                                      device=device))
+    return tensors[key]
 
 
 # -- the autograd function ----------------------------------------------------------------------------------
@@ -238,7 +292,7 @@ class _Plan:
             return self._grouped_backward(grad_out, x, grad_x, saved[0])
         grads: list[torch.Tensor] = []
         position = 0
-        for adapter, (lora_a, lora_b), segment in zip(self.adapters, self.copies, self.segments, strict=True):
+        for (lora_a, lora_b), segment in zip(self.copies, self.segments, strict=True):
             hidden = saved[position]
             position += 1
             mask = None
@@ -252,13 +306,12 @@ class _Plan:
             inverse_keep = 1.0 / segment.keep
             grad_hidden = rows_grad @ lora_b                                                   # (n, r), scaled
             grad_a = (grad_hidden.t() @ rows).float()
-            grad_b = (rows_grad.t() @ hidden).float()
             if inverse_keep != 1.0:
                 grad_a.mul_(inverse_keep)
-            grad_b.mul_(adapter.scaling * inverse_keep)
+            grad_b = (rows_grad.t() @ hidden).float().mul_(segment.scaling * inverse_keep)
             if grad_x is not None:
                 if mask is None:
-                    grad_x[segment.start:segment.end].addmm_(grad_hidden, lora_a)
+                    grad_x[segment.start:segment.end].addmm_(grad_hidden, lora_a, alpha=inverse_keep)
                 else:
                     grad_x[segment.start:segment.end].add_((grad_hidden @ lora_a) * mask, alpha=inverse_keep)
             grads.extend((grad_a, grad_b))
@@ -275,10 +328,14 @@ class _Plan:
         grad_a = torch._grouped_mm(grad_hidden.t(), x, offs=self.offsets).float()             # (groups, rank, in)
         # (groups, out, rank), times each group's scaling into float32 in one kernel
         grad_b = torch.mul(torch._grouped_mm(grad_out.t(), hidden, offs=self.offsets), self.scalings)
+        rows_a, rows_b = grad_a.unbind(0), grad_b.unbind(0)   # every group's gradient in two calls, not 2 per job
         grads: list[torch.Tensor] = []
+        rank = grad_a.shape[1]
         for adapter, group in zip(self.adapters, self.groups, strict=True):
-            grads.append(grad_a[group, :adapter.r])
-            grads.append(grad_b[group, :, :adapter.r])
+            if adapter.r == rank:
+                grads.extend((rows_a[group], rows_b[group]))
+            else:   # a rank padded to the kernel's alignment: its own rows and columns
+                grads.extend((rows_a[group][:adapter.r], rows_b[group][:, :adapter.r]))
         return grads
 
 
@@ -358,31 +415,25 @@ def grouped_pays(segments: list[_Segment], x: torch.Tensor, base: nn.Module) -> 
 
 
 def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor, adapters: list[nn.Module],
-                         bounds: list[tuple[int, int]], layout: object, cache: CastCache) -> torch.Tensor:
+                         bounds: list[tuple[int, int]], layout: object) -> torch.Tensor:
     """The base layer's output on `x` (tokens, in) with each adapter's update added on its own rows `bounds`.
     `full_precision`: the base is a plain float linear layer whose product this function computes itself; else
     (a quantized layer) the base runs as it is and the updates are added to its output in place. The adapters
     with dropout take the per-segment kernel, the others grouped_mm where it pays (`grouped_pays`): which kernel
     a job takes never depends on the other jobs' settings (so its rounding does not either)."""
     dtype = x.dtype
-    segments = [_Segment(start, end, adapter.scaling, 1.0 - adapter.dropout if adapter.drops else 1.0)
-                for adapter, (start, end) in zip(adapters, bounds, strict=True)]
-    plain = [index for index, segment in enumerate(segments) if segment.keep == 1.0]
-    if plain and grouped_pays([segments[index] for index in plain], x, base):
-        dropping = [index for index in range(len(adapters)) if index not in plain]
-        groups = [(plain, "grouped_mm")] + ([(dropping, "segments")] if dropping else [])
-    else:
-        groups = [(list(range(len(adapters))), "segments")]
+    structure = _structure(layout, adapters, bounds, x, base)
     plans: list[_Plan] = []
-    masters: list[torch.Tensor] = []
-    for indices, kernel in groups:
+    for indices, kernel, segments, grouping in structure:
         chosen = [adapters[index] for index in indices]
-        chosen_segments = [segments[index] for index in indices]
         if kernel == "grouped_mm":
-            plans.append(_grouped_plan(chosen, chosen_segments, x, base, layout, cache))
+            member_of, groups, offsets, scalings = grouping
+            members = [None if index is None else chosen[index] for index in member_of]
+            copies = stacked_weights(layout, base, members, dtype)
+            plans.append(_Plan(chosen, segments, copies, "grouped_mm", groups, offsets, scalings))
         else:
-            plans.append(_Plan(chosen, chosen_segments, adapter_copies(cache, layout, chosen, dtype), "segments"))
-        masters.extend(t for adapter in chosen for t in (adapter.lora_A, adapter.lora_B))
+            plans.append(_Plan(chosen, segments, compute_weights(layout, chosen, dtype), "segments"))
+    masters = _masters(base, [adapters[index] for indices, *_ in structure for index in indices])   # plans' order
     if full_precision:
         return _LinearWithAdapters.apply(x, base.weight, base.bias, None, tuple(plans), *masters)
     base_out = base(x)
@@ -391,43 +442,96 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     return _LinearWithAdapters.apply(x, None, None, base_out, tuple(plans), *masters)
 
 
-def _grouped_plan(adapters: list[nn.Module], segments: list[_Segment], x: torch.Tensor, base: nn.Module,
-                  layout: object, cache: CastCache) -> _Plan:
-    """Groups over the whole stream in order: each adapter's segment, and zero-weight groups for the rows between."""
+MASTERS_ATTRIBUTE = "_aspen_lora_masters"
+
+
+def _masters(base: nn.Module, adapters: list[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """The adapters' float32 A and B in order, kept on the base layer while its adapters stay the same ones
+    (looked up through each module's attributes a layer and step at a time, they were a fair share of a step's
+    host time); `forget_masters` drops them when an adapter leaves."""
+    ids = tuple(map(id, adapters))
+    entry = getattr(base, MASTERS_ATTRIBUTE, None)
+    if entry is None or entry[0] != ids:
+        entry = (ids, tuple(t for adapter in adapters for t in (adapter.lora_A, adapter.lora_B)))
+        object.__setattr__(base, MASTERS_ATTRIBUTE, entry)
+    return entry[1]
+
+
+def forget_masters(base: nn.Module) -> None:
+    base.__dict__.pop(MASTERS_ATTRIBUTE, None)
+
+
+def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int, int]], x: torch.Tensor,
+               base: nn.Module) -> list[tuple[list[int], str, list[_Segment], tuple | None]]:
+    """Which adapters take which kernel, their segments, and grouped_mm's groups: (indices, kernel, segments,
+    (member of each group, each adapter's group, offsets, scalings) or None). The same for every layer that the
+    same jobs adapt (their scalings, dropout and bounds are the job's), so made once a step for each such set."""
+    tensors = step_tensors(layout)
+    aligned = grouped_fits(x, base)
+    key = ("lora-structure", tuple(bounds), tuple(map(_job_of, adapters)), x.dtype, aligned, x.shape[0])
+    if key in tensors:
+        return tensors[key]
+    segments = [_Segment(start, end, adapter.scaling, 1.0 - adapter.dropout if adapter.drops else 1.0)
+                for adapter, (start, end) in zip(adapters, bounds, strict=True)]
+    plain = [index for index, segment in enumerate(segments) if segment.keep == 1.0]
+    if plain and aligned and grouped_pays([segments[index] for index in plain], x, base):
+        dropping = [index for index in range(len(adapters)) if index not in plain]
+        split = [(plain, "grouped_mm")] + ([(dropping, "segments")] if dropping else [])
+    else:
+        split = [(list(range(len(adapters))), "segments")]
+    structure = []
+    for indices, kernel in split:
+        chosen = [segments[index] for index in indices]
+        grouping = _grouping(layout, [adapters[index] for index in indices], chosen, x) if kernel == "grouped_mm" \
+            else None
+        structure.append((indices, kernel, chosen, grouping))
+    tensors[key] = structure
+    return structure
+
+
+def _job_of(adapter: nn.Module) -> tuple:
+    """What of an adapter the step's structure depends on: its scaling, its dropout while training, its rank."""
+    return adapter.scaling, adapter.dropout if adapter.drops else 0.0, adapter.r
+
+
+def _grouping(layout: object, adapters: list[nn.Module], segments: list[_Segment], x: torch.Tensor) -> tuple:
+    """Groups over the whole stream in order: each adapter's segment, and zero-weight groups for the rows between:
+    (the adapter index of each group or None, each adapter's group, the groups' ends and scalings on the device)."""
     order = sorted(range(len(adapters)), key=lambda index: segments[index].start)
-    members: list[nn.Module | None] = []
+    member_of: list[int | None] = []
     ends: list[int] = []
     groups = [0] * len(adapters)
     position = 0
     for index in order:
         segment = segments[index]
         if segment.start > position:
-            members.append(None)
+            member_of.append(None)
             ends.append(segment.start)
-        groups[index] = len(members)
-        members.append(adapters[index])
+        groups[index] = len(member_of)
+        member_of.append(index)
         ends.append(segment.end)
         position = segment.end
     if position < x.shape[0]:
-        members.append(None)
+        member_of.append(None)
         ends.append(x.shape[0])
-    scalings = tuple(0.0 if member is None else float(member.scaling) for member in members)
-    offsets, scaling_tensor = _group_tensors(cache, layout, tuple(ends), scalings, x.device)
-    copies = stacked_copies(cache, layout, members, x.dtype, base.in_features, base.out_features, x.device)
-    return _Plan(adapters, segments, copies, "grouped_mm", groups, offsets, scaling_tensor)
+    scalings = tuple(0.0 if index is None else float(segments[index].scaling) for index in member_of)
+    offsets, scaling_tensor = _group_tensors(layout, tuple(ends), scalings, x.device)
+    return member_of, groups, offsets, scaling_tensor
 
 
-def _group_tensors(cache: CastCache, layout: object, ends: tuple[int, ...], scalings: tuple[float, ...],
+def _group_tensors(layout: object, ends: tuple[int, ...], scalings: tuple[float, ...],
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The groups' int32 ends and (groups, 1, 1) float32 scalings on the device, made once per step: from pinned
-    host memory, copied without waiting (the pinned tensors stay referenced by the cache until the next step)."""
-    def make() -> tuple[torch.Tensor, ...]:
+    """The groups' int32 ends and (groups, 1, 1) float32 scalings on the device, made once a step for every layer
+    grouped alike: from pinned host memory, copied without waiting (the pinned tensors stay referenced until the
+    step ends)."""
+    tensors = step_tensors(layout)
+    key = ("lora-groups", ends, scalings, str(device))
+    if key not in tensors:
         host_ends = torch.tensor(ends, dtype=torch.int32)
         host_scalings = torch.tensor(scalings, dtype=torch.float32).view(-1, 1, 1)
         if device.type == "cuda":
             host_ends, host_scalings = host_ends.pin_memory(), host_scalings.pin_memory()
-        return (host_ends, host_scalings, host_ends.to(device, non_blocking=True),
-                host_scalings.to(device, non_blocking=True))
-
-    tensors = cache.get(("groups", ends, scalings, str(device)), layout, (), make)
-    return tensors[2], tensors[3]
+        tensors[key] = (host_ends, host_scalings, host_ends.to(device, non_blocking=True),
+                        host_scalings.to(device, non_blocking=True))
+    entry = tensors[key]
+    return entry[2], entry[3]

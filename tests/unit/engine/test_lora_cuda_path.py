@@ -64,14 +64,14 @@ def test_the_bounds_catch_a_wrong_update(monkeypatch):
     layer = fused_layer()
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     adapter = layer.adapters["job1"]
-    original = lora_cuda.adapter_copies
+    original = lora_cuda.compute_weights
 
-    def doubled(cache, layout, adapters, dtype):
-        copies = original(cache, layout, adapters, dtype)
-        return [(a, b * adapter.scaling) if ad is adapter else (a, b) for ad, (a, b) in zip(adapters, copies,
-                                                                                              strict=True)]
+    def doubled(layout, adapters, dtype):
+        weights = original(layout, adapters, dtype)
+        return [(a, b * adapter.scaling) if ad is adapter else (a, b)
+                for ad, (a, b) in zip(adapters, weights, strict=True)]
 
-    monkeypatch.setattr(lora_cuda, "adapter_copies", doubled)
+    monkeypatch.setattr(lora_cuda, "compute_weights", doubled)
     monkeypatch.setattr(lora_cuda, "KERNEL", "segments")
     out, _ = run_layer(layer, x, upstream, layout_of())
     expected, out_bound, *_ = exact(layer, x, upstream)
@@ -185,36 +185,51 @@ def test_dropout_masks_come_from_each_jobs_generator_and_backward_uses_them():
     assert_within(grad_x[0, :11], expected_grad_x, bound_x, "input gradient with dropout")
 
 
-def test_compute_copies_are_made_once_a_step_and_again_after_an_update(monkeypatch):
-    monkeypatch.setattr(lora_cuda, "KERNEL", "segments")
-    layer = fused_layer()
-    casts = []
-    original = lora_cuda.CastCache.get
+def test_each_jobs_adapter_is_cast_whole_once_a_step_and_again_after_an_update(monkeypatch):
+    """Every job's A and B are views of one flat float32 tensor (`lora.pool_masters`): the path casts it once a
+    step for all of the job's layers (its As copied, its Bs times the scaling, in two operations; a recomputed
+    forward of the same step casts nothing), again after its weights changed in place, and again in a new step;
+    each layer's copies are views of that cast."""
+    from actors.engine.lora import add_adapter
+    from actors.engine.models import from_module
+    from tests.helpers.models import tiny_model
 
-    def counting(self, key, owner, versions, make):
-        return original(self, key, owner, versions, lambda: casts.append(key) or make())
+    base = from_module(tiny_model("llama", 300).to(torch.bfloat16), None)
+    handles = [add_adapter(base.model, f"job{index}", LoraConfig(r=8, alpha=16, target_modules="all-linear"),
+                           seed=index) for index in range(2)]
+    pools = {next(iter(h.layers.values())).master_pool[0].flat.data_ptr(): h.name for h in handles}
+    assert all(layer.master_pool[0] is next(iter(h.layers.values())).master_pool[0]
+               for h in handles for layer in h.layers.values())
+    casts: list[str] = []
+    original = torch.Tensor.copy_
 
-    monkeypatch.setattr(lora_cuda.CastCache, "get", counting)
-    x = bf16_values(1, 57, IN)
-    layout = layout_of()
-    with step_layout(layout):
-        layer(x)
-        layer(x)                     # a recomputed forward of the same step: no new copies
-    assert len(casts) == 1
+    def counting(self, source, *args, **kwargs):
+        if source.data_ptr() in pools and source.dim() == 1:   # a whole pool's As (a layer's own view is 2-d)
+            casts.append(pools[source.data_ptr()])
+        return original(self, source, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting)
+    ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(0))
+    layout = layout_of(((0, 12), (12, 30)), ["job0", "job1"])
+
+    def forward():
+        with step_layout(layout):
+            return base.decoder(input_ids=ids, position_ids=torch.arange(30)[None], use_cache=False).last_hidden_state
+
+    forward()
+    forward()                        # a recomputed forward of the same step: no new cast
+    assert sorted(casts) == ["job0", "job1"]
+    first = handles[1].layers["model.layers.0.self_attn.q_proj"]
     with torch.no_grad():
-        layer.adapters["job1"].lora_A.add_(1.0)   # an optimizer step changes the weights in place
-    with step_layout(layout):
-        out = layer(x)
-    assert len(casts) == 2
-    a, b = layer.adapters["job1"].lora_A, layer.adapters["job1"].lora_B
-    expected = x[0, 11:40].double() @ layer.base.weight.double().t() + (
-        layer.adapters["job1"].scaling * (x[0, 11:40].double() @ a.double().t()) @ b.double().t())
-    magnitude = x[0, 11:40].double().abs() @ layer.base.weight.double().abs().t() + (
-        layer.adapters["job1"].scaling * (x[0, 11:40].double().abs() @ a.double().abs().t()) @ b.double().abs().t())
-    assert_within(out[0, 11:40], expected, (4 * U + 2 * IN * F32) * magnitude, "output after the update")
-    with step_layout(layout_of()):   # a new step
-        layer(x)
-    assert len(casts) == 3
+        first.lora_B.add_(1.0)       # its job's weights changed in place (as a load does)
+    forward()
+    assert sorted(casts) == ["job0", "job1", "job1"]
+    layout = layout_of(((0, 12), (12, 30)), ["job0", "job1"])   # a new step
+    forward()
+    assert sorted(casts) == ["job0", "job0", "job1", "job1", "job1"]
+    [(lora_a, lora_b)] = lora_cuda.compute_weights(layout, [first], torch.bfloat16)
+    assert torch.equal(lora_a, first.lora_A.detach().to(torch.bfloat16))
+    assert torch.equal(lora_b, (first.lora_B.detach() * first.scaling).to(torch.bfloat16))
 
 
 def test_the_float32_path_stays_on_a_cpu_by_default(monkeypatch):

@@ -109,6 +109,8 @@ class JobOptimizer:
         self.step_count = 0
         self.micro_count = 0
         self.loss_scale = LossScale() if loss_scaling else None
+        # per parameter group, the tensors `step_jobs` hands AdamW (`_group_lists`); emptied when the state is loaded
+        self.group_lists: dict[int, tuple] = {}
         self.set_lr()
 
     @property
@@ -180,6 +182,7 @@ class JobOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self.group_lists.clear()   # the moments are new tensors now
         self.step_count = state["step_count"]
         self.micro_count = state["micro_count"]
         if self.loss_scale is not None and state.get("loss_scale"):
@@ -284,20 +287,41 @@ def apply_step(optimizers: list[JobOptimizer], norms: list[float]) -> list[tuple
     return _adamw_steps(optimizers, norms)
 
 
+def _group_lists(optimizer: JobOptimizer, group: dict, lists: tuple[list[torch.Tensor], ...]) -> None:
+    """Append a parameter group's (params, grads, moments, steps) to `lists`, as torch's `_init_group` gathers
+    them (and lazily makes the state, the first time): once the state exists, the same tensors are kept with the
+    group while the same parameters have gradients, and only the gradients are read again (gathered parameter by
+    parameter in Python, a job of hundreds of adapter tensors cost a millisecond a step)."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+    kept = optimizer.group_lists.get(id(group))
+    present = tuple(id(p) for p in group["params"] if p.grad is not None)
+    if kept is None or kept[0] != present:
+        own: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+        optimizer.optimizer._init_group(group, *own)   # torch's own lazy state initialisation
+        kept = (present, own[0], own[2], own[3], own[5])
+        optimizer.group_lists[id(group)] = kept
+    _, own_params, own_avgs, own_avg_sqs, own_steps = kept
+    params.extend(own_params)
+    grads.extend(p.grad for p in own_params)
+    exp_avgs.extend(own_avgs)
+    exp_avg_sqs.extend(own_avg_sqs)
+    steps.extend(own_steps)
+
+
 def _adamw_steps(optimizers: list[JobOptimizer], norms: list) -> list[tuple[float, float | torch.Tensor]]:
     """One fused AdamW per set of equal hyperparameters over the jobs' (divided, clipped) gradients, then zero
     them and advance the schedules. Returns (lr used, norm) per job."""
-    by_hyperparameters: dict[tuple, list[tuple[torch.optim.Optimizer, dict]]] = {}
+    by_hyperparameters: dict[tuple, list[tuple[JobOptimizer, dict]]] = {}
     lrs = [optimizer.lr for optimizer in optimizers]
     for optimizer in optimizers:
         for group in optimizer.optimizer.param_groups:   # LoRA+: two groups, at two learning rates
             key = (group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"],
                    group["decoupled_weight_decay"])
-            by_hyperparameters.setdefault(key, []).append((optimizer.optimizer, group))
+            by_hyperparameters.setdefault(key, []).append((optimizer, group))
     for (lr, (beta1, beta2), eps, weight_decay, decoupled), members in by_hyperparameters.items():
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
-        for adamw, group in members:
-            adamw._init_group(group, *lists)   # torch's own lazy state initialisation
+        for optimizer, group in members:
+            _group_lists(optimizer, group, lists)
         params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = lists
         if params:
             functional_adam(params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,

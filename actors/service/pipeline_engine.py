@@ -194,6 +194,7 @@ class PipelineJob:
         optimizer.optimizer.state.clear()
         for key, moments in state["moments"].items():
             optimizer.optimizer.state[named[key]] = {k: v.clone() for k, v in moments.items()}
+        optimizer.group_lists.clear()   # the moments are new tensors now
         optimizer.step_count, optimizer.micro_count = state["step_count"], state["micro_count"]
         optimizer.set_lr()
         if adapter.dropout_generator is not None and state.get("dropout_generator") is not None:

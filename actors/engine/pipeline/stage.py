@@ -137,6 +137,7 @@ class StageJob:
                 self.optimizer.optimizer.state[parameter] = {
                     key: value.to(parameter.device) if key != "step" else value.clone()
                     for key, value in state["moments"][name].items()}
+        self.optimizer.group_lists.clear()   # the moments are new tensors now
         self.optimizer.step_count = state["step_count"]
         self.optimizer.micro_count = state["micro_count"]
         self.optimizer.set_lr()

@@ -195,10 +195,15 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
 
     def require_token(request: Request,
                       credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
-        if credentials is None:
-            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <token>`; " + (
-                "`aspen user add NAME` on the service's machine issues one" if gate.has_users else
-                "`aspen http-token` on the service's machine prints the token"), headers={"WWW-Authenticate": "Bearer"})
+        if credentials is None:   # a 401 whether or not the service answers: which hint, only if it does
+            try:
+                hint = ("`aspen user add NAME` on the service's machine issues one" if gate.has_users else
+                        "`aspen http-token` on the service's machine prints the token")
+            except HTTPException:
+                hint = ("`aspen user add NAME` (a users file) or `aspen http-token` (the single token) on the "
+                        "service's machine gives one")
+            raise HTTPException(401, "this endpoint needs `Authorization: Bearer <token>`; " + hint,
+                                headers={"WWW-Authenticate": "Bearer"})
         try:
             caller = gate.caller(credentials.credentials)
         except UsersFileError as error:

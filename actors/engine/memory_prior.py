@@ -33,6 +33,7 @@ from actors.engine.spec import JobSpec, LoraConfig
 
 ADAPTER_WIDTH = 4   # adapters train in float32
 PROBE_RANK = 1
+PROBE_ROWS = (2, 3)   # sequences in the probe's two steps
 # glibc's dynamic mmap threshold rises up to this (64-bit): blocks above it are always mapped, and given back
 # when freed; blocks up to it end up in the heap, whose freed pages stay resident
 HEAP_BLOCK_CEILING = 32 << 20
@@ -175,7 +176,7 @@ def _line(tokens: list[int], values: list[float]) -> tuple[float, float]:
 
 def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute: str = "none",
                           loss_chunk: int = DEFAULT_CHUNK, sequence: int = 128) -> BaseActivation:
-    """Probe steps of one and two sequences of `sequence` tokens (one target each: the loss negligible)
+    """Probe steps of two and three sequences of `sequence` tokens (one target each: the loss negligible)
     through a rank-1 adapter on every linear layer; each step's peak, and what is live at the end of its
     forward pass, counted by the allocator (`memory.measure_allocations`); the probe adapter's analytic
     bytes taken out; a straight line through the two points of each. On CPU each probe step also runs once
@@ -203,7 +204,8 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (length,), generator=generator).tolist()
     example = Example(tuple(ids), tuple([-100] * (length - 1) + ids[-1:]))
-    trainer = FusedTrainer(base, step_tokens=2 * length, layout=layout, loss_chunk=loss_chunk, recompute=recompute)
+    trainer = FusedTrainer(base, step_tokens=max(PROBE_ROWS) * length, layout=layout, loss_chunk=loss_chunk,
+                           recompute=recompute)
     job = TrainingJob.create(spec, base, [example] * 4, [], seed=0)
     trainer.add_job(job)
 
@@ -214,6 +216,7 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
                                 attention_mask=None, use_cache=False).last_hidden_state
 
     tokens, peaks, ends = [], [], []
+    full_rows = [Example(tuple(ids), tuple(ids))] * PROBE_ROWS[0]   # every token a target
     residents, growths = [], []
     measure_rss = base.device.type == "cpu" and resident_measurable()
     layers = len(decoder_layers(base.decoder))
@@ -230,7 +233,10 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         return adapter / layers if recompute == "layers" else adapter * (layers - 0.5) / layers
 
     try:
-        for rows in (1, 2):
+        # two and three sequences: a step of one sequence skips the joining of the segments' attention outputs
+        # (measured: its marginal bytes a token are 5% below every later sequence's), so a line through one and
+        # two would be steeper than steps of several sequences are
+        for rows in PROBE_ROWS:
             batch = [example] * rows
             trainer.run_step([(job, batch)])   # a first step: the optimizer state exists from here on
             if measure_rss:   # the same step unprofiled, from a heap with no free page resident: what it touches
@@ -240,14 +246,15 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
             _, growth, _ = measure_allocations(lambda batch=batch: trainer.run_step([(job, batch)]), base.device)
             growths.append(growth)
             hidden, _, live = measure_allocations(lambda rows=rows: forward(rows), base.device)
-            raw = (growth, live)
+            if rows == len(full_rows):
+                raw = (growth, live)   # beside the full-target step of the same tokens below
             del hidden
             adapter = probe_adapter(rows)
             tokens.append(rows * length)
             peaks.append(growth - adapter_share(rows))
             ends.append(live - (0 if recompute == "layers" else adapter))
         # the same step with every token a target: how much of the loss's bytes lie above the backward peak
-        full = [Example(tuple(ids), tuple(ids))] * 2
+        full = full_rows
         trainer.run_step([(job, full)])
         if measure_rss:
             release_free_heap()

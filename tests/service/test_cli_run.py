@@ -98,15 +98,17 @@ def test_aspen_run_on_a_tiny_model(tmp_path, tiny_model_dirs, mode):
 
 
 @pytest.mark.parametrize("mode", [[], ["--in-process"]], ids=["service", "in-process"])
-def test_malformed_row_fails_with_file_line_and_field(tmp_path, tiny_model_dirs, mode):
+def test_malformed_row_stops_the_run_before_it_starts_with_file_line_and_field(tmp_path, tiny_model_dirs, mode):
     write_data(tmp_path / "data")
     with (tmp_path / "data" / "add.jsonl").open("a") as f:
         f.write(json.dumps({"question": "1+1", "answr": "2"}) + "\n")
     (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=1))
     result = aspen("run", *mode, "jobs.yaml", cwd=tmp_path)
-    assert result.returncode == 1
+    # the rows are read before anything starts: a spec error (exit 2) naming file, line and field, no job trained
+    assert result.returncode == 2, result.stderr
     assert "add.jsonl:25: field 'answer' is missing" in result.stderr
-    assert "job add failed" in result.stderr
+    assert "job 'add'" in result.stderr and "nothing was started" in result.stderr
+    assert not any((tmp_path / "out").glob("*/adapter_model.safetensors")), "a job trained though a row was bad"
 
 
 @pytest.mark.slow

@@ -50,10 +50,13 @@ DATA_DIR = REPO.parent / "shared" / "data"
 GSM8K, CODE_ALPACA = "gsm8k_train.jsonl", "code_alpaca_2k.json"
 GSM8K_FORMAT = {"type": "prompt_response", "prompt": "Question: {question}\nAnswer:", "response": " {answer}"}
 LORA = {"r": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+LORAS = [LORA, {**LORA, "r": 16, "alpha": 32.0}]   # the jobs' adapters, alternately: r 8 and r 16 on q/k/v/o
 LR = 3e-4
 MAX_GRAD_NORM = 1.0
 MAX_SEQ_LEN = 512   # the jobs' default
 GOAL = 1.3
+MEMORY_GOAL = 0.25        # aspen's peak resident set / the four PEFT processes' together
+PREDICTION_GOAL = 0.10    # the trainer's predicted resident peak off the kernel's count (VmHWM)
 RESULT = "RESULT "   # a side's last stdout line: this prefix, then its JSON
 
 
@@ -99,11 +102,12 @@ def run_spec_dict(jobs: list[tuple[str, Path, dict]], args: argparse.Namespace, 
     constant learning rate, no evaluations and no checkpoint before the end (the PEFT loop makes none)."""
     return {"base_model": args.base_model, "dtype": args.dtype, "device": args.device,
             "output_dir": str(output_dir), "seed": 0,
-            "jobs": [{"name": name, "data": str(path), "format": fmt, "lora": LORA, "batch_size": args.batch,
-                      "max_steps": args.steps + 1, "lr": LR, "lr_schedule": "constant", "warmup_steps": 0,
+            "jobs": [{"name": name, "data": str(path), "format": fmt, "lora": LORAS[index % 2],
+                      "batch_size": args.batch, "max_steps": args.steps + 1, "lr": LR, "lr_schedule": "constant",
+                      "warmup_steps": 0,
                       "max_grad_norm": MAX_GRAD_NORM, "max_seq_len": MAX_SEQ_LEN, "checkpoint_every": args.steps + 1,
                       "checkpoint_every_s": None}
-                     for name, path, fmt in jobs]}
+                     for index, (name, path, fmt) in enumerate(jobs)]}
 
 
 def peft_plan(spec_dict: dict, args: argparse.Namespace) -> dict:
@@ -125,10 +129,11 @@ def peft_plan(spec_dict: dict, args: argparse.Namespace) -> dict:
         data = JobData(submission.job.name, submission, tokenizer)
         data.prepare()
         batches = [data.cursor.next_batch() for _ in range(submission.job.max_steps)]
-        jobs.append({"name": submission.job.name, "batches": [[[list(e.input_ids), list(e.labels)] for e in batch]
+        jobs.append({"name": submission.job.name, "lora": submission.job.lora.model_dump(include=set(LORA)),
+                     "batches": [[[list(e.input_ids), list(e.labels)] for e in batch]
                                                               for batch in batches]})
     return {"model_path": source.path, "gguf_file": source.gguf_file, "local_files_only": source.local_files_only,
-            "dtype": dtype, "device": str(device), "pad_token_id": pad, "lora": LORA, "lr": LR,
+            "dtype": dtype, "device": str(device), "pad_token_id": pad, "lr": LR,
             "max_grad_norm": MAX_GRAD_NORM, "threads": args.threads, "jobs": jobs}
 
 
@@ -148,13 +153,15 @@ def aspen_side(plan: dict) -> dict:
     torch.set_num_threads(plan["threads"])
     spec = RunSpec.model_validate(plan["spec"])
     base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device, quantization=spec.quantization)
+    loading_peak = kernel_peak_resident()   # the trainer's memory probe resets VmHWM: loading's peak kept here
     steps = []
 
     def on_step(report) -> None:
         if base.device.type == "cuda":
             torch.cuda.synchronize(base.device)
         steps.append({"end": time.perf_counter(), "seconds": report.seconds, "padding": report.padding_tokens,
-                      "jobs": {r.job: [r.tokens, r.loss] for r in report.results}})
+                      "jobs": {r.job: [r.tokens, r.loss] for r in report.results},
+                      "reported_peak": report.resident_peak_bytes})
 
     summaries = train_locally(spec, base=base, progress=False, on_step=on_step)
     unfinished = [f"{s.name}: {s.state} ({s.reason})" for s in summaries if s.state != "completed"]
@@ -178,7 +185,28 @@ def aspen_side(plan: dict) -> dict:
             "steps": len(steps), "timed_steps": len(timed),
             "jobs_per_step": statistics.mean(len(s["jobs"]) for s in steps),
             "padding_tokens": sum(s["padding"] for s in steps), "per_job": per_job,
-            "peak_resident_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_resident_bytes": max(loading_peak, kernel_peak_resident()),
+            "reported_peak_bytes": max((s["reported_peak"] or 0 for s in steps), default=0),
+            "predicted_peak_bytes": predicted_resident_peak(Path(spec.output_dir))}
+
+
+def kernel_peak_resident() -> int:
+    """This process's peak resident set as the kernel counts it (VmHWM; getrusage's maxrss elsewhere)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def predicted_resident_peak(output_dir: Path) -> int | None:
+    """The highest resident peak the trainer admitted a step by (its step log's `predicted_resident_bytes`:
+    written before each step ran), or None without one (not a CPU, or no /proc)."""
+    predicted = [row.get("predicted_resident_bytes") for path in output_dir.rglob("trainer*.jsonl")
+                 for row in map(json.loads, path.read_text().splitlines())]
+    predicted = [p for p in predicted if p is not None]
+    return max(predicted) if predicted else None
 
 
 def peft_side(plan: dict) -> dict:
@@ -192,9 +220,10 @@ def peft_side(plan: dict) -> dict:
     kwargs = {"gguf_file": plan["gguf_file"]} if plan["gguf_file"] else {}
     model = AutoModelForCausalLM.from_pretrained(plan["model_path"], dtype=getattr(torch, plan["dtype"]),
                                                  local_files_only=plan["local_files_only"], **kwargs).to(device)
-    lora = plan["lora"]
-    config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                        target_modules=lora["target_modules"], bias="none", task_type="CAUSAL_LM")
+
+    def config(lora: dict) -> LoraConfig:
+        return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                          target_modules=lora["target_modules"], bias="none", task_type="CAUSAL_LM")
 
     def sync() -> None:
         if device.type == "cuda":
@@ -214,7 +243,7 @@ def peft_side(plan: dict) -> dict:
     seconds, tokens, padded_tokens, per_job = 0.0, 0, 0, {}
     with tempfile.TemporaryDirectory(prefix="peft-side-") as out:
         for job in plan["jobs"]:
-            peft_model = get_peft_model(model, config)
+            peft_model = get_peft_model(model, config(job["lora"]))
             peft_model.train()
             parameters = [p for p in peft_model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(parameters, lr=plan["lr"], weight_decay=0.0)
@@ -240,7 +269,7 @@ def peft_side(plan: dict) -> dict:
             seconds += time.perf_counter() - started
             model = peft_model.unload()   # the base without this job's adapter, for the next job
     return {"threads": torch.get_num_threads(), "tokens": tokens, "seconds": seconds, "padded_tokens": padded_tokens,
-            "per_job": per_job, "peak_resident_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "per_job": per_job, "peak_resident_bytes": kernel_peak_resident()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,7 +315,6 @@ def compare(args: argparse.Namespace) -> dict:
         spec = run_spec_dict(jobs, args, folder / "aspen-out")
         started = time.perf_counter()
         plan = peft_plan(spec, args)
-        (folder / "peft.json").write_text(json.dumps(plan))
         log(f"(c) aspen vs PEFT, each side in a fresh process: {args.jobs} jobs ({', '.join(n for n, _, _ in jobs)}; "
             f"{data} data) x batch {args.batch}, 1 warm-up + {args.steps} timed steps each, {plan['dtype']} on "
             f"{plan['device']}, {threads} torch threads, {args.rounds} round(s); batches tokenized in "
@@ -300,9 +328,9 @@ def compare(args: argparse.Namespace) -> dict:
                     out = folder / f"aspen-out-{index}"
                     path = folder / f"aspen-{index}.json"
                     path.write_text(json.dumps({"spec": {**spec, "output_dir": str(out)}, "threads": threads}))
-                else:
-                    path = folder / "peft.json"
-                results[side], shares[side] = run_side(side, path, aspen_env if side == "aspen" else None)
+                    results[side], shares[side] = run_side(side, path, aspen_env)
+                else:   # one process per job, as four PEFT scripts run
+                    results[side], shares[side] = peft_processes(plan, folder)
             aspen, peft = results["aspen"], results["peft"]
             same_batches(aspen, peft)
             for side, result in results.items():
@@ -313,6 +341,10 @@ def compare(args: argparse.Namespace) -> dict:
                    "peft_tokens_per_s": peft["tokens"] / peft["seconds"]}
             row["ratio"] = row["aspen_tokens_per_s"] / row["peft_tokens_per_s"]
             row["ratio_inside_steps"] = (aspen["tokens"] / aspen["step_seconds"]) / row["peft_tokens_per_s"]
+            row["memory_ratio"] = aspen["peak_resident_bytes"] / sum(peft["peak_resident_bytes_per_process"])
+            predicted = aspen["predicted_peak_bytes"]
+            row["prediction_error"] = (None if predicted is None else
+                                       (predicted - aspen["peak_resident_bytes"]) / aspen["peak_resident_bytes"])
             rounds.append(row)
             log(f"    round {index + 1} ({' first, '.join(order)} second): aspen {row['aspen_tokens_per_s']:.0f} "
                 f"effective tok/s ({aspen['tokens']} tokens in {aspen['seconds']:.1f}s, {aspen['timed_steps']} fused "
@@ -321,6 +353,12 @@ def compare(args: argparse.Namespace) -> dict:
                 f"ratio {row['ratio']:.2f} (inside the fused steps {row['ratio_inside_steps']:.2f}); other processes "
                 + ", ".join(f"{s} {100 * v:.0f}%" if v is not None else f"{s} ?" for s, v in shares.items())
                 + " of the CPU")
+            log(f"      peak resident set: aspen {gib(aspen['peak_resident_bytes'])} (reported by its trainer "
+                f"{gib(aspen['reported_peak_bytes'])}, predicted before its steps "
+                + (f"{gib(predicted)}: {100 * row['prediction_error']:+.1f}%" if predicted is not None else "-")
+                + f"), PEFT per process {', '.join(gib(b) for b in peft['peak_resident_bytes_per_process'])}: "
+                f"aspen / the {len(peft['peak_resident_bytes_per_process'])} PEFT processes "
+                f"{row['memory_ratio']:.3f} (goal <= {MEMORY_GOAL})")
     aspen_tps = sum(r["aspen"]["tokens"] for r in rounds) / sum(r["aspen"]["seconds"] for r in rounds)
     peft_tps = sum(r["peft"]["tokens"] for r in rounds) / sum(r["peft"]["seconds"] for r in rounds)
     first = rounds[0]
@@ -330,7 +368,11 @@ def compare(args: argparse.Namespace) -> dict:
         "last step's: " + ", ".join(f"{name} {first['aspen']['per_job'][name][-1][1]:.3f}/{steps[-1][1]:.3f}"
                                     for name, steps in first["peft"]["per_job"].items()))
     ratios = [r["ratio"] for r in rounds]
-    result = {"machine": cpu_model(), "threads": threads, "aspen_env": aspen_env, "jobs": [n for n, _, _ in jobs],
+    memory_ratios = [r["memory_ratio"] for r in rounds]
+    errors = [abs(r["prediction_error"]) for r in rounds if r["prediction_error"] is not None]
+    result = {"memory_ratios": memory_ratios, "memory_goal": MEMORY_GOAL,
+              "prediction_errors": [r["prediction_error"] for r in rounds], "prediction_goal": PREDICTION_GOAL,
+              "machine": cpu_model(), "threads": threads, "aspen_env": aspen_env, "jobs": [n for n, _, _ in jobs],
               "data": data,
               "batch_size": args.batch, "timed_steps_per_job": args.steps, "dtype": plan["dtype"],
               "device": plan["device"], "rounds": rounds, "ratios": ratios, "aspen_effective_tokens_per_s": aspen_tps,
@@ -339,7 +381,36 @@ def compare(args: argparse.Namespace) -> dict:
     log(f"    aspen / PEFT, effective tokens/s: {result['ratio']:.2f} over all rounds ({aspen_tps:.0f} vs "
         f"{peft_tps:.0f}); per round {', '.join(f'{r:.2f}' for r in ratios)}; goal >= {GOAL}: "
         f"{'met' if min(ratios) >= GOAL else 'NOT met'} ({result['machine']})")
+    log(f"    aspen / four PEFT processes, peak resident set: {max(memory_ratios):.3f} at most; goal <= {MEMORY_GOAL}: "
+        f"{'met' if max(memory_ratios) <= MEMORY_GOAL else 'NOT met'}; the trainer's predicted peak off the "
+        "kernel's count by " + (f"{100 * max(errors):.1f}% at most; goal <= {100 * PREDICTION_GOAL:.0f}%: "
+                                f"{'met' if max(errors) <= PREDICTION_GOAL else 'NOT met'}" if errors else
+                                "- (no prediction: not a CPU, or no /proc)"))
     return result
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def peft_processes(plan: dict, folder: Path) -> tuple[dict, float | None]:
+    """The PEFT side as users run four jobs: one process per job, one after another; their times and tokens
+    added up, each process's peak resident set kept."""
+    merged: dict = {"tokens": 0, "seconds": 0.0, "padded_tokens": 0, "per_job": {},
+                    "peak_resident_bytes_per_process": []}
+    shares = []
+    for index, job in enumerate(plan["jobs"]):
+        path = folder / f"peft-{index}.json"
+        path.write_text(json.dumps({**plan, "jobs": [job]}))
+        result, share = run_side("peft", path)
+        for key in ("tokens", "seconds", "padded_tokens"):
+            merged[key] += result[key]
+        merged["per_job"].update(result["per_job"])
+        merged["peak_resident_bytes_per_process"].append(result["peak_resident_bytes"])
+        merged["threads"] = result["threads"]
+        if share is not None:
+            shares.append(share)
+    return merged, (statistics.mean(shares) if shares else None)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -71,10 +71,11 @@ class MetricsListener:
         self.trainer_jobs = Gauge("aspen_trainer_jobs", "Jobs on the trainer now", ["trainer"], registry=r)
         self.memory_in_use = Gauge("aspen_memory_in_use_bytes", "Memory the trainer holds now (CUDA allocated, "
                                    "or the process's resident set on CPU)", ["trainer"], registry=r)
-        self.step_peak = Gauge("aspen_step_peak_memory_bytes", "Measured peak memory of the last fused step",
-                               ["trainer"], registry=r)
-        self.step_predicted = Gauge("aspen_step_predicted_peak_memory_bytes", "Peak memory the trainer's memory "
-                                    "model predicted for the last fused step", ["trainer"], registry=r)
+        self.step_peak = Gauge("aspen_step_peak_memory_bytes", "Measured peak memory of the last fused step (the "
+                               "allocator's on CUDA; on CPU the process's peak resident set so far)", ["trainer"],
+                               registry=r)
+        self.step_predicted = Gauge("aspen_step_predicted_peak_memory_bytes", "Peak memory the trainer admitted the "
+                                    "last fused step by (on CPU the process's resident set)", ["trainer"], registry=r)
         self.budget = Gauge("aspen_memory_budget_bytes", "The trainer's memory budget", ["trainer"], registry=r)
         # jobs and the scheduler
         self.jobs = Gauge("aspen_jobs", "Jobs in each state", ["state"], registry=r)
@@ -153,9 +154,13 @@ class MetricsListener:
             self.steps.labels(trainer).inc()
             self.busy.labels(trainer).inc(seconds)
             self.step_duration.labels(trainer).observe(seconds)
-            self.step_peak.labels(trainer).set(row["peak_memory_bytes"])
-            if row.get("predicted_memory_bytes") is not None:
-                self.step_predicted.labels(trainer).set(row["predicted_memory_bytes"])
+            resident = row.get("resident_peak_bytes")
+            self.step_peak.labels(trainer).set(row["peak_memory_bytes"] if resident is None else resident)
+            predicted = row.get("predicted_resident_bytes")
+            if predicted is None:
+                predicted = row.get("predicted_memory_bytes")
+            if predicted is not None:
+                self.step_predicted.labels(trainer).set(predicted)
         for kind in ("effective", "padding"):   # every trainer has both series from its first poll
             self.tokens.labels(trainer, kind)
         self.steps.labels(trainer)

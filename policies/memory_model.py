@@ -28,12 +28,14 @@ class StepShape:
     sum_squared_lengths: int
     adapter_parameters: int
     analytic_bytes: int = 0
+    # CPU: what the process's resident set adds beyond the allocator's count (not a feature of the model)
+    resident_excess_bytes: int = 0
 
     @classmethod
     def of(cls, lengths: list[int], adapter_parameters: int, tokens: int | None = None,
-           analytic_bytes: int = 0) -> StepShape:
+           analytic_bytes: int = 0, resident_excess_bytes: int = 0) -> StepShape:
         return cls(tokens if tokens is not None else sum(lengths), sum(n * n for n in lengths), adapter_parameters,
-                   analytic_bytes)
+                   analytic_bytes, resident_excess_bytes)
 
     def features(self) -> np.ndarray:
         return np.array([1.0, self.tokens, self.sum_squared_lengths, self.adapter_parameters, self.analytic_bytes],

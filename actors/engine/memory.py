@@ -295,6 +295,15 @@ def peak_resident_bytes() -> int:
     return _status_bytes("VmHWM")
 
 
+_PEAK_BEFORE_RESETS = 0   # the highest VmHWM that a `measure_resident` reset took away
+
+
+def process_peak_resident_bytes() -> int:
+    """This process's peak resident set since it started: VmHWM, or the higher peak a `measure_resident` reset
+    took away (the reset lowers VmHWM and getrusage's maxrss alike). Linux only."""
+    return max(_PEAK_BEFORE_RESETS, peak_resident_bytes())
+
+
 def resident_measurable() -> bool:
     """Whether `measure_resident` works here (Linux's /proc: VmHWM, and clear_refs to reset it)."""
     return Path("/proc/self/clear_refs").exists() and Path("/proc/self/status").exists()
@@ -303,7 +312,9 @@ def resident_measurable() -> bool:
 def measure_resident(run: Callable[[], T]) -> tuple[T, int]:
     """Run `run()`; (its result, the process's peak resident set during it over the resident set before).
     Linux only: the peak (VmHWM) is reset first through /proc/self/clear_refs."""
+    global _PEAK_BEFORE_RESETS
     before = resident_bytes()
+    _PEAK_BEFORE_RESETS = max(_PEAK_BEFORE_RESETS, peak_resident_bytes())   # the process's peak survives the reset
     Path("/proc/self/clear_refs").write_text("5")
     result = run()
     return result, peak_resident_bytes() - before

@@ -36,7 +36,13 @@ from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
-from actors.engine.memory import StepMemoryMeter, live_tensor_bytes, measure_peak
+from actors.engine.memory import (
+    StepMemoryMeter,
+    live_tensor_bytes,
+    measure_peak,
+    process_peak_resident_bytes,
+    resident_measurable,
+)
 from actors.engine.models import BaseModel
 from actors.engine.optim import step_jobs
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
@@ -73,11 +79,14 @@ class StepReport:
     # peak_memory_bytes counted by the allocator (CUDA always; CPU when the step ran with `measure`), not
     # the saved-tensor estimate of `StepMemoryMeter`
     memory_measured: bool = False
+    # CPU (Linux): the process's peak resident set so far, read after the step (what the kernel counts)
+    resident_peak_bytes: int | None = None
 
     def as_row(self) -> dict:
         return {"step": self.step, "jobs": self.jobs, "tokens": self.tokens,
                 "padding_tokens": self.padding_tokens, "seconds": round(self.seconds, 6),
-                "peak_memory_bytes": self.peak_memory_bytes, "memory_measured": self.memory_measured}
+                "peak_memory_bytes": self.peak_memory_bytes, "memory_measured": self.memory_measured,
+                "resident_peak_bytes": self.resident_peak_bytes}
 
 
 class FusedTrainer:
@@ -106,6 +115,7 @@ class FusedTrainer:
         self.step_count = 0
         self.rotation = 0
         self.meter = StepMemoryMeter(base.model, base.device)
+        self.resident_measured = base.device.type == "cpu" and resident_measurable()
         self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
         self.prepacked: tuple[tuple, FusedBatch] | None = None   # `_prepack_next`: (its key, the batch)
@@ -259,11 +269,14 @@ class FusedTrainer:
         `measure` (CPU): the step's peak is counted from the allocator's events (torch.profiler, slower:
         `memory.measure_peak`) over the bytes held before it, instead of estimated."""
         if not measure or self.base.device.type == "cuda":
-            return self._run_step(chosen)
-        held = live_tensor_bytes(self.base.model, [job.optimizer.optimizer for job in self.jobs.values()])
-        report, growth = measure_peak(lambda: self._run_step(chosen), self.base.device)
-        report.peak_memory_bytes = held + growth
-        report.memory_measured = True
+            report = self._run_step(chosen)
+        else:
+            held = live_tensor_bytes(self.base.model, [job.optimizer.optimizer for job in self.jobs.values()])
+            report, growth = measure_peak(lambda: self._run_step(chosen), self.base.device)
+            report.peak_memory_bytes = held + growth
+            report.memory_measured = True
+        if self.resident_measured:
+            report.resident_peak_bytes = process_peak_resident_bytes()
         return report
 
     def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:

@@ -28,6 +28,9 @@ BYTES_PER_ADAPTER_PARAMETER = 16   # held per adapter parameter: float32 weight,
 class PipelineAdmission:
     """`StepAdmission`'s calls and status attributes for a pipeline trainer (see the module's docstring)."""
 
+    # the stages' memory is each stage process's own, counted by its allocator: no resident set of this process
+    resident = False
+
     def __init__(self, engine: PipelineEngine, budget_bytes: int | None = None):
         self.engine = engine
         self.budget = budget_bytes or default_memory_budget(engine.base.device)

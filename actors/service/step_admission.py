@@ -1,5 +1,8 @@
 """Step admission: whether a fused step fits the trainer's memory budget (its predicted peak plus a margin),
-and the step-memory model behind it, fitted on the allocator's counts of past steps."""
+and the step-memory model behind it, fitted on the allocator's counts of past steps. On a CPU the peak that
+counts is the process's resident set (what the kernel kills for): the allocator's predicted peak plus the
+process's runtime (interpreter, libraries, scratch: measured once after the probe) and what the step's
+scratch and the heap add beyond the allocator's count (`memory_prior`, probe-measured)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,13 @@ import torch
 from actors.engine.data import Example
 from actors.engine.grpo import SAMPLING_SIZES, sampling_bytes
 from actors.engine.lora import linear_module_names
-from actors.engine.memory_prior import StepMemoryPrior, loss_transient_bytes, probe_base_activation
+from actors.engine.memory import live_tensor_bytes, process_peak_resident_bytes, resident_bytes
+from actors.engine.memory_prior import (
+    StepMemoryPrior,
+    loss_transient_bytes,
+    predict_resident,
+    probe_base_activation,
+)
 from actors.engine.packing import JobMicroBatch
 from actors.engine.spec import AUTO_STEP_TOKENS_FLOOR, JobSpec, LoraConfig
 from actors.engine.trainer import FusedTrainer, StepReport
@@ -72,6 +81,14 @@ class StepAdmission:
                                                   bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
         self.measured_steps = 0
         self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
+        # CPU: the resident set beside the live tensors (the probe left the heap with no free page resident)
+        self.resident = trainer.resident_measured
+        self.runtime_bytes = 0
+        self.resident_seen = self.resident_predicted = 0   # the process's peak so far; the highest prediction
+        if self.resident:
+            held = live_tensor_bytes(model, [job.optimizer.optimizer for job in trainer.jobs.values()])
+            self.runtime_bytes = max(resident_bytes() - held, 0)
+            self.resident_seen = process_peak_resident_bytes()
 
     @property
     def activation_estimate(self) -> int:
@@ -120,15 +137,25 @@ class StepAdmission:
         longest = max(lengths)
         parts = [(trainer.jobs[mb.job].spec.lora, mb.padded_tokens(trainer.layout, longest), mb.examples)
                  for mb in micro_batches]
-        return StepShape.of(lengths, parameters, tokens=trainer.step_cost(micro_batches),
-                            analytic_bytes=self.memory_prior.analytic_bytes(parts))
+        analytic = self.memory_prior.analytic_bytes(parts)
+        excess = self.memory_prior.analytic_bytes(parts, resident=True) - analytic if self.resident else 0
+        return StepShape.of(lengths, parameters, tokens=trainer.step_cost(micro_batches), analytic_bytes=analytic,
+                            resident_excess_bytes=excess)
 
     def predict(self, shape: StepShape) -> int:
+        """The step's peak as the allocator counts it (the memory model's own figure)."""
         return self.memory_model.predict(shape)
+
+    def predict_peak(self, shape: StepShape) -> int:
+        """The step's peak as the budget counts it: on a CPU the process's resident set (`predict_resident`:
+        the runtime, the allocator's peak, the scratch and heap beyond it), elsewhere the allocator's."""
+        if not self.resident:
+            return self.predict(shape)
+        return predict_resident(self.runtime_bytes, 0, self.predict(shape), shape.resident_excess_bytes)
 
     def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
         """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
-        return self.predict(self.shape(micro_batches)) * (1 + self.margin) <= self.budget
+        return self.predict_peak(self.shape(micro_batches)) * (1 + self.margin) <= self.budget
 
     def sampling_refusal(self, spec: JobSpec) -> str | None:
         """Why a GRPO job's sampling could never fit this trainer's budget, or None: its largest rollout
@@ -151,10 +178,19 @@ class StepAdmission:
         return self.measured_steps < MEASURE_FIRST or self.trainer.step_count % MEASURE_EVERY == 0
 
     def observe(self, shape: StepShape, report: StepReport, predicted: int) -> None:
-        """Learn from a step that ran: only from the allocator's count (a step that was not measured teaches
-        nothing); a peak above its prediction raises the margin."""
+        """Learn from a step that ran. The memory model: only from the allocator's count (a step that was not
+        measured teaches nothing). The margin: a peak above its prediction raises it; on a CPU the process's
+        resident peak, judged where a step raised it (a step below the peak so far shows no peak of its own),
+        against the highest prediction so far (the heap keeps what an earlier step touched)."""
+        if self.resident and report.resident_peak_bytes is not None:
+            self.resident_predicted = max(self.resident_predicted, self.predict_peak(shape))
+            if report.resident_peak_bytes > self.resident_seen:
+                self.resident_seen = report.resident_peak_bytes
+                self.under_predictions.append((report.resident_peak_bytes - self.resident_predicted)
+                                              / report.resident_peak_bytes)
         if not report.memory_measured:
             return
         self.measured_steps += 1
-        self.under_predictions.append((report.peak_memory_bytes - predicted) / report.peak_memory_bytes)
+        if not self.resident:
+            self.under_predictions.append((report.peak_memory_bytes - predicted) / report.peak_memory_bytes)
         self.memory_model.observe(shape, report.peak_memory_bytes, predicted)

@@ -16,14 +16,16 @@ class Commands:
     def __init__(self) -> None:
         self.queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.wake = threading.Event()
-        self.deferred: list[Assignment] = []   # jobs assigned again while still leaving here
+        # jobs to start at the next boundary: assigned again while still leaving here, or after a pipeline's
+        # lost stage cut their command short
+        self.deferred: list[Assignment] = []
 
     def put(self, command: tuple) -> None:
         self.queue.put(command)
         self.wake.set()
 
     def empty(self) -> bool:
-        return self.queue.empty()
+        return self.queue.empty() and not self.deferred
 
     def next(self) -> tuple | None:
         try:

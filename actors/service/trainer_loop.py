@@ -181,6 +181,7 @@ class TrainerLoop(JobEnds):
                 return None
             shape = self.admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
             predicted = self.admission.predict(shape)
+            resident = self.admission.predict_peak(shape) if self.admission.resident else None
             try:
                 report = self.trainer.run_step(chosen, measure=self.admission.measure_next_step())
             except StageLost:
@@ -193,7 +194,7 @@ class TrainerLoop(JobEnds):
                 return None
             self.totals.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
             self.admission.observe(shape, report, predicted)
-            self._after_step(report, predicted, shape.adapter_parameters)
+            self._after_step(report, predicted, resident, shape.adapter_parameters)
         for active in list(self.active.values()):
             if active.job.done:
                 self._finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
@@ -276,17 +277,25 @@ class TrainerLoop(JobEnds):
     # -- commands ---------------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
         waiting, self.commands.deferred = self.commands.deferred, []
-        for assignment in waiting:   # deferred again while its job still leaves
-            self._start(assignment)
+        self._start_all(waiting)   # deferred again while its job still leaves
         while (command := self.commands.next()) is not None:
             if command[0] == "assign":
-                for assignment in command[1]:
-                    self._start(assignment)
+                self._start_all(command[1])
             elif command[0] == "stop":
                 _, job_id, kind, reason = command
                 active = self.active.get(job_id)
                 if active is not None:
                     self._finish(active, kind, reason)
+
+    def _start_all(self, assignments: list[Assignment]) -> None:
+        """Start each; where a pipeline's stage is found lost while one starts (that one is given back), the
+        ones after it wait for the new stages (deferred to the next boundary) rather than being dropped."""
+        for index, assignment in enumerate(assignments):
+            try:
+                self._start(assignment)
+            except StageLost:
+                self.commands.deferred.extend(assignments[index + 1:])
+                raise
 
     def _start(self, assignment: Assignment) -> None:
         job_id = assignment.job_id
@@ -338,10 +347,13 @@ class TrainerLoop(JobEnds):
                          checkpoint_note=start.note)
 
     # -- after a step -----------------------------------------------------------------------------------
-    def _after_step(self, report: StepReport, predicted: int, adapter_parameters: int) -> None:
+    def _after_step(self, report: StepReport, predicted: int, predicted_resident: int | None,
+                    adapter_parameters: int) -> None:
         self.totals.add(report)
         row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
-               "predicted_memory_bytes": predicted, "adapter_parameters": adapter_parameters,
+               # the allocator's peak (what the memory model learns), and on a CPU the resident set's (admitted by)
+               "predicted_memory_bytes": predicted, "predicted_resident_bytes": predicted_resident,
+               "adapter_parameters": adapter_parameters,
                "sequence_lengths": report.sequence_lengths,
                # what each user is accounted (actors/service/event_booking.py): each job's real tokens of the
                # step, and the GPUs the step ran on (its stages on CUDA; none on a CPU)

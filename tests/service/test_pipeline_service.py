@@ -175,6 +175,35 @@ def test_stages_that_cannot_start_again_leave_the_trainer_to_try_at_the_next_job
     assert_same_outputs(outputs(tmp_path / "out/again"), outputs(tmp_path / "uninterrupted/again"), "again")
 
 
+def test_jobs_assigned_together_when_a_stage_is_found_lost_all_start_on_the_new_stages(tmp_path, tiny_model_dirs):
+    """Stage 1 dies while no job runs; two jobs then arrive in one assignment. The first one's start finds the
+    stage lost (it is given back, to be retried); the second is not dropped with the rest of the command (it
+    was: the scheduler kept it "running" on a trainer that never had it): it starts on the new stages and
+    ends as one device's run."""
+    import multiprocessing
+    import os
+    import signal
+
+    model = str(tiny_model_dirs["llama"])
+    jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=i), 3)
+            for i, name in enumerate(["first", "second"])]
+    submissions = run_spec(model, tmp_path / "out", jobs).submissions()
+    loop = loop_for("pipeline", tmp_path, model, "trainer-together")
+    try:
+        (stage,) = [p for p in multiprocessing.active_children() if p.name == "aspen-stage-1"]
+        os.kill(stage.pid, signal.SIGKILL)
+        stage.join(10)
+        loop.assign([assignment_for(s, s.job.name, loop.base.tokenizer) for s in submissions])
+        events = run_until_idle(loop)
+    finally:
+        loop.close()
+    by_job = {(e.job_id, e.kind) for e in events}
+    assert ("first", "paused") in by_job and ("second", "completed") in by_job, events
+    uninterrupted = run_spec(model, tmp_path / "uninterrupted", jobs[1:])
+    train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    assert_same_outputs(outputs(tmp_path / "out/second"), outputs(tmp_path / "uninterrupted/second"), "second")
+
+
 def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, tiny_model_dirs, tmp_path):
     """`aspen run`'s service on Ray with a `stages: 2` trainer: the trainer actor runs stage 0, stage 1 is a
     stage actor in the trainer's placement group. The stage actor is killed mid-run (at the first job's second

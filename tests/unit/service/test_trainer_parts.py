@@ -13,6 +13,7 @@ import pytest
 
 from actors.engine.data import Example
 from actors.engine.job import TrainingJob
+from actors.engine.memory import measure_resident, resident_bytes, resident_measurable
 from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch
 from actors.engine.spec import JobSpec
@@ -109,8 +110,10 @@ def three_jobs_trainer(smol_tokenizer) -> FusedTrainer:
 
 
 def test_admission_keeps_a_step_under_its_budget_by_the_allocators_count(three_jobs_trainer):
+    """As on a GPU, where the allocator's count is the budget's (on a CPU: the resident set, below)."""
     trainer = three_jobs_trainer
     admission = StepAdmission(trainer)
+    admission.resident = False
     jobs = list(trainer.jobs.values())
     one = admission.predict(admission.shape([JobMicroBatch(jobs[0].name, jobs[0].peek())]))
     every = admission.predict(admission.shape([JobMicroBatch(job.name, job.peek()) for job in jobs]))
@@ -125,10 +128,33 @@ def test_admission_keeps_a_step_under_its_budget_by_the_allocators_count(three_j
     assert report.memory_measured and 0 < report.peak_memory_bytes <= admission.budget
 
 
+@pytest.mark.skipif(not resident_measurable(), reason="Linux /proc only")
+def test_on_a_cpu_admission_keeps_the_processs_resident_set_under_its_budget(three_jobs_trainer):
+    """The budget between the resident peaks predicted for one job's step and all three's: some but not all
+    jobs are composed, and the process's resident peak while the step runs (the kernel's VmHWM, reset just
+    before) stays under the budget, though it lies well above the allocator's count (the interpreter, the
+    libraries and the heap are resident too)."""
+    trainer = three_jobs_trainer
+    admission = StepAdmission(trainer)
+    assert admission.resident and admission.runtime_bytes > 0
+    jobs = list(trainer.jobs.values())
+    one = admission.predict_peak(admission.shape([JobMicroBatch(jobs[0].name, jobs[0].peek())]))
+    every = admission.predict_peak(admission.shape([JobMicroBatch(job.name, job.peek()) for job in jobs]))
+    assert every > one > admission.predict(admission.shape([JobMicroBatch(jobs[0].name, jobs[0].peek())]))
+    admission.budget = int((one + every) / 2 * (1 + MEMORY_MARGIN))
+    chosen = trainer.compose(fits=admission.fits)
+    assert 1 <= len(chosen) < len(jobs), [job.name for job, _ in chosen]
+    before = resident_bytes()
+    report, growth = measure_resident(lambda: trainer.run_step(chosen))
+    assert 0 < before + growth <= admission.budget
+    assert report.resident_peak_bytes >= before + growth   # the process's peak so far, reset or not
+
+
 def test_a_measured_peak_above_its_prediction_widens_the_margin_and_an_unmeasured_step_teaches_nothing(
         three_jobs_trainer):
     trainer = three_jobs_trainer
     admission = StepAdmission(trainer)
+    admission.resident = False   # as on a GPU: the allocator's count (on a CPU the resident set's: below)
     chosen = trainer.compose()
     shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
     coefficients = admission.memory_model.coefficients.copy()
@@ -146,6 +172,25 @@ def test_a_measured_peak_above_its_prediction_widens_the_margin_and_an_unmeasure
     assert admission.margin == pytest.approx(under, abs=1 / measured.peak_memory_bytes)
 
 
+@pytest.mark.skipif(not resident_measurable(), reason="Linux /proc only")
+def test_on_a_cpu_a_resident_peak_above_its_prediction_widens_the_margin(three_jobs_trainer):
+    """A step that raised the process's resident peak above every prediction so far widens the margin by the
+    share it was under; one that stayed below the peak already reached shows no peak of its own: nothing."""
+    trainer = three_jobs_trainer
+    admission = StepAdmission(trainer)
+    chosen = trainer.compose()
+    shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+    report = trainer.run_step(chosen)
+    report.resident_peak_bytes = admission.resident_seen   # no new peak
+    admission.observe(shape, report, admission.predict(shape))
+    assert admission.margin == MEMORY_MARGIN
+    under = MEMORY_MARGIN * 3
+    report.resident_peak_bytes = max(int(admission.predict_peak(shape) / (1 - under)), admission.resident_seen + 1)
+    expected = (report.resident_peak_bytes - admission.predict_peak(shape)) / report.resident_peak_bytes
+    admission.observe(shape, report, admission.predict(shape))
+    assert expected >= under - 1e-9 and admission.margin == pytest.approx(expected)
+
+
 def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocators_count(smol_tokenizer):
     """`step_tokens: auto` on a GPU (planned here as on one): with a budget that holds a step of some 5k tokens
     beside the weights, the plan is a multiple of 1024 below the 8192 ceiling, a step of that many tokens (a
@@ -157,6 +202,7 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
     trainer = FusedTrainer(base, step_tokens=4096)
     admission = StepAdmission(trainer)
     assert admission.plan_step_tokens() == 4096
+    admission.resident = False   # as on a GPU: the allocator's count is the budget's
     admission.budget = 10**12
     assert admission.plan_step_tokens(gpu=True) == AUTO_STEP_TOKENS_CEILING
     spec = JobSpec(name="big", data="unused.jsonl", format={"type": "text"}, max_steps=10, batch_size=1,

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from actors.engine.spec import JobSpec, JobSubmission, step_limit_problem
+from actors.engine.spec import JobSpec, JobSubmission, step_limit_problem, step_tokens_floor
 from actors.engine.storage import StorageURI, as_location, is_uri
 from actors.service.config import TrainerConfig
 from actors.service.data_roots import as_root, data_problem
@@ -229,13 +229,17 @@ class Submissions:
         step, or an adapter that does not fit any trainer's memory budget next to the base and a step."""
         same_base = [t for t in self.trainer_configs
                      if t.base_model == submission.base_model and t.quantization == submission.quantization]
+        statuses = [s for s in self.statuses()
+                    if s.base_model == submission.base_model and s.quantization == submission.quantization]
         if same_base:
+            # a step's tokens: as configured; `auto`'s floor until a trainer has planned its steps (its status)
+            limits = ([step_tokens_floor(t.step_tokens) for t in same_base]
+                      + [s.step_tokens for s in statuses if s.step_tokens])
             # unnamed: submit_many's message names the job already
-            problems = [step_limit_problem(submission.job, t.step_tokens, named=False) for t in same_base]
+            problems = [step_limit_problem(submission.job, tokens, named=False) for tokens in limits]
             if all(problems):
                 raise SubmissionError(problems[0])
-        views = [trainer_view(s) for s in self.statuses()
-                 if s.base_model == submission.base_model and s.quantization == submission.quantization]
+        views = [trainer_view(s) for s in statuses]
         if views:
             try:
                 need = job_adapter_bytes(submission.job.lora, views[0])

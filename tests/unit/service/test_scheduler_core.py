@@ -4,6 +4,10 @@ retries, a stop rule's prediction, a move under way)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from actors.service.event_booking import MAX_RETRIES
 from actors.service.job_table import JobTable
 from actors.service.scheduler_core import SchedulerCore
@@ -42,3 +46,26 @@ def test_a_deleted_job_is_forgotten_whole_and_its_id_starts_afresh(tmp_path):
     [view] = core.snapshot([status("trainer-0")]).jobs
     assert view.predicted_remaining_steps is None and view.moving_to is None and not view.preempting
     assert f"(retry 1 of {MAX_RETRIES})" in start_and_give_back()   # not the predecessor's third
+
+
+def test_trainers_with_automatic_step_tokens_check_a_micro_batch_against_the_floor_then_the_planned_step(tmp_path):
+    """`step_tokens: auto` (the default of a trainer's config): before a trainer has planned its steps a
+    micro-batch is checked against auto's floor (it raised a TypeError comparing with 'auto'); once one
+    reports the step it planned, against that."""
+    from actors.service.config import TrainerConfig
+    from actors.service.submissions import SubmissionError
+
+    data = write_task_data(tmp_path / "data", "t")
+    trainer = TrainerConfig(base_model="smollm2-135m")
+    assert trainer.step_tokens == "auto"
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state",
+                         trainers=[trainer])
+    small = run_spec("smollm2-135m", tmp_path / "out", [job_dict("small", data, 5)])   # 4 x 128 tokens
+    core.submit_many(small.submissions(), job_ids=["small"])
+    wide = run_spec("smollm2-135m", tmp_path / "out", [{**job_dict("wide", data, 5), "batch_size": 48}],
+                    step_tokens=8192)   # the file's own steps hold it; the service's trainers decide
+    with pytest.raises(SubmissionError, match=r"48 \* max_seq_len 128 = 6144 tokens .*exceeds step_tokens 4096"):
+        core.submit_many(wide.submissions(), job_ids=["wide"])
+    core.statuses = {"trainer-0": dataclasses.replace(status("trainer-0"), step_tokens=8192)}   # planned on a GPU
+    core.submit_many(wide.submissions(), job_ids=["wide"])
+    assert [record.id for record in core.table.all()] == ["small", "wide"]

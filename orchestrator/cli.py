@@ -686,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -722,7 +722,9 @@ def _describe(error: Exception) -> tuple[int, str]:
     """The exit code and the one line for an error that ended a command."""
     from orchestrator.http_client import HttpApiError
 
-    if isinstance(error, HttpApiError):   # 4xx: the request (exit 2); 5xx or no connection: the service (exit 1)
+    if isinstance(error, HttpApiError):   # 401/403: the token (exit 3); other 4xx: the request (exit 2); 5xx or
+        if error.status in (401, 403):    # no connection: the service (exit 1)
+            return EXIT_REFUSED, str(error)
         return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
     from actors.service.table_backup import JobTableDamaged
     from orchestrator.client import ServiceError

@@ -1,4 +1,4 @@
-"""`aspen user add | list | token | remove`: the users of a shared service (actors/service/users.py), run on
+"""`aspen user add | set | list | token | remove`: the users of a shared service (actors/service/users.py), run on
 the service's machine by whoever may write its state folder (the operator). A token is printed once, when it
 is issued (`add`, `token --rotate`); `--json` prints `{"name", "token"}`. The service's single HTTP token
 from before there were users (`aspen http-token`) becomes the first admin's; where the first user added is
@@ -19,8 +19,8 @@ DEFAULT_STATE_DIR = "~/.aspen"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    user = commands.add_parser("user", help="the users of a shared service and their API tokens (add, list, token, "
-                                            "remove)")
+    user = commands.add_parser("user", help="the users of a shared service and their API tokens (add, set, list, "
+                                            "token, remove)")
     actions = user.add_subparsers(dest="action", required=True)
 
     def common(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,6 +42,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           "(repeat for several)")
     add.add_argument("--token-file", help="the service's single HTTP token (default ~/.aspen/http-token): the "
                                           "first admin takes it over")
+    change = common(actions.add_parser("set", help="change a user's role, share, data roots or quotas (their token "
+                                                   "stays); what is not given stays as it is"))
+    change.add_argument("name")
+    change.add_argument("--admin", action=argparse.BooleanOptionalAction, default=None,
+                        help="--admin makes them an admin, --no-admin a user")
+    change.add_argument("--share", type=float, default=None, help="their weight in the fair share")
+    change.add_argument("--quota", action="append", default=[], metavar="KEY=N",
+                        help="running=N, queued=N or tokens_per_day=N; KEY=none removes that limit; repeat for several")
+    change.add_argument("--data-root", action="append", default=None, metavar="PATH|URI",
+                        help="the folders or storage URI prefixes their jobs may read (the whole list: repeat for "
+                             "several)")
+    change.add_argument("--no-data-roots", action="store_true", help="remove all their data roots")
     common(actions.add_parser("list", help="every user (names, roles, shares; never tokens)"))
     token = common(actions.add_parser("token", help="issue a user a new token (--rotate): the old one stops at once"))
     token.add_argument("name")
@@ -70,14 +82,19 @@ def _account() -> str:
         return f"os:uid-{os.getuid()}"
 
 
-def _quotas(items: list[str]) -> dict[str, int]:
-    quotas = {}
+def _quotas(items: list[str], *, clearing: bool = False) -> dict[str, int | None]:
+    """--quota KEY=N items; with `clearing`, KEY=none is None (the limit removed)."""
+    quotas: dict[str, int | None] = {}
     for item in items:
         key, _, value = item.partition("=")
+        if clearing and value.strip().lower() == "none":
+            quotas[key.strip()] = None
+            continue
         try:
             quotas[key.strip()] = int(float(value)) if value.strip() else -1
         except ValueError:
-            raise UserError(f"--quota {item}: give KEY=N with N a whole number (e.g. running=4)") from None
+            hint = " or none" if clearing else ""
+            raise UserError(f"--quota {item}: give KEY=N with N a whole number{hint} (e.g. running=4)") from None
     return quotas
 
 
@@ -96,6 +113,24 @@ def run(args: argparse.Namespace) -> int:
         audit.record(_account(), "user.add", args.name, admin=args.admin, share=args.share,
                      data_roots=args.data_root)
         _say(args, {"name": args.name, "token": token}, f"{token}", notes)
+    elif args.action == "set":
+        if args.data_root is not None and args.no_data_roots:
+            raise UserError("give --data-root or --no-data-roots, not both")
+        roots = [] if args.no_data_roots else args.data_root
+        quotas = _quotas(args.quota, clearing=True)
+        if args.admin is None and args.share is None and roots is None and not quotas:
+            raise UserError(f"nothing to change for {args.name}: give --admin/--no-admin, --share, --data-root, "
+                            "--no-data-roots or --quota")
+        user = book.update(args.name, admin=args.admin, share=args.share, data_roots=roots, quotas=quotas)
+        changed = {key: value for key, value in (("admin", args.admin), ("share", args.share),
+                                                 ("data_roots", roots)) if value is not None}
+        if quotas:
+            changed["quotas"] = quotas
+        audit.record(_account(), "user.set", args.name, **changed)
+        public = user.public()
+        public.pop("created_at")
+        _say(args, public, f"{args.name}: " + ", ".join(f"{key} {value}" for key, value in public.items()
+                                                          if key != "name"), [])
     elif args.action == "list":
         users = [user.public() for user in book.users()]
         if args.json:

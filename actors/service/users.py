@@ -183,7 +183,9 @@ class UserBook:
         notes = []
         with self._changing() as users:
             if name in users:
-                raise UserError(f"user '{name}' exists; `aspen user token {name} --rotate` issues a new token")
+                raise UserError(f"user '{name}' exists; `aspen user set {name} ...` changes their role, share, data "
+                                f"roots or quotas (their token stays); `aspen user token {name} --rotate` issues a "
+                                "new token")
             token: str | None = secrets.token_urlsafe(TOKEN_BYTES)
             digest = token_hash(token)
             if admin and adopt_token and not any(user.admin for user in users.values()):
@@ -203,6 +205,32 @@ class UserBook:
                                max_running=limits.get("running"), max_queued=limits.get("queued"),
                                tokens_per_day=limits.get("tokens_per_day"))
         return token, notes
+
+    def update(self, name: str, *, admin: bool | None = None, share: float | None = None,
+               data_roots: Sequence[str] | None = None, quotas: dict[str, int | None] | None = None) -> User:
+        """Change a user's role, share, data roots (the whole list) or quotas (each given one; None clears it),
+        keeping their token. Returns the user as changed."""
+        if share is not None and not (0 < share <= 1000):
+            raise UserError(f"share {share}: give a weight above 0 and at most 1000 (1: an equal share)")
+        quotas = quotas or {}
+        check_quotas({key: value for key, value in quotas.items() if value is not None})
+        fields = {"running": "max_running", "queued": "max_queued", "tokens_per_day": "tokens_per_day"}
+        with self._changing() as users:
+            if name not in users:
+                raise UserError(f"no user named '{name}' in {self.path} (`aspen user list` shows them; `aspen user "
+                                f"add {name}` adds them)")
+            user = users[name]
+            if admin is False and user.admin and sum(u.admin for u in users.values()) == 1:
+                raise UserError(f"'{name}' is the last admin; add another admin first (`aspen user add NAME --admin`)")
+            changes: dict = {fields[key]: value for key, value in quotas.items()}
+            if admin is not None:
+                changes["admin"] = admin
+            if share is not None:
+                changes["share"] = float(share)
+            if data_roots is not None:
+                changes["data_roots"] = tuple(map(str, data_roots))
+            users[name] = user = replace(user, **changes)
+        return user
 
     def rotate(self, name: str) -> str:
         """A new token for `name`; the old one is refused from now on."""

@@ -496,6 +496,13 @@ def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigte
         assert httpx.get(f"{url}/v1/jobs").status_code == 401
         response = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {token}"}, timeout=60)
         assert response.status_code == 503 and "no aspen service ('aspen-scheduler'" in response.json()["detail"]
+        # the CLI over the API: a wrong token is refused (exit 3, as the README's exit codes say), not a bad
+        # command line (2); the service missing behind a right one is a runtime failure (1)
+        for presented, code, said in ((token[::-1], 3, "wrong token"), (token, 1, "no aspen service")):
+            status = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", "--url", url],
+                                    env={**env, "ASPEN_TOKEN": presented}, capture_output=True, text=True,
+                                    timeout=120)
+            assert status.returncode == code and said in status.stderr, (code, status.stderr)
         server.terminate()
         output, _ = server.communicate(timeout=30)
         assert server.returncode in (0, -signal.SIGTERM), output   # uvicorn re-raises the signal once stopped

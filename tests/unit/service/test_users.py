@@ -288,3 +288,55 @@ def test_a_first_admin_takes_the_single_token_and_no_operator_is_made(tmp_path):
     other = UserBook.in_state_dir(tmp_path / "other")
     other.add("alice", adopt_token=None)   # no single token to keep: nobody is added beside alice
     assert [user.name for user in other.users()] == ["alice"]
+
+
+def test_user_set_changes_roots_share_and_quotas_keeping_the_token_and_the_scheduler_follows(tmp_path):
+    """`aspen user set` as an operator runs it: alice's data root moved and a queued quota given, her token
+    unchanged; the scheduler (a real job table, the same users file) then refuses her job on the old folder and
+    past the quota, and takes it on the new one; a limit removed with KEY=none; the last admin kept; each change
+    audited; `user add` of an existing user points to `user set`."""
+    from actors.engine.spec import JobSubmission
+    from actors.service.job_table import JobTable
+    from actors.service.scheduler_core import SchedulerCore
+    from actors.service.submissions import SubmissionError
+    from policies.registry import load_policy
+    from tests.helpers.service import job_dict, write_task_data
+
+    state = tmp_path / "state"
+
+    def user(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", "user", *args, "--state-dir", str(state)],
+                              capture_output=True, text=True, cwd=REPO, env={**os.environ, "ASPEN_TOKEN_FILE":
+                                                                            str(tmp_path / "no-token")})
+
+    old_data = write_task_data(tmp_path / "old", "q")
+    new_data = write_task_data(tmp_path / "new", "q")
+    assert user("add", "root", "--admin").returncode == 0
+    added = user("add", "alice", "--data-root", str(tmp_path / "old"), "--json")
+    token = json.loads(added.stdout)["token"]
+    again = user("add", "alice", "--data-root", str(tmp_path / "new"))
+    assert again.returncode == 2 and "aspen user set alice" in again.stderr
+    changed = user("set", "alice", "--data-root", str(tmp_path / "new"), "--share", "2", "--quota", "queued=1",
+                   "--json")
+    assert changed.returncode == 0, changed.stderr
+    shown = json.loads(changed.stdout)
+    assert shown["data_roots"] == [str(tmp_path / "new")] and shown["share"] == 2 and shown["quotas"] == {"queued": 1}
+    assert UserBook.in_state_dir(state).authenticate(token).name == "alice"   # the same token opens the API
+
+    core = SchedulerCore(JobTable(state / "jobs.sqlite"), load_policy("adaptive"), state)
+    with pytest.raises(SubmissionError, match="is outside"):
+        core.submit(JobSubmission(job=job_dict("on-old", old_data, 5), user="alice"))
+    core.submit(JobSubmission(job=job_dict("on-new", new_data, 5), user="alice"))
+    with pytest.raises(SubmissionError, match="quota queued=1"):
+        core.submit(JobSubmission(job=job_dict("second", new_data, 5), user="alice"))
+    assert user("set", "alice", "--quota", "queued=none").returncode == 0
+    core.submit(JobSubmission(job=job_dict("second", new_data, 5), user="alice"))
+    assert [r.name for r in core.table.all()] == ["on-new", "second"]
+    core.table.close()
+
+    last = user("set", "root", "--no-admin")
+    assert last.returncode == 2 and "last admin" in last.stderr
+    assert user("set", "alice").returncode == 2 and user("set", "nobody", "--share", "1").returncode == 2
+    rows = [row for row in AuditLog.in_state_dir(state).rows() if row["action"] == "user.set"]
+    assert [(row["target"], row.get("quotas")) for row in rows] == [("alice", {"queued": 1}),
+                                                                     ("alice", {"queued": None})]

@@ -101,7 +101,7 @@ def run_spec_dict(jobs: list[tuple[str, Path, dict]], args: argparse.Namespace, 
     """The jobs file both sides train: `steps` + 1 optimizer steps per job (the first one warms up), a
     constant learning rate, no evaluations and no checkpoint before the end (the PEFT loop makes none)."""
     return {"base_model": args.base_model, "dtype": args.dtype, "device": args.device,
-            "output_dir": str(output_dir), "seed": 0,
+            "output_dir": str(output_dir), "seed": 0, "step_tokens": args.step_tokens,
             "jobs": [{"name": name, "data": str(path), "format": fmt, "lora": LORAS[index % 2],
                       "batch_size": args.batch, "max_steps": args.steps + 1, "lr": LR, "lr_schedule": "constant",
                       "warmup_steps": 0,
@@ -187,7 +187,11 @@ def aspen_side(plan: dict) -> dict:
             "padding_tokens": sum(s["padding"] for s in steps), "per_job": per_job,
             "peak_resident_bytes": max(loading_peak, kernel_peak_resident()),
             "reported_peak_bytes": max((s["reported_peak"] or 0 for s in steps), default=0),
-            "predicted_peak_bytes": predicted_resident_peak(Path(spec.output_dir))}
+            "predicted_peak_bytes": predicted_resident_peak(Path(spec.output_dir)),
+            "memory_rows": [{key: row.get(key) for key in ("step", "tokens", "peak_memory_bytes", "memory_measured",
+                                                           "predicted_memory_bytes", "resident_peak_bytes",
+                                                           "predicted_resident_bytes")}
+                            for row in step_rows(Path(spec.output_dir))]}
 
 
 def kernel_peak_resident() -> int:
@@ -203,10 +207,14 @@ def kernel_peak_resident() -> int:
 def predicted_resident_peak(output_dir: Path) -> int | None:
     """The highest resident peak the trainer admitted a step by (its step log's `predicted_resident_bytes`:
     written before each step ran), or None without one (not a CPU, or no /proc)."""
-    predicted = [row.get("predicted_resident_bytes") for path in output_dir.rglob("trainer*.jsonl")
-                 for row in map(json.loads, path.read_text().splitlines())]
+    predicted = [row.get("predicted_resident_bytes") for row in step_rows(output_dir)]
     predicted = [p for p in predicted if p is not None]
     return max(predicted) if predicted else None
+
+
+def step_rows(output_dir: Path) -> list[dict]:
+    return [row for path in sorted(output_dir.rglob("trainer*.jsonl"))
+            for row in map(json.loads, path.read_text().splitlines())]
 
 
 def peft_side(plan: dict) -> dict:
@@ -422,6 +430,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 4)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's choice)")
     p.add_argument("--base-model", default="smollm2-135m")
+    p.add_argument("--step-tokens", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="the aspen side's tokens a fused step (default: auto, as a jobs file leaves it)")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--data-dir", type=Path, default=DATA_DIR,

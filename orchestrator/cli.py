@@ -150,10 +150,38 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ended_run_or(args: argparse.Namespace, error: Exception):
+    """After a run's service ended: its job table (--from, else the newest `aspen run` of this machine), said
+    so on stderr; else the error that found no service."""
+    from orchestrator.recent_runs import EndedRun, RecentRuns, state_folder
+
+    if args.from_dir:
+        folder = state_folder(args.from_dir)
+    else:
+        run = RecentRuns().latest()
+        if run is None:
+            raise error
+        folder = Path(run.state_dir)
+    print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); the job table of the run in "
+          f"{folder.parent if folder.name == '.aspen' else folder} as it ended (`aspen run` of its jobs file resumes "
+          "unfinished jobs)", file=sys.stderr)
+    return EndedRun(folder)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.client import ServiceError
     from orchestrator.progress import print_table, summary_table
 
-    client = _service(args)
+    if args.from_dir and args.url:
+        raise ValueError("give --from (a run's folder) or --url (a running service), not both")
+    try:
+        if args.from_dir:
+            raise ServiceError("--from given")
+        client = _service(args)
+    except ServiceError as error:   # no cluster, or no service on it: a run that has ended answers from its table
+        if args.url:
+            raise
+        client = _ended_run_or(args, error)
     if args.job:
         record = client.status(args.job)
         if args.json:
@@ -297,6 +325,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
+    from orchestrator.recent_runs import RecentRuns
+
+    RecentRuns().remember(args.file, str(output_dir), config.state_dir)   # `aspen status` after it ends
     try:
         # each job's data is read for its digest once per run: not again for the jobs the first plan checked
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
@@ -477,6 +508,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
         try:
             return Client.connect(args.address).status(job)
         except ServiceError as error:
+            from orchestrator.recent_runs import EndedRun, RecentRuns
+
+            run = RecentRuns().find(job)   # a run that has ended: its own job table knows where the job is
+            if run is not None:
+                print(f"aspen: no aspen service is running; '{job}' is a job of the run in {run.output_dir}",
+                      file=sys.stderr)
+                return EndedRun(run.state_dir).status(job)
             raise ServiceError(f"'{job}' is not a job folder, and asking the service for it failed: {error}; give "
                                "the job's folder, or --from with the run's output folder") from None
 
@@ -541,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--per-node", type=int, help="trainers of that kind on every node of the cluster, following "
                                                      "nodes as they join and leave")
     serve.add_argument("--step-tokens", type=_step_tokens, default="auto",
-                       help="token budget of one fused step, or auto (default: 4096 on CPU, up to 8192 on a GPU by "
+                       help="token budget of one fused step, or auto (default: 2048 on CPU, up to 8192 on a GPU by "
                             "the memory model)")
     serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
                                         "or an installed entry point (group aspen.policies)")
@@ -594,6 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(handler=_cmd_submit)
 
     status = with_url(with_address(commands.add_parser("status", help="all jobs, or one job in detail")))
+    status.add_argument("--from", dest="from_dir", help="a run's output folder: its job table as the run left it "
+                        "(default where no service runs: the newest `aspen run` on this machine)")
     status.add_argument("job", nargs="?", help="job id (or a unique job name)")
     with_json(status, "the jobs (one job: with its state history)")
     status.set_defaults(handler=_cmd_status)

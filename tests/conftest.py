@@ -14,6 +14,9 @@ import signal
 # measured on 2 cores, a torch test next to a busy 2-thread torch process took 109 s spinning, 31 s
 # passive, 27 s alone. Where a user (or CI) sets it, that setting stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the runs `aspen run` remembers (orchestrator/recent_runs.py): the test session's own list, not the user's
+os.environ.setdefault("ASPEN_RECENT_RUNS", os.path.join(__import__("tempfile").mkdtemp(prefix="aspen-runs-"),
+                                                        "runs.json"))
 from pathlib import Path
 
 import pytest

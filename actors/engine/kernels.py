@@ -3,9 +3,10 @@ RMSNorm, RoPE and SwiGLU swapped into a loaded model instance, and the LM head's
 loss.py) run through Liger's cross-entropy kernel, which turns each chunk of logits into its losses and gradient
 in place, in the base's dtype: no chunk of vocabulary logits is made in float32.
 
-The setting (actors/engine/base_settings.py): `none` leaves the model as transformers built it; `liger` applies
-the kernels, and refuses where Liger is not installed (naming `pip install 'aspen-lora[gpu]'`) or the base is not
-on CUDA (Triton's kernels run on CUDA GPUs; Triton's interpreter, TRITON_INTERPRET=1, runs them on a CPU for
+The setting (actors/engine/base_settings.py): `none` leaves the model's operations as transformers built them (its
+gated MLPs rebound to the lean SwiGLU, the same values with one tensor less kept: actors/engine/swiglu.py); `liger`
+applies the kernels, and refuses where Liger is not installed (naming `pip install 'aspen-lora[gpu]'`) or the base is
+not on CUDA (Triton's kernels run on CUDA GPUs; Triton's interpreter, TRITON_INTERPRET=1, runs them on a CPU for
 tests); `auto` applies them where Liger is installed and the base is on CUDA in bfloat16 or float16, and runs
 without them elsewhere. RMSNorm, RoPE and SwiGLU apply to the architectures of `ARCHITECTURES` (decoders whose
 norm, gated MLP and rotary embedding compute what Llama's do); a model of another architecture runs with its own
@@ -50,6 +51,7 @@ from torch import nn
 from actors.engine.base_settings import KERNEL_MODES
 from actors.engine.extras import require
 from actors.engine.loss import use_fused_loss
+from actors.engine.swiglu import lean_swiglu
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,8 @@ def apply_kernels(model: nn.Module, kernels: str, *, ops: tuple[str, ...] = OPS)
     choice = resolve_kernels(kernels, parameter.device, parameter.dtype)
     if choice == "liger":
         apply_liger(model, ops)
+    if choice != "liger" or "swiglu" not in ops:   # the model's own SwiGLU, keeping less (actors/engine/swiglu.py)
+        lean_swiglu(model)
     return choice
 
 

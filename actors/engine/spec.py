@@ -129,7 +129,8 @@ MAX_STEP_TOKENS = 16_777_216
 """The largest `step_tokens` a run or trainer may have (16 Mi tokens in one fused step)."""
 StepTokens = Annotated[int, Bounds(16, MAX_STEP_TOKENS)]
 AUTO_STEP_TOKENS_FLOOR = 4096
-"""`step_tokens: auto` is at least this where memory allows (CPU: exactly this); a jobs file is checked against it."""
+"""`step_tokens: auto` is at least this where memory allows (a CPU composes smaller steps, a micro-batch up to this
+running alone); a jobs file is checked against it."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,9 @@ def _whole_number(bounds: Bounds) -> TypeAdapter:
 
 
 StepTokensSetting = Annotated[int | Literal["auto"], AutoOr(Bounds(16, MAX_STEP_TOKENS))]
-STEP_TOKENS_DESCRIPTION = ("token budget of one fused step (padding included); auto: 4096 on CPU, on a GPU the "
-                           "largest step up to 8192 tokens that the trainer's memory model fits in its budget")
+STEP_TOKENS_DESCRIPTION = ("token budget of one fused step (padding included); auto: steps of 2048 on CPU (a "
+                           "micro-batch of up to 4096 runs alone), on a GPU the largest step up to 8192 tokens that "
+                           "the trainer's memory model fits in its budget")
 
 
 def step_tokens_floor(setting: int | str) -> int:

@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
 MEASURE_EVERY = 20     # CPU: and every this many steps after
 AUTO_STEP_TOKENS_CEILING = 8192   # `step_tokens: auto` on a GPU plans at most this (`plan_step_tokens`)
+# `step_tokens: auto` on a CPU composes steps of this many tokens (a job's micro-batch up to auto's floor still runs,
+# alone): a CPU's products run no faster at 4k tokens than at 2k, while the activations the resident set holds halve
+# (bench/versus_peft.py, smollm2-135m float32, 4 jobs: 1.36x PEFT at 4096, 1.50x at 2048; peak resident set 6.28 ->
+# 4.84 GiB)
+AUTO_CPU_STEP_TOKENS = 2048
 MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this share fits the budget (the
                        # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 
@@ -85,6 +90,9 @@ class StepAdmission:
         self.resident = trainer.resident_measured
         self.runtime_bytes = 0
         self.resident_seen = self.resident_predicted = 0   # the process's peak so far; the highest prediction
+        # what the steps showed of the probe's scratch-and-heap estimate (its small steps' pages per token run
+        # above a full step's): the largest share seen, once a step has raised the peak (1 before)
+        self.resident_scales: collections.deque[float] = collections.deque(maxlen=100)
         if self.resident:
             held = live_tensor_bytes(model, [job.optimizer.optimizer for job in trainer.jobs.values()])
             self.runtime_bytes = max(resident_bytes() - held, 0)
@@ -99,7 +107,7 @@ class StepAdmission:
                                           self.trainer.base.dtype))
 
     def plan_step_tokens(self, gpu: bool | None = None) -> int:
-        """`step_tokens: auto`: on CPU AUTO_STEP_TOKENS_FLOOR; on a GPU the largest multiple of 1024 tokens up to
+        """`step_tokens: auto`: on CPU AUTO_CPU_STEP_TOKENS; on a GPU the largest multiple of 1024 tokens up to
         AUTO_STEP_TOKENS_CEILING whose step (a job of rank 16 on every linear layer, every token a target: the
         loss's largest bytes), raised by the margin, fits the budget beside the weights, by this trainer's memory
         prior. Larger steps make the base's products larger (closer to the GPU's ceiling) and cost fewer launches
@@ -107,7 +115,7 @@ class StepAdmission:
         their updates. Where even the floor does not fit, the largest that does (at least 1024), with a hint.
         `gpu`: plan as on a GPU (default: where the base is)."""
         if not (self.trainer.base.device.type == "cuda" if gpu is None else gpu):
-            return AUTO_STEP_TOKENS_FLOOR
+            return AUTO_CPU_STEP_TOKENS
         lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
         parameters = 2 * 16 * sum(i + o for i, o in self.linear_shapes.values())
 
@@ -151,7 +159,12 @@ class StepAdmission:
         the runtime, the allocator's peak, the scratch and heap beyond it), elsewhere the allocator's."""
         if not self.resident:
             return self.predict(shape)
-        return predict_resident(self.runtime_bytes, 0, self.predict(shape), shape.resident_excess_bytes)
+        return predict_resident(self.runtime_bytes, 0, self.predict(shape),
+                                int(self.resident_scale * shape.resident_excess_bytes))
+
+    @property
+    def resident_scale(self) -> float:
+        return max(self.resident_scales, default=1.0)
 
     def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
         """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
@@ -184,10 +197,13 @@ class StepAdmission:
         against the highest prediction so far (the heap keeps what an earlier step touched)."""
         if self.resident and report.resident_peak_bytes is not None:
             self.resident_predicted = max(self.resident_predicted, self.predict_peak(shape))
-            if report.resident_peak_bytes > self.resident_seen:
+            if report.resident_peak_bytes > self.resident_seen:   # this step's own peak: what it teaches
                 self.resident_seen = report.resident_peak_bytes
                 self.under_predictions.append((report.resident_peak_bytes - self.resident_predicted)
                                               / report.resident_peak_bytes)
+                if shape.resident_excess_bytes > 0:   # the scratch and heap it showed beyond the allocator's count
+                    shown = report.resident_peak_bytes - self.runtime_bytes - report.peak_memory_bytes
+                    self.resident_scales.append(max(shown, 0) / shape.resident_excess_bytes)
         if not report.memory_measured:
             return
         self.measured_steps += 1

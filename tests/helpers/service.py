@@ -30,7 +30,7 @@ def job_dict(name: str, data: Path, steps: int, **extra) -> dict:
 
 
 def run_spec(base_model: str, output_dir: Path, jobs: list[dict], step_tokens: int | str | None = None) -> RunSpec:
-    """A jobs file's spec; without `step_tokens` the file's default (`auto`: 4096 on a CPU), as users leave it."""
+    """A jobs file's spec; without `step_tokens` the file's default (`auto`), as users leave it."""
     return RunSpec.model_validate({"base_model": base_model, "output_dir": str(output_dir), "jobs": jobs,
                                    **({} if step_tokens is None else {"step_tokens": step_tokens})})
 

@@ -111,6 +111,38 @@ def test_malformed_row_stops_the_run_before_it_starts_with_file_line_and_field(t
     assert not any((tmp_path / "out").glob("*/adapter_model.safetensors")), "a job trained though a row was bad"
 
 
+def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tiny_model_dirs, monkeypatch):
+    """The next commands a user types once `aspen run` has ended (its service gone): `aspen status`, `aspen
+    status JOB` and `aspen export JOB` answer from the run's own job table, and say so; PEFT loads the export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("ASPEN_RECENT_RUNS", str(tmp_path / "runs.json"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    write_data(tmp_path / "data")
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=2))
+    ran = aspen("run", "jobs.yaml", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"   # not the run's folder: found through the runs this machine started
+    elsewhere.mkdir()
+    status = aspen("status", cwd=elsewhere)
+    assert status.returncode == 0, status.stderr
+    assert "no aspen service is running" in status.stderr and str(tmp_path / "out") in status.stderr
+    assert all(name in status.stdout for name in ("add", "alpaca", "chat")) and "completed" in status.stdout
+    one = aspen("status", "add", "--json", cwd=elsewhere)
+    assert one.returncode == 0, one.stderr
+    detail = json.loads(one.stdout)
+    assert detail["state"] == "completed" and [h["state"] for h in detail["history"]][-1] == "completed"
+    exported = aspen("export", "add", "--out", str(tmp_path / "add-peft"), cwd=elsewhere)
+    assert exported.returncode == 0, exported.stderr
+    assert "is a job of the run in" in exported.stderr
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])
+    model = PeftModel.from_pretrained(base, tmp_path / "add-peft")
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+    gone = aspen("status", "--from", str(tmp_path / "nowhere"), cwd=elsewhere)
+    assert gone.returncode == 2 and "no job table" in gone.stderr
+
+
 @pytest.mark.slow
 def test_aspen_run_three_jobs_on_smollm2(tmp_path):
     write_data(tmp_path / "data")

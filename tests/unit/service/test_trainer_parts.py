@@ -195,13 +195,13 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
     """`step_tokens: auto` on a GPU (planned here as on one): with a budget that holds a step of some 5k tokens
     beside the weights, the plan is a multiple of 1024 below the 8192 ceiling, a step of that many tokens (a
     rank-16 job on every layer, every token a target) stays within the budget by the allocator's count, and the
-    next 1024 would not have been admitted; on a CPU it is the 4096 floor whatever the budget."""
-    from actors.service.step_admission import AUTO_STEP_TOKENS_CEILING
+    next 1024 would not have been admitted; on a CPU it is AUTO_CPU_STEP_TOKENS whatever the budget."""
+    from actors.service.step_admission import AUTO_CPU_STEP_TOKENS, AUTO_STEP_TOKENS_CEILING
 
     base = from_module(tiny_model("llama"), smol_tokenizer)
     trainer = FusedTrainer(base, step_tokens=4096)
     admission = StepAdmission(trainer)
-    assert admission.plan_step_tokens() == 4096
+    assert admission.plan_step_tokens() == AUTO_CPU_STEP_TOKENS
     admission.resident = False   # as on a GPU: the allocator's count is the budget's
     admission.budget = 10**12
     assert admission.plan_step_tokens(gpu=True) == AUTO_STEP_TOKENS_CEILING

@@ -579,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--per-node", type=int, help="trainers of that kind on every node of the cluster, following "
                                                      "nodes as they join and leave")
     serve.add_argument("--step-tokens", type=_step_tokens, default="auto",
-                       help="token budget of one fused step, or auto (default: 2048 on CPU, up to 8192 on a GPU by "
+                       help="token budget of one fused step, or auto (default: 1024 on CPU, up to 8192 on a GPU by "
                             "the memory model)")
     serve.add_argument("--policy", help="scheduling policy: adaptive (default), fifo, sjf, priority, module:Class "
                                         "or an installed entry point (group aspen.policies)")

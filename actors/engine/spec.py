@@ -165,7 +165,7 @@ def _whole_number(bounds: Bounds) -> TypeAdapter:
 
 
 StepTokensSetting = Annotated[int | Literal["auto"], AutoOr(Bounds(16, MAX_STEP_TOKENS))]
-STEP_TOKENS_DESCRIPTION = ("token budget of one fused step (padding included); auto: steps of 2048 on CPU (a "
+STEP_TOKENS_DESCRIPTION = ("token budget of one fused step (padding included); auto: steps of 1024 on CPU (a "
                            "micro-batch of up to 4096 runs alone), on a GPU the largest step up to 8192 tokens that "
                            "the trainer's memory model fits in its budget")
 

@@ -35,10 +35,10 @@ MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (t
 MEASURE_EVERY = 20     # CPU: and every this many steps after
 AUTO_STEP_TOKENS_CEILING = 8192   # `step_tokens: auto` on a GPU plans at most this (`plan_step_tokens`)
 # `step_tokens: auto` on a CPU composes steps of this many tokens (a job's micro-batch up to auto's floor still runs,
-# alone): a CPU's products run no faster at 4k tokens than at 2k, while the activations the resident set holds halve
-# (bench/versus_peft.py, smollm2-135m float32, 4 jobs: 1.36x PEFT at 4096, 1.50x at 2048; peak resident set 6.28 ->
-# 4.84 GiB)
-AUTO_CPU_STEP_TOKENS = 2048
+# alone): a CPU's products run no faster in larger steps, while the activations the resident set holds grow with
+# them (bench/versus_peft.py, smollm2-135m float32, 4 jobs, AMD EPYC 2 cores: 4096 / 2048 / 1536 / 1024 tokens:
+# 211 / 232-246 / 241 / 258 tokens/s, peak resident set 6.28 / 4.47-4.56 / 3.66 / 3.09 GiB)
+AUTO_CPU_STEP_TOKENS = 1024
 MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this share fits the budget (the
                        # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 

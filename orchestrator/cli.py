@@ -443,14 +443,19 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if len(args.target) != 1:
         raise SpecError("give a sweep file (aspen sweep FILE) or aspen sweep status NAME")
     spec = load_sweep_spec(args.target[0])
+    from actors.service.config import run_service_config
+    from orchestrator.recent_runs import RecentRuns
+
+    config = run_service_config(service_run_spec(spec))
+    # `aspen sweep status NAME` once its service has ended: the sweep's folder (its leaderboard) is remembered
+    RecentRuns().remember(args.target[0], str(spec.output_dir), config.state_dir, sweep=spec.name)
     if args.address or args.url:
         service = _service(argparse.Namespace(url=args.url, address=args.address or "auto"))
         status = follow_sweep(service, service.sweep(spec)["name"], poll_s=args.poll)
     else:
-        from actors.service.config import run_service_config
         from orchestrator.client import Client
 
-        client = Client.local(run_service_config(service_run_spec(spec)), address=os.environ.get("RAY_ADDRESS"))
+        client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
         try:
             status = follow_sweep(client, client.sweep(spec)["name"], poll_s=args.poll)
         finally:
@@ -470,9 +475,21 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
     if Path(name).is_dir():
         status = {"name": Path(name).name, "state": "ended", **read_results(Path(name))}
     else:
-        service = _service(argparse.Namespace(url=args.url, address=args.address or os.environ.get("RAY_ADDRESS",
-                                                                                                  "auto")))
-        status = service.sweep_status(name)
+        from orchestrator.client import ServiceError
+        from orchestrator.recent_runs import RecentRuns
+
+        try:
+            service = _service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+                "RAY_ADDRESS", "auto")))
+        except ServiceError as error:   # its service ended: the sweep's own folder has its leaderboard
+            run = None if args.url else RecentRuns().find_sweep(name)
+            if run is None:
+                raise
+            print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); sweep {name}'s leaderboard "
+                  f"in {run.output_dir} as it ended", file=sys.stderr)
+            status = {"name": name, "state": "ended", **read_results(Path(run.output_dir))}
+        else:
+            status = service.sweep_status(name)
     if args.json:
         print(json.dumps(status, indent=1))
     else:

@@ -26,6 +26,7 @@ class RecentRun:
     output_dir: str     # the run's output folder (or storage URI)
     state_dir: str      # the folder of its job table (jobs.sqlite)
     started_at: float
+    sweep: str | None = None   # a sweep's name (`aspen sweep FILE`): its leaderboard is in output_dir
 
     @property
     def table(self) -> Path:
@@ -48,10 +49,11 @@ class RecentRuns:
             log.warning("%s cannot be read (%s): the runs started before are not looked up", self.path, error)
             return []
 
-    def remember(self, jobs_file: str | Path, output_dir: str, state_dir: str | Path) -> None:
+    def remember(self, jobs_file: str | Path, output_dir: str, state_dir: str | Path, *,
+                 sweep: str | None = None) -> None:
         """Put a run first (once: the same output folder again moves it up)."""
         run = RecentRun(str(Path(jobs_file).absolute()), str(output_dir), str(Path(state_dir).absolute()),
-                        round(time.time(), 3))
+                        round(time.time(), 3), sweep)
         runs = [run] + [r for r in self.all() if r.output_dir != run.output_dir]
         try:
             write_durably(self.path, json.dumps([asdict(r) for r in runs[:KEPT]], indent=1) + "\n", private=True)
@@ -61,6 +63,10 @@ class RecentRuns:
     def latest(self) -> RecentRun | None:
         """The newest run whose job table is still there."""
         return next((run for run in self.all() if run.table.is_file()), None)
+
+    def find_sweep(self, name: str) -> RecentRun | None:
+        """The newest sweep of this name whose folder is still here."""
+        return next((run for run in self.all() if run.sweep == name and Path(run.output_dir).is_dir()), None)
 
     def find(self, job: str) -> RecentRun | None:
         """The newest run with a job of this id or name."""

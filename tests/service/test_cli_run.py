@@ -125,6 +125,7 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     assert ran.returncode == 0, ran.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"   # not the run's folder: found through the runs this machine started
     elsewhere.mkdir()
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")   # no cluster answers (another test's may run on this machine)
     status = aspen("status", cwd=elsewhere)
     assert status.returncode == 0, status.stderr
     assert "no aspen service is running" in status.stderr and str(tmp_path / "out") in status.stderr

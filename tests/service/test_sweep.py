@@ -39,7 +39,8 @@ STEPS = 24
 
 
 def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_scheduler(ray_session, tiny_model_dirs,
-                                                                                      tmp_path):
+                                                                                      tmp_path, monkeypatch):
+    monkeypatch.setenv("ASPEN_RECENT_RUNS", str(tmp_path / "runs.json"))   # the runs this test's commands started
     base = str(tiny_model_dirs["llama"])
     data = write_task_data(tmp_path / "data", "qa", rows=48)
     # 24 steps of the tiny model take seconds: a hopeless trial judged at step 4 (the scheduler looks every tick)
@@ -96,6 +97,12 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
                                 "--json"], capture_output=True, text=True,
                                env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})   # from the folder: no service
         assert shown.returncode == 0 and json.loads(shown.stdout)["trials"] == status["trials"], shown
+        # by its name, as a user types it once the service has ended: the folder `aspen sweep` remembered
+        named = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
+                               capture_output=True, text=True, cwd=tmp_path / "data",
+                               env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})
+        assert named.returncode == 0 and json.loads(named.stdout)["trials"] == status["trials"], named
+        assert "no aspen service is running" in named.stderr and str(tmp_path / "out") in named.stderr
         # the same sweep again (as `aspen sweep FILE` run again submits it) is the one that ran: nothing starts
         assert client.sweep(tmp_path / "sweep.yaml")["state"] == "done" and len(client.jobs()) == 4
         with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):

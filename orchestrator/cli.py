@@ -247,6 +247,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     from orchestrator.report import collect, report_data, write_report
 
+    if args.run_dir is None:
+        from orchestrator.recent_runs import RecentRuns
+
+        run = RecentRuns().latest()
+        if run is None:
+            raise ValueError("give a run's output folder (aspen report DIR): no `aspen run` on this machine is known")
+        args.run_dir = run.output_dir
+        print(f"aspen: the run in {run.output_dir} (the newest `aspen run` on this machine)", file=sys.stderr)
     if args.json:
         print(json.dumps(report_data(collect(as_location(args.run_dir))), indent=1))
         return 0
@@ -670,7 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="loss curves (report.png) and a summary table (report.md) of "
                                                 "a run's jobs")
-    report.add_argument("run_dir", help="a run's output folder (one folder per job) or a service's state folder")
+    report.add_argument("run_dir", nargs="?", help="a run's output folder (one folder per job) or a service's state "
+                                                   "folder (default: the newest `aspen run` on this machine)")
     with_json(report, "each job's numbers and loss curve (no files written)")
     report.set_defaults(handler=_cmd_report)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -173,19 +174,27 @@ def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple,
     return "\n".join(problems)
 
 
+def tidy_path(path: str | Path) -> str:
+    """`path` without `.` and `name/..` parts where that names the same file (not where a `name` is a link
+    elsewhere, whose `..` is the link target's parent): what messages and the job table show."""
+    text = str(path)
+    tidy = os.path.normpath(text)
+    return tidy if tidy == text or os.path.realpath(tidy) == os.path.realpath(text) else text
+
+
 def _resolve_paths(data: dict, base_dir: Path) -> None:
     for job in data.get("jobs") or []:
         if isinstance(job, dict) and isinstance(job.get("data"), str) and not is_uri(job["data"]):
             path = Path(job["data"]).expanduser()
             if not path.is_absolute() and hub_id_problem(job["data"]) and not (base_dir / path).exists():
                 continue   # a hub id, refused by name when the files are checked
-            job["data"] = str(path if path.is_absolute() else base_dir / path)
+            job["data"] = tidy_path(path if path.is_absolute() else base_dir / path)
     model = data.get("base_model")
     if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
-        data["base_model"] = str(base_dir / model)
+        data["base_model"] = tidy_path(base_dir / model)
     output = data.get("output_dir")
     if isinstance(output, str) and not is_uri(output) and not Path(output).expanduser().is_absolute():
-        data["output_dir"] = str(base_dir / output)
+        data["output_dir"] = tidy_path(base_dir / output)
 
 
 def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:

@@ -49,6 +49,10 @@ def start_private_cluster(**init_kwargs: Any) -> None:
     """`ray.init(address="local")` with the settings above (each environment variable only where unset)."""
     added = {name: value for name, value in QUIET_SETTINGS.items() if name not in os.environ}
     os.environ.update(added)
+    # a new local cluster takes token authentication (Ray's own default for `ray.init()`, which it then warns
+    # about on every run, naming how to turn it off); said explicitly, as Ray itself sets it, it stays on and
+    # nothing is printed. Kept in this process's environment, as Ray keeps it, for the connections it makes.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
         ray.init(address="local", **init_kwargs)
     finally:

@@ -17,30 +17,41 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _state(record: JobRecord) -> str:
+    """A job's state, with what it waits for while it has not started."""
+    if record.reason and (record.state in ("queued", "paused") or (record.state == "running" and not record.step)):
+        return f"{record.state} ({record.reason})"
+    return record.state
+
+
 def follow_jobs(fetch: Callable[[], list[JobRecord]], *, quiet: bool = False, interval: float = 0.5,
                 timeout: float | None = None, console: Console | None = None) -> list[JobRecord]:
-    """Poll `fetch` until every job has ended, showing a progress bar per job (plain lines every 10 s
-    when the output is not a terminal). Returns the final records."""
+    """Poll `fetch` until every job has ended, showing a progress bar per job; when the output is not a
+    terminal, a plain line each time something changed (a state, a step, what a waiting job waits for), never the
+    same line twice. A job that is not running yet shows why (loading the base, waiting for a trainer, ...).
+    Returns the final records."""
     console = console or Console(stderr=False)
     deadline = None if timeout is None else time.time() + timeout
     live = console.is_terminal and not quiet
     columns = [TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:>7}  {task.fields[speed]:>8} tok/s  {task.fields[state]}"),
                TimeElapsedColumn()]
-    last_line = 0.0
+    last_line = ""
     with Progress(*columns, console=console, disable=not live) as progress:
         tasks: dict[str, int] = {}
         while True:
             records = fetch()
             for r in records:
-                fields = {"loss": _fmt(r.loss), "speed": _fmt(r.tokens_per_s, ".0f"), "state": r.state}
+                fields = {"loss": _fmt(r.loss), "speed": _fmt(r.tokens_per_s, ".0f"), "state": _state(r)}
                 if r.id not in tasks:
                     tasks[r.id] = progress.add_task(r.name, total=r.total_steps or 1, **fields)
                 progress.update(tasks[r.id], completed=r.step, total=r.total_steps or max(r.step, 1), **fields)
-            if not live and not quiet and time.time() - last_line > 10:
-                last_line = time.time()
-                print("  ".join(f"{r.name}: {r.state} step {r.step}/{r.total_steps or '?'} loss {_fmt(r.loss)}"
-                                for r in records), flush=True)
+            if not live and not quiet:
+                line = "  ".join(f"{r.name}: {_state(r)} step {r.step}/{r.total_steps or '?'} loss {_fmt(r.loss)}"
+                                 for r in records)
+                if line != last_line:
+                    last_line = line
+                    print(line, flush=True)
             if records and all(r.state in TERMINAL_STATES for r in records):
                 return records
             if deadline is not None and time.time() > deadline:

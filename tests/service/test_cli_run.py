@@ -121,8 +121,11 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     write_data(tmp_path / "data")
     (tmp_path / "jobs.yaml").write_text(JOBS.format(base=tiny_model_dirs["llama"], steps=2))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     ran = aspen("run", "jobs.yaml", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr[-3000:]
+    # Ray's own token-auth notice is not the user's business: token authentication stays on, said explicitly
+    assert "Token authentication is enabled" not in ran.stderr and "RAY_AUTH_MODE" not in ran.stderr
     elsewhere = tmp_path / "elsewhere"   # not the run's folder: found through the runs this machine started
     elsewhere.mkdir()
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")   # no cluster answers (another test's may run on this machine)
@@ -140,6 +143,9 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])
     model = PeftModel.from_pretrained(base, tmp_path / "add-peft")
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+    report = aspen("report", "--json", cwd=elsewhere)   # no folder given: the newest run's
+    assert report.returncode == 0 and "the newest `aspen run`" in report.stderr, report.stderr
+    assert {"add", "alpaca", "chat"} <= set(json.dumps(json.loads(report.stdout)).split('"'))
     gone = aspen("status", "--from", str(tmp_path / "nowhere"), cwd=elsewhere)
     assert gone.returncode == 2 and "no job table" in gone.stderr
 

@@ -82,8 +82,9 @@ output_dir: out
 jobs:
   - {{name: good, data: good.jsonl, format: {json.dumps(TEMPLATE)}, max_steps: 2}}
   - {{name: typo, data: good.jsonl, format: {json.dumps({**TEMPLATE, "prompt": "Q: {questio}"})}, max_steps: 2}}
-  - {{name: typed, data: typed.jsonl, format: {json.dumps(TEMPLATE)}, max_steps: 2}}
+  - {{name: typed, data: bad/../typed.jsonl, format: {json.dumps(TEMPLATE)}, max_steps: 2}}
 """)
+    (tmp_path / "bad").mkdir()   # the path as written, `bad/..` in it: messages name the file plainly
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "jobs.yaml"], capture_output=True,
                          text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO),
@@ -95,3 +96,16 @@ jobs:
     assert "job 'good'" not in out.stderr and "Traceback" not in out.stderr
     assert "nothing was started" in out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_path_is_tidied_only_where_it_names_the_same_file(tmp_path):
+    from orchestrator.jobs_file import tidy_path
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere" / "deep")
+    assert tidy_path(tmp_path / "plain" / ".." / "data" / "x.jsonl") == str(tmp_path / "data" / "x.jsonl")
+    assert tidy_path(f"{tmp_path}/./data/x.jsonl") == str(tmp_path / "data" / "x.jsonl")
+    linked = f"{tmp_path}/link/../x.jsonl"   # the link's `..` is elsewhere/: not the same file as tmp_path/x.jsonl
+    assert tidy_path(linked) == linked

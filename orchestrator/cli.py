@@ -150,6 +150,11 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _named_cluster(args: argparse.Namespace) -> bool:
+    """Whether the command names a cluster (--address or $RAY_ADDRESS), rather than whatever runs here."""
+    return getattr(args, "address", "auto") not in (None, "auto")
+
+
 def _ended_run_or(args: argparse.Namespace, error: Exception):
     """After a run's service ended: its job table (--from, else the newest `aspen run` of this machine), said
     so on stderr; else the error that found no service."""
@@ -179,7 +184,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             raise ServiceError("--from given")
         client = _service(args)
     except ServiceError as error:   # no cluster, or no service on it: a run that has ended answers from its table
-        if args.url:
+        if args.url or (not args.from_dir and _named_cluster(args)):   # a cluster named and not there: an error
             raise
         client = _ended_run_or(args, error)
     if args.job:
@@ -490,7 +495,8 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
             service = _service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
                 "RAY_ADDRESS", "auto")))
         except ServiceError as error:   # its service ended: the sweep's own folder has its leaderboard
-            run = None if args.url else RecentRuns().find_sweep(name)
+            named = args.url or (args.address or os.environ.get("RAY_ADDRESS", "auto")) != "auto"
+            run = None if named else RecentRuns().find_sweep(name)
             if run is None:
                 raise
             print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); sweep {name}'s leaderboard "

@@ -45,17 +45,26 @@ QUIET_SETTINGS = {
 }
 
 
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _own_cluster_token_notice(record: logging.LogRecord) -> bool:
+    """False (dropped) for Ray's notice that the new local cluster uses token authentication."""
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def start_private_cluster(**init_kwargs: Any) -> None:
     """`ray.init(address="local")` with the settings above (each environment variable only where unset)."""
     added = {name: value for name, value in QUIET_SETTINGS.items() if name not in os.environ}
     os.environ.update(added)
-    # a new local cluster takes token authentication (Ray's own default for `ray.init()`, which it then warns
-    # about on every run, naming how to turn it off); said explicitly, as Ray itself sets it, it stays on and
-    # nothing is printed. Kept in this process's environment, as Ray keeps it, for the connections it makes.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # a new local cluster takes token authentication (Ray's default for `ray.init()`), and Ray says so on every
+    # run, naming how to turn it off: not the user's business for a cluster of this process's own
+    notice = logging.getLogger(TOKEN_NOTICE_LOGGER)
+    notice.addFilter(_own_cluster_token_notice)
     try:
         ray.init(address="local", **init_kwargs)
     finally:
+        notice.removeFilter(_own_cluster_token_notice)
         for name in added:
             os.environ.pop(name, None)
     stop_unused_daemons()

@@ -100,11 +100,18 @@ class StepAdmission:
 
     @property
     def activation_estimate(self) -> int:
-        """A full step's bytes over the weights before any step was measured (the scheduler's first guess)."""
+        """A full step's bytes over the weights before any step was measured (the scheduler's first guess); on a
+        CPU as the resident set counts them (the budget's measure there): with the process's runtime and the
+        scratch and heap beyond the allocator's count (every token a target)."""
         activation, tokens = self.memory_prior.activation, self.trainer.step_tokens
-        return int(activation.constant + activation.per_token * tokens
-                   + loss_transient_bytes(tokens, self.memory_prior.vocab, self.memory_prior.hidden,
-                                          self.trainer.base.dtype))
+        estimate = (activation.constant + activation.per_token * tokens
+                    + loss_transient_bytes(tokens, self.memory_prior.vocab, self.memory_prior.hidden,
+                                           self.trainer.base.dtype))
+        if self.resident:
+            estimate += self.runtime_bytes + self.resident_scale * (
+                activation.resident_constant + (activation.resident_per_token + activation.resident_per_target) * tokens
+                + self.memory_prior.heap_block_slack(tokens))
+        return int(estimate)
 
     def plan_step_tokens(self, gpu: bool | None = None) -> int:
         """`step_tokens: auto`: on CPU AUTO_CPU_STEP_TOKENS; on a GPU the largest multiple of 1024 tokens up to

@@ -128,7 +128,9 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     assert "Token authentication is enabled" not in ran.stderr and "RAY_AUTH_MODE" not in ran.stderr
     elsewhere = tmp_path / "elsewhere"   # not the run's folder: found through the runs this machine started
     elsewhere.mkdir()
-    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")   # no cluster answers (another test's may run on this machine)
+    # no cluster named, and none found here (another test's may run on this machine: Ray finds it in its temp dir)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-ray"))
+    (tmp_path / "no-ray").mkdir()
     status = aspen("status", cwd=elsewhere)
     assert status.returncode == 0, status.stderr
     assert "no aspen service is running" in status.stderr and str(tmp_path / "out") in status.stderr

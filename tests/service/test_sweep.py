@@ -97,12 +97,6 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
                                 "--json"], capture_output=True, text=True,
                                env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})   # from the folder: no service
         assert shown.returncode == 0 and json.loads(shown.stdout)["trials"] == status["trials"], shown
-        # by its name, as a user types it once the service has ended: the folder `aspen sweep` remembered
-        named = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
-                               capture_output=True, text=True, cwd=tmp_path / "data",
-                               env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})
-        assert named.returncode == 0 and json.loads(named.stdout)["trials"] == status["trials"], named
-        assert "no aspen service is running" in named.stderr and str(tmp_path / "out") in named.stderr
         # the same sweep again (as `aspen sweep FILE` run again submits it) is the one that ran: nothing starts
         assert client.sweep(tmp_path / "sweep.yaml")["state"] == "done" and len(client.jobs()) == 4
         with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):
@@ -111,6 +105,13 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
             client.sweep_status("nope")
     finally:
         client.shutdown()
+    # by its name, as a user types it once the service has ended (no cluster named): the folder `aspen sweep`
+    # remembered
+    unnamed = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    named = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
+                           capture_output=True, text=True, cwd=tmp_path / "data", env=unnamed)
+    assert named.returncode == 0 and json.loads(named.stdout)["trials"] == status["trials"], named
+    assert "no aspen service is running" in named.stderr and str(tmp_path / "out") in named.stderr
     best = next(job for job in spec.trial_jobs() if job.name == status["best"])
     alone = run_spec(base, tmp_path / "alone", [best.model_dump(mode="json", exclude_unset=True)], step_tokens=1024)
     train_locally(alone, base=load_base_model(base, dtype="float32", device="cpu"), progress=False)

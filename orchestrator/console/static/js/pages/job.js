@@ -116,7 +116,16 @@ export function render(key, session) {
     }
   }
 
+  let tryOpen = null;   // whether the form is shown: redrawn only when the job starts or stops running
   function drawTry() {
+    tryOpen = job.state === "running";
+    if (!tryOpen) {   // only a job training on a trainer can be tried (the API answers 409 otherwise)
+      tryIt.replaceChildren(el("h2", { id: "try-title", text: "Try it" }),
+        el("p", { class: "help", id: "try-note", text: `Try it works while the job trains on a trainer; this job is ` +
+          `${job.state}. ` + (["completed", "stopped_early"].includes(job.state)
+          ? `Export it (aspen export ${job.name}) and load it with PEFT or vLLM.` : "") }));
+      return;
+    }
     const prompt = el("textarea", { id: "try-prompt", rows: 3, placeholder: "a prompt to continue" });
     const tokens = el("input", { id: "try-tokens", type: "number", min: 1, max: 256, value: 32 });
     const out = el("div", { class: "try-out", "aria-live": "polite" });
@@ -164,6 +173,7 @@ export function render(key, session) {
     try {
       job = await api(jobPath(job.id));
       drawHead();
+      if ((job.state === "running") !== tryOpen) drawTry();
       drawFiles();
       await Promise.all([drawCurves(), drawHistory()]);
     } catch { /* the next event tries again */ } finally { busy = false; }

@@ -104,7 +104,6 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.lora_targets import adapted_shapes
-    from actors.service.job_fit import trainer_view
     from actors.service.trainer_loop import TrainerLoop
     from policies.adapter_memory import adapter_memory_bytes
     from tests.helpers.models import tiny_config
@@ -121,11 +120,17 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     smol_tokenizer.save_pretrained(base)
     lora = {"r": 1024, "alpha": 16, "target_modules": "all-linear"}
     trainer = TrainerConfig(base_model=base, step_tokens=128, num_cpus=0.5, threads=1)
-    # the trainer's own first estimate of its fixed and per-step memory (before any step is measured)
+    # the trainer's own first estimate of its fixed and per-step memory (before any step is measured), as the
+    # scheduler sees it: from a trainer actor of this kind (on a CPU the estimate is its process's resident set,
+    # whose runtime a test process would not share)
     probe = TrainerLoop(load_base_model(base, dtype="float32", device="cpu"), trainer, "probe", tmp_path / "probe")
-    view = trainer_view(probe.status())   # what the scheduler sees of it
     job_bytes = adapter_memory_bytes(lora["r"], adapted_shapes(lora["target_modules"], probe.status().linear_shapes))
-    budget = int(view.base_bytes + view.step_memory_bytes + 2.5 * job_bytes)
+    first = Client.local(ServiceConfig(state_dir=tmp_path / "first", tick_seconds=0.1, trainers=[trainer]))
+    try:
+        seen = wait_for(lambda: [t for t in first.trainers() if t["ready"]], what="a trainer ready")[0]
+    finally:
+        first.shutdown()
+    budget = int(seen["memory_fixed_bytes"] + seen["memory_step_bytes"] + 2.5 * job_bytes)
     config = ServiceConfig(state_dir=tmp_path / "state", policy="fifo", tick_seconds=0.1,
                            trainers=[trainer.model_copy(update={"memory_budget_bytes": budget})])
     data = tmp_path / "data"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -21,12 +20,9 @@ from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names
 from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
-from actors.engine.packing import JobMicroBatch
 from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
-from actors.service.step_admission import StepAdmission
 from policies.memory_model import MemoryModel, StepShape
-from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.profiling import profiler_peak
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,27 +111,19 @@ def test_predicted_peak_matches_the_profilers_allocation_peak():
     assert statistics.median(errors) <= 0.03 and max(errors) <= 0.06, [round(e, 4) for e in errors]
 
 
-def test_predicts_a_real_trainers_steps_within_three_percent(tiny_model_dirs, smol_tokenizer):
-    base = from_module(tiny_model("llama"), smol_tokenizer)
-    trainer = FusedTrainer(base, step_tokens=1024)
-    admission = StepAdmission(trainer)   # the trainer loop's: its prior from probe steps on this model
-    rng = random.Random(1)
-    errors = []
-    for step in range(40):
-        if step % 8 == 0:   # jobs arrive over time with different adapter sizes and data
-            index = len(trainer.jobs)
-            spec = JobSpec(name=f"j{index}", data="unused.jsonl", format={"type": "text"}, max_steps=1000,
-                           batch_size=rng.randint(2, 6), lora={"r": 4 * (index + 1), "target_modules": "all-linear"})
-            examples = random_examples(index, 64, min_len=8, max_len=rng.choice([40, 120, 200]))
-            trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=index))
-        chosen = trainer.compose()
-        shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
-        predicted = admission.predict(shape)
-        report = trainer.run_step(chosen, measure=True)   # the allocator's count, not the engine's arithmetic
-        assert report.memory_measured
-        if step >= 24:
-            errors.append(abs(predicted - report.peak_memory_bytes) / report.peak_memory_bytes)
-        admission.observe(shape, report, predicted)
-    assert admission.measured_steps == 40
-    assert float(np.mean(errors)) <= 0.03, errors
-    assert max(errors) <= 0.06, errors
+def test_predicts_a_real_trainers_steps_within_three_percent():
+    """Forty steps of jobs that arrive over time (tests/helpers/trainer_memory_probe.py, in a process of its own as
+    a trainer actor is), each predicted before it runs: from the 24th step on (after the online correction has seen
+    three jobs join), within the prediction's goal of 3% on average and 6% at worst, the first step of a job
+    that just joined included."""
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.trainer_memory_probe"], capture_output=True,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    r = json.loads(result.stdout.strip().splitlines()[-1])
+    assert r["measured_steps"] == 40 and all(s["memory_measured"] for s in r["steps"])
+    rows = [(s["step"], s["jobs"], s["tokens"], s["predicted"], s["measured"],
+             round((s["predicted"] - s["measured"]) / s["measured"], 4)) for s in r["steps"]]
+    errors = [abs(e) for step, *_, e in rows if step >= 24]
+    why = f"on {r['cpu']}: (step, jobs, tokens, predicted, measured, error) {rows}"
+    assert float(np.mean(errors)) <= 0.03, why
+    assert max(errors) <= 0.06, why

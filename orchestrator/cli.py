@@ -557,11 +557,29 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"job": args.job, "folder": str(out), "merged": args.merge}, indent=1))
     elif args.merge:
-        print(f"merged model (transformers, safetensors) in {out}")
+        print(f"merged model (transformers, safetensors) in {out}; serve it with:\n  vllm serve {out.resolve()}\n"
+              f"or load it with transformers: AutoModelForCausalLM.from_pretrained({str(out.resolve())!r})")
     else:
-        print(f"PEFT adapter in {out}; serve it with: vllm serve <base> --enable-lora --lora-modules "
-              f"{out.name}={out}")
+        print(f"PEFT adapter in {out}")
+        print(_serving_text(out))
     return 0
+
+
+def _serving_text(adapter: Path) -> str:
+    """How to serve and load an exported adapter, as lines that run on this machine (actors/engine/serving_lines)."""
+    from actors.engine.serving_lines import adapter_serving_lines
+
+    try:
+        lines = adapter_serving_lines(adapter)
+    except (OSError, ValueError, KeyError) as error:   # the base is not on this machine (an export over HTTP)
+        return (f"its base is not on this machine ({error}); load it with PEFT onto the base its "
+                f"adapter_config.json names (base_model_name_or_path)")
+    parts = []
+    if lines.vllm:
+        parts.append(f"Serve it on this machine:\n  {lines.vllm}")
+    parts.append("Load it with PEFT:\n" + "\n".join(f"  {line}" if line else "" for line in lines.peft.splitlines()))
+    parts.append(lines.elsewhere)
+    return "\n".join(parts)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

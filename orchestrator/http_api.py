@@ -67,7 +67,7 @@ from actors.service.audit import AuditLog
 from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from actors.service.users import UserBook, UsersFileError
 from orchestrator.export import FoundJob, adapter_archive
-from orchestrator.http_console import Generated, GenerateRequest, mount_console, spec_answer
+from orchestrator.http_console import Generated, GenerateRequest, mount_console, serving_answer, spec_answer
 from orchestrator.http_submissions import Refused, parse_body, submissions_from
 from orchestrator.http_users import Caller, Gate, ServiceStateFolder, find_job, find_sweep, visible
 from orchestrator.jobs_file import SpecError
@@ -335,6 +335,23 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         """The job's spec as a jobs file that submits it again (`yaml`: its text, `jobs_file`: its data); its
         output folder is left out (a clone gets its own)."""
         return call_service(link, lambda client: spec_answer(client.submission(find_job(client, caller, job).id)))
+
+    @api.get("/jobs/{job}/serving", tags=["jobs"],
+             responses={409: {"model": ErrorBody, "description": "the job's base is not on the service's machine"}})
+    def serving(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """The lines that serve the job's adapter with vLLM and load it with PEFT, naming the base where the
+        service's machine has it (`vllm`: null where vLLM cannot serve it; `elsewhere`: what to change on
+        another machine; `written`: whether the adapter is in its folder yet)."""
+        def run(client: Any) -> dict[str, Any]:
+            record = find_job(client, caller, job)
+            return record, client.submission(record.id)
+
+        record, submission = call_service(link, run)
+        try:
+            return serving_answer(record, submission)
+        except (OSError, ValueError) as error:
+            raise HTTPException(409, f"the lines for '{record.name}' name its base where this machine has it, "
+                                     f"and it has not: {error}") from None
 
     @api.post("/jobs/{job}/generate", response_model=Generated, tags=["jobs"])
     def generate(job: str, body: GenerateRequest, caller: Caller = Depends(require_token)) -> Any:

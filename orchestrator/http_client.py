@@ -281,6 +281,11 @@ class HttpClient:
         """The job's spec as a jobs file that submits it again: `{"yaml": text, "jobs_file": data}`."""
         return self._request("GET", _job_path(job, "/spec"))
 
+    def serving(self, job: str) -> dict[str, Any]:
+        """The lines that serve the job's adapter with vLLM (`vllm`) and load it with PEFT (`peft`) on the
+        service's machine, and what to change elsewhere (`elsewhere`)."""
+        return self._request("GET", _job_path(job, "/serving"))
+
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
         """Block until the job has ended (completed, stopped early, failed or cancelled)."""
         return wait_until_ended(self.status, job, timeout, poll)

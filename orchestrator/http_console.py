@@ -1,7 +1,8 @@
 """The web console's part of the HTTP server: its static files (orchestrator/console/static: HTML, JS
 modules, CSS and the vendored chart library, all shipped in the package, nothing fetched from elsewhere)
 served at `/`, and what its pages need beyond the job endpoints: a job's spec as a jobs file to clone
-(`GET /v1/jobs/{job}/spec`) and "try it" (`POST /v1/jobs/{job}/generate`). docs/console.md shows it."""
+(`GET /v1/jobs/{job}/spec`), "try it" (`POST /v1/jobs/{job}/generate`) and the lines that serve or load its
+adapter on the service's machine (`GET /v1/jobs/{job}/serving`). docs/console.md shows it."""
 
 from __future__ import annotations
 
@@ -54,3 +55,24 @@ def mount_console(app: FastAPI) -> None:
     if not (STATIC_DIR / "index.html").is_file():
         raise FileNotFoundError(f"the web console's files are missing from {STATIC_DIR}; reinstall aspen-lora")
     app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="console")
+
+
+def serving_answer(record: Any, submission: JobSubmission) -> dict[str, Any]:
+    """The vLLM and PEFT lines for a job's adapter as they run on this machine (actors/engine/serving_lines):
+    from its exported folder where it has one, else from its base and the folder its adapter will be
+    written to. Raises OSError / ValueError where this machine cannot find the base."""
+    from actors.engine.base_identity import base_identity
+    from actors.engine.serving_lines import adapter_serving_lines, serving_lines, vllm_cannot_serve
+    from actors.engine.sources import resolve_source
+
+    name = record.name.replace("/", "-")
+    if record.adapter_dir and (Path(record.adapter_dir) / "adapter_config.json").is_file():
+        lines = adapter_serving_lines(Path(record.adapter_dir), name)
+    else:
+        source = resolve_source(record.base_model)
+        identity = base_identity(record.base_model, source)
+        lora = submission.job.lora
+        config = {"peft_type": "VERA" if lora.kind == "vera" else "LORA", "use_dora": lora.use_dora}
+        lines = serving_lines(source, identity.serving_id, Path(record.output_dir).resolve(), name, lora.r,
+                              vllm_cannot_serve(config))
+    return {**lines.as_dict(), "written": bool(record.adapter_dir)}

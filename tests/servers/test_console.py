@@ -177,6 +177,13 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.wait_for_function(f"parseInt({caption}.match(/\\((\\d+) points/)[1]) > {points + 1}")
     numbers = page.query_selector_all("[data-chart=loss] .numbers tbody tr")
     assert len(numbers) <= len(alice.losses(long_job.id)) and len(numbers) > points   # the API's rows, as they grow
+    # the lines that serve and load its adapter name this machine's copy of the base and the job's folder
+    serving = alice.serving(long_job.id)
+    assert page.text_content("#vllm-line") == serving["vllm"]
+    assert page.text_content("#peft-lines") == serving["peft"]
+    assert f"from_pretrained({str(console.base)!r})" in serving["peft"]
+    assert repr(str(Path(alice.status(long_job.id).output_dir).resolve())) in serving["peft"]
+    assert serving["vllm"].startswith(f"vllm serve {console.base} --enable-lora --max-lora-rank ")
     assert page.text_content("#spec-yaml").count("alice-long") == 1
     assert "max_steps: 400" in page.text_content("#spec-yaml")
     # try it: the prompt continued through the adapter and through the base alone, on its trainer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engine.lora import add_adapter
 from actors.engine.models import load_base_model
+from actors.engine.serving_lines import adapter_serving_lines
 from actors.engine.sources import CACHE_ENV
 from actors.engine.trainer import FusedTrainer
 from orchestrator.export import export_job
 from tests.helpers.hub import REVISION, offline, sample_ids
+from tests.helpers.snippets import run_printed_peft_lines
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +122,13 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch, smollm2):
     exported = export_job(str(job_dir), tmp_path / "lora")
     assert json.loads((exported / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # the lines aspen shows for it run as shown here: the base from its converted folder, not the hub id
+    lines = adapter_serving_lines(exported)
+    assert lines.gguf_file is None and (Path(lines.base) / "config.json").is_file()
+    assert lines.vllm == (f"vllm serve {lines.base} --enable-lora --max-lora-rank 8 "
+                          f"--lora-modules lora={exported.resolve()}")
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in lines.elsewhere
+    assert (run_printed_peft_lines(lines.peft, ids, tmp_path) - reference).abs().max() <= 1e-4
     merged = export_job(str(job_dir), tmp_path / "merged", merge=True)
     merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():

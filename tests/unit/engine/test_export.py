@@ -26,6 +26,7 @@ from orchestrator.cli import main
 from orchestrator.export import export_job
 from tests.helpers.hub import REVISION, offline, sample_ids
 from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.snippets import peft_lines, run_printed_peft_lines
 
 HUB_ID = "aspen-tests/tiny-llama"
 
@@ -87,6 +88,25 @@ def test_peft_resolves_the_recorded_base_id_and_gives_the_engines_logits(trained
     base_only = AutoModelForCausalLM.from_pretrained(recorded["local_path"], dtype=torch.float32)(input_ids=ids).logits
     assert (reference - base_only).abs().max() > 1e-3   # the adapter changes the logits
     assert (peft_logits - reference).abs().max() <= 1e-5
+
+
+def test_the_lines_export_prints_run_as_shown(trained, tmp_path, capsys):
+    """`aspen export` prints PEFT lines that load the adapter onto this machine's copy of the base (no hub, no
+    aspen import): run as printed, in a process of their own, they give the engine's logits; the vLLM line names
+    that folder and a rank vLLM accepts; where to change them for another machine is said."""
+    out_dir, spec = trained
+    assert main(["export", "add", "--from", str(out_dir), "--out", str(tmp_path / "add-lora")]) == 0
+    printed = capsys.readouterr().out
+    recorded = json.loads((out_dir / "add" / "aspen.json").read_text())["base_model"]["local_path"]
+    vllm = next(line.strip() for line in printed.splitlines() if line.strip().startswith("vllm serve"))
+    assert vllm == (f"vllm serve {recorded} --enable-lora --max-lora-rank 8 "
+                    f"--lora-modules add-lora={(tmp_path / 'add-lora').resolve()}")
+    assert f"On another machine, load the base by the id the adapter records, {HUB_ID}" in printed
+    code = peft_lines(printed)
+    assert not any(module in code for module in ("actors", "orchestrator", "policies"))   # plain PEFT
+    ids = sample_ids()
+    reference = engine_logits(recorded, out_dir / "add", spec, ids, dtype="float32")
+    assert (run_printed_peft_lines(code, ids, tmp_path) - reference).abs().max() <= 1e-5
 
 
 def test_merged_model_gives_base_plus_adapter(trained, tmp_path):

@@ -84,10 +84,22 @@ export function render(key, session) {
         { className: "transitions" }));
   }
 
-  function drawFiles() {
+  // the lines that serve and load the adapter, as they run on the service's machine: asked once, and again when
+  // the adapter is written
+  let serving = null;
+  let servingFor = null;
+  async function drawFiles() {
     const adapter = job.adapter_dir;
-    const name = job.name.replace(/[^A-Za-z0-9_.-]/g, "-");
-    const folder = adapter || job.output_dir;
+    if (servingFor !== (adapter || "")) {
+      servingFor = adapter || "";
+      try { serving = await api(jobPath(job.id, "/serving")); } catch (error) { serving = { error: error.message }; }
+    }
+    const lines = serving.error ? [message(serving.error, "error")] : [
+      el("p", { text: adapter ? "Serve it on this machine:" : "Once written, serve it on this machine:" }),
+      serving.vllm ? el("pre", { class: "snippet", id: "vllm-line" }, el("code", { text: serving.vllm })) : null,
+      el("p", { text: "Load it with PEFT:" }),
+      el("pre", { class: "snippet", id: "peft-lines" }, el("code", { text: serving.peft })),
+      el("p", { class: "elsewhere", text: serving.elsewhere })].filter(Boolean);
     files.replaceChildren(el("h2", { id: "files-title", text: "Checkpoints and adapter" }),
       el("dl", { class: "facts" },
         el("dt", { text: "output folder" }), el("dd", {}, el("code", { text: job.output_dir })),
@@ -96,13 +108,7 @@ export function render(key, session) {
         el("dt", { text: "exported adapter" }),
         el("dd", {}, adapter ? el("code", { id: "adapter-dir", text: adapter })
           : "written to the output folder when the job ends")),
-      el("p", { text: adapter ? "Serve it:" : "Once written, serve it:" }),
-      el("pre", { class: "snippet" }, el("code", { text:
-        `vllm serve ${job.base_model} --enable-lora --lora-modules ${name}=${folder}` })),
-      el("pre", { class: "snippet" }, el("code", { text:
-        `from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n`
-        + `base = AutoModelForCausalLM.from_pretrained("${job.base_model}")\n`
-        + `model = PeftModel.from_pretrained(base, "${folder}")` })));
+      ...lines);
   }
 
   async function drawSpec() {

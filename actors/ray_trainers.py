@@ -71,14 +71,16 @@ class RayTrainers:
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
                threads: int | None) -> tuple[Any, str]:
-        service = ray.get_runtime_context().get_actor_name() or "aspen"
+        scheduler = ray.get_runtime_context().get_actor_name()
+        service = scheduler or "aspen"
         name = f"{service}.{trainer_id}.{self.incarnation}.{attempt}"
         options: dict[str, Any] = {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus, "name": name,
                                    "namespace": NAMESPACE}
         if node is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         handle = TrainerActor.options(**options).remote(trainer_id, config.model_dump_json(), self.state_dir,
-                                                        threads, self.policy, storage_json=self.storage_json)
+                                                        threads, self.policy, storage_json=self.storage_json,
+                                                        scheduler=scheduler)
         return handle, name
 
     def start(self, handle: Any) -> RefCall:

@@ -135,6 +135,11 @@ class SchedulerActor:
                 info["table_error"] = f"{waiting} trainer events wait for the job table (it is locked); retrying"
             return info
 
+    def trainer_phase(self, trainer_id: str, phase: str) -> None:
+        """A trainer's set-up began `phase` (loading its base, warming up, ...): `info()` shows it until ready."""
+        with self.lock:
+            self.fleet.note_phase(trainer_id, phase)
+
     def wait_ready(self, timeout: float = 300.0) -> dict[str, Any]:
         """Block until every trainer has loaded its model (or failed to)."""
         deadline = time.time() + timeout

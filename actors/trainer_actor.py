@@ -29,16 +29,40 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+class PhaseNotes:
+    """Tells the scheduler (by name, without waiting for an answer) each phase of a trainer's set-up; logs it
+    too. A scheduler that cannot be found is logged once and not asked again: the phases are a courtesy."""
+
+    def __init__(self, scheduler: str | None, trainer_id: str):
+        self.scheduler, self.trainer_id = scheduler, trainer_id
+        self.handle = None
+
+    def __call__(self, phase: str) -> None:
+        log.info("trainer %s: %s", self.trainer_id, phase)
+        if self.scheduler is None:
+            return
+        try:
+            if self.handle is None:
+                from actors.service.config import NAMESPACE
+                self.handle = ray.get_actor(self.scheduler, namespace=NAMESPACE)
+            self.handle.trainer_phase.remote(self.trainer_id, phase)
+        except ValueError as error:   # no such actor (a test's own trainer, or the scheduler is gone)
+            log.warning("trainer %s: cannot tell the scheduler %s its phase (%s); not trying again",
+                        self.trainer_id, self.scheduler, error)
+            self.scheduler = None
+
 IDLE_WAIT_S = 0.05   # without jobs, how long a tick waits before letting queued calls in
 
 
 @ray.remote(max_restarts=0)
 class TrainerActor:
     def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None,
-                 policy: str | None = None, storage_json: str | None = None):
+                 policy: str | None = None, storage_json: str | None = None, scheduler: str | None = None):
         """`policy`: the service's policy; where it composes steps (`compose_step`, e.g. minpad), the
         trainer loads it and lets it choose which jobs share each step. `storage_json`: the service's
-        `storage:` settings (StorageConfig JSON): how its jobs' storage URIs are reached."""
+        `storage:` settings (StorageConfig JSON): how its jobs' storage URIs are reached. `scheduler`: the
+        scheduler actor's name, told each phase of the set-up as it begins (`aspen run` shows them)."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         config = TrainerConfig.model_validate_json(config_json)
         if storage_json is not None:
@@ -57,7 +81,7 @@ class TrainerActor:
             stages = {"starter": starter, "address": node_address(), "on_close": starter.close}
         try:
             self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy,
-                                           stages=stages)
+                                           stages=stages, on_phase=PhaseNotes(scheduler, trainer_id))
         except BaseException:
             if stages is not None:
                 stages["on_close"]()   # the stages' placement group

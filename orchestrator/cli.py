@@ -333,7 +333,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
         r.name for r in (*plan.resume, *plan.changed_records)})
     from orchestrator.client import Client
-    from orchestrator.progress import follow_jobs
+    from orchestrator.progress import follow_jobs, wait_for_trainers
 
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
@@ -362,7 +362,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for line in plan.lines(saved_step=_saved_step):
             print(line)
         if plan.resume or plan.submit:
-            client.wait_ready()
+            wait_for_trainers(client, quiet=args.quiet)
         for record in plan.resume:
             client.resume(record.id, "resumed by aspen run")
         ids = {r.id for r in (*plan.resume, *plan.done)}

@@ -59,6 +59,28 @@ def follow_jobs(fetch: Callable[[], list[JobRecord]], *, quiet: bool = False, in
             time.sleep(interval)
 
 
+def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, timeout: float = 600,
+                      out=None) -> dict:
+    """Wait until every trainer of the service has set up (or failed to), printing what each is doing when it
+    changes (loading the base, converting a GGUF file once, warming up, measuring memory): a start of a minute
+    is not silent. Returns the service's info, as `client.wait_ready` does (which raises where no trainer
+    could start)."""
+    out = out or sys.stdout
+    deadline = time.time() + timeout
+    shown: dict[str, str] = {}
+    while time.time() < deadline:
+        trainers = client.info()["trainers"]
+        for trainer in trainers:
+            phase = trainer.get("phase") or "starting its process"
+            if not quiet and shown.get(trainer["id"]) != phase and phase not in ("ready", "failed"):
+                print(f"{trainer['id']}: {phase}", file=out, flush=True)
+            shown[trainer["id"]] = phase
+        if all(t.get("ready") or t.get("error") for t in trainers):
+            break
+        time.sleep(interval)
+    return client.wait_ready(timeout=max(deadline - time.time(), 1))
+
+
 def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:
     table = Table(title=title)
     for column in ("job", "id", "state", "steps", "tokens", "loss", "eval loss", "reason"):

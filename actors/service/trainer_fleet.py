@@ -105,6 +105,7 @@ class TrainerSlot:
     error: str | None = None
     restarts: int = 0
     actor_name: str = ""
+    phase: str = ""               # what its set-up is doing (loading the base, warming up, ...), until ready
 
 
 class TrainerFleet:
@@ -152,6 +153,12 @@ class TrainerFleet:
             return None
         return "; ".join(f"trainer {s.trainer_id} {s.error}" for s in broken)
 
+    def note_phase(self, trainer_id: str, phase: str) -> None:
+        """A trainer's set-up began `phase` (it tells the scheduler, which passes it on here)."""
+        slot = self.slots.get(trainer_id)
+        if slot is not None and slot.status is None:
+            slot.phase = phase
+
     def describe(self) -> list[dict[str, Any]]:
         """Each trainer as the service's `trainers()` reports it."""
         return [self._describe(slot) for slot in self.slots.values()]
@@ -164,7 +171,9 @@ class TrainerFleet:
                                 "actor_name": slot.actor_name, "node_id": slot.node,
                                 "node_address": node.address if node else None, "threads": slot.threads,
                                 "retired": slot.retired, "stages": slot.config.stages,
-                                "stage_split": slot.config.stage_split}
+                                "stage_split": slot.config.stage_split,
+                                "phase": "ready" if slot.status is not None else (slot.error and "failed")
+                                or slot.phase or "starting its process"}
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")
@@ -339,4 +348,4 @@ class TrainerFleet:
         slot.handle, slot.actor_name = self.handles.launch(slot.trainer_id, slot.restarts, slot.config, slot.node,
                                                            slot.threads)
         slot.ready = self.handles.start(slot.handle)
-        slot.poll, slot.status, slot.error = None, None, None
+        slot.poll, slot.status, slot.error, slot.phase = None, None, None, ""

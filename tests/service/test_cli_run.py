@@ -158,6 +158,14 @@ def test_aspen_run_three_jobs_on_smollm2(tmp_path):
     (tmp_path / "jobs.yaml").write_text(JOBS.format(base="smollm2-135m", steps=2).replace("epochs: 1", "max_steps: 2"))
     result = aspen("run", "jobs.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    # the trainer's set-up is said as it happens, phase by phase, each once (the output is not a terminal),
+    # before the jobs' own lines
+    lines = result.stdout.splitlines()
+    phases = [line for line in lines if line.startswith("trainer-0: ")]
+    assert [p.split(" (")[0] for p in phases[-3:]] == ["trainer-0: loading smollm2-135m", "trainer-0: warming up",
+                                                       "trainer-0: measuring a step's memory"], lines
+    assert len(set(phases)) == len(phases)
+    assert lines.index(phases[-1]) < min(i for i, line in enumerate(lines) if line.startswith("add: "))
     # PEFT loads the adapters onto the GGUF's converted folder (the run made it; parsing the GGUF again took
     # 17-30 s; tests/slow/test_smollm2.py checks that folder against the GGUF model)
     converted = converted_source(resolve_source("smollm2-135m"))

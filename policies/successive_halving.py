@@ -72,15 +72,27 @@ class SuccessiveHalving:
             shown_cutoff = None if cutoff is None else (-cutoff if self.mode == "min" else cutoff)
             if cutoff is not None and score < cutoff:
                 return HalvingDecision(True, _step(rung), shown_cutoff,
-                                       f"{objective:.6g} at step {step} is outside the best 1/{self.reduction:g} of "
-                                       f"the {_trials(len(recorded) - 1)} judged at step {_step(rung)} (needed "
-                                       f"{'<=' if self.mode == 'min' else '>='} {shown_cutoff:.6g})")
+                                       _stop_reason(objective, step, shown_cutoff, len(recorded) - 1, _step(rung),
+                                                    self.reduction, self.mode))
             return HalvingDecision(False, _step(rung), shown_cutoff, f"kept at step {_step(rung)}")
         return HalvingDecision(False, None, None, "no new rung")
 
 
-def _trials(count: int) -> str:
-    return f"{count} trial{'s' if count != 1 else ''}"
+FRACTIONS = {2: "half", 3: "third", 4: "quarter"}
+
+
+def _stop_reason(objective: float, step: int, cutoff: float, judged: int, rung: int, reduction: float,
+                 mode: str) -> str:
+    """Why a trial stops, in words that fit the numbers: its objective, the cut-off it missed and where that
+    came from (the trials judged at the same rung before it; ASHA keeps the best 1/reduction of them)."""
+    worse = "higher" if mode == "min" else "lower"
+    kept = FRACTIONS.get(int(reduction)) if float(reduction).is_integer() else None
+    kept = f"the best {kept}" if kept else f"the best 1/{reduction:g}"
+    if judged == 1:
+        source = f"the objective of the one trial judged at step {rung} before it (asha keeps {kept})"
+    else:
+        source = f"the cut-off for {kept} of the {judged} trials judged at step {rung} before it"
+    return f"objective {objective:.4g} at step {step} is {worse} than {cutoff:.4g}, {source}"
 
 
 def _step(rung: float) -> int:

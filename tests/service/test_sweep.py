@@ -84,8 +84,8 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
         assert trials["qa-t0"]["state"] == "completed" and trials["qa-t0"]["steps"] == STEPS
         assert all(t["state"] in ("completed", "stopped") for t in good), good   # the second judged against it
         assert status["best"] in {t["name"] for t in good if t["state"] == "completed"}
-        assert all(t["state"] == "stopped" and t["steps"] == 4 and "outside the best 1/2" in t["stopped_because"]
-                   for t in hopeless), hopeless
+        assert all(t["state"] == "stopped" and t["steps"] == 4 and " is higher than " in t["stopped_because"]
+                   and "the best half" in t["stopped_because"] for t in hopeless), hopeless
         jobs = {record.name: record for record in client.jobs()}
         assert len(jobs) == 4
         assert all(jobs[t["name"]].state == "cancelled" and jobs[t["name"]].step < STEPS for t in hopeless)

@@ -18,13 +18,17 @@ def test_a_hand_computed_trace():
     assert not first.stop and first.cutoff is None and first.rung == 1          # the first at a rung goes on
     # b against {a: 1.0}: the best third's bound is 1.0 itself
     b = halving.report("b", 1, 2.0)
-    assert b.stop and b.cutoff == pytest.approx(1.0) and "step 1" in b.reason
+    assert b.stop and b.cutoff == pytest.approx(1.0)
+    assert b.reason == ("objective 2 at step 1 is higher than 1, the objective of the one trial judged at step 1 "
+                        "before it (asha keeps the best third)")
     # c against {1.0, 2.0}: the 1/3 quantile, 1.0 + (2.0 - 1.0) / 3 = 1.333 (losses: lower is better)
     c = halving.report("c", 1, 0.5)
     assert not c.stop and c.cutoff == pytest.approx(4 / 3)
     # d against {0.5, 1.0, 2.0}: position (3 - 1) / 3 = 0.667 between 0.5 and 1.0: 0.833
     d = halving.report("d", 1, 3.0)
     assert d.stop and d.cutoff == pytest.approx(0.5 + 0.5 * 2 / 3)
+    assert d.reason == ("objective 3 at step 1 is higher than 0.8333, the cut-off for the best third of the 3 "
+                        "trials judged at step 1 before it")
     assert halving.report("a", 2, 0.95).rung is None                           # between rungs: nothing new
     assert not halving.report("a", 3, 0.9).stop
     assert not halving.report("c", 3, 0.4).stop                               # 0.4 <= a's 0.9
@@ -40,7 +44,8 @@ def test_a_hand_computed_trace():
 def test_scores_to_maximise():
     halving = SuccessiveHalving(grace_steps=2, max_steps=8, reduction=2, mode="max")
     assert not halving.report("a", 2, 0.4).stop
-    assert halving.report("b", 2, 0.3).stop          # below the best half's bound 0.4
+    b = halving.report("b", 2, 0.3)                  # below the best half's bound 0.4
+    assert b.stop and b.reason.startswith("objective 0.3 at step 2 is lower than 0.4, the objective of the one")
     assert not halving.report("c", 2, 0.5).stop
 
 

@@ -174,8 +174,10 @@ def plot(jobs: list[JobMetrics], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(figsize=(10, 6), dpi=100)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))   # whole steps, never 4.5
     for job in jobs:
         line, = axes.plot(job.steps, job.losses, label=f"{job.name} (train)", linewidth=1.5)
         if job.evals:

@@ -100,21 +100,46 @@ def _line_of(dotted: str, lines: dict[tuple, int]) -> int | None:
     return best
 
 
-def follow_sweep(client: Any, name: str, *, poll_s: float = 1.0, say=print) -> dict[str, Any]:
-    """Wait for a sweep to end, saying each trial's state as it changes; its last status."""
-    seen: dict[str, str] = {}
+def follow_sweep(client: Any, name: str, *, poll_s: float = 1.0, say=print, progress_every_s: float = 10.0,
+                 clock=time.monotonic) -> dict[str, Any]:
+    """Wait for a sweep to end, saying each trial's state as it changes (with its settings when it starts, and
+    why it stopped), and a running trial's step at most every `progress_every_s` seconds while it advances;
+    its last status."""
+    seen: dict[str, tuple[str, int]] = {}
+    said_at: dict[str, float] = {}
     while True:
         status = client.sweep_status(name)
         for trial in sorted(status["trials"], key=lambda t: _trial_number(t["name"])):
-            if seen.get(trial["name"]) != trial["state"]:
-                seen[trial["name"]] = trial["state"]
-                objective = f", objective {trial['objective']:.4f}" if trial["objective"] is not None else ""
-                why = f": {trial['stopped_because']}" if trial["state"] != "completed" and trial["stopped_because"] \
-                    else ""
-                say(f"{trial['name']}: {trial['state']} (step {trial['steps']}{objective}){why}")
+            key, state, steps = trial["name"], trial["state"], trial["steps"]
+            before = seen.get(key)
+            if before is not None and before[0] == state and (
+                    before[1] == steps or clock() - said_at.get(key, 0.0) < progress_every_s):
+                continue
+            if before is None and state == "pending":
+                seen[key] = (state, steps)
+                continue
+            seen[key], said_at[key] = (state, steps), clock()
+            say(trial_line(trial, started=before is None or before[0] == "pending"))
         if status["state"] != "running":
             return status
         time.sleep(poll_s)
+
+
+def trial_line(trial: dict[str, Any], *, started: bool = False) -> str:
+    """One trial in a line: its state and step, its objective (and the step it is from), its settings when
+    it has just started, why it stopped."""
+    line = f"{trial['name']}: {trial['state']} at step {trial['steps']}"
+    if trial["objective"] is not None:
+        line += f", objective {trial['objective']:.4f}"
+    if started:
+        line += f" ({settings_text(trial['settings'])})"
+    if trial["state"] != "completed" and trial.get("stopped_because"):
+        line += f": {trial['stopped_because']}"
+    return line
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_short(v)}" for k, v in settings.items())
 
 
 def read_results(folder: Path) -> dict[str, Any]:
@@ -134,7 +159,7 @@ def leaderboard_table(board: dict[str, Any]) -> str:
     lines = [f"{'trial':<20}{'state':>11}{'steps':>7}{'objective':>11}  settings"]
     for trial in board["trials"]:
         objective = f"{trial['objective']:.4f}" if trial["objective"] is not None else "-"
-        settings = ", ".join(f"{k}={_short(v)}" for k, v in trial["settings"].items())
+        settings = settings_text(trial["settings"])
         lines.append(f"{trial['name']:<20}{trial['state']:>11}{trial['steps']:>7}{objective:>11}  {settings}")
     lines.append(f"best: {board['best'] or 'none (no trial completed)'}")
     return "\n".join(lines)

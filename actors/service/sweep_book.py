@@ -83,7 +83,7 @@ class SweepBook:
         state = ("failed" if name in self.errors else "cancelled" if driver.cancelled and driver.done
                  else "done" if driver.done else "running")
         return {"name": name, "state": state, "error": self.errors.get(name), "trials_planned": driver.run.total,
-                "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.run.leaderboard()}
+                "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.leaderboard()}
 
     def all(self) -> list[dict[str, Any]]:
         return [self.status(name) for name in sorted({*self.drivers, *self.errors})]
@@ -110,14 +110,36 @@ class SweepBook:
 
 def write_report(path: Path, spec: SweepSpec, board: dict[str, Any],
                  curves: dict[str, list[tuple[int, float]]]) -> None:
-    """One plot of every trial's objective over its steps: completed trials as lines, stopped ones ending in
-    an x at the step they were stopped, the best one thick."""
+    """`report_figure` saved as a PNG at `path` (written aside, then renamed)."""
+    import matplotlib.pyplot as plt
+
+    figure = report_figure(spec, board, curves)
+    temporary = path.with_name(path.name + ".tmp.png")
+    figure.savefig(temporary, bbox_inches="tight")
+    plt.close(figure)
+    temporary.replace(path)
+
+
+def trial_label(trial: dict[str, Any], best: bool) -> str:
+    """A trial as its curve's legend names it: its name, its settings, and how it ended."""
+    settings = ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                         for key, value in trial["settings"].items())
+    end = (" (best)" if best else f" (stopped at step {trial['steps']})" if trial["state"] == "stopped"
+           else "" if trial["state"] == "completed" else f" ({trial['state']})")
+    return f"{trial['name']}: {settings}{end}"
+
+
+def report_figure(spec: SweepSpec, board: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) -> Any:
+    """One plot of every trial's objective over its steps, each curve named with its trial's settings in the
+    legend: completed trials as lines, stopped ones ending in an x at the step they were stopped, the best one
+    thick; whole steps on the step axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    figure, axes = plt.subplots(figsize=(8, 5), dpi=100)
+    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
     for trial in board["trials"]:
         points = curves.get(trial["name"]) or []
         if not points:
@@ -125,17 +147,15 @@ def write_report(path: Path, spec: SweepSpec, board: dict[str, Any],
         steps, values = zip(*points, strict=True)
         best = trial["name"] == board["best"]
         line, = axes.plot(steps, values, linewidth=2.5 if best else 1.0, alpha=1.0 if best else 0.7,
-                          label=f"{trial['name']} (best)" if best else None)
+                          marker="o" if len(points) == 1 else None, label=trial_label(trial, best))
         if trial["state"] == "stopped":
             axes.plot(steps[-1], values[-1], "x", color=line.get_color(), markersize=8)
-    axes.plot([], [], "x", color="gray", label="stopped")
+    axes.plot([], [], "x", color="gray", label="x: where a trial was stopped")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(spec.objective.replace("_", " ") if isinstance(spec.objective, str)
                     else f"{spec.objective.metric} (higher is better)")
     axes.set_title(f"sweep {spec.name}: {len(board['trials'])} trials")
-    axes.legend(loc="upper right")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     figure.tight_layout()
-    temporary = path.with_name(path.name + ".tmp.png")
-    figure.savefig(temporary)
-    plt.close(figure)
-    temporary.replace(path)
+    return figure

@@ -47,6 +47,7 @@ class SweepDriver:
         self.jobs, self.spec, self.state_path, self.say = jobs, spec, Path(state_path), say
         self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
         self.reported: dict[str, int] = {}     # trial name -> the last step handed to the sweep
+        self.training_step: dict[str, int] = {}   # a running trial's job's step now (shown live; not saved)
         self.cancelled = False
         state = self._read_state()
         try:
@@ -111,6 +112,7 @@ class SweepDriver:
             job_id = self.job_ids[name]
             record = self.jobs.status(job_id)   # before its losses: a job that ended has them all written
             live = record.state not in ENDS
+            self.training_step[name] = record.step
             for step, objective in self._objectives(job_id):
                 if step <= self.reported.get(name, 0):
                     continue
@@ -128,6 +130,15 @@ class SweepDriver:
         if self._marker() != before:
             self.save()
         return self.done
+
+    def leaderboard(self) -> dict[str, Any]:
+        """The run's leaderboard, each running trial with its job's step now (`steps`: between the objectives
+        it reports, a trial trains on)."""
+        board = self.run.leaderboard()
+        for trial in board["trials"]:
+            if trial["state"] == "running":
+                trial["steps"] = max(trial["steps"], self.training_step.get(trial["name"], 0))
+        return board
 
     def _marker(self) -> tuple:
         """What a poll can change: the trials' jobs, the steps handed on, each trial's state and steps (the

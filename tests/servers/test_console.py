@@ -175,6 +175,9 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     caption = "document.querySelector('[data-chart=loss] figcaption').textContent"
     points = int(re.search(r"\((\d+) points", page.text_content("[data-chart=loss] figcaption")).group(1))
     page.wait_for_function(f"parseInt({caption}.match(/\\((\\d+) points/)[1]) > {points + 1}")
+    # the step axis has whole steps only (a few points once gave ticks like 1.5)
+    ticks = page.get_attribute("[data-chart=loss]", "data-step-ticks").split(",")
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
     numbers = page.query_selector_all("[data-chart=loss] .numbers tbody tr")
     assert len(numbers) <= len(alice.losses(long_job.id)) and len(numbers) > points   # the API's rows, as they grow
     # the lines that serve and load its adapter name this machine's copy of the base and the job's folder

@@ -127,3 +127,36 @@ def test_a_damaged_state_file_is_that_sweeps_alone_and_a_rebuilt_book_carries_on
     assert again.status("one")["trials"] == whole.status("one")["trials"]
     with pytest.raises(KeyError, match="no sweep named 'three'"):
         again.status("three")
+
+
+def test_the_report_names_every_trial_with_its_settings_and_steps_are_whole(tmp_path):
+    """report.png's figure: a legend entry per trial with a curve (its name, its lr, how it ended), the stop
+    marker explained, and only whole steps on the step axis (a few steps of a short sweep gave ticks like
+    4.5); while a trial trains, its status shows its job's step, not the step of its last objective."""
+    from actors.service.sweep_book import report_figure
+
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state", jobs)
+    book.add(spec("named", tmp_path / "b"))
+    book.poll_all()
+    jobs.advance()
+    jobs.advance()
+    book.poll_all()
+    assert any(t["state"] == "running" and t["steps"] == 4 for t in book.status("named")["trials"])
+    run(book, jobs)
+    status, driver = book.status("named"), book.drivers["named"]
+    figure = report_figure(driver.spec, status, driver.curves())
+    axes = figure.axes[0]
+    labels = [text.get_text() for text in axes.get_legend().get_texts()]
+    drawn = [t for t in status["trials"] if driver.curves().get(t["name"])]
+    assert len(drawn) >= 2
+    for trial in drawn:
+        (label,) = [label for label in labels if label.startswith(trial["name"] + ": ")]
+        assert f"lr={trial['settings']['lr']:.3g}" in label
+        if trial["name"] == status["best"]:
+            assert label.endswith("(best)")
+        elif trial["state"] == "stopped":
+            assert label.endswith(f"(stopped at step {trial['steps']})")
+    assert "x: where a trial was stopped" in labels
+    figure.canvas.draw()
+    assert all(float(tick).is_integer() for tick in axes.get_xticks())

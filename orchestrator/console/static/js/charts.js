@@ -2,6 +2,10 @@
 // table, shown on hover and keyboard focus: the text alternative.
 import { el, num } from "./ui.js";
 
+// the step axis's tick spacings: whole steps only (uPlot's defaults would put ticks at 0.5 over a few steps)
+const STEP_INCREMENTS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2.5e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5,
+  5e5, 1e6];
+
 const COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"];
 
 function numbersTable(label, xs, series) {
@@ -35,7 +39,10 @@ export function lineChart(label, xs, series, { height = 220 } = {}) {
     plot = new uPlot({
       width, height,
       scales: { x: { time: false } },
-      axes: [{ label: "step" }, { size: 64, values: (u, ticks) => ticks.map((t) => num(t, 3)) }],
+      axes: [{ label: "step", incrs: STEP_INCREMENTS, values: (u, ticks) => {
+        node.dataset.stepTicks = ticks.join(",");   // the ticks drawn (on the canvas), for tests and tools
+        return ticks.map(String);
+      } }, { size: 64, values: (u, ticks) => ticks.map((t) => num(t, 3)) }],
       series: [{ label: "step" }, ...newSeries.map((s, i) => ({
         label: s.label, stroke: s.colour || COLOURS[i % COLOURS.length], width: s.dash ? 1 : 2,
         dash: s.dash ? [6, 4] : undefined, spanGaps: true, points: { show: newXs.length < 40 },

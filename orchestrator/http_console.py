@@ -41,13 +41,42 @@ def jobs_file_of(submission: JobSubmission) -> dict[str, Any]:
     """A jobs file that submits the job again (its output folder left to the service: a clone writes its own)."""
     job = submission.job.model_dump(mode="json", exclude_defaults=True)
     job.setdefault("name", submission.job.name)
+    # the format's `type` picks its kind (a discriminator): kept where it is the default, or the file reads
+    # back as no format at all
+    job["format"] = {"type": submission.job.format.type, **job.get("format", {})}
     return {"base_model": submission.base_model, "quantization": submission.quantization, "dtype": submission.dtype,
             "seed": submission.seed, "jobs": [job]}
 
 
+class _JobsFileDumper(yaml.SafeDumper):
+    """YAML as a person writes a jobs file: text with line breaks as a literal block (`|`), each line as
+    typed, not a quoted string folded at an arbitrary width; a whole-number float (a count of rows
+    such as eval_split: 16) as an integer."""
+
+
+def _text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if "\n" in value and all(line == line.rstrip() for line in value.split("\n")):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value)
+
+
+def _number(dumper: yaml.SafeDumper, value: float) -> yaml.ScalarNode:
+    if value.is_integer() and abs(value) >= 1:
+        return dumper.represent_int(int(value))
+    return dumper.represent_float(value)
+
+
+_JobsFileDumper.add_representer(str, _text)
+_JobsFileDumper.add_representer(float, _number)
+
+
+def jobs_file_yaml(data: dict[str, Any]) -> str:
+    return yaml.dump(data, Dumper=_JobsFileDumper, sort_keys=False, allow_unicode=True, width=120)
+
+
 def spec_answer(submission: JobSubmission) -> dict[str, Any]:
     data = jobs_file_of(submission)
-    return {"yaml": yaml.safe_dump(data, sort_keys=False, allow_unicode=True), "jobs_file": data}
+    return {"yaml": jobs_file_yaml(data), "jobs_file": data}
 
 
 def mount_console(app: FastAPI) -> None:

@@ -105,11 +105,11 @@ def _no_adapter(found: FoundJob, where: str) -> ExportError:
         advice = (f"its folder {found.folder} has lost its adapter files; restore them, or export its checkpoint "
                   "(--checkpoint)")
     elif found.state in ("running", "queued", "paused", None):
-        advice = ("wait until it completes (`aspen status " + found.name + "`), or export its last checkpoint "
-                  "now with --checkpoint")
+        advice = ("wait until it completes (`aspen status " + found.name + "`; a run that ended before it did: "
+                  "`aspen run` its jobs file again to finish it), or export its last checkpoint now with --checkpoint")
     else:
         advice = "it did not complete; export its last checkpoint with --checkpoint, or resume it (`aspen resume`)"
-    return ExportError(f"job '{found.name}'{state} and has no final adapter in {where}: {advice}")
+    return ExportError(f"job '{found.name}'{state} has no final adapter in {where}: {advice}")
 
 
 def _local_adapter(found: FoundJob, checkpoint: bool, scratch: Path) -> Path:

@@ -10,3 +10,7 @@ where nothing ran a CPU matrix product before this import (the trainer processes
 import os
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+from actors.engine import library_notices  # after MKL's setting, before any library it names
+
+library_notices.install()

@@ -20,6 +20,7 @@ import torch
 from actors.engine.base_identity import ALIAS_HUB_IDS, METADATA_NAME, hub_id_of_folder, read_metadata
 from actors.engine.durable import staging_folder
 from actors.engine.gguf_cache import converted_source
+from actors.engine.library_notices import peft_calls
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.sources import DEFAULT_BASE_MODEL, ModelSource, resolve_source, smollm2_folder
 
@@ -131,8 +132,9 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
                           "copy with --base (a model folder, a .gguf file, or a hub id in the local cache)") from error
     if read_from.gguf_file:
         _as_plain_model(model, source)
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    return peft_model.merge_and_unload(), source
+    with peft_calls():
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+        return peft_model.merge_and_unload(), source
 
 
 def _as_plain_model(model: torch.nn.Module, source: ModelSource) -> None:

@@ -7,7 +7,10 @@ what to do."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.snippets import peft_lines, run_printed_peft_lines
 
 HUB_ID = "aspen-tests/tiny-llama"
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +129,20 @@ def test_merged_model_gives_base_plus_adapter(trained, tmp_path):
     assert (merged_logits - reference).abs().max() <= 1e-4
 
 
+def test_export_merge_prints_only_what_the_user_needs(trained, tmp_path):
+    """`aspen export --merge` as a user runs it (its own process, output not a terminal): its result and the
+    lines to use it, without bitsandbytes' notice about the `kernels` package, transformers' FutureWarning
+    that PEFT triggers, or progress bars redrawn as text."""
+    out_dir, _ = trained
+    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "export", "add", "--from", str(out_dir),
+                             "--merge", "--out", str(tmp_path / "merged")], capture_output=True, text=True,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"merged model (transformers, safetensors) in {tmp_path / 'merged'}")
+    for noise in ("kernels", "FutureWarning", "is_gradient_checkpointing", "Loading weights", "Writing model"):
+        assert noise not in result.stderr, result.stderr
+
+
 def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
     out_dir, _ = trained
     # an unknown job
@@ -157,7 +175,8 @@ def test_export_refuses_with_what_to_do(trained, tmp_path, capsys):
     table.close()
     assert main(["export", "busy", "--from", str(state), "--out", str(tmp_path / "y")]) == 2
     error = capsys.readouterr().err
-    assert "job 'busy' is running (step 4 of 9)" in error and "wait until it completes" in error
+    assert "job 'busy' is running (step 4 of 9) and has no final adapter" in error
+    assert "wait until it completes" in error
 
 
 def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):

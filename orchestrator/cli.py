@@ -338,6 +338,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
     config = run_service_config(spec, resume_on_start=False)
     client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
+    _terminate_as_interrupt()
     from orchestrator.recent_runs import RecentRuns
 
     RecentRuns().remember(args.file, str(output_dir), config.state_dir)   # `aspen status` after it ends
@@ -369,9 +370,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ids |= {h.id for h in client.submit_many(plan.submit)} if plan.submit else set()
         try:
             records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
-        except KeyboardInterrupt:
-            print("aspen: interrupted; checkpointing the running jobs ...", file=sys.stderr, flush=True)
-            raise RunInterrupted() from None
+        except KeyboardInterrupt as interrupt:
+            what = "stopped (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
+            print(f"aspen: {what}; checkpointing the running jobs ...", file=sys.stderr, flush=True)
+            raise RunInterrupted(terminated=isinstance(interrupt, Terminated)) from None
     finally:
         client.shutdown()
     return _run_summary(spec, output_dir, records)
@@ -395,7 +397,27 @@ class RunSpecChanged(ValueError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during `aspen run`: the running jobs were checkpointed."""
+    """Ctrl-C (or SIGTERM) during `aspen run`: the running jobs were checkpointed."""
+
+    def __init__(self, terminated: bool = False):
+        super().__init__()
+        self.terminated = terminated
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a job system's stop) while a command that started a service of its own runs."""
+
+
+def _terminate_as_interrupt() -> None:
+    """Make SIGTERM stop this command as Ctrl-C does (the running jobs checkpointed, the service shut down, one
+    line said), in place of Ray's handler, which the service's start installed and which prints a C++ stack
+    and leaves the jobs to their last checkpoint. Called after `ray.init`, in the main thread."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _saved_step(output_dir: str) -> int | None:
@@ -469,6 +491,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         from orchestrator.client import Client
 
         client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
+        _terminate_as_interrupt()
         try:
             status = follow_sweep(client, client.sweep(spec)["name"], poll_s=args.poll)
         finally:
@@ -779,13 +802,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success, 2 for bad usage or a bad jobs file or request, 1 for a runtime failure (a job
-    failed, the cluster or service cannot be reached), 130 for Ctrl-C. Errors are one line; --debug adds
-    the traceback."""
+    failed, the cluster or service cannot be reached), 130 for Ctrl-C, 143 for SIGTERM. Errors are one line;
+    --debug adds the traceback."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -793,12 +816,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt as interrupt:
         _debug(args)
+        terminated = isinstance(interrupt, Terminated) or getattr(interrupt, "terminated", False)
+        what = "stopped (SIGTERM)" if terminated else "interrupted"
         if isinstance(interrupt, RunInterrupted):
-            print("aspen: interrupted; the running jobs were checkpointed, and the same command continues where "
+            print(f"aspen: {what}; the running jobs were checkpointed, and the same command continues where "
                   "they stopped", file=sys.stderr)
         else:
-            print("aspen: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+            print(f"aspen: {what}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except SpecError as error:
         _debug(args)
         kind = "sweep file" if getattr(args, "handler", None) is _cmd_sweep else "jobs file"

@@ -1,5 +1,6 @@
 """`aspen run` as a user runs it, interrupted the ways users interrupt it, then run again:
 
+- SIGTERM to the command (`kill`): as Ctrl-C, exit 143, without Ray's C++ stack;
 - Ctrl-C (SIGINT to the whole process group, as a terminal sends it): one line, exit 130, no traceback,
   running jobs checkpointed; the same command again resumes them and they end as an uninterrupted run;
 - the same command once more: finished jobs are left alone, one line each, exit 0;
@@ -129,6 +130,26 @@ def assert_like_undisturbed(folder: Path, base: Path, names=("first", "second"))
     for name in names:
         difference = max_relative_difference(adapter_tensors(folder / "out" / name), adapter_tensors(reference / name))
         assert difference <= 1e-4, f"{name}: {difference:.2e} from an undisturbed run"
+
+
+def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs):
+    """`kill PID` (SIGTERM, as a job system or a supervisor stops a command): the running jobs checkpointed, one
+    line, exit 143; not Ray's C++ "SIGTERM received" stack; the same command then finishes them."""
+    write_run(tmp_path, tiny_model_dirs["llama"])
+    process = start(tmp_path)
+    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 4 or
+             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
+    assert process.poll() is None, finish(process)
+    process.send_signal(signal.SIGTERM)              # the command only, not its group
+    code, out, err = finish(process)
+    assert code == 143, (code, out, err)
+    assert "SIGTERM received" not in err + out and "logging.cc" not in err and "Traceback" not in err, err
+    assert "stopped (SIGTERM)" in err and "the running jobs were checkpointed" in err, err
+    stopped_at = {n: checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")}
+    assert all(0 < step < STEPS for step in stopped_at.values()), stopped_at
+    code, out, err = run(tmp_path)
+    assert code == 0, (out, err)
+    assert all(metric_steps(tmp_path / "out" / n) == list(range(1, STEPS + 1)) for n in ("first", "second"))
 
 
 def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone(tmp_path, tiny_model_dirs):

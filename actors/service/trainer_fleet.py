@@ -208,11 +208,23 @@ class TrainerFleet:
         calls = {tid: self.handles.shutdown(s.handle) for tid, s in self.slots.items()
                  if s.status is not None and not s.retired}
         answers = []
+        deadline = time.monotonic() + timeout_s   # for all of them: they stop at the same time
         for trainer_id, call in calls.items():
+            events: list[TrainerEvent] = []
+            polling = self.slots[trainer_id].poll
+            if polling is not None:   # a poll in flight answers first (the actor takes calls in order): its
+                try:                  # events (a step's progress) would be lost with it
+                    events.extend(polling.result(timeout=max(deadline - time.monotonic(), 1.0))[1])
+                except TrainerCallFailed as error:
+                    log.warning("scheduler: trainer %s: its last poll failed at shutdown: %s", trainer_id, error)
+                self.slots[trainer_id].poll = None
             try:
-                answers.append((trainer_id, call.result(timeout=timeout_s)))
+                events.extend(call.result(timeout=max(deadline - time.monotonic(), 1.0)))
             except TrainerCallFailed as error:
                 log.warning("scheduler: trainer %s did not shut down cleanly: %s", trainer_id, error)
+                if not events:
+                    continue
+            answers.append((trainer_id, events))
         return answers
 
     def kill_all(self) -> None:

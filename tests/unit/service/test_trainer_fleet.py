@@ -42,6 +42,8 @@ class Call:
         return self.answered
 
     def result(self, timeout: float | None = None):
+        if not self.answered and timeout is not None:   # as Ray's get: unanswered within the timeout
+            raise TrainerCallFailed("GetTimeoutError", f"no answer in {timeout:.0f} s")
         assert self.answered, "result() of a call that is not done"
         if self.error is not None:
             raise self.error
@@ -291,3 +293,19 @@ def test_a_stopping_fleet_collects_each_trainers_last_events(tmp_path, caplog):
     assert "trainer trainer-1 did not shut down cleanly: GetTimeoutError: no answer in 180 s" in caplog.text
     fleet.kill_all()
     assert all(t.killed for t in cluster.started)
+
+
+def test_a_poll_in_flight_at_shutdown_keeps_its_events(tmp_path):
+    """A trainer's poll sent just before the service stops answers before its shutdown (the actor takes calls
+    in order): the step it reports is not lost (the job table kept step 0 of a job checkpointed at step 1)."""
+    cluster = FakeCluster(HEAD)
+    fleet, _, _, (a, *_), _ = fleet_with(tmp_path, cluster)
+    bring_up(fleet, cluster)
+    fleet.watch_all()                       # a poll goes out
+    trainer = cluster.current("trainer-0")
+    assert trainer.polls and not trainer.polls[-1].done()
+    step = progress(a, 1)
+    trainer.answer_poll([step])
+    paused = TrainerEvent(kind="paused", job_id=a, step=1, data={"checkpoint_step": 1})
+    trainer.last_words.give([paused])
+    assert fleet.shutdown() == [("trainer-0", [step, paused])]

@@ -489,10 +489,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         status = follow_sweep(service, service.sweep(spec)["name"], poll_s=args.poll)
     else:
         from orchestrator.client import Client
+        from orchestrator.progress import wait_for_trainers
 
-        client = Client.local(config, address=os.environ.get("RAY_ADDRESS"))
+        client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
         _terminate_as_interrupt()
         try:
+            wait_for_trainers(client)
             status = follow_sweep(client, client.sweep(spec)["name"], poll_s=args.poll)
         finally:
             client.shutdown()

@@ -151,8 +151,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _named_cluster(args: argparse.Namespace) -> bool:
-    """Whether the command names a cluster (--address or $RAY_ADDRESS), rather than whatever runs here."""
-    return getattr(args, "address", "auto") not in (None, "auto")
+    """Whether the command names a service (--url) or a cluster (--address or $RAY_ADDRESS), rather than
+    whatever runs here."""
+    address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS", "auto")
+    return bool(getattr(args, "url", None)) or address != "auto"
 
 
 def _ended_run_or(args: argparse.Namespace, error: Exception):
@@ -167,7 +169,7 @@ def _ended_run_or(args: argparse.Namespace, error: Exception):
         if run is None:
             raise error
         folder = Path(run.state_dir)
-    print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); the job table of the run in "
+    print("aspen: no aspen service is running; the job table of the run in "
           f"{folder.parent if folder.name == '.aspen' else folder} as it ended (`aspen run` of its jobs file resumes "
           "unfinished jobs)", file=sys.stderr)
     return EndedRun(folder)
@@ -519,12 +521,11 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         try:
             service = _service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
                 "RAY_ADDRESS", "auto")))
-        except ServiceError as error:   # its service ended: the sweep's own folder has its leaderboard
-            named = args.url or (args.address or os.environ.get("RAY_ADDRESS", "auto")) != "auto"
-            run = None if named else RecentRuns().find_sweep(name)
+        except ServiceError:   # its service ended: the sweep's own folder has its leaderboard
+            run = None if _named_cluster(args) else RecentRuns().find_sweep(name)
             if run is None:
                 raise
-            print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); sweep {name}'s leaderboard "
+            print(f"aspen: no aspen service is running; sweep {name}'s leaderboard "
                   f"in {run.output_dir} as it ended", file=sys.stderr)
             status = {"name": name, "state": "ended", **read_results(Path(run.output_dir))}
         else:

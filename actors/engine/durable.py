@@ -118,3 +118,20 @@ def append_whole(descriptor: int, data: bytes) -> None:
             except OSError as cut:
                 error.add_note(f"and the {written} bytes written could not be cut back: {cut}")
         raise
+
+
+def append_record(path: str | Path, data: bytes, *, private: bool = False) -> None:
+    """Append `data` (one or more whole lines) to the file at `path` in one write and fsync it, so that writers
+    in several processes (O_APPEND) never interleave or lose a record, and a record is on disk once this returns;
+    the file and its folder are made when missing (the file 0600 with `private`). A short write raises OSError
+    naming the file (nothing is retried: an action that cannot be recorded is not done)."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600 if private else 0o666)
+    try:
+        written = os.write(descriptor, data)
+        if written != len(data):
+            raise OSError(f"{path}: only {written} of {len(data)} bytes of a record were written")
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

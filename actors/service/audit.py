@@ -7,10 +7,11 @@ changes; read by admins (`GET /v1/audit`). Ray-free."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from actors.engine.durable import append_record
 
 AUDIT_FILE = "audit.jsonl"
 
@@ -26,16 +27,7 @@ class AuditLog:
     def record(self, user: str, action: str, target: str, **details: Any) -> dict[str, Any]:
         """Append one line; an OSError (a full disk) propagates: an action that cannot be audited is not done."""
         row = {"time": round(time.time(), 3), "user": user, "action": action, "target": target, **details}
-        line = (json.dumps(row, sort_keys=False, default=str) + "\n").encode()
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            written = os.write(descriptor, line)   # one write of one line: O_APPEND keeps lines whole
-            if written != len(line):
-                raise OSError(f"{self.path}: only {written} of {len(line)} bytes of an audit line were written")
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        append_record(self.path, (json.dumps(row, sort_keys=False, default=str) + "\n").encode(), private=True)
         return row
 
     def rows(self, *, user: str | None = None, after: float | None = None, limit: int = 10_000) -> list[dict]:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from actors.engine.durable import append_whole
+from actors.engine.durable import append_whole, write_durably
 from actors.engine.storage import StorageLocation, is_uri
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,7 @@ class JobFiles:
         to a row already written): written beside it, then renamed over it, so that a failure leaves the file
         as it was. Raises OSError."""
         path = self.folder / METRICS_NAME
-        staged = self.folder / f".{METRICS_NAME}.rewrite"
-        try:
-            with open(staged, "w") as out:
-                out.write("".join(json.dumps(row) + "\n" for row in rows))
-            os.replace(staged, path)
-        except OSError:
-            staged.unlink(missing_ok=True)
-            raise
+        write_durably(path, "".join(json.dumps(row) + "\n" for row in rows))
         if self.fd is not None:
             os.close(self.fd)
         self.fd = os.open(path, os.O_WRONLY)

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from actors.engine.durable import append_record
 from actors.service.job_table import JobTable, JobTableBusy
 from actors.service.trainer_reports import TrainerEvent
 
@@ -63,11 +64,8 @@ def open_job_table(path: Path, on_change: Any, timeout: float = TABLE_OPEN_S) ->
 def spill_events(state_dir: Path, events: list[tuple[str, TrainerEvent]]) -> Path:
     """Append (trainer id, event) pairs to the spill file, durably; returns its path."""
     path = state_dir / UNAPPLIED_EVENTS
-    with path.open("a") as handle:
-        for trainer_id, event in events:
-            handle.write(json.dumps({"trainer": trainer_id, **asdict(event)}, default=str) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    append_record(path, "".join(json.dumps({"trainer": trainer_id, **asdict(event)}, default=str) + "\n"
+                                for trainer_id, event in events).encode())
     return path
 
 

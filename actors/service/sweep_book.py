@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from actors.engine.durable import write_durably
 from actors.engine.storage import is_uri
 from actors.engine.sweep_spec import SweepSpec
 from actors.service.sweep_driver import SweepDriver, SweepJobs
@@ -102,22 +103,20 @@ class SweepBook:
         folder = Path(driver.spec.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         board = driver.run.leaderboard()
-        temporary = folder / (LEADERBOARD_FILE + ".tmp")
-        temporary.write_text(json.dumps(board, indent=1))
-        temporary.replace(folder / LEADERBOARD_FILE)
+        write_durably(folder / LEADERBOARD_FILE, json.dumps(board, indent=1))
         write_report(folder / REPORT_FILE, driver.spec, board, driver.curves())
 
 
 def write_report(path: Path, spec: SweepSpec, board: dict[str, Any],
                  curves: dict[str, list[tuple[int, float]]]) -> None:
-    """`report_figure` saved as a PNG at `path` (written aside, then renamed)."""
+    """`report_figure` saved as a PNG at `path` (`durable.write_durably`: whole, or the old one left)."""
     import matplotlib.pyplot as plt
 
     figure = report_figure(spec, board, curves)
-    temporary = path.with_name(path.name + ".tmp.png")
-    figure.savefig(temporary, bbox_inches="tight")
-    plt.close(figure)
-    temporary.replace(path)
+    try:
+        write_durably(path, lambda temporary: figure.savefig(temporary, format="png", bbox_inches="tight"))
+    finally:
+        plt.close(figure)
 
 
 def trial_label(trial: dict[str, Any], best: bool) -> str:

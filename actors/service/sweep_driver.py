@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from actors.engine.durable import write_durably
 from actors.engine.spec import JobSpec
 from actors.engine.sweep_spec import SweepSpec
 from actors.service.sweep_run import SweepRun
@@ -82,12 +83,9 @@ class SweepDriver:
                 "cancelled": self.cancelled}
 
     def save(self) -> None:
-        """The spec and the state, written whole (a temporary file renamed over the old one)."""
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.state_path.with_name(self.state_path.name + ".tmp")
-        temporary.write_text(json.dumps({"spec": self.spec.model_dump(mode="json"), "driver": self.state_dict()},
-                                        indent=1))
-        temporary.replace(self.state_path)
+        """The spec and the state, written whole and durably (`durable.write_durably`)."""
+        write_durably(self.state_path, json.dumps({"spec": self.spec.model_dump(mode="json"),
+                                                   "driver": self.state_dict()}, indent=1))
 
     @property
     def done(self) -> bool:

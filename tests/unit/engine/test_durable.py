@@ -168,3 +168,32 @@ def test_a_jobs_adapter_and_checkpoint_get_the_modes_of_ordinary_files_and_folde
     wrong = {str(p.relative_to(job)): oct(stat.S_IMODE(p.stat().st_mode)) for p in written
              if stat.S_IMODE(p.stat().st_mode) != (folder_mode if p.is_dir() else file_mode)}
     assert not wrong, (oct(file_mode), oct(folder_mode), wrong)
+
+
+APPENDER = """
+import sys
+from actors.engine.durable import append_record
+for i in range(200):
+    append_record(sys.argv[1], (sys.argv[2] * 300 + f" {i}\\n").encode(), private=True)
+"""
+
+
+def test_records_appended_from_several_processes_stay_whole_and_private(tmp_path, monkeypatch):
+    """append_record: two processes appending at once never interleave a record; every one is there, fsynced
+    before the call returns; a private file is 0600; a short write is an error naming the file."""
+    path = tmp_path / "log" / "records.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    writers = [subprocess.Popen([sys.executable, "-c", APPENDER, str(path), letter], env=env) for letter in "ab"]
+    assert all(writer.wait(timeout=120) == 0 for writer in writers)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 400 and all(line[:300] in ("a" * 300, "b" * 300) and line[300] == " " for line in lines)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    from actors.engine.durable import append_record
+
+    append_record(path, b"x\n")
+    assert synced
+    monkeypatch.setattr(os, "write", lambda fd, data: len(data) - 1)
+    with pytest.raises(OSError, match="records.jsonl: only 1 of 2 bytes"):
+        append_record(path, b"y\n")

@@ -1,6 +1,6 @@
 """The service's sweeps (actors/service/sweep_book.py) over a fake job service whose trials train by a planted
 loss curve: a sweep runs to its end with its results on disk; a sweep that fails (its state file cannot be
-written: a folder in the way of its file) is marked failed with the error while another goes on; a damaged state file is
+written: a folder where its file goes) is marked failed with the error while another goes on; a damaged state file is
 reported for that sweep alone when the book is built again, the others carried on; a book built again on the
 same folder (a restarted scheduler) ends a half-run sweep as an uninterrupted one."""
 
@@ -81,12 +81,13 @@ def test_a_sweep_runs_to_its_end_and_a_failing_one_stops_alone(tmp_path):
     book = SweepBook(tmp_path / "state2", jobs)
     book.add(spec("good", tmp_path / "b"))
     book.add(spec("doomed", tmp_path / "b"))
-    blocker = tmp_path / "state2" / "sweeps" / "doomed.json.tmp"
-    blocker.mkdir()                        # its state cannot be written (a directory where its temp file goes)
+    blocker = tmp_path / "state2" / "sweeps" / "doomed.json"
+    blocker.unlink()
+    blocker.mkdir()                        # its state cannot be written (a directory where its file goes)
     run(book, jobs)
     good, doomed = book.status("good"), book.status("doomed")
     assert good["state"] == "done" and good["best"] == "qa-t0" and good["error"] is None
-    assert doomed["state"] == "failed" and "doomed.json.tmp" in doomed["error"]
+    assert doomed["state"] == "failed" and "doomed.json" in doomed["error"]
     board = json.loads((tmp_path / "b" / "good" / "leaderboard.json").read_text())
     assert board == {"trials": good["trials"], "best": "qa-t0"}
     assert (tmp_path / "b" / "good" / "report.png").read_bytes()[:4] == b"\x89PNG"

@@ -50,7 +50,7 @@ def _service_config(args: argparse.Namespace):
 def _service(args: argparse.Namespace):
     """The service's client: over the HTTP API with --url (or $ASPEN_URL; no Ray needed), else over Ray."""
     if getattr(args, "url", None):
-        from orchestrator.http_client import HttpClient
+        from orchestrator.http.api_client import HttpClient
 
         return HttpClient(args.url)
     from orchestrator.client import Client
@@ -84,7 +84,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.http:
         import ray
 
-        from orchestrator.http_api import serve
+        from orchestrator.http.api import serve
 
         ray.shutdown()   # the service is detached; the API reaches it from a process of its own (http_bridge)
         serve(address=args.address, host=args.http_host, port=args.http_port, state_dir=info["state_dir"])
@@ -92,7 +92,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_http(args: argparse.Namespace) -> int:
-    from orchestrator.http_api import serve
+    from orchestrator.http.api import serve
 
     serve(address=args.address, host=args.host, port=args.port, token_file=args.token_file,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, state_dir=args.state_dir)
@@ -101,7 +101,7 @@ def _cmd_http(args: argparse.Namespace) -> int:
 
 def _cmd_http_token(args: argparse.Namespace) -> int:
     from actors.service.users import UserBook
-    from orchestrator.http_token import ensure_token, token_file
+    from orchestrator.http.token import ensure_token, token_file
 
     book = UserBook.in_state_dir(args.state_dir)
     if book.exists():   # the single token opens the API only where an admin holds it
@@ -217,7 +217,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     from orchestrator.watch import watch
 
     if args.events:
-        from orchestrator.mqtt_settings import reader_settings
+        from orchestrator.mqtt.settings import reader_settings
         from orchestrator.watch import watch_events
 
         if args.once:
@@ -543,7 +543,7 @@ def _export_over_http(args: argparse.Namespace) -> Path:
     import tempfile
 
     from actors.engine.adapter_export import export_merged
-    from orchestrator.http_client import HttpClient
+    from orchestrator.http.api_client import HttpClient
 
     with HttpClient(args.url) as client:
         if not args.merge:
@@ -841,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(error: Exception) -> tuple[int, str]:
     """The exit code and the one line for an error that ended a command."""
-    from orchestrator.http_client import HttpApiError
+    from orchestrator.http.api_client import HttpApiError
 
     if isinstance(error, HttpApiError):   # 401/403: the token (exit 3); other 4xx: the request (exit 2); 5xx or
         if error.status in (401, 403):    # no connection: the service (exit 1)

@@ -208,11 +208,11 @@ class Client:
         return self._request("info")
 
     def event_settings(self) -> Any:
-        """Where and how to subscribe to this service's job events (an `orchestrator.mqtt_settings.EventSettings`):
+        """Where and how to subscribe to this service's job events (an `orchestrator.mqtt.settings.EventSettings`):
         its embedded MQTT broker's address and read-only account, read from the service's state dir (so
         this machine must see that folder, and this user read its `mqtt-reader.json`). Raises
         FileNotFoundError / PermissionError saying so."""
-        from orchestrator.mqtt_settings import reader_settings
+        from orchestrator.mqtt.settings import reader_settings
 
         return reader_settings(self.info()["state_dir"])
 

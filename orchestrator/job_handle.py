@@ -1,5 +1,5 @@
 """A handle on one submitted job, shared by the Ray client (orchestrator/client.py) and the HTTP client
-(orchestrator/http_client.py): it asks its client, whichever it is (this module imports neither Ray nor
+(orchestrator/http/api_client.py): it asks its client, whichever it is (this module imports neither Ray nor
 an HTTP library)."""
 
 from __future__ import annotations

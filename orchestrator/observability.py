@@ -17,7 +17,7 @@ def service_listeners(config: ServiceConfig) -> list[ServiceListener]:
 
         listeners.append(MetricsListener(config.metrics))
     if config.events.enabled:
-        from orchestrator.mqtt_events import MqttListener
+        from orchestrator.mqtt.listener import MqttListener
 
         state_dir = Path(config.state_dir).expanduser()
         listeners.append(MqttListener(config.events, state_dir=state_dir,

@@ -2,7 +2,7 @@
 service went away (`ServiceLink`), and each call's errors as HTTP answers (`call_service`): 404 an unknown
 job, 409 a conflict or a job in the wrong state, 422 an invalid spec, 503 a service that cannot answer.
 Used by the API in this process and by the child process that holds the Ray connection
-(`orchestrator.http_bridge`)."""
+(`orchestrator.http.bridge`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 from fastapi import HTTPException
 
 from actors.service.config import SCHEDULER_NAME
-from orchestrator.http_submissions import Refused
+from orchestrator.http.request_bodies import Refused
 from orchestrator.jobs_file import SpecError
 
-log = logging.getLogger("orchestrator.http_api")   # the API's one logger, whichever module logs
+log = logging.getLogger("orchestrator.http.api")   # the API's one logger, whichever module logs
 T = TypeVar("T")
 
 

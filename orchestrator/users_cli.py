@@ -64,7 +64,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _legacy_token(path: str | None) -> str | None:
-    from orchestrator.http_token import TokenFileError, read_token, token_file
+    from orchestrator.http.token import TokenFileError, read_token, token_file
 
     if not token_file(path).is_file():
         return None

@@ -1,7 +1,7 @@
 """`aspen watch`: a live table of the service's jobs (state, step, loss, tokens/s, ETA), refreshed every
 second from the service's job table, or printed once (`--once`); or (`--events`) one line per job state
 change and event as the service publishes them over MQTT, read with the embedded broker's read-only
-account (`orchestrator.mqtt_settings.reader_settings`)."""
+account (`orchestrator.mqtt.settings.reader_settings`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from rich.table import Table
 from actors.service.job_table import JobRecord
 
 if TYPE_CHECKING:
-    from orchestrator.mqtt_settings import EventSettings
+    from orchestrator.mqtt.settings import EventSettings
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -94,7 +94,7 @@ def _details(payload: dict[str, Any], skip: tuple[str, ...]) -> str:
 
 
 def event_line(topic: str, payload: bytes, retained: bool, prefix: str = "aspen/v1") -> str:
-    """One line for a message of the service's topics (see `orchestrator.mqtt_topics`); `retained` marks what
+    """One line for a message of the service's topics (see `orchestrator.mqtt.topics`); `retained` marks what
     the broker kept from before (the current state when the watch starts)."""
     text = payload.decode("utf-8", errors="replace")
     if not text:   # an empty retained message: the broker's copy was cleared (a job deleted or past retention)

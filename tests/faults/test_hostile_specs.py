@@ -1,5 +1,5 @@
 """Spec texts built to make a parser run for minutes or build a structure without end, read as the HTTP API
-reads a body (`http_submissions.parse_body`) and as `aspen run` reads a jobs file (`jobs_file.load_run_spec`):
+reads a body (`http.request_bodies.parse_body`) and as `aspen run` reads a jobs file (`jobs_file.load_run_spec`):
 a million nested brackets, a "billion laughs" of aliases, an alias at the end of a megabyte, more values than
 any job spec has. Each is refused naming the limit and, where the parser knows it, the line; what the limits
 let through is the data PyYAML's own `yaml.safe_load` (or `json.loads`) gives, the reference. The limits hold
@@ -15,7 +15,7 @@ import json
 import pytest
 import yaml
 
-from orchestrator.http_submissions import BODY_LIMITS, Refused, parse_body
+from orchestrator.http.request_bodies import BODY_LIMITS, Refused, parse_body
 from orchestrator.jobs_file import SpecError, load_run_spec
 from orchestrator.spec_text import TextLimits, TooComplex, check_yaml, load_json, load_yaml
 

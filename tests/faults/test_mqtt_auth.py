@@ -27,8 +27,8 @@ from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
 from actors.service.job_table import JobRecord
 from orchestrator.cli import main as aspen_main
 from orchestrator.client import Client
-from orchestrator.mqtt_events import MqttListener
-from orchestrator.mqtt_settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
+from orchestrator.mqtt.listener import MqttListener
+from orchestrator.mqtt.settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
 from orchestrator.observability import service_listeners
 from orchestrator.watch import watch_events
 from tests.helpers.mqtt import SUBSCRIBE_WAIT_S, Subscriber, free_port, retained
@@ -229,7 +229,7 @@ def test_the_account_files_are_private_from_creation_and_reused_after_a_restart(
         second.close()
 
     files[0].chmod(0o644)    # someone made the accounts readable: their passwords may be known
-    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_settings"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.settings"):
         third = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
     try:
         wait_for(lambda: third.connection.connected, timeout=20,

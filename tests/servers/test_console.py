@@ -1,4 +1,4 @@
-"""The web console (orchestrator/http_console.py, orchestrator/console/static) in a real browser: Debian's
+"""The web console (orchestrator/http/console.py, orchestrator/console/static) in a real browser: Debian's
 chromium, headless, driven by Playwright, against the HTTP API on a uvicorn server over a real service on
 the session's Ray with a tiny Llama. What each page shows is checked against the API's own JSON for the
 same thing; the refusals are caused for real (a wrong token, malformed YAML, another user's job, trying a
@@ -20,10 +20,10 @@ import pytest
 from actors.service.audit import AuditLog
 from actors.service.users import UserBook
 from orchestrator.client import Client
-from orchestrator.http_api import ServiceLink, create_app
-from orchestrator.http_client import HttpClient
-from orchestrator.http_console import STATIC_DIR
-from orchestrator.http_token import ensure_token
+from orchestrator.http.api import ServiceLink, create_app
+from orchestrator.http.api_client import HttpClient
+from orchestrator.http.console import STATIC_DIR
+from orchestrator.http.token import ensure_token
 from tests.helpers.service import NO_LISTENERS, job_dict, service_config, wait_for, write_task_data
 from tests.servers.test_http_api import NOBODYS_MODEL, running_server
 

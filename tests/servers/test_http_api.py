@@ -1,5 +1,5 @@
-"""The HTTP API (orchestrator/http_api.py) on a real uvicorn server on a loopback port, over a real service on
-the session's Ray, driven with real HTTP requests: the Ray-free client (orchestrator/http_client.py) and raw
+"""The HTTP API (orchestrator/http/api.py) on a real uvicorn server on a loopback port, over a real service on
+the session's Ray, driven with real HTTP requests: the Ray-free client (orchestrator/http/api_client.py) and raw
 httpx. What it answers is checked against the Ray client's view of the same service (the reference), and
 every refused request (no or a wrong token, malformed or invalid bodies, unknown jobs, duplicates,
 oversized bodies) is checked to leave the job table exactly as it was."""
@@ -28,12 +28,12 @@ from actors.engine.adapter_export import export_adapter
 from actors.service.audit import AuditLog
 from actors.service.config import ServiceConfig, TrainerConfig
 from actors.service.users import UserBook
-from orchestrator import http_api
 from orchestrator.client import Client
-from orchestrator.http_api import ServiceLink, create_app
-from orchestrator.http_bridge import ProcessLink
-from orchestrator.http_client import Conflict, HttpClient, JobNotFound, SpecRefused, Unauthorized
-from orchestrator.http_token import TokenFileError, client_token, ensure_token, read_token
+from orchestrator.http import jobs as http_jobs
+from orchestrator.http.api import ServiceLink, create_app
+from orchestrator.http.api_client import Conflict, HttpClient, JobNotFound, SpecRefused, Unauthorized
+from orchestrator.http.bridge import ProcessLink
+from orchestrator.http.token import TokenFileError, client_token, ensure_token, read_token
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -306,7 +306,7 @@ def test_hostile_bodies_are_refused_within_a_second_and_a_slow_parse_stalls_noth
         assert api.table() == before
 
         parsing, release = threading.Event(), threading.Event()
-        parse_body = http_api.parse_body
+        parse_body = http_jobs.parse_body
 
         def slow_parse(*args, **kwargs):
             parsing.set()
@@ -315,7 +315,7 @@ def test_hostile_bodies_are_refused_within_a_second_and_a_slow_parse_stalls_noth
                 pass   # busy in Python, as a slow parser is: the GIL is given up only at switch intervals
             return parse_body(*args, **kwargs)
 
-        monkeypatch.setattr(http_api, "parse_body", slow_parse)
+        monkeypatch.setattr(http_jobs, "parse_body", slow_parse)
         answers = {}
         submit = threading.Thread(target=lambda: answers.update(
             submitted=raw.post("/v1/jobs", content=jobs_file, headers=yaml_type)))
@@ -412,7 +412,7 @@ def test_the_http_client_and_the_cli_with_url_need_no_ray(api, tmp_path):
     data = write_task_data(tmp_path / "data", "cli")
     (tmp_path / "jobs.yaml").write_text(json.dumps({"base_model": api.base, "output_dir": "out", "jobs": [
         {**job_dict("cli-http", Path("data/cli.jsonl"), 2)}]}))   # relative: taken from the file's folder
-    script = ("import sys, orchestrator.http_client; assert not {'ray', 'torch'} & set(sys.modules), 'imported'; "
+    script = ("import sys, orchestrator.http.api_client; assert not {'ray', 'torch'} & set(sys.modules), 'imported'; "
               "from orchestrator.cli import main; code = main(sys.argv[1:]); "
               "assert 'ray' not in sys.modules, 'ray was imported'; sys.exit(code)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "ASPEN_URL": api.url, "ASPEN_TOKEN": api.token}
@@ -481,7 +481,7 @@ def test_the_ray_connection_lives_in_a_child_process_replaced_when_it_dies(api):
 def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigterm(ray_session, tmp_path):
     """`aspen http` as a user starts it: a token file made for it (0600), loopback, 401 without the token, a 503
     naming the missing service (none runs under the default name here), and a prompt stop."""
-    from orchestrator.http_api import is_loopback
+    from orchestrator.http.api import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.7")
@@ -689,7 +689,7 @@ def test_a_server_over_a_running_service_reads_the_services_own_users(api, users
     added with `aspen user add --state-dir <its folder>`: the server asks the service where its state lives
     (`ServiceStateFolder`, what `serve` builds), so alice's token opens the API and every action is audited there;
     the single token, no longer in force, is refused with a 401 that says a users file is in force and where."""
-    from orchestrator.http_users import ServiceStateFolder
+    from orchestrator.http.callers import ServiceStateFolder
     from orchestrator.service_calls import call_service
 
     folder = ServiceStateFolder(lambda: call_service(api.link, lambda client: client.info()), fallback=tmp_path)

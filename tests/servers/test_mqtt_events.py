@@ -22,9 +22,9 @@ import pytest
 from actors.service.config import EventsConfig, ServiceConfig
 from actors.service.job_table import JobRecord
 from orchestrator.client import Client
-from orchestrator.mqtt_events import MqttListener
-from orchestrator.mqtt_settings import reader_settings
-from orchestrator.mqtt_topics import topic_level
+from orchestrator.mqtt.listener import MqttListener
+from orchestrator.mqtt.settings import reader_settings
+from orchestrator.mqtt.topics import topic_level
 from orchestrator.report import write_report
 from tests.helpers.mqtt import (
     Subscriber,
@@ -95,7 +95,7 @@ def test_a_dead_broker_never_blocks_and_warns(caplog):
                        quantization="none", priority=0, output_dir="/out", trainer="trainer-0", step=3, total_steps=10,
                        tokens=300, loss=1.5, eval_loss=None, tokens_per_s=20.0, checkpoint_step=None, adapter_dir=None,
                        submitted_at=time.time(), started_at=time.time(), finished_at=None, updated_at=time.time())
-    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.listener"):
         listener = MqttListener(EventsConfig(broker=f"mqtt://127.0.0.1:{port}"), queue_size=100)
         try:
             started = time.perf_counter()
@@ -128,7 +128,7 @@ def test_the_listener_reconnects_and_publishes_the_latest_states_again(tmp_path,
         listener.job_changed(job_record("job-def456", "queued"), None)
         wait_for(lambda: listener.connection.published >= 2, timeout=10, what="the first states to be published")
         stop_mosquitto(broker)           # persistence off: the restarted broker has no retained messages
-        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.listener"):
             wait_for(lambda: listener.connection.down, timeout=20, what="the listener to notice the broker left")
             record.state, record.step = "completed", 10
             listener.job_changed(record, "running")     # dropped: the broker is away
@@ -180,7 +180,7 @@ def test_an_external_broker_over_tls_with_a_password(tmp_path, caplog):
             listener.close()
         assert retained(plain, "aspen/v1/jobs/job-abc123/state", username="aspen", password="s3cret")["state"] == \
             "completed"
-        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.listener"):
             wrong = MqttListener(EventsConfig(broker=f"mqtts://127.0.0.1:{tls}", username="aspen", password="wrong",
                                               ca_file=folder / "cert.pem"))
             try:
@@ -268,7 +268,7 @@ def test_embedded_broker_on_a_taken_port_warns_and_names_the_fix(caplog, tmp_pat
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt_events"):
+        with caplog.at_level(logging.WARNING, logger="orchestrator.mqtt.listener"):
             listener = MqttListener(EventsConfig(embedded_port=port), state_dir=tmp_path)
         try:
             assert listener.describe() == {}

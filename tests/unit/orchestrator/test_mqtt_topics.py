@@ -1,5 +1,5 @@
 """What the service publishes on MQTT, checked without a broker against the contract that subscribers read
-(orchestrator/mqtt_topics.py's docstring, docs/monitoring.md): each job's state retained at QoS 1 on
+(orchestrator/mqtt/topics.py's docstring, docs/monitoring.md): each job's state retained at QoS 1 on
 `jobs/<job>/state`, progress at QoS 0, notable events at QoS 1 on `jobs/<job>/events`, a retained state
 cleared as MQTT clears one (a zero-length retained message) when the job is deleted and once a finished
 job's retention ran out, each once; and the outbox between the scheduler and the connection: bounded, never
@@ -16,8 +16,8 @@ import pytest
 
 from actors.service.job_table import JobRecord
 from actors.service.trainer_reports import TrainerEvent
-from orchestrator.mqtt_connection import Outbox
-from orchestrator.mqtt_topics import EventTopics, Message, topic_prefix
+from orchestrator.mqtt.connection import Outbox
+from orchestrator.mqtt.topics import EventTopics, Message, topic_prefix
 
 PREFIX = "lab/v1"
 

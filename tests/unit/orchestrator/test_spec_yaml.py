@@ -1,4 +1,4 @@
-"""A job's spec as the console shows it and clones it (orchestrator/http_console.py `spec_answer`): YAML as a
+"""A job's spec as the console shows it and clones it (orchestrator/http/console.py `spec_answer`): YAML as a
 person writes a jobs file (a prompt with line breaks as a literal block, a count of rows as a whole number)
 that reads back as the same submission."""
 
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from actors.engine.spec import JobSubmission, RunSpec
-from orchestrator.http_console import spec_answer
+from orchestrator.http.console import spec_answer
 from tests.helpers.service import job_dict
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[3]
 # listeners (metrics, MQTT events), its policies, and the client and CLI
 SCHEDULER_SIDE = ["actors.scheduler_actor", "actors.job_actor", "actors.trainer_actor", "actors.job_starts",
                   "actors.ray_trainers", "orchestrator.observability", "orchestrator.metrics",
-                  "orchestrator.mqtt_events", "orchestrator.client", "orchestrator.cli", "orchestrator.run_plan",
+                  "orchestrator.mqtt.listener", "orchestrator.client", "orchestrator.cli", "orchestrator.run_plan",
                   "policies.registry", "policies.fifo", "policies.minpad", "policies.ordering"]
 HEAVY = ["torch", "transformers", "peft"]
 

@@ -250,8 +250,8 @@ def test_adding_the_first_user_never_locks_the_operator_out(tmp_path):
     stays valid as the admin 'operator' (said on stderr, audited); the HTTP gate admits it as an admin and
     alice as herself; `aspen http-token` prints it and says whose it is; once operator is removed (another
     admin added first), `aspen http-token` refuses to print a token that no longer opens the API (exit 1)."""
-    from orchestrator.http_token import ensure_token
-    from orchestrator.http_users import Gate
+    from orchestrator.http.callers import Gate
+    from orchestrator.http.token import ensure_token
 
     token_path = tmp_path / "http-token"
     single = ensure_token(str(token_path))

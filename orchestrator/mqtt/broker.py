@@ -2,7 +2,7 @@
 
 Its accounts' password file, the plugins that admit only those accounts and let only the service publish,
 its configuration, and `EmbeddedBroker`. Imported only when the service starts the embedded broker
-(`orchestrator.mqtt_connection`).
+(`orchestrator.mqtt.connection`).
 
 The embedded broker admits only the accounts the service generates (random passwords, kept in the
 service's state dir, all files mode 0600, reused across restarts):
@@ -21,7 +21,7 @@ On a shared service (`<state_dir>/users.json`, `aspen user add`) each user is an
 their user name, password their API token, checked against the users file as it is now (read again when
 it changes: a removed user or a rotated token is refused from the next connection on, and a removed
 user's open session receives nothing more). A user may subscribe only under `<prefix>/users/<name>/`
-(where the service publishes their own jobs a second time: `orchestrator/mqtt_topics.py`) and to the
+(where the service publishes their own jobs a second time: `orchestrator/mqtt/topics.py`) and to the
 service's status; an admin under the whole prefix; no user may publish."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from amqtt.session import Session
 
 from actors.engine.durable import write_durably
 from actors.service.users import User, UserBook, UsersFileError
-from orchestrator.mqtt_settings import PASSWORD_FILE, BrokerCredentials, _is_private
+from orchestrator.mqtt.settings import PASSWORD_FILE, BrokerCredentials, _is_private
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class UserAccounts:
 
     def readable(self, user: User) -> list[str]:
         """The topic filters a user may subscribe to and receive on."""
-        from orchestrator.mqtt_topics import topic_level
+        from orchestrator.mqtt.topics import topic_level
 
         if user.admin:
             return [f"{self.prefix}/#"]

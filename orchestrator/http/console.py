@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from actors.engine.spec import JobSubmission
 
-STATIC_DIR = Path(__file__).resolve().parent / "console" / "static"
+STATIC_DIR = Path(__file__).resolve().parents[1] / "console" / "static"
 MAX_NEW_TOKENS = 256          # as actors/service/try_adapter.py takes
 MAX_PROMPT_CHARS = 4000
 

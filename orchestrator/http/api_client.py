@@ -5,7 +5,7 @@ Ray client's `JobRecord`s; a refusal is an `HttpApiError` carrying the server's 
 is also a KeyError, an invalid spec also a `SpecError`, a state conflict also a ValueError, as the Ray
 client raises them).
 
-    from orchestrator.http_client import HttpClient
+    from orchestrator.http.api_client import HttpClient
     client = HttpClient("http://127.0.0.1:8765")            # token from $ASPEN_TOKEN or ~/.aspen/http-token
     job = client.submit({"name": "sql", "data": "/data/sql.jsonl", "format": {"type": "alpaca"}, "max_steps": 200})
     print(job.wait(timeout=3600).state, job.losses()[-1])
@@ -26,8 +26,8 @@ import httpx
 from actors.engine.spec import JobSpec, JobSubmission, RunSpec
 from actors.engine.storage import is_uri
 from actors.service.job_table import JobRecord
-from orchestrator.http_submissions import as_request
-from orchestrator.http_token import client_token
+from orchestrator.http.request_bodies import as_request
+from orchestrator.http.token import client_token
 from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec
 

@@ -1,7 +1,7 @@
 """What the service publishes on MQTT: the message (topic, payload, QoS, retain) for each of the scheduler's
 events, and which jobs' retained states the broker should hold and when each is cleared. No connection, no
-thread, no broker here: `MqttListener` (`orchestrator.mqtt_events`) hands these messages to the connection
-(`orchestrator.mqtt_connection`).
+thread, no broker here: `MqttListener` (`orchestrator.mqtt.listener`) hands these messages to the connection
+(`orchestrator.mqtt.connection`).
 
 Topics (under `events.topic_prefix`, default `aspen/v1`):
     jobs/<job>/state     every state change, retained, QoS 1
@@ -11,7 +11,7 @@ Topics (under `events.topic_prefix`, default `aspen/v1`):
 
 A job submitted by a user (a shared service: `aspen user add`) is published a second time under that user's
 own topics, `users/<user>/jobs/<job>/state|progress|events`: the embedded broker lets each user's account
-(their name, their API token as the password) read there and nowhere else (`orchestrator/mqtt_broker.py`),
+(their name, their API token as the password) read there and nowhere else (`orchestrator/mqtt/broker.py`),
 while the service's reader account and admins read the whole prefix.
 
 Retained job states are cleared (a zero-length retained publish on `jobs/<job>/state`, MQTT's way to

@@ -2,8 +2,8 @@
 state changes, progress and notable events, plus the service's own online/offline status, to an MQTT
 broker: an embedded amqtt broker started with the service (default), or an external one.
 
-Two parts, each in its module: what to publish (`orchestrator.mqtt_topics`: the topics, payloads and
-retained states) and the connection that publishes it (`orchestrator.mqtt_connection`: a bounded outbox, a
+Two parts, each in its module: what to publish (`orchestrator.mqtt.topics`: the topics, payloads and
+retained states) and the connection that publishes it (`orchestrator.mqtt.connection`: a bounded outbox, a
 daemon thread with its own asyncio loop, the embedded broker, reconnects with backoff). The scheduler's
 calls only put messages in the outbox: when the broker is unreachable or the outbox is full, events are
 dropped with a (rate-limited) warning and training goes on."""
@@ -16,9 +16,9 @@ from typing import Any
 from actors.service.config import EventsConfig
 from actors.service.job_table import JobRecord
 from actors.service.trainer_reports import TrainerEvent, TrainerStatus
-from orchestrator.mqtt_connection import QUEUE_SIZE, MqttConnection
-from orchestrator.mqtt_settings import parse_broker_url
-from orchestrator.mqtt_topics import EventTopics, topic_prefix
+from orchestrator.mqtt.connection import QUEUE_SIZE, MqttConnection
+from orchestrator.mqtt.settings import parse_broker_url
+from orchestrator.mqtt.topics import EventTopics, topic_prefix
 
 
 class MqttListener:

@@ -1,14 +1,14 @@
-"""The connection that carries the service's MQTT messages (`orchestrator.mqtt_topics`) to the broker.
+"""The connection that carries the service's MQTT messages (`orchestrator.mqtt.topics`) to the broker.
 
 The scheduler's threads only put messages in a bounded `Outbox`; a daemon thread runs its own asyncio
-loop: it starts the embedded amqtt broker where configured (`orchestrator.mqtt_broker`), connects with
+loop: it starts the embedded amqtt broker where configured (`orchestrator.mqtt.broker`), connects with
 aiomqtt and publishes the outbox in order, reconnecting with backoff. At each connect it publishes the
 retained `online` status, the clearings dropped while the broker was away and every job's last state; its
 last will, and its last message when closed, is the retained `offline`. When the broker is unreachable or
 the outbox is full, messages are dropped with a (rate-limited) warning and training goes on.
 
 External brokers (`events.broker: mqtt://...`) use `events.username`/`events.password` as configured;
-the embedded one admits only the accounts the service generates (`orchestrator.mqtt_broker`)."""
+the embedded one admits only the accounts the service generates (`orchestrator.mqtt.broker`)."""
 
 from __future__ import annotations
 
@@ -27,19 +27,19 @@ from typing import TYPE_CHECKING, Any
 from actors.engine.extras import MissingExtraError, require
 from actors.service.config import EventsConfig
 from actors.service.users import USERS_FILE
-from orchestrator.mqtt_settings import (
+from orchestrator.mqtt.settings import (
     CREDENTIALS_FILE,
     READER_FILE,
     BrokerAddress,
     broker_credentials,
     write_reader_settings,
 )
-from orchestrator.mqtt_topics import EventTopics, Message
+from orchestrator.mqtt.topics import EventTopics, Message
 
 if TYPE_CHECKING:   # imported where the broker starts: amqtt is an extra
-    from orchestrator.mqtt_broker import EmbeddedBroker
+    from orchestrator.mqtt.broker import EmbeddedBroker
 
-log = logging.getLogger("orchestrator.mqtt_events")   # the events' one logger, whichever module logs
+log = logging.getLogger("orchestrator.mqtt.listener")   # the events' one logger, whichever module logs
 
 QUEUE_SIZE = 10_000
 WARN_EVERY_S = 30.0
@@ -217,7 +217,7 @@ class MqttConnection:
             self.broker_error = f"{error}; or set events.broker to an external broker's URL. Job events are off"
             log.warning("events: %s", self.broker_error)
             return None
-        from orchestrator.mqtt_broker import EmbeddedBroker, embedded_broker_config, write_password_file
+        from orchestrator.mqtt.broker import EmbeddedBroker, embedded_broker_config, write_password_file
 
         logging.getLogger("amqtt").setLevel(logging.WARNING)
         logging.getLogger("transitions").setLevel(logging.WARNING)   # amqtt's state machines, chatty at INFO

@@ -1,0 +1,178 @@
+"""The HTTP API's job routes: submit (JSON or YAML, one job or a jobs file), list, one job, its losses,
+transitions, spec, serving lines, "try it", cancel / pause / resume, and its adapter as a tar.gz."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from actors.engine.adapter_export import ExportError
+from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
+from orchestrator.export import FoundJob, adapter_archive
+from orchestrator.http.callers import Caller, find_job, visible
+from orchestrator.http.console import Generated, GenerateRequest, serving_answer, spec_answer
+from orchestrator.http.request_bodies import parse_body, submissions_from
+from orchestrator.http.responses import ErrorBody, LossRow, Submitted, Transition
+from orchestrator.http.routes import Routes
+from orchestrator.service_calls import call_service
+
+UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
+STATE_FILTER = f"only jobs in these states: {', '.join(JOB_STATES)}"
+
+
+def add_job_routes(api: APIRouter, ctx: Routes) -> None:
+    """Submit, list, one job, its losses and transitions."""
+    link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
+    submit_lock, parsers, body_schema = ctx.submit_lock, ctx.parsers, ctx.body_schema
+
+    @api.post("/jobs", status_code=201, response_model=Submitted, tags=["jobs"],
+              responses={413: {"model": ErrorBody, "description": "the body is too large"},
+                         415: {"model": ErrorBody, "description": "the body is neither JSON nor YAML"},
+                         422: {"model": ErrorBody, "description": "malformed body or invalid spec; `errors` names "
+                                                                  "each field"}},
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": body_schema},
+                  "application/yaml": {"schema": {"type": "string", "description": "a jobs file, or one job's "
+                                                                                   "fields, as YAML text"}}}}})
+    async def submit(request: Request, caller: Caller = Depends(require_token)) -> Any:
+        """Submit one job (its fields, with base_model, quantization, dtype and output_dir beside them) or
+        every job of a jobs file (`jobs: [...]`), all or none. Paths are the service's machine's: data as an
+        absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
+        name keeps naming one job."""
+        # off the event loop (the API answers meanwhile), at most PARSE_THREADS at once, within BODY_LIMITS
+        data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
+                                                    request.headers.get("content-type"), limiter=parsers)
+
+        def enter(client: Any) -> list[JobRecord]:
+            submissions = [submission.model_copy(update={"user": caller.owner}) for submission in
+                           submissions_from(data, text=text, output_root=client.info().get("output_root"),
+                                            check_files=caller.admin)]
+            with submit_lock:
+                names = {s.job.name for s in submissions}
+                held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
+                if held:   # another user's job is not described: only that its name is taken
+                    raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}"
+                                                       if caller.sees(r.user) else
+                                                       f"job name '{r.name}' is held by another user's unfinished job"
+                                                       for r in held)
+                                        + "; cancel it, wait for it to end, or choose another name")
+                records = client.submit_records(submissions)
+            for record in records:
+                audited(caller, "job.submit", record.id, name=record.name)
+            return records
+
+        records = await run_in_threadpool(call_service, link, enter)
+        headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
+        return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
+
+    @api.get("/jobs", response_model=list[JobRecord], tags=["jobs"])
+    def jobs(state: list[str] | None = Query(None, description=STATE_FILTER),
+             caller: Caller = Depends(require_token)) -> Any:
+        """Every job of yours (an admin: everyone's), oldest first, or those in the given states
+        (`?state=queued&state=running`)."""
+        unknown = sorted(set(state or ()) - set(JOB_STATES))
+        if unknown:
+            raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
+        return visible(call_service(link, lambda client: client.jobs(state or None)), caller)
+
+    @api.get("/jobs/{job}", response_model=JobRecord, tags=["jobs"])
+    def status(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """One job of yours, by id or by a name that only one of your jobs has."""
+        return call_service(link, lambda client: find_job(client, caller, job))
+
+    @api.get("/jobs/{job}/losses", response_model=list[LossRow], tags=["jobs"])
+    def losses(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss and eval_score (where
+        evaluated), time."""
+        return call_service(link, lambda client: client.losses(find_job(client, caller, job).id))
+
+    @api.get("/jobs/{job}/transitions", response_model=list[Transition], tags=["jobs"])
+    def transitions(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """The job's state history, oldest first."""
+        rows = call_service(link, lambda client: client.transitions(find_job(client, caller, job).id))
+        return [Transition(time=when, state=state, reason=reason) for when, state, reason in rows]
+
+
+
+def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
+    """A job's spec, serving lines, "try it", the verbs that change its state, its adapter."""
+    link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
+
+    @api.get("/jobs/{job}/spec", tags=["jobs"])
+    def job_spec(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """The job's spec as a jobs file that submits it again (`yaml`: its text, `jobs_file`: its data); its
+        output folder is left out (a clone gets its own)."""
+        return call_service(link, lambda client: spec_answer(client.submission(find_job(client, caller, job).id)))
+
+    @api.get("/jobs/{job}/serving", tags=["jobs"],
+             responses={409: {"model": ErrorBody, "description": "the job's base is not on the service's machine"}})
+    def serving(job: str, caller: Caller = Depends(require_token)) -> Any:
+        """The lines that serve the job's adapter with vLLM and load it with PEFT, naming the base where the
+        service's machine has it (`vllm`: null where vLLM cannot serve it; `elsewhere`: what to change on
+        another machine; `written`: whether the adapter is in its folder yet)."""
+        def run(client: Any) -> dict[str, Any]:
+            record = find_job(client, caller, job)
+            return record, client.submission(record.id)
+
+        record, submission = call_service(link, run)
+        try:
+            return serving_answer(record, submission)
+        except (OSError, ValueError) as error:
+            raise HTTPException(409, f"the lines for '{record.name}' name its base where this machine has it, "
+                                     f"and it has not: {error}") from None
+
+    @api.post("/jobs/{job}/generate", response_model=Generated, tags=["jobs"])
+    def generate(job: str, body: GenerateRequest, caller: Caller = Depends(require_token)) -> Any:
+        """"Try it": the prompt continued greedily by the job's current adapter and by the base model alone, on
+        its trainer between two steps (the steps wait meanwhile). 409 for a job not running on a trainer (queued,
+        paused or ended: export a finished job's adapter and serve it with vLLM or PEFT instead)."""
+        def run(client: Any) -> dict[str, Any]:
+            record = find_job(client, caller, job)
+            answer = client.generate(record.id, body.prompt, body.max_new_tokens)
+            audited(caller, "job.generate", record.id, name=record.name)
+            return answer
+
+        return call_service(link, run)
+
+    def job_verb(verb: str, what: str) -> None:
+        def act(job: str, caller: Caller = Depends(require_token)) -> Any:
+            def run(client: Any) -> JobRecord:
+                record = find_job(client, caller, job)
+                after = getattr(client, verb)(record.id)
+                audited(caller, f"job.{verb}", record.id, name=record.name)
+                return after
+
+            return call_service(link, run)
+
+        act.__name__ = verb
+        act.__doc__ = what
+        api.post(f"/jobs/{{job}}/{verb}", response_model=JobRecord, tags=["jobs"])(act)
+
+    job_verb("cancel", "Cancel a queued, running or paused job (a running one is checkpointed at its next step); "
+                       "409 for a job that has ended.")
+    job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
+    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
+
+    @api.get("/jobs/{job}/adapter", response_class=Response, tags=["jobs"],
+             responses={200: {"content": {"application/gzip": {}}, "description": "the PEFT folder's files, tar.gz"},
+                        409: {"model": ErrorBody, "description": "the job has no adapter to export (yet)"}})
+    def adapter(job: str, checkpoint: bool = Query(False, description="its last checkpoint instead of its final "
+                                                                      "adapter (a job still training)"),
+                caller: Caller = Depends(require_token)) -> Response:
+        """The job's adapter as `aspen export` writes it (a PEFT folder for vLLM's --lora-modules or PEFT:
+        adapter_config.json naming the base, adapter_model.safetensors, aspen.json), as a gzipped tar of
+        those files; `aspen export JOB --url` unpacks it. 409 where the job has none yet, saying why."""
+        record = call_service(link, lambda client: find_job(client, caller, job))
+        found = FoundJob(record.name, record.output_dir, record.state, record.step, record.total_steps)
+        try:
+            archive = adapter_archive(found, checkpoint=checkpoint)
+        except (ExportError, FileNotFoundError) as error:
+            raise HTTPException(409, str(error)) from None
+        audited(caller, "job.export", record.id, name=record.name, checkpoint=checkpoint)
+        name = f"{record.name}-{'checkpoint' if checkpoint else 'lora'}.tar.gz"
+        return Response(archive, media_type="application/gzip",
+                        headers={"Content-Disposition": f'attachment; filename="{name}"'})

@@ -1,0 +1,73 @@
+"""The HTTP API's sweep routes: start one (a sweep file as JSON or YAML), list, one sweep, cancel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio.to_thread
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from orchestrator.http.callers import Caller, find_sweep
+from orchestrator.http.request_bodies import Refused, parse_body
+from orchestrator.http.responses import ErrorBody
+from orchestrator.http.routes import Routes
+from orchestrator.jobs_file import SpecError
+from orchestrator.service_calls import call_service
+
+
+def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
+    link, require_token, audited, parsers = ctx.link, ctx.require_token, ctx.audited, ctx.parsers
+
+    @api.post("/sweeps", status_code=201, tags=["sweeps"],
+              responses={422: {"model": ErrorBody, "description": "an invalid sweep; `detail` names each field"},
+                         409: {"model": ErrorBody, "description": "a sweep of that name with other settings"}})
+    async def submit_sweep(request: Request, caller: Caller = Depends(require_token)) -> Any:
+        """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
+        the service's machine). The service runs it from now on; 201 with its status. The same sweep sent
+        again answers with it (nothing new starts)."""
+        data, _ = await anyio.to_thread.run_sync(parse_body, await request.body(),
+                                                 request.headers.get("content-type"), limiter=parsers)
+
+        def start(client: Any) -> dict[str, Any]:
+            from orchestrator.sweep import sweep_spec_from
+
+            try:
+                spec = sweep_spec_from(data, source="request", base_dir=None)
+            except SpecError as error:
+                raise Refused(422, f"nothing was started:\n{error}") from None
+            if spec.user not in (None, caller.name) and not caller.admin:
+                raise Refused(422, f"user: you submit as {caller.name}; leave user out (nothing was started)")
+            spec = spec.model_copy(update={"user": spec.user or caller.owner})
+            held = [s for s in client.sweeps() if s["name"] == spec.name and not caller.sees(s.get("user"))]
+            if held:
+                raise Refused(409, f"sweep name '{spec.name}' is held by another user's sweep; choose another name")
+            status = client.sweep(spec)
+            audited(caller, "sweep.submit", spec.name)
+            return status
+
+        status = await run_in_threadpool(call_service, link, start)
+        return JSONResponse(status, status_code=201, headers={"Location": f"/v1/sweeps/{status['name']}"})
+
+    @api.get("/sweeps", tags=["sweeps"])
+    def sweeps(caller: Caller = Depends(require_token)) -> Any:
+        """Every sweep of yours (an admin: everyone's) with its leaderboard."""
+        return [s for s in call_service(link, lambda client: client.sweeps()) if caller.sees(s.get("user"))]
+
+    @api.get("/sweeps/{name}", tags=["sweeps"])
+    def sweep_status(name: str, caller: Caller = Depends(require_token)) -> Any:
+        """One sweep of yours: state (running, done, cancelled, failed), its trials (settings, state, objective,
+        steps, why stopped), the best trial."""
+        return call_service(link, lambda client: find_sweep(client, caller, name))
+
+    @api.post("/sweeps/{name}/cancel", tags=["sweeps"])
+    def cancel_sweep(name: str, caller: Caller = Depends(require_token)) -> Any:
+        """Start no more trials of the sweep and cancel its running ones."""
+        def run(client: Any) -> dict[str, Any]:
+            find_sweep(client, caller, name)
+            status = client.cancel_sweep(name)
+            audited(caller, "sweep.cancel", name)
+            return status
+
+        return call_service(link, run)

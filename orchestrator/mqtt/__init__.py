@@ -1,0 +1,1 @@
+"""Job events over MQTT: the embedded broker, its settings and accounts, the topics, the publisher."""

@@ -136,8 +136,8 @@ FOLDERS: list[tuple[str, str]] = [
 # A newcomer's path through the code: one job from `aspen run` to a fused step and back to the job table.
 # Every module named here must exist (render_floor_plan checks), so the path cannot point at a moved file.
 NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
-    ("`aspen run jobs.yaml` reads and validates the jobs file", ["orchestrator/cli.py", "orchestrator/jobs_file.py",
-                                                                 "actors/engine/spec.py"]),
+    ("`aspen run jobs.yaml` reads and validates the jobs file",
+     ["orchestrator/cli/run_commands.py", "orchestrator/jobs_file.py", "actors/engine/spec.py"]),
     ("decides what to do with jobs an earlier run left, and submits the rest through the client",
      ["orchestrator/run_plan.py", "orchestrator/client.py"]),
     ("the scheduler actor enters them in the job table, all or none", ["actors/scheduler_actor.py",

@@ -83,14 +83,14 @@ def test_ctrl_c_while_connecting_is_one_line_and_exit_130(folder):
     """SIGINT while the command waits on something: no traceback."""
     script = textwrap.dedent("""
         import os, signal, sys, threading
-        from orchestrator import cli
+        from orchestrator.cli import main, parser
         threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
         def slow(args):
             import time
             time.sleep(30)
             return 0
-        cli._cmd_status = slow
-        sys.exit(cli.main(["status"]))
+        parser.cmd_status = slow
+        sys.exit(main(["status"]))
     """)
     result = subprocess.run([sys.executable, "-c", script], cwd=folder, capture_output=True, text=True, timeout=60)
     assert result.returncode == 130, result

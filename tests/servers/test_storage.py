@@ -38,7 +38,7 @@ from actors.service.job_table import JobTable
 from actors.service.local_run import train_locally
 from actors.service.scheduler_core import SchedulerCore, SubmissionError
 from actors.service.trainer_loop import TrainerLoop
-from orchestrator.cli import _saved_step
+from orchestrator.cli.run_commands import saved_step as _saved_step
 from orchestrator.report import collect, write_report
 from policies.fifo import FifoPolicy
 from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data

@@ -50,7 +50,7 @@ def test_the_wheel_is_aspen_lora_under_apache_2_with_extras_and_the_aspen_comman
     assert [r for r in requires if r.startswith("liger-kernel")] == ['liger-kernel<0.9,>=0.8.5; extra == "gpu"']
     assert not any(r.startswith(("bitsandbytes", "amqtt")) and "extra ==" not in r for r in requires)
     assert "aspen = orchestrator.cli:main" in entry_points
-    for package in ("orchestrator/cli.py", "actors/engine/extras.py", "policies/base.py"):
+    for package in ("orchestrator/cli/main.py", "actors/engine/extras.py", "policies/base.py"):
         assert package in names
     assert not any(n.startswith("tests/") for n in names)
 

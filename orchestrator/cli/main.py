@@ -1,0 +1,79 @@
+"""`aspen`'s entry point: the parsed command run, every error ended as one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+from orchestrator.jobs_file import SpecError
+
+if TYPE_CHECKING:
+    pass
+from orchestrator.cli.parser import build_parser
+from orchestrator.cli.run_commands import RunInterrupted, Terminated, cmd_sweep
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success, 2 for bad usage or a bad jobs file or request, 1 for a runtime failure (a job
+    failed, the cluster or service cannot be reached), 130 for Ctrl-C, 143 for SIGTERM. Errors are one line;
+    --debug adds the traceback."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt as interrupt:
+        _debug(args)
+        terminated = isinstance(interrupt, Terminated) or getattr(interrupt, "terminated", False)
+        what = "stopped (SIGTERM)" if terminated else "interrupted"
+        if isinstance(interrupt, RunInterrupted):
+            print(f"aspen: {what}; the running jobs were checkpointed, and the same command continues where "
+                  "they stopped", file=sys.stderr)
+        else:
+            print(f"aspen: {what}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    except SpecError as error:
+        _debug(args)
+        kind = "sweep file" if getattr(args, "handler", None) is cmd_sweep else "jobs file"
+        print(f"aspen: invalid {kind}:\n{error}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as error:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
+        _debug(args)
+        code, message = _describe(error)
+        print(f"aspen: {message}", file=sys.stderr)
+        return code
+
+
+def _describe(error: Exception) -> tuple[int, str]:
+    """The exit code and the one line for an error that ended a command."""
+    from orchestrator.http.api_client import HttpApiError
+
+    if isinstance(error, HttpApiError):   # 401/403: the token (exit 3); other 4xx: the request (exit 2); 5xx or
+        if error.status in (401, 403):    # no connection: the service (exit 1)
+            return EXIT_REFUSED, str(error)
+        return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
+    from actors.service.table_backup import JobTableDamaged
+    from orchestrator.client import ServiceError
+
+    if isinstance(error, (ServiceError, JobTableDamaged)):   # their message is the one line, with the fix
+        return EXIT_FAILED, str(error)
+    if isinstance(error, KeyError):     # an unknown job: the service's message is its first argument
+        return EXIT_USAGE, str(error.args[0] if error.args else error)
+    if isinstance(error, (ValueError, FileNotFoundError, IsADirectoryError)):
+        return EXIT_USAGE, str(error)
+    if isinstance(error, OSError):
+        return EXIT_FAILED, str(error)
+    text = str(error).strip().splitlines()
+    return EXIT_FAILED, (f"{type(error).__name__}: {text[-1] if text else ''} (run again with --debug for the "
+                         "traceback)")
+
+
+def _debug(args: argparse.Namespace) -> None:
+    if getattr(args, "debug", False):
+        traceback.print_exc()
+

@@ -1,0 +1,259 @@
+"""The commands that start a service of their own for a run and wait for it: `aspen run` (re-runnable: a plan
+against the job table), `aspen sweep`; SIGTERM and Ctrl-C checkpoint the running jobs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from actors.engine.storage import as_location, resolve_location
+from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
+
+if TYPE_CHECKING:
+    from actors.engine.spec import RunSpec
+    from actors.service.job_table import JobRecord
+from orchestrator.cli.service_commands import connect_service, named_cluster
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train a jobs file through a service of its own. Run again on the same output folder, it resumes the
+    unfinished jobs from their checkpoints and leaves finished ones alone (`orchestrator.run_plan`)."""
+    spec = load_run_spec(args.file)
+    if args.output_dir:
+        spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
+    if args.in_process:
+        check_data_rows(spec)
+        return _run_in_process(spec, args.quiet)
+    from actors.service.config import run_local_dir, run_service_config
+    from actors.service.job_files import clear_job_folder
+    from actors.service.job_table import read_jobs
+    from orchestrator.run_plan import changed_message, plan_run
+
+    output_dir = resolve_location(spec.output_dir)
+    spec = spec.model_copy(update={"output_dir": output_dir})
+    # The plan needs only the job table. Read without a service first: a run whose jobs are all done, or whose
+    # spec or data changed, answers at once, with no Ray started; else the service's own table is asked (it
+    # may have been changed since, by a run that was still ending), and the trainers (a model load each) are
+    # waited for only where there is something to train.
+    earlier = read_jobs(run_local_dir(spec) / ".aspen" / "jobs.sqlite")
+    data_checked: set[str] = set()   # folders of jobs whose data matched their checkpoint in the first plan
+    if earlier is not None:
+        submissions = {record.id: submission for record, submission in earlier}
+        plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
+                        saved_data=saved_data_digest, saved_step=saved_step)
+        if plan.changed and not args.overwrite:
+            raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        if not (plan.submit or plan.resume or plan.changed):
+            for line in plan.lines(saved_step=saved_step):
+                print(line)
+            return _run_summary(spec, output_dir, plan.done)
+        data_checked = {record.output_dir for record in (*plan.resume, *plan.done)}
+    # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
+    check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
+        r.name for r in (*plan.resume, *plan.changed_records)})
+    from orchestrator.client import Client
+    from orchestrator.progress import follow_jobs, wait_for_trainers
+
+    # jobs left unfinished by an earlier run are held (paused) until this run's plan says what to do
+    config = run_service_config(spec, resume_on_start=False)
+    client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
+    _terminate_as_interrupt()
+    from orchestrator.recent_runs import RecentRuns
+
+    RecentRuns().remember(args.file, str(output_dir), config.state_dir)   # `aspen status` after it ends
+    try:
+        # each job's data is read for its digest once per run: not again for the jobs the first plan checked
+        plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
+                        saved_data=lambda folder: None if folder in data_checked else saved_data_digest(folder),
+                        saved_step=saved_step)
+        if plan.changed and not args.overwrite:
+            raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        # only the jobs whose spec or data changed start over: unchanged ones resume or stay as they are
+        restarted = [*plan.changed_records, *(record for record, _ in plan.retry)]
+        for record in restarted:
+            client.delete(record.id)
+            clear_job_folder(as_location(record.output_dir))
+        for record in plan.changed_records:
+            print(f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results were "
+                  "deleted")
+        if restarted:
+            plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
+                            saved_step=saved_step)
+        for line in plan.lines(saved_step=saved_step):
+            print(line)
+        if plan.resume or plan.submit:
+            wait_for_trainers(client, quiet=args.quiet)
+        for record in plan.resume:
+            client.resume(record.id, "resumed by aspen run")
+        ids = {r.id for r in (*plan.resume, *plan.done)}
+        ids |= {h.id for h in client.submit_many(plan.submit)} if plan.submit else set()
+        try:
+            records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
+        except KeyboardInterrupt as interrupt:
+            what = "stopped (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
+            print(f"aspen: {what}; checkpointing the running jobs ...", file=sys.stderr, flush=True)
+            raise RunInterrupted(terminated=isinstance(interrupt, Terminated)) from None
+    finally:
+        client.shutdown()
+    return _run_summary(spec, output_dir, records)
+
+
+def _run_summary(spec: RunSpec, output_dir: Path | str, records: list[JobRecord]) -> int:
+    """The end of `aspen run`: the jobs' table, where their files are, a line per job that did not finish;
+    the exit status (1 where one did not)."""
+    from orchestrator.progress import print_table, summary_table
+
+    print_table(summary_table(records, title=f"{len(records)} jobs on {spec.base_model}"))
+    print(f"adapters and metrics in {output_dir}")
+    failed = [r for r in records if r.state not in ("completed", "stopped_early")]
+    for record in failed:
+        print(f"aspen: job {record.name} {record.state}: {record.reason}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+class RunSpecChanged(ValueError):
+    """`aspen run` again with a jobs file whose jobs differ from the earlier run's (exit 2)."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during `aspen run`: the running jobs were checkpointed."""
+
+    def __init__(self, terminated: bool = False):
+        super().__init__()
+        self.terminated = terminated
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a job system's stop) while a command that started a service of its own runs."""
+
+
+def _terminate_as_interrupt() -> None:
+    """Make SIGTERM stop this command as Ctrl-C does (the running jobs checkpointed, the service shut down, one
+    line said), in place of Ray's handler, which the service's start installed and which prints a C++ stack
+    and leaves the jobs to their last checkpoint. Called after `ray.init`, in the main thread."""
+    import signal
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def saved_step(output_dir: str) -> int | None:
+    """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
+    from actors.engine.checkpoint import saved_step
+    from actors.engine.storage import StorageLocation, is_uri, read_pointer
+    from actors.service.job_files import CHECKPOINT_FOLDER
+
+    if is_uri(output_dir):
+        pointer = read_pointer(StorageLocation(output_dir))
+        return None if pointer is None else pointer["step"]
+    return saved_step(Path(output_dir) / CHECKPOINT_FOLDER)
+
+
+def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
+    """The step and data digest of the job's checkpoint (the one uploaded to a storage URI, or on disk)."""
+    from actors.engine.checkpoint import STATE_NAME, saved_data_digest
+    from actors.engine.storage import StorageLocation, is_uri, read_pointer
+    from actors.service.job_files import CHECKPOINT_FOLDER
+
+    if is_uri(output_dir):
+        location = StorageLocation(output_dir)
+        pointer = read_pointer(location)
+        if pointer is None:
+            return None
+        try:
+            state = json.loads(location.read_bytes(f"{pointer['upload']}/{STATE_NAME}"))
+        except ValueError:   # a damaged upload: its trainer refuses it when the job starts, and says why
+            return pointer["step"], None
+        return pointer["step"], state.get("data_digest") if isinstance(state, dict) else None
+    return saved_data_digest(Path(output_dir) / CHECKPOINT_FOLDER)
+
+
+def _run_in_process(spec, quiet: bool) -> int:
+    """The same run in this process, without Ray (`actors.service.local_run`): a debugging aid."""
+    from actors.service.local_run import train_locally
+
+    summaries = train_locally(spec, progress=not quiet)
+    print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
+    for s in summaries:
+        fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731 - a formatter local to this table
+        print(f"{s.name:<24}{s.state:>14}{s.steps:>7}{s.tokens:>10}{fmt(s.first_loss):>12}{fmt(s.final_loss):>12}"
+              f"{fmt(s.eval_loss):>11}")
+    print(f"\nadapters and metrics in {spec.output_dir}")
+    failed = [s for s in summaries if s.state not in ("completed", "stopped_early")]
+    for summary in failed:
+        print(f"aspen: job {summary.name} {summary.state}: {summary.reason}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """`aspen sweep FILE`: the sweep run by a service of its own (or the running one at --address / --url),
+    followed to its end; run again, it carries on. `aspen sweep status NAME|FOLDER`: its leaderboard."""
+    from orchestrator.sweep import follow_sweep, leaderboard_table, load_sweep_spec, service_run_spec
+
+    if args.target[0] == "status" and len(args.target) == 2:
+        return _sweep_status(args, args.target[1])
+    if len(args.target) != 1:
+        raise SpecError("give a sweep file (aspen sweep FILE) or aspen sweep status NAME")
+    spec = load_sweep_spec(args.target[0])
+    from actors.service.config import run_service_config
+    from orchestrator.recent_runs import RecentRuns
+
+    config = run_service_config(service_run_spec(spec))
+    # `aspen sweep status NAME` once its service has ended: the sweep's folder (its leaderboard) is remembered
+    RecentRuns().remember(args.target[0], str(spec.output_dir), config.state_dir, sweep=spec.name)
+    if args.address or args.url:
+        service = connect_service(argparse.Namespace(url=args.url, address=args.address or "auto"))
+        status = follow_sweep(service, service.sweep(spec)["name"], poll_s=args.poll)
+    else:
+        from orchestrator.client import Client
+        from orchestrator.progress import wait_for_trainers
+
+        client = Client.local(config, address=os.environ.get("RAY_ADDRESS"), wait_ready=False)
+        _terminate_as_interrupt()
+        try:
+            wait_for_trainers(client)
+            status = follow_sweep(client, client.sweep(spec)["name"], poll_s=args.poll)
+        finally:
+            client.shutdown()
+    board = {"trials": status["trials"], "best": status["best"]}
+    print(json.dumps(board, indent=1) if args.json else leaderboard_table(board))
+    if status["state"] == "failed":
+        print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
+        return 1
+    return 0 if board["best"] is not None else 1
+
+
+def _sweep_status(args: argparse.Namespace, name: str) -> int:
+    """A sweep's leaderboard: from its folder (an ended sweep, no service needed), else from the service."""
+    from orchestrator.sweep import leaderboard_table, read_results
+
+    if Path(name).is_dir():
+        status = {"name": Path(name).name, "state": "ended", **read_results(Path(name))}
+    else:
+        from orchestrator.client import ServiceError
+        from orchestrator.recent_runs import RecentRuns
+
+        try:
+            service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+                "RAY_ADDRESS", "auto")))
+        except ServiceError:   # its service ended: the sweep's own folder has its leaderboard
+            run = None if named_cluster(args) else RecentRuns().find_sweep(name)
+            if run is None:
+                raise
+            print(f"aspen: no aspen service is running; sweep {name}'s leaderboard "
+                  f"in {run.output_dir} as it ended", file=sys.stderr)
+            status = {"name": name, "state": "ended", **read_results(Path(run.output_dir))}
+        else:
+            status = service.sweep_status(name)
+    if args.json:
+        print(json.dumps(status, indent=1))
+    else:
+        print(f"sweep {status['name']}: {status['state']}" + (f" ({status['error']})" if status.get("error") else ""))
+        print(leaderboard_table(status))
+    return 0

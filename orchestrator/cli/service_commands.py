@@ -1,0 +1,293 @@
+"""The commands that talk to a running service: serve, http, http-token, losses, submit, status (or an ended run's
+table), watch, report, cancel / pause / resume, stop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from actors.engine.storage import as_location
+from orchestrator.jobs_file import check_data_rows, load_run_spec
+
+if TYPE_CHECKING:
+    pass
+
+
+def _service_config(args: argparse.Namespace):
+    import yaml
+
+    from actors.service.config import ServiceConfig, TrainerConfig
+
+    data: dict = {}
+    if args.config:
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+    if args.state_dir:
+        data["state_dir"] = args.state_dir
+    if args.policy:
+        data["policy"] = args.policy
+    if args.output_root:
+        data["output_root"] = args.output_root
+    if args.cpu_trainers and args.per_node:
+        raise SystemExit("aspen serve: give --cpu-trainers (trainers anywhere on the cluster) or --per-node "
+                         "(trainers on every node), not both")
+    if args.base_model or args.cpu_trainers or args.per_node:
+        trainer = {"base_model": args.base_model or "smollm2-135m", "count": args.cpu_trainers or args.per_node or 1,
+                   "nodes": "each" if args.per_node else "any",
+                   "quantization": args.quantization, "step_tokens": args.step_tokens}
+        data["trainers"] = [TrainerConfig.model_validate(trainer).model_dump()]
+    return ServiceConfig.model_validate(data)
+
+
+def connect_service(args: argparse.Namespace):
+    """The service's client: over the HTTP API with --url (or $ASPEN_URL; no Ray needed), else over Ray."""
+    if getattr(args, "url", None):
+        from orchestrator.http.api_client import HttpClient
+
+        return HttpClient(args.url)
+    from orchestrator.client import Client
+
+    return Client.connect(args.address)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
+    info = client.wait_ready()
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(f"aspen service running (state in {info['state_dir']}, policy {info['policy']})")
+    if info.get("output_root"):
+        print(f"  jobs write under {info['output_root']}")
+    if info.get("mqtt_url"):
+        print(f"  job events: {info['mqtt_url']} (topics {info.get('mqtt_topics', 'aspen/v1/#')})")
+    if info.get("mqtt_credentials"):
+        print(f"  job events' read-only account: {info['mqtt_credentials']} (`aspen watch --events` reads it)")
+    for trainer in info["trainers"]:
+        where = trainer.get("device", "?") + (f" of node {trainer['node_address']}" if trainer.get("node_address")
+                                              else "")
+        print(f"  {trainer['id']}: {trainer['base_model']} ({trainer['quantization']}) on {where}"
+              + (f"  ERROR: {trainer['error']}" if trainer.get("error") else ""))
+    for key, value in info.items():   # what the service's listeners report: metrics_url, metrics_error, ...
+        if key.endswith(("_url", "_error")):
+            print(f"  {key.replace('_', ' ')}: {value}")
+    if args.http:
+        import ray
+
+        from orchestrator.http.api import serve
+
+        ray.shutdown()   # the service is detached; the API reaches it from a process of its own (http_bridge)
+        serve(address=args.address, host=args.http_host, port=args.http_port, state_dir=info["state_dir"])
+    return 0
+
+
+def cmd_http(args: argparse.Namespace) -> int:
+    from orchestrator.http.api import serve
+
+    serve(address=args.address, host=args.host, port=args.port, token_file=args.token_file,
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, state_dir=args.state_dir)
+    return 0
+
+
+def cmd_http_token(args: argparse.Namespace) -> int:
+    from actors.service.users import UserBook
+    from orchestrator.http.token import ensure_token, token_file
+
+    book = UserBook.in_state_dir(args.state_dir)
+    if book.exists():   # the single token opens the API only where an admin holds it
+        holder = book.authenticate(ensure_token(args.token_file)) if token_file(args.token_file).is_file() else None
+        if holder is None or args.rotate:
+            path = token_file(args.token_file)
+            whose = "not one of them" if holder is None else (
+                f"the admin '{holder.name}''s (`aspen user token {holder.name} --rotate` gives them a new one)")
+            print(f"aspen: a users file is in force ({book.path}): the API takes only its users' tokens, and "
+                  f"{path} is {whose}. `aspen user add NAME --admin` issues an admin a token; `aspen user token "
+                  "NAME --rotate` a user a new one", file=sys.stderr)
+            return 1
+        print(ensure_token(args.token_file))
+        print(f"aspen: this token is the admin '{holder.name}''s (a users file is in force: {book.path})",
+              file=sys.stderr)
+        return 0
+    token = ensure_token(args.token_file, rotate=args.rotate)
+    print(token)
+    if args.rotate:
+        print(f"aspen: a new token is in {token_file(args.token_file)}; restart `aspen http` to use it",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_losses(args: argparse.Namespace) -> int:
+    rows = connect_service(args).losses(args.job)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731 - a formatter local to this table
+    print(f"{'step':>6}{'loss':>10}{'eval loss':>11}{'lr':>11}{'grad norm':>11}{'tokens':>9}")
+    for row in rows:
+        print(f"{row['step']:>6}{fmt(row['loss']):>10}{fmt(row['eval_loss']):>11}{fmt(row['lr'], '.3g'):>11}"
+              f"{fmt(row['grad_norm'], '.3g'):>11}{fmt(row['tokens'], 'd'):>9}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    check_data_rows(load_run_spec(args.file))   # a bad row or template refused here, before anything is submitted
+    handles = connect_service(args).submit_run(args.file)
+    if args.json:
+        print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))
+        return 0
+    for handle in handles:
+        print(f"submitted {handle.id} ({handle.name})")
+    return 0
+
+
+def named_cluster(args: argparse.Namespace) -> bool:
+    """Whether the command names a service (--url) or a cluster (--address or $RAY_ADDRESS), rather than
+    whatever runs here."""
+    address = getattr(args, "address", None) or os.environ.get("RAY_ADDRESS", "auto")
+    return bool(getattr(args, "url", None)) or address != "auto"
+
+
+def _ended_run_or(args: argparse.Namespace, error: Exception):
+    """After a run's service ended: its job table (--from, else the newest `aspen run` of this machine), said
+    so on stderr; else the error that found no service."""
+    from orchestrator.recent_runs import EndedRun, RecentRuns, state_folder
+
+    if args.from_dir:
+        folder = state_folder(args.from_dir)
+    else:
+        run = RecentRuns().latest()
+        if run is None:
+            raise error
+        folder = Path(run.state_dir)
+    print("aspen: no aspen service is running; the job table of the run in "
+          f"{folder.parent if folder.name == '.aspen' else folder} as it ended (`aspen run` of its jobs file resumes "
+          "unfinished jobs)", file=sys.stderr)
+    return EndedRun(folder)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from orchestrator.client import ServiceError
+    from orchestrator.progress import print_table, summary_table
+
+    if args.from_dir and args.url:
+        raise ValueError("give --from (a run's folder) or --url (a running service), not both")
+    try:
+        if args.from_dir:
+            raise ServiceError("--from given")
+        client = connect_service(args)
+    except ServiceError as error:   # no cluster, or no service on it: a run that has ended answers from its table
+        if args.url or (not args.from_dir and named_cluster(args)):   # a cluster named and not there: an error
+            raise
+        client = _ended_run_or(args, error)
+    if args.job:
+        record = client.status(args.job)
+        if args.json:
+            history = [{"time": when, "state": state, "reason": reason}
+                       for when, state, reason in client.transitions(record.id)]
+            print(json.dumps({**record.as_dict(), "history": history}, indent=1))
+            return 0
+        for key, value in record.as_dict().items():
+            print(f"{key:>16}: {value}")
+        print("\n  history:")
+        for when, state, reason in client.transitions(record.id):
+            print(f"    {when:.3f}  {state:<14} {reason}")
+        return 0
+    records = client.jobs()
+    if args.json:
+        print(json.dumps([r.as_dict() for r in records], indent=1))
+    else:
+        print_table(summary_table(records))
+    return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from orchestrator.client import Client
+    from orchestrator.watch import watch
+
+    if args.events:
+        from orchestrator.mqtt.settings import reader_settings
+        from orchestrator.watch import watch_events
+
+        if args.once:
+            raise ValueError("--once shows the job table; --events follows the job events until Ctrl-C (use one)")
+
+        try:
+            if args.state_dir:
+                settings = reader_settings(args.state_dir)
+            else:
+                settings = Client.connect(args.address).event_settings()
+            print(f"job events from {settings.url} (as {settings.username}, settings in {settings.source}); "
+                  "Ctrl-C to leave", file=sys.stderr, flush=True)
+            watch_events(settings, progress=args.progress, as_json=args.json)
+        except OSError as error:   # no or unreadable credentials, a refused or lost connection
+            print(f"aspen: {error}", file=sys.stderr)
+            return 2
+        return 0
+    if args.state_dir or args.progress:
+        raise ValueError("--state-dir and --progress go with --events")
+    if args.json and not args.once:
+        raise ValueError("--json goes with --once (the job table once, as JSON) or --events (one JSON object per "
+                         "event); the live table has no JSON form")
+    client = Client.connect(args.address)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in client.jobs()], indent=1))
+        return 0
+    console = Console(width=max(Console().width, 140)) if args.once and not sys.stdout.isatty() else Console()
+    watch(client.jobs, once=args.once, interval=args.interval, console=console)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from orchestrator.report import collect, report_data, write_report
+
+    if args.run_dir is None:
+        from orchestrator.recent_runs import RecentRuns
+
+        run = RecentRuns().latest()
+        if run is None:
+            raise ValueError("give a run's output folder (aspen report DIR): no `aspen run` on this machine is known")
+        args.run_dir = run.output_dir
+        print(f"aspen: the run in {run.output_dir} (the newest `aspen run` on this machine)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report_data(collect(as_location(args.run_dir))), indent=1))
+        return 0
+    write_report(as_location(args.run_dir), console=Console(width=max(Console().width, 120)))
+    return 0
+
+
+def _job_command(verb: str, running_note: str):
+    """`aspen cancel|pause|resume JOB`: the client's `verb` on one job, and the job's record after it."""
+
+    def command(args: argparse.Namespace) -> int:
+        record = getattr(connect_service(args), verb)(args.job)
+        if args.json:
+            print(json.dumps(record.as_dict(), indent=1))
+        elif record.state == "running" and running_note:
+            print(f"{record.id}: {record.state} ({running_note})")
+        else:
+            print(f"{record.id}: {record.state} ({record.reason})")
+        return 0
+
+    return command
+
+
+cmd_cancel = _job_command("cancel", "cancelling at its next step")
+cmd_pause = _job_command("pause", "pausing at its next step")
+cmd_resume = _job_command("resume", "")
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from orchestrator.client import Client
+
+    Client.connect(args.address).shutdown()
+    print("aspen service stopped (unfinished jobs resume from their checkpoints when it starts again)")
+    return 0

@@ -21,77 +21,26 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from actors.engine.spec import JobSubmission
+from actors.service.job_record import (
+    ACTIVE_STATES,
+    JOB_STATES,
+    RECORD_COLUMNS,
+    TERMINAL_STATES,
+    JobRecord,
+    JobState,
+    record_of,
+)
 from actors.service.table_backup import JobTableDamaged, backup_path, check_result, damaged_message, is_damage
+from actors.service.table_schema import BUSY_TIMEOUT_S, SCHEMA, JobTableBusy, add_missing_columns, is_busy
 
-__all__ = ["JOB_STATES", "TERMINAL_STATES", "JobRecord", "JobTable", "JobTableBusy", "JobTableDamaged"]
+__all__ = ["ACTIVE_STATES", "JOB_STATES", "RECORD_COLUMNS", "TERMINAL_STATES", "JobRecord", "JobState", "JobTable",
+           "JobTableBusy", "JobTableDamaged", "record_of"]
 
-JobState = Literal["queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled"]
-JOB_STATES: tuple[str, ...] = ("queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled")
-TERMINAL_STATES = frozenset({"completed", "stopped_early", "failed", "cancelled"})
-ACTIVE_STATES: tuple[str, ...] = ("queued", "running", "paused")   # the states the scheduler decides about
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    submission TEXT NOT NULL,
-    base_model TEXT NOT NULL,
-    quantization TEXT NOT NULL,
-    priority INTEGER NOT NULL,
-    output_dir TEXT NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    trainer TEXT,
-    step INTEGER NOT NULL DEFAULT 0,
-    total_steps INTEGER,
-    tokens INTEGER NOT NULL DEFAULT 0,
-    loss REAL,
-    eval_loss REAL,
-    tokens_per_s REAL,
-    checkpoint_step INTEGER,
-    adapter_dir TEXT,
-    submitted_at REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL,
-    updated_at REAL NOT NULL,
-    user TEXT,
-    account_tokens INTEGER NOT NULL DEFAULT 0,
-    step_seconds REAL NOT NULL DEFAULT 0,
-    gpu_seconds REAL NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS progress (
-    job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, lr REAL, grad_norm REAL,
-    eval_loss REAL, eval_score REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step));
-CREATE TABLE IF NOT EXISTS transitions (
-    job_id TEXT NOT NULL, time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
-CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name);
-CREATE INDEX IF NOT EXISTS jobs_by_output_dir ON jobs (output_dir);
-CREATE INDEX IF NOT EXISTS jobs_by_submitted_at ON jobs (submitted_at, id);
-CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
-"""
-
-# (table, column, type) added after the first release: an older table gains them when it opens
-ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
-                 ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
-                 ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
-                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"))
-
-BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
-
-
-class JobTableBusy(RuntimeError):
-    """The job table's file is locked by another process (or its disk refuses writes); nothing was changed."""
-
-
-def _is_busy(error: sqlite3.OperationalError) -> bool:
-    text = str(error).lower()
-    return any(word in text for word in ("locked", "busy", "disk is full", "disk i/o error", "readonly"))
+log = logging.getLogger(__name__)
 
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -106,51 +55,6 @@ def _reads(method: Method) -> Method:
             return method(self, *args, **kwargs)
 
     return read  # type: ignore[return-value]
-
-
-@dataclass(kw_only=True)
-class JobRecord:
-    """A job as the service reports it."""
-
-    id: str
-    name: str
-    state: str
-    reason: str
-    base_model: str
-    quantization: str
-    priority: int
-    output_dir: str
-    trainer: str | None
-    step: int
-    total_steps: int | None
-    tokens: int
-    loss: float | None
-    eval_loss: float | None
-    tokens_per_s: float | None
-    checkpoint_step: int | None
-    adapter_dir: str | None
-    submitted_at: float
-    started_at: float | None
-    finished_at: float | None
-    updated_at: float
-    user: str | None = None     # who submitted it (the HTTP API's user; None: an operator through Ray)
-
-    @property
-    def finished(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
-
-log = logging.getLogger(__name__)
-
-
-def record_of(row: tuple) -> JobRecord:
-    """A job record from a row of the RECORD_COLUMNS, each value under its column's name."""
-    return JobRecord(**dict(zip(RECORD_COLUMNS, row, strict=True)))
 
 
 class JobTable:
@@ -177,20 +81,13 @@ class JobTable:
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.execute("PRAGMA synchronous=NORMAL")
                 self.db.executescript(SCHEMA)
-                self._add_missing_columns()
+                add_missing_columns(self.db)
         except BaseException:
             self.db.close()
             raise
 
     def close(self) -> None:
         self.db.close()
-
-    def _add_missing_columns(self) -> None:
-        """A table written by an older aspen gains the columns added since (empty for its rows)."""
-        for table, column, kind in ADDED_COLUMNS:
-            present = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
-            if column not in present:
-                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     # -- transactions ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -237,7 +134,7 @@ class JobTable:
         try:
             yield
         except sqlite3.OperationalError as error:
-            if not _is_busy(error):
+            if not is_busy(error):
                 raise
             raise JobTableBusy(f"cannot {what} {self.path}: {error} (another process holds it: a backup, an open "
                                f"sqlite3 shell, a slow disk?); nothing was changed, and the service retries "

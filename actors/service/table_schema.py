@@ -1,0 +1,73 @@
+"""The job table's SQLite schema (jobs, their progress rows, their state transitions), the columns added
+since the first release and how an older file gains them, and the error for a file locked by another process."""
+
+from __future__ import annotations
+
+import sqlite3
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    submission TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    quantization TEXT NOT NULL,
+    priority INTEGER NOT NULL,
+    output_dir TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    trainer TEXT,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER,
+    tokens INTEGER NOT NULL DEFAULT 0,
+    loss REAL,
+    eval_loss REAL,
+    tokens_per_s REAL,
+    checkpoint_step INTEGER,
+    adapter_dir TEXT,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    updated_at REAL NOT NULL,
+    user TEXT,
+    account_tokens INTEGER NOT NULL DEFAULT 0,
+    step_seconds REAL NOT NULL DEFAULT 0,
+    gpu_seconds REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS progress (
+    job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, lr REAL, grad_norm REAL,
+    eval_loss REAL, eval_score REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step));
+CREATE TABLE IF NOT EXISTS transitions (
+    job_id TEXT NOT NULL, time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name);
+CREATE INDEX IF NOT EXISTS jobs_by_output_dir ON jobs (output_dir);
+CREATE INDEX IF NOT EXISTS jobs_by_submitted_at ON jobs (submitted_at, id);
+CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
+"""
+
+# (table, column, type) added after the first release: an older table gains them when it opens
+ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
+                 ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
+                 ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
+                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"))
+
+BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
+
+
+class JobTableBusy(RuntimeError):
+    """The job table's file is locked by another process (or its disk refuses writes); nothing was changed."""
+
+
+def is_busy(error: sqlite3.OperationalError) -> bool:
+    """Whether SQLite's error means the file is locked or its disk refuses writes (a retry may succeed)."""
+    text = str(error).lower()
+    return any(word in text for word in ("locked", "busy", "disk is full", "disk i/o error", "readonly"))
+
+
+def add_missing_columns(db: sqlite3.Connection) -> None:
+    """A table written by an older aspen gains the columns added since (empty for its rows)."""
+    for table, column, kind in ADDED_COLUMNS:
+        present = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")

@@ -90,6 +90,9 @@ class StepReport:
 
 
 class FusedTrainer:
+    lost: Exception | None = None        # one device never loses a pipeline stage (actors/service/step_engine.py)
+    generation_refusal: str | None = None   # it continues prompts ("try it")
+
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
                  recompute: Recompute = "none", compile: Compile = "none",
@@ -429,6 +432,12 @@ class FusedTrainer:
         return loss_sum / max(count, 1)
 
     @torch.no_grad()
+    def rebuild(self) -> None:
+        """Nothing to rebuild: one device has no stages to lose."""
+
+    def close(self) -> None:
+        """Nothing to stop: the base stays loaded with its process."""
+
     def logits(self, adapter: str, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows (the model's
         own forward: its logit transform included)."""

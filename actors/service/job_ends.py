@@ -13,8 +13,6 @@ from actors.engine.peft_io import save_adapter
 from actors.service.active_job import ActiveJob
 from actors.service.job_data import JobUpdate
 from actors.service.job_files import metrics_rows
-from actors.service.pipeline_admission import PipelineAdmission
-from actors.service.pipeline_engine import PipelineEngine
 from actors.service.pipeline_processes import StageLost
 from actors.service.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.trainer_reports import EventKind
@@ -104,14 +102,13 @@ class JobEnds:
     def _restart_stages(self: TrainerLoop) -> str | None:
         """New stages for a pipeline that lost one: None once they run, else why they could not start (logged;
         the engine stays lost, and the next job assigned here tries again)."""
-        assert isinstance(self.trainer, PipelineEngine)
         try:
             self.trainer.rebuild()
         except Exception as error:   # logged, and returned to the job that waits for the stages
             log.exception("trainer %s: its pipeline stages could not be started again; the next job assigned "
                           "here tries again", self.trainer_id)
             return f"its pipeline trainer's stages could not be started again ({error})"
-        self.admission = PipelineAdmission(self.trainer, self.config.memory_budget_bytes)
+        self.admission = self.new_admission()
         return None
 
     @staticmethod

@@ -16,7 +16,7 @@ import collections
 
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.stage_memory import StageMemory
-from actors.engine.spec import LoraConfig
+from actors.engine.spec import JobSpec, LoraConfig
 from actors.engine.trainer import StepReport
 from actors.service.pipeline_engine import PipelineEngine
 from actors.service.step_admission import MEASURE_EVERY, MEASURE_FIRST, MEMORY_MARGIN, default_memory_budget
@@ -116,6 +116,10 @@ class PipelineAdmission:
     def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
         """Whether every stage's predicted peak, raised by the margin, fits the per-stage budget."""
         return all(peak * (1 + self.margin) <= self.budget for peak in self.predictions(micro_batches))
+
+    def sampling_refusal(self, spec: JobSpec) -> str | None:
+        """None: a pipeline runs no GRPO job (the engine refuses it when attached, saying why)."""
+        return None
 
     def measure_next_step(self) -> bool:
         if self.engine.base.device.type == "cuda":

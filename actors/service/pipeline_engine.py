@@ -388,6 +388,18 @@ class PipelineEngine:
         """Each stage's memory model (pipeline_admission.py), its held bytes as of now."""
         return self._guarded(self.pipeline.memory)
 
+    generation_refusal = ("a pipeline trainer (stages > 1) cannot generate yet; export the adapter (`aspen export`) "
+                          "and try it with vLLM or PEFT")
+
+    def rollouts(self, chosen: list[tuple[PipelineJob, list[Example]]]
+                 ) -> tuple[list[tuple[PipelineJob, list[Example]]], list[tuple[PipelineJob, Exception]]]:
+        """Every job as it is: a pipeline runs no GRPO job (refused when attached), so nothing is sampled."""
+        return chosen, []
+
+    def evaluate_generation(self, jobs: list[PipelineJob]) -> list[float]:
+        """Refused when a job is attached (eval_generate), so never reached; said if it is."""
+        raise NotImplementedError("eval_generate is not available on a pipeline trainer yet")
+
     def close(self) -> None:
         try:
             self.pipeline.close(failed=self.lost is not None)

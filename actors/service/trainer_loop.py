@@ -9,10 +9,11 @@ with the reason. Checkpoints are written every `checkpoint_every` steps and ever
 seconds, so that a crash loses bounded work. The loop drives one device's `FusedTrainer`, or a pipeline
 trainer's stages (`stages: N`: actors/service/pipeline_engine.py) through the same calls.
 
-The loop's parts, each in its own module: what it holds for each job (active_job.py) and how a job starts
-(job_start.py), the link to each job's data and stop rule (job_link.py, stop_verdicts.py), memory admission
-(step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), the jobs whose output_dir
-is a storage URI (remote_outputs.py), and its commands from other threads (trainer_commands.py).
+The loop's parts, each in its own module: what it steps (step_engine.py: one device's trainer or a
+pipeline's), what it holds for each job (active_job.py) and how a job starts (job_start.py), the link to each
+job's data and stop rule (job_link.py, stop_verdicts.py) and the waits on them (job_waits.py), memory
+admission (step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), the jobs whose
+output_dir is a storage URI (remote_outputs.py), and its commands from other threads (trainer_commands.py).
 
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
@@ -38,11 +39,13 @@ from actors.service.job_ends import JobEnds
 from actors.service.job_files import CHECKPOINT_FOLDER
 from actors.service.job_link import Assignment
 from actors.service.job_start import start_job, start_tracking
+from actors.service.job_waits import JobWaits
 from actors.service.pipeline_admission import PipelineAdmission
 from actors.service.pipeline_engine import PipelineEngine
 from actors.service.pipeline_processes import StageLost
 from actors.service.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.step_admission import StepAdmission, memory_in_use
+from actors.service.step_engine import StepEngine
 from actors.service.step_log import StepLog, StepTotals
 from actors.service.tracking import CLOSE_WAIT_S, JobTracker
 from actors.service.trainer_commands import Commands
@@ -65,22 +68,26 @@ class TrainerLoop(JobEnds):
         pipeline trainer's (`stages: N`; the loop owns it and closes it) instead of one device's over `base`."""
         self.config = config
         self.trainer_id = trainer_id
-        self.trainer: FusedTrainer | PipelineEngine
+        self.trainer: StepEngine
+        self.admission: StepAdmission | PipelineAdmission
         if engine is not None:
             self.trainer = engine
+            # a pipeline that lost a stage is rebuilt, then admitted anew (`JobEnds._restart_stages`)
+            self.new_admission = lambda: PipelineAdmission(engine, config.memory_budget_bytes)
             try:
-                self.admission: StepAdmission | PipelineAdmission = PipelineAdmission(engine,
-                                                                                      config.memory_budget_bytes)
+                self.admission = self.new_admission()
             except BaseException:
                 engine.close()   # its stages stop with the refusal
                 raise
         else:
             assert base is not None
-            self.trainer = FusedTrainer(base, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
-                                        composer=composer, recompute=config.recompute, compile=config.compile)
-            self.admission = StepAdmission(self.trainer, config.memory_budget_bytes)
+            trainer = FusedTrainer(base, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
+                                   composer=composer, recompute=config.recompute, compile=config.compile)
+            self.trainer = trainer
+            self.new_admission = lambda: StepAdmission(trainer, config.memory_budget_bytes)
+            self.admission = self.new_admission()
             if config.step_tokens == "auto":   # sized for the device by the memory model
-                self.trainer.step_tokens = self.admission.plan_step_tokens()
+                trainer.step_tokens = self.admission.plan_step_tokens()
         self.totals = StepTotals()
         self.commands = Commands()
         self.events = TrainerEvents()
@@ -96,6 +103,7 @@ class TrainerLoop(JobEnds):
         self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
                                            dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
+        self.waits = JobWaits(trainer_id, config, self.events, self.active, self._finish)
 
     @property
     def base(self) -> BaseModel:
@@ -137,9 +145,8 @@ class TrainerLoop(JobEnds):
     def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
         """From the stepping thread, between steps: `prompt` continued by the job's current adapter and by
         the base alone (actors/service/try_adapter.py)."""
-        if not isinstance(self.trainer, FusedTrainer):
-            raise ValueError(f"trainer {self.trainer_id} is a pipeline trainer (stages > 1), which cannot generate "
-                             "yet; export the adapter (`aspen export`) and try it with vLLM or PEFT")
+        if self.trainer.generation_refusal is not None:
+            raise ValueError(f"trainer {self.trainer_id}: {self.trainer.generation_refusal}")
         active = self.active.get(job_id)
         return try_adapter(self.base, {key: a.job.name for key, a in self.active.items()}, job_id,
                            active.job.step if active else 0, prompt, max_new_tokens)
@@ -159,16 +166,16 @@ class TrainerLoop(JobEnds):
     def _run_once(self, idle_wait: float) -> StepReport | None:
         self._collect_uploads()
         for active in list(self.active.values()):
-            self._apply_verdicts(active)
+            self.waits.apply_verdicts(active)
         self._apply_commands()
         ready = []
         deadline = time.monotonic() + self.config.data_grace_s
         for active in list(self.active.values()):
             try:
-                if self._data_arrived(active, deadline) and active.job.peek() is not None:
+                if self.waits.data_arrived(active, deadline) and active.job.peek() is not None:
                     ready.append(active.job)
             except JobLinkLost as error:   # its job actor died: the job itself is intact
-                self._give_back(active, f"its job actor was lost ({error})")
+                self.waits.give_back(active, f"its job actor was lost ({error})")
             except Exception as error:  # noqa: BLE001 - the job's data link broke: that job fails
                 self._finish(active, "failed", f"could not get the job's data: {error!r}")
         report = None
@@ -206,73 +213,10 @@ class TrainerLoop(JobEnds):
     def _rollouts(self, chosen: list) -> list:
         """The step's GRPO jobs' completions sampled and scored (`FusedTrainer.rollouts`); a job whose reward
         failed fails alone, the others' step goes on. (A pipeline trainer runs no GRPO job.)"""
-        expand = getattr(self.trainer, "rollouts", None)
-        if expand is None:
-            return chosen
-        kept, failed = expand(chosen)
+        kept, failed = self.trainer.rollouts(chosen)
         for job, error in failed:
             self._finish(self.active[job.name], "failed", f"its rollout failed: {error}")
         return kept
-
-    def _data_arrived(self, active: ActiveJob, deadline: float) -> bool:
-        """Whether the job's next micro-batch is here. A job whose data is late is waited for until
-        `deadline` (shared by all jobs of this step) the first time, then left out of the steps without
-        waiting; after `data_timeout_s` it is given back to the scheduler (checkpointed first)."""
-        job = active.job
-        if job.pending is not None or job.done:
-            return True
-        now = time.monotonic()
-        wait = 0.0 if active.stalled_since is not None else max(deadline - now, 0.0)
-        verdicts_here = self._verdicts_due_here(active, wait)
-        if self.active.get(active.job_id) is not active:
-            return False   # a verdict just stopped it (or its job actor was lost)
-        if verdicts_here and active.feed.ready(
-                0.0 if active.stalled_since is not None else max(deadline - time.monotonic(), 0.0)):
-            if active.stalled_since is not None:
-                log.info("trainer %s: job %s: its data arrived again after %.1fs", self.trainer_id,
-                         active.job_id, now - active.stalled_since)
-            active.stalled_since = None
-            return True
-        if active.stalled_since is None:
-            active.stalled_since = now
-            log.warning("trainer %s: job %s: its data or stop verdict is late (waited up to %gs); its steps wait, "
-                        "the other jobs go on", self.trainer_id, active.job_id, self.config.data_grace_s)
-        elif now - active.stalled_since >= self.config.data_timeout_s:
-            self._give_back(active, f"its data did not arrive for {now - active.stalled_since:.0f}s "
-                                    f"(data_timeout_s={self.config.data_timeout_s:g}; its job actor hung?)")
-        return False
-
-    def _verdicts_due_here(self, active: ActiveJob, timeout: float) -> bool:
-        """Whether the verdicts the job's next step must follow (`VERDICT_LAG`) are here (waiting up to
-        `timeout`); applied at once when they are, so that a stop ends the job before that step."""
-        if not active.verdicts.arrived(active.job.step, timeout):
-            return False
-        self._apply_verdicts(active)
-        return True
-
-    def _apply_verdicts(self, active: ActiveJob) -> None:
-        """Apply the job's verdicts that are due (`VERDICT_LAG`) and here, in step order; a stop ends it."""
-        while True:
-            try:
-                verdict = active.verdicts.next_due(active.job.step)
-            except JobLinkLost as error:   # its job actor died: its stop rule and data with it
-                self._give_back(active, f"its job actor was lost ({error})")
-                return
-            if verdict is None:
-                return
-            if verdict.predicted_stop_step is not None:
-                self.events.emit("prediction", active.job_id, active.job.step,
-                                 predicted_stop_step=verdict.predicted_stop_step)
-            if verdict.stop is not None:
-                self._finish(active, "stopped_early", verdict.stop.reason)
-                return
-
-    def _give_back(self, active: ActiveJob, reason: str) -> None:
-        """Checkpoint a job whose link to its data failed and hand it back to the scheduler, which starts
-        it again with a new job actor (or fails it after a few such tries)."""
-        log.warning("trainer %s: job %s: %s; checkpointing it and giving it back", self.trainer_id,
-                    active.job_id, reason)
-        self._finish(active, "paused", reason, retry=True)
 
     # -- commands ---------------------------------------------------------------------------------------
     def _apply_commands(self) -> None:
@@ -307,12 +251,12 @@ class TrainerLoop(JobEnds):
             log.warning("trainer %s: job %s is already running here; ignoring the second assignment",
                         self.trainer_id, job_id)
             return
-        if isinstance(self.trainer, PipelineEngine) and self.trainer.lost is not None:   # its stages first
+        if self.trainer.lost is not None:   # a pipeline's lost stage: its stages first
             failed = self._restart_stages()
             if failed is not None:
                 self.events.emit("paused", job_id, 0, reason=f"it could not start: {failed}", retry=True)
                 return
-        refusal = getattr(self.admission, "sampling_refusal", lambda spec: None)(assignment.submission.job)
+        refusal = self.admission.sampling_refusal(assignment.submission.job)
         if refusal is not None:
             log.error("trainer %s: job %s could not start: %s", self.trainer_id, job_id, refusal)
             self.events.emit("failed", job_id, 0, reason=f"could not start: {refusal}")
@@ -453,5 +397,4 @@ class TrainerLoop(JobEnds):
                             "or its adapter artefact may be missing there", self.trainer_id, tracker.job_id,
                             CLOSE_WAIT_S)
         self.step_log.close()
-        if isinstance(self.trainer, PipelineEngine):
-            self.trainer.close()   # its stages stop
+        self.trainer.close()   # a pipeline's stages stop

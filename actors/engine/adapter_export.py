@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from actors.engine.base_identity import ALIAS_HUB_IDS, METADATA_NAME, hub_id_of_folder, read_metadata
-from actors.engine.durable import staging_folder
+from actors.engine.durable import fsync_tree, replace_durably, staging_folder
 from actors.engine.gguf_cache import converted_source
 from actors.engine.library_notices import peft_calls
 from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME
@@ -89,7 +89,8 @@ def _move_into_place(staging: Path, out: Path) -> Path:
             shutil.rmtree(out)
         else:
             out.unlink()
-    staging.rename(out)
+    fsync_tree(staging)             # on disk whole before it takes the name (durable.py)
+    replace_durably(staging, out)
     return out
 
 

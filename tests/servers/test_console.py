@@ -24,8 +24,8 @@ from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import HttpClient
 from orchestrator.http.console import STATIC_DIR
 from orchestrator.http.token import ensure_token
+from tests.helpers.http_server import NOBODYS_MODEL, running_server
 from tests.helpers.service import NO_LISTENERS, job_dict, service_config, wait_for, write_task_data
-from tests.servers.test_http_api import NOBODYS_MODEL, running_server
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]

@@ -6,7 +6,6 @@ oversized bodies) is checked to leave the job table exactly as it was."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -34,33 +33,11 @@ from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import Conflict, HttpClient, JobNotFound, SpecRefused, Unauthorized
 from orchestrator.http.bridge import ProcessLink
 from orchestrator.http.token import TokenFileError, client_token, ensure_token, read_token
+from tests.helpers.http_server import NOBODYS_MODEL, running_server
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
 BODY_LIMIT = 64 * 1024
-NOBODYS_MODEL = "some-org/model-nobody-holds"   # no trainer holds it: a job for it stays queued, never trains
-
-
-@contextlib.contextmanager
-def running_server(app) -> Iterator[str]:
-    """uvicorn serving `app` in a thread on a free loopback port; its URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, timeout=30, what="uvicorn to start", every=0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 @dataclass
 class Api:
     url: str

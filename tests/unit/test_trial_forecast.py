@@ -15,7 +15,7 @@ import pytest
 
 from actors.service.sweep_run import SweepRun
 from policies.trial_forecast import TrialForecast
-from tests.unit.service.test_sweep_run import JOB, drive, planted_loss, spec
+from tests.helpers.sweeps import JOB, drive, planted_loss, spec
 
 MAX_STEPS = 100
 

@@ -20,7 +20,6 @@ from transformers import LlamaForCausalLM
 from actors.engine import lora as lora_module
 from actors.engine.checkpoint import load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
-from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.lora_targets import adapted_shapes
 from actors.engine.models import from_module
@@ -28,6 +27,7 @@ from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict,
 from actors.engine.spec import JobSpec, JobSubmission, LoraConfig, RunSpec
 from actors.engine.trainer import FusedTrainer
 from tests.helpers.accumulation import FixedOrder, pad_rows
+from tests.helpers.adapter_logits import SameMask, aspen_logits
 from tests.helpers.fused import relative_difference
 from tests.helpers.isolation import assert_isolated, train
 from tests.helpers.models import random_examples, tiny_config, tiny_model
@@ -50,27 +50,6 @@ def peft_key(name: str) -> str:
     if name.endswith(".lora_magnitude_vector"):
         return f"base_model.model.{name}.default.weight"
     return "base_model.model." + name.replace(".weight", ".default.weight")
-
-
-def aspen_logits(model, adapter: str, ids: torch.Tensor) -> torch.Tensor:
-    """The fused model's logits through one adapter, with autograd (FusedTrainer.logits' layout)."""
-    rows, length = ids.shape
-    with step_layout(StepLayout.single(adapter, [length] * rows)):
-        out = model(input_ids=ids.reshape(1, -1), position_ids=torch.arange(length).repeat(rows)[None],
-                    attention_mask=None, use_cache=False)
-    return out.logits.reshape(rows, length, -1)
-
-
-class SameMask(torch.nn.Module):
-    """PEFT's lora_dropout replaced by the inverted-dropout masks aspen's adapter draws (a generator in the
-    same state, one draw per layer in the same order): both forwards then drop the same inputs."""
-
-    def __init__(self, p: float, generator: torch.Generator):
-        super().__init__()
-        self.p, self.generator = p, generator
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.empty_like(x).bernoulli_(1 - self.p, generator=self.generator).div_(1 - self.p)
 
 
 @pytest.mark.parametrize("kind,arch", [(kind, "llama") for kind in KINDS] + [("dora", "qwen2")])

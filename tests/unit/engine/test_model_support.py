@@ -6,7 +6,7 @@ per sequence the loss of the unfused Hugging Face model (eager attention, with P
 adapter) run alone on that sequence with `labels`, and each adapter's gradient equals PEFT's. Sliding
 windows are shorter than the sequences. Each architecture's special features are shown to matter: turned
 off in the reference, its loss moves by far more than the tolerance. Refused features are refused at
-load, with their message; the README's table is the code's table."""
+load, with their message; docs/models.md's table is the code's table."""
 
 from __future__ import annotations
 
@@ -397,9 +397,9 @@ def test_attention_refuses_an_argument_it_does_not_implement():
 
 
 def test_readme_table_is_the_code_table():
-    readme = (REPO / "README.md").read_text()
-    assert "## Supported models" in readme
-    assert markdown_table() in readme, "README.md's table differs from model_support.markdown_table(): paste it"
+    page = (REPO / "docs" / "models.md").read_text()
+    assert "# Supported models" in page
+    assert markdown_table() in page, "docs/models.md's table differs from model_support.markdown_table(): paste it"
 
 
 # -- the pieces, against their own references -------------------------------------------------------------

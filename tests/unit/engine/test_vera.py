@@ -23,9 +23,9 @@ from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict,
 from actors.engine.spec import JobSpec, LoraConfig
 from actors.engine.trainer import FusedTrainer
 from actors.service.job_fit import job_adapter_bytes
+from tests.helpers.adapter_logits import SameMask, aspen_logits
 from tests.helpers.isolation import assert_isolated
 from tests.helpers.models import random_examples, tiny_model
-from tests.unit.engine.test_adapter_kinds import SameMask, aspen_logits
 
 VOCAB = 300
 R = 16

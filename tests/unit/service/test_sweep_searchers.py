@@ -15,7 +15,7 @@ import pytest
 
 from actors.engine.sweep_spec import SweepSpec
 from actors.service.sweep_run import SweepRun
-from tests.unit.service.test_sweep_run import BEST_LR, JOB, drive, planted_loss, spec
+from tests.helpers.sweeps import BEST_LR, JOB, drive, planted_loss, spec
 
 optuna = pytest.importorskip("optuna", reason="the sweep extra (optuna) is part of the dev install")
 
@@ -41,7 +41,7 @@ def test_optunas_study_holds_the_settings_and_objectives_the_leaderboard_shows()
     assert statistics.median(map(distance, study.trials[14:])) < statistics.median(map(distance, study.trials[:10]))
 
 def test_optuna_maximises_a_generation_metric():
-    from tests.unit.service.test_sweep_run import planted_score
+    from tests.helpers.sweeps import planted_score
 
     run = SweepRun(spec(search="optuna", trials=12, objective={"metric": "contains"}))
     drive(run, measure=planted_score)

@@ -4,7 +4,7 @@ It holds the job table (SQLite in its state folder) and answers the client's cal
 trainer fleet (`actors/service/trainer_fleet.py`: trainers started per node, polled, replaced when they
 die, retired when their node leaves) watch the trainers, the event intake (`actors/service/event_intake.py`)
 book what they reported, and the scheduler core (`actors/service/scheduler_core.py`) decide; it starts a
-`JobActor` per running job (`actors/job_starts.py`). The Ray side of the trainers is `actors/ray_trainers.py`.
+`JobActor` per running job (`actors/job_dispatch.py`). The Ray side of the trainers is `actors/ray_trainers.py`.
 
 Nothing a trainer reports is lost: its events wait until the job table has taken them (retried with
 backoff while another process holds the table's file), and those still waiting when the service stops
@@ -28,7 +28,7 @@ import ray
 from actors.engine.spec import JobSpec, JobSubmission
 from actors.engine.storage import configure_storage
 from actors.engine.sweep_spec import SweepSpec
-from actors.job_starts import JobStarts
+from actors.job_dispatch import JobStarts
 from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
 from actors.service.cluster_plan import trainer_kinds

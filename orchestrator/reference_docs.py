@@ -147,9 +147,9 @@ NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
      ["actors/service/scheduler_core.py", "actors/service/policy_guard.py", "policies/fifo.py",
       "actors/service/job_fit.py"]),
     ("a started job gets a job actor (its data, tokenized) and an assignment on its trainer",
-     ["actors/job_starts.py", "actors/job_actor.py", "actors/service/job_data.py", "actors/service/job_link.py"]),
+     ["actors/job_dispatch.py", "actors/job_actor.py", "actors/service/job_data.py", "actors/service/job_link.py"]),
     ("the trainer's loop attaches the job's adapter and restores its newest checkpoint",
-     ["actors/trainer_actor.py", "actors/service/trainer_loop.py", "actors/service/job_start.py"]),
+     ["actors/trainer_actor.py", "actors/service/trainer_loop.py", "actors/service/job_attach.py"]),
     ("each fused step is admitted under the memory budget, packed, and run: one forward/backward, each job's "
      "tokens through its own adapter, each job's loss and optimizer",
      ["actors/service/step_admission.py", "actors/engine/trainer.py", "actors/engine/packing.py",

@@ -13,7 +13,7 @@ same order, tested against it (tests/unit/test_successive_halving.py), except th
 diverged trial: stopped at once, and not recorded (Ray Tune's comparison lets it go on). Objectives are
 minimised (`mode="min"`: losses) or maximised (`mode="max"`: exact match, a user metric).
 
-A building block of sweeps (issue 34): nothing drives it yet."""
+Sweeps (actors/service/sweep_run.py) drive it: each trial's objective is reported at its rungs."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The trainers follow the cluster (`cluster_plan.py`): every `cluster_poll_s` the 
 starts the planned trainers that do not run yet (each pinned to its node, its threads sized from that node)
 and retires those whose node left. A retired or replaced trainer's jobs are queued again once everything it
 reported is in the job table, and resume from their last checkpoints, each with a new job actor (job actors
-run on their trainer's node where they can: `actors/job_starts.py`). The Ray calls sit behind
+run on their trainer's node where they can: `actors/job_dispatch.py`). The Ray calls sit behind
 `TrainerHandles`, which the scheduler actor provides (`actors/ray_trainers.py`); what a trainer reports
 goes to the event intake (`event_intake.py`), a lost trainer as a `TrainerLost` after its last events."""
 

@@ -10,7 +10,7 @@ seconds, so that a crash loses bounded work. The loop drives one device's `Fused
 trainer's stages (`stages: N`: actors/service/pipeline_engine.py) through the same calls.
 
 The loop's parts, each in its own module: what it steps (step_engine.py: one device's trainer or a
-pipeline's), what it holds for each job (active_job.py) and how a job starts (job_start.py), the link to each
+pipeline's), what it holds for each job (active_job.py) and how a job starts (job_attach.py), the link to each
 job's data and stop rule (job_link.py, stop_verdicts.py) and the waits on them (job_waits.py), memory
 admission (step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), the jobs whose
 output_dir is a storage URI (remote_outputs.py), and its commands from other threads (trainer_commands.py).
@@ -34,11 +34,11 @@ from actors.engine.trainer import FusedTrainer, StepReport
 from actors.service.active_job import ActiveJob
 from actors.service.config import TrainerConfig, trainer_step_log
 from actors.service.feed import JobLinkLost
+from actors.service.job_attach import start_job, start_tracking
 from actors.service.job_data import JobUpdate
 from actors.service.job_ends import JobEnds
 from actors.service.job_files import CHECKPOINT_FOLDER
 from actors.service.job_link import Assignment
-from actors.service.job_start import start_job, start_tracking
 from actors.service.job_waits import JobWaits
 from actors.service.pipeline_admission import PipelineAdmission
 from actors.service.pipeline_engine import PipelineEngine

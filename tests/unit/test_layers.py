@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Top first. A module may import from its own layer and the layers below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("user-facing: client, CLI, observability", ("orchestrator",)),
-    ("Ray actors", ("actors.scheduler_actor", "actors.job_starts", "actors.trainer_actor", "actors.job_actor",
+    ("Ray actors", ("actors.scheduler_actor", "actors.job_dispatch", "actors.trainer_actor", "actors.job_actor",
                     "actors.ray_links", "actors.ray_trainers", "actors.stage_actors", "actors.niceness")),
     ("Ray-free service cores", ("actors.service",)),
     ("compute engine and data", ("actors.engine",)),

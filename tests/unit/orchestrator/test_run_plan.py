@@ -1,5 +1,5 @@
 """`aspen run` again on the same output folder (orchestrator/run_plan.py): which earlier jobs are left alone, resumed,
-started again or refused, as the README and docs/spec.md, the refusal and `--help` say it: `--overwrite` starts
+started again or refused, as the README and docs/methods.md, the refusal and `--help` say it: `--overwrite` starts
 over only the jobs whose spec or data changed; a job that finished unchanged is never deleted; a job that failed
 before its first checkpoint starts again on its changed spec without `--overwrite`."""
 
@@ -66,5 +66,6 @@ def test_a_job_that_failed_before_any_checkpoint_starts_again_on_its_changed_spe
 def test_the_readme_says_what_overwrite_does():
     text = README.read_text()
     assert "`--overwrite` starts those jobs over, only those" in text
-    assert "`--overwrite` starts\nthose jobs over, and only those" in (README.parent / "docs" / "spec.md").read_text()
+    methods = (README.parent / "docs" / "methods.md").read_text()
+    assert "`--overwrite` starts\nthose jobs over, and only those" in methods
     assert "aspen run --overwrite jobs.yaml  # start over the jobs whose spec or data changed (only those)" in text

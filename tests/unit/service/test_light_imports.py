@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # what the driver and the scheduler's process import: the scheduler actor with the classes it creates, its
 # listeners (metrics, MQTT events), its policies, and the client and CLI
-SCHEDULER_SIDE = ["actors.scheduler_actor", "actors.job_actor", "actors.trainer_actor", "actors.job_starts",
+SCHEDULER_SIDE = ["actors.scheduler_actor", "actors.job_actor", "actors.trainer_actor", "actors.job_dispatch",
                   "actors.ray_trainers", "orchestrator.observability", "orchestrator.metrics",
                   "orchestrator.mqtt.listener", "orchestrator.client", "orchestrator.cli", "orchestrator.run_plan",
                   "policies.registry", "policies.fifo", "policies.minpad", "policies.ordering"]

@@ -1,4 +1,4 @@
-"""The service's operations against their catalogue (orchestrator/operations.py): every surface has each
+"""The service's operations against their catalogue (orchestrator/service_operations.py): every surface has each
 operation the catalogue puts on it (the scheduler actor's method, the Ray client's, the HTTP route, the
 HttpClient's, the aspen command), and nothing is on a surface the catalogue does not know of."""
 
@@ -11,8 +11,8 @@ from orchestrator.cli.parser import build_parser
 from orchestrator.client import Client
 from orchestrator.http.api import create_app
 from orchestrator.http.api_client import HttpClient
-from orchestrator.operations import CLIENT_LIFECYCLE, OPERATIONS, by_name
 from orchestrator.service_calls import ServiceLink
+from orchestrator.service_operations import CLIENT_LIFECYCLE, OPERATIONS, by_name
 
 pytestmark = pytest.mark.unit
 
@@ -58,7 +58,7 @@ def test_nothing_is_on_a_surface_the_catalogue_does_not_know():
     unknown += [f"HttpClient.{name}" for name in public_methods(HttpClient) - CLIENT_LIFECYCLE if name not in known]
     catalogued = {op.http for op in OPERATIONS if op.http}
     unknown += [f"{method} {path}" for method, path in routes() if (method, path) not in catalogued]
-    assert not unknown, f"add these to orchestrator/operations.py (or remove them): {unknown}"
+    assert not unknown, f"add these to orchestrator/service_operations.py (or remove them): {unknown}"
     # an operation the catalogue keeps off a surface is really not there (or the catalogue is stale)
     for op in OPERATIONS:
         assert op.ray or not hasattr(Client, op.name), f"Client.{op.name} exists: set ray=True for it"

@@ -230,11 +230,12 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
     from actors.service.config import run_service_config
     from orchestrator.client import Client
-    from orchestrator.progress import follow_jobs
+    from orchestrator.progress import follow_jobs, wait_for_trainers
 
     spec = spec.model_copy(update={"output_dir": output_dir.resolve()})
-    client = Client.local(run_service_config(spec))
+    client = Client.local(run_service_config(spec), wait_ready=False)
     try:
+        wait_for_trainers(client, quiet=quiet)   # its phases said: loading the base, warming up, ...
         handles = client.submit_run(spec)
         ids = {h.id for h in handles}
         return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)

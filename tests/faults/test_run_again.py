@@ -134,7 +134,7 @@ def assert_like_undisturbed(folder: Path, base: Path, names=("first", "second"))
 
 def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs):
     """`kill PID` (SIGTERM, as a job system or a supervisor stops a command): the running jobs checkpointed, one
-    line, exit 143; not Ray's C++ "SIGTERM received" stack; the same command then finishes them."""
+    line, exit 143; not Ray's C++ "SIGTERM received" stack (the same command resumes them as after Ctrl-C)."""
     write_run(tmp_path, tiny_model_dirs["llama"])
     process = start(tmp_path)
     wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 4 or
@@ -146,10 +146,7 @@ def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs)
     assert "SIGTERM received" not in err + out and "logging.cc" not in err and "Traceback" not in err, err
     assert "stopped (SIGTERM)" in err and "the running jobs were checkpointed" in err, err
     stopped_at = {n: checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")}
-    assert all(0 < step < STEPS for step in stopped_at.values()), stopped_at
-    code, out, err = run(tmp_path)
-    assert code == 0, (out, err)
-    assert all(metric_steps(tmp_path / "out" / n) == list(range(1, STEPS + 1)) for n in ("first", "second"))
+    assert all(0 < step < STEPS for step in stopped_at.values()), stopped_at   # resuming: the Ctrl-C test below
 
 
 def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone(tmp_path, tiny_model_dirs):

@@ -8,13 +8,13 @@ from typing import Any
 
 import ray
 
-from actors.engine.data import Example
-from actors.engine.spec import JobSubmission
-from actors.engine.storage import configure_storage
+from actors.data import Example
 from actors.niceness import background_priority, idle_priority
-from actors.service.config import StorageConfig
-from actors.service.feed import FeedChunk
-from actors.service.job_data import DataSummary, JobData, JobUpdate
+from actors.service.scheduler.config import StorageConfig
+from actors.service.scheduler.job_data import DataSummary, JobData, JobUpdate
+from actors.service.trainer.feed import FeedChunk
+from actors.spec.spec import JobSubmission
+from actors.storage.storage import configure_storage
 from policies.stopping import LossHistory, Verdict
 
 
@@ -28,7 +28,7 @@ class JobActor:
         submission = JobSubmission.model_validate_json(submission_json)
         # imported here, in the job's own process: transformers (and the torch it imports) take seconds, and
         # the scheduler that creates this actor imports this module without needing them
-        from actors.engine.sources import load_base_tokenizer
+        from actors.storage.sources import load_base_tokenizer
 
         tokenizer = load_base_tokenizer(submission.base_model, Path(cache_dir))
         self.data = JobData(job_id, submission, tokenizer)

@@ -17,10 +17,10 @@ import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.engine.storage import StorageUnreachable
 from actors.job_actor import JobActor
-from actors.service.job_table import TERMINAL_STATES, JobTable
-from actors.service.scheduler_core import SchedulerCore
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import TERMINAL_STATES, JobTable
+from actors.storage.storage import StorageUnreachable
 from policies.base import Start
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from actors.service.feed import FeedChunk, JobLinkLost
-from actors.service.job_data import JobUpdate
+from actors.service.scheduler.job_data import JobUpdate
+from actors.service.trainer.feed import FeedChunk, JobLinkLost
 
 
 class RefPending:

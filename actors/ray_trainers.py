@@ -11,9 +11,9 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.service.cluster_plan import NodeInfo
-from actors.service.config import NAMESPACE, TrainerConfig
-from actors.service.trainer_fleet import TrainerCallFailed, TrainerUnavailable
+from actors.service.scheduler.cluster_plan import NodeInfo
+from actors.service.scheduler.config import NAMESPACE, TrainerConfig
+from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerUnavailable
 from actors.trainer_actor import TrainerActor
 
 

@@ -1,9 +1,9 @@
 """`SchedulerActor`: the named, long-lived service, a thin Ray shell over the scheduler's Ray-free cores.
 
 It holds the job table (SQLite in its state folder) and answers the client's calls; its loop thread has the
-trainer fleet (`actors/service/trainer_fleet.py`: trainers started per node, polled, replaced when they
-die, retired when their node leaves) watch the trainers, the event intake (`actors/service/event_intake.py`)
-book what they reported, and the scheduler core (`actors/service/scheduler_core.py`) decide; it starts a
+trainer fleet (`actors/service/scheduler/trainer_fleet.py`: trainers started per node, polled, replaced when they
+die, retired when their node leaves) watch the trainers, the event intake (`actors/service/events/event_intake.py`)
+book what they reported, and the scheduler core (`actors/service/scheduler/scheduler_core.py`) decide; it starts a
 `JobActor` per running job (`actors/job_dispatch.py`). The Ray side of the trainers is `actors/ray_trainers.py`.
 
 Nothing a trainer reports is lost: its events wait until the job table has taken them (retried with
@@ -11,7 +11,7 @@ backoff while another process holds the table's file), and those still waiting w
 are written next to the table and applied at its next start. The actor restarts itself when its process
 dies (`max_restarts=-1`): the new instance reloads the table, and the jobs that were running resume from
 their checkpoints. The scheduler itself runs on the head node (`Client.serve` pins it there), next to its
-job table. It also runs the service's sweeps (`actors/service/sweep_book.py`): each tick advances them, so a
+job table. It also runs the service's sweeps (`actors/service/sweeps/sweep_book.py`): each tick advances them, so a
 sweep goes on without whoever submitted it and, its state in the state folder, after a restart."""
 
 from __future__ import annotations
@@ -25,24 +25,24 @@ from typing import Any
 
 import ray
 
-from actors.engine.spec import JobSpec, JobSubmission
-from actors.engine.storage import configure_storage
-from actors.engine.sweep_spec import SweepSpec
 from actors.job_dispatch import JobStarts
 from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
-from actors.service.cluster_plan import trainer_kinds
-from actors.service.config import ServiceConfig
-from actors.service.event_intake import EventIntake
-from actors.service.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
-from actors.service.listeners import Listeners
-from actors.service.loop_errors import LoopErrors
-from actors.service.scheduler_core import SchedulerCore, StopRequest, SubmissionError
-from actors.service.state_dir import lock_state_dir, open_job_table
-from actors.service.sweep_book import SweepBook
-from actors.service.table_backup import JobTableDamaged, TableBackups
-from actors.service.trainer_fleet import TrainerCallFailed, TrainerFleet
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.events.event_intake import EventIntake
+from actors.service.events.listeners import Listeners
+from actors.service.scheduler.cluster_plan import trainer_kinds
+from actors.service.scheduler.config import ServiceConfig
+from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest, SubmissionError
+from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
+from actors.service.sweeps.sweep_book import SweepBook
+from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
+from actors.service.table.state_dir import lock_state_dir, open_job_table
+from actors.service.table.table_backup import JobTableDamaged, TableBackups
+from actors.service.trainer.loop_errors import LoopErrors
+from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
+from actors.spec.spec import JobSpec, JobSubmission
+from actors.spec.sweep_spec import SweepSpec
+from actors.storage.storage import configure_storage
 from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
 
@@ -222,7 +222,7 @@ class SchedulerActor:
 
     def generate(self, key: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
         """"Try it": `prompt` continued by the running job's current adapter and by the base alone, on its
-        trainer between two steps (actors/service/try_adapter.py). ValueError for a job not running."""
+        trainer between two steps (actors/service/trainer/try_adapter.py). ValueError for a job not running."""
         with self.lock:
             record = self.table.find(key)
             if record.state != "running" or record.trainer is None:
@@ -365,7 +365,7 @@ class SchedulerActor:
 
 
 class SchedulerJobs:
-    """The scheduler's own calls as a sweep's `SweepJobs` (actors/service/sweep_driver.py)."""
+    """The scheduler's own calls as a sweep's `SweepJobs` (actors/service/sweeps/sweep_driver.py)."""
 
     def __init__(self, scheduler: SchedulerActor):
         self.scheduler = scheduler

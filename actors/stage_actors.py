@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.niceness import normal_priority
-from actors.service.pipeline_processes import StageLaunch, run_stage
+from actors.service.pipeline.pipeline_processes import StageLaunch, run_stage
 
 log = logging.getLogger(__name__)
 

@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from actors.engine.spec import JobSubmission
-from actors.engine.storage import as_location, configure_storage
 from actors.niceness import normal_priority
 from actors.ray_links import ActorJobLink
-from actors.service.config import StorageConfig, TrainerConfig
-from actors.service.job_data import DataSummary
-from actors.service.job_link import Assignment
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.scheduler.config import StorageConfig, TrainerConfig
+from actors.service.scheduler.job_data import DataSummary
+from actors.service.trainer.job_link import Assignment
+from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
+from actors.spec.spec import JobSubmission
+from actors.storage.storage import as_location, configure_storage
 
 if TYPE_CHECKING:
-    from actors.engine.data import Example
+    from actors.data import Example
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class PhaseNotes:
             return
         try:
             if self.handle is None:
-                from actors.service.config import NAMESPACE
+                from actors.service.scheduler.config import NAMESPACE
                 self.handle = ray.get_actor(self.scheduler, namespace=NAMESPACE)
             self.handle.trainer_phase.remote(self.trainer_id, phase)
         except ValueError as error:   # no such actor (a test's own trainer, or the scheduler is gone)
@@ -70,7 +70,7 @@ class TrainerActor:
         normal_priority()
         # imported here, in the trainer's own process: torch, transformers and the engine take seconds to
         # import, and the scheduler that creates trainers imports this module without needing them
-        from actors.service.trainer_setup import start_trainer_loop
+        from actors.service.trainer.trainer_setup import start_trainer_loop
 
         stages = None
         if config.stages > 1:   # the other stages: actors in a placement group of their own
@@ -125,7 +125,7 @@ class TrainerActor:
 
     def generate(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
         """`prompt` continued by the job's current adapter and by the base alone, between two steps (this actor
-        takes one call at a time): actors/service/try_adapter.py."""
+        takes one call at a time): actors/service/trainer/try_adapter.py."""
         return self.loop.try_prompt(job_id, prompt, max_new_tokens)
 
     def shutdown(self) -> list[TrainerEvent]:

@@ -29,12 +29,12 @@ from torch._dynamo.backends.registry import lookup_backend
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from actors.data import Example
 from actors.engine.compiled import bucket_length
-from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.models import load_base_model
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
 
 
 class CountingBackend:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from actors.engine.sources import load_tokenizer, resolve_source
+from actors.storage.sources import load_tokenizer, resolve_source
 
 
 def main(argv: list[str] | None = None) -> int:

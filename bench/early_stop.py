@@ -41,12 +41,12 @@ if str(REPO) not in sys.path:
 import torch
 
 from actors.engine.models import BaseModel, load_base_model
-from actors.engine.spec import JobSubmission, RunSpec
-from actors.service.config import TrainerConfig
-from actors.service.job_data import JobData
-from actors.service.job_link import Assignment, LocalJobLink
-from actors.service.trainer_loop import TrainerLoop
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.job_data import JobData
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.service.trainer.trainer_reports import TrainerEvent
+from actors.spec.spec import JobSubmission, RunSpec
 from bench.machine import cpu_model
 
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"

@@ -45,9 +45,7 @@ if str(REPO) not in sys.path:
 
 import torch
 
-from actors.engine import lora, lora_cuda
-from actors.engine import trainer as trainer_module
-from actors.engine.data import (
+from actors.data import (
     IGNORE_INDEX,
     AlpacaFormat,
     DataCursor,
@@ -56,13 +54,15 @@ from actors.engine.data import (
     TextFormat,
     load_examples,
 )
+from actors.engine import lora, lora_cuda
+from actors.engine import trainer as trainer_module
 from actors.engine.job import TrainingJob
 from actors.engine.models import BaseModel, load_base_model
 from actors.engine.operations import OperationCounter, count_operations
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.recompute import decoder_layers
-from actors.engine.spec import JobSpec, LoraConfig
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec, LoraConfig
 from bench.machine import CpuMonitor, cpu_model
 
 DATA_DIR = REPO.parent / "shared" / "data"

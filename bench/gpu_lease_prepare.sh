@@ -54,8 +54,8 @@ download "liger-kernel==0.8.5"   # pure Python (Triton kernels): torch and trito
 import shutil, sys
 from pathlib import Path
 sys.path.insert(0, ".")
-from actors.engine.gguf_cache import converted_source
-from actors.engine.sources import resolve_source
+from actors.storage.gguf_cache import converted_source
+from actors.storage.sources import resolve_source
 source = converted_source(resolve_source("smollm2-135m")).path
 target = Path(".gpu/smollm2-shape"); target.mkdir(parents=True, exist_ok=True)
 for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

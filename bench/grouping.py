@@ -24,8 +24,8 @@ if str(REPO) not in sys.path:
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from actors.data import TextFormat
 from actors.engine import lora
-from actors.engine.data import TextFormat
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer

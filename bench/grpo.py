@@ -70,14 +70,14 @@ def main() -> int:
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
 
-    from actors.engine.data.formats import ChatFormat
-    from actors.engine.data.tokenize import tokenize_example
+    from actors.checkpoint.peft_io import load_adapter_weights
+    from actors.data.formats import ChatFormat
+    from actors.data.tokenize import tokenize_example
     from actors.engine.generation_eval import generation_scores
     from actors.engine.lora import add_adapter
     from actors.engine.models import load_base_model
-    from actors.engine.peft_io import load_adapter_weights
-    from actors.engine.spec import GenerationEval, LoraConfig, RunSpec
-    from actors.service.local_run import train_locally
+    from actors.service.scheduler.local_run import train_locally
+    from actors.spec.spec import GenerationEval, LoraConfig, RunSpec
     from orchestrator.demo import TASKS, make_rows, write_jsonl
 
     held_out = arithmetic_rows(24, seed=1 + 2 * args.seed)

@@ -77,11 +77,11 @@ def timed_sequences(args: argparse.Namespace, batches: dict[int, list]) -> tuple
 
 def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     """4 jobs fused, every step all four, per the engine's defaults on the device."""
-    from actors.engine.data import Example
+    from actors.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
-    from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
+    from actors.spec.spec import JobSpec
     started = time.perf_counter()
     model = random_model(args.shape, device, compute_dtype(device))
     base = from_module(model, None)
@@ -329,11 +329,11 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     """A fused step's tokens/s with N adapters at equal total tokens, as a ratio to 1 adapter (median step)."""
     import random
 
-    from actors.engine.data import Example
+    from actors.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
-    from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
+    from actors.spec.spec import JobSpec
     base = from_module(random_model(args.shape, device, compute_dtype(device)), None)
     vocab = SHAPES[args.shape]["vocab_size"]
     rng = random.Random(0)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import deep_tiny_model
 import psutil
 
-from actors.service.config import run_service_config
+from actors.service.scheduler.config import run_service_config
 from orchestrator.client import Client
 from orchestrator.jobs_file import load_run_spec
 

@@ -53,7 +53,7 @@ def one_configuration(case: dict, device: str = "cpu") -> dict:
     reset for each), without the resident set (a host matter: the CPU run measures it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.engine.data import Example
+    from actors.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.lora import linear_module_names
     from actors.engine.memory import (
@@ -65,8 +65,8 @@ def one_configuration(case: dict, device: str = "cpu") -> dict:
     )
     from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
     from actors.engine.models import from_module, quantize_linears
-    from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
+    from actors.spec.spec import JobSpec
     from policies.memory_model import MemoryModel, StepShape
 
     on_cpu = device == "cpu"
@@ -128,12 +128,12 @@ def recompute_side_by_side(steps: int, device: str = "cpu") -> list[dict]:
     """The same steps with recomputation off and on, alternated in one process: peak and seconds."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.engine.data import Example
+    from actors.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.memory import measure_peak
     from actors.engine.models import from_module
-    from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
+    from actors.spec.spec import JobSpec
 
     torch.manual_seed(0)
     base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)).to(device), None)
@@ -175,12 +175,12 @@ def malloc_steps(setting: str, steps: int) -> dict:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.engine.data import Example
+    from actors.data import Example
     from actors.engine.job import TrainingJob
     from actors.engine.memory import peak_resident_bytes
     from actors.engine.models import from_module
-    from actors.engine.spec import JobSpec
     from actors.engine.trainer import FusedTrainer
+    from actors.spec.spec import JobSpec
 
     if setting == "mmap threshold 64K" and ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024) != 1:
         raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD, 64 KiB)")
@@ -225,9 +225,9 @@ def admission_estimate(spec, base) -> tuple[int, list[int]]:
     """What the scheduler counts when it admits jobs to a trainer of `spec`'s run (SchedulerCore._no_room):
     the trainer holding no job (its weights and a full step of step_tokens by its probe-measured estimate),
     and each job's adapter bytes. From a TrainerLoop of the same configuration and the scheduler's own view."""
-    from actors.service.config import run_service_config
-    from actors.service.job_fit import job_adapter_bytes, trainer_view
-    from actors.service.trainer_loop import TrainerLoop
+    from actors.service.scheduler.config import run_service_config
+    from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
+    from actors.service.trainer.trainer_loop import TrainerLoop
     from policies.base import memory_in_use
 
     with tempfile.TemporaryDirectory() as state:
@@ -245,12 +245,12 @@ def step_gate(spec, base, budget: int) -> list[dict]:
     """The trainer's own per-step gate with no admission in front of it: every job of `spec` assigned to one
     TrainerLoop at once under `budget`; each step is composed of the jobs whose predicted peak (the fitted
     model, raised by MEMORY_MARGIN) fits. The step log's rows."""
-    from actors.engine.storage import as_location
-    from actors.service.config import run_service_config
-    from actors.service.job_data import JobData
-    from actors.service.job_link import Assignment, LocalJobLink
-    from actors.service.trainer_loop import TrainerLoop
-    from actors.service.trainer_reports import FINAL_KINDS
+    from actors.service.scheduler.config import run_service_config
+    from actors.service.scheduler.job_data import JobData
+    from actors.service.trainer.job_link import Assignment, LocalJobLink
+    from actors.service.trainer.trainer_loop import TrainerLoop
+    from actors.service.trainer.trainer_reports import FINAL_KINDS
+    from actors.storage.storage import as_location
 
     with tempfile.TemporaryDirectory() as state:
         config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": budget})
@@ -285,10 +285,10 @@ def admission(quick: bool) -> dict:
     are admitted, the others wait until one ends; every step's peak measured against the budget."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import actors.service.step_admission as step_admission
+    import actors.service.trainer.step_admission as step_admission
     from actors.engine.models import load_base_model
-    from actors.engine.spec import RunSpec
-    from actors.service.local_run import train_locally
+    from actors.service.scheduler.local_run import train_locally
+    from actors.spec.spec import RunSpec
 
     step_admission.MEASURE_EVERY = 1   # the allocator counts every step of this run
     with tempfile.TemporaryDirectory() as folder:

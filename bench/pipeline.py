@@ -15,7 +15,7 @@ share of its busy span it waited), at each k.
 Goals (issue "One base over several devices"): bubble share <= 10% at >= 2 x stages jobs, and tokens/s
 >= 0.9 of the single trainer's.
 
-Simulated: the schedule alone (policies/pipeline_schedule.py) at 4, 8 and 16 stages with 1, S/2, S and 2S
+Simulated: the schedule alone (actors/engine/pipeline/pipeline_schedule.py) at 4, 8 and 16 stages with 1, S/2, S and 2S
 jobs of equal micro-batches, forward 1 and backward 2 units per stage, a transfer of 0 or 0.1 units between
 stages: each stage's mean bubble share, LoRA-aware and flushed.
 
@@ -38,11 +38,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
+from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan, PipelineSchedule
 
 LAYERS, HIDDEN, VOCAB = 16, 192, 8192
 DROPOUT = 0.05
-PLANS_PER_STAGE = 4   # as actors/service/pipeline_engine.py sets it
+PLANS_PER_STAGE = 4   # as actors/service/pipeline/pipeline_engine.py sets it
 
 
 def bench_base(layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB):
@@ -63,8 +63,8 @@ def bench_base(layers: int = LAYERS, hidden: int = HIDDEN, vocab: int = VOCAB):
 def bench_jobs(count: int, steps: int):
     import torch
 
-    from actors.engine.data import Example
-    from actors.engine.spec import JobSpec
+    from actors.data import Example
+    from actors.spec.spec import JobSpec
     jobs = []
     for index in range(count):
         generator = torch.Generator().manual_seed(index)
@@ -98,11 +98,11 @@ def run_single(count: int, steps: int, threads: int = 2) -> dict:
 
 
 def run_pipeline(count: int, steps: int, flush: bool, rounds: bool = False) -> dict:
-    """`rounds`: as the trainer loop drives a pipeline (actors/service/pipeline_engine.py): one optimizer step
+    """`rounds`: as the trainer loop drives a pipeline (actors/service/pipeline/pipeline_engine.py): one optimizer step
     of every job per loop step, the stages drained at its end (so that the loop sees each job at a step
     boundary: stop verdicts, evaluations, checkpoints)."""
     from actors.engine.pipeline.stage import StageSettings
-    from actors.service.pipeline_processes import LocalPipeline
+    from actors.service.pipeline.pipeline_processes import LocalPipeline
     with LocalPipeline(functools.partial(bench_base), 2, split="measured", threads=1,
                        settings=StageSettings(flush=flush), step_tokens=1 << 16) as pipeline:
         for spec, examples, seed in bench_jobs(count, steps):
@@ -154,16 +154,16 @@ def measured(counts: list[int], steps: int) -> None:
 
 
 def memory(count: int = 4, steps: int = 24, device: str = "cpu") -> None:
-    """Each stage's predicted peak (actors/service/pipeline_admission.py: the probe's prior, refitted on the
+    """Each stage's predicted peak (actors/service/pipeline/pipeline_admission.py: the probe's prior, refitted on the
     measured steps) against the allocator's count over each loop step, as the trainer loop runs them. On
     `device` "cuda": one GPU each where there are two, else both stages on one (by CUDA IPC)."""
     import torch
 
-    from actors.engine.data import DataCursor
+    from actors.data import DataCursor
     from actors.engine.packing import JobMicroBatch
-    from actors.service.config import TrainerConfig
-    from actors.service.pipeline_admission import PipelineAdmission
-    from actors.service.pipeline_engine import start_pipeline
+    from actors.service.pipeline.pipeline_admission import PipelineAdmission
+    from actors.service.pipeline.pipeline_engine import start_pipeline
+    from actors.service.scheduler.config import TrainerConfig
     cuda = device == "cuda"
     if not cuda:
         torch.set_num_threads(1)
@@ -217,7 +217,7 @@ def simulate(stages: int, jobs: int, *, flush: bool, transfer: float, steps: int
 
 
 def simulated() -> None:
-    print("\nsimulated (policies/pipeline_schedule.py): mean bubble share per stage, 16 steps per job, "
+    print("\nsimulated (actors/engine/pipeline/pipeline_schedule.py): mean bubble share per stage, 16 steps per job, "
           "jobs packed ceil(jobs/S) per micro-batch")
     print(f"{'stages':>6} {'jobs':>5} {'transfer':>8} {'LoRA-aware':>10} {'flush':>7}")
     for stages in (4, 8, 16):

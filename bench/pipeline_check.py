@@ -84,8 +84,8 @@ def first_step_violations(job, initial: dict, reference: dict, piped: dict, term
 
 
 def jobs(steps: int = 1):
-    from actors.engine.data import Example
-    from actors.engine.spec import JobSpec
+    from actors.data import Example
+    from actors.spec.spec import JobSpec
     out = []
     for index, extra in enumerate([{}, {"grad_accum": 2}, {"max_grad_norm": 0.1}, {}]):
         generator = torch.Generator().manual_seed(index)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from actors.engine.job import TrainingJob
     from actors.engine.trainer import FusedTrainer
-    from actors.service.pipeline_processes import LocalPipeline
+    from actors.service.pipeline.pipeline_processes import LocalPipeline
     base = cuda_base(args.layers, args.hidden, devices[0], args.dtype)
     trainer = FusedTrainer(base, step_tokens=1 << 15)
     created = [TrainingJob.create(spec, base, examples, [], seed=seed) for spec, examples, seed in jobs(args.steps)]

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import deep_tiny_model
 import ray
 
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client, ensure_ray
 
 GOAL_UTILISATION = 0.90

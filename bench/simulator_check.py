@@ -1,4 +1,4 @@
-"""Check the scheduling simulator (`policies.simulate`) against a real run: the service trains jobs that
+"""Check the scheduling simulator (`orchestrator.simulator.simulate`) against a real run: the service trains jobs that
 arrive one after another on the real base model; the simulator, calibrated from that run's step log and
 job table, replays the same arrivals, sizes and sequence lengths with the same policy; the two makespans
 are printed side by side (goal: the prediction within 15% of the measurement). It also prints how far the
@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.service.config import EventsConfig, MetricsConfig, run_service_config
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, run_service_config
 from bench.overhead import require_completed
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl
+from orchestrator.simulator.sim_calibration import calibrate
+from orchestrator.simulator.sim_trace import Lengths, Trace, TraceJob, TrainerSpec
+from orchestrator.simulator.simulate import Simulator
 from policies.registry import load_policy
-from policies.sim_calibration import calibrate
-from policies.sim_trace import Lengths, Trace, TraceJob, TrainerSpec
-from policies.simulate import Simulator
 
 GOAL = 0.15
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 import deep_tiny_model
 import ray
 
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 
 UNHELD_BASE = "bench-base-no-trainer-holds"   # jobs for it wait in the queue with a reason

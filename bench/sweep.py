@@ -117,10 +117,10 @@ def sweep_file(folder: Path, args: argparse.Namespace) -> Path:
 def tune_plan(folder: Path, sweep_path: Path, args: argparse.Namespace) -> Path:
     """The Ray Tune side's inputs, with no aspen import on its side: the model's files and the batches and
     held-out rows aspen's data cursor gives the job (every trial the same: one seed)."""
-    from actors.engine.gguf_cache import converted_source
-    from actors.engine.sources import load_base_tokenizer, resolve_source
-    from actors.engine.spec import JobSubmission
-    from actors.service.job_data import JobData
+    from actors.service.scheduler.job_data import JobData
+    from actors.spec.spec import JobSubmission
+    from actors.storage.gguf_cache import converted_source
+    from actors.storage.sources import load_base_tokenizer, resolve_source
     from orchestrator.sweep import load_sweep_spec
 
     spec = load_sweep_spec(sweep_path)

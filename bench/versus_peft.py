@@ -114,9 +114,9 @@ def peft_plan(spec_dict: dict, args: argparse.Namespace) -> dict:
     """What the PEFT process needs, with no aspen import on its side: the model's files, the dtype and
     device aspen resolves, and each job's batches as aspen's data cursor gives them (token ids, labels)."""
     from actors.engine.models import resolve_device, resolve_dtype
-    from actors.engine.sources import load_base_tokenizer, resolve_source
-    from actors.engine.spec import RunSpec
-    from actors.service.job_data import JobData
+    from actors.service.scheduler.job_data import JobData
+    from actors.spec.spec import RunSpec
+    from actors.storage.sources import load_base_tokenizer, resolve_source
 
     spec = RunSpec.model_validate(spec_dict)
     source = resolve_source(spec.base_model)
@@ -147,8 +147,8 @@ def aspen_side(plan: dict) -> dict:
     import torch
 
     from actors.engine.models import load_base_model
-    from actors.engine.spec import RunSpec
-    from actors.service.local_run import train_locally
+    from actors.service.scheduler.local_run import train_locally
+    from actors.spec.spec import RunSpec
 
     torch.set_num_threads(plan["threads"])
     spec = RunSpec.model_validate(plan["spec"])

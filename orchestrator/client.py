@@ -22,11 +22,11 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from actors.engine.data.tables import hub_id_problem
-from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
-from actors.engine.storage import is_uri, resolve_location
-from actors.service.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
-from actors.service.job_table import JobRecord
+from actors.data.tables import hub_id_problem
+from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
+from actors.service.table.job_table import JobRecord
+from actors.spec.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.storage.storage import is_uri, resolve_location
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
@@ -308,7 +308,7 @@ class Client:
         """Start a sweep (docs/sweeps.md): a sweep file's path (paths in it relative to it), a dict of its fields
         (paths relative to this process's folder) or a `SweepSpec`. The service runs it from now on; the answer
         is its status (`sweep_status`). The same sweep submitted again is the same sweep (nothing new starts)."""
-        from actors.engine.sweep_spec import SweepSpec
+        from actors.spec.sweep_spec import SweepSpec
         from orchestrator.sweep import load_sweep_spec, sweep_spec_from
 
         if isinstance(spec, (str, Path)):

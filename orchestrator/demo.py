@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.engine.data import PromptResponseFormat, tokenize_example
+from actors.data import PromptResponseFormat, tokenize_example
 from actors.engine.generate import greedy_generate
 from actors.engine.models import DEFAULT_BASE_MODEL, BaseModel
-from actors.engine.spec import JobSpec, LoraConfig, RunSpec
+from actors.spec.spec import JobSpec, LoraConfig, RunSpec
 
 TRAIN_ROWS = 320
 EVAL_ITEMS = 40
@@ -228,7 +228,7 @@ def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
 def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     """Start a service (scheduler, one trainer, a job actor per job) on a local Ray, submit the four
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
-    from actors.service.config import run_service_config
+    from actors.service.scheduler.config import run_service_config
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers
 
@@ -245,9 +245,9 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
 
 def run_demo(output_dir: str | Path = "runs/demo", steps: int | None = None, quiet: bool = False) -> int:
     """Generate the tasks, train the four adapters together, evaluate them; 0 when each beats the base."""
+    from actors.checkpoint.peft_io import load_adapter_weights
     from actors.engine.lora import add_adapter, remove_adapter
     from actors.engine.models import load_base_model
-    from actors.engine.peft_io import load_adapter_weights
 
     started = time.perf_counter()
     output_dir = Path(output_dir)

@@ -1,4 +1,4 @@
-"""`aspen export JOB`: find a job's final adapter and hand it off (actors/engine/adapter_export.py): a PEFT folder
+"""`aspen export JOB`: find a job's final adapter and hand it off (actors/checkpoint/adapter_export.py): a PEFT folder
 for vLLM's `--lora-modules` or PEFT, or with `--merge` the base with the adapter merged, as a transformers
 folder.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.engine.adapter_export import ExportError, export_adapter, export_merged, has_adapter
-from actors.engine.storage import StorageLocation, as_location, is_uri
-from actors.service.table_backup import JobTableDamaged, damaged_message, is_damage
+from actors.checkpoint.adapter_export import ExportError, export_adapter, export_merged, has_adapter
+from actors.service.table.table_backup import JobTableDamaged, damaged_message, is_damage
+from actors.storage.storage import StorageLocation, as_location, is_uri
 
 FINISHED = ("completed", "stopped_early")
 CHECKPOINT_FOLDER = "checkpoint"
@@ -118,7 +118,7 @@ def _local_adapter(found: FoundJob, checkpoint: bool, scratch: Path) -> Path:
     if is_uri(found.folder):
         location = StorageLocation(found.folder)
         if checkpoint:
-            from actors.engine.storage import download_checkpoint
+            from actors.storage.storage import download_checkpoint
 
             if download_checkpoint(location, scratch / CHECKPOINT_FOLDER) is None:
                 raise ExportError(f"job '{found.name}' has no uploaded checkpoint in {found.folder}")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from actors.service.job_table import TERMINAL_STATES, JobRecord
+from actors.service.table.job_table import TERMINAL_STATES, JobRecord
 
 
 class JobControl(Protocol):

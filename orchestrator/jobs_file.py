@@ -10,9 +10,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from actors.engine.data.tables import hub_id_problem
-from actors.engine.spec import JobSpec, LoraConfig, RunSpec
-from actors.engine.storage import is_uri
+from actors.data.tables import hub_id_problem
+from actors.spec.spec import JobSpec, LoraConfig, RunSpec
+from actors.storage.storage import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]
@@ -247,11 +247,11 @@ def load_run_spec(path: str | Path, *, check_files: bool = True) -> RunSpec:
 
 def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:
     """Every row of the jobs' data (the first rows of a remote or streamed dataset) read and tokenized as its job
-    will read them (actors/engine/data/row_check.py), before anything starts: a `SpecError` listing each job's
+    will read them (actors/data/row_check.py), before anything starts: a `SpecError` listing each job's
     first bad row, file:line and field, as the job itself would have failed on it. `names`: only these jobs (those
     about to train). Reads the base model's tokenizer (not its weights)."""
-    from actors.engine.data.row_check import check_job_rows
-    from actors.engine.data.rows import DataError
+    from actors.data.row_check import check_job_rows
+    from actors.data.rows import DataError
     from actors.engine.models import load_base_tokenizer
 
     jobs = [job for job in spec.jobs if names is None or job.name in names]

@@ -22,9 +22,9 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from actors.engine.extras import DISTRIBUTION
-from actors.service.config import MetricsConfig
-from actors.service.job_table import JOB_STATES, JobRecord
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.scheduler.config import MetricsConfig
+from actors.service.table.job_table import JOB_STATES, JobRecord
+from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 
 TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled")
 log = logging.getLogger(__name__)

@@ -1,13 +1,13 @@
 """The service's listeners, built from its configuration: the Prometheus endpoint (`metrics`) and the MQTT
 job events (`events`; the embedded broker keeps its accounts in the service's state dir). The scheduler
-actor calls them (`actors.service.listeners`)."""
+actor calls them (`actors.service.events.listeners`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from actors.service.config import ServiceConfig
-from actors.service.listeners import ServiceListener
+from actors.service.events.listeners import ServiceListener
+from actors.service.scheduler.config import ServiceConfig
 
 
 def service_listeners(config: ServiceConfig) -> list[ServiceListener]:

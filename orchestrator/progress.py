@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from actors.service.job_table import TERMINAL_STATES, JobRecord
+from actors.service.table.job_table import TERMINAL_STATES, JobRecord
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from actors.engine.durable import write_durably
+from actors.storage.durable import write_durably
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RecentRuns:
 
     def find(self, job: str) -> RecentRun | None:
         """The newest run with a job of this id or name."""
-        from actors.service.job_table import read_jobs
+        from actors.service.table.job_table import read_jobs
 
         for run in self.all():
             records = read_jobs(run.table) or []
@@ -81,7 +81,7 @@ class RecentRuns:
 
 def offline_jobs(state_dir: str | Path) -> list:
     """The job records of a run's table (`<state_dir>/jobs.sqlite`), read without a service; [] without one."""
-    from actors.service.job_table import read_jobs
+    from actors.service.table.job_table import read_jobs
 
     return [record for record, _ in read_jobs(Path(state_dir) / "jobs.sqlite") or []]
 

@@ -18,8 +18,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from actors.engine.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
-from actors.engine.spec import (
+from actors.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, StorageConfig, TrainerConfig
+from actors.spec.spec import (
     AutoOr,
     Bounds,
     EarlyStopConfig,
@@ -30,8 +31,7 @@ from actors.engine.spec import (
     RunSpec,
     TrackingConfig,
 )
-from actors.engine.storage import StorageURI
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, StorageConfig, TrainerConfig
+from actors.storage.storage import StorageURI
 
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",
@@ -137,29 +137,31 @@ FOLDERS: list[tuple[str, str]] = [
 # Every module named here must exist (render_floor_plan checks), so the path cannot point at a moved file.
 NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
     ("`aspen run jobs.yaml` reads and validates the jobs file",
-     ["orchestrator/cli/run_commands.py", "orchestrator/jobs_file.py", "actors/engine/spec.py"]),
+     ["orchestrator/cli/run_commands.py", "orchestrator/jobs_file.py", "actors/spec/spec.py"]),
     ("decides what to do with jobs an earlier run left, and submits the rest through the client",
      ["orchestrator/run_plan.py", "orchestrator/client.py"]),
     ("the scheduler actor enters them in the job table, all or none", ["actors/scheduler_actor.py",
-                                                                       "actors/service/submissions.py",
-                                                                       "actors/service/job_table.py"]),
+                                                                       "actors/service/scheduler/submissions.py",
+                                                                       "actors/service/table/job_table.py"]),
     ("each decision round asks the policy, contained, which queued jobs start where, under memory budgets",
-     ["actors/service/scheduler_core.py", "actors/service/policy_guard.py", "policies/fifo.py",
-      "actors/service/job_fit.py"]),
+     ["actors/service/scheduler/scheduler_core.py", "actors/service/scheduler/policy_guard.py", "policies/fifo.py",
+      "actors/service/scheduler/job_fit.py"]),
     ("a started job gets a job actor (its data, tokenized) and an assignment on its trainer",
-     ["actors/job_dispatch.py", "actors/job_actor.py", "actors/service/job_data.py", "actors/service/job_link.py"]),
+     ["actors/job_dispatch.py", "actors/job_actor.py", "actors/service/scheduler/job_data.py",
+      "actors/service/trainer/job_link.py"]),
     ("the trainer's loop attaches the job's adapter and restores its newest checkpoint",
-     ["actors/trainer_actor.py", "actors/service/trainer_loop.py", "actors/service/job_attach.py"]),
+     ["actors/trainer_actor.py", "actors/service/trainer/trainer_loop.py", "actors/service/trainer/job_attach.py"]),
     ("each fused step is admitted under the memory budget, packed, and run: one forward/backward, each job's "
      "tokens through its own adapter, each job's loss and optimizer",
-     ["actors/service/step_admission.py", "actors/engine/trainer.py", "actors/engine/packing.py",
+     ["actors/service/trainer/step_admission.py", "actors/engine/trainer.py", "actors/engine/packing.py",
       "actors/engine/lora.py", "actors/engine/loss.py", "actors/engine/optim.py"]),
     ("the step's rows go to the step log and the job's metrics.jsonl, checkpoints are saved crash-safely",
-     ["actors/service/step_log.py", "actors/service/job_files.py", "actors/engine/checkpoint/save.py"]),
+     ["actors/service/trainer/step_log.py", "actors/service/outputs/job_files.py", "actors/checkpoint/save.py"]),
     ("the scheduler polls the trainer's events and books them into the job table, in order",
-     ["actors/service/trainer_fleet.py", "actors/service/event_intake.py", "actors/service/event_booking.py"]),
+     ["actors/service/scheduler/trainer_fleet.py", "actors/service/events/event_intake.py",
+      "actors/service/events/event_booking.py"]),
     ("the job actor's loss history decides when training stops paying off; the adapter is saved in PEFT's format",
-     ["actors/service/stop_verdicts.py", "policies/stopping.py", "actors/engine/peft_io.py"]),
+     ["actors/service/trainer/stop_verdicts.py", "policies/stopping.py", "actors/checkpoint/peft_io.py"]),
 ]
 TEST_FOLDERS = [
     ("tests/unit", "one module's behaviour against an independent reference (PEFT, TRL, a solo run), in the test's "

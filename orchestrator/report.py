@@ -21,8 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.engine.storage import StorageLocation, StorageURI, as_location, is_uri
-from actors.service.table_backup import damaged_message, is_damage
+from actors.service.table.table_backup import damaged_message, is_damage
+from actors.storage.storage import StorageLocation, StorageURI, as_location, is_uri
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ jobs its service's table already holds from earlier runs. A job trained to its e
 unfinished one (interrupted, failed, cancelled, or held since the last run stopped) resumes from its
 checkpoint; a new one is submitted. A job whose spec changed in a way that makes its checkpoint wrong for
 it (data, model, adapter, optimisation, budget), or whose data changed since its checkpoint (the digest
-the checkpoint records, actors/engine/data/digest.py, against the data's now: a file rewritten in place), is
+the checkpoint records, actors/data/digest.py, against the data's now: a file rewritten in place), is
 not resumed: the run stops and says which job, what changed, and that `--overwrite` starts that job over.
 `--overwrite` starts over only those jobs: a job whose spec and data are unchanged is never deleted by it.
 An unfinished job that left no checkpoint (a job that failed at its start, say on a reward that raised) has
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.engine.storage import resolve_location
+from actors.storage.storage import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
-    from actors.engine.spec import JobSubmission
-    from actors.service.job_table import JobRecord
+    from actors.service.table.job_table import JobRecord
+    from actors.spec.spec import JobSubmission
 
 FINISHED = ("completed", "stopped_early")
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
@@ -80,8 +80,8 @@ def data_changes(submission: JobSubmission, saved: tuple[int, str | None] | None
     cannot be read now (the job's start then says why)."""
     if saved is None or saved[1] is None:
         return []
-    from actors.engine.data.digest import describe_change, job_data_digest
-    from actors.engine.data.rows import DataError
+    from actors.data.digest import describe_change, job_data_digest
+    from actors.data.rows import DataError
 
     step, digest = saved
     job = submission.job

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import HTTPException
 
-from actors.service.config import SCHEDULER_NAME
+from actors.service.scheduler.config import SCHEDULER_NAME
 from orchestrator.http.request_bodies import Refused
 from orchestrator.jobs_file import SpecError
 
@@ -58,7 +58,10 @@ def as_http(error: Exception) -> HTTPException | None:
     service's (a bug: 500)."""
     from ray.exceptions import RayError, RayTaskError
 
-    from actors.service.scheduler_core import SubmissionConflict, SubmissionError  # (imports torch: only here)
+    from actors.service.scheduler.scheduler_core import (  # (imports torch: only here)
+        SubmissionConflict,
+        SubmissionError,
+    )
     from orchestrator.client import ServiceError
 
     if isinstance(error, KeyError):

@@ -1,9 +1,9 @@
 """`aspen sweep FILE`, `Client.sweep`, `POST /v1/sweeps`: a sweep's trials trained as ordinary jobs of a
 service, weak ones stopped early, the leaderboard at the end.
 
-The service's scheduler runs the sweep (actors/service/sweep_book.py, sweep_driver.py): it starts each trial
+The service's scheduler runs the sweep (actors/service/sweeps/sweep_book.py, sweep_driver.py): it starts each trial
 when a slot opens (its settings from the sweep's searcher: random, grid, or a Ray Tune searcher such as
-Optuna: policies/searchers.py), hands every objective to the stopping rules and cancels the trials they stop,
+Optuna: policies/sweep/searchers.py), hands every objective to the stopping rules and cancels the trials they stop,
 and keeps the sweep's state in its state folder, so a sweep goes on without whoever submitted it and
 survives a restart. This module reads a sweep file (`load_sweep_spec`: paths relative to the file, errors
 naming the file and field), follows a sweep to its end (`follow_sweep`), prints the leaderboard, and reads an
@@ -19,12 +19,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from actors.engine.spec import RunSpec
-from actors.engine.sweep_spec import SweepSpec
-from actors.service.sweep_book import LEADERBOARD_FILE
+from actors.service.sweeps.sweep_book import LEADERBOARD_FILE
+from actors.spec.spec import RunSpec
+from actors.spec.sweep_spec import SweepSpec
 from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
-from policies.searchers import BUILT_IN, build_searcher
+from policies.sweep.searchers import BUILT_IN, build_searcher
 
 
 def load_sweep_spec(path: str | Path) -> SweepSpec:

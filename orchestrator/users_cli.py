@@ -1,4 +1,5 @@
-"""`aspen user add | set | list | token | remove`: the users of a shared service (actors/service/users.py), run on
+"""`aspen user add | set | list | token | remove`: the users of a shared service
+(actors/service/accounts/users.py), run on
 the service's machine by whoever may write its state folder (the operator). A token is printed once, when it
 is issued (`add`, `token --rotate`); `--json` prints `{"name", "token"}`. The service's single HTTP token
 from before there were users (`aspen http-token`) becomes the first admin's; where the first user added is
@@ -12,8 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from actors.service.audit import AuditLog
-from actors.service.users import OPERATOR, UserBook, UserError
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import OPERATOR, UserBook, UserError
 
 DEFAULT_STATE_DIR = "~/.aspen"
 

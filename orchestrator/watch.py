@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from actors.service.job_table import JobRecord
+from actors.service.table.job_table import JobRecord
 
 if TYPE_CHECKING:
     from orchestrator.mqtt.settings import EventSettings

@@ -108,7 +108,7 @@ def ray_session():
     the cluster users get."""
     import ray
 
-    from actors.service.config import NAMESPACE
+    from actors.service.scheduler.config import NAMESPACE
     from orchestrator.private_ray import start_private_cluster
 
     start_private_cluster(num_cpus=2, include_dashboard=False, object_store_memory=256 * 2**20,

@@ -36,12 +36,12 @@ from torch import nn
 from transformers import AttentionInterface
 
 from actors.engine.attention import ATTENTION_NAME, varlen_attention_forward
-from actors.engine.base_settings import COMPILE_MODES
 from actors.engine.layout import StepLayout
 from actors.engine.lora import FusedLoraLinear
 from actors.engine.packing import FusedBatch
 from actors.engine.recompute import decoder_layers
-from actors.engine.spec import compile_problem
+from actors.spec.base_settings import COMPILE_MODES
+from actors.spec.spec import compile_problem
 
 _LORA_FORWARD = FusedLoraLinear.forward
 MIN_BUCKET = 64

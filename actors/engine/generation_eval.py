@@ -15,11 +15,11 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from actors.engine.data import Example
-from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.data import Example
+from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import greedy_generate_many
 from actors.engine.models import BaseModel
-from actors.engine.spec import GenerationEval
+from actors.spec.spec import GenerationEval
 
 Metric = Callable[[str, dict], float]
 

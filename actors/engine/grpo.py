@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from actors.engine.data import Example
-from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.data import Example
+from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import Sampling, greedy_generate_many, needs_eager_attention
 from actors.engine.generation_eval import ScoredRow, metric_function, scored_rows, stop_token_ids
 from actors.engine.layout import step_layout
@@ -42,7 +42,7 @@ from actors.engine.model_support import LogitTransform
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import PreferenceOutcome, reference_layout, targets_of_rows
-from actors.engine.spec import GenerationEval, GrpoConfig
+from actors.spec.spec import GenerationEval, GrpoConfig
 
 Reward = Callable[[list[str], list[str], list[dict]], Sequence[float]]
 

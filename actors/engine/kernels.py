@@ -3,7 +3,7 @@ RMSNorm, RoPE and SwiGLU swapped into a loaded model instance, and the LM head's
 loss.py) run through Liger's cross-entropy kernel, which turns each chunk of logits into its losses and gradient
 in place, in the base's dtype: no chunk of vocabulary logits is made in float32.
 
-The setting (actors/engine/base_settings.py): `none` leaves the model's operations as transformers built them (its
+The setting (actors/spec/base_settings.py): `none` leaves the model's operations as transformers built them (its
 gated MLPs rebound to the lean SwiGLU, the same values with one tensor less kept: actors/engine/swiglu.py); `liger`
 applies the kernels, and refuses where Liger is not installed (naming `pip install 'aspen-lora[gpu]'`) or the base is
 not on CUDA (Triton's kernels run on CUDA GPUs; Triton's interpreter, TRITON_INTERPRET=1, runs them on a CPU for
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from actors.engine.base_settings import KERNEL_MODES
 from actors.engine.extras import require
 from actors.engine.loss import use_fused_loss
 from actors.engine.swiglu import lean_swiglu
+from actors.spec.base_settings import KERNEL_MODES
 
 log = logging.getLogger(__name__)
 

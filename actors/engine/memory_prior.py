@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.data import Example
+from actors.data.pairs import example_rows
 from actors.engine import lora_cuda
-from actors.engine.data import Example
-from actors.engine.data.pairs import example_rows
 from actors.engine.loss import DEFAULT_CHUNK
 from actors.engine.memory import measure_allocations, measure_resident, release_free_heap, resident_measurable
 from actors.engine.models import BaseModel
-from actors.engine.spec import JobSpec, LoraConfig
+from actors.spec.spec import JobSpec, LoraConfig
 
 ADAPTER_WIDTH = 4   # adapters train in float32
 PROBE_RANK = 1

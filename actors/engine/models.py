@@ -37,7 +37,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from actors.engine.attention import use_varlen_attention
 from actors.engine.extras import require
-from actors.engine.gguf_cache import converted_source
 from actors.engine.kernels import apply_kernels
 from actors.engine.lora import freeze
 from actors.engine.loss import transform_logits
@@ -47,7 +46,8 @@ from actors.engine.model_support import (
     check_model_support,
     check_raw_config,
 )
-from actors.engine.sources import (
+from actors.storage.gguf_cache import converted_source
+from actors.storage.sources import (
     ALIASES,
     DEFAULT_BASE_MODEL,
     ModelSource,
@@ -213,7 +213,7 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     source = resolve_source(base_model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    read_from = converted_source(source)   # a GGUF file: its converted folder (actors/engine/gguf_cache.py)
+    read_from = converted_source(source)   # a GGUF file: its converted folder (actors/storage/gguf_cache.py)
     kwargs = {"gguf_file": read_from.gguf_file} if read_from.gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(read_from.path, local_files_only=read_from.local_files_only, **kwargs)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.engine.base_settings import Layout
-from actors.engine.data import Example
-from actors.engine.data.pairs import example_rows
+from actors.data import Example
+from actors.data.pairs import example_rows
 from actors.engine.layout import StepLayout
-from actors.engine.transfer import concatenated_to_device
+from actors.spec.base_settings import Layout
+from actors.storage.transfer import concatenated_to_device
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class FusedBatch:
         return [end - start for start, end in self.layout.sequences]
 
     def to(self, device: torch.device) -> FusedBatch:
-        """The batch's tensors on `device` in one copy (actors/engine/transfer.py: on CUDA from pinned memory,
+        """The batch's tensors on `device` in one copy (actors/storage/transfer.py: on CUDA from pinned memory,
         without waiting), with the layout's `cu_seqlens` made there too, so that nothing in the step copies from
         the host again."""
         bounds = torch.tensor([0] + [end for _, end in self.layout.sequences], dtype=torch.long)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from actors.engine.data.pairs import PreferencePair
+from actors.data.pairs import PreferencePair
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_cross_entropy
 from actors.engine.models import BaseModel

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from actors.engine.base_settings import RECOMPUTE_MODES, Recompute
 from actors.engine.layout import current_layout, step_layout
 from actors.engine.lora import LoraAdapter
 from actors.engine.vera import VeraAdapter
+from actors.spec.base_settings import RECOMPUTE_MODES, Recompute
 
 
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:

@@ -19,8 +19,8 @@ from actors.engine.loss import target_cross_entropy, target_log_probs
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch
 from actors.engine.preference import job_outcome, sequence_targets
-from actors.engine.spec import PREFERENCE_METHODS, JobSpec
-from actors.engine.transfer import values_to_device
+from actors.spec.spec import PREFERENCE_METHODS, JobSpec
+from actors.storage.transfer import values_to_device
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a job's optimizer steps leave behind, as plain data (no torch): the step in progress
 (`StepAccumulator`) and one row of its metrics (`OptimizerStepRecord`). Light to import, so that reading a
-checkpoint's state (actors/engine/checkpoint/state.py) needs neither torch nor transformers."""
+checkpoint's state (actors/checkpoint/state.py) needs neither torch nor transformers."""
 
 from __future__ import annotations
 

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
+from actors.data import Example
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
-from actors.engine.data import Example
 from actors.engine.generation_eval import generation_scores
 from actors.engine.grpo import (
     SAMPLING_SIZES,
@@ -48,8 +47,9 @@ from actors.engine.optim import step_jobs
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
-from actors.engine.spec import PREFERENCE_METHODS, JobSpec
 from actors.engine.step_objective import ObjectiveJob, step_objective
+from actors.spec.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
+from actors.spec.spec import PREFERENCE_METHODS, JobSpec
 from policies.base import NextBatch, StepComposer
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class StepReport:
 
 
 class FusedTrainer:
-    lost: Exception | None = None        # one device never loses a pipeline stage (actors/service/step_engine.py)
+    lost: Exception | None = None        # one device never loses a pipeline stage (service/trainer/step_engine.py)
     generation_refusal: str | None = None   # it continues prompts ("try it")
 
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",

@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from actors.engine.data import Example
+from actors.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.models import BaseModel
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
 
 WARM_UP_JOBS = 2
 WARM_UP_MAX_TOKENS = 1024    # the warm-up step's size: the trainer's token budget, up to this

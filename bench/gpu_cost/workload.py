@@ -175,7 +175,7 @@ def _trainer(base: Any) -> Any:
 def _add_job(trainer: Any, base: Any, bench: ModuleType, name: str, examples: list, batch_size: int,
              steps: int, seed: int, max_len: int | None) -> Any:
     from actors.engine.job import TrainingJob
-    from actors.engine.spec import JobSpec
+    from actors.spec.spec import JobSpec
 
     extra = {"max_seq_len": max_len} if max_len else {}
     spec = JobSpec(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=batch_size,
@@ -214,9 +214,9 @@ def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, step
     every step all of them, packed; each step recorded. As profile_step.py ran it for the 2026-11-28 profile
     (each job's batches through its DataCursor), or `in_order` as bench/lora_mfu.py's aspen side runs it since
     (step k takes every job's k-th batch)."""
-    from actors.engine.data import Example
+    from actors.data import Example
     from actors.engine.job import TrainingJob
-    from actors.engine.spec import JobSpec
+    from actors.spec.spec import JobSpec
 
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)
@@ -246,7 +246,7 @@ def record_fusion(session: Session, bench: ModuleType, shape: str, adapters: lis
                   ) -> dict[int, Recorded]:
     """bench/lora_mfu.py's fusion side: FUSION_SEQUENCES sequences of FUSION_LENGTH tokens a step split evenly
     over N adapters; the first step (optimizer state allocated) is a warm-up."""
-    from actors.engine.data import Example
+    from actors.data import Example
 
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)

@@ -17,7 +17,7 @@ def _export_over_http(args: argparse.Namespace) -> Path:
     """`aspen export JOB --url`: the adapter fetched through the HTTP API; with --merge merged here."""
     import tempfile
 
-    from actors.engine.adapter_export import export_merged
+    from actors.checkpoint.adapter_export import export_merged
     from orchestrator.http.api_client import HttpClient
 
     with HttpClient(args.url) as client:
@@ -70,8 +70,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _serving_text(adapter: Path) -> str:
-    """How to serve and load an exported adapter, as lines that run on this machine (actors/engine/serving_lines)."""
-    from actors.engine.serving_lines import adapter_serving_lines
+    """How to serve and load an exported adapter, as lines that run on this machine (checkpoint/serving_lines)."""
+    from actors.checkpoint.serving_lines import adapter_serving_lines
 
     try:
         lines = adapter_serving_lines(adapter)

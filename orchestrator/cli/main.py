@@ -57,7 +57,7 @@ def _describe(error: Exception) -> tuple[int, str]:
         if error.status in (401, 403):    # no connection: the service (exit 1)
             return EXIT_REFUSED, str(error)
         return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
-    from actors.service.table_backup import JobTableDamaged
+    from actors.service.table.table_backup import JobTableDamaged
     from orchestrator.client import ServiceError
 
     if isinstance(error, (ServiceError, JobTableDamaged)):   # their message is the one line, with the fix

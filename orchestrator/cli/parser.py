@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, Any
 
-from actors.engine.base_settings import QUANTIZATIONS
+from actors.spec.base_settings import QUANTIZATIONS
 from orchestrator.run_plan import OVERWRITE_HELP
 
 if TYPE_CHECKING:

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.engine.storage import as_location, resolve_location
+from actors.storage.storage import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 
 if TYPE_CHECKING:
-    from actors.engine.spec import RunSpec
-    from actors.service.job_table import JobRecord
+    from actors.service.table.job_table import JobRecord
+    from actors.spec.spec import RunSpec
 from orchestrator.cli.service_commands import connect_service, named_cluster
 
 
@@ -28,9 +28,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.in_process:
         check_data_rows(spec)
         return _run_in_process(spec, args.quiet)
-    from actors.service.config import run_local_dir, run_service_config
-    from actors.service.job_files import clear_job_folder
-    from actors.service.job_table import read_jobs
+    from actors.service.outputs.job_files import clear_job_folder
+    from actors.service.scheduler.config import run_local_dir, run_service_config
+    from actors.service.table.job_table import read_jobs
     from orchestrator.run_plan import changed_message, plan_run
 
     output_dir = resolve_location(spec.output_dir)
@@ -145,9 +145,9 @@ def _terminate_as_interrupt() -> None:
 
 def saved_step(output_dir: str) -> int | None:
     """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
-    from actors.engine.checkpoint import saved_step
-    from actors.engine.storage import StorageLocation, is_uri, read_pointer
-    from actors.service.job_files import CHECKPOINT_FOLDER
+    from actors.checkpoint import saved_step
+    from actors.service.outputs.job_files import CHECKPOINT_FOLDER
+    from actors.storage.storage import StorageLocation, is_uri, read_pointer
 
     if is_uri(output_dir):
         pointer = read_pointer(StorageLocation(output_dir))
@@ -157,9 +157,9 @@ def saved_step(output_dir: str) -> int | None:
 
 def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
     """The step and data digest of the job's checkpoint (the one uploaded to a storage URI, or on disk)."""
-    from actors.engine.checkpoint import STATE_NAME, saved_data_digest
-    from actors.engine.storage import StorageLocation, is_uri, read_pointer
-    from actors.service.job_files import CHECKPOINT_FOLDER
+    from actors.checkpoint import STATE_NAME, saved_data_digest
+    from actors.service.outputs.job_files import CHECKPOINT_FOLDER
+    from actors.storage.storage import StorageLocation, is_uri, read_pointer
 
     if is_uri(output_dir):
         location = StorageLocation(output_dir)
@@ -175,8 +175,8 @@ def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
 
 
 def _run_in_process(spec, quiet: bool) -> int:
-    """The same run in this process, without Ray (`actors.service.local_run`): a debugging aid."""
-    from actors.service.local_run import train_locally
+    """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid."""
+    from actors.service.scheduler.local_run import train_locally
 
     summaries = train_locally(spec, progress=not quiet)
     print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
@@ -201,7 +201,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if len(args.target) != 1:
         raise SpecError("give a sweep file (aspen sweep FILE) or aspen sweep status NAME")
     spec = load_sweep_spec(args.target[0])
-    from actors.service.config import run_service_config
+    from actors.service.scheduler.config import run_service_config
     from orchestrator.recent_runs import RecentRuns
 
     config = run_service_config(service_run_spec(spec))

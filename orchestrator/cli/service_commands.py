@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.engine.storage import as_location
+from actors.storage.storage import as_location
 from orchestrator.jobs_file import check_data_rows, load_run_spec
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def _service_config(args: argparse.Namespace):
     import yaml
 
-    from actors.service.config import ServiceConfig, TrainerConfig
+    from actors.service.scheduler.config import ServiceConfig, TrainerConfig
 
     data: dict = {}
     if args.config:
@@ -95,7 +95,7 @@ def cmd_http(args: argparse.Namespace) -> int:
 
 
 def cmd_http_token(args: argparse.Namespace) -> int:
-    from actors.service.users import UserBook
+    from actors.service.accounts.users import UserBook
     from orchestrator.http.token import ensure_token, token_file
 
     book = UserBook.in_state_dir(args.state_dir)

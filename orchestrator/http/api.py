@@ -54,9 +54,9 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
-from actors.engine.spec import JobSpec, RunSpec
-from actors.service.audit import AuditLog
-from actors.service.users import UserBook, UsersFileError
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import UserBook, UsersFileError
+from actors.spec.spec import JobSpec, RunSpec
 from orchestrator.http.callers import Caller, Gate, ServiceStateFolder
 from orchestrator.http.console import mount_console
 from orchestrator.http.event_stream import add_event_routes

@@ -23,9 +23,9 @@ from urllib.parse import quote
 
 import httpx
 
-from actors.engine.spec import JobSpec, JobSubmission, RunSpec
-from actors.engine.storage import is_uri
-from actors.service.job_table import JobRecord
+from actors.service.table.job_table import JobRecord
+from actors.spec.spec import JobSpec, JobSubmission, RunSpec
+from actors.storage.storage import is_uri
 from orchestrator.http.request_bodies import as_request
 from orchestrator.http.token import client_token
 from orchestrator.job_handle import JobHandle, wait_until_ended

@@ -167,7 +167,7 @@ class ProcessLink:
     again after it died. `env`: extra environment for the child (e.g. RAY_AUTH_MODE)."""
 
     def __init__(self, address: str = "auto", *, name: str | None = None, env: dict[str, str] | None = None):
-        from actors.service.config import SCHEDULER_NAME
+        from actors.service.scheduler.config import SCHEDULER_NAME
 
         self.address = address
         self.name = name or SCHEDULER_NAME

@@ -1,5 +1,5 @@
 """Who an HTTP request is, and what of the service it may see: the request's bearer token names a user of
-the users file (actors/service/users.py; read again when it changes, so a removed user or a rotated token is
+the users file (actors/service/accounts/users.py; read again when it changes, so a removed user or a rotated token is
 refused from the next request on), or, while the service has no users file, the service's single token
 (`aspen http-token`), which acts as an admin named `admin`.
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.service.audit import AuditLog
-from actors.service.job_table import JobRecord
-from actors.service.users import UserBook
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import UserBook
+from actors.service.table.job_table import JobRecord
 
 log = logging.getLogger(__name__)
 

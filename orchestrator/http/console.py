@@ -14,10 +14,10 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from actors.engine.spec import JobSubmission
+from actors.spec.spec import JobSubmission
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "console" / "static"
-MAX_NEW_TOKENS = 256          # as actors/service/try_adapter.py takes
+MAX_NEW_TOKENS = 256          # as actors/service/trainer/try_adapter.py takes
 MAX_PROMPT_CHARS = 4000
 
 
@@ -87,12 +87,12 @@ def mount_console(app: FastAPI) -> None:
 
 
 def serving_answer(record: Any, submission: JobSubmission) -> dict[str, Any]:
-    """The vLLM and PEFT lines for a job's adapter as they run on this machine (actors/engine/serving_lines):
+    """The vLLM and PEFT lines for a job's adapter as they run on this machine (actors/checkpoint/serving_lines):
     from its exported folder where it has one, else from its base and the folder its adapter will be
     written to. Raises OSError / ValueError where this machine cannot find the base."""
-    from actors.engine.base_identity import base_identity
-    from actors.engine.serving_lines import adapter_serving_lines, serving_lines, vllm_cannot_serve
-    from actors.engine.sources import resolve_source
+    from actors.checkpoint.serving_lines import adapter_serving_lines, serving_lines, vllm_cannot_serve
+    from actors.storage.base_identity import base_identity
+    from actors.storage.sources import resolve_source
 
     name = record.name.replace("/", "-")
     if record.adapter_dir and (Path(record.adapter_dir) / "adapter_config.json").is_file():

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
-from actors.service.job_table import JobRecord
+from actors.service.table.job_table import JobRecord
 from orchestrator.http.callers import Caller, find_job, visible
 from orchestrator.http.routes import Routes
 from orchestrator.service_calls import call_service

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from actors.engine.adapter_export import ExportError
-from actors.service.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
+from actors.checkpoint.adapter_export import ExportError
+from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http.callers import Caller, find_job, visible
 from orchestrator.http.console import Generated, GenerateRequest, serving_answer, spec_answer

@@ -25,8 +25,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from actors.engine.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
-from actors.engine.storage import as_location, is_uri
+from actors.spec.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.storage.storage import as_location, is_uri
 from orchestrator.jobs_file import SpecError, parse_run_spec, unknown_field, unknown_tag
 from orchestrator.spec_text import TextLimits, TooComplex, load_json, load_yaml
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from actors.service.job_table import JobRecord
+from actors.service.table.job_table import JobRecord
 
 
 class ErrorBody(BaseModel):

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from actors.service.audit import AuditLog
+from actors.service.accounts.audit import AuditLog
 from orchestrator.http.callers import Caller
 from orchestrator.service_calls import ServiceLink
 

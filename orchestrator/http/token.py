@@ -10,7 +10,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from actors.engine.durable import write_durably
+from actors.storage.durable import write_durably
 
 DEFAULT_TOKEN_FILE = Path("~/.aspen/http-token")
 TOKEN_ENV = "ASPEN_TOKEN"

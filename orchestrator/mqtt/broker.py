@@ -40,8 +40,8 @@ from amqtt.plugins.authentication import FileAuthPlugin
 from amqtt.plugins.topic_checking import TopicAccessControlListPlugin
 from amqtt.session import Session
 
-from actors.engine.durable import write_durably
-from actors.service.users import User, UserBook, UsersFileError
+from actors.service.accounts.users import User, UserBook, UsersFileError
+from actors.storage.durable import write_durably
 from orchestrator.mqtt.settings import PASSWORD_FILE, BrokerCredentials, _is_private
 
 log = logging.getLogger(__name__)

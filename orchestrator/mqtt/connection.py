@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.engine.extras import MissingExtraError, require
-from actors.service.config import EventsConfig
-from actors.service.users import USERS_FILE
+from actors.service.accounts.users import USERS_FILE
+from actors.service.scheduler.config import EventsConfig
 from orchestrator.mqtt.settings import (
     CREDENTIALS_FILE,
     READER_FILE,

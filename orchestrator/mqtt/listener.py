@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from actors.service.config import EventsConfig
-from actors.service.job_table import JobRecord
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.scheduler.config import EventsConfig
+from actors.service.table.job_table import JobRecord
+from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from orchestrator.mqtt.connection import QUEUE_SIZE, MqttConnection
 from orchestrator.mqtt.settings import parse_broker_url
 from orchestrator.mqtt.topics import EventTopics, topic_prefix

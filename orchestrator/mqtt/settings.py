@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from actors.engine.durable import write_durably
+from actors.storage.durable import write_durably
 
 log = logging.getLogger(__name__)
 

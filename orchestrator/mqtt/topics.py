@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.service.job_table import JobRecord
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.table.job_table import JobRecord
+from actors.service.trainer.trainer_reports import TrainerEvent
 
 TOPIC_LEVEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 

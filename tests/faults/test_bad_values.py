@@ -13,8 +13,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from actors.engine.spec import JobSpec, JobSubmission, RunSpec, step_limit_problem
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.spec.spec import JobSpec, JobSubmission, RunSpec, step_limit_problem
 from orchestrator.jobs_file import SpecError, load_run_spec
 
 GOOD = """\

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine.checkpoint import (
+from actors.checkpoint import (
     CheckpointError,
     LoadedCheckpoint,
     has_checkpoint,
@@ -141,7 +141,7 @@ import os, sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 from tests.helpers.checkpoint_run import A_MICRO_BATCHES, B_MICRO_BATCHES, Run
-from actors.engine.checkpoint import save_checkpoint
+from actors.checkpoint import save_checkpoint
 folder = Path({folder!r})
 run = Run().train_to(A_MICRO_BATCHES)
 save_checkpoint(run.job, folder, "tiny")

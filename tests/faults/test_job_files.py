@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import json
 
-from actors.service.job_files import METRICS_NAME, JobFiles
+from actors.service.outputs.job_files import METRICS_NAME, JobFiles
 from tests.helpers.disks import fill
 
 

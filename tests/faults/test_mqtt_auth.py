@@ -23,8 +23,8 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from actors.service.config import EventsConfig, ServiceConfig, TrainerConfig
-from actors.service.job_table import JobRecord
+from actors.service.scheduler.config import EventsConfig, ServiceConfig, TrainerConfig
+from actors.service.table.job_table import JobRecord
 from orchestrator.cli import main as aspen_main
 from orchestrator.client import Client
 from orchestrator.mqtt.listener import MqttListener
@@ -384,7 +384,7 @@ def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refuse
     connection on, and a removed user's open subscription receives nothing more."""
     from dataclasses import replace
 
-    from actors.service.users import UserBook
+    from actors.service.accounts.users import UserBook
 
     state_dir = tmp_path / "state"
     book = UserBook.in_state_dir(state_dir)

@@ -15,10 +15,10 @@ import torch
 
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
-from actors.engine.spec import JobSpec, JobSubmission
 from actors.engine.trainer import FusedTrainer
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore, SubmissionError
+from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionError
+from actors.service.table.job_table import JobTable
+from actors.spec.spec import JobSpec, JobSubmission
 from policies.base import JobView, Snapshot, Start, TrainerView
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy
@@ -157,7 +157,7 @@ def test_an_estimator_failing_on_one_job_parks_only_that_job(tmp_path, monkeypat
 def test_a_batch_with_one_unusable_job_enters_nothing(tmp_path):
     """A batch is all or none, checked by the service too (not only by the client): ten submissions whose
     seventh asks for a micro-batch no trainer can step."""
-    from actors.service.config import TrainerConfig
+    from actors.service.scheduler.config import TrainerConfig
 
     data = write_task_data(tmp_path / "data", "t")
     spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict(f"j{i}", data, 5) for i in range(10)])

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from actors.engine.models import load_base_model
-from actors.service.local_run import train_locally
+from actors.service.scheduler.local_run import train_locally
 from orchestrator.jobs_file import load_run_spec
 from tests.helpers.service import adapter_tensors, max_relative_difference, wait_for, write_task_data
 

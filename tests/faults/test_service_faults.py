@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from actors.engine.models import load_base_model
-from actors.service.config import ServiceConfig
-from actors.service.local_run import train_locally
+from actors.service.scheduler.config import ServiceConfig
+from actors.service.scheduler.local_run import train_locally
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.helpers.disks import fill

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.service.state_dir import (
+from actors.service.table.state_dir import (
     UNAPPLIED_EVENTS,
     StateDirInUse,
     forget_spilled_events,
@@ -13,7 +13,7 @@ from actors.service.state_dir import (
     read_spilled_events,
     spill_events,
 )
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.trainer.trainer_reports import TrainerEvent
 
 
 def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_path):

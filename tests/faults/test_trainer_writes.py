@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.service.retries import with_retries
-from actors.service.step_log import StepLog
+from actors.service.scheduler.retries import with_retries
+from actors.service.trainer.step_log import StepLog
 from tests.helpers.disks import fill
 
 
@@ -58,7 +58,7 @@ def write_past_a_full_disk(small_disks, tmp_path) -> tuple[Path, StepLog]:
 
 
 def test_the_step_log_goes_on_past_a_full_disk_warning_once(small_disks, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="actors.service.step_log"):
+    with caplog.at_level(logging.WARNING, logger="actors.service.trainer.step_log"):
         path, steps = write_past_a_full_disk(small_disks, tmp_path)   # raises nothing
     warnings = [r.getMessage() for r in caplog.records if "cannot write its step log" in r.getMessage()]
     assert len(warnings) == 1 and str(path) in warnings[0] and "No space left" in warnings[0]

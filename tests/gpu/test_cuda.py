@@ -10,7 +10,7 @@ import torch
 from actors.engine import attention, lora
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import FusedLoraLinear, LoraAdapter
-from actors.engine.spec import LoraConfig
+from actors.spec.spec import LoraConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -88,7 +88,7 @@ def test_a_quantized_base_loads_within_its_quantized_size_plus_one_layer_of_gpu_
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from actors.engine.models import load_model, quantize_linears
-    from actors.engine.sources import resolve_source
+    from actors.storage.sources import resolve_source
     from tests.helpers.load_peak_probe import tensor_bytes
 
     config = LlamaConfig(vocab_size=300, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,

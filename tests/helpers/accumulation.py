@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.engine.data import Example
+from actors.data import Example
 
 
 class FixedOrder:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from actors.checkpoint.peft_io import save_adapter
 from actors.engine.job import TrainingJob
-from actors.engine.peft_io import save_adapter
-from actors.engine.spec import JobSpec
+from actors.spec.spec import JobSpec
 
 VOCAB = 300
 

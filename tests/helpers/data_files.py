@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from actors.engine.data import PromptResponseFormat, load_examples
+from actors.data import PromptResponseFormat, load_examples
 
 QA = PromptResponseFormat(type="prompt_response", prompt="Q: {question}\nA:", response=" {answer}")
 

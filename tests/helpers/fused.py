@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.engine.spec import JobSpec
+from actors.spec.spec import JobSpec
 
 VOCAB = 300
 

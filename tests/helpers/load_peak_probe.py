@@ -52,7 +52,7 @@ def load(folder: str, way: str, quantization: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from actors.engine.models import load_model, quantize_linears
-    from actors.engine.sources import resolve_source
+    from actors.storage.sources import resolve_source
 
     if way == "new":
         return load_model(resolve_source(folder), torch.bfloat16, torch.device("cpu"), quantization)

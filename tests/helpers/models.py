@@ -51,7 +51,7 @@ def tiny_model(arch: str = "llama", vocab_size: int = VOCAB, seed: int = 0) -> t
 def random_examples(seed: int, count: int = 16, vocab: int = VOCAB, min_len: int = 8, max_len: int = 40,
                     prompt_share: float = 0.4):
     """Examples of random tokens; the first part of each is prompt (labels -100)."""
-    from actors.engine.data import Example
+    from actors.data import Example
 
     generator = torch.Generator().manual_seed(seed)
     examples = []

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from actors.service.job_table import JobRecord
+from actors.service.table.job_table import JobRecord
 from tests.helpers.service import wait_for
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.engine.data import Example
-from actors.engine.data.pairs import PreferencePair
+from actors.data import Example
+from actors.data.pairs import PreferencePair
 
 
 def random_pairs(seed: int, count: int, vocab: int = 300) -> list[PreferencePair]:

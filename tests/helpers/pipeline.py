@@ -11,7 +11,7 @@ import time
 import torch
 
 from actors.engine.models import BaseModel, from_module
-from actors.engine.spec import JobSpec
+from actors.spec.spec import JobSpec
 from tests.helpers.fused import job_spec
 from tests.helpers.isolation import train_fused
 from tests.helpers.models import MODEL_CLASSES, random_examples, tiny_config
@@ -125,7 +125,7 @@ def running_pipeline(stages: int):
     """A module fixture's pipeline of `stages` over the tiny base of LAYERS layers (an even split, one thread in
     every process, this one's too, the other stages at background priority), stopped after the module; a
     generator."""
-    from actors.service.pipeline_processes import LocalPipeline
+    from actors.service.pipeline.pipeline_processes import LocalPipeline
     threads = one_thread_per_process()
     next(threads)
     try:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_reports import TrainerEvent, TrainerStatus
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from policies.base import Start
 from policies.fifo import FifoPolicy
 from tests.helpers.service import job_dict, run_spec, write_task_data

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from actors.engine.spec import RunSpec
-from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.scheduler.config import ServiceConfig, TrainerConfig
+from actors.spec.spec import RunSpec
 
 
 def write_task_data(folder: Path, name: str, rows: int = 32, offset: int = 0) -> Path:

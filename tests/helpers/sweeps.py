@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from actors.engine.sweep_spec import SweepSpec
-from actors.service.sweep_run import SweepRun
+from actors.service.sweeps.sweep_run import SweepRun
+from actors.spec.sweep_spec import SweepSpec
 
 JOB = {"name": "qa", "data": "qa.jsonl", "format": {"type": "alpaca"}, "max_steps": 90, "eval_split": 16,
        "eval_every": 10}

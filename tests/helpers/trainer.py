@@ -6,10 +6,10 @@ import random
 import time
 from pathlib import Path
 
-from actors.service.job_data import JobData
-from actors.service.job_link import Assignment, LocalJobLink
-from actors.service.trainer_loop import TrainerLoop
-from actors.service.trainer_reports import TrainerStatus
+from actors.service.scheduler.job_data import JobData
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.service.trainer.trainer_reports import TrainerStatus
 
 
 def assignment_for(submission, job_id: str, tokenizer) -> Assignment:

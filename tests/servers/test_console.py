@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.service.audit import AuditLog
-from actors.service.users import UserBook
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import UserBook
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import HttpClient

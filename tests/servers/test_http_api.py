@@ -23,10 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.engine.adapter_export import export_adapter
-from actors.service.audit import AuditLog
-from actors.service.config import ServiceConfig, TrainerConfig
-from actors.service.users import UserBook
+from actors.checkpoint.adapter_export import export_adapter
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import UserBook
+from actors.service.scheduler.config import ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from orchestrator.http import jobs as http_jobs
 from orchestrator.http.api import ServiceLink, create_app
@@ -512,7 +512,7 @@ def users(api, tmp_path) -> Iterator[UserBook]:
 
 
 def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
-    """Users of a users file (actors/service/users.py): another user's job answers exactly as an unknown one on
+    """Users of a users file (actors/service/accounts/users.py): another user's job answers exactly as an unknown one on
     every endpoint and is in none of the lists, snapshots or streams; its name is taken without saying whose;
     an admin sees it; a rotated or removed token is refused from the next request on; every action is in the
     audit log, which only admins read. The Ray client's record (the reference) names the job's owner, and the

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.service.config import EventsConfig, ServiceConfig
-from actors.service.job_table import JobRecord
+from actors.service.scheduler.config import EventsConfig, ServiceConfig
+from actors.service.table.job_table import JobRecord
 from orchestrator.client import Client
 from orchestrator.mqtt.listener import MqttListener
 from orchestrator.mqtt.settings import reader_settings

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.service.config import MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.scheduler.config import MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client
 from tests.helpers.service import job_dict, run_spec, wait_for, write_task_data
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from actors.engine.data.dataset import load_dataset_examples
-from actors.engine.data.digest import job_data_digest
-from actors.engine.data.streaming import open_stream
-from actors.engine.storage import StorageLocation
+from actors.data.dataset import load_dataset_examples
+from actors.data.digest import job_data_digest
+from actors.data.streaming import open_stream
+from actors.storage.storage import StorageLocation
 from tests.helpers.data_files import MAX_LEN, QA, change_one_row, qa_rows, reference, write_jsonl, write_parquet
 from tests.helpers.service import write_task_data
 

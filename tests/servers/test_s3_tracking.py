@@ -8,7 +8,7 @@ import logging
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from actors.service.local_run import train_locally
+from actors.service.scheduler.local_run import train_locally
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 
@@ -17,7 +17,7 @@ def test_a_job_on_s3_uploads_its_event_files_and_says_mlflow_needs_a_server(s3_b
     """Output on a storage URI: the event files are written in the staging folder and uploaded to
     `<uri>/tb/` when the job ends; MLflow's file store cannot live there, so without a tracking URI its
     MLflow tracking is off, with a message saying what to set. `aspen export` takes the job's URI."""
-    from actors.engine.storage import StorageLocation
+    from actors.storage.storage import StorageLocation
     from orchestrator.export import export_job
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -25,7 +25,7 @@ def test_a_job_on_s3_uploads_its_event_files_and_says_mlflow_needs_a_server(s3_b
     uri = f"s3://{s3_bucket}/runs"
     spec = run_spec(str(tiny_model_dirs["llama"]), uri,
                     [job_dict("remote", data, 3, tracking={"tensorboard": True, "mlflow": True})], step_tokens=1024)
-    with caplog.at_level(logging.WARNING, logger="actors.service.tracking"):
+    with caplog.at_level(logging.WARNING, logger="actors.service.outputs.tracking"):
         (summary,) = train_locally(spec, base=tiny_base, progress=False)
     assert summary.state == "completed" and summary.steps == 3, summary.reason
     (warning,) = [r.getMessage() for r in caplog.records if "tracking failed" in r.getMessage()]

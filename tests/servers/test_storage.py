@@ -18,9 +18,14 @@ import torch
 from rich.console import Console
 from safetensors.torch import load as load_safetensors
 
-from actors.engine.data import DataError, read_rows
-from actors.engine.spec import JobSubmission
-from actors.engine.storage import (
+from actors.data import DataError, read_rows
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.local_run import train_locally
+from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionError
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.spec.spec import JobSubmission
+from actors.storage.storage import (
     POINTER_NAME,
     CorruptCheckpoint,
     StorageError,
@@ -33,11 +38,6 @@ from actors.engine.storage import (
     resolve_location,
     upload_checkpoint,
 )
-from actors.service.config import TrainerConfig
-from actors.service.job_table import JobTable
-from actors.service.local_run import train_locally
-from actors.service.scheduler_core import SchedulerCore, SubmissionError
-from actors.service.trainer_loop import TrainerLoop
 from orchestrator.cli.run_commands import saved_step as _saved_step
 from orchestrator.report import collect, write_report
 from policies.fifo import FifoPolicy

@@ -12,8 +12,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from actors.engine.gguf_cache import converted_source
-from actors.engine.sources import resolve_source
+from actors.storage.gguf_cache import converted_source
+from actors.storage.sources import resolve_source
 
 
 def aspen(*args: str, cwd: Path) -> subprocess.CompletedProcess:

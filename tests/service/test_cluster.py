@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from actors.engine.models import load_base_model
-from actors.engine.storage import StorageLocation
-from actors.service.local_run import train_locally
+from actors.service.scheduler.local_run import train_locally
+from actors.storage.storage import StorageLocation
 from tests.helpers.ray_nodes import (
     BIN,
     FAST_NODE_DEATH,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.checkpoint import saved_step
+from actors.checkpoint import saved_step
 from actors.engine.models import load_base_model
-from actors.service.config import run_service_config
-from actors.service.job_files import CHECKPOINT_FOLDER
-from actors.service.local_run import train_locally
+from actors.service.outputs.job_files import CHECKPOINT_FOLDER
+from actors.service.scheduler.config import run_service_config
+from actors.service.scheduler.local_run import train_locally
 from orchestrator.client import Client
 from orchestrator.report import collect, read_metrics, report_data
 from tests.helpers.service import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from actors.engine.pipeline.stage import StageSettings
-from actors.service.pipeline_processes import LocalPipeline, StageLost
+from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost
 from tests.helpers.pipeline import (
     LAYERS,
     LoaderFailingInStages,

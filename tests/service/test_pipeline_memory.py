@@ -1,4 +1,4 @@
-"""A pipeline trainer's memory admission (actors/service/pipeline_admission.py) against the allocator's own
+"""A pipeline trainer's memory admission (actors/service/pipeline/pipeline_admission.py) against the allocator's own
 count of each stage's peak over each loop step (torch.profiler's memory records on CPU): every stage's
 prediction, refitted online, stays within one in-flight micro-batch of the measured peak (what the model
 cannot know before the head composes: which of the step's micro-batches are in flight together at a stage);
@@ -12,11 +12,11 @@ import functools
 
 import pytest
 
-from actors.engine.data import DataCursor
+from actors.data import DataCursor
 from actors.engine.packing import JobMicroBatch
-from actors.service.config import TrainerConfig
-from actors.service.pipeline_admission import PipelineAdmission
-from actors.service.pipeline_engine import start_pipeline
+from actors.service.pipeline.pipeline_admission import PipelineAdmission
+from actors.service.pipeline.pipeline_engine import start_pipeline
+from actors.service.scheduler.config import TrainerConfig
 from tests.helpers.pipeline import one_thread_per_process, tiny_base
 
 STEPS = 10

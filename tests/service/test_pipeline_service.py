@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from actors.engine.models import load_base_model
-from actors.service.config import TrainerConfig
-from actors.service.local_run import train_locally
-from actors.service.pipeline_engine import start_pipeline
-from actors.service.trainer_loop import TrainerLoop
+from actors.service.pipeline.pipeline_engine import start_pipeline
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.local_run import train_locally
+from actors.service.trainer.trainer_loop import TrainerLoop
 from tests.helpers.pipeline import one_thread_per_process
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle
@@ -212,7 +212,7 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     placement group is freed when the service stops."""
     import ray
 
-    from actors.service.config import run_service_config
+    from actors.service.scheduler.config import run_service_config
     from orchestrator.client import Client
     from tests.helpers.service import ray_actor_logs, wait_for
 

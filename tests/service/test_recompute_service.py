@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from actors.engine.models import load_base_model
-from actors.service.config import run_service_config
-from actors.service.local_run import train_locally
+from actors.service.scheduler.config import run_service_config
+from actors.service.scheduler.local_run import train_locally
 from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
 
 

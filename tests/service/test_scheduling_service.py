@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from actors.engine.models import load_base_model
-from actors.service.config import ServiceConfig, TrainerConfig
-from actors.service.local_run import train_locally
+from actors.service.scheduler.config import ServiceConfig, TrainerConfig
+from actors.service.scheduler.local_run import train_locally
 from orchestrator.client import Client
 from tests.helpers.service import (
     adapter_tensors,
@@ -104,7 +104,7 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.lora_targets import adapted_shapes
-    from actors.service.trainer_loop import TrainerLoop
+    from actors.service.trainer.trainer_loop import TrainerLoop
     from policies.adapter_memory import adapter_memory_bytes
     from tests.helpers.models import tiny_config
 

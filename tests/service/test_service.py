@@ -12,8 +12,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from actors.engine.models import load_base_model
-from actors.engine.spec import RunSpec
-from actors.service.local_run import train_locally
+from actors.service.scheduler.local_run import train_locally
+from actors.spec.spec import RunSpec
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.helpers.service import (

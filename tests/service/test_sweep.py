@@ -1,4 +1,4 @@
-"""Sweeps run by a real service's scheduler (actors/service/sweep_book.py), submitted with `aspen sweep FILE
+"""Sweeps run by a real service's scheduler (actors/service/sweeps/sweep_book.py), submitted with `aspen sweep FILE
 --address` (the CLI, in a process of its own, following it to the end and printing the leaderboard): a grid
 with one planted good learning rate and one that cannot learn, with successive halving. The first trial (good)
 trains to the end and the best is a good one; the hopeless ones are stopped at the first rung against it and
@@ -21,8 +21,8 @@ import pytest
 import ray
 
 from actors.engine.models import load_base_model
-from actors.service.config import SCHEDULER_NAME, run_service_config
-from actors.service.local_run import train_locally
+from actors.service.scheduler.config import SCHEDULER_NAME, run_service_config
+from actors.service.scheduler.local_run import train_locally
 from orchestrator.client import Client
 from orchestrator.sweep import load_sweep_spec, service_run_spec
 from tests.helpers.service import (

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from actors.service.config import SCHEDULER_NAME, ServiceConfig, TrainerConfig
-from actors.service.job_table import JobRecord
+from actors.service.scheduler.config import SCHEDULER_NAME, ServiceConfig, TrainerConfig
+from actors.service.table.job_table import JobRecord
 from orchestrator.cli import main
 from orchestrator.client import Client
 from orchestrator.watch import eta_seconds, watch

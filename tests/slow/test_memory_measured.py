@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.engine.data import Example
+from actors.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.lora import linear_module_names
 from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
 from policies.memory_model import MemoryModel, StepShape
 from tests.helpers.profiling import profiler_peak
 

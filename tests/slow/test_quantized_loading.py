@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import add_adapter
 from actors.engine.models import from_module, load_model, quantize_linears
-from actors.engine.sources import resolve_source
-from actors.engine.spec import LoraConfig
+from actors.spec.spec import LoraConfig
+from actors.storage.sources import resolve_source
 from tests.helpers.models import REPO, tiny_model
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -12,11 +12,11 @@ import torch
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.checkpoint.serving_lines import adapter_serving_lines
 from actors.engine.lora import add_adapter
 from actors.engine.models import load_base_model
-from actors.engine.serving_lines import adapter_serving_lines
-from actors.engine.sources import CACHE_ENV
 from actors.engine.trainer import FusedTrainer
+from actors.storage.sources import CACHE_ENV
 from orchestrator.export import export_job
 from tests.helpers.hub import REVISION, offline, sample_ids
 from tests.helpers.snippets import run_printed_peft_lines
@@ -24,7 +24,7 @@ from tests.helpers.snippets import run_printed_peft_lines
 
 @pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory):
-    """An empty cache of converted GGUF models for this module (actors/engine/gguf_cache.py)."""
+    """An empty cache of converted GGUF models for this module (actors/storage/gguf_cache.py)."""
     folder = tmp_path_factory.mktemp("aspen-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(folder))
@@ -56,8 +56,8 @@ def test_the_gguf_base_read_from_its_converted_folder_is_the_gguf_model(smollm2,
     written is said in a warning with the fix, and the file is read directly."""
     import gguf
 
-    from actors.engine.gguf_cache import converted_source
-    from actors.engine.sources import resolve_source
+    from actors.storage.gguf_cache import converted_source
+    from actors.storage.sources import resolve_source
 
     source = resolve_source("smollm2-135m")
     folders = [f for f in (gguf_cache / "models").iterdir() if not f.name.startswith(".")]   # not its lock
@@ -86,7 +86,7 @@ def test_the_gguf_base_read_from_its_converted_folder_is_the_gguf_model(smollm2,
     blocked = gguf_cache / "a-file"
     blocked.write_text("not a folder")
     monkeypatch.setenv(CACHE_ENV, str(blocked / "cache"))
-    with caplog.at_level("WARNING", logger="actors.engine.gguf_cache"):
+    with caplog.at_level("WARNING", logger="actors.storage.gguf_cache"):
         assert converted_source(source) == source
     assert f"could not keep the converted GGUF model in {blocked / 'cache'}" in caplog.text
     assert CACHE_ENV in caplog.text and "reading" in caplog.text
@@ -98,10 +98,10 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch, smollm2):
     (dequantized by transformers, as aspen trains on them) laid out as that hub model, PEFT resolves it and
     gives the engine's logits; the merged model (from the GGUF base) gives them too. The adapter is written as
     the trainer writes its final adapter (the tiny-model tests above train it), with random B so it matters."""
-    from actors.engine.base_identity import base_identity
+    from actors.checkpoint.peft_io import save_adapter
     from actors.engine.lora import remove_adapter
-    from actors.engine.peft_io import save_adapter
-    from actors.engine.spec import LoraConfig
+    from actors.spec.spec import LoraConfig
+    from actors.storage.base_identity import base_identity
 
     base = smollm2   # float32, as aspen trains on it (this test changes it: it runs after the others)
     assert base.dtype == torch.float32

@@ -14,7 +14,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("Ray actors", ("actors.scheduler_actor", "actors.job_dispatch", "actors.trainer_actor", "actors.job_actor",
                     "actors.ray_links", "actors.ray_trainers", "actors.stage_actors", "actors.niceness")),
     ("Ray-free service cores", ("actors.service",)),
-    ("compute engine and data", ("actors.engine",)),
+    ("job files: checkpoints, PEFT adapters, exports", ("actors.checkpoint",)),
+    ("compute engine", ("actors.engine",)),
+    ("what a job is and where its files live: specs, data, storage", ("actors.spec", "actors.data", "actors.storage")),
     ("policies: decisions over a snapshot", ("policies",)),
 ]
 PACKAGES = ("orchestrator", "actors", "policies")

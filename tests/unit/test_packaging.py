@@ -72,7 +72,7 @@ def test_quantizing_without_bitsandbytes_fails_before_training(monkeypatch, tiny
 
 
 def test_without_the_broker_extra_the_service_runs_with_events_off_and_says_why(monkeypatch, tmp_path):
-    from actors.service.config import EventsConfig
+    from actors.service.scheduler.config import EventsConfig
     from orchestrator.mqtt.listener import MqttListener
     from tests.helpers.mqtt import job_record
 

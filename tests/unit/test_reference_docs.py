@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.spec import JobSpec, RunSpec
+from actors.spec.spec import JobSpec, RunSpec
 from orchestrator.reference_docs import GENERATED, REPO, render
 
 
@@ -32,6 +32,6 @@ def test_the_floor_plan_lists_every_module():
         for module in (REPO / folder).glob("*.py"):
             if module.name != "__init__.py":
                 assert f"| `{module.name}` |" in plan, f"{folder}/{module.name}"
-    for module in (REPO / "actors/engine/data").glob("*.py"):
+    for module in (REPO / "actors/data").glob("*.py"):
         if module.name != "__init__.py":
             assert f"| `data/{module.name}` |" in plan, module

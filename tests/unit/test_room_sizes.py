@@ -1,7 +1,7 @@
 """Guards so that the house does not grow back (issue 50): a module of the service, actor or orchestrator
 packages stays within MODULE_LINES, a function anywhere in the product within FUNCTION_LINES, no test module
 imports another test module (shared helpers live in tests/helpers/), every write of state goes through the
-durable helpers (actors/engine/durable.py), and the README stays within README_LINES."""
+durable helpers (actors/storage/durable.py), and the README stays within README_LINES."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ NOT_SIZED = REPO / "actors" / "engine"   # the compute core: its modules are spl
 PRODUCT = [REPO / "orchestrator", REPO / "actors", REPO / "policies"]
 # renames of folders that hold derived data, which a crash may leave behind and the next run builds again:
 # a converted GGUF model, a tokenizer, a checkpoint downloaded from storage (each checked when read)
-CACHE_RENAMES = {"actors/engine/gguf_cache.py", "actors/engine/sources.py", "actors/engine/storage.py"}
+CACHE_RENAMES = {"actors/storage/gguf_cache.py", "actors/storage/sources.py", "actors/storage/storage.py"}
 
 
 def python_files(roots: list[Path]) -> list[Path]:
@@ -84,10 +84,10 @@ def test_state_is_written_through_the_durable_helpers():
     found = []
     for path in python_files(PRODUCT):
         relative = str(path.relative_to(REPO))
-        if relative in CACHE_RENAMES or relative == "actors/engine/durable.py":
+        if relative in CACHE_RENAMES or relative == "actors/storage/durable.py":
             continue
         found += [f"{relative}:{line}" for line in bypasses(ast.parse(path.read_text()))]
-    assert not found, ("write these with actors/engine/durable.py (write_durably, replace_durably, append_record): "
+    assert not found, ("write these with actors/storage/durable.py (write_durably, replace_durably, append_record): "
                        f"{found}")
 
 

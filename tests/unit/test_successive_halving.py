@@ -1,4 +1,4 @@
-"""Successive halving (policies/successive_halving.py) against a trace computed by hand and against Ray Tune's
+"""Successive halving (policies/sweep/successive_halving.py) against a trace computed by hand and against Ray Tune's
 own ASHAScheduler fed the same results in the same order."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from policies.successive_halving import SuccessiveHalving
+from policies.sweep.successive_halving import SuccessiveHalving
 
 
 def test_a_hand_computed_trace():

@@ -1,4 +1,4 @@
-"""Sweep files (actors/engine/sweep_spec.py) and their search spaces (policies/search_space.py): every trial a
+"""Sweep files (actors/spec/sweep_spec.py) and their search spaces (policies/sweep/search_space.py): every trial a
 valid job with its drawn settings, reproducible by seed, random draws distributed as written, grids in
 order, and every mistake refused before anything starts, naming the field of the space and the fix."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from actors.engine.spec import JobSpec
-from actors.engine.sweep_spec import SweepSpec
-from policies.search_space import parse_space, random_trials
+from actors.spec.spec import JobSpec
+from actors.spec.sweep_spec import SweepSpec
+from policies.sweep.search_space import parse_space, random_trials
 
 JOB = {"name": "qa", "data": "qa.jsonl", "format": {"type": "alpaca"}, "max_steps": 400, "eval_split": 64,
        "eval_every": 20, "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}

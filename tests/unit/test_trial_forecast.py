@@ -1,8 +1,8 @@
-"""The sweep's predictive stopping rule (policies/trial_forecast.py) on planted loss curves, whose final values
+"""The sweep's predictive stopping rule (policies/sweep/trial_forecast.py) on planted loss curves, whose final values
 are known from their formulas: a trial is stopped only when its true final loss is not below the best
 finished trial's by min_delta, a trial that would beat it is never stopped (noise-free, and under noise for
 many seeds: the rule's optimistic bound), nothing is judged before a trial has finished or before enough
-points; through a sweep (actors/service/sweep_run.py) it finds the planted best while training fewer steps,
+points; through a sweep (actors/service/sweeps/sweep_run.py) it finds the planted best while training fewer steps,
 and a sweep restored halfway ends as an uninterrupted one."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from actors.service.sweep_run import SweepRun
-from policies.trial_forecast import TrialForecast
+from actors.service.sweeps.sweep_run import SweepRun
+from policies.sweep.trial_forecast import TrialForecast
 from tests.helpers.sweeps import JOB, drive, planted_loss, spec
 
 MAX_STEPS = 100

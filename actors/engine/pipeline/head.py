@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.data import DataCursor, Example
+from actors.data import DataCursor, Example
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
 from actors.engine.optim import lr_factor
 from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
 from actors.engine.pipeline.stage import EvalRequest, JobSetup, PlanMessage, StageRuntime
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache
-from actors.engine.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
-from policies.pipeline_schedule import MicroBatchPlan
+from actors.spec.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
 
 
 @dataclass
@@ -103,7 +103,7 @@ class PipelineTrainer:
         self.reference_caches: dict[str, ReferenceCache] = {}   # which DPO pairs the last stage holds
         # micro-batches per stage that take each composable job once: 1 keeps them large (the pipeline runs
         # on, one fill for the whole run); more make them smaller where the pipeline drains often (once per
-        # trainer loop step: actors/service/pipeline_engine.py), so that its fill costs less
+        # trainer loop step: actors/service/pipeline/pipeline_engine.py), so that its fill costs less
         self.plans_per_stage = 1
         self.replies: list[dict] = []
         runtime.on_result = self._on_result

@@ -1,5 +1,5 @@
 """One pipeline stage at work: its share of every job's adapter and optimizer, and the operations the
-schedule gives it (policies/pipeline_schedule.py), run in that order.
+schedule gives it (actors/engine/pipeline/pipeline_schedule.py), run in that order.
 
 Every stage gets the same stream of messages from the head (plans, jobs coming and going) and feeds them to
 its own copy of the schedule, so all stages agree on the global order of operations; each then runs its
@@ -35,6 +35,7 @@ from actors.engine.loss import target_cross_entropy
 from actors.engine.memory import MemoryWindow, optimizer_state_bytes
 from actors.engine.optim import JobOptimizer, apply_step, chained_sum, gradient_squares
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
+from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan, Op, PipelineSchedule
 from actors.engine.pipeline.stage_memory import StageActivation, StageMemory, probe_stage_activation
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.pipeline.transport import (
@@ -49,9 +50,8 @@ from actors.engine.pipeline.transport import (
 )
 from actors.engine.preference import ReferenceCache, evaluation_outcome, reference_layout, reference_sums
 from actors.engine.recompute import recomputed_layers
-from actors.engine.spec import PREFERENCE_METHODS, JobSpec
 from actors.engine.step_objective import ObjectiveJob, step_objective
-from policies.pipeline_schedule import MicroBatchPlan, Op, PipelineSchedule
+from actors.spec.spec import PREFERENCE_METHODS, JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The model is built on `meta` from its config (no memory), then the tensors of the stage's own modules (its
 decoder layers; stage 0 the token embeddings; the last stage the final norm and the LM head, tied or not)
 are read one by one from the checkpoint's safetensors files straight to the stage's device; the rest stays
-on `meta`. A `.gguf` base is read from its converted folder (actors/engine/gguf_cache.py), converted once by
+on `meta`. A `.gguf` base is read from its converted folder (actors/storage/gguf_cache.py), converted once by
 whichever process gets there first. Checked against loading the whole base and cutting it
 (tests/unit/engine/test_pipeline_loading.py)."""
 
@@ -19,13 +19,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.engine.attention import use_varlen_attention
-from actors.engine.gguf_cache import converted_source
 from actors.engine.lora import freeze
 from actors.engine.model_support import check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
 from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
 from actors.engine.recompute import decoder_layers
-from actors.engine.sources import load_tokenizer, resolve_source
+from actors.storage.gguf_cache import converted_source
+from actors.storage.sources import load_tokenizer, resolve_source
 
 
 def checkpoint_files(folder: Path) -> dict[str, Path]:

@@ -4,7 +4,7 @@ the micro-batches a loop step sends through it.
 
 A stage holds its weights, its share of every job's adapter, AdamW moments and gradients (`held`, counted
 live), and the activations of the micro-batches it has forwarded and not yet backwarded: at most S - s of
-them at stage s (1F1B's bound, policies/pipeline_schedule.py), the last of them at its backward's peak. So
+them at stage s (1F1B's bound, actors/engine/pipeline/pipeline_schedule.py), the last of them at its backward's peak. So
 
     peak_s(T) = held_s + (S - s - 1) * saved_s(T) + step_s(T)   (+ the loss's bytes at the last stage)
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.data import Example
 from actors.engine import lora_cuda
-from actors.engine.data import Example
 from actors.engine.layout import step_layout
 from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.lora_targets import match_targets
@@ -29,7 +29,7 @@ from actors.engine.memory_prior import adapter_bytes, linear_input_groups, loss_
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.recompute import recomputed_layers
-from actors.engine.spec import LoraConfig
+from actors.spec.spec import LoraConfig
 
 PROBE_JOB = "aspen-stage-memory-probe"
 PROBE_SEQUENCE = 128

@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 from torch.utils.data import SequentialSampler
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from actors.engine.checkpoint import load_checkpoint, save_checkpoint
-from actors.engine.data import Example
+from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.checkpoint.peft_io import WEIGHTS_NAME, adapter_state_dict, save_adapter
+from actors.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.optim import LossScale
-from actors.engine.peft_io import WEIGHTS_NAME, adapter_state_dict, save_adapter
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
 from tests.helpers.accumulation import FixedOrder, pad_rows
 from tests.helpers.models import random_examples, tiny_config
 from tests.helpers.tolerances import adamw_first_step_bound, llama_chain_terms, rounding_tolerance

@@ -17,15 +17,15 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
 from actors.engine import lora as lora_module
-from actors.engine.checkpoint import load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
 from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.lora_targets import adapted_shapes
 from actors.engine.models import from_module
-from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
-from actors.engine.spec import JobSpec, JobSubmission, LoraConfig, RunSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec, JobSubmission, LoraConfig, RunSpec
 from tests.helpers.accumulation import FixedOrder, pad_rows
 from tests.helpers.adapter_logits import SameMask, aspen_logits
 from tests.helpers.fused import relative_difference

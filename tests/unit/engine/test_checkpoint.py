@@ -9,12 +9,12 @@ import json
 
 import torch
 
-from actors.engine.checkpoint import LoadedCheckpoint, has_checkpoint, load_checkpoint, save_checkpoint
+from actors.checkpoint import LoadedCheckpoint, has_checkpoint, load_checkpoint, save_checkpoint
 from actors.engine.job import TrainingJob
 from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
 from tests.helpers.checkpoints import VOCAB, spec, weights, write_format_1
 from tests.helpers.models import random_examples, tiny_model
 

@@ -1,4 +1,4 @@
-"""Tests for actors.engine.data: formats, file reading, tokenization, splits, cursor."""
+"""Tests for actors.data: formats, file reading, tokenization, splits, cursor."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from actors.engine.data import (
+from actors.data import (
     AlpacaFormat,
     ChatFormat,
     DataCursor,

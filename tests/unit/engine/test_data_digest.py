@@ -1,4 +1,4 @@
-"""A job's data digest (actors/engine/data/digest.py), kept with its checkpoints, so that a data file whose
+"""A job's data digest (actors/data/digest.py), kept with its checkpoints, so that a data file whose
 rows changed in place (same path, same row count) is not trained on by a resumed job:
 
 - the digest of each kind of source changes when its rows do, and only then (local files read whole: their
@@ -18,17 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine.checkpoint import DataChanged, load_checkpoint, save_checkpoint
-from actors.engine.data.digest import job_data_digest
+from actors.checkpoint import DataChanged, load_checkpoint, save_checkpoint
+from actors.data.digest import job_data_digest
 from actors.engine.job import TrainingJob
 from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
-from actors.service.config import TrainerConfig
-from actors.service.job_data import JobData
-from actors.service.job_link import Assignment, LocalJobLink
-from actors.service.trainer_loop import TrainerLoop
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.job_data import JobData
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.spec.spec import JobSpec
 from tests.helpers.data_files import change_one_row
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.service import job_dict, run_spec, write_task_data

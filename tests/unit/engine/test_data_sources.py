@@ -1,4 +1,4 @@
-"""Dataset sources beyond one JSON file (actors/engine/data/tables.py, dataset.py, streaming.py,
+"""Dataset sources beyond one JSON file (actors/data/tables.py, dataset.py, streaming.py,
 sharegpt.py): a saved DatasetDict with a split and a column mapping, parquet, arrow and folders of files give
 the examples the equivalent JSONL gives (read by the JSONL reader, `load_examples`); ShareGPT rows the
 tokens and labels of the equivalent `messages` rows; streaming the batches of the in-memory `DataCursor`
@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from actors.engine.data import (
+from actors.data import (
     AlpacaFormat,
     ChatFormat,
     DataCursor,
@@ -26,9 +26,9 @@ from actors.engine.data import (
     load_examples,
     tokenize_example,
 )
-from actors.engine.data.dataset import load_dataset_examples
-from actors.engine.data.streaming import open_stream
-from actors.engine.spec import JobSpec
+from actors.data.dataset import load_dataset_examples
+from actors.data.streaming import open_stream
+from actors.spec.spec import JobSpec
 from tests.helpers.data_files import MAX_LEN, QA, qa_rows, reference, write_jsonl, write_parquet
 
 datasets.disable_progress_bars()
@@ -321,9 +321,9 @@ def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, ti
     rows as parquet streamed with one shuffle window over all of them. Same seed, so the same data order: the
     same adapter."""
     from actors.engine.models import load_base_model
-    from actors.engine.spec import JobSubmission
-    from actors.service.job_data import JobData
-    from actors.service.local_run import train_locally
+    from actors.service.scheduler.job_data import JobData
+    from actors.service.scheduler.local_run import train_locally
+    from actors.spec.spec import JobSubmission
     from tests.helpers.service import adapter_tensors, job_dict, max_relative_difference, run_spec
 
     rows = qa_rows(24)

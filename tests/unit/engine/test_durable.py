@@ -1,4 +1,4 @@
-"""`actors.engine.durable.write_durably`, the one way aspen replaces a file crash-safely: a write that fails
+"""`actors.storage.durable.write_durably`, the one way aspen replaces a file crash-safely: a write that fails
 half-way (an error in this process, or the process killed outright) leaves the old content intact and, in
 this process, no temporary file; the new content is on disk (fsynced) before the rename, and the rename is
 made durable (the folder fsynced) after it; the file gets the mode an ordinary new file gets, or exactly
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.durable import write_durably
+from actors.storage.durable import write_durably
 
 REPO = Path(__file__).resolve().parents[3]
 OLD = b"the old, complete content\n"
@@ -75,7 +75,7 @@ def test_a_write_that_fails_half_way_leaves_the_old_file_and_no_temporary(tmp_pa
 CHILD = """
 import os, sys
 sys.path.insert(0, {repo!r})
-from actors.engine.durable import write_durably
+from actors.storage.durable import write_durably
 real_write = os.write
 def dying_write(descriptor, data):
     real_write(descriptor, bytes(data[:len(data) // 2]))
@@ -145,7 +145,7 @@ def test_a_jobs_adapter_and_checkpoint_get_the_modes_of_ordinary_files_and_folde
     """What a run writes for users to share (the adapter, aspen.json, the checkpoint folder and its files) has
     the modes Python's open() and mkdir give under the same umask, as PEFT's save_pretrained writes an
     adapter: not 0600 / 0700, which `tempfile` would leave on them."""
-    from actors.service.local_run import train_locally
+    from actors.service.scheduler.local_run import train_locally
     from tests.helpers.service import job_dict, run_spec, write_task_data
 
     previous = os.umask(0o022)
@@ -172,7 +172,7 @@ def test_a_jobs_adapter_and_checkpoint_get_the_modes_of_ordinary_files_and_folde
 
 APPENDER = """
 import sys
-from actors.engine.durable import append_record
+from actors.storage.durable import append_record
 for i in range(200):
     append_record(sys.argv[1], (sys.argv[2] * 300 + f" {i}\\n").encode(), private=True)
 """
@@ -190,7 +190,7 @@ def test_records_appended_from_several_processes_stay_whole_and_private(tmp_path
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     synced = []
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
-    from actors.engine.durable import append_record
+    from actors.storage.durable import append_record
 
     append_record(path, b"x\n")
     assert synced

@@ -18,13 +18,13 @@ import torch
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM
 
+from actors.checkpoint.peft_io import load_adapter_weights
 from actors.engine.lora import add_adapter
 from actors.engine.models import load_base_model
-from actors.engine.peft_io import load_adapter_weights
-from actors.engine.spec import JobSpec, JobSubmission
 from actors.engine.trainer import FusedTrainer
-from actors.service.job_table import JobTable
-from actors.service.local_run import train_locally
+from actors.service.scheduler.local_run import train_locally
+from actors.service.table.job_table import JobTable
+from actors.spec.spec import JobSpec, JobSubmission
 from orchestrator.cli import main
 from orchestrator.export import export_job
 from tests.helpers.hub import REVISION, offline, sample_ids

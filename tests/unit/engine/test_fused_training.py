@@ -8,10 +8,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from actors.checkpoint.peft_io import save_adapter
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module, load_base_model
 from actors.engine.operations import count_operations
-from actors.engine.peft_io import save_adapter
 from actors.engine.trainer import FusedTrainer
 from tests.helpers.fused import VOCAB, job_spec, relative_difference
 from tests.helpers.models import random_examples, tiny_config, tiny_model

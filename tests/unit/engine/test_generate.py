@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from actors.checkpoint.peft_io import save_adapter
 from actors.engine.generate import greedy_generate, greedy_generate_many
 from actors.engine.lora import FusedLoraLinear, add_adapter, remove_adapter
 from actors.engine.models import BaseModel, from_module
-from actors.engine.peft_io import save_adapter
-from actors.engine.spec import LoraConfig
+from actors.spec.spec import LoraConfig
 
 VOCAB = 300
 EOS = 2
@@ -121,7 +121,7 @@ def test_training_mode_restored_and_edge_cases(models, adapter_dir):
 
 
 def test_reattached_adapter_after_removal_gives_same_output(models, adapter_dir):
-    from actors.engine.peft_io import load_adapter_weights
+    from actors.checkpoint.peft_io import load_adapter_weights
 
     base, _ = models
     before = greedy_generate(base, "a", PROMPTS, MAX_NEW, {EOS})

@@ -25,9 +25,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.data import Example
+from actors.data import Example
 from actors.engine.models import from_module, quantize_linears
-from actors.engine.spec import JobSpec
+from actors.spec.spec import JobSpec
 from tests.helpers.isolation import CONFIGS, VOCAB, assert_isolated, base_for, train
 from tests.helpers.models import random_examples, tiny_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from actors.engine.data import Example
+from actors.data import Example
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_cross_entropy
 from actors.engine.models import from_module

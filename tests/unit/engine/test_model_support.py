@@ -19,9 +19,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from actors.checkpoint.peft_io import save_adapter
+from actors.data import Example
 from actors.engine import step_objective as objective_module
 from actors.engine.attention import use_varlen_attention, varlen_attention_forward
-from actors.engine.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_cross_entropy
@@ -33,9 +34,8 @@ from actors.engine.model_support import (
     markdown_table,
 )
 from actors.engine.models import from_module, load_base_model
-from actors.engine.peft_io import save_adapter
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[3]
 VOCAB = 128

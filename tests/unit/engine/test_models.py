@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine.job import TrainingJob
 from actors.engine.models import load_base_model, resolve_source
-from actors.engine.sources import tokenizer_cache_folder, tokenizer_cache_lock
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec
+from actors.storage.sources import tokenizer_cache_folder, tokenizer_cache_lock
 from tests.helpers.models import random_examples
 
 
@@ -78,7 +78,7 @@ def test_job_actors_starting_together_build_the_tokenizer_cache_once(tmp_path, s
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # "another job actor is building it"
         child = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from actors.engine.sources import load_base_tokenizer; "
+            [sys.executable, "-c", "import sys; from actors.storage.sources import load_base_tokenizer; "
              "t = load_base_tokenizer('smollm2-135m', sys.argv[1]); print(len(t), '<|marker|>' in t.get_vocab())",
              str(tmp_path)], cwd=Path(__file__).resolve().parents[3], stdout=subprocess.PIPE, text=True,
             env={**os.environ, "ASPEN_CACHE_DIR": "off"})   # not a converted model folder (gguf_cache.py)
@@ -103,7 +103,7 @@ def test_a_generic_tokenizer_folder_loads_as_autotokenizer_loads_it_and_without_
     model-specific class still goes through AutoTokenizer."""
     from transformers import AutoTokenizer
 
-    from actors.engine.sources import GENERIC_TOKENIZER, load_base_tokenizer
+    from actors.storage.sources import GENERIC_TOKENIZER, load_base_tokenizer
 
     folder = tiny_model_dirs["llama"]
     ours, reference = load_base_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder)
@@ -116,7 +116,8 @@ def test_a_generic_tokenizer_folder_loads_as_autotokenizer_loads_it_and_without_
     chat = [{"role": "user", "content": "Say 3"}, {"role": "assistant", "content": "3"}]
     assert ours.apply_chat_template(chat, tokenize=False) == reference.apply_chat_template(chat, tokenize=False)
 
-    loaded = subprocess.run([sys.executable, "-c", "import sys; from actors.engine.sources import load_base_tokenizer; "
+    loaded = subprocess.run([sys.executable, "-c",
+                             "import sys; from actors.storage.sources import load_base_tokenizer; "
                              "t = load_base_tokenizer(sys.argv[1]); print(len(t), 'torch' in sys.modules)",
                              str(folder)], cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True,
                             timeout=120, check=True).stdout.split()

@@ -12,12 +12,12 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from actors.checkpoint.peft_io import CONFIG_NAME, save_adapter
 from actors.engine.job import TrainingJob
 from actors.engine.lora import add_adapter
 from actors.engine.models import from_module, load_base_model
-from actors.engine.peft_io import CONFIG_NAME, save_adapter
-from actors.engine.spec import JobSpec, LoraConfig
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec, LoraConfig
 from tests.helpers.models import random_examples, tiny_model
 
 

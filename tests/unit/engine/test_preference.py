@@ -14,12 +14,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from actors.engine.data import DataError, Example, PreferenceFormat, load_examples
-from actors.engine.data.pairs import PreferencePair, tokenize_pair
+from actors.data import DataError, Example, PreferenceFormat, load_examples
+from actors.data.pairs import PreferencePair, tokenize_pair
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
-from actors.engine.spec import JobSpec, RunSpec
 from actors.engine.trainer import FusedTrainer
+from actors.spec.spec import JobSpec, RunSpec
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.pairs import random_pairs
 from tests.helpers.peft_reference import TARGETS, compare_gradients, copy_peft_lora, peft_config, randomize_b
@@ -314,13 +314,13 @@ def test_preference_specs_and_rows_are_checked(smol_tokenizer, tmp_path):
 
 
 def test_preference_rows_from_parquet_with_columns_whole_and_streamed_equal_the_jsonl_pairs(smol_tokenizer, tmp_path):
-    """The dataset sources (parquet, a column mapping, streaming: actors/engine/data/dataset.py, streaming.py)
+    """The dataset sources (parquet, a column mapping, streaming: actors/data/dataset.py, streaming.py)
     give a preference job the same pairs as its JSONL file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from actors.engine.data.dataset import load_dataset_examples
-    from actors.engine.data.streaming import open_stream
+    from actors.data.dataset import load_dataset_examples
+    from actors.data.streaming import open_stream
 
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     expected = load_examples(tmp_path / "pairs.jsonl", PreferenceFormat(), smol_tokenizer, max_seq_len=64).examples
@@ -356,7 +356,7 @@ def test_chat_preference_rows_follow_the_chat_template(smol_tokenizer):
 
 
 def test_a_dpo_job_runs_through_the_in_process_service(tiny_model_dirs, tmp_path):
-    from actors.service.local_run import train_locally
+    from actors.service.scheduler.local_run import train_locally
 
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
@@ -385,7 +385,7 @@ def _train_dpo(base, pairs, *, layout: str = "packed", interrupt_after: int | No
     (what its backward pass adds to each adapter parameter). With `interrupt_after`, checkpointed into `folder`
     after that many micro-batches (mid-accumulation) and resumed on a fresh trainer; with `resume_from`,
     started from that checkpoint."""
-    from actors.engine.checkpoint import load_checkpoint, save_checkpoint
+    from actors.checkpoint import load_checkpoint, save_checkpoint
 
     gradients: list[dict[str, torch.Tensor]] = []
 

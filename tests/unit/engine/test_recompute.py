@@ -12,8 +12,8 @@ from actors.engine.job import TrainingJob
 from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module, load_base_model
 from actors.engine.trainer import FusedTrainer
-from actors.service.config import run_service_config
-from actors.service.local_run import train_locally
+from actors.service.scheduler.config import run_service_config
+from actors.service.scheduler.local_run import train_locally
 from tests.helpers.fused import VOCAB, job_spec, relative_difference
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data

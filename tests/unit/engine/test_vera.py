@@ -15,14 +15,14 @@ from peft import PeftModel, VeraConfig, get_peft_model
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from actors.engine.checkpoint import load_checkpoint, save_checkpoint
+from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
 from actors.engine.job import TrainingJob
 from actors.engine.lora import add_adapter, set_adapters_training
 from actors.engine.models import from_module
-from actors.engine.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
-from actors.engine.spec import JobSpec, LoraConfig
 from actors.engine.trainer import FusedTrainer
-from actors.service.job_fit import job_adapter_bytes
+from actors.service.scheduler.job_fit import job_adapter_bytes
+from actors.spec.spec import JobSpec, LoraConfig
 from tests.helpers.adapter_logits import SameMask, aspen_logits
 from tests.helpers.isolation import assert_isolated
 from tests.helpers.models import random_examples, tiny_model

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from actors.service.job_table import JobRecord
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.table.job_table import JobRecord
+from actors.service.trainer.trainer_reports import TrainerEvent
 from orchestrator.mqtt.connection import Outbox
 from orchestrator.mqtt.topics import EventTopics, Message, topic_prefix
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.data.row_check import check_job_rows
-from actors.engine.data.rows import DataError
-from actors.engine.spec import JobSpec
+from actors.data.row_check import check_job_rows
+from actors.data.rows import DataError
+from actors.spec.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[3]
 TEMPLATE = {"type": "prompt_response", "prompt": "Q: {question}", "response": " {answer}"}

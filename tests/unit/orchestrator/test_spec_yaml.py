@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from actors.engine.spec import JobSubmission, RunSpec
+from actors.spec.spec import JobSubmission, RunSpec
 from orchestrator.http.console import spec_answer
 from tests.helpers.service import job_dict
 

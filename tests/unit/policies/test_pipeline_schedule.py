@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.pipeline_schedule import MicroBatchPlan, PipelineSchedule
+from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan, PipelineSchedule
 
 
 def drive(stages: int, jobs: int, *, steps: int = 12, accum: int = 1, dropout: bool = False, flush: bool = False,

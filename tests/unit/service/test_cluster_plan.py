@@ -1,12 +1,12 @@
-"""Which trainers run on which nodes (actors/service/cluster_plan.py): per-node kinds follow the nodes,
+"""Which trainers run on which nodes (actors/service/scheduler/cluster_plan.py): per-node kinds follow the nodes,
 spread kinds stay where they are while their node lives, threads come from the trainer's own node."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from actors.service.cluster_plan import NodeInfo, plan_trainers, trainer_kinds
-from actors.service.config import ServiceConfig, TrainerConfig
+from actors.service.scheduler.cluster_plan import NodeInfo, plan_trainers, trainer_kinds
+from actors.service.scheduler.config import ServiceConfig, TrainerConfig
 
 HEAD = NodeInfo("h" * 56, "10.0.0.1", cpus=8, gpus=0, head=True)
 CPU_WORKER = NodeInfo("c" * 56, "10.0.0.2", cpus=2, gpus=0)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from actors.engine.models import load_base_model
-from actors.service.config import TrainerConfig
-from actors.service.job_data import JobData
-from actors.service.job_link import Assignment, LocalJobLink
-from actors.service.local_run import train_locally
-from actors.service.trainer_loop import TrainerLoop
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.job_data import JobData
+from actors.service.scheduler.local_run import train_locally
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.trainer_loop import TrainerLoop
 from tests.helpers.models import tiny_model
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import LateVerdicts, run_until_idle

@@ -1,4 +1,4 @@
-"""The job table's intake of trainer events, without Ray (`actors/service/event_intake.py`), over a real
+"""The job table's intake of trainer events, without Ray (`actors/service/events/event_intake.py`), over a real
 job table and scheduler core: while another process holds the table's file (an operator's `BEGIN
 EXCLUSIVE`), events wait and are tried again with doubling backoff, then land once and in order; a lost
 trainer's jobs are queued again only after everything it reported before is booked; what the table could
@@ -11,11 +11,11 @@ import logging
 import sqlite3
 from pathlib import Path
 
-from actors.service.event_intake import TABLE_RETRY_S, EventIntake, TrainerLost
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.state_dir import UNAPPLIED_EVENTS
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.events.event_intake import TABLE_RETRY_S, EventIntake, TrainerLost
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.table.state_dir import UNAPPLIED_EVENTS
+from actors.service.trainer.trainer_reports import TrainerEvent
 from policies.fifo import FifoPolicy
 from tests.helpers.scheduler_fakes import BUSY_S, Clock, progress, running_jobs
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from actors.engine.data.tokenize import IGNORE_INDEX
+from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generation_eval import metric_function
-from actors.engine.spec import GenerationEval, JobSpec
-from actors.service.config import TrainerConfig
-from actors.service.job_data import JobData
-from actors.service.job_table import JobTable
-from actors.service.trainer_loop import TrainerLoop
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.job_data import JobData
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.spec.spec import GenerationEval, JobSpec
 from tests.helpers import metrics
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle

@@ -38,5 +38,5 @@ def test_the_driver_and_the_scheduler_import_neither_torch_nor_transformers():
 
 def test_the_check_sees_a_heavy_import_where_there_is_one():
     """The same check on the trainer's set-up, which does import torch: the test above can fail."""
-    loaded = imported_after(["actors.service.trainer_setup"])
+    loaded = imported_after(["actors.service.trainer.trainer_setup"])
     assert "torch" in loaded and "transformers" in loaded

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from actors.service.loop_errors import LoopErrors
-from actors.service.table_backup import JobTableDamaged
+from actors.service.table.table_backup import JobTableDamaged
+from actors.service.trainer.loop_errors import LoopErrors
 
 
 class Clock:

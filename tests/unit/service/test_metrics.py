@@ -23,13 +23,13 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.engine.models import load_base_model
-from actors.service.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
-from actors.service.job_data import JobData
-from actors.service.job_link import Assignment, LocalJobLink
-from actors.service.job_table import JOB_STATES, JobRecord, JobTable
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_loop import TrainerLoop
-from actors.service.trainer_reports import TrainerStatus
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.scheduler.job_data import JobData
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JOB_STATES, JobRecord, JobTable
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.service.trainer.trainer_reports import TrainerStatus
 from orchestrator.metrics import MetricsListener
 from orchestrator.observability import service_listeners
 from policies.base import Start

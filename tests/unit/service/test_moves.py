@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_reports import TrainerEvent
 from policies.base import Move, Start
 from policies.ordering import AdaptivePolicy
 from tests.helpers.service import job_dict, run_spec, write_task_data
@@ -88,9 +88,9 @@ def test_a_job_moved_between_real_trainer_loops_ends_like_a_solo_run(tmp_path, t
     jobs start on trainer-0 while trainer-1 is not up; once it is, one moves there, resumes from the
     checkpoint its pause wrote, and its adapter equals an uninterrupted solo run's."""
     from actors.engine.models import load_base_model
-    from actors.service.config import TrainerConfig
-    from actors.service.local_run import train_locally
-    from actors.service.trainer_loop import TrainerLoop
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.local_run import train_locally
+    from actors.service.trainer.trainer_loop import TrainerLoop
     from tests.helpers.service import adapter_tensors, max_relative_difference
     from tests.helpers.trainer import assignment_for
 

@@ -1,13 +1,13 @@
 """`stages:` settings a pipeline trainer cannot take are refused when the YAML or jobs file is read, naming the
-field and what to set instead (actors/engine/spec.py `pipeline_problem`)."""
+field and what to set instead (actors/spec/spec.py `pipeline_problem`)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from actors.engine.spec import RunSpec
-from actors.service.config import TrainerConfig
+from actors.service.scheduler.config import TrainerConfig
+from actors.spec.spec import RunSpec
 
 JOB = {"name": "a", "data": "a.jsonl", "format": {"type": "text"}}
 

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from actors.service.event_booking import MAX_RETRIES
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.events.event_booking import MAX_RETRIES
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_reports import TrainerEvent
 from policies.base import Start
 from policies.fifo import FifoPolicy
 from tests.helpers.scheduler_fakes import status
@@ -52,8 +52,8 @@ def test_trainers_with_automatic_step_tokens_check_a_micro_batch_against_the_flo
     """`step_tokens: auto` (the default of a trainer's config): before a trainer has planned its steps a
     micro-batch is checked against auto's floor (it raised a TypeError comparing with 'auto'); once one
     reports the step it planned, against that."""
-    from actors.service.config import TrainerConfig
-    from actors.service.submissions import SubmissionError
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.submissions import SubmissionError
 
     data = write_task_data(tmp_path / "data", "t")
     trainer = TrainerConfig(base_model="smollm2-135m")

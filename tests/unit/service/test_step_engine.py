@@ -1,4 +1,5 @@
-"""One interface for what the trainer loop steps (actors/service/step_engine.py): one device's FusedTrainer and a
+"""One interface for what the trainer loop steps (actors/service/trainer/step_engine.py): one device's
+FusedTrainer and a
 pipeline trainer's PipelineEngine each implement every member of `StepEngine`, and the loop asks neither which
 it holds (no isinstance or getattr on its engine)."""
 
@@ -12,8 +13,8 @@ import pytest
 
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.service.pipeline_engine import PipelineEngine
-from actors.service.step_engine import StepEngine
+from actors.service.pipeline.pipeline_engine import PipelineEngine
+from actors.service.trainer.step_engine import StepEngine
 from tests.helpers.models import tiny_model
 
 pytestmark = pytest.mark.unit
@@ -49,7 +50,7 @@ def test_both_engines_implement_every_member():
 
 
 def test_the_loop_never_asks_which_engine_it_holds():
-    for module in ("actors/service/trainer_loop.py", "actors/service/job_ends.py"):
+    for module in ("actors/service/trainer/trainer_loop.py", "actors/service/trainer/job_ends.py"):
         tree = ast.parse((REPO / module).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (

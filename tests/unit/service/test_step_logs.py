@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-import actors.service.step_admission as step_admission
+import actors.service.trainer.step_admission as step_admission
 from actors.engine.models import load_base_model
-from actors.service.config import run_service_config
-from actors.service.trainer_loop import TrainerLoop
+from actors.service.scheduler.config import run_service_config
+from actors.service.trainer.trainer_loop import TrainerLoop
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle
 

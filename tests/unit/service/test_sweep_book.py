@@ -1,4 +1,4 @@
-"""The service's sweeps (actors/service/sweep_book.py) over a fake job service whose trials train by a planted
+"""The service's sweeps (actors/service/sweeps/sweep_book.py) over a fake job service whose trials train by a planted
 loss curve: a sweep runs to its end with its results on disk; a sweep that fails (its state file cannot be
 written: a folder where its file goes) is marked failed with the error while another goes on; a damaged state file is
 reported for that sweep alone when the book is built again, the others carried on; a book built again on the
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.sweep_spec import SweepSpec
-from actors.service.sweep_book import SweepBook
+from actors.service.sweeps.sweep_book import SweepBook
+from actors.spec.sweep_spec import SweepSpec
 
 JOB = {"name": "qa", "data": "qa.jsonl", "format": {"type": "alpaca"}, "max_steps": 8, "eval_split": 4,
        "eval_every": 2}
@@ -134,7 +134,7 @@ def test_the_report_names_every_trial_with_its_settings_and_steps_are_whole(tmp_
     """report.png's figure: a legend entry per trial with a curve (its name, its lr, how it ended), the stop
     marker explained, and only whole steps on the step axis (a few steps of a short sweep gave ticks like
     4.5); while a trial trains, its status shows its job's step, not the step of its last objective."""
-    from actors.service.sweep_book import report_figure
+    from actors.service.sweeps.sweep_book import report_figure
 
     jobs = FakeJobs()
     book = SweepBook(tmp_path / "state", jobs)

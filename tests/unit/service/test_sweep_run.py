@@ -1,4 +1,4 @@
-"""A sweep's bookkeeping (actors/service/sweep_run.py) driven through simulated trials whose loss curves are
+"""A sweep's bookkeeping (actors/service/sweeps/sweep_run.py) driven through simulated trials whose loss curves are
 planted: one learning rate is best, so the best trial is known from the settings alone. At most
 `max_concurrent` trials run, a stopped trial's slot goes to the next at once, the best trial is found and
 never stopped, and a sweep saved to JSON and restored halfway ends exactly as one never interrupted."""
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from actors.service.sweep_run import SweepRun
+from actors.service.sweeps.sweep_run import SweepRun
 from tests.helpers.sweeps import JOB, drive, planted_loss, planted_score, spec
 
 

@@ -1,4 +1,4 @@
-"""A sweep's trials suggested by a Ray Tune searcher (policies/searchers.py): Optuna by its Ray Tune name and a
+"""A sweep's trials suggested by a Ray Tune searcher (policies/sweep/searchers.py): Optuna by its Ray Tune name and a
 user's `module:Class`. Checked against the searchers' own records: Optuna's study holds exactly the (settings,
 objective) pairs the leaderboard shows, each trial's intermediate objectives reached the searcher as Ray Tune
 hands them (`on_trial_result` with `training_iteration`); a sweep restored halfway (the searcher's pickled
@@ -13,8 +13,8 @@ import statistics
 
 import pytest
 
-from actors.engine.sweep_spec import SweepSpec
-from actors.service.sweep_run import SweepRun
+from actors.service.sweeps.sweep_run import SweepRun
+from actors.spec.sweep_spec import SweepSpec
 from tests.helpers.sweeps import BEST_LR, JOB, drive, planted_loss, spec
 
 optuna = pytest.importorskip("optuna", reason="the sweep extra (optuna) is part of the dev install")

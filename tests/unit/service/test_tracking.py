@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from actors.service.local_run import train_locally
+from actors.service.scheduler.local_run import train_locally
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 STEPS = 6
@@ -99,7 +99,7 @@ def test_a_failing_tracker_leaves_training_intact(tiny_base, tiny_model_dirs, tm
             job_dict("no-disk", data, 3, tracking={"mlflow": {"tracking_uri": str(blocker / "mlruns")}}),
             job_dict("plain", data, 3)]
     spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", jobs, step_tokens=1024)
-    with caplog.at_level(logging.WARNING, logger="actors.service.tracking"):
+    with caplog.at_level(logging.WARNING, logger="actors.service.outputs.tracking"):
         summaries = {s.name: s for s in train_locally(spec, base=tiny_base, progress=False)}
     for name in ("no-server", "no-disk", "plain"):
         assert summaries[name].state == "completed" and summaries[name].steps == 3, summaries[name].reason
@@ -124,8 +124,8 @@ def test_a_resumed_job_continues_its_run_and_tensorboard_drops_the_lost_steps(tm
     """A job paused at step 4 whose trainer died after step 4 resumes from its checkpoint at step 2: the
     same MLflow run goes on (status SCHEDULED while paused), and TensorBoard shows the resumed session's
     values for steps 3 and 4, not the lost ones."""
-    from actors.engine.spec import JobSpec, JobSubmission
-    from actors.service.tracking import start_tracker
+    from actors.service.outputs.tracking import start_tracker
+    from actors.spec.spec import JobSpec, JobSubmission
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = JobSpec(name="resumed", data="unused.jsonl", format={"type": "text"}, max_steps=5,

@@ -1,4 +1,4 @@
-"""The trainer fleet without Ray (`actors/service/trainer_fleet.py`): fakes stand in for the trainers and
+"""The trainer fleet without Ray (`actors/service/scheduler/trainer_fleet.py`): fakes stand in for the trainers and
 the cluster; the events go through the real event intake into a real job table and scheduler core. A
 trainer that dies or stops answering is replaced (its jobs queued again once what it reported before is
 booked); one Ray reports unavailable is asked again until its grace runs out or its node is known gone;
@@ -11,16 +11,16 @@ import logging
 
 import pytest
 
-from actors.service.cluster_plan import NodeInfo
-from actors.service.config import TrainerConfig
-from actors.service.event_intake import EventIntake
-from actors.service.trainer_fleet import (
+from actors.service.events.event_intake import EventIntake
+from actors.service.scheduler.cluster_plan import NodeInfo
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.trainer_fleet import (
     UNAVAILABLE_GRACE_S,
     TrainerCallFailed,
     TrainerFleet,
     TrainerUnavailable,
 )
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.trainer.trainer_reports import TrainerEvent
 from tests.helpers.scheduler_fakes import Clock, progress, running_jobs, status
 
 TIMEOUT_S = 30.0

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from actors.service.config import TrainerConfig
-from actors.service.job_data import JobData
-from actors.service.job_link import Assignment, LocalJobLink
-from actors.service.job_table import JobTable
-from actors.service.local_run import train_locally
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.stop_verdicts import VERDICT_LAG
-from actors.service.trainer_loop import TrainerLoop
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.job_data import JobData
+from actors.service.scheduler.local_run import train_locally
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.stop_verdicts import VERDICT_LAG
+from actors.service.trainer.trainer_loop import TrainerLoop
 from policies.base import Start, Wait
 from policies.fifo import FifoPolicy
 from tests.helpers.service import adapter_tensors, job_dict, max_relative_difference, run_spec, write_task_data
@@ -167,7 +167,7 @@ def test_fifo_respects_the_memory_budget():
 
 
 def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
-    from actors.service.trainer_reports import TrainerEvent
+    from actors.service.trainer.trainer_reports import TrainerEvent
 
     data = write_task_data(tmp_path / "data", "t")
     spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 1000)])
@@ -185,7 +185,7 @@ def test_a_predicted_early_end_shortens_a_jobs_remaining_work(tmp_path):
 
 
 def test_a_failing_listener_does_not_stop_the_others(caplog):
-    from actors.service.listeners import Listeners
+    from actors.service.events.listeners import Listeners
 
     heard = []
 

@@ -11,17 +11,17 @@ from concurrent.futures import Future
 
 import pytest
 
-from actors.engine.data import Example
+from actors.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.memory import measure_resident, resident_bytes, resident_measurable
 from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch
-from actors.engine.spec import JobSpec
 from actors.engine.trainer import FusedTrainer
-from actors.service.feed import Done, JobLinkLost
-from actors.service.retries import with_retries
-from actors.service.step_admission import MEMORY_MARGIN, StepAdmission
-from actors.service.stop_verdicts import VERDICT_LAG, StopVerdicts
+from actors.service.scheduler.retries import with_retries
+from actors.service.trainer.feed import Done, JobLinkLost
+from actors.service.trainer.step_admission import MEMORY_MARGIN, StepAdmission
+from actors.service.trainer.stop_verdicts import VERDICT_LAG, StopVerdicts
+from actors.spec.spec import JobSpec
 from policies.stopping import StopDecision, Verdict
 from tests.helpers.models import random_examples, tiny_model
 
@@ -74,7 +74,7 @@ def test_a_lost_update_is_skipped_with_a_warning_and_a_lost_job_actor_is_raised(
     lost.set_exception(ConnectionResetError("the update was dropped"))
     verdicts.expect(1, lost)
     verdicts.expect(2, Done(stop_at(2)))
-    with caplog.at_level(logging.WARNING, logger="actors.service.stop_verdicts"):
+    with caplog.at_level(logging.WARNING, logger="actors.service.trainer.stop_verdicts"):
         assert verdicts.next_due(2 + VERDICT_LAG - 1) == stop_at(2)
     assert "trainer t: job j: its loss update was lost" in caplog.text and "dropped" in caplog.text
     gone: Future = Future()
@@ -196,7 +196,7 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
     beside the weights, the plan is a multiple of 1024 below the 8192 ceiling, a step of that many tokens (a
     rank-16 job on every layer, every token a target) stays within the budget by the allocator's count, and the
     next 1024 would not have been admitted; on a CPU it is AUTO_CPU_STEP_TOKENS whatever the budget."""
-    from actors.service.step_admission import AUTO_CPU_STEP_TOKENS, AUTO_STEP_TOKENS_CEILING
+    from actors.service.trainer.step_admission import AUTO_CPU_STEP_TOKENS, AUTO_STEP_TOKENS_CEILING
 
     base = from_module(tiny_model("llama"), smol_tokenizer)
     trainer = FusedTrainer(base, step_tokens=4096)

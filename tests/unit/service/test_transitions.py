@@ -8,9 +8,9 @@ from __future__ import annotations
 import sqlite3
 import threading
 
-from actors.service.job_table import JobTable
-from actors.service.scheduler_core import SchedulerCore
-from actors.service.trainer_reports import TrainerEvent
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_reports import TrainerEvent
 from policies.base import Start
 from policies.fifo import FifoPolicy
 from tests.helpers.scheduler_fakes import status

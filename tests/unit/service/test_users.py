@@ -1,4 +1,5 @@
-"""The users file (actors/service/users.py) and the audit log (actors/service/audit.py), through the files
+"""The users file (actors/service/accounts/users.py) and the audit log (actors/service/accounts/audit.py),
+through the files
 themselves and from several processes at once: tokens are kept only as hashes; a change made by another
 process (another `aspen user` command) is seen at once; two processes adding users at once lose nothing;
 the service's single token becomes the first admin's; a damaged or world-readable file, a bad name, a
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.service.audit import AuditLog
-from actors.service.users import UserBook, UserError, UsersFileError
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import UserBook, UserError, UsersFileError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -134,7 +135,7 @@ def test_concurrent_audit_lines_stay_whole(tmp_path):
 
 
 def test_data_roots_follow_links_and_folders_and_compare_uris_by_component(tmp_path):
-    from actors.service.data_roots import as_root, data_problem
+    from actors.service.scheduler.data_roots import as_root, data_problem
 
     inside, outside = tmp_path / "inside", tmp_path / "outside"
     (inside / "folder" / "nested").mkdir(parents=True)
@@ -162,10 +163,10 @@ def test_the_scheduler_serves_the_least_served_user_and_refuses_past_quotas(tmp_
     refuses a batch that would pass it (naming the quota, nothing entered); an unknown user is refused."""
     from dataclasses import replace
 
-    from actors.engine.spec import JobSubmission
-    from actors.service.job_table import JobTable
-    from actors.service.scheduler_core import SchedulerCore
-    from actors.service.submissions import SubmissionError
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.scheduler.submissions import SubmissionError
+    from actors.service.table.job_table import JobTable
+    from actors.spec.spec import JobSubmission
     from policies.base import Start
     from policies.registry import load_policy
     from tests.helpers.service import job_dict, write_task_data
@@ -204,11 +205,11 @@ def test_the_accounts_add_up_to_the_trainers_step_log(tmp_path, tiny_base, tiny_
     """Two users' jobs fused on one trainer: each user is accounted their jobs' real tokens and their shares of
     each step's seconds by those tokens; summed, they are the step log's (the reference: what the trainer
     wrote), per job and in total; on a CPU no GPU-seconds."""
-    from actors.engine.spec import JobSubmission
-    from actors.service.config import TrainerConfig
-    from actors.service.job_table import JobTable
-    from actors.service.scheduler_core import SchedulerCore
-    from actors.service.trainer_loop import TrainerLoop
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.table.job_table import JobTable
+    from actors.service.trainer.trainer_loop import TrainerLoop
+    from actors.spec.spec import JobSubmission
     from policies.fifo import FifoPolicy
     from tests.helpers.service import job_dict, write_task_data
     from tests.helpers.trainer import assignment_for, run_until_idle
@@ -295,10 +296,10 @@ def test_user_set_changes_roots_share_and_quotas_keeping_the_token_and_the_sched
     unchanged; the scheduler (a real job table, the same users file) then refuses her job on the old folder and
     past the quota, and takes it on the new one; a limit removed with KEY=none; the last admin kept; each change
     audited; `user add` of an existing user points to `user set`."""
-    from actors.engine.spec import JobSubmission
-    from actors.service.job_table import JobTable
-    from actors.service.scheduler_core import SchedulerCore
-    from actors.service.submissions import SubmissionError
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.scheduler.submissions import SubmissionError
+    from actors.service.table.job_table import JobTable
+    from actors.spec.spec import JobSubmission
     from policies.registry import load_policy
     from tests.helpers.service import job_dict, write_task_data
 

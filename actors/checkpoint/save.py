@@ -1,0 +1,112 @@
+"""Saving a job checkpoint crash-safely: written whole in a staging folder, fsynced, swapped in by renames
+(`folder` -> `.<name>.previous`, staging -> `folder`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+from actors.checkpoint.optimizer import encode_optimizer
+from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
+from actors.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, STATE_NAME, previous_folder
+from actors.engine.job import TrainingJob
+from actors.storage.durable import fsync_tree, replace_durably, staging_folder
+
+log = logging.getLogger(__name__)
+
+
+def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str) -> Path:
+    """Write the job's full training state to `folder`, replacing any previous checkpoint crash-safely:
+    at every instant either `folder` or `.<name>.previous` holds a complete checkpoint. Returns `folder`."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(folder)
+    staging = staging_folder(folder.parent, _staging_prefix(folder))
+    try:
+        _write_checkpoint(job, staging, base_model_name)
+        fsync_tree(staging)
+        _swap_in(staging, folder)
+    except BaseException:
+        _remove_tree(staging, "the staging folder of a failed checkpoint save")
+        raise
+    return folder
+
+
+def _staging_prefix(folder: Path) -> str:
+    return f".{folder.name}.staging-"
+
+
+def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> None:
+    save_adapter(job.adapter, staging, base_model_name)
+    tensors: dict[str, torch.Tensor] = {}
+    optimizer = encode_optimizer(job, tensors)
+    generator = job.adapter.dropout_generator
+    if generator is not None:
+        tensors["dropout_rng"] = generator.get_state().to("cpu", torch.uint8).contiguous().clone()
+    data = save_safetensors(tensors, metadata={"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)})
+    (staging / OPTIMIZER_NAME).write_bytes(data)
+    files = {OPTIMIZER_NAME: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        content = (staging / name).read_bytes()
+        files[name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    state = {
+        "format": FORMAT_VERSION,
+        "job": job.name,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "tokens_seen": job.tokens_seen,
+        "cursor": job.data_position(),
+        "accumulator": asdict(job.accumulator),
+        "history": [asdict(record) for record in job.history],
+        "evals": [[step, loss] for step, loss in job.evals],
+        "scores": [[step, score] for step, score in job.scores],
+        "data_digest": job.data_digest,
+        "optimizer": optimizer,
+        "dropout_rng": generator is not None,
+        "files": files,
+    }
+    (staging / STATE_NAME).write_text(json.dumps(state, indent=1) + "\n")
+
+
+def _swap_in(staging: Path, folder: Path) -> None:
+    """Rename the complete, synced `staging` to `folder`, keeping the old checkpoint as `.previous` until
+    the new one is in place and the rename is durable."""
+    previous = previous_folder(folder)
+    if folder.exists():
+        if (folder / STATE_NAME).is_file():
+            # `folder` is complete (it only ever appears by renaming a synced staging folder), so an
+            # older `.previous` is no longer needed
+            if previous.exists():
+                shutil.rmtree(previous)
+            replace_durably(folder, previous)
+        else:
+            # no state file: not a checkpoint (and `.previous`, if any, is the complete one to keep)
+            shutil.rmtree(folder)
+    replace_durably(staging, folder)
+    if previous.exists():
+        _remove_tree(previous, "the previous checkpoint (the new one is complete; the next save retries)")
+
+
+def _remove_stale_staging(folder: Path) -> None:
+    """Delete staging folders of this checkpoint left by a save that crashed."""
+    prefix = _staging_prefix(folder)
+    for path in folder.parent.iterdir():
+        if path.name.startswith(prefix) and path.is_dir():
+            log.warning("%s: removing the staging folder of an interrupted checkpoint save", path)
+            _remove_tree(path, "the staging folder of an interrupted checkpoint save")
+
+
+def _remove_tree(path: Path, what: str) -> None:
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        log.warning("%s: could not delete %s: %s; delete it by hand if it stays", path, what, error)

@@ -1,0 +1,41 @@
+"""A job's rows checked before anything starts: every row of a local file (the first rows of a remote or
+streamed dataset) read and tokenized as its job will read them, so that a row that is not valid JSON, a template
+naming a field the rows lack, text the tokenizer cannot encode, or data whose every row truncates away is refused
+while the jobs file is validated, with the same file:line message the job would have failed with minutes later."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from actors.data.dataset import RowTokenizer, examples_from
+from actors.data.tables import open_table
+from actors.spec.spec import JobSpec
+from actors.storage.storage import is_uri
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+REMOTE_SAMPLE_ROWS = 1000
+"""Rows of a remote (storage URI) or streamed dataset checked before start: the rest are read as training goes."""
+
+
+def check_job_rows(job: JobSpec, tokenizer: PreTrainedTokenizerBase, *,
+                   sample_rows: int = REMOTE_SAMPLE_ROWS) -> tuple[int, bool]:
+    """Read and tokenize the job's rows as its job actor will (the column mapping, the format, the tokenizer,
+    max_seq_len): raises `DataError` naming the file, the row and the field. Returns (rows checked, whether that
+    was all of them)."""
+    table = open_table(job.data, job.split)
+    whole = not (job.streaming or is_uri(str(job.data)))
+    rows = table.read_all() if whole else itertools.islice(table.rows(0), sample_rows)
+    counted: list[int] = [0]
+
+    def counting():
+        for row in rows:
+            counted[0] += 1
+            yield row
+
+    tokenize = RowTokenizer(job.format, tokenizer, max_seq_len=job.max_seq_len, train_on_prompt=job.train_on_prompt,
+                            columns=job.columns)
+    examples_from(counting(), tokenize, table.source)
+    return counted[0], whole or counted[0] < sample_rows

@@ -1,0 +1,1 @@
+"""Users, roles, shares and tokens of a shared service, and its audit log."""

@@ -1,0 +1,133 @@
+"""A job's own writer on its trainer: its `metrics.jsonl` rows (one per optimizer step, with the step's eval
+loss where the job was evaluated after it: `metrics_rows`), and the bookkeeping of I/O failures in its
+output folder (metrics, checkpoints, the adapter), so that a full disk or a folder it may not write to
+fails that one job, after a bounded number of tries, with one clear reason, and never costs another job a
+row. Rows that could not be written are kept and written with the next ones once the folder takes writes
+again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from actors.storage.durable import append_whole, write_durably
+from actors.storage.storage import StorageLocation, is_uri
+
+log = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+CHECKPOINT_FOLDER = "checkpoint"   # the job's newest checkpoint (actors/checkpoint.py), in its folder
+IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
+
+
+class JobFiles:
+    def __init__(self, job_id: str, folder: Path, attempts: int = IO_ATTEMPTS):
+        self.job_id = job_id
+        self.folder = Path(folder)
+        self.attempts = attempts
+        self.failures: dict[str, int] = {}   # what was written -> its consecutive failed writes
+        self.last_error: OSError | None = None
+        self.unwritten: list[str] = []     # metric lines not yet written
+        self.fd: int | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """Why the job must fail (writes of one kind, its metrics or its checkpoint, failed `attempts` times
+        in a row), or None. Counted per kind, so that metric rows that still fit do not hide checkpoints
+        that never do."""
+        worst = max(self.failures.values(), default=0)
+        if worst < self.attempts or self.last_error is None:
+            return None
+        return (f"cannot write its files in {self.folder}: {self.last_error} ({worst} attempts in a row); "
+                "free space there or make it writable, then resume the job (`aspen resume`): it continues from its "
+                "last checkpoint")
+
+    def start(self, history: list[dict[str, Any]]) -> None:
+        """Create the folder and write metrics.jsonl afresh from the job's history (a resumed job's rows up
+        to its checkpoint). Raises OSError: a job whose folder cannot be written at all does not start."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.folder / METRICS_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.unwritten = [json.dumps(row) + "\n" for row in history]
+        self._flush()
+        if self.failures.get(METRICS_NAME):
+            assert self.last_error is not None
+            raise self.last_error
+
+    def rewrite(self, rows: list[dict[str, Any]]) -> None:
+        """Replace metrics.jsonl with `rows` (e.g. a job's whole history once a final evaluation adds its loss
+        to a row already written): written beside it, then renamed over it, so that a failure leaves the file
+        as it was. Raises OSError."""
+        path = self.folder / METRICS_NAME
+        write_durably(path, "".join(json.dumps(row) + "\n" for row in rows))
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = os.open(path, os.O_WRONLY)
+        self.unwritten = []
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.unwritten.append(json.dumps(row) + "\n")
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write the rows not written yet, whole: a write that fails part-way is cut back to the last whole
+        row, and the rows stay to be written next time."""
+        if not self.unwritten or self.fd is None:
+            return
+        try:
+            append_whole(self.fd, "".join(self.unwritten).encode())
+        except OSError as error:
+            self.failed_write(error, METRICS_NAME)
+            return
+        self.unwritten.clear()
+        self.succeeded(METRICS_NAME)
+
+    def failed_write(self, error: OSError, what: str) -> None:
+        """A write of `what` in the job's folder failed (counted; one log line, no traceback)."""
+        self.failures[what] = self.failures.get(what, 0) + 1
+        self.last_error = error
+        log.warning("job %s: writing %s in %s failed (%d of %d attempts): %s", self.job_id, what, self.folder,
+                    self.failures[what], self.attempts, error)
+
+    def succeeded(self, what: str) -> None:
+        self.failures.pop(what, None)
+        if not self.failures:
+            self.last_error = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def metrics_rows(steps: list[dict[str, Any]], evals: list[tuple[int, float]],
+                 scores: list[tuple[int, float]] = ()) -> list[dict[str, Any]]:
+    """A job's metrics.jsonl rows: its optimizer steps' rows, each with `eval_loss` (and `eval_score`, its
+    eval_generate metric) where the job was evaluated after that step (an evaluation at a step without a row,
+    before the first step, gets a row of its own). What `aspen report` reads for the eval losses of a run in
+    any mode."""
+    rows = {row["step"]: dict(row) for row in steps}
+    for column, values in (("eval_loss", evals), ("eval_score", scores)):
+        for step, value in values:
+            rows.setdefault(step, {"step": step})[column] = value
+    return sorted(rows.values(), key=lambda row: row["step"])
+
+
+def clear_job_folder(folder: Path | str) -> None:
+    """Delete what an earlier run left in a job's folder (checkpoints, adapter, metrics), keeping the
+    folder itself (it may be a mount point); a storage URI's objects under it are deleted (StorageError
+    when they cannot be)."""
+    if is_uri(folder):
+        StorageLocation(str(folder)).delete()
+        return
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()

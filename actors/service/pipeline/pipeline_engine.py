@@ -1,0 +1,442 @@
+"""A pipeline trainer behind the calls the trainer loop makes of the single-device `FusedTrainer` (attach,
+add, compose, run a step, evaluate, remove), so that `stages: N` runs through the same loop: the same data
+feeds, stop rules, evaluations, checkpoints and adapters as one device.
+
+One loop step on a pipeline is one optimizer step of every job the loop found ready: the head composes their
+micro-batches (a job's whole accumulation, several jobs per micro-batch, every stage busy while any job has
+work) and the step ends when every one of those steps is booked. Between loop steps nothing is in flight, so
+the loop's verdicts, checkpoints, pauses and cancellations see each job at a step boundary, as on one device.
+The price is one pipeline fill and drain per loop step, made smaller by spreading the step's jobs over more,
+smaller micro-batches (`PLANS_PER_STAGE`; bench/pipeline.py's loop column against the engine left running).
+
+Each job also has a mirror on this process's CPU: its whole adapter and AdamW state as a `TrainingJob` would
+hold them, filled from the stages when read (`PipelineJob.adapter`, `.optimizer`), and given back to them
+after a checkpoint is loaded into it. Checkpoints and adapters are therefore written and read by the same
+code, in the same format, as on one device: a job checkpointed on a pipeline resumes on one device and the
+other way round."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from actors.data import Example
+from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
+from actors.engine.lora import AdapterHandle, linear_module_names
+from actors.engine.models import BaseModel
+from actors.engine.optim import JobOptimizer
+from actors.engine.packing import JobMicroBatch
+from actors.engine.pipeline.head import HeadJob, PipelineTrainer
+from actors.engine.pipeline.stage import StageSettings
+from actors.engine.pipeline.stage_loading import StageLoader
+from actors.engine.pipeline.stage_memory import StageMemory
+from actors.engine.trainer import JobStepResult, StepReport
+from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
+from actors.spec.spec import JobSpec, step_tokens_floor
+
+if TYPE_CHECKING:
+    from actors.service.scheduler.config import TrainerConfig
+
+
+# micro-batches per stage a loop step's jobs are spread over (`PipelineTrainer.plans_per_stage`): the stages
+# fill and drain once per loop step, which costs less the more micro-batches the step has (bench/pipeline.py's
+# loop column, 4 and 8 jobs on 2 CPU stages: 0.75-0.78x the tokens/s of the pipeline left running with 1,
+# 0.91-0.93x with 4); smaller micro-batches fuse fewer jobs, which a GPU would rather not, hence not more
+PLANS_PER_STAGE = 4
+
+
+class MirrorLayer(nn.Module):
+    """One layer's share of a job's adapter on the CPU: the tensors `AdapterHandle` names (A, B, DoRA's
+    magnitude, PiSSA / OLoRA's frozen A0 and B0), nothing to compute with."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], module: str):
+        super().__init__()
+        self.lora_A = nn.Parameter(tensors[f"{module}.lora_A.weight"].clone())
+        self.lora_B = nn.Parameter(tensors[f"{module}.lora_B.weight"].clone())
+        magnitude = tensors.get(f"{module}.lora_magnitude_vector")
+        self.magnitude = nn.Parameter(magnitude.clone()) if magnitude is not None else None
+        self.lora_A0 = tensors.get(f"{module}.lora_A0")
+        self.lora_B0 = tensors.get(f"{module}.lora_B0")
+
+
+def mirror_adapter(name: str, spec: JobSpec, state: dict, module_order: list[str], peft_targets: list[str],
+                   ) -> AdapterHandle:
+    """The job's whole adapter on the CPU from its gathered `state`, its layers in the model's order (the
+    order a single device's adapter has, so that its optimizer state numbers its tensors alike)."""
+    tensors = state["tensors"]
+    modules = [module for module in module_order if f"{module}.lora_A.weight" in tensors]
+    layers = {module: MirrorLayer(tensors, module) for module in modules}
+    generator = None
+    if state.get("dropout_generator") is not None:
+        generator = torch.Generator()
+        generator.set_state(state["dropout_generator"])
+    return AdapterHandle(name, spec.lora, layers, generator, peft_targets)   # type: ignore[arg-type]
+
+
+class PipelineJob:
+    """A job on a pipeline trainer as the trainer loop and the checkpoint code use a `TrainingJob`: its
+    counters, data and history are the head's (`HeadJob`); `adapter` and `optimizer` are its CPU mirror,
+    brought up to date from the stages when read after a step."""
+
+    def __init__(self, engine: PipelineEngine, head: HeadJob, eval_examples: list[Example], seed: int):
+        self.engine = engine
+        self.head = head
+        self.spec = head.spec
+        self.eval_examples = eval_examples
+        self.seed = seed
+        self.evals: list[tuple[int, float]] = []
+        self.scores: list[tuple[int, float]] = []   # eval_generate is refused on pipeline trainers (attach)
+        self.data_digest: str | None = None
+        self.cursor_state_before_pending: dict | None = None
+        self._adapter: AdapterHandle | None = None
+        self._optimizer: JobOptimizer | None = None
+        self.stale = True
+
+    # -- what the loop reads ------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def cursor(self) -> BatchSource:
+        return self.head.cursor
+
+    @property
+    def total_steps(self) -> int:
+        return self.head.total_steps
+
+    @property
+    def step(self) -> int:
+        return len(self.head.history)
+
+    @property
+    def done(self) -> bool:
+        return self.head.done
+
+    def peek(self) -> list[Example] | None:
+        """The job's next micro-batch (its data is asked for only when the job may still plan a step)."""
+        limit = self.head.step_limit
+        self.head.step_limit = None
+        try:
+            return self.head.peek()
+        finally:
+            self.head.step_limit = limit
+
+    def data_position(self) -> dict:
+        return self.head.data_position()
+
+    @property
+    def pending(self) -> list[Example] | None:
+        return self.head.pending
+
+    @pending.setter
+    def pending(self, value: list[Example] | None) -> None:
+        self.head.pending = value
+
+    @property
+    def history(self) -> list[OptimizerStepRecord]:
+        return self.head.history
+
+    @history.setter
+    def history(self, value: list[OptimizerStepRecord]) -> None:
+        self.head.history = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.head.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.head.tokens_seen = value
+
+    @property
+    def accumulator(self) -> StepAccumulator:
+        return self.head.accumulator
+
+    @accumulator.setter
+    def accumulator(self, value: StepAccumulator) -> None:
+        self.head.accumulator = value
+
+    # -- the mirror ---------------------------------------------------------------------------------
+    @property
+    def adapter(self) -> AdapterHandle:
+        self.sync()
+        assert self._adapter is not None
+        return self._adapter
+
+    @property
+    def optimizer(self) -> JobOptimizer:
+        self.sync()
+        assert self._optimizer is not None
+        return self._optimizer
+
+    def sync(self) -> None:
+        """Bring the mirror up to date with the stages (nothing is in flight between loop steps)."""
+        if not self.stale:
+            return
+        state = self.engine._guarded(lambda: self.engine.pipeline.job_state(self.name))
+        if self._adapter is None:
+            self._adapter = mirror_adapter(self.name, self.spec, state, self.engine.module_order,
+                                           self.engine.peft_targets(self.name))
+            self._optimizer = JobOptimizer(self.spec, self._adapter.parameters(), self.total_steps,
+                                           fast_parameters=self._adapter.parameter_groups()[1])
+        adapter, optimizer = self._adapter, self._optimizer
+        assert optimizer is not None
+        named = dict(adapter.named_parameters())
+        with torch.no_grad():
+            for key, parameter in named.items():
+                parameter.copy_(state["tensors"][key])
+                parameter.grad = None
+        optimizer.optimizer.state.clear()
+        for key, moments in state["moments"].items():
+            optimizer.optimizer.state[named[key]] = {k: v.clone() for k, v in moments.items()}
+        optimizer.group_lists.clear()   # the moments are new tensors now
+        optimizer.step_count, optimizer.micro_count = state["step_count"], state["micro_count"]
+        optimizer.set_lr()
+        if adapter.dropout_generator is not None and state.get("dropout_generator") is not None:
+            adapter.dropout_generator.set_state(state["dropout_generator"])
+        self.stale = False
+
+    def mirror_state(self) -> dict[str, Any]:
+        """The mirror as the stages take a job's state (`JobSetup.state`): after a checkpoint was loaded into it."""
+        adapter, optimizer = self.adapter, self.optimizer
+        named = dict(adapter.named_parameters())
+        tensors = {key: p.detach().clone() for key, p in named.items()}
+        for module, a0, b0 in adapter.frozen_initial():
+            tensors[f"{module}.lora_A0"], tensors[f"{module}.lora_B0"] = a0.clone(), b0.clone()
+        by_id = {id(p): key for key, p in named.items()}
+        moments = {by_id[id(p)]: {k: v.clone() for k, v in entry.items()}
+                   for p, entry in optimizer.optimizer.state.items()}
+        gradients = {key: p.grad.clone() for key, p in named.items() if p.grad is not None}
+        generator = adapter.dropout_generator
+        return {"tensors": tensors, "moments": moments, "gradients": gradients,
+                "step_count": optimizer.step_count, "micro_count": optimizer.micro_count,
+                "dropout_generator": generator.get_state().clone() if generator is not None else None,
+                "data_position": self.head.cursor.state_dict(), "history": [vars(r) for r in self.history],
+                "tokens_seen": self.tokens_seen,
+                "accumulator": self.accumulator if self.accumulator.micro_batches else None}
+
+
+class PipelineEngine:
+    """The trainer loop's trainer for `stages: N` (see the module's docstring). `pipeline`: the running
+    stages (`LocalPipeline`); closing the engine stops them."""
+
+    recompute = "none"
+
+    def __init__(self, launch: Callable[[], LocalPipeline], *, step_tokens: int, layout: str = "packed",
+                 on_close: Callable[[], None] | None = None):
+        """`launch`: starts the stages (again after one was lost: `rebuild`); `on_close`: after `close`."""
+        if layout != "packed":
+            raise ValueError(f"a pipeline trainer packs its micro-batches; layout '{layout}' is for one device")
+        self.launch = launch
+        self.on_close = on_close
+        self.pipeline = launch()
+        self.head: PipelineTrainer = self.pipeline.trainer
+        self.head.plans_per_stage = PLANS_PER_STAGE
+        self.step_tokens = step_tokens
+        self.layout = layout
+        self.jobs: dict[str, PipelineJob] = {}
+        self.step_count = 0
+        self.rotation = 0
+        self.last_peaks: list[int] = []      # each stage's measured peak in the last measured step
+        self.lost: StageLost | None = None   # the stage lost, until `rebuild`
+        self.module_order = linear_module_names(self.base.model)
+
+    def _guarded(self, call: Callable, *args, **kwargs):
+        """A call to the stages; after a stage was lost, every call raises that until `rebuild`."""
+        if self.lost is not None:
+            raise self.lost
+        try:
+            return call(*args, **kwargs)
+        except StageLost as error:
+            self.lost = error
+            raise
+
+    def rebuild(self) -> None:
+        """New stages for the lost ones: the old processes stopped, every job dropped (each resumes from its
+        last checkpoint when assigned again)."""
+        window = self.head.runtime.window
+        if window.open:   # stage 0's, in this process: left open by the step that lost the stage
+            window.stop()
+        self.pipeline.close(failed=True)
+        self.jobs.clear()
+        self.pipeline = self.launch()
+        self.head = self.pipeline.trainer
+        self.head.plans_per_stage = PLANS_PER_STAGE
+        self.lost = None
+
+    @property
+    def base(self) -> BaseModel:
+        """Stage 0's share of the base (its name, tokenizer, dtype and device are the base's)."""
+        return self.head.runtime.model.base
+
+    @property
+    def stages(self) -> int:
+        return self.head.stages
+
+    def peft_targets(self, name: str) -> list[str]:
+        return self.head.runtime.jobs[name].adapter.peft_targets
+
+    # -- jobs -----------------------------------------------------------------------------------------
+    def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
+               seed: int) -> PipelineJob:
+        """The job on every stage, its adapter initialised as on one device; not yet in the steps (`add_job`)."""
+        if spec.eval_generate is not None:
+            raise ValueError(f"job '{spec.name}': eval_generate (greedy generation) is not available on a pipeline "
+                             "trainer yet; run the job on a single-device trainer, or drop eval_generate")
+        if spec.method == "grpo":
+            raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
+                             "pipeline trainer yet; run the job on a single-device trainer")
+        if spec.lora.kind == "vera":
+            raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
+                             "stages would each hold a share of the shared projections); run the job on a "
+                             "single-device trainer, or use kind: lora")
+        self._guarded(self.pipeline.add_job, spec, cursor=source, total_steps=total_steps, seed=seed,
+                      eval_examples=eval_examples)
+        head = self.head.jobs[spec.name]
+        head.step_limit = 0
+        return PipelineJob(self, head, list(eval_examples), seed)
+
+    def restored(self, job: PipelineJob) -> None:
+        """A checkpoint was loaded into the job's mirror: the stages take it, the head its counters."""
+        state = job.mirror_state()
+        self._guarded(self.pipeline.remove_job, job.name)
+        self._guarded(self.pipeline.add_job, job.spec, cursor=job.head.cursor, total_steps=job.total_steps,
+                      seed=job.seed, eval_examples=job.eval_examples, state=state)
+        job.head = self.head.jobs[job.name]
+        job.head.step_limit = 0
+        job.stale = True
+
+    def add_job(self, job: PipelineJob) -> None:
+        if job.name in self.jobs:
+            raise ValueError(f"job '{job.name}' is already on this trainer")
+        self.jobs[job.name] = job
+
+    def discard(self, name: str) -> None:
+        """Take a job that could not start off every stage (after a lost stage: off this engine only)."""
+        self.jobs.pop(name, None)
+        if name in self.head.jobs and self.lost is None:
+            self._guarded(self.pipeline.remove_job, name)
+
+    def remove_job(self, name: str) -> PipelineJob:
+        """Off every stage (after a lost stage: off this engine only; `rebuild` drops the rest)."""
+        job = self.jobs.pop(name)
+        if self.lost is None:
+            self._guarded(self.pipeline.remove_job, name)
+        return job
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def compose(self, jobs: list[PipelineJob],
+                fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[PipelineJob, list[Example]]]:
+        """Which ready jobs take part in the next loop step (the head packs their micro-batches itself):
+        round-robin from where the last step left off, each while `fits` allows (every stage's memory); the
+        first always joins."""
+        candidates = [job for job in jobs if job.name in self.jobs and job.peek() is not None]
+        if not candidates:
+            return []
+        start = self.rotation % len(candidates)
+        self.rotation += 1
+        chosen: list[tuple[PipelineJob, list[Example]]] = []
+        for job in candidates[start:] + candidates[:start]:
+            trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, job.peek())]
+            if chosen and fits is not None and not fits(trial):
+                continue
+            chosen.append((job, job.peek()))
+        return chosen
+
+    def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
+        return sum(len(example) for micro_batch in micro_batches for example in micro_batch.rows)
+
+    def run_step(self, chosen: list[tuple[PipelineJob, list[Example]]], *, measure: bool = False) -> StepReport:
+        """One optimizer step of each chosen job through the stages, every one booked at the end."""
+        started = time.perf_counter()
+        names = {job.name for job, _ in chosen}
+        before = {name: len(self.head.jobs[name].history) for name in names}
+        for name, head in self.head.jobs.items():
+            head.step_limit = head.planned_steps + 1 if name in names else head.planned_steps
+        if measure:
+            self._guarded(self.pipeline.measure, True)
+        try:
+            plans = self._guarded(self.pipeline.run)
+        finally:
+            for head in self.head.jobs.values():
+                head.step_limit = head.planned_steps
+        self.last_peaks = [int(peak) for peak in self._guarded(self.pipeline.measure, False)] if measure else []
+        results = []
+        for job, _ in chosen:
+            job.stale = True
+            for record in job.history[before[job.name]:]:
+                results.append(JobStepResult(job=job.name, loss=record.loss, tokens=record.tokens, targets=0,
+                                             optimizer_step=record))
+        self.step_count += 1
+        return StepReport(step=self.step_count, jobs=sorted(names), tokens=sum(p.tokens for p in plans),
+                          padding_tokens=sum(p.padding_tokens for p in plans),
+                          seconds=time.perf_counter() - started, peak_memory_bytes=max(self.last_peaks, default=0),
+                          results=results, memory_measured=bool(self.last_peaks))
+
+    def evaluate(self, job: PipelineJob, examples: list[Example] | None = None, batch_size: int = 8) -> float:
+        return self._guarded(self.pipeline.evaluate, job.name, examples, batch_size)
+
+    def stats(self) -> list[dict]:
+        return self._guarded(self.pipeline.stats)
+
+    def memory(self) -> list[StageMemory]:
+        """Each stage's memory model (pipeline_admission.py), its held bytes as of now."""
+        return self._guarded(self.pipeline.memory)
+
+    generation_refusal = ("a pipeline trainer (stages > 1) cannot generate yet; export the adapter (`aspen export`) "
+                          "and try it with vLLM or PEFT")
+
+    def rollouts(self, chosen: list[tuple[PipelineJob, list[Example]]]
+                 ) -> tuple[list[tuple[PipelineJob, list[Example]]], list[tuple[PipelineJob, Exception]]]:
+        """Every job as it is: a pipeline runs no GRPO job (refused when attached), so nothing is sampled."""
+        return chosen, []
+
+    def evaluate_generation(self, jobs: list[PipelineJob]) -> list[float]:
+        """Refused when a job is attached (eval_generate), so never reached; said if it is."""
+        raise NotImplementedError("eval_generate is not available on a pipeline trainer yet")
+
+    def close(self) -> None:
+        try:
+            self.pipeline.close(failed=self.lost is not None)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+
+def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None = None, *,
+                   threads: int | None = None, starter: StageStarter | None = None, address: str = "127.0.0.1",
+                   on_close: Callable[[], None] | None = None) -> PipelineEngine:
+    """The stages of a `stages: N` trainer, stage 0 in this process. Without a `starter`, the others are
+    processes of this one, each on its device: one GPU each where this machine has as many, all on its first
+    GPU otherwise (their activations then pass by CUDA IPC), or the CPU. With one (Ray's stage actors, which
+    meet stage 0 at `address`), each stage sees its own GPU. `loader`: the base (default:
+    `config.base_model`, each stage reading only its own tensors); `threads`: torch threads per stage;
+    `on_close`: called once the stages stopped (e.g. to free their placement group)."""
+    stages = config.stages
+    if config.num_gpus == 0:
+        devices, transport = ["cpu"] * stages, "distributed"
+    elif starter is not None:
+        devices, transport = ["cuda:0"] * stages, "distributed"
+    elif torch.cuda.device_count() >= stages:
+        devices, transport = [f"cuda:{index}" for index in range(stages)], "distributed"
+    else:
+        devices, transport = ["cuda:0"] * stages, "shared"
+    settings = StageSettings(layout=config.layout, recompute=config.recompute)
+    split = config.stage_split if isinstance(config.stage_split, str) else list(config.stage_split)
+    loader = loader or StageLoader(config.base_model, config.dtype)
+
+    chosen: dict[str, Any] = {"split": split}
+
+    def launch() -> LocalPipeline:   # a rebuilt pipeline keeps the first one's split (none measured again)
+        pipeline = LocalPipeline(loader, stages, split=chosen["split"], devices=devices, settings=settings,
+                                 step_tokens=step_tokens_floor(config.step_tokens), threads=threads,
+                                 transport=transport, starter=starter, address=address)
+        chosen["split"] = list(pipeline.split)
+        return pipeline
+    return PipelineEngine(launch, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
+                          on_close=on_close)

@@ -1,0 +1,49 @@
+"""Whether a job fits a trainer: the policies' view of a trainer (its weights and a full step), a job's
+adapter bytes on it, and why a job could never run on any trainer."""
+
+from __future__ import annotations
+
+from actors.engine.lora_targets import adapted_shapes
+from actors.service.trainer.trainer_reports import TrainerStatus
+from actors.spec.spec import BASE_DEPENDENT_INITS, JobSubmission, LoraConfig
+from policies.adapter_memory import adapter_memory_bytes
+from policies.base import TrainerView
+
+
+def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView) -> int:
+    """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have)."""
+    shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
+    return adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
+                                frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
+                                vera=lora.kind == "vera")
+
+
+def trainer_view(status: TrainerStatus) -> TrainerView:
+    """The trainer's fixed memory (its weights) and a full step's memory (its probe-measured estimate)."""
+    shapes = tuple((name, i, o) for name, (i, o) in sorted(status.linear_shapes.items()))
+    # Weights known exactly, and a full step by the trainer's estimate from its probe steps (measured by
+    # the allocator at start). The fitted model is not used here: fitted while the same jobs are held,
+    # its constant and per-token slope fold their adapters in, and the view (which adds each job's
+    # adapter bytes itself) would count them twice and stay inflated after they leave. The trainer's
+    # own per-step gate uses the fitted model, with the jobs as features of their own.
+    rate = (status.tokens - status.padding_tokens) / status.busy_seconds if status.busy_seconds > 0 else None
+    return TrainerView(id=status.trainer_id, base_model=status.base_model, quantization=status.quantization,
+                       memory_budget_bytes=status.memory_budget_bytes, base_bytes=status.base_bytes,
+                       step_memory_bytes=status.activation_bytes_estimate, jobs=tuple(status.jobs),
+                       linear_shapes=shapes, max_jobs=status.max_jobs,
+                       empty_bytes=status.base_bytes + status.activation_bytes_estimate, tokens_per_s=rate or None)
+
+
+def never_fits(submission: JobSubmission, need: int, views: list[TrainerView]) -> str | None:
+    """Why a job whose adapter needs `need` bytes exceeds the memory budget of every trainer that holds its
+    base even alone, or None."""
+    if any(v.base_bytes + v.step_memory_bytes + need <= v.memory_budget_bytes for v in views):
+        return None
+    if any(v.empty_bytes is not None and v.empty_bytes + need <= v.memory_budget_bytes for v in views):
+        return None   # it fits a trainer once that trainer's jobs are gone: it waits
+    best = max(views, key=lambda v: v.memory_budget_bytes - v.base_bytes - v.step_memory_bytes)
+    left = best.memory_budget_bytes - best.base_bytes - best.step_memory_bytes
+    return (f"its adapter (lora.r={submission.job.lora.r}) needs {need / 2**20:.0f} MiB but {best.id}'s memory "
+            f"budget ({best.memory_budget_bytes / 2**20:.0f} MiB) leaves {max(left, 0) / 2**20:.0f} MiB after the "
+            "base model and a full step; lower lora.r or target fewer modules, or give the trainer a larger "
+            "memory_budget_bytes or a smaller step_tokens")

@@ -1,0 +1,174 @@
+"""The service in this process, without Ray (`aspen run --in-process`, tests, benchmarks): the same
+scheduler core, policy and memory admission, trainer loop, job data, stop rules, evaluations and
+checkpoints as `aspen run`, with direct calls where the service has Ray's. A run spec gives the same
+steps, stop steps, evaluations and adapters in both modes (`tests/service/test_one_path.py`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from actors.engine.models import BaseModel, load_base_model
+from actors.engine.trainer import StepReport
+from actors.service.outputs.job_files import clear_job_folder
+from actors.service.pipeline.pipeline_engine import PipelineEngine, start_pipeline
+from actors.service.scheduler.config import StorageConfig, TrainerConfig, run_service_config
+from actors.service.scheduler.job_data import JobData
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.service.trainer.job_link import Assignment, LocalJobLink
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.spec.spec import RunSpec, canonical_base_model
+from actors.storage.storage import StorageURI, as_location, configured_storage, storage_configured
+from policies.base import Preempt, Start, StepComposer
+from policies.registry import load_policy
+
+log = logging.getLogger(__name__)
+
+TRAINER_ID = "in-process"
+IDLE_ROUNDS = 50   # rounds in a row without a step or a change before a run that cannot go on says why
+UPLOAD_WAIT_S = 0.05   # a round's wait while the only work left is jobs' uploads (a wake-up ends it early)
+
+
+@dataclass(kw_only=True)
+class JobSummary:
+    name: str
+    state: str
+    steps: int
+    tokens: int
+    first_loss: float | None
+    final_loss: float | None
+    eval_loss: float | None
+    adapter_dir: Path | StorageURI | None   # a storage URI where the run's output_dir is one
+    reason: str
+    evals: list[tuple[int, float]]   # (step, eval loss) of each evaluation
+
+
+class RunStuck(RuntimeError):
+    """Jobs that can never start in this process (e.g. beyond the memory budget): the reasons."""
+
+
+def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
+                  on_step: Callable[[StepReport], None] | None = None,
+                  trainer: dict | None = None, storage: StorageConfig | dict | None = None,
+                  loader: Callable[[], BaseModel] | None = None) -> list[JobSummary]:
+    """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
+    ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
+    over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first, since
+    this mode keeps no job table to tell whether resuming it would be right (`aspen run` does). `trainer`:
+    further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them.
+    `storage`: the service's `storage:` settings (S3 endpoint, region, credential variables), used in this
+    process for the run (the environment's where it gives none). With `stages: N` the stages run as processes
+    of this one (actors/service/pipeline/pipeline_engine.py), each loading its share of the base (`loader`: a picklable
+    callable returning the whole base instead, which each stage process then cuts)."""
+    if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
+        base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
+                               quantization=spec.quantization, kernels=spec.kernels)
+    storage_config = StorageConfig.model_validate(storage) if isinstance(storage, dict) else storage
+    with tempfile.TemporaryDirectory(prefix="aspen-in-process-") as state, \
+            storage_configured(storage_config.settings() if storage_config else configured_storage()):
+        config = run_service_config(spec, state_dir=Path(state), trainer=trainer or {},
+                                    **({"storage": storage_config} if storage_config else {}))
+        trainer_config = config.trainers[0]
+        policy = load_policy(config.policy)
+        table = JobTable(Path(state) / "jobs.sqlite")
+        core = SchedulerCore(table, policy, Path(state), trainers=[trainer_config])
+        loop = TrainerLoop(base, trainer_config, TRAINER_ID, Path(state),
+                           policy if isinstance(policy, StepComposer) else None,
+                           engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)
+        base = loop.base
+        submissions = spec.submissions()
+        for submission in submissions:
+            clear_job_folder(submission.output_dir)
+        records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
+        ids = [record.id for record in records]
+        bar = _step_bar(progress)
+        steps = bar.add_task(f"{len(ids)} jobs on {spec.base_model}",
+                             total=sum(job.max_steps or 0 for job in spec.jobs) or None)
+        bar.start()
+        try:
+            _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step)
+        finally:
+            bar.stop()
+            loop.close()
+            final = [table.get(job_id) for job_id in ids]
+            summaries = [_summary(record, table) for record in final]
+            table.close()
+    return summaries
+
+
+def _pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None) -> PipelineEngine:
+    """The run's pipeline stages as local processes: on CPU, the cores shared among them (or `threads` each)."""
+    threads = config.threads or (None if config.num_gpus else max(1, (os.cpu_count() or 1) // config.stages))
+    return start_pipeline(config, loader, threads=threads)
+
+
+def _step_bar(enabled: bool) -> Progress:
+    """The run's progress on stderr: optimizer steps of all its jobs together (of the sum of their max_steps,
+    where every job gives one), drawn by rich as the CLI draws its tables and `aspen watch`."""
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+               TimeElapsedColumn()]
+    return Progress(*columns, console=Console(stderr=True), disable=not enabled)
+
+
+def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseModel, ids: list[str],
+         advance: Callable[[int], None], on_step: Callable[[StepReport], None] | None) -> None:
+    """What the scheduler actor's tick and the trainer actor's loop do, in turn, until every job ended."""
+    idle = 0
+    while True:
+        with table.transaction():
+            actions = core.plan([loop.status()])
+        starts = []
+        for action in actions:
+            if isinstance(action, Start):
+                try:
+                    starts.append(_assignment(table, action.job, base))
+                except Exception as error:  # noqa: BLE001 - a job whose data cannot be read fails alone, as in the service
+                    with table.transaction():
+                        core.start_failed(action.job, f"its data could not be read: {error}")
+        if starts:
+            loop.assign(starts)   # started together, as the service starts a group
+        for action in actions:
+            if isinstance(action, Preempt):
+                loop.stop_job(action.job, "paused", action.reason)
+        report = loop.run_once(idle_wait=UPLOAD_WAIT_S if loop.leaving and not loop.active else 0)
+        events = loop.drain_events()
+        with table.transaction():
+            for event in events:
+                core.apply_event(TRAINER_ID, event)
+        if report is not None:
+            advance(sum(1 for r in report.results if r.optimizer_step is not None))
+            if on_step is not None:
+                on_step(report)
+        unfinished = [r for r in (table.get(job_id) for job_id in ids) if r.state not in TERMINAL_STATES]
+        if not unfinished:
+            return
+        idle = 0 if (report is not None or events or starts) else idle + 1
+        if idle >= IDLE_ROUNDS and not loop.active and not loop.leaving:
+            raise RunStuck("; ".join(f"job {r.name} {r.state}: {r.reason}" for r in unfinished))
+
+
+def _assignment(table: JobTable, job_id: str, base: BaseModel) -> Assignment:
+    submission = table.submission(job_id)
+    data = JobData(job_id, submission, base.tokenizer)
+    summary = data.prepare()
+    return Assignment(job_id=job_id, submission=submission, output_dir=as_location(submission.output_dir),
+                      data=summary, eval_examples=data.eval_examples(), link=LocalJobLink(data))
+
+
+def _summary(record: JobRecord, table: JobTable) -> JobSummary:
+    rows = table.progress(record.id)
+    losses = [row["loss"] for row in rows if row.get("loss") is not None]
+    evals = [(row["step"], row["eval_loss"]) for row in rows if row.get("eval_loss") is not None]
+    return JobSummary(name=record.name, state=record.state, steps=record.step, tokens=record.tokens,
+                      first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+                      eval_loss=record.eval_loss,
+                      adapter_dir=as_location(record.adapter_dir) if record.adapter_dir else None,
+                      reason=record.reason, evals=evals)

@@ -1,0 +1,100 @@
+"""The scheduling policy, contained (it may be third-party code): a job it fails on is parked, and a policy
+that fails on everything is replaced by FIFO.
+
+A policy that raises (or answers with something that is not a list of decisions) on one queued job has that
+job parked with the reason while the others are scheduled; a policy that fails on everything, or on job
+after job, is replaced by FIFO for the rest of the service's life (logged, and reported by the service's
+info), and the jobs parked for it are queued again."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from actors.service.scheduler.scheduling_state import SchedulingStates
+from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
+from policies.base import Decision, JobView, Move, Policy, Preempt, Snapshot, Start, Wait
+from policies.fifo import FifoPolicy
+
+log = logging.getLogger(__name__)
+
+POLICY_FAILURES_BEFORE_FIFO = 3   # jobs parked for a policy's exceptions before the policy itself is replaced
+
+
+def park(table: JobTable, record: JobRecord, why: str) -> None:
+    """Take a job out of scheduling with the reason (paused: `aspen resume` once the cause is fixed)."""
+    log.error("scheduler: job %s parked: %s", record.id, why)
+    if record.state == "running":
+        return   # it keeps training; it is only left out of this round's decisions
+    table.set_state(record.id, "paused", f"{why}; the other jobs go on (resume it once the cause is fixed)",
+                    trainer=None)
+
+
+class PolicyGuard:
+    def __init__(self, policy: Policy, table: JobTable, scheduling: SchedulingStates):
+        self.policy = policy
+        self.error: str | None = None     # why the configured policy was replaced by FIFO
+        self.table = table
+        self.scheduling = scheduling
+
+    def decide(self, snapshot: Snapshot) -> list[Decision]:
+        """The policy's decisions. If it fails, find the queued jobs it fails on by asking about each alone,
+        park those with the reason and decide for the rest; if it fails even with no queued job, or on
+        every one, replace it with FIFO for the rest of this service's life (logged)."""
+        try:
+            return self._ask(snapshot)
+        except Exception as error:  # noqa: BLE001 - plug-in code: contained below
+            first = error
+        queued = [j for j in snapshot.jobs if j.state == "queued"]
+        others = tuple(j for j in snapshot.jobs if j.state != "queued")
+        try:
+            self._ask(replace(snapshot, jobs=others))
+        except Exception as error:  # noqa: BLE001 - plug-in code failing with no queued job: FIFO takes over
+            return self._fall_back(snapshot, error)
+        culprits: dict[str, Exception] = {}
+        for job in queued:
+            try:
+                self._ask(replace(snapshot, jobs=(*others, job)))
+            except Exception as error:  # noqa: BLE001 - plug-in code: this job is parked, the others go on
+                culprits[job.id] = error
+        if (not culprits or len(culprits) == len(queued) > 1
+                or len(self.scheduling.parked_by_policy()) + len(culprits) >= POLICY_FAILURES_BEFORE_FIFO):
+            return self._fall_back(snapshot, first)
+        for job in queued:
+            if job.id in culprits:
+                park(self.table, self.table.get(job.id), f"the scheduling policy '{self.policy.name}' fails on "
+                                                         f"this job: {culprits[job.id]!r}")
+                self.scheduling.of(job.id).parked_by_policy = True
+        rest = replace(snapshot, jobs=tuple(j for j in snapshot.jobs if j.id not in culprits))
+        try:
+            return self._ask(rest)
+        except Exception as error:  # noqa: BLE001 - fails only in combination: give up on the policy
+            return self._fall_back(rest, error)
+
+    def _ask(self, snapshot: Snapshot) -> list[Decision]:
+        decisions = self.policy.decide(snapshot)
+        if not isinstance(decisions, list) or not all(isinstance(d, (Start, Preempt, Move, Wait)) for d in decisions):
+            raise TypeError(f"policy {getattr(self.policy, 'name', '?')!r} returned {decisions!r:.200}, not a "
+                            "list of Start / Preempt / Move / Wait")
+        if any(j.state == "queued" for j in snapshot.jobs):
+            self.scheduling.clear_parked()   # it works with queued jobs: earlier parked jobs were its exceptions
+        return decisions
+
+    def _fall_back(self, snapshot: Snapshot, error: Exception) -> list[Decision]:
+        """Replace the policy by FIFO (logged, and reported by the service's info) and give back the jobs
+        parked because of it: they were not at fault."""
+        name = getattr(self.policy, "name", type(self.policy).__name__)
+        self.error = (f"policy '{name}' failed ({error!r}); the service schedules FIFO until it restarts with a "
+                      "working policy")
+        log.error("scheduler: %s", self.error, exc_info=error)
+        self.policy = FifoPolicy()
+        for job_id in self.scheduling.parked_by_policy():
+            if self.table.get(job_id).state == "paused":
+                self.table.set_state(job_id, "queued", f"policy '{name}' was replaced by FIFO", trainer=None)
+        self.scheduling.clear_parked()
+        return self._ask(replace(snapshot, jobs=tuple(self._refresh(snapshot.jobs))))
+
+    def _refresh(self, jobs: tuple[JobView, ...]) -> list[JobView]:
+        """The views with the states now in the table (jobs given back by `_fall_back` are queued again)."""
+        states = {r.id: r.state for r in self.table.all(ACTIVE_STATES)}
+        return [replace(j, state=states[j.id]) for j in jobs if j.id in states]

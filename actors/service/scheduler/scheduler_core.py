@@ -1,0 +1,373 @@
+"""The scheduler's core: decision rounds and the user's requests over the job table, with submissions,
+trainer events and the policy each handled by a part of its own.
+
+The parts: entering jobs (`submissions.py`), booking what trainers report (`event_booking.py`), the policy
+contained (`policy_guard.py`), and one `SchedulingState` per job for what the scheduler remembers beside the
+table (`scheduling_state.py`); `SchedulerCore` holds them together for the scheduler actor and the in-process
+run.
+
+Everything here is synchronous and Ray-free; the actor shell calls it from its loop and carries the
+decisions out (starting job actors, assigning and stopping jobs on trainers).
+
+One job never stops the service: a submission is checked whole before anything is written (a batch is
+all or none); a policy or estimator that raises on one job parks that job with the reason and the others
+are scheduled; a policy that raises on everything is replaced by FIFO with a logged error.
+
+A `Move` is carried out in two rounds: the job is paused at its next step boundary with a checkpoint (like a
+preemption, reason "moving to ..."); when its `paused` event lands it is queued, pinned to the target, and
+the next round starts it there (before the policy is asked), if the target is still there and still
+holds it; otherwise the pin is dropped and the policy places it like any queued job. Trainer events
+are applied inside the caller's transaction, so that a batch the table could not take (another process
+holds the file) is retried whole, never half-applied or dropped."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from actors.service.accounts.users import UsersFileError
+from actors.service.events.event_booking import EventBooking
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
+from actors.service.scheduler.policy_guard import PolicyGuard, park
+from actors.service.scheduler.scheduling_state import SchedulingStates
+from actors.service.scheduler.submissions import SubmissionConflict, SubmissionError, Submissions
+from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
+from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
+from actors.spec.spec import JobSubmission
+from actors.storage.storage import StorageURI
+from policies.base import (
+    JobView,
+    Move,
+    Policy,
+    Preempt,
+    Snapshot,
+    Start,
+    TrainerView,
+    UserShare,
+    Wait,
+    memory_in_use,
+)
+
+log = logging.getLogger(__name__)
+
+STANDING_REFRESH_S = 5.0   # how often the users' standing (users.json, trained tokens) is read again
+
+RESTARTABLE_STATES = ("paused", "failed", "cancelled")
+
+# SubmissionError and SubmissionConflict are raised by `submit_many`: importable from here with it
+__all__ = ["SchedulerCore", "StopRequest", "SubmissionConflict", "SubmissionError"]
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Ask `trainer` to end `job` at its next step boundary as `kind` (cancelled / paused)."""
+
+    job: str
+    trainer: str
+    kind: str
+    reason: str
+
+
+class SchedulerCore:
+    def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
+                 on_decision: Callable[[str, str, str], None] | None = None, *,
+                 trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None,
+                 data_roots: Sequence[str] | None = None, fair_share_window_s: float = 3600.0):
+        """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
+        (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
+        service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
+        refused). `output_root`: where submitted jobs may write, a path or a storage URI (None: anywhere the
+        service can). `data_roots`: where jobs may read (actors/service/scheduler/data_roots.py)."""
+        self.table = table
+        self.on_decision = on_decision
+        self.scheduling = SchedulingStates()
+        self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
+        self.submissions = Submissions(table, state_dir, trainers=trainers, output_root=output_root,
+                                       statuses=lambda: self.statuses.values(), data_roots=data_roots)
+        self.fair_share_window_s = fair_share_window_s
+        self._standing: dict[str | None, UserShare] | None = None
+        self._standing_at = 0.0
+        self.booking = EventBooking(table, self.scheduling)
+        self.guard = PolicyGuard(policy, table, self.scheduling)
+        # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the
+        # scheduler actor from its fleet and the nodes' memory; none known, no host limit
+        self.node_of: Callable[[str], str | None] = lambda trainer_id: None
+        self.job_slots: dict[str, int] = {}
+
+    @property
+    def policy(self) -> Policy:
+        """The policy deciding now (FIFO once the configured one was replaced)."""
+        return self.guard.policy
+
+    @property
+    def policy_error(self) -> str | None:
+        """Why the configured policy was replaced by FIFO, or None."""
+        return self.guard.error
+
+    @property
+    def output_root(self) -> Path | StorageURI | None:
+        return self.submissions.output_root
+
+    # -- submissions and trainer reports (see their modules) ------------------------------------------------
+    def submit(self, submission: JobSubmission) -> JobRecord:
+        return self.submit_many([submission])[0]
+
+    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
+        """`Submissions.submit_many`: all or none, checked first, entered in one transaction."""
+        return self.submissions.submit_many(submissions, job_ids)
+
+    def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
+        """`EventBooking.apply_event`: called inside the caller's transaction."""
+        self.booking.apply_event(trainer_id, event)
+
+    def start_failed(self, job_id: str, reason: str) -> None:
+        self.booking.start_failed(job_id, reason)
+
+    def start_lost(self, job_id: str, reason: str) -> None:
+        self.booking.start_lost(job_id, reason)
+
+    def trainer_lost(self, trainer_id: str, error: str) -> list[str]:
+        return self.booking.trainer_lost(trainer_id, error)
+
+    def recover(self, resume: bool = True) -> list[str]:
+        """After a (re)start: jobs that were running are queued again (they resume from their checkpoints),
+        or, with `resume=False`, they and the queued ones are paused until someone resumes them (`aspen run`
+        decides per job whether its spec still matches)."""
+        recovered = []
+        for record in self.table.all(("running",) if resume else ("running", "queued")):
+            step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+            if resume:
+                self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
+            else:
+                self.table.set_state(record.id, "paused", f"the service restarted; held until resumed (from {step})",
+                                     trainer=None)
+            recovered.append(record.id)
+        return recovered
+
+    # -- user requests ----------------------------------------------------------------------------------
+    def cancel(self, key: str, reason: str = "cancelled by the user") -> tuple[JobRecord, StopRequest | None]:
+        record = self.table.find(key)
+        if record.state in TERMINAL_STATES:
+            raise ValueError(f"job {record.id} has already ended ({record.state}: {record.reason})")
+        if record.state == "running" and record.trainer:
+            return record, StopRequest(job=record.id, trainer=record.trainer, kind="cancelled", reason=reason)
+        return self.table.set_state(record.id, "cancelled", reason, trainer=None), None
+
+    def pause(self, key: str, reason: str = "paused by the user") -> tuple[JobRecord, StopRequest | None]:
+        record = self.table.find(key)
+        if record.state == "running" and record.trainer:
+            return record, StopRequest(job=record.id, trainer=record.trainer, kind="paused", reason=reason)
+        if record.state == "queued":
+            return self.table.set_state(record.id, "paused", reason), None
+        raise ValueError(f"job {record.id} is {record.state}; only queued or running jobs can be paused")
+
+    def resume(self, key: str, reason: str = "resumed by the user") -> JobRecord:
+        """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
+        record = self.table.find(key)
+        if record.state not in RESTARTABLE_STATES:
+            raise ValueError(f"job {record.id} is {record.state}; only paused, failed or cancelled jobs can be "
+                             "resumed")
+        if record.id in self.scheduling:
+            self.scheduling[record.id].retries = 0
+        step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+        return self.table.set_state(record.id, "queued", f"{reason}; resumes from {step}", trainer=None)
+
+    def delete(self, key: str) -> None:
+        """Forget a job that is not running (its files are left as they are)."""
+        record = self.table.find(key)
+        if record.state == "running":
+            raise ValueError(f"job {record.id} is running; cancel it first")
+        self.table.delete(record.id)
+        self.scheduling.forget(record.id)
+
+    # -- decisions --------------------------------------------------------------------------------------
+    def snapshot(self, trainers: list[TrainerStatus]) -> Snapshot:
+        views = tuple(replace(trainer_view(t), node=self.node_of(t.trainer_id)) for t in trainers)
+        jobs = []
+        for record in self.table.all(ACTIVE_STATES):
+            self.scheduling.of(record.id).table_reason = record.reason
+            try:
+                view = self._job_view(record, views)
+            except Exception as error:  # an estimator failing on one job parks that job alone
+                log.exception("scheduler: estimating job %s failed", record.id)
+                park(self.table, record, f"the service could not estimate its work or memory: {error!r}")
+                continue
+            if view is not None:
+                jobs.append(view)
+        return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs), job_slots=dict(self.job_slots),
+                        users=self.standing())
+
+    def standing(self) -> dict[str | None, UserShare]:
+        """Each user's share, trained tokens over the fair-share window and quotas (users.json and the job
+        table), read again at most every STANDING_REFRESH_S; none without a users file (every job is then
+        ordered by the policy alone)."""
+        now = time.time()
+        if self._standing is not None and now - self._standing_at < STANDING_REFRESH_S:
+            return self._standing
+        book = self.submissions.users
+        standing: dict[str | None, UserShare] = {}
+        if book.exists():
+            try:
+                users = book.users()
+            except UsersFileError as error:   # the operator is told; scheduling goes on as without users
+                log.error("scheduler: %s", error)
+                users = []
+            window = self.table.tokens_by_user(now - self.fair_share_window_s)
+            day = self.table.tokens_by_user(now - 86_400)
+            for user in users:
+                standing[user.name] = UserShare(share=user.share, trained_tokens=window.get(user.name, 0),
+                                                max_running=user.max_running, tokens_per_day=user.tokens_per_day,
+                                                tokens_today=day.get(user.name, 0))
+            for name, tokens in window.items():   # an operator's jobs (None), a removed user's: share 1
+                standing.setdefault(name, UserShare(trained_tokens=tokens))
+        self._standing, self._standing_at = standing, now
+        return standing
+
+    def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
+        """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started
+        jobs running (so that the next tick does not start them twice) and return what the actor must
+        carry out (a `Move`: pause the job on its trainer, like a `Preempt`)."""
+        self.statuses = {t.trainer_id: t for t in trainers}
+        actions: list[Start | Preempt | Move] = self._start_moved(trainers)
+        snapshot = self.snapshot(trainers)
+        known = {j.id: j for j in snapshot.jobs}
+        trainer_ids = {t.id for t in snapshot.trainers}
+        on_trainer = {t.id: set(t.jobs) for t in snapshot.trainers}
+        for decision in self.guard.decide(snapshot):
+            job = known.get(decision.job)
+            if job is None:
+                log.warning("policy %s decided on unknown job %s", self.policy.name, decision.job)
+                continue
+            state = self.scheduling.of(job.id)
+            if isinstance(decision, Wait):
+                if job.state == "queued":
+                    if state.table_reason != decision.reason:   # most waits repeat: no write then
+                        self.table.set_reason(job.id, decision.reason)
+                    if state.wait_cause != decision.cause:
+                        self.table.after_commit(lambda job=job, decision=decision: self._waits(job.id, decision))
+            elif isinstance(decision, Start):
+                if job.state != "queued" or decision.trainer not in trainer_ids:
+                    log.warning("policy %s: cannot start %s (%s) on %s", self.policy.name, job.id, job.state,
+                                decision.trainer)
+                    continue
+                self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
+                self.table.after_commit(lambda state=state: setattr(state, "wait_cause", None))
+                actions.append(decision)
+            elif isinstance(decision, Preempt):
+                if job.state == "running" and job.trainer:
+                    self.table.after_commit(lambda job=job, decision=decision: self._preempting(job.id, decision))
+                    actions.append(decision)
+            elif isinstance(decision, Move):
+                if (job.state != "running" or decision.trainer not in trainer_ids or decision.trainer == job.trainer
+                        or job.id not in on_trainer.get(job.trainer or "", ()) or job.preempting):
+                    log.warning("policy %s: cannot move %s (%s on %s) to %s", self.policy.name, job.id, job.state,
+                                job.trainer, decision.trainer)
+                    continue
+                self.table.set_reason(job.id, f"{decision.reason}; pausing on {job.trainer} at its next step")
+                self.table.after_commit(lambda job=job, decision=decision, now=snapshot.time:
+                                        self._moving(job.id, decision, now))
+                actions.append(decision)
+        return actions
+
+    def _start_moved(self, trainers: list[TrainerStatus]) -> list[Start]:
+        """Start the moved jobs whose pause has landed on their target trainers, where those still hold them."""
+        starts: list[Start] = []
+        statuses = {t.trainer_id: t for t in trainers}
+        moving = sorted(((job_id, state) for job_id, state in self.scheduling.items() if state.moving_to is not None),
+                        key=lambda item: item[1].moved_at or 0.0)   # in the order they were moved
+        for job_id, state in moving:
+            target = state.moving_to
+            try:
+                record = self.table.get(job_id)
+            except KeyError:
+                self.table.after_commit(lambda state=state: setattr(state, "moving_to", None))
+                continue
+            if record.state != "queued":
+                continue   # still pausing on its old trainer (or paused / ended by the user meanwhile)
+            status = statuses.get(target)
+            problem = "it is gone" if status is None else self._no_room(job_id, status)
+            if problem:
+                log.warning("scheduler: moved job %s cannot resume on %s (%s); the policy places it", job_id, target,
+                            problem)
+                self.table.set_reason(job_id, f"{record.reason}; {target} no longer holds it ({problem})")
+            else:
+                self.table.set_state(job_id, "running", f"starting on {target} (moved)", trainer=target)
+                starts.append(Start(job=job_id, trainer=target))
+            self.table.after_commit(lambda state=state: setattr(state, "moving_to", None))
+        return starts
+
+    def _no_room(self, job_id: str, status: TrainerStatus) -> str | None:
+        """Why the trainer cannot take the job now (memory budget, max_jobs), or None."""
+        view = trainer_view(status)
+        here = [r for r in self.table.all(("running",)) if r.trainer == status.trainer_id]
+        if view.max_jobs is not None and len(here) >= view.max_jobs:
+            return f"it runs {view.max_jobs} jobs (max_jobs)"
+        held = memory_in_use(view, []) + sum(self._memory(r.id) for r in here)
+        need = self._memory(job_id)
+        if held + need > view.memory_budget_bytes:
+            return f"{max(view.memory_budget_bytes - held, 0) / 2**20:.0f} MiB free, it needs {need / 2**20:.0f} MiB"
+        return None
+
+    def _memory(self, job_id: str) -> int:
+        """The job's adapter memory as estimated so far (0 before its first estimate)."""
+        state = self.scheduling.get(job_id)
+        return (state.memory or 0) if state is not None else 0
+
+    def _moving(self, job_id: str, decision: Move, now: float) -> None:
+        state = self.scheduling.of(job_id)
+        state.preempting = f"moving to {decision.trainer}: {decision.reason}"
+        state.moving_to = decision.trainer
+        state.moved_at = now
+        self._decided("move", job_id, decision.reason)
+
+    def _waits(self, job_id: str, decision: Wait) -> None:
+        self.scheduling.of(job_id).wait_cause = decision.cause
+        self._decided(f"wait_{decision.cause}", job_id, decision.reason)
+
+    def _preempting(self, job_id: str, decision: Preempt) -> None:
+        self.scheduling.of(job_id).preempting = f"preempted: {decision.reason}"
+        self._decided("preempt", job_id, decision.reason)
+
+    def _decided(self, kind: str, job_id: str, reason: str) -> None:
+        if self.on_decision is not None:
+            self.on_decision(kind, job_id, reason)
+
+    def _submission(self, job_id: str) -> JobSubmission:
+        state = self.scheduling.of(job_id)
+        if state.submission is None:
+            state.submission = self.table.submission(job_id)
+        return state.submission
+
+    def _job_view(self, record: JobRecord, trainers: tuple[TrainerView, ...]) -> JobView | None:
+        """The policy's view of a job; None for a job just failed (it can never run)."""
+        spec = self._submission(record.id)
+        state = self.scheduling.of(record.id)
+        same_base = [t for t in trainers if t.base_model == record.base_model and t.quantization == record.quantization]
+        if state.memory is None and same_base:
+            try:
+                state.memory = job_adapter_bytes(spec.job.lora, same_base[0])
+            except ValueError as error:   # target_modules that the base model does not have
+                self.table.set_state(record.id, "failed", str(error), trainer=None)
+                return None
+        if record.state == "queued" and same_base:
+            problem = never_fits(spec, state.memory, same_base)
+            if problem:
+                self.table.set_state(record.id, "failed", f"cannot run on any trainer: {problem}", trainer=None)
+                return None
+        if record.step and record.tokens:
+            tokens_per_step = record.tokens / record.step
+        else:   # not measured yet: half of max_seq_len per sequence (a preference pair is two)
+            tokens_per_step = (spec.job.batch_size * spec.job.grad_accum * spec.job.max_seq_len / 2
+                               * spec.job.sequences_per_example)
+        total = record.total_steps if record.total_steps is not None else spec.job.max_steps
+        moving_to = state.moving_to if record.state == "running" and record.trainer != state.moving_to else None
+        return JobView(id=record.id, name=record.name, state=record.state, priority=record.priority,
+                       submitted_at=record.submitted_at, base_model=record.base_model,
+                       quantization=record.quantization, trainer=record.trainer, step=record.step,
+                       total_steps=total, memory_bytes=state.memory, tokens_per_step=tokens_per_step,
+                       predicted_remaining_steps=state.predicted_remaining, preempting=state.preempting is not None,
+                       moving_to=moving_to, moved_at=state.moved_at, user=record.user)

@@ -1,0 +1,250 @@
+"""Entering jobs in the job table, all or none: a batch of submissions is checked whole (ids, output folders,
+what no trainer could ever run) before anything is written, then entered in one transaction.
+
+A request repeated under the same client-chosen ids returns the jobs it entered the first time."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from actors.service.accounts.users import User, UserBook, UserError
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.data_roots import as_root, data_problem
+from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
+from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
+from actors.service.trainer.trainer_reports import TrainerStatus
+from actors.spec.spec import JobSpec, JobSubmission, step_limit_problem, step_tokens_floor
+from actors.storage.storage import StorageURI, as_location, is_uri
+
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
+
+
+class SubmissionError(ValueError):
+    """A submission the service cannot take; nothing of its batch was entered."""
+
+
+class SubmissionConflict(SubmissionError):
+    """A submission that collides with jobs already in the table (their output folder, a job id); nothing of
+    its batch was entered."""
+
+
+class Submissions:
+    def __init__(self, table: JobTable, state_dir: Path, *, trainers: Sequence[TrainerConfig] = (),
+                 output_root: Path | str | None = None,
+                 statuses: Callable[[], Iterable[TrainerStatus]] = tuple, data_roots: Sequence[str] | None = None):
+        """`trainers`: the service's trainer kinds (a submission whose micro-batch no trainer of its base can
+        step is refused). `output_root`: where submitted jobs may write, a path or a storage URI (None:
+        anywhere the service can). `statuses`: the trainers' last reported statuses (a job whose adapter
+        fits none of them is refused). `data_roots`: where jobs may read (None: an operator's and an admin's
+        anywhere; a user's job only under these and their own roots); no job reads the state folder or
+        another user's outputs. A user's job writes under `<output root>/<user>/`."""
+        self.table = table
+        self.state_dir = Path(state_dir)
+        self.trainer_configs = list(trainers)
+        self.statuses = statuses
+        self.output_root: Path | StorageURI | None = None
+        if output_root is not None:
+            root = as_location(output_root)
+            self.output_root = root if isinstance(root, StorageURI) else root.expanduser().resolve()
+        self.data_roots = None if data_roots is None else [as_root(root) for root in data_roots]
+        self.users = UserBook.in_state_dir(self.state_dir)   # read again only when the file changes
+
+    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
+        """Enter jobs in the table together, all or none: every submission is checked first (the error
+        names which one and why), then all are written in one transaction. The next decision round sees
+        them all, so jobs submitted together (a jobs file) start together. `job_ids`: ids the client
+        chose, so that a request repeated after a lost answer returns the jobs it entered the first time."""
+        if job_ids is not None:
+            if len(job_ids) != len(submissions) or len(set(job_ids)) != len(job_ids):
+                raise SubmissionError(f"{len(job_ids)} job ids for {len(submissions)} submissions (or repeated ids)")
+            bad = [job_id for job_id in job_ids if not JOB_ID.match(job_id)]
+            if bad:
+                raise SubmissionError(f"job ids {bad} are not letters, digits, '-' and '_' (at most 72)")
+            existing = self._already_entered(submissions, job_ids)
+            if existing is not None:
+                return existing
+        planned: list[tuple[str, JobSubmission, Path | StorageURI]] = []
+        problems: list[str] = self._quota_problems(submissions)
+        conflicts = 0   # problems that are collisions with jobs in the table (SubmissionConflict)
+        for index, submission in enumerate(submissions):
+            name = submission.job.name
+            where = f"submission {index + 1} of {len(submissions)} (job '{name}')" if len(submissions) > 1 \
+                else f"job '{name}'"
+            job_id = job_ids[index] if job_ids is not None else f"{name[:56]}-{uuid.uuid4().hex[:6]}"
+            try:
+                user = self._user(submission)
+                self._check_data(submission, user)
+                output_dir = self._output_dir(submission, job_id, self._root_of(user))
+                self._check_limits(submission)
+                other = self.table.writing_to(output_dir, ACTIVE_STATES)
+                if other is not None:
+                    raise SubmissionConflict(f"job {other.id} ({other.state}) already writes to {output_dir}; give "
+                                             "this job another output_dir or wait for that job to end")
+                if any(output_dir == planned_dir for _, _, planned_dir in planned):
+                    raise SubmissionError(f"two of the submitted jobs would write to {output_dir}; give this job "
+                                          "another output_dir")
+            except SubmissionError as error:
+                problems.append(f"{where}: {error}")
+                conflicts += isinstance(error, SubmissionConflict)
+                continue
+            planned.append((job_id, submission, output_dir))
+        if problems:
+            kind = SubmissionConflict if conflicts == len(problems) else SubmissionError
+            raise kind(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
+        with self.table.transaction():
+            return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
+
+    def _already_entered(self, submissions: list[JobSubmission], job_ids: list[str]) -> list[JobRecord] | None:
+        """The records of a batch entered before under these ids (a repeated request), or None if none was."""
+        found = []
+        for submission, job_id in zip(submissions, job_ids, strict=True):
+            try:
+                record = self.table.get(job_id)
+            except KeyError:
+                found.append(None)
+                continue
+            if self.table.submission(job_id) != submission:
+                raise SubmissionConflict(f"job id {job_id} is taken by another job; submit again (the client "
+                                         "picks new ids)")
+            found.append(record)
+        if all(r is None for r in found):
+            return None
+        if any(r is None for r in found):
+            raise SubmissionConflict(f"part of this batch was entered before ({[r.id for r in found if r]}), part "
+                                     "not; check `aspen status` before submitting again")
+        return found
+
+    def _quota_problems(self, submissions: list[JobSubmission]) -> list[str]:
+        """Each user whose batch would pass their quota of queued jobs, or whose daily tokens are spent."""
+        problems = []
+        for name in sorted({s.user for s in submissions if s.user is not None}):
+            try:
+                user = self.users.get(name)
+            except UserError:
+                continue   # refused per job (`_user`)
+            new = sum(s.user == name for s in submissions)
+            if user.max_queued is not None:
+                queued = self.table.unfinished_of(name).get("queued", 0)
+                if queued + new > user.max_queued:
+                    problems.append(f"user {name}: quota queued={user.max_queued}: {queued} of their jobs are queued "
+                                    f"and this adds {new}; wait for some to start or end, or ask the operator")
+            if user.tokens_per_day is not None:
+                trained = self.table.tokens_by_user(time.time() - 86_400).get(name, 0)
+                if trained >= user.tokens_per_day:
+                    problems.append(f"user {name}: quota tokens_per_day={user.tokens_per_day}: their jobs trained "
+                                    f"{trained} tokens over the last 24 hours; submit again later")
+        return problems
+
+    def _user(self, submission: JobSubmission) -> User | None:
+        """The submitting user's record (None: an operator, through Ray); an unknown user is refused."""
+        if submission.user is None:
+            return None
+        try:
+            return self.users.get(submission.user)
+        except UserError:
+            raise SubmissionError(f"'{submission.user}' is not a user of this service (no such name in "
+                                  f"{self.state_dir / 'users.json'})") from None
+
+    def check_reader(self, job: JobSpec, user: str) -> None:
+        """SubmissionError where `user` is not a user of this service or `job`'s data is not theirs to read."""
+        submission = JobSubmission(job=job, user=user)
+        self._check_data(submission, self._user(submission))
+
+    def _outputs(self) -> Path | StorageURI:
+        return self.output_root or (self.state_dir / "outputs").resolve()
+
+    def _root_of(self, user: User | None) -> Path | StorageURI | None:
+        """Where the job writes: a user's under `<output root>/<user>`; an operator's under the output root."""
+        if user is None:
+            return self.output_root
+        outputs = self._outputs()
+        return outputs / user.name
+
+    def _check_data(self, submission: JobSubmission, user: User | None) -> None:
+        """The job's data lies where it may read (actors/service/scheduler/data_roots.py)."""
+        state = as_root(self.state_dir)   # its outputs (the default output root) are the outputs' rule's
+        forbidden = [(state, f"the service's state folder {self.state_dir}", state / "outputs")]
+        roots = self.data_roots
+        if user is not None and not user.admin:
+            roots = [*(self.data_roots or []), *(as_root(root) for root in user.data_roots)]
+            outputs = self._outputs()
+            forbidden.append((outputs, "the service's outputs other than yours", outputs / user.name))
+        problem = data_problem(submission.job.data, roots, forbidden)
+        if problem is not None:
+            raise SubmissionError(problem)
+        data = submission.job.data
+        if user is not None and not is_uri(str(data)) and not Path(data).expanduser().exists():
+            raise SubmissionError(f"data: file {data} does not exist on the service's machine")
+
+    def _output_dir(self, submission: JobSubmission, job_id: str,
+                    root: Path | StorageURI | None) -> Path | StorageURI:
+        """The job's folder under `root`: a resolved path, or a storage URI (its checkpoints and results are
+        uploaded)."""
+        if isinstance(root, StorageURI):
+            return self._uri_output_dir(submission, job_id, root)
+        if submission.output_dir is None:
+            return ((root or self.state_dir / "outputs") / job_id).resolve()
+        if is_uri(submission.output_dir):
+            if root is not None:
+                raise SubmissionError(f"output_dir {submission.output_dir} is outside this service's output root "
+                                      f"{root}; leave output_dir out (the job gets {root}/<job id>) or give a path "
+                                      f"under {root}")
+            return as_location(str(submission.output_dir))
+        requested = Path(submission.output_dir).expanduser()
+        if root is not None and not requested.is_absolute():
+            requested = root / requested
+        resolved = requested.resolve()
+        if root is not None and not resolved.is_relative_to(root):
+            raise SubmissionError(f"output_dir {resolved} is outside this service's output root {root}; jobs "
+                                  "submitted to a shared service write only there: leave output_dir out (the job "
+                                  f"gets {root}/<job id>) or give a path under {root}")
+        return resolved
+
+    @staticmethod
+    def _uri_output_dir(submission: JobSubmission, job_id: str, root: StorageURI) -> StorageURI:
+        """A job's folder under a storage-URI output root: `<root>/<job id>`, `<root>/<relative output_dir>`,
+        or a URI under the root."""
+        requested = submission.output_dir
+        if requested is None:
+            return root / job_id
+        if is_uri(requested):
+            uri = StorageURI(str(requested).rstrip("/"))
+        elif Path(requested).is_absolute() or ".." in Path(requested).parts:
+            raise SubmissionError(f"output_dir {requested} is a path on this machine, but this service's output root "
+                                  f"is {root}: leave output_dir out (the job gets {root}/<job id>) or give a folder "
+                                  f"name relative to it (or a URI under {root})")
+        else:
+            uri = root / Path(requested).as_posix()
+        if not uri.is_relative_to(root) or "/../" in f"{uri}/":
+            raise SubmissionError(f"output_dir {uri} is outside this service's output root {root}; leave output_dir "
+                                  f"out (the job gets {root}/<job id>) or give a URI under {root}")
+        return uri
+
+    def _check_limits(self, submission: JobSubmission) -> None:
+        """Refuse what no trainer of the job's base could ever run: a micro-batch beyond every trainer's
+        step, or an adapter that does not fit any trainer's memory budget next to the base and a step."""
+        same_base = [t for t in self.trainer_configs
+                     if t.base_model == submission.base_model and t.quantization == submission.quantization]
+        statuses = [s for s in self.statuses()
+                    if s.base_model == submission.base_model and s.quantization == submission.quantization]
+        if same_base:
+            # a step's tokens: as configured; `auto`'s floor until a trainer has planned its steps (its status)
+            limits = ([step_tokens_floor(t.step_tokens) for t in same_base]
+                      + [s.step_tokens for s in statuses if s.step_tokens])
+            # unnamed: submit_many's message names the job already
+            problems = [step_limit_problem(submission.job, tokens, named=False) for tokens in limits]
+            if all(problems):
+                raise SubmissionError(problems[0])
+        views = [trainer_view(s) for s in statuses]
+        if views:
+            try:
+                need = job_adapter_bytes(submission.job.lora, views[0])
+            except ValueError as error:   # target_modules that the base model does not have
+                raise SubmissionError(str(error)) from None
+            problem = never_fits(submission, need, views)
+            if problem:
+                raise SubmissionError(problem)

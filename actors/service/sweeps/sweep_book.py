@@ -1,0 +1,160 @@
+"""The sweeps a service runs (Ray-free: the scheduler holds one and polls it in its loop).
+
+`add(spec)` takes a validated sweep (a second `add` of the same sweep is the same sweep: it answers with it;
+the same name with other settings is refused), `poll_all()` advances each unfinished one
+(`actors/service/sweeps/sweep_driver.py`), `status(name)` / `all()` answer with the leaderboard, `cancel(name)` stops
+one. Each sweep's spec and state live in `<state_dir>/sweeps/<name>.json`, so a restarted scheduler carries
+on every sweep where it was; when a trial ends and when the sweep ends, `leaderboard.json` and `report.png`
+(every trial's objective over its steps, stopped trials marked) are written to the sweep's output folder. A
+sweep whose poll fails (its state file cannot be written, a searcher raised) is marked failed with the error
+and the others go on."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
+from actors.spec.sweep_spec import SweepSpec
+from actors.storage.durable import write_durably
+from actors.storage.storage import is_uri
+
+log = logging.getLogger(__name__)
+LEADERBOARD_FILE = "leaderboard.json"
+REPORT_FILE = "report.png"
+
+
+class SweepBook:
+    def __init__(self, state_dir: Path, jobs: SweepJobs):
+        self.folder = Path(state_dir) / "sweeps"
+        self.jobs = jobs
+        self.drivers: dict[str, SweepDriver] = {}
+        self.errors: dict[str, str] = {}
+        self.ended_seen: dict[str, int] = {}
+        for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
+            try:
+                spec = SweepSpec.model_validate(json.loads(path.read_text())["spec"])
+                self.drivers[spec.name] = SweepDriver(jobs, spec, path, say=log.info)
+            except (ValueError, KeyError) as error:   # one damaged file: that sweep is reported, the rest go on
+                self.errors[path.stem] = f"{path}: cannot be carried on ({error}); move it away to drop the sweep"
+                log.error("sweeps: %s", self.errors[path.stem])
+
+    def add(self, spec: SweepSpec) -> dict[str, Any]:
+        if is_uri(spec.output_dir):
+            raise ValueError(f"sweep '{spec.name}': output_dir {spec.output_dir} is a storage URI; a sweep's folder "
+                             "(its leaderboard and report) is a local path for now")
+        known = self.drivers.get(spec.name)
+        if known is not None:
+            if known.spec != spec:
+                raise ValueError(f"sweep '{spec.name}' exists with other settings; give the sweep another name, or "
+                                 "cancel and delete the old one first")
+            return self.status(spec.name)
+        driver = SweepDriver(self.jobs, spec, self.folder / f"{spec.name}.json", say=log.info)
+        driver.save()
+        self.drivers[spec.name] = driver
+        self.errors.pop(spec.name, None)
+        return self.status(spec.name)
+
+    def poll_all(self) -> None:
+        for name, driver in self.drivers.items():
+            if name in self.errors or driver.done and self.ended_seen.get(name) == self._ended(driver):
+                continue
+            try:
+                driver.poll()
+                ended = self._ended(driver)
+                if ended != self.ended_seen.get(name):     # a trial ended: the results on disk follow
+                    self.ended_seen[name] = ended
+                    self._write_results(driver)
+            except Exception as error:   # one sweep's failure is its own (logged, in its status); the others go on
+                self.errors[name] = f"{type(error).__name__}: {error}"
+                log.exception("sweeps: sweep '%s' failed", name)
+
+    def cancel(self, name: str, reason: str = "cancelled by the user") -> dict[str, Any]:
+        self._driver(name).cancel(reason)
+        return self.status(name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        """The sweep's leaderboard (`{"trials", "best"}`) with its name, state (running, done, cancelled,
+        failed), error, trial count and folder."""
+        if name in self.errors and name not in self.drivers:
+            return {"name": name, "state": "failed", "error": self.errors[name], "trials": [], "best": None}
+        driver = self._driver(name)
+        state = ("failed" if name in self.errors else "cancelled" if driver.cancelled and driver.done
+                 else "done" if driver.done else "running")
+        return {"name": name, "state": state, "error": self.errors.get(name), "trials_planned": driver.run.total,
+                "output_dir": str(driver.spec.output_dir), "user": driver.spec.user, **driver.leaderboard()}
+
+    def all(self) -> list[dict[str, Any]]:
+        return [self.status(name) for name in sorted({*self.drivers, *self.errors})]
+
+    def _driver(self, name: str) -> SweepDriver:
+        try:
+            return self.drivers[name]
+        except KeyError:
+            raise KeyError(f"no sweep named '{name}' (sweeps: {', '.join(sorted(self.drivers)) or 'none'})") from None
+
+    @staticmethod
+    def _ended(driver: SweepDriver) -> int:
+        return sum(t.state not in ("pending", "running") for t in driver.run.trials.values())
+
+    def _write_results(self, driver: SweepDriver) -> None:
+        folder = Path(driver.spec.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        board = driver.run.leaderboard()
+        write_durably(folder / LEADERBOARD_FILE, json.dumps(board, indent=1))
+        write_report(folder / REPORT_FILE, driver.spec, board, driver.curves())
+
+
+def write_report(path: Path, spec: SweepSpec, board: dict[str, Any],
+                 curves: dict[str, list[tuple[int, float]]]) -> None:
+    """`report_figure` saved as a PNG at `path` (`durable.write_durably`: whole, or the old one left)."""
+    import matplotlib.pyplot as plt
+
+    figure = report_figure(spec, board, curves)
+    try:
+        write_durably(path, lambda temporary: figure.savefig(temporary, format="png", bbox_inches="tight"))
+    finally:
+        plt.close(figure)
+
+
+def trial_label(trial: dict[str, Any], best: bool) -> str:
+    """A trial as its curve's legend names it: its name, its settings, and how it ended."""
+    settings = ", ".join(f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                         for key, value in trial["settings"].items())
+    end = (" (best)" if best else f" (stopped at step {trial['steps']})" if trial["state"] == "stopped"
+           else "" if trial["state"] == "completed" else f" ({trial['state']})")
+    return f"{trial['name']}: {settings}{end}"
+
+
+def report_figure(spec: SweepSpec, board: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) -> Any:
+    """One plot of every trial's objective over its steps, each curve named with its trial's settings in the
+    legend: completed trials as lines, stopped ones ending in an x at the step they were stopped, the best one
+    thick; whole steps on the step axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, axes = plt.subplots(figsize=(11, 5), dpi=100)
+    for trial in board["trials"]:
+        points = curves.get(trial["name"]) or []
+        if not points:
+            continue
+        steps, values = zip(*points, strict=True)
+        best = trial["name"] == board["best"]
+        line, = axes.plot(steps, values, linewidth=2.5 if best else 1.0, alpha=1.0 if best else 0.7,
+                          marker="o" if len(points) == 1 else None, label=trial_label(trial, best))
+        if trial["state"] == "stopped":
+            axes.plot(steps[-1], values[-1], "x", color=line.get_color(), markersize=8)
+    axes.plot([], [], "x", color="gray", label="x: where a trial was stopped")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel(spec.objective.replace("_", " ") if isinstance(spec.objective, str)
+                    else f"{spec.objective.metric} (higher is better)")
+    axes.set_title(f"sweep {spec.name}: {len(board['trials'])} trials")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,174 @@
+"""One sweep driven over a service's jobs, one `poll()` at a time (Ray-free: the scheduler runs it in its loop).
+
+A poll starts the trials `actors/service/sweeps/sweep_run.py` says may start (at most `max_concurrent` at once: they
+share fused steps with each other and any other job on the trainers), reads each running trial's progress
+(its eval losses, its train losses with `objective: train_loss`, or its generation metric's scores), hands each
+new objective to the sweep (successive halving, the forecast rule, the searcher) and cancels a trial it stops;
+a trial's slot goes to the next one as soon as it ends. The sweep's state (its trials, the stopping rules'
+records, the searcher's state and which job each trial is) is written to its state file after every change,
+so a driver built again on that file (a restarted scheduler) carries on where it stopped: finished trials are
+left alone, a trial whose job the service still has is followed again, a trial started but lost is started
+again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from actors.service.sweeps.sweep_run import SweepRun
+from actors.spec.spec import JobSpec
+from actors.spec.sweep_spec import SweepSpec
+from actors.storage.durable import write_durably
+
+ENDS = {"completed": "completed", "stopped_early": "completed", "failed": "failed", "cancelled": "cancelled"}
+
+
+class SweepJobs(Protocol):
+    """What a sweep needs of the service: the scheduler's own calls, or a client's."""
+
+    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
+        ...
+
+    def status(self, job_id: str) -> Any: ...   # a JobRecord: state, step, reason
+
+    def losses(self, job_id: str) -> list[dict[str, Any]]: ...
+
+    def cancel(self, job_id: str, reason: str) -> None: ...
+
+    def job_ids(self) -> set[str]: ...
+
+
+class SweepStateError(ValueError):
+    """A sweep's state file cannot be carried on from (damaged, or from another sweep file)."""
+
+
+class SweepDriver:
+    def __init__(self, jobs: SweepJobs, spec: SweepSpec, state_path: Path, *, say=print):
+        self.jobs, self.spec, self.state_path, self.say = jobs, spec, Path(state_path), say
+        self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
+        self.reported: dict[str, int] = {}     # trial name -> the last step handed to the sweep
+        self.training_step: dict[str, int] = {}   # a running trial's job's step now (shown live; not saved)
+        self.cancelled = False
+        state = self._read_state()
+        try:
+            self.run = SweepRun.restore(spec, state["run"]) if state else SweepRun(spec)
+        except (ValueError, KeyError) as error:
+            raise SweepStateError(f"{self.state_path}: {error}") from None
+        if state:
+            self.job_ids, self.reported = dict(state["job_ids"]), dict(state["reported"])
+            self.cancelled = bool(state.get("cancelled"))
+            self._readopt()
+
+    def _read_state(self) -> dict | None:
+        if not self.state_path.exists():
+            return None
+        try:
+            return json.loads(self.state_path.read_text())["driver"]
+        except (ValueError, KeyError) as error:
+            raise SweepStateError(f"{self.state_path}: not a sweep's state ({error}); move it away to start the "
+                                  "sweep afresh") from None
+
+    def _readopt(self) -> None:
+        """After a restart: a running trial whose job the service no longer has starts again."""
+        known = self.jobs.job_ids()
+        for name, trial in self.run.trials.items():
+            if trial.state == "running" and self.job_ids.get(name) not in known:
+                trial.state = "pending"
+                self.job_ids.pop(name, None)
+                self.reported.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": self.run.state_dict(), "job_ids": self.job_ids, "reported": self.reported,
+                "cancelled": self.cancelled}
+
+    def save(self) -> None:
+        """The spec and the state, written whole and durably (`durable.write_durably`)."""
+        write_durably(self.state_path, json.dumps({"spec": self.spec.model_dump(mode="json"),
+                                                   "driver": self.state_dict()}, indent=1))
+
+    @property
+    def done(self) -> bool:
+        return self.run.done or (self.cancelled and not self.running_jobs())
+
+    def running_jobs(self) -> list[str]:
+        return [self.job_ids[n] for n, t in self.run.trials.items() if t.state == "running" and n in self.job_ids]
+
+    def poll(self) -> bool:
+        """Start what may start, hand new objectives to the sweep, cancel what it stops, note what ended.
+        True once every trial has ended. The state is written only when something changed (the scheduler
+        polls every tick; a searcher's state is a pickle)."""
+        before = self._marker()
+        if not self.cancelled:
+            for job in self.run.to_start():
+                self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
+                                                          output_dir=str(Path(self.spec.output_dir) / job.name),
+                                                          user=self.spec.user)
+        for name, trial in self.run.trials.items():
+            if trial.state != "running" or name not in self.job_ids:
+                continue
+            job_id = self.job_ids[name]
+            record = self.jobs.status(job_id)   # before its losses: a job that ended has them all written
+            live = record.state not in ENDS
+            self.training_step[name] = record.step
+            for step, objective in self._objectives(job_id):
+                if step <= self.reported.get(name, 0):
+                    continue
+                self.reported[name] = step
+                decision = self.run.report(name, step, objective, live=live)
+                if trial.state == "stopped":
+                    self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
+                                         f"{decision.reason if decision else trial.stopped_because}")
+                    self.say(f"{name}: stopped at step {step}: {trial.stopped_because}")
+                    break
+            if trial.state == "running" and record.state in ENDS:
+                self.run.ended(name, ENDS[record.state], record.step, record.reason)
+                self.say(f"{name}: {trial.state} at step {record.step}"
+                         + (f", objective {trial.objective:.4f}" if trial.objective is not None else ""))
+        if self._marker() != before:
+            self.save()
+        return self.done
+
+    def leaderboard(self) -> dict[str, Any]:
+        """The run's leaderboard, each running trial with its job's step now (`steps`: between the objectives
+        it reports, a trial trains on)."""
+        board = self.run.leaderboard()
+        for trial in board["trials"]:
+            if trial["state"] == "running":
+                trial["steps"] = max(trial["steps"], self.training_step.get(trial["name"], 0))
+        return board
+
+    def _marker(self) -> tuple:
+        """What a poll can change: the trials' jobs, the steps handed on, each trial's state and steps (the
+        searcher and the stopping rules change only with these)."""
+        return (tuple(self.job_ids.items()), tuple(self.reported.items()), self.cancelled,
+                tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
+
+    def cancel(self, reason: str) -> None:
+        """Start no more trials and cancel the running ones (they end `cancelled`)."""
+        self.cancelled = True
+        for name, trial in self.run.trials.items():
+            if trial.state == "pending":
+                self.run.ended(name, "cancelled", trial.steps, reason)
+        for job_id in self.running_jobs():
+            self._cancel(job_id, reason)
+        self.save()
+
+    def _cancel(self, job_id: str, reason: str) -> None:
+        """Cancel a trial's job; one that ended meanwhile (its last steps ran between two looks) has nothing
+        left to stop."""
+        if self.jobs.status(job_id).state not in ENDS:
+            try:
+                self.jobs.cancel(job_id, reason)
+            except ValueError as error:   # it ended between the look and the cancel
+                if "already ended" not in str(error):
+                    raise
+
+    def _objectives(self, job_id: str) -> list[tuple[int, float]]:
+        rows = self.jobs.losses(job_id)
+        column = self.spec.objective_column
+        return sorted((int(row["step"]), float(row[column])) for row in rows if row.get(column) is not None)
+
+    def curves(self) -> dict[str, list[tuple[int, float]]]:
+        """Each started trial's objectives by step (for the report)."""
+        return {name: self._objectives(job_id) for name, job_id in self.job_ids.items()}

@@ -1,0 +1,188 @@
+"""A sweep's bookkeeping, Ray-free: which trials run, which wait, which were stopped and why, the leaderboard.
+
+Whatever drives a sweep (orchestrator/sweep.py) asks `to_start()` for the trials that may start now (at most
+`max_concurrent` at once; each new trial's settings from the sweep's searcher, policies/sweep/searchers.py, when it
+starts, so a model-based searcher learns from the trials before it), tells it each objective a trial reports
+(`report`: successive halving decides there whether the trial goes on; a stopped trial frees its slot at
+once) and how each trial ended (`ended`); the searcher hears both. `state_dict()` is JSON and
+`SweepRun.restore(spec, state)` carries on from it with the same decisions an uninterrupted sweep makes (the
+halving's records and the searcher's state go with it), so a sweep survives what its driver survives. The
+objective of a trial is its last reported one (its final adapter's), minimised (`eval_loss`, `train_loss`) or
+maximised (a generation metric's score: the spec's `mode`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from actors.spec.spec import JobSpec
+from actors.spec.sweep_spec import SweepSpec, trial_job, trial_name
+from policies.sweep.searchers import BUILT_IN, FINISHED, Searcher, build_searcher
+from policies.sweep.successive_halving import HalvingDecision, SuccessiveHalving
+from policies.sweep.trial_forecast import TrialForecast
+
+ACTIVE = ("running",)
+ENDED = ("completed", "stopped", "failed", "cancelled")
+
+
+@dataclass
+class Trial:
+    name: str
+    settings: dict[str, Any]
+    state: str = "pending"            # pending | running | completed | stopped | failed | cancelled
+    objective: float | None = None    # the last one reported
+    steps: int = 0                    # optimizer steps at the last report or end
+    stopped_because: str | None = None
+
+
+class SweepRun:
+    def __init__(self, spec: SweepSpec, searcher: Searcher | None = None):
+        self.spec = spec
+        self.searcher = searcher or build_searcher(spec.search, spec.parsed_space(), trials=spec.trials,
+                                                   seed=spec.seed, options=spec.search_options, mode=spec.mode)
+        self.total = spec.trials if spec.trials is not None else len(spec.trial_settings())
+        self.finished = False              # the searcher has nothing more to suggest
+        self.jobs: dict[str, JobSpec] = {}
+        self.trials: dict[str, Trial] = {}   # the trials suggested so far, in trial order
+        asha = spec.stopping.asha if spec.stopping is not None else None
+        self.halving = None if asha is None else SuccessiveHalving(
+            grace_steps=asha.grace_steps, max_steps=spec.job.max_steps or 0, reduction=asha.reduction, mode=spec.mode)
+        predictive = spec.stopping.predictive if spec.stopping is not None else None
+        self.forecast = None if predictive is None else TrialForecast(
+            max_steps=spec.job.max_steps or 0, min_delta=predictive.min_delta, min_points=predictive.min_points)
+
+    # -- driving ----------------------------------------------------------------------------------
+    def to_start(self) -> list[JobSpec]:
+        """The trials to start now (marked running), up to max_concurrent running: pending ones first (a trial
+        whose job was lost), then new ones from the searcher while it has settings to give."""
+        free = self.spec.max_concurrent - sum(t.state in ACTIVE for t in self.trials.values())
+        starting = [t for t in self.trials.values() if t.state == "pending"][:max(free, 0)]
+        while len(starting) < free and len(self.trials) < self.total and not self.finished:
+            name = trial_name(self.spec.job.name, len(self.trials))
+            settings = self.searcher.suggest(name)
+            if settings is None:      # the searcher waits for results before its next suggestion
+                break
+            if settings == FINISHED:
+                self.finished = True
+                break
+            trial = self.trials[name] = Trial(name, settings)
+            try:
+                self.jobs[name] = trial_job(self.spec.job, settings, name)
+            except ValidationError as error:   # a plug-in searcher's value outside the job's bounds
+                problem = error.errors()[0]
+                trial.state = "failed"
+                trial.stopped_because = (f"the searcher's settings {settings} do not make a valid job: "
+                                         f"{'.'.join(map(str, problem['loc']))}: {problem['msg']}")
+                self.searcher.on_complete(name, None)
+                continue
+            starting.append(trial)
+        for trial in starting:
+            trial.state = "running"
+        return [self.jobs[trial.name] for trial in starting]
+
+    def report(self, name: str, step: int, objective: float, *, live: bool = True) -> HalvingDecision | None:
+        """A running trial's objective after `step` optimizer steps; the halving's decision (None without
+        one). A stop decision ends the trial here (`stopped`): the driver cancels its job. `live=False`: the
+        trial's job has already ended (its results are read after its end): the results still count at the
+        rungs for the trials after it, but there is nothing left to stop (`ended` says how it ended)."""
+        trial = self._trial(name)
+        if trial.state != "running":
+            return None   # a report that crossed the trial's end: already decided
+        trial.objective, trial.steps = objective, step
+        self.searcher.on_result(name, step, objective)
+        decision = self.halving.report(name, step, objective) if self.halving is not None else None
+        forecast = self.forecast.report(name, step, objective) if self.forecast is not None else None
+        if decision is not None and decision.stop:
+            reason = decision.reason
+        elif forecast is not None and forecast.stop:
+            reason = forecast.reason
+        elif math.isnan(objective):
+            reason = f"objective is NaN at step {step}: the trial diverged"
+        else:
+            return decision
+        if live:
+            trial.state, trial.stopped_because = "stopped", reason
+            # as Ray Tune tells a searcher of a stopped trial: its last result (a diverged one: an error)
+            self.searcher.on_complete(name, None if math.isnan(objective) else trial.objective)
+        return decision or HalvingDecision(True, None, None, reason)
+
+    def ended(self, name: str, state: str, steps: int | None = None, reason: str | None = None) -> None:
+        """How a trial's job ended (completed, failed, cancelled); a trial already stopped stays stopped."""
+        if state not in ENDED:
+            raise ValueError(f"a trial ends completed, stopped, failed or cancelled, not {state!r}")
+        trial = self._trial(name)
+        if trial.state in ENDED:
+            return
+        trial.state = state
+        trial.steps = steps if steps is not None else trial.steps
+        if state != "completed":
+            trial.stopped_because = reason or state
+        elif self.forecast is not None:
+            self.forecast.finished(name, trial.objective)
+        self.searcher.on_complete(name, trial.objective if state in ("completed", "stopped") else None)
+
+    @property
+    def done(self) -> bool:
+        """Every trial suggested has ended and no more will be (the sweep's count reached, or the searcher
+        finished)."""
+        return (len(self.trials) >= self.total or self.finished) and all(t.state in ENDED
+                                                                       for t in self.trials.values())
+
+    # -- results ----------------------------------------------------------------------------------
+    def leaderboard(self) -> dict[str, Any]:
+        """`{"trials": [...], "best": NAME | None}`: trials with an objective first, best first (the lowest
+        loss, the highest score); the best is the best completed trial (a stopped one's objective is from fewer
+        steps)."""
+        sign = -1.0 if self.spec.mode == "max" else 1.0
+        ordered = sorted(self.trials.values(), key=lambda t: (t.objective is None or math.isnan(t.objective),
+                                                              sign * t.objective if t.objective is not None else 0.0))
+        completed = [t for t in ordered if t.state == "completed" and t.objective is not None
+                     and not math.isnan(t.objective)]
+        return {"trials": [asdict(t) for t in ordered], "best": completed[0].name if completed else None}
+
+    # -- persistence ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        halving = None if self.halving is None else {str(rung): dict(recorded)
+                                                     for rung, recorded in self.halving.recorded.items()}
+        return {"trials": [asdict(t) for t in self.trials.values()], "halving": halving,
+                "forecast": None if self.forecast is None else self.forecast.state_dict(),
+                "search": self.spec.search, "searcher": self.searcher.state(), "finished": self.finished}
+
+    @classmethod
+    def restore(cls, spec: SweepSpec, state: dict[str, Any]) -> SweepRun:
+        """The run as `state_dict` left it; refused (naming what changed) when the file no longer gives those
+        trials: another search, or (random, grid) other settings for a trial already run."""
+        run = cls(spec)
+        if state.get("search", "random") != spec.search:
+            raise ValueError(f"sweep '{spec.name}': it ran with search {state.get('search')}, the file now says "
+                             f"{spec.search}; start it under another name")
+        saved = [Trial(**t) for t in state["trials"]]
+        if len(saved) > run.total:
+            raise ValueError(f"sweep '{spec.name}': it has run {len(saved)} trials, more than the file's "
+                             f"{run.total}; start it under another name")
+        if spec.search in BUILT_IN:
+            drawn = spec.trial_settings()
+            changed = [t.name for index, t in enumerate(saved) if t.settings != drawn[index]]
+            if changed:
+                raise ValueError(f"sweep '{spec.name}': trial {changed[0]} ran with other settings than the file "
+                                 "now gives (the space, trials or seed changed); start it under another name")
+        for trial in saved:
+            run.trials[trial.name] = trial
+            if trial.state in ("pending", "running"):
+                run.jobs[trial.name] = trial_job(spec.job, trial.settings, trial.name)
+        run.searcher.restore(state.get("searcher") or {"given": len(saved)})
+        run.finished = bool(state.get("finished"))
+        if run.halving is not None and state.get("halving"):
+            run.halving.recorded = {int(rung): dict(recorded) for rung, recorded in state["halving"].items()}
+        if run.forecast is not None and state.get("forecast"):
+            run.forecast.load_state_dict(state["forecast"])
+        return run
+
+    def _trial(self, name: str) -> Trial:
+        try:
+            return self.trials[name]
+        except KeyError:
+            raise KeyError(f"sweep '{self.spec.name}' has no trial '{name}'") from None

@@ -1,0 +1,90 @@
+"""The service's state folder: one service at a time (an OS lock that dies with its process), the job table
+opened with patience while another process holds it, and the trainer events the table could not take
+before the service stopped, kept in a file beside it (fsynced) and applied at the next start."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from actors.service.table.job_table import JobTable, JobTableBusy
+from actors.service.trainer.trainer_reports import TrainerEvent
+from actors.storage.durable import append_record
+
+log = logging.getLogger(__name__)
+
+TABLE_OPEN_S = 120.0            # how long a starting service waits for a locked job table
+UNAPPLIED_EVENTS = "unapplied-events.jsonl"   # events the table could not take before the service stopped
+STATE_LOCK = "scheduler.lock"
+
+
+class StateDirInUse(RuntimeError):
+    """Another aspen service already runs on this state folder."""
+
+
+def lock_state_dir(state_dir: Path) -> Any:
+    """An exclusive lock on the state folder for this process's life (released by the OS when it dies), so
+    that two services never write one job table and one set of job folders."""
+    handle = (state_dir / STATE_LOCK).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise StateDirInUse(f"another aspen service runs on {state_dir} ({holder}); stop it (`aspen stop`) or give "
+                            "this one another state_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
+
+
+def open_job_table(path: Path, on_change: Any, timeout: float = TABLE_OPEN_S) -> JobTable:
+    """The job table, waiting (with a log line) while another process holds its file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return JobTable(path, on_change=on_change)
+        except JobTableBusy as error:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("scheduler: %s; waiting", error)
+            time.sleep(2.0)
+
+
+def spill_events(state_dir: Path, events: list[tuple[str, TrainerEvent]]) -> Path:
+    """Append (trainer id, event) pairs to the spill file, durably; returns its path."""
+    path = state_dir / UNAPPLIED_EVENTS
+    append_record(path, "".join(json.dumps({"trainer": trainer_id, **asdict(event)}, default=str) + "\n"
+                                for trainer_id, event in events).encode())
+    return path
+
+
+def read_spilled_events(state_dir: Path) -> list[tuple[str, TrainerEvent]] | None:
+    """The spilled (trainer id, event) pairs in order, or None without a spill file. A line cut by a crash
+    is logged and skipped; the rest still count."""
+    path = state_dir / UNAPPLIED_EVENTS
+    if not path.exists():
+        return None
+    events = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+            events.append((row.pop("trainer"), TrainerEvent(**row)))
+        except (ValueError, TypeError, KeyError) as error:
+            log.error("scheduler: %s:%d is not a trainer event (%s); skipped", path, number, error)
+    return events
+
+
+def forget_spilled_events(state_dir: Path) -> None:
+    """Remove the spill file once its events are in the table."""
+    (state_dir / UNAPPLIED_EVENTS).unlink(missing_ok=True)

@@ -1,0 +1,119 @@
+"""How a job leaves a trainer loop (a part of `TrainerLoop`, actors/service/trainer/trainer_loop.py):
+checkpointed unless
+it failed, its adapter written when it is done, its end reported; and, on a pipeline trainer that lost a stage,
+every job given back to resume from its last checkpoint while new stages start."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from actors.checkpoint import save_checkpoint, saved_step
+from actors.checkpoint.peft_io import save_adapter
+from actors.engine.generation_eval import MetricError
+from actors.service.outputs.job_files import metrics_rows
+from actors.service.pipeline.pipeline_processes import StageLost
+from actors.service.scheduler.job_data import JobUpdate
+from actors.service.scheduler.retries import FINAL_WRITE_ATTEMPTS, with_retries
+from actors.service.trainer.active_job import ActiveJob
+from actors.service.trainer.trainer_reports import EventKind
+
+if TYPE_CHECKING:
+    from actors.service.trainer.trainer_loop import TrainerLoop
+
+log = logging.getLogger(__name__)
+
+
+class JobEnds:
+    """`TrainerLoop`'s job ends (a mixin: it uses the loop's jobs, trainer, events, outputs and identity)."""
+
+    def _finish(self: TrainerLoop, active: ActiveJob, kind: EventKind, reason: str, *, retry: bool = False) -> None:
+        """Take a job off the trainer: checkpoint it (unless it failed), write its adapter when it is
+        done, and report how it ended. `retry`: a `paused` job the scheduler should start again."""
+        job, job_id = active.job, active.job_id
+        data: dict[str, Any] = {"reason": reason, "tokens": job.tokens_seen}
+        lost: StageLost | None = None
+        if retry:
+            data["retry"] = True
+        try:
+            if kind in ("completed", "stopped_early"):
+                if job.eval_examples and active.last_eval_step != job.step:
+                    update = JobUpdate()
+                    data["eval_loss"], score = self._evaluate(active, update)
+                    if score is not None:
+                        data["eval_score"] = score
+                    active.assignment.link.update(update)
+                    # its last step's row is already written: the rows again, that one with this eval loss
+                    rows = metrics_rows([record.as_row() for record in job.history], job.evals, job.scores)
+                    self._write(active, "its metrics", lambda: active.files.rewrite(rows))
+                metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
+                data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
+                    job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
+            if kind != "failed":
+                self._write(active, "its checkpoint", lambda: save_checkpoint(
+                    job, active.checkpoint_dir, self.base_identity.serving_id))
+                data["checkpoint_step"] = job.step
+        except StageLost as error:   # nothing could be read from the stages: it resumes from its last checkpoint
+            lost = error
+            kind, data = "paused", {"reason": f"{reason}; then {self._lost_reason(error)}", "retry": True,
+                                    "tokens": job.tokens_seen, "checkpoint_step": saved_step(active.checkpoint_dir)}
+        except OSError as error:   # the folder refused every try: one clear reason, no false success
+            kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
+                                              f"failed {FINAL_WRITE_ATTEMPTS} times: {error}; free space there or "
+                                              "make it writable, then resume the job")
+            data.pop("retry", None)
+        except MetricError as error:   # its eval_generate metric (a user's function) refused a prediction
+            kind, data["reason"] = "failed", f"{reason}; then its final evaluation failed: {error}"
+            data.pop("retry", None)
+        except Exception as error:  # writing failed: report it rather than a false success
+            log.exception("trainer %s: job %s: writing its results failed", self.trainer_id, job_id)
+            kind, data["reason"] = "failed", f"{reason}; then writing its results failed: {error!r}"
+            data.pop("retry", None)
+        finally:
+            del self.active[job_id]
+            active.files.close()
+            self.trainer.remove_job(job.name)
+        if lost is not None:
+            active.report_end(self.events, kind, data)
+            raise lost
+        if active.mirror is not None and kind != "failed":   # reported when its results are uploaded
+            self.outputs.leave(active, kind, data)
+            return
+        active.report_end(self.events, kind, data)
+
+    @staticmethod
+    def _lost_reason(error: StageLost) -> str:
+        return (f"its pipeline trainer lost a stage ({error}); the stages were started again and the job resumes "
+                "from its last checkpoint")
+
+    def _pipeline_lost(self: TrainerLoop, error: StageLost) -> None:
+        """A pipeline's stage was lost: every job here goes back to the scheduler (paused, to be started again
+        from its last checkpoint: nothing can be read from the stages any more) and new stages start."""
+        log.error("trainer %s: %s", self.trainer_id, error)
+        for active in list(self.active.values()):
+            del self.active[active.job_id]
+            active.files.close()
+            self.trainer.remove_job(active.job.name)
+            active.report_end(self.events, "paused", {"reason": self._lost_reason(error), "retry": True,
+                                                      "tokens": active.job.tokens_seen,
+                                                      "checkpoint_step": saved_step(active.checkpoint_dir)})
+        self._restart_stages()
+        self._publish_jobs()
+
+    def _restart_stages(self: TrainerLoop) -> str | None:
+        """New stages for a pipeline that lost one: None once they run, else why they could not start (logged;
+        the engine stays lost, and the next job assigned here tries again)."""
+        try:
+            self.trainer.rebuild()
+        except Exception as error:   # logged, and returned to the job that waits for the stages
+            log.exception("trainer %s: its pipeline stages could not be started again; the next job assigned "
+                          "here tries again", self.trainer_id)
+            return f"its pipeline trainer's stages could not be started again ({error})"
+        self.admission = self.new_admission()
+        return None
+
+    @staticmethod
+    def _write(active: ActiveJob, what: str, write: Any) -> Any:
+        """`write()` with a few tries (a full disk may free up), each failure counted against the job's
+        folder; the last OSError is raised."""
+        return with_retries(write, on_failure=lambda error, _tries, _last: active.files.failed_write(error, what))

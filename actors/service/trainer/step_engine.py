@@ -1,0 +1,46 @@
+"""What the trainer loop steps (`StepEngine`): one device's `FusedTrainer` (actors/engine/trainer.py) or a
+pipeline trainer's `PipelineEngine` (actors/service/pipeline/pipeline_engine.py), each a whole implementation of it,
+so that the loop never asks which one it holds.
+
+Where an engine lacks a feature, it says so in data, not by a missing method: `generation_refusal` (why it
+cannot continue a prompt, or None), `rollouts` (a pipeline runs no GRPO job, refused when attached: its
+rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: None, nothing to rebuild)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from actors.engine.models import BaseModel
+from actors.engine.trainer import StepReport
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    step_tokens: int
+    step_count: int
+    jobs: dict[str, Any]
+    lost: Exception | None                 # a pipeline's stage lost (until `rebuild`); None on one device
+
+    @property
+    def base(self) -> BaseModel: ...
+
+    @property
+    def generation_refusal(self) -> str | None:
+        """Why this engine cannot continue a prompt ("try it"), or None."""
+
+    def compose(self, jobs: list[Any], fits: Any = None) -> list[tuple[Any, list[Any]]]: ...
+
+    def rollouts(self, chosen: list[tuple[Any, list[Any]]]) -> tuple[list[tuple[Any, list[Any]]],
+                                                                    list[tuple[Any, Exception]]]: ...
+
+    def run_step(self, chosen: list[tuple[Any, list[Any]]], *, measure: bool = False) -> StepReport: ...
+
+    def remove_job(self, name: str) -> Any: ...
+
+    def evaluate(self, job: Any, examples: list[Any] | None = None, batch_size: int = 8) -> float: ...
+
+    def evaluate_generation(self, jobs: list[Any]) -> list[float]: ...
+
+    def rebuild(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -89,3 +89,70 @@ def test_no_two_modules_share_a_name():
         if path.name != "__init__.py":
             names.setdefault(path.name, []).append(name)
     assert not {n: m for n, m in names.items() if len(m) > 1}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports (a package's name stands for its __init__)."""
+    known = {name for name, _ in modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules():
+        targets = set()
+        for _, imported in project_imports_all(path):
+            while imported and imported not in known:   # `from a.b import name`: the module is a.b
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def project_imports_all(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return [(line, name) for line, name in found if name.split(".")[0] in PACKAGES]
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or round a loop (imports for type checking included: a
+    circle there is a class split over two files)."""
+    assert not circles(import_graph())
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,5 +1,5 @@
 """What a trainer holds for each job it trains: `ActiveJob` from the job's start to its end, and `JobMirror`,
-its mirroring to a storage URI. (How a job starts: job_start.py; the mirroring itself: remote_outputs.py.)"""
+its mirroring to a storage URI. (How a job starts: job_attach.py; the mirroring itself: outputs/remote_outputs.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from typing import Any
 from actors.engine.job import TrainingJob
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, JobFiles
 from actors.service.outputs.tracking import JobTracker
+from actors.service.scheduler.job_data import JobUpdate
 from actors.service.trainer.feed import MicroBatchFeed
 from actors.service.trainer.job_link import Assignment
+from actors.service.trainer.step_engine import StepEngine
 from actors.service.trainer.stop_verdicts import StopVerdicts
 from actors.service.trainer.trainer_reports import EventKind, TrainerEvents
 from actors.storage.storage import StorageLocation
@@ -59,6 +61,24 @@ class ActiveJob:
     @property
     def checkpoint_dir(self) -> Path:
         return self.local_dir / CHECKPOINT_FOLDER
+
+    def evaluate(self, engine: StepEngine, update: JobUpdate) -> tuple[float, float | None]:
+        """Evaluate the job after its last step: its eval loss and, with eval_generate, its generation score;
+        both booked with the job (checkpointed: a resumed job's stop rule sees them), in `update` and with
+        its tracker."""
+        job = self.job
+        eval_loss = engine.evaluate(job)
+        job.evals.append((job.step, eval_loss))
+        update.evals.append((job.step, eval_loss))
+        score = None
+        if job.spec.eval_generate is not None:
+            score = engine.evaluate_generation([job])[0]
+            job.scores.append((job.step, score))
+            update.scores.append((job.step, score))
+        self.last_eval_step = job.step
+        if self.tracker is not None:
+            self.tracker.eval(job.step, eval_loss, score)
+        return eval_loss, score
 
     def report_end(self, events: TrainerEvents, kind: EventKind, data: dict[str, Any]) -> None:
         """Report how the job ended (its tracking finished first, its problems added to its reason)."""

@@ -1,33 +1,47 @@
-"""How a job leaves a trainer loop (a part of `TrainerLoop`, actors/service/trainer/trainer_loop.py):
-checkpointed unless
-it failed, its adapter written when it is done, its end reported; and, on a pipeline trainer that lost a stage,
-every job given back to resume from its last checkpoint while new stages start."""
+"""How a job leaves a trainer loop (`JobEnds`, which the loop in trainer_loop.py holds): checkpointed unless it
+failed, its adapter written when it is done, its end reported; and, on a pipeline trainer that lost a stage,
+every job given back to resume from its last checkpoint (the loop then starts new stages)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from actors.checkpoint import save_checkpoint, saved_step
 from actors.checkpoint.peft_io import save_adapter
 from actors.engine.generation_eval import MetricError
 from actors.service.outputs.job_files import metrics_rows
+from actors.service.outputs.remote_outputs import RemoteOutputs
 from actors.service.pipeline.pipeline_processes import StageLost
 from actors.service.scheduler.job_data import JobUpdate
 from actors.service.scheduler.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.trainer.active_job import ActiveJob
-from actors.service.trainer.trainer_reports import EventKind
-
-if TYPE_CHECKING:
-    from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.service.trainer.step_engine import StepEngine
+from actors.service.trainer.trainer_reports import EventKind, TrainerEvents
+from actors.storage.base_identity import BaseIdentity
 
 log = logging.getLogger(__name__)
 
 
-class JobEnds:
-    """`TrainerLoop`'s job ends (a mixin: it uses the loop's jobs, trainer, events, outputs and identity)."""
+def lost_stage_reason(error: StageLost) -> str:
+    return (f"its pipeline trainer lost a stage ({error}); the stages were started again and the job resumes "
+            "from its last checkpoint")
 
-    def _finish(self: TrainerLoop, active: ActiveJob, kind: EventKind, reason: str, *, retry: bool = False) -> None:
+
+class JobEnds:
+    """A trainer's job ends, over the loop's jobs (`active`, shared with the loop), its step engine, events,
+    outputs and the base's identity that adapters record."""
+
+    def __init__(self, trainer_id: str, engine: StepEngine, active: dict[str, ActiveJob], events: TrainerEvents,
+                 outputs: RemoteOutputs, base_identity: BaseIdentity):
+        self.trainer_id = trainer_id
+        self.engine = engine
+        self.active = active
+        self.events = events
+        self.outputs = outputs
+        self.base_identity = base_identity
+
+    def finish(self, active: ActiveJob, kind: EventKind, reason: str, *, retry: bool = False) -> None:
         """Take a job off the trainer: checkpoint it (unless it failed), write its adapter when it is
         done, and report how it ended. `retry`: a `paused` job the scheduler should start again."""
         job, job_id = active.job, active.job_id
@@ -39,7 +53,7 @@ class JobEnds:
             if kind in ("completed", "stopped_early"):
                 if job.eval_examples and active.last_eval_step != job.step:
                     update = JobUpdate()
-                    data["eval_loss"], score = self._evaluate(active, update)
+                    data["eval_loss"], score = active.evaluate(self.engine, update)
                     if score is not None:
                         data["eval_score"] = score
                     active.assignment.link.update(update)
@@ -55,7 +69,7 @@ class JobEnds:
                 data["checkpoint_step"] = job.step
         except StageLost as error:   # nothing could be read from the stages: it resumes from its last checkpoint
             lost = error
-            kind, data = "paused", {"reason": f"{reason}; then {self._lost_reason(error)}", "retry": True,
+            kind, data = "paused", {"reason": f"{reason}; then {lost_stage_reason(error)}", "retry": True,
                                     "tokens": job.tokens_seen, "checkpoint_step": saved_step(active.checkpoint_dir)}
         except OSError as error:   # the folder refused every try: one clear reason, no false success
             kind, data["reason"] = "failed", (f"{reason}; then writing its results in {active.assignment.output_dir} "
@@ -72,7 +86,7 @@ class JobEnds:
         finally:
             del self.active[job_id]
             active.files.close()
-            self.trainer.remove_job(job.name)
+            self.engine.remove_job(job.name)
         if lost is not None:
             active.report_end(self.events, kind, data)
             raise lost
@@ -81,36 +95,17 @@ class JobEnds:
             return
         active.report_end(self.events, kind, data)
 
-    @staticmethod
-    def _lost_reason(error: StageLost) -> str:
-        return (f"its pipeline trainer lost a stage ({error}); the stages were started again and the job resumes "
-                "from its last checkpoint")
-
-    def _pipeline_lost(self: TrainerLoop, error: StageLost) -> None:
+    def give_back_all(self, error: StageLost) -> None:
         """A pipeline's stage was lost: every job here goes back to the scheduler (paused, to be started again
-        from its last checkpoint: nothing can be read from the stages any more) and new stages start."""
+        from its last checkpoint: nothing can be read from the stages any more)."""
         log.error("trainer %s: %s", self.trainer_id, error)
         for active in list(self.active.values()):
             del self.active[active.job_id]
             active.files.close()
-            self.trainer.remove_job(active.job.name)
-            active.report_end(self.events, "paused", {"reason": self._lost_reason(error), "retry": True,
+            self.engine.remove_job(active.job.name)
+            active.report_end(self.events, "paused", {"reason": lost_stage_reason(error), "retry": True,
                                                       "tokens": active.job.tokens_seen,
                                                       "checkpoint_step": saved_step(active.checkpoint_dir)})
-        self._restart_stages()
-        self._publish_jobs()
-
-    def _restart_stages(self: TrainerLoop) -> str | None:
-        """New stages for a pipeline that lost one: None once they run, else why they could not start (logged;
-        the engine stays lost, and the next job assigned here tries again)."""
-        try:
-            self.trainer.rebuild()
-        except Exception as error:   # logged, and returned to the job that waits for the stages
-            log.exception("trainer %s: its pipeline stages could not be started again; the next job assigned "
-                          "here tries again", self.trainer_id)
-            return f"its pipeline trainer's stages could not be started again ({error})"
-        self.admission = self.new_admission()
-        return None
 
     @staticmethod
     def _write(active: ActiveJob, what: str, write: Any) -> Any:

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 CLOSE_UPLOAD_WAIT_S = 120.0       # at most this long (and upload_timeout_s) a closing trainer waits for uploads
 
 
-class TrainerLoop(JobEnds):
+class TrainerLoop:
     """A trainer's fused steps over its jobs. From any thread: `assign`, `stop_job`, `drain_events`, `status`;
     from the stepping thread: `run_once`, `close`; `active` and `leaving` are the jobs here."""
 
@@ -72,7 +72,7 @@ class TrainerLoop(JobEnds):
         self.admission: StepAdmission | PipelineAdmission
         if engine is not None:
             self.trainer = engine
-            # a pipeline that lost a stage is rebuilt, then admitted anew (`JobEnds._restart_stages`)
+            # a pipeline that lost a stage is rebuilt, then admitted anew (`_restart_stages`)
             self.new_admission = lambda: PipelineAdmission(engine, config.memory_budget_bytes)
             try:
                 self.admission = self.new_admission()
@@ -103,7 +103,8 @@ class TrainerLoop(JobEnds):
         self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
                                            dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
-        self.waits = JobWaits(trainer_id, config, self.events, self.active, self._finish)
+        self.ends = JobEnds(trainer_id, self.trainer, self.active, self.events, self.outputs, self.base_identity)
+        self.waits = JobWaits(trainer_id, config, self.events, self.active, self.ends.finish)
 
     @property
     def base(self) -> BaseModel:
@@ -177,7 +178,7 @@ class TrainerLoop(JobEnds):
             except JobLinkLost as error:   # its job actor died: the job itself is intact
                 self.waits.give_back(active, f"its job actor was lost ({error})")
             except Exception as error:  # noqa: BLE001 - the job's data link broke: that job fails
-                self._finish(active, "failed", f"could not get the job's data: {error!r}")
+                self.ends.finish(active, "failed", f"could not get the job's data: {error!r}")
         report = None
         if ready:
             waits_before = sum(a.feed.waits for a in self.active.values())
@@ -196,7 +197,7 @@ class TrainerLoop(JobEnds):
             except Exception as error:  # the step failed (e.g. out of memory): its jobs fail
                 log.exception("trainer %s: fused step failed", self.trainer_id)
                 for job, _ in chosen:
-                    self._finish(self.active[job.name], "failed", f"fused step failed: {error!r}")
+                    self.ends.finish(self.active[job.name], "failed", f"fused step failed: {error!r}")
                 self._publish_jobs()
                 return None
             self.totals.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
@@ -204,7 +205,7 @@ class TrainerLoop(JobEnds):
             self._after_step(report, predicted, resident, shape.adapter_parameters)
         for active in list(self.active.values()):
             if active.job.done:
-                self._finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
+                self.ends.finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
         self._publish_jobs()
         if report is None:
             self.commands.idle(idle_wait)
@@ -215,7 +216,7 @@ class TrainerLoop(JobEnds):
         failed fails alone, the others' step goes on. (A pipeline trainer runs no GRPO job.)"""
         kept, failed = self.trainer.rollouts(chosen)
         for job, error in failed:
-            self._finish(self.active[job.name], "failed", f"its rollout failed: {error}")
+            self.ends.finish(self.active[job.name], "failed", f"its rollout failed: {error}")
         return kept
 
     # -- commands ---------------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ class TrainerLoop(JobEnds):
                 _, job_id, kind, reason = command
                 active = self.active.get(job_id)
                 if active is not None:
-                    self._finish(active, kind, reason)
+                    self.ends.finish(active, kind, reason)
 
     def _start_all(self, assignments: list[Assignment]) -> None:
         """Start each; where a pipeline's stage is found lost while one starts (that one is given back), the
@@ -324,9 +325,9 @@ class TrainerLoop(JobEnds):
             spec = job.spec
             if job.eval_examples and spec.eval_every and record.step % spec.eval_every == 0:
                 try:
-                    eval_loss, score = self._evaluate(active, update)
+                    eval_loss, score = active.evaluate(self.trainer, update)
                 except MetricError as error:   # a user's metric function: that job fails, the others go on
-                    self._finish(active, "failed", f"evaluation after step {record.step} failed: {error}")
+                    self.ends.finish(active, "failed", f"evaluation after step {record.step} failed: {error}")
                     continue
                 self.events.emit("eval", result.job, record.step, eval_loss=eval_loss, eval_score=score)
                 row["eval_loss"] = eval_loss
@@ -337,25 +338,7 @@ class TrainerLoop(JobEnds):
                 self._checkpoint(active)
             active.verdicts.expect(record.step, active.assignment.link.update(update))
             if active.files.failed:
-                self._finish(active, "failed", active.files.failed)
-
-    def _evaluate(self, active: ActiveJob, update: JobUpdate) -> tuple[float, float | None]:
-        """Evaluate the job after its last step: its eval loss and, with eval_generate, its generation score;
-        both booked with the job (checkpointed: a resumed job's stop rule sees them), in `update` and with
-        its tracker."""
-        job = active.job
-        eval_loss = self.trainer.evaluate(job)
-        job.evals.append((job.step, eval_loss))
-        update.evals.append((job.step, eval_loss))
-        score = None
-        if job.spec.eval_generate is not None:
-            score = self.trainer.evaluate_generation([job])[0]
-            job.scores.append((job.step, score))
-            update.scores.append((job.step, score))
-        active.last_eval_step = job.step
-        if active.tracker is not None:
-            active.tracker.eval(job.step, eval_loss, score)
-        return eval_loss, score
+                self.ends.finish(active, "failed", active.files.failed)
 
     def _checkpoint_due(self, active: ActiveJob, step: int) -> bool:
         every_s = active.job.spec.checkpoint_every_s
@@ -378,6 +361,25 @@ class TrainerLoop(JobEnds):
             return
         self.outputs.checkpoint_saved(active, job.step)   # uploaded in the background; its event when that ends
 
+    # -- a pipeline that lost a stage --------------------------------------------------------------------
+    def _pipeline_lost(self, error: StageLost) -> None:
+        """Every job here goes back to the scheduler (to resume from its last checkpoint) and new stages start."""
+        self.ends.give_back_all(error)
+        self._restart_stages()
+        self._publish_jobs()
+
+    def _restart_stages(self) -> str | None:
+        """New stages for a pipeline that lost one: None once they run, else why they could not start (logged;
+        the engine stays lost, and the next job assigned here tries again)."""
+        try:
+            self.trainer.rebuild()
+        except Exception as error:   # logged, and returned to the job that waits for the stages
+            log.exception("trainer %s: its pipeline stages could not be started again; the next job assigned "
+                          "here tries again", self.trainer_id)
+            return f"its pipeline trainer's stages could not be started again ({error})"
+        self.admission = self.new_admission()
+        return None
+
     def _collect_uploads(self) -> None:
         self.outputs.collect(self.active)
         self._publish_jobs()
@@ -387,7 +389,7 @@ class TrainerLoop(JobEnds):
 
     def close(self) -> None:
         for active in list(self.active.values()):
-            self._finish(active, "paused", "the trainer is shutting down")
+            self.ends.finish(active, "paused", "the trainer is shutting down")
         self.outputs.close(min(self.config.upload_timeout_s, CLOSE_UPLOAD_WAIT_S))
         self._publish_jobs()
         deadline = time.monotonic() + CLOSE_WAIT_S

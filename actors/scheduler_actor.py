@@ -182,17 +182,17 @@ class SchedulerActor:
 
     def progress(self, key: str) -> list[dict[str, Any]]:
         with self.lock:
-            return self.table.progress(self.table.find(key).id)
+            return self.table.progress.of_job(self.table.find(key).id)
 
     def transitions(self, key: str) -> list[tuple[float, str, str]]:
         with self.lock:
-            return self.table.transitions(self.table.find(key).id)
+            return self.table.transitions.of_job(self.table.find(key).id)
 
     def transitions_after(self, after: int | None, limit: int = 1000) -> tuple[int, list[dict[str, Any]]]:
         """The newest transition's number and the transitions after `after` (None: none, only the number),
         as `JobTable.transitions_after`: what the HTTP API's event stream follows."""
         with self.lock:
-            return self.table.last_transition(), ([] if after is None else self.table.transitions_after(after, limit))
+            return self.table.transitions.last(), ([] if after is None else self.table.transitions.after(after, limit))
 
     def cancel(self, key: str, reason: str = "cancelled by the user") -> JobRecord:
         with self.lock:
@@ -268,7 +268,7 @@ class SchedulerActor:
 
     def accounts(self) -> list[dict[str, Any]]:
         """What each user's jobs used (`JobTable.accounts`): jobs, trained tokens, step-seconds, GPU-seconds."""
-        return [{"user": user, **usage} for user, usage in self.table.accounts().items()]
+        return [{"user": user, **usage} for user, usage in self.table.usage.accounts().items()]
 
     def cancel_sweep(self, name: str) -> dict[str, Any]:
         with self.lock:
@@ -378,7 +378,7 @@ class SchedulerJobs:
         return self.scheduler.table.get(job_id)
 
     def losses(self, job_id: str) -> list[dict[str, Any]]:
-        return self.scheduler.table.progress(job_id)
+        return self.scheduler.table.progress.of_job(job_id)
 
     def cancel(self, job_id: str, reason: str) -> None:
         self.scheduler.cancel(job_id, reason)

@@ -45,7 +45,7 @@ def fill_table(path: Path, jobs: int, steps: int, first: int = 0) -> list[str]:
         record = table.add(f"job-{number}", submission(f"job-{number}"), Path(f"/out/job-{number}"))
         with table.transaction():
             for step in range(1, steps + 1):
-                table.add_progress(record.id, {"step": step, "loss": 1.0 / step, "tokens": 100})
+                table.progress.add(record.id, {"step": step, "loss": 1.0 / step, "tokens": 100})
         ids.append(record.id)
     table.close()
     return ids
@@ -145,7 +145,7 @@ def test_a_read_that_meets_damage_after_the_table_opened_says_the_same(tmp_path)
         path.write_bytes(os.urandom(path.stat().st_size))   # the same file (inode), its bytes replaced
         with pytest.raises(JobTableDamaged, match=rf"the job table {path} is damaged .* to go back to its backup"):
             for job_id in ids:
-                table.progress(job_id)
+                table.progress.of_job(job_id)
     finally:
         table.close()
 
@@ -167,7 +167,7 @@ WRITER = textwrap.dedent("""
         for job_id in ids:
             with table.transaction():   # 25 rows and the job's step, together (the log is checkpointed often)
                 for row in range(step + 1, step + 26):
-                    table.add_progress(job_id, {"step": row, "loss": 1.0, "tokens": 10})
+                    table.progress.add(job_id, {"step": row, "loss": 1.0, "tokens": 10})
                 table.update(job_id, step=step + 25, tokens=10 * (step + 25))
         step += 25
 """)

@@ -44,11 +44,11 @@ class EventBooking:
         if kind == "started":
             self._started(trainer_id, event)
         elif kind == "progress":
-            self.table.add_progress(job_id, data)
+            self.table.progress.add(job_id, data)
             self.table.update(job_id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
                               tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"))
         elif kind == "eval":
-            self.table.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
+            self.table.progress.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
             self.table.update(job_id, eval_loss=data["eval_loss"])
         elif kind == "checkpoint" and data.get("upload_error"):   # the uploaded checkpoint is an older one
             self.table.update(job_id, reason=f"training on {trainer_id}; {data['upload_error']}")
@@ -73,7 +73,7 @@ class EventBooking:
                 if data.get(key) is not None:
                     columns[key] = data[key]
             if "eval_loss" in data:
-                self.table.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
+                self.table.progress.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
             self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
             if state is not None:
                 after(lambda: (setattr(state, "preempting", None), setattr(state, "moving_to", None)))
@@ -88,7 +88,7 @@ class EventBooking:
         seconds, gpus = float(row.get("seconds") or 0.0), int(row.get("gpus") or 0)
         for job_id, count in tokens.items():
             share = seconds * count / total
-            self.table.add_usage(job_id, int(count), share, share * gpus)
+            self.table.usage.add(job_id, int(count), share, share * gpus)
 
     def _started(self, trainer_id: str, event: TrainerEvent) -> None:
         """A job began (or resumed) on its trainer: a resumed job's history is the checkpoint's."""
@@ -96,13 +96,13 @@ class EventBooking:
         resumed = data.get("resumed_from")
         columns = {}
         if resumed is not None:   # the checkpoint's history is the truth: steps after it are replayed
-            self.table.forget_progress_after(job_id, resumed)
+            self.table.progress.forget_after(job_id, resumed)
             for row in data.get("history", []):
-                self.table.add_progress(job_id, row)
+                self.table.progress.add(job_id, row)
             for step, eval_loss in data.get("evals", []):   # add_progress replaced those rows whole
-                self.table.add_eval(job_id, step, eval_loss)
+                self.table.progress.add_eval(job_id, step, eval_loss)
             for step, score in data.get("scores", []):
-                self.table.add_eval(job_id, step, None, score)
+                self.table.progress.add_eval(job_id, step, None, score)
             last = data["history"][-1] if data.get("history") else {}
             columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
         reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")

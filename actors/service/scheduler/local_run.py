@@ -164,7 +164,7 @@ def _assignment(table: JobTable, job_id: str, base: BaseModel) -> Assignment:
 
 
 def _summary(record: JobRecord, table: JobTable) -> JobSummary:
-    rows = table.progress(record.id)
+    rows = table.progress.of_job(record.id)
     losses = [row["loss"] for row in rows if row.get("loss") is not None]
     evals = [(row["step"], row["eval_loss"]) for row in rows if row.get("eval_loss") is not None]
     return JobSummary(name=record.name, state=record.state, steps=record.step, tokens=record.tokens,

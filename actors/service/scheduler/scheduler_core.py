@@ -216,8 +216,8 @@ class SchedulerCore:
             except UsersFileError as error:   # the operator is told; scheduling goes on as without users
                 log.error("scheduler: %s", error)
                 users = []
-            window = self.table.tokens_by_user(now - self.fair_share_window_s)
-            day = self.table.tokens_by_user(now - 86_400)
+            window = self.table.usage.tokens_by_user(now - self.fair_share_window_s)
+            day = self.table.usage.tokens_by_user(now - 86_400)
             for user in users:
                 standing[user.name] = UserShare(share=user.share, trained_tokens=window.get(user.name, 0),
                                                 max_running=user.max_running, tokens_per_day=user.tokens_per_day,

@@ -128,12 +128,12 @@ class Submissions:
                 continue   # refused per job (`_user`)
             new = sum(s.user == name for s in submissions)
             if user.max_queued is not None:
-                queued = self.table.unfinished_of(name).get("queued", 0)
+                queued = self.table.usage.unfinished_of(name).get("queued", 0)
                 if queued + new > user.max_queued:
                     problems.append(f"user {name}: quota queued={user.max_queued}: {queued} of their jobs are queued "
                                     f"and this adds {new}; wait for some to start or end, or ask the operator")
             if user.tokens_per_day is not None:
-                trained = self.table.tokens_by_user(time.time() - 86_400).get(name, 0)
+                trained = self.table.usage.tokens_by_user(time.time() - 86_400).get(name, 0)
                 if trained >= user.tokens_per_day:
                     problems.append(f"user {name}: quota tokens_per_day={user.tokens_per_day}: their jobs trained "
                                     f"{trained} tokens over the last 24 hours; submit again later")

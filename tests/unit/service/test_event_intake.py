@@ -64,10 +64,10 @@ def test_events_wait_for_a_locked_table_with_backoff_and_land_once_in_order(tmp_
     assert intake.apply_all()        # the lock is gone: everything lands, in the order it was reported
     assert heard == [("trainer-0", "progress", 1), ("trainer-0", "progress", 2), ("trainer-0", "progress", 3),
                      ("trainer-0", "completed", 3)]
-    assert [row["step"] for row in table.progress(a)] == [1, 2, 3]
+    assert [row["step"] for row in table.progress.of_job(a)] == [1, 2, 3]
     assert table.get(a).state == "completed" and table.get(a).tokens == 300
     assert intake.waiting() == 0 and intake.backoff == TABLE_RETRY_S[0]   # the next lock starts again short
-    assert intake.apply_all() and len(heard) == 4 and len(table.progress(a)) == 3   # nothing booked twice
+    assert intake.apply_all() and len(heard) == 4 and len(table.progress.of_job(a)) == 3   # nothing booked twice
 
 
 def test_a_lost_trainers_jobs_are_queued_again_only_after_what_it_reported_before(tmp_path):
@@ -104,7 +104,7 @@ def test_what_a_locked_table_did_not_take_before_the_stop_is_booked_at_the_next_
         spilled = intake.spill()
     assert spilled == state_dir / UNAPPLIED_EVENTS
     assert len(spilled.read_text().splitlines()) == 4     # the events; the lost trainer is left to `recover`
-    assert table.progress(a) == [] and table.get(a).state == "running"
+    assert table.progress.of_job(a) == [] and table.get(a).state == "running"
     table.close()
 
     table = JobTable(state_dir / "jobs.sqlite", busy_timeout=BUSY_S)   # the next start
@@ -112,9 +112,9 @@ def test_what_a_locked_table_did_not_take_before_the_stop_is_booked_at_the_next_
     again = EventIntake(table, core, state_dir)
     assert again.replay() == 4
     assert not spilled.exists()
-    assert [row["step"] for row in table.progress(a)] == [1, 2] and table.get(a).state == "completed"
+    assert [row["step"] for row in table.progress.of_job(a)] == [1, 2] and table.get(a).state == "completed"
     assert table.get(b).eval_loss == 1.5
-    assert again.replay() == 0 and len(table.progress(a)) == 2    # booked once
+    assert again.replay() == 0 and len(table.progress.of_job(a)) == 2    # booked once
 
 
 def test_a_drain_with_the_table_free_books_everything_and_spills_nothing(tmp_path):
@@ -123,4 +123,4 @@ def test_a_drain_with_the_table_free_books_everything_and_spills_nothing(tmp_pat
     intake.put("trainer-0", [progress(a, 1)])
     assert intake.drain(timeout_s=5.0)
     assert intake.spill() is None and not (tmp_path / "state" / UNAPPLIED_EVENTS).exists()
-    assert [row["step"] for row in table.progress(a)] == [1]
+    assert [row["step"] for row in table.progress.of_job(a)] == [1]

@@ -151,8 +151,8 @@ def test_an_older_job_table_gains_the_score_column(tmp_path):
     db.commit()
     db.close()
     table = JobTable(path)
-    table.add_eval("j", 1, None, 0.25)
-    table.add_eval("j", 2, 2.4, 0.5)
-    assert [(r["step"], r["loss"], r["eval_loss"], r["eval_score"]) for r in table.progress("j")] == [
+    table.progress.add_eval("j", 1, None, 0.25)
+    table.progress.add_eval("j", 2, 2.4, 0.5)
+    assert [(r["step"], r["loss"], r["eval_loss"], r["eval_score"]) for r in table.progress.of_job("j")] == [
         (1, 2.5, 2.7, 0.25), (2, None, 2.4, 0.5)]
     table.close()

@@ -121,7 +121,7 @@ def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
             status = loop.status()
             listener.trainer_polled(status, events)
             listener.tick(table.all(), table.counts(), [status])
-            listener.accounts([{"user": user, **usage} for user, usage in table.accounts().items()])
+            listener.accounts([{"user": user, **usage} for user, usage in table.usage.accounts().items()])
             steps.extend(e.data for e in events if e.kind == "step")
             if done():
                 return status

@@ -134,7 +134,7 @@ def test_a_job_moved_between_real_trainer_loops_ends_like_a_solo_run(tmp_path, t
     assert all(r.state == "completed" for r in records), [(r.name, r.state, r.reason) for r in records]
     assert len(moves) == 1, moves
     moved = core.table.get(moves[0].job)
-    reasons = [reason for _, _, reason in core.table.transitions(moved.id)]
+    reasons = [reason for _, _, reason in core.table.transitions.of_job(moved.id)]
     assert any("then training on trainer-1, resumed from step" in r for r in reasons), reasons
     stepped = {tid: [json.loads(line)["jobs"] for line in (tmp_path / "state" / "trainers" / f"{tid}.jsonl")
                      .read_text().splitlines()] for tid in loops}

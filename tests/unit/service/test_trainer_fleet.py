@@ -138,7 +138,7 @@ def test_trainers_start_on_each_node_and_their_events_reach_the_table(tmp_path):
     assert fleet.all_started() and [s.trainer_id for s in fleet.ready_statuses()] == ["trainer-0", "trainer-1"]
     cluster.current("trainer-0").answer_poll([progress(a, 1), progress(b, 1)], jobs=[a, b])
     fleet.watch_all()
-    assert intake.waiting("trainer-0") == 2 and table.progress(a) == []
+    assert intake.waiting("trainer-0") == 2 and table.progress.of_job(a) == []
     assert intake.apply_all()
     assert table.get(a).step == 1 and table.get(b).step == 1
     described = {t["id"]: t for t in fleet.describe()}

@@ -55,7 +55,7 @@ def test_one_row_per_change_of_state_while_readers_read(tmp_path):
         stop.set()
         for reader in readers:
             reader.join()
-    rows = core.table.transitions("job")
+    rows = core.table.transitions.of_job("job")
     assert not doubled and not _states_in_a_row(rows)
     assert max(seen) > 1   # the readers read while rows were written
     states = [state for _, state, _ in rows]

@@ -184,7 +184,7 @@ def test_the_scheduler_serves_the_least_served_user_and_refuses_past_quotas(tmp_
         return core.submit(JobSubmission(job=job_dict(name, data, 5), user=user)).id
 
     first = submit("a-0", "a")
-    table.add_progress(first, {"step": 1, "loss": 2.0, "tokens": 5000})   # a has trained already
+    table.progress.add(first, {"step": 1, "loss": 2.0, "tokens": 5000})   # a has trained already
     a_jobs = [first] + [submit(f"a-{i}", "a") for i in range(1, 20)]
     b_job = submit("b-0", "b")
     one_slot = replace(fake_status("trainer-0", "smollm2-135m"), max_jobs=1)
@@ -236,7 +236,7 @@ def test_the_accounts_add_up_to_the_trainers_step_log(tmp_path, tiny_base, tiny_
             core.booking.apply_event("trainer-t", event)
     rows = [json.loads(line) for line in (state / "trainers" / "trainer-t.jsonl").read_text().splitlines()]
     assert any(len(row["job_tokens"]) == 2 for row in rows)            # the two users' jobs shared steps
-    accounts = table.accounts()
+    accounts = table.usage.accounts()
     for record in records:
         logged = sum(row["job_tokens"].get(record.id, 0) for row in rows)
         assert accounts[record.user]["tokens"] == logged > 0

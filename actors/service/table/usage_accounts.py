@@ -1,0 +1,45 @@
+"""What each user's jobs used, from the job table: the tokens, step-seconds and GPU-seconds of every fused step
+a job took part in (booked per job), summed per user for accounts, quotas and fair share."""
+
+from __future__ import annotations
+
+from actors.service.table.table_connection import TableConnection, reads
+
+
+class UsageAccounts:
+    """The usage columns of a job table's `jobs` rows, and the sums per user over them and its progress rows."""
+
+    def __init__(self, connection: TableConnection):
+        self.connection = connection
+        self.db = connection.db
+
+    def add(self, job_id: str, tokens: int, step_seconds: float, gpu_seconds: float) -> None:
+        """A fused step's share of a job: its real tokens, its share of the step's time by those tokens, and
+        that time the GPUs the step ran on."""
+        with self.connection.transaction():
+            self.db.execute("UPDATE jobs SET account_tokens = account_tokens + ?, step_seconds = step_seconds + ?, "
+                            "gpu_seconds = gpu_seconds + ? WHERE id = ?", (tokens, step_seconds, gpu_seconds, job_id))
+
+    @reads
+    def accounts(self) -> dict[str | None, dict[str, float]]:
+        """Each user's jobs and what they used (None: an operator's jobs): trained tokens, step-seconds and
+        GPU-seconds, summed over every fused step their jobs took part in."""
+        rows = self.db.execute("SELECT user, COUNT(*), SUM(account_tokens), SUM(step_seconds), SUM(gpu_seconds) "
+                               "FROM jobs GROUP BY user")
+        return {user: {"jobs": jobs, "tokens": int(tokens or 0), "step_seconds": float(seconds or 0.0),
+                       "gpu_seconds": float(gpu or 0.0)} for user, jobs, tokens, seconds, gpu in rows}
+
+    @reads
+    def tokens_by_user(self, since: float) -> dict[str | None, int]:
+        """The tokens each user's jobs trained since the time `since` (None: an operator's jobs)."""
+        rows = self.db.execute("SELECT jobs.user, SUM(progress.tokens) FROM progress JOIN jobs ON progress.job_id = "
+                               "jobs.id WHERE progress.time >= ? AND progress.tokens IS NOT NULL GROUP BY jobs.user",
+                               (since,))
+        return {user: int(total or 0) for user, total in rows}
+
+    @reads
+    def unfinished_of(self, user: str) -> dict[str, int]:
+        """How many of the user's jobs are in each unfinished state."""
+        rows = self.db.execute("SELECT state, COUNT(*) FROM jobs WHERE user = ? AND state IN ('queued', 'running', "
+                               "'paused') GROUP BY state", (user,))
+        return dict(rows)

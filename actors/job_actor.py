@@ -20,12 +20,11 @@ from policies.stopping import LossHistory, Verdict
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class JobActor:
-    def __init__(self, job_id: str, submission_json: str, cache_dir: str, storage_json: str | None = None):
-        """`storage_json`: the service's `storage:` settings (StorageConfig JSON): how its data URI is read."""
+    def __init__(self, job_id: str, submission: JobSubmission, cache_dir: str, storage: StorageConfig | None = None):
+        """`storage`: the service's `storage:` settings: how its data URI is read."""
         background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
-        if storage_json is not None:
-            configure_storage(StorageConfig.model_validate_json(storage_json).settings())
-        submission = JobSubmission.model_validate_json(submission_json)
+        if storage is not None:
+            configure_storage(storage.settings())
         # imported here, in the job's own process: transformers (and the torch it imports) take seconds, and
         # the scheduler that creates this actor imports this module without needing them
         from actors.storage.sources import load_base_tokenizer

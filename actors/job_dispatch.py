@@ -18,9 +18,12 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.job_actor import JobActor
+from actors.ray_links import ActorJobLink
+from actors.service.scheduler.config import StorageConfig
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobTable
-from actors.storage.storage import StorageUnreachable
+from actors.service.trainer.job_link import Assignment
+from actors.storage.storage import StorageUnreachable, as_location
 from policies.base import Start
 
 log = logging.getLogger(__name__)
@@ -45,10 +48,10 @@ class JobStarts:
     """The job actors of a scheduler and the jobs on their way to a trainer (called under its lock)."""
 
     def __init__(self, table: JobTable, core: SchedulerCore, state_dir: Path,
-                 node_of: Callable[[str], str | None] = lambda trainer_id: None, storage_json: str | None = None):
+                 node_of: Callable[[str], str | None] = lambda trainer_id: None, storage: StorageConfig | None = None):
         """`node_of`: the node a trainer runs on (None: unknown; the job actor goes where Ray puts it).
-        `storage_json`: the service's `storage:` settings (StorageConfig JSON), handed to every job actor."""
-        self.storage_json = storage_json
+        `storage`: the service's `storage:` settings, handed to every job actor."""
+        self.storage = storage
         self.node_of = node_of
         self.table = table
         self.core = core
@@ -85,13 +88,13 @@ class JobStarts:
                 # not soft: Ray's soft affinity sends a 0-CPU actor elsewhere when the node's CPUs are all held (by
                 # its trainer); a node that is gone fails the start, and the job starts again with a new actor
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-            actor = JobActor.options(**options).remote(job_id, submission.model_dump_json(),
-                                                       str(self.state_dir / "cache"), storage_json=self.storage_json)
+            actor = JobActor.options(**options).remote(job_id, submission, str(self.state_dir / "cache"),
+                                                       storage=self.storage)
             log.info("job %s: a new job actor, next to %s (node %s)", job_id, start.trainer, (node or "any")[:8])
             self.actors[job_id] = actor
         self.starting[job_id] = StartingJob(start.trainer, actor, actor.prepare.remote(), round_number)
 
-    def finish(self, assign: Callable[[str, list[tuple]], Any]) -> None:
+    def finish(self, assign: Callable[[str, list[Assignment]], Any]) -> None:
         """Hand prepared jobs to their trainers: a decision round's jobs together (so that jobs submitted
         together train together from their first step), unless one of them takes too long."""
         ready = {job_id for job_id, s in self.starting.items() if ray.wait([s.prepare_ref], timeout=0)[0]}
@@ -99,7 +102,7 @@ class JobStarts:
         for job_id, starting in self.starting.items():
             groups.setdefault(starting.group, []).append(job_id)
         now = time.time()
-        batches: dict[str, list[tuple]] = {}
+        batches: dict[str, list[Assignment]] = {}
         for members in groups.values():
             overdue = any(now - self.starting[j].since > GROUP_WAIT_S for j in members)
             if not overdue and not all(j in ready for j in members):
@@ -114,7 +117,7 @@ class JobStarts:
         for trainer_id, assignments in batches.items():
             assign(trainer_id, assignments)
 
-    def _prepared(self, job_id: str, starting: StartingJob) -> tuple | None:
+    def _prepared(self, job_id: str, starting: StartingJob) -> Assignment | None:
         record = self.table.get(job_id)
         if record.state != "running" or record.trainer != starting.trainer_id:
             return None  # cancelled, paused or requeued meanwhile
@@ -132,7 +135,8 @@ class JobStarts:
             return None
         self.table.update(job_id, total_steps=summary.total_steps)
         submission = self.table.submission(job_id)
-        return (job_id, submission.model_dump_json(), record.output_dir, summary, eval_examples, starting.actor)
+        return Assignment(job_id=job_id, submission=submission, output_dir=as_location(record.output_dir),
+                          data=summary, eval_examples=eval_examples, link=ActorJobLink(starting.actor))
 
     def release(self) -> None:
         """Let go of the job actors of jobs that ended, paused or must get a new one."""

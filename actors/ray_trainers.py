@@ -12,8 +12,9 @@ from ray.exceptions import ActorUnavailableError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.service.scheduler.cluster_plan import NodeInfo
-from actors.service.scheduler.config import NAMESPACE, TrainerConfig
+from actors.service.scheduler.config import NAMESPACE, StorageConfig, TrainerConfig
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerUnavailable
+from actors.service.trainer.job_link import Assignment
 from actors.trainer_actor import TrainerActor
 
 
@@ -60,11 +61,11 @@ class RefCall:
 class RayTrainers:
     """`TrainerHandles` on Ray, for a scheduler actor: trainers named `<service>.<trainer>.<incarnation>.<n>`."""
 
-    def __init__(self, incarnation: str, state_dir: str, policy: str, storage_json: str):
+    def __init__(self, incarnation: str, state_dir: str, policy: str, storage: StorageConfig):
         self.incarnation = incarnation
         self.state_dir = state_dir
         self.policy = policy
-        self.storage_json = storage_json
+        self.storage = storage
 
     def nodes(self) -> list[NodeInfo]:
         return alive_nodes()
@@ -78,8 +79,8 @@ class RayTrainers:
                                    "namespace": NAMESPACE}
         if node is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        handle = TrainerActor.options(**options).remote(trainer_id, config.model_dump_json(), self.state_dir,
-                                                        threads, self.policy, storage_json=self.storage_json,
+        handle = TrainerActor.options(**options).remote(trainer_id, config, self.state_dir,
+                                                        threads, self.policy, storage=self.storage,
                                                         scheduler=scheduler)
         return handle, name
 
@@ -89,7 +90,7 @@ class RayTrainers:
     def poll(self, handle: Any) -> RefCall:
         return RefCall(handle.poll.remote())
 
-    def assign(self, handle: Any, assignments: list[tuple]) -> None:
+    def assign(self, handle: Any, assignments: list[Assignment]) -> None:
         handle.assign.remote(assignments)
 
     def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None:

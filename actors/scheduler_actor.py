@@ -32,7 +32,7 @@ from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
-from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest, SubmissionError
+from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
 from actors.service.sweeps.sweep_book import SweepBook
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
@@ -42,6 +42,7 @@ from actors.service.trainer.loop_errors import LoopErrors
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.spec import JobSpec, JobSubmission
 from actors.spec.sweep_spec import SweepSpec
+from actors.spec.typed_args import expect_type
 from actors.storage.storage import configure_storage
 from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
@@ -70,13 +71,15 @@ def build_listeners(factory: str | None, config: ServiceConfig) -> list:
 
 @ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)
 class SchedulerActor:
-    def __init__(self, config_json: str, listeners: str | None = None):
+    def __init__(self, config: ServiceConfig, listeners: str | None = None):
         """`listeners`: 'module:function' that builds the service's listeners from its configuration (the
         client passes `orchestrator.observability:service_listeners`: metrics and MQTT events); None: none.
-        Named, not imported here, so that this layer does not depend on the user-facing one above it."""
+        Named, not imported here, so that this layer does not depend on the user-facing one above it. Specs
+        and settings arrive as the validated objects their caller built (pydantic models pickle without being
+        validated again); the job table keeps each submission as JSON, read back when needed."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
-        self.config = ServiceConfig.model_validate_json(config_json)
+        self.config = expect_type(config, ServiceConfig, "the service's configuration")
         configure_storage(self.config.storage.settings())   # and each trainer and job actor it starts
         self.state_dir = Path(self.config.state_dir).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -95,9 +98,8 @@ class SchedulerActor:
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, self.state_dir, on_event=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
-        storage_json = self.config.storage.model_dump_json()
         self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(self.state_dir), self.config.policy,
-                                                     storage_json),
+                                                     self.config.storage),
                                   self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
                                   cluster_poll_s=self.config.cluster_poll_s,
                                   on_polled=lambda status: self.listeners.trainer_polled(status, []))
@@ -112,7 +114,7 @@ class SchedulerActor:
             log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until "
                         "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
         self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self.fleet.node_of,
-                                    storage_json=storage_json)
+                                    storage=self.config.storage)
         self.core.node_of = self.fleet.node_of
         self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self))
         self.rounds = 0
@@ -150,27 +152,21 @@ class SchedulerActor:
             time.sleep(0.1)
         raise TimeoutError(f"trainers not ready after {timeout:.0f}s: {self.info()['trainers']}")
 
-    def submit(self, submission_json: str) -> JobRecord:
-        return self.submit_many([submission_json])[0]
+    def submit(self, submission: JobSubmission) -> JobRecord:
+        return self.submit_many([submission])[0]
 
-    def submit_many(self, submissions_json: list[str], job_ids: list[str] | None = None) -> list[JobRecord]:
+    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
         """Jobs submitted together start together (one decision round; see `Submissions.submit_many`).
         All or none: a bad one is named and nothing is entered."""
-        submissions, problems = [], []
-        for index, text in enumerate(submissions_json):
-            try:
-                submissions.append(JobSubmission.model_validate_json(text))
-            except ValueError as error:
-                problems.append(f"submission {index + 1} of {len(submissions_json)}: {error}")
-        if problems:
-            raise SubmissionError("nothing was submitted: " + "; ".join(problems))
+        for index, submission in enumerate(submissions):
+            expect_type(submission, JobSubmission, f"submission {index + 1} of {len(submissions)}")
         with self.lock:
-            return self.core.submit_many(submissions, job_ids)
+            return self.core.submit_many(list(submissions), job_ids)
 
-    def submission(self, key: str) -> str:
-        """The job's submission as stored (JSON), e.g. to compare a jobs file against it."""
+    def submission(self, key: str) -> JobSubmission:
+        """The job's submission as stored, e.g. to compare a jobs file against it."""
         with self.lock:
-            return self.table.submission(self.table.find(key).id).model_dump_json()
+            return self.table.submission(self.table.find(key).id)
 
     def jobs(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
         with self.lock:
@@ -250,9 +246,9 @@ class SchedulerActor:
             return self.fleet.describe()
 
     # -- sweeps ---------------------------------------------------------------------------------------------
-    def submit_sweep(self, spec_json: str) -> dict[str, Any]:
-        """Take a sweep (validated again here); its first trials start at the next tick."""
-        spec = SweepSpec.model_validate_json(spec_json)
+    def submit_sweep(self, spec: SweepSpec) -> dict[str, Any]:
+        """Take a sweep (a validated `SweepSpec`); its first trials start at the next tick."""
+        expect_type(spec, SweepSpec, "the sweep")
         with self.lock:
             if spec.user is not None:   # its user's trials may read its data: refused now, not at its first trial
                 self.core.submissions.check_reader(spec.job, spec.user)

@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ray
 
 from actors.niceness import normal_priority
-from actors.ray_links import ActorJobLink
 from actors.service.scheduler.config import StorageConfig, TrainerConfig
-from actors.service.scheduler.job_data import DataSummary
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
-from actors.spec.spec import JobSubmission
-from actors.storage.storage import as_location, configure_storage
-
-if TYPE_CHECKING:
-    from actors.data import Example
+from actors.spec.typed_args import expect_type
+from actors.storage.storage import configure_storage
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +51,15 @@ IDLE_WAIT_S = 0.05   # without jobs, how long a tick waits before letting queued
 
 @ray.remote(max_restarts=0)
 class TrainerActor:
-    def __init__(self, trainer_id: str, config_json: str, state_dir: str, threads: int | None = None,
-                 policy: str | None = None, storage_json: str | None = None, scheduler: str | None = None):
+    def __init__(self, trainer_id: str, config: TrainerConfig, state_dir: str, threads: int | None = None,
+                 policy: str | None = None, storage: StorageConfig | None = None, scheduler: str | None = None):
         """`policy`: the service's policy; where it composes steps (`compose_step`, e.g. minpad), the
-        trainer loads it and lets it choose which jobs share each step. `storage_json`: the service's
-        `storage:` settings (StorageConfig JSON): how its jobs' storage URIs are reached. `scheduler`: the
+        trainer loads it and lets it choose which jobs share each step. `storage`: the service's
+        `storage:` settings: how its jobs' storage URIs are reached. `scheduler`: the
         scheduler actor's name, told each phase of the set-up as it begins (`aspen run` shows them)."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-        config = TrainerConfig.model_validate_json(config_json)
-        if storage_json is not None:
-            configure_storage(StorageConfig.model_validate_json(storage_json).settings())
+        if storage is not None:
+            configure_storage(storage.settings())
         normal_priority()
         # imported here, in the trainer's own process: torch, transformers and the engine take seconds to
         # import, and the scheduler that creates trainers imports this module without needing them
@@ -112,13 +105,9 @@ class TrainerActor:
     def poll(self) -> tuple[TrainerStatus, list[TrainerEvent]]:
         return self.loop.status(), self.loop.drain_events()
 
-    def assign(self, jobs: list[tuple[str, str, str, DataSummary, list[Example], ray.actor.ActorHandle]]) -> None:
-        """Jobs to start, all at the same step boundary: (job id, submission JSON, output folder, data
-        summary, eval examples, its JobActor) each."""
-        self.loop.assign([Assignment(job_id=job_id, submission=JobSubmission.model_validate_json(submission),
-                                     output_dir=as_location(output_dir), data=summary, eval_examples=eval_examples,
-                                     link=ActorJobLink(job_actor))
-                          for job_id, submission, output_dir, summary, eval_examples, job_actor in jobs])
+    def assign(self, assignments: list[Assignment]) -> None:
+        """Jobs to start, all at the same step boundary, each with its link to its JobActor."""
+        self.loop.assign([expect_type(a, Assignment, "an assignment") for a in assignments])
 
     def stop_job(self, job_id: str, kind: str, reason: str) -> None:
         self.loop.stop_job(job_id, kind, reason)

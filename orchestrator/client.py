@@ -150,7 +150,7 @@ class Client:
 
         name = name or f"{SCHEDULER_NAME}-local-{uuid.uuid4().hex[:8]}"
         scheduler = SchedulerActor.options(name=name, namespace=NAMESPACE, **_on_head_node()).remote(
-            config.model_dump_json(), LISTENERS)
+            config, LISTENERS)
         client = cls(scheduler, owned=True)
         if wait_ready:
             client.wait_ready()
@@ -177,8 +177,7 @@ class Client:
         from actors.scheduler_actor import SchedulerActor
 
         scheduler = SchedulerActor.options(name=SCHEDULER_NAME, namespace=NAMESPACE, lifetime="detached",
-                                           get_if_exists=True, **_on_head_node()).remote(config.model_dump_json(),
-                                                                                          LISTENERS)
+                                           get_if_exists=True, **_on_head_node()).remote(config, LISTENERS)
         return cls(scheduler)
 
     def _request(self, method: str, *args: Any, timeout: float | None = 120) -> Any:
@@ -279,7 +278,7 @@ class Client:
         """Enter submissions already validated (`JobSubmission`s), all or none, and return their records (what
         the HTTP API calls: plain data, no handles)."""
         ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]   # a repeated request finds them
-        return self._request("submit_many", [s.model_dump_json() for s in submissions], ids)
+        return self._request("submit_many", list(submissions), ids)
 
     def _submit(self, submission: JobSubmission) -> JobHandle:
         return self._submit_many([submission])[0]
@@ -317,7 +316,7 @@ class Client:
             spec = sweep_spec_from(spec, source="<sweep>", base_dir=Path.cwd())
         if not isinstance(spec, SweepSpec):
             raise SpecError(f"expected a sweep file, a dict or a SweepSpec, got {type(spec).__name__}")
-        return self._request("submit_sweep", spec.model_dump_json())
+        return self._request("submit_sweep", spec)
 
     def sweep_status(self, name: str) -> dict[str, Any]:
         """`{"name", "state" (running, done, cancelled, failed), "error", "trials": [{"name", "settings", "state",
@@ -349,7 +348,7 @@ class Client:
 
     def submission(self, job: str) -> JobSubmission:
         """The job's submission as the service stored it."""
-        return JobSubmission.model_validate_json(self._request("submission", job))
+        return self._request("submission", job)
 
     def losses(self, job: str) -> list[dict[str, Any]]:
         return self._request("progress", job)

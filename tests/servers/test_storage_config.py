@@ -88,11 +88,11 @@ def test_a_job_actor_on_ray_reads_its_data_through_the_configured_endpoint(ray_s
     # the actor's environment (as its node's `ray start` would give it): a dead endpoint, credentials by other names
     env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{_closed_port()}", "AWS_EC2_METADATA_DISABLED": "true",
            "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", **CREDENTIALS}
-    storage = StorageConfig.model_validate(_storage(s3_server)).model_dump_json()
+    storage = StorageConfig.model_validate(_storage(s3_server))
     configured = JobActor.options(runtime_env={"env_vars": env}).remote(
-        "remote-1", submission.model_dump_json(), str(tmp_path / "cache"), storage_json=storage)
+        "remote-1", submission, str(tmp_path / "cache"), storage=storage)
     unconfigured = JobActor.options(runtime_env={"env_vars": env}).remote(
-        "remote-2", submission.model_dump_json(), str(tmp_path / "cache"))
+        "remote-2", submission, str(tmp_path / "cache"))
     try:
         summary, _ = ray_session.get(configured.prepare.remote(), timeout=120)
         assert summary.total_steps == 3

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine.models import load_base_model
 from actors.service.scheduler.local_run import train_locally
-from actors.spec.spec import RunSpec
+from actors.spec.spec import JobSubmission, RunSpec
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.helpers.service import (
@@ -98,6 +98,13 @@ def test_bad_specs_fail_at_submit_and_unheld_base_models_wait_with_a_reason(serv
     assert record.state == "queued"
     assert "some-org/model-nobody-holds" in record.reason and "trainers hold" in record.reason
     assert service.cancel(handle.id).state == "cancelled"
+    # specs cross to the scheduler as the validated objects the client built; anything else is refused there,
+    # saying what came, and nothing is entered
+    before = len(service.jobs())
+    with pytest.raises(TypeError, match=r"submission 1 of 1 must arrive as a actors\.spec\.spec\.JobSubmission, "
+                                        r"not a builtins\.str"):
+        service._request("submit_many", [JobSubmission(job=job_dict("as-json", data, 5)).model_dump_json()])
+    assert len(service.jobs()) == before
 
 
 def test_jobs_of_one_run_file_share_every_step_as_in_process(service, tiny_model_dirs, tmp_path):

@@ -21,6 +21,7 @@ from actors.service.events.event_intake import EventIntake, TrainerLost
 from actors.service.scheduler.cluster_plan import NodeInfo, TrainerKey, plan_trainers
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_fit import trainer_view
+from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class TrainerHandles(Protocol):
     def poll(self, handle: Any) -> TrainerCall:
         """Answers (status, events since the last poll)."""
 
-    def assign(self, handle: Any, assignments: list[tuple]) -> None: ...
+    def assign(self, handle: Any, assignments: list[Assignment]) -> None: ...
 
     def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None: ...
 
@@ -183,7 +184,7 @@ class TrainerFleet:
         return info
 
     # -- what the scheduler has them do -----------------------------------------------------------------
-    def assign(self, trainer_id: str, assignments: list[tuple]) -> None:
+    def assign(self, trainer_id: str, assignments: list[Assignment]) -> None:
         slot = self.slots.get(trainer_id)
         if slot is None or slot.retired:
             return   # its jobs were queued again when it was retired

@@ -54,7 +54,7 @@ from actors.data import (
     TextFormat,
     load_examples,
 )
-from actors.engine import lora, lora_cuda
+from actors.engine import lora_cuda, lora_grouped
 from actors.engine import trainer as trainer_module
 from actors.engine.job import TrainingJob
 from actors.engine.models import BaseModel, load_base_model
@@ -273,17 +273,17 @@ def bench_operations(base: BaseModel, adapters: tuple[int, ...] = PROXY_ADAPTERS
     sequences = [synthetic_example(rng, seq_len, vocab) for _ in range(max(adapters))]
     log(f"(d) operations per fused step: {len(sequences)} x {seq_len} tokens, adapters {list(adapters)}, "
         f"LoRA r={LORA.r} on {', '.join(LORA.target_modules)}, dropout {LORA.dropout}")
-    saved = lora.GROUPING
+    saved = lora_grouped.GROUPING
     rows: dict[str, dict] = {}
     try:
         for mode in ("grouped", "segments"):
-            lora.GROUPING = mode
+            lora_grouped.GROUPING = mode
             counts = {n: operations_per_step(base, n, sequences) for n in adapters}
             first = counts[adapters[0]][0]
             rows[mode] = {str(n): {"operations": total, "optimizer_operations": optimizer,
                                    "ratio_to_1": total / first} for n, (total, optimizer) in counts.items()}
     finally:
-        lora.GROUPING = saved
+        lora_grouped.GROUPING = saved
     log("    adapters  grouped (ratio, of which optimizer)   per segment (ratio, of which optimizer)")
     for n in adapters:
         g, p = rows["grouped"][str(n)], rows["segments"][str(n)]
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                              "over the jobs' segments; on the float32 path, padded batched products) or per segment "
                              "(auto: grouped on CUDA, per segment elsewhere)")
     args = parser.parse_args(argv)
-    lora.GROUPING = args.lora_grouping
+    lora_grouped.GROUPING = args.lora_grouping
     lora_cuda.KERNEL = {"auto": "auto", "grouped": "grouped_mm", "segments": "segments"}[args.lora_grouping]
     skip = {p.strip() for p in args.skip.split(",") if p.strip()}
     s = Settings.make(args.quick)

@@ -7,7 +7,7 @@ timeline of the host issuing them and the GPU running them predicts the step. Ca
 works, its parameters and how well it does.
 
     bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h200 --json F
-    bench/gpu_cost_model.py --set actors.engine.lora:GROUPING=segments     # rank a change before making it
+    bench/gpu_cost_model.py --set actors.engine.lora_grouped:GROUPING=segments     # rank a change before making it
     bench/gpu_cost_model.py --fusion 1,2,4,8,16,32                          # fusion efficiency, equal tokens
     bench/gpu_cost_model.py --base                                          # the frozen base alone
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkout", type=Path, default=REPO, help="the checkout to model (default: this one)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="module:ATTR=value",
                         help="set a module attribute before the steps (repeatable), e.g. "
-                             "actors.engine.lora:GROUPING=segments")
+                             "actors.engine.lora_grouped:GROUPING=segments")
     parser.add_argument("--kernels", choices=("auto", "liger", "none"),
                         help="the base's kernels setting where the checkout has one (from_module's kernels)")
     parser.add_argument("--fusion", nargs="?", const=",".join(map(str, FUSION_ADAPTERS)),

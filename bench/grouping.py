@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Step time of grouped against per-segment LoRA on this machine (the choice of `lora.GROUPING`'s auto):
+"""Step time of grouped against per-segment LoRA on this machine (the choice of `lora_grouped.GROUPING`'s auto):
 fused training steps (forward, backward, optimizer steps, through `FusedTrainer.run_step`) of 1, 4 and 8
 jobs at equal total tokens, on random-weight models built from configs (a tiny Llama, and one shaped like
 SmolLM2-135M: 30 layers, hidden 576), both ways alternated step by step in one process; the median of
@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.data import TextFormat
-from actors.engine import lora
+from actors.engine import lora_grouped
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
@@ -49,7 +49,7 @@ def measure(name: str, adapters: list[int], steps: int) -> dict:
     base = from_module(LlamaForCausalLM(LlamaConfig(**config, **COMMON)).eval(), None)
     rng = random.Random(7)
     sequences = [synthetic_example(rng, length, config["vocab_size"]) for _ in range(count)]
-    saved = lora.GROUPING
+    saved = lora_grouped.GROUPING
     rows = {}
     try:
         for n in adapters:
@@ -68,7 +68,7 @@ def measure(name: str, adapters: list[int], steps: int) -> dict:
             for step in range(steps + 1):
                 order = ("grouped", "segments") if step % 2 else ("segments", "grouped")
                 for mode in order:
-                    lora.GROUPING = mode
+                    lora_grouped.GROUPING = mode
                     trainer, chosen = setups[mode]
                     started = time.perf_counter()
                     trainer.run_step(chosen)
@@ -87,7 +87,7 @@ def measure(name: str, adapters: list[int], steps: int) -> dict:
                   f"per segment {r['segments_median_s']:.4f}s, grouped / per segment {r['grouped_over_segments']:.3f}",
                   flush=True)
     finally:
-        lora.GROUPING = saved
+        lora_grouped.GROUPING = saved
     return rows
 
 

@@ -73,8 +73,8 @@ def main() -> int:
     from actors.checkpoint.peft_io import load_adapter_weights
     from actors.data.formats import ChatFormat
     from actors.data.tokenize import tokenize_example
+    from actors.engine.adapter_surgery import add_adapter
     from actors.engine.generation_eval import generation_scores
-    from actors.engine.lora import add_adapter
     from actors.engine.models import load_base_model
     from actors.service.scheduler.local_run import train_locally
     from actors.spec.spec import GenerationEval, LoraConfig, RunSpec

@@ -120,9 +120,10 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
 
 def engine_settings(trainer) -> dict:
     """What the engine chose on this device (for the report: the defaults measured)."""
-    import actors.engine.lora as lora
+    import actors.engine.lora_grouped as lora_grouped
     return {"recompute": getattr(trainer, "recompute", None), "layout": getattr(trainer, "layout", None),
-            "dtype": str(getattr(trainer.base, "dtype", None)), "lora_grouping": getattr(lora, "GROUPING", None)}
+            "dtype": str(getattr(trainer.base, "dtype", None)),
+            "lora_grouping": getattr(lora_grouped, "GROUPING", None)}
 
 
 # -- the PEFT baselines -----------------------------------------------------------------------------------------

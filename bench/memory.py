@@ -54,8 +54,8 @@ def one_configuration(case: dict, device: str = "cpu") -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.data import Example
+    from actors.engine.adapter_surgery import linear_module_names
     from actors.engine.job import TrainingJob
-    from actors.engine.lora import linear_module_names
     from actors.engine.memory import (
         live_tensor_bytes,
         measure_peak,

@@ -246,7 +246,7 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
 def run_demo(output_dir: str | Path = "runs/demo", steps: int | None = None, quiet: bool = False) -> int:
     """Generate the tasks, train the four adapters together, evaluate them; 0 when each beats the base."""
     from actors.checkpoint.peft_io import load_adapter_weights
-    from actors.engine.lora import add_adapter, remove_adapter
+    from actors.engine.adapter_surgery import add_adapter, remove_adapter
     from actors.engine.models import load_base_model
 
     started = time.perf_counter()

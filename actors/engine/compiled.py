@@ -36,8 +36,8 @@ from torch import nn
 from transformers import AttentionInterface
 
 from actors.engine.attention import ATTENTION_NAME, varlen_attention_forward
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout
-from actors.engine.lora import FusedLoraLinear
 from actors.engine.packing import FusedBatch
 from actors.engine.recompute import decoder_layers
 from actors.spec.base_settings import COMPILE_MODES

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from actors.engine.adapter_surgery import set_adapters_training
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear, set_adapters_training
 from actors.engine.models import BaseModel
 
 BASE_ONLY = "__base__"

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 
 from actors.data import DataCursor, Example
-from actors.engine.lora import AdapterHandle, add_adapter
+from actors.engine.adapter_surgery import AdapterHandle, add_adapter
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.step_records import OptimizerStepRecord, StepAccumulator

@@ -27,8 +27,8 @@ too); under recomputation the generator states are replayed (actors/engine/recom
 
 Master weights stay float32 (`LoraAdapter.lora_A`, `lora_B`, their optimizer state too); their compute-dtype
 copies are made once a step, a job's whole adapter in one cast (its weights are views of one flat tensor:
-`lora.pool_masters`), kept with the step's layout (`step_tensors`); the gradients come back in float32.
-The CPU keeps the float32 path of actors/engine/lora.py (bit for bit fused == solo); this path runs on a CPU
+`adapter_surgery.pool_masters`), kept with the step's layout (`step_tensors`); the gradients come back in float32.
+The CPU keeps the float32 path of actors/engine/fused_linear.py (bit for bit fused == solo); this path runs on a CPU
 only when `COMPUTE = "base"` asks for it (its tests compare it there with the float32 path within a bound
 derived from bfloat16's rounding)."""
 
@@ -46,7 +46,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # "auto": this path on CUDA for a bfloat16 or float32 base; "base": on any device (tests, benchmarks);
-# "float32": never (actors/engine/lora.py's float32 adapters everywhere)
+# "float32": never (actors/engine/lora_adapter.py's float32 adapters everywhere)
 COMPUTE: Literal["auto", "base", "float32"] = "auto"
 # "auto": grouped_mm where it works and pays (module docstring); or one of the two forced
 KERNEL: Literal["auto", "grouped_mm", "segments"] = "auto"
@@ -89,12 +89,12 @@ def step_tensors(layout: object) -> dict:
 
 
 class MasterPool:
-    """One job's float32 masters (every A, then every B, of its plain adapters: `lora.pool_masters`) and their copy
-    in a compute dtype: kept from step to step and refreshed in place once a step (the As copied, the Bs times the
-    job's scaling: two operations for the whole adapter), each layer's copies views made once. Refreshed in place:
-    a backward still to come reads the values of its forward, since a job's weights change only at its optimizer
-    step, after the backward of every micro-batch of its accumulation (on one device and in a pipeline's stages
-    alike); between those, a refresh writes the same values again."""
+    """One job's float32 masters (every A, then every B, of its plain adapters: `adapter_surgery.pool_masters`)
+    and their copy in a compute dtype: kept from step to step and refreshed in place once a step (the As copied,
+    the Bs times the job's scaling: two operations for the whole adapter), each layer's copies views made once.
+    Refreshed in place: a backward still to come reads the values of its forward, since a job's weights change
+    only at its optimizer step, after the backward of every micro-batch of its accumulation (on one device and in
+    a pipeline's stages alike); between those, a refresh writes the same values again."""
 
     def __init__(self, flat: torch.Tensor, b_region: int, scaling: float):
         self.flat, self.b_region, self.scaling = flat, b_region, scaling
@@ -131,9 +131,9 @@ class MasterPool:
 def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per adapter (A (r, in), scaling * B (out, r)) in `dtype`. A job's adapter pooled in one flat tensor
-    (`lora.pool_masters`, as every job's is) is cast whole, once a step (`MasterPool`): its layers' copies are
-    views of that cast; another adapter is cast by itself. A weight changed in place since (an optimizer step, a
-    load) is cast again."""
+    (`adapter_surgery.pool_masters`, as every job's is) is cast whole, once a step (`MasterPool`): its layers'
+    copies are views of that cast; another adapter is cast by itself. A weight changed in place since (an
+    optimizer step, a load) is cast again."""
     tensors = step_tensors(layout)
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for adapter in adapters:

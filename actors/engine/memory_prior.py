@@ -93,7 +93,7 @@ def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:
     """Which linear layers read the same input tensor (one id per tensor), seen in one forward pass, and
     (under "no_grad") those whose input needs no gradient whatever adapters sit upstream (e.g. the first
     layer's attention projections: the frozen embeddings' norm; seen with an adapter on every layer)."""
-    from actors.engine.lora import FusedLoraLinear
+    from actors.engine.fused_linear import FusedLoraLinear
 
     groups: dict[str, int] = {}
     no_grad: set[str] = set()
@@ -185,9 +185,9 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
     (the heap's pages beyond the live tensors; scratch torch's allocator does not hand out; the loss's, per
     target token, from the step whose every token is a target) is the prior's `resident_*` part. The probe
     ends by giving the heap's free pages back, so that the resident set is then what is live."""
+    from actors.engine.adapter_surgery import linear_module_names, remove_adapter
     from actors.engine.job import TrainingJob
     from actors.engine.layout import step_layout
-    from actors.engine.lora import linear_module_names, remove_adapter
     from actors.engine.packing import JobMicroBatch, pack
     from actors.engine.recompute import decoder_layers, recomputed_layers
     from actors.engine.trainer import FusedTrainer

@@ -35,10 +35,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
+from actors.engine.adapter_surgery import freeze
 from actors.engine.attention import use_varlen_attention
 from actors.engine.extras import require
 from actors.engine.kernels import apply_kernels
-from actors.engine.lora import freeze
 from actors.engine.loss import transform_logits
 from actors.engine.model_support import (
     LogitTransform,

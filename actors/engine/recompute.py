@@ -5,7 +5,7 @@ Two things the plain checkpoint does not carry over from the forward pass to the
 restored here so that the recomputed forward is the same computation (bit for bit) and isolation holds:
 - the step's token layout (`actors.engine.layout.step_layout`), a context that has ended by the time
   backward runs: it is captured at the forward and re-entered around the recomputation;
-- the adapters' own dropout generators (`actors.engine.lora`; torch's checkpoint restores only the global
+- the adapters' own dropout generators (`actors.engine.lora_adapter`; torch's checkpoint restores only the global
   RNGs): each generator's state at the layer's entry is saved and set again for the recomputation, and
   afterwards put back to where backward found it (so the next step draws what it would have drawn)."""
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actors.engine.layout import current_layout, step_layout
-from actors.engine.lora import LoraAdapter
+from actors.engine.lora_adapter import LoraAdapter
 from actors.engine.vera import VeraAdapter
 from actors.spec.base_settings import RECOMPUTE_MODES, Recompute
 

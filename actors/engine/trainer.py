@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.data import Example
+from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
 from actors.engine.generation_eval import generation_scores
 from actors.engine.grpo import (
@@ -33,7 +34,6 @@ from actors.engine.grpo import (
 )
 from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import remove_adapter, set_adapters_training
 from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
 from actors.engine.memory import (
     StepMemoryMeter,

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if "segments_over_grouped" in calibration.get("measured", {}):
         from gpu_cost.workload import apply_settings
 
-        apply_settings(["actors.engine.lora:GROUPING=segments"])
+        apply_settings(["actors.engine.lora_grouped:GROUPING=segments"])
         with Session("NVIDIA H200") as session:
             segments = record_jobs(session, bench, args.shape, bench.JOBS, steps=max(steps) + 1)
         calibration["host"]["scale"] = fit_host_scale(recorded, segments, calibration,

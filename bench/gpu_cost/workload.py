@@ -94,7 +94,7 @@ def apply_settings(settings: list[str]) -> list[str]:
         module_name, _, attribute = target.partition(":")
         if not (module_name and attribute and _):
             raise ValueError(f"--set {setting!r}: expected module:ATTR=value "
-                             "(e.g. actors.engine.lora:GROUPING=segments)")
+                             "(e.g. actors.engine.lora_grouped:GROUPING=segments)")
         module = importlib.import_module(module_name)
         if not hasattr(module, attribute):
             raise ValueError(f"--set {setting!r}: {module_name} has no attribute {attribute}")

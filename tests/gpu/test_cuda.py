@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import attention, lora
+from actors.engine import attention, lora_grouped
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear, LoraAdapter
+from actors.engine.lora_adapter import LoraAdapter
 from actors.spec.spec import LoraConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,16 +58,16 @@ def test_grouped_lora_is_the_float32_paths_default_on_cuda_and_equals_per_segmen
     layout = StepLayout((("job0", 0, 30), ("job1", 30, 70), ("job2", 70, 100)), ((0, 30), (30, 70), (70, 100)), 100)
     x = torch.randn(1, 100, 64, device="cuda", dtype=torch.bfloat16)
     calls = []
-    original = lora._grouped_delta
+    original = lora_grouped.grouped_delta
 
     def counting(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(lora, "_grouped_delta", counting)
+    monkeypatch.setattr(lora_grouped, "grouped_delta", counting)
     results = []
     for mode in ("auto", "segments"):
-        monkeypatch.setattr(lora, "GROUPING", mode)
+        monkeypatch.setattr(lora_grouped, "GROUPING", mode)
         for adapter in layer.adapters.values():
             adapter.lora_A.grad = adapter.lora_B.grad = None
         with step_layout(layout):

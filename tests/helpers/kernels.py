@@ -11,8 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.engine import kernels
+from actors.engine.adapter_surgery import add_adapter
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import add_adapter
 from actors.engine.loss import target_cross_entropy
 from actors.engine.models import from_module
 from actors.spec.spec import LoraConfig

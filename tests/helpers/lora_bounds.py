@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear, LoraAdapter
+from actors.engine.lora_adapter import LoraAdapter
 from actors.spec.spec import LoraConfig
 
 U = 2.0 ** -8

@@ -45,10 +45,10 @@ def test_grouped_lora_on_stages_agrees_with_one_device(monkeypatch):
     """Grouped LoRA (one batched product per rank for all of a step's adapters, each job's rows padded to the
     longest) on both sides: equal to 1e-5, not bit for bit, since a pipeline packs fewer jobs per micro-batch
     than one device packs per step, and the batched product's shape changes its float32 sums."""
-    from actors.engine import lora
+    from actors.engine import lora_grouped
     jobs = [sft("group-a", 50), sft("group-b", 51, lora={"r": 8, "alpha": 16}), sft("group-c", 52),
             sft("group-d", 53, grad_accum=2)]
-    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     weights, _, _ = single_device(tiny_base(layers=LAYERS), jobs)
     with LocalPipeline(loader(layers=LAYERS), 2, split="even", threads=1,
                        settings=StageSettings(lora_grouping="grouped")) as pipeline:

@@ -14,11 +14,12 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
 from actors.engine.attention import ATTENTION_NAME, varlen_attention_forward
 from actors.engine.compiled import MIN_BUCKET, bucket_length, buckets_between, pad_to_bucket
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.job import TrainingJob
 from actors.engine.layout import step_layout
-from actors.engine.lora import FusedLoraLinear, remove_adapter, set_adapters_training
 from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.trainer import FusedTrainer

@@ -16,8 +16,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.data import Example
+from actors.engine.adapter_surgery import linear_module_names
 from actors.engine.job import TrainingJob
-from actors.engine.lora import linear_module_names
 from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer

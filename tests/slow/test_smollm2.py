@@ -13,7 +13,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.checkpoint.serving_lines import adapter_serving_lines
-from actors.engine.lora import add_adapter
+from actors.engine.adapter_surgery import add_adapter
 from actors.engine.models import load_base_model
 from actors.engine.trainer import FusedTrainer
 from actors.storage.sources import CACHE_ENV
@@ -99,7 +99,7 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch, smollm2):
     gives the engine's logits; the merged model (from the GGUF base) gives them too. The adapter is written as
     the trainer writes its final adapter (the tiny-model tests above train it), with random B so it matters."""
     from actors.checkpoint.peft_io import save_adapter
-    from actors.engine.lora import remove_adapter
+    from actors.engine.adapter_surgery import remove_adapter
     from actors.spec.spec import LoraConfig
     from actors.storage.base_identity import base_identity
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from actors.engine import lora_cuda
+from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter, set_adapters_training
 from actors.engine.layout import step_layout
-from actors.engine.lora import AdapterHandle, add_adapter, remove_adapter, set_adapters_training
 from actors.engine.loss import target_cross_entropy
 from actors.engine.memory import MemoryWindow, optimizer_state_bytes
 from actors.engine.optim import JobOptimizer, apply_step, chained_sum, gradient_squares
@@ -63,7 +63,7 @@ class StageSettings:
     recompute: str = "none"
     backward_ratio: float = 2.0
     flush: bool = False       # a generic pipeline's flush at every step (bench/pipeline.py's comparison only)
-    lora_grouping: str | None = None   # actors.engine.lora.GROUPING in every stage process (None: as it is)
+    lora_grouping: str | None = None   # actors.engine.lora_grouped.GROUPING in every stage process (None: as it is)
 
 
 @dataclass(frozen=True)

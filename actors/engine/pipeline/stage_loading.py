@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from actors.engine.adapter_surgery import freeze
 from actors.engine.attention import use_varlen_attention
-from actors.engine.lora import freeze
 from actors.engine.model_support import check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
 from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes

@@ -21,8 +21,8 @@ import torch
 
 from actors.data import Example
 from actors.engine import lora_cuda
+from actors.engine.adapter_surgery import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.layout import step_layout
-from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.lora_targets import match_targets
 from actors.engine.memory import measure_allocations
 from actors.engine.memory_prior import adapter_bytes, linear_input_groups, loss_transient_bytes

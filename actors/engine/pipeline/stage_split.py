@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from actors.engine.adapter_surgery import add_adapter, remove_adapter
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import add_adapter, remove_adapter
 from actors.engine.loss import target_cross_entropy
 from actors.engine.models import BaseModel
 from actors.engine.recompute import decoder_layers

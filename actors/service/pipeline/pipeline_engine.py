@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from actors.data import Example
+from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
-from actors.engine.lora import AdapterHandle, linear_module_names
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.packing import JobMicroBatch

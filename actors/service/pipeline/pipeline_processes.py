@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from actors.engine import lora
+from actors.engine import lora_grouped
 from actors.engine.models import BaseModel
 from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage import StageRuntime, StageSettings
@@ -98,7 +98,7 @@ def run_stage(launch: StageLaunch) -> None:
     if launch.threads:
         torch.set_num_threads(launch.threads)
     if launch.settings.lora_grouping is not None:
-        lora.GROUPING = launch.settings.lora_grouping
+        lora_grouped.GROUPING = launch.settings.lora_grouping
     if hasattr(launch.loader, "stage"):   # a StageLoader: this stage's tensors only
         model = launch.loader.stage(list(launch.split), launch.rank, launch.device)
     else:
@@ -156,9 +156,9 @@ class LocalPipeline:
         if len(devices) != stages:
             raise ValueError(f"{len(devices)} devices for {stages} pipeline stages: give one device per stage")
         self.threads_before = torch.get_num_threads()
-        self.grouping_before = lora.GROUPING
+        self.grouping_before = lora_grouped.GROUPING
         if settings.lora_grouping is not None:
-            lora.GROUPING = settings.lora_grouping
+            lora_grouped.GROUPING = settings.lora_grouping
         if threads:
             torch.set_num_threads(threads)   # stage 0 runs here: as many threads as each other stage
         base = None
@@ -288,7 +288,7 @@ class LocalPipeline:
             self._stop_processes()
             self.trainer.runtime.close(flush=not failed)
             torch.set_num_threads(self.threads_before)
-            lora.GROUPING = self.grouping_before
+            lora_grouped.GROUPING = self.grouping_before
         if not failed:   # stopped when told to: each ended cleanly, or something of it crashed on the way out
             crashed = [f"stage {rank} (exit code {process.exitcode})"
                        for rank, process in enumerate(self.processes, start=1) if process.exitcode not in (0, None)]

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from actors.data import Example
+from actors.engine.adapter_surgery import linear_module_names
 from actors.engine.grpo import SAMPLING_SIZES, sampling_bytes
-from actors.engine.lora import linear_module_names
 from actors.engine.memory import live_tensor_bytes, process_peak_resident_bytes, resident_bytes
 from actors.engine.memory_prior import (
     StepMemoryPrior,

@@ -19,9 +19,9 @@ from transformers import LlamaForCausalLM
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
-from actors.engine import lora as lora_module
+from actors.engine import lora_grouped
+from actors.engine.adapter_surgery import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.job import TrainingJob
-from actors.engine.lora import add_adapter, remove_adapter, set_adapters_training
 from actors.engine.lora_targets import adapted_shapes
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
@@ -210,7 +210,7 @@ def test_grouped_way_leaves_dora_and_pissa_on_their_own_segments(monkeypatch):
     """With the grouped way forced (CUDA's default), the plain jobs are batched together and the DoRA and
     PiSSA jobs take their own segments: those two stay exactly their solo runs; the plain ones to float32
     rounding (tests/unit/engine/test_fused_training.py)."""
-    monkeypatch.setattr(lora_module, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     base = from_module(tiny_model("llama", VOCAB), None)
     jobs = mixed_jobs()
     fused, _ = train(base, jobs)

@@ -10,8 +10,8 @@ import json
 import torch
 
 from actors.checkpoint import LoadedCheckpoint, has_checkpoint, load_checkpoint, save_checkpoint
+from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.job import TrainingJob
-from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.spec.spec import JobSpec

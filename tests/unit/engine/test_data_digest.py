@@ -20,8 +20,8 @@ import torch
 
 from actors.checkpoint import DataChanged, load_checkpoint, save_checkpoint
 from actors.data.digest import job_data_digest
+from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.job import TrainingJob
-from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.config import TrainerConfig

@@ -19,7 +19,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM
 
 from actors.checkpoint.peft_io import load_adapter_weights
-from actors.engine.lora import add_adapter
+from actors.engine.adapter_surgery import add_adapter
 from actors.engine.models import load_base_model
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.local_run import train_locally

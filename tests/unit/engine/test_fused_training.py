@@ -179,9 +179,9 @@ def test_grouped_adapters_keep_fused_equal_to_solo(monkeypatch, layout):
     batched ones over the jobs' padded batch, whose gradient sums over the longest job's length (the padding
     rows add exact zeros) in another kernel and order: float32 rounding. Measured: 5.2e-7 relative after
     20 steps. (Both ways take only the job's own tokens, which tests/unit/engine/test_isolation.py checks exactly.)"""
-    from actors.engine import lora
+    from actors.engine import lora_grouped
 
-    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     base = from_module(tiny_model("llama", VOCAB), None)
     target = (job_spec("target", lora={"r": 4, "alpha": 8, "dropout": 0.2, "target_modules": "all-linear"}),
               random_examples(0, vocab=VOCAB), 0)
@@ -216,12 +216,12 @@ def test_grouped_adapters_add_no_operations_per_layer_and_job(monkeypatch):
     """What a fused step costs per job where steps are bound by kernel launches (a small model on a GPU):
     grouped, an extra job adds the same few operations (its optimizer step, its loss) to a 2-layer model as
     to a 4-layer one: nothing per layer and job, forward or backward; per segment it adds some per layer."""
-    from actors.engine import lora
+    from actors.engine import lora_grouped
 
     sequences = random_examples(0, count=12, vocab=VOCAB, min_len=20, max_len=20)
     growth = {}
     for mode in ("grouped", "segments"):
-        monkeypatch.setattr(lora, "GROUPING", mode)
+        monkeypatch.setattr(lora_grouped, "GROUPING", mode)
         for layers in (2, 4):
             config = tiny_config("llama", VOCAB)
             config.num_hidden_layers = layers
@@ -236,7 +236,7 @@ def test_grouped_adapters_add_no_operations_per_layer_and_job(monkeypatch):
 def test_warm_up_leaves_the_base_as_it_was():
     """The trainer's start-up step: afterwards no adapter is attached, the base's weights and the random
     generator are untouched, and a job trains to the same adapter as on a base that never warmed up."""
-    from actors.engine.lora import FusedLoraLinear
+    from actors.engine.fused_linear import FusedLoraLinear
     from actors.engine.warmup import warm_up
 
     fresh = from_module(tiny_model("llama", VOCAB), None)

@@ -12,8 +12,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.checkpoint.peft_io import save_adapter
+from actors.engine.adapter_surgery import add_adapter, remove_adapter
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.generate import greedy_generate, greedy_generate_many
-from actors.engine.lora import FusedLoraLinear, add_adapter, remove_adapter
 from actors.engine.models import BaseModel, from_module
 from actors.spec.spec import LoraConfig
 

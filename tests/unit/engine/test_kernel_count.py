@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from actors.engine import lora
+from actors.engine import lora_grouped
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.operations import count_operations
@@ -53,18 +53,18 @@ def test_grouped_step_operations_do_not_grow_with_adapters(base, monkeypatch):
     """Grouped: 8 and 32 adapters dispatch at most 5% more operations than 1 (forward, backward, loss and
     the optimizer steps, which `optim.step_jobs` takes together); per segment the same steps grow (the
     counter does see per-adapter work)."""
-    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     grouped = {jobs: operations_per_step(base, jobs) for jobs in (1, 8, 32)}
     assert grouped[8] / grouped[1] <= GOAL, grouped
     assert grouped[32] / grouped[1] <= GOAL, grouped
-    monkeypatch.setattr(lora, "GROUPING", "segments")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "segments")
     segments = {jobs: operations_per_step(base, jobs) for jobs in (1, 8)}
     assert segments[8] / segments[1] > 1.3, segments
 
 
 def test_different_ranks_cost_operations_per_rank_not_per_adapter(base, monkeypatch):
     """Jobs of two ranks: one pair of batched products per rank, so 32 jobs cost what 8 cost."""
-    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     ranks = [{"r": 4, "alpha": 8, "target_modules": "all-linear"}, {"r": 8, "alpha": 8, "target_modules": "all-linear"}]
     assert operations_per_step(base, 32, ranks) == operations_per_step(base, 8, ranks)
 
@@ -72,7 +72,7 @@ def test_different_ranks_cost_operations_per_rank_not_per_adapter(base, monkeypa
 def test_dropout_adds_only_each_adapters_own_mask_draw(base, monkeypatch):
     """With dropout, what is left per adapter: each job draws its mask from its own generator (isolation),
     one draw per adapted layer; nothing else grows."""
-    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     dropout = [{"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}]
     adapted = sum(isinstance(m, torch.nn.Linear) for m in base.decoder.layers.modules())
     assert operations_per_step(base, 32, dropout) - operations_per_step(base, 8, dropout) == 24 * adapted
@@ -91,7 +91,7 @@ def test_grouped_training_equals_per_segment_training(base, monkeypatch):
              random_examples(10 + index, count=8, vocab=VOCAB), index) for index in range(8)]
     runs = {}
     for mode in ("grouped", "segments"):
-        monkeypatch.setattr(lora, "GROUPING", mode)
+        monkeypatch.setattr(lora_grouped, "GROUPING", mode)
         trainer = FusedTrainer(base, step_tokens=100_000, layout="packed")
         trained = [TrainingJob.create(spec, base, examples, [], seed=seed) for spec, examples, seed in jobs]
         for job in trained:

@@ -1,6 +1,6 @@
 """The CUDA LoRA path (actors/engine/lora_cuda.py) run on the CPU in bfloat16, both of its kernels, against the
 exact arithmetic (float64 from the same bfloat16-valued inputs and float32 masters) within bounds derived from
-bfloat16's rounding, and against the float32 path (actors/engine/lora.py) that the CPU keeps.
+bfloat16's rounding, and against the float32 path (actors/engine/fused_linear.py) that the CPU keeps.
 
 The bounds, elementwise (u = 2^-8, bfloat16's unit roundoff; |M| the entrywise absolute value; products of the
 inputs are exact in float32 and every sum is accumulated in float32, whose error γ_n·|.| with γ_n = n·2^-24 is
@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from actors.engine import lora as lora_module
-from actors.engine import lora_cuda
+from actors.engine import fused_linear, lora_cuda
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear, LoraAdapter
+from actors.engine.lora_adapter import LoraAdapter
 from actors.spec.spec import LoraConfig
 from tests.helpers.lora_bounds import (
     BOUNDS,
@@ -186,11 +186,11 @@ def test_dropout_masks_come_from_each_jobs_generator_and_backward_uses_them():
 
 
 def test_each_jobs_adapter_is_cast_whole_once_a_step_and_again_after_an_update(monkeypatch):
-    """Every job's A and B are views of one flat float32 tensor (`lora.pool_masters`): the path casts it once a
-    step for all of the job's layers (its As copied, its Bs times the scaling, in two operations; a recomputed
-    forward of the same step casts nothing), again after its weights changed in place, and again in a new step;
-    each layer's copies are views of that cast."""
-    from actors.engine.lora import add_adapter
+    """Every job's A and B are views of one flat float32 tensor (`adapter_surgery.pool_masters`): the path casts
+    it once a step for all of the job's layers (its As copied, its Bs times the scaling, in two operations; a
+    recomputed forward of the same step casts nothing), again after its weights changed in place, and again in a
+    new step; each layer's copies are views of that cast."""
+    from actors.engine.adapter_surgery import add_adapter
     from actors.engine.models import from_module
     from tests.helpers.models import tiny_model
 
@@ -240,7 +240,7 @@ def test_the_float32_path_stays_on_a_cpu_by_default(monkeypatch):
     with step_layout(layout_of()):
         layer(bf16_values(1, 57, IN))
     assert not called
-    assert lora_module.FusedLoraLinear is FusedLoraLinear
+    assert fused_linear.FusedLoraLinear is FusedLoraLinear
 
 
 def _step_gradients(base, jobs) -> dict[tuple[str, str], torch.Tensor]:
@@ -310,7 +310,7 @@ def test_the_memory_prior_counts_what_the_path_keeps_for_backward(dtype):
     CPU meter uses, the base's own saved tensors taken out by a step with no adapter) against
     memory_prior.adapter_bytes(compute_path=True): each layer's input once per input tensor, the rank-r hidden
     and, with dropout, the mask, in the base's dtype."""
-    from actors.engine.lora import add_adapter, remove_adapter
+    from actors.engine.adapter_surgery import add_adapter, remove_adapter
     from actors.engine.memory import SavedTensorCounter, _storage_key
     from actors.engine.memory_prior import adapter_bytes, linear_input_groups
     from actors.engine.models import from_module

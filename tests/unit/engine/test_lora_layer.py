@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from actors.engine import lora as lora_module
+from actors.engine import lora_grouped
+from actors.engine.adapter_surgery import add_adapter, remove_adapter, resolve_targets
+from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora import FusedLoraLinear, LoraAdapter, add_adapter, remove_adapter, resolve_targets
+from actors.engine.lora_adapter import LoraAdapter
 from actors.spec.spec import LoraConfig
 from tests.helpers.models import tiny_model
 
@@ -122,7 +124,7 @@ def _grouped_and_segment_runs(monkeypatch, layer, x, layout, upstream):
     """Output and gradients (x, every A and B) of the layer, computed grouped and per segment."""
     results = {}
     for mode in ("grouped", "segments"):
-        monkeypatch.setattr(lora_module, "GROUPING", mode)
+        monkeypatch.setattr(lora_grouped, "GROUPING", mode)
         for adapter in layer.adapters.values():
             adapter.lora_A.grad = adapter.lora_B.grad = None
             if adapter.dropout_generator is not None:
@@ -171,7 +173,7 @@ def test_grouped_adapters_on_equal_back_to_back_segments_equal_per_segment(monke
     results = _grouped_and_segment_runs(monkeypatch, layer, x, layout, torch.randn(1, 20, 12))
     for key in results["segments"]:
         torch.testing.assert_close(results["grouped"][key], results["segments"][key], msg=key)
-    groups = [value for value in layout.tensors.values() if isinstance(value, lora_module.SegmentGroup)]
+    groups = [value for value in layout.tensors.values() if isinstance(value, lora_grouped.SegmentGroup)]
     assert [group.regular for group in groups] == [True]
     c = layer.adapters["c"]
     torch.testing.assert_close(results["grouped"]["out"][0, 10:15],
@@ -182,7 +184,7 @@ def test_grouped_adapters_on_equal_back_to_back_segments_equal_per_segment(monke
 def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode):
     """Isolation in the worst case: a job whose activations are NaN leaves the other adapters' outputs
     and gradients exactly as they are without that job's NaN."""
-    monkeypatch.setattr(lora_module, "GROUPING", mode)
+    monkeypatch.setattr(lora_grouped, "GROUPING", mode)
     layer = _layer_with_adapters({"a": LoraConfig(r=4, alpha=8), "b": LoraConfig(r=4, alpha=8)})
     layout = StepLayout((("a", 0, 5), ("b", 5, 12)), ((0, 5), (5, 12)), 12)
     x = torch.randn(1, 12, 16)
@@ -209,7 +211,7 @@ def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode)
 
 def test_jobs_may_be_named_like_module_attributes():
     """'train', 'half', 'cuda' are nn.Module attributes; a job of that name still gets its adapter."""
-    from actors.engine.lora import add_adapter, remove_adapter
+    from actors.engine.adapter_surgery import add_adapter, remove_adapter
     from actors.spec.spec import LoraConfig
     from tests.helpers.models import tiny_model
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM
 
-from actors.engine import lora
+from actors.engine import fused_linear, lora_grouped
 from actors.engine.job import TrainingJob
 from actors.engine.layout import step_layout
 from actors.engine.models import from_module
@@ -20,7 +20,7 @@ VOCAB = 300
 
 
 def test_layers_reading_one_input_hold_one_float32_copy_of_it(monkeypatch):
-    monkeypatch.setattr(lora, "GROUPING", "grouped")
+    monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     torch.manual_seed(0)
     base = from_module(LlamaForCausalLM(tiny_config("llama", VOCAB)).to(torch.bfloat16), None)
     examples = random_examples(0, count=6, vocab=VOCAB, min_len=10, max_len=14)
@@ -31,7 +31,7 @@ def test_layers_reading_one_input_hold_one_float32_copy_of_it(monkeypatch):
                  base.pad_token_id)
     inputs: dict[int, torch.Tensor] = {}   # every distinct input an adapted layer received (kept alive)
     hooks = [module.register_forward_pre_hook(lambda _, args: inputs.setdefault(id(args[0]), args[0]))
-             for module in base.model.modules() if isinstance(module, lora.FusedLoraLinear)]
+             for module in base.model.modules() if isinstance(module, fused_linear.FusedLoraLinear)]
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         with step_layout(batch.layout):

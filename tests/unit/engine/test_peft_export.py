@@ -13,8 +13,8 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from actors.checkpoint.peft_io import CONFIG_NAME, save_adapter
+from actors.engine.adapter_surgery import add_adapter
 from actors.engine.job import TrainingJob
-from actors.engine.lora import add_adapter
 from actors.engine.models import from_module, load_base_model
 from actors.engine.trainer import FusedTrainer
 from actors.spec.spec import JobSpec, LoraConfig

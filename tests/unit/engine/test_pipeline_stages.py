@@ -11,8 +11,8 @@ import itertools
 import pytest
 import torch
 
+from actors.engine.adapter_surgery import add_adapter, set_adapters_training
 from actors.engine.layout import step_layout
-from actors.engine.lora import add_adapter, set_adapters_training
 from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import check_stageable, cut_stage
@@ -159,7 +159,7 @@ def test_what_cannot_be_cut_is_refused_with_the_reason():
 
 
 def test_measured_costs_cover_every_layer_and_leave_no_probe_behind():
-    from actors.engine.lora import FusedLoraLinear
+    from actors.engine.fused_linear import FusedLoraLinear
     from actors.engine.pipeline.stage_split import measure_layer_costs
     whole = base("llama", layers=3)
     costs = measure_layer_costs(whole, tokens=64, repeats=1)

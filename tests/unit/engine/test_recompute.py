@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import lora
+from actors.engine import lora_grouped
+from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.job import TrainingJob
-from actors.engine.lora import remove_adapter
 from actors.engine.models import from_module, load_base_model
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.config import run_service_config
@@ -48,8 +48,8 @@ def _train(base, jobs, recompute: str, step_tokens: int = 100_000) -> tuple[dict
 @pytest.mark.parametrize("arch,grouping", [("llama", "segments"), ("qwen2", "segments"), ("llama", "grouped")])
 def test_recomputation_trains_the_same_adapters_bit_for_bit(arch, grouping, monkeypatch):
     """Also with grouped LoRA (the CUDA default), whose layers reading one input share its rows
-    (`lora._input_rows`): the recomputed forward saves what the first one saved."""
-    monkeypatch.setattr(lora, "GROUPING", grouping)
+    (`lora_grouped._input_rows`): the recomputed forward saves what the first one saved."""
+    monkeypatch.setattr(lora_grouped, "GROUPING", grouping)
     base = from_module(tiny_model(arch, VOCAB), None)
     plain, plain_losses = _train(base, _jobs(), "none")
     recomputed, recomputed_losses = _train(base, _jobs(), "layers")

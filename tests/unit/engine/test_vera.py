@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
 from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_state_dict, load_adapter_weights, save_adapter
+from actors.engine.adapter_surgery import add_adapter, set_adapters_training
 from actors.engine.job import TrainingJob
-from actors.engine.lora import add_adapter, set_adapters_training
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.job_fit import job_adapter_bytes

@@ -1,0 +1,113 @@
+"""Fused multi-LoRA linear layers: the base projection runs once over every token of the fused step;
+each adapter's low-rank update runs only on its own job's contiguous token segment.
+
+Ways to compute the adapters' updates, with the same arithmetic per job:
+- per segment: each adapter's two small matrix products on its job's slice of the stream (the least
+  arithmetic; a handful of kernel launches per adapter and layer);
+- grouped (actors/engine/lora_grouped.py): every plain adapter in a few batched products per layer, whatever
+  the number of jobs;
+- the CUDA path (actors/engine/lora_cuda.py): the base product and the plain adapters' updates in the base's
+  dtype, in one autograd function.
+
+DoRA and PiSSA / OLoRA adapters (actors/engine/lora_adapter.py) and VeRA adapters (actors/engine/vera.py)
+always take the per-segment way, beside grouped plain adapters: the base projection still runs once for every
+token, and their corrections touch their own job's tokens only."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from actors.engine import lora_cuda, lora_grouped
+from actors.engine.layout import current_layout
+from actors.engine.lora_adapter import full_precision
+
+
+class JobAdapters(nn.ModuleDict):
+    """A layer's adapters by job name, held under `job_<name>`: a job may be named like a module attribute
+    ('train', 'half', 'cuda', 'forward'), which nn.ModuleDict refuses as a key."""
+
+    PREFIX = "job_"
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return super().__getitem__(self.PREFIX + name)
+
+    def __setitem__(self, name: str, module: nn.Module) -> None:
+        super().__setitem__(self.PREFIX + name, module)
+
+    def __delitem__(self, name: str) -> None:
+        super().__delitem__(self.PREFIX + name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(self.PREFIX + name)
+
+    def keys(self) -> list[str]:
+        return [key[len(self.PREFIX):] for key in super().keys()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def items(self) -> list[tuple[str, nn.Module]]:
+        return [(key[len(self.PREFIX):], module) for key, module in super().items()]
+
+
+class FusedLoraLinear(nn.Module):
+    """Wraps a frozen linear layer; holds the adapters of every job that targets it."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base = base
+        self.adapters = JobAdapters()
+        self.in_features: int = base.in_features
+        self.out_features: int = base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout = current_layout()
+        if layout is None or len(self.adapters) == 0:
+            return self.base(x)
+        present = [(self.adapters[name], (start, end)) for name, start, end in layout.segments
+                   if name in self.adapters and end > start]
+        if not present:
+            return self.base(x)
+        plain = [(adapter, bounds) for adapter, bounds in present if adapter.plain]
+        flat_x = x.reshape(-1, x.shape[-1])
+        if lora_cuda.takes([adapter for adapter, _ in plain], flat_x):
+            # the CUDA path (actors/engine/lora_cuda.py): the base product and the plain adapters' updates in
+            # the base's dtype, in one autograd function; the other kinds add their updates below
+            flat_out = lora_cuda.linear_with_adapters(self.base, full_precision(self.base), flat_x,
+                                                      [adapter for adapter, _ in plain],
+                                                      [bounds for _, bounds in plain], layout)
+            rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
+            out = flat_out.view(*x.shape[:-1], self.out_features)
+            return out if not rest else out + self._segment_deltas(rest, flat_x, flat_out, out.dtype).view(out.shape)
+        out = self.base(x)
+        num_tokens = flat_x.shape[0]
+        rest = present
+        grouped: torch.Tensor | None = None
+        if plain and lora_grouped.use_grouping([a for a, _ in plain], [b for _, b in plain], flat_x):
+            adapters, bounds = [a for a, _ in plain], [b for _, b in plain]
+            order = lora_grouped.rank_order(adapters)
+            group = lora_grouped.SegmentGroup.of(layout, tuple(bounds[index] for index in order), flat_x.device)
+            grouped = lora_grouped.grouped_delta([adapters[index] for index in order], group, flat_x, x).to(out.dtype)
+            rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
+            if not rest:
+                return (out.view(grouped.shape) + grouped).view(out.shape)
+        delta = self._segment_deltas(rest, flat_x, out.reshape(-1, self.out_features), out.dtype)
+        if grouped is not None:   # the grouped rows are zeros on the other adapters' tokens, and vice versa
+            delta = grouped.reshape(num_tokens, self.out_features) + delta
+        return out + delta.view(out.shape)
+
+    def _segment_deltas(self, adapters: list[tuple[nn.Module, tuple[int, int]]], flat_x: torch.Tensor,
+                        flat_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each adapter's update on its own segment (adapter.delta), zeros elsewhere: (tokens, out_features)."""
+        num_tokens = flat_x.shape[0]
+        pieces: list[torch.Tensor] = []
+        position = 0
+        for adapter, (start, end) in adapters:
+            if start > position:
+                pieces.append(flat_out.new_zeros(start - position, self.out_features, dtype=dtype))
+            pieces.append(adapter.delta(flat_x[start:end], flat_out[start:end], self.base).to(dtype))
+            position = end
+        if position < num_tokens:
+            pieces.append(flat_out.new_zeros(num_tokens - position, self.out_features, dtype=dtype))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

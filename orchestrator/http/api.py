@@ -62,10 +62,11 @@ from orchestrator.http.console import mount_console
 from orchestrator.http.event_stream import add_event_routes
 from orchestrator.http.jobs import add_job_detail_routes, add_job_routes
 from orchestrator.http.request_bodies import Refused
-from orchestrator.http.responses import REFUSALS, Health
-from orchestrator.http.routes import Routes
+from orchestrator.http.responses import REFUSALS
+from orchestrator.http.routes import Routes, operation_route
 from orchestrator.http.service_routes import add_service_routes
 from orchestrator.http.sweeps import add_sweep_routes
+from orchestrator.operation_models import Health
 from orchestrator.service_calls import ServiceLink, call_service
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
     async def refused(request: Request, error: Refused) -> JSONResponse:
         return JSONResponse({"detail": error.detail, "errors": error.errors}, status_code=error.status)
 
-    @app.get("/v1/health", response_model=Health, tags=["service"],
+    @operation_route(app, "health", tags=["service"],
              responses={503: {"model": Health, "description": "the service does not answer"}})
     def health() -> Any:
         """Is the API up, and does the service answer? No token needed; says nothing else about the service."""

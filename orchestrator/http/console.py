@@ -12,31 +12,10 @@ from typing import Any
 import yaml
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, Field
 
 from actors.spec.spec import JobSubmission
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "console" / "static"
-MAX_NEW_TOKENS = 256          # as actors/service/trainer/try_adapter.py takes
-MAX_PROMPT_CHARS = 4000
-
-
-class GenerateRequest(BaseModel):
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the text to continue")
-    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS, description="how many tokens to generate at most")
-
-
-class Generated(BaseModel):
-    job: str
-    step: int = Field(description="the job's step whose adapter generated")
-    prompt: str
-    adapter: str = Field(description="the continuation through the job's adapter")
-    base: str = Field(description="the continuation through the base model alone")
-    prompt_tokens: int
-    new_tokens: list[int]
-    seconds: float
-
-
 def jobs_file_of(submission: JobSubmission) -> dict[str, Any]:
     """A jobs file that submits the job again (its output folder left to the service: a clone writes its own)."""
     job = submission.job.model_dump(mode="json", exclude_defaults=True)

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from actors.service.table.job_table import JobRecord
 from orchestrator.http.callers import Caller, find_job, visible
-from orchestrator.http.routes import Routes
+from orchestrator.http.routes import Routes, operation_route
 from orchestrator.service_calls import call_service
 
 EVENTS_BATCH = 500           # transitions per poll at most (a backlog is sent in batches without waiting)
@@ -48,7 +48,7 @@ def add_event_routes(api: APIRouter, ctx: Routes) -> None:
         after, _ = call_service(link, lambda client: client.transitions_after(None))
         return EventStart(key, after, call_service(link, lambda client: client.jobs()))   # after `after`: none missed
 
-    @api.get("/events", response_class=EventSourceResponse, tags=["events"])
+    @operation_route(api, "events", response_class=EventSourceResponse, tags=["events"])
     async def events(request: Request, start: EventStart = Depends(event_start),
                      progress: bool = Query(False, description="also an event per optimizer step of running jobs"),
                      caller: Caller = Depends(require_token)) -> AsyncIterator[ServerSentEvent]:

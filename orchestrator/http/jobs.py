@@ -14,10 +14,11 @@ from actors.checkpoint.adapter_export import ExportError
 from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http.callers import Caller, find_job, visible
-from orchestrator.http.console import Generated, GenerateRequest, serving_answer, spec_answer
+from orchestrator.http.console import serving_answer, spec_answer
 from orchestrator.http.request_bodies import parse_body, submissions_from
-from orchestrator.http.responses import ErrorBody, LossRow, Submitted, Transition
-from orchestrator.http.routes import Routes
+from orchestrator.http.responses import ErrorBody
+from orchestrator.http.routes import Routes, operation_route
+from orchestrator.operation_models import GenerateBody, Submitted, Transition
 from orchestrator.service_calls import call_service
 
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
@@ -29,7 +30,7 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
     submit_lock, parsers, body_schema = ctx.submit_lock, ctx.parsers, ctx.body_schema
 
-    @api.post("/jobs", status_code=201, response_model=Submitted, tags=["jobs"],
+    @operation_route(api, "submit", status_code=201, tags=["jobs"],
               responses={413: {"model": ErrorBody, "description": "the body is too large"},
                          415: {"model": ErrorBody, "description": "the body is neither JSON nor YAML"},
                          422: {"model": ErrorBody, "description": "malformed body or invalid spec; `errors` names "
@@ -69,7 +70,7 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         headers = {"Location": f"/v1/jobs/{records[0].id}"} if len(records) == 1 else None
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
-    @api.get("/jobs", response_model=list[JobRecord], tags=["jobs"])
+    @operation_route(api, "jobs", tags=["jobs"])
     def jobs(state: list[str] | None = Query(None, description=STATE_FILTER),
              caller: Caller = Depends(require_token)) -> Any:
         """Every job of yours (an admin: everyone's), oldest first, or those in the given states
@@ -79,18 +80,18 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
             raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
         return visible(call_service(link, lambda client: client.jobs(state or None)), caller)
 
-    @api.get("/jobs/{job}", response_model=JobRecord, tags=["jobs"])
+    @operation_route(api, "status", tags=["jobs"])
     def status(job: str, caller: Caller = Depends(require_token)) -> Any:
         """One job of yours, by id or by a name that only one of your jobs has."""
         return call_service(link, lambda client: find_job(client, caller, job))
 
-    @api.get("/jobs/{job}/losses", response_model=list[LossRow], tags=["jobs"])
+    @operation_route(api, "losses", tags=["jobs"])
     def losses(job: str, caller: Caller = Depends(require_token)) -> Any:
         """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss and eval_score (where
         evaluated), time."""
         return call_service(link, lambda client: client.losses(find_job(client, caller, job).id))
 
-    @api.get("/jobs/{job}/transitions", response_model=list[Transition], tags=["jobs"])
+    @operation_route(api, "transitions", tags=["jobs"])
     def transitions(job: str, caller: Caller = Depends(require_token)) -> Any:
         """The job's state history, oldest first."""
         rows = call_service(link, lambda client: client.transitions(find_job(client, caller, job).id))
@@ -102,13 +103,13 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
     """A job's spec, serving lines, "try it", the verbs that change its state, its adapter."""
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
 
-    @api.get("/jobs/{job}/spec", tags=["jobs"])
+    @operation_route(api, "spec", tags=["jobs"])
     def job_spec(job: str, caller: Caller = Depends(require_token)) -> Any:
         """The job's spec as a jobs file that submits it again (`yaml`: its text, `jobs_file`: its data); its
         output folder is left out (a clone gets its own)."""
         return call_service(link, lambda client: spec_answer(client.submission(find_job(client, caller, job).id)))
 
-    @api.get("/jobs/{job}/serving", tags=["jobs"],
+    @operation_route(api, "serving", tags=["jobs"],
              responses={409: {"model": ErrorBody, "description": "the job's base is not on the service's machine"}})
     def serving(job: str, caller: Caller = Depends(require_token)) -> Any:
         """The lines that serve the job's adapter with vLLM and load it with PEFT, naming the base where the
@@ -125,8 +126,8 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
             raise HTTPException(409, f"the lines for '{record.name}' name its base where this machine has it, "
                                      f"and it has not: {error}") from None
 
-    @api.post("/jobs/{job}/generate", response_model=Generated, tags=["jobs"])
-    def generate(job: str, body: GenerateRequest, caller: Caller = Depends(require_token)) -> Any:
+    @operation_route(api, "generate", tags=["jobs"])
+    def generate(job: str, body: GenerateBody, caller: Caller = Depends(require_token)) -> Any:
         """"Try it": the prompt continued greedily by the job's current adapter and by the base model alone, on
         its trainer between two steps (the steps wait meanwhile). 409 for a job not running on a trainer (queued,
         paused or ended: export a finished job's adapter and serve it with vLLM or PEFT instead)."""
@@ -150,14 +151,14 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
 
         act.__name__ = verb
         act.__doc__ = what
-        api.post(f"/jobs/{{job}}/{verb}", response_model=JobRecord, tags=["jobs"])(act)
+        operation_route(api, verb, tags=["jobs"])(act)
 
     job_verb("cancel", "Cancel a queued, running or paused job (a running one is checkpointed at its next step); "
                        "409 for a job that has ended.")
     job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
     job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
 
-    @api.get("/jobs/{job}/adapter", response_class=Response, tags=["jobs"],
+    @operation_route(api, "export", response_class=Response, tags=["jobs"],
              responses={200: {"content": {"application/gzip": {}}, "description": "the PEFT folder's files, tar.gz"},
                         409: {"model": ErrorBody, "description": "the job has no adapter to export (yet)"}})
     def adapter(job: str, checkpoint: bool = Query(False, description="its last checkpoint instead of its final "

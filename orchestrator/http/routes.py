@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from fastapi import APIRouter, FastAPI
 
 from actors.service.accounts.audit import AuditLog
 from orchestrator.http.callers import Caller
 from orchestrator.service_calls import ServiceLink
+from orchestrator.service_operations import by_name
 
 PARSE_THREADS = 2            # bodies parsed at once (each within http/request_bodies.BODY_LIMITS); more wait their turn
 
@@ -30,3 +32,19 @@ class Routes:
     def audited(self, caller: Caller, action: str, target: str, **details: Any) -> None:
         if self.audit is not None:
             self.audit.record(caller.name, action, target, **details)
+
+
+def operation_route(router: APIRouter | FastAPI, name: str, **options: Any) -> Callable[[Callable], Callable]:
+    """The decorator of the catalogued operation `name`'s route (orchestrator/service_operations.py): its method,
+    its path (under the router's prefix) and its response model come from the catalogue; `options` add the
+    rest (status code, tags, the refusals it may answer)."""
+    operation = by_name()[name]
+    if operation.http is None:
+        raise ValueError(f"operation '{name}' has no HTTP route in orchestrator/service_operations.py")
+    method, path = operation.http
+    prefix = getattr(router, "prefix", "")
+    if not path.startswith(prefix):
+        raise ValueError(f"operation '{name}': {path} is not under the router's prefix {prefix}")
+    if operation.response is not None:
+        options.setdefault("response_model", operation.response)
+    return router.api_route(path.removeprefix(prefix), methods=[method], **options)

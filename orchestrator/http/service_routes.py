@@ -9,24 +9,24 @@ from fastapi import APIRouter, Depends, HTTPException, Query
 
 from orchestrator.http.callers import Caller
 from orchestrator.http.responses import ErrorBody
-from orchestrator.http.routes import Routes
+from orchestrator.http.routes import Routes, operation_route
 from orchestrator.service_calls import call_service
 
 
 def add_service_routes(api: APIRouter, ctx: Routes) -> None:
     link, require_token, audit = ctx.link, ctx.require_token, ctx.audit
 
-    @api.get("/service", tags=["service"])
+    @operation_route(api, "info", tags=["service"])
     def service_info() -> dict[str, Any]:
         """The service's description: state folder, policy, output root, trainers, metrics and events URLs."""
         return call_service(link, lambda client: client.info())
 
-    @api.get("/whoami", tags=["service"])
+    @operation_route(api, "whoami", tags=["service"])
     def whoami(caller: Caller = Depends(require_token)) -> dict[str, Any]:
         """Who the token is: `{"name", "admin"}` (the console shows an admin everyone's jobs and a user filter)."""
         return {"name": caller.name, "admin": caller.admin}
 
-    @api.get("/accounts", tags=["service"])
+    @operation_route(api, "accounts", tags=["service"])
     def accounts(caller: Caller = Depends(require_token)) -> Any:
         """What each user's jobs used, summed over the fused steps they took part in: jobs, trained tokens,
         step-seconds (their share of each step's time by their tokens) and GPU-seconds. Yours only (an admin:
@@ -34,7 +34,8 @@ def add_service_routes(api: APIRouter, ctx: Routes) -> None:
         rows = call_service(link, lambda client: client.accounts())
         return [row for row in rows if caller.admin or row["user"] == caller.name]
 
-    @api.get("/audit", tags=["service"], responses={403: {"model": ErrorBody, "description": "not an admin"}})
+    @operation_route(api, "audit", tags=["service"],
+                     responses={403: {"model": ErrorBody, "description": "not an admin"}})
     def audit_rows(user: str | None = Query(None, description="only this user's actions"),
                    after: float | None = Query(None, description="only actions after this time (seconds since "
                                                                  "the epoch)"),

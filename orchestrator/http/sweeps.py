@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from orchestrator.http.callers import Caller, find_sweep
 from orchestrator.http.request_bodies import Refused, parse_body
 from orchestrator.http.responses import ErrorBody
-from orchestrator.http.routes import Routes
+from orchestrator.http.routes import Routes, operation_route
 from orchestrator.jobs_file import SpecError
 from orchestrator.service_calls import call_service
 
@@ -20,7 +20,7 @@ from orchestrator.service_calls import call_service
 def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
     link, require_token, audited, parsers = ctx.link, ctx.require_token, ctx.audited, ctx.parsers
 
-    @api.post("/sweeps", status_code=201, tags=["sweeps"],
+    @operation_route(api, "sweep", status_code=201, tags=["sweeps"],
               responses={422: {"model": ErrorBody, "description": "an invalid sweep; `detail` names each field"},
                          409: {"model": ErrorBody, "description": "a sweep of that name with other settings"}})
     async def submit_sweep(request: Request, caller: Caller = Depends(require_token)) -> Any:
@@ -50,18 +50,18 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
         status = await run_in_threadpool(call_service, link, start)
         return JSONResponse(status, status_code=201, headers={"Location": f"/v1/sweeps/{status['name']}"})
 
-    @api.get("/sweeps", tags=["sweeps"])
+    @operation_route(api, "sweeps", tags=["sweeps"])
     def sweeps(caller: Caller = Depends(require_token)) -> Any:
         """Every sweep of yours (an admin: everyone's) with its leaderboard."""
         return [s for s in call_service(link, lambda client: client.sweeps()) if caller.sees(s.get("user"))]
 
-    @api.get("/sweeps/{name}", tags=["sweeps"])
+    @operation_route(api, "sweep_status", tags=["sweeps"])
     def sweep_status(name: str, caller: Caller = Depends(require_token)) -> Any:
         """One sweep of yours: state (running, done, cancelled, failed), its trials (settings, state, objective,
         steps, why stopped), the best trial."""
         return call_service(link, lambda client: find_sweep(client, caller, name))
 
-    @api.post("/sweeps/{name}/cancel", tags=["sweeps"])
+    @operation_route(api, "cancel_sweep", tags=["sweeps"])
     def cancel_sweep(name: str, caller: Caller = Depends(require_token)) -> Any:
         """Start no more trials of the sweep and cancel its running ones."""
         def run(client: Any) -> dict[str, Any]:

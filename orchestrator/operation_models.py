@@ -1,0 +1,173 @@
+"""Each service operation's request and response, typed (pydantic): what a caller sends (the arguments of the
+Ray client's and the HttpClient's method, the HTTP route's path, query and body) and what it gets back (the
+HTTP route's response model, the clients' return type). The catalogue (service_operations.py) names one of
+each per operation, and tests/unit/orchestrator/test_service_operations.py holds every surface to them.
+
+A request whose whole body is a spec (a jobs file, a sweep file) is that spec's own model (`RunSpec`,
+`JobSpec`, `SweepSpec`): validated once, where the caller builds it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.service.table.job_record import JobRecord
+
+
+class Open(BaseModel):
+    """A response whose named fields are always there; the others a caller may find beside them (a trainer's
+    description, a sweep's leaderboard) pass through as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# -- requests ------------------------------------------------------------------------------------------------
+
+class JobRef(BaseModel):
+    job: str = Field(description="the job's id, or a name only one job has")
+
+
+class JobsQuery(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    states: list[str] | None = Field(None, alias="state", description="only jobs in these states")
+
+
+MAX_NEW_TOKENS = 256          # as actors/service/trainer/try_adapter.py takes
+MAX_PROMPT_CHARS = 4000
+
+
+class GenerateBody(BaseModel):
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS, description="the text to continue")
+    max_new_tokens: int = Field(64, ge=1, le=MAX_NEW_TOKENS, description="how many tokens to generate at most")
+
+
+class GenerateCall(JobRef, GenerateBody):
+    pass
+
+
+class ExportCall(JobRef):
+    checkpoint: bool = Field(False, description="its last checkpoint instead of its final adapter")
+
+
+class SweepRef(BaseModel):
+    name: str
+
+
+class EventsQuery(BaseModel):
+    job: str | None = Field(None, description="one job's events only")
+    progress: bool = Field(False, description="its steps too, not only its state changes")
+    after: int | str | None = Field(None, description="the last event seen (HTTP: the Last-Event-ID header)")
+
+
+class AuditQuery(BaseModel):
+    user: str | None = None
+    after: float | None = None
+
+
+class TransitionsAfter(BaseModel):
+    after: int
+    limit: int = 1000
+
+
+class WaitReady(BaseModel):
+    timeout: float = 600
+
+
+class WaitAll(BaseModel):
+    jobs: list[Any]
+
+
+class SubmitRecords(BaseModel):
+    submissions: list[Any] = Field(description="JobSubmissions, each validated where it was built")
+
+
+# -- responses -----------------------------------------------------------------------------------------------
+
+class ServiceInfo(Open):
+    state_dir: str
+    policy: str
+    output_root: str | None
+    trainers: list[dict[str, Any]]
+    job_slots: dict[str, Any]
+
+
+class Health(BaseModel):
+    status: str
+    service: str
+    detail: str | None = None
+
+
+class Whoami(BaseModel):
+    name: str
+    admin: bool
+
+
+class AccountRow(BaseModel):
+    user: str | None = Field(description="null: jobs submitted through Ray, without a user")
+    jobs: int
+    tokens: int
+    step_seconds: float
+    gpu_seconds: float
+
+
+class AuditRow(Open):
+    time: float
+    user: str
+    action: str
+    target: str
+
+
+class Submitted(BaseModel):
+    jobs: list[JobRecord]
+
+
+class LossRow(BaseModel):
+    step: int
+    loss: float | None = None
+    tokens: int | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    eval_loss: float | None = None
+    eval_score: float | None = None   # the job's eval_generate metric, where it has one
+    time: float
+
+
+class Transition(BaseModel):
+    time: float
+    state: str
+    reason: str
+
+
+class Generated(BaseModel):
+    job: str
+    step: int = Field(description="the job's step whose adapter generated")
+    prompt: str
+    adapter: str = Field(description="the continuation through the job's adapter")
+    base: str = Field(description="the continuation through the base model alone")
+    prompt_tokens: int
+    new_tokens: list[int]
+    seconds: float
+
+
+class JobSpecText(BaseModel):
+    yaml: str = Field(description="a jobs file that submits the job again")
+    jobs_file: dict[str, Any] = Field(description="that file's data")
+
+
+class ServingAnswer(BaseModel):
+    base: str
+    gguf_file: str | None
+    serving_id: str
+    peft: str
+    vllm: str | None
+    elsewhere: str
+    written: bool
+
+
+class SweepStatus(Open):
+    name: str
+    state: str
+    error: str | None = None
+    trials: list[dict[str, Any]]
+    best: dict[str, Any] | None = None

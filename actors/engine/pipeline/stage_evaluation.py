@@ -1,6 +1,8 @@
-"""A pipeline stage's passes without gradients: the DPO reference log-probabilities (the base alone, no
-adapter, kept by the last stage per job) that a training forward or an evaluation needs first, and a job's
-evaluation loss, every stage taking part, as `FusedTrainer.evaluate` computes it on one device."""
+"""A pipeline stage's passes without gradients: DPO references and a job's evaluation loss.
+
+The DPO reference log-probabilities (the base alone, no adapter; kept by the last stage per job) are what a
+training forward or an evaluation of a DPO job needs first; the evaluation loss is computed with every stage
+taking part, as `FusedTrainer.evaluate` computes it on one device."""
 
 from __future__ import annotations
 

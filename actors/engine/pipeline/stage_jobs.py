@@ -1,6 +1,7 @@
-"""A job's share on one pipeline stage: its adapter over the stage's layers and the optimizer of that share,
-set up from the head's `JobSetup` (resumed from an earlier run's state where it has one), and the share's
-state read and loaded by parameter name (the head merges every stage's into the job's whole state)."""
+"""A job's share on one pipeline stage: its adapter over the stage's layers and that share's optimizer.
+
+Set up from the head's `JobSetup` (resumed from an earlier run's state where it has one); the share's state
+is read and loaded by parameter name, and stage 0 merges every stage's into the job's whole state."""
 
 from __future__ import annotations
 

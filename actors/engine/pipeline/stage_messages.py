@@ -1,7 +1,9 @@
-"""What the head says to every pipeline stage: each message a tuple `(kind, *arguments)` with its kind a
-`StageMessageKind`, the records some carry (a plan, a job to add, an evaluation), and the settings every
-stage runs with. Stage 0 takes them in its own process (actors/engine/pipeline/head.py); the others receive
-them pickled over the control channel (actors/engine/pipeline/transport.py), from the same code."""
+"""What the head says to every pipeline stage: its messages' kinds, the records they carry, the settings.
+
+Each message is a tuple `(kind, *arguments)`, its kind a `StageMessageKind`; some carry a record (a plan, a
+job to add, an evaluation). Stage 0 takes them in its own process (actors/engine/pipeline/head.py); the
+others receive them pickled over the control channel (actors/engine/pipeline/transport.py), from the same
+code."""
 
 from __future__ import annotations
 

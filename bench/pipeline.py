@@ -101,7 +101,7 @@ def run_pipeline(count: int, steps: int, flush: bool, rounds: bool = False) -> d
     """`rounds`: as the trainer loop drives a pipeline (actors/service/pipeline/pipeline_engine.py): one optimizer step
     of every job per loop step, the stages drained at its end (so that the loop sees each job at a step
     boundary: stop verdicts, evaluations, checkpoints)."""
-    from actors.engine.pipeline.stage import StageSettings
+    from actors.engine.pipeline.stage_messages import StageSettings
     from actors.service.pipeline.pipeline_processes import LocalPipeline
     with LocalPipeline(functools.partial(bench_base), 2, split="measured", threads=1,
                        settings=StageSettings(flush=flush), step_tokens=1 << 16) as pipeline:
@@ -210,7 +210,8 @@ def simulate(stages: int, jobs: int, *, flush: bool, transfer: float, steps: int
         chosen = (free or ordered[:1])[:per_plan]
         for job in chosen:
             micro[job] += 1
-        schedule.add_plan(MicroBatchPlan(index, tuple(chosen), tuple(chosen), (), float(len(chosen))))
+        schedule.add_plan(MicroBatchPlan(index=index, jobs=tuple(chosen), closes=tuple(chosen),
+                                         cost=float(len(chosen))))
         index += 1
     schedule.drain()
     return sum(schedule.bubble_share()) / stages

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan, PipelineSchedule
+from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan, OpKind, PipelineSchedule
 from orchestrator.simulator.sim_calibration import calibrate
 from orchestrator.simulator.sim_trace import Trace, TraceJob, TrainerSpec, load_trace
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
@@ -427,7 +427,8 @@ class PipelineModel:
         # each stage: 1/stages of the step's layers, forward and backward (backward twice the forward)
         forward = seconds / self.stages / (1 + self.schedule.backward_ratio)
         self.closing[self.fed] = tuple(closes)
-        self.schedule.add_plan(MicroBatchPlan(self.fed, tuple(jobs), tuple(closes), (), forward, not_before=now))
+        self.schedule.add_plan(MicroBatchPlan(index=self.fed, jobs=tuple(jobs), closes=tuple(closes), cost=forward,
+                                              not_before=now))
         self.fed += 1
         self._land(simulator)
 
@@ -446,7 +447,7 @@ class PipelineModel:
     def _land(self, simulator: Simulator) -> None:
         """The optimizer steps of the plans whose stage-0 backward was decided."""
         for op in self.schedule.take(0):
-            if op.kind in ("B", "FB") and op.index in self.closing:
+            if op.kind in (OpKind.BACKWARD, OpKind.FORWARD_BACKWARD) and op.index in self.closing:
                 for name in self.closing.pop(op.index):
                     job = simulator.jobs[name]
                     if job.state == "done":

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from actors.engine.pipeline.stage import StageSettings
+from actors.engine.pipeline.stage_messages import StageSettings
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost
 from tests.helpers.pipeline import (
     LAYERS,

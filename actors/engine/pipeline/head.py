@@ -21,13 +21,14 @@ from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
 from actors.engine.optim import lr_factor
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
-from actors.engine.pipeline.stage import EvalRequest, JobSetup, PlanMessage, StageRuntime
+from actors.engine.pipeline.stage import StageRuntime
+from actors.engine.pipeline.stage_messages import EvalRequest, JobSetup, PlanMessage, StageMessageKind
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache
 from actors.spec.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HeadJob:
     spec: JobSpec
     cursor: BatchSource
@@ -119,7 +120,7 @@ class PipelineTrainer:
 
     def close(self) -> None:
         for stage in range(1, self.stages):
-            self.links.send_object(("stop",), stage, TAG_COMMAND)
+            self.links.send_object((StageMessageKind.STOP,), stage, TAG_COMMAND)
         self.links.flush()
 
     # -- jobs --------------------------------------------------------------------------------------
@@ -138,7 +139,8 @@ class PipelineTrainer:
                 raise ValueError("add_job needs the job's examples or a cursor")
             cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=cursor_epochs(spec))
             total_steps = planned_steps(spec, len(train))
-        job = HeadJob(spec, cursor, int(total_steps), seed, eval_examples=list(eval_examples or []))
+        job = HeadJob(spec=spec, cursor=cursor, total_steps=int(total_steps), seed=seed,
+                      eval_examples=list(eval_examples or []))
         if state is not None:
             job.cursor.load_state_dict(state["data_position"])
             job.planned_steps = state["step_count"]
@@ -149,25 +151,25 @@ class PipelineTrainer:
                 job.accumulator = state["accumulator"]
                 job.step_targets = job.accumulator.targets
         self.jobs[spec.name] = job
-        self._send(("add", JobSetup(spec, seed, job.total_steps, state)))
+        self._send((StageMessageKind.ADD_JOB, JobSetup(spec=spec, seed=seed, total_steps=job.total_steps, state=state)))
 
     def job_state(self, name: str) -> dict:
         """The job's whole state once its planned work is done: adapter tensors and optimizer moments by
         parameter name (gathered from every stage), counters, data position, history."""
-        self._send(("read", name))
+        self._send((StageMessageKind.READ_JOB, name))
         return self._state_reply(name)
 
     def remove_job(self, name: str) -> dict:
         """Stop planning the job, let its micro-batches in flight end, take its state, detach it everywhere."""
         state = self.job_state(name)
-        self._send(("remove", name))
+        self._send((StageMessageKind.REMOVE_JOB, name))
         del self.jobs[name]
         self.reference_caches.pop(name, None)
         return state
 
     def _state_reply(self, name: str) -> dict:
         while not any(reply["job"] == name for reply in self.replies):
-            self._send(("drain",))
+            self._send((StageMessageKind.DRAIN,))
         reply = next(reply for reply in self.replies if reply["job"] == name)
         self.replies.remove(reply)
         job = self.jobs[name]
@@ -192,14 +194,14 @@ class PipelineTrainer:
             message = self._compose()
             if message is None:
                 break
-            self._send(("plan", message))
+            self._send((StageMessageKind.PLAN, message))
             composed += 1
-        self._send(("drain",))
+        self._send((StageMessageKind.DRAIN,))
         return self.reports[start:]
 
     def stats(self) -> list[dict]:
         """Each stage's busy time, span and bubble share (idle share of its span)."""
-        return self.ask(("stats",))
+        return self.ask((StageMessageKind.STATS,))
 
     def ask(self, message: tuple) -> list:
         """Every stage's answer to `message` (stats, memory, measure), stage 0's first; nothing in flight."""
@@ -229,7 +231,7 @@ class PipelineTrainer:
         for job in candidates:
             if len(chosen) >= share:
                 break
-            batch_tokens = sum(len(e) for e in JobMicroBatch(job.name, job.peek()).rows)
+            batch_tokens = sum(len(e) for e in JobMicroBatch(job=job.name, examples=job.peek()).rows)
             if chosen and tokens + batch_tokens > self.step_tokens:
                 continue
             chosen.append(job)
@@ -240,7 +242,7 @@ class PipelineTrainer:
         for job in chosen:
             examples = job.pending
             job.pending = None
-            micro = JobMicroBatch(job.name, examples)
+            micro = JobMicroBatch(job=job.name, examples=examples)
             micro_batches.append(micro)
             job.micro_count += 1
             if job.spec.method in PREFERENCE_METHODS:
@@ -254,12 +256,13 @@ class PipelineTrainer:
                 step_targets[job.name] = job.step_targets
                 job.step_targets = 0
                 job.planned_steps += 1
-        plan = MicroBatchPlan(self.next_index, tuple(mb.job for mb in micro_batches), tuple(closes), tuple(serial),
-                              float(tokens))
+        plan = MicroBatchPlan(index=self.next_index, jobs=tuple(mb.job for mb in micro_batches), closes=tuple(closes),
+                              serial=tuple(serial), cost=float(tokens))
         self.plans[plan.index] = (plan, step_targets)
         self.next_index += 1
         dpo = [mb for mb in micro_batches if self.jobs[mb.job].spec.method == "dpo"]
-        return PlanMessage(plan, tuple(micro_batches), step_targets, self._reference_todo(dpo))
+        return PlanMessage(plan=plan, micro_batches=tuple(micro_batches), step_targets=step_targets,
+                           references=self._reference_todo(dpo))
 
     def _reference_todo(self, micro_batches: list[JobMicroBatch]) -> tuple:
         """The DPO pairs the last stage has no reference for (this head's mirror of its caches, kept in step)."""
@@ -277,13 +280,13 @@ class PipelineTrainer:
         examples = job.eval_examples if examples is None else examples
         if not examples:
             raise ValueError(f"job '{name}' has no eval examples (set eval_split)")
-        self._send(("drain",))
+        self._send((StageMessageKind.DRAIN,))
         batches = []
         for start in range(0, len(examples), batch_size):
-            micro_batch = JobMicroBatch(name, examples[start:start + batch_size])
+            micro_batch = JobMicroBatch(job=name, examples=examples[start:start + batch_size])
             todo = self._reference_todo([micro_batch]) if job.spec.method == "dpo" else ()
             batches.append((micro_batch, todo))
-        message = ("eval", EvalRequest(name, tuple(batches)))
+        message = (StageMessageKind.EVALUATE, EvalRequest(job=name, batches=tuple(batches)))
         for stage in range(1, self.stages):
             self.links.send_object(message, stage, TAG_COMMAND)
         return float(self.runtime.handle(message))
@@ -296,7 +299,7 @@ class PipelineTrainer:
         """Book results in plan order, each once its closing jobs' norms are known (stage 0's backward)."""
         while (index := self.booked + 1) in self.results:
             plan, step_targets = self.plans[index]
-            if any((job, index) not in self.runtime.norms for job in plan.closes):
+            if any((job, index) not in self.runtime.norms.for_head for job in plan.closes):
                 return
             result = self.results.pop(index)
             del self.plans[index]
@@ -315,7 +318,7 @@ class PipelineTrainer:
                     step = len(job.history)
                     factor = lr_factor(step, schedule=job.spec.lr_schedule, warmup_steps=job.spec.warmup_steps,
                                        total_steps=job.total_steps)
-                    norm = self.runtime.norms.pop((name, index))
+                    norm = self.runtime.norms.for_head.pop((name, index))
                     job.history.append(OptimizerStepRecord(step=step + 1, loss=job.accumulator.loss,
                                                            tokens=job.accumulator.tokens, lr=job.spec.lr * factor,
                                                            grad_norm=norm, metrics=job.accumulator.metrics))

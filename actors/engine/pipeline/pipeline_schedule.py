@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MicroBatchPlan:
     """One micro-batch as the schedule sees it: its jobs, which of them close an accumulation with it
     (their optimizer steps follow), which draw dropout masks (serial jobs), and its cost (tokens)."""
@@ -45,14 +46,28 @@ class MicroBatchPlan:
     not_before: float = 0.0     # the simulator's clock: it enters stage 0 no earlier
 
 
-@dataclass(frozen=True)
-class Op:
-    """One operation of one stage. kind: F (forward), B (backward), FB (the last stage's forward, loss and
-    backward), O (a job's optimizer step, `job`, closed by micro-batch `index`), R (stage 0: the results of
-    micro-batches up to `index` from the last stage), X (a job leaves: `job`), Q (a job's state is read:
-    `job`)."""
+class OpKind(StrEnum):
+    """What a stage's operation does. The values are the schedule's short letters (its traces and tests read
+    them; a StrEnum member equals its letter)."""
 
-    kind: str
+    FORWARD = "F"
+    BACKWARD = "B"
+    FORWARD_BACKWARD = "FB"     # the last stage's forward, loss and backward at once
+    OPTIMIZER_STEP = "O"        # a job's optimizer step (`job`), closed by micro-batch `index`
+    TAKE_RESULTS = "R"          # stage 0: the last stage's results of micro-batches up to `index`
+    REMOVE_JOB = "X"            # a job leaves (`job`)
+    READ_JOB = "Q"              # a job's state is read (`job`)
+
+
+COMPUTE_KINDS = (OpKind.FORWARD, OpKind.BACKWARD, OpKind.FORWARD_BACKWARD)   # a micro-batch's compute
+
+
+@dataclass(frozen=True, kw_only=True)
+class Op:
+    """One operation of one stage: what it does (`kind`), the micro-batch it concerns (`index`) or the job
+    (`job`), and the simulated time it runs."""
+
+    kind: OpKind
     stage: int
     index: int = -1
     job: str = ""
@@ -60,7 +75,7 @@ class Op:
     end: float = 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Stage:
     free_at: float = 0.0
     forward_ready: dict[int, float] = field(default_factory=dict)   # index -> when its input arrives
@@ -102,7 +117,7 @@ class PipelineSchedule:
         self.serial_ready: dict[str, float] = {}    # dropout job -> when its last micro-batch left the last forward
         self.serial_pending: dict[str, int] = {}
         self.job_last: dict[str, int] = {}          # job -> its last planned micro-batch
-        self.commands: deque[tuple[str, str]] = deque()   # (X or Q, job) waiting for the job's ops to end
+        self.commands: deque[tuple[OpKind, str]] = deque()   # (REMOVE_JOB or READ_JOB, job) waiting for its ops
         self.since_flush: set[str] = set()          # flush mode: jobs of the global batch in progress
         self.flush_time = 0.0                       # when the last stage-0 backward ended
         self.serial_seen: dict[str, int] = {}       # dropout job -> its last micro-batch entered
@@ -124,12 +139,12 @@ class PipelineSchedule:
     def remove_job(self, job: str) -> None:
         """The job leaves every stage once its operations there are done and its last step taken (a job
         cancelled mid-accumulation: the head plans none of its micro-batches after, so no step is pending)."""
-        self.commands.append(("X", job))
+        self.commands.append((OpKind.REMOVE_JOB, job))
         self._advance()
 
     def read_job(self, job: str) -> None:
         """Each stage reports the job's state once its operations there are done and its step taken."""
-        self.commands.append(("Q", job))
+        self.commands.append((OpKind.READ_JOB, job))
         self._advance()
 
     def drain(self) -> None:
@@ -190,7 +205,7 @@ class PipelineSchedule:
             gate = max(gate, self.flush_time)
         return gate
 
-    def _next(self, s: int) -> tuple[float, str, int] | None:
+    def _next(self, s: int) -> tuple[float, OpKind, int] | None:
         """Stage s's next operation and when it can start: (start, kind, index), or None."""
         state = self.state[s]
         last = s == self.stages - 1
@@ -200,7 +215,7 @@ class PipelineSchedule:
             if index in state.backward_ready:
                 backward = (max(state.free_at, state.backward_ready[index]), index)
         if not last and state.in_flight >= self.stages - s:
-            return (backward[0], "B", backward[1]) if backward else None
+            return (backward[0], OpKind.BACKWARD, backward[1]) if backward else None
         forward: tuple[float, int] | None = None
         if s == 0:
             if self.next_index < self.fed:
@@ -211,9 +226,9 @@ class PipelineSchedule:
             index = min(state.forward_ready)
             forward = (max(state.free_at, state.forward_ready[index]), index)
         if backward and (forward is None or backward[0] <= forward[0]):
-            return backward[0], "B", backward[1]
+            return backward[0], OpKind.BACKWARD, backward[1]
         if forward:
-            return forward[0], ("FB" if last else "F"), forward[1]
+            return forward[0], (OpKind.FORWARD_BACKWARD if last else OpKind.FORWARD), forward[1]
         return None
 
     def _advance(self) -> None:
@@ -230,30 +245,30 @@ class PipelineSchedule:
         if self.draining:
             self._place_remaining_steps()
 
-    def _run(self, s: int, kind: str, index: int, start: float) -> None:
+    def _run(self, s: int, kind: OpKind, index: int, start: float) -> None:
         state = self.state[s]
         plan = self.plans[index]
-        if kind in ("F", "FB"):
+        if kind in (OpKind.FORWARD, OpKind.FORWARD_BACKWARD):
             self._place_steps(s, plan)
             if s == 0:
                 self._enter(plan)
             else:
                 del state.forward_ready[index]
-        if kind == "FB":
+        if kind == OpKind.FORWARD_BACKWARD:
             cost = self._cost(s, index, False) + self._cost(s, index, True)
         else:
-            cost = self._cost(s, index, kind == "B")
+            cost = self._cost(s, index, kind == OpKind.BACKWARD)
         end = start + cost
         state.free_at = end
         state.busy += cost
         self.last_end = max(self.last_end, end)
-        self.ops[s].append(Op(kind, s, index, start=start, end=end))
-        if kind == "F":
+        self.ops[s].append(Op(kind=kind, stage=s, index=index, start=start, end=end))
+        if kind == OpKind.FORWARD:
             state.forwarded.append(index)
             state.in_flight += 1
             self.state[s + 1].forward_ready[index] = end + self.transfer
             return
-        if kind == "FB":
+        if kind == OpKind.FORWARD_BACKWARD:
             state.forwarded.append(index)
             state.next_backward += 1
             if s > 0:
@@ -309,15 +324,19 @@ class PipelineSchedule:
         if index <= self.results_taken:
             return
         self.results_taken = index
-        self.ops[0].append(Op("R", 0, index))
+        self.ops[0].append(Op(kind=OpKind.TAKE_RESULTS, stage=0, index=index))
 
     def _place_steps(self, s: int, plan: MicroBatchPlan) -> None:
         """Stage s steps each of the plan's jobs that has a step pending here, before the plan's forward."""
         state = self.state[s]
         for job in plan.jobs:
             if job in state.pending_steps:
-                self.ops[s].append(Op("O", s, state.pending_steps.pop(job), job=job, start=state.free_at,
-                                      end=state.free_at))
+                self._place_step(s, job, state.pending_steps.pop(job))
+
+    def _place_step(self, s: int, job: str, index: int) -> None:
+        """Stage s steps `job` (its accumulation closed by micro-batch `index`) next."""
+        free = self.state[s].free_at
+        self.ops[s].append(Op(kind=OpKind.OPTIMIZER_STEP, stage=s, index=index, job=job, start=free, end=free))
 
     def _job_busy(self, s: int, job: str) -> bool:
         """Has stage s an operation of `job` still to run (a fed plan of it not yet backwarded there)?"""
@@ -336,10 +355,9 @@ class PipelineSchedule:
             for s in range(self.stages):
                 state = self.state[s]
                 if job in state.pending_steps:
-                    self.ops[s].append(Op("O", s, state.pending_steps.pop(job), job=job, start=state.free_at,
-                                          end=state.free_at))
-                self.ops[s].append(Op(kind, s, job=job, start=state.free_at, end=state.free_at))
-            if kind == "X":
+                    self._place_step(s, job, state.pending_steps.pop(job))
+                self.ops[s].append(Op(kind=kind, stage=s, job=job, start=state.free_at, end=state.free_at))
+            if kind == OpKind.REMOVE_JOB:
                 for table in (self.step_ready, self.serial_ready, self.serial_pending, self.step_pending,
                               self.job_last, self.serial_seen):
                     table.pop(job, None)
@@ -348,7 +366,7 @@ class PipelineSchedule:
         for s in range(self.stages):
             state = self.state[s]
             for job, index in sorted(state.pending_steps.items(), key=lambda item: item[1]):
-                self.ops[s].append(Op("O", s, index, job=job, start=state.free_at, end=state.free_at))
+                self._place_step(s, job, index)
             state.pending_steps.clear()
         if self.stages > 1 and self.fed:
             self._take_results(self.fed - 1)

@@ -102,8 +102,8 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
     freeze(model)
     model.eval()
     use_varlen_attention(model)
-    base = BaseModel(base_model, model, load_tokenizer(read_from), torch_device, torch_dtype, "none", source,
-                     transform)
+    base = BaseModel(name=base_model, model=model, tokenizer=load_tokenizer(read_from), device=torch_device,
+                     dtype=torch_dtype, quantization="none", source=source, logit_transform=transform)
     return cut_stage(base, split, stage, torch_device)
 
 

@@ -35,7 +35,7 @@ PROBE_JOB = "aspen-stage-memory-probe"
 PROBE_SEQUENCE = 128
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageActivation:
     """One stage's activation bytes, measured, the probe adapter's own taken out: `saved_*` live after a
     forward (kept for its backward), `step_*` a forward-and-backward's peak over what was live before, as
@@ -66,7 +66,7 @@ def probe_stage_activation(model: StageModel, *, recompute: str = "none",
     length = min(sequence, int(getattr(config, "max_position_embeddings", sequence) or sequence))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, int(config.vocab_size), (length,), generator=generator).tolist()
-    example = Example(tuple(ids), tuple(ids))
+    example = Example(input_ids=tuple(ids), labels=tuple(ids))
     lora = LoraConfig(r=1, alpha=1, target_modules="all-linear")
     handle = add_adapter(base.model, PROBE_JOB, lora, seed=0)
     set_adapters_training(base.model, True)
@@ -77,7 +77,8 @@ def probe_stage_activation(model: StageModel, *, recompute: str = "none",
     groups: dict = {}
     try:
         for rows in (1, 2):
-            batch = pack([JobMicroBatch(PROBE_JOB, [example] * rows)], "packed", base.pad_token_id).to(base.device)
+            micro_batch = JobMicroBatch(job=PROBE_JOB, examples=[example] * rows)
+            batch = pack([micro_batch], "packed", base.pad_token_id).to(base.device)
             hidden = None
             if not model.first:
                 hidden = torch.randn(batch.num_tokens, model.hidden_size, generator=generator).to(
@@ -111,10 +112,11 @@ def probe_stage_activation(model: StageModel, *, recompute: str = "none",
             parameter.grad = None
     saved_constant, saved_per_token = _line(tokens, saved)
     step_constant, step_per_token = _line(tokens, steps)
-    return StageActivation(saved_constant, saved_per_token, step_constant, step_per_token, shapes, groups)
+    return StageActivation(saved_constant=saved_constant, saved_per_token=saved_per_token, step_constant=step_constant,
+                           step_per_token=step_per_token, linear_shapes=shapes, input_groups=groups)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageMemory:
     """One stage's memory model: `predict(tokens)` its peak while micro-batches of `tokens` tokens pass."""
 

@@ -24,7 +24,7 @@ from actors.engine.recompute import decoder_layers
 STAGEABLE = ("llama", "mistral", "qwen2")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageModel:
     base: BaseModel
     stage: int
@@ -150,4 +150,4 @@ def cut_stage(base: BaseModel, split: list[int], stage: int, device: torch.devic
     view._modules["layers"] = nn.ModuleList([layers[index] for index in own])
     if not last:
         view._modules["norm"] = nn.Identity()
-    return StageModel(base, stage, stages, first_layer, split[stage], view)
+    return StageModel(base=base, stage=stage, stages=stages, first_layer=first_layer, layers=split[stage], view=view)

@@ -24,7 +24,7 @@ from actors.engine.recompute import decoder_layers
 from actors.spec.spec import LoraConfig
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerCosts:
     """Measured per decoder layer: `seconds` (forward + backward of the probe) and `bytes` (weights); and
     the extra work of stage 0 (embeddings) and of the last stage (final norm, LM head and loss)."""
@@ -158,4 +158,5 @@ def measure_layer_costs(base: BaseModel, tokens: int = 512, repeats: int = 2) ->
         total, _ = target_cross_entropy(decoder.norm(x), head.weight, head.bias, ids[0], weights)
         total.backward()
     last = _timed(run_head, device, repeats)
-    return LayerCosts(tuple(seconds), sizes, first, last, first_bytes, last_bytes)
+    return LayerCosts(seconds=tuple(seconds), bytes=sizes, first_seconds=first, last_seconds=last,
+                      first_bytes=first_bytes, last_bytes=last_bytes)

@@ -73,7 +73,8 @@ class PipelineAdmission:
         tokens = sum(count for _, count in plan)
         held_adapters = max(memory.held - self.weights[memory.stage], 0) // BYTES_PER_ADAPTER_PARAMETER
         analytic = memory.in_flight() * memory.adapters(plan) + memory.loss_bytes(tokens)
-        return StepShape(tokens, 0, int(held_adapters), int(analytic))
+        return StepShape(tokens=tokens, sum_squared_lengths=0, adapter_parameters=int(held_adapters),
+                         analytic_bytes=int(analytic))
 
     @property
     def margin(self) -> float:

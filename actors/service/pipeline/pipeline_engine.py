@@ -31,9 +31,9 @@ from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.head import HeadJob, PipelineTrainer
-from actors.engine.pipeline.stage import StageSettings
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.pipeline.stage_memory import StageMemory
+from actors.engine.pipeline.stage_messages import StageSettings
 from actors.engine.trainer import JobStepResult, StepReport
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
 from actors.spec.spec import JobSpec, step_tokens_floor
@@ -342,7 +342,8 @@ class PipelineEngine:
         self.rotation += 1
         chosen: list[tuple[PipelineJob, list[Example]]] = []
         for job in candidates[start:] + candidates[:start]:
-            trial = [JobMicroBatch(j.name, b) for j, b in chosen] + [JobMicroBatch(job.name, job.peek())]
+            trial = [JobMicroBatch(job=j.name, examples=b) for j, b in chosen]
+            trial.append(JobMicroBatch(job=job.name, examples=job.peek()))
             if chosen and fits is not None and not fits(trial):
                 continue
             chosen.append((job, job.peek()))
@@ -428,7 +429,7 @@ def start_pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None
         devices, transport = ["cuda:0"] * stages, "shared"
     settings = StageSettings(layout=config.layout, recompute=config.recompute)
     split = config.stage_split if isinstance(config.stage_split, str) else list(config.stage_split)
-    loader = loader or StageLoader(config.base_model, config.dtype)
+    loader = loader or StageLoader(base_model=config.base_model, dtype=config.dtype)
 
     chosen: dict[str, Any] = {"split": split}
 

@@ -22,7 +22,8 @@ import torch
 from actors.engine import lora_grouped
 from actors.engine.models import BaseModel
 from actors.engine.pipeline.head import PipelineTrainer
-from actors.engine.pipeline.stage import StageRuntime, StageSettings
+from actors.engine.pipeline.stage import StageRuntime
+from actors.engine.pipeline.stage_messages import REPLYING, StageMessageKind, StageSettings
 from actors.engine.pipeline.stage_model import check_stageable, cut_stage
 from actors.engine.pipeline.stage_split import balanced_split, check_split, even_split, measure_layer_costs
 from actors.engine.pipeline.transport import (
@@ -38,7 +39,6 @@ from actors.engine.recompute import decoder_layers
 log = logging.getLogger(__name__)
 
 
-REPLYING = ("stats", "memory", "measure")   # the head's messages each stage answers
 STARTUP_POLL_S = 0.1   # how often stage 0 looks at the other stages while they start
 
 
@@ -47,7 +47,7 @@ def dist_errors() -> type[Exception]:
     return getattr(torch.distributed, "DistBackendError", RuntimeError)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageLaunch:
     """What a stage process needs: who it is, where to meet the others, what to load and keep."""
 
@@ -108,7 +108,7 @@ def run_stage(launch: StageLaunch) -> None:
     runtime = StageRuntime(model, links, launch.settings)
     while True:
         message = links.recv_object(0, TAG_COMMAND)
-        if message[0] == "stop":
+        if message[0] == StageMessageKind.STOP:
             break
         reply = runtime.handle(message)
         if message[0] in REPLYING:
@@ -187,8 +187,9 @@ class LocalPipeline:
         store = open_rendezvous(stages, timeout_s)
         try:
             for rank in range(1, stages):
-                launch = StageLaunch(rank, stages, address, store.port, loader, tuple(self.split), devices[rank],
-                                     settings, threads, timeout_s, queues)
+                launch = StageLaunch(rank=rank, world=stages, address=address, port=store.port, loader=loader,
+                                     split=tuple(self.split), device=devices[rank], settings=settings,
+                                     threads=threads, timeout_s=timeout_s, queues=queues)
                 self.processes.append((starter or start_process)(launch))
             model = (loader.stage(self.split, 0, devices[0]) if base is None
                      else cut_stage(base, self.split, 0, torch.device(devices[0])))
@@ -256,11 +257,11 @@ class LocalPipeline:
 
     def memory(self) -> list:
         """Each stage's memory model (`StageMemory`), stage 0's first."""
-        return self._guarded(self.trainer.ask, ("memory",))
+        return self._guarded(self.trainer.ask, (StageMessageKind.MEMORY,))
 
     def measure(self, on: bool) -> list:
         """Open (`on`) each stage's allocator window, or close it: each stage's peak bytes meanwhile."""
-        return self._guarded(self.trainer.ask, ("measure", on))
+        return self._guarded(self.trainer.ask, (StageMessageKind.MEASURE, on))
 
     def failed_stages(self) -> list[str]:
         return [f"stage {rank} (exit code {process.exitcode})"

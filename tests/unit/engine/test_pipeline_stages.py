@@ -136,7 +136,7 @@ def test_the_balanced_split_is_the_best_contiguous_one(seed):
     generator = torch.Generator().manual_seed(seed)
     layers = 9
     seconds = (torch.rand(layers, generator=generator) + 0.5).tolist()
-    costs = LayerCosts(tuple(seconds), tuple([100] * layers), first_seconds=0.3, last_seconds=2.5,
+    costs = LayerCosts(seconds=tuple(seconds), bytes=tuple([100] * layers), first_seconds=0.3, last_seconds=2.5,
                        first_bytes=50, last_bytes=80)
     for stages in (2, 3, 4):
         split = balanced_split(costs, stages)
@@ -146,7 +146,7 @@ def test_the_balanced_split_is_the_best_contiguous_one(seed):
                     for s in range(stages))
         assert worst == pytest.approx(brute_force(costs, stages)[0], rel=1e-12)
     # a heavy head: the last stage gets fewer layers
-    assert balanced_split(LayerCosts((1.0,) * 8, (1,) * 8, last_seconds=3.0), 2) == [5, 3]
+    assert balanced_split(LayerCosts(seconds=(1.0,) * 8, bytes=(1,) * 8, last_seconds=3.0), 2) == [5, 3]
 
 
 def test_what_cannot_be_cut_is_refused_with_the_reason():

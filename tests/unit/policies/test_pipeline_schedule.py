@@ -33,7 +33,8 @@ def drive(stages: int, jobs: int, *, steps: int = 12, accum: int = 1, dropout: b
             if micro[job] % accum == 0:
                 closes.append(job)
         cost = costs[len(plans) % len(costs)] if costs else 1.0
-        plan = MicroBatchPlan(len(plans), tuple(chosen), tuple(closes), tuple(chosen) if dropout else (), cost)
+        plan = MicroBatchPlan(index=len(plans), jobs=tuple(chosen), closes=tuple(closes),
+                              serial=tuple(chosen) if dropout else (), cost=cost)
         plans.append(plan)
         schedule.add_plan(plan)
     schedule.drain()
@@ -115,7 +116,7 @@ def test_stage_zero_starts_as_many_micro_batches_as_stages_before_its_first_back
     for index in range(4):
         assert schedule.wants_plan
         jobs = (f"a{index % 3}", f"b{index % 3}")
-        schedule.add_plan(MicroBatchPlan(index, jobs, jobs))
+        schedule.add_plan(MicroBatchPlan(index=index, jobs=jobs, closes=jobs))
     kinds = [(op.kind, op.index) for op in schedule.take(0) if op.kind in ("F", "B")]
     assert kinds[:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
 
@@ -138,10 +139,10 @@ def test_every_copy_fed_the_same_messages_decides_the_same_operations():
 
 def test_a_removed_job_leaves_after_its_last_operations_with_its_last_step():
     schedule = PipelineSchedule(3)
-    schedule.add_plan(MicroBatchPlan(0, ("a", "b"), ("a", "b")))
-    schedule.add_plan(MicroBatchPlan(1, ("c",), ("c",)))
+    schedule.add_plan(MicroBatchPlan(index=0, jobs=("a", "b"), closes=("a", "b")))
+    schedule.add_plan(MicroBatchPlan(index=1, jobs=("c",), closes=("c",)))
     schedule.remove_job("a")
-    schedule.add_plan(MicroBatchPlan(2, ("b",), ("b",)))
+    schedule.add_plan(MicroBatchPlan(index=2, jobs=("b",), closes=("b",)))
     schedule.drain()
     for stage in range(3):
         kinds = [(op.kind, op.index, op.job) for op in schedule.take(stage)]
@@ -154,6 +155,6 @@ def test_a_removed_job_leaves_after_its_last_operations_with_its_last_step():
 def test_plans_out_of_order_or_empty_are_refused():
     schedule = PipelineSchedule(2)
     with pytest.raises(ValueError, match="out of order"):
-        schedule.add_plan(MicroBatchPlan(1, ("a",)))
+        schedule.add_plan(MicroBatchPlan(index=1, jobs=("a",)))
     with pytest.raises(ValueError, match="no job"):
-        schedule.add_plan(MicroBatchPlan(0, ()))
+        schedule.add_plan(MicroBatchPlan(index=0, jobs=()))

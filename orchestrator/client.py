@@ -26,6 +26,7 @@ from actors.data.tables import hub_id_problem
 from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.table.job_table import JobRecord
 from actors.spec.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.spec.sweep_spec import SweepSpec
 from actors.storage.storage import is_uri, resolve_location
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
@@ -303,7 +304,7 @@ class Client:
         return [JobHandle(self, record.id, record.name) for record in self.submit_records(submissions)]
 
     # -- sweeps -------------------------------------------------------------------------------------------
-    def sweep(self, spec: Any) -> dict[str, Any]:
+    def sweep(self, spec: SweepSpec | dict | str | Path) -> dict[str, Any]:
         """Start a sweep (docs/sweeps.md): a sweep file's path (paths in it relative to it), a dict of its fields
         (paths relative to this process's folder) or a `SweepSpec`. The service runs it from now on; the answer
         is its status (`sweep_status`). The same sweep submitted again is the same sweep (nothing new starts)."""

@@ -57,7 +57,8 @@ class SweepRef(BaseModel):
 class EventsQuery(BaseModel):
     job: str | None = Field(None, description="one job's events only")
     progress: bool = Field(False, description="its steps too, not only its state changes")
-    after: int | str | None = Field(None, description="the last event seen (HTTP: the Last-Event-ID header)")
+    after: int | str | None = Field(None, description="the last event seen (HTTP: the Last-Event-ID header)",
+                                    json_schema_extra={"http_header": "Last-Event-ID"})
 
 
 class AuditQuery(BaseModel):
@@ -170,4 +171,4 @@ class SweepStatus(Open):
     state: str
     error: str | None = None
     trials: list[dict[str, Any]]
-    best: dict[str, Any] | None = None
+    best: str | None = Field(None, description="the best trial's name")

@@ -123,45 +123,72 @@ def render() -> str:
 REPO = Path(__file__).resolve().parents[1]
 # Folders in layer order, top (user-facing) first: imports point down this list only.
 FOLDERS: list[tuple[str, str]] = [
-    ("orchestrator", "user-facing: the client API, the `aspen` CLI, service start-up, Prometheus metrics, MQTT "
-                     "job events, watching and reports"),
+    ("orchestrator", "user-facing: the client API, service start-up, Prometheus metrics, watching and reports"),
+    ("orchestrator/cli", "the `aspen` command: its parser and each group of commands"),
+    ("orchestrator/http", "the HTTP API (a router module per resource, built from the operations' catalogue), "
+                          "its client, and the web console's routes"),
+    ("orchestrator/mqtt", "MQTT job events: the embedded broker, topics, the listener that publishes"),
+    ("orchestrator/simulator", "the scheduling simulator: a job trace replayed against policies, fast, no model"),
     ("actors", "the Ray actors, thin: the scheduler, a trainer per GPU (or CPU), a job actor per job"),
-    ("actors/service", "the Ray-free halves of the actors: the scheduler's decisions and job table, the "
-                    "trainer's loop, a job's data feed and files"),
-    ("actors/engine", "the compute core, no Ray: base model, fused multi-LoRA layer, packing, per-job loss "
-                      "and optimizer, checkpoints, PEFT export, memory measurement, data formats"),
+    ("actors/service", "the Ray-free halves of the actors, a room per concern (below)"),
+    ("actors/service/scheduler", "the scheduler's side: decision rounds, submissions, the contained policy, which "
+                                 "trainers run where, the job actor's data core"),
+    ("actors/service/table", "the job table: jobs, transitions, progress, usage, over one SQLite connection"),
+    ("actors/service/events", "what trainers report, taken in and booked into the job table; listeners"),
+    ("actors/service/trainer", "the trainer's side: its loop over a step engine, the jobs it holds, their feeds, "
+                               "memory admission, step log, how jobs end"),
+    ("actors/service/outputs", "a job's outputs on its trainer: metrics files, uploads, experiment tracking"),
+    ("actors/service/pipeline", "a pipeline trainer (stages over several devices) behind the step engine"),
+    ("actors/service/sweeps", "sweeps over the service's jobs"),
+    ("actors/service/accounts", "users, roles, tokens, the audit log"),
+    ("actors/checkpoint", "a job's files: crash-safe checkpoints, PEFT adapters, exports and serving lines"),
+    ("actors/engine", "the compute core, no Ray: base model, fused multi-LoRA layers, packing, per-job loss and "
+                      "optimizer, generation, memory measurement, kernels"),
+    ("actors/engine/pipeline", "the pipeline's compute: stages, their schedule, messages and transport"),
+    ("actors/spec", "what a job is: the job spec and its settings, the sweep spec (pydantic, validated once)"),
+    ("actors/data", "training data: formats, reading, tokenizing, splitting, the resumable cursor"),
+    ("actors/storage", "where files live: durable local writes, storage URIs, base model sources and caches"),
     ("policies", "scheduling decisions over an immutable snapshot, no Ray: built-in policies, memory model, "
-                 "loss-curve predictor, simulator"),
+                 "loss-curve predictor"),
+    ("policies/sweep", "a sweep's decisions: search spaces, searchers, early-stopping rules"),
 ]
 # A newcomer's path through the code: one job from `aspen run` to a fused step and back to the job table.
 # Every module named here must exist (render_floor_plan checks), so the path cannot point at a moved file.
 NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
-    ("`aspen run jobs.yaml` reads and validates the jobs file",
+    ("`aspen run jobs.yaml` reads and validates the jobs file, once",
      ["orchestrator/cli/run_commands.py", "orchestrator/jobs_file.py", "actors/spec/spec.py"]),
-    ("decides what to do with jobs an earlier run left, and submits the rest through the client",
-     ["orchestrator/run_plan.py", "orchestrator/client.py"]),
-    ("the scheduler actor enters them in the job table, all or none", ["actors/scheduler_actor.py",
-                                                                       "actors/service/scheduler/submissions.py",
-                                                                       "actors/service/table/job_table.py"]),
+    ("decides what to do with jobs an earlier run left, and hands the rest, validated, to the client",
+     ["orchestrator/run_plan.py", "orchestrator/client.py", "orchestrator/service_operations.py"]),
+    ("the scheduler actor takes them as they were built and enters them in the job table, all or none",
+     ["actors/scheduler_actor.py", "actors/spec/typed_args.py", "actors/service/scheduler/scheduler_core.py",
+      "actors/service/scheduler/submissions.py", "actors/service/table/job_table.py",
+      "actors/service/table/transition_log.py"]),
     ("each decision round asks the policy, contained, which queued jobs start where, under memory budgets",
      ["actors/service/scheduler/scheduler_core.py", "actors/service/scheduler/policy_guard.py", "policies/fifo.py",
       "actors/service/scheduler/job_fit.py"]),
-    ("a started job gets a job actor (its data, tokenized) and an assignment on its trainer",
+    ("a started job gets a job actor (its data read and tokenized) and an Assignment on its trainer",
      ["actors/job_dispatch.py", "actors/job_actor.py", "actors/service/scheduler/job_data.py",
-      "actors/service/trainer/job_link.py"]),
-    ("the trainer's loop attaches the job's adapter and restores its newest checkpoint",
-     ["actors/trainer_actor.py", "actors/service/trainer/trainer_loop.py", "actors/service/trainer/job_attach.py"]),
+      "actors/data/tokenize.py", "actors/ray_links.py", "actors/service/trainer/job_link.py",
+      "actors/service/scheduler/trainer_fleet.py", "actors/ray_trainers.py"]),
+    ("the trainer's loop attaches the job's adapter, restores its newest checkpoint and starts its feed",
+     ["actors/trainer_actor.py", "actors/service/trainer/trainer_loop.py", "actors/service/trainer/job_attach.py",
+      "actors/engine/adapter_surgery.py", "actors/checkpoint/load.py", "actors/service/trainer/feed.py"]),
     ("each fused step is admitted under the memory budget, packed, and run: one forward/backward, each job's "
      "tokens through its own adapter, each job's loss and optimizer",
-     ["actors/service/trainer/step_admission.py", "actors/engine/trainer.py", "actors/engine/packing.py",
-      "actors/engine/fused_linear.py", "actors/engine/loss.py", "actors/engine/optim.py"]),
+     ["actors/service/trainer/step_admission.py", "actors/service/trainer/step_engine.py", "actors/engine/trainer.py",
+      "actors/engine/packing.py", "actors/engine/fused_linear.py", "actors/engine/lora_adapter.py",
+      "actors/engine/loss.py", "actors/engine/optim.py"]),
     ("the step's rows go to the step log and the job's metrics.jsonl, checkpoints are saved crash-safely",
-     ["actors/service/trainer/step_log.py", "actors/service/outputs/job_files.py", "actors/checkpoint/save.py"]),
+     ["actors/service/trainer/step_log.py", "actors/service/outputs/job_files.py", "actors/checkpoint/save.py",
+      "actors/storage/durable.py"]),
     ("the scheduler polls the trainer's events and books them into the job table, in order",
-     ["actors/service/scheduler/trainer_fleet.py", "actors/service/events/event_intake.py",
-      "actors/service/events/event_booking.py"]),
-    ("the job actor's loss history decides when training stops paying off; the adapter is saved in PEFT's format",
-     ["actors/service/trainer/stop_verdicts.py", "policies/stopping.py", "actors/checkpoint/peft_io.py"]),
+     ["actors/service/trainer/trainer_reports.py", "actors/service/scheduler/trainer_fleet.py",
+      "actors/service/events/event_intake.py", "actors/service/events/event_booking.py",
+      "actors/service/table/progress_rows.py", "actors/service/table/usage_accounts.py"]),
+    ("the job actor's loss history decides when training stops paying off; the job ends with its adapter saved "
+     "in PEFT's format",
+     ["actors/service/trainer/stop_verdicts.py", "policies/stopping.py", "actors/service/trainer/job_ends.py",
+      "actors/checkpoint/peft_io.py"]),
 ]
 TEST_FOLDERS = [
     ("tests/unit", "one module's behaviour against an independent reference (PEFT, TRL, a solo run), in the test's "
@@ -193,11 +220,62 @@ def first_line(path: Path) -> str:
     return sentence if len(sentence) <= 200 else sentence[:197].rsplit(" ", 1)[0] + " ..."
 
 
+def _module_name(path: Path, repo: Path) -> str:
+    return ".".join(path.relative_to(repo).with_suffix("").parts).removesuffix(".__init__")
+
+
+def import_arrows(repo: Path = REPO) -> dict[str, set[str]]:
+    """Each product module and the product modules it imports (read from the source, not imported)."""
+    files = {_module_name(path, repo): path for top in ("orchestrator", "actors", "policies")
+             for path in sorted((repo / top).rglob("*.py"))}
+    arrows: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in imported:
+                while module and module not in files:
+                    module = module.rpartition(".")[0]
+                if module and module != name:
+                    targets.add(module)
+        arrows[name] = targets
+    return arrows
+
+
+def room_of(module: str, rooms: list[str]) -> str | None:
+    """The deepest room (a folder of FOLDERS, dotted) that holds `module`."""
+    found = [room for room in rooms if module == room or module.startswith(room + ".")]
+    return max(found, key=len) if found else None
+
+
+def room_lines(repo: Path = REPO) -> list[str]:
+    """The rooms' table: modules, lines, and the arrows (imports) inside each room and across to others."""
+    rooms = [folder.replace("/", ".") for folder, _ in FOLDERS]
+    arrows = import_arrows(repo)
+    rows = ["| room | modules | lines | arrows inside | arrows out | arrows in |", "|---|---|---|---|---|---|"]
+    for room in rooms:
+        members = [m for m in arrows if room_of(m, rooms) == room]
+        lines = sum(len((repo / (m.replace(".", "/"))).with_suffix(".py").read_text().splitlines())
+                    if (repo / (m.replace(".", "/"))).with_suffix(".py").is_file()
+                    else len((repo / m.replace(".", "/") / "__init__.py").read_text().splitlines()) for m in members)
+        inside = sum(1 for m in members for t in arrows[m] if room_of(t, rooms) == room)
+        out = sum(1 for m in members for t in arrows[m] if room_of(t, rooms) != room)
+        into = sum(1 for m in arrows if room_of(m, rooms) != room for t in arrows[m] if room_of(t, rooms) == room)
+        rows.append(f"| `{room.replace('.', '/')}/` | {len(members)} | {lines} | {inside} | {out} | {into} |")
+    return rows
+
+
 def render_floor_plan(repo: Path = REPO) -> str:
     parts = ["# aspen: floor plan", "",
              "Generated from the code (`python -m orchestrator.reference_docs`; a test fails when it is not "
              "current): every folder and the first line of each module's docstring.", "",
-             "Layers, top first; imports point down only:", ""]
+             "Rooms in layer order, top first; imports point down only (tests/unit/test_layers.py), and no two modules "
+             "import each other round a circle:", ""]
     for folder, text in FOLDERS:
         parts.append(f"- `{folder}/`: {text}")
     parts.append("")
@@ -214,6 +292,10 @@ def render_floor_plan(repo: Path = REPO) -> str:
                 name = module.parent.relative_to(repo / folder).as_posix() + "/"
             parts.append(f"| `{name}` | {first_line(module).replace('|', '/')} |")
         parts.append("")
+    parts += ["## Rooms and their arrows", "",
+              "An arrow is one module importing another; a room is a folder above (its sub-folders are rooms of "
+              "their own).", ""]
+    parts += room_lines(repo) + [""]
     parts += ["## A newcomer's path: one job, from `aspen run` to a fused step and back", ""]
     for number, (text, modules) in enumerate(NEWCOMERS_PATH, 1):
         missing = [m for m in modules if not (repo / m).exists()]

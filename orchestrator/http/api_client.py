@@ -25,6 +25,7 @@ import httpx
 
 from actors.service.table.job_table import JobRecord
 from actors.spec.spec import JobSpec, JobSubmission, RunSpec
+from actors.spec.sweep_spec import SweepSpec
 from actors.storage.storage import is_uri
 from orchestrator.http.request_bodies import as_request
 from orchestrator.http.token import client_token
@@ -200,7 +201,7 @@ class HttpClient:
         return [HttpJobHandle(self, job["id"], job["name"]) for job in answer["jobs"]]
 
     # -- sweeps -------------------------------------------------------------------------------------------
-    def sweep(self, spec: Any) -> dict[str, Any]:
+    def sweep(self, spec: SweepSpec | dict | str | Path) -> dict[str, Any]:
         """`Client.sweep` over HTTP: a sweep file's path (read and checked here) or a dict of its fields (checked
         by the service: its refusal, a `SpecRefused`, names the field), relative paths resolved here."""
         from orchestrator.sweep import load_sweep_spec

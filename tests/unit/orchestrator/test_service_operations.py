@@ -4,6 +4,10 @@ HttpClient's, the aspen command), and nothing is on a surface the catalogue does
 
 from __future__ import annotations
 
+import inspect
+import typing
+from typing import Any
+
 import pytest
 
 from actors.scheduler_actor import SchedulerActor
@@ -63,3 +67,81 @@ def test_nothing_is_on_a_surface_the_catalogue_does_not_know():
     for op in OPERATIONS:
         assert op.ray or not hasattr(Client, op.name), f"Client.{op.name} exists: set ray=True for it"
         assert op.http_client or not hasattr(HttpClient, op.name), f"HttpClient.{op.name} exists"
+
+
+def operation_schema(app_schema: dict, path: str, method: str) -> tuple[set[str], dict | None]:
+    """The route's parameter names (path, query, and the JSON body's fields) and its 2xx JSON answer's schema."""
+    route = app_schema["paths"][path][method.lower()]
+    names = {p["name"] for p in route.get("parameters", []) if p["in"] in ("path", "query")}
+    body = route.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    if "$ref" in body:
+        names |= set(app_schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]["properties"])
+    answers = [r for status, r in route["responses"].items() if status.startswith("2")]
+    answer = answers[0].get("content", {}).get("application/json", {}).get("schema") if answers else None
+    return names, answer
+
+
+def answered(schema: dict | None) -> Any:
+    """A route's answer as a shape: a model's name, or ("list", the item's shape)."""
+    if schema is None:
+        return None
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[1]
+    if schema.get("type") == "array":
+        return ("list", answered(schema.get("items")))
+    return {k: v for k, v in schema.items() if k != "title"}
+
+
+def declared(kind: Any) -> Any:
+    """The catalogue's response as the same shape."""
+    if typing.get_origin(kind) is list:
+        return ("list", declared(typing.get_args(kind)[0]))
+    return kind.__name__
+
+
+def test_every_surface_takes_the_operations_request_and_the_routes_answer_its_response():
+    """The clients' methods take the request's fields (more only as options with defaults), the HTTP route's
+    parameters are the request's fields (by their HTTP names), a spec argument is typed as that spec, and the
+    route answers the response's schema."""
+    app_schema = create_app(ServiceLink(client=None), "t" * 20, console=False).openapi()
+    wrong = []
+    for op in OPERATIONS:
+        methods = [getattr(cls, op.name) for cls, on in ((Client, op.ray), (HttpClient, op.http_client)) if on]
+        for method in methods:
+            params = list(inspect.signature(method).parameters.values())[1:]
+            where = f"{method.__qualname__}{inspect.signature(method)}"
+            if op.spec_argument:
+                if not params or op.request.__name__ not in str(params[0].annotation):
+                    wrong.append(f"{op.name}: {where} does not take a {op.request.__name__} first")
+                continue
+            fields = set(op.request.model_fields) if op.request else set()
+            names = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+            if fields - names:
+                wrong.append(f"{op.name}: {where} lacks {sorted(fields - names)} of {op.request.__name__}")
+            required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_KEYWORD,
+                                                                                         p.VAR_POSITIONAL)}
+            if required - fields:
+                wrong.append(f"{op.name}: {where} requires {sorted(required - fields)}, not in the request")
+        if op.http is None:
+            continue
+        names, answer = operation_schema(app_schema, op.http[1], op.http[0])
+        if not op.spec_argument:
+            fields = op.request.model_fields if op.request else {}
+            http_names = {info.alias or name for name, info in fields.items()
+                          if not (info.json_schema_extra or {}).get("http_header")}
+            if names != http_names:
+                wrong.append(f"{op.name}: {op.http[0]} {op.http[1]} takes {sorted(names)}, the request "
+                             f"{sorted(http_names)}")
+        if op.response is not None:
+            if answered(answer) != declared(op.response):
+                wrong.append(f"{op.name}: {op.http[1]} answers {answer}, not {op.response}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_request_and_response_check_finds_a_drift():
+    """The check above, on a drifted surface: a client method without the request's `job`."""
+    class Drifted:
+        def status(self, name: str) -> None: ...
+
+    params = list(inspect.signature(Drifted.status).parameters.values())[1:]
+    assert set(by_name()["status"].request.model_fields) - {p.name for p in params} == {"job"}

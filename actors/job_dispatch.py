@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.job_actor import JobActor
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobTable
-from actors.storage.storage import StorageUnreachable
+from actors.storage.storage_errors import StorageUnreachable
 from policies.base import Start
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from actors.service.trainer.loop_errors import LoopErrors
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.spec import JobSpec, JobSubmission
 from actors.spec.sweep_spec import SweepSpec
-from actors.storage.storage import configure_storage
+from actors.storage.s3_settings import configure_storage
 from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
 

@@ -22,7 +22,8 @@ from actors.service.scheduler.job_data import DataSummary
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.spec import JobSubmission
-from actors.storage.storage import as_location, configure_storage
+from actors.storage.s3_settings import configure_storage
+from actors.storage.storage_uri import as_location
 
 if TYPE_CHECKING:
     from actors.data import Example

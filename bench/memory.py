@@ -250,7 +250,7 @@ def step_gate(spec, base, budget: int) -> list[dict]:
     from actors.service.trainer.job_link import Assignment, LocalJobLink
     from actors.service.trainer.trainer_loop import TrainerLoop
     from actors.service.trainer.trainer_reports import FINAL_KINDS
-    from actors.storage.storage import as_location
+    from actors.storage.storage_uri import as_location
 
     with tempfile.TemporaryDirectory() as state:
         config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": budget})

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from actors.data.tables import hub_id_problem
 from actors.spec.spec import JobSpec, LoraConfig, RunSpec
-from actors.storage.storage import is_uri
+from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]

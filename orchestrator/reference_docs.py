@@ -31,7 +31,7 @@ from actors.spec.spec import (
     RunSpec,
     TrackingConfig,
 )
-from actors.storage.storage import StorageURI
+from actors.storage.storage_uri import StorageURI
 
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",

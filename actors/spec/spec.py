@@ -34,7 +34,7 @@ from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, cor
 from actors.data import DataFormat
 from actors.data.tables import hub_id_problem
 from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
-from actors.storage.storage import StorageURI, as_location
+from actors.storage.storage_uri import StorageURI, as_location
 
 # Safe as a folder name, an MQTT topic level and a module-dict key: no '/', '+', '#', '.', spaces.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
@@ -56,7 +56,7 @@ def _location(value: Any) -> Path | StorageURI:
 Location = Annotated[Path | StorageURI, PlainValidator(_location), PlainSerializer(str, return_type=str),
                      WithJsonSchema({"type": "string", "description": "a path or a storage URI"})]
 """A folder or file: a path, or a storage URI (`s3://bucket/prefix`, `gs://...`, `file:///...`) kept intact
-as a `StorageURI` (actors/storage/storage.py)."""
+as a `StorageURI` (actors/storage/storage_uri.py)."""
 
 
 def canonical_base_model(value: str) -> str:

@@ -25,7 +25,7 @@ import httpx
 
 from actors.service.table.job_table import JobRecord
 from actors.spec.spec import JobSpec, JobSubmission, RunSpec
-from actors.storage.storage import is_uri
+from actors.storage.storage_uri import is_uri
 from orchestrator.http.request_bodies import as_request
 from orchestrator.http.token import client_token
 from orchestrator.job_handle import JobHandle, wait_until_ended

@@ -26,7 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.spec.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
-from actors.storage.storage import as_location, is_uri
+from actors.storage.storage_uri import as_location, is_uri
 from orchestrator.jobs_file import SpecError, parse_run_spec, unknown_field, unknown_tag
 from orchestrator.spec_text import TextLimits, TooComplex, load_json, load_yaml
 

@@ -127,7 +127,7 @@ class _TensorBoard:
     def finish(self, op: _Op) -> None:
         self.writer.close()
         if self.remote_uri is not None:
-            from actors.storage.storage import StorageLocation
+            from actors.storage.storage_location import StorageLocation
 
             remote = StorageLocation(self.remote_uri)
             for path in sorted(self.folder.rglob("*")):

@@ -27,7 +27,8 @@ from actors.spec.spec import (
     compile_problem,
     pipeline_problem,
 )
-from actors.storage.storage import S3Settings, endpoint_problem, is_uri
+from actors.storage.s3_settings import S3Settings, endpoint_problem
+from actors.storage.storage_uri import is_uri
 
 Port = Annotated[int, Bounds(0, 65535)]
 

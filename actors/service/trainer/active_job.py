@@ -17,7 +17,7 @@ from actors.service.trainer.feed import MicroBatchFeed
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.stop_verdicts import StopVerdicts
 from actors.service.trainer.trainer_reports import EventKind, TrainerEvents
-from actors.storage.storage import StorageLocation
+from actors.storage.storage_location import StorageLocation
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,7 @@ from actors.service.scheduler.config import StorageConfig, TrainerConfig
 from actors.service.scheduler.job_data import DataSummary
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 from actors.storage.s3_settings import configure_storage
 from actors.storage.storage_uri import as_location
 

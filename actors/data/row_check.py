@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from actors.data.dataset import RowTokenizer, examples_from
 from actors.data.tables import open_table
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from actors.storage.storage_uri import is_uri
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from actors.engine import lora_cuda
 from actors.engine.layout import StepLayout, current_layout
 from actors.engine.lora_targets import match_targets, peft_target_modules
 from actors.engine.vera import VeraAdapter, VeraProjections
-from actors.spec.spec import LoraConfig, needs_full_precision_base
+from actors.spec.lora_config import LoraConfig, needs_full_precision_base
 
 
 def _is_linear(module: nn.Module) -> bool:

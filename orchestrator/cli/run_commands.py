@@ -15,7 +15,7 @@ from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 
 if TYPE_CHECKING:
     from actors.service.table.job_table import JobRecord
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
 from orchestrator.cli.service_commands import connect_service, named_cluster
 
 

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "console" / "static"
 MAX_NEW_TOKENS = 256          # as actors/service/trainer/try_adapter.py takes

@@ -10,7 +10,7 @@ import torch
 from actors.engine import attention, lora
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import FusedLoraLinear, LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

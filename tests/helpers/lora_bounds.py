@@ -9,7 +9,7 @@ from torch import nn
 
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import FusedLoraLinear, LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 U = 2.0 ** -8
 F32 = 2.0 ** -24

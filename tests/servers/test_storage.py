@@ -24,7 +24,7 @@ from actors.service.scheduler.local_run import train_locally
 from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionError
 from actors.service.table.job_table import JobTable
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 from actors.storage.checkpoint_mirror import POINTER_NAME, download_checkpoint, read_pointer, upload_checkpoint
 from actors.storage.storage_errors import CorruptCheckpoint, StorageError, StorageUnreachable
 from actors.storage.storage_location import StorageLocation

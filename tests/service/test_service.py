@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine.models import load_base_model
 from actors.service.scheduler.local_run import train_locally
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.helpers.service import (

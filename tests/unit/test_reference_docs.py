@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.spec.spec import JobSpec, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.run_spec import RunSpec
 from orchestrator.reference_docs import GENERATED, REPO, render
 
 

@@ -24,7 +24,8 @@ from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
 from actors.engine.pipeline.stage import EvalRequest, JobSetup, PlanMessage, StageRuntime
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache
-from actors.spec.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
+from actors.spec.job_spec import JobSpec, cursor_epochs, planned_steps
+from actors.spec.method_config import PREFERENCE_METHODS
 
 
 @dataclass

@@ -51,7 +51,8 @@ from actors.engine.pipeline.transport import (
 from actors.engine.preference import ReferenceCache, evaluation_outcome, reference_layout, reference_sums
 from actors.engine.recompute import recomputed_layers
 from actors.engine.step_objective import ObjectiveJob, step_objective
-from actors.spec.spec import PREFERENCE_METHODS, JobSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.method_config import PREFERENCE_METHODS
 
 log = logging.getLogger(__name__)
 

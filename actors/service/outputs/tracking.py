@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from actors.spec.spec import JobSubmission, MlflowTracking
+from actors.spec.job_submission import JobSubmission
+from actors.spec.tracking_config import MlflowTracking
 
 log = logging.getLogger(__name__)
 

@@ -10,20 +10,17 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
-from actors.spec.spec import (
-    INT64_MAX,
+from actors.spec.field_types import INT64_MAX, Bounds, Location, StrictModel
+from actors.spec.job_submission import canonical_base_model
+from actors.spec.run_spec import RunSpec
+from actors.spec.trainer_settings import (
     KERNELS_DESCRIPTION,
     STAGE_SPLIT_DESCRIPTION,
     STAGES_DESCRIPTION,
     STEP_TOKENS_DESCRIPTION,
-    Bounds,
-    Location,
-    RunSpec,
     Stages,
     StageSplit,
     StepTokensSetting,
-    StrictModel,
-    canonical_base_model,
     compile_problem,
     pipeline_problem,
 )

@@ -35,7 +35,7 @@ from actors.service.table.job_record import (
 )
 from actors.service.table.table_backup import JobTableDamaged, backup_path, check_result, damaged_message, is_damage
 from actors.service.table.table_schema import BUSY_TIMEOUT_S, SCHEMA, JobTableBusy, add_missing_columns, is_busy
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 
 __all__ = ["ACTIVE_STATES", "JOB_STATES", "RECORD_COLUMNS", "TERMINAL_STATES", "JobRecord", "JobState", "JobTable",
            "JobTableBusy", "JobTableDamaged", "record_of"]

@@ -15,7 +15,7 @@ from actors.checkpoint.peft_io import save_adapter
 from actors.engine.generate import greedy_generate, greedy_generate_many
 from actors.engine.lora import FusedLoraLinear, add_adapter, remove_adapter
 from actors.engine.models import BaseModel, from_module
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 VOCAB = 300
 EOS = 2

@@ -21,7 +21,7 @@ from actors.engine import lora as lora_module
 from actors.engine import lora_cuda
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import FusedLoraLinear, LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.lora_bounds import (
     BOUNDS,
     F32,

@@ -9,7 +9,7 @@ from torch import nn
 from actors.engine import lora as lora_module
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora import FusedLoraLinear, LoraAdapter, add_adapter, remove_adapter, resolve_targets
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.models import tiny_model
 
 
@@ -210,7 +210,7 @@ def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode)
 def test_jobs_may_be_named_like_module_attributes():
     """'train', 'half', 'cuda' are nn.Module attributes; a job of that name still gets its adapter."""
     from actors.engine.lora import add_adapter, remove_adapter
-    from actors.spec.spec import LoraConfig
+    from actors.spec.lora_config import LoraConfig
     from tests.helpers.models import tiny_model
 
     model = tiny_model("llama", vocab_size=300)

@@ -13,8 +13,8 @@ from actors.niceness import background_priority, idle_priority
 from actors.service.scheduler.config import StorageConfig
 from actors.service.scheduler.job_data import DataSummary, JobData, JobUpdate
 from actors.service.trainer.feed import FeedChunk
-from actors.spec.spec import JobSubmission
-from actors.storage.storage import configure_storage
+from actors.spec.job_submission import JobSubmission
+from actors.storage.s3_settings import configure_storage
 from policies.stopping import LossHistory, Verdict
 
 

@@ -23,7 +23,8 @@ from actors.service.scheduler.config import StorageConfig
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobTable
 from actors.service.trainer.job_link import Assignment
-from actors.storage.storage import StorageUnreachable, as_location
+from actors.storage.storage_errors import StorageUnreachable
+from actors.storage.storage_uri import as_location
 from policies.base import Start
 
 log = logging.getLogger(__name__)

@@ -40,10 +40,11 @@ from actors.service.table.state_dir import lock_state_dir, open_job_table
 from actors.service.table.table_backup import JobTableDamaged, TableBackups
 from actors.service.trainer.loop_errors import LoopErrors
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
-from actors.spec.spec import JobSpec, JobSubmission
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
 from actors.spec.typed_args import expect_type
-from actors.storage.storage import configure_storage
+from actors.storage.s3_settings import configure_storage
 from policies.base import Move, Preempt, Start
 from policies.registry import load_policy
 

@@ -19,7 +19,7 @@ from actors.service.scheduler.config import StorageConfig, TrainerConfig
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.typed_args import expect_type
-from actors.storage.storage import configure_storage
+from actors.storage.s3_settings import configure_storage
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from actors.engine.compiled import bucket_length
 from actors.engine.job import TrainingJob
 from actors.engine.models import load_base_model
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 
 class CountingBackend:

@@ -46,7 +46,8 @@ from actors.service.scheduler.job_data import JobData
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
 from actors.service.trainer.trainer_reports import TrainerEvent
-from actors.spec.spec import JobSubmission, RunSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
 from bench.machine import cpu_model
 
 DEFAULT_DATA_DIR = REPO.parent / "shared" / "data"

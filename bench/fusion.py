@@ -62,7 +62,8 @@ from actors.engine.operations import OperationCounter, count_operations
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.recompute import decoder_layers
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec, LoraConfig
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
 from bench.machine import CpuMonitor, cpu_model
 
 DATA_DIR = REPO.parent / "shared" / "data"

@@ -77,7 +77,9 @@ def main() -> int:
     from actors.engine.generation_eval import generation_scores
     from actors.engine.models import load_base_model
     from actors.service.scheduler.local_run import train_locally
-    from actors.spec.spec import GenerationEval, LoraConfig, RunSpec
+    from actors.spec.evaluation_config import GenerationEval
+    from actors.spec.lora_config import LoraConfig
+    from actors.spec.run_spec import RunSpec
     from orchestrator.demo import TASKS, make_rows, write_jsonl
 
     held_out = arithmetic_rows(24, seed=1 + 2 * args.seed)

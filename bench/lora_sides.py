@@ -81,7 +81,7 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
     started = time.perf_counter()
     model = random_model(args.shape, device, compute_dtype(device))
     base = from_module(model, None)
@@ -334,7 +334,7 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
     base = from_module(random_model(args.shape, device, compute_dtype(device)), None)
     vocab = SHAPES[args.shape]["vocab_size"]
     rng = random.Random(0)

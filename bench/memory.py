@@ -66,7 +66,7 @@ def one_configuration(case: dict, device: str = "cpu") -> dict:
     from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
     from actors.engine.models import from_module, quantize_linears
     from actors.engine.trainer import FusedTrainer
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
     from policies.memory_model import MemoryModel, StepShape
 
     on_cpu = device == "cpu"
@@ -133,7 +133,7 @@ def recompute_side_by_side(steps: int, device: str = "cpu") -> list[dict]:
     from actors.engine.memory import measure_peak
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
 
     torch.manual_seed(0)
     base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)).to(device), None)
@@ -180,7 +180,7 @@ def malloc_steps(setting: str, steps: int) -> dict:
     from actors.engine.memory import peak_resident_bytes
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
 
     if setting == "mmap threshold 64K" and ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024) != 1:
         raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD, 64 KiB)")
@@ -250,7 +250,7 @@ def step_gate(spec, base, budget: int) -> list[dict]:
     from actors.service.trainer.job_link import Assignment, LocalJobLink
     from actors.service.trainer.trainer_loop import TrainerLoop
     from actors.service.trainer.trainer_reports import FINAL_KINDS
-    from actors.storage.storage import as_location
+    from actors.storage.storage_uri import as_location
 
     with tempfile.TemporaryDirectory() as state:
         config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": budget})
@@ -288,7 +288,7 @@ def admission(quick: bool) -> dict:
     import actors.service.trainer.step_admission as step_admission
     from actors.engine.models import load_base_model
     from actors.service.scheduler.local_run import train_locally
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
 
     step_admission.MEASURE_EVERY = 1   # the allocator counts every step of this run
     with tempfile.TemporaryDirectory() as folder:

@@ -42,7 +42,7 @@ from actors.engine.models import load_base_model, load_base_tokenizer
 from actors.engine.warmup import settle_garbage_collector, warm_up
 from actors.service.scheduler.config import run_service_config
 from actors.service.scheduler.local_run import train_locally
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl
 
 

@@ -64,7 +64,7 @@ def bench_jobs(count: int, steps: int):
     import torch
 
     from actors.data import Example
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
     jobs = []
     for index in range(count):
         generator = torch.Generator().manual_seed(index)

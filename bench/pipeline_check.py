@@ -85,7 +85,7 @@ def first_step_violations(job, initial: dict, reference: dict, piped: dict, term
 
 def jobs(steps: int = 1):
     from actors.data import Example
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
     out = []
     for index, extra in enumerate([{}, {"grad_accum": 2}, {"max_grad_norm": 0.1}, {}]):
         generator = torch.Generator().manual_seed(index)

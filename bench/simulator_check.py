@@ -23,8 +23,8 @@ from actors.service.scheduler.config import EventsConfig, MetricsConfig, run_ser
 from bench.overhead import require_completed
 from orchestrator.demo import TASKS, TRAIN_ROWS, TRAIN_SEED, build_spec, make_rows, write_jsonl
 from orchestrator.simulator.sim_calibration import calibrate
+from orchestrator.simulator.sim_replay import Simulator
 from orchestrator.simulator.sim_trace import Lengths, Trace, TraceJob, TrainerSpec
-from orchestrator.simulator.simulate import Simulator
 from policies.registry import load_policy
 
 GOAL = 0.15

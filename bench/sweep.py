@@ -118,7 +118,7 @@ def tune_plan(folder: Path, sweep_path: Path, args: argparse.Namespace) -> Path:
     """The Ray Tune side's inputs, with no aspen import on its side: the model's files and the batches and
     held-out rows aspen's data cursor gives the job (every trial the same: one seed)."""
     from actors.service.scheduler.job_data import JobData
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
     from actors.storage.gguf_cache import converted_source
     from actors.storage.sources import load_base_tokenizer, resolve_source
     from orchestrator.sweep import load_sweep_spec

@@ -115,7 +115,7 @@ def peft_plan(spec_dict: dict, args: argparse.Namespace) -> dict:
     device aspen resolves, and each job's batches as aspen's data cursor gives them (token ids, labels)."""
     from actors.engine.models import resolve_device, resolve_dtype
     from actors.service.scheduler.job_data import JobData
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
     from actors.storage.sources import load_base_tokenizer, resolve_source
 
     spec = RunSpec.model_validate(spec_dict)
@@ -148,7 +148,7 @@ def aspen_side(plan: dict) -> dict:
 
     from actors.engine.models import load_base_model
     from actors.service.scheduler.local_run import train_locally
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
 
     torch.set_num_threads(plan["threads"])
     spec = RunSpec.model_validate(plan["spec"])

@@ -25,9 +25,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.data.tables import hub_id_problem
 from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.table.job_table import JobRecord
-from actors.spec.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
-from actors.storage.storage import is_uri, resolve_location
+from actors.spec.trainer_settings import MAX_STEP_TOKENS
+from actors.storage.storage_uri import is_uri, resolve_location
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec

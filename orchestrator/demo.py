@@ -22,7 +22,9 @@ from pathlib import Path
 from actors.data import PromptResponseFormat, tokenize_example
 from actors.engine.generate import greedy_generate
 from actors.engine.models import DEFAULT_BASE_MODEL, BaseModel
-from actors.spec.spec import JobSpec, LoraConfig, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
+from actors.spec.run_spec import RunSpec
 
 TRAIN_ROWS = 320
 EVAL_ITEMS = 40

@@ -21,7 +21,8 @@ from typing import Any
 
 from actors.checkpoint.adapter_export import ExportError, export_adapter, export_merged, has_adapter
 from actors.service.table.table_backup import JobTableDamaged, damaged_message, is_damage
-from actors.storage.storage import StorageLocation, as_location, is_uri
+from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_uri import as_location, is_uri
 
 FINISHED = ("completed", "stopped_early")
 CHECKPOINT_FOLDER = "checkpoint"
@@ -118,7 +119,7 @@ def _local_adapter(found: FoundJob, checkpoint: bool, scratch: Path) -> Path:
     if is_uri(found.folder):
         location = StorageLocation(found.folder)
         if checkpoint:
-            from actors.storage.storage import download_checkpoint
+            from actors.storage.checkpoint_mirror import download_checkpoint
 
             if download_checkpoint(location, scratch / CHECKPOINT_FOLDER) is None:
                 raise ExportError(f"job '{found.name}' has no uploaded checkpoint in {found.folder}")

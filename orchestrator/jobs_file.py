@@ -11,8 +11,10 @@ import yaml
 from pydantic import ValidationError
 
 from actors.data.tables import hub_id_problem
-from actors.spec.spec import JobSpec, LoraConfig, RunSpec
-from actors.storage.storage import is_uri
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
+from actors.spec.run_spec import RunSpec
+from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
 __all__ = ["JobSpec", "LoraConfig", "RunSpec", "SpecError", "load_run_spec", "parse_run_spec"]

@@ -20,18 +20,14 @@ from pydantic_core import PydanticUndefined
 
 from actors.data import AlpacaFormat, ChatFormat, PreferenceFormat, PromptResponseFormat, TextFormat
 from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, StorageConfig, TrainerConfig
-from actors.spec.spec import (
-    AutoOr,
-    Bounds,
-    EarlyStopConfig,
-    JobSpec,
-    LoraConfig,
-    MlflowTracking,
-    PreferenceConfig,
-    RunSpec,
-    TrackingConfig,
-)
-from actors.storage.storage import StorageURI
+from actors.spec.evaluation_config import EarlyStopConfig
+from actors.spec.field_types import AutoOr, Bounds
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
+from actors.spec.method_config import PreferenceConfig
+from actors.spec.run_spec import RunSpec
+from actors.spec.tracking_config import MlflowTracking, TrackingConfig
+from actors.storage.storage_uri import StorageURI
 
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",
@@ -156,7 +152,8 @@ FOLDERS: list[tuple[str, str]] = [
 # Every module named here must exist (render_floor_plan checks), so the path cannot point at a moved file.
 NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
     ("`aspen run jobs.yaml` reads and validates the jobs file, once",
-     ["orchestrator/cli/run_commands.py", "orchestrator/jobs_file.py", "actors/spec/spec.py"]),
+     ["orchestrator/cli/run_commands.py", "orchestrator/jobs_file.py", "actors/spec/run_spec.py",
+      "actors/spec/job_spec.py"]),
     ("decides what to do with jobs an earlier run left, and hands the rest, validated, to the client",
      ["orchestrator/run_plan.py", "orchestrator/client.py", "orchestrator/service_operations.py"]),
     ("the scheduler actor takes them as they were built and enters them in the job table, all or none",

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.service.table.table_backup import damaged_message, is_damage
-from actors.storage.storage import StorageLocation, StorageURI, as_location, is_uri
+from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
 log = logging.getLogger(__name__)
 

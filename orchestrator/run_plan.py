@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.storage.storage import resolve_location
+from actors.storage.storage_uri import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
     from actors.service.table.job_table import JobRecord
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
 
 FINISHED = ("completed", "stopped_early")
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,

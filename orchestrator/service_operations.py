@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.service.table.job_record import JobRecord
-from actors.spec.spec import JobSpec, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
 from orchestrator.operation_models import (
     AccountRow,

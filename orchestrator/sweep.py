@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from actors.service.sweeps.sweep_book import LEADERBOARD_FILE
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
 from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml

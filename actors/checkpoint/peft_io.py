@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.adapter_surgery import AdapterHandle
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from actors.storage.durable import write_durably
 
 METADATA_NAME = "aspen.json"

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.data.tables import RowTable, open_table
-from actors.storage.storage import StorageLocation, is_uri
+from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_uri import is_uri
 
 CHUNK_BYTES = 1 << 20
 DIGEST_BYTES = 16

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from actors.data.dataset import RowTokenizer, examples_from
 from actors.data.tables import open_table
-from actors.spec.spec import JobSpec
-from actors.storage.storage import is_uri
+from actors.spec.job_spec import JobSpec
+from actors.storage.storage_uri import is_uri
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -1,6 +1,6 @@
 """Reading a dataset file (JSONL, or one JSON array) into rows, and `DataError`, whose message names
 the file, the 1-based line and the field of every problem. The file may be a path or a storage URI
-(s3://bucket/train.jsonl, gs://..., file:///...: actors/storage/storage.py)."""
+(s3://bucket/train.jsonl, gs://..., file:///...: actors/storage/storage_location.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.storage.storage import StorageError, StorageUnreachable, is_uri, read_uri_bytes
+from actors.storage.storage_errors import StorageError, StorageUnreachable
+from actors.storage.storage_location import read_uri_bytes
+from actors.storage.storage_uri import is_uri
 
 # --------------------------------------------------------------------------
 # Errors

@@ -26,7 +26,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from actors.data.rows import DataError, RowIndex, _json_error, _require_object, read_rows
-from actors.storage.storage import StorageError, StorageLocation, StorageUnreachable, _explain, is_uri
+from actors.storage.storage_errors import StorageError, StorageUnreachable
+from actors.storage.storage_location import StorageLocation, _explain
+from actors.storage.storage_uri import is_uri
 
 Row = tuple[str, int, dict[str, Any]]
 """`(source, line, row)`: the file, its 1-based line (JSON) or 0-based `RowIndex` (tables), the row."""

@@ -16,7 +16,7 @@ from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
 from actors.engine.lora_targets import match_targets, peft_target_modules
 from actors.engine.vera import VeraAdapter, VeraProjections
-from actors.spec.spec import LoraConfig, needs_full_precision_base
+from actors.spec.lora_config import LoraConfig, needs_full_precision_base
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -41,7 +41,7 @@ from actors.engine.layout import StepLayout
 from actors.engine.packing import FusedBatch
 from actors.engine.recompute import decoder_layers
 from actors.spec.base_settings import COMPILE_MODES
-from actors.spec.spec import compile_problem
+from actors.spec.trainer_settings import compile_problem
 
 _LORA_FORWARD = FusedLoraLinear.forward
 MIN_BUCKET = 64

@@ -19,7 +19,7 @@ from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import greedy_generate_many
 from actors.engine.models import BaseModel
-from actors.spec.spec import GenerationEval
+from actors.spec.evaluation_config import GenerationEval
 
 Metric = Callable[[str, dict], float]
 

@@ -42,7 +42,8 @@ from actors.engine.model_support import LogitTransform
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import PreferenceOutcome, reference_layout, targets_of_rows
-from actors.spec.spec import GenerationEval, GrpoConfig
+from actors.spec.evaluation_config import GenerationEval
+from actors.spec.method_config import GrpoConfig
 
 Reward = Callable[[list[str], list[str], list[dict]], Sequence[float]]
 

@@ -12,7 +12,7 @@ from actors.engine.adapter_surgery import AdapterHandle, add_adapter
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
-from actors.spec.spec import JobSpec, cursor_epochs, planned_steps
+from actors.spec.job_spec import JobSpec, cursor_epochs, planned_steps
 
 
 class BatchSource(Protocol):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine import lora_cuda
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 
 class LoraAdapter(nn.Module):

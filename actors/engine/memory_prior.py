@@ -29,7 +29,8 @@ from actors.engine import lora_cuda
 from actors.engine.loss import DEFAULT_CHUNK
 from actors.engine.memory import measure_allocations, measure_resident, release_free_heap, resident_measurable
 from actors.engine.models import BaseModel
-from actors.spec.spec import JobSpec, LoraConfig
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
 
 ADAPTER_WIDTH = 4   # adapters train in float32
 PROBE_RANK = 1

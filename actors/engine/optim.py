@@ -15,7 +15,7 @@ import math
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:

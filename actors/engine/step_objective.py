@@ -19,7 +19,8 @@ from actors.engine.loss import target_cross_entropy, target_log_probs
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch
 from actors.engine.preference import job_outcome, sequence_targets
-from actors.spec.spec import PREFERENCE_METHODS, JobSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.method_config import PREFERENCE_METHODS
 from actors.storage.transfer import values_to_device
 
 

@@ -49,7 +49,8 @@ from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
 from actors.engine.step_objective import ObjectiveJob, step_objective
 from actors.spec.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
-from actors.spec.spec import PREFERENCE_METHODS, JobSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.method_config import PREFERENCE_METHODS
 from policies.base import NextBatch, StepComposer
 
 log = logging.getLogger(__name__)

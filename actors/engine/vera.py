@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 
 def kaiming_projection(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:

@@ -26,7 +26,7 @@ from actors.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.models import BaseModel
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 WARM_UP_JOBS = 2
 WARM_UP_MAX_TOKENS = 1024    # the warm-up step's size: the trainer's token budget, up to this

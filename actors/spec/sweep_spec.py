@@ -28,19 +28,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from actors.spec.spec import (
-    GENERATION_METRICS,
-    JOB_NAME_PATTERN,
-    STEP_TOKENS_DESCRIPTION,
-    USER_NAME_PATTERN,
-    Bounds,
-    GenerationEval,
-    JobSpec,
-    Location,
-    Seed,
-    StepTokensSetting,
-    StrictModel,
-)
+from actors.spec.evaluation_config import GENERATION_METRICS, GenerationEval
+from actors.spec.field_types import JOB_NAME_PATTERN, USER_NAME_PATTERN, Bounds, Location, Seed, StrictModel
+from actors.spec.job_spec import JobSpec
+from actors.spec.trainer_settings import STEP_TOKENS_DESCRIPTION, StepTokensSetting
 from policies.sweep.search_space import Dimension, grid_trials, parse_space, random_trials
 from policies.sweep.searchers import BUILT_IN, TUNE_SEARCHERS, check_search
 

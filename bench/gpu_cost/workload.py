@@ -175,7 +175,7 @@ def _trainer(base: Any) -> Any:
 def _add_job(trainer: Any, base: Any, bench: ModuleType, name: str, examples: list, batch_size: int,
              steps: int, seed: int, max_len: int | None) -> Any:
     from actors.engine.job import TrainingJob
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
 
     extra = {"max_seq_len": max_len} if max_len else {}
     spec = JobSpec(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=batch_size,
@@ -216,7 +216,7 @@ def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, step
     (step k takes every job's k-th batch)."""
     from actors.data import Example
     from actors.engine.job import TrainingJob
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
 
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.storage.storage import as_location, resolve_location
+from actors.storage.storage_uri import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 
 if TYPE_CHECKING:
     from actors.service.table.job_table import JobRecord
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
 from orchestrator.cli.service_commands import connect_service, named_cluster
 
 
@@ -147,7 +147,9 @@ def saved_step(output_dir: str) -> int | None:
     """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
     from actors.checkpoint import saved_step
     from actors.service.outputs.job_files import CHECKPOINT_FOLDER
-    from actors.storage.storage import StorageLocation, is_uri, read_pointer
+    from actors.storage.checkpoint_mirror import read_pointer
+    from actors.storage.storage_location import StorageLocation
+    from actors.storage.storage_uri import is_uri
 
     if is_uri(output_dir):
         pointer = read_pointer(StorageLocation(output_dir))
@@ -159,7 +161,9 @@ def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
     """The step and data digest of the job's checkpoint (the one uploaded to a storage URI, or on disk)."""
     from actors.checkpoint import STATE_NAME, saved_data_digest
     from actors.service.outputs.job_files import CHECKPOINT_FOLDER
-    from actors.storage.storage import StorageLocation, is_uri, read_pointer
+    from actors.storage.checkpoint_mirror import read_pointer
+    from actors.storage.storage_location import StorageLocation
+    from actors.storage.storage_uri import is_uri
 
     if is_uri(output_dir):
         location = StorageLocation(output_dir)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.storage.storage import as_location
+from actors.storage.storage_uri import as_location
 from orchestrator.jobs_file import check_data_rows, load_run_spec
 
 if TYPE_CHECKING:

@@ -56,7 +56,8 @@ from pydantic.json_schema import models_json_schema
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook, UsersFileError
-from actors.spec.spec import JobSpec, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.run_spec import RunSpec
 from orchestrator.http.callers import Caller, Gate, ServiceStateFolder
 from orchestrator.http.console import mount_console
 from orchestrator.http.event_stream import add_event_routes

@@ -24,9 +24,11 @@ from urllib.parse import quote
 import httpx
 
 from actors.service.table.job_table import JobRecord
-from actors.spec.spec import JobSpec, JobSubmission, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
-from actors.storage.storage import is_uri
+from actors.storage.storage_uri import is_uri
 from orchestrator.http.request_bodies import as_request
 from orchestrator.http.token import client_token
 from orchestrator.job_handle import JobHandle, wait_until_ended

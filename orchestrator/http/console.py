@@ -13,7 +13,7 @@ import yaml
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "console" / "static"
 def jobs_file_of(submission: JobSubmission) -> dict[str, Any]:

@@ -25,8 +25,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from actors.spec.spec import MAX_STEP_TOKENS, JobSpec, JobSubmission, RunSpec
-from actors.storage.storage import as_location, is_uri
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
+from actors.spec.trainer_settings import MAX_STEP_TOKENS
+from actors.storage.storage_uri import as_location, is_uri
 from orchestrator.jobs_file import SpecError, parse_run_spec, unknown_field, unknown_tag
 from orchestrator.spec_text import TextLimits, TooComplex, load_json, load_yaml
 

@@ -14,7 +14,9 @@ import yaml
 from pydantic import ValidationError
 
 from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
-from actors.spec.spec import JobSpec, JobSubmission, RunSpec, step_limit_problem
+from actors.spec.job_spec import JobSpec, step_limit_problem
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
 from orchestrator.jobs_file import SpecError, load_run_spec
 
 GOOD = """\

@@ -24,7 +24,7 @@ import pytest
 from actors.service.scheduler.config import ServiceConfig
 from actors.service.table.job_table import JobTable, JobTableDamaged
 from actors.service.table.table_backup import TableBackups, backup_path, take_backup
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 from orchestrator.client import Client, ServiceError
 from tests.helpers.service import NO_LISTENERS, job_dict, run_spec, wait_for, write_task_data
 from tests.helpers.service import service_config as shared_service_config
@@ -154,7 +154,7 @@ def test_a_read_that_meets_damage_after_the_table_opened_says_the_same(tmp_path)
 WRITER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
     from actors.service.table.job_table import JobTable
     table = JobTable(sys.argv[1])
     table.db.execute("PRAGMA wal_autocheckpoint = 10")   # the main file rewritten all the time, not every 4 MB

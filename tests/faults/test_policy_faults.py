@@ -18,7 +18,8 @@ from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionError
 from actors.service.table.job_table import JobTable
-from actors.spec.spec import JobSpec, JobSubmission
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
 from policies.base import JobView, Snapshot, Start, TrainerView
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy

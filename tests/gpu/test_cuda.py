@@ -11,7 +11,7 @@ from actors.engine import attention, lora_grouped
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

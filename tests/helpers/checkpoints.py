@@ -10,7 +10,7 @@ import torch
 
 from actors.checkpoint.peft_io import save_adapter
 from actors.engine.job import TrainingJob
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 VOCAB = 300
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 VOCAB = 300
 

@@ -15,7 +15,7 @@ from actors.engine.adapter_surgery import add_adapter
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_cross_entropy
 from actors.engine.models import from_module
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

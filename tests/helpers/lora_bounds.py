@@ -10,7 +10,7 @@ from torch import nn
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 U = 2.0 ** -8
 F32 = 2.0 ** -24

@@ -11,7 +11,7 @@ import time
 import torch
 
 from actors.engine.models import BaseModel, from_module
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.fused import job_spec
 from tests.helpers.isolation import train_fused
 from tests.helpers.models import MODEL_CLASSES, random_examples, tiny_config

@@ -26,7 +26,7 @@ from actors.engine.memory import (
 from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from policies.memory_model import MemoryModel, StepShape
 
 MODEL = dict(vocab_size=8000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

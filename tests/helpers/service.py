@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from actors.service.scheduler.config import ServiceConfig, TrainerConfig
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 
 
 def write_task_data(folder: Path, name: str, rows: int = 32, offset: int = 0) -> Path:

@@ -20,7 +20,7 @@ from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer
 from actors.service.trainer.step_admission import StepAdmission
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.models import random_examples, tiny_model
 
 STEPS, JOIN_EVERY = 40, 8

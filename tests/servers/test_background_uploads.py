@@ -21,7 +21,8 @@ from safetensors.torch import load as load_safetensors
 
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.storage.storage import StorageLocation, download_checkpoint, read_pointer
+from actors.storage.checkpoint_mirror import download_checkpoint, read_pointer
+from actors.storage.storage_location import StorageLocation
 from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle
 

@@ -7,7 +7,7 @@ import os
 from actors.data.dataset import load_dataset_examples
 from actors.data.digest import job_data_digest
 from actors.data.streaming import open_stream
-from actors.storage.storage import StorageLocation
+from actors.storage.storage_location import StorageLocation
 from tests.helpers.data_files import MAX_LEN, QA, change_one_row, qa_rows, reference, write_jsonl, write_parquet
 from tests.helpers.service import write_task_data
 

@@ -17,7 +17,7 @@ def test_a_job_on_s3_uploads_its_event_files_and_says_mlflow_needs_a_server(s3_b
     """Output on a storage URI: the event files are written in the staging folder and uploaded to
     `<uri>/tb/` when the job ends; MLflow's file store cannot live there, so without a tracking URI its
     MLflow tracking is off, with a message saying what to set. `aspen export` takes the job's URI."""
-    from actors.storage.storage import StorageLocation
+    from actors.storage.storage_location import StorageLocation
     from orchestrator.export import export_job
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -24,20 +24,11 @@ from actors.service.scheduler.local_run import train_locally
 from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionError
 from actors.service.table.job_table import JobTable
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.spec.spec import JobSubmission
-from actors.storage.storage import (
-    POINTER_NAME,
-    CorruptCheckpoint,
-    StorageError,
-    StorageLocation,
-    StorageUnreachable,
-    StorageURI,
-    as_location,
-    download_checkpoint,
-    read_pointer,
-    resolve_location,
-    upload_checkpoint,
-)
+from actors.spec.job_submission import JobSubmission
+from actors.storage.checkpoint_mirror import POINTER_NAME, download_checkpoint, read_pointer, upload_checkpoint
+from actors.storage.storage_errors import CorruptCheckpoint, StorageError, StorageUnreachable
+from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_uri import StorageURI, as_location, resolve_location
 from orchestrator.cli.run_commands import saved_step as _saved_step
 from orchestrator.report import collect, write_report
 from policies.fifo import FifoPolicy

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from actors.engine.models import load_base_model
 from actors.service.scheduler.config import ServiceConfig, StorageConfig
 from actors.service.scheduler.local_run import train_locally
-from actors.storage.storage import POINTER_NAME, S3Settings, configured_storage
+from actors.storage.checkpoint_mirror import POINTER_NAME
+from actors.storage.s3_settings import S3Settings, configured_storage
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 AWS_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
@@ -79,7 +80,7 @@ def test_a_run_configured_by_storage_alone_trains_to_s3(s3_server, s3_bucket, tm
 def test_a_job_actor_on_ray_reads_its_data_through_the_configured_endpoint(ray_session, s3_server, s3_bucket,
                                                                           tmp_path, tiny_model_dirs):
     from actors.job_actor import JobActor
-    from actors.storage.storage import StorageUnreachable
+    from actors.storage.storage_errors import StorageUnreachable
 
     with _raw_s3(s3_server).open_output_stream(f"{s3_bucket}/sets/remote.jsonl") as stream:
         stream.write(write_task_data(tmp_path / "data", "remote").read_bytes())

@@ -24,7 +24,7 @@ from safetensors.torch import load as load_safetensors
 
 from actors.engine.models import load_base_model
 from actors.service.scheduler.local_run import train_locally
-from actors.storage.storage import StorageLocation
+from actors.storage.storage_location import StorageLocation
 from tests.helpers.ray_nodes import (
     BIN,
     FAST_NODE_DEATH,

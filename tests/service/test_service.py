@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from actors.engine.models import load_base_model
 from actors.service.scheduler.local_run import train_locally
-from actors.spec.spec import JobSubmission, RunSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
 from orchestrator.client import Client
 from orchestrator.jobs_file import SpecError
 from tests.helpers.service import (
@@ -101,8 +102,8 @@ def test_bad_specs_fail_at_submit_and_unheld_base_models_wait_with_a_reason(serv
     # specs cross to the scheduler as the validated objects the client built; anything else is refused there,
     # saying what came, and nothing is entered
     before = len(service.jobs())
-    with pytest.raises(TypeError, match=r"submission 1 of 1 must arrive as a actors\.spec\.spec\.JobSubmission, "
-                                        r"not a builtins\.str"):
+    with pytest.raises(TypeError, match=r"submission 1 of 1 must arrive as a "
+                                        r"actors\.spec\.job_submission\.JobSubmission, not a builtins\.str"):
         service._request("submit_many", [JobSubmission(job=job_dict("as-json", data, 5)).model_dump_json()])
     assert len(service.jobs()) == before
 

@@ -143,7 +143,7 @@ def test_compiled_steps_train_the_eager_adapters_and_recompile_only_for_new_buck
 def test_compiled_steps_train_a_dpo_job_beside_an_sft_job_as_eager_steps_do():
     """A DPO job (its reference: an eager no-adapter forward) and an SFT job fused, compiled against eager: the
     same losses and adapters to float32 rounding (the padding sequences hold no preference pair's targets)."""
-    from actors.spec.spec import JobSpec
+    from actors.spec.job_spec import JobSpec
     from tests.helpers.pairs import random_pairs
 
     common = {"data": "unused.jsonl", "lr": 1e-2, "warmup_steps": 1, "max_steps": 2,
@@ -213,7 +213,7 @@ def test_bucket_padding_changes_no_jobs_loss_or_gradients_even_when_it_is_nan():
 
 def test_combinations_not_offered_are_refused_naming_the_fix():
     from actors.service.scheduler.config import TrainerConfig
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
 
     base = from_module(tiny_model("llama", VOCAB), None)
     with pytest.raises(ValueError, match="recompute: none"):
@@ -240,7 +240,7 @@ def test_a_jobs_file_with_compile_trains_its_jobs_compiled(tiny_model_dirs, tmp_
     from actors.engine.compiled import CompiledLayers
     from actors.engine.models import load_base_model
     from actors.service.scheduler.local_run import train_locally
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
     from tests.helpers.service import job_dict, write_task_data
 
     counting = CountingBackend("aot_eager")

@@ -21,7 +21,7 @@ from actors.engine.job import TrainingJob
 from actors.engine.memory_prior import StepMemoryPrior, probe_base_activation
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from policies.memory_model import MemoryModel, StepShape
 from tests.helpers.profiling import profiler_peak
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from actors.engine.adapter_surgery import add_adapter
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.models import from_module, load_model, quantize_linears
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from actors.storage.sources import resolve_source
 from tests.helpers.models import REPO, tiny_model
 

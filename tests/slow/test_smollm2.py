@@ -100,7 +100,7 @@ def test_smollm2_default_records_its_hub_id(tmp_path, monkeypatch, smollm2):
     the trainer writes its final adapter (the tiny-model tests above train it), with random B so it matters."""
     from actors.checkpoint.peft_io import save_adapter
     from actors.engine.adapter_surgery import remove_adapter
-    from actors.spec.spec import LoraConfig
+    from actors.spec.lora_config import LoraConfig
     from actors.storage.base_identity import base_identity
 
     base = smollm2   # float32, as aspen trains on it (this test changes it: it runs after the others)

@@ -20,7 +20,7 @@ NOT_SIZED = REPO / "actors" / "engine"   # the compute core: its modules are spl
 PRODUCT = [REPO / "orchestrator", REPO / "actors", REPO / "policies"]
 # renames of folders that hold derived data, which a crash may leave behind and the next run builds again:
 # a converted GGUF model, a tokenizer, a checkpoint downloaded from storage (each checked when read)
-CACHE_RENAMES = {"actors/storage/gguf_cache.py", "actors/storage/sources.py", "actors/storage/storage.py"}
+CACHE_RENAMES = {"actors/storage/gguf_cache.py", "actors/storage/sources.py", "actors/storage/checkpoint_mirror.py"}
 
 
 def python_files(roots: list[Path]) -> list[Path]:

@@ -9,7 +9,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from actors.spec.sweep_spec import SweepSpec
 from policies.sweep.search_space import parse_space, random_trials
 

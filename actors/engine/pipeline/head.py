@@ -25,7 +25,8 @@ from actors.engine.pipeline.stage import StageRuntime
 from actors.engine.pipeline.stage_messages import EvalRequest, JobSetup, PlanMessage, StageMessageKind
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache
-from actors.spec.spec import PREFERENCE_METHODS, JobSpec, cursor_epochs, planned_steps
+from actors.spec.job_spec import JobSpec, cursor_epochs, planned_steps
+from actors.spec.method_config import PREFERENCE_METHODS
 
 
 @dataclass(kw_only=True)

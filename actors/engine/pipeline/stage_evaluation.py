@@ -17,7 +17,7 @@ from actors.engine.pipeline.stage_messages import EvalRequest, StageSettings
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.pipeline.transport import TAG_ACTIVATION, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache, evaluation_outcome, reference_layout, reference_sums
-from actors.spec.spec import PREFERENCE_METHODS
+from actors.spec.method_config import PREFERENCE_METHODS
 
 
 class StageEvaluator:

@@ -14,7 +14,7 @@ from actors.engine.adapter_surgery import AdapterHandle, add_adapter
 from actors.engine.optim import JobOptimizer
 from actors.engine.pipeline.stage_messages import JobSetup
 from actors.engine.pipeline.stage_model import StageModel
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 
 @dataclass(kw_only=True)

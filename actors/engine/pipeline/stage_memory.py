@@ -29,7 +29,7 @@ from actors.engine.memory_prior import adapter_bytes, linear_input_groups, loss_
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.recompute import recomputed_layers
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 PROBE_JOB = "aspen-stage-memory-probe"
 PROBE_SEQUENCE = 128

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 
 class StageMessageKind(StrEnum):

@@ -21,7 +21,7 @@ from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_cross_entropy
 from actors.engine.models import BaseModel
 from actors.engine.recompute import decoder_layers
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 
 @dataclass(frozen=True, kw_only=True)

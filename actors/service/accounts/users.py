@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from actors.spec.spec import USER_NAME_PATTERN
+from actors.spec.field_types import USER_NAME_PATTERN
 from actors.storage.durable import write_durably
 
 USERS_FILE = "users.json"

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.storage.durable import append_whole, write_durably
-from actors.storage.storage import StorageLocation, is_uri
+from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_uri import is_uri
 
 log = logging.getLogger(__name__)
 

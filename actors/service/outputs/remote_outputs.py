@@ -1,6 +1,6 @@
 """A trainer's jobs whose output_dir is a storage URI (s3://...): checkpoints mirrored there while they train,
 results uploaded when they leave, the newest checkpoint fetched when they start. (The store's API:
-actors/storage/storage.py.)
+actors/storage/storage_location.py, actors/storage/checkpoint_mirror.py.)
 
 Such a job is written to a node-local staging folder (`<staging_dir>/<job id>`) exactly as a local job's
 folder, and each complete checkpoint is then mirrored to the URI; its adapter and metrics go there when it
@@ -34,14 +34,10 @@ from actors.service.outputs.uploads import Uploads, remove_snapshots, snapshot_c
 from actors.service.scheduler.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.trainer.active_job import ActiveJob, JobMirror
 from actors.service.trainer.trainer_reports import EventKind, TrainerEvents
-from actors.storage.storage import (
-    CorruptCheckpoint,
-    StorageLocation,
-    StorageURI,
-    download_checkpoint,
-    read_pointer,
-    upload_checkpoint,
-)
+from actors.storage.checkpoint_mirror import download_checkpoint, read_pointer, upload_checkpoint
+from actors.storage.storage_errors import CorruptCheckpoint
+from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_uri import StorageURI
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from actors.spec.spec import JobSubmission, MlflowTracking
+from actors.spec.job_submission import JobSubmission
+from actors.spec.tracking_config import MlflowTracking
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class _TensorBoard:
     def finish(self, op: _Op) -> None:
         self.writer.close()
         if self.remote_uri is not None:
-            from actors.storage.storage import StorageLocation
+            from actors.storage.storage_location import StorageLocation
 
             remote = StorageLocation(self.remote_uri)
             for path in sorted(self.folder.rglob("*")):

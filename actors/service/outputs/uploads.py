@@ -1,5 +1,5 @@
 """A trainer's background uploads: the mirroring of its jobs' checkpoints and results to their storage URIs
-(actors/storage/storage.py) off the training thread, so that a slow or unreachable store costs the job whose
+(actors/storage/checkpoint_mirror.py) off the training thread, so that a slow or unreachable store costs the job whose
 upload it is its upload, never the other jobs their steps. Ray-free and torch-free.
 
 `Uploads` runs each job's uploads one at a time and in the order they were handed in (two uploads of one

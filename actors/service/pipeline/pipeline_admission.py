@@ -19,7 +19,8 @@ from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.trainer import StepReport
 from actors.service.pipeline.pipeline_engine import PipelineEngine
 from actors.service.trainer.step_admission import MEASURE_EVERY, MEASURE_FIRST, MEMORY_MARGIN, default_memory_budget
-from actors.spec.spec import JobSpec, LoraConfig
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
 from policies.memory_model import MemoryModel, StepShape
 
 BYTES_PER_ADAPTER_PARAMETER = 16   # held per adapter parameter: float32 weight, two AdamW moments, gradient

@@ -36,7 +36,8 @@ from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.pipeline.stage_messages import StageSettings
 from actors.engine.trainer import JobStepResult, StepReport
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
-from actors.spec.spec import JobSpec, step_tokens_floor
+from actors.spec.job_spec import JobSpec
+from actors.spec.trainer_settings import step_tokens_floor
 
 if TYPE_CHECKING:
     from actors.service.scheduler.config import TrainerConfig

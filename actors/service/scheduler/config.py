@@ -10,24 +10,22 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
-from actors.spec.spec import (
-    INT64_MAX,
+from actors.spec.field_types import INT64_MAX, Bounds, Location, StrictModel
+from actors.spec.job_submission import canonical_base_model
+from actors.spec.run_spec import RunSpec
+from actors.spec.trainer_settings import (
     KERNELS_DESCRIPTION,
     STAGE_SPLIT_DESCRIPTION,
     STAGES_DESCRIPTION,
     STEP_TOKENS_DESCRIPTION,
-    Bounds,
-    Location,
-    RunSpec,
     Stages,
     StageSplit,
     StepTokensSetting,
-    StrictModel,
-    canonical_base_model,
     compile_problem,
     pipeline_problem,
 )
-from actors.storage.storage import S3Settings, endpoint_problem, is_uri
+from actors.storage.s3_settings import S3Settings, endpoint_problem
+from actors.storage.storage_uri import is_uri
 
 Port = Annotated[int, Bounds(0, 65535)]
 

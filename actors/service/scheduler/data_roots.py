@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from actors.storage.storage import StorageURI, as_location, is_uri
+from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
 Location = Path | StorageURI
 

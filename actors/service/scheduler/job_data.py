@@ -15,7 +15,8 @@ from actors.data.streaming import StreamingCursor, open_stream
 from actors.data.tables import RowTable, open_table
 from actors.service.trainer.feed import FeedChunk
 from actors.service.trainer.stop_verdicts import VERDICT_LAG
-from actors.spec.spec import JobSubmission, cursor_epochs, planned_steps
+from actors.spec.job_spec import cursor_epochs, planned_steps
+from actors.spec.job_submission import JobSubmission
 from policies.stopping import LossHistory, StopDecision, Verdict, stop_rule_for
 
 if TYPE_CHECKING:   # transformers takes a second or more to import: the scheduler, which imports this, needs none

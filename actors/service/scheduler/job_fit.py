@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from actors.engine.lora_targets import adapted_shapes
 from actors.service.trainer.trainer_reports import TrainerStatus
-from actors.spec.spec import BASE_DEPENDENT_INITS, JobSubmission, LoraConfig
+from actors.spec.job_submission import JobSubmission
+from actors.spec.lora_config import BASE_DEPENDENT_INITS, LoraConfig
 from policies.adapter_memory import adapter_memory_bytes
 from policies.base import TrainerView
 

@@ -25,8 +25,10 @@ from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.spec.spec import RunSpec, canonical_base_model
-from actors.storage.storage import StorageURI, as_location, configured_storage, storage_configured
+from actors.spec.job_submission import canonical_base_model
+from actors.spec.run_spec import RunSpec
+from actors.storage.s3_settings import configured_storage, storage_configured
+from actors.storage.storage_uri import StorageURI, as_location
 from policies.base import Preempt, Start, StepComposer
 from policies.registry import load_policy
 

@@ -37,8 +37,8 @@ from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import SubmissionConflict, SubmissionError, Submissions
 from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
-from actors.spec.spec import JobSubmission
-from actors.storage.storage import StorageURI
+from actors.spec.job_submission import JobSubmission
+from actors.storage.storage_uri import StorageURI
 from policies.base import (
     JobView,
     Move,

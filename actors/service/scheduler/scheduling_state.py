@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 
 
 @dataclass

@@ -17,8 +17,10 @@ from actors.service.scheduler.data_roots import as_root, data_problem
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerStatus
-from actors.spec.spec import JobSpec, JobSubmission, step_limit_problem, step_tokens_floor
-from actors.storage.storage import StorageURI, as_location, is_uri
+from actors.spec.job_spec import JobSpec, step_limit_problem
+from actors.spec.job_submission import JobSubmission
+from actors.spec.trainer_settings import step_tokens_floor
+from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
 

@@ -19,7 +19,7 @@ from typing import Any
 from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.durable import write_durably
-from actors.storage.storage import is_uri
+from actors.storage.storage_uri import is_uri
 
 log = logging.getLogger(__name__)
 LEADERBOARD_FILE = "leaderboard.json"

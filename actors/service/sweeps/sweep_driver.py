@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.service.sweeps.sweep_run import SweepRun
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.durable import write_durably
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from actors.spec.sweep_spec import SweepSpec, trial_job, trial_name
 from policies.sweep.searchers import BUILT_IN, FINISHED, Searcher, build_searcher
 from policies.sweep.successive_halving import HalvingDecision, SuccessiveHalving

@@ -38,7 +38,7 @@ from actors.service.table.table_connection import TableConnection, reads
 from actors.service.table.table_schema import BUSY_TIMEOUT_S, JobTableBusy
 from actors.service.table.transition_log import TransitionLog
 from actors.service.table.usage_accounts import UsageAccounts
-from actors.spec.spec import JobSubmission
+from actors.spec.job_submission import JobSubmission
 
 __all__ = ["ACTIVE_STATES", "JOB_STATES", "RECORD_COLUMNS", "TERMINAL_STATES", "JobRecord", "JobState", "JobTable",
            "JobTableBusy", "JobTableDamaged", "record_of"]

@@ -19,7 +19,7 @@ from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.step_engine import StepEngine
 from actors.service.trainer.stop_verdicts import StopVerdicts
 from actors.service.trainer.trainer_reports import EventKind, TrainerEvents
-from actors.storage.storage import StorageLocation
+from actors.storage.storage_location import StorageLocation
 
 
 @dataclass(kw_only=True)

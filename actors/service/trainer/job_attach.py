@@ -19,7 +19,7 @@ from actors.service.trainer.active_job import ActiveJob, JobMirror
 from actors.service.trainer.feed import MicroBatchFeed, Pending
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.stop_verdicts import StopVerdicts
-from actors.storage.storage import is_uri
+from actors.storage.storage_uri import is_uri
 from policies.stopping import Verdict
 
 if TYPE_CHECKING:

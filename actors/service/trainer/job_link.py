@@ -12,8 +12,8 @@ from typing import Any, Protocol
 from actors.data import Example
 from actors.service.scheduler.job_data import DataSummary, JobData, JobUpdate
 from actors.service.trainer.feed import Done, FeedChunk, Pending
-from actors.spec.spec import JobSubmission
-from actors.storage.storage import StorageURI, as_location
+from actors.spec.job_submission import JobSubmission
+from actors.storage.storage_uri import StorageURI, as_location
 from policies.stopping import Verdict
 
 

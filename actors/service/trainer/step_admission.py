@@ -26,7 +26,9 @@ from actors.engine.memory_prior import (
 )
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
-from actors.spec.spec import AUTO_STEP_TOKENS_FLOOR, JobSpec, LoraConfig
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
+from actors.spec.trainer_settings import AUTO_STEP_TOKENS_FLOOR
 from policies.memory_model import MemoryModel, StepShape
 
 log = logging.getLogger(__name__)

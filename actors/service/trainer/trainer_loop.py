@@ -49,7 +49,7 @@ from actors.service.trainer.step_log import StepLog, StepTotals
 from actors.service.trainer.trainer_commands import Commands
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerEvents, TrainerStatus
 from actors.service.trainer.try_adapter import try_adapter
-from actors.spec.spec import step_tokens_floor
+from actors.spec.trainer_settings import step_tokens_floor
 from actors.storage.base_identity import base_identity
 from policies.base import StepComposer
 

@@ -17,7 +17,7 @@ from actors.engine.warmup import WARM_UP_MAX_TOKENS, settle_garbage_collector, w
 from actors.service.pipeline.pipeline_engine import start_pipeline
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.spec.spec import step_tokens_floor
+from actors.spec.trainer_settings import step_tokens_floor
 from policies.base import StepComposer
 from policies.registry import load_policy
 

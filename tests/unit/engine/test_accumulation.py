@@ -19,7 +19,7 @@ from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.optim import LossScale
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.accumulation import FixedOrder, pad_rows
 from tests.helpers.models import random_examples, tiny_config
 from tests.helpers.tolerances import adamw_first_step_bound, llama_chain_terms, rounding_tolerance

@@ -25,7 +25,10 @@ from actors.engine.job import TrainingJob
 from actors.engine.lora_targets import adapted_shapes
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec, JobSubmission, LoraConfig, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.lora_config import LoraConfig
+from actors.spec.run_spec import RunSpec
 from tests.helpers.accumulation import FixedOrder, pad_rows
 from tests.helpers.adapter_logits import SameMask, aspen_logits
 from tests.helpers.fused import relative_difference

@@ -14,7 +14,7 @@ from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.checkpoints import VOCAB, spec, weights, write_format_1
 from tests.helpers.models import random_examples, tiny_model
 

@@ -28,7 +28,7 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_data import JobData
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.data_files import change_one_row
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.service import job_dict, run_spec, write_task_data

@@ -28,7 +28,7 @@ from actors.data import (
 )
 from actors.data.dataset import load_dataset_examples
 from actors.data.streaming import open_stream
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.data_files import MAX_LEN, QA, qa_rows, reference, write_jsonl, write_parquet
 
 datasets.disable_progress_bars()
@@ -323,7 +323,7 @@ def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, ti
     from actors.engine.models import load_base_model
     from actors.service.scheduler.job_data import JobData
     from actors.service.scheduler.local_run import train_locally
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
     from tests.helpers.service import adapter_tensors, job_dict, max_relative_difference, run_spec
 
     rows = qa_rows(24)

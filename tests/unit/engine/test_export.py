@@ -24,7 +24,8 @@ from actors.engine.models import load_base_model
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.local_run import train_locally
 from actors.service.table.job_table import JobTable
-from actors.spec.spec import JobSpec, JobSubmission
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
 from orchestrator.cli import main
 from orchestrator.export import export_job
 from tests.helpers.hub import REVISION, offline, sample_ids

@@ -16,7 +16,7 @@ from actors.engine.adapter_surgery import add_adapter, remove_adapter
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.generate import greedy_generate, greedy_generate_many
 from actors.engine.models import BaseModel, from_module
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 
 VOCAB = 300
 EOS = 2

@@ -18,7 +18,7 @@ from actors.engine.grpo import RewardError, Rollout, advantages
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.isolation import VOCAB, assert_isolated
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.pairs import random_pairs
@@ -203,7 +203,7 @@ def test_grpo_specs_are_checked():
         _grpo_spec("a", "regex")
     with pytest.raises(ValidationError, match="neither exact_match, contains, regex nor module:function"):
         _grpo_spec("a", "my reward")
-    from actors.spec.spec import step_limit_problem
+    from actors.spec.job_spec import step_limit_problem
 
     problem = step_limit_problem(_grpo_spec("a", "contains", max_seq_len=64), 512)
     assert "batch_size 2 prompts * grpo.num_generations 4 * (max_seq_len 64 + grpo.max_new_tokens 5) = 552" in problem
@@ -217,7 +217,7 @@ def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_m
     from pathlib import Path
 
     from actors.service.scheduler.local_run import train_locally
-    from actors.spec.spec import RunSpec
+    from actors.spec.run_spec import RunSpec
     from tests.helpers.service import job_dict, write_task_data
 
     data = write_task_data(tmp_path / "data", "arith")

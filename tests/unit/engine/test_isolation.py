@@ -27,7 +27,7 @@ import torch
 
 from actors.data import Example
 from actors.engine.models import from_module, quantize_linears
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.isolation import CONFIGS, VOCAB, assert_isolated, base_for, train
 from tests.helpers.models import random_examples, tiny_model
 

@@ -24,7 +24,7 @@ from actors.engine.extras import MissingExtraError
 from actors.engine.loss import fused_loss, use_fused_loss
 from actors.engine.models import from_module
 from actors.service.scheduler.config import TrainerConfig, run_service_config
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 from tests.helpers.kernels import forwards_rebound, tiny
 from tests.helpers.triton_interpreter import interpreter_on, liger_installed
 

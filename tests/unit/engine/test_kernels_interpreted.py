@@ -25,7 +25,7 @@ from actors.engine import kernels
 from actors.engine.loss import target_cross_entropy, target_log_probs, use_fused_loss
 from actors.engine.model_support import LogitTransform
 from actors.engine.models import from_module
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from tests.helpers.isolation import assert_isolated, train_fused
 from tests.helpers.kernels import LONGEST, SPIED, TOKENS, VOCAB, forwards_rebound, fused_step, spy_on_liger, tiny
 from tests.helpers.models import random_examples

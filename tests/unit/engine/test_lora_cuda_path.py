@@ -21,7 +21,7 @@ from actors.engine import fused_linear, lora_cuda
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.lora_bounds import (
     BOUNDS,
     F32,

@@ -11,7 +11,7 @@ from actors.engine.adapter_surgery import add_adapter, remove_adapter, resolve_t
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.models import tiny_model
 
 
@@ -212,7 +212,7 @@ def test_nan_in_one_jobs_tokens_never_reaches_another_adapter(monkeypatch, mode)
 def test_jobs_may_be_named_like_module_attributes():
     """'train', 'half', 'cuda' are nn.Module attributes; a job of that name still gets its adapter."""
     from actors.engine.adapter_surgery import add_adapter, remove_adapter
-    from actors.spec.spec import LoraConfig
+    from actors.spec.lora_config import LoraConfig
     from tests.helpers.models import tiny_model
 
     model = tiny_model("llama", vocab_size=300)

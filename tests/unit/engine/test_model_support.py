@@ -35,7 +35,7 @@ from actors.engine.model_support import (
 )
 from actors.engine.models import from_module, load_base_model
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[3]
 VOCAB = 128

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from actors.engine.job import TrainingJob
 from actors.engine.models import load_base_model, resolve_source
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from actors.storage.sources import tokenizer_cache_folder, tokenizer_cache_lock
 from tests.helpers.models import random_examples
 

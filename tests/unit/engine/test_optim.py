@@ -11,7 +11,7 @@ from transformers import (
 )
 
 from actors.engine.optim import JobOptimizer, lr_factor
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 REFERENCES = {"constant": lambda opt, w, t: get_constant_schedule_with_warmup(opt, w),
               "linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}

@@ -17,7 +17,8 @@ from actors.engine.adapter_surgery import add_adapter
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module, load_base_model
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec, LoraConfig
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.models import random_examples, tiny_model
 
 

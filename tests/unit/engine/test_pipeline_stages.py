@@ -17,7 +17,7 @@ from actors.engine.models import from_module
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import check_stageable, cut_stage
 from actors.engine.pipeline.stage_split import LayerCosts, balanced_split, check_split, even_split
-from actors.spec.spec import LoraConfig
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.models import MODEL_CLASSES, random_examples, tiny_config
 
 VOCAB = 300

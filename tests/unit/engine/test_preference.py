@@ -19,7 +19,8 @@ from actors.data.pairs import PreferencePair, tokenize_pair
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.spec.spec import JobSpec, RunSpec
+from actors.spec.job_spec import JobSpec
+from actors.spec.run_spec import RunSpec
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.pairs import random_pairs
 from tests.helpers.peft_reference import TARGETS, compare_gradients, copy_peft_lora, peft_config, randomize_b

@@ -22,7 +22,8 @@ from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.service.scheduler.job_fit import job_adapter_bytes
-from actors.spec.spec import JobSpec, LoraConfig
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
 from tests.helpers.adapter_logits import SameMask, aspen_logits
 from tests.helpers.isolation import assert_isolated
 from tests.helpers.models import random_examples, tiny_model

@@ -16,7 +16,7 @@ import pytest
 
 from actors.data.row_check import check_job_rows
 from actors.data.rows import DataError
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[3]
 TEMPLATE = {"type": "prompt_response", "prompt": "Q: {question}", "response": " {answer}"}

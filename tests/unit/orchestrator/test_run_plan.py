@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from actors.service.table.job_table import JobRecord
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 from orchestrator.run_plan import OVERWRITE_HELP, changed_message, plan_run
 
 README = Path(__file__).resolve().parents[3] / "README.md"

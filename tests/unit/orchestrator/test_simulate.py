@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.simulator.sim_calibration import calibrate
+from orchestrator.simulator.sim_replay import Simulator
 from orchestrator.simulator.sim_trace import Trace, load_trace
-from orchestrator.simulator.simulate import Simulator, main
+from orchestrator.simulator.simulate import main
 from policies.ordering import AdaptivePolicy
 from policies.registry import load_policy
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from actors.spec.spec import JobSubmission, RunSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.run_spec import RunSpec
 from orchestrator.http.console import spec_answer
 from tests.helpers.service import job_dict
 

@@ -18,7 +18,8 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_data import JobData
 from actors.service.table.job_table import JobTable
 from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.spec.spec import GenerationEval, JobSpec
+from actors.spec.evaluation_config import GenerationEval
+from actors.spec.job_spec import JobSpec
 from tests.helpers import metrics
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle

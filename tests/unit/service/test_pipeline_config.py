@@ -1,5 +1,5 @@
 """`stages:` settings a pipeline trainer cannot take are refused when the YAML or jobs file is read, naming the
-field and what to set instead (actors/spec/spec.py `pipeline_problem`)."""
+field and what to set instead (actors/spec/trainer_settings.py `pipeline_problem`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from actors.service.scheduler.config import TrainerConfig
-from actors.spec.spec import RunSpec
+from actors.spec.run_spec import RunSpec
 
 JOB = {"name": "a", "data": "a.jsonl", "format": {"type": "text"}}
 

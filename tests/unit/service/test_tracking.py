@@ -125,7 +125,8 @@ def test_a_resumed_job_continues_its_run_and_tensorboard_drops_the_lost_steps(tm
     same MLflow run goes on (status SCHEDULED while paused), and TensorBoard shows the resumed session's
     values for steps 3 and 4, not the lost ones."""
     from actors.service.outputs.tracking import start_tracker
-    from actors.spec.spec import JobSpec, JobSubmission
+    from actors.spec.job_spec import JobSpec
+    from actors.spec.job_submission import JobSubmission
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     spec = JobSpec(name="resumed", data="unused.jsonl", format={"type": "text"}, max_steps=5,

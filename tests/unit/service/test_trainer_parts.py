@@ -21,7 +21,7 @@ from actors.service.scheduler.retries import with_retries
 from actors.service.trainer.feed import Done, JobLinkLost
 from actors.service.trainer.step_admission import MEMORY_MARGIN, StepAdmission
 from actors.service.trainer.stop_verdicts import VERDICT_LAG, StopVerdicts
-from actors.spec.spec import JobSpec
+from actors.spec.job_spec import JobSpec
 from policies.stopping import StopDecision, Verdict
 from tests.helpers.models import random_examples, tiny_model
 

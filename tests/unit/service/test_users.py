@@ -166,7 +166,7 @@ def test_the_scheduler_serves_the_least_served_user_and_refuses_past_quotas(tmp_
     from actors.service.scheduler.scheduler_core import SchedulerCore
     from actors.service.scheduler.submissions import SubmissionError
     from actors.service.table.job_table import JobTable
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
     from policies.base import Start
     from policies.registry import load_policy
     from tests.helpers.service import job_dict, write_task_data
@@ -209,7 +209,7 @@ def test_the_accounts_add_up_to_the_trainers_step_log(tmp_path, tiny_base, tiny_
     from actors.service.scheduler.scheduler_core import SchedulerCore
     from actors.service.table.job_table import JobTable
     from actors.service.trainer.trainer_loop import TrainerLoop
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
     from policies.fifo import FifoPolicy
     from tests.helpers.service import job_dict, write_task_data
     from tests.helpers.trainer import assignment_for, run_until_idle
@@ -299,7 +299,7 @@ def test_user_set_changes_roots_share_and_quotas_keeping_the_token_and_the_sched
     from actors.service.scheduler.scheduler_core import SchedulerCore
     from actors.service.scheduler.submissions import SubmissionError
     from actors.service.table.job_table import JobTable
-    from actors.spec.spec import JobSubmission
+    from actors.spec.job_submission import JobSubmission
     from policies.registry import load_policy
     from tests.helpers.service import job_dict, write_task_data
 

@@ -1,0 +1,225 @@
+"""One fine-tuning job as a user writes it (`JobSpec`), and its budget: the optimizer steps it plans, the
+epochs of its data cursor, and whether its largest micro-batch fits a fused step."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from actors.data import DataFormat
+from actors.data.tables import hub_id_problem
+from actors.spec.evaluation_config import EarlyStopConfig, GenerationEval
+from actors.spec.field_types import JOB_NAME_PATTERN, Bounds, Location, Priority, Seed, StepCount, StrictModel
+from actors.spec.lora_config import LoraConfig
+from actors.spec.method_config import PREFERENCE_METHODS, GrpoConfig, PreferenceConfig
+from actors.spec.tracking_config import TrackingConfig
+from actors.storage.storage_uri import StorageURI
+
+
+class JobSpec(StrictModel):
+    """One fine-tuning job: its data, its adapter and its optimisation."""
+
+    name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
+    data: Location = Field(description="the dataset: a JSONL file or one JSON array of rows, a .parquet or .arrow "
+                                       "file, a folder saved by datasets' save_to_disk, or a folder of such files; a "
+                                       "path or a storage URI (s3://bucket/train.parquet, gs://..., file:///...); "
+                                       "no hub ids (nothing is downloaded)")
+    format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
+    split: str = Field("train", min_length=1, description="the split of a saved DatasetDict or of a folder whose "
+                                                         "file names name splits (train-*.parquet, test.jsonl)")
+    columns: dict[str, str] | None = Field(
+        None, description="the format's field names mapped to the dataset's column names, e.g. {instruction: "
+                          "question, output: answer}")
+    streaming: bool = Field(False, description="read and tokenize the data a window of rows at a time instead of "
+                                               "whole (data larger than memory); eval_split must then be a count "
+                                               "(the first rows)")
+    shuffle_window: Annotated[int, Bounds(0, 10**7)] = Field(
+        1000, description="streaming: rows shuffled together (each window of this many rows is permuted with the "
+                          "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
+    lora: LoraConfig = Field(LoraConfig(), description="the adapter")
+    batch_size: Annotated[int, Bounds(1, 65536)] = Field(
+        4, description="sequences per micro-batch (preference pairs for dpo / orpo / cpo)")
+    grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
+    lr: Annotated[float, Bounds(0, 10, low_open=True)] = Field(3e-4, description="peak learning rate (AdamW)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="decay after warm-up")
+    warmup_steps: Annotated[int, Bounds(0, 10**9)] = Field(0, description="optimizer steps of linear warm-up")
+    weight_decay: Annotated[float, Bounds(0, 10)] = Field(0.0, description="AdamW weight decay")
+    max_grad_norm: Annotated[float, Bounds(0, 1e6, low_open=True)] | None = Field(
+        1.0, description="clip the adapter's gradient norm (null: no clipping)")
+    max_steps: StepCount | None = Field(None, description="optimizer steps")
+    epochs: Annotated[float, Bounds(0, 10_000, low_open=True)] | None = Field(
+        None, description="passes over the data (with max_steps, the smaller budget wins; neither: 1 epoch)")
+    max_seq_len: Annotated[int, Bounds(8, 1_048_576)] = Field(512, description="tokens per sequence (longer rows "
+                                                                               "are cut)")
+    train_on_prompt: bool = Field(False, description="also learn the prompt tokens (else their labels are -100); "
+                                                     "orpo: its NLL term covers the chosen sequence's prompt too "
+                                                     "(as TRL's ORPOTrainer)")
+    eval_split: Annotated[float, Bounds(0, 10**9)] = Field(0.0, description="held-out rows: a fraction (< 1) or "
+                                                                           "a count (a whole number >= 1)")
+    eval_every: StepCount | None = Field(None, description="optimizer steps between evaluations")
+    eval_generate: GenerationEval | None = Field(
+        None, description="also score greedy generations of the eval rows at each evaluation (an sft job's; its "
+                          "eval_split must hold rows): exact match, contains, regex or a function of yours")
+    checkpoint_every: StepCount = Field(50, description="optimizer steps between checkpoints")
+    checkpoint_every_s: Annotated[float, Bounds(1, 10**7)] | None = Field(
+        600.0, description="seconds between time-based checkpoints, beside the step-based `checkpoint_every`: a "
+                           "crash then loses at most this much wall time of the job's training (None: only "
+                           "`checkpoint_every`)")
+    early_stop: EarlyStopConfig | None = Field(None, description="stop when training stops paying off")
+    priority: Priority = Field(0, description="higher runs first under priority-aware policies")
+    seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
+    tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
+                                                              "(default: the run's `tracking`)")
+    method: Literal["sft", "dpo", "orpo", "cpo", "grpo"] = Field(
+        "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
+                           "base, the adapter off), orpo (odds-ratio preference optimization) or cpo (Contrastive "
+                           "Preference Optimization, no reference): learn from preference pairs (format type "
+                           "preference); grpo (Group Relative Policy Optimization): learn from the rewards of "
+                           "completions the adapter samples for each row's prompt (`grpo`)")
+    preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo / cpo objective")
+    grpo: GrpoConfig | None = Field(None, description="the grpo objective: its reward and sampling (method grpo)")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, value: str) -> str:
+        if value.lower() in {"trainer", "service", "con", "nul", "aux", "prn"}:
+            raise ValueError(f"'{value}' is reserved; choose another job name")
+        return value
+
+    @field_validator("eval_split")
+    @classmethod
+    def _fraction_or_count(cls, value: float) -> float:
+        if value >= 1 and not value.is_integer():
+            raise PydanticCustomError(
+                "eval_split", "must be a fraction less than 1 or a whole count of rows (got {got})",
+                {"got": str(value)})
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _not_a_hub_uri(cls, value: Path | StorageURI) -> Path | StorageURI:
+        problem = hub_id_problem(str(value)) if isinstance(value, StorageURI) else None
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _data_options(self) -> JobSpec:
+        if self.streaming and 0 < self.eval_split < 1:
+            raise ValueError(f"eval_split={self.eval_split} is a fraction, which streaming cannot take (the rows are "
+                             "not all read up front): give a count of rows, e.g. eval_split: 200 (the first rows)")
+        fields = getattr(self.format, "fields", None)
+        if self.columns and fields is not None:
+            unknown = sorted(set(self.columns) - set(fields()))
+            if unknown:
+                raise ValueError(f"columns maps {', '.join(unknown)}, not a field of format {self.format.type} "
+                                 f"(its fields: {', '.join(sorted(fields()))}); map the format's field names to "
+                                 "the dataset's column names")
+        return self
+
+    @model_validator(mode="after")
+    def _method_fits_format(self) -> JobSpec:
+        pairs = self.format.type == "preference"
+        if self.method in PREFERENCE_METHODS and not pairs:
+            raise ValueError(f"method '{self.method}' learns from preference pairs: set format to "
+                             f"{{type: preference}} (rows with prompt, chosen, rejected), not '{self.format.type}'")
+        if self.method == "sft" and pairs:
+            raise ValueError("format preference holds preference pairs: set method to dpo, orpo or cpo (sft learns "
+                             "from one target sequence per row)")
+        if self.method == "sft" and self.preference != PreferenceConfig():
+            raise ValueError("preference settings apply to method dpo, orpo or cpo; this job's method is sft")
+        if self.method != "cpo" and self.preference.cpo_alpha != PreferenceConfig().cpo_alpha:
+            raise ValueError(f"preference.cpo_alpha applies to method cpo; this job's method is {self.method} "
+                             "(remove it)")
+        if (self.method == "grpo") != (self.grpo is not None):
+            raise ValueError("method grpo needs `grpo: {reward: ...}` (its reward and sampling)" if self.grpo is None
+                             else f"grpo settings apply to method grpo; this job's method is {self.method}")
+        if self.method == "grpo" and pairs:
+            raise ValueError("method grpo samples its own completions for each row's prompt: use a format with a "
+                             "prompt and a target text (alpaca, prompt_response, chat), not preference")
+        if self.eval_generate is not None and self.method not in ("sft", "grpo"):
+            raise ValueError(f"eval_generate scores generations against an sft job's target text; method "
+                             f"'{self.method}' has none (remove eval_generate)")
+        if self.eval_generate is not None and not self.eval_split:
+            raise ValueError("eval_generate scores the held-out rows, and eval_split holds none: set eval_split "
+                             "(e.g. 64 rows)")
+        if self.method == "dpo" and self.train_on_prompt:
+            raise ValueError("train_on_prompt does not apply to method dpo (its loss compares the completions); "
+                             "remove it (with orpo or cpo it adds the prompt to the chosen sequence's "
+                             "language-modelling term)")
+        return self
+
+    @property
+    def sequences_per_example(self) -> int:
+        """Sequences one example adds to a micro-batch: 2 for a preference pair, a grpo job's
+        num_generations completions, else 1."""
+        if self.grpo is not None:
+            return self.grpo.num_generations
+        return 2 if self.method in PREFERENCE_METHODS else 1
+
+    @model_validator(mode="after")
+    def _has_budget(self) -> JobSpec:
+        if self.max_steps is None and self.epochs is None:
+            object.__setattr__(self, "epochs", 1.0)
+        if self.warmup_steps and self.max_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds max_steps ({self.max_steps})")
+        return self
+
+
+def _micro_batch_overflow(job: JobSpec, step_tokens: int) -> str | None:
+    tokens = job.batch_size * job.max_seq_len * job.sequences_per_example
+    if job.grpo is not None:   # each prompt's completions: the prompt (up to max_seq_len) and max_new_tokens
+        tokens = job.batch_size * job.grpo.num_generations * (job.max_seq_len + job.grpo.max_new_tokens)
+        if tokens <= step_tokens:
+            return None
+        return (f"batch_size {job.batch_size} prompts * grpo.num_generations {job.grpo.num_generations} * (max_seq_len "
+                f"{job.max_seq_len} + grpo.max_new_tokens {job.grpo.max_new_tokens}) = {tokens} tokens per micro-batch "
+                f"exceeds step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size, "
+                f"num_generations, max_seq_len or max_new_tokens, or raise step_tokens to at least {tokens}")
+    if tokens <= step_tokens:
+        return None
+    if job.sequences_per_example > 1:   # a preference pair is two sequences
+        return (f"batch_size {job.batch_size} * 2 sequences per preference pair * max_seq_len {job.max_seq_len} = "
+                f"{tokens} tokens per micro-batch exceeds step_tokens {step_tokens} (a micro-batch must fit in one "
+                f"fused step); lower batch_size or max_seq_len, or raise step_tokens to at least {tokens}")
+    return (f"batch_size {job.batch_size} * max_seq_len {job.max_seq_len} = {tokens} tokens per micro-batch exceeds "
+            f"step_tokens {step_tokens} (a micro-batch must fit in one fused step); lower batch_size or max_seq_len, "
+            f"or raise step_tokens to at least {tokens}")
+
+
+def step_limit_problem(job: JobSpec, step_tokens: int, *, named: bool = True) -> str | None:
+    """Why `job`'s largest micro-batch (`batch_size` sequences of up to `max_seq_len` tokens) cannot fit
+    in one fused step of `step_tokens` tokens, naming the job (unless `named` is False: the caller's message
+    names it already), the three numbers and the fix; or None when it fits. A run checks its jobs against
+    its own `step_tokens`; the service checks a submitted job against its trainers'."""
+    problem = _micro_batch_overflow(job, step_tokens)
+    if problem is None or not named:
+        return problem
+    return f"job '{job.name}': {problem}"
+
+
+def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
+    """Optimizer steps the job will take: `max_steps`, or what `epochs` of its data gives, the smaller."""
+    steps: list[int] = []
+    if spec.max_steps is not None:
+        steps.append(spec.max_steps)
+    if spec.epochs is not None:
+        micro_batches = math.ceil(num_train_examples * spec.epochs / spec.batch_size)
+        steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)))
+    return min(steps)
+
+
+def cursor_epochs(spec: JobSpec) -> int | None:
+    """Epochs the data cursor runs for: bounded by `epochs` unless `max_steps` bounds the job."""
+    return math.ceil(spec.epochs) if spec.epochs is not None and spec.max_steps is None else None
+
+
+def slug(text: str) -> str:
+    """A job-name-safe version of any text."""
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "-", text).strip("-")
+    return cleaned[:64] or "job"

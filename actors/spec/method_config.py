@@ -1,0 +1,78 @@
+"""The objectives of a job's method beyond sft: `preference:` of a dpo / orpo / cpo job, `grpo:` of a grpo job
+(its reward and sampling)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from actors.spec.field_types import USER_METRIC_PATTERN, Bounds, StrictModel
+
+
+class PreferenceConfig(StrictModel):
+    """The preference objective of a `method: dpo`, `orpo` or `cpo` job (as TRL's DPOConfig / ORPOConfig /
+    CPOConfig)."""
+
+    beta: Annotated[float, Bounds(0, 1000, low_open=True)] = Field(
+        0.1, description="DPO: the temperature of the sigmoid loss (how far the adapter may move from the base, "
+                         "its reference); ORPO: the weight (lambda) of the odds-ratio term beside the chosen "
+                         "completion's language-modelling loss; CPO: the temperature of its sigmoid loss on the "
+                         "completions' log-probability margin")
+    cpo_alpha: Annotated[float, Bounds(0, 1000)] = Field(
+        1.0, description="CPO only: the weight of the chosen sequence's language-modelling (NLL) term (TRL's "
+                         "cpo_alpha; 0 leaves the preference term alone)")
+
+
+PREFERENCE_METHODS = ("dpo", "orpo", "cpo")
+
+REWARDS = ("exact_match", "contains", "regex")
+
+
+class GrpoConfig(StrictModel):
+    """The objective of a `method: grpo` job (as TRL's GRPOConfig): each prompt's `num_generations`
+    completions sampled with the job's own adapter on its trainer, scored by `reward`, and trained on their
+    group-relative advantages."""
+
+    reward: str = Field(description="exact_match (the completion, stripped, equals the row's target text), "
+                                    "contains, regex (`pattern` finds the same answer in both), or "
+                                    "module:function, called as function(prompts, completions, rows) -> list of "
+                                    "floats with rows [{prompt, reference}] (texts), one reward per completion")
+    pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
+    num_generations: Annotated[int, Bounds(2, 256)] = Field(8, description="completions sampled per prompt (G)")
+    max_new_tokens: Annotated[int, Bounds(1, 4096)] = Field(
+        64, description="the longest completion (it also ends at the tokenizer's EOS); TRL's max_completion_length")
+    temperature: Annotated[float, Bounds(0, 100, low_open=True)] = Field(
+        1.0, description="sampling temperature; the log-probabilities trained on are taken at it too (as TRL)")
+    top_k: Annotated[int, Bounds(0, 10**6)] = Field(0, description="sample among the k likeliest tokens (0: all)")
+    beta: Annotated[float, Bounds(0, 1000)] = Field(
+        0.0, description="weight of the KL term to the base with the adapter off (TRL's default 0: none)")
+    epsilon: Annotated[float, Bounds(0, 10)] = Field(0.2, description="the ratio's clipping range")
+    loss_type: Literal["dapo", "grpo"] = Field(
+        "dapo", description="dapo: the mean over every completion token of the optimizer step (TRL's default); "
+                            "grpo: each completion's token mean, averaged over the completions")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="advantages divided by the rewards' standard deviation in the prompt's group, in the "
+                             "micro-batch, or not at all")
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward(cls, value: str) -> str:
+        if value in REWARDS:
+            return value
+        if not re.match(USER_METRIC_PATTERN, value):
+            raise ValueError(f"'{value}' is neither {', '.join(REWARDS)} nor module:function (a "
+                             "function(prompts, completions, rows) -> list of floats that Python can import)")
+        return value
+
+    @model_validator(mode="after")
+    def _pattern_for_regex(self) -> GrpoConfig:
+        if self.reward == "regex" and not self.pattern:
+            raise ValueError("reward regex needs pattern (e.g. '####\\s*(-?[0-9.,]+)')")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as error:
+                raise ValueError(f"pattern {self.pattern!r} is not a regular expression: {error}") from None
+        return self

@@ -1,0 +1,120 @@
+"""A jobs file, `jobs.yaml` (`RunSpec`): one base model, the run's settings, and the jobs that share them,
+each handed to the service as a `JobSubmission`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
+from actors.spec.field_types import Location, Seed, StrictModel
+from actors.spec.job_spec import JobSpec, step_limit_problem
+from actors.spec.job_submission import JobSubmission
+from actors.spec.lora_config import needs_full_precision_base
+from actors.spec.tracking_config import TrackingConfig
+from actors.spec.trainer_settings import (
+    KERNELS_DESCRIPTION,
+    STAGE_SPLIT_DESCRIPTION,
+    STAGES_DESCRIPTION,
+    STEP_TOKENS_DESCRIPTION,
+    Stages,
+    StageSplit,
+    StepTokensSetting,
+    compile_problem,
+    pipeline_problem,
+    step_tokens_floor,
+)
+
+
+class RunSpec(StrictModel):
+    """A `jobs.yaml` file: one base model and the jobs that share it."""
+
+    base_model: str = Field("smollm2-135m", description="an alias (smollm2-135m), a Hugging Face folder, a .gguf "
+                                                        "file or a hub id already in the local cache")
+    quantization: Quantization = Field("none", description="the frozen base's linear layers "
+                                                                           "(bitsandbytes: the `quant` extra)")
+    dtype: Dtype = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on CUDA")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (in-process runs)")
+    seed: Seed = Field(0, description="seeds data order, adapter initialisation and dropout")
+    output_dir: Location = Field(Path("runs/example"), description="one folder per job under it: a path, or a storage "
+                                                                  "URI (s3://bucket/prefix, gs://...) where "
+                                                                  "checkpoints, adapters and metrics are uploaded")
+    step_tokens: StepTokensSetting = Field("auto", description=STEP_TOKENS_DESCRIPTION)
+    layout: Layout = Field(
+        "packed", description="packed (no padding), padded (each job's rows to its longest) or padded_fused "
+                              "(mLoRA: every row to the step's longest)")
+    recompute: Recompute = Field(
+        "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
+                            "more time; the same adapters)")
+    compile: Compile = Field(
+        "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
+                            "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
+                            "quantized base)")
+    kernels: Kernels = Field("auto", description=KERNELS_DESCRIPTION)
+    stages: Stages = Field(1, description=STAGES_DESCRIPTION)
+    stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
+    policy: str = Field("adaptive", description="the scheduling policy of `aspen run`'s own service")
+    tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
+                                                              "sets none of its own")
+    jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
+
+    @model_validator(mode="after")
+    def _compile_combination(self) -> RunSpec:
+        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+                   or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
+                                       layout=self.layout, compile=self.compile, kernels=self.kernels))
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> RunSpec:
+        seen: set[str] = set()
+        for job in self.jobs:
+            if job.name in seen:
+                raise ValueError(f"two jobs are named '{job.name}'; job names must be unique")
+            seen.add(job.name)
+        return self
+
+    @model_validator(mode="after")
+    def _micro_batches_fit_a_step(self) -> RunSpec:
+        problems = []
+        for index, job in enumerate(self.jobs):
+            problem = step_limit_problem(job, step_tokens_floor(self.step_tokens), named=False)
+            if problem is None:
+                continue
+            # the location names the job (jobs[i]); point at batch_size where only it was written
+            fields_set = job.model_fields_set
+            field = "batch_size" if "batch_size" in fields_set and "max_seq_len" not in fields_set else "max_seq_len"
+            error = PydanticCustomError("step_limit", "{problem}", {"problem": problem})
+            problems.append(InitErrorDetails(type=error, loc=("jobs", index, field), input=getattr(job, field)))
+        if problems:
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_fit_the_base(self) -> RunSpec:
+        if self.quantization != "none":
+            for job in self.jobs:
+                problem = needs_full_precision_base(job.lora)
+                if problem is not None:
+                    raise ValueError(f"job '{job.name}': {problem} (quantization is {self.quantization})")
+        return self
+
+    def _with_tracking(self, job: JobSpec) -> JobSpec:
+        """The job, with the run's tracking where it sets none of its own."""
+        if job.tracking is not None or self.tracking is None:
+            return job
+        return job.model_copy(update={"tracking": self.tracking})
+
+    def job_seed(self, job: JobSpec) -> int:
+        return self.seed if job.seed is None else job.seed
+
+    def submissions(self) -> list[JobSubmission]:
+        """The run's jobs as the service takes them (each carries the run-level settings)."""
+        return [JobSubmission(job=self._with_tracking(job), base_model=self.base_model, quantization=self.quantization,
+                              dtype=self.dtype, seed=self.job_seed(job), output_dir=self.output_dir / job.name)
+                for job in self.jobs]

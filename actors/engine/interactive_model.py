@@ -1,0 +1,94 @@
+"""An interactive model (a Tinker API training client's model): a LoRA adapter on the shared base whose
+steps its user drives, call by call: gradients accumulate over `forward_backward` calls
+(actors/engine/interactive_step.py) until `optim_step` applies one AdamW step with the parameters the call
+gives, as the Tinker SDK defines them (torch.optim.AdamW's update; weight decay 0 unless given; gradient
+clipping by global norm when `grad_clip_norm` > 0), and clears them.
+
+Its adapter is LoRA on every linear layer of the base's decoder, rank as asked, alpha 32 at every rank (as
+Thinking Machines' "LoRA Without Regret" sets it), no dropout; B starts at zero, so a new model is the base."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
+from actors.engine.models import BaseModel
+from actors.spec.lora_config import LoraConfig
+
+LORA_ALPHA = 32
+MAX_RANK = 256
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """One optimizer step's settings (the SDK's AdamParams)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def problem(self) -> str | None:
+        if not self.learning_rate >= 0:
+            return f"learning_rate must be >= 0 (got {self.learning_rate})"
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                return f"{name} must be in [0, 1) (got {getattr(self, name)})"
+        if not self.eps > 0:
+            return f"eps must be > 0 (got {self.eps})"
+        if not self.weight_decay >= 0 or not self.grad_clip_norm >= 0:
+            return "weight_decay and grad_clip_norm must be >= 0"
+        return None
+
+
+class InteractiveModel:
+    """A model's adapter on `base` and its AdamW state."""
+
+    def __init__(self, base: BaseModel, name: str, rank: int, *, seed: int = 0,
+                 train_attn: bool = True, train_mlp: bool = True):
+        if not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"rank must be between 1 and {MAX_RANK} (got {rank})")
+        self.base, self.name, self.rank = base, name, rank
+        targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp)
+        config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
+        self.adapter: AdapterHandle = add_adapter(base.model, name, config, seed=seed)
+        self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
+                                           weight_decay=0.0)
+        self.steps = 0
+
+    def optim_step(self, step: AdamStep) -> dict[str, float]:
+        """One AdamW step over the gradients accumulated since the last; they are cleared after it."""
+        problem = step.problem()
+        if problem is not None:
+            raise ValueError(f"adam_params: {problem}")
+        parameters = self.adapter.parameters()
+        norm = torch.nn.utils.clip_grad_norm_(parameters, step.grad_clip_norm if step.grad_clip_norm > 0
+                                              else float("inf"))
+        for group in self.optimizer.param_groups:
+            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
+                         weight_decay=step.weight_decay)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm:mean": float(norm)}
+
+    def close(self) -> None:
+        """Take the adapter off the base (its weights are gone unless saved)."""
+        remove_adapter(self.base.model, self.name)
+
+
+def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> list[str]:
+    """The decoder's linear layers to adapt: attention's, the MLP's, or both (the LM head is not adapted)."""
+    if not (train_attn or train_mlp):
+        raise ValueError("train_attn and train_mlp are both false: nothing to train")
+    names = set()
+    for name in linear_module_names(base.model):
+        leaf = name.rsplit(".", 1)[-1]
+        attention = "attn" in name or leaf in ("q_proj", "k_proj", "v_proj", "o_proj")
+        if (attention and train_attn) or (not attention and train_mlp):
+            names.add(leaf)
+    return sorted(names)

@@ -1,0 +1,123 @@
+"""Interactive models' forward and forward-backward calls (the Tinker API's `forward` / `forward_backward`),
+fused: the datums of every call in one packed pass through the base, each call's tokens through its own
+model's adapter, each call's loss its own (actors/engine/tinker_losses.py), one backward for all of them.
+
+Isolation holds as in a fused step of aspen's own jobs: a call's tokens see only their own sequence
+(varlen attention over packed sequences) and their own adapter (the fused LoRA layers' segments), so each
+adapter's gradients come from its own calls alone and a call's outputs equal those of the same call run
+alone. A datum's `target_tokens[i]` is the target of input position i; its output `logprobs[i]` is the
+model's log-probability of that token there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engine.adapter_surgery import set_adapters_training
+from actors.engine.layout import StepLayout, step_layout
+from actors.engine.loss import target_log_probs
+from actors.engine.models import BaseModel
+from actors.engine.tinker_losses import LOSS_FUNCTIONS, LossInputError, check_inputs, loss_config
+
+
+@dataclass(frozen=True)
+class CallDatum:
+    """One datum: its input tokens and its loss_fn_inputs (each one value per input token)."""
+
+    tokens: tuple[int, ...]
+    inputs: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One forward(_backward) call of one model: its adapter, datums, loss function and its config."""
+
+    adapter: str
+    datums: tuple[CallDatum, ...]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+
+
+@dataclass
+class CallOutput:
+    """Per datum, the target tokens' log-probabilities and the elementwise loss; the call's summed loss."""
+
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    elementwise_loss: list[torch.Tensor] = field(default_factory=list)
+    loss_sum: float = 0.0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {"loss:sum": self.loss_sum}
+
+
+def check_call(call: ModelCall, vocab_size: int, max_length: int) -> dict[str, float]:
+    """The call's loss config with defaults; a datum that the base cannot take refused, naming it."""
+    config = loss_config(call.loss_fn, call.loss_fn_config)
+    if not call.datums:
+        raise LossInputError("the call has no datums")
+    for index, datum in enumerate(call.datums):
+        length = len(datum.tokens)
+        if length == 0:
+            raise LossInputError(f"datum {index}: model_input is empty")
+        if length > max_length:
+            raise LossInputError(f"datum {index}: model_input has {length} tokens; the base takes at most "
+                                 f"{max_length}")
+        check_inputs(call.loss_fn, datum.inputs, length, index)
+        for name, values in (("model_input", torch.tensor(datum.tokens)),
+                             ("target_tokens", datum.inputs["target_tokens"])):
+            if int(values.min()) < 0 or int(values.max()) >= vocab_size:
+                raise LossInputError(f"datum {index}: {name} holds a token outside the base's vocabulary "
+                                     f"(0..{vocab_size - 1})")
+    return config
+
+
+def run_calls(base: BaseModel, calls: list[ModelCall], *, backward: bool) -> list[CallOutput]:
+    """Every call's datums through the base in one packed pass (each call a segment of its adapter), each
+    call's loss summed, and with `backward` one backward over the sum: each adapter's `.grad` gains its own
+    calls' gradients (an optimizer step applies them). Checks every call first: nothing runs when one fails."""
+    vocab_size = int(base.lm_head.weight.shape[0])
+    max_length = int(getattr(base.model.config, "max_position_embeddings", 1 << 30))
+    configs = [check_call(call, vocab_size, max_length) for call in calls]
+    ids: list[int] = []
+    segments, sequences = [], []
+    for call in calls:
+        start = len(ids)
+        for datum in call.datums:
+            sequences.append((len(ids), len(ids) + len(datum.tokens)))
+            ids.extend(datum.tokens)
+        segments.append((call.adapter, start, len(ids)))
+    device = base.device
+    positions = [position for start, end in sequences for position in range(end - start)]
+    targets = torch.cat([datum.inputs["target_tokens"].long() for call in calls for datum in call.datums])
+    layout = StepLayout(tuple(segments), tuple(sequences), len(ids))
+    set_adapters_training(base.model, backward)
+    with torch.set_grad_enabled(backward), step_layout(layout):
+        hidden = base.decoder(input_ids=torch.tensor(ids, device=device)[None],
+                              position_ids=torch.tensor(positions, device=device)[None],
+                              attention_mask=None, use_cache=False).last_hidden_state[0]
+        head = base.lm_head
+        logprobs = target_log_probs(hidden, head.weight, head.bias, targets.to(device),
+                                    transform=base.logit_transform)
+        outputs, total, offset = [], None, 0
+        for call, config in zip(calls, configs, strict=True):
+            output = CallOutput()
+            call_loss = None
+            for datum in call.datums:
+                length = len(datum.tokens)
+                datum_logprobs = logprobs[offset:offset + length]
+                offset += length
+                inputs = {name: value.to(device=device, dtype=torch.float32)
+                          for name, value in datum.inputs.items() if name != "target_tokens"}
+                elementwise = LOSS_FUNCTIONS[call.loss_fn](datum_logprobs, inputs, config)
+                datum_loss = elementwise.sum()
+                call_loss = datum_loss if call_loss is None else call_loss + datum_loss
+                output.logprobs.append(datum_logprobs.detach().float().cpu())
+                output.elementwise_loss.append(elementwise.detach().float().cpu())
+            output.loss_sum = float(call_loss.detach())
+            total = call_loss if total is None else total + call_loss
+            outputs.append(output)
+    if backward and total is not None and total.requires_grad:
+        total.backward()
+    return outputs

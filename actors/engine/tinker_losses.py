@@ -1,0 +1,104 @@
+"""The Tinker API's loss functions, token by token, as its SDK documents them: each takes the model's
+log-probabilities of a datum's target tokens (`target_logprobs`, shape (N,), differentiable), the datum's
+`loss_fn_inputs` (tensors of shape (N,)) and the call's `loss_fn_config`, and returns the elementwise loss
+(N,). A call's loss is the plain sum of its datums' elementwise losses: Tinker sums over tokens and datums
+and never takes a mean (aspen's own jobs do: the mean over a job's target tokens).
+
+- cross_entropy: -target_logprobs * weights
+- importance_sampling: -exp(target_logprobs - logprobs) * advantages (`logprobs`: the sampler's)
+- ppo: -min(ratio * A, clamp(ratio, clip_low_threshold, clip_high_threshold) * A), bounds 0.8 and 1.2
+- cispo: -clamp(ratio, low, high).detach() * target_logprobs * A, bounds 0.0 and 4.0
+- dro: -(target_logprobs * A - beta / 2 * (target_logprobs - logprobs) ** 2), `beta` required
+
+The reinforcement-learning losses read `weights` nowhere (as the SDK's documented code): advantages are
+what masks a prompt's tokens (0 there)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+Tensor = torch.Tensor
+LossFunction = Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
+
+# each loss function's loss_fn_inputs beside target_tokens, and its config keys with their defaults
+INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+CONFIG: dict[str, dict[str, float | None]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": None},
+}
+
+
+class LossInputError(ValueError):
+    """A call's loss function, inputs or config that cannot be computed; the message names which."""
+
+
+def cross_entropy(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    return -target_logprobs * inputs["weights"]
+
+
+def importance_sampling(target_logprobs: Tensor, inputs: Mapping[str, Tensor],
+                        config: Mapping[str, float]) -> Tensor:
+    ratio = torch.exp(target_logprobs - inputs["logprobs"])
+    return -(ratio * inputs["advantages"])
+
+
+def ppo(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    advantages = inputs["advantages"]
+    ratio = torch.exp(target_logprobs - inputs["logprobs"])
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def cispo(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    ratio = torch.exp(target_logprobs - inputs["logprobs"])
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"]).detach()
+    return -(clipped * target_logprobs * inputs["advantages"])
+
+
+def dro(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    drift = target_logprobs - inputs["logprobs"]
+    return -(target_logprobs * inputs["advantages"] - 0.5 * config["beta"] * drift * drift)
+
+
+LOSS_FUNCTIONS: dict[str, LossFunction] = {"cross_entropy": cross_entropy,
+                                           "importance_sampling": importance_sampling, "ppo": ppo,
+                                           "cispo": cispo, "dro": dro}
+
+
+def loss_config(loss_fn: str, given: Mapping[str, float] | None) -> dict[str, float]:
+    """The call's config with the loss function's defaults filled in; unknown keys and missing required
+    ones refused, naming them."""
+    if loss_fn not in LOSS_FUNCTIONS:
+        raise LossInputError(f"loss_fn '{loss_fn}' is not one aspen computes; use one of "
+                             f"{', '.join(LOSS_FUNCTIONS)} (or forward_backward_custom)")
+    known = CONFIG[loss_fn]
+    unknown = sorted(set(given or {}) - set(known))
+    if unknown:
+        raise LossInputError(f"loss_fn_config {unknown} is not a setting of {loss_fn}"
+                             + (f" (its settings: {', '.join(known)})" if known else " (it takes none)"))
+    config = {**known, **(given or {})}
+    missing = sorted(key for key, value in config.items() if value is None)
+    if missing:
+        raise LossInputError(f"{loss_fn} needs loss_fn_config {missing}")
+    return {key: float(value) for key, value in config.items()}
+
+
+def check_inputs(loss_fn: str, inputs: Mapping[str, Tensor], length: int, datum: int) -> None:
+    """Each input the loss function reads is present with one value per input token."""
+    for name in ("target_tokens", *INPUTS[loss_fn]):
+        if name not in inputs:
+            raise LossInputError(f"datum {datum}: loss_fn_inputs lacks '{name}', which {loss_fn} reads")
+        if inputs[name].shape != (length,):
+            raise LossInputError(f"datum {datum}: loss_fn_inputs '{name}' has shape {tuple(inputs[name].shape)}; "
+                                 f"it needs one value per model_input token ({length},)")

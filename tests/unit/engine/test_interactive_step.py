@@ -1,0 +1,142 @@
+"""Interactive models' calls (actors/engine/interactive_step.py, interactive_model.py): two models' calls fused in
+one pass give each exactly what it gets alone (outputs and gradients: equality, for the reasons
+tests/unit/engine/test_isolation.py gives); a call's log-probabilities, losses and gradients equal PEFT's on the
+same adapter, one datum at a time through Hugging Face's forward (to a bound derived from the arithmetic:
+tests/helpers/tolerances.py); an optimizer step is AdamW's first update worked out by hand, with the given
+settings and clipping; a call the base cannot take is refused before anything runs, naming the datum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine.interactive_model import LORA_ALPHA, AdamStep, InteractiveModel
+from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
+from actors.engine.models import from_module
+from actors.engine.tinker_losses import LossInputError
+from tests.helpers.models import VOCAB, tiny_model
+from tests.helpers.peft_reference import peft_lora
+from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+
+pytestmark = pytest.mark.unit
+
+
+def base():
+    return from_module(tiny_model("llama", VOCAB), None)
+
+
+def model(base_model, name: str, rank: int, seed: int) -> InteractiveModel:
+    """A model whose B matrices are random (not zeros), so that its adapter changes the outputs."""
+    made = InteractiveModel(base_model, name, rank, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for parameter_name, parameter in made.adapter.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return made
+
+
+def datum(seed: int, length: int, *, rl: bool = False) -> CallDatum:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (length,), generator=generator)
+    inputs = {"target_tokens": torch.randint(0, VOCAB, (length,), generator=generator)}
+    if rl:
+        inputs["logprobs"] = -torch.rand(length, generator=generator) * 5
+        inputs["advantages"] = torch.randn(length, generator=generator)
+    else:
+        inputs["weights"] = (torch.rand(length, generator=generator) > 0.3).float()
+    return CallDatum(tuple(tokens.tolist()), inputs)
+
+
+def gradients(made: InteractiveModel) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad.clone() for name, parameter in made.adapter.named_parameters()}
+
+
+def clear(*models: InteractiveModel) -> None:
+    for made in models:
+        made.optimizer.zero_grad(set_to_none=True)
+
+
+def test_two_models_fused_get_exactly_what_each_gets_alone():
+    shared = base()
+    first, second = model(shared, "alice-0", 4, 1), model(shared, "bob-0", 8, 2)
+    supervised = ModelCall("alice-0", (datum(1, 7), datum(2, 19)), "cross_entropy")
+    reinforced = ModelCall("bob-0", (datum(3, 11, rl=True), datum(4, 5, rl=True), datum(5, 23, rl=True)), "ppo",
+                           {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})
+    fused = run_calls(shared, [supervised, reinforced], backward=True)
+    fused_grads = gradients(first), gradients(second)
+    for index, (call, made) in enumerate(((supervised, first), (reinforced, second))):
+        clear(first, second)
+        (alone,) = run_calls(shared, [call], backward=True)
+        assert alone.loss_sum == fused[index].loss_sum
+        for ours, theirs in zip(alone.logprobs + alone.elementwise_loss,
+                                fused[index].logprobs + fused[index].elementwise_loss, strict=True):
+            assert torch.equal(ours, theirs)
+        for name, gradient in gradients(made).items():
+            assert torch.equal(gradient, fused_grads[index][name]), name
+        other = second if made is first else first
+        assert all(p.grad is None for p in other.adapter.parameters())   # nothing reached the other model
+
+
+def test_a_call_equals_peft_one_datum_at_a_time():
+    from peft import LoraConfig, get_peft_model
+
+    shared = base()
+    made = model(shared, "alice-0", 4, 1)
+    datums = (datum(1, 9), datum(2, 17))
+    (output,) = run_calls(shared, [ModelCall("alice-0", datums)], backward=True)
+    targets = sorted({name.split(".")[-3] for name, _ in made.adapter.named_parameters()})
+    reference = get_peft_model(tiny_model("llama", VOCAB),
+                               LoraConfig(r=4, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0))
+    weights = peft_lora(reference)
+    with torch.no_grad():
+        for name, parameter in made.adapter.named_parameters():
+            weights[name].copy_(parameter)
+    config = reference.config
+    for index, item in enumerate(datums):
+        logits = reference(input_ids=torch.tensor(item.tokens)[None]).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, item.inputs["target_tokens"][:, None])[:, 0]
+        (-(logprobs * item.inputs["weights"])).sum().backward()
+        bound = rounding_tolerance(llama_chain_terms(config, sequence=len(item.tokens), tokens=len(item.tokens),
+                                                     backward=False), float(logprobs.abs().max()))
+        assert float((output.logprobs[index] - logprobs.detach()).abs().max()) <= bound
+    terms = llama_chain_terms(config, sequence=17, tokens=26)
+    for name, parameter in made.adapter.named_parameters():
+        expected = weights[name].grad
+        assert float(expected.abs().max()) > 1e-6, name
+        assert float((parameter.grad - expected).abs().max()) <= rounding_tolerance(terms, float(
+            expected.abs().max())), name
+
+
+def test_an_optimizer_step_is_adamws_first_update_with_the_given_settings():
+    shared = base()
+    made = model(shared, "alice-0", 4, 1)
+    run_calls(shared, [ModelCall("alice-0", (datum(1, 12),))], backward=True)
+    before = {name: p.detach().clone() for name, p in made.adapter.named_parameters()}
+    grads = gradients(made)
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
+    step = AdamStep(learning_rate=0.01, beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.1,
+                    grad_clip_norm=float(norm) / 4)
+    metrics = made.optim_step(step)
+    assert metrics["grad_norm:mean"] == pytest.approx(float(norm), rel=1e-5)
+    for name, parameter in made.adapter.named_parameters():
+        g = grads[name].double() / 4   # clipped to a quarter of its norm
+        # first step, bias-corrected: m = g, v = g^2; decoupled decay first
+        expected = before[name].double() * (1 - 0.01 * 0.1) - 0.01 * g / (g.abs() + 1e-6)
+        assert torch.allclose(parameter.detach().double(), expected, rtol=1e-5, atol=1e-7), name
+        assert parameter.grad is None   # cleared for the next calls
+
+
+def test_a_call_the_base_cannot_take_is_refused_before_anything_runs():
+    shared = base()
+    first, second = model(shared, "alice-0", 4, 1), model(shared, "bob-0", 4, 2)
+    good = ModelCall("alice-0", (datum(1, 5),))
+    outside = CallDatum((1, 2, VOCAB + 3), {"target_tokens": torch.tensor([1, 2, 3]), "weights": torch.ones(3)})
+    with pytest.raises(LossInputError, match=rf"datum 0: model_input holds a token outside the base's vocabulary "
+                                             rf"\(0..{VOCAB - 1}\)"):
+        run_calls(shared, [good, ModelCall("bob-0", (outside,))], backward=True)
+    assert all(p.grad is None for made in (first, second) for p in made.adapter.parameters())
+    with pytest.raises(ValueError, match="rank must be between 1 and 256"):
+        InteractiveModel(shared, "carol-0", 0)
+    with pytest.raises(ValueError, match="adam_params: beta2 must be in"):
+        first.optim_step(AdamStep(beta2=1.0))

@@ -124,6 +124,7 @@ FOLDERS: list[tuple[str, str]] = [
     ("orchestrator/http", "the HTTP API (a router module per resource, built from the operations' catalogue), "
                           "its client, and the web console's routes"),
     ("orchestrator/mqtt", "MQTT job events: the embedded broker, topics, the listener that publishes"),
+    ("orchestrator/tinker", "the Tinker API (the tinker SDK's REST protocol) over a trainer's interactive models"),
     ("orchestrator/simulator", "the scheduling simulator: a job trace replayed against policies, fast, no model"),
     ("actors", "the Ray actors, thin: the scheduler, a trainer per GPU (or CPU), a job actor per job"),
     ("actors/service", "the Ray-free halves of the actors, a room per concern (below)"),

@@ -1,0 +1,195 @@
+"""A trainer's interactive models (the Tinker API's training clients) and their calls, run in each model's
+order and fused across models: `forward_backward` calls of different models that are ready together, or
+arrive within `window_s` of the first, go through the base in one pass (actors/engine/interactive_step.py);
+a lone call waits at most that window. Each model's calls run in the order of their `seq_id` (the SDK numbers
+them; chunks of one call may arrive out of order), so an optimizer step applies exactly the gradients of the
+calls before it. A call sent again with the same (model, seq_id) gets the first one's result.
+
+One thread steps (`run`); any thread submits. A call that fails (a bad datum, an unknown loss) fails alone:
+its partners' step runs without it, and its model's order moves past it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.engine.interactive_model import AdamStep, InteractiveModel
+from actors.engine.interactive_step import ModelCall, check_call, run_calls
+from actors.engine.models import BaseModel
+from actors.engine.tinker_losses import LossInputError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WINDOW_S = 0.005
+
+
+@dataclass
+class Pending:
+    kind: str                    # "forward_backward", "forward", "optim_step", "apply"
+    payload: Any
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class ModelState:
+    model: InteractiveModel
+    owner: str | None
+    next_seq: int = 1            # create_model is seq 0
+    waiting: dict[int, Pending] = field(default_factory=dict)
+    seen: dict[int, Future] = field(default_factory=dict)   # seq_id -> its future (a resend gets it)
+
+
+class InteractiveCalls:
+    """The interactive models on one base and their pending calls."""
+
+    def __init__(self, base: BaseModel, *, window_s: float = DEFAULT_WINDOW_S,
+                 on_step: Callable[[dict[str, Any]], None] | None = None):
+        self.base = base
+        self.window_s = window_s
+        self.on_step = on_step           # told each fused pass: its models, datums and tokens
+        self.models: dict[str, ModelState] = {}
+        self.lock = threading.Condition()
+        self.closed = False
+
+    # -- from any thread -------------------------------------------------------------------------------
+    def create_model(self, model_id: str, rank: int, *, owner: str | None = None, seed: int = 0,
+                     train_attn: bool = True, train_mlp: bool = True) -> None:
+        with self.lock:
+            if model_id in self.models:
+                return   # the SDK's retry of the same create
+            model = InteractiveModel(self.base, adapter_name(model_id), rank, seed=seed, train_attn=train_attn,
+                                     train_mlp=train_mlp)
+            self.models[model_id] = ModelState(model, owner)
+
+    def submit(self, model_id: str, seq_id: int, kind: str, payload: Any) -> Future:
+        """Queue a call of `model_id` at its place `seq_id` in the model's order; its future holds the result
+        (a CallOutput, an optimizer step's metrics, or what an `apply` function returned)."""
+        with self.lock:
+            state = self._state(model_id)
+            if seq_id in state.seen:
+                return state.seen[seq_id]
+            if seq_id < state.next_seq:
+                raise ValueError(f"model {model_id}: seq_id {seq_id} was already run (the next is "
+                                 f"{state.next_seq})")
+            pending = Pending(kind, payload)
+            state.waiting[seq_id] = pending
+            state.seen[seq_id] = pending.future
+            self.lock.notify_all()
+            return pending.future
+
+    def remove_model(self, model_id: str) -> None:
+        with self.lock:
+            state = self.models.pop(model_id, None)
+        if state is not None:
+            for pending in state.waiting.values():
+                pending.future.set_exception(KeyError(f"model {model_id} was closed"))
+            state.model.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+
+    def _state(self, model_id: str) -> ModelState:
+        try:
+            return self.models[model_id]
+        except KeyError:
+            raise KeyError(f"no model {model_id}") from None
+
+    # -- the stepping thread ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until `close()`."""
+        while True:
+            with self.lock:
+                while not self.closed and not self._ready():
+                    self.lock.wait(timeout=1.0)
+                if self.closed:
+                    return
+            if self.window_s > 0:
+                time.sleep(self.window_s)   # partners that arrive meanwhile join the pass
+            self.step()
+
+    def _ready(self) -> bool:
+        return any(state.next_seq in state.waiting for state in self.models.values())
+
+    def step(self) -> int:
+        """Run what is ready: first every model's leading forward(_backward) calls, fused; then each model's
+        next other call (an optimizer step, a save). Returns how many calls ran."""
+        with self.lock:
+            passes: dict[str, list[tuple[str, int, Pending]]] = {"forward_backward": [], "forward": []}
+            for model_id, state in self.models.items():
+                seq = state.next_seq
+                while seq in state.waiting and state.waiting[seq].kind in passes:
+                    passes[state.waiting[seq].kind].append((model_id, seq, state.waiting.pop(seq)))
+                    seq += 1
+                state.next_seq = seq
+        ran = 0
+        for kind, calls in passes.items():
+            if calls:
+                self._run_pass(calls, backward=kind == "forward_backward")
+                ran += len(calls)
+        with self.lock:
+            others = []
+            for state in self.models.values():
+                pending = state.waiting.get(state.next_seq)
+                if pending is not None and pending.kind not in passes:
+                    others.append((state, state.waiting.pop(state.next_seq)))
+                    state.next_seq += 1
+        for state, pending in others:
+            self._run_other(state, pending)
+            ran += 1
+        return ran
+
+    def _run_pass(self, calls: list[tuple[str, int, Pending]], *, backward: bool) -> None:
+        vocab = int(self.base.lm_head.weight.shape[0])
+        longest = int(getattr(self.base.model.config, "max_position_embeddings", 1 << 30))
+        good = []
+        for entry in calls:
+            try:
+                check_call(entry[2].payload, vocab, longest)
+                good.append(entry)
+            except LossInputError as error:   # this call alone fails
+                entry[2].future.set_exception(error)
+        if not good:
+            return
+        try:
+            outputs = run_calls(self.base, [pending.payload for _, _, pending in good], backward=backward)
+        except Exception as error:   # the pass failed (e.g. out of memory): each call says so
+            log.exception("interactive pass of %d calls failed", len(good))
+            for _, _, pending in good:
+                pending.future.set_exception(RuntimeError(f"the fused pass failed: {error!r}"))
+            return
+        if self.on_step is not None:
+            self.on_step({"time": time.time(), "backward": backward,
+                          "models": sorted({model_id for model_id, _, _ in good}),
+                          "datums": sum(len(p.payload.datums) for _, _, p in good),
+                          "tokens": sum(len(d.tokens) for _, _, p in good for d in p.payload.datums)})
+        for (_, _, pending), output in zip(good, outputs, strict=True):
+            pending.future.set_result(output)
+
+    @staticmethod
+    def _run_other(state: ModelState, pending: Pending) -> None:
+        try:
+            if pending.kind == "optim_step":
+                result = state.model.optim_step(pending.payload)
+            elif pending.kind == "apply":
+                result = pending.payload(state.model)
+            else:
+                raise ValueError(f"unknown call kind '{pending.kind}'")
+        except Exception as error:  # noqa: BLE001 - this call fails alone, with its reason
+            pending.future.set_exception(error)
+            return
+        pending.future.set_result(result)
+
+
+def adapter_name(model_id: str) -> str:
+    """The adapter's name on the base for a model id (`<session>:train:<n>`): module-safe characters only."""
+    return "tinker-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in model_id)
+
+
+__all__ = ["AdamStep", "InteractiveCalls", "ModelCall", "adapter_name"]

@@ -1,0 +1,92 @@
+"""The Tinker API's sessions and futures, server side: a session per SDK `ServiceClient` (its user, its
+heartbeats, its models `<session>:train:<n>`), and a future per accepted call (`request_id`), which
+`retrieve_future` waits on for at most a long poll before answering "try again" (the SDK polls without
+pausing, so the server holds each poll instead)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+HEARTBEAT_TIMEOUT_S = 180.0   # a session that has not beaten for this long has ended (the SDK beats every 10 s)
+LONG_POLL_S = 20.0            # a retrieve_future waits this long before "try again" (the SDK reads for 45 s)
+
+
+@dataclass
+class Session:
+    session_id: str
+    user: str
+    last_beat: float = field(default_factory=time.monotonic)
+    models: list[str] = field(default_factory=list)
+    ended: bool = False
+
+
+@dataclass
+class Accepted:
+    """A call's future and how its result becomes the answer (a dict of JSON, or protobuf bytes)."""
+
+    future: Future
+    user: str
+    answer: Callable[[Any], dict | bytes]
+
+
+class Sessions:
+    """Every session and every accepted call's future, by id."""
+
+    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.sessions: dict[str, Session] = {}
+        self.futures: dict[str, Accepted] = {}
+        self.lock = threading.Lock()
+
+    def open(self, user: str) -> Session:
+        session = Session(f"aspen-{uuid.uuid4().hex[:12]}", user)
+        with self.lock:
+            self.sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str, user: str) -> Session:
+        """The user's live session; KeyError for another user's, an unknown or an ended one."""
+        with self.lock:
+            session = self.sessions.get(session_id)
+        if session is None or session.user != user or session.ended:
+            raise KeyError(f"no session {session_id} of yours")
+        return session
+
+    def beat(self, session_id: str, user: str) -> None:
+        self.get(session_id, user).last_beat = time.monotonic()
+
+    def expired(self) -> list[Session]:
+        """Sessions that stopped beating, marked ended (their models are to be closed)."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [s for s in self.sessions.values() if not s.ended and now - s.last_beat > self.heartbeat_timeout_s]
+            for session in gone:
+                session.ended = True
+        return gone
+
+    def accept(self, future: Future, user: str, answer: Callable[[Any], dict | bytes]) -> str:
+        request_id = f"req-{uuid.uuid4().hex}"
+        with self.lock:
+            self.futures[request_id] = Accepted(future, user, answer)
+        return request_id
+
+    async def retrieve(self, request_id: str, user: str, wait_s: float = LONG_POLL_S) -> tuple[str, Any]:
+        """("done", answer), ("failed", error) or ("pending", None) after waiting at most `wait_s`."""
+        with self.lock:
+            accepted = self.futures.get(request_id)
+        if accepted is None or accepted.user != user:
+            raise KeyError(f"no request {request_id} of yours")
+        try:
+            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(accepted.future)), wait_s)
+        except TimeoutError:
+            return "pending", None
+        except Exception as error:  # noqa: BLE001 - the call failed: its error is the answer
+            return "failed", error
+        return "done", accepted.answer(result)

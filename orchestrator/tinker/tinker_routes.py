@@ -1,0 +1,255 @@
+"""The Tinker REST API (`/api/v1/...`, as the `tinker` SDK 0.38 calls it) over a trainer's interactive calls
+(actors/service/trainer/interactive_calls.py): client config, sessions and heartbeats, server capabilities,
+create_model, get_info, forward / forward_backward (protobuf in and out), optim_step,
+save_weights_for_sampler, and the futures every training call returns. Requests are read with the SDK's own
+types (`tinker.types`, `tinker.proto`).
+
+The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys without its prefix). A user sees
+only their own sessions, models and futures (another's answer 404). A call's problem (a datum the base
+cannot take, an unknown loss) fails that call's future with category "user", never its partners' step.
+Endpoints aspen does not serve (sampling, for now) answer 404 with a body saying so, which the SDK raises
+to its caller. The LM head is never adapted (`train_unembed` is taken as false): aspen's adapters are on the
+decoder's linear layers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from tinker import types
+
+from actors.checkpoint.peft_io import save_adapter
+from actors.engine.interactive_model import MAX_RANK, AdamStep
+from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
+from orchestrator.tinker.sessions import Sessions
+from orchestrator.tinker.wire import PROTO_TYPE, WireError, decompress, read_forward_backward, write_output
+
+KEY_PREFIX = "tml-"
+
+
+class TinkerBackend:
+    """What the routes serve: one base's interactive calls, the name users give that base, where sampler
+    weights are written, and who a key is."""
+
+    def __init__(self, calls: InteractiveCalls, base_model: str, weights_dir: Path,
+                 authenticate: Callable[[str], str | None]):
+        self.calls = calls
+        self.base_model = base_model
+        self.weights_dir = Path(weights_dir)
+        self.authenticate = authenticate
+        self.sessions = Sessions()
+        self.owners: dict[str, str] = {}          # model id -> its user
+        self.thread = threading.Thread(target=calls.run, name="tinker-calls", daemon=True)
+
+    def start(self) -> TinkerBackend:
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.calls.close()
+        self.thread.join(timeout=30)
+
+
+class Context:
+    """What every route shares: the backend, the caller's user from the key, ownership, and futures."""
+
+    def __init__(self, backend: TinkerBackend):
+        self.backend = backend
+        self.sessions, self.calls = backend.sessions, backend.calls
+
+    def user_of(self, x_api_key: str | None) -> str:
+        if not x_api_key or not x_api_key.startswith(KEY_PREFIX):
+            raise HTTPException(401, f"X-API-Key must be '{KEY_PREFIX}' followed by your aspen token")
+        user = self.backend.authenticate(x_api_key.removeprefix(KEY_PREFIX))
+        if user is None:
+            raise HTTPException(401, "not an aspen token (`aspen user token NAME` prints yours)")
+        return user
+
+    def owned(self, model_id: str, user: str) -> str:
+        if self.backend.owners.get(model_id) != user:
+            raise HTTPException(404, f"no model {model_id} of yours")
+        return model_id
+
+    def future(self, accepted: Future, user: str, answer: Callable[[Any], dict | bytes],
+               model_id: str | None = None) -> dict:
+        request_id = self.sessions.accept(accepted, user, answer)
+        return types.UntypedAPIFuture(request_id=request_id, model_id=model_id).model_dump(mode="json",
+                                                                                           exclude_none=True)
+
+
+def done(value: Any) -> Future:
+    ready: Future = Future()
+    ready.set_result(value)
+    return ready
+
+
+def tinker_router(backend: TinkerBackend) -> APIRouter:
+    """The router of every /api/v1 route aspen serves."""
+    router = APIRouter(prefix="/api/v1", tags=["tinker"])
+    ctx = Context(backend)
+
+    def user_of(x_api_key: str | None = Header(None)) -> str:
+        return ctx.user_of(x_api_key)
+
+    add_session_routes(router, ctx, user_of)
+    add_training_routes(router, ctx, user_of)
+    return router
+
+
+def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
+    """Client config, sessions and their heartbeats, telemetry, capabilities."""
+    backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
+
+    @router.post("/client/config")
+    def client_config(body: types.ClientConfigRequest, user: str = Depends(user_of)) -> dict:
+        return types.ClientConfigResponse(use_pyqwest_transport=False, proto_compress_fwdbwd=False,
+                                          sample_use_retrieve_futures=False, custom_loss_server_side=False,
+                                          ).model_dump(mode="json", exclude_none=True)
+
+    @router.post("/client/dynamic_config")
+    def dynamic_config(user: str = Depends(user_of)) -> dict:
+        return {}
+
+    @router.post("/create_session")
+    def create_session(body: types.CreateSessionRequest, user: str = Depends(user_of)) -> dict:
+        session = sessions.open(user)
+        return types.CreateSessionResponse(session_id=session.session_id).model_dump(mode="json", exclude_none=True)
+
+    @router.post("/session_heartbeat")
+    def heartbeat(body: types.SessionHeartbeatRequest, user: str = Depends(user_of)) -> dict:
+        try:
+            sessions.beat(body.session_id, user)
+        except KeyError as error:
+            raise HTTPException(410, str(error)) from None
+        return {"type": "session_heartbeat"}
+
+    @router.post("/sessions/{session_id}/finish")
+    def finish(session_id: str, user: str = Depends(user_of)) -> Response:
+        try:
+            session = sessions.get(session_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        session.ended = True
+        for model_id in session.models:
+            calls.remove_model(model_id)
+        return Response(status_code=204)
+
+    @router.post("/telemetry")
+    def telemetry(user: str = Depends(user_of)) -> dict:
+        return {"status": "accepted"}
+
+    @router.get("/get_server_capabilities")
+    def capabilities(user: str = Depends(user_of)) -> dict:
+        context = int(getattr(calls.base.model.config, "max_position_embeddings", 0)) or None
+        model = types.SupportedModel(model_name=backend.base_model, max_context_length=context, trainable=True,
+                                     sampleable=False)
+        return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json",
+                                                                                       exclude_none=True)
+
+
+
+def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
+    """A model's creation, its info, its forward / forward_backward calls, optimizer steps and saves, the
+    futures they return; sampling's refusal."""
+    backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
+    owned, future = ctx.owned, ctx.future
+
+    @router.post("/create_model")
+    def create_model(body: types.CreateModelRequest, user: str = Depends(user_of)) -> dict:
+        try:
+            session = sessions.get(body.session_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        if body.base_model != backend.base_model:
+            raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
+                                     f"'{backend.base_model}' (get_server_capabilities)")
+        lora = body.lora_config or types.LoraConfig(rank=32)
+        if not 1 <= lora.rank <= MAX_RANK:
+            raise HTTPException(422, f"lora_config.rank must be between 1 and {MAX_RANK} (got {lora.rank})")
+        model_id = f"{session.session_id}:train:{body.model_seq_id}"
+        calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
+                           train_mlp=lora.train_mlp)
+        backend.owners[model_id] = user
+        if model_id not in session.models:
+            session.models.append(model_id)
+        return future(done(model_id), user,
+                      lambda mid: types.CreateModelResponse(model_id=mid).model_dump(mode="json"), model_id)
+
+    @router.post("/get_info")
+    def get_info(body: types.GetInfoRequest, user: str = Depends(user_of)) -> dict:
+        model_id = owned(body.model_id, user)
+        state = calls.models[model_id]
+        arch = getattr(calls.base.model.config, "model_type", None)
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": state.model.rank,
+                "model_name": backend.base_model,
+                "model_data": {"arch": arch, "model_name": backend.base_model}}
+
+    @router.post("/forward_backward")
+    async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:
+        body = await request.body()
+        try:
+            raw = decompress(body, request.headers.get("content-encoding"))
+            message = read_forward_backward(raw, adapter_name)
+        except WireError as error:
+            raise HTTPException(400, str(error)) from None
+        model_id = owned(message.model_id, user)
+        kind = "forward" if message.forward_only else "forward_backward"
+        try:
+            submitted = calls.submit(model_id, message.seq_id, kind, message.call)
+        except (KeyError, ValueError) as error:
+            raise HTTPException(400, str(error)) from None
+        return future(submitted, user, write_output, model_id)
+
+    @router.post("/optim_step")
+    def optim_step(body: types.OptimStepRequest, user: str = Depends(user_of)) -> dict:
+        model_id = owned(body.model_id, user)
+        params = body.optim_params
+        if not isinstance(params, types.AdamParams):
+            raise HTTPException(422, f"optimizer '{getattr(params, 'type', params)}': aspen's models step AdamW "
+                                     "(AdamParams)")
+        step = AdamStep(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
+                        weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm)
+        submitted = calls.submit(model_id, body.seq_id or 0, "optim_step", step)
+        return future(submitted, user, lambda metrics: {"type": "optim_step", "metrics": metrics}, model_id)
+
+    @router.post("/save_weights_for_sampler")
+    def save_for_sampler(body: types.SaveWeightsForSamplerRequest, user: str = Depends(user_of)) -> dict:
+        model_id = owned(body.model_id, user)
+        name = body.path or f"step-{body.seq_id}"
+        if "/" in name or name in (".", ".."):
+            raise HTTPException(422, f"path '{name}' must be a plain name (no '/')")
+        folder = backend.weights_dir / model_id.replace(":", "-") / "sampler_weights" / name
+
+        def save(model: Any) -> str:
+            save_adapter(model.adapter, folder, backend.base_model, {"base_model": backend.base_model,
+                                                                     "model_id": model_id})
+            return f"tinker://{model_id}/sampler_weights/{name}"
+
+        submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
+        return future(submitted, user, lambda path: {"type": "save_weights_for_sampler", "path": path}, model_id)
+
+    @router.post("/retrieve_future")
+    async def retrieve_future(body: types.FutureRetrieveRequest, user: str = Depends(user_of)) -> Response:
+        try:
+            state, value = await sessions.retrieve(body.request_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        if state == "pending":
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"},
+                                status_code=408)
+        if state == "failed":
+            category = "user" if isinstance(value, (ValueError, KeyError)) else "server"
+            return JSONResponse({"error": str(value), "category": category})
+        if isinstance(value, bytes):
+            return Response(value, media_type=PROTO_TYPE)
+        return JSONResponse(value)
+
+    @router.post("/create_sampling_session")
+    def create_sampling_session(user: str = Depends(user_of)) -> dict:
+        raise HTTPException(404, "sampling is not served by this aspen yet: export the adapter (aspen export) "
+                                 "and sample with vLLM or PEFT")

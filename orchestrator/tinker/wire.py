@@ -1,0 +1,101 @@
+"""The Tinker API's protobuf bodies, read and written with the SDK's own schema (`tinker.proto`): a
+`forward_backward` request (optionally zstd-compressed) into aspen's `ModelCall` of `CallDatum`s, and a call's
+outputs into the `ForwardBackwardOutput` message its SDK decodes (one record per datum: `logprobs` and
+`elementwise_loss`, each as long as the datum's targets; the metric `loss:sum`). Only text model inputs are
+taken: an image or dmel chunk is refused, naming the datum."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.response_conv import _tensor_data_from_proto
+
+from actors.engine.interactive_step import CallDatum, CallOutput, ModelCall
+
+PROTO_TYPE = "application/x-protobuf"
+MAX_BODY_BYTES = 64 * 1024 * 1024   # a forward_backward body (after decompression)
+
+
+class WireError(ValueError):
+    """A body that cannot be read as the SDK writes it; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class ForwardBackwardBody:
+    model_id: str
+    seq_id: int
+    forward_only: bool
+    call: ModelCall
+
+
+def decompress(body: bytes, encoding: str | None) -> bytes:
+    if not encoding or encoding == "identity":
+        return body
+    if encoding != "zstd":
+        raise WireError(f"Content-Encoding '{encoding}' is not one aspen reads (zstd or none)")
+    import zstandard
+
+    try:
+        return zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY_BYTES)
+    except zstandard.ZstdError as error:
+        raise WireError(f"the zstd body could not be decompressed: {error}") from None
+
+
+def read_forward_backward(body: bytes, adapter_of: Callable[[str], str]) -> ForwardBackwardBody:
+    """The request's model, sequence number and call (`adapter_of(model_id)`: the adapter's name on the
+    base). Raises WireError for a body that is not the SDK's message or holds a non-text input."""
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except DecodeError as error:
+        raise WireError(f"the body is not a tinker ForwardBackwardRequest ({type(error).__name__})") from None
+    datums = []
+    for index, datum in enumerate(message.data):
+        tokens: list[int] = []
+        for chunk in datum.model_input:
+            if chunk.WhichOneof("chunk") != "encoded_text":
+                raise WireError(f"datum {index}: a {chunk.WhichOneof('chunk')} chunk; aspen trains on text only")
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4").tolist())
+        inputs = {}
+        for name, tensor in datum.loss_fn_inputs.items():
+            try:
+                values = _tensor_data_from_proto(tensor).to_torch()
+            except (ValueError, RuntimeError) as error:
+                raise WireError(f"datum {index}: loss_fn_inputs '{name}': {error}") from None
+            inputs[name] = values.reshape(-1) if values.dim() != 1 else values
+        datums.append(CallDatum(tuple(tokens), inputs))
+    if message.loss_fn_config_v2:
+        config = {}
+        for key, value in message.loss_fn_config_v2.items():
+            if value.WhichOneof("value") != "number":
+                raise WireError(f"loss_fn_config '{key}' is text; aspen's losses take numbers")
+            config[key] = value.number
+    else:
+        config = dict(message.loss_fn_config)
+    call = ModelCall(adapter_of(message.model_id), tuple(datums), message.loss_fn or "cross_entropy",
+                     config or None)
+    return ForwardBackwardBody(message.model_id, int(message.seq_id), bool(message.forward_only), call)
+
+
+def _batched(arrays: list[torch.Tensor]) -> pb.BatchedTensor:
+    values = [array.detach().float().contiguous().numpy() for array in arrays]
+    offsets = np.cumsum([0] + [value.nbytes for value in values]).astype(np.int64)
+    return pb.BatchedTensor(data=b"".join(value.tobytes() for value in values), offsets=offsets.tobytes(),
+                            dtype=pb.DTYPE_FLOAT32)
+
+
+def write_output(output: CallOutput) -> bytes:
+    """The call's outputs as the SDK's ForwardBackwardOutput message."""
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(output.logprobs))
+    record.fields["logprobs"].CopyFrom(_batched(output.logprobs))
+    record.fields["elementwise_loss"].CopyFrom(_batched(output.elementwise_loss))
+    message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    message.loss_fn_outputs.append(record)
+    for key, value in output.metrics.items():
+        message.metrics[key] = value
+    return message.SerializeToString()

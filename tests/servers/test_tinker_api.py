@@ -1,0 +1,202 @@
+"""The Tinker API (orchestrator/tinker/) served by uvicorn, driven by the real `tinker` SDK as its users run
+it: a supervised loop (forward_backward with cross_entropy, optim_step) trains an adapter equal, bit for bit,
+to the same calls made on aspen's engine in this process; two users' loops at once share fused passes and each
+sees only their own models; forward_backward_custom (the SDK computes the loss from the logprobs) trains as
+cross_entropy does; a datum the base cannot take fails that user's call alone."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from actors.checkpoint.peft_io import adapter_state_dict
+from actors.engine.interactive_model import AdamStep, InteractiveModel
+from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
+from actors.engine.models import from_module
+from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
+from orchestrator.tinker.tinker_routes import TinkerBackend, tinker_router
+from tests.helpers.http_server import running_server
+from tests.helpers.models import VOCAB, tiny_model
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+BASE = "tiny-llama"
+WINDOW_S = 0.25   # how long a call waits for partners: wide, so that two users' calls sent together meet
+KEYS = {"alice-token": "alice", "bob-token": "bob"}
+ADAM = {"learning_rate": 0.05, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    steps: list[dict] = []
+    calls = InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=WINDOW_S, on_step=steps.append)
+    backend = TinkerBackend(calls, BASE, tmp_path / "weights", KEYS.get).start()
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.include_router(tinker_router(backend))
+    with running_server(app) as url:
+        yield url, backend, steps
+    backend.close()
+
+
+def batch(seed: int, count: int = 2) -> list[tuple[list[int], list[int], list[float]]]:
+    generator = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        length = int(generator.integers(5, 20))
+        tokens = generator.integers(0, VOCAB, length).tolist()
+        targets = generator.integers(0, VOCAB, length).tolist()
+        weights = (generator.random(length) > 0.2).astype(np.float32).tolist()
+        rows.append((tokens, targets, weights))
+    return rows
+
+
+def datums(rows) -> list:
+    return [types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64),
+                                        "weights": np.array(weights, dtype=np.float32)})
+            for tokens, targets, weights in rows]
+
+
+def sdk_loop(url: str, key: str, seeds: list[int], *, custom: bool = False,
+             together: threading.Barrier | None = None) -> tuple[str, list[float], str]:
+    """The user's loop through the SDK: its model id, its losses, and the path of its final weights.
+    `together`: each step starts when every loop that shares the barrier is at it."""
+    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    losses = []
+    for seed in seeds:
+        if together is not None:
+            together.wait(timeout=60)
+        data = datums(batch(seed))
+        if custom:
+            def loss_fn(data, logprobs):
+                total = sum((-lp * torch.tensor(d.loss_fn_inputs["weights"].to_numpy())).sum()
+                            for d, lp in zip(data, logprobs, strict=True))
+                return total, {"custom_loss:sum": float(total.detach())}
+
+            result = training.forward_backward_custom(data, loss_fn).result()
+            losses.append(result.metrics["custom_loss:sum"])
+        else:
+            result = training.forward_backward(data, "cross_entropy").result()
+            losses.append(result.metrics["loss:sum"])
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    saved = training.save_weights_for_sampler("final").result()
+    model_id = training.model_id
+    client.close("success").result()
+    return model_id, losses, saved.path
+
+
+def engine_reference(seeds: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same calls on aspen's engine in this process, on a fresh copy of the base."""
+    base = from_module(tiny_model("llama", VOCAB), None)
+    model = InteractiveModel(base, adapter_name("reference"), 4)
+    losses = []
+    for seed in seeds:
+        rows = [CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets), "weights": torch.tensor(weights)})
+                for tokens, targets, weights in batch(seed)]
+        (output,) = run_calls(base, [ModelCall(model.name, tuple(rows))], backward=True)
+        losses.append(output.loss_sum)
+        model.optim_step(AdamStep(**ADAM))
+    return adapter_state_dict(model.adapter), losses
+
+
+def saved_weights(backend: TinkerBackend, path: str) -> dict[str, torch.Tensor]:
+    """The adapter a `tinker://<model>/sampler_weights/<name>` path names, as written (PEFT's files)."""
+    model_id, _, name = path.removeprefix("tinker://").split("/")
+    folder = backend.weights_dir / model_id.replace(":", "-") / "sampler_weights" / name
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def test_the_sdks_supervised_loop_trains_what_the_engine_trains_bit_for_bit(server):
+    url, backend, _ = server
+    seeds = [1, 2, 3]
+    model_id, losses, path = sdk_loop(url, "alice-token", seeds)
+    expected, expected_losses = engine_reference(seeds)
+    assert losses == expected_losses
+    weights = saved_weights(backend, path)
+    assert set(weights) == set(expected) and len(weights) > 0
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    assert model_id not in backend.calls.models, "closing the session takes its models off the base"
+
+
+def test_two_users_loops_share_fused_passes_and_see_only_their_own_models(server):
+    url, backend, steps = server
+    results: dict[str, tuple[str, list[float], str]] = {}
+    alone_seeds = {"alice-token": [1, 2, 3], "bob-token": [4, 5, 6]}
+    together = threading.Barrier(2)
+
+    def run(key: str) -> None:
+        results[key] = sdk_loop(url, key, alone_seeds[key], together=together)
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in alone_seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert set(results) == set(alone_seeds)
+    shared = [step for step in steps if step["backward"] and len(step["models"]) == 2]
+    assert shared, f"no fused pass held both users' models: {steps}"
+    for key, seeds in alone_seeds.items():   # each user's adapter as if trained alone
+        expected, expected_losses = engine_reference(seeds)
+        assert results[key][1] == expected_losses, key
+        weights = saved_weights(backend, results[key][2])
+        assert all(torch.equal(weights[name], tensor) for name, tensor in expected.items()), key
+
+
+def test_another_users_model_is_not_found_and_a_bad_key_is_refused(server):
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    model_id = training.model_id
+    answer = httpx.post(f"{url}/api/v1/get_info", json={"model_id": model_id, "type": "get_info"},
+                        headers={"X-API-Key": "tml-bob-token"})
+    assert answer.status_code == 404 and "no model" in answer.json()["detail"]
+    answer = httpx.post(f"{url}/api/v1/get_info", json={"model_id": model_id, "type": "get_info"},
+                        headers={"X-API-Key": "tml-mallory"})
+    assert answer.status_code == 401
+    assert httpx.post(f"{url}/api/v1/get_info", json={"model_id": model_id, "type": "get_info"},
+                      headers={"X-API-Key": "tml-alice-token"}).json()["lora_rank"] == 4
+    client.close("success").result()
+
+
+def test_forward_backward_custom_trains_as_cross_entropy_does(server):
+    url, backend, _ = server
+    seeds = [7, 8]
+    _, custom, path = sdk_loop(url, "alice-token", seeds, custom=True)
+    expected, expected_losses = engine_reference(seeds)
+    # the SDK's loss is its own sum of the logprobs it was sent: the same terms, summed in another order
+    assert custom == pytest.approx(expected_losses, rel=1e-5)
+    weights = saved_weights(backend, path)
+    for name, tensor in expected.items():   # its gradients: the weights of a cross_entropy call
+        assert torch.allclose(weights[name], tensor, rtol=1e-4, atol=1e-6), name
+
+
+def test_a_datum_outside_the_vocabulary_fails_that_call_alone(server):
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, VOCAB + 5]),
+                      loss_fn_inputs={"target_tokens": np.array([1, 2, 3]), "weights": np.ones(3, np.float32)})
+    with pytest.raises(tinker.RequestFailedError, match="outside the base's vocabulary"):
+        training.forward_backward([bad], "cross_entropy").result()
+    good = training.forward_backward(datums(batch(1)), "cross_entropy").result()   # the model goes on
+    assert good.metrics["loss:sum"] > 0
+    assert len(good.loss_fn_outputs) == 2 and set(good.loss_fn_outputs[0]) == {"logprobs", "elementwise_loss"}
+    client.close("success").result()
+
+
+if os.environ.get("ASPEN_TINKER_DEBUG"):
+    import logging
+
+    logging.basicConfig(level=logging.DEBUG)

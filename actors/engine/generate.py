@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,17 +96,39 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
     (as `transformers` `generate` keeps the EOS token)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    outputs: list[list[int]] = [[] for _ in requests]
+    if max_new_tokens == 0 or not requests:
+        check_requests(base, requests)
+        return outputs
+
+    def choose(logits: torch.Tensor) -> list[int]:
+        return (logits.argmax(dim=-1) if sampling is None else sampling.pick(logits)).tolist()
+
+    def finished(index: int, token: int) -> bool:
+        outputs[index].append(token)
+        return token in stop_token_ids or len(outputs[index]) >= max_new_tokens
+
+    decode(base, requests, choose, finished)
+    return outputs
+
+
+def check_requests(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]]) -> None:
     for index, (_, prompt) in enumerate(requests):
         if not prompt:
             raise ValueError(f"prompt {index} is empty; greedy decoding needs at least one token")
-    model = base.model
-    attached = _attached(model)
+    attached = _attached(base.model)
     for adapter in {adapter for adapter, _ in requests if adapter is not None}:
         if adapter not in attached:
             raise ValueError(f"no adapter named '{adapter}' is attached to the model")
-    outputs: list[list[int]] = [[] for _ in requests]
-    if max_new_tokens == 0 or not requests:
-        return outputs
+
+
+def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
+           choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool]) -> None:
+    """The decoding loop: `choose(logits)` picks each row's next token from its logits (rows in request
+    order), `finished(request index, token)` takes it and says whether that request's sequence has ended.
+    Stops when every sequence has."""
+    check_requests(base, requests)
+    model = base.model
     # rows grouped by adapter (stable within a group), so each adapter's tokens are one contiguous segment
     order = sorted(range(len(requests)), key=lambda i: (requests[i][0] is not None, requests[i][0] or ""))
     groups: list[tuple[str, int, int]] = []
@@ -134,6 +156,7 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
     states = _adapter_training_states(model)
     set_adapters_training(model, False)
     active = [True] * rows
+    unorder = torch.tensor(sorted(range(rows), key=lambda row: order[row]), device=device)
     try:
         with _masked_attention(model):
             feed = input_ids
@@ -142,13 +165,10 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
                     hidden = base.decoder(input_ids=feed, attention_mask=mask, position_ids=positions,
                                           use_cache=True, **{cache_argument: cache}).last_hidden_state
                 logits = base.output_logits(hidden[:, -1])
-                chosen = (logits.argmax(dim=-1) if sampling is None else sampling.pick(logits)).tolist()
+                by_request = choose(logits[unorder])   # in request order
+                chosen = [by_request[index] for index in order]
                 for row, index in enumerate(order):
-                    if not active[row]:
-                        continue
-                    token = int(chosen[row])
-                    outputs[index].append(token)
-                    if token in stop_token_ids or len(outputs[index]) >= max_new_tokens:
+                    if active[row] and finished(index, int(chosen[row])):
                         active[row] = False
                 if not any(active):
                     break
@@ -158,7 +178,6 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
     finally:
         for adapters, training in states:
             adapters.train(training)
-    return outputs
 
 
 def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int]], max_new_tokens: int,

@@ -54,8 +54,8 @@ class InteractiveModel:
             raise ValueError(f"rank must be between 1 and {MAX_RANK} (got {rank})")
         self.base, self.name, self.rank = base, name, rank
         targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp)
-        config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
-        self.adapter: AdapterHandle = add_adapter(base.model, name, config, seed=seed)
+        self.config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
+        self.adapter: AdapterHandle = add_adapter(base.model, name, self.config, seed=seed)
         self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
                                            weight_decay=0.0)
         self.steps = 0
@@ -75,6 +75,16 @@ class InteractiveModel:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm:mean": float(norm)}
+
+    def snapshot(self, name: str) -> AdapterHandle:
+        """A frozen copy of the adapter as it is now, attached to the base as `name` (what a sampler samples)."""
+        copy = add_adapter(self.base.model, name, self.config, seed=0)
+        with torch.no_grad():
+            for (_, target), (_, source) in zip(copy.named_parameters(), self.adapter.named_parameters(),
+                                                strict=True):
+                target.copy_(source)
+                target.requires_grad_(False)
+        return copy
 
     def close(self) -> None:
         """Take the adapter off the base (its weights are gone unless saved)."""

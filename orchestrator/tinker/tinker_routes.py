@@ -1,18 +1,20 @@
 """The Tinker REST API (`/api/v1/...`, as the `tinker` SDK 0.38 calls it) over a trainer's interactive calls
 (actors/service/trainer/interactive_calls.py): client config, sessions and heartbeats, server capabilities,
 create_model, get_info, forward / forward_backward (protobuf in and out), optim_step,
-save_weights_for_sampler, and the futures every training call returns. Requests are read with the SDK's own
+save_weights_for_sampler (its files, and a frozen copy on the base that sampling sessions sample), sampling,
+and the futures every call returns. Requests are read with the SDK's own
 types (`tinker.types`, `tinker.proto`).
 
 The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys without its prefix). A user sees
 only their own sessions, models and futures (another's answer 404). A call's problem (a datum the base
 cannot take, an unknown loss) fails that call's future with category "user", never its partners' step.
-Endpoints aspen does not serve (sampling, for now) answer 404 with a body saying so, which the SDK raises
-to its caller. The LM head is never adapted (`train_unembed` is taken as false): aspen's adapters are on the
+Sampling: orchestrator/tinker/sampling_routes.py. An endpoint aspen does not serve answers 404, which the
+SDK raises to its caller. The LM head is never adapted (`train_unembed` is taken as false): aspen's adapters are on the
 decoder's linear layers."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -26,10 +28,13 @@ from tinker import types
 from actors.checkpoint.peft_io import save_adapter
 from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
-from orchestrator.tinker.sessions import Sessions
+from orchestrator.tinker.sampling_routes import add_sampling_routes
+from orchestrator.tinker.sessions import Session, Sessions
 from orchestrator.tinker.wire import PROTO_TYPE, WireError, decompress, read_forward_backward, write_output
 
 KEY_PREFIX = "tml-"
+REAP_EVERY_S = 1.0    # how often sessions that stopped beating are looked for
+log = logging.getLogger(__name__)
 
 
 class TinkerBackend:
@@ -44,13 +49,37 @@ class TinkerBackend:
         self.authenticate = authenticate
         self.sessions = Sessions()
         self.owners: dict[str, str] = {}          # model id -> its user
+        self.samplers: dict[str, tuple[str, str]] = {}   # tinker:// path -> (its snapshot adapter, its user)
+        self.sampling_sessions: dict[str, tuple[str | None, str, str | None]] = {}   # id -> (adapter, user, path)
         self.thread = threading.Thread(target=calls.run, name="tinker-calls", daemon=True)
+        self.stopping = threading.Event()
+        self.reaper = threading.Thread(target=self._reap, name="tinker-sessions", daemon=True)
 
     def start(self) -> TinkerBackend:
         self.thread.start()
+        self.reaper.start()
         return self
 
+    def end_session(self, session: Session) -> None:
+        """A session ended (closed, or stopped beating): its models leave the base, and the copies of their
+        sampler weights (the files stay)."""
+        session.ended = True
+        for model_id in session.models:
+            self.calls.remove_model(model_id)
+            for path, (adapter, _) in list(self.samplers.items()):
+                if path.startswith(f"tinker://{model_id}/"):
+                    self.calls.remove_adapter(adapter)
+                    del self.samplers[path]
+
+    def _reap(self) -> None:
+        while not self.stopping.wait(REAP_EVERY_S):
+            for session in self.sessions.expired():
+                log.info("tinker session %s of %s stopped beating; its models are closed", session.session_id,
+                         session.user)
+                self.end_session(session)
+
     def close(self) -> None:
+        self.stopping.set()
         self.calls.close()
         self.thread.join(timeout=30)
 
@@ -98,6 +127,7 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
 
     add_session_routes(router, ctx, user_of)
     add_training_routes(router, ctx, user_of)
+    add_sampling_routes(router, ctx, user_of)
     return router
 
 
@@ -134,9 +164,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
             session = sessions.get(session_id, user)
         except KeyError as error:
             raise HTTPException(404, str(error)) from None
-        session.ended = True
-        for model_id in session.models:
-            calls.remove_model(model_id)
+        backend.end_session(session)
         return Response(status_code=204)
 
     @router.post("/telemetry")
@@ -147,7 +175,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
     def capabilities(user: str = Depends(user_of)) -> dict:
         context = int(getattr(calls.base.model.config, "max_position_embeddings", 0)) or None
         model = types.SupportedModel(model_name=backend.base_model, max_context_length=context, trainable=True,
-                                     sampleable=False)
+                                     sampleable=True)
         return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json",
                                                                                        exclude_none=True)
 
@@ -155,7 +183,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
 def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
     """A model's creation, its info, its forward / forward_backward calls, optimizer steps and saves, the
-    futures they return; sampling's refusal."""
+    futures they return."""
     backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
     owned, future = ctx.owned, ctx.future
 
@@ -225,10 +253,16 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             raise HTTPException(422, f"path '{name}' must be a plain name (no '/')")
         folder = backend.weights_dir / model_id.replace(":", "-") / "sampler_weights" / name
 
+        path = f"tinker://{model_id}/sampler_weights/{name}"
+
         def save(model: Any) -> str:
             save_adapter(model.adapter, folder, backend.base_model, {"base_model": backend.base_model,
                                                                      "model_id": model_id})
-            return f"tinker://{model_id}/sampler_weights/{name}"
+            snapshot = adapter_name(f"{model_id}-sampler-{name}")
+            if path not in backend.samplers:   # what its sampling sessions sample from
+                model.snapshot(snapshot)
+                backend.samplers[path] = (snapshot, user)
+            return path
 
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         return future(submitted, user, lambda path: {"type": "save_weights_for_sampler", "path": path}, model_id)
@@ -248,8 +282,3 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         if isinstance(value, bytes):
             return Response(value, media_type=PROTO_TYPE)
         return JSONResponse(value)
-
-    @router.post("/create_sampling_session")
-    def create_sampling_session(user: str = Depends(user_of)) -> dict:
-        raise HTTPException(404, "sampling is not served by this aspen yet: export the adapter (aspen export) "
-                                 "and sample with vLLM or PEFT")

@@ -16,6 +16,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import _tensor_data_from_proto
 
 from actors.engine.interactive_step import CallDatum, CallOutput, ModelCall
+from actors.engine.tinker_sampling import SampleResult
 
 PROTO_TYPE = "application/x-protobuf"
 MAX_BODY_BYTES = 64 * 1024 * 1024   # a forward_backward body (after decompression)
@@ -98,4 +99,19 @@ def write_output(output: CallOutput) -> bytes:
     message.loss_fn_outputs.append(record)
     for key, value in output.metrics.items():
         message.metrics[key] = value
+    return message.SerializeToString()
+
+
+def write_samples(result: SampleResult) -> bytes:
+    """A sampling call's result as the SDK's SampleResponse message: each sequence's tokens (int32), their
+    log-probabilities (float32) and why it ended; the prompt's log-probabilities (NaN at position 0)."""
+    message = pb.SampleResponse()
+    for sequence in result.sequences:
+        message.sequences.append(pb.SampledSequence(
+            stop_reason=pb.STOP_REASON_STOP if sequence.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes()))
+    if result.prompt_logprobs is not None:
+        values = [np.nan if value is None else value for value in result.prompt_logprobs]
+        message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     return message.SerializeToString()

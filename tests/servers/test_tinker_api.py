@@ -2,12 +2,15 @@
 it: a supervised loop (forward_backward with cross_entropy, optim_step) trains an adapter equal, bit for bit,
 to the same calls made on aspen's engine in this process; two users' loops at once share fused passes and each
 sees only their own models; forward_backward_custom (the SDK computes the loss from the logprobs) trains as
-cross_entropy does; a datum the base cannot take fails that user's call alone."""
+cross_entropy does; a datum the base cannot take fails that user's call alone; sampling from saved weights
+gives what aspen's sampler gives on the same weights (greedy: the same tokens; a seed: the same samples
+again); a session that stops beating ends, and its models leave the base."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -200,3 +203,56 @@ if os.environ.get("ASPEN_TINKER_DEBUG"):
     import logging
 
     logging.basicConfig(level=logging.DEBUG)
+
+
+def test_sampling_from_saved_weights_through_the_sdk(server):
+    from actors.engine.tinker_sampling import SampleCall, sample
+
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    for seed in (1, 2):
+        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    saved = training.save_weights_for_sampler("s1").result()
+    sampler = client.create_sampling_client(model_path=saved.path)
+    prompt = types.ModelInput.from_ints([5, 17, 3, 99])
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[]),
+                            include_prompt_logprobs=True).result()
+    seeded = [sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=5, top_k=30, stop=[])).result()
+              for _ in range(2)]
+    # the reference: aspen's sampler on the weights saved to disk, attached to a fresh base
+    base = from_module(tiny_model("llama", VOCAB), None)
+    reference = InteractiveModel(base, "reference", 4)
+    weights = saved_weights(backend, saved.path)
+    parameters = dict(reference.adapter.named_parameters())
+    with torch.no_grad():
+        for name in adapter_state_dict(reference.adapter):
+            parameters[name.removeprefix("base_model.model.")].copy_(weights[name])
+    (expected,) = sample(base, [SampleCall("reference", (5, 17, 3, 99), max_tokens=6, temperature=0.0,
+                                           prompt_logprobs=True)])
+    assert greedy.sequences[0].tokens == expected.sequences[0].tokens
+    assert greedy.sequences[0].stop_reason == "length" and len(greedy.sequences[0].logprobs) == 6
+    assert greedy.prompt_logprobs[0] is None and len(greedy.prompt_logprobs) == 4
+    assert [s.tokens for s in seeded[0].sequences] == [s.tokens for s in seeded[1].sequences]
+    client.close("success").result()
+
+
+def test_a_session_that_stops_beating_ends_and_its_models_leave_the_base(server, monkeypatch):
+    url, backend, _ = server
+    backend.sessions.heartbeat_timeout_s = 0.5
+    headers = {"X-API-Key": "tml-alice-token"}
+    session = httpx.post(f"{url}/api/v1/create_session", headers=headers,
+                         json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"}).json()["session_id"]
+    created = httpx.post(f"{url}/api/v1/create_model", headers=headers,
+                         json={"session_id": session, "model_seq_id": 0, "base_model": BASE,
+                               "lora_config": {"rank": 4}}).json()
+    model_id = created["model_id"]
+    assert model_id in backend.calls.models
+    deadline = time.monotonic() + 30
+    while model_id in backend.calls.models and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert model_id not in backend.calls.models
+    answer = httpx.post(f"{url}/api/v1/session_heartbeat", headers=headers,
+                        json={"session_id": session, "type": "session_heartbeat"})
+    assert answer.status_code == 410   # the SDK stops beating on 410

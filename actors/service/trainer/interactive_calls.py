@@ -18,10 +18,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import ModelCall, check_call, run_calls
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
+from actors.engine.tinker_sampling import SampleCall, check_sample, sample
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class InteractiveCalls:
         self.window_s = window_s
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
         self.models: dict[str, ModelState] = {}
+        self.samples: list[Pending] = []     # sampling calls, batched together at the next step
+        self.removals: list[str] = []        # adapters to take off the base, by the stepping thread
         self.lock = threading.Condition()
         self.closed = False
 
@@ -82,13 +86,30 @@ class InteractiveCalls:
             self.lock.notify_all()
             return pending.future
 
+    def submit_sample(self, call: SampleCall) -> Future:
+        """Queue a sampling call (no order among them: all waiting ones decode in one batch)."""
+        pending = Pending("sample", call)
+        with self.lock:
+            self.samples.append(pending)
+            self.lock.notify_all()
+        return pending.future
+
     def remove_model(self, model_id: str) -> None:
+        """Close a model: its waiting calls fail, its adapter leaves the base at the next step."""
         with self.lock:
             state = self.models.pop(model_id, None)
-        if state is not None:
-            for pending in state.waiting.values():
-                pending.future.set_exception(KeyError(f"model {model_id} was closed"))
-            state.model.close()
+            if state is None:
+                return
+            self.removals.append(state.model.name)
+            self.lock.notify_all()
+        for pending in state.waiting.values():
+            pending.future.set_exception(KeyError(f"model {model_id} was closed"))
+
+    def remove_adapter(self, name: str) -> None:
+        """Take a snapshot adapter (a sampler's) off the base at the next step."""
+        with self.lock:
+            self.removals.append(name)
+            self.lock.notify_all()
 
     def close(self) -> None:
         with self.lock:
@@ -115,11 +136,16 @@ class InteractiveCalls:
             self.step()
 
     def _ready(self) -> bool:
-        return any(state.next_seq in state.waiting for state in self.models.values())
+        return (bool(self.samples) or bool(self.removals)
+                or any(state.next_seq in state.waiting for state in self.models.values()))
 
     def step(self) -> int:
         """Run what is ready: first every model's leading forward(_backward) calls, fused; then each model's
         next other call (an optimizer step, a save). Returns how many calls ran."""
+        with self.lock:
+            removals, self.removals = self.removals, []
+        for name in removals:
+            remove_adapter(self.base.model, name)
         with self.lock:
             passes: dict[str, list[tuple[str, int, Pending]]] = {"forward_backward": [], "forward": []}
             for model_id, state in self.models.items():
@@ -143,7 +169,34 @@ class InteractiveCalls:
         for state, pending in others:
             self._run_other(state, pending)
             ran += 1
-        return ran
+        with self.lock:
+            samples, self.samples = self.samples, []
+        if samples:
+            self._run_samples(samples)
+        return ran + len(samples)
+
+    def _run_samples(self, samples: list[Pending]) -> None:
+        tokenizer = self.base.tokenizer
+        decode_text = None if tokenizer is None else tokenizer.decode
+        vocab = int(self.base.lm_head.weight.shape[0])
+        good = []
+        for pending in samples:
+            try:
+                check_sample_call(pending.payload, vocab, decode_text is not None)
+                good.append(pending)
+            except ValueError as error:   # this call alone fails
+                pending.future.set_exception(error)
+        if not good:
+            return
+        try:
+            results = sample(self.base, [pending.payload for pending in good], decode_text)
+        except Exception as error:   # the batch failed (e.g. out of memory): each call says so
+            log.exception("sampling batch of %d calls failed", len(good))
+            for pending in good:
+                pending.future.set_exception(RuntimeError(f"sampling failed: {error!r}"))
+            return
+        for pending, result in zip(good, results, strict=True):
+            pending.future.set_result(result)
 
     def _run_pass(self, calls: list[tuple[str, int, Pending]], *, backward: bool) -> None:
         vocab = int(self.base.lm_head.weight.shape[0])
@@ -185,6 +238,12 @@ class InteractiveCalls:
             pending.future.set_exception(error)
             return
         pending.future.set_result(result)
+
+
+def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool) -> None:
+    check_sample(call, vocab_size)
+    if call.stop_texts and not has_tokenizer:
+        raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
 
 
 def adapter_name(model_id: str) -> str:

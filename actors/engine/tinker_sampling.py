@@ -1,0 +1,141 @@
+"""Sampling as the Tinker API defines it (its `SamplingParams` and `SampleResponse`), batched over adapters
+through aspen's KV-cache decoding (actors/engine/generate.py): `num_samples` continuations of a prompt, each
+token drawn from softmax(logits / temperature) among the `top_k` likeliest (-1: all) and the smallest set
+whose probability reaches `top_p`, temperature 0 taking the likeliest; each with the log-probability of every
+sampled token under the model itself (temperature 1, the distribution `forward` scores), ending at a stop
+token or a stop string (kept in the tokens, reason "stop") or after `max_tokens` (reason "length").
+
+Every sample draws from a generator of its own, seeded from the call's seed and its index: the same seed, the
+same samples, whatever else shares the batch. Without a seed, a random one."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from actors.engine.generate import BASE_ONLY, decode
+from actors.engine.layout import StepLayout, step_layout
+from actors.engine.loss import target_log_probs
+from actors.engine.models import BaseModel
+
+
+@dataclass(frozen=True)
+class SampleCall:
+    adapter: str | None                  # None: the base alone
+    prompt: tuple[int, ...]
+    num_samples: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_tokens: frozenset[int] = frozenset()
+    stop_texts: tuple[str, ...] = ()
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class Sampled:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str = "length"
+
+
+@dataclass
+class SampleResult:
+    sequences: list[Sampled]
+    prompt_logprobs: list[float | None] | None = None
+
+
+def check_sample(call: SampleCall, vocab_size: int) -> None:
+    if not call.prompt:
+        raise ValueError("the prompt is empty")
+    if min(call.prompt) < 0 or max(call.prompt) >= vocab_size:
+        raise ValueError(f"the prompt holds a token outside the base's vocabulary (0..{vocab_size - 1})")
+    if call.num_samples < 1 or call.max_tokens < 1:
+        raise ValueError("num_samples and max_tokens must be at least 1")
+    if call.temperature < 0 or not 0 < call.top_p <= 1 or call.top_k == 0 or call.top_k < -1:
+        raise ValueError("sampling_params: temperature >= 0, 0 < top_p <= 1, top_k -1 (all) or >= 1")
+
+
+def row_seed(seed: int, index: int) -> int:
+    """Sample `index`'s generator seed from the call's: distinct per sample, within torch's 64-bit seeds."""
+    return (seed * 0x9E3779B97F4A7C15 + index) & ((1 << 63) - 1)
+
+
+def pick(logits: torch.Tensor, call: SampleCall, generator: torch.Generator) -> int:
+    """One token from a row's logits (float32) as the call's parameters say."""
+    if call.temperature == 0:
+        return int(logits.argmax())
+    scores = logits / call.temperature
+    if 0 < call.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, call.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    if call.top_p < 1:
+        ordered, indices = torch.sort(probabilities, descending=True)
+        before = torch.cumsum(ordered, dim=-1) - ordered   # the mass of the likelier tokens
+        ordered = ordered.masked_fill(before >= call.top_p, 0.0)   # the likeliest is always kept
+        probabilities = torch.zeros_like(probabilities).scatter(0, indices, ordered)
+    return int(torch.multinomial(probabilities, 1, generator=generator))
+
+
+@torch.no_grad()
+def sample(base: BaseModel, calls: list[SampleCall],
+           decode_text: Callable[[list[int]], str] | None = None) -> list[SampleResult]:
+    """Every call's samples in one decoding batch. `decode_text`: tokens to text, for stop strings."""
+    vocab = int(base.lm_head.weight.shape[0])
+    for call in calls:
+        check_sample(call, vocab)
+        if call.stop_texts and decode_text is None:
+            raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
+    rows = [(call, index) for call in calls for index in range(call.num_samples)]
+    seeds = {id(call): call.seed if call.seed is not None else secrets.randbits(62) for call in calls}
+    generators = [torch.Generator(device=base.device).manual_seed(row_seed(seeds[id(call)], index))
+                  for call, index in rows]
+    outputs = [Sampled() for _ in rows]
+
+    def choose(logits: torch.Tensor) -> list[int]:
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = []
+        for row, (call, _) in enumerate(rows):
+            token = pick(logits[row], call, generators[row])
+            outputs[row].logprobs.append(float(logprobs[row, token]))
+            tokens.append(token)
+        return tokens
+
+    def finished(row: int, token: int) -> bool:
+        call, output = rows[row][0], outputs[row]
+        output.tokens.append(token)
+        stopped = token in call.stop_tokens or (
+            bool(call.stop_texts) and any(decode_text(output.tokens).endswith(s) for s in call.stop_texts))
+        if stopped:
+            output.stop_reason = "stop"
+        return stopped or len(output.tokens) >= call.max_tokens
+
+    if rows:
+        decode(base, [(call.adapter, call.prompt) for call, _ in rows], choose, finished)
+    for output in outputs:   # a row that ended earlier than the batch drew logprobs it did not take
+        del output.logprobs[len(output.tokens):]
+    results, start = [], 0
+    for call in calls:
+        sequences = outputs[start:start + call.num_samples]
+        start += call.num_samples
+        results.append(SampleResult(sequences, prompt_logprobs(base, call) if call.prompt_logprobs else None))
+    return results
+
+
+def prompt_logprobs(base: BaseModel, call: SampleCall) -> list[float | None]:
+    """log p(prompt[i] | prompt[:i]) for each position of the prompt; None at position 0."""
+    ids = torch.tensor(call.prompt, device=base.device)
+    layout = StepLayout.single(call.adapter or BASE_ONLY, [len(call.prompt)])
+    with step_layout(layout):
+        hidden = base.decoder(input_ids=ids[None], position_ids=torch.arange(len(ids), device=base.device)[None],
+                              attention_mask=None, use_cache=False).last_hidden_state[0]
+    head = base.lm_head
+    values = target_log_probs(hidden[:-1], head.weight, head.bias, ids[1:], transform=base.logit_transform)
+    return [None] + [float(v) for v in values]

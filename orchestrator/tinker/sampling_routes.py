@@ -1,0 +1,103 @@
+"""The Tinker API's sampling: sampling sessions (on a model's saved sampler weights, `tinker://<model>/
+sampler_weights/<name>`, or on the base alone), `GET samplers/{id}`, and `asample`, whose calls from every
+user are decoded together (actors/service/trainer/interactive_calls.py, actors/engine/tinker_sampling.py).
+`stop` as the SDK defines it: None stops at the base's end-of-sequence token, [] never, token ids or strings
+at those. Top-k log-probabilities, prompt alternatives and target prompt log-probabilities are refused (the
+SDK checks for what it asked), naming the parameter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import APIRouter, Depends, HTTPException
+from tinker import types
+
+from actors.engine.tinker_sampling import SampleCall
+from orchestrator.tinker.wire import write_samples
+
+MAX_SAMPLE_TOKENS = 4096
+MAX_SAMPLES = 64
+
+
+def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> None:
+    backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
+
+    @router.post("/create_sampling_session")
+    def create_sampling_session(body: types.CreateSamplingSessionRequest, user: str = Depends(user_of)) -> dict:
+        try:
+            session = sessions.get(body.session_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        adapter = None
+        if body.model_path is not None:
+            found = backend.samplers.get(body.model_path)
+            if found is None or found[1] != user:
+                raise HTTPException(404, f"no sampler weights {body.model_path} of yours (save_weights_for_sampler "
+                                         "writes them)")
+            adapter = found[0]
+        elif body.base_model not in (None, backend.base_model):
+            raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
+                                     f"'{backend.base_model}'")
+        sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
+        backend.sampling_sessions[sampler_id] = (adapter, user, body.model_path)
+        return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump(mode="json")
+
+    @router.get("/samplers/{sampler_id}")
+    def get_sampler(sampler_id: str, user: str = Depends(user_of)) -> dict:
+        found = backend.sampling_sessions.get(sampler_id)
+        if found is None or found[1] != user:
+            raise HTTPException(404, f"no sampler {sampler_id} of yours")
+        return {"sampler_id": sampler_id, "base_model": backend.base_model, "model_path": found[2]}
+
+    @router.post("/asample")
+    def asample(body: types.SampleRequest, user: str = Depends(user_of)) -> dict:
+        found = backend.sampling_sessions.get(body.sampling_session_id or "")
+        if found is None or found[1] != user:
+            raise HTTPException(404, f"no sampling session {body.sampling_session_id} of yours")
+        call = sample_call(body, found[0], eos_token(calls.base))
+        accepted = calls.submit_sample(call)
+        request_id = sessions.accept(accepted, user, write_samples)
+        ids = [f"{body.sampling_session_id}:{body.seq_id}:{index}" for index in range(call.num_samples)]
+        return {"request_id": request_id, "sample_sequence_ids": ids}
+
+
+def eos_token(base) -> int | None:
+    tokenizer = base.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return int(tokenizer.eos_token_id)
+    eos = getattr(base.model.config, "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
+
+
+def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None) -> SampleCall:
+    """The request as aspen's sampling call; a parameter aspen does not serve refused (422), naming it."""
+    unserved = [name for name, asked in (("topk_prompt_logprobs", body.topk_prompt_logprobs),
+                                         ("topk_sample_logprobs", body.topk_sample_logprobs),
+                                         ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+                                         ("target_prompt_logprobs", body.target_prompt_logprobs),
+                                         ("prompt_logprobs_last_n", body.prompt_logprobs_last_n)) if asked]
+    if unserved:
+        raise HTTPException(422, f"{', '.join(unserved)}: not served by aspen's sampler")
+    tokens: list[int] = []
+    for chunk in body.prompt.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise HTTPException(422, f"a {getattr(chunk, 'type', 'non-text')} chunk: aspen samples from text only")
+        tokens.extend(chunk.tokens)
+    params = body.sampling_params
+    stop = params.stop
+    stop_tokens: frozenset[int] = frozenset()
+    stop_texts: tuple[str, ...] = ()
+    if stop is None:
+        stop_tokens = frozenset() if eos is None else frozenset({eos})
+    elif isinstance(stop, str):
+        stop_texts = (stop,)
+    elif stop and all(isinstance(s, int) for s in stop):
+        stop_tokens = frozenset(stop)
+    elif stop:
+        stop_texts = tuple(str(s) for s in stop)
+    max_tokens = params.max_tokens or 256
+    if not 1 <= max_tokens <= MAX_SAMPLE_TOKENS or not 1 <= body.num_samples <= MAX_SAMPLES:
+        raise HTTPException(422, f"max_tokens must be 1..{MAX_SAMPLE_TOKENS} and num_samples 1..{MAX_SAMPLES}")
+    return SampleCall(adapter, tuple(tokens), num_samples=body.num_samples, max_tokens=max_tokens,
+                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                      stop_tokens=stop_tokens, stop_texts=stop_texts, prompt_logprobs=bool(body.prompt_logprobs))

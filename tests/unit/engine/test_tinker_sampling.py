@@ -1,0 +1,116 @@
+"""Sampling as the Tinker API defines it (actors/engine/tinker_sampling.py) against independent references:
+temperature 0 gives transformers' greedy `generate` on the PEFT model with the same adapter merged; a sampled
+token's log-probability is the one a forward pass of the prompt and the tokens before it gives; the same seed
+draws the same samples whatever shares the batch; top_p small enough leaves only the likeliest token; a stop
+token ends a sample with its reason, and the prompt's log-probabilities are the forward pass's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine.interactive_model import LORA_ALPHA, InteractiveModel
+from actors.engine.models import from_module
+from actors.engine.tinker_sampling import SampleCall, sample
+from tests.helpers.models import VOCAB, tiny_model
+from tests.helpers.peft_reference import peft_lora
+from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+
+pytestmark = pytest.mark.unit
+PROMPT = (5, 17, 3, 99, 42, 7)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    base = from_module(tiny_model("llama", VOCAB), None)
+    model = InteractiveModel(base, "alice-0", 4, seed=1)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.adapter.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return base, model
+
+
+def peft_reference(model: InteractiveModel):
+    from peft import LoraConfig, get_peft_model
+
+    targets = sorted({name.split(".")[-3] for name, _ in model.adapter.named_parameters()})
+    reference = get_peft_model(tiny_model("llama", VOCAB),
+                               LoraConfig(r=4, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0))
+    weights = peft_lora(reference)
+    with torch.no_grad():
+        for name, parameter in model.adapter.named_parameters():
+            weights[name].copy_(parameter)
+    return reference.merge_and_unload().eval()
+
+
+def test_temperature_zero_is_transformers_greedy_generate_on_the_merged_adapter(setup):
+    base, model = setup
+    (result,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=12, temperature=0.0)])
+    merged = peft_reference(model)
+    expected = merged.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert result.sequences[0].tokens == expected
+    assert result.sequences[0].stop_reason == "length"
+
+
+def test_sampled_logprobs_are_the_forward_pass_of_prompt_and_tokens(setup):
+    base, model = setup
+    (result,) = sample(base, [SampleCall("alice-0", PROMPT, num_samples=2, max_tokens=8, seed=11)])
+    merged = peft_reference(model)
+    for sequence in result.sequences:
+        ids = torch.tensor([PROMPT + tuple(sequence.tokens)])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(merged(ids).logits[0].float(), dim=-1)
+        expected = [float(logprobs[len(PROMPT) - 1 + i, token]) for i, token in enumerate(sequence.tokens)]
+        bound = rounding_tolerance(llama_chain_terms(merged.config, sequence=ids.shape[1], tokens=1, backward=False),
+                                   max(abs(v) for v in expected))
+        assert len(sequence.logprobs) == len(sequence.tokens)
+        assert max(abs(a - b) for a, b in zip(sequence.logprobs, expected, strict=True)) <= bound
+
+
+def test_the_same_seed_draws_the_same_samples_whatever_shares_the_batch(setup):
+    base, _ = setup
+    call = SampleCall("alice-0", PROMPT, num_samples=3, max_tokens=10, seed=7, top_k=20, top_p=0.9)
+    (alone,) = sample(base, [call])
+    other = SampleCall(None, (1, 2, 3), num_samples=2, max_tokens=4, seed=1)
+    shared, _ = sample(base, [call, other])
+    assert [s.tokens for s in alone.sequences] == [s.tokens for s in shared.sequences]
+    assert len({tuple(s.tokens) for s in alone.sequences}) > 1   # three different samples
+    (again,) = sample(base, [SampleCall("alice-0", PROMPT, num_samples=3, max_tokens=10, seed=8, top_k=20)])
+    assert [s.tokens for s in again.sequences] != [s.tokens for s in alone.sequences]
+
+
+def test_a_tiny_top_p_keeps_only_the_likeliest_token(setup):
+    base, _ = setup
+    (greedy,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=8, temperature=0.0)])
+    (nucleus,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=8, top_p=1e-6, seed=3)])
+    assert nucleus.sequences[0].tokens == greedy.sequences[0].tokens
+
+
+def test_a_stop_token_ends_the_sample_and_prompt_logprobs_are_the_forward_pass(setup):
+    base, model = setup
+    (greedy,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=8, temperature=0.0)])
+    stop = greedy.sequences[0].tokens[2]
+    first = greedy.sequences[0].tokens.index(stop)
+    (stopped,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=8, temperature=0.0,
+                                          stop_tokens=frozenset({stop}), prompt_logprobs=True)])
+    assert stopped.sequences[0].tokens == greedy.sequences[0].tokens[:first + 1]
+    assert stopped.sequences[0].stop_reason == "stop"
+    merged = peft_reference(model)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(merged(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    expected = [float(logprobs[i - 1, PROMPT[i]]) for i in range(1, len(PROMPT))]
+    assert stopped.prompt_logprobs[0] is None
+    assert stopped.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+
+def test_bad_parameters_are_refused_naming_them(setup):
+    base, _ = setup
+    with pytest.raises(ValueError, match="top_p"):
+        sample(base, [SampleCall("alice-0", PROMPT, top_p=0.0)])
+    with pytest.raises(ValueError, match="outside the base's vocabulary"):
+        sample(base, [SampleCall("alice-0", (VOCAB + 1,))])
+    with pytest.raises(ValueError, match="stop strings need the base's tokenizer"):
+        sample(base, [SampleCall("alice-0", PROMPT, stop_texts=("\n",))])

@@ -76,6 +76,40 @@ class InteractiveModel:
         self.steps += 1
         return {"grad_norm:mean": float(norm)}
 
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """AdamW's moments by the adapter's parameter names (`<name>.exp_avg`, `<name>.exp_avg_sq`) and its
+        step count (`step`), as saved with a model's state."""
+        tensors: dict[str, torch.Tensor] = {}
+        steps = 0
+        for name, parameter in self.adapter.named_parameters():
+            state = self.optimizer.state.get(parameter, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    tensors[f"{name}.{key}"] = state[key].detach().to("cpu").contiguous().clone()
+            steps = max(steps, int(state.get("step", 0)))
+        tensors["step"] = torch.tensor([steps], dtype=torch.int64)
+        return tensors
+
+    def load(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
+        """Weights by the adapter's parameter names, and optionally AdamW's moments and step
+        (`optimizer_tensors`' names): what a saved state restores. A missing or misshapen tensor raises
+        ValueError naming it, before anything changes."""
+        parameters = dict(self.adapter.named_parameters())
+        for name, parameter in parameters.items():
+            if name not in weights or weights[name].shape != parameter.shape:
+                raise ValueError(f"the saved state has no tensor {name} of shape {tuple(parameter.shape)}")
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(weights[name])
+        if optimizer is None:
+            return
+        steps = torch.tensor(float(optimizer["step"][0]))
+        for name, parameter in parameters.items():
+            if f"{name}.exp_avg" in optimizer:
+                self.optimizer.state[parameter] = {"step": steps.clone(),
+                                                   "exp_avg": optimizer[f"{name}.exp_avg"].clone(),
+                                                   "exp_avg_sq": optimizer[f"{name}.exp_avg_sq"].clone()}
+
     def snapshot(self, name: str) -> AdapterHandle:
         """A frozen copy of the adapter as it is now, attached to the base as `name` (what a sampler samples)."""
         copy = add_adapter(self.base.model, name, self.config, seed=0)

@@ -1,9 +1,9 @@
 """The Tinker REST API (`/api/v1/...`, as the `tinker` SDK 0.38 calls it) over a trainer's interactive calls
 (actors/service/trainer/interactive_calls.py): client config, sessions and heartbeats, server capabilities,
 create_model, get_info, forward / forward_backward (protobuf in and out), optim_step,
-save_weights_for_sampler (its files, and a frozen copy on the base that sampling sessions sample), sampling,
-and the futures every call returns. Requests are read with the SDK's own
-types (`tinker.types`, `tinker.proto`).
+save_weights_for_sampler (its files, and a frozen copy on the base that sampling sessions sample), sampling
+(sampling_routes.py), saved states (state_routes.py), and the futures every call returns. Requests are read
+with the SDK's own types (`tinker.types`, `tinker.proto`).
 
 The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys without its prefix). A user sees
 only their own sessions, models and futures (another's answer 404). A call's problem (a datum the base
@@ -30,9 +30,19 @@ from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session, Sessions
-from orchestrator.tinker.wire import PROTO_TYPE, WireError, decompress, read_forward_backward, write_output
+from orchestrator.tinker.state_routes import add_state_routes
+from orchestrator.tinker.wire import (
+    MAX_BODY_BYTES,
+    PROTO_TYPE,
+    WireError,
+    decompress,
+    read_forward_backward,
+    write_output,
+)
 
 KEY_PREFIX = "tml-"
+MAX_CALL_DATUMS = 1024          # as the SDK chunks a call (ClientConfigResponse.fwdbwd_max_chunk_len)
+MAX_CALL_TOKENS = 1 << 17       # the tokens of one forward(_backward) call
 REAP_EVERY_S = 1.0    # how often sessions that stopped beating are looked for
 log = logging.getLogger(__name__)
 
@@ -128,6 +138,7 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
     add_session_routes(router, ctx, user_of)
     add_training_routes(router, ctx, user_of)
     add_sampling_routes(router, ctx, user_of)
+    add_state_routes(router, ctx, user_of)
     return router
 
 
@@ -137,9 +148,10 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/client/config")
     def client_config(body: types.ClientConfigRequest, user: str = Depends(user_of)) -> dict:
-        return types.ClientConfigResponse(use_pyqwest_transport=False, proto_compress_fwdbwd=False,
-                                          sample_use_retrieve_futures=False, custom_loss_server_side=False,
-                                          ).model_dump(mode="json", exclude_none=True)
+        config = types.ClientConfigResponse(use_pyqwest_transport=False, proto_compress_fwdbwd=False,
+                                            sample_use_retrieve_futures=False, custom_loss_server_side=False,
+                                            fwdbwd_max_chunk_len=MAX_CALL_DATUMS)
+        return config.model_dump(mode="json", exclude_none=True)
 
     @router.post("/client/dynamic_config")
     def dynamic_config(user: str = Depends(user_of)) -> dict:
@@ -220,12 +232,19 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/forward_backward")
     async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:
         body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise HTTPException(413, f"the body has {len(body)} bytes; aspen takes at most {MAX_BODY_BYTES}")
         try:
             raw = decompress(body, request.headers.get("content-encoding"))
             message = read_forward_backward(raw, adapter_name)
         except WireError as error:
             raise HTTPException(400, str(error)) from None
         model_id = owned(message.model_id, user)
+        tokens = sum(len(datum.tokens) for datum in message.call.datums)
+        if len(message.call.datums) > MAX_CALL_DATUMS or tokens > MAX_CALL_TOKENS:
+            raise HTTPException(413, f"the call has {len(message.call.datums)} datums of {tokens} tokens; aspen takes "
+                                     f"at most {MAX_CALL_DATUMS} datums and {MAX_CALL_TOKENS} tokens a call: send "
+                                     "fewer at once")
         kind = "forward" if message.forward_only else "forward_backward"
         try:
             submitted = calls.submit(model_id, message.seq_id, kind, message.call)

@@ -256,3 +256,45 @@ def test_a_session_that_stops_beating_ends_and_its_models_leave_the_base(server,
     answer = httpx.post(f"{url}/api/v1/session_heartbeat", headers=headers,
                         json={"session_id": session, "type": "session_heartbeat"})
     assert answer.status_code == 410   # the SDK stops beating on 410
+
+
+def test_a_call_over_the_limits_is_refused_saying_so(server, monkeypatch):
+    from orchestrator.tinker import tinker_routes
+
+    url, backend, _ = server
+    monkeypatch.setattr(tinker_routes, "MAX_CALL_TOKENS", 10)
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.APIStatusError, match="at most 1024 datums and 10 tokens a call"):
+        training.forward_backward(datums(batch(1)), "cross_entropy").result()
+    assert not backend.calls.models[training.model_id].waiting   # nothing was queued
+    client.close("success").result()
+
+
+def test_a_saved_state_resumes_as_if_never_interrupted(server):
+    """Two steps, save_state, two more steps; against two steps, save_state, a new client created from that
+    state (weights and AdamW's moments), the same two steps: the same adapter, bit for bit."""
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    for seed in (1, 2):
+        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    state = training.save_state("after-2").result()
+    for seed in (3, 4):
+        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    straight = saved_weights(backend, training.save_weights_for_sampler("straight").result().path)
+    resumed = client.create_training_client_from_state_with_optimizer(state.path).result()
+    for seed in (3, 4):
+        resumed.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        resumed.optim_step(types.AdamParams(**ADAM)).result()
+    again = saved_weights(backend, resumed.save_weights_for_sampler("resumed").result().path)
+    assert set(again) == set(straight)
+    for name, tensor in straight.items():
+        assert torch.equal(again[name], tensor), name
+    bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    with pytest.raises(tinker.NotFoundError, match="no saved state"):
+        bob.create_training_client_from_state(state.path).result()
+    client.close("success").result()
+    bob.close("success").result()

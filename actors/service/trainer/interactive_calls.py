@@ -62,13 +62,15 @@ class InteractiveCalls:
 
     # -- from any thread -------------------------------------------------------------------------------
     def create_model(self, model_id: str, rank: int, *, owner: str | None = None, seed: int = 0,
-                     train_attn: bool = True, train_mlp: bool = True) -> None:
+                     train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> None:
+        """A new model; its calls start at `first_seq` (1 after a create_model, which is 0; 0 where the model
+        is created by its first call, a load)."""
         with self.lock:
             if model_id in self.models:
                 return   # the SDK's retry of the same create
             model = InteractiveModel(self.base, adapter_name(model_id), rank, seed=seed, train_attn=train_attn,
                                      train_mlp=train_mlp)
-            self.models[model_id] = ModelState(model, owner)
+            self.models[model_id] = ModelState(model, owner, next_seq=first_seq)
 
     def submit(self, model_id: str, seq_id: int, kind: str, payload: Any) -> Future:
         """Queue a call of `model_id` at its place `seq_id` in the model's order; its future holds the result

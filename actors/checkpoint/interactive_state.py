@@ -1,0 +1,47 @@
+"""An interactive model's saved state (the Tinker API's `save_weights`, what `load_weights` and
+`create_training_client_from_state` read back): its adapter as PEFT's files (adapter_config.json,
+adapter_model.safetensors: PEFT and vLLM load it as it is), AdamW's moments and step in
+`optimizer.safetensors`, and `interactive_state.json` (rank, steps, base). Each file is written durably, the
+folder complete before its path is answered; nothing is unpickled when read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+
+from actors.checkpoint.peft_io import PREFIX, save_adapter
+from actors.engine.interactive_model import InteractiveModel
+from actors.storage.durable import write_durably
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "interactive_state.json"
+
+
+def save_state(model: InteractiveModel, folder: str | Path, base_model: str, model_id: str, user: str) -> Path:
+    folder = Path(folder)
+    save_adapter(model.adapter, folder, base_model, {"base_model": base_model, "model_id": model_id})
+    write_durably(folder / OPTIMIZER_FILE, save(model.optimizer_tensors()))
+    write_durably(folder / STATE_FILE, json.dumps({"rank": model.rank, "steps": model.steps, "user": user,
+                                                   "base_model": base_model, "model_id": model_id}))
+    return folder
+
+
+def read_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(its facts: rank, steps, base_model; its weights by the adapter's parameter names; its optimizer
+    tensors). Raises FileNotFoundError or ValueError naming the file that is missing or wrong."""
+    folder = Path(folder)
+    try:
+        facts = json.loads((folder / STATE_FILE).read_text())
+        weights = {name.removeprefix(PREFIX): tensor
+                   for name, tensor in load_file(folder / "adapter_model.safetensors").items()}
+        optimizer = load_file(folder / OPTIMIZER_FILE)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{folder}: not a saved state ({Path(error.filename).name} is missing)") from None
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{folder}: a saved state that cannot be read ({error})") from None
+    if not isinstance(facts.get("rank"), int):
+        raise ValueError(f"{folder / STATE_FILE}: no rank")
+    return facts, weights, optimizer

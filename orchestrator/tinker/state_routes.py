@@ -1,0 +1,76 @@
+"""The Tinker API's saved states: `save_weights` (a model's adapter and AdamW state, `tinker://<model>/weights/
+<name>`) and `load_weights` into a model (its weights, and its optimizer's state when asked), or into a new one
+that the load creates (`create_training_client_from_state`: the rank comes from the state). A user loads only
+their own states (another's is 404)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException
+from tinker import types
+
+from actors.checkpoint.interactive_state import read_state, save_state
+
+
+def state_folder(weights_dir: Path, path: str) -> tuple[str, Path]:
+    """(the model id, the folder) of a `tinker://<model>/weights/<name>` path; 404 for any other path."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights" or parts[2] in ("", ".", ".."):
+        raise HTTPException(404, f"'{path}' is not a saved state's path (tinker://<model>/weights/<name>)")
+    return parts[0], weights_dir / parts[0].replace(":", "-") / "weights" / parts[2]
+
+
+def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
+    backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
+
+    @router.post("/save_weights")
+    def save_weights(body: types.SaveWeightsRequest, user: str = Depends(user_of)) -> dict:
+        model_id = ctx.owned(body.model_id, user)
+        path = f"tinker://{model_id}/weights/{body.path or f'step-{body.seq_id}'}"
+        _, folder = state_folder(backend.weights_dir, path)
+        if folder.exists() and not body.overwrite:
+            raise HTTPException(422, f"{path} exists; save under another name, or with overwrite")
+
+        def save(model: Any) -> str:
+            save_state(model, folder, backend.base_model, model_id, user)
+            return path
+
+        submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
+        return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
+
+    @router.post("/load_weights")
+    def load_weights(body: types.LoadWeightsRequest, user: str = Depends(user_of)) -> dict:
+        _, folder = state_folder(backend.weights_dir, body.path)
+        try:
+            facts, weights, optimizer = read_state(folder)
+        except FileNotFoundError:
+            raise HTTPException(404, f"no saved state {body.path} of yours") from None
+        except ValueError as error:
+            raise HTTPException(422, str(error)) from None
+        if facts.get("user") != user:
+            raise HTTPException(404, f"no saved state {body.path} of yours")
+        if body.session_id is not None:   # create-via-load: this load is the new model's first call
+            try:
+                session = sessions.get(body.session_id, user)
+            except KeyError as error:
+                raise HTTPException(404, str(error)) from None
+            model_id, seq_id = f"{session.session_id}:train:{body.model_seq_id}", 0
+            calls.create_model(model_id, facts["rank"], owner=user, first_seq=0)
+            backend.owners[model_id] = user
+            if model_id not in session.models:
+                session.models.append(model_id)
+        else:
+            model_id, seq_id = ctx.owned(body.model_id or "", user), body.seq_id or 0
+
+        def load(model: Any) -> str:
+            model.load(weights, optimizer if body.optimizer else None)
+            if body.optimizer:
+                model.steps = int(facts.get("steps", 0))
+            return model_id
+
+        submitted = calls.submit(model_id, seq_id, "apply", load)
+        return ctx.future(submitted, user, lambda loaded: {"type": "load_weights", "path": body.path,
+                                                           "model_id": loaded}, model_id)

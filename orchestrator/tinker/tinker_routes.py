@@ -2,7 +2,8 @@
 (actors/service/trainer/interactive_calls.py): client config, sessions and heartbeats, server capabilities,
 create_model, get_info, forward / forward_backward (protobuf in and out), optim_step,
 save_weights_for_sampler (its files, and a frozen copy on the base that sampling sessions sample), sampling
-(sampling_routes.py), saved states (state_routes.py), and the futures every call returns. Requests are read
+(sampling_routes.py), saved states (state_routes.py), the RestClient's runs and checkpoints
+(rest_routes.py), and the futures every call returns. Requests are read
 with the SDK's own types (`tinker.types`, `tinker.proto`).
 
 The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys without its prefix). A user sees
@@ -28,6 +29,7 @@ from tinker import types
 from actors.checkpoint.peft_io import save_adapter
 from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
+from orchestrator.tinker.rest_routes import add_rest_routes
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session, Sessions
 from orchestrator.tinker.state_routes import add_state_routes
@@ -139,6 +141,7 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
     add_training_routes(router, ctx, user_of)
     add_sampling_routes(router, ctx, user_of)
     add_state_routes(router, ctx, user_of)
+    add_rest_routes(router, ctx, user_of)
     return router
 
 
@@ -276,7 +279,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
 
         def save(model: Any) -> str:
             save_adapter(model.adapter, folder, backend.base_model, {"base_model": backend.base_model,
-                                                                     "model_id": model_id})
+                                                                     "model_id": model_id, "user": user,
+                                                                     "lora_rank": model.rank})
             snapshot = adapter_name(f"{model_id}-sampler-{name}")
             if path not in backend.samplers:   # what its sampling sessions sample from
                 model.snapshot(snapshot)

@@ -298,3 +298,30 @@ def test_a_saved_state_resumes_as_if_never_interrupted(server):
         bob.create_training_client_from_state(state.path).result()
     client.close("success").result()
     bob.close("success").result()
+
+
+def test_the_rest_client_lists_a_users_runs_and_checkpoints_and_deletes_one(server):
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    training.forward_backward(datums(batch(1)), "cross_entropy").result()
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    state = training.save_state("ck1").result()
+    sampler = training.save_weights_for_sampler("s1").result()
+    rest = client.create_rest_client()
+    run = rest.get_training_run(training.model_id).result()
+    assert run.training_run_id == training.model_id and run.lora_rank == 4 and run.base_model == BASE
+    assert run.last_checkpoint.tinker_path == state.path
+    assert run.last_sampler_checkpoint.tinker_path == sampler.path
+    listed = rest.list_checkpoints(training.model_id).result()
+    assert sorted(c.checkpoint_id for c in listed.checkpoints) == ["sampler_weights/s1", "weights/ck1"]
+    assert all(c.size_bytes > 0 for c in listed.checkpoints)
+    assert rest.get_weights_info_by_tinker_path(state.path).result().lora_rank == 4
+    rest.delete_checkpoint_from_tinker_path(sampler.path).result()
+    listed = rest.list_checkpoints(training.model_id).result()
+    assert [c.checkpoint_id for c in listed.checkpoints] == ["weights/ck1"]
+    bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token").create_rest_client()
+    with pytest.raises(tinker.NotFoundError):
+        bob.get_training_run(training.model_id).result()
+    assert bob.list_user_checkpoints().result().checkpoints == []
+    client.close("success").result()

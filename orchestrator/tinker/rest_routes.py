@@ -1,0 +1,99 @@
+"""The Tinker SDK's RestClient on aspen: a user's training runs (a run is a model) and their checkpoints (saved
+states and sampler weights, as written under the weights folder), a path's weights info, and deleting a
+checkpoint. Read from the files themselves (each folder's aspen.json / interactive_state.json names its model
+and user), so a restarted server lists what was saved before; another user's runs and paths are 404."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Response
+from tinker import types
+
+from actors.checkpoint.interactive_state import STATE_FILE
+from actors.checkpoint.peft_io import METADATA_NAME
+
+KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def saved_checkpoints(weights_dir: Path) -> Iterator[tuple[dict, Path, str, str]]:
+    """(its facts: model_id, user, lora_rank; its folder; its kind folder; its name) of every checkpoint."""
+    for kind in KINDS:
+        for folder in sorted(weights_dir.glob(f"*/{kind}/*")):
+            facts_file = folder / (STATE_FILE if kind == "weights" else METADATA_NAME)
+            try:
+                facts = json.loads(facts_file.read_text())
+            except (OSError, ValueError):
+                continue   # a save still being written, or not one of aspen's
+            if "rank" in facts:
+                facts["lora_rank"] = facts["rank"]
+            yield facts, folder, kind, folder.name
+
+
+def checkpoint_of(facts: dict, folder: Path, kind: str, name: str) -> types.Checkpoint:
+    size = sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+    when = datetime.fromtimestamp(folder.stat().st_mtime, UTC)
+    return types.Checkpoint(checkpoint_id=f"{kind}/{name}", checkpoint_type=KINDS[kind], time=when,
+                            tinker_path=f"tinker://{facts['model_id']}/{kind}/{name}", size_bytes=size)
+
+
+def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
+    backend = ctx.backend
+
+    def own(user: str) -> list[tuple[dict, Path, str, str]]:
+        return [entry for entry in saved_checkpoints(backend.weights_dir) if entry[0].get("user") == user]
+
+    def run_of(run_id: str, user: str) -> types.TrainingRun:
+        mine = [entry for entry in own(user) if entry[0].get("model_id") == run_id]
+        live = backend.owners.get(run_id) == user
+        if not mine and not live:
+            raise HTTPException(404, f"no training run {run_id} of yours")
+        checkpoints = sorted((checkpoint_of(*entry) for entry in mine), key=lambda c: c.time)
+        training = [c for c in checkpoints if c.checkpoint_type == "training"]
+        sampler = [c for c in checkpoints if c.checkpoint_type == "sampler"]
+        rank = next((entry[0].get("lora_rank") for entry in mine), None)
+        if live and run_id in ctx.calls.models:
+            rank = ctx.calls.models[run_id].model.rank
+        last = max([c.time for c in checkpoints], default=datetime.now(UTC))
+        return types.TrainingRun(training_run_id=run_id, base_model=backend.base_model, model_owner=user,
+                                 is_lora=True, lora_rank=rank, last_request_time=last,
+                                 last_checkpoint=training[-1] if training else None,
+                                 last_sampler_checkpoint=sampler[-1] if sampler else None)
+
+    @router.get("/training_runs/{run_id}")
+    def training_run(run_id: str, user: str = Depends(user_of)) -> dict:
+        return run_of(run_id, user).model_dump(mode="json")
+
+    @router.get("/training_runs/{run_id}/checkpoints")
+    def run_checkpoints(run_id: str, user: str = Depends(user_of)) -> dict:
+        run_of(run_id, user)
+        found = [checkpoint_of(*entry) for entry in own(user) if entry[0].get("model_id") == run_id]
+        return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
+
+    @router.get("/checkpoints")
+    def all_checkpoints(user: str = Depends(user_of)) -> dict:
+        found = [checkpoint_of(*entry) for entry in own(user)]
+        return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
+
+    @router.post("/weights_info")
+    def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
+        path = str(body.get("tinker_path", ""))
+        for facts, _, kind, name in own(user):
+            if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path:
+                return types.WeightsInfoResponse(base_model=backend.base_model, is_lora=True,
+                                                 lora_rank=facts.get("lora_rank"), train_unembed=False
+                                                 ).model_dump(mode="json", exclude_none=True)
+        raise HTTPException(404, f"no checkpoint {path} of yours")
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
+        for facts, folder, kind, name in own(user):
+            if facts.get("model_id") == run_id and f"{kind}/{name}" == checkpoint_id:
+                shutil.rmtree(folder)
+                return Response(status_code=204)
+        raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")

@@ -24,10 +24,7 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
 
     @router.post("/create_sampling_session")
     def create_sampling_session(body: types.CreateSamplingSessionRequest, user: str = Depends(user_of)) -> dict:
-        try:
-            session = sessions.get(body.session_id, user)
-        except KeyError as error:
-            raise HTTPException(404, str(error)) from None
+        session = ctx.session(body.session_id, user)
         adapter = None
         if body.model_path is not None:
             found = backend.samplers.get(body.model_path)

@@ -111,6 +111,12 @@ class Context:
             raise HTTPException(401, "not an aspen token (`aspen user token NAME` prints yours)")
         return user
 
+    def session(self, session_id: str, user: str) -> Session:
+        try:
+            return self.sessions.get(session_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+
     def owned(self, model_id: str, user: str) -> str:
         if self.backend.owners.get(model_id) != user:
             raise HTTPException(404, f"no model {model_id} of yours")
@@ -175,11 +181,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/sessions/{session_id}/finish")
     def finish(session_id: str, user: str = Depends(user_of)) -> Response:
-        try:
-            session = sessions.get(session_id, user)
-        except KeyError as error:
-            raise HTTPException(404, str(error)) from None
-        backend.end_session(session)
+        backend.end_session(ctx.session(session_id, user))
         return Response(status_code=204)
 
     @router.post("/telemetry")
@@ -204,10 +206,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
 
     @router.post("/create_model")
     def create_model(body: types.CreateModelRequest, user: str = Depends(user_of)) -> dict:
-        try:
-            session = sessions.get(body.session_id, user)
-        except KeyError as error:
-            raise HTTPException(404, str(error)) from None
+        session = ctx.session(body.session_id, user)
         if body.base_model != backend.base_model:
             raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
                                      f"'{backend.base_model}' (get_server_capabilities)")

@@ -99,6 +99,12 @@ def sdk_loop(url: str, key: str, seeds: list[int], *, custom: bool = False,
     return model_id, losses, saved.path
 
 
+def train_steps(training, seeds) -> None:
+    for seed in seeds:
+        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+
+
 def engine_reference(seeds: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The same calls on aspen's engine in this process, on a fresh copy of the base."""
     base = from_module(tiny_model("llama", VOCAB), None)
@@ -211,9 +217,7 @@ def test_sampling_from_saved_weights_through_the_sdk(server):
     url, backend, _ = server
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     training = client.create_lora_training_client(base_model=BASE, rank=4).result()
-    for seed in (1, 2):
-        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
-        training.optim_step(types.AdamParams(**ADAM)).result()
+    train_steps(training, (1, 2))
     saved = training.save_weights_for_sampler("s1").result()
     sampler = client.create_sampling_client(model_path=saved.path)
     prompt = types.ModelInput.from_ints([5, 17, 3, 99])
@@ -277,18 +281,12 @@ def test_a_saved_state_resumes_as_if_never_interrupted(server):
     url, backend, _ = server
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     training = client.create_lora_training_client(base_model=BASE, rank=4).result()
-    for seed in (1, 2):
-        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
-        training.optim_step(types.AdamParams(**ADAM)).result()
+    train_steps(training, (1, 2))
     state = training.save_state("after-2").result()
-    for seed in (3, 4):
-        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
-        training.optim_step(types.AdamParams(**ADAM)).result()
+    train_steps(training, (3, 4))
     straight = saved_weights(backend, training.save_weights_for_sampler("straight").result().path)
     resumed = client.create_training_client_from_state_with_optimizer(state.path).result()
-    for seed in (3, 4):
-        resumed.forward_backward(datums(batch(seed)), "cross_entropy").result()
-        resumed.optim_step(types.AdamParams(**ADAM)).result()
+    train_steps(resumed, (3, 4))
     again = saved_weights(backend, resumed.save_weights_for_sampler("resumed").result().path)
     assert set(again) == set(straight)
     for name, tensor in straight.items():

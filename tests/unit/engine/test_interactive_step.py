@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.interactive_model import LORA_ALPHA, AdamStep, InteractiveModel
+from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
 from actors.engine.models import from_module
 from actors.engine.tinker_losses import LossInputError
+from tests.helpers.interactive import peft_twin, random_b_model
 from tests.helpers.models import VOCAB, tiny_model
-from tests.helpers.peft_reference import peft_lora
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
 pytestmark = pytest.mark.unit
@@ -26,14 +26,7 @@ def base():
 
 
 def model(base_model, name: str, rank: int, seed: int) -> InteractiveModel:
-    """A model whose B matrices are random (not zeros), so that its adapter changes the outputs."""
-    made = InteractiveModel(base_model, name, rank, seed=seed)
-    generator = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for parameter_name, parameter in made.adapter.named_parameters():
-            if "lora_B" in parameter_name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    return made
+    return random_b_model(base_model, name, rank, seed)
 
 
 def datum(seed: int, length: int, *, rl: bool = False) -> CallDatum:
@@ -79,19 +72,11 @@ def test_two_models_fused_get_exactly_what_each_gets_alone():
 
 
 def test_a_call_equals_peft_one_datum_at_a_time():
-    from peft import LoraConfig, get_peft_model
-
     shared = base()
     made = model(shared, "alice-0", 4, 1)
     datums = (datum(1, 9), datum(2, 17))
     (output,) = run_calls(shared, [ModelCall("alice-0", datums)], backward=True)
-    targets = sorted({name.split(".")[-3] for name, _ in made.adapter.named_parameters()})
-    reference = get_peft_model(tiny_model("llama", VOCAB),
-                               LoraConfig(r=4, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0))
-    weights = peft_lora(reference)
-    with torch.no_grad():
-        for name, parameter in made.adapter.named_parameters():
-            weights[name].copy_(parameter)
+    reference, weights = peft_twin(made)
     config = reference.config
     for index, item in enumerate(datums):
         logits = reference(input_ids=torch.tensor(item.tokens)[None]).logits[0].float()

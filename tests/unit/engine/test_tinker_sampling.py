@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.interactive_model import LORA_ALPHA, InteractiveModel
 from actors.engine.models import from_module
 from actors.engine.tinker_sampling import SampleCall, sample
+from tests.helpers.interactive import peft_twin, random_b_model
 from tests.helpers.models import VOCAB, tiny_model
-from tests.helpers.peft_reference import peft_lora
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
 pytestmark = pytest.mark.unit
@@ -23,26 +22,11 @@ PROMPT = (5, 17, 3, 99, 42, 7)
 @pytest.fixture(scope="module")
 def setup():
     base = from_module(tiny_model("llama", VOCAB), None)
-    model = InteractiveModel(base, "alice-0", 4, seed=1)
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, parameter in model.adapter.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    return base, model
+    return base, random_b_model(base, "alice-0", 4, 1, scale=0.5)
 
 
-def peft_reference(model: InteractiveModel):
-    from peft import LoraConfig, get_peft_model
-
-    targets = sorted({name.split(".")[-3] for name, _ in model.adapter.named_parameters()})
-    reference = get_peft_model(tiny_model("llama", VOCAB),
-                               LoraConfig(r=4, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0))
-    weights = peft_lora(reference)
-    with torch.no_grad():
-        for name, parameter in model.adapter.named_parameters():
-            weights[name].copy_(parameter)
-    return reference.merge_and_unload().eval()
+def peft_reference(model):
+    return peft_twin(model)[0].merge_and_unload().eval()
 
 
 def test_temperature_zero_is_transformers_greedy_generate_on_the_merged_adapter(setup):

@@ -115,9 +115,9 @@ def _add_service_commands(commands: Any) -> None:
     http_token.add_argument("--rotate", action="store_true", help="replace it with a new token (restart `aspen http`)")
     http_token.set_defaults(handler=cmd_http_token)
 
-    from orchestrator import users_cli
+    from orchestrator.cli import user_commands
 
-    users_cli.add_parser(commands)
+    user_commands.add_parser(commands)
 
 
 

@@ -323,3 +323,34 @@ def test_the_rest_client_lists_a_users_runs_and_checkpoints_and_deletes_one(serv
         bob.get_training_run(training.model_id).result()
     assert bob.list_user_checkpoints().result().checkpoints == []
     client.close("success").result()
+
+
+def test_ppo_with_its_config_through_the_sdk_is_the_engines_ppo(server):
+    """The loss function and its config cross the wire as the SDK writes them (loss_fn_config_v2)."""
+    url, backend, _ = server
+    generator = np.random.default_rng(3)
+    rows = []
+    for _ in range(2):
+        length = int(generator.integers(5, 15))
+        tokens, targets = generator.integers(0, VOCAB, length).tolist(), generator.integers(0, VOCAB, length).tolist()
+        rows.append((tokens, targets, (-generator.random(length) * 5).astype(np.float32),
+                     generator.normal(size=length).astype(np.float32)))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64), "logprobs": logprobs,
+                                        "advantages": advantages})
+            for tokens, targets, logprobs, advantages in rows]
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    result = training.forward_backward(data, "ppo", loss_fn_config=config).result()
+    base = from_module(tiny_model("llama", VOCAB), None)
+    InteractiveModel(base, "reference", 4)
+    call = ModelCall("reference", tuple(CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets),
+                                                                  "logprobs": torch.from_numpy(logprobs),
+                                                                  "advantages": torch.from_numpy(advantages)})
+                                        for tokens, targets, logprobs, advantages in rows), "ppo", config)
+    (expected,) = run_calls(base, [call], backward=True)
+    assert result.metrics["loss:sum"] == expected.loss_sum
+    for output, logprobs in zip(result.loss_fn_outputs, expected.logprobs, strict=True):
+        assert np.array_equal(output["logprobs"].to_numpy(), logprobs.numpy())
+    client.close("success").result()

@@ -287,7 +287,12 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             return path
 
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
-        return future(submitted, user, lambda path: {"type": "save_weights_for_sampler", "path": path}, model_id)
+        answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
+        if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
+            sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"
+            backend.sampling_sessions[sampler_id] = (adapter_name(f"{model_id}-sampler-{name}"), user, path)
+            answer["sampling_session_id"] = sampler_id
+        return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)
 
     @router.post("/retrieve_future")
     async def retrieve_future(body: types.FutureRetrieveRequest, user: str = Depends(user_of)) -> Response:

@@ -239,6 +239,9 @@ def test_sampling_from_saved_weights_through_the_sdk(server):
     assert greedy.sequences[0].stop_reason == "length" and len(greedy.sequences[0].logprobs) == 6
     assert greedy.prompt_logprobs[0] is None and len(greedy.prompt_logprobs) == 4
     assert [s.tokens for s in seeded[0].sequences] == [s.tokens for s in seeded[1].sequences]
+    direct = training.save_weights_and_get_sampling_client("s2")   # the same weights, its own session
+    assert direct.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result(
+        ).sequences[0].tokens == expected.sequences[0].tokens
     client.close("success").result()
 
 

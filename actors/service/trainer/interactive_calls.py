@@ -50,10 +50,13 @@ class InteractiveCalls:
     """The interactive models on one base and their pending calls."""
 
     def __init__(self, base: BaseModel, *, window_s: float = DEFAULT_WINDOW_S,
-                 on_step: Callable[[dict[str, Any]], None] | None = None):
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_ready: Callable[[], None] | None = None):
         self.base = base
         self.window_s = window_s
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
+        self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
+        self.ready_since: float | None = None   # when the first call now waiting arrived (monotonic)
         self.models: dict[str, ModelState] = {}
         self.samples: list[Pending] = []     # sampling calls, batched together at the next step
         self.removals: list[str] = []        # adapters to take off the base, by the stepping thread
@@ -85,7 +88,7 @@ class InteractiveCalls:
             pending = Pending(kind, payload)
             state.waiting[seq_id] = pending
             state.seen[seq_id] = pending.future
-            self.lock.notify_all()
+            self._arrived()
             return pending.future
 
     def submit_sample(self, call: SampleCall) -> Future:
@@ -93,7 +96,7 @@ class InteractiveCalls:
         pending = Pending("sample", call)
         with self.lock:
             self.samples.append(pending)
-            self.lock.notify_all()
+            self._arrived()
         return pending.future
 
     def remove_model(self, model_id: str) -> None:
@@ -117,6 +120,29 @@ class InteractiveCalls:
         with self.lock:
             self.closed = True
             self.lock.notify_all()
+
+    def _arrived(self) -> None:
+        """A call arrived (the lock held): the stepping thread, or the trainer loop hosting these calls, hears."""
+        if self.ready_since is None:
+            self.ready_since = time.monotonic()
+        self.lock.notify_all()
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def due(self) -> bool:
+        """Whether a step should run now: a call is ready and the first one has waited `window_s` for partners
+        (what a trainer loop that hosts these calls asks between its jobs' steps)."""
+        with self.lock:
+            if not self._ready():
+                return False
+            return self.ready_since is None or time.monotonic() - self.ready_since >= self.window_s
+
+    def wait_left(self) -> float | None:
+        """How long until `due()` (None: nothing is waiting)."""
+        with self.lock:
+            if not self._ready():
+                return None
+            return max(0.0, (self.ready_since or 0.0) + self.window_s - time.monotonic())
 
     def _state(self, model_id: str) -> ModelState:
         try:
@@ -146,6 +172,7 @@ class InteractiveCalls:
         next other call (an optimizer step, a save). Returns how many calls ran."""
         with self.lock:
             removals, self.removals = self.removals, []
+            self.ready_since = None   # calls that arrive from now on wait for partners afresh
         for name in removals:
             remove_adapter(self.base.model, name)
         with self.lock:

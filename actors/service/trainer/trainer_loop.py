@@ -12,7 +12,8 @@ trainer's stages (`stages: N`: actors/service/pipeline/pipeline_engine.py) throu
 The loop's parts, each in its own module: what it steps (step_engine.py: one device's trainer or a
 pipeline's), what it holds for each job (active_job.py) and how a job starts (job_attach.py), the link to each
 job's data and stop rule (job_link.py, stop_verdicts.py) and the waits on them (job_waits.py), memory
-admission (step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), the jobs whose
+admission (step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), interactive
+models' calls between the jobs' steps (interactive_calls.py: the Tinker API's), the jobs whose
 output_dir is a storage URI (remote_outputs.py), and its commands from other threads (trainer_commands.py).
 
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
@@ -39,6 +40,7 @@ from actors.service.scheduler.config import TrainerConfig, trainer_step_log
 from actors.service.scheduler.job_data import JobUpdate
 from actors.service.trainer.active_job import ActiveJob
 from actors.service.trainer.feed import JobLinkLost
+from actors.service.trainer.interactive_calls import InteractiveCalls
 from actors.service.trainer.job_attach import start_job, start_tracking
 from actors.service.trainer.job_ends import JobEnds
 from actors.service.trainer.job_link import Assignment
@@ -104,6 +106,9 @@ class TrainerLoop:
                                            dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
         self.ends = JobEnds(trainer_id, self.trainer, self.active, self.events, self.outputs, self.base_identity)
+        # interactive models (the Tinker API's), their calls run between the jobs' steps; one device only
+        self.interactive = (InteractiveCalls(base, on_ready=self.commands.wake.set)
+                            if engine is None else None)
         self.waits = JobWaits(trainer_id, config, self.events, self.active, self.ends.finish)
 
     @property
@@ -207,8 +212,12 @@ class TrainerLoop:
             if active.job.done:
                 self.ends.finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
         self._publish_jobs()
-        if report is None:
-            self.commands.idle(idle_wait)
+        interactive = self.interactive
+        if interactive is not None and interactive.due():
+            interactive.step()
+        elif report is None:
+            left = interactive.wait_left() if interactive is not None else None
+            self.commands.idle(idle_wait if left is None else min(idle_wait, left))
         return report
 
     def _rollouts(self, chosen: list) -> list:

@@ -1,0 +1,89 @@
+"""Interactive models (the Tinker API's) on a trainer loop beside its jobs (actors/service/trainer/trainer_loop.py
+hosting actors/service/trainer/interactive_calls.py): a job trained while an interactive model's calls run on
+the same base ends with exactly the adapter it ends with alone, and the interactive model's call returns exactly
+what the same call returns on the engine alone; a call that arrives while the loop idles wakes it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from actors.engine.interactive_model import AdamStep, InteractiveModel
+from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
+from actors.engine.models import load_base_model
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.trainer.interactive_calls import adapter_name
+from actors.service.trainer.trainer_loop import TrainerLoop
+from tests.helpers.models import VOCAB
+from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.trainer import assignment_for, run_until_idle
+
+
+def call_datums() -> tuple[CallDatum, ...]:
+    generator = torch.Generator().manual_seed(5)
+    datums = []
+    for length in (9, 14):
+        datums.append(CallDatum(tuple(torch.randint(0, VOCAB, (length,), generator=generator).tolist()),
+                                {"target_tokens": torch.randint(0, VOCAB, (length,), generator=generator),
+                                 "weights": torch.ones(length)}))
+    return tuple(datums)
+
+
+def train_job(tiny_model_dirs, tmp_path, *, with_interactive: bool):
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    data = write_task_data(tmp_path / "data", "a", rows=16)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out",
+                    [job_dict("a", data, 3, max_seq_len=32)], step_tokens=256)
+    (submission,) = spec.submissions()
+    loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256), "trainer-0",
+                       tmp_path / "state")
+    outputs = None
+    if with_interactive:
+        loop.interactive.create_model("alice:train:0", 4, owner="alice")
+        call = ModelCall(adapter_name("alice:train:0"), call_datums())
+        outputs = loop.interactive.submit("alice:train:0", 1, "forward_backward", call)
+        stepped = loop.interactive.submit("alice:train:0", 2, "optim_step", AdamStep(learning_rate=0.01))
+    loop.assign(assignment_for(submission, "a", base.tokenizer))
+    run_until_idle(loop)
+    if with_interactive:
+        deadline = time.monotonic() + 30
+        while not stepped.done() and time.monotonic() < deadline:
+            loop.run_once(idle_wait=0.05)
+        outputs = outputs.result(timeout=1)
+    loop.close()
+    adapter = load_file(tmp_path / "out" / "a" / "adapter_model.safetensors")
+    steps = [json.loads(line) for line in (tmp_path / "out" / "a" / "metrics.jsonl").read_text().splitlines()]
+    return adapter, outputs, steps
+
+
+def test_a_job_beside_an_interactive_model_trains_as_alone_and_the_model_gets_the_engines_answer(
+        tiny_model_dirs, tmp_path):
+    alone, _, alone_steps = train_job(tiny_model_dirs, tmp_path / "alone", with_interactive=False)
+    beside, output, steps = train_job(tiny_model_dirs, tmp_path / "beside", with_interactive=True)
+    assert [row["loss"] for row in steps] == [row["loss"] for row in alone_steps]
+    assert set(beside) == set(alone)
+    for name, tensor in alone.items():
+        assert torch.equal(beside[name], tensor), name
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    InteractiveModel(base, "reference", 4)
+    (expected,) = run_calls(base, [ModelCall("reference", call_datums())], backward=True)
+    assert output.loss_sum == expected.loss_sum
+    for ours, theirs in zip(output.logprobs, expected.logprobs, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_call_that_arrives_while_the_loop_idles_wakes_it(tiny_base, tmp_path):
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model="tiny", step_tokens=256), "trainer-0", tmp_path / "s")
+    loop.interactive.create_model("alice:train:0", 4, owner="alice")
+    call = ModelCall(adapter_name("alice:train:0"), call_datums())
+    started = time.monotonic()
+    threading.Timer(0.2, lambda: loop.interactive.submit("alice:train:0", 1, "forward", call)).start()
+    loop.run_once(idle_wait=30)   # woken by the call, not after 30 s
+    while loop.interactive.wait_left() is not None:
+        loop.run_once(idle_wait=30)
+    assert time.monotonic() - started < 10
+    loop.close()

@@ -165,8 +165,12 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     now = int(page.text_content(f"{row} .step").split("/")[0])
     page.wait_for_function(f"parseInt(document.querySelector(\"{row} .step\").textContent) > {now}")
     assert page.evaluate("document.activeElement.getAttribute('data-job')") == long_job.id
-    page.keyboard.press("Space")                                   # and acts on it: selected
-    assert page.is_checked(f"{row} input[type=checkbox]")
+    # and acts on it, even when a live update redraws the table between the key's press and its release
+    page.keyboard.down("Space")
+    now = int(page.text_content(f"{row} .step").split("/")[0])
+    page.wait_for_function(f"parseInt(document.querySelector(\"{row} .step\").textContent) > {now}")
+    page.keyboard.up("Space")
+    assert page.is_checked(f"{row} input[type=checkbox]")   # selected
     page.keyboard.press("Space")
 
     # the job's page: its loss curve gains points as it trains

@@ -58,34 +58,52 @@ export function render(params, session) {
       && (!filters.user.value || (j.user || "(operator)") === filters.user.value));
   }
 
+  function jobRow(job) {
+    const box = el("input", { type: "checkbox", "aria-label": `select ${job.name}`, "data-job": job.id,
+      checked: selected.has(job.id),
+      onchange: (e) => (e.target.checked ? selected.add(job.id) : selected.delete(job.id)) });
+    const lossValues = (losses.get(job.id) || []).map((r) => r.loss);
+    return el("tr", { "data-job": job.id, "data-state": job.state },
+      el("td", {}, box),
+      el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: job.name })),
+      el("td", { class: "state-cell" }, stateBadge(job.state)),
+      el("td", { text: job.trainer || "–" }),
+      el("td", { class: "step", text: `${job.step} / ${job.total_steps ?? "?"}` }),
+      el("td", {}, el("span", { class: "loss", text: num(job.loss) }), " ", sparkline(lossValues)),
+      el("td", { text: num(job.eval_loss) }),
+      el("td", { text: job.tokens_per_s ? int(job.tokens_per_s) : "–" }),
+      el("td", { text: eta(job) }),
+      el("td", { text: job.priority }),
+      el("td", { text: job.user || "(operator)" }));
+  }
+
+  const KEPT_CELLS = 2;   // a row's checkbox and link: never rebuilt while the row stays
+
   function draw() {
     const rows = shown();
-    // live updates redraw the rows: the focused checkbox or link is found again by its job and kind
-    const focused = body.contains(document.activeElement) ? document.activeElement : null;
-    const focusJob = focused?.closest("tr")?.getAttribute("data-job");
-    const focusKind = focused?.tagName;
-    body.replaceChildren(...rows.map((job) => {
-      const box = el("input", { type: "checkbox", "aria-label": `select ${job.name}`, "data-job": job.id,
-        checked: selected.has(job.id),
-        onchange: (e) => (e.target.checked ? selected.add(job.id) : selected.delete(job.id)) });
-      const lossValues = (losses.get(job.id) || []).map((r) => r.loss);
-      return el("tr", { "data-job": job.id, "data-state": job.state },
-        el("td", {}, box),
-        el("td", {}, el("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, text: job.name })),
-        el("td", { class: "state-cell" }, stateBadge(job.state)),
-        el("td", { text: job.trainer || "–" }),
-        el("td", { class: "step", text: `${job.step} / ${job.total_steps ?? "?"}` }),
-        el("td", {}, el("span", { class: "loss", text: num(job.loss) }), " ", sparkline(lossValues)),
-        el("td", { text: num(job.eval_loss) }),
-        el("td", { text: job.tokens_per_s ? int(job.tokens_per_s) : "–" }),
-        el("td", { text: eta(job) }),
-        el("td", { text: job.priority }),
-        el("td", { text: job.user || "(operator)" }));
-    }));
-    if (focusJob) {
-      const row = [...body.querySelectorAll("tr")].find((tr) => tr.getAttribute("data-job") === focusJob);
-      const again = row?.querySelector(focusKind === "A" ? "a" : "input");
-      if (again) again.focus({ preventScroll: true });
+    const current = [...body.querySelectorAll("tr[data-job]")];
+    if (rows.length && current.length === rows.length
+        && rows.every((job, i) => current[i].getAttribute("data-job") === job.id)) {
+      // the same rows: each updated in place, its checkbox and link kept (a key pressed on them, or their
+      // focus, survives a live update)
+      rows.forEach((job, i) => {
+        const row = current[i];
+        const fresh = jobRow(job);
+        row.setAttribute("data-state", job.state);
+        row.querySelector("input").checked = selected.has(job.id);
+        [...fresh.children].slice(KEPT_CELLS).forEach((cell, k) => row.children[k + KEPT_CELLS].replaceWith(cell));
+      });
+    } else {
+      // other rows: drawn anew, the focused checkbox or link found again by its job and kind
+      const focused = body.contains(document.activeElement) ? document.activeElement : null;
+      const focusJob = focused?.closest("tr")?.getAttribute("data-job");
+      const focusKind = focused?.tagName;
+      body.replaceChildren(...rows.map(jobRow));
+      if (focusJob) {
+        const row = [...body.querySelectorAll("tr")].find((tr) => tr.getAttribute("data-job") === focusJob);
+        const again = row?.querySelector(focusKind === "A" ? "a" : "input");
+        if (again) again.focus({ preventScroll: true });
+      }
     }
     status.textContent = `${rows.length} of ${jobs.size} jobs shown; ${selected.size} selected`;
     if (!jobs.size) body.replaceChildren(el("tr", {}, el("td", { colspan: 11, text: "No jobs yet: submit one." })));

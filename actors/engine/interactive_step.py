@@ -77,9 +77,18 @@ def run_calls(base: BaseModel, calls: list[ModelCall], *, backward: bool) -> lis
     """Every call's datums through the base in one packed pass (each call a segment of its adapter), each
     call's loss summed, and with `backward` one backward over the sum: each adapter's `.grad` gains its own
     calls' gradients (an optimizer step applies them). Checks every call first: nothing runs when one fails."""
-    vocab_size = int(base.lm_head.weight.shape[0])
-    max_length = int(getattr(base.model.config, "max_position_embeddings", 1 << 30))
-    configs = [check_call(call, vocab_size, max_length) for call in calls]
+    vocab_size, max_length = base_limits(base)
+    return run_checked(base, calls, [check_call(call, vocab_size, max_length) for call in calls], backward=backward)
+
+
+def base_limits(base: BaseModel) -> tuple[int, int]:
+    """(vocabulary size, longest sequence) a call's datums must fit."""
+    return int(base.lm_head.weight.shape[0]), int(getattr(base.model.config, "max_position_embeddings", 1 << 30))
+
+
+def run_checked(base: BaseModel, calls: list[ModelCall], configs: list[dict[str, float]], *,
+                backward: bool) -> list[CallOutput]:
+    """`run_calls` over calls already checked (`check_call`), each with its loss config."""
     ids: list[int] = []
     segments, sequences = [], []
     for call in calls:

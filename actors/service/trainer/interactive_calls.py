@@ -20,7 +20,7 @@ from typing import Any
 
 from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import AdamStep, InteractiveModel
-from actors.engine.interactive_step import ModelCall, check_call, run_calls
+from actors.engine.interactive_step import ModelCall, base_limits, check_call, run_checked
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
 from actors.engine.tinker_sampling import SampleCall, check_sample, sample
@@ -228,19 +228,19 @@ class InteractiveCalls:
             pending.future.set_result(result)
 
     def _run_pass(self, calls: list[tuple[str, int, Pending]], *, backward: bool) -> None:
-        vocab = int(self.base.lm_head.weight.shape[0])
-        longest = int(getattr(self.base.model.config, "max_position_embeddings", 1 << 30))
-        good = []
+        vocab, longest = base_limits(self.base)
+        good, configs = [], []
         for entry in calls:
             try:
-                check_call(entry[2].payload, vocab, longest)
+                configs.append(check_call(entry[2].payload, vocab, longest))
                 good.append(entry)
             except LossInputError as error:   # this call alone fails
                 entry[2].future.set_exception(error)
         if not good:
             return
         try:
-            outputs = run_calls(self.base, [pending.payload for _, _, pending in good], backward=backward)
+            outputs = run_checked(self.base, [pending.payload for _, _, pending in good], configs,
+                                  backward=backward)
         except Exception as error:   # the pass failed (e.g. out of memory): each call says so
             log.exception("interactive pass of %d calls failed", len(good))
             for _, _, pending in good:

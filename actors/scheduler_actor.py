@@ -198,6 +198,11 @@ class SchedulerActor:
                 record = self.table.set_state(record.id, "cancelled", reason, trainer=None)
                 self.job_starts.drop(record.id)
                 return record
+            if self.core.is_interactive(record.id) and not record.finished:   # its model leaves its trainer
+                handle = self.fleet.handle_of(record.trainer or "")
+                if handle is not None:
+                    handle.tinker_close_job.remote(record.id)
+                return self.core.interactive.close(record.id, "cancelled", reason)
             record, stop = self.core.cancel(key, reason)
             self._send_stop(stop)
             return record
@@ -241,6 +246,32 @@ class SchedulerActor:
                 raise ValueError(f"job {record.id} is starting; cancel it first")
             self.core.delete(key)
             self.listeners.job_deleted(record.id)
+
+    # -- interactive models (the Tinker API's; actors/service/scheduler/interactive_jobs.py) -----------------
+    def open_interactive(self, model_id: str, base_model: str, rank: int, user: str | None,
+                         train_attn: bool = True, train_mlp: bool = True) -> dict[str, Any]:
+        """Enter a model as a running job on a single-device trainer holding `base_model` with the room for it:
+        {job, trainer, handle (the trainer actor's), output_dir}. ValueError: no trainer holds that base;
+        NoRoom: none has the room now."""
+        with self.lock:
+            candidates = [s for s in self.fleet.ready_statuses() if self.fleet.single_device(s.trainer_id)]
+            with self.table.transaction():
+                opened = self.core.interactive.open(model_id, base_model, rank, user, candidates,
+                                                    train_attn=train_attn, train_mlp=train_mlp)
+            return {"job": opened.record.id, "trainer": opened.trainer, "output_dir": opened.record.output_dir,
+                    "handle": self.fleet.handle_of(opened.trainer)}
+
+    def close_interactive(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> JobRecord:
+        with self.lock:
+            return self.core.interactive.close(job_id, state, reason, adapter_dir)
+
+    def interactive_trainer(self, base_model: str) -> dict[str, Any]:
+        """A ready single-device trainer holding `base_model` (sampling the base alone): {trainer, handle}."""
+        with self.lock:
+            for status in self.fleet.ready_statuses():
+                if status.base_model == base_model and self.fleet.single_device(status.trainer_id):
+                    return {"trainer": status.trainer_id, "handle": self.fleet.handle_of(status.trainer_id)}
+        raise ValueError(f"base model '{base_model}' is not held by a ready trainer that takes interactive models")
 
     def trainers(self) -> list[dict[str, Any]]:
         with self.lock:

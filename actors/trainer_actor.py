@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -20,6 +21,9 @@ from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.typed_args import expect_type
 from actors.storage.s3_settings import configure_storage
+
+if TYPE_CHECKING:   # the engine (torch) is imported in the trainer's own process only
+    from actors.service.trainer.interactive_desk import InteractiveDesk, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,44 @@ class TrainerActor:
         """`prompt` continued by the job's current adapter and by the base alone, between two steps (this actor
         takes one call at a time): actors/service/trainer/try_adapter.py."""
         return self.loop.try_prompt(job_id, prompt, max_new_tokens)
+
+    # -- interactive models (the Tinker API's): actors/service/trainer/interactive_desk.py --------------------
+    # Each call returns at once (the steps run on this actor's one thread): a model's call is queued and its
+    # outcome taken later by the front that sent it (`tinker_take`).
+    def _desk(self) -> InteractiveDesk:
+        if self.loop.desk is None:
+            raise ValueError(f"trainer {self.loop.trainer_id} runs a pipeline over several stages, which holds no "
+                             "interactive models")
+        return self.loop.desk
+
+    def tinker_open(self, job_id: str, model_id: str, rank: int, owner: str | None, seed: int = 0,
+                    train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> None:
+        self._desk().open(job_id, model_id, rank, owner=owner, seed=seed, train_attn=train_attn,
+                          train_mlp=train_mlp, first_seq=first_seq)
+
+    def tinker_submit(self, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
+        return self._desk().submit(front, model_id, seq_id, kind, payload)
+
+    def tinker_sample(self, front: str, call: Any) -> str:
+        return self._desk().sample(front, call)
+
+    def tinker_take(self, front: str) -> list[Outcome]:
+        return self._desk().take(front)
+
+    def tinker_finish(self, front: str, model_id: str, last: Any) -> str:
+        return self._desk().finish(front, model_id, last)
+
+    def tinker_close(self, model_id: str) -> str | None:
+        return self._desk().close(model_id)
+
+    def tinker_close_job(self, job_id: str) -> list[str]:
+        return self._desk().close_job(job_id)
+
+    def tinker_drop_adapter(self, name: str) -> None:
+        self._desk().drop_adapter(name)
+
+    def tinker_facts(self) -> dict[str, Any]:
+        return self._desk().facts()
 
     def shutdown(self) -> list[TrainerEvent]:
         """Stop stepping; jobs still here are paused with a checkpoint. Returns the last events."""

@@ -130,6 +130,7 @@ class Client:
     def __init__(self, scheduler: ray.actor.ActorHandle, *, owned: bool = False):
         self.scheduler = scheduler
         self.owned = owned   # this client started the service and stops it on `shutdown`
+        self._tinker: Any = None
 
     # -- getting a client --------------------------------------------------------------------------------
     @classmethod
@@ -199,6 +200,16 @@ class Client:
                                        f"within {RESTART_WAIT_S:.0f}s; start it again (`aspen serve`): every job "
                                        "is kept and unfinished ones resume from their checkpoints") from None
                 time.sleep(1.0)
+
+    @property
+    def tinker(self) -> Any:
+        """The Tinker API's calls to this service (orchestrator/tinker/tinker_service.py): what `aspen http`
+        serves the `tinker` SDK through (docs/tinker.md)."""
+        if self._tinker is None:
+            from orchestrator.tinker.tinker_service import TinkerService
+
+            self._tinker = TinkerService(self.scheduler)
+        return self._tinker
 
     def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
         info = self._request("wait_ready", timeout, timeout=timeout + 30)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save
 
 from actors.checkpoint.peft_io import PREFIX, save_adapter
 from actors.engine.interactive_model import InteractiveModel
+from actors.storage.base_identity import BaseIdentity, base_identity
 from actors.storage.durable import write_durably
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -22,11 +23,27 @@ STATE_FILE = "interactive_state.json"
 
 def save_state(model: InteractiveModel, folder: str | Path, base_model: str, model_id: str, user: str) -> Path:
     folder = Path(folder)
-    save_adapter(model.adapter, folder, base_model, {"base_model": base_model, "model_id": model_id})
+    identity = identity_of(model)
+    save_adapter(model.adapter, folder, identity.serving_id, {"base_model": identity.metadata, "base_name": base_model,
+                                                             "model_id": model_id, "user": user,
+                                                             "lora_rank": model.rank})
     write_durably(folder / OPTIMIZER_FILE, save(model.optimizer_tensors()))
     write_durably(folder / STATE_FILE, json.dumps({"rank": model.rank, "steps": model.steps, "user": user,
                                                    "base_model": base_model, "model_id": model_id}))
     return folder
+
+
+def identity_of(model: InteractiveModel) -> BaseIdentity:
+    """What the model's saved adapters record as their base (as a job's do: actors/storage/base_identity.py)."""
+    base = model.base
+    return base_identity(base.name, base.source, quantization=base.quantization,
+                         dtype=str(base.dtype).removeprefix("torch."))
+
+
+def base_name(facts: dict) -> str | None:
+    """The base's name as the API serves it, from a save's facts (aspen.json or interactive_state.json)."""
+    named = facts.get("base_name", facts.get("base_model"))
+    return named if isinstance(named, str) else None
 
 
 def read_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -25,11 +25,13 @@ class JobSpec(StrictModel):
     """One fine-tuning job: its data, its adapter and its optimisation."""
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
-    data: Location = Field(description="the dataset: a JSONL file or one JSON array of rows, a .parquet or .arrow "
-                                       "file, a folder saved by datasets' save_to_disk, or a folder of such files; a "
-                                       "path or a storage URI (s3://bucket/train.parquet, gs://..., file:///...); "
-                                       "no hub ids (nothing is downloaded)")
-    format: DataFormat = Field(description="how rows become prompt and target tokens (by `type`, below)")
+    data: Location | None = Field(None, description="the dataset: a JSONL file or one JSON array of rows, a "
+                                                    ".parquet or .arrow file, a folder saved by datasets' "
+                                                    "save_to_disk, or a folder of such files; a path or a storage URI "
+                                                    "(s3://bucket/train.parquet, gs://..., file:///...); no hub ids "
+                                                    "(nothing is downloaded); required (but by an interactive model)")
+    format: DataFormat | None = Field(None, description="how rows become prompt and target tokens (by `type`, "
+                                                        "below); required (but by an interactive model)")
     split: str = Field("train", min_length=1, description="the split of a saved DatasetDict or of a folder whose "
                                                          "file names name splits (train-*.parquet, test.jsonl)")
     columns: dict[str, str] | None = Field(
@@ -75,12 +77,14 @@ class JobSpec(StrictModel):
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
                                                               "(default: the run's `tracking`)")
-    method: Literal["sft", "dpo", "orpo", "cpo", "grpo"] = Field(
+    method: Literal["sft", "dpo", "orpo", "cpo", "grpo", "interactive"] = Field(
         "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
                            "base, the adapter off), orpo (odds-ratio preference optimization) or cpo (Contrastive "
                            "Preference Optimization, no reference): learn from preference pairs (format type "
                            "preference); grpo (Group Relative Policy Optimization): learn from the rewards of "
-                           "completions the adapter samples for each row's prompt (`grpo`)")
+                           "completions the adapter samples for each row's prompt (`grpo`); interactive: a model of "
+                           "the Tinker API (docs/tinker.md), trained by its user's own loop, a step at a time: "
+                           "created by the API, never submitted")
     preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo / cpo objective")
     grpo: GrpoConfig | None = Field(None, description="the grpo objective: its reward and sampling (method grpo)")
 
@@ -102,14 +106,29 @@ class JobSpec(StrictModel):
 
     @field_validator("data")
     @classmethod
-    def _not_a_hub_uri(cls, value: Path | StorageURI) -> Path | StorageURI:
+    def _not_a_hub_uri(cls, value: Path | StorageURI | None) -> Path | StorageURI | None:
         problem = hub_id_problem(str(value)) if isinstance(value, StorageURI) else None
         if problem is not None:
             raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
+    def _has_data(self) -> JobSpec:
+        if self.method == "interactive":   # its data are its user's calls
+            if self.data is not None or self.format is not None:
+                raise ValueError("an interactive model (method interactive) takes its data from its user's calls: "
+                                 "remove data and format")
+            return self
+        missing = [name for name in ("data", "format") if getattr(self, name) is None]
+        if missing:
+            raise PydanticCustomError("missing", "job '{name}' needs {fields} (the dataset and how its rows become "
+                                      "tokens)", {"name": self.name, "fields": " and ".join(missing)})
+        return self
+
+    @model_validator(mode="after")
     def _data_options(self) -> JobSpec:
+        if self.format is None:
+            return self
         if self.streaming and 0 < self.eval_split < 1:
             raise ValueError(f"eval_split={self.eval_split} is a fraction, which streaming cannot take (the rows are "
                              "not all read up front): give a count of rows, e.g. eval_split: 200 (the first rows)")
@@ -124,6 +143,8 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _method_fits_format(self) -> JobSpec:
+        if self.format is None:
+            return self
         pairs = self.format.type == "preference"
         if self.method in PREFERENCE_METHODS and not pairs:
             raise ValueError(f"method '{self.method}' learns from preference pairs: set format to "

@@ -45,6 +45,7 @@ import ipaddress
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
@@ -56,6 +57,7 @@ from pydantic.json_schema import models_json_schema
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook, UsersFileError
+from actors.service.scheduler.interactive_jobs import TINKER_FOLDER
 from actors.spec.job_spec import JobSpec
 from actors.spec.run_spec import RunSpec
 from orchestrator.http.callers import Caller, Gate, ServiceStateFolder
@@ -122,10 +124,12 @@ def _request_body_schema() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_BYTES,
                events_poll_s: float = EVENTS_POLL_S, users: UserBook | None = None,
-               audit: AuditLog | None = None, console: bool = True) -> FastAPI:
+               audit: AuditLog | None = None, console: bool = True,
+               tinker_dir: Callable[[], Path] | None = None) -> FastAPI:
     """The API over the service reached through `link`, for requests that carry `token` (while there is no
     users file: an admin's) or a token of `users` (orchestrator/http/callers.py); actions are written to
-    `audit` where given. `console`: the web console at `/`."""
+    `audit` where given. `console`: the web console at `/`. `tinker_dir`: where the Tinker API (`/api/v1`,
+    docs/tinker.md) writes its models' saves (the service's `<state folder>/tinker`); None: not served."""
     if len(token) < 16:
         raise ValueError("the API token is shorter than 16 characters; generate one with `aspen http-token --rotate`")
     app = FastAPI(title="aspen", version=API_VERSION,
@@ -203,9 +207,33 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if tinker_dir is not None:
+        mount_tinker(app, link, gate, tinker_dir)
     if console:
         mount_console(app)   # last: /v1, /docs and /openapi.json are matched first
     return app
+
+
+def mount_tinker(app: FastAPI, link: ServiceLink, gate: Gate, weights_dir: Callable[[], Path]) -> None:
+    """The Tinker API under /api/v1 (orchestrator/tinker/): its key is `tml-` and the caller's aspen token. Not
+    served (said in the log) where the `tinker` SDK, whose types it speaks, is not installed."""
+    try:
+        from orchestrator.tinker.remote_calls import RemoteCalls, service_caller
+        from orchestrator.tinker.tinker_routes import TinkerBackend, tinker_router
+    except ImportError as error:
+        log.warning("aspen http: the Tinker API is not served (%s); `pip install 'aspen[tinker]'` serves it", error)
+        return
+
+    def authenticate(token: str) -> str | None:
+        try:
+            caller = gate.caller(token)
+        except UsersFileError as error:
+            raise HTTPException(503, f"the users file cannot be read: {error}") from None
+        return None if caller is None else caller.name
+
+    backend = TinkerBackend(RemoteCalls(service_caller(link)), None, weights_dir, authenticate).start()
+    app.include_router(tinker_router(backend))
+    app.router.on_shutdown.append(backend.close)
 
 
 def is_loopback(host: str) -> bool:
@@ -250,8 +278,11 @@ def serve(*, address: str = "auto", host: str = "127.0.0.1", port: int = DEFAULT
         else:           # the service's own state folder, asked of it on first need
             folder = ServiceStateFolder(lambda: call_service(link, lambda client: client.info()))
             users, audit = folder.users(), folder.audit()
+        tinker_dir = (lambda: Path(state_dir).expanduser() / TINKER_FOLDER) if state_dir else \
+            (lambda: folder.path() / TINKER_FOLDER)
         # event streams never end by themselves: a stop waits this long for them, then closes them
-        uvicorn.run(create_app(link, token, users=users, audit=audit), host=host, port=port, log_level="info",
+        uvicorn.run(create_app(link, token, users=users, audit=audit, tinker_dir=tinker_dir), host=host, port=port,
+                    log_level="info",
                     ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, timeout_graceful_shutdown=5)
     finally:
         link.close()

@@ -18,6 +18,7 @@ import os
 import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import reduce
 from typing import Any
 
 from fastapi import HTTPException
@@ -45,7 +46,8 @@ def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) 
         import ray
 
         try:
-            answer: tuple = ("ok", call_service(link, lambda client: getattr(client, method)(*args)))
+            # a dotted name reaches a client's part (`tinker.submit`: orchestrator/tinker/tinker_service.py)
+            answer: tuple = ("ok", call_service(link, lambda client: reduce(getattr, method.split("."), client)(*args)))
         except HTTPException as error:
             answer = ("http", (error.status_code, error.detail, dict(error.headers or {})))
         except Exception:  # noqa: BLE001 - a bug: its traceback goes back to the server (a 500)

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Response
 from tinker import types
 
-from actors.checkpoint.interactive_state import STATE_FILE
+from actors.checkpoint.interactive_state import STATE_FILE, base_name
 from actors.checkpoint.peft_io import METADATA_NAME
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -57,10 +57,11 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         training = [c for c in checkpoints if c.checkpoint_type == "training"]
         sampler = [c for c in checkpoints if c.checkpoint_type == "sampler"]
         rank = next((entry[0].get("lora_rank") for entry in mine), None)
-        if live and run_id in ctx.calls.models:
-            rank = ctx.calls.models[run_id].model.rank
+        if live and ctx.calls.rank_of(run_id) is not None:
+            rank = ctx.calls.rank_of(run_id)
+        base = backend.model_bases.get(run_id) or next((base_name(entry[0]) for entry in mine), None)
         last = max([c.time for c in checkpoints], default=datetime.now(UTC))
-        return types.TrainingRun(training_run_id=run_id, base_model=backend.base_model, model_owner=user,
+        return types.TrainingRun(training_run_id=run_id, base_model=base or "", model_owner=user,
                                  is_lora=True, lora_rank=rank, last_request_time=last,
                                  last_checkpoint=training[-1] if training else None,
                                  last_sampler_checkpoint=sampler[-1] if sampler else None)
@@ -85,7 +86,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         path = str(body.get("tinker_path", ""))
         for facts, _, kind, name in own(user):
             if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path:
-                return types.WeightsInfoResponse(base_model=backend.base_model, is_lora=True,
+                return types.WeightsInfoResponse(base_model=base_name(facts) or "", is_lora=True,
                                                  lora_rank=facts.get("lora_rank"), train_unembed=False
                                                  ).model_dump(mode="json", exclude_none=True)
         raise HTTPException(404, f"no checkpoint {path} of yours")

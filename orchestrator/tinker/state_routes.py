@@ -12,7 +12,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException
 from tinker import types
 
-from actors.checkpoint.interactive_state import read_state, save_state
+from actors.checkpoint.interactive_state import base_name, read_state
+from actors.service.scheduler.interactive_jobs import model_folder
+from actors.service.trainer.interactive_commands import LoadState, SaveState
 
 
 def state_folder(weights_dir: Path, path: str) -> tuple[str, Path]:
@@ -20,7 +22,7 @@ def state_folder(weights_dir: Path, path: str) -> tuple[str, Path]:
     parts = path.removeprefix("tinker://").split("/")
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights" or parts[2] in ("", ".", ".."):
         raise HTTPException(404, f"'{path}' is not a saved state's path (tinker://<model>/weights/<name>)")
-    return parts[0], weights_dir / parts[0].replace(":", "-") / "weights" / parts[2]
+    return parts[0], model_folder(weights_dir, parts[0]) / "weights" / parts[2]
 
 
 def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
@@ -34,10 +36,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         if folder.exists() and not body.overwrite:
             raise HTTPException(422, f"{path} exists; save under another name, or with overwrite")
 
-        def save(model: Any) -> str:
-            save_state(model, folder, backend.base_model, model_id, user)
-            return path
-
+        save = SaveState(folder, backend.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
 
@@ -58,19 +57,18 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
             except KeyError as error:
                 raise HTTPException(404, str(error)) from None
             model_id, seq_id = f"{session.session_id}:train:{body.model_seq_id}", 0
-            calls.create_model(model_id, facts["rank"], owner=user, first_seq=0)
+            base = base_name(facts) or backend.base_model
+            if base not in backend.bases():
+                raise HTTPException(404, f"{body.path} was trained on '{base}', which is not served here now")
+            calls.create_model(model_id, facts["rank"], owner=user, first_seq=0, base_model=base)
             backend.owners[model_id] = user
+            backend.model_bases[model_id] = base
             if model_id not in session.models:
                 session.models.append(model_id)
         else:
             model_id, seq_id = ctx.owned(body.model_id or "", user), body.seq_id or 0
 
-        def load(model: Any) -> str:
-            model.load(weights, optimizer if body.optimizer else None)
-            if body.optimizer:
-                model.steps = int(facts.get("steps", 0))
-            return model_id
-
+        load = LoadState(model_id, weights, optimizer if body.optimizer else None, int(facts.get("steps", 0)))
         submitted = calls.submit(model_id, seq_id, "apply", load)
         return ctx.future(submitted, user, lambda loaded: {"type": "load_weights", "path": body.path,
                                                            "model_id": loaded}, model_id)

@@ -26,9 +26,11 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from tinker import types
 
-from actors.checkpoint.peft_io import save_adapter
 from actors.engine.interactive_model import MAX_RANK, AdamStep
+from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
+from actors.service.trainer.interactive_commands import SaveSampler
+from orchestrator.tinker.remote_calls import RemoteCalls
 from orchestrator.tinker.rest_routes import add_rest_routes
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session, Sessions
@@ -50,50 +52,81 @@ log = logging.getLogger(__name__)
 
 
 class TinkerBackend:
-    """What the routes serve: one base's interactive calls, the name users give that base, where sampler
-    weights are written, and who a key is."""
+    """What the routes serve: the models' calls (a trainer's InteractiveCalls in this process, serving one base
+    under the name `base_model`; or RemoteCalls, a running service's trainers and their bases), where saves are
+    written (each model's folder in `weights_dir`), and who a key is."""
 
-    def __init__(self, calls: InteractiveCalls, base_model: str, weights_dir: Path,
-                 authenticate: Callable[[str], str | None]):
+    def __init__(self, calls: InteractiveCalls | RemoteCalls, base_model: str | None,
+                 weights_dir: Path | Callable[[], Path], authenticate: Callable[[str], str | None]):
+        """`weights_dir`: a folder, or how to find it when first needed (a service's, asked of it)."""
         self.calls = calls
+        self.local = isinstance(calls, InteractiveCalls)
+        if self.local and base_model is None:
+            raise ValueError("a backend over one trainer's calls needs the name users give its base (base_model)")
         self.base_model = base_model
-        self.weights_dir = Path(weights_dir)
+        self._weights_dir = weights_dir
         self.authenticate = authenticate
         self.sessions = Sessions()
         self.owners: dict[str, str] = {}          # model id -> its user
+        self.model_bases: dict[str, str] = {}     # model id -> its base
+        self.sampler_bases: dict[str, str] = {}   # sampling session id -> its base
         self.samplers: dict[str, tuple[str, str]] = {}   # tinker:// path -> (its snapshot adapter, its user)
         self.sampling_sessions: dict[str, tuple[str | None, str, str | None]] = {}   # id -> (adapter, user, path)
-        self.thread = threading.Thread(target=calls.run, name="tinker-calls", daemon=True)
+        self.thread = (threading.Thread(target=calls.run, name="tinker-calls", daemon=True)
+                       if isinstance(calls, InteractiveCalls) else None)
         self.stopping = threading.Event()
         self.reaper = threading.Thread(target=self._reap, name="tinker-sessions", daemon=True)
 
     def start(self) -> TinkerBackend:
-        self.thread.start()
+        if self.thread is not None:
+            self.thread.start()
         self.reaper.start()
         return self
 
-    def end_session(self, session: Session) -> None:
+    @property
+    def weights_dir(self) -> Path:
+        return Path(self._weights_dir() if callable(self._weights_dir) else self._weights_dir)
+
+    def bases(self) -> list[str]:
+        """The base models served."""
+        return [self.base_model or ""] if self.local else self.calls.bases()
+
+    def facts(self, base_model: str) -> dict[str, Any]:
+        """A base's context length, architecture and end-of-sequence token."""
+        return self.calls.facts() if self.local else self.calls.facts(base_model)
+
+    def folder(self, model_id: str) -> Path:
+        return model_folder(self.weights_dir, model_id)
+
+    def end_session(self, session: Session, reason: str = "its session ended") -> None:
         """A session ended (closed, or stopped beating): its models leave the base, and the copies of their
-        sampler weights (the files stay)."""
+        sampler weights (the files stay); on a service, each model's job completes with its final adapter."""
         session.ended = True
         for model_id in session.models:
-            self.calls.remove_model(model_id)
             for path, (adapter, _) in list(self.samplers.items()):
                 if path.startswith(f"tinker://{model_id}/"):
-                    self.calls.remove_adapter(adapter)
+                    self.calls.remove_adapter(adapter, model_id)
                     del self.samplers[path]
+            try:
+                if self.local:
+                    self.calls.remove_model(model_id)
+                else:
+                    self.calls.finish(model_id, reason)
+            except KeyError:
+                continue   # closed already
 
     def _reap(self) -> None:
         while not self.stopping.wait(REAP_EVERY_S):
             for session in self.sessions.expired():
                 log.info("tinker session %s of %s stopped beating; its models are closed", session.session_id,
                          session.user)
-                self.end_session(session)
+                self.end_session(session, "its session stopped beating")
 
     def close(self) -> None:
         self.stopping.set()
         self.calls.close()
-        self.thread.join(timeout=30)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
 
 
 class Context:
@@ -153,7 +186,7 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
 
 def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
     """Client config, sessions and their heartbeats, telemetry, capabilities."""
-    backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
+    backend, sessions = ctx.backend, ctx.sessions
 
     @router.post("/client/config")
     def client_config(body: types.ClientConfigRequest, user: str = Depends(user_of)) -> dict:
@@ -190,11 +223,10 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.get("/get_server_capabilities")
     def capabilities(user: str = Depends(user_of)) -> dict:
-        context = int(getattr(calls.base.model.config, "max_position_embeddings", 0)) or None
-        model = types.SupportedModel(model_name=backend.base_model, max_context_length=context, trainable=True,
-                                     sampleable=True)
-        return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json",
-                                                                                       exclude_none=True)
+        models = [types.SupportedModel(model_name=base, max_context_length=backend.facts(base)["context"],
+                                       trainable=True, sampleable=True) for base in backend.bases()]
+        return types.GetServerCapabilitiesResponse(supported_models=models).model_dump(mode="json",
+                                                                                      exclude_none=True)
 
 
 
@@ -207,16 +239,18 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/create_model")
     def create_model(body: types.CreateModelRequest, user: str = Depends(user_of)) -> dict:
         session = ctx.session(body.session_id, user)
-        if body.base_model != backend.base_model:
+        bases = backend.bases()
+        if body.base_model not in bases:
             raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
-                                     f"'{backend.base_model}' (get_server_capabilities)")
+                                     f"{', '.join(repr(b) for b in bases) or 'none now'} (get_server_capabilities)")
         lora = body.lora_config or types.LoraConfig(rank=32)
         if not 1 <= lora.rank <= MAX_RANK:
             raise HTTPException(422, f"lora_config.rank must be between 1 and {MAX_RANK} (got {lora.rank})")
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
         calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
-                           train_mlp=lora.train_mlp)
+                           train_mlp=lora.train_mlp, base_model=body.base_model)
         backend.owners[model_id] = user
+        backend.model_bases[model_id] = body.base_model
         if model_id not in session.models:
             session.models.append(model_id)
         return future(done(model_id), user,
@@ -225,11 +259,10 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/get_info")
     def get_info(body: types.GetInfoRequest, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
-        state = calls.models[model_id]
-        arch = getattr(calls.base.model.config, "model_type", None)
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": state.model.rank,
-                "model_name": backend.base_model,
-                "model_data": {"arch": arch, "model_name": backend.base_model}}
+        base = backend.model_bases[model_id]
+        arch = backend.facts(base)["arch"]
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": calls.rank_of(model_id),
+                "model_name": base, "model_data": {"arch": arch, "model_name": base}}
 
     @router.post("/forward_backward")
     async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:
@@ -272,25 +305,18 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         name = body.path or f"step-{body.seq_id}"
         if "/" in name or name in (".", ".."):
             raise HTTPException(422, f"path '{name}' must be a plain name (no '/')")
-        folder = backend.weights_dir / model_id.replace(":", "-") / "sampler_weights" / name
-
+        folder = backend.folder(model_id) / "sampler_weights" / name
         path = f"tinker://{model_id}/sampler_weights/{name}"
-
-        def save(model: Any) -> str:
-            save_adapter(model.adapter, folder, backend.base_model, {"base_model": backend.base_model,
-                                                                     "model_id": model_id, "user": user,
-                                                                     "lora_rank": model.rank})
-            snapshot = adapter_name(f"{model_id}-sampler-{name}")
-            if path not in backend.samplers:   # what its sampling sessions sample from
-                model.snapshot(snapshot)
-                backend.samplers[path] = (snapshot, user)
-            return path
-
+        snapshot = adapter_name(f"{model_id}-sampler-{name}")
+        fresh = path not in backend.samplers   # a frozen copy on the base: what its sampling sessions sample
+        save = SaveSampler(folder, backend.model_bases[model_id], model_id, user, path, snapshot if fresh else None)
+        backend.samplers[path] = (snapshot, user)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"
             backend.sampling_sessions[sampler_id] = (adapter_name(f"{model_id}-sampler-{name}"), user, path)
+            backend.sampler_bases[sampler_id] = backend.model_bases[model_id]
             answer["sampling_session_id"] = sampler_id
         return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)
 
@@ -304,7 +330,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"},
                                 status_code=408)
         if state == "failed":
-            category = "user" if isinstance(value, (ValueError, KeyError)) else "server"
+            category = getattr(value, "category", None) or ("user" if isinstance(value, (ValueError, KeyError))
+                                                            else "server")
             return JSONResponse({"error": str(value), "category": category})
         if isinstance(value, bytes):
             return Response(value, media_type=PROTO_TYPE)

@@ -74,6 +74,9 @@ class TrainerConfig(StrictModel):
         None, description="default: 90% of the GPU, or half the RAM")
     max_jobs: Annotated[int, Bounds(1, 100_000)] | None = Field(
         None, description="at most this many jobs at once (default: as many as fit)")
+    interactive_window_s: Annotated[float, Bounds(0, 10)] = Field(
+        0.005, description="how long an interactive model's call (the Tinker API's) waits for other models' calls "
+                           "to share its pass over the base")
     prefetch: Annotated[int, Bounds(1, 1024)] = Field(
         4, description="micro-batches each job keeps on their way to the trainer")
     step_log: Path | None = Field(None, description="where its per-step rows go (default: "

@@ -31,6 +31,7 @@ from pathlib import Path
 from actors.service.accounts.users import UsersFileError
 from actors.service.events.event_booking import EventBooking
 from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
@@ -92,6 +93,7 @@ class SchedulerCore:
         self._standing: dict[str | None, UserShare] | None = None
         self._standing_at = 0.0
         self.booking = EventBooking(table, self.scheduling)
+        self.interactive = InteractiveJobs(table, state_dir, self.scheduling)
         self.guard = PolicyGuard(policy, table, self.scheduling)
         # where each trainer runs and how many running jobs each node holds (Snapshot.job_slots): set by the
         # scheduler actor from its fleet and the nodes' memory; none known, no host limit
@@ -139,6 +141,10 @@ class SchedulerCore:
         decides per job whether its spec still matches)."""
         recovered = []
         for record in self.table.all(("running",) if resume else ("running", "queued")):
+            if self.is_interactive(record.id):   # its session's calls were on the trainer that went
+                self.interactive.close(record.id, "failed", "the service restarted, which ends interactive models; "
+                                       "its saved states remain (create_training_client_from_state resumes one)")
+                continue
             step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
             if resume:
                 self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
@@ -157,8 +163,15 @@ class SchedulerCore:
             return record, StopRequest(job=record.id, trainer=record.trainer, kind="cancelled", reason=reason)
         return self.table.set_state(record.id, "cancelled", reason, trainer=None), None
 
+    def is_interactive(self, job_id: str) -> bool:
+        """Whether the job is an interactive model (the Tinker API's), which the policy never places."""
+        return self._submission(job_id).job.method == "interactive"
+
     def pause(self, key: str, reason: str = "paused by the user") -> tuple[JobRecord, StopRequest | None]:
         record = self.table.find(key)
+        if self.is_interactive(record.id):
+            raise ValueError(f"job {record.id} is an interactive model, run by its user's own loop: it cannot be "
+                             "paused (cancel ends it, keeping its saved states)")
         if record.state == "running" and record.trainer:
             return record, StopRequest(job=record.id, trainer=record.trainer, kind="paused", reason=reason)
         if record.state == "queued":
@@ -168,6 +181,9 @@ class SchedulerCore:
     def resume(self, key: str, reason: str = "resumed by the user") -> JobRecord:
         """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
         record = self.table.find(key)
+        if self.is_interactive(record.id):
+            raise ValueError(f"job {record.id} is an interactive model, which ends with its session: its user starts "
+                             "a new one from a saved state (create_training_client_from_state)")
         if record.state not in RESTARTABLE_STATES:
             raise ValueError(f"job {record.id} is {record.state}; only paused, failed or cancelled jobs can be "
                              "resumed")
@@ -257,6 +273,9 @@ class SchedulerCore:
                 self.table.set_state(job.id, "running", f"starting on {decision.trainer}", trainer=decision.trainer)
                 self.table.after_commit(lambda state=state: setattr(state, "wait_cause", None))
                 actions.append(decision)
+            elif isinstance(decision, (Preempt, Move)) and self.is_interactive(job.id):
+                log.warning("policy %s: %s is an interactive model, which stays on its trainer (not %s)",
+                            self.policy.name, job.id, type(decision).__name__.lower())
             elif isinstance(decision, Preempt):
                 if job.state == "running" and job.trainer:
                     self.table.after_commit(lambda job=job, decision=decision: self._preempting(job.id, decision))

@@ -78,6 +78,9 @@ class Submissions:
                 else f"job '{name}'"
             job_id = job_ids[index] if job_ids is not None else f"{name[:56]}-{uuid.uuid4().hex[:6]}"
             try:
+                if submission.job.method == "interactive":
+                    raise SubmissionError("method interactive is a model of the Tinker API, created by its user's "
+                                          "loop (create_lora_training_client; docs/tinker.md), never submitted")
                 user = self._user(submission)
                 self._check_data(submission, user)
                 output_dir = self._output_dir(submission, job_id, self._root_of(user))

@@ -147,6 +147,16 @@ class TrainerFleet:
         slot = self.slots.get(trainer_id)
         return slot.node if slot is not None else None
 
+    def handle_of(self, trainer_id: str) -> Any:
+        """The trainer's actor handle (None: no such trainer, or retired)."""
+        slot = self.slots.get(trainer_id)
+        return slot.handle if slot is not None and not slot.retired else None
+
+    def single_device(self, trainer_id: str) -> bool:
+        """Whether the trainer runs on one device (not a pipeline of stages): where interactive models go."""
+        slot = self.slots.get(trainer_id)
+        return slot is not None and slot.config.stages == 1
+
     def why_none_runs(self) -> str | None:
         """Why no trainer can take a job, when every one failed to start (and none is ready); else None."""
         broken = [s for s in self.slots.values() if s.error]

@@ -65,9 +65,10 @@ class InteractiveCalls:
 
     # -- from any thread -------------------------------------------------------------------------------
     def create_model(self, model_id: str, rank: int, *, owner: str | None = None, seed: int = 0,
-                     train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> None:
+                     train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1,
+                     base_model: str | None = None) -> None:
         """A new model; its calls start at `first_seq` (1 after a create_model, which is 0; 0 where the model
-        is created by its first call, a load)."""
+        is created by its first call, a load). `base_model`: the name the API gave the base (this one)."""
         with self.lock:
             if model_id in self.models:
                 return   # the SDK's retry of the same create
@@ -91,13 +92,24 @@ class InteractiveCalls:
             self._arrived()
             return pending.future
 
-    def submit_sample(self, call: SampleCall) -> Future:
-        """Queue a sampling call (no order among them: all waiting ones decode in one batch)."""
+    def submit_sample(self, call: SampleCall, *, model_id: str | None = None, base_model: str | None = None) -> Future:
+        """Queue a sampling call (no order among them: all waiting ones decode in one batch). `model_id`,
+        `base_model`: whose sampler it samples, or which base (this base, here)."""
         pending = Pending("sample", call)
         with self.lock:
             self.samples.append(pending)
             self._arrived()
         return pending.future
+
+    def finish(self, model_id: str, last: Callable[[InteractiveModel], Any] | None = None) -> Future:
+        """End a model after the calls it has (its session ended): `last` (e.g. a save of its final adapter)
+        runs after them, then the model is removed. The future holds what `last` returned."""
+        with self.lock:
+            state = self._state(model_id)
+            seq = max([state.next_seq - 1, *state.waiting, *state.seen]) + 1
+        done = self.submit(model_id, seq, "apply", last or (lambda model: None))
+        done.add_done_callback(lambda _: self.remove_model(model_id))
+        return done
 
     def remove_model(self, model_id: str) -> None:
         """Close a model: its waiting calls fail, its adapter leaves the base at the next step."""
@@ -110,7 +122,7 @@ class InteractiveCalls:
         for pending in state.waiting.values():
             pending.future.set_exception(KeyError(f"model {model_id} was closed"))
 
-    def remove_adapter(self, name: str) -> None:
+    def remove_adapter(self, name: str, model_id: str | None = None) -> None:
         """Take a snapshot adapter (a sampler's) off the base at the next step."""
         with self.lock:
             self.removals.append(name)
@@ -143,6 +155,22 @@ class InteractiveCalls:
             if not self._ready():
                 return None
             return max(0.0, (self.ready_since or 0.0) + self.window_s - time.monotonic())
+
+    def rank_of(self, model_id: str) -> int | None:
+        """The model's LoRA rank; None for a model not here."""
+        with self.lock:
+            state = self.models.get(model_id)
+        return None if state is None else state.model.rank
+
+    def facts(self) -> dict[str, Any]:
+        """What the API says of the base: its context length, architecture and end-of-sequence token."""
+        config = self.base.model.config
+        tokenizer = self.base.tokenizer
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if eos is None:
+            eos = getattr(config, "eos_token_id", None)
+        return {"context": int(getattr(config, "max_position_embeddings", 0)) or None,
+                "arch": getattr(config, "model_type", None), "eos": eos if isinstance(eos, int) else None}
 
     def _state(self, model_id: str) -> ModelState:
         try:
@@ -238,6 +266,7 @@ class InteractiveCalls:
                 entry[2].future.set_exception(error)
         if not good:
             return
+        started = time.perf_counter()
         try:
             outputs = run_checked(self.base, [pending.payload for _, _, pending in good], configs,
                                   backward=backward)
@@ -247,8 +276,12 @@ class InteractiveCalls:
                 pending.future.set_exception(RuntimeError(f"the fused pass failed: {error!r}"))
             return
         if self.on_step is not None:
-            self.on_step({"time": time.time(), "backward": backward,
-                          "models": sorted({model_id for model_id, _, _ in good}),
+            model_tokens: dict[str, int] = {}
+            for model_id, _, pending in good:
+                model_tokens[model_id] = model_tokens.get(model_id, 0) + sum(len(d.tokens)
+                                                                             for d in pending.payload.datums)
+            self.on_step({"time": time.time(), "backward": backward, "seconds": time.perf_counter() - started,
+                          "models": sorted(model_tokens), "model_tokens": model_tokens,
                           "datums": sum(len(p.payload.datums) for _, _, p in good),
                           "tokens": sum(len(d.tokens) for _, _, p in good for d in p.payload.datums)})
         for (_, _, pending), output in zip(good, outputs, strict=True):

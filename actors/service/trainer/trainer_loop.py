@@ -41,6 +41,7 @@ from actors.service.scheduler.job_data import JobUpdate
 from actors.service.trainer.active_job import ActiveJob
 from actors.service.trainer.feed import JobLinkLost
 from actors.service.trainer.interactive_calls import InteractiveCalls
+from actors.service.trainer.interactive_desk import InteractiveDesk
 from actors.service.trainer.job_attach import start_job, start_tracking
 from actors.service.trainer.job_ends import JobEnds
 from actors.service.trainer.job_link import Assignment
@@ -107,8 +108,11 @@ class TrainerLoop:
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
         self.ends = JobEnds(trainer_id, self.trainer, self.active, self.events, self.outputs, self.base_identity)
         # interactive models (the Tinker API's), their calls run between the jobs' steps; one device only
-        self.interactive = (InteractiveCalls(base, on_ready=self.commands.wake.set)
-                            if engine is None else None)
+        self.interactive = (InteractiveCalls(base, window_s=config.interactive_window_s,
+                                             on_ready=self.commands.wake.set) if engine is None else None)
+        self.desk = (InteractiveDesk(self.interactive, self.events, trainer_id, self.step_log.write,
+                                     gpus=1 if base.device.type == "cuda" else 0)
+                     if self.interactive is not None else None)
         self.waits = JobWaits(trainer_id, config, self.events, self.active, self.ends.finish)
 
     @property
@@ -138,7 +142,8 @@ class TrainerLoop:
         base, totals, admission = self.base, self.totals, self.admission
         return TrainerStatus(
             trainer_id=self.trainer_id, incarnation=totals.incarnation, base_model=base.name,
-            quantization=base.quantization, device=str(base.device), jobs=list(self.job_ids),
+            quantization=base.quantization, device=str(base.device),
+            jobs=list(self.job_ids) + (self.desk.job_ids() if self.desk is not None else []),
             steps=self.trainer.step_count, tokens=totals.tokens, padding_tokens=totals.padding_tokens,
             busy_seconds=totals.busy_seconds, started_at=totals.started_at, base_bytes=admission.base_bytes,
             peak_memory_bytes=totals.peak_memory, memory_budget_bytes=admission.budget,

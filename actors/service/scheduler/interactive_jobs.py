@@ -1,0 +1,143 @@
+"""Interactive models (the Tinker API's) as jobs of the service: a model is entered in the job table as a job of
+method `interactive`, owned by its user, running on a single-device trainer that holds its base and has the
+memory for its adapter and AdamW state beside what it holds already (the same estimate as any job's). It counts
+in admission (its memory is held on that trainer), in fair share and the accounts (its tokens are booked from
+the trainer's step events like any job's), and is shown by the console and the metrics. It is never placed by
+the policy: it starts when its user creates it, runs on the trainer it was opened on, and ends when its session
+ends (completed), when it is cancelled, or when its trainer or the service goes (failed; its last saved state
+stays where it was written)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
+from actors.service.scheduler.scheduling_state import SchedulingStates
+from actors.service.table.job_record import JobRecord
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_reports import TrainerStatus
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
+from actors.spec.lora_config import LoraConfig
+from policies.base import memory_in_use
+
+LORA_ALPHA = 32.0    # the Tinker API's adapters: alpha 32 at every rank (actors/engine/interactive_model.py)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class NoRoom(RuntimeError):
+    """No trainer can hold the model now (a retryable refusal: the user may try again later)."""
+
+
+@dataclass(frozen=True)
+class Opened:
+    record: JobRecord
+    trainer: str
+
+
+TINKER_FOLDER = "tinker"   # under the state folder: each model's saves, and its final adapter
+
+
+def model_folder(weights_dir: Path, model_id: str) -> Path:
+    """A model's folder: its final adapter (what `aspen export` exports), `weights/<name>` (its saved states)
+    and `sampler_weights/<name>`."""
+    return weights_dir / model_id.replace(":", "-")
+
+
+def job_name(model_id: str) -> str:
+    """A job name for a model id (`<session>:train:<n>`): the name pattern's characters only."""
+    return "tinker-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+def adapted_modules(linear_names: list[str], *, train_attn: bool, train_mlp: bool) -> list[str]:
+    """The base's linear layers a model adapts: attention's, the MLP's, or both (never the LM head)."""
+    names = set()
+    for name in linear_names:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "lm_head":
+            continue
+        attention = "attn" in name or leaf in ATTENTION
+        if (attention and train_attn) or (not attention and train_mlp):
+            names.add(leaf)
+    return sorted(names)
+
+
+def interactive_submission(model_id: str, base_model: str, rank: int, targets: list[str],
+                           user: str | None) -> JobSubmission:
+    lora = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
+    job = JobSpec(name=job_name(model_id), method="interactive", lora=lora, lr_schedule="constant", max_steps=None,
+                  epochs=None, checkpoint_every_s=None)
+    return JobSubmission(job=job, base_model=base_model, user=user)
+
+
+class InteractiveJobs:
+    """Entering and ending interactive models' jobs in the job table (called under the scheduler's lock)."""
+
+    def __init__(self, table: JobTable, state_dir: Path, scheduling: SchedulingStates):
+        """`scheduling`: the scheduler's memory of each job, whose memory estimate is set here for a model's job
+        so that admission counts it."""
+        self.table = table
+        self.state_dir = state_dir
+        self.scheduling = scheduling
+
+    def _memory(self, job_id: str) -> int:
+        state = self.scheduling.get(job_id)
+        return (state.memory or 0) if state is not None else 0
+
+    def open(self, model_id: str, base_model: str, rank: int, user: str | None, candidates: list[TrainerStatus], *,
+             train_attn: bool = True, train_mlp: bool = True) -> Opened:
+        """Enter the model's job, running on the candidate trainer holding `base_model` with the most memory
+        left. ValueError: no trainer holds that base, or the adapter cannot fit any of them even alone;
+        NoRoom: none has the room now."""
+        same_base = [s for s in candidates if s.base_model == base_model]
+        if not same_base:
+            held = sorted({s.base_model for s in candidates}) or ["none ready"]
+            raise ValueError(f"base model '{base_model}' is not held by a trainer that takes interactive models "
+                             f"(held: {', '.join(held)})")
+        targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
+        if not targets:
+            raise ValueError("train_attn and train_mlp are both false: nothing to train")
+        submission = interactive_submission(model_id, base_model, rank, targets, user)
+        best, best_free, need = None, None, 0
+        for status in same_base:
+            view = trainer_view(status)
+            need = job_adapter_bytes(submission.job.lora, view)
+            held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in status.jobs)
+            free = view.memory_budget_bytes - held - need
+            if free >= 0 and (best_free is None or free > best_free):
+                best, best_free = status, free
+        if best is None:
+            raise NoRoom(f"no trainer holding {base_model} has room for a rank-{rank} model now ({need / 2**20:.1f} "
+                         "MiB with its optimizer state beside the jobs it holds); try again when a job ends")
+        job_id = submission.job.name
+        try:
+            existing = self.table.get(job_id)
+        except KeyError:
+            existing = None
+        if existing is not None and not existing.finished:
+            return Opened(existing, existing.trainer or best.trainer_id)   # the SDK's retry of the same create
+        if existing is not None:
+            self.table.delete(job_id)
+        output = model_folder(self.state_dir / TINKER_FOLDER, model_id)
+        self.table.add(job_id, submission, output)
+        record = self.table.set_state(job_id, "running", f"an interactive model of {user or 'an operator'} on "
+                                      f"{best.trainer_id}", trainer=best.trainer_id)
+        self.table.after_commit(lambda: setattr(self.scheduling.of(job_id), "memory", need))
+        return Opened(record, best.trainer_id)
+
+    def close(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> JobRecord:
+        """End a model's job (`completed`: its session ended; `cancelled`, `failed`), keeping where its last
+        saved state is (`adapter_dir`, what `aspen export` exports)."""
+        record = self.table.get(job_id)
+        if record.finished:
+            return record
+        columns = {"trainer": None}
+        if adapter_dir is not None:
+            columns["adapter_dir"] = adapter_dir
+        return self.table.set_state(job_id, state, reason, **columns)
+
+
+def is_interactive(submission: JobSubmission) -> bool:
+    return submission.job.method == "interactive"

@@ -1,0 +1,176 @@
+"""A trainer's desk for the interactive models it holds as service jobs (the Tinker API's, reached through the
+HTTP server's Ray connection): it opens a model for its job, takes each call without waiting for it (a key
+comes back), and keeps each finished call's outcome for the front that sent it until that front takes it
+(`take`), so that a trainer actor that answers one call at a time never blocks on a model's call.
+
+It also reports each model as a job: every fused pass is a row of the trainer's step log and a `step` event
+(each job accounted its tokens, as a batch job's share of a fused step is: fair share and the accounts), and
+every optimizer step a `progress` event (its step, the summed loss of the calls since the last, its tokens),
+which the scheduler books in the job table like any job's."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from actors.service.trainer.interactive_calls import InteractiveCalls
+from actors.service.trainer.trainer_reports import TrainerEvents
+
+# how a failed call's error reads to its user: their own mistake ("user": the SDK does not retry) or not
+USER_ERRORS = (ValueError, KeyError, TypeError)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A call's end as its front reads it: its value, or its error's category and message."""
+
+    key: str
+    value: Any = None
+    error: str | None = None
+    category: str = "server"
+
+
+@dataclass
+class ModelJob:
+    """A model and the job it is: what its next progress event reports."""
+
+    job_id: str
+    owner: str | None
+    step: int = 0
+    tokens: int = 0          # since the last optimizer step
+    loss_sum: float = 0.0    # of the forward_backward calls since the last optimizer step
+    calls: int = 0
+
+
+class InteractiveDesk:
+    """The interactive models of one trainer as jobs, and their calls' outcomes by front."""
+
+    def __init__(self, calls: InteractiveCalls, events: TrainerEvents, trainer_id: str,
+                 write_step: Callable[[dict[str, Any]], None], gpus: int = 0):
+        self.calls = calls
+        self.events = events
+        self.trainer_id = trainer_id
+        self.write_step = write_step
+        self.gpus = gpus
+        self.models: dict[str, ModelJob] = {}
+        self.outcomes: dict[str, list[Outcome]] = {}   # front -> outcomes not yet taken
+        self.keys = itertools.count(1)
+        self.lock = threading.Lock()
+        self.passes = 0
+        calls.on_step = self._pass_ran
+
+    # -- the front's calls (the trainer actor's tinker_* methods) -------------------------------------------
+    def open(self, job_id: str, model_id: str, rank: int, *, owner: str | None, seed: int = 0,
+             train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> None:
+        self.calls.create_model(model_id, rank, owner=owner, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
+                                first_seq=first_seq)
+        with self.lock:
+            self.models.setdefault(model_id, ModelJob(job_id, owner))
+
+    def submit(self, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
+        """Queue a call; its outcome waits for `front` under the key returned."""
+        if not callable(payload) and kind == "apply":
+            raise TypeError(f"an apply call's payload must be callable, not {type(payload).__name__}")
+        return self._track(front, self.calls.submit(model_id, seq_id, kind, payload), model_id, kind)
+
+    def sample(self, front: str, call: Any) -> str:
+        return self._track(front, self.calls.submit_sample(call), None, "sample")
+
+    def take(self, front: str) -> list[Outcome]:
+        """The outcomes finished for `front` since it last took them."""
+        with self.lock:
+            return self.outcomes.pop(front, [])
+
+    def finish(self, front: str, model_id: str, last: Callable[[Any], Any] | None) -> str:
+        """End a model after its calls (its session ended): `last` (its final save) runs after them, then it
+        leaves the base; the outcome (what `last` returned) waits for `front` under the key returned."""
+        key = self._track(front, self.calls.finish(model_id, last), None, "finish")
+        with self.lock:
+            self.models.pop(model_id, None)
+        return key
+
+    def close(self, model_id: str) -> str | None:
+        """Close a model (its waiting calls fail, its adapter leaves the base); its job id, None if unknown."""
+        self.calls.remove_model(model_id)
+        with self.lock:
+            model = self.models.pop(model_id, None)
+        return None if model is None else model.job_id
+
+    def close_job(self, job_id: str) -> list[str]:
+        """Close every model of a job (the scheduler cancelled it); their ids."""
+        with self.lock:
+            ids = [model_id for model_id, model in self.models.items() if model.job_id == job_id]
+        for model_id in ids:
+            self.close(model_id)
+        return ids
+
+    def drop_adapter(self, name: str) -> None:
+        self.calls.remove_adapter(name)
+
+    def facts(self) -> dict[str, Any]:
+        return self.calls.facts()
+
+    def job_ids(self) -> list[str]:
+        with self.lock:
+            return sorted({model.job_id for model in self.models.values()})
+
+    # -- outcomes, on the stepping thread -------------------------------------------------------------------
+    def _track(self, front: str, future: Future, model_id: str | None, kind: str) -> str:
+        key = f"{self.trainer_id}:{next(self.keys)}"
+        future.add_done_callback(lambda done: self._finished(front, key, done, model_id, kind))
+        return key
+
+    def _finished(self, front: str, key: str, future: Future, model_id: str | None, kind: str) -> None:
+        error = future.exception()
+        if error is not None:
+            category = "user" if isinstance(error, USER_ERRORS) else "server"
+            outcome = Outcome(key, error=str(error) or type(error).__name__, category=category)
+        else:
+            outcome = Outcome(key, value=future.result())
+            if model_id is not None:
+                self._account(model_id, kind, outcome.value)
+        with self.lock:
+            self.outcomes.setdefault(front, []).append(outcome)
+
+    def _account(self, model_id: str, kind: str, value: Any) -> None:
+        with self.lock:
+            model = self.models.get(model_id)
+        if model is None:
+            return
+        if kind == "forward_backward":
+            model.loss_sum += float(getattr(value, "loss_sum", 0.0))
+            model.calls += 1
+        elif kind == "optim_step":
+            model.step += 1
+            loss = model.loss_sum if model.calls else None
+            self.events.emit("progress", model.job_id, model.step, step=model.step, loss=loss, tokens=model.tokens,
+                             lr=None, grad_norm=(value or {}).get("grad_norm:mean"), tokens_per_s=None)
+            model.tokens, model.loss_sum, model.calls = 0, 0.0, 0
+
+    def _pass_ran(self, summary: dict[str, Any]) -> None:
+        """A fused pass of interactive calls: a row of the step log and a `step` event, each job its tokens."""
+        self.passes += 1
+        job_tokens: dict[str, int] = {}
+        with self.lock:
+            for model_id, tokens in summary.get("model_tokens", {}).items():
+                model = self.models.get(model_id)
+                if model is None:
+                    continue
+                if summary.get("backward"):
+                    model.tokens += tokens
+                job_tokens[model.job_id] = job_tokens.get(model.job_id, 0) + tokens
+        if not job_tokens:
+            return
+        row = {"trainer": self.trainer_id, "time": round(time.time(), 3), "kind": "interactive",
+               "interactive_pass": self.passes, "backward": bool(summary.get("backward")),
+               "jobs": sorted(job_tokens), "job_tokens": job_tokens, "tokens": sum(job_tokens.values()),
+               "padding_tokens": 0, "seconds": float(summary.get("seconds", 0.0)), "peak_memory_bytes": 0,
+               "datums": summary.get("datums", 0), "gpus": self.gpus}
+        self.write_step(row)
+        self.events.emit("step", "", 0, **row)
+

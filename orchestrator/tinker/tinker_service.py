@@ -1,0 +1,111 @@
+"""The Tinker API's calls to a running aspen service over Ray (`Client.tinker`; in `aspen http`, run by the process
+holding its Ray connection, orchestrator/http/bridge.py): open a model as a job (the scheduler enters it and
+names the trainer that holds it), then talk to that trainer directly: each call is queued there and answered at
+once with a key, and the outcomes are taken later by the front that sent them (actors/trainer_actor.py's
+tinker_* methods). Errors come back as the HTTP answers the SDK expects: a permanent problem 4xx with its
+reason (the SDK does not retry it), a trainer or service that cannot answer now 503 (it does)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from fastapi import HTTPException
+
+from actors.service.scheduler.config import NAMESPACE
+
+CALL_TIMEOUT_S = 60.0
+
+
+def _get(ref: Any, what: str) -> Any:
+    """The call's result; its errors as HTTP answers (a KeyError 404, a ValueError or TypeError 422, the
+    service's refusal for want of room, a trainer that is gone, a timeout: 503, which the SDK retries)."""
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(ref, timeout=CALL_TIMEOUT_S)
+    except GetTimeoutError:
+        raise HTTPException(503, f"{what}: the service did not answer within {CALL_TIMEOUT_S:.0f}s",
+                            headers={"Retry-After": "5"}) from None
+    except RayActorError as error:
+        raise HTTPException(503, f"{what}: its trainer or the scheduler is gone ({type(error).__name__}); try "
+                                 "again", headers={"Retry-After": "5"}) from None
+    except RayTaskError as error:
+        cause = error.cause if getattr(error, "cause", None) is not None else error
+        message = str(cause.args[0]) if getattr(cause, "args", None) else str(cause)
+        if type(cause).__name__ == "NoRoom":
+            raise HTTPException(503, message, headers={"Retry-After": "30"}) from None
+        if isinstance(cause, KeyError):
+            raise HTTPException(404, message) from None
+        if isinstance(cause, (ValueError, TypeError)):
+            raise HTTPException(422, message) from None
+        raise
+
+
+class TinkerService:
+    """The service's side of the Tinker API, for one Ray driver: trainer handles by trainer id."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.handles: dict[str, Any] = {}
+
+    def _trainer(self, trainer: str) -> Any:
+        handle = self.handles.get(trainer)
+        if handle is None:
+            described = {t["id"]: t for t in _get(self.scheduler.trainers.remote(), "the trainers")}
+            if trainer not in described or not described[trainer].get("actor_name"):
+                raise HTTPException(404, f"trainer {trainer} is not in the service any more; its models ended")
+            handle = ray.get_actor(described[trainer]["actor_name"], namespace=NAMESPACE)
+            self.handles[trainer] = handle
+        return handle
+
+    def bases(self) -> list[str]:
+        """The base models of the ready single-device trainers (what the API serves)."""
+        trainers = _get(self.scheduler.trainers.remote(), "the trainers")
+        return sorted({t["base_model"] for t in trainers if t.get("ready") and t.get("stages", 1) == 1
+                       and not t.get("retired")})
+
+    def open(self, model_id: str, base_model: str, rank: int, user: str | None, seed: int = 0,
+             train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> dict[str, Any]:
+        """Enter the model as a job and create it on its trainer: {job, trainer, output_dir}."""
+        answer = _get(self.scheduler.open_interactive.remote(model_id, base_model, rank, user, train_attn, train_mlp),
+                      f"create model {model_id}")
+        handle = answer.pop("handle")
+        if handle is not None:
+            self.handles[answer["trainer"]] = handle
+        trainer = self._trainer(answer["trainer"])
+        try:
+            _get(trainer.tinker_open.remote(answer["job"], model_id, rank, user, seed, train_attn, train_mlp,
+                                            first_seq), f"create model {model_id}")
+        except Exception:
+            self.scheduler.close_interactive.remote(answer["job"], "failed", "its trainer could not create it")
+            raise
+        return answer
+
+    def trainer_of_base(self, base_model: str) -> str:
+        answer = _get(self.scheduler.interactive_trainer.remote(base_model), f"a trainer of {base_model}")
+        if answer.get("handle") is not None:
+            self.handles[answer["trainer"]] = answer["handle"]
+        return answer["trainer"]
+
+    def submit(self, trainer: str, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
+        return _get(self._trainer(trainer).tinker_submit.remote(front, model_id, seq_id, kind, payload),
+                    f"model {model_id}'s call {seq_id}")
+
+    def sample(self, trainer: str, front: str, call: Any) -> str:
+        return _get(self._trainer(trainer).tinker_sample.remote(front, call), "a sampling call")
+
+    def take(self, trainer: str, front: str) -> list[Any]:
+        return _get(self._trainer(trainer).tinker_take.remote(front), f"the outcomes on {trainer}")
+
+    def finish(self, trainer: str, front: str, model_id: str, last: Any) -> str:
+        return _get(self._trainer(trainer).tinker_finish.remote(front, model_id, last), f"ending model {model_id}")
+
+    def close_job(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> None:
+        _get(self.scheduler.close_interactive.remote(job_id, state, reason, adapter_dir), f"ending job {job_id}")
+
+    def drop_adapter(self, trainer: str, name: str) -> None:
+        _get(self._trainer(trainer).tinker_drop_adapter.remote(name), "dropping a sampler")
+
+    def facts(self, trainer: str) -> dict[str, Any]:
+        return _get(self._trainer(trainer).tinker_facts.remote(), f"the base of {trainer}")

@@ -1,0 +1,177 @@
+"""The Tinker API on `aspen http` over a running service (a real local Ray), driven by the real `tinker` SDK: a
+user's model is a job of method interactive, owned by that user, running on the trainer; its loop trains exactly
+what aspen's engine trains on the same calls; its optimizer steps are the job's progress, its tokens the user's
+account; two users' loops share passes (the trainer's step log shows both jobs in one); another user's model is
+404; a session's end completes the job with its final adapter, which `aspen export` exports; a cancelled model
+fails its user's next call with the reason."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from actors.checkpoint.peft_io import adapter_state_dict
+from actors.engine.interactive_model import AdamStep, InteractiveModel
+from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
+from actors.engine.models import load_base_model
+from actors.service.accounts.users import UserBook
+from actors.service.trainer.interactive_calls import adapter_name
+from orchestrator.client import Client
+from orchestrator.http.api import create_app
+from orchestrator.service_calls import ServiceLink
+from tests.helpers.http_server import running_server
+from tests.helpers.service import service_config, wait_for
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.service
+
+ADAM = {"learning_rate": 0.05, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
+WINDOW_S = 0.3   # wide, so that two users' calls sent together meet in one pass
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, tiny_model_dirs, tmp_path_factory):
+    state = tmp_path_factory.mktemp("state")
+    base = str(tiny_model_dirs["llama"])
+    book = UserBook.in_state_dir(state)
+    root, _ = book.add("root", admin=True)
+    alice, _ = book.add("alice")
+    bob, _ = book.add("bob")
+    client = Client.local(service_config(state, tiny_model_dirs["llama"], interactive_window_s=WINDOW_S))
+    client.wait_ready(timeout=300)
+    app = create_app(ServiceLink(client=client), root, users=book, tinker_dir=lambda: state / "tinker")
+    with running_server(app) as url:
+        yield {"url": url, "client": client, "state": state, "base": base, "alice": alice, "bob": bob}
+    client.shutdown()
+
+
+def batch(seed: int) -> list[tuple[list[int], list[int], list[float]]]:
+    generator = np.random.default_rng(seed)
+    rows = []
+    for _ in range(2):
+        length = int(generator.integers(5, 20))
+        rows.append((generator.integers(0, 500, length).tolist(), generator.integers(0, 500, length).tolist(),
+                     (generator.random(length) > 0.2).astype(np.float32).tolist()))
+    return rows
+
+
+def datums(rows) -> list:
+    return [types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64),
+                                        "weights": np.array(weights, dtype=np.float32)})
+            for tokens, targets, weights in rows]
+
+
+def engine_reference(base_dir: str, seeds: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same calls on aspen's engine in this process (one thread, as the service's trainer runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = load_base_model(base_dir, dtype="float32", device="cpu")
+        model = InteractiveModel(base, adapter_name("reference"), 4)
+        losses = []
+        for seed in seeds:
+            rows = tuple(CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets),
+                                                   "weights": torch.tensor(weights)})
+                         for tokens, targets, weights in batch(seed))
+            (output,) = run_calls(base, [ModelCall(model.name, rows)], backward=True)
+            losses.append(output.loss_sum)
+            model.optim_step(AdamStep(**ADAM))
+        return adapter_state_dict(model.adapter), losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+def loop(url: str, key: str, base: str, seeds: list[int], *, together: threading.Barrier | None = None,
+         before_close=None) -> dict:
+    client = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
+    training = client.create_lora_training_client(base_model=base, rank=4).result()
+    losses = []
+    for seed in seeds:
+        if together is not None:
+            together.wait(timeout=120)
+        losses.append(training.forward_backward(datums(batch(seed)), "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    if before_close is not None:
+        before_close(training)
+    client.close("success").result()
+    return {"model_id": training.model_id, "losses": losses}
+
+
+def job_of(client: Client, model_id: str):
+    (record,) = [r for r in client.jobs() if r.name.endswith(model_id.replace(":", "-"))]
+    return record
+
+
+def test_a_users_loop_is_their_job_trains_as_the_engine_and_exports_its_final_adapter(served, tmp_path):
+    client, seeds = served["client"], [1, 2, 3]
+    seen: dict = {}
+
+    def while_open(training):
+        record = job_of(client, training.model_id)
+        seen["record"] = record
+        seen["submission"] = client.submission(record.id)
+        seen["losses"] = wait_for(lambda: len(client.losses(record.id)) == len(seeds) and client.losses(record.id),
+                                  what="the model's optimizer steps in the job table")
+        for key, status in ((served["bob"], 404), (served["alice"], 200)):   # another user's model is not found
+            answer = httpx.post(f"{served['url']}/api/v1/get_info", headers={"X-API-Key": f"tml-{key}"},
+                                json={"model_id": training.model_id, "type": "get_info"})
+            assert answer.status_code == status, answer.text
+
+    result = loop(served["url"], served["alice"], served["base"], seeds, before_close=while_open)
+    expected, expected_losses = engine_reference(served["base"], seeds)
+    assert result["losses"] == expected_losses
+    record = seen["record"]
+    assert record.state == "running" and record.user == "alice" and record.trainer == "trainer-0"
+    assert seen["submission"].job.method == "interactive" and seen["submission"].job.lora.r == 4
+    assert [row["step"] for row in seen["losses"]] == [1, 2, 3]
+    assert [row["loss"] for row in seen["losses"]] == pytest.approx(expected_losses, rel=1e-6)
+    done = wait_for(lambda: (r := client.status(record.id)).finished and r, what="the session's end to end the job")
+    assert done.state == "completed", done
+    exported = client.export(record.id, tmp_path / "exported")
+    weights = load_file(Path(exported) / "adapter_model.safetensors")
+    assert set(weights) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    accounts = {row["user"]: row for row in client.accounts()}
+    assert accounts["alice"]["tokens"] == sum(len(tokens) for seed in seeds for tokens, _, _ in batch(seed))
+
+
+def test_two_users_loops_share_passes_on_the_trainer(served):
+    together = threading.Barrier(2)
+    results: dict[str, dict] = {}
+
+    def run(user: str, seeds: list[int]) -> None:
+        results[user] = loop(served["url"], served[user], served["base"], seeds, together=together)
+
+    threads = [threading.Thread(target=run, args=("alice", [4, 5])), threading.Thread(target=run, args=("bob", [6, 7]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert set(results) == {"alice", "bob"}, "a loop failed (its thread's traceback is above)"
+    jobs = {user: job_of(served["client"], results[user]["model_id"]).id for user in results}
+    rows = [json.loads(line) for line in (served["state"] / "trainers" / "trainer-0.jsonl").read_text().splitlines()]
+    shared = [row for row in rows if row.get("kind") == "interactive" and set(row["jobs"]) == set(jobs.values())]
+    assert shared, "no pass held both users' models"
+    assert all(row["job_tokens"][jobs["alice"]] > 0 and row["job_tokens"][jobs["bob"]] > 0 for row in shared)
+
+
+def test_a_cancelled_model_fails_its_users_next_call_saying_so(served):
+    client = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['bob']}")
+    training = client.create_lora_training_client(base_model=served["base"], rank=2).result()
+    training.forward_backward(datums(batch(8)), "cross_entropy").result()
+    record = job_of(served["client"], training.model_id)
+    assert served["client"].cancel(record.id).state == "cancelled"
+    with pytest.raises(Exception, match="closed|no model"):
+        training.forward_backward(datums(batch(9)), "cross_entropy").result()
+    assert served["client"].status(record.id).state == "cancelled"

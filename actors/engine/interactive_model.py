@@ -2,19 +2,24 @@
 steps its user drives, call by call: gradients accumulate over `forward_backward` calls
 (actors/engine/interactive_step.py) until `optim_step` applies one AdamW step with the parameters the call
 gives, as the Tinker SDK defines them (torch.optim.AdamW's update; weight decay 0 unless given; gradient
-clipping by global norm when `grad_clip_norm` > 0), and clears them.
+clipping by global norm when `grad_clip_norm` > 0), and clears them. The step is computed as an aspen job's
+(actors/engine/optim.py: the same fused AdamW kernel, the norm summed and the clip factor taken the same way), so
+that a model whose calls carry a job's batches, weighted 1/N (N: the step's target tokens, a power of two) and
+stepped with the job's settings, trains that job's adapter bit for bit (tests/servers/test_tinker_vs_job.py).
 
 Its adapter is LoRA on every linear layer of the base's decoder, rank as asked, alpha 32 at every rank (as
 Thinking Machines' "LoRA Without Regret" sets it), no dropout; B starts at zero, so a new model is the base."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
 from actors.engine.models import BaseModel
+from actors.engine.optim import chained_sum, fused_option
 from actors.spec.lora_config import LoraConfig
 
 LORA_ALPHA = 32
@@ -56,8 +61,9 @@ class InteractiveModel:
         targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp)
         self.config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
         self.adapter: AdapterHandle = add_adapter(base.model, name, self.config, seed=seed)
-        self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
-                                           weight_decay=0.0)
+        parameters = self.adapter.parameters()
+        self.optimizer = torch.optim.AdamW(parameters, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
+                                           **fused_option(parameters))
         self.steps = 0
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
@@ -65,9 +71,7 @@ class InteractiveModel:
         problem = step.problem()
         if problem is not None:
             raise ValueError(f"adam_params: {problem}")
-        parameters = self.adapter.parameters()
-        norm = torch.nn.utils.clip_grad_norm_(parameters, step.grad_clip_norm if step.grad_clip_norm > 0
-                                              else float("inf"))
+        norm = clip_gradients(self.adapter.parameters(), step.grad_clip_norm)
         for group in self.optimizer.param_groups:
             group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
                          weight_decay=step.weight_decay)
@@ -103,12 +107,15 @@ class InteractiveModel:
                 parameter.copy_(weights[name])
         if optimizer is None:
             return
-        steps = torch.tensor(float(optimizer["step"][0]))
+        steps = torch.tensor(float(optimizer["step"][0]), dtype=torch.float32)
+        fused = bool(self.optimizer.param_groups[0].get("fused"))
         for name, parameter in parameters.items():
             if f"{name}.exp_avg" in optimizer:
-                self.optimizer.state[parameter] = {"step": steps.clone(),
-                                                   "exp_avg": optimizer[f"{name}.exp_avg"].clone(),
-                                                   "exp_avg_sq": optimizer[f"{name}.exp_avg_sq"].clone()}
+                # as torch's own load_state_dict: a fused AdamW keeps its step count on the parameter's device
+                device = parameter.device
+                self.optimizer.state[parameter] = {"step": steps.to(device, copy=True) if fused else steps.clone(),
+                                                   "exp_avg": optimizer[f"{name}.exp_avg"].to(device, copy=True),
+                                                   "exp_avg_sq": optimizer[f"{name}.exp_avg_sq"].to(device, copy=True)}
 
     def snapshot(self, name: str) -> AdapterHandle:
         """A frozen copy of the adapter as it is now, attached to the base as `name` (what a sampler samples)."""
@@ -123,6 +130,19 @@ class InteractiveModel:
     def close(self) -> None:
         """Take the adapter off the base (its weights are gone unless saved)."""
         remove_adapter(self.base.model, self.name)
+
+
+def clip_gradients(parameters: list[torch.nn.Parameter], limit: float) -> float:
+    """The gradients' global norm, and with `limit` > 0 the gradients scaled to at most that norm, as an aspen
+    job's step takes them (optim.gradient_squares, chained_sum, apply_step): each tensor's norm squared in
+    float64, summed from the last tensor back, the factor min(limit / (norm + 1e-6), 1)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = math.sqrt(chained_sum(torch.stack(torch._foreach_norm(grads)).to(torch.float64).square_().tolist()))
+    if limit > 0:
+        torch._foreach_mul_(grads, [min(limit / (norm + 1e-6), 1.0)] * len(grads))
+    return norm
 
 
 def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> list[str]:

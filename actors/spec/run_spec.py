@@ -71,6 +71,15 @@ class RunSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _no_interactive(self) -> RunSpec:
+        for index, job in enumerate(self.jobs):
+            if job.method == "interactive":
+                raise ValueError(f"job '{job.name}' (jobs[{index}]): method interactive is a model of the Tinker API, "
+                                 "created by its user's own loop (create_lora_training_client; docs/tinker.md), never "
+                                 "submitted; choose sft, dpo, orpo, cpo or grpo")
+        return self
+
+    @model_validator(mode="after")
     def _unique_names(self) -> RunSpec:
         seen: set[str] = set()
         for job in self.jobs:

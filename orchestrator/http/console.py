@@ -22,7 +22,8 @@ def jobs_file_of(submission: JobSubmission) -> dict[str, Any]:
     job.setdefault("name", submission.job.name)
     # the format's `type` picks its kind (a discriminator): kept where it is the default, or the file reads
     # back as no format at all
-    job["format"] = {"type": submission.job.format.type, **job.get("format", {})}
+    if submission.job.format is not None:   # none: an interactive model's (its data are its user's calls)
+        job["format"] = {"type": submission.job.format.type, **job.get("format", {})}
     return {"base_model": submission.base_model, "quantization": submission.quantization, "dtype": submission.dtype,
             "seed": submission.seed, "jobs": [job]}
 

@@ -261,6 +261,15 @@ class SchedulerActor:
             return {"job": opened.record.id, "trainer": opened.trainer, "output_dir": opened.record.output_dir,
                     "handle": self.fleet.handle_of(opened.trainer)}
 
+    def reopen_interactive(self, job_id: str, lost_trainer: str) -> dict[str, Any]:
+        """Place a model whose trainer was lost again: {job, trainer, handle, output_dir}, as `open_interactive`."""
+        with self.lock:
+            candidates = [s for s in self.fleet.ready_statuses() if self.fleet.single_device(s.trainer_id)]
+            with self.table.transaction():
+                opened = self.core.interactive.reopen(job_id, lost_trainer, candidates)
+            return {"job": opened.record.id, "trainer": opened.trainer, "output_dir": opened.record.output_dir,
+                    "handle": self.fleet.handle_of(opened.trainer)}
+
     def close_interactive(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> JobRecord:
         with self.lock:
             return self.core.interactive.close(job_id, state, reason, adapter_dir)

@@ -7,6 +7,7 @@ folder complete before its path is answered; nothing is unpickled when read."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,16 +22,50 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "interactive_state.json"
 
 
-def save_state(model: InteractiveModel, folder: str | Path, base_model: str, model_id: str, user: str) -> Path:
+def save_state(model: InteractiveModel, folder: str | Path, base_model: str, model_id: str, user: str,
+               seq: int | None = None) -> Path:
     folder = Path(folder)
     identity = identity_of(model)
     save_adapter(model.adapter, folder, identity.serving_id, {"base_model": identity.metadata, "base_name": base_model,
                                                              "model_id": model_id, "user": user,
                                                              "lora_rank": model.rank})
     write_durably(folder / OPTIMIZER_FILE, save(model.optimizer_tensors()))
-    write_durably(folder / STATE_FILE, json.dumps({"rank": model.rank, "steps": model.steps, "user": user,
-                                                   "base_model": base_model, "model_id": model_id}))
+    facts = {"rank": model.rank, "steps": model.steps, "user": user, "base_model": base_model, "model_id": model_id}
+    if seq is not None:   # a service's checkpoint: the seq_id of the call it was written after
+        facts["seq"] = seq
+    write_durably(folder / STATE_FILE, json.dumps(facts))
     return folder
+
+
+CHECKPOINT_FOLDER = "checkpoint"
+
+
+def write_checkpoint(model: InteractiveModel, job_dir: Path, base_model: str, model_id: str, user: str,
+                     seq: int) -> Path:
+    """A service's checkpoint of the model after its call `seq`, in `<job_dir>/checkpoint` (what `aspen export
+    --checkpoint` exports): written whole in `checkpoint.partial`, then put in place of the last one, which
+    stays readable as `checkpoint.old` until then (`read_checkpoint` falls back to it)."""
+    final, partial, old = (job_dir / name for name in (CHECKPOINT_FOLDER, f"{CHECKPOINT_FOLDER}.partial",
+                                                       f"{CHECKPOINT_FOLDER}.old"))
+    shutil.rmtree(partial, ignore_errors=True)
+    save_state(model, partial, base_model, model_id, user, seq)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_checkpoint(job_dir: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """The model's last checkpoint in `job_dir` (read_state's facts, weights and optimizer tensors; the facts
+    with its `seq`), or None where it has none."""
+    for name in (CHECKPOINT_FOLDER, f"{CHECKPOINT_FOLDER}.old"):
+        if (job_dir / name / STATE_FILE).is_file():
+            saved = read_state(job_dir / name)
+            if isinstance(saved[0].get("seq"), int):
+                return saved
+    return None
 
 
 def identity_of(model: InteractiveModel) -> BaseIdentity:

@@ -3,7 +3,14 @@ trainer's InteractiveCalls in one process, but each model is a job the scheduler
 calls go to its trainer over the service's client (orchestrator/tinker/tinker_service.py, through the HTTP
 server's Ray connection). A call is queued there at once; one poller thread per trainer takes the outcomes of
 this front's calls and completes their futures. A session's end finishes its models: each one's final adapter
-is written to its job's folder after its last call (what `aspen export` exports) and its job completes."""
+is written to its job's folder after its last call (what `aspen export` exports) and its job completes.
+
+A trainer that dies takes its models' state with it, not their calls: the front keeps each model's calls since
+its last checkpoint (the trainer checkpoints every few optimizer steps and says so with the step's outcome),
+and when the trainer is found lost it places the model again (the scheduler picks a trainer with room), creates
+it there from that checkpoint and sends those calls again, in order. The user's futures wait meanwhile (the SDK
+sees "try again"), and get the answers of the calls sent again: nothing they were answered is lost, and the
+state goes on from exactly where it was."""
 
 from __future__ import annotations
 
@@ -13,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from actors.service.trainer.interactive_commands import SaveSampler
+from orchestrator.tinker.tinker_service import LOST_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,20 @@ class CallFailed(Exception):
         self.category = category
 
 
+RECOVER_FOR_S = 300.0      # how long a model whose trainer was lost is tried to be placed again
+RECOVER_EVERY_S = 1.0
+
+
+@dataclass
+class LoggedCall:
+    """A model's call since its last checkpoint: sent again if its trainer is lost."""
+
+    kind: str
+    payload: Any
+    future: Future
+    sent: bool = False   # sent again to the trainer the model was placed on after a loss
+
+
 @dataclass
 class RemoteModel:
     job: str
@@ -44,6 +66,12 @@ class RemoteModel:
     output_dir: str
     base_model: str
     owner: str | None
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    first_seq: int = 1
+    log: dict[int, LoggedCall] = field(default_factory=dict)   # seq_id -> call, since the last checkpoint
+    recovering: bool = False
 
 
 def service_caller(link: Any) -> Callable[..., Any]:
@@ -89,7 +117,7 @@ class RemoteCalls:
         opened = self.call("tinker.open", model_id, base_model, rank, owner, seed, train_attn, train_mlp, first_seq)
         with self.lock:
             self.models[model_id] = RemoteModel(opened["job"], opened["trainer"], rank, opened["output_dir"],
-                                                base_model, owner)
+                                                base_model, owner, seed, train_attn, train_mlp, first_seq)
 
     def model(self, model_id: str) -> RemoteModel:
         try:
@@ -107,8 +135,27 @@ class RemoteCalls:
 
     def submit(self, model_id: str, seq_id: int, kind: str, payload: Any) -> Future:
         model = self.model(model_id)
-        return self._queued(model.trainer, self.call("tinker.submit", model.trainer, self.front, model_id, seq_id,
-                                                     kind, payload))
+        with self.lock:
+            logged = model.log.get(seq_id)
+            if logged is not None:
+                return logged.future   # the SDK's resend of the same call
+            logged = model.log[seq_id] = LoggedCall(kind, payload, Future())
+            if model.recovering:
+                return logged.future   # sent once the model is placed again
+            trainer = model.trainer
+        try:
+            self._send(trainer, model_id, seq_id, logged)
+        except HTTPException as error:
+            if LOST_HEADER not in (error.headers or {}):
+                with self.lock:
+                    model.log.pop(seq_id, None)
+                raise
+            self._lost(trainer)   # the call is sent again where the model is placed next
+        return logged.future
+
+    def _send(self, trainer: str, model_id: str, seq_id: int, logged: LoggedCall) -> None:
+        key = self.call("tinker.submit", trainer, self.front, model_id, seq_id, logged.kind, logged.payload)
+        self._await(trainer, key, logged.future, (model_id, seq_id))
 
     def submit_sample(self, call: Any, *, model_id: str | None = None, base_model: str | None = None) -> Future:
         trainer = (self.model(model_id).trainer if model_id is not None
@@ -153,15 +200,20 @@ class RemoteCalls:
     # -- outcomes ---------------------------------------------------------------------------------------------
     def _queued(self, trainer: str, key: str) -> Future:
         future: Future = Future()
+        self._await(trainer, key, future, None)
+        return future
+
+    def _await(self, trainer: str, key: str, future: Future, call: tuple[str, int] | None) -> None:
+        """Complete `future` with the outcome of `key` on `trainer`; `call`: the model's call it is (model id,
+        seq_id), whose outcome may say the model was checkpointed after it."""
         with self.lock:
-            self.waiting.setdefault(trainer, {})[key] = future
+            self.waiting.setdefault(trainer, {})[key] = (future, call)
             poller = self.pollers.get(trainer)
             if poller is None or not poller.is_alive():
                 poller = threading.Thread(target=self._poll, args=(trainer,), name=f"tinker-take-{trainer}",
                                           daemon=True)
                 self.pollers[trainer] = poller
                 poller.start()
-        return future
 
     def _poll(self, trainer: str) -> None:
         failing_since: float | None = None
@@ -174,6 +226,9 @@ class RemoteCalls:
                 outcomes = self.call("tinker.take", trainer, self.front)
                 failing_since = None
             except HTTPException as error:
+                if LOST_HEADER in (error.headers or {}):
+                    self._lost(trainer)
+                    continue
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if error.status_code != 503 or now - failing_since > TAKE_FAILURES_S:
@@ -182,9 +237,13 @@ class RemoteCalls:
                 continue
             for outcome in outcomes:
                 with self.lock:
-                    future = self.waiting.get(trainer, {}).pop(outcome.key, None)
+                    future, call = self.waiting.get(trainer, {}).pop(outcome.key, (None, None))
                 if future is None:
                     continue
+                if call is not None and outcome.checkpoint_seq is not None:
+                    self._checkpointed(*call)
+                if future.done():
+                    continue   # a call sent again after its trainer was lost, answered before
                 if outcome.error is not None:
                     future.set_exception(CallFailed(outcome.error, outcome.category))
                 else:
@@ -195,5 +254,85 @@ class RemoteCalls:
     def _fail_all(self, trainer: str, error: Exception) -> None:
         with self.lock:
             waiting = self.waiting.pop(trainer, {})
-        for future in waiting.values():
-            future.set_exception(error)
+        for future, _ in waiting.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _checkpointed(self, model_id: str, seq_id: int) -> None:
+        """The model was checkpointed after its call `seq_id`: its calls up to it are not sent again."""
+        with self.lock:
+            model = self.models.get(model_id)
+            if model is not None:
+                for seq in [seq for seq in model.log if seq <= seq_id]:
+                    del model.log[seq]
+                model.first_seq = seq_id + 1
+
+    # -- a trainer lost ---------------------------------------------------------------------------------------
+    def _lost(self, trainer: str) -> None:
+        """`trainer` is gone: its calls' outcomes will not come; its models are placed again (a thread each)."""
+        with self.lock:
+            waiting = self.waiting.pop(trainer, {})
+            models = [(model_id, model) for model_id, model in self.models.items()
+                      if model.trainer == trainer and not model.recovering]
+            for _, model in models:
+                model.recovering = True
+        orphans = [future for future, call in waiting.values() if call is None and not future.done()]
+        for future in orphans:   # a sample or a model's end: not sent again
+            future.set_exception(CallFailed(f"trainer {trainer} was lost during this call; send it again", "server"))
+        for model_id, model in models:
+            log.warning("tinker: trainer %s was lost; model %s is placed again from its checkpoint", trainer,
+                        model_id)
+            threading.Thread(target=self._recover, args=(model_id, model, trainer), name=f"tinker-resume-{model_id}",
+                             daemon=True).start()
+
+    def _recover(self, model_id: str, model: RemoteModel, lost: str) -> None:
+        deadline = time.monotonic() + RECOVER_FOR_S
+        while True:
+            try:
+                placed = self.call("tinker.reopen", model.job, model_id, lost, model.base_model, model.rank,
+                                   model.owner, model.seed, model.train_attn, model.train_mlp, model.first_seq)
+                break
+            except HTTPException as error:
+                if error.status_code != 503 or time.monotonic() > deadline:
+                    self._give_up(model_id, model, f"it could not be placed again after its trainer {lost} was "
+                                                   f"lost: {error.detail}")
+                    return
+                time.sleep(RECOVER_EVERY_S)
+        resumed_from = placed["checkpoint_seq"]
+        if resumed_from is not None:   # checkpointed after calls whose answers did not come back before the loss
+            with self.lock:
+                done = [model.log.pop(seq) for seq in sorted(model.log) if seq <= resumed_from]
+            for call in done:
+                if not call.future.done():
+                    call.future.set_exception(CallFailed(
+                        f"this call ran, and model {model_id} was checkpointed after it, but its trainer {lost} was "
+                        "lost before its answer came back; the model goes on from that checkpoint", "server"))
+        while True:   # the calls after the checkpoint again, in order (and those arriving meanwhile)
+            with self.lock:
+                model.trainer = placed["trainer"]
+                pending = sorted((seq, call) for seq, call in model.log.items()
+                                 if not call.sent)
+                if not pending:
+                    model.recovering = False
+                    break
+                for _, call in pending:
+                    call.sent = True
+            try:
+                for seq, call in pending:
+                    self._send(placed["trainer"], model_id, seq, call)
+            except HTTPException as error:
+                self._give_up(model_id, model, f"its calls could not be sent again: {error.detail}")
+                return
+        for call in model.log.values():
+            call.sent = False   # (sent again where its trainer is lost next)
+        log.info("tinker: model %s resumed on %s from %s", model_id, placed["trainer"],
+                 f"its checkpoint after call {resumed_from}" if resumed_from is not None else "its start")
+
+    def _give_up(self, model_id: str, model: RemoteModel, why: str) -> None:
+        log.error("tinker: model %s: %s", model_id, why)
+        with self.lock:
+            self.models.pop(model_id, None)
+            calls = list(model.log.values())
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(CallFailed(f"model {model_id} was lost: {why}", "server"))

@@ -17,7 +17,10 @@ from actors.service.scheduler.config import NAMESPACE
 CALL_TIMEOUT_S = 60.0
 
 
-def _get(ref: Any, what: str) -> Any:
+LOST_HEADER = "X-Aspen-Trainer-Lost"   # on a 503 whose trainer is gone (its actor died): its id
+
+
+def _get(ref: Any, what: str, trainer: str | None = None) -> Any:
     """The call's result; its errors as HTTP answers (a KeyError 404, a ValueError or TypeError 422, the
     service's refusal for want of room, a trainer that is gone, a timeout: 503, which the SDK retries)."""
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -28,8 +31,9 @@ def _get(ref: Any, what: str) -> Any:
         raise HTTPException(503, f"{what}: the service did not answer within {CALL_TIMEOUT_S:.0f}s",
                             headers={"Retry-After": "5"}) from None
     except RayActorError as error:
+        headers = {"Retry-After": "5"} | ({LOST_HEADER: trainer} if trainer is not None else {})
         raise HTTPException(503, f"{what}: its trainer or the scheduler is gone ({type(error).__name__}); try "
-                                 "again", headers={"Retry-After": "5"}) from None
+                                 "again", headers=headers) from None
     except RayTaskError as error:
         cause = error.cause if getattr(error, "cause", None) is not None else error
         message = str(cause.args[0]) if getattr(cause, "args", None) else str(cause)
@@ -73,14 +77,36 @@ class TinkerService:
         handle = answer.pop("handle")
         if handle is not None:
             self.handles[answer["trainer"]] = handle
-        trainer = self._trainer(answer["trainer"])
         try:
-            _get(trainer.tinker_open.remote(answer["job"], model_id, rank, user, seed, train_attn, train_mlp,
-                                            first_seq), f"create model {model_id}")
+            self._on(answer["trainer"], "tinker_open", f"create model {model_id}", answer["job"], model_id, rank, user,
+                     seed, train_attn, train_mlp, first_seq, answer["output_dir"], base_model)
         except Exception:
             self.scheduler.close_interactive.remote(answer["job"], "failed", "its trainer could not create it")
             raise
         return answer
+
+    def reopen(self, job_id: str, model_id: str, lost_trainer: str, base_model: str, rank: int, user: str | None,
+               seed: int = 0, train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> dict[str, Any]:
+        """Place a model whose trainer was lost again and create it there from its checkpoint: {job, trainer,
+        output_dir, checkpoint_seq (None: none; its calls from `first_seq` on are to be sent again)}."""
+        self.handles.pop(lost_trainer, None)
+        answer = _get(self.scheduler.reopen_interactive.remote(job_id, lost_trainer), f"resume model {model_id}")
+        handle = answer.pop("handle")
+        if handle is not None:
+            self.handles[answer["trainer"]] = handle
+        answer["checkpoint_seq"] = self._on(answer["trainer"], "tinker_open", f"resume model {model_id}", job_id,
+                                            model_id, rank, user, seed, train_attn, train_mlp, first_seq,
+                                            answer["output_dir"], base_model, True)
+        return answer
+
+    def _on(self, trainer: str, method: str, what: str, *args: Any) -> Any:
+        """A trainer actor's method; a trainer found dead is forgotten (its successor is looked up next time)."""
+        try:
+            return _get(getattr(self._trainer(trainer), method).remote(*args), what, trainer)
+        except HTTPException as error:
+            if LOST_HEADER in (error.headers or {}):
+                self.handles.pop(trainer, None)
+            raise
 
     def trainer_of_base(self, base_model: str) -> str:
         answer = _get(self.scheduler.interactive_trainer.remote(base_model), f"a trainer of {base_model}")
@@ -89,23 +115,23 @@ class TinkerService:
         return answer["trainer"]
 
     def submit(self, trainer: str, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
-        return _get(self._trainer(trainer).tinker_submit.remote(front, model_id, seq_id, kind, payload),
-                    f"model {model_id}'s call {seq_id}")
+        return self._on(trainer, "tinker_submit", f"model {model_id}'s call {seq_id}", front, model_id, seq_id, kind,
+                        payload)
 
     def sample(self, trainer: str, front: str, call: Any) -> str:
-        return _get(self._trainer(trainer).tinker_sample.remote(front, call), "a sampling call")
+        return self._on(trainer, "tinker_sample", "a sampling call", front, call)
 
     def take(self, trainer: str, front: str) -> list[Any]:
-        return _get(self._trainer(trainer).tinker_take.remote(front), f"the outcomes on {trainer}")
+        return self._on(trainer, "tinker_take", f"the outcomes on {trainer}", front)
 
     def finish(self, trainer: str, front: str, model_id: str, last: Any) -> str:
-        return _get(self._trainer(trainer).tinker_finish.remote(front, model_id, last), f"ending model {model_id}")
+        return self._on(trainer, "tinker_finish", f"ending model {model_id}", front, model_id, last)
 
     def close_job(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> None:
         _get(self.scheduler.close_interactive.remote(job_id, state, reason, adapter_dir), f"ending job {job_id}")
 
     def drop_adapter(self, trainer: str, name: str) -> None:
-        _get(self._trainer(trainer).tinker_drop_adapter.remote(name), "dropping a sampler")
+        self._on(trainer, "tinker_drop_adapter", "dropping a sampler", name)
 
     def facts(self, trainer: str) -> dict[str, Any]:
-        return _get(self._trainer(trainer).tinker_facts.remote(), f"the base of {trainer}")
+        return self._on(trainer, "tinker_facts", f"the base of {trainer}")

@@ -46,7 +46,8 @@ def served(ray_session, tiny_model_dirs, tmp_path_factory):
     root, _ = book.add("root", admin=True)
     alice, _ = book.add("alice")
     bob, _ = book.add("bob")
-    client = Client.local(service_config(state, tiny_model_dirs["llama"], interactive_window_s=WINDOW_S))
+    client = Client.local(service_config(state, tiny_model_dirs["llama"], interactive_window_s=WINDOW_S,
+                                         interactive_checkpoint_every=2))
     client.wait_ready(timeout=300)
     app = create_app(ServiceLink(client=client), root, users=book, tinker_dir=lambda: state / "tinker")
     with running_server(app) as url:
@@ -175,3 +176,36 @@ def test_a_cancelled_model_fails_its_users_next_call_saying_so(served):
     with pytest.raises(Exception, match="closed|no model"):
         training.forward_backward(datums(batch(9)), "cross_entropy").result()
     assert served["client"].status(record.id).state == "cancelled"
+
+
+def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_checkpoints(served):
+    """The trainer dies while a call of the user's loop waits: the model is placed on its successor from its last
+    checkpoint (every 2 optimizer steps here), the calls after it are sent again, and the loop goes on as if
+    nothing happened: the same losses and the same final adapter as the engine's uninterrupted run."""
+    import ray
+
+    from actors.service.scheduler.config import NAMESPACE
+
+    client, seeds = served["client"], [11, 12, 13, 14, 15]
+    service = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
+    training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+    losses = []
+    for index, seed in enumerate(seeds):
+        pending = training.forward_backward(datums(batch(seed)), "cross_entropy")
+        if index == 3:   # after a checkpoint (step 2) and a step past it: fb 3 and optim 3 must be sent again
+            trainer = client.trainers()[0]
+            ray.kill(ray.get_actor(trainer["actor_name"], namespace=NAMESPACE), no_restart=True)
+        losses.append(pending.result().metrics["loss:sum"])
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    record = job_of(client, training.model_id)
+    states = [state for _, state, _ in client.transitions(record.id)]
+    assert states[-3:] == ["running", "queued", "running"], states
+    assert client.trainers()[0]["restarts"] == 1
+    service.close("success").result()
+    expected, expected_losses = engine_reference(served["base"], seeds)
+    assert losses == expected_losses
+    done = wait_for(lambda: (r := client.status(record.id)).finished and r, what="the job to complete")
+    assert done.state == "completed" and done.checkpoint_step == 4, done
+    weights = load_file(Path(done.adapter_dir) / "adapter_model.safetensors")
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name

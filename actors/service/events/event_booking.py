@@ -148,10 +148,10 @@ class EventBooking:
         for record in self.table.all(("running",)):
             if record.trainer != trainer_id:
                 continue
-            if self.table.submission(record.id).job.method == "interactive":   # its calls went with the trainer
-                self.table.set_state(record.id, "failed", f"trainer {trainer_id} was lost ({error}), and the "
-                                     "interactive model with it; its saved states remain "
-                                     "(create_training_client_from_state resumes one)", trainer=None)
+            if self.table.submission(record.id).job.method == "interactive":   # its front places it again
+                step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "its start"
+                self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); the model "
+                                     f"resumes from {step} on another when its user's loop calls again", trainer=None)
                 continue
             step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
             self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); resumes from {step}",

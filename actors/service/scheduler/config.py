@@ -77,6 +77,9 @@ class TrainerConfig(StrictModel):
     interactive_window_s: Annotated[float, Bounds(0, 10)] = Field(
         0.005, description="how long an interactive model's call (the Tinker API's) waits for other models' calls "
                            "to share its pass over the base")
+    interactive_checkpoint_every: Annotated[int, Bounds(0, 10**9)] = Field(
+        10, description="optimizer steps between an interactive model's checkpoints, from which it resumes where its "
+                        "trainer is lost (0: none)")
     prefetch: Annotated[int, Bounds(1, 1024)] = Field(
         4, description="micro-batches each job keeps on their way to the trainer")
     step_log: Path | None = Field(None, description="where its per-step rows go (default: "

@@ -100,17 +100,7 @@ class InteractiveJobs:
         if not targets:
             raise ValueError("train_attn and train_mlp are both false: nothing to train")
         submission = interactive_submission(model_id, base_model, rank, targets, user)
-        best, best_free, need = None, None, 0
-        for status in same_base:
-            view = trainer_view(status)
-            need = job_adapter_bytes(submission.job.lora, view)
-            held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in status.jobs)
-            free = view.memory_budget_bytes - held - need
-            if free >= 0 and (best_free is None or free > best_free):
-                best, best_free = status, free
-        if best is None:
-            raise NoRoom(f"no trainer holding {base_model} has room for a rank-{rank} model now ({need / 2**20:.1f} "
-                         "MiB with its optimizer state beside the jobs it holds); try again when a job ends")
+        best, need = self._place(submission, same_base)
         job_id = submission.job.name
         try:
             existing = self.table.get(job_id)
@@ -124,6 +114,41 @@ class InteractiveJobs:
         self.table.add(job_id, submission, output)
         record = self.table.set_state(job_id, "running", f"an interactive model of {user or 'an operator'} on "
                                       f"{best.trainer_id}", trainer=best.trainer_id)
+        self.table.after_commit(lambda: setattr(self.scheduling.of(job_id), "memory", need))
+        return Opened(record, best.trainer_id)
+
+    def _place(self, submission: JobSubmission, same_base: list[TrainerStatus]) -> tuple[TrainerStatus, int]:
+        """The trainer with the most memory left once the model's adapter and optimizer state are on it, and
+        what those need; NoRoom where none has the room now."""
+        best, best_free, need = None, None, 0
+        for status in same_base:
+            view = trainer_view(status)
+            need = job_adapter_bytes(submission.job.lora, view)
+            held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in status.jobs)
+            free = view.memory_budget_bytes - held - need
+            if free >= 0 and (best_free is None or free > best_free):
+                best, best_free = status, free
+        if best is None:
+            raise NoRoom(f"no ready trainer holding {submission.base_model} has room for a rank-"
+                         f"{submission.job.lora.r} model now ({need / 2**20:.1f} MiB with its optimizer state beside "
+                         "the jobs it holds); try again when a job ends")
+        return best, need
+
+    def reopen(self, job_id: str, lost_trainer: str, candidates: list[TrainerStatus]) -> Opened:
+        """Place a model whose trainer was lost again (its front resumes it there from its checkpoint).
+        KeyError: its job has ended; NoRoom: the loss is not booked yet, or no trainer has the room now."""
+        record = self.table.get(job_id)
+        if record.finished:
+            raise KeyError(f"job {job_id} has ended ({record.state}: {record.reason})")
+        if record.state == "running":
+            if record.trainer != lost_trainer:
+                return Opened(record, record.trainer or "")   # placed again already (a retried call)
+            raise NoRoom(f"the loss of trainer {lost_trainer} is not booked yet; try again")
+        submission = self.table.submission(job_id)
+        best, need = self._place(submission, [s for s in candidates if s.base_model == submission.base_model])
+        step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "its start"
+        record = self.table.set_state(job_id, "running", f"an interactive model of {record.user or 'an operator'} "
+                                      f"on {best.trainer_id}, resumed from {step}", trainer=best.trainer_id)
         self.table.after_commit(lambda: setattr(self.scheduling.of(job_id), "memory", need))
         return Opened(record, best.trainer_id)
 

@@ -140,11 +140,11 @@ class SchedulerCore:
         or, with `resume=False`, they and the queued ones are paused until someone resumes them (`aspen run`
         decides per job whether its spec still matches)."""
         recovered = []
-        for record in self.table.all(("running",) if resume else ("running", "queued")):
-            if self.is_interactive(record.id):   # its session's calls were on the trainer that went
+        for record in self.table.all(ACTIVE_STATES):
+            if self.is_interactive(record.id):   # its session's calls were on the trainers that went
                 self.interactive.close(record.id, "failed", "the service restarted, which ends interactive models; "
                                        "its saved states remain (create_training_client_from_state resumes one)")
-                continue
+        for record in self.table.all(("running",) if resume else ("running", "queued")):
             step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
             if resume:
                 self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
@@ -205,6 +205,8 @@ class SchedulerCore:
         views = tuple(replace(trainer_view(t), node=self.node_of(t.trainer_id)) for t in trainers)
         jobs = []
         for record in self.table.all(ACTIVE_STATES):
+            if record.state != "running" and self.is_interactive(record.id):
+                continue   # placed by its front (actors/service/scheduler/interactive_jobs.py), never by the policy
             self.scheduling.of(record.id).table_reason = record.reason
             try:
                 view = self._job_view(record, views)

@@ -3,6 +3,11 @@ HTTP server's Ray connection): it opens a model for its job, takes each call wit
 comes back), and keeps each finished call's outcome for the front that sent it until that front takes it
 (`take`), so that a trainer actor that answers one call at a time never blocks on a model's call.
 
+Each model is checkpointed (its adapter and AdamW state, `checkpoint/` in its job's folder) every
+`checkpoint_every` optimizer steps, right after the step and before its next call, with the `seq_id` of that
+step: a front whose trainer is lost opens the model again on another from that checkpoint and sends the calls
+after it again (orchestrator/tinker/remote_calls.py), so that nothing its user was answered is lost.
+
 It also reports each model as a job: every fused pass is a row of the trainer's step log and a `step` event
 (each job accounted its tokens, as a batch job's share of a fused step is: fair share and the accounts), and
 every optimizer step a `progress` event (its step, the summed loss of the calls since the last, its tokens),
@@ -16,8 +21,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from actors.checkpoint.interactive_state import read_checkpoint, write_checkpoint
 from actors.service.trainer.interactive_calls import InteractiveCalls
 from actors.service.trainer.trainer_reports import TrainerEvents
 
@@ -33,6 +40,7 @@ class Outcome:
     value: Any = None
     error: str | None = None
     category: str = "server"
+    checkpoint_seq: int | None = None   # the model was checkpointed after this call (its seq_id)
 
 
 @dataclass
@@ -41,6 +49,8 @@ class ModelJob:
 
     job_id: str
     owner: str | None
+    output_dir: str | None = None   # its job's folder: checkpoints go to `checkpoint/` there
+    base_name: str = ""
     step: int = 0
     tokens: int = 0          # since the last optimizer step
     loss_sum: float = 0.0    # of the forward_backward calls since the last optimizer step
@@ -51,8 +61,9 @@ class InteractiveDesk:
     """The interactive models of one trainer as jobs, and their calls' outcomes by front."""
 
     def __init__(self, calls: InteractiveCalls, events: TrainerEvents, trainer_id: str,
-                 write_step: Callable[[dict[str, Any]], None], gpus: int = 0):
+                 write_step: Callable[[dict[str, Any]], None], gpus: int = 0, checkpoint_every: int = 10):
         self.calls = calls
+        self.checkpoint_every = checkpoint_every
         self.events = events
         self.trainer_id = trainer_id
         self.write_step = write_step
@@ -66,17 +77,29 @@ class InteractiveDesk:
 
     # -- the front's calls (the trainer actor's tinker_* methods) -------------------------------------------
     def open(self, job_id: str, model_id: str, rank: int, *, owner: str | None, seed: int = 0,
-             train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> None:
+             train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1, output_dir: str | None = None,
+             base_name: str = "", resume: bool = False) -> int | None:
+        """Create the model for its job. `resume`: from its checkpoint in `output_dir` (its calls then start after
+        the checkpoint's); returns that checkpoint's seq_id (None: none, the model starts afresh at `first_seq`)."""
+        saved = read_checkpoint(Path(output_dir)) if resume and output_dir else None
+        if saved is not None:
+            first_seq = int(saved[0]["seq"]) + 1
         self.calls.create_model(model_id, rank, owner=owner, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
                                 first_seq=first_seq)
+        model = ModelJob(job_id, owner, output_dir, base_name)
+        if saved is not None:
+            facts, weights, optimizer = saved
+            self.calls.models[model_id].model.load(weights, optimizer)
+            self.calls.models[model_id].model.steps = model.step = int(facts.get("steps", 0))
         with self.lock:
-            self.models.setdefault(model_id, ModelJob(job_id, owner))
+            self.models.setdefault(model_id, model)
+        return None if saved is None else int(saved[0]["seq"])
 
     def submit(self, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
         """Queue a call; its outcome waits for `front` under the key returned."""
         if not callable(payload) and kind == "apply":
             raise TypeError(f"an apply call's payload must be callable, not {type(payload).__name__}")
-        return self._track(front, self.calls.submit(model_id, seq_id, kind, payload), model_id, kind)
+        return self._track(front, self.calls.submit(model_id, seq_id, kind, payload), model_id, kind, seq_id)
 
     def sample(self, front: str, call: Any) -> str:
         return self._track(front, self.calls.submit_sample(call), None, "sample")
@@ -120,28 +143,33 @@ class InteractiveDesk:
             return sorted({model.job_id for model in self.models.values()})
 
     # -- outcomes, on the stepping thread -------------------------------------------------------------------
-    def _track(self, front: str, future: Future, model_id: str | None, kind: str) -> str:
+    def _track(self, front: str, future: Future, model_id: str | None, kind: str, seq: int | None = None) -> str:
         key = f"{self.trainer_id}:{next(self.keys)}"
-        future.add_done_callback(lambda done: self._finished(front, key, done, model_id, kind))
+        future.add_done_callback(lambda done: self._finished(front, key, done, model_id, kind, seq))
         return key
 
-    def _finished(self, front: str, key: str, future: Future, model_id: str | None, kind: str) -> None:
+    def _finished(self, front: str, key: str, future: Future, model_id: str | None, kind: str,
+                  seq: int | None) -> None:
+        """A call ended (on the stepping thread, before the model's next call runs): its outcome for the front;
+        an optimizer step is the job's progress, and every `checkpoint_every` steps its checkpoint."""
         error = future.exception()
         if error is not None:
             category = "user" if isinstance(error, USER_ERRORS) else "server"
             outcome = Outcome(key, error=str(error) or type(error).__name__, category=category)
         else:
-            outcome = Outcome(key, value=future.result())
+            checkpoint = None
             if model_id is not None:
-                self._account(model_id, kind, outcome.value)
+                checkpoint = self._account(model_id, kind, future.result(), seq)
+            outcome = Outcome(key, value=future.result(), checkpoint_seq=checkpoint)
         with self.lock:
             self.outcomes.setdefault(front, []).append(outcome)
 
-    def _account(self, model_id: str, kind: str, value: Any) -> None:
+    def _account(self, model_id: str, kind: str, value: Any, seq: int | None) -> int | None:
+        """Book a call's end; the seq_id of the checkpoint written after it, if one was."""
         with self.lock:
             model = self.models.get(model_id)
         if model is None:
-            return
+            return None
         if kind == "forward_backward":
             model.loss_sum += float(getattr(value, "loss_sum", 0.0))
             model.calls += 1
@@ -151,6 +179,13 @@ class InteractiveDesk:
             self.events.emit("progress", model.job_id, model.step, step=model.step, loss=loss, tokens=model.tokens,
                              lr=None, grad_norm=(value or {}).get("grad_norm:mean"), tokens_per_s=None)
             model.tokens, model.loss_sum, model.calls = 0, 0.0, 0
+            if (seq is not None and model.output_dir and self.checkpoint_every
+                    and model.step % self.checkpoint_every == 0 and model_id in self.calls.models):
+                write_checkpoint(self.calls.models[model_id].model, Path(model.output_dir), model.base_name, model_id,
+                                 model.owner or "", seq)
+                self.events.emit("checkpoint", model.job_id, model.step)
+                return seq
+        return None
 
     def _pass_ran(self, summary: dict[str, Any]) -> None:
         """A fused pass of interactive calls: a row of the step log and a `step` event, each job its tokens."""

@@ -111,7 +111,8 @@ class TrainerLoop:
         self.interactive = (InteractiveCalls(base, window_s=config.interactive_window_s,
                                              on_ready=self.commands.wake.set) if engine is None else None)
         self.desk = (InteractiveDesk(self.interactive, self.events, trainer_id, self.step_log.write,
-                                     gpus=1 if base.device.type == "cuda" else 0)
+                                     gpus=1 if base.device.type == "cuda" else 0,
+                                     checkpoint_every=config.interactive_checkpoint_every)
                      if self.interactive is not None else None)
         self.waits = JobWaits(trainer_id, config, self.events, self.active, self.ends.finish)
 

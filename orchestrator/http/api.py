@@ -234,6 +234,7 @@ def mount_tinker(app: FastAPI, link: ServiceLink, gate: Gate, weights_dir: Calla
     backend = TinkerBackend(RemoteCalls(service_caller(link)), None, weights_dir, authenticate).start()
     app.include_router(tinker_router(backend))
     app.router.on_shutdown.append(backend.close)
+    app.state.tinker = backend
 
 
 def is_loopback(host: str) -> bool:

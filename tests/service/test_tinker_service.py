@@ -8,6 +8,9 @@ fails its user's next call with the reason."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -51,7 +54,7 @@ def served(ray_session, tiny_model_dirs, tmp_path_factory):
     client.wait_ready(timeout=300)
     app = create_app(ServiceLink(client=client), root, users=book, tinker_dir=lambda: state / "tinker")
     with running_server(app) as url:
-        yield {"url": url, "client": client, "state": state, "base": base, "alice": alice, "bob": bob}
+        yield {"url": url, "client": client, "state": state, "base": base, "alice": alice, "bob": bob, "app": app}
     client.shutdown()
 
 
@@ -209,3 +212,50 @@ def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_ch
     weights = load_file(Path(done.adapter_dir) / "adapter_model.safetensors")
     for name, tensor in expected.items():
         assert torch.equal(weights[name], tensor), name
+
+
+KILLED_LOOP = """
+import sys, time
+import numpy as np
+import tinker
+from tinker import types
+
+url, key, base = sys.argv[1:4]
+training = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}").create_lora_training_client(base_model=base, rank=2)
+training = training.result()
+print(training.model_id, flush=True)
+datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 40))),
+                    loss_fn_inputs={"target_tokens": np.arange(2, 41, dtype=np.int64),
+                                    "weights": np.ones(39, dtype=np.float32)})
+training.forward_backward([datum] * 8, "cross_entropy")
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_client_killed_mid_call_ends_its_model_once_its_session_stops_beating(served, tmp_path):
+    """The user's process dies while its call waits: nothing else stops (another user's loop trains), the call
+    runs to its end on the trainer, and once the session has not beaten for the timeout the model's job
+    completes with its final adapter in its folder."""
+    backend = served["app"].state.tinker
+    backend.sessions.heartbeat_timeout_s = 2.0
+    script = tmp_path / "killed_loop.py"
+    script.write_text(KILLED_LOOP)
+    process = subprocess.Popen([sys.executable, str(script), served["url"], served["bob"], served["base"]],
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TINKER_TELEMETRY": "0"})
+    try:
+        model_id = process.stdout.readline().strip()
+        assert process.stdout.readline().strip() == "sent", "the loop did not send its call"
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    try:
+        other = loop(served["url"], served["alice"], served["base"], [21, 22])
+        assert len(other["losses"]) == 2
+        record = job_of(served["client"], model_id)
+        done = wait_for(lambda: (r := served["client"].status(record.id)).finished and r, timeout=60,
+                        what="the killed client's model to end")
+    finally:
+        backend.sessions.heartbeat_timeout_s = 180.0
+    assert done.state == "completed" and "stopped beating" in done.reason, done
+    assert (Path(done.adapter_dir) / "adapter_model.safetensors").is_file()

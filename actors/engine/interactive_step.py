@@ -10,7 +10,7 @@ model's log-probability of that token there."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -130,3 +130,38 @@ def run_checked(base: BaseModel, calls: list[ModelCall], configs: list[dict[str,
     if backward and total is not None and total.requires_grad:
         total.backward()
     return outputs
+
+
+def split_passes(calls: list[ModelCall], max_tokens: int | None) -> list[list[tuple[int, ModelCall]]]:
+    """The calls in passes of at most `max_tokens` tokens (a trainer's step size: the memory a pass may take),
+    each a list of (the call's index, its part): calls that fit together share a pass, in order; a call larger
+    than the limit goes in parts of whole datums (a datum larger than the limit alone). None: one pass. A call's
+    parts' gradients add up to the whole call's (its loss is a sum over its datums), and its outputs are theirs
+    joined (`join_outputs`)."""
+    if max_tokens is None:
+        return [list(enumerate(calls))]
+    passes: list[list[tuple[int, ModelCall]]] = [[]]
+    room = max_tokens
+    for index, call in enumerate(calls):
+        part: list[CallDatum] = []
+        for datum in call.datums:
+            if len(datum.tokens) > room and (part or passes[-1]):
+                if part:
+                    passes[-1].append((index, replace(call, datums=tuple(part))))
+                    part = []
+                passes.append([])
+                room = max_tokens
+            part.append(datum)
+            room -= len(datum.tokens)
+        if part:
+            passes[-1].append((index, replace(call, datums=tuple(part))))
+    return [p for p in passes if p]
+
+
+def join_outputs(parts: list[CallOutput]) -> CallOutput:
+    """One call's output from the outputs of its parts, in order."""
+    if len(parts) == 1:
+        return parts[0]
+    return CallOutput(logprobs=[t for part in parts for t in part.logprobs],
+                      elementwise_loss=[t for part in parts for t in part.elementwise_loss],
+                      loss_sum=sum(part.loss_sum for part in parts))

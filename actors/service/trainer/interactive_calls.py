@@ -20,7 +20,15 @@ from typing import Any
 
 from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import AdamStep, InteractiveModel
-from actors.engine.interactive_step import ModelCall, base_limits, check_call, run_checked
+from actors.engine.interactive_step import (
+    CallOutput,
+    ModelCall,
+    base_limits,
+    check_call,
+    join_outputs,
+    run_checked,
+    split_passes,
+)
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
 from actors.engine.tinker_sampling import SampleCall, check_sample, sample
@@ -49,11 +57,12 @@ class ModelState:
 class InteractiveCalls:
     """The interactive models on one base and their pending calls."""
 
-    def __init__(self, base: BaseModel, *, window_s: float = DEFAULT_WINDOW_S,
+    def __init__(self, base: BaseModel, *, window_s: float = DEFAULT_WINDOW_S, max_pass_tokens: int | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
                  on_ready: Callable[[], None] | None = None):
         self.base = base
         self.window_s = window_s
+        self.max_pass_tokens = max_pass_tokens   # a pass's tokens at most (a trainer's step_tokens); None: any
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
         self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
         self.ready_since: float | None = None   # when the first call now waiting arrived (monotonic)
@@ -267,14 +276,19 @@ class InteractiveCalls:
         if not good:
             return
         started = time.perf_counter()
-        try:
-            outputs = run_checked(self.base, [pending.payload for _, _, pending in good], configs,
-                                  backward=backward)
+        parts: list[list[CallOutput]] = [[] for _ in good]
+        try:   # in passes no larger than the trainer's step (its memory), most often one
+            for group in split_passes([pending.payload for _, _, pending in good], self.max_pass_tokens):
+                outputs = run_checked(self.base, [part for _, part in group], [configs[i] for i, _ in group],
+                                      backward=backward)
+                for (index, _), output in zip(group, outputs, strict=True):
+                    parts[index].append(output)
         except Exception as error:   # the pass failed (e.g. out of memory): each call says so
             log.exception("interactive pass of %d calls failed", len(good))
             for _, _, pending in good:
                 pending.future.set_exception(RuntimeError(f"the fused pass failed: {error!r}"))
             return
+        outputs = [join_outputs(part) for part in parts]
         if self.on_step is not None:
             model_tokens: dict[str, int] = {}
             for model_id, _, pending in good:

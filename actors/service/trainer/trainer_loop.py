@@ -108,7 +108,9 @@ class TrainerLoop:
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
         self.ends = JobEnds(trainer_id, self.trainer, self.active, self.events, self.outputs, self.base_identity)
         # interactive models (the Tinker API's), their calls run between the jobs' steps; one device only
+        # (a pass no larger than a step: the trainer's memory plan covers it)
         self.interactive = (InteractiveCalls(base, window_s=config.interactive_window_s,
+                                             max_pass_tokens=self.trainer.step_tokens,
                                              on_ready=self.commands.wake.set) if engine is None else None)
         self.desk = (InteractiveDesk(self.interactive, self.events, trainer_id, self.step_log.write,
                                      gpus=1 if base.device.type == "cuda" else 0,

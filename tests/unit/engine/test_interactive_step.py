@@ -125,3 +125,36 @@ def test_a_call_the_base_cannot_take_is_refused_before_anything_runs():
         InteractiveModel(shared, "carol-0", 0)
     with pytest.raises(ValueError, match="adam_params: beta2 must be in"):
         first.optim_step(AdamStep(beta2=1.0))
+
+
+def test_a_call_larger_than_a_pass_goes_in_parts_whose_outputs_and_gradients_are_the_whole_calls():
+    """split_passes: a trainer's interactive pass holds at most its step's tokens; a larger call goes in parts of
+    whole datums, calls that fit share a pass. Each datum's outputs are the same whatever else is in its pass
+    (isolation: equality); the gradients, summed over the parts instead of in one pass, differ by the rounding
+    of summing the same terms in another order (tests/helpers/tolerances.py)."""
+    from actors.engine.interactive_step import join_outputs, split_passes
+
+    shared = base()
+    made = model(shared, "alice-0", 4, 1)
+    whole = ModelCall("alice-0", (datum(1, 9), datum(2, 13), datum(3, 6), datum(4, 17)))
+    small = ModelCall("alice-0", (datum(5, 4),))
+    passes = split_passes([whole, small], 24)
+    assert [[(index, [len(d.tokens) for d in part.datums]) for index, part in group] for group in passes] == [
+        [(0, [9, 13])], [(0, [6, 17])], [(1, [4])]]
+    assert split_passes([whole], None) == [[(0, whole)]]
+    assert [[len(d.tokens) for _, p in g for d in p.datums] for g in split_passes([whole], 5)] == [[9], [13], [6], [17]]
+    (expected,) = run_calls(shared, [whole], backward=True)
+    expected_grads = gradients(made)
+    clear(made)
+    parts = [run_calls(shared, [part for index, part in group if index == 0], backward=True)[0]
+             for group in passes[:2]]
+    joined = join_outputs(parts)
+    for got, want in zip(joined.logprobs + joined.elementwise_loss, expected.logprobs + expected.elementwise_loss,
+                         strict=True):
+        assert torch.equal(got, want)
+    tokens = sum(len(d.tokens) for d in whole.datums)
+    terms = llama_chain_terms(shared.model.config, sequence=17, tokens=tokens)
+    for name, gradient in gradients(made).items():
+        bound = rounding_tolerance(terms, float(expected_grads[name].abs().max()))
+        assert float((gradient - expected_grads[name]).abs().max()) <= bound, name
+    assert joined.loss_sum == pytest.approx(expected.loss_sum, rel=4 * 2**-24)

@@ -259,3 +259,33 @@ def test_a_client_killed_mid_call_ends_its_model_once_its_session_stops_beating(
         backend.sessions.heartbeat_timeout_s = 180.0
     assert done.state == "completed" and "stopped beating" in done.reason, done
     assert (Path(done.adapter_dir) / "adapter_model.safetensors").is_file()
+
+
+def test_sampling_on_the_service_is_transformers_greedy_decoding_with_the_saved_adapter(served):
+    """A model's saved sampler weights, sampled through the service (greedy), continue the prompt as Hugging Face's
+    generate does with PEFT's model of the same files; the job's spec reads back as a jobs file (the console's
+    clone) without data."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    service = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
+    training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+    for seed in (31, 32):
+        training.forward_backward(datums(batch(seed)), "cross_entropy").result()
+        training.optim_step(types.AdamParams(**ADAM)).result()
+    saved = training.save_weights_for_sampler("s1").result()
+    sampler = service.create_sampling_client(model_path=saved.path)
+    prompt = [5, 17, 3, 99, 42]
+    greedy = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                            types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    record = job_of(served["client"], training.model_id)
+    folder = Path(record.output_dir) / "sampler_weights" / "s1"
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served["base"], dtype=torch.float32),
+                                          folder).eval()
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert greedy.sequences[0].tokens == expected[0, len(prompt):].tolist()
+    spec = httpx.get(f"{served['url']}/v1/jobs/{record.id}/spec",
+                     headers={"Authorization": f"Bearer {served['alice']}"})
+    assert spec.status_code == 200 and "method: interactive" in spec.json()["yaml"]
+    service.close("success").result()

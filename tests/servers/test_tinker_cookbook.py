@@ -1,10 +1,11 @@
-"""tinker-cookbook's own recipes, their code unchanged, against aspen's Tinker API (orchestrator/tinker/) on the
-embedded smollm2-135m: the basic supervised recipe (recipes/sl_basic.py, on a conversations file this test
-writes) lowers its training loss, and its first step's loss is the base's own, as transformers computes it; the
-math RL recipe (recipes/math_rl/train.py, its arithmetic environment: a verifiable reward, no data to download)
-runs end to end and raises its reward. What they need here: the cookbook's tokenizer registry given the base's
-tokenizer (built from the GGUF file), the `qwen3_instruct` renderer (SmolLM2's ChatML chat template, checked
-below against the tokenizer's own), and no network: a connection anywhere but this machine fails the test."""
+"""tinker-cookbook's own recipes, their code unchanged, against aspen's Tinker API as `aspen http` serves it over
+a running service (a real local Ray, a trainer holding the embedded smollm2-135m; each recipe's model a job of
+its user): the basic supervised recipe (recipes/sl_basic.py, on a conversations file this test writes) lowers
+its training loss, and its first step's loss is the base's own, as transformers computes it; the math RL recipe
+(recipes/math_rl/train.py, its arithmetic environment: a verifiable reward, no data to download) runs end to end
+and raises its reward. What they need here: the cookbook's tokenizer registry given the base's tokenizer (built
+from the GGUF file), the `qwen3_instruct` renderer (SmolLM2's ChatML chat template, checked below against the
+tokenizer's own), and no network: a connection anywhere but this machine fails the test."""
 
 from __future__ import annotations
 
@@ -28,16 +29,18 @@ from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 from tinker_cookbook.utils import cost_estimation
 
 from actors.engine.models import load_base_model, resolve_source
-from actors.service.trainer.interactive_calls import InteractiveCalls
+from actors.service.accounts.users import UserBook
 from actors.storage.gguf_cache import converted_source
-from orchestrator.tinker.tinker_routes import TinkerBackend, tinker_router
+from orchestrator.client import Client
+from orchestrator.http.api import create_app
+from orchestrator.service_calls import ServiceLink
 from tests.helpers.http_server import running_server
+from tests.helpers.service import service_config
 
 pytestmark = pytest.mark.slow   # the real smollm2-135m, trained and sampled for a few steps
 
 BASE = "smollm2-135m"
 RENDERER = "qwen3_instruct"     # ChatML: <|im_start|>role\n...<|im_end|>, SmolLM2's chat template
-TOKEN = "cook-token"
 SYSTEM = {"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"},
@@ -86,24 +89,34 @@ def offline(monkeypatch):
     assert attempts == [], f"the recipe tried the network: {attempts}"
 
 
-@pytest.fixture
-def aspen(base, tmp_path, monkeypatch, offline):
-    """aspen's Tinker API on the base, as docs/tinker.md serves it; the cookbook finds the base's tokenizer
-    under the base's name and the server through TINKER_API_KEY and its config's base_url."""
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    monkeypatch.setenv("TINKER_API_KEY", f"tml-{TOKEN}")
-    tokenizer_utils.register_tokenizer(BASE, lambda: base.tokenizer)
-    backend = TinkerBackend(InteractiveCalls(base, window_s=0.005), BASE, tmp_path / "weights",
-                            {TOKEN: "cook"}.get).start()
-    from fastapi import FastAPI
-
-    app = FastAPI()
-    app.include_router(tinker_router(backend))
+@pytest.fixture(scope="module")
+def service(ray_session, tmp_path_factory):
+    """A service whose one trainer holds smollm2-135m, and `aspen http`'s app over it (its Tinker API) with a
+    user's token: (the URL, the token, the client)."""
+    state = tmp_path_factory.mktemp("state")
+    token, _ = UserBook.in_state_dir(state).add("cook")
+    client = Client.local(service_config(state, BASE, step_tokens=1024))
     try:
+        client.wait_ready(timeout=600)
+        app = create_app(ServiceLink(client=client), "t" * 20, users=UserBook.in_state_dir(state),
+                         tinker_dir=lambda: state / "tinker")
         with running_server(app) as url:
-            yield url
+            yield url, token, client
     finally:
-        backend.close()
+        client.shutdown()
+
+
+@pytest.fixture
+def aspen(service, base, monkeypatch, offline):
+    """The service's Tinker API; the cookbook finds the base's tokenizer under the base's name and the server
+    through TINKER_API_KEY and its config's base_url."""
+    url, token, _ = service
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("TINKER_API_KEY", f"tml-{token}")
+    tokenizer_utils.register_tokenizer(BASE, lambda: base.tokenizer)
+    try:
+        yield url
+    finally:
         tokenizer_utils.unregister_tokenizer(BASE)
 
 
@@ -126,7 +139,7 @@ def test_the_qwen3_instruct_renderer_writes_smollm2s_chat_template(base):
     assert renderer.get_stop_sequences() == [base.tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
-def test_the_basic_supervised_recipe_lowers_its_loss(aspen, base, tmp_path):
+def test_the_basic_supervised_recipe_lowers_its_loss(aspen, service, base, tmp_path):
     """recipes/sl_basic.py as its own __main__ runs it (its blueprint, then its main), with what its
     command line would set: the model, the renderer, a conversations file (the dataset it says to swap in),
     the server, a learning rate for 4 steps, a smaller rank."""
@@ -150,6 +163,9 @@ def test_the_basic_supervised_recipe_lowers_its_loss(aspen, base, tmp_path):
     assert abs(losses[0] - reference_nll(dataset)) <= 2e-4
     # the same 4 conversations, trained on at every step: the last step's loss is far below the first's
     assert losses[-1] < losses[0] / 2, losses
+    _, _, client = service   # the recipe's model was a job of the user, ended with its session
+    (job,) = [record for record in client.jobs() if record.user == "cook" and record.step == len(steps)]
+    assert job.state == "completed" and client.submission(job.id).job.method == "interactive", job
 
 
 def reference_nll(dataset: FromConversationFileBuilder) -> float:

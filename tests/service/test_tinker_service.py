@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,7 @@ from actors.service.accounts.users import UserBook
 from actors.service.trainer.interactive_calls import adapter_name
 from orchestrator.client import Client
 from orchestrator.http.api import create_app
-from orchestrator.service_calls import ServiceLink
+from orchestrator.http.bridge import ProcessLink
 from tests.helpers.http_server import running_server
 from tests.helpers.service import service_config, wait_for
 
@@ -49,13 +50,20 @@ def served(ray_session, tiny_model_dirs, tmp_path_factory):
     root, _ = book.add("root", admin=True)
     alice, _ = book.add("alice")
     bob, _ = book.add("bob")
+    name = f"aspen-tinker-{uuid.uuid4().hex[:6]}"
     client = Client.local(service_config(state, tiny_model_dirs["llama"], interactive_window_s=WINDOW_S,
-                                         interactive_checkpoint_every=2))
+                                         interactive_checkpoint_every=2), name=name)
     client.wait_ready(timeout=300)
-    app = create_app(ServiceLink(client=client), root, users=book, tinker_dir=lambda: state / "tinker")
-    with running_server(app) as url:
-        yield {"url": url, "client": client, "state": state, "base": base, "alice": alice, "bob": bob, "app": app}
-    client.shutdown()
+    # as `aspen http` serves: the Ray connection in a child process (orchestrator/http/bridge.py)
+    link = ProcessLink(ray_session.get_runtime_context().gcs_address, name=name)
+    app = create_app(link, root, users=book, tinker_dir=lambda: state / "tinker")
+    try:
+        with running_server(app) as url:
+            yield {"url": url, "client": client, "state": state, "base": base, "alice": alice, "bob": bob,
+                   "app": app}
+    finally:
+        link.close()
+        client.shutdown()
 
 
 def batch(seed: int) -> list[tuple[list[int], list[int], list[float]]]:

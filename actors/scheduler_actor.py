@@ -257,7 +257,8 @@ class SchedulerActor:
             candidates = [s for s in self.fleet.ready_statuses() if self.fleet.single_device(s.trainer_id)]
             with self.table.transaction():
                 opened = self.core.interactive.open(model_id, base_model, rank, user, candidates,
-                                                    train_attn=train_attn, train_mlp=train_mlp)
+                                                    train_attn=train_attn, train_mlp=train_mlp,
+                                                    standing=self.core.standing().get(user))
             return {"job": opened.record.id, "trainer": opened.trainer, "output_dir": opened.record.output_dir,
                     "handle": self.fleet.handle_of(opened.trainer)}
 

@@ -21,7 +21,7 @@ from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.lora_config import LoraConfig
-from policies.base import memory_in_use
+from policies.base import UserShare, memory_in_use
 
 LORA_ALPHA = 32.0    # the Tinker API's adapters: alpha 32 at every rank (actors/engine/interactive_model.py)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -87,10 +87,18 @@ class InteractiveJobs:
         return (state.memory or 0) if state is not None else 0
 
     def open(self, model_id: str, base_model: str, rank: int, user: str | None, candidates: list[TrainerStatus], *,
-             train_attn: bool = True, train_mlp: bool = True) -> Opened:
+             train_attn: bool = True, train_mlp: bool = True, standing: UserShare | None = None) -> Opened:
         """Enter the model's job, running on the candidate trainer holding `base_model` with the most memory
-        left. ValueError: no trainer holds that base, or the adapter cannot fit any of them even alone;
-        NoRoom: none has the room now."""
+        left. ValueError: no trainer holds that base, or the user's tokens of the day are used up (`standing`:
+        their quotas); NoRoom: none has the room now, or the user runs their `max_running` jobs."""
+        if standing is not None and standing.out_of_tokens:
+            raise ValueError(f"user {user} has trained their {standing.tokens_per_day} tokens of the last 24 hours "
+                             "(tokens_per_day); a model can be created once their usage falls below it")
+        if standing is not None and standing.max_running is not None:
+            running = [r for r in self.table.all(("running",)) if r.user == user]
+            if len(running) >= standing.max_running:
+                raise NoRoom(f"user {user} runs {len(running)} jobs, their max_running; a model can be created once "
+                             "one of them ends")
         same_base = [s for s in candidates if s.base_model == base_model]
         if not same_base:
             held = sorted({s.base_model for s in candidates}) or ["none ready"]

@@ -22,11 +22,13 @@ steps after the same warm-up; the 1-client fused figure over it is the goal's ra
 A CPU's ceiling: a step's arithmetic (4 FLOPs per base weight per token: the forward and the backward to the
 activations, the base frozen; attention and the adapters are left out, which makes the ceiling generous) at the
 machine's measured matmul rate bounds any server's tokens/s; fusing only removes what is not arithmetic (per
-call overheads, small matmuls' inefficiency), so fused / time-sliced <= ceiling / time-sliced. On a CPU that
-bound is near 1; on a GPU a small base's step is mostly not arithmetic, which is what fusing removes.
+call overheads, small matmuls' inefficiency), so fused / time-sliced <= ceiling / time-sliced. On a CPU a
+135M base's step is mostly arithmetic, so that bound is small (measured: docs/benchmarks.md); on a GPU a small
+base's step is mostly not arithmetic (launches, syncs, the Python between), which is what fusing removes.
+At N=1 both servers do the same work: how far their ratio is from 1 is the run's noise.
 
     python bench/tinker_clients.py [--base smollm2-135m|tiny] [--data /work/shared/data/gsm8k_train.jsonl]
-        [--clients 1,2,4] [--steps 10] [--warmup 1] [--batch 2] [--rank 16] [--no-lone] [--json FILE]
+        [--clients 1,2,4] [--steps 10] [--warmup 1] [--batch 1] [--rank 16] [--no-lone] [--json FILE]
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ class LoneJob:
             self.process.wait()
 
 
-def matmul_flops_per_s(threads: int, width: int = 576, bursts: int = 5, burst_s: float = 0.3) -> float:
+def matmul_flops_per_s(threads: int, width: int = 576, bursts: int = 10, burst_s: float = 0.2) -> float:
     """The float32 matmul rate of this process's cores on a base-sized product (512 tokens x width x 4 width):
     the best of a few short bursts, so that another process's moment on the cores does not lower it (the
     ceiling it sets is an upper bound)."""
@@ -264,8 +266,9 @@ def report(results: dict, lone: dict | None, ceiling: float) -> None:
                 f"{latencies}")
     log("")
     for n, modes in results.items():
+        same = " (the same work on both: its distance from 1 is this run's noise)" if n == 1 else ""
         log(f"N={n}: fused / time-sliced = {modes['ratio']:.2f}x (arithmetic ceiling over time-sliced: "
-            f"{ceiling / modes['time-sliced']['tokens_per_s']:.2f}x)")
+            f"{ceiling / modes['time-sliced']['tokens_per_s']:.2f}x){same}")
     if lone is not None and 1 in results:
         log(f"lone aspen job: {lone['tokens_per_s']:.1f} tokens/s ({lone['steps']} steps, "
             f"{lone['sequences_per_step']:.1f} sequences each); 1 client fused / lone job = "
@@ -281,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,2,4", help="client counts, comma-separated (default 1,2,4)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per client (default 10)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per client first (default 1)")
-    parser.add_argument("--batch", type=int, default=2, help="datums per forward_backward (default 2)")
+    parser.add_argument("--batch", type=int, default=1, help="datums per forward_backward (default 1: the default "
+                                                             "run stays near 5 minutes on 2 CPU cores)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--window-s", type=float, default=0.005, help="the fused server's window (default 0.005)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the servers and the lone job "

@@ -9,11 +9,11 @@ Two servers, each in its own process (bench/tinker_peers.py serve, as docs/tinke
 - time-sliced: `window_s=0, max_models_per_pass=1`: each model's call goes through the base alone, the models
   taking turns, as the open backends that time-slice one base among users run them.
 For each N (`--clients 1,2,4`), the N clients run on one server, then on the other (the order alternates with
-N, so that the machine's drift does not favour one side). Each client runs `--warmup` steps, waits for the
-others, then `--steps` timed steps. Reported: trained tokens/s of all clients together (tokens through the
-base: each datum's model input, counted from the timed steps, over the time from the common start to the last
-client's end), each client's step latency (p50, p95: from sending forward_backward to optim_step's result),
-and fused / time-sliced.
+N and with the round, `--rounds`, so that the machine's drift does not favour one side; rounds are pooled).
+Each client runs `--warmup` steps, waits for the others, then `--steps` timed steps. Reported: trained tokens/s
+of all clients together (tokens through the base: each datum's model input, counted from the timed steps,
+over the time from the common start to the last client's end), each client's step latency (p50, p95: from
+sending forward_backward to optim_step's result), and fused / time-sliced.
 
 The API's overhead: a lone aspen job (bench/tinker_peers.py lone: `train_locally`, what `aspen run
 --in-process` runs) on the same base, rank, batch and data as client 0, in its own process, timed over its
@@ -28,7 +28,7 @@ base's step is mostly not arithmetic (launches, syncs, the Python between), whic
 At N=1 both servers do the same work: how far their ratio is from 1 is the run's noise.
 
     python bench/tinker_clients.py [--base smollm2-135m|tiny] [--data /work/shared/data/gsm8k_train.jsonl]
-        [--clients 1,2,4] [--steps 10] [--warmup 1] [--batch 1] [--rank 16] [--no-lone] [--json FILE]
+        [--clients 1,2,4] [--steps 10] [--warmup 1] [--batch 1] [--rank 16] [--rounds 1] [--no-lone] [--json FILE]
 """
 
 from __future__ import annotations
@@ -166,16 +166,31 @@ def run_clients(server: Server, base_name: str, rank: int, warmup: int, work: li
     errors = [r["error"] for r in results if "error" in r and not isinstance(r["error"], threading.BrokenBarrierError)]
     if errors:
         raise RuntimeError(f"a client failed on the {server.mode} server") from errors[0]
-    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
-    tokens = sum(r["tokens"] for r in results)
     passes = [p for p in server.passes_since(first_pass) if p["backward"]]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "clients": [{"p50_s": percentile(r["latencies"], 0.5), "p95_s": percentile(r["latencies"], 0.95),
-                         "steps": len(r["latencies"]), "tokens": r["tokens"], "first_loss": r["losses"][0],
-                         "last_loss": r["losses"][-1]} for r in results],
-            "passes": len(passes), "models_per_pass": statistics.mean(len(p["models"]) for p in passes),
+    return {"tokens": sum(r["tokens"] for r in results),
+            "seconds": max(r["end"] for r in results) - min(r["start"] for r in results),
+            "clients": [{key: r[key] for key in ("latencies", "tokens", "losses")} for r in results],
+            "models": [len(p["models"]) for p in passes],
             "sent_tokens": sum(r["sent_tokens"] for r in results),   # warm-up included
             "server_tokens": sum(p["tokens"] for p in passes)}       # what the server's passes took
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One mode's rounds at one N as one: tokens and seconds summed, each client's latencies pooled."""
+    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    clients = []
+    for index in range(len(runs[0]["clients"])):
+        mine = [r["clients"][index] for r in runs]
+        latencies = [t for c in mine for t in c["latencies"]]
+        clients.append({"p50_s": percentile(latencies, 0.5), "p95_s": percentile(latencies, 0.95),
+                        "steps": len(latencies), "tokens": sum(c["tokens"] for c in mine),
+                        "first_loss": mine[0]["losses"][0], "last_loss": mine[0]["losses"][-1],
+                        "latencies_s": latencies})
+    models = [m for r in runs for m in r["models"]]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "clients": clients,
+            "passes": len(models), "models_per_pass": statistics.mean(models),
+            "rounds_tokens_per_s": [r["tokens"] / r["seconds"] for r in runs],
+            "sent_tokens": sum(r["sent_tokens"] for r in runs), "server_tokens": sum(r["server_tokens"] for r in runs)}
 
 
 class LoneJob:
@@ -267,7 +282,9 @@ def report(results: dict, lone: dict | None, ceiling: float) -> None:
     log("")
     for n, modes in results.items():
         same = " (the same work on both: its distance from 1 is this run's noise)" if n == 1 else ""
-        log(f"N={n}: fused / time-sliced = {modes['ratio']:.2f}x (arithmetic ceiling over time-sliced: "
+        each = ", ".join(f"{r:.2f}" for r in modes["rounds_ratio"])
+        rounds = f" (rounds: {each})" if len(modes["rounds_ratio"]) > 1 else ""
+        log(f"N={n}: fused / time-sliced = {modes['ratio']:.2f}x{rounds} (arithmetic ceiling over time-sliced: "
             f"{ceiling / modes['time-sliced']['tokens_per_s']:.2f}x){same}")
     if lone is not None and 1 in results:
         log(f"lone aspen job: {lone['tokens_per_s']:.1f} tokens/s ({lone['steps']} steps, "
@@ -290,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, default=0.005, help="the fused server's window (default 0.005)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the servers and the lone job "
                                                               "(default: torch's, the cores)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the N sweep, the modes' order alternating "
+                                                              "(default 1); figures pool the rounds")
     parser.add_argument("--no-lone", action="store_true", help="skip the lone aspen job")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -312,13 +331,18 @@ def main(argv: list[str] | None = None) -> int:
             ceiling_flops = matmul_flops_per_s(args.threads)
             lone = None if job is None else job.run(lone_rows, fmt)
             log(f"lone aspen job done ({time.perf_counter() - started:.0f} s)")
-            results: dict[int, dict] = {}
-            for index, n in enumerate(args.clients):
-                results[n] = {}
-                for mode in (MODES if index % 2 == 0 else MODES[::-1]):
-                    log(f"N={n} {mode}...")
-                    results[n][mode] = run_clients(servers[mode], name, args.rank, args.warmup, work[:n])
-                results[n]["ratio"] = results[n]["fused"]["tokens_per_s"] / results[n]["time-sliced"]["tokens_per_s"]
+            runs: dict[int, dict[str, list]] = {n: {mode: [] for mode in MODES} for n in args.clients}
+            for round_ in range(args.rounds):   # the modes' order alternates with N and with the round
+                for index, n in enumerate(args.clients):
+                    for mode in (MODES if (index + round_) % 2 == 0 else MODES[::-1]):
+                        log(f"round {round_ + 1}: N={n} {mode}...")
+                        runs[n][mode].append(run_clients(servers[mode], name, args.rank, args.warmup, work[:n]))
+            results = {n: {mode: summarize(modes[mode]) for mode in MODES} for n, modes in runs.items()}
+            for modes in results.values():
+                modes["ratio"] = modes["fused"]["tokens_per_s"] / modes["time-sliced"]["tokens_per_s"]
+                modes["rounds_ratio"] = [f / t for f, t in zip(modes["fused"]["rounds_tokens_per_s"],
+                                                               modes["time-sliced"]["rounds_tokens_per_s"],
+                                                               strict=True)]
             ceiling_flops = max(ceiling_flops, matmul_flops_per_s(args.threads))   # again, after the clients
         finally:
             for peer in [*servers.values(), *([job] if job else [])]:
@@ -329,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "base": args.base, "data": str(args.data) if args.data else "random", "batch": args.batch,
             "rank": args.rank, "warmup": args.warmup, "steps": args.steps, "window_s": args.window_s,
+            "rounds": args.rounds,
             "server": info["fused"], "matmul_flops_per_s": ceiling_flops, "arithmetic_ceiling_tokens_per_s": ceiling,
             "results": {str(n): r for n, r in results.items()}, "lone": lone,
             "one_client_over_lone": (results[1]["fused"]["tokens_per_s"] / lone["tokens_per_s"]

@@ -19,12 +19,14 @@ The API's overhead: a lone aspen job (bench/tinker_peers.py lone: `train_locally
 --in-process` runs) on the same base, rank, batch and data as client 0, in its own process, timed over its
 steps after the same warm-up; the 1-client fused figure over it is the goal's ratio (>= 0.9).
 
-A CPU's ceiling: a step's arithmetic (4 FLOPs per base weight per token: the forward and the backward to the
-activations, the base frozen; attention and the adapters are left out, which makes the ceiling generous) at the
-machine's measured matmul rate bounds any server's tokens/s; fusing only removes what is not arithmetic (per
-call overheads, small matmuls' inefficiency), so fused / time-sliced <= ceiling / time-sliced. On a CPU a
-135M base's step is mostly arithmetic, so that bound is small (measured: docs/benchmarks.md); on a GPU a small
-base's step is mostly not arithmetic (launches, syncs, the Python between), which is what fusing removes.
+What bounds the gain, two ways. (1) Arithmetic: a step's matmuls (4 FLOPs per base weight per token: the
+forward and the backward to the activations, the base frozen) at the machine's measured matmul rate bound any
+server's tokens/s, so fused / time-sliced <= ceiling / time-sliced. (2) A simple model fitted from the run
+(`fixed_cost`): a call costs a + r t, a pass of k calls a + k r t; fusing removes only the per-pass a, so
+fused / time-sliced <= (a + r t) / (r t) at any N. On a CPU a 135M base's call is mostly work that grows with
+its tokens (arithmetic, and memory-bound work such as the 49k-word softmax), so the bound is small
+(docs/benchmarks.md); on a GPU a small base's call is mostly per-pass cost (kernel launches, synchronisations,
+the Python between), which is what fusing removes.
 At N=1 both servers do the same work: how far their ratio is from 1 is the run's noise.
 
     python bench/tinker_clients.py [--base smollm2-135m|tiny] [--data /work/shared/data/gsm8k_train.jsonl]
@@ -271,6 +273,24 @@ def client_work(args: argparse.Namespace, tokenizer) -> tuple[list[list], list[d
     return work, rows[:per_client], fmt
 
 
+def fixed_cost(results: dict) -> dict | None:
+    """The simple model behind the ratio: a call costs `a + r t` (t its tokens; r everything that grows with
+    tokens or models: arithmetic, memory-bound work, each model's optimizer step), a pass of k calls `a + k r t`:
+    fusing removes only `a`, so fused / time-sliced <= (a + r t) / (r t) however many clients. Fitted from the
+    largest N: time-sliced, a call takes c = N t / S (the server always busy); fused, a pass of k models (its
+    measured mean) takes k t / F; a = k t (1/S - 1/F) / (k - 1). None where no pass was fused."""
+    n = max(results)
+    fused, sliced = results[n]["fused"], results[n]["time-sliced"]
+    k = fused["models_per_pass"]
+    if n < 2 or k <= 1:
+        return None
+    t = sliced["tokens"] / sum(c["steps"] for c in sliced["clients"])   # mean tokens of a call
+    call = t / sliced["tokens_per_s"]   # the server runs one call at a time
+    fixed = k * t * (1 / sliced["tokens_per_s"] - 1 / fused["tokens_per_s"]) / (k - 1)
+    return {"n": n, "tokens_per_call": t, "call_s": call, "fixed_s": fixed,
+            "bound": call / (call - fixed) if call > fixed else float("inf")}
+
+
 def report(results: dict, lone: dict | None, ceiling: float) -> None:
     log(f"\n{'N':>3} {'mode':<12} {'tokens/s':>9} {'passes':>7} {'models/pass':>12}  client step latency p50/p95 (s)")
     for n, modes in results.items():
@@ -291,6 +311,11 @@ def report(results: dict, lone: dict | None, ceiling: float) -> None:
             f"{lone['sequences_per_step']:.1f} sequences each); 1 client fused / lone job = "
             f"{results[1]['fused']['tokens_per_s'] / lone['tokens_per_s']:.2f} (goal >= 0.9)")
     log(f"arithmetic ceiling (4 FLOPs per base weight per token at the measured matmul rate): {ceiling:.0f} tokens/s")
+    model = fixed_cost(results)
+    if model is not None:
+        log(f"simple model (N={model['n']}): a call of {model['tokens_per_call']:.0f} tokens takes "
+            f"{model['call_s']:.2f} s, of which {model['fixed_s']:.2f} s is per pass (what fusing removes); the rest "
+            f"grows with tokens and models, so fused / time-sliced <= {model['bound']:.2f}x at any N")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             ceiling_flops = matmul_flops_per_s(args.threads)
             lone = None if job is None else job.run(lone_rows, fmt)
             log(f"lone aspen job done ({time.perf_counter() - started:.0f} s)")
+            for server in servers.values():   # untimed: a fresh process's first passes are slow (measured
+                run_clients(server, name, args.rank, 1, [work[0][:3]])   # 0.76-0.9x at N=1 on whichever ran first)
             runs: dict[int, dict[str, list]] = {n: {mode: [] for mode in MODES} for n in args.clients}
             for round_ in range(args.rounds):   # the modes' order alternates with N and with the round
                 for index, n in enumerate(args.clients):
@@ -355,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             "rank": args.rank, "warmup": args.warmup, "steps": args.steps, "window_s": args.window_s,
             "rounds": args.rounds,
             "server": info["fused"], "matmul_flops_per_s": ceiling_flops, "arithmetic_ceiling_tokens_per_s": ceiling,
+            "fixed_cost_model": fixed_cost(results),
             "results": {str(n): r for n, r in results.items()}, "lone": lone,
             "one_client_over_lone": (results[1]["fused"]["tokens_per_s"] / lone["tokens_per_s"]
                                      if lone and 1 in results else None),

@@ -5,6 +5,10 @@ a lone call waits at most that window. Each model's calls run in the order of th
 them; chunks of one call may arrive out of order), so an optimizer step applies exactly the gradients of the
 calls before it. A call sent again with the same (model, seq_id) gets the first one's result.
 
+`max_models_per_pass` (default None: no limit) caps how many models' calls share a pass, the models taking
+turns; 1 with `window_s=0` serves the calls one model at a time, as time-sliced backends do (what
+bench/tinker_clients.py compares fusing with).
+
 One thread steps (`run`); any thread submits. A call that fails (a bad datum, an unknown loss) fails alone:
 its partners' step runs without it, and its model's order moves past it."""
 
@@ -59,10 +63,14 @@ class InteractiveCalls:
 
     def __init__(self, base: BaseModel, *, window_s: float = DEFAULT_WINDOW_S, max_pass_tokens: int | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None, max_models_per_pass: int | None = None):
+        if max_models_per_pass is not None and max_models_per_pass < 1:
+            raise ValueError(f"max_models_per_pass must be at least 1 (or None: no limit), not {max_models_per_pass}")
         self.base = base
         self.window_s = window_s
         self.max_pass_tokens = max_pass_tokens   # a pass's tokens at most (a trainer's step_tokens); None: any
+        self.max_models_per_pass = max_models_per_pass
+        self.turn = 0                    # where the next capped pass starts looking, in the models' order
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
         self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
         self.ready_since: float | None = None   # when the first call now waiting arrived (monotonic)
@@ -214,7 +222,7 @@ class InteractiveCalls:
             remove_adapter(self.base.model, name)
         with self.lock:
             passes: dict[str, list[tuple[str, int, Pending]]] = {"forward_backward": [], "forward": []}
-            for model_id, state in self.models.items():
+            for model_id, state in self._in_turn():
                 seq = state.next_seq
                 while seq in state.waiting and state.waiting[seq].kind in passes:
                     passes[state.waiting[seq].kind].append((model_id, seq, state.waiting.pop(seq)))
@@ -240,6 +248,24 @@ class InteractiveCalls:
         if samples:
             self._run_samples(samples)
         return ran + len(samples)
+
+    def _in_turn(self) -> list[tuple[str, ModelState]]:
+        """The models whose leading forward(_backward) calls join this pass (the lock held): every model, or
+        with `max_models_per_pass` that many of those with such a call ready, taking turns in the models' order."""
+        models = list(self.models.items())
+        if self.max_models_per_pass is None or not models:
+            return models
+        start = self.turn % len(models)
+        chosen = []
+        for index in [*range(start, len(models)), *range(start)]:
+            state = models[index][1]
+            pending = state.waiting.get(state.next_seq)
+            if pending is not None and pending.kind in ("forward_backward", "forward"):
+                chosen.append(models[index])
+                self.turn = index + 1
+                if len(chosen) == self.max_models_per_pass:
+                    break
+        return chosen
 
     def _run_samples(self, samples: list[Pending]) -> None:
         tokenizer = self.base.tokenizer

@@ -40,6 +40,7 @@ from actors.engine.tinker_sampling import SampleCall, check_sample, sample
 log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 0.005
+ACTIVE_FOR_S = 2.0   # a model that took part in a pass this recently is waited for (at most the window)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class InteractiveCalls:
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
         self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
         self.ready_since: float | None = None   # when the first call now waiting arrived (monotonic)
+        self.recent: dict[str, float] = {}      # model id -> when it last took part in a pass (monotonic)
         self.models: dict[str, ModelState] = {}
         self.samples: list[Pending] = []     # sampling calls, batched together at the next step
         self.removals: list[str] = []        # adapters to take off the base, by the stepping thread
@@ -131,6 +133,7 @@ class InteractiveCalls:
     def remove_model(self, model_id: str) -> None:
         """Close a model: its waiting calls fail, its adapter leaves the base at the next step."""
         with self.lock:
+            self.recent.pop(model_id, None)
             state = self.models.pop(model_id, None)
             if state is None:
                 return
@@ -159,19 +162,28 @@ class InteractiveCalls:
             self.on_ready()
 
     def due(self) -> bool:
-        """Whether a step should run now: a call is ready and the first one has waited `window_s` for partners
-        (what a trainer loop that hosts these calls asks between its jobs' steps)."""
-        with self.lock:
-            if not self._ready():
-                return False
-            return self.ready_since is None or time.monotonic() - self.ready_since >= self.window_s
+        """Whether a step should run now: a call is ready, and either every model that took part in a pass
+        lately has its next call ready too, or the first call has waited `window_s` for partners (what a trainer
+        loop that hosts these calls asks between its jobs' steps)."""
+        return self.wait_left() == 0.0
 
     def wait_left(self) -> float | None:
         """How long until `due()` (None: nothing is waiting)."""
         with self.lock:
             if not self._ready():
                 return None
+            if self._partners_ready():
+                return 0.0
             return max(0.0, (self.ready_since or 0.0) + self.window_s - time.monotonic())
+
+    def _partners_ready(self) -> bool:
+        """(The lock held.) Whether every model that took part in a pass in the last ACTIVE_FOR_S has its next
+        call here: then nobody is worth waiting for (a lone user's calls run at once, and users whose loops go in
+        step meet without waiting the window out). False before any pass: the first calls wait the window."""
+        now = time.monotonic()
+        recent = [model_id for model_id, when in self.recent.items() if now - when <= ACTIVE_FOR_S]
+        return bool(recent) and all(model_id in self.models and self.models[model_id].next_seq in
+                                    self.models[model_id].waiting for model_id in recent)
 
     def rank_of(self, model_id: str) -> int | None:
         """The model's LoRA rank; None for a model not here."""
@@ -204,8 +216,9 @@ class InteractiveCalls:
                     self.lock.wait(timeout=1.0)
                 if self.closed:
                     return
-            if self.window_s > 0:
-                time.sleep(self.window_s)   # partners that arrive meanwhile join the pass
+            with self.lock:   # partners that arrive meanwhile join the pass
+                while not self.closed and (left := self.wait_left()):
+                    self.lock.wait(timeout=left)
             self.step()
 
     def _ready(self) -> bool:
@@ -315,6 +328,9 @@ class InteractiveCalls:
                 pending.future.set_exception(RuntimeError(f"the fused pass failed: {error!r}"))
             return
         outputs = [join_outputs(part) for part in parts]
+        with self.lock:
+            now = time.monotonic()
+            self.recent.update((model_id, now) for model_id, _, _ in good)
         if self.on_step is not None:
             model_tokens: dict[str, int] = {}
             for model_id, _, pending in good:

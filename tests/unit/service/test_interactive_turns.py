@@ -76,3 +76,30 @@ def test_capped_passes_take_one_model_at_a_time_and_each_gets_its_answer_alone(c
 def test_a_cap_below_one_is_refused():
     with pytest.raises(ValueError, match="max_models_per_pass"):
         InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), max_models_per_pass=0)
+
+
+def test_a_lone_model_never_waits_the_window_and_models_seen_lately_are_waited_for():
+    """The window is how long a call waits for partners at most: before any pass the first calls wait it out;
+    after, a pass runs as soon as every model that took part in a pass lately has its next call here (a lone
+    user's calls at once; users whose loops go in step meet without waiting it out)."""
+    calls = InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=60.0)
+    alice, bob = MODELS[:2]
+    for index, model_id in enumerate((alice, bob)):
+        calls.create_model(model_id, 4, seed=index)
+
+    def fb(model_id: str, seq: int, seed: int):
+        return calls.submit(model_id, seq, "forward_backward", ModelCall(adapter_name(model_id), call_datums(seed)))
+
+    first = [fb(alice, 1, 0), fb(bob, 1, 1)]
+    assert not calls.due() and calls.wait_left() > 50   # nobody seen in a pass yet: the window
+    calls.step()
+    assert all(future.done() for future in first)
+    second = fb(alice, 2, 2)
+    assert not calls.due() and 0 < calls.wait_left() <= 60   # bob took part lately: waited for
+    fb(bob, 2, 3)
+    assert calls.due()                                        # everyone seen lately is here: at once
+    calls.step()
+    assert second.done()
+    calls.remove_model(bob)
+    fb(alice, 3, 4)
+    assert calls.due() and calls.wait_left() == 0.0           # alone now: its calls never wait

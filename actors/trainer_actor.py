@@ -149,6 +149,9 @@ class TrainerActor:
     def tinker_finish(self, front: str, model_id: str, last: Any) -> str:
         return self._desk().finish(front, model_id, last)
 
+    def tinker_beat(self, model_ids: list[str]) -> list[str]:
+        return self._desk().beat(model_ids)
+
     def tinker_close(self, model_id: str) -> str | None:
         return self._desk().close(model_id)
 

@@ -189,6 +189,20 @@ class RemoteCalls:
         if model_id in self.models:
             self.finish(model_id, "its session ended")
 
+    def beat(self, model_ids: list[str]) -> None:
+        """A session's heartbeat, passed on to its models' trainers (which end a model whose server went silent)."""
+        by_trainer: dict[str, list[str]] = {}
+        with self.lock:
+            for model_id in model_ids:
+                model = self.models.get(model_id)
+                if model is not None and not model.recovering:
+                    by_trainer.setdefault(model.trainer, []).append(model_id)
+        for trainer, ids in by_trainer.items():
+            try:
+                self.call("tinker.beat", trainer, ids)
+            except HTTPException as error:   # a trainer lost or busy: its calls' poller deals with it
+                log.info("tinker: heartbeat to %s: %s", trainer, error.detail)
+
     def remove_adapter(self, name: str, model_id: str | None = None) -> None:
         model = self.models.get(model_id or "")
         if model is not None:

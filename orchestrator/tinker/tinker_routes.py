@@ -210,6 +210,8 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
             sessions.beat(body.session_id, user)
         except KeyError as error:
             raise HTTPException(410, str(error)) from None
+        if not backend.local:   # the trainers end a model whose server stopped beating for it
+            backend.calls.beat(list(ctx.session(body.session_id, user).models))
         return {"type": "session_heartbeat"}
 
     @router.post("/sessions/{session_id}/finish")

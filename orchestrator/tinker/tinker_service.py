@@ -130,6 +130,9 @@ class TinkerService:
     def close_job(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> None:
         _get(self.scheduler.close_interactive.remote(job_id, state, reason, adapter_dir), f"ending job {job_id}")
 
+    def beat(self, trainer: str, model_ids: list[str]) -> list[str]:
+        return self._on(trainer, "tinker_beat", "a heartbeat", model_ids)
+
     def drop_adapter(self, trainer: str, name: str) -> None:
         self._on(trainer, "tinker_drop_adapter", "dropping a sampler", name)
 

@@ -80,6 +80,9 @@ class TrainerConfig(StrictModel):
     interactive_checkpoint_every: Annotated[int, Bounds(0, 10**9)] = Field(
         10, description="optimizer steps between an interactive model's checkpoints, from which it resumes where its "
                         "trainer is lost (0: none)")
+    interactive_heartbeat_timeout_s: Annotated[float, Bounds(1, 10**7)] = Field(
+        300.0, description="an interactive model whose HTTP server stopped beating for it this long ends (its final "
+                           "adapter kept), as when its session ends")
     prefetch: Annotated[int, Bounds(1, 1024)] = Field(
         4, description="micro-batches each job keeps on their way to the trainer")
     step_log: Path | None = Field(None, description="where its per-step rows go (default: "

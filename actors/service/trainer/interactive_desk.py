@@ -8,6 +8,10 @@ Each model is checkpointed (its adapter and AdamW state, `checkpoint/` in its jo
 step: a front whose trainer is lost opens the model again on another from that checkpoint and sends the calls
 after it again (orchestrator/tinker/remote_calls.py), so that nothing its user was answered is lost.
 
+A model whose front stops beating for it (`beat`, each heartbeat of its session; the HTTP server that held the
+session gone) is ended here after `heartbeat_timeout_s`, as its session's end would: its last calls run, its
+final adapter is written to its job's folder, and its job completes (a `completed` event).
+
 It also reports each model as a job: every fused pass is a row of the trainer's step log and a `step` event
 (each job accounted its tokens, as a batch job's share of a fused step is: fair share and the accounts), and
 every optimizer step a `progress` event (its step, the summed loss of the calls since the last, its tokens),
@@ -20,12 +24,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from actors.checkpoint.interactive_state import read_checkpoint, write_checkpoint
 from actors.service.trainer.interactive_calls import InteractiveCalls
+from actors.service.trainer.interactive_commands import SaveSampler
 from actors.service.trainer.trainer_reports import TrainerEvents
 
 # how a failed call's error reads to its user: their own mistake ("user": the SDK does not retry) or not
@@ -51,6 +56,7 @@ class ModelJob:
     owner: str | None
     output_dir: str | None = None   # its job's folder: checkpoints go to `checkpoint/` there
     base_name: str = ""
+    beat: float = field(default_factory=time.monotonic)   # its front's last heartbeat for it
     step: int = 0
     tokens: int = 0          # since the last optimizer step
     loss_sum: float = 0.0    # of the forward_backward calls since the last optimizer step
@@ -61,9 +67,11 @@ class InteractiveDesk:
     """The interactive models of one trainer as jobs, and their calls' outcomes by front."""
 
     def __init__(self, calls: InteractiveCalls, events: TrainerEvents, trainer_id: str,
-                 write_step: Callable[[dict[str, Any]], None], gpus: int = 0, checkpoint_every: int = 10):
+                 write_step: Callable[[dict[str, Any]], None], gpus: int = 0, checkpoint_every: int = 10,
+                 heartbeat_timeout_s: float = 300.0):
         self.calls = calls
         self.checkpoint_every = checkpoint_every
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.events = events
         self.trainer_id = trainer_id
         self.write_step = write_step
@@ -116,6 +124,44 @@ class InteractiveDesk:
         with self.lock:
             self.models.pop(model_id, None)
         return key
+
+    def beat(self, model_ids: list[str]) -> list[str]:
+        """Its front's heartbeat for these models; the ones not here (ended, or lost with a trainer)."""
+        now = time.monotonic()
+        missing = []
+        with self.lock:
+            for model_id in model_ids:
+                if model_id in self.models:
+                    self.models[model_id].beat = now
+                else:
+                    missing.append(model_id)
+        return missing
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """End the models whose front has not beaten for `heartbeat_timeout_s` (its HTTP server gone): each after
+        its last calls, its final adapter in its folder, its job completed. Returns their ids."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            silent = [(model_id, model) for model_id, model in self.models.items()
+                      if now - model.beat > self.heartbeat_timeout_s]
+            for model_id, _ in silent:
+                del self.models[model_id]
+        for model_id, model in silent:
+            reason = f"its session's server stopped beating for {self.heartbeat_timeout_s:.0f}s"
+            last = None
+            if model.output_dir:
+                last = SaveSampler(Path(model.output_dir), model.base_name, model_id, model.owner or "",
+                                   model.output_dir, None)
+            done = self.calls.finish(model_id, last)
+            done.add_done_callback(lambda future, model=model, reason=reason: self._ended(model, reason, future))
+        return [model_id for model_id, _ in silent]
+
+    def _ended(self, model: ModelJob, reason: str, future: Future) -> None:
+        error = future.exception()
+        if error is None:
+            self.events.emit("completed", model.job_id, model.step, reason=reason, adapter_dir=model.output_dir)
+        else:
+            self.events.emit("failed", model.job_id, model.step, reason=f"{reason}; its final save failed: {error}")
 
     def close(self, model_id: str) -> str | None:
         """Close a model (its waiting calls fail, its adapter leaves the base); its job id, None if unknown."""

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 CLOSE_UPLOAD_WAIT_S = 120.0       # at most this long (and upload_timeout_s) a closing trainer waits for uploads
 
 
+REAP_EVERY_S = 5.0   # how often interactive models whose HTTP server went silent are looked for
+
 class TrainerLoop:
     """A trainer's fused steps over its jobs. From any thread: `assign`, `stop_job`, `drain_events`, `status`;
     from the stepping thread: `run_once`, `close`; `active` and `leaving` are the jobs here."""
@@ -114,8 +116,10 @@ class TrainerLoop:
                                              on_ready=self.commands.wake.set) if engine is None else None)
         self.desk = (InteractiveDesk(self.interactive, self.events, trainer_id, self.step_log.write,
                                      gpus=1 if base.device.type == "cuda" else 0,
-                                     checkpoint_every=config.interactive_checkpoint_every)
+                                     checkpoint_every=config.interactive_checkpoint_every,
+                                     heartbeat_timeout_s=config.interactive_heartbeat_timeout_s)
                      if self.interactive is not None else None)
+        self.next_reap = 0.0
         self.waits = JobWaits(trainer_id, config, self.events, self.active, self.ends.finish)
 
     @property
@@ -220,6 +224,9 @@ class TrainerLoop:
             if active.job.done:
                 self.ends.finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
         self._publish_jobs()
+        if self.desk is not None and time.monotonic() >= self.next_reap:   # models whose server went silent
+            self.desk.reap()
+            self.next_reap = time.monotonic() + REAP_EVERY_S
         interactive = self.interactive
         if interactive is not None and interactive.due():
             interactive.step()

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save
 from actors.checkpoint.peft_io import PREFIX, save_adapter
 from actors.engine.interactive_model import InteractiveModel
 from actors.storage.base_identity import BaseIdentity, base_identity
-from actors.storage.durable import write_durably
+from actors.storage.durable import replace_durably, staging_folder, write_durably
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "interactive_state.json"
@@ -43,16 +43,20 @@ CHECKPOINT_FOLDER = "checkpoint"
 def write_checkpoint(model: InteractiveModel, job_dir: Path, base_model: str, model_id: str, user: str,
                      seq: int) -> Path:
     """A service's checkpoint of the model after its call `seq`, in `<job_dir>/checkpoint` (what `aspen export
-    --checkpoint` exports): written whole in `checkpoint.partial`, then put in place of the last one, which
-    stays readable as `checkpoint.old` until then (`read_checkpoint` falls back to it)."""
-    final, partial, old = (job_dir / name for name in (CHECKPOINT_FOLDER, f"{CHECKPOINT_FOLDER}.partial",
-                                                       f"{CHECKPOINT_FOLDER}.old"))
-    shutil.rmtree(partial, ignore_errors=True)
-    save_state(model, partial, base_model, model_id, user, seq)
+    --checkpoint` exports): written whole in a staging folder, then put in place of the last one, which stays
+    readable as `checkpoint.old` until then (`read_checkpoint` falls back to it)."""
+    final, old = job_dir / CHECKPOINT_FOLDER, job_dir / f"{CHECKPOINT_FOLDER}.old"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    partial = staging_folder(job_dir, f"{CHECKPOINT_FOLDER}.partial-")
+    try:
+        save_state(model, partial, base_model, model_id, user, seq)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
-        final.rename(old)
-    partial.rename(final)
+        replace_durably(final, old)
+    replace_durably(partial, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
 

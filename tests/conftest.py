@@ -45,7 +45,8 @@ LONG_FILES = ("tests/faults/test_run_again.py", "tests/service/test_cli_run.py",
               "tests/faults/test_service_faults.py", "tests/service/test_ray_job_submit.py",
               "tests/service/test_scheduling_service.py", "tests/slow/test_quantized_loading.py",
               "tests/service/test_pipeline_service.py", "tests/service/test_service.py",
-              "tests/slow/test_smollm2.py", "tests/servers/test_prometheus_grafana.py")
+              "tests/slow/test_smollm2.py", "tests/servers/test_tinker_cookbook.py",
+              "tests/service/test_tinker_service.py", "tests/servers/test_prometheus_grafana.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,10 +22,10 @@ from actors.checkpoint.peft_io import adapter_state_dict
 from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
 from actors.engine.models import from_module
-from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
-from orchestrator.tinker.tinker_routes import TinkerBackend, tinker_router
-from tests.helpers.http_server import running_server
+from actors.service.trainer.interactive_calls import adapter_name
+from orchestrator.tinker.tinker_routes import TinkerBackend
 from tests.helpers.models import VOCAB, tiny_model
+from tests.helpers.tinker_sdk import datums, tinker_in_process
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -39,16 +39,9 @@ ADAM = {"learning_rate": 0.05, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    steps: list[dict] = []
-    calls = InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=WINDOW_S, on_step=steps.append)
-    backend = TinkerBackend(calls, BASE, tmp_path / "weights", KEYS.get).start()
-    from fastapi import FastAPI
-
-    app = FastAPI()
-    app.include_router(tinker_router(backend))
-    with running_server(app) as url:
-        yield url, backend, steps
-    backend.close()
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, tmp_path / "weights", KEYS.get,
+                           window_s=WINDOW_S) as served:
+        yield served
 
 
 def batch(seed: int, count: int = 2) -> list[tuple[list[int], list[int], list[float]]]:
@@ -61,13 +54,6 @@ def batch(seed: int, count: int = 2) -> list[tuple[list[int], list[int], list[fl
         weights = (generator.random(length) > 0.2).astype(np.float32).tolist()
         rows.append((tokens, targets, weights))
     return rows
-
-
-def datums(rows) -> list:
-    return [types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64),
-                                        "weights": np.array(weights, dtype=np.float32)})
-            for tokens, targets, weights in rows]
 
 
 def sdk_loop(url: str, key: str, seeds: list[int], *, custom: bool = False,

@@ -44,11 +44,10 @@ from actors.data import Example, load_examples
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from actors.service.trainer.interactive_calls import InteractiveCalls
 from actors.spec.job_spec import JobSpec
-from orchestrator.tinker.tinker_routes import TinkerBackend, tinker_router
-from tests.helpers.http_server import running_server
+from orchestrator.tinker.tinker_routes import TinkerBackend
 from tests.helpers.models import VOCAB, tiny_model
+from tests.helpers.tinker_sdk import tinker_in_process
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -127,16 +126,9 @@ def job(tmp_path_factory, smol_tokenizer):
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    steps: list[dict] = []
-    calls = InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=WINDOW_S, on_step=steps.append)
-    backend = TinkerBackend(calls, BASE, tmp_path / "weights", KEYS.get).start()
-    from fastapi import FastAPI
-
-    app = FastAPI()
-    app.include_router(tinker_router(backend))
-    with running_server(app) as url:
-        yield url, backend, steps
-    backend.close()
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, tmp_path / "weights", KEYS.get,
+                           window_s=WINDOW_S) as served:
+        yield served
 
 
 def target_positions(example: Example) -> list[int]:

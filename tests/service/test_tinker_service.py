@@ -32,6 +32,7 @@ from orchestrator.http.api import create_app
 from orchestrator.http.bridge import ProcessLink
 from tests.helpers.http_server import running_server
 from tests.helpers.service import service_config, wait_for
+from tests.helpers.tinker_sdk import datums
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -74,13 +75,6 @@ def batch(seed: int) -> list[tuple[list[int], list[int], list[float]]]:
         rows.append((generator.integers(0, 500, length).tolist(), generator.integers(0, 500, length).tolist(),
                      (generator.random(length) > 0.2).astype(np.float32).tolist()))
     return rows
-
-
-def datums(rows) -> list:
-    return [types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64),
-                                        "weights": np.array(weights, dtype=np.float32)})
-            for tokens, targets, weights in rows]
 
 
 def engine_reference(base_dir: str, seeds: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:

@@ -14,6 +14,7 @@ from torch import nn
 from actors.engine import lora_cuda
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
+from actors.engine.lora_masters import MasterPool
 from actors.engine.lora_targets import match_targets, peft_target_modules
 from actors.engine.vera import VeraAdapter, VeraProjections
 from actors.spec.lora_config import LoraConfig, needs_full_precision_base
@@ -63,6 +64,7 @@ def _wrap(model: nn.Module, name: str) -> FusedLoraLinear:
         return module
     fused = FusedLoraLinear(module)
     setattr(parent, child, fused)
+    _SURGERIES[0] += 1
     return fused
 
 
@@ -71,6 +73,7 @@ def _unwrap(model: nn.Module, name: str) -> None:
     module = getattr(parent, child)
     if isinstance(module, FusedLoraLinear):
         setattr(parent, child, module.base)
+        _SURGERIES[0] += 1
 
 
 class AdapterHandle:
@@ -122,6 +125,15 @@ class AdapterHandle:
         for module_name, layer in self.layers.items():
             if layer.lora_A0 is not None:
                 yield module_name, layer.lora_A0, layer.lora_B0
+
+    def held_gradient_bytes(self) -> int:
+        """Bytes of gradient buffers its pooled adapters keep between steps (the CUDA path's: `MasterPool`)."""
+        pools = self.__dict__.get("_pools")
+        if pools is None:   # its layers never change
+            pools = self._pools = list({id(found[0]): found[0] for layer in self.layers.values()
+                                        if (found := getattr(layer, "master_pool", None)) is not None}.values())
+        return sum([pool.grad_flat.numel() * pool.grad_flat.element_size() for pool in pools
+                    if pool.grad_flat is not None])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -188,7 +200,7 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
 def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Tensor | None:
     """Every plain adapter's A and B of one job made views of one flat tensor, every A first, then every B (their
     values kept): the CUDA path casts a job's whole adapter to the compute dtype, B times the scaling, in two
-    operations a step (`lora_cuda.MasterPool`), not two per layer. Each adapter keeps `master_pool` = (the pool,
+    operations a step (`lora_masters.MasterPool`), not two per layer. Each adapter keeps `master_pool` = (the pool,
     where its A starts, where its B starts)."""
     adapters = [layer for layer in layers if isinstance(layer, LoraAdapter) and layer.plain]
     if not adapters:
@@ -196,9 +208,9 @@ def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Ten
     dtype = adapters[0].lora_A.dtype
     a_total = sum(a.lora_A.numel() for a in adapters)
     flat = torch.empty(a_total + sum(a.lora_B.numel() for a in adapters), dtype=dtype, device=device)
-    pool = lora_cuda.MasterPool(flat, a_total, adapters[0].scaling)
     positions = {"lora_A": 0, "lora_B": a_total}
     starts: dict[int, dict[str, int]] = {}
+    parameters: list[nn.Parameter] = []
     for adapter in adapters:
         for attribute in ("lora_A", "lora_B"):
             parameter = getattr(adapter, attribute)
@@ -206,8 +218,11 @@ def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Ten
             view = flat[position:position + parameter.numel()].view(parameter.shape)
             view.copy_(parameter.detach())
             setattr(adapter, attribute, nn.Parameter(view))
+            parameters.append(getattr(adapter, attribute))
             starts.setdefault(id(adapter), {})[attribute] = position
             positions[attribute] = position + parameter.numel()
+    pool = MasterPool(flat, a_total, adapters[0].scaling, parameters)
+    for adapter in adapters:
         adapter.master_pool = (pool, starts[id(adapter)]["lora_A"], starts[id(adapter)]["lora_B"])
     return flat
 
@@ -222,10 +237,26 @@ def remove_adapter(model: nn.Module, name: str) -> None:
                 _unwrap(model, module_name)
 
 
+_SURGERIES = [0]   # layers wrapped or unwrapped so far, in any model (`fused_layers`' kept lists)
+FUSED_LAYERS = "_aspen_fused_layers"
+
+
+def fused_layers(model: nn.Module) -> list[FusedLoraLinear]:
+    """The model's fused layers, kept on the model until a layer is wrapped or unwrapped (walking every module of
+    a large model a step was a measurable share of a step's host time)."""
+    found = model.__dict__.get(FUSED_LAYERS)
+    if found is None or found[0] != _SURGERIES[0]:
+        found = model.__dict__[FUSED_LAYERS] = (_SURGERIES[0], [module for module in model.modules()
+                                                                if isinstance(module, FusedLoraLinear)])
+    return found[1]
+
+
 def set_adapters_training(model: nn.Module, training: bool) -> None:
-    """Adapter dropout on (training) or off (evaluation); the frozen base always stays in eval mode."""
-    for module in model.modules():
-        if isinstance(module, FusedLoraLinear):
+    """Adapter dropout on (training) or off (evaluation); the frozen base always stays in eval mode. A layer's
+    adapters already in that mode are left as they are (an adapter joins its layer in the layer's mode:
+    `JobAdapters`)."""
+    for module in fused_layers(model):
+        if module.adapters.training != training:
             module.adapters.train(training)
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from actors.engine import lora_cuda, lora_grouped
-from actors.engine.layout import current_layout
+from actors.engine.layout import StepLayout, current_layout
 from actors.engine.lora_adapter import full_precision
 
 
@@ -29,14 +29,21 @@ class JobAdapters(nn.ModuleDict):
 
     PREFIX = "job_"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0   # changes with every adapter added or removed (`FusedLoraLinear`'s per-step lookup)
+
     def __getitem__(self, name: str) -> nn.Module:
         return super().__getitem__(self.PREFIX + name)
 
     def __setitem__(self, name: str, module: nn.Module) -> None:
+        module.train(self.training)   # an adapter joins in its layer's mode (`set_adapters_training` relies on it)
         super().__setitem__(self.PREFIX + name, module)
+        self.version += 1
 
     def __delitem__(self, name: str) -> None:
         super().__delitem__(self.PREFIX + name)
+        self.version += 1
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and super().__contains__(self.PREFIX + name)
@@ -60,36 +67,58 @@ class FusedLoraLinear(nn.Module):
         self.adapters = JobAdapters()
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
+        self._present: tuple | None = None   # (its key, what `_jobs_in` found for it)
+
+    def _jobs_in(self, layout: StepLayout) -> tuple[list, list, list[tuple[int, int]], list, bool]:
+        """(the adapters present in the step with their bounds, the plain ones, their bounds, the other ones with
+        their bounds, whether the plain ones' masters are float32). Kept from step to step while the step's jobs,
+        this layer's adapters and their mode stay the same (only the bounds are the step's): a lookup per job and
+        layer and step was a large part of a fused step's host time at many jobs."""
+        segments = layout.segments
+        names = layout.tensors.get("segment-names")
+        if names is None:
+            names = layout.tensors["segment-names"] = tuple([(name, end > start) for name, start, end in segments])
+        key = (names, self.adapters.version, self.adapters.training)
+        found = self._present
+        if found is None or found[0] != key:
+            places = [place for place, (name, start, end) in enumerate(segments)
+                      if name in self.adapters and end > start]
+            adapters = [self.adapters[segments[place][0]] for place in places]
+            plain = [index for index, adapter in enumerate(adapters) if adapter.plain]
+            float32 = all(adapters[index].lora_A.dtype == torch.float32 for index in plain)
+            found = self._present = (key, (places, adapters, plain, [index for index in range(len(adapters))
+                                                                     if index not in set(plain)], float32))
+        places, adapters, plain, rest, float32 = found[1]
+        bounds = [segments[place][1:] for place in places]
+        return (list(zip(adapters, bounds, strict=True)), [adapters[index] for index in plain],
+                [bounds[index] for index in plain], [(adapters[index], bounds[index]) for index in rest], float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = current_layout()
         if layout is None or len(self.adapters) == 0:
             return self.base(x)
-        present = [(self.adapters[name], (start, end)) for name, start, end in layout.segments
-                   if name in self.adapters and end > start]
+        present, plain_adapters, plain_bounds, rest, float32 = self._jobs_in(layout)
         if not present:
             return self.base(x)
-        plain = [(adapter, bounds) for adapter, bounds in present if adapter.plain]
         flat_x = x.reshape(-1, x.shape[-1])
-        if lora_cuda.takes([adapter for adapter, _ in plain], flat_x):
+        if lora_cuda.takes(plain_adapters, flat_x, float32):
             # the CUDA path (actors/engine/lora_cuda.py): the base product and the plain adapters' updates in
             # the base's dtype, in one autograd function; the other kinds add their updates below
-            flat_out = lora_cuda.linear_with_adapters(self.base, full_precision(self.base), flat_x,
-                                                      [adapter for adapter, _ in plain],
-                                                      [bounds for _, bounds in plain], layout)
-            rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
+            flat_out = lora_cuda.linear_with_adapters(self.base, full_precision(self.base), flat_x, plain_adapters,
+                                                      plain_bounds, layout)
             out = flat_out.view(*x.shape[:-1], self.out_features)
             return out if not rest else out + self._segment_deltas(rest, flat_x, flat_out, out.dtype).view(out.shape)
         out = self.base(x)
         num_tokens = flat_x.shape[0]
-        rest = present
+        plain = list(zip(plain_adapters, plain_bounds, strict=True))
+        whole, rest = rest, present
         grouped: torch.Tensor | None = None
-        if plain and lora_grouped.use_grouping([a for a, _ in plain], [b for _, b in plain], flat_x):
-            adapters, bounds = [a for a, _ in plain], [b for _, b in plain]
+        if plain and lora_grouped.use_grouping(plain_adapters, plain_bounds, flat_x):
+            adapters, bounds = plain_adapters, plain_bounds
             order = lora_grouped.rank_order(adapters)
             group = lora_grouped.SegmentGroup.of(layout, tuple(bounds[index] for index in order), flat_x.device)
             grouped = lora_grouped.grouped_delta([adapters[index] for index in order], group, flat_x, x).to(out.dtype)
-            rest = [(adapter, bounds) for adapter, bounds in present if not adapter.plain]
+            rest = whole
             if not rest:
                 return (out.view(grouped.shape) + grouped).view(out.shape)
         delta = self._segment_deltas(rest, flat_x, out.reshape(-1, self.out_features), out.dtype)

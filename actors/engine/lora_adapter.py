@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine import lora_cuda
+from actors.engine import lora_masters
 from actors.spec.lora_config import LoraConfig
 
 
@@ -68,8 +68,8 @@ class LoraAdapter(nn.Module):
             with torch.no_grad():
                 self.magnitude = nn.Parameter(self._weight_norm(base_weight))
         self.dropout_generator: torch.Generator | None = None
-        # (its job's `lora_cuda.MasterPool`, A's start, B's start): A and B as views of that pool's flat tensor
-        self.master_pool: tuple[lora_cuda.MasterPool, int, int] | None = None
+        # (its job's `lora_masters.MasterPool`, A's start, B's start): A and B as views of that pool's flat tensor
+        self.master_pool: tuple[lora_masters.MasterPool, int, int] | None = None
 
     @staticmethod
     def initial_a(config: LoraConfig, in_features: int, generator: torch.Generator,

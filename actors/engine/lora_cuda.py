@@ -43,6 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.engine.lora_masters import (
+    RANK_ALIGNMENT,
+    compute_weights,
+    stacked_weights,
+    step_tensors,
+)
+
 log = logging.getLogger(__name__)
 
 # "auto": this path on CUDA for a bfloat16 or float32 base; "base": on any device (tests, benchmarks);
@@ -51,7 +58,6 @@ COMPUTE: Literal["auto", "base", "float32"] = "auto"
 # "auto": grouped_mm where it works and pays (module docstring); or one of the two forced
 KERNEL: Literal["auto", "grouped_mm", "segments"] = "auto"
 DTYPES = (torch.bfloat16, torch.float32)
-RANK_ALIGNMENT = 8   # grouped_mm: 16-byte strides, 8 bfloat16 elements
 
 
 def applies(device: torch.device, dtype: torch.dtype) -> bool:
@@ -61,13 +67,16 @@ def applies(device: torch.device, dtype: torch.dtype) -> bool:
     return COMPUTE == "base" or device.type == "cuda"
 
 
-def takes(adapters: Sequence[nn.Module], x: torch.Tensor) -> bool:
-    """Whether these plain adapters' updates on input `x` take this path."""
+def takes(adapters: Sequence[nn.Module], x: torch.Tensor, masters_float32: bool | None = None) -> bool:
+    """Whether these plain adapters' updates on input `x` take this path. `masters_float32`: whether every one's
+    A is float32, where the caller knows it (checked here otherwise)."""
     if COMPUTE == "float32" or not adapters or x.dtype not in DTYPES:
         return False
     if COMPUTE == "auto" and not x.is_cuda:
         return False
-    return all(adapter.lora_A.dtype == torch.float32 for adapter in adapters)
+    if masters_float32 is not None:
+        return masters_float32
+    return all([adapter.lora_A.dtype == torch.float32 for adapter in adapters])
 
 
 @dataclass(frozen=True)
@@ -82,135 +91,20 @@ class _Segment:
         return self.end - self.start
 
 
-def step_tensors(layout: object) -> dict:
-    """What the path keeps for one step, shared by every layer: the layout's own `tensors` (a new step has a new
-    layout, so nothing outlives its step; a recomputed forward in the same step finds it)."""
-    return layout.tensors
-
-
-class MasterPool:
-    """One job's float32 masters (every A, then every B, of its plain adapters: `adapter_surgery.pool_masters`)
-    and their copy in a compute dtype: kept from step to step and refreshed in place once a step (the As copied,
-    the Bs times the job's scaling: two operations for the whole adapter), each layer's copies views made once.
-    Refreshed in place: a backward still to come reads the values of its forward, since a job's weights change
-    only at its optimizer step, after the backward of every micro-batch of its accumulation (on one device and in
-    a pipeline's stages alike); between those, a refresh writes the same values again."""
-
-    def __init__(self, flat: torch.Tensor, b_region: int, scaling: float):
-        self.flat, self.b_region, self.scaling = flat, b_region, scaling
-        self.casts: dict[torch.dtype, torch.Tensor] = {}
-        self.views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.refreshed: dict[torch.dtype, tuple[object, int]] = {}   # dtype -> (the step's layout, flat's version)
-        self.generation = 0
-
-    def refresh(self, layout: object, dtype: torch.dtype) -> None:
-        """The copy in `dtype` as of now, once a step (and again where the masters changed in place since)."""
-        stamp = (layout, self.flat._version)
-        seen = self.refreshed.get(dtype)
-        if seen is not None and seen[0] is stamp[0] and seen[1] == stamp[1]:
-            return
-        cast = self.casts.get(dtype)
-        if cast is None:
-            cast = self.casts[dtype] = torch.empty(self.flat.shape, dtype=dtype, device=self.flat.device)
-        flat = self.flat.detach()
-        cast[:self.b_region].copy_(flat[:self.b_region])
-        torch.mul(flat[self.b_region:], self.scaling, out=cast[self.b_region:])
-        self.refreshed[dtype] = stamp
-        self.generation += 1
-
-    def weights(self, adapter: nn.Module, start_a: int, start_b: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (id(adapter), dtype)
-        if key not in self.views:
-            cast = self.casts[dtype]
-            self.views[key] = (cast[start_a:start_a + adapter.lora_A.numel()].view(adapter.lora_A.shape),
-                               cast[start_b:start_b + adapter.lora_B.numel()].view(adapter.lora_B.shape))
-        return self.views[key]
-
-
-def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per adapter (A (r, in), scaling * B (out, r)) in `dtype`. A job's adapter pooled in one flat tensor
-    (`adapter_surgery.pool_masters`, as every job's is) is cast whole, once a step (`MasterPool`): its layers'
-    copies are views of that cast; another adapter is cast by itself. A weight changed in place since (an
-    optimizer step, a load) is cast again."""
-    tensors = step_tensors(layout)
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for adapter in adapters:
-        found = adapter.master_pool
-        if found is None:
-            lora_a, lora_b = adapter.lora_A, adapter.lora_B
-            key, version = ("lora-cast", id(adapter), dtype), (lora_a._version, lora_b._version)
-            entry = tensors.get(key)
-            if entry is None or entry[0] != version:
-                entry = tensors[key] = (version, (lora_a.detach().to(dtype),
-                                                  (lora_b.detach() * adapter.scaling).to(dtype)))
-            out.append(entry[1])
-            continue
-        pool, start_a, start_b = found
-        pool.refresh(layout, dtype)
-        out.append(pool.weights(adapter, start_a, start_b, dtype))
-    return out
-
-
-def padded_rank(adapters: Sequence[nn.Module]) -> int:
-    longest = max(a.r for a in adapters)
-    return -(-longest // RANK_ALIGNMENT) * RANK_ALIGNMENT
-
-
-def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Module | None], dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A stacked (groups, rank, in), scaling * B stacked (groups, out, rank)) in `dtype` for `layer`'s groups; a
-    group of None (tokens of no plain adapter) is zeros. Adapters of one rank, a multiple of 8: one stack each of
-    their (pooled) copies; else zeros, ranks padded to `padded_rank`, filled adapter by adapter."""
-    tensors = step_tensors(layout)
-    present = [member for member in members if member is not None]
-    weights = dict(zip(map(id, present), compute_weights(layout, present, dtype), strict=True))
-    key = ("lora-stack", id(layer), dtype, tuple(id(member) for member in members), tuple(
-        member.master_pool[0].generation if member.master_pool else (member.lora_A._version, member.lora_B._version)
-        for member in present))
-    if key in tensors:
-        return tensors[key]
-    in_features, out_features = present[0].lora_A.shape[1], present[0].lora_B.shape[0]
-    ranks = {member.r for member in present}
-    device = present[0].lora_A.device
-    if len(ranks) == 1 and next(iter(ranks)) % RANK_ALIGNMENT == 0:
-        rank = next(iter(ranks))
-        zeros = _zeros(tensors, (rank, in_features), (out_features, rank), dtype, device)
-        a_stack = torch.stack([weights[id(m)][0] if m is not None else zeros[0] for m in members])
-        b_stack = torch.stack([weights[id(m)][1] if m is not None else zeros[1] for m in members])
-    else:
-        rank = padded_rank(present)
-        a_stack = torch.zeros(len(members), rank, in_features, dtype=dtype, device=device)
-        b_stack = torch.zeros(len(members), out_features, rank, dtype=dtype, device=device)
-        for index, member in enumerate(members):
-            if member is not None:
-                a_stack[index, :member.r].copy_(weights[id(member)][0])
-                b_stack[index, :, :member.r].copy_(weights[id(member)][1])
-    tensors[key] = (a_stack, b_stack)
-    return a_stack, b_stack
-
-
-def _zeros(tensors: dict, shape_a: tuple[int, int], shape_b: tuple[int, int], dtype: torch.dtype,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gap group's zero weights of these shapes, one pair a step."""
-    key = ("lora-zeros", shape_a, shape_b, dtype, str(device))
-    if key not in tensors:
-        tensors[key] = (torch.zeros(shape_a, dtype=dtype, device=device), torch.zeros(shape_b, dtype=dtype,
-                                                                                      device=device))
-    return tensors[key]
-
-
 # -- the autograd function ----------------------------------------------------------------------------------
 
 class _LinearWithAdapters(torch.autograd.Function):
     """y = x W^T + b, then y[s:e] += scaling_j * dropout_j(x[s:e]) A_j^T B_j^T for each job j in place.
-    `plans`: the adapters by kernel (`_Plan`); inputs after the fixed ones: each plan's adapters' float32 A and B
-    in order (their gradients come back in float32)."""
+    `plans`: the adapters by kernel (`_Plan`). Their float32 gradients (2 per adapter, in the plans' order) go
+    two ways: a pooled job's (`_Sink`) are added into its pool's gradient buffer, every layer's in one
+    multi-tensor operation, with no autograd node per parameter; another adapter's A and B are inputs after the
+    fixed ones and get theirs from autograd. `anchor`: a leaf that needs a gradient, so that the backward runs
+    where neither `x` nor any input does (the first adapted layer, all its adapters pooled)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                base_out: torch.Tensor | None, plans: tuple[_Plan, ...], *masters: torch.Tensor) -> torch.Tensor:
+                base_out: torch.Tensor | None, plans: tuple[_Plan, ...], sink: _Sink | None,
+                anchor: torch.Tensor | None, *masters: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, weight, bias) if base_out is None else base_out
         saved: list[torch.Tensor] = []
         counts: list[int] = []
@@ -220,8 +114,9 @@ class _LinearWithAdapters(torch.autograd.Function):
             counts.append(len(own))
         ctx.plans = plans
         ctx.counts = counts
+        ctx.sink = sink
         ctx.has_weight = weight is not None
-        ctx.save_for_backward(x, weight if weight is not None else x.new_empty(0), *saved)
+        ctx.save_for_backward(x, weight if weight is not None else _EMPTY, *saved)
         if base_out is not None:
             ctx.mark_dirty(out)
         return out
@@ -238,8 +133,45 @@ class _LinearWithAdapters(torch.autograd.Function):
         for plan, count in zip(ctx.plans, ctx.counts, strict=True):
             grads.extend(plan.backward(grad_out, x, grad_x, saved[position:position + count]))
             position += count
-        # x, weight, bias, base_out, plans, then the masters
-        return (grad_x, None, None, grad_out if not ctx.has_weight else None, None, *grads)
+        sink = ctx.sink
+        if sink is not None:
+            grads = sink.add(grads)
+        # x, weight, bias, base_out, plans, sink, anchor, then the masters
+        return (grad_x, None, None, grad_out if not ctx.has_weight else None, None, None, None, *grads)
+
+
+_EMPTY = torch.empty(0)
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """One empty leaf per device that needs a gradient (`_LinearWithAdapters`' anchor); it never gets one."""
+    anchor = _ANCHORS.get(device)
+    if anchor is None:
+        anchor = _ANCHORS[device] = torch.empty(0, device=device, requires_grad=True)
+    return anchor
+
+
+class _Sink:
+    """Where a layer's pooled adapters' gradients go: `views`, each its parameter's view of its job's gradient
+    buffer, for the gradients at `positions` of the layer's list; the rest (`returned`) go back to autograd.
+    Each pool's views become its parameters' `.grad` at the first backward of a step that reaches it
+    (`MasterPool.attach_grads`: once per pool and step, through the step's `tensors`)."""
+
+    def __init__(self, pools: list, views: list[torch.Tensor], positions: list[int], returned: list[int],
+                 tensors: dict):
+        self.pools, self.views, self.positions, self.returned, self.tensors = pools, views, positions, returned, tensors
+
+    def add(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        attached = self.tensors.setdefault("lora-grads-attached", set())
+        for pool in self.pools:
+            if id(pool) not in attached:
+                pool.attach_grads()
+                attached.add(id(pool))
+        positions = self.positions
+        with torch.no_grad():
+            torch._foreach_add_(self.views, [grads[index] for index in positions])
+        return [grads[index] for index in self.returned]
 
 
 class _Plan:
@@ -422,53 +354,124 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     with dropout take the per-segment kernel, the others grouped_mm where it pays (`grouped_pays`): which kernel
     a job takes never depends on the other jobs' settings (so its rounding does not either)."""
     dtype = x.dtype
-    structure = _structure(layout, adapters, bounds, x, base)
+    entry = _layer_adapters(base, adapters)
+    structure = _structure(layout, adapters, bounds, x, base, entry.signature)
+    copies = entry.weights(layout, dtype)
     plans: list[_Plan] = []
     for indices, kernel, segments, grouping in structure:
         chosen = [adapters[index] for index in indices]
         if kernel == "grouped_mm":
             member_of, groups, offsets, scalings = grouping
             members = [None if index is None else chosen[index] for index in member_of]
-            copies = stacked_weights(layout, base, members, dtype)
-            plans.append(_Plan(chosen, segments, copies, "grouped_mm", groups, offsets, scalings))
+            stacks = stacked_weights(layout, base, members, dtype,
+                                     [copies[indices[index]] for index in member_of if index is not None])
+            plans.append(_Plan(chosen, segments, stacks, "grouped_mm", groups, offsets, scalings))
         else:
-            plans.append(_Plan(chosen, segments, compute_weights(layout, chosen, dtype), "segments"))
-    masters = _masters(base, [adapters[index] for indices, *_ in structure for index in indices])   # plans' order
+            plans.append(_Plan(chosen, segments, [copies[index] for index in indices], "segments"))
+    sink, masters = entry.route(tuple([tuple(indices) for indices, *_ in structure]), layout)
+    anchor = _anchor(x.device) if sink is not None else None
     if full_precision:
-        return _LinearWithAdapters.apply(x, base.weight, base.bias, None, tuple(plans), *masters)
+        return _LinearWithAdapters.apply(x, base.weight, base.bias, None, tuple(plans), sink, anchor, *masters)
     base_out = base(x)
     if base_out.dtype != dtype:
         base_out = base_out.to(dtype)
-    return _LinearWithAdapters.apply(x, None, None, base_out, tuple(plans), *masters)
+    return _LinearWithAdapters.apply(x, None, None, base_out, tuple(plans), sink, anchor, *masters)
 
 
-MASTERS_ATTRIBUTE = "_aspen_lora_masters"
+LAYER_ATTRIBUTE = "_aspen_lora_layer"
 
 
-def _masters(base: nn.Module, adapters: list[nn.Module]) -> tuple[torch.Tensor, ...]:
-    """The adapters' float32 A and B in order, kept on the base layer while its adapters stay the same ones
-    (looked up through each module's attributes a layer and step at a time, they were a fair share of a step's
-    host time); `forget_masters` drops them when an adapter leaves."""
-    ids = tuple(map(id, adapters))
-    entry = getattr(base, MASTERS_ATTRIBUTE, None)
-    if entry is None or entry[0] != ids:
-        entry = (ids, tuple(t for adapter in adapters for t in (adapter.lora_A, adapter.lora_B)))
-        object.__setattr__(base, MASTERS_ATTRIBUTE, entry)
-    return entry[1]
+class _LayerAdapters:
+    """What a layer's adapters give every call while they stay the same ones, kept on the base layer
+    (`forget_masters` drops it when an adapter leaves): the signature the step's structure depends on, their
+    jobs' pools, each pooled adapter's copies (views of its job's cast) and gradient views, the others' float32
+    masters. Per adapter and layer, these were most of a step's host time at many jobs (bench/gpu_cost_model.py
+    --fusion): what is left per call is a few operations per layer, and a check per job of its cast's age."""
+
+    def __init__(self, adapters: list[nn.Module]):
+        self.adapters = list(adapters)
+        self.ids = tuple(map(id, adapters))
+        self.training = adapters[0].training
+        self.signature = tuple(_job_of(adapter) for adapter in adapters)
+        self.found = [adapter.master_pool for adapter in adapters]
+        pools = {id(found[0]): found[0] for found in self.found if found is not None}
+        self.pools = list(pools.values())
+        self.unpooled = [index for index, found in enumerate(self.found) if found is None]
+        self.copies: dict[torch.dtype, list] = {}
+        self.routes: dict[tuple, tuple] = {}
+
+    def weights(self, layout: object, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each adapter's (A, scaling * B) in `dtype`: a pooled job's cast refreshed once a step (and again where
+        its masters changed in place since), the others cast as `compute_weights` casts them."""
+        refreshed = step_tensors(layout).setdefault(("lora-refreshed", dtype), {})
+        for pool in [pool for pool in self.pools if refreshed.get(id(pool)) != pool.flat._version]:
+            pool.refresh(layout, dtype)
+            refreshed[id(pool)] = pool.flat._version
+        copies = self.copies.get(dtype)
+        if copies is None:
+            copies = self.copies[dtype] = [None if found is None else found[0].weights(adapter, found[1], found[2],
+                                                                                       dtype)
+                                           for adapter, found in zip(self.adapters, self.found, strict=True)]
+        if not self.unpooled:
+            return copies
+        copies = list(copies)
+        own = compute_weights(layout, [self.adapters[index] for index in self.unpooled], dtype)
+        for index, pair in zip(self.unpooled, own, strict=True):
+            copies[index] = pair
+        return copies
+
+    def route(self, order: tuple[tuple[int, ...], ...], layout: object) -> tuple[_Sink | None, tuple]:
+        """(the sink of the pooled adapters' gradients or None, the masters autograd takes) for the plans'
+        adapter order `order`. Without a gradient to take (no grad mode, frozen adapters), every master goes to
+        autograd (which then computes none)."""
+        route = self.routes.get(order)
+        if route is None:
+            route = self.routes[order] = self._route(order)
+        views, positions, returned, masters, every = route
+        if not positions or not torch.is_grad_enabled() or not all(
+                [pool.parameters[0].requires_grad for pool in self.pools]):
+            return None, every
+        return _Sink(self.pools, views, positions, returned, step_tensors(layout)), masters
+
+    def _route(self, order: tuple[tuple[int, ...], ...]) -> tuple:
+        views: list[torch.Tensor] = []
+        positions: list[int] = []
+        returned: list[int] = []
+        masters: list[torch.Tensor] = []
+        every: list[torch.Tensor] = []
+        for place, index in enumerate(index for indices in order for index in indices):
+            adapter, found = self.adapters[index], self.found[index]
+            every.extend((adapter.lora_A, adapter.lora_B))
+            if found is None:
+                returned.extend((2 * place, 2 * place + 1))
+                masters.extend((adapter.lora_A, adapter.lora_B))
+            else:
+                views.extend(found[0].grad_views(adapter))
+                positions.extend((2 * place, 2 * place + 1))
+        return views, positions, returned, tuple(masters), tuple(every)
+
+
+def _layer_adapters(base: nn.Module, adapters: list[nn.Module]) -> _LayerAdapters:
+    entry = base.__dict__.get(LAYER_ATTRIBUTE)
+    if entry is None or entry.ids != tuple(map(id, adapters)) or entry.training != adapters[0].training:
+        entry = _LayerAdapters(adapters)
+        base.__dict__[LAYER_ATTRIBUTE] = entry
+    return entry
 
 
 def forget_masters(base: nn.Module) -> None:
-    base.__dict__.pop(MASTERS_ATTRIBUTE, None)
+    base.__dict__.pop(LAYER_ATTRIBUTE, None)
 
 
 def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int, int]], x: torch.Tensor,
-               base: nn.Module) -> list[tuple[list[int], str, list[_Segment], tuple | None]]:
+               base: nn.Module, signature: tuple) -> list[tuple[list[int], str, list[_Segment], tuple | None]]:
     """Which adapters take which kernel, their segments, and grouped_mm's groups: (indices, kernel, segments,
     (member of each group, each adapter's group, offsets, scalings) or None). The same for every layer that the
-    same jobs adapt (their scalings, dropout and bounds are the job's), so made once a step for each such set."""
+    same jobs adapt (their scalings, dropout and bounds are the job's), so made once a step for each such set.
+    `signature`: each adapter's `_job_of`."""
     tensors = step_tensors(layout)
     aligned = grouped_fits(x, base)
-    key = ("lora-structure", tuple(bounds), tuple(map(_job_of, adapters)), x.dtype, aligned, x.shape[0])
+    key = ("lora-structure", tuple(bounds), signature, x.dtype, aligned, x.shape[0])
     if key in tensors:
         return tensors[key]
     segments = [_Segment(start, end, adapter.scaling, 1.0 - adapter.dropout if adapter.drops else 1.0)

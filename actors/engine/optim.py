@@ -167,7 +167,11 @@ class JobOptimizer:
         return lr, norm
 
     def gradient_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters)
+        """The bytes of the adapter's gradients (its parameters', counted once: they never change)."""
+        counted = self.__dict__.get("_gradient_bytes")
+        if counted is None:
+            counted = self._gradient_bytes = sum([p.numel() * p.element_size() for p in self.parameters])
+        return counted
 
     def state_bytes(self) -> int:
         """Adam keeps two moments per parameter (allocated at the first step; counted from the start)."""
@@ -294,7 +298,7 @@ def _group_lists(optimizer: JobOptimizer, group: dict, lists: tuple[list[torch.T
     parameter in Python, a job of hundreds of adapter tensors cost a millisecond a step)."""
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
     kept = optimizer.group_lists.get(id(group))
-    present = tuple(id(p) for p in group["params"] if p.grad is not None)
+    present = tuple([id(p) for p in group["params"] if p.grad is not None])
     if kept is None or kept[0] != present:
         own: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
         optimizer.optimizer._init_group(group, *own)   # torch's own lazy state initialisation
@@ -302,7 +306,7 @@ def _group_lists(optimizer: JobOptimizer, group: dict, lists: tuple[list[torch.T
         optimizer.group_lists[id(group)] = kept
     _, own_params, own_avgs, own_avg_sqs, own_steps = kept
     params.extend(own_params)
-    grads.extend(p.grad for p in own_params)
+    grads.extend([p.grad for p in own_params])
     exp_avgs.extend(own_avgs)
     exp_avg_sqs.extend(own_avg_sqs)
     steps.extend(own_steps)

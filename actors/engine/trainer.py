@@ -304,7 +304,9 @@ class FusedTrainer:
                                        micro_batches, references, self.loss_chunk)
         objective.total.backward()
         head = self.base.lm_head
-        gradient_bytes = sum(job.optimizer.gradient_bytes() for job, _ in chosen)
+        stepping = {job.name for job, _ in chosen}   # and the jobs whose gradient buffers stay between steps
+        gradient_bytes = sum(job.optimizer.gradient_bytes() for job in self.jobs.values()
+                             if job.name in stepping or job.adapter.held_gradient_bytes())
         optimizer_bytes = sum(job.optimizer.state_bytes() for job in self.jobs.values())
         peak = self.meter.peak_bytes(gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
                                      transient_bytes=logits_transient_bytes(

@@ -1,0 +1,194 @@
+"""The jobs' float32 LoRA masters on the CUDA path (actors/engine/lora_cuda.py): their compute-dtype copies, made
+once a step, and the flat buffer their gradients are added into.
+
+A job's plain adapters are pooled (`adapter_surgery.pool_masters`): every A, then every B, are views of one flat
+float32 tensor. `MasterPool` keeps that tensor's copy in a compute dtype (the Bs times the job's scaling), refreshed
+in place once a step, each layer's copies views of it; and a flat float32 gradient buffer of the same layout whose
+views are the parameters' `.grad`: the path's backward adds each layer's gradients of every job into those views in
+one multi-tensor operation, where autograd would run two accumulation nodes per job and layer (on a GPU the host's
+work grew with the jobs: at 32 jobs they were the largest part of a step's host time in bench/gpu_cost_model.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+RANK_ALIGNMENT = 8   # grouped_mm: 16-byte strides, 8 bfloat16 elements
+
+
+def step_tensors(layout: object) -> dict:
+    """What the path keeps for one step, shared by every layer: the layout's own `tensors` (a new step has a new
+    layout, so nothing outlives its step; a recomputed forward in the same step finds it)."""
+    return layout.tensors
+
+
+class MasterPool:
+    """One job's float32 masters (every A, then every B, of its plain adapters: `adapter_surgery.pool_masters`)
+    and their copy in a compute dtype: kept from step to step and refreshed in place once a step (the As copied,
+    the Bs times the job's scaling: two operations for the whole adapter), each layer's copies views made once.
+    Refreshed in place: a backward still to come reads the values of its forward, since a job's weights change
+    only at its optimizer step, after the backward of every micro-batch of its accumulation (on one device and in
+    a pipeline's stages alike); between those, a refresh writes the same values again.
+
+    Gradients (`attach_grads`, `grad_views`): each parameter's `.grad` is a view of one flat float32 buffer while
+    the optimizer keeps the gradients; once it clears them (sets them to None, as `zero_grad` does), the next
+    backward zeroes the buffer and attaches the views again, so a job that took no part in a step keeps None."""
+
+    def __init__(self, flat: torch.Tensor, b_region: int, scaling: float,
+                 parameters: Sequence[nn.Parameter] = ()):
+        self.flat, self.b_region, self.scaling = flat, b_region, scaling
+        self.parameters = list(parameters)   # every A, then every B, as views of `flat` (pool_masters' order)
+        self.casts: dict[torch.dtype, torch.Tensor] = {}
+        self.views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.refreshed: dict[torch.dtype, tuple[object, int]] = {}   # dtype -> (the step's layout, flat's version)
+        self.generation = 0
+        self.grad_flat: torch.Tensor | None = None
+        self._grad_views: dict[int, torch.Tensor] = {}   # id(parameter) -> its view of grad_flat
+        self._all_views: list[torch.Tensor] | None = None   # every parameter's, in `parameters`' order
+
+    def refresh(self, layout: object, dtype: torch.dtype) -> None:
+        """The copy in `dtype` as of now, once a step (and again where the masters changed in place since)."""
+        stamp = (layout, self.flat._version)
+        seen = self.refreshed.get(dtype)
+        if seen is not None and seen[0] is stamp[0] and seen[1] == stamp[1]:
+            return
+        cast = self.casts.get(dtype)
+        if cast is None:
+            cast = self.casts[dtype] = torch.empty(self.flat.shape, dtype=dtype, device=self.flat.device)
+        flat = self.flat.detach()
+        cast[:self.b_region].copy_(flat[:self.b_region])
+        torch.mul(flat[self.b_region:], self.scaling, out=cast[self.b_region:])
+        self.refreshed[dtype] = stamp
+        self.generation += 1
+
+    def weights(self, adapter: nn.Module, start_a: int, start_b: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(adapter), dtype)
+        if key not in self.views:
+            cast = self.casts[dtype]
+            self.views[key] = (cast[start_a:start_a + adapter.lora_A.numel()].view(adapter.lora_A.shape),
+                               cast[start_b:start_b + adapter.lora_B.numel()].view(adapter.lora_B.shape))
+        return self.views[key]
+
+    # -- gradients ------------------------------------------------------------------------------------------
+    def grad_views(self, adapter: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The views of the gradient buffer that are `adapter`'s A's and B's `.grad` once attached."""
+        return self._grad_view(adapter.lora_A), self._grad_view(adapter.lora_B)
+
+    def _grad_view(self, parameter: torch.Tensor) -> torch.Tensor:
+        view = self._grad_views.get(id(parameter))
+        if view is None:
+            if self.grad_flat is None:
+                self.grad_flat = torch.zeros(self.flat.shape, dtype=torch.float32, device=self.flat.device)
+            start = parameter.storage_offset() - self.flat.storage_offset()
+            view = self.grad_flat[start:start + parameter.numel()].view(parameter.shape)
+            self._grad_views[id(parameter)] = view
+        return view
+
+    def attached(self) -> bool:
+        """Whether every parameter's `.grad` is its view of the buffer (checked at both ends: the optimizers
+        clear a job's gradients all together)."""
+        first, last = self.parameters[0], self.parameters[-1]
+        return first.grad is self._grad_views.get(id(first)) and last.grad is self._grad_views.get(id(last))
+
+    def attach_grads(self) -> None:
+        """Make every parameter's `.grad` its view of the buffer, keeping the values of gradients it holds (a
+        gradient cleared to None starts from zeros)."""
+        if not self.parameters or self.attached():
+            return
+        views = self._all_views
+        if views is None:
+            views = self._all_views = [self._grad_view(parameter) for parameter in self.parameters]
+        held = [parameter.grad for parameter in self.parameters]
+        with torch.no_grad():
+            if held.count(None) == len(held):   # the usual case: the optimizer cleared them; one fill
+                self.grad_flat.zero_()
+            else:
+                for view, grad in zip(views, held, strict=True):
+                    if grad is None:
+                        view.zero_()
+                    elif grad is not view:
+                        view.copy_(grad)
+        for parameter, view in zip(self.parameters, views, strict=True):
+            parameter.grad = view
+
+
+def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per adapter (A (r, in), scaling * B (out, r)) in `dtype`. A job's adapter pooled in one flat tensor
+    (`adapter_surgery.pool_masters`, as every job's is) is cast whole, once a step (`MasterPool`): its layers'
+    copies are views of that cast; another adapter is cast by itself. A weight changed in place since (an
+    optimizer step, a load) is cast again."""
+    tensors = step_tensors(layout)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for adapter in adapters:
+        found = adapter.master_pool
+        if found is None:
+            lora_a, lora_b = adapter.lora_A, adapter.lora_B
+            key, version = ("lora-cast", id(adapter), dtype), (lora_a._version, lora_b._version)
+            entry = tensors.get(key)
+            if entry is None or entry[0] != version:
+                entry = tensors[key] = (version, (lora_a.detach().to(dtype),
+                                                  (lora_b.detach() * adapter.scaling).to(dtype)))
+            out.append(entry[1])
+            continue
+        pool, start_a, start_b = found
+        pool.refresh(layout, dtype)
+        out.append(pool.weights(adapter, start_a, start_b, dtype))
+    return out
+
+
+def padded_rank(adapters: Sequence[nn.Module]) -> int:
+    longest = max(a.r for a in adapters)
+    return -(-longest // RANK_ALIGNMENT) * RANK_ALIGNMENT
+
+
+def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Module | None], dtype: torch.dtype,
+                    weights: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A stacked (groups, rank, in), scaling * B stacked (groups, out, rank)) in `dtype` for `layer`'s groups; a
+    group of None (tokens of no plain adapter) is zeros. Adapters of one rank, a multiple of 8: one stack each of
+    their (pooled) copies; else zeros, ranks padded to `padded_rank`, filled adapter by adapter. `weights`: the
+    present members' copies in order, where the caller has them (else `compute_weights`)."""
+    tensors = step_tensors(layout)
+    present = [member for member in members if member is not None]
+    if weights is None:
+        weights = compute_weights(layout, present, dtype)
+    key = ("lora-stack", id(layer), dtype, tuple(map(id, members)), tuple(
+        [member.master_pool[0].generation if member.master_pool else (member.lora_A._version, member.lora_B._version)
+         for member in present]))
+    if key in tensors:
+        return tensors[key]
+    in_features, out_features = present[0].lora_A.shape[1], present[0].lora_B.shape[0]
+    ranks = {member.r for member in present}
+    device = present[0].lora_A.device
+    pairs = iter(weights)
+    if len(ranks) == 1 and next(iter(ranks)) % RANK_ALIGNMENT == 0:
+        rank = next(iter(ranks))
+        zeros = _zeros(tensors, (rank, in_features), (out_features, rank), dtype, device)
+        chosen = [next(pairs) if member is not None else zeros for member in members]
+        a_stack = torch.stack([pair[0] for pair in chosen])
+        b_stack = torch.stack([pair[1] for pair in chosen])
+    else:
+        rank = padded_rank(present)
+        a_stack = torch.zeros(len(members), rank, in_features, dtype=dtype, device=device)
+        b_stack = torch.zeros(len(members), out_features, rank, dtype=dtype, device=device)
+        for index, member in enumerate(members):
+            if member is not None:
+                lora_a, lora_b = next(pairs)
+                a_stack[index, :member.r].copy_(lora_a)
+                b_stack[index, :, :member.r].copy_(lora_b)
+    tensors[key] = (a_stack, b_stack)
+    return a_stack, b_stack
+
+
+def _zeros(tensors: dict, shape_a: tuple[int, int], shape_b: tuple[int, int], dtype: torch.dtype,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gap group's zero weights of these shapes, one pair a step."""
+    key = ("lora-zeros", shape_a, shape_b, dtype, str(device))
+    if key not in tensors:
+        tensors[key] = (torch.zeros(shape_a, dtype=dtype, device=device), torch.zeros(shape_b, dtype=dtype,
+                                                                                      device=device))
+    return tensors[key]

@@ -12,14 +12,18 @@ Two kernels, the same arithmetic per job:
 - `segments`: per job, one product for the down projection and one accumulating product for the update
   (forward); four in the backward. Launches grow with the number of jobs.
 - `grouped_mm`: `torch._grouped_mm` over the jagged segments (offsets = the segments' ends): every job's down
-  projection in one launch, every update in one more, the backward in four, whatever the number of jobs.
+  projection in one launch, every update in one more, the backward in four, whatever the number of jobs. The
+  base product is then accumulated into that update by the base GEMM itself (`addmm_`, its epilogue reading the
+  update), and in the backward `g W` into the jobs' `(g sB) A`: no separate pass adding a (tokens, features)
+  tensor to another (on the 8B shape ~15 ms of a 0.23 s step by bench/gpu_cost_model.py).
   Ranks are padded to a multiple of 8 with zero rows (the kernel's 16-byte alignment); tokens of no plain
   adapter (another kind's job, a job not adapting this layer, compile padding) form groups of zero weights.
   bfloat16 only, no dropout (a job with dropout takes `segments` for the layer).
-`auto` picks `grouped_mm` on CUDA for bfloat16 when at least two adapters without dropout share the layer and
-the kernel passed its self-check on this device (`grouped_mm_works`: it is compared once against exact
-products; an error or a mismatch logs why and keeps `segments`); adapters with dropout take `segments` beside
-them. `bench/gpu_cost_model.py` ranks the two on a modelled GPU.
+`auto` picks `grouped_mm` on CUDA for bfloat16 adapters without dropout (one alone too: its base GEMM accumulates
+into its update, and it rounds as it does fused) where the kernel passed its self-check on this device
+(`grouped_mm_works`: it is compared once against exact products; an error or a mismatch logs why and keeps
+`segments`); adapters with dropout take `segments` beside them. `bench/gpu_cost_model.py` ranks the two on a
+modelled GPU.
 
 Dropout masks come from each job's own generator (`LoraAdapter.dropout_generator`), drawn in the compute dtype
 and kept (one byte-sized mask per element would need a kernel of its own; the compute dtype's is what PEFT keeps
@@ -27,7 +31,8 @@ too); under recomputation the generator states are replayed (actors/engine/recom
 
 Master weights stay float32 (`LoraAdapter.lora_A`, `lora_B`, their optimizer state too); their compute-dtype
 copies are made once a step, a job's whole adapter in one cast (its weights are views of one flat tensor:
-`adapter_surgery.pool_masters`), kept with the step's layout (`step_tensors`); the gradients come back in float32.
+`adapter_surgery.pool_masters`), kept between steps (actors/engine/lora_masters.py); the gradients come back in
+float32, a pooled job's added into its gradient buffer (`MasterPool`, one multi-tensor add per layer).
 The CPU keeps the float32 path of actors/engine/fused_linear.py (bit for bit fused == solo); this path runs on a CPU
 only when `COMPUTE = "base"` asks for it (its tests compare it there with the float32 path within a bound
 derived from bfloat16's rounding)."""
@@ -105,10 +110,22 @@ class _LinearWithAdapters(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 base_out: torch.Tensor | None, plans: tuple[_Plan, ...], sink: _Sink | None,
                 anchor: torch.Tensor | None, *masters: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, weight, bias) if base_out is None else base_out
         saved: list[torch.Tensor] = []
         counts: list[int] = []
-        for plan in plans:
+        rest = plans
+        if base_out is None and plans and plans[0].kernel == "grouped_mm":
+            # the grouped update first, the base product accumulated into it by the GEMM itself (its epilogue
+            # reads it once): no separate pass adding a (tokens, out) update to the output
+            hidden, out = plans[0].grouped_update(x)
+            if bias is not None:
+                out.add_(bias)
+            out.addmm_(x, weight.t())
+            saved.append(hidden)
+            counts.append(1)
+            rest = plans[1:]
+        else:
+            out = F.linear(x, weight, bias) if base_out is None else base_out
+        for plan in rest:
             own = plan.forward(x, out)
             saved.extend(own)
             counts.append(len(own))
@@ -126,12 +143,23 @@ class _LinearWithAdapters(torch.autograd.Function):
         x, weight, *saved = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        plans = ctx.plans
+        early: tuple[torch.Tensor, torch.Tensor] | None = None   # the first grouped plan's (grad_out, grad_hidden)
+        if ctx.needs_input_grad[0] and ctx.has_weight and plans and plans[0].kernel == "grouped_mm":
+            # as in the forward: the grouped input gradient first, the base's `g W` accumulated into it
+            early = plans[0].grouped_grad_hidden(grad_out)
+            grad_x = plans[0].grouped_input_grad(early[1])
+            grad_x.addmm_(grad_out, weight)
+        elif ctx.needs_input_grad[0]:
             grad_x = grad_out @ weight if ctx.has_weight else torch.zeros_like(x)
         grads: list[torch.Tensor] = []
         position = 0
-        for plan, count in zip(ctx.plans, ctx.counts, strict=True):
-            grads.extend(plan.backward(grad_out, x, grad_x, saved[position:position + count]))
+        for index, (plan, count) in enumerate(zip(plans, ctx.counts, strict=True)):
+            own = saved[position:position + count]
+            if index == 0 and early is not None:
+                grads.extend(plan.grouped_weight_grads(early[0], x, own[0], early[1]))
+            else:
+                grads.extend(plan.backward(grad_out, x, grad_x, own))
             position += count
         sink = ctx.sink
         if sink is not None:
@@ -201,9 +229,8 @@ class _Plan:
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> list[torch.Tensor]:
         if self.kernel == "grouped_mm":
-            a_stack, b_stack = self.copies
-            hidden = torch._grouped_mm(x, a_stack.mT, offs=self.offsets)                    # (T, rank)
-            out.add_(torch._grouped_mm(hidden, b_stack.mT, offs=self.offsets))
+            hidden, update = self.grouped_update(x)
+            out.add_(update)
             return [hidden]
         masks = self._dropout_masks(x)
         saved: list[torch.Tensor] = []
@@ -249,14 +276,33 @@ class _Plan:
             grads.extend((grad_a, grad_b))
         return grads
 
-    def _grouped_backward(self, grad_out: torch.Tensor, x: torch.Tensor, grad_x: torch.Tensor | None,
-                          hidden: torch.Tensor) -> list[torch.Tensor]:
+    # grouped_mm -------------------------------------------------------------------------------------------
+    def grouped_update(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the down projection (T, rank), every job's update on its own rows (T, out); zeros on a gap group's)."""
         a_stack, b_stack = self.copies
+        hidden = torch._grouped_mm(x, a_stack.mT, offs=self.offsets)                           # (T, rank)
+        return hidden, torch._grouped_mm(hidden, b_stack.mT, offs=self.offsets)
+
+    def grouped_grad_hidden(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_out as the kernel takes it: 16-byte aligned, the gradient of the down projection (T, rank))."""
         if grad_out.data_ptr() % 16:   # a view into a larger gradient: the kernel needs 16-byte aligned operands
             grad_out = grad_out.clone()
-        grad_hidden = torch._grouped_mm(grad_out, b_stack, offs=self.offsets)                  # (T, rank)
+        return grad_out, torch._grouped_mm(grad_out, self.copies[1], offs=self.offsets)
+
+    def grouped_input_grad(self, grad_hidden: torch.Tensor) -> torch.Tensor:
+        """Every job's (g sB) A on its own rows: (T, in)."""
+        return torch._grouped_mm(grad_hidden, self.copies[0], offs=self.offsets)
+
+    def _grouped_backward(self, grad_out: torch.Tensor, x: torch.Tensor, grad_x: torch.Tensor | None,
+                          hidden: torch.Tensor) -> list[torch.Tensor]:
+        grad_out, grad_hidden = self.grouped_grad_hidden(grad_out)
         if grad_x is not None:
-            grad_x.add_(torch._grouped_mm(grad_hidden, a_stack, offs=self.offsets))
+            grad_x.add_(self.grouped_input_grad(grad_hidden))
+        return self.grouped_weight_grads(grad_out, x, hidden, grad_hidden)
+
+    def grouped_weight_grads(self, grad_out: torch.Tensor, x: torch.Tensor, hidden: torch.Tensor,
+                             grad_hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Each adapter's float32 (grad A, grad B), from its own rows only."""
         grad_a = torch._grouped_mm(grad_hidden.t(), x, offs=self.offsets).float()             # (groups, rank, in)
         # (groups, out, rank), times each group's scaling into float32 in one kernel
         grad_b = torch.mul(torch._grouped_mm(grad_out.t(), hidden, offs=self.offsets), self.scalings)
@@ -337,13 +383,14 @@ def grouped_fits(x: torch.Tensor, base: nn.Module) -> bool:
 
 
 def grouped_pays(segments: list[_Segment], x: torch.Tensor, base: nn.Module) -> bool:
-    """`auto`'s choice for a layer's adapters without dropout: grouped_mm on CUDA in bfloat16 for two or more
-    adapters, where the kernel works."""
+    """`auto`'s choice for a layer's adapters without dropout: grouped_mm on CUDA in bfloat16, where the kernel
+    works, for one adapter too (its base GEMM then accumulates into the update: no separate addition; and a job
+    alone rounds as it does fused)."""
     if not grouped_fits(x, base):
         return False
     if KERNEL != "auto":
         return KERNEL == "grouped_mm"
-    return x.is_cuda and len(segments) >= 2 and grouped_mm_works(x.device)
+    return x.is_cuda and len(segments) >= 1 and grouped_mm_works(x.device)
 
 
 def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor, adapters: list[nn.Module],

@@ -22,7 +22,8 @@ NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_str
              "is_nonzero"}
 DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "argwhere",
                   "nonzero_static", "repeat_interleave", "bincount", "histc"}
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addbmm", "_scaled_mm", "_scaled_grouped_mm"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addbmm", "_scaled_mm", "_scaled_grouped_mm",
+           "addmm_", "baddbmm_", "addbmm_"}   # the in-place forms accumulate into their first argument
 ATTENTION = {"_varlen_attn", "_varlen_attn_backward", "_flash_attention_forward", "_flash_attention_backward",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
@@ -157,6 +158,7 @@ def dtype_name(tensors: list[torch.Tensor]) -> str:
 def gemm_shape(name: str, args: tuple, out: torch.Tensor) -> tuple[int, int, int, int]:
     """(batch, M, N, K) of a matrix product; for a grouped product over jagged groups, the totals
     (batch 1, M the rows of every group, or K summed over groups)."""
+    name = name.rstrip("_") if name in ("addmm_", "baddbmm_", "addbmm_") else name
     if name in ("mm", "_scaled_mm"):
         a, b = args[0], args[1]
         return 1, a.shape[0], b.shape[1], a.shape[1]

@@ -268,7 +268,7 @@ class KernelRecorder(TorchDispatchMode, Listener):
             batch, m, n, k = gemm_shape(name, args, outputs[0])
             op.gemm = (batch, m, n, k)
             op.flops = 2.0 * batch * m * n * k
-            op.dtype = dtype_name([args[1] if name in ("addmm", "baddbmm", "addbmm") else args[0]])
+            op.dtype = dtype_name([args[1] if name.rstrip("_") in ("addmm", "baddbmm", "addbmm") else args[0]])
         elif name in ATTENTION:
             self._attention(op, name, args, kwargs, func)
         elif name in GATHERS:

@@ -20,7 +20,8 @@ from gpu_cost.operations import Op
 
 # categories for the report, by operation (anything else: "other")
 CATEGORIES = {
-    "bmm": "bmm", "baddbmm": "bmm", "mm": "mm", "addmm": "mm", "_grouped_mm": "grouped_mm",
+    "bmm": "bmm", "baddbmm": "bmm", "baddbmm_": "bmm", "mm": "mm", "addmm": "mm", "addmm_": "mm",
+    "_grouped_mm": "grouped_mm",
     "_index_put_impl_": "index_put", "index_put": "index_put", "index_put_": "index_put",
     "index_add_": "index_put", "index": "index (gathers)", "index_select": "index (gathers)",
     "gather": "index (gathers)", "embedding": "index (gathers)",

@@ -175,8 +175,8 @@ def _trainer(base: Any) -> Any:
 def _add_job(trainer: Any, base: Any, bench: ModuleType, name: str, examples: list, batch_size: int,
              steps: int, seed: int, max_len: int | None) -> Any:
     from actors.engine.job import TrainingJob
-    from actors.spec.job_spec import JobSpec
 
+    JobSpec = from_checkout("actors.spec.job_spec", "actors.engine.spec").JobSpec
     extra = {"max_seq_len": max_len} if max_len else {}
     spec = JobSpec(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=batch_size,
                    max_steps=steps, lr=1e-4, lora=bench.LORA, **extra)
@@ -214,10 +214,10 @@ def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, step
     every step all of them, packed; each step recorded. As profile_step.py ran it for the 2026-11-28 profile
     (each job's batches through its DataCursor), or `in_order` as bench/lora_mfu.py's aspen side runs it since
     (step k takes every job's k-th batch)."""
-    from actors.data import Example
     from actors.engine.job import TrainingJob
-    from actors.spec.job_spec import JobSpec
 
+    Example = from_checkout("actors.data", "actors.engine.data").Example
+    JobSpec = from_checkout("actors.spec.job_spec", "actors.engine.spec").JobSpec
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)
     base = _base(model)
@@ -246,8 +246,7 @@ def record_fusion(session: Session, bench: ModuleType, shape: str, adapters: lis
                   ) -> dict[int, Recorded]:
     """bench/lora_mfu.py's fusion side: FUSION_SEQUENCES sequences of FUSION_LENGTH tokens a step split evenly
     over N adapters; the first step (optimizer state allocated) is a warm-up."""
-    from actors.data import Example
-
+    Example = from_checkout("actors.data", "actors.engine.data").Example
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)
     base = _base(model)
@@ -341,6 +340,20 @@ class flash_sdpa:
 
     def __exit__(self, *exc: Any) -> None:
         F.scaled_dot_product_attention = self.original
+
+
+def from_checkout(*names: str) -> ModuleType:
+    """The first of these modules that the checkout's own `actors` package holds: modules moved between commits
+    (actors.data and actors.spec were actors.engine.data and actors.engine.spec before ffcab51), and this
+    repository's editable install would hand an older checkout this checkout's module of the new name."""
+    import actors
+
+    root = Path(actors.__file__).resolve().parent.parent
+    for name in names:
+        path = root.joinpath(*name.split("."))
+        if path.with_suffix(".py").exists() or (path / "__init__.py").exists():
+            return importlib.import_module(name)
+    raise ImportError(f"the checkout {root} has none of {', '.join(names)}")
 
 
 def check_checkout(checkout: Path) -> None:

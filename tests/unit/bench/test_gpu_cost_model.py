@@ -22,11 +22,11 @@ sys.path.insert(0, str(BENCH))
 try:
     import gpu_cost_model
     from gpu_cost.calibration import load
-    from gpu_cost.card import h200
+    from gpu_cost.card import h200, kernel_time
     from gpu_cost.operations import Op
     from gpu_cost.predict import summarise
     from gpu_cost.timeline import Host, simulate
-    from gpu_cost.workload import Session, benchmark_module, record_jobs
+    from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
 finally:
     sys.path.remove(str(BENCH))
 
@@ -35,6 +35,9 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture
 def session():
+    # as the command's worker does: the optional libraries that read the device at import (Liger imports
+    # bitsandbytes) imported before the virtual device exists, whatever this process imported before
+    preimport()
     with Session("NVIDIA H200") as active:
         yield active
 
@@ -66,6 +69,20 @@ def test_a_linear_with_bias_reads_its_bias(session):
     assert addmm.flops == 2 * 10 * 24 * 32
     assert addmm.read == (10 * 32 + 24 * 32 + 24) * 4
     assert addmm.written == 10 * 24 * 4
+
+
+def test_an_in_place_accumulating_product_is_a_matmul(session):
+    """`out.addmm_(x, w)` (the CUDA LoRA path accumulates the base product into the jobs' update so) is timed as
+    the GEMM it is, reading the output it accumulates into, not by its bytes as an elementwise kernel."""
+    m, k, n = 4096, 4096, 4096
+    out = torch.empty(m, n, device=CUDA, dtype=torch.bfloat16)
+    x, w = torch.empty(m, k, device=CUDA, dtype=torch.bfloat16), torch.empty(n, k, device=CUDA, dtype=torch.bfloat16)
+    _, ops = session.record(lambda: out.addmm_(x, w.t()))
+    (addmm,) = _kernels(ops, "addmm_")
+    assert addmm.flops == 2 * m * n * k and addmm.gemm == (1, m, n, k) and addmm.dtype == "bfloat16"
+    assert addmm.read == (m * n + m * k + n * k) * 2
+    card = h200()
+    assert kernel_time(addmm, card) >= addmm.flops / card.gemm_bf16
 
 
 def test_host_reads_and_blocking_copies_are_syncs_a_pinned_non_blocking_copy_is_not(session):
@@ -159,3 +176,14 @@ def test_the_command_writes_its_figures(tmp_path):
     for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):
         assert result[key] > 0
     assert result["current"]["tokens"] and result["parameters"]["card.hbm"]["source"] == "datasheet"
+
+
+def test_modules_come_from_the_checkout_under_their_name_there():
+    """An older checkout (the calibration's 70c0645) holds actors.engine.data where this one holds actors.data:
+    the workload takes the checkout's own, never this repository's through its editable install."""
+    from gpu_cost.workload import from_checkout
+
+    assert from_checkout("actors.data", "actors.engine.data").__name__ == "actors.data"
+    assert from_checkout("actors.engine.nowhere", "actors.spec.job_spec").__name__ == "actors.spec.job_spec"
+    with pytest.raises(ImportError, match="actors.engine.nowhere"):
+        from_checkout("actors.engine.nowhere")

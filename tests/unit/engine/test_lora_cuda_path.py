@@ -406,3 +406,21 @@ def test_grouped_mm_is_not_taken_for_an_unaligned_layer(monkeypatch):
     with step_layout(layout_of(((0, 5), (5, 9)))):
         layer(bf16_values(1, 9, 20))
     assert not calls
+
+
+@pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
+def test_a_biased_base_within_the_bounds_plus_the_bias_rounding(monkeypatch, kernel):
+    """A base with a bias (Qwen2's q, k, v): the grouped kernel adds it to the jobs' update before the base product
+    is accumulated into it, so the output is the exact x W^T + b + updates within the bias-free bound plus the
+    bias's own roundings (added to the update, then in the output: 2u |b|, doubled for the sums it joins)."""
+    monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
+    layer = fused_layer(bias=True)
+    with torch.no_grad():
+        layer.base.bias.copy_(bf16_values(OUT) * 4)
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    out, grad_x = run_layer(layer, x, upstream, layout_of())
+    expected, out_bound, grad_x_exact, grad_x_bound, *_ = exact(layer, x, upstream)
+    bias = layer.base.bias.double()
+    assert_within(out[0], expected + bias, out_bound + 4 * U * bias.abs(), "output with a bias")
+    assert_within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient with a bias")
+    assert not bool(((out[0].double() - expected).abs() <= out_bound).all())   # the bias is really there

@@ -39,7 +39,6 @@ derived from bfloat16's rounding)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -48,14 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine.lora_masters import (
-    RANK_ALIGNMENT,
-    compute_weights,
-    stacked_weights,
-    step_tensors,
-)
-
-log = logging.getLogger(__name__)
+from actors.engine import lora_grouped_mm
+from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
+from actors.engine.lora_masters import GradientSink, compute_weights, stacked_weights, step_tensors
 
 # "auto": this path on CUDA for a bfloat16 or float32 base; "base": on any device (tests, benchmarks);
 # "float32": never (actors/engine/lora_adapter.py's float32 adapters everywhere)
@@ -101,14 +95,14 @@ class _Segment:
 class _LinearWithAdapters(torch.autograd.Function):
     """y = x W^T + b, then y[s:e] += scaling_j * dropout_j(x[s:e]) A_j^T B_j^T for each job j in place.
     `plans`: the adapters by kernel (`_Plan`). Their float32 gradients (2 per adapter, in the plans' order) go
-    two ways: a pooled job's (`_Sink`) are added into its pool's gradient buffer, every layer's in one
+    two ways: a pooled job's (`GradientSink`) are added into its pool's gradient buffer, every layer's in one
     multi-tensor operation, with no autograd node per parameter; another adapter's A and B are inputs after the
     fixed ones and get theirs from autograd. `anchor`: a leaf that needs a gradient, so that the backward runs
     where neither `x` nor any input does (the first adapted layer, all its adapters pooled)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                base_out: torch.Tensor | None, plans: tuple[_Plan, ...], sink: _Sink | None,
+                base_out: torch.Tensor | None, plans: tuple[_Plan, ...], sink: GradientSink | None,
                 anchor: torch.Tensor | None, *masters: torch.Tensor) -> torch.Tensor:
         saved: list[torch.Tensor] = []
         counts: list[int] = []
@@ -178,28 +172,6 @@ def _anchor(device: torch.device) -> torch.Tensor:
     if anchor is None:
         anchor = _ANCHORS[device] = torch.empty(0, device=device, requires_grad=True)
     return anchor
-
-
-class _Sink:
-    """Where a layer's pooled adapters' gradients go: `views`, each its parameter's view of its job's gradient
-    buffer, for the gradients at `positions` of the layer's list; the rest (`returned`) go back to autograd.
-    Each pool's views become its parameters' `.grad` at the first backward of a step that reaches it
-    (`MasterPool.attach_grads`: once per pool and step, through the step's `tensors`)."""
-
-    def __init__(self, pools: list, views: list[torch.Tensor], positions: list[int], returned: list[int],
-                 tensors: dict):
-        self.pools, self.views, self.positions, self.returned, self.tensors = pools, views, positions, returned, tensors
-
-    def add(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        attached = self.tensors.setdefault("lora-grads-attached", set())
-        for pool in self.pools:
-            if id(pool) not in attached:
-                pool.attach_grads()
-                attached.add(id(pool))
-        positions = self.positions
-        with torch.no_grad():
-            torch._foreach_add_(self.views, [grads[index] for index in positions])
-        return [grads[index] for index in self.returned]
 
 
 class _Plan:
@@ -319,69 +291,6 @@ class _Plan:
 
 # -- choosing the kernel ------------------------------------------------------------------------------------
 
-# None: `grouped_mm_works` checks the kernel once per device; True / False: taken as given (the cost model,
-# which runs the step on fake tensors, and benchmarks that force a kernel)
-GROUPED_MM_VERIFIED: bool | None = None
-_GROUPED_CHECKED: dict[tuple[str, int | None], bool] = {}
-
-
-def grouped_mm_works(device: torch.device) -> bool:
-    """Whether `torch._grouped_mm` runs here and agrees with per-segment products on a small problem (checked
-    once per device): an error or a mismatch logs why and the layers take `segments`."""
-    if GROUPED_MM_VERIFIED is not None:
-        return GROUPED_MM_VERIFIED
-    key = (device.type, device.index)
-    if key not in _GROUPED_CHECKED:
-        _GROUPED_CHECKED[key] = _check_grouped_mm(device)
-    return _GROUPED_CHECKED[key]
-
-
-def _check_grouped_mm(device: torch.device) -> bool:
-    """The four forms the path calls (the down and up projections; the backward's jagged-K weight gradients,
-    with transposed operands), on groups of 7, 0 and 33 rows, against float64 products of the same bfloat16
-    numbers: each entry within one bfloat16 rounding plus the float32 accumulation of its sum, relative to the
-    sum of its terms' magnitudes."""
-    if not hasattr(torch, "_grouped_mm"):
-        log.warning("this torch has no _grouped_mm; LoRA takes the per-segment kernel")
-        return False
-    generator = torch.Generator(device="cpu").manual_seed(0)
-
-    def values(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
-
-    x, a, b, g, h = values(40, 32), values(3, 8, 32), values(3, 24, 8), values(40, 24), values(40, 8)
-    bounds = [(0, 7), (7, 7), (7, 40)]   # an empty group too
-    # (the grouped call's operands on the device, each group's pair of float64 factors, jagged rows or sums)
-    forms = [((x, a.mT), lambda s, e, k: (x[s:e], a[k].t()), True),
-             ((g, b), lambda s, e, k: (g[s:e], b[k]), True),
-             ((h.t(), x), lambda s, e, k: (h[s:e].t(), x[s:e]), False),
-             ((g.t(), h), lambda s, e, k: (g[s:e].t(), h[s:e]), False)]
-    try:
-        offsets = torch.tensor([end for _, end in bounds], dtype=torch.int32).to(device)
-        for form, ((left, right), factors, rows) in enumerate(forms):
-            got = torch._grouped_mm(left.to(device), right.to(device), offs=offsets).double().cpu()
-            pairs = [[t.double() for t in factors(s, e, k)] for k, (s, e) in enumerate(bounds)]
-            join = torch.cat if rows else torch.stack
-            expected = join([p @ q for p, q in pairs])
-            magnitude = join([p.abs() @ q.abs() for p, q in pairs])
-            terms = pairs[0][0].shape[1] if rows else x.shape[0]
-            if not bool(((got - expected).abs() <= (2.0 ** -8 + terms * 2.0 ** -24) * magnitude).all()):
-                log.warning("torch._grouped_mm's form %d disagrees with per-group products on %s; LoRA takes the "
-                            "per-segment kernel", form, device)
-                return False
-    except (RuntimeError, NotImplementedError, ValueError) as error:
-        log.warning("torch._grouped_mm is not usable on %s (%s); LoRA takes the per-segment kernel", device, error)
-        return False
-    return True
-
-
-def grouped_fits(x: torch.Tensor, base: nn.Module) -> bool:
-    """Whether grouped_mm can take this layer at all: bfloat16, and every operand 16-byte aligned (the kernel's
-    TMA loads: the input's start, and rows of in / out features; the ranks are padded to 8)."""
-    return (x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
-            and base.in_features % RANK_ALIGNMENT == 0 and base.out_features % RANK_ALIGNMENT == 0)
-
-
 def grouped_pays(segments: list[_Segment], x: torch.Tensor, base: nn.Module) -> bool:
     """`auto`'s choice for a layer's adapters without dropout: grouped_mm on CUDA in bfloat16, where the kernel
     works, for one adapter too (its base GEMM then accumulates into the update: no separate addition; and a job
@@ -467,7 +376,7 @@ class _LayerAdapters:
             copies[index] = pair
         return copies
 
-    def route(self, order: tuple[tuple[int, ...], ...], layout: object) -> tuple[_Sink | None, tuple]:
+    def route(self, order: tuple[tuple[int, ...], ...], layout: object) -> tuple[GradientSink | None, tuple]:
         """(the sink of the pooled adapters' gradients or None, the masters autograd takes) for the plans'
         adapter order `order`. Without a gradient to take (no grad mode, frozen adapters), every master goes to
         autograd (which then computes none)."""
@@ -478,7 +387,7 @@ class _LayerAdapters:
         if not positions or not torch.is_grad_enabled() or not all(
                 [pool.parameters[0].requires_grad for pool in self.pools]):
             return None, every
-        return _Sink(self.pools, views, positions, returned, step_tensors(layout)), masters
+        return GradientSink(self.pools, views, positions, returned, step_tensors(layout)), masters
 
     def _route(self, order: tuple[tuple[int, ...], ...]) -> tuple:
         views: list[torch.Tensor] = []
@@ -532,8 +441,9 @@ def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int
     structure = []
     for indices, kernel in split:
         chosen = [segments[index] for index in indices]
-        grouping = _grouping(layout, [adapters[index] for index in indices], chosen, x) if kernel == "grouped_mm" \
-            else None
+        grouping = None
+        if kernel == "grouped_mm":
+            grouping = lora_grouped_mm.grouping(layout, [adapters[index] for index in indices], chosen, x)
         structure.append((indices, kernel, chosen, grouping))
     tensors[key] = structure
     return structure
@@ -542,46 +452,3 @@ def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int
 def _job_of(adapter: nn.Module) -> tuple:
     """What of an adapter the step's structure depends on: its scaling, its dropout while training, its rank."""
     return adapter.scaling, adapter.dropout if adapter.drops else 0.0, adapter.r
-
-
-def _grouping(layout: object, adapters: list[nn.Module], segments: list[_Segment], x: torch.Tensor) -> tuple:
-    """Groups over the whole stream in order: each adapter's segment, and zero-weight groups for the rows between:
-    (the adapter index of each group or None, each adapter's group, the groups' ends and scalings on the device)."""
-    order = sorted(range(len(adapters)), key=lambda index: segments[index].start)
-    member_of: list[int | None] = []
-    ends: list[int] = []
-    groups = [0] * len(adapters)
-    position = 0
-    for index in order:
-        segment = segments[index]
-        if segment.start > position:
-            member_of.append(None)
-            ends.append(segment.start)
-        groups[index] = len(member_of)
-        member_of.append(index)
-        ends.append(segment.end)
-        position = segment.end
-    if position < x.shape[0]:
-        member_of.append(None)
-        ends.append(x.shape[0])
-    scalings = tuple(0.0 if index is None else float(segments[index].scaling) for index in member_of)
-    offsets, scaling_tensor = _group_tensors(layout, tuple(ends), scalings, x.device)
-    return member_of, groups, offsets, scaling_tensor
-
-
-def _group_tensors(layout: object, ends: tuple[int, ...], scalings: tuple[float, ...],
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The groups' int32 ends and (groups, 1, 1) float32 scalings on the device, made once a step for every layer
-    grouped alike: from pinned host memory, copied without waiting (the pinned tensors stay referenced until the
-    step ends)."""
-    tensors = step_tensors(layout)
-    key = ("lora-groups", ends, scalings, str(device))
-    if key not in tensors:
-        host_ends = torch.tensor(ends, dtype=torch.int32)
-        host_scalings = torch.tensor(scalings, dtype=torch.float32).view(-1, 1, 1)
-        if device.type == "cuda":
-            host_ends, host_scalings = host_ends.pin_memory(), host_scalings.pin_memory()
-        tensors[key] = (host_ends, host_scalings, host_ends.to(device, non_blocking=True),
-                        host_scalings.to(device, non_blocking=True))
-    entry = tensors[key]
-    return entry[2], entry[3]

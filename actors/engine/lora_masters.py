@@ -115,6 +115,29 @@ class MasterPool:
             parameter.grad = view
 
 
+class GradientSink:
+    """Where a layer's pooled adapters' gradients go (lora_cuda's autograd function hands its backward's list here):
+    `views`, each its parameter's view of its job's gradient buffer, for the gradients at `positions` of the
+    layer's list; the rest (`returned`) go back to autograd. Each pool's views become its parameters' `.grad` at
+    the first backward of a step that reaches it (`MasterPool.attach_grads`: once per pool and step, through the
+    step's `tensors`)."""
+
+    def __init__(self, pools: list, views: list[torch.Tensor], positions: list[int], returned: list[int],
+                 tensors: dict):
+        self.pools, self.views, self.positions, self.returned, self.tensors = pools, views, positions, returned, tensors
+
+    def add(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        attached = self.tensors.setdefault("lora-grads-attached", set())
+        for pool in self.pools:
+            if id(pool) not in attached:
+                pool.attach_grads()
+                attached.add(id(pool))
+        positions = self.positions
+        with torch.no_grad():
+            torch._foreach_add_(self.views, [grads[index] for index in positions])
+        return [grads[index] for index in self.returned]
+
+
 def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per adapter (A (r, in), scaling * B (out, r)) in `dtype`. A job's adapter pooled in one flat tensor

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import lora_cuda
+from actors.engine import lora_cuda, lora_grouped_mm
 from actors.engine import trainer as trainer_module
 from tests.helpers.lora_bounds import (
     BOUNDS,
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
 def test_the_cuda_path_is_within_the_bfloat16_bounds_on_the_gpu(monkeypatch, kernel):
-    if kernel == "grouped_mm" and not lora_cuda.grouped_mm_works(torch.device("cuda")):
+    if kernel == "grouped_mm" and not lora_grouped_mm.grouped_mm_works(torch.device("cuda")):
         pytest.skip("torch._grouped_mm does not work on this GPU (logged); the path takes segments here")
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
     layer = fused_layer(device="cuda")
@@ -48,7 +48,7 @@ def test_the_cuda_path_is_within_the_bfloat16_bounds_on_the_gpu(monkeypatch, ker
 def test_grouped_mm_is_what_auto_takes_on_a_hopper_gpu():
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm's kernel is for sm90 and newer")
-    assert lora_cuda.grouped_mm_works(torch.device("cuda"))
+    assert lora_grouped_mm.grouped_mm_works(torch.device("cuda"))
 
 
 def _three_job_trainer(dtype: torch.dtype):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from actors.engine import fused_linear, lora_cuda
+from actors.engine import fused_linear, lora_cuda, lora_grouped_mm
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
@@ -365,7 +365,7 @@ def test_the_grouped_mm_self_check_passes_a_correct_kernel_and_refuses_a_wrong_o
     off by more than a bfloat16 rounding in a single entry of the jagged-sum form, or that raises, is refused
     with a warning naming the device (and the layers then take segments)."""
     device = torch.device("cpu")
-    assert lora_cuda._check_grouped_mm(device)
+    assert lora_grouped_mm._check_grouped_mm(device)
     original = torch._grouped_mm
 
     def off_in_one_form(left, right, offs):
@@ -376,17 +376,17 @@ def test_the_grouped_mm_self_check_passes_a_correct_kernel_and_refuses_a_wrong_o
         return out
 
     monkeypatch.setattr(torch, "_grouped_mm", off_in_one_form)
-    assert not lora_cuda._check_grouped_mm(device)
+    assert not lora_grouped_mm._check_grouped_mm(device)
     assert "disagrees" in caplog.text and "cpu" in caplog.text
 
     def failing(*args, **kwargs):
         raise RuntimeError("expected data_ptr to be aligned to 16 bytes")
 
     monkeypatch.setattr(torch, "_grouped_mm", failing)
-    assert not lora_cuda._check_grouped_mm(device)
+    assert not lora_grouped_mm._check_grouped_mm(device)
     assert "not usable" in caplog.text
-    monkeypatch.setattr(lora_cuda, "_GROUPED_CHECKED", {})
-    assert not lora_cuda.grouped_mm_works(device)
+    monkeypatch.setattr(lora_grouped_mm, "_GROUPED_CHECKED", {})
+    assert not lora_grouped_mm.grouped_mm_works(device)
 
 
 def test_grouped_mm_is_not_taken_for_an_unaligned_layer(monkeypatch):

@@ -10,12 +10,15 @@ work grew with the jobs: at 32 jobs they were the largest part of a step's host 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 RANK_ALIGNMENT = 8   # grouped_mm: 16-byte strides, 8 bfloat16 elements
+# id of a pool's first parameter -> the pool (`pool_of`; the pool holds that parameter, so the id is a live one's)
+_POOLS: weakref.WeakValueDictionary[int, MasterPool] = weakref.WeakValueDictionary()
 
 
 def step_tensors(layout: object) -> dict:
@@ -43,16 +46,23 @@ class MasterPool:
         self.casts: dict[torch.dtype, torch.Tensor] = {}
         self.views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.refreshed: dict[torch.dtype, tuple[object, int]] = {}   # dtype -> (the step's layout, flat's version)
+        self.current: dict[torch.dtype, int] = {}   # dtype -> flat's version its cast was written at by a step
         self.generation = 0
+        self.zeroed = False   # the gradient buffer holds zeros (an optimizer step cleared it), so no fill is due
         self.grad_flat: torch.Tensor | None = None
         self._grad_views: dict[int, torch.Tensor] = {}   # id(parameter) -> its view of grad_flat
         self._all_views: list[torch.Tensor] | None = None   # every parameter's, in `parameters`' order
+        if self.parameters:
+            _POOLS[id(self.parameters[0])] = self
 
     def refresh(self, layout: object, dtype: torch.dtype) -> None:
         """The copy in `dtype` as of now, once a step (and again where the masters changed in place since)."""
         stamp = (layout, self.flat._version)
         seen = self.refreshed.get(dtype)
         if seen is not None and seen[0] is stamp[0] and seen[1] == stamp[1]:
+            return
+        if self.current.get(dtype) == stamp[1]:   # the optimizer's step wrote this cast with the masters
+            self.refreshed[dtype] = stamp
             return
         cast = self.casts.get(dtype)
         if cast is None:
@@ -62,6 +72,14 @@ class MasterPool:
         torch.mul(flat[self.b_region:], self.scaling, out=cast[self.b_region:])
         self.refreshed[dtype] = stamp
         self.generation += 1
+
+    def stepped(self, dtype: torch.dtype | None) -> None:
+        """The optimizer's step (actors/engine/flat_adamw.py) changed the masters, wrote their copy in `dtype` (None:
+        none) and zeroed the gradient buffer."""
+        self.current = {} if dtype is None else {dtype: self.flat._version}
+        if dtype is not None:
+            self.generation += 1
+        self.zeroed = True
 
     def weights(self, adapter: nn.Module, start_a: int, start_b: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +109,16 @@ class MasterPool:
         """Whether every parameter's `.grad` is its view of the buffer (checked at both ends: the optimizers
         clear a job's gradients all together)."""
         first, last = self.parameters[0], self.parameters[-1]
-        return first.grad is self._grad_views.get(id(first)) and last.grad is self._grad_views.get(id(last))
+        view = self._grad_views.get(id(first))
+        return view is not None and first.grad is view and last.grad is self._grad_views.get(id(last))
 
     def attach_grads(self) -> None:
         """Make every parameter's `.grad` its view of the buffer, keeping the values of gradients it holds (a
         gradient cleared to None starts from zeros)."""
-        if not self.parameters or self.attached():
+        if not self.parameters:
+            return
+        if self.attached():   # gradients are added into the buffer from here on
+            self.zeroed = False
             return
         views = self._all_views
         if views is None:
@@ -104,7 +126,8 @@ class MasterPool:
         held = [parameter.grad for parameter in self.parameters]
         with torch.no_grad():
             if held.count(None) == len(held):   # the usual case: the optimizer cleared them; one fill
-                self.grad_flat.zero_()
+                if not self.zeroed:
+                    self.grad_flat.zero_()
             else:
                 for view, grad in zip(views, held, strict=True):
                     if grad is None:
@@ -113,6 +136,15 @@ class MasterPool:
                         view.copy_(grad)
         for parameter, view in zip(self.parameters, views, strict=True):
             parameter.grad = view
+        self.zeroed = False
+
+
+def pool_of(parameters: Sequence[nn.Parameter]) -> MasterPool | None:
+    """The pool whose parameters these are, led by the same first one (`adapter_surgery.pool_masters`), or None."""
+    if not parameters:
+        return None
+    pool = _POOLS.get(id(parameters[0]))
+    return pool if pool is not None and pool.parameters[0] is parameters[0] else None
 
 
 class GradientSink:

@@ -15,6 +15,7 @@ import math
 import torch
 from torch.optim.adam import adam as functional_adam
 
+from actors.engine.flat_adamw import FlatAdamW
 from actors.spec.job_spec import JobSpec
 
 
@@ -114,6 +115,21 @@ class JobOptimizer:
         self.set_lr()
 
     @property
+    def flat(self) -> FlatAdamW | None:
+        """The one-pass AdamW over the job's pooled adapter (actors/engine/flat_adamw.py) where it can take this
+        job's steps on a device (`_step_flat`), else None. Looked for once: the parameters never change."""
+        if "_flat" not in self.__dict__:
+            self._flat = FlatAdamW.of(self.optimizer, self.parameters) if _batchable(self) else None
+        return self._flat
+
+    def _leave_flat(self) -> None:
+        """torch's AdamW is to step the job now: the parameters' step counts brought up to date, and the flat
+        moments adopted again at the next flat step (torch's step changes them and the counts)."""
+        flat = self.__dict__.get("_flat")
+        if flat is not None:
+            flat.release()
+
+    @property
     def token_weight(self) -> float:
         """What each target token's loss is backpropagated with: 1, or the loss scale."""
         return self.loss_scale.scale if self.loss_scale is not None else 1.0
@@ -144,6 +160,7 @@ class JobOptimizer:
         the gradients. Returns (lr used, gradient norm before clipping; inf for a step skipped because its
         float16 gradients overflowed)."""
         lr = self.lr
+        self._leave_flat()
         grads = [p.grad for p in self.parameters if p.grad is not None]
         if grads:
             torch._foreach_div_(grads, self.token_weight * max(targets, 1))
@@ -178,6 +195,9 @@ class JobOptimizer:
         return 2 * self.gradient_bytes()
 
     def state_dict(self) -> dict:
+        flat = self.__dict__.get("_flat")
+        if flat is not None:
+            flat.sync_steps()
         state = {"optimizer": self.optimizer.state_dict(), "step_count": self.step_count,
                  "micro_count": self.micro_count}
         if self.loss_scale is not None:
@@ -297,6 +317,7 @@ def _group_lists(optimizer: JobOptimizer, group: dict, lists: tuple[list[torch.T
     group while the same parameters have gradients, and only the gradients are read again (gathered parameter by
     parameter in Python, a job of hundreds of adapter tensors cost a millisecond a step)."""
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
+    optimizer._leave_flat()
     kept = optimizer.group_lists.get(id(group))
     present = tuple([id(p) for p in group["params"] if p.grad is not None])
     if kept is None or kept[0] != present:
@@ -342,6 +363,62 @@ def _adamw_steps(optimizers: list[JobOptimizer], norms: list) -> list[tuple[floa
 
 
 def _step_together_on_device(optimizers: list[JobOptimizer], targets: list[int],
+                             results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int]) -> None:
+    """`_step_together` without reading anything back: the jobs whose adapter is pooled with its gradients
+    attached (every job on the CUDA path) by `_step_flat`, the others by `_step_unpooled_on_device`."""
+    flats = [_flat_ready(optimizer) for optimizer in optimizers]
+    for chosen, step in (([p for p, flat in enumerate(flats) if flat is not None], _step_flat),
+                         ([p for p, flat in enumerate(flats) if flat is None], _step_unpooled_on_device)):
+        if chosen:
+            step([optimizers[p] for p in chosen], [targets[p] for p in chosen], results, [indices[p] for p in chosen])
+
+
+def _flat_ready(optimizer: JobOptimizer) -> FlatAdamW | None:
+    """The job's flat step where it can take this one: its gradients are its pool's buffer, its state the flat
+    moments (adopted now where torch's AdamW held them)."""
+    flat = optimizer.flat
+    if flat is None or not flat.pool.attached() or not flat.ensure_state():
+        return None
+    return flat
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _step_flat(optimizers: list[JobOptimizer], targets: list[int],
+               results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int]) -> None:
+    """Each job's gradient norm over its pool's buffer (one multi-tensor reduction for every job), its clip factor
+    min(limit / (norm + 1e-6), 1) on the device (a few multi-tensor operations for every job), then per job one
+    kernel: the AdamW update of its whole adapter with the gradients times factor / targets
+    (`FlatAdamW.update`). The norm is the gradients' mean's, as `_step_together_on_device` reports it."""
+    flats = [optimizer.flat for optimizer in optimizers]
+    lrs = [optimizer.lr for optimizer in optimizers]
+    divisors = [optimizer.token_weight * max(count, 1) for optimizer, count in zip(optimizers, targets, strict=True)]
+    norms = torch._foreach_div(torch._foreach_norm([flat.pool.grad_flat for flat in flats]), divisors)
+    device = flats[0].pool.flat.device
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    factors = [one] * len(flats)
+    clipped = [p for p, optimizer in enumerate(optimizers) if optimizer.spec.max_grad_norm is not None]
+    if clipped:
+        chosen = torch._foreach_add([norms[p] for p in clipped], 1e-6)
+        torch._foreach_reciprocal_(chosen)
+        torch._foreach_mul_(chosen, [float(optimizers[p].spec.max_grad_norm) for p in clipped])
+        torch._foreach_clamp_max_(chosen, 1.0)
+        for p, factor in zip(clipped, chosen, strict=True):
+            factors[p] = factor
+    for flat, factor, divisor in zip(flats, factors, divisors, strict=True):
+        flat.update(factor, divisor)
+    for position, (optimizer, lr, norm) in enumerate(zip(optimizers, lrs, norms, strict=True)):
+        for parameter in optimizer.parameters:
+            parameter.grad = None
+        optimizer.step_count += 1
+        optimizer.set_lr()
+        results[indices[position]] = (lr, norm)
+
+
+def _step_unpooled_on_device(optimizers: list[JobOptimizer], targets: list[int],
                              results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int]) -> None:
     """`_step_together` without reading anything back: each job's gradients divided by its target count, its
     norm summed on the device (float64), its clip factor min(limit / (norm + 1e-6), 1) a device scalar that

@@ -60,7 +60,8 @@ class Listener:
     def python_call(self) -> None:   # pragma: no cover - the recorder's
         pass
 
-    def triton(self, name: str, args: tuple, kwargs: dict) -> None:   # pragma: no cover - the recorder's
+    def triton(self, name: str, args: tuple, kwargs: dict,   # pragma: no cover - the recorder's
+               rewritten: tuple = ()) -> None:
         pass
 
     def harness(self, entering: bool) -> None:   # pragma: no cover - the recorder's
@@ -145,6 +146,19 @@ def _kernel_name(kernel: Any) -> str:
     while hasattr(inner, "fn") and not hasattr(inner, "__name__"):
         inner = inner.fn
     return getattr(inner, "__name__", type(kernel).__name__)
+
+
+def _read_and_written(kernel: Any, args: tuple, kwargs: dict) -> tuple:
+    """The tensor arguments a kernel updates in place (read, then written), where it names them in its
+    `read_and_written` (the engine's own kernels do: actors/engine/flat_adamw.py)."""
+    names = getattr(kernel, "read_and_written", ())
+    positions = {name: index for index, name in enumerate(getattr(kernel, "arg_names", ()))}
+    found = []
+    for name in names:
+        value = kwargs.get(name, args[positions[name]] if positions.get(name, len(args)) < len(args) else None)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return tuple(found)
 
 
 class _GeneratorType(type):
@@ -336,7 +350,8 @@ class VirtualCuda:
         listener = self.listener
 
         def getitem(kernel: Any, grid: Any) -> Callable:
-            return lambda *args, **kwargs: listener.triton(_kernel_name(kernel), args, kwargs)
+            return lambda *args, **kwargs: listener.triton(_kernel_name(kernel), args, kwargs,
+                                                           _read_and_written(kernel, args, kwargs))
 
         self._patch(KernelInterface, "__getitem__", getitem)
 

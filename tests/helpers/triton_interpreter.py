@@ -11,6 +11,8 @@ Two gaps of Triton 3.x's interpreter are filled here, in that process only:
 - libdevice's functions, which the interpreter does not emulate (a call returns None), are bound in the Liger
   modules that import them to the interpreter's own: `rsqrt` (RMSNorm) to `tl.rsqrt`, `tanh` (the
   cross-entropy's soft-cap) to 2·sigmoid(2x) - 1, the same function.
+A third gap, filled by `bfloat16_rounded_as_compiled` where a test asks for it: the interpreter truncates a float32
+value cast to bfloat16, where compiled Triton rounds it to nearest even (CUDA's cvt.rn, torch's rounding).
 The interpreter does not emulate bfloat16 arithmetic (NumPy has none: a bfloat16 product comes out as garbage),
 so the tests under it run in float32; bfloat16 runs on a GPU (tests/gpu/test_kernels_cuda.py)."""
 
@@ -63,3 +65,23 @@ def _patch_interpreter() -> None:
     modules = {name: importlib.import_module(name) for name in LIGER_MODULES}
     modules["liger_kernel.ops.rms_norm"].rsqrt = lambda x: tl.rsqrt(x)
     modules["liger_kernel.ops.cross_entropy"].tanh = lambda x: 2 * tl.sigmoid(2 * x) - 1
+
+
+@functools.cache
+def bfloat16_rounded_as_compiled() -> None:
+    """The interpreter's float32 -> bfloat16 conversions round to nearest even, as compiled Triton's (and torch's)
+    do, instead of truncating (a kernel that writes a bfloat16 copy is then compared with torch's bit for bit)."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def rounded(values, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            source = torch.from_numpy(np.frombuffer(values.tobytes(), dtype=np.float32).copy())
+            return source.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(values.shape)
+        return convert(values, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = rounded

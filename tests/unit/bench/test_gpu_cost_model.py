@@ -7,6 +7,7 @@ docs/cost_model.md, not here."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -83,6 +84,23 @@ def test_an_in_place_accumulating_product_is_a_matmul(session):
     assert addmm.read == (m * n + m * k + n * k) * 2
     card = h200()
     assert kernel_time(addmm, card) >= addmm.flops / card.gemm_bf16
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_a_triton_kernel_s_in_place_tensors_are_read_and_written(session):
+    """The engine's flat AdamW kernel (actors/engine/flat_adamw.py) names the tensors it updates in place: each is
+    counted read and written (4 float32 tensors: 32 bytes an element), the bfloat16 copy it writes once (2)."""
+    from actors.engine import flat_adamw
+
+    n = 1000
+    flat, grad, m, v = (torch.empty(n, device=CUDA) for _ in range(4))
+    cast, factor = torch.empty(n, device=CUDA, dtype=torch.bfloat16), torch.ones((), device=CUDA)
+    _, ops = session.record(lambda: flat_adamw._adamw_kernel[(1,)](
+        flat, grad, m, v, cast, factor, n, n // 2, 0.1, 0.2, 0.0, 1.0, 0.9, 0.999, 1e-8, 0.1, 0.03, 2.0,
+        HAS_CAST=True, BLOCK_SIZE=1024))
+    (kernel,) = [op for op in ops if op.name == "triton:_adamw_kernel"]
+    assert kernel.launches == 1
+    assert kernel.read + kernel.written == n * (4 * 4 * 2 + 2) + 4
 
 
 def test_host_reads_and_blocking_copies_are_syncs_a_pinned_non_blocking_copy_is_not(session):

@@ -1,0 +1,76 @@
+"""The flat AdamW's Triton kernel (actors/engine/flat_adamw.py `_adamw_kernel`) on the CPU under Triton's
+interpreter, against its torch reference (`reference_update`), which tests/unit/engine/test_flat_adamw.py holds to
+torch's AdamW.
+
+This module runs in a process started with TRITON_INTERPRET=1 (test_flat_adamw.py starts it; Triton's functions are
+made interpreted when triton is first imported) and skips itself elsewhere. The two compute the same float32
+expressions in the same order, but a compiler may contract a product and a sum into one rounding (a fused
+multiply-add): per step, each of the update's `ADAMW_ROUNDINGS` roundings may differ by u (2^-24) of the weight or of
+the update, for the moments likewise (of their largest: a moment sums terms of both signs), so over k steps the
+weights agree within 2·k·ADAMW_ROUNDINGS·u·(|w| + lr).
+The compute-dtype copy the kernel writes is the one `MasterPool.refresh` makes from the kernel's masters, bit for bit
+(float32 B times the scaling, rounded to bfloat16 to nearest even, as torch rounds and compiled Triton does; the
+interpreter, which truncates, is made to round so: tests/helpers/triton_interpreter.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from actors.engine import flat_adamw
+from actors.engine.optim import step_jobs
+from tests.helpers.flat_adamw_jobs import add_gradients, pooled_job, spec
+from tests.helpers.tolerances import ADAMW_ROUNDINGS, unit_roundoff
+from tests.helpers.triton_interpreter import bfloat16_rounded_as_compiled
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or flat_adamw.triton is None,
+                                reason="needs Triton's interpreter on from the process's start (TRITON_INTERPRET=1): "
+                                       "tests/unit/engine/test_flat_adamw.py runs it so")
+
+
+def _trained(kernel: bool, monkeypatch, overrides: dict) -> tuple:
+    monkeypatch.setattr(flat_adamw, "kernel_runs", (lambda device: True) if kernel else (lambda device: False))
+    optimizer, adapters = pooled_job(spec(**overrides), seed=11, rank=8)
+    pool = optimizer.flat.pool
+    pool.refresh(object(), torch.bfloat16)
+    launches = []
+    if kernel:
+        real = flat_adamw._adamw_kernel.run
+        monkeypatch.setattr(flat_adamw._adamw_kernel, "run", lambda *a, **k: launches.append(1) or real(*a, **k))
+    generator = torch.Generator().manual_seed(7)
+    for targets in (3, 1, 6):
+        add_gradients(optimizer, generator)
+        step_jobs([optimizer], [targets], on_device=True)
+    assert not kernel or len(launches) == 3
+    return optimizer, pool, adapters
+
+
+@pytest.mark.parametrize("overrides", [{}, {"lora": {"loraplus_lr_ratio": 4.0}}, {"max_grad_norm": None}],
+                         ids=["clipped", "lora+", "unclipped"])
+def test_the_kernel_steps_as_its_reference(monkeypatch, overrides):
+    kernel, kernel_pool, _ = _trained(True, monkeypatch, overrides)
+    reference, reference_pool, _ = _trained(False, monkeypatch, overrides)
+    lr = kernel.spec.lr * max(group["lr_ratio"] for group in kernel.optimizer.param_groups)
+    bound = 2 * 3 * ADAMW_ROUNDINGS * unit_roundoff() * (reference_pool.flat.abs() + lr)
+    assert bool(((kernel_pool.flat - reference_pool.flat).abs() <= bound).all())
+    untrained, adapters = pooled_job(spec(**overrides), seed=11, rank=8)
+    assert not torch.equal(kernel_pool.flat, untrained.flat.pool.flat)
+    for mine, theirs in ((kernel.flat.exp_avg, reference.flat.exp_avg),
+                         (kernel.flat.exp_avg_sq, reference.flat.exp_avg_sq)):
+        # a moment sums terms of both signs: its rounding is of its terms' size, at most the largest moment's
+        bound = 2 * 3 * ADAMW_ROUNDINGS * unit_roundoff() * float(theirs.abs().max())
+        assert float((mine - theirs).abs().max()) <= bound
+    assert not bool(kernel_pool.grad_flat.any())
+    assert kernel.flat.steps == 3 and {float(s["step"]) for s in kernel.state_dict()["optimizer"]["state"].values()} \
+        == {3.0}
+
+
+def test_the_kernel_s_copy_is_the_refresh_s(monkeypatch):
+    bfloat16_rounded_as_compiled()   # the interpreter's gap (tests/helpers/triton_interpreter.py)
+    _, pool, _ = _trained(True, monkeypatch, {})
+    written = pool.casts[torch.bfloat16].clone()
+    pool.current.clear()
+    pool.refresh(object(), torch.bfloat16)
+    assert torch.equal(pool.casts[torch.bfloat16], written)

@@ -10,8 +10,10 @@ of a 0.27 s step (bench/gpu_cost_model.py --fusion).
 Here, per job: the gradient's norm (one reduction over the buffer), its clip factor on the device, then one kernel
 that reads gradient, master and moments once and writes master, moments, the compute-dtype copy (B times the
 job's scaling, as `MasterPool.refresh` makes it) and a zeroed gradient. The kernel is Triton's
-(`_adamw_kernel`); `reference_update` is the same arithmetic in torch, readable, for a device without Triton and
-for the tests (tests/unit/engine/test_flat_adamw.py against torch's AdamW; the kernel under Triton's interpreter).
+(`_adamw_kernel`, checked once per device against its reference: `kernel_works`); `reference_update` is the same
+arithmetic in torch, readable, for a device without Triton (or where the kernel failed its check) and for the tests
+(tests/unit/engine/test_flat_adamw.py against torch's AdamW; the kernel under Triton's interpreter in
+tests/unit/engine/test_engine_kernels_interpreted.py).
 
 The arithmetic is torch's AdamW (decoupled weight decay, bias corrections): p <- p (1 - lr wd); m <- b1 m + (1 - b1) g;
 v <- b2 v + (1 - b2) g^2; p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), with g the gradient
@@ -23,6 +25,7 @@ state is read (`sync_steps`), not every step (hundreds of tensors a job)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -34,8 +37,14 @@ from actors.engine.lora_masters import MasterPool, pool_of
 try:   # Triton comes with torch's CUDA builds (and the `gpu` extra); without it the reference runs
     import triton
     import triton.language as tl
+    from triton.errors import TritonError
 except ImportError:   # pragma: no cover - a CPU-only install without the extra
     triton = None
+    TritonError = RuntimeError
+# what a kernel that cannot compile or launch on a device raises (its check then leaves the work to torch)
+KERNEL_ERRORS = (TritonError, RuntimeError, NotImplementedError, ValueError, TypeError)
+
+log = logging.getLogger(__name__)
 
 BLOCK = 2048
 GROUPED_KEYS = ("betas", "eps", "weight_decay")
@@ -107,6 +116,66 @@ def kernel_runs(device: torch.device) -> bool:
     if triton is None:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_CHECKED: dict[str, bool] = {}
+
+
+def kernel_works(device: torch.device) -> bool:
+    """Whether the kernel runs here (`kernel_runs`) and agrees with `reference_update` on a small pool, checked once
+    per device: a kernel that fails or disagrees is logged once and the reference steps the jobs instead."""
+    if not kernel_runs(device):
+        return False
+    key = str(device)
+    if key not in _CHECKED:
+        try:
+            _CHECKED[key] = _agrees(device)
+        except KERNEL_ERRORS as error:   # a Triton that cannot compile or launch here: the reference runs
+            log.warning("the flat AdamW kernel failed its check on %s (%s: %s); the torch reference steps the "
+                        "jobs instead", device, type(error).__name__, error)
+            _CHECKED[key] = False
+    return _CHECKED[key]
+
+
+def _agrees(device: torch.device) -> bool:
+    """One step of a 3,000-entry pool by the kernel and by the reference, from the same state: the masters and the
+    moments within one step's rounding of each other, the bfloat16 copy within one bfloat16 unit in the last place."""
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(3000, generator=generator).to(device) for _ in range(4)]
+    results = []
+    for kernel in (True, False):
+        pool = MasterPool(values[0].clone(), 1000, 2.0)
+        pool.grad_flat = values[1].clone()
+        pool.casts[torch.bfloat16] = torch.empty(3000, dtype=torch.bfloat16, device=device)
+        exp_avg, exp_avg_sq = values[2].clone() * 0.01, values[3].clone().square() * 0.01
+        factor = torch.full((), 0.5, device=device)
+        hyper = StepHyper(lr_a=0.01, lr_b=0.02, weight_decay=0.1, betas=(0.9, 0.999), eps=1e-8, step=3, targets=4.0)
+        if kernel:
+            _launch(pool, exp_avg, exp_avg_sq, factor, hyper, pool.casts[torch.bfloat16])
+        else:
+            reference_update(pool, exp_avg, exp_avg_sq, factor, hyper, pool.casts[torch.bfloat16])
+        results.append((pool.flat, exp_avg, exp_avg_sq, pool.casts[torch.bfloat16].float(), pool.grad_flat))
+    (flat, m, v, cast, grad), (flat_r, m_r, v_r, cast_r, _) = results
+    rounding = 32 * torch.finfo(torch.float32).eps
+    agree = (bool(((flat - flat_r).abs() <= rounding * (flat_r.abs() + 0.02)).all())
+             and bool(((m - m_r).abs() <= rounding * float(m_r.abs().max())).all())
+             and bool(((v - v_r).abs() <= rounding * float(v_r.abs().max())).all())
+             and bool(((cast - cast_r).abs() <= 2.0 ** -7 * cast_r.abs()).all()) and bool((grad == 0).all()))
+    if not agree:
+        log.warning("the flat AdamW kernel disagrees with its reference on %s; the torch reference steps the jobs "
+                    "instead", device)
+    return agree
+
+
+def _launch(pool: MasterPool, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, factor: torch.Tensor,
+            hyper: StepHyper, cast: torch.Tensor | None) -> None:
+    flat = pool.flat
+    count = flat.numel()
+    _adamw_kernel[(triton.cdiv(count, BLOCK),)](
+        flat, pool.grad_flat, exp_avg, exp_avg_sq, cast if cast is not None else flat, factor, count,
+        pool.b_region, hyper.lr_a, hyper.lr_b, hyper.weight_decay, hyper.inverse_targets, hyper.beta1,
+        hyper.beta2, hyper.eps, hyper.bias1, hyper.bias2_sqrt, pool.scaling, HAS_CAST=cast is not None,
+        BLOCK_SIZE=BLOCK)
 
 
 class FlatAdamW:
@@ -222,13 +291,8 @@ class FlatAdamW:
         casts = list(pool.casts.items())
         cast = casts[0][1] if len(casts) == 1 else None   # two compute dtypes at once: refreshed as they were
         flat = pool.flat
-        if kernel_runs(flat.device):
-            count = flat.numel()
-            _adamw_kernel[(triton.cdiv(count, BLOCK),)](
-                flat, pool.grad_flat, self.exp_avg, self.exp_avg_sq, cast if cast is not None else flat, factor,
-                count, pool.b_region, hyper.lr_a, hyper.lr_b, hyper.weight_decay, hyper.inverse_targets,
-                hyper.beta1, hyper.beta2, hyper.eps, hyper.bias1, hyper.bias2_sqrt, pool.scaling,
-                HAS_CAST=cast is not None, BLOCK_SIZE=BLOCK)
+        if kernel_works(flat.device):
+            _launch(pool, self.exp_avg, self.exp_avg_sq, factor, hyper, cast)
         else:
             reference_update(pool, self.exp_avg, self.exp_avg_sq, factor, hyper, cast)
         # the kernel writes behind autograd's back: count the change, as an in-place operation would

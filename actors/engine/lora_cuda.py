@@ -32,7 +32,10 @@ too); under recomputation the generator states are replayed (actors/engine/recom
 Master weights stay float32 (`LoraAdapter.lora_A`, `lora_B`, their optimizer state too); their compute-dtype
 copies are made once a step, a job's whole adapter in one cast (its weights are views of one flat tensor:
 `adapter_surgery.pool_masters`), kept between steps (actors/engine/lora_masters.py); the gradients come back in
-float32, a pooled job's added into its gradient buffer (`MasterPool`, one multi-tensor add per layer).
+float32, a pooled job's added into its gradient buffer (`MasterPool`, one multi-tensor add per layer; with grouped_mm
+and every adapter of the stack's rank, one Triton kernel per weight adds the stacked bfloat16 gradients straight into
+the jobs' buffers: actors/engine/lora_grad_kernel.py), where the job's optimizer step reads them
+(actors/engine/flat_adamw.py).
 The CPU keeps the float32 path of actors/engine/fused_linear.py (bit for bit fused == solo); this path runs on a CPU
 only when `COMPUTE = "base"` asks for it (its tests compare it there with the float32 path within a bound
 derived from bfloat16's rounding)."""
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.engine import lora_grouped_mm
+from actors.engine.lora_grad_kernel import GroupTargets
 from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
 from actors.engine.lora_masters import GradientSink, compute_weights, stacked_weights, step_tensors
 
@@ -179,7 +183,8 @@ class _Plan:
 
     def __init__(self, adapters: list[nn.Module], segments: list[_Segment], copies, kernel: str,
                  groups: list[int] | None = None, offsets: torch.Tensor | None = None,
-                 scalings: torch.Tensor | None = None):
+                 scalings: torch.Tensor | None = None, targets: GroupTargets | None = None,
+                 tensors: dict | None = None):
         self.adapters = adapters
         self.segments = segments
         self.copies = copies          # segments: [(A, sB)] per adapter; grouped: (A stack, sB stack)
@@ -187,6 +192,8 @@ class _Plan:
         self.groups = groups          # grouped: the group index of each adapter
         self.offsets = offsets        # grouped: int32 ends of the groups on the device
         self.scalings = scalings      # grouped: (groups, 1, 1) float32 scalings on the device (0: no adapter)
+        self.targets = targets        # grouped: where the stacked gradients are added (then none are returned)
+        self.tensors = tensors        # the step's (with `targets`)
 
     # segments ---------------------------------------------------------------------------------------------
     def _dropout_masks(self, x: torch.Tensor) -> list[torch.Tensor | None]:
@@ -274,7 +281,12 @@ class _Plan:
 
     def grouped_weight_grads(self, grad_out: torch.Tensor, x: torch.Tensor, hidden: torch.Tensor,
                              grad_hidden: torch.Tensor) -> list[torch.Tensor]:
-        """Each adapter's float32 (grad A, grad B), from its own rows only."""
+        """Each adapter's float32 (grad A, grad B), from its own rows only; with `targets`, added straight into the
+        jobs' gradient buffers (actors/engine/lora_grad_kernel.py) and none returned."""
+        if self.targets is not None:
+            self.targets.add(torch._grouped_mm(grad_hidden.t(), x, offs=self.offsets),
+                             torch._grouped_mm(grad_out.t(), hidden, offs=self.offsets), self.scalings, self.tensors)
+            return []
         grad_a = torch._grouped_mm(grad_hidden.t(), x, offs=self.offsets).float()             # (groups, rank, in)
         # (groups, out, rank), times each group's scaling into float32 in one kernel
         grad_b = torch.mul(torch._grouped_mm(grad_out.t(), hidden, offs=self.offsets), self.scalings)
@@ -313,6 +325,8 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     entry = _layer_adapters(base, adapters)
     structure = _structure(layout, adapters, bounds, x, base, entry.signature)
     copies = entry.weights(layout, dtype)
+    order = tuple([tuple(indices) for indices, *_ in structure])
+    taking = entry.takes_gradients()
     plans: list[_Plan] = []
     for indices, kernel, segments, grouping in structure:
         chosen = [adapters[index] for index in indices]
@@ -321,11 +335,15 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
             members = [None if index is None else chosen[index] for index in member_of]
             stacks = stacked_weights(layout, base, members, dtype,
                                      [copies[indices[index]] for index in member_of if index is not None])
-            plans.append(_Plan(chosen, segments, stacks, "grouped_mm", groups, offsets, scalings))
+            targets = entry.targets(order, chosen, member_of, stacks[0].shape[1], x.device) if (
+                taking and not plans) else None
+            plans.append(_Plan(chosen, segments, stacks, "grouped_mm", groups, offsets, scalings, targets,
+                               step_tensors(layout)))
         else:
             plans.append(_Plan(chosen, segments, [copies[index] for index in indices], "segments"))
-    sink, masters = entry.route(tuple([tuple(indices) for indices, *_ in structure]), layout)
-    anchor = _anchor(x.device) if sink is not None else None
+    stacked = plans[0].targets is not None
+    sink, masters = entry.route(order, layout, taking, stacked)
+    anchor = _anchor(x.device) if sink is not None or stacked else None
     if full_precision:
         return _LinearWithAdapters.apply(x, base.weight, base.bias, None, tuple(plans), sink, anchor, *masters)
     base_out = base(x)
@@ -355,6 +373,7 @@ class _LayerAdapters:
         self.unpooled = [index for index, found in enumerate(self.found) if found is None]
         self.copies: dict[torch.dtype, list] = {}
         self.routes: dict[tuple, tuple] = {}
+        self.group_targets: dict[tuple, GroupTargets | None] = {}
 
     def weights(self, layout: object, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each adapter's (A, scaling * B) in `dtype`: a pooled job's cast refreshed once a step (and again where
@@ -376,17 +395,34 @@ class _LayerAdapters:
             copies[index] = pair
         return copies
 
-    def route(self, order: tuple[tuple[int, ...], ...], layout: object) -> tuple[GradientSink | None, tuple]:
+    def takes_gradients(self) -> bool:
+        """Whether this call's backward gives the pooled adapters gradients (grad mode on, adapters not frozen)."""
+        return bool(self.pools) and torch.is_grad_enabled() and all(
+            [pool.parameters[0].requires_grad for pool in self.pools])
+
+    def targets(self, order: tuple[tuple[int, ...], ...], chosen: list[nn.Module], member_of: list[int | None],
+                rank: int, device: torch.device) -> GroupTargets | None:
+        """Where the first (grouped) plan's stacked gradients go, kept per grouping (`GroupTargets.of`)."""
+        key = (order[0], tuple(member_of), rank)
+        if key not in self.group_targets:
+            self.group_targets[key] = GroupTargets.of(chosen, member_of, rank, device)
+        return self.group_targets[key]
+
+    def route(self, order: tuple[tuple[int, ...], ...], layout: object, taking: bool, stacked: bool = False
+              ) -> tuple[GradientSink | None, tuple]:
         """(the sink of the pooled adapters' gradients or None, the masters autograd takes) for the plans'
-        adapter order `order`. Without a gradient to take (no grad mode, frozen adapters), every master goes to
-        autograd (which then computes none)."""
-        route = self.routes.get(order)
+        adapter order `order`; `stacked`: the first plan's gradients go into the buffers by themselves
+        (`GroupTargets`) and are not in the list the sink takes. Without a gradient to take (`taking` False: no grad
+        mode, frozen adapters), every master goes to autograd (which then computes none)."""
+        key = (order, stacked)
+        route = self.routes.get(key)
         if route is None:
-            route = self.routes[order] = self._route(order)
+            route = self.routes[key] = self._route(order[1:] if stacked else order)
         views, positions, returned, masters, every = route
-        if not positions or not torch.is_grad_enabled() or not all(
-                [pool.parameters[0].requires_grad for pool in self.pools]):
+        if not taking:
             return None, every
+        if not positions:
+            return None, masters
         return GradientSink(self.pools, views, positions, returned, step_tensors(layout)), masters
 
     def _route(self, order: tuple[tuple[int, ...], ...]) -> tuple:

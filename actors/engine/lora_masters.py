@@ -159,15 +159,21 @@ class GradientSink:
         self.pools, self.views, self.positions, self.returned, self.tensors = pools, views, positions, returned, tensors
 
     def add(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        attached = self.tensors.setdefault("lora-grads-attached", set())
-        for pool in self.pools:
-            if id(pool) not in attached:
-                pool.attach_grads()
-                attached.add(id(pool))
+        attach_pools(self.pools, self.tensors)
         positions = self.positions
         with torch.no_grad():
             torch._foreach_add_(self.views, [grads[index] for index in positions])
         return [grads[index] for index in self.returned]
+
+
+def attach_pools(pools: Sequence[MasterPool], tensors: dict) -> None:
+    """Each pool's views made its parameters' `.grad` (`MasterPool.attach_grads`), once per pool and step (`tensors`:
+    the step's), before a backward first adds into them."""
+    attached = tensors.setdefault("lora-grads-attached", set())
+    for pool in pools:
+        if id(pool) not in attached:
+            pool.attach_grads()
+            attached.add(id(pool))
 
 
 def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.dtype

@@ -91,17 +91,19 @@ class KernelRecorder(TorchDispatchMode, Listener):
     def python_call(self) -> None:
         self._calls += 1
 
-    def triton(self, name: str, args: tuple, kwargs: dict, rewritten: tuple = ()) -> None:
+    def triton(self, name: str, args: tuple, kwargs: dict, rewritten: tuple = (), traffic: float | None = None
+               ) -> None:
         """A Triton kernel: one launch moving its tensor arguments' bytes (each read or written once: the
-        memory-bound kernels Liger fuses; those it names as updated in place, `rewritten`, twice), at vectorised
-        bandwidth; their values unknown from then on."""
+        memory-bound kernels Liger fuses; those it names as updated in place, `rewritten`, twice), or the bytes it
+        says it moves (`traffic`), at vectorised bandwidth; their values unknown from then on."""
         operands = tensors((args, kwargs))
         for tensor in operands:
             self.device.forget(tensor)
         if self.recording:
             self._append(Op(f"triton:{name}", "kernel", launches=1, dtype=dtype_name(operands), node=_node(),
-                            read=float(sum(touched_bytes(t) for t in operands)
-                                       + sum(touched_bytes(t) for t in rewritten)), detail={"layout": "vectorised"},
+                            read=traffic if traffic is not None else float(
+                                sum(touched_bytes(t) for t in operands) + sum(touched_bytes(t) for t in rewritten)),
+                            detail={"layout": "vectorised"},
                             shapes=tuple((tuple(t.shape), t.stride(), str(t.dtype)[6:]) for t in operands)))
 
     def sync(self, reason: str) -> None:

@@ -61,7 +61,7 @@ class Listener:
         pass
 
     def triton(self, name: str, args: tuple, kwargs: dict,   # pragma: no cover - the recorder's
-               rewritten: tuple = ()) -> None:
+               rewritten: tuple = (), traffic: float | None = None) -> None:
         pass
 
     def harness(self, entering: bool) -> None:   # pragma: no cover - the recorder's
@@ -159,6 +159,13 @@ def _read_and_written(kernel: Any, args: tuple, kwargs: dict) -> tuple:
         if isinstance(value, torch.Tensor):
             found.append(value)
     return tuple(found)
+
+
+def _traffic(kernel: Any, args: tuple, kwargs: dict) -> float | None:
+    """The bytes a kernel moves where it says so itself (`traffic`: one that reaches memory through addresses in a
+    table, not only through its tensor arguments: actors/engine/lora_grad_kernel.py)."""
+    traffic = getattr(kernel, "traffic", None)
+    return None if traffic is None else float(traffic(args, kwargs))
 
 
 class _GeneratorType(type):
@@ -351,7 +358,8 @@ class VirtualCuda:
 
         def getitem(kernel: Any, grid: Any) -> Callable:
             return lambda *args, **kwargs: listener.triton(_kernel_name(kernel), args, kwargs,
-                                                           _read_and_written(kernel, args, kwargs))
+                                                           _read_and_written(kernel, args, kwargs),
+                                                           _traffic(kernel, args, kwargs))
 
         self._patch(KernelInterface, "__getitem__", getitem)
 

@@ -14,7 +14,8 @@ import torch
 from actors.engine import lora_cuda
 from actors.engine.adapter_surgery import fused_layers, pool_masters, set_adapters_training
 from actors.engine.layout import step_layout
-from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of
+from actors.engine.lora_grad_kernel import GroupTargets
+from tests.helpers.lora_bounds import BOUNDS, IN, OUT, RANKS, bf16_values, fused_layer, layout_of
 
 
 @pytest.fixture(autouse=True)
@@ -22,10 +23,10 @@ def _on_this_cpu(monkeypatch):
     monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
 
 
-def _pair():
+def _pair(ranks=RANKS):
     """Two copies of one three-job layer: the first's adapters pooled (one pool per job, as add_adapter pools a
     job's), the second's left as separate parameters."""
-    unpooled = fused_layer()
+    unpooled = fused_layer(ranks=ranks)
     pooled = copy.deepcopy(unpooled)
     for adapter in pooled.adapters.values():
         pool_masters([adapter], torch.device("cpu"))
@@ -45,10 +46,16 @@ def _grads(layer):
     return {name: (a.lora_A.grad, a.lora_B.grad) for name, a in layer.adapters.items()}
 
 
-@pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
-def test_pooled_gradients_equal_autograds_bit_for_bit_and_accumulate(monkeypatch, kernel):
+@pytest.mark.parametrize("kernel,ranks", [("segments", RANKS), ("grouped_mm", RANKS), ("grouped_mm", (8, 8, 8))],
+                         ids=["segments", "grouped_mm-padded", "grouped_mm-stacked"])
+def test_pooled_gradients_equal_autograds_bit_for_bit_and_accumulate(monkeypatch, kernel, ranks):
+    """With ranks of the stack's (8, 8, 8), grouped_mm's stacked gradients go into the buffers by themselves
+    (actors/engine/lora_grad_kernel.py, its torch way on this CPU); padded ranks take the list."""
     monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
-    pooled, unpooled = _pair()
+    stacked = []
+    real_add = GroupTargets.add
+    monkeypatch.setattr(GroupTargets, "add", lambda self, *a: stacked.append(1) or real_add(self, *a))
+    pooled, unpooled = _pair(ranks)
     first = (bf16_values(1, 57, IN), bf16_values(1, 57, OUT))
     second = (bf16_values(1, 30, IN), bf16_values(1, 30, OUT))
     second_layout = layout_of(((0, 9), (9, 30)), ["job2", "job0"])   # another step: other jobs, other order
@@ -63,6 +70,7 @@ def test_pooled_gradients_equal_autograds_bit_for_bit_and_accumulate(monkeypatch
         _backward(layer, *second, second_layout)
     for (name, (a, b)), (_, (ref_a, ref_b)) in zip(_grads(pooled).items(), _grads(unpooled).items(), strict=True):
         assert torch.equal(a, ref_a) and torch.equal(b, ref_b), name
+    assert len(stacked) == (2 if ranks == (8, 8, 8) else 0)
 
 
 def test_cleared_gradients_start_from_zero_and_a_job_outside_the_step_keeps_none():
@@ -109,8 +117,11 @@ def test_frozen_adapters_get_no_gradient_and_no_grad_mode_records_nothing():
         assert not pooled(bf16_values(1, 57, IN)).requires_grad
 
 
-def test_a_nan_in_one_jobs_tokens_reaches_no_other_jobs_pooled_gradient():
-    pooled, _ = _pair()
+@pytest.mark.parametrize("kernel,ranks", [("segments", RANKS), ("grouped_mm", RANKS), ("grouped_mm", (8, 8, 8))],
+                         ids=["segments", "grouped_mm-padded", "grouped_mm-stacked"])
+def test_a_nan_in_one_jobs_tokens_reaches_no_other_jobs_pooled_gradient(monkeypatch, kernel, ranks):
+    monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
+    pooled, _ = _pair(ranks)
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     start, end = BOUNDS[1]
     x[0, start + 3] = float("nan")

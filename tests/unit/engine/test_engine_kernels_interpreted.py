@@ -1,9 +1,12 @@
-"""The flat AdamW's Triton kernel (actors/engine/flat_adamw.py `_adamw_kernel`) on the CPU under Triton's
-interpreter, against its torch reference (`reference_update`), which tests/unit/engine/test_flat_adamw.py holds to
-torch's AdamW.
+"""The engine's own Triton kernels on the CPU under Triton's interpreter, each against its torch reference: the flat
+AdamW (actors/engine/flat_adamw.py `_adamw_kernel` against `reference_update`, which tests/unit/engine/
+test_flat_adamw.py holds to torch's AdamW) and the grouped gradients' addition (actors/engine/lora_grad_kernel.py,
+against `add_groups_reference`, which tests/unit/engine/test_lora_gradient_pool.py holds to autograd bit for bit).
 
-This module runs in a process started with TRITON_INTERPRET=1 (test_flat_adamw.py starts it; Triton's functions are
-made interpreted when triton is first imported) and skips itself elsewhere. The two compute the same float32
+This module runs in a process started with TRITON_INTERPRET=1 (test_lora_grad_kernel.py starts it; Triton's functions
+are made interpreted when triton is first imported) and skips itself elsewhere.
+
+The flat AdamW. The two compute the same float32
 expressions in the same order, but a compiler may contract a product and a sum into one rounding (a fused
 multiply-add): per step, each of the update's `ADAMW_ROUNDINGS` roundings may differ by u (2^-24) of the weight or of
 the update, for the moments likewise (of their largest: a moment sums terms of both signs), so over k steps the
@@ -19,15 +22,18 @@ import os
 import pytest
 import torch
 
-from actors.engine import flat_adamw
+from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel
+from actors.engine.adapter_surgery import pool_masters
+from actors.engine.layout import step_layout
 from actors.engine.optim import step_jobs
 from tests.helpers.flat_adamw_jobs import add_gradients, pooled_job, spec
+from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of
 from tests.helpers.tolerances import ADAMW_ROUNDINGS, unit_roundoff
 from tests.helpers.triton_interpreter import bfloat16_rounded_as_compiled
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or flat_adamw.triton is None,
                                 reason="needs Triton's interpreter on from the process's start (TRITON_INTERPRET=1): "
-                                       "tests/unit/engine/test_flat_adamw.py runs it so")
+                                       "tests/unit/engine/test_lora_grad_kernel.py runs it so")
 
 
 def _trained(kernel: bool, monkeypatch, overrides: dict) -> tuple:
@@ -37,6 +43,7 @@ def _trained(kernel: bool, monkeypatch, overrides: dict) -> tuple:
     pool.refresh(object(), torch.bfloat16)
     launches = []
     if kernel:
+        assert flat_adamw.kernel_works(torch.device("cpu"))   # its once-a-device check passes here too
         real = flat_adamw._adamw_kernel.run
         monkeypatch.setattr(flat_adamw._adamw_kernel, "run", lambda *a, **k: launches.append(1) or real(*a, **k))
     generator = torch.Generator().manual_seed(7)
@@ -74,3 +81,40 @@ def test_the_kernel_s_copy_is_the_refresh_s(monkeypatch):
     pool.current.clear()
     pool.refresh(object(), torch.bfloat16)
     assert torch.equal(pool.casts[torch.bfloat16], written)
+
+
+def test_the_grouped_gradients_kernel_adds_as_its_reference(monkeypatch):
+    """A three-job layer of rank 8 on grouped_mm (the path's bfloat16 run on this CPU), backward twice (the second
+    adds into the first's gradients): through the kernel, every job's pooled gradients within one float32 rounding
+    per addition of the same layer's through the torch way (a product and a sum each time: 2u of the largest
+    gradient per backward, the compiler free to contract them); a job outside the second step's groups untouched."""
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+    assert lora_grad_kernel.kernel_works(torch.device("cpu"))
+    launched = []
+    real = lora_grad_kernel._add_groups_kernel.run
+    monkeypatch.setattr(lora_grad_kernel._add_groups_kernel, "run",
+                        lambda *a, **k: launched.append(1) or real(*a, **k))
+    layers = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(lora_grad_kernel, "kernel_works", (lambda device: True) if kernel else (lambda d: False))
+        layer = fused_layer(ranks=(8, 8, 8))
+        for adapter in layer.adapters.values():
+            pool_masters([adapter], torch.device("cpu"))
+        torch.manual_seed(3)
+        for bounds, names in ((BOUNDS, None), (((0, 9), (9, 30)), ["job2", "job0"])):
+            x = bf16_values(1, bounds[-1][1], IN).requires_grad_(True)
+            upstream = bf16_values(1, bounds[-1][1], OUT)
+            with step_layout(layout_of(bounds, names)):
+                out = layer(x)
+            (out.float() * upstream.float()).sum().backward()
+        layers[kernel] = layer
+    assert len(launched) == 4   # A and B, two backward passes
+    for name in layers[True].adapters:
+        for attribute in ("lora_A", "lora_B"):
+            mine = getattr(layers[True].adapters[name], attribute).grad
+            theirs = getattr(layers[False].adapters[name], attribute).grad
+            bound = 2 * 2 * 2 * unit_roundoff() * float(theirs.abs().max())
+            assert float((mine - theirs).abs().max()) <= bound, (name, attribute)
+    assert not torch.equal(layers[True].adapters["job1"].lora_A.grad, torch.zeros_like(
+        layers[True].adapters["job1"].lora_A.grad))

@@ -25,26 +25,13 @@ state is read (`sync_steps`), not every step (hundreds of tensors a job)."""
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import torch
 from torch import nn
 
 from actors.engine.lora_masters import MasterPool, pool_of
-
-try:   # Triton comes with torch's CUDA builds (and the `gpu` extra); without it the reference runs
-    import triton
-    import triton.language as tl
-    from triton.errors import TritonError
-except ImportError:   # pragma: no cover - a CPU-only install without the extra
-    triton = None
-    TritonError = RuntimeError
-# what a kernel that cannot compile or launch on a device raises (its check then leaves the work to torch)
-KERNEL_ERRORS = (TritonError, RuntimeError, NotImplementedError, ValueError, TypeError)
-
-log = logging.getLogger(__name__)
+from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 BLOCK = 2048
 GROUPED_KEYS = ("betas", "eps", "weight_decay")
@@ -113,28 +100,13 @@ class StepHyper:
 
 def kernel_runs(device: torch.device) -> bool:
     """Whether `_adamw_kernel` runs on this device: Triton on CUDA, or its interpreter on a CPU (tests)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_CHECKED: dict[str, bool] = {}
+    return triton_runs(device)
 
 
 def kernel_works(device: torch.device) -> bool:
     """Whether the kernel runs here (`kernel_runs`) and agrees with `reference_update` on a small pool, checked once
-    per device: a kernel that fails or disagrees is logged once and the reference steps the jobs instead."""
-    if not kernel_runs(device):
-        return False
-    key = str(device)
-    if key not in _CHECKED:
-        try:
-            _CHECKED[key] = _agrees(device)
-        except KERNEL_ERRORS as error:   # a Triton that cannot compile or launch here: the reference runs
-            log.warning("the flat AdamW kernel failed its check on %s (%s: %s); the torch reference steps the "
-                        "jobs instead", device, type(error).__name__, error)
-            _CHECKED[key] = False
-    return _CHECKED[key]
+    per device (`CHECK`): a kernel that fails or disagrees is logged once and the reference steps the jobs instead."""
+    return kernel_runs(device) and CHECK.works(device)
 
 
 def _agrees(device: torch.device) -> bool:
@@ -161,10 +133,10 @@ def _agrees(device: torch.device) -> bool:
              and bool(((m - m_r).abs() <= rounding * float(m_r.abs().max())).all())
              and bool(((v - v_r).abs() <= rounding * float(v_r.abs().max())).all())
              and bool(((cast - cast_r).abs() <= 2.0 ** -7 * cast_r.abs()).all()) and bool((grad == 0).all()))
-    if not agree:
-        log.warning("the flat AdamW kernel disagrees with its reference on %s; the torch reference steps the jobs "
-                    "instead", device)
     return agree
+
+
+CHECK = KernelCheck("the flat AdamW kernel", "the torch reference steps the jobs", _agrees)
 
 
 def _launch(pool: MasterPool, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, factor: torch.Tensor,

@@ -16,26 +16,13 @@ once-a-device check (`kernel_works`), and for the tests (tests/unit/engine/test_
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from actors.engine.lora_masters import attach_pools
-
-try:   # Triton comes with torch's CUDA builds (and the `gpu` extra); without it the reference runs
-    import triton
-    import triton.language as tl
-    from triton.errors import TritonError
-except ImportError:   # pragma: no cover - a CPU-only install without the extra
-    triton = None
-    TritonError = RuntimeError
-# what a kernel that cannot compile or launch on a device raises (its check then leaves the work to torch)
-KERNEL_ERRORS = (TritonError, RuntimeError, NotImplementedError, ValueError, TypeError)
-
-log = logging.getLogger(__name__)
+from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 BLOCK = 2048
 
@@ -78,28 +65,13 @@ if triton is not None:
 
 def kernel_runs(device: torch.device) -> bool:
     """Whether the kernel runs on this device: Triton on CUDA, or its interpreter on a CPU (tests)."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_CHECKED: dict[str, bool] = {}
+    return triton_runs(device)
 
 
 def kernel_works(device: torch.device) -> bool:
-    """Whether the kernel runs here and agrees with `add_groups_reference` on a small stack, checked once per device:
-    a kernel that fails or disagrees is logged once and the layers add their gradients the torch way."""
-    if not kernel_runs(device):
-        return False
-    key = str(device)
-    if key not in _CHECKED:
-        try:
-            _CHECKED[key] = _agrees(device)
-        except KERNEL_ERRORS as error:   # a Triton that cannot compile or launch here: the torch way
-            log.warning("the grouped-gradient kernel failed its check on %s (%s: %s); gradients are added by torch "
-                        "operations instead", device, type(error).__name__, error)
-            _CHECKED[key] = False
-    return _CHECKED[key]
+    """Whether the kernel runs here and agrees with `add_groups_reference` on a small stack, checked once per device
+    (`CHECK`): a kernel that fails or disagrees is logged once and the layers add their gradients the torch way."""
+    return kernel_runs(device) and CHECK.works(device)
 
 
 def _agrees(device: torch.device) -> bool:
@@ -121,10 +93,10 @@ def _agrees(device: torch.device) -> bool:
         results.append(buffers)
     agree = (bool(((results[0] - results[1]).abs() <= 4 * torch.finfo(torch.float32).eps * (
         results[1].abs() + source.float().abs() * 2.0)).all()) and bool((results[0][1] == start[1]).all()))
-    if not agree:
-        log.warning("the grouped-gradient kernel disagrees with its reference on %s; gradients are added by torch "
-                    "operations instead", device)
     return agree
+
+
+CHECK = KernelCheck("the grouped-gradient kernel", "gradients are added by torch operations", _agrees)
 
 
 def _table(views: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

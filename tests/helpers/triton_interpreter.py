@@ -21,6 +21,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 LIGER_MODULES = ("liger_kernel.ops.rms_norm", "liger_kernel.ops.cross_entropy", "liger_kernel.ops.rope",
                  "liger_kernel.ops.swiglu")
@@ -85,3 +89,18 @@ def bfloat16_rounded_as_compiled() -> None:
         return convert(values, input_dtype, output_dtype, rounding_mode)
 
     interpreter._convert_float = rounded
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(module: str, timeout: int) -> None:
+    """pytest on `module` (a path from the repository's root) in a process started with TRITON_INTERPRET=1: asserts
+    that it passed, and that none of it was skipped or failed."""
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                           "-W", "ignore::DeprecationWarning", module], cwd=REPO, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary

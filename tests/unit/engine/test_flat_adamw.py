@@ -211,7 +211,7 @@ def test_a_kernel_that_fails_its_check_leaves_the_steps_to_the_reference(monkeyp
             raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(flat_adamw, "kernel_runs", lambda device: True)
-    monkeypatch.setattr(flat_adamw, "_CHECKED", {})
+    monkeypatch.setattr(flat_adamw.CHECK, "checked", {})
     monkeypatch.setattr(flat_adamw, "_launch", launch)
     optimizer, _ = pooled_job(spec(), seed=9)
     copies, reference = reference_of(optimizer)
@@ -221,7 +221,7 @@ def test_a_kernel_that_fails_its_check_leaves_the_steps_to_the_reference(monkeyp
         reference_step(optimizer, copies, reference, grads, 3)
         step_jobs([optimizer], [3], on_device=True)
         assert_within_adamw_rounding(optimizer, copies, step + 1)
-    assert flat_adamw._CHECKED == {"cpu": False}
+    assert flat_adamw.CHECK.checked == {"cpu": False}
     warnings = [record.getMessage() for record in caplog.records if "flat AdamW kernel" in record.getMessage()]
     assert len(warnings) == 1
     assert ("no compiler here" in warnings[0]) == (broken == "raises")

@@ -10,11 +10,8 @@ the `gpu` extra; skipped without it), and tests/gpu/test_kernels_cuda.py in bflo
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +23,8 @@ from actors.engine.models import from_module
 from actors.service.scheduler.config import TrainerConfig, run_service_config
 from actors.spec.run_spec import RunSpec
 from tests.helpers.kernels import forwards_rebound, tiny
-from tests.helpers.triton_interpreter import interpreter_on, liger_installed
+from tests.helpers.triton_interpreter import interpreter_on, liger_installed, run_interpreted
 
-REPO = Path(__file__).resolve().parents[3]
 INTERPRETED = "tests/unit/engine/test_kernels_interpreted.py"
 
 # -- the setting, everywhere --------------------------------------------------------------------------------------
@@ -133,10 +129,4 @@ def test_the_fused_loss_mark_is_the_model_s_own():
 def test_liger_s_kernels_under_triton_s_interpreter():
     """tests/unit/engine/test_kernels_interpreted.py in a process started with TRITON_INTERPRET=1: all of it passes,
     none of it skipped."""
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           "-W", "ignore::DeprecationWarning", INTERPRETED], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=1200)
-    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    run_interpreted(INTERPRETED, timeout=1200)

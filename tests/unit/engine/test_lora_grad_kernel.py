@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +16,8 @@ from actors.engine import lora_cuda, lora_grad_kernel
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.layout import step_layout
 from tests.helpers.lora_bounds import IN, OUT, bf16_values, fused_layer, layout_of
+from tests.helpers.triton_interpreter import run_interpreted
 
-REPO = Path(__file__).resolve().parents[3]
 INTERPRETED = "tests/unit/engine/test_engine_kernels_interpreted.py"
 
 
@@ -33,7 +30,7 @@ def test_a_kernel_that_fails_its_check_leaves_the_gradients_to_torch(monkeypatch
     monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
     monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
     monkeypatch.setattr(lora_grad_kernel, "kernel_runs", lambda device: True)
-    monkeypatch.setattr(lora_grad_kernel, "_CHECKED", {})
+    monkeypatch.setattr(lora_grad_kernel.CHECK, "checked", {})
     monkeypatch.setattr(lora_grad_kernel, "launch", launch)
     unpooled = fused_layer(ranks=(8, 8, 8))
     pooled = copy.deepcopy(unpooled)
@@ -47,7 +44,7 @@ def test_a_kernel_that_fails_its_check_leaves_the_gradients_to_torch(monkeypatch
     for name, adapter in pooled.adapters.items():
         assert torch.equal(adapter.lora_A.grad, unpooled.adapters[name].lora_A.grad)
         assert torch.equal(adapter.lora_B.grad, unpooled.adapters[name].lora_B.grad)
-    assert lora_grad_kernel._CHECKED == {"cpu": False}
+    assert lora_grad_kernel.CHECK.checked == {"cpu": False}
     warnings = [r.getMessage() for r in caplog.records if "grouped-gradient kernel" in r.getMessage()]
     assert len(warnings) == 1 and ("no compiler here" in warnings[0]) == (broken == "raises")
 
@@ -57,10 +54,4 @@ def test_a_kernel_that_fails_its_check_leaves_the_gradients_to_torch(monkeypatch
 def test_the_engine_s_kernels_under_triton_s_interpreter():
     """tests/unit/engine/test_engine_kernels_interpreted.py in a process started with TRITON_INTERPRET=1 (Triton's
     functions are made interpreted at its import): all of it passes, none of it skipped."""
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           "-W", "ignore::DeprecationWarning", INTERPRETED], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=600)
-    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+    run_interpreted(INTERPRETED, timeout=600)

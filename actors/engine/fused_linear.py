@@ -85,9 +85,9 @@ class FusedLoraLinear(nn.Module):
                       if name in self.adapters and end > start]
             adapters = [self.adapters[segments[place][0]] for place in places]
             plain = [index for index, adapter in enumerate(adapters) if adapter.plain]
+            others = [index for index, adapter in enumerate(adapters) if not adapter.plain]
             float32 = all(adapters[index].lora_A.dtype == torch.float32 for index in plain)
-            found = self._present = (key, (places, adapters, plain, [index for index in range(len(adapters))
-                                                                     if index not in set(plain)], float32))
+            found = self._present = (key, (places, adapters, plain, others, float32))
         places, adapters, plain, rest, float32 = found[1]
         bounds = [segments[place][1:] for place in places]
         return (list(zip(adapters, bounds, strict=True)), [adapters[index] for index in plain],
@@ -111,17 +111,17 @@ class FusedLoraLinear(nn.Module):
         out = self.base(x)
         num_tokens = flat_x.shape[0]
         plain = list(zip(plain_adapters, plain_bounds, strict=True))
-        whole, rest = rest, present
+        per_segment = present   # every adapter on its own segment, unless the plain ones are grouped
         grouped: torch.Tensor | None = None
         if plain and lora_grouped.use_grouping(plain_adapters, plain_bounds, flat_x):
             adapters, bounds = plain_adapters, plain_bounds
             order = lora_grouped.rank_order(adapters)
             group = lora_grouped.SegmentGroup.of(layout, tuple(bounds[index] for index in order), flat_x.device)
             grouped = lora_grouped.grouped_delta([adapters[index] for index in order], group, flat_x, x).to(out.dtype)
-            rest = whole
-            if not rest:
+            per_segment = rest   # the other kinds only
+            if not per_segment:
                 return (out.view(grouped.shape) + grouped).view(out.shape)
-        delta = self._segment_deltas(rest, flat_x, out.reshape(-1, self.out_features), out.dtype)
+        delta = self._segment_deltas(per_segment, flat_x, out.reshape(-1, self.out_features), out.dtype)
         if grouped is not None:   # the grouped rows are zeros on the other adapters' tokens, and vice versa
             delta = grouped.reshape(num_tokens, self.out_features) + delta
         return out + delta.view(out.shape)

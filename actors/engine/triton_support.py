@@ -13,9 +13,11 @@ import torch
 try:   # Triton comes with torch's CUDA builds (and the `gpu` extra); without it the references run
     import triton
     import triton.language as tl
-    from triton.errors import TritonError
 except ImportError:   # pragma: no cover - a CPU-only install without the extra
     triton = tl = None
+try:   # the base of Triton's compile and launch errors (triton.errors since 3.0)
+    from triton.errors import TritonError
+except ImportError:   # pragma: no cover - no Triton, or an older one
     TritonError = RuntimeError
 
 log = logging.getLogger(__name__)

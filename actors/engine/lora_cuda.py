@@ -53,7 +53,8 @@ from torch import nn
 from actors.engine import lora_grouped_mm
 from actors.engine.lora_grad_kernel import GroupTargets
 from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
-from actors.engine.lora_masters import GradientSink, compute_weights, stacked_weights, step_tensors
+from actors.engine.lora_masters import GradientSink, compute_weights, step_tensors
+from actors.engine.lora_stacks import KEPT, stacked_weights
 
 # "auto": this path on CUDA for a bfloat16 or float32 base; "base": on any device (tests, benchmarks);
 # "float32": never (actors/engine/lora_adapter.py's float32 adapters everywhere)
@@ -332,9 +333,8 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
         chosen = [adapters[index] for index in indices]
         if kernel == "grouped_mm":
             member_of, groups, offsets, scalings = grouping
-            members = [None if index is None else chosen[index] for index in member_of]
-            stacks = stacked_weights(layout, base, members, dtype,
-                                     [copies[indices[index]] for index in member_of if index is not None])
+            members, weights = entry.members(dtype, indices, member_of, copies)
+            stacks = stacked_weights(layout, base, members, dtype, weights, pooled=not entry.unpooled)
             targets = entry.targets(order, chosen, member_of, stacks[0].shape[1], x.device) if (
                 taking and not plans) else None
             plans.append(_Plan(chosen, segments, stacks, "grouped_mm", groups, offsets, scalings, targets,
@@ -374,6 +374,7 @@ class _LayerAdapters:
         self.copies: dict[torch.dtype, list] = {}
         self.routes: dict[tuple, tuple] = {}
         self.group_targets: dict[tuple, GroupTargets | None] = {}
+        self.stack_members: dict[tuple, tuple[list, list]] = {}
 
     def weights(self, layout: object, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each adapter's (A, scaling * B) in `dtype`: a pooled job's cast refreshed once a step (and again where
@@ -394,6 +395,19 @@ class _LayerAdapters:
         for index, pair in zip(self.unpooled, own, strict=True):
             copies[index] = pair
         return copies
+
+    def members(self, dtype: torch.dtype, indices: list[int], member_of: list[int | None], copies: list
+                ) -> tuple[list, list]:
+        """(each group's adapter or None, the present ones' copies in order) for a grouped plan; kept per grouping
+        where every adapter is pooled (their copies are then the same views from step to step)."""
+        key = (dtype, tuple(indices), tuple(member_of))
+        found = self.stack_members.get(key) if not self.unpooled else None
+        if found is None:
+            found = ([None if index is None else self.adapters[indices[index]] for index in member_of],
+                     [copies[indices[index]] for index in member_of if index is not None])
+            if not self.unpooled:
+                self.stack_members[key] = found
+        return found
 
     def takes_gradients(self) -> bool:
         """Whether this call's backward gives the pooled adapters gradients (grad mode on, adapters not frozen)."""
@@ -453,6 +467,7 @@ def _layer_adapters(base: nn.Module, adapters: list[nn.Module]) -> _LayerAdapter
 
 def forget_masters(base: nn.Module) -> None:
     base.__dict__.pop(LAYER_ATTRIBUTE, None)
+    KEPT.forget(base)
 
 
 def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int, int]], x: torch.Tensor,

@@ -19,6 +19,13 @@ from torch import nn
 RANK_ALIGNMENT = 8   # grouped_mm: 16-byte strides, 8 bfloat16 elements
 # id of a pool's first parameter -> the pool (`pool_of`; the pool holds that parameter, so the id is a live one's)
 _POOLS: weakref.WeakValueDictionary[int, MasterPool] = weakref.WeakValueDictionary()
+_CASTS_WRITTEN = [0]   # how many times any pool's compute-dtype copy was written (`casts_written`)
+
+
+def casts_written() -> int:
+    """A count that moves whenever any pool's compute-dtype copy is written (a refresh, an optimizer step): what was
+    made from the copies at one count (a layer's stack of them) is current while the count stays."""
+    return _CASTS_WRITTEN[0]
 
 
 def step_tensors(layout: object) -> dict:
@@ -72,6 +79,7 @@ class MasterPool:
         torch.mul(flat[self.b_region:], self.scaling, out=cast[self.b_region:])
         self.refreshed[dtype] = stamp
         self.generation += 1
+        _CASTS_WRITTEN[0] += 1
 
     def stepped(self, dtype: torch.dtype | None) -> None:
         """The optimizer's step (actors/engine/flat_adamw.py) changed the masters, wrote their copy in `dtype` (None:
@@ -79,6 +87,7 @@ class MasterPool:
         self.current = {} if dtype is None else {dtype: self.flat._version}
         if dtype is not None:
             self.generation += 1
+            _CASTS_WRITTEN[0] += 1
         self.zeroed = True
 
     def weights(self, adapter: nn.Module, start_a: int, start_b: int, dtype: torch.dtype
@@ -199,57 +208,3 @@ def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.
         pool.refresh(layout, dtype)
         out.append(pool.weights(adapter, start_a, start_b, dtype))
     return out
-
-
-def padded_rank(adapters: Sequence[nn.Module]) -> int:
-    longest = max(a.r for a in adapters)
-    return -(-longest // RANK_ALIGNMENT) * RANK_ALIGNMENT
-
-
-def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Module | None], dtype: torch.dtype,
-                    weights: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A stacked (groups, rank, in), scaling * B stacked (groups, out, rank)) in `dtype` for `layer`'s groups; a
-    group of None (tokens of no plain adapter) is zeros. Adapters of one rank, a multiple of 8: one stack each of
-    their (pooled) copies; else zeros, ranks padded to `padded_rank`, filled adapter by adapter. `weights`: the
-    present members' copies in order, where the caller has them (else `compute_weights`)."""
-    tensors = step_tensors(layout)
-    present = [member for member in members if member is not None]
-    if weights is None:
-        weights = compute_weights(layout, present, dtype)
-    key = ("lora-stack", id(layer), dtype, tuple(map(id, members)), tuple(
-        [member.master_pool[0].generation if member.master_pool else (member.lora_A._version, member.lora_B._version)
-         for member in present]))
-    if key in tensors:
-        return tensors[key]
-    in_features, out_features = present[0].lora_A.shape[1], present[0].lora_B.shape[0]
-    ranks = {member.r for member in present}
-    device = present[0].lora_A.device
-    pairs = iter(weights)
-    if len(ranks) == 1 and next(iter(ranks)) % RANK_ALIGNMENT == 0:
-        rank = next(iter(ranks))
-        zeros = _zeros(tensors, (rank, in_features), (out_features, rank), dtype, device)
-        chosen = [next(pairs) if member is not None else zeros for member in members]
-        a_stack = torch.stack([pair[0] for pair in chosen])
-        b_stack = torch.stack([pair[1] for pair in chosen])
-    else:
-        rank = padded_rank(present)
-        a_stack = torch.zeros(len(members), rank, in_features, dtype=dtype, device=device)
-        b_stack = torch.zeros(len(members), out_features, rank, dtype=dtype, device=device)
-        for index, member in enumerate(members):
-            if member is not None:
-                lora_a, lora_b = next(pairs)
-                a_stack[index, :member.r].copy_(lora_a)
-                b_stack[index, :, :member.r].copy_(lora_b)
-    tensors[key] = (a_stack, b_stack)
-    return a_stack, b_stack
-
-
-def _zeros(tensors: dict, shape_a: tuple[int, int], shape_b: tuple[int, int], dtype: torch.dtype,
-           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gap group's zero weights of these shapes, one pair a step."""
-    key = ("lora-zeros", shape_a, shape_b, dtype, str(device))
-    if key not in tensors:
-        tensors[key] = (torch.zeros(shape_a, dtype=dtype, device=device), torch.zeros(shape_b, dtype=dtype,
-                                                                                      device=device))
-    return tensors[key]

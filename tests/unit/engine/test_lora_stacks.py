@@ -1,0 +1,104 @@
+"""The grouped_mm path's stacks of the jobs' copies kept between steps (actors/engine/lora_stacks.py), on the CPU (the
+CUDA path run there in bfloat16): after the masters change (as an optimizer step changes them), the next step's
+output and gradients are bit for bit those of a copy of the layer that stacks afresh; the kept stacks are refreshed
+by one multi-tensor copy for every layer, not stacked again; a new grouping (another set of jobs in the step) is
+stacked afresh and replaces the layer's kept one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import lora_cuda, lora_stacks
+from actors.engine.adapter_surgery import pool_masters
+from actors.engine.layout import step_layout
+from tests.helpers.lora_bounds import IN, OUT, bf16_values, fused_layer, layout_of
+
+
+@pytest.fixture(autouse=True)
+def _grouped_on_this_cpu(monkeypatch):
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+
+
+def _pooled_layer(like=None):
+    """A three-job layer of rank 8, each job's adapter pooled; `like`: with that layer's masters (a layer of its own,
+    which nothing kept is known for)."""
+    layer = fused_layer(ranks=(8, 8, 8))
+    for adapter in layer.adapters.values():
+        pool_masters([adapter], torch.device("cpu"))
+    if like is not None:
+        with torch.no_grad():
+            for name, adapter in layer.adapters.items():
+                adapter.lora_A.copy_(like.adapters[name].lora_A)
+                adapter.lora_B.copy_(like.adapters[name].lora_B)
+    return layer
+
+
+def _step(layer, x, upstream, layout):
+    for adapter in layer.adapters.values():
+        adapter.lora_A.grad = adapter.lora_B.grad = None
+    with step_layout(layout):
+        out = layer(x)
+    (out.float() * upstream.float()).sum().backward()
+    return out.detach(), {name: (a.lora_A.grad.clone(), a.lora_B.grad.clone()) for name, a in layer.adapters.items()
+                          if a.lora_A.grad is not None}
+
+
+def _calls(monkeypatch):
+    counted = {"stack": 0, "foreach_copy": 0}
+    stack, foreach_copy = torch.stack, torch._foreach_copy_
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: counted.__setitem__("stack", counted["stack"] + 1)
+                        or stack(*a, **k))
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: counted.__setitem__(
+        "foreach_copy", counted["foreach_copy"] + 1) or foreach_copy(*a, **k))
+    return counted
+
+
+def test_kept_stacks_follow_the_masters_bit_for_bit(monkeypatch):
+    layer = _pooled_layer()
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    _step(layer, x, upstream, layout_of())
+    counted = _calls(monkeypatch)
+    for step in range(2):
+        with torch.no_grad():   # as an optimizer step changes the masters in place
+            for index, adapter in enumerate(layer.adapters.values()):
+                adapter.lora_A.add_(0.25 * (index + 1))
+                adapter.lora_B.mul_(0.5)
+        fresh = _pooled_layer(like=layer)   # another layer: nothing kept for it
+        ours = _step(layer, x, upstream, layout_of())
+        theirs = _step(fresh, x, upstream, layout_of())
+        assert torch.equal(ours[0], theirs[0]), step
+        for name in ours[1]:
+            assert torch.equal(ours[1][name][0], theirs[1][name][0]) and torch.equal(ours[1][name][1],
+                                                                                   theirs[1][name][1]), (step, name)
+    # each of our steps: one multi-tensor copy refreshing the kept stacks, no stacking; the fresh layers stacked
+    # (and the fresh layers' own refreshes: each step's first one copies every kept layer's stacks)
+    assert counted["stack"] == 2 * 2
+    assert counted["foreach_copy"] >= 2
+
+
+def test_another_grouping_is_stacked_afresh_and_replaces_the_kept_one(monkeypatch):
+    layer = _pooled_layer()
+    x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
+    _step(layer, x, upstream, layout_of())
+    first = lora_stacks.KEPT.entries[id(layer.base)][1]
+    other = layout_of(((0, 20), (20, 57)), ["job0", "job2"])
+    counted = _calls(monkeypatch)
+    out, _ = _step(layer, x, upstream, other)
+    assert counted["stack"] == 2 and lora_stacks.KEPT.entries[id(layer.base)][1] != first
+    assert torch.equal(out, _step(_pooled_layer(like=layer), x, upstream, other)[0])
+    lora_cuda.forget_masters(layer.base)   # a layer whose adapters leave keeps nothing
+    assert id(layer.base) not in lora_stacks.KEPT.entries
+
+
+def test_a_layer_that_is_gone_leaves_nothing_kept():
+    import gc
+
+    layer = _pooled_layer()
+    _step(layer, bf16_values(1, 57, IN), bf16_values(1, 57, OUT), layout_of())
+    ident = id(layer.base)
+    assert ident in lora_stacks.KEPT.entries
+    del layer
+    gc.collect()
+    assert ident not in lora_stacks.KEPT.entries

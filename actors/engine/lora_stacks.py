@@ -4,7 +4,9 @@ A stacked (groups, rank, in) and scaling * B stacked (groups, out, rank), a grou
 Where every adapter of a layer is pooled and of one rank (every job on the CUDA path, the usual case), the layer's
 stacks are kept from step to step (`KEPT`, one grouping a layer: the latest) and refreshed all together, every
 layer's in one multi-tensor copy from the jobs' copies, at the first layer that finds its kept stacks after any copy
-was written (an optimizer step, a refresh: `lora_masters.casts_written`). Made a layer at a time, the stacks cost two
+was written (an optimizer step, a refresh: `lora_masters.casts_written`): one Triton kernel over a table of every
+slot's source and target addresses (`copy_slots`; a multi-tensor copy where Triton is missing or the kernel fails its
+once-a-device check). Made a layer at a time, the stacks cost two
 launches a layer and step: on the 8B shape some 450 of the forward's launches, and its host time with them
 (bench/gpu_cost_model.py: the forward's host work was longer than its GPU work, so the GPU waited). The kept stacks
 stay allocated between steps (2 bytes per adapter parameter, which the step made and freed before)."""
@@ -18,6 +20,79 @@ import torch
 from torch import nn
 
 from actors.engine.lora_masters import RANK_ALIGNMENT, casts_written, compute_weights, step_tensors
+from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
+
+# keep the pooled stacks between steps (False: made each step, as before; bench/gpu_cost_model.py --set ranks the two)
+KEEP = True
+BLOCK = 4096
+_TABLE_BYTES: dict[int, float] = {}   # id(a slot table on the device) -> bytes its copy moves (the cost model's)
+
+if triton is not None:
+    @triton.jit
+    def _copy_slots_kernel(table, BLOCK_SIZE: tl.constexpr):
+        """Row `slot` of `table` (source address, target address, count of 2-byte units): one block of its copy."""
+        slot = tl.program_id(0).to(tl.int64)
+        source = tl.load(table + slot * 3).to(tl.pointer_type(tl.int16))
+        target = tl.load(table + slot * 3 + 1).to(tl.pointer_type(tl.int16))
+        count = tl.load(table + slot * 3 + 2)
+        offsets = tl.program_id(1).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        inside = offsets < count
+        tl.store(target + offsets, tl.load(source + offsets, mask=inside, other=0), mask=inside)
+
+    # bench/gpu_cost_model.py: the slots are reached through addresses, so the kernel says what it moves
+    _copy_slots_kernel.traffic = lambda args, kwargs: _TABLE_BYTES.get(id(args[0]), 0.0)
+
+
+def copy_slots(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> tuple | None:
+    """Copy every source into its target (contiguous, of one device, 2 or 4 bytes an element) in one launch of
+    `_copy_slots_kernel`, where it runs and passed its check on the device; returns (the device table, its host copy)
+    to launch again with `launch_slots` (the addresses do not change), or None where the kernel does not run (the
+    caller then copies with torch)."""
+    device = targets[0].device
+    if not (triton_runs(device) and CHECK.works(device)):
+        return None
+    rows = [(source.data_ptr(), target.data_ptr(), target.numel() * target.element_size() // 2)
+            for target, source in zip(targets, sources, strict=True)]
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    longest = max(row[2] for row in rows)
+    _TABLE_BYTES[id(table)] = float(2 * sum(t.numel() * t.element_size() for t in targets))
+    return table, host, len(rows), longest
+
+
+def launch_slots(slots: tuple) -> None:
+    table, _, count, longest = slots
+    _copy_slots_kernel[(count, triton.cdiv(longest, BLOCK))](table, BLOCK_SIZE=BLOCK)
+
+
+def forget_slots(slots: tuple | None) -> None:
+    if slots is not None:
+        _TABLE_BYTES.pop(id(slots[0]), None)
+
+
+def _agrees(device: torch.device) -> bool:
+    """Three slots of 5, 3000 and 9000 bfloat16 elements and one of 700 float32 ones copied: each target equal to
+    its source, the bytes around them untouched."""
+    generator = torch.Generator().manual_seed(0)
+    sources = [torch.randn(n, generator=generator).to(device=device, dtype=dtype)
+               for n, dtype in ((5, torch.bfloat16), (3000, torch.bfloat16), (9000, torch.bfloat16),
+                                (700, torch.float32))]
+    arena = torch.zeros(13000, dtype=torch.bfloat16, device=device)
+    wide = torch.zeros(702, dtype=torch.float32, device=device)
+    targets = [arena[1:6], arena[10:3010], arena[3020:12020], wide[1:701]]
+    rows = [(s.data_ptr(), t.data_ptr(), t.numel() * t.element_size() // 2) for t, s in zip(targets, sources,
+                                                                                             strict=True)]
+    table = torch.tensor(rows, dtype=torch.int64).to(device)
+    _copy_slots_kernel[(len(rows), triton.cdiv(9000, BLOCK))](table, BLOCK_SIZE=BLOCK)
+    copied = all(bool((t == s).all()) for t, s in zip(targets, sources, strict=True))
+    untouched = (bool((arena[0] == 0).all()) and bool((arena[6:10] == 0).all()) and bool((arena[12020:] == 0).all())
+                 and bool((wide[0] == 0).all()) and bool((wide[701] == 0).all()))
+    return copied and untouched
+
+
+CHECK = KernelCheck("the stacks' copy kernel", "the stacks are refreshed by a multi-tensor copy", _agrees)
 
 
 class KeptStacks:
@@ -27,6 +102,7 @@ class KeptStacks:
     def __init__(self):
         self.entries: dict[int, tuple] = {}   # id(layer) -> (layer ref, key, stacks, targets, sources)
         self.lists: tuple[list, list] | None = None   # every entry's targets and sources, made when entries change
+        self.slots: tuple | None = None   # their table for `copy_slots`' kernel, made with the lists
         self.stamp: int | None = None   # `casts_written` when every entry was last made current
 
     def find(self, layer: nn.Module, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -42,6 +118,9 @@ class KeptStacks:
         ident = id(layer)
         self.entries[ident] = (weakref.ref(layer, lambda _: self._drop(ident)), key, stacks, targets, sources)
         self.lists = None
+        device = stacks[0].device
+        if triton_runs(device):   # the copy kernel's check now, in the step that first stacks, not the next one
+            CHECK.works(device)
 
     def _drop(self, ident: int) -> None:
         entry = self.entries.get(ident)
@@ -57,8 +136,14 @@ class KeptStacks:
         if self.lists is None:
             self.lists = ([t for entry in self.entries.values() for t in entry[3]],
                           [s for entry in self.entries.values() for s in entry[4]])
-        with torch.no_grad():
-            torch._foreach_copy_(*self.lists)
+            forget_slots(self.slots)
+            self.slots = copy_slots(*self.lists) if self.lists[0] and len(
+                {t.device for t in self.lists[0]}) == 1 else None
+        if self.slots is not None:
+            launch_slots(self.slots)
+        elif self.lists[0]:
+            with torch.no_grad():
+                torch._foreach_copy_(*self.lists)
         self.stamp = written
 
     def forget(self, layer: nn.Module) -> None:
@@ -92,7 +177,7 @@ def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Modul
     present = [member for member in members if member is not None]
     ranks = {member.r for member in present}
     uniform = len(ranks) == 1 and next(iter(ranks)) % RANK_ALIGNMENT == 0
-    if pooled and uniform:
+    if pooled and uniform and KEEP:
         kept = KEPT.find(layer, (dtype, key[3]))
         if kept is not None:
             KEPT.refresh()
@@ -109,7 +194,7 @@ def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Modul
         chosen = [next(pairs) if member is not None else zeros for member in members]
         a_stack = torch.stack([pair[0] for pair in chosen])
         b_stack = torch.stack([pair[1] for pair in chosen])
-        if pooled:
+        if pooled and KEEP:
             present_groups = [group for group, member in enumerate(members) if member is not None]
             KEPT.keep(layer, (dtype, key[3]), (a_stack, b_stack),
                       [a_stack[group] for group in present_groups] + [b_stack[group] for group in present_groups],

@@ -108,6 +108,7 @@ def _step(timing: StepTiming) -> dict:
 def run_worker(args: dict) -> dict:
     """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base), adapters, settings, calibration."""
     from gpu_cost.workload import (
+        FUSION_WARMUP,
         apply_settings,
         check_checkout,
         preimport,
@@ -148,8 +149,9 @@ def run_worker(args: dict) -> dict:
             fusion = record_fusion(session, bench, args["shape"], args["adapters"])
             rates = {}
             for count, recorded in fusion.items():
-                summary = summarise(recorded, args["card"], calibration, timed=range(1, len(recorded.steps)),
-                                    throughput=range(1, len(recorded.steps)), profiled=None, step_syncs=False)
+                timed = range(FUSION_WARMUP, len(recorded.steps))
+                summary = summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+                                    profiled=None, step_syncs=False)
                 rates[count] = summary["predicted_tokens_per_s"]
                 result[f"adapters_{count}"] = {key: summary[key] for key in
                                                ("predicted_step_s", "predicted_tokens_per_s", "median_step")}

@@ -242,10 +242,14 @@ def record_jobs(session: Session, bench: ModuleType, shape: str, jobs: int, step
     return recorded
 
 
-def record_fusion(session: Session, bench: ModuleType, shape: str, adapters: list[int], steps: int = 3
-                  ) -> dict[int, Recorded]:
+FUSION_WARMUP = 2   # bench/lora_mfu.py's fusion side's warm-up steps (its --warmup)
+
+
+def record_fusion(session: Session, bench: ModuleType, shape: str, adapters: list[int],
+                  steps: int = FUSION_WARMUP + 2) -> dict[int, Recorded]:
     """bench/lora_mfu.py's fusion side: FUSION_SEQUENCES sequences of FUSION_LENGTH tokens a step split evenly
-    over N adapters; the first step (optimizer state allocated) is a warm-up."""
+    over N adapters; the first FUSION_WARMUP steps are warm-ups, as there (the optimizer state allocated, the
+    kernels checked, kept tables made)."""
     Example = from_checkout("actors.data", "actors.engine.data").Example
     config = shapes(bench)[shape]
     model = _model(config, torch.bfloat16)

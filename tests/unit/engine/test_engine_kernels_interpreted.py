@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel
+from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.layout import step_layout
 from actors.engine.optim import step_jobs
@@ -118,3 +118,41 @@ def test_the_grouped_gradients_kernel_adds_as_its_reference(monkeypatch):
             assert float((mine - theirs).abs().max()) <= bound, (name, attribute)
     assert not torch.equal(layers[True].adapters["job1"].lora_A.grad, torch.zeros_like(
         layers[True].adapters["job1"].lora_A.grad))
+
+
+def test_the_stacks_copy_kernel_refreshes_kept_stacks_as_fresh_ones(monkeypatch):
+    """A three-job layer of rank 8 on grouped_mm, its masters changed between steps: its kept stacks, refreshed by the
+    copy kernel (one launch a step), give the same output bit for bit as a layer that stacks afresh."""
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+    assert lora_stacks.CHECK.works(torch.device("cpu"))
+    launched = []
+    real = lora_stacks._copy_slots_kernel.run
+    monkeypatch.setattr(lora_stacks._copy_slots_kernel, "run", lambda *a, **k: launched.append(1) or real(*a, **k))
+
+    def layer_like(like=None):
+        layer = fused_layer(ranks=(8, 8, 8))
+        for adapter in layer.adapters.values():
+            pool_masters([adapter], torch.device("cpu"))
+        if like is not None:
+            with torch.no_grad():
+                for name, adapter in layer.adapters.items():
+                    adapter.lora_A.copy_(like.adapters[name].lora_A)
+                    adapter.lora_B.copy_(like.adapters[name].lora_B)
+        return layer
+
+    def forward(layer):
+        with torch.no_grad(), step_layout(layout_of()):
+            return layer(x)
+
+    x = bf16_values(1, 57, IN)
+    layer = layer_like()
+    forward(layer)
+    for step in range(2):
+        with torch.no_grad():
+            for adapter in layer.adapters.values():
+                adapter.lora_A.add_(0.5)
+                adapter.lora_B.mul_(0.75)
+        ours = forward(layer)
+        assert torch.equal(ours, forward(layer_like(like=layer))), step
+    assert len(launched) == 2

@@ -102,3 +102,18 @@ def test_a_layer_that_is_gone_leaves_nothing_kept():
     del layer
     gc.collect()
     assert ident not in lora_stacks.KEPT.entries
+
+
+def test_a_copy_kernel_that_fails_its_check_leaves_the_refresh_to_torch(monkeypatch, caplog):
+    """Where Triton runs, the kept stacks are refreshed by one kernel over a table of addresses; one that fails its
+    once-a-device check is logged once, and the multi-tensor copy refreshes them, bit for bit as before."""
+    def broken(device):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(lora_stacks, "triton_runs", lambda device: True)
+    monkeypatch.setattr(lora_stacks.CHECK, "checked", {})
+    monkeypatch.setattr(lora_stacks.CHECK, "agrees", broken)
+    test_kept_stacks_follow_the_masters_bit_for_bit(monkeypatch)
+    assert lora_stacks.CHECK.checked == {"cpu": False}
+    warnings = [r.getMessage() for r in caplog.records if "stacks' copy kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "no compiler here" in warnings[0]

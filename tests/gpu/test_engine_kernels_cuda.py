@@ -3,14 +3,16 @@ pooled job's device steps against torch's AdamW in float64 within the rounding b
 test_flat_adamw.py derives, the bfloat16 copy it writes the one `MasterPool.refresh` makes (CUDA's round-to-nearest-
 even, torch's), the gradient buffer zeroed, the kernel launched once per job and step. The grouped gradients'
 addition (actors/engine/lora_grad_kernel.py): a three-job layer's pooled gradients through the kernel within one
-float32 rounding per addition of the torch way's."""
+float32 rounding per addition of the torch way's. The kept stacks' copy kernel (actors/engine/lora_stacks.py): a
+layer whose masters change between steps gives, through its kept stacks, the output of a layer stacking afresh, bit
+for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_grouped_mm
+from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_grouped_mm, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.layout import step_layout
 from actors.engine.optim import step_jobs
@@ -82,3 +84,40 @@ def test_the_grouped_gradients_kernel_on_cuda_adds_as_the_torch_way(monkeypatch)
             mine = getattr(layers[True].adapters[name], attribute).grad
             theirs = getattr(layers[False].adapters[name], attribute).grad
             assert float((mine - theirs).abs().max()) <= 2 * 2 * unit_roundoff() * float(theirs.abs().max())
+
+
+def test_kept_stacks_refreshed_on_cuda_match_fresh_ones(monkeypatch):
+    device = torch.device("cuda")
+    if not lora_grouped_mm.grouped_mm_works(device):
+        pytest.skip("torch._grouped_mm does not work on this GPU (logged); the path takes segments here")
+    assert lora_stacks.CHECK.works(device)
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+    launched = []
+    real = lora_stacks._copy_slots_kernel.run
+    monkeypatch.setattr(lora_stacks._copy_slots_kernel, "run", lambda *a, **k: launched.append(1) or real(*a, **k))
+
+    def layer_like(like=None):
+        layer = fused_layer(ranks=(8, 8, 8), device="cuda")
+        for adapter in layer.adapters.values():
+            pool_masters([adapter], device)
+        if like is not None:
+            with torch.no_grad():
+                for name, adapter in layer.adapters.items():
+                    adapter.lora_A.copy_(like.adapters[name].lora_A)
+                    adapter.lora_B.copy_(like.adapters[name].lora_B)
+        return layer
+
+    def forward(layer):
+        with torch.no_grad(), step_layout(layout_of(BOUNDS)):
+            return layer(x)
+
+    x = bf16_values(1, 57, IN).cuda()
+    layer = layer_like()
+    forward(layer)
+    for step in range(2):
+        with torch.no_grad():
+            for adapter in layer.adapters.values():
+                adapter.lora_A.add_(0.5)
+                adapter.lora_B.mul_(0.75)
+        assert torch.equal(forward(layer), forward(layer_like(like=layer))), step
+    assert len(launched) == 2

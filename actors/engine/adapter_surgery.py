@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from actors.engine import lora_cuda
+from actors.engine import lora_layer_state
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
 from actors.engine.lora_masters import MasterPool
@@ -232,7 +232,7 @@ def remove_adapter(model: nn.Module, name: str) -> None:
     for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedLoraLinear) and name in module.adapters:
             del module.adapters[name]
-            lora_cuda.forget_masters(module.base)
+            lora_layer_state.forget_masters(module.base)
             if len(module.adapters) == 0:
                 _unwrap(model, module_name)
 

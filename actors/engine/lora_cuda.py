@@ -53,8 +53,9 @@ from torch import nn
 from actors.engine import lora_grouped_mm
 from actors.engine.lora_grad_kernel import GroupTargets
 from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
-from actors.engine.lora_masters import GradientSink, compute_weights, step_tensors
-from actors.engine.lora_stacks import KEPT, stacked_weights
+from actors.engine.lora_layer_state import layer_adapters
+from actors.engine.lora_masters import GradientSink, step_tensors
+from actors.engine.lora_stacks import stacked_weights
 
 # "auto": this path on CUDA for a bfloat16 or float32 base; "base": on any device (tests, benchmarks);
 # "float32": never (actors/engine/lora_adapter.py's float32 adapters everywhere)
@@ -323,7 +324,7 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     with dropout take the per-segment kernel, the others grouped_mm where it pays (`grouped_pays`): which kernel
     a job takes never depends on the other jobs' settings (so its rounding does not either)."""
     dtype = x.dtype
-    entry = _layer_adapters(base, adapters)
+    entry = layer_adapters(base, adapters)
     structure = _structure(layout, adapters, bounds, x, base, entry.signature)
     copies = entry.weights(layout, dtype)
     order = tuple([tuple(indices) for indices, *_ in structure])
@@ -352,130 +353,12 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     return _LinearWithAdapters.apply(x, None, None, base_out, tuple(plans), sink, anchor, *masters)
 
 
-LAYER_ATTRIBUTE = "_aspen_lora_layer"
-
-
-class _LayerAdapters:
-    """What a layer's adapters give every call while they stay the same ones, kept on the base layer
-    (`forget_masters` drops it when an adapter leaves): the signature the step's structure depends on, their
-    jobs' pools, each pooled adapter's copies (views of its job's cast) and gradient views, the others' float32
-    masters. Per adapter and layer, these were most of a step's host time at many jobs (bench/gpu_cost_model.py
-    --fusion): what is left per call is a few operations per layer, and a check per job of its cast's age."""
-
-    def __init__(self, adapters: list[nn.Module]):
-        self.adapters = list(adapters)
-        self.ids = tuple(map(id, adapters))
-        self.training = adapters[0].training
-        self.signature = tuple(_job_of(adapter) for adapter in adapters)
-        self.found = [adapter.master_pool for adapter in adapters]
-        pools = {id(found[0]): found[0] for found in self.found if found is not None}
-        self.pools = list(pools.values())
-        self.unpooled = [index for index, found in enumerate(self.found) if found is None]
-        self.copies: dict[torch.dtype, list] = {}
-        self.routes: dict[tuple, tuple] = {}
-        self.group_targets: dict[tuple, GroupTargets | None] = {}
-        self.stack_members: dict[tuple, tuple[list, list]] = {}
-
-    def weights(self, layout: object, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each adapter's (A, scaling * B) in `dtype`: a pooled job's cast refreshed once a step (and again where
-        its masters changed in place since), the others cast as `compute_weights` casts them."""
-        refreshed = step_tensors(layout).setdefault(("lora-refreshed", dtype), {})
-        for pool in [pool for pool in self.pools if refreshed.get(id(pool)) != pool.flat._version]:
-            pool.refresh(layout, dtype)
-            refreshed[id(pool)] = pool.flat._version
-        copies = self.copies.get(dtype)
-        if copies is None:
-            copies = self.copies[dtype] = [None if found is None else found[0].weights(adapter, found[1], found[2],
-                                                                                       dtype)
-                                           for adapter, found in zip(self.adapters, self.found, strict=True)]
-        if not self.unpooled:
-            return copies
-        copies = list(copies)
-        own = compute_weights(layout, [self.adapters[index] for index in self.unpooled], dtype)
-        for index, pair in zip(self.unpooled, own, strict=True):
-            copies[index] = pair
-        return copies
-
-    def members(self, dtype: torch.dtype, indices: list[int], member_of: list[int | None], copies: list
-                ) -> tuple[list, list]:
-        """(each group's adapter or None, the present ones' copies in order) for a grouped plan; kept per grouping
-        where every adapter is pooled (their copies are then the same views from step to step)."""
-        key = (dtype, tuple(indices), tuple(member_of))
-        found = self.stack_members.get(key) if not self.unpooled else None
-        if found is None:
-            found = ([None if index is None else self.adapters[indices[index]] for index in member_of],
-                     [copies[indices[index]] for index in member_of if index is not None])
-            if not self.unpooled:
-                self.stack_members[key] = found
-        return found
-
-    def takes_gradients(self) -> bool:
-        """Whether this call's backward gives the pooled adapters gradients (grad mode on, adapters not frozen)."""
-        return bool(self.pools) and torch.is_grad_enabled() and all(
-            [pool.parameters[0].requires_grad for pool in self.pools])
-
-    def targets(self, order: tuple[tuple[int, ...], ...], chosen: list[nn.Module], member_of: list[int | None],
-                rank: int, device: torch.device) -> GroupTargets | None:
-        """Where the first (grouped) plan's stacked gradients go, kept per grouping (`GroupTargets.of`)."""
-        key = (order[0], tuple(member_of), rank)
-        if key not in self.group_targets:
-            self.group_targets[key] = GroupTargets.of(chosen, member_of, rank, device)
-        return self.group_targets[key]
-
-    def route(self, order: tuple[tuple[int, ...], ...], layout: object, taking: bool, stacked: bool = False
-              ) -> tuple[GradientSink | None, tuple]:
-        """(the sink of the pooled adapters' gradients or None, the masters autograd takes) for the plans'
-        adapter order `order`; `stacked`: the first plan's gradients go into the buffers by themselves
-        (`GroupTargets`) and are not in the list the sink takes. Without a gradient to take (`taking` False: no grad
-        mode, frozen adapters), every master goes to autograd (which then computes none)."""
-        key = (order, stacked)
-        route = self.routes.get(key)
-        if route is None:
-            route = self.routes[key] = self._route(order[1:] if stacked else order)
-        views, positions, returned, masters, every = route
-        if not taking:
-            return None, every
-        if not positions:
-            return None, masters
-        return GradientSink(self.pools, views, positions, returned, step_tensors(layout)), masters
-
-    def _route(self, order: tuple[tuple[int, ...], ...]) -> tuple:
-        views: list[torch.Tensor] = []
-        positions: list[int] = []
-        returned: list[int] = []
-        masters: list[torch.Tensor] = []
-        every: list[torch.Tensor] = []
-        for place, index in enumerate(index for indices in order for index in indices):
-            adapter, found = self.adapters[index], self.found[index]
-            every.extend((adapter.lora_A, adapter.lora_B))
-            if found is None:
-                returned.extend((2 * place, 2 * place + 1))
-                masters.extend((adapter.lora_A, adapter.lora_B))
-            else:
-                views.extend(found[0].grad_views(adapter))
-                positions.extend((2 * place, 2 * place + 1))
-        return views, positions, returned, tuple(masters), tuple(every)
-
-
-def _layer_adapters(base: nn.Module, adapters: list[nn.Module]) -> _LayerAdapters:
-    entry = base.__dict__.get(LAYER_ATTRIBUTE)
-    if entry is None or entry.ids != tuple(map(id, adapters)) or entry.training != adapters[0].training:
-        entry = _LayerAdapters(adapters)
-        base.__dict__[LAYER_ATTRIBUTE] = entry
-    return entry
-
-
-def forget_masters(base: nn.Module) -> None:
-    base.__dict__.pop(LAYER_ATTRIBUTE, None)
-    KEPT.forget(base)
-
-
 def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int, int]], x: torch.Tensor,
                base: nn.Module, signature: tuple) -> list[tuple[list[int], str, list[_Segment], tuple | None]]:
     """Which adapters take which kernel, their segments, and grouped_mm's groups: (indices, kernel, segments,
     (member of each group, each adapter's group, offsets, scalings) or None). The same for every layer that the
     same jobs adapt (their scalings, dropout and bounds are the job's), so made once a step for each such set.
-    `signature`: each adapter's `_job_of`."""
+    `signature`: each adapter's `lora_layer_state._job_of`."""
     tensors = step_tensors(layout)
     aligned = grouped_fits(x, base)
     key = ("lora-structure", tuple(bounds), signature, x.dtype, aligned, x.shape[0])
@@ -498,8 +381,3 @@ def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int
         structure.append((indices, kernel, chosen, grouping))
     tensors[key] = structure
     return structure
-
-
-def _job_of(adapter: nn.Module) -> tuple:
-    """What of an adapter the step's structure depends on: its scaling, its dropout while training, its rank."""
-    return adapter.scaling, adapter.dropout if adapter.drops else 0.0, adapter.r

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from actors.engine import fused_linear, lora_cuda, lora_grouped_mm
+from actors.engine import fused_linear, lora_cuda, lora_grouped_mm, lora_layer_state, lora_masters
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
@@ -64,14 +64,14 @@ def test_the_bounds_catch_a_wrong_update(monkeypatch):
     layer = fused_layer()
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     adapter = layer.adapters["job1"]
-    original = lora_cuda.compute_weights
+    original = lora_layer_state.compute_weights
 
     def doubled(layout, adapters, dtype):
         weights = original(layout, adapters, dtype)
         return [(a, b * adapter.scaling) if ad is adapter else (a, b)
                 for ad, (a, b) in zip(adapters, weights, strict=True)]
 
-    monkeypatch.setattr(lora_cuda, "compute_weights", doubled)
+    monkeypatch.setattr(lora_layer_state, "compute_weights", doubled)
     monkeypatch.setattr(lora_cuda, "KERNEL", "segments")
     out, _ = run_layer(layer, x, upstream, layout_of())
     expected, out_bound, *_ = exact(layer, x, upstream)
@@ -227,7 +227,7 @@ def test_each_jobs_adapter_is_cast_whole_once_a_step_and_again_after_an_update(m
     layout = layout_of(((0, 12), (12, 30)), ["job0", "job1"])   # a new step
     forward()
     assert sorted(casts) == ["job0", "job0", "job1", "job1", "job1"]
-    [(lora_a, lora_b)] = lora_cuda.compute_weights(layout, [first], torch.bfloat16)
+    [(lora_a, lora_b)] = lora_masters.compute_weights(layout, [first], torch.bfloat16)
     assert torch.equal(lora_a, first.lora_A.detach().to(torch.bfloat16))
     assert torch.equal(lora_b, (first.lora_B.detach() * first.scaling).to(torch.bfloat16))
 

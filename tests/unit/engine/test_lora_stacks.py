@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine import lora_cuda, lora_stacks
+from actors.engine import lora_cuda, lora_layer_state, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.layout import step_layout
 from tests.helpers.lora_bounds import IN, OUT, bf16_values, fused_layer, layout_of
@@ -88,7 +88,7 @@ def test_another_grouping_is_stacked_afresh_and_replaces_the_kept_one(monkeypatc
     out, _ = _step(layer, x, upstream, other)
     assert counted["stack"] == 2 and lora_stacks.KEPT.entries[id(layer.base)][1] != first
     assert torch.equal(out, _step(_pooled_layer(like=layer), x, upstream, other)[0])
-    lora_cuda.forget_masters(layer.base)   # a layer whose adapters leave keeps nothing
+    lora_layer_state.forget_masters(layer.base)   # a layer whose adapters leave keeps nothing
     assert id(layer.base) not in lora_stacks.KEPT.entries
 
 

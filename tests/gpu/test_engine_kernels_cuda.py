@@ -24,7 +24,7 @@ from tests.helpers.flat_adamw_jobs import (
     reference_step,
     spec,
 )
-from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of
+from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of, pooled_layer
 from tests.helpers.tolerances import unit_roundoff
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or flat_adamw.triton is None,
@@ -96,28 +96,17 @@ def test_kept_stacks_refreshed_on_cuda_match_fresh_ones(monkeypatch):
     real = lora_stacks._copy_slots_kernel.run
     monkeypatch.setattr(lora_stacks._copy_slots_kernel, "run", lambda *a, **k: launched.append(1) or real(*a, **k))
 
-    def layer_like(like=None):
-        layer = fused_layer(ranks=(8, 8, 8), device="cuda")
-        for adapter in layer.adapters.values():
-            pool_masters([adapter], device)
-        if like is not None:
-            with torch.no_grad():
-                for name, adapter in layer.adapters.items():
-                    adapter.lora_A.copy_(like.adapters[name].lora_A)
-                    adapter.lora_B.copy_(like.adapters[name].lora_B)
-        return layer
-
     def forward(layer):
         with torch.no_grad(), step_layout(layout_of(BOUNDS)):
             return layer(x)
 
     x = bf16_values(1, 57, IN).cuda()
-    layer = layer_like()
+    layer = pooled_layer(device="cuda")
     forward(layer)
     for step in range(2):
         with torch.no_grad():
             for adapter in layer.adapters.values():
                 adapter.lora_A.add_(0.5)
                 adapter.lora_B.mul_(0.75)
-        assert torch.equal(forward(layer), forward(layer_like(like=layer))), step
+        assert torch.equal(forward(layer), forward(pooled_layer(device="cuda", like=layer))), step
     assert len(launched) == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from actors.engine.adapter_surgery import pool_masters
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
@@ -31,6 +32,20 @@ def fused_layer(dtype: torch.dtype = torch.bfloat16, ranks=RANKS, bias: bool = F
         with torch.no_grad():
             adapter.lora_B.normal_()
         layer.adapters[f"job{index}"] = adapter
+    return layer
+
+
+def pooled_layer(ranks=(8, 8, 8), device: str = "cpu", like: FusedLoraLinear | None = None) -> FusedLoraLinear:
+    """`fused_layer` in bfloat16 with each job's adapter pooled (as add_adapter pools a job's); `like`: with that
+    layer's masters (a layer of its own, which nothing kept between steps is known for)."""
+    layer = fused_layer(ranks=ranks, device=device)
+    for adapter in layer.adapters.values():
+        pool_masters([adapter], torch.device(device))
+    if like is not None:
+        with torch.no_grad():
+            for name, adapter in layer.adapters.items():
+                adapter.lora_A.copy_(like.adapters[name].lora_A)
+                adapter.lora_B.copy_(like.adapters[name].lora_B)
     return layer
 
 

@@ -27,7 +27,7 @@ from actors.engine.adapter_surgery import pool_masters
 from actors.engine.layout import step_layout
 from actors.engine.optim import step_jobs
 from tests.helpers.flat_adamw_jobs import add_gradients, pooled_job, spec
-from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of
+from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of, pooled_layer
 from tests.helpers.tolerances import ADAMW_ROUNDINGS, unit_roundoff
 from tests.helpers.triton_interpreter import bfloat16_rounded_as_compiled
 
@@ -130,23 +130,12 @@ def test_the_stacks_copy_kernel_refreshes_kept_stacks_as_fresh_ones(monkeypatch)
     real = lora_stacks._copy_slots_kernel.run
     monkeypatch.setattr(lora_stacks._copy_slots_kernel, "run", lambda *a, **k: launched.append(1) or real(*a, **k))
 
-    def layer_like(like=None):
-        layer = fused_layer(ranks=(8, 8, 8))
-        for adapter in layer.adapters.values():
-            pool_masters([adapter], torch.device("cpu"))
-        if like is not None:
-            with torch.no_grad():
-                for name, adapter in layer.adapters.items():
-                    adapter.lora_A.copy_(like.adapters[name].lora_A)
-                    adapter.lora_B.copy_(like.adapters[name].lora_B)
-        return layer
-
     def forward(layer):
         with torch.no_grad(), step_layout(layout_of()):
             return layer(x)
 
     x = bf16_values(1, 57, IN)
-    layer = layer_like()
+    layer = pooled_layer()
     forward(layer)
     for step in range(2):
         with torch.no_grad():
@@ -154,5 +143,5 @@ def test_the_stacks_copy_kernel_refreshes_kept_stacks_as_fresh_ones(monkeypatch)
                 adapter.lora_A.add_(0.5)
                 adapter.lora_B.mul_(0.75)
         ours = forward(layer)
-        assert torch.equal(ours, forward(layer_like(like=layer))), step
+        assert torch.equal(ours, forward(pooled_layer(like=layer))), step
     assert len(launched) == 2

@@ -10,29 +10,14 @@ import pytest
 import torch
 
 from actors.engine import lora_cuda, lora_layer_state, lora_stacks
-from actors.engine.adapter_surgery import pool_masters
 from actors.engine.layout import step_layout
-from tests.helpers.lora_bounds import IN, OUT, bf16_values, fused_layer, layout_of
+from tests.helpers.lora_bounds import IN, OUT, bf16_values, layout_of, pooled_layer
 
 
 @pytest.fixture(autouse=True)
 def _grouped_on_this_cpu(monkeypatch):
     monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
     monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
-
-
-def _pooled_layer(like=None):
-    """A three-job layer of rank 8, each job's adapter pooled; `like`: with that layer's masters (a layer of its own,
-    which nothing kept is known for)."""
-    layer = fused_layer(ranks=(8, 8, 8))
-    for adapter in layer.adapters.values():
-        pool_masters([adapter], torch.device("cpu"))
-    if like is not None:
-        with torch.no_grad():
-            for name, adapter in layer.adapters.items():
-                adapter.lora_A.copy_(like.adapters[name].lora_A)
-                adapter.lora_B.copy_(like.adapters[name].lora_B)
-    return layer
 
 
 def _step(layer, x, upstream, layout):
@@ -56,7 +41,7 @@ def _calls(monkeypatch):
 
 
 def test_kept_stacks_follow_the_masters_bit_for_bit(monkeypatch):
-    layer = _pooled_layer()
+    layer = pooled_layer()
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     _step(layer, x, upstream, layout_of())
     counted = _calls(monkeypatch)
@@ -65,7 +50,7 @@ def test_kept_stacks_follow_the_masters_bit_for_bit(monkeypatch):
             for index, adapter in enumerate(layer.adapters.values()):
                 adapter.lora_A.add_(0.25 * (index + 1))
                 adapter.lora_B.mul_(0.5)
-        fresh = _pooled_layer(like=layer)   # another layer: nothing kept for it
+        fresh = pooled_layer(like=layer)   # another layer: nothing kept for it
         ours = _step(layer, x, upstream, layout_of())
         theirs = _step(fresh, x, upstream, layout_of())
         assert torch.equal(ours[0], theirs[0]), step
@@ -79,7 +64,7 @@ def test_kept_stacks_follow_the_masters_bit_for_bit(monkeypatch):
 
 
 def test_another_grouping_is_stacked_afresh_and_replaces_the_kept_one(monkeypatch):
-    layer = _pooled_layer()
+    layer = pooled_layer()
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     _step(layer, x, upstream, layout_of())
     first = lora_stacks.KEPT.entries[id(layer.base)][1]
@@ -87,7 +72,7 @@ def test_another_grouping_is_stacked_afresh_and_replaces_the_kept_one(monkeypatc
     counted = _calls(monkeypatch)
     out, _ = _step(layer, x, upstream, other)
     assert counted["stack"] == 2 and lora_stacks.KEPT.entries[id(layer.base)][1] != first
-    assert torch.equal(out, _step(_pooled_layer(like=layer), x, upstream, other)[0])
+    assert torch.equal(out, _step(pooled_layer(like=layer), x, upstream, other)[0])
     lora_layer_state.forget_masters(layer.base)   # a layer whose adapters leave keeps nothing
     assert id(layer.base) not in lora_stacks.KEPT.entries
 
@@ -95,7 +80,7 @@ def test_another_grouping_is_stacked_afresh_and_replaces_the_kept_one(monkeypatc
 def test_a_layer_that_is_gone_leaves_nothing_kept():
     import gc
 
-    layer = _pooled_layer()
+    layer = pooled_layer()
     _step(layer, bf16_values(1, 57, IN), bf16_values(1, 57, OUT), layout_of())
     ident = id(layer.base)
     assert ident in lora_stacks.KEPT.entries

@@ -31,11 +31,11 @@ import platform
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.autograd.profiler import MEMORY_EVENT_NAME
+from torch._C._profiler import _ExtraFields_Allocation
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,9 @@ def measure_allocations(run: Callable[[], T], device: torch.device) -> tuple[T, 
     return result, peak, live
 
 
-def with_memory_records(run: Callable[[], T]) -> tuple[T, list]:
+def with_memory_records(run: Callable[[], T]) -> tuple[T, Any]:
     """Run `run()` under torch's profiler with memory records on and operation records off: (its result, the
-    profiler's events: one `[memory]` record per CPU allocation and free).
+    profiler's result, whose event tree holds one allocation record per CPU allocation and free).
 
     What `torch.autograd.profiler.profile(profile_memory=True)` does underneath (torch is pinned to 2.13),
     but with the operations' record scopes left out (only user scopes, which the engine does not open): a
@@ -181,7 +181,7 @@ def with_memory_records(run: Callable[[], T]) -> tuple[T, list]:
     try:
         result = run()
     finally:
-        records = _disable_profiler().events()
+        records = _disable_profiler()
     return result, records
 
 
@@ -230,29 +230,51 @@ class MemoryWindow:
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.max_memory_allocated(self.device))
         from torch.autograd import _disable_profiler
-        peak, _ = allocation_peak(_disable_profiler().events())
+        peak, _ = allocation_peak(_disable_profiler())
         return self.live + peak
 
 
-CPU_MEMORY_DEVICES = (torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.MKLDNN,
-                      torch.autograd.DeviceType.IDEEP)
+CPU_MEMORY_DEVICES = ("cpu", "mkldnn", "ideep")   # the device types of CPU allocations
 
 
-def allocation_peak(events: Iterable) -> tuple[int, int]:
-    """(the peak of the running sum of the profiler's CPU memory records in time order, the sum at the end).
+def allocation_peak(result: Any) -> tuple[int, int]:
+    """(the peak of the running sum of a profiler run's CPU allocations and frees in time order, the sum at the
+    end), from `result`, what `_disable_profiler()` returned.
 
-    Straight from the raw records (one per allocation and free, with its bytes and time): not through the
-    profiler's function events, which cost seconds to build for a step of tens of thousands of operations
-    (14 s a step on a 30-layer model, every measured step: the trainer stood idle) and which place each
-    record at the start of the operation it belongs to, so that a free in a parent operation counts before
+    Straight from the raw allocation records (one per allocation and free, with its address, bytes and time):
+    not through the profiler's function events, which cost seconds to build for a step of tens of thousands of
+    operations (14 s a step on a 30-layer model, every measured step: the trainer stood idle) and which place
+    each record at the start of the operation it belongs to, so that a free in a parent operation counts before
     the allocations of its children and the peak comes out low (649 MB instead of 826 MB on a 30-layer
-    model's step, where the loss's log-softmax is freed by the cross-entropy that called it)."""
-    records = sorted((event.start_ns(), event.nbytes()) for event in events
-                     if event.name() == MEMORY_EVENT_NAME and event.device_type() in CPU_MEMORY_DEVICES)
+    model's step, where the loss's log-softmax is freed by the cross-entropy that called it).
+
+    Only what was allocated inside the window counts when freed: torch's CPU allocator remembers the size of
+    every block allocated while any profiler was on, so a block an *earlier* measured window allocated (an
+    optimizer's state, a batch packed ahead, another trainer's garbage collected now) is reported, with its
+    size, when it is freed inside this one. Counted, such frees pulled the running sum below the window's
+    start and the peak came out low by their bytes (a memory probe after other measured steps in the same
+    process: its prediction at least 16% under the step it priced)."""
+    records = []
+    nodes = list(reversed(result.experimental_event_tree()))   # popped in time order (ties too)
+    while nodes:
+        node = nodes.pop()
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation):
+            records.append((node.start_time_ns, fields.ptr, fields.alloc_size, fields.device))
+        elif node.children:   # a user scope's
+            nodes.extend(reversed(node.children))
+    records.sort(key=lambda record: record[0])
+    inside: dict[int, int] = {}   # address -> bytes, of the blocks allocated inside the window and live
     live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
+    for _, address, nbytes, device in records:
+        if device.type not in CPU_MEMORY_DEVICES:
+            continue
+        if nbytes > 0:
+            inside[address] = nbytes
+            live += nbytes
+            peak = max(peak, live)
+        elif inside.pop(address, None) is not None:
+            live += nbytes
     return peak, live
 
 

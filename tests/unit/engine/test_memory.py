@@ -53,3 +53,23 @@ def test_the_cpu_peak_is_the_allocation_timelines_peak():
     targets = torch.randint(0, 4096, (512,))
     _, peak, _ = measure_allocations(lambda: torch.nn.functional.cross_entropy(logits, targets), torch.device("cpu"))
     assert peak >= logits.numel() * logits.element_size(), peak   # the log-probabilities, as large as the logits
+
+
+def test_a_block_an_earlier_measurement_allocated_and_this_one_frees_does_not_lower_its_peak():
+    """torch's CPU allocator remembers the size of every block allocated while a profiler was on, and reports it
+    when the block is freed under a later profiler. Such a free (a measured step's survivors released during the
+    next measurement: a trainer's garbage, a batch packed ahead) is no allocation of this window: the peak and
+    the bytes left are those of the window's own allocations, as sized here."""
+    mib = 1 << 20
+    survivors = []
+    measure_allocations(lambda: survivors.append(torch.empty(16 * mib, dtype=torch.uint8)), torch.device("cpu"))
+
+    def frees_the_survivor_then_allocates() -> torch.Tensor:
+        survivors.clear()
+        scratch = torch.empty(3 * mib, dtype=torch.uint8)
+        kept = torch.empty(2 * mib, dtype=torch.uint8)
+        del scratch
+        return kept
+
+    _, peak, left = measure_allocations(frees_the_survivor_then_allocates, torch.device("cpu"))
+    assert (peak, left) == (5 * mib, 2 * mib)

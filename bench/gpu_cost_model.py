@@ -10,6 +10,7 @@ works, its parameters and how well it does.
     bench/gpu_cost_model.py --set actors.engine.lora_grouped:GROUPING=segments     # rank a change before making it
     bench/gpu_cost_model.py --fusion 1,2,4,8,16,32                          # fusion efficiency, equal tokens
     bench/gpu_cost_model.py --base                                          # the frozen base alone
+    bench/gpu_cost_model.py --peers                                         # the PEFT baselines, aspen's ratios
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
 
 Writes predicted_step_s (the median of the timed steps), predicted_tokens_per_s (over them) and
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(BENCH))
     from gpu_cost import report
     from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, load
+    from gpu_cost.peers import PEERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fusion", nargs="?", const=",".join(map(str, FUSION_ADAPTERS)),
                         help="adapters to predict fusion efficiency for (alone: 1,2,4,8,16,32)")
     parser.add_argument("--base", action="store_true", help="also the frozen base alone")
+    parser.add_argument("--peers", nargs="?", const=",".join(PEERS),
+                        help="also bench/lora_mfu.py's single-job PEFT sides, each in its own process, over the same "
+                             f"sequences and --steps (alone: {','.join(PEERS)}); aspen's ratio to each")
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
     parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")
     parser.add_argument("--calibration-file", type=Path, default=PATH)
@@ -128,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         results["fusion"] = run_checkout({**spec, "mode": "fusion", "adapters": adapters}, "fusion")
     if args.base:
         results["base"] = run_checkout({**spec, "mode": "base"}, "base")
+    if args.peers:
+        unknown = sorted(set(args.peers.split(",")) - set(PEERS))
+        if unknown:
+            parser.error(f"--peers: unknown {', '.join(unknown)} (known: {', '.join(PEERS)})")
+        results["peers"] = {peer: run_checkout({**spec, "mode": "peer", "peer": peer}, peer)
+                            for peer in args.peers.split(",")}
+        results["ratios"] = report.ratios(results)
     print(report.render(results, calibration), flush=True)
     results["parameters"] = report.parameters(args.card, calibration)
     if args.json:

@@ -68,6 +68,7 @@ head -n 600 "$shared/data/gsm8k_train.jsonl" > .gpu/data/gsm8k_train.jsonl   # b
 
 if (( predict )) && [[ -f bench/gpu_cost_model.py ]]; then
     fusion=(); grep -q -- "--fusion" bench/gpu_cost_model.py && fusion=(--fusion)
+    grep -q -- "--peers" bench/gpu_cost_model.py && fusion+=(--peers)
     echo "the cost model's prediction (bench/gpu_cost_model.py, minutes on a CPU) ..."
     PYTHONPATH=$PWD "$python" bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h200 "${fusion[@]}" \
         --json .gpu/prediction.json || echo "no prediction: bench/gpu_cost_model.py failed (the lease runs without)"

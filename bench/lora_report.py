@@ -64,6 +64,19 @@ def beside(label: str, predicted: float | None, measured: float | None, unit: st
             f"{ratio:.2f} ({'within' if within else 'outside'} {GOALS['cost_model_error']:.0%})")
 
 
+def peer_lines(peers: dict, sides: dict) -> list[str]:
+    """The cost model's PEFT sides (`gpu_cost_model.py --peers`) beside the measured (a) and (b) (the better
+    of (b)'s two adapter dtypes on each side)."""
+    lines = []
+    if "peft" in peers:
+        lines.append(beside("(a)'s tokens/s", peers["peft"]["predicted_tokens_per_s"],
+                            sides.get("peft", {}).get("tokens_per_s")))
+    packed = [peers[name]["predicted_tokens_per_s"] for name in ("packed-bf16", "packed-float32") if name in peers]
+    if packed:
+        lines.append(beside("(b)'s tokens/s", max(packed), sides.get("packed", {}).get("tokens_per_s")))
+    return [line for line in lines if line]
+
+
 def profile_lines(profile: dict) -> list[str]:
     busy = profile.get("gpu_busy_of_unprofiled_step")
     lines = [f"  profile ({profile.get('steps')} steps, {profile.get('out')}): GPU busy "
@@ -130,6 +143,7 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
             line = beside(label, predicted.get(key), measured)
             if line:
                 lines.append(line)
+        lines += peer_lines(predicted.get("peers", {}), sides)
     if aspen.get("profile"):
         lines += profile_lines(aspen["profile"])
     return lines

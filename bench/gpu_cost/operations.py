@@ -22,6 +22,10 @@ NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_str
              "is_nonzero"}
 DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "argwhere",
                   "nonzero_static", "repeat_interleave", "bincount", "histc"}
+# factories and fills whose output's values do not depend on their first operand's (a shape, or the target):
+# their values are kept for small device tensors (autograd's seed gradient, `ones_like` of the loss)
+VALUE_FREE = {"full", "full_like", "ones", "ones_like", "zeros", "zeros_like", "fill", "fill_", "zero_",
+              "scalar_tensor", "new_full", "new_ones", "new_zeros"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addbmm", "_scaled_mm", "_scaled_grouped_mm",
            "addmm_", "baddbmm_", "addbmm_"}   # the in-place forms accumulate into their first argument
 ATTENTION = {"_varlen_attn", "_varlen_attn_backward", "_flash_attention_forward", "_flash_attention_backward",

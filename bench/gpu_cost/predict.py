@@ -106,7 +106,8 @@ def _step(timing: StepTiming) -> dict:
 
 
 def run_worker(args: dict) -> dict:
-    """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base), adapters, settings, calibration."""
+    """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base | peer), adapters, peer, steps, settings,
+    calibration."""
     from gpu_cost.workload import (
         FUSION_WARMUP,
         apply_settings,
@@ -142,6 +143,13 @@ def run_worker(args: dict) -> dict:
             timed = range(WARMUP, steps)
             result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False))
+        elif args["mode"] == "peer":   # one of bench/lora_mfu.py's single-job PEFT sides
+            from gpu_cost.peers import record_peer
+
+            recorded, timed, side = record_peer(session, bench, checkout, args["shape"], args["peer"], args["steps"])
+            result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+                                    profiled=None, step_syncs=False))
+            result["side"] = side
         elif args["mode"] == "base":
             recorded = record_base(session, bench, args["shape"])
             result.update(summarise(recorded, args["card"], calibration, profiled=None))

@@ -31,6 +31,7 @@ from gpu_cost.operations import (
     MATMULS,
     NO_KERNEL,
     SCATTERS,
+    VALUE_FREE,
     Op,
     dtype_name,
     gemm_shape,
@@ -141,6 +142,8 @@ class KernelRecorder(TorchDispatchMode, Listener):
         if name == "_local_scalar_dense":
             self.sync("item")
             return self.device.host_copy(args[0]).item()
+        if name == "equal":   # no meta kernel: an elementwise comparison and a reduction, then a host read
+            return self._equal(args[0], args[1])
         if torch.Tag.nondeterministic_seeded in func.tags:
             kwargs = {key: value for key, value in kwargs.items() if key != "generator"}
         try:
@@ -154,6 +157,26 @@ class KernelRecorder(TorchDispatchMode, Listener):
         if self.recording:
             self._append(self._describe(func, name, args, kwargs, inputs, out))
         return out
+
+    def _equal(self, first: torch.Tensor, second: torch.Tensor) -> bool:
+        """`torch.equal` of two device tensors, as CUDA runs it (an `eq` over both, an `all` over that, the
+        answer read on the host): their values compared where both are known; else True (the placeholder for
+        a truth value: Liger's loss asks whether its incoming gradient is exactly 1.0, which it is), named in
+        `unknown_values`."""
+        known = [self.device.value(t) for t in (first, second)]
+        if self.recording:
+            size = float(first.numel() * first.element_size() + second.numel() * second.element_size())
+            self._append(Op("eq", "kernel", launches=1, read=size, written=float(max(first.numel(), 1)),
+                            dtype=dtype_name([first]), node=_node()))
+            self._append(Op("all", "kernel", launches=1, read=float(max(first.numel(), 1)), written=1.0,
+                            dtype="bool", node=_node()))
+        self.sync("equal")
+        if first.shape != second.shape:
+            return False
+        if any(value is None for value in known):
+            self.unknown_values.add("equal")
+            return True
+        return bool(torch.equal(known[0], known[1]))
 
     # -- copies between host and device ---------------------------------------------------------------
     def _across(self, func: Any, name: str, args: tuple, kwargs: dict, inputs: list[torch.Tensor]) -> Any:
@@ -227,16 +250,19 @@ class KernelRecorder(TorchDispatchMode, Listener):
         if not outputs:
             return
         meta_inputs = [t for t in inputs if t.is_meta]
-        if (not meta_inputs or any(device.value(t) is None for t in meta_inputs)
-                or sum(t.numel() for t in inputs + outputs) > VALUE_LIMIT
-                or torch.Tag.nondeterministic_seeded in func.tags):
+        # a factory or fill (ones_like, full, fill_): its first operand gives a shape only, its values do not matter
+        shape_only = name in VALUE_FREE and not any(device.value(t) is None for t in meta_inputs[1:])
+        if (sum(t.numel() for t in inputs + outputs) > VALUE_LIMIT
+                or not shape_only and (not meta_inputs or any(device.value(t) is None for t in meta_inputs)
+                                       or torch.Tag.nondeterministic_seeded in func.tags)):
             for tensor in outputs:
                 device.forget(tensor)
             return
 
         def host(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.is_meta:
-                return device.value(value)
+                known = device.value(value)
+                return known if known is not None else device.host_copy(value)   # VALUE_FREE's shape operand
             return torch.device("cpu") if value == META else value
 
         try:

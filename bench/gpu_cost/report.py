@@ -60,6 +60,8 @@ def render(results: dict, calibration: dict) -> str:
                      f"{base['predicted_tokens_per_s']:,.0f} tokens/s{known}")
         if "median_step" in base:
             lines.append(f"  the median step: {_step_line(base['median_step'])}")
+    if "peers" in results:
+        lines += _peers(results, calibration)
     lines += _parameters_lines(results["card"], calibration)
     unruled = sorted(set(current.get("unruled_operations", [])))
     unknown = sorted(set(current.get("unknown_values", [])))
@@ -115,6 +117,42 @@ def _fusion(results: dict, calibration: dict) -> list[str]:
         known = measured["fusion_efficiency"].get(str(count)) if comparable else None
         extra = f"; measured (70c0645) {known:.3f}" if known is not None else ""
         lines.append(f"  {count:>3} adapters: {rate:,.0f} tokens/s, efficiency {value:.3f}{extra}")
+    return lines
+
+
+PACKED_PEERS = ("packed-bf16", "packed-float32")   # bench/lora_mfu.py's side (b): the faster of the two counts
+
+
+def ratios(results: dict) -> dict:
+    """aspen's predicted tokens/s over each PEFT side's, and over (a) and the best (b) (issue 47's goals: 2x and
+    1.2x on the 8B shape; 1.3x over PEFT on smollm2's)."""
+    aspen = results["current"]["predicted_tokens_per_s"]
+    rates = {peer: side["predicted_tokens_per_s"] for peer, side in results["peers"].items()}
+    out = {f"over_{peer}": aspen / rate for peer, rate in rates.items() if rate}
+    packed = [rates[peer] for peer in PACKED_PEERS if rates.get(peer)]
+    if packed:
+        out["over_best_packed"] = aspen / max(packed)
+    return out
+
+
+def _peers(results: dict, calibration: dict) -> list[str]:
+    measured = calibration["measured"]
+    same = results["shape"] == measured["shape"] and results["card"] == measured["card"]
+    lines = ["The single-job PEFT sides of bench/lora_mfu.py (bench/peft_baselines.py), the jobs one after another "
+             "over the same sequences, each in its own process:"]
+    for peer, side in results["peers"].items():
+        known = measured.get("peft_tokens_per_s") if same and peer == "peft" else None
+        check = (f"; measured (H200, 2026-11-28) {known:,} tokens/s: "
+                 f"{_error(side['predicted_tokens_per_s'], known)}") if known else ""
+        ratio = results["ratios"].get(f"over_{peer}")
+        versus = f"; aspen {ratio:.2f}x" if ratio else ""
+        lines.append(f"  {side['side']['side']}: step {side['predicted_step_s']:.3f} s, "
+                     f"{side['predicted_tokens_per_s']:,.0f} tokens/s, LoRA-MFU {side['predicted_lora_mfu']:.1%}"
+                     f"{check}{versus}")
+        if "median_step" in side:
+            lines.append(f"    the median step: {_step_line(side['median_step'])}")
+    if "over_best_packed" in results["ratios"]:
+        lines.append(f"  aspen over the best (b): {results['ratios']['over_best_packed']:.2f}x")
     return lines
 
 

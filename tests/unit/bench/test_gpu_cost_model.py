@@ -24,7 +24,8 @@ try:
     import gpu_cost_model
     from gpu_cost.calibration import load
     from gpu_cost.card import h200, kernel_time
-    from gpu_cost.operations import Op
+    from gpu_cost.operations import MATMULS, Op
+    from gpu_cost.peers import record_peer
     from gpu_cost.predict import summarise
     from gpu_cost.timeline import Host, simulate
     from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
@@ -184,6 +185,56 @@ def test_the_tiny_shape_is_predicted_end_to_end(session, tmp_path):
                         profiled=None)
     assert summary["predicted_step_s"] > 0 and summary["predicted_tokens_per_s"] > 0
     assert summary["unknown_values"] == []
+
+
+def test_equal_is_a_host_read_answered_from_known_values(session):
+    """torch.equal has no meta kernel (Liger's loss calls it on its incoming gradient): a comparison, a
+    reduction and a host read, answered from the values where the recorder knows them (a host value copied over,
+    a fill), else True and named."""
+    one = torch.tensor(1.0, device=CUDA)
+    seed = torch.ones((), device=CUDA)        # a fill: its value known though no host value was copied
+    two = torch.tensor(2.0, device=CUDA)
+    unknown = torch.empty((), device=CUDA).exp()
+    (same, different, guessed), ops = session.record(
+        lambda: (torch.equal(one, seed), torch.equal(one, two), torch.equal(one, unknown)))
+    assert (same, different, guessed) == (True, False, True)
+    assert [op.name for op in ops if op.sync] == ["equal"] * 3
+    assert len(_kernels(ops, "eq")) == 3 and len(_kernels(ops, "all")) == 3
+    assert "equal" in session.recorder.unknown_values
+
+
+@pytest.mark.parametrize("peer", ["peft", "packed-float32"])
+def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(session, peer):
+    """bench/lora_mfu.py's PEFT sides (the checkout's peft_baselines.run_jobs) on the virtual device: one timed
+    segment per optimizer step, the jobs' sequences in them, and the GEMMs' FLOPs counted by hand per token the
+    step computes: the padded loop's padding included, the packed row's not. Per token: the frozen base's forward
+    and input gradient, 4 FLOPs a matmul parameter (the LM head's too); each LoRA module's forward, input and
+    weight gradients, 6 r (in + out); less the input gradient the first layer's q, k and v never need (their input
+    comes from the frozen embeddings): 2 (their weights) + 2 r (3 x hidden)."""
+    bench = benchmark_module(REPO)
+    steps, shape = 3, bench.SHAPES["tiny"]
+    recorded, timed, side = record_peer(session, bench, REPO, "tiny", peer, steps=steps)
+    vocab, hidden = shape["vocab_size"], shape["hidden_size"]
+    sequences = [s for job in range(bench.JOBS) for batch in bench.job_batches(job, 2 + steps, vocab)[2:]
+                 for s in batch]
+    per_job = -(-steps * bench.SEQUENCES_PER_JOB // bench.PEFT_SEQUENCES_PER_STEP)
+    assert len(timed) == bench.JOBS * per_job
+    assert [len(_kernels(recorded.steps[i], "_fused_adamw_")) for i in timed] == [1] * len(timed)
+    assert sum(recorded.tokens) == sum(len(ids) for ids, _ in sequences) == side["real_tokens"]
+    kv = shape["hidden_size"] // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    layer = {"q": (hidden, hidden), "k": (hidden, kv), "v": (hidden, kv), "o": (hidden, hidden),
+             "gate": (hidden, shape["intermediate_size"]), "up": (hidden, shape["intermediate_size"]),
+             "down": (shape["intermediate_size"], hidden)}
+    layers, r = shape["num_hidden_layers"], bench.LORA["r"]
+    parameters = layers * sum(i * o for i, o in layer.values()) + hidden * vocab
+    assert parameters == recorded.matmul_parameters
+    lora = layers * sum(i + o for i, o in layer.values())
+    first_qkv = sum(i * o for name, (i, o) in layer.items() if name in ("q", "k", "v"))
+    per_token = 4 * parameters + 6 * r * lora - (2 * first_qkv + 2 * r * 3 * hidden)
+    computed = side["padded_tokens"] if peer == "peft" else side["real_tokens"]
+    assert (side["padded_tokens"] > side["real_tokens"]) == (peer == "peft")
+    flops = sum(op.flops for i in timed for op in recorded.steps[i] if op.name in MATMULS)
+    assert flops == per_token * computed
 
 
 def test_the_command_writes_its_figures(tmp_path):

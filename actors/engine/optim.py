@@ -352,14 +352,18 @@ def _adamw_steps(optimizers: list[JobOptimizer], norms: list) -> list[tuple[floa
             functional_adam(params, step_grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
                             fused=True, decoupled_weight_decay=decoupled, amsgrad=False, beta1=beta1,
                             beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-    results = []
-    for optimizer, lr, norm in zip(optimizers, lrs, norms, strict=True):
+    return _advance(optimizers, lrs, norms)
+
+
+def _advance(optimizers: list[JobOptimizer], lrs: list[float], norms: list) -> list[tuple[float, float | torch.Tensor]]:
+    """After the jobs' updates: their gradients dropped, step counts and schedules advanced; (lr used, norm)
+    per job."""
+    for optimizer in optimizers:
         for parameter in optimizer.parameters:
             parameter.grad = None
         optimizer.step_count += 1
         optimizer.set_lr()
-        results.append((lr, norm))
-    return results
+    return list(zip(lrs, norms, strict=True))
 
 
 def _step_together_on_device(optimizers: list[JobOptimizer], targets: list[int],
@@ -410,12 +414,8 @@ def _step_flat(optimizers: list[JobOptimizer], targets: list[int],
             factors[p] = factor
     for flat, factor, divisor in zip(flats, factors, divisors, strict=True):
         flat.update(factor, divisor)
-    for position, (optimizer, lr, norm) in enumerate(zip(optimizers, lrs, norms, strict=True)):
-        for parameter in optimizer.parameters:
-            parameter.grad = None
-        optimizer.step_count += 1
-        optimizer.set_lr()
-        results[indices[position]] = (lr, norm)
+    for index, result in zip(indices, _advance(optimizers, lrs, norms), strict=True):
+        results[index] = result
 
 
 def _step_unpooled_on_device(optimizers: list[JobOptimizer], targets: list[int],

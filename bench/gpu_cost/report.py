@@ -132,7 +132,21 @@ def ratios(results: dict) -> dict:
     packed = [rates[peer] for peer in PACKED_PEERS if rates.get(peer)]
     if packed:
         out["over_best_packed"] = aspen / max(packed)
+    if "peft" in results["peers"]:
+        bound = gpu_bound_tokens_per_s(results["peers"]["peft"])
+        if bound:
+            out["concurrent_bound_tokens_per_s"] = bound
+            out["over_concurrent_at_least"] = aspen / bound
     return out
+
+
+def gpu_bound_tokens_per_s(side: dict) -> float | None:
+    """(c)'s ceiling: 4 PEFT processes on one card take turns on it (time slices; their kernels never run at
+    once), so together they train at most (a)'s timed tokens over (a)'s GPU time alone, its host's gaps gone
+    (each runs (a)'s loop with 8 sequences a step or fewer: no more work a token than (a)'s)."""
+    timed = side.get("timed_steps", [])
+    seconds = sum(side["steps"][i]["gpu_seconds"] for i in timed)
+    return sum(side["tokens"][i] for i in timed) / seconds if seconds else None
 
 
 def _peers(results: dict, calibration: dict) -> list[str]:
@@ -153,6 +167,10 @@ def _peers(results: dict, calibration: dict) -> list[str]:
             lines.append(f"    the median step: {_step_line(side['median_step'])}")
     if "over_best_packed" in results["ratios"]:
         lines.append(f"  aspen over the best (b): {results['ratios']['over_best_packed']:.2f}x")
+    if "concurrent_bound_tokens_per_s" in results["ratios"]:
+        lines.append(f"  (c), 4 PEFT processes sharing the card, not modelled; at most (a)'s tokens over its GPU time: "
+                     f"{results['ratios']['concurrent_bound_tokens_per_s']:,.0f} tokens/s, so aspen at least "
+                     f"{results['ratios']['over_concurrent_at_least']:.2f}x")
     return lines
 
 

@@ -27,6 +27,7 @@ try:
     from gpu_cost.operations import MATMULS, Op
     from gpu_cost.peers import record_peer
     from gpu_cost.predict import summarise
+    from gpu_cost.report import ratios
     from gpu_cost.timeline import Host, simulate
     from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
 finally:
@@ -235,6 +236,23 @@ def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(s
     assert (side["padded_tokens"] > side["real_tokens"]) == (peer == "peft")
     flops = sum(op.flops for i in timed for op in recorded.steps[i] if op.name in MATMULS)
     assert flops == per_token * computed
+
+
+def test_aspen_s_ratios_to_the_peft_sides_and_the_ceiling_of_processes_taking_turns_on_one_card():
+    """(b) counts its faster adapter dtype; (c)'s ceiling is (a)'s timed tokens over its GPU time alone (the
+    untimed set-up segment and the host's share of a step left out)."""
+    def side(rate: float, gpu: list[float] | None = None, tokens: list[int] | None = None) -> dict:
+        return {"predicted_tokens_per_s": rate, "timed_steps": [1, 2],
+                "steps": [{"gpu_seconds": s} for s in (gpu or [0.0, 0.0, 0.0])], "tokens": tokens or [0, 0, 0]}
+
+    results = {"current": {"predicted_tokens_per_s": 6000.0},
+               "peers": {"peft": side(2000.0, gpu=[9.0, 0.25, 0.15], tokens=[0, 300, 500]),
+                         "packed-bf16": side(4000.0), "packed-float32": side(3000.0)}}
+    out = ratios(results)
+    assert out["over_peft"] == pytest.approx(3.0)
+    assert out["over_best_packed"] == pytest.approx(1.5)
+    assert out["concurrent_bound_tokens_per_s"] == pytest.approx(800 / 0.4)
+    assert out["over_concurrent_at_least"] == pytest.approx(6000 / 2000)
 
 
 def test_the_command_writes_its_figures(tmp_path):

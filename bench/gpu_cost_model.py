@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
             "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
             "calibration": str(args.calibration_file.resolve())}
-    results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card}
+    results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps}
     current = run_checkout(spec, "checkout")
     results["current"] = current
     for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):

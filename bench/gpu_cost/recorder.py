@@ -96,10 +96,14 @@ class KernelRecorder(TorchDispatchMode, Listener):
                ) -> None:
         """A Triton kernel: one launch moving its tensor arguments' bytes (each read or written once: the
         memory-bound kernels Liger fuses; those it names as updated in place, `rewritten`, twice), or the bytes it
-        says it moves (`traffic`), at vectorised bandwidth; their values unknown from then on."""
+        says it moves (`traffic`), at vectorised bandwidth; their values unknown from then on. A kernel given an
+        int64 tensor (a table of addresses: actors/engine/lora_stacks.py's, lora_grad_kernel.py's) may have written
+        any floating tensor: every floating value kept is forgotten."""
         operands = tensors((args, kwargs))
         for tensor in operands:
             self.device.forget(tensor)
+        if any(tensor.dtype == torch.int64 for tensor in operands):
+            self.device.forget_floating()
         if self.recording:
             self._append(Op(f"triton:{name}", "kernel", launches=1, dtype=dtype_name(operands), node=_node(),
                             read=traffic if traffic is not None else float(

@@ -154,10 +154,15 @@ def _peers(results: dict, calibration: dict) -> list[str]:
     same = results["shape"] == measured["shape"] and results["card"] == measured["card"]
     lines = ["The single-job PEFT sides of bench/lora_mfu.py (bench/peft_baselines.py), the jobs one after another "
              "over the same sequences, each in its own process:"]
+    steps = measured.get("peft_timed_steps")
     for peer, side in results["peers"].items():
         known = measured.get("peft_tokens_per_s") if same and peer == "peft" else None
-        check = (f"; measured (H200, 2026-11-28) {known:,} tokens/s: "
-                 f"{_error(side['predicted_tokens_per_s'], known)}") if known else ""
+        check = ""
+        if known and results.get("steps") == steps:
+            check = (f"; measured (H200, 2026-11-28, {steps} timed steps) {known:,} tokens/s: "
+                     f"{_error(side['predicted_tokens_per_s'], known)}")
+        elif known:
+            check = f"; measured over {steps} timed steps (--steps {steps} compares): {known:,} tokens/s"
         ratio = results["ratios"].get(f"over_{peer}")
         versus = f"; aspen {ratio:.2f}x" if ratio else ""
         lines.append(f"  {side['side']['side']}: step {side['predicted_step_s']:.3f} s, "

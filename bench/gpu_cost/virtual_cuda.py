@@ -283,6 +283,12 @@ class VirtualCuda:
     def forget(self, tensor: torch.Tensor) -> None:
         self.values.pop(tensor, None)
 
+    def forget_floating(self) -> None:
+        """Forget every floating-point value kept (a kernel that writes through a table of addresses may have
+        written any of them); index and count values stay."""
+        for tensor in [t for t, value in self.values.items() if value.is_floating_point()]:
+            self.values.pop(tensor, None)
+
     def mark_pinned(self, tensor: torch.Tensor) -> None:
         if not tensor.is_meta:
             storage = tensor.untyped_storage()

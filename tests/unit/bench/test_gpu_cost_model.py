@@ -105,6 +105,23 @@ def test_a_triton_kernel_s_in_place_tensors_are_read_and_written(session):
     assert kernel.read + kernel.written == n * (4 * 4 * 2 + 2) + 4
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_engine_s_kernel_checks_pass_on_the_virtual_device(session):
+    """Each Triton kernel's once-a-device self-check (actors/engine/triton_support.KernelCheck) agrees on the
+    virtual device, so that the model times the kernels and not their torch fallbacks. The stacks' copy writes
+    through a table of addresses: the values the recorder keeps of the bytes it may have written (zeros of a fill)
+    must be forgotten, not compared as if unwritten."""
+    from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks
+
+    for module in (flat_adamw, lora_grad_kernel, lora_stacks):
+        assert module._agrees(CUDA), module.__name__
+    kept = torch.zeros(4, device=CUDA)
+    assert session.device.value(kept) is not None           # a fill's value is known...
+    table = torch.tensor([[kept.data_ptr(), kept.data_ptr(), 4]], dtype=torch.int64).to(CUDA)
+    session.record(lambda: lora_stacks._copy_slots_kernel[(1, 1)](table, BLOCK_SIZE=lora_stacks.BLOCK))
+    assert session.device.value(kept) is None               # ...until a kernel with an address table ran
+
+
 def test_host_reads_and_blocking_copies_are_syncs_a_pinned_non_blocking_copy_is_not(session):
     def run():
         blocking = torch.arange(4).to(CUDA)                                     # pageable, blocking

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,8 +26,7 @@ try:
     import gpu_cost_model
     from gpu_cost.calibration import load
     from gpu_cost.card import h200, kernel_time
-    from gpu_cost.operations import MATMULS, Op
-    from gpu_cost.peers import record_peer
+    from gpu_cost.operations import Op
     from gpu_cost.predict import summarise
     from gpu_cost.report import ratios
     from gpu_cost.timeline import Host, simulate
@@ -221,8 +222,28 @@ def test_equal_is_a_host_read_answered_from_known_values(session):
     assert "equal" in session.recorder.unknown_values
 
 
+# run in a process of its own: side (b) applies Liger's kernels, which patch transformers' Llama classes for the
+# whole process (every later test's tiny Llama would take Triton kernels on the CPU); as gpu_cost_model.py runs it
+PEER_SCRIPT = """
+import json, sys
+from pathlib import Path
+from gpu_cost.operations import MATMULS
+from gpu_cost.peers import record_peer
+from gpu_cost.workload import Session, benchmark_module, preimport
+preimport()
+repo = Path(sys.argv[1])
+bench = benchmark_module(repo)
+with Session("NVIDIA H200") as session:
+    recorded, timed, side = record_peer(session, bench, repo, "tiny", sys.argv[2], steps=int(sys.argv[3]))
+print("RESULT " + json.dumps({
+    "timed": len(timed), "tokens": sum(recorded.tokens), "matmul_parameters": recorded.matmul_parameters,
+    "adamw": [sum(op.name == "_fused_adamw_" for op in recorded.steps[i]) for i in timed],
+    "flops": sum(op.flops for i in timed for op in recorded.steps[i] if op.name in MATMULS), **side}))
+"""
+
+
 @pytest.mark.parametrize("peer", ["peft", "packed-float32"])
-def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(session, peer):
+def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(peer):
     """bench/lora_mfu.py's PEFT sides (the checkout's peft_baselines.run_jobs) on the virtual device: one timed
     segment per optimizer step, the jobs' sequences in them, and the GEMMs' FLOPs counted by hand per token the
     step computes: the padded loop's padding included, the packed row's not. Per token: the frozen base's forward
@@ -231,28 +252,32 @@ def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(s
     comes from the frozen embeddings): 2 (their weights) + 2 r (3 x hidden)."""
     bench = benchmark_module(REPO)
     steps, shape = 3, bench.SHAPES["tiny"]
-    recorded, timed, side = record_peer(session, bench, REPO, "tiny", peer, steps=steps)
+    out = subprocess.run([sys.executable, "-c", PEER_SCRIPT, str(REPO), peer, str(steps)], capture_output=True,
+                         text=True, cwd=BENCH, env={**os.environ, "PYTHONPATH": f"{BENCH}:{REPO}"},
+                         check=False, timeout=600)
+    line = next((line for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    side = json.loads(line[len("RESULT "):])
     vocab, hidden = shape["vocab_size"], shape["hidden_size"]
     sequences = [s for job in range(bench.JOBS) for batch in bench.job_batches(job, 2 + steps, vocab)[2:]
                  for s in batch]
     per_job = -(-steps * bench.SEQUENCES_PER_JOB // bench.PEFT_SEQUENCES_PER_STEP)
-    assert len(timed) == bench.JOBS * per_job
-    assert [len(_kernels(recorded.steps[i], "_fused_adamw_")) for i in timed] == [1] * len(timed)
-    assert sum(recorded.tokens) == sum(len(ids) for ids, _ in sequences) == side["real_tokens"]
+    assert side["timed"] == bench.JOBS * per_job
+    assert side["adamw"] == [1] * side["timed"]
+    assert side["tokens"] == sum(len(ids) for ids, _ in sequences) == side["real_tokens"]
     kv = shape["hidden_size"] // shape["num_attention_heads"] * shape["num_key_value_heads"]
     layer = {"q": (hidden, hidden), "k": (hidden, kv), "v": (hidden, kv), "o": (hidden, hidden),
              "gate": (hidden, shape["intermediate_size"]), "up": (hidden, shape["intermediate_size"]),
              "down": (shape["intermediate_size"], hidden)}
     layers, r = shape["num_hidden_layers"], bench.LORA["r"]
     parameters = layers * sum(i * o for i, o in layer.values()) + hidden * vocab
-    assert parameters == recorded.matmul_parameters
+    assert parameters == side["matmul_parameters"]
     lora = layers * sum(i + o for i, o in layer.values())
     first_qkv = sum(i * o for name, (i, o) in layer.items() if name in ("q", "k", "v"))
     per_token = 4 * parameters + 6 * r * lora - (2 * first_qkv + 2 * r * 3 * hidden)
     computed = side["padded_tokens"] if peer == "peft" else side["real_tokens"]
     assert (side["padded_tokens"] > side["real_tokens"]) == (peer == "peft")
-    flops = sum(op.flops for i in timed for op in recorded.steps[i] if op.name in MATMULS)
-    assert flops == per_token * computed
+    assert side["flops"] == per_token * computed
 
 
 def test_aspen_s_ratios_to_the_peft_sides_and_the_ceiling_of_processes_taking_turns_on_one_card():

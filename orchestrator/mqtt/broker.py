@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,27 @@ def embedded_broker_config(password_file: Path, credentials: BrokerCredentials, 
                                                        **users}}}
 
 
+class _Subscriptions(dict):
+    """amqtt's subscription table (topic filter -> [(session, qos)]), walked over a copy. The broker awaits
+    while it walks it (every delivery asks the topic ACL, which reads the users file in a thread; retained
+    messages are sent to a returning session): a client subscribing or leaving meanwhile changed the table
+    under the walk, which raised, and that message reached none of the subscribers still to come."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(super().__iter__()))
+
+    def items(self) -> list[tuple[str, list[tuple[Session, int]]]]:  # type: ignore[override]
+        return [(topic, list(subscriptions)) for topic, subscriptions in super().items()]
+
+
+class SubscriptionSafeBroker(Broker):
+    """amqtt 0.12's Broker with its subscription table walked over a copy (`_Subscriptions`)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self._subscriptions = _Subscriptions(self._subscriptions)
+
+
 class EmbeddedBroker:
     """amqtt's broker behind a listening socket of our own on 127.0.0.1, handed each connection through
     amqtt's public `external_connected` (its way to embed the broker in a server of one's own): we bind, so
@@ -233,7 +255,7 @@ class EmbeddedBroker:
     async def start(self, config: dict[str, Any]) -> None:
         """Start the broker with `config` (`embedded_broker_config`), then accept connections."""
         assert self.server is not None
-        self.broker = Broker(config)
+        self.broker = SubscriptionSafeBroker(config)
         await self.broker.start()
         try:
             await self.server.start_serving()

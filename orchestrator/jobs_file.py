@@ -254,7 +254,7 @@ def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:
     about to train). Reads the base model's tokenizer (not its weights)."""
     from actors.data.row_check import check_job_rows
     from actors.data.rows import DataError
-    from actors.engine.models import load_base_tokenizer
+    from actors.storage.sources import load_base_tokenizer
 
     jobs = [job for job in spec.jobs if names is None or job.name in names]
     if not jobs:

@@ -119,3 +119,10 @@ def test_a_quantized_base_loads_within_its_quantized_size_plus_one_layer_of_gpu_
 
     old_peak, _ = peak(old_way)
     assert old_peak > bound, (old_peak, bound)
+
+
+def test_the_cuda_count_without_torch_is_torchs_where_there_is_a_gpu():
+    """`aspen run --device auto`'s GPU check without torch (the CUDA driver's count) where it counts devices."""
+    from tests.unit.service.test_light_imports import test_the_cuda_count_without_torch_is_torchs
+
+    test_the_cuda_count_without_torch_is_torchs()

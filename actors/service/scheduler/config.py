@@ -294,9 +294,9 @@ def run_service_config(spec: RunSpec, *, state_dir: Path | None = None, **fields
     output_dir = run_local_dir(spec)
     trainer_fields = dict(fields.pop("trainer", {}))
     if spec.device == "auto":
-        import torch
+        from actors.service.scheduler.cuda_devices import cuda_device_count
 
-        gpus = 1 if torch.cuda.is_available() else 0
+        gpus = 1 if cuda_device_count() else 0
     else:
         gpus = 1 if spec.device.startswith("cuda") else 0
     trainer = TrainerConfig(**{"base_model": spec.base_model, "quantization": spec.quantization, "dtype": spec.dtype,

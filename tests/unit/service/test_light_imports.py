@@ -40,3 +40,40 @@ def test_the_check_sees_a_heavy_import_where_there_is_one():
     """The same check on the trainer's set-up, which does import torch: the test above can fail."""
     loaded = imported_after(["actors.service.trainer.trainer_setup"])
     assert "torch" in loaded and "transformers" in loaded
+
+
+def test_aspen_runs_driver_checks_rows_and_plans_its_trainer_without_torch(tmp_path, tiny_model_dirs):
+    """What `aspen run` does before its cluster starts, in a fresh interpreter: the jobs file read, every data
+    row tokenized (with the base's tokenizer alone: through actors.engine.models it imported torch and the
+    model code, 5 s of CPU a run), the trainer planned with `device: auto` (torch asked for CUDA before)."""
+    from tests.faults.test_run_again import write_run
+
+    write_run(tmp_path, tiny_model_dirs["llama"])
+    code = ("import json, sys\nfrom orchestrator.jobs_file import check_data_rows, load_run_spec\n"
+            "from actors.service.scheduler.config import run_service_config\n"
+            f"spec = load_run_spec({str(tmp_path / 'jobs.yaml')!r})\n"
+            "assert spec.device == 'auto', spec.device\n"
+            "check_data_rows(spec)\nconfig = run_service_config(spec)\n"
+            "print(json.dumps([config.trainers[0].num_gpus, sorted(sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    num_gpus, loaded = json.loads(out.stdout)
+    assert "torch" not in loaded and "actors.engine.models" not in loaded
+    import torch
+
+    assert num_gpus == min(1, torch.cuda.device_count())   # what torch would have said
+
+
+def test_the_cuda_count_without_torch_is_torchs():
+    """`cuda_device_count` (the CUDA driver, and whether torch was built with CUDA) against torch's own count,
+    in fresh processes: as the machine is, and with every device hidden (CUDA_VISIBLE_DEVICES empty)."""
+    import os
+
+    code = ("import json\nfrom actors.service.scheduler.cuda_devices import cuda_device_count\n"
+            "mine = cuda_device_count()\nimport torch\nprint(json.dumps([mine, torch.cuda.device_count()]))")
+    for hidden in (False, True):
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if hidden else {})}
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env=env, check=True)
+        mine, torchs = json.loads(out.stdout)
+        assert mine == torchs, (hidden, mine, torchs)

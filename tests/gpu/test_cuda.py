@@ -123,6 +123,6 @@ def test_a_quantized_base_loads_within_its_quantized_size_plus_one_layer_of_gpu_
 
 def test_the_cuda_count_without_torch_is_torchs_where_there_is_a_gpu():
     """`aspen run --device auto`'s GPU check without torch (the CUDA driver's count) where it counts devices."""
-    from tests.unit.service.test_light_imports import test_the_cuda_count_without_torch_is_torchs
+    from tests.helpers.cuda_count import assert_cuda_count_is_torchs
 
-    test_the_cuda_count_without_torch_is_torchs()
+    assert_cuda_count_is_torchs()

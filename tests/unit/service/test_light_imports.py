@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.cuda_count import assert_cuda_count_is_torchs
+from tests.helpers.service import job_dict, write_task_data
+
 REPO = Path(__file__).resolve().parents[3]
 
 # what the driver and the scheduler's process import: the scheduler actor with the classes it creates, its
@@ -46,9 +49,10 @@ def test_aspen_runs_driver_checks_rows_and_plans_its_trainer_without_torch(tmp_p
     """What `aspen run` does before its cluster starts, in a fresh interpreter: the jobs file read, every data
     row tokenized (with the base's tokenizer alone: through actors.engine.models it imported torch and the
     model code, 5 s of CPU a run), the trainer planned with `device: auto` (torch asked for CUDA before)."""
-    from tests.faults.test_run_again import write_run
-
-    write_run(tmp_path, tiny_model_dirs["llama"])
+    write_task_data(tmp_path / "data", "first")
+    job = job_dict("first", tmp_path / "data" / "first.jsonl", steps=4)
+    (tmp_path / "jobs.yaml").write_text(json.dumps({"base_model": str(tiny_model_dirs["llama"]), "output_dir": "out",
+                                                    "jobs": [job]}))
     code = ("import json, sys\nfrom orchestrator.jobs_file import check_data_rows, load_run_spec\n"
             "from actors.service.scheduler.config import run_service_config\n"
             f"spec = load_run_spec({str(tmp_path / 'jobs.yaml')!r})\n"
@@ -65,15 +69,4 @@ def test_aspen_runs_driver_checks_rows_and_plans_its_trainer_without_torch(tmp_p
 
 
 def test_the_cuda_count_without_torch_is_torchs():
-    """`cuda_device_count` (the CUDA driver, and whether torch was built with CUDA) against torch's own count,
-    in fresh processes: as the machine is, and with every device hidden (CUDA_VISIBLE_DEVICES empty)."""
-    import os
-
-    code = ("import json\nfrom actors.service.scheduler.cuda_devices import cuda_device_count\n"
-            "mine = cuda_device_count()\nimport torch\nprint(json.dumps([mine, torch.cuda.device_count()]))")
-    for hidden in (False, True):
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if hidden else {})}
-        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                             env=env, check=True)
-        mine, torchs = json.loads(out.stdout)
-        assert mine == torchs, (hidden, mine, torchs)
+    assert_cuda_count_is_torchs()

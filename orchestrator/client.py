@@ -104,7 +104,14 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
+        except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
+            cause = str(error.__cause__ or "").split(". ")[0]
+            raise ServiceError(f"{error}{f' ({cause})' if cause else ''}; if it is your service's cluster and "
+                               "uses token authentication, this process needs its token (~/.ray/auth_token or "
+                               "RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token; else name yours with --address or "
+                               "RAY_ADDRESS") from None
         return
     init_kwargs.setdefault("include_dashboard", False)
     # Ray starts worker processes at nice 15; a trainer's OpenMP threads then lose every contest with

@@ -246,12 +246,12 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
         try:
             service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
                 "RAY_ADDRESS", "auto")))
-        except ServiceError:   # its service ended: the sweep's own folder has its leaderboard
+        except ServiceError as error:   # its service ended: the sweep's own folder has its leaderboard
             run = None if named_cluster(args) else RecentRuns().find_sweep(name)
             if run is None:
                 raise
-            print(f"aspen: no aspen service is running; sweep {name}'s leaderboard "
-                  f"in {run.output_dir} as it ended", file=sys.stderr)
+            print(f"aspen: no aspen service is running ({str(error).split(';')[0]}); sweep {name}'s "
+                  f"leaderboard in {run.output_dir} as it ended", file=sys.stderr)
             status = {"name": name, "state": "ended", **read_results(Path(run.output_dir))}
         else:
             status = service.sweep_status(name)

@@ -111,6 +111,13 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
     named = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
                            capture_output=True, text=True, cwd=tmp_path / "data", env=unnamed)
     assert named.returncode == 0 and json.loads(named.stdout)["trials"] == status["trials"], named
+    # the cluster found here is another's, which refuses this process (on CI another test's cluster, with a token of
+    # its own): still the folder, not Ray's connection error
+    refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
+                             capture_output=True, text=True, cwd=tmp_path / "data",
+                             env={**unnamed, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+    assert refused.returncode == 0 and json.loads(refused.stdout)["trials"] == status["trials"], refused
+    assert "no aspen service is running (Failed to connect" in refused.stderr, refused.stderr
     assert "no aspen service is running" in named.stderr and str(tmp_path / "out") in named.stderr
     best = next(job for job in spec.trial_jobs() if job.name == status["best"])
     alone = run_spec(base, tmp_path / "alone", [best.model_dump(mode="json", exclude_unset=True)], step_tokens=1024)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -121,8 +122,11 @@ def serve(args: argparse.Namespace) -> None:
     info = {"url": f"http://127.0.0.1:{sock.getsockname()[1]}", "linear_parameters": linear_parameters(base.model),
             "dtype": str(next(base.model.parameters()).dtype), "threads": torch.get_num_threads()}
     print("READY " + json.dumps(info), flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)).run(sockets=[sock])
-    backend.close()
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)).run(sockets=[sock])
+    finally:
+        backend.close()
+        shutil.rmtree(weights, ignore_errors=True)
 
 
 # -- lone ---------------------------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ def lone(args: argparse.Namespace) -> None:
     base = load_base_model(canonical_base_model(args.base))
     print("READY", flush=True)
     sys.stdin.readline()
-    out_dir = Path(tempfile.mkdtemp(prefix="tinker-bench-lone-"))
+    out_dir = Path(tempfile.mkdtemp(prefix="tinker-bench-lone-"))   # removed when the job has ended
     job = {"name": "lone", "data": args.rows, "format": json.loads(Path(args.format_file).read_text()),
            "batch_size": args.batch, "lr": 1e-4, "lr_schedule": "constant", "max_steps": args.steps,
            "max_seq_len": args.max_seq_len, "max_grad_norm": None, "checkpoint_every": 10**6,
@@ -153,7 +157,10 @@ def lone(args: argparse.Namespace) -> None:
         steps.append({"end": time.perf_counter() - started, "tokens": report.tokens - report.padding_tokens,
                       "sequences": len(report.sequence_lengths), "seconds": report.seconds})
 
-    (summary,) = train_locally(spec, base=base, progress=False, on_step=on_step)
+    try:
+        (summary,) = train_locally(spec, base=base, progress=False, on_step=on_step)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     if summary.state != "completed":
         raise SystemExit(f"the lone job ended {summary.state}: {summary.reason}")
     Path(args.out).write_text(json.dumps({"steps": steps, "threads": torch.get_num_threads(),

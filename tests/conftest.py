@@ -3,9 +3,12 @@ Llama, Qwen2 and Mistral models built from configs, saved as Hugging Face folder
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import signal
+import tempfile
 
 # OpenMP threads that wait at a barrier sleep instead of spinning, in this process and every process a test
 # starts (Ray's workers, `aspen run`, trainers): set before torch is imported. The tests run several
@@ -14,9 +17,12 @@ import signal
 # measured on 2 cores, a torch test next to a busy 2-thread torch process took 109 s spinning, 31 s
 # passive, 27 s alone. Where a user (or CI) sets it, that setting stands.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# the runs `aspen run` remembers (orchestrator/recent_runs.py): the test session's own list, not the user's
-os.environ.setdefault("ASPEN_RECENT_RUNS", os.path.join(__import__("tempfile").mkdtemp(prefix="aspen-runs-"),
-                                                        "runs.json"))
+# the runs `aspen run` remembers (orchestrator/recent_runs.py): the test session's own list, not the user's,
+# in a folder that the process which made it removes at exit (xdist's workers inherit the main process's)
+if "ASPEN_RECENT_RUNS" not in os.environ:
+    _RECENT_RUNS = tempfile.mkdtemp(prefix="aspen-runs-")
+    os.environ["ASPEN_RECENT_RUNS"] = os.path.join(_RECENT_RUNS, "runs.json")
+    atexit.register(shutil.rmtree, _RECENT_RUNS, ignore_errors=True)
 from pathlib import Path
 
 import pytest

@@ -14,17 +14,20 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME
+from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.library_notices import peft_calls
 from actors.storage.base_identity import ALIAS_HUB_IDS, METADATA_NAME, hub_id_of_folder, read_metadata
 from actors.storage.durable import fsync_tree, replace_durably, staging_folder
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import DEFAULT_BASE_MODEL, ModelSource, resolve_source, smollm2_folder
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported only where a model is merged: `aspen http` and `aspen export` (a PEFT folder) start without it
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ExportError(ValueError):
@@ -116,6 +119,7 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
                                                                                               ModelSource]:
     """The base with the adapter merged into its weights (a transformers model, on the CPU), and where the
     base came from. `dtype`: auto (the base's own: its config's dtype, float32 for a GGUF file) or a name."""
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -124,7 +128,7 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
         raise ExportError(f"dtype '{dtype}' is not one of auto, {', '.join(DTYPES)}")
     read_from = converted_source(source)   # a GGUF file: its converted folder (actors/storage/gguf_cache.py)
     kwargs = {"gguf_file": read_from.gguf_file} if read_from.gguf_file else {}
-    torch_dtype = DTYPES.get(dtype, torch.float32 if source.gguf_file else "auto")
+    torch_dtype = (getattr(torch, dtype) if dtype != "auto" else torch.float32 if source.gguf_file else "auto")
     try:
         model = AutoModelForCausalLM.from_pretrained(read_from.path, dtype=torch_dtype,
                                                      local_files_only=read_from.local_files_only, **kwargs)

@@ -39,6 +39,14 @@ def test_the_driver_and_the_scheduler_import_neither_torch_nor_transformers():
     assert not [name for name in HEAVY if name in loaded], [name for name in HEAVY if name in loaded]
 
 
+def test_the_http_server_and_aspen_export_start_without_torch():
+    """`aspen http` and `aspen export` (a PEFT folder) import torch only to merge a model: the HTTP server's
+    job routes imported the exporter, and with it torch (2 s of CPU, ~300 MB), at start."""
+    loaded = imported_after(["orchestrator.http.api", "orchestrator.export", "orchestrator.cli.export_commands"])
+    assert "orchestrator.http.jobs" in loaded and "actors.checkpoint.adapter_export" in loaded
+    assert "torch" not in loaded and "peft" not in loaded
+
+
 def test_the_check_sees_a_heavy_import_where_there_is_one():
     """The same check on the trainer's set-up, which does import torch: the test above can fail."""
     loaded = imported_after(["actors.service.trainer.trainer_setup"])

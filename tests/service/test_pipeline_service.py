@@ -175,6 +175,49 @@ def test_stages_that_cannot_start_again_leave_the_trainer_to_try_at_the_next_job
     assert_same_outputs(outputs(tmp_path / "out/again"), outputs(tmp_path / "uninterrupted/again"), "again")
 
 
+def test_a_stage_lost_as_a_finished_job_leaves_costs_no_job_its_end(tmp_path, tiny_model_dirs):
+    """Stage 1 dies just after a finished job's adapter and checkpoint were written, before the job is taken off
+    the stages (so the loss is found there first): the job's end is still reported (completed, its adapter as
+    one device's), and the job running beside it is given back and ends as one device's run. Before, that job's
+    end was never reported: the scheduler kept it "running" on the trainer for ever (CI's timeouts of
+    test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device, 2026-11-29)."""
+    import multiprocessing
+    import os
+    import signal
+
+    model = str(tiny_model_dirs["llama"])
+    jobs = [job_dict("short", write_task_data(tmp_path / "data", "short"), 2, checkpoint_every=1),
+            job_dict("long", write_task_data(tmp_path / "data", "long", offset=3), 6, checkpoint_every=2)]
+    submissions = run_spec(model, tmp_path / "out", jobs).submissions()
+    loop = loop_for("pipeline", tmp_path, model, "trainer-leaving")
+    remove_job, killed = loop.trainer.remove_job, []
+
+    def stage_dies_first(name: str):
+        if name == "short" and not killed:
+            (stage,) = [p for p in multiprocessing.active_children() if p.name == "aspen-stage-1"]
+            os.kill(stage.pid, signal.SIGKILL)
+            stage.join(10)
+            killed.append(stage.pid)
+        return remove_job(name)
+
+    loop.trainer.remove_job = stage_dies_first
+    try:
+        loop.assign([assignment_for(s, s.job.name, loop.base.tokenizer) for s in submissions])
+        events = run_until_idle(loop)
+        assert killed, "the stage was not killed: the test tested nothing"
+        ends = {(e.job_id, e.kind) for e in events if e.kind in ("completed", "paused", "failed")}
+        assert ends == {("short", "completed"), ("long", "paused")}, events
+        loop.assign([assignment_for(submissions[1], "long", loop.base.tokenizer)])
+        events = run_until_idle(loop)
+    finally:
+        loop.close()
+    assert ("long", "completed") in {(e.job_id, e.kind) for e in events}, events
+    uninterrupted = run_spec(model, tmp_path / "uninterrupted", jobs)
+    train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    for name in ("short", "long"):
+        assert_same_outputs(outputs(tmp_path / "out" / name), outputs(tmp_path / "uninterrupted" / name), name)
+
+
 def test_jobs_assigned_together_when_a_stage_is_found_lost_all_start_on_the_new_stages(tmp_path, tiny_model_dirs):
     """Stage 1 dies while no job runs; two jobs then arrive in one assignment. The first one's start finds the
     stage lost (it is given back, to be retried); the second is not dropped with the rest of the command (it

@@ -86,14 +86,26 @@ class JobEnds:
         finally:
             del self.active[job_id]
             active.files.close()
-            self.engine.remove_job(job.name)
+            found_lost = self._off_the_engine(job.name)
         if lost is not None:
             active.report_end(self.events, kind, data)
             raise lost
         if active.mirror is not None and kind != "failed":   # reported when its results are uploaded
             self.outputs.leave(active, kind, data)
-            return
-        active.report_end(self.events, kind, data)
+        else:
+            active.report_end(self.events, kind, data)
+        if found_lost is not None:   # this job's end stands (its results were written); the others go back
+            raise found_lost
+
+    def _off_the_engine(self, name: str) -> StageLost | None:
+        """The job taken off the step engine; a pipeline stage found lost only here is returned, not raised:
+        raised from `finish`'s `finally`, it skipped the job's end, which the scheduler then never heard of (the
+        job stayed "running" on this trainer for ever)."""
+        try:
+            self.engine.remove_job(name)
+        except StageLost as error:
+            return error
+        return None
 
     def give_back_all(self, error: StageLost) -> None:
         """A pipeline's stage was lost: every job here goes back to the scheduler (paused, to be started again

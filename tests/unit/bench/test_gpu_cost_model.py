@@ -233,17 +233,32 @@ from gpu_cost.workload import Session, benchmark_module, preimport
 preimport()
 repo = Path(sys.argv[1])
 bench = benchmark_module(repo)
-with Session("NVIDIA H200") as session:
-    recorded, timed, side = record_peer(session, bench, repo, "tiny", sys.argv[2], steps=int(sys.argv[3]))
-print("RESULT " + json.dumps({
-    "timed": len(timed), "tokens": sum(recorded.tokens), "matmul_parameters": recorded.matmul_parameters,
-    "adamw": [sum(op.name == "_fused_adamw_" for op in recorded.steps[i]) for i in timed],
-    "flops": sum(op.flops for i in timed for op in recorded.steps[i] if op.name in MATMULS), **side}))
+for peer in sys.argv[2].split(","):
+    with Session("NVIDIA H200") as session:
+        recorded, timed, side = record_peer(session, bench, repo, "tiny", peer, steps=int(sys.argv[3]))
+    print("RESULT " + json.dumps({
+        "peer": peer, "timed": len(timed), "tokens": sum(recorded.tokens),
+        "matmul_parameters": recorded.matmul_parameters,
+        "adamw": [sum(op.name == "_fused_adamw_" for op in recorded.steps[i]) for i in timed],
+        "flops": sum(op.flops for i in timed for op in recorded.steps[i] if op.name in MATMULS), **side}))
 """
+PEERS = ("peft", "packed-float32")
+PEER_STEPS = 3
 
 
-@pytest.mark.parametrize("peer", ["peft", "packed-float32"])
-def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(peer):
+@pytest.fixture(scope="module")
+def peer_sides() -> dict[str, dict]:
+    """Both PEFT sides recorded in one process (its imports are most of its time), each side's figures."""
+    out = subprocess.run([sys.executable, "-c", PEER_SCRIPT, str(REPO), ",".join(PEERS), str(PEER_STEPS)],
+                         capture_output=True, text=True, cwd=BENCH, env={**os.environ, "PYTHONPATH": f"{BENCH}:{REPO}"},
+                         check=False, timeout=600)
+    sides = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and len(sides) == len(PEERS), out.stderr[-3000:]
+    return {side["peer"]: side for side in sides}
+
+
+@pytest.mark.parametrize("peer", PEERS)
+def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(peer_sides, peer):
     """bench/lora_mfu.py's PEFT sides (the checkout's peft_baselines.run_jobs) on the virtual device: one timed
     segment per optimizer step, the jobs' sequences in them, and the GEMMs' FLOPs counted by hand per token the
     step computes: the padded loop's padding included, the packed row's not. Per token: the frozen base's forward
@@ -251,13 +266,7 @@ def test_a_peft_side_is_recorded_step_by_step_over_its_padded_or_packed_tokens(p
     weight gradients, 6 r (in + out); less the input gradient the first layer's q, k and v never need (their input
     comes from the frozen embeddings): 2 (their weights) + 2 r (3 x hidden)."""
     bench = benchmark_module(REPO)
-    steps, shape = 3, bench.SHAPES["tiny"]
-    out = subprocess.run([sys.executable, "-c", PEER_SCRIPT, str(REPO), peer, str(steps)], capture_output=True,
-                         text=True, cwd=BENCH, env={**os.environ, "PYTHONPATH": f"{BENCH}:{REPO}"},
-                         check=False, timeout=600)
-    line = next((line for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
-    assert out.returncode == 0 and line, out.stderr[-3000:]
-    side = json.loads(line[len("RESULT "):])
+    steps, shape, side = PEER_STEPS, bench.SHAPES["tiny"], peer_sides[peer]
     vocab, hidden = shape["vocab_size"], shape["hidden_size"]
     sequences = [s for job in range(bench.JOBS) for batch in bench.job_batches(job, 2 + steps, vocab)[2:]
                  for s in batch]

@@ -138,3 +138,23 @@ def s3_server():
 def s3_bucket(s3_server) -> str:
     """A fresh, empty bucket on the session's S3 server: its name."""
     return s3_server.make_bucket()
+
+
+@pytest.fixture()
+def closes_tinker_clients(monkeypatch):
+    """Every Tinker SDK client a test opens (itself, or a recipe it runs) closed when the test ends, while its
+    server still answers: a client left open goes on sending heartbeats, and after the server stopped its
+    warnings ("Session heartbeat failed") filled the rest of the test log. A close that fails fails the test."""
+    import tinker
+
+    opened: list = []
+    open_client = tinker.ServiceClient.__init__
+
+    def tracked(self, *args, **kwargs):
+        open_client(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(tinker.ServiceClient, "__init__", tracked)
+    yield
+    for client in opened:   # closing a closed client does nothing
+        client.close("success").result(timeout=60)

@@ -170,7 +170,14 @@ class RemoteCalls:
             raise KeyError(f"no model {model_id}")
         last = SaveSampler(Path(model.output_dir), model.base_model, model_id, model.owner or "", model.output_dir,
                            None)
-        done = self._queued(model.trainer, self.call("tinker.finish", model.trainer, self.front, model_id, last))
+        try:
+            key = self.call("tinker.finish", model.trainer, self.front, model_id, last)
+        except HTTPException as error:
+            if error.status_code != 404:
+                raise
+            # not on its trainer any more: its job was cancelled (or ended there), so nothing is left to finish
+            raise KeyError(f"no model {model_id}: it had already ended on its trainer ({error.detail})") from None
+        done = self._queued(model.trainer, key)
 
         def completed(future: Future) -> None:
             error = future.exception()

@@ -37,7 +37,8 @@ from orchestrator.service_calls import ServiceLink
 from tests.helpers.http_server import running_server
 from tests.helpers.service import service_config
 
-pytestmark = pytest.mark.slow   # the real smollm2-135m, trained and sampled for a few steps
+# the real smollm2-135m, trained and sampled for a few steps; the recipes' SDK clients closed (tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("closes_tinker_clients")]
 
 BASE = "smollm2-135m"
 RENDERER = "qwen3_instruct"     # ChatML: <|im_start|>role\n...<|im_end|>, SmolLM2's chat template
@@ -206,6 +207,8 @@ def test_the_arithmetic_rl_recipe_raises_its_reward(aspen, tmp_path):
         parts = step["env/all/correct"] + 0.1 * (step["env/all/format"] - 1)
         assert step["env/all/reward/total"] == pytest.approx(parts)
     # The base answers at length and rarely stops within 5 tokens; the samples that stopped get the positive
-    # advantages, so the policy learns to stop: the reward rises. (135M parameters do not learn to add in
-    # 3 steps: `correct` is not asserted.)
-    assert formats[-1] > formats[0] and rewards[-1] > rewards[0], (formats, rewards)
+    # advantages, so the policy learns to stop: the format part of the reward rises. (135M parameters do not
+    # learn to add in 3 steps: `correct` is chance, and not asserted. Nor is the total: one lucky right sum among
+    # a step's 16 samples moves it by 1/16 = 0.0625, more than the format part can rise, 0.1 x (1 - format at
+    # step 0) <= 0.05 here; a run on 2026-11-29 had rewards 0.0125 -> 0.0 with formats 0.5 -> 1.0.)
+    assert formats[-1] > formats[0], (formats, rewards)

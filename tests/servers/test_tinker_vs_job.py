@@ -52,6 +52,8 @@ from tests.helpers.tinker_sdk import tinker_in_process
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("closes_tinker_clients")   # tests/conftest.py says why
+
 BASE = "tiny-llama"
 WINDOW_S = 0.25   # how long a call waits for partners: wide, so that two users' calls sent together meet
 KEYS = {"alice-token": "alice", "bob-token": "bob"}

@@ -37,7 +37,7 @@ from tests.helpers.tinker_sdk import datums
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-pytestmark = pytest.mark.service
+pytestmark = [pytest.mark.service, pytest.mark.usefixtures("closes_tinker_clients")]
 
 ADAM = {"learning_rate": 0.05, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "grad_clip_norm": 0.0}
 WINDOW_S = 0.3   # wide, so that two users' calls sent together meet in one pass

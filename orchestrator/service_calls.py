@@ -81,11 +81,8 @@ def as_http(error: Exception) -> HTTPException | None:
 
 def _unreachable(error: Exception) -> HTTPException:
     """503 for a client that could not be made: no Ray cluster at the address, one that refused this process
-    (token authentication), no service on it."""
+    (token authentication: `ensure_ray`'s ServiceError names the token's fix), no service on it."""
     detail = _first_line(error) or type(error).__name__
-    if isinstance(error, ConnectionError):   # ray.init could not join the cluster
-        detail += ("; if the cluster uses token authentication, this server needs RAY_AUTH_MODE=token (and the "
-                   "token: ~/.ray/auth_token or RAY_AUTH_TOKEN)")
     return HTTPException(503, f"the aspen service cannot be reached: {detail}", headers={"Retry-After": "5"})
 
 

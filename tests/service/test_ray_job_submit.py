@@ -156,3 +156,20 @@ def test_ray_job_submit_to_a_running_aspen_serve(head, tiny_model_dirs, tmp_path
     stopped = subprocess.run([str(BIN / "aspen"), "stop", "--address", head["gcs"]], env=with_token(head),
                              capture_output=True, text=True, timeout=300)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
+
+
+def test_the_http_servers_link_to_a_cluster_that_refuses_its_token_is_a_503_naming_the_fix(head):
+    """`aspen http`'s Ray connection (orchestrator/service_calls.py) with another cluster's token: a 503 (the
+    SDKs and the console retry it) whose detail says what refused it and what to set, not Ray's bare error."""
+    script = ("import json\nfrom fastapi import HTTPException\n"
+              "from orchestrator.service_calls import ServiceLink, call_service\n"
+              f"link = ServiceLink({head['gcs']!r})\n"
+              "try:\n    call_service(link, lambda client: client.jobs())\n"
+              "except HTTPException as error:\n    print(json.dumps([error.status_code, error.detail]))\n")
+    env = {**plain_env(head["client_home"]), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+    result = subprocess.run([str(BIN / "python"), "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+    status, detail = json.loads(result.stdout.strip().splitlines()[-1])
+    assert status == 503, detail
+    assert detail.startswith("the aspen service cannot be reached: ") and "RAY_AUTH_TOKEN" in detail, detail
+    assert "RAY_AUTH_MODE=token" in detail and "--address" in detail, detail

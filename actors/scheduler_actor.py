@@ -32,6 +32,7 @@ from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
+from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
 from actors.service.sweeps.sweep_book import SweepBook
@@ -118,6 +119,7 @@ class SchedulerActor:
                                     storage=self.config.storage)
         self.core.node_of = self.fleet.node_of
         self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self))
+        self.held = HeldJobs()
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
         self.stopping = threading.Event()
@@ -353,6 +355,7 @@ class SchedulerActor:
         if not self.intake.apply_all():
             return   # the table is locked: nothing is decided until what the trainers reported is in it
         self.fleet.drop_retired()
+        self._give_back_unheld()
         self.job_starts.finish(self.fleet.assign)
         ready = self.fleet.ready_statuses()
         # running jobs each node holds: their actors' processes within its memory (ServiceConfig.job_slots)
@@ -368,6 +371,12 @@ class SchedulerActor:
         if self.sweeps.drivers:
             self.sweeps.poll_all()
             self.listeners.sweeps(self.sweeps.all())
+
+    def _give_back_unheld(self) -> None:
+        """Running jobs their trainer stopped holding without reporting their end: queued again
+        (actors/service/scheduler/held_jobs.py). Every event received is booked by now."""
+        give_back_unheld(self.held, self.core.booking, self.fleet.ready_statuses(),
+                         lambda job_id: job_id in self.job_starts or self.core.is_interactive(job_id))
 
     def _decide_round(self, ready: list[TrainerStatus]) -> None:
         self.rounds += 1

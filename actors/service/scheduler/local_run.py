@@ -20,6 +20,7 @@ from actors.engine.trainer import StepReport
 from actors.service.outputs.job_files import clear_job_folder
 from actors.service.pipeline.pipeline_engine import PipelineEngine, start_pipeline
 from actors.service.scheduler.config import StorageConfig, TrainerConfig, run_service_config
+from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.job_data import JobData
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
@@ -123,10 +124,12 @@ def _step_bar(enabled: bool) -> Progress:
 def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseModel, ids: list[str],
          advance: Callable[[int], None], on_step: Callable[[StepReport], None] | None) -> None:
     """What the scheduler actor's tick and the trainer actor's loop do, in turn, until every job ended."""
-    idle = 0
+    idle, held = 0, HeldJobs()
     while True:
+        status = loop.status()   # after the last events were booked, as the service reads a trainer's answer
+        give_back_unheld(held, core.booking, [status], lambda job_id: False)
         with table.transaction():
-            actions = core.plan([loop.status()])
+            actions = core.plan([status])
         starts = []
         for action in actions:
             if isinstance(action, Start):

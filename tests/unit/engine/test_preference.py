@@ -59,7 +59,7 @@ def _tolerances(config, pairs: list[PreferencePair], largest: float, logps: floa
     return gradient, logp
 
 
-def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
+def test_dpo_loss_and_gradients_equal_trl(tiny_tokenizer, tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -68,7 +68,7 @@ def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
     # a new adapter (peft_config): TRL's reference is then the base, the adapter disabled (a model that already
     # holds an adapter would get a frozen copy of it as its reference instead)
     trl = DPOTrainer(model=tiny_model("llama"), args=args, train_dataset=Dataset.from_list(ROWS),
-                     processing_class=smol_tokenizer, peft_config=peft_config())
+                     processing_class=tiny_tokenizer, peft_config=peft_config())
     assert set(trl.model.peft_config) == {"default"}
     peft_model = randomize_b(trl.model, 0)
     batch = next(iter(trl.get_train_dataloader()))
@@ -86,7 +86,7 @@ def test_dpo_loss_and_gradients_equal_trl(smol_tokenizer, tmp_path):
     pairs = [PreferencePair(rows[i][0], rows[count + i][0], rows[i][1]) for i in range(count)]
     # aspen's own tokenization of the rows gives TRL's sequences
     fmt = PreferenceFormat()
-    own = {tokenize_pair(row, fmt, smol_tokenizer, max_seq_len=512) for row in ROWS}
+    own = {tokenize_pair(row, fmt, tiny_tokenizer, max_seq_len=512) for row in ROWS}
     assert own == set(pairs)
 
     trainer, job = _aspen_job("dpo", pairs, peft_model)
@@ -150,11 +150,11 @@ def _orpo_batch(pairs: list[PreferencePair]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def test_orpo_loss_and_gradients_equal_trl(smol_tokenizer):
+def test_orpo_loss_and_gradients_equal_trl(tiny_tokenizer):
     beta = 0.25
     fmt = PreferenceFormat()
     # train_on_prompt: the chosen sequence's NLL covers the prompt too, as TRL's ORPOTrainer computes it
-    pairs = [tokenize_pair(row, fmt, smol_tokenizer, max_seq_len=512, train_on_prompt=True) for row in ROWS]
+    pairs = [tokenize_pair(row, fmt, tiny_tokenizer, max_seq_len=512, train_on_prompt=True) for row in ROWS]
     from peft import get_peft_model
 
     peft_model = randomize_b(get_peft_model(tiny_model("llama"), peft_config()), 1)
@@ -203,11 +203,11 @@ def _cpo_trainer(beta: float, cpo_alpha: float):
 
 
 @pytest.mark.parametrize("cpo_alpha", [1.0, 0.0])
-def test_cpo_loss_and_gradients_equal_trl(smol_tokenizer, cpo_alpha):
+def test_cpo_loss_and_gradients_equal_trl(tiny_tokenizer, cpo_alpha):
     beta = 0.2
     fmt = PreferenceFormat()
     # CPO's NLL covers the chosen completion (TRL's labels mask the prompt): no train_on_prompt
-    pairs = [tokenize_pair(row, fmt, smol_tokenizer, max_seq_len=512) for row in ROWS]
+    pairs = [tokenize_pair(row, fmt, tiny_tokenizer, max_seq_len=512) for row in ROWS]
     from peft import get_peft_model
 
     peft_model = randomize_b(get_peft_model(tiny_model("llama"), peft_config()), 2)
@@ -293,7 +293,7 @@ def test_dpo_reference_is_the_base_without_any_adapter():
         assert abs(a - b) <= rounding_tolerance(terms, 2 * abs(b)), (a, b)
 
 
-def test_preference_specs_and_rows_are_checked(smol_tokenizer, tmp_path):
+def test_preference_specs_and_rows_are_checked(tiny_tokenizer, tmp_path):
     with pytest.raises(ValidationError, match="method 'dpo' learns from preference pairs: set format to"):
         JobSpec(name="a", data="x.jsonl", format={"type": "alpaca"}, method="dpo")
     with pytest.raises(ValidationError, match="set method to dpo, orpo or cpo"):
@@ -306,15 +306,15 @@ def test_preference_specs_and_rows_are_checked(smol_tokenizer, tmp_path):
     data = tmp_path / "pairs.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"prompt": "Hi", "chosen": " Hello"}) + "\n")
     with pytest.raises(DataError) as caught:
-        load_examples(data, PreferenceFormat(), smol_tokenizer, max_seq_len=64)
+        load_examples(data, PreferenceFormat(), tiny_tokenizer, max_seq_len=64)
     assert caught.value.line == 2 and caught.value.field == "rejected"
     assert str(caught.value).startswith(f"{data}:2: field 'rejected' is missing")
     data.write_text(json.dumps({"prompt": "Hi", "chosen": " Hello", "rejected": ["not", "text"]}) + "\n")
     with pytest.raises(DataError, match=r":1: field 'rejected' must be a string, got list"):
-        load_examples(data, PreferenceFormat(), smol_tokenizer, max_seq_len=64)
+        load_examples(data, PreferenceFormat(), tiny_tokenizer, max_seq_len=64)
 
 
-def test_preference_rows_from_parquet_with_columns_whole_and_streamed_equal_the_jsonl_pairs(smol_tokenizer, tmp_path):
+def test_preference_rows_from_parquet_with_columns_whole_and_streamed_equal_the_jsonl_pairs(tiny_tokenizer, tmp_path):
     """The dataset sources (parquet, a column mapping, streaming: actors/data/dataset.py, streaming.py)
     give a preference job the same pairs as its JSONL file."""
     import pyarrow as pa
@@ -324,36 +324,36 @@ def test_preference_rows_from_parquet_with_columns_whole_and_streamed_equal_the_
     from actors.data.streaming import open_stream
 
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
-    expected = load_examples(tmp_path / "pairs.jsonl", PreferenceFormat(), smol_tokenizer, max_seq_len=64).examples
+    expected = load_examples(tmp_path / "pairs.jsonl", PreferenceFormat(), tiny_tokenizer, max_seq_len=64).examples
     renamed = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in ROWS]
     pq.write_table(pa.Table.from_pylist(renamed), tmp_path / "pairs.parquet", row_group_size=1)
     columns = {"prompt": "question", "chosen": "good", "rejected": "bad"}
-    whole = load_dataset_examples(tmp_path / "pairs.parquet", PreferenceFormat(), smol_tokenizer, max_seq_len=64,
+    whole = load_dataset_examples(tmp_path / "pairs.parquet", PreferenceFormat(), tiny_tokenizer, max_seq_len=64,
                                   columns=columns).examples
     assert whole == expected and all(isinstance(pair, PreferencePair) for pair in whole)
-    stream = open_stream(tmp_path / "pairs.parquet", PreferenceFormat(), smol_tokenizer, max_seq_len=64,
+    stream = open_stream(tmp_path / "pairs.parquet", PreferenceFormat(), tiny_tokenizer, max_seq_len=64,
                          columns=columns, batch_size=len(ROWS), seed=0, epochs=None, shuffle_window=0)
     assert stream.cursor.next_batch() == expected
     with pytest.raises(DataError, match=r"pairs.jsonl:1: column 'question' is missing .*the row's columns: "
                                         r"chosen, prompt, rejected"):
-        load_dataset_examples(tmp_path / "pairs.jsonl", PreferenceFormat(), smol_tokenizer, max_seq_len=64,
+        load_dataset_examples(tmp_path / "pairs.jsonl", PreferenceFormat(), tiny_tokenizer, max_seq_len=64,
                               columns=columns)
 
 
-def test_chat_preference_rows_follow_the_chat_template(smol_tokenizer):
+def test_chat_preference_rows_follow_the_chat_template(tiny_tokenizer):
     """A chat row: the completion starts where the prompt rendered with the generation prompt ends, as TRL's
     DPOTrainer finds it."""
     row = {"prompt": [{"role": "user", "content": "Say hi"}], "chosen": "Hello!",
            "rejected": [{"role": "assistant", "content": "No."}]}
-    pair = tokenize_pair(row, PreferenceFormat(), smol_tokenizer, max_seq_len=512)
-    prompt = smol_tokenizer.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
+    pair = tokenize_pair(row, PreferenceFormat(), tiny_tokenizer, max_seq_len=512)
+    prompt = tiny_tokenizer.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
                                                 add_generation_prompt=True)["input_ids"]
-    full = smol_tokenizer.apply_chat_template(row["prompt"] + [{"role": "assistant", "content": "Hello!"}],
+    full = tiny_tokenizer.apply_chat_template(row["prompt"] + [{"role": "assistant", "content": "Hello!"}],
                                               tokenize=True, return_dict=True)["input_ids"]
     assert list(pair.chosen.input_ids) == list(full) and pair.prompt_length == len(prompt)
     assert list(pair.chosen.labels[len(prompt):]) == list(full[len(prompt):])
     assert set(pair.chosen.labels[:len(prompt)]) == {-100}
-    assert "Hello!" in smol_tokenizer.decode(full[len(prompt):])
+    assert "Hello!" in tiny_tokenizer.decode(full[len(prompt):])
 
 
 def test_a_dpo_job_runs_through_the_in_process_service(tiny_model_dirs, tmp_path):

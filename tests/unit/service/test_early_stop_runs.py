@@ -24,7 +24,7 @@ ROW = {"question": "what is 17 and 25", "answer": "42, said the tiny model"}
 
 
 @pytest.fixture(scope="module")
-def memorising_model(tmp_path_factory, smol_tokenizer) -> Path:
+def memorising_model(tmp_path_factory, tiny_tokenizer) -> Path:
     """The tiny random llama with a 20x larger output layer: its logits can get confident enough for an
     adapter to drive the loss of a memorised example near 0 (with the usual 0.02 init they cannot)."""
     model = tiny_model("llama")
@@ -32,7 +32,7 @@ def memorising_model(tmp_path_factory, smol_tokenizer) -> Path:
         model.lm_head.weight.mul_(20)
     folder = tmp_path_factory.mktemp("memorising-llama")
     model.save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -98,8 +98,8 @@ def test_a_resumed_jobs_stop_at_its_checkpoint_step_takes_effect_where_an_unpaus
 
 # -- step admission -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def three_jobs_trainer(smol_tokenizer) -> FusedTrainer:
-    base = from_module(tiny_model("llama"), smol_tokenizer)
+def three_jobs_trainer(tiny_tokenizer) -> FusedTrainer:
+    base = from_module(tiny_model("llama"), tiny_tokenizer)
     trainer = FusedTrainer(base, step_tokens=4096)
     for index in range(3):
         spec = JobSpec(name=f"j{index}", data="unused.jsonl", format={"type": "text"}, max_steps=1000, batch_size=4,
@@ -191,14 +191,14 @@ def test_on_a_cpu_a_resident_peak_above_its_prediction_widens_the_margin(three_j
     assert expected >= under - 1e-9 and admission.margin == pytest.approx(expected)
 
 
-def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocators_count(smol_tokenizer):
+def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocators_count(tiny_tokenizer):
     """`step_tokens: auto` on a GPU (planned here as on one): with a budget that holds a step of some 5k tokens
     beside the weights, the plan is a multiple of 1024 below the 8192 ceiling, a step of that many tokens (a
     rank-16 job on every layer, every token a target) stays within the budget by the allocator's count, and the
     next 1024 would not have been admitted; on a CPU it is AUTO_CPU_STEP_TOKENS whatever the budget."""
     from actors.service.trainer.step_admission import AUTO_CPU_STEP_TOKENS, AUTO_STEP_TOKENS_CEILING
 
-    base = from_module(tiny_model("llama"), smol_tokenizer)
+    base = from_module(tiny_model("llama"), tiny_tokenizer)
     trainer = FusedTrainer(base, step_tokens=4096)
     admission = StepAdmission(trainer)
     assert admission.plan_step_tokens() == AUTO_CPU_STEP_TOKENS

@@ -16,7 +16,6 @@ sweep goes on without whoever submitted it and, its state in the state folder, a
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -29,19 +28,19 @@ from actors.job_dispatch import JobStarts
 from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
 from actors.service.events.event_intake import EventIntake
-from actors.service.events.listeners import Listeners
+from actors.service.events.listeners import Listeners, build_listeners
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
 from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
+from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
 from actors.service.table.state_dir import lock_state_dir, open_job_table
 from actors.service.table.table_backup import JobTableDamaged, TableBackups
 from actors.service.trainer.loop_errors import LoopErrors
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
-from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
 from actors.spec.typed_args import expect_type
@@ -59,16 +58,6 @@ GENERATE_WAIT_S = 90.0   # a "try it" request waits for the trainer's current st
 ROUND_SHARE = 0.02
 ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
 SHUTDOWN_TABLE_WAIT_S = 60.0   # how long a stopping service tries to book its trainers' last events
-
-
-def build_listeners(factory: str | None, config: ServiceConfig) -> list:
-    """The listeners `factory` ('module:function') builds for `config`; none without a factory."""
-    if factory is None:
-        return []
-    module, _, function = factory.partition(":")
-    if not module or not function:
-        raise ValueError(f"listeners factory '{factory}' is not 'module:function'")
-    return list(getattr(importlib.import_module(module), function)(config))
 
 
 @ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)
@@ -118,7 +107,7 @@ class SchedulerActor:
         self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self.fleet.node_of,
                                     storage=self.config.storage)
         self.core.node_of = self.fleet.node_of
-        self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self))
+        self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self.core, self.table, self.cancel))
         self.held = HeldJobs()
         self.rounds = 0
         self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
@@ -410,25 +399,3 @@ class SchedulerActor:
         if stop is not None:
             self.fleet.stop_job(stop.trainer, stop.job, stop.kind, stop.reason)
 
-
-class SchedulerJobs:
-    """The scheduler's own calls as a sweep's `SweepJobs` (actors/service/sweeps/sweep_driver.py)."""
-
-    def __init__(self, scheduler: SchedulerActor):
-        self.scheduler = scheduler
-
-    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
-        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
-        return self.scheduler.core.submit_many([submission])[0].id
-
-    def status(self, job_id: str) -> JobRecord:
-        return self.scheduler.table.get(job_id)
-
-    def losses(self, job_id: str) -> list[dict[str, Any]]:
-        return self.scheduler.table.progress.of_job(job_id)
-
-    def cancel(self, job_id: str, reason: str) -> None:
-        self.scheduler.cancel(job_id, reason)
-
-    def job_ids(self) -> set[str]:
-        return {record.id for record in self.scheduler.table.all()}

@@ -4,8 +4,9 @@ back: `Listeners` calls each one in turn and logs, rather than raises, what one 
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from actors.service.table.job_table import JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
@@ -95,3 +96,15 @@ class Listeners:
 
     def close(self) -> None:
         self._call("close")
+
+
+def build_listeners(factory: str | None, config: Any) -> list:
+    """The listeners `factory` ('module:function') builds for `config` (the service's `ServiceConfig`); none
+    without a factory. Named rather than imported by the scheduler, so that the actors' layer does not depend
+    on the user-facing one that holds the metrics and MQTT listeners."""
+    if factory is None:
+        return []
+    module, _, function = factory.partition(":")
+    if not module or not function:
+        raise ValueError(f"listeners factory '{factory}' is not 'module:function'")
+    return list(getattr(importlib.import_module(module), function)(config))

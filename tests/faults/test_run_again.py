@@ -55,12 +55,12 @@ jobs:
 """
 
 
-# Steps per job: what the claims need is room for the interruption after the first checkpoints (step 10, or
-# the first time-based ones) and before the end; a step of the tiny model takes 0.05-0.3 s, and the Ctrl-C
-# reaches the trainer within a second or two, so 60 steps leave tens of steps to spare. Every step here is
-# trained up to four times (the run, its resumption, the reference, --overwrite), so fewer steps is most
-# of these tests' time.
-STEPS = 60
+# Steps per job: what the claims need is room for the interruption after the first checkpoints (step 10) and
+# before the end; a fused step of the tiny model's two jobs takes 13-40 ms here (vocabulary 4,096), and the
+# Ctrl-C reaches the trainer within a second or two: with a floor of 10 ms a step (a CPU a third faster), 2 s
+# are 200 steps after the checkpoint, so 240 steps. Every step here is trained up to four times (the run, its
+# resumption, the reference, --overwrite), so fewer steps is most of these tests' time.
+STEPS = 240
 OVERWRITE_STEPS = 20   # the run started over with --overwrite: only that it starts over, on the files as they are
 # SIGKILL reaches at once (no checkpoint on the way out); the kill follows the first time-based checkpoint (1 s
 # into training), polled every 0.05 s but late by as much as a loaded machine keeps the test's process waiting. A

@@ -60,7 +60,7 @@ def one_configuration(case: dict, device: str = "cpu") -> dict:
         live_tensor_bytes,
         measure_peak,
         model_bytes,
-        peak_resident_bytes,
+        process_peak_resident_bytes,
         resident_bytes,
     )
     from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
@@ -110,13 +110,13 @@ def one_configuration(case: dict, device: str = "cpu") -> dict:
         return {**case, "device": device, "predicted": predicted, "measured": held + growth}
     uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
     resident_predicted = predict_resident(resident_bytes(), live_tensor_bytes(model, optimizers), predicted,
-                                          uncounted, peak_resident_bytes())
+                                          uncounted, process_peak_resident_bytes())
     # the resident set measured over steps that no profiler watches (glibc's heap keeps freed pages for the next
     # steps to reuse: the peak may rise after the first)
     trainer.run_step(chosen)
     for _ in range(RESIDENT_STEPS - 1):
         trainer.train_step()
-    resident_measured = peak_resident_bytes()
+    resident_measured = process_peak_resident_bytes()
     # then the allocator's count of one more step (torch.profiler)
     held = live_tensor_bytes(model, optimizers)
     _, growth = measure_peak(trainer.train_step, base.device)
@@ -177,7 +177,7 @@ def malloc_steps(setting: str, steps: int) -> dict:
 
     from actors.data import Example
     from actors.engine.job import TrainingJob
-    from actors.engine.memory import peak_resident_bytes
+    from actors.engine.memory import process_peak_resident_bytes
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
     from actors.spec.job_spec import JobSpec
@@ -201,7 +201,7 @@ def malloc_steps(setting: str, steps: int) -> dict:
         trainer.train_step()
         seconds.append(time.perf_counter() - started)
     return {"setting": setting, "median_step_s": statistics.median(seconds), "steps": steps,
-            "peak_resident_bytes": peak_resident_bytes()}
+            "peak_resident_bytes": process_peak_resident_bytes()}
 
 
 def malloc_side_by_side(steps: int, env: dict) -> dict:

@@ -313,7 +313,8 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """This process's peak resident set since it started or since the last `measure_resident` (VmHWM)."""
+    """This process's peak resident set since it started or since the last `reset_peak_resident` (VmHWM; a CPU
+    trainer resets it as each step begins)."""
     return _status_bytes("VmHWM")
 
 
@@ -331,12 +332,19 @@ def resident_measurable() -> bool:
     return Path("/proc/self/clear_refs").exists() and Path("/proc/self/status").exists()
 
 
-def measure_resident(run: Callable[[], T]) -> tuple[T, int]:
-    """Run `run()`; (its result, the process's peak resident set during it over the resident set before).
-    Linux only: the peak (VmHWM) is reset first through /proc/self/clear_refs."""
+def reset_peak_resident() -> None:
+    """Start VmHWM again from the resident set now (Linux: /proc/self/clear_refs), so that the next reading of
+    `peak_resident_bytes` is the peak of what runs from here; the process's own peak is kept
+    (`process_peak_resident_bytes`). Only the counter is reset: no page is walked."""
     global _PEAK_BEFORE_RESETS
-    before = resident_bytes()
     _PEAK_BEFORE_RESETS = max(_PEAK_BEFORE_RESETS, peak_resident_bytes())   # the process's peak survives the reset
     Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_resident(run: Callable[[], T]) -> tuple[T, int]:
+    """Run `run()`; (its result, the process's peak resident set during it over the resident set before).
+    Linux only: the peak (VmHWM) is reset first (`reset_peak_resident`)."""
+    before = resident_bytes()
+    reset_peak_resident()
     result = run()
     return result, peak_resident_bytes() - before

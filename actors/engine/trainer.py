@@ -39,7 +39,8 @@ from actors.engine.memory import (
     StepMemoryMeter,
     live_tensor_bytes,
     measure_peak,
-    process_peak_resident_bytes,
+    peak_resident_bytes,
+    reset_peak_resident,
     resident_measurable,
 )
 from actors.engine.models import BaseModel
@@ -80,7 +81,7 @@ class StepReport:
     # peak_memory_bytes counted by the allocator (CUDA always; CPU when the step ran with `measure`), not
     # the saved-tensor estimate of `StepMemoryMeter`
     memory_measured: bool = False
-    # CPU (Linux): the process's peak resident set so far, read after the step (what the kernel counts)
+    # CPU (Linux): the process's peak resident set during the step, its start included (what the kernel counts)
     resident_peak_bytes: int | None = None
 
     def as_row(self) -> dict:
@@ -272,6 +273,8 @@ class FusedTrainer:
         """One fused forward/backward over the chosen jobs' micro-batches, then their optimizer steps.
         `measure` (CPU): the step's peak is counted from the allocator's events (torch.profiler, slower:
         `memory.measure_peak`) over the bytes held before it, instead of estimated."""
+        if self.resident_measured:
+            reset_peak_resident()   # the step's own peak, not one a job's export or start left between steps
         if not measure or self.base.device.type == "cuda":
             report = self._run_step(chosen)
         else:
@@ -280,7 +283,7 @@ class FusedTrainer:
             report.peak_memory_bytes = held + growth
             report.memory_measured = True
         if self.resident_measured:
-            report.resident_peak_bytes = process_peak_resident_bytes()
+            report.resident_peak_bytes = peak_resident_bytes()
         return report
 
     def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:

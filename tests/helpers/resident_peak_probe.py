@@ -20,7 +20,7 @@ from actors.engine.job import TrainingJob
 from actors.engine.memory import (
     live_tensor_bytes,
     model_bytes,
-    peak_resident_bytes,
+    process_peak_resident_bytes,
     resident_bytes,
 )
 from actors.engine.memory_prior import StepMemoryPrior, predict_resident, probe_base_activation
@@ -59,13 +59,13 @@ def main(dtype_name: str, recompute: str) -> dict:
                          analytic_bytes=prior.analytic_bytes(parts))
     step_peak = memory.predict(shape)
     optimizers = [job.optimizer.optimizer for job in trainer.jobs.values()]
-    before, peak_before = resident_bytes(), peak_resident_bytes()
+    before, peak_before = resident_bytes(), process_peak_resident_bytes()
     uncounted = prior.analytic_bytes(parts, resident=True) - prior.analytic_bytes(parts)
     predicted = predict_resident(before, live_tensor_bytes(model, optimizers), step_peak, uncounted, peak_before)
     trainer.run_step(chosen)
     for _ in range(STEPS - 1):   # later steps reuse (or not) the heap pages the earlier ones left resident
         trainer.train_step()
-    return {"predicted": predicted, "measured": peak_resident_bytes(), "resident_before": before,
+    return {"predicted": predicted, "measured": process_peak_resident_bytes(), "resident_before": before,
             "peak_before": peak_before}
 
 

@@ -100,7 +100,7 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
     assert {j for r in rows for j in r["jobs"]} == set(ids)
 
 
-def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_tokenizer, tmp_path):
+def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, tiny_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.lora_targets import adapted_shapes
@@ -111,15 +111,15 @@ def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, smol_t
     # A tiny Llama four times as wide as the shared one, so that an adapter (r=1024 on every linear layer:
     # 184 MB with its gradients and AdamW state) is large against the difference between the trainer's
     # first, cautious memory estimate and its model fitted to measured peaks (~40 MB here: the first
-    # estimate assumes a logits chunk over every token of the step, at SmolLM2's whole vocabulary: the real
-    # tokenizer here, not the other tests' cut one). The budget below then fits two jobs and not three by either
-    # estimate, and by measurement.
+    # estimate assumes a logits chunk over every token of the step). The budget below then fits two jobs
+    # and not three by either estimate, and by measurement. The third job waits for memory and then runs: once
+    # (before the scheduler's view of the trainer kept the probe's estimate) the resident scale the two jobs'
+    # steps taught filled the whole budget, and the third was failed as one that could never fit.
     torch.manual_seed(0)
     base = str(tmp_path / "wide-llama")
     wide = {k: v for k, v in tiny_config("llama").to_dict().items() if k != "head_dim"}
-    LlamaForCausalLM(LlamaConfig(**{**wide, "hidden_size": 256, "intermediate_size": 1024,
-                                     "vocab_size": len(smol_tokenizer)})).save_pretrained(base)
-    smol_tokenizer.save_pretrained(base)
+    LlamaForCausalLM(LlamaConfig(**{**wide, "hidden_size": 256, "intermediate_size": 1024})).save_pretrained(base)
+    tiny_tokenizer.save_pretrained(base)
     lora = {"r": 1024, "alpha": 16, "target_modules": "all-linear"}
     trainer = TrainerConfig(base_model=base, step_tokens=128, num_cpus=0.5, threads=1)
     # the trainer's own first estimate of its fixed and per-step memory (before any step is measured), as the

@@ -104,13 +104,16 @@ class StepAdmission:
     def activation_estimate(self) -> int:
         """A full step's bytes over the weights before any step was measured (the scheduler's first guess); on a
         CPU as the resident set counts them (the budget's measure there): with the process's runtime and the
-        scratch and heap beyond the allocator's count (every token a target)."""
+        scratch and heap beyond the allocator's count (every token a target). The probe's figures alone, never
+        what the steps taught since: the scheduler judges "this job can never run here" against it, and a
+        resident scale learned while two large adapters trained (the heap keeps pages a freed adapter left) once
+        filled a trainer's whole budget with it, so a queued job was failed that fitted once they had gone."""
         activation, tokens = self.memory_prior.activation, self.trainer.step_tokens
         estimate = (activation.constant + activation.per_token * tokens
                     + loss_transient_bytes(tokens, self.memory_prior.vocab, self.memory_prior.hidden,
                                            self.trainer.base.dtype))
         if self.resident:
-            estimate += self.runtime_bytes + self.resident_scale * (
+            estimate += self.runtime_bytes + (
                 activation.resident_constant + (activation.resident_per_token + activation.resident_per_target) * tokens
                 + self.memory_prior.heap_block_slack(tokens))
         return int(estimate)
@@ -201,8 +204,9 @@ class StepAdmission:
 
     def observe(self, shape: StepShape, report: StepReport, predicted: int) -> None:
         """Learn from a step that ran. The memory model: only from the allocator's count (a step that was not
-        measured teaches nothing). The margin: a peak above its prediction raises it; on a CPU the process's
-        resident peak, judged where a step raised it (a step below the peak so far shows no peak of its own),
+        measured teaches nothing). The margin: a peak above its prediction raises it; on a CPU the step's own
+        resident peak (VmHWM reset as it began: what a job's start or export raised between steps is not the
+        step's), judged where it raised the peak the steps reached (a step below it shows no peak of its own),
         against the highest prediction so far (the heap keeps what an earlier step touched)."""
         if self.resident and report.resident_peak_bytes is not None:
             self.resident_predicted = max(self.resident_predicted, self.predict_peak(shape))

@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from actors.data import Example
 from actors.engine.job import TrainingJob
@@ -189,6 +190,22 @@ def test_on_a_cpu_a_resident_peak_above_its_prediction_widens_the_margin(three_j
     expected = (report.resident_peak_bytes - admission.predict_peak(shape)) / report.resident_peak_bytes
     admission.observe(shape, report, admission.predict(shape))
     assert expected >= under - 1e-9 and admission.margin == pytest.approx(expected)
+
+
+@pytest.mark.skipif(not resident_measurable(), reason="Linux /proc only")
+def test_on_a_cpu_a_step_reports_its_own_resident_peak_not_one_reached_between_steps(three_jobs_trainer):
+    """What raised the resident set between steps (here a 256 MiB block touched and freed, as a job's export or
+    start can) is not the next step's peak: the step reports the peak during itself, which the kernel's own count
+    of the same step (VmHWM reset around it by the test) bounds."""
+    trainer = three_jobs_trainer
+    block = torch.ones(2**26)   # 256 MiB of float32, every page touched; glibc maps a block this large, and
+    between = resident_bytes()  # unmaps it when freed: the resident set falls back, the peak stays
+    del block
+    assert between > resident_bytes() + 2**27
+    chosen = trainer.compose()
+    before = resident_bytes()
+    report, growth = measure_resident(lambda: trainer.run_step(chosen))
+    assert before <= report.resident_peak_bytes <= before + growth < between   # the step's, not the block's
 
 
 def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocators_count(tiny_tokenizer):

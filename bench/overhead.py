@@ -67,7 +67,7 @@ def run_in_process(spec: RunSpec, base, label: str = "in-process engine") -> dic
 
 def run_beside_ray(spec: RunSpec, base) -> dict:
     """The in-process engine while an idle Ray runs on the machine, started as `Client.local` starts it."""
-    from orchestrator.client import ensure_ray
+    from orchestrator.ray_cluster import ensure_ray
 
     ensure_ray()
     try:

@@ -44,7 +44,8 @@ import deep_tiny_model
 import ray
 
 from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
-from orchestrator.client import Client, ensure_ray
+from orchestrator.client import Client
+from orchestrator.ray_cluster import ensure_ray
 
 GOAL_UTILISATION = 0.90
 STEADY_FROM = 3   # steps of each trainer left out of the steady utilisation (a diagnostic)

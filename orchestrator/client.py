@@ -10,9 +10,6 @@ jobs, follow and cancel them.
 
 from __future__ import annotations
 
-import os
-import re
-import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -20,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
-from actors.data.tables import hub_id_problem
+from actors.data.locations import hub_id_problem
 from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.table.job_table import JobRecord
 from actors.spec.job_spec import JobSpec
@@ -34,103 +31,14 @@ from actors.storage.storage_uri import is_uri, resolve_location
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
-from orchestrator.private_ray import start_private_cluster
+from orchestrator.ray_cluster import _on_head_node, ensure_ray
+from orchestrator.scheduler_calls import _call, _init_failure
 
 # what the service's scheduler builds its listeners with: Prometheus metrics and MQTT job events
 LISTENERS = "orchestrator.observability:service_listeners"
 
 
 RESTART_WAIT_S = 90.0   # how long a call waits for a scheduler that is restarting
-
-
-def _call(ref: ray.ObjectRef, timeout: float | None = 120) -> Any:
-    """`ray.get`, with the service's own error (not Ray's wrapper) raised: a bad request as ValueError /
-    KeyError with the service's message, a service that cannot act now (its job table is locked, its
-    state dir in use) as ServiceError."""
-    try:
-        return ray.get(ref, timeout=timeout)
-    except RayTaskError as error:
-        cause = getattr(error, "cause", None)
-        if isinstance(cause, (KeyError, ValueError)):
-            message = cause.args[0] if cause.args else str(cause)
-            raise type(cause)(message) from None
-        if isinstance(cause, (RuntimeError, TimeoutError, OSError)) and not isinstance(cause, RayActorError):
-            raise ServiceError(str(cause)) from None
-        raise
-    except GetTimeoutError:
-        raise ServiceError(f"the aspen service did not answer within {timeout:.0f}s; it may be busy or stuck "
-                           "(see its log: the Ray dashboard, or /tmp/ray/session_latest/logs)") from None
-
-
-def _init_failure(error: RayActorError) -> str:
-    """The last line of the scheduler's constructor error (Ray's message around it is long)."""
-    text = str(getattr(error, "error_msg", "") or error).strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        return type(error).__name__
-    # the service's own errors say everything in their message: `actors.x.JobTableDamaged: ...` without the name
-    return re.sub(r"^actors(\.\w+)+: ", "", lines[-1])
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast, with the address and the fix, where no Ray cluster answers (ray.init would wait for
-    minutes). Ray client addresses (ray://) are left to Ray."""
-    if address.startswith("ray://"):
-        return
-    from ray._private.services import canonicalize_bootstrap_address_or_die
-
-    try:
-        target = canonicalize_bootstrap_address_or_die(address)
-    except ConnectionError as error:
-        raise ServiceError(f"no running Ray cluster found ({error}); start one with `ray start --head` (see the "
-                           "README's cluster set-up) or pass --address / set RAY_ADDRESS") from None
-    except ValueError as error:
-        raise ValueError(f"--address {address!r}: {error}; give host:port, e.g. 127.0.0.1:6379") from None
-    host, _, port = target.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
-            pass
-    except OSError as error:
-        shown = address if target == address else f"{address} ({target})"
-        raise ServiceError(f"no Ray cluster answers at {shown}: {error.strerror or error}; check --address / "
-                           "RAY_ADDRESS, or start the cluster with `ray start --head`") from None
-
-
-def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
-    """Connect to the Ray cluster at `address` (or $RAY_ADDRESS); without either, start a private local
-    one (no dashboard: its processes would take CPU from training on small machines)."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        _check_reachable(address)
-        try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
-        except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
-            cause = str(error.__cause__ or "").split(". ")[0]
-            raise ServiceError(f"{error}{f' ({cause})' if cause else ''}; if it is your service's cluster and "
-                               "uses token authentication, this process needs its token (~/.ray/auth_token or "
-                               "RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token; else name yours with --address or "
-                               "RAY_ADDRESS") from None
-        return
-    init_kwargs.setdefault("include_dashboard", False)
-    # Ray starts worker processes at nice 15; a trainer's OpenMP threads then lose every contest with
-    # Ray's own processes and each lost slice stalls a whole parallel region (measured: 10-15% slower
-    # steps on 2 cores). Our local cluster's workers run at normal priority.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
-
-
-def _on_head_node() -> dict[str, Any]:
-    """Actor options that keep the scheduler on the cluster's head node, next to its job table: a worker
-    node may leave the cluster at any time, the head lives as long as the cluster does (and a scheduler
-    restarted after its process died comes back there, to the same table)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from actors.ray_trainers import head_node_id
-
-    head = head_node_id()
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)} if head else {}
 
 
 class Client:

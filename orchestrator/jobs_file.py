@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from actors.data.tables import hub_id_problem
+from actors.data.locations import hub_id_problem
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.run_spec import RunSpec

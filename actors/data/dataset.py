@@ -1,4 +1,4 @@
-"""A job's dataset read whole into labelled examples, from any location `tables.open_table` opens (JSON /
+"""A job's dataset read whole into labelled examples, from any location `locations.open_table` opens (JSON /
 JSONL, parquet, arrow, a saved `datasets` folder, a folder of files), with a `split` and a column mapping
 (`columns`: the format's field name -> the dataset's column name) applied to every row."""
 
@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.data.formats import PreferenceFormat
+from actors.data.locations import open_table
 from actors.data.pairs import PreferencePair, pair_tokens, tokenize_pair
 from actors.data.rows import DataError, _row_error
-from actors.data.tables import Row, RowTable, open_table
+from actors.data.tables import Row, RowTable
 from actors.data.tokenize import (
     Example,
     LoadedData,
@@ -131,7 +132,7 @@ def load_dataset_examples(
     columns: Mapping[str, str] | None = None,
     table: RowTable | None = None,
 ) -> LoadedData:
-    """Read and tokenize a whole dataset (`data`: see tables.py); like `load_examples` for a JSON file,
+    """Read and tokenize a whole dataset (`data`: see locations.py); like `load_examples` for a JSON file,
     which it reads the same way."""
     tokenize = RowTokenizer(fmt, tokenizer, max_seq_len=max_seq_len, train_on_prompt=train_on_prompt,
                             columns=columns)

@@ -24,7 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from actors.data.tables import RowTable, open_table
+from actors.data.locations import open_table
+from actors.data.tables import RowTable
 from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import is_uri
 

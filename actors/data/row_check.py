@@ -9,7 +9,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from actors.data.dataset import RowTokenizer, examples_from
-from actors.data.tables import open_table
+from actors.data.locations import open_table
 from actors.spec.job_spec import JobSpec
 from actors.storage.storage_uri import is_uri
 

@@ -205,9 +205,9 @@ def open_stream(data: Any, fmt: Any, tokenizer: Any, *, max_seq_len: int, train_
                 split: str = "train", columns: dict[str, str] | None = None, batch_size: int, seed: int,
                 epochs: int | None, eval_rows: int = 0, shuffle_window: int = 1000,
                 table: RowTable | None = None) -> StreamedData:
-    """Open `data` (see tables.py) as a stream: only the eval rows are read now."""
+    """Open `data` (see locations.py) as a stream: only the eval rows are read now."""
     from actors.data.dataset import RowTokenizer
-    from actors.data.tables import open_table
+    from actors.data.locations import open_table
 
     table = table if table is not None else open_table(data, split)
     table.check_streamable()

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from actors.data import DataFormat
-from actors.data.tables import hub_id_problem
+from actors.data.locations import hub_id_problem
 from actors.spec.evaluation_config import EarlyStopConfig, GenerationEval
 from actors.spec.field_types import JOB_NAME_PATTERN, Bounds, Location, Priority, Seed, StepCount, StrictModel
 from actors.spec.lora_config import LoraConfig

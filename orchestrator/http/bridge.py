@@ -25,7 +25,7 @@ from fastapi import HTTPException
 
 log = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 150.0   # a client call waits up to 120 s for a busy service (orchestrator.client._call)
+CALL_TIMEOUT_S = 150.0   # a client call waits up to 120 s for a busy service (orchestrator.scheduler_calls._call)
 BRIDGE_THREADS = 16
 GCS_RECONNECT_S = 15
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import json, os
 import ray
-from orchestrator.client import ensure_ray
+from orchestrator.ray_cluster import ensure_ray
 from orchestrator.private_ray import QUIET_SETTINGS
 
 before = {name: os.environ.get(name) for name in QUIET_SETTINGS}

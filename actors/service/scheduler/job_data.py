@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 from actors.data import DataCursor, Example, split_eval
 from actors.data.dataset import load_dataset_examples
 from actors.data.digest import data_digest
+from actors.data.locations import open_table
 from actors.data.streaming import StreamingCursor, open_stream
-from actors.data.tables import RowTable, open_table
+from actors.data.tables import RowTable
 from actors.service.trainer.feed import FeedChunk
 from actors.service.trainer.stop_verdicts import VERDICT_LAG
 from actors.spec.job_spec import cursor_epochs, planned_steps

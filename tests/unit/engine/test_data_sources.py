@@ -1,4 +1,4 @@
-"""Dataset sources beyond one JSON file (actors/data/tables.py, dataset.py, streaming.py,
+"""Dataset sources beyond one JSON file (actors/data/locations.py, tables.py, dataset.py, streaming.py,
 sharegpt.py): a saved DatasetDict with a split and a column mapping, parquet, arrow and folders of files give
 the examples the equivalent JSONL gives (read by the JSONL reader, `load_examples`); ShareGPT rows the
 tokens and labels of the equivalent `messages` rows; streaming the batches of the in-memory `DataCursor`

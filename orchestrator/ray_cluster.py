@@ -1,0 +1,76 @@
+"""The Ray cluster under the client: the one at an address, checked to answer before Ray is asked to join
+it, or a private local one started in this process (`ensure_ray`); and the actor options that keep the
+scheduler on the cluster's head node."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import ray
+
+from actors.service.scheduler.config import NAMESPACE
+from orchestrator.errors import ServiceError
+from orchestrator.private_ray import start_private_cluster
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast, with the address and the fix, where no Ray cluster answers (ray.init would wait for
+    minutes). Ray client addresses (ray://) are left to Ray."""
+    if address.startswith("ray://"):
+        return
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    try:
+        target = canonicalize_bootstrap_address_or_die(address)
+    except ConnectionError as error:
+        raise ServiceError(f"no running Ray cluster found ({error}); start one with `ray start --head` (see the "
+                           "README's cluster set-up) or pass --address / set RAY_ADDRESS") from None
+    except ValueError as error:
+        raise ValueError(f"--address {address!r}: {error}; give host:port, e.g. 127.0.0.1:6379") from None
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            pass
+    except OSError as error:
+        shown = address if target == address else f"{address} ({target})"
+        raise ServiceError(f"no Ray cluster answers at {shown}: {error.strerror or error}; check --address / "
+                           "RAY_ADDRESS, or start the cluster with `ray start --head`") from None
+
+
+def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
+    """Connect to the Ray cluster at `address` (or $RAY_ADDRESS); without either, start a private local
+    one (no dashboard: its processes would take CPU from training on small machines)."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
+        except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
+            cause = str(error.__cause__ or "").split(". ")[0]
+            raise ServiceError(f"{error}{f' ({cause})' if cause else ''}; if it is your service's cluster and "
+                               "uses token authentication, this process needs its token (~/.ray/auth_token or "
+                               "RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token; else name yours with --address or "
+                               "RAY_ADDRESS") from None
+        return
+    init_kwargs.setdefault("include_dashboard", False)
+    # Ray starts worker processes at nice 15; a trainer's OpenMP threads then lose every contest with
+    # Ray's own processes and each lost slice stalls a whole parallel region (measured: 10-15% slower
+    # steps on 2 cores). Our local cluster's workers run at normal priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
+
+
+def _on_head_node() -> dict[str, Any]:
+    """Actor options that keep the scheduler on the cluster's head node, next to its job table: a worker
+    node may leave the cluster at any time, the head lives as long as the cluster does (and a scheduler
+    restarted after its process died comes back there, to the same table)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from actors.ray_trainers import head_node_id
+
+    head = head_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)} if head else {}

@@ -1,0 +1,42 @@
+"""A call to the service's scheduler actor as the client makes it: Ray's answer, with the service's own error
+raised in place of Ray's wrapper (`_call`), and the reason a scheduler that could not start gave
+(`_init_failure`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from orchestrator.errors import ServiceError
+
+
+def _call(ref: ray.ObjectRef, timeout: float | None = 120) -> Any:
+    """`ray.get`, with the service's own error (not Ray's wrapper) raised: a bad request as ValueError /
+    KeyError with the service's message, a service that cannot act now (its job table is locked, its
+    state dir in use) as ServiceError."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except RayTaskError as error:
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, (KeyError, ValueError)):
+            message = cause.args[0] if cause.args else str(cause)
+            raise type(cause)(message) from None
+        if isinstance(cause, (RuntimeError, TimeoutError, OSError)) and not isinstance(cause, RayActorError):
+            raise ServiceError(str(cause)) from None
+        raise
+    except GetTimeoutError:
+        raise ServiceError(f"the aspen service did not answer within {timeout:.0f}s; it may be busy or stuck "
+                           "(see its log: the Ray dashboard, or /tmp/ray/session_latest/logs)") from None
+
+
+def _init_failure(error: RayActorError) -> str:
+    """The last line of the scheduler's constructor error (Ray's message around it is long)."""
+    text = str(getattr(error, "error_msg", "") or error).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    # the service's own errors say everything in their message: `actors.x.JobTableDamaged: ...` without the name
+    return re.sub(r"^actors(\.\w+)+: ", "", lines[-1])

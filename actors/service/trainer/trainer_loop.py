@@ -12,9 +12,10 @@ trainer's stages (`stages: N`: actors/service/pipeline/pipeline_engine.py) throu
 The loop's parts, each in its own module: what it steps (step_engine.py: one device's trainer or a
 pipeline's), what it holds for each job (active_job.py) and how a job starts (job_attach.py), the link to each
 job's data and stop rule (job_link.py, stop_verdicts.py) and the waits on them (job_waits.py), memory
-admission (step_admission.py), how a job leaves (job_ends.py), its step log (step_log.py), interactive
-models' calls between the jobs' steps (interactive_calls.py: the Tinker API's), the jobs whose
-output_dir is a storage URI (remote_outputs.py), and its commands from other threads (trainer_commands.py).
+admission (step_admission.py), what is booked after each step (step_booking.py), how a job leaves
+(job_ends.py), its step log (step_log.py), interactive models' calls between the jobs' steps
+(interactive_calls.py: the Tinker API's), the jobs whose output_dir is a storage URI (remote_outputs.py), and
+its commands from other threads (trainer_commands.py).
 
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
@@ -25,19 +26,16 @@ import logging
 import time
 from pathlib import Path
 
-from actors.checkpoint import DataChanged, save_checkpoint
-from actors.engine.generation_eval import MetricError
+from actors.checkpoint import DataChanged
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.trainer import FusedTrainer, StepReport
-from actors.service.outputs.job_files import CHECKPOINT_FOLDER
 from actors.service.outputs.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.outputs.tracking import CLOSE_WAIT_S, JobTracker
 from actors.service.pipeline.pipeline_admission import PipelineAdmission
 from actors.service.pipeline.pipeline_engine import PipelineEngine
 from actors.service.pipeline.pipeline_processes import StageLost
 from actors.service.scheduler.config import TrainerConfig, trainer_step_log
-from actors.service.scheduler.job_data import JobUpdate
 from actors.service.trainer.active_job import ActiveJob
 from actors.service.trainer.feed import JobLinkLost
 from actors.service.trainer.interactive_calls import InteractiveCalls
@@ -47,6 +45,7 @@ from actors.service.trainer.job_ends import JobEnds
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.job_waits import JobWaits
 from actors.service.trainer.step_admission import StepAdmission, memory_in_use
+from actors.service.trainer.step_booking import StepBooking
 from actors.service.trainer.step_engine import StepEngine
 from actors.service.trainer.step_log import StepLog, StepTotals
 from actors.service.trainer.trainer_commands import Commands
@@ -102,13 +101,14 @@ class TrainerLoop:
         self.outputs = RemoteOutputs(trainer_id, staging_dir, config.upload_timeout_s, self.events,
                                      self.commands.wake)
         self.job_ids: list[str] = []   # for status(), replaced (not mutated) by the loop thread
-        self.last_step_job_tokens: dict[str, int] = {}   # each job's real tokens in the last fused step (status)
         # what adapters record as their base: an id a serving engine resolves, and where it was loaded from
         base = self.trainer.base
         self.base_identity = base_identity(base.name, base.source, quantization=base.quantization,
                                            dtype=str(base.dtype).removeprefix("torch."))
         self.trackers: list[JobTracker] = []   # trackers still writing (waited for at close)
         self.ends = JobEnds(trainer_id, self.trainer, self.active, self.events, self.outputs, self.base_identity)
+        self.booking = StepBooking(trainer_id, config, self.trainer, self.active, self.events, self.outputs,
+                                   self.base_identity, self.step_log, self.totals, self.ends.finish)
         # interactive models (the Tinker API's), their calls run between the jobs' steps; one device only
         # (a pass no larger than a step: the trainer's memory plan covers it)
         self.interactive = (InteractiveCalls(base, window_s=config.interactive_window_s,
@@ -158,7 +158,8 @@ class TrainerLoop:
             data_waits=totals.data_waits, memory_coefficients=tuple(admission.memory_model.coefficients.tolist()),
             memory_error=admission.memory_model.mean_error, longest_sequence=totals.longest_sequence,
             step_tokens=self.trainer.step_tokens, max_jobs=self.config.max_jobs,
-            memory_in_use_bytes=memory_in_use(base.device), last_step_job_tokens=dict(self.last_step_job_tokens))
+            memory_in_use_bytes=memory_in_use(base.device),
+            last_step_job_tokens=dict(self.booking.last_step_job_tokens))
 
     def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
         """From the stepping thread, between steps: `prompt` continued by the job's current adapter and by
@@ -219,7 +220,7 @@ class TrainerLoop:
                 return None
             self.totals.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
             self.admission.observe(shape, report, predicted)
-            self._after_step(report, predicted, resident, shape.adapter_parameters)
+            self.booking.after_step(report, predicted, resident, shape.adapter_parameters)
         for active in list(self.active.values()):
             if active.job.done:
                 self.ends.finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
@@ -314,76 +315,6 @@ class TrainerLoop:
         self.events.emit("started", job_id, job.step, resumed_from=start.resumed_from, total_steps=job.total_steps,
                          trainer=self.trainer_id, history=history, evals=evals, tokens=job.tokens_seen,
                          checkpoint_note=start.note)
-
-    # -- after a step -----------------------------------------------------------------------------------
-    def _after_step(self, report: StepReport, predicted: int, predicted_resident: int | None,
-                    adapter_parameters: int) -> None:
-        self.totals.add(report)
-        row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
-               # the allocator's peak (what the memory model learns), and on a CPU the resident set's (admitted by)
-               "predicted_memory_bytes": predicted, "predicted_resident_bytes": predicted_resident,
-               "adapter_parameters": adapter_parameters,
-               "sequence_lengths": report.sequence_lengths,
-               # what each user is accounted (actors/service/events/event_booking.py): each job's real tokens of the
-               # step, and the GPUs the step ran on (its stages on CUDA; none on a CPU)
-               "job_tokens": {result.job: result.tokens for result in report.results},
-               "gpus": self.config.stages if self.base.device.type == "cuda" else 0}
-        self.step_log.write(row)
-        self.last_step_job_tokens = dict(row["job_tokens"])   # after its row is in the step log
-        self.events.emit("step", "", report.step, **row)
-        now = time.time()
-        for result in report.results:
-            active = self.active[result.job]
-            record = result.optimizer_step
-            if record is None:
-                continue
-            job = active.job
-            update = JobUpdate(steps=[record.as_row()])
-            row = record.as_row()   # its metrics.jsonl row, written once the step's evaluation (if any) is done
-            seconds = max(now - active.last_step_time, 1e-9)
-            active.last_step_time = now
-            self.events.emit("progress", result.job, record.step, **record.as_row(),
-                             tokens_per_s=record.tokens / seconds, total_steps=job.total_steps)
-            if active.tracker is not None:
-                active.tracker.step(record.as_row(), record.tokens / seconds)
-            spec = job.spec
-            if job.eval_examples and spec.eval_every and record.step % spec.eval_every == 0:
-                try:
-                    eval_loss, score = active.evaluate(self.trainer, update)
-                except MetricError as error:   # a user's metric function: that job fails, the others go on
-                    self.ends.finish(active, "failed", f"evaluation after step {record.step} failed: {error}")
-                    continue
-                self.events.emit("eval", result.job, record.step, eval_loss=eval_loss, eval_score=score)
-                row["eval_loss"] = eval_loss
-                if score is not None:
-                    row["eval_score"] = score
-            active.files.append(row)
-            if self._checkpoint_due(active, record.step) and not job.done:
-                self._checkpoint(active)
-            active.verdicts.expect(record.step, active.assignment.link.update(update))
-            if active.files.failed:
-                self.ends.finish(active, "failed", active.files.failed)
-
-    def _checkpoint_due(self, active: ActiveJob, step: int) -> bool:
-        every_s = active.job.spec.checkpoint_every_s
-        return (step % active.job.spec.checkpoint_every == 0
-                or (every_s is not None and time.monotonic() - active.last_checkpoint >= every_s))
-
-    def _checkpoint(self, active: ActiveJob) -> None:
-        """A periodic checkpoint; a failed write is counted against the job's folder and tried again at its
-        next step (the previous checkpoint stays in place meanwhile)."""
-        job = active.job
-        try:
-            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id)
-        except OSError as error:
-            active.files.failed_write(error, CHECKPOINT_FOLDER)
-            return
-        active.files.succeeded(CHECKPOINT_FOLDER)
-        active.last_checkpoint = time.monotonic()
-        if active.mirror is None:
-            self.events.emit("checkpoint", active.job_id, job.step)
-            return
-        self.outputs.checkpoint_saved(active, job.step)   # uploaded in the background; its event when that ends
 
     # -- a pipeline that lost a stage --------------------------------------------------------------------
     def _pipeline_lost(self, error: StageLost) -> None:

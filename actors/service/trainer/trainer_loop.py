@@ -29,7 +29,8 @@ from actors.checkpoint import DataChanged, save_checkpoint
 from actors.engine.generation_eval import MetricError
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
-from actors.engine.trainer import FusedTrainer, StepReport
+from actors.engine.step_report import StepReport
+from actors.engine.trainer import FusedTrainer
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER
 from actors.service.outputs.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.outputs.tracking import CLOSE_WAIT_S, JobTracker

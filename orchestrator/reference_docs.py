@@ -174,8 +174,9 @@ NEWCOMERS_PATH: list[tuple[str, list[str]]] = [
     ("each fused step is admitted under the memory budget, packed, and run: one forward/backward, each job's "
      "tokens through its own adapter, each job's loss and optimizer",
      ["actors/service/trainer/step_admission.py", "actors/service/trainer/step_engine.py", "actors/engine/trainer.py",
-      "actors/engine/packing.py", "actors/engine/fused_linear.py", "actors/engine/lora_adapter.py",
-      "actors/engine/loss.py", "actors/engine/optim.py"]),
+      "actors/engine/step_composition.py", "actors/engine/packing.py", "actors/engine/fused_linear.py",
+      "actors/engine/lora_adapter.py", "actors/engine/loss.py", "actors/engine/optim.py",
+      "actors/engine/joint_steps.py"]),
     ("the step's rows go to the step log and the job's metrics.jsonl, checkpoints are saved crash-safely",
      ["actors/service/trainer/step_booking.py", "actors/service/trainer/step_log.py",
       "actors/service/outputs/job_files.py", "actors/checkpoint/save.py", "actors/storage/durable.py"]),

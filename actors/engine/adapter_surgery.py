@@ -147,7 +147,7 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
     candidates = linear_module_names(model)
     # in the model's own order, layer by layer, whatever the order of `target_modules`: a pipeline stage then
     # holds a contiguous run of the adapter's tensors, and its gradient norm sums in the same order
-    # (optim.chained_sum) on one device and over stages
+    # (joint_steps.chained_sum) on one device and over stages
     wanted = set(match_targets(candidates, config.target_modules))
     targets = [name for name in candidates if name in wanted]
     # a pipeline stage holds some layers only, the others on `meta` (actors/engine/pipeline/stage_model.py)

@@ -3,9 +3,10 @@ steps its user drives, call by call: gradients accumulate over `forward_backward
 (actors/engine/interactive_step.py) until `optim_step` applies one AdamW step with the parameters the call
 gives, as the Tinker SDK defines them (torch.optim.AdamW's update; weight decay 0 unless given; gradient
 clipping by global norm when `grad_clip_norm` > 0), and clears them. The step is computed as an aspen job's
-(actors/engine/optim.py: the same fused AdamW kernel, the norm summed and the clip factor taken the same way), so
-that a model whose calls carry a job's batches, weighted 1/N (N: the step's target tokens, a power of two) and
-stepped with the job's settings, trains that job's adapter bit for bit (tests/servers/test_tinker_vs_job.py).
+(actors/engine/optim.py, joint_steps.py: the same fused AdamW kernel, the norm summed and the clip factor taken
+the same way), so that a model whose calls carry a job's batches, weighted 1/N (N: the step's target tokens, a
+power of two) and stepped with the job's settings, trains that job's adapter bit for bit
+(tests/servers/test_tinker_vs_job.py).
 
 Its adapter is LoRA on every linear layer of the base's decoder, rank as asked, alpha 32 at every rank (as
 Thinking Machines' "LoRA Without Regret" sets it), no dropout; B starts at zero, so a new model is the base."""
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
+from actors.engine.joint_steps import chained_sum
 from actors.engine.models import BaseModel
-from actors.engine.optim import chained_sum, fused_option
+from actors.engine.optim import fused_option
 from actors.spec.lora_config import LoraConfig
 
 LORA_ALPHA = 32
@@ -134,7 +136,7 @@ class InteractiveModel:
 
 def clip_gradients(parameters: list[torch.nn.Parameter], limit: float) -> float:
     """The gradients' global norm, and with `limit` > 0 the gradients scaled to at most that norm, as an aspen
-    job's step takes them (optim.gradient_squares, chained_sum, apply_step): each tensor's norm squared in
+    job's step takes them (joint_steps.gradient_squares, chained_sum, apply_step): each tensor's norm squared in
     float64, summed from the last tensor back, the factor min(limit / (norm + 1e-6), 1)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:

@@ -108,7 +108,7 @@ class TrainingJob:
                          metrics: dict[str, float] | None = None) -> bool:
         """Book a finished micro-batch; True when the job's optimizer step is due (its accumulation is
         complete, or the data ran out mid-accumulation): take it (`optimizer.step`, or the trainer's
-        `optim.step_jobs` with other jobs') with `accumulator.targets`, then call `optimizer_stepped`.
+        `joint_steps.step_jobs` with other jobs') with `accumulator.targets`, then call `optimizer_stepped`.
         A preference job's `targets` are its pairs (its optimizer's mean is over them) and `metrics` its
         rewards' means over them."""
         due = self.count_micro_batch(tokens, targets)

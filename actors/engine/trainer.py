@@ -4,25 +4,26 @@ A step packs one micro-batch from each joining job into one token stream (groupe
 base model once with each job's tokens through its own adapter, computes each job's loss as the mean
 over its own target tokens (LM head only at target positions, in chunks), sums the jobs' losses, runs
 one backward, and steps the optimizers of the jobs whose accumulation is complete (together:
-`optim.step_jobs`). Preference jobs (method dpo / orpo) share the step: their pairs' sequences are packed
-beside the others' and their losses are functions of per-sequence log-probabilities
+`joint_steps.step_jobs`). Preference jobs (method dpo / orpo) share the step: their pairs' sequences are
+packed beside the others' and their losses are functions of per-sequence log-probabilities
 (actors/engine/preference.py); a DPO job's reference is the base without adapter, from a no-grad forward
 of its new pairs before the step's forward (cached per pair). GRPO jobs' prompts become sampled, scored
-completions before the step (`rollouts`: actors/engine/grpo.py) and train beside the others."""
+completions before the step (`rollouts`: actors/engine/grpo.py) and train beside the others.
+
+Which jobs join a step, and its cost in tokens: actors/engine/step_composition.py; what a step reports:
+actors/engine/step_report.py."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from actors.data import Example
 from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
-from actors.engine.compiled import CompiledLayers, bucket_length, check_compile, pad_to_bucket
+from actors.engine.compiled import CompiledLayers, check_compile, pad_to_bucket
 from actors.engine.generation_eval import generation_scores
 from actors.engine.grpo import (
     SAMPLING_SIZES,
@@ -32,7 +33,8 @@ from actors.engine.grpo import (
     rollouts,
     sampling_bytes,
 )
-from actors.engine.job import BatchSource, OptimizerStepRecord, TrainingJob
+from actors.engine.job import BatchSource, TrainingJob
+from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
 from actors.engine.memory import (
@@ -44,54 +46,19 @@ from actors.engine.memory import (
     resident_measurable,
 )
 from actors.engine.models import BaseModel
-from actors.engine.optim import step_jobs
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
+from actors.engine.step_composition import StepComposition
 from actors.engine.step_objective import ObjectiveJob, step_objective
+from actors.engine.step_report import JobStepResult, StepReport
 from actors.spec.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
 from actors.spec.job_spec import JobSpec
 from actors.spec.method_config import PREFERENCE_METHODS
-from policies.base import NextBatch, StepComposer
-
-log = logging.getLogger(__name__)
+from policies.base import StepComposer
 
 
-@dataclass(kw_only=True)
-class JobStepResult:
-    job: str
-    loss: float            # mean over the job's target tokens in this micro-batch
-    tokens: int            # real tokens of the job's micro-batch
-    targets: int
-    optimizer_step: OptimizerStepRecord | None
-
-
-@dataclass(kw_only=True)
-class StepReport:
-    """One row of trainer.jsonl (plus per-job results)."""
-
-    step: int
-    jobs: list[str]
-    tokens: int            # tokens processed, padding included
-    padding_tokens: int
-    seconds: float
-    peak_memory_bytes: int
-    sequence_lengths: list[int] = field(default_factory=list)
-    results: list[JobStepResult] = field(default_factory=list)
-    # peak_memory_bytes counted by the allocator (CUDA always; CPU when the step ran with `measure`), not
-    # the saved-tensor estimate of `StepMemoryMeter`
-    memory_measured: bool = False
-    # CPU (Linux): the process's peak resident set during the step, its start included (what the kernel counts)
-    resident_peak_bytes: int | None = None
-
-    def as_row(self) -> dict:
-        return {"step": self.step, "jobs": self.jobs, "tokens": self.tokens,
-                "padding_tokens": self.padding_tokens, "seconds": round(self.seconds, 6),
-                "peak_memory_bytes": self.peak_memory_bytes, "memory_measured": self.memory_measured,
-                "resident_peak_bytes": self.resident_peak_bytes}
-
-
-class FusedTrainer:
+class FusedTrainer(StepComposition):
     lost: Exception | None = None        # one device never loses a pipeline stage (service/trainer/step_engine.py)
     generation_refusal: str | None = None   # it continues prompts ("try it")
 
@@ -158,81 +125,7 @@ class FusedTrainer:
     def active_jobs(self) -> list[TrainingJob]:
         return [job for job in self.jobs.values() if not job.done]
 
-    # -- composing a step -------------------------------------------------------------------------
-    def compose(self, jobs: list[TrainingJob] | None = None,
-                fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
-        """Which jobs join the next step. With a `composer` (a policy's `compose_step`, e.g. MinPad), it
-        chooses; otherwise round-robin from where the last step left off, each job's next micro-batch
-        taken while the step stays within `step_tokens` and, with `fits`, within what `fits` allows
-        (e.g. a memory budget); the first always joins."""
-        candidates = [job for job in (jobs if jobs is not None else self.active_jobs) if job.peek() is not None]
-        if not candidates:
-            return []
-        start = self.rotation % len(candidates)
-        ordered = candidates[start:] + candidates[:start]
-        self.rotation += 1
-        chosen = None
-        if self.composer is not None:
-            try:
-                chosen = self._composed(ordered, fits)
-            except Exception as error:  # a policy's step composer is plug-in code: contained
-                if not self.composer_failed:
-                    log.exception("step composer %s failed (%r); composing round-robin until it works again",
-                                  type(self.composer).__name__, error)
-                self.composer_failed = True
-            else:
-                self.composer_failed = False
-        if chosen is None:
-            chosen = []
-            for job in ordered:
-                batch = job.peek()
-                trial = [self.planned(JobMicroBatch(j.name, b)) for j, b in chosen] + [
-                    self.planned(JobMicroBatch(job.name, batch))]
-                cost = self.step_cost(trial)
-                if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
-                    continue
-                chosen.append((job, batch))
-        for job, _ in chosen:
-            self.last_joined[job.name] = self.step_count
-        # Keep the stream grouped in a stable order (the order jobs were added).
-        order = {name: i for i, name in enumerate(self.jobs)}
-        chosen.sort(key=lambda pair: order[pair[0].name])
-        return [(job, job.take()) for job, _ in chosen]
-
-    def _composed(self, ordered: list[TrainingJob],
-                  fits: Callable[[list[JobMicroBatch]], bool] | None) -> list[tuple[TrainingJob, list[Example]]]:
-        """Ask the composer; check that its answer is a non-empty set of these jobs within the budget."""
-        by_name = {job.name: job for job in ordered}
-        batches = {job.name: job.peek() for job in ordered}
-        views = [NextBatch(job.name, tuple(len(e) for e in batches[job.name]),
-                           self.step_count - self.last_joined.get(job.name, -1) - 1, job.spec.priority)
-                 for job in ordered]
-
-        def micro(chosen: list[NextBatch]) -> list[JobMicroBatch]:
-            return [self.planned(JobMicroBatch(v.job, batches[v.job])) for v in chosen]
-
-        names = self.composer.compose_step(views, lambda chosen: self.step_cost(micro(chosen)), self.step_tokens,
-                                           lambda chosen: fits is None or fits(micro(chosen)))
-        unknown = [name for name in names if name not in by_name]
-        if not names or unknown or len(set(names)) != len(names):
-            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}: it must return a "
-                             f"non-empty list of distinct jobs from {sorted(by_name)}")
-        if len(names) > 1 and self.step_cost(micro([v for v in views if v.job in names])) > self.step_tokens:
-            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}, which exceeds the "
-                             f"step's {self.step_tokens} tokens")
-        return [(by_name[name], batches[name]) for name in names]
-
-    def planned(self, micro_batch: JobMicroBatch) -> JobMicroBatch:
-        """The micro-batch as the step will hold it: a GRPO job's prompts each as `num_generations` sequences of
-        the prompt's row and `max_new_tokens` more (the most its completions take), the others as they are."""
-        job = self.jobs.get(micro_batch.job)
-        config = job.spec.grpo if job is not None else None
-        if config is None or not micro_batch.examples or not isinstance(micro_batch.examples[0], Example):
-            return micro_batch
-        stand_ins = [Example((0,) * (len(e) + config.max_new_tokens), (0,) * (len(e) + config.max_new_tokens))
-                     for e in micro_batch.examples for _ in range(config.num_generations)]
-        return JobMicroBatch(micro_batch.job, stand_ins)
-
+    # -- a step's GRPO completions ----------------------------------------------------------------
     def rollouts(self, chosen: list[tuple[TrainingJob, list[Example]]]
                  ) -> tuple[list[tuple[TrainingJob, list]], list[tuple[TrainingJob, Exception]]]:
         """The chosen micro-batches with each GRPO job's prompts expanded into sampled, scored completions
@@ -261,12 +154,6 @@ class FusedTrainer:
                 continue
             kept.append((job, expanded))
         return kept, failed
-
-    def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
-        """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
-        longest = max(len(e) for mb in micro_batches for e in mb.rows)
-        tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
-        return bucket_length(tokens) if self.compiled is not None else tokens
 
     # -- running a step ---------------------------------------------------------------------------
     def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False) -> StepReport:

@@ -14,8 +14,8 @@ import torch
 
 from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_grouped_mm, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
+from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import step_layout
-from actors.engine.optim import step_jobs
 from tests.helpers.flat_adamw_jobs import (
     add_gradients,
     assert_within_adamw_rounding,

@@ -8,7 +8,7 @@ recomputation and a stage killed: test_pipeline_faults.py.
 Why bit for bit: a stage runs the model's own decoder forward on its layers (actors/engine/pipeline/
 stage_model.py) over the same packed stream, every job's arithmetic is its own (test_isolation.py), a job's
 micro-batches keep their order at every stage, its gradient norm is summed in the same order
-(optim.chained_sum) and its dropout generator's state moves with its activations. Each process computes
+(joint_steps.chained_sum) and its dropout generator's state moves with its activations. Each process computes
 with one thread, the reference too (an SVD's or a reduction's rounding may depend on the thread count)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The jobs' gradient norms over a pipeline's stages, summed as one device sums them.
 
 When a micro-batch closes a job's accumulation, each stage divides the job's gradients by its step's target
-count and adds its tensors' squared norms to the partial sum the next stage passed back (`optim.chained_sum`,
+count and adds its tensors' squared norms to the partial sum the next stage passed back (`joint_steps.chained_sum`,
 last stage first), so stage 0 ends with the same float64 sum a single device computes; it sends the total to
 every stage, and each takes it for the job's optimizer step there (clip by the total)."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from actors.engine.optim import chained_sum, gradient_squares
+from actors.engine.joint_steps import chained_sum, gradient_squares
 from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
 from actors.engine.pipeline.stage_jobs import StageJob
 from actors.engine.pipeline.stage_messages import PlanMessage

@@ -16,7 +16,7 @@ import collections
 
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.stage_memory import StageMemory
-from actors.engine.trainer import StepReport
+from actors.engine.step_report import StepReport
 from actors.service.pipeline.pipeline_engine import PipelineEngine
 from actors.service.trainer.step_admission import MEASURE_EVERY, MEASURE_FIRST, MEMORY_MARGIN, default_memory_budget
 from actors.spec.job_spec import JobSpec

@@ -29,7 +29,7 @@ from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.pipeline.stage_messages import StageSettings
-from actors.engine.trainer import JobStepResult, StepReport
+from actors.engine.step_report import JobStepResult, StepReport
 from actors.service.pipeline.pipeline_job import PipelineJob
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
 from actors.spec.job_spec import JobSpec

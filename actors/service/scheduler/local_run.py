@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from actors.engine.models import BaseModel, load_base_model
-from actors.engine.trainer import StepReport
+from actors.engine.step_report import StepReport
 from actors.service.outputs.job_files import clear_job_folder
 from actors.service.pipeline.pipeline_engine import PipelineEngine, start_pipeline
 from actors.service.scheduler.config import StorageConfig, TrainerConfig, run_service_config

@@ -25,7 +25,8 @@ from actors.engine.memory_prior import (
     probe_base_activation,
 )
 from actors.engine.packing import JobMicroBatch
-from actors.engine.trainer import FusedTrainer, StepReport
+from actors.engine.step_report import StepReport
+from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.trainer_settings import AUTO_STEP_TOKENS_FLOOR

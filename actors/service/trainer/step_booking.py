@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from actors.checkpoint import save_checkpoint
 from actors.engine.generation_eval import MetricError
-from actors.engine.trainer import StepReport
+from actors.engine.step_report import StepReport
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER
 from actors.service.outputs.remote_outputs import RemoteOutputs
 from actors.service.scheduler.config import TrainerConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from actors.engine.models import BaseModel
-from actors.engine.trainer import StepReport
+from actors.engine.step_report import StepReport
 
 
 @runtime_checkable

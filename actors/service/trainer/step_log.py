@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.engine.trainer import StepReport
+from actors.engine.step_report import StepReport
 from actors.storage.durable import append_whole
 
 log = logging.getLogger(__name__)

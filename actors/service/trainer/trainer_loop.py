@@ -29,7 +29,8 @@ from pathlib import Path
 from actors.checkpoint import DataChanged
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
-from actors.engine.trainer import FusedTrainer, StepReport
+from actors.engine.step_report import StepReport
+from actors.engine.trainer import FusedTrainer
 from actors.service.outputs.remote_outputs import LeavingJob, RemoteOutputs
 from actors.service.outputs.tracking import CLOSE_WAIT_S, JobTracker
 from actors.service.pipeline.pipeline_admission import PipelineAdmission

@@ -24,8 +24,8 @@ import torch
 
 from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
+from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import step_layout
-from actors.engine.optim import step_jobs
 from tests.helpers.flat_adamw_jobs import add_gradients, pooled_job, spec
 from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of, pooled_layer
 from tests.helpers.tolerances import ADAMW_ROUNDINGS, unit_roundoff

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from actors.engine import flat_adamw
-from actors.engine.optim import JobOptimizer, step_jobs
+from actors.engine.joint_steps import step_jobs
+from actors.engine.optim import JobOptimizer
 from tests.helpers.flat_adamw_jobs import (
     add_gradients,
     assert_within_adamw_rounding,

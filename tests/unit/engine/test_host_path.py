@@ -12,8 +12,9 @@ import torch
 
 from actors.engine import trainer as trainer_module
 from actors.engine.job import TrainingJob
+from actors.engine.joint_steps import step_jobs
 from actors.engine.models import from_module
-from actors.engine.optim import JobOptimizer, step_jobs
+from actors.engine.optim import JobOptimizer
 from actors.engine.packing import JobMicroBatch, pack
 from tests.helpers.fused import VOCAB, job_spec
 from tests.helpers.models import random_examples, tiny_model

@@ -51,7 +51,7 @@ def operations_per_step(base, jobs: int, lora_configs: list[dict] | None = None)
 
 def test_grouped_step_operations_do_not_grow_with_adapters(base, monkeypatch):
     """Grouped: 8 and 32 adapters dispatch at most 5% more operations than 1 (forward, backward, loss and
-    the optimizer steps, which `optim.step_jobs` takes together); per segment the same steps grow (the
+    the optimizer steps, which `joint_steps.step_jobs` takes together); per segment the same steps grow (the
     counter does see per-adapter work)."""
     monkeypatch.setattr(lora_grouped, "GROUPING", "grouped")
     grouped = {jobs: operations_per_step(base, jobs) for jobs in (1, 8, 32)}

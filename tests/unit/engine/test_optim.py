@@ -101,7 +101,7 @@ def test_jobs_stepped_together_equal_their_own_steps_and_each_other_alone():
     clip_grad_norm_ and AdamW): the same lr, the same norm and weights to float32 rounding of the norm
     (summed in float64, another order); a loss-scaled job takes its own step. And a job stepped beside others
     ends bit for bit where it ends stepped alone (isolation)."""
-    from actors.engine.optim import step_jobs
+    from actors.engine.joint_steps import step_jobs
 
     def spec(name, **overrides):
         fields = dict(name=name, data="x", format={"type": "text"}, lr=0.05, lr_schedule="cosine", warmup_steps=1,

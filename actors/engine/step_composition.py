@@ -1,0 +1,116 @@
+"""Composing a fused step: which jobs join it (round-robin within the step's tokens and a memory budget, or
+a policy's step composer, its answer checked and its failure contained), each job's micro-batch as the step
+will hold it (a GRPO job's prompts as their longest completions), and the step's tokens, padding included.
+`FusedTrainer` (actors/engine/trainer.py) composes its steps so: it is a `StepComposition`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from actors.data import Example
+from actors.engine.compiled import CompiledLayers, bucket_length
+from actors.engine.job import TrainingJob
+from actors.engine.packing import JobMicroBatch
+from actors.spec.base_settings import Layout
+from policies.base import NextBatch, StepComposer
+
+log = logging.getLogger(__name__)
+
+
+class StepComposition:
+    """A trainer's composition of its steps (`compose`, `planned`, `step_cost`), over what the trainer holds:
+    its jobs (in the order they were added), its step count, its step's tokens, its layout, whether it
+    compiles, its step composer, and what composing keeps from step to step (`rotation`, `last_joined`,
+    `composer_failed`)."""
+
+    jobs: dict[str, TrainingJob]
+    active_jobs: list[TrainingJob]
+    composer: StepComposer | None
+    composer_failed: bool
+    last_joined: dict[str, int]
+    rotation: int
+    step_count: int
+    step_tokens: int
+    layout: Layout
+    compiled: CompiledLayers | None
+
+    def compose(self, jobs: list[TrainingJob] | None = None,
+                fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
+        """Which jobs join the next step. With a `composer` (a policy's `compose_step`, e.g. MinPad), it
+        chooses; otherwise round-robin from where the last step left off, each job's next micro-batch
+        taken while the step stays within `step_tokens` and, with `fits`, within what `fits` allows
+        (e.g. a memory budget); the first always joins."""
+        candidates = [job for job in (jobs if jobs is not None else self.active_jobs) if job.peek() is not None]
+        if not candidates:
+            return []
+        start = self.rotation % len(candidates)
+        ordered = candidates[start:] + candidates[:start]
+        self.rotation += 1
+        chosen = None
+        if self.composer is not None:
+            try:
+                chosen = self._composed(ordered, fits)
+            except Exception as error:  # a policy's step composer is plug-in code: contained
+                if not self.composer_failed:
+                    log.exception("step composer %s failed (%r); composing round-robin until it works again",
+                                  type(self.composer).__name__, error)
+                self.composer_failed = True
+            else:
+                self.composer_failed = False
+        if chosen is None:
+            chosen = []
+            for job in ordered:
+                batch = job.peek()
+                trial = [self.planned(JobMicroBatch(j.name, b)) for j, b in chosen] + [
+                    self.planned(JobMicroBatch(job.name, batch))]
+                cost = self.step_cost(trial)
+                if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
+                    continue
+                chosen.append((job, batch))
+        for job, _ in chosen:
+            self.last_joined[job.name] = self.step_count
+        # Keep the stream grouped in a stable order (the order jobs were added).
+        order = {name: i for i, name in enumerate(self.jobs)}
+        chosen.sort(key=lambda pair: order[pair[0].name])
+        return [(job, job.take()) for job, _ in chosen]
+
+    def _composed(self, ordered: list[TrainingJob],
+                  fits: Callable[[list[JobMicroBatch]], bool] | None) -> list[tuple[TrainingJob, list[Example]]]:
+        """Ask the composer; check that its answer is a non-empty set of these jobs within the budget."""
+        by_name = {job.name: job for job in ordered}
+        batches = {job.name: job.peek() for job in ordered}
+        views = [NextBatch(job.name, tuple(len(e) for e in batches[job.name]),
+                           self.step_count - self.last_joined.get(job.name, -1) - 1, job.spec.priority)
+                 for job in ordered]
+
+        def micro(chosen: list[NextBatch]) -> list[JobMicroBatch]:
+            return [self.planned(JobMicroBatch(v.job, batches[v.job])) for v in chosen]
+
+        names = self.composer.compose_step(views, lambda chosen: self.step_cost(micro(chosen)), self.step_tokens,
+                                           lambda chosen: fits is None or fits(micro(chosen)))
+        unknown = [name for name in names if name not in by_name]
+        if not names or unknown or len(set(names)) != len(names):
+            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}: it must return a "
+                             f"non-empty list of distinct jobs from {sorted(by_name)}")
+        if len(names) > 1 and self.step_cost(micro([v for v in views if v.job in names])) > self.step_tokens:
+            raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}, which exceeds the "
+                             f"step's {self.step_tokens} tokens")
+        return [(by_name[name], batches[name]) for name in names]
+
+    def planned(self, micro_batch: JobMicroBatch) -> JobMicroBatch:
+        """The micro-batch as the step will hold it: a GRPO job's prompts each as `num_generations` sequences of
+        the prompt's row and `max_new_tokens` more (the most its completions take), the others as they are."""
+        job = self.jobs.get(micro_batch.job)
+        config = job.spec.grpo if job is not None else None
+        if config is None or not micro_batch.examples or not isinstance(micro_batch.examples[0], Example):
+            return micro_batch
+        stand_ins = [Example((0,) * (len(e) + config.max_new_tokens), (0,) * (len(e) + config.max_new_tokens))
+                     for e in micro_batch.examples for _ in range(config.num_generations)]
+        return JobMicroBatch(micro_batch.job, stand_ins)
+
+    def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
+        """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
+        longest = max(len(e) for mb in micro_batches for e in mb.rows)
+        tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
+        return bucket_length(tokens) if self.compiled is not None else tokens

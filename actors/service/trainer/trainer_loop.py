@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from actors.checkpoint import DataChanged
+from actors.checkpoint.peft_io import import_peft
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.step_report import StepReport
@@ -59,9 +60,8 @@ from policies.base import StepComposer
 log = logging.getLogger(__name__)
 
 CLOSE_UPLOAD_WAIT_S = 120.0       # at most this long (and upload_timeout_s) a closing trainer waits for uploads
-
-
 REAP_EVERY_S = 5.0   # how often interactive models whose HTTP server went silent are looked for
+
 
 class TrainerLoop:
     """A trainer's fused steps over its jobs. From any thread: `assign`, `stop_job`, `drain_events`, `status`;
@@ -75,6 +75,7 @@ class TrainerLoop:
         self.trainer_id = trainer_id
         self.trainer: StepEngine
         self.admission: StepAdmission | PipelineAdmission
+        import_peft()   # for the jobs' checkpoints, before the admission measures the process's runtime memory
         if engine is not None:
             self.trainer = engine
             # a pipeline that lost a stage is rebuilt, then admitted anew (`_restart_stages`)

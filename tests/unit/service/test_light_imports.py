@@ -78,3 +78,21 @@ def test_aspen_runs_driver_checks_rows_and_plans_its_trainer_without_torch(tmp_p
 
 def test_the_cuda_count_without_torch_is_torchs():
     assert_cuda_count_is_torchs()
+
+
+def test_a_trainer_imports_peft_with_its_base_not_at_its_first_checkpoint(tmp_path, tiny_model_dirs):
+    """A trainer loop imports PEFT (2-3 s with bitsandbytes installed, ~50 MiB) as it starts, before its memory
+    admission measures the process's runtime: a job's first checkpoint imported it, stalling that step and adding
+    memory the admission had not counted. Checked in a fresh interpreter, before any job or step."""
+    code = ("import json, sys\nfrom pathlib import Path\n"
+            "from actors.engine.models import load_base_model\n"
+            "from actors.service.scheduler.config import TrainerConfig\n"
+            "from actors.service.trainer.trainer_loop import TrainerLoop\n"
+            f"model = {str(tiny_model_dirs['llama'])!r}\n"
+            "before = 'peft' in sys.modules\n"
+            "loop = TrainerLoop(load_base_model(model, dtype='float32', device='cpu'), "
+            f"TrainerConfig(base_model=model, step_tokens=256), 't', Path({str(tmp_path)!r}))\n"
+            "print(json.dumps([before, 'peft' in sys.modules, loop.trainer.step_count]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [False, True, 0]

@@ -72,8 +72,8 @@ class MetricsListener:
         self.memory_in_use = Gauge("aspen_memory_in_use_bytes", "Memory the trainer holds now (CUDA allocated, "
                                    "or the process's resident set on CPU)", ["trainer"], registry=r)
         self.step_peak = Gauge("aspen_step_peak_memory_bytes", "Measured peak memory of the last fused step (the "
-                               "allocator's on CUDA; on CPU the process's peak resident set so far)", ["trainer"],
-                               registry=r)
+                               "allocator's on CUDA; on CPU the process's peak resident set during the step)",
+                               ["trainer"], registry=r)
         self.step_predicted = Gauge("aspen_step_predicted_peak_memory_bytes", "Peak memory the trainer admitted the "
                                     "last fused step by (on CPU the process's resident set)", ["trainer"], registry=r)
         self.budget = Gauge("aspen_memory_budget_bytes", "The trainer's memory budget", ["trainer"], registry=r)

@@ -27,7 +27,7 @@ class StepTotals:
     busy_seconds: float = 0.0     # time in fused steps
     tokens: int = 0
     padding_tokens: int = 0
-    peak_memory: int = 0          # the highest step peak so far (on a CPU the process's resident set)
+    peak_memory: int = 0          # the highest step peak so far (on a CPU the process's resident peak)
     longest_sequence: int = 0
     data_waits: int = 0           # times a step waited for a job's data
 
@@ -35,7 +35,13 @@ class StepTotals:
         self.busy_seconds += report.seconds
         self.tokens += report.tokens
         self.padding_tokens += report.padding_tokens
-        peak = report.resident_peak_bytes if report.resident_peak_bytes is not None else report.peak_memory_bytes
+        peak = report.peak_memory_bytes
+        if report.resident_peak_bytes is not None:
+            # on a CPU the process's peak: what ran between steps (a job's export, its start) counts against the
+            # budget too (imported here: the scheduler reads this module's paths and imports no torch)
+            from actors.engine.memory import process_peak_resident_bytes
+
+            peak = max(report.resident_peak_bytes, process_peak_resident_bytes())
         self.peak_memory = max(self.peak_memory, peak)
         self.longest_sequence = max([self.longest_sequence, *report.sequence_lengths])
 

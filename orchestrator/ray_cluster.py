@@ -4,6 +4,7 @@ scheduler on the cluster's head node."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -14,10 +15,14 @@ from actors.service.scheduler.config import NAMESPACE
 from orchestrator.errors import ServiceError
 from orchestrator.private_ray import start_private_cluster
 
+log = logging.getLogger(__name__)
+
 
 def _check_reachable(address: str) -> None:
     """Fail fast, with the address and the fix, where no Ray cluster answers (ray.init would wait for
-    minutes). Ray client addresses (ray://) are left to Ray."""
+    minutes), or where one answers and refuses this process's token (ray.init asks again every second for 20
+    attempts, each slower on a loaded machine: a CLI command took 22 s to say so, and minutes under a test
+    suite's load). Ray client addresses (ray://) are left to Ray."""
     if address.startswith("ray://"):
         return
     from ray._private.services import canonicalize_bootstrap_address_or_die
@@ -37,6 +42,15 @@ def _check_reachable(address: str) -> None:
         shown = address if target == address else f"{address} ({target})"
         raise ServiceError(f"no Ray cluster answers at {shown}: {error.strerror or error}; check --address / "
                            "RAY_ADDRESS, or start the cluster with `ray start --head`") from None
+    from ray._raylet import GcsClient  # one request for the cluster's id: refused at once for a wrong token
+    from ray.exceptions import AuthenticationError, RayError
+
+    try:
+        GcsClient(address=target)
+    except AuthenticationError as error:
+        raise ConnectionError(f"Failed to connect to Ray cluster at {target}") from error
+    except (RayError, OSError) as error:   # anything else (the GCS restarting): ray.init's own retries decide
+        log.debug("the cluster at %s did not give its id at once (%r); ray.init tries again", target, error)
 
 
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
@@ -46,8 +60,8 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        _check_reachable(address)
         try:
+            _check_reachable(address)
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
         except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
             cause = str(error.__cause__ or "").split(". ")[0]

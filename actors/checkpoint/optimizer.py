@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
+from actors.checkpoint.peft_io import on_host
 from actors.checkpoint.state import Invalid, OptimizerSection
 from actors.engine.job import TrainingJob
 
 
 def encode_optimizer(job: TrainingJob, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The optimizer's state as JSON, its tensors added to `tensors` (on the CPU)."""
+    """The optimizer's state as JSON, its tensors added to `tensors` (on the CPU): a CPU job's moments and
+    gradients are added as they are, not copied (`on_host`), for a write that ends before the job's next step."""
     full = job.optimizer.state_dict()
     torch_state = full["optimizer"]
     param_groups = []
@@ -26,7 +28,7 @@ def encode_optimizer(job: TrainingJob, tensors: dict[str, torch.Tensor]) -> dict
         names, values = [], {}
         for key, value in entries.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{param_id}.{key}"] = value.detach().to("cpu").contiguous().clone()
+                tensors[f"state.{param_id}.{key}"] = on_host(value, copy=False)
                 names.append(key)
             else:
                 values[key] = encode_value(value, f"state.{param_id}.{key}", tensors)
@@ -36,7 +38,7 @@ def encode_optimizer(job: TrainingJob, tensors: dict[str, torch.Tensor]) -> dict
     for i, parameter in enumerate(job.adapter.parameters()):
         gradients.append(parameter.grad is not None)
         if parameter.grad is not None:
-            tensors[f"grad.{i}"] = parameter.grad.detach().to("cpu").contiguous().clone()
+            tensors[f"grad.{i}"] = on_host(parameter.grad, copy=False)
     encoded = {"step_count": full["step_count"], "micro_count": full["micro_count"], "param_groups": param_groups,
                "state_tensors": state_tensors, "state_values": state_values, "gradients": gradients}
     if "loss_scale" in full:   # float16 bases: the job's dynamic loss scale
@@ -47,7 +49,7 @@ def encode_optimizer(job: TrainingJob, tensors: dict[str, torch.Tensor]) -> dict
 def encode_value(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> Any:
     """JSON for an optimizer setting: tuples tagged {"tuple": [...]}, tensors stored under `name`."""
     if isinstance(value, torch.Tensor):
-        tensors[name] = value.detach().to("cpu").contiguous().clone()
+        tensors[name] = on_host(value)   # a setting (a step count): small, copied
         return {"tensor": name}
     if isinstance(value, tuple):
         return {"tuple": [encode_value(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}

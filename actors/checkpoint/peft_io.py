@@ -76,23 +76,33 @@ PREFIX = "base_model.model."
 VERA_A, VERA_B = "base_model.vera_A", "base_model.vera_B"
 
 
-def _projection_tensors(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
+def on_host(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = True) -> torch.Tensor:
+    """`tensor` as a contiguous CPU tensor (of `dtype`). `copy`: a snapshot of its own; else the tensor itself
+    where it already is one (no memory spent: for a write that ends before the tensor next changes)."""
+    host = tensor.detach().to("cpu", dtype).contiguous()
+    shared = host.device == tensor.device and host.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+    return host.clone() if copy and shared else host
+
+
+def _projection_tensors(adapter: AdapterHandle, copy: bool) -> dict[str, torch.Tensor]:
     if adapter.projections is None or not adapter.config.save_projection:
         return {}
-    return {VERA_A: adapter.projections.vera_A.detach().to("cpu", torch.float32).contiguous().clone(),
-            VERA_B: adapter.projections.vera_B.detach().to("cpu", torch.float32).contiguous().clone()}
+    return {VERA_A: on_host(adapter.projections.vera_A, torch.float32, copy=copy),
+            VERA_B: on_host(adapter.projections.vera_B, torch.float32, copy=copy)}
 
 
-def adapter_state_dict(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
+def adapter_state_dict(adapter: AdapterHandle, *, copy: bool = True) -> dict[str, torch.Tensor]:
     """PEFT's key names: `base_model.model.<module path>.lora_A.weight` (adapter name stripped), and with
-    DoRA `....lora_magnitude_vector`; PiSSA / OLoRA layers as the rank-2r conversion [A; A0], [B, -B0]."""
-    tensors = {f"{PREFIX}{name}": param.detach().to("cpu", torch.float32).contiguous().clone()
+    DoRA `....lora_magnitude_vector`; PiSSA / OLoRA layers as the rank-2r conversion [A; A0], [B, -B0].
+    `copy`: every tensor a snapshot of its own (the default); False for a write that ends before the next step:
+    a CPU adapter's float32 tensors are then the parameters themselves, not a second copy of the adapter."""
+    tensors = {f"{PREFIX}{name}": on_host(param, torch.float32, copy=copy)
                for name, param in adapter.named_parameters()}
     for module_name, lora_a0, lora_b0 in adapter.frozen_initial():
         key_a, key_b = f"{PREFIX}{module_name}.lora_A.weight", f"{PREFIX}{module_name}.lora_B.weight"
         tensors[key_a] = torch.cat([tensors[key_a], lora_a0.detach().to("cpu", torch.float32)], dim=0)
         tensors[key_b] = torch.cat([tensors[key_b], -lora_b0.detach().to("cpu", torch.float32)], dim=1)
-    tensors.update(_projection_tensors(adapter))
+    tensors.update(_projection_tensors(adapter, copy))
     return tensors
 
 
@@ -157,7 +167,7 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
     what `base_model_name_or_path` says (actors/storage/base_identity.py); `metadata`: aspen's own facts
     (where the base was loaded from, the job), written beside it as `aspen.json`, which PEFT and vLLM ignore."""
     folder = Path(folder)
-    tensors = adapter_state_dict(adapter)
+    tensors = adapter_state_dict(adapter, copy=False)   # written before the caller's next step: no copy
     config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
     # the mode any new file gets (0666 less the umask), as PEFT's save_pretrained writes them
     write_durably(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_file
 
 from actors.checkpoint.optimizer import encode_optimizer
 from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
@@ -50,12 +50,10 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
     generator = job.adapter.dropout_generator
     if generator is not None:
         tensors["dropout_rng"] = generator.get_state().to("cpu", torch.uint8).contiguous().clone()
-    data = save_safetensors(tensors, metadata={"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)})
-    (staging / OPTIMIZER_NAME).write_bytes(data)
-    files = {OPTIMIZER_NAME: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
-        content = (staging / name).read_bytes()
-        files[name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    # written from the tensors' own memory (safetensors' save_file), not first serialized to bytes in memory
+    save_file(tensors, staging / OPTIMIZER_NAME, metadata={"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)})
+    del tensors
+    files = {name: _file_entry(staging / name) for name in (OPTIMIZER_NAME, WEIGHTS_NAME, CONFIG_NAME)}
     state = {
         "format": FORMAT_VERSION,
         "job": job.name,
@@ -73,6 +71,13 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
         "files": files,
     }
     (staging / STATE_NAME).write_text(json.dumps(state, indent=1) + "\n")
+
+
+def _file_entry(path: Path) -> dict[str, int | str]:
+    """state.json's entry for a written file: its size and SHA-256, read back in blocks (not whole)."""
+    with path.open("rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": digest}
 
 
 def _swap_in(staging: Path, folder: Path) -> None:

@@ -1,5 +1,9 @@
 """Saving a job checkpoint crash-safely: written whole in a staging folder, fsynced, swapped in by renames
-(`folder` -> `.<name>.previous`, staging -> `folder`)."""
+(`folder` -> `.<name>.previous`, staging -> `folder`).
+
+The files are written from the tensors' own memory (safetensors' `save_file`), the CPU adapter and its moments
+not copied first, so that a job's last writes add nothing of the adapter's size to a CPU trainer's resident set
+(which its memory budget does not count); they run on the trainer's thread, between steps."""
 
 from __future__ import annotations
 

@@ -112,7 +112,9 @@ def serve(args: argparse.Namespace) -> None:
 
     calls = InteractiveCalls(base, window_s=0.0 if args.sliced else args.window_s,
                              max_models_per_pass=1 if args.sliced else None, on_step=record)
-    weights = Path(tempfile.mkdtemp(prefix="tinker-bench-weights-"))
+    # beside the passes file, in the caller's folder, which the caller removes: uvicorn re-raises the SIGTERM that
+    # stops this server once it has shut down, so the `finally` below does not run then
+    weights = Path(tempfile.mkdtemp(prefix="tinker-bench-weights-", dir=Path(args.passes).parent))
     backend = TinkerBackend(calls, args.name, weights, lambda token: token if token.startswith("user") else None)
     app = FastAPI()
     app.include_router(tinker_router(backend.start()))

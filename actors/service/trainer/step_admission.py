@@ -22,9 +22,9 @@ from actors.engine.memory_prior import (
     StepMemoryPrior,
     loss_transient_bytes,
     predict_resident,
-    probe_base_activation,
 )
 from actors.engine.packing import JobMicroBatch
+from actors.engine.probe_cache import cached_probe
 from actors.engine.step_report import StepReport
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
@@ -83,7 +83,8 @@ class StepAdmission:
         self.budget = budget_bytes or default_memory_budget(base.device)
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in linear_module_names(model)}
-        activation = probe_base_activation(base, layout=trainer.layout, recompute=trainer.recompute)
+        # measured by probe steps, or as an earlier start on this model and setting measured them (probe_cache.py)
+        activation = cached_probe(base, layout=trainer.layout, recompute=trainer.recompute)
         self.memory_prior = StepMemoryPrior(base, activation, self.linear_shapes, recompute=trainer.recompute)
         self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token,
                                                   bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)

@@ -16,15 +16,9 @@ from tests.helpers.trainer import assignment_for, run_until_idle
 
 def test_two_trainers_of_one_kind_write_separate_step_logs(tmp_path, tiny_model_dirs, monkeypatch):
     base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
-    # both trainers hold the same model: its activation probe (seconds) is measured once, for the first
-    probe, measured = step_admission.probe_base_activation, []
-
-    def probe_once(*args, **kwargs):
-        if not measured:
-            measured.append(probe(*args, **kwargs))
-        return measured[0]
-
-    monkeypatch.setattr(step_admission, "probe_base_activation", probe_once)
+    # both trainers hold the same model: its activation probe (seconds) is measured by the first, kept, read by the
+    # second (actors/engine/probe_cache.py), in this test's own cache folder
+    monkeypatch.setenv("ASPEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(step_admission, "MEASURE_FIRST", 0)   # the allocator's count (torch.profiler, slow on CPU)
     monkeypatch.setattr(step_admission, "MEASURE_EVERY", 10**9)   # only on each trainer's first step
     data = tmp_path / "data"

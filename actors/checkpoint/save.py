@@ -21,7 +21,7 @@ from actors.checkpoint.optimizer import encode_optimizer
 from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
 from actors.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, STATE_NAME, previous_folder
 from actors.engine.job import TrainingJob
-from actors.storage.durable import fsync_tree, replace_durably, staging_folder
+from actors.storage.durable import fsync_tree, replace_durably, staging_folder, write_durably
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,11 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
     generator = job.adapter.dropout_generator
     if generator is not None:
         tensors["dropout_rng"] = generator.get_state().to("cpu", torch.uint8).contiguous().clone()
-    # written from the tensors' own memory (safetensors' save_file), not first serialized to bytes in memory
-    save_file(tensors, staging / OPTIMIZER_NAME, metadata={"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)})
-    del tensors
+    # written from the tensors' own memory (safetensors' save_file), not first serialized to bytes in memory; with
+    # the mode any new file gets (safetensors makes its files 0600), as the adapter's beside it
+    metadata = {"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)}
+    write_durably(staging / OPTIMIZER_NAME, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    tensors.clear()   # the references to the job's tensors go before the digests are read
     files = {name: _file_entry(staging / name) for name in (OPTIMIZER_NAME, WEIGHTS_NAME, CONFIG_NAME)}
     state = {
         "format": FORMAT_VERSION,

@@ -87,7 +87,7 @@ class SchedulerActor:
                                   output_root=self.config.output_root, data_roots=self.config.data_roots,
                                   fair_share_window_s=self.config.fair_share_window_s)
         self.lock = threading.RLock()
-        self.intake = EventIntake(self.table, self.core, self.state_dir, on_event=self._booked,
+        self.intake = EventIntake(self.table, self.core, self.state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
         self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(self.state_dir), self.config.policy,
                                                      self.config.storage),
@@ -382,11 +382,11 @@ class SchedulerActor:
         self.listeners.tick(jobs, self.table.counts(), ready)
         self.listeners.accounts(self.accounts())
 
-    def _booked(self, trainer_id: str, event: TrainerEvent) -> None:
-        """An event is in the table: the listeners hear it with its trainer's status (none once retired)."""
+    def _booked(self, trainer_id: str, events: list[TrainerEvent]) -> None:
+        """Events are in the table: the listeners hear them with their trainer's status (none once retired)."""
         status = self.fleet.status_of(trainer_id)
         if status is not None:
-            self.listeners.trainer_polled(status, [event])
+            self.listeners.trainer_polled(status, events)
 
     def _explain_waits(self) -> None:
         why = self.fleet.why_none_runs()

@@ -45,16 +45,19 @@ class Booking(Protocol):
 
 class EventIntake:
     def __init__(self, table: JobTable, booking: Booking, state_dir: Path, *,
-                 on_event: Callable[[str, TrainerEvent], None] = lambda trainer_id, event: None,
+                 on_events: Callable[[str, list[TrainerEvent]], None] = lambda trainer_id, events: None,
                  on_requeued: Callable[[str], None] = lambda job_id: None,
                  clock: Callable[[], float] = time.monotonic):
-        """`on_event(trainer, event)`: hears each event once it is committed, in the order it was reported
-        (a job's progress before its `completed`). `on_requeued(job)`: hears each job of a lost trainer
-        queued again, once committed. `clock`: monotonic seconds (the backoff's)."""
+        """`on_events(trainer, events)`: hears the events once they are committed, in the order they were
+        reported (a job's progress before its `completed`), all of a batch in one call (a trainer's poll
+        brings a step's event and one per job: heard one by one, each woke every listener, and the
+        scheduler's share of a busy node went to that). `on_requeued(job)`: hears each job of a lost trainer
+        queued again, once committed, after the events reported before the loss. `clock`: monotonic seconds
+        (the backoff's)."""
         self.table = table
         self.booking = booking
         self.state_dir = Path(state_dir)
-        self.on_event = on_event
+        self.on_events = on_events
         self.on_requeued = on_requeued
         self.clock = clock
         self.queues: dict[str, deque[QueueItem]] = {}
@@ -96,13 +99,22 @@ class EventIntake:
         """One transaction for the trainer's queue; the hooks hear each item once it is committed."""
         batch = list(queue)
         with self.table.transaction():
+            booked: list[TrainerEvent] = []   # since the last loss: heard together
+
+            def hear(events: list[TrainerEvent]) -> None:
+                if events:
+                    self.table.after_commit(lambda: self.on_events(trainer_id, events))
+
             for item in batch:
                 if isinstance(item, TrainerLost):
+                    hear(booked)
+                    booked = []
                     for job_id in self.booking.trainer_lost(trainer_id, item.why):
                         self.table.after_commit(lambda job_id=job_id: self.on_requeued(job_id))
                     continue
                 self.booking.apply_event(trainer_id, item)
-                self.table.after_commit(lambda item=item: self.on_event(trainer_id, item))
+                booked.append(item)
+            hear(booked)
         for _ in batch:
             queue.popleft()
 

@@ -118,7 +118,7 @@ class TrainerFleet:
                  clock: Callable[[], float] = time.monotonic):
         """`trainer_timeout_s`: a poll unanswered this long replaces its trainer. `cluster_poll_s`: how often
         `follow_if_due` reads the live nodes. `on_polled(status)`: hears a poll that brought no events
-        (events are heard once the table has them, `EventIntake.on_event`). `clock`: monotonic seconds."""
+        (events are heard once the table has them, `EventIntake.on_events`). `clock`: monotonic seconds."""
         self.kinds = list(kinds)
         self.handles = handles
         self.intake = intake

@@ -42,8 +42,10 @@ def test_events_wait_for_a_locked_table_with_backoff_and_land_once_in_order(tmp_
     table, core, (a, _) = running_jobs(tmp_path)
     clock = Clock()
     heard: list[tuple[str, str, int]] = []
+    calls: list[int] = []
     intake = EventIntake(table, core, tmp_path / "state", clock=clock,
-                         on_event=lambda trainer, event: heard.append((trainer, event.kind, event.step)))
+                         on_events=lambda trainer, events: (calls.append(len(events)), heard.extend(
+                             (trainer, event.kind, event.step) for event in events)))
     done = TrainerEvent(kind="completed", job_id=a, step=3, data={"reason": "max_steps reached"})
     with locked(table.path), caplog.at_level(logging.WARNING):
         intake.put("trainer-0", [progress(a, 1), progress(a, 2)])
@@ -64,6 +66,7 @@ def test_events_wait_for_a_locked_table_with_backoff_and_land_once_in_order(tmp_
     assert intake.apply_all()        # the lock is gone: everything lands, in the order it was reported
     assert heard == [("trainer-0", "progress", 1), ("trainer-0", "progress", 2), ("trainer-0", "progress", 3),
                      ("trainer-0", "completed", 3)]
+    assert calls == [4]              # the listeners heard the batch in one call
     assert [row["step"] for row in table.progress.of_job(a)] == [1, 2, 3]
     assert table.get(a).state == "completed" and table.get(a).tokens == 300
     assert intake.waiting() == 0 and intake.backoff == TABLE_RETRY_S[0]   # the next lock starts again short
@@ -73,12 +76,16 @@ def test_events_wait_for_a_locked_table_with_backoff_and_land_once_in_order(tmp_
 def test_a_lost_trainers_jobs_are_queued_again_only_after_what_it_reported_before(tmp_path):
     table, core, (a, b) = running_jobs(tmp_path)
     requeued: list[tuple[str, str]] = []
+    heard: list[str] = []
     intake = EventIntake(table, core, tmp_path / "state",
-                         on_requeued=lambda job_id: requeued.append((job_id, committed_state(table.path, job_id))))
+                         on_events=lambda trainer, events: heard.append(",".join(e.kind for e in events)),
+                         on_requeued=lambda job_id: (heard.append(f"requeued {job_id}"),
+                                                     requeued.append((job_id, committed_state(table.path, job_id)))))
     intake.put("trainer-0", [progress(a, 1), TrainerEvent(kind="completed", job_id=a, step=1, data={"reason": "done"}),
                              progress(b, 1)])
     intake.put("trainer-0", [TrainerLost("ActorDiedError")])
     assert intake.apply_all()
+    assert heard == ["progress,completed,progress", f"requeued {b}"]   # what it reported, then the loss
     assert table.get(a).state == "completed"       # finished before the loss: not run again
     record = table.get(b)
     assert record.state == "queued" and record.trainer is None

@@ -9,7 +9,7 @@ from typing import Any
 import ray
 
 from actors.data import Example
-from actors.niceness import background_priority, idle_priority
+from actors.niceness import background_priority, lowest_priority
 from actors.service.scheduler.config import StorageConfig
 from actors.service.scheduler.job_data import DataSummary, JobData, JobUpdate
 from actors.service.trainer.feed import FeedChunk
@@ -34,7 +34,7 @@ class JobActor:
 
     def prepare(self) -> tuple[DataSummary, list[Example]]:
         summary = self.data.prepare()
-        idle_priority()   # from now on light work only: out of the trainers' way (actors/niceness.py)
+        lowest_priority()   # from now on light work only: out of the trainers' way (actors/niceness.py)
         return summary, self.data.eval_examples()
 
     def fetch(self, position: dict[str, Any], count: int) -> FeedChunk:

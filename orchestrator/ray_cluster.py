@@ -71,10 +71,6 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
                                "RAY_ADDRESS") from None
         return
     init_kwargs.setdefault("include_dashboard", False)
-    # Ray starts worker processes at nice 15; a trainer's OpenMP threads then lose every contest with
-    # Ray's own processes and each lost slice stalls a whole parallel region (measured: 10-15% slower
-    # steps on 2 cores). Our local cluster's workers run at normal priority.
-    os.environ.setdefault("RAY_worker_niceness", "0")
     start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
 
 

@@ -28,13 +28,13 @@ session = ray._private.worker._global_node.get_session_dir_path()
 @ray.remote(num_cpus=0)
 class Echo:
     def pid(self):
-        return os.getpid()
+        return os.getpid(), os.getpriority(os.PRIO_PROCESS, 0)
 
 @ray.remote(num_cpus=0)
 def square(x):
     return x * x
 
-actor_pid = ray.get(Echo.remote().pid.remote(), timeout=120)
+actor_pid, actor_nice = ray.get(Echo.remote().pid.remote(), timeout=120)
 squares = ray.get([square.remote(i) for i in range(4)], timeout=120)
 processes = {}
 for entry in os.listdir("/proc"):
@@ -48,7 +48,7 @@ for entry in os.listdir("/proc"):
     if session in cmdline:
         settings = dict(e.split("=", 1) for e in environ if e.split("=", 1)[0] in QUIET_SETTINGS)
         processes[entry] = {"cmdline": cmdline, "settings": settings}
-print(json.dumps({"actor_pid": actor_pid, "squares": squares, "processes": processes, "before": before,
+print(json.dumps({"actor_pid": actor_pid, "actor_nice": actor_nice, "squares": squares, "processes": processes, "before": before,
                   "after": after, "quiet": QUIET_SETTINGS}))
 ray.shutdown()
 """
@@ -63,6 +63,7 @@ def test_private_cluster_runs_quietly_and_leaves_the_driver_environment_alone():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["actor_pid"] > 0 and report["squares"] == [0, 1, 4, 9]
+    assert report["actor_nice"] == 0   # Ray's workers start at normal priority (its default is 15)
     processes = list(report["processes"].values())
     commands = [p["cmdline"] for p in processes]
     daemons = [p for p in processes if "/raylet/raylet " in p["cmdline"] or "/gcs/gcs_server " in p["cmdline"]]

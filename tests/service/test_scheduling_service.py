@@ -38,10 +38,12 @@ def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_
     config = ServiceConfig(state_dir=tmp_path / "state", policy="priority", tick_seconds=0.1, trainers=[
         TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1, max_jobs=2)])
     # The urgent job arrives once both have trained 2 steps and preempts one within a scheduler tick or two,
-    # where the scheduler gets the CPU: it runs at background priority, and on 2 cores busy with other tests
-    # it waited seconds while the trainer's steps (~0.07 s each) went on, so a low job of 120 steps could end
-    # first, leaving a free place and nobody to preempt. 400 steps leave it half a minute; the rest is what
-    # the victim and its solo reference train.
+    # where the scheduler gets the CPU: it runs at nice 10 (actors/niceness.py) and on 2 cores busy with
+    # other tests it may wait seconds while the trainer's steps (~0.05 s each) go on; a low job that ended
+    # first would leave a free place and nobody to preempt. 400 steps leave it half a minute (at Ray's
+    # default nice 15, which this suite's cluster had until 2026-11-30, it once fell 17 s behind and lost the
+    # race; beside two busy processes it now preempts within 0.5-3 s); the rest is what the victim and its
+    # solo reference train.
     low = [job_dict(f"low{i}", write_task_data(data, f"low{i}", offset=i), LOW_STEPS, checkpoint_every=1000)
            for i in range(2)]
     client = Client.local(config)
@@ -53,7 +55,7 @@ def test_a_higher_priority_job_preempts_and_the_preempted_job_loses_nothing(ray_
         assert urgent.wait(timeout=120).state == "completed"
         victims = [h for h in (first, second)
                    if any(reason.startswith("preempted") for _, _, reason in client.transitions(h.id))]
-        assert len(victims) == 1, [client.transitions(h.id) for h in (first, second)]
+        assert len(victims) == 1, {h.name: client.transitions(h.id) for h in (first, second, urgent)}
         victim = victims[0]
         # the other low job has shown what it had to (it kept its place); cancelled, it leaves the victim's
         # remaining steps alone on the trainer (on a CPU a fused step's time grows with its tokens)

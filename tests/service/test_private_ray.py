@@ -48,8 +48,8 @@ for entry in os.listdir("/proc"):
     if session in cmdline:
         settings = dict(e.split("=", 1) for e in environ if e.split("=", 1)[0] in QUIET_SETTINGS)
         processes[entry] = {"cmdline": cmdline, "settings": settings}
-print(json.dumps({"actor_pid": actor_pid, "actor_nice": actor_nice, "squares": squares, "processes": processes, "before": before,
-                  "after": after, "quiet": QUIET_SETTINGS}))
+print(json.dumps({"actor_pid": actor_pid, "actor_nice": actor_nice, "squares": squares, "processes": processes,
+                  "before": before, "after": after, "quiet": QUIET_SETTINGS}))
 ray.shutdown()
 """
 

@@ -2,7 +2,8 @@
 `create_training_client_from_state` read back): its adapter as PEFT's files (adapter_config.json,
 adapter_model.safetensors: PEFT and vLLM load it as it is), AdamW's moments and step in
 `optimizer.safetensors`, and `interactive_state.json` (rank, steps, base). Each file is written durably, the
-folder complete before its path is answered; nothing is unpickled when read."""
+folder complete before its path is answered; nothing is unpickled when read. The tensors are written from
+their own memory, as a job's checkpoint is (actors/checkpoint/save.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 
 from actors.checkpoint.peft_io import PREFIX, save_adapter
 from actors.engine.interactive_model import InteractiveModel
@@ -29,7 +30,10 @@ def save_state(model: InteractiveModel, folder: str | Path, base_model: str, mod
     save_adapter(model.adapter, folder, identity.serving_id, {"base_model": identity.metadata, "base_name": base_model,
                                                              "model_id": model_id, "user": user,
                                                              "lora_rank": model.rank})
-    write_durably(folder / OPTIMIZER_FILE, save(model.optimizer_tensors()))
+    # from the moments' own memory (no copy, no bytes object: safetensors' save_file); called between steps
+    # (the trainer's stepping thread), so nothing changes them during the write
+    moments = model.optimizer_tensors(copy=False)
+    write_durably(folder / OPTIMIZER_FILE, lambda tmp: save_file(moments, tmp))
     facts = {"rank": model.rank, "steps": model.steps, "user": user, "base_model": base_model, "model_id": model_id}
     if seq is not None:   # a service's checkpoint: the seq_id of the call it was written after
         facts["seq"] = seq

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from actors.checkpoint.peft_io import on_host
 from actors.checkpoint.state import Invalid, OptimizerSection
+from actors.engine.host_tensors import on_host
 from actors.engine.job import TrainingJob
 
 

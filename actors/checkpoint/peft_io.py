@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
 from actors.engine.adapter_surgery import AdapterHandle
+from actors.engine.host_tensors import on_host
 from actors.spec.lora_config import LoraConfig
 from actors.storage.durable import write_durably
 
@@ -74,14 +75,6 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
 PREFIX = "base_model.model."
 # VeRA's shared projections, once per adapter (PEFT's checkpoint keys, the adapter name stripped)
 VERA_A, VERA_B = "base_model.vera_A", "base_model.vera_B"
-
-
-def on_host(tensor: torch.Tensor, dtype: torch.dtype | None = None, *, copy: bool = True) -> torch.Tensor:
-    """`tensor` as a contiguous CPU tensor (of `dtype`). `copy`: a snapshot of its own; else the tensor itself
-    where it already is one (no memory spent: for a write that ends before the tensor next changes)."""
-    host = tensor.detach().to("cpu", dtype).contiguous()
-    shared = host.device == tensor.device and host.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-    return host.clone() if copy and shared else host
 
 
 def _projection_tensors(adapter: AdapterHandle, copy: bool) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
+from actors.engine.host_tensors import on_host
 from actors.engine.joint_steps import chained_sum
 from actors.engine.models import BaseModel
 from actors.engine.optim import fused_option
@@ -82,16 +83,18 @@ class InteractiveModel:
         self.steps += 1
         return {"grad_norm:mean": float(norm)}
 
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+    def optimizer_tensors(self, *, copy: bool = True) -> dict[str, torch.Tensor]:
         """AdamW's moments by the adapter's parameter names (`<name>.exp_avg`, `<name>.exp_avg_sq`) and its
-        step count (`step`), as saved with a model's state."""
+        step count (`step`), as saved with a model's state. `copy`: each moment a snapshot of its own; False
+        for a write that ends before the next step (on a CPU the moments themselves: two adapters' worth not
+        copied)."""
         tensors: dict[str, torch.Tensor] = {}
         steps = 0
         for name, parameter in self.adapter.named_parameters():
             state = self.optimizer.state.get(parameter, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
-                    tensors[f"{name}.{key}"] = state[key].detach().to("cpu").contiguous().clone()
+                    tensors[f"{name}.{key}"] = on_host(state[key], copy=copy)
             steps = max(steps, int(state.get("step", 0)))
         tensors["step"] = torch.tensor([steps], dtype=torch.int64)
         return tensors

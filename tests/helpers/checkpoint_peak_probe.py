@@ -1,8 +1,10 @@
 """Measures what a job's end writes (its adapter, then its checkpoint, as a trainer writes them when a job
-completes) adds to the process's peak resident set, in a process of its own: run as
-`python -m tests.helpers.checkpoint_peak_probe FOLDER`, prints one JSON line: the adapter's and the optimizer
-moments' bytes and the peak resident growth over the writes. A process of its own, so that no free heap pages
-that earlier work left resident can take the writes' copies unseen (glibc reuses them without raising VmHWM)."""
+completes), or an interactive model's saved state (the Tinker API's save_state: adapter and AdamW moments),
+adds to the process's peak resident set, in a process of its own: run as
+`python -m tests.helpers.checkpoint_peak_probe FOLDER [job|interactive]`, prints one JSON line: the adapter's
+and the optimizer moments' bytes and the peak resident growth over the writes. A process of its own, so that no
+free heap pages that earlier work left resident can take the writes' copies unseen (glibc reuses them without
+raising VmHWM)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.checkpoint import save_checkpoint
+from actors.checkpoint.interactive_state import save_state
 from actors.checkpoint.peft_io import import_peft, save_adapter
 from actors.data import Example
+from actors.engine.interactive_model import MAX_RANK, AdamStep, InteractiveModel
 from actors.engine.job import TrainingJob
 from actors.engine.memory import measure_resident, release_free_heap, tensor_bytes
 from actors.engine.models import from_module
@@ -28,6 +32,28 @@ CONFIG = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num
                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
 
 
+def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+                        and v.dim() > 0)
+
+
+def interactive(folder: Path) -> None:
+    """An interactive model of the largest rank on a wider base (its adapter ~17 MiB), one AdamW step taken."""
+    torch.manual_seed(0)
+    wider = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    base = from_module(LlamaForCausalLM(wider), None)
+    model = InteractiveModel(base, "wide", MAX_RANK)
+    for parameter in model.adapter.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    model.optim_step(AdamStep())   # the moments exist from the first step on
+    adapter, moments = tensor_bytes(model.adapter.parameters()), moment_bytes(model.optimizer)
+    import_peft()
+    release_free_heap()
+    _, growth = measure_resident(lambda: save_state(model, folder / "state", "tiny", "wide-model", "alice"))
+    print(json.dumps({"adapter_bytes": adapter, "moment_bytes": moments, "peak_growth_bytes": growth}))
+
+
 def main(folder: Path) -> None:
     torch.manual_seed(0)
     base = from_module(LlamaForCausalLM(CONFIG), None)
@@ -38,9 +64,7 @@ def main(folder: Path) -> None:
     trainer = FusedTrainer(base)
     trainer.add_job(job)
     trainer.train_step()   # the AdamW moments exist from the first step on
-    adapter = tensor_bytes(job.adapter.parameters())
-    moments = tensor_bytes(v for state in job.optimizer.optimizer.state.values() for v in state.values()
-                           if isinstance(v, torch.Tensor))
+    adapter, moments = tensor_bytes(job.adapter.parameters()), moment_bytes(job.optimizer.optimizer)
     import_peft()   # as a trainer does as it starts (its first write would import it: ~50 MiB resident)
     release_free_heap()
 
@@ -53,4 +77,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    {"job": main, "interactive": interactive}[sys.argv[2] if len(sys.argv) > 2 else "job"](Path(sys.argv[1]))

@@ -76,3 +76,18 @@ def test_a_jobs_final_writes_add_no_copy_of_its_adapter_or_moments(tmp_path):
     assert r["moment_bytes"] >= 2 * r["adapter_bytes"], r   # AdamW's two moments exist: the checkpoint holds them
     assert r["peak_growth_bytes"] < r["adapter_bytes"] / 4, r
     assert (tmp_path / "checkpoint" / "optimizer.safetensors").stat().st_size >= r["moment_bytes"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc only")
+def test_an_interactive_models_saved_state_adds_no_copy_of_its_adapter_or_moments(tmp_path):
+    """The Tinker API's save_state (adapter and AdamW moments) written from the tensors' own memory, in a process of
+    its own: the peak resident set grows by less than a quarter of the adapter's bytes. The moments cloned and
+    serialized into one bytes object, as they were, add four adapters' worth (measured: 107 MB over a 17.8 MB
+    adapter); the write itself allocates headers and file buffers (measured: 1.5 MB)."""
+    result = subprocess.run([sys.executable, "-m", "tests.helpers.checkpoint_peak_probe", str(tmp_path), "interactive"],
+                            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    r = json.loads(result.stdout.strip().splitlines()[-1])
+    assert r["moment_bytes"] == 2 * r["adapter_bytes"], r
+    assert r["peak_growth_bytes"] < r["adapter_bytes"] / 4, r
+    assert (tmp_path / "state" / "optimizer.safetensors").stat().st_size >= r["moment_bytes"]

@@ -6,6 +6,11 @@ meanwhile, and reach the service again once a cluster runs. The child is a Ray d
 calls over a pipe (several at once, each with its number) and gets back the result or the HTTP answer for
 the error. When the child dies, the calls in flight are answered 503 and the next call starts a new one.
 
+Messages cross the pipe pickled by value (`send` / `receive`), not by multiprocessing's own pickler: with
+torch imported, that one moves a tensor into shared memory and passes its file descriptor through a
+listener socket in a `pymp-*` folder of the sender's, which the child, leaving by `os._exit`, never removed
+(two folders left in /tmp by each run of tests/service/test_tinker_service.py).
+
     link = ProcessLink(address="auto")        # what `aspen http` serves through
     create_app(link, token)"""
 
@@ -15,6 +20,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import pickle
 import threading
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +34,16 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 150.0   # a client call waits up to 120 s for a busy service (orchestrator.scheduler_calls._call)
 BRIDGE_THREADS = 16
 GCS_RECONNECT_S = 15
+
+
+def send(connection: Any, message: Any) -> None:
+    """`message` pickled by value (a tensor's bytes in the message: no shared memory, no descriptor passing)."""
+    connection.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(connection: Any) -> Any:
+    """What `send` sent (only this process's own pipe to its bridge: nothing from outside is unpickled)."""
+    return pickle.loads(connection.recv_bytes())
 
 
 def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) -> None:
@@ -53,7 +69,7 @@ def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) 
         except Exception:  # noqa: BLE001 - a bug: its traceback goes back to the server (a 500)
             answer = ("bug", traceback.format_exc())
         with sending:
-            connection.send((number, *answer))
+            send(connection, (number, *answer))
             if answer[0] == "http" and answer[1][0] == 503 and not ray.is_initialized():
                 # ray.init failed halfway: a later one in this process can hang; the next call starts afresh
                 os._exit(3)
@@ -61,7 +77,7 @@ def _bridge_main(connection: Any, address: str, name: str, env: dict[str, str]) 
     with ThreadPoolExecutor(BRIDGE_THREADS, thread_name_prefix="aspen-http-call") as pool:
         while True:
             try:
-                message = connection.recv()
+                message = receive(connection)
             except (EOFError, OSError):   # the server is gone
                 break
             if message is None:           # the server closes the bridge
@@ -95,7 +111,7 @@ class RayBridge:
     def _read(self) -> None:
         while True:
             try:
-                number, kind, value = self.connection.recv()
+                number, kind, value = receive(self.connection)
             except (EOFError, OSError):
                 break
             with self.lock:
@@ -121,7 +137,7 @@ class RayBridge:
                                     headers={"Retry-After": "1"})
             number = next(self.numbers)
             self.pending[number] = future
-            self.connection.send((number, method, args))
+            send(self.connection, (number, method, args))
         try:
             kind, value = future.result(timeout=CALL_TIMEOUT_S)
         except TimeoutError:
@@ -142,7 +158,7 @@ class RayBridge:
             if self.alive:
                 self.alive = False
                 try:
-                    self.connection.send(None)
+                    send(self.connection, None)
                 except OSError:
                     pass   # it has exited already
         self.process.join(timeout=10)

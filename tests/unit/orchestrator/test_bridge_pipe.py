@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,15 @@ os._exit(0)   # as the bridge leaves: no exit handlers
 
 
 @pytest.mark.parametrize("way", ["bridge", "multiprocessing"])
-def test_a_tensor_crosses_the_bridge_pipe_by_value_and_leaves_no_folder(tmp_path, way):
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    result = subprocess.run([sys.executable, "-c", CHILD, way], cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(folder)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    left = sorted(p.name for p in folder.iterdir())
+def test_a_tensor_crosses_the_bridge_pipe_by_value_and_leaves_no_folder(way):
+    # a short folder of its own: the resource sharer's socket path must fit AF_UNIX's 108 bytes, which pytest's
+    # tmp_path under xdist workers does not leave room for
+    with tempfile.TemporaryDirectory(prefix="aspen-pipe-") as name:
+        folder = Path(name)
+        result = subprocess.run([sys.executable, "-c", CHILD, way], cwd=REPO, capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(folder)})
+        assert result.returncode == 0, result.stderr[-3000:]
+        left = sorted(p.name for p in folder.iterdir())
     if way == "bridge":
         assert left == [], left
     else:   # the reference: the descriptor passed through a listener socket in a pymp-* folder, never removed

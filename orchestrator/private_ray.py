@@ -20,8 +20,8 @@ private cluster leaves out the periodic work it has no use for:
 Its workers start at nice 0 (`RAY_worker_niceness`; Ray's default is 15): a trainer's OpenMP threads at 15
 lose every contest with Ray's own processes, each lost slice stalling a whole parallel region (measured:
 10-15% slower steps on 2 cores), and the scheduler and job actors set their own lower priority
-(`actors/niceness.py`), which at 15 they could not raise again: the scheduler then got a third of the CPU
-share it is meant to have (nice 15 against 10) beside busy trainers, and fell behind their steps.
+(`actors/niceness.py`), but come down from 15 only with CAP_SYS_NICE: elsewhere the scheduler got a third
+of the CPU share it is meant to have (nice 15 against 10) beside busy trainers and fell behind their steps.
 
 Measured on 2 cores with an idle private cluster (`.ci`-class machine): Ray's processes took 4.3% of a core
 before the first three, 3.1% after. During the training of the demo's 4 jobs, every process but the trainer

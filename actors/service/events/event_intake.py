@@ -50,9 +50,9 @@ class EventIntake:
                  clock: Callable[[], float] = time.monotonic):
         """`on_events(trainer, events)`: hears the events once they are committed, in the order they were
         reported (a job's progress before its `completed`), all of a batch in one call (a trainer's poll
-        brings a step's event and one per job; the listeners take lists). `on_requeued(job)`: hears each job of a lost trainer
-        queued again, once committed, after the events reported before the loss. `clock`: monotonic seconds
-        (the backoff's)."""
+        brings a step's event and one per job; the listeners take lists). `on_requeued(job)`: hears each job
+        of a lost trainer queued again, once committed, after the events reported before the loss. `clock`:
+        monotonic seconds (the backoff's)."""
         self.table = table
         self.booking = booking
         self.state_dir = Path(state_dir)

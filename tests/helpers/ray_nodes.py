@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -30,10 +31,28 @@ FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeo
                    "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
 
 
+# Ports for a node's servers come from below Linux's ephemeral range (32768-60999: every outgoing connection,
+# and every port bound to 0, takes one there, so a port found free there may be taken before `ray start` binds
+# it) and above Ray's worker ports (10002-19999 by default).
+NODE_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+_choose = random.SystemRandom()   # not the `random` a test may seed: two processes would pick alike
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no process here listens on, none handed out before by this process."""
+    for _ in range(1000):
+        port = _choose.choice(NODE_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {NODE_PORTS}")
 
 
 def plain_env(home: Path) -> dict[str, str]:
@@ -126,11 +145,14 @@ def start_head(*, token: bool, num_cpus: int = 2, env: dict[str, str] | None = N
                        text=True, timeout=120, check=True)
     gcs, dashboard = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")  # short: Ray's socket paths must stay short
-    process = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
-         f"--num-cpus={num_cpus}", "--object-store-memory=200000000", f"--temp-dir={temp_dir}", f"--port={gcs}",
-         f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}", *_node_ports()],
-        env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    output = Path(temp_dir) / "ray-start.out"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", "--dashboard-host=127.0.0.1",
+             "--include-dashboard=true", f"--num-cpus={num_cpus}", "--object-store-memory=200000000",
+             f"--temp-dir={temp_dir}", f"--port={gcs}", f"--dashboard-port={dashboard}",
+             f"--ray-client-server-port={free_port()}", *_node_ports()],
+            env=node_env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     head = {"process": process, "temp_dir": temp_dir, "home": home, "dashboard": f"http://127.0.0.1:{dashboard}",
             "gcs": f"127.0.0.1:{gcs}", "token": (home / ".ray" / "auth_token").read_text().strip() if token else None}
     try:
@@ -143,7 +165,8 @@ def start_head(*, token: bool, num_cpus: int = 2, env: dict[str, str] | None = N
                 break
             except OSError:
                 if time.time() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"ray start --head did not come up (exit code {process.poll()})") from None
+                    raise RuntimeError(f"ray start --head did not come up (exit code {process.poll()}); "
+                                       f"{_startup_report(Path(temp_dir), output)}") from None
                 time.sleep(1)
     except BaseException:
         stop_head(head)
@@ -166,16 +189,19 @@ def start_worker(head: dict, *, num_cpus: int = 1, env: dict[str, str] | None = 
     temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")
     node_env = {**client_env(head, home), **(env or {})}
     before = len(live_nodes(head, home))
-    process = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--block", f"--address={head['gcs']}", f"--num-cpus={num_cpus}",
-         "--object-store-memory=100000000", f"--temp-dir={temp_dir}", *_node_ports()],
-        env=node_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    output = Path(temp_dir) / "ray-start.out"
+    with output.open("wb") as sink:
+        process = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--block", f"--address={head['gcs']}", f"--num-cpus={num_cpus}",
+             "--object-store-memory=100000000", f"--temp-dir={temp_dir}", *_node_ports()],
+            env=node_env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     worker = {"process": process, "temp_dir": temp_dir, "home": home}
     try:
         deadline = time.time() + 120
         while len(live_nodes(head, home)) <= before:
             if time.time() > deadline or process.poll() is not None:
-                raise RuntimeError(f"ray start --address did not join (exit code {process.poll()})")
+                raise RuntimeError(f"ray start --address did not join (exit code {process.poll()}); "
+                                   f"{_startup_report(Path(temp_dir), output)}")
             time.sleep(1)
     except BaseException:
         stop_node(worker)
@@ -183,16 +209,31 @@ def start_worker(head: dict, *, num_cpus: int = 1, env: dict[str, str] | None = 
     return worker
 
 
+def _startup_report(temp_dir: Path, output: Path) -> str:
+    """What a node that did not come up left: the tail of `ray start`'s own output and of each of its
+    processes' error logs that is not empty."""
+    parts = [f"ray start printed:\n{output.read_text(errors='replace')[-3000:]}"]
+    for log in sorted((temp_dir / "session_latest" / "logs").glob("*.err")):
+        text = log.read_text(errors="replace").strip()
+        if text:
+            parts.append(f"{log.name}:\n{text[-1500:]}")
+    return "\n".join(parts)
+
+
 def live_nodes(head: dict, home: Path) -> list[dict]:
     """The head's live nodes as `ray.nodes()` lists them, asked from a separate process."""
     script = (f"import json, ray; ray.init(address='{head['gcs']}', log_to_driver=False); "
-              "print(json.dumps([{'id': n['NodeID'], 'cpus': n['Resources'].get('CPU', 0)} "
-              "for n in ray.nodes() if n['Alive']]))")
+              "print('NODES', json.dumps([{'id': n['NodeID'], 'cpus': n['Resources'].get('CPU', 0)} "
+              "for n in ray.nodes() if n['Alive']]), flush=True)")
     result = subprocess.run([sys.executable, "-c", script], env=client_env(head, home), capture_output=True,
                             text=True, timeout=120)
-    if result.returncode != 0:
-        raise RuntimeError(f"cannot list the nodes of {head['gcs']}: {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    # Ray's core may print its own log lines to stdout too (e.g. about a node that just died): the answer
+    # is the line marked NODES
+    answer = [line for line in result.stdout.splitlines() if line.startswith("NODES ")]
+    if result.returncode != 0 or not answer:
+        raise RuntimeError(f"cannot list the nodes of {head['gcs']} (exit code {result.returncode}): "
+                           f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return json.loads(answer[-1].removeprefix("NODES "))
 
 
 CLIENT_LOOP = """

@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
 import platform
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -156,6 +157,19 @@ def measure_allocations(run: Callable[[], T], device: torch.device) -> tuple[T, 
     return result, peak, live
 
 
+# Kineto (torch's profiler library) prints two lines to stderr at each start and stop of a profile ("USDT:...
+# SyncActivityProfilerHandler.cpp:52] profiler_start"), at its highest level, so that only the level above it
+# (6: none) silences them; it reads KINETO_LOG_LEVEL when the process's first profile starts.
+KINETO_SILENT = "6"
+
+
+def quiet_profiler() -> None:
+    """Keep the profiler's per-start lines out of the process's stderr (a run in the terminal printed two per
+    measured step) unless KINETO_LOG_LEVEL is set already: a user who asks for kineto's log keeps it. In a
+    trainer's process only the memory measurement here starts profiles."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
+
+
 def with_memory_records(run: Callable[[], T]) -> tuple[T, Any]:
     """Run `run()` under torch's profiler with memory records on and operation records off: (its result, the
     profiler's result, whose event tree holds one allocation record per CPU allocation and free).
@@ -176,6 +190,7 @@ def with_memory_records(run: Callable[[], T]) -> tuple[T, Any]:
 
     config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}
+    quiet_profiler()
     _prepare_profiler(config, activities)
     _enable_profiler(config, activities, {RecordScope.USER_SCOPE})
     try:
@@ -213,6 +228,7 @@ class MemoryWindow:
         from torch._C._profiler import RecordScope, _ExperimentalConfig
         from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        quiet_profiler()
         _prepare_profiler(config, {ProfilerActivity.CPU})
         _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
 

@@ -87,7 +87,7 @@ def ray_actor_logs(*classes: str, tail: int = 6000) -> str:
         text = path.read_text(errors="replace")
         if not any(f"actor_name:{name}" in text for name in classes):
             continue
-        lines = [line[:400] for line in text.splitlines() if not line.startswith("USDT")]
+        lines = [line[:400] for line in text.splitlines()]
         out.append(f"===== {path.name}\n" + "\n".join(lines)[-tail:])
         pid = path.stem.rsplit("-", 1)[-1]
         spy = Path(sys.executable).parent / "py-spy"

@@ -5,6 +5,11 @@ trainer's predicted peak resident set against the kernel's count (VmHWM), in a p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,3 +78,33 @@ def test_a_block_an_earlier_measurement_allocated_and_this_one_frees_does_not_lo
 
     _, peak, left = measure_allocations(frees_the_survivor_then_allocates, torch.device("cpu"))
     assert (peak, left) == (5 * mib, 2 * mib)
+
+
+PROFILED = """
+import sys, torch
+from actors.engine.memory import MemoryWindow, with_memory_records, allocation_peak
+_, records = with_memory_records(lambda: torch.ones(1 << 20).sum())
+window = MemoryWindow(torch.device("cpu"))
+window.start(0)
+kept = torch.ones(1 << 18)
+print("PEAKS", allocation_peak(records)[0], window.stop())
+"""
+
+
+@pytest.mark.parametrize("level", [None, "0"])
+def test_a_measurement_leaves_the_profilers_lines_out_of_stderr_unless_asked_for(level):
+    """Kineto prints two lines a profile ("USDT: ... profiler_start") at its highest level: a run in a
+    terminal showed two per measured step. In a fresh process (kineto reads its level once): none by default,
+    the measurements still taken; with KINETO_LOG_LEVEL set by the user, kineto's own lines as before."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    if level is not None:
+        env["KINETO_LOG_LEVEL"] = level
+    run = subprocess.run([sys.executable, "-c", PROFILED], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr[-2000:]
+    peaks = [int(value) for value in run.stdout.split("PEAKS")[1].split()]
+    assert peaks[0] >= 4 << 20 and peaks[1] >= 1 << 20, peaks   # the 4 MiB and 1 MiB tensors were seen
+    if level is None:
+        assert "USDT" not in run.stderr and "profiler_start" not in run.stderr, run.stderr[-2000:]
+    else:
+        assert run.stderr.count("profiler_start") == 2, run.stderr[-2000:]

@@ -134,17 +134,26 @@ def _node_ports() -> list[str]:
             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
 
 
+def _own_tmp(temp_dir: str) -> dict[str, str]:
+    """TMPDIR for a node's processes: a folder in its temp dir, removed with it. A head's processes make
+    temporary files of their own (multiprocessing's `pymp-*` folder with a listener socket), which a node
+    stopped by SIGKILL never removes: they stayed in /tmp, one a head."""
+    folder = Path(temp_dir) / "tmp"
+    folder.mkdir()
+    return {"TMPDIR": str(folder)}
+
+
 def start_head(*, token: bool, num_cpus: int = 2, env: dict[str, str] | None = None) -> dict:
     """A head node as a fresh machine starts it: HOME an empty folder; with `token`, the README's
     `ray get-auth-token --generate` first (Ray then turns token authentication on), else Ray runs open.
     `env`: further environment of the node's processes (e.g. FAST_NODE_DEATH)."""
     home = Path(tempfile.mkdtemp(prefix="aspen-home-"))
-    node_env = {**plain_env(home), **(env or {})}
+    temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")  # short: Ray's socket paths must stay short
+    node_env = {**plain_env(home), **_own_tmp(temp_dir), **(env or {})}
     if token:
         subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=node_env, capture_output=True,
                        text=True, timeout=120, check=True)
     gcs, dashboard = free_port(), free_port()
-    temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")  # short: Ray's socket paths must stay short
     output = Path(temp_dir) / "ray-start.out"
     with output.open("wb") as sink:
         process = subprocess.Popen(
@@ -187,7 +196,7 @@ def start_worker(head: dict, *, num_cpus: int = 1, env: dict[str, str] | None = 
     ports; returns once the head counts it among its live nodes."""
     home = Path(tempfile.mkdtemp(prefix="aspen-home-"))
     temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")
-    node_env = {**client_env(head, home), **(env or {})}
+    node_env = {**client_env(head, home), **_own_tmp(temp_dir), **(env or {})}
     before = len(live_nodes(head, home))
     output = Path(temp_dir) / "ray-start.out"
     with output.open("wb") as sink:

@@ -182,6 +182,9 @@ def _run_in_process(spec, quiet: bool) -> int:
     """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid."""
     from actors.service.scheduler.local_run import train_locally
 
+    if quiet or not sys.stderr.isatty():   # transformers' bar as it loads the base: not for --quiet or a log
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.disable_progress_bar()
     summaries = train_locally(spec, progress=not quiet)
     print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}")
     for s in summaries:

@@ -4,7 +4,6 @@ and `--debug` for the traceback."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,16 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ports import free_port
+
 
 def aspen(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env=env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 JOBS = """\

@@ -31,7 +31,8 @@ from orchestrator.mqtt.listener import MqttListener
 from orchestrator.mqtt.settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
 from orchestrator.observability import service_listeners
 from orchestrator.watch import watch_events
-from tests.helpers.mqtt import SUBSCRIBE_WAIT_S, Subscriber, free_port, retained
+from tests.helpers.mqtt import SUBSCRIBE_WAIT_S, Subscriber, retained
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 JOB = "victim-1a2b3c"

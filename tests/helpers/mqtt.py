@@ -20,12 +20,6 @@ from actors.service.table.job_table import JobRecord
 from tests.helpers.service import wait_for
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def mosquitto_binary() -> str | None:
     return shutil.which("mosquitto") or next((p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
                                               if os.access(p, os.X_OK)), None)

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tests.helpers.ports import free_port
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,30 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 # second, 3 missed): what a test of node loss waits for, not what it tests.
 FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                    "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
-
-
-# Ports for a node's servers come from below Linux's ephemeral range (32768-60999: every outgoing connection,
-# and every port bound to 0, takes one there, so a port found free there may be taken before `ray start` binds
-# it) and above Ray's worker ports (10002-19999 by default).
-NODE_PORTS = range(20000, 32768)
-_handed_out: set[int] = set()
-_choose = random.SystemRandom()   # not the `random` a test may seed: two processes would pick alike
-
-
-def free_port() -> int:
-    """A port no process here listens on, none handed out before by this process."""
-    for _ in range(1000):
-        port = _choose.choice(NODE_PORTS)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {NODE_PORTS}")
 
 
 def plain_env(home: Path) -> dict[str, str]:

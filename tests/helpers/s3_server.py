@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.ports import free_port
+
 ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
 
 
@@ -47,12 +49,6 @@ def moto_server_binary() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("moto_server")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def running_s3_server() -> Iterator[S3Server]:
     """Start moto_server, set the S3 environment for this process (and its children), yield, then kill the
@@ -63,7 +59,7 @@ def running_s3_server() -> Iterator[S3Server]:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    port = _free_port()
+    port = free_port()
     # its request log goes to a file: a pipe nobody reads fills up (64 KiB, a few hundred requests) and the
     # server then blocks in every request's log line
     log_file = tempfile.NamedTemporaryFile(prefix="moto-server-", suffix=".log", delete=False)

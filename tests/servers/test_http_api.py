@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from orchestrator.http.api_client import Conflict, HttpClient, JobNotFound, Spec
 from orchestrator.http.bridge import ProcessLink
 from orchestrator.http.token import TokenFileError, client_token, ensure_token, read_token
 from tests.helpers.http_server import NOBODYS_MODEL, running_server
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -462,9 +462,7 @@ def test_aspen_http_serves_on_loopback_with_a_generated_token_and_stops_on_sigte
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.7")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     token_path = tmp_path / "token"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     server = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "http", "--port", str(port), "--address",

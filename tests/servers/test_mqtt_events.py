@@ -28,7 +28,6 @@ from orchestrator.mqtt.topics import topic_level
 from orchestrator.report import write_report
 from tests.helpers.mqtt import (
     Subscriber,
-    free_port,
     job_record,
     require_mosquitto,
     retained,
@@ -36,6 +35,7 @@ from tests.helpers.mqtt import (
     start_mosquitto,
     stop_mosquitto,
 )
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, wait_for, write_task_data
 from tests.helpers.service import service_config as shared_service_config
 

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -25,6 +24,7 @@ import yaml
 
 from actors.service.scheduler.config import MetricsConfig, ServiceConfig, TrainerConfig
 from orchestrator.client import Client
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, run_spec, wait_for, write_task_data
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
@@ -39,12 +39,6 @@ def prometheus_binary() -> str:
     if os.environ.get("CI") == "true":
         pytest.fail(message + "; under CI a server-backed test fails instead of skipping")
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from actors.storage.storage_uri import StorageURI, as_location, resolve_location
 from orchestrator.cli.run_commands import saved_step as _saved_step
 from orchestrator.report import collect, write_report
 from policies.fifo import FifoPolicy
+from tests.helpers.ports import free_port
 from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle
 
@@ -124,30 +125,13 @@ def test_errors_name_the_uri_and_the_fix(s3_server, monkeypatch):
     assert "s3://no-such-bucket-aspen/prefix" in str(caught.value) and "bucket does not exist" in str(caught.value)
     with pytest.raises(StorageError, match="not found"):
         StorageLocation(f"s3://{s3_server.make_bucket()}").read_bytes("nothing.jsonl")
-    with socket_closed() as port:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
-        with pytest.raises(StorageError) as caught:
-            StorageLocation("s3://bucket/prefix").check_writable()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")   # nothing listens there
+    with pytest.raises(StorageError) as caught:
+        StorageLocation("s3://bucket/prefix").check_writable()
     assert "cannot be reached" in str(caught.value) and "AWS_ENDPOINT_URL_S3" in str(caught.value)
     assert isinstance(caught.value, StorageUnreachable)   # transient: a job whose data it is starts again
-    with socket_closed() as port:
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
-        with pytest.raises(StorageUnreachable, match="the dataset s3://bucket/data.jsonl: reading failed"):
-            read_rows("s3://bucket/data.jsonl")   # not a DataError: nothing is wrong with the data
-
-
-class socket_closed:
-    """A local port nothing listens on."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        return None
+    with pytest.raises(StorageUnreachable, match="the dataset s3://bucket/data.jsonl: reading failed"):
+        read_rows("s3://bucket/data.jsonl")   # not a DataError: nothing is wrong with the data
 
 
 def test_a_file_uri_works_like_a_bucket(tmp_path):

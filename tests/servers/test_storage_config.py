@@ -7,7 +7,6 @@ environment's); bad values are refused when the configuration is loaded, naming 
 from __future__ import annotations
 
 import json
-import socket
 
 import pyarrow.fs as pafs
 import pytest
@@ -18,17 +17,12 @@ from actors.service.scheduler.config import ServiceConfig, StorageConfig
 from actors.service.scheduler.local_run import train_locally
 from actors.storage.checkpoint_mirror import POINTER_NAME
 from actors.storage.s3_settings import S3Settings, configured_storage
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 AWS_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                  "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION")
 CREDENTIALS = {"STORE_KEY_ID": "testing", "STORE_SECRET": "testing"}   # moto takes any
-
-
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _raw_s3(server) -> pafs.S3FileSystem:
@@ -48,7 +42,7 @@ def environment_without_s3(monkeypatch):
     credentials under names of the test's choosing."""
     for name in AWS_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
@@ -87,7 +81,7 @@ def test_a_job_actor_on_ray_reads_its_data_through_the_configured_endpoint(ray_s
     (submission,) = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out",
                              [job_dict("remote", f"s3://{s3_bucket}/sets/remote.jsonl", 3)]).submissions()
     # the actor's environment (as its node's `ray start` would give it): a dead endpoint, credentials by other names
-    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{_closed_port()}", "AWS_EC2_METADATA_DISABLED": "true",
+    env = {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}", "AWS_EC2_METADATA_DISABLED": "true",
            "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", **CREDENTIALS}
     storage = StorageConfig.model_validate(_storage(s3_server))
     configured = JobActor.options(runtime_env={"env_vars": env}).remote(

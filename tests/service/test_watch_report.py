@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 
 import matplotlib.colors
@@ -20,13 +19,8 @@ from actors.service.table.job_table import JobRecord
 from orchestrator.cli import main
 from orchestrator.client import Client
 from orchestrator.watch import eta_seconds, watch
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, run_spec, wait_for, write_task_data
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from actors.service.scheduler.local_run import train_locally
+from tests.helpers.ports import free_port
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 STEPS = 6
@@ -81,12 +81,6 @@ def test_tensorboard_and_mlflow_read_back(tiny_base, tiny_model_dirs, tmp_path, 
     assert downloaded.read_bytes() == (folder / "adapter_model.safetensors").read_bytes()
 
 
-def unused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_failing_tracker_leaves_training_intact(tiny_base, tiny_model_dirs, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")   # the unanswered server fails at once, not in minutes
@@ -94,7 +88,7 @@ def test_a_failing_tracker_leaves_training_intact(tiny_base, tiny_model_dirs, tm
     data = write_task_data(tmp_path / "data", "add", rows=24)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    server = f"http://127.0.0.1:{unused_port()}"
+    server = f"http://127.0.0.1:{free_port()}"
     jobs = [job_dict("no-server", data, 3, tracking={"tensorboard": True, "mlflow": {"tracking_uri": server}}),
             job_dict("no-disk", data, 3, tracking={"mlflow": {"tracking_uri": str(blocker / "mlruns")}}),
             job_dict("plain", data, 3)]

@@ -163,11 +163,19 @@ def measure_allocations(run: Callable[[], T], device: torch.device) -> tuple[T, 
 KINETO_SILENT = "6"
 
 
-def quiet_profiler() -> None:
-    """Keep the profiler's per-start lines out of the process's stderr (a run in the terminal printed two per
+def start_memory_profile() -> None:
+    """Turn torch's profiler on with memory records on and operation records off (only user scopes, which the
+    engine does not open); `torch.autograd._disable_profiler()` turns it off and returns the records.
+    Kineto's per-start lines are kept out of the process's stderr (a run in the terminal printed two per
     measured step) unless KINETO_LOG_LEVEL is set already: a user who asks for kineto's log keeps it. In a
     trainer's process only the memory measurement here starts profiles."""
+    from torch._C._profiler import RecordScope, _ExperimentalConfig
+    from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
+
     os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_SILENT)
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    _prepare_profiler(config, {ProfilerActivity.CPU})
+    _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
 
 
 def with_memory_records(run: Callable[[], T]) -> tuple[T, Any]:
@@ -178,21 +186,9 @@ def with_memory_records(run: Callable[[], T]) -> tuple[T, Any]:
     but with the operations' record scopes left out (only user scopes, which the engine does not open): a
     30-layer model's step has ~180,000 operation records beside ~50,000 memory records, and collecting
     and converting them cost 1-3 s a measured step, while the trainer stood idle."""
-    from torch._C._profiler import RecordScope, _ExperimentalConfig
-    from torch.autograd import (
-        ProfilerActivity,
-        ProfilerConfig,
-        ProfilerState,
-        _disable_profiler,
-        _enable_profiler,
-        _prepare_profiler,
-    )
+    from torch.autograd import _disable_profiler
 
-    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-    activities = {ProfilerActivity.CPU}
-    quiet_profiler()
-    _prepare_profiler(config, activities)
-    _enable_profiler(config, activities, {RecordScope.USER_SCOPE})
+    start_memory_profile()
     try:
         result = run()
     finally:
@@ -225,12 +221,7 @@ class MemoryWindow:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        from torch._C._profiler import RecordScope, _ExperimentalConfig
-        from torch.autograd import ProfilerActivity, ProfilerConfig, ProfilerState, _enable_profiler, _prepare_profiler
-        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-        quiet_profiler()
-        _prepare_profiler(config, {ProfilerActivity.CPU})
-        _enable_profiler(config, {ProfilerActivity.CPU}, {RecordScope.USER_SCOPE})
+        start_memory_profile()
 
     def close(self) -> None:
         """Close a window left open (a step that failed before `stop`), unread: on CPU the profiler it enabled is

@@ -110,6 +110,9 @@ def _node_ports() -> list[str]:
             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}"]
 
 
+START_OUTPUT = "ray-start.out"   # in a node's temp dir
+
+
 def _own_tmp(temp_dir: str) -> dict[str, str]:
     """TMPDIR for a node's processes: a folder in its temp dir, removed with it. A head's processes make
     temporary files of their own (multiprocessing's `pymp-*` folder with a listener socket), which a node
@@ -130,14 +133,9 @@ def start_head(*, token: bool, num_cpus: int = 2, env: dict[str, str] | None = N
         subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=node_env, capture_output=True,
                        text=True, timeout=120, check=True)
     gcs, dashboard = free_port(), free_port()
-    output = Path(temp_dir) / "ray-start.out"
-    with output.open("wb") as sink:
-        process = subprocess.Popen(
-            [str(BIN / "ray"), "start", "--head", "--block", "--dashboard-host=127.0.0.1",
-             "--include-dashboard=true", f"--num-cpus={num_cpus}", "--object-store-memory=200000000",
-             f"--temp-dir={temp_dir}", f"--port={gcs}", f"--dashboard-port={dashboard}",
-             f"--ray-client-server-port={free_port()}", *_node_ports()],
-            env=node_env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    process = _ray_start(temp_dir, node_env, "--head", "--dashboard-host=127.0.0.1", "--include-dashboard=true",
+                         f"--num-cpus={num_cpus}", "--object-store-memory=200000000", f"--port={gcs}",
+                         f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}")
     head = {"process": process, "temp_dir": temp_dir, "home": home, "dashboard": f"http://127.0.0.1:{dashboard}",
             "gcs": f"127.0.0.1:{gcs}", "token": (home / ".ray" / "auth_token").read_text().strip() if token else None}
     try:
@@ -151,7 +149,7 @@ def start_head(*, token: bool, num_cpus: int = 2, env: dict[str, str] | None = N
             except OSError:
                 if time.time() > deadline or process.poll() is not None:
                     raise RuntimeError(f"ray start --head did not come up (exit code {process.poll()}); "
-                                       f"{_startup_report(Path(temp_dir), output)}") from None
+                                       f"{_startup_report(temp_dir)}") from None
                 time.sleep(1)
     except BaseException:
         stop_head(head)
@@ -174,19 +172,15 @@ def start_worker(head: dict, *, num_cpus: int = 1, env: dict[str, str] | None = 
     temp_dir = tempfile.mkdtemp(prefix="aspen-ray-")
     node_env = {**client_env(head, home), **_own_tmp(temp_dir), **(env or {})}
     before = len(live_nodes(head, home))
-    output = Path(temp_dir) / "ray-start.out"
-    with output.open("wb") as sink:
-        process = subprocess.Popen(
-            [str(BIN / "ray"), "start", "--block", f"--address={head['gcs']}", f"--num-cpus={num_cpus}",
-             "--object-store-memory=100000000", f"--temp-dir={temp_dir}", *_node_ports()],
-            env=node_env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    process = _ray_start(temp_dir, node_env, f"--address={head['gcs']}", f"--num-cpus={num_cpus}",
+                         "--object-store-memory=100000000")
     worker = {"process": process, "temp_dir": temp_dir, "home": home}
     try:
         deadline = time.time() + 120
         while len(live_nodes(head, home)) <= before:
             if time.time() > deadline or process.poll() is not None:
                 raise RuntimeError(f"ray start --address did not join (exit code {process.poll()}); "
-                                   f"{_startup_report(Path(temp_dir), output)}")
+                                   f"{_startup_report(temp_dir)}")
             time.sleep(1)
     except BaseException:
         stop_node(worker)
@@ -194,11 +188,21 @@ def start_worker(head: dict, *, num_cpus: int = 1, env: dict[str, str] | None = 
     return worker
 
 
-def _startup_report(temp_dir: Path, output: Path) -> str:
+def _ray_start(temp_dir: str, env: dict[str, str], *arguments: str) -> subprocess.Popen:
+    """`ray start --block` with `arguments`, the node's temp dir and ports of its own, in a process session of
+    its own (how the node is stopped); its output kept in the temp dir for `_startup_report`."""
+    with (Path(temp_dir) / START_OUTPUT).open("wb") as sink:
+        return subprocess.Popen([str(BIN / "ray"), "start", "--block", *arguments, f"--temp-dir={temp_dir}",
+                                 *_node_ports()], env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _startup_report(temp_dir: str) -> str:
     """What a node that did not come up left: the tail of `ray start`'s own output and of each of its
     processes' error logs that is not empty."""
-    parts = [f"ray start printed:\n{output.read_text(errors='replace')[-3000:]}"]
-    for log in sorted((temp_dir / "session_latest" / "logs").glob("*.err")):
+    folder = Path(temp_dir)
+    parts = [f"ray start printed:\n{(folder / START_OUTPUT).read_text(errors='replace')[-3000:]}"]
+    for log in sorted((folder / "session_latest" / "logs").glob("*.err")):
         text = log.read_text(errors="replace").strip()
         if text:
             parts.append(f"{log.name}:\n{text[-1500:]}")

@@ -83,7 +83,11 @@ def actor_pid(ray, handle) -> int:
 # -- the job table locked by another process --------------------------------------------------------------
 def test_trainer_events_reach_a_locked_job_table_once_and_in_order(ray_session, tiny_model_dirs, tmp_path):
     base = tiny_model_dirs["llama"]
-    steps = 12
+    # The lock must come before either job ends: it is taken after both are seen at step 2, late by a poll of
+    # their status (0.2 s and two calls to the scheduler, a second or more on a loaded machine). A fused step of
+    # the tiny model's two jobs takes 13-40 ms here; with a floor of 10 ms (a faster CPU: 12 steps once ended
+    # before the lock on one), 198 steps after step 2 leave 2 s.
+    steps = 200
     jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=i), steps)
             for i, name in enumerate(["one", "two"])]
     state = tmp_path / "state"
@@ -95,6 +99,8 @@ def test_trainer_events_reach_a_locked_job_table_once_and_in_order(ray_session, 
         holder = sqlite3.connect(state / "jobs.sqlite", isolation_level=None, timeout=30)
         holder.execute("BEGIN EXCLUSIVE")
         try:
+            locked_at = {h.id: client.status(h.id) for h in handles}
+            assert all(r.state == "running" for r in locked_at.values()), f"a job ended before the lock: {locked_at}"
             wait_for(lambda: all((tmp_path / "out" / name / "adapter_model.safetensors").is_file()
                                  for name in ("one", "two")), timeout=180, what="both jobs to finish on the trainer")
             time.sleep(4)    # twice the table's busy timeout, dozens of the scheduler's ticks

@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 
 POLL_IDLE_S = 0.005        # between takes that brought nothing
 TAKE_FAILURES_S = 60.0     # a trainer whose outcomes cannot be taken this long: its waiting calls fail
+# An outcome can come back before its call is awaited: the trainer runs a call as soon as it has it, and the
+# poller of another call on that trainer may take the outcome before `submit` has the key back and registers it.
+# Such an outcome is kept for its call; one that no call claims within this time (its call failed over to
+# another trainer, its waiting ended by a failure) is dropped.
+UNCLAIMED_S = 600.0
 
 
 class CallFailed(Exception):
@@ -96,6 +101,7 @@ class RemoteCalls:
         self.front = front or f"front-{uuid.uuid4().hex[:12]}"
         self.models: dict[str, RemoteModel] = {}
         self.waiting: dict[str, dict[str, Future]] = {}      # trainer -> key -> the call's future
+        self.early: dict[str, dict[str, tuple[float, Any]]] = {}   # trainer -> key -> (when, outcome) not awaited yet
         self.pollers: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
         self.closed = False
@@ -228,7 +234,16 @@ class RemoteCalls:
         """Complete `future` with the outcome of `key` on `trainer`; `call`: the model's call it is (model id,
         seq_id), whose outcome may say the model was checkpointed after it."""
         with self.lock:
-            self.waiting.setdefault(trainer, {})[key] = (future, call)
+            early = self.early.get(trainer, {}).pop(key, None)
+            if early is not None:   # taken by the poller before this call had its key back
+                arrived = early[1]
+            else:
+                arrived = None
+                self.waiting.setdefault(trainer, {})[key] = (future, call)
+        if arrived is not None:
+            self._complete(future, call, arrived)
+            return
+        with self.lock:
             poller = self.pollers.get(trainer)
             if poller is None or not poller.is_alive():
                 poller = threading.Thread(target=self._poll, args=(trainer,), name=f"tinker-take-{trainer}",
@@ -259,18 +274,30 @@ class RemoteCalls:
             for outcome in outcomes:
                 with self.lock:
                     future, call = self.waiting.get(trainer, {}).pop(outcome.key, (None, None))
-                if future is None:
-                    continue
-                if call is not None and outcome.checkpoint_seq is not None:
-                    self._checkpointed(*call)
-                if future.done():
-                    continue   # a call sent again after its trainer was lost, answered before
-                if outcome.error is not None:
-                    future.set_exception(CallFailed(outcome.error, outcome.category))
-                else:
-                    future.set_result(outcome.value)
+                    if future is None:
+                        self._keep_early(trainer, outcome)
+                if future is not None:
+                    self._complete(future, call, outcome)
             if not outcomes:
                 time.sleep(POLL_IDLE_S)
+
+    def _keep_early(self, trainer: str, outcome: Any) -> None:
+        """Keep an outcome whose call is not awaited yet (under the lock); drop those unclaimed too long."""
+        now = time.monotonic()
+        kept = self.early.setdefault(trainer, {})
+        for key in [key for key, (when, _) in kept.items() if now - when > UNCLAIMED_S]:
+            del kept[key]
+        kept[outcome.key] = (now, outcome)
+
+    def _complete(self, future: Future, call: tuple[str, int] | None, outcome: Any) -> None:
+        if call is not None and outcome.checkpoint_seq is not None:
+            self._checkpointed(*call)
+        if future.done():
+            return   # a call sent again after its trainer was lost, answered before
+        if outcome.error is not None:
+            future.set_exception(CallFailed(outcome.error, outcome.category))
+        else:
+            future.set_result(outcome.value)
 
     def _fail_all(self, trainer: str, error: Exception) -> None:
         with self.lock:

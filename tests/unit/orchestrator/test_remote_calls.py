@@ -1,0 +1,92 @@
+"""The Tinker front's calls on a service's trainer (orchestrator/tinker/remote_calls.py) against a real trainer's
+desk (actors/service/trainer/interactive_desk.py, Ray-free): the service's calls are the desk's methods.
+
+A trainer runs a call as soon as it has it, so a call's outcome can be ready, and taken by the poller that
+another waiting call keeps running, before the front has the new call's key back: the outcome must still reach
+its call (it was dropped, and two users' loops on one trainer hung on an `optim_step` that had run)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.engine.interactive_model import AdamStep
+from actors.engine.interactive_step import CallDatum, ModelCall
+from actors.engine.models import from_module
+from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
+from actors.service.trainer.interactive_desk import InteractiveDesk
+from actors.service.trainer.trainer_reports import TrainerEvents
+from orchestrator.tinker.remote_calls import RemoteCalls
+from tests.helpers.models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.unit
+
+ALICE, BOB = "s1:train:0", "s2:train:0"
+
+
+def fb(model_id: str, seed: int) -> ModelCall:
+    generator = torch.Generator().manual_seed(seed)
+    datums = tuple(CallDatum(tuple(torch.randint(0, VOCAB, (n,), generator=generator).tolist()),
+                             {"target_tokens": torch.randint(0, VOCAB, (n,), generator=generator),
+                              "weights": torch.ones(n)}) for n in (5, 9))
+    return ModelCall(adapter_name(model_id), datums)
+
+
+class Service:
+    """`call(method, *args)` as the service answers it, on one trainer's desk run by this test. `hold`: model
+    ids whose `tinker.submit` returns its key only after the call ran and the front's poller took its outcome."""
+
+    def __init__(self, desk: InteractiveDesk):
+        self.desk = desk
+        self.hold: set[str] = set()
+
+    def __call__(self, method: str, *args):
+        if method == "tinker.open":
+            model_id, _base, rank, owner, seed, *_ = args
+            self.desk.open(f"job-{model_id}", model_id, rank, owner=owner, seed=seed)
+            return {"job": f"job-{model_id}", "trainer": "trainer-0", "output_dir": ""}
+        if method == "tinker.take":
+            return self.desk.take(args[1])
+        if method == "tinker.submit":
+            _trainer, front, model_id, seq_id, kind, payload = args
+            key = self.desk.submit(front, model_id, seq_id, kind, payload)
+            if model_id in self.hold:
+                while self.desk.calls.step():
+                    pass
+                deadline = time.monotonic() + 30
+                while self.desk.outcomes.get(front) and time.monotonic() < deadline:
+                    time.sleep(0.01)   # the poller takes it
+                assert not self.desk.outcomes.get(front), "the poller never took the outcome"
+            return key
+        raise AssertionError(f"unexpected service call {method}{args}")
+
+
+def test_an_outcome_taken_before_its_key_came_back_reaches_its_call():
+    desk = InteractiveDesk(InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=0),
+                           TrainerEvents(), "trainer-0", lambda row: None)
+    service = Service(desk)
+    front = RemoteCalls(service, front="front-a")
+    try:
+        for model_id in (ALICE, BOB):
+            front.create_model(model_id, 4, owner=model_id, base_model="tiny")
+        # alice's second call first: it waits for her first, and keeps the trainer's poller running meanwhile
+        alice_second = front.submit(ALICE, 2, "optim_step", AdamStep(learning_rate=0.01))
+        service.hold.add(BOB)
+        bob_pass = front.submit(BOB, 1, "forward_backward", fb(BOB, 1))
+        assert bob_pass.result(timeout=30).loss_sum > 0
+        bob_step = front.submit(BOB, 2, "optim_step", AdamStep(learning_rate=0.01))
+        assert bob_step.result(timeout=30) is not None
+
+        service.hold.clear()
+        alice_first = front.submit(ALICE, 1, "forward_backward", fb(ALICE, 2))
+        stepping = threading.Thread(target=lambda: [desk.calls.step() for _ in range(4)])
+        stepping.start()
+        stepping.join(timeout=60)
+        assert alice_first.result(timeout=30).loss_sum > 0
+        assert alice_second.result(timeout=30) is not None
+        assert not any(front.early.values())   # nothing left unclaimed
+    finally:
+        front.close()

@@ -45,36 +45,16 @@ if str(REPO) not in sys.path:
 
 import torch
 
-from actors.data import (
-    IGNORE_INDEX,
-    AlpacaFormat,
-    DataCursor,
-    Example,
-    PromptResponseFormat,
-    TextFormat,
-    load_examples,
-)
+from actors.data import TextFormat
 from actors.engine import lora_cuda, lora_grouped
-from actors.engine import trainer as trainer_module
 from actors.engine.job import TrainingJob
 from actors.engine.models import BaseModel, load_base_model
-from actors.engine.operations import OperationCounter, count_operations
-from actors.engine.packing import JobMicroBatch, pack
-from actors.engine.recompute import decoder_layers
+from actors.engine.operations import count_operations
 from actors.engine.trainer import FusedTrainer
-from actors.spec.job_spec import JobSpec
-from actors.spec.lora_config import LoraConfig
+from bench.fusion_jobs import LORA, fmt_pct, job_spec, log, sync, synthetic_example
+from bench.fusion_operations import bench_operations, tiny_llama
 from bench.machine import CpuMonitor, cpu_model
-
-DATA_DIR = REPO.parent / "shared" / "data"
-GSM8K = DATA_DIR / "gsm8k_train.jsonl"
-CODE_ALPACA = DATA_DIR / "code_alpaca_2k.json"
-GSM8K_FORMAT = PromptResponseFormat(prompt="Question: {question}\nAnswer:", response=" {answer}")
-MAX_SEQ_LEN = 1024
-TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-LORA = LoraConfig(r=8, alpha=16.0, dropout=0.0, target_modules=TARGET_MODULES)
-LR = 3e-4
-MAX_GRAD_NORM = 1.0
+from bench.padding_share import CODE_ALPACA, DATA_DIR, GSM8K, bench_padding, load_real_data
 
 GOAL_FUSION = 0.97
 GOAL_OPERATIONS = 1.05
@@ -106,41 +86,10 @@ class Settings:
 # helpers
 # --------------------------------------------------------------------------------------------------
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def machine_line(device: torch.device) -> str:
     if device.type == "cuda":
         return f"GPU {torch.cuda.get_device_name(device)}"
     return f"{cpu_model()}, {torch.get_num_threads()} torch threads"
-
-
-def job_spec(name: str, fmt, batch_size: int) -> JobSpec:
-    # max_steps far away and a constant schedule: the jobs never finish and the lr never decays to 0.
-    return JobSpec(name=name, data=Path(f"bench/{name}"), format=fmt, lora=LORA, batch_size=batch_size,
-                   lr=LR, lr_schedule="constant", max_grad_norm=MAX_GRAD_NORM, max_steps=10**9)
-
-
-def synthetic_example(rng: random.Random, length: int, vocab: int, prompt_fraction: float = 0.5) -> Example:
-    """Random tokens; the first `prompt_fraction` are prompt (no target), the rest response (targets)."""
-    ids = tuple(rng.randrange(3, vocab) for _ in range(length))
-    prompt = max(1, int(length * prompt_fraction))
-    labels = tuple([IGNORE_INDEX] * prompt) + ids[prompt:]
-    return Example(ids, labels)
-
-
-def synthetic_dataset(rng: random.Random, count: int, vocab: int, lo: int, hi: int) -> list[Example]:
-    return [synthetic_example(rng, rng.randint(lo, hi), vocab, rng.uniform(0.3, 0.6)) for _ in range(count)]
-
-
-def fmt_pct(x: float) -> str:
-    return f"{100 * x:.2f}%"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -217,142 +166,6 @@ def bench_fusion(base: BaseModel, s: Settings) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# (d) operations per fused step
-# --------------------------------------------------------------------------------------------------
-
-PROXY_ADAPTERS = (1, 2, 4, 8, 16, 32)
-
-
-def tiny_llama(device: torch.device, vocab: int = 512, layers: int = 4) -> BaseModel:
-    """A small random Llama (the operation count does not depend on the weights' values)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actors.engine.models import from_module
-
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, pad_token_id=2, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return from_module(LlamaForCausalLM(config).eval().to(device), None)
-
-
-def operations_per_step(base: BaseModel, jobs: int, sequences: list[Example], lora_config: LoraConfig = LORA
-                        ) -> tuple[int, int]:
-    """(all operations, of which the optimizer steps') of one fused step of `jobs` jobs sharing `sequences`
-    evenly, after a first step (the optimizers' state is allocated at their first step)."""
-    if len(sequences) % jobs:
-        raise ValueError(f"{len(sequences)} sequences do not split evenly over {jobs} jobs")
-    per_job = len(sequences) // jobs
-    trainer = FusedTrainer(base, step_tokens=10**9, layout="packed")
-    chosen = []
-    for index in range(jobs):
-        spec = job_spec(f"ops{jobs}-{index}", TextFormat(), per_job).model_copy(update={"lora": lora_config})
-        job = TrainingJob.create(spec, base, sequences, [], seed=index)
-        trainer.add_job(job)
-        chosen.append((job, sequences[index * per_job:(index + 1) * per_job]))
-    trainer.run_step(chosen)
-    optimizer = OperationCounter()
-    original = trainer_module.step_jobs
-
-    def counted(*args, **kwargs):
-        with optimizer:   # nested: the outer counter sees these operations too
-            return original(*args, **kwargs)
-
-    trainer_module.step_jobs = counted
-    try:
-        total = count_operations(lambda: trainer.run_step(chosen))
-    finally:
-        trainer_module.step_jobs = original
-        for job, _ in chosen:
-            trainer.remove_job(job.name)
-    return total, optimizer.count
-
-
-def bench_operations(base: BaseModel, adapters: tuple[int, ...] = PROXY_ADAPTERS, seq_len: int = 16) -> dict:
-    vocab = int(base.model.config.vocab_size)
-    rng = random.Random(4321)
-    sequences = [synthetic_example(rng, seq_len, vocab) for _ in range(max(adapters))]
-    log(f"(d) operations per fused step: {len(sequences)} x {seq_len} tokens, adapters {list(adapters)}, "
-        f"LoRA r={LORA.r} on {', '.join(LORA.target_modules)}, dropout {LORA.dropout}")
-    saved = lora_grouped.GROUPING
-    rows: dict[str, dict] = {}
-    try:
-        for mode in ("grouped", "segments"):
-            lora_grouped.GROUPING = mode
-            counts = {n: operations_per_step(base, n, sequences) for n in adapters}
-            first = counts[adapters[0]][0]
-            rows[mode] = {str(n): {"operations": total, "optimizer_operations": optimizer,
-                                   "ratio_to_1": total / first} for n, (total, optimizer) in counts.items()}
-    finally:
-        lora_grouped.GROUPING = saved
-    log("    adapters  grouped (ratio, of which optimizer)   per segment (ratio, of which optimizer)")
-    for n in adapters:
-        g, p = rows["grouped"][str(n)], rows["segments"][str(n)]
-        log(f"    {n:8d}  {g['operations']:6d} ({g['ratio_to_1']:.3f}, {g['optimizer_operations']:4d})"
-            f"            {p['operations']:6d} ({p['ratio_to_1']:.3f}, {p['optimizer_operations']:4d})")
-    return {"sequences": len(sequences), "seq_len": seq_len, "lora": LORA.model_dump(),
-            "layers": len(decoder_layers(base.decoder)), "per_mode": rows}
-
-
-# --------------------------------------------------------------------------------------------------
-# (b) padding share
-# --------------------------------------------------------------------------------------------------
-
-def minpad_padding_share(gsm: list[Example], code: list[Example], s: Settings) -> float:
-    """mLoRA's padded_fused layout with MinPad choosing which jobs share each step: 2 GSM8K and 2 Code
-    Alpaca jobs, each training `padding_steps` micro-batches; the padding share over all steps."""
-    from policies.base import NextBatch
-    from policies.minpad import MinPadPolicy
-
-    def cost(chosen: list[NextBatch]) -> int:
-        return max(max(b.lengths) for b in chosen) * sum(len(b.lengths) for b in chosen)
-
-    cursors = {f"gsm8k-{i}": DataCursor(gsm, s.padding_batch, seed=10 + i) for i in range(2)}
-    cursors |= {f"code-{i}": DataCursor(code, s.padding_batch, seed=20 + i) for i in range(2)}
-    left = dict.fromkeys(cursors, s.padding_steps)
-    pending = {name: cursor.next_batch() for name, cursor in cursors.items()}
-    waited = dict.fromkeys(cursors, 0)
-    policy, processed, real = MinPadPolicy(), 0, 0
-    while any(left.values()):
-        batches = [NextBatch(name, tuple(len(e) for e in pending[name]),
-                             waited[name]) for name in cursors if left[name]]
-        chosen = policy.compose_step(batches, cost, 10**9, lambda chosen: True)
-        processed += cost([b for b in batches if b.job in chosen])
-        for name in cursors:
-            waited[name] = 0 if name in chosen else waited[name] + 1
-        for name in chosen:
-            real += sum(len(e) for e in pending[name])
-            left[name] -= 1
-            pending[name] = cursors[name].next_batch()
-    return (processed - real) / processed
-
-def bench_padding(gsm: list[Example], code: list[Example], pad_id: int, s: Settings) -> dict:
-    cursors = {"gsm8k": DataCursor(gsm, s.padding_batch, seed=0), "code_alpaca": DataCursor(code, s.padding_batch,
-                                                                                            seed=1)}
-    layouts = ("packed", "padded", "padded_fused")
-    processed = dict.fromkeys(layouts, 0)
-    padding = dict.fromkeys(layouts, 0)
-    real = 0
-    for _ in range(s.padding_steps):
-        micro = [JobMicroBatch(name, cursor.next_batch()) for name, cursor in cursors.items()]
-        real += sum(mb.num_tokens for mb in micro)
-        for layout in layouts:
-            batch = pack(micro, layout, pad_id)
-            processed[layout] += batch.num_tokens
-            padding[layout] += batch.padding_tokens
-    share = {layout: padding[layout] / processed[layout] for layout in layouts}
-    share["padded_fused + minpad"] = minpad_padding_share(gsm, code, s)
-    log(f"(b) padding: {s.padding_steps} fused steps of gsm8k + code_alpaca, {s.padding_batch} rows per job, "
-        f"{real} real tokens: " + ", ".join(f"{k} {fmt_pct(v)}" for k, v in share.items()))
-    return {"steps": s.padding_steps, "rows_per_job": s.padding_batch, "real_tokens": real,
-            "processed_tokens": processed, "padding_tokens": padding, "padding_share": share}
-
-
-# --------------------------------------------------------------------------------------------------
-# main
-# --------------------------------------------------------------------------------------------------
-
-# --------------------------------------------------------------------------------------------------
 # (c) aspen vs PEFT, each in its own process
 # --------------------------------------------------------------------------------------------------
 
@@ -374,17 +187,6 @@ def aspen_vs_peft(args: argparse.Namespace) -> dict:
                 "--device", args.device, "--data-dir", str(args.data_dir), *(["--quick"] if args.quick else []),
                 *(["--threads", str(args.threads)] if args.threads else [])]
         return versus_peft.compare(versus_peft.settle(versus_peft.parser().parse_args(argv)))
-
-
-def load_real_data(base: BaseModel, data_dir: Path = DATA_DIR) -> tuple[list[Example], list[Example]] | None:
-    gsm_path, code_path = data_dir / GSM8K.name, data_dir / CODE_ALPACA.name
-    if not (gsm_path.is_file() and code_path.is_file()):
-        return None
-    started = time.perf_counter()
-    gsm = load_examples(gsm_path, GSM8K_FORMAT, base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
-    code = load_examples(code_path, AlpacaFormat(), base.tokenizer, max_seq_len=MAX_SEQ_LEN).examples
-    log(f"data: {len(gsm)} GSM8K + {len(code)} Code Alpaca examples tokenized in {time.perf_counter() - started:.1f}s")
-    return gsm, code
 
 
 def summary(results: dict) -> list[tuple[str, str, str, str]]:
@@ -413,14 +215,12 @@ def summary(results: dict) -> list[tuple[str, str, str, str]]:
                     rows.append((f"(d) operations per step, {label}, {n} adapters / 1", f"{per[n]['ratio_to_1']:.3f}",
                                  goal, ok))
     padding = results.get("padding")
-    if "padding" not in results:
-        pass  # skipped on request
-    elif padding:
+    if padding:
         for layout, share in padding["padding_share"].items():
             goal = f"<= {fmt_pct(GOAL_PACKED_PADDING)}" if layout == "packed" else ""
             ok = ("met" if share <= GOAL_PACKED_PADDING else "NOT met") if goal else ""
             rows.append((f"(b) padding / processed tokens, {layout}", fmt_pct(share), goal, ok))
-    else:
+    elif "padding" in results:   # None: no data (absent: skipped on request)
         rows.append(("(b) padding share", "skipped", "", "no ../shared/data"))
     e2e = results.get("aspen_vs_peft")
     if e2e:
@@ -542,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         results["padding"] = None
     else:
         started = time.perf_counter()
-        results["padding"] = bench_padding(data[0], data[1], base.pad_token_id, s)
+        results["padding"] = bench_padding(data[0], data[1], base.pad_token_id, s.padding_steps, s.padding_batch)
         results["timings_s"]["padding"] = time.perf_counter() - started
 
     if "c" not in skip:

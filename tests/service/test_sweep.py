@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -105,17 +106,20 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
             client.sweep_status("nope")
     finally:
         client.shutdown()
-    # by its name, as a user types it once the service has ended (no cluster named): the folder `aspen sweep`
-    # remembered
+    # by its name, as a user types it once the service has ended (no cluster named, none running: other tests' run
+    # beside this one, so Ray's search for one is made to find none, tests/helpers/cli_cluster_search.py): the folder
+    # `aspen sweep` remembered
     unnamed = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    named = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
+    search = Path(__file__).resolve().parents[1] / "helpers" / "cli_cluster_search.py"
+    named = subprocess.run([sys.executable, str(search), "sweep", "status", "lr", "--json"],
                            capture_output=True, text=True, cwd=tmp_path / "data", env=unnamed)
     assert named.returncode == 0 and json.loads(named.stdout)["trials"] == status["trials"], named
-    # the cluster found here is another's, which refuses this process (on CI another test's cluster, with a token of
-    # its own): still the folder, not Ray's connection error
-    refused = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "status", "lr", "--json"],
+    # the cluster found here is another's, which refuses this process (this test's own, asked with another token):
+    # still the folder, not Ray's connection error
+    refused = subprocess.run([sys.executable, str(search), "sweep", "status", "lr", "--json"],
                              capture_output=True, text=True, cwd=tmp_path / "data",
-                             env={**unnamed, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
+                             env={**unnamed, "FOUND_CLUSTER": ray.get_runtime_context().gcs_address,
+                                  "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64})
     assert refused.returncode == 0 and json.loads(refused.stdout)["trials"] == status["trials"], refused
     assert "no aspen service is running (Failed to connect" in refused.stderr, refused.stderr
     assert "no aspen service is running" in named.stderr and str(tmp_path / "out") in named.stderr

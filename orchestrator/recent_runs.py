@@ -79,6 +79,23 @@ class RecentRuns:
         return None
 
 
+def shown_folder(state_dir: str | Path) -> Path:
+    """The folder a user names for a run: its output folder where the table is in its .aspen folder."""
+    folder = Path(state_dir)
+    return folder.parent if folder.name == ".aspen" else folder
+
+
+def where_else(error: KeyError, job: str) -> KeyError:
+    """A running service's "no job" error, with where the job is when a run this machine started has it in its
+    table (a user asking the service for a job of an `aspen run` that has ended, or runs on its own cluster)."""
+    run = RecentRuns().find(job)
+    if run is None:
+        return error
+    folder = shown_folder(run.state_dir)
+    return KeyError(f"{error.args[0] if error.args else error} on the running service; the run in {folder} has a job "
+                    f"'{job}' in its table: add --from {folder}")
+
+
 def offline_jobs(state_dir: str | Path) -> list:
     """The job records of a run's table (`<state_dir>/jobs.sqlite`), read without a service; [] without one."""
     from actors.service.table.job_table import read_jobs

@@ -36,12 +36,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     def service(job: str):
         from orchestrator.client import Client, ServiceError
+        from orchestrator.recent_runs import EndedRun, RecentRuns, where_else
 
         try:
             return Client.connect(args.address).status(job)
+        except KeyError as error:   # a service runs, without this job
+            raise where_else(error, job) from None
         except ServiceError as error:
-            from orchestrator.recent_runs import EndedRun, RecentRuns
-
             run = RecentRuns().find(job)   # a run that has ended: its own job table knows where the job is
             if run is not None:
                 print(f"aspen: no aspen service is running; '{job}' is a job of the run in {run.output_dir}",

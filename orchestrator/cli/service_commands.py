@@ -155,7 +155,7 @@ def named_cluster(args: argparse.Namespace) -> bool:
 def _ended_run_or(args: argparse.Namespace, error: Exception):
     """After a run's service ended: its job table (--from, else the newest `aspen run` of this machine), said
     so on stderr; else the error that found no service."""
-    from orchestrator.recent_runs import EndedRun, RecentRuns, state_folder
+    from orchestrator.recent_runs import EndedRun, RecentRuns, shown_folder, state_folder
 
     if args.from_dir:
         folder = state_folder(args.from_dir)
@@ -164,10 +164,21 @@ def _ended_run_or(args: argparse.Namespace, error: Exception):
         if run is None:
             raise error
         folder = Path(run.state_dir)
-    print("aspen: no aspen service is running; the job table of the run in "
-          f"{folder.parent if folder.name == '.aspen' else folder} as it ended (`aspen run` of its jobs file resumes "
-          "unfinished jobs)", file=sys.stderr)
+    print(f"aspen: no aspen service is running; the job table of the run in {shown_folder(folder)} as it ended "
+          "(`aspen run` of its jobs file resumes unfinished jobs)", file=sys.stderr)
     return EndedRun(folder)
+
+
+def _status(client, args: argparse.Namespace):
+    """The job's record; a running service's "no job" says where the job is if a run of this machine has it."""
+    from orchestrator.recent_runs import EndedRun, where_else
+
+    try:
+        return client.status(args.job)
+    except KeyError as error:
+        if isinstance(client, EndedRun) or args.url:
+            raise
+        raise where_else(error, args.job) from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -185,7 +196,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise
         client = _ended_run_or(args, error)
     if args.job:
-        record = client.status(args.job)
+        record = _status(client, args)
         if args.json:
             history = [{"time": when, "state": state, "reason": reason}
                        for when, state, reason in client.transitions(record.id)]

@@ -194,3 +194,41 @@ def test_a_job_is_found_by_id_or_name_in_the_service(trained, tmp_path):
     with pytest.raises(KeyError, match="no job with id or name 'other'"):
         export_job("other", tmp_path / "other", service=table.find)
     table.close()
+
+
+def test_a_running_service_without_the_job_says_which_run_has_it(trained, tmp_path, monkeypatch, capsys):
+    """`aspen status JOB` and `aspen export JOB` while a service runs that has no JOB (the user's long-lived one, or
+    another cluster's that Ray found) but a run this machine started has it: the service's "no job" says which
+    run's table has it and to add --from; the command so completed answers."""
+    from orchestrator.recent_runs import RecentRuns, state_folder
+
+    trained_dir, _ = trained
+    out_dir = tmp_path / "run"   # an ended `aspen run`: its table in <output folder>/.aspen, remembered as it does
+    table = JobTable(out_dir / ".aspen" / "jobs.sqlite")
+    submission = JobSubmission(job=JobSpec(name="add", data="unused.jsonl", format={"type": "text"}, max_steps=3))
+    with table.transaction():
+        table.add("add-4d5e6f", submission, trained_dir / "add")
+        table.set_state("add-4d5e6f", "completed", "trained 3 of 3 steps", step=3, total_steps=3)
+    table.close()
+    monkeypatch.setenv("ASPEN_RECENT_RUNS", str(tmp_path / "runs.json"))
+    RecentRuns().remember(tmp_path / "jobs.yaml", str(out_dir), state_folder(out_dir))
+    service_table = JobTable(tmp_path / "service" / "jobs.sqlite")   # the running service's: not this job
+
+    class RunningService:   # its status as the scheduler answers it (SchedulerActor.status: the table's find)
+        status = staticmethod(service_table.find)
+
+    monkeypatch.setattr("orchestrator.cli.service_commands.connect_service", lambda args: RunningService())
+    monkeypatch.setattr("orchestrator.client.Client.connect", classmethod(lambda cls, *a, **k: RunningService()))
+    hint = f"the run in {out_dir} has a job 'add' in its table: add --from {out_dir}"
+    assert main(["status", "add"]) == 2
+    error = capsys.readouterr().err
+    assert "no job with id or name 'add' on the running service" in error and hint in error, error
+    assert main(["export", "add", "--out", str(tmp_path / "x")]) == 2
+    assert hint in capsys.readouterr().err
+    assert main(["status", "add", "--from", str(out_dir)]) == 0
+    assert "completed" in capsys.readouterr().out
+    assert main(["export", "add", "--from", str(out_dir), "--out", str(tmp_path / "x")]) == 0
+    assert (tmp_path / "x" / "adapter_model.safetensors").is_file()
+    assert main(["status", "other"]) == 2   # a job no run has: the service's message as it is
+    assert capsys.readouterr().err.strip().endswith("no job with id or name 'other'")
+    service_table.close()

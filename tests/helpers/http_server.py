@@ -1,16 +1,26 @@
-"""The HTTP API served for a test: uvicorn in a thread on a free loopback port, and a base model no trainer
-holds (a job for it stays queued)."""
+"""The HTTP API served for a test: uvicorn in a thread on a free loopback port, the API over a real service
+(`Api`: its URL and token beside the Ray client of the same service, the reference), and a base model no
+trainer holds (a job for it stays queued)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tests.helpers.service import wait_for
 
+if TYPE_CHECKING:
+    from orchestrator.client import Client
+    from orchestrator.http.bridge import ProcessLink
+
 NOBODYS_MODEL = "some-org/model-nobody-holds"   # no trainer holds it: a job for it stays queued, never trains
+BODY_LIMIT = 64 * 1024                          # the request body limit `served_api` sets
 
 
 @contextlib.contextmanager
@@ -31,3 +41,47 @@ def running_server(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+@dataclass
+class Api:
+    url: str
+    token: str
+    ray: Client      # the reference: the same service through the Ray client
+    base: str        # the trainer's base model (a tiny random Llama)
+    link: ProcessLink
+    state_dir: Path  # the service's state folder
+
+    def table(self) -> tuple:
+        """Everything a request could change: every job's row and the newest transition's number."""
+        return [r.as_dict() for r in self.ray.jobs()], self.ray.transitions_after(None)[0]
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+
+@contextlib.contextmanager
+def served_api(gcs_address: str, base: str, tmp_path_factory) -> Iterator[Api]:
+    """A service on the session's Ray (one trainer of `base`) and the HTTP API over it, as `aspen http` serves
+    it: the Ray connection in a child process attached to the cluster at `gcs_address`."""
+    from actors.service.scheduler.config import ServiceConfig, TrainerConfig
+    from orchestrator.client import Client
+    from orchestrator.http.api import create_app
+    from orchestrator.http.bridge import ProcessLink
+    from orchestrator.http.token import ensure_token
+
+    name = f"aspen-http-test-{uuid.uuid4().hex[:6]}"
+    state_dir = tmp_path_factory.mktemp("state")
+    config = ServiceConfig(state_dir=state_dir, tick_seconds=0.1, trainers=[
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
+    service = Client.local(config, name=name)
+    token = ensure_token(tmp_path_factory.mktemp("token") / "http-token")
+    # as `aspen http` serves: the Ray connection in a child process, attached to this session's cluster
+    link = ProcessLink(gcs_address, name=name)
+    app = create_app(link, token, max_body_bytes=BODY_LIMIT, events_poll_s=0.1)
+    try:
+        with running_server(app) as url:
+            yield Api(url, token, service, base, link, state_dir)
+    finally:
+        link.close()
+        service.shutdown()

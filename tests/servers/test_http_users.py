@@ -1,0 +1,202 @@
+"""Users over the HTTP API (actors/service/accounts/users.py), on a real server over a real service: each user
+sees and acts on their own jobs only, reads data only under their data roots, gets a fair share of the
+trainer, and a server over a running service reads that service's users file. The Ray client's view of the
+same service is the reference."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from actors.service.accounts.audit import AuditLog
+from actors.service.accounts.users import UserBook
+from orchestrator.client import Client
+from orchestrator.http.api import ServiceLink, create_app
+from orchestrator.http.api_client import Conflict, HttpClient, SpecRefused
+from tests.helpers.http_server import NOBODYS_MODEL, running_server
+from tests.helpers.service import job_dict, wait_for, write_task_data
+
+
+@pytest.fixture()
+def users(api, tmp_path) -> Iterator[UserBook]:
+    """The service's users file (its state folder's: the scheduler checks each job's user and data there),
+    removed after the test."""
+    book = UserBook.in_state_dir(api.state_dir)
+    try:
+        yield book
+    finally:
+        book.path.unlink(missing_ok=True)
+
+
+def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
+    """Users of a users file (actors/service/accounts/users.py): another user's job answers exactly as an unknown one on
+    every endpoint and is in none of the lists, snapshots or streams; its name is taken without saying whose;
+    an admin sees it; a rotated or removed token is refused from the next request on; every action is in the
+    audit log, which only admins read. The Ray client's record (the reference) names the job's owner, and the
+    job writes under the outputs' folder of its user."""
+    audit = AuditLog.in_state_dir(tmp_path / "audit")
+    data = write_task_data(tmp_path / "data", "own")
+    root, _ = users.add("root", admin=True)
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
+    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users, audit=audit)
+    with running_server(app) as url:
+        raw = httpx.Client(base_url=url, timeout=60)
+
+        def get(path: str, token: str) -> httpx.Response:
+            return raw.get(path, headers={"Authorization": f"Bearer {token}"})
+
+        assert get("/v1/jobs", api.token).status_code == 401        # with users, the single token is no one's
+        as_alice, as_bob, as_root = HttpClient(url, alice), HttpClient(url, bob), HttpClient(url, root)
+        bobs_stream = as_bob.events(timeout=60)
+        assert next(bobs_stream).kind == "snapshot"
+        job = as_alice.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL)
+        assert api.ray.status(job.id).user == "alice"
+        assert api.ray.status(job.id).output_dir == str((api.state_dir / "outputs" / "alice" / job.id).resolve())
+        for key in (job.id, "alices-job"):
+            for path in (f"/v1/jobs/{key}", f"/v1/jobs/{key}/losses", f"/v1/jobs/{key}/transitions",
+                         f"/v1/jobs/{key}/adapter"):
+                answer = get(path, bob)
+                assert answer.status_code == 404 and answer.json()["detail"] == f"no job with id or name '{key}'", path
+            for verb in ("cancel", "pause", "resume"):
+                answer = raw.post(f"/v1/jobs/{key}/{verb}", headers={"Authorization": f"Bearer {bob}"})
+                assert answer.status_code == 404 and answer.json()["detail"] == f"no job with id or name '{key}'"
+        assert job.id not in [r.id for r in as_bob.jobs()]
+        assert job.id in [r.id for r in as_alice.jobs()] and as_root.status(job.id).user == "alice"
+        later = as_bob.events(timeout=60)
+        assert job.id not in [r["id"] for r in next(later).data["jobs"]]
+        later.close()
+        with pytest.raises(Conflict) as taken:
+            as_bob.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL)
+        assert "held by another user's unfinished job" in str(taken.value) and job.id not in str(taken.value)
+        assert as_alice.cancel(job.id).state == "cancelled"
+        mine = as_bob.submit(job_dict("bobs-job", data, 2), base_model=NOBODYS_MODEL)
+        seen = []
+        for event in bobs_stream:   # bob's stream, open since before alice's job: bob's job only
+            if event.kind == "transition":
+                seen.append(event.data["job"])
+                if event.data["job"] == mine.id:
+                    break
+        bobs_stream.close()
+        assert seen == [mine.id]
+        assert as_bob.cancel(mine.id).state == "cancelled"
+
+        rotated = users.rotate("alice")            # refused from the next request on, the new one admitted
+        assert get("/v1/jobs", alice).status_code == 401 and get("/v1/jobs", rotated).status_code == 200
+        users.remove("bob")
+        assert get("/v1/jobs", bob).status_code == 401
+        assert get("/v1/audit", rotated).status_code == 403
+        rows = get("/v1/audit", root).json()
+        assert [(r["user"], r["action"], r["target"]) for r in rows] == [
+            ("alice", "job.submit", job.id), ("alice", "job.cancel", job.id), ("bob", "job.submit", mine.id),
+            ("bob", "job.cancel", mine.id)]
+        assert rows == audit.rows() and all(r["time"] > 0 for r in rows)
+        accounts = {row["user"]: row for row in as_root.accounts()}   # their jobs never trained: no usage yet
+        assert accounts["alice"] == {"user": "alice", "jobs": 1, "tokens": 0, "step_seconds": 0.0, "gpu_seconds": 0.0}
+        assert [row["user"] for row in HttpClient(url, rotated).accounts()] == ["alice"]   # a user: their own
+
+
+def test_a_users_job_reads_only_under_its_data_roots(api, users, tmp_path):
+    """A user's job whose data lies outside the service's and the user's data roots is refused at submit,
+    naming the roots, and nothing is entered: a plain path, `../` out of a root, a symlink out of a root (the
+    data itself, or a file inside a data folder), a URI prefix not listed, the service's state folder and
+    another user's outputs; a file outside that does not exist is refused as outside (its existence is not
+    revealed); a sweep whose job reads outside is refused when it is posted; the same data inside the root is
+    taken. Refusals change nothing in the table."""
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    good = write_task_data(inside, "good")
+    secret = write_task_data(outside, "secret")
+    (inside / "link.jsonl").symlink_to(secret)
+    folder = inside / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").symlink_to(secret)                 # a data folder with a file that links out
+    state_data = write_task_data(api.state_dir / "stolen", "state")
+    others = write_task_data(api.state_dir / "outputs" / "root" / "x", "others")
+    alice, _ = users.add("alice", data_roots=[str(inside), "s3://team-a/data"])
+    users.add("root", admin=True)
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    cases = [(secret, "is outside the data roots"), (inside / ".." / "outside" / "secret.jsonl", "is outside"),
+             (inside / "link.jsonl", "is outside"), (outside / "missing.jsonl", "is outside"), (folder, "links out"),
+             ("s3://team-a/database/x.jsonl", "is outside"), ("s3://team-a/data/../other/x.jsonl", "'..'"),
+             (state_data, "the service's state folder"), (others, "the service's outputs other than yours")]
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        before = api.table()
+        for data, phrase in cases:
+            with pytest.raises(SpecRefused) as refused:
+                as_alice.submit(job_dict("reader", data, 2), base_model=NOBODYS_MODEL)
+            assert phrase in str(refused.value), (data, str(refused.value))
+            if phrase.startswith("is outside") or phrase == "links out":
+                assert str(inside) in str(refused.value) and "s3://team-a/data" in str(refused.value)
+        assert api.table() == before
+        sweep = {"name": "outside", "base_model": NOBODYS_MODEL, "output_dir": str(tmp_path / "sweep"),
+                 "job": {**job_dict("reader", secret, 4), "eval_split": 4, "eval_every": 2}, "search": "grid",
+                 "space": {"lr": {"choice": [1e-3, 1e-2]}}}
+        answer = httpx.post(f"{url}/v1/sweeps", json=sweep, headers={"Authorization": f"Bearer {alice}"}, timeout=60)
+        assert answer.status_code == 422 and "is outside the data roots" in answer.json()["detail"], answer.text
+        assert as_alice.sweeps() == [] and api.table() == before
+        job = as_alice.submit(job_dict("reader", good, 2), base_model=NOBODYS_MODEL)
+        assert api.ray.status(job.id).user == "alice"
+        as_alice.cancel(job.id)
+
+
+def test_a_second_users_job_starts_at_the_first_free_slot_ahead_of_anothers_twenty(ray_session, tiny_model_dirs,
+                                                                                   tmp_path):
+    """Fair share on a real service, through HTTP: on a trainer that runs one job at a time, alice submits 20
+    jobs and, once hers train, bob submits one; the very next job the scheduler starts after his submission
+    is his (his share of the trained tokens is none, hers all of them), not one of hers queued before his.
+    The order is read from the job table's own transition log (through the Ray client)."""
+    from tests.helpers.service import NO_LISTENERS, service_config
+
+    state_dir = tmp_path / "state"
+    book = UserBook.in_state_dir(state_dir)
+    alice, _ = book.add("alice", data_roots=[str(tmp_path / "data")])
+    bob, _ = book.add("bob", data_roots=[str(tmp_path / "data")])
+    base = str(tiny_model_dirs["llama"])
+    service = Client.local(service_config(state_dir, tiny_model_dirs["llama"], listeners=NO_LISTENERS, max_jobs=1),
+                           name=f"aspen-fair-{uuid.uuid4().hex[:6]}")
+    try:
+        app = create_app(ServiceLink(client=service), "unused-single-token", events_poll_s=0.1, users=book)
+        with running_server(app) as url:
+            as_alice, as_bob = HttpClient(url, alice), HttpClient(url, bob)
+            data = write_task_data(tmp_path / "data", "fair")
+            hers = as_alice.submit_many([job_dict(f"a{i:02d}", data, 3) for i in range(20)], base_model=base)
+            wait_for(lambda: any(r.step >= 1 for r in as_alice.jobs()), timeout=120, what="alice's jobs to train")
+            [his] = as_bob.submit_many([job_dict("b00", data, 2)], base_model=base)
+            assert his.wait(timeout=180).state == "completed"
+            _, rows = service.transitions_after(0, 10000)
+            submitted = next(row["seq"] for row in rows if row["job"] == his.id)
+            started = [row["job"] for row in rows if row["state"] == "running" and row["seq"] < submitted]
+            first_after = next(row["job"] for row in rows if row["state"] == "running" and row["seq"] > submitted
+                               and row["job"] not in started)
+            assert first_after == his.id, [(r["job"], r["state"]) for r in rows if r["seq"] > submitted][:6]
+            assert len({h.id for h in hers} - set(started)) >= 15, started   # most of hers still queued then
+            for handle in hers:
+                if service.status(handle.id).state in ("queued", "running"):
+                    service.cancel(handle.id)
+    finally:
+        service.shutdown()
+
+
+def test_a_server_over_a_running_service_reads_the_services_own_users(api, users, tmp_path):
+    """`aspen http --address ADDR` without --state-dir, as the README starts it, beside a service whose users were
+    added with `aspen user add --state-dir <its folder>`: the server asks the service where its state lives
+    (`ServiceStateFolder`, what `serve` builds), so alice's token opens the API and every action is audited there;
+    the single token, no longer in force, is refused with a 401 that says a users file is in force and where."""
+    from orchestrator.http.callers import ServiceStateFolder
+    from orchestrator.service_calls import call_service
+
+    folder = ServiceStateFolder(lambda: call_service(api.link, lambda client: client.info()), fallback=tmp_path)
+    app = create_app(api.link, api.token, users=folder.users(), audit=folder.audit())
+    alice, _ = users.add("alice")
+    with running_server(app) as url:
+        mine = httpx.get(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {alice}"}, timeout=60)
+        assert mine.status_code == 200, mine.text
+        single = httpx.get(f"{url}/v1/jobs", headers=api.auth(), timeout=60)
+        assert single.status_code == 401
+        assert "a users file is in force" in single.json()["detail"] and str(users.path) in single.json()["detail"]
+    assert folder.path() == Path(api.state_dir).resolve()

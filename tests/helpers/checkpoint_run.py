@@ -1,7 +1,10 @@
-"""A tiny job trained micro-batch by micro-batch, for the checkpoint fault tests."""
+"""A tiny job trained micro-batch by micro-batch, and resumed from a checkpoint, for the checkpoint fault tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from actors.checkpoint import LoadedCheckpoint, load_checkpoint
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
@@ -29,3 +32,16 @@ class Run:
             self.trainer.train_step()
             self.micro_batches += 1
         return self
+
+
+def resume(folder: Path) -> tuple[Run, LoadedCheckpoint]:
+    """The job of a `Run` resumed from the checkpoint in `folder`, on a trainer of its own, and what loading
+    it reported."""
+    run = Run.__new__(Run)
+    run.base = from_module(tiny_model("llama", VOCAB), None)
+    run.trainer = FusedTrainer(run.base)
+    run.job = TrainingJob.create(spec(), run.base, random_examples(0, count=10, vocab=VOCAB), [], seed=0)
+    loaded = load_checkpoint(run.job, folder)
+    run.trainer.add_job(run.job)
+    run.micro_batches = -1  # unknown; train_to() without a bound only
+    return run, loaded

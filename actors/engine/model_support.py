@@ -5,7 +5,7 @@ The engine does not run a model's own `forward`: it runs the decoder under its o
 attention and computes the loss from the last hidden state with the LM head itself (actors/engine/
 loss.py). Whatever a model does outside the decoder or inside its attention kernel therefore has to be
 known here. Each row of `SUPPORTED` names a transformers `model_type` whose fused, packed training has
-been checked (tests/unit/engine/test_model_support.py) against the unfused Hugging Face model alone on each sequence
+been checked (tests/unit/engine/test_model_families.py) against the unfused Hugging Face model alone on each sequence
 (loss) and PEFT (adapter gradients), and says how its logits are transformed after the LM head
 (`LogitTransform`). Refused everywhere: unverified model types; RoPE variants whose frequencies depend on
 the sequence length (dynamic NTK, longrope), since in a packed row they would follow the longest sequence

@@ -1,0 +1,101 @@
+"""Tiny random models of each architecture in aspen's verified table (actors/engine/model_support.py), built from
+configs with their special features on (sliding windows, soft-capping, logit scaling, sinks, GLM's partial RoPE),
+with the config fields that turn each feature off; random examples of their vocabulary; a relative difference."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from actors.data import Example
+
+VOCAB = 128
+WINDOW = 8            # sliding windows, shorter than every sequence but one of test_model_families.py's jobs
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
+SLIDING_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+ALL_FULL = ["full_attention"] * 3
+GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
+
+# model_type -> (config fields, [(what is turned off, config fields that turn it off)])
+CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
+    "llama": ({}, []),
+    "mistral": ({"sliding_window": WINDOW}, [("sliding window", {"sliding_window": None})]),
+    "qwen2": ({"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+              [("sliding-window layers", {"use_sliding_window": False})]),
+    "qwen3": ({"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+              [("sliding-window layers", {"use_sliding_window": False})]),
+    "gemma": ({}, []),
+    "gemma2": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
+                "final_logit_softcapping": 2.0, "attn_logit_softcapping": 0.5, "query_pre_attn_scalar": 4},
+               [("final logit soft-capping", {"final_logit_softcapping": None}),
+                ("attention soft-capping", {"attn_logit_softcapping": None}),
+                ("sliding layers", {"layer_types": ALL_FULL}),
+                ("query_pre_attn_scalar", {"query_pre_attn_scalar": 256})]),
+    "gemma3_text": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
+                     "final_logit_softcapping": 2.0, "query_pre_attn_scalar": 64,
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 10000.0}}},
+                    [("final logit soft-capping", {"final_logit_softcapping": None}),
+                     ("sliding layers", {"layer_types": ALL_FULL}),
+                     ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16})]),
+    "phi3": ({"sliding_window": WINDOW}, [("sliding window", {"sliding_window": None})]),
+    "granite": ({"logits_scaling": 4.0, "attention_multiplier": 0.5, "embedding_multiplier": 3.0,
+                 "residual_multiplier": 0.5},
+                [("logits_scaling", {"logits_scaling": 1.0}),
+                 ("attention_multiplier", {"attention_multiplier": 0.25})]),
+    "gpt_oss": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
+                 "num_local_experts": 4, "num_experts_per_tok": 2,
+                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "original_max_position_embeddings": 64, "rope_theta": 10000.0}},
+                [("sliding layers", {"layer_types": ALL_FULL})]),
+    "olmo2": ({}, []),
+    "cohere": ({"logit_scale": 4.0, "use_qk_norm": False}, [("logit_scale", {"logit_scale": 1.0})]),
+    "smollm3": ({"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},
+                [("NoPE layers", {"no_rope_layers": [1, 1, 1]})]),
+    # GLM-4: q/k/v biases, RoPE on half of each head interleaved (not rotate-half), one fused gate_up_proj;
+    # glm4 adds norms after the attention and the MLP (shown to matter in test_model_families.py); a small
+    # rope_theta, so that rotating half of each head or all of it makes a clear difference on short sequences
+    "glm": ({"rope_parameters": GLM_ROPE, "attention_bias": True},
+            [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+    "glm4": ({"rope_parameters": GLM_ROPE, "attention_bias": True},
+             [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+}
+
+
+def build_config(model_type: str, **overrides):
+    fields = dict(COMMON)
+    fields.update(CASES[model_type][0] if model_type in CASES else {})
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def build_model(config, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    if config.model_type == "gpt_oss":   # sinks start at zero: give each head its own
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    with torch.no_grad():   # GLM's q/k/v biases start at zero: make them count
+        for name, parameter in model.named_parameters() if config.model_type in ("glm", "glm4") else ():
+            if name.endswith("_proj.bias"):
+                parameter.normal_(0.0, 0.5)
+    return model
+
+
+def examples(seed: int, lengths: list[int]) -> list[Example]:
+    generator = torch.Generator().manual_seed(seed)
+    made = []
+    for length in lengths:
+        ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+        prompt = max(1, length // 3)
+        made.append(Example(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
+    return made
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())

@@ -1,0 +1,213 @@
+"""The model-support contract (actors/engine/model_support.py) against independent references: for every row
+of the verified table, a tiny random model of that architecture (tests/helpers/model_families.py): several
+sequences of different lengths, from several jobs each with its own non-zero adapter, packed into one fused
+step, give per sequence the loss of the unfused Hugging Face model (eager attention, with PEFT holding the
+job's adapter) run alone on that sequence with `labels`, and each adapter's gradient equals PEFT's; so do the
+evaluation and logits paths, and the static RoPE variants. Sliding windows are shorter than the sequences.
+Each architecture's special features are shown to matter: turned off in the reference, its loss moves by far
+more than the tolerance."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+from actors.checkpoint.peft_io import save_adapter
+from actors.data import Example
+from actors.engine import step_objective as objective_module
+from actors.engine.job import TrainingJob
+from actors.engine.model_support import SUPPORTED
+from actors.engine.models import from_module
+from actors.engine.trainer import FusedTrainer
+from actors.spec.job_spec import JobSpec
+from tests.helpers.model_families import CASES, build_config, build_model, examples, relative
+
+LOSS_TOLERANCE = 1e-5       # relative, fp32 on the CPU
+GRADIENT_TOLERANCE = 1e-5   # relative (Frobenius norm of the difference over the norm), fp32 on the CPU
+FEATURE_EFFECT = 1e-3       # a feature turned off in the reference moves its loss by more than this (relative)
+
+# Static RoPE variants, on Llama (one of them also on gpt-oss and Gemma 3 in CASES)
+ROPE_CASES = {
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+}
+
+
+def job_spec(name: str, count: int, lora: dict) -> JobSpec:
+    # grad_accum=2: the fused step leaves the gradients in place (no optimizer step after one micro-batch)
+    return JobSpec(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=count, grad_accum=2,
+                   max_steps=5, lr=1e-3, lora=lora)
+
+
+JOBS = [("job-a", [24, 13], {"r": 4, "alpha": 8, "target_modules": "all-linear"}),
+        ("job-b", [19, 6, 30], {"r": 2, "alpha": 6, "target_modules": "all-linear"}),
+        ("job-c", [11, 22], {"r": 8, "alpha": 8, "target_modules": "all-linear"})]
+
+
+def sequence_reference(model: torch.nn.Module, batch: list[Example]) -> list[torch.Tensor]:
+    """The unfused model alone on each sequence: its loss (mean over its targets), differentiable."""
+    losses = []
+    for example in batch:
+        ids = torch.tensor([example.input_ids])
+        labels = torch.tensor([example.labels])
+        losses.append(model(input_ids=ids, labels=labels, use_cache=False).loss)
+    return losses
+
+
+def target_count(example: Example) -> int:
+    return sum(label != -100 for label in example.labels[1:])
+
+
+def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
+    reference = copy.deepcopy(model)
+    base = from_module(model, None)
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    jobs, batches = [], []
+    generator = torch.Generator().manual_seed(123)
+    for index, (name, lengths, lora) in enumerate(JOBS):
+        job = TrainingJob.create(job_spec(name, len(lengths), lora), base, examples(index, lengths), [], seed=index)
+        with torch.no_grad():   # a non-zero adapter: B random too
+            for layer in job.adapter.layers.values():
+                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=generator) * 0.2)
+        trainer.add_job(job)
+        jobs.append(job)
+        batches.append(list(job.peek()))
+
+    captured = []
+    real_loss = objective_module.target_cross_entropy
+
+    def spy(*args, **kwargs):
+        total, losses = real_loss(*args, **kwargs)
+        captured.append(losses)
+        return total, losses
+
+    objective_module.target_cross_entropy = spy
+    try:
+        report = trainer.run_step(trainer.compose())
+    finally:
+        objective_module.target_cross_entropy = real_loss
+    assert report.jobs == [name for name, _, _ in JOBS] and all(r.optimizer_step is None for r in report.results)
+    token_losses = captured[0]
+    offset = 0
+    for job, batch, result in zip(jobs, batches, report.results, strict=True):
+        folder = tmp_path / job.name
+        save_adapter(job.adapter, folder, "tiny")
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), folder, is_trainable=True).eval()
+        reference_losses = sequence_reference(peft_model, batch)
+        counts = [target_count(e) for e in batch]
+        for example, count, reference_loss in zip(batch, counts, reference_losses, strict=True):
+            engine_loss = float(token_losses[offset:offset + count].mean())
+            offset += count
+            assert engine_loss == pytest.approx(reference_loss.item(), rel=LOSS_TOLERANCE), (job.name, len(example))
+        job_loss = sum(loss * count for loss, count in zip(reference_losses, counts, strict=True)) / sum(counts)
+        assert result.loss == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
+        job_loss.backward()
+        peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad
+                      for name, p in peft_model.named_parameters() if "lora_" in name}
+        # the adapter's gradient sums its tokens' gradients until its optimizer step divides by their count
+        engine_grads = {name: p.grad / sum(counts) for name, p in job.adapter.named_parameters()}
+        assert peft_grads.keys() == engine_grads.keys()
+        flat_peft = torch.cat([peft_grads[k].flatten() for k in sorted(peft_grads)])
+        flat_engine = torch.cat([engine_grads[k].flatten() for k in sorted(peft_grads)])
+        assert flat_peft.norm() > 0
+        assert relative(flat_engine, flat_peft) <= GRADIENT_TOLERANCE, job.name
+        # the evaluation path and the logits path: the same transforms as the model's own forward
+        with torch.no_grad():
+            assert trainer.evaluate(job, batch) == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
+            shortest = min(len(e) for e in batch)   # equal-length rows, longer than the window but for job-b
+            rows = torch.tensor([e.input_ids[:shortest] for e in batch])
+            peft_logits = peft_model(input_ids=rows, use_cache=False).logits
+            assert relative(trainer.logits(job.name, rows), peft_logits) <= LOSS_TOLERANCE
+            hidden = peft_model.base_model.model.model(input_ids=rows, use_cache=False).last_hidden_state
+            assert relative(base.output_logits(hidden), peft_logits) <= LOSS_TOLERANCE   # greedy_generate's logits
+    assert offset == token_losses.numel()
+
+
+@pytest.mark.parametrize("model_type", list(SUPPORTED))
+def test_fused_packed_step_equals_hf_and_peft(model_type, tmp_path):
+    assert model_type in CASES, f"add a tiny config for '{model_type}' to CASES"
+    check_fused_step_against_hf(build_model(build_config(model_type)), tmp_path)
+
+
+@pytest.mark.parametrize("rope", list(ROPE_CASES))
+def test_static_rope_variants_equal_hf(rope, tmp_path):
+    check_fused_step_against_hf(build_model(build_config("llama", rope_parameters=ROPE_CASES[rope])), tmp_path)
+
+
+def _hf_loss(model: torch.nn.Module, batch: list[Example]) -> float:
+    with torch.no_grad():
+        return float(sum(sequence_reference(model, batch)))
+
+
+@pytest.mark.parametrize("model_type, feature, off",
+                         [(t, f, off) for t, (_, features) in CASES.items() for f, off in features])
+def test_each_feature_changes_the_reference_loss(model_type, feature, off):
+    """The comparison above has teeth: each feature it claims to handle, turned off in the reference
+    (same weights), moves the loss by far more than the tolerance."""
+    model = build_model(build_config(model_type))
+    ablated = build_model(build_config(model_type, **off))
+    ablated.load_state_dict(model.state_dict())
+    batch = examples(0, [24, 13, 19])
+    with_feature, without = _hf_loss(model, batch), _hf_loss(ablated, batch)
+    assert abs(with_feature - without) > FEATURE_EFFECT * abs(with_feature), feature
+
+
+def test_gpt_oss_sinks_matter_and_experts_are_not_adapted():
+    model = build_model(build_config("gpt_oss"))
+    ablated = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in ablated.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)   # a sink that takes no probability: no sink
+    batch = examples(0, [24, 13])
+    assert abs(_hf_loss(model, batch) - _hf_loss(ablated, batch)) > FEATURE_EFFECT * _hf_loss(model, batch)
+    base = from_module(model, None)
+    job = TrainingJob.create(job_spec("moe", 1, {"r": 2, "target_modules": "all-linear"}), base,
+                             examples(0, [10]), [], seed=0)
+    assert {name.rsplit(".", 1)[-1] for name in job.adapter.layers} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_glm_interleaved_rope_and_glm4_post_norms_matter(tmp_path):
+    """GLM's RoPE rotates interleaved pairs of the first half of each head, and GLM-4 normalises the outputs of
+    its attention and MLP: a model without them (rotate-half RoPE; the post-norms as identities) has
+    another loss, so the fused step's equality above covers both; GLM's fused gate_up_proj is adapted whole."""
+    from transformers.models.glm import modeling_glm
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as rotate_half_rope
+
+    batch = examples(0, [24, 13])
+    glm = build_model(build_config("glm"))
+    interleaved = _hf_loss(glm, batch)
+    original = modeling_glm.apply_rotary_pos_emb
+
+    def half_rope(q, k, cos, sin, unsqueeze_dim=1):
+        rotary = cos.shape[-1]
+        q_rot, k_rot = rotate_half_rope(q[..., :rotary], k[..., :rotary], cos, sin, unsqueeze_dim)
+        return torch.cat([q_rot, q[..., rotary:]], -1), torch.cat([k_rot, k[..., rotary:]], -1)
+
+    modeling_glm.apply_rotary_pos_emb = half_rope
+    try:
+        assert abs(_hf_loss(glm, batch) - interleaved) > FEATURE_EFFECT * interleaved
+    finally:
+        modeling_glm.apply_rotary_pos_emb = original
+
+    glm4 = build_model(build_config("glm4"))
+    with torch.no_grad():
+        for layer in glm4.model.layers:
+            layer.post_self_attn_layernorm.weight.normal_(1.0, 0.5)
+            layer.post_mlp_layernorm.weight.normal_(1.0, 0.5)
+    without_post_norms = copy.deepcopy(glm4)
+    for layer in without_post_norms.model.layers:
+        layer.post_self_attn_layernorm = torch.nn.Identity()
+        layer.post_mlp_layernorm = torch.nn.Identity()
+    assert abs(_hf_loss(glm4, batch) - _hf_loss(without_post_norms, batch)) > FEATURE_EFFECT * _hf_loss(glm4, batch)
+    check_fused_step_against_hf(glm4, tmp_path)   # with non-trivial post-norms
+
+    job = TrainingJob.create(job_spec("glm", 1, {"r": 2, "target_modules": "all-linear"}), from_module(glm, None),
+                             examples(0, [10]), [], seed=0)
+    assert {name.rsplit(".", 1)[-1] for name in job.adapter.layers} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_up_proj", "down_proj"}

@@ -1,5 +1,5 @@
 """A fused LoRA layer of three jobs and the exact arithmetic it approximates in bfloat16, with the elementwise
-bounds derived from bfloat16's rounding (tests/unit/engine/test_lora_cuda_path.py's docstring derives them): shared
+bounds derived from bfloat16's rounding (tests/unit/engine/test_lora_cuda_layer.py's docstring derives them): shared
 by the CPU tests of the CUDA LoRA path and the same checks on a GPU (tests/gpu/)."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def run_layer(layer: FusedLoraLinear, x: torch.Tensor, upstream: torch.Tensor, l
 
 
 def exact(layer: FusedLoraLinear, x: torch.Tensor, upstream: torch.Tensor, bounds=BOUNDS):
-    """Float64 forward and gradients, and their bounds (tests/unit/engine/test_lora_cuda_path.py derives them)."""
+    """Float64 forward and gradients, and their bounds (tests/unit/engine/test_lora_cuda_layer.py derives them)."""
     weight = layer.base.weight.double().cpu()
     x64, g = x.double()[0].cpu(), upstream.double()[0].cpu()
     out = x64 @ weight.t()

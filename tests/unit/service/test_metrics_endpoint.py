@@ -1,64 +1,29 @@
 """The Prometheus endpoint (`orchestrator.metrics`), in-process: a real trainer loop on a tiny model and a
-real scheduler core (job table, fifo policy) drive a `MetricsListener` the way the scheduler actor does;
-its `/metrics` page, fetched over HTTP and read with prometheus_client's own text parser, has to agree
-with the trainer's status, its step rows and the job table; a job's series go when it ends; every metric
-keeps Prometheus' naming rules; the Grafana dashboards only name metrics that exist and pick their
-data source with a variable."""
+real scheduler core (job table, fifo policy) drive a `MetricsListener` the way the scheduler actor does (the
+`scenario` fixture, tests/helpers/metrics_scenario.py); its `/metrics` page, fetched over HTTP and read with
+prometheus_client's own text parser, has to agree with the trainer's status, its step rows and the job table; a
+job's series go when it ends; what only grows is a counter; every metric keeps Prometheus' naming rules; a taken
+port is logged and the service runs on. The Grafana dashboards that read the page: test_grafana_dashboards.py."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import socket
 import time
-import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from actors.engine.models import load_base_model
-from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
-from actors.service.scheduler.job_data import JobData
-from actors.service.scheduler.scheduler_core import SchedulerCore
-from actors.service.table.job_table import JOB_STATES, JobRecord, JobTable
-from actors.service.trainer.job_link import Assignment, LocalJobLink
-from actors.service.trainer.trainer_loop import TrainerLoop
-from actors.service.trainer.trainer_reports import TrainerStatus
+from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig
+from actors.service.table.job_table import JOB_STATES
 from orchestrator.metrics import MetricsListener
 from orchestrator.observability import service_listeners
-from policies.base import Start
-from policies.fifo import FifoPolicy
-from tests.helpers.service import job_dict, run_spec, write_task_data
+from tests.helpers.metrics_scenario import Samples, scrape
 
-REPO = Path(__file__).resolve().parents[3]
-GRAFANA = REPO / "grafana"
 # bounded labels: trainers, fixed kinds, running jobs, the service's users (users.json: an operator's few)
 ALLOWED_LABELS = {"trainer", "kind", "state", "cause", "job_id", "le", "version", "torch", "python", "user"}
-
-
-Samples = dict[tuple[str, frozenset], float]
-
-
-def scrape(url: str) -> tuple[Samples, dict[str, tuple[str, str]]]:
-    """Every sample of the page, keyed by (sample name, labels), and each sample name's (family, type).
-    The `_created` samples (creation timestamps that prometheus_client adds to counters and histograms)
-    are left out."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    samples: Samples = {}
-    families: dict[str, tuple[str, str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            families[sample.name] = (family.name, family.type)
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return samples, families
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -67,78 +32,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def series(samples: Samples, name: str) -> list[dict[str, str]]:
     return [dict(labels) for sample, labels in samples if sample == name]
-
-
-@dataclass
-class Scenario:
-    listener: MetricsListener
-    table: JobTable
-    status: TrainerStatus          # the last status the listener heard
-    steps: list[dict]              # every step row the listener heard
-    short: str                     # completed after 3 steps
-    long: str                      # running at `during`, cancelled at `after`
-    during: tuple[Samples, dict[str, tuple[str, str]]]
-    after: tuple[Samples, dict[str, tuple[str, str]]]
-    during_records: dict[str, JobRecord]   # the job table at `during`
-
-
-def assignment_for(table: JobTable, job_id: str, tokenizer) -> Assignment:
-    submission = table.submission(job_id)
-    data = JobData(job_id, submission, tokenizer)
-    summary = data.prepare()
-    return Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir), data=summary,
-                      eval_examples=data.eval_examples(), link=LocalJobLink(data))
-
-
-@pytest.fixture(scope="module")
-def scenario(tiny_model_dirs, tmp_path_factory) -> Scenario:
-    """Two jobs on a one-slot trainer: `short` runs 3 steps while `long` waits for the slot (a deferral),
-    then `long` runs until it is cancelled. Each round does what the scheduler actor's tick does."""
-    tmp = tmp_path_factory.mktemp("metrics")
-    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
-    listener = MetricsListener(MetricsConfig(port=0))
-    url = listener.describe()["metrics_url"]
-    table = JobTable(tmp / "state/jobs.sqlite", on_change=listener.job_changed)
-    core = SchedulerCore(table, FifoPolicy(), tmp / "state", on_decision=listener.decided)
-    data = tmp / "data"
-    spec = run_spec(str(tiny_model_dirs["llama"]), tmp / "out",
-                    [job_dict("short", write_task_data(data, "short"), 3),
-                     job_dict("long", write_task_data(data, "long", offset=4), 500)], step_tokens=512)
-    loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=512, max_jobs=1), "trainer-0",
-                       tmp / "state")
-    short, long = (core.submit(s).id for s in spec.submissions())
-    steps: list[dict] = []
-
-    def run_until(done, limit: int = 200) -> TrainerStatus:
-        for _ in range(limit):
-            for action in core.plan([loop.status()]):
-                if isinstance(action, Start):
-                    loop.assign(assignment_for(table, action.job, base.tokenizer))
-            loop.run_once(idle_wait=0)
-            events = loop.drain_events()
-            for event in events:
-                core.apply_event("trainer-0", event)
-            status = loop.status()
-            listener.trainer_polled(status, events)
-            listener.tick(table.all(), table.counts(), [status])
-            listener.accounts([{"user": user, **usage} for user, usage in table.usage.accounts().items()])
-            steps.extend(e.data for e in events if e.kind == "step")
-            if done():
-                return status
-        raise AssertionError("the scenario did not reach its state")
-
-    try:
-        run_until(lambda: table.get(short).state == "completed" and table.get(long).step >= 2)
-        during = scrape(url)
-        during_records = {r.id: r for r in table.all()}
-        _, stop = core.cancel(long, "enough")
-        loop.stop_job(stop.job, stop.kind, stop.reason)
-        status = run_until(lambda: table.get(long).state == "cancelled")
-        after = scrape(url)
-        yield Scenario(listener, table, status, list(steps), short, long, during, after, during_records)
-    finally:
-        listener.close()
-        table.close()
 
 
 def test_trainer_metrics_match_the_trainers_status_and_step_rows(scenario):
@@ -341,94 +234,3 @@ def test_service_listeners_serve_metrics_only_when_enabled(tmp_path):
         listener.close()
     assert service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(enabled=False),
                                            events=EventsConfig(enabled=False))) == []
-
-
-# -- the Grafana dashboards and provisioning -------------------------------------------------------------------
-DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-COUNTER_CALLS = ("rate", "increase")   # a graph of a counter shows how fast it grows, not its running total
-
-
-def dashboards() -> dict[str, dict]:
-    boards = {path.name: json.loads(path.read_text()) for path in sorted((GRAFANA / "dashboards").glob("*.json"))}
-    assert "aspen.json" in boards
-    return boards
-
-
-def values_of(key: str, node, where: str = "") -> Iterator[tuple[str, object]]:
-    """Every value of `key` anywhere in a dashboard, with where it is."""
-    if isinstance(node, dict):
-        for name, item in node.items():
-            if name == key:
-                yield f"{where}.{key}", item
-            yield from values_of(key, item, f"{where}.{name}")
-    elif isinstance(node, list):
-        for index, item in enumerate(node):
-            yield from values_of(key, item, f"{where}[{index}]")
-
-
-def test_every_dashboard_only_names_metrics_the_service_exports(scenario):
-    during, families = scenario.during
-    exported = {name for name, _ in during}
-    named = set()
-    for name, board in dashboards().items():
-        panels = board["panels"]
-        ids = [p["id"] for p in panels]
-        assert len(ids) == len(set(ids)), name
-        graphs = [t["expr"] for p in panels for t in p["targets"]]
-        lookups = [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
-        assert graphs, name
-        for query in graphs + lookups:
-            for metric in re.findall(r"\baspen_[a-z0-9_]+", query):
-                assert metric in exported, (name, metric, query)
-                named.add(metric)
-                if query in lookups:   # label_values(): only its labels matter
-                    continue
-                if metric.endswith(("_total", "_bucket")):   # counters, and histograms' counters
-                    assert re.search(rf"\b({'|'.join(COUNTER_CALLS)})\(\s*{metric}\b", query), (name, query)
-                else:
-                    assert families[metric][1] != "counter", (name, metric)
-    assert len(dashboards()["aspen.json"]["panels"]) >= 10
-    for family in ("aspen_tokens_total", "aspen_padding_ratio", "aspen_trainer_utilization_ratio",
-                   "aspen_memory_in_use_bytes", "aspen_step_predicted_peak_memory_bytes", "aspen_job_loss",
-                   "aspen_job_tokens_total", "aspen_job_tokens_per_second", "aspen_job_step", "aspen_jobs",
-                   "aspen_preemptions_total", "aspen_admissions_deferred_total", "aspen_early_stops_total",
-                   "aspen_step_duration_seconds_bucket", "aspen_queue_wait_seconds_bucket"):
-        assert family in named, family
-
-
-def test_every_dashboard_picks_its_data_source_with_a_variable():
-    """Importing a dashboard works on any Grafana: no panel, target or variable names a data source uid;
-    they all use the `datasource` variable, which offers the Prometheus data sources and opens on the
-    org's default one."""
-    for name, board in dashboards().items():
-        assert "__inputs" not in board and "__requires" not in board, name
-        variables = board["templating"]["list"]
-        (variable,) = [v for v in variables if v["name"] == "datasource"]
-        assert variable["type"] == "datasource" and variable["query"] == "prometheus", name
-        assert variable.get("current", {}).get("value") in (None, "default"), name   # no fixed uid
-        for other in variables:
-            if other is not variable:
-                assert other["datasource"] == DATASOURCE, (name, other["name"])
-        for panel in board["panels"]:
-            assert panel["datasource"] == DATASOURCE, (name, panel["title"])
-            assert panel["targets"], (name, panel["title"])
-            for target in panel["targets"]:
-                assert target["datasource"] == DATASOURCE, (name, panel["title"], target["refId"])
-        # nothing else names a data source or a uid (but the dashboard's own uid, at the top)
-        assert [(where, ds) for where, ds in values_of("datasource", board) if ds != DATASOURCE] == [], name
-        uids = [(where, uid) for where, uid in values_of("uid", board) if where != ".uid"]
-        assert uids and {uid for _, uid in uids} == {"${datasource}"}, (name, uids)
-
-
-def test_the_dashboards_are_provisioned_with_a_default_data_source_they_pick():
-    sources = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yaml").read_text())["datasources"]
-    (source,) = sources
-    assert source["type"] == "prometheus" and source["url"] == "http://127.0.0.1:9090"
-    assert source["isDefault"] is True     # what each dashboard's `datasource` variable opens on
-    for name, board in dashboards().items():
-        assert source["uid"] not in json.dumps(board), name   # the dashboards do not depend on it
-    (provider,) = yaml.safe_load((GRAFANA / "provisioning/dashboards/aspen.yaml").read_text())["providers"]
-    assert provider["type"] == "file"
-    provisioning = GRAFANA / "provisioning"   # what GF_PATHS_PROVISIONING points at
-    path = Path(provider["options"]["path"].replace("${GF_PATHS_PROVISIONING}", str(provisioning))).resolve()
-    assert path == (GRAFANA / "dashboards").resolve() and (path / "aspen.json").is_file()

@@ -47,6 +47,22 @@ def peft_key(name: str) -> str:
     return "base_model.model." + name.replace(".weight", ".default.weight")
 
 
+def assert_forward_and_gradients_equal_peft(model, handle, peft_model, peft_params: dict, ids: torch.Tensor
+                                            ) -> torch.Tensor:
+    """aspen's logits through adapter "job" equal PEFT's, and so does each adapter parameter's gradient of the
+    mean squared logit (relative to PEFT's largest, which is never zero); PEFT's logits."""
+    logits, peft_logits = aspen_logits(model, "job", ids), peft_model(input_ids=ids).logits
+    logits.square().mean().backward()
+    peft_logits.square().mean().backward()
+    assert (logits - peft_logits).abs().max() <= 2e-6
+    for name, param in handle.named_parameters():
+        peft_grad = peft_params[peft_key(name)].grad
+        scale = float(peft_grad.abs().max())
+        assert scale > 0, name
+        assert float((param.grad - peft_grad).abs().max()) <= 1e-5 * scale, name
+    return peft_logits
+
+
 @pytest.mark.parametrize("kind,arch", [(kind, "llama") for kind in KINDS] + [("dora", "qwen2")])
 def test_each_kind_matches_peft_init_forward_and_gradients(kind, arch):
     """Qwen2's attention projections have a bias, which DoRA's rescaling leaves out (as PEFT)."""
@@ -80,15 +96,7 @@ def test_each_kind_matches_peft_init_forward_and_gradients(kind, arch):
     else:
         set_adapters_training(base.model, False)
         peft_model.eval()
-    logits, peft_logits = aspen_logits(base.model, "job", ids), peft_model(input_ids=ids).logits
-    logits.square().mean().backward()
-    peft_logits.square().mean().backward()
-    assert (logits - peft_logits).abs().max() <= 2e-6
-    for name, param in handle.named_parameters():
-        peft_grad = peft_params[peft_key(name)].grad
-        scale = float(peft_grad.abs().max())
-        assert scale > 0, name
-        assert float((param.grad - peft_grad).abs().max()) <= 1e-5 * scale, name
+    peft_logits = assert_forward_and_gradients_equal_peft(base.model, handle, peft_model, peft_params, ids)
     # the kind changes the result: plain LoRA with the same A and B computes other logits
     plain = from_module(copy.deepcopy(reference), None)
     plain_handle = add_adapter(plain.model, "job", LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=0)
@@ -204,14 +212,7 @@ def test_dora_on_a_quantized_base_matches_peft(quantization):
             peft_params[peft_key(name)].copy_(param)
     set_adapters_training(base.model, False)
     ids = torch.randint(3, VOCAB, (2, 12), generator=generator)
-    logits, peft_logits = aspen_logits(base.model, "job", ids), peft_model(input_ids=ids).logits
-    logits.square().mean().backward()
-    peft_logits.square().mean().backward()
-    assert (logits - peft_logits).abs().max() <= 2e-6
-    for name, param in handle.named_parameters():
-        peft_grad = peft_params[peft_key(name)].grad
-        scale = float(peft_grad.abs().max())
-        assert scale > 0 and float((param.grad - peft_grad).abs().max()) <= 1e-5 * scale, name
+    assert_forward_and_gradients_equal_peft(base.model, handle, peft_model, peft_params, ids)
 
 
 def test_the_exported_config_is_peft_s_conversion(tmp_path):

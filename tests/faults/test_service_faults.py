@@ -130,18 +130,30 @@ def test_a_hung_or_killed_job_actor_costs_neither_its_job_nor_the_others(ray_ses
     ray = ray_session
     base = tiny_model_dirs["llama"]
     data = tmp_path / "data"
-    jobs = [job_dict("steady", write_task_data(data, "steady"), 60, checkpoint_every=5),
-            job_dict("hangs", write_task_data(data, "hangs", offset=1), 30, checkpoint_every=5),
-            job_dict("killed", write_task_data(data, "killed", offset=2), 30, checkpoint_every=5)]
+    # The faults must come while both jobs have steps left: after both are seen at step 6 (a poll of 0.2 s and
+    # two calls to the scheduler, a second or more on a loaded machine; the actors are looked up before). A
+    # fused step of the tiny model's three jobs takes 13-40 ms here; with a floor of 10 ms (a faster CPU: 30
+    # steps once ended before the SIGSTOP on one), 194 steps after step 6 leave 2 s. The steady job trains on
+    # past both (its step is read after the faults, and must move on).
+    steps = 200
+    jobs = [job_dict("steady", write_task_data(data, "steady"), 2 * steps, checkpoint_every=5),
+            job_dict("hangs", write_task_data(data, "hangs", offset=1), steps, checkpoint_every=5),
+            job_dict("killed", write_task_data(data, "killed", offset=2), steps, checkpoint_every=5)]
     client = Client.local(service_config(tmp_path / "state", base, data_grace_s=0.5, data_timeout_s=4, prefetch=1))
     try:
         steady, hangs, killed = client.submit_run(run_spec(str(base), tmp_path / "out", jobs, step_tokens=512))
+        def both_actors() -> tuple | None:
+            actors = (job_actor(ray, hangs.id), job_actor(ray, killed.id))
+            return actors if None not in actors else None
+
+        hung_actor, killed_actor = wait_for(both_actors, what="the jobs' actors")
+        stopped_pid = actor_pid(ray, hung_actor)
         wait_for(lambda: hangs.status().step >= 6 and killed.status().step >= 6, what="the jobs to checkpoint")
-        stopped_pid = actor_pid(ray, job_actor(ray, hangs.id))
         os.kill(stopped_pid, signal.SIGSTOP)        # hung: alive, answers nothing
-        ray.kill(job_actor(ray, killed.id))           # dead
+        ray.kill(killed_actor)                        # dead
         try:
             before = steady.status().step
+            assert hangs.status().step < steps and killed.status().step < steps   # the faults came in time
             wait_for(lambda: "did not arrive" in " ".join(r for _, _, r in client.transitions(hangs.id)),
                      timeout=60, what="the hung job to be given back")
             assert steady.status().step > before        # the steady job kept training meanwhile
@@ -156,9 +168,9 @@ def test_a_hung_or_killed_job_actor_costs_neither_its_job_nor_the_others(ray_ses
         killed_reasons = " ".join(r for _, _, r in client.transitions(killed.id))
         assert "resumes from its checkpoint at step" in hung_reasons and "new job actor" in hung_reasons
         assert "job actor was lost" in killed_reasons and "new job actor" in killed_reasons, killed_reasons
-        for handle, steps in ((steady, 60), (hangs, 30), (killed, 30)):
-            assert [r["step"] for r in handle.losses()] == list(range(1, steps + 1))
-            assert metric_steps(tmp_path / "out" / handle.name) == list(range(1, steps + 1))
+        for handle, count in ((steady, 2 * steps), (hangs, steps), (killed, steps)):
+            assert [r["step"] for r in handle.losses()] == list(range(1, count + 1))
+            assert metric_steps(tmp_path / "out" / handle.name) == list(range(1, count + 1))
     finally:
         client.shutdown()
     reference = reference_adapters(base, jobs, tmp_path / "reference")

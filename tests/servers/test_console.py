@@ -270,11 +270,15 @@ def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browse
     root = console.http("root")
     out = console.state_dir / "outputs" / "root" / "sweep"   # under the admin's own outputs' folder
     # one trial at a time, the good rate first: the hopeless one meets its result at the first rung and is
-    # stopped there (tests/service/test_sweep.py: the same pair), so the chart has a stopped curve to mark
+    # stopped there (tests/service/test_sweep.py: the same pair), so the chart has a stopped curve to mark. It is
+    # judged only once the scheduler sees its first eval (a tick, 0.1 s, after the trainer's poll answers: up to
+    # seconds on a loaded 2-core machine), and a trial that ended first is not stopped (nothing is left to save):
+    # at 24 steps, judged at step 4, 6-13 ms a step here, it once ended first in CI. Judged at step 20 of 400, 380
+    # steps are left, >=1.9 s at a >=5 ms floor
     sweep = {"name": "console-lr", "base_model": console.base, "output_dir": str(out),
              "step_tokens": 512, "search": "grid", "max_concurrent": 1, "space": {"lr": {"choice": [5e-3, 1e-9]}},
-             "stopping": {"asha": {"grace_steps": 4, "reduction": 2}},
-             "job": {**job_dict("lr", console.data, 24, eval_split=4, eval_every=4), "checkpoint_every": 100}}
+             "stopping": {"asha": {"grace_steps": 20, "reduction": 2}},
+             "job": {**job_dict("lr", console.data, 400, eval_split=4, eval_every=20), "checkpoint_every": 1000}}
     root.sweep(sweep)
     bobs = console.http("bob").submit(job_dict("bobs-waiting", console.data, 2), base_model=NOBODYS_MODEL)
     page = log_in(browser, console, "root")

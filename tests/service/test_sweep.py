@@ -36,7 +36,8 @@ from tests.helpers.service import (
 )
 
 GOOD_LR, HOPELESS_LR = 5e-3, 1e-9
-STEPS = 24
+STEPS = 400
+RUNG = 20   # the first rung (grace_steps), where each trial first reports its eval loss
 
 
 def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_scheduler(ray_session, tiny_model_dirs,
@@ -44,14 +45,16 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
     monkeypatch.setenv("ASPEN_RECENT_RUNS", str(tmp_path / "runs.json"))   # the runs this test's commands started
     base = str(tiny_model_dirs["llama"])
     data = write_task_data(tmp_path / "data", "qa", rows=48)
-    # 24 steps of the tiny model take seconds: a hopeless trial judged at step 4 (the scheduler looks every tick)
-    # is cancelled long before its end
-    job = {**job_dict("qa", data, STEPS, eval_split=8, eval_every=4), "checkpoint_every": 4}
+    # a hopeless trial is judged once the scheduler sees its first eval, at step RUNG (a tick after the trainer's
+    # poll answers: up to seconds on a loaded 2-core machine); one that ended first is not stopped (nothing is left
+    # to save). A step of the tiny model takes 6-13 ms here (24 steps once ended first, tests/servers/
+    # test_console.py): 380 steps left at a >=5 ms floor are >=1.9 s
+    job = {**job_dict("qa", data, STEPS, eval_split=8, eval_every=RUNG), "checkpoint_every": RUNG}
     sweep = {"name": "lr", "base_model": base, "output_dir": str(tmp_path / "out"), "step_tokens": 1024,
              "job": job, "search": "grid", "max_concurrent": 1, "objective": "eval_loss",
              # the good rate first: the hopeless ones then meet its results at the first rung
              "space": {"lr": {"choice": [GOOD_LR, HOPELESS_LR]}, "lora.r": {"choice": [4, 8]}},
-             "stopping": {"asha": {"grace_steps": 4, "reduction": 2}}}
+             "stopping": {"asha": {"grace_steps": RUNG, "reduction": 2}}}
     (tmp_path / "sweep.yaml").write_text(json.dumps(sweep))   # JSON is YAML
     spec = load_sweep_spec(tmp_path / "sweep.yaml")
     config = run_service_config(service_run_spec(spec), state_dir=tmp_path / "state")
@@ -65,11 +68,11 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
             trials = client.sweep_status("lr")["trials"] if client.sweeps() else []
             return next((t for t in trials if t["name"] == "qa-t0"), {"steps": 0, "state": "pending"})
 
-        wait_for(lambda: first_trial()["steps"] >= 4, 300, "the first trial's first eval")
+        wait_for(lambda: first_trial()["steps"] >= RUNG, 300, "the first trial's first eval")
         assert client.sweep_status("lr")["trials_planned"] == 4
         trainer = client.trainers()[0]   # its process dies while the first trial trains: replaced, the trial resumes
         ray.kill(ray.get_actor(trainer["actor_name"]))
-        wait_for(lambda: first_trial()["steps"] >= 8 or first_trial()["state"] != "running", 300,
+        wait_for(lambda: first_trial()["steps"] >= 2 * RUNG or first_trial()["state"] != "running", 300,
                  "the first trial to go on after its trainer's end")
         assert client.sweep_status("lr")["state"] == "running"
         ray.kill(client.scheduler, no_restart=False)   # then the scheduler's: it comes back and carries the sweep on
@@ -85,7 +88,7 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
         assert trials["qa-t0"]["state"] == "completed" and trials["qa-t0"]["steps"] == STEPS
         assert all(t["state"] in ("completed", "stopped") for t in good), good   # the second judged against it
         assert status["best"] in {t["name"] for t in good if t["state"] == "completed"}
-        assert all(t["state"] == "stopped" and t["steps"] == 4 and " is higher than " in t["stopped_because"]
+        assert all(t["state"] == "stopped" and t["steps"] == RUNG and " is higher than " in t["stopped_because"]
                    and "the best half" in t["stopped_because"] for t in hopeless), hopeless
         jobs = {record.name: record for record in client.jobs()}
         assert len(jobs) == 4

@@ -148,9 +148,13 @@ def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_s
     import ray
 
     base = tiny_model_dirs["llama"]
-    # 120 steps: the trainer is killed after the checkpoint at 20, with ~95 steps left to resume; every step
-    # is trained twice (the run, its reference), so more steps only cost time
-    job = job_dict("survivor", write_task_data(tmp_path / "data", "survivor"), 120, checkpoint_every=20)
+    # The kill must come while the job trains: after its status shows step 25 (past the checkpoint at 20), late
+    # by a poll (the status is the scheduler's table, which books the trainer's reports a poll round-trip later:
+    # the trainer was at 40 when it read 29 on an idle machine here, and a loaded 2-core machine's scheduler, at
+    # nice 10, can be seconds late). At 120 steps, 6-13 ms each, 95 were left; 400 steps after step 25 leave
+    # >=2 s at a >=5 ms floor. Every step is trained twice (the run, its reference), so more only cost time
+    steps = 425
+    job = job_dict("survivor", write_task_data(tmp_path / "data", "survivor"), steps, checkpoint_every=20)
     spec = run_spec(str(base), tmp_path / "out", [job], step_tokens=512)
     client = Client.local(service_config(tmp_path / "state", base))
     try:
@@ -162,9 +166,9 @@ def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_s
         assert record.state == "completed", record
         assert client.trainers()[0]["restarts"] == 1
         reasons = [reason for _, _, reason in client.transitions(handle.id)]
-        assert any("was lost" in r for r in reasons), reasons
-        assert [r["step"] for r in handle.losses()] == list(range(1, 121)), (handle.losses(),
-                                                                             client.transitions(handle.id), record)
+        assert any("was lost" in r for r in reasons), ("the job ended before the kill?", reasons)
+        assert [r["step"] for r in handle.losses()] == list(range(1, steps + 1)), (
+            handle.losses(), client.transitions(handle.id), record)
     finally:
         client.shutdown()
     reference = run_spec(str(base), tmp_path / "reference", [job], step_tokens=512)

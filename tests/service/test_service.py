@@ -187,7 +187,11 @@ def test_a_killed_scheduler_comes_back_with_every_job(ray_session, tiny_model_di
     client = Client.local(config, name="aspen-scheduler-restart-test")
     done = client.submit(job_dict("quick", write_task_data(data, "quick"), 3), base_model=str(base))
     assert done.wait(timeout=120).state == "completed"
-    running = client.submit(job_dict("slow", write_task_data(data, "slow"), 400, checkpoint_every=2),
+    # The job must still be running after the restart, seen resumed and cancelled: its trainer, the dead
+    # scheduler's actor, trains on until it dies with it (here the table said checkpoint 12 and the job resumed
+    # from 34; a loaded machine adds seconds), and the resumed job is seen a poll late (9 steps in, here). At
+    # 400 steps, 6-13 ms each, ~360 were left; 5000 leave >=20 s at a >=5 ms floor, and cost nothing (cancelled)
+    running = client.submit(job_dict("slow", write_task_data(data, "slow"), 5000, checkpoint_every=2),
                             base_model=str(base))
     wait_for(lambda: (client.status(running.id).checkpoint_step or 0) >= 2, what="a checkpoint")
     queued = client.submit(job_dict("elsewhere", write_task_data(data, "e"), 3), base_model="not/held")

@@ -85,9 +85,10 @@ def test_trainer_events_reach_a_locked_job_table_once_and_in_order(ray_session, 
     base = tiny_model_dirs["llama"]
     # The lock must come before either job ends: it is taken after both are seen at step 2, late by a poll of
     # their status (0.2 s and two calls to the scheduler, a second or more on a loaded machine). A fused step of
-    # the tiny model's two jobs takes 13-40 ms here; with a floor of 10 ms (a faster CPU: 12 steps once ended
-    # before the lock on one), 198 steps after step 2 leave 2 s.
-    steps = 200
+    # the tiny model's two jobs took 13-40 ms where first measured, 7.5-20 ms on CI's faster machine (a 2-core AMD
+    # EPYC: 7.5 and 8.0 ms the least of 300 in two runs; 12 steps once ended before the lock there); with a floor
+    # of 6 ms (as a single job's 5 ms against its least, 5.7), 338 steps after step 2 leave 2 s (200: 1.2 s).
+    steps = 340
     jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=i), steps)
             for i, name in enumerate(["one", "two"])]
     state = tmp_path / "state"

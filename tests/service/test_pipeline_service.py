@@ -249,10 +249,10 @@ def test_jobs_assigned_together_when_a_stage_is_found_lost_all_start_on_the_new_
 
 def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, tiny_model_dirs, tmp_path):
     """`aspen run`'s service on Ray with a `stages: 2` trainer: the trainer actor runs stage 0, stage 1 is a
-    stage actor in the trainer's placement group. The stage actor is killed mid-run (at the first job's second
-    step of 60, so that the jobs cannot have ended before the kill lands): the trainer starts a new one and
-    every job resumes from its checkpoint; the jobs end as the in-process single-device run ends them, and the
-    placement group is freed when the service stops."""
+    stage actor in the trainer's placement group. The stage actor is killed mid-run (once the first job's status
+    shows its checkpoint at step 5 of 210, so that the jobs cannot have ended before the kill lands): the trainer
+    starts a new one and every job resumes from its checkpoint; the jobs end as the in-process single-device run
+    ends them, and the placement group is freed when the service stops."""
     import ray
 
     from actors.service.scheduler.config import run_service_config
@@ -260,7 +260,13 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     from tests.helpers.service import ray_actor_logs, wait_for
 
     data = tmp_path / "data"
-    jobs = [job_dict("plain", write_task_data(data, "plain"), 60, eval_split=4, eval_every=3, checkpoint_every=2),
+    # The kill follows the first job's status, the scheduler's table, a poll behind the trainer (a loaded
+    # machine's scheduler, at nice 10, seconds late). The trainer's loop stepped every 12-47 ms here (a checkpoint
+    # every 2 steps, an eval every 3; this 2-core AMD EPYC is CI's faster machine): at 60 steps 0.7-2.7 s were
+    # left after step 2, and jobs that end first lose no stage. Now 210 steps, a checkpoint every 5 (steps of
+    # 11-45 ms here): 205 steps after the checkpoint at 5 leave >=2 s at a floor of 10 ms a step. Every step is
+    # trained twice (the service, the reference)
+    jobs = [job_dict("plain", write_task_data(data, "plain"), 210, eval_split=4, eval_every=3, checkpoint_every=5),
             job_dict("accum", write_task_data(data, "accum", offset=3), 4, grad_accum=2, checkpoint_every=1)]
     model = str(tiny_model_dirs["llama"])
     reference = run_spec(model, tmp_path / "single", jobs, step_tokens=512)
@@ -274,7 +280,7 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     client = Client.local(run_service_config(staged, tick_seconds=0.1, trainer={"num_cpus": 0.5, "threads": 1}))
     try:
         handles = client.submit_run(staged)
-        wait_for(lambda: client.status(handles[0].id).step >= 2, what="the first job's second step")
+        wait_for(lambda: (client.status(handles[0].id).checkpoint_step or 0) >= 5, what="the first job's checkpoint")
         (first,) = stage_actors()
         namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
                          if a["name"] == first)
@@ -288,7 +294,7 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     finally:
         client.shutdown()
     assert replaced and replaced != [first], "no new stage actor replaced the killed one"
-    assert any("lost a stage" in reason for reason in reasons), reasons
+    assert any("lost a stage" in reason for reason in reasons), ("the jobs ended before the kill?", reasons)
     assert {name: (r.state, r.step, r.eval_loss) for name, r in records.items()} == \
         {s.name: (s.state, s.steps, s.eval_loss) for s in expected}
     for job in jobs:

@@ -142,10 +142,15 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_
     """Data and outputs on S3 (a real S3-compatible server); the lost node's own staging folder is deleted
     with it, so the job resumes from what was uploaded."""
     base = str(tiny_model_dirs["llama"])
-    steps = 120
+    # The node must die while its job trains: it is killed once the job list (the scheduler's table, a poll behind
+    # the trainer, read through the client's process) shows the job checkpointed; here that read showed step 30
+    # where checkpoint 5 was awaited, and a loaded machine's scheduler (nice 10) is seconds later. At 120 steps,
+    # checkpoints every 5, 90-115 steps were left: 0.5 s at a 5 ms floor. 400 steps after the checkpoint at 20
+    # leave >=2 s; checkpoints (uploads) every 20 steps keep the longer run cheaper
+    steps, every = 420, 20
     bucket = s3_server.make_bucket()
-    local_jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), steps, checkpoint_every=5)
-                  for index, name in enumerate(["left", "right"])]
+    local_jobs = [job_dict(name, write_task_data(tmp_path / "data", name, offset=index), steps,
+                           checkpoint_every=every) for index, name in enumerate(["left", "right"])]
     jobs = []
     for job in local_jobs:
         StorageLocation(f"s3://{bucket}/data").upload_file(Path(job["data"]), f"{job['name']}.jsonl")
@@ -165,7 +170,7 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_
 
         def worker_job_checkpointed():
             found = jobs_by_name(client)
-            hit = [j for j in found.values() if j["trainer"] == on_worker and (j["checkpoint_step"] or 0) >= 5]
+            hit = [j for j in found.values() if j["trainer"] == on_worker and (j["checkpoint_step"] or 0) >= every]
             assert not any(j["state"] in ("completed", "failed") for j in found.values()), found
             return hit[0] if hit else None
 
@@ -174,7 +179,8 @@ def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_
         lost_at = time.time()
         shutil.rmtree(tmp_path / "state" / "staging" / victim["id"])   # the lost machine's disk goes with it
         resumed = wait_for(lambda: (j := jobs_by_name(client)[victim["name"]])["state"] == "running"
-                             and j["trainer"] not in (None, on_worker) and j, 120, "the lost job to run again")
+                             and j["trainer"] not in (None, on_worker) and j, 120, "the lost job to run again",
+                           state=lambda: client(f"c.transitions({victim['id']!r})"))   # ended before the kill?
         recovery_s = time.time() - lost_at
         print(f"node loss to the lost job running again: {recovery_s:.1f}s (health checks every 1 s, 3 missed)")
         assert resumed["step"] >= victim["checkpoint_step"]

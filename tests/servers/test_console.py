@@ -31,6 +31,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 VIEWPORT = {"width": 1280, "height": 800}
 WAIT_MS = 60_000
+LONG_STEPS = 5000   # the job the first test follows, tries and cancels
 
 
 def browser_or_skip() -> None:
@@ -147,8 +148,13 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     alice, bob = console.http("alice"), console.http("bob")
     page = log_in(browser, console, "alice")
     assert page.text_content("#who") == "alice"
-    # jobs submitted after the page opened appear, and their steps advance, without reloading
-    long_job = alice.submit(job_dict("alice-long", console.data, 400, checkpoint_every=1000), base_model=console.base)
+    # jobs submitted after the page opened appear, and their steps advance, without reloading. The long job must
+    # train through the whole tour below (its steps advancing, its chart, trying it) until it is cancelled from
+    # the table: it was at step 225 of 400 when that cancel came, 4.4 s in on an idle machine, so a browser slowed
+    # by a loaded 2-core machine beside 6-13 ms steps could see it completed. 5000 steps leave >=25 s at a >=5 ms
+    # floor and cost nothing (it is cancelled)
+    long_job = alice.submit(job_dict("alice-long", console.data, LONG_STEPS, checkpoint_every=10_000),
+                            base_model=console.base)
     queued = alice.submit(job_dict("alice-queued", console.data, 2), base_model=NOBODYS_MODEL)
     bobs = bob.submit(job_dict("bobs-job", console.data, 2), base_model=NOBODYS_MODEL)
     row = f"#jobs-table tr[data-job='{long_job.id}']"
@@ -192,7 +198,7 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     assert repr(str(Path(alice.status(long_job.id).output_dir).resolve())) in serving["peft"]
     assert serving["vllm"].startswith(f"vllm serve {console.base} --enable-lora --max-lora-rank ")
     assert page.text_content("#spec-yaml").count("alice-long") == 1
-    assert "max_steps: 400" in page.text_content("#spec-yaml")
+    assert f"max_steps: {LONG_STEPS}" in page.text_content("#spec-yaml")
     # try it: the prompt continued through the adapter and through the base alone, on its trainer
     page.fill("#try-prompt", "Q: sql 3 and 9\nA:")
     page.fill("#try-tokens", "8")

@@ -69,8 +69,10 @@ def test_jobs_submitted_while_others_run_join_without_a_restart(service, tiny_mo
 
 def test_cancel_mid_run_leaves_a_loadable_checkpoint(service, tiny_model_dirs, tmp_path):
     data = write_task_data(tmp_path / "data", "long")
-    handle = service.submit(job_dict("long", data, 500, checkpoint_every=100), base_model=str(tiny_model_dirs["llama"]),
-                            output_dir=tmp_path / "long")
+    # cancelled while it trains: the cancel follows step 3 as the scheduler's table shows it, a poll behind the
+    # trainer (at step 22 here); 5000 steps leave >=20 s at a >=5 ms floor and cost nothing (it is cancelled)
+    handle = service.submit(job_dict("long", data, 5000, checkpoint_every=100),
+                            base_model=str(tiny_model_dirs["llama"]), output_dir=tmp_path / "long")
     wait_for(lambda: handle.status().step >= 3, what="the job to train")
     service.cancel(handle.id)
     record = handle.wait(timeout=60)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from actors.service.scheduler.scheduling_state import SchedulingStates
-from actors.service.table.job_record import JobRecord
+from actors.service.table.job_record import JobRecord, unreported_resume_point
 from actors.service.table.job_table import TERMINAL_STATES, JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent
 
@@ -172,9 +172,8 @@ class EventBooking:
                 self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); the model "
                                      f"resumes from {step} on another when its user's loop calls again", trainer=None)
                 continue
-            step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
-            self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); resumes from {step}",
-                                 trainer=None)
+            self.table.set_state(record.id, "queued", f"trainer {trainer_id} was lost ({error}); resumes from "
+                                 f"{unreported_resume_point(record.checkpoint_step)}", trainer=None)
             lost.append(record.id)
 
         def remember() -> None:

@@ -36,6 +36,7 @@ from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trai
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import SubmissionConflict, SubmissionError, Submissions
+from actors.service.table.job_record import unreported_resume_point
 from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
@@ -145,12 +146,12 @@ class SchedulerCore:
                 self.interactive.close(record.id, "failed", "the service restarted, which ends interactive models; "
                                        "its saved states remain (create_training_client_from_state resumes one)")
         for record in self.table.all(("running",) if resume else ("running", "queued")):
-            step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+            step = unreported_resume_point(record.checkpoint_step)   # its trainer went with the service
             if resume:
                 self.table.set_state(record.id, "queued", f"the service restarted; resumes from {step}", trainer=None)
             else:
-                self.table.set_state(record.id, "paused", f"the service restarted; held until resumed (from {step})",
-                                     trainer=None)
+                self.table.set_state(record.id, "paused", "the service restarted; held until resumed, then resumes "
+                                     f"from {step}", trainer=None)
             recovered.append(record.id)
         return recovered
 

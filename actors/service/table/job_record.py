@@ -11,6 +11,15 @@ TERMINAL_STATES = frozenset({"completed", "stopped_early", "failed", "cancelled"
 ACTIVE_STATES: tuple[str, ...] = ("queued", "running", "paused")   # the states the scheduler decides about
 
 
+def unreported_resume_point(checkpoint_step: int | None) -> str:
+    """Where a job resumes whose trainer went (lost, or stopped with a restarting service) before its last
+    reports were booked: its newest checkpoint on disk, which may be later than the table's (written after the
+    trainer's last report); the transition that starts it again says the step it resumed from."""
+    if checkpoint_step:
+        return f"its newest checkpoint (step {checkpoint_step} as last reported, or a later one)"
+    return "its newest checkpoint, if one was written after the last report, else the start"
+
+
 @dataclass(kw_only=True)
 class JobRecord:
     """A job as the service reports it."""

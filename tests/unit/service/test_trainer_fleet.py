@@ -173,6 +173,9 @@ def test_a_dead_trainer_is_replaced_and_only_its_unfinished_jobs_start_again(tmp
     assert table.get(a).state == "completed"                    # what it finished before it died stays done
     record = table.get(b)
     assert record.state == "queued" and "trainer trainer-0 was lost (ActorDiedError)" in record.reason
+    # no checkpoint reported: one may still have been written after the last report the table booked
+    assert record.reason.endswith("resumes from its newest checkpoint, if one was written after the last report, "
+                                  "else the start"), record.reason
     bring_up(fleet, cluster)                # the new one loads and is polled like the first
     assert fleet.ready_statuses()[0].trainer_id == "trainer-0" and len(second.polls) == 1
 

@@ -51,6 +51,24 @@ def _tolerances(config, pairs: list[PreferencePair], largest: float, logps: floa
     return gradient, logp
 
 
+def _step_against_trl(name: str, method: str, pairs: list[PreferencePair], peft_model, loss, **spec):
+    """One fused step of aspen's `method` job on PEFT's adapter, against TRL's `loss` (its backward taken): the
+    gradients checked within their bound; (aspen's step result, its metrics, |loss difference|, the log-prob
+    tolerance), the log-probs being means over each sequence's tokens (their magnitude the larger mean)."""
+    trainer, job = _aspen_job(method, pairs, peft_model, **spec)
+    result = trainer.train_step().results[0]
+    loss_difference = abs(result.loss - loss.item())
+    gradient_difference, largest = compare_gradients(job, len(pairs), peft_model)
+    print(f"{name} vs TRL: loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
+          f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
+    ours = job.accumulator.metrics
+    logps = len(pairs) * max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
+    gradient_tolerance, logp_tolerance = _tolerances(trainer.base.model.config, pairs, largest, logps)
+    print(f"tolerances: gradient {gradient_tolerance:.2e}, log-prob {logp_tolerance:.2e}")
+    assert gradient_difference <= gradient_tolerance
+    return result, ours, loss_difference, logp_tolerance
+
+
 def test_dpo_loss_and_gradients_equal_trl(tiny_tokenizer, tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -153,18 +171,8 @@ def test_orpo_loss_and_gradients_equal_trl(tiny_tokenizer):
     loss, metrics = _orpo_trainer(beta).get_batch_loss_metrics(peft_model, _orpo_batch(pairs))
     loss.backward()
 
-    trainer, job = _aspen_job("orpo", pairs, peft_model, preference={"beta": beta}, train_on_prompt=True)
-    result = trainer.train_step().results[0]
-    loss_difference = abs(result.loss - loss.item())
-    gradient_difference, largest = compare_gradients(job, len(pairs), peft_model)
-    print(f"ORPO vs TRL: loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
-          f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
-    ours = job.accumulator.metrics
-    # ORPO's log-probs are means over each sequence's tokens: their magnitude is the larger mean itself
-    logps = len(pairs) * max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
-    gradient_tolerance, logp_tolerance = _tolerances(trainer.base.model.config, pairs, largest, logps)
-    print(f"tolerances: gradient {gradient_tolerance:.2e}, log-prob {logp_tolerance:.2e}")
-    assert gradient_difference <= gradient_tolerance
+    _, ours, loss_difference, logp_tolerance = _step_against_trl("ORPO", "orpo", pairs, peft_model, loss,
+                                                                 preference={"beta": beta}, train_on_prompt=True)
     # the log-odds of a pair: two mean log-probs, each with log1p(-exp(.)) of it (whose derivative, below 1 for
     # log-probs below -log 2, adds at most as much again); their log-sigmoid moves at most as much; the NLL is a
     # mean log-prob; the loss, NLL - β·log σ(log-odds); the margins, β times two mean log-probs. (Coarse for
@@ -207,17 +215,8 @@ def test_cpo_loss_and_gradients_equal_trl(tiny_tokenizer, cpo_alpha):
     loss.backward()
 
     preference = {"beta": beta} | ({"cpo_alpha": cpo_alpha} if cpo_alpha != 1.0 else {})
-    trainer, job = _aspen_job("cpo", pairs, peft_model, preference=preference)
-    result = trainer.train_step().results[0]
-    loss_difference = abs(result.loss - loss.item())
-    gradient_difference, largest = compare_gradients(job, len(pairs), peft_model)
-    print(f"CPO vs TRL (cpo_alpha {cpo_alpha}): loss {loss.item():.6f}, |loss difference| {loss_difference:.2e}, "
-          f"max |gradient difference| {gradient_difference:.2e} (largest {largest:.2e})")
-    ours = job.accumulator.metrics
-    logps = len(pairs) * max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
-    gradient_tolerance, logp_tolerance = _tolerances(trainer.base.model.config, pairs, largest, logps)
-    print(f"tolerances: gradient {gradient_tolerance:.2e}, log-prob {logp_tolerance:.2e}")
-    assert gradient_difference <= gradient_tolerance
+    result, ours, loss_difference, logp_tolerance = _step_against_trl(
+        f"CPO (cpo_alpha {cpo_alpha})", "cpo", pairs, peft_model, loss, preference=preference)
     # a pair's -log σ(β·margin) moves at most β times its margin (two log-probs); the NLL is a mean log-prob
     for name, tolerance in (("logps/chosen", logp_tolerance), ("rewards/margins", beta * 2 * logp_tolerance),
                             ("nll_loss", logp_tolerance)):

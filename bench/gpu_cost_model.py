@@ -11,6 +11,7 @@ works, its parameters and how well it does.
     bench/gpu_cost_model.py --fusion 1,2,4,8,16,32                          # fusion efficiency, equal tokens
     bench/gpu_cost_model.py --base                                          # the frozen base alone
     bench/gpu_cost_model.py --peers                                         # the PEFT baselines, aspen's ratios
+    bench/gpu_cost_model.py --fusion 1,32 --read-later --no-calibration     # what-if: values read a step later
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
 
 Writes predicted_step_s (the median of the timed steps), predicted_tokens_per_s (over them) and
@@ -105,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", nargs="?", const=",".join(PEERS),
                         help="also bench/lora_mfu.py's single-job PEFT sides, each in its own process, over the same "
                              f"sequences and --steps (alone: {','.join(PEERS)}); aspen's ratio to each")
+    parser.add_argument("--read-later", action="store_true",
+                        help="a what-if: aspen's steps (and --fusion's) timed as if each read its values back a step "
+                             "later (their host synchronisations dropped); the PEFT sides and the calibration as they "
+                             "are")
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
     parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")
     parser.add_argument("--calibration-file", type=Path, default=PATH)
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     calibration = load(args.calibration_file)
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
             "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
-            "calibration": str(args.calibration_file.resolve())}
+            "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later}
     results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps}
     current = run_checkout(spec, "checkout")
     results["current"] = current
@@ -124,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = calibration["measured"]
         checkout = calibration_checkout(CALIBRATION_COMMIT, args.calibration_checkout)
         old = run_checkout({**spec, "checkout": str(checkout), "shape": measured["shape"], "jobs": measured["jobs"],
-                            "card": measured["card"], "settings": [], "kernels": None, "profile_step": True},
+                            "card": measured["card"], "settings": [], "kernels": None, "profile_step": True,
+                            "read_later": False},
                            CALIBRATION_COMMIT)
         results["calibration"] = old
         results["calibration_error"] = (old["predicted_step_s"] - measured["step_s"]) / measured["step_s"]

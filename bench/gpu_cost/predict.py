@@ -36,6 +36,13 @@ def _has_rule(op: Op) -> bool:
             or op.name.startswith("memcpy") or op.name.startswith("triton:"))
 
 
+def read_later(steps: list[list[Op]]) -> list[list[Op]]:
+    """The steps as if each read its values back a step later (a what-if the model ranks before the trainer
+    does it: `gpu_cost_model.py --read-later`): every host synchronisation inside them dropped from the
+    timeline, its host cost kept, so that the host goes on to the next step while the GPU finishes this one."""
+    return [[replace(op, sync=False) if op.sync else op for op in ops] for ops in steps]
+
+
 def _with_step_syncs(steps: list[list[Op]]) -> list[list[Op]]:
     """profile_step.py synchronises after every step it times."""
     return [ops + [Op("benchmark sync", "sync", sync=True)] for ops in steps]
@@ -107,7 +114,7 @@ def _step(timing: StepTiming) -> dict:
 
 def run_worker(args: dict) -> dict:
     """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base | peer), adapters, peer, steps, settings,
-    calibration."""
+    calibration, read_later (aspen's steps, jobs and fusion, timed by `read_later`; not the PEFT sides')."""
     from gpu_cost.workload import (
         FUSION_WARMUP,
         apply_settings,
@@ -129,6 +136,9 @@ def run_worker(args: dict) -> dict:
     calibration = json.loads(Path(args["calibration"]).read_text())
     bench = benchmark_module(checkout)
     applied = apply_settings(args.get("settings", []))
+    later = bool(args.get("read_later")) and args["mode"] in ("jobs", "fusion")   # aspen's steps only
+    if later:
+        applied.append("the read-back a step later (what-if: the steps' host synchronisations dropped)")
     card = card_for(args["card"], calibration)
     if args.get("kernels"):
         applied.append(f"kernels = {args['kernels']!r}")
@@ -140,6 +150,7 @@ def run_worker(args: dict) -> dict:
         elif args["mode"] == "jobs":   # bench/lora_mfu.py's aspen side: warm-up, then timed steps in order
             steps = WARMUP + args["steps"]
             recorded = record_jobs(session, bench, args["shape"], args["jobs"], steps=steps, in_order=True)
+            recorded.steps = read_later(recorded.steps) if later else recorded.steps
             timed = range(WARMUP, steps)
             result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False))
@@ -157,6 +168,7 @@ def run_worker(args: dict) -> dict:
             fusion = record_fusion(session, bench, args["shape"], args["adapters"])
             rates = {}
             for count, recorded in fusion.items():
+                recorded.steps = read_later(recorded.steps) if later else recorded.steps
                 timed = range(FUSION_WARMUP, len(recorded.steps))
                 summary = summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False)

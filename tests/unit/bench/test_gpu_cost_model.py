@@ -27,7 +27,7 @@ try:
     from gpu_cost.calibration import load
     from gpu_cost.card import h200, kernel_time
     from gpu_cost.operations import Op
-    from gpu_cost.predict import summarise
+    from gpu_cost.predict import read_later, summarise
     from gpu_cost.report import ratios
     from gpu_cost.timeline import Host, simulate
     from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
@@ -191,6 +191,24 @@ def test_the_timeline_waits_at_a_sync_and_is_host_bound_when_the_host_is_slow():
     assert timing.launches == 2 and timing.syncs == 1
 
 
+def test_read_later_lets_the_host_queue_the_next_step_while_the_gpu_finishes_this_one():
+    """Each step: 3 ms of host work with no kernel (packing, the forward's launches), then 3 ms of GPU work
+    (the backward), then the read-back. Waiting at it, a step is 3 + 3 ms; read a step later, the host packs the
+    next step while the GPU works: 3 ms a step after the first."""
+    card = h200().scaled(kernel_floor=0.0, launch_gap=0.0)
+    host = Host(python=0.0, call=1e-3, view=0.0, kernel=0.0, launch=0.0, node=0.0, sync=0.0)
+    packing = Op("pack", "view", calls=3)
+    backward = Op("add", "kernel", launches=1, read=card.hbm * card.vectorised * 3e-3, written=0.0,
+                  detail={"layout": "vectorised"})
+    steps = [[packing, backward, Op("tolist", "sync", sync=True)] for _ in range(3)]
+    waiting = simulate(steps, card, host)
+    assert [t.seconds for t in waiting] == pytest.approx([6e-3] * 3)
+    later = read_later(steps)
+    assert [t.seconds for t in simulate(later, card, host)] == pytest.approx([6e-3, 3e-3, 3e-3])
+    assert [len(ops) for ops in later] == [3] * 3 and not any(op.sync for ops in later for op in ops)
+    assert all(ops[-1].sync for ops in steps)   # the recorded steps are left as they were
+
+
 def test_the_tiny_shape_is_predicted_end_to_end(session, tmp_path):
     bench = benchmark_module(REPO)
     steps = 3
@@ -314,6 +332,13 @@ def test_the_command_writes_its_figures(tmp_path):
     for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):
         assert result[key] > 0
     assert result["current"]["tokens"] and result["parameters"]["card.hbm"]["source"] == "datasheet"
+    assert result["current"]["settings"] == [] and result["current"]["median_step"]["syncs"] == 1
+    # the what-if: the same steps with their read-back a step later say so, and wait nowhere
+    assert gpu_cost_model.main(["--shape", "tiny", "--jobs", "2", "--steps", "3", "--no-calibration",
+                                "--read-later", "--json", str(out)]) == 0
+    later = json.loads(out.read_text())["current"]
+    assert any("read-back a step later" in setting for setting in later["settings"])
+    assert later["median_step"]["syncs"] == 0 and later["tokens"] == result["current"]["tokens"]
 
 
 def test_modules_come_from_the_checkout_under_their_name_there():

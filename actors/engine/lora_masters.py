@@ -10,6 +10,7 @@ work grew with the jobs: at 32 jobs they were the largest part of a step's host 
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
 
@@ -61,6 +62,21 @@ class MasterPool:
         self._all_views: list[torch.Tensor] | None = None   # every parameter's, in `parameters`' order
         if self.parameters:
             _POOLS[id(self.parameters[0])] = self
+
+    def __deepcopy__(self, memo: dict) -> MasterPool:
+        """A copy of its own (`copy.deepcopy` of a model or layer holding pooled adapters): a new flat tensor, each
+        copied parameter made a view of it where the original's was (a parameter's own deep copy is a clone of its
+        values, no view of anything, so the copy's gradients would be added at the wrong places), no gradients (as
+        torch copies a parameter), and nothing kept that is keyed by the original's objects or addresses."""
+        copied = MasterPool.__new__(MasterPool)
+        memo[id(self)] = copied
+        flat = self.flat.detach().clone()
+        parameters = [copy.deepcopy(parameter, memo) for parameter in self.parameters]
+        for original, parameter in zip(self.parameters, parameters, strict=True):
+            start = original.storage_offset() - self.flat.storage_offset()
+            parameter.data = flat[start:start + original.numel()].view(original.shape)
+        copied.__init__(flat, self.b_region, self.scaling, parameters)
+        return copied
 
     def refresh(self, layout: object, dtype: torch.dtype) -> None:
         """The copy in `dtype` as of now, once a step (and again where the masters changed in place since)."""

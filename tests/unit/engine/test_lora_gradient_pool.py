@@ -15,6 +15,7 @@ from actors.engine import lora_cuda
 from actors.engine.adapter_surgery import fused_layers, pool_masters, set_adapters_training
 from actors.engine.layout import step_layout
 from actors.engine.lora_grad_kernel import GroupTargets
+from actors.engine.lora_masters import pool_of
 from tests.helpers.lora_bounds import BOUNDS, IN, OUT, RANKS, bf16_values, fused_layer, layout_of
 
 
@@ -156,3 +157,35 @@ def test_the_kept_lookups_follow_adapters_added_removed_and_the_mode():
     assert not added.training
     set_adapters_training(model, True)
     assert all(adapter.training for adapter in layer.adapters.values())
+
+
+@pytest.mark.parametrize("kernel", ["segments", "grouped_mm"])
+def test_a_deep_copy_of_a_pooled_layer_trains_as_its_unpooled_copy_and_leaves_the_original_alone(monkeypatch, kernel):
+    """`copy.deepcopy` of a layer whose adapters are pooled, after a backward filled what the layer and its pools
+    keep between steps: the copy's parameters are views of its own pool (a parameter's deep copy alone is a clone),
+    its gradients equal those of the unpooled layer's copy bit for bit, and the original's gradients stay as they
+    were."""
+    monkeypatch.setattr(lora_cuda, "KERNEL", kernel)
+    pooled, unpooled = _pair((8, 8, 8))
+    first = (bf16_values(1, 57, IN), bf16_values(1, 57, OUT))
+    for layer in (pooled, unpooled):
+        _backward(layer, *first, layout_of())
+    before = {name: (a.clone(), b.clone()) for name, (a, b) in _grads(pooled).items()}
+    copied, reference = copy.deepcopy(pooled), copy.deepcopy(unpooled)
+    for name, adapter in copied.adapters.items():
+        pool = adapter.master_pool[0]
+        assert pool is not pooled.adapters[name].master_pool[0]
+        assert pool_of(pool.parameters) is pool and any(p is adapter.lora_A for p in pool.parameters)
+        for parameter in (adapter.lora_A, adapter.lora_B):
+            assert parameter.untyped_storage().data_ptr() == pool.flat.untyped_storage().data_ptr()
+            assert parameter.grad is None   # as torch copies a parameter
+    second = (bf16_values(1, 30, IN), bf16_values(1, 30, OUT))
+    layout = layout_of(((0, 9), (9, 30)), ["job2", "job0"])
+    for layer in (copied, reference):
+        _backward(layer, *second, layout)
+    for (name, (a, b)), (_, (ref_a, ref_b)) in zip(_grads(copied).items(), _grads(reference).items(), strict=True):
+        assert (a is None) == (ref_a is None) and (b is None) == (ref_b is None), name
+        if a is not None:
+            assert torch.equal(a, ref_a) and torch.equal(b, ref_b), name
+    for name, (a, b) in _grads(pooled).items():
+        assert torch.equal(a, before[name][0]) and torch.equal(b, before[name][1]), name

@@ -4,7 +4,7 @@ fusion efficiency."""
 
 from __future__ import annotations
 
-from lora_mfu import GOALS, SIDE_NAMES
+from lora_bench import GOALS, SIDE_NAMES
 
 
 def _pct(value: float | None) -> str:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from lora_mfu import (
+from lora_bench import (
     JOBS,
     LORA,
     SHAPES,
@@ -250,7 +250,7 @@ def concurrent_side(args: argparse.Namespace, device: torch.device) -> dict:
               "per_process": [{k: r[k] for k in ("tokens_per_s", "median_step_s", "peak_memory_bytes")}
                               for r in results]}
     flops = 4 * results[0]["matmul_parameters"] * result["tokens_per_s"]
-    from lora_mfu import peak_flops
+    from lora_bench import peak_flops
     peak = peak_flops(device) if device.type == "cuda" else None
     return {**result, "flops_per_s": flops, "lora_mfu": flops / peak if peak else None, "peak_flops": peak}
 

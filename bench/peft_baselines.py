@@ -21,7 +21,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from lora_mfu import LORA, StepClock, sync
+from lora_bench import LORA, StepClock, sync
 from transformers import AttentionInterface
 
 PACKED_ATTENTION = "bench_packed_varlen"

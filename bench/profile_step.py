@@ -1,33 +1,25 @@
-#!/usr/bin/env python
 """Where a training step's time goes: a few steps under torch.profiler, summarised as the top kernels by GPU
 time (share, ms a step, calls a step), kernel launches and host-device synchronisations a step, and the GPU's
 busy share (the union of its kernels' and copies' intervals) of the unprofiled median step and of the
 profiled span. Writes the profiler's tables (by device time, by self CPU time), a gzipped Chrome trace
 (chrome://tracing, Perfetto) and summary.json into the output folder.
 
-bench/lora_mfu.py calls `profile_steps` after its timed steps (`--profile DIR`: aspen's fused step and the
-frozen base's); run alone it builds aspen's side of lora_mfu (4 jobs fused on the shape) and profiles it:
+bench/lora_mfu.py's sides call `profile_steps` after their timed steps (`--profile DIR`: aspen's fused step and
+the frozen base's). Aspen's side alone, profiled:
 
-    python bench/profile_step.py [--shape llama-3.1-8b] [--steps 2] [--out DIR]
-    python bench/profile_step.py --shape tiny --device cpu            # a dry run on a CPU
+    python bench/lora_mfu.py --parts mfu --sides aspen --steps 4 --profile DIR [--shapes llama-3.1-8b]
+    python bench/lora_mfu.py --parts mfu --sides aspen --shapes tiny --device cpu --steps 4 --profile DIR
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import shutil
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "bench"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
 
 import torch
 
@@ -123,26 +115,3 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int, 
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
-
-def main(argv: list[str] | None = None) -> int:
-    import lora_mfu
-    from lora_report import profile_lines
-    from lora_sides import aspen_side
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(lora_mfu.SHAPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps before the profiled ones")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("runs/profile"))
-    args = parser.parse_args(argv)
-    side = argparse.Namespace(shape=args.shape, steps=args.steps, warmup=args.warmup, profile=args.out,
-                              result=None, device=args.device, min_len=lora_mfu.MIN_LEN, max_len=lora_mfu.MAX_LEN)
-    result = aspen_side(side, torch.device(args.device))
-    print(f"aspen fused step on {args.shape}: median {result['median_step_s']:.3f}s, "
-          f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
-    print("\n".join(profile_lines(result["profile"])), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

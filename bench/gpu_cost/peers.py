@@ -37,7 +37,8 @@ PEERS = {
 
 
 def baselines_module(checkout: Path) -> ModuleType:
-    """The checkout's bench/peft_baselines.py (after `benchmark_module` made its lora_mfu importable)."""
+    """The checkout's bench/peft_baselines.py (after `benchmark_module` made what it imports importable: its
+    lora_bench, or an older checkout's lora_mfu)."""
     path = checkout / "bench" / "peft_baselines.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: the PEFT baselines are the checkout's bench/peft_baselines.py")

@@ -2,9 +2,9 @@
 the recorder: the benchmark's fused jobs (bench/lora_mfu.py's aspen side, as ../shared/gpu/profile_step.py
 ran it for the 2026-11-28 profile), its fusion sweep (N adapters, equal tokens), and the frozen base alone
 (profile_step.py's second measurement). Shapes, job batches and the LoRA config come from the checkout's
-bench/lora_mfu.py (SHAPES, job_batches, JOBS, SEQUENCES_PER_JOB, MAX_LEN, LORA), smollm2-135m's shape from
-here where that file lacks it. Import this module in a process whose `actors` is the checkout's
-(`gpu_cost_model.py` runs one process per checkout)."""
+bench/lora_bench.py (SHAPES, job_batches, JOBS, SEQUENCES_PER_JOB, MAX_LEN, LORA; bench/lora_mfu.py in
+older checkouts), smollm2-135m's shape from here where that file lacks it. Import this module in a process whose
+`actors` is the checkout's (`gpu_cost_model.py` runs one process per checkout)."""
 
 from __future__ import annotations
 
@@ -47,15 +47,19 @@ class Recorded:
 
 
 def benchmark_module(checkout: Path) -> ModuleType:
-    """The checkout's bench/lora_mfu.py (its shapes and job batches), loaded from its file."""
-    path = checkout / "bench" / "lora_mfu.py"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: the workload's shapes and batches come from the checkout's "
-                                "bench/lora_mfu.py")
-    spec = importlib.util.spec_from_file_location("lora_mfu", path)
+    """What the checkout's bench/lora_mfu.py runs its sides with (its shapes and job batches), loaded from its
+    file: bench/lora_bench.py, or bench/lora_mfu.py itself in a checkout from before 2026-12-01 (e.g. the
+    profiled 70c0645), under its own name, so that the checkout's peft_baselines.py imports it and
+    --set lora_bench:ATTR=value (lora_mfu:ATTR there) reaches it."""
+    bench = checkout / "bench"
+    path = next((p for p in (bench / "lora_bench.py", bench / "lora_mfu.py") if p.exists()), None)
+    if path is None:
+        raise FileNotFoundError(f"neither {bench / 'lora_bench.py'} nor {bench / 'lora_mfu.py'} found: the "
+                                "workload's shapes and batches come from the checkout's bench/lora_bench.py")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules["lora_mfu"] = module   # so that --set lora_mfu:ATTR=value reaches it
+    sys.modules[path.stem] = module
     return module
 
 

@@ -18,6 +18,7 @@ from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance, unit
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))   # only while these modules import: bench/ holds names like memory, pipeline
 try:
+    import lora_bench
     import lora_mfu
     import peft_baselines
 finally:
@@ -96,7 +97,7 @@ def test_the_varlen_kernel_equals_per_sequence_sdpa_in_bf16():
 
 
 def test_step_summary_and_the_concurrent_sizing_by_hand():
-    summary = lora_mfu.step_summary([0.3, 0.1, 0.2, 0.4, 0.5], [30, 10, 20, 40, 50])
+    summary = lora_bench.step_summary([0.3, 0.1, 0.2, 0.4, 0.5], [30, 10, 20, 40, 50])
     assert summary["median_step_s"] == 0.3 and summary["p10_step_s"] == 0.1 and summary["p90_step_s"] == 0.5
     assert summary["tokens_per_s"] == pytest.approx(150 / 1.5)
     # a 141 GB card, 16 GB held per process, 13 MB a padded token: 4 x (16 + 1.07 + n x 768 x 0.013) <= 127

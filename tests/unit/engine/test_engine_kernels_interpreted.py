@@ -1,7 +1,9 @@
 """The engine's own Triton kernels on the CPU under Triton's interpreter, each against its torch reference: the flat
 AdamW (actors/engine/flat_adamw.py `_adamw_kernel` against `reference_update`, which tests/unit/engine/
-test_flat_adamw.py holds to torch's AdamW) and the grouped gradients' addition (actors/engine/lora_grad_kernel.py,
-against `add_groups_reference`, which tests/unit/engine/test_lora_gradient_pool.py holds to autograd bit for bit).
+test_flat_adamw.py holds to torch's AdamW), the grouped gradients' addition (actors/engine/lora_grad_kernel.py,
+against `add_groups_reference`, which tests/unit/engine/test_lora_gradient_pool.py holds to autograd bit for bit),
+the kept stacks' copy (actors/engine/lora_stacks.py), and the whole engine on the three kernels: jobs joining, leaving
+and accumulating each end as alone (tests/unit/engine/test_cuda_path_engine.py's, there on the torch references).
 
 This module runs in a process started with TRITON_INTERPRET=1 (test_lora_grad_kernel.py starts it; Triton's functions
 are made interpreted when triton is first imported) and skips itself elsewhere.
@@ -26,7 +28,9 @@ from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import step_layout
+from tests.helpers.cuda_path_runs import assert_as_alone, on_the_cuda_path, planned_jobs, run_planned
 from tests.helpers.flat_adamw_jobs import add_gradients, pooled_job, spec
+from tests.helpers.isolation import base_for
 from tests.helpers.lora_bounds import BOUNDS, IN, OUT, bf16_values, fused_layer, layout_of, pooled_layer
 from tests.helpers.tolerances import ADAMW_ROUNDINGS, unit_roundoff
 from tests.helpers.triton_interpreter import bfloat16_rounded_as_compiled
@@ -145,3 +149,28 @@ def test_the_stacks_copy_kernel_refreshes_kept_stacks_as_fresh_ones(monkeypatch)
         ours = forward(layer)
         assert torch.equal(ours, forward(pooled_layer(like=layer))), step
     assert len(launched) == 2
+
+
+def test_the_engine_on_its_kernels_keeps_jobs_joining_and_leaving_as_alone(monkeypatch):
+    """tests/unit/engine/test_cuda_path_engine.py's jobs (joining, leaving once done, accumulating) through the whole
+    engine on grouped_mm in bfloat16, with the three kernels doing their work: the flat AdamW, the grouped gradients'
+    addition and the kept stacks' copy. Each job ends bit for bit as it does alone through the same kernels (each
+    computes a job's values from that job's own alone), and each kernel ran."""
+    bfloat16_rounded_as_compiled()   # the interpreter's gap (tests/helpers/triton_interpreter.py)
+    cpu = torch.device("cpu")
+    assert flat_adamw.kernel_works(cpu) and lora_grad_kernel.kernel_works(cpu) and lora_stacks.CHECK.works(cpu)
+    launched = {"adamw": 0, "gradients": 0, "stacks": 0}
+    for name, kernel in (("adamw", flat_adamw._adamw_kernel), ("gradients", lora_grad_kernel._add_groups_kernel),
+                         ("stacks", lora_stacks._copy_slots_kernel)):
+        def counted(*args, name=name, run=kernel.run, **options):
+            launched[name] += 1
+            return run(*args, **options)
+
+        monkeypatch.setattr(kernel, "run", counted)
+    calls = on_the_cuda_path(monkeypatch, "grouped_mm")
+    base = base_for("bfloat16")
+    planned = planned_jobs()
+    fused_weights, fused_losses, _ = run_planned(base, planned)
+    assert calls.flat_updates == sum(job.spec.max_steps for job in planned) == launched["adamw"]
+    assert launched["gradients"] > 0 and launched["stacks"] > 0 and calls.kept_stacks > 0, launched
+    assert_as_alone(base, planned, fused_weights, fused_losses)

@@ -7,6 +7,7 @@ device), and the next step's batch packed during this one (`FusedTrainer.prepack
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,10 +76,13 @@ def on_the_cuda_path(monkeypatch, kernel: str) -> PathCalls:
     return calls
 
 
-def run_planned(base, planned: list[PlannedJob], *, step_tokens: int = 100_000
+def run_planned(base, planned: list[PlannedJob], *, step_tokens: int = 100_000,
+                between_steps: Callable[[FusedTrainer, dict[str, TrainingJob]], None] | None = None
                 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, list[float]], int]:
     """Train the planned jobs on one trainer, each added before its step and removed once done: each job's final
-    adapter tensors (by PEFT name), its micro-batch losses in order, and the number of fused steps."""
+    adapter tensors (by PEFT name), its micro-batch losses in order, and the number of fused steps. `between_steps`
+    (the trainer, its jobs) runs after each step, before the jobs that are done leave (as a trainer loop evaluates
+    them, or continues a prompt with an adapter, between steps)."""
     trainer = FusedTrainer(base, step_tokens=step_tokens)
     trainer.prepack = True
     waiting = sorted(planned, key=lambda job: job.joins_before_step)
@@ -99,6 +103,8 @@ def run_planned(base, planned: list[PlannedJob], *, step_tokens: int = 100_000
         for result in report.results:
             losses[result.job].append(result.loss)
         steps += 1
+        if between_steps is not None:
+            between_steps(trainer, jobs)
         for name, job in list(jobs.items()):
             if job.done:
                 weights[name] = {k: v.detach().clone() for k, v in job.adapter.named_parameters()}

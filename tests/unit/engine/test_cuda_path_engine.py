@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from actors.checkpoint import load_checkpoint, save_checkpoint
+from actors.engine.generate import greedy_generate_many
 from actors.engine.job import TrainingJob
 from actors.engine.trainer import FusedTrainer
 from tests.helpers.cuda_path_runs import PlannedJob, assert_as_alone, on_the_cuda_path, planned_jobs, run_planned
@@ -38,6 +39,33 @@ def test_jobs_joining_leaving_and_accumulating_on_the_cuda_path_end_as_alone(mon
     assert calls.layers > 0, "the CUDA path was not taken"
     assert kernel == "segments" or calls.kept_stacks > 0, "no stacks were kept between steps: grouped_mm's not tested"
     assert calls.flat_updates == sum(job.spec.max_steps for job in planned), "the flat AdamW did not step every job"
+    assert_as_alone(base, planned, fused_weights, fused_losses)
+
+
+@pytest.mark.parametrize("config,kernel", PATHS[:2])
+def test_evaluations_and_continuations_between_steps_leave_the_jobs_as_alone(monkeypatch, config, kernel):
+    """After every fused step each job is evaluated (a no-grad forward of its eval rows through its adapter, in
+    evaluation mode) and one continues a prompt (the generation path: a batch of its adapter and the base alone,
+    token by token with the key-value cache), as a trainer loop does between steps for `eval_every` and "try it".
+    Neither may leave anything the next training step reads (an adapter's mode, a cast, a kept stack, a layer's
+    routes, a packed batch): each job still ends exactly as it does alone, without them."""
+    calls = on_the_cuda_path(monkeypatch, kernel)
+    base = base_for(config)
+    planned = planned_jobs()
+    evaluations, continuations = [], []
+
+    def evaluate_and_continue(trainer, jobs):
+        for name, job in jobs.items():
+            evaluations.append(trainer.evaluate(job, job.eval_examples or planned_examples[name][:4]))
+        name = sorted(jobs)[-1]
+        continuations.append(greedy_generate_many(base, [(name, [5, 9, 13]), (None, [5, 9, 13])], 4, set()))
+
+    planned_examples = {job.spec.name: job.examples for job in planned}
+    fused_weights, fused_losses, steps = run_planned(base, planned, between_steps=evaluate_and_continue)
+    # every job on the trainer took part in every step (one micro-batch each): one evaluation a job and step
+    assert len(continuations) == steps and len(evaluations) == sum(len(x) for x in fused_losses.values())
+    assert all(len(tokens) == 4 for pair in continuations for tokens in pair)
+    assert calls.kept_stacks > 0 or kernel == "segments"
     assert_as_alone(base, planned, fused_weights, fused_losses)
 
 

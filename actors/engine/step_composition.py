@@ -59,21 +59,32 @@ class StepComposition:
             else:
                 self.composer_failed = False
         if chosen is None:
-            chosen = []
-            for job in ordered:
-                batch = job.peek()
-                trial = [self.planned(JobMicroBatch(j.name, b)) for j, b in chosen] + [
-                    self.planned(JobMicroBatch(job.name, batch))]
-                cost = self.step_cost(trial)
-                if chosen and (cost > self.step_tokens or (fits is not None and not fits(trial))):
-                    continue
-                chosen.append((job, batch))
+            chosen = self._round_robin(ordered, fits)
         for job, _ in chosen:
             self.last_joined[job.name] = self.step_count
         # Keep the stream grouped in a stable order (the order jobs were added).
         order = {name: i for i, name in enumerate(self.jobs)}
         chosen.sort(key=lambda pair: order[pair[0].name])
         return [(job, job.take()) for job, _ in chosen]
+
+    def _round_robin(self, ordered: list[TrainingJob], fits: Callable[[list[JobMicroBatch]], bool] | None
+                     ) -> list[tuple[TrainingJob, list[Example]]]:
+        """Each job's next micro-batch in `ordered`'s order, taken while the step stays within `step_tokens` (its
+        cost kept as running totals, `StepTokens`: the same count as `step_cost` of the jobs so far and this one,
+        without counting them all again for each job) and what `fits` allows; the first always joins."""
+        chosen: list[tuple[TrainingJob, list[Example]]] = []
+        planned: list[JobMicroBatch] = []
+        tokens = StepTokens(self.layout, bucketed=self.compiled is not None)
+        for job in ordered:
+            batch = job.peek()
+            micro_batch = self.planned(JobMicroBatch(job.name, batch))
+            if chosen and (tokens.cost_with(micro_batch) > self.step_tokens
+                           or (fits is not None and not fits([*planned, micro_batch]))):
+                continue
+            chosen.append((job, batch))
+            planned.append(micro_batch)
+            tokens.add(micro_batch)
+        return chosen
 
     def _composed(self, ordered: list[TrainingJob],
                   fits: Callable[[list[JobMicroBatch]], bool] | None) -> list[tuple[TrainingJob, list[Example]]]:
@@ -114,3 +125,37 @@ class StepComposition:
         longest = max(len(e) for mb in micro_batches for e in mb.rows)
         tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
         return bucket_length(tokens) if self.compiled is not None else tokens
+
+
+class StepTokens:
+    """A step's cost in tokens (`StepComposition.step_cost`: padding included, the bucket's with `compile`) kept as
+    running totals while micro-batches join it one by one: the cost with one more is known without counting the
+    others again (a step of many jobs is composed in time linear in its jobs)."""
+
+    def __init__(self, layout: Layout, *, bucketed: bool):
+        self.layout, self.bucketed = layout, bucketed
+        self.rows = self.longest = self.tokens = self.padded = 0
+
+    def cost_with(self, micro_batch: JobMicroBatch) -> int:
+        rows, longest, tokens, padded = _sizes(micro_batch)
+        if self.layout == "packed":
+            total = self.tokens + tokens
+        elif self.layout == "padded":   # each micro-batch's rows padded to its own longest
+            total = self.padded + padded
+        else:                           # padded_fused: every row padded to the step's longest
+            total = max(self.longest, longest) * (self.rows + rows)
+        return bucket_length(total) if self.bucketed else total
+
+    def add(self, micro_batch: JobMicroBatch) -> None:
+        rows, longest, tokens, padded = _sizes(micro_batch)
+        self.rows += rows
+        self.longest = max(self.longest, longest)
+        self.tokens += tokens
+        self.padded += padded
+
+
+def _sizes(micro_batch: JobMicroBatch) -> tuple[int, int, int, int]:
+    """(rows, the longest row, real tokens, tokens with its rows padded to its longest)."""
+    rows = micro_batch.rows
+    longest = max(len(row) for row in rows)
+    return len(rows), longest, micro_batch.num_tokens, longest * len(rows)

@@ -2,12 +2,13 @@
 in one copy with the layout's sequence bounds, the optimizers' norms and clipping can stay on the device, the
 losses and norms are read back once, and the next step's batch is packed while a step runs. Checked on the CPU
 against the way each replaces (the batch's own tensors, the host-side norm and clip, the step without packing
-ahead)."""
+ahead); and a step of many jobs composed in time linear in its jobs (its token count kept as they join)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from actors.engine import trainer as trainer_module
@@ -16,6 +17,7 @@ from actors.engine.joint_steps import step_jobs
 from actors.engine.models import from_module
 from actors.engine.optim import JobOptimizer
 from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.step_composition import StepTokens
 from tests.helpers.fused import VOCAB, job_spec
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.tolerances import unit_roundoff
@@ -162,3 +164,50 @@ def test_a_step_composed_otherwise_packs_its_own(monkeypatch):
     solo.add_job(alone)
     solo.train_step()
     assert solo.train_step().results[0].loss == second.results[0].loss
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "padded_fused"])
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "compiled"])
+def test_a_step_s_running_token_count_is_the_full_count(layout, bucketed):
+    """`StepTokens` keeps a step's cost as micro-batches join: with each next one it is `step_cost` of them all,
+    counted afresh (rows of different lengths, micro-batches of different sizes, padding and the compiled bucket)."""
+    trainer = trainer_module.FusedTrainer(from_module(tiny_model("llama", VOCAB), None), layout=layout)
+    trainer.compiled = object() if bucketed else None   # step_cost's bucket (a compiled trainer's)
+    tokens = StepTokens(layout, bucketed=bucketed)
+    joined: list[JobMicroBatch] = []
+    for index in range(12):
+        micro_batch = JobMicroBatch(f"job-{index}", random_examples(index, count=1 + index % 4, vocab=VOCAB,
+                                                                    min_len=2 + index, max_len=9 + 5 * index))
+        assert tokens.cost_with(micro_batch) == trainer.step_cost([*joined, micro_batch]), index
+        tokens.add(micro_batch)
+        joined.append(micro_batch)
+
+
+def test_many_jobs_are_composed_within_the_budget_as_a_full_count_chooses(monkeypatch):
+    """32 jobs round-robin under a budget that takes some and skips others (a long micro-batch that does not fit
+    is skipped, a shorter one after it still joins; a `fits` that refuses one job): the jobs chosen are those that
+    counting each trial step afresh chooses, and `step_cost` is not called (a step is composed in linear time)."""
+    base = from_module(tiny_model("llama", VOCAB), None)
+    trainer = trainer_module.FusedTrainer(base, step_tokens=400)
+    jobs = [TrainingJob.create(job_spec(f"job-{index}", batch_size=1 + index % 3), base,
+                               random_examples(index, vocab=VOCAB, min_len=4, max_len=60), [], seed=index)
+            for index in range(32)]
+    for job in jobs:
+        trainer.add_job(job)
+
+    def fits(micro_batches):
+        return all(mb.job != "job-7" for mb in micro_batches)
+
+    expected = []   # the reference: each candidate's trial step counted whole
+    for job in jobs:
+        trial = [JobMicroBatch(j.name, j.peek()) for j in expected] + [JobMicroBatch(job.name, job.peek())]
+        if not expected or (trainer.step_cost(trial) <= 400 and fits(trial)):
+            expected.append(job)
+    assert 1 < len(expected) < 31 and jobs[7] not in expected
+    over_budget = [job for job in jobs[:jobs.index(expected[-1])] if job not in expected and job is not jobs[7]]
+    assert over_budget, "no job was skipped for the budget before a later one joined: the case is not tested"
+    full_counts = []
+    monkeypatch.setattr(trainer, "step_cost", lambda micro_batches: full_counts.append(1))
+    chosen = trainer.compose(fits=fits)
+    assert [job.name for job, _ in chosen] == [job.name for job in expected]
+    assert not full_counts

@@ -3,6 +3,7 @@ target, per format, truncated to max_seq_len."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,11 @@ class Example:
     @property
     def num_targets(self) -> int:
         return sum(1 for label in self.labels if label != IGNORE_INDEX)
+
+    @functools.cached_property
+    def loss_targets(self) -> int:
+        """Positions whose next token is a label (a step's loss targets; position 0 never is one), counted once."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
 
     def __len__(self) -> int:
         return len(self.input_ids)

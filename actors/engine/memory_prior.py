@@ -38,6 +38,7 @@ PROBE_ROWS = (2, 3)   # sequences in the probe's two steps
 # glibc's dynamic mmap threshold rises up to this (64-bit): blocks above it are always mapped, and given back
 # when freed; blocks up to it end up in the heap, whose freed pages stay resident
 HEAP_BLOCK_CEILING = 32 << 20
+TERMS_KEPT = 1024   # jobs' LoRA configs whose AdapterTerms a prior keeps (all of them at once, then afresh)
 
 
 def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: dict[str, tuple[int, int]],
@@ -56,38 +57,65 @@ def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: 
     `compute_path`: plain LoRA adapters take the CUDA path (actors/engine/lora_cuda.py, `lora_cuda.applies`),
     which keeps in the base's dtype the rank-r hidden per token and layer, with dropout the mask (in), and the
     layer's input itself, once per input tensor, the whole stream long."""
-    total = 0
-    kept_inputs: dict[int, int] = {}   # bytes per stream token of each input tensor kept
+    return combined_bytes([(adapter_terms(lora, names, linear_shapes, input_groups, base_dtype,
+                                          compute_path=compute_path), tokens) for lora, names, tokens in jobs])
+
+
+@dataclass(frozen=True)
+class AdapterTerms:
+    """One job's share of `adapter_bytes`, whatever its tokens: bytes per token of its own, the inputs it keeps
+    (bytes per stream token, by the input tensor's group: kept once for every job and layer that reads it) and the
+    largest transient it computes (DoRA's row norms)."""
+
+    per_token: int
+    kept_inputs: tuple[tuple[object, int], ...]
+    transient: int
+
+
+def adapter_terms(lora: LoraConfig, names: list[str], linear_shapes: dict[str, tuple[int, int]],
+                  input_groups: dict[str, int], base_dtype: torch.dtype, *, compute_path: bool = False
+                  ) -> AdapterTerms:
+    """A job's `AdapterTerms` (`adapter_bytes` says what each counts)."""
+    per_job = 0
+    kept_inputs: dict[object, int] = {}
     dora_transient = 0
     width = torch.finfo(base_dtype).bits // 8 if base_dtype.is_floating_point else ADAPTER_WIDTH
-    for lora, names, tokens in jobs:
-        plain = lora.kind != "vera" and not lora.use_dora and lora.init_lora_weights in ("default", "gaussian")
-        for name in names:
-            in_features = linear_shapes[name][0]
-            if compute_path and plain:
-                total += (lora.r + (in_features if lora.dropout > 0 else 0)) * width * tokens
-                kept_inputs[input_groups.get(name, id(name))] = in_features * width
-                continue
-            per_token = lora.r
-            if lora.kind == "vera":
-                per_token += linear_shapes[name][1]
-                if lora.dropout > 0:
-                    per_token += 2 * in_features
-                total += per_token * ADAPTER_WIDTH * tokens
-                continue
-            if lora.use_dora:
-                out_features = linear_shapes[name][1]
-                per_token += 2 * out_features
-                dora_transient = max(dora_transient, 3 * in_features * out_features * ADAPTER_WIDTH)
-            if lora.dropout > 0:   # the mask is kept only where the input itself needs a gradient
-                per_token += in_features if name in input_groups.get("no_grad", ()) else 2 * in_features
-            elif base_dtype != torch.float32:
-                per_token += in_features
-            else:
-                kept_inputs[input_groups.get(name, id(name))] = in_features * ADAPTER_WIDTH
-            total += per_token * ADAPTER_WIDTH * tokens
-    stream = sum(tokens for _, _, tokens in jobs)
-    return total + sum(kept_inputs.values()) * stream + dora_transient
+    plain = lora.kind != "vera" and not lora.use_dora and lora.init_lora_weights in ("default", "gaussian")
+    for name in names:
+        in_features = linear_shapes[name][0]
+        if compute_path and plain:
+            per_job += (lora.r + (in_features if lora.dropout > 0 else 0)) * width
+            kept_inputs[input_groups.get(name, id(name))] = in_features * width
+            continue
+        per_token = lora.r
+        if lora.kind == "vera":
+            per_token += linear_shapes[name][1]
+            if lora.dropout > 0:
+                per_token += 2 * in_features
+            per_job += per_token * ADAPTER_WIDTH
+            continue
+        if lora.use_dora:
+            out_features = linear_shapes[name][1]
+            per_token += 2 * out_features
+            dora_transient = max(dora_transient, 3 * in_features * out_features * ADAPTER_WIDTH)
+        if lora.dropout > 0:   # the mask is kept only where the input itself needs a gradient
+            per_token += in_features if name in input_groups.get("no_grad", ()) else 2 * in_features
+        elif base_dtype != torch.float32:
+            per_token += in_features
+        else:
+            kept_inputs[input_groups.get(name, id(name))] = in_features * ADAPTER_WIDTH
+        per_job += per_token * ADAPTER_WIDTH
+    return AdapterTerms(per_job, tuple(kept_inputs.items()), dora_transient)
+
+
+def combined_bytes(jobs: list[tuple[AdapterTerms, int]]) -> int:
+    """`adapter_bytes` of jobs given as (their `AdapterTerms`, their tokens in the step)."""
+    kept_inputs: dict[object, int] = {}
+    for terms, _ in jobs:
+        kept_inputs.update(terms.kept_inputs)
+    stream = sum(tokens for _, tokens in jobs)
+    return (sum(terms.per_token * tokens for terms, tokens in jobs) + sum(kept_inputs.values()) * stream
+            + max((terms.transient for terms, _ in jobs), default=0))
 
 
 def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:
@@ -130,7 +158,7 @@ def loss_transient_bytes(targets: int, vocab_size: int, hidden_size: int, dtype:
 
 def example_targets(examples: list[Example]) -> int:
     """Target tokens of a micro-batch (the positions whose next token is a label)."""
-    return sum(sum(1 for label in e.labels[1:] if label != -100) for e in example_rows(examples))
+    return sum(e.loss_targets for e in example_rows(examples))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,6 +337,7 @@ class StepMemoryPrior:
         self.vocab = int(config.vocab_size)
         self.hidden = int(config.hidden_size)
         self._targets: dict[tuple, list[str]] = {}
+        self._terms: dict[tuple[int, bool], tuple[LoraConfig, AdapterTerms]] = {}
 
     def adapted(self, lora: LoraConfig) -> list[str]:
         from actors.engine.lora_targets import match_targets
@@ -318,6 +347,19 @@ class StepMemoryPrior:
             self._targets[key] = match_targets(list(self.linear_shapes), lora.target_modules)
         return self._targets[key]
 
+    def terms(self, lora: LoraConfig, compute_path: bool) -> AdapterTerms:
+        """A job's `AdapterTerms` on this base, kept per LoRA config (a step's jobs are asked for again and again
+        while a step is composed: what a job's adapters keep per token is counted once, not per layer each time)."""
+        key = (id(lora), compute_path)
+        entry = self._terms.get(key)
+        if entry is None or entry[0] is not lora:   # (the config itself kept, so that its id is not reused)
+            if len(self._terms) >= TERMS_KEPT:
+                self._terms.clear()
+            entry = self._terms[key] = (lora, adapter_terms(lora, self.adapted(lora), self.linear_shapes,
+                                                            self.activation.input_groups, self.base.dtype,
+                                                            compute_path=compute_path))
+        return entry[1]
+
     def analytic_bytes(self, parts: list[tuple[LoraConfig, int, list[Example]]], *, resident: bool = False) -> int:
         """A step's bytes beyond the base's backward peak: its adapters' activations (with recomputation,
         one layer's share: only the layer being recomputed holds them), and what the loss needs beyond that
@@ -325,9 +367,8 @@ class StepMemoryPrior:
         LoRA config, its tokens in the step (padding included) and its examples. `resident` (CPU): what the
         process's resident set adds beyond the allocator's peak comes on top (`BaseActivation.resident_*`:
         scratch the allocator does not count, during the whole step and during the loss)."""
-        adapters = adapter_bytes([(lora, self.adapted(lora), tokens) for lora, tokens, _ in parts],
-                                 self.linear_shapes, self.activation.input_groups, self.base.dtype,
-                                 compute_path=lora_cuda.applies(self.base.device, self.base.dtype))
+        compute_path = lora_cuda.applies(self.base.device, self.base.dtype)
+        adapters = combined_bytes([(self.terms(lora, compute_path), tokens) for lora, tokens, _ in parts])
         tokens = sum(t for _, t, _ in parts)
         targets = sum(example_targets(examples) for _, _, examples in parts)
         activation = self.activation

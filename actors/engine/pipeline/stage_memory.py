@@ -25,7 +25,15 @@ from actors.engine.adapter_surgery import add_adapter, remove_adapter, set_adapt
 from actors.engine.layout import step_layout
 from actors.engine.lora_targets import match_targets
 from actors.engine.memory import measure_allocations
-from actors.engine.memory_prior import adapter_bytes, linear_input_groups, loss_transient_bytes
+from actors.engine.memory_prior import (
+    TERMS_KEPT,
+    AdapterTerms,
+    adapter_bytes,
+    adapter_terms,
+    combined_bytes,
+    linear_input_groups,
+    loss_transient_bytes,
+)
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.recompute import recomputed_layers
@@ -140,10 +148,8 @@ class StageMemory:
 
     def adapters(self, plan: list[tuple[LoraConfig, int]]) -> int:
         """What a micro-batch's adapters keep here: per job its LoRA config and tokens."""
-        a = self.activation
-        names = list(a.linear_shapes)
-        parts = [(lora, match_targets(names, lora.target_modules), tokens) for lora, tokens in plan]
-        return adapter_bytes(parts, a.linear_shapes, a.input_groups, self.dtype, compute_path=self.compute_path)
+        return combined_bytes([(_terms(self.activation, lora, self.dtype, self.compute_path), tokens)
+                               for lora, tokens in plan])
 
     def predict(self, plan: list[tuple[LoraConfig, int]], held: int | None = None) -> int:
         """The stage's peak while micro-batches like `plan` (per job its LoRA config and tokens; the largest a
@@ -155,3 +161,21 @@ class StageMemory:
         step = a.step_constant + a.step_per_token * tokens + adapters
         return int((self.held if held is None else held) + (self.in_flight() - 1) * saved + step
                    + self.loss_bytes(tokens))
+
+
+_TERMS: dict[tuple, tuple[StageActivation, LoraConfig, AdapterTerms]] = {}
+
+
+def _terms(activation: StageActivation, lora: LoraConfig, dtype: torch.dtype, compute_path: bool) -> AdapterTerms:
+    """A job's `AdapterTerms` on a stage, kept per stage and LoRA config: a step's jobs are asked for again and
+    again while it is composed (`memory_prior.StepMemoryPrior.terms` likewise)."""
+    key = (id(activation), id(lora), dtype, compute_path)
+    entry = _TERMS.get(key)
+    if entry is None or entry[0] is not activation or entry[1] is not lora:   # (both kept: their ids stay theirs)
+        if len(_TERMS) >= TERMS_KEPT:
+            _TERMS.clear()
+        names = match_targets(list(activation.linear_shapes), lora.target_modules)
+        entry = _TERMS[key] = (activation, lora, adapter_terms(lora, names, activation.linear_shapes,
+                                                               activation.input_groups, dtype,
+                                                               compute_path=compute_path))
+    return entry[2]

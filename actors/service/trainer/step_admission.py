@@ -10,6 +10,7 @@ import collections
 import functools
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -89,6 +90,7 @@ class StepAdmission:
         self.memory_model = MemoryModel.for_model(self.base_bytes + activation.constant, activation.per_token,
                                                   bytes_per_adapter_parameter=activation.bytes_per_adapter_parameter)
         self.measured_steps = 0
+        self._parameters: tuple[list[weakref.ref], int] = ([], 0)   # `adapter_parameters`: (its jobs, their count)
         self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
         # CPU: the resident set beside the live tensors (the probe left the heap with no free page resident)
         self.resident = trainer.resident_measured
@@ -155,7 +157,7 @@ class StepAdmission:
         """The step's features for the memory model (its jobs are the trainer's)."""
         trainer = self.trainer
         lengths = [len(e) for mb in micro_batches for e in mb.rows]
-        parameters = sum(p.numel() for job in trainer.jobs.values() for p in job.adapter.parameters())
+        parameters = self.adapter_parameters()
         longest = max(lengths)
         parts = [(trainer.jobs[mb.job].spec.lora, mb.padded_tokens(trainer.layout, longest), mb.examples)
                  for mb in micro_batches]
@@ -163,6 +165,16 @@ class StepAdmission:
         excess = self.memory_prior.analytic_bytes(parts, resident=True) - analytic if self.resident else 0
         return StepShape.of(lengths, parameters, tokens=trainer.step_cost(micro_batches), analytic_bytes=analytic,
                             resident_excess_bytes=excess)
+
+    def adapter_parameters(self) -> int:
+        """The trainer's jobs' adapter parameters, counted again only when its jobs change (a step's candidates are
+        each asked about while it is composed; a job's adapter keeps its size)."""
+        jobs = list(self.trainer.jobs.values())
+        counted, count = self._parameters
+        if len(counted) != len(jobs) or any(ref() is not job for ref, job in zip(counted, jobs, strict=True)):
+            count = sum(p.numel() for job in jobs for p in job.adapter.parameters())
+            self._parameters = ([weakref.ref(job) for job in jobs], count)
+        return count
 
     def predict(self, shape: StepShape) -> int:
         """The step's peak as the allocator counts it (the memory model's own figure)."""

@@ -175,3 +175,34 @@ def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers():
     check_stage_fits(1, 2**30, torch.device("cuda:1"), free=2 * 2**30)
     with pytest.raises(MemoryError, match=r"pipeline stage 2: its weights need 3.00 GiB and cuda:1 has 2.00 GiB free"):
         check_stage_fits(2, 3 * 2**30, torch.device("cuda:1"), free=2 * 2**30)
+
+
+def test_each_stage_counts_a_jobs_adapters_over_its_own_layers_however_often_asked():
+    """A stage's adapter bytes (`StageMemory.adapters`, counted once per stage and LoRA config and kept) are those
+    of `memory_prior.adapter_bytes` over that stage's layers: two stages of different layers asked about the same
+    configs in turn, and again, each answer its own."""
+    from actors.engine.lora_targets import match_targets
+    from actors.engine.memory_prior import adapter_bytes
+    from actors.engine.pipeline.stage_memory import StageActivation, StageMemory
+
+    def stage(index: int, layers: range) -> StageMemory:
+        shapes = {f"model.layers.{layer}.self_attn.{name}": shape for layer in layers
+                  for name, shape in (("q_proj", (64, 64)), ("k_proj", (64, 32)), ("v_proj", (64, 32)))}
+        shapes |= {f"model.layers.{layer}.mlp.up_proj": (64, 128) for layer in layers}
+        groups = {name: hash(name.rsplit(".", 2)[0]) for name in shapes}   # q/k/v read one tensor a layer
+        activation = StageActivation(saved_constant=0.0, saved_per_token=0.0, step_constant=0.0, step_per_token=0.0,
+                                     linear_shapes=shapes, input_groups=groups)
+        return StageMemory(stage=index, stages=2, held=0, activation=activation, vocab=300, hidden=64,
+                           dtype=torch.float32, loss_chunk=256)
+
+    stages = [stage(0, range(0, 1)), stage(1, range(1, 4))]
+    configs = [LoraConfig(r=8, target_modules="all-linear"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+               LoraConfig(r=4, dropout=0.1, target_modules=["up_proj"])]
+    plan = [(configs[0], 40), (configs[1], 25), (configs[2], 10)]
+    for _ in range(2):
+        for memory in stages:
+            shapes, groups = memory.activation.linear_shapes, memory.activation.input_groups
+            expected = adapter_bytes([(lora, match_targets(list(shapes), lora.target_modules), tokens)
+                                      for lora, tokens in plan], shapes, groups, torch.float32)
+            assert memory.adapters(plan) == expected > 0
+    assert stages[0].adapters(plan) < stages[1].adapters(plan)

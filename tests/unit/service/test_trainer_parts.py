@@ -244,6 +244,59 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
 
 
 # -- retries ------------------------------------------------------------------------------------------------
+def test_composing_under_the_budget_counts_each_job_once_and_follows_the_jobs_as_they_change(
+        tiny_tokenizer, monkeypatch):
+    """A step of many jobs is composed under the memory budget by asking `fits` of one trial step per candidate;
+    what each job's adapters keep per token (`memory_prior.adapter_terms`, a walk over its adapted layers) and the
+    trainer's adapter parameters (a walk over every job's tensors) are counted once, not once per candidate, and
+    each step's features are what an admission counting afresh gives, also after a job left and another joined."""
+    from actors.engine import memory_prior
+
+    base = from_module(tiny_model("llama"), tiny_tokenizer)
+    trainer = FusedTrainer(base, step_tokens=1 << 16)
+    configs = [{"r": 8, "target_modules": "all-linear"}, {"r": 4, "target_modules": ["q_proj", "v_proj"]},
+               {"r": 4, "dropout": 0.1, "use_dora": True, "target_modules": "all-linear"}]
+
+    def add(index: int) -> None:
+        spec = JobSpec(name=f"j{index}", data="unused.jsonl", format={"type": "text"}, max_steps=10, batch_size=2,
+                       lora=configs[index % 3])
+        trainer.add_job(TrainingJob.create(spec, base, random_examples(index, 8, min_len=8, max_len=30), [],
+                                           seed=index))
+
+    for index in range(12):
+        add(index)
+    admission = StepAdmission(trainer)
+    admission.resident = False
+    counted = []
+    terms = memory_prior.adapter_terms
+    monkeypatch.setattr(memory_prior, "adapter_terms", lambda *a, **k: counted.append(a[0]) or terms(*a, **k))
+    walks = []
+    monkeypatch.setattr(admission.memory_prior, "adapted", lambda lora, adapted=admission.memory_prior.adapted:
+                        walks.append(1) or adapted(lora))
+
+    def trials() -> list[list[JobMicroBatch]]:
+        jobs = list(trainer.jobs.values())
+        return [[JobMicroBatch(job.name, job.peek()) for job in jobs[:end]] for end in range(1, len(jobs) + 1)]
+
+    def afresh(micro_batches: list[JobMicroBatch]):
+        fresh = StepAdmission(trainer)
+        fresh.resident = False
+        return fresh.shape(micro_batches)
+
+    chosen = trainer.compose(fits=admission.fits)
+    assert len(chosen) == 12 and len(counted) == 12 and len(walks) == 12   # each job's config once
+    trainer.compose(fits=admission.fits)
+    assert len(counted) == 12, "a job's adapters were counted again"
+    for trial in trials():
+        assert admission.shape(trial) == afresh(trial)
+    trainer.remove_job("j0")
+    add(13)   # another config than j0's: the trainer's adapter parameters change
+    for trial in trials():
+        assert admission.shape(trial) == afresh(trial), "the kept counts did not follow the jobs"
+    assert admission.adapter_parameters() == sum(p.numel() for job in trainer.jobs.values()
+                                                 for p in job.adapter.parameters())
+
+
 def test_a_write_is_tried_again_after_an_os_error_and_the_last_error_is_raised():
     attempts, failures = [], []
 

@@ -94,21 +94,36 @@ class StepMemoryMeter:
         self.model = model
         self.device = device
         self.counter = SavedTensorCounter()
-        self.parameter_ptrs = {_storage_key(p)[0] for p in model.parameters()}
-        self.weights = model_bytes(model)
+        self._weights: tuple[frozenset[int], int] | None = None   # (parameters' storages, bytes): `_counted`
 
     def refresh_weights(self) -> None:
-        self.parameter_ptrs = {_storage_key(p)[0] for p in self.model.parameters()}
-        self.weights = model_bytes(self.model)
+        """The model's weights changed (an adapter added or removed): counted again where next needed (on a CPU, at
+        the next step; on CUDA, where the allocator counts, never: a walk over every module and tensor of a base with
+        many jobs' adapters takes a tenth of a second)."""
+        self._weights = None
+
+    def _counted(self) -> tuple[frozenset[int], int]:
+        if self._weights is None:
+            self._weights = (frozenset(_storage_key(p)[0] for p in self.model.parameters()), model_bytes(self.model))
+        return self._weights
+
+    @property
+    def parameter_ptrs(self) -> frozenset[int]:
+        return self._counted()[0]
+
+    @property
+    def weights(self) -> int:
+        return self._counted()[1]
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[SavedTensorCounter]:
-        self.counter = SavedTensorCounter(exclude=set(self.parameter_ptrs))
         if self.device.type == "cuda":   # the allocator counts; no hooks (a Python call per saved tensor)
+            self.counter = SavedTensorCounter()
             # the caching allocator keeps its counts on the host, in the order the host asks: no need to wait
             torch.cuda.reset_peak_memory_stats(self.device)
             yield self.counter
             return
+        self.counter = SavedTensorCounter(exclude=set(self.parameter_ptrs))
         with torch.autograd.graph.saved_tensors_hooks(self.counter.pack, self.counter.unpack):
             yield self.counter
 

@@ -108,3 +108,32 @@ def test_a_measurement_leaves_the_profilers_lines_out_of_stderr_unless_asked_for
         assert "USDT" not in run.stderr and "profiler_start" not in run.stderr, run.stderr[-2000:]
     else:
         assert run.stderr.count("profiler_start") == 2, run.stderr[-2000:]
+
+
+def test_the_weights_are_counted_when_a_step_needs_them_not_at_each_job_added_or_removed(monkeypatch):
+    """The step meter's weights (each parameter's storage once, for the CPU's count of a step's peak) are counted
+    again after jobs were added or removed, once, when the next step needs them: not at every addition (a walk
+    over every module and tensor of a base carrying many jobs' adapters), and equal to a count made afresh."""
+    from actors.engine import memory
+    from actors.engine.job import TrainingJob
+    from actors.engine.models import from_module
+    from actors.engine.trainer import FusedTrainer
+    from tests.helpers.fused import VOCAB, job_spec
+    from tests.helpers.models import random_examples, tiny_model
+
+    base = from_module(tiny_model("llama", VOCAB), None)
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    walks = []
+    model_bytes = memory.model_bytes
+    monkeypatch.setattr(memory, "model_bytes", lambda model: walks.append(1) or model_bytes(model))
+    for index in range(4):
+        trainer.add_job(TrainingJob.create(job_spec(f"j{index}", max_steps=2), base,
+                                           random_examples(index, vocab=VOCAB), [], seed=index))
+    trainer.remove_job("j3")
+    assert walks == []
+    report = trainer.train_step()
+    assert walks == [1] and report.peak_memory_bytes > model_bytes(base.model)
+    assert trainer.meter.weights == model_bytes(base.model)
+    assert trainer.meter.parameter_ptrs == {p.untyped_storage().data_ptr() for p in base.model.parameters()}
+    trainer.train_step()
+    assert walks == [1], "the weights were counted again though no job came or went"

@@ -109,9 +109,11 @@ def adapter_terms(lora: LoraConfig, names: list[str], linear_shapes: dict[str, t
 
 
 def combined_bytes(jobs: list[tuple[AdapterTerms, int]]) -> int:
-    """`adapter_bytes` of jobs given as (their `AdapterTerms`, their tokens in the step)."""
+    """`adapter_bytes` of jobs given as (their `AdapterTerms`, their tokens in the step). The kept inputs are united
+    over each distinct terms object once, in the order of its last job (a later job's width of an input wins, as in
+    `adapter_bytes`): jobs sharing one (`StepMemoryPrior.terms` gives equal terms as one object) cost one union."""
     kept_inputs: dict[object, int] = {}
-    for terms, _ in jobs:
+    for terms in reversed(list({id(terms): terms for terms, _ in reversed(jobs)}.values())):
         kept_inputs.update(terms.kept_inputs)
     stream = sum(tokens for _, tokens in jobs)
     return (sum(terms.per_token * tokens for terms, tokens in jobs) + sum(kept_inputs.values()) * stream
@@ -338,6 +340,7 @@ class StepMemoryPrior:
         self.hidden = int(config.hidden_size)
         self._targets: dict[tuple, list[str]] = {}
         self._terms: dict[tuple[int, bool], tuple[LoraConfig, AdapterTerms]] = {}
+        self._interned: dict[AdapterTerms, AdapterTerms] = {}
 
     def adapted(self, lora: LoraConfig) -> list[str]:
         from actors.engine.lora_targets import match_targets
@@ -355,9 +358,10 @@ class StepMemoryPrior:
         if entry is None or entry[0] is not lora:   # (the config itself kept, so that its id is not reused)
             if len(self._terms) >= TERMS_KEPT:
                 self._terms.clear()
-            entry = self._terms[key] = (lora, adapter_terms(lora, self.adapted(lora), self.linear_shapes,
-                                                            self.activation.input_groups, self.base.dtype,
-                                                            compute_path=compute_path))
+                self._interned.clear()
+            terms = adapter_terms(lora, self.adapted(lora), self.linear_shapes, self.activation.input_groups,
+                                  self.base.dtype, compute_path=compute_path)
+            entry = self._terms[key] = (lora, self._interned.setdefault(terms, terms))   # equal terms: one object
         return entry[1]
 
     def analytic_bytes(self, parts: list[tuple[LoraConfig, int, list[Example]]], *, resident: bool = False) -> int:

@@ -164,6 +164,7 @@ class StageMemory:
 
 
 _TERMS: dict[tuple, tuple[StageActivation, LoraConfig, AdapterTerms]] = {}
+_INTERNED: dict[AdapterTerms, AdapterTerms] = {}
 
 
 def _terms(activation: StageActivation, lora: LoraConfig, dtype: torch.dtype, compute_path: bool) -> AdapterTerms:
@@ -174,8 +175,9 @@ def _terms(activation: StageActivation, lora: LoraConfig, dtype: torch.dtype, co
     if entry is None or entry[0] is not activation or entry[1] is not lora:   # (both kept: their ids stay theirs)
         if len(_TERMS) >= TERMS_KEPT:
             _TERMS.clear()
+            _INTERNED.clear()
         names = match_targets(list(activation.linear_shapes), lora.target_modules)
-        entry = _TERMS[key] = (activation, lora, adapter_terms(lora, names, activation.linear_shapes,
-                                                               activation.input_groups, dtype,
-                                                               compute_path=compute_path))
+        terms = adapter_terms(lora, names, activation.linear_shapes, activation.input_groups, dtype,
+                              compute_path=compute_path)
+        entry = _TERMS[key] = (activation, lora, _INTERNED.setdefault(terms, terms))   # equal terms: one object
     return entry[2]

@@ -137,3 +137,22 @@ def test_the_weights_are_counted_when_a_step_needs_them_not_at_each_job_added_or
     assert trainer.meter.parameter_ptrs == {p.untyped_storage().data_ptr() for p in base.model.parameters()}
     trainer.train_step()
     assert walks == [1], "the weights were counted again though no job came or went"
+
+
+def test_jobs_sharing_terms_are_united_once_and_a_later_jobs_width_of_an_input_still_wins():
+    """`combined_bytes` unites each distinct terms object's kept inputs once (equal terms are one object), in the
+    order of its last job: the same bytes as uniting every job's in job order, also where two kinds of jobs keep
+    one input at different widths (a plain LoRA on the CUDA path keeps the input in the base's dtype, a DoRA job in
+    float32), interleaved."""
+    from actors.engine.memory_prior import AdapterTerms, combined_bytes
+
+    plain = AdapterTerms(per_token=10, kept_inputs=(("qkv-0", 128), ("mlp-0", 128)), transient=0)
+    dora = AdapterTerms(per_token=30, kept_inputs=(("qkv-0", 256),), transient=1000)
+    for order in ([plain, dora, plain], [dora, plain, dora], [plain, plain, dora], [dora, dora, plain]):
+        jobs = [(terms, 7 + index) for index, terms in enumerate(order)]
+        kept: dict[object, int] = {}
+        for terms, _ in jobs:   # the reference: every job's kept inputs, in job order
+            kept.update(terms.kept_inputs)
+        stream = sum(tokens for _, tokens in jobs)
+        expected = sum(t.per_token * n for t, n in jobs) + sum(kept.values()) * stream + max(t.transient for t in order)
+        assert combined_bytes(jobs) == expected, [t.per_token for t in order]

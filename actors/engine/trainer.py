@@ -156,24 +156,28 @@ class FusedTrainer(StepComposition):
         return kept, failed
 
     # -- running a step ---------------------------------------------------------------------------
-    def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False) -> StepReport:
+    def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False,
+                 meanwhile: Callable[[], None] | None = None) -> StepReport:
         """One fused forward/backward over the chosen jobs' micro-batches, then their optimizer steps.
         `measure` (CPU): the step's peak is counted from the allocator's events (torch.profiler, slower:
-        `memory.measure_peak`) over the bytes held before it, instead of estimated."""
+        `memory.measure_peak`) over the bytes held before it, instead of estimated. `meanwhile`: the host's
+        other work, done once the step's kernels are queued and before its read-back, while the device runs
+        them (the service's messages about the last step); it must not raise."""
         if self.resident_measured:
             reset_peak_resident()   # the step's own peak, not one a job's export or start left between steps
         if not measure or self.base.device.type == "cuda":
-            report = self._run_step(chosen)
+            report = self._run_step(chosen, meanwhile)
         else:
             held = live_tensor_bytes(self.base.model, [job.optimizer.optimizer for job in self.jobs.values()])
-            report, growth = measure_peak(lambda: self._run_step(chosen), self.base.device)
+            report, growth = measure_peak(lambda: self._run_step(chosen, meanwhile), self.base.device)
             report.peak_memory_bytes = held + growth
             report.memory_measured = True
         if self.resident_measured:
             report.resident_peak_bytes = peak_resident_bytes()
         return report
 
-    def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]]) -> StepReport:
+    def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]],
+                  meanwhile: Callable[[], None] | None = None) -> StepReport:
         """The step as the device runs it. Nothing inside waits for the device: the batch goes over in one copy
         from pinned memory, losses and norms stay on the device, and the one read-back comes after every kernel
         of the step (the optimizers' too) is queued; meanwhile the next step's batch is packed and sent
@@ -210,6 +214,8 @@ class FusedTrainer(StepComposition):
         stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due],
                             on_device=self.base.device.type == "cuda")
         self._prepack_next()
+        if meanwhile is not None:
+            meanwhile()
         per_job, norms = _read_back(objective.job_losses, [norm for _, norm in stepped])   # the step's one wait
         for index, (job, _) in enumerate(chosen):
             job.accumulator.add_loss(per_job[index], counts[index], metrics[index])

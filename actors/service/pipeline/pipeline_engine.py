@@ -177,8 +177,10 @@ class PipelineEngine:
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
         return sum(len(example) for micro_batch in micro_batches for example in micro_batch.rows)
 
-    def run_step(self, chosen: list[tuple[PipelineJob, list[Example]]], *, measure: bool = False) -> StepReport:
-        """One optimizer step of each chosen job through the stages, every one booked at the end."""
+    def run_step(self, chosen: list[tuple[PipelineJob, list[Example]]], *, measure: bool = False,
+                 meanwhile: Callable[[], None] | None = None) -> StepReport:
+        """One optimizer step of each chosen job through the stages, every one booked at the end; `meanwhile`
+        (the host's other work) once they are, after the stages' step."""
         started = time.perf_counter()
         names = {job.name for job, _ in chosen}
         before = {name: len(self.head.jobs[name].history) for name in names}
@@ -199,6 +201,8 @@ class PipelineEngine:
                 results.append(JobStepResult(job=job.name, loss=record.loss, tokens=record.tokens, targets=0,
                                              optimizer_step=record))
         self.step_count += 1
+        if meanwhile is not None:
+            meanwhile()
         return StepReport(step=self.step_count, jobs=sorted(names), tokens=sum(p.tokens for p in plans),
                           padding_tokens=sum(p.padding_tokens for p in plans),
                           seconds=time.perf_counter() - started, peak_memory_bytes=max(self.last_peaks, default=0),

@@ -5,6 +5,7 @@ every job given back to resume from its last checkpoint (the loop then starts ne
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from actors.checkpoint import save_checkpoint, saved_step
@@ -40,11 +41,14 @@ class JobEnds:
         self.events = events
         self.outputs = outputs
         self.base_identity = base_identity
+        # what must reach a job's actor before its end (the loop's booked updates: step_booking.py)
+        self.before_end: Callable[[str], None] = lambda job_id: None
 
     def finish(self, active: ActiveJob, kind: EventKind, reason: str, *, retry: bool = False) -> None:
         """Take a job off the trainer: checkpoint it (unless it failed), write its adapter when it is
         done, and report how it ended. `retry`: a `paused` job the scheduler should start again."""
         job, job_id = active.job, active.job_id
+        self.before_end(job_id)
         data: dict[str, Any] = {"reason": reason, "tokens": job.tokens_seen}
         lost: StageLost | None = None
         if retry:

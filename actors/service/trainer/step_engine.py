@@ -8,6 +8,7 @@ rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from actors.engine.models import BaseModel
@@ -33,7 +34,8 @@ class StepEngine(Protocol):
     def rollouts(self, chosen: list[tuple[Any, list[Any]]]) -> tuple[list[tuple[Any, list[Any]]],
                                                                     list[tuple[Any, Exception]]]: ...
 
-    def run_step(self, chosen: list[tuple[Any, list[Any]]], *, measure: bool = False) -> StepReport: ...
+    def run_step(self, chosen: list[tuple[Any, list[Any]]], *, measure: bool = False,
+                 meanwhile: Callable[[], None] | None = None) -> StepReport: ...
 
     def remove_job(self, name: str) -> Any: ...
 

@@ -111,6 +111,7 @@ class TrainerLoop:
         self.ends = JobEnds(trainer_id, self.trainer, self.active, self.events, self.outputs, self.base_identity)
         self.booking = StepBooking(trainer_id, config, self.trainer, self.active, self.events, self.outputs,
                                    self.base_identity, self.step_log, self.totals, self.ends.finish)
+        self.ends.before_end = self.booking.send_updates
         # interactive models (the Tinker API's), their calls run between the jobs' steps; one device only
         # (a pass no larger than a step: the trainer's memory plan covers it)
         self.interactive = (InteractiveCalls(base, window_s=config.interactive_window_s,
@@ -205,19 +206,22 @@ class TrainerLoop:
             chosen = self.trainer.compose(ready, fits=self.admission.fits)
             chosen = self._rollouts(chosen)
             if not chosen:
+                self.booking.send_updates()
                 self._publish_jobs()
                 return None
             shape = self.admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
             predicted = self.admission.predict(shape)
             resident = self.admission.predict_peak(shape) if self.admission.resident else None
             try:
-                report = self.trainer.run_step(chosen, measure=self.admission.measure_next_step())
+                report = self.trainer.run_step(chosen, measure=self.admission.measure_next_step(),
+                                               meanwhile=self.booking.send_updates_meanwhile)
             except StageLost:
                 raise
             except Exception as error:  # the step failed (e.g. out of memory): its jobs fail
                 log.exception("trainer %s: fused step failed", self.trainer_id)
                 for job, _ in chosen:
                     self.ends.finish(self.active[job.name], "failed", f"fused step failed: {error!r}")
+                self.booking.send_updates()   # the other jobs' (those of the step that failed went with their ends)
                 self._publish_jobs()
                 return None
             self.totals.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
@@ -230,6 +234,8 @@ class TrainerLoop:
         if self.desk is not None and time.monotonic() >= self.next_reap:   # models whose server went silent
             self.desk.reap()
             self.next_reap = time.monotonic() + REAP_EVERY_S
+        if report is None:
+            self.booking.send_updates()   # no step to send them during
         interactive = self.interactive
         if interactive is not None and interactive.due():
             interactive.step()

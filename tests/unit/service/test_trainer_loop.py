@@ -4,6 +4,7 @@ its table through a restart."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -229,3 +230,61 @@ def test_a_job_stops_at_the_same_step_however_late_its_verdicts_arrive(tmp_path,
         adapters.append(adapter_tensors(tmp_path / f"out-{late}" / "flat"))
     assert len(set(stops)) == 1, stops
     assert all(max_relative_difference(a, adapters[0]) == 0.0 for a in adapters[1:])
+
+
+class SentLink:
+    """A job's link that notes, for each update it is sent, its optimizer steps, whether a fused step was
+    running (its kernels queued, not yet read back: `FusedTrainer._run_step` on the stack) and the trainer's
+    step count then, and whether the job was still on the loop; `fail_first`: the first update raises."""
+
+    def __init__(self, data: JobData, loop: TrainerLoop, job_id: str, fail_first: bool = False):
+        self.inner, self.loop, self.job_id, self.fail_first = LocalJobLink(data), loop, job_id, fail_first
+        self.sent: list[tuple[list[int], bool, int, bool]] = []
+
+    def fetch(self, position, count):
+        return self.inner.fetch(position, count)
+
+    def update(self, update):
+        if self.fail_first:
+            self.fail_first = False
+            raise RuntimeError("the job actor's queue refused the call")
+        during = any(frame.function == "_run_step" for frame in inspect.stack())
+        self.sent.append(([row["step"] for row in update.steps], during, self.loop.trainer.step_count,
+                          self.job_id in self.loop.active))
+        return self.inner.update(update)
+
+
+def test_each_update_is_sent_while_the_next_step_runs_and_reaches_its_job_before_its_end(
+        tmp_path, tiny_base, tiny_model_dirs, caplog):
+    """The job actors hear of step k while step k + 1 runs (on a GPU: no idle time between steps for their
+    calls): each update once, in step order; the last one before the job's end; one whose sending raised
+    during a step is sent after it, the step and the other job untouched."""
+    data = tmp_path / "data"
+    jobs = [job_dict("calm", write_task_data(data, "calm"), 5),
+            job_dict("flaky", write_task_data(data, "flaky", offset=5), 3)]
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", jobs, step_tokens=1024)
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=spec.base_model, step_tokens=1024), "trainer-t",
+                       tmp_path / "state")
+    links = {}
+    for submission, job_id in zip(spec.submissions(), ("calm-1", "flaky-1"), strict=True):
+        job_data = JobData(job_id, submission, tiny_base.tokenizer)
+        summary = job_data.prepare()
+        links[job_id] = SentLink(job_data, loop, job_id, fail_first=job_id == "flaky-1")
+        loop.assign(Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir),
+                               data=summary, eval_examples=job_data.eval_examples(), link=links[job_id]))
+    events = run_until_idle(loop)
+    assert {e.job_id: e.kind for e in events if e.kind in ("completed", "failed")} == {
+        "calm-1": "completed", "flaky-1": "completed"}
+    calm, flaky = links["calm-1"].sent, links["flaky-1"].sent
+    # every step's update once, in order, each while the job was on the loop (its last before its end)
+    assert [steps for steps, *_ in calm] == [[1], [2], [3], [4], [5]]
+    assert [steps for steps, *_ in flaky] == [[1], [2], [3]]
+    assert all(on_the_loop for *_, on_the_loop in calm + flaky)
+    # steps 1-4 of "calm" (trainer steps 1-4): each sent during the next step, before it was counted
+    assert [(during, count) for _, during, count, _ in calm[:4]] == [(True, 1), (True, 2), (True, 3), (True, 4)]
+    assert calm[4][1] is False   # the last: no step came after it; sent with its end
+    # "flaky": its first update raised during step 2 and was sent after that step, before step 3's own
+    assert "could not be sent during the step" in caplog.text and "queue refused" in caplog.text
+    assert flaky[0][1:3] == (False, 2) and flaky[1][1:3] == (True, 2)
+    rows = [json.loads(r) for r in (tmp_path / "out" / "flaky" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]

@@ -85,6 +85,7 @@ class TrainerActor:
             raise
         self.stopping = False
         self.started = False
+        self.loop.collection.take_over()   # this process is the trainer's: its full collections between kernels
 
     def start(self) -> TrainerStatus:
         """Start stepping (idempotent); returns the trainer's status."""

@@ -40,6 +40,7 @@ from actors.service.pipeline.pipeline_processes import StageLost
 from actors.service.scheduler.config import TrainerConfig, trainer_step_log
 from actors.service.trainer.active_job import ActiveJob
 from actors.service.trainer.feed import JobLinkLost
+from actors.service.trainer.host_collection import CollectionWindow
 from actors.service.trainer.interactive_calls import InteractiveCalls
 from actors.service.trainer.interactive_desk import InteractiveDesk
 from actors.service.trainer.job_attach import start_job, start_tracking
@@ -123,6 +124,8 @@ class TrainerLoop:
                                      heartbeat_timeout_s=config.interactive_heartbeat_timeout_s)
                      if self.interactive is not None else None)
         self.next_reap = 0.0
+        # full garbage collections where the host would wait anyway, once the trainer's process hands them over
+        self.collection = CollectionWindow()
         self.waits = JobWaits(trainer_id, config, self.events, self.active, self.ends.finish)
 
     @property
@@ -214,7 +217,7 @@ class TrainerLoop:
             resident = self.admission.predict_peak(shape) if self.admission.resident else None
             try:
                 report = self.trainer.run_step(chosen, measure=self.admission.measure_next_step(),
-                                               meanwhile=self.booking.send_updates_meanwhile)
+                                               meanwhile=self._meanwhile)
             except StageLost:
                 raise
             except Exception as error:  # the step failed (e.g. out of memory): its jobs fail
@@ -234,8 +237,9 @@ class TrainerLoop:
         if self.desk is not None and time.monotonic() >= self.next_reap:   # models whose server went silent
             self.desk.reap()
             self.next_reap = time.monotonic() + REAP_EVERY_S
-        if report is None:
-            self.booking.send_updates()   # no step to send them during
+        if report is None:   # no step to do these during
+            self.booking.send_updates()
+            self.collection.collect_if_due()
         interactive = self.interactive
         if interactive is not None and interactive.due():
             interactive.step()
@@ -243,6 +247,12 @@ class TrainerLoop:
             left = interactive.wait_left() if interactive is not None else None
             self.commands.idle(idle_wait if left is None else min(idle_wait, left))
         return report
+
+    def _meanwhile(self) -> None:
+        """The loop's work while the device runs a step (its kernels queued, not yet read back): the last
+        step's updates to the job actors, a full garbage collection when one is due (host_collection.py)."""
+        self.booking.send_updates_meanwhile()
+        self.collection.collect_if_due()
 
     def _rollouts(self, chosen: list) -> list:
         """The step's GRPO jobs' completions sampled and scored (`FusedTrainer.rollouts`); a job whose reward

@@ -258,7 +258,8 @@ def test_each_update_is_sent_while_the_next_step_runs_and_reaches_its_job_before
         tmp_path, tiny_base, tiny_model_dirs, caplog):
     """The job actors hear of step k while step k + 1 runs (on a GPU: no idle time between steps for their
     calls): each update once, in step order; the last one before the job's end; one whose sending raised
-    during a step is sent after it, the step and the other job untouched."""
+    during a step is sent after it, the step and the other job untouched. A due full garbage collection is
+    looked for then too."""
     data = tmp_path / "data"
     jobs = [job_dict("calm", write_task_data(data, "calm"), 5),
             job_dict("flaky", write_task_data(data, "flaky", offset=5), 3)]
@@ -272,9 +273,13 @@ def test_each_update_is_sent_while_the_next_step_runs_and_reaches_its_job_before
         links[job_id] = SentLink(job_data, loop, job_id, fail_first=job_id == "flaky-1")
         loop.assign(Assignment(job_id=job_id, submission=submission, output_dir=Path(submission.output_dir),
                                data=summary, eval_examples=job_data.eval_examples(), link=links[job_id]))
+    collections = []   # the loop's due full garbage collections: looked for while each step runs as well
+    loop.collection.collect_if_due = lambda: collections.append(
+        any(frame.function == "_run_step" for frame in inspect.stack())) or False
     events = run_until_idle(loop)
     assert {e.job_id: e.kind for e in events if e.kind in ("completed", "failed")} == {
         "calm-1": "completed", "flaky-1": "completed"}
+    assert collections.count(True) == loop.trainer.step_count == 5
     calm, flaky = links["calm-1"].sent, links["flaky-1"].sent
     # every step's update once, in order, each while the job was on the loop (its last before its end)
     assert [steps for steps, *_ in calm] == [[1], [2], [3], [4], [5]]

@@ -6,7 +6,7 @@ walking every object the process holds (torch, transformers, Ray, the base's mod
 point of the step the allocation that tipped it came: before the step's first kernel, or between two launches,
 where a GPU waits for it. A trainer's own process (`TrainerActor`) hands the full collections to its loop:
 the objects alive once the trainer is set up (the libraries and the base, alive as long as it) are set aside
-(`gc.freeze`), so that a full collection walks only what came after (35-60 ms there, on the same run); Python's
+(`gc.freeze`), so that a full collection walks only what came after (15-60 ms there, on the same run); Python's
 own full collections are switched off, and the loop runs one where Python would have (`collect_if_due`: the same
 count of middle collections) once a step's kernels are queued, while the device runs them, or while it idles.
 The young generations stay Python's (a few ms a step in all). Nothing else changes: the same garbage is found,

@@ -80,7 +80,9 @@ class DataCursor:
         self.epoch = 0
         self.position = 0
         self.examples_seen = 0
-        self._perm_cache: tuple[int, list[int]] | None = None
+        # the last epoch's order, by (seed, epoch): kept through `load_state_dict`, which a job actor calls
+        # before each fetch (a shuffle of every example each time otherwise)
+        self._perm_cache: tuple[int, int, list[int]] | None = None
 
     def __len__(self) -> int:
         """Number of examples per epoch."""
@@ -91,11 +93,11 @@ class DataCursor:
         return self.epochs is not None and self.epoch >= self.epochs - 1 and self.position >= len(self.examples)
 
     def _permutation(self, epoch: int) -> list[int]:
-        if self._perm_cache is not None and self._perm_cache[0] == epoch:
-            return self._perm_cache[1]
+        if self._perm_cache is not None and self._perm_cache[:2] == (self.seed, epoch):
+            return self._perm_cache[2]
         order = list(range(len(self.examples)))
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        self._perm_cache = (epoch, order)
+        self._perm_cache = (self.seed, epoch, order)
         return order
 
     def _plan(self, count: int, epoch: int, position: int) -> tuple[list[int], int, int]:
@@ -163,4 +165,3 @@ class DataCursor:
         self.epoch = epoch
         self.position = position
         self.examples_seen = int(state["examples_seen"])
-        self._perm_cache = None

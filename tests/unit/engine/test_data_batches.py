@@ -102,6 +102,39 @@ def test_cursor_state_dict_round_trip() -> None:
         DataCursor(examples[:5], 5, seed=11).load_state_dict(state)
 
 
+def test_one_cursor_loaded_again_and_again_gives_a_fresh_cursors_batches_and_shuffles_once(monkeypatch) -> None:
+    """A job actor loads each fetch's position into one cursor: every load (another seed, another epoch, back)
+    gives the batches a fresh cursor at that state gives; an epoch's order is shuffled once, not per load."""
+    import actors.data.batches as batches
+
+    examples = make_examples(13)
+    cursors = {seed: DataCursor(examples, 5, seed=seed) for seed in (11, 12)}
+    states = []   # the two seeds' positions interleaved: each load changes the seed, within one epoch or across
+    for _ in range(4):
+        for cursor in cursors.values():
+            states.append(cursor.state_dict())
+            cursor.next_batch()
+    reused = DataCursor(examples, 5, seed=0)
+    for state in states + states[::-1]:
+        reused.load_state_dict(state)
+        fresh = DataCursor(examples, 5, seed=0)
+        fresh.load_state_dict(state)
+        assert ids(reused.next_batch()) == ids(fresh.next_batch())
+
+    shuffles = []
+
+    class CountingRandom(batches.random.Random):
+        def shuffle(self, x) -> None:
+            shuffles.append(len(x))
+            super().shuffle(x)
+
+    monkeypatch.setattr(batches.random, "Random", CountingRandom)
+    for _ in range(5):   # the same position fetched again and again
+        reused.load_state_dict(states[2])
+        reused.next_batch()
+    assert len(shuffles) <= 1, shuffles
+
+
 def test_cursor_peek_lengths() -> None:
     examples = make_examples(9)
     cursor = DataCursor(examples, 4, seed=5)

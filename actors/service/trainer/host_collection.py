@@ -25,11 +25,7 @@ class CollectionWindow:
 
     def __init__(self) -> None:
         self.thresholds: tuple[int, int, int] | None = None   # Python's, while taken over
-        self.full_collections = 0   # run here (the trainer's status may report them)
-
-    @property
-    def taken_over(self) -> bool:
-        return self.thresholds is not None
+        self.full_collections = 0   # run here
 
     def take_over(self) -> None:
         """Collect what is garbage now, set aside what is alive (gc.freeze), and stop Python's own full

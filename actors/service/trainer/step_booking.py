@@ -107,22 +107,12 @@ class StepBooking:
 
     def send_updates(self, job_id: str | None = None) -> None:
         """Send the booked updates (`job_id`'s only, where given), in step order, each verdict expected. Raises
-        what a link raised (that update and the others not yet sent stay, for the next try)."""
-        kept = []
-        try:
-            while self.unsent:
-                entry = self.unsent.pop(0)
-                active, step, update = entry
-                if job_id is not None and active.job_id != job_id:
-                    kept.append(entry)
-                    continue
-                try:
-                    active.verdicts.expect(step, active.assignment.link.update(update))
-                except BaseException:
-                    kept.append(entry)
-                    raise
-        finally:
-            self.unsent[:0] = kept
+        what a link raised (that update and the others not yet sent stay, in order, for the next try)."""
+        mine = [entry for entry in self.unsent if job_id is None or entry[0].job_id == job_id]
+        for entry in mine:
+            active, step, update = entry
+            active.verdicts.expect(step, active.assignment.link.update(update))
+            del self.unsent[next(index for index, kept in enumerate(self.unsent) if kept is entry)]
 
     def send_updates_meanwhile(self) -> None:
         """`send_updates` while the device runs the next step (the engine calls it once the step's kernels are

@@ -81,6 +81,7 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
+    from actors.engine.warmup import settle_garbage_collector
     from actors.spec.job_spec import JobSpec
     started = time.perf_counter()
     model = random_model(args.shape, device, compute_dtype(device))
@@ -93,6 +94,7 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
         spec = JobSpec(name=f"job-{job}", data="unused.jsonl", format={"type": "text"}, batch_size=len(batches[0]),
                        max_steps=total, lr=1e-4, lora=LORA, max_seq_len=args.max_len)
         trainer.add_job(TrainingJob.attach(spec, base, ListSource(examples), [], total, seed=job))
+    settle_garbage_collector()   # as aspen's trainer does once set up: full collections skip the start-up's objects
     setup = time.perf_counter() - started
     for _ in range(args.warmup):
         trainer.train_step()
@@ -334,8 +336,10 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
+    from actors.engine.warmup import settle_garbage_collector
     from actors.spec.job_spec import JobSpec
     base = from_module(random_model(args.shape, device, compute_dtype(device)), None)
+    settle_garbage_collector()   # as aspen's trainer does once set up (actors/engine/warmup.py)
     vocab = SHAPES[args.shape]["vocab_size"]
     rng = random.Random(0)
     sequences, length = 32, 128 if device.type == "cuda" else 32   # 4096 tokens a step on a GPU

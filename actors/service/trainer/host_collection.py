@@ -14,6 +14,7 @@ at about the same pace."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 NEVER = 2**31 - 1   # a threshold the middle generation's collections never reach
@@ -34,6 +35,7 @@ class CollectionWindow:
             return
         gc.collect()
         gc.freeze()
+        atexit.register(self.give_back)   # the set-aside objects freed by the process's last collection
         self.thresholds = gc.get_threshold()
         young, middle, _ = self.thresholds
         gc.set_threshold(young, middle, NEVER)
@@ -51,6 +53,7 @@ class CollectionWindow:
         """Python's thresholds again, and the set-aside objects back in its generations."""
         if self.thresholds is None:
             return
+        atexit.unregister(self.give_back)
         gc.set_threshold(*self.thresholds)
         gc.unfreeze()
         self.thresholds = None

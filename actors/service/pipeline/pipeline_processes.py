@@ -35,6 +35,7 @@ from actors.engine.pipeline.transport import (
     shared_queues,
 )
 from actors.engine.recompute import decoder_layers
+from actors.engine.warmup import settle_garbage_collector
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def run_stage(launch: StageLaunch) -> None:
     links = StageLinks(launch.rank, launch.world, launch.address, launch.port, torch.device(launch.device),
                        launch.timeout_s, launch.queues)
     runtime = StageRuntime(model, links, launch.settings)
+    settle_garbage_collector()   # its stage of the base and the libraries out of every later full collection
     while True:
         message = links.recv_object(0, TAG_COMMAND)
         if message[0] == StageMessageKind.STOP:

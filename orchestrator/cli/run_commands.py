@@ -180,8 +180,10 @@ def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
 
 def _run_in_process(spec, quiet: bool) -> int:
     """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid."""
+    from actors.engine.warmup import settle_garbage_collector
     from actors.service.scheduler.local_run import train_locally
 
+    settle_garbage_collector()   # torch's and transformers' objects out of every later full collection, as a trainer's
     if quiet or not sys.stderr.isatty():   # transformers' bar as it loads the base: not for --quiet or a log
         from transformers.utils import logging as transformers_logging
         transformers_logging.disable_progress_bar()

@@ -207,8 +207,11 @@ def test_the_arithmetic_rl_recipe_raises_its_reward(aspen, tmp_path):
         parts = step["env/all/correct"] + 0.1 * (step["env/all/format"] - 1)
         assert step["env/all/reward/total"] == pytest.approx(parts)
     # The base answers at length and rarely stops within 5 tokens; the samples that stopped get the positive
-    # advantages, so the policy learns to stop: the format part of the reward rises. (135M parameters do not
-    # learn to add in 3 steps: `correct` is chance, and not asserted. Nor is the total: one lucky right sum among
-    # a step's 16 samples moves it by 1/16 = 0.0625, more than the format part can rise, 0.1 x (1 - format at
-    # step 0) <= 0.05 here; a run on 2026-11-29 had rewards 0.0125 -> 0.0 with formats 0.5 -> 1.0.)
-    assert formats[-1] > formats[0], (formats, rewards)
+    # advantages, so the first update teaches the policy to stop: the format part of the reward rises at the next
+    # step (runs: 0.3125 / 0.375 / 0.4375 / 0.5 -> 0.9375 / 0.9375 / 0.9375 / 1.0; sampling is not seeded, so step 0
+    # differs run to run). Only that step is asserted: once most samples stop, a group's advantages come from its
+    # chance sums alone and the next update may move the format either way (CI, 2026-12-01: 0.4375 -> 0.9375 ->
+    # 0.4375). (135M parameters do not learn to add in 3 steps: `correct` is chance, and not asserted. Nor is the
+    # total: one lucky right sum among a step's 16 samples moves it by 1/16 = 0.0625, more than the format part can
+    # rise, 0.1 x (1 - format at step 0) <= 0.05 here; a run on 2026-11-29 had rewards 0.0125 -> 0.0.)
+    assert formats[1] > formats[0], (formats, rewards)

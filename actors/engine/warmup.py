@@ -18,6 +18,7 @@ collection; objects made afterwards are collected as before."""
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import time
 
@@ -79,9 +80,10 @@ def settle_garbage_collector() -> None:
     "leaked" objects at every exit)."""
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit.append(True)
+    _unfreeze_at_exit()
 
 
-_unfreeze_at_exit: list[bool] = []   # registered once a process
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """`gc.unfreeze` at the process's exit, registered once however often the collector is settled."""
+    atexit.register(gc.unfreeze)

@@ -14,8 +14,9 @@ at about the same pace."""
 
 from __future__ import annotations
 
-import atexit
 import gc
+
+from actors.engine.warmup import settle_garbage_collector
 
 NEVER = 2**31 - 1   # a threshold the middle generation's collections never reach
 
@@ -33,9 +34,7 @@ class CollectionWindow:
         collections (the oldest generation's threshold out of reach); the younger ones stay Python's."""
         if self.thresholds is not None:
             return
-        gc.collect()
-        gc.freeze()
-        atexit.register(self.give_back)   # the set-aside objects freed by the process's last collection
+        settle_garbage_collector()   # what is garbage collected, the rest set aside (and handed back at exit)
         self.thresholds = gc.get_threshold()
         young, middle, _ = self.thresholds
         gc.set_threshold(young, middle, NEVER)
@@ -53,7 +52,6 @@ class CollectionWindow:
         """Python's thresholds again, and the set-aside objects back in its generations."""
         if self.thresholds is None:
             return
-        atexit.unregister(self.give_back)
         gc.set_threshold(*self.thresholds)
         gc.unfreeze()
         self.thresholds = None

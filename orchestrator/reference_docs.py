@@ -34,7 +34,9 @@ SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
      "A YAML file: the run's settings at the top, its jobs under `jobs:`. Relative paths are relative to the "
      "file. An unknown field is an error that names the file, line, job and field.",
      [RunSpec, JobSpec, LoraConfig, EarlyStopConfig, PreferenceConfig, TrackingConfig, MlflowTracking]),
-    ("Data formats (`format:` of a job)", "One of these, chosen by `type`.",
+    ("Data formats (`format:` of a job)",
+     "One of these, chosen by `type` (`format: {type: chat}`); one with no required field may be named by its "
+     "type alone (`format: alpaca`).",
      [AlpacaFormat, PromptResponseFormat, ChatFormat, TextFormat, PreferenceFormat]),
     ("Service configuration (`aspen serve --config service.yaml`)",
      "The service's state, trainers and listeners; `aspen serve`'s flags set the common ones.",

@@ -7,7 +7,7 @@ import re
 import string
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 # --------------------------------------------------------------------------
 # Dataset formats
@@ -184,7 +184,14 @@ class PreferenceFormat(BaseModel):
         return {self.prompt_field, self.chosen_field, self.rejected_field}
 
 
+def _type_alone(value: object) -> object:
+    """`format: alpaca` as `format: {type: alpaca}`: a format whose fields all have defaults named by its type
+    alone (one that needs fields, such as prompt_response, is then refused for the field it lacks)."""
+    return {"type": value} if isinstance(value, str) else value
+
+
 DataFormat = Annotated[
     AlpacaFormat | PromptResponseFormat | ChatFormat | TextFormat | PreferenceFormat,
     Field(discriminator="type"),
+    BeforeValidator(_type_alone),
 ]

@@ -41,3 +41,25 @@ def test_unknown_fields_and_tags_get_a_did_you_mean(tmp_path):
     assert "did you mean `prompt`?" in line_of("format.promt")
     assert "did you mean `lr`?" in line_of("learning_rate")
     assert "did you mean" not in line_of("flavour") and "docs/spec.md" in line_of("flavour")
+
+
+def test_a_format_named_by_its_type_alone_is_that_format_with_its_defaults(tmp_path):
+    """`format: alpaca` reads as `format: {type: alpaca}`; a type that needs fields (prompt_response) is refused for
+    each field it lacks, and a misspelt one still gets its did-you-mean."""
+    import yaml
+
+    def job_format(value: str):
+        text = f"output_dir: out\njobs:\n  - name: a\n    data: data.jsonl\n    format: {value}\n"
+        spec = parse_run_spec(yaml.safe_load(text), source="jobs.yaml", base_dir=tmp_path, text=text, check_files=False)
+        return spec.jobs[0].format
+
+    assert job_format("alpaca") == job_format("{type: alpaca}")
+    assert job_format("chat") == job_format("{type: chat}") and job_format("chat").messages_field == "messages"
+    with pytest.raises(SpecError) as refused:
+        job_format("prompt_response")
+    assert "jobs.yaml:5:" in str(refused.value) and "field format.prompt: Field required" in str(refused.value)
+    assert "field format.response: Field required" in str(refused.value)
+    with pytest.raises(SpecError) as refused:
+        job_format("alpacca")
+    assert "format type 'alpacca' is not one of alpaca" in str(refused.value) and "did you mean `alpaca`?" in str(
+        refused.value)

@@ -104,8 +104,8 @@ def offline_jobs(state_dir: str | Path) -> list:
 
 
 class EndedRun:
-    """The calls of `aspen status` (`jobs`, `status`, `transitions`) answered from a run's job table after its
-    service ended: read-only (nothing is created, repaired or locked)."""
+    """The calls of `aspen status` and `aspen losses` (`jobs`, `status`, `transitions`, `losses`) answered from a
+    run's job table after its service ended: read-only (nothing is created, repaired or locked)."""
 
     def __init__(self, state_dir: str | Path):
         self.table = Path(state_dir) / "jobs.sqlite"
@@ -119,18 +119,30 @@ class EndedRun:
     def status(self, key: str):
         records = self.jobs()
         found = [r for r in records if r.id == key] or [r for r in records if r.name == key]
+        if not found and (state_folder(key) / "jobs.sqlite").is_file():   # a run's folder where a job was asked
+            raise KeyError(f"'{key}' is a run's folder, not a job: give it as --from {key}")
         if len(found) != 1:
             raise KeyError(f"no job with id or name '{key}' in {self.table}" if not found else
                            f"{len(found)} jobs are named '{key}' ({', '.join(r.id for r in found)}); give the job id")
         return found[0]
 
     def transitions(self, job_id: str) -> list[tuple[float, str, str]]:
+        return self._read("SELECT time, state, reason FROM transitions WHERE job_id = ? ORDER BY rowid", (job_id,))
+
+    def losses(self, key: str) -> list[dict]:
+        """The job's progress rows (`aspen losses`), as the running service answers them."""
+        from actors.service.table.progress_rows import COLUMNS
+
+        rows = self._read(f"SELECT {', '.join(COLUMNS)} FROM progress WHERE job_id = ? ORDER BY step",
+                          (self.status(key).id,))
+        return [dict(zip(COLUMNS, row, strict=True)) for row in rows]
+
+    def _read(self, query: str, parameters: tuple) -> list[tuple]:
         import sqlite3
 
         db = sqlite3.connect(f"{self.table.absolute().as_uri()}?mode=ro", uri=True)
         try:
-            return list(db.execute("SELECT time, state, reason FROM transitions WHERE job_id = ? ORDER BY rowid",
-                                   (job_id,)))
+            return list(db.execute(query, parameters))
         finally:
             db.close()
 

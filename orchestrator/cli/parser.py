@@ -43,6 +43,13 @@ def with_json(command: argparse.ArgumentParser, what: str) -> argparse.ArgumentP
     command.add_argument("--json", action="store_true", help=f"print {what} as JSON")
     return command
 
+
+def with_from(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    command.add_argument("--from", dest="from_dir", help="a run's output folder: its job table as the run left it "
+                         "(default where no service runs: the newest `aspen run` on this machine)")
+    return command
+
+
 def with_address(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
     command.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
                          help="Ray cluster (default: $RAY_ADDRESS or the cluster on this machine)")
@@ -125,6 +132,7 @@ def _add_job_commands(commands: Any) -> None:
     """losses, submit, status, watch, report, cancel, pause, resume, stop."""
     losses = with_url(with_address(commands.add_parser("losses", help="a job's loss history: one row per optimizer "
                                                                     "step (loss, eval loss, lr, grad norm, tokens)")))
+    with_from(losses)
     losses.add_argument("job", help="job id (or a unique job name)")
     with_json(losses, "the rows")
     losses.set_defaults(handler=cmd_losses)
@@ -135,8 +143,7 @@ def _add_job_commands(commands: Any) -> None:
     submit.set_defaults(handler=cmd_submit)
 
     status = with_url(with_address(commands.add_parser("status", help="all jobs, or one job in detail")))
-    status.add_argument("--from", dest="from_dir", help="a run's output folder: its job table as the run left it "
-                        "(default where no service runs: the newest `aspen run` on this machine)")
+    with_from(status)
     status.add_argument("job", nargs="?", help="job id (or a unique job name)")
     with_json(status, "the jobs (one job: with its state history)")
     status.set_defaults(handler=cmd_status)

@@ -122,7 +122,7 @@ def cmd_http_token(args: argparse.Namespace) -> int:
 
 
 def cmd_losses(args: argparse.Namespace) -> int:
-    rows = connect_service(args).losses(args.job)
+    rows = _service_or_ended_run(args).losses(args.job)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -169,6 +169,23 @@ def _ended_run_or(args: argparse.Namespace, error: Exception):
     return EndedRun(folder)
 
 
+def _service_or_ended_run(args: argparse.Namespace):
+    """The running service; where none runs (and no cluster or URL is named), the ended run's table (`--from`, else
+    the newest `aspen run` of this machine)."""
+    from orchestrator.client import ServiceError
+
+    if args.from_dir and args.url:
+        raise ValueError("give --from (a run's folder) or --url (a running service), not both")
+    try:
+        if args.from_dir:
+            raise ServiceError("--from given")
+        return connect_service(args)
+    except ServiceError as error:   # no cluster, or no service on it: a run that has ended answers from its table
+        if args.url or (not args.from_dir and named_cluster(args)):   # a cluster named and not there: an error
+            raise
+        return _ended_run_or(args, error)
+
+
 def _status(client, args: argparse.Namespace):
     """The job's record; a running service's "no job" says where the job is if a run of this machine has it."""
     from orchestrator.recent_runs import EndedRun, where_else
@@ -182,19 +199,9 @@ def _status(client, args: argparse.Namespace):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.client import ServiceError
     from orchestrator.progress import print_table, summary_table
 
-    if args.from_dir and args.url:
-        raise ValueError("give --from (a run's folder) or --url (a running service), not both")
-    try:
-        if args.from_dir:
-            raise ServiceError("--from given")
-        client = connect_service(args)
-    except ServiceError as error:   # no cluster, or no service on it: a run that has ended answers from its table
-        if args.url or (not args.from_dir and named_cluster(args)):   # a cluster named and not there: an error
-            raise
-        client = _ended_run_or(args, error)
+    client = _service_or_ended_run(args)
     if args.job:
         record = _status(client, args)
         if args.json:

@@ -117,7 +117,8 @@ def test_malformed_row_stops_the_run_before_it_starts_with_file_line_and_field(t
 
 def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tiny_model_dirs, monkeypatch):
     """The next commands a user types once `aspen run` has ended (its service gone): `aspen status`, `aspen
-    status JOB` and `aspen export JOB` answer from the run's own job table, and say so; PEFT loads the export."""
+    status JOB`, `aspen losses JOB` and `aspen export JOB` answer from the run's own job table, and say so; PEFT
+    loads the export."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -152,6 +153,15 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     assert {"add", "alpaca", "chat"} <= set(json.dumps(json.loads(report.stdout)).split('"'))
     gone = aspen("status", "--from", str(tmp_path / "nowhere"), cwd=elsewhere, no_cluster=True)
     assert gone.returncode == 2 and "no job table" in gone.stderr
+    folder = aspen("status", str(tmp_path / "out"), cwd=elsewhere, no_cluster=True)   # the folder where a job goes
+    assert folder.returncode == 2 and f"is a run's folder, not a job: give it as --from {tmp_path / 'out'}" in \
+        folder.stderr, folder.stderr
+    # the loss history, as the job's own metrics file has it (written beside its adapter, not from the table)
+    losses = aspen("losses", "add", "--json", cwd=elsewhere, no_cluster=True)
+    assert losses.returncode == 0 and "no aspen service is running" in losses.stderr, losses.stderr
+    logged = [json.loads(line) for line in (tmp_path / "out" / "add" / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["loss"]) for row in json.loads(losses.stdout)] == \
+        [(row["step"], row["loss"]) for row in logged if "loss" in row] != []
 
 
 @pytest.mark.slow

@@ -58,6 +58,10 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
     one (no dashboard: its processes would take CPU from training on small machines)."""
     if ray.is_initialized():
         return
+    # Ray's "Connecting to existing Ray cluster" / "Started a local Ray instance" lines only where this process
+    # logs at INFO (`aspen -v`, `--debug`); its warnings always
+    init_kwargs.setdefault("logging_level", logging.INFO if logging.getLogger().isEnabledFor(logging.INFO)
+                           else logging.WARNING)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         try:

@@ -131,6 +131,8 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
     assert ran.returncode == 0, ran.stderr[-3000:]
     # Ray's own token-auth notice is not the user's business: token authentication stays on, said explicitly
     assert "Token authentication is enabled" not in ran.stderr and "RAY_AUTH_MODE" not in ran.stderr
+    # nor Ray's INFO lines about its cluster (they come with `aspen -v`)
+    assert "Started a local Ray instance" not in ran.stdout + ran.stderr, ran.stderr
     elsewhere = tmp_path / "elsewhere"   # not the run's folder: found through the runs this machine started
     elsewhere.mkdir()
     # no cluster named, and none found here (the run's own cluster has gone; other tests' run beside this one)

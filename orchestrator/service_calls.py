@@ -62,7 +62,7 @@ def as_http(error: Exception) -> HTTPException | None:
         SubmissionConflict,
         SubmissionError,
     )
-    from orchestrator.client import ServiceError
+    from orchestrator.errors import ServiceError
 
     if isinstance(error, KeyError):
         return HTTPException(404, _first_line(error))

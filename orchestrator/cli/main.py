@@ -58,7 +58,7 @@ def _describe(error: Exception) -> tuple[int, str]:
             return EXIT_REFUSED, str(error)
         return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
     from actors.service.table.table_backup import JobTableDamaged
-    from orchestrator.client import ServiceError
+    from orchestrator.errors import ServiceError
 
     if isinstance(error, (ServiceError, JobTableDamaged)):   # their message is the one line, with the fix
         return EXIT_FAILED, str(error)

@@ -245,7 +245,7 @@ def _sweep_status(args: argparse.Namespace, name: str) -> int:
     if Path(name).is_dir():
         status = {"name": Path(name).name, "state": "ended", **read_results(Path(name))}
     else:
-        from orchestrator.client import ServiceError
+        from orchestrator.errors import ServiceError
         from orchestrator.recent_runs import RecentRuns
 
         try:

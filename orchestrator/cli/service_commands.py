@@ -172,7 +172,7 @@ def _ended_run_or(args: argparse.Namespace, error: Exception):
 def _service_or_ended_run(args: argparse.Namespace):
     """The running service; where none runs (and no cluster or URL is named), the ended run's table (`--from`, else
     the newest `aspen run` of this machine)."""
-    from orchestrator.client import ServiceError
+    from orchestrator.errors import ServiceError
 
     if args.from_dir and args.url:
         raise ValueError("give --from (a run's folder) or --url (a running service), not both")

@@ -65,6 +65,7 @@ def test_the_http_client_and_the_cli_with_url_need_no_ray(api, tmp_path):
     assert losses.returncode == 0, losses.stderr
     assert json.loads(losses.stdout) == api.ray.losses(job["id"])
     listed = aspen("status", "--json", "--url", api.url)
+    assert listed.returncode == 0, listed.stderr
     assert job["id"] in [r["id"] for r in json.loads(listed.stdout)]
     exported = aspen("export", "cli-http", "--out", "cli-lora", "--json")   # through the API: its owner's adapter
     assert exported.returncode == 0, exported.stderr

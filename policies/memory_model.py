@@ -5,7 +5,7 @@
 T: tokens in the step (padding included), ΣL²: the sum of squared sequence lengths (attention scores
 where the kernel materialises them), P: adapter parameters held by the trainer (each with its gradient
 and AdamW state), A: the step's analytic bytes that depend on its jobs' LoRA configs and targets rather
-than on its size alone (the adapters' own activations, the loss's transient: actors/engine/memory_prior.py;
+than on its size alone (the adapters' own activations, the loss's transient: actors/engine/adapter_activations.py;
 0 where not known, its prior coefficient 1). β0 absorbs the frozen base's weights and fixed buffers.
 
 The fit is least squares on the observed steps with non-negative slopes, regularised (slightly) towards

@@ -8,8 +8,8 @@ once at start on this very model, dtype, quantization, layout and recompute mode
 two small steps through a rank-1 probe adapter, their peaks counted by the allocator, `memory.measure_peak`)
 rather than derived from a formula that each architecture, dtype, NF4 dequantisation and attention kernel
 would break in its own way. The adapters' own per-token activations and the loss's transient depend on
-each job's LoRA config and on the step's targets, not on the base: those two are analytic (below) and
-added per step.
+each job's LoRA config and on the step's targets, not on the base: those two are analytic
+(actors/engine/adapter_activations.py) and added per step.
 
 On CPU the budget is the process's memory: `predict_resident` turns a step's predicted allocator peak into
 the process's peak resident set (VmHWM), from the resident set measured with the libraries warm and the
@@ -24,143 +24,28 @@ from dataclasses import dataclass
 import torch
 
 from actors.data import Example
-from actors.data.pairs import example_rows
 from actors.engine import lora_cuda
+from actors.engine.adapter_activations import (
+    AdapterTerms,
+    adapter_bytes,
+    adapter_terms,
+    combined_bytes,
+    example_targets,
+    linear_input_groups,
+    loss_transient_bytes,
+)
 from actors.engine.loss import DEFAULT_CHUNK
 from actors.engine.memory import measure_allocations, measure_resident, release_free_heap, resident_measurable
 from actors.engine.models import BaseModel
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 
-ADAPTER_WIDTH = 4   # adapters train in float32
 PROBE_RANK = 1
 PROBE_ROWS = (2, 3)   # sequences in the probe's two steps
 # glibc's dynamic mmap threshold rises up to this (64-bit): blocks above it are always mapped, and given back
 # when freed; blocks up to it end up in the heap, whose freed pages stay resident
 HEAP_BLOCK_CEILING = 32 << 20
 TERMS_KEPT = 1024   # jobs' LoRA configs whose AdapterTerms a prior keeps (all of them at once, then afresh)
-
-
-def adapter_bytes(jobs: list[tuple[LoraConfig, list[str], int]], linear_shapes: dict[str, tuple[int, int]],
-                  input_groups: dict[str, int], base_dtype: torch.dtype, *, compute_path: bool = False) -> int:
-    """Bytes autograd keeps for a step's adapters (a frozen base saves no linear layer's input itself).
-    `jobs`: per job its LoRA config, the linear layers it adapts and its tokens in the step. Per adapted
-    layer (in, out) and token: the rank-r hidden A·x; with dropout the mask and the dropped input (in each);
-    without, the input A reads: where the base is float32 that is the layer's input itself, a slice of the
-    whole stream's tensor, kept once for every layer that reads the same tensor (`input_groups`: q/k/v
-    share one, so do gate/up) and the whole stream long; otherwise its float32 copy (in, per layer).
-    DoRA keeps two (out) rows more per token (the base's output and the low-rank update, which the
-    magnitude's gradient reads), and computes each layer's row norms of W + B A on a transient of about
-    three float32 (out, in) matrices (one layer at a time: the largest counts once). VeRA keeps per token
-    and layer A x (r, for lambda_d's gradient) and the B product (out, for lambda_b's) and no input (its
-    projections are frozen), besides dropout's mask and dropped input.
-    `compute_path`: plain LoRA adapters take the CUDA path (actors/engine/lora_cuda.py, `lora_cuda.applies`),
-    which keeps in the base's dtype the rank-r hidden per token and layer, with dropout the mask (in), and the
-    layer's input itself, once per input tensor, the whole stream long."""
-    return combined_bytes([(adapter_terms(lora, names, linear_shapes, input_groups, base_dtype,
-                                          compute_path=compute_path), tokens) for lora, names, tokens in jobs])
-
-
-@dataclass(frozen=True)
-class AdapterTerms:
-    """One job's share of `adapter_bytes`, whatever its tokens: bytes per token of its own, the inputs it keeps
-    (bytes per stream token, by the input tensor's group: kept once for every job and layer that reads it) and the
-    largest transient it computes (DoRA's row norms)."""
-
-    per_token: int
-    kept_inputs: tuple[tuple[object, int], ...]
-    transient: int
-
-
-def adapter_terms(lora: LoraConfig, names: list[str], linear_shapes: dict[str, tuple[int, int]],
-                  input_groups: dict[str, int], base_dtype: torch.dtype, *, compute_path: bool = False
-                  ) -> AdapterTerms:
-    """A job's `AdapterTerms` (`adapter_bytes` says what each counts)."""
-    per_job = 0
-    kept_inputs: dict[object, int] = {}
-    dora_transient = 0
-    width = torch.finfo(base_dtype).bits // 8 if base_dtype.is_floating_point else ADAPTER_WIDTH
-    plain = lora.kind != "vera" and not lora.use_dora and lora.init_lora_weights in ("default", "gaussian")
-    for name in names:
-        in_features = linear_shapes[name][0]
-        if compute_path and plain:
-            per_job += (lora.r + (in_features if lora.dropout > 0 else 0)) * width
-            kept_inputs[input_groups.get(name, id(name))] = in_features * width
-            continue
-        per_token = lora.r
-        if lora.kind == "vera":
-            per_token += linear_shapes[name][1]
-            if lora.dropout > 0:
-                per_token += 2 * in_features
-            per_job += per_token * ADAPTER_WIDTH
-            continue
-        if lora.use_dora:
-            out_features = linear_shapes[name][1]
-            per_token += 2 * out_features
-            dora_transient = max(dora_transient, 3 * in_features * out_features * ADAPTER_WIDTH)
-        if lora.dropout > 0:   # the mask is kept only where the input itself needs a gradient
-            per_token += in_features if name in input_groups.get("no_grad", ()) else 2 * in_features
-        elif base_dtype != torch.float32:
-            per_token += in_features
-        else:
-            kept_inputs[input_groups.get(name, id(name))] = in_features * ADAPTER_WIDTH
-        per_job += per_token * ADAPTER_WIDTH
-    return AdapterTerms(per_job, tuple(kept_inputs.items()), dora_transient)
-
-
-def combined_bytes(jobs: list[tuple[AdapterTerms, int]]) -> int:
-    """`adapter_bytes` of jobs given as (their `AdapterTerms`, their tokens in the step). The kept inputs are united
-    over each distinct terms object once, in the order of its last job (a later job's width of an input wins, as in
-    `adapter_bytes`): jobs sharing one (`StepMemoryPrior.terms` gives equal terms as one object) cost one union."""
-    kept_inputs: dict[object, int] = {}
-    for terms in reversed(list({id(terms): terms for terms, _ in reversed(jobs)}.values())):
-        kept_inputs.update(terms.kept_inputs)
-    stream = sum(tokens for _, tokens in jobs)
-    return (sum(terms.per_token * tokens for terms, tokens in jobs) + sum(kept_inputs.values()) * stream
-            + max((terms.transient for terms, _ in jobs), default=0))
-
-
-def linear_input_groups(model: torch.nn.Module, run_forward) -> dict[str, int]:
-    """Which linear layers read the same input tensor (one id per tensor), seen in one forward pass, and
-    (under "no_grad") those whose input needs no gradient whatever adapters sit upstream (e.g. the first
-    layer's attention projections: the frozen embeddings' norm; seen with an adapter on every layer)."""
-    from actors.engine.fused_linear import FusedLoraLinear
-
-    groups: dict[str, int] = {}
-    no_grad: set[str] = set()
-    handles = []
-    for name, module in model.named_modules():
-        if isinstance(module, FusedLoraLinear):
-            def record(_module, args, name=name):
-                groups[name] = args[0].untyped_storage().data_ptr()
-                if not args[0].requires_grad:
-                    no_grad.add(name)
-            handles.append(module.register_forward_pre_hook(record))
-    try:
-        run_forward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    ids = {ptr: i for i, ptr in enumerate(dict.fromkeys(groups.values()))}
-    return {**{name: ids[ptr] for name, ptr in groups.items()}, "no_grad": frozenset(no_grad)}
-
-
-def loss_transient_bytes(targets: int, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                         chunk: int = DEFAULT_CHUNK) -> int:
-    """The loss's bytes at its peak (actors/engine/loss.py): the gathered hidden states and the hidden-state
-    gradient it keeps for backward (targets x hidden each), the per-token losses and weights, plus one
-    chunk's logits in the model's dtype, their float32 copy where that differs, and logsumexp's scratch."""
-    if targets == 0:
-        return 0
-    width = torch.finfo(dtype).bits // 8
-    rows = min(chunk, targets)
-    logits = rows * vocab_size * (width + (4 if dtype != torch.float32 else 0) + 4)
-    return 2 * targets * hidden_size * width + 2 * targets * 4 + logits
-
-
-def example_targets(examples: list[Example]) -> int:
-    """Target tokens of a micro-batch (the positions whose next token is a label)."""
-    return sum(e.loss_targets for e in example_rows(examples))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -299,28 +184,58 @@ def probe_base_activation(base: BaseModel, *, layout: str = "packed", recompute:
         remove_adapter(model, job.name)
         if measure_rss:   # what the probe's steps left in the heap goes: the resident set is then what is live
             release_free_heap()
-    constant, per_token = _line(tokens, peaks)
-    forward_constant, forward_per_token = _line(tokens, ends)
+    measured = ProbeMeasurements(tokens=tokens, peaks=peaks, ends=ends, backward=raw[0], forward_end=raw[1],
+                                 full_growth=full_growth, loss=loss, residents=residents, growths=growths,
+                                 full_tokens=sum(len(e) for e in full), full_targets=example_targets(full))
+    return fit_activation(measured, layers=layers, input_groups=groups)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeMeasurements:
+    """What `probe_base_activation`'s steps measured: per probe step (two and three sequences) its tokens, its
+    peak and what was live at its forward's end (the probe adapter's analytic bytes taken out of each); the
+    three-sequence step's raw backward peak and forward end beside its full-target twin's peak (`full_growth`)
+    and that twin's analytic loss bytes; on CPU each step's resident-set peak (`residents`, the full-target
+    step's last) beside the allocator's growth (`growths`)."""
+
+    tokens: list[int]
+    peaks: list[float]
+    ends: list[float]
+    backward: float
+    forward_end: float
+    full_growth: float
+    loss: float
+    residents: list[float]
+    growths: list[float]
+    full_tokens: int
+    full_targets: int
+
+
+def fit_activation(measured: ProbeMeasurements, *, layers: int, input_groups: dict) -> BaseActivation:
+    """The prior's lines through the probe's measurements (`BaseActivation` says what each is)."""
+    constant, per_token = _line(measured.tokens, measured.peaks)
+    forward_constant, forward_per_token = _line(measured.tokens, measured.ends)
     # a loss that raised the peak tells its live share; one hidden under the backward peak bounds it
-    backward, forward_end = raw
-    above = full_growth if full_growth > backward * 1.01 else backward
-    loss_scale = max(above - forward_end, 0.0) / max(loss, 1)
+    backward, forward_end = measured.backward, measured.forward_end
+    above = measured.full_growth if measured.full_growth > backward * 1.01 else backward
+    loss_scale = max(above - forward_end, 0.0) / max(measured.loss, 1)
     resident: dict[str, float] = {}   # no resident measure: the fields keep their defaults (0)
-    if residents:   # the resident set's growth beyond the allocator's count: per token, and the loss's scratch
+    if measured.residents:   # the resident set's growth beyond the allocator's count: per token, and the loss's
         # the last resident (the full step's) has no growth beside it: zip stops before it
-        excess = [max(r - g, 0.0) for r, g in zip(residents, growths, strict=False)]
+        excess = [max(r - g, 0.0) for r, g in zip(measured.residents, measured.growths, strict=False)]
         # a line through the origin (least squares): the heap's pages come in lumps of a few pages to a few
         # MB, which a line through two points this close together would turn into a slope off by half
+        tokens = measured.tokens
         resident_constant = 0.0
         resident_per_token = sum(e * t for e, t in zip(excess, tokens, strict=True)) / sum(t * t for t in tokens)
-        full_tokens = sum(len(e) for e in full)
         # the full step's resident peak lies in its loss: what is live then (the forward's end, the adapters'
         # activations, the loss's counted bytes) plus the loss's uncounted scratch, per target token
-        loss_phase = forward_end + loss_scale * loss + resident_constant + resident_per_token * full_tokens
+        loss_phase = (forward_end + loss_scale * measured.loss + resident_constant
+                      + resident_per_token * measured.full_tokens)
         resident = {"resident_constant": resident_constant, "resident_per_token": resident_per_token,
-                    "resident_per_target": max(residents[2] - loss_phase, 0.0) / example_targets(full)}
+                    "resident_per_target": max(measured.residents[2] - loss_phase, 0.0) / measured.full_targets}
     return BaseActivation(constant=constant, per_token=per_token, forward_constant=forward_constant,
-                          forward_per_token=forward_per_token, layers=layers, input_groups=groups,
+                          forward_per_token=forward_per_token, layers=layers, input_groups=input_groups,
                           loss_scale=loss_scale, **resident)
 
 

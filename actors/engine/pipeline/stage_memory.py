@@ -21,12 +21,7 @@ import torch
 
 from actors.data import Example
 from actors.engine import lora_cuda
-from actors.engine.adapter_surgery import add_adapter, remove_adapter, set_adapters_training
-from actors.engine.layout import step_layout
-from actors.engine.lora_targets import match_targets
-from actors.engine.memory import measure_allocations
-from actors.engine.memory_prior import (
-    TERMS_KEPT,
+from actors.engine.adapter_activations import (
     AdapterTerms,
     adapter_bytes,
     adapter_terms,
@@ -34,6 +29,11 @@ from actors.engine.memory_prior import (
     linear_input_groups,
     loss_transient_bytes,
 )
+from actors.engine.adapter_surgery import add_adapter, remove_adapter, set_adapters_training
+from actors.engine.layout import step_layout
+from actors.engine.lora_targets import match_targets
+from actors.engine.memory import measure_allocations
+from actors.engine.memory_prior import TERMS_KEPT
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.recompute import recomputed_layers
@@ -47,7 +47,7 @@ PROBE_SEQUENCE = 128
 class StageActivation:
     """One stage's activation bytes, measured, the probe adapter's own taken out: `saved_*` live after a
     forward (kept for its backward), `step_*` a forward-and-backward's peak over what was live before, as
-    constant + per_token * T; and what the jobs' adapters add is analytic (`memory_prior.adapter_bytes`) over
+    constant + per_token * T; and what the jobs' adapters add is analytic (`adapter_activations.adapter_bytes`) over
     this stage's linear layers (`linear_shapes`, `input_groups`: which read the same tensor)."""
 
     saved_constant: float

@@ -16,14 +16,11 @@ from pathlib import Path
 import torch
 
 from actors.data import Example
+from actors.engine.adapter_activations import loss_transient_bytes
 from actors.engine.adapter_surgery import linear_module_names
 from actors.engine.grpo import SAMPLING_SIZES, sampling_bytes
 from actors.engine.memory import live_tensor_bytes, process_peak_resident_bytes, resident_bytes
-from actors.engine.memory_prior import (
-    StepMemoryPrior,
-    loss_transient_bytes,
-    predict_resident,
-)
+from actors.engine.memory_prior import StepMemoryPrior, predict_resident
 from actors.engine.packing import JobMicroBatch
 from actors.engine.probe_cache import cached_probe
 from actors.engine.step_report import StepReport

@@ -178,10 +178,10 @@ def test_pissa_niter_is_seeded_and_close_to_the_full_svd():
 
 def test_the_step_memory_prior_counts_what_dora_keeps_for_backward():
     """What autograd keeps for a DoRA adapter beyond a plain one (counted by the saved-tensor hooks the
-    trainer's CPU meter uses) against memory_prior.adapter_bytes' two (out) rows per token and layer; PiSSA's
+    trainer's CPU meter uses) against adapter_activations.adapter_bytes' two (out) rows per token and layer; PiSSA's
     frozen product keeps nothing per token."""
+    from actors.engine.adapter_activations import adapter_bytes
     from actors.engine.memory import SavedTensorCounter, _storage_key
-    from actors.engine.memory_prior import adapter_bytes
 
     base = from_module(tiny_model("llama", VOCAB), None)
     output = base.model.get_output_embeddings()

@@ -147,11 +147,11 @@ def test_a_fused_float32_step_through_the_path_equals_the_float32_path_within_ro
 def test_the_memory_prior_counts_what_the_path_keeps_for_backward(dtype):
     """What autograd keeps for two jobs' adapters on the path (counted by the saved-tensor hooks the trainer's
     CPU meter uses, the base's own saved tensors taken out by a step with no adapter) against
-    memory_prior.adapter_bytes(compute_path=True): each layer's input once per input tensor, the rank-r hidden
+    adapter_activations.adapter_bytes(compute_path=True): each layer's input once per input tensor, the rank-r hidden
     and, with dropout, the mask, in the base's dtype."""
+    from actors.engine.adapter_activations import adapter_bytes, linear_input_groups
     from actors.engine.adapter_surgery import add_adapter, remove_adapter
     from actors.engine.memory import SavedTensorCounter, _storage_key
-    from actors.engine.memory_prior import adapter_bytes, linear_input_groups
     from actors.engine.models import from_module
     from tests.helpers.models import tiny_model
 

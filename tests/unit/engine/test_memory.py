@@ -144,7 +144,7 @@ def test_jobs_sharing_terms_are_united_once_and_a_later_jobs_width_of_an_input_s
     order of its last job: the same bytes as uniting every job's in job order, also where two kinds of jobs keep
     one input at different widths (a plain LoRA on the CUDA path keeps the input in the base's dtype, a DoRA job in
     float32), interleaved."""
-    from actors.engine.memory_prior import AdapterTerms, combined_bytes
+    from actors.engine.adapter_activations import AdapterTerms, combined_bytes
 
     plain = AdapterTerms(per_token=10, kept_inputs=(("qkv-0", 128), ("mlp-0", 128)), transient=0)
     dora = AdapterTerms(per_token=30, kept_inputs=(("qkv-0", 256),), transient=1000)

@@ -179,10 +179,10 @@ def test_a_stage_that_does_not_fit_its_device_is_refused_with_the_numbers():
 
 def test_each_stage_counts_a_jobs_adapters_over_its_own_layers_however_often_asked():
     """A stage's adapter bytes (`StageMemory.adapters`, counted once per stage and LoRA config and kept) are those
-    of `memory_prior.adapter_bytes` over that stage's layers: two stages of different layers asked about the same
+    of `adapter_activations.adapter_bytes` over that stage's layers: two stages of different layers asked about the same
     configs in turn, and again, each answer its own."""
+    from actors.engine.adapter_activations import adapter_bytes
     from actors.engine.lora_targets import match_targets
-    from actors.engine.memory_prior import adapter_bytes
     from actors.engine.pipeline.stage_memory import StageActivation, StageMemory
 
     def stage(index: int, layers: range) -> StageMemory:

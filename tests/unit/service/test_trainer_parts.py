@@ -247,8 +247,8 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
 def test_composing_under_the_budget_counts_each_job_once_and_follows_the_jobs_as_they_change(
         tiny_tokenizer, monkeypatch):
     """A step of many jobs is composed under the memory budget by asking `fits` of one trial step per candidate;
-    what each job's adapters keep per token (`memory_prior.adapter_terms`, a walk over its adapted layers) and the
-    trainer's adapter parameters (a walk over every job's tensors) are counted once, not once per candidate, and
+    what each job's adapters keep per token (`adapter_activations.adapter_terms`, a walk over its adapted layers) and
+    the trainer's adapter parameters (a walk over every job's tensors) are counted once, not once per candidate, and
     each step's features are what an admission counting afresh gives, also after a job left and another joined."""
     from actors.engine import memory_prior
 

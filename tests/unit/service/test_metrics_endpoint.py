@@ -135,11 +135,11 @@ def test_a_jobs_token_counter_only_grows_and_goes_with_its_series(scenario):
     tick(700)
     assert tokens() == 1800                   # what it trained since the restart
     listener.job_changed(replace(record, state="queued"), "running")   # preempted: its series go
-    assert tokens() is None and record.id not in listener.job_tokens_seen
+    assert tokens() is None and record.id not in listener.running.tokens_seen
     tick(700)                                 # running again: a new series (a counter reset for Prometheus)
     assert tokens() == 700
     listener.tick([], {}, [scenario.status])  # gone from the table
-    assert tokens() is None and not listener.job_tokens_seen
+    assert tokens() is None and not listener.running.tokens_seen
 
 
 def test_monotonic_values_are_counters(scenario):

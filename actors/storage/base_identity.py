@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.storage.sources import ALIASES, ModelSource, resolve_source
+from actors.storage.sources import ALIAS_HUB_IDS, ALIASES, ModelSource, resolve_source
 
-ALIAS_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-"""The hub id of the model each alias's file is a copy (or a quantization) of."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 METADATA_NAME = "aspen.json"
 

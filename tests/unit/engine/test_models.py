@@ -6,6 +6,7 @@ import copy
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +20,8 @@ from actors.engine.job import TrainingJob
 from actors.engine.models import load_base_model, resolve_source
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
-from actors.storage.sources import tokenizer_cache_folder, tokenizer_cache_lock
+from actors.storage.sources import load_base_tokenizer, tokenizer_cache_folder, tokenizer_cache_lock
+from tests.helpers.hub import REVISION, offline
 from tests.helpers.models import random_examples
 
 
@@ -40,6 +42,41 @@ def test_uncached_hub_id_and_missing_paths_give_actionable_errors(monkeypatch, t
         resolve_source(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_source(str(tmp_path))
+
+
+def test_a_hub_id_loads_from_the_local_cache_and_an_uncached_one_says_how_to_get_it(monkeypatch, tmp_path,
+                                                                                    tiny_model_dirs):
+    """A hub id in the local Hugging Face cache (laid out as the hub's client writes it) loads, tokenizer alone
+    too, as the same model as its folder; one not in the cache is refused by the tokenizer's read (what `aspen
+    run` and a job actor read first) as by the model's, naming the cache and `hf download`, not with
+    transformers' "couldn't connect to huggingface.co" (nothing is asked of the network). The embedded base's
+    own hub id says which alias trains on its GGUF copy."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--aspen-tests--tiny-llama" / "snapshots" / REVISION
+    snapshot.parent.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(REVISION)
+    shutil.copytree(tiny_model_dirs["llama"], snapshot)
+    offline(monkeypatch)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    base = load_base_model("aspen-tests/tiny-llama", dtype="float32", device="cpu")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(base.model.state_dict()[name], tensor), name
+    assert load_base_tokenizer("aspen-tests/tiny-llama").encode("a b c") == base.tokenizer.encode("a b c")
+
+    for load in (load_base_tokenizer, lambda model: load_base_model(model, device="cpu")):
+        with pytest.raises(FileNotFoundError) as refused:
+            load("aspen-tests/not-cached")
+        message = str(refused.value)
+        assert "'aspen-tests/not-cached' is not in the local Hugging Face cache" in message, message
+        assert str(cache) in message and "`hf download aspen-tests/not-cached`" in message, message
+        assert "huggingface.co" not in message, message
+    with pytest.raises(FileNotFoundError, match="`base_model: smollm2-135m` trains on it"):
+        load_base_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 @pytest.mark.parametrize("quantization, weight_dtypes", [("int8", {torch.int8}), ("nf4", {torch.uint8})])

@@ -3,11 +3,12 @@ ids refused as one.
 
 A location (a JobSpec's `data`) is one of:
 - a JSONL file or a file holding one JSON array (rows.py; a path or a storage URI),
+- a `.csv` or `.tsv` file with a header row (csv_table.py; a path or a storage URI),
 - a `.parquet` file (a path or a storage URI, read through `pyarrow.fs` one row group at a time),
 - an `.arrow` file (Arrow IPC, file or stream format; memory-mapped, local),
 - a folder written by `datasets.Dataset.save_to_disk` or `DatasetDict.save_to_disk` (memory-mapped through
   `datasets.load_from_disk`, local), whose `split` is chosen,
-- a folder of `.parquet` / `.jsonl` / `.json` / `.arrow` files (one kind), split by file name as the
+- a folder of `.parquet` / `.jsonl` / `.json` / `.csv` / `.tsv` / `.arrow` files (one kind), split by file name as the
   `datasets` library does (`data/train-00000-of-00002.parquet`, `test.jsonl`, `train/part-0.parquet`); a
   folder under a storage URI is split the same way by `train`/`test`/... keywords in the file names.
 A Hugging Face hub id (`tatsu-lab/alpaca`, `hf://datasets/...`) is refused: nothing is downloaded at run time."""
@@ -20,13 +21,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from actors.data.csv_table import DELIMITERS, CsvTable
 from actors.data.rows import DataError
 from actors.data.tables import ArrowTable, ConcatTable, JsonlTable, ParquetTable, RowTable, _reading_error
 from actors.storage.storage_errors import StorageError, StorageUnreachable
 from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import is_uri
 
-DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
+DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".csv", ".tsv")
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 """JSON files of a `datasets` folder or a hub snapshot that describe the data rather than hold it."""
 HUB_SCHEMES = ("hf", "hf-hub", "huggingface")
@@ -114,6 +116,8 @@ def _kind_table(source: str, suffix: str, opener: Callable[[], Any], local: Path
             raise DataError(f"{source}: an .arrow file is read memory-mapped from a local disk; copy it to one, or "
                             "convert it to parquet (which is read from storage URIs)", source=source)
         return _arrow_file(local)
+    if suffix in DELIMITERS:
+        return CsvTable(source, opener, DELIMITERS[suffix])
     return JsonlTable(source, opener)
 
 

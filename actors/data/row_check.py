@@ -1,15 +1,18 @@
 """A job's rows checked before anything starts: every row of a local file (the first rows of a remote or
 streamed dataset) read and tokenized as its job will read them, so that a row that is not valid JSON, a template
-naming a field the rows lack, text the tokenizer cannot encode, or data whose every row truncates away is refused
-while the jobs file is validated, with the same file:line message the job would have failed with minutes later."""
+naming a field the rows lack, text the tokenizer cannot encode, data whose every row truncates away, or an
+`eval_split` that leaves no example to train on is refused while the jobs file is validated, with the same message
+the job would have failed with minutes later."""
 
 from __future__ import annotations
 
 import itertools
 from typing import TYPE_CHECKING
 
+from actors.data.batches import split_eval
 from actors.data.dataset import RowTokenizer, examples_from
 from actors.data.locations import open_table
+from actors.data.rows import DataError
 from actors.spec.job_spec import JobSpec
 from actors.storage.storage_uri import is_uri
 
@@ -37,5 +40,12 @@ def check_job_rows(job: JobSpec, tokenizer: PreTrainedTokenizerBase, *,
 
     tokenize = RowTokenizer(job.format, tokenizer, max_seq_len=job.max_seq_len, train_on_prompt=job.train_on_prompt,
                             columns=job.columns)
-    examples_from(counting(), tokenize, table.source)
+    loaded = examples_from(counting(), tokenize, table.source)
+    if whole:   # every example known: the evaluation split leaves some to train on (the job actor's own split)
+        try:
+            split_eval(loaded.examples, job.eval_split, seed=0)
+        except DataError as error:
+            dropped = (f" ({loaded.dropped} of {counted[0]} rows have no target token left after truncation to "
+                       f"max_seq_len={job.max_seq_len})") if loaded.dropped else ""
+            raise DataError(f"{table.source}: {error}{dropped}", source=table.source, field="eval_split") from None
     return counted[0], whole or counted[0] < sample_rows

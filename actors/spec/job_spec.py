@@ -26,7 +26,8 @@ class JobSpec(StrictModel):
 
     name: str = Field(pattern=JOB_NAME_PATTERN, description="the job's name: its folder and MQTT topic level")
     data: Location | None = Field(None, description="the dataset: a JSONL file or one JSON array of rows, a "
-                                                    ".parquet or .arrow file, a folder saved by datasets' "
+                                                    ".csv or .tsv file with a header row, a .parquet or .arrow file, "
+                                                    "a folder saved by datasets' "
                                                     "save_to_disk, or a folder of such files; a path or a storage URI "
                                                     "(s3://bucket/train.parquet, gs://..., file:///...); no hub ids "
                                                     "(nothing is downloaded); required (but by an interactive model)")

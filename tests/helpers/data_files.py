@@ -1,7 +1,8 @@
-"""Question-answer rows written as JSONL and parquet files, their reference examples, and a one-row change."""
+"""Question-answer rows written as JSONL, CSV and parquet files, their reference examples, and a one-row change."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,17 @@ def qa_rows(count: int, offset: int = 0) -> list[dict[str, Any]]:
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], delimiter: str = ",", encoding: str = "utf-8") -> Path:
+    """The rows as Python's csv module writes them (a header row; fields quoted where they need it, lines ended
+    by \\r\\n as spreadsheets end them)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding=encoding) as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter=delimiter)
+        writer.writeheader()
+        writer.writerows(rows)
     return path
 
 

@@ -1,4 +1,5 @@
-"""Data on S3 (a real moto server): parquet read from a storage URI, remote data known by size and time."""
+"""Data on S3 (a real moto server): parquet, JSONL and CSV read from a storage URI, remote data known by size
+and time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ from actors.data.dataset import load_dataset_examples
 from actors.data.digest import job_data_digest
 from actors.data.streaming import open_stream
 from actors.storage.storage_location import StorageLocation
-from tests.helpers.data_files import MAX_LEN, QA, change_one_row, qa_rows, reference, write_jsonl, write_parquet
+from tests.helpers.data_files import (
+    MAX_LEN,
+    QA,
+    change_one_row,
+    qa_rows,
+    reference,
+    write_csv,
+    write_jsonl,
+    write_parquet,
+)
 from tests.helpers.service import write_task_data
 
 
@@ -27,6 +37,13 @@ def test_parquet_is_read_from_a_storage_uri(s3_bucket, tmp_path, smol_tokenizer)
     lines = open_stream(f"s3://{s3_bucket}/lines/t.jsonl", QA, smol_tokenizer, max_seq_len=MAX_LEN, batch_size=5,
                         seed=0, epochs=1, shuffle_window=0)
     assert [e for _ in range(3) for e in lines.cursor.next_batch()] == want and lines.cursor.exhausted
+    # CSV under a URI: read whole and streamed, a chunk at a time
+    StorageLocation(f"s3://{s3_bucket}/table").upload_file(write_csv(tmp_path / "t.csv", rows), "t.csv")
+    assert load_dataset_examples(f"s3://{s3_bucket}/table/t.csv", QA, smol_tokenizer, max_seq_len=MAX_LEN
+                                 ).examples == want
+    table = open_stream(f"s3://{s3_bucket}/table/t.csv", QA, smol_tokenizer, max_seq_len=MAX_LEN, batch_size=5,
+                        seed=0, epochs=1, shuffle_window=0)
+    assert [e for _ in range(3) for e in table.cursor.next_batch()] == want and table.cursor.exhausted
     # a folder URI: its parquet files
     assert load_dataset_examples(f"s3://{s3_bucket}/sets", QA, smol_tokenizer, max_seq_len=MAX_LEN).examples == want
 

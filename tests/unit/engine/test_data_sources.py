@@ -1,10 +1,11 @@
-"""Dataset sources beyond one JSON file (actors/data/locations.py, tables.py, dataset.py, streaming.py,
-sharegpt.py): a saved DatasetDict with a split and a column mapping, parquet, arrow and folders of files give
-the examples the equivalent JSONL gives (read by the JSONL reader, `load_examples`); ShareGPT rows the
-tokens and labels of the equivalent `messages` rows; streaming the batches of the in-memory `DataCursor`
-(one shuffle window over all rows), reading only the row groups it needs and resuming exactly from a saved
-position; errors that name the file, the row and the column; and a job trained from parquet (whole and
-streamed) in the in-process service, against the same job trained from JSONL."""
+"""Dataset sources beyond one JSON file (actors/data/locations.py, tables.py, csv_table.py, dataset.py,
+streaming.py, sharegpt.py): a saved DatasetDict with a split and a column mapping, parquet, arrow, CSV and TSV (as
+Python's csv module and pandas write them) and folders of files give the examples the equivalent JSONL gives
+(read by the JSONL reader, `load_examples`); ShareGPT rows the tokens and labels of the equivalent `messages`
+rows; streaming the batches of the in-memory `DataCursor` (one shuffle window over all rows), reading only the
+row groups it needs and resuming exactly from a saved position; errors that name the file, the row (a CSV's
+line) and the column; and a job trained from parquet (whole and streamed) in the in-process service, against
+the same job trained from JSONL."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from actors.data import (
 from actors.data.dataset import load_dataset_examples
 from actors.data.streaming import open_stream
 from actors.spec.job_spec import JobSpec
-from tests.helpers.data_files import MAX_LEN, QA, qa_rows, reference, write_jsonl, write_parquet
+from tests.helpers.data_files import MAX_LEN, QA, qa_rows, reference, write_csv, write_jsonl, write_parquet
 
 datasets.disable_progress_bars()
 
@@ -105,6 +106,57 @@ def test_files_and_folders_give_the_jsonl_examples(kind, tmp_path, smol_tokenize
             load_dataset_examples(data, QA, smol_tokenizer, max_seq_len=MAX_LEN, split="dev")
 
 
+TRICKY = [{"question": 'a "quoted" word, a comma, and\na line break', "answer": "tab\there; semicolon;"},
+          {"question": "unicode: naïve café — 東京 🚀", "answer": ""},
+          {"question": "  leading and trailing spaces  ", "answer": "\r\nCRLF inside\r\n"},
+          *({"question": f"what is {i} plus {2 * i}?", "answer": f"{3 * i}"} for i in range(20))]
+
+
+@pytest.mark.parametrize("writer", ["csv-module", "pandas", "tsv", "utf-8-bom", "csv-folder"])
+def test_csv_and_tsv_files_give_the_jsonl_examples(writer, tmp_path, smol_tokenizer, monkeypatch):
+    """Quoted delimiters, doubled quotes, line breaks inside a field, non-ASCII text, an empty field: a CSV file as
+    Python's csv module writes it (\\r\\n line ends), as pandas writes it (datasets' `to_csv`, \\n), a TSV, a CSV
+    with a byte-order mark (Excel's "CSV UTF-8") and a folder of CSV files give the examples of the same rows
+    in JSONL; read 7 bytes at a time, so that records, line breaks and multi-byte characters straddle reads."""
+    import actors.data.csv_table as csv_table
+
+    monkeypatch.setattr(csv_table, "JSONL_CHUNK_BYTES", 7)
+    if writer == "csv-module":
+        data = write_csv(tmp_path / "t.csv", TRICKY)
+    elif writer == "pandas":
+        data = tmp_path / "t.csv"
+        datasets.Dataset.from_list(TRICKY).to_csv(str(data), index=False)
+    elif writer == "tsv":
+        data = write_csv(tmp_path / "t.tsv", TRICKY, delimiter="\t")
+    elif writer == "utf-8-bom":
+        data = write_csv(tmp_path / "t.csv", TRICKY, encoding="utf-8-sig")
+        assert data.read_bytes().startswith(b"\xef\xbb\xbf")
+    else:
+        data = tmp_path / "folder"
+        write_csv(data / "part-0.csv", TRICKY[:7])
+        write_csv(data / "part-1.csv", TRICKY[7:])
+    got = load_dataset_examples(data, QA, smol_tokenizer, max_seq_len=MAX_LEN)
+    assert got.examples == reference(tmp_path, TRICKY, smol_tokenizer)
+
+
+def test_csv_errors_name_the_line_an_editor_shows(tmp_path, smol_tokenizer):
+    """A record with a field too many (counted after a record whose quoted field spans two lines), an unclosed
+    quote, a header without a name or with one twice, bytes that are not UTF-8: each refused at its line."""
+    def refused(text: bytes, pattern: str) -> None:
+        path = tmp_path / "bad.csv"
+        path.write_bytes(text)
+        with pytest.raises(DataError, match=pattern):
+            load_dataset_examples(path, QA, smol_tokenizer, max_seq_len=MAX_LEN)
+
+    refused(b'question,answer\n"two\nlines",1\nthree,fields,here\n',
+            r"bad.csv:4: 3 fields where the header names 2 columns; quote a field that holds the delimiter \(','\)")
+    refused(b'question,answer\nfine,1\n"never closed,2\n', r"bad.csv:3: not a readable CSV record")
+    refused(b"question,,answer\na,b,c\n", r"bad.csv:1: the header row has an empty column name \(column 2\)")
+    refused(b"question,answer,question\na,b,c\n", r"bad.csv:1: the header row names 'question' more than once")
+    refused(b"question,answer\nfine,1\ncaf\xe9,2\n", r"bad.csv:3: not valid UTF-8 .*re-save the file as UTF-8")
+    refused(b"question,answer\n", r"bad.csv: the dataset holds no rows")
+
+
 # ------------------------------------------------------------------------------------------- ShareGPT
 
 
@@ -148,11 +200,13 @@ def _batches(cursor: Any, count: int) -> list:
     return [cursor.next_batch() for _ in range(count)]
 
 
-@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+WRITERS = {"parquet": write_parquet, "jsonl": write_jsonl, "csv": write_csv}
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl", "csv"])
 def test_streaming_with_one_window_gives_the_in_memory_batches(suffix, tmp_path, smol_tokenizer):
     rows = qa_rows(30)
-    data = (write_parquet(tmp_path / "t.parquet", rows) if suffix == "parquet"
-            else write_jsonl(tmp_path / "t.jsonl", rows))
+    data = WRITERS[suffix](tmp_path / f"t.{suffix}", rows)
     examples = reference(tmp_path, rows, smol_tokenizer)
     for epochs in (None, 2):   # max_steps: the data repeats; epochs: it ends, with a short last batch
         in_memory = DataCursor(examples, 4, seed=11, epochs=epochs)
@@ -198,11 +252,10 @@ def test_streaming_reads_row_groups_as_it_needs_them(tmp_path, smol_tokenizer, m
     assert reads == [30, 31, 32]
 
 
-@pytest.mark.parametrize("suffix", ["parquet", "jsonl"])
+@pytest.mark.parametrize("suffix", ["parquet", "jsonl", "csv"])
 def test_streaming_resumes_exactly_from_a_saved_position(suffix, tmp_path, smol_tokenizer):
     rows = qa_rows(45)
-    data = (write_parquet(tmp_path / "t.parquet", rows) if suffix == "parquet"
-            else write_jsonl(tmp_path / "t.jsonl", rows))
+    data = WRITERS[suffix](tmp_path / f"t.{suffix}", rows)
 
     def cursor():
         return open_stream(data, QA, smol_tokenizer, max_seq_len=MAX_LEN, batch_size=4, seed=3, epochs=None,
@@ -316,8 +369,8 @@ def test_a_hub_id_is_refused_with_what_to_do(tmp_path, smol_tokenizer, monkeypat
 
 
 def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, tiny_model_dirs, smol_tokenizer):
-    """The service's job data (`JobData`) of a parquet job with a column mapping holds the JSONL job's
-    examples, eval split included; and two jobs in one in-process run (`train_locally`): JSONL, and the same
+    """The service's job data (`JobData`) of a parquet job with a column mapping, and of a CSV job, holds the
+    JSONL job's examples, eval split included; and two jobs in one in-process run (`train_locally`): JSONL, and the same
     rows as parquet streamed with one shuffle window over all of them. Same seed, so the same data order: the
     same adapter."""
     from actors.engine.models import load_base_model
@@ -331,13 +384,14 @@ def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, ti
     parquet = write_parquet(tmp_path / "qa.parquet", renamed(rows), row_group_size=5)
     steps = 3
     prepared = []
-    for data, extra in ((jsonl, {}), (parquet, {"columns": COLUMNS})):
+    csv = write_csv(tmp_path / "qa.csv", rows)
+    for data, extra in ((jsonl, {}), (parquet, {"columns": COLUMNS}), (csv, {})):
         job = JobSpec.model_validate(job_dict("j", data, steps, eval_split=0.25, **extra))
         job_data = JobData("j", JobSubmission(job=job, seed=4), smol_tokenizer)
         summary = job_data.prepare()
         prepared.append((summary.train_examples, summary.eval_examples, job_data.eval_examples(),
                          job_data.fetch(summary.start, 5).batches))
-    assert prepared[0] == prepared[1] and prepared[0][:2] == (18, 6)
+    assert prepared[0] == prepared[1] == prepared[2] and prepared[0][:2] == (18, 6)
 
     spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [
         job_dict("from-jsonl", jsonl, steps),

@@ -1,7 +1,8 @@
 """A jobs file's data rows checked before anything starts (issue: bad rows found only after the service had
 started and trained): `aspen run` refuses, within seconds and with nothing started, a row that is not valid JSON,
-a template naming a field the rows lack, text the tokenizer cannot encode (a lone surrogate) and data whose every
-row truncates away, each with the file:line message the job would have failed with; good jobs are untouched."""
+a template naming a field the rows lack, text the tokenizer cannot encode (a lone surrogate), data whose every
+row truncates away and an eval_split that leaves nothing to train on, each with the message the job would have
+failed with; good jobs are untouched."""
 
 from __future__ import annotations
 
@@ -51,6 +52,26 @@ def test_every_row_of_a_local_file_is_read_and_tokenized(tmp_path, smol_tokenize
     long_prompt = {**TEMPLATE, "prompt": "Answer the following question briefly and correctly please: {question}"}
     with pytest.raises(DataError, match=r"all 20 rows were dropped"):
         check_job_rows(_job(tmp_path / "good.jsonl", max_seq_len=8, format=long_prompt), smol_tokenizer)
+
+
+def test_an_eval_split_that_leaves_nothing_to_train_on_is_refused_as_the_job_would_fail(tmp_path, smol_tokenizer):
+    """eval_split counts examples, not rows: rows that truncate away are not there to hold out. The refusal says so
+    and carries what the job actor itself fails with (its own data preparation, `JobData.prepare`)."""
+    from actors.service.scheduler.job_data import JobData
+    from actors.spec.job_submission import JobSubmission
+
+    path = _write(tmp_path / "qa.jsonl", _rows(20)[:15] + [json.dumps({"question": "long " * 40, "answer": "x"})] * 5)
+    assert check_job_rows(_job(path, eval_split=14, max_seq_len=32), smol_tokenizer) == (20, True)
+    job = _job(path, eval_split=15, max_seq_len=32)
+    with pytest.raises(DataError) as actor:
+        JobData("j", JobSubmission(job=job, seed=0), smol_tokenizer).prepare()
+    with pytest.raises(DataError) as checked:
+        check_job_rows(job, smol_tokenizer)
+    assert str(actor.value) == "eval_split=15.0 takes 15 of 15 examples, leaving none to train on; lower eval_split " \
+                               "or add data"
+    assert str(checked.value) == (f"{path}: {actor.value} (5 of 20 rows have no target token left after truncation "
+                                  "to max_seq_len=32)")
+    assert checked.value.field == "eval_split"
 
 
 def test_a_lone_surrogate_in_a_chat_message_is_named_with_its_place(tmp_path, smol_tokenizer):

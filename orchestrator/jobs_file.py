@@ -11,9 +11,12 @@ import yaml
 from pydantic import ValidationError
 
 from actors.data.locations import hub_id_problem
+from actors.spec.evaluation_config import GENERATION_METRICS
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
+from actors.spec.method_config import REWARDS
 from actors.spec.run_spec import RunSpec
+from actors.spec.user_functions import UserFunctionError, load_user_function, with_file_resolved
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
@@ -53,6 +56,9 @@ def yaml_lines(text: str) -> dict[tuple, int]:
 
 
 _FORMAT_TAGS = {"alpaca", "prompt_response", "chat", "text"}
+USER_FUNCTIONS = (("grpo", "reward"), ("eval_generate", "metric"))
+"""The spec fields that may name a function of the user's (actors/spec/user_functions.py)."""
+BUILT_IN_FUNCTIONS = {*REWARDS, *GENERATION_METRICS}
 
 
 def _drop_union_tags(loc: tuple) -> tuple:
@@ -191,6 +197,10 @@ def _resolve_paths(data: dict, base_dir: Path) -> None:
             if not path.is_absolute() and hub_id_problem(job["data"]) and not (base_dir / path).exists():
                 continue   # a hub id, refused by name when the files are checked
             job["data"] = tidy_path(path if path.is_absolute() else base_dir / path)
+        for section, key in USER_FUNCTIONS:   # a function's file (file.py:function), as the data: from the file
+            inner = job.get(section) if isinstance(job, dict) else None
+            if isinstance(inner, dict) and isinstance(inner.get(key), str):
+                job[section] = {**inner, key: with_file_resolved(inner[key], base_dir)}
     model = data.get("base_model")
     if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
         data["base_model"] = tidy_path(base_dir / model)
@@ -207,6 +217,17 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
             prefix = f"{source}:{line}: " if line else f"{source}: "
             problem = hub_id_problem(str(job.data)) or f"file {job.data} does not exist"
             missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: {problem}")
+        for section, key in USER_FUNCTIONS:   # a function of the user's loads here, not first on a trainer
+            reference = getattr(getattr(job, section), key, None) if getattr(job, section) is not None else None
+            if reference is None or reference in BUILT_IN_FUNCTIONS:
+                continue
+            try:
+                load_user_function(reference, f"{section}.{key}")
+            except UserFunctionError as error:
+                line = lines.get(("jobs", index, section, key)) or lines.get(("jobs", index, section))
+                prefix = f"{source}:{line}: " if line else f"{source}: "
+                problem = str(error).removeprefix(f"{section}.{key} ")
+                missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {section}.{key}: {problem}")
     if missing:
         raise SpecError("\n".join(missing))
 

@@ -22,7 +22,14 @@ from pydantic import ValidationError
 from actors.service.sweeps.sweep_book import LEADERBOARD_FILE
 from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
-from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
+from actors.spec.user_functions import (
+    UserFunctionError,
+    is_file_reference,
+    load_user_function,
+    split_reference,
+    with_file_resolved,
+)
+from orchestrator.jobs_file import BUILT_IN_FUNCTIONS, FILE_LIMITS, SpecError, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
 from policies.sweep.searchers import BUILT_IN, build_searcher
 
@@ -47,6 +54,42 @@ def service_run_spec(spec: SweepSpec) -> RunSpec:
                    seed=spec.seed, jobs=[spec.job])
 
 
+def _resolve_function_files(data: dict, source: str, base_dir: Path | None) -> None:
+    """A function of the user's named by its file (`file.py:function`: the job's reward or generation metric, the
+    objective's metric), as the job's data: relative to the sweep file."""
+    job = data.get("job")
+    places = [(job, "grpo", "reward"), (job, "eval_generate", "metric"), (data, "objective", "metric")]
+    for parent, section, key in places:
+        inner = parent.get(section) if isinstance(parent, dict) else None
+        value = inner.get(key) if isinstance(inner, dict) else None
+        if not isinstance(value, str) or not is_file_reference(value):
+            continue
+        if base_dir is not None:
+            parent[section] = {**inner, key: with_file_resolved(value, base_dir)}
+        elif not Path(split_reference(value)[0]).expanduser().is_absolute():
+            raise SpecError(f"{source}: {section}.{key}: {value} names a relative file; give an absolute path on the "
+                            "service's machine")
+
+
+def _check_functions(spec: SweepSpec, source: str, lines: dict) -> None:
+    """Each function of the user's that the sweep names loads here (not first in a trial, on a trainer)."""
+    job = spec.job
+    places = [("job.grpo.reward", job.grpo.reward if job.grpo else None),
+              ("job.eval_generate.metric", job.eval_generate.metric if job.eval_generate else None),
+              ("objective.metric", getattr(spec.objective, "metric", None))]
+    problems = []
+    for name, reference in places:
+        if reference is None or reference in BUILT_IN_FUNCTIONS:
+            continue
+        try:
+            load_user_function(reference, name)
+        except UserFunctionError as error:
+            line = _line_of(name, lines)
+            problems.append(f"{source}:{line}: {error}" if line else f"{source}: {error}")
+    if problems:
+        raise SpecError("\n".join(problems))
+
+
 def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None, text: str | None = None) -> SweepSpec:
     """A sweep from its parsed YAML / JSON: relative paths (the job's data, the output folder) against
     `base_dir` (None: they must be absolute: the service's machine cannot know what they are relative to).
@@ -66,6 +109,7 @@ def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None, text: str 
         elif not Path(value).expanduser().is_absolute():
             raise SpecError(f"{source}: {name}: {value} is a relative path; give an absolute path on the service's "
                             "machine (or a storage URI)")
+    _resolve_function_files(data, source, base_dir)
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as error:
@@ -86,6 +130,7 @@ def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None, text: str 
         except ValueError as error:
             line = _line_of(str(error).split(": ", 1)[0], lines)
             raise SpecError(f"{source}:{line}: {error}" if line else f"{source}: {error}") from None
+    _check_functions(spec, source, lines)
     return spec
 
 

@@ -10,7 +10,6 @@ batch serves every length."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import greedy_generate_many
 from actors.engine.models import BaseModel
 from actors.spec.evaluation_config import GenerationEval
+from actors.spec.user_functions import load_user_function
 
 Metric = Callable[[str, dict], float]
 
@@ -58,8 +58,7 @@ def metric_function(config: GenerationEval) -> Metric:
             return float(expected is not None and _answer(pattern, prediction) == expected)
 
         return regex
-    module, _, name = config.metric.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return load_user_function(config.metric, "eval_generate.metric")
 
 
 def scored_rows(examples: Sequence[Example], base: BaseModel, limit: int | None) -> list[ScoredRow]:

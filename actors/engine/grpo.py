@@ -24,7 +24,6 @@ that job fails, the others go on (the trainer loop). Every operation here is on 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import PreferenceOutcome, reference_layout, targets_of_rows
 from actors.spec.evaluation_config import GenerationEval
 from actors.spec.method_config import GrpoConfig
+from actors.spec.user_functions import UserFunctionError, load_user_function
 
 Reward = Callable[[list[str], list[str], list[dict]], Sequence[float]]
 
@@ -79,13 +79,10 @@ def reward_function(config: GrpoConfig) -> Reward:
     if config.reward in ("exact_match", "contains", "regex"):
         metric = metric_function(GenerationEval(metric=config.reward, pattern=config.pattern))
         return lambda prompts, completions, rows: [metric(c, row) for c, row in zip(completions, rows, strict=True)]
-    module, _, name = config.reward.partition(":")
     try:
-        function = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as error:
-        raise RewardError(f"grpo.reward '{config.reward}' cannot be imported ({error}); put its module on the "
-                          "trainers' PYTHONPATH") from None
-    return function
+        return load_user_function(config.reward, "grpo.reward")
+    except UserFunctionError as error:
+        raise RewardError(str(error)) from None
 
 
 def scored_rewards(reward: Reward, config: GrpoConfig, prompts: list[str], completions: list[str],

@@ -8,7 +8,8 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from actors.spec.field_types import USER_METRIC_PATTERN, Bounds, StrictModel
+from actors.spec.field_types import Bounds, StrictModel
+from actors.spec.user_functions import check_reference
 
 
 class EarlyStopConfig(StrictModel):
@@ -39,8 +40,9 @@ class GenerationEval(StrictModel):
 
     metric: str = Field(description="exact_match (the stripped texts are equal), contains (the target text is in "
                                     "the continuation), regex (`pattern` finds the same answer in both: its first "
-                                    "group, or the whole match), or module:function, called as function(prediction, "
-                                    "row) -> float with row {prompt, reference} (texts)")
+                                    "group, or the whole match), or module:function or file.py:function (a file "
+                                    "relative to the jobs file), called as function(prediction, row) -> float with "
+                                    "row {prompt, reference} (texts)")
     pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
     max_new_tokens: Annotated[int, Bounds(1, 4096)] = Field(64, description="the longest continuation (it also "
                                                                           "ends at the tokenizer's EOS)")
@@ -50,22 +52,8 @@ class GenerationEval(StrictModel):
     @field_validator("metric")
     @classmethod
     def _known_metric(cls, value: str) -> str:
-        if value in GENERATION_METRICS:
-            return value
-        if not re.match(USER_METRIC_PATTERN, value):
-            raise ValueError(f"'{value}' is neither {', '.join(GENERATION_METRICS)} nor module:function (a "
-                             "function(prediction, row) -> float that Python can import)")
-        import importlib
-
-        module, _, function = value.partition(":")
-        try:
-            found = getattr(importlib.import_module(module), function, None)
-        except ImportError as error:
-            raise ValueError(f"cannot import module '{module}' of metric '{value}' ({error}); put it on PYTHONPATH "
-                             "(or in the Ray job's working_dir)") from None
-        if not callable(found):
-            raise ValueError(f"module '{module}' has no function '{function}' (metric '{value}')")
-        return value
+        return check_reference(value, "eval_generate.metric", GENERATION_METRICS, "function(prediction, row) -> "
+                               "float")
 
     @model_validator(mode="after")
     def _pattern_with_regex(self) -> GenerationEval:

@@ -147,7 +147,3 @@ def _whole_number(bounds: Bounds) -> TypeAdapter:
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-USER_METRIC_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
-"""A function of yours, `module:function`: a generation metric or a reward."""

@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from actors.spec.field_types import USER_METRIC_PATTERN, Bounds, StrictModel
+from actors.spec.field_types import Bounds, StrictModel
+from actors.spec.user_functions import check_reference
 
 
 class PreferenceConfig(StrictModel):
@@ -37,7 +38,8 @@ class GrpoConfig(StrictModel):
 
     reward: str = Field(description="exact_match (the completion, stripped, equals the row's target text), "
                                     "contains, regex (`pattern` finds the same answer in both), or "
-                                    "module:function, called as function(prompts, completions, rows) -> list of "
+                                    "module:function or file.py:function (a file relative to the jobs "
+                                    "file), called as function(prompts, completions, rows) -> list of "
                                     "floats with rows [{prompt, reference}] (texts), one reward per completion")
     pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
     num_generations: Annotated[int, Bounds(2, 256)] = Field(8, description="completions sampled per prompt (G)")
@@ -59,12 +61,8 @@ class GrpoConfig(StrictModel):
     @field_validator("reward")
     @classmethod
     def _known_reward(cls, value: str) -> str:
-        if value in REWARDS:
-            return value
-        if not re.match(USER_METRIC_PATTERN, value):
-            raise ValueError(f"'{value}' is neither {', '.join(REWARDS)} nor module:function (a "
-                             "function(prompts, completions, rows) -> list of floats that Python can import)")
-        return value
+        return check_reference(value, "grpo.reward", REWARDS, "function(prompts, completions, rows) -> list of "
+                               "floats")
 
     @model_validator(mode="after")
     def _pattern_for_regex(self) -> GrpoConfig:

@@ -9,6 +9,16 @@ def sevens(prompts: list[str], completions: list[str], rows: list[dict]) -> list
     return [text.split().count("7") / max(len(text.split()), 1) for text in completions]
 
 
+def shorter(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    """Higher for shorter completions (a reward that varies within any group of sampled texts)."""
+    return [1.0 / (1 + len(text)) for text in completions]
+
+
+def score_mean(prediction: str, row: dict) -> float:
+    """A generation metric of the user's: the share of the reference's characters found in the prediction."""
+    return sum(char in prediction for char in row["reference"]) / max(len(row["reference"]), 1)
+
+
 def raises(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
     raise RuntimeError("the reward service is down")
 

@@ -170,7 +170,7 @@ def test_a_grpo_job_fused_with_sft_and_dpo_jobs_trains_exactly_as_alone():
 @pytest.mark.parametrize(("reward", "message"), [
     ("tests.helpers.rewards:raises", "raised RuntimeError: the reward service is down"),
     ("tests.helpers.rewards:too_few", "returned 1 rewards for 8 completions"),
-    ("tests.helpers.rewards:no_such_function", "cannot be imported")])
+    ("tests.helpers.rewards:no_such_function", "tests.helpers.rewards has no function 'no_such_function'")])
 def test_a_failing_reward_fails_its_job_alone(reward, message):
     base = _number_base()
     trainer = FusedTrainer(base)
@@ -234,6 +234,67 @@ def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_m
     assert all(0.0 <= row["reward"] <= 1.0 and row["kl"] >= 0 for row in rows), rows
     assert "eval_score" in rows[-1]
     assert (Path(results["grpo"].adapter_dir) / "adapter_config.json").is_file()
+
+
+def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_functions_imported(
+        tiny_model_dirs, tmp_path):
+    """`reward: rewards.py:shorter` and `metric: rewards.py:score_mean`, a file beside the jobs file (named relative
+    to it), run by `aspen run --in-process` from another folder: the job ends with the adapter and scores of the
+    same job naming the same functions as an importable module (`tests.helpers.rewards:...`), trained by the
+    in-process service. The module form of a file that is not importable is refused before anything starts,
+    at its line, saying to name the file."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from actors.service.scheduler.local_run import train_locally
+    from orchestrator.jobs_file import SpecError, load_run_spec
+    from tests.helpers.service import adapter_tensors, job_dict, write_task_data
+
+    repo = Path(__file__).resolve().parents[3]
+    folder = tmp_path / "project"
+    data = write_task_data(folder / "data", "arith")
+    shutil.copy(repo / "tests" / "helpers" / "rewards.py", folder / "rewards.py")
+
+    def jobs(reward: str, metric: str, output: str) -> dict:
+        job = job_dict("grpo", data, 3, method="grpo", batch_size=2, eval_split=4, eval_every=3,
+                       grpo={"reward": reward, "num_generations": 3, "max_new_tokens": 6},
+                       eval_generate={"metric": metric, "max_new_tokens": 6})
+        return {"base_model": str(tiny_model_dirs["llama"]), "output_dir": output, "step_tokens": 2048, "jobs": [job]}
+
+    (folder / "jobs.yaml").write_text(yaml.safe_dump(jobs("rewards.py:shorter", "rewards.py:score_mean", "out")))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "--quiet",
+                           str(folder / "jobs.yaml")], cwd=elsewhere, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    (folder / "module.yaml").write_text(yaml.safe_dump(jobs("tests.helpers.rewards:shorter",
+                                                            "tests.helpers.rewards:score_mean", "reference")))
+    (reference,) = train_locally(load_run_spec(folder / "module.yaml"), progress=False)
+    assert reference.state == "completed", reference.reason
+    got, want = adapter_tensors(folder / "out" / "grpo"), adapter_tensors(Path(reference.adapter_dir))
+    assert set(got) == set(want) and all(torch.equal(got[name], want[name]) for name in want)
+    assert any(float(t.abs().max()) > 0 for name, t in want.items() if "lora_B" in name)   # it learned something
+
+    def metrics(path: Path) -> list[dict]:
+        return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+    assert metrics(folder / "out" / "grpo") == metrics(Path(reference.adapter_dir))
+    assert "eval_score" in metrics(folder / "out" / "grpo")[-1]
+
+    (folder / "jobs.yaml").write_text(yaml.safe_dump(jobs("rewards:shorter", "exact_match", "out")))
+    with pytest.raises(SpecError) as refused:
+        load_run_spec(folder / "jobs.yaml")
+    message = str(refused.value)
+    assert "jobs.yaml:" in message and "field grpo.reward: 'rewards:shorter': cannot import module 'rewards'" in message
+    assert "(grpo.reward: rewards.py:shorter, relative to the jobs file)" in message, message
 
 
 def test_sampling_that_runs_out_of_memory_fails_its_job_alone(monkeypatch):

@@ -51,3 +51,30 @@ def test_a_refusal_names_the_line_and_the_field(tmp_path, fields, expected):
 def test_paths_are_the_files_folders(tmp_path):
     spec = load_sweep_spec(write(tmp_path))
     assert str(spec.job.data) == str(tmp_path / "qa.jsonl") and str(spec.output_dir) == str(tmp_path / "runs/lr-rank")
+
+
+def test_a_metric_named_by_its_file_is_the_sweep_files_and_one_that_does_not_load_is_refused_at_its_line(tmp_path):
+    """objective: {metric: metrics.py:overlap}: the file beside the sweep file, loaded as the trials will load it
+    (the same function object, called on a row); a module that cannot be imported, a file without the function,
+    one that raises as it runs or is not there, is refused before the sweep starts, at the objective's line."""
+    from actors.spec.user_functions import load_user_function
+
+    (tmp_path / "metrics.py").write_text("def overlap(prediction, row):\n"
+                                         "    return float(row['reference'] in prediction)\n")
+    path = write(tmp_path)
+    text = path.read_text()
+    path.write_text(text + "objective: {metric: metrics.py:overlap, max_new_tokens: 8}\n")
+    spec = load_sweep_spec(path)
+    assert spec.objective.metric == f"{tmp_path / 'metrics.py'}:overlap"
+    function = load_user_function(spec.objective.metric, "objective.metric")
+    assert function("it is 42.", {"prompt": "", "reference": "42"}) == 1.0
+    assert function is load_user_function(spec.objective.metric, "objective.metric")   # loaded once a process
+    (tmp_path / "broken.py").write_text("RATE = 1 / 0\n")
+    for metric, expected in (("metrics:overlap", "cannot import module 'metrics'"),
+                             ("metrics.py:nothing", "metrics.py has no function 'nothing'"),
+                             ("broken.py:f", "broken.py raised ZeroDivisionError: division by zero"),
+                             ("gone.py:f", "gone.py does not exist")):
+        path.write_text(text + f"objective: {{metric: '{metric}', max_new_tokens: 8}}\n")
+        with pytest.raises(SpecError) as caught:
+            load_sweep_spec(path)
+        assert f"{path}:17: objective.metric '" in str(caught.value) and expected in str(caught.value), caught.value

@@ -46,8 +46,6 @@ def test_builtin_metrics_score_texts_as_documented():
     ({"metric": "regex"}, "eval_generate", "needs `pattern`"),
     ({"metric": "regex", "pattern": "(unclosed"}, "eval_generate", "not a regular expression"),
     ({"metric": "contains", "pattern": "x"}, "eval_generate", "applies to metric regex"),
-    ({"metric": "tests.helpers.metrics:missing"}, "eval_generate.metric", "has no function 'missing'"),
-    ({"metric": "no_such_module_here:f"}, "eval_generate.metric", "cannot import module"),
     ({"metric": "contains", "max_new_tokens": 0}, "eval_generate.max_new_tokens", "between 1 and 4096"),
 ])
 def test_bad_settings_are_refused_naming_the_field(tmp_path, settings, field, words):
@@ -56,6 +54,24 @@ def test_bad_settings_are_refused_naming_the_field(tmp_path, settings, field, wo
         JobSpec.model_validate(job)
     text = str(caught.value)
     assert field in text and words in text, text
+
+
+@pytest.mark.parametrize("metric, words", [
+    ("tests.helpers.metrics:missing", "tests.helpers.metrics has no function 'missing'"),
+    ("no_such_module_here:f", "cannot import module 'no_such_module_here'"),
+    ("metrics.py:f", "metrics.py does not exist")])
+def test_a_metric_of_the_users_that_does_not_load_is_refused_when_the_jobs_file_is_read(tmp_path, metric, words):
+    """Loaded as the jobs file is read (where the user runs aspen), not when a job's spec is validated: the
+    scheduler reads its table's specs in a process that need not import the user's code."""
+    from orchestrator.jobs_file import SpecError, parse_run_spec
+
+    (tmp_path / "q.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    job = job_dict("q", tmp_path / "q.jsonl", 4, eval_split=4, eval_generate={"metric": metric})
+    assert JobSpec.model_validate(job).eval_generate.metric == metric
+    with pytest.raises(SpecError) as caught:
+        parse_run_spec({"jobs": [job]}, base_dir=tmp_path)
+    text = str(caught.value)
+    assert "job 'q' (jobs[0]), field eval_generate.metric: '" in text and words in text, text
 
 
 def test_a_job_without_eval_rows_or_with_preference_pairs_is_refused(tmp_path):

@@ -26,7 +26,6 @@ from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
-from actors.spec.trainer_settings import MAX_STEP_TOKENS
 from actors.storage.storage_uri import is_uri, resolve_location
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
@@ -152,13 +151,13 @@ class Client:
         """Submit one job: a `JobSpec`, a `JobSubmission`, a dict of job fields, or a jobs YAML file with
         one job (use `submit_run` for several). A bad spec raises `SpecError` here, not later."""
         if isinstance(spec, (str, Path)):
-            run = load_run_spec(spec)
+            run = load_run_spec(spec, for_a_service=True)
             if len(run.jobs) != 1:
                 raise SpecError(f"{spec}: has {len(run.jobs)} jobs; submit it with submit_run() (or "
                                 "`aspen submit`) to get one handle per job")
             return self.submit_run(run)[0]
         if isinstance(spec, dict) and "jobs" in spec:
-            run = parse_run_spec(spec, source="<dict>", base_dir=Path.cwd())
+            run = parse_run_spec(spec, source="<dict>", base_dir=Path.cwd(), for_a_service=True)
             if len(run.jobs) != 1:
                 raise SpecError(f"<dict>: has {len(run.jobs)} jobs; use submit_run() for several")
             return self.submit_run(run)[0]
@@ -176,8 +175,8 @@ class Client:
         if isinstance(spec, dict):
             # the service checks the micro-batch against its trainers' steps; here only the spec's own values
             run = parse_run_spec({"base_model": base_model, "quantization": quantization, "dtype": dtype,
-                                  "seed": seed, "step_tokens": MAX_STEP_TOKENS, "jobs": [spec]}, source="<job>",
-                                 base_dir=Path.cwd())
+                                  "seed": seed, "jobs": [spec]}, source="<job>", base_dir=Path.cwd(),
+                                 for_a_service=True)
             spec = run.jobs[0]
         if not isinstance(spec, JobSpec):
             raise SpecError(f"expected a JobSpec, a JobSubmission or a dict of job fields, got {type(spec).__name__}")
@@ -198,7 +197,7 @@ class Client:
         where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses folders
         outside its root)."""
         if not isinstance(run, RunSpec):
-            run = load_run_spec(run)
+            run = load_run_spec(run, for_a_service=True)
         if "output_dir" not in run.model_fields_set:
             return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()])
         run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})

@@ -15,7 +15,7 @@ from actors.spec.evaluation_config import GENERATION_METRICS
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.method_config import REWARDS
-from actors.spec.run_spec import RunSpec
+from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
 from actors.spec.user_functions import UserFunctionError, load_user_function, with_file_resolved
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
@@ -233,8 +233,9 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
 
 
 def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None = None,
-                   text: str | None = None, check_files: bool = True) -> RunSpec:
-    """Validate a run spec given as a dict; relative paths are taken from `base_dir`."""
+                   text: str | None = None, check_files: bool = True, for_a_service: bool = False) -> RunSpec:
+    """Validate a run spec given as a dict; relative paths are taken from `base_dir`. `for_a_service`: its jobs
+    are submitted to a running service, whose trainers' steps (not the file's `step_tokens`) bound a micro-batch."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping with base_model, jobs, ... at the top level")
     data = dict(data)
@@ -243,7 +244,7 @@ def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None =
     if base_dir is not None:
         _resolve_paths(data, base_dir)
     try:
-        spec = RunSpec.model_validate(data)
+        spec = RunSpec.model_validate(data, context={FOR_A_SERVICE: for_a_service})
     except ValidationError as error:
         raise SpecError(_describe(error, data, source, lines)) from None
     if check_files:
@@ -251,7 +252,7 @@ def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None =
     return spec
 
 
-def load_run_spec(path: str | Path, *, check_files: bool = True) -> RunSpec:
+def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: bool = False) -> RunSpec:
     """Read and validate a jobs YAML file; data paths are relative to the file's folder."""
     path = Path(path)
     if not path.is_file():
@@ -265,7 +266,7 @@ def load_run_spec(path: str | Path, *, check_files: bool = True) -> RunSpec:
     except yaml.YAMLError as error:
         raise SpecError(f"{path}: not valid YAML: {error}") from None
     return parse_run_spec(data, source=str(path), base_dir=path.parent.resolve(), text=text,
-                          check_files=check_files)
+                          check_files=check_files, for_a_service=for_a_service)
 
 
 def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:

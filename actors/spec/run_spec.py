@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
@@ -27,6 +27,10 @@ from actors.spec.trainer_settings import (
     step_tokens_floor,
 )
 
+FOR_A_SERVICE = "for_a_service"
+"""Validation context key: the run's jobs are submitted to a running service, which ignores the file's
+`step_tokens` (its trainers have their own, against which it checks each job's micro-batch as it is submitted);
+the file's own step is not checked then."""
 
 class RunSpec(StrictModel):
     """A `jobs.yaml` file: one base model and the jobs that share it."""
@@ -89,7 +93,9 @@ class RunSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _micro_batches_fit_a_step(self) -> RunSpec:
+    def _micro_batches_fit_a_step(self, info: ValidationInfo) -> RunSpec:
+        if (info.context or {}).get(FOR_A_SERVICE):   # its jobs go to a service, whose trainers' steps decide
+            return self
         problems = []
         for index, job in enumerate(self.jobs):
             problem = step_limit_problem(job, step_tokens_floor(self.step_tokens), named=False)

@@ -135,7 +135,8 @@ def cmd_losses(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    check_data_rows(load_run_spec(args.file))   # a bad row or template refused here, before anything is submitted
+    # a bad row or template refused here, before anything is submitted
+    check_data_rows(load_run_spec(args.file, for_a_service=True))
     handles = connect_service(args).submit_run(args.file)
     if args.json:
         print(json.dumps([{"id": h.id, "name": h.name} for h in handles], indent=1))

@@ -190,7 +190,7 @@ class HttpClient:
         """Every job of a jobs YAML file (or `RunSpec`), all or none. Relative paths in a file are taken from
         its folder (here); the file's `output_dir`, where it sets one, holds one folder per job."""
         if not isinstance(run, RunSpec):
-            run = load_run_spec(run, check_files=False)   # the service checks its own files
+            run = load_run_spec(run, check_files=False, for_a_service=True)   # the service checks its files
         return self._submit(as_request(run))
 
     def submit_many(self, specs: Iterable[JobSpec | dict], **run_settings: Any) -> list[HttpJobHandle]:

@@ -192,7 +192,7 @@ def submissions_from(data: Any, *, text: str | None = None, output_root: str | N
     if problems:
         raise _refuse(problems, single_job, names)
     try:
-        run = parse_run_spec(data, source="request", text=text, check_files=False)
+        run = parse_run_spec(data, source="request", text=text, check_files=False, for_a_service=True)
     except SpecError as error:
         problems = []
         try:

@@ -174,6 +174,8 @@ def test_a_micro_batch_larger_than_a_step_names_job_numbers_and_fix(tmp_path):
     assert "job 'gsm8k-r8'" in str(error.value) and "job 'second'" in str(error.value)
     # exactly a step's worth fits
     assert load_run_spec(write(tmp_path, with_line(GOOD, "step_tokens:", "step_tokens: 2048"))).step_tokens == 2048
+    # submitted to a service, the file's step_tokens bounds nothing: the service checks its trainers' steps
+    assert load_run_spec(write(tmp_path, two), for_a_service=True).jobs[1].name == "second"
 
 
 def test_step_limit_problem_is_what_the_service_checks_at_submit():

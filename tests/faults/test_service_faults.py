@@ -267,5 +267,16 @@ def test_a_micro_batch_no_trainer_can_step_is_refused_at_submit(ray_session, tin
         with pytest.raises(SpecError, match=r"batch_size: must be between 1 and 65536"):
             client.submit({**job_dict("absurd", data, 5), "batch_size": 1_000_000_000_000}, base_model=str(base))
         assert client.jobs() == []     # nothing entered
+        # a jobs file's own step_tokens is not the service's: its trainers' steps (512 tokens) bound a micro-batch
+        files = {"big": (100_000, 8), "fits": (256, 4)}   # step_tokens in the file, batch_size (x max_seq_len 128)
+        for name, (step_tokens, batch_size) in files.items():
+            (tmp_path / f"{name}.yaml").write_text(json.dumps({
+                "base_model": str(base), "step_tokens": step_tokens,
+                "jobs": [{**job_dict(name, data, 2), "batch_size": batch_size}]}))
+        with pytest.raises(ValueError, match=r"8 \* max_seq_len 128 = 1024 tokens per micro-batch exceeds step_tokens "
+                                             r"512"):
+            client.submit_run(tmp_path / "big.yaml")
+        (handle,) = client.submit_run(tmp_path / "fits.yaml")   # 512 tokens: over the file's 256, within the step
+        assert handle.wait(timeout=300).state == "completed"
     finally:
         client.shutdown()

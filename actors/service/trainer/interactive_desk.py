@@ -107,7 +107,8 @@ class InteractiveDesk:
         """Queue a call; its outcome waits for `front` under the key returned."""
         if not callable(payload) and kind == "apply":
             raise TypeError(f"an apply call's payload must be callable, not {type(payload).__name__}")
-        return self._track(front, self.calls.submit(model_id, seq_id, kind, payload), model_id, kind, seq_id)
+        lr = getattr(payload, "learning_rate", None) if kind == "optim_step" else None   # the step's, for progress
+        return self._track(front, self.calls.submit(model_id, seq_id, kind, payload), model_id, kind, seq_id, lr)
 
     def sample(self, front: str, call: Any) -> str:
         return self._track(front, self.calls.submit_sample(call), None, "sample")
@@ -189,13 +190,14 @@ class InteractiveDesk:
             return sorted({model.job_id for model in self.models.values()})
 
     # -- outcomes, on the stepping thread -------------------------------------------------------------------
-    def _track(self, front: str, future: Future, model_id: str | None, kind: str, seq: int | None = None) -> str:
+    def _track(self, front: str, future: Future, model_id: str | None, kind: str, seq: int | None = None,
+               lr: float | None = None) -> str:
         key = f"{self.trainer_id}:{next(self.keys)}"
-        future.add_done_callback(lambda done: self._finished(front, key, done, model_id, kind, seq))
+        future.add_done_callback(lambda done: self._finished(front, key, done, model_id, kind, seq, lr))
         return key
 
     def _finished(self, front: str, key: str, future: Future, model_id: str | None, kind: str,
-                  seq: int | None) -> None:
+                  seq: int | None, lr: float | None = None) -> None:
         """A call ended (on the stepping thread, before the model's next call runs): its outcome for the front;
         an optimizer step is the job's progress, and every `checkpoint_every` steps its checkpoint."""
         error = future.exception()
@@ -205,13 +207,14 @@ class InteractiveDesk:
         else:
             checkpoint = None
             if model_id is not None:
-                checkpoint = self._account(model_id, kind, future.result(), seq)
+                checkpoint = self._account(model_id, kind, future.result(), seq, lr)
             outcome = Outcome(key, value=future.result(), checkpoint_seq=checkpoint)
         with self.lock:
             self.outcomes.setdefault(front, []).append(outcome)
 
-    def _account(self, model_id: str, kind: str, value: Any, seq: int | None) -> int | None:
-        """Book a call's end; the seq_id of the checkpoint written after it, if one was."""
+    def _account(self, model_id: str, kind: str, value: Any, seq: int | None, lr: float | None = None) -> int | None:
+        """Book a call's end (an optimizer step's learning rate `lr`); the seq_id of the checkpoint written after
+        it, if one was."""
         with self.lock:
             model = self.models.get(model_id)
         if model is None:
@@ -223,7 +226,7 @@ class InteractiveDesk:
             model.step += 1
             loss = model.loss_sum if model.calls else None
             self.events.emit("progress", model.job_id, model.step, step=model.step, loss=loss, tokens=model.tokens,
-                             lr=None, grad_norm=(value or {}).get("grad_norm:mean"), tokens_per_s=None)
+                             lr=lr, grad_norm=(value or {}).get("grad_norm:mean"), tokens_per_s=None)
             model.tokens, model.loss_sum, model.calls = 0, 0.0, 0
             if (seq is not None and model.output_dir and self.checkpoint_every
                     and model.step % self.checkpoint_every == 0 and model_id in self.calls.models):

@@ -69,6 +69,7 @@ def test_calls_outcomes_progress_checkpoints_and_resuming_from_one(tmp_path):
     assert [row["kind"] for row in rows] == ["interactive"] * 3 and rows[0]["jobs"] == ["job-1"]
     progress = [e for e in happened if e.kind == "progress"]
     assert [(e.step, e.data["tokens"]) for e in progress] == [(1, tokens), (2, tokens), (3, tokens)]
+    assert [e.data["lr"] for e in progress] == [0.05] * 3   # each optimizer step's own learning rate
     assert [(e.kind, e.step) for e in happened if e.kind == "checkpoint"] == [("checkpoint", 2)]
 
     again, _ = desk_of([])   # its trainer lost: a new one, a fresh base

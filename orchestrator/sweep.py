@@ -78,9 +78,11 @@ def _check_functions(spec: SweepSpec, source: str, lines: dict) -> None:
               ("job.eval_generate.metric", job.eval_generate.metric if job.eval_generate else None),
               ("objective.metric", getattr(spec.objective, "metric", None))]
     problems = []
-    for name, reference in places:
-        if reference is None or reference in BUILT_IN_FUNCTIONS:
+    checked = set()
+    for name, reference in reversed(places):   # the objective's metric is also the job's: named once, as objective
+        if reference is None or reference in BUILT_IN_FUNCTIONS or reference in checked:
             continue
+        checked.add(reference)
         try:
             load_user_function(reference, name)
         except UserFunctionError as error:

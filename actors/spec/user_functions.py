@@ -52,9 +52,9 @@ def load_user_function(reference: str, what: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
         except ImportError as error:
             raise UserFunctionError(
-                f"{what} '{reference}': cannot import module '{where}' ({error}); for a file of yours beside the "
-                f"jobs file, name the file instead ({what}: {where.replace('.', '/')}.py:{name}, relative to the "
-                "jobs file), else put its module on the trainers' PYTHONPATH") from None
+                f"{what} '{reference}': cannot import module '{where}' ({error}); for a file of yours, name the file "
+                f"instead ({what}: {where.replace('.', '/')}.py:{name}, relative to the jobs or sweep file), else put "
+                "its module on the trainers' PYTHONPATH") from None
     function = getattr(module, name, None)
     if not callable(function):
         raise UserFunctionError(f"{what} '{reference}': {where} has no function '{name}'")

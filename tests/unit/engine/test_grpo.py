@@ -294,7 +294,7 @@ def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_
         load_run_spec(folder / "jobs.yaml")
     message = str(refused.value)
     assert "jobs.yaml:" in message and "field grpo.reward: 'rewards:shorter': cannot import module 'rewards'" in message
-    assert "(grpo.reward: rewards.py:shorter, relative to the jobs file)" in message, message
+    assert "(grpo.reward: rewards.py:shorter, relative to the jobs or sweep file)" in message, message
 
 
 def test_sampling_that_runs_out_of_memory_fails_its_job_alone(monkeypatch):

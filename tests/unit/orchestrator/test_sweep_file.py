@@ -78,3 +78,4 @@ def test_a_metric_named_by_its_file_is_the_sweep_files_and_one_that_does_not_loa
         with pytest.raises(SpecError) as caught:
             load_sweep_spec(path)
         assert f"{path}:17: objective.metric '" in str(caught.value) and expected in str(caught.value), caught.value
+        assert "job.eval_generate" not in str(caught.value)   # the objective's metric named once, as the objective

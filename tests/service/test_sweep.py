@@ -93,7 +93,7 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
         jobs = {record.name: record for record in client.jobs()}
         assert len(jobs) == 4
         assert all(jobs[t["name"]].state == "cancelled" and jobs[t["name"]].step < STEPS for t in hopeless)
-        board = {"trials": status["trials"], "best": status["best"]}
+        board = {"name": "lr", "trials": status["trials"], "best": status["best"]}
         assert json.loads((tmp_path / "out" / "leaderboard.json").read_text()) == board
         assert (tmp_path / "out" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert client.sweeps() == [client.sweep_status("lr")]
@@ -101,6 +101,7 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
                                 "--json"], capture_output=True, text=True,
                                env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"})   # from the folder: no service
         assert shown.returncode == 0 and json.loads(shown.stdout)["trials"] == status["trials"], shown
+        assert json.loads(shown.stdout)["name"] == "lr"   # the sweep's name, not its folder's ("out")
         # the same sweep again (as `aspen sweep FILE` run again submits it) is the one that ran: nothing starts
         assert client.sweep(tmp_path / "sweep.yaml")["state"] == "done" and len(client.jobs()) == 4
         with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):

@@ -103,7 +103,8 @@ class SweepBook:
         folder = Path(driver.spec.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         board = driver.run.leaderboard()
-        write_durably(folder / LEADERBOARD_FILE, json.dumps(board, indent=1))
+        # named, so that `aspen sweep status FOLDER` says which sweep it was (the folder is any name)
+        write_durably(folder / LEADERBOARD_FILE, json.dumps({"name": driver.spec.name, **board}, indent=1))
         write_report(folder / REPORT_FILE, driver.spec, board, driver.curves())
 
 

@@ -89,7 +89,7 @@ def test_a_sweep_runs_to_its_end_and_a_failing_one_stops_alone(tmp_path):
     assert good["state"] == "done" and good["best"] == "qa-t0" and good["error"] is None
     assert doomed["state"] == "failed" and "doomed.json" in doomed["error"]
     board = json.loads((tmp_path / "b" / "good" / "leaderboard.json").read_text())
-    assert board == {"trials": good["trials"], "best": "qa-t0"}
+    assert board == {"name": "good", "trials": good["trials"], "best": "qa-t0"}
     assert (tmp_path / "b" / "good" / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 

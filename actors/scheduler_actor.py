@@ -85,7 +85,8 @@ class SchedulerActor:
         self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
                                   on_decision=self.listeners.decided, trainers=kinds,
                                   output_root=self.config.output_root, data_roots=self.config.data_roots,
-                                  fair_share_window_s=self.config.fair_share_window_s)
+                                  fair_share_window_s=self.config.fair_share_window_s,
+                                  user_functions=self.config.user_functions)
         self.lock = threading.RLock()
         self.intake = EventIntake(self.table, self.core, self.state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))

@@ -217,17 +217,15 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
             prefix = f"{source}:{line}: " if line else f"{source}: "
             problem = hub_id_problem(str(job.data)) or f"file {job.data} does not exist"
             missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: {problem}")
-        for section, key in USER_FUNCTIONS:   # a function of the user's loads here, not first on a trainer
-            reference = getattr(getattr(job, section), key, None) if getattr(job, section) is not None else None
-            if reference is None or reference in BUILT_IN_FUNCTIONS:
-                continue
+        for field, reference in job.user_functions():   # a function of the user's loads here, not on a trainer
             try:
-                load_user_function(reference, f"{section}.{key}")
+                load_user_function(reference, field)
             except UserFunctionError as error:
+                section, key = field.split(".")
                 line = lines.get(("jobs", index, section, key)) or lines.get(("jobs", index, section))
                 prefix = f"{source}:{line}: " if line else f"{source}: "
-                problem = str(error).removeprefix(f"{section}.{key} ")
-                missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {section}.{key}: {problem}")
+                problem = str(error).removeprefix(f"{field} ")
+                missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {field}: {problem}")
     if missing:
         raise SpecError("\n".join(missing))
 

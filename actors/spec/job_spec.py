@@ -13,10 +13,10 @@ from pydantic_core import PydanticCustomError
 
 from actors.data import DataFormat
 from actors.data.locations import hub_id_problem
-from actors.spec.evaluation_config import EarlyStopConfig, GenerationEval
+from actors.spec.evaluation_config import GENERATION_METRICS, EarlyStopConfig, GenerationEval
 from actors.spec.field_types import JOB_NAME_PATTERN, Bounds, Location, Priority, Seed, StepCount, StrictModel
 from actors.spec.lora_config import LoraConfig
-from actors.spec.method_config import PREFERENCE_METHODS, GrpoConfig, PreferenceConfig
+from actors.spec.method_config import PREFERENCE_METHODS, REWARDS, GrpoConfig, PreferenceConfig
 from actors.spec.tracking_config import TrackingConfig
 from actors.storage.storage_uri import StorageURI
 
@@ -183,6 +183,15 @@ class JobSpec(StrictModel):
         if self.grpo is not None:
             return self.grpo.num_generations
         return 2 if self.method in PREFERENCE_METHODS else 1
+
+    def user_functions(self) -> list[tuple[str, str]]:
+        """The functions of the user's that the job calls (actors/spec/user_functions.py), each as (its field, its
+        reference): a grpo reward and a generation metric that are not built in."""
+        named = [("grpo.reward", self.grpo.reward if self.grpo else None, REWARDS),
+                 ("eval_generate.metric", self.eval_generate.metric if self.eval_generate else None,
+                  GENERATION_METRICS)]
+        return [(field, reference) for field, reference, built_in in named
+                if reference is not None and reference not in built_in]
 
     @model_validator(mode="after")
     def _has_budget(self) -> JobSpec:

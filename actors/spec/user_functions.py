@@ -16,6 +16,8 @@ from typing import Any
 
 USER_FUNCTION_PATTERN = r"^(?:[A-Za-z_][A-Za-z0-9_.]*|[^:]+\.py):[A-Za-z_][A-Za-z0-9_]*$"
 """`module:function` or `path/to/file.py:function`."""
+ALLOWED_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:(?:[A-Za-z_][A-Za-z0-9_]*|\*)$"
+"""What a service may allow its users' jobs to name (`user_functions`): `module:function`, or `module:*`."""
 
 
 class UserFunctionError(ValueError):
@@ -80,6 +82,21 @@ def _module_of_file(path: Path, what: str, reference: str) -> Any:
         raise UserFunctionError(f"{what} '{reference}': running {path} raised {type(error).__name__}: "
                                 f"{error}") from error
     return module
+
+
+def check_allowed_entry(entry: str) -> str:
+    """An entry of a service's `user_functions`: `module:function` or `module:*`, never a file."""
+    if not re.match(ALLOWED_FUNCTION_PATTERN, entry) or split_reference(entry)[0].endswith(".py"):
+        raise ValueError(f"'{entry}' is not module:function or module:* (a service allows functions of importable "
+                         "modules, not files)")
+    return entry
+
+
+def allowed(reference: str, allowed_functions: list[str]) -> bool:
+    """Whether `reference` is one of `allowed_functions` (`module:function`, or `module:*`: any function of the
+    module itself). A file (file.py:function) never is: a user names no file on the service's machine to run."""
+    where, _ = split_reference(reference)
+    return not where.endswith(".py") and any(entry == reference or entry == f"{where}:*" for entry in allowed_functions)
 
 
 def check_reference(reference: str, what: str, choices: tuple[str, ...], signature: str) -> str:

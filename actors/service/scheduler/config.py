@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
 from actors.spec.field_types import INT64_MAX, Bounds, Location, StrictModel
@@ -24,6 +24,7 @@ from actors.spec.trainer_settings import (
     compile_problem,
     pipeline_problem,
 )
+from actors.spec.user_functions import check_allowed_entry
 from actors.storage.s3_settings import S3Settings, endpoint_problem
 from actors.storage.storage_uri import is_uri
 
@@ -248,6 +249,11 @@ class ServiceConfig(StrictModel):
                           "(`aspen user add --data-root`). None: an operator's and an admin's jobs read anywhere, "
                           "a user's only under their own roots. No job reads the state folder or another user's "
                           "outputs")
+    user_functions: list[Annotated[str, AfterValidator(check_allowed_entry)]] = Field(
+        default_factory=list, description="functions that users' jobs may name as a grpo reward or a generation "
+                                          "metric besides the built-in ones: module:function, or module:* for every "
+                                          "function of a module (users' jobs run them on the trainers: allow only "
+                                          "code you trust). Operators' and admins' jobs may name any")
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="S3 settings every process of the service uses for storage URIs "
                                                    "(the endpoint, the region, which environment variables hold "

@@ -78,18 +78,21 @@ class SchedulerCore:
     def __init__(self, table: JobTable, policy: Policy, state_dir: Path,
                  on_decision: Callable[[str, str, str], None] | None = None, *,
                  trainers: Sequence[TrainerConfig] = (), output_root: Path | str | None = None,
-                 data_roots: Sequence[str] | None = None, fair_share_window_s: float = 3600.0):
+                 data_roots: Sequence[str] | None = None, fair_share_window_s: float = 3600.0,
+                 user_functions: Sequence[str] = ()):
         """`on_decision(kind, job, reason)` hears preemptions and each new reason a queued job waits for
         (`wait_memory`, `wait_slots`, ...: once per job and cause, not every round). `trainers`: the
         service's trainer kinds (a submission whose micro-batch no trainer of its base can step is
         refused). `output_root`: where submitted jobs may write, a path or a storage URI (None: anywhere the
-        service can). `data_roots`: where jobs may read (actors/service/scheduler/data_roots.py)."""
+        service can). `data_roots`: where jobs may read (actors/service/scheduler/data_roots.py). `user_functions`:
+        the functions users' jobs may call besides the built-in ones."""
         self.table = table
         self.on_decision = on_decision
         self.scheduling = SchedulingStates()
         self.statuses: dict[str, TrainerStatus] = {}   # the trainers' last reported status
         self.submissions = Submissions(table, state_dir, trainers=trainers, output_root=output_root,
-                                       statuses=lambda: self.statuses.values(), data_roots=data_roots)
+                                       statuses=lambda: self.statuses.values(), data_roots=data_roots,
+                                       user_functions=user_functions)
         self.fair_share_window_s = fair_share_window_s
         self._standing: dict[str | None, UserShare] | None = None
         self._standing_at = 0.0

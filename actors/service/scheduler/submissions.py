@@ -20,6 +20,7 @@ from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec, step_limit_problem
 from actors.spec.job_submission import JobSubmission
 from actors.spec.trainer_settings import step_tokens_floor
+from actors.spec.user_functions import allowed
 from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
@@ -37,13 +38,15 @@ class SubmissionConflict(SubmissionError):
 class Submissions:
     def __init__(self, table: JobTable, state_dir: Path, *, trainers: Sequence[TrainerConfig] = (),
                  output_root: Path | str | None = None,
-                 statuses: Callable[[], Iterable[TrainerStatus]] = tuple, data_roots: Sequence[str] | None = None):
+                 statuses: Callable[[], Iterable[TrainerStatus]] = tuple, data_roots: Sequence[str] | None = None,
+                 user_functions: Sequence[str] = ()):
         """`trainers`: the service's trainer kinds (a submission whose micro-batch no trainer of its base can
         step is refused). `output_root`: where submitted jobs may write, a path or a storage URI (None:
         anywhere the service can). `statuses`: the trainers' last reported statuses (a job whose adapter
         fits none of them is refused). `data_roots`: where jobs may read (None: an operator's and an admin's
         anywhere; a user's job only under these and their own roots); no job reads the state folder or
-        another user's outputs. A user's job writes under `<output root>/<user>/`."""
+        another user's outputs. A user's job writes under `<output root>/<user>/`. `user_functions`: the functions
+        (`module:function`, `module:*`) a user's job may name as a reward or metric besides the built-in ones."""
         self.table = table
         self.state_dir = Path(state_dir)
         self.trainer_configs = list(trainers)
@@ -53,6 +56,7 @@ class Submissions:
             root = as_location(output_root)
             self.output_root = root if isinstance(root, StorageURI) else root.expanduser().resolve()
         self.data_roots = None if data_roots is None else [as_root(root) for root in data_roots]
+        self.user_functions = list(user_functions)
         self.users = UserBook.in_state_dir(self.state_dir)   # read again only when the file changes
 
     def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
@@ -83,6 +87,7 @@ class Submissions:
                                           "loop (create_lora_training_client; docs/tinker.md), never submitted")
                 user = self._user(submission)
                 self._check_data(submission, user)
+                self._check_functions(submission, user)
                 output_dir = self._output_dir(submission, job_id, self._root_of(user))
                 self._check_limits(submission)
                 other = self.table.writing_to(output_dir, ACTIVE_STATES)
@@ -155,9 +160,11 @@ class Submissions:
                                   f"{self.state_dir / 'users.json'})") from None
 
     def check_reader(self, job: JobSpec, user: str) -> None:
-        """SubmissionError where `user` is not a user of this service or `job`'s data is not theirs to read."""
+        """SubmissionError where `user` is not a user of this service, `job`'s data is not theirs to read or it
+        names a function they may not run."""
         submission = JobSubmission(job=job, user=user)
         self._check_data(submission, self._user(submission))
+        self._check_functions(submission, self._user(submission))
 
     def _outputs(self) -> Path | StorageURI:
         return self.output_root or (self.state_dir / "outputs").resolve()
@@ -184,6 +191,19 @@ class Submissions:
         data = submission.job.data
         if user is not None and not is_uri(str(data)) and not Path(data).expanduser().exists():
             raise SubmissionError(f"data: file {data} does not exist on the service's machine")
+
+    def _check_functions(self, submission: JobSubmission, user: User | None) -> None:
+        """A user's job runs code of theirs on the trainers only where the operator allows it: its reward and
+        generation metric are built in or among the service's `user_functions` (an operator's or admin's may name
+        any). A reward or metric is called with texts the user controls (`builtins:exec` would run them)."""
+        if user is None or user.admin:
+            return
+        for field, reference in submission.job.user_functions():
+            if not allowed(reference, self.user_functions):
+                shown = ", ".join(self.user_functions) or "none"
+                raise SubmissionError(f"{field} '{reference}': a user's job may name only a built-in one or a function "
+                                      f"this service allows (user_functions in its config: {shown}); ask an "
+                                      "operator to allow it")
 
     def _output_dir(self, submission: JobSubmission, job_id: str,
                     root: Path | StorageURI | None) -> Path | StorageURI:

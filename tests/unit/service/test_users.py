@@ -341,3 +341,49 @@ def test_user_set_changes_roots_share_and_quotas_keeping_the_token_and_the_sched
     rows = [row for row in AuditLog.in_state_dir(state).rows() if row["action"] == "user.set"]
     assert [(row["target"], row.get("quotas")) for row in rows] == [("alice", {"queued": 1}),
                                                                      ("alice", {"queued": None})]
+
+
+def test_a_users_job_calls_only_the_functions_the_operator_allows(tmp_path):
+    """A reward or generation metric is code the trainers run on texts the job's user controls (`builtins:exec`
+    as a metric would run whatever the adapter writes): a user's job may name a built-in one, or a function the
+    service's `user_functions` allows (by name, or every function of a module with `module:*`), never a file; an
+    admin's and an operator's (Ray client, no user) jobs may name any. Refused at submit, nothing entered."""
+    from actors.service.scheduler.config import ServiceConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.scheduler.submissions import SubmissionError
+    from actors.service.table.job_table import JobTable
+    from actors.spec.job_submission import JobSubmission
+    from policies.registry import load_policy
+    from tests.helpers.service import job_dict, write_task_data
+
+    state = tmp_path / "state"
+    data = write_task_data(tmp_path / "data", "q")
+    book = UserBook.in_state_dir(state)
+    book.add("root", admin=True)
+    book.add("alice", data_roots=[str(tmp_path / "data")])
+    allowed = ServiceConfig(user_functions=["tests.helpers.metrics:*", "tests.helpers.rewards:shorter"]).user_functions
+    table = JobTable(state / "jobs.sqlite")
+    core = SchedulerCore(table, load_policy("fifo"), state, user_functions=allowed)
+
+    def job(name: str, metric: str, reward: str | None = None) -> dict:
+        extra = {"method": "grpo", "grpo": {"reward": reward, "num_generations": 2, "max_new_tokens": 4}} \
+            if reward else {}
+        return job_dict(name, data, 2, eval_split=2, eval_generate={"metric": metric}, **extra)
+
+    for name, metric, reward in (("ok-1", "contains", None), ("ok-2", "tests.helpers.metrics:recorded", "exact_match"),
+                                 ("ok-3", "exact_match", "tests.helpers.rewards:shorter")):
+        core.submit(JobSubmission(job=job(name, metric, reward), user="alice"))
+    refused = [("builtins:exec", None, "eval_generate.metric 'builtins:exec'"),
+               (f"{tmp_path / 'mine.py'}:f", None, "eval_generate.metric '"),
+               ("contains", "tests.helpers.rewards:raises", "grpo.reward 'tests.helpers.rewards:raises'")]
+    for metric, reward, named in refused:
+        with pytest.raises(SubmissionError) as caught:
+            core.submit(JobSubmission(job=job("no", metric, reward), user="alice"))
+        assert named in str(caught.value) and "user_functions in its config: tests.helpers.metrics:*, " \
+               "tests.helpers.rewards:shorter); ask an operator to allow it" in str(caught.value), caught.value
+    assert sorted(r.name for r in table.all()) == ["ok-1", "ok-2", "ok-3"]
+    core.submit(JobSubmission(job=job("admins", "builtins:exec"), user="root"))
+    core.submit(JobSubmission(job=job("operators", "builtins:exec")))
+    with pytest.raises(ValueError, match="user_functions"):
+        ServiceConfig(user_functions=["mine.py:f"])
+    table.close()

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import codecs
 import csv
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from actors.data.rows import DataError
-from actors.data.tables import JSONL_CHUNK_BYTES, Row, RowTable, _reading_error
+from actors.data.tables import Row, RowTable, data_chunks
 
 DELIMITERS = {".csv": ",", ".tsv": "\t"}
 
@@ -28,32 +29,19 @@ class CsvTable(RowTable):
     def _lines(self) -> Iterator[str]:
         """The file's text, a line at a time with its line break (what `csv.reader` needs to keep a quoted
         field's line breaks), decoded as UTF-8 (a byte-order mark dropped), read a chunk at a time."""
-        try:
-            stream = self._open()
-        except FileNotFoundError as error:
-            raise DataError(f"{self.source}: file not found; check the dataset path", source=self.source) from error
-        except OSError as error:
-            raise _reading_error(self.source, "opening", error) from error
         decoder = codecs.getincrementaldecoder("utf-8-sig")()
         line, pending = 1, ""
-        with stream:
-            while True:
-                try:
-                    chunk = stream.read(JSONL_CHUNK_BYTES)
-                except OSError as error:
-                    raise _reading_error(self.source, "reading", error) from error
-                try:
-                    text = pending + decoder.decode(chunk, final=not chunk)
-                except UnicodeDecodeError as error:
-                    at = line + error.object[:error.start].count(b"\n")
-                    raise DataError(f"{self.source}:{at}: not valid UTF-8 ({error.reason}); re-save the file as "
-                                    "UTF-8", source=self.source, line=at) from error
-                *complete, pending = text.split("\n")
-                for piece in complete:
-                    yield piece + "\n"
-                    line += 1
-                if not chunk:
-                    break
+        for chunk in itertools.chain(data_chunks(self.source, self._open), [b""]):   # b"": the decoder's end
+            try:
+                text = pending + decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                at = line + error.object[:error.start].count(b"\n")
+                raise DataError(f"{self.source}:{at}: not valid UTF-8 ({error.reason}); re-save the file as UTF-8",
+                                source=self.source, line=at) from error
+            *complete, pending = text.split("\n")
+            for piece in complete:
+                yield piece + "\n"
+                line += 1
         if pending:
             yield pending
 

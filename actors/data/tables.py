@@ -71,6 +71,27 @@ def _reading_error(source: str, doing: str, error: BaseException) -> Exception:
     return DataError(f"{source}: {doing} failed: {type(error).__name__}: {error}", source=source)
 
 
+def data_chunks(source: str, opener: Callable[[], Any]) -> Iterator[bytes]:
+    """A text data file's bytes, `JSONL_CHUNK_BYTES` at a time (local or under a storage URI); a file that is not
+    there or cannot be read is a `DataError` naming it (an unreachable storage endpoint stays
+    `StorageUnreachable`)."""
+    try:
+        stream = opener()
+    except FileNotFoundError as error:
+        raise DataError(f"{source}: file not found; check the dataset path", source=source) from error
+    except OSError as error:
+        raise _reading_error(source, "opening", error) from error
+    with stream:
+        while True:
+            try:
+                chunk = stream.read(JSONL_CHUNK_BYTES)
+            except OSError as error:
+                raise _reading_error(source, "reading", error) from error
+            if not chunk:
+                return
+            yield chunk
+
+
 class JsonlTable(RowTable):
     """A JSONL file (a JSON array file too, but only read whole), local or under a storage URI."""
 
@@ -83,27 +104,14 @@ class JsonlTable(RowTable):
 
     def _lines(self) -> Iterator[tuple[int, bytes]]:
         """(1-based line number, bytes) of every line, read a chunk at a time."""
-        try:
-            stream = self._open()
-        except FileNotFoundError as error:
-            raise DataError(f"{self.source}: file not found; check the dataset path", source=self.source) from error
-        except OSError as error:
-            raise _reading_error(self.source, "opening", error) from error
-        with stream:
-            number, pending = 0, b""
-            while True:
-                try:
-                    chunk = stream.read(JSONL_CHUNK_BYTES)
-                except OSError as error:
-                    raise _reading_error(self.source, "reading", error) from error
-                if not chunk:
-                    break
-                *lines, pending = (pending + chunk).split(b"\n")
-                for raw in lines:
-                    number += 1
-                    yield number, raw
-            if pending:
-                yield number + 1, pending
+        number, pending = 0, b""
+        for chunk in data_chunks(self.source, self._open):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for raw in lines:
+                number += 1
+                yield number, raw
+        if pending:
+            yield number + 1, pending
 
     def check_streamable(self) -> None:
         for _number, raw in self._lines():

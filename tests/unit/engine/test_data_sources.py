@@ -118,9 +118,9 @@ def test_csv_and_tsv_files_give_the_jsonl_examples(writer, tmp_path, smol_tokeni
     Python's csv module writes it (\\r\\n line ends), as pandas writes it (datasets' `to_csv`, \\n), a TSV, a CSV
     with a byte-order mark (Excel's "CSV UTF-8") and a folder of CSV files give the examples of the same rows
     in JSONL; read 7 bytes at a time, so that records, line breaks and multi-byte characters straddle reads."""
-    import actors.data.csv_table as csv_table
+    import actors.data.tables as tables
 
-    monkeypatch.setattr(csv_table, "JSONL_CHUNK_BYTES", 7)
+    monkeypatch.setattr(tables, "JSONL_CHUNK_BYTES", 7)
     if writer == "csv-module":
         data = write_csv(tmp_path / "t.csv", TRICKY)
     elif writer == "pandas":

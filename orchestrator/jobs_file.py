@@ -11,10 +11,8 @@ import yaml
 from pydantic import ValidationError
 
 from actors.data.locations import hub_id_problem
-from actors.spec.evaluation_config import GENERATION_METRICS
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
-from actors.spec.method_config import REWARDS
 from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
 from actors.spec.user_functions import UserFunctionError, load_user_function, with_file_resolved
 from actors.storage.storage_uri import is_uri
@@ -58,7 +56,6 @@ def yaml_lines(text: str) -> dict[tuple, int]:
 _FORMAT_TAGS = {"alpaca", "prompt_response", "chat", "text"}
 USER_FUNCTIONS = (("grpo", "reward"), ("eval_generate", "metric"))
 """The spec fields that may name a function of the user's (actors/spec/user_functions.py)."""
-BUILT_IN_FUNCTIONS = {*REWARDS, *GENERATION_METRICS}
 
 
 def _drop_union_tags(loc: tuple) -> tuple:

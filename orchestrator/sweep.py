@@ -29,7 +29,7 @@ from actors.spec.user_functions import (
     split_reference,
     with_file_resolved,
 )
-from orchestrator.jobs_file import BUILT_IN_FUNCTIONS, FILE_LIMITS, SpecError, yaml_lines
+from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
 from policies.sweep.searchers import BUILT_IN, build_searcher
 
@@ -72,17 +72,12 @@ def _resolve_function_files(data: dict, source: str, base_dir: Path | None) -> N
 
 
 def _check_functions(spec: SweepSpec, source: str, lines: dict) -> None:
-    """Each function of the user's that the sweep names loads here (not first in a trial, on a trainer)."""
-    job = spec.job
-    places = [("job.grpo.reward", job.grpo.reward if job.grpo else None),
-              ("job.eval_generate.metric", job.eval_generate.metric if job.eval_generate else None),
-              ("objective.metric", getattr(spec.objective, "metric", None))]
+    """Each function of the user's that the sweep names loads here (not first in a trial, on a trainer). A metric
+    objective is the job's eval_generate (SweepSpec): named as the objective."""
+    objective = not isinstance(spec.objective, str)
     problems = []
-    checked = set()
-    for name, reference in reversed(places):   # the objective's metric is also the job's: named once, as objective
-        if reference is None or reference in BUILT_IN_FUNCTIONS or reference in checked:
-            continue
-        checked.add(reference)
+    for field, reference in spec.job.user_functions():
+        name = "objective.metric" if objective and field == "eval_generate.metric" else f"job.{field}"
         try:
             load_user_function(reference, name)
         except UserFunctionError as error:

@@ -7,7 +7,9 @@ concatenated, BOS first where the tokenizer adds one and EOS after the completio
 boundary exact as in the SFT formats. Chat rows (the prompt a list of `{role, content}` messages; a
 completion a list of assistant messages or one text, taken as one assistant message) go through the
 tokenizer's chat template as TRL's DPOTrainer does: the completion starts where the tokens of the prompt
-rendered with the generation prompt and those of the whole conversation diverge.
+rendered with the generation prompt and those of the whole conversation diverge. A row without a prompt
+(chosen and rejected each the whole conversation or text, as Anthropic's HH-RLHF), or with a text prompt beside
+whole conversations (UltraFeedback's), has TRL's implicit prompt: what chosen and rejected share from the start.
 
 Both sequences are cut to `max_seq_len` (keeping the start); a pair left without a target token in either
 is dropped (and counted). Every problem with a row is a `DataError` naming the file, the line and the
@@ -15,6 +17,7 @@ field."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +112,7 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
     return list(encoded["input_ids"])
 
 
-def _common_prefix(ids: list[int], other: list[int]) -> int:
+def _common_prefix(ids: Sequence[Any], other: Sequence[Any]) -> int:
     length = 0
     for a, b in zip(ids, other, strict=False):   # the shorter one ends the common prefix
         if a != b:
@@ -118,13 +121,54 @@ def _common_prefix(ids: list[int], other: list[int]) -> int:
     return length
 
 
+def _pair_fields(row: dict[str, Any], fmt: PreferenceFormat, source: str, line: int) -> tuple[Any, Any, Any]:
+    """A row's (prompt, chosen, rejected): its own prompt, or the implicit one where it has none (or a text prompt
+    beside whole conversations, as UltraFeedback's rows have)."""
+    prompt = row.get(fmt.prompt_field)
+    if fmt.prompt_field not in row or (isinstance(prompt, str) and isinstance(row.get(fmt.chosen_field), list)):
+        return _implicit_prompt(row, fmt, source, line)
+    prompt = _text_or_messages(row, fmt.prompt_field, source, line, completion=False, chat=None)
+    chat = isinstance(prompt, list)
+    return (prompt, _text_or_messages(row, fmt.chosen_field, source, line, completion=True, chat=chat),
+            _text_or_messages(row, fmt.rejected_field, source, line, completion=True, chat=chat))
+
+
+def _implicit_prompt(row: dict[str, Any], fmt: PreferenceFormat, source: str, line: int) -> tuple[Any, Any, Any]:
+    """TRL's implicit prompt (`trl.extract_prompt`): chosen and rejected each hold the whole conversation or text,
+    and the prompt is what they share from the start (whole messages; for text, characters, a space where they
+    part left to the completions). Anthropic's HH-RLHF rows are of this kind."""
+    chosen = _text_or_messages(row, fmt.chosen_field, source, line, completion=False, chat=None)
+    rejected = _text_or_messages(row, fmt.rejected_field, source, line, completion=False, chat=None)
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise _row_error(source, line, f"fields '{fmt.chosen_field}' and '{fmt.rejected_field}' must both be text or "
+                                       "both lists of messages", field=fmt.rejected_field)
+    shared = _common_prefix(chosen, rejected)
+    if isinstance(chosen, str) and shared and chosen[shared - 1] == " ":
+        shared -= 1
+    present = ", ".join(sorted(row))
+    if not shared:
+        raise _row_error(source, line, f"field '{fmt.prompt_field}' is missing, and '{fmt.chosen_field}' and "
+                                       f"'{fmt.rejected_field}' share no beginning to take as the prompt (the row has: "
+                                       f"{present}); set prompt_field to the field holding the prompt",
+                         field=fmt.prompt_field)
+    if shared in (len(chosen), len(rejected)):
+        raise _row_error(source, line, f"'{fmt.chosen_field}' and '{fmt.rejected_field}' are the same up to the end "
+                                       "of one of them: no completion to compare", field=fmt.rejected_field)
+    if isinstance(chosen, list):
+        for name, messages in ((fmt.chosen_field, chosen), (fmt.rejected_field, rejected)):
+            for index in range(shared, len(messages)):
+                if messages[index]["role"] != "assistant":
+                    raise _row_error(source, line, f"field '{name}[{index}].role' is '{messages[index]['role']}': "
+                                                   "the prompt is the turns chosen and rejected share, and what "
+                                                   "follows must be assistant messages", field=f"{name}[{index}].role")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
 def pair_tokens(row: dict[str, Any], fmt: PreferenceFormat, tokenizer: PreTrainedTokenizerBase, *,
                 add_bos: bool, source: str, line: int) -> tuple[list[int], list[int], int]:
     """Untruncated (prompt + chosen ids, prompt + rejected ids, prompt length) of one row."""
-    prompt = _text_or_messages(row, fmt.prompt_field, source, line, completion=False, chat=None)
+    prompt, chosen, rejected = _pair_fields(row, fmt, source, line)
     chat = isinstance(prompt, list)
-    chosen = _text_or_messages(row, fmt.chosen_field, source, line, completion=True, chat=chat)
-    rejected = _text_or_messages(row, fmt.rejected_field, source, line, completion=True, chat=chat)
     if not chat:
         prompt_ids = ([tokenizer.bos_token_id] if add_bos else []) + _encode(tokenizer, prompt)
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

@@ -113,6 +113,57 @@ def test_chat_preference_rows_follow_the_chat_template(tiny_tokenizer):
     assert "Hello!" in tiny_tokenizer.decode(full[len(prompt):])
 
 
+IMPLICIT = [  # Anthropic HH-RLHF's rows: the whole dialogue as text in each
+    {"chosen": "\n\nHuman: What is 2+2?\n\nAssistant: It is 4.",
+     "rejected": "\n\nHuman: What is 2+2?\n\nAssistant: Five, I think."},
+    {"chosen": "\n\nHuman: Name a colour.\n\nAssistant: Blue.", "rejected": "\n\nHuman: Name a colour.\n\nAssistant: Bl"
+                                                                     "ack is not one."},
+    # whole conversations, no prompt (TRL's implicit prompt, conversational)
+    {"chosen": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello there!"}],
+     "rejected": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Go away"}]},
+    # UltraFeedback's rows: a text prompt beside whole conversations
+    {"prompt": "Count to three",
+     "chosen": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three"},
+                {"role": "assistant", "content": "1, 2, 3"}],
+     "rejected": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three"},
+                  {"role": "assistant", "content": "No."}]}]
+
+
+def test_rows_with_an_implicit_prompt_give_trls_sequences(tiny_tokenizer, tmp_path):
+    """Rows without a prompt of their own (HH-RLHF's text, whole conversations) or with a text prompt beside whole
+    conversations (UltraFeedback): the pairs are the sequences TRL's DPOTrainer makes of the same rows."""
+    from trl import maybe_extract_prompt
+
+    from tests.helpers.pairs import trl_pairs
+
+    for number, row in enumerate(IMPLICIT):
+        # DPOTrainer takes the prompt out of rows without one; of the text prompt beside conversations, TRL's
+        # maybe_extract_prompt
+        _, _, expected = trl_pairs([maybe_extract_prompt(row) if "prompt" in row else row], tiny_tokenizer,
+                                   tmp_path / str(number))
+        assert tokenize_pair(row, PreferenceFormat(), tiny_tokenizer, max_seq_len=512) == expected[0], row
+    pair = tokenize_pair(IMPLICIT[0], PreferenceFormat(), tiny_tokenizer, max_seq_len=512)
+    assert tiny_tokenizer.decode(pair.chosen.input_ids[:pair.prompt_length]).endswith("Assistant:")
+
+
+def test_implicit_prompts_that_cannot_be_taken_are_refused(tiny_tokenizer, tmp_path):
+    user = {"role": "user", "content": "Hi"}
+    bad = [({"chosen": "Hello", "rejected": "Go away"}, "prompt", r"field 'prompt' is missing, and 'chosen' and "
+            r"'rejected' share no beginning to take as the prompt \(the row has: chosen, rejected\); set prompt_field"),
+           ({"chosen": "Q: a", "rejected": "Q: a and b"}, "rejected", "the same up to the end of one of them"),
+           ({"chosen": [user, {"role": "assistant", "content": "A"}, user], "rejected": [user]}, "rejected",
+            "the same up to the end of one of them"),
+           ({"chosen": [user, {"role": "user", "content": "again"}], "rejected": [user, user]}, "chosen[1].role",
+            r"field 'chosen\[1\].role' is 'user': the prompt is the turns chosen and rejected share"),
+           ({"chosen": [user], "rejected": "text"}, "rejected", "must both be text or both lists of messages")]
+    for row, field, message in bad:
+        data = tmp_path / "pairs.jsonl"
+        data.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(DataError, match=message) as caught:
+            load_examples(data, PreferenceFormat(), tiny_tokenizer, max_seq_len=64)
+        assert str(caught.value).startswith(f"{data}:2: ") and caught.value.field == field
+
+
 def test_a_dpo_job_runs_through_the_in_process_service(tiny_model_dirs, tmp_path):
     from actors.service.scheduler.local_run import train_locally
 

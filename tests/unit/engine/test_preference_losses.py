@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from actors.data import Example, PreferenceFormat
+from actors.data import PreferenceFormat
 from actors.data.pairs import PreferencePair, tokenize_pair
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
 from tests.helpers.models import tiny_model
-from tests.helpers.pairs import ROWS, random_pairs
+from tests.helpers.pairs import ROWS, random_pairs, trl_pairs
 from tests.helpers.peft_reference import TARGETS, compare_gradients, copy_peft_lora, peft_config, randomize_b
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
@@ -70,30 +70,11 @@ def _step_against_trl(name: str, method: str, pairs: list[PreferencePair], peft_
 
 
 def test_dpo_loss_and_gradients_equal_trl(tiny_tokenizer, tmp_path):
-    from datasets import Dataset
-    from trl import DPOConfig, DPOTrainer
-
-    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(ROWS), beta=0.1, report_to=[],
-                     use_cpu=True)
-    # a new adapter (peft_config): TRL's reference is then the base, the adapter disabled (a model that already
-    # holds an adapter would get a frozen copy of it as its reference instead)
-    trl = DPOTrainer(model=tiny_model("llama"), args=args, train_dataset=Dataset.from_list(ROWS),
-                     processing_class=tiny_tokenizer, peft_config=peft_config())
+    trl, batch, pairs = trl_pairs(ROWS, tiny_tokenizer, tmp_path)
     assert set(trl.model.peft_config) == {"default"}
     peft_model = randomize_b(trl.model, 0)
-    batch = next(iter(trl.get_train_dataloader()))
     loss = trl.compute_loss(trl.model, batch)
     loss.backward()
-    # TRL's sequences (chosen rows first, then rejected; right padding) as aspen's pairs
-    count = batch["input_ids"].shape[0] // 2
-    rows = []
-    for i in range(2 * count):
-        real = batch["attention_mask"][i].bool()
-        ids = batch["input_ids"][i][real].tolist()
-        completion = batch["completion_mask"][i][real].bool().tolist()
-        rows.append((Example(tuple(ids), tuple(t if c else -100 for t, c in zip(ids, completion, strict=True))),
-                     completion.index(True)))
-    pairs = [PreferencePair(rows[i][0], rows[count + i][0], rows[i][1]) for i in range(count)]
     # aspen's own tokenization of the rows gives TRL's sequences
     fmt = PreferenceFormat()
     own = {tokenize_pair(row, fmt, tiny_tokenizer, max_seq_len=512) for row in ROWS}

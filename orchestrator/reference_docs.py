@@ -112,10 +112,36 @@ def render() -> str:
              "Generated from the models that validate them (`python -m orchestrator.reference_docs`;",
              "a test fails when this file is not current). Floats must be finite; integers that reach the job",
              "table stay within a signed 64-bit integer.", ""]
+    listed = {model for _, _, models in SECTIONS for model in models}
+    shown: set[type[BaseModel]] = set()
     for title, text, models in SECTIONS:
         parts += [f"## {title}", "", text, ""]
-        parts += [model_table(model) for model in models]
+        for model in models:
+            for each in [model, *linked_models(model, listed)]:
+                if each not in shown:
+                    shown.add(each)
+                    parts.append(model_table(each))
     return "\n".join(parts).rstrip() + "\n"
+
+
+def linked_models(model: type[BaseModel], listed: set[type[BaseModel]]) -> list[type[BaseModel]]:
+    """The models `model`'s fields link to (`type_name`), and theirs, in field order, but those a section lists
+    itself: each gets its table after the model that first links to it, so that no link of the page is dead."""
+    found: list[type[BaseModel]] = []
+
+    def visit(annotation: typing.Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation not in listed and annotation not in found:
+                found.append(annotation)
+                for field in annotation.model_fields.values():
+                    visit(field.annotation)
+            return
+        for argument in typing.get_args(annotation):
+            visit(argument)
+
+    for field in model.model_fields.values():
+        visit(field.annotation)
+    return found
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,6 +3,8 @@ every module that exists. Regenerate both with `python -m orchestrator.reference
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from actors.spec.job_spec import JobSpec
@@ -25,6 +27,16 @@ def test_the_spec_reference_names_every_field_with_its_range():
     assert "| `priority` | int | `0` | between -100 and 100 |" in text
     assert "| `seed` | int | `0` | at least 0 and less than 2**63 |" in text
     assert "| `lr` | float | `0.0003` | greater than 0 and at most 10 |" in text
+
+
+def test_every_link_of_the_spec_reference_has_its_section():
+    """A field whose type is a model links to that model's table (`[GrpoConfig](#grpoconfig)`): each such table
+    is on the page, though no section lists its model (a model a listed one uses is shown after it)."""
+    text = render()
+    headings = {line.removeprefix("### ").lower() for line in text.splitlines() if line.startswith("### ")}
+    links = set(re.findall(r"\]\(#([a-z0-9_-]+)\)", text))
+    assert {"grpoconfig", "generationeval", "loraconfig"} <= links
+    assert links <= headings, sorted(links - headings)
 
 
 def test_the_floor_plan_lists_every_module():

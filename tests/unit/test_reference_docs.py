@@ -45,3 +45,28 @@ def test_the_floor_plan_lists_every_module():
         for module in (REPO / folder).rglob("*.py"):
             if module.name != "__init__.py":
                 assert f"| `{module.name}` |" in plan or f"/{module.name}` |" in plan, module
+
+
+def _anchor(heading: str) -> str:
+    """A Markdown heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_manuals_links_reach_a_file_and_a_heading_that_exist():
+    """Every relative link of the README and docs/ names a file that exists and, where it has an anchor, a
+    heading of that page (a renamed heading would leave a dead link behind)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    anchors = {page: {_anchor(line.lstrip("#")) for line in page.read_text().splitlines() if line.startswith("#")}
+               for page in pages}
+    dead, checked = [], 0
+    for page in pages:
+        for link, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if re.match(r"[a-z]+:", link):
+                continue
+            target = (page.parent / link).resolve() if link else page
+            checked += 1
+            if not target.exists():
+                dead.append(f"{page.name}: {link}")
+            elif anchor and target.suffix == ".md" and anchor not in anchors.get(target, set()):
+                dead.append(f"{page.name}: {link}#{anchor}")
+    assert checked > 100 and not dead, dead

@@ -1,6 +1,6 @@
 """`aspen report RUN_DIR`: one loss curve per job (with its eval losses where known) in
-`RUN_DIR/report.png`, and a summary table (job, steps, final loss, best eval loss, tokens, state) printed
-and written to `RUN_DIR/report.md`.
+`RUN_DIR/report.png`, and a summary table (job, steps, final loss, best eval loss, best eval score where a job
+has an eval_generate metric, tokens, state) printed and written to `RUN_DIR/report.md`.
 
 RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service state in `.aspen/`) or a
 service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
@@ -40,6 +40,7 @@ class JobMetrics:
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
     evals: dict[int, float] = field(default_factory=dict)   # step -> eval loss
+    scores: dict[int, float] = field(default_factory=dict)  # step -> eval_generate score, where the job has one
     state: str | None = None
 
     @property
@@ -49,6 +50,11 @@ class JobMetrics:
     @property
     def best_eval(self) -> float | None:
         return min(self.evals.values()) if self.evals else None
+
+    @property
+    def best_score(self) -> float | None:
+        """The best eval_generate score (higher is better)."""
+        return max(self.scores.values()) if self.scores else None
 
 
 def read_metrics(path: Path, name: str) -> JobMetrics:
@@ -72,6 +78,8 @@ def parse_metrics(text: str, path: Path | str, name: str, folder: Path | Storage
         job.tokens += int(row.get("tokens") or 0)
         if row.get("eval_loss") is not None:
             job.evals[step] = float(row["eval_loss"])
+        if row.get("eval_score") is not None:
+            job.scores[step] = float(row["eval_score"])
     return job
 
 
@@ -149,23 +157,36 @@ def _fmt(value: float | None) -> str:
 
 
 def summary_rows(jobs: list[JobMetrics]) -> list[list[str]]:
+    scored = _scored(jobs)
     return [[job.name, str(job.steps[-1] if job.steps else 0), _fmt(job.final_loss), _fmt(job.best_eval),
-             str(job.tokens), job.state or "-"] for job in jobs]
+             *([_fmt(job.best_score)] if scored else []), str(job.tokens), job.state or "-"] for job in jobs]
 
 
 COLUMNS = ["job", "steps", "final loss", "best eval loss", "tokens", "state"]
 
 
+def _scored(jobs: list[JobMetrics]) -> bool:
+    """Whether a job of the report has eval_generate scores: the table then has a `best eval score` column."""
+    return any(job.scores for job in jobs)
+
+
+def columns(jobs: list[JobMetrics]) -> list[str]:
+    return [*COLUMNS[:4], "best eval score", *COLUMNS[4:]] if _scored(jobs) else COLUMNS
+
+
 def report_data(jobs: list[JobMetrics]) -> list[dict]:
     """The report's numbers per job, as `aspen report --json` prints them."""
     return [{"job": job.name, "folder": str(job.folder), "state": job.state, "steps": job.steps[-1] if job.steps else 0,
-             "final_loss": job.final_loss, "best_eval_loss": job.best_eval, "tokens": job.tokens,
+             "final_loss": job.final_loss, "best_eval_loss": job.best_eval, "best_eval_score": job.best_score,
+             "tokens": job.tokens,
              "losses": [{"step": s, "loss": loss} for s, loss in zip(job.steps, job.losses, strict=True)],
-             "evals": [{"step": s, "eval_loss": loss} for s, loss in sorted(job.evals.items())]} for job in jobs]
+             "evals": [{"step": s, "eval_loss": loss, **({"eval_score": job.scores[s]} if s in job.scores else {})}
+                       for s, loss in sorted(job.evals.items())]} for job in jobs]
 
 
 def markdown_table(jobs: list[JobMetrics]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    names = columns(jobs)
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
     lines += ["| " + " | ".join(row) + " |" for row in summary_rows(jobs)]
     return "\n".join(lines) + "\n"
 
@@ -215,7 +236,7 @@ def write_report(run_dir: Path | str, console=None) -> tuple[Path | StorageURI, 
         _write_files(jobs, run_dir, run_dir.resolve().name, str(run_dir.resolve()))
         png, markdown = run_dir / "report.png", run_dir / "report.md"
     table = Table(title=f"{len(jobs)} jobs in {run_dir}")
-    for column in COLUMNS:
+    for column in columns(jobs):
         table.add_column(column, justify="left" if column in ("job", "state") else "right")
     for row in summary_rows(jobs):
         table.add_row(*row)

@@ -127,10 +127,13 @@ def cmd_losses(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731 - a formatter local to this table
-    print(f"{'step':>6}{'loss':>10}{'eval loss':>11}{'lr':>11}{'grad norm':>11}{'tokens':>9}")
+    scored = any(row.get("eval_score") is not None for row in rows)   # a job with eval_generate
+    print(f"{'step':>6}{'loss':>10}{'eval loss':>11}" + (f"{'eval score':>12}" if scored else "")
+          + f"{'lr':>11}{'grad norm':>11}{'tokens':>9}")
     for row in rows:
-        print(f"{row['step']:>6}{fmt(row['loss']):>10}{fmt(row['eval_loss']):>11}{fmt(row['lr'], '.3g'):>11}"
-              f"{fmt(row['grad_norm'], '.3g'):>11}{fmt(row['tokens'], 'd'):>9}")
+        print(f"{row['step']:>6}{fmt(row['loss']):>10}{fmt(row['eval_loss']):>11}"
+              + (f"{fmt(row.get('eval_score')):>12}" if scored else "")
+              + f"{fmt(row['lr'], '.3g'):>11}{fmt(row['grad_norm'], '.3g'):>11}{fmt(row['tokens'], 'd'):>9}")
     return 0
 
 

@@ -50,6 +50,7 @@ class JobSummary:
     final_loss: float | None
     eval_loss: float | None
     adapter_dir: Path | StorageURI | None   # a storage URI where the run's output_dir is one
+    eval_score: float | None = None   # the last evaluation's eval_generate score, where the job has one
     reason: str
     evals: list[tuple[int, float]]   # (step, eval loss) of each evaluation
 
@@ -172,8 +173,9 @@ def _summary(record: JobRecord, table: JobTable) -> JobSummary:
     rows = table.progress.of_job(record.id)
     losses = [row["loss"] for row in rows if row.get("loss") is not None]
     evals = [(row["step"], row["eval_loss"]) for row in rows if row.get("eval_loss") is not None]
+    scores = [row["eval_score"] for row in rows if row.get("eval_score") is not None]
     return JobSummary(name=record.name, state=record.state, steps=record.step, tokens=record.tokens,
                       first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
                       eval_loss=record.eval_loss,
                       adapter_dir=as_location(record.adapter_dir) if record.adapter_dir else None,
-                      reason=record.reason, evals=evals)
+                      reason=record.reason, evals=evals, eval_score=scores[-1] if scores else None)

@@ -5,6 +5,8 @@ alone; an older job table gains the score column; bad settings are refused namin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sqlite3
 
@@ -123,6 +125,7 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
     assert sorted(scores) == [3, 6]
     evals = [e for e in events if e.kind == "eval" and e.job_id == "scored-1"]
     assert [(e.step, e.data["eval_score"]) for e in evals] == sorted(scores.items())
+    _scores_are_shown(tmp_path / "out", rows, scores)
 
     data_of = JobData("scored-1", submissions[0], tiny_base.tokenizer)
     data_of.prepare()
@@ -138,6 +141,36 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
         targets = [t for t, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX]
         assert row["reference"] == tiny_base.tokenizer.decode(targets, skip_special_tokens=True)
         assert row["prompt"].startswith("Q: scored ")
+
+
+def _scores_are_shown(run_dir, rows, scores) -> None:
+    """`aspen report` of the run and `aspen losses` of the job show its scores beside its eval losses."""
+    import argparse
+
+    from orchestrator.cli import service_commands
+    from orchestrator.report import collect, markdown_table, report_data
+
+    jobs = collect(run_dir)
+    reported = {job["job"]: job for job in report_data(jobs)}
+    assert reported["scored"]["best_eval_score"] == max(scores.values())
+    assert [(e["step"], e["eval_score"]) for e in reported["scored"]["evals"]] == sorted(scores.items())
+    lines = markdown_table(jobs).splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    row = next([cell.strip() for cell in line.strip("|").split("|")] for line in lines if "| scored |" in line)
+    assert header[4] == "best eval score" and row[4] == f"{max(scores.values()):.4f}"
+
+    class Ended:
+        @staticmethod
+        def losses(job):
+            return [{"eval_loss": None, "eval_score": None, **r} for r in rows]
+
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(service_commands, "_service_or_ended_run", lambda args: Ended())
+        service_commands.cmd_losses(argparse.Namespace(job="scored", json=False))
+    table = [line.split() for line in printed.getvalue().splitlines()]
+    assert table[0][:5] == ["step", "loss", "eval", "loss", "eval"]
+    assert {int(line[0]): line[3] for line in table[1:] if line[3] != "-"} == {s: f"{v:.4f}" for s, v in scores.items()}
 
 
 def test_a_metric_that_raises_fails_its_job_alone(tmp_path, tiny_base, tiny_model_dirs):

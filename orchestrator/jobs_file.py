@@ -11,6 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from actors.data.locations import hub_id_problem
+from actors.spec.field_types import PATTERN_WORDS
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
@@ -174,6 +175,8 @@ def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple,
             message = unknown_field(tuple(item["loc"]))
         elif item["type"] == "union_tag_invalid":
             message = unknown_tag(item.get("ctx") or {}, loc)
+        elif item["type"] == "string_pattern_mismatch" and (item.get("ctx") or {}).get("pattern") in PATTERN_WORDS:
+            message = f"{item['input']!r} is not a name aspen takes: {PATTERN_WORDS[item['ctx']['pattern']]}"
         prefix = f"{source}:{line}: " if line else f"{source}: "
         problems.append(f"{prefix}{where}: {message}")
     return "\n".join(problems)

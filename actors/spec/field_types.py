@@ -33,6 +33,12 @@ from actors.storage.storage_uri import StorageURI, as_location
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
 USER_NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
 """A user of a shared service (actors/service/accounts/users.py): also a folder name and an MQTT topic level."""
+PATTERN_WORDS = {
+    JOB_NAME_PATTERN: "1 to 64 letters, digits, '_' or '-', the first a letter or digit (it names a folder and an MQTT "
+                      "topic level: no spaces, '/', '.', '+' or '#')",
+    USER_NAME_PATTERN: "1 to 32 lower-case letters, digits, '_' or '-', the first a letter",
+}
+"""What a value of each name pattern may hold, in words (for messages: the regular expression is not one)."""
 
 INT64_MAX = 2**63 - 1
 """The largest integer SQLite's INTEGER column (a signed 64-bit integer) holds."""

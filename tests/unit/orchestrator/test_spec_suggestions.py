@@ -63,3 +63,21 @@ def test_a_format_named_by_its_type_alone_is_that_format_with_its_defaults(tmp_p
         job_format("alpacca")
     assert "format type 'alpacca' is not one of alpaca" in str(refused.value) and "did you mean `alpaca`?" in str(
         refused.value)
+
+
+def test_a_name_aspen_cannot_use_is_refused_in_words_not_its_pattern(tmp_path):
+    import yaml
+
+    from actors.spec.job_spec import JobSpec
+
+    text = "jobs:\n  - name: my job/1\n    data: data.jsonl\n"
+    with pytest.raises(SpecError) as refused:
+        parse_run_spec(yaml.safe_load(text), source="jobs.yaml", base_dir=tmp_path, text=text, check_files=False)
+    assert str(refused.value) == ("jobs.yaml:2: job 'my job/1' (jobs[0]), field name: 'my job/1' is not a name aspen "
+                                  "takes: 1 to 64 letters, digits, '_' or '-', the first a letter or digit (it names "
+                                  "a folder and an MQTT topic level: no spaces, '/', '.', '+' or '#')")
+    # the words say what the pattern does: a name they allow is taken, one they forbid refused
+    for good, bad in (("a" * 64, "a" * 65), ("9-lives_", "-lead"), ("x", "x.y")):
+        JobSpec(name=good, data="d.jsonl")
+        with pytest.raises(ValueError):
+            JobSpec(name=bad, data="d.jsonl")

@@ -78,6 +78,6 @@ def test_a_name_aspen_cannot_use_is_refused_in_words_not_its_pattern(tmp_path):
                                   "a folder and an MQTT topic level: no spaces, '/', '.', '+' or '#')")
     # the words say what the pattern does: a name they allow is taken, one they forbid refused
     for good, bad in (("a" * 64, "a" * 65), ("9-lives_", "-lead"), ("x", "x.y")):
-        JobSpec(name=good, data="d.jsonl")
+        JobSpec(name=good, data="d.jsonl", format="text")
         with pytest.raises(ValueError):
-            JobSpec(name=bad, data="d.jsonl")
+            JobSpec(name=bad, data="d.jsonl", format="text")

@@ -152,6 +152,20 @@ def unknown_tag(context: dict, loc: tuple) -> str:
             f"({SPEC_DOC} lists each one's fields)")
 
 
+def field_message(item: Any, loc: tuple) -> str:
+    """One of pydantic's errors as a user reads it: a validator's own message without pydantic's prefix, an
+    unknown field or format type with the names meant, a name pattern in words. `loc`: where it is, union tags
+    dropped."""
+    message = item["msg"].removeprefix("Value error, ")   # a validator's own message: pydantic prefixes it
+    if item["type"] == "extra_forbidden":
+        return unknown_field(tuple(item["loc"]))
+    if item["type"] == "union_tag_invalid":
+        return unknown_tag(item.get("ctx") or {}, loc)
+    if item["type"] == "string_pattern_mismatch" and (item.get("ctx") or {}).get("pattern") in PATTERN_WORDS:
+        return f"{item['input']!r} is not a name aspen takes: {PATTERN_WORDS[item['ctx']['pattern']]}"
+    return message
+
+
 def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple, int]) -> str:
     problems = []
     for item in error.errors():
@@ -168,15 +182,7 @@ def _describe(error: ValidationError, data: Any, source: str, lines: dict[tuple,
             if loc[:cut] in lines:
                 line = lines[loc[:cut]]
                 break
-        message = item["msg"]
-        if item["type"] == "value_error":   # a validator's own message: pydantic prefixes "Value error, "
-            message = message.removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = unknown_field(tuple(item["loc"]))
-        elif item["type"] == "union_tag_invalid":
-            message = unknown_tag(item.get("ctx") or {}, loc)
-        elif item["type"] == "string_pattern_mismatch" and (item.get("ctx") or {}).get("pattern") in PATTERN_WORDS:
-            message = f"{item['input']!r} is not a name aspen takes: {PATTERN_WORDS[item['ctx']['pattern']]}"
+        message = field_message(item, loc)
         prefix = f"{source}:{line}: " if line else f"{source}: "
         problems.append(f"{prefix}{where}: {message}")
     return "\n".join(problems)

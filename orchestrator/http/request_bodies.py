@@ -30,7 +30,7 @@ from actors.spec.job_submission import JobSubmission
 from actors.spec.run_spec import RunSpec
 from actors.spec.trainer_settings import MAX_STEP_TOKENS
 from actors.storage.storage_uri import as_location, is_uri
-from orchestrator.jobs_file import SpecError, parse_run_spec, unknown_field, unknown_tag
+from orchestrator.jobs_file import SpecError, field_message, parse_run_spec
 from orchestrator.spec_text import TextLimits, TooComplex, load_json, load_yaml
 
 JSON_TYPES = ("application/json",)
@@ -106,11 +106,7 @@ def _field_errors(error: ValidationError, single_job: bool) -> list[dict[str, An
                        ("alpaca", "prompt_response", "chat", "text"))]
         if single_job and loc[:2] == ["jobs", 0]:
             loc = loc[2:]
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":   # RunSpec's loc (a single job's is made one of jobs[0] first)
-            message = unknown_field(tuple(item["loc"]))
-        elif item["type"] == "union_tag_invalid":
-            message = unknown_tag(item.get("ctx") or {}, tuple(loc))
+        message = field_message(item, tuple(loc))   # an unknown field: RunSpec's loc (one job's made jobs[0]'s)
         found.append({"loc": loc, "field": ".".join(str(part) for part in loc) or "(top level)", "msg": message,
                       "type": item["type"]})
     return found

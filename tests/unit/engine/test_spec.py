@@ -52,7 +52,7 @@ def test_the_issue_example_is_valid_and_paths_are_relative_to_the_file(tmp_path)
     (("    lr: 3.0e-4", "    lr: -1"), r"jobs.yaml:14: job 'gsm8k-r8' \(jobs\[0\]\), field lr: .*greater than 0"),
     (("layout: packed", "layout: diagonal"), r"jobs.yaml:6: layout: Input should be 'packed'"),
     (("  - name: gsm8k-r8", "  - name: gsm8k/r8"),
-     r"jobs.yaml:8: job 'gsm8k/r8' \(jobs\[0\]\), field name: String should match"),
+     r"jobs.yaml:8: job 'gsm8k/r8' \(jobs\[0\]\), field name: 'gsm8k/r8' is not a name aspen takes: 1 to 64 letters"),
     (("response: \" {answer}\"", "respons: \" {answer}\""), r"field format.respons: unknown field"),
     (("    max_seq_len: 512", "    max_seq_len: 512\n    colour: red"), r"jobs.yaml:17: .*field colour: unknown field"),
     (("    max_seq_len: 512", "    max_seq_len: 512\n    priority: 600"),

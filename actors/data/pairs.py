@@ -145,11 +145,15 @@ def _implicit_prompt(row: dict[str, Any], fmt: PreferenceFormat, source: str, li
     shared = _common_prefix(chosen, rejected)
     if isinstance(chosen, str) and shared and chosen[shared - 1] == " ":
         shared -= 1
-    present = ", ".join(sorted(row))
+    if not shared and fmt.prompt_field in row:   # a text prompt beside lists of messages
+        raise _row_error(source, line, f"field '{fmt.prompt_field}' is text while '{fmt.chosen_field}' and "
+                                       f"'{fmt.rejected_field}' are messages that share no turn to take as the prompt: "
+                                       "give the prompt as messages [{\"role\": \"user\", \"content\": ...}] or the "
+                                       "completions as text", field=fmt.prompt_field)
     if not shared:
         raise _row_error(source, line, f"field '{fmt.prompt_field}' is missing, and '{fmt.chosen_field}' and "
                                        f"'{fmt.rejected_field}' share no beginning to take as the prompt (the row has: "
-                                       f"{present}); set prompt_field to the field holding the prompt",
+                                       f"{', '.join(sorted(row))}); set prompt_field to the field holding the prompt",
                          field=fmt.prompt_field)
     if shared in (len(chosen), len(rejected)):
         raise _row_error(source, line, f"'{fmt.chosen_field}' and '{fmt.rejected_field}' are the same up to the end "

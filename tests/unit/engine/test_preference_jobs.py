@@ -155,7 +155,10 @@ def test_implicit_prompts_that_cannot_be_taken_are_refused(tiny_tokenizer, tmp_p
             "the same up to the end of one of them"),
            ({"chosen": [user, {"role": "user", "content": "again"}], "rejected": [user, user]}, "chosen[1].role",
             r"field 'chosen\[1\].role' is 'user': the prompt is the turns chosen and rejected share"),
-           ({"chosen": [user], "rejected": "text"}, "rejected", "must both be text or both lists of messages")]
+           ({"chosen": [user], "rejected": "text"}, "rejected", "must both be text or both lists of messages"),
+           ({"prompt": "Hi", "chosen": [{"role": "assistant", "content": "A"}],
+             "rejected": [{"role": "assistant", "content": "B"}]}, "prompt",
+            "field 'prompt' is text while 'chosen' and 'rejected' are messages that share no turn")]
     for row, field, message in bad:
         data = tmp_path / "pairs.jsonl"
         data.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(row) + "\n")

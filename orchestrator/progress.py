@@ -83,11 +83,13 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
 
 def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:
     table = Table(title=title)
-    for column in ("job", "id", "state", "steps", "tokens", "loss", "eval loss", "reason"):
-        table.add_column(column, justify="right" if column in ("steps", "tokens", "loss", "eval loss") else "left")
+    scored = any(r.eval_score is not None for r in records)   # a job with an eval_generate metric
+    for column in ("job", "id", "state", "steps", "tokens", "loss", "eval loss", *(["eval score"] if scored else []),
+                   "reason"):
+        table.add_column(column, justify="left" if column in ("job", "id", "state", "reason") else "right")
     for r in records:
         table.add_row(r.name, r.id, r.state, f"{r.step}/{r.total_steps or '?'}", str(r.tokens), _fmt(r.loss),
-                      _fmt(r.eval_loss), r.reason)
+                      _fmt(r.eval_loss), *([_fmt(r.eval_score)] if scored else []), r.reason)
     return table
 
 

@@ -51,12 +51,15 @@ def eta_seconds(record: JobRecord, now: float | None = None) -> float | None:
 
 def jobs_table(records: list[JobRecord], now: float | None = None, title: str | None = None) -> Table:
     table = Table(title=title or f"aspen jobs ({time.strftime('%H:%M:%S', time.localtime(now or time.time()))})")
+    scored = any(r.eval_score is not None for r in records)   # a job with an eval_generate metric
     for column, right in (("job", False), ("state", False), ("step", True), ("loss", True), ("eval loss", True),
-                          ("tokens/s", True), ("ETA", True), ("reason", False)):
+                          *([("eval score", True)] if scored else []), ("tokens/s", True), ("ETA", True),
+                          ("reason", False)):
         table.add_column(column, justify="right" if right else "left", overflow="fold")
     for r in records:
         eta = eta_seconds(r, now)
         table.add_row(r.id, r.state, f"{r.step}/{r.total_steps or '?'}", _fmt(r.loss), _fmt(r.eval_loss),
+                      *([_fmt(r.eval_score)] if scored else []),
                       _fmt(r.tokens_per_s, ".0f") if r.state == "running" else "-",
                       format_duration(eta) if eta is not None else "-", r.reason)
     return table

@@ -49,7 +49,7 @@ class EventBooking:
             self._progress(record, event)
         elif kind == "eval":
             self.table.progress.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
-            self.table.update(job_id, eval_loss=data["eval_loss"])
+            self.table.update(job_id, eval_loss=data["eval_loss"], **_score(data))
         elif kind == "checkpoint" and data.get("upload_error"):   # the uploaded checkpoint is an older one
             self.table.update(job_id, reason=f"training on {trainer_id}; {data['upload_error']}")
         elif kind == "checkpoint":
@@ -69,7 +69,7 @@ class EventBooking:
             after(lambda: setattr(state, "preempting", None))
         else:  # completed, stopped_early, cancelled, paused, failed
             columns = {"trainer": None, "step": event.step}
-            for key in ("adapter_dir", "eval_loss", "checkpoint_step"):
+            for key in ("adapter_dir", "eval_loss", "eval_score", "checkpoint_step"):
                 if data.get(key) is not None:
                     columns[key] = data[key]
             if "eval_loss" in data:
@@ -124,6 +124,8 @@ class EventBooking:
                 self.table.progress.add_eval(job_id, step, None, score)
             last = data["history"][-1] if data.get("history") else {}
             columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
+            if data.get("scores"):
+                columns["eval_score"] = data["scores"][-1][1]
         reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")
         if data.get("checkpoint_note"):
             reason += f" ({data['checkpoint_note']})"
@@ -188,3 +190,8 @@ class EventBooking:
     def expect_pause(self, job_id: str, reason: str) -> None:
         """The job's coming `paused` event means "queue it again" with `reason` (the service stopping)."""
         self.scheduling.of(job_id).preempting = reason
+
+
+def _score(data: dict) -> dict[str, float]:
+    """An evaluation's eval_generate score as the job's column, where it has one."""
+    return {"eval_score": data["eval_score"]} if data.get("eval_score") is not None else {}

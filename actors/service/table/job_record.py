@@ -46,6 +46,7 @@ class JobRecord:
     finished_at: float | None
     updated_at: float
     user: str | None = None     # who submitted it (the HTTP API's user; None: an operator through Ray)
+    eval_score: float | None = None   # the last evaluation's eval_generate score, where the job has a metric
 
     @property
     def finished(self) -> bool:

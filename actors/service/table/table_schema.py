@@ -22,6 +22,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     tokens INTEGER NOT NULL DEFAULT 0,
     loss REAL,
     eval_loss REAL,
+    eval_score REAL,
     tokens_per_s REAL,
     checkpoint_step INTEGER,
     adapter_dir TEXT,
@@ -50,7 +51,7 @@ CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
 ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
                  ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
                  ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
-                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"))
+                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"), ("jobs", "eval_score", "REAL"))
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 

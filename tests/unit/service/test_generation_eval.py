@@ -6,6 +6,7 @@ alone; an older job table gains the score column; bad settings are refused namin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import sqlite3
@@ -126,6 +127,7 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
     evals = [e for e in events if e.kind == "eval" and e.job_id == "scored-1"]
     assert [(e.step, e.data["eval_score"]) for e in evals] == sorted(scores.items())
     _scores_are_shown(tmp_path / "out", rows, scores)
+    _the_job_table_keeps_the_last_score(tmp_path / "state", submissions, events, scores)
 
     data_of = JobData("scored-1", submissions[0], tiny_base.tokenizer)
     data_of.prepare()
@@ -173,6 +175,30 @@ def _scores_are_shown(run_dir, rows, scores) -> None:
     assert {int(line[0]): line[3] for line in table[1:] if line[3] != "-"} == {s: f"{v:.4f}" for s, v in scores.items()}
 
 
+def _the_job_table_keeps_the_last_score(state_dir, submissions, events, scores) -> None:
+    """The trainer's events booked by the scheduler's core: the job's record holds its last score (the last of its
+    metrics.jsonl), and `aspen status` / `aspen watch` show it; a job without a metric shows no such column."""
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from orchestrator.progress import summary_table
+    from orchestrator.watch import jobs_table
+    from policies.fifo import FifoPolicy
+
+    core = SchedulerCore(JobTable(state_dir / "jobs.sqlite"), FifoPolicy(), state_dir)
+    core.submit_many(submissions, job_ids=["scored-1", "other-1"])
+    for event in events:
+        with core.table.transaction():
+            core.apply_event("trainer-t", event)
+    record = core.table.get("scored-1")
+    assert record.state == "completed" and record.eval_score == scores[max(scores)]
+    for table in (summary_table([record]), jobs_table([record])):
+        names = [column.header for column in table.columns]
+        cells = next(iter(table.columns[names.index("eval score")].cells))
+        assert cells == f"{scores[max(scores)]:.4f}"
+    record = dataclasses.replace(record, eval_score=None)
+    assert "eval score" not in [column.header for column in summary_table([record]).columns]
+    core.table.close()
+
+
 def test_a_metric_that_raises_fails_its_job_alone(tmp_path, tiny_base, tiny_model_dirs):
     data = tmp_path / "data"
     jobs = [job_dict("bad", write_task_data(data, "bad"), 4, eval_split=4, eval_every=2,
@@ -200,7 +226,21 @@ def test_an_older_job_table_gains_the_score_column(tmp_path):
     db.execute("INSERT INTO progress VALUES ('j', 1, 2.5, 10, 0.001, 1.0, 2.7, 0)")
     db.commit()
     db.close()
+    db = sqlite3.connect(path)   # a jobs table of before the score column, with a job
+    db.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, submission TEXT NOT NULL, base_model TEXT "
+               "NOT NULL, quantization TEXT NOT NULL, priority INTEGER NOT NULL, output_dir TEXT NOT NULL, state TEXT "
+               "NOT NULL, reason TEXT NOT NULL DEFAULT '', trainer TEXT, step INTEGER NOT NULL DEFAULT 0, total_steps "
+               "INTEGER, tokens INTEGER NOT NULL DEFAULT 0, loss REAL, eval_loss REAL, tokens_per_s REAL, "
+               "checkpoint_step INTEGER, adapter_dir TEXT, submitted_at REAL NOT NULL, started_at REAL, finished_at "
+               "REAL, updated_at REAL NOT NULL)")
+    db.execute("INSERT INTO jobs (id, name, submission, base_model, quantization, priority, output_dir, state, "
+               "submitted_at, updated_at) VALUES ('j', 'j', '{}', 'b', 'none', 0, '/o', 'running', 0, 0)")
+    db.commit()
+    db.close()
     table = JobTable(path)
+    assert table.get("j").eval_score is None
+    table.update("j", eval_score=0.5)
+    assert table.get("j").eval_score == 0.5
     table.progress.add_eval("j", 1, None, 0.25)
     table.progress.add_eval("j", 2, 2.4, 0.5)
     assert [(r["step"], r["loss"], r["eval_loss"], r["eval_score"]) for r in table.progress.of_job("j")] == [

@@ -46,6 +46,7 @@ export function render(key, session) {
         ["id", job.id], ["user", job.user || "(operator)"], ["base model", job.base_model],
         ["trainer", job.trainer || "–"], ["step", `${job.step} / ${job.total_steps ?? "?"}`],
         ["loss", num(job.loss)], ["eval loss", num(job.eval_loss)],
+        ...(job.eval_score == null ? [] : [["eval score", num(job.eval_score)]]),
         ["tokens/s", job.tokens_per_s ? int(job.tokens_per_s) : "–"], ["priority", job.priority],
         ["submitted", when(job.submitted_at)]].flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
       el("div", { class: "actions" }, Object.entries(verbs).map(([verb, states]) => el("button", {

@@ -122,7 +122,8 @@ class EventTopics:
         """The job's new state (retained), and an event where it stopped early or failed."""
         payload = _json({"job": record.id, "name": record.name, "state": record.state, "previous": previous,
                          "reason": record.reason, "step": record.step, "total_steps": record.total_steps,
-                         "loss": record.loss, "eval_loss": record.eval_loss, "trainer": record.trainer,
+                         "loss": record.loss, "eval_loss": record.eval_loss, "eval_score": record.eval_score,
+                         "trainer": record.trainer,
                          "output_dir": record.output_dir, "time": time.time()})
         with self.lock:
             self.states[record.id] = payload
@@ -152,7 +153,8 @@ class EventTopics:
                 messages += self._event(event.job_id, "prediction", step=event.step,
                                         predicted_stop_step=data.get("predicted_stop_step"))
             elif event.kind == "eval":
-                messages += self._event(event.job_id, "eval", step=event.step, eval_loss=data.get("eval_loss"))
+                score = {"eval_score": data["eval_score"]} if data.get("eval_score") is not None else {}
+                messages += self._event(event.job_id, "eval", step=event.step, eval_loss=data.get("eval_loss"), **score)
         return messages
 
     def decided(self, kind: str, job_id: str, reason: str) -> list[Message]:

@@ -8,6 +8,7 @@ tests/servers/test_mqtt_events.py checks the same against real brokers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -43,6 +44,9 @@ def test_a_state_change_is_retained_on_the_jobs_state_topic():
     assert {key: data[key] for key in ("job", "name", "state", "previous", "step", "total_steps", "loss")} == {
         "job": "job-1", "name": "name-job-1", "state": "running", "previous": "queued", "step": 3, "total_steps": 10,
         "loss": 1.5}
+    assert data["eval_score"] is None
+    [scored] = topics.job_changed(dataclasses.replace(record("job-1", "running"), eval_score=0.5), "running")
+    assert payload(scored)["eval_score"] == 0.5
     # an early stop and a failure are also events, not retained
     for ending in ("stopped_early", "failed"):
         _, event = topics.job_changed(record("job-1", ending, finished_at=time.time()), "running")
@@ -61,15 +65,18 @@ def test_progress_predictions_evaluations_and_decisions():
                                                   "lr": 1e-3}, time=12.5),
               TrainerEvent(kind="prediction", job_id="a/b", step=4, data={"predicted_stop_step": 7}),
               TrainerEvent(kind="eval", job_id="a/b", step=4, data={"eval_loss": 1.25}),
+              TrainerEvent(kind="eval", job_id="a/b", step=6, data={"eval_loss": 1.2, "eval_score": 0.75}),
               TrainerEvent(kind="checkpoint", job_id="a/b", step=4, data={}), TrainerEvent(kind="step", job_id="",
                                                                                            step=4, data={})]
-    progress, prediction, evaluation = topics.trainer_polled(events)
+    progress, prediction, evaluation, scored = topics.trainer_polled(events)
     assert (progress.topic, progress.qos, progress.retain) == ("lab/v1/jobs/a_b/progress", 0, False)
     assert payload(progress) == {"job": "a/b", "step": 4, "loss": 2.0, "tokens_per_s": 50.0, "tokens": 64,
                                  "total_steps": 9, "lr": 1e-3, "time": 12.5}
     assert (prediction.topic, payload(prediction)["kind"], payload(prediction)["predicted_stop_step"]) == (
         "lab/v1/jobs/a_b/events", "prediction", 7)
     assert (payload(evaluation)["kind"], payload(evaluation)["eval_loss"]) == ("eval", 1.25)
+    assert "eval_score" not in payload(evaluation)   # a job without a generation metric
+    assert (payload(scored)["eval_loss"], payload(scored)["eval_score"]) == (1.2, 0.75)
     [preempted] = topics.decided("preempt", "job-1", "a higher priority job")
     [moved] = topics.decided("move", "job-1", "to trainer-1")
     assert [payload(m)["kind"] for m in (preempted, moved)] == ["preempted", "moved"]

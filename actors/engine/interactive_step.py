@@ -18,6 +18,7 @@ from actors.engine.adapter_surgery import set_adapters_training
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.models import BaseModel
+from actors.engine.packing import FusedBatch
 from actors.engine.tinker_losses import LOSS_FUNCTIONS, LossInputError, check_inputs, loss_config
 
 
@@ -89,47 +90,118 @@ def base_limits(base: BaseModel) -> tuple[int, int]:
 def run_checked(base: BaseModel, calls: list[ModelCall], configs: list[dict[str, float]], *,
                 backward: bool) -> list[CallOutput]:
     """`run_calls` over calls already checked (`check_call`), each with its loss config."""
-    ids: list[int] = []
-    segments, sequences = [], []
-    for call in calls:
-        start = len(ids)
-        for datum in call.datums:
-            sequences.append((len(ids), len(ids) + len(datum.tokens)))
-            ids.extend(datum.tokens)
-        segments.append((call.adapter, start, len(ids)))
+    block = CallBlock.of(calls)
     device = base.device
-    positions = [position for start, end in sequences for position in range(end - start)]
-    targets = torch.cat([datum.inputs["target_tokens"].long() for call in calls for datum in call.datums])
-    layout = StepLayout(tuple(segments), tuple(sequences), len(ids))
+    layout = StepLayout(block.segments, block.sequences, len(block.ids))
     set_adapters_training(base.model, backward)
     with torch.set_grad_enabled(backward), step_layout(layout):
-        hidden = base.decoder(input_ids=torch.tensor(ids, device=device)[None],
-                              position_ids=torch.tensor(positions, device=device)[None],
+        hidden = base.decoder(input_ids=torch.tensor(block.ids, device=device)[None],
+                              position_ids=torch.tensor(block.positions, device=device)[None],
                               attention_mask=None, use_cache=False).last_hidden_state[0]
-        head = base.lm_head
-        logprobs = target_log_probs(hidden, head.weight, head.bias, targets.to(device),
-                                    transform=base.logit_transform)
-        outputs, total, offset = [], None, 0
-        for call, config in zip(calls, configs, strict=True):
-            output = CallOutput()
-            call_loss = None
+        losses = call_losses(base, hidden, calls, configs, block.targets.to(device))
+    if backward and losses.total is not None and losses.total.requires_grad:
+        losses.total.backward()
+    return losses.outputs()
+
+
+@dataclass(frozen=True)
+class FusedCalls:
+    """Checked forward_backward calls (`check_call`) and their loss configs, to share a fused step of jobs."""
+
+    calls: list[ModelCall]
+    configs: list[dict[str, float]]
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(datum.tokens) for call in self.calls for datum in call.datums)
+
+
+@dataclass(frozen=True)
+class CallBlock:
+    """The calls' datums as a block of a packed stream that starts at `offset`: their tokens and positions, each
+    call a segment of its model's adapter, each datum a sequence, and every datum's target tokens in order."""
+
+    ids: list[int]
+    positions: list[int]
+    segments: tuple[tuple[str, int, int], ...]
+    sequences: tuple[tuple[int, int], ...]
+    targets: torch.Tensor
+
+    @staticmethod
+    def of(calls: list[ModelCall], offset: int = 0) -> CallBlock:
+        ids: list[int] = []
+        segments, sequences = [], []
+        for call in calls:
+            start = len(ids)
             for datum in call.datums:
-                length = len(datum.tokens)
-                datum_logprobs = logprobs[offset:offset + length]
-                offset += length
-                inputs = {name: value.to(device=device, dtype=torch.float32)
-                          for name, value in datum.inputs.items() if name != "target_tokens"}
-                elementwise = LOSS_FUNCTIONS[call.loss_fn](datum_logprobs, inputs, config)
-                datum_loss = elementwise.sum()
-                call_loss = datum_loss if call_loss is None else call_loss + datum_loss
-                output.logprobs.append(datum_logprobs.detach().float().cpu())
-                output.elementwise_loss.append(elementwise.detach().float().cpu())
-            output.loss_sum = float(call_loss.detach())
-            total = call_loss if total is None else total + call_loss
-            outputs.append(output)
-    if backward and total is not None and total.requires_grad:
-        total.backward()
-    return outputs
+                sequences.append((offset + len(ids), offset + len(ids) + len(datum.tokens)))
+                ids.extend(datum.tokens)
+            segments.append((call.adapter, offset + start, offset + len(ids)))
+        positions = [position for start, end in sequences for position in range(end - start)]
+        targets = torch.cat([datum.inputs["target_tokens"].long() for call in calls for datum in call.datums])
+        return CallBlock(ids, positions, tuple(segments), tuple(sequences), targets)
+
+
+@dataclass
+class CallLosses:
+    """The calls' losses on the device: `total` (differentiable, their sum) and, per call, its datums'
+    log-probabilities and elementwise losses and its summed loss, read back by `outputs` (after the step's other
+    work is queued, where the calls share a fused step)."""
+
+    total: torch.Tensor | None
+    logprobs: list[list[torch.Tensor]]
+    elementwise: list[list[torch.Tensor]]
+    sums: list[torch.Tensor]
+
+    def outputs(self) -> list[CallOutput]:
+        return [CallOutput(logprobs=[t.detach().float().cpu() for t in logprobs],
+                           elementwise_loss=[t.detach().float().cpu() for t in elementwise],
+                           loss_sum=float(total.detach()))
+                for logprobs, elementwise, total in zip(self.logprobs, self.elementwise, self.sums, strict=True)]
+
+
+def with_calls(jobs: FusedBatch, calls: list[ModelCall]) -> tuple[FusedBatch, CallBlock]:
+    """A packed stream of jobs (host tensors) with the calls' datums after it, each call a segment of its model's
+    adapter and each datum a sequence of its own; the jobs' targets are unchanged (the calls' are the block's)."""
+    block = CallBlock.of(calls, offset=jobs.num_tokens)
+    layout = StepLayout(jobs.layout.segments + block.segments, jobs.layout.sequences + block.sequences,
+                        jobs.num_tokens + len(block.ids))
+    return replace(jobs, layout=layout,
+                   input_ids=torch.cat([jobs.input_ids, torch.tensor(block.ids, dtype=torch.long)]),
+                   position_ids=torch.cat([jobs.position_ids, torch.tensor(block.positions, dtype=torch.long)])
+                   ), block
+
+
+def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], configs: list[dict[str, float]],
+                targets: torch.Tensor) -> CallLosses:
+    """Each call's loss from the final hidden states of its block's tokens (`hidden`: (block tokens, d), in
+    `CallBlock` order; `targets`: the block's target tokens on hidden's device)."""
+    device = hidden.device
+    head = base.lm_head
+    logprobs = target_log_probs(hidden, head.weight, head.bias, targets, transform=base.logit_transform)
+    losses = CallLosses(None, [], [], [])
+    offset = 0
+    for call, config in zip(calls, configs, strict=True):
+        call_loss = None
+        losses.logprobs.append([])
+        losses.elementwise.append([])
+        for datum in call.datums:
+            length = len(datum.tokens)
+            datum_logprobs = logprobs[offset:offset + length]
+            offset += length
+            inputs = {name: value.to(device=device, dtype=torch.float32)
+                      for name, value in datum.inputs.items() if name != "target_tokens"}
+            elementwise = LOSS_FUNCTIONS[call.loss_fn](datum_logprobs, inputs, config)
+            datum_loss = elementwise.sum()
+            call_loss = datum_loss if call_loss is None else call_loss + datum_loss
+            losses.logprobs[-1].append(datum_logprobs)
+            losses.elementwise[-1].append(elementwise)
+        losses.sums.append(call_loss)
+        losses.total = call_loss if losses.total is None else losses.total + call_loss
+    return losses
 
 
 def split_passes(calls: list[ModelCall], max_tokens: int | None) -> list[list[tuple[int, ModelCall]]]:

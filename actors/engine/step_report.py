@@ -36,6 +36,10 @@ class StepReport:
     memory_measured: bool = False
     # CPU (Linux): the process's peak resident set during the step, its start included (what the kernel counts)
     resident_peak_bytes: int | None = None
+    # interactive models' forward_backward calls that shared the step (`FusedTrainer.run_step`'s `calls`): each
+    # one's output, and their tokens (in `tokens`, not in any job's result)
+    call_outputs: list = field(default_factory=list)
+    call_tokens: int = 0
 
     def as_row(self) -> dict:
         return {"step": self.step, "jobs": self.jobs, "tokens": self.tokens,

@@ -33,6 +33,7 @@ from actors.engine.grpo import (
     rollouts,
     sampling_bytes,
 )
+from actors.engine.interactive_step import FusedCalls, call_losses, with_calls
 from actors.engine.job import BatchSource, TrainingJob
 from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import StepLayout, step_layout
@@ -157,34 +158,52 @@ class FusedTrainer(StepComposition):
 
     # -- running a step ---------------------------------------------------------------------------
     def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False,
-                 meanwhile: Callable[[], None] | None = None) -> StepReport:
+                 meanwhile: Callable[[], None] | None = None, calls: FusedCalls | None = None) -> StepReport:
         """One fused forward/backward over the chosen jobs' micro-batches, then their optimizer steps.
         `measure` (CPU): the step's peak is counted from the allocator's events (torch.profiler, slower:
         `memory.measure_peak`) over the bytes held before it, instead of estimated. `meanwhile`: the host's
         other work, done once the step's kernels are queued and before its read-back, while the device runs
-        them (the service's messages about the last step); it must not raise."""
+        them (the service's messages about the last step); it must not raise. `calls`: interactive models'
+        forward_backward calls (checked: `check_call`) that share the step, after the jobs' tokens in its
+        stream (`fuses_calls`): their gradients join their adapters', their outputs are the report's
+        `call_outputs`."""
         if self.resident_measured:
             reset_peak_resident()   # the step's own peak, not one a job's export or start left between steps
         if not measure or self.base.device.type == "cuda":
-            report = self._run_step(chosen, meanwhile)
+            report = self._run_step(chosen, meanwhile, calls)
         else:
             held = live_tensor_bytes(self.base.model, [job.optimizer.optimizer for job in self.jobs.values()])
-            report, growth = measure_peak(lambda: self._run_step(chosen, meanwhile), self.base.device)
+            report, growth = measure_peak(lambda: self._run_step(chosen, meanwhile, calls), self.base.device)
             report.peak_memory_bytes = held + growth
             report.memory_measured = True
         if self.resident_measured:
             report.resident_peak_bytes = peak_resident_bytes()
         return report
 
+    @property
+    def fuses_calls(self) -> bool:
+        """Whether interactive calls can share this trainer's steps: a packed stream, not compiled (a padded
+        layout or a compiled bucket has no place for them)."""
+        return self.layout == "packed" and self.compiled is None
+
     def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]],
-                  meanwhile: Callable[[], None] | None = None) -> StepReport:
+                  meanwhile: Callable[[], None] | None = None, calls: FusedCalls | None = None) -> StepReport:
         """The step as the device runs it. Nothing inside waits for the device: the batch goes over in one copy
         from pinned memory, losses and norms stay on the device, and the one read-back comes after every kernel
         of the step (the optimizers' too) is queued; meanwhile the next step's batch is packed and sent
         (`_prepack_next`)."""
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
-        batch = self._device_batch(micro_batches)
+        block = None
+        if calls:
+            if not self.fuses_calls:
+                raise ValueError(f"interactive calls cannot share a step of layout '{self.layout}' or a compiled "
+                                 "one: run them in a pass of their own")
+            self.prepacked = None   # the next step was guessed without these calls
+            batch, block = with_calls(pack(micro_batches, self.layout, self.base.pad_token_id), calls.calls)
+            batch = batch.to(self.base.device)
+        else:
+            batch = self._device_batch(micro_batches)
         compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
         model = self.base.model
@@ -196,7 +215,12 @@ class FusedTrainer(StepComposition):
             objective = step_objective(self.base, batch, hidden,
                                        [ObjectiveJob(job.spec, job.optimizer.token_weight) for job, _ in chosen],
                                        micro_batches, references, self.loss_chunk)
-        objective.total.backward()
+            total = objective.total
+            if block is not None:   # the calls' tokens: the stream's last block
+                call_part = call_losses(self.base, hidden[batch.num_tokens - len(block.ids):], calls.calls,
+                                        calls.configs, block.targets.to(hidden.device))
+                total = total + call_part.total
+        total.backward()
         head = self.base.lm_head
         stepping = {job.name for job, _ in chosen}   # and the jobs whose gradient buffers stay between steps
         gradient_bytes = sum(job.optimizer.gradient_bytes() for job in self.jobs.values()
@@ -217,6 +241,7 @@ class FusedTrainer(StepComposition):
         if meanwhile is not None:
             meanwhile()
         per_job, norms = _read_back(objective.job_losses, [norm for _, norm in stepped])   # the step's one wait
+        call_outputs = call_part.outputs() if block is not None else []
         for index, (job, _) in enumerate(chosen):
             job.accumulator.add_loss(per_job[index], counts[index], metrics[index])
         records = {job.name: job.optimizer_stepped(lr, norm)
@@ -228,7 +253,8 @@ class FusedTrainer(StepComposition):
         return StepReport(step=self.step_count, jobs=batch.jobs, tokens=batch.num_tokens,
                           padding_tokens=batch.padding_tokens, seconds=time.perf_counter() - started,
                           peak_memory_bytes=peak, sequence_lengths=batch.sequence_lengths, results=results,
-                          memory_measured=self.base.device.type == "cuda")
+                          memory_measured=self.base.device.type == "cuda", call_outputs=call_outputs,
+                          call_tokens=len(block.ids) if block is not None else 0)
 
     def _device_batch(self, micro_batches: list[JobMicroBatch]) -> FusedBatch:
         """The step's packed batch on the device: the one `_prepack_next` sent during the last step when it was

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from actors.engine.interactive_model import LORA_ALPHA, InteractiveModel
+from actors.engine.interactive_step import CallDatum
 from tests.helpers.models import VOCAB, tiny_model
 from tests.helpers.peft_reference import peft_lora
 
@@ -32,3 +33,16 @@ def peft_twin(model: InteractiveModel):
         for name, parameter in model.adapter.named_parameters():
             weights[name].copy_(parameter)
     return reference, weights
+
+
+def datum(seed: int, length: int, *, rl: bool = False) -> CallDatum:
+    """A random datum: supervised (target tokens and weights) or, with `rl`, with sampling logprobs and advantages."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (length,), generator=generator)
+    inputs = {"target_tokens": torch.randint(0, VOCAB, (length,), generator=generator)}
+    if rl:
+        inputs["logprobs"] = -torch.rand(length, generator=generator) * 5
+        inputs["advantages"] = torch.randn(length, generator=generator)
+    else:
+        inputs["weights"] = (torch.rand(length, generator=generator) > 0.3).float()
+    return CallDatum(tuple(tokens.tolist()), inputs)

@@ -14,7 +14,7 @@ from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
 from actors.engine.models import from_module
 from actors.engine.tinker_losses import LossInputError
-from tests.helpers.interactive import peft_twin, random_b_model
+from tests.helpers.interactive import datum, peft_twin, random_b_model
 from tests.helpers.models import VOCAB, tiny_model
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
@@ -27,18 +27,6 @@ def base():
 
 def model(base_model, name: str, rank: int, seed: int) -> InteractiveModel:
     return random_b_model(base_model, name, rank, seed)
-
-
-def datum(seed: int, length: int, *, rl: bool = False) -> CallDatum:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (length,), generator=generator)
-    inputs = {"target_tokens": torch.randint(0, VOCAB, (length,), generator=generator)}
-    if rl:
-        inputs["logprobs"] = -torch.rand(length, generator=generator) * 5
-        inputs["advantages"] = torch.randn(length, generator=generator)
-    else:
-        inputs["weights"] = (torch.rand(length, generator=generator) > 0.3).float()
-    return CallDatum(tuple(tokens.tolist()), inputs)
 
 
 def gradients(made: InteractiveModel) -> dict[str, torch.Tensor]:

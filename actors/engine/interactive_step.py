@@ -6,7 +6,11 @@ Isolation holds as in a fused step of aspen's own jobs: a call's tokens see only
 (varlen attention over packed sequences) and their own adapter (the fused LoRA layers' segments), so each
 adapter's gradients come from its own calls alone and a call's outputs equal those of the same call run
 alone. A datum's `target_tokens[i]` is the target of input position i; its output `logprobs[i]` is the
-model's log-probability of that token there."""
+model's log-probability of that token there.
+
+Calls may also share a fused step of aspen's own jobs (`FusedTrainer.run_step`'s `calls`): `with_calls` puts their
+datums after the jobs' tokens in the step's stream and `call_losses` gives their losses from the step's hidden
+states, added to the jobs' before its one backward; each side ends as apart."""
 
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ one backward, and steps the optimizers of the jobs whose accumulation is complet
 packed beside the others' and their losses are functions of per-sequence log-probabilities
 (actors/engine/preference.py); a DPO job's reference is the base without adapter, from a no-grad forward
 of its new pairs before the step's forward (cached per pair). GRPO jobs' prompts become sampled, scored
-completions before the step (`rollouts`: actors/engine/grpo.py) and train beside the others.
+completions before the step (`rollouts`: actors/engine/grpo.py) and train beside the others. Interactive models'
+forward_backward calls (the Tinker API's) may share it too: their datums after the jobs' tokens, their losses
+added before the backward (actors/engine/interactive_step.py).
 
 Which jobs join a step, and its cost in tokens: actors/engine/step_composition.py; what a step reports:
 actors/engine/step_report.py."""

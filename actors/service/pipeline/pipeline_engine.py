@@ -178,9 +178,11 @@ class PipelineEngine:
         return sum(len(example) for micro_batch in micro_batches for example in micro_batch.rows)
 
     def run_step(self, chosen: list[tuple[PipelineJob, list[Example]]], *, measure: bool = False,
-                 meanwhile: Callable[[], None] | None = None) -> StepReport:
+                 meanwhile: Callable[[], None] | None = None, calls: object = None) -> StepReport:
         """One optimizer step of each chosen job through the stages, every one booked at the end; `meanwhile`
-        (the host's other work) once they are, after the stages' step."""
+        (the host's other work) once they are, after the stages' step. No interactive calls (`fuses_calls`)."""
+        if calls:
+            raise ValueError("a pipeline trainer runs no interactive calls")
         started = time.perf_counter()
         names = {job.name for job, _ in chosen}
         before = {name: len(self.head.jobs[name].history) for name in names}
@@ -218,6 +220,7 @@ class PipelineEngine:
         """Each stage's memory model (pipeline_admission.py), its held bytes as of now."""
         return self._guarded(self.pipeline.memory)
 
+    fuses_calls = False   # interactive models live on one-device trainers only
     generation_refusal = ("a pipeline trainer (stages > 1) cannot generate yet; export the adapter (`aspen export`) "
                           "and try it with vLLM or PEFT")
 

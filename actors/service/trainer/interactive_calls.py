@@ -9,6 +9,9 @@ calls before it. A call sent again with the same (model, seq_id) gets the first 
 turns; 1 with `window_s=0` serves the calls one model at a time, as time-sliced backends do (what
 bench/tinker_clients.py compares fusing with).
 
+A trainer loop that also steps jobs takes the leading forward_backward calls into a job step where they fit
+(`take_for_step`, answered by `fused_ran`): they share that step's one pass through the base.
+
 One thread steps (`run`); any thread submits. A call that fails (a bad datum, an unknown loss) fails alone:
 its partners' step runs without it, and its model's order moves past it."""
 
@@ -26,6 +29,7 @@ from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import (
     CallOutput,
+    FusedCalls,
     ModelCall,
     base_limits,
     check_call,
@@ -48,6 +52,9 @@ class Pending:
     kind: str                    # "forward_backward", "forward", "optim_step", "apply"
     payload: Any
     future: Future = field(default_factory=Future)
+
+
+Taken = tuple[str, int, Pending]   # a call taken into a fused step of jobs: its model, its tokens, the call
 
 
 @dataclass
@@ -261,6 +268,54 @@ class InteractiveCalls:
         if samples:
             self._run_samples(samples)
         return ran + len(samples)
+
+    def take_for_step(self, room: int) -> tuple[list[Taken], FusedCalls]:
+        """The leading forward_backward calls of the models (in turn), checked, whose tokens fit `room` together:
+        taken out of their models' order to share a fused step of jobs (answered by `fused_ran` or
+        `fused_failed`). A call that fails its check fails alone; a model's calls stop at one that does not fit."""
+        vocab, longest = base_limits(self.base)
+        taken: list[Taken] = []
+        configs, refused = [], []
+        with self.lock:
+            for model_id, state in self._in_turn():
+                seq = state.next_seq
+                while (pending := state.waiting.get(seq)) is not None and pending.kind == "forward_backward":
+                    tokens = sum(len(datum.tokens) for datum in pending.payload.datums)
+                    if tokens > room:
+                        break
+                    del state.waiting[seq]
+                    seq += 1
+                    try:
+                        configs.append(check_call(pending.payload, vocab, longest))
+                    except LossInputError as error:   # this call alone fails
+                        refused.append((pending, error))
+                        continue
+                    taken.append((model_id, tokens, pending))
+                    room -= tokens
+                state.next_seq = seq
+            if taken and not self._ready():
+                self.ready_since = None
+        for pending, error in refused:
+            pending.future.set_exception(error)
+        return taken, FusedCalls([pending.payload for _, _, pending in taken], configs)
+
+    def fused_ran(self, taken: list[Taken], outputs: list[CallOutput]) -> dict[str, int]:
+        """Answer the calls a fused step of jobs ran (`take_for_step`); each model's tokens in it."""
+        model_tokens: dict[str, int] = {}
+        with self.lock:
+            now = time.monotonic()
+            for model_id, tokens, _ in taken:
+                self.recent[model_id] = now
+                model_tokens[model_id] = model_tokens.get(model_id, 0) + tokens
+        for (_, _, pending), output in zip(taken, outputs, strict=True):
+            pending.future.set_result(output)
+        return model_tokens
+
+    @staticmethod
+    def fused_failed(taken: list[Taken], error: Exception) -> None:
+        """The fused step that took these calls failed (e.g. out of memory): each call says so."""
+        for _, _, pending in taken:
+            pending.future.set_exception(RuntimeError(f"the fused step failed: {error!r}"))
 
     def _in_turn(self) -> list[tuple[str, ModelState]]:
         """The models whose leading forward(_backward) calls join this pass (the lock held): every model, or

@@ -236,18 +236,24 @@ class InteractiveDesk:
                 return seq
         return None
 
-    def _pass_ran(self, summary: dict[str, Any]) -> None:
-        """A fused pass of interactive calls: a row of the step log and a `step` event, each job its tokens."""
-        self.passes += 1
+    def job_tokens(self, model_tokens: dict[str, int], *, backward: bool) -> dict[str, int]:
+        """The models' tokens of a pass or a fused step as their jobs' (what each is accounted); a backward's
+        count toward each model's trained tokens."""
         job_tokens: dict[str, int] = {}
         with self.lock:
-            for model_id, tokens in summary.get("model_tokens", {}).items():
+            for model_id, tokens in model_tokens.items():
                 model = self.models.get(model_id)
                 if model is None:
                     continue
-                if summary.get("backward"):
+                if backward:
                     model.tokens += tokens
                 job_tokens[model.job_id] = job_tokens.get(model.job_id, 0) + tokens
+        return job_tokens
+
+    def _pass_ran(self, summary: dict[str, Any]) -> None:
+        """A fused pass of interactive calls: a row of the step log and a `step` event, each job its tokens."""
+        self.passes += 1
+        job_tokens = self.job_tokens(summary.get("model_tokens", {}), backward=bool(summary.get("backward")))
         if not job_tokens:
             return
         row = {"trainer": self.trainer_id, "time": round(time.time(), 3), "kind": "interactive",

@@ -55,9 +55,10 @@ class StepBooking:
     unsent: list[tuple[ActiveJob, int, JobUpdate]] = field(default_factory=list)
 
     def after_step(self, report: StepReport, predicted: int, predicted_resident: int | None,
-                   adapter_parameters: int) -> None:
+                   adapter_parameters: int, call_job_tokens: dict[str, int] | None = None) -> None:
         """Book the fused step just run (`predicted`, `predicted_resident`: the memory model's forecasts of
-        its peaks, in its step log row)."""
+        its peaks, in its step log row; `call_job_tokens`: the tokens of interactive models' calls that shared
+        it, by their jobs, accounted beside the step's jobs')."""
         self.send_updates()   # any the last step did not send (an engine that runs no work meanwhile)
         self.totals.add(report)
         row = {"trainer": self.trainer_id, "time": round(time.time(), 3), **report.as_row(),
@@ -67,7 +68,7 @@ class StepBooking:
                "sequence_lengths": report.sequence_lengths,
                # what each user is accounted (actors/service/events/event_booking.py): each job's real tokens of the
                # step, and the GPUs the step ran on (its stages on CUDA; none on a CPU)
-               "job_tokens": {result.job: result.tokens for result in report.results},
+               "job_tokens": {**{result.job: result.tokens for result in report.results}, **(call_job_tokens or {})},
                "gpus": self.config.stages if self.engine.base.device.type == "cuda" else 0}
         self.step_log.write(row)
         self.last_step_job_tokens = dict(row["job_tokens"])   # after its row is in the step log

@@ -4,7 +4,8 @@ so that the loop never asks which one it holds.
 
 Where an engine lacks a feature, it says so in data, not by a missing method: `generation_refusal` (why it
 cannot continue a prompt, or None), `rollouts` (a pipeline runs no GRPO job, refused when attached: its
-rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: None, nothing to rebuild)."""
+rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: None, nothing to rebuild),
+`fuses_calls` (whether interactive models' calls can share its steps)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ class StepEngine(Protocol):
     def generation_refusal(self) -> str | None:
         """Why this engine cannot continue a prompt ("try it"), or None."""
 
+    @property
+    def fuses_calls(self) -> bool:
+        """Whether interactive models' forward_backward calls can share its steps (`run_step`'s `calls`)."""
+
     def compose(self, jobs: list[Any], fits: Any = None) -> list[tuple[Any, list[Any]]]: ...
 
     def rollouts(self, chosen: list[tuple[Any, list[Any]]]) -> tuple[list[tuple[Any, list[Any]]],
                                                                     list[tuple[Any, Exception]]]: ...
 
     def run_step(self, chosen: list[tuple[Any, list[Any]]], *, measure: bool = False,
-                 meanwhile: Callable[[], None] | None = None) -> StepReport: ...
+                 meanwhile: Callable[[], None] | None = None, calls: Any = None) -> StepReport: ...
 
     def remove_job(self, name: str) -> Any: ...
 

@@ -13,9 +13,9 @@ The loop's parts, each in its own module: what it steps (step_engine.py: one dev
 pipeline's), what it holds for each job (active_job.py) and how a job starts (job_attach.py), the link to each
 job's data and stop rule (job_link.py, stop_verdicts.py) and the waits on them (job_waits.py), memory
 admission (step_admission.py), what is booked after each step (step_booking.py), how a job leaves
-(job_ends.py), its step log (step_log.py), interactive models' calls between the jobs' steps
-(interactive_calls.py: the Tinker API's), the jobs whose output_dir is a storage URI (remote_outputs.py), and
-its commands from other threads (trainer_commands.py).
+(job_ends.py), its step log (step_log.py), interactive models' calls, in the jobs' steps where they fit and
+between them otherwise (interactive_calls.py: the Tinker API's), the jobs whose output_dir is a storage URI
+(remote_outputs.py), and its commands from other threads (trainer_commands.py).
 
 Thread-safe entry points (`assign`, `stop_job`, `drain_events`, `status`) only queue commands or copy
 state; the fused steps themselves run in one thread, one `run_once` at a time."""
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from actors.checkpoint import DataChanged
 from actors.checkpoint.peft_io import import_peft
+from actors.engine.interactive_step import FusedCalls
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.step_report import StepReport
@@ -113,7 +114,7 @@ class TrainerLoop:
         self.booking = StepBooking(trainer_id, config, self.trainer, self.active, self.events, self.outputs,
                                    self.base_identity, self.step_log, self.totals, self.ends.finish)
         self.ends.before_end = self.booking.send_updates
-        # interactive models (the Tinker API's), their calls run between the jobs' steps; one device only
+        # interactive models (the Tinker API's), their calls in the jobs' steps or between them; one device only
         # (a pass no larger than a step: the trainer's memory plan covers it)
         self.interactive = (InteractiveCalls(base, window_s=config.interactive_window_s,
                                              max_pass_tokens=self.trainer.step_tokens,
@@ -212,24 +213,33 @@ class TrainerLoop:
                 self.booking.send_updates()
                 self._publish_jobs()
                 return None
-            shape = self.admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
+            micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
+            shape = self.admission.shape(micro_batches)
             predicted = self.admission.predict(shape)
             resident = self.admission.predict_peak(shape) if self.admission.resident else None
+            measure = self.admission.measure_next_step()
+            taken, calls = self._calls_for(micro_batches, measure)
             try:
-                report = self.trainer.run_step(chosen, measure=self.admission.measure_next_step(),
-                                               meanwhile=self._meanwhile)
+                report = self.trainer.run_step(chosen, measure=measure, meanwhile=self._meanwhile, calls=calls)
             except StageLost:
                 raise
             except Exception as error:  # the step failed (e.g. out of memory): its jobs fail
                 log.exception("trainer %s: fused step failed", self.trainer_id)
+                if taken:
+                    self.interactive.fused_failed(taken, error)
                 for job, _ in chosen:
                     self.ends.finish(self.active[job.name], "failed", f"fused step failed: {error!r}")
                 self.booking.send_updates()   # the other jobs' (those of the step that failed went with their ends)
                 self._publish_jobs()
                 return None
             self.totals.data_waits += sum(a.feed.waits for a in self.active.values()) - waits_before
-            self.admission.observe(shape, report, predicted)
-            self.booking.after_step(report, predicted, resident, shape.adapter_parameters)
+            call_job_tokens = None
+            if taken:   # the step's shape left the calls out: its peak teaches the memory model nothing
+                call_job_tokens = self.desk.job_tokens(self.interactive.fused_ran(taken, report.call_outputs),
+                                                       backward=True)
+            else:
+                self.admission.observe(shape, report, predicted)
+            self.booking.after_step(report, predicted, resident, shape.adapter_parameters, call_job_tokens)
         for active in list(self.active.values()):
             if active.job.done:
                 self.ends.finish(active, "completed", f"trained {active.job.step} of {active.job.total_steps} steps")
@@ -247,6 +257,17 @@ class TrainerLoop:
             left = interactive.wait_left() if interactive is not None else None
             self.commands.idle(idle_wait if left is None else min(idle_wait, left))
         return report
+
+    def _calls_for(self, micro_batches: list[JobMicroBatch], measure: bool) -> tuple[list, FusedCalls | None]:
+        """Interactive models' forward_backward calls waiting now that fit the step's room (its `step_tokens`
+        beside the jobs' tokens: the memory its plan covers), taken to share the step; none for a step whose
+        peak is measured (what the memory model learns from) or a trainer whose stream has no place for them."""
+        if self.interactive is None or measure or not self.trainer.fuses_calls:
+            return [], None
+        room = self.trainer.step_tokens - self.trainer.step_cost(micro_batches)
+        if room <= 0:
+            return [], None
+        return self.interactive.take_for_step(room)
 
     def _meanwhile(self) -> None:
         """The loop's work while the device runs a step (its kernels queued, not yet read back): the last

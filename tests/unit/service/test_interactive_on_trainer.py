@@ -87,3 +87,65 @@ def test_a_call_that_arrives_while_the_loop_idles_wakes_it(tiny_base, tmp_path):
         loop.run_once(idle_wait=30)
     assert time.monotonic() - started < 10
     loop.close()
+
+
+def test_calls_waiting_as_a_jobs_step_starts_share_it_and_each_side_ends_as_apart(tiny_model_dirs, tmp_path):
+    """A forward_backward call waiting when a job's step starts goes through the base in that step (not a pass of
+    its own): the step's tokens are both's, the step log accounts the model's job its tokens beside the job's,
+    the job trains exactly as alone and the call returns exactly what the engine returns for it alone; a call too
+    large for the step's room waits for a pass of its own. (The steps whose peak the memory model measures take
+    no call.)"""
+    def run(with_calls: bool):
+        base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+        data = write_task_data(tmp_path / "data", "a", rows=16)
+        state = tmp_path / ("with" if with_calls else "without")
+        spec = run_spec(str(tiny_model_dirs["llama"]), state / "out", [job_dict("a", data, 6, max_seq_len=32)],
+                        step_tokens=256)
+        (submission,) = spec.submissions()
+        loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256), "trainer-0", state)
+        loop.desk.open("model-job", "alice:train:0", 4, owner="alice", output_dir=str(tmp_path / "model"))
+        loop.assign(assignment_for(submission, "a", base.tokenizer))
+
+        def steps(count: int) -> list:
+            done = []
+            for _ in range(200):
+                if len(done) == count:
+                    break
+                report = loop.run_once(idle_wait=0.05)
+                if report is not None:
+                    done.append(report)
+            assert len(done) == count, (len(done), [r.step for r in done])
+            return done
+
+        reports = steps(4)   # the measured steps, then one more
+        futures = []
+        if with_calls:
+            small = ModelCall(adapter_name("alice:train:0"), call_datums())
+            large = ModelCall(adapter_name("alice:train:0"), tuple(call_datums()) * 8)   # 184 tokens: no room
+            futures = [loop.interactive.submit("alice:train:0", 1, "forward_backward", small),
+                       loop.interactive.submit("alice:train:0", 2, "forward_backward", large)]
+        reports += steps(1)
+        run_until_idle(loop)
+        rows = [json.loads(line) for line in next(state.rglob("trainer*.jsonl")).read_text().splitlines()]
+        loop.close()
+        adapter = load_file(state / "out" / "a" / "adapter_model.safetensors")
+        return reports, futures, rows, adapter
+
+    alone_reports, _, _, alone = run(with_calls=False)
+    reports, (small, large), rows, beside = run(with_calls=True)
+    assert [r.call_tokens for r in reports[:4]] == [0, 0, 0, 0]
+    fused = reports[4]
+    assert fused.call_tokens == 9 + 14 and fused.tokens == alone_reports[4].tokens + 23
+    assert [r.loss for r in fused.results] == [r.loss for r in alone_reports[4].results]
+    row = next(r for r in rows if r.get("step") == fused.step and "job_tokens" in r and r.get("kind") is None)
+    assert row["job_tokens"] == {"a": fused.results[0].tokens, "model-job": 23}
+    assert any(r.get("kind") == "interactive" and r["tokens"] == 8 * 23 for r in rows)   # the large call's pass
+    for name, tensor in alone.items():
+        assert torch.equal(beside[name], tensor), name
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    InteractiveModel(base, "reference", 4)
+    expected = run_calls(base, [ModelCall("reference", call_datums())], backward=True)[0]
+    output = small.result(timeout=1)
+    assert output.loss_sum == expected.loss_sum
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(output.logprobs, expected.logprobs, strict=True))
+    assert large.result(timeout=1).loss_sum != 0

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -149,3 +150,41 @@ def test_calls_waiting_as_a_jobs_step_starts_share_it_and_each_side_ends_as_apar
     assert output.loss_sum == expected.loss_sum
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(output.logprobs, expected.logprobs, strict=True))
     assert large.result(timeout=1).loss_sum != 0
+
+
+def test_a_fused_step_that_fails_answers_its_calls_so_and_the_models_next_calls_still_run(tiny_model_dirs, tmp_path,
+                                                                                          monkeypatch):
+    """The step a call shares fails (here: its calls' loss raises, as an out-of-memory error would): the call's
+    future says the fused step failed and why, the step's job fails with that reason, and the model's next call (an
+    optimizer step) still runs: nothing of the model is lost or stuck."""
+    import actors.engine.trainer as trainer_module
+
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    data = write_task_data(tmp_path / "data", "a", rows=16)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [job_dict("a", data, 8, max_seq_len=32)],
+                    step_tokens=256)
+    (submission,) = spec.submissions()
+    loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256), "trainer-0", tmp_path / "s")
+    loop.desk.open("model-job", "alice:train:0", 4, owner="alice", output_dir=str(tmp_path / "model"))
+    loop.assign(assignment_for(submission, "a", base.tokenizer))
+    stepped = 0
+    while stepped < 3:   # the measured steps take no call
+        stepped += loop.run_once(idle_wait=0.05) is not None
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(trainer_module, "call_losses", out_of_memory)
+    call = loop.interactive.submit("alice:train:0", 1, "forward_backward",
+                                   ModelCall(adapter_name("alice:train:0"), call_datums()))
+    optim = loop.interactive.submit("alice:train:0", 2, "optim_step", AdamStep(learning_rate=0.01))
+    events = run_until_idle(loop)
+    deadline = time.monotonic() + 30
+    while not optim.done() and time.monotonic() < deadline:   # the model's calls after the step's failure
+        loop.run_once(idle_wait=0.05)
+    with pytest.raises(RuntimeError, match=r"the fused step failed: RuntimeError\('CUDA out of memory \(simulated"):
+        call.result(timeout=1)
+    assert optim.result(timeout=5) is not None
+    (failed,) = [e for e in events if e.kind == "failed"]
+    assert failed.job_id == "a" and "CUDA out of memory (simulated)" in failed.data["reason"]
+    loop.close()

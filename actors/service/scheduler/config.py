@@ -78,6 +78,10 @@ class TrainerConfig(StrictModel):
     interactive_window_s: Annotated[float, Bounds(0, 10)] = Field(
         0.005, description="how long an interactive model's call (the Tinker API's) waits for other models' calls "
                            "to share its pass over the base")
+    interactive_in_steps: bool = Field(
+        True, description="an interactive model's forward_backward calls waiting as a job's step starts share that "
+                          "step where they fit (throughput: one pass less; a call then waits for the whole step); "
+                          "false: they always run in passes of their own between the jobs' steps")
     interactive_checkpoint_every: Annotated[int, Bounds(0, 10**9)] = Field(
         10, description="optimizer steps between an interactive model's checkpoints, from which it resumes where its "
                         "trainer is lost (0: none)")

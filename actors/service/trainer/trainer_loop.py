@@ -262,7 +262,7 @@ class TrainerLoop:
         """Interactive models' forward_backward calls waiting now that fit the step's room (its `step_tokens`
         beside the jobs' tokens: the memory its plan covers), taken to share the step; none for a step whose
         peak is measured (what the memory model learns from) or a trainer whose stream has no place for them."""
-        if self.interactive is None or measure or not self.trainer.fuses_calls:
+        if self.interactive is None or measure or not self.config.interactive_in_steps or not self.trainer.fuses_calls:
             return [], None
         room = self.trainer.step_tokens - self.trainer.step_cost(micro_batches)
         if room <= 0:

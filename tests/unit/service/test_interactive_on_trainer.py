@@ -95,15 +95,16 @@ def test_calls_waiting_as_a_jobs_step_starts_share_it_and_each_side_ends_as_apar
     its own): the step's tokens are both's, the step log accounts the model's job its tokens beside the job's,
     the job trains exactly as alone and the call returns exactly what the engine returns for it alone; a call too
     large for the step's room waits for a pass of its own. (The steps whose peak the memory model measures take
-    no call.)"""
-    def run(with_calls: bool):
+    no call; nor any with `interactive_in_steps: false`.)"""
+    def run(with_calls: bool, in_steps: bool = True):
         base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
         data = write_task_data(tmp_path / "data", "a", rows=16)
-        state = tmp_path / ("with" if with_calls else "without")
+        state = tmp_path / f"{with_calls}-{in_steps}"
         spec = run_spec(str(tiny_model_dirs["llama"]), state / "out", [job_dict("a", data, 6, max_seq_len=32)],
                         step_tokens=256)
         (submission,) = spec.submissions()
-        loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256), "trainer-0", state)
+        loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256,
+                                               interactive_in_steps=in_steps), "trainer-0", state)
         loop.desk.open("model-job", "alice:train:0", 4, owner="alice", output_dir=str(tmp_path / "model"))
         loop.assign(assignment_for(submission, "a", base.tokenizer))
 
@@ -150,6 +151,11 @@ def test_calls_waiting_as_a_jobs_step_starts_share_it_and_each_side_ends_as_apar
     assert output.loss_sum == expected.loss_sum
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(output.logprobs, expected.logprobs, strict=True))
     assert large.result(timeout=1).loss_sum != 0
+    # interactive_in_steps: false: the same calls in passes of their own, the same answer
+    reports, (small, _), rows, _ = run(with_calls=True, in_steps=False)
+    assert reports[4].call_tokens == 0 and reports[4].tokens == alone_reports[4].tokens
+    assert any(r.get("kind") == "interactive" and r["tokens"] == 9 * 23 for r in rows)   # both calls, one pass
+    assert small.result(timeout=1).loss_sum == expected.loss_sum
 
 
 def test_a_fused_step_that_fails_answers_its_calls_so_and_the_models_next_calls_still_run(tiny_model_dirs, tmp_path,

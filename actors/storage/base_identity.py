@@ -84,3 +84,12 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     return json.loads(path.read_text())
+
+
+def tokenizer_id(base_model: str, source: ModelSource) -> str | None:
+    """Where a client loads the base's tokenizer from (`AutoTokenizer.from_pretrained`; the Tinker SDK's
+    `get_tokenizer()`): the id its adapters record where that is a hub id (the embedded base's, a cached hub
+    model's, a folder's that names one) or a folder; None otherwise (a GGUF file of one's own, a model built in
+    memory)."""
+    serving = base_identity(base_model, source).serving_id
+    return serving if is_hub_id(serving) or Path(serving).is_dir() else None

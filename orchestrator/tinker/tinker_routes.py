@@ -262,9 +262,10 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     def get_info(body: types.GetInfoRequest, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
         base = backend.model_bases[model_id]
-        arch = backend.facts(base)["arch"]
+        facts = backend.facts(base)
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": calls.rank_of(model_id),
-                "model_name": base, "model_data": {"arch": arch, "model_name": base}}
+                "model_name": base, "model_data": {"arch": facts["arch"], "model_name": base,
+                                                   "tokenizer_id": facts.get("tokenizer_id")}}
 
     @router.post("/forward_backward")
     async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:

@@ -345,3 +345,27 @@ def test_ppo_with_its_config_through_the_sdk_is_the_engines_ppo(server):
     for output, logprobs in zip(result.loss_fn_outputs, expected.logprobs, strict=True):
         assert np.array_equal(output["logprobs"].to_numpy(), logprobs.numpy())
     client.close("success").result()
+
+
+def test_the_sdks_get_tokenizer_loads_the_bases_own(tmp_path, monkeypatch, tiny_model_dirs):
+    """The SDK's `get_tokenizer()` loads what get_info names (`tokenizer_id`): for a base read from a folder, that
+    folder, so that it works with no hub at hand and tokenizes as the base does; the embedded base names its hub id;
+    a base with neither (built in memory, a GGUF file of one's own) names none."""
+    from actors.engine.models import load_base_model
+    from actors.storage.base_identity import tokenizer_id
+    from actors.storage.sources import ALIAS_HUB_IDS, ModelSource, resolve_source
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    with tinker_in_process(base, BASE, tmp_path / "weights", KEYS.get, window_s=WINDOW_S) as (url, _, _):
+        client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+        training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        tokenizer = training.get_tokenizer()
+        text = "Question: what is 12 + 30?\nAnswer: 42"
+        assert tokenizer.encode(text) == base.tokenizer.encode(text)
+        client.close("success").result()
+    assert tokenizer_id("smollm2-135m", resolve_source("smollm2-135m")) == ALIAS_HUB_IDS["smollm2-135m"]
+    assert tokenizer_id("in-memory", ModelSource("in-memory", None, True)) is None
+    own = tmp_path / "mine.gguf"
+    own.write_bytes(b"GGUF")
+    assert tokenizer_id(str(own), ModelSource(str(tmp_path), "mine.gguf", True)) is None

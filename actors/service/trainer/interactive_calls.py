@@ -40,6 +40,7 @@ from actors.engine.interactive_step import (
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
 from actors.engine.tinker_sampling import SampleCall, check_sample, sample
+from actors.storage.base_identity import tokenizer_id
 
 log = logging.getLogger(__name__)
 
@@ -199,14 +200,17 @@ class InteractiveCalls:
         return None if state is None else state.model.rank
 
     def facts(self) -> dict[str, Any]:
-        """What the API says of the base: its context length, architecture and end-of-sequence token."""
+        """What the API says of the base: its context length, architecture, end-of-sequence token, and where its
+        tokenizer loads from (`tokenizer_id`: the base's hub id or folder; None where it has neither, e.g. a
+        GGUF file of its own)."""
         config = self.base.model.config
         tokenizer = self.base.tokenizer
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
         return {"context": int(getattr(config, "max_position_embeddings", 0)) or None,
-                "arch": getattr(config, "model_type", None), "eos": eos if isinstance(eos, int) else None}
+                "arch": getattr(config, "model_type", None), "eos": eos if isinstance(eos, int) else None,
+                "tokenizer_id": tokenizer_id(self.base.name, self.base.source)}
 
     def _state(self, model_id: str) -> ModelState:
         try:

@@ -1,7 +1,8 @@
 """The GPU fast path on CUDA (skipped without it): the CUDA LoRA path's two kernels against the exact arithmetic
 within the bfloat16 bounds the CPU tests derive (tests/helpers/lora_bounds.py), grouped_mm's self-check passing
 on the device, and a fused step that never makes the host wait before its one read-back (CUDA's own sync
-debug mode raises on any synchronising call), with the same losses as the float32 path to rounding."""
+debug mode raises on any synchronising call), with the same losses as the float32 path to rounding, and Tinker
+calls sharing a step of jobs ending as apart, to rounding."""
 
 from __future__ import annotations
 
@@ -51,13 +52,13 @@ def test_grouped_mm_is_what_auto_takes_on_a_hopper_gpu():
     assert lora_grouped_mm.grouped_mm_works(torch.device("cuda"))
 
 
-def _three_job_trainer(dtype: torch.dtype):
+def _three_job_trainer(dtype: torch.dtype, device: str = "cuda"):
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from tests.helpers.fused import VOCAB, job_spec
     from tests.helpers.models import random_examples, tiny_model
 
-    base = from_module(tiny_model("llama", VOCAB).to("cuda", dtype), None)
+    base = from_module(tiny_model("llama", VOCAB).to(device, dtype), None)
     trainer = trainer_module.FusedTrainer(base, step_tokens=100_000)
     for index, lora in enumerate(({"r": 8, "alpha": 16, "target_modules": "all-linear"},
                                   {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"},
@@ -114,3 +115,40 @@ def test_the_cuda_path_computes_the_float32_paths_losses_on_the_gpu(monkeypatch)
     terms = llama_chain_terms(config, sequence=64, tokens=200, backward=False)
     for got, expected in zip(losses["auto"], losses["float32"], strict=True):
         assert abs(got - expected) <= rounding_tolerance(terms, abs(expected)), (got, expected)
+
+
+def calls_in_a_step_against_apart(device: str) -> None:
+    """Tinker calls sharing a fused step of three jobs on `device` in float32, against the same step without them
+    and the calls' own pass: every job's loss and every call's summed loss within the rounding tolerance of the
+    model's longest chain of sums (on CUDA a GEMM over a longer stream may take another algorithm: equal on the
+    CPU, to rounding here)."""
+    from actors.engine.interactive_step import FusedCalls, ModelCall, check_call, run_calls
+    from tests.helpers.interactive import datum, random_b_model
+    from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+
+    def setup():
+        torch.manual_seed(0)
+        trainer = _three_job_trainer(torch.float32, device)
+        models = [random_b_model(trainer.base, "alice-0", 4, 1), random_b_model(trainer.base, "bob-0", 8, 2)]
+        vocab = int(trainer.base.lm_head.weight.shape[0])
+        calls = [ModelCall("alice-0", (datum(1, 7, vocab=vocab), datum(2, 19, vocab=vocab))),
+                 ModelCall("bob-0", (datum(3, 11, rl=True, vocab=vocab), datum(4, 5, rl=True, vocab=vocab)),
+                           "importance_sampling")]
+        return trainer, models, calls
+
+    trainer, _, _ = setup()
+    alone = [r.loss for r in trainer.run_step(trainer.compose()).results]
+    trainer, _, calls = setup()
+    apart = [output.loss_sum for output in run_calls(trainer.base, calls, backward=True)]
+    trainer, _, calls = setup()
+    checked = FusedCalls(calls, [check_call(call, int(trainer.base.lm_head.weight.shape[0]), 1 << 20)
+                                 for call in calls])
+    fused = trainer.run_step(trainer.compose(), calls=checked)
+    terms = llama_chain_terms(trainer.base.model.config, sequence=64, tokens=300, backward=False)
+    for got, expected in [*zip([r.loss for r in fused.results], alone, strict=True),
+                          *zip([output.loss_sum for output in fused.call_outputs], apart, strict=True)]:
+        assert abs(got - expected) <= rounding_tolerance(terms, abs(expected)), (got, expected)
+
+
+def test_tinker_calls_in_a_jobs_step_end_as_apart_on_the_gpu():
+    calls_in_a_step_against_apart("cuda")

@@ -35,11 +35,11 @@ def peft_twin(model: InteractiveModel):
     return reference, weights
 
 
-def datum(seed: int, length: int, *, rl: bool = False) -> CallDatum:
+def datum(seed: int, length: int, *, rl: bool = False, vocab: int = VOCAB) -> CallDatum:
     """A random datum: supervised (target tokens and weights) or, with `rl`, with sampling logprobs and advantages."""
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (length,), generator=generator)
-    inputs = {"target_tokens": torch.randint(0, VOCAB, (length,), generator=generator)}
+    tokens = torch.randint(0, vocab, (length,), generator=generator)
+    inputs = {"target_tokens": torch.randint(0, vocab, (length,), generator=generator)}
     if rl:
         inputs["logprobs"] = -torch.rand(length, generator=generator) * 5
         inputs["advantages"] = torch.randn(length, generator=generator)

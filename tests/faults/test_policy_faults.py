@@ -191,6 +191,36 @@ def test_output_dirs_stay_under_a_shared_services_root(tmp_path):
     assert relative.output_dir == str((root / "team/a").resolve())
 
 
+def test_a_jobs_file_whose_output_dir_is_outside_the_root_is_told_once(tmp_path):
+    """Four jobs of a file whose output_dir the shared service refuses: one reason, naming the four jobs and the
+    file's folder, not four copies of it; a job that fails for a reason of its own is still told apart."""
+    from actors.service.scheduler.config import TrainerConfig
+
+    data = write_task_data(tmp_path / "data", "t")
+    root = tmp_path / "root"
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), load_policy("fifo"), tmp_path / "state",
+                         output_root=root, trainers=[TrainerConfig(step_tokens=4096)])
+    outside = tmp_path / "elsewhere"
+    spec = run_spec("smollm2-135m", outside, [job_dict(f"j{i}", data, 5) for i in range(4)])
+    with pytest.raises(SubmissionError) as refused:
+        core.submit_many(spec.submissions())
+    message = str(refused.value)
+    assert message.count("outside this service's output root") == 1, message
+    assert message.startswith("nothing was submitted: submissions 1-4 of 4 (jobs 'j0', 'j1', 'j2', 'j3'): "
+                              f"output_dir {outside.resolve()}/<job name> is outside"), message
+    submissions = spec.submissions()
+    submissions[2] = JobSubmission(job=submissions[2].job, output_dir="team/j2")   # under the root: fine
+    too_big = submissions[3].job.model_copy(update={"batch_size": 64, "max_seq_len": 4096})
+    submissions[3] = JobSubmission(job=too_big, output_dir="team/j3")
+    with pytest.raises(SubmissionError) as refused:
+        core.submit_many(submissions)
+    message = str(refused.value)
+    assert "submissions 1-2 of 4 (jobs 'j0', 'j1'): output_dir" in message, message
+    assert "submission 4 of 4 (job 'j3'): batch_size 64 * max_seq_len 4096" in message, message
+    assert "j2" not in message
+    assert core.table.all() == []
+
+
 def test_a_failing_step_composer_leaves_the_trainer_training_with_the_same_results(caplog):
     class Broken:
         def compose_step(self, batches, cost, step_tokens, fits):

@@ -27,12 +27,44 @@ JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
 
 
 class SubmissionError(ValueError):
-    """A submission the service cannot take; nothing of its batch was entered."""
+    """A submission the service cannot take; nothing of its batch was entered. `folder`: the job's own output
+    folder where the message names it (a batch whose jobs fail alike is then told once, the folder written
+    `<...>/<job name>`)."""
+
+    def __init__(self, message: str, *, folder: str | None = None):
+        super().__init__(message)
+        self.folder = folder
 
 
 class SubmissionConflict(SubmissionError):
     """A submission that collides with jobs already in the table (their output folder, a job id); nothing of
     its batch was entered."""
+
+
+def _shared_reason(error: SubmissionError, name: str) -> str:
+    """The error's text with the job's own folder written `<...>/<job name>`: the same for every job of a jobs
+    file whose output_dir the service refuses."""
+    text = str(error)
+    folder = error.folder
+    if folder and folder.rstrip("/").endswith("/" + name):
+        text = text.replace(folder, folder.rstrip("/")[:-len(name)] + "<job name>")
+    return text
+
+
+def _which(indices: list[int], submissions: list[JobSubmission], shown: int = 6) -> str:
+    """'job 'a'', 'submission 2 of 3 (job 'b')' or 'submissions 1-4 of 4 (jobs 'a', 'b', 'c', 'd')'."""
+    names = [f"'{submissions[i].job.name}'" for i in indices]
+    if len(submissions) == 1:
+        return f"job {names[0]}"
+    if len(indices) == 1:
+        return f"submission {indices[0] + 1} of {len(submissions)} (job {names[0]})"
+    ranges, start = [], indices[0]
+    for previous, current in zip(indices, [*indices[1:], None], strict=True):
+        if current != previous + 1:
+            ranges.append(f"{start + 1}" if start == previous else f"{start + 1}-{previous + 1}")
+            start = current
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return (f"submissions {', '.join(ranges)} of {len(submissions)} (jobs {', '.join(names[:shown])}{more})")
 
 
 class Submissions:
@@ -74,12 +106,10 @@ class Submissions:
             if existing is not None:
                 return existing
         planned: list[tuple[str, JobSubmission, Path | StorageURI]] = []
-        problems: list[str] = self._quota_problems(submissions)
+        failed: dict[str, list[int]] = {}   # a reason -> the submissions it refuses, each told once
         conflicts = 0   # problems that are collisions with jobs in the table (SubmissionConflict)
         for index, submission in enumerate(submissions):
             name = submission.job.name
-            where = f"submission {index + 1} of {len(submissions)} (job '{name}')" if len(submissions) > 1 \
-                else f"job '{name}'"
             job_id = job_ids[index] if job_ids is not None else f"{name[:56]}-{uuid.uuid4().hex[:6]}"
             try:
                 if submission.job.method == "interactive":
@@ -98,12 +128,15 @@ class Submissions:
                     raise SubmissionError(f"two of the submitted jobs would write to {output_dir}; give this job "
                                           "another output_dir")
             except SubmissionError as error:
-                problems.append(f"{where}: {error}")
+                failed.setdefault(_shared_reason(error, name), []).append(index)
                 conflicts += isinstance(error, SubmissionConflict)
                 continue
             planned.append((job_id, submission, output_dir))
-        if problems:
-            kind = SubmissionConflict if conflicts == len(problems) else SubmissionError
+        problems = self._quota_problems(submissions) + [
+            f"{_which(indices, submissions)}: {reason}" for reason, indices in failed.items()]
+        if problems:   # a conflict where every problem is one (the caller may wait and submit again)
+            only_conflicts = len(problems) == len(failed) and conflicts == sum(map(len, failed.values()))
+            kind = SubmissionConflict if only_conflicts else SubmissionError
             raise kind(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
         with self.table.transaction():
             return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
@@ -217,7 +250,7 @@ class Submissions:
             if root is not None:
                 raise SubmissionError(f"output_dir {submission.output_dir} is outside this service's output root "
                                       f"{root}; leave output_dir out (the job gets {root}/<job id>) or give a path "
-                                      f"under {root}")
+                                      f"under {root}", folder=str(submission.output_dir))
             return as_location(str(submission.output_dir))
         requested = Path(submission.output_dir).expanduser()
         if root is not None and not requested.is_absolute():
@@ -226,7 +259,7 @@ class Submissions:
         if root is not None and not resolved.is_relative_to(root):
             raise SubmissionError(f"output_dir {resolved} is outside this service's output root {root}; jobs "
                                   "submitted to a shared service write only there: leave output_dir out (the job "
-                                  f"gets {root}/<job id>) or give a path under {root}")
+                                  f"gets {root}/<job id>) or give a path under {root}", folder=str(resolved))
         return resolved
 
     @staticmethod
@@ -241,12 +274,12 @@ class Submissions:
         elif Path(requested).is_absolute() or ".." in Path(requested).parts:
             raise SubmissionError(f"output_dir {requested} is a path on this machine, but this service's output root "
                                   f"is {root}: leave output_dir out (the job gets {root}/<job id>) or give a folder "
-                                  f"name relative to it (or a URI under {root})")
+                                  f"name relative to it (or a URI under {root})", folder=str(requested))
         else:
             uri = root / Path(requested).as_posix()
         if not uri.is_relative_to(root) or "/../" in f"{uri}/":
             raise SubmissionError(f"output_dir {uri} is outside this service's output root {root}; leave output_dir "
-                                  f"out (the job gets {root}/<job id>) or give a URI under {root}")
+                                  f"out (the job gets {root}/<job id>) or give a URI under {root}", folder=str(uri))
         return uri
 
     def _check_limits(self, submission: JobSubmission) -> None:

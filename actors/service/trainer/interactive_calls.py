@@ -17,7 +17,6 @@ its partners' step runs without it, and its model's order moves past it."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -27,35 +26,15 @@ from typing import Any
 
 from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import AdamStep, InteractiveModel
-from actors.engine.interactive_step import (
-    CallOutput,
-    FusedCalls,
-    ModelCall,
-    base_limits,
-    check_call,
-    join_outputs,
-    run_checked,
-    split_passes,
-)
+from actors.engine.interactive_step import CallOutput, FusedCalls, ModelCall, base_limits, check_call
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
-from actors.engine.tinker_sampling import SampleCall, check_sample, sample
+from actors.engine.tinker_sampling import SampleCall
+from actors.service.trainer.interactive_passes import Pending, Taken, pass_record, run_other, run_pass, run_samples
 from actors.storage.base_identity import tokenizer_id
-
-log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 0.005
 ACTIVE_FOR_S = 2.0   # a model that took part in a pass this recently is waited for (at most the window)
-
-
-@dataclass
-class Pending:
-    kind: str                    # "forward_backward", "forward", "optim_step", "apply"
-    payload: Any
-    future: Future = field(default_factory=Future)
-
-
-Taken = tuple[str, int, Pending]   # a call taken into a fused step of jobs: its model, its tokens, the call
 
 
 @dataclass
@@ -265,12 +244,12 @@ class InteractiveCalls:
                     others.append((state, state.waiting.pop(state.next_seq)))
                     state.next_seq += 1
         for state, pending in others:
-            self._run_other(state, pending)
+            run_other(state.model, pending)
             ran += 1
         with self.lock:
             samples, self.samples = self.samples, []
         if samples:
-            self._run_samples(samples)
+            run_samples(self.base, samples)
         return ran + len(samples)
 
     def take_for_step(self, room: int) -> tuple[list[Taken], FusedCalls]:
@@ -339,88 +318,19 @@ class InteractiveCalls:
                     break
         return chosen
 
-    def _run_samples(self, samples: list[Pending]) -> None:
-        tokenizer = self.base.tokenizer
-        decode_text = None if tokenizer is None else tokenizer.decode
-        vocab = int(self.base.lm_head.weight.shape[0])
-        good = []
-        for pending in samples:
-            try:
-                check_sample_call(pending.payload, vocab, decode_text is not None)
-                good.append(pending)
-            except ValueError as error:   # this call alone fails
-                pending.future.set_exception(error)
-        if not good:
-            return
-        try:
-            results = sample(self.base, [pending.payload for pending in good], decode_text)
-        except Exception as error:   # the batch failed (e.g. out of memory): each call says so
-            log.exception("sampling batch of %d calls failed", len(good))
-            for pending in good:
-                pending.future.set_exception(RuntimeError(f"sampling failed: {error!r}"))
-            return
-        for pending, result in zip(good, results, strict=True):
-            pending.future.set_result(result)
-
-    def _run_pass(self, calls: list[tuple[str, int, Pending]], *, backward: bool) -> None:
-        vocab, longest = base_limits(self.base)
-        good, configs = [], []
-        for entry in calls:
-            try:
-                configs.append(check_call(entry[2].payload, vocab, longest))
-                good.append(entry)
-            except LossInputError as error:   # this call alone fails
-                entry[2].future.set_exception(error)
-        if not good:
-            return
+    def _run_pass(self, calls: list[Taken], *, backward: bool) -> None:
         started = time.perf_counter()
-        parts: list[list[CallOutput]] = [[] for _ in good]
-        try:   # in passes no larger than the trainer's step (its memory), most often one
-            for group in split_passes([pending.payload for _, _, pending in good], self.max_pass_tokens):
-                outputs = run_checked(self.base, [part for _, part in group], [configs[i] for i, _ in group],
-                                      backward=backward)
-                for (index, _), output in zip(group, outputs, strict=True):
-                    parts[index].append(output)
-        except Exception as error:   # the pass failed (e.g. out of memory): each call says so
-            log.exception("interactive pass of %d calls failed", len(good))
-            for _, _, pending in good:
-                pending.future.set_exception(RuntimeError(f"the fused pass failed: {error!r}"))
+        ran = run_pass(self.base, calls, backward=backward, max_pass_tokens=self.max_pass_tokens)
+        if ran is None:
             return
-        outputs = [join_outputs(part) for part in parts]
+        good, outputs = ran
         with self.lock:
             now = time.monotonic()
             self.recent.update((model_id, now) for model_id, _, _ in good)
         if self.on_step is not None:
-            model_tokens: dict[str, int] = {}
-            for model_id, _, pending in good:
-                model_tokens[model_id] = model_tokens.get(model_id, 0) + sum(len(d.tokens)
-                                                                             for d in pending.payload.datums)
-            self.on_step({"time": time.time(), "backward": backward, "seconds": time.perf_counter() - started,
-                          "models": sorted(model_tokens), "model_tokens": model_tokens,
-                          "datums": sum(len(p.payload.datums) for _, _, p in good),
-                          "tokens": sum(len(d.tokens) for _, _, p in good for d in p.payload.datums)})
+            self.on_step(pass_record(good, backward, time.perf_counter() - started))
         for (_, _, pending), output in zip(good, outputs, strict=True):
             pending.future.set_result(output)
-
-    @staticmethod
-    def _run_other(state: ModelState, pending: Pending) -> None:
-        try:
-            if pending.kind == "optim_step":
-                result = state.model.optim_step(pending.payload)
-            elif pending.kind == "apply":
-                result = pending.payload(state.model)
-            else:
-                raise ValueError(f"unknown call kind '{pending.kind}'")
-        except Exception as error:  # noqa: BLE001 - this call fails alone, with its reason
-            pending.future.set_exception(error)
-            return
-        pending.future.set_result(result)
-
-
-def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool) -> None:
-    check_sample(call, vocab_size)
-    if call.stop_texts and not has_tokenizer:
-        raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
 
 
 def adapter_name(model_id: str) -> str:

@@ -1,0 +1,118 @@
+"""Running a trainer's interactive calls (the Tinker API's): a forward(_backward) pass over several models' calls
+through the base, a batch of sampling calls, an optimizer step or another call on one model. A call that fails
+its check fails alone, its partners run without it; a pass or a batch that fails (e.g. out of memory) answers
+each of its calls with why. The order the calls run in is `interactive_calls.InteractiveCalls`'s."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.engine.interactive_model import InteractiveModel
+from actors.engine.interactive_step import CallOutput, base_limits, check_call, join_outputs, run_checked, split_passes
+from actors.engine.models import BaseModel
+from actors.engine.tinker_losses import LossInputError
+from actors.engine.tinker_sampling import SampleCall, check_sample, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    kind: str                    # "forward_backward", "forward", "optim_step", "apply"
+    payload: Any
+    future: Future = field(default_factory=Future)
+
+
+Taken = tuple[str, int, Pending]   # a call taken to run: its model, a number (its seq_id in a pass, its tokens in
+#                                    a fused step of jobs), the call
+
+
+def run_pass(base: BaseModel, calls: list[Taken], *, backward: bool,
+             max_pass_tokens: int | None) -> tuple[list[Taken], list[CallOutput]] | None:
+    """Run the calls' forward (and backward) through the base, in passes of at most `max_pass_tokens` (the
+    trainer's step, its memory), most often one: (the calls that ran, their outputs), to be answered by the
+    caller; None where none ran (each call already answered with why)."""
+    vocab, longest = base_limits(base)
+    good, configs = [], []
+    for entry in calls:
+        try:
+            configs.append(check_call(entry[2].payload, vocab, longest))
+            good.append(entry)
+        except LossInputError as error:   # this call alone fails
+            entry[2].future.set_exception(error)
+    if not good:
+        return None
+    parts: list[list[CallOutput]] = [[] for _ in good]
+    try:
+        for group in split_passes([pending.payload for _, _, pending in good], max_pass_tokens):
+            outputs = run_checked(base, [part for _, part in group], [configs[i] for i, _ in group],
+                                  backward=backward)
+            for (index, _), output in zip(group, outputs, strict=True):
+                parts[index].append(output)
+    except Exception as error:   # the pass failed (e.g. out of memory): each call says so
+        log.exception("interactive pass of %d calls failed", len(good))
+        for _, _, pending in good:
+            pending.future.set_exception(RuntimeError(f"the fused pass failed: {error!r}"))
+        return None
+    return good, [join_outputs(part) for part in parts]
+
+
+def pass_record(ran: list[Taken], backward: bool, seconds: float) -> dict[str, Any]:
+    """The step log's row of a pass: its models, each model's tokens, datums and tokens in all."""
+    model_tokens: dict[str, int] = {}
+    for model_id, _, pending in ran:
+        model_tokens[model_id] = model_tokens.get(model_id, 0) + sum(len(d.tokens) for d in pending.payload.datums)
+    return {"time": time.time(), "backward": backward, "seconds": seconds,
+            "models": sorted(model_tokens), "model_tokens": model_tokens,
+            "datums": sum(len(p.payload.datums) for _, _, p in ran),
+            "tokens": sum(len(d.tokens) for _, _, p in ran for d in p.payload.datums)}
+
+
+def run_samples(base: BaseModel, samples: list[Pending]) -> None:
+    """Sample every call's completions in one batch (each through its own adapter or the base) and answer them."""
+    tokenizer = base.tokenizer
+    decode_text = None if tokenizer is None else tokenizer.decode
+    vocab = int(base.lm_head.weight.shape[0])
+    good = []
+    for pending in samples:
+        try:
+            check_sample_call(pending.payload, vocab, decode_text is not None)
+            good.append(pending)
+        except ValueError as error:   # this call alone fails
+            pending.future.set_exception(error)
+    if not good:
+        return
+    try:
+        results = sample(base, [pending.payload for pending in good], decode_text)
+    except Exception as error:   # the batch failed (e.g. out of memory): each call says so
+        log.exception("sampling batch of %d calls failed", len(good))
+        for pending in good:
+            pending.future.set_exception(RuntimeError(f"sampling failed: {error!r}"))
+        return
+    for pending, result in zip(good, results, strict=True):
+        pending.future.set_result(result)
+
+
+def run_other(model: InteractiveModel, pending: Pending) -> None:
+    """An optimizer step, or a function of the model (`apply`: save, load, ...), answered with its result."""
+    try:
+        if pending.kind == "optim_step":
+            result = model.optim_step(pending.payload)
+        elif pending.kind == "apply":
+            result = pending.payload(model)
+        else:
+            raise ValueError(f"unknown call kind '{pending.kind}'")
+    except Exception as error:  # noqa: BLE001 - this call fails alone, with its reason
+        pending.future.set_exception(error)
+        return
+    pending.future.set_result(result)
+
+
+def check_sample_call(call: SampleCall, vocab_size: int, has_tokenizer: bool) -> None:
+    check_sample(call, vocab_size)
+    if call.stop_texts and not has_tokenizer:
+        raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         deep_tiny_model.main([str(base)])
         data = work / "data.jsonl"
         data.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(16)))
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20)
         try:
             results = [run_table(kind, base, data, args.jobs, args.samples, work) for kind in args.tables.split(",")]
         finally:

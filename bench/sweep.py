@@ -199,7 +199,9 @@ def tune_side(plan_path: Path) -> dict:
             if step % plan["eval_every"] == 0:
                 tune.report({"eval_loss": eval_loss(), "step": step})
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False)
+    # a cluster of its own, as the aspen side has (address="local"): never one left by another process
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20,
+             log_to_driver=False)
     scheduler = ASHAScheduler(time_attr="training_iteration", max_t=plan["steps"] // plan["eval_every"],
                               grace_period=plan["grace"], reduction_factor=2, stop_last_trials=True)
     resources = {"cpu": 2 / plan["concurrent"]}

@@ -98,7 +98,7 @@ def add_event_routes(api: APIRouter, ctx: Routes) -> None:
                     steps[record.id] = record.step
                     yield ServerSentEvent(event="progress", data={
                         "job": record.id, "name": record.name, "step": record.step, "total_steps": record.total_steps,
-                        "loss": record.loss, "eval_loss": record.eval_loss, "tokens": record.tokens,
-                        "tokens_per_s": record.tokens_per_s, "time": record.updated_at})
+                        "loss": record.loss, "eval_loss": record.eval_loss, "eval_score": record.eval_score,
+                        "tokens": record.tokens, "tokens_per_s": record.tokens_per_s, "time": record.updated_at})
             if len(rows) < EVENTS_BATCH:
                 await asyncio.sleep(events_poll_s)

@@ -164,7 +164,7 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     assert page.url.endswith("/") or "#/jobs" in page.url            # the same page: no reload, no navigation
     shown = {r.get_attribute("data-job") for r in page.query_selector_all("#jobs-table tbody tr[data-job]")}
     assert shown == {r.id for r in alice.jobs()} == {long_job.id, queued.id}   # not bob's
-    assert page.text_content(f"{row} td:nth-child(11)") == "alice"
+    assert page.text_content(f"{row} td:nth-child(12)") == "alice"
     shot(page, console, "jobs")
     # keyboard focus stays on the row's checkbox while live updates redraw the table
     page.focus(f"{row} input[type=checkbox]")
@@ -339,3 +339,27 @@ def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browse
         assert {p.name for p in console.shots.glob("*.png")} >= {
             "login.png", "jobs.png", "job.png", "job-try.png", "submit-error.png", "trainers.png", "sweeps.png"}
     console.http("bob").cancel(bobs.id)
+
+
+def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, browser):
+    """A job with eval_generate: its last score, as the API's record has it, in the jobs table's column and on
+    its page; a job without one shows none."""
+    alice = console.http("alice")
+    scored = alice.submit(job_dict("alice-scored", console.data, 2, eval_split=4, eval_every=2,
+                                   eval_generate={"metric": "contains", "max_new_tokens": 4}),
+                          base_model=console.base)
+    assert scored.wait(timeout=120).state == "completed"
+    score = alice.status(scored.id).eval_score
+    assert score is not None and 0.0 <= score <= 1.0
+    page = log_in(browser, console, "alice")
+    row = f"#jobs-table tr[data-job='{scored.id}']"
+    page.wait_for_selector(f"{row}[data-state=completed]")
+    assert page.text_content(f"{row} .eval-score") == page.evaluate(f"Number({score!r}).toPrecision(4)")
+    assert {c.text_content() for c in page.query_selector_all(
+        "#jobs-table tr[data-job]:not([data-job='" + scored.id + "']) .eval-score")} <= {"–"}
+    page.click(f"{row} a")
+    page.wait_for_selector("[data-chart=loss] figcaption")
+    shown = page.evaluate("[...document.querySelectorAll('#view dt')].find((dt) => dt.textContent === 'eval score')"
+                          "?.nextElementSibling.textContent")
+    assert shown == page.evaluate(f"Number({score!r}).toPrecision(4)")
+    page.close()

@@ -80,6 +80,7 @@ def test_a_job_over_http_submit_list_status_losses_events_and_cancel(api, tmp_pa
     step = next(e for e in progress if e.kind == "progress")
     progress.close()
     assert step.data["job"] == long.id and step.data["step"] >= 1 and step.data["loss"] > 0
+    assert step.data["eval_score"] is None   # the key is there: no eval_generate, so no score
     with pytest.raises(Conflict, match="wait until it completes"):   # still training: no final adapter yet
         http.export(long.id, tmp_path / "too-soon")
     assert not (tmp_path / "too-soon").exists()

@@ -34,7 +34,7 @@ export function render(params, session) {
   const body = el("tbody", {});
   const head = el("thead", {}, el("tr", {},
     el("th", { scope: "col" }, el("span", { class: "sr-only", text: "select" })),
-    ["name", "state", "trainer", "step / budget", "loss", "eval loss", "tokens/s", "ETA", "priority",
+    ["name", "state", "trainer", "step / budget", "loss", "eval loss", "eval score", "tokens/s", "ETA", "priority",
       "submitted by"].map((c) => el("th", { scope: "col", text: c }))));
   const accounts = el("section", { "aria-labelledby": "accounts-title" });
   setView("Jobs", bar, actions, status, el("div", { class: "scroll" },
@@ -71,6 +71,7 @@ export function render(params, session) {
       el("td", { class: "step", text: `${job.step} / ${job.total_steps ?? "?"}` }),
       el("td", {}, el("span", { class: "loss", text: num(job.loss) }), " ", sparkline(lossValues)),
       el("td", { text: num(job.eval_loss) }),
+      el("td", { class: "eval-score", text: num(job.eval_score) }),
       el("td", { text: job.tokens_per_s ? int(job.tokens_per_s) : "–" }),
       el("td", { text: eta(job) }),
       el("td", { text: job.priority }),
@@ -106,7 +107,7 @@ export function render(params, session) {
       }
     }
     status.textContent = `${rows.length} of ${jobs.size} jobs shown; ${selected.size} selected`;
-    if (!jobs.size) body.replaceChildren(el("tr", {}, el("td", { colspan: 11, text: "No jobs yet: submit one." })));
+    if (!jobs.size) body.replaceChildren(el("tr", {}, el("td", { colspan: 12, text: "No jobs yet: submit one." })));
   }
 
   async function fetchLosses(job) {
@@ -157,7 +158,7 @@ export function render(params, session) {
       const job = jobs.get(p.job);
       if (!job) return;
       Object.assign(job, { step: p.step, total_steps: p.total_steps, loss: p.loss, eval_loss: p.eval_loss,
-        tokens_per_s: p.tokens_per_s, state: "running" });
+        eval_score: p.eval_score, tokens_per_s: p.tokens_per_s, state: "running" });
       const rows = losses.get(p.job) || [];
       if (p.loss !== null && !rows.some((r) => r.step === p.step)) rows.push({ step: p.step, loss: p.loss, time: p.time });
       losses.set(p.job, rows);

@@ -92,9 +92,19 @@ def stop_token_ids(base: BaseModel) -> set[int]:
     return stops
 
 
-def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]]) -> list[float]:
-    """Per `(adapter, config, eval examples)`, the mean score of its rows' greedy continuations (all jobs in
-    one batch). A job with no scorable row raises ValueError naming it."""
+@dataclass(frozen=True)
+class GenerationEvaluation:
+    """One job's generation metric at one evaluation: the mean score, and each scored row as
+    {prompt, reference, prediction, score} (texts; what the job's generations.jsonl keeps)."""
+
+    score: float
+    samples: list[dict]
+
+
+def generation_evaluations(base: BaseModel,
+                           jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]]) -> list[GenerationEvaluation]:
+    """Per `(adapter, config, eval examples)`, its rows' greedy continuations scored (all jobs in one batch). A
+    job with no scorable row raises ValueError naming it; a metric that fails, MetricError naming the row."""
     plans = []
     for adapter, config, examples in jobs:
         rows = scored_rows(examples, base, config.rows)
@@ -108,10 +118,10 @@ def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval,
     requests = [(adapter, list(row.prompt)) for adapter, _, rows in plans for row in rows]
     longest = max(config.max_new_tokens for _, config, _ in plans)
     outputs = iter(greedy_generate_many(base, requests, longest, stops))
-    scores = []
+    evaluations = []
     for _, config, rows in plans:
         metric = metric_function(config)
-        total = 0.0
+        samples = []
         for number, row in enumerate(rows):
             tokens = next(outputs)[:config.max_new_tokens]
             for index, token in enumerate(tokens):   # ends at its first stop token, which is not text
@@ -125,6 +135,13 @@ def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval,
                 raise MetricError(f"eval_generate metric '{config.metric}' failed on eval row {number} "
                                   f"(prediction {prediction[:80]!r}): {type(error).__name__}: {error}; it must "
                                   "return a number for any text") from error
-            total += value
-        scores.append(total / len(rows))
-    return scores
+            samples.append({"prompt": row.prompt_text, "reference": row.reference, "prediction": prediction,
+                            "score": value})
+        evaluations.append(GenerationEvaluation(sum(s["score"] for s in samples) / len(samples), samples))
+    return evaluations
+
+
+def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]]) -> list[float]:
+    """Per `(adapter, config, eval examples)`, the mean score of its rows' greedy continuations (all jobs in
+    one batch): `generation_evaluations` without the rows."""
+    return [evaluation.score for evaluation in generation_evaluations(base, jobs)]

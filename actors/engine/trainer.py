@@ -26,7 +26,7 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, check_compile, pad_to_bucket
-from actors.engine.generation_eval import generation_scores
+from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
 from actors.engine.grpo import (
     SAMPLING_SIZES,
     RewardError,
@@ -333,13 +333,14 @@ class FusedTrainer(StepComposition):
         finally:
             set_adapters_training(self.base.model, True)
 
-    def evaluate_generation(self, jobs: list[TrainingJob]) -> list[float]:
-        """Each job's `eval_generate` score over its eval rows (actors/engine/generation_eval.py), all jobs'
-        rows decoded in one batch through their own adapters."""
+    def evaluate_generation(self, jobs: list[TrainingJob]) -> list[GenerationEvaluation]:
+        """Each job's `eval_generate` score over its eval rows, with the rows it scored
+        (actors/engine/generation_eval.py), all jobs' rows decoded in one batch through their own adapters."""
         for job in jobs:
             if job.spec.eval_generate is None or not job.eval_examples:
                 raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
-        return generation_scores(self.base, [(job.name, job.spec.eval_generate, job.eval_examples) for job in jobs])
+        return generation_evaluations(self.base, [(job.name, job.spec.eval_generate, job.eval_examples)
+                                                  for job in jobs])
 
     @torch.no_grad()
     def _evaluate_loss(self, job: TrainingJob, examples: list[Example], batch_size: int) -> float:

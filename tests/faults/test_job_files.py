@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import json
 
-from actors.service.outputs.job_files import METRICS_NAME, JobFiles
+from actors.service.outputs.job_files import GENERATIONS_NAME, METRICS_NAME, JobFiles
 from tests.helpers.disks import fill
 
 
@@ -64,3 +64,52 @@ def test_failures_are_counted_per_kind(tmp_path):
     assert files.failed is None and files.failures == {}
     assert [r["step"] for r in rows(tmp_path / "job-c")] == [1, 2, 3]
     files.close()
+
+
+def generations(folder) -> list[dict]:
+    text = (folder / GENERATIONS_NAME).read_text()
+    assert text == "" or text.endswith("\n"), "a half-written line was left"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def sample(n: int) -> dict:
+    return {"prompt": f"Q: {n}", "reference": str(n), "prediction": "x" * 5000, "score": 0.0}
+
+
+def test_generation_rows_survive_a_full_disk_and_a_stuck_one_fails_the_job(small_disks, tmp_path):
+    disk = small_disks(tmp_path / "disk", size="64k")
+    files = JobFiles("job-g", disk / "job-g", attempts=3)
+    files.start([])
+    files.append_generations(2, [sample(0)])
+    fill(disk)
+    files.append_generations(4, [sample(1), sample(2)])   # larger than what is left: kept, counted
+    assert files.failures == {GENERATIONS_NAME: 1} and files.failed is None
+    assert [(r["step"], r["row"]) for r in generations(disk / "job-g")] == [(2, 0)]
+    (disk / "filler").unlink()
+    files.append_generations(6, [sample(3)])
+    assert [(r["step"], r["row"]) for r in generations(disk / "job-g")] == [(2, 0), (4, 0), (4, 1), (6, 0)]
+    assert files.failures == {}
+    fill(disk)
+    for step in (8, 10, 12):
+        files.append_generations(step, [sample(step)])
+    assert files.failed is not None and "No space left" in files.failed and str(disk / "job-g") in files.failed
+    files.close()
+
+
+def test_a_resumed_job_keeps_the_generations_up_to_its_checkpoint(tmp_path):
+    """Evaluations after the checkpoint it resumes from are run again: their rows go (and a half line a crash
+    left), those before stay."""
+    folder = tmp_path / "job-r"
+    files = JobFiles("job-r", folder)
+    files.start([])
+    for step in (2, 4, 6):
+        files.append_generations(step, [sample(step), sample(step + 1)])
+    files.close()
+    with open(folder / GENERATIONS_NAME, "a") as handle:
+        handle.write('{"step": 8, "row": 0, "predic')   # the crash
+    again = JobFiles("job-r", folder)
+    again.start([{"step": 4, "loss": 1.0}], step=4)
+    assert [(r["step"], r["row"]) for r in generations(folder)] == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    again.append_generations(6, [sample(9)])
+    assert [(r["step"], r["row"]) for r in generations(folder)][-1] == (6, 0)
+    again.close()

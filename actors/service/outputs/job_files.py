@@ -1,9 +1,10 @@
 """A job's own writer on its trainer: its `metrics.jsonl` rows (one per optimizer step, with the step's eval
-loss where the job was evaluated after it: `metrics_rows`), and the bookkeeping of I/O failures in its
-output folder (metrics, checkpoints, the adapter), so that a full disk or a folder it may not write to
-fails that one job, after a bounded number of tries, with one clear reason, and never costs another job a
-row. Rows that could not be written are kept and written with the next ones once the folder takes writes
-again."""
+loss where the job was evaluated after it: `metrics_rows`), its `generations.jsonl` (each eval_generate
+evaluation's rows: prompt, reference, the adapter's continuation and its score), and the bookkeeping of I/O
+failures in its output folder (metrics, generations, checkpoints, the adapter), so that a full disk or a folder
+it may not write to fails that one job, after a bounded number of tries, with one clear reason, and never costs
+another job a row. Rows that could not be written are kept and written with the next ones once the folder takes
+writes again."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from actors.storage.storage_uri import is_uri
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
+GENERATIONS_NAME = "generations.jsonl"   # each eval_generate evaluation's rows: what the adapter wrote, its score
 CHECKPOINT_FOLDER = "checkpoint"   # the job's newest checkpoint (actors/checkpoint.py), in its folder
 IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
 
@@ -32,8 +34,8 @@ class JobFiles:
         self.attempts = attempts
         self.failures: dict[str, int] = {}   # what was written -> its consecutive failed writes
         self.last_error: OSError | None = None
-        self.unwritten: list[str] = []     # metric lines not yet written
-        self.fd: int | None = None
+        self.unwritten: dict[str, list[str]] = {METRICS_NAME: [], GENERATIONS_NAME: []}   # lines not yet written
+        self.fds: dict[str, int] = {}
 
     @property
     def failed(self) -> str | None:
@@ -47,13 +49,15 @@ class JobFiles:
                 "free space there or make it writable, then resume the job (`aspen resume`): it continues from its "
                 "last checkpoint")
 
-    def start(self, history: list[dict[str, Any]]) -> None:
+    def start(self, history: list[dict[str, Any]], step: int = 0) -> None:
         """Create the folder and write metrics.jsonl afresh from the job's history (a resumed job's rows up
-        to its checkpoint). Raises OSError: a job whose folder cannot be written at all does not start."""
+        to its checkpoint); generations.jsonl keeps its rows up to `step` (the step the job starts from: those
+        after it are trained again). Raises OSError: a job whose folder cannot be written at all does not start."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.folder / METRICS_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.unwritten = [json.dumps(row) + "\n" for row in history]
-        self._flush()
+        _keep_generations_through(self.folder / GENERATIONS_NAME, step)
+        self.fds[METRICS_NAME] = os.open(self.folder / METRICS_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.unwritten[METRICS_NAME] = [json.dumps(row) + "\n" for row in history]
+        self._flush(METRICS_NAME)
         if self.failures.get(METRICS_NAME):
             assert self.last_error is not None
             raise self.last_error
@@ -64,27 +68,43 @@ class JobFiles:
         as it was. Raises OSError."""
         path = self.folder / METRICS_NAME
         write_durably(path, "".join(json.dumps(row) + "\n" for row in rows))
-        if self.fd is not None:
-            os.close(self.fd)
-        self.fd = os.open(path, os.O_WRONLY)
-        self.unwritten = []
+        if METRICS_NAME in self.fds:
+            os.close(self.fds.pop(METRICS_NAME))
+        self.fds[METRICS_NAME] = os.open(path, os.O_WRONLY)
+        self.unwritten[METRICS_NAME] = []
 
     def append(self, row: dict[str, Any]) -> None:
-        self.unwritten.append(json.dumps(row) + "\n")
-        self._flush()
+        """A metrics.jsonl row."""
+        self.unwritten[METRICS_NAME].append(json.dumps(row) + "\n")
+        self._flush(METRICS_NAME)
 
-    def _flush(self) -> None:
-        """Write the rows not written yet, whole: a write that fails part-way is cut back to the last whole
-        row, and the rows stay to be written next time."""
-        if not self.unwritten or self.fd is None:
+    def append_generations(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """An eval_generate evaluation's rows after `step`: a generations.jsonl line each (step, row, prompt,
+        reference, prediction, score). A failed write is counted as the metrics' are."""
+        if GENERATIONS_NAME not in self.fds:
+            try:
+                self.fds[GENERATIONS_NAME] = os.open(self.folder / GENERATIONS_NAME,
+                                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            except OSError as error:
+                self.unwritten[GENERATIONS_NAME] += _generation_lines(step, samples)
+                self.failed_write(error, GENERATIONS_NAME)
+                return
+        self.unwritten[GENERATIONS_NAME] += _generation_lines(step, samples)
+        self._flush(GENERATIONS_NAME)
+
+    def _flush(self, name: str) -> None:
+        """Write the lines of `name` not written yet, whole: a write that fails part-way is cut back to the last
+        whole line, and the lines stay to be written next time."""
+        lines = self.unwritten[name]
+        if not lines or name not in self.fds:
             return
         try:
-            append_whole(self.fd, "".join(self.unwritten).encode())
+            append_whole(self.fds[name], "".join(lines).encode())
         except OSError as error:
-            self.failed_write(error, METRICS_NAME)
+            self.failed_write(error, name)
             return
-        self.unwritten.clear()
-        self.succeeded(METRICS_NAME)
+        lines.clear()
+        self.succeeded(name)
 
     def failed_write(self, error: OSError, what: str) -> None:
         """A write of `what` in the job's folder failed (counted; one log line, no traceback)."""
@@ -99,9 +119,31 @@ class JobFiles:
             self.last_error = None
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _keep_generations_through(path: Path, step: int) -> None:
+    """Cut generations.jsonl back to the evaluations after steps up to `step` (a line that is not whole JSON, left
+    by a crash, goes too)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(errors="replace").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    if len(kept) < len(lines):
+        write_durably(path, "".join(kept))
+
+
+def _generation_lines(step: int, samples: list[dict[str, Any]]) -> list[str]:
+    return [json.dumps({"step": step, "row": number, **sample}) + "\n" for number, sample in enumerate(samples)]
 
 
 def metrics_rows(steps: list[dict[str, Any]], evals: list[tuple[int, float]],

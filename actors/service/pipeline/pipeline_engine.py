@@ -22,6 +22,7 @@ import torch
 
 from actors.data import Example
 from actors.engine.adapter_surgery import linear_module_names
+from actors.engine.generation_eval import GenerationEvaluation
 from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
@@ -229,7 +230,7 @@ class PipelineEngine:
         """Every job as it is: a pipeline runs no GRPO job (refused when attached), so nothing is sampled."""
         return chosen, []
 
-    def evaluate_generation(self, jobs: list[PipelineJob]) -> list[float]:
+    def evaluate_generation(self, jobs: list[PipelineJob]) -> list[GenerationEvaluation]:
         """Refused when a job is attached (eval_generate), so never reached; said if it is."""
         raise NotImplementedError("eval_generate is not available on a pipeline trainer yet")
 

@@ -72,7 +72,9 @@ class ActiveJob:
         update.evals.append((job.step, eval_loss))
         score = None
         if job.spec.eval_generate is not None:
-            score = engine.evaluate_generation([job])[0]
+            evaluation = engine.evaluate_generation([job])[0]
+            score = evaluation.score
+            self.files.append_generations(job.step, evaluation.samples)   # what it wrote, beside the score
             job.scores.append((job.step, score))
             update.scores.append((job.step, score))
         self.last_eval_step = job.step

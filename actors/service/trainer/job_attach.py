@@ -71,7 +71,7 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
                     resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals),
                     scores=list(job.scores)))
         try:
-            files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores))
+            files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores), job.step)
         except OSError as error:
             raise OSError(f"cannot write its files in {assignment.output_dir}: {error}; make the folder "
                           "writable (or free space there) and resume the job") from error

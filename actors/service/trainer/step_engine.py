@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from actors.engine.generation_eval import GenerationEvaluation
 from actors.engine.models import BaseModel
 from actors.engine.step_report import StepReport
 
@@ -46,7 +47,7 @@ class StepEngine(Protocol):
 
     def evaluate(self, job: Any, examples: list[Any] | None = None, batch_size: int = 8) -> float: ...
 
-    def evaluate_generation(self, jobs: list[Any]) -> list[float]: ...
+    def evaluate_generation(self, jobs: list[Any]) -> list[GenerationEvaluation]: ...
 
     def rebuild(self) -> None: ...
 

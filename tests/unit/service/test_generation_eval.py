@@ -139,6 +139,16 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
     assert [prediction for prediction, _ in final_calls] == expected
     assert len(set(expected)) > 1   # the rows' continuations differ: the comparison is not of one string
     assert scores[6] == pytest.approx(sum((len(p) % 7) / 6 for p in expected) / len(expected), abs=1e-12)
+    # generations.jsonl: each evaluation's rows, what the adapter wrote (transformers' generate of the merged
+    # adapter at the end) and each row's score
+    written = [json.loads(r) for r in (tmp_path / "out/scored/generations.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["row"]) for r in written] == [(step, n) for step in (3, 6) for n in range(len(examples))]
+    last = [r for r in written if r["step"] == 6]
+    assert [r["prediction"] for r in last] == expected
+    assert [r["score"] for r in last] == [(len(p) % 7) / 6 for p in expected]
+    assert [r["reference"] for r in last] == [row["reference"] for _, row in final_calls]
+    assert [r["prompt"] for r in last] == [row["prompt"] for _, row in final_calls]
+    assert not (tmp_path / "out/other/generations.jsonl").read_text().count('"prompt": "Q: scored')
     for (_, row), example in zip(final_calls, examples, strict=True):
         targets = [t for t, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX]
         assert row["reference"] == tiny_base.tokenizer.decode(targets, skip_special_tokens=True)

@@ -209,6 +209,40 @@ def _the_job_table_keeps_the_last_score(state_dir, submissions, events, scores) 
     core.table.close()
 
 
+def test_a_job_resumed_after_its_trainer_died_writes_each_evaluations_generations_once(tmp_path, tiny_base,
+                                                                                         tiny_model_dirs):
+    """Evaluated at steps 2 and 4, checkpointed at 3, its trainer gone after step 5: the new trainer resumes it
+    from step 3 and evaluates step 4 again; generations.jsonl holds each evaluation's rows once."""
+    data = tmp_path / "data"
+    job = job_dict("again", write_task_data(data, "again"), 8, eval_split=4, eval_every=2, checkpoint_every=3,
+                   eval_generate={"metric": "contains", "max_new_tokens": 3})
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [job], step_tokens=1024)
+    (submission,) = spec.submissions()
+    config = TrainerConfig(base_model=spec.base_model, step_tokens=1024)
+    first = TrainerLoop(tiny_base, config, "trainer-t", tmp_path / "state")
+    first.assign(assignment_for(submission, "again-1", tiny_base.tokenizer))
+    path = tmp_path / "out/again/generations.jsonl"
+
+    def evaluated() -> set[int]:
+        return {json.loads(line)["step"] for line in path.read_text().splitlines()} if path.is_file() else set()
+
+    for _ in range(20):   # until its evaluation after step 4 is written
+        first.run_once(idle_wait=0)
+        if 4 in evaluated():
+            break
+    assert json.loads((tmp_path / "out/again/checkpoint/state.json").read_text())["step"] == 3
+    before = [(r["step"], r["row"]) for r in map(json.loads, path.read_text().splitlines())]
+    assert sorted({step for step, _ in before}) == [2, 4]   # step 4's rows are after its checkpoint (3)
+    first.trainer.discard("again-1")   # its process gone: the shared test base loses the adapter, nothing else
+    second = TrainerLoop(tiny_base, config, "trainer-u", tmp_path / "state")
+    second.assign(assignment_for(submission, "again-1", tiny_base.tokenizer))
+    events = run_until_idle(second)
+    assert next(e for e in events if e.kind == "started").data["resumed_from"] == 3
+    assert any(e.kind == "completed" for e in events)
+    rows = [(r["step"], r["row"]) for r in map(json.loads, path.read_text().splitlines())]
+    assert rows == [(step, n) for step in (2, 4, 6, 8) for n in range(4)], rows
+
+
 def test_a_metric_that_raises_fails_its_job_alone(tmp_path, tiny_base, tiny_model_dirs):
     data = tmp_path / "data"
     jobs = [job_dict("bad", write_task_data(data, "bad"), 4, eval_split=4, eval_every=2,

@@ -50,6 +50,25 @@ class ExportCall(JobRef):
     checkpoint: bool = Field(False, description="its last checkpoint instead of its final adapter")
 
 
+class GenerationsQuery(JobRef):
+    step: int | None = Field(None, description="the evaluation after this step (default: the last)")
+
+
+class GenerationRow(BaseModel):
+    step: int
+    row: int
+    prompt: str
+    reference: str
+    prediction: str                   # the adapter's greedy continuation
+    score: float
+
+
+class Generations(BaseModel):
+    steps: list[int]                  # every step the job was evaluated after with eval_generate
+    step: int | None                  # the evaluation shown (None: none yet)
+    rows: list[GenerationRow]
+
+
 class SweepRef(BaseModel):
     name: str
 

@@ -13,6 +13,8 @@ client in this process.
     GET  /v1/jobs/{job}/adapter   its adapter as `aspen export` writes it (a PEFT folder), tar.gz (?checkpoint=true)
     GET  /v1/jobs/{job}/spec      its spec as a jobs file (YAML) that submits it again
     POST /v1/jobs/{job}/generate  "try it": a prompt continued by a running job's adapter and by the base alone
+    GET  /v1/jobs/{job}/generations  an eval_generate evaluation's rows (?step=N; default the last): prompt,
+                                  reference, the adapter's prediction, score; and every evaluated step
     POST /v1/sweeps               a sweep file (JSON or YAML): 201 with the sweep's status; the service runs it
     GET  /v1/sweeps[/{name}]      every sweep, or one: its state, trials (leaderboard) and best trial
     POST /v1/sweeps/{name}/cancel no more trials; the running ones cancelled

@@ -289,6 +289,11 @@ class HttpClient:
         service's machine, and what to change elsewhere (`elsewhere`)."""
         return self._request("GET", _job_path(job, "/serving"))
 
+    def generations(self, job: str, step: int | None = None) -> dict[str, Any]:
+        """An eval_generate evaluation of the job (the last, or the one after `step`): {steps, step, rows}, each
+        row its prompt, reference, the adapter's prediction and score."""
+        return self._request("GET", _job_path(job, "/generations"), params={} if step is None else {"step": step})
+
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:
         """Block until the job has ended (completed, stopped early, failed or cancelled)."""
         return wait_until_ended(self.status, job, timeout, poll)

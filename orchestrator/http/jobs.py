@@ -1,5 +1,6 @@
 """The HTTP API's job routes: submit (JSON or YAML, one job or a jobs file), list, one job, its losses,
-transitions, spec, serving lines, "try it", cancel / pause / resume, and its adapter as a tar.gz."""
+transitions, spec, serving lines, "try it", its eval_generate generations, cancel / pause / resume, and its
+adapter as a tar.gz."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from actors.checkpoint.adapter_export import ExportError
+from actors.service.outputs.job_files import read_generations
 from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http.callers import Caller, find_job, visible
@@ -138,6 +140,23 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
             return answer
 
         return call_service(link, run)
+
+    @operation_route(api, "generations", tags=["jobs"],
+             responses={404: {"model": ErrorBody, "description": "no such job, or no evaluation after that step"}})
+    def generations(job: str, step: int | None = Query(None, description="the evaluation after this step "
+                                                                           "(default: the last)"),
+                    caller: Caller = Depends(require_token)) -> Any:
+        """A job's eval_generate evaluation (the last, or the one after `step`): each scored eval row's prompt,
+        reference, the adapter's greedy prediction and its score, and every evaluated step (`steps`; empty for a
+        job without eval_generate, or not evaluated yet)."""
+        record = call_service(link, lambda client: find_job(client, caller, job))
+        try:
+            return read_generations(record.output_dir, step)
+        except ValueError as error:
+            raise HTTPException(404, str(error)) from None
+        except OSError as error:   # a storage URI that does not answer (StorageError), a folder it cannot read
+            raise HTTPException(503, f"the generations of '{record.name}' in {record.output_dir} cannot be read: "
+                                     f"{error}") from None
 
     def job_verb(verb: str, what: str) -> None:
         def act(job: str, caller: Caller = Depends(require_token)) -> Any:

@@ -7,6 +7,7 @@ docs) or the test's tmp folder. Under CI=true a missing chromium or playwright f
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -345,7 +346,7 @@ def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, 
     """A job with eval_generate: its last score, as the API's record has it, in the jobs table's column and on
     its page; a job without one shows none."""
     alice = console.http("alice")
-    scored = alice.submit(job_dict("alice-scored", console.data, 2, eval_split=4, eval_every=2,
+    scored = alice.submit(job_dict("alice-scored", console.data, 4, eval_split=4, eval_every=2,
                                    eval_generate={"metric": "contains", "max_new_tokens": 4}),
                           base_model=console.base)
     assert scored.wait(timeout=120).state == "completed"
@@ -362,4 +363,35 @@ def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, 
     shown = page.evaluate("[...document.querySelectorAll('#view dt')].find((dt) => dt.textContent === 'eval score')"
                           "?.nextElementSibling.textContent")
     assert shown == page.evaluate(f"Number({score!r}).toPrecision(4)")
+
+    # its generations: the API's answer is the job's generations.jsonl (each evaluation's rows), and the page shows
+    # the last evaluation's rows, and an earlier one picked
+    lines = [json.loads(line) for line in
+             (Path(alice.status(scored.id).output_dir) / "generations.jsonl").read_text().splitlines()]
+    answer = alice.generations(scored.id)
+    assert answer["steps"] == [2, 4] and answer["step"] == 4
+    assert answer["rows"] == [row for row in lines if row["step"] == 4] and len(answer["rows"]) == 4
+    assert sum(row["score"] for row in answer["rows"]) / 4 == pytest.approx(score)
+    assert alice.generations(scored.id, step=2)["rows"] == [row for row in lines if row["step"] == 2]
+    with pytest.raises(Exception, match=r"no generations after step 3.*steps \[2, 4\]"):
+        alice.generations(scored.id, step=3)
+    with pytest.raises(Exception, match="not found|404"):
+        console.http("bob").generations(scored.id)   # another user's job
+    page.wait_for_selector(".generations-table tbody tr")
+
+    def table_rows() -> list[list[str]]:
+        return page.evaluate("[...document.querySelectorAll('.generations-table tbody tr')].map((tr) =>"
+                             " [...tr.children].map((td) => td.textContent))")
+
+    def expected(rows: list[dict]) -> list[list[str]]:
+        return [[str(r["row"]), r["prompt"], r["reference"], r["prediction"] or "(no text)",
+                 page.evaluate(f"Number({r['score']!r}).toPrecision(4)")] for r in rows]
+
+    assert table_rows() == expected(answer["rows"])
+    page.select_option("#generations-step", "2")
+    page.wait_for_function("document.querySelector('#generations-step').value === '2'")
+    wait_for(lambda: table_rows() == expected([row for row in lines if row["step"] == 2]), 30,
+             "the step-2 evaluation's rows")
+    page.evaluate("document.querySelector('section.generations').scrollIntoView()")
+    shot(page, console, "job-generations")
     page.close()

@@ -142,6 +142,33 @@ def _keep_generations_through(path: Path, step: int) -> None:
         write_durably(path, "".join(kept))
 
 
+def read_generations(output_dir: str | Path, step: int | None = None) -> dict[str, Any]:
+    """A job's generations.jsonl as {steps: every evaluated step, step: the one asked for (default the last;
+    None where there is none), rows: that evaluation's rows}. A folder or a storage URI (uploaded with the job's
+    results at its end); no file yet: no steps. A line that is not whole JSON (a crash's) is left out. Raises
+    ValueError for a step that was not evaluated, StorageError where the storage does not answer."""
+    if is_uri(output_dir):
+        location = StorageLocation(str(output_dir))
+        text = location.read_bytes(GENERATIONS_NAME).decode() if location.exists(GENERATIONS_NAME) else ""
+    else:
+        path = Path(output_dir) / GENERATIONS_NAME
+        text = path.read_text(errors="replace") if path.is_file() else ""
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.setdefault(row["step"], []).append(row)
+    steps = sorted(rows)
+    if step is not None and step not in rows:
+        raise ValueError(f"no generations after step {step}: the job's evaluations with eval_generate were after "
+                         f"steps {steps or 'none yet'}")
+    shown = step if step is not None else (steps[-1] if steps else None)
+    return {"steps": steps, "step": shown, "rows": rows.get(shown, []) if shown is not None else []}
+
+
 def _generation_lines(step: int, samples: list[dict[str, Any]]) -> list[str]:
     return [json.dumps({"step": step, "row": number, **sample}) + "\n" for number, sample in enumerate(samples)]
 

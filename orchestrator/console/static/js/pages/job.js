@@ -1,7 +1,8 @@
 // Job: its curves (loss and eval loss, learning rate, gradient norm, tokens/s) updated live from
 // /v1/events, its state transitions with reasons, its spec as YAML (and a clone of it), its checkpoint, the
 // adapter's folder with the vLLM / PEFT lines that serve it, and "try it": a prompt continued by the job's
-// current adapter and by the base alone, on its trainer between two steps.
+// current adapter and by the base alone, on its trainer between two steps; with eval_generate, what the adapter
+// wrote for each scored eval row at an evaluation (its generations.jsonl), beside the reference and the score.
 import { api, follow, jobPath } from "../api.js";
 import { lineChart } from "../charts.js";
 import { el, int, message, num, setView, stateBadge, table, when } from "../ui.js";
@@ -31,7 +32,8 @@ export function render(key, session) {
   const files = el("section", { "aria-labelledby": "files-title" });
   const spec = el("section", { "aria-labelledby": "spec-title" });
   const tryIt = el("section", { "aria-labelledby": "try-title", class: "try" });
-  setView("Job", head, charts, tryIt, history, files, spec);
+  const generations = el("section", { "aria-labelledby": "generations-title", class: "generations" });
+  setView("Job", head, charts, tryIt, generations, history, files, spec);
   const curves = {};
   let job = null;
 
@@ -162,6 +164,35 @@ export function render(key, session) {
       out);
   }
 
+  // the evaluation shown: the last one (followed as the job trains) until a step is picked
+  let pickedStep = null;
+  let shownScore;
+  async function drawGenerations(force = false) {
+    if (!force && pickedStep === null && shownScore === job.eval_score) return;   // nothing new to show
+    shownScore = job.eval_score;
+    let answer;
+    try {
+      answer = await api(jobPath(job.id, "/generations") + (pickedStep === null ? "" : `?step=${pickedStep}`));
+    } catch (error) {
+      generations.replaceChildren(el("h2", { id: "generations-title", text: "Generations" }),
+        message(error.message, "error"));
+      return;
+    }
+    if (!answer.steps.length) { generations.replaceChildren(); return; }   // no eval_generate, or none yet
+    const picker = el("select", { id: "generations-step", onchange: (e) => {
+      pickedStep = Number(e.target.value); drawGenerations(true);
+    } }, answer.steps.map((step) => el("option", { value: step, text: `after step ${step}`,
+      selected: step === answer.step })));
+    const mean = answer.rows.reduce((sum, r) => sum + r.score, 0) / Math.max(answer.rows.length, 1);
+    generations.replaceChildren(el("h2", { id: "generations-title", text: "Generations" }),
+      el("p", { class: "help" }, el("label", { for: "generations-step", text: "Evaluation " }), picker,
+        ` — ${answer.rows.length} eval rows, mean score ${num(mean)}`),
+      table(["row", "prompt", "reference", "prediction", "score"], answer.rows.map((r) => [
+        String(r.row), el("pre", { text: r.prompt }), el("pre", { text: r.reference }),
+        el("pre", { class: "prediction", text: r.prediction || "(no text)" }), num(r.score)]),
+      { className: "generations-table" }));
+  }
+
   async function load() {
     try {
       job = await api(jobPath(key));
@@ -173,7 +204,7 @@ export function render(key, session) {
     drawHead();
     drawTry();
     drawFiles();
-    await Promise.all([drawCurves(), drawHistory(), drawSpec()]);
+    await Promise.all([drawCurves(), drawHistory(), drawSpec(), drawGenerations(true)]);
   }
 
   let busy = false;
@@ -185,7 +216,7 @@ export function render(key, session) {
       drawHead();
       if ((job.state === "running") !== tryOpen) drawTry();
       drawFiles();
-      await Promise.all([drawCurves(), drawHistory()]);
+      await Promise.all([drawCurves(), drawHistory(), drawGenerations()]);
     } catch { /* the next event tries again */ } finally { busy = false; }
   }
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from safetensors.torch import load as load_safetensors
 
 from actors.data import DataError, read_rows
+from actors.service.outputs.job_files import read_generations
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.local_run import train_locally
 from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionError
@@ -233,9 +234,11 @@ def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_mo
     output = StorageLocation(f"s3://{s3_bucket}/out")
     output.write_bytes("remote/checkpoint.json", b"left by an earlier run")
     steps = 3
+    scored = {"eval_split": 4, "eval_every": steps, "eval_generate": {"metric": "contains", "max_new_tokens": 3}}
     on_s3 = run_spec(str(tiny_model_dirs["llama"]), output.uri,
-                     [job_dict("remote", f"s3://{s3_bucket}/datasets/remote.jsonl", steps)])
-    on_disk = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "local-data", [job_dict("remote", data, steps)])
+                     [job_dict("remote", f"s3://{s3_bucket}/datasets/remote.jsonl", steps, **scored)])
+    on_disk = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "local-data",
+                       [job_dict("remote", data, steps, **scored)])
     (from_s3,) = train_locally(on_s3, base=tiny_base, progress=False)
     (from_disk,) = train_locally(on_disk, base=tiny_base, progress=False)
     assert from_s3.state == "completed" and from_s3.steps == steps, from_s3.reason
@@ -243,6 +246,10 @@ def test_a_job_reads_its_dataset_from_s3(s3_bucket, tmp_path, tiny_base, tiny_mo
     assert read_pointer(output.child("remote"))["step"] == steps
     a, b = _s3_adapter(output.child("remote")), adapter_tensors(tmp_path / "local-data" / "remote")
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    # its generations are uploaded with its results, and read from the URI as from the folder
+    from_uri = read_generations(f"{output.uri}/remote")
+    assert from_uri["steps"] == [steps] and len(from_uri["rows"]) == 4
+    assert from_uri == read_generations(tmp_path / "local-data" / "remote")
     # the report reads the metrics from the URI and uploads its files there
     (metrics,) = collect(output.uri)
     local_lines = (tmp_path / "local-data" / "remote" / "metrics.jsonl").read_text().splitlines()

@@ -93,5 +93,44 @@ def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:
     return table
 
 
+def _when(moment: float | None, since: float | None = None) -> str:
+    """A time as people read it (local, to the second), with how long after `since` it came."""
+    if moment is None:
+        return "-"
+    shown = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(moment))
+    return shown if since is None else f"{shown} (+{_duration(moment - since)})"
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def record_lines(record: JobRecord, transitions: list[tuple[float, str, str]]) -> list[str]:
+    """One job in detail for `aspen status JOB`: each field of its record, times as local dates (each after the
+    submission by how long), figures to four significant digits, then its state history (`--json` has the raw
+    values)."""
+    start = record.submitted_at
+    readable = {"step": ("steps", f"{record.step}/{record.total_steps or '?'}"),
+                "loss": ("loss", _fmt(record.loss, ".4g")), "eval_loss": ("eval_loss", _fmt(record.eval_loss, ".4g")),
+                "eval_score": ("eval_score", _fmt(record.eval_score, ".4g")),
+                "tokens_per_s": ("tokens_per_s", _fmt(record.tokens_per_s, ".4g")),
+                "submitted_at": ("submitted_at", _when(record.submitted_at)),
+                **{key: (key, _when(getattr(record, key), start))
+                   for key in ("started_at", "finished_at", "updated_at")}}
+    lines = []
+    for key, value in record.as_dict().items():
+        if key != "total_steps":
+            key, value = readable.get(key, (key, value))
+            lines.append(f"{key:>16}: {'-' if value is None else value}")
+    lines.append("\n  history:")
+    lines += [f"    {_when(when)}  {state:<14} {reason}" for when, state, reason in transitions]
+    return lines
+
+
 def print_table(table: Table) -> None:
     Console(width=max(Console().width, 140) if not sys.stdout.isatty() else None).print(table)

@@ -203,7 +203,7 @@ def _status(client, args: argparse.Namespace):
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from orchestrator.progress import print_table, summary_table
+    from orchestrator.progress import print_table, record_lines, summary_table
 
     client = _service_or_ended_run(args)
     if args.job:
@@ -213,11 +213,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                        for when, state, reason in client.transitions(record.id)]
             print(json.dumps({**record.as_dict(), "history": history}, indent=1))
             return 0
-        for key, value in record.as_dict().items():
-            print(f"{key:>16}: {value}")
-        print("\n  history:")
-        for when, state, reason in client.transitions(record.id):
-            print(f"    {when:.3f}  {state:<14} {reason}")
+        print("\n".join(record_lines(record, client.transitions(record.id))))
         return 0
     records = client.jobs()
     if args.json:

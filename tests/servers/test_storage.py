@@ -1,7 +1,7 @@
 """Storage URIs against a real S3-compatible server (moto_server, tests/helpers/s3_server.py): checkpoints mirrored
 with the pointer written last (a crash before it leaves the previous checkpoint readable), damaged objects
 refused by name, errors that name the fix; a job whose output is an s3:// URI, stopped and its node-local
-folder deleted, resumes on a fresh trainer to the adapter of an undisturbed run; a job reads its dataset
+folder deleted, resumes on a fresh trainer to the adapter and generations of an undisturbed run; a job reads its dataset
 from s3://; a service whose output root is a URI places and guards job folders there."""
 
 from __future__ import annotations
@@ -156,7 +156,8 @@ def _s3_adapter(location: StorageLocation) -> dict[str, torch.Tensor]:
 
 def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed_adapter(
         s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
-    job = job_dict("mirrored", write_task_data(tmp_path / "data", "mirrored"), 6, checkpoint_every=2)
+    scored = {"eval_split": 4, "eval_every": 2, "eval_generate": {"metric": "contains", "max_new_tokens": 3}}
+    job = job_dict("mirrored", write_task_data(tmp_path / "data", "mirrored"), 6, checkpoint_every=2, **scored)
     uri = f"s3://{s3_bucket}/runs"
     (submission,) = run_spec(str(tiny_model_dirs["llama"]), uri, [job]).submissions()
     assert submission.output_dir == f"{uri}/mirrored"
@@ -175,6 +176,7 @@ def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed
     assert read_pointer(location)["step"] == 3
     assert [json.loads(r)["step"] for r in location.read_bytes("metrics.jsonl").decode().splitlines()] == [1, 2, 3]
     assert not location.exists("adapter_model.safetensors"), "a paused job uploaded an adapter"
+    assert read_generations(location.uri)["steps"] == [2]   # its evaluations so far, with its checkpoint
     assert _saved_step(f"{uri}/mirrored") == 3   # what `aspen run` tells before resuming
     shutil.rmtree(node_a)   # the node is gone with its staging folder
 
@@ -199,6 +201,12 @@ def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed
     assert all(torch.equal(reference[key], resumed[key]) for key in reference)
     rows = [json.loads(r) for r in location.read_bytes("metrics.jsonl").decode().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
+    # its generations: every evaluation's once, those before the move too, as the undisturbed job wrote them
+    moved, undisturbed = read_generations(location.uri), read_generations(tmp_path / "local" / "mirrored")
+    assert moved["steps"] == undisturbed["steps"] == [2, 4, 6]
+    for step in (2, 4):
+        assert read_generations(location.uri, step) == read_generations(tmp_path / "local" / "mirrored", step)
+    assert moved == undisturbed
 
 
 def test_a_failed_upload_keeps_the_job_and_the_next_checkpoint_uploads_again(

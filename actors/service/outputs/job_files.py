@@ -81,15 +81,14 @@ class JobFiles:
     def append_generations(self, step: int, samples: list[dict[str, Any]]) -> None:
         """An eval_generate evaluation's rows after `step`: a generations.jsonl line each (step, row, prompt,
         reference, prediction, score). A failed write is counted as the metrics' are."""
+        self.unwritten[GENERATIONS_NAME] += _generation_lines(step, samples)
         if GENERATIONS_NAME not in self.fds:
             try:
                 self.fds[GENERATIONS_NAME] = os.open(self.folder / GENERATIONS_NAME,
                                                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            except OSError as error:
-                self.unwritten[GENERATIONS_NAME] += _generation_lines(step, samples)
+            except OSError as error:   # the lines stay to be written with the next evaluation's
                 self.failed_write(error, GENERATIONS_NAME)
                 return
-        self.unwritten[GENERATIONS_NAME] += _generation_lines(step, samples)
         self._flush(GENERATIONS_NAME)
 
     def _flush(self, name: str) -> None:

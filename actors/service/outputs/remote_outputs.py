@@ -3,10 +3,11 @@ results uploaded when they leave, the newest checkpoint fetched when they start.
 actors/storage/storage_location.py, actors/storage/checkpoint_mirror.py.)
 
 Such a job is written to a node-local staging folder (`<staging_dir>/<job id>`) exactly as a local job's
-folder, and each complete checkpoint is then mirrored to the URI; its adapter and metrics go there when it
-leaves. A failed upload costs no work: the local checkpoint stays, the next checkpoint uploads again, and the
-job's reason says what failed. A job starting on any node first takes the URI's latest complete checkpoint
-(or this node's newer one).
+folder, and each complete checkpoint is then mirrored to the URI with its metrics and generations so far;
+its adapter goes there when it leaves. A failed upload costs no work: the local checkpoint stays, the next
+checkpoint uploads again, and the job's reason says what failed. A job starting on any node first takes the
+URI's latest complete checkpoint (or this node's newer one), with the generations.jsonl uploaded beside it
+(cut back to that checkpoint when the job starts).
 
 Uploads run in the background (actors/service/outputs/uploads.py), so that a slow or unreachable store stalls no
 step: a periodic checkpoint is handed off as an immutable snapshot (hard links), one upload per job at a
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.checkpoint import has_checkpoint, previous_folder, saved_step
-from actors.service.outputs.job_files import CHECKPOINT_FOLDER, METRICS_NAME
+from actors.service.outputs.job_files import CHECKPOINT_FOLDER, GENERATIONS_NAME, METRICS_NAME
 from actors.service.outputs.uploads import Uploads, remove_snapshots, snapshot_checkpoint
 from actors.service.scheduler.retries import FINAL_WRITE_ATTEMPTS, with_retries
 from actors.service.trainer.active_job import ActiveJob, JobMirror
@@ -40,6 +41,8 @@ from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import StorageURI
 
 log = logging.getLogger(__name__)
+
+APPENDED = (METRICS_NAME, GENERATIONS_NAME)   # a job's files that grow as it trains: uploaded with each checkpoint
 
 
 @dataclass(kw_only=True)
@@ -87,9 +90,9 @@ class RemoteOutputs:
     @staticmethod
     def fetch_checkpoint(mirror: JobMirror, folder: Path) -> str:
         """Put the job's newest checkpoint in its node-local `folder`: the URI's latest complete upload, unless
-        this node holds a newer one (uploads that failed; the folder is the job's own, by its unique id).
-        Returns a note for the job's reason; raises StorageError when the URI cannot be read (the job does not
-        start rather than start over)."""
+        this node holds a newer one (uploads that failed; the folder is the job's own, by its unique id), and
+        beside it the generations.jsonl uploaded with that checkpoint. Returns a note for the job's reason;
+        raises StorageError when the URI cannot be read (the job does not start rather than start over)."""
         remote = mirror.remote
         local = saved_step(folder)
         try:
@@ -108,6 +111,8 @@ class RemoteOutputs:
         try:
             shutil.rmtree(previous_folder(folder), ignore_errors=True)
             download_checkpoint(remote, folder)
+            if remote.exists(GENERATIONS_NAME):   # the evaluations so far (the job keeps those up to its step)
+                remote.download_file(GENERATIONS_NAME, folder.parent / GENERATIONS_NAME)
         except CorruptCheckpoint as error:
             if local is not None:
                 return f"its uploaded checkpoint is unusable ({error}); resumed from this node's copy"
@@ -127,15 +132,16 @@ class RemoteOutputs:
             mirror.upload_due = True
 
     def _upload_checkpoint(self, active: ActiveJob) -> None:
-        """Hand the job's newest checkpoint (and its metrics) to the background uploads as a snapshot; the
-        result is taken by `collect`. A snapshot that cannot be made is a failed upload."""
+        """Hand the job's newest checkpoint (and its metrics and generations) to the background uploads as a
+        snapshot; the result is taken by `collect`. A snapshot that cannot be made is a failed upload."""
         mirror = active.mirror
         assert mirror is not None
         remote, step = mirror.remote, mirror.checkpoint_step   # steps may have run since it was saved
         mirror.upload_due = False
         mirror.upload_step = step
         try:
-            snapshot = snapshot_checkpoint(active.local_dir, active.checkpoint_dir, active.local_dir / METRICS_NAME)
+            snapshot = snapshot_checkpoint(active.local_dir, active.checkpoint_dir,
+                                           [active.local_dir / name for name in APPENDED])
         except OSError as error:
             failed: Future = Future()
             failed.set_exception(error)
@@ -144,8 +150,9 @@ class RemoteOutputs:
 
         def upload() -> dict[str, Any]:
             try:
-                if (snapshot / METRICS_NAME).is_file():
-                    remote.upload_file(snapshot / METRICS_NAME, METRICS_NAME)
+                for name in APPENDED:
+                    if (snapshot / name).is_file():
+                        remote.upload_file(snapshot / name, name)
                 return upload_checkpoint(remote, snapshot / CHECKPOINT_FOLDER, step,
                                          go_on=lambda: self._go_on(mirror))
             finally:
@@ -258,11 +265,11 @@ class RemoteOutputs:
 
 def upload_results(remote: StorageLocation, local_dir: Path, step: int, outputs: bool,
                    go_on: Callable[[], bool] | None = None) -> None:
-    """Mirror a job's files to its URI: its metrics, with `outputs` every file at the top of its local folder
-    (the adapter), then its checkpoint (the pointer last; not written once `go_on()` is False). Raises
+    """Mirror a job's files to its URI: its metrics and generations, with `outputs` every file at the top of its
+    local folder (the adapter), then its checkpoint (the pointer last; not written once `go_on()` is False). Raises
     StorageError."""
     for path in sorted(local_dir.iterdir()):
-        if path.is_file() and not path.name.startswith(".") and (outputs or path.name == METRICS_NAME):
+        if path.is_file() and not path.name.startswith(".") and (outputs or path.name in APPENDED):
             remote.upload_file(path, path.name)
     if has_checkpoint(local_dir / CHECKPOINT_FOLDER):
         upload_checkpoint(remote, local_dir / CHECKPOINT_FOLDER, step, go_on=go_on)

@@ -9,7 +9,8 @@ Each upload is a `Future`; the trainer loop looks at them between steps.
 
 `snapshot_checkpoint` makes the immutable copy a periodic upload reads while training goes on: hard links
 to the checkpoint's files (a save never rewrites a file, it swaps in a new folder: the linked files stay as
-they were; a copy where links are not possible) and a copy of the job's metrics file (appended in place)."""
+they were; a copy where links are not possible) and a copy of the job's appended files (its metrics and
+generations)."""
 
 from __future__ import annotations
 
@@ -102,10 +103,10 @@ class Uploads:
                     self.condition.notify_all()
 
 
-def snapshot_checkpoint(local_dir: Path, checkpoint: Path, metrics: Path | None) -> Path:
-    """An immutable copy of the job's checkpoint folder (`<snapshot>/checkpoint/`, hard links) and its metrics
-    file (`<snapshot>/<name>`, copied), in a new folder next to them (the same file system: links work).
-    Raises OSError (the snapshot is removed)."""
+def snapshot_checkpoint(local_dir: Path, checkpoint: Path, appended: list[Path]) -> Path:
+    """An immutable copy of the job's checkpoint folder (`<snapshot>/checkpoint/`, hard links) and of those of
+    its `appended` files that exist (`<snapshot>/<name>`, copied: they grow in place), in a new folder next to
+    them (the same file system: links work). Raises OSError (the snapshot is removed)."""
     snapshot = local_dir / f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:10]}"
     try:
         for path in sorted(checkpoint.rglob("*")):
@@ -117,9 +118,10 @@ def snapshot_checkpoint(local_dir: Path, checkpoint: Path, metrics: Path | None)
                 os.link(path, target)
             except OSError:   # a file system without hard links: a copy is as immutable
                 shutil.copy2(path, target)
-        if metrics is not None and metrics.is_file():
-            snapshot.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(metrics, snapshot / metrics.name)
+        for path in appended:
+            if path.is_file():
+                snapshot.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, snapshot / path.name)
     except BaseException:
         shutil.rmtree(snapshot, ignore_errors=True)
         raise

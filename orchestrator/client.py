@@ -319,6 +319,15 @@ class Client:
         return export_job(job, out, merge=merge, force=force, checkpoint=checkpoint, base=base, dtype=dtype,
                           service=self.status)
 
+    def generations(self, job: str, step: int | None = None) -> dict[str, Any]:
+        """An eval_generate evaluation of the job (the last, or the one after `step`): {steps, step, rows}, each
+        row its prompt, reference, the adapter's prediction and score, read from the job's generations.jsonl (its
+        output folder must be reachable from here: this machine, a shared mount or a storage URI). ValueError
+        for a step that was not evaluated."""
+        from actors.service.outputs.job_files import read_generations
+
+        return read_generations(self.status(job).output_dir, step)
+
     def delete(self, job: str) -> None:
         """Forget a job that is not running (its files stay)."""
         self._request("delete", job)

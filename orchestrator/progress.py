@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -33,9 +34,9 @@ def follow_jobs(fetch: Callable[[], list[JobRecord]], *, quiet: bool = False, in
     console = console or Console(stderr=False)
     deadline = None if timeout is None else time.time() + timeout
     live = console.is_terminal and not quiet
-    columns = [TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:>7}  {task.fields[speed]:>8} tok/s  {task.fields[state]}"),
-               TimeElapsedColumn()]
+    columns = [TextColumn("{task.description:<20}", markup=False), BarColumn(), MofNCompleteColumn(),   # text
+               TextColumn("loss {task.fields[loss]:>7}  {task.fields[speed]:>8} tok/s  {task.fields[state]}",
+                          markup=False), TimeElapsedColumn()]   # as it is: a reason may hold [/x], not markup
     last_line = ""
     with Progress(*columns, console=console, disable=not live) as progress:
         tasks: dict[str, int] = {}
@@ -82,14 +83,14 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
 
 
 def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:
-    table = Table(title=title)
+    table = Table(title=escape(title))   # a base's path may hold [...]: text, not markup
     scored = any(r.eval_score is not None for r in records)   # a job with an eval_generate metric
     for column in ("job", "id", "state", "steps", "tokens", "loss", "eval loss", *(["eval score"] if scored else []),
                    "reason"):
         table.add_column(column, justify="left" if column in ("job", "id", "state", "reason") else "right")
     for r in records:
         table.add_row(r.name, r.id, r.state, f"{r.step}/{r.total_steps or '?'}", str(r.tokens), _fmt(r.loss),
-                      _fmt(r.eval_loss), *([_fmt(r.eval_score)] if scored else []), r.reason)
+                      _fmt(r.eval_loss), *([_fmt(r.eval_score)] if scored else []), escape(r.reason))
     return table
 
 

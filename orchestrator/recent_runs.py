@@ -104,7 +104,8 @@ def offline_jobs(state_dir: str | Path) -> list:
 
 
 class EndedRun:
-    """The calls of `aspen status` and `aspen losses` (`jobs`, `status`, `transitions`, `losses`) answered from a
+    """The calls of `aspen status`, `aspen losses` and `aspen generations` (`jobs`, `status`, `transitions`,
+    `losses`, `generations`) answered from a
     run's job table after its service ended: read-only (nothing is created, repaired or locked)."""
 
     def __init__(self, state_dir: str | Path):
@@ -136,6 +137,12 @@ class EndedRun:
         rows = self._read(f"SELECT {', '.join(COLUMNS)} FROM progress WHERE job_id = ? ORDER BY step",
                           (self.status(key).id,))
         return [dict(zip(COLUMNS, row, strict=True)) for row in rows]
+
+    def generations(self, key: str, step: int | None = None) -> dict:
+        """The job's eval_generate evaluation (`aspen generations`) from its folder, as the running service's."""
+        from actors.service.outputs.job_files import read_generations
+
+        return read_generations(self.status(key).output_dir, step)
 
     def _read(self, query: str, parameters: tuple) -> list[tuple]:
         import sqlite3

@@ -220,6 +220,7 @@ def write_report(run_dir: Path | str, console=None) -> tuple[Path | StorageURI, 
     """Write `report.png` and `report.md` into `run_dir` (uploaded, for a storage URI); print the table.
     Returns both paths."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     jobs = collect(run_dir)
@@ -235,14 +236,14 @@ def write_report(run_dir: Path | str, console=None) -> tuple[Path | StorageURI, 
         run_dir = Path(run_dir)
         _write_files(jobs, run_dir, run_dir.resolve().name, str(run_dir.resolve()))
         png, markdown = run_dir / "report.png", run_dir / "report.md"
-    table = Table(title=f"{len(jobs)} jobs in {run_dir}")
+    table = Table(title=escape(f"{len(jobs)} jobs in {run_dir}"))   # folders' names as they are, not markup
     for column in columns(jobs):
         table.add_column(column, justify="left" if column in ("job", "state") else "right")
     for row in summary_rows(jobs):
-        table.add_row(*row)
+        table.add_row(*map(escape, row))
     console = console or Console()
     console.print(table)
-    console.print(f"loss curves in {png}, table in {markdown}")
+    console.print(f"loss curves in {png}, table in {markdown}", markup=False, highlight=False)
     return png, markdown
 
 

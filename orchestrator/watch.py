@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from actors.service.table.job_table import JobRecord
@@ -61,7 +62,7 @@ def jobs_table(records: list[JobRecord], now: float | None = None, title: str | 
         table.add_row(r.id, r.state, f"{r.step}/{r.total_steps or '?'}", _fmt(r.loss), _fmt(r.eval_loss),
                       *([_fmt(r.eval_score)] if scored else []),
                       _fmt(r.tokens_per_s, ".0f") if r.state == "running" else "-",
-                      format_duration(eta) if eta is not None else "-", r.reason)
+                      format_duration(eta) if eta is not None else "-", escape(r.reason))   # text, not markup
     return table
 
 

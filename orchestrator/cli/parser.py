@@ -15,6 +15,7 @@ from orchestrator.cli.export_commands import cmd_demo, cmd_export
 from orchestrator.cli.run_commands import cmd_run, cmd_sweep
 from orchestrator.cli.service_commands import (
     cmd_cancel,
+    cmd_generations,
     cmd_http,
     cmd_http_token,
     cmd_losses,
@@ -129,13 +130,22 @@ def _add_service_commands(commands: Any) -> None:
 
 
 def _add_job_commands(commands: Any) -> None:
-    """losses, submit, status, watch, report, cancel, pause, resume, stop."""
+    """losses, generations, submit, status, watch, report, cancel, pause, resume, stop."""
     losses = with_url(with_address(commands.add_parser("losses", help="a job's loss history: one row per optimizer "
                                                                     "step (loss, eval loss, lr, grad norm, tokens)")))
     with_from(losses)
     losses.add_argument("job", help="job id (or a unique job name)")
     with_json(losses, "the rows")
     losses.set_defaults(handler=cmd_losses)
+
+    generations = with_url(with_address(commands.add_parser(
+        "generations", help="what a job's adapter wrote at an eval_generate evaluation: each held-out prompt, its "
+                            "reference, the prediction and its score (the last evaluation, or --step N)")))
+    with_from(generations)
+    generations.add_argument("job", help="job id (or a unique job name)")
+    generations.add_argument("--step", type=int, help="the evaluation after this step (default: the last)")
+    with_json(generations, "the evaluation (steps, step, rows)")
+    generations.set_defaults(handler=cmd_generations)
 
     submit = with_url(with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file")))
     submit.add_argument("file")

@@ -1,5 +1,5 @@
-"""The commands that talk to a running service: serve, http, http-token, losses, submit, status (or an ended run's
-table), watch, report, cancel / pause / resume, stop."""
+"""The commands that talk to a running service: serve, http, http-token, losses, generations, submit, status (or an
+ended run's table), watch, report, cancel / pause / resume, stop."""
 
 from __future__ import annotations
 
@@ -135,6 +135,43 @@ def cmd_losses(args: argparse.Namespace) -> int:
               + (f"{fmt(row.get('eval_score')):>12}" if scored else "")
               + f"{fmt(row['lr'], '.3g'):>11}{fmt(row['grad_norm'], '.3g'):>11}{fmt(row['tokens'], 'd'):>9}")
     return 0
+
+
+def cmd_generations(args: argparse.Namespace) -> int:
+    """An eval_generate evaluation's rows: what the adapter wrote for each held-out prompt, against the reference,
+    with its score (the last evaluation, or the one after --step)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from orchestrator.progress import print_table
+
+    found = _service_or_ended_run(args).generations(args.job, args.step)
+    if args.json:
+        print(json.dumps(found, indent=1))
+        return 0
+    if found["step"] is None:
+        print(f"{args.job}: no generations yet (a job with eval_generate writes them at each evaluation)")
+        return 0
+    scores = [row["score"] for row in found["rows"] if isinstance(row.get("score"), (int, float))]
+    mean = f", mean score {sum(scores) / len(scores):.4g}" if scores else ""
+    steps = ", ".join(map(str, found["steps"]))
+    title = f"{args.job}: the evaluation after step {found['step']} ({len(found['rows'])} rows{mean}; evaluated " \
+            f"after steps {steps})"
+    table = Table(title=escape(title), show_lines=True)
+    for column in ("row", "prompt", "reference", "prediction", "score"):
+        table.add_column(column, justify="right" if column in ("row", "score") else "left", overflow="fold")
+    for row in found["rows"]:
+        score = row.get("score")
+        table.add_row(str(row.get("row", "")), *(escape(_clipped(row.get(key))) for key in ("prompt", "reference",
+                      "prediction")), "-" if score is None else format(score, ".4g"))   # texts, not markup
+    print_table(table)
+    return 0
+
+
+def _clipped(text: str | None, limit: int = 400) -> str:
+    """A long prompt's last part (what the adapter continued), a long text's first: the whole in --json."""
+    text = "" if text is None else str(text)
+    return text if len(text) <= limit else "..." + text[-limit:]
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -143,9 +143,9 @@ def _keep_generations_through(path: Path, step: int) -> None:
 
 def read_generations(output_dir: str | Path, step: int | None = None) -> dict[str, Any]:
     """A job's generations.jsonl as {steps: every evaluated step, step: the one asked for (default the last;
-    None where there is none), rows: that evaluation's rows}. A folder or a storage URI (uploaded with the job's
-    results at its end); no file yet: no steps. A line that is not whole JSON (a crash's) is left out. Raises
-    ValueError for a step that was not evaluated, StorageError where the storage does not answer."""
+    None where there is none), rows: that evaluation's rows}. A folder or a storage URI (uploaded with each
+    checkpoint and at the job's end); no file yet: no steps. A line that is not whole JSON (a crash's) is left
+    out. Raises ValueError for a step that was not evaluated, StorageError where the storage does not answer."""
     if is_uri(output_dir):
         location = StorageLocation(str(output_dir))
         text = location.read_bytes(GENERATIONS_NAME).decode() if location.exists(GENERATIONS_NAME) else ""

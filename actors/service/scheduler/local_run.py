@@ -117,7 +117,7 @@ def _pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None) -> 
 def _step_bar(enabled: bool) -> Progress:
     """The run's progress on stderr: optimizer steps of all its jobs together (of the sum of their max_steps,
     where every job gives one), drawn by rich as the CLI draws its tables and `aspen watch`."""
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+    columns = [TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
                TimeElapsedColumn()]
     return Progress(*columns, console=Console(stderr=True), disable=not enabled)
 

@@ -58,3 +58,58 @@ def test_a_jobs_detail_shows_dates_durations_and_rounded_figures(monkeypatch):
     assert shown["finished_at"] == "2026-12-01 21:57:19 UTC (+2h 05m 07s)"
     assert lines[-2:] == ["    2026-12-01 19:52:12 UTC  queued         submitted",
                           "    2026-12-01 19:52:12 UTC  running        on t0"]
+
+
+BRACKETS = "data /srv/[v2]/rows.jsonl: row 3 ends with [/INST] [bold]"   # rich would take these for markup
+
+
+def _shown(renderable, width: int = 400) -> str:
+    console = Console(file=io.StringIO(), width=width, force_terminal=False)
+    console.print(renderable)
+    return " ".join(console.file.getvalue().split())
+
+
+def test_text_with_square_brackets_is_shown_as_written_not_taken_for_markup(tmp_path, monkeypatch):
+    """A reason, a path, a prompt or a prediction holding `[...]` (a folder `[v2]`, a chat template's `[/INST]`) is
+    shown as it is by every table and progress line: rich would drop `[v2]` and `[bold]` as styles, and fail on
+    `[/INST]` (a closing tag with nothing to close)."""
+    import argparse
+
+    from orchestrator.cli import service_commands
+    from orchestrator.progress import summary_table
+    from orchestrator.report import write_report
+    from orchestrator.watch import jobs_table
+
+    record = dataclasses.replace(job_record("j", "queued"), name="j", reason=BRACKETS, step=0)
+    assert BRACKETS in _shown(summary_table([record], title="2 jobs on /models/[v2]"))
+    assert "2 jobs on /models/[v2]" in _shown(summary_table([record], title="2 jobs on /models/[v2]"))
+    assert BRACKETS in _shown(jobs_table([record]))
+    # `aspen run`'s live bars on a terminal: the state column holds a waiting job's reason
+    console = Console(file=io.StringIO(), width=400, force_terminal=True)
+    ended = dataclasses.replace(record, state="failed", step=1)
+    answers = iter([[record], [record], [ended]])
+    follow_jobs(lambda: next(answers), interval=0, console=console)
+    assert "[/INST]" in console.file.getvalue()
+    # `aspen report` of a run whose folder is named with brackets
+    run = tmp_path / "[v2]"
+    (run / "job").mkdir(parents=True)
+    (run / "job" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "tokens": 10}\n')
+    printed = Console(file=io.StringIO(), width=400)
+    write_report(run, console=printed)
+    assert f"1jobsin{run}" in "".join(printed.file.getvalue().split())   # the title wraps at the table's width
+    # `aspen generations`: a prompt and a prediction in a chat template
+    found = {"steps": [2], "step": 2, "rows": [{"step": 2, "row": 0, "prompt": "<s>[INST] 2+2? [/INST]",
+                                                "reference": "[4]", "prediction": "[bold]4[/bold] [/INST]",
+                                                "score": 1.0}]}
+
+    class Answers:
+        @staticmethod
+        def generations(job, step):
+            return found
+
+    monkeypatch.setattr(service_commands, "_service_or_ended_run", lambda args: Answers())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert service_commands.cmd_generations(argparse.Namespace(job="j", step=None, json=False)) == 0
+    text = printed.getvalue()
+    assert "<s>[INST] 2+2? [/INST]" in text and "[bold]4[/bold] [/INST]" in text and "[4]" in text

@@ -149,6 +149,7 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
     assert [r["reference"] for r in last] == [row["reference"] for _, row in final_calls]
     assert [r["prompt"] for r in last] == [row["prompt"] for _, row in final_calls]
     assert not (tmp_path / "out/other/generations.jsonl").read_text().count('"prompt": "Q: scored')
+    _generations_are_shown(tmp_path / "state", written)
     for (_, row), example in zip(final_calls, examples, strict=True):
         targets = [t for t, label in zip(example.input_ids, example.labels, strict=True) if label != IGNORE_INDEX]
         assert row["reference"] == tiny_base.tokenizer.decode(targets, skip_special_tokens=True)
@@ -207,6 +208,32 @@ def _the_job_table_keeps_the_last_score(state_dir, submissions, events, scores) 
     record = dataclasses.replace(record, eval_score=None)
     assert "eval score" not in [column.header for column in summary_table([record]).columns]
     core.table.close()
+
+
+def _generations_are_shown(state_dir, written) -> None:
+    """`aspen generations JOB` (and `Client.generations`'s reading) of the ended run: the last evaluation's rows as
+    the trainer wrote them, or the one asked for; a step not evaluated is an error naming those that were."""
+    from orchestrator.cli.main import main
+
+    by_step = {step: [r for r in written if r["step"] == step] for step in (3, 6)}
+    for arguments, step in ((["generations", "scored"], 6), (["generations", "scored", "--step", "3"], 3)):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main([*arguments, "--from", str(state_dir), "--json"]) == 0
+        assert json.loads(printed.getvalue()) == {"steps": [3, 6], "step": step, "rows": by_step[step]}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["generations", "scored", "--from", str(state_dir)]) == 0
+    shown = printed.getvalue()
+    mean = sum(r["score"] for r in by_step[6]) / len(by_step[6])
+    assert f"the evaluation after step 6 ({len(by_step[6])} rows, mean score {mean:.4g}; evaluated after steps 3, 6)" \
+        in " ".join(shown.split())
+    assert all(r["prediction"].strip()[:10] in shown for r in by_step[6] if r["prediction"].strip())
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        assert main(["generations", "scored", "--step", "4", "--from", str(state_dir)]) != 0
+    assert "no generations after step 4: the job's evaluations with eval_generate were after steps [3, 6]" \
+        in errors.getvalue()
 
 
 def test_a_job_resumed_after_its_trainer_died_writes_each_evaluations_generations_once(tmp_path, tiny_base,

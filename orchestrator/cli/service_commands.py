@@ -150,7 +150,7 @@ def cmd_generations(args: argparse.Namespace) -> int:
         print(json.dumps(found, indent=1))
         return 0
     if found["step"] is None:
-        print(f"{args.job}: no generations yet (a job with eval_generate writes them at each evaluation)")
+        print(f"{args.job}: no generations (a job with eval_generate writes them at each of its evaluations)")
         return 0
     scores = [row["score"] for row in found["rows"] if isinstance(row.get("score"), (int, float))]
     mean = f", mean score {sum(scores) / len(scores):.4g}" if scores else ""

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from actors.service.scheduler.config import NAMESPACE
-from orchestrator.errors import ServiceError
+from orchestrator.errors import ClusterRefused, ServiceError
 from orchestrator.private_ray import start_private_cluster
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
         except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
             cause = str(error.__cause__ or "").split(". ")[0]
-            raise ServiceError(f"{error}{f' ({cause})' if cause else ''}; if it is your service's cluster and "
+            raise ClusterRefused(f"{error}{f' ({cause})' if cause else ''}; if it is your service's cluster and "
                                "uses token authentication, this process needs its token (~/.ray/auth_token or "
                                "RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token; else name yours with --address or "
                                "RAY_ADDRESS") from None

@@ -205,15 +205,16 @@ def _ended_run_or(args: argparse.Namespace, error: Exception):
         if run is None:
             raise error
         folder = Path(run.state_dir)
-    print(f"aspen: no aspen service is running; the job table of the run in {shown_folder(folder)} as it ended "
-          "(`aspen run` of its jobs file resumes unfinished jobs)", file=sys.stderr)
+    why = "" if args.from_dir else "no aspen service is running; "   # --from: asked for, whether one runs or not
+    print(f"aspen: {why}the job table of the run in {shown_folder(folder)} as it ended (`aspen run` of its jobs file "
+          "resumes unfinished jobs)", file=sys.stderr)
     return EndedRun(folder)
 
 
 def _service_or_ended_run(args: argparse.Namespace):
     """The running service; where none runs (and no cluster or URL is named), the ended run's table (`--from`, else
     the newest `aspen run` of this machine)."""
-    from orchestrator.errors import ServiceError
+    from orchestrator.errors import ClusterRefused, ServiceError
 
     if args.from_dir and args.url:
         raise ValueError("give --from (a run's folder) or --url (a running service), not both")
@@ -222,8 +223,8 @@ def _service_or_ended_run(args: argparse.Namespace):
             raise ServiceError("--from given")
         return connect_service(args)
     except ServiceError as error:   # no cluster, or no service on it: a run that has ended answers from its table
-        if args.url or (not args.from_dir and named_cluster(args)):   # a cluster named and not there: an error
-            raise
+        if args.url or isinstance(error, ClusterRefused) or (not args.from_dir and named_cluster(args)):
+            raise   # a cluster named and not there, or one there that refuses this process: an error
         return _ended_run_or(args, error)
 
 

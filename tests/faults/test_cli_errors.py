@@ -90,3 +90,42 @@ def test_ctrl_c_while_connecting_is_one_line_and_exit_130(folder):
     result = subprocess.run([sys.executable, "-c", script], cwd=folder, capture_output=True, text=True, timeout=60)
     assert result.returncode == 130, result
     assert "Traceback" not in result.stderr and "interrupted" in result.stderr, result.stderr
+
+
+def test_a_cluster_that_refuses_this_process_is_said_not_covered_by_an_ended_runs_table(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """A Ray cluster that answers here and refuses this process's token (a head started with token authentication,
+    a client without RAY_AUTH_MODE=token): `aspen status` says so and what to set, rather than answering from the
+    newest ended `aspen run`'s table as if no service ran; `--from` still reads that table, as asked, without
+    claiming that no service runs."""
+    from actors.service.table.job_table import JobTable
+    from orchestrator.cli.main import main
+    from orchestrator.errors import ClusterRefused, ServiceError
+    from orchestrator.recent_runs import RecentRuns, state_folder
+
+    out_dir = tmp_path / "run"
+    JobTable(state_folder(out_dir) / "jobs.sqlite").close()
+    monkeypatch.setenv("ASPEN_RECENT_RUNS", str(tmp_path / "runs.json"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    RecentRuns().remember(tmp_path / "jobs.yaml", str(out_dir), state_folder(out_dir))
+    refusal = ("Failed to connect to Ray cluster at 10.0.0.5:6379 (RPC error: InvalidAuthToken); if it is your "
+               "service's cluster and uses token authentication, this process needs its token and "
+               "RAY_AUTH_MODE=token")
+
+    def refused(args):
+        raise ClusterRefused(refusal)
+
+    monkeypatch.setattr("orchestrator.cli.service_commands.connect_service", refused)
+    assert main(["status"]) == 1
+    error = capsys.readouterr().err
+    assert refusal in error and "the job table of the run" not in error, error
+    assert main(["status", "--from", str(out_dir)]) == 0
+    error = capsys.readouterr().err
+    assert "the job table of the run in" in error and "no aspen service is running" not in error, error
+
+    def no_cluster(args):
+        raise ServiceError("no running Ray cluster found")
+
+    monkeypatch.setattr("orchestrator.cli.service_commands.connect_service", no_cluster)
+    assert main(["status"]) == 0   # none there at all: the ended run answers, said so
+    assert "no aspen service is running; the job table of the run in" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -53,6 +54,24 @@ def _check_reachable(address: str) -> None:
         log.debug("the cluster at %s did not give its id at once (%r); ray.init tries again", target, error)
 
 
+def _refusal_fix() -> str:
+    """What to do about a cluster that refused this process, by what this process has: a token it does not send
+    (no RAY_AUTH_MODE=token), one it sends and that is not the cluster's, or none."""
+    has_token = bool(os.environ.get("RAY_AUTH_TOKEN")) or (Path.home() / ".ray" / "auth_token").is_file()
+    sends = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    if has_token and not sends:
+        return ("this process has a token (~/.ray/auth_token or RAY_AUTH_TOKEN) but does not send it: set "
+                "RAY_AUTH_MODE=token (export it, as for every client of the cluster); else name your cluster "
+                "with --address or RAY_ADDRESS")
+    if has_token:
+        return ("the cluster refused this process's token (~/.ray/auth_token or RAY_AUTH_TOKEN): it is another "
+                "cluster's; use the head's (copy its ~/.ray/auth_token or set RAY_AUTH_TOKEN), or name your "
+                "cluster with --address or RAY_ADDRESS")
+    return ("if it is your service's cluster and uses token authentication, this process needs its token (copy "
+            "the head's ~/.ray/auth_token or set RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token; else name yours with "
+            "--address or RAY_ADDRESS")
+
+
 def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
     """Connect to the Ray cluster at `address` (or $RAY_ADDRESS); without either, start a private local
     one (no dashboard: its processes would take CPU from training on small machines)."""
@@ -69,10 +88,7 @@ def ensure_ray(address: str | None = None, **init_kwargs: Any) -> None:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **init_kwargs)
         except ConnectionError as error:   # a cluster answers and refuses this process: another's token, not Ray
             cause = str(error.__cause__ or "").split(". ")[0]
-            raise ClusterRefused(f"{error}{f' ({cause})' if cause else ''}; if it is your service's cluster and "
-                               "uses token authentication, this process needs its token (~/.ray/auth_token or "
-                               "RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token; else name yours with --address or "
-                               "RAY_ADDRESS") from None
+            raise ClusterRefused(f"{error}{f' ({cause})' if cause else ''}; {_refusal_fix()}") from None
         return
     init_kwargs.setdefault("include_dashboard", False)
     start_private_cluster(namespace=NAMESPACE, log_to_driver=False, **init_kwargs)

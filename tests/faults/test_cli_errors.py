@@ -129,3 +129,21 @@ def test_a_cluster_that_refuses_this_process_is_said_not_covered_by_an_ended_run
     monkeypatch.setattr("orchestrator.cli.service_commands.connect_service", no_cluster)
     assert main(["status"]) == 0   # none there at all: the ended run answers, said so
     assert "no aspen service is running; the job table of the run in" in capsys.readouterr().err
+
+
+def test_a_refusal_says_the_fix_for_what_this_process_has(tmp_path, monkeypatch):
+    """The refusal's fix by the client's own state: a token file and no RAY_AUTH_MODE=token (a head started on this
+    machine after `aspen run` made the token): set RAY_AUTH_MODE; no token at all: get the head's and set both. (A
+    token sent and refused, another cluster's: tests/service/test_ray_job_submit.py against a real head.)"""
+    from orchestrator.ray_cluster import _refusal_fix
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    without = _refusal_fix()
+    assert "needs its token (copy the head's ~/.ray/auth_token or set RAY_AUTH_TOKEN) and RAY_AUTH_MODE=token" \
+        in without, without
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("a" * 64)
+    unsent = _refusal_fix()
+    assert "has a token" in unsent and "does not send it: set RAY_AUTH_MODE=token" in unsent, unsent

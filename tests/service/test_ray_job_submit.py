@@ -172,4 +172,5 @@ def test_the_http_servers_link_to_a_cluster_that_refuses_its_token_is_a_503_nami
     status, detail = json.loads(result.stdout.strip().splitlines()[-1])
     assert status == 503, detail
     assert detail.startswith("the aspen service cannot be reached: ") and "RAY_AUTH_TOKEN" in detail, detail
-    assert "RAY_AUTH_MODE=token" in detail and "--address" in detail, detail
+    assert "refused this process's token" in detail and "another cluster's" in detail, detail
+    assert "--address" in detail, detail

@@ -27,18 +27,48 @@ if TYPE_CHECKING:
 
 
 def remap_columns(row: dict[str, Any], columns: Mapping[str, str] | None, source: str, line: int) -> dict[str, Any]:
-    """`row` with each format field of `columns` set from its dataset column; a column the row lacks is a
-    `DataError` naming the file, the row, the column and the columns the row has."""
+    """`row` with each format field of `columns` set from its dataset column, or from a value nested in one: a
+    dotted path (`answers.text.0`, `instances.0.output`: a key of an object, an index of a list) where the row has
+    no column of that very name; a column or path the row lacks is a `DataError` naming the file, the row, the
+    column and what the row has there."""
     if not columns:
         return row
     mapped = dict(row)
     for field, column in columns.items():
-        if column not in row:
-            present = ", ".join(sorted(row)) or "none"
+        if column in row:
+            mapped[field] = row[column]
+            continue
+        found, value, why = _nested(row, column)
+        if not found:
             raise _row_error(source, line, f"column '{column}' is missing (columns maps the format's field "
-                                           f"'{field}' to it; the row's columns: {present})", field=column)
-        mapped[field] = row[column]
+                                           f"'{field}' to it; {why})", field=column)
+        mapped[field] = value
     return mapped
+
+
+def _nested(row: dict[str, Any], path: str) -> tuple[bool, Any, str]:
+    """The value at a dotted `path` in `row`: (True, value, ""), or (False, None, what the row has where the path
+    leaves it)."""
+    present = ", ".join(sorted(row)) or "none"
+    parts = path.split(".")
+    if len(parts) < 2 or parts[0] not in row:
+        return False, None, f"the row's columns: {present}"
+    value: Any = row[parts[0]]
+    for depth, part in enumerate(parts[1:], start=1):
+        reached = ".".join(parts[:depth])
+        if isinstance(value, dict):
+            if part not in value:
+                keys = ", ".join(sorted(map(str, value))) or "none"
+                return False, None, f"'{reached}' is an object without '{part}'; its keys: {keys}"
+            value = value[part]
+        elif isinstance(value, list):
+            if not part.lstrip("-").isdigit() or not -len(value) <= int(part) < len(value):
+                return False, None, f"'{reached}' is a list of {len(value)}: '{part}' is not an index of it"
+            value = value[int(part)]
+        else:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+            return False, None, f"'{reached}' holds {shown}, not an object or a list"
+    return True, value, ""
 
 
 def check_encodable(value: Any, source: str, line: int, field: str | None = None) -> None:

@@ -37,7 +37,8 @@ class JobSpec(StrictModel):
                                                          "file names name splits (train-*.parquet, test.jsonl)")
     columns: dict[str, str] | None = Field(
         None, description="the format's field names mapped to the dataset's column names, e.g. {instruction: "
-                          "question, output: answer}")
+                          "question, output: answer}; a dotted path reaches a value nested in a column (an object's "
+                          "key, a list's index: {output: answers.text.0})")
     streaming: bool = Field(False, description="read and tokenize the data a window of rows at a time instead of "
                                                "whole (data larger than memory); eval_split must then be a count "
                                                "(the first rows)")

@@ -403,3 +403,32 @@ def test_a_job_trains_from_parquet_whole_and_streamed_as_from_jsonl(tmp_path, ti
     reference_adapter = adapter_tensors(tmp_path / "out" / "from-jsonl")
     assert any(float(t.abs().max()) > 0 for key, t in reference_adapter.items() if "lora_B" in key)
     assert max_relative_difference(adapter_tensors(tmp_path / "out" / "streamed"), reference_adapter) < 1e-5
+
+
+def test_dotted_columns_reach_values_nested_in_a_row(tmp_path, smol_tokenizer):
+    """`columns: {answer: answers.text.0}`: a value nested in objects and lists (as SQuAD's answers, or the
+    self-instruct seed tasks' instances) gives the examples of the same rows with flat columns, from JSONL and from
+    parquet (struct and list columns); a path the row lacks names where it stops and what is there."""
+    rows = qa_rows(9)
+    nested = [{"q": {"text": r["question"], "lang": "en"}, "answers": {"text": [r["answer"], "wrong"]}, "id": r["id"]}
+              for r in rows]
+    paths = {"question": "q.text", "answer": "answers.text.0"}
+    expected = reference(tmp_path, rows, smol_tokenizer)
+    for data in (write_jsonl(tmp_path / "nested.jsonl", nested), write_parquet(tmp_path / "nested.parquet", nested)):
+        got = load_dataset_examples(data, QA, smol_tokenizer, max_seq_len=MAX_LEN, columns=paths)
+        assert got.examples == expected
+    last = load_dataset_examples(write_jsonl(tmp_path / "last.jsonl", nested), QA, smol_tokenizer, max_seq_len=MAX_LEN,
+                                 columns={"question": "q.text", "answer": "answers.text.-1"})
+    assert last.examples == reference(tmp_path, [{**r, "answer": "wrong"} for r in rows], smol_tokenizer)
+    a_dotted_name = [{"q.text": r["question"], "answer": r["answer"]} for r in rows]   # a column named with a dot
+    got = load_dataset_examples(write_jsonl(tmp_path / "dotted.jsonl", a_dotted_name), QA, smol_tokenizer,
+                                max_seq_len=MAX_LEN, columns={"question": "q.text"})
+    assert got.examples == expected
+    data = tmp_path / "nested.jsonl"
+    for columns, why in (({"answer": "answers.text.5"}, "'answers.text' is a list of 2: '5' is not an index of it"),
+                         ({"question": "q.body"}, "'q' is an object without 'body'; its keys: lang, text"),
+                         ({"answer": "id.value"}, "'id' holds 0, not an object or a list"),
+                         ({"answer": "reply.text"}, "the row's columns: answers, id, q")):
+        with pytest.raises(DataError) as refused:
+            load_dataset_examples(data, QA, smol_tokenizer, max_seq_len=MAX_LEN, columns=columns)
+        assert "nested.jsonl:1" in str(refused.value) and why in str(refused.value), str(refused.value)

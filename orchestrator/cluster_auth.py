@@ -19,8 +19,10 @@ so the check asks the cluster: a zero-CPU task, run by one of the cluster's own 
 from __future__ import annotations
 
 import logging
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -104,6 +106,20 @@ def cluster_auth(timeout: float = CHECK_TIMEOUT_S) -> ClusterAuth:
     logger.info("Ray cluster at %s: worker auth mode %s, GCS request without a token %s", gcs_address,
                 result.worker_mode, result.gcs_without_token)
     return result
+
+
+def exposed_token_file(path: Path | None = None) -> str | None:
+    """A warning where this machine's Ray token (`~/.ray/auth_token`) can be read by other local users (Ray writes it
+    0644 under the usual umask): whoever reads it can run code on the cluster. None where it is private or absent."""
+    path = path or Path.home() / ".ray" / "auth_token"
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if not mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return None
+    return (f"{path} is readable by other users of this machine (mode {stat.S_IMODE(mode):o}): anyone who reads it "
+            f"can run code on the cluster; make it private: chmod 600 {path}")
 
 
 def cluster_uses_token_auth(timeout: float = CHECK_TIMEOUT_S) -> bool:

@@ -55,9 +55,13 @@ def connect_service(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from orchestrator.client import Client
+    from orchestrator.cluster_auth import exposed_token_file
 
     client = Client.serve(_service_config(args), address=args.address, insecure=args.insecure)
     info = client.wait_ready()
+    exposed = exposed_token_file()
+    if exposed:
+        print(f"aspen: warning: {exposed}", file=sys.stderr)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
         return 0

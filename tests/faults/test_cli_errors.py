@@ -147,3 +147,22 @@ def test_a_refusal_says_the_fix_for_what_this_process_has(tmp_path, monkeypatch)
     (tmp_path / ".ray" / "auth_token").write_text("a" * 64)
     unsent = _refusal_fix()
     assert "has a token" in unsent and "does not send it: set RAY_AUTH_MODE=token" in unsent, unsent
+
+
+def test_a_ray_token_other_users_can_read_is_warned_of(tmp_path):
+    """`aspen serve` warns where ~/.ray/auth_token is readable by other local users (as `ray get-auth-token
+    --generate` writes it under umask 022): the warning names the file, its mode and the chmod; a private or
+    absent token says nothing."""
+    import os
+
+    from orchestrator.cluster_auth import exposed_token_file
+
+    token = tmp_path / "auth_token"
+    assert exposed_token_file(token) is None   # absent
+    token.write_text("a" * 64)
+    for mode, exposed in ((0o644, True), (0o640, True), (0o604, True), (0o600, False), (0o400, False)):
+        os.chmod(token, mode)
+        warning = exposed_token_file(token)
+        assert (warning is not None) == exposed, (oct(mode), warning)
+        if exposed:
+            assert f"(mode {mode:o})" in warning and f"chmod 600 {token}" in warning, warning

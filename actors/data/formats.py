@@ -96,7 +96,8 @@ def _template_fields(template: str) -> list[str]:
         if "." in name or "[" in name:
             raise ValueError(
                 f"template {template!r} uses '{{{name}}}'; only plain row field names are "
-                "supported (no attribute or index access)"
+                "supported (no attribute or index access); for a value nested in a column, use a "
+                "plain name and map it with columns, e.g. '{text}' with columns: {text: q.text}"
             )
         _check_format_spec(template, name, spec or "", conversion)
         if name not in names:

@@ -432,3 +432,7 @@ def test_dotted_columns_reach_values_nested_in_a_row(tmp_path, smol_tokenizer):
         with pytest.raises(DataError) as refused:
             load_dataset_examples(data, QA, smol_tokenizer, max_seq_len=MAX_LEN, columns=columns)
         assert "nested.jsonl:1" in str(refused.value) and why in str(refused.value), str(refused.value)
+    with pytest.raises(ValidationError, match=r"use a plain name and map it with columns, e.g. '\{text\}' with "
+                                              r"columns: \{text: q.text\}"):
+        JobSpec.model_validate({"name": "j", "data": str(data), "format": {"type": "prompt_response",
+                                                                           "prompt": "{q.text}", "response": "{a}"}})

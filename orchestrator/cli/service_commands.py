@@ -166,16 +166,21 @@ def cmd_generations(args: argparse.Namespace) -> int:
         table.add_column(column, justify="right" if column in ("row", "score") else "left", overflow="fold")
     for row in found["rows"]:
         score = row.get("score")
-        table.add_row(str(row.get("row", "")), *(escape(_clipped(row.get(key))) for key in ("prompt", "reference",
-                      "prediction")), "-" if score is None else format(score, ".4g"))   # texts, not markup
+        texts = (_clipped(row.get("prompt"), tail=True), _clipped(row.get("reference")),
+                 _clipped(row.get("prediction")))
+        table.add_row(str(row.get("row", "")), *map(escape, texts),   # texts as written, not markup
+                      "-" if score is None else format(score, ".4g"))
     print_table(table)
     return 0
 
 
-def _clipped(text: str | None, limit: int = 400) -> str:
-    """A long prompt's last part (what the adapter continued), a long text's first: the whole in --json."""
+def _clipped(text: str | None, *, tail: bool = False, limit: int = 400) -> str:
+    """A long text's first `limit` characters, or with `tail` its last (a prompt's: what the adapter continued);
+    the whole in --json."""
     text = "" if text is None else str(text)
-    return text if len(text) <= limit else "..." + text[-limit:]
+    if len(text) <= limit:
+        return text
+    return "..." + text[-limit:] if tail else text[:limit] + "..."
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -100,7 +100,10 @@ def test_text_with_square_brackets_is_shown_as_written_not_taken_for_markup(tmp_
     # `aspen generations`: a prompt and a prediction in a chat template
     found = {"steps": [2], "step": 2, "rows": [{"step": 2, "row": 0, "prompt": "<s>[INST] 2+2? [/INST]",
                                                 "reference": "[4]", "prediction": "[bold]4[/bold] [/INST]",
-                                                "score": 1.0}]}
+                                                "score": 1.0},
+                                               {"step": 2, "row": 1, "prompt": "HEAD" + "p" * 900 + "TAIL",
+                                                "reference": "r", "prediction": "START" + "q" * 900 + "END",
+                                                "score": 0.0}]}
 
     class Answers:
         @staticmethod
@@ -113,3 +116,11 @@ def test_text_with_square_brackets_is_shown_as_written_not_taken_for_markup(tmp_
         assert service_commands.cmd_generations(argparse.Namespace(job="j", step=None, json=False)) == 0
     text = printed.getvalue()
     assert "<s>[INST] 2+2? [/INST]" in text and "[bold]4[/bold] [/INST]" in text and "[4]" in text
+    # a long prompt shows its end (what the adapter continued), a long prediction its start; --json has them whole
+    shown = []
+    monkeypatch.setattr("orchestrator.progress.print_table", shown.append)
+    with contextlib.redirect_stdout(io.StringIO()):
+        service_commands.cmd_generations(argparse.Namespace(job="j", step=None, json=False))
+    cells = {column.header: list(column.cells) for column in shown[0].columns}
+    assert cells["prompt"][1] == "..." + ("p" * 900 + "TAIL")[-400:]
+    assert cells["prediction"][1] == ("START" + "q" * 900)[:400] + "..."

@@ -193,14 +193,22 @@ class Client:
     def submit_run(self, run: RunSpec | str | Path) -> list[JobHandle]:
         """Submit every job of a jobs YAML file (or `RunSpec`) in one request, so that they start together
         and share their trainer's steps from the first (where the policy and memory let them); each keeps
-        the run's base model and writes to `<output_dir>/<job name>`, or where the file names no output_dir,
-        where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses folders
-        outside its root)."""
+        the run's base model and writes to `<output_dir>/<job name>` (a relative output_dir under the service's
+        output root, as over HTTP; where the service has none, from the file's folder), or where the file names no
+        output_dir, where the service puts a job without one (`<output_root>/<job id>`: a shared service refuses
+        folders outside its root)."""
+        folder = Path.cwd()
         if not isinstance(run, RunSpec):
+            folder = Path(run).expanduser().resolve().parent
             run = load_run_spec(run, for_a_service=True)
         if "output_dir" not in run.model_fields_set:
             return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()])
-        run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
+        output = run.output_dir
+        if not is_uri(str(output)) and not Path(output).expanduser().is_absolute():
+            if self.info().get("output_root"):   # taken under the service's output root, as over HTTP
+                return self._submit_many(run.submissions())
+            output = folder / output   # a service without one (Client.local): the file's folder, as `aspen run`
+        run = run.model_copy(update={"output_dir": resolve_location(output)})
         return self._submit_many(run.submissions())
 
     def submit_records(self, submissions: list[JobSubmission]) -> list[JobRecord]:

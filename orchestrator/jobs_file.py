@@ -196,7 +196,9 @@ def tidy_path(path: str | Path) -> str:
     return tidy if tidy == text or os.path.realpath(tidy) == os.path.realpath(text) else text
 
 
-def _resolve_paths(data: dict, base_dir: Path) -> None:
+def _resolve_paths(data: dict, base_dir: Path, for_a_service: bool) -> None:
+    """The file's relative paths taken from its folder; but for a file submitted to a running service, a relative
+    output_dir stays relative: the service takes it under its output root (as its HTTP API takes one)."""
     for job in data.get("jobs") or []:
         if isinstance(job, dict) and isinstance(job.get("data"), str) and not is_uri(job["data"]):
             path = Path(job["data"]).expanduser()
@@ -211,7 +213,8 @@ def _resolve_paths(data: dict, base_dir: Path) -> None:
     if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
         data["base_model"] = tidy_path(base_dir / model)
     output = data.get("output_dir")
-    if isinstance(output, str) and not is_uri(output) and not Path(output).expanduser().is_absolute():
+    if (isinstance(output, str) and not is_uri(output) and not Path(output).expanduser().is_absolute()
+            and not for_a_service):
         data["output_dir"] = tidy_path(base_dir / output)
 
 
@@ -239,14 +242,15 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
 def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None = None,
                    text: str | None = None, check_files: bool = True, for_a_service: bool = False) -> RunSpec:
     """Validate a run spec given as a dict; relative paths are taken from `base_dir`. `for_a_service`: its jobs
-    are submitted to a running service, whose trainers' steps (not the file's `step_tokens`) bound a micro-batch."""
+    are submitted to a running service, whose trainers' steps (not the file's `step_tokens`) bound a micro-batch,
+    and which takes a relative output_dir under its output root."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping with base_model, jobs, ... at the top level")
     data = dict(data)
     data["jobs"] = [dict(job) if isinstance(job, dict) else job for job in data.get("jobs") or []]
     lines = yaml_lines(text) if text else {}
     if base_dir is not None:
-        _resolve_paths(data, base_dir)
+        _resolve_paths(data, base_dir, for_a_service)
     try:
         spec = RunSpec.model_validate(data, context={FOR_A_SERVICE: for_a_service})
     except ValidationError as error:

@@ -32,7 +32,8 @@ from actors.storage.storage_uri import StorageURI
 SECTIONS: list[tuple[str, str, list[type[BaseModel]]]] = [
     ("Jobs file (`aspen run` / `aspen submit`)",
      "A YAML file: the run's settings at the top, its jobs under `jobs:`. Relative paths are relative to the "
-     "file. An unknown field is an error that names the file, line, job and field.",
+     "file, but for `aspen submit` a relative `output_dir`: a shared service takes it under its output root (as "
+     "its HTTP API does). An unknown field is an error that names the file, line, job and field.",
      [RunSpec, JobSpec, LoraConfig, EarlyStopConfig, PreferenceConfig, TrackingConfig, MlflowTracking]),
     ("Data formats (`format:` of a job)",
      "One of these, chosen by `type` (`format: {type: chat}`); one with no required field may be named by its "

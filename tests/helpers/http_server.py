@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tests.helpers.service import wait_for
 
@@ -61,9 +61,10 @@ class Api:
 
 
 @contextlib.contextmanager
-def served_api(gcs_address: str, base: str, tmp_path_factory) -> Iterator[Api]:
-    """A service on the session's Ray (one trainer of `base`) and the HTTP API over it, as `aspen http` serves
-    it: the Ray connection in a child process attached to the cluster at `gcs_address`."""
+def served_api(gcs_address: str, base: str, tmp_path_factory, **settings: Any) -> Iterator[Api]:
+    """A service on the session's Ray (one trainer of `base`; `settings`: further ServiceConfig fields, e.g.
+    output_root) and the HTTP API over it, as `aspen http` serves it: the Ray connection in a child process
+    attached to the cluster at `gcs_address`."""
     from actors.service.scheduler.config import ServiceConfig, TrainerConfig
     from orchestrator.client import Client
     from orchestrator.http.api import create_app
@@ -73,7 +74,7 @@ def served_api(gcs_address: str, base: str, tmp_path_factory) -> Iterator[Api]:
     name = f"aspen-http-test-{uuid.uuid4().hex[:6]}"
     state_dir = tmp_path_factory.mktemp("state")
     config = ServiceConfig(state_dir=state_dir, tick_seconds=0.1, trainers=[
-        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)])
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1)], **settings)
     service = Client.local(config, name=name)
     token = ensure_token(tmp_path_factory.mktemp("token") / "http-token")
     # as `aspen http` serves: the Ray connection in a child process, attached to this session's cluster

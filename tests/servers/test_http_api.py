@@ -20,7 +20,7 @@ from actors.checkpoint.adapter_export import export_adapter
 from orchestrator.http import jobs as http_jobs
 from orchestrator.http.api import create_app
 from orchestrator.http.api_client import Conflict, HttpClient, JobNotFound, SpecRefused, Unauthorized
-from tests.helpers.http_server import BODY_LIMIT, NOBODYS_MODEL, running_server
+from tests.helpers.http_server import BODY_LIMIT, NOBODYS_MODEL, running_server, served_api
 from tests.helpers.service import job_dict, wait_for, write_task_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -321,3 +321,32 @@ def test_the_openapi_schema_lists_every_endpoint_and_the_bearer_scheme(api):
     assert "security" not in schema["paths"]["/v1/health"]["get"]
     assert schema["paths"]["/v1/jobs/{job}"]["get"]["security"] == [{"HTTPBearer": []}]
     assert httpx.get(f"{api.url}/v1/health").json() == {"status": "ok", "service": "up", "detail": None}
+
+
+def test_a_jobs_files_relative_output_dir_lands_under_the_output_root_through_either_client(
+        ray_session, tiny_model_dirs, tmp_path_factory, tmp_path):
+    """A jobs file that says `output_dir: runs/<x>` (as for `aspen run`), submitted to a shared service (one with an
+    output root) by `aspen submit` through Ray or through the HTTP API: each job lands at `<root>/runs/<x>/<job>`,
+    as a raw HTTP body's relative output_dir does, not refused as a folder beside the file outside the root."""
+    import yaml
+
+    root = tmp_path / "root"
+    project = tmp_path / "project"
+    data = write_task_data(project / "data", "rel")
+    with served_api(ray_session.get_runtime_context().gcs_address, str(tiny_model_dirs["llama"]), tmp_path_factory,
+                    output_root=str(root)) as served:
+        assert served.ray.info()["output_root"] == str(root.resolve())
+        http = HttpClient(served.url, served.token)
+        for client, folder in ((served.ray, "by-ray"), (http, "by-http")):
+            jobs_file = project / f"{folder}.yaml"
+            jobs_file.write_text(yaml.safe_dump({"base_model": served.base, "output_dir": f"runs/{folder}",
+                                                 "jobs": [job_dict("rel", data, 2)]}))
+            (handle,) = client.submit_run(jobs_file)
+            assert served.ray.status(handle.id).output_dir == str(root.resolve() / "runs" / folder / "rel")
+            assert served.ray.wait(handle.id, timeout=180).state == "completed"
+        raw = httpx.post(f"{served.url}/v1/jobs", headers={"Authorization": f"Bearer {served.token}"},
+                         json={"base_model": served.base, "output_dir": "runs/by-body",
+                               "jobs": [job_dict("rel", data, 2)]}, timeout=60)
+        assert raw.status_code == 201, raw.text
+        assert raw.json()["jobs"][0]["output_dir"] == str(root.resolve() / "runs" / "by-body" / "rel")
+    assert not (project / "runs").exists()

@@ -146,6 +146,28 @@ def test_a_jobs_file_without_output_dir_writes_where_the_service_puts_jobs(servi
     assert (folder / "adapter_model.safetensors").is_file() and not (tmp_path / "runs").exists()
 
 
+def test_a_jobs_files_relative_output_dir_on_a_service_without_an_output_root_is_the_files_folder(
+        service, tiny_model_dirs, tmp_path, monkeypatch):
+    """A service of this process (`Client.local`, no output root): a jobs file's relative output_dir is taken from
+    the file's folder, where `aspen run` of the same file writes (its spec, read as `aspen run` reads it, is the
+    reference), not from the submitting process's folder nor the scheduler's."""
+    import yaml
+
+    from orchestrator.jobs_file import load_run_spec
+
+    assert not service.info()["output_root"]
+    project = tmp_path / "project"
+    jobs_file = project / "jobs.yaml"
+    data = write_task_data(project / "data", "beside")
+    jobs_file.write_text(yaml.safe_dump({"base_model": str(tiny_model_dirs["llama"]), "output_dir": "runs/beside",
+                                         "jobs": [job_dict("beside", data, 2)]}))
+    monkeypatch.chdir(tmp_path)   # elsewhere than the file
+    (handle,) = service.submit_run(jobs_file)
+    (as_aspen_run,) = load_run_spec(jobs_file).submissions()
+    assert service.status(handle.id).output_dir == str(as_aspen_run.output_dir) == str(project / "runs/beside/beside")
+    assert handle.wait(timeout=120).state == "completed"
+
+
 def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_session, tiny_model_dirs, tmp_path):
     import ray
 

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.storage.sources import ALIAS_HUB_IDS, ALIASES, ModelSource, resolve_source
+from actors.storage.sources import (
+    ALIAS_HUB_IDS,
+    ALIASES,
+    ModelSource,
+    cache_root,
+    converted_folder_path,
+    resolve_source,
+)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 METADATA_NAME = "aspen.json"
@@ -93,3 +100,25 @@ def tokenizer_id(base_model: str, source: ModelSource) -> str | None:
     memory)."""
     serving = base_identity(base_model, source).serving_id
     return serving if is_hub_id(serving) or Path(serving).is_dir() else None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def tokenizer_folder(source: ModelSource) -> str | None:
+    """The folder on this machine that `AutoTokenizer.from_pretrained` loads the base's own tokenizer from, without
+    the hub: a GGUF file's converted folder (`ASPEN_CACHE_DIR`), a model folder; None where there is none (a hub id
+    read from the cache, a GGUF file kept unconverted)."""
+    if source.gguf_file is not None:
+        root = cache_root()
+        if root is None:
+            return None
+        try:
+            folder = converted_folder_path(source, root)
+        except OSError:   # the GGUF file gone since it loaded
+            return None
+    else:
+        folder = Path(source.path)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return str(folder.resolve())

@@ -168,6 +168,21 @@ def done(value: Any) -> Future:
     return ready
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def tokenizer_for(facts: dict[str, Any], request: Request) -> str | None:
+    """Where the SDK's `get_tokenizer()` loads the base's tokenizer from: for a client on this machine (a loopback
+    request), the folder the base's own tokenizer is read from here, where this process sees it (no hub, nothing
+    downloaded: the embedded base's converted folder); elsewhere the base's hub id (or folder)."""
+    folder = facts.get("tokenizer_folder")
+    local = request.client is not None and (request.client.host in LOOPBACK
+                                            or request.client.host.startswith("127."))
+    if local and folder and Path(folder).is_dir():
+        return folder
+    return facts.get("tokenizer_id")
+
+
 def tinker_router(backend: TinkerBackend) -> APIRouter:
     """The router of every /api/v1 route aspen serves."""
     router = APIRouter(prefix="/api/v1", tags=["tinker"])
@@ -259,13 +274,13 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
                       lambda mid: types.CreateModelResponse(model_id=mid).model_dump(mode="json"), model_id)
 
     @router.post("/get_info")
-    def get_info(body: types.GetInfoRequest, user: str = Depends(user_of)) -> dict:
+    def get_info(body: types.GetInfoRequest, request: Request, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
         base = backend.model_bases[model_id]
         facts = backend.facts(base)
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": calls.rank_of(model_id),
                 "model_name": base, "model_data": {"arch": facts["arch"], "model_name": base,
-                                                   "tokenizer_id": facts.get("tokenizer_id")}}
+                                                   "tokenizer_id": tokenizer_for(facts, request)}}
 
     @router.post("/forward_backward")
     async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:

@@ -369,3 +369,36 @@ def test_the_sdks_get_tokenizer_loads_the_bases_own(tmp_path, monkeypatch, tiny_
     own = tmp_path / "mine.gguf"
     own.write_bytes(b"GGUF")
     assert tokenizer_id(str(own), ModelSource(str(tmp_path), "mine.gguf", True)) is None
+
+
+def test_a_client_on_the_servers_machine_loads_the_embedded_bases_tokenizer_with_no_hub(tmp_path, monkeypatch):
+    """The embedded smollm2-135m (a GGUF file) and the SDK's `get_tokenizer()` on the server's machine, with the hub
+    out of reach (HF_HUB_OFFLINE, an empty HF cache): get_info names the folder its tokenizer is read from here (the
+    converted GGUF folder), which tokenizes as the trainer's own tokenizer does; a client elsewhere (not a loopback
+    address) is told the hub id, which a machine with the hub or its cache loads."""
+    from starlette.requests import Request
+
+    from actors.engine.models import load_base_model
+    from actors.storage.sources import ALIAS_HUB_IDS
+    from orchestrator.tinker.tinker_routes import tokenizer_for
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    base = load_base_model("smollm2-135m", dtype="float32", device="cpu")
+    served = tinker_in_process(base, "smollm2-135m", tmp_path / "weights", KEYS.get, window_s=WINDOW_S)
+    with served as (url, backend, _):
+        client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+        training = client.create_lora_training_client(base_model="smollm2-135m", rank=4).result()
+        tokenizer = training.get_tokenizer()
+        for text in ("Question: what is 12 + 30?\nAnswer: 42", "<|im_start|>user\nHola, ¿qué tal?<|im_end|>\n"):
+            assert tokenizer.encode(text, add_special_tokens=False) == base.tokenizer.encode(text,
+                                                                                          add_special_tokens=False)
+        client.close("success").result()
+        facts = backend.facts("smollm2-135m")
+    elsewhere = Request({"type": "http", "client": ("10.0.0.7", 51000), "headers": []})
+    assert tokenizer_for(facts, elsewhere) == ALIAS_HUB_IDS["smollm2-135m"]
+    here = Request({"type": "http", "client": ("127.0.0.1", 51000), "headers": []})
+    assert tokenizer_for(facts, here) == facts["tokenizer_folder"]
+    assert tokenizer_for({**facts, "tokenizer_folder": str(tmp_path / "not-on-this-machine")}, here) == \
+        ALIAS_HUB_IDS["smollm2-135m"]   # a trainer on another node: its folder is not here

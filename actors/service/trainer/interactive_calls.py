@@ -31,7 +31,7 @@ from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
 from actors.engine.tinker_sampling import SampleCall
 from actors.service.trainer.interactive_passes import Pending, Taken, pass_record, run_other, run_pass, run_samples
-from actors.storage.base_identity import tokenizer_id
+from actors.storage.base_identity import tokenizer_folder, tokenizer_id
 
 DEFAULT_WINDOW_S = 0.005
 ACTIVE_FOR_S = 2.0   # a model that took part in a pass this recently is waited for (at most the window)
@@ -181,7 +181,8 @@ class InteractiveCalls:
     def facts(self) -> dict[str, Any]:
         """What the API says of the base: its context length, architecture, end-of-sequence token, and where its
         tokenizer loads from (`tokenizer_id`: the base's hub id or folder; None where it has neither, e.g. a
-        GGUF file of its own)."""
+        GGUF file of its own; `tokenizer_folder`: the folder on the trainer's machine it is read from without the
+        hub, or None)."""
         config = self.base.model.config
         tokenizer = self.base.tokenizer
         eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -189,7 +190,8 @@ class InteractiveCalls:
             eos = getattr(config, "eos_token_id", None)
         return {"context": int(getattr(config, "max_position_embeddings", 0)) or None,
                 "arch": getattr(config, "model_type", None), "eos": eos if isinstance(eos, int) else None,
-                "tokenizer_id": tokenizer_id(self.base.name, self.base.source)}
+                "tokenizer_id": tokenizer_id(self.base.name, self.base.source),
+                "tokenizer_folder": tokenizer_folder(self.base.source)}
 
     def _state(self, model_id: str) -> ModelState:
         try:

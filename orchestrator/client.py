@@ -332,9 +332,9 @@ class Client:
         row its prompt, reference, the adapter's prediction and score, read from the job's generations.jsonl (its
         output folder must be reachable from here: this machine, a shared mount or a storage URI). ValueError
         for a step that was not evaluated."""
-        from actors.service.outputs.job_files import read_generations
+        from actors.service.outputs.job_files import job_generations
 
-        return read_generations(self.status(job).output_dir, step)
+        return job_generations(self.status(job), step)
 
     def delete(self, job: str) -> None:
         """Forget a job that is not running (its files stay)."""

@@ -140,9 +140,9 @@ class EndedRun:
 
     def generations(self, key: str, step: int | None = None) -> dict:
         """The job's eval_generate evaluation (`aspen generations`) from its folder, as the running service's."""
-        from actors.service.outputs.job_files import read_generations
+        from actors.service.outputs.job_files import job_generations
 
-        return read_generations(self.status(key).output_dir, step)
+        return job_generations(self.status(key), step)
 
     def _read(self, query: str, parameters: tuple) -> list[tuple]:
         import sqlite3

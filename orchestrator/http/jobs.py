@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from actors.checkpoint.adapter_export import ExportError
-from actors.service.outputs.job_files import read_generations
+from actors.service.outputs.job_files import job_generations
 from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http.callers import Caller, find_job, visible
@@ -151,7 +151,7 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
         job without eval_generate, or not evaluated yet)."""
         record = call_service(link, lambda client: find_job(client, caller, job))
         try:
-            return read_generations(record.output_dir, step)
+            return job_generations(record, step)
         except ValueError as error:
             raise HTTPException(404, str(error)) from None
         except OSError as error:   # a storage URI that does not answer (StorageError), a folder it cannot read

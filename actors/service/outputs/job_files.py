@@ -168,6 +168,18 @@ def read_generations(output_dir: str | Path, step: int | None = None) -> dict[st
     return {"steps": steps, "step": shown, "rows": rows.get(shown, []) if shown is not None else []}
 
 
+def job_generations(record: Any, step: int | None = None) -> dict[str, Any]:
+    """`read_generations` of a job's record (a `JobRecord`): a job that has started and whose folder is not on this
+    machine (its trainer's node wrote it there, and this one does not share it) is a FileNotFoundError saying so,
+    not an empty answer."""
+    folder = record.output_dir
+    if record.started_at is not None and not is_uri(folder) and not Path(folder).is_dir():
+        raise FileNotFoundError(f"job '{record.name}': its folder {folder} is not on this machine (the node of its "
+                                "trainer wrote it there): read it on that node, or give the service an output root "
+                                "every node shares (a mount or a storage URI)")
+    return read_generations(folder, step)
+
+
 def _generation_lines(step: int, samples: list[dict[str, Any]]) -> list[str]:
     return [json.dumps({"step": step, "row": number, **sample}) + "\n" for number, sample in enumerate(samples)]
 

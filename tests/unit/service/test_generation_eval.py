@@ -317,3 +317,27 @@ def test_an_older_job_table_gains_the_score_column(tmp_path):
     assert [(r["step"], r["loss"], r["eval_loss"], r["eval_score"]) for r in table.progress.of_job("j")] == [
         (1, 2.5, 2.7, 0.25), (2, None, 2.4, 0.5)]
     table.close()
+
+
+def test_generations_of_a_job_whose_folder_is_on_another_node_say_so(tmp_path, capsys):
+    """`aspen generations` (and Client.generations, the HTTP route) of a job that has started, its folder not on this
+    machine (another node's trainer wrote it, no shared output root): an error saying where and what to do, not an
+    empty answer as for a job not yet evaluated; a job not started yet has none, said as such."""
+    from actors.spec.job_spec import JobSpec
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.cli.main import main
+
+    state = tmp_path / "run" / ".aspen"
+    table = JobTable(state / "jobs.sqlite")
+    spec = JobSpec(name="far", data="unused.jsonl", format={"type": "text"}, max_steps=3)
+    with table.transaction():
+        table.add("far-1", JobSubmission(job=spec), tmp_path / "on-node-b" / "far")
+        table.set_state("far-1", "running", "training on trainer-1")
+        table.add("later-1", JobSubmission(job=spec.model_copy(update={"name": "later"})), tmp_path / "later")
+    table.close()
+    assert main(["generations", "far", "--from", str(state)]) == 2
+    error = capsys.readouterr().err
+    assert f"job 'far': its folder {tmp_path / 'on-node-b' / 'far'} is not on this machine" in error, error
+    assert "an output root every node shares" in error
+    assert main(["generations", "later", "--from", str(state)]) == 0
+    assert "later: no generations" in capsys.readouterr().out

@@ -118,6 +118,15 @@ def advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
     return centred
 
 
+def reward_spread(rewards: torch.Tensor) -> dict[str, float]:
+    """How the rewards of each prompt's group (prompts, G) differ, as TRL logs it: `reward_std`, the groups' mean
+    standard deviation (Bessel-corrected), and `frac_reward_zero_std`, the share of groups whose completions all
+    scored alike (their advantages are 0: they teach nothing; at 1 the step has no gradient)."""
+    spread = rewards.std(dim=1) if rewards.shape[1] > 1 else torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    alike = torch.isclose(spread, torch.zeros_like(spread))
+    return {"reward_std": float(spread.mean()), "frac_reward_zero_std": float(alike.to(rewards.dtype).mean())}
+
+
 def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str:
     for index, token in enumerate(tokens):
         if token in stops:
@@ -130,7 +139,8 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
              ) -> tuple[list[Rollout], dict[str, float]]:
     """Each example's prompt, `num_generations` sampled completions through `adapter` (a generator seeded with
     `seed`), scored and turned into advantages; and the rollouts' metrics (mean reward, the groups' mean
-    reward standard deviation, the completions' mean length). ValueError where an example has no prompt."""
+    reward standard deviation and the share of groups that scored alike, the completions' mean length).
+    ValueError where an example has no prompt."""
     rows: list[ScoredRow] = scored_rows(examples, base, None)
     if len(rows) != len(examples):
         raise ValueError(f"job '{adapter}': {len(examples) - len(rows)} of its rows have no prompt before their "
@@ -154,7 +164,7 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
                                        (IGNORE_INDEX,) * len(row.prompt) + tuple(tokens)))
         out.append(Rollout(tuple(completions), len(row.prompt), tuple(table[index].tolist()),
                            tuple(advantage[index].tolist())))
-    metrics = {"reward": float(table.mean()), "reward_std": float(table.std(dim=1).mean()),
+    metrics = {"reward": float(table.mean()), **reward_spread(table),
                "completions/mean_length": sum(len(tokens) for tokens in outputs) / len(outputs)}
     return out, metrics
 
@@ -276,7 +286,9 @@ def grpo_outcome(config: GrpoConfig, logp: torch.Tensor, sequence: torch.Tensor,
         sums = zeros.index_add(0, sequence, per_token)
         objective, count = (sums / lengths.clamp_min(1.0)).sum(), completions
     rewards = [value for r in batch_rollouts for value in r.rewards]
-    metrics |= {"reward": sum(rewards) / len(rewards), "completions/mean_length": tokens / max(completions, 1)}
+    groups = torch.tensor([r.rewards for r in batch_rollouts], dtype=torch.float64)
+    metrics |= {"reward": sum(rewards) / len(rewards), **reward_spread(groups),
+                "completions/mean_length": tokens / max(completions, 1)}
     return PreferenceOutcome(objective, float(objective.detach()) / max(count, 1), count, metrics)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
-from actors.engine.grpo import RewardError, Rollout, advantages
+from actors.engine.grpo import RewardError, Rollout, advantages, reward_spread
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
@@ -128,6 +128,11 @@ def test_advantages_are_group_relative_as_trls():
                 [1 / (1 + 1e-4), -1 / (1 + 1e-4), 0.0]]
     assert advantages(rewards, "group").flatten().tolist() == pytest.approx(sum(expected, []), abs=1e-12)
     assert advantages(rewards, "none").flatten().tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0, 1, -1, 0])
+    # TRL's logged spread: the groups' mean std (sqrt(1/3), 0, 1) and the share of groups scored alike (1 of 3)
+    spread = reward_spread(rewards)
+    assert spread["reward_std"] == pytest.approx((std + 0.0 + 1.0) / 3, abs=1e-12)
+    assert spread["frac_reward_zero_std"] == pytest.approx(1 / 3, abs=1e-12)
+    assert reward_spread(torch.zeros(4, 8, dtype=torch.float64)) == {"reward_std": 0.0, "frac_reward_zero_std": 1.0}
     overall = float(torch.tensor([1.0, 0, 0, 0.5, 0.5, 0.5, 3, 1, 2], dtype=torch.float64).std())
     assert advantages(rewards, "batch")[2].tolist() == pytest.approx([1 / (overall + 1e-4), -1 / (overall + 1e-4),
                                                                       0.0])
@@ -232,6 +237,7 @@ def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_m
     rows = [json.loads(line) for line in (Path(results["grpo"].adapter_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(0.0 <= row["reward"] <= 1.0 and row["kl"] >= 0 for row in rows), rows
+    assert all(row["reward_std"] >= 0 and 0.0 <= row["frac_reward_zero_std"] <= 1.0 for row in rows), rows
     assert "eval_score" in rows[-1]
     assert (Path(results["grpo"].adapter_dir) / "adapter_config.json").is_file()
 

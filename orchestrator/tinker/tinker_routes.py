@@ -173,11 +173,13 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 def tokenizer_for(facts: dict[str, Any], request: Request) -> str | None:
     """Where the SDK's `get_tokenizer()` loads the base's tokenizer from: for a client on this machine (a loopback
-    request), the folder the base's own tokenizer is read from here, where this process sees it (no hub, nothing
-    downloaded: the embedded base's converted folder); elsewhere the base's hub id (or folder)."""
+    request, not one a reverse proxy forwarded), the folder the base's own tokenizer is read from here, where this
+    process sees it (no hub, nothing downloaded: the embedded base's converted folder); elsewhere the base's hub id
+    (or folder)."""
     folder = facts.get("tokenizer_folder")
-    local = request.client is not None and (request.client.host in LOOPBACK
-                                            or request.client.host.startswith("127."))
+    proxied = any(name in request.headers for name in ("x-forwarded-for", "forwarded", "x-real-ip"))
+    local = not proxied and request.client is not None and (request.client.host in LOOPBACK
+                                                            or request.client.host.startswith("127."))
     if local and folder and Path(folder).is_dir():
         return folder
     return facts.get("tokenizer_id")

@@ -400,5 +400,8 @@ def test_a_client_on_the_servers_machine_loads_the_embedded_bases_tokenizer_with
     assert tokenizer_for(facts, elsewhere) == ALIAS_HUB_IDS["smollm2-135m"]
     here = Request({"type": "http", "client": ("127.0.0.1", 51000), "headers": []})
     assert tokenizer_for(facts, here) == facts["tokenizer_folder"]
+    proxied = Request({"type": "http", "client": ("127.0.0.1", 51000),
+                       "headers": [(b"x-forwarded-for", b"203.0.113.9")]})   # a reverse proxy on this machine
+    assert tokenizer_for(facts, proxied) == ALIAS_HUB_IDS["smollm2-135m"]
     assert tokenizer_for({**facts, "tokenizer_folder": str(tmp_path / "not-on-this-machine")}, here) == \
         ALIAS_HUB_IDS["smollm2-135m"]   # a trainer on another node: its folder is not here

@@ -29,7 +29,13 @@ from actors.spec.sweep_spec import SweepSpec
 from actors.storage.storage_uri import is_uri, resolve_location
 from orchestrator.errors import ServiceError
 from orchestrator.job_handle import JobHandle, wait_until_ended
-from orchestrator.jobs_file import SpecError, load_run_spec, parse_run_spec
+from orchestrator.jobs_file import (
+    SpecError,
+    load_run_spec,
+    output_dir_for_service,
+    parse_run_spec,
+    relative_output_dir,
+)
 from orchestrator.ray_cluster import _on_head_node, ensure_ray
 from orchestrator.scheduler_calls import _call, _init_failure
 
@@ -203,12 +209,10 @@ class Client:
             run = load_run_spec(run, for_a_service=True)
         if "output_dir" not in run.model_fields_set:
             return self._submit_many([s.model_copy(update={"output_dir": None}) for s in run.submissions()])
-        output = run.output_dir
-        if not is_uri(str(output)) and not Path(output).expanduser().is_absolute():
-            if self.info().get("output_root"):   # taken under the service's output root, as over HTTP
-                return self._submit_many(run.submissions())
-            output = folder / output   # a service without one (Client.local): the file's folder, as `aspen run`
-        run = run.model_copy(update={"output_dir": resolve_location(output)})
+        if relative_output_dir(run) and self.info().get("output_root"):   # under the root, as over HTTP
+            return self._submit_many(run.submissions())
+        run = output_dir_for_service(run, folder, has_output_root=False)   # Client.local: the file's folder
+        run = run.model_copy(update={"output_dir": resolve_location(run.output_dir)})
         return self._submit_many(run.submissions())
 
     def submit_records(self, submissions: list[JobSubmission]) -> list[JobRecord]:

@@ -260,6 +260,21 @@ def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None =
     return spec
 
 
+def relative_output_dir(run: RunSpec) -> bool:
+    """Whether the run names an output_dir relative to nothing yet (`aspen submit` sends it as it is)."""
+    output = str(run.output_dir)
+    return "output_dir" in run.model_fields_set and not is_uri(output) and not Path(output).expanduser().is_absolute()
+
+
+def output_dir_for_service(run: RunSpec, folder: Path, has_output_root: bool) -> RunSpec:
+    """A run submitted to a running service: a relative output_dir stays relative where the service has an output
+    root (it takes it under the root), and is taken from `folder` (the jobs file's) where it has none, as `aspen run`
+    takes it."""
+    if relative_output_dir(run) and not has_output_root:
+        return run.model_copy(update={"output_dir": Path(folder) / run.output_dir})
+    return run
+
+
 def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: bool = False) -> RunSpec:
     """Read and validate a jobs YAML file; data paths are relative to the file's folder."""
     path = Path(path)

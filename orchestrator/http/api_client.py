@@ -32,7 +32,7 @@ from actors.storage.storage_uri import is_uri
 from orchestrator.http.request_bodies import as_request
 from orchestrator.http.token import client_token
 from orchestrator.job_handle import JobHandle, wait_until_ended
-from orchestrator.jobs_file import SpecError, load_run_spec
+from orchestrator.jobs_file import SpecError, load_run_spec, output_dir_for_service, relative_output_dir
 
 URL_ENV = "ASPEN_URL"
 DEFAULT_TIMEOUT_S = 150.0   # the server waits up to 120 s for a busy service (the Ray client's own limit)
@@ -188,9 +188,14 @@ class HttpClient:
 
     def submit_run(self, run: RunSpec | str | Path) -> list[HttpJobHandle]:
         """Every job of a jobs YAML file (or `RunSpec`), all or none. Relative paths in a file are taken from
-        its folder (here); the file's `output_dir`, where it sets one, holds one folder per job."""
+        its folder (here); the file's `output_dir`, where it sets one, holds one folder per job: a relative one
+        under the service's output root (where it has none, from the file's folder, as the Ray client takes it)."""
+        folder = Path.cwd()
         if not isinstance(run, RunSpec):
+            folder = Path(run).expanduser().resolve().parent
             run = load_run_spec(run, check_files=False, for_a_service=True)   # the service checks its files
+        if relative_output_dir(run):
+            run = output_dir_for_service(run, folder, bool(self.info().get("output_root")))
         return self._submit(as_request(run))
 
     def submit_many(self, specs: Iterable[JobSpec | dict], **run_settings: Any) -> list[HttpJobHandle]:

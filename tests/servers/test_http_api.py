@@ -343,10 +343,11 @@ def test_a_jobs_files_relative_output_dir_lands_under_the_output_root_through_ei
                                                  "jobs": [job_dict("rel", data, 2)]}))
             (handle,) = client.submit_run(jobs_file)
             assert served.ray.status(handle.id).output_dir == str(root.resolve() / "runs" / folder / "rel")
-            assert served.ray.wait(handle.id, timeout=180).state == "completed"
+            served.ray.cancel(handle.id)   # where it writes is decided at submission: no need to train it
         raw = httpx.post(f"{served.url}/v1/jobs", headers={"Authorization": f"Bearer {served.token}"},
                          json={"base_model": served.base, "output_dir": "runs/by-body",
                                "jobs": [job_dict("rel", data, 2)]}, timeout=60)
         assert raw.status_code == 201, raw.text
         assert raw.json()["jobs"][0]["output_dir"] == str(root.resolve() / "runs" / "by-body" / "rel")
+        served.ray.cancel(raw.json()["jobs"][0]["id"])
     assert not (project / "runs").exists()

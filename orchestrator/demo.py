@@ -14,7 +14,6 @@ from __future__ import annotations
 import calendar
 import json
 import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -279,9 +278,9 @@ def run_demo(output_dir: str | Path = "runs/demo", steps: int | None = None, qui
         for record in records:
             losses = json.loads((output_dir / record.name / "metrics.jsonl").read_text().splitlines()[0])["loss"]
             print(f"  {record.name:<12} loss {losses:.3f} -> {record.loss:.3f}")
-    if quiet or not sys.stderr.isatty():   # transformers' bar as it loads the base: not for --quiet or a log
-        from transformers.utils import logging as transformers_logging
-        transformers_logging.disable_progress_bar()
+    from orchestrator.progress import quiet_loading_bars
+
+    quiet_loading_bars(quiet)   # transformers' bar as it loads the base for the evaluation
     base = load_base_model(spec.base_model, dtype=spec.dtype, device=spec.device)
     loaded = time.perf_counter()
     stops = newline_token_ids(base)

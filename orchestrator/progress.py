@@ -133,5 +133,14 @@ def record_lines(record: JobRecord, transitions: list[tuple[float, str, str]]) -
     return lines
 
 
+def quiet_loading_bars(quiet: bool = False) -> None:
+    """transformers' bars as it loads or writes a model, off for --quiet or where stderr is not a terminal (a log
+    would get each redraw as a line)."""
+    if quiet or not sys.stderr.isatty():
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
 def print_table(table: Table) -> None:
     Console(width=max(Console().width, 140) if not sys.stdout.isatty() else None).print(table)

@@ -51,9 +51,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise ServiceError(f"'{job}' is not a job folder, and asking the service for it failed: {error}; give "
                                "the job's folder, or --from with the run's output folder") from None
 
-    if not sys.stderr.isatty():   # transformers' loading and writing bars, redrawn as text: not for a log
-        from transformers.utils import logging as transformers_logging
-        transformers_logging.disable_progress_bar()
+    from orchestrator.progress import quiet_loading_bars
+
+    quiet_loading_bars()   # transformers' loading and writing bars: not for a log
     if args.url and args.from_dir is None:   # over the HTTP API: the service sends it (its owner's or an admin's)
         out = _export_over_http(args)
     else:

@@ -182,11 +182,10 @@ def _run_in_process(spec, quiet: bool) -> int:
     """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid."""
     from actors.engine.warmup import settle_garbage_collector
     from actors.service.scheduler.local_run import train_locally
+    from orchestrator.progress import quiet_loading_bars
 
     settle_garbage_collector()   # torch's and transformers' objects out of every later full collection, as a trainer's
-    if quiet or not sys.stderr.isatty():   # transformers' bar as it loads the base: not for --quiet or a log
-        from transformers.utils import logging as transformers_logging
-        transformers_logging.disable_progress_bar()
+    quiet_loading_bars(quiet)   # transformers' bar as it loads the base
     summaries = train_locally(spec, progress=not quiet)
     scored = any(s.eval_score is not None for s in summaries)   # a job with eval_generate: its last score
     print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}"

@@ -149,6 +149,10 @@ class TrainerLoop:
             raise ValueError(f"stop kind must be 'cancelled' or 'paused', not '{kind}'")
         self.commands.put(("stop", job_id, kind, reason))
 
+    def has_work(self) -> bool:
+        """Jobs here (training, waiting for data or leaving), commands queued, or interactive models open."""
+        return bool(self.job_ids) or not self.commands.empty() or (self.desk is not None and bool(self.desk.job_ids()))
+
     def drain_events(self) -> list[TrainerEvent]:
         return self.events.drain()
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.aspen-installed
 
-.PHONY: setup demo test test-unit lint bench gpu-suite clean
+.PHONY: setup demo test test-long test-all test-unit lint bench gpu-suite clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,16 @@ demo: $(STAMP)
 
 # Two workers (pytest-xdist), each test file whole on one of them: module fixtures (a two-node cluster, a
 # server) start once, and the two cores stay busy while one file waits on a process it started.
+# `make test`: everything but the end-to-end scenarios of a minute or more each (marker `long`), which
+# `make test-long` runs (CI runs both: .ci/run); `make test-all`: the two in one run.
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not long"
+
+test-long: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m long
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # the fast part (tests/unit: no Ray, no server), for the edit-test loop

@@ -231,7 +231,8 @@ TEST_FOLDERS = [
     ("tests/helpers", "what tests share: tiny models, service runs, servers, fakes (no test module imports another)"),
 ]
 OTHER_FOLDERS = [
-    ("tests", "the test suite, a folder per kind, each a pytest marker (below)"),
+    ("tests", "the test suite, a folder per kind, each a pytest marker (below); across them, the marker `long`: "
+              "end-to-end scenarios of a minute or more, run by `make test-long` (CI runs it after `make test`)"),
     ("bench", "benchmarks that print ratios measured side by side (results in docs/benchmarks.md)"),
     ("grafana", "the Grafana dashboard and provisioning"),
     ("examples", "a scheduling policy shipped as its own package (entry point group aspen.policies)"),

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 RUNS = 4
 
@@ -47,6 +49,7 @@ def _run(folder: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+@pytest.mark.long
 def test_a_pipeline_run_in_process_exits_cleanly_every_time(tmp_path, tiny_model_dirs):
     _write(tmp_path, str(tiny_model_dirs["llama"]), stages=2)
     for attempt in range(RUNS):

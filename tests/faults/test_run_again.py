@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from actors.engine.models import load_base_model
 from actors.service.scheduler.local_run import train_locally
 from orchestrator.jobs_file import load_run_spec
@@ -64,7 +66,6 @@ jobs:
 # trained up to four times (the run, its resumption, the reference, --overwrite), so fewer steps is most of
 # these tests' time.
 STEPS = 350
-OVERWRITE_STEPS = 20   # the run started over with --overwrite: only that it starts over, on the files as they are
 # SIGKILL reaches at once (no checkpoint on the way out); the kill follows the first time-based checkpoint (1 s
 # into training), polled every 0.05 s but late by as much as a loaded machine keeps the test's process waiting. A
 # fused step of the tiny model's two jobs takes 13-40 ms here (vocabulary 4,096); with a floor of 10 ms (a CPU a
@@ -129,8 +130,9 @@ def metric_steps(folder: Path) -> list[int]:
 
 def assert_like_undisturbed(folder: Path, base: Path, names=("first", "second")) -> None:
     spec = load_run_spec(folder / "jobs.yaml")
-    reference = folder / "reference"
-    train_locally(spec.model_copy(update={"output_dir": reference}),
+    reference = folder / f"reference-{len(list(folder.glob('reference-*')))}"   # a new one each time
+    jobs = [job for job in spec.jobs if job.name in names]
+    train_locally(spec.model_copy(update={"output_dir": reference, "jobs": jobs}),
                   base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False)
     for name in names:
         difference = max_relative_difference(adapter_tensors(folder / "out" / name), adapter_tensors(reference / name))
@@ -154,6 +156,7 @@ def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs)
     assert all(0 < step < STEPS for step in stopped_at.values()), stopped_at   # resuming: the Ctrl-C test below
 
 
+@pytest.mark.long
 def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone(tmp_path, tiny_model_dirs):
     base = tiny_model_dirs["llama"]
     write_run(tmp_path, base)
@@ -201,32 +204,24 @@ def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone
     assert "job 'second': data: " in err, err
     assert "Traceback" not in err
 
+    # --overwrite: the job whose data changed starts over on the files as they are; the finished, unchanged one
+    # beside it is left alone (spec and data changes are one case for the plan: its changed records start over)
+    write_run(tmp_path, base)                        # the spec as it was (writing the run wrote the data again)
+    change_a_row(tmp_path / "data" / "second.jsonl")
     second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
-    write_run(tmp_path, base, lr="2.0e-3", steps=OVERWRITE_STEPS)   # fewer steps: what counts is that they start over
-    change_a_row(tmp_path / "data" / "second.jsonl")                # (writing the run wrote the data files again)
     code, out, err = run(tmp_path, "--overwrite")
     assert code == 0, (out, err)
+    assert "second: started over (--overwrite: its spec or data changed)" in out, out
+    assert f"first: already completed at step {STEPS}; left alone" in out, out
+    assert "first: started over" not in out
+    assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() == adapter   # never deleted
+    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() != second   # trained on the changed row
     for name in ("first", "second"):
-        assert metric_steps(tmp_path / "out" / name) == list(range(1, OVERWRITE_STEPS + 1))
-    assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != adapter   # trained again, at 2e-3
-    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() != second   # and on the changed row
-    assert_like_undisturbed(tmp_path, base)   # each as an undisturbed run on the files as they are now
-
-    # one job's spec changed again, the other finished and unchanged: --overwrite starts over only the first
-    second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
-    first = (tmp_path / "out/first/adapter_model.safetensors").read_bytes()
-    text = (tmp_path / "jobs.yaml").read_text()
-    (tmp_path / "jobs.yaml").write_text(text.replace("lr: 2.0e-3", "lr: 3.0e-3", 1))
-    code, out, err = run(tmp_path, "--overwrite")
-    assert code == 0, (out, err)
-    assert "first: started over (--overwrite: its spec or data changed)" in out, out
-    assert f"second: already completed at step {OVERWRITE_STEPS}; left alone" in out, out
-    assert "second: started over" not in out
-    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() == second   # never deleted
-    assert (tmp_path / "out/first/adapter_model.safetensors").read_bytes() != first
-    assert metric_steps(tmp_path / "out" / "second") == list(range(1, OVERWRITE_STEPS + 1))
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
+    assert_like_undisturbed(tmp_path, base, names=("second",))   # as an undisturbed run on the data as it is now
 
 
+@pytest.mark.long
 def test_everything_killed_then_the_same_command_resumes_from_time_based_checkpoints(tmp_path, tiny_model_dirs):
     base = tiny_model_dirs["llama"]
     # checkpoints by time only (no step-based one in reach), the kill at once after the first of each job

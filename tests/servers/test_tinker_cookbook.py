@@ -140,6 +140,7 @@ def test_the_qwen3_instruct_renderer_writes_smollm2s_chat_template(base):
     assert renderer.get_stop_sequences() == [base.tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
+@pytest.mark.long
 def test_the_basic_supervised_recipe_lowers_its_loss(aspen, service, base, tmp_path):
     """recipes/sl_basic.py as its own __main__ runs it (its blueprint, then its main), with what its
     command line would set: the model, the renderer, a conversations file (the dataset it says to swap in),
@@ -189,6 +190,7 @@ def reference_nll(dataset: FromConversationFileBuilder) -> float:
     return total / weight_sum
 
 
+@pytest.mark.long
 def test_the_arithmetic_rl_recipe_raises_its_reward(aspen, tmp_path):
     """recipes/math_rl/train.py's CLI config and cli_main, its default environment (arithmetic: "What is x + y?",
     reward 1 for the right sum, minus 0.1 for an answer that does not end with the stop token within

@@ -88,6 +88,7 @@ def stop_service(cluster: dict) -> None:
     assert stopped.returncode == 0, stopped.stderr[-3000:]
 
 
+@pytest.mark.long
 def test_a_trainer_per_node_and_jobs_spread_over_both(cluster, tiny_model_dirs, tmp_path):
     base = str(tiny_model_dirs["llama"])
     work = tmp_path / "work"
@@ -138,6 +139,7 @@ def test_a_trainer_per_node_and_jobs_spread_over_both(cluster, tiny_model_dirs, 
         stop_service(cluster)
 
 
+@pytest.mark.long
 def test_a_lost_node_loses_no_job_and_a_joining_node_gets_a_trainer(cluster, s3_server, tiny_model_dirs, tmp_path):
     """Data and outputs on S3 (a real S3-compatible server); the lost node's own staging folder is deleted
     with it, so the job resumes from what was uploaded."""

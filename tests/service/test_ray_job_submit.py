@@ -79,6 +79,7 @@ def test_cluster_auth_decides_by_the_cluster_not_the_worker_alone():
     assert issubclass(InsecureClusterError, ServiceError)   # the CLI reports it as one line, exit code 2
 
 
+@pytest.mark.long
 def test_aspen_serve_refuses_a_cluster_without_token_auth(client_home, tiny_model_dirs, tmp_path):
     """A head started open (a fresh machine, no token generated first): `aspen serve` says so and how to
     turn token authentication on, whatever the client's own RAY_AUTH_MODE; with --insecure it serves, and
@@ -111,6 +112,7 @@ def test_aspen_serve_refuses_a_cluster_without_token_auth(client_home, tiny_mode
         stop_head(open_head)
 
 
+@pytest.mark.long
 def test_ray_job_submit_runs_aspen_run_with_token_auth(head, tiny_model_dirs, tmp_path):
     work = write_working_dir(tmp_path / "work", tiny_model_dirs["llama"], tmp_path / "out")
     refused = ray_job_submit(head, work, "aspen", "run", "jobs.yaml", token=False)
@@ -125,6 +127,7 @@ def test_ray_job_submit_runs_aspen_run_with_token_auth(head, tiny_model_dirs, tm
         assert [json.loads(r)["step"] for r in rows] == [1, 2, 3]
 
 
+@pytest.mark.long
 def test_ray_job_submit_to_a_running_aspen_serve(head, tiny_model_dirs, tmp_path):
     work = write_working_dir(tmp_path / "work", tiny_model_dirs["llama"], tmp_path / "out", steps=4)
     served = ray_job_submit(head, work, "aspen", "serve", "--state-dir", str(tmp_path / "state"),
@@ -158,6 +161,7 @@ def test_ray_job_submit_to_a_running_aspen_serve(head, tiny_model_dirs, tmp_path
     assert stopped.returncode == 0, stopped.stderr[-3000:]
 
 
+@pytest.mark.long
 def test_the_http_servers_link_to_a_cluster_that_refuses_its_token_is_a_503_naming_the_fix(head):
     """`aspen http`'s Ray connection (orchestrator/service_calls.py) with another cluster's token: a 503 (the
     SDKs and the console retry it) whose detail says what refused it and what to set, not Ray's bare error."""

@@ -40,6 +40,7 @@ STEPS = 400
 RUNG = 20   # the first rung (grace_steps), where each trial first reports its eval loss
 
 
+@pytest.mark.long
 def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_scheduler(ray_session, tiny_model_dirs,
                                                                                       tmp_path, monkeypatch):
     monkeypatch.setenv("ASPEN_RECENT_RUNS", str(tmp_path / "runs.json"))   # the runs this test's commands started

@@ -46,15 +46,19 @@ KINDS = ("unit", "slow", "service", "servers", "faults", "gpu")   # the folders 
 NOT_IN_UNIT = {"ray_session", "s3_server", "s3_bucket"}     # fixtures that start Ray or a server
 
 
-# The files that take minutes (CI's durations, 2026-11-27), longest first. `make test`'s workers take whole files
-# in collection order (pytest-xdist's loadfile), so these go first and the many short files fill in at the end:
-# in folder order a long file could start last on one worker, which then ended over a minute after the other.
-LONG_FILES = ("tests/faults/test_run_again.py", "tests/service/test_cli_run.py", "tests/service/test_cluster.py",
-              "tests/faults/test_service_faults.py", "tests/service/test_ray_job_submit.py",
-              "tests/service/test_scheduling_service.py", "tests/slow/test_quantized_loading.py",
-              "tests/service/test_pipeline_service.py", "tests/service/test_service.py",
-              "tests/slow/test_smollm2.py", "tests/servers/test_tinker_cookbook.py",
-              "tests/service/test_tinker_service.py", "tests/servers/test_prometheus_grafana.py")
+# The files that take minutes (durations of a full run on 2 cores, 2026-12-01), longest first: those of `make test`,
+# then those of `make test-long` (marker `long`). The workers take whole files in collection order (pytest-xdist's
+# loadfile), so these go first and the many short files fill in at the end: in folder order a long file could start
+# last on one worker, which then ended over a minute after the other.
+LONG_FILES = ("tests/faults/test_service_faults.py", "tests/service/test_pipeline_service.py",
+              "tests/service/test_scheduling_service.py", "tests/service/test_service.py",
+              "tests/service/test_cli_run.py", "tests/slow/test_memory_measured.py", "tests/slow/test_smollm2.py",
+              "tests/slow/test_quantized_loading.py", "tests/servers/test_mqtt_events.py",
+              "tests/unit/engine/test_kernels.py", "tests/servers/test_console.py",
+              "tests/service/test_tinker_service.py", "tests/servers/test_prometheus_grafana.py",
+              # make test-long's
+              "tests/faults/test_run_again.py", "tests/service/test_cluster.py", "tests/service/test_ray_job_submit.py",
+              "tests/servers/test_tinker_cookbook.py", "tests/faults/test_clean_exit.py", "tests/service/test_sweep.py")
 
 
 def pytest_collection_modifyitems(config, items):

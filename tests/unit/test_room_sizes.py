@@ -94,3 +94,82 @@ def test_state_is_written_through_the_durable_helpers():
 def test_the_readme_stays_short():
     lines = len((REPO / "README.md").read_text().splitlines())
     assert lines <= README_LINES, f"README.md has {lines} lines; move detail to docs/ (at most {README_LINES})"
+
+
+CLASS_ATTRIBUTES = 12
+# Classes over CLASS_ATTRIBUTES today, each with its count as a ceiling: none may grow, and one that comes down to
+# the limit leaves this list (the test says so). Records (dataclasses, pydantic models, named tuples, enums) are
+# not counted: their fields are what they hold.
+OVER_THE_LIMIT = {
+    "actors/engine/pipeline/pipeline_schedule.py:PipelineSchedule": 22,
+    "actors/service/trainer/trainer_loop.py:TrainerLoop": 21,
+    "actors/engine/trainer.py:FusedTrainer": 19,
+    "actors/scheduler_actor.py:SchedulerActor": 17,
+    "orchestrator/mqtt/connection.py:MqttConnection": 16,
+    "actors/engine/pipeline/stage.py:StageRuntime": 16,
+    "actors/data/streaming.py:StreamingCursor": 16,
+    "actors/engine/pipeline/head.py:PipelineTrainer": 15,
+    "orchestrator/tinker/tinker_routes.py:TinkerBackend": 14,
+    "orchestrator/simulator/sim_replay.py:Simulator": 14,
+    "actors/service/trainer/step_admission.py:StepAdmission": 14,
+    "actors/service/trainer/interactive_calls.py:InteractiveCalls": 14,
+    "actors/service/scheduler/scheduler_core.py:SchedulerCore": 13,
+    "actors/engine/lora_masters.py:MasterPool": 13,
+}
+RECORD_BASES = {"BaseModel", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum", "Exception"}
+
+
+def _name(node: ast.expr) -> str:
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def class_attributes(sources: dict[str, str]) -> dict[str, int]:
+    """`path:Class` -> how many attributes its instances hold (`self.x = ...` anywhere in its methods, and
+    annotated class-level names), for every class of `sources` (path -> text) that is not a record (records by
+    their bases, followed through the product's own classes, or a dataclass decorator)."""
+    classes = [(path, node) for path, text in sources.items() for node in ast.walk(ast.parse(text))
+               if isinstance(node, ast.ClassDef)]
+    records = set(RECORD_BASES)
+    grew = True
+    while grew:   # a subclass of a record is a record: follow the bases until nothing is added
+        grew = False
+        for _, node in classes:
+            if node.name not in records and ({_name(base) for base in node.bases} & records or
+                                             any(_name(d) == "dataclass" for d in node.decorator_list)):
+                records.add(node.name)
+                grew = True
+    counts = {}
+    for path, node in classes:
+        if node.name in records:
+            continue
+        names = {item.target.id for item in node.body
+                 if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+        for sub in ast.walk(node):
+            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                sub, (ast.AnnAssign, ast.AugAssign)) else []
+            names.update(part.attr for target in targets for part in ast.walk(target)
+                         if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name)
+                         and part.value.id == "self")
+        counts[f"{path}:{node.name}"] = len(names)
+    return counts
+
+
+def test_classes_hold_at_most_a_dozen_attributes():
+    counts = class_attributes({str(path.relative_to(REPO)): path.read_text()
+                               for path in python_files([*PRODUCT, REPO / "bench"])})
+    grown = {name: (count, OVER_THE_LIMIT.get(name, CLASS_ATTRIBUTES)) for name, count in counts.items()
+             if count > OVER_THE_LIMIT.get(name, CLASS_ATTRIBUTES)}
+    assert not grown, (f"split these classes by job (at most {CLASS_ATTRIBUTES} attributes; "
+                       f"count, limit): {grown}")
+    settled = {name: counts.get(name) for name in OVER_THE_LIMIT if counts.get(name, 0) <= CLASS_ATTRIBUTES}
+    assert not settled, f"within the limit now (or gone): take them out of OVER_THE_LIMIT: {settled}"
+
+
+def test_the_attribute_count_sees_what_a_class_holds():
+    source = ("from dataclasses import dataclass\nfrom pydantic import BaseModel\n"
+              "class Loop:\n    total: int\n    def __init__(self, a):\n        self.a = a\n"
+              "        self.b, self.c = 1, 2\n    def step(self):\n        self.d += 1\n        self.a = 0\n"
+              "class Spec(BaseModel):\n    x: int\nclass MoreSpec(Spec):\n    y: int\n"
+              "@dataclass\nclass Row:\n    z: int\n")
+    assert class_attributes({"loop.py": source}) == {"loop.py:Loop": 5}   # total, a, b, c, d; no records

@@ -87,6 +87,51 @@ class _Stage:
     busy: float = 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """What an operation costs in the simulation: a micro-batch's cost (tokens) times its stage's weight, times
+    `backward_ratio` for a backward; `transfer`: an activation's or gradient's trip to the next stage."""
+
+    backward_ratio: float = 2.0
+    weights: tuple[float, ...] = ()
+    transfer: float = 0.0
+
+    def of(self, plan: MicroBatchPlan, stage: int, backward: bool) -> float:
+        cost = plan.cost * self.weights[stage]
+        return cost * self.backward_ratio if backward else cost
+
+
+@dataclass(kw_only=True)
+class _JobGates:
+    """Per job, what holds its next micro-batch at stage 0: its optimizer step (stage 0's backward of the
+    micro-batch that closed its accumulation) and, for a dropout job, its previous micro-batch's last forward."""
+
+    step_ready: dict[str, float] = field(default_factory=dict)     # when its last closing micro-batch left stage 0
+    step_pending: dict[str, int] = field(default_factory=dict)     # closing index whose stage-0 backward is not done
+    serial_ready: dict[str, float] = field(default_factory=dict)   # dropout job: its last one left the last forward
+    serial_pending: dict[str, int] = field(default_factory=dict)
+    serial_seen: dict[str, int] = field(default_factory=dict)      # dropout job: its last micro-batch entered
+    last: dict[str, int] = field(default_factory=dict)             # its last planned micro-batch
+
+    def waits(self, job: str) -> bool:
+        return job in self.step_pending or job in self.serial_pending
+
+    def forget(self, job: str) -> None:
+        for table in (self.step_ready, self.serial_ready, self.serial_pending, self.step_pending, self.last,
+                      self.serial_seen):
+            table.pop(job, None)
+
+
+@dataclass(kw_only=True)
+class _Flush:
+    """A generic pipeline's flush (bench/pipeline.py compares against it): `on`, the jobs of the global batch in
+    progress, and when the last stage-0 backward ended."""
+
+    on: bool = False
+    since: set[str] = field(default_factory=set)
+    time: float = 0.0
+
+
 class PipelineSchedule:
     """Feed it plans (`add_plan`) and commands (`remove_job`, `read_job`, `drain`); take each stage's
     decided operations with `take(stage)`. `wants_plan` says when stage 0 is ready for a plan not yet fed."""
@@ -100,29 +145,24 @@ class PipelineSchedule:
         if stages < 1:
             raise ValueError(f"a pipeline needs at least one stage, not {stages}")
         self.stages = stages
-        self.backward_ratio = backward_ratio
-        self.weights = stage_weights or [1.0] * stages
-        if len(self.weights) != stages:
-            raise ValueError(f"{len(self.weights)} stage weights for {stages} stages")
-        self.flush = flush
-        self.transfer = transfer
+        weights = tuple(stage_weights or [1.0] * stages)
+        if len(weights) != stages:
+            raise ValueError(f"{len(weights)} stage weights for {stages} stages")
+        self.costs = StageCosts(backward_ratio=backward_ratio, weights=weights, transfer=transfer)
+        self.flush = _Flush(on=flush)
         self.state = [_Stage() for _ in range(stages)]
         self.plans: dict[int, MicroBatchPlan] = {}
         self.next_index = 0                 # the next plan stage 0 forwards
         self.fed = 0                        # plans fed so far
-        self.draining = False
         self.ops: list[deque[Op]] = [deque() for _ in range(stages)]
-        self.step_ready: dict[str, float] = {}      # job -> when its last closing micro-batch left stage 0's backward
-        self.step_pending: dict[str, int] = {}      # job -> closing index whose stage-0 backward is not done
-        self.serial_ready: dict[str, float] = {}    # dropout job -> when its last micro-batch left the last forward
-        self.serial_pending: dict[str, int] = {}
-        self.job_last: dict[str, int] = {}          # job -> its last planned micro-batch
+        self.gates = _JobGates()
         self.commands: deque[tuple[OpKind, str]] = deque()   # (REMOVE_JOB or READ_JOB, job) waiting for its ops
-        self.since_flush: set[str] = set()          # flush mode: jobs of the global batch in progress
-        self.flush_time = 0.0                       # when the last stage-0 backward ended
-        self.serial_seen: dict[str, int] = {}       # dropout job -> its last micro-batch entered
         self.results_taken = -1                     # stage 0 has the last stage's results up to this plan
         self.last_end = 0.0
+
+    @property
+    def backward_ratio(self) -> float:
+        return self.costs.backward_ratio
 
     # -- feeding -----------------------------------------------------------------------------------
     def add_plan(self, plan: MicroBatchPlan) -> None:
@@ -133,7 +173,7 @@ class PipelineSchedule:
         self.plans[plan.index] = plan
         self.fed += 1
         for job in plan.jobs:
-            self.job_last[job] = plan.index
+            self.gates.last[job] = plan.index
         self._advance()
 
     def remove_job(self, job: str) -> None:
@@ -149,9 +189,7 @@ class PipelineSchedule:
 
     def drain(self) -> None:
         """No plan follows for now: run every fed plan to its end (and every pending optimizer step)."""
-        self.draining = True
-        self._advance()
-        self.draining = False
+        self._advance(draining=True)
 
     def take(self, stage: int) -> list[Op]:
         out = list(self.ops[stage])
@@ -174,7 +212,7 @@ class PipelineSchedule:
     def job_waits(self, job: str) -> bool:
         """Would a micro-batch of `job` composed now wait at stage 0 (for the job's optimizer step or, for
         a dropout job, for its previous micro-batch)? The head composes from jobs that would not, first."""
-        return job in self.step_pending or job in self.serial_pending
+        return self.gates.waits(job)
 
     def bubble_share(self) -> list[float]:
         """Each stage's idle share of the simulated time so far."""
@@ -182,10 +220,6 @@ class PipelineSchedule:
         return [1.0 - state.busy / span for state in self.state]
 
     # -- simulation --------------------------------------------------------------------------------
-    def _cost(self, stage: int, index: int, backward: bool) -> float:
-        cost = self.plans[index].cost * self.weights[stage]
-        return cost * self.backward_ratio if backward else cost
-
     def _stage0_can_forward(self) -> bool:
         return self.state[0].in_flight < self.stages
 
@@ -193,16 +227,17 @@ class PipelineSchedule:
         """When plan `index` may enter stage 0 (its jobs' steps and dropout draws done); inf if not yet known."""
         plan = self.plans[index]
         gate = plan.not_before
+        gates = self.gates
         for job in plan.jobs:
-            if job in self.step_pending or job in self.serial_pending:
+            if gates.waits(job):
                 return math.inf
-            gate = max(gate, self.step_ready.get(job, 0.0), self.serial_ready.get(job, 0.0))
-        if self.flush and self.since_flush.intersection(plan.jobs):
+            gate = max(gate, gates.step_ready.get(job, 0.0), gates.serial_ready.get(job, 0.0))
+        if self.flush.on and self.flush.since.intersection(plan.jobs):
             # a generic pipeline: a job's next micro-batch starts a new global batch, after everything
             # before has left every stage (the flush) and every adapter stepped
             if self.state[0].next_backward < index:   # stage 0's backward is a plan's last operation
                 return math.inf
-            gate = max(gate, self.flush_time)
+            gate = max(gate, self.flush.time)
         return gate
 
     def _next(self, s: int) -> tuple[float, OpKind, int] | None:
@@ -231,18 +266,18 @@ class PipelineSchedule:
             return forward[0], (OpKind.FORWARD_BACKWARD if last else OpKind.FORWARD), forward[1]
         return None
 
-    def _advance(self) -> None:
+    def _advance(self, draining: bool = False) -> None:
         while True:
             candidates = [(step, s) for s in range(self.stages) if (step := self._next(s)) is not None]
             if not candidates:
                 break
             (start, kind, index), s = min(candidates, key=lambda c: (c[0][0], -c[1]))
-            if not self.draining and self.next_index == self.fed and self._stage0_can_forward() \
+            if not draining and self.next_index == self.fed and self._stage0_can_forward() \
                     and start >= self.state[0].free_at:
                 break   # stage 0 could start a plan not fed yet by then: the head composes it first
             self._run(s, kind, index, start)
         self._place_commands()
-        if self.draining:
+        if draining:
             self._place_remaining_steps()
 
     def _run(self, s: int, kind: OpKind, index: int, start: float) -> None:
@@ -254,10 +289,11 @@ class PipelineSchedule:
                 self._enter(plan)
             else:
                 del state.forward_ready[index]
+        costs = self.costs
         if kind == OpKind.FORWARD_BACKWARD:
-            cost = self._cost(s, index, False) + self._cost(s, index, True)
+            cost = costs.of(plan, s, False) + costs.of(plan, s, True)
         else:
-            cost = self._cost(s, index, kind == OpKind.BACKWARD)
+            cost = costs.of(plan, s, kind == OpKind.BACKWARD)
         end = start + cost
         state.free_at = end
         state.busy += cost
@@ -266,54 +302,55 @@ class PipelineSchedule:
         if kind == OpKind.FORWARD:
             state.forwarded.append(index)
             state.in_flight += 1
-            self.state[s + 1].forward_ready[index] = end + self.transfer
+            self.state[s + 1].forward_ready[index] = end + costs.transfer
             return
         if kind == OpKind.FORWARD_BACKWARD:
             state.forwarded.append(index)
             state.next_backward += 1
             if s > 0:
-                self.state[s - 1].backward_ready[index] = end + self.transfer
+                self.state[s - 1].backward_ready[index] = end + costs.transfer
             for job in plan.serial:
-                if self.serial_pending.get(job) == index:
-                    del self.serial_pending[job]
-                    self.serial_ready[job] = end + self.transfer * (self.stages - 1)   # back to stage 0
+                if self.gates.serial_pending.get(job) == index:
+                    del self.gates.serial_pending[job]
+                    self.gates.serial_ready[job] = end + costs.transfer * (self.stages - 1)   # back to stage 0
         else:  # B
             state.in_flight -= 1
             state.next_backward += 1
             del state.backward_ready[index]
             if s > 0:
-                self.state[s - 1].backward_ready[index] = end + self.transfer
+                self.state[s - 1].backward_ready[index] = end + costs.transfer
         self._backward_done(s, plan, end)
 
     def _enter(self, plan: MicroBatchPlan) -> None:
         """Plan enters stage 0: stage 0 first takes the results its dropout jobs' generators need."""
         self.next_index += 1
+        gates = self.gates
         if self.stages > 1:
-            previous = [self.serial_seen[job] for job in plan.serial if job in self.serial_seen]
+            previous = [gates.serial_seen[job] for job in plan.serial if job in gates.serial_seen]
             if previous:
                 self._take_results(max(previous))
         for job in plan.jobs:
-            self.step_ready.pop(job, None)
-            self.serial_ready.pop(job, None)
+            gates.step_ready.pop(job, None)
+            gates.serial_ready.pop(job, None)
         for job in plan.serial:
-            self.serial_pending[job] = plan.index
-            self.serial_seen[job] = plan.index
+            gates.serial_pending[job] = plan.index
+            gates.serial_seen[job] = plan.index
         for job in plan.closes:
-            self.step_pending[job] = plan.index
-        if self.flush:
-            if self.since_flush.intersection(plan.jobs):
-                self.since_flush.clear()
-            self.since_flush.update(plan.jobs)
+            gates.step_pending[job] = plan.index
+        if self.flush.on:
+            if self.flush.since.intersection(plan.jobs):
+                self.flush.since.clear()
+            self.flush.since.update(plan.jobs)
 
     def _backward_done(self, s: int, plan: MicroBatchPlan, end: float) -> None:
         for job in plan.closes:
             self.state[s].pending_steps[job] = plan.index
         if s == 0:
             for job in plan.closes:
-                if self.step_pending.get(job) == plan.index:
-                    del self.step_pending[job]
-                    self.step_ready[job] = end
-            self.flush_time = max(self.flush_time, end)
+                if self.gates.step_pending.get(job) == plan.index:
+                    del self.gates.step_pending[job]
+                    self.gates.step_ready[job] = end
+            self.flush.time = max(self.flush.time, end)
             if self.stages > 1:
                 self._take_results(plan.index)
             del self.plans[plan.index]   # its last operation: nothing reads it again
@@ -342,7 +379,7 @@ class PipelineSchedule:
         """Has stage s an operation of `job` still to run (a fed plan of it not yet backwarded there)?"""
         state = self.state[s]
         done = state.forwarded[state.next_backward - 1] if state.next_backward else -1
-        return self.job_last.get(job, -1) > done
+        return self.gates.last.get(job, -1) > done
 
     def _place_commands(self) -> None:
         while self.commands:
@@ -350,17 +387,15 @@ class PipelineSchedule:
             if any(self._job_busy(s, job) for s in range(self.stages)):
                 return
             self.commands.popleft()
-            if self.stages > 1 and job in self.job_last:
-                self._take_results(self.job_last[job])
+            if self.stages > 1 and job in self.gates.last:
+                self._take_results(self.gates.last[job])
             for s in range(self.stages):
                 state = self.state[s]
                 if job in state.pending_steps:
                     self._place_step(s, job, state.pending_steps.pop(job))
                 self.ops[s].append(Op(kind=kind, stage=s, job=job, start=state.free_at, end=state.free_at))
             if kind == OpKind.REMOVE_JOB:
-                for table in (self.step_ready, self.serial_ready, self.serial_pending, self.step_pending,
-                              self.job_last, self.serial_seen):
-                    table.pop(job, None)
+                self.gates.forget(job)
 
     def _place_remaining_steps(self) -> None:
         for s in range(self.stages):

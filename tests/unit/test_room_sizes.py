@@ -112,7 +112,6 @@ OVER_THE_LIMIT = {
     "orchestrator/simulator/sim_replay.py:Simulator": 14,
     "actors/service/trainer/step_admission.py:StepAdmission": 14,
     "actors/service/trainer/interactive_calls.py:InteractiveCalls": 14,
-    "actors/service/scheduler/scheduler_core.py:SchedulerCore": 13,
     "actors/engine/lora_masters.py:MasterPool": 13,
 }
 RECORD_BASES = {"BaseModel", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum", "Exception"}

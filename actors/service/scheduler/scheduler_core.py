@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from actors.service.accounts.users import UsersFileError
 from actors.service.events.event_booking import EventBooking
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
@@ -36,6 +35,7 @@ from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trai
 from actors.service.scheduler.policy_guard import PolicyGuard, park
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.scheduler.submissions import SubmissionConflict, SubmissionError, Submissions
+from actors.service.scheduler.user_standing import UserStanding
 from actors.service.table.job_record import unreported_resume_point
 from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
@@ -55,8 +55,6 @@ from policies.base import (
 )
 
 log = logging.getLogger(__name__)
-
-STANDING_REFRESH_S = 5.0   # how often the users' standing (users.json, trained tokens) is read again
 
 RESTARTABLE_STATES = ("paused", "failed", "cancelled")
 
@@ -93,9 +91,7 @@ class SchedulerCore:
         self.submissions = Submissions(table, state_dir, trainers=trainers, output_root=output_root,
                                        statuses=lambda: self.statuses.values(), data_roots=data_roots,
                                        user_functions=user_functions)
-        self.fair_share_window_s = fair_share_window_s
-        self._standing: dict[str | None, UserShare] | None = None
-        self._standing_at = 0.0
+        self.standings = UserStanding(self.submissions.users, table, fair_share_window_s)
         self.booking = EventBooking(table, self.scheduling)
         self.interactive = InteractiveJobs(table, state_dir, self.scheduling)
         self.guard = PolicyGuard(policy, table, self.scheduling)
@@ -224,30 +220,8 @@ class SchedulerCore:
                         users=self.standing())
 
     def standing(self) -> dict[str | None, UserShare]:
-        """Each user's share, trained tokens over the fair-share window and quotas (users.json and the job
-        table), read again at most every STANDING_REFRESH_S; none without a users file (every job is then
-        ordered by the policy alone)."""
-        now = time.time()
-        if self._standing is not None and now - self._standing_at < STANDING_REFRESH_S:
-            return self._standing
-        book = self.submissions.users
-        standing: dict[str | None, UserShare] = {}
-        if book.exists():
-            try:
-                users = book.users()
-            except UsersFileError as error:   # the operator is told; scheduling goes on as without users
-                log.error("scheduler: %s", error)
-                users = []
-            window = self.table.usage.tokens_by_user(now - self.fair_share_window_s)
-            day = self.table.usage.tokens_by_user(now - 86_400)
-            for user in users:
-                standing[user.name] = UserShare(share=user.share, trained_tokens=window.get(user.name, 0),
-                                                max_running=user.max_running, tokens_per_day=user.tokens_per_day,
-                                                tokens_today=day.get(user.name, 0))
-            for name, tokens in window.items():   # an operator's jobs (None), a removed user's: share 1
-                standing.setdefault(name, UserShare(trained_tokens=tokens))
-        self._standing, self._standing_at = standing, now
-        return standing
+        """Each user's share, trained tokens over the fair-share window and quotas (user_standing.py)."""
+        return self.standings.current()
 
     def plan(self, trainers: list[TrainerStatus]) -> list[Start | Preempt | Move]:
         """Start moved jobs on their targets; ask the policy; record why waiting jobs wait; mark started

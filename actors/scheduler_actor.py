@@ -120,7 +120,7 @@ class SchedulerActor:
     def info(self) -> dict[str, Any]:
         with self.lock:
             info = {"state_dir": str(self.state_dir), "policy": self.core.policy.name,
-                    "output_root": str(self.core.output_root) if self.core.output_root else None,
+                    "output_root": str(root) if (root := self.core.submissions.relative_root) else None,
                     "trainers": self.fleet.describe(), "job_slots": dict(self.core.job_slots),
                     **self.listeners.describe()}
             if self.core.policy_error:

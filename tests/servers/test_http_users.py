@@ -5,6 +5,7 @@ same service is the reference."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,7 +150,8 @@ def test_a_second_users_job_starts_at_the_first_free_slot_ahead_of_anothers_twen
     """Fair share on a real service, through HTTP: on a trainer that runs one job at a time, alice submits 20
     jobs and, once hers train, bob submits one; the very next job the scheduler starts after his submission
     is his (his share of the trained tokens is none, hers all of them), not one of hers queued before his.
-    The order is read from the job table's own transition log (through the Ray client)."""
+    The order is read from the job table's own transition log (through the Ray client). A relative output_dir
+    on that service (users, no configured output root) lands under the user's outputs folder."""
     from tests.helpers.service import NO_LISTENERS, service_config
 
     state_dir = tmp_path / "state"
@@ -178,6 +180,24 @@ def test_a_second_users_job_starts_at_the_first_free_slot_ahead_of_anothers_twen
             for handle in hers:
                 if service.status(handle.id).state in ("queued", "running"):
                     service.cancel(handle.id)
+
+            # the same service has no configured output root: a user's jobs write under <state>/outputs/<user>,
+            # and a jobs file's relative output_dir lands there too, through the client as in a raw body (the
+            # service named no root before: the client resolved it beside the file, which was then refused)
+            outputs = (state_dir / "outputs").resolve()
+            assert service.info()["output_root"] == str(outputs)
+            jobs_file = tmp_path / "project" / "jobs.yaml"
+            jobs_file.parent.mkdir()
+            jobs_file.write_text(json.dumps({"base_model": base, "output_dir": "runs/mine",   # JSON is YAML
+                                             "jobs": [job_dict("rel", data, 2)]}))
+            (handle,) = as_alice.submit_run(jobs_file)
+            assert service.status(handle.id).output_dir == str(outputs / "alice" / "runs" / "mine" / "rel")
+            service.cancel(handle.id)
+            raw = httpx.post(f"{url}/v1/jobs", headers={"Authorization": f"Bearer {bob}"}, timeout=60,
+                             json={"base_model": base, "output_dir": "runs/his", "jobs": [job_dict("rel", data, 2)]})
+            assert raw.status_code == 201, raw.text
+            assert raw.json()["jobs"][0]["output_dir"] == str(outputs / "bob" / "runs" / "his" / "rel")
+            service.cancel(raw.json()["jobs"][0]["id"])
     finally:
         service.shutdown()
 

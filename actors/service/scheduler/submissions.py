@@ -202,6 +202,13 @@ class Submissions:
     def _outputs(self) -> Path | StorageURI:
         return self.output_root or (self.state_dir / "outputs").resolve()
 
+    @property
+    def relative_root(self) -> Path | StorageURI | None:
+        """What a relative output_dir is taken under (clients read it from `info()["output_root"]`): the output
+        root; on a service with users but no configured root, the outputs folder their jobs write under
+        (`<state>/outputs/<user>`); else None (a client resolves it from the jobs file's folder)."""
+        return self.output_root or (self._outputs() if self.users.exists() else None)
+
     def _root_of(self, user: User | None) -> Path | StorageURI | None:
         """Where the job writes: a user's under `<output root>/<user>`; an operator's under the output root."""
         if user is None:
@@ -253,8 +260,8 @@ class Submissions:
                                       f"under {root}", folder=str(submission.output_dir))
             return as_location(str(submission.output_dir))
         requested = Path(submission.output_dir).expanduser()
-        if root is not None and not requested.is_absolute():
-            requested = root / requested
+        if not requested.is_absolute() and (root or self.relative_root) is not None:
+            requested = (root or self.relative_root) / requested
         resolved = requested.resolve()
         if root is not None and not resolved.is_relative_to(root):
             raise SubmissionError(f"output_dir {resolved} is outside this service's output root {root}; jobs "

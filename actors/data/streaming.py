@@ -43,6 +43,60 @@ def window_seed(seed: int, epoch: int, window: int) -> int:
     return seed * 1_000_003 + epoch + window * 2**64
 
 
+class ShuffledWindows:
+    """`table`'s rows `first_row` on (`num_rows` of them where known) as examples, `tokenize`d a window of
+    `window` rows at a time and each window permuted with `seed` (see the module): `at(epoch, position)`."""
+
+    def __init__(self, table: RowTable, tokenize: Callable[[Row], Example | None], seed: int, *, window: int,
+                 shuffle: bool, first_row: int, num_rows: int | None):
+        self.table, self.tokenize, self.seed = table, tokenize, seed
+        self.window, self.shuffle = (window if shuffle else IN_ORDER_WINDOW), shuffle
+        self.first_row, self.num_rows = first_row, num_rows
+        self.rows_read = 0        # rows read from the table (a measure of the work done, for tests and logs)
+        self.dropped = 0          # rows dropped by truncation, in the windows tokenized so far
+        self.cached: OrderedDict[tuple[int, int, int], list[Example | None]] = OrderedDict()
+        self.reader: tuple[int, Iterator[Row]] | None = None   # (the row it yields next, the iterator)
+
+    def _read(self, start: int, count: int) -> list[Row]:
+        if self.reader is not None and self.reader[0] == start:
+            rows_iter = self.reader[1]
+        else:
+            rows_iter = self.table.rows(start)
+        rows = list(islice(rows_iter, count))
+        self.reader = (start + len(rows), rows_iter)
+        self.rows_read += len(rows)
+        return rows
+
+    def examples(self, epoch: int, index: int) -> list[Example | None]:
+        """Window `index` of `epoch`: its examples in their shuffled order (None for a dropped row)."""
+        key = (self.seed, epoch, index) if self.shuffle else (self.seed, 0, index)
+        cached = self.cached.get(key)
+        if cached is not None:
+            self.cached.move_to_end(key)
+            return cached
+        start = index * self.window
+        count = self.window if self.num_rows is None else max(0, min(self.window, self.num_rows - start))
+        rows = self._read(self.first_row + start, count) if count else []
+        examples = [self.tokenize(row) for row in rows]
+        self.dropped += sum(1 for e in examples if e is None)
+        if self.shuffle:
+            order = list(range(len(examples)))
+            random.Random(window_seed(self.seed, epoch, index)).shuffle(order)
+            examples = [examples[i] for i in order]
+        self.cached[key] = examples
+        while len(self.cached) > CACHED_WINDOWS:
+            self.cached.popitem(last=False)
+        return examples
+
+    def at(self, epoch: int, position: int) -> Any:
+        """The example (or None) at `position` of `epoch`, or `_END` past the epoch's last row."""
+        if self.num_rows is not None and position >= self.num_rows:
+            return _END
+        index, offset = divmod(position, self.window)
+        examples = self.examples(epoch, index)
+        return examples[offset] if offset < len(examples) else _END
+
+
 class StreamingCursor:
     """Micro-batches of `batch_size` examples from `table`'s rows `first_row` on, tokenized by `tokenize`
     (None for a row that is dropped), in windows of `window` rows shuffled with `seed` (see the module).
@@ -59,81 +113,44 @@ class StreamingCursor:
             raise ValueError(f"window must be >= 1, got {window}")
         if epochs is not None and (epochs < 1 or num_rows is None):
             raise ValueError("epochs needs num_rows (the training rows) and must be >= 1")
-        self.table, self.tokenize = table, tokenize
-        self.batch_size, self.seed, self.epochs = batch_size, seed, epochs
-        self.shuffle = shuffle
-        self.window = window if shuffle else IN_ORDER_WINDOW
-        self.first_row, self.num_rows = first_row, num_rows
+        self.windows = ShuffledWindows(table, tokenize, seed, window=window, shuffle=shuffle, first_row=first_row,
+                                       num_rows=num_rows)
+        self.batch_size, self.epochs = batch_size, epochs
         self.epoch = 0
         self.position = 0
         self.examples_seen = 0
-        self.rows_read = 0        # rows read from the table (a measure of the work done, for tests and logs)
-        self.dropped = 0          # rows dropped by truncation, in the windows tokenized so far
-        self._windows: OrderedDict[tuple[int, int, int], list[Example | None]] = OrderedDict()
-        self._reader: tuple[int, Iterator[Row]] | None = None   # (the row it yields next, the iterator)
 
-    # ------------------------------------------------------------------ reading
+    @property
+    def seed(self) -> int:
+        return self.windows.seed
 
-    def _read(self, start: int, count: int) -> list[Row]:
-        if self._reader is not None and self._reader[0] == start:
-            rows_iter = self._reader[1]
-        else:
-            rows_iter = self.table.rows(start)
-        rows = list(islice(rows_iter, count))
-        self._reader = (start + len(rows), rows_iter)
-        self.rows_read += len(rows)
-        return rows
-
-    def _window(self, epoch: int, index: int) -> list[Example | None]:
-        """Window `index` of `epoch`: its examples in their shuffled order (None for a dropped row)."""
-        key = (self.seed, epoch, index) if self.shuffle else (self.seed, 0, index)
-        cached = self._windows.get(key)
-        if cached is not None:
-            self._windows.move_to_end(key)
-            return cached
-        start = index * self.window
-        count = self.window if self.num_rows is None else max(0, min(self.window, self.num_rows - start))
-        rows = self._read(self.first_row + start, count) if count else []
-        examples = [self.tokenize(row) for row in rows]
-        self.dropped += sum(1 for e in examples if e is None)
-        if self.shuffle:
-            order = list(range(len(examples)))
-            random.Random(window_seed(self.seed, epoch, index)).shuffle(order)
-            examples = [examples[i] for i in order]
-        self._windows[key] = examples
-        while len(self._windows) > CACHED_WINDOWS:
-            self._windows.popitem(last=False)
-        return examples
-
-    def _at(self, epoch: int, position: int) -> Any:
-        """The example (or None) at `position` of `epoch`, or `_END` past the epoch's last row."""
-        if self.num_rows is not None and position >= self.num_rows:
-            return _END
-        index, offset = divmod(position, self.window)
-        examples = self._window(epoch, index)
-        return examples[offset] if offset < len(examples) else _END
+    @property
+    def num_rows(self) -> int | None:
+        return self.windows.num_rows
 
     # ------------------------------------------------------------------ the cursor
 
     @property
     def exhausted(self) -> bool:
         return (self.epochs is not None and self.epoch >= self.epochs - 1
-                and self._at(self.epoch, self.position) is _END)
+                and self.windows.at(self.epoch, self.position) is _END)
 
     def _plan(self, count: int, epoch: int, position: int) -> tuple[list[Example], int, int]:
         batch: list[Example] = []
         empty_ends = 0   # epoch ends passed without an example in between: every row is dropped
         while len(batch) < count:
-            item = self._at(epoch, position)
+            item = self.windows.at(epoch, position)
             if item is _END:
                 if position == 0:
-                    raise DataError(f"{self.table.source}: no rows to train on (the eval split takes them all, or "
-                                    "the data is empty)", source=self.table.source)
+                    source = self.windows.table.source
+                    raise DataError(f"{source}: no rows to train on (the eval split takes them all, or "
+                                    "the data is empty)", source=source)
                 empty_ends += 1
                 if empty_ends > 1:
-                    raise DataError(f"{self.table.source}: every row was dropped: no target token is left after "
+                    source = self.windows.table.source
+                    raise DataError(f"{source}: every row was dropped: no target token is left after "
                                     "truncation to max_seq_len; raise max_seq_len or set train_on_prompt",
-                                    source=self.table.source)
+                                    source=source)
                 if self.epochs is not None and epoch + 1 >= self.epochs:
                     break
                 epoch, position = epoch + 1, 0
@@ -164,8 +181,10 @@ class StreamingCursor:
         return [len(example) for example in batch]
 
     def state_dict(self) -> dict[str, Any]:
+        windows = self.windows
         return {"epoch": self.epoch, "position": self.position, "examples_seen": self.examples_seen,
-                "seed": self.seed, "window": self.window if self.shuffle else 0, "first_row": self.first_row}
+                "seed": windows.seed, "window": windows.window if windows.shuffle else 0,
+                "first_row": windows.first_row}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by `state_dict`; later batches are then exactly those the saved cursor
@@ -173,8 +192,9 @@ class StreamingCursor:
         missing = [k for k in ("epoch", "position", "examples_seen", "seed") if k not in state]
         if missing:
             raise ValueError(f"cursor state is missing {', '.join(missing)}")
-        window = self.window if self.shuffle else 0
-        for key, mine in (("window", window), ("first_row", self.first_row)):
+        windows = self.windows
+        window = windows.window if windows.shuffle else 0
+        for key, mine in (("window", window), ("first_row", windows.first_row)):
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"cursor state was saved with {key}={state[key]} but this stream has {key}={mine}; "
                                  "the position cannot be restored exactly (keep shuffle_window and eval_split)")
@@ -183,7 +203,7 @@ class StreamingCursor:
             raise ValueError(f"cursor state out of range: epoch={epoch}, position={position}")
         if self.epochs is not None and epoch >= self.epochs:
             raise ValueError(f"cursor state epoch {epoch} is beyond epochs={self.epochs}")
-        self.seed = int(state["seed"])
+        windows.seed = int(state["seed"])
         self.epoch, self.position = epoch, position
         self.examples_seen = int(state["examples_seen"])
 

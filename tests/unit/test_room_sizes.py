@@ -106,7 +106,6 @@ OVER_THE_LIMIT = {
     "actors/scheduler_actor.py:SchedulerActor": 17,
     "orchestrator/mqtt/connection.py:MqttConnection": 16,
     "actors/engine/pipeline/stage.py:StageRuntime": 16,
-    "actors/data/streaming.py:StreamingCursor": 16,
     "actors/engine/pipeline/head.py:PipelineTrainer": 15,
     "orchestrator/tinker/tinker_routes.py:TinkerBackend": 14,
     "orchestrator/simulator/sim_replay.py:Simulator": 14,

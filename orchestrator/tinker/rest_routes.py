@@ -50,7 +50,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
 
     def run_of(run_id: str, user: str) -> types.TrainingRun:
         mine = [entry for entry in own(user) if entry[0].get("model_id") == run_id]
-        live = backend.owners.get(run_id) == user
+        live = backend.book.owners.get(run_id) == user
         if not mine and not live:
             raise HTTPException(404, f"no training run {run_id} of yours")
         checkpoints = sorted((checkpoint_of(*entry) for entry in mine), key=lambda c: c.time)
@@ -59,7 +59,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         rank = next((entry[0].get("lora_rank") for entry in mine), None)
         if live and ctx.calls.rank_of(run_id) is not None:
             rank = ctx.calls.rank_of(run_id)
-        base = backend.model_bases.get(run_id) or next((base_name(entry[0]) for entry in mine), None)
+        base = backend.book.model_bases.get(run_id) or next((base_name(entry[0]) for entry in mine), None)
         last = max([c.time for c in checkpoints], default=datetime.now(UTC))
         return types.TrainingRun(training_run_id=run_id, base_model=base or "", model_owner=user,
                                  is_lora=True, lora_rank=rank, last_request_time=last,

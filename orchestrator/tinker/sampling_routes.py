@@ -27,36 +27,37 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         session = ctx.session(body.session_id, user)
         adapter, base = None, body.base_model
         if body.model_path is not None:
-            found = backend.samplers.get(body.model_path)
+            found = backend.book.samplers.get(body.model_path)
             if found is None or found[1] != user:
                 raise HTTPException(404, f"no sampler weights {body.model_path} of yours (save_weights_for_sampler "
                                          "writes them)")
             adapter = found[0]
-            base = backend.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
+            base = backend.book.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
         elif body.base_model not in backend.bases():
             raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
                                      f"{', '.join(repr(b) for b in backend.bases()) or 'none now'}")
         sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
-        backend.sampling_sessions[sampler_id] = (adapter, user, body.model_path)
-        backend.sampler_bases[sampler_id] = base or ""
+        backend.book.sampling_sessions[sampler_id] = (adapter, user, body.model_path)
+        backend.book.sampler_bases[sampler_id] = base or ""
         return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump(mode="json")
 
     @router.get("/samplers/{sampler_id}")
     def get_sampler(sampler_id: str, user: str = Depends(user_of)) -> dict:
-        found = backend.sampling_sessions.get(sampler_id)
+        found = backend.book.sampling_sessions.get(sampler_id)
         if found is None or found[1] != user:
             raise HTTPException(404, f"no sampler {sampler_id} of yours")
-        return {"sampler_id": sampler_id, "base_model": backend.sampler_bases.get(sampler_id), "model_path": found[2]}
+        return {"sampler_id": sampler_id, "base_model": backend.book.sampler_bases.get(sampler_id),
+                "model_path": found[2]}
 
     @router.post("/asample")
     def asample(body: types.SampleRequest, user: str = Depends(user_of)) -> dict:
-        found = backend.sampling_sessions.get(body.sampling_session_id or "")
+        found = backend.book.sampling_sessions.get(body.sampling_session_id or "")
         if found is None or found[1] != user:
             raise HTTPException(404, f"no sampling session {body.sampling_session_id} of yours")
-        base = backend.sampler_bases.get(body.sampling_session_id or "", "")
+        base = backend.book.sampler_bases.get(body.sampling_session_id or "", "")
         call = sample_call(body, found[0], backend.facts(base)["eos"])
         model_id = found[2].removeprefix("tinker://").split("/")[0] if found[2] else None
-        if model_id is not None and model_id not in backend.model_bases:
+        if model_id is not None and model_id not in backend.book.model_bases:
             raise HTTPException(404, f"model {model_id} has ended: its sampler weights are in its folder (the "
                                      "RestClient lists them), no longer on the base")
         accepted = calls.submit_sample(call, model_id=model_id, base_model=base)

@@ -36,7 +36,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         if folder.exists() and not body.overwrite:
             raise HTTPException(422, f"{path} exists; save under another name, or with overwrite")
 
-        save = SaveState(folder, backend.model_bases[model_id], model_id, user, path)
+        save = SaveState(folder, backend.book.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
 
@@ -61,8 +61,8 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
             if base not in backend.bases():
                 raise HTTPException(404, f"{body.path} was trained on '{base}', which is not served here now")
             calls.create_model(model_id, facts["rank"], owner=user, first_seq=0, base_model=base)
-            backend.owners[model_id] = user
-            backend.model_bases[model_id] = base
+            backend.book.owners[model_id] = user
+            backend.book.model_bases[model_id] = base
             if model_id not in session.models:
                 session.models.append(model_id)
         else:

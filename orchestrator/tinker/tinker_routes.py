@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,19 @@ REAP_EVERY_S = 1.0    # how often sessions that stopped beating are looked for
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class TinkerBook:
+    """What the front knows of the models and samplers it serves: each training model's user and base, each
+    saved sampler path's frozen copy, each sampling session's adapter, user, path and base."""
+
+    owners: dict[str, str] = field(default_factory=dict)          # model id -> its user
+    model_bases: dict[str, str] = field(default_factory=dict)     # model id -> its base
+    sampler_bases: dict[str, str] = field(default_factory=dict)   # sampling session id -> its base
+    samplers: dict[str, tuple[str, str]] = field(default_factory=dict)   # tinker:// path -> (snapshot adapter, user)
+    sampling_sessions: dict[str, tuple[str | None, str, str | None]] = field(default_factory=dict)
+    # ^ sampling session id -> (its adapter, its user, the path it samples)
+
+
 class TinkerBackend:
     """What the routes serve: the models' calls (a trainer's InteractiveCalls in this process, serving one base
     under the name `base_model`; or RemoteCalls, a running service's trainers and their bases), where saves are
@@ -67,11 +81,7 @@ class TinkerBackend:
         self._weights_dir = weights_dir
         self.authenticate = authenticate
         self.sessions = Sessions()
-        self.owners: dict[str, str] = {}          # model id -> its user
-        self.model_bases: dict[str, str] = {}     # model id -> its base
-        self.sampler_bases: dict[str, str] = {}   # sampling session id -> its base
-        self.samplers: dict[str, tuple[str, str]] = {}   # tinker:// path -> (its snapshot adapter, its user)
-        self.sampling_sessions: dict[str, tuple[str | None, str, str | None]] = {}   # id -> (adapter, user, path)
+        self.book = TinkerBook()
         self.thread = (threading.Thread(target=calls.run, name="tinker-calls", daemon=True)
                        if isinstance(calls, InteractiveCalls) else None)
         self.stopping = threading.Event()
@@ -103,10 +113,10 @@ class TinkerBackend:
         sampler weights (the files stay); on a service, each model's job completes with its final adapter."""
         session.ended = True
         for model_id in session.models:
-            for path, (adapter, _) in list(self.samplers.items()):
+            for path, (adapter, _) in list(self.book.samplers.items()):
                 if path.startswith(f"tinker://{model_id}/"):
                     self.calls.remove_adapter(adapter, model_id)
-                    del self.samplers[path]
+                    del self.book.samplers[path]
             try:
                 if self.local:
                     self.calls.remove_model(model_id)
@@ -151,7 +161,7 @@ class Context:
             raise HTTPException(404, str(error)) from None
 
     def owned(self, model_id: str, user: str) -> str:
-        if self.backend.owners.get(model_id) != user:
+        if self.backend.book.owners.get(model_id) != user:
             raise HTTPException(404, f"no model {model_id} of yours")
         return model_id
 
@@ -268,8 +278,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
         calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
                            train_mlp=lora.train_mlp, base_model=body.base_model)
-        backend.owners[model_id] = user
-        backend.model_bases[model_id] = body.base_model
+        backend.book.owners[model_id] = user
+        backend.book.model_bases[model_id] = body.base_model
         if model_id not in session.models:
             session.models.append(model_id)
         return future(done(model_id), user,
@@ -278,7 +288,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/get_info")
     def get_info(body: types.GetInfoRequest, request: Request, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
-        base = backend.model_bases[model_id]
+        base = backend.book.model_bases[model_id]
         facts = backend.facts(base)
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": calls.rank_of(model_id),
                 "model_name": base, "model_data": {"arch": facts["arch"], "model_name": base,
@@ -328,15 +338,16 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         folder = backend.folder(model_id) / "sampler_weights" / name
         path = f"tinker://{model_id}/sampler_weights/{name}"
         snapshot = adapter_name(f"{model_id}-sampler-{name}")
-        fresh = path not in backend.samplers   # a frozen copy on the base: what its sampling sessions sample
-        save = SaveSampler(folder, backend.model_bases[model_id], model_id, user, path, snapshot if fresh else None)
-        backend.samplers[path] = (snapshot, user)
+        fresh = path not in backend.book.samplers   # a frozen copy on the base: what its sampling sessions sample
+        base = backend.book.model_bases[model_id]
+        save = SaveSampler(folder, base, model_id, user, path, snapshot if fresh else None)
+        backend.book.samplers[path] = (snapshot, user)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
         answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"
-            backend.sampling_sessions[sampler_id] = (adapter_name(f"{model_id}-sampler-{name}"), user, path)
-            backend.sampler_bases[sampler_id] = backend.model_bases[model_id]
+            backend.book.sampling_sessions[sampler_id] = (adapter_name(f"{model_id}-sampler-{name}"), user, path)
+            backend.book.sampler_bases[sampler_id] = backend.book.model_bases[model_id]
             answer["sampling_session_id"] = sampler_id
         return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)
 

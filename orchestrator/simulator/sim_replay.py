@@ -77,12 +77,24 @@ class SimJob:
         return tuple(int(min(max(round(v), spec.min), spec.max)) for v in values)
 
 
+@dataclass
+class SimTotals:
+    """What a replay counts as it goes: steps that ran out of memory, fused steps, and every job's micro-batch
+    trained (when, whose, how many tokens: the fair share is judged from them)."""
+
+    ooms: int = 0
+    fused_steps: int = 0
+    trained: list[tuple[float, str | None, int]] = field(default_factory=list)
+
+
 class Simulator:
+    """A trace replayed under a policy (see the module): the trainers' clocks advance by the calibrated step
+    times, the policy decides as the service's would."""
+
     def __init__(self, trace: Trace, policy: Policy):
         self.trace = trace
         self.policy = policy
         self.composer = policy if isinstance(policy, StepComposer) else None
-        self.calibration = trace.calibration
         self.noise = np.random.default_rng(trace.seed + 7919)
         self.jobs = {j.name: SimJob(j, j.rank * trace.parameters_per_rank, np.random.default_rng([trace.seed, i]))
                      for i, j in enumerate(trace.jobs)}
@@ -94,9 +106,7 @@ class Simulator:
         self.clock = {t.id: 0.0 for t in trace.trainers}
         self.trainers = {t.id: t for t in trace.trainers}
         self.rotation = dict.fromkeys(self.clock, 0)
-        self.ooms = 0
-        self.trained: list[tuple[float, str | None, int]] = []   # (time, user, tokens) of every job's micro-batch
-        self.fused_steps = 0
+        self.totals = SimTotals()
         self.longest = dict.fromkeys(self.clock, 1)
         self.pipelines = {t.id: PipelineModel(t) for t in trace.trainers if t.stages > 1}
 
@@ -104,12 +114,12 @@ class Simulator:
     def snapshot(self, now: float) -> Snapshot:
         trainers = []
         for spec in self.trainers.values():
-            memory = self.calibration.memory
+            memory = self.trace.calibration.memory
             step = memory.peak(StepShape(spec.step_tokens, spec.step_tokens * min(spec.step_tokens,
                                                                                   self.longest[spec.id]), 0))
             # the jobs a trainer reports: those that reached it (not those still starting)
             on = tuple(j.spec.name for j in self.jobs.values() if j.trainer == spec.id and j.state == "running")
-            rate = spec.step_tokens / self.calibration.step.seconds(spec.step_tokens, 0)   # a full step's
+            rate = spec.step_tokens / self.trace.calibration.step.seconds(spec.step_tokens, 0)   # a full step's
             trainers.append(TrainerView(id=spec.id, base_model=self.trace.base_model, quantization="none",
                                         memory_budget_bytes=spec.memory_budget_bytes, base_bytes=int(memory.constant),
                                         step_memory_bytes=int(step - memory.constant), jobs=on, linear_shapes=(),
@@ -137,7 +147,7 @@ class Simulator:
             return {}
         since = now - self.trace.fair_share_window_s
         trained: dict[str | None, float] = {}
-        for when, user, tokens in self.trained:
+        for when, user, tokens in self.totals.trained:
             if since <= when <= now:
                 trained[user] = trained.get(user, 0.0) + tokens
         standing = {name: UserShare(share=share, trained_tokens=trained.get(name, 0.0))
@@ -152,7 +162,7 @@ class Simulator:
                 continue
             if isinstance(decision, Start) and job.state == "queued":
                 job.state, job.trainer = "starting", decision.trainer
-                job.ready_at = max(now, self.clock[decision.trainer]) + self.calibration.job_start_seconds
+                job.ready_at = max(now, self.clock[decision.trainer]) + self.trace.calibration.job_start_seconds
                 job.waited += now - job.queued_since
                 if job.first_start is None:
                     job.first_start = now
@@ -194,7 +204,7 @@ class Simulator:
 
     def predicted_peak(self, trainer: TrainerSpec, lengths: list[tuple[int, ...]]) -> int:
         flat = [n for job_lengths in lengths for n in job_lengths]
-        return self.calibration.memory.peak(StepShape.of(flat, self.held_parameters(trainer.id)))
+        return self.trace.calibration.memory.peak(StepShape.of(flat, self.held_parameters(trainer.id)))
 
     def step(self, trainer: TrainerSpec, now: float) -> bool:
         """Run one fused step on `trainer` at `now` (its clock); False when nothing happened (no job ready,
@@ -205,12 +215,12 @@ class Simulator:
         for job in self.jobs.values():   # preempted and moved jobs leave at this step boundary, checkpointed
             if job.trainer == trainer.id and job.preempting and job.state in ("starting", "running"):
                 job.state, job.trainer, job.preempting, job.queued_since = "queued", None, False, now
-                self.clock[trainer.id] = now + self.calibration.checkpoint_seconds
+                self.clock[trainer.id] = now + self.trace.calibration.checkpoint_seconds
                 now = self.clock[trainer.id]
                 preempted = True
                 if job.move_to is not None:   # started on its target from that checkpoint
                     job.state, job.trainer, job.move_to = "starting", job.move_to, None
-                    job.ready_at = now + self.calibration.job_start_seconds
+                    job.ready_at = now + self.trace.calibration.job_start_seconds
         ready = [j for j in self.jobs.values() if j.trainer == trainer.id and j.state in ("starting", "running")
                  and j.ready_at <= now]
         for job in ready:
@@ -224,19 +234,19 @@ class Simulator:
         flat = [n for job_lengths in lengths for n in job_lengths]
         tokens = layout_tokens(trainer.layout, lengths)
         squares = sum(n * n for n in flat)
-        peak = self.predicted_peak(trainer,
-                                   lengths) * (1 + self.calibration.memory_noise * abs(self.noise.standard_normal()))
+        noise = self.trace.calibration.memory_noise * abs(self.noise.standard_normal())
+        peak = self.predicted_peak(trainer, lengths) * (1 + noise)
         if peak > trainer.memory_budget_bytes:
-            self.ooms += 1
+            self.totals.ooms += 1
         self.longest[trainer.id] = max(self.longest[trainer.id], max(flat))
-        end = now + self.calibration.step.seconds(tokens, squares)
+        end = now + self.trace.calibration.step.seconds(tokens, squares)
         self.clock[trainer.id] = end
-        self.fused_steps += 1
+        self.totals.fused_steps += 1
         for job in ready:
             job.steps_since_joined = 0 if job in chosen else job.steps_since_joined + 1
         for job in chosen:
             job.tokens += sum(job.next_lengths)
-            self.trained.append((end, job.spec.user, sum(job.next_lengths)))
+            self.totals.trained.append((end, job.spec.user, sum(job.next_lengths)))
             job.next_lengths = job.draw()
             job.micro += 1
             if job.micro % job.spec.grad_accum == 0:
@@ -256,13 +266,13 @@ class Simulator:
         leaving = [j for j in self.jobs.values() if j.trainer == trainer.id and j.preempting
                    and j.state in ("starting", "running")]
         if leaving:
-            self.clock[trainer.id] = max(now, model.drain(self)) + self.calibration.checkpoint_seconds
+            self.clock[trainer.id] = max(now, model.drain(self)) + self.trace.calibration.checkpoint_seconds
             for job in leaving:
                 job.micro = job.planned
                 job.state, job.trainer, job.preempting, job.queued_since = "queued", None, False, now
                 if job.move_to is not None:
                     job.state, job.trainer, job.move_to = "starting", job.move_to, None
-                    job.ready_at = self.clock[trainer.id] + self.calibration.job_start_seconds
+                    job.ready_at = self.clock[trainer.id] + self.trace.calibration.job_start_seconds
             return True
         ready = [j for j in self.jobs.values() if j.trainer == trainer.id and j.state in ("starting", "running")
                  and j.ready_at <= now and j.planned < j.spec.steps * j.spec.grad_accum]
@@ -282,18 +292,18 @@ class Simulator:
         tokens = layout_tokens(trainer.layout, lengths)
         flat = [n for job_lengths in lengths for n in job_lengths]
         if self.predicted_peak(trainer, lengths) / trainer.stages > trainer.memory_budget_bytes:
-            self.ooms += 1
+            self.totals.ooms += 1
         self.longest[trainer.id] = max(self.longest[trainer.id], max(flat))
-        seconds = self.calibration.step.seconds(tokens, sum(n * n for n in flat))
+        seconds = self.trace.calibration.step.seconds(tokens, sum(n * n for n in flat))
         closes = []
         for job in chosen:
             job.tokens += sum(job.next_lengths)
-            self.trained.append((now + seconds, job.spec.user, sum(job.next_lengths)))
+            self.totals.trained.append((now + seconds, job.spec.user, sum(job.next_lengths)))
             job.next_lengths = job.draw()
             job.planned += 1
             if job.planned % job.spec.grad_accum == 0:
                 closes.append(job.spec.name)
-        self.fused_steps += 1
+        self.totals.fused_steps += 1
         model.add(self, [j.spec.name for j in chosen], closes, seconds, now)
         self.clock[trainer.id] = max(now, model.next_free())
         return True
@@ -351,7 +361,7 @@ class Simulator:
         first = min(j.spec.arrival for j in jobs)
         return Result(policy=self.policy.name, turnaround=[j.finish - j.spec.arrival for j in jobs],
                       waiting=[j.waited for j in jobs], makespan=max(j.finish for j in jobs) - first,
-                      tokens=sum(j.tokens for j in jobs), steps=sum(j.step for j in jobs), ooms=self.ooms,
-                      stopped_early=sum(j.ended == "stopped_early" for j in jobs), fused_steps=self.fused_steps,
+                      tokens=sum(j.tokens for j in jobs), steps=sum(j.step for j in jobs), ooms=self.totals.ooms,
+                      stopped_early=sum(j.ended == "stopped_early" for j in jobs), fused_steps=self.totals.fused_steps,
                       priorities=[j.spec.priority for j in jobs], moves=sum(j.moves for j in jobs),
-                      trained=list(self.trained))
+                      trained=list(self.totals.trained))

@@ -107,7 +107,6 @@ OVER_THE_LIMIT = {
     "orchestrator/mqtt/connection.py:MqttConnection": 16,
     "actors/engine/pipeline/stage.py:StageRuntime": 16,
     "actors/engine/pipeline/head.py:PipelineTrainer": 15,
-    "orchestrator/simulator/sim_replay.py:Simulator": 14,
     "actors/service/trainer/step_admission.py:StepAdmission": 14,
     "actors/service/trainer/interactive_calls.py:InteractiveCalls": 14,
     "actors/engine/lora_masters.py:MasterPool": 13,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,41 @@ class ModelState:
     seen: dict[int, Future] = field(default_factory=dict)   # seq_id -> its future (a resend gets it)
 
 
+class PassWindow:
+    """When the calls that wait run (its owner's lock held for every call): once every model that took part in a
+    pass in the last ACTIVE_FOR_S has its next call here, or once the first call now waiting has waited `window_s`
+    for partners."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.ready_since: float | None = None   # when the first call now waiting arrived (monotonic)
+        self.recent: dict[str, float] = {}      # model id -> when it last took part in a pass (monotonic)
+
+    def arrived(self) -> None:
+        if self.ready_since is None:
+            self.ready_since = time.monotonic()
+
+    def restart(self) -> None:
+        """Calls that arrive from now on wait for partners afresh."""
+        self.ready_since = None
+
+    def took_part(self, model_ids: Iterable[str]) -> None:
+        now = time.monotonic()
+        self.recent.update((model_id, now) for model_id in model_ids)
+
+    def forget(self, model_id: str) -> None:
+        self.recent.pop(model_id, None)
+
+    def partners(self) -> list[str]:
+        """The models that took part in a pass in the last ACTIVE_FOR_S."""
+        now = time.monotonic()
+        return [model_id for model_id, when in self.recent.items() if now - when <= ACTIVE_FOR_S]
+
+    def left(self) -> float:
+        """How long the first call now waiting still waits for partners."""
+        return max(0.0, (self.ready_since or 0.0) + self.window_s - time.monotonic())
+
+
 class InteractiveCalls:
     """The interactive models on one base and their pending calls."""
 
@@ -55,14 +90,12 @@ class InteractiveCalls:
         if max_models_per_pass is not None and max_models_per_pass < 1:
             raise ValueError(f"max_models_per_pass must be at least 1 (or None: no limit), not {max_models_per_pass}")
         self.base = base
-        self.window_s = window_s
+        self.window = PassWindow(window_s)
         self.max_pass_tokens = max_pass_tokens   # a pass's tokens at most (a trainer's step_tokens); None: any
         self.max_models_per_pass = max_models_per_pass
         self.turn = 0                    # where the next capped pass starts looking, in the models' order
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
         self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
-        self.ready_since: float | None = None   # when the first call now waiting arrived (monotonic)
-        self.recent: dict[str, float] = {}      # model id -> when it last took part in a pass (monotonic)
         self.models: dict[str, ModelState] = {}
         self.samples: list[Pending] = []     # sampling calls, batched together at the next step
         self.removals: list[str] = []        # adapters to take off the base, by the stepping thread
@@ -120,7 +153,7 @@ class InteractiveCalls:
     def remove_model(self, model_id: str) -> None:
         """Close a model: its waiting calls fail, its adapter leaves the base at the next step."""
         with self.lock:
-            self.recent.pop(model_id, None)
+            self.window.forget(model_id)
             state = self.models.pop(model_id, None)
             if state is None:
                 return
@@ -142,8 +175,7 @@ class InteractiveCalls:
 
     def _arrived(self) -> None:
         """A call arrived (the lock held): the stepping thread, or the trainer loop hosting these calls, hears."""
-        if self.ready_since is None:
-            self.ready_since = time.monotonic()
+        self.window.arrived()
         self.lock.notify_all()
         if self.on_ready is not None:
             self.on_ready()
@@ -161,14 +193,13 @@ class InteractiveCalls:
                 return None
             if self._partners_ready():
                 return 0.0
-            return max(0.0, (self.ready_since or 0.0) + self.window_s - time.monotonic())
+            return self.window.left()
 
     def _partners_ready(self) -> bool:
         """(The lock held.) Whether every model that took part in a pass in the last ACTIVE_FOR_S has its next
         call here: then nobody is worth waiting for (a lone user's calls run at once, and users whose loops go in
         step meet without waiting the window out). False before any pass: the first calls wait the window."""
-        now = time.monotonic()
-        recent = [model_id for model_id, when in self.recent.items() if now - when <= ACTIVE_FOR_S]
+        recent = self.window.partners()
         return bool(recent) and all(model_id in self.models and self.models[model_id].next_seq in
                                     self.models[model_id].waiting for model_id in recent)
 
@@ -222,7 +253,7 @@ class InteractiveCalls:
         next other call (an optimizer step, a save). Returns how many calls ran."""
         with self.lock:
             removals, self.removals = self.removals, []
-            self.ready_since = None   # calls that arrive from now on wait for partners afresh
+            self.window.restart()   # calls that arrive from now on wait for partners afresh
         for name in removals:
             remove_adapter(self.base.model, name)
         with self.lock:
@@ -279,7 +310,7 @@ class InteractiveCalls:
                     room -= tokens
                 state.next_seq = seq
             if taken and not self._ready():
-                self.ready_since = None
+                self.window.restart()
         for pending, error in refused:
             pending.future.set_exception(error)
         return taken, FusedCalls([pending.payload for _, _, pending in taken], configs)
@@ -288,9 +319,8 @@ class InteractiveCalls:
         """Answer the calls a fused step of jobs ran (`take_for_step`); each model's tokens in it."""
         model_tokens: dict[str, int] = {}
         with self.lock:
-            now = time.monotonic()
+            self.window.took_part(model_id for model_id, _, _ in taken)
             for model_id, tokens, _ in taken:
-                self.recent[model_id] = now
                 model_tokens[model_id] = model_tokens.get(model_id, 0) + tokens
         for (_, _, pending), output in zip(taken, outputs, strict=True):
             pending.future.set_result(output)
@@ -327,8 +357,7 @@ class InteractiveCalls:
             return
         good, outputs = ran
         with self.lock:
-            now = time.monotonic()
-            self.recent.update((model_id, now) for model_id, _, _ in good)
+            self.window.took_part(model_id for model_id, _, _ in good)
         if self.on_step is not None:
             self.on_step(pass_record(good, backward, time.perf_counter() - started))
         for (_, _, pending), output in zip(good, outputs, strict=True):

@@ -21,6 +21,7 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,62 @@ class Outbox:
             self.dropped = 0
 
 
+class LoopThread:
+    """A daemon thread that runs one asyncio loop: `loop` and `wake` (an asyncio.Event any thread may set through
+    `wake_up`) once it runs, `stop_requested`, and `ready` / `finished` for the threads that wait on it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.wake: asyncio.Event | None = None
+        self.stop_requested = False
+        self.ready = threading.Event()
+        self.finished = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, main: Callable[[], Coroutine[Any, Any, None]], on_failure: Callable[[], None]) -> None:
+        """Run `main()` on the thread's loop; `on_failure` after an exception (logged) ends it."""
+        def run() -> None:
+            try:
+                asyncio.run(self._entered(main))
+            except Exception:  # events must never stop the service; the error is logged
+                log.exception("events: the MQTT thread failed; job events are off")
+                on_failure()
+            finally:
+                self.ready.set()
+                self.finished.set()
+
+        self.thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self.thread.start()
+
+    async def _entered(self, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        await main()
+
+    def wake_up(self) -> None:
+        """Set `wake` from any thread (nothing where the loop has not started or has closed)."""
+        loop, wake = self.loop, self.wake
+        if loop is not None and wake is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:   # the loop has closed (the service is stopping): nothing left to wake
+                log.debug("events: the MQTT loop has closed")
+
+    async def sleep(self, seconds: float) -> None:
+        """Up to `seconds`, less where woken."""
+        assert self.wake is not None
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), seconds)
+        except TimeoutError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=timeout)
+
+
 class MqttConnection:
     """The publishing thread: its asyncio loop, the embedded broker (`address` None until it listens) or
     an external one (`address` given), and the connection to it. `connected`, `down`, `disabled` and
@@ -137,14 +194,9 @@ class MqttConnection:
         self.disabled = False        # the embedded broker could not start: no events at all
         self.broker_error: str | None = None   # why not, where the user can act on it (a missing extra)
         self.published = 0
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.wake: asyncio.Event | None = None
-        self.stop_requested = False
-        self.ready = threading.Event()
-        self.finished = threading.Event()
-        self.thread = threading.Thread(target=self._thread_main, name="mqtt-events", daemon=True)
-        self.thread.start()
-        if not self.ready.wait(start_timeout):
+        self.runner = LoopThread("mqtt-events")
+        self.runner.start(self._main, on_failure=self._events_off)
+        if not self.runner.ready.wait(start_timeout):
             log.warning("events: the MQTT thread did not start within %.0fs; events are queued until it does",
                         start_timeout)
 
@@ -155,50 +207,34 @@ class MqttConnection:
     def send(self, messages: list[Message]) -> None:
         """Queue messages for the broker (from any thread; never blocks)."""
         if any([self.outbox.put(message) for message in messages]):   # a list: every message is put
-            self._wake_loop()
+            self.runner.wake_up()
 
     def close(self) -> None:
         """Publish the retained `offline` status, disconnect, stop the embedded broker (waits a few
         seconds at most)."""
-        if self.loop is not None and not self.finished.is_set():
-            self.stop_requested = True
+        runner = self.runner
+        if runner.loop is not None and not runner.finished.is_set():
+            runner.stop_requested = True
             self.outbox.closed = True
-            self._wake_loop()
-            if not self.finished.wait(CLOSE_TIMEOUT_S + 5):
+            runner.wake_up()
+            if not runner.finished.wait(CLOSE_TIMEOUT_S + 5):
                 log.warning("events: the MQTT thread did not stop within %.0fs", CLOSE_TIMEOUT_S + 5)
-        self.thread.join(timeout=1)
+        runner.join(timeout=1)
 
-    def _wake_loop(self) -> None:
-        loop, wake = self.loop, self.wake
-        if loop is not None and wake is not None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:   # the loop has closed (the service is stopping): nothing left to wake
-                log.debug("events: the MQTT loop has closed")
+    def _events_off(self) -> None:
+        self.disabled = self.outbox.closed = True
 
     # -- the thread ---------------------------------------------------------------------------------------
-    def _thread_main(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except Exception:  # events must never stop the service; the error is logged
-            log.exception("events: the MQTT thread failed; job events are off")
-            self.disabled = self.outbox.closed = True
-        finally:
-            self.ready.set()
-            self.finished.set()
-
     async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.wake = asyncio.Event()
         broker = None
         if self.address is None:
             broker = await self._start_embedded()
             if broker is None:
                 self.disabled = self.outbox.closed = True
                 self.outbox.drop_all()
-                self.ready.set()
+                self.runner.ready.set()
                 return
-        self.ready.set()
+        self.runner.ready.set()
         try:
             await self._publish_forever()
         finally:
@@ -307,7 +343,7 @@ class MqttConnection:
                                 self.outbox.published(pending)
                                 pending = None
                                 continue
-                            if self.stop_requested:
+                            if self.runner.stop_requested:
                                 await client.publish(status_topic, self.topics.status("offline", reason="shutdown"),
                                                      qos=1, retain=True, timeout=CLOSE_TIMEOUT_S)
                                 return
@@ -316,7 +352,7 @@ class MqttConnection:
                         watcher.cancel()
             except (aiomqtt.MqttError, OSError) as error:
                 self.connected = False
-                if self.stop_requested:
+                if self.runner.stop_requested:
                     log.warning("events: could not publish the offline status to %s: %s", address.url, error)
                     return
                 if not self.outbox.down:
@@ -328,18 +364,19 @@ class MqttConnection:
                 else:
                     log.debug("events: still cannot reach %s: %s", address.url, error)
                 pending = None
-                await self._sleep(backoff)
+                await self.runner.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
-                if self.stop_requested:
+                if self.runner.stop_requested:
                     return
 
     async def _idle(self, watcher: asyncio.Task) -> None:
         """Wait for a message to publish, a stop request, or the connection to drop (raises MqttError)."""
-        assert self.wake is not None
-        self.wake.clear()
-        if len(self.outbox) or self.stop_requested:
+        wake = self.runner.wake
+        assert wake is not None
+        wake.clear()
+        if len(self.outbox) or self.runner.stop_requested:
             return
-        waiter = asyncio.create_task(self.wake.wait())
+        waiter = asyncio.create_task(wake.wait())
         done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if watcher in done:
             waiter.cancel()
@@ -354,11 +391,3 @@ class MqttConnection:
         async for _ in client.messages:
             pass
         raise aiomqtt.MqttError("the connection to the broker closed")
-
-    async def _sleep(self, seconds: float) -> None:
-        assert self.wake is not None
-        self.wake.clear()
-        try:
-            await asyncio.wait_for(self.wake.wait(), seconds)
-        except TimeoutError:
-            pass

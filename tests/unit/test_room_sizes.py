@@ -104,7 +104,6 @@ OVER_THE_LIMIT = {
     "actors/service/trainer/trainer_loop.py:TrainerLoop": 21,
     "actors/engine/trainer.py:FusedTrainer": 19,
     "actors/scheduler_actor.py:SchedulerActor": 17,
-    "orchestrator/mqtt/connection.py:MqttConnection": 16,
     "actors/engine/pipeline/stage.py:StageRuntime": 16,
     "actors/engine/pipeline/head.py:PipelineTrainer": 15,
     "actors/service/trainer/step_admission.py:StepAdmission": 14,

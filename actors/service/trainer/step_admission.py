@@ -89,17 +89,8 @@ class StepAdmission:
         self.measured_steps = 0
         self._parameters: tuple[list[weakref.ref], int] = ([], 0)   # `adapter_parameters`: (its jobs, their count)
         self.under_predictions: collections.deque[float] = collections.deque(maxlen=100)
-        # CPU: the resident set beside the live tensors (the probe left the heap with no free page resident)
-        self.resident = trainer.resident_measured
-        self.runtime_bytes = 0
-        self.resident_seen = self.resident_predicted = 0   # the process's peak so far; the highest prediction
-        # what the steps showed of the probe's scratch-and-heap estimate (its small steps' pages per token run
-        # above a full step's): the largest share seen, once a step has raised the peak (1 before)
-        self.resident_scales: collections.deque[float] = collections.deque(maxlen=100)
-        if self.resident:
-            held = live_tensor_bytes(model, [job.optimizer.optimizer for job in trainer.jobs.values()])
-            self.runtime_bytes = max(resident_bytes() - held, 0)
-            self.resident_seen = process_peak_resident_bytes()
+        # CPU: the process's resident set is the budget's measure (None where the allocator's count is)
+        self.resident = ResidentPeaks.of(trainer) if trainer.resident_measured else None
 
     @property
     def activation_estimate(self) -> int:
@@ -113,8 +104,8 @@ class StepAdmission:
         estimate = (activation.constant + activation.per_token * tokens
                     + loss_transient_bytes(tokens, self.memory_prior.vocab, self.memory_prior.hidden,
                                            self.trainer.base.dtype))
-        if self.resident:
-            estimate += self.runtime_bytes + (
+        if self.resident is not None:
+            estimate += self.resident.runtime_bytes + (
                 activation.resident_constant + (activation.resident_per_token + activation.resident_per_target) * tokens
                 + self.memory_prior.heap_block_slack(tokens))
         return int(estimate)
@@ -159,7 +150,7 @@ class StepAdmission:
         parts = [(trainer.jobs[mb.job].spec.lora, mb.padded_tokens(trainer.layout, longest), mb.examples)
                  for mb in micro_batches]
         analytic = self.memory_prior.analytic_bytes(parts)
-        excess = self.memory_prior.analytic_bytes(parts, resident=True) - analytic if self.resident else 0
+        excess = self.memory_prior.analytic_bytes(parts, resident=True) - analytic if self.resident is not None else 0
         return StepShape.of(lengths, parameters, tokens=trainer.step_cost(micro_batches), analytic_bytes=analytic,
                             resident_excess_bytes=excess)
 
@@ -180,14 +171,9 @@ class StepAdmission:
     def predict_peak(self, shape: StepShape) -> int:
         """The step's peak as the budget counts it: on a CPU the process's resident set (`predict_resident`:
         the runtime, the allocator's peak, the scratch and heap beyond it), elsewhere the allocator's."""
-        if not self.resident:
+        if self.resident is None:
             return self.predict(shape)
-        return predict_resident(self.runtime_bytes, 0, self.predict(shape),
-                                int(self.resident_scale * shape.resident_excess_bytes))
-
-    @property
-    def resident_scale(self) -> float:
-        return max(self.resident_scales, default=1.0)
+        return self.resident.predict(self.predict(shape), shape.resident_excess_bytes)
 
     def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
         """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
@@ -219,18 +205,57 @@ class StepAdmission:
         resident peak (VmHWM reset as it began: what a job's start or export raised between steps is not the
         step's), judged where it raised the peak the steps reached (a step below it shows no peak of its own),
         against the highest prediction so far (the heap keeps what an earlier step touched)."""
-        if self.resident and report.resident_peak_bytes is not None:
-            self.resident_predicted = max(self.resident_predicted, self.predict_peak(shape))
-            if report.resident_peak_bytes > self.resident_seen:   # this step's own peak: what it teaches
-                self.resident_seen = report.resident_peak_bytes
-                self.under_predictions.append((report.resident_peak_bytes - self.resident_predicted)
-                                              / report.resident_peak_bytes)
-                if shape.resident_excess_bytes > 0:   # the scratch and heap it showed beyond the allocator's count
-                    shown = report.resident_peak_bytes - self.runtime_bytes - report.peak_memory_bytes
-                    self.resident_scales.append(max(shown, 0) / shape.resident_excess_bytes)
+        if self.resident is not None and report.resident_peak_bytes is not None:
+            under = self.resident.observe(self.predict_peak(shape), shape, report)
+            if under is not None:
+                self.under_predictions.append(under)
         if not report.memory_measured:
             return
         self.measured_steps += 1
-        if not self.resident:
+        if self.resident is None:
             self.under_predictions.append((report.peak_memory_bytes - predicted) / report.peak_memory_bytes)
         self.memory_model.observe(shape, report.peak_memory_bytes, predicted)
+
+
+class ResidentPeaks:
+    """A CPU trainer's resident set as its budget counts it: the process's runtime beside the live tensors
+    (interpreter, libraries, scratch: measured once, after the probe left the heap with no free page resident),
+    the peak the steps reached so far, the highest prediction, and what the steps showed of the probe's
+    scratch-and-heap estimate (its small steps' pages per token run above a full step's)."""
+
+    def __init__(self, runtime_bytes: int, seen_bytes: int):
+        self.runtime_bytes = runtime_bytes
+        self.seen = seen_bytes   # the process's resident peak so far
+        self.predicted = 0       # the highest step peak predicted so far
+        # the shares of the probe's scratch-and-heap estimate the steps showed, once a step raised the peak
+        self.scales: collections.deque[float] = collections.deque(maxlen=100)
+
+    @classmethod
+    def of(cls, trainer: FusedTrainer) -> ResidentPeaks:
+        """Measured now: the resident set minus the tensors the trainer holds, and the process's peak."""
+        held = live_tensor_bytes(trainer.base.model, [job.optimizer.optimizer for job in trainer.jobs.values()])
+        return cls(max(resident_bytes() - held, 0), process_peak_resident_bytes())
+
+    @property
+    def scale(self) -> float:
+        """The largest share of the scratch-and-heap estimate a step showed (1 before any did)."""
+        return max(self.scales, default=1.0)
+
+    def predict(self, allocator_peak: int, excess_bytes: int) -> int:
+        """A step's resident peak (`predict_resident`): the runtime, the allocator's predicted peak, and the
+        scratch and heap beyond it, scaled by what the steps showed."""
+        return predict_resident(self.runtime_bytes, 0, allocator_peak, int(self.scale * excess_bytes))
+
+    def observe(self, predicted: int, shape: StepShape, report: StepReport) -> float | None:
+        """Learn from a step's own resident peak (VmHWM reset as it began), judged where it raised the peak the
+        steps reached (a step below it shows no peak of its own), against the highest prediction so far (the heap
+        keeps what an earlier step touched): the share by which it was under, or None where it taught nothing."""
+        self.predicted = max(self.predicted, predicted)
+        peak = report.resident_peak_bytes
+        if peak is None or peak <= self.seen:
+            return None
+        self.seen = peak
+        if shape.resident_excess_bytes > 0:   # the scratch and heap it showed beyond the allocator's count
+            shown = peak - self.runtime_bytes - report.peak_memory_bytes
+            self.scales.append(max(shown, 0) / shape.resident_excess_bytes)
+        return (peak - self.predicted) / peak

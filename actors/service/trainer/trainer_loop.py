@@ -220,7 +220,7 @@ class TrainerLoop:
             micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
             shape = self.admission.shape(micro_batches)
             predicted = self.admission.predict(shape)
-            resident = self.admission.predict_peak(shape) if self.admission.resident else None
+            resident = self.admission.predict_peak(shape) if self.admission.resident is not None else None
             measure = self.admission.measure_next_step()
             taken, calls = self._calls_for(micro_batches, measure)
             try:

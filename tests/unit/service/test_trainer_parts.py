@@ -114,7 +114,7 @@ def test_admission_keeps_a_step_under_its_budget_by_the_allocators_count(three_j
     """As on a GPU, where the allocator's count is the budget's (on a CPU: the resident set, below)."""
     trainer = three_jobs_trainer
     admission = StepAdmission(trainer)
-    admission.resident = False
+    admission.resident = None
     jobs = list(trainer.jobs.values())
     one = admission.predict(admission.shape([JobMicroBatch(jobs[0].name, jobs[0].peek())]))
     every = admission.predict(admission.shape([JobMicroBatch(job.name, job.peek()) for job in jobs]))
@@ -137,7 +137,7 @@ def test_on_a_cpu_admission_keeps_the_processs_resident_set_under_its_budget(thr
     libraries and the heap are resident too)."""
     trainer = three_jobs_trainer
     admission = StepAdmission(trainer)
-    assert admission.resident and admission.runtime_bytes > 0
+    assert admission.resident is not None and admission.resident.runtime_bytes > 0
     jobs = list(trainer.jobs.values())
     one = admission.predict_peak(admission.shape([JobMicroBatch(jobs[0].name, jobs[0].peek())]))
     every = admission.predict_peak(admission.shape([JobMicroBatch(job.name, job.peek()) for job in jobs]))
@@ -155,7 +155,7 @@ def test_a_measured_peak_above_its_prediction_widens_the_margin_and_an_unmeasure
         three_jobs_trainer):
     trainer = three_jobs_trainer
     admission = StepAdmission(trainer)
-    admission.resident = False   # as on a GPU: the allocator's count (on a CPU the resident set's: below)
+    admission.resident = None   # as on a GPU: the allocator's count (on a CPU the resident set's: below)
     chosen = trainer.compose()
     shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
     coefficients = admission.memory_model.coefficients.copy()
@@ -182,11 +182,11 @@ def test_on_a_cpu_a_resident_peak_above_its_prediction_widens_the_margin(three_j
     chosen = trainer.compose()
     shape = admission.shape([JobMicroBatch(job.name, batch) for job, batch in chosen])
     report = trainer.run_step(chosen)
-    report.resident_peak_bytes = admission.resident_seen   # no new peak
+    report.resident_peak_bytes = admission.resident.seen   # no new peak
     admission.observe(shape, report, admission.predict(shape))
     assert admission.margin == MEMORY_MARGIN
     under = MEMORY_MARGIN * 3
-    report.resident_peak_bytes = max(int(admission.predict_peak(shape) / (1 - under)), admission.resident_seen + 1)
+    report.resident_peak_bytes = max(int(admission.predict_peak(shape) / (1 - under)), admission.resident.seen + 1)
     expected = (report.resident_peak_bytes - admission.predict_peak(shape)) / report.resident_peak_bytes
     admission.observe(shape, report, admission.predict(shape))
     assert expected >= under - 1e-9 and admission.margin == pytest.approx(expected)
@@ -219,7 +219,7 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
     trainer = FusedTrainer(base, step_tokens=4096)
     admission = StepAdmission(trainer)
     assert admission.plan_step_tokens() == AUTO_CPU_STEP_TOKENS
-    admission.resident = False   # as on a GPU: the allocator's count is the budget's
+    admission.resident = None   # as on a GPU: the allocator's count is the budget's
     admission.budget = 10**12
     assert admission.plan_step_tokens(gpu=True) == AUTO_STEP_TOKENS_CEILING
     spec = JobSpec(name="big", data="unused.jsonl", format={"type": "text"}, max_steps=10, batch_size=1,
@@ -266,7 +266,7 @@ def test_composing_under_the_budget_counts_each_job_once_and_follows_the_jobs_as
     for index in range(12):
         add(index)
     admission = StepAdmission(trainer)
-    admission.resident = False
+    admission.resident = None
     counted = []
     terms = memory_prior.adapter_terms
     monkeypatch.setattr(memory_prior, "adapter_terms", lambda *a, **k: counted.append(a[0]) or terms(*a, **k))
@@ -280,7 +280,7 @@ def test_composing_under_the_budget_counts_each_job_once_and_follows_the_jobs_as
 
     def afresh(micro_batches: list[JobMicroBatch]):
         fresh = StepAdmission(trainer)
-        fresh.resident = False
+        fresh.resident = None
         return fresh.shape(micro_batches)
 
     chosen = trainer.compose(fits=admission.fits)

@@ -132,8 +132,8 @@ class AdapterHandle:
         if pools is None:   # its layers never change
             pools = self._pools = list({id(found[0]): found[0] for layer in self.layers.values()
                                         if (found := getattr(layer, "master_pool", None)) is not None}.values())
-        return sum([pool.grad_flat.numel() * pool.grad_flat.element_size() for pool in pools
-                    if pool.grad_flat is not None])
+        return sum([pool.grads.values.numel() * pool.grads.values.element_size() for pool in pools
+                    if pool.grads.values is not None])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -43,7 +43,7 @@ def reference_update(pool: MasterPool, exp_avg: torch.Tensor, exp_avg_sq: torch.
     with torch.no_grad():
         for region, lr, copy_scale in ((slice(0, pool.b_region), hyper.lr_a, 1.0),
                                        (slice(pool.b_region, None), hyper.lr_b, pool.scaling)):
-            param, grad = pool.flat[region], pool.grad_flat[region]
+            param, grad = pool.flat[region], pool.grads.values[region]
             m, v = exp_avg[region], exp_avg_sq[region]
             g = grad * (factor * hyper.inverse_targets)
             param.mul_(1.0 - lr * hyper.weight_decay)
@@ -117,7 +117,7 @@ def _agrees(device: torch.device) -> bool:
     results = []
     for kernel in (True, False):
         pool = MasterPool(values[0].clone(), 1000, 2.0)
-        pool.grad_flat = values[1].clone()
+        pool.grads.values = values[1].clone()
         pool.casts[torch.bfloat16] = torch.empty(3000, dtype=torch.bfloat16, device=device)
         exp_avg, exp_avg_sq = values[2].clone() * 0.01, values[3].clone().square() * 0.01
         factor = torch.full((), 0.5, device=device)
@@ -126,7 +126,7 @@ def _agrees(device: torch.device) -> bool:
             _launch(pool, exp_avg, exp_avg_sq, factor, hyper, pool.casts[torch.bfloat16])
         else:
             reference_update(pool, exp_avg, exp_avg_sq, factor, hyper, pool.casts[torch.bfloat16])
-        results.append((pool.flat, exp_avg, exp_avg_sq, pool.casts[torch.bfloat16].float(), pool.grad_flat))
+        results.append((pool.flat, exp_avg, exp_avg_sq, pool.casts[torch.bfloat16].float(), pool.grads.values))
     (flat, m, v, cast, grad), (flat_r, m_r, v_r, cast_r, _) = results
     rounding = 32 * torch.finfo(torch.float32).eps
     agree = (bool(((flat - flat_r).abs() <= rounding * (flat_r.abs() + 0.02)).all())
@@ -144,7 +144,7 @@ def _launch(pool: MasterPool, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, f
     flat = pool.flat
     count = flat.numel()
     _adamw_kernel[(triton.cdiv(count, BLOCK),)](
-        flat, pool.grad_flat, exp_avg, exp_avg_sq, cast if cast is not None else flat, factor, count,
+        flat, pool.grads.values, exp_avg, exp_avg_sq, cast if cast is not None else flat, factor, count,
         pool.b_region, hyper.lr_a, hyper.lr_b, hyper.weight_decay, hyper.inverse_targets, hyper.beta1,
         hyper.beta2, hyper.eps, hyper.bias1, hyper.bias2_sqrt, pool.scaling, HAS_CAST=cast is not None,
         BLOCK_SIZE=BLOCK)
@@ -268,7 +268,7 @@ class FlatAdamW:
         else:
             reference_update(pool, self.exp_avg, self.exp_avg_sq, factor, hyper, cast)
         # the kernel writes behind autograd's back: count the change, as an in-place operation would
-        for written in (flat, self.exp_avg, self.exp_avg_sq, pool.grad_flat):
+        for written in (flat, self.exp_avg, self.exp_avg_sq, pool.grads.values):
             torch.autograd.graph.increment_version(written)
         pool.stepped(casts[0][0] if cast is not None else None)
         self.steps += 1

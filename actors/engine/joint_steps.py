@@ -174,7 +174,7 @@ def _flat_ready(optimizer: JobOptimizer) -> FlatAdamW | None:
     """The job's flat step where it can take this one: its gradients are its pool's buffer, its state the flat
     moments (adopted now where torch's AdamW held them)."""
     flat = optimizer.flat
-    if flat is None or not flat.pool.attached() or not flat.ensure_state():
+    if flat is None or not flat.pool.grads.attached() or not flat.ensure_state():
         return None
     return flat
 
@@ -191,7 +191,7 @@ def _step_flat(optimizers: list[JobOptimizer], targets: list[int],
     flats = [optimizer.flat for optimizer in optimizers]
     lrs = [optimizer.lr for optimizer in optimizers]
     divisors = [optimizer.token_weight * max(count, 1) for optimizer, count in zip(optimizers, targets, strict=True)]
-    norms = torch._foreach_div(torch._foreach_norm([flat.pool.grad_flat for flat in flats]), divisors)
+    norms = torch._foreach_div(torch._foreach_norm([flat.pool.grads.values for flat in flats]), divisors)
     device = flats[0].pool.flat.device
     one = _ONES.get(device)
     if one is None:

@@ -142,7 +142,7 @@ class GroupTargets:
                 b_views.append(None)
                 continue
             adapter = adapters[index]
-            a_view, b_view = adapter.master_pool[0].grad_views(adapter)
+            a_view, b_view = adapter.master_pool[0].grads.views_of(adapter)
             a_views.append(a_view)
             b_views.append(b_view)
         return cls(list(pools.values()), a_views, b_views, device, kernel_works(device))

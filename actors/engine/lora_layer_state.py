@@ -111,7 +111,7 @@ class LayerAdapters:
                 returned.extend((2 * place, 2 * place + 1))
                 masters.extend((adapter.lora_A, adapter.lora_B))
             else:
-                views.extend(found[0].grad_views(adapter))
+                views.extend(found[0].grads.views_of(adapter))
                 positions.extend((2 * place, 2 * place + 1))
         return views, positions, returned, tuple(masters), tuple(every)
 

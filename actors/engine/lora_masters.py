@@ -43,9 +43,9 @@ class MasterPool:
     only at its optimizer step, after the backward of every micro-batch of its accumulation (on one device and in
     a pipeline's stages alike); between those, a refresh writes the same values again.
 
-    Gradients (`attach_grads`, `grad_views`): each parameter's `.grad` is a view of one flat float32 buffer while
-    the optimizer keeps the gradients; once it clears them (sets them to None, as `zero_grad` does), the next
-    backward zeroes the buffer and attaches the views again, so a job that took no part in a step keeps None."""
+    Gradients (`grads`, a `GradientBuffer`): each parameter's `.grad` is a view of one flat float32 buffer while
+    the optimizer keeps the gradients; once it clears them, the next backward zeroes the buffer and attaches the
+    views again, so a job that took no part in a step keeps None."""
 
     def __init__(self, flat: torch.Tensor, b_region: int, scaling: float,
                  parameters: Sequence[nn.Parameter] = ()):
@@ -56,10 +56,7 @@ class MasterPool:
         self.refreshed: dict[torch.dtype, tuple[object, int]] = {}   # dtype -> (the step's layout, flat's version)
         self.current: dict[torch.dtype, int] = {}   # dtype -> flat's version its cast was written at by a step
         self.generation = 0
-        self.zeroed = False   # the gradient buffer holds zeros (an optimizer step cleared it), so no fill is due
-        self.grad_flat: torch.Tensor | None = None
-        self._grad_views: dict[int, torch.Tensor] = {}   # id(parameter) -> its view of grad_flat
-        self._all_views: list[torch.Tensor] | None = None   # every parameter's, in `parameters`' order
+        self.grads = GradientBuffer(flat, self.parameters)
         if self.parameters:
             _POOLS[id(self.parameters[0])] = self
 
@@ -104,7 +101,7 @@ class MasterPool:
         if dtype is not None:
             self.generation += 1
             _CASTS_WRITTEN[0] += 1
-        self.zeroed = True
+        self.grads.zeroed = True
 
     def weights(self, adapter: nn.Module, start_a: int, start_b: int, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,29 +112,41 @@ class MasterPool:
                                cast[start_b:start_b + adapter.lora_B.numel()].view(adapter.lora_B.shape))
         return self.views[key]
 
-    # -- gradients ------------------------------------------------------------------------------------------
-    def grad_views(self, adapter: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """The views of the gradient buffer that are `adapter`'s A's and B's `.grad` once attached."""
-        return self._grad_view(adapter.lora_A), self._grad_view(adapter.lora_B)
 
-    def _grad_view(self, parameter: torch.Tensor) -> torch.Tensor:
-        view = self._grad_views.get(id(parameter))
+class GradientBuffer:
+    """A pool's gradients: one flat float32 buffer in its masters' layout (made at the first view asked for), whose
+    views are the parameters' `.grad` while the optimizer keeps the gradients; once it clears them (sets them to None,
+    as `zero_grad` does), the next backward zeroes the buffer and attaches the views again (`attach`)."""
+
+    def __init__(self, masters: torch.Tensor, parameters: list[nn.Parameter]):
+        self.masters, self.parameters = masters, parameters   # the pool's flat masters, its parameters (views of them)
+        self.values: torch.Tensor | None = None
+        self.zeroed = False   # the buffer holds zeros (an optimizer step cleared it), so no fill is due
+        self._views: dict[int, torch.Tensor] = {}   # id(parameter) -> its view of `values`
+        self._all_views: list[torch.Tensor] | None = None   # every parameter's, in `parameters`' order
+
+    def views_of(self, adapter: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The views of the buffer that are `adapter`'s A's and B's `.grad` once attached."""
+        return self._view(adapter.lora_A), self._view(adapter.lora_B)
+
+    def _view(self, parameter: torch.Tensor) -> torch.Tensor:
+        view = self._views.get(id(parameter))
         if view is None:
-            if self.grad_flat is None:
-                self.grad_flat = torch.zeros(self.flat.shape, dtype=torch.float32, device=self.flat.device)
-            start = parameter.storage_offset() - self.flat.storage_offset()
-            view = self.grad_flat[start:start + parameter.numel()].view(parameter.shape)
-            self._grad_views[id(parameter)] = view
+            if self.values is None:
+                self.values = torch.zeros(self.masters.shape, dtype=torch.float32, device=self.masters.device)
+            start = parameter.storage_offset() - self.masters.storage_offset()
+            view = self.values[start:start + parameter.numel()].view(parameter.shape)
+            self._views[id(parameter)] = view
         return view
 
     def attached(self) -> bool:
         """Whether every parameter's `.grad` is its view of the buffer (checked at both ends: the optimizers
         clear a job's gradients all together)."""
         first, last = self.parameters[0], self.parameters[-1]
-        view = self._grad_views.get(id(first))
-        return view is not None and first.grad is view and last.grad is self._grad_views.get(id(last))
+        view = self._views.get(id(first))
+        return view is not None and first.grad is view and last.grad is self._views.get(id(last))
 
-    def attach_grads(self) -> None:
+    def attach(self) -> None:
         """Make every parameter's `.grad` its view of the buffer, keeping the values of gradients it holds (a
         gradient cleared to None starts from zeros)."""
         if not self.parameters:
@@ -147,12 +156,12 @@ class MasterPool:
             return
         views = self._all_views
         if views is None:
-            views = self._all_views = [self._grad_view(parameter) for parameter in self.parameters]
+            views = self._all_views = [self._view(parameter) for parameter in self.parameters]
         held = [parameter.grad for parameter in self.parameters]
         with torch.no_grad():
             if held.count(None) == len(held):   # the usual case: the optimizer cleared them; one fill
                 if not self.zeroed:
-                    self.grad_flat.zero_()
+                    self.values.zero_()
             else:
                 for view, grad in zip(views, held, strict=True):
                     if grad is None:
@@ -176,7 +185,7 @@ class GradientSink:
     """Where a layer's pooled adapters' gradients go (lora_cuda's autograd function hands its backward's list here):
     `views`, each its parameter's view of its job's gradient buffer, for the gradients at `positions` of the
     layer's list; the rest (`returned`) go back to autograd. Each pool's views become its parameters' `.grad` at
-    the first backward of a step that reaches it (`MasterPool.attach_grads`: once per pool and step, through the
+    the first backward of a step that reaches it (`GradientBuffer.attach`: once per pool and step, through the
     step's `tensors`)."""
 
     def __init__(self, pools: list, views: list[torch.Tensor], positions: list[int], returned: list[int],
@@ -192,12 +201,12 @@ class GradientSink:
 
 
 def attach_pools(pools: Sequence[MasterPool], tensors: dict) -> None:
-    """Each pool's views made its parameters' `.grad` (`MasterPool.attach_grads`), once per pool and step (`tensors`:
+    """Each pool's views made its parameters' `.grad` (`GradientBuffer.attach`), once per pool and step (`tensors`:
     the step's), before a backward first adds into them."""
     attached = tensors.setdefault("lora-grads-attached", set())
     for pool in pools:
         if id(pool) not in attached:
-            pool.attach_grads()
+            pool.grads.attach()
             attached.add(id(pool))
 
 

@@ -50,7 +50,7 @@ def test_the_kernel_on_cuda_steps_as_torch_s_adamw(monkeypatch, overrides):
         assert float(norm) == pytest.approx(expected_norm, rel=1e-5)
         assert_within_adamw_rounding(optimizer, copies, step + 1)
     assert len(launches) == 4
-    assert not bool(pool.grad_flat.any())
+    assert not bool(pool.grads.values.any())
     written = pool.casts[torch.bfloat16].clone()
     pool.current.clear()
     pool.refresh(object(), torch.bfloat16)

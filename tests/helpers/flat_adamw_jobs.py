@@ -54,7 +54,7 @@ def reference_of(optimizer: JobOptimizer) -> tuple[list[torch.nn.Parameter], tor
 
 def add_gradients(optimizer: JobOptimizer, generator: torch.Generator, scale: float = 3.0) -> list[torch.Tensor]:
     """Random gradients added into the job's pooled buffer, as the CUDA path's backward adds them."""
-    optimizer.flat.pool.attach_grads()
+    optimizer.flat.pool.grads.attach()
     grads = [(torch.randn(p.shape, generator=generator) * scale).to(p.device) for p in optimizer.parameters]
     with torch.no_grad():
         for parameter, grad in zip(optimizer.parameters, grads, strict=True):

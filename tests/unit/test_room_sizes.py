@@ -106,7 +106,6 @@ OVER_THE_LIMIT = {
     "actors/scheduler_actor.py:SchedulerActor": 17,
     "actors/engine/pipeline/stage.py:StageRuntime": 16,
     "actors/engine/pipeline/head.py:PipelineTrainer": 15,
-    "actors/engine/lora_masters.py:MasterPool": 13,
 }
 RECORD_BASES = {"BaseModel", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum", "Exception"}
 

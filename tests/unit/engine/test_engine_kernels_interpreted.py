@@ -73,7 +73,7 @@ def test_the_kernel_steps_as_its_reference(monkeypatch, overrides):
         # a moment sums terms of both signs: its rounding is of its terms' size, at most the largest moment's
         bound = 2 * 3 * ADAMW_ROUNDINGS * unit_roundoff() * float(theirs.abs().max())
         assert float((mine - theirs).abs().max()) <= bound
-    assert not bool(kernel_pool.grad_flat.any())
+    assert not bool(kernel_pool.grads.values.any())
     assert kernel.flat.steps == 3 and {float(s["step"]) for s in kernel.state_dict()["optimizer"]["state"].values()} \
         == {3.0}
 

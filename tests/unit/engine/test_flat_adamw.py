@@ -76,12 +76,12 @@ def test_the_step_writes_the_compute_copy_and_clears_the_gradients():
     fresh.current.clear()
     fresh.refresh(object(), torch.bfloat16)
     assert torch.equal(fresh.casts[torch.bfloat16], written)
-    assert pool.zeroed and not bool(pool.grad_flat.any())
+    assert pool.grads.zeroed and not bool(pool.grads.values.any())
     fills = []
     real_zero = torch.Tensor.zero_
     try:
         torch.Tensor.zero_ = lambda self: fills.append(self) or real_zero(self)
-        pool.attach_grads()
+        pool.grads.attach()
     finally:
         torch.Tensor.zero_ = real_zero
     assert fills == [] and all(p.grad is not None and not bool(p.grad.any()) for p in optimizer.parameters)
@@ -136,7 +136,7 @@ def test_torch_s_state_dict_reads_the_flat_state_and_a_loaded_state_is_adopted()
         reference_step(optimizer, copies, reference, grads, targets)
         for other in (pooled, unpooled):
             if other is pooled:
-                other.flat.pool.attach_grads()
+                other.flat.pool.grads.attach()
             else:
                 for parameter in other.parameters:
                     parameter.grad = torch.zeros_like(parameter)
@@ -178,7 +178,7 @@ def test_a_job_s_nan_stays_in_that_job():
     together, alone = [jobs[0][0], jobs[1][0]], jobs[2][0]   # (the adapters, which hold the pools, kept in `jobs`)
     generator = torch.Generator().manual_seed(5)
     grads = add_gradients(together[1], generator)
-    alone.flat.pool.attach_grads()
+    alone.flat.pool.grads.attach()
     with torch.no_grad():
         for parameter, grad in zip(alone.parameters, grads, strict=True):
             parameter.grad.add_(grad)

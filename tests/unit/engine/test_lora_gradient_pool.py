@@ -65,8 +65,8 @@ def test_pooled_gradients_equal_autograds_bit_for_bit_and_accumulate(monkeypatch
     for (name, (a, b)), (_, (ref_a, ref_b)) in zip(_grads(pooled).items(), _grads(unpooled).items(), strict=True):
         assert torch.equal(a, ref_a) and torch.equal(b, ref_b), name
         pool = pooled.adapters[name].master_pool[0]
-        assert a.data_ptr() >= pool.grad_flat.data_ptr()   # a view of the job's buffer
-        assert a.untyped_storage().data_ptr() == pool.grad_flat.untyped_storage().data_ptr()
+        assert a.data_ptr() >= pool.grads.values.data_ptr()   # a view of the job's buffer
+        assert a.untyped_storage().data_ptr() == pool.grads.values.untyped_storage().data_ptr()
     for layer in (pooled, unpooled):   # a second micro-batch of the same optimizer step: the gradients add up
         _backward(layer, *second, second_layout)
     for (name, (a, b)), (_, (ref_a, ref_b)) in zip(_grads(pooled).items(), _grads(unpooled).items(), strict=True):

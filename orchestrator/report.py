@@ -5,8 +5,8 @@ has an eval_generate metric, tokens, state) printed and written to `RUN_DIR/repo
 RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service state in `.aspen/`) or a
 service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
 step (step, loss, tokens, lr, grad_norm, and `eval_loss` where the job was evaluated after that step: every
-run mode writes it, `--in-process` included, which keeps no job table); states, and the eval losses of
-runs older than that, come from the job table when there is one (read-only).
+run mode writes it, `--in-process` included); states, and the eval losses of runs older than that, come from
+the job table when there is one (read-only; an in-process run records its jobs there as it ends).
 
 RUN_DIR may be a storage URI (s3://bucket/runs/x, where a run's output_dir is one): the jobs' metrics are
 read from there, and report.png / report.md are uploaded next to them (a URI run's job table stays on the

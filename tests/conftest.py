@@ -58,7 +58,8 @@ LONG_FILES = ("tests/faults/test_service_faults.py", "tests/service/test_pipelin
               "tests/service/test_tinker_service.py", "tests/servers/test_prometheus_grafana.py",
               # make test-long's
               "tests/faults/test_run_again.py", "tests/service/test_cluster.py", "tests/service/test_ray_job_submit.py",
-              "tests/servers/test_tinker_cookbook.py", "tests/faults/test_clean_exit.py", "tests/service/test_sweep.py")
+              "tests/servers/test_tinker_cookbook.py", "tests/faults/test_clean_exit.py", "tests/service/test_sweep.py",
+              "tests/faults/test_in_process_record.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         terminated = isinstance(interrupt, Terminated) or getattr(interrupt, "terminated", False)
         what = "stopped (SIGTERM)" if terminated else "interrupted"
         if isinstance(interrupt, RunInterrupted):
-            print(f"aspen: {what}; the running jobs were checkpointed, and the same command continues where "
-                  "they stopped", file=sys.stderr)
+            print(f"aspen: {what}; the running jobs were checkpointed, and {interrupt.then}", file=sys.stderr)
         else:
             print(f"aspen: {what}", file=sys.stderr)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
@@ -57,10 +56,11 @@ def _describe(error: Exception) -> tuple[int, str]:
         if error.status in (401, 403):    # no connection: the service (exit 1)
             return EXIT_REFUSED, str(error)
         return (EXIT_USAGE if 400 <= error.status < 500 else EXIT_FAILED), str(error)
+    from actors.service.table.state_dir import StateDirInUse
     from actors.service.table.table_backup import JobTableDamaged
     from orchestrator.errors import ServiceError
 
-    if isinstance(error, (ServiceError, JobTableDamaged)):   # their message is the one line, with the fix
+    if isinstance(error, (ServiceError, JobTableDamaged, StateDirInUse)):   # their message is the line, with the fix
         return EXIT_FAILED, str(error)
     if isinstance(error, KeyError):     # an unknown job: the service's message is its first argument
         return EXIT_USAGE, str(error.args[0] if error.args else error)

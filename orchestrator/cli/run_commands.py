@@ -27,7 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
         check_data_rows(spec)
-        return _run_in_process(spec, args.quiet)
+        return _run_in_process(spec, args.file, args.quiet)
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_local_dir, run_service_config
     from actors.service.table.job_table import read_jobs
@@ -120,11 +120,12 @@ class RunSpecChanged(ValueError):
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C (or SIGTERM) during `aspen run`: the running jobs were checkpointed."""
+    """Ctrl-C (or SIGTERM) during `aspen run`: the running jobs were checkpointed. `then`: what continues them."""
 
-    def __init__(self, terminated: bool = False):
+    def __init__(self, terminated: bool = False,
+                 then: str = "the same command continues where they stopped"):
         super().__init__()
-        self.terminated = terminated
+        self.terminated, self.then = terminated, then
 
 
 class Terminated(KeyboardInterrupt):
@@ -178,15 +179,26 @@ def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
     return saved_data_digest(Path(output_dir) / CHECKPOINT_FOLDER)
 
 
-def _run_in_process(spec, quiet: bool) -> int:
-    """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid."""
+def _run_in_process(spec: RunSpec, file: str, quiet: bool) -> int:
+    """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid. Its
+    jobs are recorded in the run folder's job table as it ends, where `aspen run` keeps its own (so `aspen status`,
+    `aspen report` and `aspen run` itself find them); the folder is locked meanwhile, as a service locks it."""
     from actors.engine.warmup import settle_garbage_collector
+    from actors.service.scheduler.config import run_local_dir
     from actors.service.scheduler.local_run import train_locally
     from orchestrator.progress import quiet_loading_bars
+    from orchestrator.recent_runs import RecentRuns
 
     settle_garbage_collector()   # torch's and transformers' objects out of every later full collection, as a trainer's
     quiet_loading_bars(quiet)   # transformers' bar as it loads the base
-    summaries = train_locally(spec, progress=not quiet)
+    state_dir = run_local_dir(spec) / ".aspen"
+    RecentRuns().remember(file, str(spec.output_dir), state_dir)   # `aspen status` after it ends
+    _terminate_as_interrupt()   # SIGTERM as Ctrl-C: the running jobs checkpointed and recorded paused
+    try:
+        summaries = train_locally(spec, progress=not quiet, record_in=state_dir)
+    except KeyboardInterrupt as interrupt:
+        raise RunInterrupted(isinstance(interrupt, Terminated), f"`aspen run {file}` (without --in-process, which "
+                             "starts every job over) continues where they stopped") from None
     scored = any(s.eval_score is not None for s in summaries)   # a job with eval_generate: its last score
     print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}"
           + (f"{'eval score':>12}" if scored else ""))

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -24,6 +25,8 @@ from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.job_data import JobData
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.service.table.recorded_run import record_run
+from actors.service.table.state_dir import StateDirInUse, lock_state_dir
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
 from actors.spec.job_submission import canonical_base_model
@@ -62,16 +65,41 @@ class RunStuck(RuntimeError):
 def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
                   on_step: Callable[[StepReport], None] | None = None,
                   trainer: dict | None = None, storage: StorageConfig | dict | None = None,
-                  loader: Callable[[], BaseModel] | None = None) -> list[JobSummary]:
+                  loader: Callable[[], BaseModel] | None = None, record_in: Path | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
-    over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first, since
-    this mode keeps no job table to tell whether resuming it would be right (`aspen run` does). `trainer`:
+    over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first (`aspen run`
+    plans against its job table whether resuming a job is right; this mode does not). `trainer`:
     further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them.
     `storage`: the service's `storage:` settings (S3 endpoint, region, credential variables), used in this
     process for the run (the environment's where it gives none). With `stages: N` the stages run as processes
     of this one (actors/service/pipeline/pipeline_engine.py), each loading its share of the base (`loader`: a picklable
-    callable returning the whole base instead, which each stage process then cuts)."""
+    callable returning the whole base instead, which each stage process then cuts). `record_in`: the run's state
+    folder (`aspen run --in-process`: `<output_dir>/.aspen`), locked for the run as a service locks it (where one
+    runs on it, `StateDirInUse` before anything is deleted or loaded), and where the run's jobs are recorded as it
+    ends, also when it is interrupted (`recorded_run.record_run`)."""
+    lock = None if record_in is None else lock_run_folder(record_in)
+    try:
+        return _train(spec, base, progress, on_step, trainer, storage, loader, record_in)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def lock_run_folder(state_dir: Path) -> IO:
+    """The run's state folder locked for this process, as a service locks its own (`lock_state_dir`)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return lock_state_dir(state_dir)
+    except StateDirInUse as error:
+        raise StateDirInUse(f"another aspen run or service is writing to {state_dir.parent} ({error.holder}): "
+                            "nothing was changed there; wait for it to end or stop it (`aspen stop`), or give this "
+                            "run another output folder (--output-dir)", error.holder) from None
+
+
+def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Callable[[StepReport], None] | None,
+           trainer: dict | None, storage: StorageConfig | dict | None, loader: Callable[[], BaseModel] | None,
+           record_in: Path | None) -> list[JobSummary]:
     if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
         base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization, kernels=spec.kernels)
@@ -101,9 +129,14 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
             _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step)
         finally:
             bar.stop()
-            loop.close()
+            loop.close()   # running jobs are checkpointed and paused: their events booked as the service books them
+            with table.transaction():
+                for event in loop.drain_events():
+                    core.apply_event(TRAINER_ID, event)
             final = [table.get(job_id) for job_id in ids]
             summaries = [_summary(record, table) for record in final]
+            if record_in is not None:
+                record_run(table, ids, record_in / "jobs.sqlite")
             table.close()
     return summaries
 

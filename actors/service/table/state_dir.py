@@ -26,7 +26,11 @@ STATE_LOCK = "scheduler.lock"
 
 
 class StateDirInUse(RuntimeError):
-    """Another aspen service already runs on this state folder."""
+    """Another aspen service already runs on this state folder (`holder`: its process and host, as it wrote them)."""
+
+    def __init__(self, message: str, holder: str = "another process"):
+        super().__init__(message)
+        self.holder = holder
 
 
 def lock_state_dir(state_dir: Path) -> Any:
@@ -40,7 +44,7 @@ def lock_state_dir(state_dir: Path) -> Any:
         holder = handle.read().strip() or "another process"
         handle.close()
         raise StateDirInUse(f"another aspen service runs on {state_dir} ({holder}); stop it (`aspen stop`) or give "
-                            "this one another state_dir") from None
+                            "this one another state_dir", holder) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -1,0 +1,42 @@
+"""A run's jobs kept in a run folder's job table: `aspen run --in-process` trains with a table of its own and, as
+it ends, records its jobs (their rows, progress and history) in `<output_dir>/.aspen/jobs.sqlite`, the table
+`aspen run` keeps there, in place of the jobs that wrote to the same folders before. So `aspen report`, `aspen
+status` and `aspen run` itself read an in-process run as they read one of the service's; a job it left
+unfinished is recorded paused, and `aspen run` resumes it from its checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from actors.service.table.job_table import TERMINAL_STATES, JobTable
+
+# the tables holding a job's rows, and the column naming the job in each
+JOB_ROWS = (("jobs", "id"), ("progress", "job_id"), ("transitions", "job_id"))
+UNFINISHED_REASON = "the in-process run ended first ({reason})"   # `aspen run` resumes it from its checkpoint
+
+
+def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
+    """Keep `job_ids` of `source` in the job table at `path` (created where there is none), in one transaction:
+    first the jobs there that wrote to the same folders, or have the same ids, are forgotten (the run started them
+    over); then each job's rows are copied by column name (an older table's added columns sit elsewhere).
+    Unfinished jobs are recorded paused, with no trainer (that process's trainer is gone)."""
+    records = [source.get(job_id) for job_id in job_ids]
+    folders = {record.output_dir for record in records}
+    target = JobTable(path)
+    try:
+        with target.transaction():
+            for earlier in target.all():
+                if earlier.output_dir in folders or earlier.id in job_ids:
+                    target.delete(earlier.id)
+            marks = ", ".join("?" * len(job_ids))
+            for table, key in JOB_ROWS:
+                columns = ", ".join(row[1] for row in source.db.execute(f"PRAGMA table_info({table})"))
+                rows = source.db.execute(f"SELECT {columns} FROM {table} WHERE {key} IN ({marks})", job_ids).fetchall()
+                places = ", ".join("?" * len(rows[0])) if rows else ""
+                target.db.executemany(f"INSERT INTO {table} ({columns}) VALUES ({places})", rows)
+            for record in records:
+                if record.state not in TERMINAL_STATES:
+                    reason = UNFINISHED_REASON.format(reason=record.reason or record.state)
+                    target.set_state(record.id, "paused", reason, trainer=None)
+    finally:
+        target.close()

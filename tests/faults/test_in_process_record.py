@@ -1,0 +1,113 @@
+"""`aspen run --in-process` recorded where `aspen run` keeps its jobs (`<output_dir>/.aspen/jobs.sqlite`):
+
+- once it ended, `aspen run` of the same file finds its jobs done (answering without Ray), `aspen report` shows
+  their states, `aspen status` answers from its table; run in-process again, its jobs start over and replace
+  their earlier rows;
+- while a service (or another run) holds the folder, it refuses before anything is deleted, exit 1, saying who
+  holds it and what to do;
+- Ctrl-C checkpoints its running jobs and records them paused: `aspen run` (through a service) resumes them, and
+  they end as an undisturbed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.service.table.state_dir import lock_state_dir
+from tests.helpers.interrupted_runs import (
+    NO_RAY,
+    STEPS,
+    assert_like_undisturbed,
+    checkpoint_step,
+    finish,
+    metric_steps,
+    run,
+    write_run,
+)
+from tests.helpers.service import wait_for
+
+
+def in_process(folder: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "--quiet", "jobs.yaml"],
+                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+
+
+def aspen(folder: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def report_states(folder: Path) -> dict[str, tuple[str, int]]:
+    result = aspen(folder, "report", "out", "--json")
+    assert result.returncode == 0, result.stderr
+    return {job["job"]: (job["state"], job["steps"]) for job in json.loads(result.stdout)}
+
+
+def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_path, tiny_model_dirs):
+    write_run(tmp_path, tiny_model_dirs["llama"], steps=20)
+    env = {**NO_RAY, "ASPEN_RECENT_RUNS": str(tmp_path / "runs.json")}
+    code, out, err = finish(in_process(tmp_path, env))
+    assert code == 0, err
+    assert report_states(tmp_path) == {"first": ("completed", 20), "second": ("completed", 20)}
+    # the service's way reads the table first: every job done, so it answers without Ray (none answers there)
+    code, out, err = run(tmp_path, env=env)
+    assert code == 0, err
+    assert "first: already completed at step 20; left alone" in out and "second: already completed" in out, out
+    status = aspen(tmp_path, "status", env={k: v for k, v in env.items() if k != "RAY_ADDRESS"})   # as users type it
+    assert status.returncode == 0 and "the job table of the run in" in status.stderr, status.stderr
+    assert status.stdout.count("completed") == 2, status.stdout
+    # again in-process: every job starts over, its rows in place of the earlier ones
+    first_adapter = (tmp_path / "out" / "first" / "adapter_model.safetensors").stat().st_mtime_ns
+    code, out, err = finish(in_process(tmp_path, env))
+    assert code == 0, err
+    assert (tmp_path / "out" / "first" / "adapter_model.safetensors").stat().st_mtime_ns > first_adapter
+    assert report_states(tmp_path) == {"first": ("completed", 20), "second": ("completed", 20)}
+    assert metric_steps(tmp_path / "out" / "first") == list(range(1, 21))
+
+
+def test_an_in_process_run_leaves_a_folder_a_service_writes_to_alone(tmp_path, tiny_model_dirs):
+    write_run(tmp_path, tiny_model_dirs["llama"], steps=20)
+    (tmp_path / "out" / "first").mkdir(parents=True)
+    kept = tmp_path / "out" / "first" / "metrics.jsonl"
+    kept.write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "out" / ".aspen").mkdir()
+    held = lock_state_dir(tmp_path / "out" / ".aspen")   # as the service of an `aspen run` holds it
+    try:
+        code, out, err = finish(in_process(tmp_path, NO_RAY))
+    finally:
+        held.close()
+    assert code == 1, (code, out, err)
+    assert f"another aspen run or service is writing to {tmp_path / 'out'} (pid {os.getpid()} on" in err, err
+    assert "nothing was changed there" in err and "--output-dir" in err and "Traceback" not in err, err
+    assert kept.read_text() == '{"step": 1, "loss": 2.0}\n'   # its job folders untouched
+    assert not (tmp_path / "out" / "second").exists()
+
+
+@pytest.mark.long
+def test_ctrl_c_in_process_then_aspen_run_resumes_the_jobs_as_if_undisturbed(tmp_path, tiny_model_dirs):
+    base = tiny_model_dirs["llama"]
+    write_run(tmp_path, base)
+    process = in_process(tmp_path)
+    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 10 or
+             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
+    assert process.poll() is None, finish(process)
+    os.killpg(process.pid, signal.SIGINT)            # Ctrl-C in the terminal
+    code, out, err = finish(process)
+    assert code == 130, (code, out, err)
+    assert "the running jobs were checkpointed" in err and "without --in-process" in err and "Traceback" not in err
+    stopped = {name: checkpoint_step(tmp_path / "out" / name) for name in ("first", "second")}
+    assert all(10 <= step < STEPS for step in stopped.values()), stopped
+    assert report_states(tmp_path) == {name: ("paused", stopped[name]) for name in stopped}
+    code, out, err = run(tmp_path)
+    assert code == 0, err
+    assert "first: unfinished in the last run" in out and f"from its checkpoint at step {stopped['first']}" in out, out
+    for name in ("first", "second"):
+        assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
+    assert_like_undisturbed(tmp_path, base)

@@ -1,0 +1,80 @@
+"""An in-process run's jobs recorded in the run folder's job table (`recorded_run.record_run`): read back through
+the table as `aspen run`, `aspen status` and `aspen report` read it (the table's own reader and plain SQL), into a
+table an older aspen wrote (its added columns at the end), in place of the jobs that wrote to the same folders,
+with the other jobs there left as they were; an unfinished job recorded paused, with no trainer."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from actors.service.table.job_table import JobTable, read_jobs
+from actors.service.table.recorded_run import record_run
+from actors.service.table.table_schema import ADDED_COLUMNS, SCHEMA
+from tests.helpers.service import job_dict, run_spec, write_task_data
+
+
+def _run_table(tmp_path, name: str, jobs: list[str]):
+    """A run's own table (as the in-process run keeps it) with `jobs` submitted under their names as ids."""
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict(job, data, 100) for job in jobs])
+    table = JobTable(tmp_path / name / "jobs.sqlite")
+    for submission in spec.submissions():
+        table.add(submission.job.name, submission, submission.output_dir)
+    return table
+
+
+def _older_table(path) -> None:
+    """A job table as an aspen before the added columns wrote it (they are appended when it opens)."""
+    schema = SCHEMA
+    for _, column, kind in ADDED_COLUMNS:
+        schema = schema.replace(f",\n    {column} {kind}", "").replace(f", {column} {kind}", "")
+    path.parent.mkdir(parents=True)
+    db = sqlite3.connect(path)
+    db.executescript(schema)
+    db.close()
+
+
+def test_the_runs_jobs_replace_those_of_the_same_folders_and_the_rest_stay(tmp_path):
+    earlier = _run_table(tmp_path, "earlier", ["a", "other"])
+    earlier.set_state("a", "failed", "an earlier run")
+    earlier.progress.add("a", {"step": 1, "loss": 9.0, "tokens": 5, "lr": 1e-3, "grad_norm": 1.0})
+    record_run(earlier, ["a", "other"], tmp_path / "run" / "jobs.sqlite")
+
+    run = _run_table(tmp_path, "in-process", ["a", "b"])
+    run.set_state("a", "running", "training on in-process", trainer="in-process", step=2)
+    run.set_state("a", "completed", "trained 2 of 2 steps", eval_score=0.75, eval_loss=1.5, tokens=40)
+    for step, loss in ((1, 3.0), (2, 2.5)):
+        run.progress.add("a", {"step": step, "loss": loss, "tokens": 20, "lr": 1e-3, "grad_norm": 0.5})
+    run.set_state("b", "running", "training on in-process", trainer="in-process", checkpoint_step=1)
+    record_run(run, ["a", "b"], tmp_path / "run" / "jobs.sqlite")
+
+    kept = {record.id: record for record, _ in read_jobs(tmp_path / "run" / "jobs.sqlite")}
+    assert set(kept) == {"a", "b", "other"}
+    a = kept["a"]
+    assert (a.state, a.eval_score, a.eval_loss, a.tokens) == ("completed", 0.75, 1.5, 40)
+    assert (kept["other"].state, kept["other"].reason) == ("paused", "the in-process run ended first (submitted)")
+    assert kept["b"].state == "paused" and kept["b"].trainer is None and kept["b"].checkpoint_step == 1
+    assert "the in-process run ended first (training on in-process)" in kept["b"].reason
+    db = sqlite3.connect(tmp_path / "run" / "jobs.sqlite")
+    # the earlier run's progress of the same folder is gone; the run's own, and its history, are there
+    assert db.execute("SELECT step, loss FROM progress WHERE job_id = 'a' ORDER BY step").fetchall() == [
+        (1, 3.0), (2, 2.5)]
+    assert [state for (state,) in db.execute("SELECT state FROM transitions WHERE job_id = 'a' ORDER BY rowid")] == [
+        "queued", "running", "completed"]
+
+
+def test_into_a_table_an_older_aspen_wrote_each_value_lands_in_its_own_column(tmp_path):
+    target = tmp_path / "run" / "jobs.sqlite"
+    _older_table(target)
+    run = _run_table(tmp_path, "in-process", ["a"])
+    run.set_state("a", "completed", "done", eval_score=0.25)
+    run.db.execute("UPDATE jobs SET step_seconds = 3.5, account_tokens = 7, user = 'ann'")
+    run.progress.add_eval("a", 1, 2.0, 0.5)
+    record_run(run, ["a"], target)
+
+    (record, submission), = read_jobs(target)
+    assert (record.state, record.eval_score, record.user) == ("completed", 0.25, "ann")
+    assert submission.job.name == "a"
+    db = sqlite3.connect(target)
+    assert db.execute("SELECT step_seconds, account_tokens, gpu_seconds FROM jobs").fetchall() == [(3.5, 7, 0.0)]
+    assert db.execute("SELECT step, eval_loss, eval_score FROM progress").fetchall() == [(1, 2.0, 0.5)]

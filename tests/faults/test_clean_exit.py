@@ -3,7 +3,7 @@ gradient accumulation, and with a relative base-model folder on a single device.
 
 The crash this guards: such a run died with SIGSEGV after its last step (Python's fault handler: "Garbage-
 collecting", no Python frame), on this machine in 6 runs of 6. The pipeline's memory window turns the CPU
-profiler on over a stage's share of a step (actors/engine/memory.py, `MemoryWindow`) while the stage's
+profiler on over a stage's share of a step (actors/engine/memory_profile.py, `MemoryWindow`) while the stage's
 asynchronous sends run on gloo's threads with the queuing thread's state, the profiler's included; a send still
 running when the window turned the profiler off recorded into a profiler state already taken apart, and the
 garbage collector met the damage at exit. The stage now waits for its sends before a window opens or closes, and

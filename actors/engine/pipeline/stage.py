@@ -31,7 +31,8 @@ from actors.engine import lora_cuda
 from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
 from actors.engine.joint_steps import apply_step
 from actors.engine.layout import step_layout
-from actors.engine.memory import MemoryWindow, optimizer_state_bytes
+from actors.engine.memory import optimizer_state_bytes
+from actors.engine.memory_profile import MemoryWindow
 from actors.engine.packing import FusedBatch, pack
 from actors.engine.pipeline.pipeline_schedule import COMPUTE_KINDS, Op, OpKind, PipelineSchedule
 from actors.engine.pipeline.stage_evaluation import StageEvaluator

@@ -75,8 +75,9 @@ class JobData:
                                        train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns,
                                        table=table)
         if loaded.dropped:
-            log.warning("job %s: %d rows of %s have no target token left after truncation to max_seq_len=%d",
-                        self.job_id, loaded.dropped, spec.data, spec.max_seq_len)
+            rows, have = ("1 row", "has") if loaded.dropped == 1 else (f"{loaded.dropped} rows", "have")
+            log.warning("job %s: %s of %s %s no target token left after truncation to max_seq_len=%d (left out; a "
+                        "larger max_seq_len keeps them)", self.job_id, rows, spec.data, have, spec.max_seq_len)
         train, self.eval = split_eval(loaded.examples, spec.eval_split, self.submission.seed)
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
         self.summary = DataSummary(train_examples=len(train), eval_examples=len(self.eval), dropped=loaded.dropped,

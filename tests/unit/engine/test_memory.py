@@ -82,7 +82,7 @@ def test_a_block_an_earlier_measurement_allocated_and_this_one_frees_does_not_lo
 
 PROFILED = """
 import sys, torch
-from actors.engine.memory import MemoryWindow, with_memory_records, allocation_peak
+from actors.engine.memory_profile import MemoryWindow, allocation_peak, with_memory_records
 _, records = with_memory_records(lambda: torch.ones(1 << 20).sum())
 window = MemoryWindow(torch.device("cpu"))
 window.start(0)
@@ -108,6 +108,37 @@ def test_a_measurement_leaves_the_profilers_lines_out_of_stderr_unless_asked_for
         assert "USDT" not in run.stderr and "profiler_start" not in run.stderr, run.stderr[-2000:]
     else:
         assert run.stderr.count("profiler_start") == 2, run.stderr[-2000:]
+
+
+FREED_INSIDE = """
+import torch
+from actors.engine.memory_profile import MemoryWindow, _c10_log_level
+earlier = torch.ones(1 << 16)   # allocated before the window, freed inside it
+window = MemoryWindow(torch.device("cpu"))
+window.start(0)
+del earlier
+kept = torch.ones(1 << 18)
+print("PEAK", window.stop(), "LEVEL", _c10_log_level().value)
+"""
+
+
+@pytest.mark.parametrize("level", [None, "WARNING"])
+def test_a_block_freed_inside_a_window_is_not_warned_about_unless_asked_for(level):
+    """torch's CPU allocator logs a warning (C++, to stderr) when a block allocated before a profile started is
+    freed inside it: every measured window meets one, and `aspen run --in-process` printed it in the user's
+    terminal. In a fresh process: none by default, the window's peak still measured and c10's log level back at
+    warnings after it; with TORCH_CPP_LOG_LEVEL set by the user, torch's own line as before."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    if level is not None:
+        env["TORCH_CPP_LOG_LEVEL"] = level
+    run = subprocess.run([sys.executable, "-c", FREED_INSIDE], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr[-2000:]
+    words = run.stdout.split()
+    assert int(words[words.index("PEAK") + 1]) >= 1 << 20, run.stdout   # the 1 MiB tensor was seen
+    assert words[words.index("LEVEL") + 1] == "1", run.stdout            # warnings on again after the window
+    warned = "Memory block of unknown size" in run.stderr
+    assert warned == (level is not None), run.stderr[-2000:]
 
 
 def test_the_weights_are_counted_when_a_step_needs_them_not_at_each_job_added_or_removed(monkeypatch):

@@ -14,6 +14,7 @@ from actors.storage.storage_uri import as_location, resolve_location
 from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 
 if TYPE_CHECKING:
+    from actors.service.scheduler.local_run import StopBetweenSteps
     from actors.service.table.job_table import JobRecord
     from actors.spec.run_spec import RunSpec
 from orchestrator.cli.service_commands import connect_service, named_cluster
@@ -144,6 +145,25 @@ def _terminate_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def _stop_between_steps() -> StopBetweenSteps:
+    """Ctrl-C and SIGTERM for a run in this process: once its steps go, held until the step that runs has ended
+    (one line says so), then raised as KeyboardInterrupt / Terminated; before that, raised at once."""
+    import signal
+
+    from actors.service.scheduler.local_run import StopBetweenSteps
+
+    stops = StopBetweenSteps()
+
+    def stop(signum: int, frame: object) -> None:
+        if stops.request(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()):
+            print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then",
+                  file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    return stops
+
+
 def saved_step(output_dir: str) -> int | None:
     """The step of the job's checkpoint: the one uploaded to a storage URI (its pointer), or on disk."""
     from actors.checkpoint import saved_step
@@ -193,9 +213,9 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool) -> int:
     quiet_loading_bars(quiet)   # transformers' bar as it loads the base
     state_dir = run_local_dir(spec) / ".aspen"
     RecentRuns().remember(file, str(spec.output_dir), state_dir)   # `aspen status` after it ends
-    _terminate_as_interrupt()   # SIGTERM as Ctrl-C: the running jobs checkpointed and recorded paused
+    stops = _stop_between_steps()   # Ctrl-C and SIGTERM: the running jobs checkpointed and recorded paused
     try:
-        summaries = train_locally(spec, progress=not quiet, record_in=state_dir)
+        summaries = train_locally(spec, progress=not quiet, record_in=state_dir, stops=stops)
     except KeyboardInterrupt as interrupt:
         raise RunInterrupted(isinstance(interrupt, Terminated), f"`aspen run {file}` (without --in-process, which "
                              "starts every job over) continues where they stopped") from None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +25,11 @@ from tests.helpers.interrupted_runs import (
     assert_like_undisturbed,
     checkpoint_step,
     finish,
+    interrupt_once_checkpointed,
     metric_steps,
     run,
     write_run,
 )
-from tests.helpers.service import wait_for
 
 
 def in_process(folder: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -94,12 +93,7 @@ def test_an_in_process_run_leaves_a_folder_a_service_writes_to_alone(tmp_path, t
 def test_ctrl_c_in_process_then_aspen_run_resumes_the_jobs_as_if_undisturbed(tmp_path, tiny_model_dirs):
     base = tiny_model_dirs["llama"]
     write_run(tmp_path, base)
-    process = in_process(tmp_path)
-    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 10 or
-             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
-    assert process.poll() is None, finish(process)
-    os.killpg(process.pid, signal.SIGINT)            # Ctrl-C in the terminal
-    code, out, err = finish(process)
+    code, out, err = interrupt_once_checkpointed(in_process(tmp_path), tmp_path)   # Ctrl-C in the terminal
     assert code == 130, (code, out, err)
     assert "the running jobs were checkpointed" in err and "without --in-process" in err and "Traceback" not in err
     stopped = {name: checkpoint_step(tmp_path / "out" / name) for name in ("first", "second")}

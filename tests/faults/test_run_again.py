@@ -28,6 +28,7 @@ from tests.helpers.interrupted_runs import (
     change_a_row,
     checkpoint_step,
     finish,
+    interrupt_once_checkpointed,
     metric_steps,
     run,
     start,
@@ -40,12 +41,8 @@ def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs)
     """`kill PID` (SIGTERM, as a job system or a supervisor stops a command): the running jobs checkpointed, one
     line, exit 143; not Ray's C++ "SIGTERM received" stack (the same command resumes them as after Ctrl-C)."""
     write_run(tmp_path, tiny_model_dirs["llama"])
-    process = start(tmp_path)
-    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 4 or
-             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
-    assert process.poll() is None, finish(process)
-    process.send_signal(signal.SIGTERM)              # the command only, not its group
-    code, out, err = finish(process)
+    # the command only, not its group
+    code, out, err = interrupt_once_checkpointed(start(tmp_path), tmp_path, step=4, signal_number=signal.SIGTERM)
     assert code == 143, (code, out, err)
     assert "SIGTERM received" not in err + out and "logging.cc" not in err and "Traceback" not in err, err
     assert "stopped (SIGTERM)" in err and "the running jobs were checkpointed" in err, err
@@ -57,12 +54,7 @@ def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs)
 def test_ctrl_c_then_the_same_command_continues_and_finished_jobs_are_left_alone(tmp_path, tiny_model_dirs):
     base = tiny_model_dirs["llama"]
     write_run(tmp_path, base)
-    process = start(tmp_path)
-    wait_for(lambda: min(checkpoint_step(tmp_path / "out" / n) for n in ("first", "second")) >= 10 or
-             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
-    assert process.poll() is None, finish(process)
-    os.killpg(process.pid, signal.SIGINT)            # Ctrl-C in the terminal
-    code, out, err = finish(process)
+    code, out, err = interrupt_once_checkpointed(start(tmp_path), tmp_path)   # Ctrl-C in the terminal
     assert code == 130, (code, out, err)
     assert "Traceback" not in err and "Traceback" not in out, err
     assert "interrupted" in err and "the same command continues" in err, err

@@ -124,3 +124,20 @@ def assert_like_undisturbed(folder: Path, base: Path, names=("first", "second"))
     for name in names:
         difference = max_relative_difference(adapter_tensors(folder / "out" / name), adapter_tensors(reference / name))
         assert difference <= 1e-4, f"{name}: {difference:.2e} from an undisturbed run"
+
+
+def interrupt_once_checkpointed(process: subprocess.Popen, folder: Path, *, step: int = 10,
+                                signal_number: int = signal.SIGINT) -> tuple[int, str, str]:
+    """Wait until both jobs have a checkpoint at `step` or later with the command still running, then interrupt it:
+    SIGINT to its whole process group (Ctrl-C in a terminal), another signal to the command alone; (its exit code,
+    stdout, stderr)."""
+    from tests.helpers.service import wait_for
+
+    wait_for(lambda: min(checkpoint_step(folder / "out" / n) for n in ("first", "second")) >= step or
+             process.poll() is not None, timeout=300, what="both jobs to checkpoint")
+    assert process.poll() is None, finish(process)
+    if signal_number == signal.SIGINT:
+        os.killpg(process.pid, signal.SIGINT)
+    else:
+        process.send_signal(signal_number)
+    return finish(process)

@@ -58,6 +58,31 @@ class JobSummary:
     evals: list[tuple[int, float]]   # (step, eval loss) of each evaluation
 
 
+class StopBetweenSteps:
+    """A stop asked for (Ctrl-C, SIGTERM: `request` from the signal handler) while the run's steps go, held until the
+    round that runs has ended: the jobs are then checkpointed between two steps, as a service's trainer stops them.
+    Raised where the signal came (inside a step, between a job's optimizer update and the rest of its step's
+    bookkeeping), the jobs were checkpointed half updated, and a run resumed from those checkpoints did not end as
+    the run undisturbed. Before the steps start (the base loading, the data read) a request is raised at once."""
+
+    def __init__(self) -> None:
+        self.pending: BaseException | None = None
+        self.stepping = False
+
+    def request(self, error: BaseException) -> bool:
+        """Hold `error` until the running round ends (True), or raise it now where no step runs."""
+        if not self.stepping:
+            raise error
+        self.pending = self.pending or error
+        return True
+
+    def check(self) -> None:
+        """Between rounds: raise the stop asked for, if any."""
+        if self.pending is not None:
+            error, self.pending = self.pending, None
+            raise error
+
+
 class RunStuck(RuntimeError):
     """Jobs that can never start in this process (e.g. beyond the memory budget): the reasons."""
 
@@ -65,7 +90,8 @@ class RunStuck(RuntimeError):
 def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: bool = True,
                   on_step: Callable[[StepReport], None] | None = None,
                   trainer: dict | None = None, storage: StorageConfig | dict | None = None,
-                  loader: Callable[[], BaseModel] | None = None, record_in: Path | None = None) -> list[JobSummary]:
+                  loader: Callable[[], BaseModel] | None = None, record_in: Path | None = None,
+                  stops: StopBetweenSteps | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
     over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first (`aspen run`
@@ -77,10 +103,12 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     callable returning the whole base instead, which each stage process then cuts). `record_in`: the run's state
     folder (`aspen run --in-process`: `<output_dir>/.aspen`), locked for the run as a service locks it (where one
     runs on it, `StateDirInUse` before anything is deleted or loaded), and where the run's jobs are recorded as it
-    ends, also when it is interrupted (`recorded_run.record_run`)."""
+    ends, also when it is interrupted (`recorded_run.record_run`). `stops`: where a signal handler's stop requests
+    are held until the round that runs has ended (`StopBetweenSteps`)."""
     lock = None if record_in is None else lock_run_folder(record_in)
     try:
-        return _train(spec, base, progress, on_step, trainer, storage, loader, record_in)
+        return _train(spec, base, progress, on_step, trainer, storage, loader, record_in,
+                      stops or StopBetweenSteps())
     finally:
         if lock is not None:
             lock.close()
@@ -99,7 +127,7 @@ def lock_run_folder(state_dir: Path) -> IO:
 
 def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Callable[[StepReport], None] | None,
            trainer: dict | None, storage: StorageConfig | dict | None, loader: Callable[[], BaseModel] | None,
-           record_in: Path | None) -> list[JobSummary]:
+           record_in: Path | None, stops: StopBetweenSteps) -> list[JobSummary]:
     if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
         base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization, kernels=spec.kernels)
@@ -126,8 +154,10 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                              total=sum(job.max_steps or 0 for job in spec.jobs) or None)
         bar.start()
         try:
-            _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step)
+            stops.stepping = True
+            _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step, stops)
         finally:
+            stops.stepping = False
             bar.stop()
             loop.close()   # running jobs are checkpointed and paused: their events booked as the service books them
             with table.transaction():
@@ -156,10 +186,13 @@ def _step_bar(enabled: bool) -> Progress:
 
 
 def _run(core: SchedulerCore, loop: TrainerLoop, table: JobTable, base: BaseModel, ids: list[str],
-         advance: Callable[[int], None], on_step: Callable[[StepReport], None] | None) -> None:
-    """What the scheduler actor's tick and the trainer actor's loop do, in turn, until every job ended."""
+         advance: Callable[[int], None], on_step: Callable[[StepReport], None] | None,
+         stops: StopBetweenSteps) -> None:
+    """What the scheduler actor's tick and the trainer actor's loop do, in turn, until every job ended (or a stop
+    was asked for: raised between two rounds)."""
     idle, held = 0, HeldJobs()
     while True:
+        stops.check()
         status = loop.status()   # after the last events were booked, as the service reads a trainer's answer
         give_back_unheld(held, core.booking, [status], lambda job_id: False)
         with table.transaction():

@@ -80,6 +80,18 @@ def test_a_block_an_earlier_measurement_allocated_and_this_one_frees_does_not_lo
     assert (peak, left) == (5 * mib, 2 * mib)
 
 
+def _fresh_process(program: str, variable: str, value: str | None) -> subprocess.CompletedProcess:
+    """`program` in a fresh Python process (what torch reads once, at its start), with `variable` set to `value` or
+    left out of its environment; it must exit 0."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if value is not None:
+        env[variable] = value
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
 PROFILED = """
 import sys, torch
 from actors.engine.memory_profile import MemoryWindow, allocation_peak, with_memory_records
@@ -96,12 +108,7 @@ def test_a_measurement_leaves_the_profilers_lines_out_of_stderr_unless_asked_for
     """Kineto prints two lines a profile ("USDT: ... profiler_start") at its highest level: a run in a
     terminal showed two per measured step. In a fresh process (kineto reads its level once): none by default,
     the measurements still taken; with KINETO_LOG_LEVEL set by the user, kineto's own lines as before."""
-    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    if level is not None:
-        env["KINETO_LOG_LEVEL"] = level
-    run = subprocess.run([sys.executable, "-c", PROFILED], capture_output=True, text=True, timeout=120, env=env,
-                         cwd=Path(__file__).resolve().parents[3])
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _fresh_process(PROFILED, "KINETO_LOG_LEVEL", level)
     peaks = [int(value) for value in run.stdout.split("PEAKS")[1].split()]
     assert peaks[0] >= 4 << 20 and peaks[1] >= 1 << 20, peaks   # the 4 MiB and 1 MiB tensors were seen
     if level is None:
@@ -128,12 +135,7 @@ def test_a_block_freed_inside_a_window_is_not_warned_about_unless_asked_for(leve
     freed inside it: every measured window meets one, and `aspen run --in-process` printed it in the user's
     terminal. In a fresh process: none by default, the window's peak still measured and c10's log level back at
     warnings after it; with TORCH_CPP_LOG_LEVEL set by the user, torch's own line as before."""
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
-    if level is not None:
-        env["TORCH_CPP_LOG_LEVEL"] = level
-    run = subprocess.run([sys.executable, "-c", FREED_INSIDE], capture_output=True, text=True, timeout=120, env=env,
-                         cwd=Path(__file__).resolve().parents[3])
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _fresh_process(FREED_INSIDE, "TORCH_CPP_LOG_LEVEL", level)
     words = run.stdout.split()
     assert int(words[words.index("PEAK") + 1]) >= 1 << 20, run.stdout   # the 1 MiB tensor was seen
     assert words[words.index("LEVEL") + 1] == "1", run.stdout            # warnings on again after the window

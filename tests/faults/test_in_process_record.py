@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
 
+from actors.engine.models import load_base_model
+from actors.service.scheduler.local_run import train_locally
 from actors.service.table.state_dir import lock_state_dir
+from orchestrator.jobs_file import load_run_spec
 from tests.helpers.interrupted_runs import (
     NO_RAY,
     STEPS,
@@ -105,3 +111,34 @@ def test_ctrl_c_in_process_then_aspen_run_resumes_the_jobs_as_if_undisturbed(tmp
     for name in ("first", "second"):
         assert metric_steps(tmp_path / "out" / name) == list(range(1, STEPS + 1))
     assert_like_undisturbed(tmp_path, base)
+
+
+def test_ctrl_c_inside_train_locally_is_held_until_the_round_that_runs_has_ended(tmp_path, tiny_model_dirs):
+    """A script's or a notebook's Ctrl-C while `train_locally` steps (the main thread, Python's own handler): held
+    until the round that runs has ended, then raised between rounds (not inside a step, where it left the jobs half
+    updated when they were checkpointed); Python's handler is back afterwards; the jobs' checkpoints are at the last
+    step their metrics show."""
+    base = tiny_model_dirs["llama"]
+    write_run(tmp_path, base)
+    spec = load_run_spec(tmp_path / "jobs.yaml")
+    started = threading.Event()
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+
+    def on_step(report) -> None:
+        if not started.is_set():
+            started.set()
+            timer.start()   # lands anywhere in a later round
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            train_locally(spec, base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False,
+                          on_step=on_step)
+    finally:
+        timer.cancel()
+    raised_in = traceback.extract_tb(interrupted.value.__traceback__)[-1]
+    assert raised_in.name == "check" and raised_in.filename.endswith("local_run.py"), raised_in
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for name in ("first", "second"):
+        steps = metric_steps(tmp_path / "out" / name)
+        assert 0 < checkpoint_step(tmp_path / "out" / name) == steps[-1] < STEPS, (name, steps[-3:])

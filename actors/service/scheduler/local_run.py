@@ -5,10 +5,13 @@ steps, stop steps, evaluations and adapters in both modes (`tests/service/test_o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -82,6 +85,23 @@ class StopBetweenSteps:
             error, self.pending = self.pending, None
             raise error
 
+    @contextlib.contextmanager
+    def holding_ctrl_c(self) -> Iterator[None]:
+        """Steps running: Ctrl-C held through `request` where Python's own handler would raise it (the main thread,
+        no handler of the caller's: a notebook's or a script's Ctrl-C in `train_locally`), the handler put back
+        after."""
+        self.stepping = True
+        own = (threading.current_thread() is threading.main_thread()
+               and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if own:
+            signal.signal(signal.SIGINT, lambda signum, frame: self.request(KeyboardInterrupt()))
+        try:
+            yield
+        finally:
+            self.stepping = False
+            if own:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 class RunStuck(RuntimeError):
     """Jobs that can never start in this process (e.g. beyond the memory budget): the reasons."""
@@ -154,10 +174,9 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                              total=sum(job.max_steps or 0 for job in spec.jobs) or None)
         bar.start()
         try:
-            stops.stepping = True
-            _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step, stops)
+            with stops.holding_ctrl_c():
+                _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step, stops)
         finally:
-            stops.stepping = False
             bar.stop()
             loop.close()   # running jobs are checkpointed and paused: their events booked as the service books them
             with table.transaction():

@@ -30,7 +30,7 @@ class PipelineAdmission:
     """`StepAdmission`'s calls and status attributes for a pipeline trainer (see the module's docstring)."""
 
     # the stages' memory is each stage process's own, counted by its allocator: no resident set of this process
-    resident = False
+    resident = None
 
     def __init__(self, engine: PipelineEngine, budget_bytes: int | None = None):
         self.engine = engine

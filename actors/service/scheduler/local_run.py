@@ -185,9 +185,20 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
             final = [table.get(job_id) for job_id in ids]
             summaries = [_summary(record, table) for record in final]
             if record_in is not None:
-                record_run(table, ids, record_in / "jobs.sqlite")
+                _record(table, ids, record_in / "jobs.sqlite")
             table.close()
     return summaries
+
+
+def _record(table: JobTable, ids: list[str], path: Path) -> None:
+    """The run's jobs recorded in the run folder's table; where that fails, a warning that says what it means (the
+    run's own outcome, or the error that ended it, is what the command reports)."""
+    try:
+        record_run(table, ids, path)
+    except Exception as error:  # noqa: BLE001 - the jobs' folders hold what they trained; only the record is lost
+        log.warning("the run's jobs could not be recorded in %s (%s: %s): their folders hold what they trained, but "
+                    "`aspen status` and `aspen report` will not show their states, and `aspen run` would start them "
+                    "over", path, type(error).__name__, error)
 
 
 def _pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None) -> PipelineEngine:

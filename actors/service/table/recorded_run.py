@@ -20,6 +20,8 @@ def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
     first the jobs there that wrote to the same folders, or have the same ids, are forgotten (the run started them
     over); then each job's rows are copied by column name (an older table's added columns sit elsewhere).
     Unfinished jobs are recorded paused, with no trainer (that process's trainer is gone)."""
+    if not job_ids:
+        return
     records = [source.get(job_id) for job_id in job_ids]
     folders = {record.output_dir for record in records}
     target = JobTable(path)
@@ -30,10 +32,11 @@ def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
                     target.delete(earlier.id)
             marks = ", ".join("?" * len(job_ids))
             for table, key in JOB_ROWS:
-                columns = ", ".join(row[1] for row in source.db.execute(f"PRAGMA table_info({table})"))
+                names = [row[1] for row in source.db.execute(f"PRAGMA table_info({table})")]
+                columns, places = ", ".join(names), ", ".join("?" * len(names))
                 rows = source.db.execute(f"SELECT {columns} FROM {table} WHERE {key} IN ({marks})", job_ids).fetchall()
-                places = ", ".join("?" * len(rows[0])) if rows else ""
-                target.db.executemany(f"INSERT INTO {table} ({columns}) VALUES ({places})", rows)
+                if rows:
+                    target.db.executemany(f"INSERT INTO {table} ({columns}) VALUES ({places})", rows)
             for record in records:
                 if record.state not in TERMINAL_STATES:
                     reason = UNFINISHED_REASON.format(reason=record.reason or record.state)

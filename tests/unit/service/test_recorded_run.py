@@ -78,3 +78,12 @@ def test_into_a_table_an_older_aspen_wrote_each_value_lands_in_its_own_column(tm
     db = sqlite3.connect(target)
     assert db.execute("SELECT step_seconds, account_tokens, gpu_seconds FROM jobs").fetchall() == [(3.5, 7, 0.0)]
     assert db.execute("SELECT step, eval_loss, eval_score FROM progress").fetchall() == [(1, 2.0, 0.5)]
+
+
+def test_a_run_that_ended_before_any_step_is_recorded(tmp_path):
+    """No progress rows at all (the run failed or was stopped before its first step): its jobs recorded paused."""
+    run = _run_table(tmp_path, "in-process", ["a"])
+    record_run(run, ["a"], tmp_path / "run" / "jobs.sqlite")
+    record_run(run, [], tmp_path / "run" / "jobs.sqlite")   # and a run of no job changes nothing
+    (record, _), = read_jobs(tmp_path / "run" / "jobs.sqlite")
+    assert (record.id, record.state, record.step) == ("a", "paused", 0)

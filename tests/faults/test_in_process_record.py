@@ -142,3 +142,17 @@ def test_ctrl_c_inside_train_locally_is_held_until_the_round_that_runs_has_ended
     for name in ("first", "second"):
         steps = metric_steps(tmp_path / "out" / name)
         assert 0 < checkpoint_step(tmp_path / "out" / name) == steps[-1] < STEPS, (name, steps[-3:])
+
+
+def test_ctrl_c_to_a_pipeline_run_in_process_stops_its_stages_between_steps(tmp_path, tiny_model_dirs):
+    """`stages: 2` in process: the terminal's Ctrl-C reaches the stage processes too (one process group). They leave
+    it to the run's process, which stops them between steps: exit 130, the jobs checkpointed and recorded paused (a
+    stage that died at the signal lost the pipeline: exit 1, 'pipeline stage lost', nothing recorded)."""
+    jobs = write_run(tmp_path, tiny_model_dirs["llama"])
+    jobs.write_text("stages: 2\n" + jobs.read_text())
+    code, out, err = interrupt_once_checkpointed(in_process(tmp_path), tmp_path)
+    assert code == 130, (code, out, err)
+    assert "stage lost" not in err and "Traceback" not in err and "the running jobs were checkpointed" in err, err
+    states = report_states(tmp_path)
+    assert {state for state, _ in states.values()} == {"paused"}, states
+    assert all(checkpoint_step(tmp_path / "out" / name) == states[name][1] for name in states), states

@@ -10,6 +10,7 @@ stop. A stage that fails prints its error and exits; the head's next exchange wi
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 import traceback
@@ -86,7 +87,10 @@ StageStarter = Callable[["StageLaunch"], StageHandle]
 
 def stage_main(launch: StageLaunch) -> None:
     """A stage process's whole life (`run_stage`); a failure is printed with its traceback, and the process
-    exits non-zero."""
+    exits non-zero. Ctrl-C is left to the head: a terminal sends it to the whole process group, and the run's own
+    process stops the stages between steps (`local_run.StopBetweenSteps`); a stage that died at it lost the
+    pipeline, and with it the jobs' last steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_stage(launch)
     except BaseException:  # noqa: BLE001 - printed with its traceback, then the process exits non-zero

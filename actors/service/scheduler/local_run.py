@@ -178,15 +178,26 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                 _run(core, loop, table, base, ids, lambda done: bar.advance(steps, done), on_step, stops)
         finally:
             bar.stop()
-            loop.close()   # running jobs are checkpointed and paused: their events booked as the service books them
-            with table.transaction():
-                for event in loop.drain_events():
-                    core.apply_event(TRAINER_ID, event)
-            final = [table.get(job_id) for job_id in ids]
-            summaries = [_summary(record, table) for record in final]
-            if record_in is not None:
-                _record(table, ids, record_in / "jobs.sqlite")
-            table.close()
+            try:
+                loop.close()   # running jobs are checkpointed and paused (a pipeline's stages stopped)
+            finally:   # their events booked as the service books them, also where the close failed
+                summaries = _book_the_end(core, loop, table, ids, record_in)
+    return summaries
+
+
+def _book_the_end(core: SchedulerCore, loop: TrainerLoop, table: JobTable, ids: list[str],
+                  record_in: Path | None) -> list[JobSummary]:
+    """The trainer's last events booked, the jobs' summaries, the run recorded where `record_in` says; the run's own
+    table closed."""
+    try:
+        with table.transaction():
+            for event in loop.drain_events():
+                core.apply_event(TRAINER_ID, event)
+        summaries = [_summary(table.get(job_id), table) for job_id in ids]
+        if record_in is not None:
+            _record(table, ids, record_in / "jobs.sqlite")
+    finally:
+        table.close()
     return summaries
 
 

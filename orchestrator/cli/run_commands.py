@@ -217,6 +217,8 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool) -> int:
     try:
         summaries = train_locally(spec, progress=not quiet, record_in=state_dir, stops=stops)
     except KeyboardInterrupt as interrupt:
+        if not stops.began:   # before any step (the base loading): nothing was checkpointed
+            raise
         raise RunInterrupted(isinstance(interrupt, Terminated), f"`aspen run {file}` (without --in-process, which "
                              "starts every job over) continues where they stopped") from None
     scored = any(s.eval_score is not None for s in summaries)   # a job with eval_generate: its last score

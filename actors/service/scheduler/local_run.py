@@ -71,6 +71,7 @@ class StopBetweenSteps:
     def __init__(self) -> None:
         self.pending: BaseException | None = None
         self.stepping = False
+        self.began = False   # whether steps ran (a stop before them leaves no job to checkpoint)
 
     def request(self, error: BaseException) -> bool:
         """Hold `error` until the running round ends (True), or raise it now where no step runs."""
@@ -90,7 +91,7 @@ class StopBetweenSteps:
         """Steps running: Ctrl-C held through `request` where Python's own handler would raise it (the main thread,
         no handler of the caller's: a notebook's or a script's Ctrl-C in `train_locally`), the handler put back
         after."""
-        self.stepping = True
+        self.stepping = self.began = True
         own = (threading.current_thread() is threading.main_thread()
                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
         if own:

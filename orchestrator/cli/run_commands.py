@@ -147,7 +147,8 @@ def _terminate_as_interrupt() -> None:
 
 def _stop_between_steps() -> StopBetweenSteps:
     """Ctrl-C and SIGTERM for a run in this process: once its steps go, held until the step that runs has ended
-    (one line says so), then raised as KeyboardInterrupt / Terminated; before that, raised at once."""
+    (one line says so), then raised as KeyboardInterrupt / Terminated; before that, raised at once. Asked again
+    while held, the process ends at once (exit 130 / 143), its jobs left their last checkpoints."""
     import signal
 
     from actors.service.scheduler.local_run import StopBetweenSteps
@@ -156,12 +157,39 @@ def _stop_between_steps() -> StopBetweenSteps:
 
     def stop(signum: int, frame: object) -> None:
         if stops.request(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()):
-            print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then",
-                  file=sys.stderr, flush=True)
+            print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then (Ctrl-C again: "
+                  "at once)", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    _second_stop_ends_the_process()
     return stops
+
+
+def _second_stop_ends_the_process() -> None:
+    """A second Ctrl-C or SIGTERM ends the process at once (exit 130 / 143), the jobs left their last checkpoints
+    (written between steps): for a step that takes long, or never ends. Python runs signal handlers in the main
+    thread between bytecodes, so not while it waits in a C call (a pipeline stage's receive, one long product);
+    the kernel's signal still writes its number to the wakeup fd, which a thread of its own reads."""
+    import signal
+    import threading
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        seen = 0
+        while True:
+            number = os.read(read, 1)
+            if number and number[0] in (signal.SIGINT, signal.SIGTERM):
+                seen += 1
+                if seen >= 2:
+                    print("aspen: stopped at once; the jobs keep their last checkpoints (`aspen run` without "
+                          "--in-process resumes them)", file=sys.stderr, flush=True)
+                    os._exit(143 if number[0] == signal.SIGTERM else 130)
+
+    threading.Thread(target=watch, name="aspen-second-stop", daemon=True).start()
 
 
 def saved_step(output_dir: str) -> int | None:

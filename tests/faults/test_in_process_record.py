@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -36,6 +37,9 @@ from tests.helpers.interrupted_runs import (
     run,
     write_run,
 )
+from tests.helpers.service import wait_for
+
+CLUSTER_SEARCH = Path(__file__).resolve().parents[1] / "helpers" / "cli_cluster_search.py"
 
 
 def in_process(folder: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -44,9 +48,13 @@ def in_process(folder: Path, env: dict[str, str] | None = None) -> subprocess.Po
                             start_new_session=True, env=env)
 
 
-def aspen(folder: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=folder, capture_output=True,
-                          text=True, timeout=300, env=env)
+def aspen(folder: Path, *args: str, env: dict[str, str] | None = None, no_cluster: bool = False
+          ) -> subprocess.CompletedProcess:
+    """`aspen ARGS`; with no_cluster as on a machine where Ray finds no running cluster (the test workers run theirs
+    beside each other: tests/helpers/cli_cluster_search.py)."""
+    command = [str(CLUSTER_SEARCH)] if no_cluster else ["-m", "orchestrator.cli"]
+    return subprocess.run([sys.executable, *command, *args], cwd=folder, capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def report_states(folder: Path) -> dict[str, tuple[str, int]]:
@@ -65,7 +73,8 @@ def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_
     code, out, err = run(tmp_path, env=env)
     assert code == 0, err
     assert "first: already completed at step 20; left alone" in out and "second: already completed" in out, out
-    status = aspen(tmp_path, "status", env={k: v for k, v in env.items() if k != "RAY_ADDRESS"})   # as users type it
+    # no cluster named, and none found on the machine (the other test workers' clusters left out of Ray's search)
+    status = aspen(tmp_path, "status", env={k: v for k, v in env.items() if k != "RAY_ADDRESS"}, no_cluster=True)
     assert status.returncode == 0 and "the job table of the run in" in status.stderr, status.stderr
     assert status.stdout.count("completed") == 2, status.stdout
     # again in-process: every job starts over, its rows in place of the earlier ones
@@ -156,3 +165,67 @@ def test_ctrl_c_to_a_pipeline_run_in_process_stops_its_stages_between_steps(tmp_
     states = report_states(tmp_path)
     assert {state for state, _ in states.values()} == {"paused"}, states
     assert all(checkpoint_step(tmp_path / "out" / name) == states[name][1] for name in states), states
+
+
+def _stage_processes(parent: int) -> list[int]:
+    """The pipeline's stage processes a run started (spawned children running multiprocessing's spawn_main)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_step_that_hangs_is_left_at_the_second_ctrl_c(tmp_path, tiny_model_dirs):
+    """The first Ctrl-C waits for the step that runs to end; where it never ends (here a stage process stopped
+    with SIGSTOP mid-run), the second ends the run at once: exit 130, one line saying the jobs keep their last
+    checkpoints, which are whole (written between steps) and recorded as left unfinished."""
+    jobs = write_run(tmp_path, tiny_model_dirs["llama"])
+    jobs.write_text("stages: 2\n" + jobs.read_text())
+    process = in_process(tmp_path)
+    stages: list[int] = []
+    try:
+        wait_for(lambda: checkpoint_step(tmp_path / "out" / "first") >= 10 or process.poll() is not None,
+                 timeout=300, what="a checkpoint")
+        assert process.poll() is None, finish(process)
+        stages = _stage_processes(process.pid)
+        assert len(stages) == 1, stages
+        os.kill(stages[0], signal.SIGSTOP)   # the pipeline's next step never ends
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert process.poll() is None, "the first Ctrl-C did not wait for the step"
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=60)   # its output is read below: the stopped stage holds the pipes open
+    finally:
+        for pid in stages:
+            os.kill(pid, signal.SIGKILL)
+    out, err = process.communicate(timeout=60)
+    assert code == 130, (code, out, err)
+    assert "stopping once the step that runs has ended" in err and "stopped at once" in err, err
+    assert "keep their last checkpoints" in err and "Traceback" not in err, err
+    for name in ("first", "second"):
+        state = json.loads((tmp_path / "out" / name / "checkpoint" / "state.json").read_text())
+        assert 10 <= state["step"] < STEPS, state
+    assert {state for state, _ in report_states(tmp_path).values()} == {"paused"}
+
+
+def test_a_run_killed_on_the_way_leaves_no_earlier_record_of_its_jobs(tmp_path, tiny_model_dirs):
+    """An in-process run that ended (its jobs recorded completed), then the same run again, killed outright
+    (SIGKILL: no handler runs): the table does not still say the jobs are done, while their folders hold the new
+    run's checkpoints; they are recorded as left unfinished (`aspen run` resumes them)."""
+    write_run(tmp_path, tiny_model_dirs["llama"], steps=5)   # its last checkpoint at 5: the wait below is the next
+    code, out, err = finish(in_process(tmp_path))
+    assert code == 0, err
+    assert report_states(tmp_path) == {"first": ("completed", 5), "second": ("completed", 5)}
+    write_run(tmp_path, tiny_model_dirs["llama"])   # STEPS this time
+    process = in_process(tmp_path)
+    wait_for(lambda: checkpoint_step(tmp_path / "out" / "first") >= 10 or process.poll() is not None,
+             timeout=300, what="a checkpoint")
+    os.killpg(process.pid, signal.SIGKILL)
+    finish(process)
+    assert {state for state, _ in report_states(tmp_path).values()} == {"paused"}

@@ -74,11 +74,13 @@ class StopBetweenSteps:
         self.began = False   # whether steps ran (a stop before them leaves no job to checkpoint)
 
     def request(self, error: BaseException) -> bool:
-        """Hold `error` until the running round ends (True), or raise it now where no step runs."""
+        """Hold `error` until the running round ends (True: the first request held), or raise it now where no step
+        runs."""
         if not self.stepping:
             raise error
+        first = self.pending is None
         self.pending = self.pending or error
-        return True
+        return first
 
     def check(self) -> None:
         """Between rounds: raise the stop asked for, if any."""
@@ -166,10 +168,12 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                            engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)
         base = loop.base
         submissions = spec.submissions()
-        for submission in submissions:
-            clear_job_folder(submission.output_dir)
         records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
         ids = [record.id for record in records]
+        if record_in is not None:   # before their folders are cleared: a run killed on the way leaves no earlier
+            _record(table, ids, record_in / "jobs.sqlite")   # run's record of them (a job done there) in the table
+        for submission in submissions:
+            clear_job_folder(submission.output_dir)
         bar = _step_bar(progress)
         steps = bar.add_task(f"{len(ids)} jobs on {spec.base_model}",
                              total=sum(job.max_steps or 0 for job in spec.jobs) or None)

@@ -2,7 +2,9 @@
 it ends, records its jobs (their rows, progress and history) in `<output_dir>/.aspen/jobs.sqlite`, the table
 `aspen run` keeps there, in place of the jobs that wrote to the same folders before. So `aspen report`, `aspen
 status` and `aspen run` itself read an in-process run as they read one of the service's; a job it left
-unfinished is recorded paused, and `aspen run` resumes it from its checkpoint."""
+unfinished is recorded paused, and `aspen run` resumes it from its checkpoint. The run records its jobs as they
+start too, so that a run killed on the way (SIGKILL, a second Ctrl-C) leaves no earlier run's record of their
+folders (a job done there before) in the table."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from actors.service.table.job_table import TERMINAL_STATES, JobTable
 
 # the tables holding a job's rows, and the column naming the job in each
 JOB_ROWS = (("jobs", "id"), ("progress", "job_id"), ("transitions", "job_id"))
-UNFINISHED_REASON = "the in-process run ended first ({reason})"   # `aspen run` resumes it from its checkpoint
+UNFINISHED_REASON = "left by an in-process run ({reason})"   # `aspen run` resumes it from its checkpoint
 
 
 def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:

@@ -52,9 +52,9 @@ def test_the_runs_jobs_replace_those_of_the_same_folders_and_the_rest_stay(tmp_p
     assert set(kept) == {"a", "b", "other"}
     a = kept["a"]
     assert (a.state, a.eval_score, a.eval_loss, a.tokens) == ("completed", 0.75, 1.5, 40)
-    assert (kept["other"].state, kept["other"].reason) == ("paused", "the in-process run ended first (submitted)")
+    assert (kept["other"].state, kept["other"].reason) == ("paused", "left by an in-process run (submitted)")
     assert kept["b"].state == "paused" and kept["b"].trainer is None and kept["b"].checkpoint_step == 1
-    assert "the in-process run ended first (training on in-process)" in kept["b"].reason
+    assert "left by an in-process run (training on in-process)" in kept["b"].reason
     db = sqlite3.connect(tmp_path / "run" / "jobs.sqlite")
     # the earlier run's progress of the same folder is gone; the run's own, and its history, are there
     assert db.execute("SELECT step, loss FROM progress WHERE job_id = 'a' ORDER BY step").fetchall() == [

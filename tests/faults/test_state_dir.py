@@ -19,7 +19,7 @@ from actors.service.trainer.trainer_reports import TrainerEvent
 def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_path):
     first = lock_state_dir(tmp_path)
     try:
-        with pytest.raises(StateDirInUse, match=r"another aspen service runs on .*pid \d+.*aspen stop"):
+        with pytest.raises(StateDirInUse, match=r"another aspen service or run is using .*pid \d+.*aspen stop"):
             lock_state_dir(tmp_path)
     finally:
         first.close()

@@ -43,8 +43,9 @@ def lock_state_dir(state_dir: Path) -> Any:
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        raise StateDirInUse(f"another aspen service runs on {state_dir} ({holder}); stop it (`aspen stop`) or give "
-                            "this one another state_dir", holder) from None
+        raise StateDirInUse(f"another aspen service or run is using {state_dir} ({holder}); wait for it to end or "
+                            "stop it (a service: `aspen stop`), or give this one another state_dir (`aspen run`: "
+                            "another output folder)", holder) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

@@ -229,3 +229,19 @@ def test_a_run_killed_on_the_way_leaves_no_earlier_record_of_its_jobs(tmp_path, 
     os.killpg(process.pid, signal.SIGKILL)
     finish(process)
     assert {state for state, _ in report_states(tmp_path).values()} == {"paused"}
+
+
+def test_a_damaged_table_in_the_run_folder_costs_the_record_not_the_run(tmp_path, tiny_model_dirs):
+    """The run folder's job table overwritten with garbage: the run trains (exit 0, the adapters there) and says
+    once that its jobs could not be recorded, with the table's own message (its backup, the commands that restore
+    it); the garbage is left for the user to move as that message says."""
+    write_run(tmp_path, tiny_model_dirs["llama"], steps=5)
+    table = tmp_path / "out" / ".aspen" / "jobs.sqlite"
+    table.parent.mkdir(parents=True)
+    garbage = os.urandom(3000)
+    table.write_bytes(garbage)
+    code, out, err = finish(in_process(tmp_path))
+    assert code == 0, err
+    assert all((tmp_path / "out" / name / "adapter_model.safetensors").is_file() for name in ("first", "second"))
+    assert err.count("could not be recorded in") == 1 and f"the job table {table} is damaged" in err, err
+    assert table.read_bytes() == garbage

@@ -170,8 +170,9 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
         submissions = spec.submissions()
         records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
         ids = [record.id for record in records]
-        if record_in is not None:   # before their folders are cleared: a run killed on the way leaves no earlier
-            _record(table, ids, record_in / "jobs.sqlite")   # run's record of them (a job done there) in the table
+        # recorded before their folders are cleared: a run killed on the way leaves no earlier run's record of them
+        # (a job done there) in the table; where the table refuses (said once), not again at the end
+        record_in = record_in if record_in is not None and _record(table, ids, record_in / "jobs.sqlite") else None
         for submission in submissions:
             clear_job_folder(submission.output_dir)
         bar = _step_bar(progress)
@@ -206,15 +207,17 @@ def _book_the_end(core: SchedulerCore, loop: TrainerLoop, table: JobTable, ids: 
     return summaries
 
 
-def _record(table: JobTable, ids: list[str], path: Path) -> None:
-    """The run's jobs recorded in the run folder's table; where that fails, a warning that says what it means (the
-    run's own outcome, or the error that ended it, is what the command reports)."""
+def _record(table: JobTable, ids: list[str], path: Path) -> bool:
+    """The run's jobs recorded in the run folder's table (True); where that fails, a warning that says what it means
+    (the run's own outcome, or the error that ended it, is what the command reports)."""
     try:
         record_run(table, ids, path)
     except Exception as error:  # noqa: BLE001 - the jobs' folders hold what they trained; only the record is lost
-        log.warning("the run's jobs could not be recorded in %s (%s: %s): their folders hold what they trained, but "
-                    "`aspen status` and `aspen report` will not show their states, and `aspen run` would start them "
-                    "over", path, type(error).__name__, error)
+        log.warning("the run's jobs could not be recorded in %s (%s: %s): their folders will hold what they train, "
+                    "but `aspen status` and `aspen report` will not show their states", path, type(error).__name__,
+                    error)
+        return False
+    return True
 
 
 def _pipeline(config: TrainerConfig, loader: Callable[[], BaseModel] | None) -> PipelineEngine:

@@ -259,10 +259,8 @@ class Submissions:
                                       f"{root}; leave output_dir out (the job gets {root}/<job id>) or give a path "
                                       f"under {root}", folder=str(submission.output_dir))
             return as_location(str(submission.output_dir))
-        requested = Path(submission.output_dir).expanduser()
-        if not requested.is_absolute() and (root or self.relative_root) is not None:
-            requested = (root or self.relative_root) / requested
-        resolved = requested.resolve()
+        requested, under = Path(submission.output_dir).expanduser(), root or self.relative_root
+        resolved = (under / requested if under is not None and not requested.is_absolute() else requested).resolve()
         if root is not None and not resolved.is_relative_to(root):
             raise SubmissionError(f"output_dir {resolved} is outside this service's output root {root}; jobs "
                                   "submitted to a shared service write only there: leave output_dir out (the job "

@@ -126,8 +126,8 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     callable returning the whole base instead, which each stage process then cuts). `record_in`: the run's state
     folder (`aspen run --in-process`: `<output_dir>/.aspen`), locked for the run as a service locks it (where one
     runs on it, `StateDirInUse` before anything is deleted or loaded), and where the run's jobs are recorded as they
-    start and as it ends, also when it is interrupted (`recorded_run.record_run`). `stops`: where a signal handler's stop requests
-    are held until the round that runs has ended (`StopBetweenSteps`)."""
+    start and as it ends, also when it is interrupted (`recorded_run.record_run`). `stops`: where a signal handler's
+    stop requests are held until the round that runs has ended (`StopBetweenSteps`)."""
     lock = None if record_in is None else lock_run_folder(record_in)
     try:
         return _train(spec, base, progress, on_step, trainer, storage, loader, record_in,

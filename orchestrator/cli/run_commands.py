@@ -156,21 +156,20 @@ def _stop_between_steps() -> StopBetweenSteps:
     stops = StopBetweenSteps()
 
     def stop(signum: int, frame: object) -> None:
-        if stops.request(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()):
-            print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then (Ctrl-C again: "
-                  "at once)", file=sys.stderr, flush=True)
+        stops.request(Terminated() if signum == signal.SIGTERM else KeyboardInterrupt())
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    _second_stop_ends_the_process()
+    _watch_stops(stops)
     return stops
 
 
-def _second_stop_ends_the_process() -> None:
-    """A second Ctrl-C or SIGTERM ends the process at once (exit 130 / 143), the jobs left their last checkpoints
-    (written between steps): for a step that takes long, or never ends. Python runs signal handlers in the main
-    thread between bytecodes, so not while it waits in a C call (a pipeline stage's receive, one long product);
-    the kernel's signal still writes its number to the wakeup fd, which a thread of its own reads."""
+def _watch_stops(stops: StopBetweenSteps) -> None:
+    """What the user sees at once of a Ctrl-C or SIGTERM while steps run: a line saying the run stops once the
+    step that runs has ended; at a second one the process ends at once (exit 130 / 143), the jobs left their last
+    checkpoints (written between steps): for a step that takes long, or never ends. Python runs signal handlers
+    in the main thread between bytecodes, so not while it waits in a C call (a pipeline stage's receive, one long
+    product); the kernel's signal still writes its number to the wakeup fd, which a thread of its own reads."""
     import signal
     import threading
 
@@ -182,12 +181,16 @@ def _second_stop_ends_the_process() -> None:
         seen = 0
         while True:
             number = os.read(read, 1)
-            if number and number[0] in (signal.SIGINT, signal.SIGTERM):
-                seen += 1
-                if seen >= 2:
-                    print("aspen: stopped at once; the jobs keep their last checkpoints (`aspen run` without "
-                          "--in-process resumes them)", file=sys.stderr, flush=True)
-                    os._exit(143 if number[0] == signal.SIGTERM else 130)
+            if not number or number[0] not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            seen += 1
+            if seen == 1 and stops.stepping:
+                print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then (Ctrl-C "
+                      "again: at once)", file=sys.stderr, flush=True)
+            elif seen >= 2:
+                print("aspen: stopped at once; the jobs keep their last checkpoints (`aspen run` without "
+                      "--in-process resumes them)", file=sys.stderr, flush=True)
+                os._exit(143 if number[0] == signal.SIGTERM else 130)
 
     threading.Thread(target=watch, name="aspen-second-stop", daemon=True).start()
 

@@ -73,14 +73,11 @@ class StopBetweenSteps:
         self.stepping = False
         self.began = False   # whether steps ran (a stop before them leaves no job to checkpoint)
 
-    def request(self, error: BaseException) -> bool:
-        """Hold `error` until the running round ends (True: the first request held), or raise it now where no step
-        runs."""
+    def request(self, error: BaseException) -> None:
+        """Hold `error` until the running round ends (the first one asked for), or raise it now where no step runs."""
         if not self.stepping:
             raise error
-        first = self.pending is None
         self.pending = self.pending or error
-        return first
 
     def check(self) -> None:
         """Between rounds: raise the stop asked for, if any."""

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from actors.service.scheduler.local_run import StopBetweenSteps
     from actors.service.table.job_table import JobRecord
     from actors.spec.run_spec import RunSpec
+    from orchestrator.run_plan import RunPlan
 from orchestrator.cli.service_commands import connect_service, named_cluster
 
 
@@ -28,7 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
         check_data_rows(spec)
-        return _run_in_process(spec, args.file, args.quiet)
+        return _run_in_process(spec, args.file, args.quiet, args.overwrite)
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_local_dir, run_service_config
     from actors.service.table.job_table import read_jobs
@@ -188,8 +189,8 @@ def _watch_stops(stops: StopBetweenSteps) -> None:
                 print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then (Ctrl-C "
                       "again: at once)", file=sys.stderr, flush=True)
             elif seen >= 2:
-                print("aspen: stopped at once; the jobs keep their last checkpoints (`aspen run` without "
-                      "--in-process resumes them)", file=sys.stderr, flush=True)
+                print("aspen: stopped at once; the jobs keep their last checkpoints (the same command resumes "
+                      "them)", file=sys.stderr, flush=True)
                 os._exit(143 if number[0] == signal.SIGTERM else 130)
 
     threading.Thread(target=watch, name="aspen-second-stop", daemon=True).start()
@@ -230,28 +231,34 @@ def saved_data_digest(output_dir: str) -> tuple[int, str | None] | None:
     return saved_data_digest(Path(output_dir) / CHECKPOINT_FOLDER)
 
 
-def _run_in_process(spec: RunSpec, file: str, quiet: bool) -> int:
+def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> int:
     """The same run in this process, without Ray (`actors.service.scheduler.local_run`): a debugging aid. Its
-    jobs are recorded in the run folder's job table as it ends, where `aspen run` keeps its own (so `aspen status`,
-    `aspen report` and `aspen run` itself find them); the folder is locked meanwhile, as a service locks it."""
+    jobs are recorded in the run folder's job table, where `aspen run` keeps its own (so `aspen status`, `aspen
+    report` and `aspen run` itself find them), and run again it plans against that table as `aspen run` does
+    (`_plan_in_process`); the folder is locked meanwhile, as a service locks it."""
     from actors.engine.warmup import settle_garbage_collector
     from actors.service.scheduler.config import run_local_dir
-    from actors.service.scheduler.local_run import train_locally
+    from actors.service.scheduler.local_run import held_run_folder, train_locally
+    from actors.service.table.recorded_run import CarriedJobs
     from orchestrator.progress import quiet_loading_bars
     from orchestrator.recent_runs import RecentRuns
 
-    settle_garbage_collector()   # torch's and transformers' objects out of every later full collection, as a trainer's
-    quiet_loading_bars(quiet)   # transformers' bar as it loads the base
     state_dir = run_local_dir(spec) / ".aspen"
-    RecentRuns().remember(file, str(spec.output_dir), state_dir)   # `aspen status` after it ends
-    stops = _stop_between_steps()   # Ctrl-C and SIGTERM: the running jobs checkpointed and recorded paused
-    try:
-        summaries = train_locally(spec, progress=not quiet, record_in=state_dir, stops=stops)
-    except KeyboardInterrupt as interrupt:
-        if not stops.began:   # before any step (the base loading): nothing was checkpointed
-            raise
-        raise RunInterrupted(isinstance(interrupt, Terminated), f"`aspen run {file}` (without --in-process, which "
-                             "starts every job over) continues where they stopped") from None
+    with held_run_folder(state_dir):   # planned and trained under one lock: no run or service writes between
+        plan = _plan_in_process(spec, state_dir, overwrite)
+        if plan is not None and not (plan.submit or plan.resume or plan.changed):   # every job done: no model loaded
+            return _run_summary(spec, spec.output_dir, plan.done)
+        carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume])
+        settle_garbage_collector()   # torch's and transformers' objects out of every later full collection
+        quiet_loading_bars(quiet)   # transformers' bar as it loads the base
+        RecentRuns().remember(file, str(spec.output_dir), state_dir)   # `aspen status` after it ends
+        stops = _stop_between_steps()   # Ctrl-C and SIGTERM: the running jobs checkpointed and recorded paused
+        try:
+            summaries = train_locally(spec, progress=not quiet, record_in=state_dir, stops=stops, carry=carry)
+        except KeyboardInterrupt as interrupt:
+            if not stops.began:   # before any step (the base loading): nothing was checkpointed
+                raise
+            raise RunInterrupted(isinstance(interrupt, Terminated)) from None
     scored = any(s.eval_score is not None for s in summaries)   # a job with eval_generate: its last score
     print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}"
           + (f"{'eval score':>12}" if scored else ""))
@@ -264,6 +271,35 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool) -> int:
     for summary in failed:
         print(f"aspen: job {summary.name} {summary.state}: {summary.reason}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan | None:
+    """`aspen run`'s plan for the run folder's jobs, with the same lines said and the same refusal of changed jobs
+    without --overwrite: done jobs left alone, unfinished ones resumed, new and (--overwrite) changed ones started
+    over. None where the folder holds no table yet, or a damaged one (said, with how to restore its backup): every
+    job starts over."""
+    from actors.service.table.recorded_run import earlier_jobs
+    from actors.service.table.table_backup import JobTableDamaged
+    from orchestrator.run_plan import changed_message, plan_run
+
+    try:
+        earlier = earlier_jobs(state_dir / "jobs.sqlite")
+    except JobTableDamaged:   # the run's first record of its jobs says what is wrong and how to restore the backup
+        print(f"aspen: the earlier jobs of {spec.output_dir} cannot be read (its job table is damaged: below); this "
+              "run's jobs start over", file=sys.stderr)
+        return None
+    if not earlier:
+        return None
+    submissions = {record.id: submission for record, submission in earlier}
+    plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
+                    saved_data=saved_data_digest, saved_step=saved_step)
+    if plan.changed and not overwrite:
+        raise RunSpecChanged(changed_message(Path(spec.output_dir), plan.changed))
+    for record in plan.changed_records:
+        print(f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results are deleted")
+    for line in plan.lines(saved_step=saved_step):
+        print(line)
+    return plan
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

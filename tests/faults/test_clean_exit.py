@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,12 +54,14 @@ def _run(folder: Path) -> subprocess.CompletedProcess:
 def test_a_pipeline_run_in_process_exits_cleanly_every_time(tmp_path, tiny_model_dirs):
     _write(tmp_path, str(tiny_model_dirs["llama"]), stages=2)
     for attempt in range(RUNS):
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)   # each a whole run (run again, its jobs are done)
         out = _run(tmp_path)
         assert out.returncode == 0, (attempt, out.returncode, out.stderr[-3000:])
         assert "ended with an error after being told to stop" not in out.stderr, out.stderr[-3000:]
         assert "profiler_start" not in out.stderr, out.stderr[-3000:]   # kineto's lines at each measured step
         assert "Loading weights" not in out.stderr, out.stderr[-3000:]  # transformers' bar: not with --quiet
         assert all(f"{name}  " in out.stdout and "completed" in out.stdout for name in "abc"), out.stdout
+        assert "already completed" not in out.stdout, out.stdout
 
 
 def test_a_relative_base_model_folder_trains_in_process(tmp_path, tiny_model_dirs):

@@ -1,12 +1,12 @@
 """`aspen run --in-process` recorded where `aspen run` keeps its jobs (`<output_dir>/.aspen/jobs.sqlite`):
 
 - once it ended, `aspen run` of the same file finds its jobs done (answering without Ray), `aspen report` shows
-  their states, `aspen status` answers from its table; run in-process again, its jobs start over and replace
-  their earlier rows;
+  their states, `aspen status` answers from its table; run in-process again, it plans as `aspen run` does: done
+  jobs left alone (no model loaded), a changed one refused, started over with --overwrite and only it;
 - while a service (or another run) holds the folder, it refuses before anything is deleted, exit 1, saying who
   holds it and what to do;
-- Ctrl-C checkpoints its running jobs and records them paused: `aspen run` (through a service) resumes them, and
-  they end as an undisturbed run."""
+- Ctrl-C checkpoints its running jobs and records them paused: `aspen run` (through a service) or the same command
+  resumes them, and they end as an undisturbed run."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ from tests.helpers.service import wait_for
 CLUSTER_SEARCH = Path(__file__).resolve().parents[1] / "helpers" / "cli_cluster_search.py"
 
 
-def in_process(folder: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "--quiet", "jobs.yaml"],
+def in_process(folder: Path, env: dict[str, str] | None = None, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "--quiet", "jobs.yaml",
+                             *args],
                             cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env)
 
@@ -77,11 +78,24 @@ def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_
     status = aspen(tmp_path, "status", env={k: v for k, v in env.items() if k != "RAY_ADDRESS"}, no_cluster=True)
     assert status.returncode == 0 and "the job table of the run in" in status.stderr, status.stderr
     assert status.stdout.count("completed") == 2, status.stdout
-    # again in-process: every job starts over, its rows in place of the earlier ones
-    first_adapter = (tmp_path / "out" / "first" / "adapter_model.safetensors").stat().st_mtime_ns
+    # again in-process: every job done, so left alone (their files untouched), answered from the table
+    adapters = {name: (tmp_path / "out" / name / "adapter_model.safetensors").stat().st_mtime_ns
+                for name in ("first", "second")}
     code, out, err = finish(in_process(tmp_path, env))
     assert code == 0, err
-    assert (tmp_path / "out" / "first" / "adapter_model.safetensors").stat().st_mtime_ns > first_adapter
+    assert "first: already completed at step 20; left alone" in out and "second: already completed" in out, out
+    assert {name: (tmp_path / "out" / name / "adapter_model.safetensors").stat().st_mtime_ns
+            for name in ("first", "second")} == adapters
+    jobs = (tmp_path / "jobs.yaml").read_text()
+    # one job's learning rate changed: refused, nothing touched; with --overwrite that job alone starts over
+    (tmp_path / "jobs.yaml").write_text(jobs.replace("lr: 1.0e-3\n    max_steps", "lr: 2.0e-3\n    max_steps", 1))
+    code, out, err = finish(in_process(tmp_path, env))
+    assert code == 2 and "job 'first': lr: 0.001 -> 0.002" in err and "--overwrite" in err, (code, out, err)
+    code, out, err = finish(in_process(tmp_path, env, "--overwrite"))
+    assert code == 0, err
+    assert "first: started over (--overwrite" in out and "second: already completed at step 20" in out, out
+    assert (tmp_path / "out" / "first" / "adapter_model.safetensors").stat().st_mtime_ns > adapters["first"]
+    assert (tmp_path / "out" / "second" / "adapter_model.safetensors").stat().st_mtime_ns == adapters["second"]
     assert report_states(tmp_path) == {"first": ("completed", 20), "second": ("completed", 20)}
     assert metric_steps(tmp_path / "out" / "first") == list(range(1, 21))
 
@@ -105,16 +119,19 @@ def test_an_in_process_run_leaves_a_folder_a_service_writes_to_alone(tmp_path, t
 
 
 @pytest.mark.long
-def test_ctrl_c_in_process_then_aspen_run_resumes_the_jobs_as_if_undisturbed(tmp_path, tiny_model_dirs):
+@pytest.mark.parametrize("again", ["service", "in-process"])
+def test_ctrl_c_in_process_then_the_run_again_resumes_the_jobs_as_if_undisturbed(tmp_path, tiny_model_dirs, again):
+    """Ctrl-C to `aspen run --in-process`, then `aspen run` (a service) or the same command again: each job resumes
+    from its checkpoint, its metrics one row a step, its adapter as an undisturbed run's."""
     base = tiny_model_dirs["llama"]
     write_run(tmp_path, base)
     code, out, err = interrupt_once_checkpointed(in_process(tmp_path), tmp_path)   # Ctrl-C in the terminal
     assert code == 130, (code, out, err)
-    assert "the running jobs were checkpointed" in err and "without --in-process" in err and "Traceback" not in err
+    assert "the running jobs were checkpointed, and the same command continues" in err and "Traceback" not in err
     stopped = {name: checkpoint_step(tmp_path / "out" / name) for name in ("first", "second")}
     assert all(10 <= step < STEPS for step in stopped.values()), stopped
     assert report_states(tmp_path) == {name: ("paused", stopped[name]) for name in stopped}
-    code, out, err = run(tmp_path)
+    code, out, err = run(tmp_path) if again == "service" else finish(in_process(tmp_path))
     assert code == 0, err
     assert "first: unfinished in the last run" in out and f"from its checkpoint at step {stopped['first']}" in out, out
     for name in ("first", "second"):
@@ -222,8 +239,8 @@ def test_a_run_killed_on_the_way_leaves_no_earlier_record_of_its_jobs(tmp_path, 
     code, out, err = finish(in_process(tmp_path))
     assert code == 0, err
     assert report_states(tmp_path) == {"first": ("completed", 5), "second": ("completed", 5)}
-    write_run(tmp_path, tiny_model_dirs["llama"])   # STEPS this time
-    process = in_process(tmp_path)
+    write_run(tmp_path, tiny_model_dirs["llama"])   # STEPS this time: changed, so started over with --overwrite
+    process = in_process(tmp_path, None, "--overwrite")
     wait_for(lambda: checkpoint_step(tmp_path / "out" / "first") >= 10 or process.poll() is not None,
              timeout=300, what="a checkpoint")
     os.killpg(process.pid, signal.SIGKILL)

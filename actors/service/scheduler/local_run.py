@@ -28,7 +28,7 @@ from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.job_data import JobData
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
-from actors.service.table.recorded_run import record_run
+from actors.service.table.recorded_run import CarriedJobs, carry_on, record_run
 from actors.service.table.state_dir import StateDirInUse, lock_state_dir
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
@@ -111,11 +111,12 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
                   on_step: Callable[[StepReport], None] | None = None,
                   trainer: dict | None = None, storage: StorageConfig | dict | None = None,
                   loader: Callable[[], BaseModel] | None = None, record_in: Path | None = None,
-                  stops: StopBetweenSteps | None = None) -> list[JobSummary]:
+                  stops: StopBetweenSteps | None = None, carry: CarriedJobs | None = None) -> list[JobSummary]:
     """Run every job of `spec` to its end in this process; one summary per job, in the file's order. Job
     ids are the job names; each job writes to `<output_dir>/<name>` as under `aspen run`. Every job starts
-    over: what an earlier run left in its folder (a checkpoint, an adapter, metrics) is deleted first (`aspen run`
-    plans against its job table whether resuming a job is right; this mode does not). `trainer`:
+    over (what an earlier run left in its folder, a checkpoint, an adapter, metrics, is deleted first) but those
+    `carry` names: jobs of `record_in`'s table, by their ids there, that `aspen run`'s plan
+    (`orchestrator.run_plan`) left alone or resumes from their checkpoints; they keep their ids. `trainer`:
     further TrainerConfig fields (e.g. `{"recompute": "layers"}`), as `run_service_config` takes them.
     `storage`: the service's `storage:` settings (S3 endpoint, region, credential variables), used in this
     process for the run (the environment's where it gives none). With `stages: N` the stages run as processes
@@ -125,13 +126,31 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
     runs on it, `StateDirInUse` before anything is deleted or loaded), and where the run's jobs are recorded as they
     start and as it ends, also when it is interrupted (`recorded_run.record_run`). `stops`: where a signal handler's
     stop requests are held until the round that runs has ended (`StopBetweenSteps`)."""
-    lock = None if record_in is None else lock_run_folder(record_in)
-    try:
+    if carry is not None and record_in is None:
+        raise ValueError("train_locally: `carry` names jobs of a run folder's table; give that folder (`record_in`)")
+    with contextlib.nullcontext() if record_in is None else held_run_folder(record_in):
         return _train(spec, base, progress, on_step, trainer, storage, loader, record_in,
-                      stops or StopBetweenSteps())
+                      stops or StopBetweenSteps(), carry or CarriedJobs())
+
+
+_HELD: set[Path] = set()   # the run folders this process holds (`held_run_folder`)
+
+
+@contextlib.contextmanager
+def held_run_folder(state_dir: Path) -> Iterator[None]:
+    """The run's state folder locked for this process while the block runs (`lock_run_folder`); where this process
+    holds it already (a command that planned the run under the lock, then trains it), held on."""
+    key = state_dir.resolve()
+    if key in _HELD:
+        yield
+        return
+    handle = lock_run_folder(state_dir)
+    _HELD.add(key)
+    try:
+        yield
     finally:
-        if lock is not None:
-            lock.close()
+        _HELD.discard(key)
+        handle.close()
 
 
 def lock_run_folder(state_dir: Path) -> IO:
@@ -147,7 +166,7 @@ def lock_run_folder(state_dir: Path) -> IO:
 
 def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Callable[[StepReport], None] | None,
            trainer: dict | None, storage: StorageConfig | dict | None, loader: Callable[[], BaseModel] | None,
-           record_in: Path | None, stops: StopBetweenSteps) -> list[JobSummary]:
+           record_in: Path | None, stops: StopBetweenSteps, carry: CarriedJobs) -> list[JobSummary]:
     if base is None and spec.stages == 1:   # named as the trainer's config and the jobs name it (a local path absolute)
         base = load_base_model(canonical_base_model(spec.base_model), dtype=spec.dtype, device=spec.device,
                                quantization=spec.quantization, kernels=spec.kernels)
@@ -164,9 +183,12 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                            policy if isinstance(policy, StepComposer) else None,
                            engine=_pipeline(trainer_config, loader) if trainer_config.stages > 1 else None)
         base = loop.base
-        submissions = spec.submissions()
-        records = core.submit_many(submissions, job_ids=[job.name for job in spec.jobs])
-        ids = [record.id for record in records]
+        if record_in is not None:
+            carry_on(record_in / "jobs.sqlite", table, carry, "resumed by aspen run --in-process")
+        carried = {table.get(job_id).name: job_id for job_id in (*carry.done, *carry.resume)}
+        submissions = [s for s in spec.submissions() if s.job.name not in carried]
+        core.submit_many(submissions, job_ids=[submission.job.name for submission in submissions])
+        ids = [carried.get(job.name, job.name) for job in spec.jobs]
         # recorded before their folders are cleared: a run killed on the way leaves no earlier run's record of them
         # (a job done there) in the table; where the table refuses (said once), not again at the end
         record_in = record_in if record_in is not None and _record(table, ids, record_in / "jobs.sqlite") else None
@@ -174,7 +196,8 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
             clear_job_folder(submission.output_dir)
         bar = _step_bar(progress)
         steps = bar.add_task(f"{len(ids)} jobs on {spec.base_model}",
-                             total=sum(job.max_steps or 0 for job in spec.jobs) or None)
+                             total=sum(job.max_steps or 0 for job in spec.jobs) or None,
+                             completed=sum(table.get(job_id).step for job_id in carried.values()))
         bar.start()
         try:
             with stops.holding_ctrl_c():

@@ -4,17 +4,28 @@ it ends, records its jobs (their rows, progress and history) in `<output_dir>/.a
 status` and `aspen run` itself read an in-process run as they read one of the service's; a job it left
 unfinished is recorded paused, and `aspen run` resumes it from its checkpoint. The run records its jobs as they
 start too, so that a run killed on the way (SIGKILL, a second Ctrl-C) leaves no earlier run's record of their
-folders (a job done there before) in the table."""
+folders (a job done there before) in the table. Run again on that folder, it carries on the jobs `aspen run`'s plan
+says to keep (`carry_on`: their rows copied into the new run's table, the unfinished ones resumed from their
+checkpoints), as `aspen run` does."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.service.table.job_table import TERMINAL_STATES, JobTable
+from actors.service.table.job_table import TERMINAL_STATES, JobRecord, JobTable
+from actors.spec.job_submission import JobSubmission
 
 # the tables holding a job's rows, and the column naming the job in each
 JOB_ROWS = (("jobs", "id"), ("progress", "job_id"), ("transitions", "job_id"))
 UNFINISHED_REASON = "left by an in-process run ({reason})"   # `aspen run` resumes it from its checkpoint
+
+
+@dataclass
+class CarriedJobs:
+    """Jobs of the run folder's table a new run carries on, by their ids there (`aspen run`'s plan)."""
+    done: list[str] = field(default_factory=list)     # ended with the same spec: left alone
+    resume: list[str] = field(default_factory=list)   # unfinished with the same spec: resumed from their checkpoints
 
 
 def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
@@ -32,16 +43,53 @@ def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
             for earlier in target.all():
                 if earlier.output_dir in folders or earlier.id in job_ids:
                     target.delete(earlier.id)
-            marks = ", ".join("?" * len(job_ids))
-            for table, key in JOB_ROWS:
-                names = [row[1] for row in source.db.execute(f"PRAGMA table_info({table})")]
-                columns, places = ", ".join(names), ", ".join("?" * len(names))
-                rows = source.db.execute(f"SELECT {columns} FROM {table} WHERE {key} IN ({marks})", job_ids).fetchall()
-                if rows:
-                    target.db.executemany(f"INSERT INTO {table} ({columns}) VALUES ({places})", rows)
+            _copy_rows(source, target, job_ids)
             for record in records:
                 if record.state not in TERMINAL_STATES:
                     reason = UNFINISHED_REASON.format(reason=record.reason or record.state)
                     target.set_state(record.id, "paused", reason, trainer=None)
     finally:
         target.close()
+
+
+def earlier_jobs(path: Path) -> list[tuple[JobRecord, JobSubmission]]:
+    """Every job the run folder's table at `path` holds, with its submission; none where there is no table. Opened
+    as a service opens it (a killed run's write-ahead log written back); a damaged one raises `JobTableDamaged`,
+    whose message says how to restore its backup."""
+    if not path.is_file():
+        return []
+    table = JobTable(path)
+    try:
+        return [(record, table.submission(record.id)) for record in table.all()]
+    finally:
+        table.close()
+
+
+def carry_on(path: Path, target: JobTable, carried: CarriedJobs, reason: str) -> None:
+    """The carried jobs of the run folder's table at `path` copied into `target`, a new run's table, in one
+    transaction: the done ones as they are, the others queued to resume from their checkpoints (`reason` says by
+    what), as `aspen run` resumes them."""
+    if not (carried.done or carried.resume):
+        return
+    source = JobTable(path)
+    try:
+        with target.transaction():
+            _copy_rows(source, target, [*carried.done, *carried.resume])
+            for job_id in carried.resume:
+                record = target.get(job_id)
+                step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+                target.set_state(job_id, "queued", f"{reason}; resumes from {step}", trainer=None)
+    finally:
+        source.close()
+
+
+def _copy_rows(source: JobTable, target: JobTable, job_ids: list[str]) -> None:
+    """Each job's rows of `source` inserted into `target`, by column name (an older table's added columns sit
+    elsewhere; a column the target lacks would fail the insert), inside the caller's transaction."""
+    marks = ", ".join("?" * len(job_ids))
+    for table, key in JOB_ROWS:
+        names = [row[1] for row in source.db.execute(f"PRAGMA table_info({table})")]
+        columns, places = ", ".join(names), ", ".join("?" * len(names))
+        rows = source.db.execute(f"SELECT {columns} FROM {table} WHERE {key} IN ({marks})", job_ids).fetchall()
+        if rows:
+            target.db.executemany(f"INSERT INTO {table} ({columns}) VALUES ({places})", rows)

@@ -1,14 +1,19 @@
 """An in-process run's jobs recorded in the run folder's job table (`recorded_run.record_run`): read back through
 the table as `aspen run`, `aspen status` and `aspen report` read it (the table's own reader and plain SQL), into a
 table an older aspen wrote (its added columns at the end), in place of the jobs that wrote to the same folders,
-with the other jobs there left as they were; an unfinished job recorded paused, with no trainer."""
+with the other jobs there left as they were; an unfinished job recorded paused, with no trainer. Carried on by the
+next run (`carry_on`): the done jobs as they were, the resumed ones queued, each with its history; the folder's
+table read as it is, and a damaged one refused with its message."""
 
 from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from actors.service.table.job_table import JobTable, read_jobs
-from actors.service.table.recorded_run import record_run
+from actors.service.table.recorded_run import CarriedJobs, carry_on, earlier_jobs, record_run
+from actors.service.table.table_backup import JobTableDamaged
 from actors.service.table.table_schema import ADDED_COLUMNS, SCHEMA
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
@@ -87,3 +92,39 @@ def test_a_run_that_ended_before_any_step_is_recorded(tmp_path):
     record_run(run, [], tmp_path / "run" / "jobs.sqlite")   # and a run of no job changes nothing
     (record, _), = read_jobs(tmp_path / "run" / "jobs.sqlite")
     assert (record.id, record.state, record.step) == ("a", "paused", 0)
+
+
+def test_the_next_run_carries_on_done_jobs_as_they_were_and_resumes_the_others_with_their_history(tmp_path):
+    earlier = _run_table(tmp_path, "earlier", ["done", "paused", "failed", "other"])
+    earlier.set_state("done", "completed", "trained 3 of 3 steps", step=3, tokens=60, eval_loss=1.25)
+    earlier.set_state("paused", "paused", "the trainer is shutting down", step=2, checkpoint_step=2)
+    earlier.set_state("failed", "failed", "a reward raised")
+    for step, loss in ((1, 3.0), (2, 2.5)):
+        earlier.progress.add("paused", {"step": step, "loss": loss, "tokens": 20, "lr": 1e-3, "grad_norm": 0.5})
+    folder = tmp_path / "run" / "jobs.sqlite"
+    record_run(earlier, ["done", "paused", "failed", "other"], folder)
+    before = folder.read_bytes()
+
+    assert [record.id for record, _ in earlier_jobs(folder)] == ["done", "paused", "failed", "other"]
+    assert earlier_jobs(tmp_path / "none" / "jobs.sqlite") == []
+    run = JobTable(tmp_path / "next" / "jobs.sqlite")
+    carry_on(folder, run, CarriedJobs(done=["done"], resume=["paused", "failed"]), "resumed by a test")
+
+    assert sorted(record.id for record in run.all()) == ["done", "failed", "paused"]   # "other" not carried
+    done = run.get("done")
+    assert (done.state, done.step, done.tokens, done.eval_loss) == ("completed", 3, 60, 1.25)
+    paused, failed = run.get("paused"), run.get("failed")
+    assert (paused.state, paused.trainer, paused.step) == ("queued", None, 2)
+    assert paused.reason == "resumed by a test; resumes from its checkpoint at step 2"
+    assert (failed.state, failed.reason) == ("queued", "resumed by a test; resumes from the start")
+    assert [(row["step"], row["loss"]) for row in run.progress.of_job("paused")] == [(1, 3.0), (2, 2.5)]
+    assert run.submission("paused") == earlier.submission("paused")
+    assert folder.read_bytes() == before   # the folder's table only read
+
+
+def test_a_damaged_table_in_the_run_folder_is_refused_with_its_message(tmp_path):
+    folder = tmp_path / "run" / "jobs.sqlite"
+    folder.parent.mkdir()
+    folder.write_bytes(b"not a database" * 300)
+    with pytest.raises(JobTableDamaged, match="is damaged"):
+        earlier_jobs(folder)

@@ -1,10 +1,14 @@
-"""The service's state folder: one service per folder, and trainer events the job table could not take
-kept across a stop, including after a crash cut the file's last line."""
+"""The service's state folder: one service per folder (an in-process run's folder held on by the thread that planned
+its run, refused to any other), and trainer events the job table could not take kept across a stop, including
+after a crash cut the file's last line."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from actors.service.scheduler.local_run import held_run_folder
 from actors.service.table.state_dir import (
     UNAPPLIED_EVENTS,
     StateDirInUse,
@@ -24,6 +28,27 @@ def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_pa
     finally:
         first.close()
     lock_state_dir(tmp_path).close()   # free again once the first let go
+
+
+def test_a_run_folder_is_held_on_by_its_thread_and_refused_to_others(tmp_path):
+    refusals = []
+
+    def other_thread() -> None:
+        try:
+            with held_run_folder(tmp_path):
+                pass
+        except StateDirInUse as error:
+            refusals.append(str(error))
+
+    with held_run_folder(tmp_path):
+        with held_run_folder(tmp_path / "."):   # the same folder, by the thread that holds it: held on
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+        with pytest.raises(StateDirInUse):   # still held after the inner block: by the outer one
+            lock_state_dir(tmp_path).close()
+    assert len(refusals) == 1 and "another aspen run or service is writing to" in refusals[0], refusals
+    lock_state_dir(tmp_path).close()   # free once the outer block let go
 
 
 def test_spilled_events_come_back_in_order_and_a_cut_line_is_skipped(tmp_path, caplog):

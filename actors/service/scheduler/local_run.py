@@ -133,23 +133,24 @@ def train_locally(spec: RunSpec, *, base: BaseModel | None = None, progress: boo
                       stops or StopBetweenSteps(), carry or CarriedJobs())
 
 
-_HELD: set[Path] = set()   # the run folders this process holds (`held_run_folder`)
+_HELD: dict[Path, int] = {}   # the run folders this process holds (`held_run_folder`): the holding thread's id
 
 
 @contextlib.contextmanager
 def held_run_folder(state_dir: Path) -> Iterator[None]:
-    """The run's state folder locked for this process while the block runs (`lock_run_folder`); where this process
-    holds it already (a command that planned the run under the lock, then trains it), held on."""
+    """The run's state folder locked for this process while the block runs (`lock_run_folder`); where this thread
+    holds it already (a command that planned the run under the lock, then trains it), held on. Another thread of
+    this process is refused it as another process is."""
     key = state_dir.resolve()
-    if key in _HELD:
+    if _HELD.get(key) == threading.get_ident():
         yield
         return
     handle = lock_run_folder(state_dir)
-    _HELD.add(key)
+    _HELD[key] = threading.get_ident()
     try:
         yield
     finally:
-        _HELD.discard(key)
+        del _HELD[key]
         handle.close()
 
 

@@ -105,7 +105,6 @@ OVER_THE_LIMIT = {
     "actors/engine/trainer.py:FusedTrainer": 19,
     "actors/scheduler_actor.py:SchedulerActor": 17,
     "actors/engine/pipeline/stage.py:StageRuntime": 16,
-    "actors/engine/pipeline/head.py:PipelineTrainer": 15,
 }
 RECORD_BASES = {"BaseModel", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum", "Exception"}
 

@@ -18,9 +18,9 @@ import torch
 
 from actors.data import DataCursor, Example
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
-from actors.engine.optim import lr_factor
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
+from actors.engine.pipeline.plan_book import PlanBook, PlanReport
 from actors.engine.pipeline.stage import StageRuntime
 from actors.engine.pipeline.stage_messages import EvalRequest, JobSetup, PlanMessage, StageMessageKind
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
@@ -75,15 +75,6 @@ class HeadJob:
         return no_more and self.accumulator.micro_batches == 0 and len(self.history) == self.planned_steps
 
 
-@dataclass(kw_only=True)
-class PlanReport:
-    index: int
-    jobs: list[str]
-    tokens: int
-    padding_tokens: int
-    losses: dict[str, float]
-
-
 class PipelineTrainer:
     """Stage 0's process: `add_job`, `run`, `job_state`, `remove_job`, `close` (the other stages stop)."""
 
@@ -96,19 +87,15 @@ class PipelineTrainer:
         self.step_tokens = step_tokens
         self.layout = runtime.settings.layout
         self.jobs: dict[str, HeadJob] = {}
-        self.plans: dict[int, tuple[MicroBatchPlan, dict[str, int]]] = {}
-        self.results: dict[int, dict] = {}
-        self.booked = -1
-        self.next_index = 0
+        self.book = PlanBook(self.jobs, runtime.norms.for_head)   # the plans sent, their results booked in order
         self.rotation = 0
-        self.reports: list[PlanReport] = []
         self.reference_caches: dict[str, ReferenceCache] = {}   # which DPO pairs the last stage holds
         # micro-batches per stage that take each composable job once: 1 keeps them large (the pipeline runs
         # on, one fill for the whole run); more make them smaller where the pipeline drains often (once per
         # trainer loop step: actors/service/pipeline/pipeline_engine.py), so that its fill costs less
         self.plans_per_stage = 1
         self.replies: list[dict] = []
-        runtime.on_result = self._on_result
+        runtime.on_result = self.book.on_result
 
     # -- messages to every stage -------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
@@ -117,7 +104,7 @@ class PipelineTrainer:
         replies = self.runtime.handle(message)
         if replies:
             self.replies.extend(replies)
-        self._book()
+        self.book.book()
 
     def close(self) -> None:
         for stage in range(1, self.stages):
@@ -185,7 +172,7 @@ class PipelineTrainer:
     def run(self, max_plans: int | None = None, *, until: Callable[[], bool] | None = None) -> list[PlanReport]:
         """Compose and run micro-batches while any job has data (at most `max_plans`, or until `until()`),
         then let everything in flight finish. Returns the reports of the plans booked meanwhile."""
-        start = len(self.reports)
+        start = len(self.book.reports)
         composed = 0
         while max_plans is None or composed < max_plans:
             if until is not None and until():
@@ -198,7 +185,7 @@ class PipelineTrainer:
             self._send((StageMessageKind.PLAN, message))
             composed += 1
         self._send((StageMessageKind.DRAIN,))
-        return self.reports[start:]
+        return self.book.reports[start:]
 
     def stats(self) -> list[dict]:
         """Each stage's busy time, span and bubble share (idle share of its span)."""
@@ -257,10 +244,9 @@ class PipelineTrainer:
                 step_targets[job.name] = job.step_targets
                 job.step_targets = 0
                 job.planned_steps += 1
-        plan = MicroBatchPlan(index=self.next_index, jobs=tuple(mb.job for mb in micro_batches), closes=tuple(closes),
-                              serial=tuple(serial), cost=float(tokens))
-        self.plans[plan.index] = (plan, step_targets)
-        self.next_index += 1
+        plan = MicroBatchPlan(index=self.book.next_index, jobs=tuple(mb.job for mb in micro_batches),
+                              closes=tuple(closes), serial=tuple(serial), cost=float(tokens))
+        self.book.sent(plan)
         dpo = [mb for mb in micro_batches if self.jobs[mb.job].spec.method == "dpo"]
         return PlanMessage(plan=plan, micro_batches=tuple(micro_batches), step_targets=step_targets,
                            references=self._reference_todo(dpo))
@@ -291,39 +277,3 @@ class PipelineTrainer:
         for stage in range(1, self.stages):
             self.links.send_object(message, stage, TAG_COMMAND)
         return float(self.runtime.handle(message))
-
-    # -- results -----------------------------------------------------------------------------------
-    def _on_result(self, result: dict) -> None:
-        self.results[result["index"]] = result
-
-    def _book(self) -> None:
-        """Book results in plan order, each once its closing jobs' norms are known (stage 0's backward)."""
-        while (index := self.booked + 1) in self.results:
-            plan, step_targets = self.plans[index]
-            if any((job, index) not in self.runtime.norms.for_head for job in plan.closes):
-                return
-            result = self.results.pop(index)
-            del self.plans[index]
-            losses = {}
-            for position, name in enumerate(result["jobs"]):
-                job = self.jobs.get(name)
-                loss = result["losses"][position]
-                losses[name] = loss
-                if job is None:
-                    continue
-                job.losses.append(loss)
-                job.accumulator.add(loss, result["tokens"][position], result["counts"][position],
-                                    result["metrics"][position])
-                job.tokens_seen += result["tokens"][position]
-                if name in plan.closes:
-                    step = len(job.history)
-                    factor = lr_factor(step, schedule=job.spec.lr_schedule, warmup_steps=job.spec.warmup_steps,
-                                       total_steps=job.total_steps)
-                    norm = self.runtime.norms.for_head.pop((name, index))
-                    job.history.append(OptimizerStepRecord(step=step + 1, loss=job.accumulator.loss,
-                                                           tokens=job.accumulator.tokens, lr=job.spec.lr * factor,
-                                                           grad_norm=norm, metrics=job.accumulator.metrics))
-                    job.accumulator = StepAccumulator()
-            self.reports.append(PlanReport(index=index, jobs=list(result["jobs"]), tokens=result["stream"],
-                                           padding_tokens=result["padding"], losses=losses))
-            self.booked = index

@@ -104,7 +104,6 @@ OVER_THE_LIMIT = {
     "actors/service/trainer/trainer_loop.py:TrainerLoop": 21,
     "actors/engine/trainer.py:FusedTrainer": 19,
     "actors/scheduler_actor.py:SchedulerActor": 17,
-    "actors/engine/pipeline/stage.py:StageRuntime": 16,
 }
 RECORD_BASES = {"BaseModel", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum", "Exception"}
 

@@ -15,30 +15,28 @@ to stage 0 (actors/engine/pipeline/stage_norms.py), which sends the total to eve
 share of the job (clip by the total, fused AdamW) before the job's next forward there. A job with adapter
 dropout passes its generator's state along with its activations (and back from the last stage to stage 0
 with the results), so the masks are drawn from one sequence, as on one device. DPO references and
-evaluations, without gradients: actors/engine/pipeline/stage_evaluation.py."""
+evaluations, without gradients: actors/engine/pipeline/stage_evaluation.py; its busy time and memory:
+actors/engine/pipeline/stage_measures.py."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from actors.engine import lora_cuda
 from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
 from actors.engine.joint_steps import apply_step
 from actors.engine.layout import step_layout
-from actors.engine.memory import optimizer_state_bytes
-from actors.engine.memory_profile import MemoryWindow
 from actors.engine.packing import FusedBatch, pack
-from actors.engine.pipeline.pipeline_schedule import COMPUTE_KINDS, Op, OpKind, PipelineSchedule
+from actors.engine.pipeline.pipeline_schedule import Op, OpKind, PipelineSchedule
 from actors.engine.pipeline.stage_evaluation import StageEvaluator
 from actors.engine.pipeline.stage_jobs import StageJob, merge_job_states
-from actors.engine.pipeline.stage_memory import StageActivation, StageMemory, probe_stage_activation
-from actors.engine.pipeline.stage_messages import JobSetup, PlanMessage, StageMessageKind, StageSettings
+from actors.engine.pipeline.stage_measures import StageMeasures
+from actors.engine.pipeline.stage_memory import StageMemory
+from actors.engine.pipeline.stage_messages import EvalRequest, JobSetup, PlanMessage, StageMessageKind, StageSettings
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.pipeline.stage_norms import GradientNormChain
 from actors.engine.pipeline.transport import (
@@ -62,28 +60,19 @@ class _Flight:
     output: torch.Tensor
 
 
-@dataclass
-class BusyTime:
-    """A stage's seconds running operations (its waits for inputs excluded), from its first micro-batch
-    operation to its last."""
-
-    busy: float = 0.0
-    first: float | None = None
-    last: float = 0.0
-
-    def record(self, op: Op, started: float, now: float, waited: float) -> None:
-        if self.first is None and op.kind in COMPUTE_KINDS:
-            self.first = started
-        if op.kind in COMPUTE_KINDS or op.kind == OpKind.OPTIMIZER_STEP:
-            self.busy += (now - started) - waited
-            self.last = now
-
-    @property
-    def span(self) -> float:
-        return (self.last - self.first) if self.first is not None else 0.0
-
-
 class StageRuntime:
+    """One stage's operations over its share of the jobs; `handle` runs each message of the head. Each message kind
+    and operation kind is run by the method its table names (`MESSAGES`, `OPERATIONS`)."""
+
+    MESSAGES = {StageMessageKind.PLAN: "_take_plan", StageMessageKind.ADD_JOB: "_add_job",
+                StageMessageKind.REMOVE_JOB: "_remove_job", StageMessageKind.READ_JOB: "_read_job",
+                StageMessageKind.DRAIN: "_drain", StageMessageKind.STATS: "stats", StageMessageKind.MEMORY: "memory",
+                StageMessageKind.MEASURE: "_measure", StageMessageKind.EVALUATE: "_evaluate"}
+    OPERATIONS = {OpKind.FORWARD: "_forward_op", OpKind.FORWARD_BACKWARD: "_forward_backward_op",
+                  OpKind.BACKWARD: "_backward_op", OpKind.OPTIMIZER_STEP: "_optimizer_step_op",
+                  OpKind.TAKE_RESULTS: "_take_results_op", OpKind.REMOVE_JOB: "_remove_job_op",
+                  OpKind.READ_JOB: "_read_job_op"}
+
     def __init__(self, model: StageModel, links: StageLinks, settings: StageSettings):
         self.model = model
         self.links = links
@@ -96,29 +85,7 @@ class StageRuntime:
         self.evaluator = StageEvaluator(model, links, settings, self.jobs)
         self.results_received = -1
         self.on_result = None          # stage 0: the head's callback for each result
-        self.activation: StageActivation | None = None   # probed on the first `memory` message
-        self.window = MemoryWindow(model.base.device)
-        self.time = BusyTime()
-        self.messages: dict[StageMessageKind, Callable[..., Any]] = {
-            StageMessageKind.PLAN: self._take_plan,
-            StageMessageKind.ADD_JOB: self._add_job,
-            StageMessageKind.REMOVE_JOB: self._remove_job,
-            StageMessageKind.READ_JOB: self._read_job,
-            StageMessageKind.DRAIN: self._drain,
-            StageMessageKind.STATS: self.stats,
-            StageMessageKind.MEMORY: self.memory,
-            StageMessageKind.MEASURE: self._measure,
-            StageMessageKind.EVALUATE: self.evaluator.evaluate,
-        }
-        self.operations: dict[OpKind, Callable[[Op], dict | None]] = {
-            OpKind.FORWARD: self._forward_op,
-            OpKind.FORWARD_BACKWARD: self._forward_backward_op,
-            OpKind.BACKWARD: self._backward_op,
-            OpKind.OPTIMIZER_STEP: self._optimizer_step_op,
-            OpKind.TAKE_RESULTS: self._take_results_op,
-            OpKind.REMOVE_JOB: self._remove_job_op,
-            OpKind.READ_JOB: self._read_job_op,
-        }
+        self.measures = StageMeasures(model, links, settings, self.jobs)   # busy time, memory model and window
 
     @property
     def stage(self) -> int:
@@ -133,11 +100,11 @@ class StageRuntime:
         """Run a head's message `(kind, *arguments)`: the stage's answer to one that asks (stats, memory,
         measure, eval), else the replies of the operations it let run (a job's state read, at stage 0)."""
         kind, *arguments = message
-        handler = self.messages.get(kind)
-        if handler is None:
+        name = self.MESSAGES.get(kind)
+        if name is None:
             raise ValueError(f"unknown pipeline message {kind!r}: one of {', '.join(map(str, StageMessageKind))} "
                              "(stop ends a stage process before it reaches the stage)")
-        return handler(*arguments)
+        return getattr(self, name)(*arguments)
 
     def _take_plan(self, message: PlanMessage) -> list[dict] | None:
         self.plans[message.plan.index] = message
@@ -164,41 +131,19 @@ class StageRuntime:
         return self.run_ops()
 
     def stats(self) -> dict[str, float]:
-        """Busy time, span and bubble share (the span's idle share); the weights held and, on CUDA, the
-        allocator's peak so far."""
-        span = self.time.span
-        device = self.model.base.device
-        return {"stage": self.stage, "busy_s": self.time.busy, "span_s": span,
-                "bubble_share": (1.0 - self.time.busy / span) if span > 0 else 0.0,
-                "weight_bytes": self.model.held_bytes(),
-                "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+        return self.measures.stats()
 
     def held_bytes(self) -> int:
-        """What this stage holds between steps: its weights and adapters, AdamW moments, gradients."""
-        gradients = sum(p.grad.numel() * p.grad.element_size() for p in self.model.base.model.parameters()
-                        if p.grad is not None)
-        optimizers = sum(optimizer_state_bytes(job.optimizer.optimizer) for job in self.jobs.values()
-                         if job.optimizer is not None)
-        return self.model.held_bytes() + optimizers + gradients
+        return self.measures.held_bytes()
 
     def memory(self) -> StageMemory:
-        """This stage's memory model (its activations probed once, on first asking)."""
-        if self.activation is None:
-            self.activation = probe_stage_activation(self.model, recompute=self.settings.recompute)
-        config = self.model.base.model.config
-        base = self.model.base
-        return StageMemory(stage=self.stage, stages=self.stages, held=self.held_bytes(), activation=self.activation,
-                           vocab=int(config.vocab_size), hidden=self.model.hidden_size, dtype=base.dtype,
-                           loss_chunk=self.settings.loss_chunk, compute_path=lora_cuda.applies(base.device, base.dtype))
+        return self.measures.memory()
 
     def _measure(self, on: bool) -> int | None:
-        """Open (`on`) or close the allocator's window over the operations in between; closing answers the
-        peak bytes live meanwhile."""
-        self.links.flush()   # no send queued outside the window runs inside it, nor one from inside after it
-        if on:
-            self.window.start(self.held_bytes())
-            return None
-        return self.window.stop()
+        return self.measures.measure(on)
+
+    def _evaluate(self, request: EvalRequest) -> float | None:
+        return self.evaluator.evaluate(request)
 
     def close(self, *, flush: bool = True) -> None:
         """Leave the pipeline in order, nothing native left to the garbage collector: the sends waited for, a
@@ -206,23 +151,23 @@ class StageRuntime:
         `flush=False` after a failure (a peer may never take what is pending)."""
         if flush:
             self.links.flush()
-        self.window.close()
+        self.measures.window.close()
         self.links.close(flush=flush)
 
     # -- operations --------------------------------------------------------------------------------
     def run_ops(self) -> list[dict] | None:
         replies = None
         for op in self.schedule.take(self.stage):
-            handler = self.operations.get(op.kind)
-            if handler is None:
+            name = self.OPERATIONS.get(op.kind)
+            if name is None:
                 raise ValueError(f"pipeline stage {self.stage}: no handler for operation kind {op.kind!r} "
                                  f"(the kinds: {', '.join(map(repr, OpKind))})")
             started = time.perf_counter()
             waited = self.links.waited
-            reply = handler(op)
+            reply = getattr(self, name)(op)
             if reply is not None:
                 replies = (replies or []) + [reply]
-            self.time.record(op, started, time.perf_counter(), self.links.waited - waited)
+            self.measures.time.record(op, started, time.perf_counter(), self.links.waited - waited)
         return replies
 
     def _batch(self, index: int) -> FusedBatch:

@@ -85,7 +85,7 @@ class PipelineEngine:
     def rebuild(self) -> None:
         """New stages for the lost ones: the old processes stopped, every job dropped (each resumes from its
         last checkpoint when assigned again)."""
-        window = self.head.runtime.window
+        window = self.head.runtime.measures.window
         if window.open:   # stage 0's, in this process: left open by the step that lost the stage
             window.stop()
         self.pipeline.close(failed=True)

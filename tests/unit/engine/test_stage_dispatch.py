@@ -21,15 +21,16 @@ def runtime() -> StageRuntime:
 
 def test_every_operation_and_message_kind_has_its_handler():
     stage = runtime()
-    assert set(stage.operations) == set(OpKind)
-    assert set(stage.messages) == set(StageMessageKind) - {StageMessageKind.STOP}   # stop ends the process
-    assert len(set(stage.operations.values())) == len(OpKind)
+    assert set(stage.OPERATIONS) == set(OpKind)
+    assert set(stage.MESSAGES) == set(StageMessageKind) - {StageMessageKind.STOP}   # stop ends the process
+    assert len(set(stage.OPERATIONS.values())) == len(OpKind)
+    assert all(callable(getattr(stage, name)) for name in (*stage.OPERATIONS.values(), *stage.MESSAGES.values()))
 
 
 def test_the_short_words_are_the_kinds():
     assert OpKind.FORWARD_BACKWARD == "FB" and OpKind.OPTIMIZER_STEP == "O" and StageMessageKind.EVALUATE == "eval"
     stage = runtime()
-    assert stage.messages["drain"] == stage.messages[StageMessageKind.DRAIN]
+    assert stage.MESSAGES["drain"] == stage.MESSAGES[StageMessageKind.DRAIN]
     assert stage.handle(("drain",)) is None   # nothing fed: nothing to run
 
 

@@ -28,7 +28,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.output_dir:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
-        check_data_rows(spec)
         return _run_in_process(spec, args.file, args.quiet, args.overwrite)
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_local_dir, run_service_config
@@ -248,6 +247,9 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
         plan = _plan_in_process(spec, state_dir, overwrite)
         if plan is not None and not (plan.submit or plan.resume or plan.changed):   # every job done: no model loaded
             return _run_summary(spec, spec.output_dir, plan.done)
+        # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
+        check_data_rows(spec, None if plan is None else {s.job.name for s in plan.submit} | {
+            r.name for r in (*plan.resume, *plan.changed_records)})
         carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume])
         settle_garbage_collector()   # torch's and transformers' objects out of every later full collection
         quiet_loading_bars(quiet)   # transformers' bar as it loads the base

@@ -5,14 +5,11 @@ norms are known (stage 0's backward); a report per plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from actors.engine.job import OptimizerStepRecord, StepAccumulator
 from actors.engine.optim import lr_factor
+from actors.engine.pipeline.head_jobs import HeadJob
 from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
-
-if TYPE_CHECKING:
-    from actors.engine.pipeline.head import HeadJob
 
 
 @dataclass(kw_only=True)

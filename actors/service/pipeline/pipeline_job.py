@@ -19,7 +19,7 @@ from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
 from actors.engine.optim import JobOptimizer
-from actors.engine.pipeline.head import HeadJob
+from actors.engine.pipeline.head_jobs import HeadJob
 from actors.service.pipeline.pipeline_processes import LocalPipeline
 from actors.spec.job_spec import JobSpec
 

@@ -181,6 +181,7 @@ def test_a_hung_or_killed_job_actor_costs_neither_its_job_nor_the_others(ray_ses
 
 
 # -- the scheduler's process dies -------------------------------------------------------------------------------
+@pytest.mark.long   # 40-60 s on CI's machine: two jobs trained, the scheduler killed, then trained to their end
 def test_the_scheduler_restarts_itself_and_running_jobs_end_as_undisturbed(ray_session, tiny_model_dirs, tmp_path):
     ray = ray_session
     base = tiny_model_dirs["llama"]

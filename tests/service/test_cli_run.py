@@ -167,6 +167,7 @@ def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tin
 
 
 @pytest.mark.slow
+@pytest.mark.long   # a minute or more: the real base loaded, warmed up and measured by a service of its own
 def test_aspen_run_three_jobs_on_smollm2(tmp_path):
     write_data(tmp_path / "data")
     (tmp_path / "jobs.yaml").write_text(JOBS.format(base="smollm2-135m", steps=2).replace("epochs: 1", "max_steps: 2"))

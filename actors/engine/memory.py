@@ -95,6 +95,8 @@ class StepMemoryMeter:
         self.device = device
         self.counter = SavedTensorCounter()
         self._weights: tuple[frozenset[int], int] | None = None   # (parameters' storages, bytes): `_counted`
+        # whether a step's peak resident set is measured too (a CPU with Linux's /proc: `measure_resident`)
+        self.resident = device.type == "cpu" and resident_measurable()
 
     def refresh_weights(self) -> None:
         """The model's weights changed (an adapter added or removed): counted again where next needed (on a CPU, at

@@ -1,7 +1,7 @@
 """Composing a fused step: which jobs join it (round-robin within the step's tokens and a memory budget, or
 a policy's step composer, its answer checked and its failure contained), each job's micro-batch as the step
 will hold it (a GRPO job's prompts as their longest completions), and the step's tokens, padding included.
-`FusedTrainer` (actors/engine/trainer.py) composes its steps so: it is a `StepComposition`."""
+`FusedTrainer` (actors/engine/trainer.py) composes its steps so: it holds a `StepComposition` over its jobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from actors.data import Example
-from actors.engine.compiled import CompiledLayers, bucket_length
+from actors.engine.compiled import bucket_length
 from actors.engine.job import TrainingJob
 from actors.engine.packing import JobMicroBatch
 from actors.spec.base_settings import Layout
@@ -19,29 +19,28 @@ log = logging.getLogger(__name__)
 
 
 class StepComposition:
-    """A trainer's composition of its steps (`compose`, `planned`, `step_cost`), over what the trainer holds:
-    its jobs (in the order they were added), its step count, its step's tokens, its layout, whether it
-    compiles, its step composer, and what composing keeps from step to step (`rotation`, `last_joined`,
-    `composer_failed`)."""
+    """The composition of one trainer's steps (`compose`, `planned`, `step_cost`) over its jobs (`jobs`: the
+    trainer's, in the order they were added), its layout, whether its steps are compiled (`bucketed`), its step
+    composer, and what composing keeps from step to step (`rotation`, `last_joined`, `composer_failed`)."""
 
-    jobs: dict[str, TrainingJob]
-    active_jobs: list[TrainingJob]
-    composer: StepComposer | None
-    composer_failed: bool
-    last_joined: dict[str, int]
-    rotation: int
-    step_count: int
-    step_tokens: int
-    layout: Layout
-    compiled: CompiledLayers | None
+    def __init__(self, jobs: dict[str, TrainingJob], composer: StepComposer | None, *, layout: Layout,
+                 bucketed: bool):
+        self.jobs = jobs                          # the trainer's (the same dict)
+        self.composer = composer
+        self.layout = layout
+        self.bucketed = bucketed
+        self.composer_failed = False             # its last answer was unusable: round-robin meanwhile
+        self.last_joined: dict[str, int] = {}   # job -> the last step it took part in
+        self.rotation = 0
 
-    def compose(self, jobs: list[TrainingJob] | None = None,
+    def compose(self, candidates: list[TrainingJob], step_tokens: int, step_count: int,
                 fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
-        """Which jobs join the next step. With a `composer` (a policy's `compose_step`, e.g. MinPad), it
-        chooses; otherwise round-robin from where the last step left off, each job's next micro-batch
-        taken while the step stays within `step_tokens` and, with `fits`, within what `fits` allows
-        (e.g. a memory budget); the first always joins."""
-        candidates = [job for job in (jobs if jobs is not None else self.active_jobs) if job.peek() is not None]
+        """Which of `candidates` join the next step (the trainer's `step_count`-th), each with its next
+        micro-batch. With a `composer` (a policy's `compose_step`, e.g. MinPad), it chooses; otherwise
+        round-robin from where the last step left off, each job's next micro-batch taken while the step stays
+        within `step_tokens` and, with `fits`, within what `fits` allows (e.g. a memory budget); the first
+        always joins."""
+        candidates = [job for job in candidates if job.peek() is not None]
         if not candidates:
             return []
         start = self.rotation % len(candidates)
@@ -50,7 +49,7 @@ class StepComposition:
         chosen = None
         if self.composer is not None:
             try:
-                chosen = self._composed(ordered, fits)
+                chosen = self._composed(ordered, step_tokens, step_count, fits)
             except Exception as error:  # a policy's step composer is plug-in code: contained
                 if not self.composer_failed:
                     log.exception("step composer %s failed (%r); composing round-robin until it works again",
@@ -59,26 +58,30 @@ class StepComposition:
             else:
                 self.composer_failed = False
         if chosen is None:
-            chosen = self._round_robin(ordered, fits)
+            chosen = self._round_robin(ordered, step_tokens, fits)
         for job, _ in chosen:
-            self.last_joined[job.name] = self.step_count
+            self.last_joined[job.name] = step_count
         # Keep the stream grouped in a stable order (the order jobs were added).
         order = {name: i for i, name in enumerate(self.jobs)}
         chosen.sort(key=lambda pair: order[pair[0].name])
         return [(job, job.take()) for job, _ in chosen]
 
-    def _round_robin(self, ordered: list[TrainingJob], fits: Callable[[list[JobMicroBatch]], bool] | None
-                     ) -> list[tuple[TrainingJob, list[Example]]]:
+    def forget(self, name: str) -> None:
+        """A job left the trainer."""
+        self.last_joined.pop(name, None)
+
+    def _round_robin(self, ordered: list[TrainingJob], step_tokens: int,
+                     fits: Callable[[list[JobMicroBatch]], bool] | None) -> list[tuple[TrainingJob, list[Example]]]:
         """Each job's next micro-batch in `ordered`'s order, taken while the step stays within `step_tokens` (its
         cost kept as running totals, `StepTokens`: the same count as `step_cost` of the jobs so far and this one,
         without counting them all again for each job) and what `fits` allows; the first always joins."""
         chosen: list[tuple[TrainingJob, list[Example]]] = []
         planned: list[JobMicroBatch] = []
-        tokens = StepTokens(self.layout, bucketed=self.compiled is not None)
+        tokens = StepTokens(self.layout, bucketed=self.bucketed)
         for job in ordered:
             batch = job.peek()
             micro_batch = self.planned(JobMicroBatch(job.name, batch))
-            if chosen and (tokens.cost_with(micro_batch) > self.step_tokens
+            if chosen and (tokens.cost_with(micro_batch) > step_tokens
                            or (fits is not None and not fits([*planned, micro_batch]))):
                 continue
             chosen.append((job, batch))
@@ -86,27 +89,27 @@ class StepComposition:
             tokens.add(micro_batch)
         return chosen
 
-    def _composed(self, ordered: list[TrainingJob],
+    def _composed(self, ordered: list[TrainingJob], step_tokens: int, step_count: int,
                   fits: Callable[[list[JobMicroBatch]], bool] | None) -> list[tuple[TrainingJob, list[Example]]]:
         """Ask the composer; check that its answer is a non-empty set of these jobs within the budget."""
         by_name = {job.name: job for job in ordered}
         batches = {job.name: job.peek() for job in ordered}
         views = [NextBatch(job.name, tuple(len(e) for e in batches[job.name]),
-                           self.step_count - self.last_joined.get(job.name, -1) - 1, job.spec.priority)
+                           step_count - self.last_joined.get(job.name, -1) - 1, job.spec.priority)
                  for job in ordered]
 
         def micro(chosen: list[NextBatch]) -> list[JobMicroBatch]:
             return [self.planned(JobMicroBatch(v.job, batches[v.job])) for v in chosen]
 
-        names = self.composer.compose_step(views, lambda chosen: self.step_cost(micro(chosen)), self.step_tokens,
+        names = self.composer.compose_step(views, lambda chosen: self.step_cost(micro(chosen)), step_tokens,
                                            lambda chosen: fits is None or fits(micro(chosen)))
         unknown = [name for name in names if name not in by_name]
         if not names or unknown or len(set(names)) != len(names):
             raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}: it must return a "
                              f"non-empty list of distinct jobs from {sorted(by_name)}")
-        if len(names) > 1 and self.step_cost(micro([v for v in views if v.job in names])) > self.step_tokens:
+        if len(names) > 1 and self.step_cost(micro([v for v in views if v.job in names])) > step_tokens:
             raise ValueError(f"step composer {type(self.composer).__name__} chose {names!r}, which exceeds the "
-                             f"step's {self.step_tokens} tokens")
+                             f"step's {step_tokens} tokens")
         return [(by_name[name], batches[name]) for name in names]
 
     def planned(self, micro_batch: JobMicroBatch) -> JobMicroBatch:
@@ -124,7 +127,7 @@ class StepComposition:
         """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
         longest = max(len(e) for mb in micro_batches for e in mb.rows)
         tokens = sum(mb.padded_tokens(self.layout, longest) for mb in micro_batches)
-        return bucket_length(tokens) if self.compiled is not None else tokens
+        return bucket_length(tokens) if self.bucketed else tokens
 
 
 class StepTokens:

@@ -25,7 +25,7 @@ import torch
 
 from actors.data import Example
 from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
-from actors.engine.compiled import CompiledLayers, check_compile, pad_to_bucket
+from actors.engine.compiled import CompiledLayers, check_compile
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
 from actors.engine.grpo import (
     SAMPLING_SIZES,
@@ -46,12 +46,12 @@ from actors.engine.memory import (
     measure_peak,
     peak_resident_bytes,
     reset_peak_resident,
-    resident_measurable,
 )
 from actors.engine.models import BaseModel
-from actors.engine.packing import FusedBatch, JobMicroBatch, pack
+from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
+from actors.engine.step_batches import StepBatches
 from actors.engine.step_composition import StepComposition
 from actors.engine.step_objective import ObjectiveJob, step_objective
 from actors.engine.step_report import JobStepResult, StepReport
@@ -61,10 +61,7 @@ from actors.spec.method_config import PREFERENCE_METHODS
 from policies.base import StepComposer
 
 
-class FusedTrainer(StepComposition):
-    lost: Exception | None = None        # one device never loses a pipeline stage (service/trainer/step_engine.py)
-    generation_refusal: str | None = None   # it continues prompts ("try it")
-
+class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
                  recompute: Recompute = "none", compile: Compile = "none",
@@ -80,21 +77,52 @@ class FusedTrainer(StepComposition):
             decoder_layers(base.decoder)   # a model without a layer stack is refused here, not at the first step
         self.recompute = recompute
         self.base = base
-        self.composer = composer
-        self.composer_failed = False             # its last answer was unusable: round-robin meanwhile
-        self.last_joined: dict[str, int] = {}   # job -> the last step it took part in
         self.step_tokens = step_tokens
-        self.layout = layout
         self.loss_chunk = loss_chunk
         self.jobs: dict[str, TrainingJob] = {}
         self.step_count = 0
-        self.rotation = 0
+        self.composition = StepComposition(self.jobs, composer, layout=layout, bucketed=compile != "none")
         self.meter = StepMemoryMeter(base.model, base.device)
-        self.resident_measured = base.device.type == "cpu" and resident_measurable()
         self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
-        self.prepacked: tuple[tuple, FusedBatch] | None = None   # `_prepack_next`: (its key, the batch)
-        self.prepack = base.device.type == "cuda"   # pack the next step while this one runs (`_prepack_next`)
+        # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
+        self.batches = StepBatches(base, layout, bucketed=compile != "none", ahead=base.device.type == "cuda")
+
+    # -- what the trainer loop asks of any step engine (actors/service/trainer/step_engine.py) ----------------
+    @property
+    def lost(self) -> Exception | None:
+        """One device never loses a pipeline stage."""
+        return None
+
+    @property
+    def generation_refusal(self) -> str | None:
+        """None: one device continues prompts ("try it")."""
+        return None
+
+    @property
+    def layout(self) -> Layout:
+        return self.composition.layout
+
+    @property
+    def composer(self) -> StepComposer | None:
+        return self.composition.composer
+
+    @property
+    def resident_measured(self) -> bool:
+        """Whether each step's peak resident set is measured (a CPU with Linux's /proc)."""
+        return self.meter.resident
+
+    # -- composing a step (actors/engine/step_composition.py) ------------------------------------------------
+    def compose(self, jobs: list[TrainingJob] | None = None,
+                fits: Callable[[list[JobMicroBatch]], bool] | None = None) -> list[tuple[TrainingJob, list[Example]]]:
+        """Which of `jobs` (default: the active ones) join the next step, each with its next micro-batch: the
+        step composer's choice, else round-robin within `step_tokens` and what `fits` allows."""
+        return self.composition.compose(self.active_jobs if jobs is None else jobs, self.step_tokens,
+                                        self.step_count, fits)
+
+    def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
+        """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
+        return self.composition.step_cost(micro_batches)
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -118,7 +146,7 @@ class FusedTrainer(StepComposition):
 
     def remove_job(self, name: str) -> TrainingJob:
         job = self.jobs.pop(name)
-        self.last_joined.pop(name, None)
+        self.composition.forget(name)
         self.reference_caches.pop(name, None)
         remove_adapter(self.base.model, name)
         self.meter.refresh_weights()
@@ -201,11 +229,11 @@ class FusedTrainer(StepComposition):
             if not self.fuses_calls:
                 raise ValueError(f"interactive calls cannot share a step of layout '{self.layout}' or a compiled "
                                  "one: run them in a pass of their own")
-            self.prepacked = None   # the next step was guessed without these calls
+            self.batches.drop()   # the next step was guessed without these calls
             batch, block = with_calls(pack(micro_batches, self.layout, self.base.pad_token_id), calls.calls)
             batch = batch.to(self.base.device)
         else:
-            batch = self._device_batch(micro_batches)
+            batch = self.batches.for_step(micro_batches)
         compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
         model = self.base.model
@@ -258,28 +286,13 @@ class FusedTrainer(StepComposition):
                           memory_measured=self.base.device.type == "cuda", call_outputs=call_outputs,
                           call_tokens=len(block.ids) if block is not None else 0)
 
-    def _device_batch(self, micro_batches: list[JobMicroBatch]) -> FusedBatch:
-        """The step's packed batch on the device: the one `_prepack_next` sent during the last step when it was
-        packed from these very micro-batches, else packed now (padded to a bucket with `compile`)."""
-        key = tuple((mb.job, id(mb.examples)) for mb in micro_batches)
-        prepacked, self.prepacked = self.prepacked, None
-        if prepacked is not None and prepacked[0] == key:
-            return prepacked[1]
-        return self._packed(micro_batches)
-
-    def _packed(self, micro_batches: list[JobMicroBatch]) -> FusedBatch:
-        batch = pack(micro_batches, self.layout, self.base.pad_token_id)
-        if self.compiled is not None:   # a bounded number of stream lengths: compiled graphs
-            batch = pad_to_bucket(batch, self.base.pad_token_id)
-        return batch.to(self.base.device)
-
     def _prepack_next(self) -> None:
         """On CUDA, while the step's kernels run: pack the step most likely to come next (every active job's
         next micro-batch, where they fit one step together and each is at hand without waiting) and send it,
         so that the next step starts as soon as this one is read back. A step composed otherwise (a composer,
         a memory budget, jobs that joined or left) packs its own; GRPO and preference jobs' steps are not
         guessed (their rows are made or looked up per step)."""
-        if not self.prepack or self.composer is not None:
+        if not self.batches.ahead or self.composer is not None:
             return
         jobs = self.active_jobs
         if not jobs or any(job.spec.method != "sft" for job in jobs) or not all(j.next_batch_ready() for j in jobs):
@@ -287,7 +300,7 @@ class FusedTrainer(StepComposition):
         micro = [JobMicroBatch(job.name, batch) for job in jobs if (batch := job.peek()) is not None]
         if not micro or (len(micro) > 1 and self.step_cost(micro) > self.step_tokens):
             return
-        self.prepacked = (tuple((mb.job, id(mb.examples)) for mb in micro), self._packed(micro))
+        self.batches.send_ahead(micro)
 
     def train_step(self) -> StepReport | None:
         """Compose the next step, expand its GRPO jobs' rollouts (a failed reward raises), run it."""

@@ -3,7 +3,7 @@ trainer loop adds a job when it is assigned and removes it once it is done, with
 kept; and the switches that put a CPU trainer on the CUDA path throughout (`on_the_cuda_path`): the adapters in the
 base's dtype on their segments (actors/engine/lora_cuda.py, pooled masters and gradients), the optimizer steps on the
 device (actors/engine/joint_steps.py `on_device`: the flat AdamW of actors/engine/flat_adamw.py, norms kept on the
-device), and the next step's batch packed during this one (`FusedTrainer.prepack`)."""
+device), and the next step's batch packed during this one (`FusedTrainer.batches.ahead`)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def run_planned(base, planned: list[PlannedJob], *, step_tokens: int = 100_000,
     (the trainer, its jobs) runs after each step, before the jobs that are done leave (as a trainer loop evaluates
     them, or continues a prompt with an adapter, between steps)."""
     trainer = FusedTrainer(base, step_tokens=step_tokens)
-    trainer.prepack = True
+    trainer.batches.ahead = True
     waiting = sorted(planned, key=lambda job: job.joins_before_step)
     jobs: dict[str, TrainingJob] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}

@@ -83,7 +83,7 @@ def test_a_job_checkpointed_mid_accumulation_on_the_cuda_path_resumes_to_its_uni
     name = accumulating.spec.name
 
     trainer = FusedTrainer(base, step_tokens=100_000)
-    trainer.prepack = True
+    trainer.batches.ahead = True
     job = TrainingJob.create(accumulating.spec, base, accumulating.examples, [], seed=1)
     trainer.add_job(job)
     trainer.add_job(TrainingJob.create(neighbour.spec, base, neighbour.examples, [], seed=2))
@@ -97,7 +97,7 @@ def test_a_job_checkpointed_mid_accumulation_on_the_cuda_path_resumes_to_its_uni
         trainer.remove_job(other)
 
     trainer = FusedTrainer(base, step_tokens=100_000)
-    trainer.prepack = True
+    trainer.batches.ahead = True
     resumed = TrainingJob.create(accumulating.spec, base, accumulating.examples, [], seed=1)
     load_checkpoint(resumed, tmp_path / "ckpt")
     trainer.add_job(resumed)

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from actors.engine import step_batches
 from actors.engine import trainer as trainer_module
 from actors.engine.job import TrainingJob
 from actors.engine.joint_steps import step_jobs
@@ -105,19 +106,19 @@ def test_the_losses_and_norms_are_read_back_once():
 def _train(prepack: bool, monkeypatch) -> tuple[list, dict, int, int, int]:
     """Three jobs of 4, 5 and 6 steps; (losses, weights, steps, batches packed, steps that found theirs packed)."""
     packs, hits = [], []
-    original_pack = trainer_module.pack
-    monkeypatch.setattr(trainer_module, "pack", lambda *args: packs.append(1) or original_pack(*args))
-    original_device_batch = trainer_module.FusedTrainer._device_batch
+    original_pack = step_batches.pack
+    monkeypatch.setattr(step_batches, "pack", lambda *args: packs.append(1) or original_pack(*args))
+    original_for_step = step_batches.StepBatches.for_step
 
     def watching(self, micro_batches):
         key = tuple((mb.job, id(mb.examples)) for mb in micro_batches)
         hits.append(self.prepacked is not None and self.prepacked[0] == key)
-        return original_device_batch(self, micro_batches)
+        return original_for_step(self, micro_batches)
 
-    monkeypatch.setattr(trainer_module.FusedTrainer, "_device_batch", watching)
+    monkeypatch.setattr(step_batches.StepBatches, "for_step", watching)
     base = from_module(tiny_model("llama", VOCAB), None)
     trainer = trainer_module.FusedTrainer(base, step_tokens=100_000)
-    trainer.prepack = prepack
+    trainer.batches.ahead = prepack
     jobs = [TrainingJob.create(job_spec(f"job-{index}", max_steps=4 + index), base,
                                random_examples(index, vocab=VOCAB), [], seed=index) for index in range(3)]
     for job in jobs:
@@ -148,13 +149,13 @@ def test_a_step_composed_otherwise_packs_its_own(monkeypatch):
     """A guess that does not come true (here: a job removed between steps) is dropped, not used."""
     base = from_module(tiny_model("llama", VOCAB), None)
     trainer = trainer_module.FusedTrainer(base, step_tokens=100_000)
-    trainer.prepack = True
+    trainer.batches.ahead = True
     jobs = [TrainingJob.create(job_spec(f"job-{index}", max_steps=3), base, random_examples(index, vocab=VOCAB),
                                [], seed=index) for index in range(2)]
     for job in jobs:
         trainer.add_job(job)
     first = trainer.train_step()
-    assert trainer.prepacked is not None and len(trainer.prepacked[0]) == 2
+    assert trainer.batches.prepacked is not None and len(trainer.batches.prepacked[0]) == 2
     trainer.remove_job("job-0")
     second = trainer.train_step()
     assert [r.job for r in second.results] == ["job-1"] and second.tokens < first.tokens
@@ -172,7 +173,7 @@ def test_a_step_s_running_token_count_is_the_full_count(layout, bucketed):
     """`StepTokens` keeps a step's cost as micro-batches join: with each next one it is `step_cost` of them all,
     counted afresh (rows of different lengths, micro-batches of different sizes, padding and the compiled bucket)."""
     trainer = trainer_module.FusedTrainer(from_module(tiny_model("llama", VOCAB), None), layout=layout)
-    trainer.compiled = object() if bucketed else None   # step_cost's bucket (a compiled trainer's)
+    trainer.composition.bucketed = bucketed   # step_cost's bucket (a compiled trainer's)
     tokens = StepTokens(layout, bucketed=bucketed)
     joined: list[JobMicroBatch] = []
     for index in range(12):
@@ -207,7 +208,7 @@ def test_many_jobs_are_composed_within_the_budget_as_a_full_count_chooses(monkey
     over_budget = [job for job in jobs[:jobs.index(expected[-1])] if job not in expected and job is not jobs[7]]
     assert over_budget, "no job was skipped for the budget before a later one joined: the case is not tested"
     full_counts = []
-    monkeypatch.setattr(trainer, "step_cost", lambda micro_batches: full_counts.append(1))
+    monkeypatch.setattr(trainer.composition, "step_cost", lambda micro_batches: full_counts.append(1))
     chosen = trainer.compose(fits=fits)
     assert [job.name for job, _ in chosen] == [job.name for job in expected]
     assert not full_counts

@@ -1,6 +1,8 @@
 """`SchedulerActor`: the named, long-lived service, a thin Ray shell over the scheduler's Ray-free cores.
 
-It holds the job table (SQLite in its state folder) and answers the client's calls; its loop thread has the
+It holds the job table (SQLite in its state folder, held by `ServiceState`: actors/service/table/state_dir.py) and
+answers the client's calls; its loop thread (`SchedulerLoop`: actors/service/scheduler/scheduler_loop.py, with the
+pace of its decision rounds) has the
 trainer fleet (`actors/service/scheduler/trainer_fleet.py`: trainers started per node, polled, replaced when they
 die, retired when their node leaves) watch the trainers, the event intake (`actors/service/events/event_intake.py`)
 book what they reported, and the scheduler core (`actors/service/scheduler/scheduler_core.py`) decide; it starts a
@@ -33,13 +35,12 @@ from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
 from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
 from actors.service.scheduler.scheduler_core import SchedulerCore, StopRequest
+from actors.service.scheduler.scheduler_loop import SchedulerLoop
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
 from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
-from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTableBusy
-from actors.service.table.state_dir import lock_state_dir, open_job_table
-from actors.service.table.table_backup import JobTableDamaged, TableBackups
-from actors.service.trainer.loop_errors import LoopErrors
+from actors.service.table.job_table import ACTIVE_STATES, JobRecord
+from actors.service.table.state_dir import ServiceState
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
@@ -51,12 +52,6 @@ from policies.registry import load_policy
 log = logging.getLogger(__name__)
 
 GENERATE_WAIT_S = 90.0   # a "try it" request waits for the trainer's current step, then for its generation
-
-# A decision round (snapshot, policy, listeners) may take at most this share of the scheduler's time, so
-# that a submission rarely waits behind one: with thousands of queued jobs rounds come less often than
-# tick_seconds (a 40 ms round: every 2 s). Trainer events are still taken every tick.
-ROUND_SHARE = 0.02
-ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
 SHUTDOWN_TABLE_WAIT_S = 60.0   # how long a stopping service tries to book its trainers' last events
 
 
@@ -72,25 +67,23 @@ class SchedulerActor:
         background_priority()   # light work next to the trainers' torch threads (actors/niceness.py)
         self.config = expect_type(config, ServiceConfig, "the service's configuration")
         configure_storage(self.config.storage.settings())   # and each trainer and job actor it starts
-        self.state_dir = Path(self.config.state_dir).expanduser().resolve()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.state_lock = lock_state_dir(self.state_dir)
+        self.state = ServiceState(Path(self.config.state_dir).expanduser().resolve())
+        state_dir = self.state.path
         incarnation = f"{int(time.time() * 1000):x}"
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.listeners = Listeners(build_listeners(listeners, self.config))
-        self.table = open_job_table(self.state_dir / "jobs.sqlite", self.listeners.job_changed)
-        self.backups = TableBackups(self.table.path).start()   # jobs.sqlite.backup, in a thread of its own
+        self.table = self.state.open_table(self.listeners.job_changed)
         nodes = alive_nodes()
         kinds = trainer_kinds(self.config, any(node.gpus >= 1 for node in nodes))
-        self.core = SchedulerCore(self.table, load_policy(self.config.policy), self.state_dir,
+        self.core = SchedulerCore(self.table, load_policy(self.config.policy), state_dir,
                                   on_decision=self.listeners.decided, trainers=kinds,
                                   output_root=self.config.output_root, data_roots=self.config.data_roots,
                                   fair_share_window_s=self.config.fair_share_window_s,
                                   user_functions=self.config.user_functions)
         self.lock = threading.RLock()
-        self.intake = EventIntake(self.table, self.core, self.state_dir, on_events=self._booked,
+        self.intake = EventIntake(self.table, self.core, state_dir, on_events=self._booked,
                                   on_requeued=lambda job_id: self.job_starts.drop(job_id))
-        self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(self.state_dir), self.config.policy,
+        self.fleet = TrainerFleet(kinds, RayTrainers(incarnation, str(state_dir), self.config.policy,
                                                      self.config.storage),
                                   self.intake, trainer_timeout_s=self.config.trainer_timeout_s,
                                   cluster_poll_s=self.config.cluster_poll_s,
@@ -105,21 +98,18 @@ class SchedulerActor:
         if not self.fleet.slots:
             log.warning("scheduler: no node of the cluster has the resources of a trainer (%s); jobs wait until "
                         "one joins", ", ".join(f"{n.address}: {n.cpus:g} CPU, {n.gpus:g} GPU" for n in nodes))
-        self.job_starts = JobStarts(self.table, self.core, self.state_dir, node_of=self.fleet.node_of,
+        self.job_starts = JobStarts(self.table, self.core, state_dir, node_of=self.fleet.node_of,
                                     storage=self.config.storage)
         self.core.node_of = self.fleet.node_of
-        self.sweeps = SweepBook(self.state_dir, SchedulerJobs(self.core, self.table, self.cancel))
+        self.sweeps = SweepBook(state_dir, SchedulerJobs(self.core, self.table, self.cancel))
         self.held = HeldJobs()
-        self.rounds = 0
-        self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
-        self.thread.start()
+        self.loop = SchedulerLoop(self._tick, self.lock, self.config.tick_seconds)
+        self.loop.start()
 
     # -- client calls ---------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         with self.lock:
-            info = {"state_dir": str(self.state_dir), "policy": self.core.policy.name,
+            info = {"state_dir": str(self.state.path), "policy": self.core.policy.name,
                     "output_root": str(root) if (root := self.core.submissions.relative_root) else None,
                     "trainers": self.fleet.describe(), "job_slots": dict(self.core.job_slots),
                     **self.listeners.describe()}
@@ -308,8 +298,7 @@ class SchedulerActor:
         """Stop the loop and the trainers (their running jobs are paused with a checkpoint and queued
         again for the next start of the service). Events the job table cannot take within a minute are
         written next to it and applied at the next start."""
-        self.stopping.set()
-        self.thread.join(timeout=30)
+        self.loop.stop()
         with self.lock:
             for trainer_id, events in self.fleet.shutdown():
                 for event in events:
@@ -322,23 +311,9 @@ class SchedulerActor:
             self.fleet.kill_all()
             self.job_starts.kill_all()
             self.listeners.close()
-            self.table.close()
-            self.backups.close()   # the last copy, of the table as this service leaves it
+            self.state.close()   # the table, and its last backup
 
     # -- the loop -----------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        errors = LoopErrors(log, "scheduler: error in the scheduling loop", quiet=(JobTableDamaged,))
-        while not self.stopping.is_set():
-            try:
-                with self.lock:
-                    self._tick()
-                errors.cleared()
-            except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
-                log.warning("scheduler: %s; the next round tries again", error)
-            except Exception as error:  # noqa: BLE001 - the loop goes on; LoopErrors logs it (a repeat once a minute)
-                errors.report(error)
-            self.stopping.wait(self.config.tick_seconds)
-
     def _tick(self) -> None:
         self.fleet.follow_if_due()
         self.fleet.watch_all()
@@ -351,11 +326,8 @@ class SchedulerActor:
         # running jobs each node holds: their actors' processes within its memory (ServiceConfig.job_slots)
         self.core.job_slots = {node.id: self.config.job_slots(node.memory_bytes) for node in self.fleet.nodes.values()
                                if node.memory_bytes > 0 or self.config.job_processes_per_node is not None}
-        if ready and time.monotonic() >= self.next_round_at:
-            started = time.monotonic()
-            self._decide_round(ready)
-            took = time.monotonic() - started
-            self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
+        if ready:   # a decision round, at its pace (scheduler_loop.ROUND_SHARE)
+            self.loop.paced_round(lambda round_number: self._decide_round(ready, round_number))
         self.job_starts.release()
         self._explain_waits()
         if self.sweeps.drivers:
@@ -368,18 +340,17 @@ class SchedulerActor:
         give_back_unheld(self.held, self.core.booking, self.fleet.ready_statuses(),
                          lambda job_id: job_id in self.job_starts or self.core.is_interactive(job_id))
 
-    def _decide_round(self, ready: list[TrainerStatus]) -> None:
-        self.rounds += 1
+    def _decide_round(self, ready: list[TrainerStatus], round_number: int) -> None:
         with self.table.transaction():   # a round is decided whole or not at all
             actions = self.core.plan(ready)
         for action in actions:
             if isinstance(action, Start):
-                self.job_starts.begin(action, self.rounds)
+                self.job_starts.begin(action, round_number)
             elif isinstance(action, (Preempt, Move)):   # a move pauses the job first (SchedulerCore.plan)
                 record = self.table.get(action.job)
                 self.fleet.stop_job(record.trainer or "", action.job, "paused", action.reason)
         # the first round after a start tells the listeners of every job (e.g. to publish its retained state)
-        jobs = self.table.all(ACTIVE_STATES if self.rounds > 1 else None)
+        jobs = self.table.all(ACTIVE_STATES if round_number > 1 else None)
         self.listeners.tick(jobs, self.table.counts(), ready)
         self.listeners.accounts(self.accounts())
 

@@ -159,7 +159,7 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(ray_session, tiny_m
             wait_for(lambda: not query(prometheus, "aspen_job_loss"), timeout=20, what="the job's series to go")
             assert not query(prometheus, "aspen_job_tokens_total")
             # the per-state gauges follow at the scheduler's next decision round (a round may come less often
-            # than a tick: actors/scheduler_actor.py, ROUND_SHARE)
+            # than a tick: actors/service/scheduler/scheduler_loop.py, ROUND_SHARE)
             wait_for(lambda: number(prometheus, 'aspen_jobs{state="cancelled"}') == 1, timeout=20,
                      what="the cancelled job in aspen_jobs")
             assert number(prometheus, 'aspen_jobs{state="completed"}') == 1

@@ -97,14 +97,11 @@ def test_the_readme_stays_short():
 
 
 CLASS_ATTRIBUTES = 12
-# Classes over CLASS_ATTRIBUTES today, each with its count as a ceiling: none may grow, and one that comes down to
-# the limit leaves this list (the test says so). Records (dataclasses, pydantic models, named tuples, enums) are
+# Classes over CLASS_ATTRIBUTES, each with its count as a ceiling: none may grow, and one that comes down to the
+# limit leaves this list (the test says so). None today (the last three, the trainer loop, the fused trainer and
+# the scheduler actor, were split on 2026-12-02). Records (dataclasses, pydantic models, named tuples, enums) are
 # not counted: their fields are what they hold.
-OVER_THE_LIMIT = {
-    "actors/service/trainer/trainer_loop.py:TrainerLoop": 21,
-    "actors/engine/trainer.py:FusedTrainer": 19,
-    "actors/scheduler_actor.py:SchedulerActor": 17,
-}
+OVER_THE_LIMIT: dict[str, int] = {}
 RECORD_BASES = {"BaseModel", "NamedTuple", "TypedDict", "Enum", "StrEnum", "IntEnum", "Exception"}
 
 

@@ -1,6 +1,7 @@
-"""The service's state folder: one service at a time (an OS lock that dies with its process), the job table
-opened with patience while another process holds it, and the trainer events the table could not take
-before the service stopped, kept in a file beside it (fsynced) and applied at the next start."""
+"""The service's state folder (`ServiceState`, as a service holds it): one service at a time (an OS lock that
+dies with its process), the job table opened with patience while another process holds it and backed up, and
+the trainer events the table could not take before the service stopped, kept in a file beside it (fsynced) and
+applied at the next start."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.service.table.job_table import JobTable, JobTableBusy
+from actors.service.table.table_backup import TableBackups
 from actors.service.trainer.trainer_reports import TrainerEvent
 from actors.storage.durable import append_record
 
@@ -64,6 +66,30 @@ def open_job_table(path: Path, on_change: Any, timeout: float = TABLE_OPEN_S) ->
                 raise
             log.warning("scheduler: %s; waiting", error)
             time.sleep(2.0)
+
+
+class ServiceState:
+    """A service's state folder held for its life: created and locked for this process (`lock_state_dir`: the
+    lock dies with it), then (`open_table`) its job table, waited for while another process holds the file, and
+    the table's backups taken in a thread of their own; `close` closes both, the last backup taken."""
+
+    def __init__(self, path: Path):
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.lock = lock_state_dir(path)
+        self.table: JobTable | None = None
+        self.backups: TableBackups | None = None
+
+    def open_table(self, on_change: Any) -> JobTable:
+        self.table = open_job_table(self.path / "jobs.sqlite", on_change)
+        self.backups = TableBackups(self.table.path).start()   # jobs.sqlite.backup
+        return self.table
+
+    def close(self) -> None:
+        if self.table is not None:
+            self.table.close()
+        if self.backups is not None:
+            self.backups.close()   # the last copy, of the table as this service leaves it
 
 
 def spill_events(state_dir: Path, events: list[tuple[str, TrainerEvent]]) -> Path:

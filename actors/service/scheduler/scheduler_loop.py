@@ -1,0 +1,70 @@
+"""The scheduler's loop thread (`SchedulerLoop`, which `SchedulerActor` holds), Ray-free: its tick under the
+service's lock every `tick_seconds` until the service stops, and the pace of its decision rounds.
+
+A decision round (snapshot, policy, listeners) may take at most `ROUND_SHARE` of the scheduler's time, so that a
+submission rarely waits behind one: with thousands of queued jobs rounds come less often than the ticks (a 40 ms
+round: every 2 s); trainer events are still taken every tick. A round the job table could not take (JobTableBusy)
+left nothing half done and is tried at the next tick; any other error of a tick is logged (`LoopErrors`: a repeat
+once a minute) and the loop goes on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from actors.service.table.job_table import JobTableBusy
+from actors.service.table.table_backup import JobTableDamaged
+from actors.service.trainer.loop_errors import LoopErrors
+
+log = logging.getLogger(__name__)
+
+ROUND_SHARE = 0.02
+ROUND_PACED_FROM_S = 0.01   # rounds shorter than this (a table of tens of jobs) run every tick
+
+
+class SchedulerLoop:
+    """`tick` (under `lock`) every `tick_seconds` in a thread of its own, from `start` until `stop`;
+    `paced_round` runs a decision round when its share of the time allows."""
+
+    def __init__(self, tick: Callable[[], None], lock: Any, tick_seconds: float):
+        self.tick = tick
+        self.lock = lock
+        self.tick_seconds = tick_seconds
+        self.rounds = 0                    # decision rounds run so far
+        self.next_round_at = 0.0           # monotonic time before which no decision round starts (ROUND_SHARE)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="scheduler-loop", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """No tick after the one running now, which is waited for (at most `timeout`)."""
+        self.stopping.set()
+        self.thread.join(timeout=timeout)
+
+    def paced_round(self, decide: Callable[[int], None]) -> None:
+        """`decide(n)`, the n-th decision round, unless the last one's time keeps the next one back."""
+        started = time.monotonic()
+        if started < self.next_round_at:
+            return
+        self.rounds += 1
+        decide(self.rounds)
+        took = time.monotonic() - started
+        self.next_round_at = started + took / ROUND_SHARE if took > ROUND_PACED_FROM_S else 0.0
+
+    def _run(self) -> None:
+        errors = LoopErrors(log, "scheduler: error in the scheduling loop", quiet=(JobTableDamaged,))
+        while not self.stopping.is_set():
+            try:
+                with self.lock:
+                    self.tick()
+                errors.cleared()
+            except JobTableBusy as error:   # a decision round the table could not take: nothing of it happened
+                log.warning("scheduler: %s; the next round tries again", error)
+            except Exception as error:  # noqa: BLE001 - the loop goes on; LoopErrors logs it (a repeat once a minute)
+                errors.report(error)
+            self.stopping.wait(self.tick_seconds)

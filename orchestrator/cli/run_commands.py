@@ -261,18 +261,8 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
             if not stops.began:   # before any step (the base loading): nothing was checkpointed
                 raise
             raise RunInterrupted(isinstance(interrupt, Terminated)) from None
-    scored = any(s.eval_score is not None for s in summaries)   # a job with eval_generate: its last score
-    print(f"\n{'job':<24}{'state':>14}{'steps':>7}{'tokens':>10}{'first loss':>12}{'final loss':>12}{'eval loss':>11}"
-          + (f"{'eval score':>12}" if scored else ""))
-    for s in summaries:
-        fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731 - a formatter local to this table
-        print(f"{s.name:<24}{s.state:>14}{s.steps:>7}{s.tokens:>10}{fmt(s.first_loss):>12}{fmt(s.final_loss):>12}"
-              f"{fmt(s.eval_loss):>11}" + (f"{fmt(s.eval_score):>12}" if scored else ""))
-    print(f"\nadapters and metrics in {spec.output_dir}")
-    failed = [s for s in summaries if s.state not in ("completed", "stopped_early")]
-    for summary in failed:
-        print(f"aspen: job {summary.name} {summary.state}: {summary.reason}", file=sys.stderr)
-    return 1 if failed else 0
+    # the same end as `aspen run`'s through a service, and as a run whose jobs were all done already
+    return _run_summary(spec, spec.output_dir, [summary.record for summary in summaries])
 
 
 def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan | None:

@@ -1,8 +1,9 @@
 """`aspen run --in-process` recorded where `aspen run` keeps its jobs (`<output_dir>/.aspen/jobs.sqlite`):
 
-- once it ended, `aspen run` of the same file finds its jobs done (answering without Ray), `aspen report` shows
-  their states, `aspen status` answers from its table; run in-process again, it plans as `aspen run` does: done
-  jobs left alone (no model loaded), a changed one refused, started over with --overwrite and only it;
+- once it ended, `aspen run` of the same file finds its jobs done (answering without Ray, with the table the run
+  ended with), `aspen report` shows their states, `aspen status` answers from its table; run in-process again, it
+  plans as `aspen run` does: done jobs left alone (no model loaded, the same table), a changed one refused, started
+  over with --overwrite and only it;
 - while a service (or another run) holds the folder, it refuses before anything is deleted, exit 1, saying who
   holds it and what to do;
 - Ctrl-C checkpoints its running jobs and records them paused: `aspen run` (through a service) or the same command
@@ -64,16 +65,25 @@ def report_states(folder: Path) -> dict[str, tuple[str, int]]:
     return {job["job"]: (job["state"], job["steps"]) for job in json.loads(result.stdout)}
 
 
+def end_table(out: str) -> list[str]:
+    """The jobs' table `aspen run` ends with: its title and rows (rich's box lines), one string a line."""
+    return [line.strip() for line in out.splitlines() if line.strip().startswith(("│", "┃")) or " jobs on " in line]
+
+
 def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_path, tiny_model_dirs):
     write_run(tmp_path, tiny_model_dirs["llama"], steps=20)
     env = {**NO_RAY, "ASPEN_RECENT_RUNS": str(tmp_path / "runs.json")}
     code, out, err = finish(in_process(tmp_path, env))
     assert code == 0, err
     assert report_states(tmp_path) == {"first": ("completed", 20), "second": ("completed", 20)}
-    # the service's way reads the table first: every job done, so it answers without Ray (none answers there)
+    trained = end_table(out)
+    assert sum("completed" in line and "20/20" in line for line in trained) == 2, out
+    # the service's way reads the table first: every job done, so it answers without Ray (none answers there),
+    # and ends with the same table as the run that trained them
     code, out, err = run(tmp_path, env=env)
     assert code == 0, err
     assert "first: already completed at step 20; left alone" in out and "second: already completed" in out, out
+    assert end_table(out) == trained, (out, trained)
     # no cluster named, and none found on the machine (the other test workers' clusters left out of Ray's search)
     status = aspen(tmp_path, "status", env={k: v for k, v in env.items() if k != "RAY_ADDRESS"}, no_cluster=True)
     assert status.returncode == 0 and "the job table of the run in" in status.stderr, status.stderr
@@ -84,6 +94,7 @@ def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_
     code, out, err = finish(in_process(tmp_path, env))
     assert code == 0, err
     assert "first: already completed at step 20; left alone" in out and "second: already completed" in out, out
+    assert end_table(out) == trained, (out, trained)
     assert {name: (tmp_path / "out" / name / "adapter_model.safetensors").stat().st_mtime_ns
             for name in ("first", "second")} == adapters
     jobs = (tmp_path / "jobs.yaml").read_text()

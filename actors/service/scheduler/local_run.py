@@ -59,6 +59,7 @@ class JobSummary:
     eval_score: float | None = None   # the last evaluation's eval_generate score, where the job has one
     reason: str
     evals: list[tuple[int, float]]   # (step, eval loss) of each evaluation
+    record: JobRecord                # its row of the run's job table as the run ended (`aspen run` prints these)
 
 
 class StopBetweenSteps:
@@ -314,4 +315,4 @@ def _summary(record: JobRecord, table: JobTable) -> JobSummary:
                       first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
                       eval_loss=record.eval_loss,
                       adapter_dir=as_location(record.adapter_dir) if record.adapter_dir else None,
-                      reason=record.reason, evals=evals, eval_score=scores[-1] if scores else None)
+                      reason=record.reason, evals=evals, eval_score=scores[-1] if scores else None, record=record)

@@ -9,15 +9,20 @@ import threading
 import pytest
 
 from actors.service.scheduler.local_run import held_run_folder
+from actors.service.table.job_table import read_jobs
 from actors.service.table.state_dir import (
     UNAPPLIED_EVENTS,
+    ServiceState,
     StateDirInUse,
     forget_spilled_events,
     lock_state_dir,
     read_spilled_events,
     spill_events,
 )
+from actors.service.table.table_backup import backup_path
 from actors.service.trainer.trainer_reports import TrainerEvent
+from actors.spec.job_submission import JobSubmission
+from tests.helpers.fused import job_spec
 
 
 def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_path):
@@ -28,6 +33,21 @@ def test_a_second_service_on_one_state_folder_is_refused_naming_the_first(tmp_pa
     finally:
         first.close()
     lock_state_dir(tmp_path).close()   # free again once the first let go
+
+
+def test_a_service_holds_its_folder_and_leaves_its_table_backed_up(tmp_path):
+    """`ServiceState` as the scheduler actor holds it: the folder made and locked (a second service refused before it
+    opens anything), its table opened, and on close the table closed with a last backup that holds the jobs."""
+    changes = []
+    state = ServiceState(tmp_path / "state")
+    table = state.open_table(lambda *change: changes.append(change))
+    with pytest.raises(StateDirInUse):
+        ServiceState(tmp_path / "state")
+    table.add("kept-1", JobSubmission(job=job_spec("kept")), tmp_path / "out" / "kept")
+    assert changes, "the table's changes reach the listener it was opened with"
+    state.close()
+    backup = backup_path(table.path)
+    assert [record.name for record, _ in read_jobs(backup)] == ["kept"]
 
 
 def test_a_run_folder_is_held_on_by_its_thread_and_refused_to_others(tmp_path):

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from actors.engine.interactive_step import FusedCalls
+from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.step_report import StepReport
 from actors.engine.trainer import FusedTrainer
@@ -42,8 +43,8 @@ REAP_EVERY_S = 5.0   # how often interactive models whose HTTP server went silen
 Admission = StepAdmission | PipelineAdmission
 
 
-def admitted_engine(base, config: TrainerConfig, composer: StepComposer | None, engine: PipelineEngine | None
-                    ) -> tuple[StepEngine, Admission, Callable[[], Admission]]:
+def admitted_engine(base: BaseModel | None, config: TrainerConfig, composer: StepComposer | None,
+                    engine: PipelineEngine | None) -> tuple[StepEngine, Admission, Callable[[], Admission]]:
     """The loop's step engine, its admission, and how that is made again (after a pipeline's new stages): a
     pipeline's `engine` as given (its stages stopped when its admission is refused), else one device's
     `FusedTrainer` over `base`, its `step_tokens: auto` sized for the device by the memory model."""
@@ -57,6 +58,7 @@ def admitted_engine(base, config: TrainerConfig, composer: StepComposer | None, 
         except BaseException:
             engine.close()   # its stages stop with the refusal
             raise
+    assert base is not None, "one device's trainer needs its base model"
     trainer = FusedTrainer(base, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
                            composer=composer, recompute=config.recompute, compile=config.compile)
     admission = StepAdmission(trainer, config.memory_budget_bytes)

@@ -247,7 +247,7 @@ def print_table(rows: list[tuple[str, str, str, str]]) -> None:
     print(line)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and steps (~4 min on 2 CPU cores)")
     parser.add_argument("--base-model", default="smollm2-135m")
@@ -271,7 +271,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="how the engine runs the adapters' updates: grouped (on CUDA's path, torch._grouped_mm "
                              "over the jobs' segments; on the float32 path, padded batched products) or per segment "
                              "(auto: grouped on CUDA, per segment elsewhere)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def load_base(args: argparse.Namespace, skip: set[str]) -> tuple[BaseModel | None, torch.device]:
+    """The base the parts run on (none where only (c) runs: its sides load theirs in processes of their own), and
+    the device they run on."""
+    if {"a", "b", "d"} <= skip:
+        base = None
+    elif args.base_model == "tiny-llama":
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        base = tiny_llama(torch.device(auto if args.device == "auto" else args.device))
+    else:
+        base = load_base_model(args.base_model, dtype=args.dtype, device=args.device)
+    device = base.device if base is not None else torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    return base, device
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
     lora_grouped.GROUPING = args.lora_grouping
     lora_cuda.KERNEL = {"auto": "auto", "grouped": "grouped_mm", "segments": "segments"}[args.lora_grouping]
     skip = {p.strip() for p in args.skip.split(",") if p.strip()}
@@ -290,15 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         s.fusion_adapters = tuple(int(n) for n in args.adapters.split(","))
     if args.sequences:
         s.fusion_sequences = args.sequences
-    if {"a", "b", "d"} <= skip:   # (c) alone: its sides load the model in processes of their own
-        base = None
-    elif args.base_model == "tiny-llama":
-        auto = "cuda" if torch.cuda.is_available() else "cpu"
-        base = tiny_llama(torch.device(auto if args.device == "auto" else args.device))
-    else:
-        base = load_base_model(args.base_model, dtype=args.dtype, device=args.device)
-    device = base.device if base is not None else torch.device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    base, device = load_base(args, skip)
     if args.seq_len:
         s.fusion_seq_len = args.seq_len
     elif device.type == "cuda":

@@ -205,6 +205,7 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
 
     add_session_routes(router, ctx, user_of)
     add_training_routes(router, ctx, user_of)
+    add_future_routes(router, ctx, user_of)
     add_sampling_routes(router, ctx, user_of)
     add_state_routes(router, ctx, user_of)
     add_rest_routes(router, ctx, user_of)
@@ -260,9 +261,9 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
 
 def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
-    """A model's creation, its info, its forward / forward_backward calls, optimizer steps and saves, the
-    futures they return."""
-    backend, sessions, calls = ctx.backend, ctx.sessions, ctx.calls
+    """A model's creation, its info, its forward / forward_backward calls, optimizer steps and saves for sampling
+    (each answered with a future: `add_future_routes`)."""
+    backend, calls = ctx.backend, ctx.calls
     owned, future = ctx.owned, ctx.future
 
     @router.post("/create_model")
@@ -350,6 +351,11 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             backend.book.sampler_bases[sampler_id] = backend.book.model_bases[model_id]
             answer["sampling_session_id"] = sampler_id
         return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)
+
+
+def add_future_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
+    """The futures every call returns: pending (try again), failed (the error and whose it is), or its value."""
+    sessions = ctx.sessions
 
     @router.post("/retrieve_future")
     async def retrieve_future(body: types.FutureRetrieveRequest, user: str = Depends(user_of)) -> Response:

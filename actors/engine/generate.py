@@ -60,22 +60,42 @@ def _masked_attention(model: nn.Module) -> Iterator[None]:
         model.set_attn_implementation(before)
 
 
+def kept_probabilities(scores: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The next-token weights along the last dimension of `scores` (logits over the temperature): their softmax among
+    the tokens kept, zero elsewhere (not normalised again: what `torch.multinomial` takes). Kept, in transformers'
+    order of warpers: the `top_k` likeliest (0 or less: all), then the smallest set whose probability reaches `top_p`
+    (the tokens whose likelier ones hold less than it), then those at least `min_p` times as likely as the likeliest;
+    the likeliest is always kept."""
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    if top_p < 1:
+        ordered, indices = torch.sort(probabilities, dim=-1, descending=True)
+        before = torch.cumsum(ordered, dim=-1) - ordered   # the mass of the likelier tokens
+        ordered = ordered.masked_fill(before >= top_p, 0.0)   # the likeliest is always kept
+        probabilities = torch.zeros_like(probabilities).scatter(-1, indices, ordered)
+    if min_p > 0:
+        floor = min_p * probabilities.amax(dim=-1, keepdim=True)
+        probabilities = probabilities.masked_fill(probabilities < floor, 0.0)
+    return probabilities
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """Sampled decoding: each next token drawn from softmax(logits / temperature), among the `top_k` likeliest
-    only where top_k > 0, with `generator` (seeded by the caller: the same seed, the same tokens)."""
+    """Sampled decoding: each next token drawn from softmax(logits / temperature) among the tokens `top_k`, `top_p`
+    and `min_p` keep (`kept_probabilities`), with `generator` (seeded by the caller: the same seed, the same
+    tokens)."""
 
     temperature: float = 1.0
     top_k: int = 0
     generator: torch.Generator | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
-        scores = logits.float() / self.temperature
-        if 0 < self.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probabilities = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probabilities, 1, generator=self.generator).squeeze(-1)
+        weights = kept_probabilities(logits.float() / self.temperature, self.top_k, self.top_p, self.min_p)
+        return torch.multinomial(weights, 1, generator=self.generator).squeeze(-1)
 
 
 def _row_layout(groups: list[tuple[str, int, int]], width: int, rows: int) -> StepLayout:

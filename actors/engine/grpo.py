@@ -150,7 +150,8 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
     stops = stop_token_ids(base)
     requests = [(adapter, list(row.prompt)) for row in rows for _ in range(groups)]
     outputs = greedy_generate_many(base, requests, config.max_new_tokens, stops,
-                                   Sampling(config.temperature, config.top_k, generator))
+                                   Sampling(config.temperature, config.top_k, generator,
+                                            top_p=config.top_p, min_p=config.min_p))
     texts = [_completion_text(base, tokens, stops) for tokens in outputs]
     contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows for _ in range(groups)]
     rewards = scored_rewards(reward_function(config), config, [c["prompt"] for c in contexts], texts, contexts)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.generate import BASE_ONLY, decode
+from actors.engine.generate import BASE_ONLY, decode, kept_probabilities
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.models import BaseModel
@@ -70,17 +70,8 @@ def pick(logits: torch.Tensor, call: SampleCall, generator: torch.Generator) -> 
     """One token from a row's logits (float32) as the call's parameters say."""
     if call.temperature == 0:
         return int(logits.argmax())
-    scores = logits / call.temperature
-    if 0 < call.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, call.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probabilities = torch.softmax(scores, dim=-1)
-    if call.top_p < 1:
-        ordered, indices = torch.sort(probabilities, descending=True)
-        before = torch.cumsum(ordered, dim=-1) - ordered   # the mass of the likelier tokens
-        ordered = ordered.masked_fill(before >= call.top_p, 0.0)   # the likeliest is always kept
-        probabilities = torch.zeros_like(probabilities).scatter(0, indices, ordered)
-    return int(torch.multinomial(probabilities, 1, generator=generator))
+    weights = kept_probabilities(logits / call.temperature, call.top_k, call.top_p)
+    return int(torch.multinomial(weights, 1, generator=generator))
 
 
 @torch.no_grad()

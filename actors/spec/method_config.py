@@ -48,6 +48,10 @@ class GrpoConfig(StrictModel):
     temperature: Annotated[float, Bounds(0, 100, low_open=True)] = Field(
         1.0, description="sampling temperature; the log-probabilities trained on are taken at it too (as TRL)")
     top_k: Annotated[int, Bounds(0, 10**6)] = Field(0, description="sample among the k likeliest tokens (0: all)")
+    top_p: Annotated[float, Bounds(0, 1, low_open=True)] = Field(
+        1.0, description="then among the smallest set of tokens whose probability reaches top_p (1: all)")
+    min_p: Annotated[float, Bounds(0, 1)] = Field(
+        0.0, description="then among the tokens at least min_p times as likely as the likeliest (0: all)")
     beta: Annotated[float, Bounds(0, 1000)] = Field(
         0.0, description="weight of the KL term to the base with the adapter off (TRL's default 0: none)")
     epsilon: Annotated[float, Bounds(0, 10)] = Field(0.2, description="the ratio's clipping range")

@@ -1,6 +1,7 @@
 """greedy_generate against transformers' own greedy `generate` (base model) and PEFT's (with an adapter,
 merged into the model or not), on a tiny random Llama, one prompt at a time on the reference side, all
-prompts batched on ours (one batch over several adapters and the base, with a KV cache)."""
+prompts batched on ours (one batch over several adapters and the base, with a KV cache); the tokens that
+sampling keeps (top_k, top_p, min_p) against transformers' warpers."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from actors.checkpoint.peft_io import save_adapter
 from actors.engine.adapter_surgery import add_adapter, remove_adapter
 from actors.engine.fused_linear import FusedLoraLinear
-from actors.engine.generate import greedy_generate, greedy_generate_many
+from actors.engine.generate import Sampling, greedy_generate, greedy_generate_many, kept_probabilities
 from actors.engine.models import BaseModel, from_module
 from actors.spec.lora_config import LoraConfig
 
@@ -153,3 +155,51 @@ def test_one_batch_over_two_adapters_and_the_base_matches_each_merged_model(mode
         assert base.model.config._attn_implementation == "aspen_varlen"   # the fused steps' attention is back
     finally:
         remove_adapter(base.model, "b")
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(0, 0.9, 0.0), (0, 0.3, 0.0), (40, 0.95, 0.0), (0, 1.0, 0.05),
+                                                       (50, 0.8, 0.1), (0, 1e-9, 0.0)])
+def test_the_tokens_sampling_keeps_are_those_transformers_warpers_keep(top_k, top_p, min_p):
+    """`kept_probabilities` against transformers' TopK, TopP and MinP warpers applied in `generate`'s order, on a
+    batch of random logits. A token whose place against a threshold float32 rounding decides is left out of the
+    comparison: top_p's cumulative sums (ours from the likeliest down, transformers' from the least likely up)
+    each round V terms, so differ by at most 2 V 2^-24; min_p's probabilities by a few roundings of their own."""
+    generator = torch.Generator().manual_seed(top_k + int(top_p * 1000) + int(min_p * 100))
+    scores = torch.randn(6, VOCAB, generator=generator) * 3.0
+    reference = scores.clone()
+    for warper in ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else []) + (
+            [MinPLogitsWarper(min_p)] if min_p else []):
+        reference = warper(None, reference)
+    expected = torch.isfinite(reference)
+    kept = kept_probabilities(scores, top_k, top_p, min_p) > 0
+    # the decisive quantities in float64: each token's mass of likelier tokens (after top_k), its probability
+    # over the likeliest's (after top_p)
+    masked = scores.double().masked_fill(~torch.isfinite(TopKLogitsWarper(top_k)(None, scores.clone()))
+                                         if top_k else torch.zeros_like(scores, dtype=torch.bool), float("-inf"))
+    probabilities = torch.softmax(masked, dim=-1)
+    ordered, order = torch.sort(probabilities, dim=-1, descending=True)
+    before = torch.zeros_like(probabilities).scatter(-1, order, torch.cumsum(ordered, dim=-1) - ordered)
+    relative = probabilities / probabilities.amax(dim=-1, keepdim=True)
+    rounding = 2 * VOCAB * 2.0 ** -24
+    decided = torch.ones_like(kept)
+    if top_p < 1:
+        decided &= (before - top_p).abs() > rounding
+    if min_p > 0:
+        decided &= (relative - min_p).abs() > 16 * 2.0 ** -24
+    assert decided.float().mean() > 0.9, "the case tests too few tokens"
+    assert bool((~expected[decided]).any()), "the case drops no token"
+    assert torch.equal(kept[decided], expected[decided])
+    assert bool(kept.any(dim=-1).all())   # the likeliest always stays
+
+
+def test_a_nucleus_of_the_likeliest_token_alone_samples_as_greedy(models, adapter_dir):
+    """top_p below the likeliest token's probability, or min_p 1, keeps only that token: sampled decoding is
+    then the greedy decoding, whatever the generator draws."""
+    base, _ = models
+    requests = [(None, prompt) for prompt in PROMPTS]
+    greedy = greedy_generate_many(base, requests, MAX_NEW, {EOS})
+    for narrow in ({"top_p": 1e-9}, {"min_p": 1.0}):
+        sampling = Sampling(1.0, 0, torch.Generator().manual_seed(7), **narrow)
+        assert greedy_generate_many(base, requests, MAX_NEW, {EOS}, sampling) == greedy, narrow
+    wide = Sampling(1.0, 0, torch.Generator().manual_seed(7))
+    assert greedy_generate_many(base, requests, MAX_NEW, {EOS}, wide) != greedy   # sampling itself does differ

@@ -208,6 +208,10 @@ def test_grpo_specs_are_checked():
         _grpo_spec("a", "regex")
     with pytest.raises(ValidationError, match="neither exact_match, contains, regex nor module:function"):
         _grpo_spec("a", "my reward")
+    for field, value in (("top_p", 0.0), ("top_p", 1.5), ("min_p", -0.1), ("min_p", 2.0)):
+        with pytest.raises(ValidationError, match=rf"grpo\.{field}"):
+            JobSpec(name="a", data="x.jsonl", format={"type": "text"}, method="grpo",
+                    grpo={"reward": "contains", field: value})
     from actors.spec.job_spec import step_limit_problem
 
     problem = step_limit_problem(_grpo_spec("a", "contains", max_seq_len=64), 512)
@@ -301,6 +305,27 @@ def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_
     message = str(refused.value)
     assert "jobs.yaml:" in message and "field grpo.reward: 'rewards:shorter': cannot import module 'rewards'" in message
     assert "(grpo.reward: rewards.py:shorter, relative to the jobs or sweep file)" in message, message
+
+
+def test_a_grpo_job_samples_among_the_tokens_its_top_p_and_min_p_keep():
+    """grpo.top_p and grpo.min_p reach the job's sampling: a nucleus of the likeliest token alone (or min_p 1) makes
+    each prompt's completions the greedy one, all alike, where the whole distribution draws different ones."""
+    base = _number_base()
+
+    def groups(**narrow) -> list[set[tuple[int, ...]]]:
+        trainer = FusedTrainer(base)
+        spec = _grpo_spec("grpo", "contains", grpo={"reward": "contains", "num_generations": 4, "max_new_tokens": 5,
+                                                    "temperature": 1.0, **narrow})
+        trainer.add_job(TrainingJob.create(spec, base, _prompt_rows(0, 4), [], seed=0))
+        kept, failed = trainer.rollouts(trainer.compose())
+        trainer.remove_job("grpo")
+        assert not failed
+        return [{c.input_ids for c in rollout.completions} for rollout in kept[0][1]]
+
+    assert any(len(group) > 1 for group in groups())
+    greedy = [len(group) for group in groups(top_p=1e-9)]
+    assert greedy == [1] * len(greedy)
+    assert groups(min_p=1.0) == groups(top_p=1e-9)
 
 
 def test_sampling_that_runs_out_of_memory_fails_its_job_alone(monkeypatch):

@@ -77,10 +77,13 @@ class AccumulatorState(_Record):
     tokens: Count
     targets: Count
     metric_sums: dict[str, Number] = {}   # a preference job's; older checkpoints have none
+    metric_weight: Number | None = None   # what they are sums over; older checkpoints: their micro-batches' targets
 
     def restore(self) -> StepAccumulator:
+        weight = self.targets if self.metric_weight is None else self.metric_weight
         return StepAccumulator(loss_sum=self.loss_sum, micro_batches=self.micro_batches, tokens=self.tokens,
-                               targets=self.targets, metric_sums=dict(self.metric_sums))
+                               targets=self.targets, metric_sums=dict(self.metric_sums),
+                               metric_weight=weight if self.metric_sums else 0.0)
 
 
 class HistoryRecord(_Record):

@@ -16,7 +16,9 @@ in value, its gradient the policy gradient), plus beta times the k3 estimate of 
 (exp(ref - logp) - (ref - logp) - 1, times r as TRL's default `use_bias_correction_kl`; the reference being
 the base with the adapter off, as DPO's is), the
 log-probabilities taken at the sampling temperature; `dapo` (TRL's default) averages it over every
-completion token of the optimizer step, `grpo` over each completion's tokens, then over the completions.
+completion token of the optimizer step, `grpo` over each completion's tokens, then over the completions. With
+`mask_truncated_completions`, a completion that reached max_new_tokens without an EOS (or pad) at its end, as TRL
+tells one, has no targets: it counts in its group's advantages, not in the loss.
 
 A reward that raises or returns something other than one finite number per completion is a `RewardError`:
 that job fails, the others go on (the trainer loop). Every operation here is on one job's own sequences."""
@@ -61,6 +63,7 @@ class Rollout:
     prompt_length: int
     rewards: tuple[float, ...]
     advantages: tuple[float, ...]
+    truncated: tuple[bool, ...] = ()   # each completion: it reached max_new_tokens without ending (no EOS)
 
     def __len__(self) -> int:
         return sum(len(c) for c in self.completions)
@@ -157,14 +160,17 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
     rewards = scored_rewards(reward_function(config), config, [c["prompt"] for c in contexts], texts, contexts)
     table = torch.tensor(rewards, dtype=torch.float64).view(len(rows), groups)
     advantage = advantages(table, config.scale_rewards)
+    ended = stops | ({base.pad_token_id} if base.pad_token_id is not None else set())   # as TRL tells the ended
     out = []
     for index, row in enumerate(rows):
-        completions = []
+        completions, truncated = [], []
         for tokens in outputs[index * groups:(index + 1) * groups]:
-            completions.append(Example(tuple(row.prompt) + tuple(tokens),
-                                       (IGNORE_INDEX,) * len(row.prompt) + tuple(tokens)))
+            cut = bool(tokens) and tokens[-1] not in ended
+            targets = (IGNORE_INDEX,) * len(tokens) if cut and config.mask_truncated_completions else tuple(tokens)
+            completions.append(Example(tuple(row.prompt) + tuple(tokens), (IGNORE_INDEX,) * len(row.prompt) + targets))
+            truncated.append(cut)
         out.append(Rollout(tuple(completions), len(row.prompt), tuple(table[index].tolist()),
-                           tuple(advantage[index].tolist())))
+                           tuple(advantage[index].tolist()), tuple(truncated)))
     metrics = {"reward": float(table.mean()), **reward_spread(table),
                "completions/mean_length": sum(len(tokens) for tokens in outputs) / len(outputs)}
     return out, metrics
@@ -288,8 +294,11 @@ def grpo_outcome(config: GrpoConfig, logp: torch.Tensor, sequence: torch.Tensor,
         objective, count = (sums / lengths.clamp_min(1.0)).sum(), completions
     rewards = [value for r in batch_rollouts for value in r.rewards]
     groups = torch.tensor([r.rewards for r in batch_rollouts], dtype=torch.float64)
+    lengths = [len(c) - r.prompt_length for r in batch_rollouts for c in r.completions]   # masked ones too
+    truncated = [cut for r in batch_rollouts for cut in r.truncated]
     metrics |= {"reward": sum(rewards) / len(rewards), **reward_spread(groups),
-                "completions/mean_length": tokens / max(completions, 1)}
+                "completions/mean_length": sum(lengths) / max(completions, 1),
+                "completions/clipped_ratio": sum(truncated) / max(len(truncated), 1)}
     return PreferenceOutcome(objective, float(objective.detach()) / max(count, 1), count, metrics)
 
 

@@ -58,6 +58,9 @@ class GrpoConfig(StrictModel):
     loss_type: Literal["dapo", "grpo"] = Field(
         "dapo", description="dapo: the mean over every completion token of the optimizer step (TRL's default); "
                             "grpo: each completion's token mean, averaged over the completions")
+    mask_truncated_completions: bool = Field(
+        False, description="a completion that reached max_new_tokens without ending (no EOS) teaches nothing: "
+                           "its tokens are left out of the loss (DAPO's overlong filtering; TRL's option)")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="advantages divided by the rewards' standard deviation in the prompt's group, in the "
                              "micro-batch, or not at all")

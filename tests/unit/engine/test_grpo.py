@@ -46,9 +46,10 @@ def _trl_trainer(tiny_tokenizer, tmp_path, *, beta: float, loss_type: str):
     return trainer
 
 
-def _trl_inputs(trainer, pad: int) -> dict[str, torch.Tensor]:
+def _trl_inputs(trainer, pad: int, truncated: frozenset[int] = frozenset()) -> dict[str, torch.Tensor]:
     """TRL's inputs for the fixed completions: prompts left-padded, completions right-padded, one row per
-    completion; the KL reference from TRL's own log-probabilities with the adapter disabled."""
+    completion; the KL reference from TRL's own log-probabilities with the adapter disabled. `truncated`: the rows
+    whose completion mask is zero, as TRL's generation makes it with mask_truncated_completions."""
     rows = [(prompt, completion) for prompt, group in zip(PROMPTS, COMPLETIONS, strict=True) for completion in group]
     width_p = max(len(p) for p, _ in rows)
     width_c = max(len(c) for _, c in rows)
@@ -60,7 +61,7 @@ def _trl_inputs(trainer, pad: int) -> dict[str, torch.Tensor]:
         prompt_ids[i, width_p - len(prompt):] = torch.tensor(prompt)
         prompt_mask[i, width_p - len(prompt):] = 1
         completion_ids[i, :len(completion)] = torch.tensor(completion)
-        completion_mask[i, :len(completion)] = 1
+        completion_mask[i, :len(completion)] = 0 if i in truncated else 1
     inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
               "completion_mask": completion_mask, "advantages": torch.tensor(sum(ADVANTAGES, [])),
               "num_items_in_batch": completion_mask.sum()}
@@ -73,19 +74,30 @@ def _trl_inputs(trainer, pad: int) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _rollouts() -> list[Rollout]:
+def _rollouts(truncated: frozenset[int] = frozenset()) -> list[Rollout]:
+    """The fixed completions as rollouts; those of `truncated` (rows in TRL's order) masked as `rollouts` masks a
+    truncated completion (no targets)."""
     out = []
-    for prompt, group, advantage in zip(PROMPTS, COMPLETIONS, ADVANTAGES, strict=True):
-        completions = tuple(Example(tuple(prompt + c), (IGNORE_INDEX,) * len(prompt) + tuple(c)) for c in group)
-        out.append(Rollout(completions, len(prompt), (0.0,) * G, tuple(advantage)))
+    for index, (prompt, group, advantage) in enumerate(zip(PROMPTS, COMPLETIONS, ADVANTAGES, strict=True)):
+        rows = [index * G + k for k in range(G)]
+        completions = tuple(Example(tuple(prompt + c), (IGNORE_INDEX,) * len(prompt) + (
+            (IGNORE_INDEX,) * len(c) if row in truncated else tuple(c))) for row, c in zip(rows, group, strict=True))
+        out.append(Rollout(completions, len(prompt), (0.0,) * G, tuple(advantage),
+                           tuple(row in truncated for row in rows)))
     return out
 
 
-@pytest.mark.parametrize(("loss_type", "beta"), [("dapo", 0.0), ("dapo", 0.04), ("grpo", 0.04)])
-def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer, tmp_path, loss_type, beta):
+@pytest.mark.parametrize(("loss_type", "beta", "truncated"), [
+    ("dapo", 0.0, frozenset()), ("dapo", 0.04, frozenset()), ("grpo", 0.04, frozenset()),
+    ("dapo", 0.04, frozenset({1, 4})), ("grpo", 0.04, frozenset({1, 4}))],
+    ids=["dapo", "dapo-kl", "grpo-kl", "dapo-kl-masked", "grpo-kl-masked"])
+def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer, tmp_path, loss_type, beta,
+                                                                 truncated):
+    """`truncated`: completions masked as mask_truncated_completions masks them (TRL: their completion mask zero;
+    aspen: no targets), each loss type still over the same completions' tokens or completions as TRL's."""
     trl = _trl_trainer(tiny_tokenizer, tmp_path, beta=beta, loss_type=loss_type)
     peft_model = randomize_b(trl.model, 3)
-    inputs = _trl_inputs(trl, tiny_tokenizer.pad_token_id)
+    inputs = _trl_inputs(trl, tiny_tokenizer.pad_token_id, truncated)
     peft_model.train()
     loss = trl._compute_loss(peft_model, inputs)
     loss.backward()
@@ -101,9 +113,9 @@ def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer,
     copy_peft_lora(job, peft_model)
     trainer = FusedTrainer(base)
     trainer.add_job(job)
-    result = trainer.run_step([(job, _rollouts())]).results[0]
+    result = trainer.run_step([(job, _rollouts(truncated))]).results[0]
     assert result.optimizer_step is None
-    tokens = sum(len(c) for group in COMPLETIONS for c in group)
+    tokens = sum(len(c) for index, c in enumerate(c for group in COMPLETIONS for c in group) if index not in truncated)
     count = tokens if loss_type == "dapo" else G * len(PROMPTS)
     gradient_difference, largest = compare_gradients(job, count, peft_model)
     longest = max(len(p) + len(c) for p, group in zip(PROMPTS, COMPLETIONS, strict=True) for c in group)
@@ -326,6 +338,46 @@ def test_a_grpo_job_samples_among_the_tokens_its_top_p_and_min_p_keep():
     greedy = [len(group) for group in groups(top_p=1e-9)]
     assert greedy == [1] * len(greedy)
     assert groups(min_p=1.0) == groups(top_p=1e-9)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_completions_cut_at_max_new_tokens_are_told_and_masked_when_asked(monkeypatch, mask):
+    """A completion that reached max_new_tokens without an EOS (or pad) at its end is truncated, as TRL tells it;
+    with mask_truncated_completions its tokens are no targets (left out of the loss), the others train as
+    before; the step reports the share cut (TRL's completions/clipped_ratio)."""
+    import actors.engine.grpo as grpo
+
+    base = _number_base()
+    eos = base.tokenizer.eos_token_id
+    sampled = [[30, 31, 32, 33, 34], [30, eos], [40, 41, 42, 43, eos], [50, 51, 0],   # cut, ended, ended, ended (pad)
+               [60, 61, 62, 63, 64], [60, 61, 62, 63, 65], [eos], [70, 71, 72, 73, 74]]   # cut, cut, ended, cut
+    monkeypatch.setattr(grpo, "greedy_generate_many", lambda *args, **kwargs: [list(t) for t in sampled])   # as drawn
+    spec = _grpo_spec("grpo", "contains", grpo={"reward": "contains", "num_generations": 4, "max_new_tokens": 5,
+                                                "mask_truncated_completions": mask})
+    out, _ = grpo.rollouts(base, "grpo", spec.grpo, _prompt_rows(0, 2), seed=0)
+    cut = [True, False, False, False, True, True, False, True]
+    assert [flag for rollout in out for flag in rollout.truncated] == cut
+    for rollout, tokens in zip(out, (sampled[:4], sampled[4:]), strict=True):
+        for completion, row, was_cut in zip(rollout.completions, tokens, rollout.truncated, strict=True):
+            assert completion.input_ids[rollout.prompt_length:] == tuple(row)
+            trained = completion.labels[rollout.prompt_length:]
+            assert trained == ((IGNORE_INDEX,) * len(row) if mask and was_cut else tuple(row))
+    trainer = FusedTrainer(base)
+    job = TrainingJob.create(spec, base, _prompt_rows(0, 2), [], seed=0)
+    trainer.add_job(job)
+    report = trainer.run_step([(job, out)])
+    row = report.results[0].optimizer_step.as_row()   # the job's metrics.jsonl row of this optimizer step
+    assert row["completions/clipped_ratio"] == pytest.approx(4 / 8)
+    assert row["completions/mean_length"] == pytest.approx(sum(map(len, sampled)) / 8)
+    kept = sum(len(row) for row, was_cut in zip(sampled, cut, strict=True) if not (mask and was_cut))
+    assert report.results[0].targets == kept
+    if mask:   # every completion cut: nothing to learn from (loss 0, no targets), and the step still says why
+        sampled[:] = [[30, 31, 32, 33, 34]] * 8
+        everything_cut, _ = grpo.rollouts(base, "grpo", spec.grpo, _prompt_rows(0, 2), seed=0)
+        result = trainer.run_step([(job, everything_cut)]).results[0]
+        assert result.targets == 0 and result.loss == 0.0
+        row = result.optimizer_step.as_row()
+        assert row["completions/clipped_ratio"] == 1.0 and row["completions/mean_length"] == 5.0, row
 
 
 def test_sampling_that_runs_out_of_memory_fails_its_job_alone(monkeypatch):

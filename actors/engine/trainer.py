@@ -62,6 +62,10 @@ from policies.base import StepComposer
 
 
 class FusedTrainer:
+    """One device's fused steps over the jobs added to it (`jobs`): which join a step (`composition`), its packed
+    batch (`batches`), one forward/backward through each job's adapter, their optimizer steps; evaluation and
+    generation between steps."""
+
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
                  recompute: Recompute = "none", compile: Compile = "none",

@@ -15,7 +15,7 @@ from actors.spec.field_types import PATTERN_WORDS
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
-from actors.spec.user_functions import UserFunctionError, load_user_function, with_file_resolved
+from actors.spec.user_functions import UserFunctionError, functions_resolved, load_user_function
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
@@ -207,8 +207,8 @@ def _resolve_paths(data: dict, base_dir: Path, for_a_service: bool) -> None:
             job["data"] = tidy_path(path if path.is_absolute() else base_dir / path)
         for section, key in USER_FUNCTIONS:   # a function's file (file.py:function), as the data: from the file
             inner = job.get(section) if isinstance(job, dict) else None
-            if isinstance(inner, dict) and isinstance(inner.get(key), str):
-                job[section] = {**inner, key: with_file_resolved(inner[key], base_dir)}
+            if isinstance(inner, dict) and key in inner:
+                job[section] = {**inner, key: functions_resolved(inner[key], base_dir)}
     model = data.get("base_model")
     if isinstance(model, str) and model.startswith((".", "/", "~")) and not Path(model).expanduser().is_absolute():
         data["base_model"] = tidy_path(base_dir / model)
@@ -230,8 +230,9 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
             try:
                 load_user_function(reference, field)
             except UserFunctionError as error:
-                section, key = field.split(".")
-                line = lines.get(("jobs", index, section, key)) or lines.get(("jobs", index, section))
+                path = tuple(int(part) if part.isdigit() else part for part in field.split("."))
+                line = next((lines[("jobs", index, *path[:end])] for end in range(len(path), 0, -1)
+                             if ("jobs", index, *path[:end]) in lines), None)
                 prefix = f"{source}:{line}: " if line else f"{source}: "
                 problem = str(error).removeprefix(f"{field} ")
                 missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {field}: {problem}")

@@ -24,10 +24,10 @@ from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.spec.user_functions import (
     UserFunctionError,
+    functions_resolved,
     is_file_reference,
     load_user_function,
     split_reference,
-    with_file_resolved,
 )
 from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
@@ -62,13 +62,17 @@ def _resolve_function_files(data: dict, source: str, base_dir: Path | None) -> N
     for parent, section, key in places:
         inner = parent.get(section) if isinstance(parent, dict) else None
         value = inner.get(key) if isinstance(inner, dict) else None
-        if not isinstance(value, str) or not is_file_reference(value):
+        named = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        files = [item for item in named if isinstance(item, str) and is_file_reference(item)]
+        if not files:
             continue
         if base_dir is not None:
-            parent[section] = {**inner, key: with_file_resolved(value, base_dir)}
-        elif not Path(split_reference(value)[0]).expanduser().is_absolute():
-            raise SpecError(f"{source}: {section}.{key}: {value} names a relative file; give an absolute path on the "
-                            "service's machine")
+            parent[section] = {**inner, key: functions_resolved(value, base_dir)}
+            continue
+        for item in files:
+            if not Path(split_reference(item)[0]).expanduser().is_absolute():
+                raise SpecError(f"{source}: {section}.{key}: {item} names a relative file; give an absolute path on "
+                                "the service's machine")
 
 
 def _check_functions(spec: SweepSpec, source: str, lines: dict) -> None:

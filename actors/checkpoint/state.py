@@ -77,13 +77,16 @@ class AccumulatorState(_Record):
     tokens: Count
     targets: Count
     metric_sums: dict[str, Number] = {}   # a preference job's; older checkpoints have none
-    metric_weight: Number | None = None   # what they are sums over; older checkpoints: their micro-batches' targets
+    metric_weights: dict[str, Number] | None = None   # what each is a sum over; older checkpoints: one for all,
+    metric_weight: Number | None = None                # or (older still) their micro-batches' targets
 
     def restore(self) -> StepAccumulator:
-        weight = self.targets if self.metric_weight is None else self.metric_weight
+        weights = self.metric_weights
+        if weights is None:
+            weight = self.targets if self.metric_weight is None else self.metric_weight
+            weights = {name: weight for name in self.metric_sums}
         return StepAccumulator(loss_sum=self.loss_sum, micro_batches=self.micro_batches, tokens=self.tokens,
-                               targets=self.targets, metric_sums=dict(self.metric_sums),
-                               metric_weight=weight if self.metric_sums else 0.0)
+                               targets=self.targets, metric_sums=dict(self.metric_sums), metric_weights=dict(weights))
 
 
 class HistoryRecord(_Record):

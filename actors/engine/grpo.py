@@ -4,9 +4,9 @@ A `method: grpo` job's data is prompts with a target text (any SFT format: the p
 the first target, the reference the target's text). Before each fused step its micro-batch of prompts becomes
 `Rollout`s (`rollouts`): `num_generations` completions per prompt sampled with the job's own adapter on the
 trainer (actors/engine/generate.py, a seeded generator: the same seed and step give the same completions,
-alone or fused), each scored by the job's reward (`reward_function`: exact match, contains, regex against the
-row's reference, or the user's `module:function(prompts, completions, rows)`), and the rewards turned into
-group-relative advantages (`advantages`: TRL's, reward minus its group's mean, over the group's standard
+alone or fused), each scored by the job's rewards (actors/engine/grpo_rewards.py: exact match, contains, regex
+against the row's reference, or the user's `module:function(prompts, completions, rows)`; several, weighted), and
+the rewards turned into TRL's group-relative advantages (reward minus its group's mean, over the group's standard
 deviation plus 1e-4). The completions (prompt + completion, the completion's tokens the targets, up to and
 including an EOS) are packed into the fused step like any job's rows, through the job's adapter.
 
@@ -20,14 +20,13 @@ completion token of the optimizer step, `grpo` over each completion's tokens, th
 `mask_truncated_completions`, a completion that reached max_new_tokens without an EOS (or pad) at its end, as TRL
 tells one, has no targets: it counts in its group's advantages, not in the loss.
 
-A reward that raises or returns something other than one finite number per completion is a `RewardError`:
-that job fails, the others go on (the trainer loop). Every operation here is on one job's own sequences."""
+A reward that fails is a `RewardError` (grpo_rewards.py): that job fails, the others go on (the trainer loop).
+Every operation here is on one job's own sequences."""
 
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,32 +35,27 @@ import torch
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import Sampling, greedy_generate_many, needs_eager_attention
-from actors.engine.generation_eval import ScoredRow, metric_function, scored_rows, stop_token_ids
+from actors.engine.generation_eval import ScoredRow, scored_rows, stop_token_ids
+from actors.engine.grpo_rewards import group_scores, reward_metrics, reward_scores
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.model_support import LogitTransform
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import PreferenceOutcome, reference_layout, targets_of_rows
-from actors.spec.evaluation_config import GenerationEval
 from actors.spec.method_config import GrpoConfig
-from actors.spec.user_functions import UserFunctionError, load_user_function
-
-Reward = Callable[[list[str], list[str], list[dict]], Sequence[float]]
-
-
-class RewardError(ValueError):
-    """A GRPO job's reward function raised or returned something other than one finite number per completion."""
 
 
 @dataclass(frozen=True)
 class Rollout:
     """One prompt's sampled completions as training sequences (prompt + completion, the completion's tokens
-    the targets), their rewards and advantages. `len()` is their tokens (what they occupy in a packed step)."""
+    the targets), their rewards (NaN: no reward function scored it), each reward function's scores (NaN: it did
+    not apply) and advantages. `len()` is their tokens (what they occupy in a packed step)."""
 
     completions: tuple[Example, ...]
     prompt_length: int
     rewards: tuple[float, ...]
+    scores: tuple[tuple[float, ...], ...]   # each completion's, one a reward function
     advantages: tuple[float, ...]
     truncated: tuple[bool, ...] = ()   # each completion: it reached max_new_tokens without ending (no EOS)
 
@@ -77,59 +71,6 @@ class Rollout:
         return sum(c.num_targets for c in self.completions)
 
 
-def reward_function(config: GrpoConfig) -> Reward:
-    """The job's reward as function(prompts, completions, rows) -> one float per completion."""
-    if config.reward in ("exact_match", "contains", "regex"):
-        metric = metric_function(GenerationEval(metric=config.reward, pattern=config.pattern))
-        return lambda prompts, completions, rows: [metric(c, row) for c, row in zip(completions, rows, strict=True)]
-    try:
-        return load_user_function(config.reward, "grpo.reward")
-    except UserFunctionError as error:
-        raise RewardError(str(error)) from None
-
-
-def scored_rewards(reward: Reward, config: GrpoConfig, prompts: list[str], completions: list[str],
-                   rows: list[dict]) -> list[float]:
-    """The reward of each completion, checked: RewardError where the function raised or returned other than one
-    finite number per completion."""
-    try:
-        values = list(reward(prompts, completions, rows))
-    except Exception as error:
-        raise RewardError(f"grpo.reward '{config.reward}' raised {type(error).__name__}: {error} (on completions "
-                          f"such as {completions[0][:80]!r}); it must return a number for any text") from error
-    if len(values) != len(completions):
-        raise RewardError(f"grpo.reward '{config.reward}' returned {len(values)} rewards for {len(completions)} "
-                          "completions; it must return one per completion")
-    try:
-        numbers = [float(value) for value in values]
-    except (TypeError, ValueError) as error:
-        raise RewardError(f"grpo.reward '{config.reward}' returned a reward that is not a number ({error})") from None
-    if not all(math.isfinite(number) for number in numbers):
-        raise RewardError(f"grpo.reward '{config.reward}' returned a reward that is not finite ({numbers[:8]})")
-    return numbers
-
-
-def advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
-    """TRL's group-relative advantages of `rewards` (prompts, G): each reward minus its group's mean, divided
-    (scale `group`) by the group's standard deviation + 1e-4, (`batch`) by all the rewards' + 1e-4, or
-    (`none`) not at all. Standard deviations with Bessel's correction, as torch's and TRL's."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if scale == "group":
-        return centred / (rewards.std(dim=1, keepdim=True) + 1e-4)
-    if scale == "batch":
-        return centred / (rewards.std() + 1e-4)
-    return centred
-
-
-def reward_spread(rewards: torch.Tensor) -> dict[str, float]:
-    """How the rewards of each prompt's group (prompts, G) differ, as TRL logs it: `reward_std`, the groups' mean
-    standard deviation (Bessel-corrected), and `frac_reward_zero_std`, the share of groups whose completions all
-    scored alike (their advantages are 0: they teach nothing; at 1 the step has no gradient)."""
-    spread = rewards.std(dim=1) if rewards.shape[1] > 1 else torch.zeros(rewards.shape[0], dtype=rewards.dtype)
-    alike = torch.isclose(spread, torch.zeros_like(spread))
-    return {"reward_std": float(spread.mean()), "frac_reward_zero_std": float(alike.to(rewards.dtype).mean())}
-
-
 def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str:
     for index, token in enumerate(tokens):
         if token in stops:
@@ -139,11 +80,10 @@ def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str
 
 
 def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequence[Example], seed: int
-             ) -> tuple[list[Rollout], dict[str, float]]:
+             ) -> list[Rollout]:
     """Each example's prompt, `num_generations` sampled completions through `adapter` (a generator seeded with
-    `seed`), scored and turned into advantages; and the rollouts' metrics (mean reward, the groups' mean
-    reward standard deviation and the share of groups that scored alike, the completions' mean length).
-    ValueError where an example has no prompt."""
+    `seed`), scored and turned into advantages. ValueError where an example has no prompt; RewardError where a
+    reward fails."""
     rows: list[ScoredRow] = scored_rows(examples, base, None)
     if len(rows) != len(examples):
         raise ValueError(f"job '{adapter}': {len(examples) - len(rows)} of its rows have no prompt before their "
@@ -157,9 +97,8 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
                                             top_p=config.top_p, min_p=config.min_p))
     texts = [_completion_text(base, tokens, stops) for tokens in outputs]
     contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows for _ in range(groups)]
-    rewards = scored_rewards(reward_function(config), config, [c["prompt"] for c in contexts], texts, contexts)
-    table = torch.tensor(rewards, dtype=torch.float64).view(len(rows), groups)
-    advantage = advantages(table, config.scale_rewards)
+    scores = reward_scores(config, [c["prompt"] for c in contexts], texts, contexts).view(len(rows), groups, -1)
+    scored = group_scores(config, scores)
     ended = stops | ({base.pad_token_id} if base.pad_token_id is not None else set())   # as TRL tells the ended
     out = []
     for index, row in enumerate(rows):
@@ -169,11 +108,10 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
             targets = (IGNORE_INDEX,) * len(tokens) if cut and config.mask_truncated_completions else tuple(tokens)
             completions.append(Example(tuple(row.prompt) + tuple(tokens), (IGNORE_INDEX,) * len(row.prompt) + targets))
             truncated.append(cut)
-        out.append(Rollout(tuple(completions), len(row.prompt), tuple(table[index].tolist()),
-                           tuple(advantage[index].tolist()), tuple(truncated)))
-    metrics = {"reward": float(table.mean()), **reward_spread(table),
-               "completions/mean_length": sum(len(tokens) for tokens in outputs) / len(outputs)}
-    return out, metrics
+        out.append(Rollout(tuple(completions), len(row.prompt), tuple(scored.rewards[index].tolist()),
+                           tuple(tuple(each) for each in scores[index].tolist()),
+                           tuple(scored.advantages[index].tolist()), tuple(truncated)))
+    return out
 
 
 SAMPLING_SIZES = "lower batch_size, grpo.num_generations, max_seq_len or grpo.max_new_tokens"   # what to lower
@@ -292,11 +230,10 @@ def grpo_outcome(config: GrpoConfig, logp: torch.Tensor, sequence: torch.Tensor,
         lengths = zeros.index_add(0, sequence, torch.ones_like(per_token))
         sums = zeros.index_add(0, sequence, per_token)
         objective, count = (sums / lengths.clamp_min(1.0)).sum(), completions
-    rewards = [value for r in batch_rollouts for value in r.rewards]
-    groups = torch.tensor([r.rewards for r in batch_rollouts], dtype=torch.float64)
+    scores = torch.tensor([r.scores for r in batch_rollouts], dtype=torch.float64)
     lengths = [len(c) - r.prompt_length for r in batch_rollouts for c in r.completions]   # masked ones too
     truncated = [cut for r in batch_rollouts for cut in r.truncated]
-    metrics |= {"reward": sum(rewards) / len(rewards), **reward_spread(groups),
+    metrics |= {**reward_metrics(config, scores),
                 "completions/mean_length": sum(lengths) / max(completions, 1),
                 "completions/clipped_ratio": sum(truncated) / max(len(truncated), 1)}
     return PreferenceOutcome(objective, float(objective.detach()) / max(count, 1), count, metrics)

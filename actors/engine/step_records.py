@@ -19,7 +19,7 @@ class StepAccumulator:
     targets: int = 0
     # a preference or GRPO job's metrics (rewards, margins, ...): sums weighted like the loss, over their weights' sum
     metric_sums: dict[str, float] = field(default_factory=dict)
-    metric_weight: float = 0.0
+    metric_weights: dict[str, float] = field(default_factory=dict)   # each metric's, of the micro-batches that had it
 
     def add(self, loss: float, tokens: int, targets: int, metrics: dict[str, float] | None = None) -> None:
         """`loss`: the micro-batch's mean over its `targets` target tokens (a preference job's: over its
@@ -35,17 +35,17 @@ class StepAccumulator:
 
     def add_loss(self, loss: float, targets: int, metrics: dict[str, float] | None = None) -> None:
         """The micro-batch's metrics weigh as its targets, and at least as one: a micro-batch without any (a GRPO
-        job's completions all masked as truncated) still reports its rewards and lengths."""
+        job's completions all masked as truncated) still reports its rewards and lengths. A metric a micro-batch
+        lacks (a reward function that scored none of its completions) is the mean over those that have it."""
         self.loss_sum += loss * targets
-        if metrics:
-            weight = max(targets, 1)
-            self.metric_weight += weight
-            for name, value in metrics.items():
-                self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value * weight
+        weight = max(targets, 1)
+        for name, value in (metrics or {}).items():
+            self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value * weight
+            self.metric_weights[name] = self.metric_weights.get(name, 0.0) + weight
 
     @property
     def metrics(self) -> dict[str, float]:
-        return {name: total / max(self.metric_weight, 1) for name, total in self.metric_sums.items()}
+        return {name: total / max(self.metric_weights.get(name, 0.0), 1) for name, total in self.metric_sums.items()}
 
     @property
     def loss(self) -> float:

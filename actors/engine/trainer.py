@@ -27,14 +27,8 @@ from actors.data import Example
 from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, check_compile
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
-from actors.engine.grpo import (
-    SAMPLING_SIZES,
-    RewardError,
-    reference_token_log_probs,
-    rollout_seed,
-    rollouts,
-    sampling_bytes,
-)
+from actors.engine.grpo import SAMPLING_SIZES, reference_token_log_probs, rollout_seed, rollouts, sampling_bytes
+from actors.engine.grpo_rewards import RewardError
 from actors.engine.interactive_step import FusedCalls, call_losses, with_calls
 from actors.engine.job import BatchSource, TrainingJob
 from actors.engine.joint_steps import step_jobs
@@ -174,7 +168,7 @@ class FusedTrainer:
                 kept.append((job, batch))
                 continue
             try:
-                expanded, _ = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job))
+                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job))
             except (RewardError, ValueError) as error:
                 failed.append((job, error))
                 continue

@@ -187,10 +187,14 @@ class JobSpec(StrictModel):
 
     def user_functions(self) -> list[tuple[str, str]]:
         """The functions of the user's that the job calls (actors/spec/user_functions.py), each as (its field, its
-        reference): a grpo reward and a generation metric that are not built in."""
-        named = [("grpo.reward", self.grpo.reward if self.grpo else None, REWARDS),
-                 ("eval_generate.metric", self.eval_generate.metric if self.eval_generate else None,
+        reference): the grpo rewards (`grpo.reward`, or `grpo.reward.1` in a list) and a generation metric that
+        are not built in."""
+        named = [("eval_generate.metric", self.eval_generate.metric if self.eval_generate else None,
                   GENERATION_METRICS)]
+        if self.grpo is not None:
+            single = isinstance(self.grpo.reward, str)
+            named = [("grpo.reward" if single else f"grpo.reward.{index}", reference, REWARDS)
+                     for index, reference in enumerate(self.grpo.rewards)] + named
         return [(field, reference) for field, reference, built_in in named
                 if reference is not None and reference not in built_in]
 

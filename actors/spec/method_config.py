@@ -33,14 +33,22 @@ REWARDS = ("exact_match", "contains", "regex")
 
 class GrpoConfig(StrictModel):
     """The objective of a `method: grpo` job (as TRL's GRPOConfig): each prompt's `num_generations`
-    completions sampled with the job's own adapter on its trainer, scored by `reward`, and trained on their
-    group-relative advantages."""
+    completions sampled with the job's own adapter on its trainer, scored by `reward` (one function or several,
+    weighted), and trained on their group-relative advantages."""
 
-    reward: str = Field(description="exact_match (the completion, stripped, equals the row's target text), "
-                                    "contains, regex (`pattern` finds the same answer in both), or "
-                                    "module:function or file.py:function (a file relative to the jobs "
-                                    "file), called as function(prompts, completions, rows) -> list of "
-                                    "floats with rows [{prompt, reference}] (texts), one reward per completion")
+    reward: str | list[str] = Field(
+        description="exact_match (the completion, stripped, equals the row's target text), contains, regex "
+                    "(`pattern` finds the same answer in both), or module:function or file.py:function (a file "
+                    "relative to the jobs file), called as function(prompts, completions, rows) -> list of floats "
+                    "with rows [{prompt, reference}] (texts), one reward per completion (None where it does not "
+                    "apply); or a list of these, whose rewards are summed, weighted by reward_weights (TRL's "
+                    "reward_funcs)")
+    reward_weights: list[float] | None = Field(
+        None, description="the weight of each reward in the list (default: 1 each; TRL's reward_weights)")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", description="several rewards: their weighted sum made into advantages as scale_rewards "
+        "says, or (normalize_then_sum, GDPO) each reward normalized in its group first, then their weighted sum "
+        "over the micro-batch's standard deviation (TRL's option)")
     pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
     num_generations: Annotated[int, Bounds(2, 256)] = Field(8, description="completions sampled per prompt (G)")
     max_new_tokens: Annotated[int, Bounds(1, 4096)] = Field(
@@ -67,14 +75,36 @@ class GrpoConfig(StrictModel):
 
     @field_validator("reward")
     @classmethod
-    def _known_reward(cls, value: str) -> str:
-        return check_reference(value, "grpo.reward", REWARDS, "function(prompts, completions, rows) -> list of "
-                               "floats")
+    def _known_reward(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("reward is an empty list: name one reward function or more")
+            repeated = sorted({reference for reference in value if value.count(reference) > 1})
+            if repeated:
+                raise ValueError(f"reward names {', '.join(repeated)} more than once: name each function once "
+                                 "and give it a weight in reward_weights")
+        for reference in [value] if isinstance(value, str) else value:
+            check_reference(reference, "grpo.reward", REWARDS, "function(prompts, completions, rows) -> list of "
+                            "floats")
+        return value
+
+    @property
+    def rewards(self) -> tuple[str, ...]:
+        """The job's reward functions, one or several."""
+        return (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """Each reward function's weight (1 each unless reward_weights says)."""
+        return tuple(self.reward_weights) if self.reward_weights is not None else (1.0,) * len(self.rewards)
 
     @model_validator(mode="after")
     def _pattern_for_regex(self) -> GrpoConfig:
-        if self.reward == "regex" and not self.pattern:
+        if "regex" in self.rewards and not self.pattern:
             raise ValueError("reward regex needs pattern (e.g. '####\\s*(-?[0-9.,]+)')")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for {len(self.rewards)} rewards: "
+                             "give one weight per reward function, in the order of reward")
         if self.pattern is not None:
             try:
                 re.compile(self.pattern)

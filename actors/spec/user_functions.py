@@ -43,6 +43,16 @@ def with_file_resolved(reference: str, base_dir: Path) -> str:
     return f"{(base_dir / where).resolve()}:{name}"
 
 
+def functions_resolved(value: Any, base_dir: Path) -> Any:
+    """A spec field naming a function (a string) or several (a list), each `file.py:function` whose file is relative
+    taken from `base_dir`; anything else as it is (the spec's check says what is wrong with it)."""
+    if isinstance(value, str):
+        return with_file_resolved(value, base_dir)
+    if isinstance(value, list):
+        return [with_file_resolved(item, base_dir) if isinstance(item, str) else item for item in value]
+    return value
+
+
 def load_user_function(reference: str, what: str) -> Callable[..., Any]:
     """The function `reference` names (`what`, e.g. "grpo.reward", says whose it is in errors). A file is loaded
     once per process and path (its module kept in sys.modules under a name of its path)."""

@@ -14,6 +14,22 @@ def shorter(prompts: list[str], completions: list[str], rows: list[dict]) -> lis
     return [1.0 / (1 + len(text)) for text in completions]
 
 
+def sevens_if_asked(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float | None]:
+    """`sevens`, or None (it does not apply: TRL's convention) where the row's reference is "skip"."""
+    return [None if row["reference"] == "skip" else text.split().count("7") / max(len(text.split()), 1)
+            for text, row in zip(completions, rows, strict=True)]
+
+
+def shorter_if_said(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float | None]:
+    """`shorter`, or None where the completion is empty or the row's reference is "skip"."""
+    return [None if not text or row["reference"] == "skip" else 1.0 / (1 + len(text))
+            for text, row in zip(completions, rows, strict=True)]
+
+
+def not_finite(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    return [float("nan")] * len(completions)
+
+
 def score_mean(prediction: str, row: dict) -> float:
     """A generation metric of the user's: the share of the reference's characters found in the prediction."""
     return sum(char in prediction for char in row["reference"]) / max(len(row["reference"]), 1)

@@ -177,15 +177,20 @@ def test_a_checkpoint_keeps_the_eval_losses_and_reads_older_ones_without_them(tm
 
 def test_an_older_checkpoint_s_step_metrics_read_as_they_were_written():
     """A checkpoint written before the accumulator kept its metrics' weight (their sums were weighted by the
-    micro-batches' targets) restores the same means; one written now restores its weight as saved."""
+    micro-batches' targets), or one weight for all its metrics, restores the same means; one written now restores
+    each metric's weight as saved (a metric one micro-batch lacked: the mean over those that had it)."""
     from actors.checkpoint.state import AccumulatorState
     from actors.engine.step_records import StepAccumulator
 
-    older = AccumulatorState(loss_sum=6.0, micro_batches=2, tokens=40, targets=4,
-                             metric_sums={"reward": 2.0, "completions/clipped_ratio": 1.0}).restore()
-    assert older.metrics == {"reward": 0.5, "completions/clipped_ratio": 0.25}
+    oldest = AccumulatorState(loss_sum=6.0, micro_batches=2, tokens=40, targets=4,
+                              metric_sums={"reward": 2.0, "completions/clipped_ratio": 1.0}).restore()
+    assert oldest.metrics == {"reward": 0.5, "completions/clipped_ratio": 0.25}
+    older = AccumulatorState(loss_sum=6.0, micro_batches=2, tokens=40, targets=3, metric_weight=4.0,
+                             metric_sums={"reward": 1.0}).restore()
+    assert older.metrics == {"reward": 0.25}
     now = StepAccumulator()
     now.add(0.0, 20, 0, {"reward": 1.0})   # a micro-batch without targets (its completions all masked)
-    now.add(2.0, 20, 3, {"reward": 0.0})
+    now.add(2.0, 20, 3, {"reward": 0.0, "rewards/format/mean": 0.5})   # that function scored only here
     saved = AccumulatorState.model_validate(json.loads(json.dumps(dataclasses.asdict(now)))).restore()
-    assert saved.metrics == now.metrics == {"reward": 0.25} and saved.loss == now.loss == 2.0
+    assert saved.metrics == now.metrics == {"reward": 0.25, "rewards/format/mean": 0.5}
+    assert saved.loss == now.loss == 2.0

@@ -1,20 +1,19 @@
 """GRPO jobs (method grpo): for fixed completions the loss and the adapter's gradients equal TRL's
 GRPOTrainer's (its `_compute_loss` on a PEFT LoRA model with the same weights, the KL reference being PEFT's
-model with its adapter disabled), for the dapo and grpo losses with and without the KL term; advantages are
-TRL's group-relative ones (checked against hand-computed values); a GRPO job fused with SFT and DPO jobs
+model with its adapter disabled), for the dapo and grpo losses with and without the KL term (advantages and
+rewards: test_grpo_rewards.py); a GRPO job fused with SFT and DPO jobs
 trains exactly as alone (its completions sampled alike, seeded by its own position); a reward that raises,
 returns the wrong count or a non-number fails its job alone with a message naming the reward."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
-from actors.engine.grpo import RewardError, Rollout, advantages, reward_spread
+from actors.engine.grpo import Rollout
+from actors.engine.grpo_rewards import RewardError
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
@@ -82,7 +81,7 @@ def _rollouts(truncated: frozenset[int] = frozenset()) -> list[Rollout]:
         rows = [index * G + k for k in range(G)]
         completions = tuple(Example(tuple(prompt + c), (IGNORE_INDEX,) * len(prompt) + (
             (IGNORE_INDEX,) * len(c) if row in truncated else tuple(c))) for row, c in zip(rows, group, strict=True))
-        out.append(Rollout(completions, len(prompt), (0.0,) * G, tuple(advantage),
+        out.append(Rollout(completions, len(prompt), (0.0,) * G, ((0.0,),) * G, tuple(advantage),
                            tuple(row in truncated for row in rows)))
     return out
 
@@ -131,23 +130,6 @@ def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer,
     assert abs(result.loss - loss.item()) <= 1e-6 + beta * logp
     if beta:
         assert job.accumulator.metrics["kl"] > 0
-
-
-def test_advantages_are_group_relative_as_trls():
-    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.5], [3.0, 1.0, 2.0]], dtype=torch.float64)
-    std = math.sqrt(1 / 3)                      # (2/3)^2 + 2 (1/3)^2 over n - 1 = 2, Bessel-corrected
-    expected = [[(2 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4)], [0.0, 0.0, 0.0],
-                [1 / (1 + 1e-4), -1 / (1 + 1e-4), 0.0]]
-    assert advantages(rewards, "group").flatten().tolist() == pytest.approx(sum(expected, []), abs=1e-12)
-    assert advantages(rewards, "none").flatten().tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0, 1, -1, 0])
-    # TRL's logged spread: the groups' mean std (sqrt(1/3), 0, 1) and the share of groups scored alike (1 of 3)
-    spread = reward_spread(rewards)
-    assert spread["reward_std"] == pytest.approx((std + 0.0 + 1.0) / 3, abs=1e-12)
-    assert spread["frac_reward_zero_std"] == pytest.approx(1 / 3, abs=1e-12)
-    assert reward_spread(torch.zeros(4, 8, dtype=torch.float64)) == {"reward_std": 0.0, "frac_reward_zero_std": 1.0}
-    overall = float(torch.tensor([1.0, 0, 0, 0.5, 0.5, 0.5, 3, 1, 2], dtype=torch.float64).std())
-    assert advantages(rewards, "batch")[2].tolist() == pytest.approx([1 / (overall + 1e-4), -1 / (overall + 1e-4),
-                                                                      0.0])
 
 
 def _grpo_spec(name: str, reward: str, **changes) -> JobSpec:
@@ -260,11 +242,12 @@ def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_m
 
 def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_functions_imported(
         tiny_model_dirs, tmp_path):
-    """`reward: rewards.py:shorter` and `metric: rewards.py:score_mean`, a file beside the jobs file (named relative
-    to it), run by `aspen run --in-process` from another folder: the job ends with the adapter and scores of the
-    same job naming the same functions as an importable module (`tests.helpers.rewards:...`), trained by the
-    in-process service. The module form of a file that is not importable is refused before anything starts,
-    at its line, saying to name the file."""
+    """`reward: [rewards.py:shorter, rewards.py:sevens]` (weighted) and `metric: rewards.py:score_mean`, a file
+    beside the jobs file (named relative to it), run by `aspen run --in-process` from another folder: the job ends
+    with the adapter and scores of the same job naming the same functions as an importable module
+    (`tests.helpers.rewards:...`), trained by the in-process service, each reward's mean in its metrics. The module
+    form of a file that is not importable is refused before anything starts, at its line (in a list too), saying
+    to name the file."""
     import json
     import os
     import shutil
@@ -283,13 +266,15 @@ def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_
     data = write_task_data(folder / "data", "arith")
     shutil.copy(repo / "tests" / "helpers" / "rewards.py", folder / "rewards.py")
 
-    def jobs(reward: str, metric: str, output: str) -> dict:
+    def jobs(reward: str | list[str], metric: str, output: str) -> dict:
+        weights = {"reward_weights": [1.0, 0.5]} if isinstance(reward, list) else {}
         job = job_dict("grpo", data, 3, method="grpo", batch_size=2, eval_split=4, eval_every=3,
-                       grpo={"reward": reward, "num_generations": 3, "max_new_tokens": 6},
+                       grpo={"reward": reward, "num_generations": 3, "max_new_tokens": 6, **weights},
                        eval_generate={"metric": metric, "max_new_tokens": 6})
         return {"base_model": str(tiny_model_dirs["llama"]), "output_dir": output, "step_tokens": 2048, "jobs": [job]}
 
-    (folder / "jobs.yaml").write_text(yaml.safe_dump(jobs("rewards.py:shorter", "rewards.py:score_mean", "out")))
+    (folder / "jobs.yaml").write_text(yaml.safe_dump(jobs(["rewards.py:shorter", "rewards.py:sevens"],
+                                                          "rewards.py:score_mean", "out")))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "--quiet",
@@ -297,7 +282,8 @@ def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_
                           env={**os.environ, "PYTHONPATH": str(repo)})
     assert done.returncode == 0, done.stderr[-3000:]
 
-    (folder / "module.yaml").write_text(yaml.safe_dump(jobs("tests.helpers.rewards:shorter",
+    (folder / "module.yaml").write_text(yaml.safe_dump(jobs(["tests.helpers.rewards:shorter",
+                                                             "tests.helpers.rewards:sevens"],
                                                             "tests.helpers.rewards:score_mean", "reference")))
     (reference,) = train_locally(load_run_spec(folder / "module.yaml"), progress=False)
     assert reference.state == "completed", reference.reason
@@ -310,6 +296,7 @@ def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_
 
     assert metrics(folder / "out" / "grpo") == metrics(Path(reference.adapter_dir))
     assert "eval_score" in metrics(folder / "out" / "grpo")[-1]
+    assert {"rewards/shorter/mean", "rewards/sevens/mean"} <= set(metrics(folder / "out" / "grpo")[0])
 
     (folder / "jobs.yaml").write_text(yaml.safe_dump(jobs("rewards:shorter", "exact_match", "out")))
     with pytest.raises(SpecError) as refused:
@@ -317,6 +304,13 @@ def test_a_reward_and_a_metric_in_a_file_beside_the_jobs_file_train_as_the_same_
     message = str(refused.value)
     assert "jobs.yaml:" in message and "field grpo.reward: 'rewards:shorter': cannot import module 'rewards'" in message
     assert "(grpo.reward: rewards.py:shorter, relative to the jobs or sweep file)" in message, message
+    text = yaml.safe_dump(jobs(["exact_match", "rewards:shorter"], "exact_match", "out"), default_flow_style=False)
+    (folder / "jobs.yaml").write_text(text)
+    with pytest.raises(SpecError) as refused:
+        load_run_spec(folder / "jobs.yaml")
+    line = next(n for n, row in enumerate(text.splitlines(), 1) if row.strip() == "- rewards:shorter")
+    assert f"jobs.yaml:{line}: job 'grpo' (jobs[0]), field grpo.reward.1: 'rewards:shorter': cannot import" in str(
+        refused.value), refused.value
 
 
 def test_a_grpo_job_samples_among_the_tokens_its_top_p_and_min_p_keep():
@@ -354,7 +348,7 @@ def test_completions_cut_at_max_new_tokens_are_told_and_masked_when_asked(monkey
     monkeypatch.setattr(grpo, "greedy_generate_many", lambda *args, **kwargs: [list(t) for t in sampled])   # as drawn
     spec = _grpo_spec("grpo", "contains", grpo={"reward": "contains", "num_generations": 4, "max_new_tokens": 5,
                                                 "mask_truncated_completions": mask})
-    out, _ = grpo.rollouts(base, "grpo", spec.grpo, _prompt_rows(0, 2), seed=0)
+    out = grpo.rollouts(base, "grpo", spec.grpo, _prompt_rows(0, 2), seed=0)
     cut = [True, False, False, False, True, True, False, True]
     assert [flag for rollout in out for flag in rollout.truncated] == cut
     for rollout, tokens in zip(out, (sampled[:4], sampled[4:]), strict=True):
@@ -373,7 +367,7 @@ def test_completions_cut_at_max_new_tokens_are_told_and_masked_when_asked(monkey
     assert report.results[0].targets == kept
     if mask:   # every completion cut: nothing to learn from (loss 0, no targets), and the step still says why
         sampled[:] = [[30, 31, 32, 33, 34]] * 8
-        everything_cut, _ = grpo.rollouts(base, "grpo", spec.grpo, _prompt_rows(0, 2), seed=0)
+        everything_cut = grpo.rollouts(base, "grpo", spec.grpo, _prompt_rows(0, 2), seed=0)
         result = trainer.run_step([(job, everything_cut)]).results[0]
         assert result.targets == 0 and result.loss == 0.0
         row = result.optimizer_step.as_row()

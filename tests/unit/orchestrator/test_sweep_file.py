@@ -79,3 +79,24 @@ def test_a_metric_named_by_its_file_is_the_sweep_files_and_one_that_does_not_loa
             load_sweep_spec(path)
         assert f"{path}:17: objective.metric '" in str(caught.value) and expected in str(caught.value), caught.value
         assert "job.eval_generate" not in str(caught.value)   # the objective's metric named once, as the objective
+
+
+def test_a_grpo_trials_rewards_named_by_their_files_are_the_sweep_files_and_a_bad_one_refused_at_its_line(tmp_path):
+    """job.grpo.reward as a list (several rewards, weighted): each `file.py:function` the sweep file's folder's; one
+    that does not load refused at its own line, naming its place in the list."""
+    (tmp_path / "rewards.py").write_text("def short(prompts, completions, rows):\n"
+                                         "    return [1.0 / (1 + len(text)) for text in completions]\n")
+    grpo = ("  method: grpo\n  grpo:\n    reward:\n      - rewards.py:short\n      - {second}\n"
+            "    reward_weights: [1.0, 0.5]\n    num_generations: 2\n")
+    text = write(tmp_path).read_text()
+    at = text.index("space:")
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text[:at] + grpo.format(second="contains") + text[at:])
+    spec = load_sweep_spec(path)
+    assert spec.job.grpo.rewards == (f"{tmp_path / 'rewards.py'}:short", "contains")
+    path.write_text(text[:at] + grpo.format(second="rewards.py:long") + text[at:])
+    line = path.read_text().splitlines().index("      - rewards.py:long") + 1
+    with pytest.raises(SpecError) as caught:
+        load_sweep_spec(path)
+    assert f"{path}:{line}: job.grpo.reward.1 '" in str(caught.value), caught.value
+    assert "rewards.py has no function 'long'" in str(caught.value)

@@ -365,7 +365,7 @@ def test_a_users_job_calls_only_the_functions_the_operator_allows(tmp_path):
     table = JobTable(state / "jobs.sqlite")
     core = SchedulerCore(table, load_policy("fifo"), state, user_functions=allowed)
 
-    def job(name: str, metric: str, reward: str | None = None) -> dict:
+    def job(name: str, metric: str, reward: str | list[str] | None = None) -> dict:
         extra = {"method": "grpo", "grpo": {"reward": reward, "num_generations": 2, "max_new_tokens": 4}} \
             if reward else {}
         return job_dict(name, data, 2, eval_split=2, eval_generate={"metric": metric}, **extra)
@@ -375,7 +375,9 @@ def test_a_users_job_calls_only_the_functions_the_operator_allows(tmp_path):
         core.submit(JobSubmission(job=job(name, metric, reward), user="alice"))
     refused = [("builtins:exec", None, "eval_generate.metric 'builtins:exec'"),
                (f"{tmp_path / 'mine.py'}:f", None, "eval_generate.metric '"),
-               ("contains", "tests.helpers.rewards:raises", "grpo.reward 'tests.helpers.rewards:raises'")]
+               ("contains", "tests.helpers.rewards:raises", "grpo.reward 'tests.helpers.rewards:raises'"),
+               ("contains", ["tests.helpers.rewards:shorter", "tests.helpers.rewards:sevens"],
+                "grpo.reward.1 'tests.helpers.rewards:sevens'")]   # one of several not allowed
     for metric, reward, named in refused:
         with pytest.raises(SubmissionError) as caught:
             core.submit(JobSubmission(job=job("no", metric, reward), user="alice"))

@@ -36,7 +36,7 @@ from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import Sampling, greedy_generate_many, needs_eager_attention
 from actors.engine.generation_eval import ScoredRow, scored_rows, stop_token_ids
-from actors.engine.grpo_rewards import group_scores, reward_metrics, reward_scores
+from actors.engine.grpo_rewards import RewardCaller, group_scores, reward_metrics, reward_scores
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.model_support import LogitTransform
@@ -79,11 +79,11 @@ def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str
     return base.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequence[Example], seed: int
-             ) -> list[Rollout]:
+def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequence[Example], seed: int,
+             caller: RewardCaller | None = None) -> list[Rollout]:
     """Each example's prompt, `num_generations` sampled completions through `adapter` (a generator seeded with
-    `seed`), scored and turned into advantages. ValueError where an example has no prompt; RewardError where a
-    reward fails."""
+    `seed`), scored (the user's reward functions through `caller`: grpo_rewards.py) and turned into advantages.
+    ValueError where an example has no prompt; RewardError where a reward fails."""
     rows: list[ScoredRow] = scored_rows(examples, base, None)
     if len(rows) != len(examples):
         raise ValueError(f"job '{adapter}': {len(examples) - len(rows)} of its rows have no prompt before their "
@@ -97,7 +97,8 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
                                             top_p=config.top_p, min_p=config.min_p))
     texts = [_completion_text(base, tokens, stops) for tokens in outputs]
     contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows for _ in range(groups)]
-    scores = reward_scores(config, [c["prompt"] for c in contexts], texts, contexts).view(len(rows), groups, -1)
+    scores = reward_scores(config, [c["prompt"] for c in contexts], texts, contexts, caller).view(len(rows), groups,
+                                                                                                   -1)
     scored = group_scores(config, scores)
     ended = stops | ({base.pad_token_id} if base.pad_token_id is not None else set())   # as TRL tells the ended
     out = []

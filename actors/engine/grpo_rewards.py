@@ -11,21 +11,24 @@ the micro-batch's, or unscaled: `scale_rewards`); `normalize_then_sum` (GDPO) no
 in their group first, then their weighted sum over the micro-batch. Standard deviations are Bessel-corrected, NaN
 for fewer than two values (TRL's `nanstd`). What TRL calls the batch is here the job's micro-batch.
 
+A user's function runs in a process of its own with a deadline (`RewardCaller`: actors/engine/reward_calls.py).
 A reward that raises, returns a count other than one per completion, a non-number or a number that is not
-finite is a `RewardError` naming it: that job fails, the others go on (the trainer loop)."""
+finite, runs past `reward_timeout_s` or ends its process is a `RewardError` naming it: that job fails, the others
+go on (the trainer loop)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from actors.engine.generation_eval import metric_function
 from actors.spec.evaluation_config import GenerationEval
 from actors.spec.method_config import REWARDS, GrpoConfig
-from actors.spec.user_functions import UserFunctionError, load_user_function, split_reference
+from actors.spec.user_functions import split_reference
 
 Reward = Callable[[list[str], list[str], list[dict]], Sequence[float | None]]
 
@@ -35,15 +38,25 @@ class RewardError(ValueError):
     completion."""
 
 
-def reward_function(reference: str, pattern: str | None) -> Reward:
-    """The reward `reference` names as function(prompts, completions, rows) -> one float per completion."""
+class RewardCaller(Protocol):
+    """Where a user's reward function runs (actors/engine/reward_calls.py: a process of its own, with a
+    deadline)."""
+
+    def call(self, reference: str, prompts: list[str], completions: list[str], rows: list[dict],
+             timeout_s: float) -> list[float | None]: ...
+
+
+def reward_function(reference: str, config: GrpoConfig, caller: RewardCaller | None) -> Reward:
+    """The reward `reference` names as function(prompts, completions, rows) -> one float per completion: a
+    built-in here, a user's through `caller` (ValueError without one)."""
     if reference in REWARDS:
-        metric = metric_function(GenerationEval(metric=reference, pattern=pattern))
+        metric = metric_function(GenerationEval(metric=reference, pattern=config.pattern))
         return lambda prompts, completions, rows: [metric(c, row) for c, row in zip(completions, rows, strict=True)]
-    try:
-        return load_user_function(reference, "grpo.reward")
-    except UserFunctionError as error:
-        raise RewardError(str(error)) from None
+    if caller is None:
+        raise ValueError(f"grpo.reward '{reference}' is a function of the user's: it is called through a "
+                         "RewardWorker (actors/engine/reward_calls.py)")
+    return lambda prompts, completions, rows: caller.call(reference, prompts, completions, rows,
+                                                          config.reward_timeout_s)
 
 
 def reward_names(config: GrpoConfig) -> list[str]:
@@ -60,6 +73,8 @@ def scored(reward: Reward, reference: str, prompts: list[str], completions: list
     returned other than one finite number or None per completion."""
     try:
         values = list(reward(prompts, completions, rows))
+    except RewardError:
+        raise
     except Exception as error:
         raise RewardError(f"grpo.reward '{reference}' raised {type(error).__name__}: {error} (on completions such "
                           f"as {completions[0][:80]!r}); it must return a number (or None) for any text") from error
@@ -78,10 +93,11 @@ def scored(reward: Reward, reference: str, prompts: list[str], completions: list
     return numbers
 
 
-def reward_scores(config: GrpoConfig, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
+def reward_scores(config: GrpoConfig, prompts: list[str], completions: list[str], rows: list[dict],
+                  caller: RewardCaller | None) -> torch.Tensor:
     """(completions, reward functions): each function's score of each completion (float64, NaN where it returned
-    None)."""
-    columns = [scored(reward_function(reference, config.pattern), reference, prompts, completions, rows)
+    None); the user's functions called through `caller`."""
+    columns = [scored(reward_function(reference, config, caller), reference, prompts, completions, rows)
                for reference in config.rewards]
     return torch.tensor(columns, dtype=torch.float64).T.reshape(len(completions), len(columns))
 

@@ -45,6 +45,7 @@ from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
+from actors.engine.reward_calls import RewardWorker
 from actors.engine.step_batches import StepBatches
 from actors.engine.step_composition import StepComposition
 from actors.engine.step_objective import ObjectiveJob, step_objective
@@ -85,6 +86,7 @@ class FusedTrainer:
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
         # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
         self.batches = StepBatches(base, layout, bucketed=compile != "none", ahead=base.device.type == "cuda")
+        self.rewards = RewardWorker()   # users' GRPO reward functions: a process of their own, started if asked
 
     # -- what the trainer loop asks of any step engine (actors/service/trainer/step_engine.py) ----------------
     @property
@@ -168,7 +170,7 @@ class FusedTrainer:
                 kept.append((job, batch))
                 continue
             try:
-                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job))
+                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job), self.rewards)
             except (RewardError, ValueError) as error:
                 failed.append((job, error))
                 continue
@@ -375,7 +377,8 @@ class FusedTrainer:
         """Nothing to rebuild: one device has no stages to lose."""
 
     def close(self) -> None:
-        """Nothing to stop: the base stays loaded with its process."""
+        """The reward functions' process stopped (the base stays loaded with its process)."""
+        self.rewards.close()
 
     def logits(self, adapter: str, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows (the model's

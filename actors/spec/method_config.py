@@ -49,6 +49,9 @@ class GrpoConfig(StrictModel):
         "sum_then_normalize", description="several rewards: their weighted sum made into advantages as scale_rewards "
         "says, or (normalize_then_sum, GDPO) each reward normalized in its group first, then their weighted sum "
         "over the micro-batch's standard deviation (TRL's option)")
+    reward_timeout_s: Annotated[float, Bounds(0, 86400, low_open=True)] = Field(
+        60.0, description="how long a reward function of the user's may take to score a micro-batch's completions "
+                          "(it runs in a process of its own); past it, it is stopped and the job fails saying so")
     pattern: str | None = Field(None, description="regex: the answer's pattern, e.g. '####\\s*(-?[0-9.,]+)'")
     num_generations: Annotated[int, Bounds(2, 256)] = Field(8, description="completions sampled per prompt (G)")
     max_new_tokens: Annotated[int, Bounds(1, 4096)] = Field(

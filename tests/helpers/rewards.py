@@ -43,6 +43,30 @@ def too_few(prompts: list[str], completions: list[str], rows: list[dict]) -> lis
     return [1.0]
 
 
+def hangs(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    """A reward that never returns (a sandbox that never answers)."""
+    import time
+
+    while True:
+        time.sleep(1.0)
+
+
+def exits(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    """A reward that ends its interpreter."""
+    import os
+
+    os._exit(3)
+
+
+def prints(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float]:
+    """`shorter`, saying so on stdout (Python's and the C library's)."""
+    import os
+
+    print("scoring", len(completions), "completions")
+    os.write(1, b"a C library's line\n")
+    return shorter(prompts, completions, rows)
+
+
 class NumberTokenizer:
     """Decodes token ids as their numbers separated by spaces; token 2 is the end of a sequence."""
 

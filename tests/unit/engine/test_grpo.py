@@ -18,11 +18,13 @@ from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
+from tests.helpers.grpo_jobs import grpo_spec as _grpo_spec
+from tests.helpers.grpo_jobs import number_base as _number_base
+from tests.helpers.grpo_jobs import prompt_rows as _prompt_rows
 from tests.helpers.isolation import VOCAB, assert_isolated
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.pairs import random_pairs
 from tests.helpers.peft_reference import compare_gradients, copy_peft_lora, peft_config, randomize_b
-from tests.helpers.rewards import NumberTokenizer
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
 G = 3
@@ -130,26 +132,6 @@ def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer,
     assert abs(result.loss - loss.item()) <= 1e-6 + beta * logp
     if beta:
         assert job.accumulator.metrics["kl"] > 0
-
-
-def _grpo_spec(name: str, reward: str, **changes) -> JobSpec:
-    return JobSpec(**{"name": name, "data": "unused.jsonl", "format": {"type": "text"}, "method": "grpo",
-                      "grpo": {"reward": reward, "num_generations": 4, "max_new_tokens": 5, "temperature": 1.0},
-                      "batch_size": 2, "max_steps": 2, "lr": 1e-2, "warmup_steps": 1,
-                      "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}, **changes})
-
-
-def _prompt_rows(seed: int, count: int) -> list[Example]:
-    """Rows whose first half is the prompt (the rest the target, whose text the built-in rewards compare)."""
-    rows = []
-    for example in random_examples(seed, count=count, vocab=VOCAB, min_len=6, max_len=12):
-        half = len(example.input_ids) // 2
-        rows.append(Example(example.input_ids, (IGNORE_INDEX,) * half + tuple(example.input_ids[half:])))
-    return rows
-
-
-def _number_base():
-    return from_module(tiny_model("llama", VOCAB), NumberTokenizer())
 
 
 def test_a_grpo_job_fused_with_sft_and_dpo_jobs_trains_exactly_as_alone():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from actors.engine.grpo_rewards import RewardError, group_scores, reward_metrics, reward_scores
+from actors.engine.reward_calls import RewardWorker
 from actors.spec.method_config import GrpoConfig
 from tests.helpers import rewards as helpers
 from tests.helpers.models import tiny_model
@@ -26,6 +27,7 @@ COMPLETIONS = [["7", "3 4", "7 7 1", "9"],        # sevens vary, lengths vary
                ["", "1 2 3", "7", ""],            # two empty: shorter_if_said scores two of four
                ["7", "8", "", "7 7"]]             # reference "skip": the *_if_* rewards do not apply
 EPS32 = torch.finfo(torch.float32).eps
+WORKER = RewardWorker()   # the user's functions' process, as a trainer's
 
 
 def _trl_form(function):
@@ -65,7 +67,7 @@ def _trl_scored(tiny_tokenizer, tmp_path, monkeypatch, config: GrpoConfig, funct
 def _aspen_scored(config: GrpoConfig) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
     rows = [{"prompt": p, "reference": r} for p, r in zip(PROMPTS, REFERENCES, strict=True) for _ in range(G)]
     texts = [text for group in COMPLETIONS for text in group]
-    scores = reward_scores(config, [row["prompt"] for row in rows], texts, rows).view(len(PROMPTS), G, -1)
+    scores = reward_scores(config, [row["prompt"] for row in rows], texts, rows, WORKER).view(len(PROMPTS), G, -1)
     return group_scores(config, scores).advantages, reward_metrics(config, scores), scores
 
 
@@ -154,7 +156,7 @@ def test_a_reward_among_several_that_fails_is_named(reward, message):
     config = GrpoConfig(reward=["contains", reward], num_generations=G)
     rows = [{"prompt": p, "reference": r} for p, r in zip(PROMPTS, REFERENCES, strict=True) for _ in range(G)]
     with pytest.raises(RewardError, match=message) as caught:
-        reward_scores(config, [r["prompt"] for r in rows], [t for group in COMPLETIONS for t in group], rows)
+        reward_scores(config, [r["prompt"] for r in rows], [t for group in COMPLETIONS for t in group], rows, WORKER)
     assert f"grpo.reward '{reward}'" in str(caught.value)
 
 

@@ -18,14 +18,15 @@ from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import greedy_generate_many
 from actors.engine.models import BaseModel
-from actors.spec.evaluation_config import GenerationEval
-from actors.spec.user_functions import load_user_function
+from actors.engine.user_calls import CallFailed, FunctionWorker
+from actors.spec.evaluation_config import GENERATION_METRICS, GenerationEval
 
 Metric = Callable[[str, dict], float]
 
 
 class MetricError(ValueError):
-    """A user's metric function raised, or returned something that is not a number."""
+    """A user's metric function could not be loaded, raised, returned something that is not a number, ran past
+    its deadline or ended its process."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ def _answer(pattern: re.Pattern[str], text: str) -> str | None:
 
 
 def metric_function(config: GenerationEval) -> Metric:
-    """`config.metric` as a function(prediction, row) -> float."""
+    """A built-in `config.metric` as a function(prediction, row) -> float (a user's runs in the trainer's
+    `FunctionWorker`: `generation_evaluations`)."""
     if config.metric == "exact_match":
         return lambda prediction, row: float(prediction.strip() == row["reference"].strip())
     if config.metric == "contains":
@@ -58,7 +60,35 @@ def metric_function(config: GenerationEval) -> Metric:
             return float(expected is not None and _answer(pattern, prediction) == expected)
 
         return regex
-    return load_user_function(config.metric, "eval_generate.metric")
+    raise ValueError(f"eval_generate metric '{config.metric}' is a function of the user's: it runs in a "
+                     "FunctionWorker (actors/engine/user_calls.py)")
+
+
+def generation_scores_of(config: GenerationEval, predictions: list[str], rows: list[dict],
+                         worker: FunctionWorker | None) -> list[float]:
+    """The metric of each prediction against its row; MetricError naming the row where it fails."""
+    if config.metric in GENERATION_METRICS:
+        metric = metric_function(config)
+        return [float(metric(prediction, row)) for prediction, row in zip(predictions, rows, strict=True)]
+    if worker is None:
+        raise ValueError(f"eval_generate metric '{config.metric}' is a function of the user's: pass the trainer's "
+                         "FunctionWorker")
+    try:
+        return [float(value) for value in worker.call(config.metric, "eval_generate.metric", "rows",
+                                                      [predictions, rows], config.timeout_s)]
+    except CallFailed as failed:
+        named = f"eval_generate metric '{config.metric}'"
+        if failed.kind == "load":
+            raise MetricError(failed.message) from None
+        if failed.kind == "timeout":
+            raise MetricError(f"{named} did not score {len(rows)} eval rows within {config.timeout_s:g} s "
+                              "(eval_generate.timeout_s) and was stopped; make it faster or raise "
+                              "eval_generate.timeout_s") from None
+        if failed.kind == "ended":
+            raise MetricError(f"{named}: {failed.message} while scoring {len(rows)} eval rows") from None
+        row = failed.row or 0
+        raise MetricError(f"{named} failed on eval row {row} (prediction {predictions[row][:80]!r}): "
+                          f"{failed.message}; it must return a number for any text") from None
 
 
 def scored_rows(examples: Sequence[Example], base: BaseModel, limit: int | None) -> list[ScoredRow]:
@@ -101,10 +131,11 @@ class GenerationEvaluation:
     samples: list[dict]
 
 
-def generation_evaluations(base: BaseModel,
-                           jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]]) -> list[GenerationEvaluation]:
-    """Per `(adapter, config, eval examples)`, its rows' greedy continuations scored (all jobs in one batch). A
-    job with no scorable row raises ValueError naming it; a metric that fails, MetricError naming the row."""
+def generation_evaluations(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]],
+                           worker: FunctionWorker | None = None) -> list[GenerationEvaluation]:
+    """Per `(adapter, config, eval examples)`, its rows' greedy continuations scored (all jobs in one batch; a
+    user's metric in `worker`). A job with no scorable row raises ValueError naming it; a metric that fails,
+    MetricError naming the row."""
     plans = []
     for adapter, config, examples in jobs:
         rows = scored_rows(examples, base, config.rows)
@@ -120,28 +151,23 @@ def generation_evaluations(base: BaseModel,
     outputs = iter(greedy_generate_many(base, requests, longest, stops))
     evaluations = []
     for _, config, rows in plans:
-        metric = metric_function(config)
-        samples = []
-        for number, row in enumerate(rows):
-            tokens = next(outputs)[:config.max_new_tokens]
+        predictions = []
+        for tokens in (next(outputs)[:config.max_new_tokens] for _ in rows):
             for index, token in enumerate(tokens):   # ends at its first stop token, which is not text
                 if token in stops:
                     tokens = tokens[:index]
                     break
-            prediction = base.tokenizer.decode(tokens, skip_special_tokens=True)
-            try:
-                value = float(metric(prediction, {"prompt": row.prompt_text, "reference": row.reference}))
-            except Exception as error:
-                raise MetricError(f"eval_generate metric '{config.metric}' failed on eval row {number} "
-                                  f"(prediction {prediction[:80]!r}): {type(error).__name__}: {error}; it must "
-                                  "return a number for any text") from error
-            samples.append({"prompt": row.prompt_text, "reference": row.reference, "prediction": prediction,
-                            "score": value})
-        evaluations.append(GenerationEvaluation(sum(s["score"] for s in samples) / len(samples), samples))
+            predictions.append(base.tokenizer.decode(tokens, skip_special_tokens=True))
+        contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows]
+        scores = generation_scores_of(config, predictions, contexts, worker)
+        samples = [{**context, "prediction": prediction, "score": score}
+                   for context, prediction, score in zip(contexts, predictions, scores, strict=True)]
+        evaluations.append(GenerationEvaluation(sum(scores) / len(scores), samples))
     return evaluations
 
 
-def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]]) -> list[float]:
+def generation_scores(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]],
+                      worker: FunctionWorker | None = None) -> list[float]:
     """Per `(adapter, config, eval examples)`, the mean score of its rows' greedy continuations (all jobs in
     one batch): `generation_evaluations` without the rows."""
-    return [evaluation.score for evaluation in generation_evaluations(base, jobs)]
+    return [evaluation.score for evaluation in generation_evaluations(base, jobs, worker)]

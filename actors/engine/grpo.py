@@ -36,13 +36,14 @@ from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import Sampling, greedy_generate_many, needs_eager_attention
 from actors.engine.generation_eval import ScoredRow, scored_rows, stop_token_ids
-from actors.engine.grpo_rewards import RewardCaller, group_scores, reward_metrics, reward_scores
+from actors.engine.grpo_rewards import group_scores, reward_metrics, reward_scores
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.model_support import LogitTransform
 from actors.engine.models import BaseModel
 from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.preference import PreferenceOutcome, reference_layout, targets_of_rows
+from actors.engine.user_calls import FunctionWorker
 from actors.spec.method_config import GrpoConfig
 
 
@@ -80,9 +81,9 @@ def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str
 
 
 def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequence[Example], seed: int,
-             caller: RewardCaller | None = None) -> list[Rollout]:
+             worker: FunctionWorker | None = None) -> list[Rollout]:
     """Each example's prompt, `num_generations` sampled completions through `adapter` (a generator seeded with
-    `seed`), scored (the user's reward functions through `caller`: grpo_rewards.py) and turned into advantages.
+    `seed`), scored (the user's reward functions in `worker`: grpo_rewards.py) and turned into advantages.
     ValueError where an example has no prompt; RewardError where a reward fails."""
     rows: list[ScoredRow] = scored_rows(examples, base, None)
     if len(rows) != len(examples):
@@ -97,7 +98,7 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
                                             top_p=config.top_p, min_p=config.min_p))
     texts = [_completion_text(base, tokens, stops) for tokens in outputs]
     contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows for _ in range(groups)]
-    scores = reward_scores(config, [c["prompt"] for c in contexts], texts, contexts, caller).view(len(rows), groups,
+    scores = reward_scores(config, [c["prompt"] for c in contexts], texts, contexts, worker).view(len(rows), groups,
                                                                                                    -1)
     scored = group_scores(config, scores)
     ended = stops | ({base.pad_token_id} if base.pad_token_id is not None else set())   # as TRL tells the ended

@@ -11,7 +11,7 @@ the micro-batch's, or unscaled: `scale_rewards`); `normalize_then_sum` (GDPO) no
 in their group first, then their weighted sum over the micro-batch. Standard deviations are Bessel-corrected, NaN
 for fewer than two values (TRL's `nanstd`). What TRL calls the batch is here the job's micro-batch.
 
-A user's function runs in a process of its own with a deadline (`RewardCaller`: actors/engine/reward_calls.py).
+A user's function runs in a process of its own with a deadline (actors/engine/user_calls.py).
 A reward that raises, returns a count other than one per completion, a non-number or a number that is not
 finite, runs past `reward_timeout_s` or ends its process is a `RewardError` naming it: that job fails, the others
 go on (the trainer loop)."""
@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from actors.engine.generation_eval import metric_function
+from actors.engine.user_calls import CallFailed, FunctionWorker
 from actors.spec.evaluation_config import GenerationEval
 from actors.spec.method_config import REWARDS, GrpoConfig
 from actors.spec.user_functions import split_reference
@@ -38,25 +38,40 @@ class RewardError(ValueError):
     completion."""
 
 
-class RewardCaller(Protocol):
-    """Where a user's reward function runs (actors/engine/reward_calls.py: a process of its own, with a
-    deadline)."""
-
-    def call(self, reference: str, prompts: list[str], completions: list[str], rows: list[dict],
-             timeout_s: float) -> list[float | None]: ...
-
-
-def reward_function(reference: str, config: GrpoConfig, caller: RewardCaller | None) -> Reward:
+def reward_function(reference: str, config: GrpoConfig, worker: FunctionWorker | None) -> Reward:
     """The reward `reference` names as function(prompts, completions, rows) -> one float per completion: a
-    built-in here, a user's through `caller` (ValueError without one)."""
+    built-in here, a user's in `worker` (ValueError without one)."""
     if reference in REWARDS:
         metric = metric_function(GenerationEval(metric=reference, pattern=config.pattern))
         return lambda prompts, completions, rows: [metric(c, row) for c, row in zip(completions, rows, strict=True)]
-    if caller is None:
-        raise ValueError(f"grpo.reward '{reference}' is a function of the user's: it is called through a "
-                         "RewardWorker (actors/engine/reward_calls.py)")
-    return lambda prompts, completions, rows: caller.call(reference, prompts, completions, rows,
-                                                          config.reward_timeout_s)
+    if worker is None:
+        raise ValueError(f"grpo.reward '{reference}' is a function of the user's: it runs in a FunctionWorker "
+                         "(actors/engine/user_calls.py)")
+
+    def called(prompts: list[str], completions: list[str], rows: list[dict]) -> list[float | None]:
+        try:
+            return worker.call(reference, "grpo.reward", "batch", [prompts, completions, rows],
+                               config.reward_timeout_s)
+        except CallFailed as failed:
+            raise RewardError(_failure(reference, failed, completions, config.reward_timeout_s)) from None
+
+    return called
+
+
+def _failure(reference: str, failed: CallFailed, completions: list[str], timeout_s: float) -> str:
+    named = f"grpo.reward '{reference}'"
+    if failed.kind == "load":
+        return failed.message
+    if failed.kind == "raised":
+        return (f"{named} raised {failed.message} (on completions such as {completions[0][:80]!r}); it must return "
+                "a number (or None) for any text")
+    if failed.kind == "value":
+        return f"{named} returned a reward that is neither a number nor None ({failed.message})"
+    if failed.kind == "timeout":
+        return (f"{named} did not return within {timeout_s:g} s (grpo.reward_timeout_s) on {len(completions)} "
+                "completions and was stopped; make it faster or raise grpo.reward_timeout_s")
+    return (f"{named}: {failed.message} while scoring {len(completions)} completions; the job cannot be scored "
+            "until the function is fixed")
 
 
 def reward_names(config: GrpoConfig) -> list[str]:
@@ -94,10 +109,10 @@ def scored(reward: Reward, reference: str, prompts: list[str], completions: list
 
 
 def reward_scores(config: GrpoConfig, prompts: list[str], completions: list[str], rows: list[dict],
-                  caller: RewardCaller | None) -> torch.Tensor:
+                  worker: FunctionWorker | None) -> torch.Tensor:
     """(completions, reward functions): each function's score of each completion (float64, NaN where it returned
-    None); the user's functions called through `caller`."""
-    columns = [scored(reward_function(reference, config, caller), reference, prompts, completions, rows)
+    None); the user's functions run in `worker`."""
+    columns = [scored(reward_function(reference, config, worker), reference, prompts, completions, rows)
                for reference in config.rewards]
     return torch.tensor(columns, dtype=torch.float64).T.reshape(len(completions), len(columns))
 

@@ -45,11 +45,11 @@ from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
-from actors.engine.reward_calls import RewardWorker
 from actors.engine.step_batches import StepBatches
 from actors.engine.step_composition import StepComposition
 from actors.engine.step_objective import ObjectiveJob, step_objective
 from actors.engine.step_report import JobStepResult, StepReport
+from actors.engine.user_calls import FunctionWorker
 from actors.spec.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
 from actors.spec.job_spec import JobSpec
 from actors.spec.method_config import PREFERENCE_METHODS
@@ -86,7 +86,7 @@ class FusedTrainer:
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
         # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
         self.batches = StepBatches(base, layout, bucketed=compile != "none", ahead=base.device.type == "cuda")
-        self.rewards = RewardWorker()   # users' GRPO reward functions: a process of their own, started if asked
+        self.functions = FunctionWorker()   # users' rewards and metrics: a process of their own, started if asked
 
     # -- what the trainer loop asks of any step engine (actors/service/trainer/step_engine.py) ----------------
     @property
@@ -170,7 +170,7 @@ class FusedTrainer:
                 kept.append((job, batch))
                 continue
             try:
-                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job), self.rewards)
+                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job), self.functions)
             except (RewardError, ValueError) as error:
                 failed.append((job, error))
                 continue
@@ -353,7 +353,7 @@ class FusedTrainer:
             if job.spec.eval_generate is None or not job.eval_examples:
                 raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
         return generation_evaluations(self.base, [(job.name, job.spec.eval_generate, job.eval_examples)
-                                                  for job in jobs])
+                                                  for job in jobs], self.functions)
 
     @torch.no_grad()
     def _evaluate_loss(self, job: TrainingJob, examples: list[Example], batch_size: int) -> float:
@@ -377,8 +377,8 @@ class FusedTrainer:
         """Nothing to rebuild: one device has no stages to lose."""
 
     def close(self) -> None:
-        """The reward functions' process stopped (the base stays loaded with its process)."""
-        self.rewards.close()
+        """The users' functions' process stopped (the base stays loaded with its process)."""
+        self.functions.close()
 
     def logits(self, adapter: str, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows (the model's

@@ -48,6 +48,9 @@ class GenerationEval(StrictModel):
                                                                           "ends at the tokenizer's EOS)")
     rows: Annotated[int, Bounds(1, 10**6)] | None = Field(None, description="score the first this many eval rows "
                                                                            "(null: all of them)")
+    timeout_s: Annotated[float, Bounds(0, 86400, low_open=True)] = Field(
+        60.0, description="how long a metric function of the user's may take to score an evaluation's rows (it runs "
+                          "in a process of its own); past it, it is stopped and the job fails saying so")
 
     @field_validator("metric")
     @classmethod

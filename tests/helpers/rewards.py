@@ -75,3 +75,7 @@ class NumberTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return " ".join(str(int(i)) for i in ids if not (skip_special_tokens and int(i) in (0, 2)))
+
+
+def words(prompts: list[str], completions: list[str], rows: list[dict]) -> list[str]:
+    return ["good"] * len(completions)

@@ -106,7 +106,7 @@ def _reference_predictions(model_dir, adapter_dir, examples, tokenizer) -> list[
 
 
 def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(tmp_path, tiny_base,
-                                                                                 tiny_model_dirs):
+                                                                                 tiny_model_dirs, monkeypatch):
     data = tmp_path / "data"
     scored = job_dict("scored", write_task_data(data, "scored"), 6, eval_split=5, eval_every=3,
                       eval_generate={"metric": "tests.helpers.metrics:recorded", "max_new_tokens": MAX_NEW})
@@ -118,8 +118,9 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
                        tmp_path / "state")
     for submission in submissions:
         loop.assign(assignment_for(submission, f"{submission.job.name}-1", tiny_base.tokenizer))
-    metrics.CALLS.clear()
+    monkeypatch.setenv(metrics.CALLS_FILE, str(tmp_path / "calls.jsonl"))   # read by the metric's own process
     events = run_until_idle(loop)
+    loop.trainer.close()
     assert sorted(e.job_id for e in events if e.kind == "completed") == ["other-1", "scored-1"]
     rows = [json.loads(r) for r in (tmp_path / "out/scored/metrics.jsonl").read_text().splitlines()]
     scores = {row["step"]: row["eval_score"] for row in rows if "eval_score" in row}
@@ -132,8 +133,9 @@ def test_scores_are_the_metric_over_transformers_generate_of_the_merged_adapter(
     data_of = JobData("scored-1", submissions[0], tiny_base.tokenizer)
     data_of.prepare()
     examples = data_of.eval_examples()
-    assert len(metrics.CALLS) == 2 * len(examples)   # every eval row at both evaluations, the other job's not
-    final_calls = metrics.CALLS[len(examples):]
+    calls = metrics.recorded_calls(tmp_path / "calls.jsonl")
+    assert len(calls) == 2 * len(examples)   # every eval row at both evaluations, the other job's not
+    final_calls = calls[len(examples):]
     expected = _reference_predictions(tiny_model_dirs["llama"], tmp_path / "out/scored", examples,
                                        tiny_base.tokenizer)
     assert [prediction for prediction, _ in final_calls] == expected

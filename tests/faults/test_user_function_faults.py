@@ -1,7 +1,7 @@
-"""A user's GRPO reward that never returns, ends its interpreter or prints: caused here, on a trainer holding that
-job beside an SFT job. The reward's job fails saying what happened and what to do, within its reward_timeout_s;
-the other job's step goes on; the next reward call (a new process) scores as before; prints do not disturb the
-answers; the reward's process does not outlive its trainer."""
+"""A user's function on a trainer (a GRPO reward, an eval_generate metric) that never returns, ends its
+interpreter or prints: caused here, on a trainer holding that job beside another. The function's job fails saying
+what happened and what to do, within its timeout; the other job goes on; the next call (a new process) scores as
+before; prints do not disturb the answers; the functions' process does not outlive its trainer."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def _trainer_with(reward: str, timeout_s: float = 60.0) -> tuple[FusedTrainer, T
 @pytest.mark.parametrize(("reward", "timeout_s", "message"), [
     ("tests.helpers.rewards:hangs", 1.0, "did not return within 1 s (grpo.reward_timeout_s) on 8 completions and "
                                         "was stopped; make it faster or raise grpo.reward_timeout_s"),
-    ("tests.helpers.rewards:exits", 60.0, "its process ended (exit code 3) while scoring 8 completions")])
+    ("tests.helpers.rewards:exits", 60.0, "its process ended (exit code 3; it exited or crashed, its output is in the "
+                                          "trainer's log) while scoring 8 completions")])
 def test_a_reward_that_hangs_or_exits_fails_its_job_alone_and_the_next_call_scores(reward, timeout_s, message):
     trainer, job = _trainer_with(reward, timeout_s)
     started = time.monotonic()
@@ -54,7 +55,7 @@ def test_a_reward_that_hangs_or_exits_fails_its_job_alone_and_the_next_call_scor
     assert f"grpo.reward '{reward}'" in str(failed[0][1])
     assert took < timeout_s + 30, took   # the deadline, plus sampling the completions on a busy machine
     assert trainer.run_step(kept).results[0].job == "sft"       # the others' step goes on
-    assert trainer.rewards.process is None                      # the stuck or dead process is gone
+    assert trainer.functions.process is None                      # the stuck or dead process is gone
     good = _grpo_spec("good", "tests.helpers.rewards:prints",
                       grpo={"reward": "tests.helpers.rewards:prints", "num_generations": 4, "max_new_tokens": 5})
     trainer.remove_job("grpo")
@@ -65,18 +66,18 @@ def test_a_reward_that_hangs_or_exits_fails_its_job_alone_and_the_next_call_scor
     assert list(rollout.rewards) == [score for (score,) in rollout.scores]
     assert all(0 < reward <= 1 for reward in rollout.rewards)    # 1 / (1 + length): its prints did not disturb them
     trainer.close()
-    assert trainer.rewards.process is None
+    assert trainer.functions.process is None
 
 
 def test_the_rewards_process_ends_with_its_trainer(tmp_path):
-    """A trainer killed while its reward hangs: the reward's process ends too (within its check's second)."""
+    """A trainer killed while its reward hangs: the functions' process ends too (within its check's second)."""
     script = textwrap.dedent(f"""
         import sys, threading
         sys.path.insert(0, {str(REPO)!r})
-        from actors.engine.reward_calls import RewardWorker
-        worker = RewardWorker()
-        threading.Thread(target=worker.call, args=("tests.helpers.rewards:hangs", ["p"], ["c"],
-                         [{{"prompt": "p", "reference": "r"}}], 3600.0), daemon=True).start()
+        from actors.engine.user_calls import FunctionWorker
+        worker = FunctionWorker()
+        threading.Thread(target=worker.call, args=("tests.helpers.rewards:hangs", "grpo.reward", "batch",
+                         [["p"], ["c"], [{{"prompt": "p", "reference": "r"}}]], 3600.0), daemon=True).start()
         import time
         while worker.process is None:
             time.sleep(0.05)
@@ -119,3 +120,37 @@ def test_through_the_service_a_hanging_reward_fails_its_job_with_the_reason_and_
     assert results["grpo"].state == "failed"
     assert "grpo.reward 'tests.helpers.rewards:hangs' did not return within 1 s" in results["grpo"].reason, \
         results["grpo"].reason
+
+
+def test_a_metric_that_hangs_fails_its_job_with_the_reason_and_the_other_job_completes(tiny_model_dirs, tmp_path):
+    from actors.service.scheduler.local_run import train_locally
+    from actors.spec.run_spec import RunSpec
+    from tests.helpers.service import job_dict, write_task_data
+
+    data = write_task_data(tmp_path / "data", "arith")
+    judged = job_dict("judged", data, 4, eval_split=4, eval_every=2,
+                      eval_generate={"metric": "tests.helpers.metrics:hangs", "max_new_tokens": 3, "timeout_s": 1.0})
+    spec = RunSpec(base_model=str(tiny_model_dirs["llama"]), output_dir=tmp_path / "runs", step_tokens=2048,
+                   jobs=[judged, job_dict("other", data, 4, eval_split=4, eval_every=2,
+                                          eval_generate={"metric": "contains", "max_new_tokens": 3})])
+    results = {r.name: r for r in train_locally(spec, progress=False)}
+    assert results["other"].state == "completed", results["other"].reason
+    assert results["judged"].state == "failed"
+    assert ("eval_generate metric 'tests.helpers.metrics:hangs' did not score 4 eval rows within 1 s "
+            "(eval_generate.timeout_s) and was stopped") in results["judged"].reason, results["judged"].reason
+
+
+def test_a_metric_that_returns_a_word_is_named_with_its_row():
+    from actors.engine.generation_eval import MetricError, generation_scores_of
+    from actors.engine.user_calls import FunctionWorker
+    from actors.spec.evaluation_config import GenerationEval
+
+    worker = FunctionWorker()
+    config = GenerationEval(metric="tests.helpers.metrics:says")
+    rows = [{"prompt": "p", "reference": "first"}, {"prompt": "p", "reference": "second"}]
+    assert generation_scores_of(config, ["a"], rows[:1], worker) == [1.0]
+    with pytest.raises(MetricError) as caught:
+        generation_scores_of(config, ["a", "b"], rows, worker)
+    assert str(caught.value) == ("eval_generate metric 'tests.helpers.metrics:says' failed on eval row 1 (prediction "
+                                 "'b'): could not convert string to float: 'yes'; it must return a number for any text")
+    worker.close()

@@ -1,6 +1,7 @@
 """The actor system on a real (local) Ray: jobs join a running trainer, cancel leaves a loadable
 checkpoint, a killed trainer is replaced and its job ends with the same adapter as an uninterrupted
-run, a killed scheduler comes back with every job, and a job nobody can train waits with a reason."""
+run, a killed scheduler comes back with every job, a job nobody can train waits with a reason, and a GRPO job's
+rewards of the user's (a module's and a file's) score in the trainer actor's process of users' functions."""
 
 from __future__ import annotations
 
@@ -270,3 +271,18 @@ def test_pause_resume_and_early_stop_through_the_actors(service, tiny_model_dirs
     losses = flat.losses()
     assert sum(r["eval_loss"] is not None for r in losses) >= 4       # evaluated every 2 steps
     assert (tmp_path / "flat" / "adapter_model.safetensors").is_file()
+
+
+def test_a_grpo_jobs_rewards_of_the_users_score_on_a_trainer_actor(service, tiny_model_dirs, tmp_path):
+    import shutil
+
+    shutil.copy(Path(__file__).resolve().parents[1] / "helpers" / "rewards.py", tmp_path / "mine.py")
+    job = job_dict("grpo", write_task_data(tmp_path / "data", "grpo"), 2, method="grpo", batch_size=2, max_seq_len=64,
+                   grpo={"reward": ["tests.helpers.rewards:shorter", f"{tmp_path / 'mine.py'}:sevens"],
+                         "num_generations": 2, "max_new_tokens": 4})
+    handle = service.submit(job, base_model=str(tiny_model_dirs["llama"]), output_dir=tmp_path / "grpo")
+    done = handle.wait(timeout=180)
+    assert done.state == "completed", done
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(0 < row["rewards/shorter/mean"] <= 1 and 0 <= row["rewards/sevens/mean"] <= 1 for row in rows), rows

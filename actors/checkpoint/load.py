@@ -20,6 +20,7 @@ from actors.checkpoint.state import (
     read_state,
 )
 from actors.data.digest import describe_change
+from actors.engine.grpo_replay import GrpoReplay
 from actors.engine.job import TrainingJob
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,23 @@ def _read_checkpoint(folder: Path, job: TrainingJob) -> SavedCheckpoint:
     _check_adapter(saved, job)
     _check_optimizer(saved, job)
     _check_dropout_rng(saved, job)
+    _check_replay(saved, job)
     return saved
+
+
+def _check_replay(saved: SavedCheckpoint, job: TrainingJob) -> None:
+    """A GRPO generation being replayed is saved only for a job that replays (num_iterations > 1), at an
+    iteration it has, its position within the generation."""
+    replay, state_path = saved.state.replay, saved.folder / STATE_NAME
+    if replay is None:
+        return
+    iterations = job.replay.iterations if job.replay is not None else 1
+    if replay.iteration >= iterations:
+        raise Invalid(f"{state_path}: replay is at iteration {replay.iteration}, but the job's grpo.num_iterations "
+                      f"is {iterations} (another spec?)")
+    if replay.position > len(replay.batches):
+        raise Invalid(f"{state_path}: replay.position {replay.position} is past its {len(replay.batches)} "
+                      "micro-batches")
 
 
 def _check_data(state: CheckpointState, state_path: Path, job: TrainingJob) -> None:
@@ -240,6 +257,9 @@ def _restore(job: TrainingJob, saved: SavedCheckpoint) -> None:
     job.history = [record.restore() for record in saved.state.history]
     job.evals = [(step, loss) for step, loss in saved.state.evals]
     job.scores = [(step, score) for step, score in saved.state.scores]
+    if job.replay is not None:
+        device = next(iter(job.adapter.parameters())).device
+        job.replay = GrpoReplay.from_state(job.replay.iterations, saved.state.replay, device)
 
 
 def _is_int(value: object) -> bool:

@@ -72,6 +72,7 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
         "evals": [[step, loss] for step, loss in job.evals],
         "scores": [[step, score] for step, score in job.scores],
         "data_digest": job.data_digest,
+        "replay": job.replay.state() if job.replay is not None else None,
         "optimizer": optimizer,
         "dropout_rng": generator is not None,
         "files": files,

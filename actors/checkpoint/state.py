@@ -152,6 +152,52 @@ class OptimizerSection(_Record):
         return self
 
 
+TokenId = Annotated[int, Strict()]   # a token id, or a label (-100: not a target)
+
+
+class ReplayedRolloutState(_Record):
+    """One prompt's completions in a GRPO job's replay (`grpo.Rollout`)."""
+
+    input_ids: list[list[TokenId]]
+    labels: list[list[TokenId]]
+    prompt_length: Count
+    rewards: list[Number]
+    scores: list[list[Number]]
+    advantages: list[Number]
+    truncated: list[Flag]
+
+    @model_validator(mode="after")
+    def _one_each(self) -> ReplayedRolloutState:
+        counts = {len(self.input_ids), len(self.labels), len(self.rewards), len(self.scores), len(self.advantages),
+                  len(self.truncated)}
+        if len(counts) != 1:
+            raise ValueError("input_ids, labels, rewards, scores, advantages and truncated should have one entry a "
+                             "completion")
+        if any(len(ids) != len(labels) for ids, labels in zip(self.input_ids, self.labels, strict=True)):
+            raise ValueError("each completion's input_ids and labels should be as long")
+        return self
+
+
+class ReplayedBatchState(_Record):
+    rollouts: list[ReplayedRolloutState]
+    old_logps: list[Number]   # the completion tokens' log-probabilities at their generation, in target order
+
+    @model_validator(mode="after")
+    def _one_a_target(self) -> ReplayedBatchState:
+        targets = sum(label != -100 for r in self.rollouts for labels in r.labels for label in labels)
+        if targets != len(self.old_logps):
+            raise ValueError(f"old_logps has {len(self.old_logps)} values for {targets} completion tokens")
+        return self
+
+
+class ReplayState(_Record):
+    """`replay`: a GRPO job's generation trained on more than once (num_iterations; `grpo_replay.GrpoReplay`)."""
+
+    iteration: Count
+    position: Count
+    batches: list[ReplayedBatchState]
+
+
 class CheckpointState(BaseModel):
     """state.json of format 1 (the fields both formats have)."""
 
@@ -168,6 +214,7 @@ class CheckpointState(BaseModel):
     evals: list[tuple[Count, Number]] = []   # [step, eval loss]; older checkpoints have none
     scores: list[tuple[Count, Number]] = []  # [step, eval_generate score]; older checkpoints have none
     data_digest: Text | None = None   # data/digest.py; older checkpoints, and jobs of unknown data, have none
+    replay: ReplayState | None = None   # a GRPO job's generation being replayed; older checkpoints have none
 
 
 class CheckpointStateV2(CheckpointState):

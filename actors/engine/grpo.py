@@ -205,18 +205,20 @@ def tempered(transform: LogitTransform, temperature: float) -> LogitTransform:
 
 
 def grpo_outcome(config: GrpoConfig, logp: torch.Tensor, sequence: torch.Tensor, reference: torch.Tensor | None,
-                 batch_rollouts: Sequence[Rollout]) -> PreferenceOutcome:
+                 batch_rollouts: Sequence[Rollout], old: torch.Tensor | None = None) -> PreferenceOutcome:
     """One GRPO job's objective from its completion tokens' log-probabilities `logp` (at its temperature), each
-    token's completion (`sequence`, 0-based over the job's completions in stream order) and, with beta > 0,
-    the base's log-probabilities of the same tokens (`reference`). `pairs` of the outcome is what its loss is the
-    mean over: completion tokens (dapo) or completions (grpo)."""
+    token's completion (`sequence`, 0-based over the job's completions in stream order), with beta > 0 the base's
+    log-probabilities of the same tokens (`reference`), and where the completions are replayed (num_iterations)
+    theirs at their generation (`old`; else `logp` itself, detached). `pairs` of the outcome is what its loss is
+    the mean over: completion tokens (dapo) or completions (grpo)."""
     completions = sum(len(r.completions) for r in batch_rollouts)
     advantage = torch.tensor([a for r in batch_rollouts for a in r.advantages], dtype=logp.dtype,
                              device=logp.device)[sequence]
-    ratio = torch.exp(logp - logp.detach())
-    clipped = torch.clamp(ratio, 1 - config.epsilon, 1 + config.epsilon)
+    ratio = torch.exp(logp - (logp.detach() if old is None else old.to(logp.dtype)))
+    low, high = 1 - config.epsilon, 1 + config.upper_epsilon
+    clipped = torch.clamp(ratio, low, high)
     per_token = -torch.min(ratio * advantage, clipped * advantage)
-    metrics: dict[str, float] = {}
+    metrics = _clip_ratios(ratio.detach(), advantage, low, high)
     if config.beta:
         if reference is None:
             raise ValueError("a grpo job with beta > 0 needs its reference log-probabilities")
@@ -239,6 +241,17 @@ def grpo_outcome(config: GrpoConfig, logp: torch.Tensor, sequence: torch.Tensor,
                 "completions/mean_length": sum(lengths) / max(completions, 1),
                 "completions/clipped_ratio": sum(truncated) / max(len(truncated), 1)}
     return PreferenceOutcome(objective, float(objective.detach()) / max(count, 1), count, metrics)
+
+
+def _clip_ratios(ratio: torch.Tensor, advantage: torch.Tensor, low: float, high: float) -> dict[str, float]:
+    """TRL's shares of the completion tokens whose ratio the clipping holds (their gradient stopped): below 1 -
+    epsilon with a negative advantage, above 1 + epsilon_high with a positive one, either."""
+    if not ratio.numel():
+        return {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0}
+    below = (ratio < low) & (advantage < 0)
+    above = (ratio > high) & (advantage > 0)
+    shares = torch.stack([below, above, below | above]).to(torch.float32).mean(dim=1).tolist()
+    return dict(zip(("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"), shares, strict=True))
 
 
 @torch.no_grad()

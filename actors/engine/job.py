@@ -9,6 +9,7 @@ import torch
 
 from actors.data import DataCursor, Example
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter
+from actors.engine.grpo_replay import GrpoReplay
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
@@ -46,6 +47,7 @@ class TrainingJob:
     evals: list[tuple[int, float]] = field(default_factory=list)   # (optimizer step, eval loss), in order
     scores: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, eval_generate score)
     data_digest: str | None = None   # of the data it trains on (data/digest.py), where known: kept with its checkpoints
+    replay: GrpoReplay | None = None   # a GRPO job's generation trained on num_iterations times (grpo_replay.py)
 
     @classmethod
     def create(cls, spec: JobSpec, base: BaseModel, train: list[Example], eval_examples: list[Example],
@@ -60,7 +62,10 @@ class TrainingJob:
         adapter = add_adapter(base.model, spec.name, spec.lora, seed=seed)
         optimizer = JobOptimizer(spec, adapter.parameters(), total_steps, loss_scaling=base.dtype == torch.float16,
                                  fast_parameters=adapter.parameter_groups()[1])
-        return cls(spec, adapter, optimizer, source, eval_examples, total_steps, seed)
+        job = cls(spec, adapter, optimizer, source, eval_examples, total_steps, seed)
+        if spec.grpo is not None and spec.grpo.num_iterations > 1:
+            job.replay = GrpoReplay(spec.grpo.num_iterations)
+        return job
 
     @property
     def name(self) -> str:
@@ -71,15 +76,24 @@ class TrainingJob:
         return self.optimizer.step_count
 
     @property
+    def replaying(self) -> bool:
+        """Whether the job's next micro-batches replay its last generation (GRPO's num_iterations)."""
+        return self.replay is not None and self.replay.replaying
+
+    @property
     def done(self) -> bool:
         return self.step >= self.total_steps or (self.cursor.exhausted and self.pending is None
-                                                  and self.accumulator.micro_batches == 0)
+                                                  and self.accumulator.micro_batches == 0 and not self.replaying)
 
     def peek(self) -> list[Example] | None:
-        """The job's next micro-batch, kept until taken."""
+        """The job's next micro-batch, kept until taken: from its data, or (replaying) the generation's rollouts."""
         if self.pending is None and not self.done:
-            self.cursor_state_before_pending = self.cursor.state_dict()
-            self.pending = self.cursor.next_batch()
+            if self.replay is not None and self.replay.replaying:
+                self.cursor_state_before_pending = None
+                self.pending = self.replay.next_batch()
+            else:
+                self.cursor_state_before_pending = self.cursor.state_dict()
+                self.pending = self.cursor.next_batch()
         return self.pending
 
     def take(self) -> list[Example]:
@@ -88,6 +102,8 @@ class TrainingJob:
             raise RuntimeError(f"job '{self.name}' has no micro-batch left")
         self.pending = None
         self.cursor_state_before_pending = None
+        if self.replay is not None and self.replay.replaying:
+            self.replay.taken()
         return batch
 
     def data_position(self) -> dict:
@@ -122,6 +138,8 @@ class TrainingJob:
         self.accumulator.count(tokens, targets)
         self.tokens_seen += tokens
         due = self.optimizer.micro_step_done()
+        if self.replay is not None and self.replay.replaying:   # a replay steps after the generation's micro-batches
+            return self.replay.iteration_done
         if not due and self.cursor.exhausted and self.peek() is None:
             due = True
         return due
@@ -139,4 +157,6 @@ class TrainingJob:
                                      grad_norm=grad_norm, metrics=self.accumulator.metrics)
         self.accumulator = StepAccumulator()
         self.history.append(record)
+        if self.replay is not None:
+            self.replay.stepped()
         return record

@@ -10,7 +10,7 @@ completions) and its metrics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,7 @@ class StepObjective:
     job_losses: torch.Tensor                  # (jobs,) float32 on the step's device: each job's loss
     counts: list[int]                         # what each job's loss is the mean over: target tokens, or pairs
     metrics: list[dict[str, float] | None]    # a preference job's rewards / margins
+    completion_logps: dict[int, torch.Tensor] = field(default_factory=dict)   # GRPO jobs': their tokens', detached
 
     @property
     def losses(self) -> list[float]:
@@ -58,9 +59,10 @@ def token_weights(batch: FusedBatch, jobs: list[ObjectiveJob]) -> torch.Tensor:
 
 def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, jobs: list[ObjectiveJob],
                    micro_batches: list[JobMicroBatch], references: dict[int, torch.Tensor],
-                   loss_chunk: int) -> StepObjective:
+                   loss_chunk: int, olds: dict[int, torch.Tensor] | None = None) -> StepObjective:
     """`hidden`: the step's final hidden states (T, d); `references`: the DPO jobs' reference
-    log-probabilities by job index ((pairs, 2) sums), and the GRPO jobs' with beta > 0 (per completion token)."""
+    log-probabilities by job index ((pairs, 2) sums), and the GRPO jobs' with beta > 0 (per completion token);
+    `olds`: a replaying GRPO job's completion tokens' log-probabilities at their generation (grpo_replay.py)."""
     weights = token_weights(batch, jobs)
     head = base.lm_head
     preference = [index for index, job in enumerate(jobs) if job.spec.method in PREFERENCE_METHODS]
@@ -84,6 +86,7 @@ def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, job
     losses = torch.empty(batch.target_ids.numel(), dtype=torch.float32, device=hidden.device)
     losses[plain] = plain_losses
     outcomes = {}
+    completion_logps: dict[int, torch.Tensor] = {}
     if targets is not None:
         log_probs = target_log_probs(hidden[batch.target_index[targets.select]], head.weight, head.bias,
                                      batch.target_ids[targets.select], loss_chunk, base.logit_transform)
@@ -103,14 +106,15 @@ def step_objective(base: BaseModel, batch: FusedBatch, hidden: torch.Tensor, job
                                     batch.target_ids[select], loss_chunk, tempered(base.logit_transform,
                                                                                    config.temperature))
             outcomes[index] = grpo_outcome(config, logp, completions.sequence[mine] - first, references.get(index),
-                                           micro_batches[index].examples)
+                                           micro_batches[index].examples, (olds or {}).get(index))
             losses[select] = -logp.detach()
+            completion_logps[index] = logp.detach()
     for index, outcome in outcomes.items():
         total = total + outcome.objective * jobs[index].token_weight
     per_job = _per_job_losses(batch, losses)
     for index, outcome in outcomes.items():
         per_job[index], counts[index], metrics[index] = outcome.loss, outcome.pairs, outcome.metrics
-    return StepObjective(total, per_job, counts, metrics)
+    return StepObjective(total, per_job, counts, metrics, completion_logps)
 
 
 def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> torch.Tensor:

@@ -166,7 +166,7 @@ class FusedTrainer:
         kept: list[tuple[TrainingJob, list]] = []
         failed: list[tuple[TrainingJob, Exception]] = []
         for job, batch in chosen:
-            if job.spec.grpo is None:
+            if job.spec.grpo is None or job.replaying:   # a replayed micro-batch is its generation's rollouts
                 kept.append((job, batch))
                 continue
             try:
@@ -236,6 +236,7 @@ class FusedTrainer:
             batch = self.batches.for_step(micro_batches)
         compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
+        olds = {index: job.replay.old_logps(rows) for index, (job, rows) in enumerate(chosen) if job.replaying}
         model = self.base.model
         set_adapters_training(model, True)
         with self.meter.forward():
@@ -244,7 +245,7 @@ class FusedTrainer:
                                            attention_mask=None, use_cache=False).last_hidden_state[0]
             objective = step_objective(self.base, batch, hidden,
                                        [ObjectiveJob(job.spec, job.optimizer.token_weight) for job, _ in chosen],
-                                       micro_batches, references, self.loss_chunk)
+                                       micro_batches, references, self.loss_chunk, olds)
             total = objective.total
             if block is not None:   # the calls' tokens: the stream's last block
                 call_part = call_losses(self.base, hidden[batch.num_tokens - len(block.ids):], calls.calls,
@@ -262,6 +263,9 @@ class FusedTrainer:
                                          softcapped=self.base.logit_transform.softcap is not None,
                                          fused=fused_loss(head.weight), element_bytes=head.weight.element_size()))
         counts, metrics = objective.counts, objective.metrics
+        for index, (job, rows) in enumerate(chosen):   # a generation's micro-batch, kept to replay (num_iterations)
+            if job.replay is not None and not job.replaying:
+                job.replay.record(rows, objective.completion_logps[index])
         due = [job for index, (job, _) in enumerate(chosen)
                if job.count_micro_batch(batch.job_tokens[index], counts[index])]
         # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number

@@ -240,13 +240,15 @@ def step_limit_problem(job: JobSpec, step_tokens: int, *, named: bool = True) ->
 
 
 def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
-    """Optimizer steps the job will take: `max_steps`, or what `epochs` of its data gives, the smaller."""
+    """Optimizer steps the job will take: `max_steps`, or what `epochs` of its data gives (a GRPO job's each
+    generation trained for num_iterations steps), the smaller."""
     steps: list[int] = []
     if spec.max_steps is not None:
         steps.append(spec.max_steps)
     if spec.epochs is not None:
         micro_batches = math.ceil(num_train_examples * spec.epochs / spec.batch_size)
-        steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)))
+        iterations = spec.grpo.num_iterations if spec.grpo is not None else 1
+        steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)) * iterations)
     return min(steps)
 
 

@@ -65,7 +65,16 @@ class GrpoConfig(StrictModel):
         0.0, description="then among the tokens at least min_p times as likely as the likeliest (0: all)")
     beta: Annotated[float, Bounds(0, 1000)] = Field(
         0.0, description="weight of the KL term to the base with the adapter off (TRL's default 0: none)")
-    epsilon: Annotated[float, Bounds(0, 10)] = Field(0.2, description="the ratio's clipping range")
+    epsilon: Annotated[float, Bounds(0, 10)] = Field(
+        0.2, description="the ratio's clipping range: below 1 - epsilon (and above 1 + epsilon_high) a completion "
+                         "token's ratio to its generation's probability stops its gradient")
+    epsilon_high: Annotated[float, Bounds(0, 10)] | None = Field(
+        None, description="the upper clipping bound's (DAPO's clip-higher, e.g. 0.28; default: epsilon)")
+    num_iterations: Annotated[int, Bounds(1, 64)] = Field(
+        1, description="optimizer steps each generation is trained for (TRL's num_iterations, mu): the completions "
+                       "sampled for one optimizer step's micro-batches are replayed for the next num_iterations - 1 "
+                       "steps, their ratio against the probabilities they were sampled at (so clipping acts); an "
+                       "epochs budget counts each generation's steps")
     loss_type: Literal["dapo", "grpo"] = Field(
         "dapo", description="dapo: the mean over every completion token of the optimizer step (TRL's default); "
                             "grpo: each completion's token mean, averaged over the completions")
@@ -95,6 +104,11 @@ class GrpoConfig(StrictModel):
     def rewards(self) -> tuple[str, ...]:
         """The job's reward functions, one or several."""
         return (self.reward,) if isinstance(self.reward, str) else tuple(self.reward)
+
+    @property
+    def upper_epsilon(self) -> float:
+        """The upper clipping range: epsilon_high, else epsilon."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     @property
     def weights(self) -> tuple[float, ...]:

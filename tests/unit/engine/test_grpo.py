@@ -7,12 +7,15 @@ returns the wrong count or a non-number fails its job alone with a message namin
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.grpo import Rollout
+from actors.engine.grpo_replay import GrpoReplay, ReplayedBatch
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
@@ -33,12 +36,13 @@ COMPLETIONS = [[[12, 13], [14, 15, 16], [17]], [[18, 19, 20, 21], [22], [23, 24]
 ADVANTAGES = [[1.1, -0.3, -0.8], [0.0, 0.7, -0.7]]
 
 
-def _trl_trainer(tiny_tokenizer, tmp_path, *, beta: float, loss_type: str):
+def _trl_trainer(tiny_tokenizer, tmp_path, *, beta: float, loss_type: str, epsilon_high: float | None = None):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=G * len(PROMPTS), num_generations=G,
                       beta=beta, loss_type=loss_type, report_to=[], use_cpu=True, max_completion_length=8,
+                      epsilon_high=epsilon_high,
                       bf16=False)   # TRL's default autocasts the forward to bfloat16, even on a CPU
     trainer = GRPOTrainer(model=tiny_model("llama"), reward_funcs=lambda prompts, completions, **_: [0.0] * len(
         completions), args=args, train_dataset=Dataset.from_list([{"prompt": "x"}] * 6),
@@ -88,17 +92,44 @@ def _rollouts(truncated: frozenset[int] = frozenset()) -> list[Rollout]:
     return out
 
 
-@pytest.mark.parametrize(("loss_type", "beta", "truncated"), [
-    ("dapo", 0.0, frozenset()), ("dapo", 0.04, frozenset()), ("grpo", 0.04, frozenset()),
-    ("dapo", 0.04, frozenset({1, 4})), ("grpo", 0.04, frozenset({1, 4}))],
-    ids=["dapo", "dapo-kl", "grpo-kl", "dapo-kl-masked", "grpo-kl-masked"])
+OLD_OFFSETS = (0.5, -0.5, 0.05, -0.3, 0.35)   # old - new log-probability, token by token: ratios e^-0.5 ... e^0.5
+
+
+def _old_logps(trl, inputs: dict, truncated: frozenset[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities the completions had "when sampled": the current ones plus OLD_OFFSETS in turn, so that the
+    ratios fall below 1 - epsilon, inside and above 1 + epsilon_high: as TRL takes them (rows x completion width)
+    and as aspen's replay keeps them (the targets in order)."""
+    with torch.no_grad():
+        current, _, _ = trl._get_per_token_logps_and_entropies(
+            trl.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].shape[1])
+    offsets = torch.tensor(OLD_OFFSETS * current.numel())[:current.numel()].view_as(current)
+    old = current + offsets
+    rows = [c for group in COMPLETIONS for c in group]
+    flat = torch.cat([old[i, :len(c)] for i, c in enumerate(rows) if i not in truncated])
+    return old, flat
+
+
+@pytest.mark.parametrize(("loss_type", "beta", "truncated", "replayed"), [
+    ("dapo", 0.0, frozenset(), False), ("dapo", 0.04, frozenset(), False), ("grpo", 0.04, frozenset(), False),
+    ("dapo", 0.04, frozenset({1, 4}), False), ("grpo", 0.04, frozenset({1, 4}), False),
+    ("dapo", 0.04, frozenset(), True), ("grpo", 0.0, frozenset({1, 4}), True)],
+    ids=["dapo", "dapo-kl", "grpo-kl", "dapo-kl-masked", "grpo-kl-masked", "dapo-kl-replayed",
+         "grpo-masked-replayed"])
 def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer, tmp_path, loss_type, beta,
-                                                                 truncated):
+                                                                 truncated, replayed):
     """`truncated`: completions masked as mask_truncated_completions masks them (TRL: their completion mask zero;
-    aspen: no targets), each loss type still over the same completions' tokens or completions as TRL's."""
-    trl = _trl_trainer(tiny_tokenizer, tmp_path, beta=beta, loss_type=loss_type)
+    aspen: no targets), each loss type still over the same completions' tokens or completions as TRL's.
+    `replayed`: the completions trained on again (num_iterations), against the log-probabilities they were sampled
+    at (TRL's old_per_token_logps; aspen's replay), with an upper clipping range of its own (epsilon_high): the
+    ratios clipped below and above, and TRL's clip_ratio metrics."""
+    epsilon_high = 0.28 if replayed else None
+    trl = _trl_trainer(tiny_tokenizer, tmp_path, beta=beta, loss_type=loss_type, epsilon_high=epsilon_high)
     peft_model = randomize_b(trl.model, 3)
     inputs = _trl_inputs(trl, tiny_tokenizer.pad_token_id, truncated)
+    old = None
+    if replayed:
+        inputs["old_per_token_logps"], old = _old_logps(trl, inputs, truncated)
     peft_model.train()
     loss = trl._compute_loss(peft_model, inputs)
     loss.backward()
@@ -107,14 +138,18 @@ def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer,
     spec = JobSpec(name="grpo", data="unused.jsonl", format={"type": "prompt_response", "prompt": "{q}",
                                                               "response": "{a}"},
                    method="grpo", grpo={"reward": "exact_match", "num_generations": G, "beta": beta,
-                                        "loss_type": loss_type},
+                                        "loss_type": loss_type, "epsilon_high": epsilon_high,
+                                        "num_iterations": 2 if replayed else 1},
                    batch_size=len(PROMPTS), grad_accum=2, max_steps=5,
                    lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
     job = TrainingJob.create(spec, base, _prompt_rows(0, 2), [], seed=0)   # its rows unused: run_step gets rollouts
     copy_peft_lora(job, peft_model)
     trainer = FusedTrainer(base)
     trainer.add_job(job)
-    result = trainer.run_step([(job, _rollouts(truncated))]).results[0]
+    rollouts = _rollouts(truncated)
+    if replayed:   # the job in its second iteration over these completions
+        job.replay = GrpoReplay(2, [ReplayedBatch(rollouts, old)], iteration=1)
+    result = trainer.run_step([(job, rollouts)]).results[0]
     assert result.optimizer_step is None
     tokens = sum(len(c) for index, c in enumerate(c for group in COMPLETIONS for c in group) if index not in truncated)
     count = tokens if loss_type == "dapo" else G * len(PROMPTS)
@@ -129,9 +164,16 @@ def test_grpo_loss_and_gradients_equal_trl_for_fixed_completions(tiny_tokenizer,
     print(f"GRPO ({loss_type}, beta {beta}) vs TRL: loss {loss.item():.6f} / {result.loss:.6f}, max |gradient "
           f"difference| {gradient_difference:.2e} (largest {largest:.2e}, tolerance {gradient_tolerance:.2e})")
     assert gradient_difference <= gradient_tolerance
-    assert abs(result.loss - loss.item()) <= 1e-6 + beta * logp
+    # a replay's ratios are e^(logp - old): their loss moves by |advantage| times the ratio per log-prob rounding
+    ratio_weight = max(abs(a) for group in ADVANTAGES for a in group) * math.exp(max(OLD_OFFSETS)) if replayed else 0
+    assert abs(result.loss - loss.item()) <= 1e-6 + (beta + ratio_weight) * logp
     if beta:
         assert job.accumulator.metrics["kl"] > 0
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        assert job.accumulator.metrics[name] == pytest.approx(trl._metrics["train"][name][-1], abs=1e-6), name
+    if replayed:
+        assert 0 < job.accumulator.metrics["clip_ratio/low_mean"] and 0 < job.accumulator.metrics[
+            "clip_ratio/high_mean"]   # both clippings acted
 
 
 def test_a_grpo_job_fused_with_sft_and_dpo_jobs_trains_exactly_as_alone():

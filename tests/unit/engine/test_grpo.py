@@ -237,7 +237,7 @@ def test_grpo_specs_are_checked():
 
 
 def test_a_grpo_job_runs_beside_an_sft_job_through_the_in_process_service(tiny_model_dirs, tmp_path):
-    """The whole path a user takes: a jobs file with a GRPO job (its reward a user function, its held-out
+    """The whole path a user takes: a jobs file with a GRPO job (a built-in reward, the KL term, its held-out
     rows scored by eval_generate) and an SFT job, run by the service in this process: both complete, the
     GRPO job's metrics.jsonl has its rewards per step, and its adapter is a PEFT folder."""
     import json

@@ -143,6 +143,12 @@ class Submitted(BaseModel):
 
 
 class LossRow(BaseModel):
+    """One optimizer step of a job, and beside these fields its method's metrics as its metrics.jsonl has them (a
+    GRPO job's `reward`, `reward_std`, `rewards/<name>/mean`, `kl`, ...; a preference job's `rewards/margins`,
+    ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
     step: int
     loss: float | None = None
     tokens: int | None = None

@@ -132,11 +132,16 @@ class EndedRun:
 
     def losses(self, key: str) -> list[dict]:
         """The job's progress rows (`aspen losses`), as the running service answers them."""
-        from actors.service.table.progress_rows import COLUMNS
+        import sqlite3
 
-        rows = self._read(f"SELECT {', '.join(COLUMNS)} FROM progress WHERE job_id = ? ORDER BY step",
-                          (self.status(key).id,))
-        return [dict(zip(COLUMNS, row, strict=True)) for row in rows]
+        from actors.service.table.progress_rows import progress_of
+
+        job_id = self.status(key).id
+        db = sqlite3.connect(f"{self.table.absolute().as_uri()}?mode=ro", uri=True)
+        try:
+            return progress_of(db, job_id)
+        finally:
+            db.close()
 
     def generations(self, key: str, step: int | None = None) -> dict:
         """The job's eval_generate evaluation (`aspen generations`) from its folder, as the running service's."""

@@ -132,7 +132,9 @@ def _add_service_commands(commands: Any) -> None:
 def _add_job_commands(commands: Any) -> None:
     """losses, generations, submit, status, watch, report, cancel, pause, resume, stop."""
     losses = with_url(with_address(commands.add_parser("losses", help="a job's loss history: one row per optimizer "
-                                                                    "step (loss, eval loss, lr, grad norm, tokens)")))
+                                                                    "step (loss, eval loss, a GRPO job's reward, a "
+                                                                    "preference job's margin, lr, grad norm, "
+                                                                    "tokens)")))
     with_from(losses)
     losses.add_argument("job", help="job id (or a unique job name)")
     with_json(losses, "the rows")

@@ -131,12 +131,15 @@ def cmd_losses(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     fmt = lambda v, spec=".4f": "-" if v is None else format(v, spec)  # noqa: E731 - a formatter local to this table
-    scored = any(row.get("eval_score") is not None for row in rows)   # a job with eval_generate
-    print(f"{'step':>6}{'loss':>10}{'eval loss':>11}" + (f"{'eval score':>12}" if scored else "")
+    # optional columns: a job with eval_generate, a GRPO job's mean reward, a preference job's reward margin
+    extra = [(key, title) for key, title in (("eval_score", "eval score"), ("reward", "reward"),
+                                             ("rewards/margins", "margin"))
+             if any(row.get(key) is not None for row in rows)]
+    print(f"{'step':>6}{'loss':>10}{'eval loss':>11}" + "".join(f"{title:>12}" for _, title in extra)
           + f"{'lr':>11}{'grad norm':>11}{'tokens':>9}")
     for row in rows:
         print(f"{row['step']:>6}{fmt(row['loss']):>10}{fmt(row['eval_loss']):>11}"
-              + (f"{fmt(row.get('eval_score')):>12}" if scored else "")
+              + "".join(f"{fmt(row.get(key)):>12}" for key, _ in extra)
               + f"{fmt(row['lr'], '.3g'):>11}{fmt(row['grad_norm'], '.3g'):>11}{fmt(row['tokens'], 'd'):>9}")
     return 0
 

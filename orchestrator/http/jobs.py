@@ -90,7 +90,7 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
     @operation_route(api, "losses", tags=["jobs"])
     def losses(job: str, caller: Caller = Depends(require_token)) -> Any:
         """One row per optimizer step: step, loss, tokens, lr, grad_norm, eval_loss and eval_score (where
-        evaluated), time."""
+        evaluated), time, and the job's method's metrics (a GRPO job's rewards, a preference job's margins)."""
         return call_service(link, lambda client: client.losses(find_job(client, caller, job).id))
 
     @operation_route(api, "transitions", tags=["jobs"])

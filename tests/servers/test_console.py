@@ -395,3 +395,29 @@ def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, 
     page.evaluate("document.querySelector('section.generations').scrollIntoView()")
     shot(page, console, "job-generations")
     page.close()
+
+
+def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser):
+    """A GRPO job's page has a reward chart whose numbers are the job's rows' rewards (GET /v1/jobs/{job}/losses,
+    the job table's copy of its metrics.jsonl); an SFT job's page has none."""
+    alice = console.http("alice")
+    grpo = alice.submit(job_dict("alice-grpo", console.data, 3, method="grpo", batch_size=2, max_seq_len=64,
+                                 grpo={"reward": "contains", "num_generations": 2, "max_new_tokens": 4}),
+                        base_model=console.base)
+    assert grpo.wait(timeout=120).state == "completed"
+    rewards = [row["reward"] for row in alice.losses(grpo.id)]
+    assert len(rewards) == 3 and all(0.0 <= reward <= 1.0 for reward in rewards)
+    page = log_in(browser, console, "alice")
+    page.goto(f"{console.url}/#/jobs/{grpo.id}")
+    page.wait_for_selector("[data-chart=objective] figcaption")
+    shown = page.evaluate("[...document.querySelectorAll('[data-chart=objective] .numbers tbody tr')].map((tr) =>"
+                          " [...tr.children].map((td) => td.textContent))")
+    assert shown == [[str(step), page.evaluate(f"Number({r!r}).toPrecision(4)")] for step, r in zip((1, 2, 3), rewards,
+                                                                                                    strict=True)], \
+        shown
+    sft = alice.submit(job_dict("alice-plain", console.data, 2), base_model=console.base)
+    assert sft.wait(timeout=120).state == "completed"
+    page.goto(f"{console.url}/#/jobs/{sft.id}")
+    page.wait_for_selector("[data-chart=loss] figcaption")
+    assert page.query_selector("[data-chart=objective]") is None
+    page.close()

@@ -1,7 +1,8 @@
 """The actor system on a real (local) Ray: jobs join a running trainer, cancel leaves a loadable
 checkpoint, a killed trainer is replaced and its job ends with the same adapter as an uninterrupted
 run, a killed scheduler comes back with every job, a job nobody can train waits with a reason, and a GRPO job's
-rewards of the user's (a module's and a file's) score in the trainer actor's process of users' functions."""
+rewards of the user's (a module's and a file's) score in the trainer actor's process of users' functions, its
+rewards in the job table's rows."""
 
 from __future__ import annotations
 
@@ -286,3 +287,7 @@ def test_a_grpo_jobs_rewards_of_the_users_score_on_a_trainer_actor(service, tiny
     rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(0 < row["rewards/shorter/mean"] <= 1 and 0 <= row["rewards/sevens/mean"] <= 1 for row in rows), rows
+    # the job table has each step's rewards as metrics.jsonl has them (aspen losses, the HTTP API, the console)
+    table = {row["step"]: row for row in handle.losses()}
+    for row in rows:
+        assert {name: table[row["step"]][name] for name in row} == row

@@ -1,14 +1,39 @@
-"""The job table's progress rows: one per optimizer step of a job (loss, tokens, learning rate, gradient norm)
-with the evaluation after it (eval loss, generation score), what reports and charts read back."""
+"""The job table's progress rows: one per optimizer step of a job (loss, tokens, learning rate, gradient norm, and
+its method's metrics: a GRPO job's rewards, a preference job's margins, as in its metrics.jsonl) with the
+evaluation after it (eval loss, generation score), what reports and charts read back."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import time
 from typing import Any
 
 from actors.service.table.table_connection import TableConnection, reads
 
 COLUMNS = ("step", "loss", "tokens", "lr", "grad_norm", "eval_loss", "eval_score", "time")
+REPORTED = ("tokens_per_s", "total_steps")   # what a progress report carries besides its row: not kept here
+
+
+def method_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """A step row's metrics beyond the columns (`reward`, `rewards/margins`, `kl`, ...): its numbers only."""
+    return {name: value for name, value in row.items()
+            if name not in COLUMNS and name not in REPORTED and isinstance(value, int | float)
+            and not isinstance(value, bool)}
+
+
+def progress_of(db: sqlite3.Connection, job_id: str) -> list[dict[str, Any]]:
+    """A job's rows from a job table's connection (a read-only one too: a table older than the metrics column
+    has none), each with its method's metrics beside the columns, as its metrics.jsonl row has them."""
+    present = {row[1] for row in db.execute("PRAGMA table_info(progress)")}
+    columns = [name for name in COLUMNS if name in present]
+    extra = ", metrics" if "metrics" in present else ""
+    rows = db.execute(f"SELECT {', '.join(columns)}{extra} FROM progress WHERE job_id = ? ORDER BY step", (job_id,))
+    out = []
+    for row in rows:
+        values = {name: None for name in COLUMNS} | dict(zip(columns, row, strict=False))
+        out.append(values | (json.loads(row[-1]) if extra and row[-1] else {}))
+    return out
 
 
 class ProgressRows:
@@ -20,10 +45,11 @@ class ProgressRows:
 
     def add(self, job_id: str, row: dict[str, Any]) -> None:
         with self.connection.transaction():
-            self.db.execute("INSERT OR REPLACE INTO progress (job_id, step, loss, tokens, lr, grad_norm, time) "
-                            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            metrics = method_metrics(row)
+            self.db.execute("INSERT OR REPLACE INTO progress (job_id, step, loss, tokens, lr, grad_norm, metrics, "
+                            "time) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             (job_id, row["step"], row.get("loss"), row.get("tokens"), row.get("lr"),
-                             row.get("grad_norm"), time.time()))
+                             row.get("grad_norm"), json.dumps(metrics) if metrics else None, time.time()))
 
     def add_eval(self, job_id: str, step: int, eval_loss: float | None, eval_score: float | None = None) -> None:
         """An evaluation after `step`: its loss and (eval_generate) its score; a None leaves that column be."""
@@ -50,6 +76,4 @@ class ProgressRows:
 
     @reads
     def of_job(self, job_id: str) -> list[dict[str, Any]]:
-        rows = self.db.execute(f"SELECT {', '.join(COLUMNS)} FROM progress WHERE job_id = ? ORDER BY step",
-                               (job_id,))
-        return [dict(zip(COLUMNS, row, strict=True)) for row in rows]
+        return progress_of(self.db, job_id)

@@ -37,7 +37,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE TABLE IF NOT EXISTS progress (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL, tokens INTEGER, lr REAL, grad_norm REAL,
-    eval_loss REAL, eval_score REAL, time REAL NOT NULL, PRIMARY KEY (job_id, step));
+    eval_loss REAL, eval_score REAL, metrics TEXT, time REAL NOT NULL, PRIMARY KEY (job_id, step));
 CREATE TABLE IF NOT EXISTS transitions (
     job_id TEXT NOT NULL, time REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
@@ -51,7 +51,8 @@ CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id);
 ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
                  ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
                  ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
-                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"), ("jobs", "eval_score", "REAL"))
+                 ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"), ("jobs", "eval_score", "REAL"),
+                 ("progress", "metrics", "TEXT"))
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 

@@ -69,6 +69,8 @@ export function render(key, session) {
       grad: ["Gradient norm", [{ label: "grad norm", values: rows.map((r) => r.grad_norm) }]],
       speed: ["Tokens per second", [{ label: "tokens/s", values: tokensPerSecond(rows) }]],
     };
+    const objective = objectiveCurves(rows);
+    if (objective) sets.objective = objective;
     for (const [name, [label, series]] of Object.entries(sets)) {
       if (curves[name]) curves[name].update(steps, series);
       else {
@@ -222,4 +224,19 @@ export function render(key, session) {
 
   load();
   return follow(`progress=true&job=${encodeURIComponent(key)}`, { progress: refresh, transition: refresh });
+}
+
+// a GRPO job's mean reward, a preference job's reward margin and accuracy (their metrics.jsonl names, in the job's
+// rows from GET /v1/jobs/{job}/losses); none for a job whose method has no such metric
+function objectiveCurves(rows) {
+  const has = (name) => rows.some((r) => r[name] !== undefined && r[name] !== null);
+  const values = (name) => rows.map((r) => r[name] ?? null);
+  if (has("reward")) {
+    return ["Reward (mean over the step's completions)", [{ label: "reward", values: values("reward") }]];
+  }
+  if (has("rewards/margins")) {
+    return ["Reward margin (chosen - rejected) and accuracy", [{ label: "margin", values: values("rewards/margins") },
+      { label: "accuracy", values: values("rewards/accuracies"), colour: "#2ca02c" }]];
+  }
+  return null;
 }

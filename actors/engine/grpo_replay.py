@@ -55,11 +55,14 @@ class GrpoReplay:
         """A generation micro-batch the step just trained on, with its completion tokens' log-probabilities."""
         self.batches.append(ReplayedBatch(rollouts, logps.detach().to(torch.float32)))
 
-    def old_logps(self, rollouts: list) -> torch.Tensor | None:
-        """The old log-probabilities of a replayed micro-batch (the very list `next_batch` gave), else None."""
-        if not self.replaying:
-            return None
-        return next((batch.old_logps for batch in self.batches if batch.rollouts is rollouts), None)
+    def old_logps(self, rollouts: list) -> torch.Tensor:
+        """The old log-probabilities of a replayed micro-batch (the very list `next_batch` gave); LookupError for
+        another list (its ratios would silently be 1)."""
+        found = next((batch.old_logps for batch in self.batches if batch.rollouts is rollouts), None)
+        if found is None or not self.replaying:
+            raise LookupError("a replayed GRPO micro-batch is not one of its generation's (the step must get the very "
+                              "list the job's peek gave)")
+        return found
 
     def stepped(self) -> None:
         """An optimizer step was taken: the next iteration replays the generation, or (after the last) the next

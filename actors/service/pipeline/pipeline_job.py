@@ -105,6 +105,11 @@ class PipelineJob:
     def done(self) -> bool:
         return self.head.done
 
+    @property
+    def replay(self) -> None:
+        """A GRPO generation being replayed: none (a pipeline runs no GRPO job; refused when attached)."""
+        return None
+
     def peek(self) -> list[Example] | None:
         """The job's next micro-batch (its data is asked for only when the job may still plan a step)."""
         limit = self.head.step_limit

@@ -120,3 +120,26 @@ def test_a_replaying_grpo_job_fused_with_an_sft_job_trains_exactly_as_alone():
                      lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}),
              random_examples(1, count=6, vocab=VOCAB), 1)]
     assert_isolated(number_base(), jobs)
+
+
+def test_a_replaying_grpo_job_runs_through_the_in_process_service(tiny_model_dirs, tmp_path):
+    """The service's trainer loop composes, samples and replays as the engine does: the job completes its steps,
+    each generation's later steps report their clip ratios, and its rows are in the job's metrics.jsonl."""
+    from pathlib import Path
+
+    from actors.service.scheduler.local_run import train_locally
+    from actors.spec.run_spec import RunSpec
+    from tests.helpers.service import job_dict, write_task_data
+
+    data = write_task_data(tmp_path / "data", "arith")
+    job = job_dict("grpo", data, 4, method="grpo", batch_size=2, grad_accum=2, max_seq_len=64,
+                   grpo={"reward": "contains", "num_generations": 3, "max_new_tokens": 6, "num_iterations": 2})
+    spec = RunSpec(base_model=str(tiny_model_dirs["llama"]), output_dir=tmp_path / "runs", step_tokens=2048,
+                   jobs=[job, job_dict("sft", data, 3)])
+    results = {r.name: r for r in train_locally(spec, progress=False)}
+    assert results["grpo"].state == "completed" and results["grpo"].steps == 4, results["grpo"].reason
+    assert results["sft"].state == "completed", results["sft"].reason
+    rows = [json.loads(line) for line in (Path(results["grpo"].adapter_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert rows[0]["reward"] == rows[1]["reward"] and rows[2]["reward"] == rows[3]["reward"]   # replayed generations
+    assert all(row["clip_ratio/region_mean"] == 0 for row in rows[0::2])   # a generation's own step: ratios of 1

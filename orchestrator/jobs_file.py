@@ -15,6 +15,7 @@ from actors.spec.field_types import PATTERN_WORDS
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
+from actors.spec.saved_adapter import AdapterFileError, check_adapter_config
 from actors.spec.user_functions import UserFunctionError, functions_resolved, load_user_function
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
@@ -205,6 +206,9 @@ def _resolve_paths(data: dict, base_dir: Path, for_a_service: bool) -> None:
             if not path.is_absolute() and hub_id_problem(job["data"]) and not (base_dir / path).exists():
                 continue   # a hub id, refused by name when the files are checked
             job["data"] = tidy_path(path if path.is_absolute() else base_dir / path)
+        if isinstance(job, dict) and isinstance(job.get("init_adapter"), str) and not is_uri(job["init_adapter"]):
+            path = Path(job["init_adapter"]).expanduser()
+            job["init_adapter"] = tidy_path(path if path.is_absolute() else base_dir / path)
         for section, key in USER_FUNCTIONS:   # a function's file (file.py:function), as the data: from the file
             inner = job.get(section) if isinstance(job, dict) else None
             if isinstance(inner, dict) and key in inner:
@@ -226,6 +230,13 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
             prefix = f"{source}:{line}: " if line else f"{source}: "
             problem = hub_id_problem(str(job.data)) or f"file {job.data} does not exist"
             missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: {problem}")
+        if job.init_adapter is not None and not is_uri(job.init_adapter):   # a URI's is read when the job starts
+            try:
+                check_adapter_config(job.init_adapter, job.lora)
+            except AdapterFileError as error:
+                line = lines.get(("jobs", index, "init_adapter"))
+                prefix = f"{source}:{line}: " if line else f"{source}: "
+                missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {error}")
         for field, reference in job.user_functions():   # a function of the user's loads here, not on a trainer
             try:
                 load_user_function(reference, field)

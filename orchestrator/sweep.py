@@ -101,7 +101,9 @@ def sweep_spec_from(data: Any, *, source: str, base_dir: Path | None, text: str 
     data = dict(data)
     if isinstance(data.get("job"), dict):
         data["job"] = dict(data["job"])
-    for holder, key, name in ((data.get("job"), "data", "job.data"), (data, "output_dir", "output_dir")):
+    job = data.get("job")
+    for holder, key, name in ((job, "data", "job.data"), (job, "init_adapter", "job.init_adapter"),
+                              (data, "output_dir", "output_dir")):
         value = holder.get(key) if isinstance(holder, dict) else None
         if not isinstance(value, str) or "://" in value:
             continue

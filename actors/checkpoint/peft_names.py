@@ -1,4 +1,5 @@
 """The file names of an adapter folder in PEFT's format (light: no torch), for whatever only names them."""
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
+from actors.spec.saved_adapter import CONFIG_NAME, WEIGHTS_NAME
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME"]

@@ -58,7 +58,9 @@ class TrainingJob:
     @classmethod
     def attach(cls, spec: JobSpec, base: BaseModel, source: BatchSource, eval_examples: list[Example],
                total_steps: int, *, seed: int) -> TrainingJob:
-        """A job whose micro-batches come from `source` (e.g. streamed from a job actor)."""
+        """A job whose micro-batches come from `source` (e.g. streamed from a job actor), its adapter initialised:
+        the caller starts it from `spec.init_adapter` where it restores no checkpoint of the job's
+        (actors/checkpoint/initial_adapter.py: the job files' layer, above this one)."""
         adapter = add_adapter(base.model, spec.name, spec.lora, seed=seed)
         optimizer = JobOptimizer(spec, adapter.parameters(), total_steps, loss_scaling=base.dtype == torch.float16,
                                  fast_parameters=adapter.parameter_groups()[1])

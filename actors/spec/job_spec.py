@@ -46,6 +46,13 @@ class JobSpec(StrictModel):
         1000, description="streaming: rows shuffled together (each window of this many rows is permuted with the "
                           "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
+    init_adapter: Location | None = Field(
+        None, description="start the adapter from saved weights instead of its initialisation (SFT, then DPO or "
+                          "GRPO from that adapter; continued training): a folder in PEFT's format "
+                          "(adapter_config.json + adapter_model.safetensors: PEFT's save_pretrained, an aspen job's "
+                          "adapter/ or checkpoint folder), a path or a storage URI; `lora` must agree with its config "
+                          "(kind, r, alpha, use_rslora, use_dora, the same modules); the optimizer and the schedule "
+                          "start afresh; a job resumed from a checkpoint of its own continues from that instead")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(
         4, description="sequences per micro-batch (preference pairs for dpo / orpo / cpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")
@@ -113,6 +120,20 @@ class JobSpec(StrictModel):
         if problem is not None:
             raise ValueError(problem)
         return value
+
+    @model_validator(mode="after")
+    def _initial_adapter(self) -> JobSpec:
+        if self.init_adapter is None:
+            return self
+        if self.method == "interactive":
+            raise ValueError("an interactive model starts from a saved state of its own (the API's "
+                             "create_training_client_from_state), not init_adapter: remove init_adapter")
+        if self.lora.init_lora_weights != "default":
+            raise ValueError(f"lora.init_lora_weights: '{self.lora.init_lora_weights}' initialises the adapter, and "
+                             "init_adapter starts it from saved weights instead: remove one of them (a saved PiSSA "
+                             "or OLoRA adapter is PEFT's conversion to a plain LoRA: continue it with the r and alpha "
+                             "of its adapter_config.json)")
+        return self
 
     @model_validator(mode="after")
     def _has_data(self) -> JobSpec:

@@ -118,13 +118,14 @@ def _path_problems(data: dict, single_job: bool, output_root: str | None) -> lis
     problems = []
     jobs = data.get("jobs") if isinstance(data.get("jobs"), list) else []
     for index, job in enumerate(jobs):
-        value = job.get("data") if isinstance(job, dict) else None
-        if (isinstance(value, str) and value.strip() and not is_uri(value)
-                and not Path(value).expanduser().is_absolute()):
-            loc = ["data"] if single_job else ["jobs", index, "data"]
-            problems.append({"loc": loc, "field": ".".join(map(str, loc)), "type": "relative_path",
-                             "msg": f"relative path {value!r}: the service cannot tell what it is relative to; give "
-                                    "an absolute path on the service's machine or a storage URI (s3://...)"})
+        for name in ("data", "init_adapter"):
+            value = job.get(name) if isinstance(job, dict) else None
+            if (isinstance(value, str) and value.strip() and not is_uri(value)
+                    and not Path(value).expanduser().is_absolute()):
+                loc = [name] if single_job else ["jobs", index, name]
+                problems.append({"loc": loc, "field": ".".join(map(str, loc)), "type": "relative_path",
+                                 "msg": f"relative path {value!r}: the service cannot tell what it is relative to; "
+                                        "give an absolute path on the service's machine or a storage URI (s3://...)"})
     model = data.get("base_model")
     if isinstance(model, str) and model.startswith(".") and not Path(model).is_absolute():
         problems.append({"loc": ["base_model"], "field": "base_model", "type": "relative_path",

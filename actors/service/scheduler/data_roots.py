@@ -34,10 +34,10 @@ def is_under(location: Location, root: Location) -> bool:
     return location == root or location.is_relative_to(root)
 
 
-def _uri_problem(uri: StorageURI) -> str | None:
+def _uri_problem(uri: StorageURI, what: str) -> str | None:
     parts = str(uri).split("://", 1)[-1].split("/")
     if any(part in (".", "..") for part in parts):
-        return f"data {uri} has '.' or '..' components; give the object's full URI"
+        return f"{what} {uri} has '.' or '..' components; give the object's full URI"
     return None
 
 
@@ -51,28 +51,29 @@ def _entries(path: Path) -> Iterator[Path]:
 
 
 def data_problem(data: str | Path | StorageURI, roots: Sequence[Location] | None,
-                 forbidden: Sequence[tuple[Location, str, Location | None]] = ()) -> str | None:
+                 forbidden: Sequence[tuple[Location, str, Location | None]] = (), *, what: str = "data") -> str | None:
     """Why a job may not read `data` (None: it may). `roots`: where it may (None: anywhere but `forbidden`);
-    `forbidden`: (location, what it is, a place inside it the job may read or None) triples."""
+    `forbidden`: (location, what it is, a place inside it the job may read or None) triples; `what`: the field
+    the messages name (`data`, `init_adapter`)."""
     if is_uri(str(data)):
         uri = StorageURI(str(data))
-        problem = _uri_problem(uri)
+        problem = _uri_problem(uri, what)
         if problem:
             return problem
         entries: list[Location] = [uri]
     else:
         entries = list(_entries(Path(data).expanduser()))
     for entry in entries:
-        for place, what, allowed in forbidden:
+        for place, place_name, allowed in forbidden:
             if is_under(entry, place) and not (allowed is not None and is_under(entry, allowed)):
                 shown = "" if entry == entries[0] else f" ({entry} inside it)"
-                return f"data {data}{shown} lies in {what}, which no job may read"
+                return f"{what} {data}{shown} lies in {place_name}, which no job may read"
     if roots is not None:
         for entry in entries:
             if not any(is_under(entry, root) for root in roots):
                 shown = "" if entry == entries[0] else f" ({entry}, inside it, links out)"
                 listed = ", ".join(str(root) for root in roots) or "none"
-                return (f"data {data}{shown} is outside the data roots this job may read ({listed}); put the data "
+                return (f"{what} {data}{shown} is outside the data roots this job may read ({listed}); put it "
                         "under one of them, or ask the operator to add a root (`data_roots` in the service's "
                         "config, or `aspen user add --data-root`)")
     return None

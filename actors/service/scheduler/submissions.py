@@ -13,12 +13,13 @@ from pathlib import Path
 
 from actors.service.accounts.users import User, UserBook, UserError
 from actors.service.scheduler.config import TrainerConfig
-from actors.service.scheduler.data_roots import as_root, data_problem
+from actors.service.scheduler.data_roots import Location, as_root, data_problem
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec, step_limit_problem
 from actors.spec.job_submission import JobSubmission
+from actors.spec.saved_adapter import AdapterFileError, check_adapter_config
 from actors.spec.trainer_settings import step_tokens_floor
 from actors.spec.user_functions import allowed
 from actors.storage.storage_uri import StorageURI, as_location, is_uri
@@ -231,6 +232,30 @@ class Submissions:
         data = submission.job.data
         if user is not None and not is_uri(str(data)) and not Path(data).expanduser().exists():
             raise SubmissionError(f"data: file {data} does not exist on the service's machine")
+        self._check_adapter(submission, user, roots, forbidden)
+
+    def _check_adapter(self, submission: JobSubmission, user: User | None, roots: list[Location] | None,
+                       forbidden: list[tuple[Location, str, Location | None]]) -> None:
+        """The job's `init_adapter` lies where it may read (a user's own outputs too: a job of theirs that went
+        before) and, where this machine has it, fits the job's lora (actors/spec/saved_adapter.py)."""
+        adapter = submission.job.init_adapter
+        if adapter is None:
+            return
+        if roots is not None and user is not None:
+            roots = [*roots, as_root(str(self._outputs() / user.name))]
+        problem = data_problem(adapter, roots, forbidden, what="init_adapter")
+        if problem is not None:
+            raise SubmissionError(problem)
+        if is_uri(str(adapter)):   # read (and checked) when the job starts
+            return
+        if not Path(adapter).expanduser().exists():
+            if user is not None:
+                raise SubmissionError(f"init_adapter: {adapter} does not exist on the service's machine")
+            return   # an operator's: perhaps on the trainers' machines only; checked when the job starts
+        try:
+            check_adapter_config(adapter, submission.job.lora)
+        except AdapterFileError as error:
+            raise SubmissionError(str(error)) from None
 
     def _check_functions(self, submission: JobSubmission, user: User | None) -> None:
         """A user's job runs code of theirs on the trainers only where the operator allows it: its reward and

@@ -1,5 +1,6 @@
 """A job's start on a trainer: its feed, its folder (staging and mirror for a storage URI), its adapter
-attached, its newest checkpoint restored, its files and tracking opened. A URI's checkpoint is fetched first."""
+attached, its newest checkpoint restored (else its `init_adapter` loaded), its files and tracking opened. A URI's
+checkpoint is fetched first."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.checkpoint import CheckpointError, has_checkpoint, load_checkpoint
+from actors.checkpoint.initial_adapter import start_from_adapter
 from actors.engine.job import TrainingJob
 from actors.engine.trainer import FusedTrainer
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, JobFiles, metrics_rows
@@ -70,6 +72,10 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
                 resume_verdict = assignment.link.update(JobUpdate(
                     resumed_from=resumed_from, steps=[r.as_row() for r in job.history], evals=list(job.evals),
                     scores=list(job.scores)))
+        if not resumed_from and spec.init_adapter is not None:   # no checkpoint of its own: the saved adapter
+            started = start_from_adapter(job.adapter, spec.init_adapter)
+            trainer.restored(job)
+            note = "; ".join(part for part in (note, started) if part)
         try:
             files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores), job.step)
         except OSError as error:

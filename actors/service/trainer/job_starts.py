@@ -20,6 +20,8 @@ from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.loop_steps import LoopSteps
 from actors.service.trainer.trainer_commands import Commands
 from actors.service.trainer.trainer_reports import TrainerEvents
+from actors.spec.saved_adapter import AdapterFileError
+from actors.storage.storage_errors import StorageUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,12 @@ class JobStarts:
         except StageLost as error:   # not the job's fault: it goes back and starts again on the new stages
             self.events.emit("paused", job_id, 0, reason=f"it could not start: {error}", retry=True)
             raise
+        except StorageUnreachable as error:   # its saved adapter's store did not answer: started again (bounded)
+            log.warning("trainer %s: job %s could not start: %s", self.trainer_id, job_id, error)
+            self.events.emit("paused", job_id, 0, reason=f"it could not start: {error}", retry=True)
+            return
         except Exception as error:  # a job that cannot start fails alone
-            if isinstance(error, DataChanged):   # the user's to act on: the message says what to do
+            if isinstance(error, (DataChanged, AdapterFileError)):   # the user's to act on: the message says what
                 log.error("trainer %s: job %s could not start: %s", self.trainer_id, job_id, error)
             else:
                 log.exception("trainer %s: job %s could not start", self.trainer_id, job_id)

@@ -1,0 +1,121 @@
+"""A job started from another job's adapter (`init_adapter`) on a trainer loop, as the service starts it: it starts
+at that adapter (trained at a learning rate too small to move it, it ends within Adam's bound of it); a copy cut
+short fails its own job at the start with what to do, and the other job goes on; resumed from a checkpoint of its
+own, the job continues from that, even with the saved adapter gone. Submissions: a user's adapter is read only
+under their data roots or their own outputs, and one that does not fit the job is refused before it is entered."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from actors.service.scheduler.config import TrainerConfig
+from actors.service.scheduler.local_run import train_locally
+from actors.service.trainer.trainer_loop import TrainerLoop
+from actors.spec.saved_adapter import WEIGHTS_NAME
+from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
+from tests.helpers.trainer import assignment_for, run_until_idle
+
+LR = 1e-7
+BETA1, BETA2 = 0.9, 0.999   # torch's AdamW defaults, which aspen's jobs use
+
+
+def test_a_job_starts_from_another_jobs_adapter_and_resumes_from_its_own_checkpoint(tmp_path, tiny_base,
+                                                                                    tiny_model_dirs):
+    data = tmp_path / "data"
+    first = job_dict("first", write_task_data(data, "first"), 6, lr=1e-2)
+    train_locally(run_spec(str(tiny_model_dirs["llama"]), tmp_path / "before", [first]), base=tiny_base,
+                  progress=False)
+    saved = tmp_path / "saved"
+    shutil.copytree(tmp_path / "before" / "first", saved)
+    cut = tmp_path / "cut"
+    shutil.copytree(saved, cut)
+    (cut / WEIGHTS_NAME).write_bytes((saved / WEIGHTS_NAME).read_bytes()[:64])
+
+    steps = 6
+    continued = job_dict("continued", write_task_data(data, "second", offset=5), steps, lr=LR, lr_schedule="constant",
+                         checkpoint_every=3, init_adapter=str(saved))
+    broken = job_dict("broken", data / "second.jsonl", steps, init_adapter=str(cut))
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [continued, broken])
+    continued_submission, broken_submission = spec.submissions()
+    config = TrainerConfig(base_model=spec.base_model)
+    loop = TrainerLoop(tiny_base, config, "trainer-t", tmp_path / "state")
+    loop.assign(assignment_for(broken_submission, "broken-1", tiny_base.tokenizer))
+    loop.assign(assignment_for(continued_submission, "continued-1", tiny_base.tokenizer))
+    events = []
+    for _ in range(5):
+        loop.run_once(idle_wait=0)
+        events += loop.drain_events()
+    failed = next(e for e in events if e.job_id == "broken-1")
+    assert failed.kind == "failed"
+    assert failed.data["reason"].startswith(f"could not start: init_adapter: {cut / WEIGHTS_NAME} is not a "
+                                            "safetensors file")
+    assert failed.data["reason"].endswith("; save the adapter again")
+    started = next(e for e in events if e.job_id == "continued-1" and e.kind == "started")
+    assert started.data["checkpoint_note"] == f"its adapter started from {saved}"
+
+    loop.stop_job("continued-1", "paused", "test")
+    events = run_until_idle(loop)
+    paused = next(e for e in events if e.kind == "paused")
+    at = paused.data["checkpoint_step"]
+    assert 0 < at < steps
+    shutil.rmtree(saved)   # its own checkpoint is all a resumed job needs
+    again = TrainerLoop(tiny_base, config, "trainer-u", tmp_path / "state")
+    again.assign(assignment_for(continued_submission, "continued-1", tiny_base.tokenizer))
+    events = run_until_idle(again)
+    started = next(e for e in events if e.kind == "started")
+    assert started.data["resumed_from"] == at and "started from" not in started.data["checkpoint_note"]
+    assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+
+    # Adam moves each weight by at most lr (1 - beta1) / sqrt(1 - beta2) a step (Kingma & Ba, section 2.1); a
+    # fresh adapter would be the first job's distance from its own start away (B from zero: every lora_B entry)
+    start = adapter_tensors(tmp_path / "before" / "first")
+    end = adapter_tensors(tmp_path / "out" / "continued")
+    bound = steps * LR * (1 - BETA1) / (1 - BETA2) ** 0.5 * 1.0001
+    worst = max(float((end[key] - start[key]).abs().max()) for key in start)
+    moved = max(float(start[key].abs().max()) for key in start if "lora_B" in key)
+    assert worst <= bound < moved / 1000, (worst, bound, moved)
+    assert worst > 0, "the job did not train"
+
+
+def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_that_does_not_fit(tmp_path):
+    from peft import LoraConfig as PeftLoraConfig
+
+    from actors.service.accounts.users import UserBook
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.scheduler.submissions import SubmissionError
+    from actors.service.table.job_table import JobTable
+    from actors.spec.job_submission import JobSubmission
+    from policies.registry import load_policy
+
+    state = tmp_path / "state"
+    data = write_task_data(tmp_path / "data", "q")
+    book = UserBook.in_state_dir(state)
+    book.add("a", data_roots=[str(tmp_path / "data")])
+    core = SchedulerCore(JobTable(state / "jobs.sqlite"), load_policy("adaptive"), state)
+
+    def adapter(folder, r: int = 4):
+        PeftLoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "v_proj"]).save_pretrained(folder)
+        return folder
+
+    def submit(name: str, init_adapter, user: str | None = "a"):
+        return core.submit(JobSubmission(job=job_dict(name, data, 5, init_adapter=str(init_adapter)), user=user))
+
+    own = adapter(state / "outputs" / "a" / "earlier" / "adapter")   # a job of theirs that went before
+    assert submit("own", own).state == "queued"
+    assert submit("in-root", adapter(tmp_path / "data" / "adapter")).state == "queued"
+    elsewhere = adapter(tmp_path / "elsewhere")
+    with pytest.raises(SubmissionError, match=rf"init_adapter {elsewhere} is outside the data roots this job may "
+                                              r"read \(.*\); put it under one of them"):
+        submit("elsewhere", elsewhere)
+    others = adapter(state / "outputs" / "b" / "theirs")
+    with pytest.raises(SubmissionError, match=r"lies in the service's outputs other than yours, which no job may "
+                                              r"read"):
+        submit("others", others)
+    with pytest.raises(SubmissionError, match=r"init_adapter: .*missing does not exist on the service's machine"):
+        submit("missing", tmp_path / "data" / "missing")
+    with pytest.raises(SubmissionError, match=r"does not fit the job's lora: lora.r is 4, the adapter's r 8: set "
+                                              r"lora.r: 8"):
+        submit("wider", adapter(tmp_path / "data" / "wider", r=8))
+    assert submit("operator", elsewhere, user=None).state == "queued"   # an operator's: no data roots configured

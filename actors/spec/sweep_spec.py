@@ -122,6 +122,9 @@ class SweepSpec(StrictModel):
         for path, dimension in space.items():
             _check_path(path)
             _check_values(self.job, path, dimension)
+            if self.job.init_adapter is not None and path in ADAPTER_SHAPE:
+                raise ValueError(f"space.{path}: every trial starts from job.init_adapter, whose {path} is fixed; "
+                                 f"leave {path} out of the space (or init_adapter out of the job)")
         check_search(self.search)
         if self.search != "grid" and self.trials is None:
             raise ValueError(f"trials: search {self.search} needs a number of trials")
@@ -194,6 +197,11 @@ def trial_job(job: JobSpec, settings: dict[str, Any], name: str) -> JobSpec:
     for path, value in settings.items():
         _set(raw, path.split("."), value)
     return JobSpec(**raw)
+
+
+ADAPTER_SHAPE = ("lora.kind", "lora.r", "lora.alpha", "lora.use_rslora", "lora.use_dora", "lora.target_modules",
+                 "lora.init_lora_weights", "lora")
+"""What a saved adapter (`init_adapter`) fixes: a sweep of trials that start from one cannot vary it."""
 
 
 def _set(raw: dict, keys: list[str], value: Any) -> None:

@@ -89,6 +89,46 @@ def test_a_job_moved_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_pat
     assert_same_outputs(outputs(tmp_path / "out/moving"), outputs(tmp_path / "uninterrupted/moving"), "moving")
 
 
+def test_a_job_started_from_a_saved_adapter_on_a_pipeline_ends_as_on_one_device(tmp_path, tiny_model_dirs):
+    """`init_adapter` on a pipeline trainer: the stages take the saved adapter (their shares of it), and the job
+    ends with the adapter, metrics and config of the same job on one device, bit for bit."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = str(tiny_model_dirs["llama"])
+    targets = ["q_proj", "v_proj", "down_proj"]
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                                PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:   # a trained adapter's B is not PEFT's zeros
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(tmp_path / "saved")
+    ends = {}
+    for kind in ("single", "pipeline"):
+        job = job_dict("continued", write_task_data(tmp_path / "data", "continued"), 4,
+                       init_adapter=str(tmp_path / "saved"),
+                       lora={"r": 4, "alpha": 8, "target_modules": targets})
+        (submission,) = run_spec(model, tmp_path / kind, [job]).submissions()
+        loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
+        try:
+            loop.assign(assignment_for(submission, "continued", loop.base.tokenizer))
+            events = run_until_idle(loop)
+        finally:
+            loop.close()
+        started = next(e for e in events if e.kind == "started")
+        assert started.data["checkpoint_note"] == f"its adapter started from {tmp_path / 'saved'}", kind
+        ends[kind] = outputs(tmp_path / kind / "continued")
+    assert_same_outputs(ends["pipeline"], ends["single"], "continued")
+    first_loss = ends["single"]["metrics"][0]["loss"]
+    fresh = job_dict("fresh", tmp_path / "data" / "continued.jsonl", 1,
+                     lora={"r": 4, "alpha": 8, "target_modules": targets})
+    (result,) = train_locally(run_spec(model, tmp_path / "fresh", [fresh]), progress=False)
+    assert abs(result.first_loss - first_loss) > 1e-3, "the saved adapter made no difference: nothing was compared"
+
+
 def test_a_jobs_file_with_stages_trains_as_on_one_device_though_a_stage_is_killed(tmp_path, tiny_model_dirs, caplog):
     """`aspen run --in-process` with `stages: 2`: the same adapters, metrics, evaluations and early stop as one
     device, bit for bit, though stage 1's process is SIGKILLed after the third loop step: the trainer gives

@@ -1,0 +1,90 @@
+"""`init_adapter` as users write it: in a jobs file (a path relative to the file; a missing folder or a config
+that does not fit the job's lora refused at its line, before anything starts), in a sweep file (relative to the
+sweep file), over HTTP (a relative path refused: the service cannot tell what it is relative to), and the
+settings that cannot go with it."""
+
+from __future__ import annotations
+
+import pytest
+from peft import LoraConfig as PeftLoraConfig
+from pydantic import ValidationError
+
+from actors.spec.job_spec import JobSpec
+from orchestrator.jobs_file import SpecError, load_run_spec
+from tests.helpers.service import write_task_data
+
+JOBS = """\
+base_model: smollm2-135m
+jobs:
+  - name: continued
+    data: data/q.jsonl
+    format: {{type: prompt_response, prompt: "{{question}}", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    init_adapter: {adapter}
+"""
+
+
+def _adapter(folder, r: int = 4):
+    """A PEFT adapter's config, as PEFT writes it."""
+    PeftLoraConfig(r=r, lora_alpha=8, target_modules=["q_proj", "v_proj"]).save_pretrained(folder)
+    return folder
+
+
+def test_a_jobs_files_adapter_is_the_files_and_one_that_does_not_fit_is_refused_at_its_line(tmp_path):
+    write_task_data(tmp_path / "data", "q")
+    _adapter(tmp_path / "adapters" / "sft")
+    path = tmp_path / "jobs.yaml"
+    path.write_text(JOBS.format(adapter="adapters/sft"))
+    (job,) = load_run_spec(path).jobs
+    assert job.init_adapter == tmp_path / "adapters" / "sft"
+
+    _adapter(tmp_path / "adapters" / "wide", r=16)
+    path.write_text(JOBS.format(adapter="adapters/wide"))
+    with pytest.raises(SpecError) as caught:
+        load_run_spec(path)
+    assert str(caught.value) == (
+        f"{path}:7: job 'continued' (jobs[0]), field init_adapter: {tmp_path / 'adapters/wide/adapter_config.json'} "
+        "does not fit the job's lora: lora.r is 4, the adapter's r 16: set lora.r: 16")
+    path.write_text(JOBS.format(adapter="adapters/none"))
+    with pytest.raises(SpecError, match=rf"{path}:7: job 'continued' \(jobs\[0\]\), field init_adapter: "
+                                        rf"{tmp_path / 'adapters/none/adapter_config.json'} does not exist; give a "
+                                        "folder holding adapter_config.json and adapter_model.safetensors"):
+        load_run_spec(path)
+    assert load_run_spec(path, check_files=False).jobs[0].init_adapter == tmp_path / "adapters" / "none"
+
+
+def test_a_sweeps_adapter_is_relative_to_the_sweep_file_and_fixes_the_adapters_shape(tmp_path):
+    from orchestrator.sweep import load_sweep_spec
+
+    write_task_data(tmp_path / "data", "q")
+    _adapter(tmp_path / "sft")
+    path = tmp_path / "sweep.yaml"
+    path.write_text("name: lrs\noutput_dir: runs/lrs\njob:\n  name: t\n  data: data/q.jsonl\n"
+                    "  format: {type: prompt_response, prompt: '{question}', response: ' {answer}'}\n"
+                    "  lora: {r: 4, alpha: 8}\n  init_adapter: sft\n  max_steps: 8\n  eval_split: 4\n  eval_every: 4\n"
+                    "space:\n  lr: {loguniform: [1.0e-5, 1.0e-3]}\ntrials: 2\n")
+    assert load_sweep_spec(path).job.init_adapter == tmp_path / "sft"
+    path.write_text(path.read_text().replace("space:\n", "space:\n  lora.r: {choice: [4, 8]}\n"))
+    with pytest.raises(SpecError, match=r"space.lora.r: every trial starts from job.init_adapter, whose lora.r is "
+                                        r"fixed; leave lora.r out of the space"):
+        load_sweep_spec(path)
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ({"method": "interactive", "data": None, "format": None}, "an interactive model starts from a saved state of "
+                                                               "its own"),
+    ({"lora": {"init_lora_weights": "pissa"}}, "lora.init_lora_weights: 'pissa' initialises the adapter, and "
+                                               "init_adapter starts it from saved weights instead"),
+])
+def test_settings_that_cannot_go_with_a_saved_adapter_are_refused(extra, expected):
+    fields = {"name": "j", "data": "d.jsonl", "format": {"type": "text"}, "init_adapter": "/adapters/sft", **extra}
+    with pytest.raises(ValidationError, match=expected):
+        JobSpec.model_validate(fields)
+
+
+def test_http_refuses_a_relative_adapter_path():
+    from orchestrator.http.request_bodies import _path_problems
+
+    (problem,) = _path_problems({"jobs": [{"data": "/d.jsonl", "init_adapter": "adapters/sft"}]}, True, None)
+    assert problem["loc"] == ["init_adapter"] and problem["type"] == "relative_path"
+    assert "relative path 'adapters/sft': the service cannot tell what it is relative to" in problem["msg"]

@@ -320,3 +320,43 @@ def test_a_job_whose_uploads_all_fail_fails_with_the_uri_and_resumes_from_its_no
     local = adapter_tensors(tmp_path / "node" / "staging" / "offline-1")
     remote = _s3_adapter(location)
     assert all(torch.equal(local[key], remote[key]) for key in local)
+
+
+def test_a_saved_adapter_is_read_from_a_storage_uri(s3_server, tiny_base, tmp_path, monkeypatch):
+    """`init_adapter: s3://...`: the adapter's two objects read from a real S3 server give the job the weights the
+    local folder gives; a missing one is named with what to do; an endpoint that does not answer is transient
+    (StorageUnreachable: the job's start is tried again), not the adapter's fault."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from actors.checkpoint.initial_adapter import start_from_adapter
+    from actors.checkpoint.peft_io import adapter_state_dict
+    from actors.engine.job import TrainingJob
+    from actors.spec.saved_adapter import AdapterFileError
+    from tests.helpers.fused import job_spec
+    from tests.helpers.models import random_examples
+
+    peft_model = get_peft_model(tiny_base.model.__class__(tiny_base.model.config),
+                                PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    bucket = s3_server.make_bucket()
+    StorageLocation(f"s3://{bucket}/adapters/sft").upload_folder(tmp_path / "adapter")
+    spec = job_spec("remote", lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    examples = random_examples(1, count=4)
+    remote = TrainingJob.create(spec, tiny_base, examples, [], seed=0)
+    assert start_from_adapter(remote.adapter, f"s3://{bucket}/adapters/sft") == \
+        f"its adapter started from s3://{bucket}/adapters/sft"
+    local = TrainingJob.create(spec.model_copy(update={"name": "local"}), tiny_base, examples, [], seed=0)
+    start_from_adapter(local.adapter, tmp_path / "adapter")
+    remote_weights, local_weights = adapter_state_dict(remote.adapter), adapter_state_dict(local.adapter)
+    assert all(torch.equal(remote_weights[key], local_weights[key]) for key in local_weights)
+    assert any(float(value.abs().max()) > 0 for key, value in local_weights.items() if "lora_B" in key)
+    with pytest.raises(AdapterFileError, match=rf"s3://{bucket}/adapters/none/adapter_config.json does not exist"):
+        start_from_adapter(remote.adapter, f"s3://{bucket}/adapters/none")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")   # nothing listens there
+    with pytest.raises(StorageUnreachable, match=rf"init_adapter: s3://{bucket}/adapters/sft/adapter_config.json"):
+        start_from_adapter(remote.adapter, f"s3://{bucket}/adapters/sft")

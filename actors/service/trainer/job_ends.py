@@ -65,6 +65,8 @@ class JobEnds:
                     rows = metrics_rows([record.as_row() for record in job.history], job.evals, job.scores)
                     self._write(active, "its metrics", lambda: active.files.rewrite(rows))
                 metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
+                if job.spec.init_adapter is not None:   # what it started from: the adapter's lineage
+                    metadata["init_adapter"] = str(job.spec.init_adapter)
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
                     job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
             if kind != "failed":

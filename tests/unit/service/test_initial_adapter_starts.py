@@ -6,6 +6,7 @@ under their data roots or their own outputs, and one that does not fit the job i
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -67,6 +68,8 @@ def test_a_job_starts_from_another_jobs_adapter_and_resumes_from_its_own_checkpo
     started = next(e for e in events if e.kind == "started")
     assert started.data["resumed_from"] == at and "started from" not in started.data["checkpoint_note"]
     assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+    metadata = json.loads((tmp_path / "out" / "continued" / "aspen.json").read_text())
+    assert metadata["init_adapter"] == str(saved)   # its lineage, beside the adapter
 
     # Adam moves each weight by at most lr (1 - beta1) / sqrt(1 - beta2) a step (Kingma & Ba, section 2.1); a
     # fresh adapter would be the first job's distance from its own start away (B from zero: every lora_B entry)

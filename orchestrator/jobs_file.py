@@ -16,7 +16,7 @@ from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
 from actors.spec.saved_adapter import AdapterFileError, check_adapter_config
-from actors.spec.user_functions import UserFunctionError, functions_resolved, load_user_function
+from actors.spec.user_functions import functions_resolved
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
 
@@ -222,6 +222,15 @@ def _resolve_paths(data: dict, base_dir: Path, for_a_service: bool) -> None:
         data["output_dir"] = tidy_path(base_dir / output)
 
 
+def function_load_problems(references: list[tuple[str, str]]) -> list[str | None]:
+    """Why each (field, reference) function cannot be loaded, loaded in a process of its own (user_calls.py)."""
+    if not references:
+        return []
+    from actors.engine.user_calls import load_problems  # a worker process: only for a file that names functions
+
+    return load_problems(references)
+
+
 def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
     missing = []
     for index, job in enumerate(spec.jobs):
@@ -237,15 +246,14 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
                 line = lines.get(("jobs", index, "init_adapter"))
                 prefix = f"{source}:{line}: " if line else f"{source}: "
                 missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {error}")
-        for field, reference in job.user_functions():   # a function of the user's loads here, not on a trainer
-            try:
-                load_user_function(reference, field)
-            except UserFunctionError as error:
+        functions = job.user_functions()   # a function of the user's loads now, not first on a trainer
+        for (field, _), error in zip(functions, function_load_problems(functions), strict=True):
+            if error is not None:
                 path = tuple(int(part) if part.isdigit() else part for part in field.split("."))
                 line = next((lines[("jobs", index, *path[:end])] for end in range(len(path), 0, -1)
                              if ("jobs", index, *path[:end]) in lines), None)
                 prefix = f"{source}:{line}: " if line else f"{source}: "
-                problem = str(error).removeprefix(f"{field} ")
+                problem = error.removeprefix(f"{field} ")
                 missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {field}: {problem}")
     if missing:
         raise SpecError("\n".join(missing))

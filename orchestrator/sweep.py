@@ -22,14 +22,8 @@ from pydantic import ValidationError
 from actors.service.sweeps.sweep_book import LEADERBOARD_FILE
 from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
-from actors.spec.user_functions import (
-    UserFunctionError,
-    functions_resolved,
-    is_file_reference,
-    load_user_function,
-    split_reference,
-)
-from orchestrator.jobs_file import FILE_LIMITS, SpecError, yaml_lines
+from actors.spec.user_functions import functions_resolved, is_file_reference, split_reference
+from orchestrator.jobs_file import FILE_LIMITS, SpecError, function_load_problems, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
 from policies.sweep.searchers import BUILT_IN, build_searcher
 
@@ -80,11 +74,10 @@ def _check_functions(spec: SweepSpec, source: str, lines: dict) -> None:
     objective is the job's eval_generate (SweepSpec): named as the objective."""
     objective = not isinstance(spec.objective, str)
     problems = []
-    for field, reference in spec.job.user_functions():
-        name = "objective.metric" if objective and field == "eval_generate.metric" else f"job.{field}"
-        try:
-            load_user_function(reference, name)
-        except UserFunctionError as error:
+    named = [("objective.metric" if objective and field == "eval_generate.metric" else f"job.{field}", reference)
+             for field, reference in spec.job.user_functions()]
+    for (name, _), error in zip(named, function_load_problems(named), strict=True):
+        if error is not None:
             line = _line_of(name, lines)
             problems.append(f"{source}:{line}: {error}" if line else f"{source}: {error}")
     if problems:

@@ -17,9 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-Form = Literal["batch", "rows"]
+Form = Literal["batch", "rows", "load"]
 """How the function is called (the worker's docstring): "batch", once on all the arguments (a reward); "rows", once
-a row (a metric)."""
+a row (a metric); "load", not at all: only loaded (a jobs file's check)."""
+
+LOAD_TIMEOUT_S = 60.0
+"""How long a function's module may take to import when a jobs or sweep file is checked (a heavy import, e.g.
+transformers, takes seconds on a slow machine; one that hangs must not hang the command or the service)."""
 
 
 @dataclass
@@ -31,6 +35,7 @@ class CallFailed(Exception):
     kind: str
     message: str
     row: int | None = None
+    exit_code: int | None = None   # "ended": the process's
 
     def __str__(self) -> str:
         return self.message
@@ -64,7 +69,7 @@ class FunctionWorker:
                 code = process.wait()
                 self._stop()
                 raise CallFailed("ended", f"its process ended (exit code {code}; it exited or crashed, its output is "
-                                          "in the trainer's log)")
+                                          "in the trainer's log)", exit_code=code)
         answer = json.loads(line)
         if "values" in answer:
             return answer["values"]
@@ -112,3 +117,30 @@ class FunctionWorker:
 
 
 _LATE = object()
+
+
+def load_problems(references: list[tuple[str, str]], timeout_s: float | None = None) -> list[str | None]:
+    """Per (field, reference), why the function cannot be loaded (None: it loads): each loaded in a worker process,
+    not the caller's, so that a module that hangs as it is imported, exits or crashes the interpreter is refused
+    with what happened instead of stopping `aspen run` or the service that reads the file. One worker for all,
+    closed at the end. `timeout_s`: each function's (default LOAD_TIMEOUT_S)."""
+    timeout_s = LOAD_TIMEOUT_S if timeout_s is None else timeout_s
+    worker = FunctionWorker()
+    problems: list[str | None] = []
+    try:
+        for field, reference in references:
+            try:
+                worker.call(reference, field, "load", [], timeout_s)
+                problems.append(None)
+            except CallFailed as failed:
+                if failed.kind == "load":
+                    problems.append(failed.message)
+                elif failed.kind == "timeout":
+                    problems.append(f"{field} '{reference}' did not load within {timeout_s:g} s (does its module "
+                                    "wait for something as it is imported?) and was stopped")
+                else:
+                    problems.append(f"{field} '{reference}': importing it ended the process (exit code "
+                                    f"{failed.exit_code}: its module exits or crashes the interpreter as it runs)")
+    finally:
+        worker.close()
+    return problems

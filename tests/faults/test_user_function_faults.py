@@ -154,3 +154,37 @@ def test_a_metric_that_returns_a_word_is_named_with_its_row():
     assert str(caught.value) == ("eval_generate metric 'tests.helpers.metrics:says' failed on eval row 1 (prediction "
                                  "'b'): could not convert string to float: 'yes'; it must return a number for any text")
     worker.close()
+
+
+def test_a_jobs_file_whose_reward_module_hangs_or_exits_as_it_is_imported_is_refused_at_its_line(tmp_path,
+                                                                                                monkeypatch):
+    """A reward named by its file is loaded when the jobs file is read, in a process of its own: one whose import
+    never ends is stopped after the load deadline (here 2 s) and refused at its line, saying so; one that exits the
+    interpreter is refused with its exit code; the command reading the file goes on either way (this process)."""
+    import yaml
+
+    from actors.engine import user_calls
+    from orchestrator.jobs_file import SpecError, load_run_spec
+    from tests.helpers.service import job_dict, write_task_data
+
+    monkeypatch.setattr(user_calls, "LOAD_TIMEOUT_S", 2.0)
+    data = write_task_data(tmp_path / "data", "arith")
+    (tmp_path / "waits.py").write_text("import time\ntime.sleep(3600)\n\ndef reward(p, c, r):\n    return [0.0]\n")
+    (tmp_path / "exits.py").write_text("import os\nos._exit(7)\n")
+    (tmp_path / "fine.py").write_text("print('imported')\n\ndef reward(p, c, r):\n    return [1.0] * len(c)\n")
+    job = job_dict("grpo", data, 3, method="grpo", batch_size=2,
+                   grpo={"reward": ["fine.py:reward", "waits.py:reward", "exits.py:reward"], "num_generations": 3})
+    text = yaml.safe_dump({"base_model": "smollm2-135m", "jobs": [job]}, default_flow_style=False)
+    (tmp_path / "jobs.yaml").write_text(text)
+    started = time.monotonic()
+    with pytest.raises(SpecError) as refused:
+        load_run_spec(tmp_path / "jobs.yaml")
+    assert time.monotonic() - started < 30
+    lines = {row.strip(): n for n, row in enumerate(text.splitlines(), 1)}
+    assert str(refused.value).splitlines() == [
+        f"{tmp_path / 'jobs.yaml'}:{lines['- waits.py:reward']}: job 'grpo' (jobs[0]), field grpo.reward.1: "
+        f"'{tmp_path / 'waits.py'}:reward' did not load within 2 s (does its module wait for something as it is "
+        "imported?) and was stopped",
+        f"{tmp_path / 'jobs.yaml'}:{lines['- exits.py:reward']}: job 'grpo' (jobs[0]), field grpo.reward.2: "
+        f"'{tmp_path / 'exits.py'}:reward': importing it ended the process (exit code 7: its module exits or crashes "
+        "the interpreter as it runs)"]

@@ -139,6 +139,10 @@ class RunningJobMetrics:
         self.speed = Gauge("aspen_job_tokens_per_second", "The running job's tokens per second over its "
                            "last optimizer step", ["job_id"], registry=r)
         self.step = Gauge("aspen_job_step", "The running job's optimizer step", ["job_id"], registry=r)
+        self.reward = Gauge("aspen_job_reward", "The running grpo job's mean reward over its last optimizer step's "
+                            "completions", ["job_id"], registry=r)
+        self.reward_margin = Gauge("aspen_job_reward_margin", "The running dpo / orpo / cpo job's mean reward margin "
+                                   "(chosen over rejected) in its last optimizer step", ["job_id"], registry=r)
 
     def tick(self, jobs: list[JobRecord]) -> None:
         running = {record.id for record in jobs if record.state == "running"}
@@ -163,6 +167,10 @@ class RunningJobMetrics:
                 self.loss.labels(record.id).set(record.loss)
             if record.tokens_per_s is not None:
                 self.speed.labels(record.id).set(record.tokens_per_s)
+            if record.reward is not None:
+                self.reward.labels(record.id).set(record.reward)
+            if record.reward_margin is not None:
+                self.reward_margin.labels(record.id).set(record.reward_margin)
 
     def drop(self, job_id: str) -> None:
         with self.lock:
@@ -170,7 +178,7 @@ class RunningJobMetrics:
                 return
             self.series.discard(job_id)
             self.tokens_seen.pop(job_id, None)
-            for metric in (self.loss, self.tokens, self.speed, self.step):
+            for metric in (self.loss, self.tokens, self.speed, self.step, self.reward, self.reward_margin):
                 metric.remove(job_id)   # a no-op for a series never set (e.g. no loss yet)
 
 

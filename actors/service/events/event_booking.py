@@ -82,7 +82,8 @@ class EventBooking:
         data = event.data
         self.table.progress.add(record.id, data)
         self.table.update(record.id, step=event.step, loss=data.get("loss"), tokens=record.tokens + data["tokens"],
-                          tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"))
+                          tokens_per_s=data.get("tokens_per_s"), total_steps=data.get("total_steps"),
+                          **_objective(data))
 
     def _reported_late(self, record: JobRecord, event: TrainerEvent) -> None:
         """Work done before a completed job's end and reported after it: an interactive job is completed by its
@@ -123,7 +124,8 @@ class EventBooking:
             for step, score in data.get("scores", []):
                 self.table.progress.add_eval(job_id, step, None, score)
             last = data["history"][-1] if data.get("history") else {}
-            columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed}
+            columns = {"tokens": data.get("tokens", 0), "loss": last.get("loss"), "checkpoint_step": resumed,
+                       **_objective(last)}
             if data.get("scores"):
                 columns["eval_score"] = data["scores"][-1][1]
         reason = f"training on {trainer_id}" + (f", resumed from step {resumed}" if resumed else "")
@@ -195,3 +197,9 @@ class EventBooking:
 def _score(data: dict) -> dict[str, float]:
     """An evaluation's eval_generate score as the job's column, where it has one."""
     return {"eval_score": data["eval_score"]} if data.get("eval_score") is not None else {}
+
+
+def _objective(row: dict) -> dict[str, float]:
+    """A step row's method metrics the job's record keeps (JobRecord.reward / reward_margin), where it has them."""
+    found = {"reward": row.get("reward"), "reward_margin": row.get("rewards/margins")}
+    return {key: value for key, value in found.items() if value is not None}

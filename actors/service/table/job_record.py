@@ -47,6 +47,8 @@ class JobRecord:
     updated_at: float
     user: str | None = None     # who submitted it (the HTTP API's user; None: an operator through Ray)
     eval_score: float | None = None   # the last evaluation's eval_generate score, where the job has a metric
+    reward: float | None = None   # a grpo job's mean reward over its last optimizer step's completions
+    reward_margin: float | None = None   # a dpo / orpo / cpo job's last step's mean rewards/margins (TRL's)
 
     @property
     def finished(self) -> bool:

@@ -23,6 +23,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     loss REAL,
     eval_loss REAL,
     eval_score REAL,
+    reward REAL,
+    reward_margin REAL,
     tokens_per_s REAL,
     checkpoint_step INTEGER,
     adapter_dir TEXT,
@@ -52,7 +54,7 @@ ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
                  ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
                  ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
                  ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"), ("jobs", "eval_score", "REAL"),
-                 ("progress", "metrics", "TEXT"))
+                 ("progress", "metrics", "TEXT"), ("jobs", "reward", "REAL"), ("jobs", "reward_margin", "REAL"))
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 

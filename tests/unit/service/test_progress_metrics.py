@@ -6,6 +6,7 @@ gains the column, and one opened read-only without it reads as before."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sqlite3
 
 import pytest
@@ -66,3 +67,59 @@ def test_aspen_losses_shows_a_grpo_jobs_reward_and_a_preference_jobs_margin(monk
     header = lines[0].split()
     assert header[:5] == ["step", "loss", "eval", "loss", title] and "eval score" not in lines[0]
     assert [line.split()[3] for line in lines[1:]] == ["0.2500", "0.5000"]
+
+
+def test_a_jobs_record_and_its_prometheus_series_carry_its_last_steps_reward_or_margin(tmp_path, tiny_base,
+                                                                                      tiny_model_dirs):
+    """A grpo job and a dpo job through a trainer loop, their events booked into a scheduler's job table as the
+    scheduler books them: each record holds its last optimizer step's reward (grpo) or rewards/margins (dpo), as
+    its metrics.jsonl's last row has it, and the metrics endpoint's running-job series show them
+    (`aspen_job_reward`, `aspen_job_reward_margin`) until the job leaves `running`."""
+    import json
+
+    from actors.service.scheduler.config import MetricsConfig, TrainerConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.trainer.trainer_loop import TrainerLoop
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.metrics import MetricsListener
+    from policies.fifo import FifoPolicy
+    from tests.helpers.pairs import ROWS
+    from tests.helpers.service import job_dict, write_task_data
+    from tests.helpers.trainer import assignment_for, run_until_idle
+
+    state = tmp_path / "state"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
+    base_model = str(tiny_model_dirs["llama"])
+    jobs = [job_dict("grpo", write_task_data(tmp_path / "data", "arith"), 2, method="grpo", batch_size=2,
+                     grpo={"reward": "contains", "num_generations": 3, "max_new_tokens": 4}),
+            job_dict("dpo", pairs, 2, method="dpo", batch_size=2, format={"type": "preference"})]
+    core = SchedulerCore(JobTable(state / "jobs.sqlite"), FifoPolicy(), state)
+    submissions = [JobSubmission(job=job, base_model=base_model, output_dir=str(tmp_path / "out" / job["name"]))
+                   for job in jobs]
+    records = [core.submit(submission) for submission in submissions]
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=base_model, step_tokens=2048), "trainer-t", state)
+    for record, submission in zip(records, submissions, strict=True):
+        loop.assign(assignment_for(submission, record.id, tiny_base.tokenizer))
+    events = run_until_idle(loop)
+    loop.close()
+    with core.table.transaction():
+        for event in events:
+            core.booking.apply_event("trainer-t", event)
+    grpo, dpo = (core.table.get(record.id) for record in records)
+    last = {name: json.loads((tmp_path / "out" / name / "metrics.jsonl").read_text().splitlines()[-1])
+            for name in ("grpo", "dpo")}
+    assert grpo.reward == last["grpo"]["reward"] and grpo.reward_margin is None
+    assert dpo.reward_margin == last["dpo"]["rewards/margins"] and dpo.reward is None
+    assert dpo.reward_margin != 0.0   # the adapters moved the margin off zero: a value was carried
+
+    listener = MetricsListener(MetricsConfig(), serve=False)
+    running = [dataclasses.replace(record, state="running") for record in (grpo, dpo)]
+    listener.tick(running, {}, [])
+    registry = listener.registry
+    assert registry.get_sample_value("aspen_job_reward", {"job_id": grpo.id}) == grpo.reward
+    assert registry.get_sample_value("aspen_job_reward_margin", {"job_id": dpo.id}) == dpo.reward_margin
+    assert registry.get_sample_value("aspen_job_reward", {"job_id": dpo.id}) is None   # a dpo job has no reward
+    listener.tick([grpo, dpo], {}, [])   # completed: their series go
+    assert registry.get_sample_value("aspen_job_reward", {"job_id": grpo.id}) is None
+    assert registry.get_sample_value("aspen_job_reward_margin", {"job_id": dpo.id}) is None

@@ -255,12 +255,14 @@ def _clip_ratios(ratio: torch.Tensor, advantage: torch.Tensor, low: float, high:
 
 
 @torch.no_grad()
-def reference_token_log_probs(base: BaseModel, micro_batch: JobMicroBatch, temperature: float, chunk: int
-                              ) -> torch.Tensor:
-    """The base's (no adapter) log-probabilities of a GRPO micro-batch's completion tokens, in the order of
-    its targets (a no-grad forward of its sequences alone: the KL term's reference)."""
+def reference_token_log_probs(base: BaseModel, micro_batch: JobMicroBatch, temperature: float, chunk: int,
+                              reference_adapter: str | None = None) -> torch.Tensor:
+    """The reference's log-probabilities of a GRPO micro-batch's completion tokens, in the order of its targets (a
+    no-grad forward of its sequences alone: the KL term's reference): the base's, no adapter, or those of the job's
+    frozen `reference_adapter` (its init_adapter) where it has one."""
     batch = pack([micro_batch], "packed", base.pad_token_id).to(base.device)
-    with step_layout(reference_layout(batch)):
+    adapters = {micro_batch.job: reference_adapter} if reference_adapter is not None else None
+    with step_layout(reference_layout(batch, adapters)):
         hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                               attention_mask=None, use_cache=False).last_hidden_state[0]
     head = base.lm_head

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -99,18 +100,31 @@ def sequence_sums(values: torch.Tensor, targets: SequenceTargets, mask: torch.Te
         0, targets.sequence, values)
 
 
+REFERENCE_SUFFIX = "@reference"   # no job name holds '@' (JOB_NAME_PATTERN)
+
+
+def reference_adapter_name(job: str) -> str:
+    """The name of a job's frozen reference adapter (its init_adapter, where it is the job's reference) on the base."""
+    return job + REFERENCE_SUFFIX
+
+
 @torch.no_grad()
-def reference_layout(batch: FusedBatch) -> StepLayout:
-    """The batch's sequences with no adapter's segment: no LoRA layer adds anything (the base alone)."""
-    return StepLayout((), batch.layout.sequences, batch.layout.num_tokens)
+def reference_layout(batch: FusedBatch, adapters: Mapping[str, str] | None = None) -> StepLayout:
+    """The batch's sequences through the reference: a job's segment through its frozen reference adapter where
+    `adapters` names one (job -> adapter), else no adapter's segment (no LoRA layer adds anything: the base)."""
+    adapters = adapters or {}
+    segments = tuple((adapters[name], start, end) for name, start, end in batch.layout.segments if name in adapters)
+    return StepLayout(segments, batch.layout.sequences, batch.layout.num_tokens)
 
 
-def reference_log_probs(base: BaseModel, micro_batches: list[JobMicroBatch], chunk: int) -> list[torch.Tensor]:
+def reference_log_probs(base: BaseModel, micro_batches: list[JobMicroBatch], chunk: int,
+                        adapters: Mapping[str, str] | None = None) -> list[torch.Tensor]:
     """Per micro-batch (of preference pairs) its pairs' (chosen, rejected) summed completion log-probabilities
-    under the base alone: one no-grad forward of their sequences, packed, with no adapter in the layout (so
-    no LoRA layer adds anything) - the reference policy of DPO without a second copy of the model."""
+    under the reference: one no-grad forward of their sequences, packed, with no adapter in the layout (so
+    no LoRA layer adds anything) - the reference policy of DPO without a second copy of the model - or, for a
+    job in `adapters`, its frozen reference adapter (`reference_layout`)."""
     batch = pack(micro_batches, "packed", base.pad_token_id).to(base.device)
-    with step_layout(reference_layout(batch)):
+    with step_layout(reference_layout(batch, adapters)):
         hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                               attention_mask=None, use_cache=False).last_hidden_state[0]
     return reference_sums(base, batch, micro_batches, hidden, chunk)
@@ -154,12 +168,13 @@ class ReferenceCache:
         return digest.digest()
 
     @staticmethod
-    def lookup(base: BaseModel, micro_batches: list[JobMicroBatch], caches: list[ReferenceCache], chunk: int
-               ) -> list[torch.Tensor]:
+    def lookup(base: BaseModel, micro_batches: list[JobMicroBatch], caches: list[ReferenceCache], chunk: int,
+               adapters: Mapping[str, str] | None = None) -> list[torch.Tensor]:
         """`reference_log_probs` of the micro-batches (each with its job's cache), computing only the pairs
-        its cache does not hold (all jobs' in one forward) and keeping them."""
+        its cache does not hold (all jobs' in one forward) and keeping them. `adapters`: the jobs' frozen
+        reference adapters, where they have one (constant too: the cache holds)."""
         keys, todo = ReferenceCache.missing(micro_batches, caches)
-        computed = reference_log_probs(base, [mb for _, _, mb in todo], chunk) if todo else []
+        computed = reference_log_probs(base, [mb for _, _, mb in todo], chunk, adapters) if todo else []
         fresh = ReferenceCache.store(todo, computed, caches)
         return ReferenceCache.assemble(keys, caches, fresh, base.device)
 
@@ -301,16 +316,18 @@ def job_outcome(method: str, beta: float, log_probs: torch.Tensor, targets: Sequ
 @torch.no_grad()
 def evaluate_preference(base: BaseModel, adapter: str, method: str, beta: float, examples: list[PreferencePair],
                         batch_size: int, chunk: int, cache: ReferenceCache | None = None, *,
-                        cpo_alpha: float = 1.0) -> float:
+                        cpo_alpha: float = 1.0, reference_adapter: str | None = None) -> float:
     """A preference job's eval loss: its objective's mean over the pairs `examples` (ORPO's NLL per batch
-    of `batch_size` pairs), the adapter in evaluation mode (the caller's); DPO's references through `cache`."""
+    of `batch_size` pairs), the adapter in evaluation mode (the caller's); DPO's references through `cache`
+    (`reference_adapter`: the job's frozen reference adapter, where it has one)."""
+    adapters = {adapter: reference_adapter} if reference_adapter is not None else None
     loss_sum, pairs = 0.0, 0
     for start in range(0, len(examples), batch_size):
         micro_batch = JobMicroBatch(adapter, examples[start:start + batch_size])
         reference = None
         if method == "dpo":
             reference = ReferenceCache.lookup(base, [micro_batch], [cache if cache is not None else ReferenceCache(0)],
-                                              chunk)[0]
+                                              chunk, adapters)[0]
         batch = pack([micro_batch], "packed", base.pad_token_id).to(base.device)
         with step_layout(batch.layout):
             hidden = base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],

@@ -6,8 +6,9 @@ over its own target tokens (LM head only at target positions, in chunks), sums t
 one backward, and steps the optimizers of the jobs whose accumulation is complete (together:
 `joint_steps.step_jobs`). Preference jobs (method dpo / orpo) share the step: their pairs' sequences are
 packed beside the others' and their losses are functions of per-sequence log-probabilities
-(actors/engine/preference.py); a DPO job's reference is the base without adapter, from a no-grad forward
-of its new pairs before the step's forward (cached per pair). GRPO jobs' prompts become sampled, scored
+(actors/engine/preference.py); a DPO job's reference is the base without adapter (or its init_adapter, frozen:
+actors/engine/job_references.py), from a no-grad forward of its new pairs before the step's forward (cached per
+pair). GRPO jobs' prompts become sampled, scored
 completions before the step (`rollouts`: actors/engine/grpo.py) and train beside the others. Interactive models'
 forward_backward calls (the Tinker API's) may share it too: their datums after the jobs' tokens, their losses
 added before the backward (actors/engine/interactive_step.py).
@@ -24,13 +25,14 @@ from collections.abc import Callable
 import torch
 
 from actors.data import Example
-from actors.engine.adapter_surgery import remove_adapter, set_adapters_training
+from actors.engine.adapter_surgery import AdapterHandle, remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, check_compile
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
 from actors.engine.grpo import SAMPLING_SIZES, reference_token_log_probs, rollout_seed, rollouts, sampling_bytes
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.interactive_step import FusedCalls, call_losses, with_calls
 from actors.engine.job import BatchSource, TrainingJob
+from actors.engine.job_references import JobReferences
 from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
@@ -82,7 +84,7 @@ class FusedTrainer:
         self.step_count = 0
         self.composition = StepComposition(self.jobs, composer, layout=layout, bucketed=compile != "none")
         self.meter = StepMemoryMeter(base.model, base.device)
-        self.reference_caches: dict[str, ReferenceCache] = {}   # DPO jobs' reference log-probabilities
+        self.references = JobReferences(base)   # DPO jobs' reference caches; init_adapters that are a reference
         self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
         # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
         self.batches = StepBatches(base, layout, bucketed=compile != "none", ahead=base.device.type == "cuda")
@@ -142,15 +144,22 @@ class FusedTrainer:
     def discard(self, name: str) -> None:
         """Take a job that could not start (attached, perhaps not added) off the base."""
         self.jobs.pop(name, None)
+        self.references.drop(name)
         remove_adapter(self.base.model, name)
 
     def remove_job(self, name: str) -> TrainingJob:
         job = self.jobs.pop(name)
         self.composition.forget(name)
-        self.reference_caches.pop(name, None)
+        self.references.drop(name)
         remove_adapter(self.base.model, name)
         self.meter.refresh_weights()
         return job
+
+    def hold_reference(self, job: TrainingJob, load: Callable[[AdapterHandle], object]) -> None:
+        """The job's reference model is a frozen adapter of its shape whose weights `load` gives (its init_adapter:
+        `JobSpec.reference_adapter`), held until the job leaves (actors/engine/job_references.py)."""
+        self.references.hold(job.spec, job.seed, load)
+        self.meter.refresh_weights()
 
     @property
     def active_jobs(self) -> list[TrainingJob]:
@@ -322,13 +331,14 @@ class FusedTrainer:
         sequences with no adapter (`preference.reference_log_probs`) for the pairs not yet in the job's
         `ReferenceCache`; and the GRPO jobs' with beta > 0 (per completion token, a no-grad forward each)."""
         references = {index: reference_token_log_probs(self.base, micro_batches[index], job.spec.grpo.temperature,
-                                                       self.loss_chunk)
+                                                       self.loss_chunk, self.references.name_of(job.name))
                       for index, (job, _) in enumerate(chosen) if job.spec.grpo is not None and job.spec.grpo.beta}
         dpo = [index for index, (job, _) in enumerate(chosen) if job.spec.method == "dpo"]
         if not dpo:
             return references
-        caches = [self.reference_caches.setdefault(chosen[index][0].name, ReferenceCache()) for index in dpo]
-        sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk)
+        caches = [self.references.cache(chosen[index][0].name) for index in dpo]
+        sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk,
+                                     self.references.names(chosen[index][0].name for index in dpo))
         return references | dict(zip(dpo, sums, strict=True))
 
     # -- evaluation -------------------------------------------------------------------------------
@@ -344,8 +354,9 @@ class FusedTrainer:
             if job.spec.method in PREFERENCE_METHODS:   # the mean of its preference loss over the eval pairs
                 return evaluate_preference(self.base, job.name, job.spec.method, job.spec.preference.beta,
                                            examples, batch_size, self.loss_chunk,
-                                           self.reference_caches.setdefault(job.name, ReferenceCache()),
-                                           cpo_alpha=job.spec.preference.cpo_alpha)
+                                           self.references.cache(job.name),
+                                           cpo_alpha=job.spec.preference.cpo_alpha,
+                                           reference_adapter=self.references.name_of(job.name))
             return self._evaluate_loss(job, examples, batch_size)
         finally:
             set_adapters_training(self.base.model, True)

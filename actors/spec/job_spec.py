@@ -88,12 +88,12 @@ class JobSpec(StrictModel):
                                                               "(default: the run's `tracking`)")
     method: Literal["sft", "dpo", "orpo", "cpo", "grpo", "interactive"] = Field(
         "sft", description="sft: learn the targets; dpo (Direct Preference Optimization; its reference is the "
-                           "base, the adapter off), orpo (odds-ratio preference optimization) or cpo (Contrastive "
-                           "Preference Optimization, no reference): learn from preference pairs (format type "
-                           "preference); grpo (Group Relative Policy Optimization): learn from the rewards of "
-                           "completions the adapter samples for each row's prompt (`grpo`); interactive: a model of "
-                           "the Tinker API (docs/tinker.md), trained by its user's own loop, a step at a time: "
-                           "created by the API, never submitted")
+                           "base, the adapter off, or the init_adapter it starts from), orpo (odds-ratio preference "
+                           "optimization) or cpo (Contrastive Preference Optimization, no reference): learn from "
+                           "preference pairs (format type preference); grpo (Group Relative Policy Optimization): "
+                           "learn from the rewards of completions the adapter samples for each row's prompt (`grpo`); "
+                           "interactive: a model of the Tinker API (docs/tinker.md), trained by its user's own loop, a "
+                           "step at a time: created by the API, never submitted")
     preference: PreferenceConfig = Field(PreferenceConfig(), description="the dpo / orpo / cpo objective")
     grpo: GrpoConfig | None = Field(None, description="the grpo objective: its reward and sampling (method grpo)")
 
@@ -205,6 +205,15 @@ class JobSpec(StrictModel):
         if self.grpo is not None:
             return self.grpo.num_generations
         return 2 if self.method in PREFERENCE_METHODS else 1
+
+    @property
+    def reference_adapter(self) -> bool:
+        """Whether the job's reference model is its starting adapter, `init_adapter`, held frozen beside it: a dpo
+        job, or a grpo job with a KL term (beta > 0), that starts from a saved adapter (TRL's trainers take such a
+        PEFT model's reference as a frozen copy of its adapter, "ref"). Other jobs' reference is the base with the
+        adapter off, which is what a new adapter starts as."""
+        return self.init_adapter is not None and (
+            self.method == "dpo" or (self.grpo is not None and self.grpo.beta > 0))
 
     def user_functions(self) -> list[tuple[str, str]]:
         """The functions of the user's that the job calls (actors/spec/user_functions.py), each as (its field, its

@@ -17,10 +17,10 @@ class PreferenceConfig(StrictModel):
     CPOConfig)."""
 
     beta: Annotated[float, Bounds(0, 1000, low_open=True)] = Field(
-        0.1, description="DPO: the temperature of the sigmoid loss (how far the adapter may move from the base, "
-                         "its reference); ORPO: the weight (lambda) of the odds-ratio term beside the chosen "
-                         "completion's language-modelling loss; CPO: the temperature of its sigmoid loss on the "
-                         "completions' log-probability margin")
+        0.1, description="DPO: the temperature of the sigmoid loss (how far the adapter may move from its "
+                         "reference: the base, or the job's init_adapter); ORPO: the weight (lambda) of the odds-ratio "
+                         "term beside the chosen completion's language-modelling loss; CPO: the temperature of its "
+                         "sigmoid loss on the completions' log-probability margin")
     cpo_alpha: Annotated[float, Bounds(0, 1000)] = Field(
         1.0, description="CPO only: the weight of the chosen sequence's language-modelling (NLL) term (TRL's "
                          "cpo_alpha; 0 leaves the preference term alone)")
@@ -64,7 +64,8 @@ class GrpoConfig(StrictModel):
     min_p: Annotated[float, Bounds(0, 1)] = Field(
         0.0, description="then among the tokens at least min_p times as likely as the likeliest (0: all)")
     beta: Annotated[float, Bounds(0, 1000)] = Field(
-        0.0, description="weight of the KL term to the base with the adapter off (TRL's default 0: none)")
+        0.0, description="weight of the KL term to the reference: the base with the adapter off, or the job's "
+                         "init_adapter (TRL's default 0: none)")
     epsilon: Annotated[float, Bounds(0, 10)] = Field(
         0.2, description="the ratio's clipping range: below 1 - epsilon (and above 1 + epsilon_high) a completion "
                          "token's ratio to its generation's probability stops its gradient")

@@ -117,6 +117,10 @@ class PipelineEngine:
         if spec.method == "grpo":
             raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
                              "pipeline trainer yet; run the job on a single-device trainer")
+        if spec.reference_adapter:
+            raise ValueError(f"job '{spec.name}': a reference model other than the base (its init_adapter, with method "
+                             f"{spec.method}) is not available on a pipeline trainer yet; run the job on a "
+                             "single-device trainer")
         if spec.lora.kind == "vera":
             raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
                              "stages would each hold a share of the shared projections); run the job on a "
@@ -136,6 +140,12 @@ class PipelineEngine:
         job.head = self.head.jobs[job.name]
         job.head.step_limit = 0
         job.stale = True
+
+    def hold_reference(self, job: PipelineJob, load: object) -> None:
+        """A reference adapter (a job's init_adapter as its reference) is not held by pipeline stages yet: `attach`
+        refuses such a job first."""
+        raise ValueError(f"job '{job.name}': a reference model other than the base is not available on a pipeline "
+                         "trainer yet; run the job on a single-device trainer")
 
     def add_job(self, job: PipelineJob) -> None:
         if job.name in self.jobs:

@@ -11,12 +11,13 @@ from policies.adapter_memory import adapter_memory_bytes
 from policies.base import TrainerView
 
 
-def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView) -> int:
-    """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have)."""
+def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView, *, reference: bool = False) -> int:
+    """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have); `reference`:
+    with the frozen copy that is its reference model (`JobSpec.reference_adapter`)."""
     shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
     return adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
                                 frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
-                                vera=lora.kind == "vera")
+                                vera=lora.kind == "vera", frozen_copy=reference)
 
 
 def trainer_view(status: TrainerStatus) -> TrainerView:

@@ -76,6 +76,9 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
             started = start_from_adapter(job.adapter, spec.init_adapter)
             trainer.restored(job)
             note = "; ".join(part for part in (note, started) if part)
+        if spec.reference_adapter:   # its reference model: the saved adapter, frozen (resumed or not)
+            trainer.hold_reference(job, lambda handle: start_from_adapter(handle, spec.init_adapter))
+            note = "; ".join(part for part in (note, f"its reference is {spec.init_adapter}") if part)
         try:
             files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores), job.step)
         except OSError as error:

@@ -289,7 +289,7 @@ def test_dpo_references_are_computed_once_per_pair_and_reused():
         trainer = FusedTrainer(base)
         job = TrainingJob.create(_dpo_spec(grad_accum=1, max_steps=4), base, pairs, [], seed=0)
         trainer.add_job(job)
-        trainer.reference_caches[job.name] = ReferenceCache(limit)
+        trainer.references.caches[job.name] = ReferenceCache(limit)
         while not job.done:
             trainer.train_step()
         trainer.remove_job(job.name)

@@ -122,3 +122,58 @@ def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_tha
                                               r"lora.r: 8"):
         submit("wider", adapter(tmp_path / "data" / "wider", r=8))
     assert submit("operator", elsewhere, user=None).state == "queued"   # an operator's: no data roots configured
+
+
+def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(tmp_path, tiny_base,
+                                                                               tiny_model_dirs):
+    """Through the trainer loop: a dpo job starting from a saved adapter holds a frozen copy of it as its reference
+    (said in its start note) and takes it off the base when it leaves; resumed, it holds it again, so it needs the
+    adapter at every start: gone, the job fails saying which file, and the trainer goes on."""
+    from actors.engine.adapter_surgery import fused_layers
+    from tests.helpers.pairs import ROWS
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
+    first = job_dict("first", write_task_data(tmp_path / "data", "first"), 3, lr=1e-2)
+    train_locally(run_spec(str(tiny_model_dirs["llama"]), tmp_path / "before", [first]), base=tiny_base,
+                  progress=False)
+    saved = tmp_path / "saved"
+    shutil.copytree(tmp_path / "before" / "first", saved)
+    dpo = job_dict("dpo", pairs, 6, method="dpo", batch_size=2, format={"type": "preference"}, checkpoint_every=2,
+                   init_adapter=str(saved))
+    (submission,) = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [dpo]).submissions()
+    config = TrainerConfig(base_model=submission.base_model)
+
+    def references() -> list[str]:
+        return sorted({name for layer in fused_layers(tiny_base.model) for name in layer.adapters
+                       if name.endswith("@reference")})
+
+    loop = TrainerLoop(tiny_base, config, "trainer-t", tmp_path / "state")
+    loop.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
+    events = []
+    for _ in range(3):
+        loop.run_once(idle_wait=0)
+        events += loop.drain_events()
+    started = next(e for e in events if e.kind == "started")
+    assert started.data["checkpoint_note"] == f"its adapter started from {saved}; its reference is {saved}"
+    assert references() == ["dpo-1@reference"]
+    loop.stop_job("dpo-1", "paused", "test")
+    events = run_until_idle(loop)
+    assert any(e.kind == "paused" for e in events) and references() == []
+
+    again = TrainerLoop(tiny_base, config, "trainer-u", tmp_path / "state")
+    again.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
+    for _ in range(2):
+        again.run_once(idle_wait=0)
+    assert references() == ["dpo-1@reference"]   # resumed from its checkpoint: the reference held again
+    again.stop_job("dpo-1", "paused", "test")
+    run_until_idle(again)
+    shutil.rmtree(saved)
+    last = TrainerLoop(tiny_base, config, "trainer-v", tmp_path / "state")
+    last.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
+    events = run_until_idle(last)
+    failed = next(e for e in events if e.job_id == "dpo-1")
+    assert failed.kind == "failed" and failed.data["reason"].startswith(
+        f"could not start: init_adapter: {saved / 'adapter_config.json'} does not exist")
+    assert references() == [] and "dpo-1" not in {name for layer in fused_layers(tiny_base.model)
+                                                   for name in layer.adapters}

@@ -6,6 +6,7 @@ beside others trains exactly as alone, and its reference leaves the base with it
 
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import PeftModel
 
@@ -131,10 +132,18 @@ def test_the_grpo_kl_reference_is_peft_through_the_saved_adapter(tmp_path):
     assert max(abs(a - b) for a, b in zip(expected, plain, strict=True)) > 100 * bound, "the adapter did nothing"
 
 
-def test_a_job_with_a_reference_adapter_trains_fused_exactly_as_alone(tmp_path):
+@pytest.mark.parametrize("path", ["float32", "cuda-path-bfloat16-segments", "cuda-path-bfloat16-grouped_mm"])
+def test_a_job_with_a_reference_adapter_trains_fused_exactly_as_alone(tmp_path, monkeypatch, path):
     """A dpo job starting from a saved adapter (its reference) beside a dpo job on the base's reference and an
     sft job: after four fused steps each adapter equals the same job's alone, bit for bit (the reference pass
-    packs both dpo jobs' pairs, each through its own reference)."""
+    packs both dpo jobs' pairs, each through its own reference); on the CPU's float32 path, and on the CUDA path
+    run here in bfloat16 (the frozen copy's masters cast like a job's, in the reference passes only)."""
+    dtype = torch.float32
+    if path.startswith("cuda-path"):
+        from tests.helpers.cuda_path_runs import on_the_cuda_path
+
+        calls = on_the_cuda_path(monkeypatch, path.rsplit("-", 1)[1])
+        dtype = torch.bfloat16
     _saved_adapter(tmp_path / "sft", vocab=300)
     examples = random_examples(4, count=12, vocab=300)
     specs = {
@@ -149,7 +158,7 @@ def test_a_job_with_a_reference_adapter_trains_fused_exactly_as_alone(tmp_path):
     seeds = {"from-sft": 0, "fresh": 1, "sft": 2}
 
     def train(names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        base = from_module(tiny_model("llama", 300), None)
+        base = from_module(tiny_model("llama", 300).to(dtype), None)
         trainer = FusedTrainer(base)
         for name in names:
             job = TrainingJob.create(specs[name], base, data[name], [], seed=seeds[name])
@@ -169,6 +178,8 @@ def test_a_job_with_a_reference_adapter_trains_fused_exactly_as_alone(tmp_path):
         assert alone.keys() == fused[name].keys()
         for key, value in alone.items():
             assert torch.equal(fused[name][key], value), (name, key)
+    if path.startswith("cuda-path"):
+        assert calls.layers, "the CUDA path was not taken"
 
 
 def test_admission_counts_the_reference_adapters_bytes(tmp_path):

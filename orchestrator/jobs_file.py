@@ -12,10 +12,11 @@ from pydantic import ValidationError
 
 from actors.data.locations import hub_id_problem
 from actors.spec.field_types import PATTERN_WORDS
+from actors.spec.job_chains import chain_problem
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
 from actors.spec.run_spec import FOR_A_SERVICE, RunSpec
-from actors.spec.saved_adapter import AdapterFileError, check_adapter_config
+from actors.spec.saved_adapter import AdapterFileError, JobAdapter, check_adapter_config, is_job_adapter
 from actors.spec.user_functions import functions_resolved
 from actors.storage.storage_uri import is_uri
 from orchestrator.spec_text import TextLimits, TooComplex, compose_yaml, load_yaml
@@ -206,7 +207,8 @@ def _resolve_paths(data: dict, base_dir: Path, for_a_service: bool) -> None:
             if not path.is_absolute() and hub_id_problem(job["data"]) and not (base_dir / path).exists():
                 continue   # a hub id, refused by name when the files are checked
             job["data"] = tidy_path(path if path.is_absolute() else base_dir / path)
-        if isinstance(job, dict) and isinstance(job.get("init_adapter"), str) and not is_uri(job["init_adapter"]):
+        adapter = job.get("init_adapter") if isinstance(job, dict) else None
+        if isinstance(adapter, str) and not is_uri(adapter) and not is_job_adapter(adapter):
             path = Path(job["init_adapter"]).expanduser()
             job["init_adapter"] = tidy_path(path if path.is_absolute() else base_dir / path)
         for section, key in USER_FUNCTIONS:   # a function's file (file.py:function), as the data: from the file
@@ -231,6 +233,22 @@ def function_load_problems(references: list[tuple[str, str]]) -> list[str | None
     return load_problems(references)
 
 
+def adapter_problem(spec: RunSpec, index: int) -> str | None:
+    """Why job `index`'s init_adapter cannot be (None: it can): a folder whose config does not fit its lora (a
+    storage URI's is read when the job starts), or a `job:<name>` that names no other job of the file, is part of a
+    cycle, or ends with an adapter of another shape."""
+    job = spec.jobs[index]
+    if job.init_adapter is None or is_uri(job.init_adapter):
+        return None
+    if not isinstance(job.init_adapter, JobAdapter):
+        try:
+            check_adapter_config(job.init_adapter, job.lora)
+        except AdapterFileError as error:
+            return str(error)
+        return None
+    return chain_problem(job, {other.name: other for other in spec.jobs})
+
+
 def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
     missing = []
     for index, job in enumerate(spec.jobs):
@@ -239,13 +257,11 @@ def _check_files(spec: RunSpec, source: str, lines: dict[tuple, int]) -> None:
             prefix = f"{source}:{line}: " if line else f"{source}: "
             problem = hub_id_problem(str(job.data)) or f"file {job.data} does not exist"
             missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field data: {problem}")
-        if job.init_adapter is not None and not is_uri(job.init_adapter):   # a URI's is read when the job starts
-            try:
-                check_adapter_config(job.init_adapter, job.lora)
-            except AdapterFileError as error:
-                line = lines.get(("jobs", index, "init_adapter"))
-                prefix = f"{source}:{line}: " if line else f"{source}: "
-                missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {error}")
+        problem = adapter_problem(spec, index)
+        if problem is not None:
+            line = lines.get(("jobs", index, "init_adapter"))
+            prefix = f"{source}:{line}: " if line else f"{source}: "
+            missing.append(f"{prefix}job '{job.name}' (jobs[{index}]), field {problem}")
         functions = job.user_functions()   # a function of the user's loads now, not first on a trainer
         for (field, _), error in zip(functions, function_load_problems(functions), strict=True):
             if error is not None:

@@ -69,6 +69,8 @@ def differences(old: JobSubmission, new: JobSubmission) -> list[str]:
     for key in sorted(set(before) | set(after)):
         if any(key == safe or key.startswith(safe + ".") for safe in SAFE_TO_CHANGE):
             continue
+        if key == "job.init_adapter" and str(after.get(key) or "").startswith("job:"):
+            continue   # `job:<name>` is entered as that job's id, then its folder: that job's own changes show
         if before.get(key) != after.get(key):
             found.append(f"{key.removeprefix('job.')}: {before.get(key)!r} -> {after.get(key)!r}")
     return found

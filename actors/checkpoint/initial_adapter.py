@@ -20,6 +20,7 @@ from actors.engine.adapter_surgery import AdapterHandle
 from actors.spec.saved_adapter import (
     WEIGHTS_NAME,
     AdapterFileError,
+    JobAdapter,
     adapter_file,
     check_adapter_config,
     read_adapter_bytes,
@@ -78,6 +79,9 @@ def start_from_adapter(adapter: AdapterHandle, location: str | Path | StorageURI
     """Copy the saved adapter at `location` into `adapter` (attached, of the job's `lora`), after checking it;
     AdapterFileError (adapter untouched) when it cannot be read or does not fit. Returns a note for the job's
     record: where it started from."""
+    if isinstance(location, JobAdapter):   # the service replaces it by that job's folder before the job starts
+        raise AdapterFileError(f"init_adapter: {location} names a job whose adapter this one was started without; "
+                               "submit it again")
     check_adapter_config(location, adapter.config)
     where = adapter_file(location, WEIGHTS_NAME)
     tensors = read_adapter_tensors(location)

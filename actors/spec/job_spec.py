@@ -17,6 +17,7 @@ from actors.spec.evaluation_config import GENERATION_METRICS, EarlyStopConfig, G
 from actors.spec.field_types import JOB_NAME_PATTERN, Bounds, Location, Priority, Seed, StepCount, StrictModel
 from actors.spec.lora_config import LoraConfig
 from actors.spec.method_config import PREFERENCE_METHODS, REWARDS, GrpoConfig, PreferenceConfig
+from actors.spec.saved_adapter import AdapterSource
 from actors.spec.tracking_config import TrackingConfig
 from actors.storage.storage_uri import StorageURI
 
@@ -46,13 +47,15 @@ class JobSpec(StrictModel):
         1000, description="streaming: rows shuffled together (each window of this many rows is permuted with the "
                           "job's seed and epoch; at least the data's rows: the non-streaming order); 0: in order")
     lora: LoraConfig = Field(LoraConfig(), description="the adapter")
-    init_adapter: Location | None = Field(
+    init_adapter: AdapterSource | None = Field(
         None, description="start the adapter from saved weights instead of its initialisation (SFT, then DPO or "
-                          "GRPO from that adapter; continued training): a folder in PEFT's format "
-                          "(adapter_config.json + adapter_model.safetensors: PEFT's save_pretrained, an aspen job's "
-                          "adapter/ or checkpoint folder), a path or a storage URI; `lora` must agree with its config "
-                          "(kind, r, alpha, use_rslora, use_dora, the same modules); the optimizer and the schedule "
-                          "start afresh; a job resumed from a checkpoint of its own continues from that instead")
+                          "GRPO from that adapter, which is then their reference model; continued training): a "
+                          "folder in PEFT's format (adapter_config.json + adapter_model.safetensors: PEFT's "
+                          "save_pretrained, an aspen job's adapter/ or checkpoint folder), a path or a storage URI; or "
+                          "job:<name>, the adapter another job of the same jobs file ends with (this job starts once "
+                          "that one has); `lora` must agree with its config (kind, r, alpha, use_rslora, use_dora, the "
+                          "same modules); the optimizer and the schedule start afresh; a job resumed from a checkpoint "
+                          "of its own continues from that instead")
     batch_size: Annotated[int, Bounds(1, 65536)] = Field(
         4, description="sequences per micro-batch (preference pairs for dpo / orpo / cpo)")
     grad_accum: Annotated[int, Bounds(1, 65536)] = Field(1, description="micro-batches per optimizer step")

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 
 from actors.spec.lora_config import LoraConfig
 from actors.storage.storage_errors import StorageUnreachable
-from actors.storage.storage_uri import StorageURI, is_uri
+from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -33,6 +36,60 @@ EMPTY_WHEN_CONTINUED = {
     "trainable_token_indices": "trains rows of the embedding matrix, which aspen's shared base cannot",
 }
 """PEFT settings an adapter may hold only when empty (None, [] or {}), with why aspen cannot continue one."""
+
+
+JOB_PREFIX = "job:"
+
+
+class JobAdapter(str):
+    """`init_adapter: job:<name>`: the adapter another job of the same submission (a jobs file, a batch over HTTP)
+    ends with. The service enters it as `job:<that job's id>`, starts the job once that one has ended with an
+    adapter, and from then on holds that adapter's path in its place (actors/service/scheduler/chained_jobs.py)."""
+
+    @property
+    def job(self) -> str:
+        return self[len(JOB_PREFIX):]
+
+
+def _adapter_source(value: Any) -> Path | StorageURI | JobAdapter:
+    if isinstance(value, str) and value.startswith(JOB_PREFIX):
+        name = value[len(JOB_PREFIX):]
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$", name):
+            raise ValueError(f"{value!r}: job: names another job of the same submission (job:<its name>), e.g. "
+                             "job:sft")
+        return JobAdapter(value)
+    if not isinstance(value, (str, Path)):
+        raise ValueError(f"expected a path, a storage URI (s3://bucket/prefix) or job:<name>, not "
+                         f"{type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("expected a path, a storage URI (s3://bucket/prefix) or job:<name>, not an empty string")
+    return as_location(value)
+
+
+AdapterSource = Annotated[Path | StorageURI | JobAdapter, PlainValidator(_adapter_source),
+                          PlainSerializer(str, return_type=str),
+                          WithJsonSchema({"type": "string",
+                                          "description": "a path, a storage URI or job:<name of another job>"})]
+"""Where a job's starting adapter comes from: a folder (a path or a storage URI), or `job:<name>` (`JobAdapter`)."""
+
+
+def is_job_adapter(value: object) -> bool:
+    """`init_adapter` names another job's adapter (also as the text a jobs file holds before validation)."""
+    return isinstance(value, str) and value.startswith(JOB_PREFIX)
+
+
+def saved_form(lora: LoraConfig) -> dict[str, Any]:
+    """The adapter_config.json settings a job of this `lora` saves its adapter with (those `config_problems`
+    compares): a PiSSA / OLoRA adapter is saved as PEFT's conversion to a plain LoRA of twice the rank (alpha
+    doubled, times sqrt 2 with rsLoRA), as actors/checkpoint/peft_io.py writes it."""
+    if lora.kind == "vera":
+        return {"peft_type": "VERA", "r": lora.r, "projection_prng_key": lora.projection_prng_key,
+                "save_projection": lora.save_projection}
+    rank, alpha = lora.r, lora.alpha
+    if lora.init_lora_weights.startswith(("pissa", "olora")):
+        rank, alpha = 2 * rank, alpha * (2**0.5 if lora.use_rslora else 2)
+    return {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": lora.use_rslora,
+            "use_dora": lora.use_dora}
 
 
 class AdapterFileError(ValueError):

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from actors.spec.evaluation_config import GENERATION_METRICS, GenerationEval
 from actors.spec.field_types import JOB_NAME_PATTERN, USER_NAME_PATTERN, Bounds, Location, Seed, StrictModel
 from actors.spec.job_spec import JobSpec
+from actors.spec.saved_adapter import JobAdapter
 from actors.spec.trainer_settings import STEP_TOKENS_DESCRIPTION, StepTokensSetting
 from policies.sweep.search_space import Dimension, grid_trials, parse_space, random_trials
 from policies.sweep.searchers import BUILT_IN, TUNE_SEARCHERS, check_search
@@ -118,6 +119,9 @@ class SweepSpec(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> SweepSpec:
+        if isinstance(self.job.init_adapter, JobAdapter):
+            raise ValueError(f"job.init_adapter: {self.job.init_adapter} names another job, and a sweep's trials are "
+                             "its only jobs; give the folder of that job's adapter")
         space = parse_space(self.space)
         for path, dimension in space.items():
             _check_path(path)

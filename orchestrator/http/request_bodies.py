@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.run_spec import RunSpec
+from actors.spec.saved_adapter import is_job_adapter
 from actors.spec.trainer_settings import MAX_STEP_TOKENS
 from actors.storage.storage_uri import as_location, is_uri
 from orchestrator.jobs_file import SpecError, field_message, parse_run_spec
@@ -120,7 +121,7 @@ def _path_problems(data: dict, single_job: bool, output_root: str | None) -> lis
     for index, job in enumerate(jobs):
         for name in ("data", "init_adapter"):
             value = job.get(name) if isinstance(job, dict) else None
-            if (isinstance(value, str) and value.strip() and not is_uri(value)
+            if (isinstance(value, str) and value.strip() and not is_uri(value) and not is_job_adapter(value)
                     and not Path(value).expanduser().is_absolute()):
                 loc = [name] if single_job else ["jobs", index, name]
                 problems.append({"loc": loc, "field": ".".join(map(str, loc)), "type": "relative_path",

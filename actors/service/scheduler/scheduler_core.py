@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from actors.service.events.event_booking import EventBooking
+from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
@@ -40,6 +41,7 @@ from actors.service.table.job_record import unreported_resume_point
 from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
+from actors.spec.saved_adapter import JobAdapter
 from actors.storage.storage_uri import StorageURI
 from policies.base import (
     JobView,
@@ -208,6 +210,8 @@ class SchedulerCore:
             if record.state != "running" and self.is_interactive(record.id):
                 continue   # placed by its front (actors/service/scheduler/interactive_jobs.py), never by the policy
             self.scheduling.of(record.id).table_reason = record.reason
+            if record.state == "queued" and not self._may_start(record):
+                continue   # it waits for another job's adapter (actors/service/scheduler/chained_jobs.py)
             try:
                 view = self._job_view(record, views)
             except Exception as error:  # an estimator failing on one job parks that job alone
@@ -218,6 +222,23 @@ class SchedulerCore:
                 jobs.append(view)
         return Snapshot(time=time.time(), trainers=views, jobs=tuple(jobs), job_slots=dict(self.job_slots),
                         users=self.standing())
+
+    def _may_start(self, record: JobRecord) -> bool:
+        """Whether a queued job may be placed: not while the job whose adapter it starts from runs (its reason says
+        so); one whose source ended without an adapter fails."""
+        submission = self._submission(record.id)
+        if not isinstance(submission.job.init_adapter, JobAdapter):
+            return True
+        settled = settle(self.table, record, submission)
+        if settled.failed is not None:
+            self.table.set_state(record.id, "failed", f"could not start: {settled.failed}", trainer=None)
+            return False
+        if settled.waiting is not None:
+            if record.reason != settled.waiting:
+                self.table.set_reason(record.id, settled.waiting)
+            return False
+        self.scheduling.of(record.id).submission = settled.submission
+        return True
 
     def standing(self) -> dict[str | None, UserShare]:
         """Each user's share, trained tokens over the fair-share window and quotas (user_standing.py)."""

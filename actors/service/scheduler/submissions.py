@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from actors.service.accounts.users import User, UserBook, UserError
+from actors.service.scheduler.chained_jobs import chained
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.data_roots import Location, as_root, data_problem
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
@@ -19,7 +20,7 @@ from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec, step_limit_problem
 from actors.spec.job_submission import JobSubmission
-from actors.spec.saved_adapter import AdapterFileError, check_adapter_config
+from actors.spec.saved_adapter import AdapterFileError, JobAdapter, check_adapter_config
 from actors.spec.trainer_settings import step_tokens_floor
 from actors.spec.user_functions import allowed
 from actors.storage.storage_uri import StorageURI, as_location, is_uri
@@ -103,6 +104,9 @@ class Submissions:
             bad = [job_id for job_id in job_ids if not JOB_ID.match(job_id)]
             if bad:
                 raise SubmissionError(f"job ids {bad} are not letters, digits, '-' and '_' (at most 72)")
+        ids = job_ids if job_ids is not None else [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]
+        submissions, chain_problems = chained(submissions, ids, self._entered_job)
+        if job_ids is not None:
             existing = self._already_entered(submissions, job_ids)
             if existing is not None:
                 return existing
@@ -111,8 +115,10 @@ class Submissions:
         conflicts = 0   # problems that are collisions with jobs in the table (SubmissionConflict)
         for index, submission in enumerate(submissions):
             name = submission.job.name
-            job_id = job_ids[index] if job_ids is not None else f"{name[:56]}-{uuid.uuid4().hex[:6]}"
+            job_id = ids[index]
             try:
+                if chain_problems[index] is not None:
+                    raise SubmissionError(chain_problems[index])
                 if submission.job.method == "interactive":
                     raise SubmissionError("method interactive is a model of the Tinker API, created by its user's "
                                           "loop (create_lora_training_client; docs/tinker.md), never submitted")
@@ -141,6 +147,21 @@ class Submissions:
             raise kind(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
         with self.table.transaction():
             return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
+
+    def _entered_job(self, key: str, submission: JobSubmission) -> tuple[str, JobSpec] | None:
+        """A job entered before, by id or name, whose adapter `submission`'s submitter may start from (theirs; an
+        operator's or an admin's: any): (its id, its spec), or None."""
+        try:
+            record = self.table.find(key)
+        except KeyError:
+            return None
+        if submission.user is not None and record.user != submission.user:
+            try:
+                if not self.users.get(submission.user).admin:
+                    return None
+            except UserError:
+                return None
+        return record.id, self.table.submission(record.id).job
 
     def _already_entered(self, submissions: list[JobSubmission], job_ids: list[str]) -> list[JobRecord] | None:
         """The records of a batch entered before under these ids (a repeated request), or None if none was."""
@@ -239,7 +260,7 @@ class Submissions:
         """The job's `init_adapter` lies where it may read (a user's own outputs too: a job of theirs that went
         before) and, where this machine has it, fits the job's lora (actors/spec/saved_adapter.py)."""
         adapter = submission.job.init_adapter
-        if adapter is None:
+        if adapter is None or isinstance(adapter, JobAdapter):   # another job's: checked by `chained`
             return
         if roots is not None and user is not None:
             roots = [*roots, as_root(str(self._outputs() / user.name))]

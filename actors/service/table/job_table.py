@@ -112,6 +112,12 @@ class JobTable:
                 raise KeyError(f"{len(ids)} jobs are named '{key}' ({', '.join(ids)}); give the job id") from None
             raise KeyError(f"no job with id or name '{key}'") from None
 
+    def set_submission(self, job_id: str, submission: JobSubmission) -> None:
+        """The job's submission as it now stands (a `job:<id>` init_adapter replaced by that job's adapter folder)."""
+        with self.transaction():
+            self._update(job_id, {"updated_at": time.time()})
+            self.db.execute("UPDATE jobs SET submission = ? WHERE id = ?", (submission.model_dump_json(), job_id))
+
     @reads
     def submission(self, job_id: str) -> JobSubmission:
         (text,) = self.db.execute("SELECT submission FROM jobs WHERE id = ?", (job_id,)).fetchone()

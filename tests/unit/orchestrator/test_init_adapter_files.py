@@ -88,3 +88,76 @@ def test_http_refuses_a_relative_adapter_path():
     (problem,) = _path_problems({"jobs": [{"data": "/d.jsonl", "init_adapter": "adapters/sft"}]}, True, None)
     assert problem["loc"] == ["init_adapter"] and problem["type"] == "relative_path"
     assert "relative path 'adapters/sft': the service cannot tell what it is relative to" in problem["msg"]
+
+
+def _chain_file(tmp_path, second: str, third: str = "none", second_lora: str = "{r: 4, alpha: 8}") -> str:
+    write_task_data(tmp_path / "data", "q")
+    jobs = ["base_model: smollm2-135m", "jobs:"]
+    for name, adapter, lora in (("sft", "none", "{r: 4, alpha: 8}"), ("dpo", second, second_lora),
+                                ("more", third, "{r: 4, alpha: 8}")):
+        jobs += [f"  - name: {name}", "    data: data/q.jsonl",
+                 '    format: {type: prompt_response, prompt: "{question}", response: " {answer}"}',
+                 f"    lora: {lora}"]
+        if adapter != "none":
+            jobs.append(f"    init_adapter: {adapter}")
+    (tmp_path / "jobs.yaml").write_text("\n".join(jobs) + "\n")
+    return str(tmp_path / "jobs.yaml")
+
+
+@pytest.mark.parametrize("second,third,lora,expected", [
+    ("job:sft", "job:dpo", "{r: 4, alpha: 8}", None),
+    ("job:nope", "none", "{r: 4, alpha: 8}",
+     ":11: job 'dpo' (jobs[1]), field init_adapter: job:nope names no job of the same submission (the others: more, "
+     "sft); name one of them, or give the folder of a finished job's adapter"),
+    ("job:dpo", "none", "{r: 4, alpha: 8}",
+     ":11: job 'dpo' (jobs[1]), field init_adapter: job:dpo is this job itself; name another job of the same "
+     "submission"),
+    ("job:more", "job:dpo", "{r: 4, alpha: 8}",
+     ":11: job 'dpo' (jobs[1]), field init_adapter: job:more makes a cycle (dpo -> more -> dpo): each job would wait "
+     "for the other's adapter"),
+    ("job:sft", "none", "{r: 8, alpha: 8}",
+     ":11: job 'dpo' (jobs[1]), field init_adapter: job 'sft' saves an adapter that does not fit this job's lora: "
+     "lora.r is 8, the adapter's r 4: set lora.r: 4"),
+    ("job:sft", "none", "{r: 4, alpha: 8, target_modules: [q_proj, k_proj]}",
+     ":11: job 'dpo' (jobs[1]), field init_adapter: job 'sft' saves an adapter that does not fit this job's lora: "
+     "lora.target_modules is ['q_proj', 'k_proj'], job 'sft' adapts ['q_proj', 'v_proj']: set lora.target_modules: "
+     "['q_proj', 'v_proj']"),
+], ids=["chain", "unknown", "itself", "cycle", "rank", "modules"])
+def test_a_job_started_from_another_jobs_adapter_is_checked_at_its_line(tmp_path, second, third, lora, expected):
+    path = _chain_file(tmp_path, second, third, lora)
+    if expected is None:
+        jobs = load_run_spec(path).jobs
+        assert [str(job.init_adapter) for job in jobs] == ["None", "job:sft", "job:dpo"]
+        return
+    with pytest.raises(SpecError) as caught:
+        load_run_spec(path)
+    assert str(caught.value).startswith(path + expected), str(caught.value)
+
+
+def test_a_sweeps_trials_cannot_start_from_another_job():
+    from actors.spec.sweep_spec import SweepSpec
+
+    with pytest.raises(ValidationError, match="job.init_adapter: job:sft names another job, and a sweep's trials are "
+                                              "its only jobs"):
+        SweepSpec.model_validate({"name": "s", "output_dir": "/runs/s", "trials": 2, "objective": "train_loss",
+                                  "space": {"lr": {"loguniform": [1e-5, 1e-3]}},
+                                  "job": {"name": "t", "data": "/d.jsonl", "format": {"type": "text"},
+                                          "init_adapter": "job:sft"}})
+    from orchestrator.http.request_bodies import _path_problems
+
+    assert _path_problems({"jobs": [{"data": "/d.jsonl", "init_adapter": "job:sft"}]}, True, None) == []
+
+
+def test_running_a_chained_file_again_does_not_take_the_resolved_adapter_for_a_change():
+    """`aspen run` again: the table holds the folder `job:sft` became; the file still says job:sft, which is no change
+    (the sft job's own changes are its); a folder changed for another is one."""
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.run_plan import differences
+
+    def submission(adapter: str) -> JobSubmission:
+        return JobSubmission.model_validate({"base_model": "smollm2-135m", "job": {
+            "name": "dpo", "data": "/d.jsonl", "format": {"type": "text"}, "init_adapter": adapter}})
+
+    assert differences(submission("/runs/out/sft"), submission("job:sft")) == []
+    assert differences(submission("/runs/out/sft"), submission("/runs/other/sft")) == [
+        "init_adapter: '/runs/out/sft' -> '/runs/other/sft'"]

@@ -123,6 +123,14 @@ def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_tha
         submit("wider", adapter(tmp_path / "data" / "wider", r=8))
     assert submit("operator", elsewhere, user=None).state == "queued"   # an operator's: no data roots configured
 
+    # job:<name> of a job entered before: theirs, by name or id (it starts once that one has ended); not another's
+    first = core.table.find("own")
+    later = submit("later", "job:own")
+    assert str(core.table.submission(later.id).job.init_adapter) == f"job:{first.id}"
+    book.add("b", data_roots=[str(tmp_path / "data")])
+    with pytest.raises(SubmissionError, match=r"init_adapter: job:own names no job of the same submission"):
+        submit("not-theirs", "job:own", user="b")
+
 
 def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(tmp_path, tiny_base,
                                                                                tiny_model_dirs):
@@ -177,3 +185,59 @@ def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(
         f"could not start: init_adapter: {saved / 'adapter_config.json'} does not exist")
     assert references() == [] and "dpo-1" not in {name for layer in fused_layers(tiny_base.model)
                                                    for name in layer.adapters}
+
+
+CHAIN = """\
+base_model: {base}
+output_dir: out
+step_tokens: 2048
+jobs:
+  - name: sft
+    data: {sft_data}
+    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    batch_size: 4
+    max_steps: 4
+    lr: 1.0e-2
+  - name: dpo
+    method: dpo
+    data: pairs.jsonl
+    format: {{type: preference}}
+    init_adapter: job:sft
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    batch_size: 2
+    max_steps: 2
+"""
+
+
+def test_a_jobs_file_chains_sft_then_dpo_from_its_adapter(tmp_path, tiny_base, tiny_model_dirs):
+    """`init_adapter: job:sft` in one jobs file, run through the service in-process: the dpo job waits for the sft
+    job, starts from the adapter it ended with (its folder, which its adapter's aspen.json names) and compares itself
+    with it (its first step's reward margin is 0: policy and reference are the same adapter, which the sft job moved
+    off the base); where the sft job fails, the dpo job fails saying so, and nothing else stops."""
+    from orchestrator.jobs_file import load_run_spec
+    from tests.helpers.pairs import ROWS
+
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
+    data = write_task_data(tmp_path / "data", "qa")
+    (tmp_path / "jobs.yaml").write_text(CHAIN.format(base=tiny_model_dirs["llama"], sft_data=data))
+    results = {r.name: r for r in train_locally(load_run_spec(tmp_path / "jobs.yaml"), base=tiny_base,
+                                                 progress=False)}
+    assert results["sft"].state == results["dpo"].state == "completed", results["dpo"].reason
+    sft_adapter = tmp_path / "out" / "sft"
+    assert json.loads((tmp_path / "out" / "dpo" / "aspen.json").read_text())["init_adapter"] == str(sft_adapter)
+    assert any(float(t.abs().max()) > 0 for k, t in adapter_tensors(sft_adapter).items() if "lora_B" in k)
+    first = json.loads((tmp_path / "out" / "dpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(first["rewards/margins"]) <= 1e-5 and abs(first["loss"] - 0.693147) <= 1e-5, first
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "pairs.jsonl").write_text((tmp_path / "pairs.jsonl").read_text())
+    (broken / "bad.jsonl").write_text('{"question": "1", "answer": "2"}\n{"question": "3"}\n')
+    (broken / "jobs.yaml").write_text(CHAIN.format(base=tiny_model_dirs["llama"], sft_data=broken / "bad.jsonl"))
+    spec = load_run_spec(broken / "jobs.yaml", check_files=False)   # a bad row is found when the job starts
+    results = {r.name: r for r in train_locally(spec, base=tiny_base, progress=False)}
+    assert results["sft"].state == "failed"
+    assert results["dpo"].state == "failed"
+    assert "it starts from the adapter of job sft, which ended failed" in results["dpo"].reason, results["dpo"].reason
+    assert results["dpo"].reason.endswith("resume that job (`aspen resume sft`), then this one")

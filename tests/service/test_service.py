@@ -291,3 +291,23 @@ def test_a_grpo_jobs_rewards_of_the_users_score_on_a_trainer_actor(service, tiny
     table = {row["step"]: row for row in handle.losses()}
     for row in rows:
         assert {name: table[row["step"]][name] for name in row} == row
+    assert handle.status().reward == rows[-1]["reward"]   # its record (aspen status, Prometheus) has the last one
+
+
+def test_a_jobs_file_chains_sft_then_dpo_through_the_actors(service, tiny_model_dirs, tmp_path):
+    """`init_adapter: job:sft` through the service on Ray: the dpo job starts once the sft job has ended, from its
+    adapter folder (its submission holds it), with that adapter as its reference (its first margin is 0)."""
+    from tests.helpers.pairs import ROWS
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
+    sft = job_dict("sft", write_task_data(tmp_path / "data", "sft"), 4, lr=1e-2)
+    dpo = job_dict("dpo", pairs, 2, method="dpo", batch_size=2, format={"type": "preference"}, init_adapter="job:sft")
+    first, second = service.submit_run(run_spec(str(tiny_model_dirs["llama"]), tmp_path / "chain", [sft, dpo],
+                                                step_tokens=512))
+    assert first.wait(timeout=180).state == "completed"
+    assert second.wait(timeout=180).state == "completed", second.status()
+    assert second.status().started_at >= first.status().finished_at
+    assert str(service.submission(second.id).job.init_adapter) == first.status().adapter_dir
+    margin = json.loads((tmp_path / "chain" / "dpo" / "metrics.jsonl").read_text().splitlines()[0])["rewards/margins"]
+    assert abs(margin) <= 1e-5

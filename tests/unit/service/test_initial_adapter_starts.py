@@ -86,6 +86,7 @@ def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_tha
     from peft import LoraConfig as PeftLoraConfig
 
     from actors.service.accounts.users import UserBook
+    from actors.service.scheduler.chained_jobs import settle
     from actors.service.scheduler.scheduler_core import SchedulerCore
     from actors.service.scheduler.submissions import SubmissionError
     from actors.service.table.job_table import JobTable
@@ -127,6 +128,12 @@ def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_tha
     first = core.table.find("own")
     later = submit("later", "job:own")
     assert str(core.table.submission(later.id).job.init_adapter) == f"job:{first.id}"
+    settled = settle(core.table, later, core.table.submission(later.id))
+    assert settled.waiting == f"waits for job {first.id} (queued) to end: it starts from that job's adapter"
+    core.table.set_state(first.id, "cancelled", "cancelled by the user")
+    assert settle(core.table, later, core.table.submission(later.id)).failed == (
+        f"it starts from the adapter of job {first.id}, which ended cancelled (cancelled by the user); resume that job "
+        f"(`aspen resume {first.id}`), then this one")
     book.add("b", data_roots=[str(tmp_path / "data")])
     with pytest.raises(SubmissionError, match=r"init_adapter: job:own names no job of the same submission"):
         submit("not-theirs", "job:own", user="b")

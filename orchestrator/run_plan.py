@@ -127,7 +127,21 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             plan.done.append(record)
         else:
             plan.resume.append(record)
+    carried = {record.name: record.id for record in (*plan.done, *plan.resume)}
+    plan.submit = [_from_carried(submission, carried) for submission in plan.submit]
     return plan
+
+
+def _from_carried(submission: JobSubmission, carried: dict[str, str]) -> JobSubmission:
+    """A new job whose `init_adapter: job:<name>` names a job this run carries over (done, or resumed) rather than
+    submits: that job named by its id, which the service finds whatever other jobs share its name."""
+    source = submission.job.init_adapter
+    if not str(source or "").startswith("job:") or str(source)[4:] not in carried:
+        return submission
+    from actors.spec.saved_adapter import JobAdapter  # the CLI's --overwrite text imports this module: kept light
+
+    job = submission.job.model_copy(update={"init_adapter": JobAdapter("job:" + carried[str(source)[4:]])})
+    return submission.model_copy(update={"job": job})
 
 
 def _checkpointed(record: JobRecord, saved_step: Callable[[str], int | None] | None) -> bool:

@@ -161,3 +161,26 @@ def test_running_a_chained_file_again_does_not_take_the_resolved_adapter_for_a_c
     assert differences(submission("/runs/out/sft"), submission("job:sft")) == []
     assert differences(submission("/runs/out/sft"), submission("/runs/other/sft")) == [
         "init_adapter: '/runs/out/sft' -> '/runs/other/sft'"]
+
+
+def test_running_a_chained_file_again_names_a_carried_source_by_its_id():
+    """The sft job done in the last run is carried over, not submitted: the dpo job submitted again names it by its
+    id, which a service with other jobs named sft finds all the same."""
+    from actors.service.table.job_record import JobRecord
+    from actors.spec.job_submission import JobSubmission
+    from orchestrator.run_plan import plan_run
+
+    def submission(name: str, adapter: str | None = None) -> JobSubmission:
+        return JobSubmission.model_validate({"base_model": "smollm2-135m", "output_dir": f"/runs/{name}", "job": {
+            "name": name, "data": "/d.jsonl", "format": {"type": "text"},
+            **({"init_adapter": adapter} if adapter else {})}})
+
+    sft = submission("sft")
+    done = JobRecord(id="sft-1a2b3c", name="sft", state="completed", reason="", base_model="smollm2-135m",
+                     quantization="none", priority=0, output_dir="/runs/sft", trainer=None, step=4, total_steps=4,
+                     tokens=10, loss=1.0, eval_loss=None, tokens_per_s=None, checkpoint_step=4,
+                     adapter_dir="/runs/sft", submitted_at=1.0, started_at=2.0, finished_at=3.0, updated_at=3.0)
+    plan = plan_run([sft, submission("dpo", "job:sft")], [done], lambda job_id: sft)
+    assert plan.done == [done]
+    (dpo,) = plan.submit
+    assert type(dpo.job.init_adapter).__name__ == "JobAdapter" and dpo.job.init_adapter == "job:sft-1a2b3c"

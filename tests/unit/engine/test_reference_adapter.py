@@ -204,3 +204,31 @@ def test_admission_counts_the_reference_adapters_bytes(tmp_path):
     shapes = adapted_shapes(LORA["target_modules"], linear)
     extra = adapter_memory_bytes(4, shapes, frozen_copy=True) - adapter_memory_bytes(4, shapes)
     assert extra == sum(p.numel() * p.element_size() for p in held.parameters()) > 0
+
+
+def test_a_grpo_job_from_a_saved_adapter_starts_at_zero_kl_to_it(tmp_path):
+    """Through the trainer's step: a grpo job with a KL term that starts from a saved adapter has, at its first step
+    (its adapter still the saved one), a KL of exactly 0 to its reference, which is that adapter; the same job
+    compared with the base instead (no reference adapter held) has a KL above 0."""
+    from tests.helpers.grpo_jobs import grpo_spec, number_base, prompt_rows
+    from tests.helpers.isolation import VOCAB
+
+    _saved_adapter(tmp_path / "sft", vocab=VOCAB)
+    spec = grpo_spec("grpo", "contains", grpo={"reward": "contains", "num_generations": 4, "max_new_tokens": 5,
+                                                "beta": 0.04},
+                     lora=LORA, init_adapter=str(tmp_path / "sft"), grad_accum=2)
+    assert spec.reference_adapter
+
+    def first_kl(hold: bool) -> float:
+        base = number_base()
+        trainer = FusedTrainer(base)
+        job = TrainingJob.create(spec, base, prompt_rows(0, 4), [], seed=0)
+        start_from_adapter(job.adapter, tmp_path / "sft")
+        trainer.add_job(job)
+        if hold:
+            trainer.hold_reference(job, lambda handle: start_from_adapter(handle, tmp_path / "sft"))
+        trainer.train_step()   # grad_accum 2: no optimizer step yet, the adapter is still the saved one
+        return job.accumulator.metrics["kl"]
+
+    assert first_kl(hold=True) == 0.0
+    assert first_kl(hold=False) > 1e-4

@@ -129,6 +129,47 @@ def test_a_job_started_from_a_saved_adapter_on_a_pipeline_ends_as_on_one_device(
     assert abs(result.first_loss - first_loss) > 1e-3, "the saved adapter made no difference: nothing was compared"
 
 
+def test_a_dpo_job_from_a_saved_adapter_on_a_pipeline_compares_with_it_as_on_one_device(tmp_path, tiny_model_dirs):
+    """A dpo job starting from a saved adapter holds that adapter as its reference on a pipeline trainer too: each
+    stage its share, in the reference passes only; the job ends with the adapter, metrics and config of the same job
+    on one device, bit for bit, its first reward margin 0 (policy and reference the same adapter)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.pairs import ROWS
+
+    model = str(tiny_model_dirs["llama"])
+    targets = ["q_proj", "v_proj", "down_proj"]
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                                PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(tmp_path / "saved")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
+    ends = {}
+    for kind in ("single", "pipeline"):
+        job = job_dict("dpo", pairs, 3, method="dpo", batch_size=2, format={"type": "preference"},
+                       init_adapter=str(tmp_path / "saved"), lora={"r": 4, "alpha": 8, "target_modules": targets})
+        (submission,) = run_spec(model, tmp_path / kind, [job]).submissions()
+        loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
+        try:
+            loop.assign(assignment_for(submission, "dpo", loop.base.tokenizer))
+            events = run_until_idle(loop)
+        finally:
+            loop.close()
+        started = next(e for e in events if e.kind == "started")
+        assert started.data["checkpoint_note"].endswith(f"its reference is {tmp_path / 'saved'}"), kind
+        ends[kind] = outputs(tmp_path / kind / "dpo")
+    assert_same_outputs(ends["pipeline"], ends["single"], "dpo")
+    assert ends["single"]["metrics"][0]["rewards/margins"] == 0.0
+    assert any(row["rewards/margins"] != 0.0 for row in ends["single"]["metrics"][1:]), "the job did not train"
+
+
 def test_a_jobs_file_with_stages_trains_as_on_one_device_though_a_stage_is_killed(tmp_path, tiny_model_dirs, caplog):
     """`aspen run --in-process` with `stages: 2`: the same adapters, metrics, evaluations and early stop as one
     device, bit for bit, though stage 1's process is SIGKILLed after the third loop step: the trainer gives

@@ -68,9 +68,10 @@ class PipelineTrainer:
     # -- jobs --------------------------------------------------------------------------------------
     def add_job(self, spec: JobSpec, train: list[Example] | None = None, *, seed: int,
                 cursor: BatchSource | None = None, total_steps: int | None = None, state: dict | None = None,
-                eval_examples: list[Example] | None = None) -> None:
+                eval_examples: list[Example] | None = None, reference: dict | None = None) -> None:
         """A job from its examples (or a `cursor` and its `total_steps`), optionally resumed from `state`
-        (`job_state` of an earlier run: adapter, optimizer moments and counters, data position)."""
+        (`job_state` of an earlier run: adapter, optimizer moments and counters, data position); `reference`: the
+        tensors of its frozen reference adapter by parameter name (its init_adapter: `JobSpec.reference_adapter`)."""
         if spec.name in self.jobs:
             raise ValueError(f"job '{spec.name}' is already on this pipeline")
         if self.runtime.model.base.dtype == torch.float16:
@@ -82,7 +83,7 @@ class PipelineTrainer:
             cursor = DataCursor(train, spec.batch_size, seed=seed, epochs=cursor_epochs(spec))
             total_steps = planned_steps(spec, len(train))
         job = HeadJob(spec=spec, cursor=cursor, total_steps=int(total_steps), seed=seed,
-                      eval_examples=list(eval_examples or []))
+                      eval_examples=list(eval_examples or []), reference=reference)
         if state is not None:
             job.cursor.load_state_dict(state["data_position"])
             job.planned_steps = state["step_count"]
@@ -93,7 +94,8 @@ class PipelineTrainer:
                 job.accumulator = state["accumulator"]
                 job.step_targets = job.accumulator.targets
         self.jobs[spec.name] = job
-        self._send((StageMessageKind.ADD_JOB, JobSetup(spec=spec, seed=seed, total_steps=job.total_steps, state=state)))
+        self._send((StageMessageKind.ADD_JOB, JobSetup(spec=spec, seed=seed, total_steps=job.total_steps, state=state,
+                                                       reference=reference)))
 
     def job_state(self, name: str) -> dict:
         """The job's whole state once its planned work is done: adapter tensors and optimizer moments by

@@ -27,6 +27,7 @@ class HeadJob:
     tokens_seen: int = 0
     eval_examples: list[Example] = field(default_factory=list)
     step_limit: int | None = None     # compose no micro-batch of a later optimizer step (None: up to total_steps)
+    reference: dict | None = None     # its frozen reference adapter's tensors (JobSetup.reference), kept for a re-add
 
     @property
     def name(self) -> str:

@@ -261,9 +261,11 @@ class StageRuntime:
             self.on_result(result)
 
     def _remove_job_op(self, op: Op) -> None:
-        self.jobs.pop(op.job)
+        job = self.jobs.pop(op.job)
         self.evaluator.forget(op.job)
         remove_adapter(self.model.base.model, op.job)
+        if job.reference is not None:
+            remove_adapter(self.model.base.model, job.reference.name)
 
     def _read_job_op(self, op: Op) -> dict | None:
         """The job's state: each stage's share sent to stage 0, which answers the whole."""

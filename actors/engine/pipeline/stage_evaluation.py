@@ -35,15 +35,17 @@ class StageEvaluator:
         self.reference_caches.pop(job, None)
 
     def _reference_forward(self, micro_batches: list[JobMicroBatch]) -> list[torch.Tensor] | None:
-        """The base alone (no adapter) over these pairs, through this stage; the last stage returns their
-        reference log-probabilities (`preference.reference_sums`)."""
+        """The base alone (no adapter; a job's frozen reference adapter where it holds one) over these pairs, through
+        this stage; the last stage returns their reference log-probabilities (`preference.reference_sums`)."""
         base = self.model.base
         batch = pack(micro_batches, "packed", base.pad_token_id).to(base.device)
         hidden = None
         if not self.model.first:
             hidden = self.links.recv((batch.num_tokens, self.model.hidden_size), base.dtype, self.model.stage - 1,
                                      TAG_ACTIVATION)
-        with torch.no_grad(), step_layout(reference_layout(batch)):
+        adapters = {mb.job: job.reference.name for mb in micro_batches
+                    if (job := self.jobs.get(mb.job)) is not None and job.reference is not None}
+        with torch.no_grad(), step_layout(reference_layout(batch, adapters)):
             output = self.model.forward(position_ids=batch.position_ids, input_ids=batch.input_ids, hidden=hidden)
         if not self.model.last:
             self.links.send(output, self.model.stage + 1, TAG_ACTIVATION)

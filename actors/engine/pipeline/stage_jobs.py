@@ -14,6 +14,7 @@ from actors.engine.adapter_surgery import AdapterHandle, add_adapter
 from actors.engine.optim import JobOptimizer
 from actors.engine.pipeline.stage_messages import JobSetup
 from actors.engine.pipeline.stage_model import StageModel
+from actors.engine.preference import reference_adapter_name
 from actors.spec.job_spec import JobSpec
 
 
@@ -22,6 +23,7 @@ class StageJob:
     spec: JobSpec
     adapter: AdapterHandle
     optimizer: JobOptimizer | None   # None where this stage holds none of the job's layers
+    reference: AdapterHandle | None = None   # its frozen reference adapter's share here (JobSetup.reference)
 
     @classmethod
     def set_up(cls, model: StageModel, setup: JobSetup) -> StageJob:
@@ -33,6 +35,8 @@ class StageJob:
         job = cls(spec=setup.spec, adapter=adapter, optimizer=optimizer)
         if setup.state is not None:
             job.load(setup.state)
+        if setup.reference is not None:
+            job.reference = _reference_share(model, setup)
         return job
 
     def state(self) -> dict[str, Any]:
@@ -75,6 +79,21 @@ class StageJob:
         self.optimizer.step_count = state["step_count"]
         self.optimizer.micro_count = state["micro_count"]
         self.optimizer.set_lr()
+
+
+def _reference_share(model: StageModel, setup: JobSetup) -> AdapterHandle:
+    """The job's frozen reference adapter over this stage's layers (no dropout, no gradients), its values those of
+    `setup.reference` (the whole adapter's, by parameter name), as `job_references.JobReferences.hold` on one
+    device."""
+    name = reference_adapter_name(setup.spec.name)
+    lora = setup.spec.lora.model_copy(update={"dropout": 0.0})
+    reference = add_adapter(model.base.model, name, lora, seed=setup.seed)
+    assert setup.reference is not None
+    with torch.no_grad():
+        for key, parameter in reference.named_parameters():
+            parameter.copy_(setup.reference[key])
+            parameter.requires_grad_(False)
+    return reference
 
 
 def merge_job_states(shares: list[dict[str, Any]]) -> dict[str, Any]:

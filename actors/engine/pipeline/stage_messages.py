@@ -71,3 +71,4 @@ class JobSetup:
     seed: int
     total_steps: int
     state: dict | None = None    # `job_state` of an earlier run: every stage takes its own tensors
+    reference: dict | None = None   # its frozen reference adapter's tensors by parameter name (each stage its own)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from actors.data import Example
-from actors.engine.adapter_surgery import linear_module_names
+from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
 from actors.engine.generation_eval import GenerationEvaluation
 from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
@@ -30,8 +30,9 @@ from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.pipeline.stage_messages import StageSettings
+from actors.engine.preference import reference_adapter_name
 from actors.engine.step_report import JobStepResult, StepReport
-from actors.service.pipeline.pipeline_job import PipelineJob
+from actors.service.pipeline.pipeline_job import PipelineJob, mirror_adapter
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
 from actors.spec.job_spec import JobSpec
 from actors.spec.trainer_settings import step_tokens_floor
@@ -117,10 +118,6 @@ class PipelineEngine:
         if spec.method == "grpo":
             raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
                              "pipeline trainer yet; run the job on a single-device trainer")
-        if spec.reference_adapter:
-            raise ValueError(f"job '{spec.name}': a reference model other than the base (its init_adapter, with method "
-                             f"{spec.method}) is not available on a pipeline trainer yet; run the job on a "
-                             "single-device trainer")
         if spec.lora.kind == "vera":
             raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
                              "stages would each hold a share of the shared projections); run the job on a "
@@ -133,19 +130,26 @@ class PipelineEngine:
 
     def restored(self, job: PipelineJob) -> None:
         """A checkpoint was loaded into the job's mirror: the stages take it, the head its counters."""
-        state = job.mirror_state()
+        self._set_up_again(job, job.mirror_state(), job.head.reference)
+
+    def _set_up_again(self, job: PipelineJob, state: dict, reference: dict | None) -> None:
+        """The job on every stage again, from `state` (its mirror's), with its reference adapter's tensors."""
         self._guarded(self.pipeline.remove_job, job.name)
         self._guarded(self.pipeline.add_job, job.spec, cursor=job.head.cursor, total_steps=job.total_steps,
-                      seed=job.seed, eval_examples=job.eval_examples, state=state)
+                      seed=job.seed, eval_examples=job.eval_examples, state=state, reference=reference)
         job.head = self.head.jobs[job.name]
         job.head.step_limit = 0
         job.stale = True
 
-    def hold_reference(self, job: PipelineJob, load: object) -> None:
-        """A reference adapter (a job's init_adapter as its reference) is not held by pipeline stages yet: `attach`
-        refuses such a job first."""
-        raise ValueError(f"job '{job.name}': a reference model other than the base is not available on a pipeline "
-                         "trainer yet; run the job on a single-device trainer")
+    def hold_reference(self, job: PipelineJob, load: Callable[[AdapterHandle], object]) -> None:
+        """The job's reference model, a frozen adapter of its shape whose weights `load` gives (its init_adapter:
+        `JobSpec.reference_adapter`): loaded into a CPU copy of its adapter here, then every stage takes its share
+        (the job set up again on the stages with its state as it is)."""
+        state = job.mirror_state()
+        copy = mirror_adapter(reference_adapter_name(job.name), job.spec, {"tensors": state["tensors"]},
+                              self.module_order, job.adapter.peft_targets)
+        load(copy)
+        self._set_up_again(job, state, {key: parameter.detach().clone() for key, parameter in copy.named_parameters()})
 
     def add_job(self, job: PipelineJob) -> None:
         if job.name in self.jobs:

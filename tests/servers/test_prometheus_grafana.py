@@ -134,9 +134,12 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(ray_session, tiny_m
 
             def empty() -> list[tuple[str, str]]:
                 """Queries without a finite number in their result (quantiles are NaN until the
-                rate window holds two scrapes of a changed histogram)."""
+                rate window holds two scrapes of a changed histogram). The series of grpo and preference
+                jobs only are left out: this scenario's jobs are sft jobs (their values are checked through
+                a trainer loop's events in tests/unit/service/test_progress_metrics.py)."""
                 return [(title, expression) for title, expression in panels
-                        if not any(math.isfinite(float(r["value"][1])) for r in query(prometheus, expression))]
+                        if not re.search(r"\baspen_job_reward(_margin)?\b", expression)
+                        and not any(math.isfinite(float(r["value"][1])) for r in query(prometheus, expression))]
 
             deadline = time.time() + 40
             while (missing := empty()) and time.time() < deadline:

@@ -16,6 +16,9 @@ Format 2 on disk (`<name>/`):
     optimizer.safetensors   tensors: `state.<id>.<key>` (AdamW exp_avg / exp_avg_sq / step per parameter),
                             `grad.<i>` (partial accumulation, where not None), `dropout_rng` (uint8),
                             `param_groups.<g>.<key>` (tensor-valued optimizer settings, if any)
+    reference_model.safetensors   a job's frozen reference adapter (`JobSpec.reference_adapter`: the
+                            init_adapter it compares itself with), PEFT's keys, so that a resumed job needs
+                            only its checkpoint; absent for other jobs and in older checkpoints
     state.json              format, job, step, cursor, accumulator, history, evals ([step, eval loss]
                             pairs) and scores ([step, eval_generate score] pairs; both optional: older
                             checkpoints have none), data_digest (of the data the

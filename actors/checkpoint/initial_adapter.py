@@ -83,10 +83,14 @@ def start_from_adapter(adapter: AdapterHandle, location: str | Path | StorageURI
         raise AdapterFileError(f"init_adapter: {location} names a job whose adapter this one was started without; "
                                "submit it again")
     check_adapter_config(location, adapter.config)
-    where = adapter_file(location, WEIGHTS_NAME)
-    tensors = read_adapter_tensors(location)
+    start_from_tensors(adapter, read_adapter_tensors(location), str(adapter_file(location, WEIGHTS_NAME)))
+    return f"its adapter started from {location}"
+
+
+def start_from_tensors(adapter: AdapterHandle, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copy PEFT's tensors of an adapter of the same config (read from `where`) into `adapter`, after checking
+    them (check_adapter_tensors); AdapterFileError, adapter untouched, when they do not fit."""
     check_adapter_tensors(tensors, adapter, where)
     if adapter.projections is not None and VERA_A not in tensors:   # drawn again from the same key (config checked)
         tensors = {**tensors, VERA_A: adapter.projections.vera_A, VERA_B: adapter.projections.vera_B}
     load_adapter_state(adapter, tensors, where)
-    return f"its adapter started from {location}"

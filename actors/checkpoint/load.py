@@ -13,6 +13,7 @@ from actors.checkpoint.peft_io import WEIGHTS_NAME, adapter_state_dict_shapes, l
 from actors.checkpoint.read import SavedCheckpoint, read_files
 from actors.checkpoint.state import (
     FORMAT_VERSION,
+    REFERENCE_NAME,
     STATE_NAME,
     CheckpointState,
     Invalid,
@@ -48,6 +49,7 @@ class LoadedCheckpoint:
     skipped: list[str] = field(default_factory=list)
     format: int = FORMAT_VERSION
     notes: list[str] = field(default_factory=list)
+    reference: dict[str, torch.Tensor] | None = None   # its reference adapter's tensors, where it saved them
 
 
 def has_checkpoint(folder: str | Path) -> bool:
@@ -78,7 +80,9 @@ def load_checkpoint(job: TrainingJob, folder: str | Path) -> LoadedCheckpoint:
             notes.append(f"its checkpoint {candidate} records no digest of its data (written by an older aspen), so "
                          f"whether {job.spec.data} changed since could not be checked; its next checkpoint records it")
             log.warning("job %s: %s", job.name, notes[-1])
-        return LoadedCheckpoint(step=job.step, folder=candidate, skipped=skipped, format=saved.format, notes=notes)
+        reference = saved.reference if job.spec.reference_adapter else None
+        return LoadedCheckpoint(step=job.step, folder=candidate, skipped=skipped, format=saved.format, notes=notes,
+                                reference=reference)
     raise CheckpointError(f"no valid checkpoint for job '{job.name}': {'; '.join(skipped)}. Start the job "
                           f"over, or put a valid checkpoint back in {folder}")
 
@@ -145,17 +149,23 @@ def _check_steps(saved: SavedCheckpoint) -> None:
 
 
 def _check_adapter(saved: SavedCheckpoint, job: TrainingJob) -> None:
-    """The saved adapter has the job adapter's tensors, each of its shape."""
-    weights_path = saved.folder / WEIGHTS_NAME
+    """The saved adapter (and its reference adapter, where the job holds one) has the job adapter's tensors,
+    each of its shape."""
     keys = adapter_state_dict_shapes(job.adapter)   # DoRA's magnitudes, PiSSA / OLoRA's A0 and B0 included
-    missing = [key for key in keys if key not in saved.adapter]
-    extra = [key for key in saved.adapter if key not in keys]
+    _check_tensors(saved.adapter, keys, saved.folder / WEIGHTS_NAME)
+    if saved.reference is not None and job.spec.reference_adapter:   # the same shape: dropout 0 its only change
+        _check_tensors(saved.reference, keys, saved.folder / REFERENCE_NAME)
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], keys: dict[str, tuple[int, ...]], path: Path) -> None:
+    missing = [key for key in keys if key not in tensors]
+    extra = [key for key in tensors if key not in keys]
     if missing or extra:
-        raise Invalid(f"{weights_path}: saved with other target modules or another adapter kind ({len(missing)} "
+        raise Invalid(f"{path}: saved with other target modules or another adapter kind ({len(missing)} "
                       f"tensors missing, {len(extra)} unexpected, e.g. {(missing + extra)[0]})")
     for key, shape in keys.items():
-        if tuple(saved.adapter[key].shape) != shape:
-            raise Invalid(f"{weights_path}: '{key}' has shape {tuple(saved.adapter[key].shape)}, the adapter "
+        if tuple(tensors[key].shape) != shape:
+            raise Invalid(f"{path}: '{key}' has shape {tuple(tensors[key].shape)}, the adapter "
                           f"{shape} (another LoRA rank or init_lora_weights?)")
 
 

@@ -19,6 +19,7 @@ from actors.checkpoint.peft_io import WEIGHTS_NAME
 from actors.checkpoint.state import (
     LEGACY_OPTIMIZER_NAME,
     OPTIMIZER_NAME,
+    REFERENCE_NAME,
     STATE_NAME,
     CheckpointState,
     CheckpointStateV2,
@@ -40,6 +41,7 @@ class SavedCheckpoint:
     optimizer: dict[str, Any]  # JobOptimizer.state_dict() form
     gradients: list[torch.Tensor | None]
     dropout_rng: torch.Tensor | None
+    reference: dict[str, torch.Tensor] | None = None   # the job's reference adapter, where it has one (format 2)
 
     @property
     def format(self) -> int:
@@ -71,8 +73,9 @@ def _read_format_2(folder: Path, state: CheckpointStateV2) -> SavedCheckpoint:
             raise Invalid(f"{folder / OPTIMIZER_NAME}: tensor 'dropout_rng' is missing (state.json lists it)")
         dropout_rng = tensors.pop("dropout_rng")
     optimizer, gradients = decode_optimizer(folder / STATE_NAME, folder / OPTIMIZER_NAME, state.optimizer, tensors)
+    reference = parse_tensors(folder / REFERENCE_NAME, contents[REFERENCE_NAME]) if REFERENCE_NAME in files else None
     return SavedCheckpoint(folder=folder, state=state, adapter=adapter, optimizer=optimizer, gradients=gradients,
-                           dropout_rng=dropout_rng)
+                           dropout_rng=dropout_rng, reference=reference)
 
 
 def _read_listed_file(path: Path) -> bytes:

@@ -19,22 +19,24 @@ from safetensors.torch import save_file
 
 from actors.checkpoint.optimizer import encode_optimizer
 from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
-from actors.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, STATE_NAME, previous_folder
+from actors.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, REFERENCE_NAME, STATE_NAME, previous_folder
 from actors.engine.job import TrainingJob
 from actors.storage.durable import fsync_tree, replace_durably, staging_folder, write_durably
 
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str) -> Path:
+def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str, reference: Path | None = None) -> Path:
     """Write the job's full training state to `folder`, replacing any previous checkpoint crash-safely:
-    at every instant either `folder` or `.<name>.previous` holds a complete checkpoint. Returns `folder`."""
+    at every instant either `folder` or `.<name>.previous` holds a complete checkpoint. Returns `folder`.
+    `reference`: the safetensors file of the job's reference adapter (its copy in the job's folder), copied in
+    as `reference_model.safetensors`, so that a resumed job needs nothing but its checkpoint."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(folder)
     staging = staging_folder(folder.parent, _staging_prefix(folder))
     try:
-        _write_checkpoint(job, staging, base_model_name)
+        _write_checkpoint(job, staging, base_model_name, reference)
         fsync_tree(staging)
         _swap_in(staging, folder)
     except BaseException:
@@ -47,8 +49,10 @@ def _staging_prefix(folder: Path) -> str:
     return f".{folder.name}.staging-"
 
 
-def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> None:
+def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str, reference: Path | None) -> None:
     save_adapter(job.adapter, staging, base_model_name)
+    if reference is not None:   # a file copy (synced with the folder below): no tensor of it in memory
+        shutil.copyfile(reference, staging / REFERENCE_NAME)
     tensors: dict[str, torch.Tensor] = {}
     optimizer = encode_optimizer(job, tensors)
     generator = job.adapter.dropout_generator
@@ -59,7 +63,8 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str) -> 
     metadata = {"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)}
     write_durably(staging / OPTIMIZER_NAME, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     tensors.clear()   # the references to the job's tensors go before the digests are read
-    files = {name: _file_entry(staging / name) for name in (OPTIMIZER_NAME, WEIGHTS_NAME, CONFIG_NAME)}
+    names = (OPTIMIZER_NAME, WEIGHTS_NAME, CONFIG_NAME) + ((REFERENCE_NAME,) if reference is not None else ())
+    files = {name: _file_entry(staging / name) for name in names}
     state = {
         "format": FORMAT_VERSION,
         "job": job.name,

@@ -30,6 +30,7 @@ from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
 
 STATE_NAME = "state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
+REFERENCE_NAME = "reference_model.safetensors"   # a job's frozen reference adapter (JobSpec.reference_adapter)
 LEGACY_OPTIMIZER_NAME = "optimizer.pt"  # format 1; read with torch.load(weights_only=True) only
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -117,9 +118,11 @@ class ListedFiles(_Record):
     optimizer: FileEntry = Field(alias=OPTIMIZER_NAME)
     weights: FileEntry = Field(alias=WEIGHTS_NAME)
     config: FileEntry = Field(alias=CONFIG_NAME)
+    reference: FileEntry | None = Field(default=None, alias=REFERENCE_NAME)   # jobs with a reference adapter only
 
     def by_name(self) -> dict[str, FileEntry]:
-        return {OPTIMIZER_NAME: self.optimizer, WEIGHTS_NAME: self.weights, CONFIG_NAME: self.config}
+        listed = {OPTIMIZER_NAME: self.optimizer, WEIGHTS_NAME: self.weights, CONFIG_NAME: self.config}
+        return listed | ({REFERENCE_NAME: self.reference} if self.reference is not None else {})
 
 
 class LossScaleState(_Record):

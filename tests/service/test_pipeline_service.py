@@ -165,6 +165,9 @@ def test_a_dpo_job_from_a_saved_adapter_on_a_pipeline_compares_with_it_as_on_one
         started = next(e for e in events if e.kind == "started")
         assert started.data["checkpoint_note"].endswith(f"its reference is {tmp_path / 'saved'}"), kind
         ends[kind] = outputs(tmp_path / kind / "dpo")
+        kept = load_file(tmp_path / kind / "dpo" / "checkpoint" / "reference_model.safetensors")   # its copy
+        original = load_file(tmp_path / "saved" / "adapter_model.safetensors")
+        assert kept.keys() == original.keys() and all(torch.equal(kept[k], original[k]) for k in original), kind
     assert_same_outputs(ends["pipeline"], ends["single"], "dpo")
     assert ends["single"]["metrics"][0]["rewards/margins"] == 0.0
     assert any(row["rewards/margins"] != 0.0 for row in ends["single"]["metrics"][1:]), "the job did not train"

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 METRICS_NAME = "metrics.jsonl"
 GENERATIONS_NAME = "generations.jsonl"   # each eval_generate evaluation's rows: what the adapter wrote, its score
 CHECKPOINT_FOLDER = "checkpoint"   # the job's newest checkpoint (actors/checkpoint.py), in its folder
+REFERENCE_FOLDER = "reference"     # its frozen reference adapter, a PEFT folder (JobSpec.reference_adapter)
 IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
 
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.checkpoint.peft_names import WEIGHTS_NAME
 from actors.engine.job import TrainingJob
-from actors.service.outputs.job_files import CHECKPOINT_FOLDER, JobFiles
+from actors.service.outputs.job_files import CHECKPOINT_FOLDER, REFERENCE_FOLDER, JobFiles
 from actors.service.outputs.tracking import JobTracker
 from actors.service.scheduler.job_data import JobUpdate
 from actors.service.trainer.feed import MicroBatchFeed
@@ -61,6 +62,12 @@ class ActiveJob:
     @property
     def checkpoint_dir(self) -> Path:
         return self.local_dir / CHECKPOINT_FOLDER
+
+    @property
+    def reference_file(self) -> Path | None:
+        """Its reference adapter's weights, copied into its folder when it started (each checkpoint takes them
+        along), where it holds one."""
+        return self.local_dir / REFERENCE_FOLDER / WEIGHTS_NAME if self.job.spec.reference_adapter else None
 
     def evaluate(self, engine: StepEngine, update: JobUpdate) -> tuple[float, float | None]:
         """Evaluate the job after its last step: its eval loss and, with eval_generate, its generation score;

@@ -1,6 +1,6 @@
 """A job's start on a trainer: its feed, its folder (staging and mirror for a storage URI), its adapter
-attached, its newest checkpoint restored (else its `init_adapter` loaded), its files and tracking opened. A URI's
-checkpoint is fetched first."""
+attached, its newest checkpoint restored (else its `init_adapter` loaded), its reference adapter held (and a copy kept
+in its folder for its checkpoints), its files and tracking opened. A URI's checkpoint is fetched first."""
 
 from __future__ import annotations
 
@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.checkpoint import CheckpointError, has_checkpoint, load_checkpoint
-from actors.checkpoint.initial_adapter import start_from_adapter
+from actors.checkpoint.initial_adapter import start_from_adapter, start_from_tensors
+from actors.checkpoint.peft_io import save_adapter
+from actors.engine.adapter_surgery import AdapterHandle
 from actors.engine.job import TrainingJob
 from actors.engine.trainer import FusedTrainer
-from actors.service.outputs.job_files import CHECKPOINT_FOLDER, JobFiles, metrics_rows
+from actors.service.outputs.job_files import CHECKPOINT_FOLDER, REFERENCE_FOLDER, JobFiles, metrics_rows
 from actors.service.outputs.remote_outputs import RemoteOutputs
 from actors.service.outputs.tracking import JobTracker, start_tracker
 from actors.service.scheduler.job_data import JobUpdate
@@ -21,6 +23,7 @@ from actors.service.trainer.active_job import ActiveJob, JobMirror
 from actors.service.trainer.feed import MicroBatchFeed, Pending
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.stop_verdicts import StopVerdicts
+from actors.spec.job_spec import JobSpec
 from actors.storage.storage_uri import is_uri
 from policies.stopping import Verdict
 
@@ -41,10 +44,11 @@ class StartedJob:
 
 
 def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, outputs: RemoteOutputs,
-              trainer_id: str, *, prefetch: int) -> StartedJob:
+              trainer_id: str, *, prefetch: int, base_model_name: str) -> StartedJob:
     """Attach the job to `trainer`, restored from its newest checkpoint where it has one. Raises whatever kept
     it from starting (its folder or store refusing writes, its store unreadable, ...): nothing of it is left
-    on the trainer then. `trainer`: one device's, or a pipeline's (`PipelineEngine`)."""
+    on the trainer then. `trainer`: one device's, or a pipeline's (`PipelineEngine`). `base_model_name`: what
+    the adapters it writes name as their base (`base_model_name_or_path`)."""
     job_id = assignment.job_id
     submission = assignment.submission
     spec = submission.job.model_copy(update={"name": job_id})
@@ -64,9 +68,10 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
         folder = local_dir / CHECKPOINT_FOLDER
         resumed_from = None
         resume_verdict = None
+        kept_reference = None   # its reference adapter's tensors, as its checkpoint kept them
         fetch_note = outputs.fetch_checkpoint(mirror, folder) if mirror is not None else ""
         if has_checkpoint(folder):
-            resumed_from, note = resume(job, folder, f"trainer {trainer_id}: job {job_id}")
+            resumed_from, note, kept_reference = resume(job, folder, f"trainer {trainer_id}: job {job_id}")
             trainer.restored(job)   # a pipeline's stages take what was loaded (or the job as it was)
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
                 resume_verdict = assignment.link.update(JobUpdate(
@@ -76,9 +81,9 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
             started = start_from_adapter(job.adapter, spec.init_adapter)
             trainer.restored(job)
             note = "; ".join(part for part in (note, started) if part)
-        if spec.reference_adapter:   # its reference model: the saved adapter, frozen (resumed or not)
-            trainer.hold_reference(job, lambda handle: start_from_adapter(handle, spec.init_adapter))
-            note = "; ".join(part for part in (note, f"its reference is {spec.init_adapter}") if part)
+        if spec.reference_adapter:   # its reference model: the saved adapter, frozen (resumed: its checkpoint's copy)
+            held = hold_reference(trainer, job, spec, kept_reference, local_dir / REFERENCE_FOLDER, base_model_name)
+            note = "; ".join(part for part in (note, held) if part)
         try:
             files.start(metrics_rows([record.as_row() for record in job.history], job.evals, job.scores), job.step)
         except OSError as error:
@@ -97,19 +102,44 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
     return StartedJob(active=active, resumed_from=resumed_from, note=note, resume_verdict=resume_verdict)
 
 
-def resume(job: TrainingJob, folder: Path, label: str) -> tuple[int | None, str]:
-    """Restore the job from its newest valid checkpoint: (its step, a note on what was skipped), or
-    (0, why) when none is valid (the job starts over, and says so). `label`: whose, for the log."""
+def resume(job: TrainingJob, folder: Path, label: str) -> tuple[int | None, str, dict | None]:
+    """Restore the job from its newest valid checkpoint: (its step, a note on what was skipped, its reference
+    adapter's tensors where the checkpoint kept them), or (0, why, None) when none is valid (the job starts over,
+    and says so). `label`: whose, for the log."""
     try:
         loaded = load_checkpoint(job, folder)
     except CheckpointError as error:
         log.error("%s: no usable checkpoint, it starts over: %s", label, error)
-        return 0, f"no usable checkpoint, started over: {error}"
+        return 0, f"no usable checkpoint, started over: {error}", None
     note = ""
     if loaded.skipped:
         note = f"resumed from the previous checkpoint; skipped: {'; '.join(loaded.skipped)}"
         log.warning("%s: %s", label, note)
-    return job.step, "; ".join([*([note] if note else []), *loaded.notes])
+    return job.step, "; ".join([*([note] if note else []), *loaded.notes]), loaded.reference
+
+
+def hold_reference(trainer: FusedTrainer | PipelineEngine, job: TrainingJob, spec: JobSpec, kept: dict | None,
+                   folder: Path, base_model_name: str) -> str:
+    """The job's reference adapter on `trainer`: its checkpoint's copy (`kept`) where it resumed from one that has
+    it, else its init_adapter (read and checked again); written to `folder` (a PEFT folder in the job's own) from
+    which each checkpoint takes it, so that a resumed job needs neither the init_adapter's folder nor this one.
+    Returns the note for its start."""
+    def load(handle: AdapterHandle) -> None:
+        if kept is not None:
+            start_from_tensors(handle, kept, f"the reference adapter in its checkpoint (from {spec.init_adapter})")
+        else:
+            start_from_adapter(handle, spec.init_adapter)
+        try:
+            save_adapter(handle, folder, base_model_name, {"reference_of": spec.name,
+                                                           "init_adapter": str(spec.init_adapter)})
+        except OSError as error:
+            raise OSError(f"cannot keep a copy of its reference adapter in {folder}: {error}; make the folder "
+                          "writable (or free space there) and resume the job") from error
+
+    trainer.hold_reference(job, load)
+    if kept is not None:
+        return f"its reference is its checkpoint's copy of {spec.init_adapter}"
+    return f"its reference is {spec.init_adapter}"
 
 
 def start_tracking(assignment: Assignment, local_dir: Path, resumed_from: int | None,

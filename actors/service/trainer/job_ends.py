@@ -71,7 +71,7 @@ class JobEnds:
                     job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
             if kind != "failed":
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
-                    job, active.checkpoint_dir, self.base_identity.serving_id))
+                    job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file))
                 data["checkpoint_step"] = job.step
         except StageLost as error:   # nothing could be read from the stages: it resumes from its last checkpoint
             lost = error

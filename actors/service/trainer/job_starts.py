@@ -71,7 +71,8 @@ class JobStarts:
             self.events.emit("failed", job_id, 0, reason=f"could not start: {refusal}")
             return
         try:
-            start = start_job(assignment, engine, self.outputs, self.trainer_id, prefetch=self.prefetch)
+            start = start_job(assignment, engine, self.outputs, self.trainer_id, prefetch=self.prefetch,
+                              base_model_name=self.steps.booking.base_identity.serving_id)
         except StageLost as error:   # not the job's fault: it goes back and starts again on the new stages
             self.events.emit("paused", job_id, 0, reason=f"it could not start: {error}", retry=True)
             raise

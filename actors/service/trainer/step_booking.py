@@ -135,7 +135,7 @@ class StepBooking:
         next step (the previous checkpoint stays in place meanwhile)."""
         job = active.job
         try:
-            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id)
+            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file)
         except OSError as error:
             active.files.failed_write(error, CHECKPOINT_FOLDER)
             return

@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.local_run import train_locally
@@ -139,11 +140,13 @@ def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_tha
         submit("not-theirs", "job:own", user="b")
 
 
-def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(tmp_path, tiny_base,
-                                                                               tiny_model_dirs):
+def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_and_keeps_a_copy_with_its_checkpoints(
+        tmp_path, tiny_base, tiny_model_dirs):
     """Through the trainer loop: a dpo job starting from a saved adapter holds a frozen copy of it as its reference
-    (said in its start note) and takes it off the base when it leaves; resumed, it holds it again, so it needs the
-    adapter at every start: gone, the job fails saying which file, and the trainer goes on."""
+    (said in its start note), keeps that copy in its folder (a PEFT folder of the same tensors) and in each
+    checkpoint, and takes it off the base when it leaves. Resumed with the saved adapter deleted meanwhile, it holds
+    its checkpoint's copy and ends bit for bit as the same job run without a pause. A checkpoint of an older aspen
+    (no copy) needs the saved adapter: gone, the job fails saying which file, and the trainer goes on."""
     from actors.engine.adapter_surgery import fused_layers
     from tests.helpers.pairs import ROWS
 
@@ -157,7 +160,11 @@ def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(
     dpo = job_dict("dpo", pairs, 6, method="dpo", batch_size=2, format={"type": "preference"}, checkpoint_every=2,
                    init_adapter=str(saved))
     (submission,) = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [dpo]).submissions()
+    (unpaused,) = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "unpaused", [dpo]).submissions()
     config = TrainerConfig(base_model=submission.base_model)
+    solo = TrainerLoop(tiny_base, config, "trainer-s", tmp_path / "solo-state")
+    solo.assign(assignment_for(unpaused, "dpo-1", tiny_base.tokenizer))
+    assert any(e.kind == "completed" for e in run_until_idle(solo))
 
     def references() -> list[str]:
         return sorted({name for layer in fused_layers(tiny_base.model) for name in layer.adapters
@@ -172,6 +179,9 @@ def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(
     started = next(e for e in events if e.kind == "started")
     assert started.data["checkpoint_note"] == f"its adapter started from {saved}; its reference is {saved}"
     assert references() == ["dpo-1@reference"]
+    kept = tmp_path / "out" / "dpo" / "reference"
+    assert adapter_tensors(kept).keys() == adapter_tensors(saved).keys()
+    assert all(torch.equal(adapter_tensors(kept)[key], value) for key, value in adapter_tensors(saved).items())
     loop.stop_job("dpo-1", "paused", "test")
     events = run_until_idle(loop)
     assert any(e.kind == "paused" for e in events) and references() == []
@@ -183,10 +193,30 @@ def test_a_dpo_job_from_a_saved_adapter_holds_it_as_its_reference_while_it_runs(
     assert references() == ["dpo-1@reference"]   # resumed from its checkpoint: the reference held again
     again.stop_job("dpo-1", "paused", "test")
     run_until_idle(again)
+    checkpoint = tmp_path / "out" / "dpo" / "checkpoint"
+    older = tmp_path / "older-checkpoint"
+    shutil.copytree(checkpoint, older)
     shutil.rmtree(saved)
+    shutil.rmtree(kept)   # not needed either: the checkpoint holds its copy
     last = TrainerLoop(tiny_base, config, "trainer-v", tmp_path / "state")
     last.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
     events = run_until_idle(last)
+    started = next(e for e in events if e.kind == "started")
+    assert started.data["checkpoint_note"] == f"its reference is its checkpoint's copy of {saved}"
+    assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+    end, reference_end = adapter_tensors(tmp_path / "out" / "dpo"), adapter_tensors(tmp_path / "unpaused" / "dpo")
+    assert all(torch.equal(end[key], reference_end[key]) for key in reference_end), "not as the unpaused run"
+    assert references() == []
+
+    state = json.loads((older / "state.json").read_text())   # as an aspen before the copy wrote it
+    del state["files"]["reference_model.safetensors"]
+    (older / "reference_model.safetensors").unlink()
+    (older / "state.json").write_text(json.dumps(state))
+    shutil.rmtree(checkpoint)
+    shutil.copytree(older, checkpoint)
+    older_one = TrainerLoop(tiny_base, config, "trainer-w", tmp_path / "state")
+    older_one.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
+    events = run_until_idle(older_one)
     failed = next(e for e in events if e.job_id == "dpo-1")
     assert failed.kind == "failed" and failed.data["reason"].startswith(
         f"could not start: init_adapter: {saved / 'adapter_config.json'} does not exist")

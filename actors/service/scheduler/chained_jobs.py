@@ -73,8 +73,7 @@ def settle(table: JobTable, record: JobRecord, submission: JobSubmission) -> Set
         return Settled(failed=f"it starts from the adapter of job {source.job}, which is no longer in the job table; "
                               "give init_adapter the folder of an adapter and submit it again")
     if before.state in ENDED_WITH_AN_ADAPTER and before.adapter_dir:
-        job = submission.job.model_copy(update={"init_adapter": as_location(before.adapter_dir)})
-        settled = submission.model_copy(update={"job": job})
+        settled = _from_folder(submission, before)
         table.set_submission(record.id, settled)
         return Settled(submission=settled)
     if before.state in ENDED_WITH_AN_ADAPTER or before.state in ("failed", "cancelled"):
@@ -82,3 +81,25 @@ def settle(table: JobTable, record: JobRecord, submission: JobSubmission) -> Set
         return Settled(failed=f"it starts from the adapter of job {before.id}, which ended {what} ({before.reason}); "
                               f"resume that job (`aspen resume {before.id}`), then this one")
     return Settled(waiting=f"waits for job {before.id} ({before.state}) to end: it starts from that job's adapter")
+
+
+def _from_folder(submission: JobSubmission, source: JobRecord) -> JobSubmission:
+    """`submission` starting from the folder of the adapter `source` ended with."""
+    job = submission.job.model_copy(update={"init_adapter": as_location(source.adapter_dir)})
+    return submission.model_copy(update={"job": job})
+
+
+def entered_as(table: JobTable, stored: JobSubmission, submission: JobSubmission) -> bool:
+    """Whether `stored` (a job's submission in the table) is `submission` as it was entered: the same, or with its
+    `job:<id>` replaced by that job's folder once that job ended (`settle`): a request repeated after a lost answer
+    finds its job even after the job it waited on has ended."""
+    if stored == submission:
+        return True
+    source = submission.job.init_adapter
+    if not isinstance(source, JobAdapter) or isinstance(stored.job.init_adapter, JobAdapter):
+        return False
+    try:
+        before = table.get(source.job)
+    except KeyError:
+        return False
+    return bool(before.adapter_dir) and _from_folder(submission, before) == stored

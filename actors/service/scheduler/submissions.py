@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from actors.service.accounts.users import User, UserBook, UserError
-from actors.service.scheduler.chained_jobs import chained
+from actors.service.scheduler.chained_jobs import chained, entered_as
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.data_roots import Location, as_root, data_problem
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
@@ -172,7 +172,7 @@ class Submissions:
             except KeyError:
                 found.append(None)
                 continue
-            if self.table.submission(job_id) != submission:
+            if not entered_as(self.table, self.table.submission(job_id), submission):
                 raise SubmissionConflict(f"job id {job_id} is taken by another job; submit again (the client "
                                          "picks new ids)")
             found.append(record)

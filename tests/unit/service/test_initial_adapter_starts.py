@@ -131,6 +131,17 @@ def test_submissions_read_a_users_adapter_only_where_they_may_and_refuse_one_tha
     assert str(core.table.submission(later.id).job.init_adapter) == f"job:{first.id}"
     settled = settle(core.table, later, core.table.submission(later.id))
     assert settled.waiting == f"waits for job {first.id} (queued) to end: it starts from that job's adapter"
+    # a batch repeated after a lost answer finds its job, also once the job it waited on ended and it was settled;
+    # the same ids with another job are still a conflict
+    from actors.service.scheduler.submissions import SubmissionConflict
+    batch = [JobSubmission(job=job_dict("chained", data, 5, init_adapter="job:own"), user="a")]
+    (entered,) = core.submit_many(batch, job_ids=["chained-1"])
+    core.table.set_state(first.id, "completed", "done", adapter_dir=str(own))
+    assert settle(core.table, entered, core.table.submission(entered.id)).submission.job.init_adapter == own
+    assert [record.id for record in core.submit_many(batch, job_ids=["chained-1"])] == ["chained-1"]
+    other = [JobSubmission(job=job_dict("chained", data, 6, init_adapter="job:own"), user="a")]
+    with pytest.raises(SubmissionConflict, match="job id chained-1 is taken by another job"):
+        core.submit_many(other, job_ids=["chained-1"])
     core.table.set_state(first.id, "cancelled", "cancelled by the user")
     assert settle(core.table, later, core.table.submission(later.id)).failed == (
         f"it starts from the adapter of job {first.id}, which ended cancelled (cancelled by the user); resume that job "

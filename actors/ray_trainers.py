@@ -99,6 +99,10 @@ class RayTrainers:
     def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int) -> RefCall:
         return RefCall(handle.generate.remote(job, prompt, max_new_tokens))
 
+    def try_saved(self, handle: Any, job: str, spec: Any, location: str, step: int, prompt: str,
+                  max_new_tokens: int) -> RefCall:
+        return RefCall(handle.try_saved.remote(job, spec, location, step, prompt, max_new_tokens))
+
     def shutdown(self, handle: Any) -> RefCall:
         return RefCall(handle.shutdown.remote())
 

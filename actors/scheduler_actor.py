@@ -31,6 +31,7 @@ from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
 from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners, build_listeners
+from actors.service.scheduler.chained_jobs import ENDED_WITH_AN_ADAPTER
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
 from actors.service.scheduler.held_jobs import HeldJobs, give_back_unheld
@@ -205,21 +206,27 @@ class SchedulerActor:
             return self.core.resume(key, reason)
 
     def generate(self, key: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
-        """"Try it": `prompt` continued by the running job's current adapter and by the base alone, on its
-        trainer between two steps (actors/service/trainer/try_adapter.py). ValueError for a job not running."""
+        """"Try it": `prompt` continued by the job's adapter and by the base alone, on a trainer between two steps
+        (actors/service/trainer/try_adapter.py): a running job's current adapter on its trainer, a finished job's
+        saved one on a trainer holding its base. ValueError for a job with neither."""
         with self.lock:
             record = self.table.find(key)
-            if record.state != "running" or record.trainer is None:
-                raise ValueError(f"job {record.id} is {record.state}, not running on a trainer: only a running job's "
-                                 "adapter can be tried here; a finished job's is in its output folder (`aspen "
-                                 "export`, then vLLM or PEFT)")
-            call = self.fleet.generate(record.trainer, record.id, prompt, max_new_tokens)
+            if record.state == "running" and record.trainer is not None:
+                call = self.fleet.generate(record.trainer, record.id, prompt, max_new_tokens)
+            elif record.state in ENDED_WITH_AN_ADAPTER and record.adapter_dir:
+                call = self.fleet.try_saved(record.id, self.table.submission(record.id).job,
+                                            (record.base_model, record.quantization), record.adapter_dir,
+                                            record.step, prompt, max_new_tokens)
+            else:
+                raise ValueError(f"job {record.id} is {record.state}: only a running job's adapter, or the one a job "
+                                 "ended with (completed or stopped early), can be tried")
         try:   # outside the lock: the service answers meanwhile
             return call.result(timeout=GENERATE_WAIT_S)
         except TrainerCallFailed as error:
             if isinstance(error.cause, ValueError):   # the request's (not on its steps now, a bad prompt)
                 raise ValueError(str(error.cause.args[0] if error.cause.args else error.cause)) from None
-            raise RuntimeError(f"trainer {record.trainer} could not generate: {error}") from None
+            where = f"trainer {record.trainer}" if record.state == "running" else "the trainer holding its base"
+            raise RuntimeError(f"{where} could not generate: {error}") from None
 
     def delete(self, key: str) -> None:
         with self.lock:

@@ -123,6 +123,10 @@ class TrainerActor:
         takes one call at a time): actors/service/trainer/try_adapter.py."""
         return self.loop.try_prompt(job_id, prompt, max_new_tokens)
 
+    def try_saved(self, job_id: str, spec: Any, location: str, step: int, prompt: str, max_new_tokens: int) -> dict:
+        """As `generate`, through the adapter a finished job saved at `location` (held for the call only)."""
+        return self.loop.try_saved(job_id, spec, location, step, prompt, max_new_tokens)
+
     # -- interactive models (the Tinker API's): actors/service/trainer/interactive_desk.py --------------------
     # Each call returns at once (the steps run on this actor's one thread): a model's call is queued and its
     # outcome taken later by the front that sent it (`tinker_take`).

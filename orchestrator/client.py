@@ -316,9 +316,10 @@ class Client:
         return self._request("resume", job, reason)
 
     def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
-        """"Try it": `prompt` continued greedily by the running job's current adapter and by the base alone, on
-        its trainer between two steps: `{"job", "step", "prompt", "adapter", "base", "prompt_tokens", "new_tokens",
-        "seconds"}`. ValueError for a job that is not running (queued, paused, ended)."""
+        """"Try it": `prompt` continued greedily by the job's adapter and by the base alone, on a trainer between two
+        steps: a running job's current adapter (on its trainer), a completed or early-stopped job's final one (on a
+        trainer holding its base): `{"job", "step", "prompt", "adapter", "base", "prompt_tokens", "new_tokens",
+        "seconds"}`. ValueError for a job with neither (queued, paused, failed, cancelled)."""
         return self._request("generate", job, prompt, max_new_tokens)
 
     def export(self, job: str, out: str | Path | None = None, *, merge: bool = False, force: bool = False,

@@ -12,7 +12,7 @@ client in this process.
     GET  /v1/jobs/{job}/transitions   its state history (time, state, reason)
     GET  /v1/jobs/{job}/adapter   its adapter as `aspen export` writes it (a PEFT folder), tar.gz (?checkpoint=true)
     GET  /v1/jobs/{job}/spec      its spec as a jobs file (YAML) that submits it again
-    POST /v1/jobs/{job}/generate  "try it": a prompt continued by a running job's adapter and by the base alone
+    POST /v1/jobs/{job}/generate  "try it": a prompt continued by a job's adapter (running or ended) and by the base
     GET  /v1/jobs/{job}/generations  an eval_generate evaluation's rows (?step=N; default the last): prompt,
                                   reference, the adapter's prediction, score; and every evaluated step
     POST /v1/sweeps               a sweep file (JSON or YAML): 201 with the sweep's status; the service runs it

@@ -280,8 +280,8 @@ class HttpClient:
         return _record(self._request("POST", _job_path(job, "/resume")))
 
     def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
-        """"Try it": `prompt` continued by the running job's current adapter and by the base alone (`Client.generate`);
-        `Conflict` for a job that is not running."""
+        """"Try it": `prompt` continued by the job's adapter (a running job's current one, a finished job's final one)
+        and by the base alone (`Client.generate`); `Conflict` for a job with neither."""
         return self._request("POST", _job_path(job, "/generate"), json={"prompt": prompt,
                                                                         "max_new_tokens": max_new_tokens})
 

@@ -130,9 +130,10 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
 
     @operation_route(api, "generate", tags=["jobs"])
     def generate(job: str, body: GenerateBody, caller: Caller = Depends(require_token)) -> Any:
-        """"Try it": the prompt continued greedily by the job's current adapter and by the base model alone, on
-        its trainer between two steps (the steps wait meanwhile). 409 for a job not running on a trainer (queued,
-        paused or ended: export a finished job's adapter and serve it with vLLM or PEFT instead)."""
+        """"Try it": the prompt continued greedily by the job's adapter and by the base model alone, on a trainer
+        between two steps (the steps wait meanwhile): a running job's current adapter on its trainer, a completed or
+        early-stopped job's final one on a trainer holding its base. 409 for a job with neither (queued, paused,
+        failed, cancelled) or whose base no trainer holds now."""
         def run(client: Any) -> dict[str, Any]:
             record = find_job(client, caller, job)
             answer = client.generate(record.id, body.prompt, body.max_new_tokens)

@@ -116,6 +116,9 @@ def shot(page, console: Console, name: str) -> None:
     page.screenshot(path=str(console.shots / f"{name}.png"))
 
 
+ENDED_AT_ONCE = "(no text: the first new token ended the answer)"   # as pages/job.js shows an empty answer
+
+
 def test_the_console_ships_every_asset_and_refers_to_no_other_host():
     """Every file the pages load is in the package folder, and none names another host (a licence banner
     comment aside): the console works offline."""
@@ -399,7 +402,7 @@ def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, 
 
 def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser):
     """A GRPO job's page has a reward chart whose numbers are the job's rows' rewards (GET /v1/jobs/{job}/losses,
-    the job table's copy of its metrics.jsonl); an SFT job's page has none."""
+    the job table's copy of its metrics.jsonl); an SFT job's page has none, and its ended adapter can be tried."""
     alice = console.http("alice")
     grpo = alice.submit(job_dict("alice-grpo", console.data, 3, method="grpo", batch_size=2, max_seq_len=64,
                                  grpo={"reward": "contains", "num_generations": 2, "max_new_tokens": 4}),
@@ -420,4 +423,13 @@ def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser):
     page.goto(f"{console.url}/#/jobs/{sft.id}")
     page.wait_for_selector("[data-chart=loss] figcaption")
     assert page.query_selector("[data-chart=objective]") is None
+    # a completed job's adapter is tried too: read from its folder on a trainer holding its base, for the call only
+    page.fill("#try-prompt", "Q: sql 3 and 9\nA:")
+    page.fill("#try-tokens", "6")
+    page.click(".try button[type=submit]")
+    page.wait_for_selector("#try-base")
+    answer = alice.generate(sft.id, "Q: sql 3 and 9\nA:", 6)   # greedy: the same continuation each time
+    assert answer["step"] == 2 and "as it ended" in page.text_content(".try figcaption")
+    assert page.text_content("#try-adapter") == (answer["adapter"] or ENDED_AT_ONCE)
+    assert page.text_content("#try-base") == (answer["base"] or ENDED_AT_ONCE)
     page.close()

@@ -23,6 +23,7 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_fit import trainer_view
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
+from actors.spec.job_spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class TrainerHandles(Protocol):
 
     def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int) -> TrainerCall:
         """Continue `prompt` by the job's adapter and by the base alone, between two of its steps."""
+
+    def try_saved(self, handle: Any, job: str, spec: JobSpec, location: str, step: int, prompt: str,
+                  max_new_tokens: int) -> TrainerCall:
+        """Continue `prompt` by the adapter a finished job saved at `location` and by the base alone."""
 
     def shutdown(self, handle: Any) -> TrainerCall:
         """Pause its jobs with a checkpoint and stop; answers its last events."""
@@ -213,6 +218,21 @@ class TrainerFleet:
         if slot is None or slot.handle is None or slot.status is None or slot.retired:
             raise ValueError(f"job {job} is on trainer {trainer_id}, which is not ready now; try again in a moment")
         return self.handles.generate(slot.handle, job, prompt, max_new_tokens)
+
+    def try_saved(self, job: str, spec: JobSpec, base: tuple[str, str], location: str, step: int, prompt: str,
+                  max_new_tokens: int) -> TrainerCall:
+        """Ask a ready single-device trainer holding the job's `base` (its base model and quantization; the least
+        loaded) to continue `prompt` by the adapter a finished job saved at `location`, between two of its steps.
+        ValueError where none holds it."""
+        base_model = base[0]
+        ready = [s for s in self.ready_statuses()
+                 if (s.base_model, s.quantization) == base and self.single_device(s.trainer_id)]
+        if not ready:
+            raise ValueError(f"no trainer holds job {job}'s base model {base_model} now: its adapter can be tried on "
+                             "one that does (`aspen trainers`), or exported (`aspen export`) and loaded with PEFT")
+        chosen = min(ready, key=lambda status: (len(status.jobs), status.trainer_id))
+        return self.handles.try_saved(self.slots[chosen.trainer_id].handle, job, spec, location, step, prompt,
+                                      max_new_tokens)
 
     def shutdown(self, timeout_s: float = 180.0) -> list[tuple[str, list[TrainerEvent]]]:
         """Stop the ready trainers (their running jobs pause with a checkpoint); each one's last events."""

@@ -50,8 +50,10 @@ from actors.service.trainer.step_engine import StepEngine
 from actors.service.trainer.step_log import StepLog
 from actors.service.trainer.trainer_commands import Commands
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerEvents, TrainerStatus
-from actors.service.trainer.try_adapter import try_adapter
+from actors.service.trainer.try_adapter import try_adapter, try_saved_adapter
+from actors.spec.job_spec import JobSpec
 from actors.storage.base_identity import base_identity
+from actors.storage.storage_uri import as_location
 from policies.base import StepComposer
 
 log = logging.getLogger(__name__)
@@ -165,6 +167,14 @@ class TrainerLoop:
         active = self.active.get(job_id)
         return try_adapter(self.base, {key: a.job.name for key, a in self.active.items()}, job_id,
                            active.job.step if active else 0, prompt, max_new_tokens)
+
+    def try_saved(self, job_id: str, spec: JobSpec, location: str, step: int, prompt: str,
+                  max_new_tokens: int) -> dict:
+        """As `try_prompt`, through the adapter a finished job saved in its folder (`location`), attached for the
+        call only (actors/service/trainer/try_adapter.py)."""
+        if self.trainer.generation_refusal is not None:
+            raise ValueError(f"trainer {self.trainer_id}: {self.trainer.generation_refusal}")
+        return try_saved_adapter(self.base, spec, as_location(location), job_id, step, prompt, max_new_tokens)
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:

@@ -1,16 +1,24 @@
-""""Try it": one prompt continued greedily through a running job's current adapter and through the base
-model alone, side by side, in one batch of the engine's generation path (actors/engine/generate.py). The
-trainer runs it between two fused steps (its actor takes one call at a time), so the adapter is exactly the
-one after the job's last step. Ray-free."""
+""""Try it": one prompt continued greedily through a job's adapter and through the base model alone, side by
+side, in one batch of the engine's generation path (actors/engine/generate.py). The trainer runs it between two
+fused steps (its actor takes one call at a time): a running job's adapter is exactly the one after its last step;
+a finished job's (`try_saved_adapter`) is read from its folder into a frozen adapter on the base for the call only,
+as a job's reference adapter is held (actors/engine/job_references.py), so no step and no other job sees it.
+Ray-free."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
+from actors.checkpoint.initial_adapter import start_from_adapter
+from actors.engine.adapter_surgery import add_adapter, remove_adapter
 from actors.engine.generate import greedy_generate_many
 from actors.engine.generation_eval import stop_token_ids
 from actors.engine.models import BaseModel
+from actors.spec.job_spec import JobSpec
+from actors.spec.saved_adapter import AdapterFileError
+from actors.storage.storage_uri import StorageURI
 
 MAX_NEW_TOKENS = 256      # per request: generation holds the trainer's steps meanwhile
 MAX_PROMPT_TOKENS = 1024
@@ -35,6 +43,31 @@ def try_adapter(base: BaseModel, adapters: dict[str, Any], job_id: str, step: in
     if job_id not in adapters:
         raise NotHere(f"job {job_id} is not on this trainer's steps now (it has not started here yet, or it has "
                       "just left); try again while it runs")
+    return _side_by_side(base, adapters[job_id], job_id, step, prompt, max_new_tokens)
+
+
+def try_saved_adapter(base: BaseModel, spec: JobSpec, location: str | Path | StorageURI, job_id: str, step: int,
+                      prompt: str, max_new_tokens: int) -> dict[str, Any]:
+    """As `try_adapter`, through the adapter a job saved at `location` (its folder; `spec`: the job's, whose `lora`
+    it has), attached for this call only. ValueError where the folder cannot be read or does not fit (nothing of it
+    stays on the base)."""
+    _prompt_ids(base, prompt, max_new_tokens)   # a bad request is refused before the adapter is read
+    name = f"{job_id}@try"
+    handle = add_adapter(base.model, name, spec.lora.model_copy(update={"dropout": 0.0}), seed=0)
+    try:
+        for parameter in handle.parameters():
+            parameter.requires_grad_(False)
+        try:
+            start_from_adapter(handle, location)
+        except AdapterFileError as error:
+            raise ValueError(f"job {job_id}'s adapter cannot be tried: {str(error).removeprefix('init_adapter: ')}"
+                             ) from None
+        return _side_by_side(base, name, job_id, step, prompt, max_new_tokens)
+    finally:
+        remove_adapter(base.model, name)
+
+
+def _prompt_ids(base: BaseModel, prompt: str, max_new_tokens: int) -> list[int]:
     if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise ValueError(f"max_new_tokens must be between 1 and {MAX_NEW_TOKENS}, got {max_new_tokens}")
     ids = list(base.tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -42,9 +75,15 @@ def try_adapter(base: BaseModel, adapters: dict[str, Any], job_id: str, step: in
         raise ValueError("the prompt is empty; write something for the adapter to continue")
     if len(ids) > MAX_PROMPT_TOKENS:
         raise ValueError(f"the prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS} are taken")
+    return ids
+
+
+def _side_by_side(base: BaseModel, adapter: str, job_id: str, step: int, prompt: str,
+                  max_new_tokens: int) -> dict[str, Any]:
+    ids = _prompt_ids(base, prompt, max_new_tokens)
     started = time.perf_counter()
     stops = stop_token_ids(base)
-    tuned, plain = greedy_generate_many(base, [(adapters[job_id], ids), (None, ids)], max_new_tokens, stops)
+    tuned, plain = greedy_generate_many(base, [(adapter, ids), (None, ids)], max_new_tokens, stops)
     return {"job": job_id, "step": step, "prompt": prompt, "adapter": _continuation(base, tuned, stops),
             "base": _continuation(base, plain, stops), "prompt_tokens": len(ids),
             "new_tokens": [len(tuned), len(plain)], "seconds": round(time.perf_counter() - started, 3)}

@@ -1,8 +1,9 @@
 // Job: its curves (loss and eval loss, learning rate, gradient norm, tokens/s) updated live from
 // /v1/events, its state transitions with reasons, its spec as YAML (and a clone of it), its checkpoint, the
 // adapter's folder with the vLLM / PEFT lines that serve it, and "try it": a prompt continued by the job's
-// current adapter and by the base alone, on its trainer between two steps; with eval_generate, what the adapter
-// wrote for each scored eval row at an evaluation (its generations.jsonl), beside the reference and the score.
+// current adapter (or the one it ended with) and by the base alone, on a trainer between two steps; with
+// eval_generate, what the adapter wrote for each scored eval row at an evaluation (its generations.jsonl), beside
+// the reference and the score.
 import { api, follow, jobPath } from "../api.js";
 import { lineChart } from "../charts.js";
 import { el, int, message, num, setView, stateBadge, table, when } from "../ui.js";
@@ -130,13 +131,15 @@ export function render(key, session) {
   // a continuation with no text: the model's first new token ended its answer (an end-of-text token)
   const ENDED_AT_ONCE = "(no text: the first new token ended the answer)";
   let tryOpen = null;   // whether the form is shown: redrawn only when the job starts or stops running
+  // a running job's current adapter, or the one a job ended with (on a trainer holding its base)
+  const triable = () => job.state === "running" || (["completed", "stopped_early"].includes(job.state) &&
+    Boolean(job.adapter_dir));
   function drawTry() {
-    tryOpen = job.state === "running";
-    if (!tryOpen) {   // only a job training on a trainer can be tried (the API answers 409 otherwise)
+    tryOpen = triable();
+    if (!tryOpen) {   // the API answers 409 for any other job
       tryIt.replaceChildren(el("h2", { id: "try-title", text: "Try it" }),
-        el("p", { class: "help", id: "try-note", text: `Try it works while the job trains on a trainer; this job is ` +
-          `${job.state}. ` + (["completed", "stopped_early"].includes(job.state)
-          ? `Export it (aspen export ${job.name}) and load it with PEFT or vLLM.` : "") }));
+        el("p", { class: "help", id: "try-note", text: `Try it works while the job trains, and on the adapter it ` +
+          `ends with; this job is ${job.state}.` }));
       return;
     }
     const prompt = el("textarea", { id: "try-prompt", rows: 3, placeholder: "a prompt to continue" });
@@ -144,12 +147,14 @@ export function render(key, session) {
     const out = el("div", { class: "try-out", "aria-live": "polite" });
     const run = async (event) => {
       event.preventDefault();
-      out.replaceChildren(message("Generating between two steps of its trainer…"));
+      out.replaceChildren(message(job.state === "running" ? "Generating between two steps of its trainer…"
+        : "Generating on a trainer holding its base…"));
       try {
         const answer = await api(jobPath(job.id, "/generate"), { method: "POST",
           body: { prompt: prompt.value, max_new_tokens: Number(tokens.value) } });
         out.replaceChildren(el("div", { class: "pair" },
-          el("figure", {}, el("figcaption", { text: `with the adapter (step ${answer.step})` }),
+          el("figure", {}, el("figcaption", { text: `with the adapter (step ${answer.step}` +
+            (job.state === "running" ? ")" : ", as it ended)") }),
             el("pre", { id: "try-adapter", text: answer.adapter || ENDED_AT_ONCE })),
           el("figure", {}, el("figcaption", { text: "the base alone" }),
             el("pre", { id: "try-base", text: answer.base || ENDED_AT_ONCE }))),
@@ -216,7 +221,7 @@ export function render(key, session) {
     try {
       job = await api(jobPath(job.id));
       drawHead();
-      if ((job.state === "running") !== tryOpen) drawTry();
+      if (triable() !== tryOpen) drawTry();
       drawFiles();
       await Promise.all([drawCurves(), drawHistory(), drawGenerations()]);
     } catch { /* the next event tries again */ } finally { busy = false; }

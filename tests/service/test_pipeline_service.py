@@ -19,6 +19,7 @@ from actors.service.pipeline.pipeline_engine import start_pipeline
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.local_run import train_locally
 from actors.service.trainer.trainer_loop import TrainerLoop
+from tests.helpers.peft_adapters import saved_peft_lora
 from tests.helpers.pipeline import one_thread_per_process
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle
@@ -92,20 +93,9 @@ def test_a_job_moved_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_pat
 def test_a_job_started_from_a_saved_adapter_on_a_pipeline_ends_as_on_one_device(tmp_path, tiny_model_dirs):
     """`init_adapter` on a pipeline trainer: the stages take the saved adapter (their shares of it), and the job
     ends with the adapter, metrics and config of the same job on one device, bit for bit."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
     model = str(tiny_model_dirs["llama"])
     targets = ["q_proj", "v_proj", "down_proj"]
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                                PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:   # a trained adapter's B is not PEFT's zeros
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    peft_model.save_pretrained(tmp_path / "saved")
+    saved_peft_lora(model, tmp_path / "saved", targets, seed=0)
     ends = {}
     for kind in ("single", "pipeline"):
         job = job_dict("continued", write_task_data(tmp_path / "data", "continued"), 4,
@@ -133,22 +123,11 @@ def test_a_dpo_job_from_a_saved_adapter_on_a_pipeline_compares_with_it_as_on_one
     """A dpo job starting from a saved adapter holds that adapter as its reference on a pipeline trainer too: each
     stage its share, in the reference passes only; the job ends with the adapter, metrics and config of the same job
     on one device, bit for bit, its first reward margin 0 (policy and reference the same adapter)."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from tests.helpers.pairs import ROWS
 
     model = str(tiny_model_dirs["llama"])
     targets = ["q_proj", "v_proj", "down_proj"]
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                                PeftLoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    peft_model.save_pretrained(tmp_path / "saved")
+    saved_peft_lora(model, tmp_path / "saved", targets, seed=1)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
     ends = {}

@@ -15,29 +15,13 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.trainer.trainer_loop import TrainerLoop
 from actors.spec.job_spec import JobSpec
 from actors.spec.saved_adapter import WEIGHTS_NAME
+from tests.helpers.peft_adapters import saved_peft_lora
 from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
 from tests.helpers.trainer import assignment_for, run_until_idle
 
 PROMPT = "Q: what is 3 and 9?\nA:"
 NEW_TOKENS = 8
 TARGETS = ["q_proj", "v_proj", "down_proj"]
-
-
-def peft_adapter(model_dir, folder):
-    """A PEFT LoRA with random nonzero B (so it changes what the model writes), saved by PEFT."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           PeftLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    model.save_pretrained(folder)
-    return folder
 
 
 def reference_text(model_dir, adapter, tokenizer, stops) -> str:
@@ -64,7 +48,7 @@ def test_a_saved_adapter_is_tried_between_steps_as_peft_continues_it(tmp_path, t
     from actors.engine.generation_eval import stop_token_ids
 
     model_dir = str(tiny_model_dirs["llama"])
-    saved = peft_adapter(model_dir, tmp_path / "saved")
+    saved = saved_peft_lora(model_dir, tmp_path / "saved", TARGETS, seed=5, scale=0.5)
     job_spec = JobSpec.model_validate(job_dict("finished", tmp_path / "unused.jsonl", 1,
                                                lora={"r": 4, "alpha": 8, "target_modules": TARGETS}))
     data = write_task_data(tmp_path / "data", "busy")

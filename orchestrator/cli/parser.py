@@ -26,6 +26,7 @@ from orchestrator.cli.service_commands import (
     cmd_status,
     cmd_stop,
     cmd_submit,
+    cmd_try,
     cmd_watch,
 )
 
@@ -130,7 +131,7 @@ def _add_service_commands(commands: Any) -> None:
 
 
 def _add_job_commands(commands: Any) -> None:
-    """losses, generations, submit, status, watch, report, cancel, pause, resume, stop."""
+    """losses, generations, try, submit, status, watch, report, cancel, pause, resume, stop."""
     losses = with_url(with_address(commands.add_parser("losses", help="a job's loss history: one row per optimizer "
                                                                     "step (loss, eval loss, a GRPO job's reward, a "
                                                                     "preference job's margin, lr, grad norm, "
@@ -148,6 +149,15 @@ def _add_job_commands(commands: Any) -> None:
     generations.add_argument("--step", type=int, help="the evaluation after this step (default: the last)")
     with_json(generations, "the evaluation (steps, step, rows)")
     generations.set_defaults(handler=cmd_generations)
+
+    try_it = with_url(with_address(commands.add_parser(
+        "try", help="a prompt continued greedily by a job's adapter (a running job's current one, a finished job's "
+                    "final one) and by the base alone, side by side, on a trainer of the running service")))
+    try_it.add_argument("job", help="job id (or a unique job name)")
+    try_it.add_argument("prompt", help="the text to continue (the job's own prompt template is not applied)")
+    try_it.add_argument("--max-new-tokens", type=int, default=64, help="new tokens at most (1-256, default 64)")
+    with_json(try_it, "the answer (job, step, adapter, base, token counts, seconds)")
+    try_it.set_defaults(handler=cmd_try)
 
     submit = with_url(with_address(commands.add_parser("submit", help="submit the jobs of a jobs YAML file")))
     submit.add_argument("file")

@@ -144,6 +144,20 @@ def cmd_losses(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_try(args: argparse.Namespace) -> int:
+    """"Try it": the prompt continued greedily by the job's adapter (a running job's current one, a finished job's
+    final one) and by the base alone, on a trainer of the running service."""
+    answer = connect_service(args).generate(args.job, args.prompt, args.max_new_tokens)
+    if args.json:
+        print(json.dumps(answer, indent=1))
+        return 0
+    ended = "the first new token ended the answer"
+    print(f"{answer['job']} (step {answer['step']}), {answer['prompt_tokens']} prompt tokens, {answer['seconds']} s")
+    print(f"-- with the adapter ({answer['new_tokens'][0]} new tokens):\n{answer['adapter'] or '(' + ended + ')'}")
+    print(f"-- the base alone ({answer['new_tokens'][1]} new tokens):\n{answer['base'] or '(' + ended + ')'}")
+    return 0
+
+
 def cmd_generations(args: argparse.Namespace) -> int:
     """An eval_generate evaluation's rows: what the adapter wrote for each held-out prompt, against the reference,
     with its score (the last evaluation, or the one after --step)."""

@@ -20,6 +20,7 @@ import pytest
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
+from orchestrator.cli.main import main
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import HttpClient
@@ -400,7 +401,7 @@ def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, 
     page.close()
 
 
-def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser):
+def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser, monkeypatch, capsys):
     """A GRPO job's page has a reward chart whose numbers are the job's rows' rewards (GET /v1/jobs/{job}/losses,
     the job table's copy of its metrics.jsonl); an SFT job's page has none, and its ended adapter can be tried."""
     alice = console.http("alice")
@@ -433,3 +434,11 @@ def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser):
     assert page.text_content("#try-adapter") == (answer["adapter"] or ENDED_AT_ONCE)
     assert page.text_content("#try-base") == (answer["base"] or ENDED_AT_ONCE)
     page.close()
+    # `aspen try` over the HTTP API: the same answer; a job with no adapter to try is refused, saying why
+    monkeypatch.setenv("ASPEN_TOKEN", console.tokens["alice"])
+    assert main(["try", sft.id, "Q: sql 3 and 9\nA:", "--max-new-tokens", "6", "--url", console.url, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["adapter"], printed["base"], printed["step"]) == (answer["adapter"], answer["base"], 2)
+    waiting = alice.submit(job_dict("alice-waits", console.data, 2), base_model=NOBODYS_MODEL)
+    assert main(["try", waiting.id, "hello", "--url", console.url]) != 0
+    assert f"job {waiting.id} is queued: only a running job's adapter" in capsys.readouterr().err

@@ -145,7 +145,8 @@ class CallBlock:
                 ids.extend(datum.tokens)
             segments.append((call.adapter, offset + start, offset + len(ids)))
         positions = [position for start, end in sequences for position in range(end - start)]
-        targets = torch.cat([datum.inputs["target_tokens"].long() for call in calls for datum in call.datums])
+        targets = torch.cat([datum.inputs["target_tokens"].long().reshape(-1)   # (N, K) top-k targets row by row
+                             for call in calls for datum in call.datums])
         return CallBlock(ids, positions, tuple(segments), tuple(sequences), targets)
 
 
@@ -185,7 +186,9 @@ def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], c
     `CallBlock` order; `targets`: the block's target tokens on hidden's device)."""
     device = hidden.device
     head = base.lm_head
-    logprobs = target_log_probs(hidden, head.weight, head.bias, targets, transform=base.logit_transform)
+    rows = _target_rows(calls)
+    at = hidden if rows is None else hidden.index_select(0, rows.to(device))   # a position's row once per target
+    logprobs = target_log_probs(at, head.weight, head.bias, targets, transform=base.logit_transform)
     losses = CallLosses(None, [], [], [])
     offset = 0
     for call, config in zip(calls, configs, strict=True):
@@ -193,9 +196,10 @@ def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], c
         losses.logprobs.append([])
         losses.elementwise.append([])
         for datum in call.datums:
-            length = len(datum.tokens)
-            datum_logprobs = logprobs[offset:offset + length]
-            offset += length
+            shape = datum.inputs["target_tokens"].shape   # (N,), or (N, K): K targets a position
+            count = shape.numel()
+            datum_logprobs = logprobs[offset:offset + count].reshape(shape)
+            offset += count
             inputs = {name: value.to(device=device, dtype=torch.float32)
                       for name, value in datum.inputs.items() if name != "target_tokens"}
             elementwise = LOSS_FUNCTIONS[call.loss_fn](datum_logprobs, inputs, config)
@@ -206,6 +210,21 @@ def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], c
         losses.sums.append(call_loss)
         losses.total = call_loss if losses.total is None else losses.total + call_loss
     return losses
+
+
+def _target_rows(calls: list[ModelCall]) -> torch.Tensor | None:
+    """The hidden row of each target in `CallBlock` order where a datum has K > 1 targets a position (cross_entropy's
+    top-k distillation: its position's row K times, so the head scores each of them); None where every datum has
+    one target a position (the hidden states as they are)."""
+    shapes = [datum.inputs["target_tokens"].shape for call in calls for datum in call.datums]
+    if all(len(shape) == 1 for shape in shapes):
+        return None
+    rows, start = [], 0
+    for shape in shapes:
+        positions = torch.arange(start, start + shape[0])
+        rows.append(positions if len(shape) == 1 else positions.repeat_interleave(shape[1]))
+        start += shape[0]
+    return torch.cat(rows)
 
 
 def split_passes(calls: list[ModelCall], max_tokens: int | None) -> list[list[tuple[int, ModelCall]]]:

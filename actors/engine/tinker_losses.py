@@ -1,8 +1,10 @@
 """The Tinker API's loss functions, token by token, as its SDK documents them: each takes the model's
 log-probabilities of a datum's target tokens (`target_logprobs`, shape (N,), differentiable), the datum's
 `loss_fn_inputs` (tensors of shape (N,)) and the call's `loss_fn_config`, and returns the elementwise loss
-(N,). A call's loss is the plain sum of its datums' elementwise losses: Tinker sums over tokens and datums
-and never takes a mean (aspen's own jobs do: the mean over a job's target tokens).
+(N,). cross_entropy also takes K targets a position (top-k distillation): target_tokens and weights (N, K),
+its log-probabilities and elementwise loss (N, K), -sum over t, k of w[t, k] log p(x[t, k]). A call's loss is
+the plain sum of its datums' elementwise losses: Tinker sums over tokens and datums and never takes a mean
+(aspen's own jobs do: the mean over a job's target tokens).
 
 - cross_entropy: -target_logprobs * weights
 - importance_sampling: -exp(target_logprobs - logprobs) * advantages (`logprobs`: the sampler's)
@@ -95,10 +97,16 @@ def loss_config(loss_fn: str, given: Mapping[str, float] | None) -> dict[str, fl
 
 
 def check_inputs(loss_fn: str, inputs: Mapping[str, Tensor], length: int, datum: int) -> None:
-    """Each input the loss function reads is present with one value per input token."""
+    """Each input the loss function reads is present with one value per input token: shape (N,), or for
+    cross_entropy (top-k distillation) target_tokens and weights of one shape (N, K), K targets a position."""
     for name in ("target_tokens", *INPUTS[loss_fn]):
         if name not in inputs:
             raise LossInputError(f"datum {datum}: loss_fn_inputs lacks '{name}', which {loss_fn} reads")
-        if inputs[name].shape != (length,):
+    shape = tuple(inputs["target_tokens"].shape)
+    top_k = loss_fn == "cross_entropy" and len(shape) == 2 and shape[0] == length and shape[1] >= 1
+    for name in ("target_tokens", *INPUTS[loss_fn]):
+        if tuple(inputs[name].shape) != (shape if top_k else (length,)):
+            wanted = f"target_tokens' {shape}" if top_k else f"one value per model_input token ({length},)"
             raise LossInputError(f"datum {datum}: loss_fn_inputs '{name}' has shape {tuple(inputs[name].shape)}; "
-                                 f"it needs one value per model_input token ({length},)")
+                                 f"it needs {wanted}" + ("" if loss_fn != "cross_entropy" else
+                                                         " (or (N, K) top-k targets with weights of that shape)"))

@@ -2,8 +2,9 @@
 sampler_weights/<name>`, or on the base alone), `GET samplers/{id}`, and `asample`, whose calls from every
 user are decoded together (actors/service/trainer/interactive_calls.py, actors/engine/tinker_sampling.py).
 `stop` as the SDK defines it: None stops at the base's end-of-sequence token, [] never, token ids or strings
-at those. Top-k log-probabilities, prompt alternatives and target prompt log-probabilities are refused (the
-SDK checks for what it asked), naming the parameter."""
+at those. The prompt's log-probabilities, its top-k (`topk_prompt_logprobs`, top-k distillation's teacher) and the
+sampled tokens' top-k, over the whole prompt or its last `prompt_logprobs_last_n` tokens; prompt alternatives and
+target prompt log-probabilities are refused (the SDK checks for what it asked), naming the parameter."""
 
 from __future__ import annotations
 
@@ -68,13 +69,13 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
 
 def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None) -> SampleCall:
     """The request as aspen's sampling call; a parameter aspen does not serve refused (422), naming it."""
-    unserved = [name for name, asked in (("topk_prompt_logprobs", body.topk_prompt_logprobs),
-                                         ("topk_sample_logprobs", body.topk_sample_logprobs),
-                                         ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
-                                         ("target_prompt_logprobs", body.target_prompt_logprobs),
-                                         ("prompt_logprobs_last_n", body.prompt_logprobs_last_n)) if asked]
+    unserved = [name for name, asked in (("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+                                         ("target_prompt_logprobs", body.target_prompt_logprobs)) if asked]
     if unserved:
         raise HTTPException(422, f"{', '.join(unserved)}: not served by aspen's sampler")
+    if body.prompt_logprobs_last_n is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
+        raise HTTPException(422, "prompt_logprobs_last_n scores the prompt's last tokens: ask for prompt_logprobs "
+                                 "(or topk_prompt_logprobs) too")
     tokens: list[int] = []
     for chunk in body.prompt.chunks:
         if getattr(chunk, "type", None) != "encoded_text":
@@ -97,4 +98,6 @@ def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None)
         raise HTTPException(422, f"max_tokens must be 1..{MAX_SAMPLE_TOKENS} and num_samples 1..{MAX_SAMPLES}")
     return SampleCall(adapter, tuple(tokens), num_samples=body.num_samples, max_tokens=max_tokens,
                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-                      stop_tokens=stop_tokens, stop_texts=stop_texts, prompt_logprobs=bool(body.prompt_logprobs))
+                      stop_tokens=stop_tokens, stop_texts=stop_texts, prompt_logprobs=bool(body.prompt_logprobs),
+                      topk_prompt=body.topk_prompt_logprobs or 0, topk_sample=body.topk_sample_logprobs or 0,
+                      prompt_last_n=body.prompt_logprobs_last_n)

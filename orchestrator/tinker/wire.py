@@ -1,8 +1,8 @@
 """The Tinker API's protobuf bodies, read and written with the SDK's own schema (`tinker.proto`): a
 `forward_backward` request (optionally zstd-compressed) into aspen's `ModelCall` of `CallDatum`s, and a call's
-outputs into the `ForwardBackwardOutput` message its SDK decodes (one record per datum: `logprobs` and
-`elementwise_loss`, each as long as the datum's targets; the metric `loss:sum`). Only text model inputs are
-taken: an image or dmel chunk is refused, naming the datum."""
+outputs into the `ForwardBackwardOutput` message its SDK decodes (per datum `logprobs` and `elementwise_loss`,
+each of its targets' shape: (N,), or (N, K) for cross_entropy's top-k targets; the metric `loss:sum`). Only text
+model inputs are taken: an image or dmel chunk is refused, naming the datum."""
 
 from __future__ import annotations
 
@@ -68,7 +68,10 @@ def read_forward_backward(body: bytes, adapter_of: Callable[[str], str]) -> Forw
                 values = _tensor_data_from_proto(tensor).to_torch()
             except (ValueError, RuntimeError) as error:
                 raise WireError(f"datum {index}: loss_fn_inputs '{name}': {error}") from None
-            inputs[name] = values.reshape(-1) if values.dim() != 1 else values
+            if values.dim() > 2:
+                raise WireError(f"datum {index}: loss_fn_inputs '{name}' has shape {tuple(values.shape)}; aspen takes "
+                                "(N,) or, for cross_entropy's top-k targets, (N, K)")
+            inputs[name] = values   # (N,), or (N, K): cross_entropy's top-k targets and their weights
         datums.append(CallDatum(tuple(tokens), inputs))
     if message.loss_fn_config_v2:
         config = {}
@@ -84,34 +87,64 @@ def read_forward_backward(body: bytes, adapter_of: Callable[[str], str]) -> Forw
 
 
 def _batched(arrays: list[torch.Tensor]) -> pb.BatchedTensor:
+    """Datums' arrays of one trailing shape ((N,) each, or (N, K) with the same K) as one BatchedTensor."""
     values = [array.detach().float().contiguous().numpy() for array in arrays]
     offsets = np.cumsum([0] + [value.nbytes for value in values]).astype(np.int64)
     return pb.BatchedTensor(data=b"".join(value.tobytes() for value in values), offsets=offsets.tobytes(),
-                            dtype=pb.DTYPE_FLOAT32)
+                            dtype=pb.DTYPE_FLOAT32, trailing_shape=list(arrays[0].shape[1:]) if arrays else [])
 
 
 def write_output(output: CallOutput) -> bytes:
-    """The call's outputs as the SDK's ForwardBackwardOutput message."""
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(output.logprobs))
-    record.fields["logprobs"].CopyFrom(_batched(output.logprobs))
-    record.fields["elementwise_loss"].CopyFrom(_batched(output.elementwise_loss))
+    """The call's outputs as the SDK's ForwardBackwardOutput message: one ArrayRecord per run of datums whose
+    outputs share a trailing shape (top-k targets of another K start a new one, as the SDK reads ragged outputs)."""
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    message.loss_fn_outputs.append(record)
+    start = 0
+    while start < len(output.logprobs):
+        end = start + 1
+        shape = output.logprobs[start].shape[1:]
+        while end < len(output.logprobs) and output.logprobs[end].shape[1:] == shape:
+            end += 1
+        record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=end - start)
+        record.fields["logprobs"].CopyFrom(_batched(output.logprobs[start:end]))
+        record.fields["elementwise_loss"].CopyFrom(_batched(output.elementwise_loss[start:end]))
+        message.loss_fn_outputs.append(record)
+        start = end
     for key, value in output.metrics.items():
         message.metrics[key] = value
     return message.SerializeToString()
 
 
+TOPK_EMPTY = (0, -99999.0)   # the SDK's sentinel for a cell without a token (tinker.types.topk_logprobs)
+
+
+def _topk(rows: list[tuple[list[int], list[float]] | None]) -> pb.TopkLogprobs:
+    """Positions' top-k as the SDK's dense (length, k) matrices; an unscored position (None) all sentinels."""
+    k = max((len(row[0]) for row in rows if row is not None), default=0)
+    ids = np.full((len(rows), k), TOPK_EMPTY[0], dtype="<i4")
+    logprobs = np.full((len(rows), k), TOPK_EMPTY[1], dtype="<f4")
+    for index, row in enumerate(rows):
+        if row is not None:
+            ids[index, :len(row[0])], logprobs[index, :len(row[1])] = row[0], row[1]
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))
+
+
 def write_samples(result: SampleResult) -> bytes:
     """A sampling call's result as the SDK's SampleResponse message: each sequence's tokens (int32), their
-    log-probabilities (float32) and why it ended; the prompt's log-probabilities (NaN at position 0)."""
+    log-probabilities (float32), why it ended and with topk_sample_logprobs each token's top-k; the prompt's
+    log-probabilities (NaN where unscored: position 0, and before its last n with prompt_logprobs_last_n) and
+    its top-k."""
     message = pb.SampleResponse()
     for sequence in result.sequences:
-        message.sequences.append(pb.SampledSequence(
+        sampled = pb.SampledSequence(
             stop_reason=pb.STOP_REASON_STOP if sequence.stop_reason == "stop" else pb.STOP_REASON_LENGTH,
             tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
-            logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes()))
+            logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes())
+        if sequence.topk:
+            sampled.topk_sampled_logprobs.CopyFrom(_topk(list(sequence.topk)))
+        message.sequences.append(sampled)
     if result.prompt_logprobs is not None:
         values = [np.nan if value is None else value for value in result.prompt_logprobs]
         message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    if result.topk_prompt is not None:
+        message.topk_prompt_logprobs.CopyFrom(_topk(result.topk_prompt))
     return message.SerializeToString()

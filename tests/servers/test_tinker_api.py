@@ -8,6 +8,7 @@ again); a session that stops beating ends, and its models leave the base."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -230,6 +231,66 @@ def test_sampling_from_saved_weights_through_the_sdk(server):
     direct = training.save_weights_and_get_sampling_client("s2")   # the same weights, its own session
     assert direct.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result(
         ).sequences[0].tokens == expected.sequences[0].tokens
+    client.close("success").result()
+
+
+def test_top_k_distillation_through_the_sdk_as_the_cookbooks_sdft_does_it(server):
+    """A teacher's top-k prompt log-probabilities (`topk_prompt_logprobs`, the base as teacher) and a student's
+    cross_entropy over (N, K) targets weighted by the teacher's renormalised probabilities, through the SDK: the
+    teacher's rows are aspen's sampler's on the same base, the student's (N, K) log-probabilities and loss are the
+    engine's, and after its optimizer step its weights equal the engine's bit for bit."""
+    from actors.engine.tinker_sampling import SampleCall, sample
+
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    prompt = [5, 17, 3, 99, 42, 7, 11, 64]
+    teacher = client.create_sampling_client(base_model=BASE)
+    answer = teacher.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=1),
+                            include_prompt_logprobs=True, topk_prompt_logprobs=4).result()
+    base = from_module(tiny_model("llama", VOCAB), None)
+    (expected,) = sample(base, [SampleCall(None, tuple(prompt), max_tokens=1, prompt_logprobs=True, topk_prompt=4)])
+    rows = answer.topk_prompt_logprobs
+    assert rows[0] is None and len(rows) == len(prompt)
+    assert [[token for token, _ in row] for row in rows[1:]] == [ids for ids, _ in expected.topk_prompt[1:]]
+    assert [[value for _, value in row] for row in rows[1:]] == [
+        np.float32(values).tolist() for _, values in expected.topk_prompt[1:]]
+
+    # the student learns position t's targets (the teacher's top-k for prompt[t + 1]) at input position t
+    targets = torch.tensor([[token for token, _ in row] for row in rows[1:]] + [[0] * 4])
+    weights = torch.tensor([[value for _, value in row] for row in rows[1:]] + [[-1e9] * 4]).softmax(-1)
+    weights[-1] = 0.0
+    datum = types.Datum(model_input=types.ModelInput.from_ints(prompt),
+                        loss_fn_inputs={"target_tokens": types.TensorData.from_torch(targets),
+                                        "weights": types.TensorData.from_torch(weights)})
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    result = training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    saved = training.save_weights_for_sampler("student").result()
+    reference = InteractiveModel(base, adapter_name("reference"), 4)
+    (output,) = run_calls(base, [ModelCall(reference.name, (CallDatum(tuple(prompt), {
+        "target_tokens": targets, "weights": weights}),))], backward=True)
+    reference.optim_step(AdamStep(**ADAM))
+    logprobs = result.loss_fn_outputs[0]["logprobs"]
+    assert logprobs.shape == [len(prompt), 4]
+    assert torch.equal(logprobs.to_torch(), output.logprobs[0])
+    assert result.metrics["loss:sum"] == pytest.approx(output.loss_sum, rel=1e-6)
+    written = saved_weights(backend, saved.path)
+    for name, value in adapter_state_dict(reference.adapter).items():
+        assert torch.equal(written[name], value), name
+
+    # the cookbook's own SDFT step builds its (N, K) datums from aspen's teacher answers, and they train
+    sdft = pytest.importorskip("tinker_cookbook.distillation.sdft")
+    completion = [21, 8, 30, 2, 77, 19]
+    student = prompt[:3] + completion   # the student saw a shorter prompt; the teacher conditions on the whole one
+    rollout = types.Datum(model_input=types.ModelInput.from_ints(student[:-1]), loss_fn_inputs={
+        "target_tokens": types.TensorData.from_torch(torch.tensor(student[1:])),
+        "mask": types.TensorData.from_torch(torch.tensor([0.0] * 2 + [1.0] * len(completion)))})
+    built, metrics = asyncio.run(sdft.build_topk_distillation_datums(
+        [rollout], [{"group_idx": 0}], teacher, [types.ModelInput.from_ints(prompt)], topk=4, skip_first_n_tokens=1))
+    targets = built[0].loss_fn_inputs["target_tokens"].to_torch()
+    assert targets.shape == (len(student) - 1, 4) and float(built[0].loss_fn_inputs["weights"].to_torch().sum()) > 0
+    result = training.forward_backward(built, "cross_entropy").result()
+    assert result.loss_fn_outputs[0]["logprobs"].shape == [len(student) - 1, 4] and result.metrics["loss:sum"] > 0
     client.close("success").result()
 
 

@@ -81,6 +81,60 @@ def test_a_call_equals_peft_one_datum_at_a_time():
             expected.abs().max())), name
 
 
+def top_k_datum(seed: int, length: int, k: int) -> CallDatum:
+    """A top-k distillation datum: K target tokens a position, weights a teacher's renormalised probabilities."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (length,), generator=generator)
+    targets = torch.stack([torch.randperm(VOCAB, generator=generator)[:k] for _ in range(length)])
+    weights = torch.softmax(torch.randn(length, k, generator=generator), dim=-1)
+    weights[0] = 0.0   # a position the recipe leaves out (the prompt's)
+    return CallDatum(tuple(tokens.tolist()), {"target_tokens": targets, "weights": weights})
+
+
+def test_top_k_targets_give_peft_s_log_probabilities_loss_and_gradients():
+    """cross_entropy with (N, K) target_tokens and weights (Tinker's top-k distillation): the (N, K) log-probabilities
+    of the targets, -sum w log p, and its gradients as PEFT's forward gives them; a datum of one target a position in
+    the same call is unchanged by its neighbour; mismatched shapes are refused, naming the datum and the shape."""
+    shared = base()
+    made = model(shared, "alice-0", 4, 1)
+    datums = (top_k_datum(1, 9, 3), datum(2, 11), top_k_datum(3, 6, 5))
+    (output,) = run_calls(shared, [ModelCall("alice-0", datums)], backward=True)
+    reference, weights = peft_twin(made)
+    config = reference.config
+    total = 0.0
+    for index, item in enumerate(datums):
+        logits = reference(input_ids=torch.tensor(item.tokens)[None]).logits[0].float()
+        targets = item.inputs["target_tokens"]
+        picked = torch.log_softmax(logits, dim=-1)
+        logprobs = picked.gather(1, targets[:, None])[:, 0] if targets.dim() == 1 else picked.gather(1, targets)
+        loss = (-(logprobs * item.inputs["weights"])).sum()
+        loss.backward()
+        total += float(loss)
+        assert output.logprobs[index].shape == targets.shape == output.elementwise_loss[index].shape
+        bound = rounding_tolerance(llama_chain_terms(config, sequence=len(item.tokens), tokens=len(item.tokens),
+                                                     backward=False), float(logprobs.abs().max()))
+        assert float((output.logprobs[index] - logprobs.detach()).abs().max()) <= bound
+    assert output.loss_sum == pytest.approx(total, rel=1e-4)
+    terms = llama_chain_terms(config, sequence=11, tokens=26)
+    for name, parameter in made.adapter.named_parameters():
+        expected = weights[name].grad
+        assert float(expected.abs().max()) > 1e-6, name
+        assert float((parameter.grad - expected).abs().max()) <= rounding_tolerance(terms, float(
+            expected.abs().max())), name
+    clear(made)
+    bad = top_k_datum(4, 5, 3)
+    bad.inputs["weights"] = torch.ones(5)
+    with pytest.raises(LossInputError, match=r"datum 1: loss_fn_inputs 'weights' has shape \(5,\); it needs "
+                                             r"target_tokens' \(5, 3\)"):
+        run_calls(shared, [ModelCall("alice-0", (datum(5, 4), bad))], backward=True)
+    with pytest.raises(LossInputError, match=r"'target_tokens' has shape \(5, 3\); it needs one value per "
+                                             r"model_input token \(5,\)"):
+        run_calls(shared, [ModelCall("alice-0", (CallDatum(bad.tokens, {**top_k_datum(4, 5, 3).inputs,
+                                                                         "logprobs": torch.zeros(5, 3),
+                                                                         "advantages": torch.zeros(5, 3)}),),
+                                     "importance_sampling")], backward=True)
+
+
 def test_an_optimizer_step_is_adamws_first_update_with_the_given_settings():
     shared = base()
     made = model(shared, "alice-0", 4, 1)

@@ -98,3 +98,37 @@ def test_bad_parameters_are_refused_naming_them(setup):
         sample(base, [SampleCall("alice-0", (VOCAB + 1,))])
     with pytest.raises(ValueError, match="stop strings need the base's tokenizer"):
         sample(base, [SampleCall("alice-0", PROMPT, stop_texts=("\n",))])
+
+
+def test_top_k_of_the_prompt_and_of_each_sampled_token_are_the_forward_pass_s(setup):
+    """topk_prompt (top-k distillation's teacher), topk_sample and prompt_last_n against log_softmax of the merged
+    PEFT model's forward: the k likeliest tokens at each position with their log-probabilities, unscored positions
+    None; a last_n outside the prompt is refused."""
+    base, model = setup
+    (result,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=5, seed=3, prompt_logprobs=True,
+                                         topk_prompt=4, topk_sample=3, prompt_last_n=3)])
+    merged = peft_reference(model)
+    sequence = result.sequences[0]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(merged(torch.tensor([PROMPT + tuple(sequence.tokens)])).logits[0].float(), -1)
+    bound = rounding_tolerance(llama_chain_terms(merged.config, sequence=len(PROMPT) + 5, tokens=1, backward=False),
+                               float(logprobs.abs().max()))
+    first = len(PROMPT) - 3
+    assert result.prompt_logprobs[:first] == [None] * first and result.topk_prompt[:first] == [None] * first
+    assert len(result.prompt_logprobs) == len(result.topk_prompt) == len(PROMPT)
+    for position in range(first, len(PROMPT)):
+        values, ids = logprobs[position - 1].topk(4)
+        ours_ids, ours_values = result.topk_prompt[position]
+        assert ours_ids == ids.tolist(), position
+        assert max(abs(a - b) for a, b in zip(ours_values, values.tolist(), strict=True)) <= bound
+        assert abs(result.prompt_logprobs[position] - float(logprobs[position - 1, PROMPT[position]])) <= bound
+    assert len(sequence.topk) == len(sequence.tokens) == 5
+    for index, (ours_ids, ours_values) in enumerate(sequence.topk):
+        values, ids = logprobs[len(PROMPT) - 1 + index].topk(3)
+        assert ours_ids == ids.tolist()
+        assert max(abs(a - b) for a, b in zip(ours_values, values.tolist(), strict=True)) <= bound
+    (only_topk,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=1, topk_prompt=2)])
+    assert only_topk.prompt_logprobs is None and only_topk.topk_prompt[0] is None
+    assert len(only_topk.topk_prompt) == len(PROMPT) and not only_topk.sequences[0].topk
+    with pytest.raises(ValueError, match=r"prompt_logprobs_last_n must be 1..5"):
+        sample(base, [SampleCall("alice-0", PROMPT, prompt_logprobs=True, prompt_last_n=len(PROMPT))])

@@ -11,6 +11,9 @@ the plain sum of its datums' elementwise losses: Tinker sums over tokens and dat
 - ppo: -min(ratio * A, clamp(ratio, clip_low_threshold, clip_high_threshold) * A), bounds 0.8 and 1.2
 - cispo: -clamp(ratio, low, high).detach() * target_logprobs * A, bounds 0.0 and 4.0
 - dro: -(target_logprobs * A - beta / 2 * (target_logprobs - logprobs) ** 2), `beta` required
+- gspo (GSPO-token, Zheng et al. 2025): PPO's objective with every token's ratio the sequence's, the geometric mean
+  of the ratios over the tokens `sequence_ratio_mask` marks, each token with its own log-probability's gradient;
+  bounds 1 - 3e-4 and 1 + 4e-4 by default (the paper's clipping ranges: Tinker's documentation gives no default)
 
 The reinforcement-learning losses read `weights` nowhere (as the SDK's documented code): advantages are
 what masks a prompt's tokens (0 there)."""
@@ -31,6 +34,7 @@ INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
 }
 CONFIG: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},
@@ -38,6 +42,7 @@ CONFIG: dict[str, dict[str, float | None]] = {
     "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
     "dro": {"beta": None},
+    "gspo": {"clip_low_threshold": 1.0 - 3e-4, "clip_high_threshold": 1.0 + 4e-4},
 }
 
 
@@ -73,9 +78,18 @@ def dro(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[s
     return -(target_logprobs * inputs["advantages"] - 0.5 * config["beta"] * drift * drift)
 
 
+def gspo(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
+    advantages = inputs["advantages"]
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    log_ratio = (target_logprobs.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())   # the sequence's value, own gradient
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
 LOSS_FUNCTIONS: dict[str, LossFunction] = {"cross_entropy": cross_entropy,
                                            "importance_sampling": importance_sampling, "ppo": ppo,
-                                           "cispo": cispo, "dro": dro}
+                                           "cispo": cispo, "dro": dro, "gspo": gspo}
 
 
 def loss_config(loss_fn: str, given: Mapping[str, float] | None) -> dict[str, float]:
@@ -102,6 +116,10 @@ def check_inputs(loss_fn: str, inputs: Mapping[str, Tensor], length: int, datum:
     for name in ("target_tokens", *INPUTS[loss_fn]):
         if name not in inputs:
             raise LossInputError(f"datum {datum}: loss_fn_inputs lacks '{name}', which {loss_fn} reads")
+    if loss_fn == "gspo" and inputs["sequence_ratio_mask"].shape == (length,) and not bool(
+            (inputs["sequence_ratio_mask"] != 0).any()):
+        raise LossInputError(f"datum {datum}: sequence_ratio_mask marks no token, so gspo has no sequence ratio; mark "
+                             "the sampled tokens (1 there)")
     shape = tuple(inputs["target_tokens"].shape)
     top_k = loss_fn == "cross_entropy" and len(shape) == 2 and shape[0] == length and shape[1] >= 1
     for name in ("target_tokens", *INPUTS[loss_fn]):

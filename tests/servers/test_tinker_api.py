@@ -377,30 +377,34 @@ def test_the_rest_client_lists_a_users_runs_and_checkpoints_and_deletes_one(serv
     client.close("success").result()
 
 
-def test_ppo_with_its_config_through_the_sdk_is_the_engines_ppo(server):
-    """The loss function and its config cross the wire as the SDK writes them (loss_fn_config_v2)."""
+@pytest.mark.parametrize("loss_fn, config", [("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+                                             ("gspo", None)])
+def test_an_rl_loss_with_its_config_through_the_sdk_is_the_engines(server, loss_fn, config):
+    """The loss function, its inputs and its config cross the wire as the SDK writes them (loss_fn_config_v2):
+    ppo with its bounds; gspo with its sequence_ratio_mask (the sampled tokens, as the cookbook's rl_loop marks them)
+    and its defaults."""
     url, backend, _ = server
     generator = np.random.default_rng(3)
     rows = []
     for _ in range(2):
         length = int(generator.integers(5, 15))
         tokens, targets = generator.integers(0, VOCAB, length).tolist(), generator.integers(0, VOCAB, length).tolist()
-        rows.append((tokens, targets, (-generator.random(length) * 5).astype(np.float32),
-                     generator.normal(size=length).astype(np.float32)))
+        inputs = {"logprobs": (-generator.random(length) * 5).astype(np.float32),
+                  "advantages": generator.normal(size=length).astype(np.float32)}
+        if loss_fn == "gspo":
+            inputs["sequence_ratio_mask"] = (np.arange(length) >= 2).astype(np.float32)   # after a 2-token prompt
+        rows.append((tokens, targets, inputs))
     data = [types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64), "logprobs": logprobs,
-                                        "advantages": advantages})
-            for tokens, targets, logprobs, advantages in rows]
-    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+                        loss_fn_inputs={"target_tokens": np.array(targets, dtype=np.int64), **inputs})
+            for tokens, targets, inputs in rows]
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     training = client.create_lora_training_client(base_model=BASE, rank=4).result()
-    result = training.forward_backward(data, "ppo", loss_fn_config=config).result()
+    result = training.forward_backward(data, loss_fn, loss_fn_config=config).result()
     base = from_module(tiny_model("llama", VOCAB), None)
     InteractiveModel(base, "reference", 4)
-    call = ModelCall("reference", tuple(CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets),
-                                                                  "logprobs": torch.from_numpy(logprobs),
-                                                                  "advantages": torch.from_numpy(advantages)})
-                                        for tokens, targets, logprobs, advantages in rows), "ppo", config)
+    call = ModelCall("reference", tuple(CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets), **{
+        name: torch.from_numpy(value) for name, value in inputs.items()}}) for tokens, targets, inputs in rows),
+        loss_fn, config)
     (expected,) = run_calls(base, [call], backward=True)
     assert result.metrics["loss:sum"] == expected.loss_sum
     for output, logprobs in zip(result.loss_fn_outputs, expected.logprobs, strict=True):

@@ -1,7 +1,8 @@
 """The Tinker API's loss functions (actors/engine/tinker_losses.py) against hand-computed values on fixed
 log-probabilities, sampling log-probabilities and advantages: the losses, and their gradients with respect to
 the model's log-probabilities (what flows back into the adapters), worked out by hand from the SDK's
-definitions (ratio r = exp(lp - q); ppo's min of the clipped and unclipped terms; cispo's detached clip)."""
+definitions (ratio r = exp(lp - q); ppo's min of the clipped and unclipped terms; cispo's detached clip; gspo's
+sequence ratio)."""
 
 from __future__ import annotations
 
@@ -75,13 +76,34 @@ def test_dro_penalises_the_squared_drift():
     assert grad == pytest.approx([-(a - 0.5 * (lp - q)) for lp, q, a in zip(LP, Q, A, strict=True)], rel=1e-14)
 
 
+def test_gspo_gives_every_token_the_sequences_ratio_and_its_own_gradient():
+    """GSPO-token as Tinker documents it: s = exp(mean over the masked tokens of lp - q), every token's ratio s in
+    value with d ratio / d lp = s; PPO's pessimistic min with the clipped s (the paper's bounds by default)."""
+    logprobs = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    mask = [0.0, 1.0, 1.0, 1.0]   # token 0 is the prompt's: outside the sequence ratio
+    inputs = {"logprobs": torch.tensor(Q, dtype=torch.float64), "advantages": torch.tensor(A, dtype=torch.float64),
+              "sequence_ratio_mask": torch.tensor(mask, dtype=torch.float64)}
+    config = loss_config("gspo", None)
+    assert config == pytest.approx({"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4}, rel=1e-15)
+    loss = LOSS_FUNCTIONS["gspo"](logprobs, inputs, config)
+    loss.sum().backward()
+    s = math.exp(sum(lp - q for lp, q, m in zip(LP, Q, mask, strict=True) if m) / 3)   # 0.9355: below the low bound
+    low = 1 - 3e-4
+    # A > 0: min(sA, low A) = sA, unclipped, gradient -sA; A < 0 (token 1): min(sA, low A) = low A, clipped: none
+    assert loss.tolist() == pytest.approx([-s * A[0], -low * A[1], -s * A[2], -s * A[3]], rel=1e-14)
+    assert logprobs.grad.tolist() == pytest.approx([-s * A[0], 0.0, -s * A[2], -s * A[3]], abs=1e-14)
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(LossInputError, match="needs loss_fn_config \\['beta'\\]"):
         loss_config("dro", None)
     with pytest.raises(LossInputError, match=r"loss_fn_config \['clip'\] is not a setting of ppo"):
         loss_config("ppo", {"clip": 0.2})
-    with pytest.raises(LossInputError, match="loss_fn 'gspo' is not one aspen computes"):
-        loss_config("gspo", None)
+    with pytest.raises(LossInputError, match="loss_fn 'stable_reinforce' is not one aspen computes"):
+        loss_config("stable_reinforce", None)
+    with pytest.raises(LossInputError, match="datum 1: sequence_ratio_mask marks no token"):
+        check_inputs("gspo", {"target_tokens": torch.zeros(2), "logprobs": torch.zeros(2),
+                              "advantages": torch.ones(2), "sequence_ratio_mask": torch.zeros(2)}, 2, 1)
     with pytest.raises(LossInputError, match="datum 3: loss_fn_inputs lacks 'advantages'"):
         check_inputs("ppo", {"target_tokens": torch.zeros(2), "logprobs": torch.zeros(2)}, 2, 3)
     with pytest.raises(LossInputError, match="'weights' has shape \\(3,\\); it needs one value per"):

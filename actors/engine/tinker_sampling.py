@@ -8,10 +8,10 @@ token or a stop string (kept in the tokens, reason "stop") or after `max_tokens`
 Every sample draws from a generator of its own, seeded from the call's seed and its index: the same seed, the
 same samples, whatever else shares the batch. Without a seed, a random one.
 
-Scores of the prompt, from one forward over it through the same adapter: the log-probability of each prompt token
-(`prompt_logprobs`), the `topk_prompt` likeliest tokens at each position with theirs (top-k distillation's
-teacher), both only over the last `prompt_last_n` positions where given (earlier ones unscored); and for each
-sampled token the `topk_sample` likeliest at that step. Every log-probability is under the model itself."""
+For each sampled token the `topk_sample` likeliest at that step with their log-probabilities; what a call asks of
+its prompt (its log-probabilities, top-k, chosen tokens' log-probabilities, alternative draws) comes from one
+forward over it through the same adapter (actors/engine/prompt_scores.py). Every log-probability is under the
+model itself."""
 
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.generate import BASE_ONLY, decode, kept_probabilities
-from actors.engine.layout import StepLayout, step_layout
-from actors.engine.loss import target_log_probs, transform_logits
+from actors.engine.generate import decode, kept_probabilities
 from actors.engine.models import BaseModel
+from actors.engine.prompt_scores import PromptScores, TargetCells, check_prompt_asks, score_prompt
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,12 @@ class SampleCall:
     topk_prompt: int = 0                 # the k likeliest tokens at each prompt position (0: none)
     topk_sample: int = 0                 # the k likeliest tokens at each sampled token's step (0: none)
     prompt_last_n: int | None = None     # score only the prompt's last n positions (None: all but the first)
+    target_cells: TargetCells | None = None   # token ids whose log-probabilities at prompt positions to give
+    alt_k: int = 0                       # draws from the model's distribution at each prompt position (0: none)
+
+    @property
+    def scores_prompt(self) -> bool:
+        return bool(self.prompt_logprobs or self.topk_prompt or self.target_cells is not None or self.alt_k)
 
 
 @dataclass
@@ -56,8 +61,15 @@ class Sampled:
 @dataclass
 class SampleResult:
     sequences: list[Sampled]
-    prompt_logprobs: list[float | None] | None = None
-    topk_prompt: list[tuple[list[int], list[float]] | None] | None = None   # per prompt position (None: unscored)
+    prompt: PromptScores | None = None   # what the call asked of its prompt (actors/engine/prompt_scores.py)
+
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        return self.prompt.logprobs if self.prompt is not None else None
+
+    @property
+    def topk_prompt(self) -> list[tuple[list[int], list[float]] | None] | None:
+        return self.prompt.topk if self.prompt is not None else None
 
 
 def check_sample(call: SampleCall, vocab_size: int) -> None:
@@ -69,11 +81,9 @@ def check_sample(call: SampleCall, vocab_size: int) -> None:
         raise ValueError("num_samples and max_tokens must be at least 1")
     if call.temperature < 0 or not 0 < call.top_p <= 1 or call.top_k == 0 or call.top_k < -1:
         raise ValueError("sampling_params: temperature >= 0, 0 < top_p <= 1, top_k -1 (all) or >= 1")
-    if not 0 <= call.topk_prompt <= vocab_size or not 0 <= call.topk_sample <= vocab_size:
-        raise ValueError(f"topk_prompt_logprobs and topk_sample_logprobs must be 0..{vocab_size} (the vocabulary)")
-    if call.prompt_last_n is not None and not 1 <= call.prompt_last_n <= len(call.prompt) - 1:
-        raise ValueError(f"prompt_logprobs_last_n must be 1..{len(call.prompt) - 1} (the prompt's tokens after its "
-                         f"first), got {call.prompt_last_n}")
+    if not 0 <= call.topk_sample <= vocab_size:
+        raise ValueError(f"topk_sample_logprobs must be 0..{vocab_size} (the vocabulary)")
+    check_prompt_asks(call, vocab_size)
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -136,38 +146,7 @@ def sample(base: BaseModel, calls: list[SampleCall],
         sequences = outputs[start:start + call.num_samples]
         start += call.num_samples
         result = SampleResult(sequences)
-        if call.prompt_logprobs or call.topk_prompt:
-            result.prompt_logprobs, result.topk_prompt = prompt_scores(base, call)
-            if not call.prompt_logprobs:
-                result.prompt_logprobs = None
+        if call.scores_prompt:
+            result.prompt = score_prompt(base, call, seeds[id(call)])
         results.append(result)
     return results
-
-
-TOPK_CHUNK = 1024   # prompt positions whose full logits are held at once for their top-k
-
-
-def prompt_scores(base: BaseModel, call: SampleCall
-                  ) -> tuple[list[float | None], list[tuple[list[int], list[float]] | None] | None]:
-    """log p(prompt[i] | prompt[:i]) at each scored position of the prompt (None at position 0 and before the
-    last `prompt_last_n`), and with `topk_prompt` the k likeliest tokens there with their log-probabilities
-    (the same positions: the distribution prompt[i] is drawn from, given prompt[:i])."""
-    ids = torch.tensor(call.prompt, device=base.device)
-    layout = StepLayout.single(call.adapter or BASE_ONLY, [len(call.prompt)])
-    with step_layout(layout):
-        hidden = base.decoder(input_ids=ids[None], position_ids=torch.arange(len(ids), device=base.device)[None],
-                              attention_mask=None, use_cache=False).last_hidden_state[0]
-    first = len(ids) - call.prompt_last_n if call.prompt_last_n is not None else 1   # the first scored position
-    head = base.lm_head
-    values = target_log_probs(hidden[first - 1:-1], head.weight, head.bias, ids[first:],
-                              transform=base.logit_transform)
-    logprobs: list[float | None] = [None] * first + [float(v) for v in values]
-    if not call.topk_prompt:
-        return logprobs, None
-    topk: list[tuple[list[int], list[float]] | None] = [None] * first
-    for start in range(first - 1, len(ids) - 1, TOPK_CHUNK):
-        rows = hidden[start:min(start + TOPK_CHUNK, len(ids) - 1)]
-        scores = torch.log_softmax(transform_logits(head(rows).float(), base.logit_transform), dim=-1)
-        best, tokens = scores.topk(call.topk_prompt, dim=-1)
-        topk.extend(zip(tokens.tolist(), best.tolist(), strict=True))
-    return logprobs, topk

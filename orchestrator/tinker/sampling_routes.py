@@ -2,9 +2,10 @@
 sampler_weights/<name>`, or on the base alone), `GET samplers/{id}`, and `asample`, whose calls from every
 user are decoded together (actors/service/trainer/interactive_calls.py, actors/engine/tinker_sampling.py).
 `stop` as the SDK defines it: None stops at the base's end-of-sequence token, [] never, token ids or strings
-at those. The prompt's log-probabilities, its top-k (`topk_prompt_logprobs`, top-k distillation's teacher) and the
-sampled tokens' top-k, over the whole prompt or its last `prompt_logprobs_last_n` tokens; prompt alternatives and
-target prompt log-probabilities are refused (the SDK checks for what it asked), naming the parameter."""
+at those. Of the prompt (actors/engine/prompt_scores.py): its log-probabilities and top-k (`topk_prompt_logprobs`,
+top-k distillation's teacher), over the whole prompt or its last `prompt_logprobs_last_n` tokens, chosen tokens'
+log-probabilities (`target_prompt_logprobs`, dense or sparse) and alternative draws (`prompt_alt_tokens_k`); the
+sampled tokens' top-k. A request that cannot be answered is refused (422), naming the parameter."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, HTTPException
 from tinker import types
 
+from actors.engine.prompt_scores import TargetCells
 from actors.engine.tinker_sampling import SampleCall
 from orchestrator.tinker.wire import write_samples
 
@@ -69,10 +71,6 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
 
 def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None) -> SampleCall:
     """The request as aspen's sampling call; a parameter aspen does not serve refused (422), naming it."""
-    unserved = [name for name, asked in (("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
-                                         ("target_prompt_logprobs", body.target_prompt_logprobs)) if asked]
-    if unserved:
-        raise HTTPException(422, f"{', '.join(unserved)}: not served by aspen's sampler")
     if body.prompt_logprobs_last_n is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
         raise HTTPException(422, "prompt_logprobs_last_n scores the prompt's last tokens: ask for prompt_logprobs "
                                  "(or topk_prompt_logprobs) too")
@@ -100,4 +98,28 @@ def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None)
                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
                       stop_tokens=stop_tokens, stop_texts=stop_texts, prompt_logprobs=bool(body.prompt_logprobs),
                       topk_prompt=body.topk_prompt_logprobs or 0, topk_sample=body.topk_sample_logprobs or 0,
-                      prompt_last_n=body.prompt_logprobs_last_n)
+                      prompt_last_n=body.prompt_logprobs_last_n, alt_k=body.prompt_alt_tokens_k or 0,
+                      target_cells=target_cells(body.target_prompt_logprobs))
+
+
+def target_cells(asked) -> TargetCells | None:
+    """`target_prompt_logprobs` (the SDK's TensorData: int64 (len(prompt) - 1, K), dense with -1 for no token, or
+    sparse CSR) as the cells it asks for; 422 naming what is wrong with it."""
+    if asked is None:
+        return None
+    shape = list(asked.shape or [])
+    if len(shape) != 2 or asked.dtype != "int64":
+        raise HTTPException(422, f"target_prompt_logprobs must be int64 of shape (len(prompt) - 1, K), not "
+                                 f"{asked.dtype} {shape}")
+    data = [int(value) for value in asked.data]
+    if asked.sparse_crow_indices is not None:
+        crow, columns = list(asked.sparse_crow_indices), list(asked.sparse_col_indices or [])
+        if len(crow) != shape[0] + 1 or len(columns) != len(data) or crow[-1] != len(data):
+            raise HTTPException(422, "target_prompt_logprobs: its CSR indices do not fit its shape and values")
+        cells = tuple((row, columns[index], data[index]) for row in range(shape[0])
+                      for index in range(crow[row], crow[row + 1]) if data[index] != -1)
+        return TargetCells((shape[0], shape[1]), cells, (tuple(crow), tuple(columns)))
+    if len(data) != shape[0] * shape[1]:
+        raise HTTPException(422, f"target_prompt_logprobs: {len(data)} values for its shape {shape}")
+    cells = tuple((index // shape[1], index % shape[1], token) for index, token in enumerate(data) if token != -1)
+    return TargetCells((shape[0], shape[1]), cells)

@@ -16,6 +16,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import _tensor_data_from_proto
 
 from actors.engine.interactive_step import CallDatum, CallOutput, ModelCall
+from actors.engine.prompt_scores import TargetCells
 from actors.engine.tinker_sampling import SampleResult
 
 PROTO_TYPE = "application/x-protobuf"
@@ -131,8 +132,8 @@ def _topk(rows: list[tuple[list[int], list[float]] | None]) -> pb.TopkLogprobs:
 def write_samples(result: SampleResult) -> bytes:
     """A sampling call's result as the SDK's SampleResponse message: each sequence's tokens (int32), their
     log-probabilities (float32), why it ended and with topk_sample_logprobs each token's top-k; the prompt's
-    log-probabilities (NaN where unscored: position 0, and before its last n with prompt_logprobs_last_n) and
-    its top-k."""
+    log-probabilities (NaN where unscored: position 0, and before its last n with prompt_logprobs_last_n), its
+    top-k, the asked tokens' log-probabilities (target_prompt_logprobs) and the alternative draws."""
     message = pb.SampleResponse()
     for sequence in result.sequences:
         sampled = pb.SampledSequence(
@@ -147,4 +148,34 @@ def write_samples(result: SampleResult) -> bytes:
         message.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
     if result.topk_prompt is not None:
         message.topk_prompt_logprobs.CopyFrom(_topk(result.topk_prompt))
+    prompt = result.prompt
+    if prompt is not None and prompt.target is not None:
+        message.target_prompt_logprobs.CopyFrom(_target_tensor(*prompt.target))
+    if prompt is not None and prompt.alt is not None:
+        tokens, logprobs = prompt.alt
+        rows, k = len(tokens), len(tokens[0]) if tokens else 0
+        message.prompt_alt_tokens.tokens.CopyFrom(pb.Tensor(
+            dense=np.asarray(tokens, dtype="<i8").reshape(rows, k).tobytes(), dtype=pb.DTYPE_INT64, shape=[rows, k]))
+        message.prompt_alt_tokens.logprobs.CopyFrom(pb.Tensor(
+            dense=np.asarray(logprobs, dtype="<f4").reshape(rows, k).tobytes(), dtype=pb.DTYPE_FLOAT32,
+            shape=[rows, k]))
     return message.SerializeToString()
+
+
+def _target_tensor(target: TargetCells, values: list[float]) -> pb.Tensor:
+    """The asked cells' log-probabilities in the layout they were asked in: sparse CSR with the same indices, or
+    dense with NaN where no token was asked (-1)."""
+    rows, columns = target.shape
+    if target.sparse is not None:   # a cell asked as -1 inside the CSR keeps its place, NaN
+        crow, indices = target.sparse
+        asked = {(row, column): value for (row, column, _), value in zip(target.cells, values, strict=True)}
+        listed = [asked.get((row, indices[index]), np.nan) for row in range(rows)
+                  for index in range(crow[row], crow[row + 1])]
+        return pb.Tensor(sparse_csr=pb.SparseCsr(values=np.asarray(listed, dtype="<f4").tobytes(),
+                                                 crow_indices=np.asarray(crow, dtype="<i8").tobytes(),
+                                                 col_indices=np.asarray(indices, dtype="<i8").tobytes()),
+                         dtype=pb.DTYPE_FLOAT32, shape=[rows, columns])
+    dense = np.full((rows, columns), np.nan, dtype="<f4")
+    for (row, column, _), value in zip(target.cells, values, strict=True):
+        dense[row, column] = value
+    return pb.Tensor(dense=dense.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=[rows, columns])

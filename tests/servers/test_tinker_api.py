@@ -294,6 +294,37 @@ def test_top_k_distillation_through_the_sdk_as_the_cookbooks_sdft_does_it(server
     client.close("success").result()
 
 
+def test_a_decision_through_the_cookbooks_own_sampler_call_and_alternative_draws(server):
+    """tinker-cookbook's `sample_decision` (a classifier: one request scoring each label's token at the answer
+    position, `target_prompt_logprobs` sparse) against aspen: its probabilities are the softmax of aspen's sampler's
+    log-probabilities of those tokens on the same base; `prompt_alt_tokens_k` with a seed draws, through the SDK, what
+    aspen's sampler draws, each with its log-probability."""
+    from actors.engine.prompt_scores import TargetCells
+    from actors.engine.tinker_sampling import SampleCall, sample
+
+    decision = pytest.importorskip("tinker_cookbook.recipes.decisions.decision")
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    sampler = client.create_sampling_client(base_model=BASE)
+    tokens = [5, 17, 3, 99, 42, 7, 0]   # the last is the answer's placeholder
+    rendering = decision.DecisionRendering(tokens=tokens, choice_pos=6, label_tokens={"A": 40, "B": 41, "C": 90})
+    probabilities = asyncio.run(decision.sample_decision(sampler, rendering))
+    base = from_module(tiny_model("llama", VOCAB), None)
+    cells = TargetCells((len(tokens) - 1, 3), tuple((5, column, token) for column, token in enumerate((40, 41, 90))))
+    (expected,) = sample(base, [SampleCall(None, tuple(tokens), max_tokens=1, target_cells=cells)])
+    reference = torch.softmax(torch.tensor(expected.prompt.target[1]).float(), dim=0).tolist()
+    assert list(probabilities) == ["A", "B", "C"]
+    assert list(probabilities.values()) == pytest.approx(reference, abs=1e-6)
+
+    answer = sampler.sample(types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1, seed=4),
+                            prompt_alt_tokens_k=3).result()
+    (drawn,) = sample(base, [SampleCall(None, tuple(tokens), max_tokens=1, seed=4, alt_k=3)])
+    alt = answer.prompt_alt_tokens
+    assert alt.tokens.to_torch().tolist() == drawn.prompt.alt[0]
+    assert torch.allclose(alt.logprobs.to_torch(), torch.tensor(drawn.prompt.alt[1]), rtol=0, atol=1e-6)
+    client.close("success").result()
+
+
 def test_a_session_that_stops_beating_ends_and_its_models_leave_the_base(server, monkeypatch):
     url, backend, _ = server
     backend.sessions.heartbeat_timeout_s = 0.5

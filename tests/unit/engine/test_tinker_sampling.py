@@ -132,3 +132,37 @@ def test_top_k_of_the_prompt_and_of_each_sampled_token_are_the_forward_pass_s(se
     assert len(only_topk.topk_prompt) == len(PROMPT) and not only_topk.sequences[0].topk
     with pytest.raises(ValueError, match=r"prompt_logprobs_last_n must be 1..5"):
         sample(base, [SampleCall("alice-0", PROMPT, prompt_logprobs=True, prompt_last_n=len(PROMPT))])
+
+
+def test_target_cells_and_alternative_draws_are_the_forward_pass_s(setup):
+    """target_prompt_logprobs' cells (row i: position i + 1) and prompt_alt_tokens_k's draws against log_softmax of
+    the merged PEFT model's forward: each asked token's log-probability; temperature 0 draws the likeliest token k
+    times; a seed draws the same tokens again, each with its log-probability; a cell outside the vocabulary or the
+    shape is refused."""
+    from actors.engine.prompt_scores import TargetCells
+
+    base, model = setup
+    cells = TargetCells((len(PROMPT) - 1, 2), ((1, 0, 7), (1, 1, 250), (4, 1, 3)))
+    (result,) = sample(base, [SampleCall("alice-0", PROMPT, max_tokens=1, target_cells=cells, alt_k=3,
+                                         temperature=0.0)])
+    merged = peft_reference(model)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(merged(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
+    bound = rounding_tolerance(llama_chain_terms(merged.config, sequence=len(PROMPT), tokens=1, backward=False),
+                               float(logprobs.abs().max()))
+    asked, values = result.prompt.target
+    assert asked == cells
+    assert max(abs(value - float(logprobs[row, token])) for (row, _, token), value in
+               zip(cells.cells, values, strict=True)) <= bound
+    tokens, alt_logprobs = result.prompt.alt
+    assert tokens == [[int(logprobs[row].argmax())] * 3 for row in range(len(PROMPT) - 1)]
+    assert max(abs(v - float(logprobs[row, t])) for row in range(len(PROMPT) - 1)
+               for t, v in zip(tokens[row], alt_logprobs[row], strict=True)) <= bound
+    drawn = [sample(base, [SampleCall("alice-0", PROMPT, max_tokens=1, alt_k=4, seed=9)])[0].prompt.alt[0]
+             for _ in range(2)]
+    assert drawn[0] == drawn[1] and len({t for row in drawn[0] for t in row}) > len(PROMPT) - 1   # not all argmax
+    with pytest.raises(ValueError, match=r"cell \(0, 0\) asks for token .*outside the vocabulary"):
+        sample(base, [SampleCall("alice-0", PROMPT, target_cells=TargetCells((len(PROMPT) - 1, 1),
+                                                                            ((0, 0, VOCAB),)))])
+    with pytest.raises(ValueError, match=r"target_prompt_logprobs has 2 rows; it needs one per prompt position"):
+        sample(base, [SampleCall("alice-0", PROMPT, target_cells=TargetCells((2, 1), ()))])

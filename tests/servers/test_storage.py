@@ -209,6 +209,40 @@ def test_a_job_on_s3_stopped_and_its_node_folder_lost_resumes_to_the_undisturbed
     assert moved == undisturbed
 
 
+def test_a_dpo_job_on_s3_resumes_on_another_node_with_its_checkpoints_reference_copy(
+        s3_bucket, tmp_path, tiny_base, tiny_model_dirs):
+    """A dpo job from a saved adapter, writing to S3: paused, its node folder and the saved adapter both gone, it
+    resumes on another node with the reference adapter its uploaded checkpoint holds, and completes."""
+    from tests.helpers.pairs import ROWS
+    from tests.helpers.peft_adapters import saved_peft_lora
+
+    targets = ["q_proj", "v_proj"]
+    saved = saved_peft_lora(str(tiny_model_dirs["llama"]), tmp_path / "saved", targets, seed=2)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in ROWS * 4))
+    job = job_dict("dpo", pairs, 4, method="dpo", batch_size=2, format={"type": "preference"}, checkpoint_every=2,
+                   init_adapter=str(saved), lora={"r": 4, "alpha": 8, "target_modules": targets})
+    (submission,) = run_spec(str(tiny_model_dirs["llama"]), f"s3://{s3_bucket}/runs", [job]).submissions()
+    config = TrainerConfig(base_model=submission.base_model)
+    loop = TrainerLoop(tiny_base, config, "trainer-a", tmp_path / "node-a")
+    loop.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
+    for _ in range(3):
+        loop.run_once(idle_wait=0)
+    loop.stop_job("dpo-1", "paused", "test")
+    assert any(e.kind == "paused" for e in run_until_idle(loop))
+    pointer = read_pointer(StorageLocation(f"s3://{s3_bucket}/runs/dpo"))
+    assert "reference_model.safetensors" in pointer["files"], pointer["files"]
+    shutil.rmtree(tmp_path / "node-a")
+    shutil.rmtree(saved)
+    again = TrainerLoop(tiny_base, config, "trainer-b", tmp_path / "node-b")
+    again.assign(assignment_for(submission, "dpo-1", tiny_base.tokenizer))
+    events = run_until_idle(again)
+    started = next(e for e in events if e.kind == "started")
+    assert started.data["resumed_from"] == pointer["step"]
+    assert started.data["checkpoint_note"].endswith(f"its reference is its checkpoint's copy of {saved}")
+    assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+
+
 def test_a_failed_upload_keeps_the_job_and_the_next_checkpoint_uploads_again(
         s3_bucket, tmp_path, tiny_base, tiny_model_dirs, monkeypatch):
     job = job_dict("flaky", write_task_data(tmp_path / "data", "flaky"), 4, checkpoint_every=2)

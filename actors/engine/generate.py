@@ -104,12 +104,18 @@ def _row_layout(groups: list[tuple[str, int, int]], width: int, rows: int) -> St
     return StepLayout(segments, (), rows * width)
 
 
+Decoder = Callable[[Sequence[tuple[str | None, Sequence[int]]], Callable[[torch.Tensor], list[int]],
+                    Callable[[int, int], bool]], None]
+"""A decoding loop's runner, `decode`'s signature without the base: one device's (`decode`), or a pipeline's over
+its stages (actors/engine/pipeline/stage_generation.py)."""
+
+
 @torch.no_grad()
 def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
                          max_new_tokens: int, stop_token_ids: set[int],
-                         sampling: Sampling | None = None) -> list[list[int]]:
+                         sampling: Sampling | None = None, decoder: Decoder | None = None) -> list[list[int]]:
     """Greedy continuations of `(adapter, prompt)` requests in one batch (adapter None: the base alone), or
-    sampled ones with `sampling`.
+    sampled ones with `sampling`; `decoder`: who runs the decoding loop (default: `decode` on `base`).
 
     Returns, per request in the given order, the generated tokens only; a sequence ends after
     `max_new_tokens` tokens or at the first token in `stop_token_ids`, which is kept as its last token
@@ -118,7 +124,8 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     outputs: list[list[int]] = [[] for _ in requests]
     if max_new_tokens == 0 or not requests:
-        check_requests(base, requests)
+        if decoder is None:
+            check_requests(base, requests)
         return outputs
 
     def choose(logits: torch.Tensor) -> list[int]:
@@ -128,7 +135,10 @@ def greedy_generate_many(base: BaseModel, requests: Sequence[tuple[str | None, S
         outputs[index].append(token)
         return token in stop_token_ids or len(outputs[index]) >= max_new_tokens
 
-    decode(base, requests, choose, finished)
+    if decoder is None:
+        decode(base, requests, choose, finished)
+    else:
+        decoder(requests, choose, finished)
     return outputs
 
 
@@ -142,14 +152,34 @@ def check_requests(base: BaseModel, requests: Sequence[tuple[str | None, Sequenc
             raise ValueError(f"no adapter named '{adapter}' is attached to the model")
 
 
-def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
-           choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool]) -> None:
-    """The decoding loop: `choose(logits)` picks each row's next token from its logits (rows in request
-    order), `finished(request index, token)` takes it and says whether that request's sequence has ended.
-    Stops when every sequence has."""
-    check_requests(base, requests)
-    model = base.model
-    # rows grouped by adapter (stable within a group), so each adapter's tokens are one contiguous segment
+@dataclass
+class DecodeBatch:
+    """Requests as one left-padded decoding batch: rows grouped by adapter (stable within a group: `order[row]` is
+    the request in that row), so each adapter's tokens are one contiguous segment (`groups`: name, first row, end
+    row); the prompts' ids, their attention mask and positions."""
+
+    order: list[int]
+    groups: list[tuple[str, int, int]]
+    input_ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return len(self.order)
+
+    def layout(self, width: int) -> StepLayout:
+        """The adapters' segments over this step's (rows, width) feed."""
+        return _row_layout(self.groups, width, self.rows)
+
+    def step(self, device: torch.device) -> None:
+        """Past one more token in every row: the mask one column longer, the positions the next."""
+        self.mask = torch.cat([self.mask, torch.ones((self.rows, 1), dtype=self.mask.dtype, device=device)], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+
+
+def decode_batch(requests: Sequence[tuple[str | None, Sequence[int]]], pad_token_id: int,
+                 device: torch.device) -> DecodeBatch:
     order = sorted(range(len(requests)), key=lambda i: (requests[i][0] is not None, requests[i][0] or ""))
     groups: list[tuple[str, int, int]] = []
     for row, index in enumerate(order):
@@ -158,46 +188,83 @@ def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]]
             groups[-1] = (name, groups[-1][1], row + 1)
         else:
             groups.append((name, row, row + 1))
-    rows, device = len(order), base.device
+    rows = len(order)
     width = max(len(requests[i][1]) for i in order)
-    input_ids = torch.full((rows, width), base.pad_token_id, dtype=torch.long, device=device)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros((rows, width), dtype=torch.long, device=device)
     for row, index in enumerate(order):
         prompt = list(requests[index][1])
         input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
         mask[row, width - len(prompt):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DecodeBatch(order, groups, input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+
+
+def cache_keyword(decoder: nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x; the old name warns): whichever `decoder` takes."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+@contextlib.contextmanager
+def decoding(model: nn.Module) -> Iterator[None]:
+    """The adapters in eval mode (no dropout) and the model's own masked attention, for a decoding call."""
+    states = _adapter_training_states(model)
+    set_adapters_training(model, False)
+    try:
+        with _masked_attention(model):
+            yield
+    finally:
+        for adapters, training in states:
+            adapters.train(training)
+
+
+def run_decoding(batch: DecodeBatch, forward: Callable[[torch.Tensor], torch.Tensor],
+                 choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool],
+                 device: torch.device, go_on: Callable[[bool], None] | None = None) -> None:
+    """The decoding loop over `batch`: `forward(feed)` gives the rows' last-position logits for this step's
+    feed (the batch's mask and positions as they are), `choose` picks each request's next token (logits in
+    request order), `finished(request index, token)` takes it and says whether that sequence has ended; stops
+    when every one has. `go_on(more)`: told before each further step whether there is one (a pipeline's stages)."""
+    active = [True] * batch.rows
+    unorder = torch.tensor(sorted(range(batch.rows), key=lambda row: batch.order[row]), device=device)
+    feed = batch.input_ids
+    while True:
+        logits = forward(feed)
+        by_request = choose(logits[unorder])   # in request order
+        chosen = [by_request[index] for index in batch.order]
+        for row, index in enumerate(batch.order):
+            if active[row] and finished(index, int(chosen[row])):
+                active[row] = False
+        more = any(active)
+        if go_on is not None:
+            go_on(more)
+        if not more:
+            break
+        feed = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
+        batch.step(device)
+
+
+def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
+           choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool]) -> None:
+    """The decoding loop on one device: `choose(logits)` picks each row's next token from its logits (rows in
+    request order), `finished(request index, token)` takes it and says whether that request's sequence has ended.
+    Stops when every sequence has."""
+    check_requests(base, requests)
+    model, device = base.model, base.device
+    batch = decode_batch(requests, base.pad_token_id, device)
 
     from transformers import DynamicCache  # transformers is imported by the model already
 
     cache = DynamicCache(config=getattr(model, "config", None))
-    # transformers renamed `past_key_values` to `cache` (5.2x; the old name warns): whichever the decoder takes
-    cache_argument = "cache" if "cache" in inspect.signature(base.decoder.forward).parameters else "past_key_values"
-    states = _adapter_training_states(model)
-    set_adapters_training(model, False)
-    active = [True] * rows
-    unorder = torch.tensor(sorted(range(rows), key=lambda row: order[row]), device=device)
-    try:
-        with _masked_attention(model):
-            feed = input_ids
-            while True:
-                with step_layout(_row_layout(groups, feed.shape[1], rows)):
-                    hidden = base.decoder(input_ids=feed, attention_mask=mask, position_ids=positions,
-                                          use_cache=True, **{cache_argument: cache}).last_hidden_state
-                logits = base.output_logits(hidden[:, -1])
-                by_request = choose(logits[unorder])   # in request order
-                chosen = [by_request[index] for index in order]
-                for row, index in enumerate(order):
-                    if active[row] and finished(index, int(chosen[row])):
-                        active[row] = False
-                if not any(active):
-                    break
-                feed = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
-                mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
-                positions = positions[:, -1:] + 1
-    finally:
-        for adapters, training in states:
-            adapters.train(training)
+    keyword = cache_keyword(base.decoder)
+
+    def forward(feed: torch.Tensor) -> torch.Tensor:
+        with step_layout(batch.layout(feed.shape[1])):
+            hidden = base.decoder(input_ids=feed, attention_mask=batch.mask, position_ids=batch.positions,
+                                  use_cache=True, **{keyword: cache}).last_hidden_state
+        return base.output_logits(hidden[:, -1])
+
+    with decoding(model):
+        run_decoding(batch, forward, choose, finished, device)
 
 
 def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int]], max_new_tokens: int,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
-from actors.engine.generate import greedy_generate_many
+from actors.engine.generate import Decoder, greedy_generate_many
 from actors.engine.models import BaseModel
 from actors.engine.user_calls import CallFailed, FunctionWorker
 from actors.spec.evaluation_config import GENERATION_METRICS, GenerationEval
@@ -132,10 +132,11 @@ class GenerationEvaluation:
 
 
 def generation_evaluations(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]],
-                           worker: FunctionWorker | None = None) -> list[GenerationEvaluation]:
+                           worker: FunctionWorker | None = None,
+                           decoder: Decoder | None = None) -> list[GenerationEvaluation]:
     """Per `(adapter, config, eval examples)`, its rows' greedy continuations scored (all jobs in one batch; a
-    user's metric in `worker`). A job with no scorable row raises ValueError naming it; a metric that fails,
-    MetricError naming the row."""
+    user's metric in `worker`; `decoder`: a pipeline's decoding over its stages, `base` then its stage 0). A job
+    with no scorable row raises ValueError naming it; a metric that fails, MetricError naming the row."""
     plans = []
     for adapter, config, examples in jobs:
         rows = scored_rows(examples, base, config.rows)
@@ -148,7 +149,7 @@ def generation_evaluations(base: BaseModel, jobs: Sequence[tuple[str, Generation
     stops = stop_token_ids(base)
     requests = [(adapter, list(row.prompt)) for adapter, _, rows in plans for row in rows]
     longest = max(config.max_new_tokens for _, config, _ in plans)
-    outputs = iter(greedy_generate_many(base, requests, longest, stops))
+    outputs = iter(greedy_generate_many(base, requests, longest, stops, decoder=decoder))
     evaluations = []
     for _, config, rows in plans:
         predictions = []

@@ -27,6 +27,7 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, check_compile
+from actors.engine.generate import decode
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
 from actors.engine.grpo import SAMPLING_SIZES, reference_token_log_probs, rollout_seed, rollouts, sampling_bytes
 from actors.engine.grpo_rewards import RewardError
@@ -360,6 +361,10 @@ class FusedTrainer:
             return self._evaluate_loss(job, examples, batch_size)
         finally:
             set_adapters_training(self.base.model, True)
+
+    def decode(self, requests: list, choose: Callable, finished: Callable) -> None:
+        """`generate.decode` on this trainer's base (each row through its job's adapter, or the base alone)."""
+        decode(self.base, requests, choose, finished)
 
     def evaluate_generation(self, jobs: list[TrainingJob]) -> list[GenerationEvaluation]:
         """Each job's `eval_generate` score over its eval rows, with the rows it scored

@@ -152,6 +152,41 @@ def test_a_dpo_job_from_a_saved_adapter_on_a_pipeline_compares_with_it_as_on_one
     assert any(row["rewards/margins"] != 0.0 for row in ends["single"]["metrics"][1:]), "the job did not train"
 
 
+def test_eval_generate_and_try_it_on_a_pipeline_decode_as_on_one_device(tmp_path, tiny_model_dirs):
+    """A job with eval_generate on a pipeline trainer: its generations (decoded over the stages, each stage's layers
+    with a KV cache of their own) and scores, adapter and metrics are one device's, bit for bit; "try it" on the
+    running job continues a prompt through its adapter and through the base as one device does; the stages train on
+    after a decoding call."""
+    from actors.service.outputs.job_files import read_generations
+
+    model = str(tiny_model_dirs["llama"])
+    data = write_task_data(tmp_path / "data", "scored")
+    job = job_dict("scored", data, 6, eval_split=6, eval_every=3,
+                   eval_generate={"metric": "contains", "max_new_tokens": 5},
+                   lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    ends, tries = {}, {}
+    for kind in ("single", "pipeline"):
+        (submission,) = run_spec(model, tmp_path / kind, [job]).submissions()
+        loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
+        try:
+            loop.assign(assignment_for(submission, "scored", loop.base.tokenizer))
+            while loop.active.get("scored") is None or loop.active["scored"].job.step < 2:
+                loop.run_once(idle_wait=0)
+            tries[kind] = loop.try_prompt("scored", "Q: what is 3 and 9?\nA:", 6)
+            events = run_until_idle(loop)
+        finally:
+            loop.close()
+        assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+        ends[kind] = outputs(tmp_path / kind / "scored")
+        ends[kind]["generations"] = read_generations(tmp_path / kind / "scored")
+    assert_same_outputs(ends["pipeline"], ends["single"], "scored")
+    assert ends["pipeline"]["generations"] == ends["single"]["generations"]
+    assert ends["single"]["generations"]["steps"] == [3, 6]
+    assert any(row["prediction"] for row in ends["single"]["generations"]["rows"]), "nothing was generated"
+    for key in ("adapter", "base", "new_tokens", "step"):
+        assert tries["pipeline"][key] == tries["single"][key], key
+
+
 def test_a_jobs_file_with_stages_trains_as_on_one_device_though_a_stage_is_killed(tmp_path, tiny_model_dirs, caplog):
     """`aspen run --in-process` with `stages: 2`: the same adapters, metrics, evaluations and early stop as one
     device, bit for bit, though stage 1's process is SIGKILLed after the third loop step: the trainer gives

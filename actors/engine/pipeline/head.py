@@ -22,6 +22,7 @@ from actors.engine.pipeline.head_jobs import HeadJob
 from actors.engine.pipeline.pipeline_schedule import MicroBatchPlan
 from actors.engine.pipeline.plan_book import PlanBook, PlanReport
 from actors.engine.pipeline.stage import StageRuntime
+from actors.engine.pipeline.stage_generation import stage_requests
 from actors.engine.pipeline.stage_messages import EvalRequest, JobSetup, PlanMessage, StageMessageKind
 from actors.engine.pipeline.transport import TAG_COMMAND, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache
@@ -215,6 +216,16 @@ class PipelineTrainer:
         _, todo = ReferenceCache.missing(micro_batches, caches)
         ReferenceCache.store(todo, None, caches)
         return tuple(todo)
+
+    def generate(self, requests: list[tuple[str | None, list[int]]], choose: Callable[[torch.Tensor], list[int]],
+                 finished: Callable[[int, int], bool]) -> None:
+        """`generate.decode` over the stages (stage_generation.py): every in-flight micro-batch done first, then
+        each step through every stage, stage 0 choosing the tokens."""
+        self._send((StageMessageKind.DRAIN,))
+        request = stage_requests(requests)
+        for stage in range(1, self.stages):
+            self.links.send_object((StageMessageKind.GENERATE, request), stage, TAG_COMMAND)
+        self.runtime.evaluator.generation.lead(request, choose, finished)
 
     def evaluate(self, name: str, examples: list | None = None, batch_size: int = 8) -> float:
         """The job's mean eval loss over `examples` (default: the eval examples it was added with), as the

@@ -33,6 +33,7 @@ from actors.engine.layout import step_layout
 from actors.engine.packing import FusedBatch, pack
 from actors.engine.pipeline.pipeline_schedule import Op, OpKind, PipelineSchedule
 from actors.engine.pipeline.stage_evaluation import StageEvaluator
+from actors.engine.pipeline.stage_generation import GenerateRequest
 from actors.engine.pipeline.stage_jobs import StageJob, merge_job_states
 from actors.engine.pipeline.stage_measures import StageMeasures
 from actors.engine.pipeline.stage_memory import StageMemory
@@ -67,7 +68,8 @@ class StageRuntime:
     MESSAGES = {StageMessageKind.PLAN: "_take_plan", StageMessageKind.ADD_JOB: "_add_job",
                 StageMessageKind.REMOVE_JOB: "_remove_job", StageMessageKind.READ_JOB: "_read_job",
                 StageMessageKind.DRAIN: "_drain", StageMessageKind.STATS: "stats", StageMessageKind.MEMORY: "memory",
-                StageMessageKind.MEASURE: "_measure", StageMessageKind.EVALUATE: "_evaluate"}
+                StageMessageKind.MEASURE: "_measure", StageMessageKind.EVALUATE: "_evaluate",
+                StageMessageKind.GENERATE: "_generate"}
     OPERATIONS = {OpKind.FORWARD: "_forward_op", OpKind.FORWARD_BACKWARD: "_forward_backward_op",
                   OpKind.BACKWARD: "_backward_op", OpKind.OPTIMIZER_STEP: "_optimizer_step_op",
                   OpKind.TAKE_RESULTS: "_take_results_op", OpKind.REMOVE_JOB: "_remove_job_op",
@@ -144,6 +146,10 @@ class StageRuntime:
 
     def _evaluate(self, request: EvalRequest) -> float | None:
         return self.evaluator.evaluate(request)
+
+    def _generate(self, request: GenerateRequest) -> None:
+        """A stage but 0 serves a decoding call's steps (stage 0 leads it: the head's `generate`)."""
+        self.evaluator.generation.serve(request)
 
     def close(self, *, flush: bool = True) -> None:
         """Leave the pipeline in order, nothing native left to the garbage collector: the sends waited for, a

@@ -1,4 +1,5 @@
-"""A pipeline stage's passes without gradients: DPO references and a job's evaluation loss.
+"""A pipeline stage's passes without gradients: DPO references, a job's evaluation loss, and decoding
+(actors/engine/pipeline/stage_generation.py).
 
 The DPO reference log-probabilities (the base alone, no adapter; kept by the last stage per job) are what a
 training forward or an evaluation of a DPO job needs first; the evaluation loss is computed with every stage
@@ -12,6 +13,7 @@ from actors.engine.adapter_surgery import set_adapters_training
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_cross_entropy
 from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.pipeline.stage_generation import StageDecoder
 from actors.engine.pipeline.stage_jobs import StageJob
 from actors.engine.pipeline.stage_messages import EvalRequest, StageSettings
 from actors.engine.pipeline.stage_model import StageModel
@@ -30,6 +32,7 @@ class StageEvaluator:
         self.settings = settings
         self.jobs = jobs
         self.reference_caches: dict[str, ReferenceCache] = {}   # the last stage's DPO references, by job
+        self.generation = StageDecoder(model, links)   # decoding over the stages (eval_generate, "try it")
 
     def forget(self, job: str) -> None:
         self.reference_caches.pop(job, None)

@@ -28,6 +28,7 @@ class StageMessageKind(StrEnum):
     MEMORY = "memory"           # answered: the stage's memory model (`StageMemory`)
     MEASURE = "measure"         # True or False: open or close the allocator's window; closing answers its peak
     EVALUATE = "eval"           # an `EvalRequest`
+    GENERATE = "generate"       # a `stage_generation.GenerateRequest`: serve its decoding steps until told to stop
     STOP = "stop"               # every stage but stage 0 ends its process (pipeline_processes.py)
 
 

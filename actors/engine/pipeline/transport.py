@@ -116,6 +116,10 @@ class StageLinks:
         """A random generator's state (a CPU byte tensor whatever the device)."""
         self._isend(state.clone(), dst, tag, self.control)
 
+    def send_host(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """A tensor over the control channel (host memory; `recv_host` knows its shape): a decoding step's logits."""
+        self._isend(tensor.detach().to("cpu").contiguous(), dst, tag, self.control)
+
     def flush(self) -> None:
         for work, _ in self.pending:
             work.wait()
@@ -142,6 +146,9 @@ class StageLinks:
             raise RuntimeError(f"pipeline stage {self.rank} expected a {tuple(shape)} {dtype} tensor from stage {src} "
                                f"and got {tuple(shared.shape)} {shared.dtype}")
         return torch.empty(shape, dtype=dtype, device=self.device).copy_(shared)   # its own memory
+
+    def recv_host(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        return self._recv(torch.empty(shape, dtype=dtype), src, tag, self.control)
 
     def recv_object(self, src: int, tag: int) -> object:
         size = int(self._recv(torch.empty(1, dtype=torch.int64), src, tag, self.control))

@@ -22,7 +22,7 @@ import torch
 
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
-from actors.engine.generation_eval import GenerationEvaluation
+from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
 from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
@@ -32,6 +32,7 @@ from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.pipeline.stage_messages import StageSettings
 from actors.engine.preference import reference_adapter_name
 from actors.engine.step_report import JobStepResult, StepReport
+from actors.engine.user_calls import FunctionWorker
 from actors.service.pipeline.pipeline_job import PipelineJob, mirror_adapter
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
 from actors.spec.job_spec import JobSpec
@@ -53,6 +54,7 @@ class PipelineEngine:
     stages (`LocalPipeline`); closing the engine stops them."""
 
     recompute = "none"
+    layout = "packed"   # a pipeline packs its micro-batches (the only layout its stages run)
 
     def __init__(self, launch: Callable[[], LocalPipeline], *, step_tokens: int, layout: str = "packed",
                  on_close: Callable[[], None] | None = None):
@@ -65,7 +67,7 @@ class PipelineEngine:
         self.head: PipelineTrainer = self.pipeline.trainer
         self.head.plans_per_stage = PLANS_PER_STAGE
         self.step_tokens = step_tokens
-        self.layout = layout
+        self.functions = FunctionWorker()   # users' eval_generate metrics: a process of their own, started if asked
         self.jobs: dict[str, PipelineJob] = {}
         self.step_count = 0
         self.rotation = 0
@@ -112,9 +114,6 @@ class PipelineEngine:
     def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
                seed: int) -> PipelineJob:
         """The job on every stage, its adapter initialised as on one device; not yet in the steps (`add_job`)."""
-        if spec.eval_generate is not None:
-            raise ValueError(f"job '{spec.name}': eval_generate (greedy generation) is not available on a pipeline "
-                             "trainer yet; run the job on a single-device trainer, or drop eval_generate")
         if spec.method == "grpo":
             raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
                              "pipeline trainer yet; run the job on a single-device trainer")
@@ -236,8 +235,11 @@ class PipelineEngine:
         return self._guarded(self.pipeline.memory)
 
     fuses_calls = False   # interactive models live on one-device trainers only
-    generation_refusal = ("a pipeline trainer (stages > 1) cannot generate yet; export the adapter (`aspen export`) "
-                          "and try it with vLLM or PEFT")
+    generation_refusal = None   # it decodes over its stages (actors/engine/pipeline/stage_generation.py)
+
+    def decode(self, requests: list, choose: Callable, finished: Callable) -> None:
+        """`generate.decode` over the stages: each row through its adapter (a job's name, or None for the base)."""
+        self._guarded(self.pipeline.generate, requests, choose, finished)
 
     def rollouts(self, chosen: list[tuple[PipelineJob, list[Example]]]
                  ) -> tuple[list[tuple[PipelineJob, list[Example]]], list[tuple[PipelineJob, Exception]]]:
@@ -245,13 +247,19 @@ class PipelineEngine:
         return chosen, []
 
     def evaluate_generation(self, jobs: list[PipelineJob]) -> list[GenerationEvaluation]:
-        """Refused when a job is attached (eval_generate), so never reached; said if it is."""
-        raise NotImplementedError("eval_generate is not available on a pipeline trainer yet")
+        """Each job's `eval_generate` score over its eval rows, as `FusedTrainer.evaluate_generation`, the rows
+        decoded over the stages; stage 0's base gives the tokenizer and the stop tokens."""
+        for job in jobs:
+            if job.spec.eval_generate is None or not job.eval_examples:
+                raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
+        return generation_evaluations(self.base, [(job.name, job.spec.eval_generate, job.eval_examples)
+                                                  for job in jobs], self.functions, decoder=self.decode)
 
     def close(self) -> None:
         try:
             self.pipeline.close(failed=self.lost is not None)
         finally:
+            self.functions.close()
             if self.on_close is not None:
                 self.on_close()
 

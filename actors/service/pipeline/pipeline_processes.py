@@ -261,6 +261,10 @@ class LocalPipeline:
     def evaluate(self, name: str, examples: list | None = None, batch_size: int = 8) -> float:
         return self._guarded(self.trainer.evaluate, name, examples, batch_size)
 
+    def generate(self, requests: list, choose: Callable, finished: Callable) -> None:
+        """`generate.decode` over the stages (actors/engine/pipeline/stage_generation.py)."""
+        self._guarded(self.trainer.generate, requests, choose, finished)
+
     def memory(self) -> list:
         """Each stage's memory model (`StageMemory`), stage 0's first."""
         return self._guarded(self.trainer.ask, (StageMessageKind.MEMORY,))

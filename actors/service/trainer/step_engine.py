@@ -3,9 +3,9 @@ pipeline trainer's `PipelineEngine` (actors/service/pipeline/pipeline_engine.py)
 so that the loop never asks which one it holds.
 
 Where an engine lacks a feature, it says so in data, not by a missing method: `generation_refusal` (why it
-cannot continue a prompt, or None), `rollouts` (a pipeline runs no GRPO job, refused when attached: its
-rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: None, nothing to rebuild),
-`fuses_calls` (whether interactive models' calls can share its steps)."""
+cannot continue a prompt, or None; both engines decode: `decode`), `rollouts` (a pipeline runs no GRPO job,
+refused when attached: its rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: None,
+nothing to rebuild), `fuses_calls` (whether interactive models' calls can share its steps)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ class StepEngine(Protocol):
     def evaluate(self, job: Any, examples: list[Any] | None = None, batch_size: int = 8) -> float: ...
 
     def evaluate_generation(self, jobs: list[Any]) -> list[GenerationEvaluation]: ...
+
+    def decode(self, requests: list[Any], choose: Callable, finished: Callable) -> None:
+        """`generate.decode` on this engine: one device's base, or over a pipeline's stages."""
 
     def rebuild(self) -> None: ...
 

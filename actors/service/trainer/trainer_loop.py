@@ -166,7 +166,7 @@ class TrainerLoop:
             raise ValueError(f"trainer {self.trainer_id}: {self.trainer.generation_refusal}")
         active = self.active.get(job_id)
         return try_adapter(self.base, {key: a.job.name for key, a in self.active.items()}, job_id,
-                           active.job.step if active else 0, prompt, max_new_tokens)
+                           active.job.step if active else 0, prompt, max_new_tokens, self.trainer.decode)
 
     def try_saved(self, job_id: str, spec: JobSpec, location: str, step: int, prompt: str,
                   max_new_tokens: int) -> dict:

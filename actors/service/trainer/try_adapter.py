@@ -13,7 +13,7 @@ from typing import Any
 
 from actors.checkpoint.initial_adapter import start_from_adapter
 from actors.engine.adapter_surgery import add_adapter, remove_adapter
-from actors.engine.generate import greedy_generate_many
+from actors.engine.generate import Decoder, greedy_generate_many
 from actors.engine.generation_eval import stop_token_ids
 from actors.engine.models import BaseModel
 from actors.spec.job_spec import JobSpec
@@ -37,13 +37,14 @@ def _continuation(base: BaseModel, tokens: list[int], stops: set[int]) -> str:
 
 
 def try_adapter(base: BaseModel, adapters: dict[str, Any], job_id: str, step: int, prompt: str,
-                max_new_tokens: int) -> dict[str, Any]:
+                max_new_tokens: int, decoder: Decoder | None = None) -> dict[str, Any]:
     """`prompt` continued by the job's adapter (`adapters`: the trainer's adapter name of each job here) and
-    by the base alone: `{"job", "step", "adapter", "base", "prompt_tokens", "new_tokens", "seconds"}`."""
+    by the base alone: `{"job", "step", "adapter", "base", "prompt_tokens", "new_tokens", "seconds"}`.
+    `decoder`: a pipeline's decoding over its stages (`base` then its stage 0's)."""
     if job_id not in adapters:
         raise NotHere(f"job {job_id} is not on this trainer's steps now (it has not started here yet, or it has "
                       "just left); try again while it runs")
-    return _side_by_side(base, adapters[job_id], job_id, step, prompt, max_new_tokens)
+    return _side_by_side(base, adapters[job_id], job_id, step, prompt, max_new_tokens, decoder)
 
 
 def try_saved_adapter(base: BaseModel, spec: JobSpec, location: str | Path | StorageURI, job_id: str, step: int,
@@ -79,11 +80,11 @@ def _prompt_ids(base: BaseModel, prompt: str, max_new_tokens: int) -> list[int]:
 
 
 def _side_by_side(base: BaseModel, adapter: str, job_id: str, step: int, prompt: str,
-                  max_new_tokens: int) -> dict[str, Any]:
+                  max_new_tokens: int, decoder: Decoder | None = None) -> dict[str, Any]:
     ids = _prompt_ids(base, prompt, max_new_tokens)
     started = time.perf_counter()
     stops = stop_token_ids(base)
-    tuned, plain = greedy_generate_many(base, [(adapter, ids), (None, ids)], max_new_tokens, stops)
+    tuned, plain = greedy_generate_many(base, [(adapter, ids), (None, ids)], max_new_tokens, stops, decoder=decoder)
     return {"job": job_id, "step": step, "prompt": prompt, "adapter": _continuation(base, tuned, stops),
             "base": _continuation(base, plain, stops), "prompt_tokens": len(ids),
             "new_tokens": [len(tuned), len(plain)], "seconds": round(time.perf_counter() - started, 3)}

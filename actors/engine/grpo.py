@@ -34,7 +34,7 @@ import torch
 
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
-from actors.engine.generate import Sampling, greedy_generate_many, needs_eager_attention
+from actors.engine.generate import Decoder, Sampling, greedy_generate_many, needs_eager_attention
 from actors.engine.generation_eval import ScoredRow, scored_rows, stop_token_ids
 from actors.engine.grpo_rewards import group_scores, reward_metrics, reward_scores
 from actors.engine.layout import step_layout
@@ -81,10 +81,11 @@ def _completion_text(base: BaseModel, tokens: list[int], stops: set[int]) -> str
 
 
 def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequence[Example], seed: int,
-             worker: FunctionWorker | None = None) -> list[Rollout]:
+             worker: FunctionWorker | None = None, decoder: Decoder | None = None) -> list[Rollout]:
     """Each example's prompt, `num_generations` sampled completions through `adapter` (a generator seeded with
-    `seed`), scored (the user's reward functions in `worker`: grpo_rewards.py) and turned into advantages.
-    ValueError where an example has no prompt; RewardError where a reward fails."""
+    `seed`), scored (the user's reward functions in `worker`: grpo_rewards.py) and turned into advantages;
+    `decoder`: a pipeline's decoding over its stages (`base` then its stage 0). ValueError where an example has no
+    prompt; RewardError where a reward fails."""
     rows: list[ScoredRow] = scored_rows(examples, base, None)
     if len(rows) != len(examples):
         raise ValueError(f"job '{adapter}': {len(examples) - len(rows)} of its rows have no prompt before their "
@@ -95,7 +96,7 @@ def rollouts(base: BaseModel, adapter: str, config: GrpoConfig, examples: Sequen
     requests = [(adapter, list(row.prompt)) for row in rows for _ in range(groups)]
     outputs = greedy_generate_many(base, requests, config.max_new_tokens, stops,
                                    Sampling(config.temperature, config.top_k, generator,
-                                            top_p=config.top_p, min_p=config.min_p))
+                                            top_p=config.top_p, min_p=config.min_p), decoder=decoder)
     texts = [_completion_text(base, tokens, stops) for tokens in outputs]
     contexts = [{"prompt": row.prompt_text, "reference": row.reference} for row in rows for _ in range(groups)]
     scores = reward_scores(config, [c["prompt"] for c in contexts], texts, contexts, worker).view(len(rows), groups,

@@ -187,6 +187,37 @@ def test_eval_generate_and_try_it_on_a_pipeline_decode_as_on_one_device(tmp_path
         assert tries["pipeline"][key] == tries["single"][key], key
 
 
+def test_a_grpo_job_on_a_pipeline_samples_over_the_stages_and_ends_as_on_one_device(tmp_path, tiny_model_dirs):
+    """A grpo job on a pipeline trainer: its completions sampled over the stages (the same seeds as one device), its
+    rewards scored in the engine's worker, its steps through the stages: the adapter, metrics (rewards, clip ratios,
+    lengths) and config of one device, bit for bit. What is not built yet is refused at attach, naming it."""
+    model = str(tiny_model_dirs["llama"])
+    data = write_task_data(tmp_path / "data", "rl")
+    grpo = {"reward": "tests.helpers.rewards:shorter", "num_generations": 3, "max_new_tokens": 6}   # varies
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    ends = {}
+    for kind in ("single", "pipeline"):
+        job = job_dict("rl", data, 3, method="grpo", batch_size=2, max_seq_len=64, grpo=grpo, lora=lora)
+        (submission,) = run_spec(model, tmp_path / kind, [job]).submissions()
+        loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
+        try:
+            loop.assign(assignment_for(submission, "rl", loop.base.tokenizer))
+            events = run_until_idle(loop)
+        finally:
+            loop.close()
+        assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+        ends[kind] = outputs(tmp_path / kind / "rl")
+    assert_same_outputs(ends["pipeline"], ends["single"], "rl")
+    assert all("reward" in row for row in ends["single"]["metrics"])
+
+    from actors.service.pipeline.pipeline_engine import PipelineEngine
+    from actors.spec.job_spec import JobSpec
+
+    refused = JobSpec.model_validate(job_dict("kl", data, 2, method="grpo", grad_accum=2, grpo={**grpo, "beta": 0.1}))
+    with pytest.raises(ValueError, match=r"not yet with grpo.beta > 0 .*; grad_accum > 1"):
+        PipelineEngine.attach(None, refused, None, [], 2, seed=0)
+
+
 def test_a_jobs_file_with_stages_trains_as_on_one_device_though_a_stage_is_killed(tmp_path, tiny_model_dirs, caplog):
     """`aspen run --in-process` with `stages: 2`: the same adapters, metrics, evaluations and early stop as one
     device, bit for bit, though stage 1's process is SIGKILLed after the third loop step: the trainer gives

@@ -192,6 +192,8 @@ class PipelineTrainer:
             job.micro_count += 1
             if job.spec.method in PREFERENCE_METHODS:
                 job.step_targets += len(examples)
+            elif job.spec.grpo is not None and job.spec.grpo.loss_type == "grpo":   # the mean over completions
+                job.step_targets += sum(len(rollout.completions) for rollout in examples)
             else:
                 job.step_targets += pack([micro], self.layout).job_targets[0]
             if job.spec.lora.dropout > 0:

@@ -120,7 +120,8 @@ class PipelineAdmission:
         return all(peak * (1 + self.margin) <= self.budget for peak in self.predictions(micro_batches))
 
     def sampling_refusal(self, spec: JobSpec) -> str | None:
-        """None: a pipeline runs no GRPO job (the engine refuses it when attached, saying why)."""
+        """None: a GRPO job's sampling over the stages (each stage a KV cache of its own layers) is not predicted per
+        stage yet; what the engine does not build for it is refused when attached."""
         return None
 
     def measure_next_step(self) -> bool:

@@ -23,6 +23,8 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
+from actors.engine.grpo import rollout_seed, rollouts
+from actors.engine.grpo_rewards import RewardError
 from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
@@ -114,9 +116,15 @@ class PipelineEngine:
     def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
                seed: int) -> PipelineJob:
         """The job on every stage, its adapter initialised as on one device; not yet in the steps (`add_job`)."""
-        if spec.method == "grpo":
-            raise ValueError(f"job '{spec.name}': method grpo (sampling completions each step) is not available on a "
-                             "pipeline trainer yet; run the job on a single-device trainer")
+        if spec.grpo is not None:
+            unbuilt = [what for what, asked in (
+                ("grpo.beta > 0 (its KL term's reference log-probabilities through the stages)", spec.grpo.beta > 0),
+                ("grpo.num_iterations > 1 (replaying a generation through the stages)", spec.grpo.num_iterations > 1),
+                ("grad_accum > 1 (each micro-batch's completions sampled mid-step)", spec.grad_accum > 1)) if asked]
+            if unbuilt:
+                raise ValueError(f"job '{spec.name}': a grpo job on a pipeline trainer samples over the stages, but "
+                                 f"not yet with {'; '.join(unbuilt)}; run it on a single-device trainer, or drop "
+                                 "those settings")
         if spec.lora.kind == "vera":
             raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
                              "stages would each hold a share of the shared projections); run the job on a "
@@ -242,9 +250,25 @@ class PipelineEngine:
         self._guarded(self.pipeline.generate, requests, choose, finished)
 
     def rollouts(self, chosen: list[tuple[PipelineJob, list[Example]]]
-                 ) -> tuple[list[tuple[PipelineJob, list[Example]]], list[tuple[PipelineJob, Exception]]]:
-        """Every job as it is: a pipeline runs no GRPO job (refused when attached), so nothing is sampled."""
-        return chosen, []
+                 ) -> tuple[list[tuple[PipelineJob, list]], list[tuple[PipelineJob, Exception]]]:
+        """The chosen micro-batches with each GRPO job's prompts expanded into sampled, scored completions, as
+        `FusedTrainer.rollouts` (the same seeds), sampled over the stages; the head composes the job's step from
+        them. The GRPO jobs whose reward failed or whose rows have no prompt, to be failed by the caller."""
+        kept: list[tuple[PipelineJob, list]] = []
+        failed: list[tuple[PipelineJob, Exception]] = []
+        for job, batch in chosen:
+            if job.spec.grpo is None:
+                kept.append((job, batch))
+                continue
+            try:
+                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job), self.functions,
+                                    decoder=self.decode)
+            except (RewardError, ValueError) as error:
+                failed.append((job, error))
+                continue
+            self.head.jobs[job.name].pending = expanded   # what the head composes the job's step from
+            kept.append((job, expanded))
+        return kept, failed
 
     def evaluate_generation(self, jobs: list[PipelineJob]) -> list[GenerationEvaluation]:
         """Each job's `eval_generate` score over its eval rows, as `FusedTrainer.evaluate_generation`, the rows

@@ -107,7 +107,7 @@ class PipelineJob:
 
     @property
     def replay(self) -> None:
-        """A GRPO generation being replayed: none (a pipeline runs no GRPO job; refused when attached)."""
+        """A GRPO generation being replayed: none (num_iterations > 1 is refused on a pipeline when attached)."""
         return None
 
     def peek(self) -> list[Example] | None:

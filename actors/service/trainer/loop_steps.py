@@ -195,7 +195,7 @@ class LoopSteps:
 
     def _rollouts(self, chosen: list) -> list:
         """The step's GRPO jobs' completions sampled and scored (`FusedTrainer.rollouts`); a job whose reward
-        failed fails alone, the others' step goes on. (A pipeline trainer runs no GRPO job.)"""
+        failed fails alone, the others' step goes on (on a pipeline trainer, sampled over its stages)."""
         kept, failed = self.engine.rollouts(chosen)
         for job, error in failed:
             self.ends.finish(self.active[job.name], "failed", f"its rollout failed: {error}")

@@ -3,8 +3,8 @@ pipeline trainer's `PipelineEngine` (actors/service/pipeline/pipeline_engine.py)
 so that the loop never asks which one it holds.
 
 Where an engine lacks a feature, it says so in data, not by a missing method: `generation_refusal` (why it
-cannot continue a prompt, or None; both engines decode: `decode`), `rollouts` (a pipeline runs no GRPO job,
-refused when attached: its rollouts keep every job), `lost` and `rebuild` (one device never loses a stage: None,
+cannot continue a prompt, or None; both engines decode: `decode`, and sample GRPO jobs' completions:
+`rollouts`), `lost` and `rebuild` (one device never loses a stage: None,
 nothing to rebuild), `fuses_calls` (whether interactive models' calls can share its steps)."""
 
 from __future__ import annotations

@@ -154,11 +154,24 @@ def sampling_bytes(base: BaseModel, rows: int, width: int) -> int:
     return cache + layer_copy + prompt_pass + mask + logits
 
 
-def rollout_seed(job: Any) -> int:
-    """The generator seed of a GRPO job's next rollout: from its seed and its position (optimizer steps taken,
-    micro-batches of the current accumulation), so the same job samples the same completions alone or fused,
-    and again after resuming from a checkpoint."""
-    digest = hashlib.blake2b(f"{job.seed}:{job.step}:{job.accumulator.micro_batches}".encode(), digest_size=8)
+def sampling_memory_error(base: BaseModel, config: GrpoConfig, batch: Sequence[Example],
+                          error: BaseException) -> MemoryError:
+    """What a job's sampling that ran out of memory tells its user: what it needed (`sampling_bytes`) and what to
+    lower."""
+    rows = len(batch) * config.num_generations
+    width = max(len(e) for e in batch) + config.max_new_tokens
+    return MemoryError(f"sampling its {rows} completions ran out of memory ({error}); they need some "
+                       f"{sampling_bytes(base, rows, width) / 2**20:.0f} MiB beside what the trainer holds: "
+                       f"{SAMPLING_SIZES}")
+
+
+def rollout_seed(job: Any, ahead: int = 0) -> int:
+    """The generator seed of a GRPO job's next rollout (`ahead`: of the one that many micro-batches later in the
+    same accumulation): from its seed and its position (optimizer steps taken, micro-batches of the current
+    accumulation), so the same job samples the same completions alone or fused, and again after resuming from a
+    checkpoint."""
+    position = job.accumulator.micro_batches + ahead
+    digest = hashlib.blake2b(f"{job.seed}:{job.step}:{position}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
 
 

@@ -25,7 +25,7 @@ class ReplayedBatch:
     of their completion tokens at their generation step (float32, on the trainer's device until saved)."""
 
     rollouts: list[Rollout]
-    old_logps: torch.Tensor
+    old_logps: torch.Tensor | None   # None until known (a pipeline's head composes before the last stage computes)
 
 
 @dataclass
@@ -51,18 +51,24 @@ class GrpoReplay:
         """Whether this replay's micro-batches have all been taken (its optimizer step is due)."""
         return self.replaying and self.position >= len(self.batches)
 
-    def record(self, rollouts: list[Rollout], logps: torch.Tensor) -> None:
-        """A generation micro-batch the step just trained on, with its completion tokens' log-probabilities."""
-        self.batches.append(ReplayedBatch(rollouts, logps.detach().to(torch.float32)))
+    def record(self, rollouts: list[Rollout], logps: torch.Tensor | None) -> ReplayedBatch:
+        """A generation micro-batch the step just trained on, with its completion tokens' log-probabilities (None:
+        filled in when known, `ReplayedBatch.old_logps`)."""
+        batch = ReplayedBatch(rollouts, None if logps is None else logps.detach().to(torch.float32))
+        self.batches.append(batch)
+        return batch
 
     def old_logps(self, rollouts: list) -> torch.Tensor:
         """The old log-probabilities of a replayed micro-batch (the very list `next_batch` gave); LookupError for
         another list (its ratios would silently be 1)."""
-        found = next((batch.old_logps for batch in self.batches if batch.rollouts is rollouts), None)
+        found = next((batch for batch in self.batches if batch.rollouts is rollouts), None)
         if found is None or not self.replaying:
             raise LookupError("a replayed GRPO micro-batch is not one of its generation's (the step must get the very "
                               "list the job's peek gave)")
-        return found
+        if found.old_logps is None:
+            raise LookupError("a replayed GRPO micro-batch's log-probabilities at its generation are not known yet "
+                              "(its generation step was not booked)")
+        return found.old_logps
 
     def stepped(self) -> None:
         """An optimizer step was taken: the next iteration replays the generation, or (after the last) the next
@@ -81,7 +87,7 @@ class GrpoReplay:
             return None
         return {"iteration": self.iteration, "position": self.position,
                 "batches": [{"rollouts": [_rollout_state(r) for r in batch.rollouts],
-                             "old_logps": batch.old_logps.cpu().tolist()} for batch in self.batches]}
+                             "old_logps": _known(batch).cpu().tolist()} for batch in self.batches]}
 
     @classmethod
     def from_state(cls, iterations: int, state: Any | None, device: torch.device) -> GrpoReplay:
@@ -92,6 +98,13 @@ class GrpoReplay:
                                  torch.tensor(batch.old_logps, dtype=torch.float32, device=device))
                    for batch in state.batches]
         return cls(iterations, batches, state.iteration, state.position)
+
+
+def _known(batch: ReplayedBatch) -> torch.Tensor:
+    if batch.old_logps is None:
+        raise RuntimeError("a GRPO generation is saved before its log-probabilities were known: save a job between "
+                           "its steps")
+    return batch.old_logps
 
 
 def _rollout_state(rollout: Rollout) -> dict[str, Any]:

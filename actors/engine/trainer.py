@@ -29,7 +29,7 @@ from actors.engine.adapter_surgery import AdapterHandle, remove_adapter, set_ada
 from actors.engine.compiled import CompiledLayers, check_compile
 from actors.engine.generate import decode
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
-from actors.engine.grpo import SAMPLING_SIZES, reference_token_log_probs, rollout_seed, rollouts, sampling_bytes
+from actors.engine.grpo import reference_token_log_probs, rollout_seed, rollouts, sampling_memory_error
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.interactive_step import FusedCalls, call_losses, with_calls
 from actors.engine.job import BatchSource, TrainingJob
@@ -185,13 +185,7 @@ class FusedTrainer:
                 failed.append((job, error))
                 continue
             except torch.OutOfMemoryError as error:   # its sampling alone: the others' step goes on
-                config = job.spec.grpo
-                rows = len(batch) * config.num_generations
-                width = max(len(e) for e in batch) + config.max_new_tokens
-                failed.append((job, MemoryError(
-                    f"sampling its {rows} completions ran out of memory ({error}); they need some "
-                    f"{sampling_bytes(self.base, rows, width) / 2**20:.0f} MiB beside what the trainer holds: "
-                    f"{SAMPLING_SIZES}")))
+                failed.append((job, sampling_memory_error(self.base, job.spec.grpo, batch, error)))
                 continue
             kept.append((job, expanded))
         return kept, failed

@@ -90,6 +90,47 @@ def test_a_job_moved_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_pat
     assert_same_outputs(outputs(tmp_path / "out/moving"), outputs(tmp_path / "uninterrupted/moving"), "moving")
 
 
+def test_a_grpo_job_moved_mid_replay_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_path, tiny_model_dirs):
+    """A grpo job training each generation twice (num_iterations), 2 micro-batches a step, with a KL term: paused on
+    a pipeline after its first generation's step (its checkpoint holds the generation and the last stage's
+    log-probabilities of it), resumed on one device and paused there in the middle of a replay's accumulation,
+    resumed on a pipeline to the end: the adapter and metrics of one device's uninterrupted run, bit for bit."""
+    model = str(tiny_model_dirs["llama"])
+    grpo = {"reward": "tests.helpers.rewards:shorter", "num_generations": 3, "max_new_tokens": 6, "num_iterations": 2,
+            "beta": 0.2}
+    job = job_dict("replayed", write_task_data(tmp_path / "data", "replayed"), 6, method="grpo", batch_size=2,
+                   max_seq_len=64, grad_accum=2, checkpoint_every=1, grpo=grpo,
+                   lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+    (submission,) = run_spec(model, tmp_path / "out", [job]).submissions()
+    moves = [("pipeline", 1, 0), ("single", 3, 1), ("pipeline", None, 0)]
+    for index, (kind, pause_at, extra) in enumerate(moves):
+        loop = loop_for(kind, tmp_path, model, f"trainer-{index}")
+        try:
+            loop.assign(assignment_for(submission, "replayed", loop.base.tokenizer))
+            if pause_at is None:
+                events = run_until_idle(loop)
+            else:
+                while loop.active.get("replayed") is None or loop.active["replayed"].job.step < pause_at:
+                    loop.run_once(idle_wait=0)
+                for _ in range(extra):   # micro-batches of the replay's step before the pause
+                    loop.run_once(idle_wait=0)
+                loop.stop_job("replayed", "paused", "moved to another trainer")
+                events = run_until_idle(loop)
+        finally:
+            loop.close()
+        if index:
+            assert next(e for e in events if e.kind == "started").data["resumed_from"] == moves[index - 1][1]
+        if pause_at is not None:
+            state = json.loads((tmp_path / "out/replayed/checkpoint/state.json").read_text())
+            assert state["step"] == pause_at and state["accumulator"]["micro_batches"] == extra, kind
+            assert (state["replay"]["iteration"], state["replay"]["position"]) == (1, extra), state["replay"]
+            assert len(state["replay"]["batches"]) == 2 and all(b["old_logps"] for b in state["replay"]["batches"])
+    assert any(e.kind == "completed" for e in events)
+    uninterrupted = run_spec(model, tmp_path / "uninterrupted", [job])
+    train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
+    assert_same_outputs(outputs(tmp_path / "out/replayed"), outputs(tmp_path / "uninterrupted/replayed"), "replayed")
+
+
 def test_a_job_started_from_a_saved_adapter_on_a_pipeline_ends_as_on_one_device(tmp_path, tiny_model_dirs):
     """`init_adapter` on a pipeline trainer: the stages take the saved adapter (their shares of it), and the job
     ends with the adapter, metrics and config of the same job on one device, bit for bit."""
@@ -187,35 +228,41 @@ def test_eval_generate_and_try_it_on_a_pipeline_decode_as_on_one_device(tmp_path
         assert tries["pipeline"][key] == tries["single"][key], key
 
 
-def test_a_grpo_job_on_a_pipeline_samples_over_the_stages_and_ends_as_on_one_device(tmp_path, tiny_model_dirs):
-    """A grpo job on a pipeline trainer: its completions sampled over the stages (the same seeds as one device), its
-    rewards scored in the engine's worker, its steps through the stages: the adapter, metrics (rewards, clip ratios,
-    lengths) and config of one device, bit for bit. What is not built yet is refused at attach, naming it."""
+def test_grpo_jobs_on_a_pipeline_sample_over_the_stages_and_end_as_on_one_device(tmp_path, tiny_model_dirs):
+    """Two grpo jobs fused on a pipeline trainer: their completions sampled over the stages (the same seeds as one
+    device), their rewards scored in the engine's worker, their steps through the stages. One accumulates 3
+    micro-batches a step, its data ending in the second step's second (the whole accumulation sampled before the
+    step), and trains on each generation twice (num_iterations: the replay against the last stage's log-probabilities
+    at the generation); the other, with beta > 0, starts from a saved adapter, its KL term's reference (that adapter)
+    passed through the stages each step. Each ends with the adapter, metrics (rewards, clip ratios, lengths, kl) and
+    config of one device, bit for bit."""
     model = str(tiny_model_dirs["llama"])
     data = write_task_data(tmp_path / "data", "rl")
+    short = write_task_data(tmp_path / "data", "short", rows=10)
     grpo = {"reward": "tests.helpers.rewards:shorter", "num_generations": 3, "max_new_tokens": 6}   # varies
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    saved_peft_lora(model, tmp_path / "saved", lora["target_modules"], seed=2)
     ends = {}
     for kind in ("single", "pipeline"):
-        job = job_dict("rl", data, 3, method="grpo", batch_size=2, max_seq_len=64, grpo=grpo, lora=lora)
-        (submission,) = run_spec(model, tmp_path / kind, [job]).submissions()
+        jobs = [job_dict("rl", short, 0, method="grpo", batch_size=2, max_seq_len=64, lora=lora,
+                         grad_accum=3, max_steps=None, epochs=1, grpo={**grpo, "num_iterations": 2}),
+                job_dict("kl", data, 3, method="grpo", batch_size=2, max_seq_len=64, lora=lora,
+                         grpo={**grpo, "beta": 0.5, "temperature": 0.8}, init_adapter=str(tmp_path / "saved"))]
+        submissions = run_spec(model, tmp_path / kind, jobs).submissions()
         loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
         try:
-            loop.assign(assignment_for(submission, "rl", loop.base.tokenizer))
+            for submission, name in zip(submissions, ("rl", "kl"), strict=True):
+                loop.assign(assignment_for(submission, name, loop.base.tokenizer))
             events = run_until_idle(loop)
         finally:
             loop.close()
-        assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
-        ends[kind] = outputs(tmp_path / kind / "rl")
-    assert_same_outputs(ends["pipeline"], ends["single"], "rl")
-    assert all("reward" in row for row in ends["single"]["metrics"])
-
-    from actors.service.pipeline.pipeline_engine import PipelineEngine
-    from actors.spec.job_spec import JobSpec
-
-    refused = JobSpec.model_validate(job_dict("kl", data, 2, method="grpo", grad_accum=2, grpo={**grpo, "beta": 0.1}))
-    with pytest.raises(ValueError, match=r"not yet with grpo.beta > 0 .*; grad_accum > 1"):
-        PipelineEngine.attach(None, refused, None, [], 2, seed=0)
+        assert sum(e.kind == "completed" for e in events) == 2, [(e.kind, e.data.get("reason")) for e in events]
+        ends[kind] = {name: outputs(tmp_path / kind / name) for name in ("rl", "kl")}
+    for name in ("rl", "kl"):
+        assert_same_outputs(ends["pipeline"][name], ends["single"][name], name)
+    assert len(ends["single"]["rl"]["metrics"]) == 4 and all("reward" in row for row in ends["single"]["rl"]["metrics"])
+    kls = [row["kl"] for row in ends["single"]["kl"]["metrics"]]
+    assert kls[0] == 0.0 and any(kl > 0 for kl in kls[1:]), kls   # policy = reference at first, then apart
 
 
 def test_a_jobs_file_with_stages_trains_as_on_one_device_though_a_stage_is_killed(tmp_path, tiny_model_dirs, caplog):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from actors.data import DataCursor, Example
+from actors.engine.grpo_replay import GrpoReplay
 from actors.engine.job import BatchSource, OptimizerStepRecord
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.pipeline.head_jobs import HeadJob
@@ -85,6 +86,8 @@ class PipelineTrainer:
             total_steps = planned_steps(spec, len(train))
         job = HeadJob(spec=spec, cursor=cursor, total_steps=int(total_steps), seed=seed,
                       eval_examples=list(eval_examples or []), reference=reference)
+        if spec.grpo is not None and spec.grpo.num_iterations > 1:
+            job.replay = GrpoReplay(spec.grpo.num_iterations)
         if state is not None:
             job.cursor.load_state_dict(state["data_position"])
             job.planned_steps = state["step_count"]
@@ -183,10 +186,14 @@ class PipelineTrainer:
             tokens += batch_tokens
         order = {name: i for i, name in enumerate(self.jobs)}
         chosen.sort(key=lambda job: order[job.name])
-        micro_batches, closes, serial, step_targets = [], [], [], {}
+        micro_batches, closes, serial, step_targets, olds = [], [], [], {}, {}
         for job in chosen:
             examples = job.pending
             job.pending = None
+            replayed = job.replaying
+            old = job.composed(examples)
+            if old is not None:
+                olds[len(micro_batches)] = old
             micro = JobMicroBatch(job=job.name, examples=examples)
             micro_batches.append(micro)
             job.micro_count += 1
@@ -198,17 +205,20 @@ class PipelineTrainer:
                 job.step_targets += pack([micro], self.layout).job_targets[0]
             if job.spec.lora.dropout > 0:
                 serial.append(job.name)
-            if job.micro_count % job.spec.grad_accum == 0 or job.peek() is None:
+            if (job.replay.iteration_done if replayed else   # a replay closes after the generation's micro-batches
+                    job.micro_count % job.spec.grad_accum == 0 or job.peek() is None):
                 closes.append(job.name)
                 step_targets[job.name] = job.step_targets
                 job.step_targets = 0
                 job.planned_steps += 1
+                if job.replay is not None:
+                    job.replay.stepped()
         plan = MicroBatchPlan(index=self.book.next_index, jobs=tuple(mb.job for mb in micro_batches),
                               closes=tuple(closes), serial=tuple(serial), cost=float(tokens))
         self.book.sent(plan)
         dpo = [mb for mb in micro_batches if self.jobs[mb.job].spec.method == "dpo"]
         return PlanMessage(plan=plan, micro_batches=tuple(micro_batches), step_targets=step_targets,
-                           references=self._reference_todo(dpo))
+                           references=self._reference_todo(dpo), olds=olds)
 
     def _reference_todo(self, micro_batches: list[JobMicroBatch]) -> tuple:
         """The DPO pairs the last stage has no reference for (this head's mirror of its caches, kept in step)."""

@@ -63,6 +63,8 @@ class PlanBook:
                 job.accumulator.add(loss, result["tokens"][position], result["counts"][position],
                                     result["metrics"][position])
                 job.tokens_seen += result["tokens"][position]
+                if position in result["generations"]:   # a GRPO generation's, to replay against
+                    job.generation_booked(result["generations"][position])
                 if name in plan.closes:
                     self._close_step(job, self.norms.pop((name, index)))
             self.reports.append(PlanReport(index=index, jobs=list(result["jobs"]), tokens=result["stream"],

@@ -14,7 +14,7 @@ When a micro-batch closes a job's accumulation, the stages chain the job's gradi
 to stage 0 (actors/engine/pipeline/stage_norms.py), which sends the total to every stage, and each steps its
 share of the job (clip by the total, fused AdamW) before the job's next forward there. A job with adapter
 dropout passes its generator's state along with its activations (and back from the last stage to stage 0
-with the results), so the masks are drawn from one sequence, as on one device. DPO references and
+with the results), so the masks are drawn from one sequence, as on one device. DPO and GRPO references and
 evaluations, without gradients: actors/engine/pipeline/stage_evaluation.py; its busy time and memory:
 actors/engine/pipeline/stage_measures.py."""
 
@@ -201,8 +201,8 @@ class StageRuntime:
         return hidden.requires_grad_(True)
 
     def _forward_op(self, op: Op) -> None:
-        """A micro-batch's forward here (DPO references first), its output sent to the next stage."""
-        self.evaluator.references(list(self.plans[op.index].micro_batches), self.plans[op.index].references)
+        """A micro-batch's forward here (DPO and GRPO references first), its output sent to the next stage."""
+        self.evaluator.plan_references(self.plans[op.index])
         batch = self._batch(op.index)
         hidden = self._receive_input(op, batch)
         output = self._forward(batch, hidden)
@@ -215,27 +215,38 @@ class StageRuntime:
         """The last stage: a micro-batch's forward, the step's objective and its backward at once; the results
         to stage 0, the input's gradient to the stage before."""
         message = self.plans[op.index]
-        references = self.evaluator.references(list(message.micro_batches), message.references)
+        references = self.evaluator.plan_references(message)
         batch = self._batch(op.index)
         hidden = self._receive_input(op, batch)
         output = self._forward(batch, hidden)
         states = {job: self._generator(job).get_state().clone() for job in message.plan.serial}
+        olds = {index: old.to(output.device) for index, old in message.olds.items()}
         objective = step_objective(self.model.base, batch, output,
                                    [ObjectiveJob(spec=self.jobs[mb.job].spec) for mb in message.micro_batches],
-                                   list(message.micro_batches), references, self.settings.loss_chunk)
+                                   list(message.micro_batches), references, self.settings.loss_chunk, olds)
         objective.total.backward()
         if hidden is not None:
             self.links.send(hidden.grad, self.stage - 1, TAG_GRADIENT)
         result = {"index": op.index, "jobs": list(batch.jobs), "losses": objective.losses,
                   "counts": objective.counts, "metrics": objective.metrics, "tokens": list(batch.job_tokens),
                   "targets": list(batch.job_targets), "generators": states, "padding": batch.padding_tokens,
-                  "stream": batch.num_tokens}
+                  "stream": batch.num_tokens, "generations": self._generations(message, objective.completion_logps)}
         if self.stages == 1:
             self._take_result(result)
         else:
             self.links.send_object(result, 0, TAG_RESULT)
         self.norms.add_share(message, self.jobs)
         del self.plans[op.index]
+
+    def _generations(self, message: PlanMessage, logps: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The completion tokens' log-probabilities of the plan's GRPO generation micro-batches that will be
+        replayed (num_iterations > 1), for the head to keep (`HeadJob.generation_booked`): CPU, float32."""
+        out = {}
+        for index, micro_batch in enumerate(message.micro_batches):
+            grpo = self.jobs[micro_batch.job].spec.grpo
+            if grpo is not None and grpo.num_iterations > 1 and index not in message.olds:
+                out[index] = logps[index].detach().to("cpu", torch.float32)
+        return out
 
     def _backward_op(self, op: Op) -> None:
         """A micro-batch's backward here from its output's gradient; its input's gradient sent back."""

@@ -1,21 +1,24 @@
-"""A pipeline stage's passes without gradients: DPO references, a job's evaluation loss, and decoding
-(actors/engine/pipeline/stage_generation.py).
+"""A pipeline stage's passes without gradients: the reference passes of DPO and GRPO jobs, a job's evaluation
+loss, and decoding (actors/engine/pipeline/stage_generation.py).
 
-The DPO reference log-probabilities (the base alone, no adapter; kept by the last stage per job) are what a
-training forward or an evaluation of a DPO job needs first; the evaluation loss is computed with every stage
-taking part, as `FusedTrainer.evaluate` computes it on one device."""
+The reference log-probabilities (the base alone, no adapter, or the job's frozen reference adapter) are what a
+training forward of a DPO job or of a GRPO job with beta > 0 needs first: a DPO job's pairs once (kept by the last
+stage per job), a GRPO job's completion tokens each step (each micro-batch alone, as
+`grpo.reference_token_log_probs` on one device). The evaluation loss is computed with every stage taking part, as
+`FusedTrainer.evaluate` computes it on one device."""
 
 from __future__ import annotations
 
 import torch
 
 from actors.engine.adapter_surgery import set_adapters_training
+from actors.engine.grpo import tempered
 from actors.engine.layout import step_layout
-from actors.engine.loss import target_cross_entropy
-from actors.engine.packing import JobMicroBatch, pack
+from actors.engine.loss import target_cross_entropy, target_log_probs
+from actors.engine.packing import FusedBatch, JobMicroBatch, pack
 from actors.engine.pipeline.stage_generation import StageDecoder
 from actors.engine.pipeline.stage_jobs import StageJob
-from actors.engine.pipeline.stage_messages import EvalRequest, StageSettings
+from actors.engine.pipeline.stage_messages import EvalRequest, PlanMessage, StageSettings
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.pipeline.transport import TAG_ACTIVATION, TAG_REPLY, StageLinks
 from actors.engine.preference import ReferenceCache, evaluation_outcome, reference_layout, reference_sums
@@ -37,9 +40,9 @@ class StageEvaluator:
     def forget(self, job: str) -> None:
         self.reference_caches.pop(job, None)
 
-    def _reference_forward(self, micro_batches: list[JobMicroBatch]) -> list[torch.Tensor] | None:
-        """The base alone (no adapter; a job's frozen reference adapter where it holds one) over these pairs, through
-        this stage; the last stage returns their reference log-probabilities (`preference.reference_sums`)."""
+    def _reference_forward(self, micro_batches: list[JobMicroBatch]) -> tuple[FusedBatch, torch.Tensor | None]:
+        """The base alone (no adapter; a job's frozen reference adapter where it holds one) over these micro-batches
+        packed, through this stage: the batch, and the last stage's output (None elsewhere: sent on)."""
         base = self.model.base
         batch = pack(micro_batches, "packed", base.pad_token_id).to(base.device)
         hidden = None
@@ -52,14 +55,44 @@ class StageEvaluator:
             output = self.model.forward(position_ids=batch.position_ids, input_ids=batch.input_ids, hidden=hidden)
         if not self.model.last:
             self.links.send(output, self.model.stage + 1, TAG_ACTIVATION)
-            return None
-        return reference_sums(base, batch, micro_batches, output, self.settings.loss_chunk)
+            return batch, None
+        return batch, output
+
+    def plan_references(self, message: PlanMessage) -> dict[int, torch.Tensor]:
+        """What a plan's forward needs first, by micro-batch index: its DPO micro-batches' reference sums
+        (`references`) and its GRPO jobs' with beta > 0 reference log-probabilities (`grpo_references`); every
+        stage takes part, the last one returns them."""
+        micro_batches = list(message.micro_batches)
+        return self.references(micro_batches, message.references) | self.grpo_references(micro_batches)
+
+    def grpo_references(self, micro_batches: list[JobMicroBatch]) -> dict[int, torch.Tensor]:
+        """The reference log-probabilities of the completion tokens of each GRPO micro-batch whose job has beta > 0,
+        in the order of its targets: a no-grad forward of that micro-batch alone through the stages, tempered by the
+        job's sampling temperature, as `grpo.reference_token_log_probs` on one device."""
+        out: dict[int, torch.Tensor] = {}
+        for index, micro_batch in enumerate(micro_batches):
+            grpo = self.jobs[micro_batch.job].spec.grpo
+            if grpo is None or not grpo.beta:
+                continue
+            batch, output = self._reference_forward([micro_batch])
+            if output is None:
+                continue
+            head, transform = self.model.base.lm_head, tempered(self.model.base.logit_transform, grpo.temperature)
+            with torch.no_grad():
+                out[index] = target_log_probs(output[batch.target_index], head.weight, head.bias, batch.target_ids,
+                                              self.settings.loss_chunk, transform)
+        return out
 
     def references(self, micro_batches: list[JobMicroBatch], todo: tuple) -> dict[int, torch.Tensor]:
         """The DPO micro-batches' reference log-probabilities by their index among `micro_batches`: the pairs
         in `todo` computed through the stages (every stage takes part), the others from the last stage's
         caches, as `ReferenceCache.lookup` on one device."""
-        computed = self._reference_forward([mb for _, _, mb in todo]) if todo else []
+        computed = []
+        if todo:
+            batch, output = self._reference_forward([mb for _, _, mb in todo])
+            if output is not None:
+                computed = reference_sums(self.model.base, batch, [mb for _, _, mb in todo], output,
+                                          self.settings.loss_chunk)
         if not self.model.last:
             return {}
         dpo = [index for index, mb in enumerate(micro_batches) if self.jobs[mb.job].spec.method == "dpo"]

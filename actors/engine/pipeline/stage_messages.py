@@ -56,6 +56,9 @@ class PlanMessage:
     # DPO: the pairs whose reference log-probabilities the last stage lacks (`ReferenceCache.missing` of the
     # plan's DPO micro-batches), run through the stages with no adapter before the plan's forward
     references: tuple = ()
+    # GRPO num_iterations: a replayed micro-batch's completion tokens' log-probabilities at their generation (CPU,
+    # float32), by its index among `micro_batches`
+    olds: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

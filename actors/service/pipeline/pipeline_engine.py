@@ -23,7 +23,7 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
-from actors.engine.grpo import rollout_seed, rollouts
+from actors.engine.grpo import rollout_seed, rollouts, sampling_memory_error
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
@@ -116,15 +116,6 @@ class PipelineEngine:
     def attach(self, spec: JobSpec, source: BatchSource, eval_examples: list[Example], total_steps: int, *,
                seed: int) -> PipelineJob:
         """The job on every stage, its adapter initialised as on one device; not yet in the steps (`add_job`)."""
-        if spec.grpo is not None:
-            unbuilt = [what for what, asked in (
-                ("grpo.beta > 0 (its KL term's reference log-probabilities through the stages)", spec.grpo.beta > 0),
-                ("grpo.num_iterations > 1 (replaying a generation through the stages)", spec.grpo.num_iterations > 1),
-                ("grad_accum > 1 (each micro-batch's completions sampled mid-step)", spec.grad_accum > 1)) if asked]
-            if unbuilt:
-                raise ValueError(f"job '{spec.name}': a grpo job on a pipeline trainer samples over the stages, but "
-                                 f"not yet with {'; '.join(unbuilt)}; run it on a single-device trainer, or drop "
-                                 "those settings")
         if spec.lora.kind == "vera":
             raise ValueError(f"job '{spec.name}': lora.kind: vera is not available on a pipeline trainer yet (its "
                              "stages would each hold a share of the shared projections); run the job on a "
@@ -141,10 +132,12 @@ class PipelineEngine:
 
     def _set_up_again(self, job: PipelineJob, state: dict, reference: dict | None) -> None:
         """The job on every stage again, from `state` (its mirror's), with its reference adapter's tensors."""
+        replay = job.head.replay   # the head's alone (its generation, replayed; a checkpoint's where loaded)
         self._guarded(self.pipeline.remove_job, job.name)
         self._guarded(self.pipeline.add_job, job.spec, cursor=job.head.cursor, total_steps=job.total_steps,
                       seed=job.seed, eval_examples=job.eval_examples, state=state, reference=reference)
         job.head = self.head.jobs[job.name]
+        job.head.replay = replay
         job.head.step_limit = 0
         job.stale = True
 
@@ -253,22 +246,45 @@ class PipelineEngine:
                  ) -> tuple[list[tuple[PipelineJob, list]], list[tuple[PipelineJob, Exception]]]:
         """The chosen micro-batches with each GRPO job's prompts expanded into sampled, scored completions, as
         `FusedTrainer.rollouts` (the same seeds), sampled over the stages; the head composes the job's step from
-        them. The GRPO jobs whose reward failed or whose rows have no prompt, to be failed by the caller."""
+        them. A loop step on a pipeline is a whole optimizer step, so a job with `grad_accum` > 1 has the rest of
+        its accumulation's micro-batches read and sampled now too, each with the seed one device gives it (its
+        adapter does not change within an accumulation, so they are the completions one device samples one loop
+        step at a time). The GRPO jobs whose reward failed, whose rows have no prompt or whose sampling ran out of
+        memory, to be failed by the caller."""
         kept: list[tuple[PipelineJob, list]] = []
         failed: list[tuple[PipelineJob, Exception]] = []
         for job, batch in chosen:
-            if job.spec.grpo is None:
+            head = self.head.jobs[job.name]
+            if job.spec.grpo is None or head.replaying:   # a replayed micro-batch is its generation's rollouts
                 kept.append((job, batch))
                 continue
-            try:
-                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job), self.functions,
-                                    decoder=self.decode)
-            except (RewardError, ValueError) as error:
-                failed.append((job, error))
-                continue
-            self.head.jobs[job.name].pending = expanded   # what the head composes the job's step from
-            kept.append((job, expanded))
+            raw = [batch] + self._rest_of_accumulation(job)
+            expanded: list[list] = []
+            for ahead, rows in enumerate(raw):
+                try:
+                    expanded.append(rollouts(self.base, job.name, job.spec.grpo, rows, rollout_seed(job, ahead),
+                                             self.functions, decoder=self.decode))
+                except (RewardError, ValueError) as error:
+                    failed.append((job, error))
+                    break
+                except torch.OutOfMemoryError as error:   # its sampling alone (stage 0's): the others' step goes on
+                    failed.append((job, sampling_memory_error(self.base, job.spec.grpo, rows, error)))
+                    break
+            else:
+                head.pending, head.prepared = expanded[0], expanded[1:]   # what the head composes the step from
+                kept.append((job, expanded[0]))
         return kept, failed
+
+    def _rest_of_accumulation(self, job: PipelineJob) -> list[list[Example]]:
+        """The micro-batches after the peeked one that close the job's current accumulation, read from its data
+        (fewer where the data ends first, as the head closes an accumulation there)."""
+        rest = []
+        for _ in range(job.spec.grad_accum - job.accumulator.micro_batches - 1):
+            rows = job.head.cursor.next_batch()
+            if rows is None:
+                break
+            rest.append(rows)
+        return rest
 
     def evaluate_generation(self, jobs: list[PipelineJob]) -> list[GenerationEvaluation]:
         """Each job's `eval_generate` score over its eval rows, as `FusedTrainer.evaluate_generation`, the rows

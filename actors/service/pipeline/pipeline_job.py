@@ -17,6 +17,7 @@ from torch import nn
 
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle
+from actors.engine.grpo_replay import GrpoReplay
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
 from actors.engine.optim import JobOptimizer
 from actors.engine.pipeline.head_jobs import HeadJob
@@ -106,9 +107,13 @@ class PipelineJob:
         return self.head.done
 
     @property
-    def replay(self) -> None:
-        """A GRPO generation being replayed: none (num_iterations > 1 is refused on a pipeline when attached)."""
-        return None
+    def replay(self) -> GrpoReplay | None:
+        """A GRPO job's generation trained on num_iterations times: the head's (it composes the replays)."""
+        return self.head.replay
+
+    @replay.setter
+    def replay(self, value: GrpoReplay | None) -> None:   # a checkpoint's, loaded (checkpoint/load.py)
+        self.head.replay = value
 
     def peek(self) -> list[Example] | None:
         """The job's next micro-batch (its data is asked for only when the job may still plan a step)."""

@@ -135,23 +135,25 @@ def kv_bytes_per_token(base: BaseModel) -> int:
     return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=base.dtype).element_size()
 
 
-def sampling_bytes(base: BaseModel, rows: int, width: int) -> int:
+def sampling_bytes(base: BaseModel, rows: int, width: int, *, layers: int | None = None, logits: bool = True) -> int:
     """What sampling `rows` sequences of up to `width` tokens each (prompt and completion) needs beyond what
     the trainer holds, at most: the KV cache of every token (`kv_bytes_per_token`), its last layer's copy
     while a step appends to it, the prompt pass's hidden states and MLP activations of one layer (no
     gradients are kept while sampling; its attention scores too where the model needs eager attention), the
     padded batch's attention mask (width x width per row), and the last position's logits in float32 three
-    times over (the logits, the tempered scores, their softmax). tests/unit/engine/test_grpo.py checks it
-    against the allocator's count."""
+    times over (the logits, the tempered scores, their softmax). A pipeline stage's: the cache of its `layers`
+    only, and the logits where it computes or chooses from them (`logits`: its first and last stages).
+    tests/unit/engine/test_grpo.py checks it against the allocator's count, tests/service/test_pipeline_memory.py
+    a stage's."""
     config = _text_config(base)
     element = torch.empty((), dtype=base.dtype).element_size()
-    cache = kv_bytes_per_token(base) * rows * width
-    layer_copy = cache // config.num_hidden_layers
+    layer_cache = kv_bytes_per_token(base) // config.num_hidden_layers * rows * width
+    cache = layer_cache * (config.num_hidden_layers if layers is None else layers)
     scores = 2 * config.num_attention_heads * width if needs_eager_attention(base.model) else 0   # sdpa keeps none
     prompt_pass = rows * width * element * (4 * config.hidden_size + 3 * config.intermediate_size + scores)
     mask = rows * width * width * 5   # the padded batch's 4-D attention mask: float32, and its boolean form
-    logits = 3 * rows * config.vocab_size * 4
-    return cache + layer_copy + prompt_pass + mask + logits
+    vocabulary = 3 * rows * config.vocab_size * 4 if logits else 0
+    return cache + layer_cache + prompt_pass + mask + vocabulary
 
 
 def sampling_memory_error(base: BaseModel, config: GrpoConfig, batch: Sequence[Example],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from actors.data import DataCursor
 from actors.engine.packing import JobMicroBatch
@@ -78,5 +79,45 @@ def test_each_stages_peak_is_predicted_within_one_micro_batch_and_a_tight_budget
         assert admission.fits(one) and not admission.fits(every)
         chosen = engine.compose(jobs, admission.fits)
         assert 1 <= len(chosen) < 4
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("rows", "prompt", "new"), [(4, 6, 3), (24, 40, 8), (12, 90, 30)])
+def test_each_stages_sampling_is_bounded_by_its_estimate_and_a_budget_below_it_refuses_a_grpo_job(rows, prompt, new):
+    """Decoding over uneven stages (a GRPO job's sampling: 2 and 4 layers) against each stage's allocator count of
+    it: never above the stage's estimate (its own layers' KV cache, one layer's prompt pass, the logits at the
+    first and last stage), nor so far below that it would refuse what fits (3x, as on one device). A budget per
+    stage that leaves less than a stage's estimate beside its weights refuses a grpo job of that size, naming
+    the stage and what to lower; a budget that leaves room admits it."""
+    from actors.engine.generate import Sampling, greedy_generate_many
+    from tests.helpers.fused import job_spec
+    from tests.helpers.pipeline import VOCAB
+
+    config = TrainerConfig(stages=2, stage_split=[2, 4], step_tokens=2048)
+    engine = start_pipeline(config, functools.partial(tiny_base, layers=6), threads=1)
+    try:
+        prompts = [[(7 * i + j) % (VOCAB - 10) + 5 for j in range(prompt - i % 3)] for i in range(rows)]
+        held = [memory.held for memory in engine.memory()]
+        engine.pipeline.measure(True)
+        greedy_generate_many(engine.base, [(None, p) for p in prompts], new, set(),
+                             Sampling(1.0, 0, torch.Generator().manual_seed(0)), decoder=engine.decode)
+        measured = [peak - live for peak, live in zip(engine.pipeline.measure(False), held, strict=True)]
+        estimates = [engine.sampling_bytes(stage, rows, prompt + new) for stage in range(2)]
+        for stage, (used, estimate) in enumerate(zip(measured, estimates, strict=True)):
+            assert 0 < used <= estimate <= 3 * used, (stage, used, estimate)
+
+        width = max(prompt, 8) + new   # a job's largest rollout: rows sequences of max_seq_len + max_new_tokens
+        spec = job_spec("rl", method="grpo", batch_size=rows // 2, max_seq_len=max(prompt, 8), format={"type": "text"},
+                        grpo={"reward": "contains", "num_generations": 2, "max_new_tokens": new})
+        admission = PipelineAdmission(engine)
+        needs = [engine.sampling_bytes(stage, rows, width) for stage in range(2)]
+        tight = max(w + e for w, e in zip(admission.weights, needs, strict=True)) - 1
+        admission.budget = tight
+        refusal = admission.sampling_refusal(spec)
+        assert refusal is not None and f"({rows} sequences of up to {width} tokens)" in refusal, refusal
+        assert "at pipeline stage" in refusal and "lower batch_size, grpo.num_generations" in refusal, refusal
+        admission.budget = int(2 * tight)
+        assert admission.sampling_refusal(spec) is None
     finally:
         engine.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 
+from actors.engine.grpo import SAMPLING_SIZES
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.step_report import StepReport
@@ -120,8 +121,21 @@ class PipelineAdmission:
         return all(peak * (1 + self.margin) <= self.budget for peak in self.predictions(micro_batches))
 
     def sampling_refusal(self, spec: JobSpec) -> str | None:
-        """None: a GRPO job's sampling over the stages (each stage a KV cache of its own layers) is not predicted per
-        stage yet; what the engine does not build for it is refused when attached."""
+        """Why a GRPO job's sampling could never fit some stage's budget, or None: its largest rollout (batch_size
+        prompts, num_generations completions each, max_seq_len + max_new_tokens tokens) over the stages, each
+        stage the KV cache of its own layers (and the logits at the first and last) beside its weights, raised by
+        the margin."""
+        config = spec.grpo
+        if config is None:
+            return None
+        rows, width = spec.batch_size * config.num_generations, spec.max_seq_len + config.max_new_tokens
+        for stage, weights in enumerate(self.weights):
+            need = self.engine.sampling_bytes(stage, rows, width)
+            if (weights + need) * (1 + self.margin) > self.budget:
+                return (f"sampling its completions ({rows} sequences of up to {width} tokens) needs some "
+                        f"{need / 2**20:.0f} MiB at pipeline stage {stage} beside its weights' "
+                        f"{weights / 2**20:.0f} MiB, more than the memory budget per stage of "
+                        f"{self.budget / 2**20:.0f} MiB; {SAMPLING_SIZES}, or cut the base into more stages")
         return None
 
     def measure_next_step(self) -> bool:

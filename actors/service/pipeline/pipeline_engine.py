@@ -23,7 +23,7 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
-from actors.engine.grpo import rollout_seed, rollouts, sampling_memory_error
+from actors.engine.grpo import rollout_seed, rollouts, sampling_bytes, sampling_memory_error
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
@@ -241,6 +241,13 @@ class PipelineEngine:
     def decode(self, requests: list, choose: Callable, finished: Callable) -> None:
         """`generate.decode` over the stages: each row through its adapter (a job's name, or None for the base)."""
         self._guarded(self.pipeline.generate, requests, choose, finished)
+
+    def sampling_bytes(self, stage: int, rows: int, width: int) -> int:
+        """What decoding `rows` sequences of up to `width` tokens needs at `stage` beyond what it holds
+        (`grpo.sampling_bytes` of its layers; the logits at the last stage, which computes them, and at stage 0,
+        which chooses from them)."""
+        return sampling_bytes(self.base, rows, width, layers=self.pipeline.split[stage],
+                              logits=stage in (0, self.stages - 1))
 
     def rollouts(self, chosen: list[tuple[PipelineJob, list[Example]]]
                  ) -> tuple[list[tuple[PipelineJob, list]], list[tuple[PipelineJob, Exception]]]:

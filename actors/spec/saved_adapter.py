@@ -92,6 +92,17 @@ def saved_form(lora: LoraConfig) -> dict[str, Any]:
             "use_dora": lora.use_dora}
 
 
+def read_back_form(lora: LoraConfig) -> LoraConfig:
+    """The adapter a saved folder of a job of this `lora` is read back into, frozen, to be used as saved ("try it"
+    on a finished job): `saved_form`'s rank and alpha, no dropout, and (PiSSA / OLoRA's conversion being a plain
+    LoRA on the untouched base) the default initialisation, which loading overwrites."""
+    if lora.kind == "vera":
+        return lora.model_copy(update={"dropout": 0.0})
+    form = saved_form(lora)
+    return lora.model_copy(update={"r": form["r"], "alpha": form["lora_alpha"], "dropout": 0.0,
+                                   "init_lora_weights": "default"})
+
+
 class AdapterFileError(ValueError):
     """The saved adapter cannot be read or does not fit the job; the message names the file, the setting and the fix."""
 

@@ -9,6 +9,7 @@ pipeline is exact."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -228,6 +229,50 @@ def test_eval_generate_and_try_it_on_a_pipeline_decode_as_on_one_device(tmp_path
         assert tries["pipeline"][key] == tries["single"][key], key
 
 
+@pytest.mark.parametrize("lora", [{}, {"use_dora": True}, {"init_lora_weights": "pissa"}],
+                         ids=["lora", "dora", "pissa"])
+def test_a_finished_jobs_adapter_is_tried_on_a_pipeline_as_on_one_device(tmp_path, tiny_model_dirs, lora):
+    """"Try it" on a finished job's saved adapter on a pipeline trainer, between two steps of a job training there:
+    each stage holds its share of the adapter for the call only; the answer is one device's (of a job's folder as
+    aspen writes it: plain LoRA, DoRA's magnitudes, PiSSA's converted form), the job training meanwhile ends bit for
+    bit as on one device, and a folder cut short fails the call alone, naming the file, nothing left on a stage."""
+    from actors.spec.job_spec import JobSpec
+    from actors.spec.saved_adapter import WEIGHTS_NAME
+
+    model = str(tiny_model_dirs["llama"])
+    targets = ["q_proj", "v_proj", "down_proj"]
+    finished = job_dict("finished", write_task_data(tmp_path / "data", "finished"), 4, lr=0.05,
+                        lora={"r": 4, "alpha": 8, "target_modules": targets, **lora})
+    train_locally(run_spec(model, tmp_path / "done", [finished]), progress=False)
+    folder = tmp_path / "done" / "finished"
+    spec = JobSpec.model_validate(finished)
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / WEIGHTS_NAME).write_bytes((folder / WEIGHTS_NAME).read_bytes()[:100])
+    busy = job_dict("busy", write_task_data(tmp_path / "data", "busy"), 4,
+                    lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": targets})
+    ends, tries = {}, {}
+    for kind in ("single", "pipeline"):
+        (submission,) = run_spec(model, tmp_path / kind, [busy]).submissions()
+        loop = loop_for(kind, tmp_path, model, f"trainer-{kind}")
+        try:
+            loop.assign(assignment_for(submission, "busy", loop.base.tokenizer))
+            while loop.active.get("busy") is None or loop.active["busy"].job.step < 2:
+                loop.run_once(idle_wait=0)
+            with pytest.raises(ValueError, match=rf"job finished's adapter cannot be tried: .*{WEIGHTS_NAME}"):
+                loop.try_saved("finished", spec, str(broken), 3, "Q: what is 3 and 9?\nA:", 6)
+            # nothing of it stayed held (the same name is attached again next, which an adapter left would refuse)
+            tries[kind] = loop.try_saved("finished", spec, str(folder), 3, "Q: what is 3 and 9?\nA:", 6)
+            events = run_until_idle(loop)
+        finally:
+            loop.close()
+        assert any(e.kind == "completed" for e in events), [(e.kind, e.data.get("reason")) for e in events]
+        ends[kind] = outputs(tmp_path / kind / "busy")
+    assert_same_outputs(ends["pipeline"], ends["single"], "busy")
+    assert tries["pipeline"] == {**tries["single"], "seconds": tries["pipeline"]["seconds"]}
+    assert tries["single"]["adapter"] != tries["single"]["base"], "the adapter changed nothing: nothing was compared"
+
+
 def test_grpo_jobs_on_a_pipeline_sample_over_the_stages_and_end_as_on_one_device(tmp_path, tiny_model_dirs):
     """Two grpo jobs fused on a pipeline trainer: their completions sampled over the stages (the same seeds as one
     device), their rewards scored in the engine's worker, their steps through the stages. One accumulates 3
@@ -428,7 +473,8 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     stage actor in the trainer's placement group. The stage actor is killed mid-run (once the first job's status
     shows its checkpoint at step 5 of 210, so that the jobs cannot have ended before the kill lands): the trainer
     starts a new one and every job resumes from its checkpoint; the jobs end as the in-process single-device run
-    ends them, and the placement group is freed when the service stops."""
+    ends them; "try it" on a finished job runs on the pipeline trainer (the only one holding the base) as on one
+    device; and the placement group is freed when the service stops."""
     import ray
 
     from actors.service.scheduler.config import run_service_config
@@ -467,6 +513,7 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
             raise AssertionError(f"{error}\n{ray_actor_logs('TrainerActor', 'StageActor')}") from error
         reasons = [reason for handle in handles for _, _, reason in client.transitions(handle.id)]
         replaced = stage_actors()
+        tried = client.generate(handles[1].id, "Q: what is 3 and 9?\nA:", 6)   # a finished job's, on the stages
     finally:
         client.shutdown()
     assert replaced and replaced != [first], "no new stage actor replaced the killed one"
@@ -476,5 +523,11 @@ def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, t
     for job in jobs:
         assert_same_outputs(outputs(tmp_path / "staged" / job["name"]), outputs(tmp_path / "single" / job["name"]),
                             job["name"])
+    from actors.service.trainer.try_adapter import try_saved_adapter
+    from actors.spec.job_spec import JobSpec
+
+    alone = try_saved_adapter(load_base_model(model, dtype="float32", device="cpu"), JobSpec.model_validate(jobs[1]),
+                              tmp_path / "single" / "accum", "accum", 4, "Q: what is 3 and 9?\nA:", 6)
+    assert (tried["adapter"], tried["base"]) == (alone["adapter"], alone["base"])
     groups = [g for g in ray.util.placement_group_table().values() if g["name"].endswith(".stages")]
     assert groups and all(g["state"] == "REMOVED" for g in groups), groups

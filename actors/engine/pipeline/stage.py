@@ -33,7 +33,7 @@ from actors.engine.layout import step_layout
 from actors.engine.packing import FusedBatch, pack
 from actors.engine.pipeline.pipeline_schedule import Op, OpKind, PipelineSchedule
 from actors.engine.pipeline.stage_evaluation import StageEvaluator
-from actors.engine.pipeline.stage_generation import GenerateRequest
+from actors.engine.pipeline.stage_generation import GenerateRequest, HeldAdapter
 from actors.engine.pipeline.stage_jobs import StageJob, merge_job_states
 from actors.engine.pipeline.stage_measures import StageMeasures
 from actors.engine.pipeline.stage_memory import StageMemory
@@ -69,7 +69,7 @@ class StageRuntime:
                 StageMessageKind.REMOVE_JOB: "_remove_job", StageMessageKind.READ_JOB: "_read_job",
                 StageMessageKind.DRAIN: "_drain", StageMessageKind.STATS: "stats", StageMessageKind.MEMORY: "memory",
                 StageMessageKind.MEASURE: "_measure", StageMessageKind.EVALUATE: "_evaluate",
-                StageMessageKind.GENERATE: "_generate"}
+                StageMessageKind.GENERATE: "_generate", StageMessageKind.HOLD: "_hold"}
     OPERATIONS = {OpKind.FORWARD: "_forward_op", OpKind.FORWARD_BACKWARD: "_forward_backward_op",
                   OpKind.BACKWARD: "_backward_op", OpKind.OPTIMIZER_STEP: "_optimizer_step_op",
                   OpKind.TAKE_RESULTS: "_take_results_op", OpKind.REMOVE_JOB: "_remove_job_op",
@@ -150,6 +150,10 @@ class StageRuntime:
     def _generate(self, request: GenerateRequest) -> None:
         """A stage but 0 serves a decoding call's steps (stage 0 leads it: the head's `generate`)."""
         self.evaluator.generation.serve(request)
+
+    def _hold(self, request: HeldAdapter) -> dict | None:
+        """An adapter held for decoding calls only (stage_generation.py: "try it" on a finished job)."""
+        return self.evaluator.generation.hold(request)
 
     def close(self, *, flush: bool = True) -> None:
         """Leave the pipeline in order, nothing native left to the garbage collector: the sends waited for, a

@@ -10,7 +10,10 @@ head's `generate`), so no training operation interleaves.
 
 Each stage's cache holds its own layers only: their attention modules are numbered from 0 for the call (their
 index in the whole model is put back after), and the stage's decoder view takes the masked attention the model
-takes for the call, so that its masks are built as on one device."""
+takes for the call, so that its masks are built as on one device.
+
+A row may go through an adapter no job trains ("try it" on a finished job): each stage holds its share of it,
+frozen, between the head's `HeldAdapter` messages (`StageDecoder.hold`)."""
 
 from __future__ import annotations
 
@@ -20,10 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
 from actors.engine.generate import cache_keyword, decode_batch, decoding, run_decoding
 from actors.engine.layout import step_layout
+from actors.engine.pipeline.stage_jobs import load_share_tensors, share_tensors
 from actors.engine.pipeline.stage_model import StageModel
 from actors.engine.pipeline.transport import TAG_ACTIVATION, TAG_COMMAND, TAG_REPLY, StageLinks
+from actors.spec.lora_config import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -33,12 +39,40 @@ class GenerateRequest:
     requests: tuple[tuple[str | None, tuple[int, ...]], ...]
 
 
+@dataclass(frozen=True)
+class HeldAdapter:
+    """An adapter held frozen for decoding calls only: with `lora`, added on the stage's layers (answered: its
+    share's tensors, `stage_jobs.share_tensors`); with `tensors` (the whole adapter's, by name), copied into it;
+    with neither, dropped."""
+
+    name: str
+    lora: LoraConfig | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+
 class StageDecoder:
-    """One stage's part of a decoding call over the pipeline."""
+    """One stage's part of a decoding call over the pipeline; `held`: the adapters it holds for such calls only."""
 
     def __init__(self, model: StageModel, links: StageLinks):
         self.model = model
         self.links = links
+        self.held: dict[str, AdapterHandle] = {}
+
+    def hold(self, request: HeldAdapter) -> dict[str, torch.Tensor] | None:
+        """Add, fill or drop a held adapter (`HeldAdapter`); adding answers this stage's share of its tensors."""
+        model = self.model.base.model
+        if request.lora is not None:
+            handle = add_adapter(model, request.name, request.lora, seed=0)
+            for parameter in handle.parameters():
+                parameter.requires_grad_(False)
+            self.held[request.name] = handle
+            return share_tensors(handle)
+        if request.tensors is not None:
+            load_share_tensors(self.held[request.name], request.tensors)
+            return None
+        if self.held.pop(request.name, None) is not None:
+            remove_adapter(model, request.name)
+        return None
 
     def lead(self, request: GenerateRequest, choose: Callable[[torch.Tensor], list[int]],
              finished: Callable[[int, int], bool]) -> None:

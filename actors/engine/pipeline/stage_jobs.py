@@ -42,9 +42,7 @@ class StageJob:
     def state(self) -> dict[str, Any]:
         """This stage's share: adapter tensors and AdamW moments by parameter name, the step counters."""
         names = [name for name, _ in self.adapter.named_parameters()]
-        tensors = {name: p.detach().cpu().clone() for name, p in self.adapter.named_parameters()}
-        for name, a0, b0 in self.adapter.frozen_initial():
-            tensors[f"{name}.lora_A0"], tensors[f"{name}.lora_B0"] = a0.cpu().clone(), b0.cpu().clone()
+        tensors = share_tensors(self.adapter)
         moments: dict[str, dict[str, torch.Tensor]] = {}
         counters = {"step_count": 0, "micro_count": 0}
         if self.optimizer is not None:
@@ -60,14 +58,10 @@ class StageJob:
         named = dict(self.adapter.named_parameters())
         if state.get("dropout_generator") is not None and self.adapter.dropout_generator is not None:
             self.adapter.dropout_generator.set_state(state["dropout_generator"])
-        with torch.no_grad():
-            for name, parameter in named.items():
-                parameter.copy_(state["tensors"][name])
-                gradient = state.get("gradients", {}).get(name)   # resumed mid-accumulation
-                parameter.grad = None if gradient is None else gradient.to(parameter.device, parameter.dtype)
-            for name, a0, b0 in self.adapter.frozen_initial():
-                a0.copy_(state["tensors"][f"{name}.lora_A0"])
-                b0.copy_(state["tensors"][f"{name}.lora_B0"])
+        load_share_tensors(self.adapter, state["tensors"])
+        for name, parameter in named.items():
+            gradient = state.get("gradients", {}).get(name)   # resumed mid-accumulation
+            parameter.grad = None if gradient is None else gradient.to(parameter.device, parameter.dtype)
         if self.optimizer is None:
             return
         for name, parameter in named.items():
@@ -79,6 +73,24 @@ class StageJob:
         self.optimizer.step_count = state["step_count"]
         self.optimizer.micro_count = state["micro_count"]
         self.optimizer.set_lr()
+
+
+def share_tensors(adapter: AdapterHandle) -> dict[str, torch.Tensor]:
+    """An adapter's tensors on this stage by name, on the CPU: its parameters, and PiSSA / OLoRA's frozen A0, B0."""
+    tensors = {name: p.detach().cpu().clone() for name, p in adapter.named_parameters()}
+    for name, a0, b0 in adapter.frozen_initial():
+        tensors[f"{name}.lora_A0"], tensors[f"{name}.lora_B0"] = a0.cpu().clone(), b0.cpu().clone()
+    return tensors
+
+
+def load_share_tensors(adapter: AdapterHandle, tensors: dict[str, torch.Tensor]) -> None:
+    """`share_tensors`' form (the whole adapter's, or this stage's share) copied into the adapter's share here."""
+    with torch.no_grad():
+        for name, parameter in adapter.named_parameters():
+            parameter.copy_(tensors[name])
+        for name, a0, b0 in adapter.frozen_initial():
+            a0.copy_(tensors[f"{name}.lora_A0"])
+            b0.copy_(tensors[f"{name}.lora_B0"])
 
 
 def _reference_share(model: StageModel, setup: JobSetup) -> AdapterHandle:

@@ -29,10 +29,12 @@ class StageMessageKind(StrEnum):
     MEASURE = "measure"         # True or False: open or close the allocator's window; closing answers its peak
     EVALUATE = "eval"           # an `EvalRequest`
     GENERATE = "generate"       # a `stage_generation.GenerateRequest`: serve its decoding steps until told to stop
+    HOLD = "hold"               # a `stage_generation.HeldAdapter`: add (answered: its share's tensors), fill, drop
     STOP = "stop"               # every stage but stage 0 ends its process (pipeline_processes.py)
 
 
-REPLYING = frozenset({StageMessageKind.STATS, StageMessageKind.MEMORY, StageMessageKind.MEASURE})   # answered
+REPLYING = frozenset({StageMessageKind.STATS, StageMessageKind.MEMORY, StageMessageKind.MEASURE,   # answered
+                      StageMessageKind.HOLD})
 
 
 @dataclass(frozen=True, kw_only=True)

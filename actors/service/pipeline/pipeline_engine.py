@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from actors.checkpoint.initial_adapter import start_from_adapter
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
@@ -29,6 +31,7 @@ from actors.engine.job import BatchSource
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch
 from actors.engine.pipeline.head import PipelineTrainer
+from actors.engine.pipeline.stage_generation import HeldAdapter
 from actors.engine.pipeline.stage_loading import StageLoader
 from actors.engine.pipeline.stage_memory import StageMemory
 from actors.engine.pipeline.stage_messages import StageSettings
@@ -38,7 +41,9 @@ from actors.engine.user_calls import FunctionWorker
 from actors.service.pipeline.pipeline_job import PipelineJob, mirror_adapter
 from actors.service.pipeline.pipeline_processes import LocalPipeline, StageLost, StageStarter
 from actors.spec.job_spec import JobSpec
+from actors.spec.saved_adapter import read_back_form
 from actors.spec.trainer_settings import step_tokens_floor
+from actors.storage.storage_uri import StorageURI
 
 if TYPE_CHECKING:
     from actors.service.scheduler.config import TrainerConfig
@@ -241,6 +246,31 @@ class PipelineEngine:
     def decode(self, requests: list, choose: Callable, finished: Callable) -> None:
         """`generate.decode` over the stages: each row through its adapter (a job's name, or None for the base)."""
         self._guarded(self.pipeline.generate, requests, choose, finished)
+
+    def hold_saved(self, name: str, spec: JobSpec, location: str | Path | StorageURI) -> None:
+        """The adapter a finished job (`spec`) saved at `location`, held frozen on every stage under `name` for
+        decoding calls until `drop_held`: each stage adds its share, the whole is read and checked here into a CPU
+        copy (`start_from_adapter`, as on one device), then every stage takes its values. AdapterFileError, nothing
+        held, where it cannot be read or does not fit."""
+        lora = read_back_form(spec.lora)   # as it was saved (PiSSA / OLoRA: their conversion to a plain LoRA)
+        shares = self._guarded(self.pipeline.hold, HeldAdapter(name, lora=lora))
+        try:
+            tensors = {key: value for share in shares for key, value in share.items()}
+            copy = mirror_adapter(name, spec.model_copy(update={"lora": lora}), {"tensors": tensors},
+                                  self.module_order, self.head.runtime.evaluator.generation.held[name].peft_targets)
+            start_from_adapter(copy, location)
+            values = {key: parameter.detach().clone() for key, parameter in copy.named_parameters()}
+            for module, a0, b0 in copy.frozen_initial():
+                values[f"{module}.lora_A0"], values[f"{module}.lora_B0"] = a0.clone(), b0.clone()
+            self._guarded(self.pipeline.hold, HeldAdapter(name, tensors=values))
+        except BaseException:
+            if self.lost is None:
+                self.drop_held(name)
+            raise
+
+    def drop_held(self, name: str) -> None:
+        """Every stage lets go of an adapter `hold_saved` held."""
+        self._guarded(self.pipeline.hold, HeldAdapter(name))
 
     def sampling_bytes(self, stage: int, rows: int, width: int) -> int:
         """What decoding `rows` sequences of up to `width` tokens needs at `stage` beyond what it holds

@@ -24,6 +24,7 @@ from actors.engine import lora_grouped
 from actors.engine.models import BaseModel
 from actors.engine.pipeline.head import PipelineTrainer
 from actors.engine.pipeline.stage import StageRuntime
+from actors.engine.pipeline.stage_generation import HeldAdapter
 from actors.engine.pipeline.stage_messages import REPLYING, StageMessageKind, StageSettings
 from actors.engine.pipeline.stage_model import check_stageable, cut_stage
 from actors.engine.pipeline.stage_split import balanced_split, check_split, even_split, measure_layer_costs
@@ -264,6 +265,11 @@ class LocalPipeline:
     def generate(self, requests: list, choose: Callable, finished: Callable) -> None:
         """`generate.decode` over the stages (actors/engine/pipeline/stage_generation.py)."""
         self._guarded(self.trainer.generate, requests, choose, finished)
+
+    def hold(self, request: HeldAdapter) -> list:
+        """Every stage adds, fills or drops an adapter held for decoding calls (stage_generation.py); adding
+        answers each stage's share of its tensors, stage 0's first."""
+        return self._guarded(self.trainer.ask, (StageMessageKind.HOLD, request))
 
     def memory(self) -> list:
         """Each stage's memory model (`StageMemory`), stage 0's first."""

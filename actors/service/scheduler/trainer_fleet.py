@@ -221,16 +221,17 @@ class TrainerFleet:
 
     def try_saved(self, job: str, spec: JobSpec, base: tuple[str, str], location: str, step: int, prompt: str,
                   max_new_tokens: int) -> TrainerCall:
-        """Ask a ready single-device trainer holding the job's `base` (its base model and quantization; the least
-        loaded) to continue `prompt` by the adapter a finished job saved at `location`, between two of its steps.
-        ValueError where none holds it."""
+        """Ask a ready trainer holding the job's `base` (its base model and quantization) to continue `prompt` by
+        the adapter a finished job saved at `location`, between two of its steps: a single-device one where there is
+        one (the least loaded), else a pipeline (its stages each hold their share for the call). ValueError where
+        none holds it."""
         base_model = base[0]
-        ready = [s for s in self.ready_statuses()
-                 if (s.base_model, s.quantization) == base and self.single_device(s.trainer_id)]
+        ready = [s for s in self.ready_statuses() if (s.base_model, s.quantization) == base]
         if not ready:
             raise ValueError(f"no trainer holds job {job}'s base model {base_model} now: its adapter can be tried on "
                              "one that does (`aspen trainers`), or exported (`aspen export`) and loaded with PEFT")
-        chosen = min(ready, key=lambda status: (len(status.jobs), status.trainer_id))
+        chosen = min(ready, key=lambda status: (not self.single_device(status.trainer_id), len(status.jobs),
+                                                status.trainer_id))
         return self.handles.try_saved(self.slots[chosen.trainer_id].handle, job, spec, location, step, prompt,
                                       max_new_tokens)
 

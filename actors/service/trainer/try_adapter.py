@@ -2,14 +2,14 @@
 side, in one batch of the engine's generation path (actors/engine/generate.py). The trainer runs it between two
 fused steps (its actor takes one call at a time): a running job's adapter is exactly the one after its last step;
 a finished job's (`try_saved_adapter`) is read from its folder into a frozen adapter on the base for the call only,
-as a job's reference adapter is held (actors/engine/job_references.py), so no step and no other job sees it.
-Ray-free."""
+as a job's reference adapter is held (actors/engine/job_references.py), so no step and no other job sees it; on a
+pipeline trainer each stage holds its share of it (`HeldAdapters`: PipelineEngine.hold_saved). Ray-free."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from actors.checkpoint.initial_adapter import start_from_adapter
 from actors.engine.adapter_surgery import add_adapter, remove_adapter
@@ -17,11 +17,21 @@ from actors.engine.generate import Decoder, greedy_generate_many
 from actors.engine.generation_eval import stop_token_ids
 from actors.engine.models import BaseModel
 from actors.spec.job_spec import JobSpec
-from actors.spec.saved_adapter import AdapterFileError
+from actors.spec.saved_adapter import AdapterFileError, read_back_form
 from actors.storage.storage_uri import StorageURI
 
 MAX_NEW_TOKENS = 256      # per request: generation holds the trainer's steps meanwhile
 MAX_PROMPT_TOKENS = 1024
+
+
+class HeldAdapters(Protocol):
+    """A trainer that holds a saved adapter over several devices for decoding calls (a pipeline's stages)."""
+
+    def hold_saved(self, name: str, spec: JobSpec, location: str | Path | StorageURI) -> None: ...
+
+    def drop_held(self, name: str) -> None: ...
+
+    def decode(self, requests: list, choose: Any, finished: Any) -> None: ...
 
 
 class NotHere(ValueError):
@@ -48,24 +58,36 @@ def try_adapter(base: BaseModel, adapters: dict[str, Any], job_id: str, step: in
 
 
 def try_saved_adapter(base: BaseModel, spec: JobSpec, location: str | Path | StorageURI, job_id: str, step: int,
-                      prompt: str, max_new_tokens: int) -> dict[str, Any]:
+                      prompt: str, max_new_tokens: int, stages: HeldAdapters | None = None) -> dict[str, Any]:
     """As `try_adapter`, through the adapter a job saved at `location` (its folder; `spec`: the job's, whose `lora`
-    it has), attached for this call only. ValueError where the folder cannot be read or does not fit (nothing of it
-    stays on the base)."""
+    it has), attached for this call only (`stages`: held by a pipeline's stages, decoded over them). ValueError where
+    the folder cannot be read or does not fit (nothing of it stays on the base)."""
     _prompt_ids(base, prompt, max_new_tokens)   # a bad request is refused before the adapter is read
     name = f"{job_id}@try"
-    handle = add_adapter(base.model, name, spec.lora.model_copy(update={"dropout": 0.0}), seed=0)
+    if stages is not None:
+        try:
+            stages.hold_saved(name, spec, location)
+        except AdapterFileError as error:
+            raise _untriable(job_id, error) from None
+        try:
+            return _side_by_side(base, name, job_id, step, prompt, max_new_tokens, stages.decode)
+        finally:
+            stages.drop_held(name)
+    handle = add_adapter(base.model, name, read_back_form(spec.lora), seed=0)
     try:
         for parameter in handle.parameters():
             parameter.requires_grad_(False)
         try:
             start_from_adapter(handle, location)
         except AdapterFileError as error:
-            raise ValueError(f"job {job_id}'s adapter cannot be tried: {str(error).removeprefix('init_adapter: ')}"
-                             ) from None
+            raise _untriable(job_id, error) from None
         return _side_by_side(base, name, job_id, step, prompt, max_new_tokens)
     finally:
         remove_adapter(base.model, name)
+
+
+def _untriable(job_id: str, error: AdapterFileError) -> ValueError:
+    return ValueError(f"job {job_id}'s adapter cannot be tried: {str(error).removeprefix('init_adapter: ')}")
 
 
 def _prompt_ids(base: BaseModel, prompt: str, max_new_tokens: int) -> list[int]:

@@ -86,3 +86,28 @@ def test_a_saved_adapter_is_tried_between_steps_as_peft_continues_it(tmp_path, t
     assert any(e.kind == "completed" for e in run_until_idle(loop))
     end, reference = adapter_tensors(tmp_path / "beside" / "busy"), adapter_tensors(tmp_path / "alone" / "busy")
     assert all(torch.equal(end[key], reference[key]) for key in reference), "the try changed the busy job's training"
+
+
+@pytest.mark.parametrize("lora", [{"use_dora": True}, {"init_lora_weights": "pissa"}, {"init_lora_weights": "olora"}],
+                         ids=["dora", "pissa", "olora"])
+def test_a_finished_jobs_folder_is_tried_as_peft_reads_it(tmp_path, tiny_base, tiny_model_dirs, lora):
+    """A finished aspen job's own folder, of an adapter that is not a plain LoRA (DoRA's magnitudes; PiSSA and OLoRA
+    saved as PEFT's conversion to a plain LoRA of twice the rank on the untouched base): tried, its continuation is
+    PEFT's greedy one through that folder."""
+    from actors.engine.generation_eval import stop_token_ids
+    from actors.service.scheduler.local_run import train_locally
+
+    model_dir = str(tiny_model_dirs["llama"])
+    finished = job_dict("finished", write_task_data(tmp_path / "data", "finished"), 4, lr=0.05,
+                        lora={"r": 4, "alpha": 8, "target_modules": TARGETS, **lora})
+    train_locally(run_spec(model_dir, tmp_path / "done", [finished]), progress=False)
+    folder = tmp_path / "done" / "finished"
+    loop = TrainerLoop(tiny_base, TrainerConfig(base_model=model_dir), "trainer-t", tmp_path / "state")
+    try:
+        answer = loop.try_saved("finished", JobSpec.model_validate(finished), str(folder), 4, PROMPT, NEW_TOKENS)
+    finally:
+        loop.close()
+    stops = stop_token_ids(tiny_base)
+    assert answer["adapter"] == reference_text(model_dir, folder, tiny_base.tokenizer, stops)
+    assert answer["adapter"] != answer["base"], "the adapter changed nothing: the check would not see it missing"
+    assert not [name for layer in fused_layers(tiny_base.model) for name in layer.adapters]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
@@ -129,6 +130,15 @@ class GenerationEvaluation:
 
     score: float
     samples: list[dict]
+
+
+def generation_jobs(jobs: Sequence[Any]) -> list[tuple[str, GenerationEval, Sequence[Example]]]:
+    """`generation_evaluations`' input for a trainer's jobs (each with `name`, `spec.eval_generate`,
+    `eval_examples`): ValueError naming a job with no metric or no eval rows."""
+    for job in jobs:
+        if job.spec.eval_generate is None or not job.eval_examples:
+            raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
+    return [(job.name, job.spec.eval_generate, job.eval_examples) for job in jobs]
 
 
 def generation_evaluations(base: BaseModel, jobs: Sequence[tuple[str, GenerationEval, Sequence[Example]]],

@@ -28,7 +28,7 @@ from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, check_compile
 from actors.engine.generate import decode
-from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
+from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations, generation_jobs
 from actors.engine.grpo import reference_token_log_probs, rollout_seed, rollouts, sampling_memory_error
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.interactive_step import FusedCalls, call_losses, with_calls
@@ -363,11 +363,7 @@ class FusedTrainer:
     def evaluate_generation(self, jobs: list[TrainingJob]) -> list[GenerationEvaluation]:
         """Each job's `eval_generate` score over its eval rows, with the rows it scored
         (actors/engine/generation_eval.py), all jobs' rows decoded in one batch through their own adapters."""
-        for job in jobs:
-            if job.spec.eval_generate is None or not job.eval_examples:
-                raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
-        return generation_evaluations(self.base, [(job.name, job.spec.eval_generate, job.eval_examples)
-                                                  for job in jobs], self.functions)
+        return generation_evaluations(self.base, generation_jobs(jobs), self.functions)
 
     @torch.no_grad()
     def _evaluate_loss(self, job: TrainingJob, examples: list[Example], batch_size: int) -> float:

@@ -24,7 +24,7 @@ import torch
 from actors.checkpoint.initial_adapter import start_from_adapter
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, linear_module_names
-from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations
+from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations, generation_jobs
 from actors.engine.grpo import rollout_seed, rollouts, sampling_bytes, sampling_memory_error
 from actors.engine.grpo_rewards import RewardError
 from actors.engine.job import BatchSource
@@ -326,11 +326,7 @@ class PipelineEngine:
     def evaluate_generation(self, jobs: list[PipelineJob]) -> list[GenerationEvaluation]:
         """Each job's `eval_generate` score over its eval rows, as `FusedTrainer.evaluate_generation`, the rows
         decoded over the stages; stage 0's base gives the tokenizer and the stop tokens."""
-        for job in jobs:
-            if job.spec.eval_generate is None or not job.eval_examples:
-                raise ValueError(f"job '{job.name}' has no eval_generate metric or no eval rows")
-        return generation_evaluations(self.base, [(job.name, job.spec.eval_generate, job.eval_examples)
-                                                  for job in jobs], self.functions, decoder=self.decode)
+        return generation_evaluations(self.base, generation_jobs(jobs), self.functions, decoder=self.decode)
 
     def close(self) -> None:
         try:

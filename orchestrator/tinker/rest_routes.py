@@ -17,6 +17,7 @@ from tinker import types
 
 from actors.checkpoint.interactive_state import STATE_FILE, base_name
 from actors.checkpoint.peft_io import METADATA_NAME
+from orchestrator.tinker.checkpoint_ledger import CheckpointLedger
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -35,17 +36,22 @@ def saved_checkpoints(weights_dir: Path) -> Iterator[tuple[dict, Path, str, str]
             yield facts, folder, kind, folder.name
 
 
-def checkpoint_of(facts: dict, folder: Path, kind: str, name: str) -> types.Checkpoint:
+def checkpoint_of(facts: dict, folder: Path, kind: str, name: str, ledger: CheckpointLedger) -> types.Checkpoint:
+    """The SDK's record of a checkpoint: its files' size and time, and what its save asked to keep with it (its
+    time to live, the user's metadata: `ledger`)."""
     size = sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
     when = datetime.fromtimestamp(folder.stat().st_mtime, UTC)
+    path = f"tinker://{facts['model_id']}/{kind}/{name}"
     return types.Checkpoint(checkpoint_id=f"{kind}/{name}", checkpoint_type=KINDS[kind], time=when,
-                            tinker_path=f"tinker://{facts['model_id']}/{kind}/{name}", size_bytes=size)
+                            tinker_path=path, size_bytes=size, expires_at=ledger.expires_at(path),
+                            user_metadata=ledger.user_metadata(path))
 
 
 def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
     backend = ctx.backend
 
     def own(user: str) -> list[tuple[dict, Path, str, str]]:
+        backend.sweep_expired()   # none whose time to live has passed
         return [entry for entry in saved_checkpoints(backend.weights_dir) if entry[0].get("user") == user]
 
     def run_of(run_id: str, user: str) -> types.TrainingRun:
@@ -53,7 +59,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         live = backend.book.owners.get(run_id) == user
         if not mine and not live:
             raise HTTPException(404, f"no training run {run_id} of yours")
-        checkpoints = sorted((checkpoint_of(*entry) for entry in mine), key=lambda c: c.time)
+        checkpoints = sorted((checkpoint_of(*entry, backend.ledger) for entry in mine), key=lambda c: c.time)
         training = [c for c in checkpoints if c.checkpoint_type == "training"]
         sampler = [c for c in checkpoints if c.checkpoint_type == "sampler"]
         rank = next((entry[0].get("lora_rank") for entry in mine), None)
@@ -73,12 +79,12 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
     @router.get("/training_runs/{run_id}/checkpoints")
     def run_checkpoints(run_id: str, user: str = Depends(user_of)) -> dict:
         run_of(run_id, user)
-        found = [checkpoint_of(*entry) for entry in own(user) if entry[0].get("model_id") == run_id]
+        found = [checkpoint_of(*entry, backend.ledger) for entry in own(user) if entry[0].get("model_id") == run_id]
         return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
 
     @router.get("/checkpoints")
     def all_checkpoints(user: str = Depends(user_of)) -> dict:
-        found = [checkpoint_of(*entry) for entry in own(user)]
+        found = [checkpoint_of(*entry, backend.ledger) for entry in own(user)]
         return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
 
     @router.post("/weights_info")
@@ -96,5 +102,6 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         for facts, folder, kind, name in own(user):
             if facts.get("model_id") == run_id and f"{kind}/{name}" == checkpoint_id:
                 shutil.rmtree(folder)
+                backend.ledger.forget(f"tinker://{run_id}/{checkpoint_id}")
                 return Response(status_code=204)
         raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")

@@ -30,10 +30,12 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         session = ctx.session(body.session_id, user)
         adapter, base = None, body.base_model
         if body.model_path is not None:
+            backend.sweep_expired()
             found = backend.book.samplers.get(body.model_path)
             if found is None or found[1] != user:
-                raise HTTPException(404, f"no sampler weights {body.model_path} of yours (save_weights_for_sampler "
-                                         "writes them)")
+                expired = backend.ledger.expired_note(body.model_path) if found is None else None
+                raise HTTPException(404, expired or f"no sampler weights {body.model_path} of yours "
+                                                    "(save_weights_for_sampler writes them)")
             adapter = found[0]
             base = backend.book.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
         elif body.base_model not in backend.bases():

@@ -1,7 +1,8 @@
 """The Tinker API's saved states: `save_weights` (a model's adapter and AdamW state, `tinker://<model>/weights/
 <name>`) and `load_weights` into a model (its weights, and its optimizer's state when asked), or into a new one
 that the load creates (`create_training_client_from_state`: the rank comes from the state). A user loads only
-their own states (another's is 404)."""
+their own states (another's is 404). A save's `ttl_seconds` and `user_metadata` go in the checkpoint ledger
+(checkpoint_ledger.py); a state whose time has passed is deleted, and loading it says when it expired."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tinker import types
 from actors.checkpoint.interactive_state import base_name, read_state
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_commands import LoadState, SaveState
+from orchestrator.tinker.checkpoint_ledger import ttl_problem
 
 
 def state_folder(weights_dir: Path, path: str) -> tuple[str, Path]:
@@ -35,18 +37,23 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
         _, folder = state_folder(backend.weights_dir, path)
         if folder.exists() and not body.overwrite:
             raise HTTPException(422, f"{path} exists; save under another name, or with overwrite")
+        if (problem := ttl_problem(body.ttl_seconds)) is not None:
+            raise HTTPException(422, problem)
 
         save = SaveState(folder, backend.book.model_bases[model_id], model_id, user, path)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
+        backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
         return ctx.future(submitted, user, lambda saved: {"type": "save_weights", "path": saved}, model_id)
 
     @router.post("/load_weights")
     def load_weights(body: types.LoadWeightsRequest, user: str = Depends(user_of)) -> dict:
         _, folder = state_folder(backend.weights_dir, body.path)
+        backend.sweep_expired()
         try:
             facts, weights, optimizer = read_state(folder)
         except FileNotFoundError:
-            raise HTTPException(404, f"no saved state {body.path} of yours") from None
+            raise HTTPException(404, backend.ledger.expired_note(body.path) or f"no saved state {body.path} of yours"
+                                ) from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
         if facts.get("user") != user:

@@ -15,7 +15,9 @@ decoder's linear layers."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,6 +33,7 @@ from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
 from actors.service.trainer.interactive_commands import SaveSampler
+from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
 from orchestrator.tinker.remote_calls import RemoteCalls
 from orchestrator.tinker.rest_routes import add_rest_routes
 from orchestrator.tinker.sampling_routes import add_sampling_routes
@@ -86,6 +89,7 @@ class TinkerBackend:
                        if isinstance(calls, InteractiveCalls) else None)
         self.stopping = threading.Event()
         self.reaper = threading.Thread(target=self._reap, name="tinker-sessions", daemon=True)
+        self._ledger: CheckpointLedger | None = None
 
     def start(self) -> TinkerBackend:
         if self.thread is not None:
@@ -96,6 +100,29 @@ class TinkerBackend:
     @property
     def weights_dir(self) -> Path:
         return Path(self._weights_dir() if callable(self._weights_dir) else self._weights_dir)
+
+    @property
+    def ledger(self) -> CheckpointLedger:
+        """The checkpoints' times to live and metadata (checkpoint_ledger.py), read when first needed."""
+        if self._ledger is None:
+            self._ledger = CheckpointLedger(self.weights_dir)
+        return self._ledger
+
+    def sweep_expired(self) -> None:
+        """Delete the checkpoints whose time to live has passed: their files, and a sampler path's frozen copy on
+        the base with the sampling sessions on it."""
+        for path in self.ledger.due():
+            model_id, kind, name = path.removeprefix("tinker://").split("/", 2)
+            shutil.rmtree(self.folder(model_id) / kind / name, ignore_errors=True)
+            held = self.book.samplers.pop(path, None)
+            if held is not None:
+                with contextlib.suppress(KeyError):   # its model closed meanwhile, the copy with it
+                    self.calls.remove_adapter(held[0], model_id)
+            for sampler_id, (_, _, sampled) in list(self.book.sampling_sessions.items()):
+                if sampled == path:
+                    del self.book.sampling_sessions[sampler_id]
+            self.ledger.deleted(path)
+            log.info("tinker checkpoint %s expired (its ttl_seconds) and was deleted", path)
 
     def bases(self) -> list[str]:
         """The base models served."""
@@ -127,6 +154,11 @@ class TinkerBackend:
 
     def _reap(self) -> None:
         while not self.stopping.wait(REAP_EVERY_S):
+            try:   # a service's weights folder is asked of it when first needed (a request), not by this thread
+                if self._ledger is not None or not callable(self._weights_dir):
+                    self.sweep_expired()
+            except Exception:   # the reaper goes on; the next request sweeps again and raises it to its caller
+                log.exception("deleting the expired tinker checkpoints failed")
             for session in self.sessions.expired():
                 log.info("tinker session %s of %s stopped beating; its models are closed", session.session_id,
                          session.user)
@@ -336,6 +368,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         name = body.path or f"step-{body.seq_id}"
         if "/" in name or name in (".", ".."):
             raise HTTPException(422, f"path '{name}' must be a plain name (no '/')")
+        if (problem := ttl_problem(body.ttl_seconds)) is not None:
+            raise HTTPException(422, problem)
         folder = backend.folder(model_id) / "sampler_weights" / name
         path = f"tinker://{model_id}/sampler_weights/{name}"
         snapshot = adapter_name(f"{model_id}-sampler-{name}")
@@ -344,6 +378,7 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         save = SaveSampler(folder, base, model_id, user, path, snapshot if fresh else None)
         backend.book.samplers[path] = (snapshot, user)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
+        backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
         answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"

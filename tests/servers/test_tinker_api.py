@@ -501,3 +501,50 @@ def test_a_client_on_the_servers_machine_loads_the_embedded_bases_tokenizer_with
     assert tokenizer_for(facts, proxied) == ALIAS_HUB_IDS["smollm2-135m"]
     assert tokenizer_for({**facts, "tokenizer_folder": str(tmp_path / "not-on-this-machine")}, here) == \
         ALIAS_HUB_IDS["smollm2-135m"]   # a trainer on another node: its folder is not here
+
+
+def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when_it_expires(server, monkeypatch):
+    """save_state and save_weights_for_sampler with `ttl_seconds` and `user_metadata` through the SDK: the RestClient
+    lists them with their expiry and metadata; a time to live outside the SDK's range is refused, naming it; once the
+    clock passes a checkpoint's expiry its files are deleted, it is no longer listed, and loading or sampling it
+    says when it expired; a restarted server's ledger still knows. A checkpoint saved without one stays."""
+    from orchestrator.tinker import checkpoint_ledger
+
+    url, backend, _ = server
+    clock = [time.time()]
+    monkeypatch.setattr(checkpoint_ledger, "now", lambda: clock[0])
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(training, (1,))
+    hour = training.save_state("hour", ttl_seconds=3600, user_metadata={"note": "first"}).result()
+    kept = training.save_state("kept").result()
+    sampler = training.save_weights_for_sampler("two-hours", ttl_seconds=7200).result()
+    with pytest.raises(tinker.APIStatusError, match=r"ttl_seconds is 60: .* between 3600 \(1 hour\) and"):
+        training.save_state("brief", ttl_seconds=60).result()
+    rest = client.create_rest_client()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert set(listed) == {hour.path, kept.path, sampler.path}
+    assert abs(listed[hour.path].expires_at.timestamp() - (clock[0] + 3600)) < 1
+    assert listed[hour.path].user_metadata == {"note": "first"}
+    assert listed[kept.path].expires_at is None and listed[kept.path].user_metadata is None
+    sampling = client.create_sampling_client(model_path=sampler.path)   # a session on it, before it expires
+
+    clock[0] += 3601
+    listed = {c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    assert listed == {kept.path, sampler.path}
+    assert not (backend.folder(training.model_id) / "weights" / "hour").exists()
+    with pytest.raises(tinker.NotFoundError, match=r"expired at .* \(the ttl_seconds it was saved with\)"):
+        client.create_training_client_from_state(hour.path).result()
+
+    clock[0] += 3600
+    backend.sweep_expired()
+    assert sampler.path not in backend.book.samplers   # its frozen copy left the base
+    assert not (backend.folder(training.model_id) / "sampler_weights" / "two-hours").exists()
+    with pytest.raises(tinker.NotFoundError, match="expired at"):
+        client.create_sampling_client(model_path=sampler.path).sample(
+            types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2)).result()
+    del sampling
+    ledger = checkpoint_ledger.CheckpointLedger(backend.weights_dir)   # as a restarted server reads it
+    assert ledger.expired_note(hour.path) is not None and ledger.due() == []
+    assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [kept.path]
+    client.close("success").result()

@@ -1,0 +1,100 @@
+"""What the Tinker SDK asks to keep with a checkpoint beyond its files: its time to live (`ttl_seconds`: it is
+deleted once that has passed) and the user's metadata (`user_metadata`), by tinker:// path, in one JSON file in the
+weights folder (written durably), so that a restarted server still deletes and lists them as asked.
+
+`due` gives the checkpoints whose time has passed and are not yet deleted (the backend deletes their files and
+drops their frozen sampler copies: tinker_routes.py); `expired_note` says, for a path asked for later, when it
+expired. The clock is `now` (seconds since the epoch), which tests may move."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from actors.storage.durable import write_durably
+
+LEDGER_NAME = "checkpoint_ledger.json"
+MIN_TTL_S = 3600                     # the SDK's documented range: 1 hour ..
+MAX_TTL_S = 10 * 365 * 24 * 3600     # .. 10 years
+now = time.time
+
+
+def ttl_problem(ttl_seconds: int | None) -> str | None:
+    """Why `ttl_seconds` is not one the API takes, or None."""
+    if ttl_seconds is None or MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        return None
+    return (f"ttl_seconds is {ttl_seconds}: a checkpoint's time to live is between {MIN_TTL_S} (1 hour) and "
+            f"{MAX_TTL_S} (10 years) seconds, or none (it never expires)")
+
+
+def _when(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+class CheckpointLedger:
+    """The ledger of one weights folder; safe to use from the request threads and the backend's reaper."""
+
+    def __init__(self, weights_dir: Path):
+        self.path = Path(weights_dir) / LEDGER_NAME
+        self.lock = threading.Lock()
+        self.entries: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            try:
+                self.entries = json.loads(self.path.read_text())
+            except ValueError as error:
+                raise ValueError(f"{self.path}: not the checkpoint ledger aspen writes ({error}); move it aside "
+                                 "(the checkpoints' times to live and metadata are then forgotten)") from None
+
+    def _write(self) -> None:
+        write_durably(self.path, json.dumps(self.entries, indent=1, sort_keys=True))
+
+    def record(self, path: str, ttl_seconds: int | None, user_metadata: dict[str, str] | None) -> None:
+        """A checkpoint saved at `path` (again: its earlier entry replaced, as the SDK's overwrite replaces)."""
+        entry: dict[str, Any] = {}
+        if ttl_seconds is not None:
+            entry["expires_at"] = now() + ttl_seconds
+        if user_metadata:
+            entry["user_metadata"] = dict(user_metadata)
+        with self.lock:
+            if entry:
+                self.entries[path] = entry
+            elif self.entries.pop(path, None) is None:
+                return
+            self._write()
+
+    def forget(self, path: str) -> None:
+        """The checkpoint was deleted by its user."""
+        with self.lock:
+            if self.entries.pop(path, None) is not None:
+                self._write()
+
+    def expires_at(self, path: str) -> datetime | None:
+        entry = self.entries.get(path, {})
+        return _when(entry["expires_at"]) if "expires_at" in entry else None
+
+    def user_metadata(self, path: str) -> dict[str, str] | None:
+        return self.entries.get(path, {}).get("user_metadata")
+
+    def due(self) -> list[str]:
+        """The checkpoints whose time has passed and that are not yet deleted (`deleted` after deleting them)."""
+        moment = now()
+        with self.lock:
+            return [path for path, entry in self.entries.items()
+                    if entry.get("expires_at", float("inf")) <= moment and not entry.get("deleted")]
+
+    def deleted(self, path: str) -> None:
+        with self.lock:
+            self.entries[path]["deleted"] = True
+            self._write()
+
+    def expired_note(self, path: str) -> str | None:
+        """"<path> expired at <when> (its ttl_seconds)" for a checkpoint whose time has passed, else None."""
+        entry = self.entries.get(path, {})
+        if entry.get("expires_at", float("inf")) > now():
+            return None
+        return (f"{path} expired at {_when(entry['expires_at']).isoformat(timespec='seconds')} (the ttl_seconds it "
+                "was saved with) and was deleted; save it again, with a longer ttl_seconds or none")

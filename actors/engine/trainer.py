@@ -214,6 +214,8 @@ class FusedTrainer:
             report.resident_peak_bytes = peak_resident_bytes()
         return report
 
+    held_adapters = None   # a finished job's adapter is tried on this device's base itself (try_adapter.py)
+
     @property
     def fuses_calls(self) -> bool:
         """Whether interactive calls can share this trainer's steps: a packed stream, not compiled (a padded

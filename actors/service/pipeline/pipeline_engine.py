@@ -241,6 +241,11 @@ class PipelineEngine:
         return self._guarded(self.pipeline.memory)
 
     fuses_calls = False   # interactive models live on one-device trainers only
+
+    @property
+    def held_adapters(self) -> PipelineEngine:
+        """Its stages hold a finished job's adapter for a "try it" call (`hold_saved`, `drop_held`)."""
+        return self
     generation_refusal = None   # it decodes over its stages (actors/engine/pipeline/stage_generation.py)
 
     def decode(self, requests: list, choose: Callable, finished: Callable) -> None:

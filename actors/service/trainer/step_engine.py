@@ -5,7 +5,8 @@ so that the loop never asks which one it holds.
 Where an engine lacks a feature, it says so in data, not by a missing method: `generation_refusal` (why it
 cannot continue a prompt, or None; both engines decode: `decode`, and sample GRPO jobs' completions:
 `rollouts`), `lost` and `rebuild` (one device never loses a stage: None,
-nothing to rebuild), `fuses_calls` (whether interactive models' calls can share its steps)."""
+nothing to rebuild), `fuses_calls` (whether interactive models' calls can share its steps), `held_adapters` (who
+holds a finished job's saved adapter for a "try it" call: None on one device, whose base takes it directly)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ class StepEngine(Protocol):
     @property
     def fuses_calls(self) -> bool:
         """Whether interactive models' forward_backward calls can share its steps (`run_step`'s `calls`)."""
+
+    @property
+    def held_adapters(self) -> Any:
+        """Who holds a finished job's saved adapter for a decoding call (`try_adapter.HeldAdapters`: a pipeline's
+        stages), or None (one device: its base takes the adapter itself)."""
 
     def compose(self, jobs: list[Any], fits: Any = None) -> list[tuple[Any, list[Any]]]: ...
 

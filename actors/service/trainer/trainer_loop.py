@@ -174,9 +174,8 @@ class TrainerLoop:
         call only (actors/service/trainer/try_adapter.py)."""
         if self.trainer.generation_refusal is not None:
             raise ValueError(f"trainer {self.trainer_id}: {self.trainer.generation_refusal}")
-        stages = self.trainer if isinstance(self.trainer, PipelineEngine) else None   # each stage holds its share
         return try_saved_adapter(self.base, spec, as_location(location), job_id, step, prompt, max_new_tokens,
-                                 stages)
+                                 self.trainer.held_adapters)   # a pipeline: each stage holds its share
 
     # -- the loop -------------------------------------------------------------------------------------
     def run_once(self, idle_wait: float = 0.2) -> StepReport | None:

@@ -3,7 +3,9 @@
 adapter_model.safetensors: PEFT and vLLM load it as it is), AdamW's moments and step in
 `optimizer.safetensors`, and `interactive_state.json` (rank, steps, base). Each file is written durably, the
 folder complete before its path is answered; nothing is unpickled when read. The tensors are written from
-their own memory, as a job's checkpoint is (actors/checkpoint/save.py)."""
+their own memory, as a job's checkpoint is (actors/checkpoint/save.py). Saved sampler weights (PEFT's files and
+aspen.json) are read back onto a base as a frozen adapter (`hold_sampler_weights`) for sampling sessions on a
+model that has ended, or on a restarted server."""
 
 from __future__ import annotations
 
@@ -14,8 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.checkpoint.peft_io import PREFIX, save_adapter
-from actors.engine.interactive_model import InteractiveModel
+from actors.checkpoint.initial_adapter import read_adapter_tensors, start_from_tensors
+from actors.checkpoint.peft_io import METADATA_NAME, PREFIX, save_adapter
+from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
+from actors.engine.interactive_model import LORA_ALPHA, InteractiveModel, target_modules
+from actors.engine.models import BaseModel
+from actors.spec.lora_config import LoraConfig
+from actors.spec.saved_adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterFileError
 from actors.storage.base_identity import BaseIdentity, base_identity
 from actors.storage.durable import replace_durably, staging_folder, write_durably
 
@@ -105,3 +112,40 @@ def read_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[
     if not isinstance(facts.get("rank"), int):
         raise ValueError(f"{folder / STATE_FILE}: no rank")
     return facts, weights, optimizer
+
+
+def hold_sampler_weights(base: BaseModel, name: str, folder: str | Path) -> AdapterHandle:
+    """Sampler weights saved in `folder` (`save_weights_for_sampler`: PEFT's files and aspen.json) attached to `base`
+    as the frozen adapter `name`, as the model's own frozen copy was (`InteractiveModel.snapshot`: its rank from
+    aspen.json, alpha 32, the layers adapter_config.json names: attention's, the MLP's or both). ValueError naming
+    the file where they cannot be read or do not fit this base; nothing of them stays on it then."""
+    folder = Path(folder)
+    try:
+        rank = json.loads((folder / METADATA_NAME).read_text())["lora_rank"]
+        leaves = {str(t).rsplit(".", 1)[-1] for t in json.loads((folder / CONFIG_NAME).read_text())["target_modules"]}
+    except FileNotFoundError as error:
+        raise ValueError(f"{folder}: not saved sampler weights ({Path(error.filename).name} is missing)") from None
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        raise ValueError(f"{folder}: saved sampler weights that cannot be read ({type(error).__name__}: {error}); "
+                         "save them again") from None
+    if not isinstance(rank, int):
+        raise ValueError(f"{folder / METADATA_NAME}: lora_rank is {rank!r}, not a rank; save the weights again")
+    attention = bool(leaves & set(target_modules(base, train_attn=True, train_mlp=False)))
+    mlp = bool(leaves & set(target_modules(base, train_attn=False, train_mlp=True)))
+    if not (attention or mlp):
+        raise ValueError(f"{folder / CONFIG_NAME}: its target_modules ({', '.join(sorted(leaves))}) name no linear "
+                         f"layer of the base '{base.name}': the weights were saved on another base")
+    config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0,
+                        target_modules=target_modules(base, train_attn=attention, train_mlp=mlp))
+    handle = add_adapter(base.model, name, config, seed=0)
+    try:
+        for parameter in handle.parameters():
+            parameter.requires_grad_(False)
+        start_from_tensors(handle, read_adapter_tensors(folder), str(folder / WEIGHTS_NAME))
+    except AdapterFileError as error:
+        remove_adapter(base.model, name)
+        raise ValueError(f"sampler weights: {str(error).removeprefix('init_adapter: ')}") from None
+    except BaseException:
+        remove_adapter(base.model, name)
+        raise
+    return handle

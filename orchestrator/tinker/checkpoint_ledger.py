@@ -1,6 +1,8 @@
-"""What the Tinker SDK asks to keep with a checkpoint beyond its files: its time to live (`ttl_seconds`: it is
-deleted once that has passed) and the user's metadata (`user_metadata`), by tinker:// path, in one JSON file in the
-weights folder (written durably), so that a restarted server still deletes and lists them as asked.
+"""What the Tinker SDK asks to keep with a checkpoint beyond its files: its time to live (`ttl_seconds` at its
+save, or set later: it is deleted once that has passed), the user's metadata (`user_metadata`) and whether its
+owner published it (other users may then load and sample it), by tinker:// path, in one JSON file in the weights
+folder (written durably), so that a restarted server still deletes, lists and shares them as asked. A checkpoint
+saved again under its path starts afresh (not published, its new save's time to live).
 
 `due` gives the checkpoints whose time has passed and are not yet deleted (the backend deletes their files and
 drops their frozen sampler copies: tinker_routes.py); `expired_note` says, for a path asked for later, when it
@@ -60,11 +62,43 @@ class CheckpointLedger:
         if user_metadata:
             entry["user_metadata"] = dict(user_metadata)
         with self.lock:
-            if entry:
-                self.entries[path] = entry
-            elif self.entries.pop(path, None) is None:
-                return
-            self._write()
+            self._put(path, entry)
+
+    def _put(self, path: str, entry: dict[str, Any]) -> None:
+        """(The lock held.) `path`'s entry is `entry` now (none where it keeps nothing), written if it changed."""
+        if entry == self.entries.get(path, {}):
+            return
+        if entry:
+            self.entries[path] = entry
+        else:
+            del self.entries[path]
+        self._write()
+
+    def set_ttl(self, path: str, ttl_seconds: int | None) -> None:
+        """The checkpoint expires `ttl_seconds` from now (None: never)."""
+        with self.lock:
+            entry = {key: value for key, value in self.entries.get(path, {}).items() if key != "expires_at"}
+            if ttl_seconds is not None:
+                entry["expires_at"] = now() + ttl_seconds
+            self._put(path, entry)
+
+    def public(self, path: str) -> bool:
+        """Whether its owner published it (and it is not deleted)."""
+        entry = self.entries.get(path, {})
+        return bool(entry.get("public")) and not entry.get("deleted")
+
+    def set_public(self, path: str, public: bool) -> bool:
+        """Publish (or make private again) the checkpoint; False where it was so already."""
+        with self.lock:
+            entry = dict(self.entries.get(path, {}))
+            if bool(entry.get("public")) == public:
+                return False
+            if public:
+                entry["public"] = True
+            else:
+                entry.pop("public")
+            self._put(path, entry)
+            return True
 
     def forget(self, path: str) -> None:
         """The checkpoint was deleted by its user."""

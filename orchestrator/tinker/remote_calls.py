@@ -164,10 +164,20 @@ class RemoteCalls:
         key = self.call("tinker.submit", trainer, self.front, model_id, seq_id, logged.kind, logged.payload)
         self._await(trainer, key, logged.future, (model_id, seq_id))
 
-    def submit_sample(self, call: Any, *, model_id: str | None = None, base_model: str | None = None) -> Future:
-        trainer = (self.model(model_id).trainer if model_id is not None
-                   else self.call("tinker.trainer_of_base", base_model))
+    def submit_sample(self, call: Any, *, model_id: str | None = None, base_model: str | None = None,
+                      trainer: str | None = None) -> Future:
+        """A sampling call on the trainer of `model_id`'s sampler, the trainer that holds it (`trainer`), or one
+        of `base_model`."""
+        if trainer is None:
+            trainer = (self.model(model_id).trainer if model_id is not None
+                       else self.call("tinker.trainer_of_base", base_model))
         return self._queued(trainer, self.call("tinker.sample", trainer, self.front, call))
+
+    def hold_sampler(self, name: str, folder: str, base_model: str) -> tuple[str, Future]:
+        """Attach the sampler weights saved in `folder` as the frozen adapter `name` on a trainer of `base_model`:
+        (that trainer, a future done once attached, or failed with why)."""
+        trainer = self.call("tinker.trainer_of_base", base_model)
+        return trainer, self._queued(trainer, self.call("tinker.hold_sampler", trainer, self.front, name, folder))
 
     def finish(self, model_id: str, reason: str) -> Future:
         """End a model after its calls: its final adapter written to its job's folder, its job completed."""
@@ -217,10 +227,13 @@ class RemoteCalls:
             except HTTPException as error:   # a trainer lost or busy: its calls' poller deals with it
                 log.info("tinker: heartbeat to %s: %s", trainer, error.detail)
 
-    def remove_adapter(self, name: str, model_id: str | None = None) -> None:
+    def remove_adapter(self, name: str, model_id: str | None = None, trainer: str | None = None) -> None:
+        """Take a frozen sampler copy off its trainer: `trainer`'s, or that of its model `model_id` (none where the
+        model has ended: it took its copies with it)."""
         model = self.models.get(model_id or "")
-        if model is not None:
-            self.call("tinker.drop_adapter", model.trainer, name)
+        trainer = trainer or (model.trainer if model is not None else None)
+        if trainer is not None:
+            self.call("tinker.drop_adapter", trainer, name)
 
     def close(self) -> None:
         self.closed = True

@@ -1,7 +1,9 @@
 """The Tinker SDK's RestClient on aspen: a user's training runs (a run is a model) and their checkpoints (saved
-states and sampler weights, as written under the weights folder), a path's weights info, and deleting a
-checkpoint. Read from the files themselves (each folder's aspen.json / interactive_state.json names its model
-and user), so a restarted server lists what was saved before; another user's runs and paths are 404."""
+states and sampler weights, as written under the weights folder), a path's weights info, deleting a checkpoint,
+setting its time to live, and publishing it (other users may then load it, sample it and read its weights info;
+only its owner lists, publishes or deletes it). Read from the files themselves (each folder's aspen.json /
+interactive_state.json names its model and user), so a restarted server lists what was saved before; another
+user's runs and unpublished paths are 404."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tinker import types
 
 from actors.checkpoint.interactive_state import STATE_FILE, base_name
 from actors.checkpoint.peft_io import METADATA_NAME
-from orchestrator.tinker.checkpoint_ledger import CheckpointLedger
+from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -43,8 +45,8 @@ def checkpoint_of(facts: dict, folder: Path, kind: str, name: str, ledger: Check
     when = datetime.fromtimestamp(folder.stat().st_mtime, UTC)
     path = f"tinker://{facts['model_id']}/{kind}/{name}"
     return types.Checkpoint(checkpoint_id=f"{kind}/{name}", checkpoint_type=KINDS[kind], time=when,
-                            tinker_path=path, size_bytes=size, expires_at=ledger.expires_at(path),
-                            user_metadata=ledger.user_metadata(path))
+                            tinker_path=path, size_bytes=size, public=ledger.public(path),
+                            expires_at=ledger.expires_at(path), user_metadata=ledger.user_metadata(path))
 
 
 def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
@@ -90,18 +92,52 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
     @router.post("/weights_info")
     def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
         path = str(body.get("tinker_path", ""))
-        for facts, _, kind, name in own(user):
-            if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path:
+        backend.sweep_expired()
+        for facts, _, kind, name in saved_checkpoints(backend.weights_dir):
+            if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
+                    facts.get("user") == user or backend.ledger.public(path)):
                 return types.WeightsInfoResponse(base_model=base_name(facts) or "", is_lora=True,
                                                  lora_rank=facts.get("lora_rank"), train_unembed=False
                                                  ).model_dump(mode="json", exclude_none=True)
         raise HTTPException(404, f"no checkpoint {path} of yours")
 
-    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
+    def checkpoint(run_id: str, checkpoint_id: str, user: str) -> tuple[Path, str]:
+        """(the folder, the tinker:// path) of the user's own checkpoint; 404 for another's or none."""
         for facts, folder, kind, name in own(user):
             if facts.get("model_id") == run_id and f"{kind}/{name}" == checkpoint_id:
-                shutil.rmtree(folder)
-                backend.ledger.forget(f"tinker://{run_id}/{checkpoint_id}")
-                return Response(status_code=204)
+                return folder, f"tinker://{run_id}/{checkpoint_id}"
         raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")
+
+    # before the deletion's route, whose {checkpoint_id:path} would take ".../publish" for its own
+    @router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    def publish(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
+        _, path = checkpoint(run_id, checkpoint_id, user)
+        if not backend.ledger.set_public(path, True):
+            raise HTTPException(409, f"{path} is public already")
+        return Response(status_code=204)
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    def unpublish(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
+        _, path = checkpoint(run_id, checkpoint_id, user)
+        if not backend.ledger.set_public(path, False):
+            raise HTTPException(409, f"{path} is private already")
+        return Response(status_code=204)
+
+    @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    def set_ttl(run_id: str, checkpoint_id: str, body: dict, user: str = Depends(user_of)) -> Response:
+        _, path = checkpoint(run_id, checkpoint_id, user)
+        ttl_seconds = body.get("ttl_seconds")
+        if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int)):
+            raise HTTPException(400, f"ttl_seconds is {ttl_seconds!r}: a whole number of seconds, or null (never)")
+        if (problem := ttl_problem(ttl_seconds)) is not None:
+            raise HTTPException(400, problem)
+        backend.ledger.set_ttl(path, ttl_seconds)
+        return Response(status_code=204)
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
+        folder, path = checkpoint(run_id, checkpoint_id, user)
+        shutil.rmtree(folder)
+        backend.forget_sampler(path)
+        backend.ledger.forget(path)
+        return Response(status_code=204)

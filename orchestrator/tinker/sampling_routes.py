@@ -1,21 +1,29 @@
 """The Tinker API's sampling: sampling sessions (on a model's saved sampler weights, `tinker://<model>/
-sampler_weights/<name>`, or on the base alone), `GET samplers/{id}`, and `asample`, whose calls from every
-user are decoded together (actors/service/trainer/interactive_calls.py, actors/engine/tinker_sampling.py).
+sampler_weights/<name>`, the user's own or published ones, or on the base alone), `GET samplers/{id}`, and
+`asample`, whose calls from every user are decoded together (actors/service/trainer/interactive_calls.py,
+actors/engine/tinker_sampling.py).
 `stop` as the SDK defines it: None stops at the base's end-of-sequence token, [] never, token ids or strings
 at those. Of the prompt (actors/engine/prompt_scores.py): its log-probabilities and top-k (`topk_prompt_logprobs`,
 top-k distillation's teacher), over the whole prompt or its last `prompt_logprobs_last_n` tokens, chosen tokens'
 log-probabilities (`target_prompt_logprobs`, dense or sparse) and alternative draws (`prompt_alt_tokens_k`); the
-sampled tokens' top-k. A request that cannot be answered is refused (422), naming the parameter."""
+sampled tokens' top-k. A request that cannot be answered is refused (422), naming the parameter. Sampler weights
+are sampled through their model's frozen copy while the model lives, and read back from their files after it
+(held_samplers.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, HTTPException
 from tinker import types
 
+from actors.checkpoint.interactive_state import base_name
+from actors.checkpoint.peft_io import METADATA_NAME
 from actors.engine.prompt_scores import TargetCells
 from actors.engine.tinker_sampling import SampleCall
+from actors.service.scheduler.interactive_jobs import model_folder
 from orchestrator.tinker.wire import write_samples
 
 MAX_SAMPLE_TOKENS = 4096
@@ -29,22 +37,38 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
     def create_sampling_session(body: types.CreateSamplingSessionRequest, user: str = Depends(user_of)) -> dict:
         session = ctx.session(body.session_id, user)
         adapter, base = None, body.base_model
+        sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
         if body.model_path is not None:
             backend.sweep_expired()
             found = backend.book.samplers.get(body.model_path)
-            if found is None or found[1] != user:
-                expired = backend.ledger.expired_note(body.model_path) if found is None else None
-                raise HTTPException(404, expired or f"no sampler weights {body.model_path} of yours "
-                                                    "(save_weights_for_sampler writes them)")
-            adapter = found[0]
-            base = backend.book.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
+            if found is not None and (found[1] == user or backend.ledger.public(body.model_path)):
+                adapter = found[0]
+                base = backend.book.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
+            else:   # its model has ended, or the server restarted: its saved files read back onto a trainer
+                adapter, base = read_back(body.model_path, user, sampler_id)
         elif body.base_model not in backend.bases():
             raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
                                      f"{', '.join(repr(b) for b in backend.bases()) or 'none now'}")
-        sampler_id = f"{session.session_id}:sample:{body.sampling_session_seq_id}"
         backend.book.sampling_sessions[sampler_id] = (adapter, user, body.model_path)
         backend.book.sampler_bases[sampler_id] = base or ""
         return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump(mode="json")
+
+    def read_back(path: str, user: str, sampler_id: str) -> tuple[str, str]:
+        """(the adapter, its base) of saved sampler weights read back from their files for `sampler_id`: the
+        user's own, or published ones (404 otherwise, or where expired)."""
+        folder = sampler_folder(backend.weights_dir, path)
+        try:
+            facts = json.loads((folder / METADATA_NAME).read_text())
+        except (OSError, ValueError):
+            raise HTTPException(404, backend.ledger.expired_note(path) or f"no sampler weights {path} of yours "
+                                                                           "(save_weights_for_sampler writes them)"
+                                ) from None
+        if facts.get("user") != user and not backend.ledger.public(path):
+            raise HTTPException(404, f"no sampler weights {path} of yours (save_weights_for_sampler writes them)")
+        base = base_name(facts) or ""
+        if base not in backend.bases():
+            raise HTTPException(404, f"{path} was trained on '{base}', which is not served here now")
+        return backend.held.hold(path, str(folder), base, sampler_id).adapter, base
 
     @router.get("/samplers/{sampler_id}")
     def get_sampler(sampler_id: str, user: str = Depends(user_of)) -> dict:
@@ -56,19 +80,32 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
 
     @router.post("/asample")
     def asample(body: types.SampleRequest, user: str = Depends(user_of)) -> dict:
-        found = backend.book.sampling_sessions.get(body.sampling_session_id or "")
+        sampler_id = body.sampling_session_id or ""
+        found = backend.book.sampling_sessions.get(sampler_id)
         if found is None or found[1] != user:
             raise HTTPException(404, f"no sampling session {body.sampling_session_id} of yours")
-        base = backend.book.sampler_bases.get(body.sampling_session_id or "", "")
-        call = sample_call(body, found[0], backend.facts(base)["eos"])
-        model_id = found[2].removeprefix("tinker://").split("/")[0] if found[2] else None
-        if model_id is not None and model_id not in backend.book.model_bases:
-            raise HTTPException(404, f"model {model_id} has ended: its sampler weights are in its folder (the "
-                                     "RestClient lists them), no longer on the base")
-        accepted = calls.submit_sample(call, model_id=model_id, base_model=base)
+        adapter, path = found[0], found[2]
+        base = backend.book.sampler_bases.get(sampler_id, "")
+        model_id, trainer = None, None
+        if path is not None and path in backend.book.samplers:   # its model's frozen copy, on the model's trainer
+            model_id = path.removeprefix("tinker://").split("/")[0]
+        elif path is not None:   # read back from its files (its model ended since the session began: now)
+            held = backend.held.hold(path, str(sampler_folder(backend.weights_dir, path)), base, sampler_id)
+            adapter, trainer = held.adapter, held.trainer
+        call = sample_call(body, adapter, backend.facts(base)["eos"])
+        accepted = calls.submit_sample(call, model_id=model_id, base_model=base, trainer=trainer)
         request_id = sessions.accept(accepted, user, write_samples)
         ids = [f"{body.sampling_session_id}:{body.seq_id}:{index}" for index in range(call.num_samples)]
         return {"request_id": request_id, "sample_sequence_ids": ids}
+
+
+def sampler_folder(weights_dir: Path, path: str) -> Path:
+    """The folder of a `tinker://<model>/sampler_weights/<name>` path; 404 for any other path."""
+    parts = path.removeprefix("tinker://").split("/")
+    if (not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "sampler_weights"
+            or parts[2] in ("", ".", "..")):
+        raise HTTPException(404, f"'{path}' is not a sampler weights path (tinker://<model>/sampler_weights/<name>)")
+    return model_folder(weights_dir, parts[0]) / "sampler_weights" / parts[2]
 
 
 def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None) -> SampleCall:

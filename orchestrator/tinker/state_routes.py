@@ -1,8 +1,9 @@
 """The Tinker API's saved states: `save_weights` (a model's adapter and AdamW state, `tinker://<model>/weights/
 <name>`) and `load_weights` into a model (its weights, and its optimizer's state when asked), or into a new one
-that the load creates (`create_training_client_from_state`: the rank comes from the state). A user loads only
-their own states (another's is 404). A save's `ttl_seconds` and `user_metadata` go in the checkpoint ledger
-(checkpoint_ledger.py); a state whose time has passed is deleted, and loading it says when it expired."""
+that the load creates (`create_training_client_from_state`: the rank comes from the state). A user loads their
+own states and published ones (another's unpublished state is 404). A save's `ttl_seconds` and `user_metadata`
+go in the checkpoint ledger (checkpoint_ledger.py); a state whose time has passed is deleted, and loading it says
+when it expired."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
                                 ) from None
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
-        if facts.get("user") != user:
+        if facts.get("user") != user and not backend.ledger.public(body.path):
             raise HTTPException(404, f"no saved state {body.path} of yours")
         if body.session_id is not None:   # create-via-load: this load is the new model's first call
             try:

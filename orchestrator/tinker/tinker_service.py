@@ -136,5 +136,8 @@ class TinkerService:
     def drop_adapter(self, trainer: str, name: str) -> None:
         self._on(trainer, "tinker_drop_adapter", "dropping a sampler", name)
 
+    def hold_sampler(self, trainer: str, front: str, name: str, folder: str) -> str:
+        return self._on(trainer, "tinker_hold_sampler", f"reading the sampler weights in {folder}", front, name, folder)
+
     def facts(self, trainer: str) -> dict[str, Any]:
         return self._on(trainer, "tinker_facts", f"the base of {trainer}")

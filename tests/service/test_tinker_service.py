@@ -271,7 +271,9 @@ def test_a_client_killed_mid_call_ends_its_model_once_its_session_stops_beating(
 def test_sampling_on_the_service_is_transformers_greedy_decoding_with_the_saved_adapter(served):
     """A model's saved sampler weights, sampled through the service (greedy), continue the prompt as Hugging Face's
     generate does with PEFT's model of the same files; the job's spec reads back as a jobs file (the console's
-    clone) without data."""
+    clone) without data. After the model's session closed (its job completed), a new session samples the same
+    path (the files read back onto a trainer): the same continuation; another user gets 404 until it is
+    published, then the same."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -296,3 +298,19 @@ def test_sampling_on_the_service_is_transformers_greedy_decoding_with_the_saved_
                      headers={"Authorization": f"Bearer {served['alice']}"})
     assert spec.status_code == 200 and "method: interactive" in spec.json()["yaml"]
     service.close("success").result()
+    wait_for(lambda: job_of(served["client"], training.model_id).state == "completed", timeout=60)
+
+    again = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
+    read_back = again.create_sampling_client(model_path=saved.path).sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    assert read_back.sequences[0].tokens == expected[0, len(prompt):].tolist()
+    bob = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['bob']}")
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_sampling_client(model_path=saved.path).sample(
+            types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2)).result()
+    again.create_rest_client().publish_checkpoint_from_tinker_path(saved.path).result()
+    theirs = bob.create_sampling_client(model_path=saved.path).sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    assert theirs.sequences[0].tokens == expected[0, len(prompt):].tolist()
+    again.close("success").result()
+    bob.close("success").result()

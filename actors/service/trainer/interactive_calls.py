@@ -30,7 +30,15 @@ from actors.engine.interactive_step import CallOutput, FusedCalls, ModelCall, ba
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
 from actors.engine.tinker_sampling import SampleCall
-from actors.service.trainer.interactive_passes import Pending, Taken, pass_record, run_other, run_pass, run_samples
+from actors.service.trainer.interactive_passes import (
+    Pending,
+    Taken,
+    attach_saved_sampler,
+    pass_record,
+    run_other,
+    run_pass,
+    run_samples,
+)
 from actors.storage.base_identity import tokenizer_folder, tokenizer_id
 
 DEFAULT_WINDOW_S = 0.005
@@ -98,7 +106,9 @@ class InteractiveCalls:
         self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
         self.models: dict[str, ModelState] = {}
         self.samples: list[Pending] = []     # sampling calls, batched together at the next step
-        self.removals: list[str] = []        # adapters to take off the base, by the stepping thread
+        # adapters to take off the base, or saved sampler weights to attach, in order, by the stepping thread:
+        # (name, None, None) or (name, folder, a future done once attached)
+        self.adapter_changes: list[tuple[str, str | None, Future | None]] = []
         self.lock = threading.Condition()
         self.closed = False
 
@@ -131,9 +141,10 @@ class InteractiveCalls:
             self._arrived()
             return pending.future
 
-    def submit_sample(self, call: SampleCall, *, model_id: str | None = None, base_model: str | None = None) -> Future:
+    def submit_sample(self, call: SampleCall, *, model_id: str | None = None, base_model: str | None = None,
+                      trainer: str | None = None) -> Future:
         """Queue a sampling call (no order among them: all waiting ones decode in one batch). `model_id`,
-        `base_model`: whose sampler it samples, or which base (this base, here)."""
+        `base_model`, `trainer`: whose sampler it samples, which base, or which trainer holds it (this one)."""
         pending = Pending("sample", call)
         with self.lock:
             self.samples.append(pending)
@@ -157,15 +168,25 @@ class InteractiveCalls:
             state = self.models.pop(model_id, None)
             if state is None:
                 return
-            self.removals.append(state.model.name)
+            self.adapter_changes.append((state.model.name, None, None))
             self.lock.notify_all()
         for pending in state.waiting.values():
             pending.future.set_exception(KeyError(f"model {model_id} was closed"))
 
-    def remove_adapter(self, name: str, model_id: str | None = None) -> None:
+    def hold_sampler(self, name: str, folder: str, base_model: str | None = None) -> tuple[None, Future]:
+        """Attach the sampler weights saved in `folder` as the frozen adapter `name` at the next step (a model's
+        saved sampler that is no longer on the base: its model ended, or the server restarted). (None: this
+        trainer; a future done once attached, or failed with why.) `base_model`: this base's name (unused here)."""
+        done: Future = Future()
+        with self.lock:
+            self.adapter_changes.append((name, folder, done))
+            self._arrived()
+        return None, done
+
+    def remove_adapter(self, name: str, model_id: str | None = None, trainer: str | None = None) -> None:
         """Take a snapshot adapter (a sampler's) off the base at the next step."""
         with self.lock:
-            self.removals.append(name)
+            self.adapter_changes.append((name, None, None))
             self.lock.notify_all()
 
     def close(self) -> None:
@@ -245,17 +266,20 @@ class InteractiveCalls:
             self.step()
 
     def _ready(self) -> bool:
-        return (bool(self.samples) or bool(self.removals)
+        return (bool(self.samples) or bool(self.adapter_changes)
                 or any(state.next_seq in state.waiting for state in self.models.values()))
 
     def step(self) -> int:
         """Run what is ready: first every model's leading forward(_backward) calls, fused; then each model's
         next other call (an optimizer step, a save). Returns how many calls ran."""
         with self.lock:
-            removals, self.removals = self.removals, []
+            changes, self.adapter_changes = self.adapter_changes, []
             self.window.restart()   # calls that arrive from now on wait for partners afresh
-        for name in removals:
-            remove_adapter(self.base.model, name)
+        for name, folder, done in changes:
+            if folder is None:
+                remove_adapter(self.base.model, name)
+            else:
+                attach_saved_sampler(self.base, name, folder, done)
         with self.lock:
             passes: dict[str, list[tuple[str, int, Pending]]] = {"forward_backward": [], "forward": []}
             for model_id, state in self._in_turn():

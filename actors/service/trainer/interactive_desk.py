@@ -113,6 +113,11 @@ class InteractiveDesk:
     def sample(self, front: str, call: Any) -> str:
         return self._track(front, self.calls.submit_sample(call), None, "sample")
 
+    def hold_sampler(self, front: str, name: str, folder: str) -> str:
+        """Attach saved sampler weights as the frozen adapter `name` (a front's sampling session on a model that
+        ended); the outcome (the name, or why not) waits for `front` under the key returned."""
+        return self._track(front, self.calls.hold_sampler(name, folder)[1], None, "hold")
+
     def take(self, front: str) -> list[Outcome]:
         """The outcomes finished for `front` since it last took them."""
         with self.lock:

@@ -1,7 +1,8 @@
 """Running a trainer's interactive calls (the Tinker API's): a forward(_backward) pass over several models' calls
 through the base, a batch of sampling calls, an optimizer step or another call on one model. A call that fails
 its check fails alone, its partners run without it; a pass or a batch that fails (e.g. out of memory) answers
-each of its calls with why. The order the calls run in is `interactive_calls.InteractiveCalls`'s."""
+each of its calls with why; saved sampler weights attached for sampling. The order the calls run in is
+`interactive_calls.InteractiveCalls`'s."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.checkpoint.interactive_state import hold_sampler_weights
+from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import InteractiveModel
 from actors.engine.interactive_step import CallOutput, base_limits, check_call, join_outputs, run_checked, split_passes
 from actors.engine.models import BaseModel
@@ -95,6 +98,19 @@ def run_samples(base: BaseModel, samples: list[Pending]) -> None:
         return
     for pending, result in zip(good, results, strict=True):
         pending.future.set_result(result)
+
+
+def attach_saved_sampler(base: BaseModel, name: str, folder: str, done: Future) -> None:
+    """Saved sampler weights attached to the base as the frozen adapter `name` (hold_sampler_weights; a copy
+    of that name already there is replaced: the same files again); `done` answered with the name, or with why
+    they could not be (nothing of them stays then)."""
+    remove_adapter(base.model, name)
+    try:
+        hold_sampler_weights(base, name, folder)
+    except Exception as error:  # noqa: BLE001 - answered to the call that asked for it, which fails alone
+        done.set_exception(error)
+        return
+    done.set_result(name)
 
 
 def run_other(model: InteractiveModel, pending: Pending) -> None:

@@ -4,7 +4,8 @@ frozen copy its save put on the base (TinkerBook.samplers); once the model has e
 stopped beating) or the server restarted, a sampling session on the path reads the saved files back onto a trainer
 of their base (`hold`: actors/checkpoint/interactive_state.py's hold_sampler_weights, on the trainer's stepping
 thread), and that copy stays while some sampling session samples it: the last session's end takes it off
-(`release_session`), as does the checkpoint's deletion or expiry (`drop`)."""
+(`release_session`), as does the checkpoint's deletion or expiry (`drop`). A copy whose trainer died is read
+again onto a live one at its next sample (`lost`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class Held:
     adapter: str
     trainer: str | None
     sessions: set[str] = field(default_factory=set)
+    lost: bool = False   # its trainer died: read again at the next sample
 
 
 class HeldSamplers:
@@ -50,7 +52,7 @@ class HeldSamplers:
         do not fit the base (the answer says which file and why), 503 where no trainer read them in time."""
         with self.lock:   # one read of a path at a time; sessions on a path already held join at once
             held = self.held.get(path)
-            if held is None:
+            if held is None or held.lost:
                 name = adapter_name(f"{path.removeprefix('tinker://')}@saved")
                 trainer, attached = self.calls.hold_sampler(name, folder, base_model)
                 try:
@@ -62,7 +64,7 @@ class HeldSamplers:
                     raise
                 except Exception as error:  # noqa: BLE001 - the trainer's answer: why the files do not serve
                     raise HTTPException(422, f"{path}: {error}") from None
-                held = self.held[path] = Held(name, trainer)
+                held = self.held[path] = Held(name, trainer, held.sessions if held is not None else set())
             held.sessions.add(sampler_id)
             return held
 
@@ -82,8 +84,17 @@ class HeldSamplers:
             if path in self.held:
                 self._take_off(path)
 
+    def lost(self, trainer: str) -> None:
+        """`trainer` died with the copies it held: each is read again (onto a live trainer) at its next sample."""
+        with self.lock:
+            for held in self.held.values():
+                if held.trainer == trainer:
+                    held.lost = True
+
     def _take_off(self, path: str) -> None:
         held = self.held.pop(path)
+        if held.lost:
+            return   # gone with its trainer
         try:
             self.calls.remove_adapter(held.adapter, trainer=held.trainer)
         except HTTPException as error:   # its trainer is gone or busy: a lost trainer took the copy with it

@@ -106,6 +106,9 @@ class RemoteCalls:
         self.pollers: dict[str, threading.Thread] = {}
         self.lock = threading.Lock()
         self.closed = False
+        # told (the trainer, its models) when a trainer is found lost, before its models are placed again: the
+        # frozen sampler copies that were on it are gone (TinkerBackend.trainer_lost)
+        self.on_lost: Callable[[str, list[str]], None] | None = None
 
     # -- what the routes call --------------------------------------------------------------------------------
     def bases(self) -> list[str]:
@@ -333,6 +336,8 @@ class RemoteCalls:
                       if model.trainer == trainer and not model.recovering]
             for _, model in models:
                 model.recovering = True
+        if self.on_lost is not None:
+            self.on_lost(trainer, [model_id for model_id, _ in models])
         orphans = [future for future, call in waiting.values() if call is None and not future.done()]
         for future in orphans:   # a sample or a model's end: not sent again
             future.set_exception(CallFailed(f"trainer {trainer} was lost during this call; send it again", "server"))

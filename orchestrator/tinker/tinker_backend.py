@@ -63,6 +63,8 @@ class TinkerBackend:
         self.reaper = threading.Thread(target=self._reap, name="tinker-sessions", daemon=True)
         self._ledger: CheckpointLedger | None = None
         self.held = HeldSamplers(calls)   # saved samplers read back onto a trainer after their model ended
+        if isinstance(calls, RemoteCalls):
+            calls.on_lost = self.trainer_lost
 
     def start(self) -> TinkerBackend:
         if self.thread is not None:
@@ -102,6 +104,15 @@ class TinkerBackend:
         for sampler_id, (_, _, sampled) in list(self.book.sampling_sessions.items()):
             if sampled == path:
                 del self.book.sampling_sessions[sampler_id]
+
+    def trainer_lost(self, trainer: str, model_ids: list[str]) -> None:
+        """A service's trainer died: the frozen sampler copies of its models (placed again elsewhere from their
+        checkpoints) and the copies read back onto it are gone with it; their sampling sessions go on, on copies
+        read from the saved files (onto a live trainer, at their next sample)."""
+        for path in list(self.book.samplers):
+            if path.removeprefix("tinker://").split("/")[0] in model_ids:
+                del self.book.samplers[path]
+        self.held.lost(trainer)
 
     def bases(self) -> list[str]:
         """The base models served."""

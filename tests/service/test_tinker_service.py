@@ -186,7 +186,9 @@ def test_a_cancelled_model_fails_its_users_next_call_saying_so(served):
 def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_checkpoints(served):
     """The trainer dies while a call of the user's loop waits: the model is placed on its successor from its last
     checkpoint (every 2 optimizer steps here), the calls after it are sent again, and the loop goes on as if
-    nothing happened: the same losses and the same final adapter as the engine's uninterrupted run."""
+    nothing happened: the same losses and the same final adapter as the engine's uninterrupted run. A sampling
+    session opened before the loss, on sampler weights saved before it, goes on: its frozen copy died with the
+    trainer, and it samples the saved files read back onto the successor (the same greedy tokens as before)."""
     import ray
 
     from actors.service.scheduler.config import NAMESPACE
@@ -196,6 +198,11 @@ def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_ch
     training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
     losses = []
     for index, seed in enumerate(seeds):
+        if index == 1:   # before the checkpoint (after step 2): this save is not sent again, its copy not made again
+            saved = training.save_weights_for_sampler("before-the-loss").result()
+            sampler = service.create_sampling_client(model_path=saved.path)
+            before = sampler.sample(types.ModelInput.from_ints([5, 17, 3]), 1,
+                                    types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])).result()
         pending = training.forward_backward(datums(batch(seed)), "cross_entropy")
         if index == 3:   # after a checkpoint (step 2) and a step past it: fb 3 and optim 3 must be sent again
             trainer = client.trainers()[0]
@@ -206,6 +213,9 @@ def test_a_trainer_killed_mid_call_loses_nothing_its_models_resume_from_their_ch
     states = [state for _, state, _ in client.transitions(record.id)]
     assert states[-3:] == ["running", "queued", "running"], states
     assert client.trainers()[0]["restarts"] == 1
+    after = sampler.sample(types.ModelInput.from_ints([5, 17, 3]), 1,
+                           types.SamplingParams(max_tokens=5, temperature=0.0, stop=[])).result()
+    assert after.sequences[0].tokens == before.sequences[0].tokens
     service.close("success").result()
     expected, expected_losses = engine_reference(served["base"], seeds)
     assert losses == expected_losses

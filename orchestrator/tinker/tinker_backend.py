@@ -9,6 +9,7 @@ import contextlib
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from orchestrator.tinker.remote_calls import RemoteCalls
 from orchestrator.tinker.sessions import Session, Sessions
 
 REAP_EVERY_S = 1.0    # how often sessions that stopped beating are looked for
+FIND_FOLDER_EVERY_S = 30.0   # how often the reaper asks a service for the weights folder until it is known
 log = logging.getLogger(__name__)
 
 
@@ -150,9 +152,20 @@ class TinkerBackend:
                 continue   # closed already
 
     def _reap(self) -> None:
+        next_find = 0.0
         while not self.stopping.wait(REAP_EVERY_S):
-            try:   # a service's weights folder is asked of it when first needed (a request), not by this thread
-                if self._ledger is not None or not callable(self._weights_dir):
+            if self._ledger is None and time.monotonic() >= next_find:
+                # a service's weights folder is asked of it: by a request or by this thread, whichever comes first
+                # (a restarted front deletes what expired meanwhile without waiting for a request), not more
+                # often than FIND_FOLDER_EVERY_S while the service does not answer
+                next_find = time.monotonic() + FIND_FOLDER_EVERY_S
+                try:
+                    _ = self.ledger
+                except Exception as error:  # noqa: BLE001 - said, and tried again later; requests raise it
+                    log.warning("tinker: the weights folder is not known yet (%s); checkpoints whose time to live "
+                                "passed are deleted once it is", error)
+            try:
+                if self._ledger is not None:
                     self.sweep_expired()
             except Exception:   # the reaper goes on; the next request sweeps again and raises it to its caller
                 log.exception("deleting the expired tinker checkpoints failed")

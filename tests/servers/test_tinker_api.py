@@ -12,6 +12,7 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,7 +24,7 @@ from actors.checkpoint.peft_io import adapter_state_dict
 from actors.engine.interactive_model import AdamStep, InteractiveModel
 from actors.engine.interactive_step import CallDatum, ModelCall, run_calls
 from actors.engine.models import from_module
-from actors.service.trainer.interactive_calls import adapter_name
+from actors.service.trainer.interactive_calls import InteractiveCalls, adapter_name
 from orchestrator.tinker.tinker_routes import TinkerBackend
 from tests.helpers.models import VOCAB, tiny_model
 from tests.helpers.tinker_sdk import datums, tinker_in_process
@@ -682,3 +683,46 @@ def test_a_published_checkpoint_is_loaded_and_sampled_by_another_user_and_its_tt
     assert listed == {sampler.path}   # the state expired; the sampler's time to live was removed
     alice.close("success").result()
     bob.close("success").result()
+
+
+def test_a_front_deletes_expired_checkpoints_without_waiting_for_a_request(tmp_path, monkeypatch, caplog):
+    """A front whose weights folder is asked of its service (as `aspen http`'s is), started after a checkpoint's
+    time to live passed: its reaper finds the folder by itself and deletes the checkpoint, no request needed; while
+    the service does not answer, it says so and tries again."""
+    from orchestrator.tinker import checkpoint_ledger, tinker_backend
+    from orchestrator.tinker.rest_routes import saved_checkpoints
+
+    monkeypatch.setattr(tinker_backend, "REAP_EVERY_S", 0.02)
+    monkeypatch.setattr(tinker_backend, "FIND_FOLDER_EVERY_S", 0.1)
+    clock = [time.time()]
+    monkeypatch.setattr(checkpoint_ledger, "now", lambda: clock[0])
+    weights = tmp_path / "weights"
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, weights, KEYS.get,
+                           window_s=WINDOW_S) as (url, _, _):
+        client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+        training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        state = training.save_state("brief", ttl_seconds=3600).result()
+        kept = training.save_state("kept").result()
+        client.close("success").result()
+    clock[0] += 3601
+    answers = iter([RuntimeError("the service did not answer")])
+
+    def folder() -> Path:   # the service's answer; its first try fails
+        failure = next(answers, None)
+        if failure is not None:
+            raise failure
+        return weights
+
+    backend = TinkerBackend(InteractiveCalls(from_module(tiny_model("llama", VOCAB), None)), BASE, folder,
+                            KEYS.get)
+    with caplog.at_level("WARNING", logger="orchestrator.tinker.tinker_backend"):
+        backend.start()
+        try:
+            deadline = time.monotonic() + 30
+            while len(list(saved_checkpoints(weights))) > 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            backend.close()
+    left = [f"tinker://{facts['model_id']}/{kind}/{name}" for facts, _, kind, name in saved_checkpoints(weights)]
+    assert left == [kept.path] and state.path != kept.path
+    assert "the weights folder is not known yet (the service did not answer)" in caplog.text

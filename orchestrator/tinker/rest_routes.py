@@ -108,20 +108,20 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
                 return folder, f"tinker://{run_id}/{checkpoint_id}"
         raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")
 
+    def make_public(run_id: str, checkpoint_id: str, user: str, public: bool) -> Response:
+        _, path = checkpoint(run_id, checkpoint_id, user)
+        if not backend.ledger.set_public(path, public):
+            raise HTTPException(409, f"{path} is {'public' if public else 'private'} already")
+        return Response(status_code=204)
+
     # before the deletion's route, whose {checkpoint_id:path} would take ".../publish" for its own
     @router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     def publish(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
-        _, path = checkpoint(run_id, checkpoint_id, user)
-        if not backend.ledger.set_public(path, True):
-            raise HTTPException(409, f"{path} is public already")
-        return Response(status_code=204)
+        return make_public(run_id, checkpoint_id, user, True)
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     def unpublish(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
-        _, path = checkpoint(run_id, checkpoint_id, user)
-        if not backend.ledger.set_public(path, False):
-            raise HTTPException(409, f"{path} is private already")
-        return Response(status_code=204)
+        return make_public(run_id, checkpoint_id, user, False)
 
     @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
     def set_ttl(run_id: str, checkpoint_id: str, body: dict, user: str = Depends(user_of)) -> Response:

@@ -48,6 +48,16 @@ def server(tmp_path, monkeypatch):
         yield served
 
 
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """The checkpoint ledger's clock, which a test moves (clock[0] += seconds)."""
+    from orchestrator.tinker import checkpoint_ledger
+
+    moment = [time.time()]
+    monkeypatch.setattr(checkpoint_ledger, "now", lambda: moment[0])
+    return moment
+
+
 def batch(seed: int, count: int = 2) -> list[tuple[list[int], list[int], list[float]]]:
     generator = np.random.default_rng(seed)
     rows = []
@@ -504,7 +514,7 @@ def test_a_client_on_the_servers_machine_loads_the_embedded_bases_tokenizer_with
         ALIAS_HUB_IDS["smollm2-135m"]   # a trainer on another node: its folder is not here
 
 
-def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when_it_expires(server, monkeypatch):
+def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when_it_expires(server, clock):
     """save_state and save_weights_for_sampler with `ttl_seconds` and `user_metadata` through the SDK: the RestClient
     lists them with their expiry and metadata; a time to live outside the SDK's range is refused, naming it; once the
     clock passes a checkpoint's expiry its files are deleted, it is no longer listed, and loading or sampling it
@@ -512,8 +522,6 @@ def test_a_checkpoints_time_to_live_and_metadata_are_kept_and_it_is_deleted_when
     from orchestrator.tinker import checkpoint_ledger
 
     url, backend, _ = server
-    clock = [time.time()]
-    monkeypatch.setattr(checkpoint_ledger, "now", lambda: clock[0])
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     training = client.create_lora_training_client(base_model=BASE, rank=4).result()
     train_steps(training, (1,))
@@ -618,17 +626,13 @@ def test_sampler_weights_are_sampled_after_their_model_ended_and_on_a_restarted_
     other.close("success").result()
 
 
-def test_a_published_checkpoint_is_loaded_and_sampled_by_another_user_and_its_ttl_is_set(server, monkeypatch):
+def test_a_published_checkpoint_is_loaded_and_sampled_by_another_user_and_its_ttl_is_set(server, clock):
     """The RestClient's publish / unpublish and set_checkpoint_ttl through the SDK: another user gets 404 for an
     unpublished checkpoint; once published, they read its weights info, sample its sampler weights (what its owner
     samples) and create a training client from its state (its weights), but cannot list, publish or delete it;
     publishing twice or unpublishing a private one is 409; after unpublishing, it is 404 to them again. A time to
     live set later is listed and deletes the checkpoint when it passes; None removes it; one out of range is 400."""
-    from orchestrator.tinker import checkpoint_ledger
-
     url, backend, _ = server
-    clock = [time.time()]
-    monkeypatch.setattr(checkpoint_ledger, "now", lambda: clock[0])
     alice = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
     training = alice.create_lora_training_client(base_model=BASE, rank=4).result()
     train_steps(training, (1,))
@@ -685,17 +689,15 @@ def test_a_published_checkpoint_is_loaded_and_sampled_by_another_user_and_its_tt
     bob.close("success").result()
 
 
-def test_a_front_deletes_expired_checkpoints_without_waiting_for_a_request(tmp_path, monkeypatch, caplog):
+def test_a_front_deletes_expired_checkpoints_without_waiting_for_a_request(tmp_path, monkeypatch, caplog, clock):
     """A front whose weights folder is asked of its service (as `aspen http`'s is), started after a checkpoint's
     time to live passed: its reaper finds the folder by itself and deletes the checkpoint, no request needed; while
     the service does not answer, it says so and tries again."""
-    from orchestrator.tinker import checkpoint_ledger, tinker_backend
+    from orchestrator.tinker import tinker_backend
     from orchestrator.tinker.rest_routes import saved_checkpoints
 
     monkeypatch.setattr(tinker_backend, "REAP_EVERY_S", 0.02)
     monkeypatch.setattr(tinker_backend, "FIND_FOLDER_EVERY_S", 0.1)
-    clock = [time.time()]
-    monkeypatch.setattr(checkpoint_ledger, "now", lambda: clock[0])
     weights = tmp_path / "weights"
     with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, weights, KEYS.get,
                            window_s=WINDOW_S) as (url, _, _):

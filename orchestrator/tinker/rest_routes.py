@@ -1,9 +1,10 @@
-"""The Tinker SDK's RestClient on aspen: a user's training runs (a run is a model) and their checkpoints (saved
-states and sampler weights, as written under the weights folder), a path's weights info, deleting a checkpoint,
-setting its time to live, and publishing it (other users may then load it, sample it and read its weights info;
-only its owner lists, publishes or deletes it). Read from the files themselves (each folder's aspen.json /
-interactive_state.json names its model and user), so a restarted server lists what was saved before; another
-user's runs and unpublished paths are 404."""
+"""The Tinker SDK's RestClient on aspen: a user's training runs (a run is a model; listed a page at a time) and their
+checkpoints (saved states and sampler weights, as written under the weights folder), the user's sessions (those this
+server has seen since it started) and each one's runs and samplers, a path's weights info, deleting a checkpoint,
+setting its time to live, and publishing it (other users may then load it, sample it, read its weights info and
+list its run with `access_scope=accessible`; only its owner publishes or deletes it). Read from the files
+themselves (each folder's aspen.json / interactive_state.json names its model and user), so a restarted server
+lists what was saved before; another user's runs and unpublished paths are 404."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         backend.sweep_expired()   # none whose time to live has passed
         return [entry for entry in saved_checkpoints(backend.weights_dir) if entry[0].get("user") == user]
 
-    def run_of(run_id: str, user: str) -> types.TrainingRun:
-        mine = [entry for entry in own(user) if entry[0].get("model_id") == run_id]
+    def run_of(run_id: str, user: str, entries: list[tuple[dict, Path, str, str]] | None = None) -> types.TrainingRun:
+        """The run as its owner `user` sees it (`entries`: its checkpoints, read afresh where not given)."""
+        mine = [entry for entry in (own(user) if entries is None else entries) if entry[0].get("model_id") == run_id]
         live = backend.book.owners.get(run_id) == user
         if not mine and not live:
             raise HTTPException(404, f"no training run {run_id} of yours")
@@ -73,6 +75,52 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
                                  is_lora=True, lora_rank=rank, last_request_time=last,
                                  last_checkpoint=training[-1] if training else None,
                                  last_sampler_checkpoint=sampler[-1] if sampler else None)
+
+    @router.get("/training_runs")
+    def training_runs(limit: int = 20, offset: int = 0, access_scope: str = "owned", project_id: str | None = None,
+                      user: str = Depends(user_of)) -> dict:
+        """The user's runs (with `accessible`, also other users' runs with a published checkpoint, those alone),
+        the most recent first, a page of them."""
+        if project_id is not None:
+            raise HTTPException(422, f"project_id '{project_id}': aspen has no projects; list without one")
+        if access_scope not in ("owned", "accessible") or limit < 1 or offset < 0:
+            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0), access_scope "
+                                     f"'{access_scope}' (owned or accessible)")
+        entries = own(user)
+        ids = {entry[0].get("model_id") for entry in entries} | {
+            model_id for model_id, owner in backend.book.owners.items() if owner == user}
+        runs = [run_of(run_id, user, entries) for run_id in ids if run_id]
+        if access_scope == "accessible":
+            shared: dict[tuple[str, str], list[tuple[dict, Path, str, str]]] = {}
+            for entry in saved_checkpoints(backend.weights_dir):
+                facts, _, kind, name = entry
+                path = f"tinker://{facts.get('model_id')}/{kind}/{name}"
+                if facts.get("user") != user and backend.ledger.public(path):
+                    shared.setdefault((facts["model_id"], facts["user"]), []).append(entry)
+            runs += [run_of(run_id, owner, published) for (run_id, owner), published in shared.items()]
+        runs.sort(key=lambda run: (run.last_request_time, run.training_run_id), reverse=True)
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(runs))
+        return types.TrainingRunsResponse(training_runs=runs[offset:offset + limit], cursor=cursor
+                                          ).model_dump(mode="json")
+
+    @router.get("/sessions")
+    def list_sessions(limit: int = 20, offset: int = 0, access_scope: str = "owned",
+                      user: str = Depends(user_of)) -> dict:
+        """The ids of the user's sessions this server has seen since it started (live or ended), newest first."""
+        if limit < 1 or offset < 0:
+            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0)")
+        ids = [session.session_id for session in ctx.sessions.of(user)]
+        return types.ListSessionsResponse(sessions=ids[offset:offset + limit]).model_dump(mode="json")
+
+    @router.get("/sessions/{session_id}")
+    def get_session(session_id: str, user: str = Depends(user_of)) -> dict:
+        try:
+            session = ctx.sessions.find(session_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        return types.GetSessionResponse(training_run_ids=list(session.models), sampler_ids=list(session.samplers),
+                                        user_metadata=session.user_metadata, display_name=session.display_name
+                                        ).model_dump(mode="json")
 
     @router.get("/training_runs/{run_id}")
     def training_run(run_id: str, user: str = Depends(user_of)) -> dict:

@@ -50,6 +50,7 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
             raise HTTPException(404, f"base model '{body.base_model}' is not served here; it serves "
                                      f"{', '.join(repr(b) for b in backend.bases()) or 'none now'}")
         backend.book.sampling_sessions[sampler_id] = (adapter, user, body.model_path)
+        session.samplers.append(sampler_id)
         backend.book.sampler_bases[sampler_id] = base or ""
         return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id).model_dump(mode="json")
 

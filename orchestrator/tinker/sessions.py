@@ -24,7 +24,10 @@ class Session:
     user: str
     last_beat: float = field(default_factory=time.monotonic)
     models: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)   # its sampling sessions' ids
     ended: bool = False
+    user_metadata: dict[str, str] | None = None          # as its create_session gave them
+    display_name: str | None = None
 
 
 @dataclass
@@ -45,8 +48,9 @@ class Sessions:
         self.futures: dict[str, Accepted] = {}
         self.lock = threading.Lock()
 
-    def open(self, user: str) -> Session:
-        session = Session(f"aspen-{uuid.uuid4().hex[:12]}", user)
+    def open(self, user: str, user_metadata: dict[str, Any] | None = None, display_name: str | None = None) -> Session:
+        metadata = None if user_metadata is None else {str(key): str(value) for key, value in user_metadata.items()}
+        session = Session(f"aspen-{uuid.uuid4().hex[:12]}", user, user_metadata=metadata, display_name=display_name)
         with self.lock:
             self.sessions[session.session_id] = session
         return session
@@ -58,6 +62,19 @@ class Sessions:
         if session is None or session.user != user or session.ended:
             raise KeyError(f"no session {session_id} of yours")
         return session
+
+    def find(self, session_id: str, user: str) -> Session:
+        """The user's session, live or ended (while this server runs); KeyError for another user's or an unknown."""
+        with self.lock:
+            session = self.sessions.get(session_id)
+        if session is None or session.user != user:
+            raise KeyError(f"no session {session_id} of yours")
+        return session
+
+    def of(self, user: str) -> list[Session]:
+        """The user's sessions this server has seen since it started, the newest first."""
+        with self.lock:
+            return [session for session in reversed(self.sessions.values()) if session.user == user]
 
     def beat(self, session_id: str, user: str) -> None:
         self.get(session_id, user).last_beat = time.monotonic()

@@ -15,6 +15,7 @@ decoder's linear layers."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -137,7 +138,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/create_session")
     def create_session(body: types.CreateSessionRequest, user: str = Depends(user_of)) -> dict:
-        session = sessions.open(user)
+        session = sessions.open(user, body.user_metadata, body.display_name)
         return types.CreateSessionResponse(session_id=session.session_id).model_dump(mode="json", exclude_none=True)
 
     @router.post("/session_heartbeat")
@@ -259,6 +260,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"
             backend.book.sampling_sessions[sampler_id] = (adapter_name(f"{model_id}-sampler-{name}"), user, path)
+            with contextlib.suppress(KeyError):   # (its session is the model's: known, if ended meanwhile)
+                ctx.sessions.find(model_id.split(":train:")[0], user).samplers.append(sampler_id)
             backend.book.sampler_bases[sampler_id] = backend.book.model_bases[model_id]
             answer["sampling_session_id"] = sampler_id
         return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)

@@ -728,3 +728,59 @@ def test_a_front_deletes_expired_checkpoints_without_waiting_for_a_request(tmp_p
     left = [f"tinker://{facts['model_id']}/{kind}/{name}" for facts, _, kind, name in saved_checkpoints(weights)]
     assert left == [kept.path] and state.path != kept.path
     assert "the weights folder is not known yet (the service did not answer)" in caplog.text
+
+
+def test_the_rest_client_pages_a_users_runs_and_lists_their_sessions(server):
+    """list_training_runs through the SDK: the user's runs, the most recent first, a page at a time with the total;
+    with access_scope="accessible" also another user's run that has a published checkpoint (that one alone);
+    list_sessions and get_session: the user's sessions (live and ended), each one's runs, samplers, metadata and
+    name; another user's session is 404, and a project_id (aspen has none) is refused, saying so."""
+    url, _, _ = server
+    alice = tinker.ServiceClient(user_metadata={"team": "a"}, display_name="first", base_url=url,
+                                 api_key="tml-alice-token")
+    runs = [alice.create_lora_training_client(base_model=BASE, rank=4).result() for _ in range(3)]
+    for index, run in enumerate(runs):   # each run's checkpoint later than the one before
+        run.save_state(f"state-{index}").result()
+        time.sleep(0.02)
+    sampler_path = runs[0].save_weights_for_sampler("s").result().path
+    sampling = alice.create_sampling_client(model_path=sampler_path)
+    greedy(sampling, [5, 17])
+    rest = alice.create_rest_client()
+    first = rest.list_training_runs(limit=2).result()
+    assert first.cursor.total_count == 3 and first.cursor.limit == 2
+    rest_of = rest.list_training_runs(limit=2, offset=2).result()
+    listed = [r.training_run_id for r in first.training_runs + rest_of.training_runs]
+    assert listed == [runs[0].model_id, runs[2].model_id, runs[1].model_id]   # run 0's sampler save is the latest
+    assert all(r.model_owner == "alice" and r.lora_rank == 4 for r in first.training_runs)
+    with pytest.raises(tinker.UnprocessableEntityError, match="aspen has no projects"):
+        rest.list_training_runs(project_id="p").result()
+
+    session_id = runs[0].model_id.split(":train:")[0]
+    bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+    bob_rest = bob.create_rest_client()
+    bob_run = bob.create_lora_training_client(base_model=BASE, rank=2).result()
+    published = bob_run.save_state("shared").result()
+    bob_run.save_state("private").result()
+    bob_rest.publish_checkpoint_from_tinker_path(published.path).result()
+    assert [r.training_run_id for r in rest.list_training_runs().result().training_runs] == listed
+    everyone = rest.list_training_runs(access_scope="accessible").result().training_runs
+    accessible = {r.training_run_id: r for r in everyone}
+    assert set(accessible) == {*listed, bob_run.model_id}
+    assert accessible[bob_run.model_id].model_owner == "bob"
+    assert accessible[bob_run.model_id].last_checkpoint.tinker_path == published.path
+
+    info = rest.get_session(session_id).result()
+    assert info.training_run_ids == [run.model_id for run in runs] and len(info.sampler_ids) == 1
+    assert info.user_metadata == {"team": "a"} and info.display_name == "first"
+    assert rest.list_sessions().result().sessions == [session_id]
+    with pytest.raises(tinker.NotFoundError):
+        bob_rest.get_session(session_id).result()
+    alice.close("success").result()
+    again = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    again.create_lora_training_client(base_model=BASE, rank=4).result()
+    again_rest = again.create_rest_client()
+    sessions = again_rest.list_sessions().result().sessions
+    assert len(sessions) == 2 and sessions[1] == session_id   # the newest first; the ended one still listed
+    assert again_rest.get_session(session_id).result().training_run_ids == [run.model_id for run in runs]
+    again.close("success").result()
+    bob.close("success").result()

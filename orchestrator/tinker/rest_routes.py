@@ -21,14 +21,17 @@ from tinker import types
 from actors.checkpoint.interactive_state import STATE_FILE, base_name
 from actors.checkpoint.peft_io import METADATA_NAME
 from orchestrator.tinker.checkpoint_ledger import CheckpointLedger, ttl_problem
+from orchestrator.tinker.external_weights import add_external_routes
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 
 def saved_checkpoints(weights_dir: Path) -> Iterator[tuple[dict, Path, str, str]]:
     """(its facts: model_id, user, lora_rank; its folder; its kind folder; its name) of every checkpoint."""
     for kind in KINDS:
         for folder in sorted(weights_dir.glob(f"*/{kind}/*")):
+            if folder.name.startswith("."):
+                continue   # an external save's adapter, being merged (external_weights.py)
             facts_file = folder / (STATE_FILE if kind == "weights" else METADATA_NAME)
             try:
                 facts = json.loads(facts_file.read_text())
@@ -76,51 +79,8 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
                                  last_checkpoint=training[-1] if training else None,
                                  last_sampler_checkpoint=sampler[-1] if sampler else None)
 
-    @router.get("/training_runs")
-    def training_runs(limit: int = 20, offset: int = 0, access_scope: str = "owned", project_id: str | None = None,
-                      user: str = Depends(user_of)) -> dict:
-        """The user's runs (with `accessible`, also other users' runs with a published checkpoint, those alone),
-        the most recent first, a page of them."""
-        if project_id is not None:
-            raise HTTPException(422, f"project_id '{project_id}': aspen has no projects; list without one")
-        if access_scope not in ("owned", "accessible") or limit < 1 or offset < 0:
-            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0), access_scope "
-                                     f"'{access_scope}' (owned or accessible)")
-        entries = own(user)
-        ids = {entry[0].get("model_id") for entry in entries} | {
-            model_id for model_id, owner in backend.book.owners.items() if owner == user}
-        runs = [run_of(run_id, user, entries) for run_id in ids if run_id]
-        if access_scope == "accessible":
-            shared: dict[tuple[str, str], list[tuple[dict, Path, str, str]]] = {}
-            for entry in saved_checkpoints(backend.weights_dir):
-                facts, _, kind, name = entry
-                path = f"tinker://{facts.get('model_id')}/{kind}/{name}"
-                if facts.get("user") != user and backend.ledger.public(path):
-                    shared.setdefault((facts["model_id"], facts["user"]), []).append(entry)
-            runs += [run_of(run_id, owner, published) for (run_id, owner), published in shared.items()]
-        runs.sort(key=lambda run: (run.last_request_time, run.training_run_id), reverse=True)
-        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(runs))
-        return types.TrainingRunsResponse(training_runs=runs[offset:offset + limit], cursor=cursor
-                                          ).model_dump(mode="json")
-
-    @router.get("/sessions")
-    def list_sessions(limit: int = 20, offset: int = 0, access_scope: str = "owned",
-                      user: str = Depends(user_of)) -> dict:
-        """The ids of the user's sessions this server has seen since it started (live or ended), newest first."""
-        if limit < 1 or offset < 0:
-            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0)")
-        ids = [session.session_id for session in ctx.sessions.of(user)]
-        return types.ListSessionsResponse(sessions=ids[offset:offset + limit]).model_dump(mode="json")
-
-    @router.get("/sessions/{session_id}")
-    def get_session(session_id: str, user: str = Depends(user_of)) -> dict:
-        try:
-            session = ctx.sessions.find(session_id, user)
-        except KeyError as error:
-            raise HTTPException(404, str(error)) from None
-        return types.GetSessionResponse(training_run_ids=list(session.models), sampler_ids=list(session.samplers),
-                                        user_metadata=session.user_metadata, display_name=session.display_name
-                                        ).model_dump(mode="json")
+    add_run_listing(router, ctx, user_of, own, run_of)
+    add_session_listing(router, ctx, user_of)
 
     @router.get("/training_runs/{run_id}")
     def training_run(run_id: str, user: str = Depends(user_of)) -> dict:
@@ -156,6 +116,56 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
                 return folder, f"tinker://{run_id}/{checkpoint_id}"
         raise HTTPException(404, f"no checkpoint {checkpoint_id} of run {run_id} of yours")
 
+    add_checkpoint_settings(router, ctx, user_of, checkpoint)
+
+    def readable(path: str, user: str) -> Path:
+        """The folder of a checkpoint the user may read: their own, or a published one; 404 otherwise."""
+        backend.sweep_expired()
+        for facts, folder, kind, name in saved_checkpoints(backend.weights_dir):
+            if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
+                    facts.get("user") == user or backend.ledger.public(path)):
+                return folder
+        raise HTTPException(404, backend.ledger.expired_note(path) or f"no checkpoint {path} of yours")
+
+    add_external_routes(router, ctx, user_of, readable)
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
+        folder, path = checkpoint(run_id, checkpoint_id, user)
+        shutil.rmtree(folder)
+        backend.forget_sampler(path)
+        backend.ledger.forget(path)
+        return Response(status_code=204)
+
+
+def add_session_listing(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -> None:
+    """list_sessions and get_session: the user's sessions this server has seen since it started."""
+
+    @router.get("/sessions")
+    def list_sessions(limit: int = 20, offset: int = 0, access_scope: str = "owned",
+                      user: str = Depends(user_of)) -> dict:
+        """The ids of the user's sessions this server has seen since it started (live or ended), newest first."""
+        if limit < 1 or offset < 0:
+            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0)")
+        ids = [session.session_id for session in ctx.sessions.of(user)]
+        return types.ListSessionsResponse(sessions=ids[offset:offset + limit]).model_dump(mode="json")
+
+    @router.get("/sessions/{session_id}")
+    def get_session(session_id: str, user: str = Depends(user_of)) -> dict:
+        try:
+            session = ctx.sessions.find(session_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        return types.GetSessionResponse(training_run_ids=list(session.models), sampler_ids=list(session.samplers),
+                                        user_metadata=session.user_metadata, display_name=session.display_name
+                                        ).model_dump(mode="json")
+
+
+def add_checkpoint_settings(router: APIRouter, ctx: Any, user_of: Callable[..., str],
+                            checkpoint: Callable[[str, str, str], tuple[Path, str]]) -> None:
+    """Publishing a checkpoint and setting its time to live (`checkpoint`: the user's own, else 404)."""
+    backend = ctx.backend
+
     def make_public(run_id: str, checkpoint_id: str, user: str, public: bool) -> Response:
         _, path = checkpoint(run_id, checkpoint_id, user)
         if not backend.ledger.set_public(path, public):
@@ -182,10 +192,36 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         backend.ledger.set_ttl(path, ttl_seconds)
         return Response(status_code=204)
 
-    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:
-        folder, path = checkpoint(run_id, checkpoint_id, user)
-        shutil.rmtree(folder)
-        backend.forget_sampler(path)
-        backend.ledger.forget(path)
-        return Response(status_code=204)
+
+def add_run_listing(router: APIRouter, ctx: Any, user_of: Callable[..., str],
+                    own: Callable[[str], list[tuple[dict, Path, str, str]]], run_of: Callable[..., types.TrainingRun]
+                    ) -> None:
+    """list_training_runs: the user's runs (`own`: their checkpoints; `run_of`: a run as its owner sees it)."""
+    backend = ctx.backend
+
+    @router.get("/training_runs")
+    def training_runs(limit: int = 20, offset: int = 0, access_scope: str = "owned", project_id: str | None = None,
+                      user: str = Depends(user_of)) -> dict:
+        """The user's runs (with `accessible`, also other users' runs with a published checkpoint, those alone),
+        the most recent first, a page of them."""
+        if project_id is not None:
+            raise HTTPException(422, f"project_id '{project_id}': aspen has no projects; list without one")
+        if access_scope not in ("owned", "accessible") or limit < 1 or offset < 0:
+            raise HTTPException(422, f"limit {limit} (at least 1), offset {offset} (at least 0), access_scope "
+                                     f"'{access_scope}' (owned or accessible)")
+        entries = own(user)
+        ids = {entry[0].get("model_id") for entry in entries} | {
+            model_id for model_id, owner in backend.book.owners.items() if owner == user}
+        runs = [run_of(run_id, user, entries) for run_id in ids if run_id]
+        if access_scope == "accessible":
+            shared: dict[tuple[str, str], list[tuple[dict, Path, str, str]]] = {}
+            for entry in saved_checkpoints(backend.weights_dir):
+                facts, _, kind, name = entry
+                path = f"tinker://{facts.get('model_id')}/{kind}/{name}"
+                if facts.get("user") != user and backend.ledger.public(path):
+                    shared.setdefault((facts["model_id"], facts["user"]), []).append(entry)
+            runs += [run_of(run_id, owner, published) for (run_id, owner), published in shared.items()]
+        runs.sort(key=lambda run: (run.last_request_time, run.training_run_id), reverse=True)
+        cursor = types.Cursor(offset=offset, limit=limit, total_count=len(runs))
+        return types.TrainingRunsResponse(training_runs=runs[offset:offset + limit], cursor=cursor
+                                          ).model_dump(mode="json")

@@ -784,3 +784,79 @@ def test_the_rest_client_pages_a_users_runs_and_lists_their_sessions(server):
     assert again_rest.get_session(session_id).result().training_run_ids == [run.model_id for run in runs]
     again.close("success").result()
     bob.close("success").result()
+
+
+def test_external_weights_are_the_merged_model_downloaded_through_signed_urls(tmp_path, monkeypatch, tiny_model_dirs):
+    """save_weights_external and get_external_weights_urls through the SDK, on a base read from a folder: the files
+    the signed URLs download (no key) load with transformers' from_pretrained and give PEFT's logits of the same
+    adapter (its sampler weights) on the base, within float32's rounding of a merge; the checkpoint is listed as
+    "external"; another user gets 404, a changed or expired URL 403 (a URL signs its own file only), and age
+    encryption is refused (422), naming it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from actors.engine.models import load_base_model
+    from orchestrator.tinker import external_weights
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    with tinker_in_process(base, BASE, tmp_path / "weights", KEYS.get, window_s=WINDOW_S) as (url, backend, _):
+        client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+        training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        train_steps(training, (1, 2))
+        sampler = training.save_weights_for_sampler("s").result()
+        external = training.save_weights_external("hf").result()
+        assert external.path == f"tinker://{training.model_id}/external_weights/hf"
+        rest = client.create_rest_client()
+        listed = rest.list_checkpoints(training.model_id).result().checkpoints
+        kinds = {c.tinker_path: c.checkpoint_type for c in listed}
+        assert kinds == {sampler.path: "sampler", external.path: "external"}
+        urls = rest.get_external_weights_urls(external.path).result().urls
+        assert {"config.json", "model.safetensors"} <= set(urls) and "aspen.json" not in urls
+        downloaded = tmp_path / "downloaded"
+        downloaded.mkdir()
+        for name, link in urls.items():
+            answer = httpx.get(link)
+            assert answer.status_code == 200, (name, answer.text)
+            (downloaded / name).write_bytes(answer.content)
+        tampered = httpx.get(urls["config.json"].replace("signature=", "signature=0"))
+        assert tampered.status_code == 403 and "not one aspen signed" in tampered.json()["detail"]
+        other = httpx.get(urls["config.json"].replace("config.json", "model.safetensors"))
+        assert other.status_code == 403   # a URL signs its own file only
+        monkeypatch.setattr(external_weights, "URLS_VALID_S", -1)
+        stale = httpx.get(rest.get_external_weights_urls(external.path).result().urls["config.json"])
+        assert stale.status_code == 403 and "expired" in stale.json()["detail"]
+        bob = tinker.ServiceClient(base_url=url, api_key="tml-bob-token")
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_rest_client().get_external_weights_urls(external.path).result()
+        with pytest.raises(tinker.APIStatusError, match="age_encryption_recipients"):
+            training.save_weights_external("sealed", age_encryption_recipients=["age1abc"]).result()
+        client.close("success").result()
+        bob.close("success").result()
+        folder = backend.weights_dir / training.model_id.replace(":", "-") / "sampler_weights" / "s"
+
+    merged = AutoModelForCausalLM.from_pretrained(downloaded, dtype=torch.float32).eval()
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32), folder).eval()
+    tokens = torch.tensor([[5, 17, 3, 99, 42, 7]])
+    with torch.no_grad():
+        got, expected = merged(tokens).logits, reference(tokens).logits
+        bare = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)(tokens).logits
+    # merging rounds W + s B A once in float32 where PEFT computes W x + s B (A x): a relative error of a few float32
+    # epsilons (1.2e-7) per layer, far below the adapter's own effect on the logits
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
+    assert float((expected - bare).abs().max()) > 1e-3 * scale
+
+
+def test_a_base_that_cannot_be_merged_fails_that_external_save_alone(server):
+    """A base built in memory has no files to merge into: save_weights_external fails, saying why (the base cannot
+    be loaded), leaves nothing behind, and the model trains on."""
+    url, _, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.RequestFailedError, match=r"external_weights/hf: merging the adapter into its base"):
+        training.save_weights_external("hf").result()
+    train_steps(training, (1,))   # the model goes on
+    assert not list((server[1].folder(training.model_id) / "external_weights").glob("*"))
+    client.close("success").result()

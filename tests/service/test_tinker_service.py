@@ -324,3 +324,34 @@ def test_sampling_on_the_service_is_transformers_greedy_decoding_with_the_saved_
     assert theirs.sequences[0].tokens == expected[0, len(prompt):].tolist()
     again.close("success").result()
     bob.close("success").result()
+
+
+def test_external_weights_on_the_service_download_as_the_merged_model(served, tmp_path):
+    """save_weights_external on the service (the adapter saved on the trainer, merged by the HTTP server) and its
+    signed URLs: the downloaded folder gives PEFT's logits of the model's sampler weights (saved at the same point)
+    within a merge's float32 rounding."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    service = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
+    training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+    training.forward_backward(datums(batch(41)), "cross_entropy").result()
+    training.optim_step(types.AdamParams(**ADAM)).result()
+    saved = training.save_weights_for_sampler("s").result()
+    external = training.save_weights_external("hf").result()
+    urls = service.create_rest_client().get_external_weights_urls(external.path).result().urls
+    for name, link in urls.items():
+        answer = httpx.get(link)
+        assert answer.status_code == 200, (name, answer.text)
+        (tmp_path / name).write_bytes(answer.content)
+    folder = Path(job_of(served["client"], training.model_id).output_dir) / "sampler_weights" / "s"
+    service.close("success").result()
+    assert folder.name == saved.path.rsplit("/", 1)[-1]
+    tokens = torch.tensor([[5, 17, 3, 99, 42]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()(tokens).logits
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(served["base"], dtype=torch.float32),
+                                              folder).eval()
+        expected = reference(tokens).logits
+    # merging rounds W + s B A once in float32 where PEFT computes W x + s B (A x): a few float32 epsilons a layer
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))

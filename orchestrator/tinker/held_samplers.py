@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ class HeldSamplers:
     def __init__(self, calls: Any):
         self.calls = calls   # InteractiveCalls or RemoteCalls: hold_sampler, remove_adapter
         self.held: dict[str, Held] = {}
+        self.reading: dict[str, Future] = {}   # paths being read onto a trainer now: done when they are
         self.lock = threading.Lock()
 
     def get(self, path: str | None) -> Held | None:
@@ -48,25 +50,50 @@ class HeldSamplers:
 
     def hold(self, path: str, folder: str, base_model: str, sampler_id: str) -> Held:
         """The copy of `path`'s weights (in `folder`) that sampling session `sampler_id` samples, read onto a
-        trainer of `base_model` unless one is there already. HTTPException: 422 where the files cannot be read or
-        do not fit the base (the answer says which file and why), 503 where no trainer read them in time."""
-        with self.lock:   # one read of a path at a time; sessions on a path already held join at once
-            held = self.held.get(path)
-            if held is None or held.lost:
+        trainer of `base_model` unless one is there already (or being read: then this waits for that read, and
+        nothing else waits for either). HTTPException: 422 where the files cannot be read or do not fit the base
+        (the answer says which file and why), 503 where no trainer read them in time, or the trainer was lost."""
+        while True:
+            with self.lock:
+                held = self.held.get(path)
+                if held is not None and not held.lost:
+                    held.sessions.add(sampler_id)
+                    return held
+                reading = self.reading.get(path)
+                mine = reading is None
+                if mine:
+                    reading = self.reading[path] = Future()
+            if not mine:
+                reading.result(timeout=HOLD_TIMEOUT_S + 1)   # its failure is this call's too
+                continue
+            try:
                 name = adapter_name(f"{path.removeprefix('tinker://')}@saved")
-                trainer, attached = self.calls.hold_sampler(name, folder, base_model)
-                try:
-                    attached.result(timeout=HOLD_TIMEOUT_S)
-                except FutureTimeout:
-                    raise HTTPException(503, f"{path}: no trainer of {base_model} read its sampler weights within "
-                                             f"{HOLD_TIMEOUT_S:.0f}s", headers={"Retry-After": "10"}) from None
-                except HTTPException:
-                    raise
-                except Exception as error:  # noqa: BLE001 - the trainer's answer: why the files do not serve
-                    raise HTTPException(422, f"{path}: {error}") from None
-                held = self.held[path] = Held(name, trainer, held.sessions if held is not None else set())
-            held.sessions.add(sampler_id)
-            return held
+                trainer = self._read(path, name, folder, base_model)
+            except BaseException as error:
+                with self.lock:
+                    del self.reading[path]
+                reading.set_exception(error)
+                raise
+            with self.lock:
+                del self.reading[path]
+                self.held[path] = Held(name, trainer, held.sessions if held is not None else set())
+            reading.set_result(None)
+
+    def _read(self, path: str, name: str, folder: str, base_model: str) -> str | None:
+        """Have a trainer of `base_model` attach the files as `name`; the trainer (None: this process's)."""
+        trainer, attached = self.calls.hold_sampler(name, folder, base_model)
+        try:
+            attached.result(timeout=HOLD_TIMEOUT_S)
+        except FutureTimeout:
+            raise HTTPException(503, f"{path}: no trainer of {base_model} read its sampler weights within "
+                                     f"{HOLD_TIMEOUT_S:.0f}s", headers={"Retry-After": "10"}) from None
+        except HTTPException:
+            raise
+        except Exception as error:  # noqa: BLE001 - the trainer's answer: why the files do not serve, or its loss
+            if getattr(error, "category", "user") == "server":
+                raise HTTPException(503, f"{path}: {error}", headers={"Retry-After": "5"}) from None
+            raise HTTPException(422, f"{path}: {error}") from None
+        return trainer
 
     def release_session(self, session_id: str) -> None:
         """A client session ended: its sampling sessions leave the copies they sampled; a copy no session samples

@@ -44,6 +44,8 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
             if found is not None and (found[1] == user or backend.ledger.public(body.model_path)):
                 adapter = found[0]
                 base = backend.book.model_bases.get(body.model_path.removeprefix("tinker://").split("/")[0])
+            elif (dropped := backend.dropped_note(body.model_path)) is not None:
+                raise HTTPException(404, dropped)
             else:   # its model has ended, or the server restarted: its saved files read back onto a trainer
                 adapter, base = read_back(body.model_path, user, sampler_id)
         elif body.base_model not in backend.bases():
@@ -90,6 +92,8 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
         model_id, trainer = None, None
         if path is not None and path in backend.book.samplers:   # its model's frozen copy, on the model's trainer
             model_id = path.removeprefix("tinker://").split("/")[0]
+        elif (dropped := backend.dropped_note(path)) is not None:
+            raise HTTPException(404, dropped)
         elif path is not None:   # read back from its files (its model ended since the session began: now)
             held = backend.held.hold(path, str(sampler_folder(backend.weights_dir, path)), base, sampler_id)
             adapter, trainer = held.adapter, held.trainer

@@ -23,6 +23,7 @@ from orchestrator.tinker.remote_calls import RemoteCalls
 from orchestrator.tinker.sessions import Session, Sessions
 
 REAP_EVERY_S = 1.0    # how often sessions that stopped beating are looked for
+MAX_EPHEMERAL = 8     # a model's ephemeral sampler copies kept on its trainer (an RL loop makes one a step)
 FIND_FOLDER_EVERY_S = 30.0   # how often the reaper asks a service for the weights folder until it is known
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class TinkerBook:
     # tinker:// path -> (snapshot adapter, user): the frozen copies saves put on the base while their model lives
     # (after it, the saved files are read back: TinkerBackend.held)
     samplers: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # model id -> its ephemeral samplers' paths (save_weights_and_get_sampling_client), the oldest first; and the
+    # paths of those no longer on the base -> why (a model keeps its MAX_EPHEMERAL newest; none outlives its model)
+    ephemeral: dict[str, list[str]] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
     sampling_sessions: dict[str, tuple[str | None, str, str | None]] = field(default_factory=dict)
     # ^ sampling session id -> (its adapter, its user, the path it samples)
 
@@ -107,6 +112,28 @@ class TinkerBackend:
             if sampled == path:
                 del self.book.sampling_sessions[sampler_id]
 
+    def keep_ephemeral(self, model_id: str, path: str) -> None:
+        """An ephemeral save's copy joins its model's; beyond the MAX_EPHEMERAL newest, the oldest leaves the base
+        (sampling it then says so: `dropped_note`). Files of none are written."""
+        kept = self.book.ephemeral.setdefault(model_id, [])
+        if path not in kept:
+            kept.append(path)
+        while len(kept) > MAX_EPHEMERAL:
+            old = kept.pop(0)
+            self.book.dropped[old] = (f"a model keeps the copies of its {MAX_EPHEMERAL} newest ephemeral saves; "
+                                      "sample through a newer client")
+            live = self.book.samplers.pop(old, None)
+            if live is not None:
+                self.calls.remove_adapter(live[0], model_id)
+
+    def dropped_note(self, path: str | None) -> str | None:
+        """Why an ephemeral sampler's weights are no longer sampled, or None."""
+        why = self.book.dropped.get(path or "")
+        if why is None:
+            return None
+        return (f"the weights of this sampling client ({path}, from save_weights_and_get_sampling_client) are no "
+                f"longer on the base: {why}, or save with a name (save_weights_for_sampler) to keep them")
+
     def trainer_lost(self, trainer: str, model_ids: list[str]) -> None:
         """A service's trainer died: the frozen sampler copies of its models (placed again elsewhere from their
         checkpoints) and the copies read back onto it are gone with it; their sampling sessions go on, on copies
@@ -114,6 +141,9 @@ class TinkerBackend:
         for path in list(self.book.samplers):
             if path.removeprefix("tinker://").split("/")[0] in model_ids:
                 del self.book.samplers[path]
+        for model_id in model_ids:   # ephemeral ones have no files to read back
+            for path in self.book.ephemeral.pop(model_id, []):
+                self.book.dropped[path] = f"its trainer {trainer} was lost, and ephemeral weights are not saved"
         self.held.lost(trainer)
 
     def bases(self) -> list[str]:
@@ -139,6 +169,8 @@ class TinkerBackend:
             self.book.sampler_bases.pop(sampler_id, None)
         self.held.release_session(session.session_id)
         for model_id in session.models:
+            for path in self.book.ephemeral.pop(model_id, []):   # not saved: they end with their model
+                self.book.dropped[path] = "its model ended, and ephemeral weights are not saved; train again"
             for path, (adapter, _) in list(self.book.samplers.items()):
                 if path.startswith(f"tinker://{model_id}/"):
                     self.calls.remove_adapter(adapter, model_id)

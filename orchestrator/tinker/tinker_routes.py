@@ -242,20 +242,24 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
     @router.post("/save_weights_for_sampler")
     def save_for_sampler(body: types.SaveWeightsForSamplerRequest, user: str = Depends(user_of)) -> dict:
         model_id = owned(body.model_id, user)
-        name = body.path or f"step-{body.seq_id}"
+        # save_weights_and_get_sampling_client: ephemeral (no files, as Tinker's are), its copy alone is sampled
+        ephemeral = body.path is None and body.sampling_session_seq_id is not None
+        name = body.path or (f"ephemeral-{body.seq_id}" if ephemeral else f"step-{body.seq_id}")
         if "/" in name or name in (".", ".."):
             raise HTTPException(422, f"path '{name}' must be a plain name (no '/')")
         if (problem := ttl_problem(body.ttl_seconds)) is not None:
             raise HTTPException(422, problem)
         folder = backend.folder(model_id) / "sampler_weights" / name
         path = f"tinker://{model_id}/sampler_weights/{name}"
-        snapshot = adapter_name(f"{model_id}-sampler-{name}")
-        fresh = path not in backend.book.samplers   # a frozen copy on the base: what its sampling sessions sample
+        snapshot = adapter_name(f"{model_id}-sampler-{name}")   # the frozen copy its sampling sessions sample
         base = backend.book.model_bases[model_id]
-        save = SaveSampler(folder, base, model_id, user, path, snapshot if fresh else None)
+        save = SaveSampler(None if ephemeral else folder, base, model_id, user, path, snapshot)
         backend.book.samplers[path] = (snapshot, user)
         submitted = calls.submit(model_id, body.seq_id or 0, "apply", save)
-        backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
+        if ephemeral:
+            backend.keep_ephemeral(model_id, path)
+        else:
+            backend.ledger.record(path, body.ttl_seconds, body.user_metadata)
         answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
         if body.sampling_session_seq_id is not None:   # save_weights_and_get_sampling_client: a session on it
             sampler_id = f"{model_id.split(':train:')[0]}:sample:{body.sampling_session_seq_id}"

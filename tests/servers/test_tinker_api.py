@@ -860,3 +860,75 @@ def test_a_base_that_cannot_be_merged_fails_that_external_save_alone(server):
     train_steps(training, (1,))   # the model goes on
     assert not list((server[1].folder(training.model_id) / "external_weights").glob("*"))
     client.close("success").result()
+
+
+def engine_greedy(weights: dict[str, torch.Tensor], prompt: list[int]) -> list[int]:
+    """aspen's sampler, greedy, through these saved weights (PEFT's names) attached to a fresh copy of the base."""
+    from actors.engine.tinker_sampling import SampleCall, sample
+
+    base = from_module(tiny_model("llama", VOCAB), None)
+    reference = InteractiveModel(base, "reference", 4)
+    parameters = dict(reference.adapter.named_parameters())
+    with torch.no_grad():
+        for name in adapter_state_dict(reference.adapter):
+            parameters[name.removeprefix("base_model.model.")].copy_(weights[name])
+    (result,) = sample(base, [SampleCall("reference", tuple(prompt), max_tokens=6, temperature=0.0)])
+    return result.sequences[0].tokens
+
+
+def test_a_sampler_path_saved_again_samples_the_new_weights(server):
+    """save_weights_for_sampler under a name saved before (after more training): its sampling sessions, the one
+    opened before and a new one, sample the new weights, as the files now hold them."""
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    prompt = [5, 17, 3, 99]
+    train_steps(training, (1,))
+    first = training.save_weights_for_sampler("s").result()
+    before = client.create_sampling_client(model_path=first.path)
+    old = greedy(before, prompt)
+    assert old.sequences[0].tokens == engine_greedy(saved_weights(backend, first.path), prompt)
+    train_steps(training, (2, 3))
+    again = training.save_weights_for_sampler("s").result()
+    expected = engine_greedy(saved_weights(backend, again.path), prompt)
+    new = greedy(client.create_sampling_client(model_path=again.path), prompt)
+    assert new.sequences[0].tokens == expected and new.prompt_logprobs != old.prompt_logprobs
+    same_samples(greedy(before, prompt), new)
+    client.close("success").result()
+
+
+def test_ephemeral_sampling_clients_write_no_files_and_a_model_keeps_its_newest(server, monkeypatch):
+    """save_weights_and_get_sampling_client, as an RL loop calls it every step: no files are written (Tinker's are
+    ephemeral), each client samples the weights of its moment (greedy: as a named save at the same moment), and
+    the base holds the copies of the model's newest MAX_EPHEMERAL only: an older client's sample is refused,
+    saying why and what to do."""
+    from actors.engine.adapter_surgery import fused_layers
+    from orchestrator.tinker import tinker_backend
+
+    monkeypatch.setattr(tinker_backend, "MAX_EPHEMERAL", 2)
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    prompt = [5, 17, 3, 99]
+    clients, named = [], []
+    for seed in (1, 2, 3):
+        train_steps(training, (seed,))
+        clients.append(training.save_weights_and_get_sampling_client().result())
+        at_once = training.save_weights_for_sampler(f"n{seed}").result()
+        named.append(engine_greedy(saved_weights(backend, at_once.path), prompt))
+    folder = backend.folder(training.model_id) / "sampler_weights"
+    assert sorted(path.name for path in folder.iterdir()) == ["n1", "n2", "n3"]
+    for sampler, expected in zip(clients[1:], named[1:], strict=True):
+        assert greedy(sampler, prompt).sequences[0].tokens == expected
+    with pytest.raises(tinker.NotFoundError, match=r"no longer on the base: a model keeps the copies of its 2 newest"):
+        greedy(clients[0], prompt)
+    deadline = time.monotonic() + 10
+
+    def ephemeral_copies() -> set[str]:
+        return {name for layer in fused_layers(backend.calls.base.model) for name in layer.adapters
+                if "ephemeral" in name}
+
+    while len(ephemeral_copies()) > 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(ephemeral_copies()) == 2
+    client.close("success").result()

@@ -13,15 +13,17 @@ import torch
 
 from actors.checkpoint.interactive_state import identity_of, save_state
 from actors.checkpoint.peft_io import save_adapter
+from actors.engine.adapter_surgery import remove_adapter
 from actors.engine.interactive_model import InteractiveModel
 
 
 @dataclass(frozen=True)
 class SaveSampler:
-    """`save_weights_for_sampler`: the adapter's files in `folder`, and a frozen copy named `snapshot` on the
-    base (none where `snapshot` is None, or the copy exists already). Answers `path`."""
+    """`save_weights_for_sampler`: the adapter's files in `folder` (none where it is None: an ephemeral save, whose
+    copy alone is sampled), and a frozen copy named `snapshot` on the base (none where `snapshot` is None; a copy
+    of that name there already is replaced: the path's weights are the latest save's). Answers `path`."""
 
-    folder: Path
+    folder: Path | None
     base_model: str
     model_id: str
     user: str
@@ -29,11 +31,13 @@ class SaveSampler:
     snapshot: str | None
 
     def __call__(self, model: InteractiveModel) -> str:
-        identity = identity_of(model)
-        save_adapter(model.adapter, self.folder, identity.serving_id,
-                     {"base_model": identity.metadata, "base_name": self.base_model, "model_id": self.model_id,
-                      "user": self.user, "lora_rank": model.rank, "step": model.steps})
+        if self.folder is not None:
+            identity = identity_of(model)
+            save_adapter(model.adapter, self.folder, identity.serving_id,
+                         {"base_model": identity.metadata, "base_name": self.base_model, "model_id": self.model_id,
+                          "user": self.user, "lora_rank": model.rank, "step": model.steps})
         if self.snapshot is not None:
+            remove_adapter(model.base.model, self.snapshot)
             model.snapshot(self.snapshot)
         return self.path
 

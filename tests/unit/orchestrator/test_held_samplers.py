@@ -53,6 +53,15 @@ def in_thread(call) -> tuple[threading.Thread, list]:
     return thread, out
 
 
+def held_after_read(trainers: Trainers, held: HeldSamplers, path: str, session: str, reads: int):
+    """`held.hold(path)` for `session`, its read (the trainers' `reads`-th) answered: what it returned."""
+    thread, out = in_thread(lambda: held.hold(path, "/a", "base", session))
+    trainers.wait_for_reads(reads)
+    trainers.reads[reads - 1][2].set_result("a")
+    thread.join(timeout=10)
+    return out[0]
+
+
 def test_one_read_per_path_and_a_slow_one_keeps_nobody_else_waiting():
     trainers = Trainers()
     held = HeldSamplers(trainers)
@@ -89,27 +98,17 @@ def test_a_failed_read_fails_each_waiting_session_and_the_next_asks_again():
     for out in (first_out, second_out):
         assert isinstance(out[0], HTTPException) and out[0].status_code == 422
         assert "adapter_model.safetensors is not a safetensors file" in out[0].detail
-    again, again_out = in_thread(lambda: held.hold(path, "/a", "base", "s3:sample:0"))
-    trainers.wait_for_reads(2)
-    trainers.reads[1][2].set_result("a")
-    again.join(timeout=10)
-    assert again_out[0].trainer == "trainer-2"
+    assert held_after_read(trainers, held, path, "s3:sample:0", 2).trainer == "trainer-2"
 
 
 def test_a_copy_whose_trainer_died_is_read_again_for_the_same_sessions():
     trainers = Trainers()
     held = HeldSamplers(trainers)
     path = "tinker://a/sampler_weights/s"
-    thread, out = in_thread(lambda: held.hold(path, "/a", "base", "s1:sample:0"))
-    trainers.wait_for_reads(1)
-    trainers.reads[0][2].set_result("a")
-    thread.join(timeout=10)
+    held_after_read(trainers, held, path, "s1:sample:0", 1)
     held.lost("trainer-1")
-    thread, out = in_thread(lambda: held.hold(path, "/a", "base", "s2:sample:0"))
-    trainers.wait_for_reads(2)
-    trainers.reads[1][2].set_result("a")
-    thread.join(timeout=10)
-    assert out[0].trainer == "trainer-2" and out[0].sessions == {"s1:sample:0", "s2:sample:0"}
+    again = held_after_read(trainers, held, path, "s2:sample:0", 2)
+    assert again.trainer == "trainer-2" and again.sessions == {"s1:sample:0", "s2:sample:0"}
     held.release_session("s1")
     held.release_session("s2")
-    assert trainers.removed == [(out[0].adapter, "trainer-2")]   # the dead trainer is not asked
+    assert trainers.removed == [(again.adapter, "trainer-2")]   # the dead trainer is not asked

@@ -97,17 +97,21 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
         found = [checkpoint_of(*entry, backend.ledger) for entry in own(user)]
         return types.CheckpointsListResponse(checkpoints=found).model_dump(mode="json")
 
-    @router.post("/weights_info")
-    def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
-        path = str(body.get("tinker_path", ""))
+    def readable_entry(path: str, user: str) -> tuple[dict, Path]:
+        """(its facts, its folder) of a checkpoint the user may read: their own, or a published one; 404 otherwise."""
         backend.sweep_expired()
-        for facts, _, kind, name in saved_checkpoints(backend.weights_dir):
+        for facts, folder, kind, name in saved_checkpoints(backend.weights_dir):
             if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
                     facts.get("user") == user or backend.ledger.public(path)):
-                return types.WeightsInfoResponse(base_model=base_name(facts) or "", is_lora=True,
-                                                 lora_rank=facts.get("lora_rank"), train_unembed=False
-                                                 ).model_dump(mode="json", exclude_none=True)
-        raise HTTPException(404, f"no checkpoint {path} of yours")
+                return facts, folder
+        raise HTTPException(404, backend.ledger.expired_note(path) or f"no checkpoint {path} of yours")
+
+    @router.post("/weights_info")
+    def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
+        facts, _ = readable_entry(str(body.get("tinker_path", "")), user)
+        return types.WeightsInfoResponse(base_model=base_name(facts) or "", is_lora=True,
+                                         lora_rank=facts.get("lora_rank"), train_unembed=False
+                                         ).model_dump(mode="json", exclude_none=True)
 
     def checkpoint(run_id: str, checkpoint_id: str, user: str) -> tuple[Path, str]:
         """(the folder, the tinker:// path) of the user's own checkpoint; 404 for another's or none."""
@@ -118,16 +122,7 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
 
     add_checkpoint_settings(router, ctx, user_of, checkpoint)
 
-    def readable(path: str, user: str) -> Path:
-        """The folder of a checkpoint the user may read: their own, or a published one; 404 otherwise."""
-        backend.sweep_expired()
-        for facts, folder, kind, name in saved_checkpoints(backend.weights_dir):
-            if f"tinker://{facts.get('model_id')}/{kind}/{name}" == path and (
-                    facts.get("user") == user or backend.ledger.public(path)):
-                return folder
-        raise HTTPException(404, backend.ledger.expired_note(path) or f"no checkpoint {path} of yours")
-
-    add_external_routes(router, ctx, user_of, readable)
+    add_external_routes(router, ctx, user_of, lambda path, user: readable_entry(path, user)[1])
 
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, user: str = Depends(user_of)) -> Response:

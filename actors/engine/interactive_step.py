@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from actors.engine.adapter_surgery import set_adapters_training
+from actors.engine.custom_loss import CustomLoss, CustomLossError, combine_metrics, run_loss
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.models import BaseModel
@@ -36,30 +37,38 @@ class CallDatum:
 
 @dataclass(frozen=True)
 class ModelCall:
-    """One forward(_backward) call of one model: its adapter, datums, loss function and its config."""
+    """One forward(_backward) call of one model: its adapter, datums, loss function and its config; for
+    `loss_fn="custom"` the user's loss (actors/engine/custom_loss.py)."""
 
     adapter: str
     datums: tuple[CallDatum, ...]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
+    custom: CustomLoss | None = None
 
 
 @dataclass
 class CallOutput:
-    """Per datum, the target tokens' log-probabilities and the elementwise loss; the call's summed loss."""
+    """Per datum, the target tokens' log-probabilities and the elementwise loss (none for a custom loss: its
+    datums' losses are scalars), and a custom loss's metrics; the call's summed loss."""
 
     logprobs: list[torch.Tensor] = field(default_factory=list)
     elementwise_loss: list[torch.Tensor] = field(default_factory=list)
     loss_sum: float = 0.0
+    datum_metrics: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def metrics(self) -> dict[str, float]:
-        return {"loss:sum": self.loss_sum}
+        return {"loss:sum": self.loss_sum, **(combine_metrics(self.datum_metrics) if self.datum_metrics else {})}
 
 
 def check_call(call: ModelCall, vocab_size: int, max_length: int) -> dict[str, float]:
-    """The call's loss config with defaults; a datum that the base cannot take refused, naming it."""
-    config = loss_config(call.loss_fn, call.loss_fn_config)
+    """The call's loss config with defaults; a datum that the base cannot take refused, naming it. A custom loss
+    runs on each datum here first (on the host), so that one that would fail in the step fails its call alone."""
+    custom = call.loss_fn == "custom"
+    if custom and call.custom is None:
+        raise LossInputError("loss_fn 'custom' runs a loss made by create_custom_loss (its loss_id)")
+    config = {} if custom else loss_config(call.loss_fn, call.loss_fn_config)
     if not call.datums:
         raise LossInputError("the call has no datums")
     for index, datum in enumerate(call.datums):
@@ -69,13 +78,27 @@ def check_call(call: ModelCall, vocab_size: int, max_length: int) -> dict[str, f
         if length > max_length:
             raise LossInputError(f"datum {index}: model_input has {length} tokens; the base takes at most "
                                  f"{max_length}")
-        check_inputs(call.loss_fn, datum.inputs, length, index)
+        if custom:
+            _check_custom(call.custom, datum, length, index)
+        else:
+            check_inputs(call.loss_fn, datum.inputs, length, index)
         for name, values in (("model_input", torch.tensor(datum.tokens)),
                              ("target_tokens", datum.inputs["target_tokens"])):
             if int(values.min()) < 0 or int(values.max()) >= vocab_size:
                 raise LossInputError(f"datum {index}: {name} holds a token outside the base's vocabulary "
                                      f"(0..{vocab_size - 1})")
     return config
+
+
+def _check_custom(loss: CustomLoss, datum: CallDatum, length: int, index: int) -> None:
+    targets = datum.inputs.get("target_tokens")
+    if targets is None or targets.dim() not in (1, 2) or targets.shape[0] != length:
+        raise LossInputError(f"datum {index}: loss_fn_inputs 'target_tokens' needs one target (N,) or K targets (N, K) "
+                             f"per model_input token ({length})")
+    try:
+        loss.check_datum(datum.inputs, tuple(targets.shape), index)
+    except CustomLossError as error:
+        raise LossInputError(str(error)) from None
 
 
 def run_calls(base: BaseModel, calls: list[ModelCall], *, backward: bool) -> list[CallOutput]:
@@ -160,12 +183,15 @@ class CallLosses:
     logprobs: list[list[torch.Tensor]]
     elementwise: list[list[torch.Tensor]]
     sums: list[torch.Tensor]
+    metrics: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)   # a custom loss's, per datum
 
     def outputs(self) -> list[CallOutput]:
         return [CallOutput(logprobs=[t.detach().float().cpu() for t in logprobs],
                            elementwise_loss=[t.detach().float().cpu() for t in elementwise],
-                           loss_sum=float(total.detach()))
-                for logprobs, elementwise, total in zip(self.logprobs, self.elementwise, self.sums, strict=True)]
+                           loss_sum=float(total.detach()),
+                           datum_metrics=[{key: float(value) for key, value in datum.items()} for datum in metrics])
+                for logprobs, elementwise, total, metrics in zip(self.logprobs, self.elementwise, self.sums,
+                                                                 self.metrics, strict=True)]
 
 
 def with_calls(jobs: FusedBatch, calls: list[ModelCall]) -> tuple[FusedBatch, CallBlock]:
@@ -195,18 +221,23 @@ def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], c
         call_loss = None
         losses.logprobs.append([])
         losses.elementwise.append([])
+        losses.metrics.append([])
         for datum in call.datums:
             shape = datum.inputs["target_tokens"].shape   # (N,), or (N, K): K targets a position
             count = shape.numel()
             datum_logprobs = logprobs[offset:offset + count].reshape(shape)
             offset += count
-            inputs = {name: value.to(device=device, dtype=torch.float32)
-                      for name, value in datum.inputs.items() if name != "target_tokens"}
-            elementwise = LOSS_FUNCTIONS[call.loss_fn](datum_logprobs, inputs, config)
-            datum_loss = elementwise.sum()
+            inputs = {name: value.to(device=device, dtype=torch.float32)   # (a custom loss may read the targets)
+                      for name, value in datum.inputs.items() if name != "target_tokens" or call.custom is not None}
+            if call.custom is not None:   # a scalar loss a datum, and its metrics (checked by `check_call`)
+                datum_loss, metrics = run_loss(call.custom, datum_logprobs, inputs)
+                losses.metrics[-1].append(metrics)
+            else:
+                elementwise = LOSS_FUNCTIONS[call.loss_fn](datum_logprobs, inputs, config)
+                datum_loss = elementwise.sum()
+                losses.elementwise[-1].append(elementwise)
             call_loss = datum_loss if call_loss is None else call_loss + datum_loss
             losses.logprobs[-1].append(datum_logprobs)
-            losses.elementwise[-1].append(elementwise)
         losses.sums.append(call_loss)
         losses.total = call_loss if losses.total is None else losses.total + call_loss
     return losses
@@ -259,4 +290,5 @@ def join_outputs(parts: list[CallOutput]) -> CallOutput:
         return parts[0]
     return CallOutput(logprobs=[t for part in parts for t in part.logprobs],
                       elementwise_loss=[t for part in parts for t in part.elementwise_loss],
-                      loss_sum=sum(part.loss_sum for part in parts))
+                      loss_sum=sum(part.loss_sum for part in parts),
+                      datum_metrics=[m for part in parts for m in part.datum_metrics])

@@ -28,6 +28,7 @@ class Session:
     ended: bool = False
     user_metadata: dict[str, str] | None = None          # as its create_session gave them
     display_name: str | None = None
+    losses: dict[str, Any] = field(default_factory=dict)  # its custom losses (CustomLoss) by loss_id
 
 
 @dataclass

@@ -29,6 +29,7 @@ from actors.engine.interactive_model import MAX_RANK, AdamStep
 from actors.service.trainer.interactive_calls import adapter_name
 from actors.service.trainer.interactive_commands import SaveSampler
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
+from orchestrator.tinker.custom_loss_routes import add_custom_loss_routes, with_custom_loss
 from orchestrator.tinker.rest_routes import add_rest_routes
 from orchestrator.tinker.sampling_routes import add_sampling_routes
 from orchestrator.tinker.sessions import Session
@@ -114,10 +115,12 @@ def tinker_router(backend: TinkerBackend) -> APIRouter:
 
     add_session_routes(router, ctx, user_of)
     add_training_routes(router, ctx, user_of)
+    add_forward_backward_route(router, ctx, user_of)
     add_future_routes(router, ctx, user_of)
     add_sampling_routes(router, ctx, user_of)
     add_state_routes(router, ctx, user_of)
     add_rest_routes(router, ctx, user_of)
+    add_custom_loss_routes(router, ctx, user_of)
     return router
 
 
@@ -128,7 +131,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
     @router.post("/client/config")
     def client_config(body: types.ClientConfigRequest, user: str = Depends(user_of)) -> dict:
         config = types.ClientConfigResponse(use_pyqwest_transport=False, proto_compress_fwdbwd=False,
-                                            sample_use_retrieve_futures=False, custom_loss_server_side=False,
+                                            sample_use_retrieve_futures=False, custom_loss_server_side=True,
                                             fwdbwd_max_chunk_len=MAX_CALL_DATUMS)
         return config.model_dump(mode="json", exclude_none=True)
 
@@ -170,7 +173,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
 
 def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
-    """A model's creation, its info, its forward / forward_backward calls, optimizer steps and saves for sampling
+    """A model's creation, its info, optimizer steps and saves for sampling
     (each answered with a future: `add_future_routes`)."""
     backend, calls = ctx.backend, ctx.calls
     owned, future = ctx.owned, ctx.future
@@ -203,29 +206,6 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": calls.rank_of(model_id),
                 "model_name": base, "model_data": {"arch": facts["arch"], "model_name": base,
                                                    "tokenizer_id": tokenizer_for(facts, request)}}
-
-    @router.post("/forward_backward")
-    async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise HTTPException(413, f"the body has {len(body)} bytes; aspen takes at most {MAX_BODY_BYTES}")
-        try:
-            raw = decompress(body, request.headers.get("content-encoding"))
-            message = read_forward_backward(raw, adapter_name)
-        except WireError as error:
-            raise HTTPException(400, str(error)) from None
-        model_id = owned(message.model_id, user)
-        tokens = sum(len(datum.tokens) for datum in message.call.datums)
-        if len(message.call.datums) > MAX_CALL_DATUMS or tokens > MAX_CALL_TOKENS:
-            raise HTTPException(413, f"the call has {len(message.call.datums)} datums of {tokens} tokens; aspen takes "
-                                     f"at most {MAX_CALL_DATUMS} datums and {MAX_CALL_TOKENS} tokens a call: send "
-                                     "fewer at once")
-        kind = "forward" if message.forward_only else "forward_backward"
-        try:
-            submitted = calls.submit(model_id, message.seq_id, kind, message.call)
-        except (KeyError, ValueError) as error:
-            raise HTTPException(400, str(error)) from None
-        return future(submitted, user, write_output, model_id)
 
     @router.post("/optim_step")
     def optim_step(body: types.OptimStepRequest, user: str = Depends(user_of)) -> dict:
@@ -269,6 +249,36 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
             backend.book.sampler_bases[sampler_id] = backend.book.model_bases[model_id]
             answer["sampling_session_id"] = sampler_id
         return future(submitted, user, lambda saved: {**answer, "path": saved}, model_id)
+
+
+def add_forward_backward_route(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
+    """forward / forward_backward: the SDK's protobuf body read into a call of the model's adapter (with its custom
+    loss where it names one), answered with a future of the protobuf output."""
+    calls, owned, future = ctx.calls, ctx.owned, ctx.future
+
+    @router.post("/forward_backward")
+    async def forward_backward(request: Request, user: str = Depends(user_of)) -> dict:
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise HTTPException(413, f"the body has {len(body)} bytes; aspen takes at most {MAX_BODY_BYTES}")
+        try:
+            raw = decompress(body, request.headers.get("content-encoding"))
+            message = read_forward_backward(raw, adapter_name)
+        except WireError as error:
+            raise HTTPException(400, str(error)) from None
+        model_id = owned(message.model_id, user)
+        message = with_custom_loss(ctx, message, user)
+        tokens = sum(len(datum.tokens) for datum in message.call.datums)
+        if len(message.call.datums) > MAX_CALL_DATUMS or tokens > MAX_CALL_TOKENS:
+            raise HTTPException(413, f"the call has {len(message.call.datums)} datums of {tokens} tokens; aspen takes "
+                                     f"at most {MAX_CALL_DATUMS} datums and {MAX_CALL_TOKENS} tokens a call: send "
+                                     "fewer at once")
+        kind = "forward" if message.forward_only else "forward_backward"
+        try:
+            submitted = calls.submit(model_id, message.seq_id, kind, message.call)
+        except (KeyError, ValueError) as error:
+            raise HTTPException(400, str(error)) from None
+        return future(submitted, user, write_output, model_id)
 
 
 def add_future_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:

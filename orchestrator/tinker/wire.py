@@ -1,7 +1,8 @@
 """The Tinker API's protobuf bodies, read and written with the SDK's own schema (`tinker.proto`): a
 `forward_backward` request (optionally zstd-compressed) into aspen's `ModelCall` of `CallDatum`s, and a call's
 outputs into the `ForwardBackwardOutput` message its SDK decodes (per datum `logprobs` and `elementwise_loss`,
-each of its targets' shape: (N,), or (N, K) for cross_entropy's top-k targets; the metric `loss:sum`). Only text
+each of its targets' shape: (N,), or (N, K) for cross_entropy's top-k targets, a custom loss's `logprobs` alone;
+the metric `loss:sum`, and a custom loss's own). Only text
 model inputs are taken: an image or dmel chunk is refused, naming the datum."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ForwardBackwardBody:
     seq_id: int
     forward_only: bool
     call: ModelCall
+    loss_id: str | None = None   # loss_fn "custom": its loss_fn_config's loss_id (create_custom_loss's answer)
 
 
 def decompress(body: bytes, encoding: str | None) -> bytes:
@@ -74,17 +76,24 @@ def read_forward_backward(body: bytes, adapter_of: Callable[[str], str]) -> Forw
                                 "(N,) or, for cross_entropy's top-k targets, (N, K)")
             inputs[name] = values   # (N,), or (N, K): cross_entropy's top-k targets and their weights
         datums.append(CallDatum(tuple(tokens), inputs))
+    loss_fn = message.loss_fn or "cross_entropy"
+    loss_id = None
     if message.loss_fn_config_v2:
         config = {}
         for key, value in message.loss_fn_config_v2.items():
-            if value.WhichOneof("value") != "number":
-                raise WireError(f"loss_fn_config '{key}' is text; aspen's losses take numbers")
-            config[key] = value.number
+            if loss_fn == "custom" and key == "loss_id" and value.WhichOneof("value") == "text":
+                loss_id = value.text
+            elif value.WhichOneof("value") != "number":
+                raise WireError(f"loss_fn_config '{key}' is text; aspen's losses take numbers (and loss_fn "
+                                "'custom' its loss_id)")
+            else:
+                config[key] = value.number
     else:
         config = dict(message.loss_fn_config)
-    call = ModelCall(adapter_of(message.model_id), tuple(datums), message.loss_fn or "cross_entropy",
-                     config or None)
-    return ForwardBackwardBody(message.model_id, int(message.seq_id), bool(message.forward_only), call)
+    if loss_fn == "custom" and (loss_id is None or config):
+        raise WireError("loss_fn 'custom' takes loss_fn_config {'loss_id': <create_custom_loss's loss_id>} alone")
+    call = ModelCall(adapter_of(message.model_id), tuple(datums), loss_fn, config or None)
+    return ForwardBackwardBody(message.model_id, int(message.seq_id), bool(message.forward_only), call, loss_id)
 
 
 def _batched(arrays: list[torch.Tensor]) -> pb.BatchedTensor:
@@ -107,7 +116,8 @@ def write_output(output: CallOutput) -> bytes:
             end += 1
         record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=end - start)
         record.fields["logprobs"].CopyFrom(_batched(output.logprobs[start:end]))
-        record.fields["elementwise_loss"].CopyFrom(_batched(output.elementwise_loss[start:end]))
+        if output.elementwise_loss:   # (a custom loss has none: a scalar a datum)
+            record.fields["elementwise_loss"].CopyFrom(_batched(output.elementwise_loss[start:end]))
         message.loss_fn_outputs.append(record)
         start = end
     for key, value in output.metrics.items():

@@ -355,3 +355,33 @@ def test_external_weights_on_the_service_download_as_the_merged_model(served, tm
         expected = reference(tokens).logits
     # merging rounds W + s B A once in float32 where PEFT computes W x + s B (A x): a few float32 epsilons a layer
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_a_custom_loss_runs_on_the_trainer_as_the_sdk_runs_it_on_the_client(served):
+    """`create_custom_loss` on the service: the loss travels to the trainer with its calls and trains, over two
+    steps, what the SDK's client-side run of the same handle trains (the same metrics, then the same
+    log-probabilities from both adapters, bit for bit)."""
+    import dataclasses
+
+    def weighted_margin(logprobs, weights):
+        loss = -(logprobs * weights).sum() + 0.1 * torch.relu(-2.0 - logprobs).sum()
+        return loss, {"custom/weights:sum": weights.sum()}
+
+    client = tinker.ServiceClient(base_url=served["url"], api_key=f"tml-{served['alice']}")
+    handle = client.create_custom_loss(weighted_margin, {"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is not None
+    on_client = dataclasses.replace(handle, loss_id=None)
+    models = [client.create_lora_training_client(base_model=served["base"], rank=4, seed=5).result()
+              for _ in range(2)]
+    for seed in (11, 12):
+        data = datums(batch(seed))
+        results = [training.forward_backward_custom(data, loss).result()
+                   for training, loss in zip(models, (handle, on_client), strict=True)]
+        assert results[0].metrics["loss:sum"] == results[1].metrics["loss:sum"]
+        assert results[0].metrics["custom/weights:sum"] == results[1].metrics["custom/weights:sum"]
+        for training in models:
+            training.optim_step(types.AdamParams(**ADAM)).result()
+    after = [training.forward(datums(batch(13)), "cross_entropy").result() for training in models]
+    assert [o["logprobs"].tolist() for o in after[0].loss_fn_outputs] == \
+        [o["logprobs"].tolist() for o in after[1].loss_fn_outputs]
+    client.close("success").result()

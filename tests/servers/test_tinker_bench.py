@@ -48,3 +48,19 @@ def test_the_bench_runs_on_a_tiny_base_and_writes_its_figures(tmp_path):
     assert found["one_client_over_lone"] == pytest.approx(found["results"]["1"]["fused"]["tokens_per_s"]
                                                           / lone["tokens_per_s"])
     assert found["arithmetic_ceiling_tokens_per_s"] > 0
+
+
+def test_the_custom_loss_bench_runs_on_a_tiny_base(tmp_path):
+    """bench/tinker_custom_loss.py: the server side takes one pass a step, the SDK's client-side way two, and both
+    sides' losses agree at every step (its exit status says so too)."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, str(REPO / "bench" / "tinker_custom_loss.py"), "--base", "tiny", "--steps", "2",
+               "--rounds", "2", "--batch", "2", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["losses_agree"] and len(found["losses"]["server"]) == 4
+    assert found["server"]["passes_per_step"] == 1.0 and found["client"]["passes_per_step"] == 2.0
+    assert found["client_over_server"] == pytest.approx(found["client"]["median_step_s"]
+                                                        / found["server"]["median_step_s"])

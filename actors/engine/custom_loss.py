@@ -34,6 +34,9 @@ MAX_LIST = 16            # the operands of one call that a list holds (torch.cat
 MIN_CAP = 1 << 20        # elements a loss's tensor may always have
 CAP_FACTOR = 4           # ... or this many times its datum's largest operand
 METRIC_SUFFIXES = (":sum", ":mean")
+# a call's datums times its loss's operations: each runs once on the host before the step and once in it, a few
+# microseconds each on small tensors, so a call's loss costs the trainer at most about a second or two of each
+MAX_CALL_OPERATIONS = 1 << 17
 
 
 class CustomLossError(ValueError):
@@ -63,6 +66,14 @@ class CustomLoss:
 
     def program(self) -> Program:
         return _program(self)
+
+    def check_call_size(self, datums: int) -> None:
+        """CustomLossError where a call of this many datums would run more than MAX_CALL_OPERATIONS operations."""
+        each = len(self.program().steps)
+        if each * datums > MAX_CALL_OPERATIONS:
+            raise CustomLossError(f"custom loss '{self.name}' runs {each} operations a datum, {each * datums} for "
+                                  f"this call's {datums} datums; a call may run at most {MAX_CALL_OPERATIONS}: send "
+                                  f"at most {MAX_CALL_OPERATIONS // each} datums a call")
 
     def check_datum(self, inputs: Mapping[str, torch.Tensor], logprobs_shape: tuple[int, ...], datum: int) -> None:
         """Run it on this datum's inputs (on the host) and a stand-in for its log-probabilities: CustomLossError

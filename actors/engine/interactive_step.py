@@ -71,6 +71,11 @@ def check_call(call: ModelCall, vocab_size: int, max_length: int) -> dict[str, f
     config = {} if custom else loss_config(call.loss_fn, call.loss_fn_config)
     if not call.datums:
         raise LossInputError("the call has no datums")
+    if custom:
+        try:
+            call.custom.check_call_size(len(call.datums))
+        except CustomLossError as error:
+            raise LossInputError(str(error)) from None
     for index, datum in enumerate(call.datums):
         length = len(datum.tokens)
         if length == 0:

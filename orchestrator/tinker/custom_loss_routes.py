@@ -47,7 +47,7 @@ def add_custom_loss_routes(router: APIRouter, ctx: Any, user_of: Callable[..., s
 
 def with_custom_loss(ctx: Any, message: ForwardBackwardBody, user: str) -> ForwardBackwardBody:
     """The call with its custom loss where it names one (`loss_id`): HTTPException 400 for a loss that is not of
-    the model's session."""
+    the model's session, 413 for a call whose datums would run too many of its operations."""
     if message.loss_id is None:
         return message
     session_id = message.model_id.split(":train:")[0]
@@ -57,4 +57,8 @@ def with_custom_loss(ctx: Any, message: ForwardBackwardBody, user: str) -> Forwa
         raise HTTPException(400, f"no custom loss {message.loss_id} in session {session_id}, the model's: a loss "
                                  "runs in the session that made it, and a restarted server has none (make it "
                                  "again with create_custom_loss)") from None
+    try:
+        loss.check_call_size(len(message.call.datums))
+    except CustomLossError as error:
+        raise HTTPException(413, str(error)) from None
     return replace(message, call=replace(message.call, custom=loss))

@@ -212,3 +212,14 @@ def test_python_values_a_hand_made_graph_computes_stay_bounded(step, says):
     with pytest.raises(CustomLossError, match=f"node '{step['name']}'") as refused:
         loss.check_datum({}, (4,), 0)
     assert says in str(refused.value)
+
+
+def test_a_call_whose_datums_would_run_too_many_operations_is_refused_saying_how_many_it_may_send():
+    from actors.engine.custom_loss import MAX_CALL_OPERATIONS
+
+    loss = CustomLoss.of("ppo_like", [("logprobs", 1), ("old", 1), ("advantages", 1), ("mask", 1)],
+                         nodes_of(ppo_like, {"logprobs": 1, "old": 1, "advantages": 1, "mask": 1}))
+    each = len(loss.program().steps)
+    loss.check_call_size(MAX_CALL_OPERATIONS // each)
+    with pytest.raises(CustomLossError, match=f"send at most {MAX_CALL_OPERATIONS // each} datums a call"):
+        loss.check_call_size(MAX_CALL_OPERATIONS // each + 1)

@@ -167,6 +167,9 @@ class TrainerActor:
     def tinker_drop_adapter(self, name: str) -> None:
         self._desk().drop_adapter(name)
 
+    def tinker_cancel(self, key: str) -> bool:
+        return self._desk().cancel(key)
+
     def tinker_hold_sampler(self, front: str, name: str, folder: str) -> str:
         return self._desk().hold_sampler(front, name, folder)
 

@@ -174,7 +174,19 @@ class RemoteCalls:
         if trainer is None:
             trainer = (self.model(model_id).trainer if model_id is not None
                        else self.call("tinker.trainer_of_base", base_model))
-        return self._queued(trainer, self.call("tinker.sample", trainer, self.front, call))
+        key = self.call("tinker.sample", trainer, self.front, call)
+        future = self._queued(trainer, key)
+        future.aspen_on = (trainer, key)   # type: ignore[attr-defined]  (`cancel`)
+        return future
+
+    def cancel(self, future: Future) -> None:
+        """A sampling call its client abandoned: cancelled on its trainer too where it has not started there."""
+        trainer, key = getattr(future, "aspen_on", (None, None))
+        if trainer is not None:
+            try:
+                self.call("tinker.cancel", trainer, key)
+            except HTTPException as error:   # its trainer is gone: nothing runs there to cancel
+                log.info("cancelling %s on %s: %s", key, trainer, error.detail)
 
     def hold_sampler(self, name: str, folder: str, base_model: str) -> tuple[str, Future]:
         """Attach the sampler weights saved in `folder` as the frozen adapter `name` on a trainer of `base_model`:

@@ -99,7 +99,7 @@ def add_sampling_routes(router: APIRouter, ctx, user_of: Callable[..., str]) -> 
             adapter, trainer = held.adapter, held.trainer
         call = sample_call(body, adapter, backend.facts(base)["eos"])
         accepted = calls.submit_sample(call, model_id=model_id, base_model=base, trainer=trainer)
-        request_id = sessions.accept(accepted, user, write_samples)
+        request_id = sessions.accept(accepted, user, write_samples, cancellable=True)
         ids = [f"{body.sampling_session_id}:{body.seq_id}:{index}" for index in range(call.num_samples)]
         return {"request_id": request_id, "sample_sequence_ids": ids}
 

@@ -31,6 +31,12 @@ class Session:
     losses: dict[str, Any] = field(default_factory=dict)  # its custom losses (CustomLoss) by loss_id
 
 
+class Cancelled(Exception):
+    """A sampling request its client cancelled before it ran."""
+
+    category = "user"
+
+
 @dataclass
 class Accepted:
     """A call's future and how its result becomes the answer (a dict of JSON, or protobuf bytes)."""
@@ -38,6 +44,7 @@ class Accepted:
     future: Future
     user: str
     answer: Callable[[Any], dict | bytes]
+    cancellable: bool = False   # a sampling call: its client may abandon it (cancel_future)
 
 
 class Sessions:
@@ -89,11 +96,25 @@ class Sessions:
                 session.ended = True
         return gone
 
-    def accept(self, future: Future, user: str, answer: Callable[[Any], dict | bytes]) -> str:
+    def accept(self, future: Future, user: str, answer: Callable[[Any], dict | bytes], *,
+               cancellable: bool = False) -> str:
         request_id = f"req-{uuid.uuid4().hex}"
         with self.lock:
-            self.futures[request_id] = Accepted(future, user, answer)
+            self.futures[request_id] = Accepted(future, user, answer, cancellable)
         return request_id
+
+    def cancel(self, request_id: str, user: str) -> Future:
+        """Cancel the user's sampling request where it has not started (its future then answers "cancelled"); the
+        future either way. KeyError for another user's or an unknown request, ValueError for one that is not a
+        sampling request (a model's calls run in order: none may be dropped)."""
+        with self.lock:
+            accepted = self.futures.get(request_id)
+        if accepted is None or accepted.user != user:
+            raise KeyError(f"no request {request_id} of yours")
+        if not accepted.cancellable:
+            raise ValueError(f"request {request_id} is not a sampling request; only those can be cancelled")
+        accepted.future.cancel()
+        return accepted.future
 
     async def retrieve(self, request_id: str, user: str, wait_s: float = LONG_POLL_S) -> tuple[str, Any]:
         """("done", answer), ("failed", error) or ("pending", None) after waiting at most `wait_s`."""
@@ -101,6 +122,8 @@ class Sessions:
             accepted = self.futures.get(request_id)
         if accepted is None or accepted.user != user:
             raise KeyError(f"no request {request_id} of yours")
+        if accepted.future.cancelled():
+            return "failed", Cancelled(f"request {request_id} was cancelled (cancel_future) before it ran")
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(accepted.future)), wait_s)
         except TimeoutError:

@@ -3,7 +3,8 @@
 create_model, get_info, forward / forward_backward (protobuf in and out), optim_step,
 save_weights_for_sampler (its files, and a frozen copy on the base that sampling sessions sample), sampling
 (sampling_routes.py), saved states (state_routes.py), the RestClient's runs and checkpoints
-(rest_routes.py), and the futures every call returns. Requests are read
+(rest_routes.py), custom losses run on the server (custom_loss_routes.py), and the futures every call returns
+(an abandoned sample's cancelled: cancel_future). Requests are read
 with the SDK's own types (`tinker.types`, `tinker.proto`).
 
 The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys without its prefix). A user sees
@@ -137,7 +138,7 @@ def add_session_routes(router: APIRouter, ctx: Context, user_of: Callable[..., s
 
     @router.post("/client/dynamic_config")
     def dynamic_config(user: str = Depends(user_of)) -> dict:
-        return {}
+        return {"sample_cancel_enabled": True}   # an abandoned sample is cancelled (cancel_future)
 
     @router.post("/create_session")
     def create_session(body: types.CreateSessionRequest, user: str = Depends(user_of)) -> dict:
@@ -284,6 +285,21 @@ def add_forward_backward_route(router: APIRouter, ctx: Context, user_of: Callabl
 def add_future_routes(router: APIRouter, ctx: Context, user_of: Callable[..., str]) -> None:
     """The futures every call returns: pending (try again), failed (the error and whose it is), or its value."""
     sessions = ctx.sessions
+
+    @router.post("/cancel_future")
+    def cancel_future(body: types.FutureRetrieveRequest, user: str = Depends(user_of)) -> dict:
+        """A sampling request its client abandoned: dropped where it has not started (on a service, on its
+        trainer too); one already running finishes, and its answer is dropped."""
+        try:
+            future = sessions.cancel(body.request_id, user)
+        except KeyError as error:
+            raise HTTPException(404, str(error)) from None
+        except ValueError as error:
+            raise HTTPException(400, str(error)) from None
+        cancel = getattr(ctx.calls, "cancel", None)
+        if cancel is not None:
+            cancel(future)
+        return {"type": "cancel_future"}
 
     @router.post("/retrieve_future")
     async def retrieve_future(body: types.FutureRetrieveRequest, user: str = Depends(user_of)) -> Response:

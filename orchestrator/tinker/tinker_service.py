@@ -136,6 +136,9 @@ class TinkerService:
     def drop_adapter(self, trainer: str, name: str) -> None:
         self._on(trainer, "tinker_drop_adapter", "dropping a sampler", name)
 
+    def cancel(self, trainer: str, key: str) -> bool:
+        return self._on(trainer, "tinker_cancel", "cancelling a sampling call", key)
+
     def hold_sampler(self, trainer: str, front: str, name: str, folder: str) -> str:
         return self._on(trainer, "tinker_hold_sampler", f"reading the sampler weights in {folder}", front, name, folder)
 

@@ -63,6 +63,19 @@ class ModelJob:
     calls: int = 0
 
 
+class CallKeys:
+    """The keys of a trainer's calls, and its sampling calls' futures by key while they wait (a front may cancel
+    one its client abandoned)."""
+
+    def __init__(self, trainer_id: str):
+        self.trainer_id = trainer_id
+        self.count = itertools.count(1)
+        self.samples: dict[str, Future] = {}
+
+    def next(self) -> str:
+        return f"{self.trainer_id}:{next(self.count)}"
+
+
 class InteractiveDesk:
     """The interactive models of one trainer as jobs, and their calls' outcomes by front."""
 
@@ -78,7 +91,7 @@ class InteractiveDesk:
         self.gpus = gpus
         self.models: dict[str, ModelJob] = {}
         self.outcomes: dict[str, list[Outcome]] = {}   # front -> outcomes not yet taken
-        self.keys = itertools.count(1)
+        self.keys = CallKeys(trainer_id)
         self.lock = threading.Lock()
         self.passes = 0
         calls.on_step = self._pass_ran
@@ -112,6 +125,12 @@ class InteractiveDesk:
 
     def sample(self, front: str, call: Any) -> str:
         return self._track(front, self.calls.submit_sample(call), None, "sample")
+
+    def cancel(self, key: str) -> bool:
+        """Cancel the sampling call of `key` where it has not started (its outcome then says so); whether it was."""
+        with self.lock:
+            future = self.keys.samples.get(key)
+        return future is not None and future.cancel()
 
     def hold_sampler(self, front: str, name: str, folder: str) -> str:
         """Attach saved sampler weights as the frozen adapter `name` (a front's sampling session on a model that
@@ -197,7 +216,10 @@ class InteractiveDesk:
     # -- outcomes, on the stepping thread -------------------------------------------------------------------
     def _track(self, front: str, future: Future, model_id: str | None, kind: str, seq: int | None = None,
                lr: float | None = None) -> str:
-        key = f"{self.trainer_id}:{next(self.keys)}"
+        key = self.keys.next()
+        if kind == "sample":
+            with self.lock:
+                self.keys.samples[key] = future
         future.add_done_callback(lambda done: self._finished(front, key, done, model_id, kind, seq, lr))
         return key
 
@@ -205,8 +227,13 @@ class InteractiveDesk:
                   seq: int | None, lr: float | None = None) -> None:
         """A call ended (on the stepping thread, before the model's next call runs): its outcome for the front;
         an optimizer step is the job's progress, and every `checkpoint_every` steps its checkpoint."""
-        error = future.exception()
-        if error is not None:
+        if kind == "sample":
+            with self.lock:
+                self.keys.samples.pop(key, None)
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled():
+            outcome = Outcome(key, error="cancelled by its client before it ran", category="user")
+        elif error is not None:
             category = "user" if isinstance(error, USER_ERRORS) else "server"
             outcome = Outcome(key, error=str(error) or type(error).__name__, category=category)
         else:

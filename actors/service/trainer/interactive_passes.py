@@ -82,6 +82,8 @@ def run_samples(base: BaseModel, samples: list[Pending]) -> None:
     vocab = int(base.lm_head.weight.shape[0])
     good = []
     for pending in samples:
+        if not pending.future.set_running_or_notify_cancel():   # its client abandoned it (cancel_future)
+            continue
         try:
             check_sample_call(pending.payload, vocab, decode_text is not None)
             good.append(pending)

@@ -61,6 +61,10 @@ class Service:
                     time.sleep(0.01)   # the poller takes it
                 assert not self.desk.outcomes.get(front), "the poller never took the outcome"
             return key
+        if method == "tinker.sample":
+            return self.desk.sample(args[1], args[2])
+        if method == "tinker.cancel":
+            return self.desk.cancel(args[1])
         raise AssertionError(f"unexpected service call {method}{args}")
 
 
@@ -88,5 +92,32 @@ def test_an_outcome_taken_before_its_key_came_back_reaches_its_call():
         assert alice_first.result(timeout=30).loss_sum > 0
         assert alice_second.result(timeout=30) is not None
         assert not any(front.early.values())   # nothing left unclaimed
+    finally:
+        front.close()
+
+
+def test_a_sample_cancelled_at_the_front_is_cancelled_on_its_trainer(monkeypatch):
+    """The front's cancel (its client abandoned the sample) reaches the trainer's desk: the call is never
+    sampled there, and its outcome, which still comes back, finds its future done and changes nothing."""
+    from actors.engine.tinker_sampling import SampleCall
+    from actors.service.trainer import interactive_passes
+
+    sampled: list[int] = []
+    monkeypatch.setattr(interactive_passes, "sample", lambda base, calls, decode: sampled.append(len(calls)))
+    desk = InteractiveDesk(InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=0),
+                           TrainerEvents(), "trainer-0", lambda row: None)
+    front = RemoteCalls(Service(desk), front="front-a")
+    try:
+        future = front.submit_sample(SampleCall(None, (5, 6), max_tokens=3), trainer="trainer-0")
+        assert future.cancel()   # as the sessions' cancel does, then the calls' own
+        front.cancel(future)
+        while desk.calls.step():
+            pass
+        assert sampled == [], "the trainer never sampled it"
+        deadline = time.monotonic() + 30
+        while desk.outcomes.get("front-a") or front.waiting.get("trainer-0"):
+            assert time.monotonic() < deadline, "the cancelled call's outcome was never taken"
+            time.sleep(0.01)
+        assert future.cancelled()
     finally:
         front.close()

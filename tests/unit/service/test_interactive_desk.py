@@ -96,3 +96,30 @@ def test_a_model_whose_front_stopped_beating_ends_with_its_final_adapter(tmp_pat
     assert [(e.kind, e.job_id) for e in ended] == [("completed", "job-1")]
     assert "stopped beating" in ended[0].data["reason"] and ended[0].data["adapter_dir"] == str(tmp_path)
     assert (tmp_path / "adapter_model.safetensors").is_file() and desk.calls.rank_of(MODEL) is None
+
+
+def test_a_sampling_call_cancelled_before_it_runs_is_never_sampled_and_says_so(monkeypatch):
+    """The front's cancel (its client abandoned the sample: cancel_future) drops the call before the trainer's
+    next batch; the other call of that batch is sampled, and a call that already ran cannot be cancelled."""
+    from actors.engine.tinker_sampling import SampleCall
+    from actors.service.trainer import interactive_passes
+
+    sampled: list[int] = []
+    real = interactive_passes.sample
+
+    def counting(base, calls, decode):
+        sampled.append(len(calls))
+        return real(base, calls, decode)
+
+    monkeypatch.setattr(interactive_passes, "sample", counting)
+    desk, _ = desk_of([])
+    doomed = desk.sample("front-a", SampleCall(None, (5, 6, 7), max_tokens=4, temperature=0.0))
+    kept = desk.sample("front-a", SampleCall(None, (8, 9), max_tokens=4, temperature=0.0))
+    assert desk.cancel(doomed)
+    run(desk)
+    outcomes = {outcome.key: outcome for outcome in desk.take("front-a")}
+    assert sampled == [1], "one call in the batch: the cancelled one was never sampled"
+    assert outcomes[doomed].error == "cancelled by its client before it ran" and outcomes[doomed].category == "user"
+    assert outcomes[kept].error is None and len(outcomes[kept].value.sequences[0].tokens) == 4
+    assert not desk.cancel(kept), "a call that ran is not cancelled"
+    assert desk.keys.samples == {}, "nothing kept of the calls that ended"

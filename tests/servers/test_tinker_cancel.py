@@ -1,0 +1,88 @@
+"""Abandoned samples (the SDK's `cancel_future`, on because aspen's dynamic client config enables it): a sample its
+user cancels while it waits for the trainer is never sampled, the other samples of that batch are, and only
+sampling requests can be cancelled. Driven by the real `tinker` SDK against aspen's Tinker API under uvicorn; the
+trainer is held busy by a call of another model until the cancel has arrived."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from actors.engine.models import from_module
+from actors.service.trainer import interactive_passes
+from tests.helpers.models import VOCAB, tiny_model
+from tests.helpers.tinker_sdk import datums, tinker_in_process
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("closes_tinker_clients")   # tests/conftest.py says why
+
+BASE = "tiny-llama"
+KEYS = {"alice-token": "alice"}
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, tmp_path / "weights", KEYS.get,
+                           window_s=0.05) as served:
+        yield served
+
+
+def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_a_sample_cancelled_while_it_waits_is_never_sampled(server, monkeypatch):
+    url, backend, _ = server
+    sampled: list[tuple[int, ...]] = []
+    real = interactive_passes.sample
+
+    def recording(base, calls, decode):
+        sampled.extend(call.prompt for call in calls)
+        return real(base, calls, decode)
+
+    monkeypatch.setattr(interactive_passes, "sample", recording)
+    release = threading.Event()
+    backend.calls.create_model("blocker", 4, owner="alice")
+    busy = backend.calls.submit("blocker", 1, "apply", lambda model: release.wait(60))   # the trainer is held here
+    try:
+        client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+        sampler = client.create_sampling_client(base_model=BASE).result()
+        params = types.SamplingParams(max_tokens=4, temperature=0.0)
+        doomed = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params)
+        kept = sampler.sample(types.ModelInput.from_ints([8, 9]), 1, params)
+        wait_until(lambda: len(backend.calls.samples) == 2, "both samples to reach the trainer")
+        doomed.future().cancel()
+        wait_until(lambda: any(accepted.future.cancelled() for accepted in backend.sessions.futures.values()),
+                   "the server to hear the cancel")
+    finally:
+        release.set()
+    busy.result(timeout=60)
+    assert len(kept.result().sequences[0].tokens) == 4
+    assert sampled == [(8, 9)], "the cancelled sample never reached the sampler"
+    client.close("success").result()
+
+
+def test_only_sampling_requests_can_be_cancelled(server):
+    """A model's calls run in order and none may be dropped: cancelling a forward_backward is refused (400), an
+    unknown request is 404."""
+    url, _, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    training = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    training.forward_backward(datums([([1, 2, 3], [2, 3, 4], [1.0, 1.0, 1.0])]), "cross_entropy").result()
+    headers = {"X-API-Key": "tml-alice-token"}
+    training_request = next(iter(server[1].sessions.futures))
+    refused = httpx.post(f"{url}/api/v1/cancel_future", headers=headers, json={"request_id": training_request})
+    assert refused.status_code == 400 and "only those can be cancelled" in refused.json()["detail"]
+    unknown = httpx.post(f"{url}/api/v1/cancel_future", headers=headers, json={"request_id": "req-none"})
+    assert unknown.status_code == 404
+    client.close("success").result()

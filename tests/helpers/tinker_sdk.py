@@ -34,6 +34,18 @@ def tinker_in_process(base: BaseModel, name: str, weights_dir: Path, authenticat
         backend.close()
 
 
+@contextmanager
+def tiny_api(tmp_path: Path, keys: dict[str, str], *,
+             window_s: float) -> Iterator[tuple[str, TinkerBackend, list[dict]]]:
+    """The API on a tiny random Llama named 'tiny-llama' (tests.helpers.models), its users' tokens `keys`."""
+    from actors.engine.models import from_module
+    from tests.helpers.models import VOCAB, tiny_model
+
+    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), "tiny-llama", tmp_path / "weights",
+                           keys.get, window_s=window_s) as served:
+        yield served
+
+
 def datums(rows: list[tuple[list[int], list[int], list[float]]]) -> list:
     """`cross_entropy` datums, one per (tokens, target tokens, weights) row."""
     from tinker import types

@@ -11,10 +11,8 @@ import time
 import httpx
 import pytest
 
-from actors.engine.models import from_module
 from actors.service.trainer import interactive_passes
-from tests.helpers.models import VOCAB, tiny_model
-from tests.helpers.tinker_sdk import datums, tinker_in_process
+from tests.helpers.tinker_sdk import datums, tiny_api
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -28,8 +26,7 @@ KEYS = {"alice-token": "alice"}
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, tmp_path / "weights", KEYS.get,
-                           window_s=0.05) as served:
+    with tiny_api(tmp_path, KEYS, window_s=0.05) as served:
         yield served
 
 

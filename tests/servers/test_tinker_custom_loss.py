@@ -18,9 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from actors.engine.models import from_module
-from tests.helpers.models import VOCAB, tiny_model
-from tests.helpers.tinker_sdk import tinker_in_process
+from tests.helpers.models import VOCAB
+from tests.helpers.tinker_sdk import tiny_api
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -35,8 +34,7 @@ ADAM = types.AdamParams(learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8, wei
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    with tinker_in_process(from_module(tiny_model("llama", VOCAB), None), BASE, tmp_path / "weights", KEYS.get,
-                           window_s=0.1) as served:
+    with tiny_api(tmp_path, KEYS, window_s=0.1) as served:
         yield served
 
 
@@ -58,14 +56,13 @@ def rl_data(seed: int, count: int = 3) -> list[types.Datum]:
     return data
 
 
-def clipped_pg(logprobs, logprobs_old, advantages, mask):
-    """A PPO-style clipped objective over the sampled tokens, with a KL-like penalty and two metrics."""
-    ratio = torch.exp(logprobs - logprobs_old)
-    clipped = torch.clamp(ratio, 0.8, 1.2)
-    objective = torch.minimum(ratio * advantages, clipped * advantages)
-    penalty = 0.01 * ((logprobs - logprobs_old) ** 2 * mask).sum()
-    loss = -(objective * mask).sum() / mask.sum().clamp(min=1.0) + penalty
-    return loss, {"custom/penalty:sum": penalty, "custom/clipped:mean": ((ratio != clipped).float() * mask).sum()}
+def drift_penalized_pg(logprobs, logprobs_old, advantages, mask):
+    """A policy gradient over the sampled tokens with a quadratic penalty on the drift from the sampler, and two
+    metrics."""
+    drift = logprobs - logprobs_old
+    objective = logprobs * advantages - 0.05 * drift * drift
+    loss = -(objective * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"custom/drift:mean": (drift.abs() * mask).sum(), "custom/tokens:sum": mask.sum()}
 
 
 def with_old(data: list[types.Datum]) -> list[types.Datum]:
@@ -78,7 +75,7 @@ def with_old(data: list[types.Datum]) -> list[types.Datum]:
 def test_a_loss_run_on_the_server_trains_as_the_sdk_runs_it_on_the_client(server):
     url, backend, steps = server
     client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
-    handle = client.create_custom_loss(clipped_pg, {"logprobs": 1, "logprobs_old": 1, "advantages": 1,
+    handle = client.create_custom_loss(drift_penalized_pg, {"logprobs": 1, "logprobs_old": 1, "advantages": 1,
                                                     "mask": 1}).result()
     assert handle.loss_id is not None, "aspen's client config runs custom losses on the server"
     on_client = dataclasses.replace(handle, loss_id=None)   # the SDK's own client-side run of the same graph
@@ -88,7 +85,7 @@ def test_a_loss_run_on_the_server_trains_as_the_sdk_runs_it_on_the_client(server
         data = with_old(rl_data(seed))
         ours = served.forward_backward_custom(data, handle).result()
         theirs = reference.forward_backward_custom(data, on_client).result()
-        for key in ("loss:sum", "custom/penalty:sum", "custom/clipped:mean"):
+        for key in ("loss:sum", "custom/drift:mean", "custom/tokens:sum"):
             assert ours.metrics[key] == theirs.metrics[key], key
         for mine, its in zip(ours.loss_fn_outputs, theirs.loss_fn_outputs, strict=True):
             assert mine["logprobs"].tolist() == its["logprobs"].tolist()

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
+from actors.storage.base_identity import METADATA_NAME
 
 PREFIX = "base_model.model."
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
@@ -91,7 +92,8 @@ def merge_into(adapter_dir: Path, base_folder: Path, out: Path) -> Path:
     for path in sorted(base_folder.iterdir()):
         if path.is_file() and path.suffix == ".safetensors":
             _merge_file(path, pending, out / path.name)
-        elif path.is_file() and path.suffix not in WEIGHT_FILES and not path.name.startswith("."):
+        elif path.is_file() and path.suffix not in WEIGHT_FILES and not path.name.startswith(".") and \
+                path.name != METADATA_NAME:   # (aspen's record of a checkpoint is not the merged model's)
             shutil.copy2(path, out / path.name)
     if pending:
         raise ValueError(f"the base in {base_folder} has no weight named {sorted(pending)[0]} that the adapter in "

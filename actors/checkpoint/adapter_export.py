@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
-from actors.checkpoint.streamed_merge import merge_into, reason_not
 from actors.engine.library_notices import peft_calls
 from actors.storage.base_identity import ALIAS_HUB_IDS, METADATA_NAME, hub_id_of_folder, read_metadata
 from actors.storage.durable import fsync_tree, replace_durably, staging_folder
@@ -145,6 +144,8 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
 
 def _streamable_base(adapter_dir: Path, base: str | None) -> Path | None:
     """The base's local folder where the adapter can be merged into it file by file (streamed_merge.reason_not)."""
+    from actors.checkpoint.streamed_merge import reason_not
+
     read_from = converted_source(base_source(adapter_dir, base))
     folder = Path(read_from.path) if read_from.gguf_file is None and Path(read_from.path).is_dir() else None
     return folder if reason_not(adapter_dir, folder) is None else None
@@ -173,6 +174,8 @@ def export_merged(adapter_dir: Path, out: Path, *, base: str | None = None, dtyp
     if dtype == "auto" and (folder := _streamable_base(adapter_dir, base)) is not None:
         staging = _staging(out, force)   # one weight file at a time (actors/checkpoint/streamed_merge.py)
         try:
+            from actors.checkpoint.streamed_merge import merge_into  # (torch: only where a model is merged)
+
             merge_into(adapter_dir, folder, staging)
             return _move_into_place(staging, out)
         except BaseException:

@@ -48,6 +48,14 @@ def test_a_sample_cancelled_while_it_waits_is_never_sampled(server, monkeypatch)
         return real(base, calls, decode)
 
     monkeypatch.setattr(interactive_passes, "sample", recording)
+    polled: set[str] = set()
+    real_retrieve = backend.sessions.retrieve
+
+    async def polling(request_id, user, *args, **kwargs):
+        polled.add(request_id)
+        return await real_retrieve(request_id, user, *args, **kwargs)
+
+    monkeypatch.setattr(backend.sessions, "retrieve", polling)
     release = threading.Event()
     backend.calls.create_model("blocker", 4, owner="alice")
     busy = backend.calls.submit("blocker", 1, "apply", lambda model: release.wait(60))   # the trainer is held here
@@ -58,6 +66,9 @@ def test_a_sample_cancelled_while_it_waits_is_never_sampled(server, monkeypatch)
         doomed = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params)
         kept = sampler.sample(types.ModelInput.from_ints([8, 9]), 1, params)
         wait_until(lambda: len(backend.calls.samples) == 2, "both samples to reach the trainer")
+        # The SDK tells the server of a cancel only from its polling loop: a sample cancelled while its request's
+        # answer is still on the way back is dropped by the client alone. So cancel once both are polled.
+        wait_until(lambda: len(polled) == 2, "the client to poll both samples")
         doomed.future().cancel()
         wait_until(lambda: any(accepted.future.cancelled() for accepted in backend.sessions.futures.values()),
                    "the server to hear the cancel")

@@ -160,4 +160,10 @@ def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> lis
         attention = "attn" in name or leaf in ("q_proj", "k_proj", "v_proj", "o_proj")
         if (attention and train_attn) or (not attention and train_mlp):
             names.add(leaf)
+    if not names:
+        raise ValueError(NO_MLP_LAYERS)
     return sorted(names)
+
+
+NO_MLP_LAYERS = ("train_mlp alone, but this base's MLP has no linear layers (its MoE experts are not adapted: "
+                 "docs/models.md): train attention too (train_attn=True)")

@@ -94,7 +94,29 @@ def _no_router_loss(config: Any) -> list[str]:
     return []
 
 
+def _qwen3_moe(config: Any) -> list[str]:
+    problems = _no_router_loss(config)
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step): PEFT and vLLM read an adapter's "
+                        "gate_proj / up_proj / down_proj on this model type as its experts' (transformers 4's "
+                        "naming), so an adapter of its dense layers would load wrong there: refused; use a "
+                        "checkpoint whose every layer is MoE (as Qwen3's MoE checkpoints are)")
+    return problems
+
+
+def _qwen2_moe(config: Any) -> list[str]:
+    problems = _no_router_loss(config)
+    if getattr(config, "use_sliding_window", False):
+        problems.append("use_sliding_window=True (transformers' Qwen2-MoE attention gives its window to the mask "
+                        "only, not to the attention kernel, so packed attention would attend past it): refused; "
+                        "set use_sliding_window to false (as Qwen's MoE checkpoints have it)")
+    return problems
+
+
 _BIDIRECTIONAL = "`use_bidirectional_attention`"
+_ROUTER = "`output_router_logits` (the router's loss)"
+# transformers keeps a layer's experts as 3D parameters, not linear layers; its router is no linear layer either
+_MOE_EXPERTS = "MoE experts (3D parameters) and router are not linear layers, not adapted"
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
     ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
@@ -119,7 +141,17 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         transform=_granite_logits),
     ArchitectureSupport("gpt_oss", "openai/gpt-oss-20b", attention="sinks; sliding/full layers",
                         other="RoPE yarn; MoE experts are not linear layers: LoRA adapts attention only",
-                        refused="`output_router_logits` (the router's loss)", check=_no_router_loss),
+                        refused=_ROUTER, check=_no_router_loss),
+    ArchitectureSupport("qwen3_moe", "Qwen/Qwen3-30B-A3B", attention="sliding window (`use_sliding_window`)",
+                        other=f"q/k norm; {_MOE_EXPERTS}: LoRA adapts attention only",
+                        refused=f"{_ROUTER}; dense MLP layers (`mlp_only_layers`)", check=_qwen3_moe),
+    ArchitectureSupport("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", attention="q/k/v bias",
+                        other=f"{_MOE_EXPERTS}: LoRA adapts attention, the shared expert and its gate",
+                        refused=f"{_ROUTER}; `use_sliding_window`", check=_qwen2_moe),
+    ArchitectureSupport("mixtral", "mistralai/Mixtral-8x7B-v0.1", attention="sliding window",
+                        other=f"{_MOE_EXPERTS}: LoRA adapts attention only", refused=_ROUTER, check=_no_router_loss),
+    ArchitectureSupport("olmoe", "allenai/OLMoE-1B-7B-0924", attention="q/k norm over all heads; `clip_qkv`",
+                        other=f"{_MOE_EXPERTS}: LoRA adapts attention only", refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", other="q/k norm over all heads; norms after the blocks"),
     ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",
                         other="parallel attention / MLP block", transform=_cohere_logits),

@@ -46,6 +46,7 @@ from actors.engine.model_support import (
     check_model_support,
     check_raw_config,
 )
+from actors.engine.moe_experts import use_segment_experts
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import (
     ALIASES,
@@ -237,6 +238,7 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training
     use_varlen_attention(model)
+    use_segment_experts(model)
     applied = apply_kernels(model, kernels)
     return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source, transform,
                      applied)
@@ -251,6 +253,7 @@ def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str 
     freeze(model)
     model.eval()
     use_varlen_attention(model)
+    use_segment_experts(model)
     applied = apply_kernels(model, kernels)
     parameter = next(model.parameters())
     return BaseModel(name, model, tokenizer, parameter.device, parameter.dtype, "none",

@@ -190,8 +190,11 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         if not 1 <= lora.rank <= MAX_RANK:
             raise HTTPException(422, f"lora_config.rank must be between 1 and {MAX_RANK} (got {lora.rank})")
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
-        calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
-                           train_mlp=lora.train_mlp, base_model=body.base_model)
+        try:
+            calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
+                               train_mlp=lora.train_mlp, base_model=body.base_model)
+        except ValueError as error:   # e.g. train_mlp alone on a base whose MLP has no linear layer (MoE)
+            raise HTTPException(422, str(error)) from None
         backend.book.owners[model_id] = user
         backend.book.model_bases[model_id] = body.base_model
         if model_id not in session.models:

@@ -52,6 +52,18 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "original_max_position_embeddings": 64, "rope_theta": 10000.0}},
                 [("sliding layers", {"layer_types": ALL_FULL})]),
+    # MoE: 4 experts, 2 a token; the experts are not adapted (test_model_families.py shows they are not) but every
+    # token's route goes through them, so a packed sequence's loss still checks the routing is the sequence's own
+    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                   "use_sliding_window": True, "sliding_window": WINDOW},
+                  [("sliding window", {"use_sliding_window": False}),
+                   ("top-k normalisation", {"norm_topk_prob": False})]),
+    "qwen2_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                   "shared_expert_intermediate_size": 48},
+                  [("top-k normalisation", {"norm_topk_prob": False})]),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+                [("sliding window", {"sliding_window": None})]),
+    "olmoe": ({"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 0.3}, [("clip_qkv", {"clip_qkv": None})]),
     "olmo2": ({}, []),
     "cohere": ({"logit_scale": 4.0, "use_qk_norm": False}, [("logit_scale", {"logit_scale": 1.0})]),
     "smollm3": ({"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},

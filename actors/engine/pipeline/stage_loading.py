@@ -22,6 +22,7 @@ from actors.engine.adapter_surgery import freeze
 from actors.engine.attention import use_varlen_attention
 from actors.engine.model_support import check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
+from actors.engine.moe_experts import has_experts
 from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
 from actors.engine.recompute import decoder_layers
 from actors.storage.gguf_cache import converted_source
@@ -59,6 +60,10 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
     transform = check_model_support(config, base_model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    if has_experts(model):
+        raise ValueError(f"base_model '{base_model}' is an MoE model ({config.model_type}): a pipeline stage reads its "
+                         "own tensors by name, and MoE checkpoints keep each expert's weights apart, which "
+                         "transformers stacks only as the whole model loads: train it on one device (no `stages`)")
     decoder = getattr(model, model.base_model_prefix)
     layers = decoder_layers(decoder)
     if sum(split) != len(layers):

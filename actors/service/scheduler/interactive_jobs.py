@@ -104,9 +104,12 @@ class InteractiveJobs:
             held = sorted({s.base_model for s in candidates}) or ["none ready"]
             raise ValueError(f"base model '{base_model}' is not held by a trainer that takes interactive models "
                              f"(held: {', '.join(held)})")
+        if not (train_attn or train_mlp):
+            raise ValueError("train_attn and train_mlp are both false: nothing to train")
         targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
         if not targets:
-            raise ValueError("train_attn and train_mlp are both false: nothing to train")
+            raise ValueError("train_mlp alone, but this base's MLP has no linear layers (its MoE experts are not "
+                             "adapted: docs/models.md): train attention too (train_attn=True)")
         submission = interactive_submission(model_id, base_model, rank, targets, user)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name

@@ -29,6 +29,7 @@ from actors.data import Example
 from actors.engine.models import from_module, quantize_linears
 from actors.spec.job_spec import JobSpec
 from tests.helpers.isolation import CONFIGS, VOCAB, assert_isolated, base_for, train
+from tests.helpers.model_families import build_config, build_model
 from tests.helpers.models import random_examples, tiny_model
 
 STEPS = 4
@@ -109,3 +110,13 @@ def test_the_cuda_lora_path_keeps_fused_jobs_equal_to_their_solo_runs_exactly(mo
     monkeypatch.setattr(lora_cuda, "linear_with_adapters", lambda *args: calls.append(1) or original(*args))
     assert_isolated(base_for(config), four_jobs())
     assert calls, "the CUDA path was not taken"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_moe_jobs_fused_equal_their_solo_runs_exactly(model_type, dtype):
+    """MoE bases: each token's route (its top-k experts, their weights) is its own, and each expert multiplies the
+    rows routed to it row by row, so fused jobs route and train exactly as alone (tokens of several jobs share an
+    expert's product, as they share every dense layer's)."""
+    config = build_config(model_type, vocab_size=VOCAB)
+    assert_isolated(from_module(build_model(config).to(dtype), None), four_jobs())

@@ -93,3 +93,16 @@ def test_a_stage_that_would_not_fit_its_gpu_is_refused_before_anything_is_alloca
     with pytest.raises(MemoryError, match=r"pipeline stage 1: its weights need 0\.00 GiB and cuda:0 has 0\.00 GiB "
                                           r"free; cut the base into more stages"):
         load_stage(folder, [2, 2], 1, device="cuda:0", dtype="float32")
+
+
+def test_a_moe_base_is_not_split_into_stages(tmp_path, tiny_tokenizer):
+    """An MoE checkpoint keeps each expert's weights apart (transformers stacks them as the whole model loads), so
+    a stage, which reads its own tensors by name, refuses it before reading any, saying to train on one device."""
+    from tests.helpers.model_families import build_config, build_model
+
+    folder = tmp_path / "moe"
+    build_model(build_config("qwen3_moe", vocab_size=VOCAB, num_hidden_layers=4)).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"is an MoE model \(qwen3_moe\).*train it on one device"):
+        load_stage(str(folder), [2, 2], 0, device="cpu")
+    assert load_base_model(str(folder), device="cpu").model.config.model_type == "qwen3_moe"   # whole, it loads

@@ -1,0 +1,107 @@
+"""MoE experts on the CPU, computed sequence by sequence, so that fused jobs route and train exactly as alone.
+
+transformers runs a layer's experts (`@use_experts_implementation`: 3D weight stacks, not linear layers) over
+every routed token of the batch, each expert's rows in one product. On a CPU a product's rounding depends on its
+number of rows where there are few (fewer than about five: MKL's small-matrix path), so a job whose few tokens
+reach an expert would be rounded differently beside other jobs' tokens than alone. Here each expert multiplies
+each packed sequence's rows (`StepLayout.sequences`) in a product of its own, in the sequence's own order: a
+job's every product is the same alone or fused (tests/unit/engine/test_isolation.py), in its reference passes too.
+It costs a small product per expert and sequence reaching it: a CPU's price for exactness.
+
+Set on CPU bases only (`use_segment_experts`); on CUDA transformers' grouped product stays (one launch a layer;
+no bit-for-bit claim there, as for every CUDA product). Outside a fused step (generation) all tokens are one
+group: transformers' grouped way, expert by expert."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from actors.engine.layout import current_layout
+
+EXPERTS_NAME = "aspen_segments"
+
+
+def _tiles(ranges: list[tuple[int, int]], num_tokens: int) -> bool:
+    return bool(ranges) and ranges[0][0] == 0 and ranges[-1][1] == num_tokens and all(
+        end == following for (_, end), (following, _) in zip(ranges, ranges[1:], strict=False))
+
+
+def _group_of_tokens(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Each token's group in the current step and the number of groups: its packed sequence where the step's
+    sequences tile its tokens (a sequence's tokens are the same whatever is packed beside it), else its job
+    segment where those tile them, else one group (outside a step: evaluation, generation)."""
+    layout = current_layout()
+    if layout is not None and layout.num_tokens == num_tokens:
+        for kind, ranges in (("sequences", list(layout.sequences)),
+                             ("segments", [(start, end) for _, start, end in layout.segments])):
+            if len(ranges) > 1 and _tiles(ranges, num_tokens):
+                key = ("moe_groups", kind, str(device))
+                if key not in layout.tensors:
+                    lengths = torch.tensor([end - start for start, end in ranges])
+                    layout.tensors[key] = torch.repeat_interleave(torch.arange(len(ranges)), lengths).to(device)
+                return layout.tensors[key], len(ranges)
+    return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+
+
+def _project(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+             ) -> torch.Tensor:
+    """One expert's projection of its rows, as transformers' grouped linear makes it (weights (out, in), or
+    (in, out) where the module stores them transposed)."""
+    out = rows @ weight if module.is_transposed else F.linear(rows, weight)
+    return out + bias if bias is not None else out
+
+
+def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped experts forward (up or gate-up projection, gate or activation, optional post-norm, down
+    projection, routing weights, a per-token sum over its top-k), with the rows grouped by (expert, sequence)."""
+    num_tokens, top_k = top_k_index.shape
+    group_of_token, count_of_groups = _group_of_tokens(num_tokens, hidden_states.device)
+    expert_ids = top_k_index.reshape(-1)
+    groups = expert_ids * count_of_groups + group_of_token.repeat_interleave(top_k)
+    _, order = torch.sort(groups, stable=True)       # by expert, then sequence, then token: a sequence's own order
+    counts = torch.bincount(groups, minlength=module.num_experts * count_of_groups).tolist()
+    rows = hidden_states[order // top_k]
+    up_weights = module.gate_up_proj if module.has_gate else module.up_proj
+    up_biases = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
+    outputs, start = [], 0
+    for group, count in enumerate(counts):
+        if count == 0:
+            continue
+        expert = group // count_of_groups
+        part = _project(module, rows[start:start + count], up_weights[expert],
+                        up_biases[expert] if up_biases is not None else None)
+        part = module._apply_gate(part) if module.has_gate else module.act_fn(part)
+        part = _project(module, part, module.down_proj[expert],
+                        module.down_proj_bias[expert] if module.has_bias else None)
+        outputs.append(part)
+        start += count
+    out = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])
+    if module.has_post_expert_norm:
+        out = module.post_expert_norm(out)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return out[back].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def has_experts(model: torch.nn.Module) -> bool:
+    """Whether the model has transformers' experts modules (3D weight stacks)."""
+    return any(isinstance(getattr(module, "down_proj", None), torch.nn.Parameter) and module.down_proj.dim() == 3
+               for module in model.modules())
+
+
+def use_segment_experts(model: torch.nn.Module) -> bool:
+    """On a CPU model with experts, compute them segment by segment (this module); True where it did."""
+    devices = {parameter.device.type for parameter in model.parameters()} - {"meta"}   # a pipeline stage's others
+    if devices != {"cpu"} or not has_experts(model):
+        return False
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, segment_experts_forward)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(EXPERTS_NAME)
+    else:
+        model.config._experts_implementation = EXPERTS_NAME
+    return True

@@ -1,0 +1,84 @@
+"""MoE experts computed segment by segment on the CPU (actors/engine/moe_experts.py), against transformers' own
+experts forward (its eager loop) on each MoE family's tiny model: the same output within float32's rounding,
+and each job segment's rows exactly as that segment computes alone, forward and backward (what makes fused MoE
+jobs train bit for bit as alone: tests/unit/engine/test_isolation.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine.layout import StepLayout, step_layout
+from actors.engine.models import from_module
+from actors.engine.moe_experts import EXPERTS_NAME, use_segment_experts
+from tests.helpers.model_families import build_config, build_model, relative
+
+MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
+SEGMENTS = [("a", 0, 3), ("b", 3, 19), ("c", 19, 21), ("d", 21, 40)]   # short segments: few rows an expert
+
+
+def _experts_and_routes(model: torch.nn.Module, hidden: torch.Tensor):
+    block = model.model.layers[0].mlp
+    router = getattr(block, "gate", None) or block.router
+    _, weights, index = router(hidden)
+    return block.experts, index, weights
+
+
+def _layout(segments) -> StepLayout:
+    sequences = tuple((start, end) for _, start, end in segments)
+    return StepLayout(tuple(segments), sequences, segments[-1][2])
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_segment_experts_equal_transformers_and_each_segment_alone(model_type):
+    config = build_config(model_type)
+    ours = from_module(build_model(config), None).model
+    assert ours.config._experts_implementation == EXPERTS_NAME
+    eager = build_model(build_config(model_type))
+    eager.set_experts_implementation("eager")
+    hidden = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    experts, index, weights = _experts_and_routes(ours, hidden)
+    reference = _experts_and_routes(eager, hidden)[0](hidden, index, weights)
+
+    leaf = hidden.clone().requires_grad_(True)
+    with step_layout(_layout(SEGMENTS)):
+        fused = experts(leaf, index, weights)
+    assert relative(fused, reference) <= 1e-6
+    upstream = torch.randn(fused.shape, generator=torch.Generator().manual_seed(1))
+    (fused * upstream).sum().backward()
+    for name, start, end in SEGMENTS:
+        alone_leaf = hidden[start:end].clone().requires_grad_(True)
+        with step_layout(_layout([(name, 0, end - start)])):
+            alone = experts(alone_leaf, index[start:end], weights[start:end])
+        assert torch.equal(alone, fused[start:end]), (model_type, name)
+        (alone * upstream[start:end]).sum().backward()
+        assert torch.equal(alone_leaf.grad, leaf.grad[start:end]), (model_type, name)
+
+
+def test_only_cpu_models_with_experts_take_it():
+    dense = build_model(build_config("llama"))
+    assert not use_segment_experts(dense)
+    moe = build_model(build_config("mixtral"))
+    assert use_segment_experts(moe) and moe.config._experts_implementation == EXPERTS_NAME
+
+
+def test_groups_follow_the_sequences_else_the_segments_else_one():
+    """A reference pass names only some jobs' segments (the sequences still tile the step: they group it); a
+    decoding batch has rows, no sequences (its segments group it); ranges that tile nothing: one group, still
+    transformers' output."""
+    from actors.engine import moe_experts
+
+    sequences = ((0, 5), (5, 12), (12, 40))
+    with step_layout(StepLayout((("a", 0, 5),), sequences, 40)):
+        groups, count = moe_experts._group_of_tokens(40, torch.device("cpu"))
+    assert count == 3 and groups.tolist() == [0] * 5 + [1] * 7 + [2] * 28
+    with step_layout(StepLayout((("a", 0, 20), ("b", 20, 40)), (), 40)):
+        groups, count = moe_experts._group_of_tokens(40, torch.device("cpu"))
+    assert count == 2 and groups.tolist() == [0] * 20 + [1] * 20
+    model = from_module(build_model(build_config("mixtral")), None).model
+    hidden = torch.randn(40, model.config.hidden_size)
+    experts, index, weights = _experts_and_routes(model, hidden)
+    with step_layout(StepLayout((("a", 0, 10), ("b", 12, 40)), ((0, 10), (12, 40)), 40)):
+        assert moe_experts._group_of_tokens(40, torch.device("cpu"))[1] == 1
+        gapped = experts(hidden, index, weights)
+    assert torch.equal(gapped, experts(hidden, index, weights))

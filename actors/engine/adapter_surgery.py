@@ -16,6 +16,7 @@ from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
 from actors.engine.lora_masters import MasterPool
 from actors.engine.lora_targets import match_targets, peft_target_modules
+from actors.engine.model_support import SUPPORTED
 from actors.engine.vera import VeraAdapter, VeraProjections
 from actors.spec.lora_config import LoraConfig, needs_full_precision_base
 
@@ -25,11 +26,21 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear)
 
 
+def unadapted_names(model: nn.Module) -> tuple[str, ...]:
+    """Names of linear layers LoRA leaves alone on this model's type (actors/engine/model_support.py says why)."""
+    row = SUPPORTED.get(getattr(getattr(model, "config", None), "model_type", None))
+    return row.unadapted if row is not None else ()
+
+
 def linear_module_names(model: nn.Module) -> list[str]:
-    """Names of the linear layers LoRA may target (the output embedding excluded)."""
+    """Names of the linear layers LoRA may target (the output embedding, and the layers of names its model type
+    leaves alone, excluded)."""
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    left = unadapted_names(model)
     names = []
     for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in left:
+            continue
         if isinstance(module, FusedLoraLinear):
             names.append(name)
         elif _is_linear(module) and module is not output and not name.endswith(".base"):
@@ -37,8 +48,19 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return names
 
 
+def check_adaptable(model: nn.Module, target_modules: list[str] | str) -> None:
+    """ValueError for a target naming layers its model type leaves alone, saying why."""
+    left = unadapted_names(model)
+    named = [] if target_modules == "all-linear" else [t for t in target_modules if t.rsplit(".", 1)[-1] in left]
+    if named:
+        raise ValueError(f"lora.target_modules: {', '.join(named)}: on a {model.config.model_type} base PEFT and "
+                         "vLLM read an adapter's layers of that name as its MoE experts' (transformers 4's names), "
+                         "so aspen does not adapt them (docs/models.md, MoE bases); target attention")
+
+
 def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
     """Module names matched by a LoRA config's `target_modules`, with PEFT's matching rule."""
+    check_adaptable(model, target_modules)
     return match_targets(linear_module_names(model), target_modules)
 
 
@@ -144,6 +166,7 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
     """Attach a new adapter to the (frozen) model without reloading it."""
     if any(isinstance(m, FusedLoraLinear) and name in m.adapters for m in model.modules()):
         raise ValueError(f"an adapter named '{name}' is already attached")
+    check_adaptable(model, config.target_modules)
     candidates = linear_module_names(model)
     # in the model's own order, layer by layer, whatever the order of `target_modules`: a pipeline stage then
     # holds a contiguous run of the adapter's tensors, and its gradient norm sums in the same order

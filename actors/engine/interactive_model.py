@@ -165,5 +165,5 @@ def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> lis
     return sorted(names)
 
 
-NO_MLP_LAYERS = ("train_mlp alone, but this base's MLP has no linear layers (its MoE experts are not adapted: "
-                 "docs/models.md): train attention too (train_attn=True)")
+NO_MLP_LAYERS = ("train_mlp alone, but nothing of this base's MLP is adapted (an MoE base's experts, and on some "
+                 "MoE types its dense and shared MLP layers: docs/models.md): train attention too (train_attn=True)")

@@ -64,6 +64,8 @@ class ArchitectureSupport:
     refused: str = "—"
     transform: Callable[[Any], LogitTransform] = field(default=lambda config: LogitTransform())
     check: Callable[[Any], list[str]] = field(default=lambda config: [])
+    # linear layers (by name) LoRA leaves alone on this type: PEFT and vLLM read these names as the experts'
+    unadapted: tuple[str, ...] = ()
 
 
 def _softcapped(config: Any) -> LogitTransform:
@@ -94,16 +96,6 @@ def _no_router_loss(config: Any) -> list[str]:
     return []
 
 
-def _qwen3_moe(config: Any) -> list[str]:
-    problems = _no_router_loss(config)
-    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
-        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step): PEFT and vLLM read an adapter's "
-                        "gate_proj / up_proj / down_proj on this model type as its experts' (transformers 4's "
-                        "naming), so an adapter of its dense layers would load wrong there: refused; use a "
-                        "checkpoint whose every layer is MoE (as Qwen3's MoE checkpoints are)")
-    return problems
-
-
 def _qwen2_moe(config: Any) -> list[str]:
     problems = _no_router_loss(config)
     if getattr(config, "use_sliding_window", False):
@@ -117,6 +109,11 @@ _BIDIRECTIONAL = "`use_bidirectional_attention`"
 _ROUTER = "`output_router_logits` (the router's loss)"
 # transformers keeps a layer's experts as 3D parameters, not linear layers; its router is no linear layer either
 _MOE_EXPERTS = "MoE experts (3D parameters) and router are not linear layers, not adapted"
+# transformers 4 named each expert's layers so; PEFT (and vLLM) still read an adapter's layers of these names on
+# these model types as the experts' (converting them to the 3D stacks), so a dense or shared MLP's are not adapted
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+_MLP_AS_EXPERTS = ("LoRA adapts attention only: dense and shared MLP layers are left too (PEFT reads their names "
+                   "as the experts')")
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
     ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
@@ -143,8 +140,8 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         other="RoPE yarn; MoE experts are not linear layers: LoRA adapts attention only",
                         refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("qwen3_moe", "Qwen/Qwen3-30B-A3B", attention="sliding window (`use_sliding_window`)",
-                        other=f"q/k norm; {_MOE_EXPERTS}: LoRA adapts attention only",
-                        refused=f"{_ROUTER}; dense MLP layers (`mlp_only_layers`)", check=_qwen3_moe),
+                        other=f"q/k norm; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER,
+                        check=_no_router_loss, unadapted=_EXPERT_NAMES),
     ArchitectureSupport("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", attention="q/k/v bias",
                         other=f"{_MOE_EXPERTS}: LoRA adapts attention, the shared expert and its gate",
                         refused=f"{_ROUTER}; `use_sliding_window`", check=_qwen2_moe),
@@ -152,6 +149,18 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         other=f"{_MOE_EXPERTS}: LoRA adapts attention only", refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("olmoe", "allenai/OLMoE-1B-7B-0924", attention="q/k norm over all heads; `clip_qkv`",
                         other=f"{_MOE_EXPERTS}: LoRA adapts attention only", refused=_ROUTER, check=_no_router_loss),
+    ArchitectureSupport("deepseek_v3", "deepseek-ai/DeepSeek-V3.1",
+                        attention="multi-head latent attention (low-rank q / kv projections, RoPE on a part of each "
+                                  "head, interleaved)",
+                        other=f"{_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER, check=_no_router_loss,
+                        unadapted=_EXPERT_NAMES),
+    ArchitectureSupport("glm4_moe", "zai-org/GLM-4.5-Air", attention="q/k/v bias; q/k norm (`use_qk_norm`)",
+                        other=f"partial RoPE (`partial_rotary_factor`); {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
+                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+    ArchitectureSupport("granitemoe", "ibm-granite/granite-3.1-3b-a800m-base", logits="÷ `logits_scaling`",
+                        attention="`attention_multiplier` as the scale",
+                        other=f"embedding / residual multipliers; {_MOE_EXPERTS}: LoRA adapts attention only",
+                        refused=_ROUTER, transform=_granite_logits, check=_no_router_loss),
     ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", other="q/k norm over all heads; norms after the blocks"),
     ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",
                         other="parallel attention / MLP block", transform=_cohere_logits),

@@ -57,6 +57,10 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
     """transformers' grouped experts forward (up or gate-up projection, gate or activation, optional post-norm, down
     projection, routing weights, a per-token sum over its top-k), with the rows grouped by (expert, sequence)."""
     num_tokens, top_k = top_k_index.shape
+    # a token's experts in ascending order, whatever order the router gave them (an unsorted top-k's order may
+    # follow the size of its input): its k contributions are then summed in the same order alone and fused
+    top_k_index, by_expert = torch.sort(top_k_index, dim=-1)
+    top_k_weights = torch.gather(top_k_weights, -1, by_expert)
     group_of_token, count_of_groups = _group_of_tokens(num_tokens, hidden_states.device)
     expert_ids = top_k_index.reshape(-1)
     groups = expert_ids * count_of_groups + group_of_token.repeat_interleave(top_k)

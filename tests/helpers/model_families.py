@@ -18,6 +18,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 SLIDING_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 ALL_FULL = ["full_attention"] * 3
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
+GLM_ROPE_FULL = {"rope_type": "default", "rope_theta": 10.0}
 
 # model_type -> (config fields, [(what is turned off, config fields that turn it off)])
 CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
@@ -54,8 +55,9 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                 [("sliding layers", {"layer_types": ALL_FULL})]),
     # MoE: 4 experts, 2 a token; the experts are not adapted (test_model_families.py shows they are not) but every
     # token's route goes through them, so a packed sequence's loss still checks the routing is the sequence's own
-    "qwen3_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
-                   "use_sliding_window": True, "sliding_window": WINDOW},
+    "qwen3_moe": ({"num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "mlp_only_layers": [1], "use_sliding_window": True,
+                   "sliding_window": WINDOW},
                   [("sliding window", {"use_sliding_window": False}),
                    ("top-k normalisation", {"norm_topk_prob": False})]),
     "qwen2_moe": ({"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
@@ -64,6 +66,23 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
                 [("sliding window", {"sliding_window": None})]),
     "olmoe": ({"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 0.3}, [("clip_qkv", {"clip_qkv": None})]),
+    # DeepSeek-V3: latent attention (q and kv through low-rank projections, 8 of each head's 24 query/key dims
+    # rotated, interleaved), a dense first layer, then routed experts beside a shared one
+    "deepseek_v3": ({"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                     "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+                     "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4, "rope_parameters": GLM_ROPE_FULL},
+                    [("interleaved RoPE", {"rope_interleave": False})]),
+    "glm4_moe": ({"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                  "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                  "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5,
+                  "rope_parameters": GLM_ROPE},
+                 [("partial rotary factor", {"partial_rotary_factor": 1.0,
+                                             "rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+    "granitemoe": ({"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 4.0,
+                    "attention_multiplier": 0.5, "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
+                   [("logits_scaling", {"logits_scaling": 1.0}),
+                    ("attention_multiplier", {"attention_multiplier": 0.25})]),
     "olmo2": ({}, []),
     "cohere": ({"logit_scale": 4.0, "use_qk_norm": False}, [("logit_scale", {"logit_scale": 1.0})]),
     "smollm3": ({"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},

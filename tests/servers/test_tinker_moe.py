@@ -1,7 +1,7 @@
 """The Tinker API on an MoE base (a tiny random Qwen3-MoE: 4 experts, 2 a token), driven by the real `tinker`
 SDK: a LoRA model trains its attention (the experts are not adapted: docs/models.md), its forward's
 log-probabilities are the Hugging Face model's with the PEFT adapter it saved, its sampler samples, and a model
-asking for the MLP alone is refused (422), saying the base's MLP has no linear layers and what to set."""
+asking for the MLP alone is refused (422), saying nothing of its MLP is adapted and what to set."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_a_moe_base_trains_its_attention_through_the_sdk(tmp_path, monkeypatch):
     with tinker_in_process(from_module(model, None), BASE, tmp_path / "weights", KEYS.get,
                            window_s=0.05) as (url, backend, _):
         client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
-        with pytest.raises(tinker.UnprocessableEntityError, match=r"MLP has no linear layers.*experts are not adapted"):
+        refused = r"nothing of this base's MLP is adapted.*train_attn=True"
+        with pytest.raises(tinker.UnprocessableEntityError, match=refused):
             client.create_lora_training_client(base_model=BASE, rank=4, train_attn=False).result()
         training = client.create_lora_training_client(base_model=BASE, rank=4).result()
         for _ in range(3):

@@ -108,8 +108,9 @@ class InteractiveJobs:
             raise ValueError("train_attn and train_mlp are both false: nothing to train")
         targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
         if not targets:
-            raise ValueError("train_mlp alone, but this base's MLP has no linear layers (its MoE experts are not "
-                             "adapted: docs/models.md): train attention too (train_attn=True)")
+            raise ValueError("train_mlp alone, but nothing of this base's MLP is adapted (an MoE base's experts, and "
+                             "on some MoE types its dense and shared MLP layers: docs/models.md): train attention "
+                             "too (train_attn=True)")
         submission = interactive_submission(model_id, base_model, rank, targets, user)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name

@@ -211,3 +211,21 @@ def test_glm_interleaved_rope_and_glm4_post_norms_matter(tmp_path):
                              examples(0, [10]), [], seed=0)
     assert {name.rsplit(".", 1)[-1] for name in job.adapter.layers} == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                                           "gate_up_proj", "down_proj"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+def test_moe_types_whose_mlp_names_peft_reads_as_experts_adapt_attention_only(model_type):
+    """On these types PEFT converts an adapter's gate_proj / up_proj / down_proj to the experts' (transformers 4's
+    names): all-linear leaves the dense and shared MLP layers alone (the test above shows PEFT then loads the
+    adapter where it was trained), and naming them is refused, saying why."""
+    base = from_module(build_model(build_config(model_type)), None)
+    mlp = [name for name, module in base.model.named_modules()
+           if name.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj") and isinstance(module, torch.nn.Linear)]
+    assert mlp, "the tiny config has a dense or shared MLP"
+    job = TrainingJob.create(job_spec("moe", 1, {"r": 2, "target_modules": "all-linear"}), base,
+                             examples(0, [10]), [], seed=0)
+    assert not {name.rsplit(".", 1)[-1] for name in job.adapter.layers} & {"gate_proj", "up_proj", "down_proj"}
+    with pytest.raises(ValueError, match=r"down_proj: on a .* base PEFT and vLLM read .* MoE experts'.*target "
+                                         r"attention"):
+        TrainingJob.create(job_spec("mlp", 1, {"r": 2, "target_modules": ["o_proj", "down_proj"]}), base,
+                           examples(0, [10]), [], seed=0)

@@ -31,8 +31,6 @@ REFUSED = [
     ("gemma3_text", {"use_bidirectional_attention": True}, r"use_bidirectional_attention=True.*refused"),
     ("gpt_oss", {"output_router_logits": True}, r"output_router_logits=True.*load-balancing loss.*refused"),
     ("mixtral", {"output_router_logits": True}, r"output_router_logits=True.*load-balancing loss.*refused"),
-    ("qwen3_moe", {"mlp_only_layers": [1]}, r"dense MLP layers.*PEFT and vLLM read .*experts'.*refused"),
-    ("qwen3_moe", {"decoder_sparse_step": 2}, r"dense MLP layers.*refused"),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8},
      r"use_sliding_window=True.*mask only, not to the attention kernel.*refused"),
 ]

@@ -13,13 +13,15 @@ from actors.engine.models import from_module
 from actors.engine.moe_experts import EXPERTS_NAME, use_segment_experts
 from tests.helpers.model_families import build_config, build_model, relative
 
-MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
+MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granitemoe", "deepseek_v3", "glm4_moe"]
 SEGMENTS = [("a", 0, 3), ("b", 3, 19), ("c", 19, 21), ("d", 21, 40)]   # short segments: few rows an expert
 
 
 def _experts_and_routes(model: torch.nn.Module, hidden: torch.Tensor):
-    block = model.model.layers[0].mlp
-    router = getattr(block, "gate", None) or block.router
+    """The first MoE block's experts and its router's choices for `hidden` (routers answer (logits, weights,
+    indices) on every type here)."""
+    block = next(module for module in model.modules() if hasattr(module, "experts"))
+    router = block.gate if hasattr(block, "gate") else block.router
     _, weights, index = router(hidden)
     return block.experts, index, weights
 

@@ -15,13 +15,21 @@ import torch
 @dataclass(frozen=True)
 class StepLayout:
     """`segments`: (adapter name, start, end) per job, contiguous, in stream order.
-    `sequences`: (start, end) of every row, a packed sequence or a padded row."""
+    `sequences`: (start, end) of every row, a packed sequence or a padded row.
+    `jobs`: (start, end) of each job's tokens where they are not the segments' (a reference pass names only the
+    jobs with a reference adapter: actors/engine/preference.py)."""
 
     segments: tuple[tuple[str, int, int], ...]
     sequences: tuple[tuple[int, int], ...]
     num_tokens: int
     # device tensors built once per step and shared by every layer (e.g. cu_seqlens)
     tensors: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    jobs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def job_ranges(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of each job's tokens, in stream order."""
+        return self.jobs or tuple((start, end) for _, start, end in self.segments)
 
     @property
     def max_sequence_length(self) -> int:

@@ -1,12 +1,12 @@
-"""MoE experts on the CPU, computed sequence by sequence, so that fused jobs route and train exactly as alone.
+"""MoE experts on the CPU, computed job by job, so that fused jobs route and train exactly as alone.
 
 transformers runs a layer's experts (`@use_experts_implementation`: 3D weight stacks, not linear layers) over
 every routed token of the batch, each expert's rows in one product. On a CPU a product's rounding depends on its
 number of rows where there are few (fewer than about five: MKL's small-matrix path), so a job whose few tokens
 reach an expert would be rounded differently beside other jobs' tokens than alone. Here each expert multiplies
-each packed sequence's rows (`StepLayout.sequences`) in a product of its own, in the sequence's own order: a
-job's every product is the same alone or fused (tests/unit/engine/test_isolation.py), in its reference passes too.
-It costs a small product per expert and sequence reaching it: a CPU's price for exactness.
+each job's rows of the step (`StepLayout.job_ranges`) in a product of its own, in the job's own order: a job's
+every product is the same alone or fused (tests/unit/engine/test_isolation.py), in its reference passes too. It
+costs a product per expert and job reaching it instead of one per expert.
 
 Set on CPU bases only (`use_segment_experts`); on CUDA transformers' grouped product stays (one launch a layer;
 no bit-for-bit claim there, as for every CUDA product). Outside a fused step (generation) all tokens are one
@@ -22,26 +22,20 @@ from actors.engine.layout import current_layout
 EXPERTS_NAME = "aspen_segments"
 
 
-def _tiles(ranges: list[tuple[int, int]], num_tokens: int) -> bool:
-    return bool(ranges) and ranges[0][0] == 0 and ranges[-1][1] == num_tokens and all(
-        end == following for (_, end), (following, _) in zip(ranges, ranges[1:], strict=False))
-
-
 def _group_of_tokens(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Each token's group in the current step and the number of groups: its packed sequence where the step's
-    sequences tile its tokens (a sequence's tokens are the same whatever is packed beside it), else its job
-    segment where those tile them, else one group (outside a step: evaluation, generation)."""
+    """Each token's group in the current step and the number of groups: the stream cut at every job's bounds
+    (`StepLayout.job_ranges`), so a job's tokens are a group of their own, whatever is beside them; one group
+    outside a step (generation)."""
     layout = current_layout()
-    if layout is not None and layout.num_tokens == num_tokens:
-        for kind, ranges in (("sequences", list(layout.sequences)),
-                             ("segments", [(start, end) for _, start, end in layout.segments])):
-            if len(ranges) > 1 and _tiles(ranges, num_tokens):
-                key = ("moe_groups", kind, str(device))
-                if key not in layout.tensors:
-                    lengths = torch.tensor([end - start for start, end in ranges])
-                    layout.tensors[key] = torch.repeat_interleave(torch.arange(len(ranges)), lengths).to(device)
-                return layout.tensors[key], len(ranges)
-    return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+    if layout is None or layout.num_tokens != num_tokens:
+        return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+    key = ("moe_groups", str(device))
+    if key not in layout.tensors:
+        bounds = sorted({0, num_tokens} | {min(max(b, 0), num_tokens) for r in layout.job_ranges for b in r})
+        lengths = torch.tensor([end - start for start, end in zip(bounds, bounds[1:], strict=False)])
+        layout.tensors[key] = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+    groups = layout.tensors[key]
+    return groups, int(groups[-1]) + 1 if num_tokens else 1
 
 
 def _project(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -55,7 +49,7 @@ def _project(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor, 
 def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' grouped experts forward (up or gate-up projection, gate or activation, optional post-norm, down
-    projection, routing weights, a per-token sum over its top-k), with the rows grouped by (expert, sequence)."""
+    projection, routing weights, a per-token sum over its top-k), with the rows grouped by (expert, job)."""
     num_tokens, top_k = top_k_index.shape
     # a token's experts in ascending order, whatever order the router gave them (an unsorted top-k's order may
     # follow the size of its input): its k contributions are then summed in the same order alone and fused
@@ -64,7 +58,7 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
     group_of_token, count_of_groups = _group_of_tokens(num_tokens, hidden_states.device)
     expert_ids = top_k_index.reshape(-1)
     groups = expert_ids * count_of_groups + group_of_token.repeat_interleave(top_k)
-    _, order = torch.sort(groups, stable=True)       # by expert, then sequence, then token: a sequence's own order
+    _, order = torch.sort(groups, stable=True)       # by expert, then job, then token: the job's own order
     counts = torch.bincount(groups, minlength=module.num_experts * count_of_groups).tolist()
     rows = hidden_states[order // top_k]
     up_weights = module.gate_up_proj if module.has_gate else module.up_proj

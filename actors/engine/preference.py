@@ -114,7 +114,7 @@ def reference_layout(batch: FusedBatch, adapters: Mapping[str, str] | None = Non
     `adapters` names one (job -> adapter), else no adapter's segment (no LoRA layer adds anything: the base)."""
     adapters = adapters or {}
     segments = tuple((adapters[name], start, end) for name, start, end in batch.layout.segments if name in adapters)
-    return StepLayout(segments, batch.layout.sequences, batch.layout.num_tokens)
+    return StepLayout(segments, batch.layout.sequences, batch.layout.num_tokens, jobs=batch.layout.job_ranges)
 
 
 def reference_log_probs(base: BaseModel, micro_batches: list[JobMicroBatch], chunk: int,

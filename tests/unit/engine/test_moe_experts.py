@@ -1,7 +1,7 @@
-"""MoE experts computed segment by segment on the CPU (actors/engine/moe_experts.py), against transformers' own
-experts forward (its eager loop) on each MoE family's tiny model: the same output within float32's rounding,
-and each job segment's rows exactly as that segment computes alone, forward and backward (what makes fused MoE
-jobs train bit for bit as alone: tests/unit/engine/test_isolation.py)."""
+"""MoE experts computed job by job on the CPU (actors/engine/moe_experts.py), against transformers' own experts
+forward (its eager loop) on each MoE family's tiny model: the same output within float32's rounding, and each
+job's rows exactly as that job computes alone, forward and backward (what makes fused MoE jobs train bit for bit
+as alone: tests/unit/engine/test_isolation.py); the groups a step's layouts make."""
 
 from __future__ import annotations
 
@@ -64,23 +64,36 @@ def test_only_cpu_models_with_experts_take_it():
     assert use_segment_experts(moe) and moe.config._experts_implementation == EXPERTS_NAME
 
 
-def test_groups_follow_the_sequences_else_the_segments_else_one():
-    """A reference pass names only some jobs' segments (the sequences still tile the step: they group it); a
-    decoding batch has rows, no sequences (its segments group it); ranges that tile nothing: one group, still
-    transformers' output."""
+def test_groups_are_the_jobs_whatever_the_segments_name():
+    """A step's groups are its jobs' tokens: the segments' ranges; a reference pass, which names only the jobs
+    with a reference adapter, keeps the batch's jobs (StepLayout.jobs); a padded tail past the last job is a
+    group of its own; outside a step, one group."""
     from actors.engine import moe_experts
 
+    cpu = torch.device("cpu")
     sequences = ((0, 5), (5, 12), (12, 40))
-    with step_layout(StepLayout((("a", 0, 5),), sequences, 40)):
-        groups, count = moe_experts._group_of_tokens(40, torch.device("cpu"))
-    assert count == 3 and groups.tolist() == [0] * 5 + [1] * 7 + [2] * 28
-    with step_layout(StepLayout((("a", 0, 20), ("b", 20, 40)), (), 40)):
-        groups, count = moe_experts._group_of_tokens(40, torch.device("cpu"))
-    assert count == 2 and groups.tolist() == [0] * 20 + [1] * 20
-    model = from_module(build_model(build_config("mixtral")), None).model
-    hidden = torch.randn(40, model.config.hidden_size)
-    experts, index, weights = _experts_and_routes(model, hidden)
-    with step_layout(StepLayout((("a", 0, 10), ("b", 12, 40)), ((0, 10), (12, 40)), 40)):
-        assert moe_experts._group_of_tokens(40, torch.device("cpu"))[1] == 1
-        gapped = experts(hidden, index, weights)
-    assert torch.equal(gapped, experts(hidden, index, weights))
+    with step_layout(StepLayout((("a", 0, 12), ("b", 12, 40)), sequences, 40)):
+        groups, count = moe_experts._group_of_tokens(40, cpu)
+    assert count == 2 and groups.tolist() == [0] * 12 + [1] * 28
+    with step_layout(StepLayout((("b-reference", 12, 30),), sequences, 40, jobs=((0, 12), (12, 30), (30, 40)))):
+        groups, count = moe_experts._group_of_tokens(40, cpu)
+    assert count == 3 and groups.tolist() == [0] * 12 + [1] * 18 + [2] * 10
+    with step_layout(StepLayout((("a", 0, 10), ("b", 10, 32)), sequences, 40)):   # 8 tokens of padding
+        groups, count = moe_experts._group_of_tokens(40, cpu)
+    assert count == 3 and groups.tolist() == [0] * 10 + [1] * 22 + [2] * 8
+    groups, count = moe_experts._group_of_tokens(40, cpu)
+    assert count == 1 and groups.tolist() == [0] * 40
+
+
+def test_a_reference_pass_groups_by_the_batchs_jobs():
+    """actors/engine/preference.py's reference layout names the jobs that have a reference adapter; the others'
+    tokens still group as their own jobs."""
+    from actors.engine.packing import JobMicroBatch, pack
+    from actors.engine.preference import reference_layout
+    from tests.helpers.models import random_examples
+
+    batch = pack([JobMicroBatch(name, random_examples(index, count=2, vocab=50, min_len=4, max_len=9))
+                  for index, name in enumerate(("a", "b", "c"))])
+    layout = reference_layout(batch, {"b": "b-reference"})
+    assert [name for name, _, _ in layout.segments] == ["b-reference"]
+    assert layout.job_ranges == batch.layout.job_ranges == tuple((s, e) for _, s, e in batch.layout.segments)

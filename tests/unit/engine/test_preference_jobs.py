@@ -26,12 +26,14 @@ from tests.helpers.pairs import ROWS, random_pairs
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
 
-@pytest.mark.parametrize("config", ["float32", "float16"])
+@pytest.mark.parametrize("config", ["float32", "float16", "qwen3_moe"])
 def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone(config):
     """Two DPO jobs (their references from one shared no-adapter forward), an SFT job, an ORPO job with
     dropout and accumulation and a CPO job: each one's losses and adapter equal its solo run's exactly (CPU; float16:
-    each job with its own loss scale)."""
+    each job with its own loss scale; an MoE base, whose experts group the reference pass's rows by job too)."""
+    from actors.engine.models import from_module
     from tests.helpers.isolation import VOCAB, assert_isolated, base_for
+    from tests.helpers.model_families import build_config, build_model
 
     common = {"data": "unused.jsonl", "lr": 1e-2, "warmup_steps": 1,
               "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}}
@@ -47,7 +49,9 @@ def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone(config):
              random_pairs(2, 6, VOCAB), 2),
             (JobSpec(name="cpo", format={"type": "preference"}, method="cpo", batch_size=2, max_steps=2,
                      preference={"beta": 0.2, "cpo_alpha": 0.5}, **common), random_pairs(4, 4, VOCAB), 4)]
-    assert_isolated(base_for(config), jobs)
+    base = (from_module(build_model(build_config(config, vocab_size=VOCAB)), None) if config == "qwen3_moe"
+            else base_for(config))
+    assert_isolated(base, jobs)
 
 
 def test_preference_specs_and_rows_are_checked(tiny_tokenizer, tmp_path):

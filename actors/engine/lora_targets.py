@@ -4,6 +4,11 @@ the memory prior use it without importing the model code."""
 
 from __future__ import annotations
 
+# transformers 4 named each MoE expert's layers so; PEFT (and vLLM) still read an adapter's layers of these names on
+# these model types as the experts' (converting them to the 3D stacks): aspen leaves them alone there
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MLP_AS_EXPERTS_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+
 
 def adapted_shapes(target_modules: list[str] | str, linear_shapes: dict[str, tuple[int, int]]) -> list[tuple[int, int]]:
     """The (in, out) shapes of the linear layers that `target_modules` adapts, of a model whose linear
@@ -35,7 +40,10 @@ def match_targets(candidates: list[str], target_modules: list[str] | str) -> lis
         matched = [n for n in candidates if n == target or n.endswith("." + target)]
         if not matched:
             short = sorted({n.rsplit(".", 1)[-1] for n in candidates})
+            moe = (f"; on the MoE types {', '.join(MLP_AS_EXPERTS_TYPES)} aspen leaves layers named "
+                   f"{' / '.join(EXPERT_NAMES)} alone, as PEFT and vLLM read them as the experts' (docs/models.md)"
+                   if target.rsplit(".", 1)[-1] in EXPERT_NAMES else "")
             raise ValueError(f"lora.target_modules: '{target}' matches no linear layer of the base model; "
-                             f"its linear layers are named {', '.join(short)} (or use 'all-linear')")
+                             f"its linear layers are named {', '.join(short)} (or use 'all-linear'){moe}")
         chosen.extend(m for m in matched if m not in chosen)
     return chosen

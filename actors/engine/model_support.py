@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.engine.lora_targets import EXPERT_NAMES
+
 # RoPE types whose inverse frequencies are fixed by the config alone (transformers' ROPE_INIT_FUNCTIONS):
 # each packed sequence, its position ids restarting at 0, gets exactly the rotation it gets alone.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -109,9 +111,7 @@ _BIDIRECTIONAL = "`use_bidirectional_attention`"
 _ROUTER = "`output_router_logits` (the router's loss)"
 # transformers keeps a layer's experts as 3D parameters, not linear layers; its router is no linear layer either
 _MOE_EXPERTS = "MoE experts (3D parameters) and router are not linear layers, not adapted"
-# transformers 4 named each expert's layers so; PEFT (and vLLM) still read an adapter's layers of these names on
-# these model types as the experts' (converting them to the 3D stacks), so a dense or shared MLP's are not adapted
-_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_NAMES = EXPERT_NAMES   # actors/engine/lora_targets.py says why
 _MLP_AS_EXPERTS = ("LoRA adapts attention only: dense and shared MLP layers are left too (PEFT reads their names "
                    "as the experts')")
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (

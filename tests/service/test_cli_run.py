@@ -185,3 +185,30 @@ def test_aspen_run_three_jobs_on_smollm2(tmp_path):
     # 17-30 s; tests/slow/test_smollm2.py checks that folder against the GGUF model)
     converted = converted_source(resolve_source("smollm2-135m"))
     check_outputs(tmp_path / "out", {"add": 2, "alpaca": 2, "chat": 2}, Path(converted.path))
+
+
+@pytest.mark.long   # ~20 s: two runs of `aspen run` (make test-long)
+def test_aspen_run_on_a_tiny_moe_model(tmp_path, tiny_tokenizer):
+    """The same jobs file on a tiny Qwen3-MoE folder (a dense layer, experts elsewhere): every job trains, the
+    adapters PEFT loads hold attention only (the experts and, on this type, the dense MLP are not adapted:
+    docs/models.md), and a job naming an MLP layer fails, saying why."""
+    from tests.helpers.model_families import build_config, build_model
+    from tests.helpers.models import VOCAB
+
+    folder = tmp_path / "tiny-qwen3-moe"
+    build_model(build_config("qwen3_moe", vocab_size=VOCAB, max_position_embeddings=512)).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    write_data(tmp_path / "data")
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(base=folder, steps=3))
+    done = aspen("run", "--in-process", "jobs.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_outputs(tmp_path / "out", {"add": 3, "alpaca": 3, "chat": 4}, folder)
+    for job in ("add", "alpaca", "chat"):
+        targets = set(json.loads((tmp_path / "out" / job / "adapter_config.json").read_text())["target_modules"])
+        assert targets <= {"q_proj", "k_proj", "v_proj", "o_proj"}, (job, targets)
+    mlp = JOBS.format(base=folder, steps=1).replace("[q_proj, v_proj]", "[q_proj, down_proj]")
+    (tmp_path / "mlp.yaml").write_text(mlp.replace("output_dir: out", "output_dir: out-mlp"))
+    refused = aspen("run", "--in-process", "mlp.yaml", cwd=tmp_path)
+    assert refused.returncode != 0
+    assert "'down_proj' matches no linear layer" in refused.stderr, refused.stderr[-2000:]
+    assert "PEFT and vLLM read them as the experts'" in refused.stderr, refused.stderr[-2000:]

@@ -229,3 +229,10 @@ def test_moe_types_whose_mlp_names_peft_reads_as_experts_adapt_attention_only(mo
                                          r"attention"):
         TrainingJob.create(job_spec("mlp", 1, {"r": 2, "target_modules": ["o_proj", "down_proj"]}), base,
                            examples(0, [10]), [], seed=0)
+    # the scheduler, which sizes a job from the trainer's linear layers alone, says the same
+    from actors.engine.lora_targets import MLP_AS_EXPERTS_TYPES, adapted_shapes
+
+    assert {t for t, row in SUPPORTED.items() if row.unadapted} == set(MLP_AS_EXPERTS_TYPES)
+    with pytest.raises(ValueError, match=r"'down_proj' matches no linear layer.*PEFT and vLLM read them as the "
+                                         r"experts'"):
+        adapted_shapes(["down_proj"], {"model.layers.0.self_attn.o_proj": (64, 64)})

@@ -9,8 +9,8 @@ every product is the same alone or fused (tests/unit/engine/test_isolation.py), 
 costs a product per expert and job reaching it instead of one per expert.
 
 Set on CPU bases only (`use_segment_experts`); on CUDA transformers' grouped product stays (one launch a layer;
-no bit-for-bit claim there, as for every CUDA product). Outside a fused step (generation) all tokens are one
-group: transformers' grouped way, expert by expert."""
+no bit-for-bit claim there, as for every CUDA product). Outside a step all tokens are one group: transformers'
+grouped way, expert by expert."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def has_experts(model: torch.nn.Module) -> bool:
 
 
 def use_segment_experts(model: torch.nn.Module) -> bool:
-    """On a CPU model with experts, compute them segment by segment (this module); True where it did."""
+    """On a CPU model with experts, compute them job by job (this module); True where it did."""
     devices = {parameter.device.type for parameter in model.parameters()} - {"meta"}   # a pipeline stage's others
     if devices != {"cpu"} or not has_experts(model):
         return False

@@ -34,6 +34,8 @@ EMPTY_WHEN_CONTINUED = {
     "rank_pattern": "gives some modules another rank than r",
     "alpha_pattern": "gives some modules another alpha than lora_alpha",
     "trainable_token_indices": "trains rows of the embedding matrix, which aspen's shared base cannot",
+    "target_parameters": "adapts parameters, not linear layers (an MoE base's experts), which aspen does not train "
+                         "(docs/models.md, MoE bases): start from an adapter of linear layers",
 }
 """PEFT settings an adapter may hold only when empty (None, [] or {}), with why aspen cannot continue one."""
 

@@ -118,6 +118,9 @@ CONFIG_CASES = [
     ({"bias": "lora_only"}, "bias is 'lora_only': the adapter trains the base's biases"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save is ['lm_head']: the adapter trains whole modules"),
     ({"rank_pattern": {"q_proj": 8}}, "rank_pattern is {'q_proj': 8}: the adapter gives some modules another rank"),
+    ({"target_parameters": ["mlp.experts.gate_up_proj"]},
+     "target_parameters is ['mlp.experts.gate_up_proj']: the adapter adapts parameters, not linear layers (an MoE "
+     "base's experts), which aspen does not train"),
 ]
 
 

@@ -20,6 +20,12 @@ def adapter_parameters(rank: int, shapes: Iterable[tuple[int, int]], *, dora: bo
     return sum(rank * (fan_in + fan_out) + (fan_out if dora else 0) for fan_in, fan_out in shapes)
 
 
+def expert_parameters(rank: int, stacks: Iterable[tuple[int, int, int]]) -> int:
+    """LoRA parameters of rank `rank` on MoE expert stacks of these (experts, in, out) shapes (PEFT's
+    target_parameters): each expert its own r x (in + out)."""
+    return sum(experts * rank * (fan_in + fan_out) for experts, fan_in, fan_out in stacks)
+
+
 def vera_parameters(rank: int, shapes: Iterable[tuple[int, int]]) -> int:
     """VeRA's trainable values on layers of these (in, out) shapes: lambda_d (r) and lambda_b (out) each."""
     return sum(rank + fan_out for _, fan_out in shapes)

@@ -50,6 +50,7 @@ class TrainerView:
     empty_bytes: int | None = None
     tokens_per_s: float | None = None   # real tokens it steps per second of its steps, once measured
     node: str | None = None         # the node it runs on: its jobs' actors run there (Snapshot.job_slots)
+    expert_shapes: tuple[tuple[str, int, int, int], ...] = ()   # MoE stacks: (name, experts, in, out)
 
 
 @dataclass(frozen=True, kw_only=True)

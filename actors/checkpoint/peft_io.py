@@ -66,7 +66,8 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
     peft_config = PeftLoraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_model_name, inference_mode=True,
                                  r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_rslora=config.use_rslora,
                                  target_modules=target_modules, use_dora=config.use_dora,
-                                 init_lora_weights=True if init == "default" else init)
+                                 init_lora_weights=True if init == "default" else init,
+                                 target_parameters=list(config.target_parameters) or None)
     saved = peft_config.to_dict()
     saved["target_modules"] = list(target_modules)
     return saved

@@ -48,6 +48,8 @@ def reason_not(adapter_dir: Path, base_folder: Path | None) -> str | None:
         return "not a plain LoRA adapter"
     if adapter.get("bias", "none") != "none" or adapter.get("fan_in_fan_out") or adapter.get("modules_to_save"):
         return "the adapter trains biases, transposed or other modules"
+    if adapter.get("target_parameters"):
+        return "the adapter adapts expert stacks, which transformers stacks only as it loads the model"
     if adapter.get("rank_pattern") or adapter.get("alpha_pattern") or adapter.get("layer_replication"):
         return "the adapter has rank or alpha patterns"
     if str(adapter.get("init_lora_weights", True)).lower().startswith(("pissa", "olora", "corda", "eva", "loftq")):

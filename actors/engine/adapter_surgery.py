@@ -11,7 +11,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from actors.engine import lora_layer_state
+from actors.engine import experts_lora, lora_layer_state
+from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
 from actors.engine.lora_masters import MasterPool
@@ -103,13 +104,14 @@ class AdapterHandle:
 
     def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter | VeraAdapter],
                  generator: torch.Generator | None, peft_targets: list[str] | None = None,
-                 projections: VeraProjections | None = None):
+                 projections: VeraProjections | None = None, experts: dict[str, ExpertsLora] | None = None):
         self.name = name
         self.config = config
         self.layers = layers
         self.dropout_generator = generator
         self.peft_targets = peft_targets if peft_targets is not None else sorted(layers)
         self.projections = projections   # VeRA: the job's frozen projections, shared by its layers
+        self.experts = experts or {}     # LoRA on expert stacks, by PEFT module name (actors/engine/experts_lora.py)
 
     def use_projections(self, projections: VeraProjections) -> None:
         """Make every layer of this VeRA adapter read `projections` (those of a saved adapter)."""
@@ -123,7 +125,8 @@ class AdapterHandle:
     def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
         """The trainable tensors under PEFT's names (adapter name stripped): `<module>.lora_A.weight`,
         `<module>.lora_B.weight` and, with DoRA, `<module>.lora_magnitude_vector`; VeRA's
-        `<module>.vera_lambda_b` and `<module>.vera_lambda_d`."""
+        `<module>.vera_lambda_b` and `<module>.vera_lambda_d`; then the expert stacks' (`<experts>[.base_layer]
+        .lora_A.weight`, PEFT's ParamWrapper keys)."""
         for module_name, layer in self.layers.items():
             if isinstance(layer, VeraAdapter):
                 yield f"{module_name}.vera_lambda_b", layer.vera_lambda_b
@@ -133,6 +136,9 @@ class AdapterHandle:
             yield f"{module_name}.lora_B.weight", layer.lora_B
             if layer.magnitude is not None:
                 yield f"{module_name}.lora_magnitude_vector", layer.magnitude
+        for module_name, stack in self.experts.items():
+            yield f"{module_name}.lora_A.weight", stack.lora_A
+            yield f"{module_name}.lora_B.weight", stack.lora_B
 
     def parameter_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(A's, the others): LoRA+'s two learning-rate groups, as PEFT's create_loraplus_optimizer splits
@@ -216,8 +222,13 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         fused.adapters[name] = adapter
         layers[module_name] = adapter
     pool_masters(layers.values(), device)
+    try:   # after the linear layers: their initialisation draws first, whatever the stacks
+        experts = experts_lora.attach(model, name, config, generator=init_generator, dtype=dtype)
+    except ValueError:
+        remove_adapter(model, name)
+        raise
     return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets),
-                         projections)
+                         projections, experts)
 
 
 def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Tensor | None:
@@ -252,6 +263,7 @@ def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Ten
 
 def remove_adapter(model: nn.Module, name: str) -> None:
     """Detach an adapter; layers left with no adapter get their plain linear layer back."""
+    experts_lora.detach(model, name)
     for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedLoraLinear) and name in module.adapters:
             del module.adapters[name]

@@ -19,12 +19,13 @@ scratch torch's allocator does not hand out."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from actors.data import Example
-from actors.engine import lora_cuda
+from actors.engine import experts_lora, lora_cuda
 from actors.engine.adapter_activations import (
     AdapterTerms,
     adapter_bytes,
@@ -276,6 +277,10 @@ class StepMemoryPrior:
                 self._interned.clear()
             terms = adapter_terms(lora, self.adapted(lora), self.linear_shapes, self.activation.input_groups,
                                   self.base.dtype, compute_path=compute_path)
+            if lora.target_parameters:   # LoRA on expert stacks (actors/engine/experts_lora.py)
+                per_token, kept = experts_lora.activation_bytes(self.base.model, lora)
+                terms = dataclasses.replace(terms, per_token=terms.per_token + per_token,
+                                            kept_inputs=terms.kept_inputs + kept)
             entry = self._terms[key] = (lora, self._interned.setdefault(terms, terms))   # equal terms: one object
         return entry[1]
 

@@ -17,25 +17,29 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from actors.engine.experts_lora import job_adapters
 from actors.engine.layout import current_layout
 
 EXPERTS_NAME = "aspen_segments"
 
 
-def _group_of_tokens(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Each token's group in the current step and the number of groups: the stream cut at every job's bounds
-    (`StepLayout.job_ranges`), so a job's tokens are a group of their own, whatever is beside them; one group
-    outside a step (generation)."""
+def _group_of_tokens(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, list[str | None]]:
+    """Each token's group in the current step and each group's adapter (the job whose segment it is, None outside
+    every segment): the stream cut at every job's bounds (`StepLayout.job_ranges`) and every segment's, so a job's
+    tokens are a group of their own, whatever is beside them; one group outside a step (generation)."""
     layout = current_layout()
     if layout is None or layout.num_tokens != num_tokens:
-        return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+        return torch.zeros(num_tokens, dtype=torch.long, device=device), [None]
     key = ("moe_groups", str(device))
     if key not in layout.tensors:
-        bounds = sorted({0, num_tokens} | {min(max(b, 0), num_tokens) for r in layout.job_ranges for b in r})
+        cuts = ({b for r in layout.job_ranges for b in r}
+                | {b for _, start, end in layout.segments for b in (start, end)})
+        bounds = sorted({0, num_tokens} | {min(max(b, 0), num_tokens) for b in cuts})
         lengths = torch.tensor([end - start for start, end in zip(bounds, bounds[1:], strict=False)])
-        layout.tensors[key] = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
-    groups = layout.tensors[key]
-    return groups, int(groups[-1]) + 1 if num_tokens else 1
+        owners = [next((name for name, start, end in layout.segments if start <= first < end), None)
+                  for first in bounds[:-1]]
+        layout.tensors[key] = (torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device), owners)
+    return layout.tensors[key]
 
 
 def _project(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -55,7 +59,9 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
     # follow the size of its input): its k contributions are then summed in the same order alone and fused
     top_k_index, by_expert = torch.sort(top_k_index, dim=-1)
     top_k_weights = torch.gather(top_k_weights, -1, by_expert)
-    group_of_token, count_of_groups = _group_of_tokens(num_tokens, hidden_states.device)
+    group_of_token, owners = _group_of_tokens(num_tokens, hidden_states.device)
+    count_of_groups = max(len(owners), 1)
+    adapters = job_adapters(module)
     expert_ids = top_k_index.reshape(-1)
     groups = expert_ids * count_of_groups + group_of_token.repeat_interleave(top_k)
     _, order = torch.sort(groups, stable=True)       # by expert, then job, then token: the job's own order
@@ -68,11 +74,19 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
         if count == 0:
             continue
         expert = group // count_of_groups
-        part = _project(module, rows[start:start + count], up_weights[expert],
-                        up_biases[expert] if up_biases is not None else None)
+        owner = owners[group % count_of_groups] if adapters is not None else None
+        lora = adapters[owner] if owner is not None and owner in adapters else {}
+        up_name = "gate_up_proj" if module.has_gate else "up_proj"
+        inputs = rows[start:start + count]
+        part = _project(module, inputs, up_weights[expert], up_biases[expert] if up_biases is not None else None)
+        if up_name in lora:
+            part = part + lora[up_name].delta(inputs, expert)
         part = module._apply_gate(part) if module.has_gate else module.act_fn(part)
-        part = _project(module, part, module.down_proj[expert],
+        inputs = part
+        part = _project(module, inputs, module.down_proj[expert],
                         module.down_proj_bias[expert] if module.has_bias else None)
+        if "down_proj" in lora:
+            part = part + lora["down_proj"].delta(inputs, expert)
         outputs.append(part)
         start += count
     out = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])

@@ -67,6 +67,10 @@ class LoraConfig(StrictModel):
     use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     target_modules: list[str] | Literal["all-linear"] = Field(
         ["q_proj", "v_proj"], description="module names to adapt, or `all-linear`")
+    target_parameters: list[str] = Field(
+        [], description="an MoE base's expert weight stacks to adapt as well (PEFT's target_parameters), matched like "
+                        "PEFT: the full dotted name or its last components, e.g. [experts.gate_up_proj, "
+                        "experts.down_proj]; each expert gets its own rank-r A and B (CPU trainers)")
     use_dora: bool = Field(False, description="DoRA (PEFT's use_dora): a trainable magnitude per output row, the "
                                               "weight's direction adapted by LoRA (on a quantized base, the "
                                               "norms of the dequantized weight, as PEFT)")
@@ -117,6 +121,29 @@ class LoraConfig(StrictModel):
                 if changed(name):
                     raise ValueError(f"lora.{name} is a VeRA setting; set lora.kind: vera, or remove lora.{name}")
         return self
+
+    @model_validator(mode="after")
+    def _parameter_targets(self) -> LoraConfig:
+        """PEFT's `ParamWrapper` (an expert stack's LoRA) takes plain LoRA only: no dropout (it cannot be factored
+        out of a weight's update), no DoRA, no initialisation from the weights, no VeRA."""
+        if not self.target_parameters:
+            return self
+        for refused, why in ((self.kind == "vera", "lora.kind: vera"), (self.dropout > 0, "lora.dropout > 0"),
+                             (self.use_dora, "lora.use_dora"),
+                             (self.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
+                              f"lora.init_lora_weights: {self.init_lora_weights}")):
+            if refused:
+                raise ValueError(f"lora.target_parameters adapts expert weight stacks with plain LoRA, as PEFT's "
+                                 f"ParamWrapper, which does not take {why}; remove one of the two")
+        return self
+
+    @field_validator("target_parameters")
+    @classmethod
+    def _parameter_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
+                raise ValueError(f"{name!r} is not a parameter's dotted name; give e.g. experts.gate_up_proj")
+        return value
 
     @field_validator("target_modules")
     @classmethod

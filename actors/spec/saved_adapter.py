@@ -34,8 +34,6 @@ EMPTY_WHEN_CONTINUED = {
     "rank_pattern": "gives some modules another rank than r",
     "alpha_pattern": "gives some modules another alpha than lora_alpha",
     "trainable_token_indices": "trains rows of the embedding matrix, which aspen's shared base cannot",
-    "target_parameters": "adapts parameters, not linear layers (an MoE base's experts), which aspen does not train "
-                         "(docs/models.md, MoE bases): start from an adapter of linear layers",
 }
 """PEFT settings an adapter may hold only when empty (None, [] or {}), with why aspen cannot continue one."""
 
@@ -185,6 +183,10 @@ def config_problems(config: dict[str, Any], lora: LoraConfig) -> list[str]:
                             "cannot; continue it with PEFT, or save it with bias='none'")
         if config.get("lora_bias"):
             problems.append("lora_bias is true: the adapter has a trained bias in lora_B, which aspen does not train")
+        stacks = list(config.get("target_parameters") or [])
+        if sorted(stacks) != sorted(lora.target_parameters):
+            problems.append(f"lora.target_parameters is {lora.target_parameters}, the adapter's {stacks} (the expert "
+                            f"stacks it adapts): set lora.target_parameters: {stacks}")
     elif config.get("save_projection") is False and config.get("projection_prng_key") != lora.projection_prng_key:
         key = config.get("projection_prng_key")
         problems.append(f"lora.projection_prng_key is {lora.projection_prng_key}, the adapter's {key} (its "

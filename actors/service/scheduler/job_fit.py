@@ -3,11 +3,17 @@ adapter bytes on it, and why a job could never run on any trainer."""
 
 from __future__ import annotations
 
+from actors.engine.experts_lora import matching_shapes
 from actors.engine.lora_targets import adapted_shapes
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.lora_config import BASE_DEPENDENT_INITS, LoraConfig
-from policies.adapter_memory import adapter_memory_bytes
+from policies.adapter_memory import (
+    BYTES_PER_ADAPTER_PARAMETER,
+    BYTES_PER_FROZEN_VALUE,
+    adapter_memory_bytes,
+    expert_parameters,
+)
 from policies.base import TrainerView
 
 
@@ -15,14 +21,26 @@ def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView, *, reference: bool
     """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have); `reference`:
     with the frozen copy that is its reference model (`JobSpec.reference_adapter`)."""
     shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
-    return adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
-                                frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
-                                vera=lora.kind == "vera", frozen_copy=reference)
+    stacks = matching_shapes(lora.target_parameters, {name: (e, i, o) for name, e, i, o in trainer.expert_shapes})
+    if lora.target_parameters and not stacks:
+        raise ValueError(f"lora.target_parameters: {', '.join(lora.target_parameters)} names no expert stack of "
+                         f"{trainer.base_model}" + (" (it is not an MoE model)" if not trainer.expert_shapes else
+                                                    f"; its stacks are {_stack_names(trainer)}"))
+    experts = expert_parameters(lora.r, stacks)
+    return (adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
+                                 frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
+                                 vera=lora.kind == "vera", frozen_copy=reference)
+            + experts * (BYTES_PER_ADAPTER_PARAMETER + (BYTES_PER_FROZEN_VALUE if reference else 0)))
+
+
+def _stack_names(trainer: TrainerView) -> str:
+    return ", ".join(sorted({".".join(name.split(".")[-2:]) for name, _, _, _ in trainer.expert_shapes}))
 
 
 def trainer_view(status: TrainerStatus) -> TrainerView:
     """The trainer's fixed memory (its weights) and a full step's memory (its probe-measured estimate)."""
     shapes = tuple((name, i, o) for name, (i, o) in sorted(status.linear_shapes.items()))
+    stacks = tuple((name, *shape) for name, shape in sorted(status.expert_shapes.items()))
     # Weights known exactly, and a full step by the trainer's estimate from its probe steps (measured by
     # the allocator at start). The fitted model is not used here: fitted while the same jobs are held,
     # its constant and per-token slope fold their adapters in, and the view (which adds each job's
@@ -32,7 +50,7 @@ def trainer_view(status: TrainerStatus) -> TrainerView:
     return TrainerView(id=status.trainer_id, base_model=status.base_model, quantization=status.quantization,
                        memory_budget_bytes=status.memory_budget_bytes, base_bytes=status.base_bytes,
                        step_memory_bytes=status.activation_bytes_estimate, jobs=tuple(status.jobs),
-                       linear_shapes=shapes, max_jobs=status.max_jobs,
+                       linear_shapes=shapes, max_jobs=status.max_jobs, expert_shapes=stacks,
                        empty_bytes=status.base_bytes + status.activation_bytes_estimate, tokens_per_s=rate or None)
 
 

@@ -193,6 +193,7 @@ class TrainerFleet:
         if slot.status is not None:
             status = asdict(slot.status)
             status.pop("linear_shapes")
+            status.pop("expert_shapes", None)
             info.update(status)
             view = trainer_view(slot.status)
             info.update(memory_fixed_bytes=view.base_bytes, memory_step_bytes=view.step_memory_bytes)

@@ -18,6 +18,7 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_activations import loss_transient_bytes
 from actors.engine.adapter_surgery import linear_module_names
+from actors.engine.experts_lora import stack_shapes
 from actors.engine.grpo import SAMPLING_SIZES, sampling_bytes
 from actors.engine.memory import live_tensor_bytes, process_peak_resident_bytes, resident_bytes
 from actors.engine.memory_prior import StepMemoryPrior, predict_resident
@@ -81,6 +82,7 @@ class StepAdmission:
         self.budget = budget_bytes or default_memory_budget(base.device)
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in linear_module_names(model)}
+        self.expert_shapes = stack_shapes(model)
         # measured by probe steps, or as an earlier start on this model and setting measured them (probe_cache.py)
         activation = cached_probe(base, layout=trainer.layout, recompute=trainer.recompute)
         self.memory_prior = StepMemoryPrior(base, activation, self.linear_shapes, recompute=trainer.recompute)

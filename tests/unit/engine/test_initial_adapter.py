@@ -119,8 +119,8 @@ CONFIG_CASES = [
     ({"modules_to_save": ["lm_head"]}, "modules_to_save is ['lm_head']: the adapter trains whole modules"),
     ({"rank_pattern": {"q_proj": 8}}, "rank_pattern is {'q_proj': 8}: the adapter gives some modules another rank"),
     ({"target_parameters": ["mlp.experts.gate_up_proj"]},
-     "target_parameters is ['mlp.experts.gate_up_proj']: the adapter adapts parameters, not linear layers (an MoE "
-     "base's experts), which aspen does not train"),
+     "lora.target_parameters is [], the adapter's ['mlp.experts.gate_up_proj'] (the expert stacks it adapts): set "
+     "lora.target_parameters: ['mlp.experts.gate_up_proj']"),
 ]
 
 

@@ -65,24 +65,24 @@ def test_only_cpu_models_with_experts_take_it():
 
 
 def test_groups_are_the_jobs_whatever_the_segments_name():
-    """A step's groups are its jobs' tokens: the segments' ranges; a reference pass, which names only the jobs
-    with a reference adapter, keeps the batch's jobs (StepLayout.jobs); a padded tail past the last job is a
-    group of its own; outside a step, one group."""
+    """A step's groups are its jobs' tokens: the segments' ranges, each group owned by its segment's adapter; a
+    reference pass, which names only the jobs with a reference adapter, keeps the batch's jobs (StepLayout.jobs),
+    the others owned by none; a padded tail past the last job is a group of its own; outside a step, one group."""
     from actors.engine import moe_experts
 
     cpu = torch.device("cpu")
     sequences = ((0, 5), (5, 12), (12, 40))
     with step_layout(StepLayout((("a", 0, 12), ("b", 12, 40)), sequences, 40)):
-        groups, count = moe_experts._group_of_tokens(40, cpu)
-    assert count == 2 and groups.tolist() == [0] * 12 + [1] * 28
+        groups, owners = moe_experts._group_of_tokens(40, cpu)
+    assert owners == ["a", "b"] and groups.tolist() == [0] * 12 + [1] * 28
     with step_layout(StepLayout((("b-reference", 12, 30),), sequences, 40, jobs=((0, 12), (12, 30), (30, 40)))):
-        groups, count = moe_experts._group_of_tokens(40, cpu)
-    assert count == 3 and groups.tolist() == [0] * 12 + [1] * 18 + [2] * 10
+        groups, owners = moe_experts._group_of_tokens(40, cpu)
+    assert owners == [None, "b-reference", None] and groups.tolist() == [0] * 12 + [1] * 18 + [2] * 10
     with step_layout(StepLayout((("a", 0, 10), ("b", 10, 32)), sequences, 40)):   # 8 tokens of padding
-        groups, count = moe_experts._group_of_tokens(40, cpu)
-    assert count == 3 and groups.tolist() == [0] * 10 + [1] * 22 + [2] * 8
-    groups, count = moe_experts._group_of_tokens(40, cpu)
-    assert count == 1 and groups.tolist() == [0] * 40
+        groups, owners = moe_experts._group_of_tokens(40, cpu)
+    assert owners == ["a", "b", None] and groups.tolist() == [0] * 10 + [1] * 22 + [2] * 8
+    groups, owners = moe_experts._group_of_tokens(40, cpu)
+    assert owners == [None] and groups.tolist() == [0] * 40
 
 
 def test_a_reference_pass_groups_by_the_batchs_jobs():

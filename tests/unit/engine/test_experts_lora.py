@@ -1,0 +1,174 @@
+"""LoRA on an MoE base's expert stacks (`lora.target_parameters`, actors/engine/experts_lora.py) against PEFT's
+ParamWrapper: several jobs, each with its own non-zero adapter on attention and on the experts, packed into one
+fused step, give per sequence the loss of the unfused Hugging Face model with PEFT holding the job's adapter (loaded
+from the folder aspen saved), alone on that sequence, and each adapter's gradient equals PEFT's; a job's experts
+adapter is shown to matter; fused jobs end bit for bit as alone; the settings PEFT's wrapper refuses are refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+
+from actors.checkpoint.peft_io import save_adapter
+from actors.engine import step_objective as objective_module
+from actors.engine.job import TrainingJob
+from actors.engine.models import from_module
+from actors.engine.trainer import FusedTrainer
+from actors.spec.job_spec import JobSpec
+from actors.spec.lora_config import LoraConfig
+from tests.helpers.model_families import build_config, build_model, examples, relative
+
+LOSS_TOLERANCE = 1e-5       # relative, float32 on the CPU (PEFT merges B A into the weight; aspen adds x A^T B^T)
+GRADIENT_TOLERANCE = 1e-5
+
+BOTH = ["experts.gate_up_proj", "experts.down_proj"]
+JOBS = [("job-a", [24, 13], {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "target_parameters": BOTH}),
+        ("job-b", [19, 6, 30], {"r": 2, "alpha": 6, "target_modules": ["o_proj"],
+                                "target_parameters": ["mlp.experts.down_proj"]}),
+        ("job-c", [11, 22], {"r": 8, "alpha": 8, "target_modules": ["k_proj"], "target_parameters": BOTH,
+                             "use_rslora": True})]
+
+
+def job_spec(name: str, count: int, lora: dict) -> JobSpec:
+    return JobSpec(name=name, data="unused.jsonl", format={"type": "text"}, batch_size=count, grad_accum=2,
+                   max_steps=5, lr=1e-3, lora=lora)
+
+
+def make_jobs(base, jobs=JOBS, seed=123):
+    made = []
+    for name, lengths, lora in jobs:
+        index = [n for n, _, _ in JOBS].index(name)   # a job's data, seed and B the same alone or beside others
+        generator = torch.Generator().manual_seed(seed + index)
+        job = TrainingJob.create(job_spec(name, len(lengths), lora), base, examples(index, lengths), [], seed=index)
+        with torch.no_grad():   # a non-zero adapter: B random too
+            for key, parameter in job.adapter.named_parameters():
+                if key.endswith("lora_B.weight"):
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+        made.append(job)
+    return made
+
+
+def sequence_losses(model, batch):
+    return [model(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels]), use_cache=False).loss
+            for e in batch]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_a_fused_step_of_experts_adapters_equals_peft_alone_on_each_sequence(model_type, tmp_path):
+    """gpt_oss: stacks stored transposed, with biases and an interleaved gate; deepseek_v3: a dense first layer."""
+    model = build_model(build_config(model_type))
+    reference = copy.deepcopy(model)
+    base = from_module(model, None)
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    chosen = JOBS if model_type != "deepseek_v3" else [   # latent attention: no q / k / v projections
+        (name, lengths, {**lora, "target_modules": ["o_proj"]}) for name, lengths, lora in JOBS]
+    jobs = make_jobs(base, chosen)
+    batches = []
+    for job in jobs:
+        trainer.add_job(job)
+        batches.append(list(job.peek()))
+    captured = []
+    real_loss = objective_module.target_cross_entropy
+
+    def spy(*args, **kwargs):
+        total, losses = real_loss(*args, **kwargs)
+        captured.append(losses)
+        return total, losses
+
+    objective_module.target_cross_entropy = spy
+    try:
+        report = trainer.run_step(trainer.compose())
+    finally:
+        objective_module.target_cross_entropy = real_loss
+    assert report.jobs == [name for name, _, _ in JOBS]
+    offset = 0
+    for job, batch, result in zip(jobs, batches, report.results, strict=True):
+        folder = tmp_path / job.name
+        save_adapter(job.adapter, folder, "tiny")
+        saved = json.loads((folder / "adapter_config.json").read_text())
+        assert saved["target_parameters"] == job.spec.lora.target_parameters
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), folder, is_trainable=True).eval()
+        wrapped = [n for n, m in peft_model.named_modules() if type(m).__name__ == "ParamWrapper"]
+        assert wrapped, "PEFT wrapped the expert stacks"
+        losses = sequence_losses(peft_model, batch)
+        counts = [sum(label != -100 for label in e.labels[1:]) for e in batch]
+        for count, reference_loss in zip(counts, losses, strict=True):
+            engine_loss = float(captured[0][offset:offset + count].mean())
+            offset += count
+            assert engine_loss == pytest.approx(reference_loss.item(), rel=LOSS_TOLERANCE), job.name
+        job_loss = sum(loss * count for loss, count in zip(losses, counts, strict=True)) / sum(counts)
+        assert result.loss == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
+        job_loss.backward()
+        peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad
+                      for name, p in peft_model.named_parameters() if "lora_" in name}
+        engine_grads = {name: p.grad / sum(counts) for name, p in job.adapter.named_parameters()}
+        assert peft_grads.keys() == engine_grads.keys()
+        experts = [k for k in engine_grads if ".experts." in k or k.endswith("experts.lora_A.weight")
+                   or ".experts.base_layer." in k]
+        assert experts and all(engine_grads[k].norm() > 0 for k in experts)
+        for key in sorted(peft_grads):
+            assert relative(engine_grads[key], peft_grads[key]) <= GRADIENT_TOLERANCE, (job.name, key)
+
+
+def test_the_experts_adapter_matters_and_a_jobs_tokens_reach_only_its_own():
+    """Fused, each job's losses and gradients are bit for bit those of its step alone; and without its experts
+    adapter a job's loss moves (the update is applied)."""
+    def run(job_indices, drop_experts=False):
+        model = build_model(build_config("qwen3_moe"))
+        base = from_module(model, None)
+        trainer = FusedTrainer(base, step_tokens=100_000)
+        chosen = [JOBS[i] for i in job_indices]
+        if drop_experts:
+            chosen = [(n, lengths, {**lora, "target_parameters": []}) for n, lengths, lora in chosen]
+        jobs = make_jobs(base, chosen)
+        if drop_experts:   # the same attention adapters as with experts: B drawn in the same order
+            reference_jobs = make_jobs(from_module(build_model(build_config("qwen3_moe")), None),
+                                       [JOBS[i] for i in job_indices])
+            with torch.no_grad():
+                for job, ref in zip(jobs, reference_jobs, strict=True):
+                    for (_, p), (_, q) in zip(job.adapter.named_parameters(), ref.adapter.named_parameters(),
+                                                strict=False):
+                        p.copy_(q)
+        for job in jobs:
+            trainer.add_job(job)
+        report = trainer.run_step(trainer.compose())
+        return {r.job: r.loss for r in report.results}, {
+            job.name: {k: p.grad.clone() for k, p in job.adapter.named_parameters()} for job in jobs}
+
+    fused_losses, fused_grads = run([0, 1, 2])
+    for index in range(3):
+        name = JOBS[index][0]
+        alone_losses, alone_grads = run([index])
+        assert fused_losses[name] == alone_losses[name], name
+        for key, grad in alone_grads[name].items():
+            assert torch.equal(fused_grads[name][key], grad), (name, key)
+    without, _ = run([0], drop_experts=True)
+    assert abs(without["job-a"] - fused_losses["job-a"]) > 1e-3 * abs(fused_losses["job-a"])
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"dropout": 0.1}, "lora.dropout > 0"),
+    ({"use_dora": True}, "lora.use_dora"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights: pissa"),
+    ({"kind": "vera"}, "lora.kind: vera"),
+])
+def test_settings_peft_does_not_take_on_expert_stacks_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        LoraConfig(target_modules=["q_proj"], target_parameters=BOTH, **settings)
+
+
+def test_a_target_naming_no_stack_and_a_dense_base_are_refused_naming_the_stacks():
+    base = from_module(build_model(build_config("qwen3_moe")), None)
+    lora = {"r": 2, "target_modules": ["q_proj"], "target_parameters": ["experts.w1"]}
+    with pytest.raises(ValueError, match=r"experts\.w1 names no expert stack of this base; its stacks are "
+                                         r"experts\.down_proj, experts\.gate_up_proj"):
+        TrainingJob.create(job_spec("bad", 1, lora), base, examples(0, [10]), [], seed=0)
+    assert not any("lora" in name for name, _ in base.model.named_parameters()), "nothing left attached"
+    dense = from_module(build_model(build_config("llama")), None)
+    with pytest.raises(ValueError, match="no expert weight stacks"):
+        TrainingJob.create(job_spec("bad", 1, {**lora, "target_parameters": BOTH}), dense, examples(0, [10]), [],
+                           seed=0)

@@ -22,6 +22,9 @@ from torch import nn
 from actors.engine.fused_linear import JobAdapters
 from actors.spec.lora_config import LoraConfig
 
+EXPERTS_NAME = "aspen_segments"
+"""transformers' experts implementation that computes each expert's rows job by job (actors/engine/moe_experts.py)."""
+
 ADAPTERS = "aspen_experts_lora"
 """The attribute of an experts module holding its adapters: job name -> {stack name: ExpertsLora}."""
 
@@ -100,12 +103,6 @@ def stack_shapes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
             for stack in expert_stacks(module)}
 
 
-def matching_shapes(targets: list[str], shapes: dict[str, tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The (experts, in, out) of every stack `targets` names (PEFT's matching), from `stack_shapes`."""
-    return [shape for key, shape in shapes.items()
-            if any(key == target or key.endswith("." + target) for target in targets)]
-
-
 def activation_bytes(model: nn.Module, lora: LoraConfig) -> tuple[int, tuple[tuple[object, int], ...]]:
     """What a job's expert adapters keep for the backward (actors/engine/adapter_activations.py's terms): per token
     of its own, each of a token's top-k routes keeps the rank-r hidden of every adapted stack and the adapted
@@ -134,8 +131,6 @@ def attach(model: nn.Module, name: str, config: LoraConfig, *, generator: torch.
     """Give job `name` its adapters on every stack `config.target_parameters` names; returns them under their
     PEFT module names (`<module>.lora_A.weight` is then PEFT's key). The model must compute its experts job by
     job (actors/engine/moe_experts.py), which a CPU base does: ValueError otherwise."""
-    from actors.engine.moe_experts import EXPERTS_NAME
-
     if not config.target_parameters:
         return {}
     stacks = targeted_stacks(model, config.target_parameters)

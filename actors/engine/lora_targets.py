@@ -47,3 +47,10 @@ def match_targets(candidates: list[str], target_modules: list[str] | str) -> lis
                              f"its linear layers are named {', '.join(short)} (or use 'all-linear'){moe}")
         chosen.extend(m for m in matched if m not in chosen)
     return chosen
+
+
+def matching_shapes(targets: list[str], shapes: dict[str, tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The (experts, in, out) of every MoE expert stack `targets` (`lora.target_parameters`) names, by PEFT's
+    matching (the full dotted name, or its last components), from `experts_lora.stack_shapes`."""
+    return [shape for key, shape in shapes.items()
+            if any(key == target or key.endswith("." + target) for target in targets)]

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from actors.engine.experts_lora import job_adapters
+from actors.engine.experts_lora import EXPERTS_NAME, job_adapters
 from actors.engine.layout import current_layout
 
-EXPERTS_NAME = "aspen_segments"
+__all__ = ["EXPERTS_NAME", "segment_experts_forward", "use_segment_experts"]
 
 
 def _group_of_tokens(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, list[str | None]]:

@@ -183,8 +183,8 @@ def config_problems(config: dict[str, Any], lora: LoraConfig) -> list[str]:
                             "cannot; continue it with PEFT, or save it with bias='none'")
         if config.get("lora_bias"):
             problems.append("lora_bias is true: the adapter has a trained bias in lora_B, which aspen does not train")
-        stacks = list(config.get("target_parameters") or [])
-        if sorted(stacks) != sorted(lora.target_parameters):
+        stacks = sorted(config.get("target_parameters") or [])   # PEFT saves a set: in any order
+        if stacks != sorted(lora.target_parameters):
             problems.append(f"lora.target_parameters is {lora.target_parameters}, the adapter's {stacks} (the expert "
                             f"stacks it adapts): set lora.target_parameters: {stacks}")
     elif config.get("save_projection") is False and config.get("projection_prng_key") != lora.projection_prng_key:

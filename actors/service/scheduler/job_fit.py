@@ -3,8 +3,7 @@ adapter bytes on it, and why a job could never run on any trainer."""
 
 from __future__ import annotations
 
-from actors.engine.experts_lora import matching_shapes
-from actors.engine.lora_targets import adapted_shapes
+from actors.engine.lora_targets import adapted_shapes, matching_shapes
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.lora_config import BASE_DEPENDENT_INITS, LoraConfig

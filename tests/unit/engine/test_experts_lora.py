@@ -172,3 +172,113 @@ def test_a_target_naming_no_stack_and_a_dense_base_are_refused_naming_the_stacks
     with pytest.raises(ValueError, match="no expert weight stacks"):
         TrainingJob.create(job_spec("bad", 1, {**lora, "target_parameters": BOTH}), dense, examples(0, [10]), [],
                            seed=0)
+
+
+def test_an_adapter_peft_saved_on_expert_stacks_continues_in_aspen(tmp_path):
+    """PEFT's own save of an adapter on attention and both expert stacks: its config fits the job's lora, its
+    tensors load into the job's adapter, and aspen's loss with it is PEFT's."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from actors.checkpoint.peft_io import load_adapter_weights
+    from actors.spec.saved_adapter import config_problems
+
+    model = build_model(build_config("mixtral"))
+    peft_model = get_peft_model(copy.deepcopy(model), PeftLoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=BOTH))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    peft_model.save_pretrained(tmp_path / "saved")
+    lora = {"r": 2, "alpha": 4, "target_modules": ["q_proj"], "target_parameters": BOTH}
+    saved = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert config_problems(saved, LoraConfig(**lora)) == []
+    assert config_problems(saved, LoraConfig(**{**lora, "target_parameters": ["experts.down_proj"]})) == [
+        "lora.target_parameters is ['experts.down_proj'], the adapter's ['experts.down_proj', 'experts.gate_up_proj'] "
+        "(the expert stacks it adapts): set lora.target_parameters: ['experts.down_proj', 'experts.gate_up_proj']"]
+    base = from_module(model, None)
+    batch = examples(7, [21])
+    job = TrainingJob.create(job_spec("continued", 1, lora), base, batch, [], seed=0)
+    load_adapter_weights(job.adapter, tmp_path / "saved")
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    trainer.add_job(job)
+    report = trainer.run_step(trainer.compose())
+    with torch.no_grad():
+        expected = sequence_losses(peft_model.eval(), batch)[0]
+    assert report.results[0].loss == pytest.approx(expected.item(), rel=LOSS_TOLERANCE)
+
+
+def test_a_jobs_placement_counts_every_experts_parameters():
+    """The scheduler sizes a job's adapter from the trainer's reported stacks: 16 bytes per parameter the job's
+    adapter then has (weight, gradient, two AdamW moments), expert stacks included; a stack it does not have is
+    refused before placement."""
+    from actors.engine.experts_lora import stack_shapes
+    from actors.engine.lora_targets import match_targets
+    from actors.service.scheduler.job_fit import job_adapter_bytes
+    from policies.base import TrainerView
+
+    model = build_model(build_config("qwen3_moe"))
+    base = from_module(model, None)
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "target_parameters": BOTH}
+    linear = [(name, model.get_submodule(name).in_features, model.get_submodule(name).out_features)
+              for name in match_targets([n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)],
+                                        ["q_proj", "v_proj"])]
+    job = TrainingJob.create(job_spec("placed", 1, lora), base, examples(0, [10]), [], seed=0)
+    view = TrainerView(id="t", base_model="tiny", quantization="none", memory_budget_bytes=1 << 40, base_bytes=0,
+                       step_memory_bytes=0, jobs=(), linear_shapes=tuple(linear),
+                       expert_shapes=tuple((name, *shape) for name, shape in stack_shapes(model).items()))
+    assert job_adapter_bytes(LoraConfig(**lora), view) == 16 * job.adapter.num_parameters()
+    with pytest.raises(ValueError, match=r"experts\.w2 names no expert stack of tiny; its stacks are "
+                                         r"experts\.down_proj, experts\.gate_up_proj"):
+        job_adapter_bytes(LoraConfig(**{**lora, "target_parameters": ["experts.w2"]}), view)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_memory_prior_counts_what_autograd_keeps_for_the_experts_adapters(dtype):
+    """`experts_lora.activation_bytes` against the bytes of the distinct tensors (weights left out) autograd saves
+    in a step's forward, with the experts adapter less those without it (the same job's attention adapter either
+    way)."""
+    from actors.engine.experts_lora import activation_bytes
+    from actors.engine.layout import step_layout
+    from actors.engine.packing import JobMicroBatch, pack
+
+    def saved_bytes(target_parameters):
+        model = build_model(build_config("qwen3_moe")).to(dtype)
+        base = from_module(model, None)
+        lora = {"r": 4, "target_modules": ["q_proj"], "target_parameters": target_parameters}
+        batch_examples = examples(3, [40, 24])
+        job = TrainingJob.create(job_spec("kept", 2, lora), base, batch_examples, [], seed=0)
+        batch = pack([JobMicroBatch(job.name, batch_examples)], "packed", base.pad_token_id)
+        storages = {}
+        weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+
+        def pack_hook(tensor):   # activations only: a weight's (an adapter's too) is held anyway
+            if tensor.untyped_storage().data_ptr() not in weights:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor), \
+                step_layout(batch.layout):
+            base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                         attention_mask=None, use_cache=False)
+        return sum(storages.values()), base.model, LoraConfig(**lora), batch.layout.num_tokens
+
+    without, _, _, _ = saved_bytes([])
+    with_experts, model, lora, tokens = saved_bytes(BOTH)
+    per_token, kept = activation_bytes(model, lora)
+    predicted = per_token * tokens + sum(bytes_per_token for _, bytes_per_token in kept) * tokens
+    assert with_experts - without == pytest.approx(predicted, rel=0.02)
+
+
+def test_a_base_computing_its_experts_grouped_refuses_them_saying_where_they_train():
+    """On CUDA transformers' grouped experts product stays, which knows no job: such a base refuses LoRA on its
+    stacks (shown on a CPU base set to that implementation), with nothing left attached."""
+    model = build_model(build_config("olmoe"))
+    base = from_module(model, None)
+    model.set_experts_implementation("grouped_mm")
+    lora = {"r": 2, "target_modules": ["q_proj"], "target_parameters": BOTH}
+    with pytest.raises(ValueError, match="trains on CPU trainers only so far"):
+        TrainingJob.create(job_spec("gpu", 1, lora), base, examples(0, [10]), [], seed=0)
+    assert not any("lora" in name for name, _ in model.named_parameters())

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from actors.engine import experts_lora, lora_layer_state
+from actors.engine import experts_lora, lora_layer_state, moe_experts
 from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
@@ -223,6 +223,8 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         layers[module_name] = adapter
     pool_masters(layers.values(), device)
     try:   # after the linear layers: their initialisation draws first, whatever the stacks
+        if config.target_parameters:
+            moe_experts.route_adapted_experts(model)
         experts = experts_lora.attach(model, name, config, generator=init_generator, dtype=dtype)
     except ValueError:
         remove_adapter(model, name)

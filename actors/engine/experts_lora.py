@@ -25,6 +25,10 @@ from actors.spec.lora_config import LoraConfig
 EXPERTS_NAME = "aspen_segments"
 """transformers' experts implementation that computes each expert's rows job by job (actors/engine/moe_experts.py)."""
 
+ROUTED_NAME = "aspen_routed"
+"""transformers' experts implementation that takes that way in the layers holding expert adapters only, the model's
+own (grouped) elsewhere: what a CUDA base switches to when the first such adapter joins."""
+
 ADAPTERS = "aspen_experts_lora"
 """The attribute of an experts module holding its adapters: job name -> {stack name: ExpertsLora}."""
 
@@ -130,14 +134,14 @@ def attach(model: nn.Module, name: str, config: LoraConfig, *, generator: torch.
            dtype: torch.dtype = torch.float32) -> dict[str, ExpertsLora]:
     """Give job `name` its adapters on every stack `config.target_parameters` names; returns them under their
     PEFT module names (`<module>.lora_A.weight` is then PEFT's key). The model must compute its experts job by
-    job (actors/engine/moe_experts.py), which a CPU base does: ValueError otherwise."""
+    job (actors/engine/moe_experts.py: a CPU base does; a CUDA base is routed first): ValueError otherwise."""
     if not config.target_parameters:
         return {}
     stacks = targeted_stacks(model, config.target_parameters)
-    if getattr(model.config, "_experts_implementation", None) != EXPERTS_NAME:
-        raise ValueError("lora.target_parameters: LoRA on expert stacks trains on CPU trainers only so far (its "
-                         "update is computed job by job over each expert's rows); on this trainer adapt "
-                         "attention and the dense layers (target_modules) and remove lora.target_parameters")
+    if getattr(model.config, "_experts_implementation", None) not in (EXPERTS_NAME, ROUTED_NAME):
+        raise ValueError("lora.target_parameters: this base computes its experts without knowing the step's jobs "
+                         f"({model.config._experts_implementation}); `moe_experts.route_adapted_experts` routes them "
+                         "(adapter_surgery.add_adapter calls it)")
     adapters: dict[str, ExpertsLora] = {}
     for module_name, names in stacks.items():
         module = model.get_submodule(module_name)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from actors.engine.experts_lora import EXPERTS_NAME, job_adapters
+from actors.engine.experts_lora import EXPERTS_NAME, ROUTED_NAME, job_adapters
 from actors.engine.layout import current_layout
 
-__all__ = ["EXPERTS_NAME", "segment_experts_forward", "use_segment_experts"]
+__all__ = ["EXPERTS_NAME", "ROUTED_NAME", "route_adapted_experts", "segment_experts_forward", "use_segment_experts"]
 
 
 def _group_of_tokens(num_tokens: int, device: torch.device) -> tuple[torch.Tensor, list[str | None]]:
@@ -104,16 +104,47 @@ def has_experts(model: torch.nn.Module) -> bool:
                for module in model.modules())
 
 
+def _set_implementation(model: torch.nn.Module, name: str, forward) -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(name, forward)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(name)
+    else:
+        model.config._experts_implementation = name
+
+
 def use_segment_experts(model: torch.nn.Module) -> bool:
     """On a CPU model with experts, compute them job by job (this module); True where it did."""
     devices = {parameter.device.type for parameter in model.parameters()} - {"meta"}   # a pipeline stage's others
     if devices != {"cpu"} or not has_experts(model):
         return False
+    _set_implementation(model, EXPERTS_NAME, segment_experts_forward)
+    return True
+
+
+GROUPED = "_aspen_grouped_experts"   # the config's own implementation, kept where ROUTED_NAME replaced it
+
+
+def routed_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts of a layer holding LoRA adapters on its stacks job by job (`segment_experts_forward`); those of
+    every other layer as the model's own implementation computes them (on CUDA transformers' grouped product)."""
+    if job_adapters(module) is not None:
+        return segment_experts_forward(module, hidden_states, top_k_index, top_k_weights)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, segment_experts_forward)
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(EXPERTS_NAME)
-    else:
-        model.config._experts_implementation = EXPERTS_NAME
-    return True
+    own = getattr(module.config, GROUPED, "eager")
+    forward = ALL_EXPERTS_FUNCTIONS.get_interface(own, type(module).forward.__wrapped__)
+    return forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+def route_adapted_experts(model: torch.nn.Module) -> None:
+    """Before LoRA adapters join a model's expert stacks: where its experts run transformers' grouped product (a
+    CUDA base), the layers holding such adapters take the job-by-job way (which a product over every job's rows
+    could not adapt per job) and the others keep the grouped one (`routed_experts_forward`)."""
+    own = getattr(model.config, "_experts_implementation", None)
+    if own in (EXPERTS_NAME, ROUTED_NAME) or not has_experts(model):
+        return
+    setattr(model.config, GROUPED, own or "eager")
+    _set_implementation(model, ROUTED_NAME, routed_experts_forward)

@@ -2,7 +2,9 @@
 CPU's sequence-by-sequence experts, actors/engine/moe_experts.py, are for the CPU's bit-for-bit claim), and a
 first fused step of three jobs on a tiny Qwen3-MoE in float32 gives each job its loss alone within the rounding
 tolerance of the model's longest chain of sums (tests/helpers/tolerances.py; on CUDA a product over more rows may
-take another algorithm). The same check runs on the CPU, where it holds exactly."""
+take another algorithm). The first job also adapts the expert stacks (actors/engine/experts_lora.py): on CUDA its
+layers holding such adapters then compute their experts job by job. The same check runs on the
+CPU, where it holds exactly."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from tests.helpers.model_families import VOCAB, build_config, build_model
 from tests.helpers.models import random_examples
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
-LORAS = ({"r": 8, "alpha": 16, "target_modules": "all-linear"}, {"r": 4, "alpha": 8, "target_modules": "all-linear"},
+LORAS = ({"r": 8, "alpha": 16, "target_modules": "all-linear",
+          "target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+         {"r": 4, "alpha": 8, "target_modules": "all-linear"},
          {"r": 16, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
 
 
@@ -30,8 +34,9 @@ def first_step_losses(device: str, jobs: list[int]) -> list[float]:
         job = TrainingJob.create(job_spec(f"job-{index}", lora=LORAS[index]), base,
                                  random_examples(index, vocab=VOCAB), [], seed=index)
         with torch.no_grad():   # B non-zero: the adapters take part in the first step
-            for layer in job.adapter.layers.values():
-                layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=torch.Generator().manual_seed(index)))
+            for name, parameter in job.adapter.named_parameters():
+                if name.endswith("lora_B.weight"):
+                    parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(index)))
         trainer.add_job(job)
     return [result.loss for result in trainer.train_step().results]
 

@@ -272,13 +272,68 @@ def test_the_memory_prior_counts_what_autograd_keeps_for_the_experts_adapters(dt
     assert with_experts - without == pytest.approx(predicted, rel=0.02)
 
 
-def test_a_base_computing_its_experts_grouped_refuses_them_saying_where_they_train():
-    """On CUDA transformers' grouped experts product stays, which knows no job: such a base refuses LoRA on its
-    stacks (shown on a CPU base set to that implementation), with nothing left attached."""
+def test_on_a_base_computing_its_experts_grouped_only_the_adapted_layers_go_job_by_job(tmp_path, monkeypatch):
+    """A CUDA base runs transformers' grouped experts product, which knows no job (shown on a CPU base set to it):
+    when an adapter on expert stacks joins, the layers holding one take the job-by-job way and the others keep the
+    grouped product; both jobs' losses are still PEFT's alone on each sequence."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from actors.engine import moe_experts
+
     model = build_model(build_config("olmoe"))
+    reference = copy.deepcopy(model)
     base = from_module(model, None)
     model.set_experts_implementation("grouped_mm")
-    lora = {"r": 2, "target_modules": ["q_proj"], "target_parameters": BOTH}
-    with pytest.raises(ValueError, match="trains on CPU trainers only so far"):
-        TrainingJob.create(job_spec("gpu", 1, lora), base, examples(0, [10]), [], seed=0)
-    assert not any("lora" in name for name, _ in model.named_parameters())
+    calls = []
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm",
+                        lambda module, *args: calls.append(("grouped", module)) or grouped(module, *args))
+    segments = moe_experts.segment_experts_forward
+    monkeypatch.setattr(moe_experts, "segment_experts_forward",
+                        lambda module, *args: calls.append(("segments", module)) or segments(module, *args))
+    jobs = [("job-a", [24, 13], {"r": 4, "alpha": 8, "target_modules": ["q_proj"],
+                                 "target_parameters": ["layers.0.mlp.experts.down_proj"]}),
+            ("job-b", [19, 6, 30], {"r": 2, "alpha": 6, "target_modules": ["o_proj"]})]
+    made = make_jobs(base, jobs)
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    for job in made:
+        trainer.add_job(job)
+    batches = [list(job.peek()) for job in made]
+    report = trainer.run_step(trainer.compose())
+    layers = [model.model.layers[index].mlp.experts for index in range(2)]
+    assert [kind for kind, module in calls if module is layers[0]] == ["segments"]
+    assert [kind for kind, module in calls if module is layers[1]] == ["grouped"]
+    for job, batch, result in zip(made, batches, report.results, strict=True):
+        save_adapter(job.adapter, tmp_path / job.name, "tiny")
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), tmp_path / job.name).eval()
+        with torch.no_grad():
+            losses = sequence_losses(peft_model, batch)
+        counts = [sum(label != -100 for label in e.labels[1:]) for e in batch]
+        expected = sum(loss * count for loss, count in zip(losses, counts, strict=True)) / sum(counts)
+        assert result.loss == pytest.approx(expected.item(), rel=LOSS_TOLERANCE), job.name
+
+
+def test_on_the_cuda_path_an_optimizer_step_moves_the_experts_adapters_too(monkeypatch):
+    """The CUDA LoRA path (run on a CPU bfloat16 base: `lora_cuda.COMPUTE = "base"`, experts grouped as on CUDA):
+    a job with stacks beside its pooled linear adapters keeps torch's AdamW over all of them (the one-pass AdamW
+    takes a pool alone), so two optimizer steps move every tensor of its adapter (the first its Bs from zero, the
+    second its As, whose gradient is zero while B is)."""
+    from actors.engine import lora_cuda
+
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    model = build_model(build_config("qwen3_moe")).to(torch.bfloat16)
+    base = from_module(model, None)
+    model.set_experts_implementation("grouped_mm")
+    spec = JobSpec(name="cuda-path", data="unused.jsonl", format={"type": "text"}, batch_size=2, grad_accum=1,
+                   max_steps=5, lr=1e-2, lora={"r": 4, "target_modules": ["q_proj", "v_proj"],
+                                                "target_parameters": BOTH})
+    job = TrainingJob.create(spec, base, examples(0, [20, 12]), [], seed=0)
+    before = {name: p.detach().clone() for name, p in job.adapter.named_parameters()}
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    trainer.add_job(job)
+    for _ in range(2):
+        report = trainer.run_step(trainer.compose())
+        assert report.results[0].optimizer_step is not None
+    assert job.optimizer.flat is None
+    for name, parameter in job.adapter.named_parameters():
+        assert not torch.equal(parameter.detach(), before[name]), name

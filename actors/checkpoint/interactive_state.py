@@ -19,9 +19,8 @@ from safetensors.torch import load_file, save_file
 from actors.checkpoint.initial_adapter import read_adapter_tensors, start_from_tensors
 from actors.checkpoint.peft_io import METADATA_NAME, PREFIX, save_adapter
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
-from actors.engine.interactive_model import LORA_ALPHA, InteractiveModel, target_modules
+from actors.engine.interactive_model import InteractiveModel, interactive_lora, target_modules
 from actors.engine.models import BaseModel
-from actors.spec.lora_config import LoraConfig
 from actors.spec.saved_adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterFileError
 from actors.storage.base_identity import BaseIdentity, base_identity
 from actors.storage.durable import replace_durably, staging_folder, write_durably
@@ -122,7 +121,9 @@ def hold_sampler_weights(base: BaseModel, name: str, folder: str | Path) -> Adap
     folder = Path(folder)
     try:
         rank = json.loads((folder / METADATA_NAME).read_text())["lora_rank"]
-        leaves = {str(t).rsplit(".", 1)[-1] for t in json.loads((folder / CONFIG_NAME).read_text())["target_modules"]}
+        saved = json.loads((folder / CONFIG_NAME).read_text())
+        leaves = {str(t).rsplit(".", 1)[-1] for t in saved["target_modules"]}
+        stacks = bool(saved.get("target_parameters"))
     except FileNotFoundError as error:
         raise ValueError(f"{folder}: not saved sampler weights ({Path(error.filename).name} is missing)") from None
     except (ValueError, KeyError, TypeError, OSError) as error:
@@ -131,12 +132,13 @@ def hold_sampler_weights(base: BaseModel, name: str, folder: str | Path) -> Adap
     if not isinstance(rank, int):
         raise ValueError(f"{folder / METADATA_NAME}: lora_rank is {rank!r}, not a rank; save the weights again")
     attention = bool(leaves & set(target_modules(base, train_attn=True, train_mlp=False)))
-    mlp = bool(leaves & set(target_modules(base, train_attn=False, train_mlp=True)))
+    mlp = stacks or bool(leaves & set(target_modules(base, train_attn=False, train_mlp=True)))
     if not (attention or mlp):
         raise ValueError(f"{folder / CONFIG_NAME}: its target_modules ({', '.join(sorted(leaves))}) name no linear "
                          f"layer of the base '{base.name}': the weights were saved on another base")
-    config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0,
-                        target_modules=target_modules(base, train_attn=attention, train_mlp=mlp))
+    config = interactive_lora(base, rank, train_attn=attention, train_mlp=mlp)
+    if not stacks:   # saved before models trained an MoE base's experts, or on a dense base
+        config = config.model_copy(update={"target_parameters": []})
     handle = add_adapter(base.model, name, config, seed=0)
     try:
         for parameter in handle.parameters():

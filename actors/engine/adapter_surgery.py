@@ -170,7 +170,8 @@ class AdapterHandle:
 def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
                 dtype: torch.dtype = torch.float32) -> AdapterHandle:
     """Attach a new adapter to the (frozen) model without reloading it."""
-    if any(isinstance(m, FusedLoraLinear) and name in m.adapters for m in model.modules()):
+    if any((isinstance(m, FusedLoraLinear) and name in m.adapters)
+           or ((held := experts_lora.job_adapters(m)) is not None and name in held) for m in model.modules()):
         raise ValueError(f"an adapter named '{name}' is already attached")
     check_adaptable(model, config.target_modules)
     candidates = linear_module_names(model)

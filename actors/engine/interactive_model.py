@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
+from actors.engine.experts_lora import stack_shapes
 from actors.engine.host_tensors import on_host
 from actors.engine.joint_steps import chained_sum
+from actors.engine.lora_targets import stack_targets
 from actors.engine.models import BaseModel
 from actors.engine.optim import fused_option
 from actors.spec.lora_config import LoraConfig
@@ -61,8 +63,7 @@ class InteractiveModel:
         if not 1 <= rank <= MAX_RANK:
             raise ValueError(f"rank must be between 1 and {MAX_RANK} (got {rank})")
         self.base, self.name, self.rank = base, name, rank
-        targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp)
-        self.config = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
+        self.config = interactive_lora(base, rank, train_attn=train_attn, train_mlp=train_mlp)
         self.adapter: AdapterHandle = add_adapter(base.model, name, self.config, seed=seed)
         parameters = self.adapter.parameters()
         self.optimizer = torch.optim.AdamW(parameters, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
@@ -160,10 +161,18 @@ def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> lis
         attention = "attn" in name or leaf in ("q_proj", "k_proj", "v_proj", "o_proj")
         if (attention and train_attn) or (not attention and train_mlp):
             names.add(leaf)
-    if not names:
-        raise ValueError(NO_MLP_LAYERS)
     return sorted(names)
 
 
-NO_MLP_LAYERS = ("train_mlp alone, but nothing of this base's MLP is adapted (an MoE base's experts, and on some "
-                 "MoE types its dense and shared MLP layers: docs/models.md): train attention too (train_attn=True)")
+def interactive_lora(base: BaseModel, rank: int, *, train_attn: bool, train_mlp: bool) -> LoraConfig:
+    """A Tinker model's adapter: its linear layers (`target_modules`) and, with the MLP on an MoE base, every expert
+    stack (as Tinker trains the experts there); ValueError where that adapts nothing."""
+    targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp)
+    stacks = stack_targets(stack_shapes(base.model)) if train_mlp else []
+    if not targets and not stacks:
+        raise ValueError(NO_MLP_LAYERS)
+    return LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets, target_parameters=stacks)
+
+
+NO_MLP_LAYERS = ("train_mlp alone, but nothing of this base's MLP is adapted (on some MoE types its dense and "
+                 "shared MLP layers are left alone: docs/models.md): train attention too (train_attn=True)")

@@ -54,3 +54,9 @@ def matching_shapes(targets: list[str], shapes: dict[str, tuple[int, int, int]])
     matching (the full dotted name, or its last components), from `experts_lora.stack_shapes`."""
     return [shape for key, shape in shapes.items()
             if any(key == target or key.endswith("." + target) for target in targets)]
+
+
+def stack_targets(stack_names) -> list[str]:
+    """`target_parameters` naming every expert stack of a base (`experts_lora.stack_shapes`' keys, e.g.
+    model.layers.0.mlp.experts.down_proj) by its module's and its own name: [experts.down_proj, ...]."""
+    return sorted({".".join(name.split(".")[-2:]) for name in stack_names})

@@ -66,7 +66,8 @@ class LoraConfig(StrictModel):
         0.0, description="dropout on the adapter's input (each job draws its own masks)")
     use_rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        ["q_proj", "v_proj"], description="module names to adapt, or `all-linear`")
+        ["q_proj", "v_proj"], description="module names to adapt, or `all-linear` ([] with target_parameters: the "
+                                          "expert stacks alone)")
     target_parameters: list[str] = Field(
         [], description="an MoE base's expert weight stacks to adapt as well (PEFT's target_parameters), matched like "
                         "PEFT: the full dotted name or its last components, e.g. [experts.gate_up_proj, "
@@ -145,12 +146,14 @@ class LoraConfig(StrictModel):
                 raise ValueError(f"{name!r} is not a parameter's dotted name; give e.g. experts.gate_up_proj")
         return value
 
-    @field_validator("target_modules")
-    @classmethod
-    def _non_empty(cls, value: list[str] | str) -> list[str] | str:
-        if isinstance(value, list) and not value:
-            raise ValueError("give at least one module name, e.g. [q_proj, v_proj], or 'all-linear'")
-        return value
+    @model_validator(mode="after")
+    def _non_empty(self) -> LoraConfig:
+        """Something to adapt: a linear layer, or (PEFT's `target_modules: []` beside `target_parameters`) only
+        expert stacks."""
+        if isinstance(self.target_modules, list) and not self.target_modules and not self.target_parameters:
+            raise ValueError("lora.target_modules: give at least one module name, e.g. [q_proj, v_proj], or "
+                             "'all-linear'")
+        return self
 
     @property
     def scaling(self) -> float:

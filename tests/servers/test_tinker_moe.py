@@ -1,7 +1,7 @@
 """The Tinker API on an MoE base (a tiny random Qwen3-MoE: 4 experts, 2 a token), driven by the real `tinker`
-SDK: a LoRA model trains its attention (the experts are not adapted: docs/models.md), its forward's
-log-probabilities are the Hugging Face model's with the PEFT adapter it saved, its sampler samples, and a model
-asking for the MLP alone is refused (422), saying nothing of its MLP is adapted and what to set."""
+SDK: a LoRA model trains its attention and, as Tinker does, its experts (each expert's own LoRA on the stacks:
+actors/engine/experts_lora.py), its forward's log-probabilities are the Hugging Face model's with the PEFT adapter
+it saved, its sampler samples; a model of the MLP alone adapts the experts alone."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def hf_target_logprobs(model: torch.nn.Module, rows) -> list[torch.Tensor]:
                 .gather(-1, torch.tensor(targets)[:, None])[:, 0] for tokens, targets, _ in rows]
 
 
-def test_a_moe_base_trains_its_attention_through_the_sdk(tmp_path, monkeypatch):
+def test_a_moe_base_trains_its_attention_and_experts_through_the_sdk(tmp_path, monkeypatch):
     from peft import PeftModel
 
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -40,9 +40,10 @@ def test_a_moe_base_trains_its_attention_through_the_sdk(tmp_path, monkeypatch):
     with tinker_in_process(from_module(model, None), BASE, tmp_path / "weights", KEYS.get,
                            window_s=0.05) as (url, backend, _):
         client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
-        refused = r"nothing of this base's MLP is adapted.*train_attn=True"
-        with pytest.raises(tinker.UnprocessableEntityError, match=refused):
-            client.create_lora_training_client(base_model=BASE, rank=4, train_attn=False).result()
+        experts_only = client.create_lora_training_client(base_model=BASE, rank=4, train_attn=False).result()
+        experts_only.forward_backward(datums(ROWS), "cross_entropy").result()
+        experts_only.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        mlp_folder = experts_only.save_weights_for_sampler("mlp").result().path
         training = client.create_lora_training_client(base_model=BASE, rank=4).result()
         for _ in range(3):
             training.forward_backward(datums(ROWS), "cross_entropy").result()
@@ -56,11 +57,16 @@ def test_a_moe_base_trains_its_attention_through_the_sdk(tmp_path, monkeypatch):
         assert all(0 <= token < VOCAB for sequence in sampled.sequences for token in sequence.tokens)
         client.close("success").result()
         folder = backend.weights_dir / training.model_id.replace(":", "-") / "sampler_weights" / "s"
+        mlp = backend.weights_dir / experts_only.model_id.replace(":", "-") / "sampler_weights" / "mlp"
+        assert mlp_folder.endswith("/mlp")
 
+    def adapted(peft_model) -> set[str]:
+        return {name.split(".lora_")[0].replace(".base_layer", "").rsplit(".", 1)[-1]
+                for name, _ in peft_model.named_parameters() if "lora_" in name}
+
+    assert adapted(PeftModel.from_pretrained(copy.deepcopy(reference), mlp)) == {"experts"}
     peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), folder).eval()
-    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, _ in peft_model.named_parameters()
-               if "lora_" in name}
-    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert adapted(peft_model) == {"q_proj", "k_proj", "v_proj", "o_proj", "experts"}
     expected = hf_target_logprobs(peft_model, ROWS)
     bare = hf_target_logprobs(reference, ROWS)
     for output, want, before in zip(forward.loss_fn_outputs, expected, bare, strict=True):

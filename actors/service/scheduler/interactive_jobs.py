@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.engine.lora_targets import stack_targets
 from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_record import JobRecord
@@ -65,8 +66,10 @@ def adapted_modules(linear_names: list[str], *, train_attn: bool, train_mlp: boo
 
 
 def interactive_submission(model_id: str, base_model: str, rank: int, targets: list[str],
-                           user: str | None) -> JobSubmission:
-    lora = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets)
+                           user: str | None, stacks: list[str] | None = None) -> JobSubmission:
+    """`stacks`: the MoE base's expert stacks, where the model trains the MLP (as the trainer's
+    `interactive_model.interactive_lora` adapts them)."""
+    lora = LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets, target_parameters=stacks or [])
     job = JobSpec(name=job_name(model_id), method="interactive", lora=lora, lr_schedule="constant", max_steps=None,
                   epochs=None, checkpoint_every_s=None)
     return JobSubmission(job=job, base_model=base_model, user=user)
@@ -107,11 +110,12 @@ class InteractiveJobs:
         if not (train_attn or train_mlp):
             raise ValueError("train_attn and train_mlp are both false: nothing to train")
         targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
-        if not targets:
-            raise ValueError("train_mlp alone, but nothing of this base's MLP is adapted (an MoE base's experts, and "
-                             "on some MoE types its dense and shared MLP layers: docs/models.md): train attention "
-                             "too (train_attn=True)")
-        submission = interactive_submission(model_id, base_model, rank, targets, user)
+        stacks = stack_targets(same_base[0].expert_shapes) if train_mlp else []
+        if not targets and not stacks:
+            raise ValueError("train_mlp alone, but nothing of this base's MLP is adapted (on some MoE types its dense "
+                             "and shared MLP layers are left alone: docs/models.md): train attention too "
+                             "(train_attn=True)")
+        submission = interactive_submission(model_id, base_model, rank, targets, user, stacks)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name
         try:

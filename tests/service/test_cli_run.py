@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from actors.storage.gguf_cache import converted_source
@@ -189,9 +190,10 @@ def test_aspen_run_three_jobs_on_smollm2(tmp_path):
 
 @pytest.mark.long   # ~20 s: two runs of `aspen run` (make test-long)
 def test_aspen_run_on_a_tiny_moe_model(tmp_path, tiny_tokenizer):
-    """The same jobs file on a tiny Qwen3-MoE folder (a dense layer, experts elsewhere): every job trains, the
-    adapters PEFT loads hold attention only (the experts and, on this type, the dense MLP are not adapted:
-    docs/models.md), and a job naming an MLP layer fails, saying why."""
+    """The same jobs file on a tiny Qwen3-MoE folder (a dense layer, experts elsewhere), the first job also adapting
+    the expert stacks (`target_parameters`): every job trains, the adapters PEFT loads hold attention (on this type
+    the dense MLP is not adapted: docs/models.md) and the first job's the experts, and a job naming an MLP layer
+    fails, saying why."""
     from tests.helpers.model_families import build_config, build_model
     from tests.helpers.models import VOCAB
 
@@ -199,13 +201,20 @@ def test_aspen_run_on_a_tiny_moe_model(tmp_path, tiny_tokenizer):
     build_model(build_config("qwen3_moe", vocab_size=VOCAB, max_position_embeddings=512)).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     write_data(tmp_path / "data")
-    (tmp_path / "jobs.yaml").write_text(JOBS.format(base=folder, steps=3))
+    stacks = "target_parameters: [experts.gate_up_proj, experts.down_proj]"
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(base=folder, steps=3).replace(
+        "target_modules: [q_proj, v_proj]}", f"target_modules: [q_proj, v_proj], {stacks}}}"))
     done = aspen("run", "--in-process", "jobs.yaml", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     check_outputs(tmp_path / "out", {"add": 3, "alpaca": 3, "chat": 4}, folder)
     for job in ("add", "alpaca", "chat"):
-        targets = set(json.loads((tmp_path / "out" / job / "adapter_config.json").read_text())["target_modules"])
-        assert targets <= {"q_proj", "k_proj", "v_proj", "o_proj"}, (job, targets)
+        config = json.loads((tmp_path / "out" / job / "adapter_config.json").read_text())
+        assert set(config["target_modules"]) <= {"q_proj", "k_proj", "v_proj", "o_proj"}, (job, config)
+        assert sorted(config["target_parameters"] or []) == (
+            ["experts.down_proj", "experts.gate_up_proj"] if job == "add" else []), job
+    saved = load_file(tmp_path / "out" / "add" / "adapter_model.safetensors")
+    stack = "base_model.model.model.layers.0.mlp.experts.lora_B.weight"
+    assert saved[stack].abs().sum() > 0, "the experts adapter trained"
     mlp = JOBS.format(base=folder, steps=1).replace("[q_proj, v_proj]", "[q_proj, down_proj]")
     (tmp_path / "mlp.yaml").write_text(mlp.replace("output_dir: out", "output_dir: out-mlp"))
     refused = aspen("run", "--in-process", "mlp.yaml", cwd=tmp_path)

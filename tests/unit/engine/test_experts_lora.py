@@ -337,3 +337,27 @@ def test_on_the_cuda_path_an_optimizer_step_moves_the_experts_adapters_too(monke
     assert job.optimizer.flat is None
     for name, parameter in job.adapter.named_parameters():
         assert not torch.equal(parameter.detach(), before[name]), name
+
+
+def test_a_merged_export_of_an_experts_adapter_is_the_trained_model(tmp_path):
+    """`aspen export --merge` of an adapter on expert stacks: the file-by-file merge does not apply (a checkpoint keeps
+    each expert's weights apart; transformers stacks them as it loads), so PEFT merges the loaded model, whose loss
+    on a sequence is the job's in a step."""
+    from actors.checkpoint.adapter_export import _streamable_base, merged_model
+
+    model = build_model(build_config("qwen3_moe"))
+    model.save_pretrained(tmp_path / "base")
+    base = from_module(model, None)
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj"], "target_parameters": BOTH}
+    job = make_jobs(base, [("job-a", [23], lora)])[0]
+    batch = list(job.peek())
+    save_adapter(job.adapter, tmp_path / "adapter", "tiny")
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    trainer.add_job(job)
+    loss = trainer.run_step(trainer.compose()).results[0].loss
+    assert _streamable_base(tmp_path / "adapter", str(tmp_path / "base")) is None
+    merged, _ = merged_model(tmp_path / "adapter", base=str(tmp_path / "base"), dtype="float32")
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        expected = sequence_losses(merged.eval(), batch)[0]
+    assert loss == pytest.approx(expected.item(), rel=LOSS_TOLERANCE)

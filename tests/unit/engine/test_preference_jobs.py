@@ -26,17 +26,20 @@ from tests.helpers.pairs import ROWS, random_pairs
 from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
 
 
-@pytest.mark.parametrize("config", ["float32", "float16", "qwen3_moe"])
+@pytest.mark.parametrize("config", ["float32", "float16", "qwen3_moe", "qwen3_moe experts"])
 def test_dpo_orpo_and_sft_jobs_in_one_fused_step_train_exactly_as_alone(config):
     """Two DPO jobs (their references from one shared no-adapter forward), an SFT job, an ORPO job with
     dropout and accumulation and a CPO job: each one's losses and adapter equal its solo run's exactly (CPU; float16:
-    each job with its own loss scale; an MoE base, whose experts group the reference pass's rows by job too)."""
+    each job with its own loss scale; an MoE base, whose experts group the reference pass's rows by job too; and
+    there every job but ORPO, whose dropout the stacks do not take, with LoRA on the expert stacks too)."""
     from actors.engine.models import from_module
     from tests.helpers.isolation import VOCAB, assert_isolated, base_for
     from tests.helpers.model_families import build_config, build_model
 
+    stacks = ["experts.gate_up_proj", "experts.down_proj"] if config.endswith("experts") else []
+    config = config.split()[0]
     common = {"data": "unused.jsonl", "lr": 1e-2, "warmup_steps": 1,
-              "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}}
+              "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear", "target_parameters": stacks}}
     jobs = [(JobSpec(name="dpo", format={"type": "preference"}, method="dpo", batch_size=2, max_steps=2,
                      **common), random_pairs(0, 6, VOCAB), 0),
             (JobSpec(name="sft", format={"type": "text"}, batch_size=3, max_steps=2, **common),

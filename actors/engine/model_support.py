@@ -110,10 +110,11 @@ def _qwen2_moe(config: Any) -> list[str]:
 _BIDIRECTIONAL = "`use_bidirectional_attention`"
 _ROUTER = "`output_router_logits` (the router's loss)"
 # transformers keeps a layer's experts as 3D parameters, not linear layers; its router is no linear layer either
-_MOE_EXPERTS = "MoE experts (3D parameters) and router are not linear layers, not adapted"
+_MOE_EXPERTS = "MoE experts (3D parameters) adapted by `target_parameters`, router frozen"
 _EXPERT_NAMES = EXPERT_NAMES   # actors/engine/lora_targets.py says why
-_MLP_AS_EXPERTS = ("LoRA adapts attention only: dense and shared MLP layers are left too (PEFT reads their names "
-                   "as the experts')")
+_ATTENTION_ONLY = "`target_modules` adapts attention only"
+_MLP_AS_EXPERTS = (f"{_ATTENTION_ONLY}: dense and shared MLP layers are left too (PEFT reads their names as the "
+                   "experts')")
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
     ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
@@ -137,18 +138,19 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         attention="`attention_multiplier` as the scale", other="embedding / residual multipliers",
                         transform=_granite_logits),
     ArchitectureSupport("gpt_oss", "openai/gpt-oss-20b", attention="sinks; sliding/full layers",
-                        other="RoPE yarn; MoE experts are not linear layers: LoRA adapts attention only",
+                        other="RoPE yarn; MoE experts are not linear layers: `target_modules` adapts attention, "
+                              "`target_parameters` the expert stacks",
                         refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("qwen3_moe", "Qwen/Qwen3-30B-A3B", attention="sliding window (`use_sliding_window`)",
                         other=f"q/k norm; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER,
                         check=_no_router_loss, unadapted=_EXPERT_NAMES),
     ArchitectureSupport("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", attention="q/k/v bias",
-                        other=f"{_MOE_EXPERTS}: LoRA adapts attention, the shared expert and its gate",
+                        other=f"{_MOE_EXPERTS}; `target_modules` adapts attention, the shared expert and its gate",
                         refused=f"{_ROUTER}; `use_sliding_window`", check=_qwen2_moe),
     ArchitectureSupport("mixtral", "mistralai/Mixtral-8x7B-v0.1", attention="sliding window",
-                        other=f"{_MOE_EXPERTS}: LoRA adapts attention only", refused=_ROUTER, check=_no_router_loss),
+                        other=f"{_MOE_EXPERTS}; {_ATTENTION_ONLY}", refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("olmoe", "allenai/OLMoE-1B-7B-0924", attention="q/k norm over all heads; `clip_qkv`",
-                        other=f"{_MOE_EXPERTS}: LoRA adapts attention only", refused=_ROUTER, check=_no_router_loss),
+                        other=f"{_MOE_EXPERTS}; {_ATTENTION_ONLY}", refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("deepseek_v3", "deepseek-ai/DeepSeek-V3.1",
                         attention="multi-head latent attention (low-rank q / kv projections, RoPE on a part of each "
                                   "head, interleaved)",
@@ -159,7 +161,7 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
     ArchitectureSupport("granitemoe", "ibm-granite/granite-3.1-3b-a800m-base", logits="÷ `logits_scaling`",
                         attention="`attention_multiplier` as the scale",
-                        other=f"embedding / residual multipliers; {_MOE_EXPERTS}: LoRA adapts attention only",
+                        other=f"embedding / residual multipliers; {_MOE_EXPERTS}; {_ATTENTION_ONLY}",
                         refused=_ROUTER, transform=_granite_logits, check=_no_router_loss),
     ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", other="q/k norm over all heads; norms after the blocks"),
     ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",

@@ -50,6 +50,7 @@ class PipelineAdmission:
         model = engine.base.model
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in engine.module_order}
+        self.expert_shapes: dict[str, tuple[int, int, int]] = {}   # MoE bases train on one device (stage_loading)
         full = [(LoraConfig(), engine.step_tokens)]
         peaks = [m.predict(self._shape(memory, full)) for m, memory in zip(self.models, self.stages, strict=True)]
         self.critical = max(range(len(self.stages)), key=lambda s: peaks[s])

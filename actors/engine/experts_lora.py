@@ -50,12 +50,21 @@ class ExpertsLora(nn.Module):
         self.lora_A = nn.Parameter(lora_a.to(device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, config.r * num_experts, dtype=dtype, device=device))
 
-    def delta(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
-        """The update of expert `expert` for its `rows` (in features each), in the rows' dtype."""
-        lora_a = self.lora_A.view(self.num_experts, self.rank, self.in_features)[expert]
-        lora_b = self.lora_B.view(self.out_features, self.rank, self.num_experts)[:, :, expert]
-        hidden = rows.to(lora_a.dtype) @ lora_a.t()
-        return ((hidden @ lora_b.t()) * self.scaling).to(rows.dtype)
+    def factors(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Every expert's A^T (in, r) and B^T (r, out), made once a forward: one unbind each, whose backward
+        gathers every expert's gradient into one tensor (indexing expert by expert would build a whole-stack
+        gradient for each)."""
+        lora_a = self.lora_A.view(self.num_experts, self.rank, self.in_features).transpose(1, 2)
+        lora_b = self.lora_B.view(self.out_features, self.rank, self.num_experts).permute(2, 1, 0)
+        return lora_a.unbind(0), lora_b.unbind(0)
+
+    def delta(self, rows: torch.Tensor, expert: int,
+              factors: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
+        """The update of expert `expert` for its `rows` (in features each), in the rows' dtype (`factors`: this
+        forward's `factors()`)."""
+        lora_a, lora_b = factors if factors is not None else self.factors()
+        hidden = rows.to(self.lora_A.dtype) @ lora_a[expert]
+        return ((hidden @ lora_b[expert]) * self.scaling).to(rows.dtype)
 
 
 def expert_stacks(module: nn.Module) -> list[str]:

@@ -50,6 +50,13 @@ def _project(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor, 
     return out + bias if bias is not None else out
 
 
+def _factors(made: dict, owner: str, stack: str, lora) -> tuple:
+    key = (owner, stack)
+    if key not in made:
+        made[key] = lora[stack].factors()
+    return made[key]
+
+
 def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' grouped experts forward (up or gate-up projection, gate or activation, optional post-norm, down
@@ -62,6 +69,7 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
     group_of_token, owners = _group_of_tokens(num_tokens, hidden_states.device)
     count_of_groups = max(len(owners), 1)
     adapters = job_adapters(module)
+    factors: dict = {}   # (job, stack) -> its adapter's per-expert factors, made once this forward
     expert_ids = top_k_index.reshape(-1)
     groups = expert_ids * count_of_groups + group_of_token.repeat_interleave(top_k)
     _, order = torch.sort(groups, stable=True)       # by expert, then job, then token: the job's own order
@@ -80,13 +88,13 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
         inputs = rows[start:start + count]
         part = _project(module, inputs, up_weights[expert], up_biases[expert] if up_biases is not None else None)
         if up_name in lora:
-            part = part + lora[up_name].delta(inputs, expert)
+            part = part + lora[up_name].delta(inputs, expert, _factors(factors, owner, up_name, lora))
         part = module._apply_gate(part) if module.has_gate else module.act_fn(part)
         inputs = part
         part = _project(module, inputs, module.down_proj[expert],
                         module.down_proj_bias[expert] if module.has_bias else None)
         if "down_proj" in lora:
-            part = part + lora["down_proj"].delta(inputs, expert)
+            part = part + lora["down_proj"].delta(inputs, expert, _factors(factors, owner, "down_proj", lora))
         outputs.append(part)
         start += count
     out = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])

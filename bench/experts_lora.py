@@ -10,7 +10,7 @@ side's real tokens per second over its timed steps (after one warm-up step a job
 aspen / PEFT; the sides alternate for `--rounds` rounds (a shared machine's speed drifts by more than the sides
 differ) and the median of the rounds' ratios is the figure.
 
-    PYTHONPATH=. python bench/experts_lora.py [--steps 4] [--rounds 3] [--json FILE]
+    PYTHONPATH=. python bench/experts_lora.py [--steps 4] [--rounds 3] [--no-stacks] [--json FILE]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def job_sequences(job: int, steps: int) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(32, 129))] for _ in range((steps + 1) * PER_STEP)]
 
 
-def aspen_side(steps: int) -> dict:
+def aspen_side(steps: int, stacks: list[str]) -> dict:
     from actors.data import Example, TextFormat
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
@@ -64,7 +64,7 @@ def aspen_side(steps: int) -> dict:
         examples = [Example(tuple(ids), tuple(ids)) for ids in job_sequences(job, steps)]
         spec = JobSpec(name=f"job-{job}", data="-", format=TextFormat(), batch_size=PER_STEP, max_steps=steps + 1,
                        lr=1e-4, warmup_steps=0, lora={"r": 8, "alpha": 16, "target_modules": ATTENTION,
-                                                       "target_parameters": STACKS})
+                                                       "target_parameters": stacks})
         trainer.add_job(TrainingJob.create(spec, base, examples, [], seed=job))
     trainer.train_step()   # warm-up: every job's first step
     tokens, start = 0, time.perf_counter()
@@ -74,7 +74,7 @@ def aspen_side(steps: int) -> dict:
     return {"tokens": tokens, "seconds": time.perf_counter() - start}
 
 
-def peft_side(steps: int) -> dict:
+def peft_side(steps: int, stacks: list[str]) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -82,7 +82,7 @@ def peft_side(steps: int) -> dict:
     tokens, seconds = 0, 0.0
     for job in range(JOBS):
         peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ATTENTION,
-                                                      target_parameters=STACKS))
+                                                      target_parameters=stacks or None))
         optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-4,
                                       foreach=True)
         sequences = sorted(job_sequences(job, steps), key=len)
@@ -105,8 +105,9 @@ def peft_side(steps: int) -> dict:
     return {"tokens": tokens, "seconds": seconds}
 
 
-def run_side(side: str, steps: int) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(steps)], capture_output=True,
+def run_side(side: str, steps: int, stacks: bool) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--side", side, "--steps", str(steps)]
+                          + ([] if stacks else ["--no-stacks"]), capture_output=True,
                           text=True, check=False, env={"PYTHONPATH": str(REPO), **__import__("os").environ})
     if done.returncode != 0:
         raise SystemExit(f"the {side} side failed:\n{done.stderr[-3000:]}")
@@ -116,18 +117,21 @@ def run_side(side: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per job")
+    parser.add_argument("--no-stacks", dest="stacks", action="store_false",
+                        help="attention alone on both sides: what the MoE base itself costs each side")
     parser.add_argument("--rounds", type=int, default=3, help="the sides alternate this many times")
     parser.add_argument("--side", choices=["aspen", "peft"], help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.side:
-        result = aspen_side(args.steps) if args.side == "aspen" else peft_side(args.steps)
+        stacks = STACKS if args.stacks else []
+        result = aspen_side(args.steps, stacks) if args.side == "aspen" else peft_side(args.steps, stacks)
         result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(json.dumps(result))
         return
     rounds = []
     for number in range(1, args.rounds + 1):
-        sides = {side: run_side(side, args.steps) for side in ("aspen", "peft")}
+        sides = {side: run_side(side, args.steps, args.stacks) for side in ("aspen", "peft")}
         for side, result in sides.items():
             result["tokens_per_s"] = result["tokens"] / result["seconds"]
             print(f"round {number}  {side:5}  {result['tokens']} tokens in {result['seconds']:.1f} s: "

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from actors.engine.adapter_surgery import set_adapters_training
+from actors.engine.experts_lora import job_adapters
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.models import BaseModel
@@ -36,7 +37,9 @@ def _adapter_training_states(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 
 
 def _attached(model: nn.Module) -> set[str]:
-    return {name for m in model.modules() if isinstance(m, FusedLoraLinear) for name in m.adapters}
+    """The adapters on the model: on its linear layers, or on its expert stacks alone (experts_lora.py)."""
+    return ({name for m in model.modules() if isinstance(m, FusedLoraLinear) for name in m.adapters}
+            | {name for m in model.modules() if (held := job_adapters(m)) is not None for name in held})
 
 
 def needs_eager_attention(model: nn.Module) -> bool:

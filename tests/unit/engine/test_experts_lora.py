@@ -361,3 +361,35 @@ def test_a_merged_export_of_an_experts_adapter_is_the_trained_model(tmp_path):
     with torch.no_grad():
         expected = sequence_losses(merged.eval(), batch)[0]
     assert loss == pytest.approx(expected.item(), rel=LOSS_TOLERANCE)
+
+
+def test_greedy_decoding_through_an_experts_adapter_is_peft_generates(tmp_path):
+    """Decoding (a KV cache, a left-padded batch of prompts) goes through each prompt's own expert adapters as
+    PEFT's `generate` does with the adapter; an adapter on the stacks alone (`target_modules: []`) decodes too."""
+    from actors.engine.generate import greedy_generate
+
+    model = build_model(build_config("qwen3_moe"))
+    reference = copy.deepcopy(model)
+    base = from_module(model, None)
+    jobs = make_jobs(base, [("job-a", [10], {"r": 4, "alpha": 8, "target_modules": ["q_proj"],
+                                             "target_parameters": BOTH}),
+                            ("job-b", [10], {"r": 2, "alpha": 8, "target_modules": [], "target_parameters": BOTH})])
+    with torch.no_grad():   # larger updates, so that the greedy tokens change
+        for job in jobs:
+            for _, parameter in job.adapter.named_parameters():
+                parameter.mul_(8)
+    prompts = [[5, 9, 33, 7], [71, 2, 45, 88, 19, 6]]
+    bare = greedy_generate(base, None, prompts, 6, set())
+    for job in jobs:
+        save_adapter(job.adapter, tmp_path / job.name, "tiny")
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), tmp_path / job.name).eval()
+        expected = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=6, eos_token_id=-1, pad_token_id=0)
+            expected.append(out[0, len(prompt):].tolist())
+        got = greedy_generate(base, job.name, prompts, 6, set())
+        assert got == expected, job.name
+        assert got != bare, job.name

@@ -130,3 +130,37 @@ def examples(seed: int, lengths: list[int]) -> list[Example]:
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def step_with_token_losses(trainer):
+    """One fused step of the trainer's jobs: its report and every target token's loss, in the step's order (the
+    engine's `target_cross_entropy` watched for the step)."""
+    from actors.engine import step_objective
+
+    captured = []
+    real_loss = step_objective.target_cross_entropy
+
+    def spy(*args, **kwargs):
+        total, losses = real_loss(*args, **kwargs)
+        captured.append(losses)
+        return total, losses
+
+    step_objective.target_cross_entropy = spy
+    try:
+        report = trainer.run_step(trainer.compose())
+    finally:
+        step_objective.target_cross_entropy = real_loss
+    return report, captured[0]
+
+
+def job_loss_and_gradients(peft_model, adapter, losses, counts):
+    """A job's loss over its sequences' reference `losses` (each a mean over `counts` targets), backpropagated
+    through `peft_model`; PEFT's adapter gradients and the engine's `adapter`'s (which sum the job's tokens'
+    gradients until its optimizer step divides by their count), both under PEFT's names without the adapter's."""
+    job_loss = sum(loss * count for loss, count in zip(losses, counts, strict=True)) / sum(counts)
+    job_loss.backward()
+    peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad
+                  for name, p in peft_model.named_parameters() if "lora_" in name}
+    engine_grads = {name: p.grad / sum(counts) for name, p in adapter.named_parameters()}
+    assert peft_grads.keys() == engine_grads.keys()
+    return job_loss, peft_grads, engine_grads

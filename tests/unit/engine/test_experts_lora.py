@@ -14,12 +14,12 @@ import torch
 from peft import PeftModel
 
 from actors.checkpoint.peft_io import save_adapter
-from actors.engine import step_objective as objective_module
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
 from actors.spec.lora_config import LoraConfig
+from tests.helpers import model_families as families
 from tests.helpers.model_families import build_config, build_model, examples, relative
 
 LOSS_TOLERANCE = 1e-5       # relative, float32 on the CPU (PEFT merges B A into the weight; aspen adds x A^T B^T)
@@ -71,19 +71,7 @@ def test_a_fused_step_of_experts_adapters_equals_peft_alone_on_each_sequence(mod
     for job in jobs:
         trainer.add_job(job)
         batches.append(list(job.peek()))
-    captured = []
-    real_loss = objective_module.target_cross_entropy
-
-    def spy(*args, **kwargs):
-        total, losses = real_loss(*args, **kwargs)
-        captured.append(losses)
-        return total, losses
-
-    objective_module.target_cross_entropy = spy
-    try:
-        report = trainer.run_step(trainer.compose())
-    finally:
-        objective_module.target_cross_entropy = real_loss
+    report, token_losses = families.step_with_token_losses(trainer)
     assert report.jobs == [name for name, _, _ in JOBS]
     offset = 0
     for job, batch, result in zip(jobs, batches, report.results, strict=True):
@@ -97,16 +85,11 @@ def test_a_fused_step_of_experts_adapters_equals_peft_alone_on_each_sequence(mod
         losses = sequence_losses(peft_model, batch)
         counts = [sum(label != -100 for label in e.labels[1:]) for e in batch]
         for count, reference_loss in zip(counts, losses, strict=True):
-            engine_loss = float(captured[0][offset:offset + count].mean())
+            engine_loss = float(token_losses[offset:offset + count].mean())
             offset += count
             assert engine_loss == pytest.approx(reference_loss.item(), rel=LOSS_TOLERANCE), job.name
-        job_loss = sum(loss * count for loss, count in zip(losses, counts, strict=True)) / sum(counts)
+        job_loss, peft_grads, engine_grads = families.job_loss_and_gradients(peft_model, job.adapter, losses, counts)
         assert result.loss == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
-        job_loss.backward()
-        peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad
-                      for name, p in peft_model.named_parameters() if "lora_" in name}
-        engine_grads = {name: p.grad / sum(counts) for name, p in job.adapter.named_parameters()}
-        assert peft_grads.keys() == engine_grads.keys()
         experts = [k for k in engine_grads if ".experts." in k or k.endswith("experts.lora_A.weight")
                    or ".experts.base_layer." in k]
         assert experts and all(engine_grads[k].norm() > 0 for k in experts)

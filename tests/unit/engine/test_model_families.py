@@ -18,13 +18,20 @@ from peft import PeftModel
 
 from actors.checkpoint.peft_io import save_adapter
 from actors.data import Example
-from actors.engine import step_objective as objective_module
 from actors.engine.job import TrainingJob
 from actors.engine.model_support import SUPPORTED
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
-from tests.helpers.model_families import CASES, build_config, build_model, examples, relative
+from tests.helpers.model_families import (
+    CASES,
+    build_config,
+    build_model,
+    examples,
+    job_loss_and_gradients,
+    relative,
+    step_with_token_losses,
+)
 
 LOSS_TOLERANCE = 1e-5       # relative, fp32 on the CPU
 GRADIENT_TOLERANCE = 1e-5   # relative (Frobenius norm of the difference over the norm), fp32 on the CPU
@@ -79,21 +86,8 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
         jobs.append(job)
         batches.append(list(job.peek()))
 
-    captured = []
-    real_loss = objective_module.target_cross_entropy
-
-    def spy(*args, **kwargs):
-        total, losses = real_loss(*args, **kwargs)
-        captured.append(losses)
-        return total, losses
-
-    objective_module.target_cross_entropy = spy
-    try:
-        report = trainer.run_step(trainer.compose())
-    finally:
-        objective_module.target_cross_entropy = real_loss
+    report, token_losses = step_with_token_losses(trainer)
     assert report.jobs == [name for name, _, _ in JOBS] and all(r.optimizer_step is None for r in report.results)
-    token_losses = captured[0]
     offset = 0
     for job, batch, result in zip(jobs, batches, report.results, strict=True):
         folder = tmp_path / job.name
@@ -105,14 +99,8 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
             engine_loss = float(token_losses[offset:offset + count].mean())
             offset += count
             assert engine_loss == pytest.approx(reference_loss.item(), rel=LOSS_TOLERANCE), (job.name, len(example))
-        job_loss = sum(loss * count for loss, count in zip(reference_losses, counts, strict=True)) / sum(counts)
+        job_loss, peft_grads, engine_grads = job_loss_and_gradients(peft_model, job.adapter, reference_losses, counts)
         assert result.loss == pytest.approx(job_loss.item(), rel=LOSS_TOLERANCE)
-        job_loss.backward()
-        peft_grads = {name.replace(".default", "").removeprefix("base_model.model."): p.grad
-                      for name, p in peft_model.named_parameters() if "lora_" in name}
-        # the adapter's gradient sums its tokens' gradients until its optimizer step divides by their count
-        engine_grads = {name: p.grad / sum(counts) for name, p in job.adapter.named_parameters()}
-        assert peft_grads.keys() == engine_grads.keys()
         flat_peft = torch.cat([peft_grads[k].flatten() for k in sorted(peft_grads)])
         flat_engine = torch.cat([engine_grads[k].flatten() for k in sorted(peft_grads)])
         assert flat_peft.norm() > 0

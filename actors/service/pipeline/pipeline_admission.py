@@ -33,6 +33,11 @@ class PipelineAdmission:
     # the stages' memory is each stage process's own, counted by its allocator: no resident set of this process
     resident = None
 
+    @property
+    def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """No MoE expert stacks: MoE bases train on one device (pipeline/stage_loading.py refuses them)."""
+        return {}
+
     def __init__(self, engine: PipelineEngine, budget_bytes: int | None = None):
         self.engine = engine
         self.budget = budget_bytes or default_memory_budget(engine.base.device)
@@ -50,7 +55,6 @@ class PipelineAdmission:
         model = engine.base.model
         self.linear_shapes = {name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
                               for name in engine.module_order}
-        self.expert_shapes: dict[str, tuple[int, int, int]] = {}   # MoE bases train on one device (stage_loading)
         full = [(LoraConfig(), engine.step_tokens)]
         peaks = [m.predict(self._shape(memory, full)) for m, memory in zip(self.models, self.stages, strict=True)]
         self.critical = max(range(len(self.stages)), key=lambda s: peaks[s])

@@ -25,7 +25,7 @@ from torch.torch_version import TorchVersion
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from actors.engine.layout import current_layout
+from actors.engine.layout import current_layout, parts
 
 ATTENTION_NAME = "aspen_varlen"
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -144,8 +144,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return out.unsqueeze(0), None
     gqa = query.shape[1] != key.shape[1]
     outputs = []
-    for start, end in layout.sequences:
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+    # each sequence's queries, keys and values as the views of one split per tensor (linear-cost backward)
+    pieces = zip(*(parts(tensor, layout.sequences, dim=2) for tensor in (query, key, value)), strict=True)
+    for (start, end), (q, k, v) in zip(layout.sequences, pieces, strict=True):
         if exact:
             out = exact_sequence_attention(q, k, v, scaling, sliding_window, softcap, sinks)
         elif sliding_window and end - start > sliding_window:

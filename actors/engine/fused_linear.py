@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from actors.engine import lora_cuda, lora_grouped
-from actors.engine.layout import StepLayout, current_layout
+from actors.engine.layout import StepLayout, current_layout, parts
 from actors.engine.lora_adapter import full_precision
 
 
@@ -132,10 +132,12 @@ class FusedLoraLinear(nn.Module):
         num_tokens = flat_x.shape[0]
         pieces: list[torch.Tensor] = []
         position = 0
-        for adapter, (start, end) in adapters:
+        bounds = [bound for _, bound in adapters]
+        for (adapter, (start, end)), x, out in zip(adapters, parts(flat_x, bounds), parts(flat_out, bounds),
+                                                   strict=True):
             if start > position:
                 pieces.append(flat_out.new_zeros(start - position, self.out_features, dtype=dtype))
-            pieces.append(adapter.delta(flat_x[start:end], flat_out[start:end], self.base).to(dtype))
+            pieces.append(adapter.delta(x, out, self.base).to(dtype))
             position = end
         if position < num_tokens:
             pieces.append(flat_out.new_zeros(num_tokens - position, self.out_features, dtype=dtype))

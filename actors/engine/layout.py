@@ -54,6 +54,27 @@ class StepLayout:
         return StepLayout(((adapter, 0, start),), tuple(sequences), start)
 
 
+def parts(tensor: torch.Tensor, bounds: list[tuple[int, int]] | tuple[tuple[int, int], ...], dim: int = 0
+          ) -> list[torch.Tensor]:
+    """The tensor's parts (start, end) along `dim` (in order, not overlapping), as the views of one split. Its
+    backward writes each part's gradient once (one cat, zeros only in the gaps), where a slice a part would make a
+    zero gradient of the whole tensor for each part and add them up: a step's cost growing with its jobs (or
+    sequences, or experts x jobs) times its tokens. The values, and so every gradient, are the same either way."""
+    sizes, kept, position = [], [], 0
+    for start, end in bounds:
+        if start < position:
+            raise ValueError(f"parts: bounds {bounds} overlap or are not in order")
+        if start > position:
+            sizes.append(start - position)
+        kept.append(len(sizes))
+        sizes.append(end - start)
+        position = end
+    if position < tensor.shape[dim]:
+        sizes.append(tensor.shape[dim] - position)
+    split = torch.split(tensor, sizes, dim=dim)
+    return [split[index] for index in kept]
+
+
 _current: contextvars.ContextVar[StepLayout | None] = contextvars.ContextVar("aspen_step_layout", default=None)
 
 

@@ -77,7 +77,10 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
     rows = hidden_states[order // top_k]
     up_weights = module.gate_up_proj if module.has_gate else module.up_proj
     up_biases = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
-    outputs, start = [], 0
+    # each group's rows as the views of one split (its backward one cat, where a slice a group would zero a
+    # gradient the size of every row for each group)
+    pieces = iter(torch.split(rows, [count for count in counts if count]))
+    outputs = []
     for group, count in enumerate(counts):
         if count == 0:
             continue
@@ -85,7 +88,7 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
         owner = owners[group % count_of_groups] if adapters is not None else None
         lora = adapters[owner] if owner is not None and owner in adapters else {}
         up_name = "gate_up_proj" if module.has_gate else "up_proj"
-        inputs = rows[start:start + count]
+        inputs = next(pieces)
         part = _project(module, inputs, up_weights[expert], up_biases[expert] if up_biases is not None else None)
         if up_name in lora:
             part = part + lora[up_name].delta(inputs, expert, _factors(factors, owner, up_name, lora))
@@ -96,7 +99,6 @@ def segment_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor
         if "down_proj" in lora:
             part = part + lora["down_proj"].delta(inputs, expert, _factors(factors, owner, "down_proj", lora))
         outputs.append(part)
-        start += count
     out = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])
     if module.has_post_expert_norm:
         out = module.post_expert_norm(out)

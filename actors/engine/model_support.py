@@ -22,6 +22,7 @@ from actors.engine.lora_targets import EXPERT_NAMES
 # RoPE types whose inverse frequencies are fixed by the config alone (transformers' ROPE_INIT_FUNCTIONS):
 # each packed sequence, its position ids restarting at 0, gets exactly the rotation it gets alone.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+FIXED_ALPHA_ROPE_TYPES = ("hunyuan_v1_dense",)   # model types whose 'dynamic' RoPE with `alpha` is static
 # Recomputed from `max(position_ids) + 1` of the whole forward pass (transformers' dynamic_rope_update):
 # in a packed row that is the longest sequence of the step, another job's sequence as often as not.
 LENGTH_DEPENDENT_ROPE = {
@@ -163,10 +164,32 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         attention="`attention_multiplier` as the scale",
                         other=f"embedding / residual multipliers; {_MOE_EXPERTS}; {_ATTENTION_ONLY}",
                         refused=_ROUTER, transform=_granite_logits, check=_no_router_loss),
+    ArchitectureSupport("olmo", "allenai/OLMo-1B-0724-hf", attention="`clip_qkv`", other="LayerNorm without weights"),
     ArchitectureSupport("olmo2", "allenai/OLMo-2-0425-1B", other="q/k norm over all heads; norms after the blocks"),
+    ArchitectureSupport("olmo3", "allenai/Olmo-3-1025-7B", attention="sliding/full layers",
+                        other="q/k norm over all heads; norms after the blocks"),
     ArchitectureSupport("cohere", "CohereForAI/c4ai-command-r-v01", logits="× `logit_scale`",
                         other="parallel attention / MLP block", transform=_cohere_logits),
     ArchitectureSupport("smollm3", "HuggingFaceTB/SmolLM3-3B", other="NoPE layers (`no_rope_layers`)"),
+    ArchitectureSupport("ministral", "mistralai/Ministral-8B-Instruct-2410", attention="sliding/full layers"),
+    ArchitectureSupport("exaone4", "LGAI-EXAONE/EXAONE-4.0-1.2B", attention="sliding/full layers",
+                        other="q/k norm; norms after attention and MLP"),
+    ArchitectureSupport("starcoder2", "bigcode/starcoder2-3b", attention="sliding window; biases",
+                        other="LayerNorm; GELU MLP (`c_fc` / `c_proj`, biases)"),
+    ArchitectureSupport("stablelm", "stabilityai/stablelm-2-1_6b",
+                        attention="q/k/v bias (`use_qkv_bias`); per-head q/k LayerNorm (`qk_layernorm`)",
+                        other="partial RoPE (`partial_rotary_factor`); LayerNorm"),
+    ArchitectureSupport("phi", "microsoft/phi-2", attention="q/k LayerNorm (`qk_layernorm`)",
+                        other="partial RoPE (`partial_rotary_factor`); parallel attention / MLP block; LayerNorm; "
+                              "GELU MLP (`fc1` / `fc2`)"),
+    ArchitectureSupport("helium", "kyutai/helium-1-2b", other="interleaved RoPE"),
+    ArchitectureSupport("ernie4_5", "baidu/ERNIE-4.5-0.3B-PT", other="interleaved RoPE; biases (`use_bias`)"),
+    ArchitectureSupport("hunyuan_v1_dense", "tencent/Hunyuan-7B-Pretrain", attention="q/k norm",
+                        other="NTK-alpha RoPE (`dynamic` with a fixed `alpha`: static frequencies)"),
+    ArchitectureSupport("seed_oss", "ByteDance-Seed/Seed-OSS-36B-Base",
+                        attention="q/k/v and output biases (`attention_bias`, `attention_out_bias`)"),
+    ArchitectureSupport("arcee", "arcee-ai/AFM-4.5B", other="ReLU² MLP without a gate (`up_proj` / `down_proj`)"),
+    ArchitectureSupport("apertus", "swiss-ai/Apertus-8B-2509", attention="q/k norm", other="xIELU activation"),
     ArchitectureSupport("glm", "THUDM/glm-4-9b-hf", attention="q/k/v bias",
                         other="partial, interleaved RoPE (`partial_rotary_factor`); fused `gate_up_proj` (LoRA "
                               "adapts it whole)", refused="the remote-code ChatGLM2/3 (`chatglm`)"),
@@ -186,23 +209,30 @@ REMOTE_CODE: dict[str, str] = {
 }
 
 
-def _rope_types(config: Any) -> list[tuple[str | None, str]]:
-    """(layer type or None, rope type) of every RoPE the config sets (transformers 5: `rope_parameters`,
-    possibly one dict per layer type; older configs: `rope_scaling`)."""
+def _rope_types(config: Any) -> list[tuple[str | None, str, dict]]:
+    """(layer type or None, rope type, its parameters) of every RoPE the config sets (transformers 5:
+    `rope_parameters`, possibly one dict per layer type; older configs: `rope_scaling`)."""
     parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if not isinstance(parameters, dict):
         return []
     nested = [(key, value) for key, value in parameters.items() if isinstance(value, dict)]
     if nested:
-        return [(key, str(value.get("rope_type", value.get("type", "default")))) for key, value in nested]
-    return [(None, str(parameters.get("rope_type", parameters.get("type", "default"))))]
+        return [(key, str(value.get("rope_type", value.get("type", "default"))), value) for key, value in nested]
+    return [(None, str(parameters.get("rope_type", parameters.get("type", "default"))), parameters)]
+
+
+def _fixed_alpha(config: Any, rope_type: str, parameters: dict) -> bool:
+    """HunYuan's checkpoints label their NTK-alpha RoPE 'dynamic'; with a fixed `alpha` transformers' HunYuan
+    models compute its frequencies once (a type of their own, which `dynamic_rope_update` leaves alone)."""
+    return (getattr(config, "model_type", None) in FIXED_ALPHA_ROPE_TYPES and rope_type == "dynamic"
+            and bool(parameters.get("alpha")))
 
 
 def _rope_problems(config: Any) -> list[str]:
     problems = []
-    for layer_type, rope_type in _rope_types(config):
+    for layer_type, rope_type, parameters in _rope_types(config):
         where = f" (its {layer_type} layers)" if layer_type else ""
-        if rope_type in STATIC_ROPE_TYPES:
+        if rope_type in STATIC_ROPE_TYPES or _fixed_alpha(config, rope_type, parameters):
             continue
         if rope_type in LENGTH_DEPENDENT_ROPE or "dynamic" in rope_type:
             reason = LENGTH_DEPENDENT_ROPE.get(rope_type, LENGTH_DEPENDENT_ROPE["dynamic"])

@@ -21,8 +21,13 @@ from tests.helpers.model_families import build_config, build_model, examples, re
 REPO = Path(__file__).resolve().parents[3]
 
 REFUSED = [
-    ("starcoder2", {}, r"model_type 'starcoder2'\) is not in aspen's verified table .*: llama, mistral, qwen2"),
+    ("gpt_neox", {}, r"model_type 'gpt_neox'\) is not in aspen's verified table .*: llama, mistral, qwen2"),
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     r"rope type 'dynamic'.*packed row's longest sequence.*refused"),
+    # an alpha makes 'dynamic' static on HunYuan's types only (their own code), and only with the alpha
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}},
+     r"rope type 'dynamic'.*packed row's longest sequence.*refused"),
+    ("hunyuan_v1_dense", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
      r"rope type 'dynamic'.*packed row's longest sequence.*refused"),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                   "original_max_position_embeddings": 64, "rope_theta": 10000.0},

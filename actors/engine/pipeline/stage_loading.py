@@ -24,7 +24,6 @@ from actors.engine.model_support import check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
 from actors.engine.moe_experts import has_experts
 from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
-from actors.engine.pipeline.stage_split import check_decoder
 from actors.engine.recompute import decoder_layers
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import load_tokenizer, resolve_source
@@ -66,7 +65,6 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
                          "own tensors by name, and MoE checkpoints keep each expert's weights apart, which "
                          "transformers stacks only as the whole model loads: train it on one device (no `stages`)")
     decoder = getattr(model, model.base_model_prefix)
-    check_decoder(decoder, f"base_model '{base_model}' ({config.model_type})")
     layers = decoder_layers(decoder)
     if sum(split) != len(layers):
         raise ValueError(f"pipeline split {split} holds {sum(split)} layers; the model has {len(layers)}")

@@ -37,14 +37,6 @@ class LayerCosts:
     last_bytes: int = 0
 
 
-def check_decoder(decoder: nn.Module, subject: str) -> None:
-    """Stages cut a decoder laid out as Llama's (embeddings, `layers`, a final `norm`); refuse another, saying so."""
-    if not isinstance(getattr(decoder, "norm", None), nn.Module):
-        children = ", ".join(name for name, _ in decoder.named_children())
-        raise ValueError(f"{subject}: its decoder ({type(decoder).__name__}: {children}) has no final `norm`, which "
-                         "pipeline stages put on the last stage; train it on one device (no `stages`)")
-
-
 def check_split(split: list[int], layers: int, stages: int) -> list[int]:
     """An explicit split, checked: `stages` positive counts summing to the decoder's `layers`."""
     if len(split) != stages:

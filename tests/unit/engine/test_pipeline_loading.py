@@ -106,17 +106,3 @@ def test_a_moe_base_is_not_split_into_stages(tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match=r"is an MoE model \(qwen3_moe\).*train it on one device"):
         load_stage(str(folder), [2, 2], 0, device="cpu")
     assert load_base_model(str(folder), device="cpu").model.config.model_type == "qwen3_moe"   # whole, it loads
-
-
-def test_a_decoder_without_a_final_norm_is_not_split_into_stages(tmp_path, tiny_tokenizer):
-    """Phi's decoder ends in `final_layernorm` (and an embedding dropout), not Llama's `norm`, which stages put on
-    the last one: refused before any tensor is read, saying to train on one device; whole, it loads."""
-    from tests.helpers.model_families import build_config, build_model
-
-    folder = tmp_path / "phi"
-    build_model(build_config("phi", vocab_size=VOCAB, num_hidden_layers=4)).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    with pytest.raises(ValueError, match=r"\(phi\): its decoder \(PhiModel: .*final_layernorm\) has no final `norm`.*"
-                                         r"train it on one device"):
-        load_stage(str(folder), [2, 2], 0, device="cpu")
-    assert load_base_model(str(folder), device="cpu").model.config.model_type == "phi"

@@ -20,6 +20,10 @@ ALL_FULL = ["full_attention"] * 3
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
 GLM_ROPE_FULL = {"rope_type": "default", "rope_theta": 10.0}
 
+# DeepSeek-style latent attention, tiny: q and kv through low-rank projections, 8 of each head's 24 q/k dims rotated
+MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+       "head_dim": 8, "num_key_value_heads": 4}
+
 # model_type -> (config fields, [(what is turned off, config fields that turn it off)])
 CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     "llama": ({}, []),
@@ -83,6 +87,31 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                     "attention_multiplier": 0.5, "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
                    [("logits_scaling", {"logits_scaling": 1.0}),
                     ("attention_multiplier", {"attention_multiplier": 0.25})]),
+    # more MoE types, each with its dense first layer and a shared expert where it has them (whose MLP names PEFT
+    # reads as the experts' on all of these: the adapter is left off them, test_model_families.py)
+    "ernie4_5_moe": ({"num_hidden_layers": 3, "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32,
+                      "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "moe_layer_end_index": 2}, []),
+    "deepseek_v2": ({"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                     "moe_intermediate_size": 32, "first_k_dense_replace": 1, **MLA}, []),
+    "glm4_moe_lite": ({"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                       "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse", "sparse"], **MLA}, []),
+    "dots1": ({"num_hidden_layers": 3, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+               "moe_intermediate_size": 32, "first_k_dense_replace": 1, "layer_types": SLIDING_LAYERS,
+               "sliding_window": WINDOW}, [("sliding layers", {"layer_types": ALL_FULL})]),
+    "exaone_moe": ({"num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+                    "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                    "mlp_layer_types": ["dense", "sparse", "sparse"], "layer_types": SLIDING_LAYERS,
+                    "sliding_window": WINDOW},
+                   [("sliding layers", {"layer_types": ALL_FULL})]),
+    "solar_open": ({"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                    "moe_intermediate_size": 32}, []),
+    "afmoe": ({"num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1,
+               "num_dense_layers": 1, "moe_intermediate_size": 32, "layer_types": SLIDING_LAYERS,
+               "sliding_window": WINDOW, "mup_enabled": True},
+              [("sliding layers", {"layer_types": ALL_FULL}), ("muP input scaling", {"mup_enabled": False})]),
+    "flex_olmo": ({"num_experts": 4, "num_experts_per_tok": 2}, []),
+    "minimax_m2": ({"num_local_experts": 4, "num_experts_per_tok": 2, "partial_rotary_factor": 0.5},
+                   [("partial rotary factor", {"partial_rotary_factor": 1.0})]),
     "olmo": ({"clip_qkv": 0.3}, [("clip_qkv", {"clip_qkv": None})]),
     "olmo2": ({}, []),
     "olmo3": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS},

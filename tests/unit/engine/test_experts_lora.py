@@ -57,7 +57,8 @@ def sequence_losses(model, batch):
             for e in batch]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "ernie4_5_moe", "dots1",
+                                        "minimax_m2"])
 def test_a_fused_step_of_experts_adapters_equals_peft_alone_on_each_sequence(model_type, tmp_path):
     """gpt_oss: stacks stored transposed, with biases and an interleaved gate; deepseek_v3: a dense first layer."""
     model = build_model(build_config(model_type))

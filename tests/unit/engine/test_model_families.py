@@ -19,6 +19,7 @@ from peft import PeftModel
 from actors.checkpoint.peft_io import save_adapter
 from actors.data import Example
 from actors.engine.job import TrainingJob
+from actors.engine.lora_targets import MLP_AS_EXPERTS_TYPES
 from actors.engine.model_support import SUPPORTED
 from actors.engine.models import from_module
 from actors.engine.trainer import FusedTrainer
@@ -201,7 +202,7 @@ def test_glm_interleaved_rope_and_glm4_post_norms_matter(tmp_path):
                                                                           "gate_up_proj", "down_proj"}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("model_type", MLP_AS_EXPERTS_TYPES)
 def test_moe_types_whose_mlp_names_peft_reads_as_experts_adapt_attention_only(model_type):
     """On these types PEFT converts an adapter's gate_proj / up_proj / down_proj to the experts' (transformers 4's
     names): all-linear leaves the dense and shared MLP layers alone (the test above shows PEFT then loads the
@@ -218,7 +219,7 @@ def test_moe_types_whose_mlp_names_peft_reads_as_experts_adapt_attention_only(mo
         TrainingJob.create(job_spec("mlp", 1, {"r": 2, "target_modules": ["o_proj", "down_proj"]}), base,
                            examples(0, [10]), [], seed=0)
     # the scheduler, which sizes a job from the trainer's linear layers alone, says the same
-    from actors.engine.lora_targets import MLP_AS_EXPERTS_TYPES, adapted_shapes
+    from actors.engine.lora_targets import adapted_shapes
 
     assert {t for t, row in SUPPORTED.items() if row.unadapted} == set(MLP_AS_EXPERTS_TYPES)
     with pytest.raises(ValueError, match=r"'down_proj' matches no linear layer.*PEFT and vLLM read them as the "

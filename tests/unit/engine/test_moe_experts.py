@@ -5,6 +5,8 @@ as alone: tests/unit/engine/test_isolation.py); the groups a step's layouts make
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -13,7 +15,9 @@ from actors.engine.models import from_module
 from actors.engine.moe_experts import EXPERTS_NAME, use_segment_experts
 from tests.helpers.model_families import build_config, build_model, relative
 
-MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granitemoe", "deepseek_v3", "glm4_moe"]
+MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granitemoe", "deepseek_v3", "glm4_moe",
+             "ernie4_5_moe", "deepseek_v2", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open", "afmoe", "flex_olmo",
+             "minimax_m2"]
 SEGMENTS = [("a", 0, 3), ("b", 3, 19), ("c", 19, 21), ("d", 21, 40)]   # short segments: few rows an expert
 
 
@@ -22,7 +26,10 @@ def _experts_and_routes(model: torch.nn.Module, hidden: torch.Tensor):
     indices) on every type here)."""
     block = next(module for module in model.modules() if hasattr(module, "experts"))
     router = block.gate if hasattr(block, "gate") else block.router
-    _, weights, index = router(hidden)
+    # afmoe's and minimax_m2's routers take the block's expert bias, by its name, as a second argument; afmoe's
+    # takes the hidden states with their batch dimension
+    extra = [getattr(block, name) for name in list(inspect.signature(router.forward).parameters)[1:]]
+    _, weights, index = router(hidden[None] if type(block).__name__ == "AfmoeSparseMoeBlock" else hidden, *extra)
     return block.experts, index, weights
 
 

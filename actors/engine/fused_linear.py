@@ -69,6 +69,16 @@ class FusedLoraLinear(nn.Module):
         self.out_features: int = base.out_features
         self._present: tuple | None = None   # (its key, what `_jobs_in` found for it)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The frozen layer's weight, for model code that reads it (HunYuan-MoE's router checks its dtype), as
+        PEFT's layers give it."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
     def _jobs_in(self, layout: StepLayout) -> tuple[list, list, list[tuple[int, int]], list, bool]:
         """(the adapters present in the step with their bounds, the plain ones, their bounds, the other ones with
         their bounds, whether the plain ones' masters are float32). Kept from step to step while the step's jobs,

@@ -22,7 +22,8 @@ from actors.engine.lora_targets import EXPERT_NAMES
 # RoPE types whose inverse frequencies are fixed by the config alone (transformers' ROPE_INIT_FUNCTIONS):
 # each packed sequence, its position ids restarting at 0, gets exactly the rotation it gets alone.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-FIXED_ALPHA_ROPE_TYPES = ("hunyuan_v1_dense",)   # model types whose 'dynamic' RoPE with `alpha` is static
+# model types whose 'dynamic' RoPE with an `alpha` is static (`_fixed_alpha`)
+FIXED_ALPHA_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Recomputed from `max(position_ids) + 1` of the whole forward pass (transformers' dynamic_rope_update):
 # in a packed row that is the longest sequence of the step, another job's sequence as often as not.
 LENGTH_DEPENDENT_ROPE = {
@@ -192,6 +193,11 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                               f"parameters) adapted by `target_parameters`; {_MLP_AS_EXPERTS}", refused=_ROUTER,
                         check=_no_router_loss,
                         unadapted=_EXPERT_NAMES),
+    ArchitectureSupport("hunyuan_v1_moe", "tencent/Hunyuan-A13B-Pretrain", attention="q/k norm",
+                        other="NTK-alpha RoPE (`dynamic` with a fixed `alpha`: static frequencies); a shared MLP; a "
+                              "float32 router, its `wg` a linear layer that `all-linear` adapts (as PEFT's does); MoE "
+                              f"experts (3D parameters) adapted by `target_parameters`; {_MLP_AS_EXPERTS}",
+                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
     ArchitectureSupport("flex_olmo", "allenai/FlexOlmo-7x7B-1T", attention="q/k norm over all heads",
                         other=f"norms after the blocks; {_MOE_EXPERTS}; {_ATTENTION_ONLY}", refused=_ROUTER,
                         check=_no_router_loss),

@@ -20,6 +20,8 @@ ALL_FULL = ["full_attention"] * 3
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
 GLM_ROPE_FULL = {"rope_type": "default", "rope_theta": 10.0}
 
+# HunYuan's RoPE as its checkpoints write it
+NTK_ALPHA = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
 # DeepSeek-style latent attention, tiny: q and kv through low-rank projections, 8 of each head's 24 q/k dims rotated
 MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
        "head_dim": 8, "num_key_value_heads": 4}
@@ -109,6 +111,8 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                "num_dense_layers": 1, "moe_intermediate_size": 32, "layer_types": SLIDING_LAYERS,
                "sliding_window": WINDOW, "mup_enabled": True},
               [("sliding layers", {"layer_types": ALL_FULL}), ("muP input scaling", {"mup_enabled": False})]),
+    "hunyuan_v1_moe": ({"num_experts": 4, "moe_topk": 2, "max_position_embeddings": 16, "rope_parameters": NTK_ALPHA},
+                       [("NTK alpha", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})]),
     "flex_olmo": ({"num_experts": 4, "num_experts_per_tok": 2}, []),
     "minimax_m2": ({"num_local_experts": 4, "num_experts_per_tok": 2, "partial_rotary_factor": 0.5},
                    [("partial rotary factor", {"partial_rotary_factor": 1.0})]),
@@ -130,9 +134,7 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     # HunYuan's NTK-alpha RoPE as its checkpoints write it ('dynamic' with a fixed alpha): static frequencies, so
     # sequences longer than max_position_embeddings, packed beside shorter ones, still get their own rotation
     # (a dynamic RoPE would rescale by the longest: test_model_refusals.py)
-    "hunyuan_v1_dense": ({"max_position_embeddings": 16,
-                          "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
-                                              "rope_theta": 10000.0}},
+    "hunyuan_v1_dense": ({"max_position_embeddings": 16, "rope_parameters": NTK_ALPHA},
                          [("NTK alpha", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})]),
     "seed_oss": ({"attention_bias": True, "attention_out_bias": True}, []),
     "arcee": ({}, []),

@@ -112,12 +112,14 @@ def test_the_cuda_lora_path_keeps_fused_jobs_equal_to_their_solo_runs_exactly(mo
     assert calls, "the CUDA path was not taken"
 
 
-# glm4_moe's router takes a sigmoid of each token's expert scores over the whole (tokens, experts) tensor: where a
-# token's scores do not fill whole iterations of the CPU's vector loop (2 x 16 floats with AVX-512), whether they
-# fall in the vectorised body or the scalar tail, which rounds differently, depends on the tokens before them. 32
-# experts fill them whatever the CPU (released checkpoints: 128 to 256); softmax routers work row by row.
+# glm4_moe's router (and minimax_m2's, afmoe's) takes a sigmoid of each token's expert scores over the whole
+# (tokens, experts) tensor: where a token's scores do not fill whole iterations of the CPU's vector loop (2 x 16
+# floats with AVX-512), whether they fall in the vectorised body or the scalar tail, which rounds differently,
+# depends on the tokens before them. 32 experts fill them whatever the CPU (released checkpoints: 128 to 256);
+# softmax routers work row by row.
 MOE_CASES = [("qwen3_moe", {}), ("mixtral", {}), ("gpt_oss", {}), ("glm4_moe", {"n_routed_experts": 32}),
-             ("ernie4_5_moe", {}), ("minimax_m2", {"num_local_experts": 32}), ("afmoe", {"num_experts": 32})]
+             ("ernie4_5_moe", {}), ("minimax_m2", {"num_local_experts": 32}), ("afmoe", {"num_experts": 32}),
+             ("hunyuan_v1_moe", {})]
 
 
 @pytest.mark.parametrize("model_type, fields", MOE_CASES, ids=[case for case, _ in MOE_CASES])

@@ -17,7 +17,7 @@ from tests.helpers.model_families import build_config, build_model, relative
 
 MOE_TYPES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granitemoe", "deepseek_v3", "glm4_moe",
              "ernie4_5_moe", "deepseek_v2", "glm4_moe_lite", "dots1", "exaone_moe", "solar_open", "afmoe", "flex_olmo",
-             "minimax_m2"]
+             "minimax_m2", "hunyuan_v1_moe"]
 SEGMENTS = [("a", 0, 3), ("b", 3, 19), ("c", 19, 21), ("d", 21, 40)]   # short segments: few rows an expert
 
 

@@ -230,6 +230,9 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         attention="q/k/v and output biases (`attention_bias`, `attention_out_bias`)"),
     ArchitectureSupport("arcee", "arcee-ai/AFM-4.5B", other="ReLU² MLP without a gate (`up_proj` / `down_proj`)"),
     ArchitectureSupport("apertus", "swiss-ai/Apertus-8B-2509", attention="q/k norm", other="xIELU activation"),
+    ArchitectureSupport("gpt_neox", "EleutherAI/pythia-1.4b", attention="fused `query_key_value`; biases",
+                        other="partial RoPE (`rotary_pct`); parallel attention / MLP (`use_parallel_residual`); "
+                              "LayerNorm; GELU MLP (`dense_h_to_4h` / `dense_4h_to_h`)"),
     ArchitectureSupport("ministral3", "mistralai/Ministral-3-8B-Base-2512",
                         attention="Llama 4's query scaling by position (`llama_4_scaling_beta`)", other="RoPE yarn"),
     ArchitectureSupport("cwm", "facebook/cwm", attention="sliding/full layers", other="RoPE llama3"),

@@ -113,7 +113,8 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
             rows = torch.tensor([e.input_ids[:shortest] for e in batch])
             peft_logits = peft_model(input_ids=rows, use_cache=False).logits
             assert relative(trainer.logits(job.name, rows), peft_logits) <= LOSS_TOLERANCE
-            hidden = peft_model.base_model.model.model(input_ids=rows, use_cache=False).last_hidden_state
+            model = peft_model.base_model.model
+            hidden = getattr(model, model.base_model_prefix)(input_ids=rows, use_cache=False).last_hidden_state
             assert relative(base.output_logits(hidden), peft_logits) <= LOSS_TOLERANCE   # greedy_generate's logits
     assert offset == token_losses.numel()
 

@@ -117,6 +117,8 @@ _EXPERT_NAMES = EXPERT_NAMES   # actors/engine/lora_targets.py says why
 _ATTENTION_ONLY = "`target_modules` adapts attention only"
 _MLP_AS_EXPERTS = (f"{_ATTENTION_ONLY}: dense and shared MLP layers are left too (PEFT reads their names as the "
                    "experts')")
+# an MoE type whose dense / shared MLP names PEFT reads as the experts': router loss refused, those layers left
+_MOE_MLP_AS_EXPERTS = {"refused": _ROUTER, "check": _no_router_loss, "unadapted": _EXPERT_NAMES}
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
     ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
@@ -144,8 +146,7 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                               "`target_parameters` the expert stacks",
                         refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("qwen3_moe", "Qwen/Qwen3-30B-A3B", attention="sliding window (`use_sliding_window`)",
-                        other=f"q/k norm; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER,
-                        check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        other=f"q/k norm; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", attention="q/k/v bias",
                         other=f"{_MOE_EXPERTS}; `target_modules` adapts attention, the shared expert and its gate",
                         refused=f"{_ROUTER}; `use_sliding_window`", check=_qwen2_moe),
@@ -156,48 +157,45 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("deepseek_v3", "deepseek-ai/DeepSeek-V3.1",
                         attention="multi-head latent attention (low-rank q / kv projections, RoPE on a part of each "
                                   "head, interleaved)",
-                        other=f"{_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER, check=_no_router_loss,
-                        unadapted=_EXPERT_NAMES),
+                        other=f"{_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("glm4_moe", "zai-org/GLM-4.5-Air", attention="q/k/v bias; q/k norm (`use_qk_norm`)",
                         other=f"partial RoPE (`partial_rotary_factor`); {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
-                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("granitemoe", "ibm-granite/granite-3.1-3b-a800m-base", logits="÷ `logits_scaling`",
                         attention="`attention_multiplier` as the scale",
                         other=f"embedding / residual multipliers; {_MOE_EXPERTS}; {_ATTENTION_ONLY}",
                         refused=_ROUTER, transform=_granite_logits, check=_no_router_loss),
     ArchitectureSupport("ernie4_5_moe", "baidu/ERNIE-4.5-21B-A3B-PT",
                         other=f"interleaved RoPE; dense first layers; shared experts; {_MOE_EXPERTS}; "
-                              f"{_MLP_AS_EXPERTS}", refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                              f"{_MLP_AS_EXPERTS}", **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("deepseek_v2", "deepseek-ai/DeepSeek-V2-Lite",
                         attention="multi-head latent attention (low-rank q / kv projections, RoPE on a part of each "
                                   "head)",
-                        other=f"dense first layers; shared experts; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER,
-                        check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        other=f"dense first layers; shared experts; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("glm4_moe_lite", "zai-org/GLM-4.7-Flash",
                         attention="multi-head latent attention (low-rank q / kv projections, RoPE on a part of each "
                                   "head)",
                         other=f"dense first layers; shared experts; sigmoid router; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
-                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("dots1", "rednote-hilab/dots.llm1.base", attention="sliding/full layers; q/k norm",
                         other=f"dense first layers; shared experts; sigmoid router; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
-                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("exaone_moe", "LGAI-EXAONE/K-EXAONE-236B-A23B", attention="sliding/full layers; q/k norm",
                         other=f"dense first layers; shared experts; sigmoid router; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
-                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("solar_open", "upstage/Solar-Open-100B",
-                        other=f"shared experts; sigmoid router; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", refused=_ROUTER,
-                        check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        other=f"shared experts; sigmoid router; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}",
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("afmoe", "arcee-ai/Trinity-Mini", attention="sliding/full layers; q/k norm; gated output",
                         other="muP input scaling (`mup_enabled`); dense first layers; shared experts; sigmoid router, "
                               "its `gate` a linear layer that `all-linear` adapts (as PEFT's does); MoE experts (3D "
-                              f"parameters) adapted by `target_parameters`; {_MLP_AS_EXPERTS}", refused=_ROUTER,
-                        check=_no_router_loss,
-                        unadapted=_EXPERT_NAMES),
+                              f"parameters) adapted by `target_parameters`; {_MLP_AS_EXPERTS}", **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("hunyuan_v1_moe", "tencent/Hunyuan-A13B-Pretrain", attention="q/k norm",
                         other="NTK-alpha RoPE (`dynamic` with a fixed `alpha`: static frequencies); a shared MLP; a "
                               "float32 router, its `wg` a linear layer that `all-linear` adapts (as PEFT's does); MoE "
                               f"experts (3D parameters) adapted by `target_parameters`; {_MLP_AS_EXPERTS}",
-                        refused=_ROUTER, check=_no_router_loss, unadapted=_EXPERT_NAMES),
+                        **_MOE_MLP_AS_EXPERTS),
     ArchitectureSupport("flex_olmo", "allenai/FlexOlmo-7x7B-1T", attention="q/k norm over all heads",
                         other=f"norms after the blocks; {_MOE_EXPERTS}; {_ATTENTION_ONLY}", refused=_ROUTER,
                         check=_no_router_loss),

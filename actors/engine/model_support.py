@@ -85,6 +85,10 @@ def _cohere_logits(config: Any) -> LogitTransform:
     return LogitTransform(multiply=float(config.logit_scale))
 
 
+def _clovax_logits(config: Any) -> LogitTransform:   # muP as HyperCLOVA X writes it: times, not over, the scaling
+    return LogitTransform(multiply=float(config.logits_scaling))
+
+
 def _no_bidirectional(config: Any) -> list[str]:
     if getattr(config, "use_bidirectional_attention", False):
         return ["use_bidirectional_attention=True (tokens attend to later tokens, so a sequence's loss is not a "
@@ -249,6 +253,23 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         other="partial, interleaved RoPE (`partial_rotary_factor`); fused `gate_up_proj` (LoRA "
                               "adapts it whole); norms after attention and MLP",
                         refused="the remote-code ChatGLM2/3 (`chatglm`)"),
+    ArchitectureSupport("exaone", "LGAI-EXAONE/EXAONE-3.0-7.8B-Instruct"),
+    ArchitectureSupport("internlm3", "internlm/internlm3-8b-instruct", attention="biases (`bias`, `qkv_bias`)"),
+    ArchitectureSupport("nemotron", "nvidia/Nemotron-Mini-4B-Instruct",
+                        other="partial RoPE (`partial_rotary_factor`); LayerNorm with 1 + weight; ReLU² MLP without "
+                              "a gate"),
+    ArchitectureSupport("persimmon", "adept/persimmon-8b-base", attention="q/k LayerNorm (`qk_layernorm`); fused "
+                        "`query_key_value`", other="partial RoPE (`partial_rotary_factor`); LayerNorm; ReLU² MLP"),
+    ArchitectureSupport("hyperclovax", "naver-hyperclovax/HyperCLOVAX-SEED-Think-14B", logits="× `logits_scaling`",
+                        attention="`attention_multiplier` as the scale",
+                        other="embedding / residual multipliers; norms after the blocks (`use_post_norm`)",
+                        transform=_clovax_logits),
+    ArchitectureSupport("granite_swa", "ibm-granite/granite-swash-2b", logits="÷ `logits_scaling`",
+                        attention="`attention_multiplier` as the scale; sliding/full layers",
+                        other="a RoPE theta per layer (`layer_rope_theta`); embedding / residual multipliers",
+                        transform=_granite_logits),
+    ArchitectureSupport("biogpt", "microsoft/biogpt", attention="biases",
+                        other="learned positions (offset 2); embedding scale (`scale_embedding`); LayerNorm; GELU MLP"),
 )}
 
 # Model types whose only implementation is the checkpoint's own Python code (`trust_remote_code`), which

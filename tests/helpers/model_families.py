@@ -168,6 +168,23 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
             [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
     "glm4": ({"rope_parameters": GLM_ROPE, "attention_bias": True},
              [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+    "exaone": ({}, []),
+    "internlm3": ({"qkv_bias": True, "bias": True}, []),
+    "nemotron": ({"rope_parameters": GLM_ROPE},
+                 [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+    "persimmon": ({"rope_parameters": GLM_ROPE, "qk_layernorm": True},
+                  [("partial rotary factor", {"rope_parameters": {**GLM_ROPE, "partial_rotary_factor": 1.0}})]),
+    "hyperclovax": ({"logits_scaling": 4.0, "attention_multiplier": 0.5, "embedding_multiplier": 3.0,
+                     "residual_multiplier": 0.5, "use_post_norm": True},
+                    [("logits_scaling", {"logits_scaling": 1.0})]),
+    "granite_swa": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
+                     "layer_rope_theta": [10.0, 10000.0, 10.0], "logits_scaling": 4.0, "attention_multiplier": 0.5,
+                     "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
+                    [("sliding layers", {"layer_types": ALL_FULL}),
+                     ("a RoPE theta per layer", {"layer_rope_theta": [10000.0] * 3}),
+                     ("logits_scaling", {"logits_scaling": 1.0})]),
+    "biogpt": ({"scale_embedding": True, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+               [("embedding scale", {"scale_embedding": False})]),
 }
 
 

@@ -238,7 +238,8 @@ class SchedulerActor:
 
     # -- interactive models (the Tinker API's; actors/service/scheduler/interactive_jobs.py) -----------------
     def open_interactive(self, model_id: str, base_model: str, rank: int, user: str | None,
-                         train_attn: bool = True, train_mlp: bool = True) -> dict[str, Any]:
+                         train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = False
+                         ) -> dict[str, Any]:
         """Enter a model as a running job on a single-device trainer holding `base_model` with the room for it:
         {job, trainer, handle (the trainer actor's), output_dir}. ValueError: no trainer holds that base;
         NoRoom: none has the room now."""
@@ -247,6 +248,7 @@ class SchedulerActor:
             with self.table.transaction():
                 opened = self.core.interactive.open(model_id, base_model, rank, user, candidates,
                                                     train_attn=train_attn, train_mlp=train_mlp,
+                                                    train_unembed=train_unembed,
                                                     standing=self.core.standing().get(user))
             return {"job": opened.record.id, "trainer": opened.trainer, "output_dir": opened.record.output_dir,
                     "handle": self.fleet.handle_of(opened.trainer)}

@@ -138,10 +138,10 @@ class TrainerActor:
 
     def tinker_open(self, job_id: str, model_id: str, rank: int, owner: str | None, seed: int = 0,
                     train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1, output_dir: str | None = None,
-                    base_name: str = "", resume: bool = False) -> int | None:
+                    base_name: str = "", resume: bool = False, train_unembed: bool = False) -> int | None:
         return self._desk().open(job_id, model_id, rank, owner=owner, seed=seed, train_attn=train_attn,
                                  train_mlp=train_mlp, first_seq=first_seq, output_dir=output_dir, base_name=base_name,
-                                 resume=resume)
+                                 resume=resume, train_unembed=train_unembed)
 
     def tinker_submit(self, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
         return self._desk().submit(front, model_id, seq_id, kind, payload)

@@ -137,9 +137,33 @@ def merged_model(adapter_dir: Path, *, base: str | None = None, dtype: str = "au
                           "copy with --base (a model folder, a .gguf file, or a hub id in the local cache)") from error
     if read_from.gguf_file:
         _as_plain_model(model, source)
+    if _adapts_head(adapter_dir):
+        _untie_head(model)
     with peft_calls():
         peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
         return peft_model.merge_and_unload(), source
+
+
+def _adapts_head(adapter_dir: Path) -> bool:
+    """Whether the adapter has LoRA on the LM head (an interactive model's `train_unembed`)."""
+    targets = json.loads((Path(adapter_dir) / CONFIG_NAME).read_text()).get("target_modules") or []
+    return isinstance(targets, list) and "lm_head" in targets
+
+
+def _untie_head(model: torch.nn.Module) -> None:
+    """The LM head given a weight of its own where it shares the input embedding's: PEFT's merge adds the head
+    adapter's update into the head's weight, which on a tied base would change the input embedding too (the merged
+    model then no longer the adapter's). The merged model is saved untied (`tie_word_embeddings` false)."""
+    import torch
+
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    text = getattr(model.config, "get_text_config", lambda: None)()
+    if text is not None and text is not model.config:
+        text.tie_word_embeddings = False
 
 
 def _streamable_base(adapter_dir: Path, base: str | None) -> Path | None:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from actors.checkpoint.initial_adapter import read_adapter_tensors, start_from_tensors
 from actors.checkpoint.peft_io import METADATA_NAME, PREFIX, save_adapter
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
+from actors.engine.head_lora import HEAD_MODULE
 from actors.engine.interactive_model import InteractiveModel, interactive_lora, target_modules
 from actors.engine.models import BaseModel
 from actors.spec.saved_adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterFileError
@@ -35,12 +36,14 @@ def save_state(model: InteractiveModel, folder: str | Path, base_model: str, mod
     identity = identity_of(model)
     save_adapter(model.adapter, folder, identity.serving_id, {"base_model": identity.metadata, "base_name": base_model,
                                                              "model_id": model_id, "user": user,
-                                                             "lora_rank": model.rank})
+                                                             "lora_rank": model.rank,
+                                                             "train_unembed": model.train_unembed})
     # from the moments' own memory (no copy, no bytes object: safetensors' save_file); called between steps
     # (the trainer's stepping thread), so nothing changes them during the write
     moments = model.optimizer_tensors(copy=False)
     write_durably(folder / OPTIMIZER_FILE, lambda tmp: save_file(moments, tmp))
-    facts = {"rank": model.rank, "steps": model.steps, "user": user, "base_model": base_model, "model_id": model_id}
+    facts = {"rank": model.rank, "steps": model.steps, "user": user, "base_model": base_model, "model_id": model_id,
+             "train_unembed": model.train_unembed}
     if seq is not None:   # a service's checkpoint: the seq_id of the call it was written after
         facts["seq"] = seq
     write_durably(folder / STATE_FILE, json.dumps(facts))
@@ -116,8 +119,8 @@ def read_state(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor], dict[
 def hold_sampler_weights(base: BaseModel, name: str, folder: str | Path) -> AdapterHandle:
     """Sampler weights saved in `folder` (`save_weights_for_sampler`: PEFT's files and aspen.json) attached to `base`
     as the frozen adapter `name`, as the model's own frozen copy was (`InteractiveModel.snapshot`: its rank from
-    aspen.json, alpha 32, the layers adapter_config.json names: attention's, the MLP's or both). ValueError naming
-    the file where they cannot be read or do not fit this base; nothing of them stays on it then."""
+    aspen.json, alpha 32, the layers adapter_config.json names: attention's, the MLP's, the LM head's). ValueError
+    naming the file where they cannot be read or do not fit this base; nothing of them stays on it then."""
     folder = Path(folder)
     try:
         rank = json.loads((folder / METADATA_NAME).read_text())["lora_rank"]
@@ -133,13 +136,14 @@ def hold_sampler_weights(base: BaseModel, name: str, folder: str | Path) -> Adap
         raise ValueError(f"{folder / METADATA_NAME}: lora_rank is {rank!r}, not a rank; save the weights again")
     attention = bool(leaves & set(target_modules(base, train_attn=True, train_mlp=False)))
     mlp = stacks or bool(leaves & set(target_modules(base, train_attn=False, train_mlp=True)))
-    if not (attention or mlp):
+    head = HEAD_MODULE in leaves
+    if not (attention or mlp or head):
         raise ValueError(f"{folder / CONFIG_NAME}: its target_modules ({', '.join(sorted(leaves))}) name no linear "
                          f"layer of the base '{base.name}': the weights were saved on another base")
-    config = interactive_lora(base, rank, train_attn=attention, train_mlp=mlp)
+    config = interactive_lora(base, rank, train_attn=attention, train_mlp=mlp, train_unembed=head)
     if not stacks:   # saved before models trained an MoE base's experts, or on a dense base
         config = config.model_copy(update={"target_parameters": []})
-    handle = add_adapter(base.model, name, config, seed=0)
+    handle = add_adapter(base.model, name, config, seed=0, head=head)
     try:
         for parameter in handle.parameters():
             parameter.requires_grad_(False)

@@ -48,6 +48,8 @@ def reason_not(adapter_dir: Path, base_folder: Path | None) -> str | None:
         return "not a plain LoRA adapter"
     if adapter.get("bias", "none") != "none" or adapter.get("fan_in_fan_out") or adapter.get("modules_to_save"):
         return "the adapter trains biases, transposed or other modules"
+    if "lm_head" in (adapter.get("target_modules") or []) and "lm_head.weight" not in _stored_names(base_folder):
+        return "the adapter adapts the LM head, which the base ties to its input embedding (merged untied)"
     if adapter.get("target_parameters"):
         return "the adapter adapts expert stacks, which transformers stacks only as it loads the model"
     if adapter.get("rank_pattern") or adapter.get("alpha_pattern") or adapter.get("layer_replication"):
@@ -55,6 +57,15 @@ def reason_not(adapter_dir: Path, base_folder: Path | None) -> str | None:
     if str(adapter.get("init_lora_weights", True)).lower().startswith(("pissa", "olora", "corda", "eva", "loftq")):
         return "the adapter's initialisation changed its base"
     return None
+
+
+def _stored_names(base_folder: Path) -> set[str]:
+    """The names of the weights the base's safetensors files store."""
+    names: set[str] = set()
+    for path in base_folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as reader:
+            names.update(reader.keys())
+    return names
 
 
 def _stored_dtype(base_folder: Path) -> str | None:

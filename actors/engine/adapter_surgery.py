@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from actors.engine import experts_lora, lora_layer_state, moe_experts
+from actors.engine import experts_lora, head_lora, lora_layer_state, moe_experts
 from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
@@ -104,7 +104,8 @@ class AdapterHandle:
 
     def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter | VeraAdapter],
                  generator: torch.Generator | None, peft_targets: list[str] | None = None,
-                 projections: VeraProjections | None = None, experts: dict[str, ExpertsLora] | None = None):
+                 projections: VeraProjections | None = None, experts: dict[str, ExpertsLora] | None = None,
+                 head: head_lora.HeadLora | None = None):
         self.name = name
         self.config = config
         self.layers = layers
@@ -112,6 +113,9 @@ class AdapterHandle:
         self.peft_targets = peft_targets if peft_targets is not None else sorted(layers)
         self.projections = projections   # VeRA: the job's frozen projections, shared by its layers
         self.experts = experts or {}     # LoRA on expert stacks, by PEFT module name (actors/engine/experts_lora.py)
+        self.head = head                 # LoRA on the LM head (actors/engine/head_lora.py), or None
+        if head is not None:
+            self.peft_targets = [*self.peft_targets, head_lora.HEAD_MODULE]
 
     def use_projections(self, projections: VeraProjections) -> None:
         """Make every layer of this VeRA adapter read `projections` (those of a saved adapter)."""
@@ -126,7 +130,7 @@ class AdapterHandle:
         """The trainable tensors under PEFT's names (adapter name stripped): `<module>.lora_A.weight`,
         `<module>.lora_B.weight` and, with DoRA, `<module>.lora_magnitude_vector`; VeRA's
         `<module>.vera_lambda_b` and `<module>.vera_lambda_d`; then the expert stacks' (`<experts>[.base_layer]
-        .lora_A.weight`, PEFT's ParamWrapper keys)."""
+        .lora_A.weight`, PEFT's ParamWrapper keys); then the LM head's (`lm_head.lora_A.weight`)."""
         for module_name, layer in self.layers.items():
             if isinstance(layer, VeraAdapter):
                 yield f"{module_name}.vera_lambda_b", layer.vera_lambda_b
@@ -139,6 +143,9 @@ class AdapterHandle:
         for module_name, stack in self.experts.items():
             yield f"{module_name}.lora_A.weight", stack.lora_A
             yield f"{module_name}.lora_B.weight", stack.lora_B
+        if self.head is not None:
+            yield f"{head_lora.HEAD_MODULE}.lora_A.weight", self.head.lora_A
+            yield f"{head_lora.HEAD_MODULE}.lora_B.weight", self.head.lora_B
 
     def parameter_groups(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(A's, the others): LoRA+'s two learning-rate groups, as PEFT's create_loraplus_optimizer splits
@@ -168,17 +175,22 @@ class AdapterHandle:
 
 
 def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
-                dtype: torch.dtype = torch.float32) -> AdapterHandle:
-    """Attach a new adapter to the (frozen) model without reloading it."""
-    if any((isinstance(m, FusedLoraLinear) and name in m.adapters)
-           or ((held := experts_lora.job_adapters(m)) is not None and name in held) for m in model.modules()):
+                dtype: torch.dtype = torch.float32, head: bool = False) -> AdapterHandle:
+    """Attach a new adapter to the (frozen) model without reloading it. `head`: LoRA on the LM head too (an
+    interactive model's `train_unembed`: actors/engine/head_lora.py; float32, A drawn after every other layer's)."""
+    if name in head_lora.held_names(model) or any(
+            (isinstance(m, FusedLoraLinear) and name in m.adapters)
+            or ((held := experts_lora.job_adapters(m)) is not None and name in held) for m in model.modules()):
         raise ValueError(f"an adapter named '{name}' is already attached")
     check_adaptable(model, config.target_modules)
     candidates = linear_module_names(model)
     # in the model's own order, layer by layer, whatever the order of `target_modules`: a pipeline stage then
     # holds a contiguous run of the adapter's tensors, and its gradient norm sums in the same order
     # (joint_steps.chained_sum) on one device and over stages
-    wanted = set(match_targets(candidates, config.target_modules))
+    named = config.target_modules
+    if head and isinstance(named, list):   # `lm_head` is the head adapter's (a model of the head alone names it)
+        named = [target for target in named if target != head_lora.HEAD_MODULE]
+    wanted = set(match_targets(candidates, named)) if named else set()
     targets = [name for name in candidates if name in wanted]
     # a pipeline stage holds some layers only, the others on `meta` (actors/engine/pipeline/stage_model.py)
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
@@ -227,11 +239,12 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         if config.target_parameters:
             moe_experts.route_adapted_experts(model)
         experts = experts_lora.attach(model, name, config, generator=init_generator, dtype=dtype)
+        adapted_head = head_lora.attach(model, name, config.r, config.alpha, generator=init_generator) if head else None
     except ValueError:
         remove_adapter(model, name)
         raise
     return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets),
-                         projections, experts)
+                         projections, experts, adapted_head)
 
 
 def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Tensor | None:
@@ -267,6 +280,7 @@ def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Ten
 def remove_adapter(model: nn.Module, name: str) -> None:
     """Detach an adapter; layers left with no adapter get their plain linear layer back."""
     experts_lora.detach(model, name)
+    head_lora.detach(model, name)
     for module_name, module in list(model.named_modules()):
         if isinstance(module, FusedLoraLinear) and name in module.adapters:
             del module.adapters[name]

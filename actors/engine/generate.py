@@ -24,6 +24,8 @@ from torch import nn
 from actors.engine.adapter_surgery import set_adapters_training
 from actors.engine.experts_lora import job_adapters
 from actors.engine.fused_linear import FusedLoraLinear
+from actors.engine.head_logits import row_logits
+from actors.engine.head_lora import held_names
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.models import BaseModel
 
@@ -39,7 +41,8 @@ def _adapter_training_states(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 def _attached(model: nn.Module) -> set[str]:
     """The adapters on the model: on its linear layers, or on its expert stacks alone (experts_lora.py)."""
     return ({name for m in model.modules() if isinstance(m, FusedLoraLinear) for name in m.adapters}
-            | {name for m in model.modules() if (held := job_adapters(m)) is not None for name in held})
+            | {name for m in model.modules() if (held := job_adapters(m)) is not None for name in held}
+            | held_names(model))
 
 
 def needs_eager_attention(model: nn.Module) -> bool:
@@ -264,7 +267,7 @@ def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]]
         with step_layout(batch.layout(feed.shape[1])):
             hidden = base.decoder(input_ids=feed, attention_mask=batch.mask, position_ids=batch.positions,
                                   use_cache=True, **{keyword: cache}).last_hidden_state
-        return base.output_logits(hidden[:, -1])
+        return row_logits(base, hidden[:, -1], batch.groups)
 
     with decoding(model):
         run_decoding(batch, forward, choose, finished, device)

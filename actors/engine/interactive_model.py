@@ -8,8 +8,10 @@ the same way), so that a model whose calls carry a job's batches, weighted 1/N (
 power of two) and stepped with the job's settings, trains that job's adapter bit for bit
 (tests/servers/test_tinker_vs_job.py).
 
-Its adapter is LoRA on every linear layer of the base's decoder, rank as asked, alpha 32 at every rank (as
-Thinking Machines' "LoRA Without Regret" sets it), no dropout; B starts at zero, so a new model is the base."""
+Its adapter is LoRA on every linear layer of the base's decoder (attention's, the MLP's or both) and, with
+`train_unembed` (the SDK's default), on the LM head (actors/engine/head_lora.py), rank as asked, alpha 32 at every
+rank (as Thinking Machines' "LoRA Without Regret" sets it), no dropout; B starts at zero, so a new model is the
+base."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
 from actors.engine.experts_lora import stack_shapes
+from actors.engine.head_lora import HEAD_MODULE
 from actors.engine.host_tensors import on_host
 from actors.engine.joint_steps import chained_sum
 from actors.engine.lora_targets import stack_targets
@@ -59,12 +62,14 @@ class InteractiveModel:
     """A model's adapter on `base` and its AdamW state."""
 
     def __init__(self, base: BaseModel, name: str, rank: int, *, seed: int = 0,
-                 train_attn: bool = True, train_mlp: bool = True):
+                 train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = False):
         if not 1 <= rank <= MAX_RANK:
             raise ValueError(f"rank must be between 1 and {MAX_RANK} (got {rank})")
         self.base, self.name, self.rank = base, name, rank
-        self.config = interactive_lora(base, rank, train_attn=train_attn, train_mlp=train_mlp)
-        self.adapter: AdapterHandle = add_adapter(base.model, name, self.config, seed=seed)
+        self.config = interactive_lora(base, rank, train_attn=train_attn, train_mlp=train_mlp,
+                                       train_unembed=train_unembed)
+        self.train_unembed = train_unembed
+        self.adapter: AdapterHandle = add_adapter(base.model, name, self.config, seed=seed, head=train_unembed)
         parameters = self.adapter.parameters()
         self.optimizer = torch.optim.AdamW(parameters, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0,
                                            **fused_option(parameters))
@@ -102,12 +107,22 @@ class InteractiveModel:
 
     def load(self, weights: dict[str, torch.Tensor], optimizer: dict[str, torch.Tensor] | None) -> None:
         """Weights by the adapter's parameter names, and optionally AdamW's moments and step
-        (`optimizer_tensors`' names): what a saved state restores. A missing or misshapen tensor raises
+        (`optimizer_tensors`' names): what a saved state restores. A missing, misshapen or extra tensor raises
         ValueError naming it, before anything changes."""
         parameters = dict(self.adapter.named_parameters())
         for name, parameter in parameters.items():
             if name not in weights or weights[name].shape != parameter.shape:
-                raise ValueError(f"the saved state has no tensor {name} of shape {tuple(parameter.shape)}")
+                why = (": it was saved by a model that leaves the LM head alone; load it into a model created with "
+                       "train_unembed=False" if name.startswith(f"{HEAD_MODULE}.") and name not in weights else "")
+                raise ValueError(f"the saved state has no tensor {name} of shape {tuple(parameter.shape)}{why}")
+        extra = sorted(set(weights) - set(parameters))
+        if extra:
+            head = any(name.startswith(f"{HEAD_MODULE}.") for name in extra)
+            raise ValueError(f"the saved state has tensors this model lacks ({', '.join(extra[:3])}"
+                             f"{', ...' if len(extra) > 3 else ''})" + (
+                                 ": it was trained with train_unembed=True (LoRA on the LM head); load it into a "
+                                 "model created so" if head else ": it was trained with other train_attn / "
+                                 "train_mlp settings; load it into a model created with those"))
         with torch.no_grad():
             for name, parameter in parameters.items():
                 parameter.copy_(weights[name])
@@ -125,7 +140,7 @@ class InteractiveModel:
 
     def snapshot(self, name: str) -> AdapterHandle:
         """A frozen copy of the adapter as it is now, attached to the base as `name` (what a sampler samples)."""
-        copy = add_adapter(self.base.model, name, self.config, seed=0)
+        copy = add_adapter(self.base.model, name, self.config, seed=0, head=self.train_unembed)
         with torch.no_grad():
             for (_, target), (_, source) in zip(copy.named_parameters(), self.adapter.named_parameters(),
                                                 strict=True):
@@ -152,9 +167,8 @@ def clip_gradients(parameters: list[torch.nn.Parameter], limit: float) -> float:
 
 
 def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> list[str]:
-    """The decoder's linear layers to adapt: attention's, the MLP's, or both (the LM head is not adapted)."""
-    if not (train_attn or train_mlp):
-        raise ValueError("train_attn and train_mlp are both false: nothing to train")
+    """The decoder's linear layers to adapt: attention's, the MLP's, or both (the LM head is `train_unembed`'s:
+    `interactive_lora`)."""
     names = set()
     for name in linear_module_names(base.model):
         leaf = name.rsplit(".", 1)[-1]
@@ -164,13 +178,19 @@ def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> lis
     return sorted(names)
 
 
-def interactive_lora(base: BaseModel, rank: int, *, train_attn: bool, train_mlp: bool) -> LoraConfig:
+def interactive_lora(base: BaseModel, rank: int, *, train_attn: bool, train_mlp: bool,
+                     train_unembed: bool = False) -> LoraConfig:
     """A Tinker model's adapter: its linear layers (`target_modules`) and, with the MLP on an MoE base, every expert
-    stack (as Tinker trains the experts there); ValueError where that adapts nothing."""
-    targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp)
+    stack (as Tinker trains the experts there); with `train_unembed` alone, `lm_head` its only target (the head's
+    adapter itself is `add_adapter`'s `head`). ValueError where that adapts nothing."""
+    if not (train_attn or train_mlp or train_unembed):
+        raise ValueError("train_attn, train_mlp and train_unembed are all false: nothing to train")
+    targets = target_modules(base, train_attn=train_attn, train_mlp=train_mlp) if train_attn or train_mlp else []
     stacks = stack_targets(stack_shapes(base.model)) if train_mlp else []
     if not targets and not stacks:
-        raise ValueError(NO_MLP_LAYERS)
+        if not train_unembed:
+            raise ValueError(NO_MLP_LAYERS)
+        targets = [HEAD_MODULE]
     return LoraConfig(r=rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets, target_parameters=stacks)
 
 

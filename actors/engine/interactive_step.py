@@ -20,6 +20,8 @@ import torch
 
 from actors.engine.adapter_surgery import set_adapters_training
 from actors.engine.custom_loss import CustomLoss, CustomLossError, combine_metrics, run_loss
+from actors.engine.head_logits import log_probs
+from actors.engine.head_lora import head_adapter
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.models import BaseModel
@@ -219,7 +221,10 @@ def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], c
     head = base.lm_head
     rows = _target_rows(calls)
     at = hidden if rows is None else hidden.index_select(0, rows.to(device))   # a position's row once per target
-    logprobs = target_log_probs(at, head.weight, head.bias, targets, transform=base.logit_transform)
+    if any(head_adapter(base.model, call.adapter) is not None for call in calls):   # a model trains the LM head
+        logprobs = _per_call_log_probs(base, at, calls, targets)
+    else:
+        logprobs = target_log_probs(at, head.weight, head.bias, targets, transform=base.logit_transform)
     losses = CallLosses(None, [], [], [])
     offset = 0
     for call, config in zip(calls, configs, strict=True):
@@ -246,6 +251,18 @@ def call_losses(base: BaseModel, hidden: torch.Tensor, calls: list[ModelCall], c
         losses.sums.append(call_loss)
         losses.total = call_loss if losses.total is None else losses.total + call_loss
     return losses
+
+
+def _per_call_log_probs(base: BaseModel, at: torch.Tensor, calls: list[ModelCall], targets: torch.Tensor
+                        ) -> torch.Tensor:
+    """The targets' log-probabilities call by call, each through its own model's LM head (`head_lora`: adapted
+    with `train_unembed`), so that a head adapter's gradient comes from its own call's rows alone."""
+    pieces, offset = [], 0
+    for call in calls:
+        count = sum(datum.inputs["target_tokens"].numel() for datum in call.datums)
+        pieces.append(log_probs(base, at[offset:offset + count], targets[offset:offset + count], call.adapter))
+        offset += count
+    return torch.cat(pieces)
 
 
 def _target_rows(calls: list[ModelCall]) -> torch.Tensor | None:

@@ -21,8 +21,9 @@ from typing import Protocol
 import torch
 
 from actors.engine.generate import BASE_ONLY
+from actors.engine.head_logits import log_probs
+from actors.engine.head_logits import logits as head_logits
 from actors.engine.layout import StepLayout, step_layout
-from actors.engine.loss import target_log_probs, transform_logits
 from actors.engine.models import BaseModel
 
 CHUNK = 1024   # prompt positions whose full logits are held at once (top-k, alternative draws)
@@ -92,17 +93,16 @@ def score_prompt(base: BaseModel, call: PromptAsks, seed: int) -> PromptScores:
     with step_layout(layout):
         hidden = base.decoder(input_ids=ids[None], position_ids=torch.arange(len(ids), device=base.device)[None],
                               attention_mask=None, use_cache=False).last_hidden_state[0]
-    head, transform = base.lm_head, base.logit_transform
     scores = PromptScores()
     first = len(ids) - call.prompt_last_n if call.prompt_last_n is not None else 1   # the first scored position
     if call.prompt_logprobs:
-        values = target_log_probs(hidden[first - 1:-1], head.weight, head.bias, ids[first:], transform=transform)
+        values = log_probs(base, hidden[first - 1:-1], ids[first:], call.adapter)
         scores.logprobs = [None] * first + [float(v) for v in values]
     if call.target_cells is not None:
         cells = call.target_cells.cells
         rows = torch.tensor([row for row, _, _ in cells], dtype=torch.long, device=hidden.device)
         tokens = torch.tensor([token for _, _, token in cells], dtype=torch.long, device=hidden.device)
-        values = target_log_probs(hidden.index_select(0, rows), head.weight, head.bias, tokens, transform=transform)
+        values = log_probs(base, hidden.index_select(0, rows), tokens, call.adapter)
         scores.target = (call.target_cells, [float(v) for v in values])
     if call.topk_prompt or call.alt_k:
         _full_distributions(scores, hidden, call, first, seed, base)
@@ -112,7 +112,6 @@ def score_prompt(base: BaseModel, call: PromptAsks, seed: int) -> PromptScores:
 def _full_distributions(scores: PromptScores, hidden: torch.Tensor, call: PromptAsks, first: int, seed: int,
                         base: BaseModel) -> None:
     """Top-k (from `first`) and alternative draws (from position 1), a chunk of positions' logits at a time."""
-    head, transform = base.lm_head, base.logit_transform
     length = hidden.shape[0]
     generator = torch.Generator(device=hidden.device).manual_seed((seed + ALT_STREAM) & ((1 << 63) - 1))
     if call.topk_prompt:
@@ -122,7 +121,7 @@ def _full_distributions(scores: PromptScores, hidden: torch.Tensor, call: Prompt
     start_at = 0 if call.alt_k else first - 1   # alternative draws cover every position after the first
     for start in range(start_at, length - 1, CHUNK):
         rows = hidden[start:min(start + CHUNK, length - 1)]
-        logits = transform_logits(head(rows).float(), transform)
+        logits = head_logits(base, rows, call.adapter)
         logprobs = torch.log_softmax(logits, dim=-1)
         if call.topk_prompt:
             kept = slice(max(first - 1 - start, 0), None)

@@ -75,6 +75,7 @@ class RemoteModel:
     train_attn: bool = True
     train_mlp: bool = True
     first_seq: int = 1
+    train_unembed: bool = False
     log: dict[int, LoggedCall] = field(default_factory=dict)   # seq_id -> call, since the last checkpoint
     recovering: bool = False
 
@@ -119,15 +120,17 @@ class RemoteCalls:
 
     def create_model(self, model_id: str, rank: int, *, owner: str | None = None, seed: int = 0,
                      train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1,
-                     base_model: str | None = None) -> None:
+                     base_model: str | None = None, train_unembed: bool = False) -> None:
         if model_id in self.models:
             return   # the SDK's retry of the same create
         if base_model is None:
             raise ValueError("a model on the service needs its base model")
-        opened = self.call("tinker.open", model_id, base_model, rank, owner, seed, train_attn, train_mlp, first_seq)
+        opened = self.call("tinker.open", model_id, base_model, rank, owner, seed, train_attn, train_mlp, first_seq,
+                           train_unembed)
         with self.lock:
             self.models[model_id] = RemoteModel(opened["job"], opened["trainer"], rank, opened["output_dir"],
-                                                base_model, owner, seed, train_attn, train_mlp, first_seq)
+                                                base_model, owner, seed, train_attn, train_mlp, first_seq,
+                                                train_unembed)
 
     def model(self, model_id: str) -> RemoteModel:
         try:
@@ -364,7 +367,8 @@ class RemoteCalls:
         while True:
             try:
                 placed = self.call("tinker.reopen", model.job, model_id, lost, model.base_model, model.rank,
-                                   model.owner, model.seed, model.train_attn, model.train_mlp, model.first_seq)
+                                   model.owner, model.seed, model.train_attn, model.train_mlp, model.first_seq,
+                                   model.train_unembed)
                 break
             except HTTPException as error:
                 if error.status_code != 503 or time.monotonic() > deadline:

@@ -110,7 +110,8 @@ def add_rest_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) ->
     def weights_info(body: dict, user: str = Depends(user_of)) -> dict:
         facts, _ = readable_entry(str(body.get("tinker_path", "")), user)
         return types.WeightsInfoResponse(base_model=base_name(facts) or "", is_lora=True,
-                                         lora_rank=facts.get("lora_rank"), train_unembed=False
+                                         lora_rank=facts.get("lora_rank"),
+                                         train_unembed=bool(facts.get("train_unembed", False))
                                          ).model_dump(mode="json", exclude_none=True)
 
     def checkpoint(run_id: str, checkpoint_id: str, user: str) -> tuple[Path, str]:

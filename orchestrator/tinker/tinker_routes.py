@@ -11,8 +11,8 @@ The key is `X-API-Key: tml-<an aspen user's token>` (the SDK refuses keys withou
 only their own sessions, models and futures (another's answer 404). A call's problem (a datum the base
 cannot take, an unknown loss) fails that call's future with category "user", never its partners' step.
 Sampling: orchestrator/tinker/sampling_routes.py. An endpoint aspen does not serve answers 404, which the
-SDK raises to its caller. The LM head is never adapted (`train_unembed` is taken as false): aspen's adapters are on the
-decoder's linear layers."""
+SDK raises to its caller. A model's adapter is on the decoder's linear layers (`train_attn`, `train_mlp`) and, with
+`train_unembed` (the SDK's default), on the LM head (actors/engine/head_lora.py)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,8 @@ def add_training_routes(router: APIRouter, ctx: Context, user_of: Callable[..., 
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
         try:
             calls.create_model(model_id, lora.rank, owner=user, seed=lora.seed or 0, train_attn=lora.train_attn,
-                               train_mlp=lora.train_mlp, base_model=body.base_model)
+                               train_mlp=lora.train_mlp, base_model=body.base_model,
+                               train_unembed=lora.train_unembed)
         except ValueError as error:   # e.g. train_mlp alone on a base whose MLP has no linear layer (MoE)
             raise HTTPException(422, str(error)) from None
         backend.book.owners[model_id] = user

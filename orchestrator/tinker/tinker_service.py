@@ -70,23 +70,25 @@ class TinkerService:
                        and not t.get("retired")})
 
     def open(self, model_id: str, base_model: str, rank: int, user: str | None, seed: int = 0,
-             train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> dict[str, Any]:
+             train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1,
+             train_unembed: bool = False) -> dict[str, Any]:
         """Enter the model as a job and create it on its trainer: {job, trainer, output_dir}."""
-        answer = _get(self.scheduler.open_interactive.remote(model_id, base_model, rank, user, train_attn, train_mlp),
-                      f"create model {model_id}")
+        answer = _get(self.scheduler.open_interactive.remote(model_id, base_model, rank, user, train_attn, train_mlp,
+                                                             train_unembed), f"create model {model_id}")
         handle = answer.pop("handle")
         if handle is not None:
             self.handles[answer["trainer"]] = handle
         try:
             self._on(answer["trainer"], "tinker_open", f"create model {model_id}", answer["job"], model_id, rank, user,
-                     seed, train_attn, train_mlp, first_seq, answer["output_dir"], base_model)
+                     seed, train_attn, train_mlp, first_seq, answer["output_dir"], base_model, False, train_unembed)
         except Exception:
             self.scheduler.close_interactive.remote(answer["job"], "failed", "its trainer could not create it")
             raise
         return answer
 
     def reopen(self, job_id: str, model_id: str, lost_trainer: str, base_model: str, rank: int, user: str | None,
-               seed: int = 0, train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1) -> dict[str, Any]:
+               seed: int = 0, train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1,
+               train_unembed: bool = False) -> dict[str, Any]:
         """Place a model whose trainer was lost again and create it there from its checkpoint: {job, trainer,
         output_dir, checkpoint_seq (None: none; its calls from `first_seq` on are to be sent again)}."""
         self.handles.pop(lost_trainer, None)
@@ -96,7 +98,7 @@ class TinkerService:
             self.handles[answer["trainer"]] = handle
         answer["checkpoint_seq"] = self._on(answer["trainer"], "tinker_open", f"resume model {model_id}", job_id,
                                             model_id, rank, user, seed, train_attn, train_mlp, first_seq,
-                                            answer["output_dir"], base_model, True)
+                                            answer["output_dir"], base_model, True, train_unembed)
         return answer
 
     def _on(self, trainer: str, method: str, what: str, *args: Any) -> Any:

@@ -108,7 +108,7 @@ def train_steps(training, seeds) -> None:
 def engine_reference(seeds: list[int]) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The same calls on aspen's engine in this process, on a fresh copy of the base."""
     base = from_module(tiny_model("llama", VOCAB), None)
-    model = InteractiveModel(base, adapter_name("reference"), 4)
+    model = InteractiveModel(base, adapter_name("reference"), 4, train_unembed=True)   # the SDK's default
     losses = []
     for seed in seeds:
         rows = [CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets), "weights": torch.tensor(weights)})
@@ -390,6 +390,34 @@ def test_a_saved_state_resumes_as_if_never_interrupted(server):
         bob.create_training_client_from_state(state.path).result()
     client.close("success").result()
     bob.close("success").result()
+
+
+def test_train_unembed_as_the_sdk_asks_it(server):
+    """The SDK's default (`train_unembed=True`) trains LoRA on the LM head too: its saves hold `lm_head`'s A and B
+    (B no longer zero after a step) and say so (weights_info); `train_unembed=False` leaves the head alone; a state
+    saved with the head resumes with it; a state without it loaded into a model with it is refused, saying why."""
+    url, backend, _ = server
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    rest = client.create_rest_client()
+    with_head = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    without = client.create_lora_training_client(base_model=BASE, rank=4, train_unembed=False).result()
+    for training in (with_head, without):
+        train_steps(training, (1,))
+    saved = saved_weights(backend, with_head.save_weights_for_sampler("head").result().path)
+    assert saved["base_model.model.lm_head.lora_B.weight"].abs().max() > 0
+    assert saved["base_model.model.lm_head.lora_A.weight"].shape == (4, tiny_model("llama", VOCAB).config.hidden_size)
+    plain = without.save_weights_for_sampler("plain").result().path
+    assert not any("lm_head" in name for name in saved_weights(backend, plain))
+    state = with_head.save_state("head-state").result()
+    assert rest.get_weights_info_by_tinker_path(state.path).result().train_unembed is True
+    assert rest.get_weights_info_by_tinker_path(plain).result().train_unembed is False
+    resumed = client.create_training_client_from_state(state.path).result()
+    back = saved_weights(backend, resumed.save_weights_for_sampler("resumed").result().path)
+    assert torch.equal(back["base_model.model.lm_head.lora_B.weight"], saved["base_model.model.lm_head.lora_B.weight"])
+    plain_state = without.save_state("plain-state").result()
+    with pytest.raises(tinker.RequestFailedError, match="no tensor lm_head.lora_A.weight .*train_unembed=False"):
+        with_head.load_state(plain_state.path).result()
+    client.close("success").result()
 
 
 def test_the_rest_client_lists_a_users_runs_and_checkpoints_and_deletes_one(server):

@@ -157,7 +157,8 @@ def replay_job(url: str, key: str, job: dict, together: threading.Barrier | None
     """The job's steps as a Tinker user's loop: per step its loss:sum, its per-token losses summed in the job's
     order (float32, one by one), its target count; the path of its final weights and its model id."""
     client = tinker.ServiceClient(base_url=url, api_key=f"tml-{key}")
-    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=SEED).result()
+    # the job adapts the decoder's linear layers only: the model leaves the LM head alone too (not the SDK's default)
+    training = client.create_lora_training_client(base_model=BASE, rank=4, seed=SEED, train_unembed=False).result()
     out: dict = {"loss_sum": [], "in_job_order": [], "targets": [], "model_id": training.model_id}
     for batch in job["batches"]:
         if together is not None:

@@ -90,7 +90,8 @@ class InteractiveJobs:
         return (state.memory or 0) if state is not None else 0
 
     def open(self, model_id: str, base_model: str, rank: int, user: str | None, candidates: list[TrainerStatus], *,
-             train_attn: bool = True, train_mlp: bool = True, standing: UserShare | None = None) -> Opened:
+             train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = False,
+             standing: UserShare | None = None) -> Opened:
         """Enter the model's job, running on the candidate trainer holding `base_model` with the most memory
         left. ValueError: no trainer holds that base, or the user's tokens of the day are used up (`standing`:
         their quotas); NoRoom: none has the room now, or the user runs their `max_running` jobs."""
@@ -107,11 +108,13 @@ class InteractiveJobs:
             held = sorted({s.base_model for s in candidates}) or ["none ready"]
             raise ValueError(f"base model '{base_model}' is not held by a trainer that takes interactive models "
                              f"(held: {', '.join(held)})")
-        if not (train_attn or train_mlp):
-            raise ValueError("train_attn and train_mlp are both false: nothing to train")
+        if not (train_attn or train_mlp or train_unembed):
+            raise ValueError("train_attn, train_mlp and train_unembed are all false: nothing to train")
         targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
         stacks = stack_targets(same_base[0].expert_shapes) if train_mlp else []
-        if not targets and not stacks:
+        if not targets and not stacks and train_unembed:
+            targets = ["lm_head"]   # the head alone (the trainer's interactive_lora names it so)
+        elif not targets and not stacks:
             raise ValueError("train_mlp alone, but nothing of this base's MLP is adapted (on some MoE types its dense "
                              "and shared MLP layers are left alone: docs/models.md): train attention too "
                              "(train_attn=True)")
@@ -137,9 +140,13 @@ class InteractiveJobs:
         """The trainer with the most memory left once the model's adapter and optimizer state are on it, and
         what those need; NoRoom where none has the room now."""
         best, best_free, need = None, None, 0
+        lora = submission.job.lora
+        # the LM head's adapter (`train_unembed`) is not counted: a trainer's report has no vocabulary size
+        # (at rank r, r x (hidden + vocabulary) float32 parameters with their gradient and AdamW's moments)
+        layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != "lm_head"]})
         for status in same_base:
             view = trainer_view(status)
-            need = job_adapter_bytes(submission.job.lora, view)
+            need = job_adapter_bytes(layers, view) if layers.target_modules or layers.target_parameters else 0
             held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in status.jobs)
             free = view.memory_budget_bytes - held - need
             if free >= 0 and (best_free is None or free > best_free):

@@ -115,14 +115,15 @@ class InteractiveCalls:
     # -- from any thread -------------------------------------------------------------------------------
     def create_model(self, model_id: str, rank: int, *, owner: str | None = None, seed: int = 0,
                      train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1,
-                     base_model: str | None = None) -> None:
+                     base_model: str | None = None, train_unembed: bool = False) -> None:
         """A new model; its calls start at `first_seq` (1 after a create_model, which is 0; 0 where the model
-        is created by its first call, a load). `base_model`: the name the API gave the base (this one)."""
+        is created by its first call, a load). `base_model`: the name the API gave the base (this one);
+        `train_unembed`: LoRA on the LM head too (actors/engine/head_lora.py)."""
         with self.lock:
             if model_id in self.models:
                 return   # the SDK's retry of the same create
             model = InteractiveModel(self.base, adapter_name(model_id), rank, seed=seed, train_attn=train_attn,
-                                     train_mlp=train_mlp)
+                                     train_mlp=train_mlp, train_unembed=train_unembed)
             self.models[model_id] = ModelState(model, owner, next_seq=first_seq)
 
     def submit(self, model_id: str, seq_id: int, kind: str, payload: Any) -> Future:

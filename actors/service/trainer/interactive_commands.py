@@ -35,7 +35,8 @@ class SaveSampler:
             identity = identity_of(model)
             save_adapter(model.adapter, self.folder, identity.serving_id,
                          {"base_model": identity.metadata, "base_name": self.base_model, "model_id": self.model_id,
-                          "user": self.user, "lora_rank": model.rank, "step": model.steps})
+                          "user": self.user, "lora_rank": model.rank, "step": model.steps,
+                          "train_unembed": model.train_unembed})
         if self.snapshot is not None:
             remove_adapter(model.base.model, self.snapshot)
             model.snapshot(self.snapshot)

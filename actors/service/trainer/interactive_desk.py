@@ -99,14 +99,14 @@ class InteractiveDesk:
     # -- the front's calls (the trainer actor's tinker_* methods) -------------------------------------------
     def open(self, job_id: str, model_id: str, rank: int, *, owner: str | None, seed: int = 0,
              train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1, output_dir: str | None = None,
-             base_name: str = "", resume: bool = False) -> int | None:
+             base_name: str = "", resume: bool = False, train_unembed: bool = False) -> int | None:
         """Create the model for its job. `resume`: from its checkpoint in `output_dir` (its calls then start after
         the checkpoint's); returns that checkpoint's seq_id (None: none, the model starts afresh at `first_seq`)."""
         saved = read_checkpoint(Path(output_dir)) if resume and output_dir else None
         if saved is not None:
             first_seq = int(saved[0]["seq"]) + 1
         self.calls.create_model(model_id, rank, owner=owner, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
-                                first_seq=first_seq)
+                                first_seq=first_seq, train_unembed=train_unembed)
         model = ModelJob(job_id, owner, output_dir, base_name)
         if saved is not None:
             facts, weights, optimizer = saved

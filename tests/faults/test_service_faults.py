@@ -82,6 +82,7 @@ def actor_pid(ray, handle) -> int:
 
 
 # -- the job table locked by another process --------------------------------------------------------------
+@pytest.mark.long   # ~55 s on CI's machine: jobs trained while another process holds the table's lock
 def test_trainer_events_reach_a_locked_job_table_once_and_in_order(ray_session, tiny_model_dirs, tmp_path):
     base = tiny_model_dirs["llama"]
     # The lock must come before either job ends: it is taken after both are seen at step 2, late by a poll of
@@ -128,6 +129,7 @@ def test_trainer_events_reach_a_locked_job_table_once_and_in_order(ray_session, 
 
 
 # -- a job actor that hangs or dies --------------------------------------------------------------------------
+@pytest.mark.long   # 55-70 s on CI's machine: a job actor hung, then killed, and every job trained to its end
 def test_a_hung_or_killed_job_actor_costs_neither_its_job_nor_the_others(ray_session, tiny_model_dirs, tmp_path):
     ray = ray_session
     base = tiny_model_dirs["llama"]

@@ -277,6 +277,7 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.close()
 
 
+@pytest.mark.long   # ~60 s on CI's machine: a sweep's trials trained to its leaderboard, seen in a real browser
 def test_an_admin_sees_everyone_trainers_and_a_sweep_leaderboard(console, browser):
     root = console.http("root")
     out = console.state_dir / "outputs" / "root" / "sweep"   # under the admin's own outputs' folder

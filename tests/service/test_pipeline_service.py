@@ -468,6 +468,7 @@ def test_jobs_assigned_together_when_a_stage_is_found_lost_all_start_on_the_new_
     assert_same_outputs(outputs(tmp_path / "out/second"), outputs(tmp_path / "uninterrupted/second"), "second")
 
 
+@pytest.mark.long   # ~60 s on CI's machine: jobs on a two-stage pipeline trainer on Ray, its stage actor killed
 def test_the_service_on_ray_runs_a_pipeline_trainer_as_one_device(ray_session, tiny_model_dirs, tmp_path):
     """`aspen run`'s service on Ray with a `stages: 2` trainer: the trainer actor runs stage 0, stage 1 is a
     stage actor in the trainer's placement group. The stage actor is killed mid-run (once the first job's status

@@ -124,6 +124,7 @@ def test_the_fused_loss_mark_is_the_model_s_own():
 
 
 
+@pytest.mark.long   # ~55 s on CI's machine: Liger's Triton kernels run by Triton's interpreter, in a process of its own
 @pytest.mark.skipif(not liger_installed(), reason="Liger-Kernel is not installed (pip install 'aspen-lora[gpu]')")
 @pytest.mark.skipif(interpreter_on(), reason=f"this process runs under Triton's interpreter: {INTERPRETED} runs here")
 def test_liger_s_kernels_under_triton_s_interpreter():

@@ -227,7 +227,7 @@ def test_sampling_from_saved_weights_through_the_sdk(server):
               for _ in range(2)]
     # the reference: aspen's sampler on the weights saved to disk, attached to a fresh base
     base = from_module(tiny_model("llama", VOCAB), None)
-    reference = InteractiveModel(base, "reference", 4)
+    reference = InteractiveModel(base, "reference", 4, train_unembed=True)   # the SDK's default
     weights = saved_weights(backend, saved.path)
     parameters = dict(reference.adapter.named_parameters())
     with torch.no_grad():
@@ -277,7 +277,7 @@ def test_top_k_distillation_through_the_sdk_as_the_cookbooks_sdft_does_it(server
     result = training.forward_backward([datum], "cross_entropy").result()
     training.optim_step(types.AdamParams(**ADAM)).result()
     saved = training.save_weights_for_sampler("student").result()
-    reference = InteractiveModel(base, adapter_name("reference"), 4)
+    reference = InteractiveModel(base, adapter_name("reference"), 4, train_unembed=True)   # the SDK's default
     (output,) = run_calls(base, [ModelCall(reference.name, (CallDatum(tuple(prompt), {
         "target_tokens": targets, "weights": weights}),))], backward=True)
     reference.optim_step(AdamStep(**ADAM))
@@ -471,7 +471,7 @@ def test_an_rl_loss_with_its_config_through_the_sdk_is_the_engines(server, loss_
     training = client.create_lora_training_client(base_model=BASE, rank=4).result()
     result = training.forward_backward(data, loss_fn, loss_fn_config=config).result()
     base = from_module(tiny_model("llama", VOCAB), None)
-    InteractiveModel(base, "reference", 4)
+    InteractiveModel(base, "reference", 4, train_unembed=True)   # the SDK's default
     call = ModelCall("reference", tuple(CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets), **{
         name: torch.from_numpy(value) for name, value in inputs.items()}}) for tokens, targets, inputs in rows),
         loss_fn, config)
@@ -895,7 +895,7 @@ def engine_greedy(weights: dict[str, torch.Tensor], prompt: list[int]) -> list[i
     from actors.engine.tinker_sampling import SampleCall, sample
 
     base = from_module(tiny_model("llama", VOCAB), None)
-    reference = InteractiveModel(base, "reference", 4)
+    reference = InteractiveModel(base, "reference", 4, train_unembed=True)   # the SDK's default
     parameters = dict(reference.adapter.named_parameters())
     with torch.no_grad():
         for name in adapter_state_dict(reference.adapter):

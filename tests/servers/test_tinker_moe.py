@@ -1,7 +1,8 @@
 """The Tinker API on an MoE base (a tiny random Qwen3-MoE: 4 experts, 2 a token), driven by the real `tinker`
-SDK: a LoRA model trains its attention and, as Tinker does, its experts (each expert's own LoRA on the stacks:
-actors/engine/experts_lora.py), its forward's log-probabilities are the Hugging Face model's with the PEFT adapter
-it saved, its sampler samples; a model of the MLP alone adapts the experts alone."""
+SDK: a LoRA model trains its attention, its LM head (the SDK's default `train_unembed`) and, as Tinker does, its
+experts (each expert's own LoRA on the stacks: actors/engine/experts_lora.py), its forward's log-probabilities are
+the Hugging Face model's with the PEFT adapter it saved, its sampler samples; a model of the MLP alone adapts the
+experts alone."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_a_moe_base_trains_its_attention_and_experts_through_the_sdk(tmp_path, m
     with tinker_in_process(from_module(model, None), BASE, tmp_path / "weights", KEYS.get,
                            window_s=0.05) as (url, backend, _):
         client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
-        experts_only = client.create_lora_training_client(base_model=BASE, rank=4, train_attn=False).result()
+        experts_only = client.create_lora_training_client(base_model=BASE, rank=4, train_attn=False,
+                                                          train_unembed=False).result()
         experts_only.forward_backward(datums(ROWS), "cross_entropy").result()
         experts_only.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         mlp_folder = experts_only.save_weights_for_sampler("mlp").result().path
@@ -66,7 +68,7 @@ def test_a_moe_base_trains_its_attention_and_experts_through_the_sdk(tmp_path, m
 
     assert adapted(PeftModel.from_pretrained(copy.deepcopy(reference), mlp)) == {"experts"}
     peft_model = PeftModel.from_pretrained(copy.deepcopy(reference), folder).eval()
-    assert adapted(peft_model) == {"q_proj", "k_proj", "v_proj", "o_proj", "experts"}
+    assert adapted(peft_model) == {"q_proj", "k_proj", "v_proj", "o_proj", "experts", "lm_head"}   # SDK's defaults
     expected = hf_target_logprobs(peft_model, ROWS)
     bare = hf_target_logprobs(reference, ROWS)
     for output, want, before in zip(forward.loss_fn_outputs, expected, bare, strict=True):

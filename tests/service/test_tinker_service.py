@@ -83,7 +83,7 @@ def engine_reference(base_dir: str, seeds: list[int]) -> tuple[dict[str, torch.T
     torch.set_num_threads(1)
     try:
         base = load_base_model(base_dir, dtype="float32", device="cpu")
-        model = InteractiveModel(base, adapter_name("reference"), 4)
+        model = InteractiveModel(base, adapter_name("reference"), 4, train_unembed=True)   # the SDK's default
         losses = []
         for seed in seeds:
             rows = tuple(CallDatum(tuple(tokens), {"target_tokens": torch.tensor(targets),

@@ -21,7 +21,7 @@ from actors.engine.lora_targets import EXPERT_NAMES
 
 # RoPE types whose inverse frequencies are fixed by the config alone (transformers' ROPE_INIT_FUNCTIONS):
 # each packed sequence, its position ids restarting at 0, gets exactly the rotation it gets alone.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 # model types whose 'dynamic' RoPE with an `alpha` is static (`_fixed_alpha`)
 FIXED_ALPHA_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # Recomputed from `max(position_ids) + 1` of the whole forward pass (transformers' dynamic_rope_update):
@@ -97,6 +97,17 @@ def _no_bidirectional(config: Any) -> list[str]:
     return []
 
 
+def _gemma4_text(config: Any) -> list[str]:
+    problems = []
+    if getattr(config, "use_bidirectional_attention", None) == "all":   # "vision": text tokens stay causal
+        problems.append("use_bidirectional_attention='all' (tokens attend to later tokens, so a sequence's loss is "
+                        "not a causal LM loss): refused; use a causal checkpoint of this model")
+    if getattr(config, "enable_moe_block", False):
+        problems.append("enable_moe_block=True (Gemma 4's MoE block is not verified with packed, fused steps): "
+                        "refused; use a dense Gemma 4 model")
+    return problems
+
+
 def _no_router_loss(config: Any) -> list[str]:
     if getattr(config, "output_router_logits", False):
         return ["output_router_logits=True (the model's loss adds the router's load-balancing loss, which aspen's "
@@ -139,6 +150,13 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         attention="sliding/global layers; `query_pre_attn_scalar`",
                         other="a RoPE per layer type; q/k norm", refused=_BIDIRECTIONAL, transform=_softcapped,
                         check=_no_bidirectional),
+    ArchitectureSupport("gemma4_text", "google/gemma-4-e2b-it (its `text_config`)",
+                        logits="tanh soft-cap (`final_logit_softcapping`)",
+                        attention="sliding/global layers; keys as values on global layers (`attention_k_eq_v`); "
+                                  "later layers reusing an earlier layer's keys and values",
+                        other="per-layer input embeddings; proportional RoPE (partial) on global layers; q/k/v norm",
+                        refused=f"{_BIDIRECTIONAL} `all`; the MoE block (`enable_moe_block`)", transform=_softcapped,
+                        check=_gemma4_text),
     ArchitectureSupport("phi3", "microsoft/Phi-3-mini-4k-instruct", attention="sliding window",
                         other="fused `qkv_proj` / `gate_up_proj` (LoRA adapts them whole)",
                         refused="longrope (the 128k models)"),

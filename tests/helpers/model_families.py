@@ -49,6 +49,23 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                     [("final logit soft-capping", {"final_logit_softcapping": None}),
                      ("sliding layers", {"layer_types": ALL_FULL}),
                      ("query_pre_attn_scalar", {"query_pre_attn_scalar": 16})]),
+    # Gemma 4: per-layer input embeddings (PLE), the last layer reusing an earlier one's keys and values (the E2B /
+    # E4B models), keys as values on global layers (attention_k_eq_v), a wider MLP on the reusing layers, a head
+    # dimension of its own on global layers, proportional RoPE there (a quarter of the angles rotated, as Gemma 4)
+    "gemma4_text": ({"num_hidden_layers": 3, "sliding_window": WINDOW,   # (its last layer must be a global one)
+                     "layer_types": ["sliding_attention", "full_attention", "full_attention"],
+                     "final_logit_softcapping": 2.0, "hidden_size_per_layer_input": 8,
+                     "vocab_size_per_layer_input": VOCAB, "num_kv_shared_layers": 1, "attention_k_eq_v": True,
+                     "use_double_wide_mlp": True, "global_head_dim": 32,
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                            "rope_theta": 10000.0}}},
+                    # (the per-layer inputs and the shared keys and values change the parameters: their own test)
+                    [("final logit soft-capping", {"final_logit_softcapping": None}),
+                     ("sliding window", {"sliding_window": 256}),
+                     ("proportional RoPE", {"rope_parameters": {
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}})]),
     "phi3": ({"sliding_window": WINDOW}, [("sliding window", {"sliding_window": None})]),
     "granite": ({"logits_scaling": 4.0, "attention_multiplier": 0.5, "embedding_multiplier": 3.0,
                  "residual_multiplier": 0.5},

@@ -148,6 +148,33 @@ def test_each_feature_changes_the_reference_loss(model_type, feature, off):
     assert abs(with_feature - without) > FEATURE_EFFECT * abs(with_feature), feature
 
 
+def test_gemma4_per_layer_inputs_and_shared_keys_and_values_matter():
+    """Gemma 4's features that change its parameters, each turned off with the same weights where they remain: its
+    per-layer input embeddings dropped (the tables, gates and projections gone); a layer that reuses an earlier
+    layer's keys and values computing its own from its own input with that layer's weights. Each moves the loss,
+    so the fused step's equality above covers both; a text model of Gemma 4 that attends only to text (`vision`)
+    is taken, as its text tokens attend causally."""
+    batch = examples(0, [24, 13, 19])
+    model = build_model(build_config("gemma4_text"))
+    no_inputs = build_model(build_config("gemma4_text", hidden_size_per_layer_input=0))
+    loaded = no_inputs.load_state_dict(model.state_dict(), strict=False)
+    assert not loaded.missing_keys and loaded.unexpected_keys
+    assert all("per_layer" in name for name in loaded.unexpected_keys)
+    assert abs(_hf_loss(model, batch) - _hf_loss(no_inputs, batch)) > FEATURE_EFFECT * _hf_loss(model, batch)
+
+    shared = build_model(build_config("gemma4_text", use_double_wide_mlp=False))   # the MLP's width kept
+    own = build_model(build_config("gemma4_text", use_double_wide_mlp=False, num_kv_shared_layers=0))
+    state = shared.state_dict()
+    last, producer = len(shared.model.layers) - 1, len(shared.model.layers) - 2
+    assert shared.model.layers[last].self_attn.is_kv_shared_layer
+    for name in own.state_dict():
+        if name not in state:   # the reusing layer's own key projection and norms: the producer's weights
+            state[name] = state[name.replace(f"layers.{last}.", f"layers.{producer}.")]
+    own.load_state_dict(state)
+    assert abs(_hf_loss(shared, batch) - _hf_loss(own, batch)) > FEATURE_EFFECT * _hf_loss(shared, batch)
+    from_module(build_model(build_config("gemma4_text", use_bidirectional_attention="vision")), None)
+
+
 def test_gpt_oss_sinks_matter_and_experts_are_not_adapted():
     model = build_model(build_config("gpt_oss"))
     ablated = copy.deepcopy(model)

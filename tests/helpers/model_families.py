@@ -176,6 +176,11 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                     ("sliding layers", {"layer_types": ALL_FULL})]),
     "apertus": ({}, []),
     "cohere": ({"logit_scale": 4.0, "use_qk_norm": False}, [("logit_scale", {"logit_scale": 1.0})]),
+    # Command R7B / Command A: sliding layers with RoPE, global layers without any position encoding
+    "cohere2": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS, "logit_scale": 4.0},
+                [("logit_scale", {"logit_scale": 1.0}),
+                 ("sliding window", {"sliding_window": 256}),
+                 ("global layers without RoPE", {"layer_types": ["sliding_attention"] * 3, "sliding_window": 256})]),
     "smollm3": ({"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1]},
                 [("NoPE layers", {"no_rope_layers": [1, 1, 1]})]),
     # GLM-4: q/k/v biases, RoPE on half of each head interleaved (not rotate-half), one fused gate_up_proj;

@@ -22,7 +22,10 @@ from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.lora_config import LoraConfig
+from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.base import UserShare, memory_in_use
+
+HEAD_MODULE = "lm_head"   # PEFT's name for the LM head (actors/engine/head_lora.py; not imported: it needs torch)
 
 LORA_ALPHA = 32.0    # the Tinker API's adapters: alpha 32 at every rank (actors/engine/interactive_model.py)
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -112,12 +115,12 @@ class InteractiveJobs:
             raise ValueError("train_attn, train_mlp and train_unembed are all false: nothing to train")
         targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
         stacks = stack_targets(same_base[0].expert_shapes) if train_mlp else []
-        if not targets and not stacks and train_unembed:
-            targets = ["lm_head"]   # the head alone (the trainer's interactive_lora names it so)
-        elif not targets and not stacks:
+        if not targets and not stacks and not train_unembed:
             raise ValueError("train_mlp alone, but nothing of this base's MLP is adapted (on some MoE types its dense "
                              "and shared MLP layers are left alone: docs/models.md): train attention too "
                              "(train_attn=True)")
+        # the LM head as PEFT lists it (`train_unembed`): its adapter counted by the trainer's head shape (`_place`)
+        targets = [*targets, HEAD_MODULE] if train_unembed else targets
         submission = interactive_submission(model_id, base_model, rank, targets, user, stacks)
         best, need = self._place(submission, same_base)
         job_id = submission.job.name
@@ -141,12 +144,12 @@ class InteractiveJobs:
         what those need; NoRoom where none has the room now."""
         best, best_free, need = None, None, 0
         lora = submission.job.lora
-        # the LM head's adapter (`train_unembed`) is not counted: a trainer's report has no vocabulary size
-        # (at rank r, r x (hidden + vocabulary) float32 parameters with their gradient and AdamW's moments)
-        layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != "lm_head"]})
+        layers = lora.model_copy(update={"target_modules": [t for t in lora.target_modules if t != HEAD_MODULE]})
+        head = HEAD_MODULE in lora.target_modules   # LoRA on the LM head: r x (its inputs + outputs) parameters
         for status in same_base:
             view = trainer_view(status)
             need = job_adapter_bytes(layers, view) if layers.target_modules or layers.target_parameters else 0
+            need += BYTES_PER_ADAPTER_PARAMETER * lora.r * sum(status.head_shape) if head else 0
             held = memory_in_use(view, []) + sum(self._memory(job_id) for job_id in status.jobs)
             free = view.memory_budget_bytes - held - need
             if free >= 0 and (best_free is None or free > best_free):

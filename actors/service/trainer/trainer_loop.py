@@ -153,7 +153,7 @@ class TrainerLoop:
             busy_seconds=totals.busy_seconds, started_at=totals.started_at, base_bytes=admission.base_bytes,
             peak_memory_bytes=totals.peak_memory, memory_budget_bytes=admission.budget,
             activation_bytes_estimate=admission.activation_estimate, linear_shapes=dict(admission.linear_shapes),
-            expert_shapes=dict(admission.expert_shapes),
+            expert_shapes=dict(admission.expert_shapes), head_shape=tuple(base.lm_head.weight.shape[::-1]),
             data_waits=totals.data_waits, memory_coefficients=tuple(admission.memory_model.coefficients.tolist()),
             memory_error=admission.memory_model.mean_error, longest_sequence=totals.longest_sequence,
             step_tokens=self.trainer.step_tokens, max_jobs=self.config.max_jobs,

@@ -44,6 +44,7 @@ class TrainerStatus:
     memory_budget_bytes: int
     activation_bytes_estimate: int   # a full step's bytes over the weights, before any step was measured
     linear_shapes: dict[str, tuple[int, int]]
+    head_shape: tuple[int, int] = (0, 0)   # the LM head's (in, out): an interactive model's `train_unembed` adapter
     expert_shapes: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # MoE stacks: (experts, in, out)
     data_waits: int = 0           # times a step waited for a job's data
     memory_coefficients: tuple[float, ...] = ()   # the fitted step-memory model (policies.memory_model)

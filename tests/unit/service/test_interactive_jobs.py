@@ -118,3 +118,27 @@ def test_a_jobs_file_or_submission_of_method_interactive_is_refused():
         JobSpec(name="x")
     assert adapted_modules(["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "lm_head"],
                            train_attn=False, train_mlp=True) == ["up_proj"]
+
+
+def test_a_model_that_trains_the_lm_head_holds_its_head_adapter_too(tmp_path):
+    """`train_unembed`: the head's adapter counted beside the layers' (r x (hidden + vocabulary) parameters a rank,
+    as tinker-cookbook's per-rank counts have it: Qwen3-8B's "unembed" 156,032 = 4,096 + 151,936), each with its
+    gradient and AdamW's two moments in float32; the head alone is a model too."""
+    from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
+
+    core = core_of(tmp_path)
+    trainer = replace(status("trainer-0"), head_shape=(576, 49152), memory_budget_bytes=20 * 2**30)
+    with core.table.transaction():
+        plain = core.interactive.open("s1:train:0", "smollm2-135m", 8, "alice", [trainer])
+        with_head = core.interactive.open("s1:train:1", "smollm2-135m", 8, "alice", [trainer], train_unembed=True)
+        head_only = core.interactive.open("s1:train:2", "smollm2-135m", 8, "alice", [trainer], train_attn=False,
+                                          train_mlp=False, train_unembed=True)
+    head_bytes = BYTES_PER_ADAPTER_PARAMETER * 8 * (576 + 49152)
+    memory = {opened.record.id: core.scheduling.get(opened.record.id).memory
+              for opened in (plain, with_head, head_only)}
+    assert memory[with_head.record.id] == memory[plain.record.id] + head_bytes
+    assert memory[head_only.record.id] == head_bytes
+    assert core.table.submission(with_head.record.id).job.lora.target_modules == ["q_proj", "v_proj", "lm_head"]
+    with pytest.raises(ValueError, match="all false: nothing to train"):
+        core.interactive.open("s1:train:3", "smollm2-135m", 8, "alice", [trainer], train_attn=False,
+                              train_mlp=False)

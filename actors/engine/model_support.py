@@ -256,6 +256,12 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("gpt_neox", "EleutherAI/pythia-1.4b", attention="fused `query_key_value`; biases",
                         other="partial RoPE (`rotary_pct`); parallel attention / MLP (`use_parallel_residual`); "
                               "LayerNorm; GELU MLP (`dense_h_to_4h` / `dense_4h_to_h`)"),
+    ArchitectureSupport("gptj", "EleutherAI/gpt-j-6b", attention="RoPE on the first `rotary_dim` dimensions, pairs "
+                        "interleaved", other="parallel attention / MLP; LayerNorm; GELU MLP (`fc_in` / `fc_out`)"),
+    ArchitectureSupport("codegen", "Salesforce/codegen-350M-mono",
+                        attention="fused `qkv_proj` in 4 model-parallel blocks; RoPE on the first `rotary_dim` "
+                                  "dimensions, pairs interleaved",
+                        other="parallel attention / MLP; LayerNorm; GELU MLP (`fc_in` / `fc_out`)"),
     ArchitectureSupport("ministral3", "mistralai/Ministral-3-8B-Base-2512",
                         attention="Llama 4's query scaling by position (`llama_4_scaling_beta`)", other="RoPE yarn"),
     ArchitectureSupport("cwm", "facebook/cwm", attention="sliding/full layers", other="RoPE llama3"),

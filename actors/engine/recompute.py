@@ -24,14 +24,18 @@ from actors.engine.lora_adapter import LoraAdapter
 from actors.engine.vera import VeraAdapter
 from actors.spec.base_settings import RECOMPUTE_MODES, Recompute
 
+LAYER_LISTS = ("layers", "h")   # Llama, Qwen2, Mistral, ...; GPT-J and CodeGen (GPT-2's name)
+
 
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
-    """The decoder's stack of transformer layers (`layers` in Llama, Qwen2, Mistral, ...)."""
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"recompute: layers needs a decoder with a `layers` list of transformer layers; "
-                         f"{type(decoder).__name__} has none (use recompute: none for this model)")
-    return layers
+    """The decoder's stack of transformer layers (`layers` in Llama, Qwen2, Mistral, ...; `h` in GPT-J, CodeGen)."""
+    for name in LAYER_LISTS:
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return layers
+    lists = " or ".join(LAYER_LISTS)
+    raise ValueError(f"recompute: layers needs a decoder with a list of transformer layers ({lists}); "
+                     f"{type(decoder).__name__} has none (use recompute: none for this model)")
 
 
 def _dropout_generators(layer: nn.Module) -> list[torch.Generator]:

@@ -168,6 +168,10 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     "gpt_neox": ({"rotary_pct": 0.25, "use_parallel_residual": True},
                  [("partial rotary factor", {"rotary_pct": 1.0}),
                   ("parallel residual", {"use_parallel_residual": False})]),
+    # GPT-J / CodeGen: RoPE on the first `rotary_dim` of each head's 16 dimensions (their default, 64, is a real
+    # model's head; a quarter, as GPT-J-6B's 64 of 256), pairs interleaved; CodeGen's qkv_proj in 4 blocks
+    "gptj": ({"rotary_dim": 4}, [("partial rotary dimensions", {"rotary_dim": 16})]),
+    "codegen": ({"rotary_dim": 4}, [("partial rotary dimensions", {"rotary_dim": 16})]),
     "nanochat": ({"final_logit_softcapping": 2.0}, [("final logit soft-capping", {"final_logit_softcapping": None})]),
     "vaultgemma": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
                     "final_logit_softcapping": 2.0, "attn_logit_softcapping": 0.5, "query_pre_attn_scalar": 4},

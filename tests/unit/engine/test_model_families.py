@@ -22,6 +22,7 @@ from actors.engine.job import TrainingJob
 from actors.engine.lora_targets import MLP_AS_EXPERTS_TYPES
 from actors.engine.model_support import SUPPORTED
 from actors.engine.models import from_module
+from actors.engine.recompute import decoder_layers
 from actors.engine.trainer import FusedTrainer
 from actors.spec.job_spec import JobSpec
 from tests.helpers.model_families import (
@@ -75,6 +76,8 @@ def target_count(example: Example) -> int:
 def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
     reference = copy.deepcopy(model)
     base = from_module(model, None)
+    # the layers the memory prior counts and `recompute: layers` wraps (a service's trainer reads them at start)
+    assert len(decoder_layers(base.decoder)) == base.model.config.num_hidden_layers
     trainer = FusedTrainer(base, step_tokens=100_000)
     jobs, batches = [], []
     generator = torch.Generator().manual_seed(123)

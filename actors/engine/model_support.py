@@ -262,6 +262,12 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         attention="fused `qkv_proj` in 4 model-parallel blocks; RoPE on the first `rotary_dim` "
                                   "dimensions, pairs interleaved",
                         other="parallel attention / MLP; LayerNorm; GELU MLP (`fc_in` / `fc_out`)"),
+    ArchitectureSupport("gpt_bigcode", "bigcode/starcoderbase-1b",
+                        attention="multi-query (`multi_query`); fused `c_attn`; biases",
+                        other="learned absolute positions; LayerNorm; GELU MLP (`c_fc` / `c_proj`)"),
+    ArchitectureSupport("opt", "facebook/opt-1.3b", attention="biases",
+                        other="learned positions (offset 2); LayerNorm; ReLU MLP (`fc1` / `fc2`); `project_in` / "
+                              "`project_out` where `word_embed_proj_dim` differs (adapted as linear layers)"),
     ArchitectureSupport("ministral3", "mistralai/Ministral-3-8B-Base-2512",
                         attention="Llama 4's query scaling by position (`llama_4_scaling_beta`)", other="RoPE yarn"),
     ArchitectureSupport("cwm", "facebook/cwm", attention="sliding/full layers", other="RoPE llama3"),

@@ -24,13 +24,17 @@ from actors.engine.lora_adapter import LoraAdapter
 from actors.engine.vera import VeraAdapter
 from actors.spec.base_settings import RECOMPUTE_MODES, Recompute
 
-LAYER_LISTS = ("layers", "h")   # Llama, Qwen2, Mistral, ...; GPT-J and CodeGen (GPT-2's name)
+# Llama, Qwen2, Mistral, ...; GPT-J, CodeGen and GPT-BigCode (GPT-2's name); OPT (its decoder's)
+LAYER_LISTS = ("layers", "h", "decoder.layers")
 
 
 def decoder_layers(decoder: nn.Module) -> nn.ModuleList:
-    """The decoder's stack of transformer layers (`layers` in Llama, Qwen2, Mistral, ...; `h` in GPT-J, CodeGen)."""
+    """The decoder's stack of transformer layers (`layers` in Llama, Qwen2, Mistral, ...; `h` in GPT-J, CodeGen,
+    GPT-BigCode; `decoder.layers` in OPT)."""
     for name in LAYER_LISTS:
-        layers = getattr(decoder, name, None)
+        layers = decoder
+        for part in name.split("."):
+            layers = getattr(layers, part, None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return layers
     lists = " or ".join(LAYER_LISTS)

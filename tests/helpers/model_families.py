@@ -172,6 +172,11 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     # model's head; a quarter, as GPT-J-6B's 64 of 256), pairs interleaved; CodeGen's qkv_proj in 4 blocks
     "gptj": ({"rotary_dim": 4}, [("partial rotary dimensions", {"rotary_dim": 16})]),
     "codegen": ({"rotary_dim": 4}, [("partial rotary dimensions", {"rotary_dim": 16})]),
+    # GPT-BigCode (StarCoder 1): one key/value head for all queries; learned absolute positions (no ablation keeps
+    # the weights' shapes). OPT: learned positions offset by 2, pre-LN as OPT-125m..66b (OPT-350m's post-LN with
+    # project_in / project_out passes in float64; its tiny random float32 model is too ill-conditioned to compare)
+    "gpt_bigcode": ({"multi_query": True}, []),
+    "opt": ({}, []),
     "nanochat": ({"final_logit_softcapping": 2.0}, [("final logit soft-capping", {"final_logit_softcapping": None})]),
     "vaultgemma": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
                     "final_logit_softcapping": 2.0, "attn_logit_softcapping": 0.5, "query_pre_attn_scalar": 4},

@@ -59,7 +59,9 @@ def _masked_attention(model: nn.Module) -> Iterator[None]:
     if before is None or not hasattr(model, "set_attn_implementation"):
         yield
         return
-    model.set_attn_implementation("eager" if needs_eager_attention(model) else "sdpa")
+    # sdpa where the model's class has it (GraniteSWA has none: eager)
+    sdpa = getattr(type(model), "_supports_sdpa", True) and not needs_eager_attention(model)
+    model.set_attn_implementation("sdpa" if sdpa else "eager")
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ from peft import PeftModel
 
 from actors.checkpoint.peft_io import save_adapter
 from actors.data import Example
+from actors.engine.generate import greedy_generate
 from actors.engine.job import TrainingJob
 from actors.engine.lora_targets import MLP_AS_EXPERTS_TYPES
 from actors.engine.model_support import SUPPORTED
@@ -126,6 +127,22 @@ def check_fused_step_against_hf(model: torch.nn.Module, tmp_path: Path) -> None:
 def test_fused_packed_step_equals_hf_and_peft(model_type, tmp_path):
     assert model_type in CASES, f"add a tiny config for '{model_type}' to CASES"
     check_fused_step_against_hf(build_model(build_config(model_type)), tmp_path)
+
+
+@pytest.mark.parametrize("model_type", list(SUPPORTED))
+def test_greedy_decoding_is_hf_generate(model_type):
+    """aspen's decoding (a left-padded batch with a KV cache: sampling, "try it", generation evals) gives the
+    tokens Hugging Face's `generate` gives on the unfused model, prompt by prompt, ending at its end token."""
+    model = build_model(build_config(model_type))
+    reference = copy.deepcopy(model)
+    eos = model.config.eos_token_id
+    prompts = [[5, 9, 33, 7, 60, 12, 4, 90, 11, 13, 17], [71, 3, 45]]   # the shorter one padded on the left
+    ours = greedy_generate(from_module(model, None), None, prompts, 8, {eos})
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            expected = reference.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                          eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == expected, (model_type, prompt)
 
 
 @pytest.mark.parametrize("rope", list(ROPE_CASES))

@@ -268,6 +268,10 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("opt", "facebook/opt-1.3b", attention="biases",
                         other="learned positions (offset 2); LayerNorm; ReLU MLP (`fc1` / `fc2`); `project_in` / "
                               "`project_out` where `word_embed_proj_dim` differs (adapted as linear layers)"),
+    ArchitectureSupport("iquestcoder", "IQuestLab/IQuest-Coder-V1-40B-Instruct", other="Llama's own layers"),
+    ArchitectureSupport("bitnet", "microsoft/bitnet-b1.58-2B-4T-bf16",
+                        other="norms inside attention and the MLP (`attn_sub_norm`, `ffn_sub_norm`); ReLU² MLP; its "
+                              "bf16 weights (the `-bf16` checkpoint, not the packed ternary one)"),
     ArchitectureSupport("ministral3", "mistralai/Ministral-3-8B-Base-2512",
                         attention="Llama 4's query scaling by position (`llama_4_scaling_beta`)", other="RoPE yarn"),
     ArchitectureSupport("cwm", "facebook/cwm", attention="sliding/full layers", other="RoPE llama3"),

@@ -177,6 +177,8 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     # project_in / project_out passes in float64; its tiny random float32 model is too ill-conditioned to compare)
     "gpt_bigcode": ({"multi_query": True}, []),
     "opt": ({}, []),
+    "iquestcoder": ({}, []),
+    "bitnet": ({"hidden_act": "relu2"}, [("ReLU² activation", {"hidden_act": "silu"})]),
     "nanochat": ({"final_logit_softcapping": 2.0}, [("final logit soft-capping", {"final_logit_softcapping": None})]),
     "vaultgemma": ({"num_hidden_layers": 3, "sliding_window": WINDOW, "layer_types": SLIDING_LAYERS,
                     "final_logit_softcapping": 2.0, "attn_logit_softcapping": 0.5, "query_pre_attn_scalar": 4},

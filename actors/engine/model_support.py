@@ -355,6 +355,24 @@ def _rope_problems(config: Any) -> list[str]:
     return problems
 
 
+def _checkpoint_quantization(config: Any) -> list[str]:
+    """A checkpoint quantized by its own method (GPTQ, AWQ, compressed-tensors, BitNet's packed ternary, FP8 kept
+    in FP8): its layers are the method's own, not torch's linear layers LoRA wraps, and none is verified here;
+    bitsandbytes (what `quantization: nf4` / `int8` loads) and FP8 that transformers dequantizes are taken."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return []
+    read = quantization.get if isinstance(quantization, dict) else lambda key: getattr(quantization, key, None)
+    method = read("quant_method")
+    method = str(getattr(method, "value", method) or "")   # transformers' QuantizationMethod is an enum
+    if method == "bitsandbytes" or (method == "fp8" and read("dequantize")):
+        return []
+    return [f"its checkpoint is quantized ({method or 'an unnamed method'}): LoRA here wraps torch's linear layers "
+            "of a float base, or of one aspen quantizes itself with bitsandbytes: refused; use the model's float "
+            "(bf16) checkpoint, with `quantization: nf4` or `int8` to hold it in less memory"
+            + ("; or set \"dequantize\": true in its config.json's quantization_config" if method == "fp8" else "")]
+
+
 def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
     """Refuse (UnsupportedModelError) what the engine cannot train exactly; return the logit transform of
     a supported model. `config` is a transformers config; `name` the base model as the user gave it."""
@@ -369,7 +387,7 @@ def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
             f"equal the unfused model's: {', '.join(SUPPORTED)}. An unverified architecture may do something "
             "outside the decoder or inside its attention (logit scaling, soft-capping, sinks, length-dependent "
             "RoPE) that the engine would silently drop; use a model of a verified type")
-    problems = _rope_problems(config) + row.check(config)
+    problems = _rope_problems(config) + _checkpoint_quantization(config) + row.check(config)
     if problems:
         raise UnsupportedModelError(f"{subject}: " + "; ".join(problems))
     return row.transform(config)

@@ -171,11 +171,24 @@ def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> lis
     `interactive_lora`)."""
     names = set()
     for name in linear_module_names(base.model):
-        leaf = name.rsplit(".", 1)[-1]
-        attention = "attn" in name or leaf in ("q_proj", "k_proj", "v_proj", "o_proj")
+        attention = is_attention(name)
         if (attention and train_attn) or (not attention and train_mlp):
-            names.add(leaf)
+            names.add(name.rsplit(".", 1)[-1])
     return sorted(names)
+
+
+def is_attention(module: str) -> bool:
+    """Whether a linear layer (by its module name) is attention's (`train_attn`) rather than the MLP's."""
+    return "attn" in module or module.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def trained_parts(tensor_names: list[str]) -> dict[str, bool]:
+    """`train_attn`, `train_mlp`, `train_unembed` of the model whose adapter tensors have these names (a saved
+    state's: `<module>.lora_A.weight`, an expert stack's too), as `target_modules` sorts a base's layers."""
+    modules = {name.split(".lora_")[0].removesuffix(".base_layer") for name in tensor_names if ".lora_" in name}
+    return {"train_attn": any(is_attention(m) for m in modules if m != HEAD_MODULE),
+            "train_mlp": any(not is_attention(m) for m in modules if m != HEAD_MODULE),
+            "train_unembed": HEAD_MODULE in modules}
 
 
 def interactive_lora(base: BaseModel, rank: int, *, train_attn: bool, train_mlp: bool,

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, HTTPException
 from tinker import types
 
 from actors.checkpoint.interactive_state import base_name, read_state
-from actors.engine.head_lora import HEAD_MODULE
+from actors.engine.interactive_model import trained_parts
 from actors.service.scheduler.interactive_jobs import model_folder
 from actors.service.trainer.interactive_commands import LoadState, SaveState
 from orchestrator.tinker.checkpoint_ledger import ttl_problem
@@ -69,8 +69,9 @@ def add_state_routes(router: APIRouter, ctx: Any, user_of: Callable[..., str]) -
             base = base_name(facts) or backend.base_model
             if base not in backend.bases():
                 raise HTTPException(404, f"{body.path} was trained on '{base}', which is not served here now")
+            # the parts the saved model trained (its tensors' names), so that its state loads whole
             calls.create_model(model_id, facts["rank"], owner=user, first_seq=0, base_model=base,
-                               train_unembed=any(name.startswith(f"{HEAD_MODULE}.") for name in weights))
+                               **trained_parts(list(weights)))
             backend.book.owners[model_id] = user
             backend.book.model_bases[model_id] = base
             if model_id not in session.models:

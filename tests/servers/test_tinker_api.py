@@ -414,6 +414,13 @@ def test_train_unembed_as_the_sdk_asks_it(server):
     resumed = client.create_training_client_from_state(state.path).result()
     back = saved_weights(backend, resumed.save_weights_for_sampler("resumed").result().path)
     assert torch.equal(back["base_model.model.lm_head.lora_B.weight"], saved["base_model.model.lm_head.lora_B.weight"])
+    attention = client.create_lora_training_client(base_model=BASE, rank=4, train_mlp=False).result()
+    train_steps(attention, (2,))
+    attention_state = attention.save_state("attention-state").result()
+    again = client.create_training_client_from_state_with_optimizer(attention_state.path).result()
+    kept = saved_weights(backend, again.save_weights_for_sampler("attention-again").result().path)
+    first = saved_weights(backend, attention.save_weights_for_sampler("attention").result().path)
+    assert set(kept) == set(first) and not any("mlp" in name for name in kept)   # its own layers, no more
     plain_state = without.save_state("plain-state").result()
     with pytest.raises(tinker.RequestFailedError, match="no tensor lm_head.lora_A.weight .*train_unembed=False"):
         with_head.load_state(plain_state.path).result()

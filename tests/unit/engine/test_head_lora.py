@@ -201,3 +201,19 @@ def test_an_adapted_head_merges_into_a_model_of_its_own_head(tmp_path, tied, tin
     assert torch.equal(merged.get_input_embeddings().weight, plain.get_input_embeddings().weight)
     # merging rounds W + s B A once in float32 where PEFT computes W x + s B (A x): a few float32 epsilons a layer
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_saved_states_tensor_names_say_which_parts_its_model_trained(model_type):
+    """What a Tinker model created from a saved state trains (`create_training_client_from_state`): the parts its
+    saved tensors name, each combination of the three flags (the experts' stacks are the MLP on an MoE base)."""
+    from actors.engine.interactive_model import trained_parts
+    from tests.helpers.model_families import build_config, build_model
+
+    shared = from_module(build_model(build_config(model_type)), None)
+    for index, (attn, mlp, unembed) in enumerate([(True, True, True), (True, False, False), (False, True, False),
+                                                  (False, False, True), (True, False, True)]):
+        made = InteractiveModel(shared, f"m{index}", 4, train_attn=attn, train_mlp=mlp, train_unembed=unembed)
+        assert trained_parts([name for name, _ in made.adapter.named_parameters()]) == {
+            "train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}, (attn, mlp, unembed)
+        made.close()

@@ -6,11 +6,11 @@ job's writes."""
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from concurrent.futures import Future
 
 import pytest
-import torch
 
 from actors.data import Example
 from actors.engine.job import TrainingJob
@@ -198,9 +198,14 @@ def test_on_a_cpu_a_step_reports_its_own_resident_peak_not_one_reached_between_s
     start can) is not the next step's peak: the step reports the peak during itself, which the kernel's own count
     of the same step (VmHWM reset around it by the test) bounds."""
     trainer = three_jobs_trainer
-    block = torch.ones(2**26)   # 256 MiB of float32, every page touched; glibc maps a block this large, and
-    between = resident_bytes()  # unmaps it when freed: the resident set falls back, the peak stays
-    del block
+    # 256 MiB mapped on its own, as glibc maps a block this large, every page touched, then unmapped: the resident
+    # set falls back, the peak stays. (Not a tensor: glibc serves a large block from a free heap chunk where an
+    # earlier test of the process left one that large, resident before and after; seen on 2026-12-04.)
+    block = mmap.mmap(-1, 2**28)
+    for offset in range(0, 2**28, mmap.PAGESIZE):
+        block[offset] = 1
+    between = resident_bytes()
+    block.close()
     assert between > resident_bytes() + 2**27
     chosen = trainer.compose()
     before = resident_bytes()

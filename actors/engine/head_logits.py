@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.engine.head_lora import adapted_log_probs, head_adapter, raw_logits, transformed
-from actors.engine.loss import target_log_probs
+from actors.engine.head_lora import adapted_log_probs, head_adapter, raw_logits
+from actors.engine.loss import target_log_probs, transform_logits
 from actors.engine.models import BaseModel
 
 
@@ -22,7 +22,7 @@ def log_probs(base: BaseModel, hidden: torch.Tensor, targets: torch.Tensor, adap
 
 def logits(base: BaseModel, hidden: torch.Tensor, adapter: str | None) -> torch.Tensor:
     """The model's logits (float32) at `hidden` (M, d) through adapter `adapter`'s head."""
-    return transformed(raw_logits(base.lm_head, head_adapter(base.model, adapter), hidden), base.logit_transform)
+    return transform_logits(raw_logits(base.lm_head, head_adapter(base.model, adapter), hidden), base.logit_transform)
 
 
 def row_logits(base: BaseModel, hidden: torch.Tensor, groups: list[tuple[str, int, int]]) -> torch.Tensor:
@@ -35,4 +35,4 @@ def row_logits(base: BaseModel, hidden: torch.Tensor, groups: list[tuple[str, in
     for lora, first, end in held:
         if lora is not None:
             raw[first:end] += lora.delta(hidden[first:end])
-    return transformed(raw, base.logit_transform)
+    return transform_logits(raw, base.logit_transform)

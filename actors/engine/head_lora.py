@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actors.engine.lora_adapter import LoraAdapter
+from actors.engine.loss import transform_logits
 from actors.engine.model_support import LogitTransform
 from actors.spec.lora_config import LoraConfig
 
@@ -40,7 +41,11 @@ class HeadLora:
 
     def delta(self, hidden: torch.Tensor) -> torch.Tensor:
         """scaling * (h A^T) B^T in float32: what the adapter adds to the head's output at `hidden` (M, d)."""
-        return (hidden.float() @ self.lora_A.t()) @ (self.lora_B.t() * self.scaling)
+        return _update(hidden, self.lora_A, self.lora_B, self.scaling)
+
+
+def _update(hidden: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    return (hidden.float() @ lora_a.t()) @ (lora_b.t() * scaling)
 
 
 def attach(model: nn.Module, name: str, rank: int, alpha: float, *, generator: torch.Generator) -> HeadLora:
@@ -69,18 +74,6 @@ def held_names(model: nn.Module) -> set[str]:
     return set(model.__dict__.get(HEAD_ADAPTERS, {}))
 
 
-def transformed(raw: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-    """The model's logits from the head's output, out of place (differentiable), as loss.transform_logits."""
-    logits = raw
-    if transform.multiply != 1.0:
-        logits = logits * transform.multiply
-    if transform.divide != 1.0:
-        logits = logits / transform.divide
-    if transform.softcap is not None:
-        logits = torch.tanh(logits / transform.softcap) * transform.softcap
-    return logits
-
-
 def raw_logits(head: nn.Module, adapter: HeadLora | None, hidden: torch.Tensor) -> torch.Tensor:
     """The head's output at `hidden` (M, d) through `adapter` (None: the head alone), float32."""
     raw = F.linear(hidden, head.weight, head.bias).float()
@@ -89,8 +82,8 @@ def raw_logits(head: nn.Module, adapter: HeadLora | None, hidden: torch.Tensor) 
 
 def _chunk_log_probs(hidden: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, targets: torch.Tensor,
                      head: nn.Module, scaling: float, transform: LogitTransform) -> torch.Tensor:
-    raw = F.linear(hidden, head.weight, head.bias).float() + (hidden.float() @ lora_a.t()) @ (lora_b.t() * scaling)
-    return transformed(raw, transform).log_softmax(dim=-1).gather(1, targets[:, None]).squeeze(1)
+    raw = F.linear(hidden, head.weight, head.bias).float() + _update(hidden, lora_a, lora_b, scaling)
+    return transform_logits(raw, transform, inplace=False).log_softmax(dim=-1).gather(1, targets[:, None]).squeeze(1)
 
 
 def adapted_log_probs(hidden: torch.Tensor, head: nn.Module, adapter: HeadLora, targets: torch.Tensor,

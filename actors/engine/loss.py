@@ -43,15 +43,17 @@ def fused_loss(head_weight: torch.Tensor) -> str | None:
     return getattr(head_weight, FUSED_LOSS_ATTRIBUTE, None)
 
 
-def transform_logits(raw: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-    """The model's logits from the LM head's output (float32, modified in place where it can be)."""
+def transform_logits(raw: torch.Tensor, transform: LogitTransform, *, inplace: bool = True) -> torch.Tensor:
+    """The model's logits from the LM head's output (float32, modified in place where it can be; `inplace=False`:
+    a new tensor, differentiable, as an adapted head's loss needs: actors/engine/head_lora.py)."""
     logits = raw
     if transform.multiply != 1.0:
-        logits = logits.mul_(transform.multiply)
+        logits = logits.mul_(transform.multiply) if inplace else logits * transform.multiply
     if transform.divide != 1.0:
-        logits = logits.div_(transform.divide)
+        logits = logits.div_(transform.divide) if inplace else logits / transform.divide
     if transform.softcap is not None:
-        logits = logits.div_(transform.softcap).tanh_().mul_(transform.softcap)
+        cap = transform.softcap
+        logits = logits.div_(cap).tanh_().mul_(cap) if inplace else torch.tanh(logits / cap) * cap
     return logits
 
 

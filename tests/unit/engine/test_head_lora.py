@@ -10,6 +10,7 @@ why."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -217,3 +218,47 @@ def test_a_saved_states_tensor_names_say_which_parts_its_model_trained(model_typ
         assert trained_parts([name for name, _ in made.adapter.named_parameters()]) == {
             "train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}, (attn, mlp, unembed)
         made.close()
+
+
+def test_the_adapted_head_in_bfloat16_is_the_float32_heads_within_one_rounding_of_its_logits():
+    """The head adapter on a bfloat16 base (the CUDA path's dtype), on a CPU, against the same arithmetic in float32
+    from the same bfloat16 values. The adapter's update is float32 in both (its masters, `hidden.float()`); what
+    differs is the head's product, rounded once to bfloat16 (oneDNN accumulates in float32): each logit moves by at
+    most delta = u_bf16 max|h W^T|. So each log-probability (z_t - logsumexp z) moves by at most 2 delta, each
+    softmax row's L1 by at most e^(2 delta) - 1, and B's gradient, sum_r g_r (p_r - onehot_r) (x) u_r, by at most
+    (e^(2 delta) - 1) sum_r |g_r| |u_r| in Frobenius norm; float32's own rounding is added to each bound."""
+    from actors.engine.head_lora import HeadLora, adapted_log_probs
+    from actors.engine.loss import IDENTITY
+    from tests.helpers.tolerances import unit_roundoff
+
+    generator = torch.Generator().manual_seed(5)
+    head16 = torch.nn.Linear(64, VOCAB, bias=False).to(torch.bfloat16)
+    head32 = torch.nn.Linear(64, VOCAB, bias=False)
+    with torch.no_grad():
+        head16.weight.copy_(torch.randn(VOCAB, 64, generator=generator) * 0.2)
+        head32.weight.copy_(head16.weight.float())
+    hidden16 = torch.randn(40, 64, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, VOCAB, (40,), generator=generator)
+    upstream = torch.randn(40, generator=generator)
+    lora = HeadLora(4, 32, 64, VOCAB, generator=torch.Generator().manual_seed(1), device=torch.device("cpu"))
+    with torch.no_grad():
+        lora.lora_B.copy_(torch.randn(VOCAB, 4, generator=generator) * 0.3)
+
+    def run(hidden, head):
+        lora.lora_A.grad = lora.lora_B.grad = None
+        hidden = hidden.detach().requires_grad_()
+        logprobs = adapted_log_probs(hidden, head, lora, targets, IDENTITY)
+        (logprobs * upstream).sum().backward()
+        return logprobs.detach(), lora.lora_B.grad.clone(), lora.lora_A.grad.clone()
+
+    low, low_b, low_a = run(hidden16, head16)
+    full, full_b, full_a = run(hidden16.float(), head32)
+    hidden = hidden16.float()
+    delta = unit_roundoff(torch.bfloat16) * float((hidden @ head32.weight.t()).abs().max())
+    terms = 64 + 4 + VOCAB   # the head's and the update's sums, the logsumexp
+    assert float((low - full).abs().max()) <= 2 * delta + rounding_tolerance(terms, float(full.abs().max()))
+    update = (hidden @ lora.lora_A.detach().t()) * lora.scaling
+    bound = math.expm1(2 * delta) * float((upstream.abs() * update.norm(dim=1)).sum())
+    assert float((low_b - full_b).norm()) <= bound + rounding_tolerance(terms + 40, float(full_b.norm()))
+    assert float(full_b.norm()) > 2 * bound   # a worst case, yet below the gradient itself: it says something
+    assert float(full_a.norm()) > 0 and torch.isfinite(low_a).all()

@@ -42,13 +42,15 @@ def converted(config: LoraConfig) -> bool:
     return config.init_lora_weights.startswith(("pissa", "olora"))
 
 
-def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_name: str) -> dict:
+def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_name: str, *,
+                     fan_in_fan_out: bool = False) -> dict:
     """What PEFT's `PeftModel.save_pretrained` writes as adapter_config.json for this adapter: a
     `peft.LoraConfig` of aspen's settings, as PEFT saves it (`inference_mode` on). `target_modules`: PEFT's
     names for exactly the adapted layers (AdapterHandle.peft_targets), kept in their (sorted) order where PEFT
     writes its set in any order. A PiSSA / OLoRA adapter is saved as PEFT's own conversion saves it (`converted`:
     rank and alpha doubled, `init_lora_weights` true, so that PEFT does not decompose the base again at load
-    time); the other kinds keep their `init_lora_weights` (true for the default, `gaussian`)."""
+    time); the other kinds keep their `init_lora_weights` (true for the default, `gaussian`). `fan_in_fan_out`: the
+    adapted layers are GPT-2's Conv1D in the checkpoint (actors/engine/conv1d_layers.py), as PEFT marks them."""
     from peft import LoraConfig as PeftLoraConfig  # here, not at the top: importing PEFT takes seconds
     from peft import VeraConfig
 
@@ -56,7 +58,7 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
         vera = VeraConfig(task_type="CAUSAL_LM", base_model_name_or_path=base_model_name, inference_mode=True,
                           r=config.r, target_modules=target_modules, projection_prng_key=config.projection_prng_key,
                           save_projection=config.save_projection, vera_dropout=config.dropout,
-                          d_initial=config.d_initial)
+                          d_initial=config.d_initial, fan_in_fan_out=fan_in_fan_out)
         saved = vera.to_dict()
         saved["target_modules"] = list(target_modules)
         return saved
@@ -67,7 +69,8 @@ def peft_config_dict(config: LoraConfig, target_modules: list[str], base_model_n
                                  r=rank, lora_alpha=alpha, lora_dropout=config.dropout, use_rslora=config.use_rslora,
                                  target_modules=target_modules, use_dora=config.use_dora,
                                  init_lora_weights=True if init == "default" else init,
-                                 target_parameters=list(config.target_parameters) or None)
+                                 target_parameters=list(config.target_parameters) or None,
+                                 fan_in_fan_out=fan_in_fan_out)
     saved = peft_config.to_dict()
     saved["target_modules"] = list(target_modules)
     return saved
@@ -162,7 +165,8 @@ def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: st
     (where the base was loaded from, the job), written beside it as `aspen.json`, which PEFT and vLLM ignore."""
     folder = Path(folder)
     tensors = adapter_state_dict(adapter, copy=False)   # written before the caller's next step: no copy
-    config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name)
+    config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name,
+                              fan_in_fan_out=adapter.fan_in_fan_out)
     # the mode any new file gets (0666 less the umask), as PEFT's save_pretrained writes them
     write_durably(folder / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     if metadata is not None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from actors.engine import experts_lora, head_lora, lora_layer_state, moe_experts
+from actors.engine.conv1d_layers import transposed_in_checkpoint
 from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.lora_adapter import LoraAdapter, base_weight, full_precision
@@ -105,7 +106,7 @@ class AdapterHandle:
     def __init__(self, name: str, config: LoraConfig, layers: dict[str, LoraAdapter | VeraAdapter],
                  generator: torch.Generator | None, peft_targets: list[str] | None = None,
                  projections: VeraProjections | None = None, experts: dict[str, ExpertsLora] | None = None,
-                 head: head_lora.HeadLora | None = None):
+                 head: head_lora.HeadLora | None = None, fan_in_fan_out: bool = False):
         self.name = name
         self.config = config
         self.layers = layers
@@ -114,6 +115,7 @@ class AdapterHandle:
         self.projections = projections   # VeRA: the job's frozen projections, shared by its layers
         self.experts = experts or {}     # LoRA on expert stacks, by PEFT module name (actors/engine/experts_lora.py)
         self.head = head                 # LoRA on the LM head (actors/engine/head_lora.py), or None
+        self.fan_in_fan_out = fan_in_fan_out   # its layers are GPT-2's Conv1D in the checkpoint (PEFT's flag)
         if head is not None:
             self.peft_targets = [*self.peft_targets, head_lora.HEAD_MODULE]
 
@@ -244,7 +246,8 @@ def add_adapter(model: nn.Module, name: str, config: LoraConfig, *, seed: int,
         remove_adapter(model, name)
         raise
     return AdapterHandle(name, config, layers, dropout_generator, peft_target_modules(candidates, targets),
-                         projections, experts, adapted_head)
+                         projections, experts, adapted_head,
+                         transposed_in_checkpoint([model.get_submodule(target) for target in targets]))
 
 
 def pool_masters(layers: Iterable[nn.Module], device: torch.device) -> torch.Tensor | None:

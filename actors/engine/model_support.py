@@ -108,6 +108,13 @@ def _gemma4_text(config: Any) -> list[str]:
     return problems
 
 
+def _gpt2(config: Any) -> list[str]:
+    if getattr(config, "add_cross_attention", False):
+        return ["add_cross_attention=True (every layer also attends to an encoder's states, which a causal LM step "
+                "has none of): refused; use a decoder-only GPT-2 checkpoint"]
+    return []
+
+
 def _no_router_loss(config: Any) -> list[str]:
     if getattr(config, "output_router_logits", False):
         return ["output_router_logits=True (the model's loss adds the router's load-balancing loss, which aspen's "
@@ -265,6 +272,13 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("gpt_bigcode", "bigcode/starcoderbase-1b",
                         attention="multi-query (`multi_query`); fused `c_attn`; biases",
                         other="learned absolute positions; LayerNorm; GELU MLP (`c_fc` / `c_proj`)"),
+    ArchitectureSupport("gpt2", "openai-community/gpt2",
+                        attention="fused `c_attn`; biases; scaled by 1 / (layer + 1) where "
+                                  "`scale_attn_by_inverse_layer_idx`",
+                        other="learned absolute positions; LayerNorm; GELU MLP (`c_fc` / `c_proj`); its `Conv1D` "
+                              "projections (weights stored transposed) loaded as linear layers, adapters saved "
+                              "with PEFT's `fan_in_fan_out`",
+                        refused="`add_cross_attention`", check=_gpt2),
     ArchitectureSupport("opt", "facebook/opt-1.3b", attention="biases",
                         other="learned positions (offset 2); LayerNorm; ReLU MLP (`fc1` / `fc2`); `project_in` / "
                               "`project_out` where `word_embed_proj_dim` differs (adapted as linear layers)"),

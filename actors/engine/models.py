@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from actors.engine.adapter_surgery import freeze
 from actors.engine.attention import use_varlen_attention
+from actors.engine.conv1d_layers import conv1d_as_linear
 from actors.engine.extras import require
 from actors.engine.kernels import apply_kernels
 from actors.engine.loss import transform_logits
@@ -196,6 +197,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, qu
         require("bitsandbytes", "quant", f"quantization: {quantization}")
     model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=source.local_files_only,
                                                  **kwargs)
+    conv1d_as_linear(model)   # GPT-2's transposed projections as linear layers (actors/engine/conv1d_layers.py)
     if quantize_after:
         quantize_linears(model, quantization, dtype, device)
     return model.to(device)
@@ -249,6 +251,7 @@ def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str 
     """Wrap an already-built model (tests build tiny random models from configs); `kernels` as for
     `load_base_model` (auto: Liger's kernels where installed and the model is on CUDA in a half dtype)."""
     transform = check_model_support(model.config, name)
+    conv1d_as_linear(model)
     keep_quantized_layers_trainable(model)
     freeze(model)
     model.eval()

@@ -176,6 +176,9 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     # the weights' shapes). OPT: learned positions offset by 2, pre-LN as OPT-125m..66b (OPT-350m's post-LN with
     # project_in / project_out passes in float64; its tiny random float32 model is too ill-conditioned to compare)
     "gpt_bigcode": ({"multi_query": True}, []),
+    # GPT-2: Conv1D projections (loaded as linear layers); each layer's attention scaled by 1 / (layer + 1)
+    "gpt2": ({"scale_attn_by_inverse_layer_idx": True},
+             [("attention scaled by the inverse layer index", {"scale_attn_by_inverse_layer_idx": False})]),
     "opt": ({}, []),
     "iquestcoder": ({}, []),
     "bitnet": ({"hidden_act": "relu2"}, [("ReLU² activation", {"hidden_act": "silu"})]),

@@ -25,10 +25,16 @@ def _conv1d_class() -> type | None:
 
 def conv1d_as_linear(model: nn.Module) -> int:
     """Replace every `Conv1D` of `model` by an `nn.Linear` of the same product (weight transposed once, on its
-    device, in its dtype); returns how many were replaced."""
+    device, in its dtype); returns how many were replaced. bitsandbytes' layers that transformers' on-the-fly
+    quantization made of Conv1D layers (their weight transposed as it loaded; `source_cls` names the class) are
+    marked as converted too."""
     conv1d = _conv1d_class()
     if conv1d is None:
         return 0
+    for module in model.modules():
+        source = getattr(module, "source_cls", None)
+        if isinstance(module, nn.Linear) and isinstance(source, type) and issubclass(source, conv1d):
+            setattr(module, CONVERTED, True)
     found = [(name, module) for name, module in model.named_modules() if isinstance(module, conv1d)]
     for name, module in found:
         in_features, out_features = module.weight.shape

@@ -131,3 +131,22 @@ def test_a_jobs_file_on_a_gpt2_folder_trains_in_process_and_saves_peft_s_adapter
         loaded = {key.replace(".default", ""): value for key, value in adapted.state_dict().items() if "lora_" in key}
         assert loaded.keys() == saved.keys() and all(torch.equal(loaded[key], saved[key]) for key in saved)
         assert max(float(value.abs().max()) for key, value in saved.items() if "lora_B" in key) > 0
+
+
+def test_a_gpt2_base_quantized_as_it_loads_saves_peft_s_adapter_of_its_conv1d_layers(gpt2_folder, tmp_path):
+    """`quantization: nf4` on a GPT-2 folder: transformers' on-the-fly quantization makes bitsandbytes' layers of the
+    Conv1D ones (transposing their weights); the adapter over them is still saved as a Conv1D base's (a merge into
+    the checkpoint's float layout transposes it), and trains."""
+    bnb = pytest.importorskip("bitsandbytes")
+    base = load_base_model(str(gpt2_folder), dtype="float32", device="cpu", quantization="nf4")
+    layer = base.model.get_submodule("transformer.h.0.attn.c_attn")
+    assert isinstance(layer, bnb.nn.Linear4bit) and from_conv1d(layer)
+    spec = job_spec("q", lora={"r": 4, "alpha": 8, "target_modules": ["c_attn"]}, max_steps=2, lr=5e-2)
+    job = TrainingJob.create(spec, base, random_examples(0, vocab=VOCAB), [], seed=0)
+    trainer = FusedTrainer(base)
+    trainer.add_job(job)
+    while trainer.train_step() is not None:
+        pass
+    folder = save_adapter(job.adapter, tmp_path / "adapter", str(gpt2_folder))
+    assert json.loads((folder / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    assert max(float(p.abs().max()) for name, p in job.adapter.named_parameters() if "lora_B" in name) > 0

@@ -115,6 +115,13 @@ def _gpt2(config: Any) -> list[str]:
     return []
 
 
+def _falcon(config: Any) -> list[str]:
+    if getattr(config, "alibi", False):
+        return ["alibi=True (Falcon-RW's ALiBi biases are built from an attention mask over the whole row, which a "
+                "packed step has none of): refused; use a rotary Falcon (falcon-7b, -40b, -180b, Falcon2-11B)"]
+    return []
+
+
 def _no_router_loss(config: Any) -> list[str]:
     if getattr(config, "output_router_logits", False):
         return ["output_router_logits=True (the model's loss adds the router's load-balancing loss, which aspen's "
@@ -279,6 +286,12 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                               "projections (weights stored transposed) loaded as linear layers, adapters saved "
                               "with PEFT's `fan_in_fan_out`",
                         refused="`add_cross_attention`", check=_gpt2),
+    ArchitectureSupport("falcon", "tiiuae/falcon-7b",
+                        attention="multi-query (`multi_query`) or grouped (`num_kv_heads`, "
+                                  "`new_decoder_architecture`); fused `query_key_value`",
+                        other="parallel attention / MLP (`parallel_attn`); one or two LayerNorms before them "
+                              "(`num_ln_in_parallel_attn`); GELU MLP (`dense_h_to_4h` / `dense_4h_to_h`)",
+                        refused="`alibi` (Falcon-RW)", check=_falcon),
     ArchitectureSupport("opt", "facebook/opt-1.3b", attention="biases",
                         other="learned positions (offset 2); LayerNorm; ReLU MLP (`fc1` / `fc2`); `project_in` / "
                               "`project_out` where `word_embed_proj_dim` differs (adapted as linear layers)"),

@@ -179,6 +179,9 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     # GPT-2: Conv1D projections (loaded as linear layers); each layer's attention scaled by 1 / (layer + 1)
     "gpt2": ({"scale_attn_by_inverse_layer_idx": True},
              [("attention scaled by the inverse layer index", {"scale_attn_by_inverse_layer_idx": False})]),
+    # Falcon-7B's layout (multi-query, parallel attention / MLP, one LayerNorm); its other layouts:
+    # test_model_families.py's FALCON_LAYOUTS. Its config has no `head_dim` or `num_key_value_heads` (UNSET)
+    "falcon": ({}, []),
     "opt": ({}, []),
     "iquestcoder": ({}, []),
     "bitnet": ({"hidden_act": "relu2"}, [("ReLU² activation", {"hidden_act": "silu"})]),
@@ -224,8 +227,12 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
 }
 
 
+# COMMON's fields a model type's config refuses (Falcon's `head_dim` is a property without a setter)
+UNSET = {"falcon": ("head_dim", "num_key_value_heads")}
+
+
 def build_config(model_type: str, **overrides):
-    fields = dict(COMMON)
+    fields = {name: value for name, value in COMMON.items() if name not in UNSET.get(model_type, ())}
     fields.update(CASES[model_type][0] if model_type in CASES else {})
     fields.update(overrides)
     return AutoConfig.for_model(model_type, **fields)

@@ -150,6 +150,21 @@ def test_static_rope_variants_equal_hf(rope, tmp_path):
     check_fused_step_against_hf(build_model(build_config("llama", rope_parameters=ROPE_CASES[rope])), tmp_path)
 
 
+# Falcon's layouts beside Falcon-7B's (CASES): Falcon-40B / 180B's (grouped keys and values, a LayerNorm for attention
+# and one for the MLP) and Falcon2-11B's (grouped, one LayerNorm)
+FALCON_LAYOUTS = {
+    "new decoder, two norms": {"new_decoder_architecture": True, "num_kv_heads": 2},
+    "new decoder, one norm": {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1},
+}
+
+
+@pytest.mark.parametrize("layout", list(FALCON_LAYOUTS))
+def test_falcon_layouts_equal_hf(layout, tmp_path):
+    model = build_model(build_config("falcon", **FALCON_LAYOUTS[layout]))
+    assert model.transformer.h[0].self_attention.num_kv_heads == 2
+    check_fused_step_against_hf(model, tmp_path)
+
+
 def _hf_loss(model: torch.nn.Module, batch: list[Example]) -> float:
     with torch.no_grad():
         return float(sum(sequence_reference(model, batch)))

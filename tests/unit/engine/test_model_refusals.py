@@ -42,6 +42,8 @@ REFUSED = [
     ("llama", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
      r"quantized \(fp8\).*set \"dequantize\": true"),
     ("gpt_oss", {"output_router_logits": True}, r"output_router_logits=True.*load-balancing loss.*refused"),
+    ("falcon", {"alibi": True, "parallel_attn": False, "bias": True}, r"alibi=True.*refused; use a rotary Falcon"),
+    ("gpt2", {"add_cross_attention": True}, r"add_cross_attention=True.*refused; use a decoder-only GPT-2"),
     ("mixtral", {"output_router_logits": True}, r"output_router_logits=True.*load-balancing loss.*refused"),
     ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8},
      r"use_sliding_window=True.*mask only, not to the attention kernel.*refused"),

@@ -40,6 +40,8 @@ def reason_not(adapter_dir: Path, base_folder: Path | None) -> str | None:
     config = json.loads((base_folder / "config.json").read_text()) if (base_folder / "config.json").is_file() else {}
     if config.get("quantization_config"):
         return "the base is quantized"
+    if isinstance(config.get("text_config"), dict):
+        return "the base is a composite (vision-language) checkpoint, whose text model transformers renames as it loads"
     declared = config.get("dtype") or config.get("torch_dtype")
     if declared and _stored_dtype(base_folder) not in (None, declared):
         return f"the base stores {_stored_dtype(base_folder)} weights but declares {declared}"

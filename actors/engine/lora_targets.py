@@ -8,7 +8,7 @@ from __future__ import annotations
 # these model types as the experts' (converting them to the 3D stacks): aspen leaves them alone there
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 MLP_AS_EXPERTS_TYPES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "deepseek_v2", "glm4_moe_lite", "dots1",
-                        "exaone_moe", "solar_open", "afmoe", "hunyuan_v1_moe")
+                        "exaone_moe", "solar_open", "afmoe", "hunyuan_v1_moe", "qwen3_next")
 
 
 def adapted_shapes(target_modules: list[str] | str, linear_shapes: dict[str, tuple[int, int]]) -> list[tuple[int, int]]:

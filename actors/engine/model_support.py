@@ -148,12 +148,18 @@ _MLP_AS_EXPERTS = (f"{_ATTENTION_ONLY}: dense and shared MLP layers are left too
                    "experts')")
 # an MoE type whose dense / shared MLP names PEFT reads as the experts': router loss refused, those layers left
 _MOE_MLP_AS_EXPERTS = {"refused": _ROUTER, "check": _no_router_loss, "unadapted": _EXPERT_NAMES}
+# Qwen3.5 / Qwen3-Next: linear attention between full-attention layers (actors/engine/linear_attention.py)
+_GATED_DELTANET = ("Gated DeltaNet layers (a short causal convolution, then the gated delta rule: both run sequence by "
+                   "sequence) between full-attention layers (q/k norm, an output gate)")
+_QWEN3_5_OTHER = "partial RoPE; norms scaled by 1 + w"
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
     ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
     ArchitectureSupport("qwen2", "Qwen/Qwen2.5-0.5B", attention="sliding-window layers (`use_sliding_window`)"),
     ArchitectureSupport("qwen3", "Qwen/Qwen3-0.6B", attention="sliding-window layers (`use_sliding_window`)",
                         other="q/k norm"),
+    ArchitectureSupport("qwen3_5_text", "Qwen/Qwen3.5-9B (its text model)", attention=_GATED_DELTANET,
+                        other=_QWEN3_5_OTHER),
     ArchitectureSupport("gemma", "google/gemma-2b", other="embedding scale", refused=_BIDIRECTIONAL,
                         check=_no_bidirectional),
     ArchitectureSupport("gemma2", "google/gemma-2-2b", logits="tanh soft-cap (`final_logit_softcapping`)",
@@ -183,6 +189,11 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("qwen3_moe", "Qwen/Qwen3-30B-A3B", attention="sliding window (`use_sliding_window`)",
                         other=f"q/k norm; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", **_MOE_MLP_AS_EXPERTS),
+    ArchitectureSupport("qwen3_next", "Qwen/Qwen3-Next-80B-A3B-Instruct", attention=_GATED_DELTANET,
+                        other=f"{_QWEN3_5_OTHER}; {_MOE_EXPERTS}; {_MLP_AS_EXPERTS}", **_MOE_MLP_AS_EXPERTS),
+    ArchitectureSupport("qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B (its text model)", attention=_GATED_DELTANET,
+                        other=f"{_QWEN3_5_OTHER}; {_MOE_EXPERTS}; `target_modules` adapts attention, the shared "
+                              "expert and its gate", refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", attention="q/k/v bias",
                         other=f"{_MOE_EXPERTS}; `target_modules` adapts attention, the shared expert and its gate",
                         refused=f"{_ROUTER}; `use_sliding_window`", check=_qwen2_moe),
@@ -400,11 +411,44 @@ def _checkpoint_quantization(config: Any) -> list[str]:
             + ("; or set \"dequantize\": true in its config.json's quantization_config" if method == "fp8" else "")]
 
 
+def causal_lm_config(config: Any) -> Any:
+    """The config of the model transformers' AutoModelForCausalLM builds from `config`: a composite (vision-language)
+    checkpoint's text config where the causal-LM class of its type is the text model alone (Qwen3.5's released
+    checkpoints: `qwen3_5` builds `Qwen3_5ForCausalLM` of its `text_config`, the vision tower left unread); `config`
+    itself otherwise (Gemma 3's `gemma3` builds the whole vision-language model, which the table does not hold)."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    if text is config or text is None:
+        return config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        built = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return config
+    return text if isinstance(text, built.config_class) else config
+
+
+def _text_model_hint(config: Any) -> str:
+    """For a composite checkpoint whose text model's type is in the table but whose causal-LM class is the whole
+    vision-language model (Gemma 3): what to give instead."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else None
+    if text is None or text is config or getattr(text, "model_type", None) not in SUPPORTED:
+        return ""
+    return (f". Its text model ({text.model_type}) is in the table, but transformers builds the whole "
+            f"vision-language model from this checkpoint: give a checkpoint of the text model alone (a "
+            f"{text.model_type} config.json)")
+
+
 def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
     """Refuse (UnsupportedModelError) what the engine cannot train exactly; return the logit transform of
-    a supported model. `config` is a transformers config; `name` the base model as the user gave it."""
+    a supported model. `config` is a transformers config (a composite checkpoint's: its text model's,
+    `causal_lm_config`); `name` the base model as the user gave it."""
+    checkpoint, config = config, causal_lm_config(config)
     model_type = getattr(config, "model_type", None)
-    subject = f"base_model '{name}' (model_type '{model_type}')" if name else f"model_type '{model_type}'"
+    named = model_type if config is checkpoint else f"{model_type}' of '{checkpoint.model_type}"
+    subject = f"base_model '{name}' (model_type '{named}')" if name else f"model_type '{named}'"
     if model_type in REMOTE_CODE:
         raise UnsupportedModelError(f"{subject}: {REMOTE_CODE[model_type]}")
     row = SUPPORTED.get(model_type)
@@ -413,8 +457,8 @@ def check_model_support(config: Any, name: str | None = None) -> LogitTransform:
             f"{subject} is not in aspen's verified table of architectures, whose fused training is tested to "
             f"equal the unfused model's: {', '.join(SUPPORTED)}. An unverified architecture may do something "
             "outside the decoder or inside its attention (logit scaling, soft-capping, sinks, length-dependent "
-            "RoPE) that the engine would silently drop; use a model of a verified type")
-    problems = _rope_problems(config) + _checkpoint_quantization(config) + row.check(config)
+            "RoPE) that the engine would silently drop; use a model of a verified type" + _text_model_hint(config))
+    problems = _rope_problems(config) + _checkpoint_quantization(checkpoint) + row.check(config)
     if problems:
         raise UnsupportedModelError(f"{subject}: " + "; ".join(problems))
     return row.transform(config)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.data import Example
 from actors.engine.job import TrainingJob
 from actors.engine.models import from_module, quantize_linears
 from actors.engine.trainer import FusedTrainer
-from tests.helpers.models import tiny_model
+from actors.spec.job_spec import JobSpec
+from tests.helpers.models import random_examples, tiny_model
 
 VOCAB = 300
 
@@ -67,3 +69,21 @@ def assert_isolated(base, jobs) -> None:
         trained = max(trained, max(float(w.float().abs().max()) for k,
                                    w in solo_weights[name].items() if "lora_B" in k or "vera_lambda_b" in k))
     assert trained > 0, "no adapter trained: nothing was compared"
+
+
+STEPS = 4
+
+
+def four_jobs() -> list[tuple[JobSpec, list[Example], int]]:
+    """Jobs of different lengths: short, medium, long and mixed sequences, each batch of varied lengths."""
+    shapes = [(2, 4, 10, {"r": 4, "alpha": 8}, 1), (3, 12, 30, {"r": 8, "alpha": 16, "dropout": 0.1}, 1),
+              (2, 30, 60, {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}, 2),
+              (4, 5, 45, {"r": 4, "alpha": 4, "dropout": 0.2}, 1)]
+    jobs = []
+    for index, (batch_size, shortest, longest, lora, grad_accum) in enumerate(shapes):
+        lora = {"target_modules": "all-linear", **lora}
+        spec = JobSpec(name=f"job-{index}", data="unused.jsonl", format={"type": "text"}, batch_size=batch_size,
+                       grad_accum=grad_accum, max_steps=STEPS if grad_accum == 1 else STEPS // 2, lr=1e-2,
+                       lora=lora, warmup_steps=1)
+        jobs.append((spec, random_examples(index, count=12, vocab=VOCAB, min_len=shortest, max_len=longest), index))
+    return jobs

@@ -15,6 +15,10 @@ WINDOW = 8            # sliding windows, shorter than every sequence but one of 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
               eos_token_id=2, tie_word_embeddings=False, initializer_range=0.1)
+LINEAR_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
+LINEAR_HEADS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4)
+LINEAR_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 SLIDING_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 ALL_FULL = ["full_attention"] * 3
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
@@ -78,6 +82,11 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
                 [("sliding layers", {"layer_types": ALL_FULL})]),
     # MoE: 4 experts, 2 a token; the experts are not adapted (test_model_families.py shows they are not) but every
     # token's route goes through them, so a packed sequence's loss still checks the routing is the sequence's own
+    # Qwen3.5: Gated DeltaNet (linear attention: a short causal convolution, then the gated delta rule) between
+    # full-attention layers with an output gate and partial RoPE; the MoE variant, and Qwen3-Next, below
+    "qwen3_5_text": ({"num_hidden_layers": 3, "layer_types": LINEAR_LAYERS, **LINEAR_HEADS}, []),
+    "qwen3_5_moe_text": ({"num_hidden_layers": 3, "layer_types": LINEAR_LAYERS, **LINEAR_HEADS, **LINEAR_MOE}, []),
+    "qwen3_next": ({"num_hidden_layers": 3, "layer_types": LINEAR_LAYERS, **LINEAR_HEADS, **LINEAR_MOE}, []),
     "qwen3_moe": ({"num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "norm_topk_prob": True, "mlp_only_layers": [1], "use_sliding_window": True,
                    "sliding_window": WINDOW},

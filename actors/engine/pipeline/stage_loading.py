@@ -20,7 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.engine.adapter_surgery import freeze
 from actors.engine.attention import use_varlen_attention
-from actors.engine.model_support import check_model_support
+from actors.engine.linear_attention import use_per_sequence_linear_attention
+from actors.engine.model_support import causal_lm_config, check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
 from actors.engine.moe_experts import has_experts
 from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
@@ -58,6 +59,10 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
     torch_dtype = resolve_dtype(dtype, torch_device)
     config = AutoConfig.from_pretrained(read_from.path, local_files_only=read_from.local_files_only)
     transform = check_model_support(config, base_model)
+    if causal_lm_config(config) is not config:
+        raise ValueError(f"base_model '{base_model}' is a {config.model_type} checkpoint whose text model is stored "
+                         "inside a vision-language model's: a pipeline stage reads its own tensors by name, under "
+                         "the text model's names; train it on one device (no `stages`)")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     if has_experts(model):
@@ -107,6 +112,7 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
     freeze(model)
     model.eval()
     use_varlen_attention(model)
+    use_per_sequence_linear_attention(model)
     base = BaseModel(name=base_model, model=model, tokenizer=load_tokenizer(read_from), device=torch_device,
                      dtype=torch_dtype, quantization="none", source=source, logit_transform=transform)
     return cut_stage(base, split, stage, torch_device)

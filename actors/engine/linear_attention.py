@@ -1,0 +1,100 @@
+"""Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's linear attention) over a packed step: their short causal
+convolution and their delta rule run sequence by sequence.
+
+A linear-attention layer carries a state along the row: a depthwise causal convolution over the last few tokens,
+then a recurrent state updated token by token (the gated delta rule). Over a packed row, the first tokens of a
+sequence would see the previous sequence's last tokens through the convolution, and its state would start where the
+previous sequence's ended, so a job's loss would depend on its neighbours. transformers' layer calls two functions of
+its modeling module for these (`causal_conv1d_forward`, `torch_chunk_gated_delta_rule`; the projections, gates and
+norms around them are per token); while a fused step's layout is current (actors/engine/layout.py), each is run here
+on every sequence of the row by itself, as the model computes a lone sequence, and the outputs put back in order.
+Outside a step (decoding with a cache, the reference model) they run as transformers' own."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors.engine.layout import current_layout
+
+# the functions of a Gated DeltaNet layer's modeling module that carry state along the sequence
+CONVOLUTION, DELTA_RULE = "causal_conv1d_forward", "torch_chunk_gated_delta_rule"
+WRAPPED = "_aspen_per_sequence"   # set on a wrapper, pointing at the function it wraps
+
+
+def is_linear_attention(module: nn.Module) -> bool:
+    """A Gated DeltaNet layer (`Qwen3_5GatedDeltaNet`, `Qwen3_5MoeGatedDeltaNet`, `Qwen3NextGatedDeltaNet`)."""
+    return type(module).__name__.endswith("GatedDeltaNet")
+
+
+def _row_pieces(length: int) -> list[int] | None:
+    """The lengths of the current step's sequences along a row of `length` tokens (a gap between them, such as
+    compile's padding at the end, a piece of its own); None outside a step, or where the row is one sequence."""
+    layout = current_layout()
+    if layout is None or layout.num_tokens > length:
+        return None
+    pieces, position = [], 0
+    for start, end in layout.sequences:
+        if start > position:
+            pieces.append(start - position)
+        pieces.append(end - start)
+        position = end
+    if position < length:
+        pieces.append(length - position)
+    return pieces if len(pieces) > 1 else None
+
+
+def _per_sequence_convolution(original: Callable) -> Callable:
+    def convolution(conv1d: nn.Conv1d, hidden_states: torch.Tensor, cache: Any, layer_idx: int,
+                    activation: str | None = None, **kwargs: Any) -> torch.Tensor:
+        pieces = _row_pieces(hidden_states.shape[-1]) if cache is None and hidden_states.shape[0] == 1 else None
+        if pieces is None:
+            return original(conv1d, hidden_states, cache, layer_idx, activation=activation, **kwargs)
+        return torch.cat([original(conv1d, piece, None, layer_idx, activation=activation, **kwargs)
+                          for piece in hidden_states.split(pieces, dim=-1)], dim=-1)   # (1, channels, T)
+
+    setattr(convolution, WRAPPED, original)
+    return convolution
+
+
+def _per_sequence_delta_rule(original: Callable) -> Callable:
+    def delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   *args: Any, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                   cu_seqlens: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pieces = None
+        if initial_state is None and not output_final_state and cu_seqlens is None and query.shape[0] == 1:
+            pieces = _row_pieces(query.shape[1])
+        if pieces is None:
+            return original(query, key, value, g, beta, *args, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, **kwargs)
+        outputs = [original(*parts, *args, initial_state=None, output_final_state=False, **kwargs)[0]
+                   for parts in zip(*(tensor.split(pieces, dim=1) for tensor in (query, key, value, g, beta)),
+                                    strict=True)]
+        return torch.cat(outputs, dim=1), None   # (1, T, heads, value dim)
+
+    setattr(delta_rule, WRAPPED, original)
+    return delta_rule
+
+
+def use_per_sequence_linear_attention(model: nn.Module) -> bool:
+    """Make the Gated DeltaNet layers of `model` run their state-carrying functions sequence by sequence in a fused
+    step (module docstring); True where the model has such layers. Patched once per modeling module."""
+    found = False
+    for module in model.modules():
+        if not is_linear_attention(module):
+            continue
+        found = True
+        modeling = sys.modules[type(module).__module__]
+        for name, wrap in ((CONVOLUTION, _per_sequence_convolution), (DELTA_RULE, _per_sequence_delta_rule)):
+            function = getattr(modeling, name, None)
+            if function is None:
+                raise ValueError(f"{type(module).__name__}: its module {modeling.__name__} has no {name}, which "
+                                 "aspen runs per sequence in a packed step; this transformers version is not the "
+                                 "one aspen was verified with")
+            if not hasattr(function, WRAPPED):
+                setattr(modeling, name, wrap(function))
+    return found

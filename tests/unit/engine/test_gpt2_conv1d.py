@@ -56,6 +56,17 @@ def tokens() -> torch.Tensor:
     return torch.tensor([random_examples(5, count=1, vocab=VOCAB, min_len=30, max_len=30)[0].input_ids])
 
 
+def trained(base, lora: dict, steps: int, gpt2_folder, tmp_path) -> tuple[TrainingJob, object]:
+    """A job of `lora` trained `steps` steps on `base`, and the folder its adapter is saved in."""
+    job = TrainingJob.create(job_spec("a", lora=lora, max_steps=steps, lr=5e-2), base,
+                             random_examples(0, vocab=VOCAB), [], seed=0)
+    trainer = FusedTrainer(base)
+    trainer.add_job(job)
+    while trainer.train_step() is not None:
+        pass
+    return job, save_adapter(job.adapter, tmp_path / "adapter", str(gpt2_folder))
+
+
 def close(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE * float(expected.abs().max()))
 
@@ -84,13 +95,7 @@ def test_a_gpt2_folder_loads_with_linear_layers_of_the_same_product(gpt2_folder)
 
 def test_a_trained_adapter_is_peft_s_and_merges_into_the_checkpoint_s_layout(gpt2_folder, tmp_path):
     base = load_base_model(str(gpt2_folder), dtype="float32", device="cpu")
-    spec = job_spec("a", lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}, max_steps=3, lr=5e-2)
-    job = TrainingJob.create(spec, base, random_examples(0, vocab=VOCAB), [], seed=0)
-    trainer = FusedTrainer(base)
-    trainer.add_job(job)
-    while trainer.train_step() is not None:
-        pass
-    folder = save_adapter(job.adapter, tmp_path / "adapter", str(gpt2_folder))
+    job, folder = trained(base, {"r": 4, "alpha": 8, "target_modules": "all-linear"}, 3, gpt2_folder, tmp_path)
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["fan_in_fan_out"] is True
     assert reason_not(folder, gpt2_folder) == "the adapter trains biases, transposed or other modules"
@@ -141,12 +146,6 @@ def test_a_gpt2_base_quantized_as_it_loads_saves_peft_s_adapter_of_its_conv1d_la
     base = load_base_model(str(gpt2_folder), dtype="float32", device="cpu", quantization="nf4")
     layer = base.model.get_submodule("transformer.h.0.attn.c_attn")
     assert isinstance(layer, bnb.nn.Linear4bit) and from_conv1d(layer)
-    spec = job_spec("q", lora={"r": 4, "alpha": 8, "target_modules": ["c_attn"]}, max_steps=2, lr=5e-2)
-    job = TrainingJob.create(spec, base, random_examples(0, vocab=VOCAB), [], seed=0)
-    trainer = FusedTrainer(base)
-    trainer.add_job(job)
-    while trainer.train_step() is not None:
-        pass
-    folder = save_adapter(job.adapter, tmp_path / "adapter", str(gpt2_folder))
+    job, folder = trained(base, {"r": 4, "alpha": 8, "target_modules": ["c_attn"]}, 2, gpt2_folder, tmp_path)
     assert json.loads((folder / "adapter_config.json").read_text())["fan_in_fan_out"] is True
     assert max(float(p.abs().max()) for name, p in job.adapter.named_parameters() if "lora_B" in name) > 0

@@ -148,10 +148,13 @@ _MLP_AS_EXPERTS = (f"{_ATTENTION_ONLY}: dense and shared MLP layers are left too
                    "experts')")
 # an MoE type whose dense / shared MLP names PEFT reads as the experts': router loss refused, those layers left
 _MOE_MLP_AS_EXPERTS = {"refused": _ROUTER, "check": _no_router_loss, "unadapted": _EXPERT_NAMES}
-# Qwen3.5 / Qwen3-Next: linear attention between full-attention layers (actors/engine/linear_attention.py)
+# Qwen3.5 / Qwen3-Next: linear attention between full-attention layers (actors/engine/stateful_layers.py)
 _GATED_DELTANET = ("Gated DeltaNet layers (a short causal convolution, then the gated delta rule: both run sequence by "
                    "sequence) between full-attention layers (q/k norm, an output gate)")
 _QWEN3_5_OTHER = "partial RoPE; norms scaled by 1 + w"
+# LFM2: gated short convolutions between attention layers (actors/engine/stateful_layers.py)
+_SHORT_CONV = ("gated short-convolution layers (`in_proj` / `out_proj`; the convolution run sequence by sequence) "
+               "between full-attention layers (q/k norm)")
 SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("llama", "meta-llama/Llama-3.2-1B"),
     ArchitectureSupport("mistral", "mistralai/Mistral-7B-v0.1", attention="sliding window"),
@@ -160,6 +163,7 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
                         other="q/k norm"),
     ArchitectureSupport("qwen3_5_text", "Qwen/Qwen3.5-9B (its text model)", attention=_GATED_DELTANET,
                         other=_QWEN3_5_OTHER),
+    ArchitectureSupport("lfm2", "LiquidAI/LFM2-1.2B", attention=_SHORT_CONV, other="SwiGLU MLP (`w1` / `w3` / `w2`)"),
     ArchitectureSupport("gemma", "google/gemma-2b", other="embedding scale", refused=_BIDIRECTIONAL,
                         check=_no_bidirectional),
     ArchitectureSupport("gemma2", "google/gemma-2-2b", logits="tanh soft-cap (`final_logit_softcapping`)",
@@ -194,6 +198,10 @@ SUPPORTED: dict[str, ArchitectureSupport] = {row.model_type: row for row in (
     ArchitectureSupport("qwen3_5_moe_text", "Qwen/Qwen3.5-35B-A3B (its text model)", attention=_GATED_DELTANET,
                         other=f"{_QWEN3_5_OTHER}; {_MOE_EXPERTS}; `target_modules` adapts attention, the shared "
                               "expert and its gate", refused=_ROUTER, check=_no_router_loss),
+    ArchitectureSupport("lfm2_moe", "LiquidAI/LFM2-8B-A1B", attention=_SHORT_CONV,
+                        other=f"dense first layers (`num_dense_layers`); a sigmoid router with expert biases; "
+                              f"{_MOE_EXPERTS}; `target_modules` adapts attention, the convolutions' projections and "
+                              "the dense layers' MLP", refused=_ROUTER, check=_no_router_loss),
     ArchitectureSupport("qwen2_moe", "Qwen/Qwen1.5-MoE-A2.7B", attention="q/k/v bias",
                         other=f"{_MOE_EXPERTS}; `target_modules` adapts attention, the shared expert and its gate",
                         refused=f"{_ROUTER}; `use_sliding_window`", check=_qwen2_moe),

@@ -40,7 +40,6 @@ from actors.engine.attention import use_varlen_attention
 from actors.engine.conv1d_layers import conv1d_as_linear
 from actors.engine.extras import require
 from actors.engine.kernels import apply_kernels
-from actors.engine.linear_attention import use_per_sequence_linear_attention
 from actors.engine.loss import transform_logits
 from actors.engine.model_support import (
     LogitTransform,
@@ -49,6 +48,7 @@ from actors.engine.model_support import (
     check_raw_config,
 )
 from actors.engine.moe_experts import use_segment_experts
+from actors.engine.stateful_layers import use_per_sequence_state
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import (
     ALIASES,
@@ -241,7 +241,7 @@ def load_base_model(base_model: str = DEFAULT_BASE_MODEL, *, dtype: str = "auto"
     freeze(model)
     model.eval()  # no dropout in the base; adapters switch their own dropout on in training
     use_varlen_attention(model)
-    use_per_sequence_linear_attention(model)
+    use_per_sequence_state(model)
     use_segment_experts(model)
     applied = apply_kernels(model, kernels)
     return BaseModel(base_model, model, tokenizer, torch_device, torch_dtype, quantization, source, transform,
@@ -258,7 +258,7 @@ def from_module(model: nn.Module, tokenizer: PreTrainedTokenizerBase, name: str 
     freeze(model)
     model.eval()
     use_varlen_attention(model)
-    use_per_sequence_linear_attention(model)
+    use_per_sequence_state(model)
     use_segment_experts(model)
     applied = apply_kernels(model, kernels)
     parameter = next(model.parameters())

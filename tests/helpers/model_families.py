@@ -19,6 +19,7 @@ LINEAR_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 LINEAR_HEADS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                     linear_num_value_heads=4)
 LINEAR_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CONV_LAYERS = ["conv", "full_attention", "conv"]
 SLIDING_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 ALL_FULL = ["full_attention"] * 3
 GLM_ROPE = {"rope_type": "default", "rope_theta": 10.0, "partial_rotary_factor": 0.5}
@@ -87,6 +88,10 @@ CASES: dict[str, tuple[dict, list[tuple[str, dict]]]] = {
     "qwen3_5_text": ({"num_hidden_layers": 3, "layer_types": LINEAR_LAYERS, **LINEAR_HEADS}, []),
     "qwen3_5_moe_text": ({"num_hidden_layers": 3, "layer_types": LINEAR_LAYERS, **LINEAR_HEADS, **LINEAR_MOE}, []),
     "qwen3_next": ({"num_hidden_layers": 3, "layer_types": LINEAR_LAYERS, **LINEAR_HEADS, **LINEAR_MOE}, []),
+    # LFM2: gated short convolutions (carried along the row, like Gated DeltaNet's) between attention layers
+    "lfm2": ({"num_hidden_layers": 3, "layer_types": CONV_LAYERS, "conv_L_cache": 3}, []),
+    "lfm2_moe": ({"num_hidden_layers": 3, "layer_types": CONV_LAYERS, "conv_L_cache": 3, "num_dense_layers": 1,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, []),
     "qwen3_moe": ({"num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "norm_topk_prob": True, "mlp_only_layers": [1], "use_sliding_window": True,
                    "sliding_window": WINDOW},

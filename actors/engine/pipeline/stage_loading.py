@@ -20,12 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from actors.engine.adapter_surgery import freeze
 from actors.engine.attention import use_varlen_attention
-from actors.engine.linear_attention import use_per_sequence_linear_attention
 from actors.engine.model_support import causal_lm_config, check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
 from actors.engine.moe_experts import has_experts
 from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
 from actors.engine.recompute import decoder_layers
+from actors.engine.stateful_layers import use_per_sequence_state
 from actors.storage.gguf_cache import converted_source
 from actors.storage.sources import load_tokenizer, resolve_source
 
@@ -112,7 +112,7 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
     freeze(model)
     model.eval()
     use_varlen_attention(model)
-    use_per_sequence_linear_attention(model)
+    use_per_sequence_state(model)
     base = BaseModel(name=base_model, model=model, tokenizer=load_tokenizer(read_from), device=torch_device,
                      dtype=torch_dtype, quantization="none", source=source, logit_transform=transform)
     return cut_stage(base, split, stage, torch_device)

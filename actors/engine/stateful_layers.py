@@ -1,14 +1,15 @@
-"""Gated DeltaNet layers (Qwen3.5's and Qwen3-Next's linear attention) over a packed step: their short causal
-convolution and their delta rule run sequence by sequence.
+"""Layers that carry a state along the row, over a packed step: Qwen3.5's and Qwen3-Next's Gated DeltaNet (linear
+attention) and LFM2's short convolution run their state-carrying functions sequence by sequence.
 
-A linear-attention layer carries a state along the row: a depthwise causal convolution over the last few tokens,
-then a recurrent state updated token by token (the gated delta rule). Over a packed row, the first tokens of a
-sequence would see the previous sequence's last tokens through the convolution, and its state would start where the
-previous sequence's ended, so a job's loss would depend on its neighbours. transformers' layer calls two functions of
-its modeling module for these (`causal_conv1d_forward`, `torch_chunk_gated_delta_rule`; the projections, gates and
-norms around them are per token); while a fused step's layout is current (actors/engine/layout.py), each is run here
-on every sequence of the row by itself, as the model computes a lone sequence, and the outputs put back in order.
-Outside a step (decoding with a cache, the reference model) they run as transformers' own."""
+A Gated DeltaNet layer runs a depthwise causal convolution over the last few tokens, then a recurrent state updated
+token by token (the gated delta rule); an LFM2 convolution layer runs the convolution alone. Over a packed row, the
+first tokens of a sequence would see the previous sequence's last tokens through the convolution, and the delta
+rule's state would start where the previous sequence's ended, so a job's loss would depend on its neighbours.
+transformers' layers call functions of their modeling module for these (`causal_conv1d_forward`,
+`torch_chunk_gated_delta_rule`; the projections, gates and norms around them are per token); while a fused step's
+layout is current (actors/engine/layout.py), each is run here on every sequence of the row by itself, as the model
+computes a lone sequence, and the outputs put back in order. Outside a step (decoding with a cache, the reference
+model) they run as transformers' own."""
 
 from __future__ import annotations
 
@@ -26,9 +27,15 @@ CONVOLUTION, DELTA_RULE = "causal_conv1d_forward", "torch_chunk_gated_delta_rule
 WRAPPED = "_aspen_per_sequence"   # set on a wrapper, pointing at the function it wraps
 
 
-def is_linear_attention(module: nn.Module) -> bool:
-    """A Gated DeltaNet layer (`Qwen3_5GatedDeltaNet`, `Qwen3_5MoeGatedDeltaNet`, `Qwen3NextGatedDeltaNet`)."""
-    return type(module).__name__.endswith("GatedDeltaNet")
+# a stateful layer's class name ends with: the functions of its modeling module that carry its state
+STATEFUL = {"GatedDeltaNet": (CONVOLUTION, DELTA_RULE),   # Qwen3_5(Moe)GatedDeltaNet, Qwen3NextGatedDeltaNet
+            "ShortConv": (CONVOLUTION,)}                   # Lfm2ShortConv, Lfm2MoeShortConv
+
+
+def state_functions(module: nn.Module) -> tuple[str, ...]:
+    """The state-carrying functions of a stateful layer (`STATEFUL`); () for any other module."""
+    name = type(module).__name__
+    return next((functions for suffix, functions in STATEFUL.items() if name.endswith(suffix)), ())
 
 
 def _row_pieces(length: int) -> list[int] | None:
@@ -80,21 +87,21 @@ def _per_sequence_delta_rule(original: Callable) -> Callable:
     return delta_rule
 
 
-def use_per_sequence_linear_attention(model: nn.Module) -> bool:
-    """Make the Gated DeltaNet layers of `model` run their state-carrying functions sequence by sequence in a fused
-    step (module docstring); True where the model has such layers. Patched once per modeling module."""
+def use_per_sequence_state(model: nn.Module) -> bool:
+    """Make the stateful layers of `model` run their state-carrying functions sequence by sequence in a fused step
+    (module docstring); True where the model has such layers. Patched once per modeling module."""
     found = False
+    wrappers = {CONVOLUTION: _per_sequence_convolution, DELTA_RULE: _per_sequence_delta_rule}
     for module in model.modules():
-        if not is_linear_attention(module):
-            continue
-        found = True
+        functions = state_functions(module)
+        found = found or bool(functions)
         modeling = sys.modules[type(module).__module__]
-        for name, wrap in ((CONVOLUTION, _per_sequence_convolution), (DELTA_RULE, _per_sequence_delta_rule)):
+        for name in functions:
             function = getattr(modeling, name, None)
             if function is None:
                 raise ValueError(f"{type(module).__name__}: its module {modeling.__name__} has no {name}, which "
                                  "aspen runs per sequence in a packed step; this transformers version is not the "
                                  "one aspen was verified with")
             if not hasattr(function, WRAPPED):
-                setattr(modeling, name, wrap(function))
+                setattr(modeling, name, wrappers[name](function))
     return found

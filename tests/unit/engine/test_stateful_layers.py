@@ -1,9 +1,10 @@
-"""Gated DeltaNet layers over a packed step (actors/engine/linear_attention.py), on Qwen3.5's text model against
-transformers' model on each sequence alone: a packed row's sequences get their lone logits (and, without the
-per-sequence convolution and delta rule, do not: the check has teeth), fused jobs train exactly as alone (float32
-and bfloat16), recomputation gives the same adapters, and a row with a gap after its last
-sequence (compile's padding) is cut with the gap a piece of its own. (The fused step against HF + PEFT and the
-greedy decoding against HF's `generate`, on qwen3_5_text, qwen3_5_moe_text and qwen3_next: test_model_families.py.)"""
+"""Layers that carry a state along the row over a packed step (actors/engine/stateful_layers.py), on Qwen3.5's text
+model (Gated DeltaNet) and LFM2 (short convolutions) against transformers' model on each sequence alone: a packed
+row's sequences get their lone logits (and, without the per-sequence functions, do not: the check has teeth), fused
+jobs train exactly as alone (float32 and bfloat16), recomputation gives the same adapters, and a row with a gap after
+its last sequence (compile's padding) is cut with the gap a piece of its own. (The fused step against HF + PEFT and
+the greedy decoding against HF's `generate`, on qwen3_5_text, qwen3_5_moe_text, qwen3_next, lfm2 and lfm2_moe:
+test_model_families.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from actors.engine import linear_attention
+from actors.engine import stateful_layers
 from actors.engine.job import TrainingJob
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.models import from_module
@@ -27,8 +28,12 @@ TOLERANCE = 1e-5   # relative, float32 on the CPU (as the model table's test)
 LEAK = 1e-3        # what the previous sequence changes of the next one's logits without the per-sequence functions
 
 
-def qwen3_5(model_type: str = "qwen3_5_text", **fields) -> torch.nn.Module:
-    return build_model(build_config(model_type, vocab_size=VOCAB, **fields))
+# Qwen3.5 with 32 value heads (below: why), LFM2
+STATEFUL = {"qwen3_5_text": {"linear_num_value_heads": 32}, "lfm2": {}}
+
+
+def stateful(model_type: str, **fields) -> torch.nn.Module:
+    return build_model(build_config(model_type, vocab_size=VOCAB, **{**STATEFUL[model_type], **fields}))
 
 
 def packed_logits(base, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -41,10 +46,11 @@ def packed_logits(base, sequences: list[list[int]]) -> list[torch.Tensor]:
     return list(logits.split(lengths))
 
 
-def test_each_packed_sequence_gets_its_lone_logits_and_would_not_without_per_sequence_state(monkeypatch):
-    model = qwen3_5()
+@pytest.mark.parametrize("model_type", list(STATEFUL))
+def test_each_packed_sequence_gets_its_lone_logits_and_would_not_without_per_sequence_state(model_type, monkeypatch):
+    model = stateful(model_type)
     reference = copy.deepcopy(model)
-    assert any(linear_attention.is_linear_attention(module) for module in model.modules())
+    assert any(stateful_layers.state_functions(module) for module in model.modules())
     base = from_module(model, None)
     sequences = [example.input_ids for example in random_examples(3, count=3, vocab=VOCAB, min_len=20, max_len=70)]
     alone = []
@@ -53,15 +59,16 @@ def test_each_packed_sequence_gets_its_lone_logits_and_would_not_without_per_seq
             alone.append(reference(input_ids=torch.tensor([tokens]), use_cache=False).logits[0])
     for got, expected in zip(packed_logits(base, sequences), alone, strict=True):
         assert float((got - expected).norm() / expected.norm()) <= TOLERANCE
-    monkeypatch.setattr(linear_attention, "_row_pieces", lambda length: None)   # the row as one sequence
+    monkeypatch.setattr(stateful_layers, "_row_pieces", lambda length: None)   # the row as one sequence
     leaked = packed_logits(base, sequences)
     assert float((leaked[0] - alone[0]).norm() / alone[0].norm()) <= TOLERANCE   # the first has no neighbour
     for got, expected in zip(leaked[1:], alone[1:], strict=True):
         assert float((got - expected).norm() / expected.norm()) > LEAK
 
 
+@pytest.mark.parametrize("model_type", list(STATEFUL))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_linear_attention_jobs_fused_equal_their_solo_runs_exactly(dtype):
+def test_stateful_jobs_fused_equal_their_solo_runs_exactly(model_type, dtype):
     """Every operation a job's tokens go through is per token or per sequence (the convolution and the delta rule
     now too), so, as in test_isolation.py, fused jobs end exactly as alone. With one condition from the layer's gates
     (`beta`: a sigmoid, `g`: an exponential of a softplus, over the whole (tokens, value heads) tensor): the CPU's
@@ -70,7 +77,7 @@ def test_linear_attention_jobs_fused_equal_their_solo_runs_exactly(dtype):
     (4 value heads: 1e-7 off in float32). 32 fill them whatever the CPU (the released checkpoints: 32 and more).
     The MoE variants' shared expert is gated by a sigmoid of one score a token (as `qwen2_moe`'s): no count of heads
     fills the loop there, so they are fused within float32's rounding, not bit for bit (docs/models.md)."""
-    base = from_module(qwen3_5(linear_num_value_heads=32).to(dtype), None)
+    base = from_module(stateful(model_type).to(dtype), None)
     assert_isolated(base, four_jobs())
 
 
@@ -88,7 +95,7 @@ def _trained(base, recompute: str) -> dict[str, torch.Tensor]:
 
 
 def test_recomputation_trains_the_same_adapters_bit_for_bit():
-    base = from_module(qwen3_5(), None)
+    base = from_module(stateful("qwen3_5_text"), None)
     plain, recomputed = _trained(base, "none"), _trained(base, "layers")
     assert any(float(value.abs().max()) > 0 for name, value in plain.items() if "lora_B" in name)
     for name, value in plain.items():
@@ -97,12 +104,12 @@ def test_recomputation_trains_the_same_adapters_bit_for_bit():
 
 def test_a_gap_after_the_last_sequence_is_a_piece_of_its_own():
     with step_layout(StepLayout.single("a", [5, 7])):
-        assert linear_attention._row_pieces(12) == [5, 7]
-        assert linear_attention._row_pieces(16) == [5, 7, 4]   # compile's padding up to a bucket length
-        assert linear_attention._row_pieces(10) is None        # not this step's row
+        assert stateful_layers._row_pieces(12) == [5, 7]
+        assert stateful_layers._row_pieces(16) == [5, 7, 4]   # compile's padding up to a bucket length
+        assert stateful_layers._row_pieces(10) is None        # not this step's row
     with step_layout(StepLayout.single("a", [12])):
-        assert linear_attention._row_pieces(12) is None        # one sequence: transformers' own
-    assert linear_attention._row_pieces(12) is None            # no step
+        assert stateful_layers._row_pieces(12) is None        # one sequence: transformers' own
+    assert stateful_layers._row_pieces(12) is None            # no step
 
 
 @pytest.fixture

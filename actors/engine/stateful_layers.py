@@ -55,6 +55,14 @@ def _row_pieces(length: int) -> list[int] | None:
     return pieces if len(pieces) > 1 else None
 
 
+def _kept_eager(wrapper: Callable, original: Callable) -> Callable:
+    """The wrapper, run eagerly under `compile: default` as the other functions that read the step's layout are
+    (actors/engine/compiled.py: a graph cannot depend on the layout), marked as wrapping `original`."""
+    eager = torch.compiler.disable(wrapper)
+    setattr(eager, WRAPPED, original)
+    return eager
+
+
 def _per_sequence_convolution(original: Callable) -> Callable:
     def convolution(conv1d: nn.Conv1d, hidden_states: torch.Tensor, cache: Any, layer_idx: int,
                     activation: str | None = None, **kwargs: Any) -> torch.Tensor:
@@ -64,8 +72,7 @@ def _per_sequence_convolution(original: Callable) -> Callable:
         return torch.cat([original(conv1d, piece, None, layer_idx, activation=activation, **kwargs)
                           for piece in hidden_states.split(pieces, dim=-1)], dim=-1)   # (1, channels, T)
 
-    setattr(convolution, WRAPPED, original)
-    return convolution
+    return _kept_eager(convolution, original)
 
 
 def _per_sequence_delta_rule(original: Callable) -> Callable:
@@ -83,8 +90,7 @@ def _per_sequence_delta_rule(original: Callable) -> Callable:
                                     strict=True)]
         return torch.cat(outputs, dim=1), None   # (1, T, heads, value dim)
 
-    setattr(delta_rule, WRAPPED, original)
-    return delta_rule
+    return _kept_eager(delta_rule, original)
 
 
 def use_per_sequence_state(model: nn.Module) -> bool:

@@ -140,6 +140,30 @@ def test_compiled_steps_train_the_eager_adapters_and_recompile_only_for_new_buck
             torch.testing.assert_close(compiled[name][key], eager[name][key], rtol=0, atol=1e-5)
 
 
+def test_compiled_steps_of_a_base_with_stateful_layers_train_the_eager_adapters(monkeypatch):
+    """Qwen3.5's Gated DeltaNet layers (actors/engine/stateful_layers.py: their convolution and delta rule run per
+    sequence, eagerly, as the other layout readers) under `compile: default`: each job's losses and adapter are the
+    eager steps', to float32 rounding as above, with the bucket padding's own sequences cut as pieces too."""
+    from actors.engine import stateful_layers
+    from actors.engine.layout import current_layout
+    from tests.helpers.model_families import build_config, build_model
+
+    base = from_module(build_model(build_config("qwen3_5_text", vocab_size=VOCAB)), None)
+    eager, eager_losses, _ = _train(base, _jobs(3))
+    padded = []   # the padding tokens after the jobs' (the bucket padding's own sequences) of each row cut
+    pieces = stateful_layers._row_pieces
+    monkeypatch.setattr(stateful_layers, "_row_pieces", lambda length: padded.append(
+        length - current_layout().segments[-1][2]) or pieces(length))
+    compiled, compiled_losses, _ = _train(base, _jobs(3), compile="default", compile_backend=BACKEND)
+    assert max(padded) > 0
+    for name in eager_losses:
+        assert compiled_losses[name] == pytest.approx(eager_losses[name], abs=1e-5), name
+    for name in eager:
+        assert max(float(v.abs().max()) for k, v in eager[name].items() if "lora_B" in k) > 0, name
+        for key in eager[name]:
+            torch.testing.assert_close(compiled[name][key], eager[name][key], rtol=0, atol=1e-5)
+
+
 def test_compiled_steps_train_a_dpo_job_beside_an_sft_job_as_eager_steps_do():
     """A DPO job (its reference: an eager no-adapter forward) and an SFT job fused, compiled against eager: the
     same losses and adapters to float32 rounding (the padding sequences hold no preference pair's targets)."""

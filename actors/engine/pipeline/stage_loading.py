@@ -23,7 +23,13 @@ from actors.engine.attention import use_varlen_attention
 from actors.engine.model_support import causal_lm_config, check_model_support
 from actors.engine.models import BaseModel, load_base_model, resolve_device, resolve_dtype
 from actors.engine.moe_experts import has_experts
-from actors.engine.pipeline.stage_model import StageModel, check_stage_fits, cut_stage, stage_bytes
+from actors.engine.pipeline.stage_model import (
+    StageModel,
+    check_stage_fits,
+    check_stageable_type,
+    cut_stage,
+    stage_bytes,
+)
 from actors.engine.recompute import decoder_layers
 from actors.engine.stateful_layers import use_per_sequence_state
 from actors.storage.gguf_cache import converted_source
@@ -69,6 +75,7 @@ def load_stage(base_model: str, split: list[int], stage: int, *, device: str = "
         raise ValueError(f"base_model '{base_model}' is an MoE model ({config.model_type}): a pipeline stage reads its "
                          "own tensors by name, and MoE checkpoints keep each expert's weights apart, which "
                          "transformers stacks only as the whole model loads: train it on one device (no `stages`)")
+    check_stageable_type(config.model_type, base_model)   # before its layers are read (GPT-2's have other names)
     decoder = getattr(model, model.base_model_prefix)
     layers = decoder_layers(decoder)
     if sum(split) != len(layers):

@@ -62,12 +62,16 @@ class StageModel:
         return _bytes([self.base.model])
 
 
-def check_stageable(base: BaseModel) -> None:
-    model_type = getattr(base.model.config, "model_type", None)
+def check_stageable_type(model_type: str | None, name: str) -> None:
+    """ValueError where aspen does not cut a base of this type into pipeline stages, saying what to do."""
     if model_type not in STAGEABLE:
-        raise ValueError(f"base_model '{base.name}' (model_type '{model_type}') cannot be cut into pipeline "
+        raise ValueError(f"base_model '{name}' (model_type '{model_type}') cannot be cut into pipeline "
                          f"stages yet: aspen cuts {', '.join(STAGEABLE)} (their decoders take the previous "
                          "stage's hidden states unchanged); train it on a single-device trainer (stages: 1)")
+
+
+def check_stageable(base: BaseModel) -> None:
+    check_stageable_type(getattr(base.model.config, "model_type", None), base.name)
     if base.quantization != "none":
         raise ValueError(f"base_model '{base.name}': a pipeline trainer cuts a float base, not a {base.quantization}"
                          " one (quantized layers cannot be moved between devices yet); use stages: 1")

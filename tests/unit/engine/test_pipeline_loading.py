@@ -106,3 +106,26 @@ def test_a_moe_base_is_not_split_into_stages(tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match=r"is an MoE model \(qwen3_moe\).*train it on one device"):
         load_stage(str(folder), [2, 2], 0, device="cpu")
     assert load_base_model(str(folder), device="cpu").model.config.model_type == "qwen3_moe"   # whole, it loads
+
+
+def test_a_base_of_a_type_not_cut_into_stages_is_refused_before_its_layers_are_read(tmp_path, tiny_tokenizer):
+    """GPT-2 (its final norm is `ln_f`, its positions an embedding of their own) and a Qwen3.5 checkpoint (a
+    vision-language model's text model) load whole, but a stage refuses them, saying to train on one device."""
+    from tests.helpers.model_families import build_config, build_model
+
+    folder = tmp_path / "gpt2"
+    build_model(build_config("gpt2", vocab_size=VOCAB, num_hidden_layers=4)).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"\(model_type 'gpt2'\) cannot be cut into pipeline stages yet.*stages: 1"):
+        load_stage(str(folder), [2, 2], 0, device="cpu")
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = build_config("qwen3_5_text", vocab_size=VOCAB, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention"] * 2).to_dict()
+    folder = tmp_path / "qwen3_5"
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config={
+        "depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 64})
+    ).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"qwen3_5 checkpoint whose text model is stored inside.*no `stages`"):
+        load_stage(str(folder), [2, 2], 0, device="cpu")

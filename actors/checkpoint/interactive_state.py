@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from actors.checkpoint.initial_adapter import read_adapter_tensors, start_from_tensors
 from actors.checkpoint.peft_io import METADATA_NAME, PREFIX, save_adapter
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
-from actors.engine.head_lora import HEAD_MODULE
 from actors.engine.interactive_model import InteractiveModel, interactive_lora, target_modules
 from actors.engine.models import BaseModel
+from actors.spec.model_parts import HEAD_MODULE
 from actors.spec.saved_adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterFileError
 from actors.storage.base_identity import BaseIdentity, base_identity
 from actors.storage.durable import replace_durably, staging_folder, write_durably

@@ -23,8 +23,8 @@ from actors.engine.lora_adapter import LoraAdapter
 from actors.engine.loss import transform_logits
 from actors.engine.model_support import LogitTransform
 from actors.spec.lora_config import LoraConfig
+from actors.spec.model_parts import HEAD_MODULE
 
-HEAD_MODULE = "lm_head"   # PEFT's module name for the output embedding (its target_modules entry)
 HEAD_ADAPTERS = "_aspen_head_adapters"
 CHUNK = 256   # rows a chunk: its float32 logits and their softmax are made twice (forward, backward)
 

@@ -22,13 +22,13 @@ import torch
 
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, linear_module_names, remove_adapter
 from actors.engine.experts_lora import stack_shapes
-from actors.engine.head_lora import HEAD_MODULE
 from actors.engine.host_tensors import on_host
 from actors.engine.joint_steps import chained_sum
 from actors.engine.lora_targets import stack_targets
 from actors.engine.models import BaseModel
 from actors.engine.optim import fused_option
 from actors.spec.lora_config import LoraConfig
+from actors.spec.model_parts import HEAD_MODULE, is_attention, part_targets
 
 LORA_ALPHA = 32
 MAX_RANK = 256
@@ -168,18 +168,8 @@ def clip_gradients(parameters: list[torch.nn.Parameter], limit: float) -> float:
 
 def target_modules(base: BaseModel, *, train_attn: bool, train_mlp: bool) -> list[str]:
     """The decoder's linear layers to adapt: attention's, the MLP's, or both (the LM head is `train_unembed`'s:
-    `interactive_lora`)."""
-    names = set()
-    for name in linear_module_names(base.model):
-        attention = is_attention(name)
-        if (attention and train_attn) or (not attention and train_mlp):
-            names.add(name.rsplit(".", 1)[-1])
-    return sorted(names)
-
-
-def is_attention(module: str) -> bool:
-    """Whether a linear layer (by its module name) is attention's (`train_attn`) rather than the MLP's."""
-    return "attn" in module or module.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj")
+    `interactive_lora`), as the scheduler names them (actors/spec/model_parts.py)."""
+    return part_targets(linear_module_names(base.model), train_attn=train_attn, train_mlp=train_mlp)
 
 
 def trained_parts(tensor_names: list[str]) -> dict[str, bool]:

@@ -22,13 +22,11 @@ from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec
 from actors.spec.job_submission import JobSubmission
 from actors.spec.lora_config import LoraConfig
+from actors.spec.model_parts import HEAD_MODULE, part_targets
 from policies.adapter_memory import BYTES_PER_ADAPTER_PARAMETER
 from policies.base import UserShare, memory_in_use
 
-HEAD_MODULE = "lm_head"   # PEFT's name for the LM head (actors/engine/head_lora.py; not imported: it needs torch)
-
 LORA_ALPHA = 32.0    # the Tinker API's adapters: alpha 32 at every rank (actors/engine/interactive_model.py)
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class NoRoom(RuntimeError):
@@ -53,19 +51,6 @@ def model_folder(weights_dir: Path, model_id: str) -> Path:
 def job_name(model_id: str) -> str:
     """A job name for a model id (`<session>:train:<n>`): the name pattern's characters only."""
     return "tinker-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
-
-
-def adapted_modules(linear_names: list[str], *, train_attn: bool, train_mlp: bool) -> list[str]:
-    """The base's linear layers a model adapts: attention's, the MLP's, or both (never the LM head)."""
-    names = set()
-    for name in linear_names:
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "lm_head":
-            continue
-        attention = "attn" in name or leaf in ATTENTION
-        if (attention and train_attn) or (not attention and train_mlp):
-            names.add(leaf)
-    return sorted(names)
 
 
 def interactive_submission(model_id: str, base_model: str, rank: int, targets: list[str],
@@ -113,7 +98,7 @@ class InteractiveJobs:
                              f"(held: {', '.join(held)})")
         if not (train_attn or train_mlp or train_unembed):
             raise ValueError("train_attn, train_mlp and train_unembed are all false: nothing to train")
-        targets = adapted_modules(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
+        targets = part_targets(list(same_base[0].linear_shapes), train_attn=train_attn, train_mlp=train_mlp)
         stacks = stack_targets(same_base[0].expert_shapes) if train_mlp else []
         if not targets and not stacks and not train_unembed:
             raise ValueError("train_mlp alone, but nothing of this base's MLP is adapted (on some MoE types its dense "

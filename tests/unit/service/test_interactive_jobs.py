@@ -11,12 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from actors.service.scheduler.interactive_jobs import NoRoom, adapted_modules
+from actors.service.scheduler.interactive_jobs import NoRoom
 from actors.service.scheduler.job_fit import job_adapter_bytes, trainer_view
 from actors.service.scheduler.scheduler_core import SchedulerCore
 from actors.service.table.job_table import JobTable
 from actors.service.trainer.trainer_reports import TrainerEvent
 from actors.spec.job_spec import JobSpec
+from actors.spec.model_parts import part_targets
 from policies.base import UserShare
 from policies.fifo import FifoPolicy
 from tests.helpers.scheduler_fakes import status
@@ -116,8 +117,8 @@ def test_a_jobs_file_or_submission_of_method_interactive_is_refused():
         JobSpec(name="x", method="interactive", data="rows.jsonl", format={"type": "text"})
     with pytest.raises(ValueError, match="needs data and format"):
         JobSpec(name="x")
-    assert adapted_modules(["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "lm_head"],
-                           train_attn=False, train_mlp=True) == ["up_proj"]
+    assert part_targets(["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj", "lm_head"],
+                        train_attn=False, train_mlp=True) == ["up_proj"]
 
 
 def test_a_model_that_trains_the_lm_head_holds_its_head_adapter_too(tmp_path):

@@ -39,20 +39,24 @@ def state_functions(module: nn.Module) -> tuple[str, ...]:
 
 
 def _row_pieces(length: int) -> list[int] | None:
-    """The lengths of the current step's sequences along a row of `length` tokens (a gap between them, such as
-    compile's padding at the end, a piece of its own); None outside a step, or where the row is one sequence."""
+    """The lengths of the current step's sequences along a row of `length` tokens (a gap between or after them a
+    piece of its own: none in today's layouts, whose padding forms sequences of its own); None outside a step, or
+    where the row is one sequence. Made once a step for every stateful layer (kept with the step's layout)."""
     layout = current_layout()
     if layout is None or layout.num_tokens > length:
         return None
-    pieces, position = [], 0
-    for start, end in layout.sequences:
-        if start > position:
-            pieces.append(start - position)
-        pieces.append(end - start)
-        position = end
-    if position < length:
-        pieces.append(length - position)
-    return pieces if len(pieces) > 1 else None
+    key = ("row-pieces", length)
+    if key not in layout.tensors:
+        pieces, position = [], 0
+        for start, end in layout.sequences:
+            if start > position:
+                pieces.append(start - position)
+            pieces.append(end - start)
+            position = end
+        if position < length:
+            pieces.append(length - position)
+        layout.tensors[key] = pieces if len(pieces) > 1 else None
+    return layout.tensors[key]
 
 
 def _kept_eager(wrapper: Callable, original: Callable) -> Callable:

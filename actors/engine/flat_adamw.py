@@ -72,8 +72,10 @@ if triton is not None:
         p = p * (1.0 - lr * weight_decay)
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.sqrt(v) / bias2_sqrt + eps
-        p = p - (lr / bias1) * m / denom
+        # IEEE-rounded square root and divisions, as torch's: on CUDA Triton's tl.sqrt and `/` are the approximate
+        # instructions (sqrt.approx, div.full: 2 units in the last place), which the interpreter's numpy never shows
+        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+        p = p - tl.div_rn(tl.div_rn(lr, bias1) * m, denom)
         tl.store(param + offsets, p, mask=inside)
         tl.store(exp_avg + offsets, m, mask=inside)
         tl.store(exp_avg_sq + offsets, v, mask=inside)

@@ -58,24 +58,25 @@ def reference_update(pool: MasterPool, exp_avg: torch.Tensor, exp_avg_sq: torch.
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, cast, factor, n, b_start, lr_a, lr_b, weight_decay,
-                      inverse_targets, beta1, beta2, eps, bias1, bias2_sqrt, scaling,
-                      HAS_CAST: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, cast, factor, n, b_start, decay_a, decay_b, step_size_a,
+                      step_size_b, inverse_targets, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bias2_sqrt,
+                      scaling, HAS_CAST: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        # every scalar comes computed in double on the host and rounded once (`StepHyper`), as torch's AdamW has
+        # them: a compiled kernel takes its scalars in float32, where 1 - beta2 from a rounded beta2 is 1.3e-5 off
         offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         inside = offsets < n
         in_b = offsets >= b_start
-        lr = tl.where(in_b, lr_b, lr_a)
         g = tl.load(grad + offsets, mask=inside, other=0.0) * (tl.load(factor) * inverse_targets)
         p = tl.load(param + offsets, mask=inside, other=0.0)
         m = tl.load(exp_avg + offsets, mask=inside, other=0.0)
         v = tl.load(exp_avg_sq + offsets, mask=inside, other=0.0)
-        p = p * (1.0 - lr * weight_decay)
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p * tl.where(in_b, decay_b, decay_a)
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
         # IEEE-rounded square root and divisions, as torch's: on CUDA Triton's tl.sqrt and `/` are the approximate
         # instructions (sqrt.approx, div.full: 2 units in the last place), which the interpreter's numpy never shows
         denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
-        p = p - tl.div_rn(tl.div_rn(lr, bias1) * m, denom)
+        p = p - tl.where(in_b, step_size_b, step_size_a) * tl.div_rn(m, denom)
         tl.store(param + offsets, p, mask=inside)
         tl.store(exp_avg + offsets, m, mask=inside)
         tl.store(exp_avg_sq + offsets, v, mask=inside)
@@ -89,7 +90,8 @@ if triton is not None:
 
 
 class StepHyper:
-    """One job's AdamW settings for one step, as plain floats (the kernel's scalar arguments)."""
+    """One job's AdamW settings for one step, as plain floats (the kernel's scalar arguments), each derived in
+    double precision here as torch's AdamW derives them (1 - lr·wd, lr / (1 - b1^t), 1 - b1, ...)."""
 
     def __init__(self, *, lr_a: float, lr_b: float, weight_decay: float, betas: tuple[float, float], eps: float,
                  step: int, targets: float):
@@ -98,6 +100,12 @@ class StepHyper:
         self.bias1 = 1.0 - self.beta1 ** step
         self.bias2_sqrt = math.sqrt(1.0 - self.beta2 ** step)
         self.inverse_targets = 1.0 / targets
+
+    def kernel_scalars(self) -> tuple[float, ...]:
+        """`_adamw_kernel`'s scalars from decay_a through bias2_sqrt, in its order."""
+        return (1.0 - self.lr_a * self.weight_decay, 1.0 - self.lr_b * self.weight_decay, self.lr_a / self.bias1,
+                self.lr_b / self.bias1, self.inverse_targets, self.beta1, 1.0 - self.beta1, self.beta2,
+                1.0 - self.beta2, self.eps, self.bias2_sqrt)
 
 
 def kernel_runs(device: torch.device) -> bool:
@@ -147,9 +155,7 @@ def _launch(pool: MasterPool, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, f
     count = flat.numel()
     _adamw_kernel[(triton.cdiv(count, BLOCK),)](
         flat, pool.grads.values, exp_avg, exp_avg_sq, cast if cast is not None else flat, factor, count,
-        pool.b_region, hyper.lr_a, hyper.lr_b, hyper.weight_decay, hyper.inverse_targets, hyper.beta1,
-        hyper.beta2, hyper.eps, hyper.bias1, hyper.bias2_sqrt, pool.scaling, HAS_CAST=cast is not None,
-        BLOCK_SIZE=BLOCK)
+        pool.b_region, *hyper.kernel_scalars(), pool.scaling, HAS_CAST=cast is not None, BLOCK_SIZE=BLOCK)
 
 
 class FlatAdamW:

@@ -99,8 +99,9 @@ def test_a_triton_kernel_s_in_place_tensors_are_read_and_written(session):
     flat, grad, m, v = (torch.empty(n, device=CUDA) for _ in range(4))
     cast, factor = torch.empty(n, device=CUDA, dtype=torch.bfloat16), torch.ones((), device=CUDA)
     _, ops = session.record(lambda: flat_adamw._adamw_kernel[(1,)](
-        flat, grad, m, v, cast, factor, n, n // 2, 0.1, 0.2, 0.0, 1.0, 0.9, 0.999, 1e-8, 0.1, 0.03, 2.0,
-        HAS_CAST=True, BLOCK_SIZE=1024))
+        flat, grad, m, v, cast, factor, n, n // 2, *flat_adamw.StepHyper(
+            lr_a=0.1, lr_b=0.2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, step=1, targets=1.0).kernel_scalars(),
+        2.0, HAS_CAST=True, BLOCK_SIZE=1024))
     (kernel,) = [op for op in ops if op.name == "triton:_adamw_kernel"]
     assert kernel.launches == 1
     assert kernel.read + kernel.written == n * (4 * 4 * 2 + 2) + 4

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+import numpy
 import pytest
 import torch
 
@@ -40,6 +41,12 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or fla
                                        "tests/unit/engine/test_lora_grad_kernel.py runs it so")
 
 
+def as_float32_scalars(arguments: tuple) -> tuple:
+    """A launch's float scalars as CUDA's compiled kernel takes them (float32; the interpreter keeps Python's
+    doubles): arithmetic on scalars inside a kernel (1 - beta2 from a rounded beta2: 1.3e-5 off) shows here too."""
+    return tuple(float(numpy.float32(value)) if isinstance(value, float) else value for value in arguments)
+
+
 def _trained(kernel: bool, monkeypatch, overrides: dict) -> tuple:
     monkeypatch.setattr(flat_adamw, "kernel_runs", (lambda device: True) if kernel else (lambda device: False))
     optimizer, adapters = pooled_job(spec(**overrides), seed=11, rank=8)
@@ -49,7 +56,8 @@ def _trained(kernel: bool, monkeypatch, overrides: dict) -> tuple:
     if kernel:
         assert flat_adamw.kernel_works(torch.device("cpu"))   # its once-a-device check passes here too
         real = flat_adamw._adamw_kernel.run
-        monkeypatch.setattr(flat_adamw._adamw_kernel, "run", lambda *a, **k: launches.append(1) or real(*a, **k))
+        monkeypatch.setattr(flat_adamw._adamw_kernel, "run",
+                            lambda *a, **k: launches.append(1) or real(*as_float32_scalars(a), **k))
     generator = torch.Generator().manual_seed(7)
     for targets in (3, 1, 6):
         add_gradients(optimizer, generator)

@@ -4,7 +4,8 @@
 # each ignored through .git/info/exclude, checks that what travels stays under the 64 MiB a call carries, and
 # prints the one `run` call to make.
 #   .whl/        the wheels the GPU machine's image (Python 3.12) lacks: pydantic and its needs (aspen's engine),
-#                liger-kernel (bench/lora_mfu.py's baseline (b)), Ray's needs and tensorboardX (Ray Tune)
+#                liger-kernel (bench/lora_mfu.py's baseline (b)), Ray's needs and tensorboardX (Ray Tune), and
+#                transformers, PEFT and their needs at this checkout's versions (the image's 5.17 is below pyproject's)
 #   .gpu-carry/  Ray stripped to fit (../shared/gpu/pack-ray.sh): the sweep and overhead parts
 #   .gpu/        smollm2-135m's config and tokenizer (its parts run on random weights of that shape), GSM8K rows
 #                for the sweep, and prediction.json: bench/gpu_cost_model.py's prediction where it exists
@@ -48,6 +49,12 @@ else
     download "pydantic-core==$core"
 fi
 download "liger-kernel==0.8.5"   # pure Python (Triton kernels): torch and triton are on the image
+# the transformers this checkout runs on (pyproject: >=5.20; the image has 5.17, whose experts lack attributes aspen
+# reads: the lease of 2026-12-04) and the needs the image lacks or holds too old, at this checkout's versions
+stack=$("$python" -c 'from importlib.metadata import version
+print(" ".join(f"{name}=={version(name)}" for name in ("transformers", "huggingface-hub", "kernels", "tomlkit",
+      "httpx2", "httpcore2", "truststore", "hf-xet", "regex", "click", "peft")))')
+download $stack
 
 # smollm2-135m's config and tokenizer (its weights, 517 MB converted, do not travel)
 "$python" - <<'EOF'

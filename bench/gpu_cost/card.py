@@ -14,9 +14,10 @@ each marked where it comes from (`Card.sources`):
 
 The rules (`kernel_time`):
 - matmuls with a rank-sized dimension (<= 64: the LoRA products): their bytes at a share of HBM bandwidth,
-  float32 (no tensor cores unless TF32 is on) at the profile's, bf16 at the vectorised share (as cuBLAS runs
-  decode-shaped GEMMs; assumed, not yet measured); other matmuls: FLOPs at the measured bf16 ceiling, scaled
-  down when the output has fewer 128x128 tiles than the card has multiprocessors, or bytes, the longer;
+  float32 (no tensor cores unless TF32 is on) and bf16 each at its own profile's share (bf16: the grouped LoRA
+  products of the 2026-12-04 profile, CUTLASS's grouped GEMM at ~25 µs a call; where a calibration predates it,
+  the vectorised share, as decode-shaped GEMMs were assumed to run); other matmuls: FLOPs at the measured bf16
+  ceiling, scaled down when the output has fewer 128x128 tiles than the card has multiprocessors, or bytes, the longer;
 - attention: the FLOPs of the 128 x 128 score tiles it computes (per sequence; causal: the diagonal's and
   those below) at the attention rate: a short sequence fills few of its tiles;
 - an accumulating index_put (a gather's backward): its bytes, plus the longest run of one index's
@@ -58,6 +59,7 @@ class Card:
     kernel_floor: float        # s, the least a kernel takes (added to its work)
     launch_gap: float          # s the GPU idles between back-to-back kernels
     fp32_skinny: float         # share of hbm a float32 matmul with a rank-sized dimension moves its operands at
+    bf16_skinny: float         # the same for a bf16 / fp16 one (the grouped LoRA products)
     attention: float           # FLOP/s of the varlen flash kernels
     serial_add: float          # s per duplicate index in an accumulating index_put
     copy_latency: float = 8e-6   # s, a host-device copy's fixed cost (datasheet-class)
@@ -71,7 +73,8 @@ H200_SOURCES = {
     "peak_bf16": "datasheet", "peak_fp32": "datasheet", "hbm": "datasheet", "multiprocessors": "datasheet",
     "pcie": "datasheet (PCIe 5 x16)", "gemm_bf16": "measured (GPU suite, 8192^3, 2026-11-28)",
     "vectorised": "profile", "generic": "profile", "transposed": "profile", "kernel_floor": "profile",
-    "launch_gap": "profile", "fp32_skinny": "profile", "attention": "profile", "serial_add": "profile",
+    "launch_gap": "profile", "fp32_skinny": "profile", "bf16_skinny": "profile (2026-12-04)", "attention": "profile",
+    "serial_add": "profile",
     "copy_latency": "assumed",
 }
 
@@ -81,6 +84,7 @@ def h200(profile: dict | None = None) -> Card:
     values = {"vectorised": 0.9, "generic": 0.45, "transposed": 0.21, "kernel_floor": 1.0e-6, "launch_gap": 1.3e-6,
               "fp32_skinny": 0.2, "attention": 97e12, "serial_add": 0.7e-6}
     values.update(profile or {})
+    values.setdefault("bf16_skinny", values["vectorised"])   # a calibration from before it was measured
     return Card("NVIDIA H200", peak_bf16=989.4e12, peak_fp32=66.9e12, hbm=4.8e12, multiprocessors=132,
                 pcie=64e9, gemm_bf16=757e12, sources=dict(H200_SOURCES), **values)
 
@@ -109,14 +113,14 @@ def bandwidth(card: Card, kind: str) -> float:
 
 def gemm_time(op: Op, card: Card) -> float:
     """A matmul's time: a skinny one (a dimension of at most SKINNY: a LoRA rank) moves its operands at a
-    share of HBM bandwidth (float32 at the profile's rate, bf16 / fp16 at the vectorised one, as decode-shaped
-    GEMMs do) unless its FLOPs take longer; a wide one runs at the bf16 ceiling, scaled down when its output
+    share of HBM bandwidth (float32 and bf16 / fp16 each at its profile's rate) unless its FLOPs take longer; a
+    wide one runs at the bf16 ceiling, scaled down when its output
     has fewer 128 x 128 tiles than the card has multiprocessors (float32: FP32_EFFICIENCY of the peak)."""
     batch, m, n, k = op.gemm
     tensor_cores = op.dtype in ("bfloat16", "float16")
     peak = card.gemm_bf16 if tensor_cores else card.peak_fp32 * FP32_EFFICIENCY
     if min(m, n, k) <= SKINNY:
-        rate = card.hbm * (card.vectorised if tensor_cores else card.fp32_skinny)
+        rate = card.hbm * (card.bf16_skinny if tensor_cores else card.fp32_skinny)
         return max(op.bytes / rate, op.flops / peak)
     tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
     rate = peak * min(1.0, tiles / card.multiprocessors)

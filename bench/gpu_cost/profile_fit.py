@@ -13,10 +13,12 @@ shapes, bytes and FLOPs of the operation that launched it. Then, class by class,
 that reproduces its class's total kernel time (not the step's time):
 
 - kernel_floor: the median time of the kernels that move under 64 KiB; launch_gap: the median gap between
-  consecutive kernels on the GPU;
+  consecutive kernels on the GPU where the second was queued before the first ended (elsewhere the gap is the
+  host's lateness: a host-bound step's median gap was 7.8 µs, 2026-12-04);
 - vectorised / generic / transposed: the class's bytes over its time less the floors, as a share of HBM's;
-- fp32_skinny: float32 matmuls with a rank-sized dimension: their bytes over their time, as a share of
-  HBM's; attention: the attention kernels' score-tile FLOPs over their time;
+- fp32_skinny / bf16_skinny: float32 / bf16 matmuls with a rank-sized dimension (bf16: the grouped LoRA
+  products): their bytes over their time, as a share of HBM's; attention: the attention kernels' score-tile
+  FLOPs over their time;
 - serial_add: accumulating index_puts' time beyond bytes and floors, over their duplicates;
 - host (profiled: the profiler's overhead included): an operation that launches nothing and an autograd
   node cost their medians on the trace; a Python function call, a torch call from Python, an operation
@@ -36,6 +38,7 @@ import collections
 import difflib
 import gzip
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -94,7 +97,10 @@ def trace_operations(path: Path, vocabulary: set[str]) -> list[dict]:
             merged[-1]["kernels"] += item["kernels"]
         else:
             merged.append(item)
-    gpu_times = sorted((k["ts"], k["dur"]) for kernels in work.values() for k in kernels)
+    launched_at = {launch["args"].get("correlation"): launch["ts"]
+                   for launches in launches_by_thread.values() for launch in launches}
+    gpu_times = sorted((k["ts"], k["dur"], launched_at.get(correlation, math.inf))
+                       for correlation, kernels in work.items() for k in kernels)
     return merged, gpu_times, host_medians(cpu, launches_by_thread)
 
 
@@ -137,7 +143,7 @@ def align(profiled: list[dict], recorded: list) -> list[tuple[dict, int]]:
     return pairs
 
 
-def fit_card(pairs: list[tuple[dict, object]], gpu_times: list[tuple[float, float]]) -> dict:
+def fit_card(pairs: list[tuple[dict, object]], gpu_times: list[tuple[float, float, float]]) -> dict:
     """The card's profile-measured parameters (module docstring), each from its own class of kernels."""
     from gpu_cost.card import ATTENTION, INDEX_PUT_KERNELS, MATMULS, SKINNY, SLICE_BACKWARDS, h200
 
@@ -145,17 +151,19 @@ def fit_card(pairs: list[tuple[dict, object]], gpu_times: list[tuple[float, floa
     small = [p["gpu"] / p["kernels"] for p, op in pairs if op.kind == "kernel" and op.bytes < 65536
              and op.name not in MATMULS and p["kernels"] == 1]
     floor = statistics.median(small) * 1e-6
+    # the GPU's own gap between back-to-back kernels: only where the next kernel was launched before the one
+    # before it ended (queued); elsewhere the gap is the host's lateness, which the timeline plays itself
     gaps = [start - (prev_start + prev_dur)
-            for (prev_start, prev_dur), (start, _) in zip(gpu_times, gpu_times[1:], strict=False)]
+            for (prev_start, prev_dur, _), (start, _, launched) in zip(gpu_times, gpu_times[1:], strict=False)
+            if launched <= prev_start + prev_dur]
     gap = statistics.median([g for g in gaps if g >= 0]) * 1e-6
     sums: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for p, op in pairs:
         seconds = p["gpu"] * 1e-6 - p["kernels"] * floor
         if op.kind != "kernel":
             continue
-        if (op.name in MATMULS and op.gemm is not None and op.dtype not in ("bfloat16", "float16")
-                and min(op.gemm[1:]) <= SKINNY):
-            key, amount = "fp32_skinny", op.bytes
+        if op.name in MATMULS and op.gemm is not None and min(op.gemm[1:]) <= SKINNY:
+            key, amount = ("bf16_skinny" if op.dtype in ("bfloat16", "float16") else "fp32_skinny"), op.bytes
         elif op.name in MATMULS or op.name in SLICE_BACKWARDS or op.name in ("logsumexp",):
             continue
         elif op.name in ATTENTION:
@@ -169,12 +177,15 @@ def fit_card(pairs: list[tuple[dict, object]], gpu_times: list[tuple[float, floa
         sums[key][1] += seconds
         sums[key][2] += 1
     out = {"kernel_floor": floor, "launch_gap": gap}
-    for layout in ("vectorised", "generic", "transposed"):
-        amount, seconds, _ = sums[layout]
-        out[layout] = amount / seconds / card.hbm
-    out["fp32_skinny"] = sums["fp32_skinny"][0] / sums["fp32_skinny"][1] / card.hbm
-    out["attention"] = sums["attention"][0] / sums["attention"][1]
-    out["serial_add"] = sums["serial_add"][1] / sums["serial_add"][0]
+    # a class the profile holds no kernel of (or none with time beyond its floors) keeps the calibration's value
+    for key in ("vectorised", "generic", "transposed", "fp32_skinny", "bf16_skinny"):
+        amount, seconds, _ = sums[key]
+        if amount > 0 and seconds > 0:
+            out[key] = amount / seconds / card.hbm
+    if sums["attention"][1] > 0:
+        out["attention"] = sums["attention"][0] / sums["attention"][1]
+    if sums["serial_add"][0] > 0:
+        out["serial_add"] = sums["serial_add"][1] / sums["serial_add"][0]
     out["_instances"] = {key: value[2] for key, value in sums.items()}
     return out
 
@@ -259,6 +270,28 @@ def fit_host_scale(grouped: object, segments: object, calibration: dict, ratio: 
     return (low + high) / 2
 
 
+def fit_host_scale_to_step(recorded: object, calibration: dict, timed: range, step_s: float) -> float:
+    """The host scale (unprofiled / profiled host time) at which the median of the `timed` steps, run back to
+    back as bench/lora_mfu.py's aspen side runs them, is the measured unprofiled `step_s`."""
+    import statistics as stats
+    from dataclasses import replace
+
+    from gpu_cost.calibration import card_for, host_for
+    from gpu_cost.timeline import simulate
+
+    card, host = card_for("h200", calibration), host_for(calibration)
+
+    def predicted(scale: float) -> float:
+        timings = simulate(recorded.steps, card, replace(host, scale=scale))
+        return stats.median(timings[i].seconds for i in timed if i < len(timings))
+
+    low, high = 0.05, 3.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted(middle) < step_s else (low, middle)
+    return (low + high) / 2
+
+
 def measured_categories(pairs: list[tuple[dict, object]]) -> dict[str, float]:
     from gpu_cost.timeline import category
 
@@ -274,31 +307,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkout", type=Path, required=True)
     parser.add_argument("--steps", default="6,7", help="the profiled steps, counted from 0")
     parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--in-order", action="store_true",
+                        help="the trace is bench/lora_mfu.py's aspen side's (--profile: every job's k-th batch at step "
+                             "k; the 2 steps after --warmup and the timed ones), not profile_step.py's; the host "
+                             "scale is then fitted to the measured median of the timed steps (--measured)")
+    parser.add_argument("--warmup", type=int, default=2, help="with --in-order: the steps before the timed ones")
+    parser.add_argument("--measured", default="measured",
+                        help="with --in-order: calibration.json's section of the lease's unprofiled figures (step_s)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "calibration.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(args.checkout.resolve()))
     sys.path.append(str(BENCH))
-    from gpu_cost.workload import Session, benchmark_module, check_checkout, record_jobs
+    from gpu_cost.workload import Session, benchmark_module, check_checkout, preimport, record_jobs
 
     check_checkout(args.checkout)
+    preimport()   # what must be imported before the virtual device stands in for CUDA (as predict.py does)
     steps = [int(step) for step in args.steps.split(",")]
     bench = benchmark_module(args.checkout)
     with Session("NVIDIA H200") as session:
-        recorded = record_jobs(session, bench, args.shape, bench.JOBS, steps=max(steps) + 1)
+        recorded = record_jobs(session, bench, args.shape, bench.JOBS, steps=max(steps) + 1, in_order=args.in_order)
     ops = [op for step in steps for op in recorded.steps[step]]
     vocabulary = {op.name for op in ops} | set(ALIASES)
     profiled, gpu_times, medians = trace_operations(args.trace, vocabulary)
     pairs = align(profiled, ops)
     matched_gpu = sum(p["gpu"] for p, _ in pairs)
-    total_gpu = sum(duration for _, duration in gpu_times)
+    total_gpu = sum(duration for _, duration, _ in gpu_times)
     pairs_ops = [(p, ops[i]) for p, i in pairs]
     card = fit_card(pairs_ops, gpu_times)
     host = fit_host(pairs, ops, medians)
     calibration = json.loads(args.out.read_text()) if args.out.exists() else {}
-    calibration["card"] = card
+    calibration["card"] = {**calibration.get("card", {}), **card}   # a class the profile lacks keeps its value
     calibration["host"] = {**calibration.get("host", {}), **host}
     calibration["host"].pop("_seconds", None)
-    if "segments_over_grouped" in calibration.get("measured", {}):
+    if args.in_order:
+        lease = calibration[args.measured]
+        calibration["host"]["scale"] = fit_host_scale_to_step(recorded, calibration, range(args.warmup, min(steps)),
+                                                              lease["step_s"])
+        calibration["host"].setdefault("_sources", {})["scale"] = (
+            f"fitted: the median of the timed steps of {lease['commit']} ({args.measured}.step_s, "
+            f"{lease['step_s']} s, unprofiled)")
+    elif "segments_over_grouped" in calibration.get("measured", {}):
         from gpu_cost.workload import apply_settings
 
         apply_settings(["actors.engine.lora_grouped:GROUPING=segments"])

@@ -72,7 +72,6 @@ def render(results: dict, calibration: dict) -> str:
 
 def _calibration(results: dict, calibration: dict) -> list[str]:
     old, measured = results["calibration"], calibration["measured"]
-    profile = calibration.get("profile", {})
     lines = [f"Calibration: the code of {measured['commit']} against the {measured['card'].upper()} profile of "
              "2026-11-28 (unprofiled runs unless said)",
              f"  {'figure':44s} {'predicted':>11s} {'measured':>11s} {'error':>8s}"]
@@ -94,7 +93,7 @@ def _calibration(results: dict, calibration: dict) -> list[str]:
     if median:
         row("kernel launches a step", median["launches"], measured["launches_per_step"], "{:,.0f}")
         row("synchronisations a step", median["syncs"] - 1, measured["syncs_per_step"], "{:.0f}")
-    categories = profile.get("categories_ms", {})
+    categories = measured.get("categories_ms", {})   # that day's profile's (the calibration's profile may be later)
     predicted = old.get("profiled_categories_ms", {})
     if categories:
         lines.append("  GPU time by category over the profiled steps 6 and 7 (ms; measured: each profiled kernel "
@@ -202,8 +201,9 @@ UNITS = {"peak_bf16": (1e-12, "TFLOP/s"), "peak_fp32": (1e-12, "TFLOP/s"), "gemm
 
 
 def _parameters_lines(card_name: str, calibration: dict) -> list[str]:
-    lines = ["Parameters (datasheet; measured: an independent benchmark; profile: read off the 2026-11-28 profile's "
-             "kernels and host, class by class; assumed)"]
+    trace = calibration.get("profile", {}).get("trace", "the calibration's profile")
+    lines = [f"Parameters (datasheet; measured: an independent benchmark; profile: read off {trace}, its kernels and "
+             "host class by class; assumed)"]
     for key, item in parameters(card_name, calibration).items():
         scale, unit = UNITS.get(key.split(".")[1], (1.0, ""))
         value = item["value"]

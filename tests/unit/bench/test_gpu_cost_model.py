@@ -192,6 +192,25 @@ def test_the_timeline_waits_at_a_sync_and_is_host_bound_when_the_host_is_slow():
     assert timing.launches == 2 and timing.syncs == 1
 
 
+def test_a_skinny_product_moves_its_bytes_at_its_dtype_s_measured_share():
+    """A LoRA-shaped product (rank 16): bf16 at the card's bf16_skinny share of HBM (the grouped products of the
+    2026-12-04 profile), float32 at fp32_skinny; a calibration from before bf16_skinny was measured falls back to
+    the vectorised share; a wide product is timed by its FLOPs, whatever either share."""
+    card = h200({"bf16_skinny": 0.25, "fp32_skinny": 0.2}).scaled(kernel_floor=0.0)
+    bytes_ = card.hbm * 1e-3   # 1 ms at the whole of HBM's bandwidth
+
+    def product(dtype: str, gemm: tuple[int, int, int, int]) -> Op:
+        return Op("_grouped_mm", "kernel", launches=1, read=bytes_, flops=2.0 * gemm[1] * gemm[2] * gemm[3],
+                  dtype=dtype, gemm=gemm)
+
+    assert kernel_time(product("bfloat16", (1, 3000, 16, 4096)), card) == pytest.approx(1e-3 / 0.25)
+    assert kernel_time(product("float32", (1, 3000, 16, 4096)), card) == pytest.approx(1e-3 / 0.2)
+    assert kernel_time(product("bfloat16", (1, 3000, 16, 4096)), h200({"vectorised": 0.9}).scaled(
+        kernel_floor=0.0)) == pytest.approx(1e-3 / 0.9)
+    wide = product("bfloat16", (1, 8192, 8192, 8192))
+    assert kernel_time(wide, card) == pytest.approx(wide.flops / card.gemm_bf16)
+
+
 def test_read_later_lets_the_host_queue_the_next_step_while_the_gpu_finishes_this_one():
     """Each step: 3 ms of host work with no kernel (packing, the forward's launches), then 3 ms of GPU work
     (the backward), then the read-back. Waiting at it, a step is 3 + 3 ms; read a step later, the host packs the

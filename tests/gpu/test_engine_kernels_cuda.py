@@ -78,7 +78,7 @@ def test_the_grouped_gradients_kernel_on_cuda_adds_as_the_torch_way(monkeypatch)
             out = layer(x.clone().requires_grad_(True))
         (out.float() * upstream.float()).sum().backward()
         layers[kernel] = layer
-    assert len(launched) == 2
+    assert len(launched) == 1   # the A and the B stack in one launch
     for name in layers[True].adapters:
         for attribute in ("lora_A", "lora_B"):
             mine = getattr(layers[True].adapters[name], attribute).grad

@@ -1,0 +1,60 @@
+"""The engine's own Triton kernels compiled for a Hopper GPU (sm_90) on this CPU, down to the cubin by Triton's
+bundled ptxas: what the interpreter cannot show (it runs the kernels' Python with numpy's exact arithmetic and
+Python's doubles for scalars) and used to wait for a GPU lease to show. A kernel whose branches give one name two
+types, or an operation the compiler rejects, fails here; and the flat AdamW's square root and divisions are the
+IEEE-rounded instructions (sqrt.rn, div.rn), never the approximate ones Triton's `tl.sqrt` and `/` compile to
+(sqrt.approx, div.full): the H200 lease of 2026-12-04 failed its rounding bound with those."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks
+
+triton = pytest.importorskip("triton")
+
+HOPPER = (90, 32)   # compute capability 9.0, 32-thread warps
+
+ADAMW_SCALARS = ("decay_a", "decay_b", "step_size_a", "step_size_b", "inverse_targets", "beta1", "one_minus_beta1",
+                 "beta2", "one_minus_beta2", "eps", "bias2_sqrt", "scaling")
+KERNELS = {
+    "flat AdamW": (lambda: flat_adamw._adamw_kernel,
+                   {"param": "*fp32", "grad": "*fp32", "exp_avg": "*fp32", "exp_avg_sq": "*fp32", "cast": "*bf16",
+                    "factor": "*fp32", "n": "i32", "b_start": "i32", **dict.fromkeys(ADAMW_SCALARS, "fp32"),
+                    "HAS_CAST": "constexpr", "BLOCK_SIZE": "constexpr"},
+                   {"HAS_CAST": True, "BLOCK_SIZE": flat_adamw.BLOCK}),
+    "grouped gradients": (lambda: lora_grad_kernel._add_groups_kernel,
+                          {"source_a": "*bf16", "source_b": "*bf16", "targets_a": "*i64", "targets_b": "*i64",
+                           "scalings": "*fp32", "numel_a": "i32", "numel_b": "i32", "BLOCK_SIZE": "constexpr"},
+                          {"BLOCK_SIZE": lora_grad_kernel.BLOCK}),
+    "kept stacks' copy": (lambda: lora_stacks._copy_slots_kernel, {"table": "*i64", "BLOCK_SIZE": "constexpr"},
+                          {"BLOCK_SIZE": lora_stacks.BLOCK}),
+}
+
+
+def _compiled(name: str):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, signature, constexprs = KERNELS[name]
+    source = ASTSource(fn=kernel(), signature=signature, constexprs=constexprs)
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", *HOPPER))
+    except (RuntimeError, FileNotFoundError) as error:   # no CUDA backend or ptxas in this Triton install
+        if "ptxas" in str(error) or "backend" in str(error).lower():
+            pytest.skip(f"Triton cannot compile for CUDA here: {error}")
+        raise
+
+
+@pytest.mark.skipif(flat_adamw.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_the_kernel_compiles_for_hopper(name):
+    compiled = _compiled(name)
+    assert compiled.asm["cubin"], name
+
+
+@pytest.mark.skipif(flat_adamw.triton is None, reason="Triton is not installed")
+def test_the_flat_adamw_rounds_its_square_root_and_divisions_as_ieee():
+    ptx = _compiled("flat AdamW").asm["ptx"]
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
+    assert "sqrt.approx" not in ptx and "div.full" not in ptx and "div.approx" not in ptx

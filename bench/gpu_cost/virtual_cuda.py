@@ -363,9 +363,15 @@ class VirtualCuda:
         listener = self.listener
 
         def getitem(kernel: Any, grid: Any) -> Callable:
-            return lambda *args, **kwargs: listener.triton(_kernel_name(kernel), args, kwargs,
-                                                           _read_and_written(kernel, args, kwargs),
-                                                           _traffic(kernel, args, kwargs))
+            def launch(*args: Any, **kwargs: Any) -> None:
+                listener.harness(True)   # the kernel's own `traffic` (engine code) is the harness's Python here
+                try:
+                    rewritten, traffic = _read_and_written(kernel, args, kwargs), _traffic(kernel, args, kwargs)
+                finally:
+                    listener.harness(False)
+                listener.triton(_kernel_name(kernel), args, kwargs, rewritten, traffic)
+
+            return launch
 
         self._patch(KernelInterface, "__getitem__", getitem)
 

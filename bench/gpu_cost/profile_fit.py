@@ -263,10 +263,16 @@ def fit_host_scale(grouped: object, segments: object, calibration: dict, ratio: 
             rates.append(sum(recorded.tokens[i] for i in steps) / sum(timings[i].seconds for i in steps))
         return rates[0] / rates[1]
 
-    low, high = 0.05, 2.0
+    return _solve(predicted, ratio, 0.05, 2.0)
+
+
+def _solve(predicted, target: float, low: float, high: float) -> float:
+    """The scale in [low, high] at which the monotonic `predicted(scale)` is `target` (bisection)."""
+    rising = predicted(high) > predicted(low)
     for _ in range(40):
         middle = (low + high) / 2
-        low, high = (low, middle) if predicted(middle) < ratio else (middle, high)
+        below = predicted(middle) < target
+        low, high = (middle, high) if below == rising else (low, middle)
     return (low + high) / 2
 
 
@@ -285,11 +291,7 @@ def fit_host_scale_to_step(recorded: object, calibration: dict, timed: range, st
         timings = simulate(recorded.steps, card, replace(host, scale=scale))
         return stats.median(timings[i].seconds for i in timed if i < len(timings))
 
-    low, high = 0.05, 3.0
-    for _ in range(40):
-        middle = (low + high) / 2
-        low, high = (middle, high) if predicted(middle) < step_s else (low, middle)
-    return (low + high) / 2
+    return _solve(predicted, step_s, 0.05, 3.0)
 
 
 def measured_categories(pairs: list[tuple[dict, object]]) -> dict[str, float]:

@@ -98,15 +98,8 @@ class KernelRecorder(TorchDispatchMode, Listener):
         memory-bound kernels Liger fuses; those it names as updated in place, `rewritten`, twice), or the bytes it
         says it moves (`traffic`), at vectorised bandwidth; their values unknown from then on. A kernel given an
         int64 tensor (a table of addresses: actors/engine/lora_stacks.py's, lora_grad_kernel.py's) may have written
-        any floating tensor: every floating value kept is forgotten. The harness's own Python here (the
-        arguments' flattening: ~12,000 calls a step of the 8B shape) is not the step's (`depth`)."""
-        self.python.depth += 1
-        try:
-            self._triton(name, args, kwargs, rewritten, traffic)
-        finally:
-            self.python.depth -= 1
-
-    def _triton(self, name: str, args: tuple, kwargs: dict, rewritten: tuple, traffic: float | None) -> None:
+        any floating tensor: every floating value kept is forgotten. Called inside the harness (`harness`): the
+        arguments' flattening (~12,000 Python calls a step of the 8B shape) is not the step's."""
         operands = tensors((args, kwargs))
         for tensor in operands:
             self.device.forget(tensor)

@@ -364,12 +364,12 @@ class VirtualCuda:
 
         def getitem(kernel: Any, grid: Any) -> Callable:
             def launch(*args: Any, **kwargs: Any) -> None:
-                listener.harness(True)   # the kernel's own `traffic` (engine code) is the harness's Python here
+                listener.harness(True)   # the recording's Python (the kernel's own `traffic` too) is not the step's
                 try:
-                    rewritten, traffic = _read_and_written(kernel, args, kwargs), _traffic(kernel, args, kwargs)
+                    listener.triton(_kernel_name(kernel), args, kwargs, _read_and_written(kernel, args, kwargs),
+                                    _traffic(kernel, args, kwargs))
                 finally:
                     listener.harness(False)
-                listener.triton(_kernel_name(kernel), args, kwargs, rewritten, traffic)
 
             return launch
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from actors.engine import experts_lora, head_lora, lora_layer_state, moe_experts
+from actors.engine import experts_lora, head_lora, lora_layer_state, lora_siblings, moe_experts
 from actors.engine.conv1d_layers import transposed_in_checkpoint
 from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
@@ -88,6 +88,7 @@ def _wrap(model: nn.Module, name: str) -> FusedLoraLinear:
         return module
     fused = FusedLoraLinear(module)
     setattr(parent, child, fused)
+    _link_siblings(parent)
     _SURGERIES[0] += 1
     return fused
 
@@ -97,7 +98,19 @@ def _unwrap(model: nn.Module, name: str) -> None:
     module = getattr(parent, child)
     if isinstance(module, FusedLoraLinear):
         setattr(parent, child, module.base)
+        module.siblings = None
+        _link_siblings(parent)
         _SURGERIES[0] += 1
+
+
+def _link_siblings(parent: nn.Module) -> None:
+    """Give `parent`'s wrapped layers that read one input their set (actors/engine/lora_siblings.py), anew."""
+    for names in lora_siblings.SIBLING_NAMES:
+        wrapped = [layer for layer in (getattr(parent, name, None) for name in names)
+                   if isinstance(layer, FusedLoraLinear)]
+        siblings = lora_siblings.SiblingSet(wrapped) if len(wrapped) >= 2 else None
+        for layer in wrapped:
+            layer.siblings = siblings
 
 
 class AdapterHandle:

@@ -68,6 +68,7 @@ class FusedLoraLinear(nn.Module):
         self.in_features: int = base.in_features
         self.out_features: int = base.out_features
         self._present: tuple | None = None   # (its key, what `_jobs_in` found for it)
+        self.siblings = None   # the wrapped layers of its parent reading its input (lora_siblings.SiblingSet)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -113,9 +114,14 @@ class FusedLoraLinear(nn.Module):
         flat_x = x.reshape(-1, x.shape[-1])
         if lora_cuda.takes(plain_adapters, flat_x, float32):
             # the CUDA path (actors/engine/lora_cuda.py): the base product and the plain adapters' updates in
-            # the base's dtype, in one autograd function; the other kinds add their updates below
-            flat_out = lora_cuda.linear_with_adapters(self.base, full_precision(self.base), flat_x, plain_adapters,
-                                                      plain_bounds, layout)
+            # the base's dtype, in one autograd function, with the layers reading the same input where they fit
+            # (actors/engine/lora_siblings.py); the other kinds add their updates below
+            flat_out = None
+            if self.siblings is not None and not rest:
+                flat_out = self.siblings.output(self, x, flat_x, layout)
+            if flat_out is None:
+                flat_out = lora_cuda.linear_with_adapters(self.base, full_precision(self.base), flat_x,
+                                                          plain_adapters, plain_bounds, layout)
             out = flat_out.view(*x.shape[:-1], self.out_features)
             return out if not rest else out + self._segment_deltas(rest, flat_x, flat_out, out.dtype).view(out.shape)
         out = self.base(x)

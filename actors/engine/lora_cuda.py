@@ -172,7 +172,7 @@ _EMPTY = torch.empty(0)
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 
-def _anchor(device: torch.device) -> torch.Tensor:
+def anchor_of(device: torch.device) -> torch.Tensor:
     """One empty leaf per device that needs a gradient (`_LinearWithAdapters`' anchor); it never gets one."""
     anchor = _ANCHORS.get(device)
     if anchor is None:
@@ -325,7 +325,7 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     a job takes never depends on the other jobs' settings (so its rounding does not either)."""
     dtype = x.dtype
     entry = layer_adapters(base, adapters)
-    structure = _structure(layout, adapters, bounds, x, base, entry.signature)
+    structure = structure_of(layout, adapters, bounds, x, base, entry.signature)
     copies = entry.weights(layout, dtype)
     order = tuple([tuple(indices) for indices, *_ in structure])
     taking = entry.takes_gradients()
@@ -344,7 +344,7 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
             plans.append(_Plan(chosen, segments, [copies[index] for index in indices], "segments"))
     stacked = plans[0].targets is not None
     sink, masters = entry.route(order, layout, taking, stacked)
-    anchor = _anchor(x.device) if sink is not None or stacked else None
+    anchor = anchor_of(x.device) if sink is not None or stacked else None
     if full_precision:
         return _LinearWithAdapters.apply(x, base.weight, base.bias, None, tuple(plans), sink, anchor, *masters)
     base_out = base(x)
@@ -353,7 +353,7 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
     return _LinearWithAdapters.apply(x, None, None, base_out, tuple(plans), sink, anchor, *masters)
 
 
-def _structure(layout: object, adapters: list[nn.Module], bounds: list[tuple[int, int]], x: torch.Tensor,
+def structure_of(layout: object, adapters: list[nn.Module], bounds: list[tuple[int, int]], x: torch.Tensor,
                base: nn.Module, signature: tuple) -> list[tuple[list[int], str, list[_Segment], tuple | None]]:
     """Which adapters take which kernel, their segments, and grouped_mm's groups: (indices, kernel, segments,
     (member of each group, each adapter's group, offsets, scalings) or None). The same for every layer that the

@@ -18,6 +18,7 @@ once-a-device check (`kernel_works`), and for the tests (tests/unit/engine/test_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,32 +44,38 @@ def add_groups_reference(source: torch.Tensor, views: Sequence[torch.Tensor | No
 
 if triton is not None:
     @triton.jit
-    def _add_groups_kernel(source_a, source_b, targets_a, targets_b, scalings, numel_a, numel_b,
-                           BLOCK_SIZE: tl.constexpr):
-        # program (group, stack, block): stack 0 adds the As as they are, stack 1 the Bs times their group's scaling
+    def _add_groups_kernel(source_a, source_b, targets, meta, scalings, groups, BLOCK_SIZE: tl.constexpr):
+        # program (group, slot, block): slot 2m adds layer m's A rows as they are, slot 2m + 1 its B block times
+        # the group's scaling. `meta` per slot (elements): the block's start in a group's stack, its size, the
+        # length of its rows, the distance between its rows, the distance between groups (a layer alone: one slot
+        # pair, contiguous blocks; layers sharing an input, actors/engine/lora_siblings.py: row blocks of the As'
+        # stack and diagonal blocks of the Bs')
         group = tl.program_id(0)
-        second = tl.program_id(1) == 1
+        slot = tl.program_id(1)
+        second = slot % 2 == 1
         source = source_a
-        targets = targets_a
-        numel = numel_a
         if second:
             source = source_b
-            targets = targets_b
-            numel = numel_b
-        address = tl.load(targets + group)
+        address = tl.load(targets + slot * groups + group)
         offsets = tl.program_id(2).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        if address != 0:   # (a program past the shorter stack's end masks all its entries)
+        if address != 0:   # (a program past a shorter block's end masks all its entries)
+            start = tl.load(meta + slot * 5)
+            numel = tl.load(meta + slot * 5 + 1)
+            width = tl.load(meta + slot * 5 + 2)
+            stride = tl.load(meta + slot * 5 + 3)
+            step = tl.load(meta + slot * 5 + 4)
             target = address.to(tl.pointer_type(tl.float32))
             inside = offsets < numel
-            value = tl.load(source + group.to(tl.int64) * numel + offsets, mask=inside, other=0.0).to(tl.float32)
+            where = group.to(tl.int64) * step + start + (offsets // width) * stride + offsets % width
+            value = tl.load(source + where, mask=inside, other=0.0).to(tl.float32)
             if second:
                 value = value * tl.load(scalings + group)
             tl.store(target + offsets, tl.load(target + offsets, mask=inside, other=0.0) + value, mask=inside)
 
     def _traffic(args: tuple, kwargs: dict) -> float:
-        """Bytes the kernel moves (for bench/gpu_cost_model.py: its targets are reached through addresses, not
-        arguments): every group's gradients read in bfloat16, their float32 targets read and written."""
-        return float(sum(source.numel() * (source.element_size() + 8) for source in args[:2]))
+        """Bytes the kernel moves (for bench/gpu_cost_model.py: its blocks and targets are reached through tables,
+        not arguments): every block's gradients read in bfloat16, their float32 targets read and written."""
+        return _TABLE_BYTES.get(id(args[3]), 0.0)
 
     _add_groups_kernel.traffic = _traffic
 
@@ -85,90 +92,123 @@ def kernel_works(device: torch.device) -> bool:
 
 
 def _agrees(device: torch.device) -> bool:
-    """Three groups (the middle one of no adapter) of a (3, 2, 400) A stack and a (3, 5, 700) B stack added into
-    float32 buffers in one launch, the Bs scaled, by the kernel and by the reference: each within one float32
-    rounding of the other per operation, the gap untouched."""
+    """Two layers' blocks (ranks 2 and 3 of a (3, 5, 400) A stack; outputs 5 and 7 of a (3, 12, 5) B stack, as
+    layers sharing an input stack them) over three groups, the middle one of no adapter, added into float32
+    buffers in one launch, the Bs scaled, by the kernel and by the reference: each within one float32 rounding of
+    the other per operation, the gap untouched."""
     generator = torch.Generator().manual_seed(0)
-    sources = [torch.randn(3, *shape, generator=generator).to(device=device, dtype=torch.bfloat16)
-               for shape in ((2, 400), (5, 700))]
+    grad_a = torch.randn(3, 5, 400, generator=generator).to(device=device, dtype=torch.bfloat16)
+    grad_b = torch.randn(3, 12, 5, generator=generator).to(device=device, dtype=torch.bfloat16)
     scalings = torch.tensor([2.0, 0.0, 0.375], device=device).view(3, 1, 1)
-    starts = [torch.randn(source.shape, generator=generator).to(device) for source in sources]
+    blocks = [Block(0, 2, 0, 5), Block(2, 3, 5, 7)]
+    starts = [torch.randn(3, *shape, generator=generator).to(device)
+              for shape in ((2, 400), (5, 2), (3, 400), (7, 3))]
     results = []
     for kernel in (True, False):
         buffers = [start.clone() for start in starts]
-        views = [[buffer[0], None, buffer[2]] for buffer in buffers]
-        if kernel:
-            (table_a, _host_a), (table_b, _host_b) = _table(views[0], device), _table(views[1], device)
-            launch(sources[0], sources[1], table_a, table_b, scalings)
-        else:
-            add_groups_reference(sources[0], views[0], None)
-            add_groups_reference(sources[1], views[1], scalings)
+        views = [([buffers[0][0], None, buffers[0][2]], [buffers[1][0], None, buffers[1][2]]),
+                 ([buffers[2][0], None, buffers[2][2]], [buffers[3][0], None, buffers[3][2]])]
+        targets = GroupTargets([], blocks, views, grad_a.shape, grad_b.shape, device, kernel)
+        targets.add(grad_a, grad_b, scalings, {})
         results.append(buffers)
     eps = torch.finfo(torch.float32).eps
+    sources = [grad_a[:, :2], grad_b[:, :5, :2], grad_a[:, 2:], grad_b[:, 5:, 2:]]
     return all(bool(((mine - theirs).abs() <= 4 * eps * (theirs.abs() + source.float().abs() * 2.0)).all())
                and bool((mine[1] == start[1]).all())
                for mine, theirs, source, start in zip(results[0], results[1], sources, starts, strict=True))
 
 
 CHECK = KernelCheck("the grouped-gradient kernel", "gradients are added by torch operations", _agrees)
+_TABLE_BYTES: dict[int, float] = {}   # id(a meta table on the device) -> bytes a launch moves (the cost model's)
 
 
-def _table(views: Sequence[torch.Tensor | None], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the groups' target addresses on the device (0: no target), their host copy): copied once without waiting,
-    from pinned memory on CUDA (the caller keeps the host copy referenced as long as the table)."""
-    host = torch.tensor([0 if view is None else view.data_ptr() for view in views], dtype=torch.int64)
+@dataclass(frozen=True)
+class Block:
+    """One layer's place in a pair of stacked gradients: its A rows `rank_start` .. + `rank` of the As' stack
+    (groups, ranks, in), and its B block, rows `out_start` .. + `out` and columns `rank_start` .. + `rank`, of the
+    Bs' stack (groups, outs, ranks). A layer alone: the whole of both stacks."""
+    rank_start: int
+    rank: int
+    out_start: int
+    out: int
+
+
+def _tables(blocks: Sequence[Block], views: Sequence[tuple[Sequence, Sequence]], a_shape: Sequence[int],
+            b_shape: Sequence[int], device: torch.device) -> tuple:
+    """(the targets' addresses (2 per block, then group; 0: no target), the slots' meta (`_add_groups_kernel`), their
+    pinned host copies, the longest block's elements) on the device: copied once without waiting (the caller keeps
+    the host copies referenced as long as the tables)."""
+    groups, ranks, in_features = a_shape
+    outs = b_shape[1]
+    addresses: list[list[int]] = []
+    meta: list[tuple[int, int, int, int, int]] = []
+    moved = 0.0
+    for block, (a_views, b_views) in zip(blocks, views, strict=True):
+        for own, shape in ((a_views, (block.rank_start * in_features, block.rank * in_features, block.rank
+                                      * in_features, block.rank * in_features, ranks * in_features)),
+                           (b_views, (block.out_start * ranks + block.rank_start, block.out * block.rank, block.rank,
+                                      ranks, outs * ranks))):
+            addresses.append([0 if view is None else view.data_ptr() for view in own])
+            meta.append(shape)
+            moved += sum(shape[1] * 10.0 for view in own if view is not None)   # bfloat16 read, float32 read, written
+    host = (torch.tensor(addresses, dtype=torch.int64), torch.tensor(meta, dtype=torch.int64))
     if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True), host
+        host = tuple(tensor.pin_memory() for tensor in host)
+    tables = tuple(tensor.to(device, non_blocking=True) for tensor in host)
+    _TABLE_BYTES[id(tables[1])] = moved
+    assert len(addresses[0]) == groups
+    return tables, host, max(row[1] for row in meta)
 
 
-def launch(grad_a: torch.Tensor, grad_b: torch.Tensor, table_a: torch.Tensor, table_b: torch.Tensor,
-           scalings: torch.Tensor) -> None:
-    """One launch for a layer's two stacks (contiguous, one group per job): the As added as they are, the Bs
-    times their group's scaling; the shorter stack's programs past its end touch nothing (every entry masked)."""
-    numel_a, numel_b = grad_a[0].numel(), grad_b[0].numel()
-    _add_groups_kernel[(grad_a.shape[0], 2, triton.cdiv(max(numel_a, numel_b), BLOCK))](
-        grad_a, grad_b, table_a, table_b, scalings, numel_a, numel_b, BLOCK_SIZE=BLOCK)
+def launch(grad_a: torch.Tensor, grad_b: torch.Tensor, tables: tuple, scalings: torch.Tensor) -> None:
+    """One launch for the stacked gradients of a layer, or of layers sharing an input (contiguous stacks, one
+    group per job): the As added as they are, the Bs times their group's scaling; programs past a shorter block's
+    end touch nothing (every entry masked)."""
+    (targets, meta), _host, longest = tables
+    groups = grad_a.shape[0]
+    _add_groups_kernel[(groups, targets.shape[0], triton.cdiv(longest, BLOCK))](
+        grad_a, grad_b, targets, meta, scalings, groups, BLOCK_SIZE=BLOCK)
 
 
 class GroupTargets:
-    """Where one layer's grouped gradients go: each group's A and B view of its job's gradient buffer (None for a
-    group of no adapter), their address tables on the device (made once, kept with the layer's adapters: the
-    buffers never move), and the pools to attach before the kernel adds into them."""
+    """Where grouped gradients go: for each layer's `Block` in the stacks, each group's A and B view of its job's
+    gradient buffer (None for a group of no adapter), their tables on the device (made once, kept with the layers'
+    adapters: the buffers never move), and the pools to attach before the kernel adds into them."""
 
-    def __init__(self, pools: list, a_views: list[torch.Tensor | None], b_views: list[torch.Tensor | None],
-                 device: torch.device, kernel: bool):
-        self.pools, self.a_views, self.b_views, self.kernel = pools, a_views, b_views, kernel
-        # (device table, its pinned host copy) for the As and the Bs
-        self.tables = (_table(a_views, device), _table(b_views, device)) if kernel else None
+    def __init__(self, pools: list, blocks: Sequence[Block], views: Sequence[tuple[Sequence, Sequence]],
+                 a_shape: Sequence[int], b_shape: Sequence[int], device: torch.device, kernel: bool):
+        self.pools, self.blocks, self.views, self.kernel = pools, list(blocks), list(views), kernel
+        self.tables = _tables(self.blocks, self.views, tuple(a_shape), tuple(b_shape), device) if kernel else None
+
+    @staticmethod
+    def views_of(adapters: Sequence[nn.Module], member_of: Sequence[int | None]) -> tuple[list, list]:
+        """Each group's (A views, B views) of its adapter's job buffer, None for a group of no adapter."""
+        found = [None if index is None else adapters[index].master_pool[0].grads.views_of(adapters[index])
+                 for index in member_of]
+        return [None if pair is None else pair[0] for pair in found], [None if pair is None else pair[1]
+                                                                       for pair in found]
 
     @classmethod
     def of(cls, adapters: Sequence[nn.Module], member_of: Sequence[int | None], rank: int,
            device: torch.device) -> GroupTargets | None:
-        """The targets of a grouped plan whose every adapter is pooled and of the stack's rank (no padding), else
-        None (its gradients then go the torch way)."""
+        """The targets of one layer's grouped plan whose every adapter is pooled and of the stack's rank (no
+        padding), else None (its gradients then go the torch way)."""
         if any(adapter.master_pool is None or adapter.r != rank for adapter in adapters):
             return None
         pools = {id(adapter.master_pool[0]): adapter.master_pool[0] for adapter in adapters}
-        a_views: list[torch.Tensor | None] = []
-        b_views: list[torch.Tensor | None] = []
-        for index in member_of:
-            if index is None:
-                a_views.append(None)
-                b_views.append(None)
-                continue
-            adapter = adapters[index]
-            a_view, b_view = adapter.master_pool[0].grads.views_of(adapter)
-            a_views.append(a_view)
-            b_views.append(b_view)
-        return cls(list(pools.values()), a_views, b_views, device, kernel_works(device))
+        in_features, out_features = adapters[0].lora_A.shape[1], adapters[0].lora_B.shape[0]
+        groups = len(member_of)
+        return cls(list(pools.values()), [Block(0, rank, 0, out_features)], [cls.views_of(adapters, member_of)],
+                   (groups, rank, in_features), (groups, out_features, rank), device, kernel_works(device))
 
     def add(self, grad_a: torch.Tensor, grad_b: torch.Tensor, scalings: torch.Tensor, tensors: dict) -> None:
-        """grad_a (groups, rank, in) and grad_b (groups, out, rank, before the scalings) added into the groups'
+        """grad_a (groups, ranks, in) and grad_b (groups, outs, ranks, before the scalings) added into the groups'
         buffers, the pools' gradients attached first (once a step)."""
         attach_pools(self.pools, tensors)
         if self.tables is not None:
-            launch(grad_a.contiguous(), grad_b.contiguous(), self.tables[0][0], self.tables[1][0], scalings)
-        else:
-            add_groups_reference(grad_a, self.a_views, None)
-            add_groups_reference(grad_b, self.b_views, scalings)
+            launch(grad_a.contiguous(), grad_b.contiguous(), self.tables, scalings)
+            return
+        for block, (a_views, b_views) in zip(self.blocks, self.views, strict=True):
+            rows = slice(block.rank_start, block.rank_start + block.rank)
+            add_groups_reference(grad_a[:, rows], a_views, None)
+            add_groups_reference(grad_b[:, block.out_start:block.out_start + block.out, rows], b_views, scalings)

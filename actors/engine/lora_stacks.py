@@ -30,14 +30,19 @@ _TABLE_BYTES: dict[int, float] = {}   # id(a slot table on the device) -> bytes 
 if triton is not None:
     @triton.jit
     def _copy_slots_kernel(table, BLOCK_SIZE: tl.constexpr):
-        """Row `slot` of `table` (source address, target address, count of 2-byte units): one block of its copy."""
+        """Row `slot` of `table` (source address, target address, count of 2-byte units, units a target row, units
+        between target rows: a contiguous source into a contiguous target, or into a block of a wider matrix, as the
+        stacks of layers sharing an input hold their Bs): one block of its copy."""
         slot = tl.program_id(0).to(tl.int64)
-        source = tl.load(table + slot * 3).to(tl.pointer_type(tl.int16))
-        target = tl.load(table + slot * 3 + 1).to(tl.pointer_type(tl.int16))
-        count = tl.load(table + slot * 3 + 2)
+        source = tl.load(table + slot * 5).to(tl.pointer_type(tl.int16))
+        target = tl.load(table + slot * 5 + 1).to(tl.pointer_type(tl.int16))
+        count = tl.load(table + slot * 5 + 2)
+        row = tl.load(table + slot * 5 + 3)
+        stride = tl.load(table + slot * 5 + 4)
         offsets = tl.program_id(1).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         inside = offsets < count
-        tl.store(target + offsets, tl.load(source + offsets, mask=inside, other=0), mask=inside)
+        tl.store(target + (offsets // row) * stride + offsets % row, tl.load(source + offsets, mask=inside, other=0),
+                 mask=inside)
 
     # bench/gpu_cost_model.py: the slots are reached through addresses, so the kernel says what it moves
     _copy_slots_kernel.traffic = lambda args, kwargs: _TABLE_BYTES.get(id(args[0]), 0.0)
@@ -51,8 +56,7 @@ def copy_slots(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> tupl
     device = targets[0].device
     if not (triton_runs(device) and CHECK.works(device)):
         return None
-    rows = [(source.data_ptr(), target.data_ptr(), target.numel() * target.element_size() // 2)
-            for target, source in zip(targets, sources, strict=True)]
+    rows = [_slot(target, source) for target, source in zip(targets, sources, strict=True)]
     host = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cuda":
         host = host.pin_memory()
@@ -60,6 +64,19 @@ def copy_slots(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> tupl
     longest = max(row[2] for row in rows)
     _TABLE_BYTES[id(table)] = float(2 * sum(t.numel() * t.element_size() for t in targets))
     return table, host, len(rows), longest
+
+
+def _slot(target: torch.Tensor, source: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """A slot's table row: a contiguous source; a contiguous target, or a 2-d one whose rows are contiguous."""
+    units = target.element_size() // 2
+    if target.is_contiguous():
+        count = target.numel() * units
+        return source.data_ptr(), target.data_ptr(), count, count, count
+    if target.dim() != 2 or target.stride(1) != 1 or not source.is_contiguous():
+        raise ValueError(f"a stack slot of shape {tuple(target.shape)} and strides {target.stride()}: the copy kernel "
+                         "takes contiguous sources and targets of contiguous rows")
+    return (source.data_ptr(), target.data_ptr(), target.numel() * units, target.shape[1] * units,
+            target.stride(0) * units)
 
 
 def launch_slots(slots: tuple) -> None:
@@ -73,22 +90,24 @@ def forget_slots(slots: tuple | None) -> None:
 
 
 def _agrees(device: torch.device) -> bool:
-    """Three slots of 5, 3000 and 9000 bfloat16 elements and one of 700 float32 ones copied: each target equal to
-    its source, the bytes around them untouched."""
+    """Three slots of 5, 3000 and 9000 bfloat16 elements, one of 700 float32 ones and a (6, 3) block of a (9, 8)
+    bfloat16 matrix copied: each target equal to its source, the elements around them untouched."""
     generator = torch.Generator().manual_seed(0)
     sources = [torch.randn(n, generator=generator).to(device=device, dtype=dtype)
                for n, dtype in ((5, torch.bfloat16), (3000, torch.bfloat16), (9000, torch.bfloat16),
-                                (700, torch.float32))]
+                                (700, torch.float32), (18, torch.bfloat16))]
+    sources[4] = sources[4].view(6, 3)
     arena = torch.zeros(13000, dtype=torch.bfloat16, device=device)
     wide = torch.zeros(702, dtype=torch.float32, device=device)
-    targets = [arena[1:6], arena[10:3010], arena[3020:12020], wide[1:701]]
-    rows = [(s.data_ptr(), t.data_ptr(), t.numel() * t.element_size() // 2) for t, s in zip(targets, sources,
-                                                                                             strict=True)]
-    table = torch.tensor(rows, dtype=torch.int64).to(device)
-    _copy_slots_kernel[(len(rows), triton.cdiv(9000, BLOCK))](table, BLOCK_SIZE=BLOCK)
+    matrix = torch.zeros(9, 8, dtype=torch.bfloat16, device=device)
+    targets = [arena[1:6], arena[10:3010], arena[3020:12020], wide[1:701], matrix[2:8, 4:7]]
+    table = torch.tensor([_slot(t, s) for t, s in zip(targets, sources, strict=True)], dtype=torch.int64).to(device)
+    _copy_slots_kernel[(len(targets), triton.cdiv(9000, BLOCK))](table, BLOCK_SIZE=BLOCK)
     copied = all(bool((t == s).all()) for t, s in zip(targets, sources, strict=True))
+    outside = matrix.clone()
+    outside[2:8, 4:7] = 0
     untouched = (bool((arena[0] == 0).all()) and bool((arena[6:10] == 0).all()) and bool((arena[12020:] == 0).all())
-                 and bool((wide[0] == 0).all()) and bool((wide[701] == 0).all()))
+                 and bool((wide[0] == 0).all()) and bool((wide[701] == 0).all()) and bool((outside == 0).all()))
     return copied and untouched
 
 

@@ -182,3 +182,42 @@ def test_the_engine_on_its_kernels_keeps_jobs_joining_and_leaving_as_alone(monke
     assert calls.flat_updates == sum(job.spec.max_steps for job in planned) == launched["adamw"]
     assert launched["gradients"] > 0 and launched["stacks"] > 0 and calls.kept_stacks > 0, launched
     assert_as_alone(base, planned, fused_weights, fused_losses)
+
+
+def test_layers_sharing_an_input_on_the_kernels_end_each_job_as_alone(monkeypatch):
+    """tests/unit/engine/test_lora_siblings.py's engine run (jobs of one rank on every layer, one joining later, one
+    accumulating) with q, k and v, and gate and up, computed together (actors/engine/lora_siblings.py) and the
+    kernels doing their work: the gradients of each set added by one launch into the jobs' buffers through blocks of
+    the stacks, the sets' block-diagonal stacks refreshed through the copy kernel's strided slots. Each job ends bit
+    for bit as it does alone through the same kernels."""
+    from actors.engine import lora_siblings
+    from tests.helpers.cuda_path_runs import PlannedJob
+    from tests.helpers.fused import job_spec
+    from tests.helpers.isolation import VOCAB
+    from tests.helpers.models import random_examples
+
+    bfloat16_rounded_as_compiled()
+    cpu = torch.device("cpu")
+    assert lora_grad_kernel.kernel_works(cpu) and lora_stacks.CHECK.works(cpu)
+    launched = {"gradients": 0, "stacks": 0, "together": 0}
+    for name, kernel in (("gradients", lora_grad_kernel._add_groups_kernel),
+                         ("stacks", lora_stacks._copy_slots_kernel)):
+        def counted(*args, name=name, run=kernel.run, **options):
+            launched[name] += 1
+            return run(*args, **options)
+
+        monkeypatch.setattr(kernel, "run", counted)
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", "on")
+    real = lora_siblings._SiblingLinears.apply
+    monkeypatch.setattr(lora_siblings._SiblingLinears, "apply",
+                        lambda *a: launched.__setitem__("together", launched["together"] + 1) or real(*a))
+    on_the_cuda_path(monkeypatch, "grouped_mm")
+    base = base_for("bfloat16")
+    planned = [PlannedJob(job_spec(name, batch_size=2, grad_accum=accumulate, max_steps=3, lr=1e-2, warmup_steps=1,
+                                   lora={"r": 8, "alpha": alpha, "target_modules": "all-linear"}),
+                          random_examples(seed, count=8, vocab=VOCAB, min_len=5, max_len=30), seed, joins)
+               for name, accumulate, alpha, seed, joins in (("first", 1, 16, 0, 0), ("accumulating", 2, 8, 1, 0),
+                                                            ("late", 1, 32, 2, 1))]
+    fused_weights, fused_losses, _ = run_planned(base, planned)
+    assert launched["gradients"] > 0 and launched["stacks"] > 0 and launched["together"] > 0, launched
+    assert_as_alone(base, planned, fused_weights, fused_losses)

@@ -19,6 +19,8 @@ Two kernels, the same arithmetic per job:
   Ranks are padded to a multiple of 8 with zero rows (the kernel's 16-byte alignment); tokens of no plain
   adapter (another kind's job, a job not adapting this layer, compile padding) form groups of zero weights.
   bfloat16 only, no dropout (a job with dropout takes `segments` for the layer).
+Layers that read one input (q, k and v; gate and up) take grouped_mm together on CUDA, in one autograd function of
+their own (actors/engine/lora_siblings.py: fewer launches on a host-bound step).
 `auto` picks `grouped_mm` on CUDA for bfloat16 adapters without dropout (one alone too: its base GEMM accumulates
 into its update, and it rounds as it does fused) where the kernel passed its self-check on this device
 (`grouped_mm_works`: it is compared once against exact products; an error or a mismatch logs why and keeps

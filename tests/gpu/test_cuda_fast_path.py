@@ -52,6 +52,23 @@ def test_grouped_mm_is_what_auto_takes_on_a_hopper_gpu():
     assert lora_grouped_mm.grouped_mm_works(torch.device("cuda"))
 
 
+def test_layers_sharing_an_input_are_computed_together_within_the_bounds_on_the_gpu(monkeypatch):
+    """On a Hopper GPU `auto` computes q, k and v together (actors/engine/lora_siblings.py: grouped_mm takes the
+    views it gives it, by its once-a-device check), within the bounds of the exact arithmetic, in one forward call."""
+    from actors.engine import lora_siblings
+    from tests.helpers.sibling_layers import assert_within_the_bounds, attention, inputs
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm's kernel is for sm90 and newer")
+    assert lora_siblings.views_work(torch.device("cuda"))
+    together = []
+    real = lora_siblings._SiblingLinears.apply
+    monkeypatch.setattr(lora_siblings._SiblingLinears, "apply", lambda *a: together.append(1) or real(*a))
+    x, upstream = inputs("cuda")
+    assert_within_the_bounds(attention(device="cuda"), x, upstream)
+    assert together == [1]
+
+
 def _three_job_trainer(dtype: torch.dtype, device: str = "cuda"):
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module

@@ -12,18 +12,10 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 from actors.engine import lora_cuda, lora_grouped_mm, lora_siblings
-from actors.engine.adapter_surgery import _link_siblings, pool_masters
-from actors.engine.fused_linear import FusedLoraLinear
-from actors.engine.layout import step_layout
-from actors.engine.lora_adapter import LoraAdapter
-from actors.spec.lora_config import LoraConfig
-from tests.helpers.lora_bounds import BOUNDS, IN, SCALINGS, assert_within, bf16_values, exact, layout_of
-
-OUTS = {"q_proj": 40, "k_proj": 16, "v_proj": 16}
-RANK = 8
+from tests.helpers.lora_bounds import BOUNDS
+from tests.helpers.sibling_layers import OUTS, assert_within_the_bounds, attention, counted, inputs, run
 
 
 @pytest.fixture(autouse=True)
@@ -33,72 +25,11 @@ def _on_this_cpu(monkeypatch):
     monkeypatch.setattr(lora_siblings, "SIBLINGS", "on")
 
 
-def attention(dropout_in: str | None = None) -> nn.Module:
-    """q, k and v of three jobs (rank 8, the jobs' scalings), each job's adapters pooled across the three."""
-    torch.manual_seed(0)
-    parent = nn.Module()
-    per_job: list[list[LoraAdapter]] = [[] for _ in SCALINGS]
-    for name, out in OUTS.items():
-        layer = FusedLoraLinear(nn.Linear(IN, out, bias=False).to(torch.bfloat16).requires_grad_(False))
-        for index, scaling in enumerate(SCALINGS):
-            dropout = 0.3 if name == dropout_in and index == 1 else 0.0
-            adapter = LoraAdapter(IN, out, LoraConfig(r=RANK, alpha=RANK * scaling, dropout=dropout),
-                                  generator=torch.Generator().manual_seed(index), device=torch.device("cpu"))
-            with torch.no_grad():
-                adapter.lora_B.normal_()
-            layer.adapters[f"job{index}"] = adapter
-            per_job[index].append(adapter)
-        setattr(parent, name, layer)
-    for adapters in per_job:
-        pool_masters(adapters, torch.device("cpu"))
-    _link_siblings(parent)
-    return parent
-
-
-def run(parent: nn.Module, x: torch.Tensor, upstream: dict[str, torch.Tensor], inputs: dict | None = None):
-    """Each layer's output on `x` (or `inputs[name]`), called in order as an attention module calls them, and the
-    gradients of sum(out * upstream): (outputs, x's gradient, each layer's adapters' (A, B) gradients)."""
-    for layer in parent.children():
-        for adapter in layer.adapters.values():
-            adapter.lora_A.grad = adapter.lora_B.grad = None
-    x = x.detach().clone().requires_grad_(True)
-    with step_layout(layout_of()):
-        outs = {name: getattr(parent, name)((inputs or {}).get(name, x)) for name in OUTS}
-    sum((outs[name].float() * upstream[name].float()).sum() for name in OUTS).backward()
-    grads = {name: [(a.lora_A.grad.clone(), a.lora_B.grad.clone()) for a in getattr(parent, name).adapters.values()]
-             for name in OUTS}
-    return outs, x.grad, grads
-
-
-def counted(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    real = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
-
-
-def inputs() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    torch.manual_seed(1)
-    return bf16_values(1, 57, IN), {name: bf16_values(1, 57, out) for name, out in OUTS.items()}
-
-
 def test_within_the_bounds_of_the_exact_arithmetic_in_fewer_launches(monkeypatch):
     calls = counted(monkeypatch)
-    parent = attention()
     x, upstream = inputs()
-    outs, grad_x, grads = run(parent, x, upstream)
+    assert_within_the_bounds(attention(), x, upstream)
     assert len(calls) == 1 + 3 + 4   # the shared down projection, 3 up projections; 4 grouped products backward
-    grad_x_exact = grad_x_bound = 0
-    for name in OUTS:
-        expected, out_bound, layer_grad_x, layer_bound, exact_grads, bounds = exact(getattr(parent, name), x,
-                                                                                   upstream[name])
-        assert_within(outs[name][0], expected, out_bound, f"{name}'s output")
-        for (grad_a, grad_b), (want_a, want_b), (bound_a, bound_b) in zip(grads[name], exact_grads, bounds,
-                                                                           strict=True):
-            assert_within(grad_a, want_a, bound_a, f"{name}'s A gradient")
-            assert_within(grad_b, want_b, bound_b, f"{name}'s B gradient")
-        grad_x_exact, grad_x_bound = grad_x_exact + layer_grad_x, grad_x_bound + layer_bound
-    assert_within(grad_x[0], grad_x_exact, 2 * grad_x_bound, "input gradient")
 
 
 def test_outputs_are_those_of_the_layers_one_by_one(monkeypatch):

@@ -84,7 +84,12 @@ class FusedLoraLinear(nn.Module):
         """(the adapters present in the step with their bounds, the plain ones, their bounds, the other ones with
         their bounds, whether the plain ones' masters are float32). Kept from step to step while the step's jobs,
         this layer's adapters and their mode stay the same (only the bounds are the step's): a lookup per job and
-        layer and step was a large part of a fused step's host time at many jobs."""
+        layer and step was a large part of a fused step's host time at many jobs. Made once a step (the layers
+        reading one input ask again: actors/engine/lora_siblings.py)."""
+        memo = ("jobs-in", id(self), self.adapters.version, self.adapters.training)
+        made = layout.tensors.get(memo)
+        if made is not None:
+            return made
         segments = layout.segments
         names = layout.tensors.get("segment-names")
         if names is None:
@@ -101,13 +106,19 @@ class FusedLoraLinear(nn.Module):
             found = self._present = (key, (places, adapters, plain, others, float32))
         places, adapters, plain, rest, float32 = found[1]
         bounds = [segments[place][1:] for place in places]
-        return (list(zip(adapters, bounds, strict=True)), [adapters[index] for index in plain],
-                [bounds[index] for index in plain], [(adapters[index], bounds[index]) for index in rest], float32)
+        made = layout.tensors[memo] = (
+            list(zip(adapters, bounds, strict=True)), [adapters[index] for index in plain],
+            [bounds[index] for index in plain], [(adapters[index], bounds[index]) for index in rest], float32)
+        return made
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = current_layout()
         if layout is None or len(self.adapters) == 0:
             return self.base(x)
+        if self.siblings is not None:   # computed with a sibling layer that read this input first
+            taken = self.siblings.taken(self, x, layout)
+            if taken is not None:
+                return taken.view(*x.shape[:-1], self.out_features)
         present, plain_adapters, plain_bounds, rest, float32 = self._jobs_in(layout)
         if not present:
             return self.base(x)

@@ -36,9 +36,9 @@ from torch import nn
 from actors.engine import lora_cuda
 from actors.engine.lora_adapter import full_precision
 from actors.engine.lora_grad_kernel import Block, GroupTargets, kernel_works
-from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
+from actors.engine.lora_grouped_mm import grouped_mm_works
 from actors.engine.lora_layer_state import layer_adapters
-from actors.engine.lora_masters import RANK_ALIGNMENT, step_tensors
+from actors.engine.lora_masters import RANK_ALIGNMENT
 from actors.engine.lora_stacks import KEEP, KEPT
 
 log = logging.getLogger(__name__)
@@ -57,15 +57,23 @@ class SiblingSet:
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
+        self.static: dict[int, tuple] = {}   # id(layer) -> (what `_fits` read, whether it fits), kept
+
+    def taken(self, layer: nn.Module, x: torch.Tensor, layout: object) -> torch.Tensor | None:
+        """`layer`'s output on `x` where a sibling computed it (once: a second call computes again), else None."""
+        kept = layout.tensors.get(("lora-siblings", id(self)))
+        if kept is None or not kept[2] or kept[0] is not x or kept[1] != x._version:
+            return None
+        return kept[2].pop(id(layer), None)
 
     def output(self, layer: nn.Module, x: torch.Tensor, flat_x: torch.Tensor, layout: object) -> torch.Tensor | None:
         """`layer`'s output (tokens, out) on `x` (`flat_x` its (tokens, in) view): kept from a sibling's call on the
         same tensor, or computed now with every sibling that fits and kept for them; None: compute it alone."""
-        tensors = step_tensors(layout)
+        tensors = layout.tensors
         key = ("lora-siblings", id(self))
         kept = tensors.get(key)
-        if kept is not None and kept[2]:   # siblings' outputs still to be taken: this call takes its own, or is alone
-            return kept[2].pop(id(layer), None) if kept[0] is x and kept[1] == x._version else None
+        if kept is not None and kept[2]:   # siblings' outputs still to be taken: this call is alone
+            return None
         if not _enabled(flat_x):
             return None
         joined = _join(self, layer, flat_x, layout)
@@ -73,8 +81,7 @@ class SiblingSet:
             return None
         members, plan = joined
         anchor = lora_cuda.anchor_of(flat_x.device) if plan.targets is not None else None
-        weights = [tensor for member in members for tensor in (member.base.weight, member.base.bias)]
-        outs = _SiblingLinears.apply(flat_x, plan, anchor, *weights)
+        outs = _SiblingLinears.apply(flat_x, plan, anchor)
         tensors[key] = (x, x._version, {id(member): out for member, out in zip(members, outs, strict=True)
                                         if member is not layer})
         return outs[members.index(layer)]
@@ -97,44 +104,53 @@ class _Plan:
     scalings: torch.Tensor                      # (groups, 1, 1) float32
     targets: GroupTargets | None                # where the gradients go (None: no backward takes any)
     tensors: dict                               # the step's
+    bases: list[tuple[torch.Tensor, torch.Tensor | None]]   # each layer's frozen weight and bias
 
 
 def _join(siblings: SiblingSet, layer: nn.Module, flat_x: torch.Tensor, layout: object
           ) -> tuple[list[nn.Module], _Plan] | None:
     """(the siblings computed with `layer`, in order, and their plan), once a step per calling layer; None where
     fewer than two fit."""
-    tensors = step_tensors(layout)
+    tensors = layout.tensors
     key = ("lora-sibling-plan", id(siblings), id(layer), flat_x.dtype, flat_x.shape[0], torch.is_grad_enabled())
     if key in tensors:
         return tensors[key]
-    fitting = [found for found in (_fits(member, flat_x, layout) for member in siblings.layers) if found is not None]
-    mine = next((found for found in fitting if found[0] is layer), None)
     joined = None
-    if mine is not None:
-        grouping = mine[3]
-        fitting = [found for found in fitting if found[3][2] is grouping[2] and found[3][3] is grouping[3]
-                   and found[3][0] == grouping[0]]
-        taking = {found[2].takes_gradients() for found in fitting}
-        if len(fitting) >= 2 and len(taking) == 1:   # (adapters frozen in one layer only: each alone)
-            joined = ([found[0] for found in fitting], _plan(siblings, fitting, flat_x, layout, taking.pop()))
+    if lora_cuda.applies(flat_x.device, flat_x.dtype) and flat_x.data_ptr() % 16 == 0:
+        fitting = [found for found in (_fits(siblings, member, flat_x, layout) for member in siblings.layers)
+                   if found is not None]
+        mine = [found for found in fitting if found[0] is layer]
+        if mine:
+            grouping = mine[0][3]
+            fitting = [found for found in fitting if found[3][2] is grouping[2] and found[3][3] is grouping[3]
+                       and found[3][0] == grouping[0]]
+            taking = {found[2].takes_gradients() for found in fitting}
+            if len(fitting) >= 2 and len(taking) == 1:   # (adapters frozen in one layer only: each alone)
+                joined = ([found[0] for found in fitting], _plan(siblings, fitting, flat_x, layout, taking.pop()))
     tensors[key] = joined
     return joined
 
 
-def _fits(member: nn.Module, flat_x: torch.Tensor, layout: object) -> tuple | None:
+def _fits(siblings: SiblingSet, member: nn.Module, flat_x: torch.Tensor, layout: object) -> tuple | None:
     """(the layer, its adapters, their layer state, their grouping) where the layer can join: plain pooled adapters
-    without dropout, each of the layer's one rank (a multiple of 8), on grouped_mm over a full-precision base."""
+    without dropout, each of the layer's one rank (a multiple of 8), on grouped_mm over a full-precision base of
+    the input's dtype, its features multiples of 8. What depends on the adapters alone is kept while the step's jobs
+    and the layer's adapters stay the same ones."""
     _, plain, bounds, rest, float32 = member._jobs_in(layout)
-    if not plain or rest or not lora_cuda.takes(plain, flat_x, float32) or not full_precision(member.base):
+    base = member.base
+    static = (layout.tensors.get("segment-names"), member.adapters.version, member.adapters.training, flat_x.dtype)
+    known = siblings.static.get(id(member))
+    if known is None or known[0] != static:
+        ranks = {adapter.r for adapter in plain}
+        fits = (bool(plain) and not rest and float32 and full_precision(base) and base.weight.dtype == flat_x.dtype
+                and base.in_features % RANK_ALIGNMENT == 0 and base.out_features % RANK_ALIGNMENT == 0
+                and len(ranks) == 1 and next(iter(ranks)) % RANK_ALIGNMENT == 0
+                and not any([adapter.drops or adapter.master_pool is None for adapter in plain]))
+        known = siblings.static[id(member)] = (static, fits)
+    if not known[1]:
         return None
-    if not grouped_fits(flat_x, member.base) or member.base.weight.dtype != flat_x.dtype:
-        return None
-    ranks = {adapter.r for adapter in plain}
-    if len(ranks) != 1 or next(iter(ranks)) % RANK_ALIGNMENT or any(
-            adapter.drops or adapter.master_pool is None for adapter in plain):
-        return None
-    entry = layer_adapters(member.base, plain)
-    structure = lora_cuda.structure_of(layout, plain, bounds, flat_x, member.base, entry.signature)
+    entry = layer_adapters(base, plain)
+    structure = lora_cuda.structure_of(layout, plain, bounds, flat_x, base, entry.signature)
     if len(structure) != 1 or structure[0][1] != "grouped_mm":
         return None
     return member, plain, entry, structure[0][3]
@@ -159,7 +175,8 @@ def _plan(siblings: SiblingSet, fitting: list[tuple], flat_x: torch.Tensor, layo
     stacks = _stacks(siblings, blocks, member_lists, weight_lists, flat_x, rank_start, out_start)
     member_of, _, offsets, scalings = fitting[0][3]
     targets = _targets(siblings, fitting, blocks, stacks, flat_x.device) if taking else None
-    return _Plan(stacks, blocks, offsets, scalings, targets, step_tensors(layout))
+    return _Plan(stacks, blocks, offsets, scalings, targets, layout.tensors,
+                 [(found[0].base.weight, found[0].base.bias) for found in fitting])
 
 
 def _stacks(siblings: SiblingSet, blocks: list[Block], member_lists: list[list], weight_lists: list[list],
@@ -209,43 +226,45 @@ def _targets(siblings: SiblingSet, fitting: list[tuple], blocks: list[Block], st
 
 class _SiblingLinears(torch.autograd.Function):
     """Every sibling's y_m = x W_m^T + b_m, each job's s·dropout-free update on its own rows added: the module
-    docstring's launches. Inputs: x, the plan, an anchor (a leaf needing a gradient, so that the backward runs where
-    x needs none), then each layer's weight and bias (frozen)."""
+    docstring's launches. Inputs: x, the plan (with the layers' frozen weights and biases: no inputs of autograd's,
+    whose every argument costs the host a call), an anchor (a leaf needing a gradient, so that the backward runs
+    where x needs none)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, plan: _Plan, anchor: torch.Tensor | None, *weights: torch.Tensor | None
-                ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, x: torch.Tensor, plan: _Plan, anchor: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         a_stack, b_stack = plan.stacks
-        hidden = torch._grouped_mm(x, a_stack.mT, offs=plan.offsets)                             # (T, Σ ranks)
+        offsets = plan.offsets
+        hidden = torch._grouped_mm(x, a_stack.mT, offs=offsets)                                  # (T, Σ ranks)
         outs = []
-        for block, weight, bias in zip(plan.blocks, weights[0::2], weights[1::2], strict=True):
+        for block, (weight, bias) in zip(plan.blocks, plan.bases, strict=True):
             rows = slice(block.rank_start, block.rank_start + block.rank)
             b_block = b_stack[:, block.out_start:block.out_start + block.out, rows]
-            out = torch._grouped_mm(hidden[:, rows], b_block.mT, offs=plan.offsets)               # (T, out)
+            out = torch._grouped_mm(hidden[:, rows], b_block.mT, offs=offsets)                    # (T, out)
             if bias is not None:
                 out.add_(bias)
             out.addmm_(x, weight.t())
             outs.append(out)
         ctx.plan = plan
-        ctx.save_for_backward(x, hidden, *weights[0::2])
+        ctx.save_for_backward(x, hidden)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        x, hidden, *base_weights = ctx.saved_tensors
+        x, hidden = ctx.saved_tensors
         plan = ctx.plan
         a_stack, b_stack = plan.stacks
+        offsets = plan.offsets
         grad_out = torch.cat(grads, dim=1)                                                        # (T, Σ outs)
-        grad_hidden = torch._grouped_mm(grad_out, b_stack, offs=plan.offsets)                     # (T, Σ ranks)
+        grad_hidden = torch._grouped_mm(grad_out, b_stack, offs=offsets)                          # (T, Σ ranks)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad_hidden, a_stack, offs=plan.offsets)                   # (T, in)
-            for block, weight in zip(plan.blocks, base_weights, strict=True):
+            grad_x = torch._grouped_mm(grad_hidden, a_stack, offs=offsets)                        # (T, in)
+            for block, (weight, _) in zip(plan.blocks, plan.bases, strict=True):
                 grad_x.addmm_(grad_out[:, block.out_start:block.out_start + block.out], weight)
         if plan.targets is not None:
-            plan.targets.add(torch._grouped_mm(grad_hidden.t(), x, offs=plan.offsets),
-                             torch._grouped_mm(grad_out.t(), hidden, offs=plan.offsets), plan.scalings, plan.tensors)
-        return (grad_x, None, None, *([None] * (2 * len(base_weights))))
+            plan.targets.add(torch._grouped_mm(grad_hidden.t(), x, offs=offsets),
+                             torch._grouped_mm(grad_out.t(), hidden, offs=offsets), plan.scalings, plan.tensors)
+        return grad_x, None, None
 
 
 def views_work(device: torch.device) -> bool:

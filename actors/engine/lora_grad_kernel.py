@@ -1,16 +1,22 @@
-"""A layer's grouped LoRA gradients added into every job's pooled gradient buffer by one Triton kernel launch.
+"""The grouped LoRA gradients of a backward's layers added into every job's pooled gradient buffer by one Triton kernel
+launch at the backward's end.
 
 On the CUDA path with `torch._grouped_mm` (actors/engine/lora_cuda.py), a layer's weight gradients come out stacked,
-one group per job: (groups, rank, in) for A, (groups, out, rank) for B before the jobs' scalings, in bfloat16. Each
-job's share belongs in its own float32 buffer (`lora_masters.MasterPool`). Done with torch operations, that is three
-passes over every gradient: a cast to float32 (B: times the job's scaling), then a multi-tensor add into the buffers'
-views (which runs at about half the card's bandwidth, and re-reads the float32 copy); on the 8B shape at 32 adapters
-they were 11 ms of a 0.24 s step (bench/gpu_cost_model.py --fusion). Here one kernel launch per layer (its A and
-its B stack: on the host-bound H200 step of 2026-12-04 a launch cost the host ~75 µs) reads each group's bfloat16
-gradient once, scales it (B), and adds it into that group's job buffer: every job's buffer is reached through
-a table of addresses (one per group; 0 for a group of no adapter, which is skipped), as Triton's grouped GEMM tutorial
-reaches its groups' matrices. The arithmetic is the torch way's, operation for operation (a float32 product, then a
-float32 sum), except that a compiler may contract the two into one rounding.
+one group per job: (groups, rank, in) for A, (groups, out, rank) for B before the jobs' scalings, in bfloat16 (layers
+sharing an input stack theirs together: actors/engine/lora_siblings.py, a `Block` each). Each job's share belongs in
+its own float32 buffer (`lora_masters.MasterPool`). Done with torch operations, that is three passes over every
+gradient: a cast to float32 (B: times the job's scaling), then a multi-tensor add into the buffers' views; on the 8B
+shape at 32 adapters they were 11 ms of a 0.24 s step (bench/gpu_cost_model.py --fusion). Here the kernel reads each
+group's bfloat16 gradient once, scales it (B), and adds it into that group's job buffer, every buffer reached
+through a table of addresses (one per group; 0 for a group of no adapter, which is skipped), as Triton's grouped GEMM
+tutorial reaches its groups' matrices, and every source through a table too: a layer's backward queues its stacks
+(`GroupTargets.add`) and the backward's end adds them all in one launch (`flush`, an autograd engine callback), not
+one launch a layer: on the host-bound H200 step of 2026-12-04 a launch cost the host ~75 µs, and the 8B step had
+128 of them. The stacks wait in memory until then (2 bytes an adapter parameter a job: ~335 MB on the 8B shape at
+r=16 and 4 jobs, while the backward frees the activations); past `FLUSH_BYTES` they are added at once. A launch
+never holds two entries adding into one buffer (a layer computed twice in a step: its second entry waits for the
+next launch). The arithmetic is the torch way's, operation for operation (a float32 product, then a float32 sum),
+except that a compiler may contract the two into one rounding.
 
 `add_groups_reference` is the same in torch, readable, for a device without Triton or where the kernel failed its
 once-a-device check (`kernel_works`), and for the tests (tests/unit/engine/test_lora_grad_kernel.py)."""
@@ -27,6 +33,8 @@ from actors.engine.lora_masters import attach_pools
 from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 BLOCK = 2048
+FLUSH_BYTES = 256 * 2 ** 20   # stacked gradients queued past this are added at once
+QUEUE = "lora-grad-queue"
 
 
 def add_groups_reference(source: torch.Tensor, views: Sequence[torch.Tensor | None], scalings: torch.Tensor | None
@@ -44,38 +52,36 @@ def add_groups_reference(source: torch.Tensor, views: Sequence[torch.Tensor | No
 
 if triton is not None:
     @triton.jit
-    def _add_groups_kernel(source_a, source_b, targets, meta, scalings, groups, BLOCK_SIZE: tl.constexpr):
-        # program (group, slot, block): slot 2m adds layer m's A rows as they are, slot 2m + 1 its B block times
-        # the group's scaling. `meta` per slot (elements): the block's start in a group's stack, its size, the
-        # length of its rows, the distance between its rows, the distance between groups (a layer alone: one slot
-        # pair, contiguous blocks; layers sharing an input, actors/engine/lora_siblings.py: row blocks of the As'
-        # stack and diagonal blocks of the Bs')
+    def _add_groups_kernel(targets, meta, groups, BLOCK_SIZE: tl.constexpr):
+        # program (group, slot, block). A slot is one layer's A rows or B block in its stack: `meta` holds per slot
+        # (in elements) its source stack's address, its scalings' address (B: each group's scaling; A: 0), the block's
+        # start in a group's stack, its size, the length of its rows, the distance between its rows, the distance
+        # between groups; `targets` per slot and group the float32 buffer it adds into (0: none)
         group = tl.program_id(0)
-        slot = tl.program_id(1)
-        second = slot % 2 == 1
-        source = source_a
-        if second:
-            source = source_b
+        slot = tl.program_id(1).to(tl.int64)
         address = tl.load(targets + slot * groups + group)
         offsets = tl.program_id(2).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         if address != 0:   # (a program past a shorter block's end masks all its entries)
-            start = tl.load(meta + slot * 5)
-            numel = tl.load(meta + slot * 5 + 1)
-            width = tl.load(meta + slot * 5 + 2)
-            stride = tl.load(meta + slot * 5 + 3)
-            step = tl.load(meta + slot * 5 + 4)
+            row = meta + slot * 7
+            source = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+            scaling_at = tl.load(row + 1)
+            start = tl.load(row + 2)
+            numel = tl.load(row + 3)
+            width = tl.load(row + 4)
+            stride = tl.load(row + 5)
+            step = tl.load(row + 6)
             target = address.to(tl.pointer_type(tl.float32))
             inside = offsets < numel
             where = group.to(tl.int64) * step + start + (offsets // width) * stride + offsets % width
             value = tl.load(source + where, mask=inside, other=0.0).to(tl.float32)
-            if second:
-                value = value * tl.load(scalings + group)
+            if scaling_at != 0:
+                value = value * tl.load(scaling_at.to(tl.pointer_type(tl.float32)) + group)
             tl.store(target + offsets, tl.load(target + offsets, mask=inside, other=0.0) + value, mask=inside)
 
     def _traffic(args: tuple, kwargs: dict) -> float:
-        """Bytes the kernel moves (for bench/gpu_cost_model.py: its blocks and targets are reached through tables,
+        """Bytes the kernel moves (for bench/gpu_cost_model.py: its sources and targets are reached through tables,
         not arguments): every block's gradients read in bfloat16, their float32 targets read and written."""
-        return _TABLE_BYTES.get(id(args[3]), 0.0)
+        return _TABLE_BYTES.get(id(args[1]), 0.0)
 
     _add_groups_kernel.traffic = _traffic
 
@@ -119,7 +125,7 @@ def _agrees(device: torch.device) -> bool:
 
 
 CHECK = KernelCheck("the grouped-gradient kernel", "gradients are added by torch operations", _agrees)
-_TABLE_BYTES: dict[int, float] = {}   # id(a meta table on the device) -> bytes a launch moves (the cost model's)
+_TABLE_BYTES: dict[int, float] = {}   # id(a launch's meta table) -> bytes it moves (the cost model's, while launching)
 
 
 @dataclass(frozen=True)
@@ -133,52 +139,27 @@ class Block:
     out: int
 
 
-def _tables(blocks: Sequence[Block], views: Sequence[tuple[Sequence, Sequence]], a_shape: Sequence[int],
-            b_shape: Sequence[int], device: torch.device) -> tuple:
-    """(the targets' addresses (2 per block, then group; 0: no target), the slots' meta (`_add_groups_kernel`), their
-    pinned host copies, the longest block's elements) on the device: copied once without waiting (the caller keeps
-    the host copies referenced as long as the tables)."""
-    groups, ranks, in_features = a_shape
-    outs = b_shape[1]
-    addresses: list[list[int]] = []
-    meta: list[tuple[int, int, int, int, int]] = []
-    moved = 0.0
-    for block, (a_views, b_views) in zip(blocks, views, strict=True):
-        for own, shape in ((a_views, (block.rank_start * in_features, block.rank * in_features, block.rank
-                                      * in_features, block.rank * in_features, ranks * in_features)),
-                           (b_views, (block.out_start * ranks + block.rank_start, block.out * block.rank, block.rank,
-                                      ranks, outs * ranks))):
-            addresses.append([0 if view is None else view.data_ptr() for view in own])
-            meta.append(shape)
-            moved += sum(shape[1] * 10.0 for view in own if view is not None)   # bfloat16 read, float32 read, written
-    host = (torch.tensor(addresses, dtype=torch.int64), torch.tensor(meta, dtype=torch.int64))
-    if device.type == "cuda":
-        host = tuple(tensor.pin_memory() for tensor in host)
-    tables = tuple(tensor.to(device, non_blocking=True) for tensor in host)
-    _TABLE_BYTES[id(tables[1])] = moved
-    assert len(addresses[0]) == groups
-    return tables, host, max(row[1] for row in meta)
-
-
-def launch(grad_a: torch.Tensor, grad_b: torch.Tensor, tables: tuple, scalings: torch.Tensor) -> None:
-    """One launch for the stacked gradients of a layer, or of layers sharing an input (contiguous stacks, one
-    group per job): the As added as they are, the Bs times their group's scaling; programs past a shorter block's
-    end touch nothing (every entry masked)."""
-    (targets, meta), _host, longest = tables
-    groups = grad_a.shape[0]
-    _add_groups_kernel[(groups, targets.shape[0], triton.cdiv(longest, BLOCK))](
-        grad_a, grad_b, targets, meta, scalings, groups, BLOCK_SIZE=BLOCK)
-
-
 class GroupTargets:
     """Where grouped gradients go: for each layer's `Block` in the stacks, each group's A and B view of its job's
-    gradient buffer (None for a group of no adapter), their tables on the device (made once, kept with the layers'
-    adapters: the buffers never move), and the pools to attach before the kernel adds into them."""
+    gradient buffer (None for a group of no adapter), their slots for the kernel (addresses and shapes, made once and
+    kept with the layers' adapters: the buffers never move), and the pools to attach before anything adds into them."""
 
     def __init__(self, pools: list, blocks: Sequence[Block], views: Sequence[tuple[Sequence, Sequence]],
                  a_shape: Sequence[int], b_shape: Sequence[int], device: torch.device, kernel: bool):
         self.pools, self.blocks, self.views, self.kernel = pools, list(blocks), list(views), kernel
-        self.tables = _tables(self.blocks, self.views, tuple(a_shape), tuple(b_shape), device) if kernel else None
+        _, ranks, in_features = a_shape
+        outs = b_shape[1]
+        # per slot: (each group's target address, (start, elements, row length, row distance, group distance), a B)
+        self.slots: list[tuple[list[int], tuple[int, int, int, int, int], bool]] = []
+        for block, (a_views, b_views) in zip(self.blocks, self.views, strict=True):
+            rows = block.rank * in_features
+            self.slots.append(([0 if view is None else view.data_ptr() for view in a_views],
+                               (block.rank_start * in_features, rows, rows, rows, ranks * in_features), False))
+            self.slots.append(([0 if view is None else view.data_ptr() for view in b_views],
+                               (block.out_start * ranks + block.rank_start, block.out * block.rank, block.rank, ranks,
+                                outs * ranks), True))
+        self.addresses = frozenset(address for own, _, _ in self.slots for address in own if address)
+        self.moved = sum(shape[1] * 10.0 for own, shape, _ in self.slots for address in own if address)
 
     @staticmethod
     def views_of(adapters: Sequence[nn.Module], member_of: Sequence[int | None]) -> tuple[list, list]:
@@ -202,13 +183,67 @@ class GroupTargets:
                    (groups, rank, in_features), (groups, out_features, rank), device, kernel_works(device))
 
     def add(self, grad_a: torch.Tensor, grad_b: torch.Tensor, scalings: torch.Tensor, tensors: dict) -> None:
-        """grad_a (groups, ranks, in) and grad_b (groups, outs, ranks, before the scalings) added into the groups'
-        buffers, the pools' gradients attached first (once a step)."""
-        attach_pools(self.pools, tensors)
-        if self.tables is not None:
-            launch(grad_a.contiguous(), grad_b.contiguous(), self.tables, scalings)
-            return
-        for block, (a_views, b_views) in zip(self.blocks, self.views, strict=True):
-            rows = slice(block.rank_start, block.rank_start + block.rank)
-            add_groups_reference(grad_a[:, rows], a_views, None)
-            add_groups_reference(grad_b[:, block.out_start:block.out_start + block.out, rows], b_views, scalings)
+        """grad_a (groups, ranks, in) and grad_b (groups, outs, ranks, before the scalings (groups, 1, 1)) to be added
+        into the groups' buffers: queued until the backward's end (`flush`, once a backward), at once outside a
+        backward or past `FLUSH_BYTES`."""
+        queue = tensors.get(QUEUE)
+        if queue is None:
+            queue = tensors[QUEUE] = {"entries": [], "bytes": 0}
+        queue["entries"].append((self, grad_a.contiguous(), grad_b.contiguous(), scalings))
+        queue["bytes"] += grad_a.numel() * grad_a.element_size() + grad_b.numel() * grad_b.element_size()
+        if torch._C._current_graph_task_id() == -1 or queue["bytes"] > FLUSH_BYTES:
+            flush(tensors)
+        elif len(queue["entries"]) == 1:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: flush(tensors))
+
+
+def flush(tensors: dict) -> None:
+    """Add every queued layer's stacked gradients into the jobs' buffers (the pools' gradients attached first, once a
+    step): the kernel's in as few launches as keep each buffer to one entry a launch, the others the torch way."""
+    queue = tensors.get(QUEUE)
+    if not queue or not queue["entries"]:
+        return
+    entries, queue["entries"], queue["bytes"] = queue["entries"], [], 0
+    attach_pools(list({id(pool): pool for entry in entries for pool in entry[0].pools}.values()), tensors)
+    batch: list[tuple] = []
+    covered: set[int] = set()
+    for entry in entries:
+        targets, grad_a, grad_b, scalings = entry
+        if not targets.kernel:
+            for block, (a_views, b_views) in zip(targets.blocks, targets.views, strict=True):
+                rows = slice(block.rank_start, block.rank_start + block.rank)
+                add_groups_reference(grad_a[:, rows], a_views, None)
+                add_groups_reference(grad_b[:, block.out_start:block.out_start + block.out, rows], b_views,
+                                     scalings)
+            continue
+        if covered & targets.addresses:   # a buffer this launch adds into already: the next launch takes it
+            launch(batch, tensors)
+            batch, covered = [], set()
+        batch.append(entry)
+        covered |= targets.addresses
+    if batch:
+        launch(batch, tensors)
+
+
+def launch(entries: Sequence[tuple], tensors: dict) -> None:
+    """One launch for the queued entries (GroupTargets, A stack, B stack, scalings): their slots' tables made on the
+    host, copied once without waiting (from pinned memory on CUDA, kept referenced for the step: `tensors`)."""
+    groups = max(grad_a.shape[0] for _, grad_a, _, _ in entries)
+    addresses: list[list[int]] = []
+    meta: list[tuple[int, ...]] = []
+    for targets, grad_a, grad_b, scalings in entries:
+        for own, shape, second in targets.slots:
+            addresses.append(own + [0] * (groups - len(own)))
+            meta.append(((grad_b if second else grad_a).data_ptr(), scalings.data_ptr() if second else 0, *shape))
+    device = entries[0][1].device
+    host = (torch.tensor(addresses, dtype=torch.int64), torch.tensor(meta, dtype=torch.int64))
+    if device.type == "cuda":
+        host = tuple(tensor.pin_memory() for tensor in host)
+        tensors.setdefault("lora-grad-tables", []).append(host)
+    table, rows = (tensor.to(device, non_blocking=True) for tensor in host)
+    _TABLE_BYTES[id(rows)] = sum(entry[0].moved for entry in entries)
+    try:
+        _add_groups_kernel[(groups, len(meta), triton.cdiv(max(row[3] for row in meta), BLOCK))](
+            table, rows, groups, BLOCK_SIZE=BLOCK)
+    finally:
+        _TABLE_BYTES.pop(id(rows), None)

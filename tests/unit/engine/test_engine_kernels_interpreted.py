@@ -221,3 +221,50 @@ def test_layers_sharing_an_input_on_the_kernels_end_each_job_as_alone(monkeypatc
     fused_weights, fused_losses, _ = run_planned(base, planned)
     assert launched["gradients"] > 0 and launched["stacks"] > 0 and launched["together"] > 0, launched
     assert_as_alone(base, planned, fused_weights, fused_losses)
+
+
+def test_a_backwards_layers_are_added_by_one_launch_and_a_layer_twice_by_two(monkeypatch):
+    """A tiny Llama's every adapted layer of two jobs on grouped_mm: their stacked gradients are queued and added at
+    the backward's end by one launch, within one float32 rounding per addition of the torch way's (as
+    test_the_grouped_gradients_kernel_adds_as_its_reference bounds it); a layer used twice in one forward adds its
+    second stacks in a launch of their own (one launch never adds twice into one buffer)."""
+    from actors.engine.adapter_surgery import add_adapter
+    from actors.engine.models import from_module
+    from actors.spec.lora_config import LoraConfig
+    from tests.helpers.models import tiny_model
+
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+    launched = []
+    real = lora_grad_kernel._add_groups_kernel.run
+    monkeypatch.setattr(lora_grad_kernel._add_groups_kernel, "run", lambda *a, **k: launched.append(1) or real(*a, **k))
+    ids = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for kernel in (True, False):
+        monkeypatch.setattr(lora_grad_kernel, "kernel_works", (lambda device: True) if kernel else (lambda d: False))
+        torch.manual_seed(0)
+        base = from_module(tiny_model("llama", 300).to(torch.bfloat16), None)
+        handles = [add_adapter(base.model, f"job{index}", LoraConfig(r=8, alpha=16, target_modules="all-linear"),
+                               seed=index) for index in range(2)]
+        with torch.no_grad():
+            for handle in handles:
+                for name, parameter in handle.named_parameters():
+                    if "lora_B" in name:
+                        parameter.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        with step_layout(layout_of(((0, 12), (12, 30)), ["job0", "job1"])):
+            hidden = base.decoder(input_ids=ids, position_ids=torch.arange(30)[None], use_cache=False).last_hidden_state
+        hidden.float().square().sum().backward()
+        grads[kernel] = {(h.name, n): p.grad.clone() for h in handles for n, p in h.named_parameters()}
+    assert len(launched) == 1
+    for key, theirs in grads[False].items():
+        assert float(theirs.abs().max()) > 0, key
+        bound = 2 * unit_roundoff() * float(theirs.abs().max())   # a product and a sum, each rounded once
+        assert float((grads[True][key] - theirs).abs().max()) <= bound, key
+    launched.clear()
+    monkeypatch.setattr(lora_grad_kernel, "kernel_works", lambda device: True)
+    layer = pooled_layer()
+    x = bf16_values(1, 57, IN).requires_grad_(True)
+    with step_layout(layout_of()):
+        twice = layer(x) + layer(x)
+    twice.float().sum().backward()
+    assert len(launched) == 2

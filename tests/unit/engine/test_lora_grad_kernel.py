@@ -23,7 +23,7 @@ INTERPRETED = "tests/unit/engine/test_engine_kernels_interpreted.py"
 
 @pytest.mark.parametrize("broken", ["raises", "wrong"])
 def test_a_kernel_that_fails_its_check_leaves_the_gradients_to_torch(monkeypatch, caplog, broken):
-    def launch(grad_a, grad_b, tables, scalings):
+    def launch(entries, tensors):
         if broken == "raises":
             raise RuntimeError("no compiler here")
 

@@ -12,8 +12,9 @@ through a table of addresses (one per group; 0 for a group of no adapter, which 
 tutorial reaches its groups' matrices, and every source through a table too: a layer's backward queues its stacks
 (`GroupTargets.add`) and the backward's end adds them all in one launch (`flush`, an autograd engine callback), not
 one launch a layer: on the host-bound H200 step of 2026-12-04 a launch cost the host ~75 µs, and the 8B step had
-128 of them. The stacks wait in memory until then (2 bytes an adapter parameter a job: ~335 MB on the 8B shape at
-r=16 and 4 jobs, while the backward frees the activations); past `FLUSH_BYTES` they are added at once. A launch
+128 of them. The stacks wait in memory until then (about 2 bytes an adapter parameter a job, more where siblings'
+block-diagonal B stacks hold zeros: ~0.5 GB on the 8B shape at r=16 and 4 jobs, while the backward frees the
+activations); past `FLUSH_BYTES` they are added at once (so 2 launches a step there, and at most 256 MiB held). A launch
 never holds two entries adding into one buffer (a layer computed twice in a step: its second entry waits for the
 next launch). The arithmetic is the torch way's, operation for operation (a float32 product, then a float32 sum),
 except that a compiler may contract the two into one rounding.

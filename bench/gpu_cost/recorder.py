@@ -197,7 +197,9 @@ class KernelRecorder(TorchDispatchMode, Listener):
                 out = func(*args, **kwargs)
                 if device.keeps(out):
                     device.remember(out, source.detach().to(out.dtype).clone())
-                pinned = device.is_pinned(source)
+                # where the virtual device's function mode is not entered (a backward's thread), pinning cannot be
+                # seen: the engine pins where the device is CUDA (actors/engine/lora_grad_kernel.py's tables)
+                pinned = device.is_pinned(source) or not device.pinning_seen()
                 self._copy_op("h2d", source, out, sync=not (non_blocking and pinned))
                 return out
             return NotImplemented

@@ -26,6 +26,7 @@ taken for device tensors."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -201,6 +202,9 @@ _METADATA_CALLS = {torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.d
                    torch.numel, torch.is_tensor, torch.Tensor.type, torch.Tensor.is_pinned}
 
 
+_BACKWARDS = {None, torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+
+
 class _DeviceMode(TorchFunctionMode):
     def __init__(self, owner: VirtualCuda):
         super().__init__()
@@ -208,11 +212,15 @@ class _DeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         listener = self.owner.listener
+        local = self.owner.local
+        outer = getattr(local, "func", None)
+        local.func = func
         listener.harness(True)
         try:
             return self._function(func, args, dict(kwargs or {}))
         finally:
             listener.harness(False)
+            local.func = outer
 
     def _function(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         owner = self.owner
@@ -294,6 +302,12 @@ class VirtualCuda:
             storage = tensor.untyped_storage()
             self.pinned[storage.data_ptr()] = storage
 
+    def pinning_seen(self) -> bool:
+        """Whether the device's function mode saw the code that made the tensor being copied (so that its
+        `pin_memory` was answered here): not in an autograd backward's worker thread, nor in the callbacks at a
+        backward's end (run inside the mode's handling of `backward`, where the mode is off)."""
+        return getattr(self.local, "func", None) not in _BACKWARDS
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return not tensor.is_meta and tensor.untyped_storage().data_ptr() in self.pinned
 
@@ -321,6 +335,7 @@ class VirtualCuda:
         self._stack.callback(setattr, owner, name, old)
 
     def __enter__(self) -> VirtualCuda:
+        self.local = threading.local()   # the function its mode handles in this thread (`pinning_seen`)
         cuda = torch.cuda
         listener = self.listener
         patches: dict[str, Any] = {

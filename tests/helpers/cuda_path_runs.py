@@ -138,6 +138,16 @@ def planned_jobs() -> list[PlannedJob]:
     ]
 
 
+def one_rank_jobs(examples: int = 12) -> list[PlannedJob]:
+    """Three jobs of rank 8 on every layer (so that the stacks' layout, siblings' too, is the same fused and alone):
+    one accumulating 2 micro-batches a step, one joining before step 2; scalings differ."""
+    return [PlannedJob(job_spec(name, batch_size=2, grad_accum=accumulate, max_steps=3, lr=1e-2, warmup_steps=1,
+                                lora={"r": 8, "alpha": alpha, "target_modules": "all-linear"}),
+                       random_examples(seed, count=examples, vocab=VOCAB, min_len=5, max_len=30), seed, joins)
+            for name, accumulate, alpha, seed, joins in (("first", 1, 16, 0, 0), ("accumulating", 2, 8, 1, 0),
+                                                         ("late", 1, 32, 2, 1))]
+
+
 def assert_as_alone(base, planned: list[PlannedJob], fused_weights: dict, fused_losses: dict) -> None:
     """Each planned job's losses and final adapter, trained fused (`run_planned`), exactly those of the job trained
     alone on the same base."""

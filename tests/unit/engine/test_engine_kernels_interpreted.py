@@ -191,10 +191,7 @@ def test_layers_sharing_an_input_on_the_kernels_end_each_job_as_alone(monkeypatc
     the stacks, the sets' block-diagonal stacks refreshed through the copy kernel's strided slots. Each job ends bit
     for bit as it does alone through the same kernels."""
     from actors.engine import lora_siblings
-    from tests.helpers.cuda_path_runs import PlannedJob
-    from tests.helpers.fused import job_spec
-    from tests.helpers.isolation import VOCAB
-    from tests.helpers.models import random_examples
+    from tests.helpers.cuda_path_runs import one_rank_jobs
 
     bfloat16_rounded_as_compiled()
     cpu = torch.device("cpu")
@@ -213,11 +210,7 @@ def test_layers_sharing_an_input_on_the_kernels_end_each_job_as_alone(monkeypatc
                         lambda *a: launched.__setitem__("together", launched["together"] + 1) or real(*a))
     on_the_cuda_path(monkeypatch, "grouped_mm")
     base = base_for("bfloat16")
-    planned = [PlannedJob(job_spec(name, batch_size=2, grad_accum=accumulate, max_steps=3, lr=1e-2, warmup_steps=1,
-                                   lora={"r": 8, "alpha": alpha, "target_modules": "all-linear"}),
-                          random_examples(seed, count=8, vocab=VOCAB, min_len=5, max_len=30), seed, joins)
-               for name, accumulate, alpha, seed, joins in (("first", 1, 16, 0, 0), ("accumulating", 2, 8, 1, 0),
-                                                            ("late", 1, 32, 2, 1))]
+    planned = one_rank_jobs(examples=8)
     fused_weights, fused_losses, _ = run_planned(base, planned)
     assert launched["gradients"] > 0 and launched["stacks"] > 0 and launched["together"] > 0, launched
     assert_as_alone(base, planned, fused_weights, fused_losses)

@@ -105,21 +105,15 @@ def test_the_engine_with_it_on_ends_each_job_as_alone(monkeypatch):
     """Jobs of one rank on every layer (so that the stacks' layout is the same fused and alone), one of them joining
     later and one accumulating, through the whole engine on grouped_mm with the layers together: each ends bit for bit
     as it does alone, and the layers were computed together."""
-    from tests.helpers.cuda_path_runs import PlannedJob, assert_as_alone, on_the_cuda_path, run_planned
-    from tests.helpers.fused import job_spec
-    from tests.helpers.isolation import VOCAB, base_for
-    from tests.helpers.models import random_examples
+    from tests.helpers.cuda_path_runs import assert_as_alone, on_the_cuda_path, one_rank_jobs, run_planned
+    from tests.helpers.isolation import base_for
 
     on_the_cuda_path(monkeypatch, "grouped_mm")
     together = []
     real = lora_siblings._SiblingLinears.apply
     monkeypatch.setattr(lora_siblings._SiblingLinears, "apply", lambda *a: together.append(1) or real(*a))
     base = base_for("bfloat16")
-    planned = [PlannedJob(job_spec(name, batch_size=2, grad_accum=accumulate, max_steps=3, lr=1e-2, warmup_steps=1,
-                                   lora={"r": 8, "alpha": alpha, "target_modules": "all-linear"}),
-                          random_examples(seed, count=12, vocab=VOCAB, min_len=5, max_len=30), seed, joins)
-               for name, accumulate, alpha, seed, joins in (("first", 1, 16, 0, 0), ("accumulating", 2, 8, 1, 0),
-                                                            ("late", 1, 32, 2, 1))]
+    planned = one_rank_jobs()
     weights, losses, _ = run_planned(base, planned)
     assert together
     assert_as_alone(base, planned, weights, losses)

@@ -53,7 +53,9 @@ class MasterPool:
         self.parameters = list(parameters)   # every A, then every B, as views of `flat` (pool_masters' order)
         self.casts: dict[torch.dtype, torch.Tensor] = {}
         self.views: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.refreshed: dict[torch.dtype, tuple[object, int]] = {}   # dtype -> (the step's layout, flat's version)
+        # dtype -> (a weak reference to the step's layout, flat's version): a strong one would keep the step's
+        # layout, and whatever its tensors hold (activations, their graph), alive until the next step
+        self.refreshed: dict[torch.dtype, tuple[weakref.ref, int]] = {}
         self.current: dict[torch.dtype, int] = {}   # dtype -> flat's version its cast was written at by a step
         self.generation = 0
         self.grads = GradientBuffer(flat, self.parameters)
@@ -77,9 +79,9 @@ class MasterPool:
 
     def refresh(self, layout: object, dtype: torch.dtype) -> None:
         """The copy in `dtype` as of now, once a step (and again where the masters changed in place since)."""
-        stamp = (layout, self.flat._version)
+        stamp = (weakref.ref(layout), self.flat._version)
         seen = self.refreshed.get(dtype)
-        if seen is not None and seen[0] is stamp[0] and seen[1] == stamp[1]:
+        if seen is not None and seen[0]() is layout and seen[1] == stamp[1]:
             return
         if self.current.get(dtype) == stamp[1]:   # the optimizer's step wrote this cast with the masters
             self.refreshed[dtype] = stamp

@@ -27,6 +27,7 @@ scalings, ranks not of one multiple of 8, an adapter not pooled), is computed al
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,10 +62,14 @@ class SiblingSet:
 
     def taken(self, layer: nn.Module, x: torch.Tensor, layout: object) -> torch.Tensor | None:
         """`layer`'s output on `x` where a sibling computed it (once: a second call computes again), else None."""
-        kept = layout.tensors.get(("lora-siblings", id(self)))
-        if kept is None or not kept[2] or kept[0] is not x or kept[1] != x._version:
+        key = ("lora-siblings", id(self))
+        kept = layout.tensors.get(key)
+        if kept is None or kept[0]() is not x or kept[1] != x._version:
             return None
-        return kept[2].pop(id(layer), None)
+        out = kept[2].pop(id(layer), None)
+        if not kept[2]:   # every sibling took its output: nothing of this call stays with the step
+            del layout.tensors[key]
+        return out
 
     def output(self, layer: nn.Module, x: torch.Tensor, flat_x: torch.Tensor, layout: object) -> torch.Tensor | None:
         """`layer`'s output (tokens, out) on `x` (`flat_x` its (tokens, in) view): kept from a sibling's call on the
@@ -82,8 +87,9 @@ class SiblingSet:
         members, plan = joined
         anchor = lora_cuda.anchor_of(flat_x.device) if plan.targets is not None else None
         outs = _SiblingLinears.apply(flat_x, plan, anchor)
-        tensors[key] = (x, x._version, {id(member): out for member, out in zip(members, outs, strict=True)
-                                        if member is not layer})
+        # the input by a weak reference: the step's layout outlives the layer's call, the input need not
+        tensors[key] = (weakref.ref(x), x._version, {id(member): out for member, out in zip(members, outs, strict=True)
+                                                     if member is not layer})
         return outs[members.index(layer)]
 
 

@@ -24,7 +24,8 @@ own, on the same sequences; and fusion efficiency at 1..32 adapters (issue 47, i
            tokens a step split evenly over the jobs), median of >= 20 timed steps each, as a ratio to 1 adapter.
 
 --prediction FILE (bench/gpu_cost_model.py's JSON) prints each predicted figure beside the measured one;
---profile DIR profiles two of aspen's fused steps after its timed ones (bench/profile_step.py). The goals of
+--profile DIR profiles two of aspen's fused steps after its timed ones (bench/profile_step.py), and two of
+fusion's with the most adapters after theirs (DIR/<shape>-fusion-<N>). The goals of
 issue 47 are printed beside the figures. Needs torch, transformers and peft (and aspen's engine: pydantic);
 liger_kernel is optional.
 
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny stand-in shapes, 3 timed steps: a dry run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--prediction", type=Path, help="bench/gpu_cost_model.py's JSON: printed beside the figures")
-    parser.add_argument("--profile", type=Path, help="profile two of aspen's steps after the timed ones, into DIR")
+    parser.add_argument("--profile", type=Path,
+                        help="profile two of aspen's steps into DIR, and two of fusion's with the most adapters")
     parser.add_argument("--side-timeout", type=float, help="seconds each side's process may run")
     # one side in this process (the parent runs each so)
     parser.add_argument("--side", help=argparse.SUPPRESS)
@@ -210,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         adapters = [int(n) for n in args.adapters.split(",")]
         if args.quick:
             adapters = [n for n in adapters if n <= 4]
-        _results["fusion"] = own_process("fusion", args, shape, ["--adapters", ",".join(map(str, adapters))],
-                                         args.side_timeout)
+        extra = ["--adapters", ",".join(map(str, adapters))]
+        if args.profile:   # the most adapters' step: where fusion loses most (0.73 at 32 on 2026-12-04)
+            extra += ["--profile", str(Path(args.profile) / f"{shape}-fusion-{max(adapters)}")]
+        _results["fusion"] = own_process("fusion", args, shape, extra, args.side_timeout)
         if args.json:
             args.json.write_text(json.dumps(_results, indent=1))
     from lora_report import report_lines

@@ -165,6 +165,9 @@ def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
         lines.append("  predicted by the cost model: " + ", ".join(
             f"{n}: {float(p):.3f}" + (f" (measured {efficiency[str(n)]:.3f}, {float(p) / efficiency[str(n)]:.2f}x)"
                                       if str(n) in efficiency else "") for n, p in predicted.items()))
+    if fusion.get("profile"):
+        lines.append(f"  {fusion['profile'].get('adapters')} adapters' step:")
+        lines += profile_lines(fusion["profile"])
     return lines
 
 

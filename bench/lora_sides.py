@@ -344,9 +344,11 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     rng = random.Random(0)
     sequences, length = 32, 128 if device.type == "cuda" else 32   # 4096 tokens a step on a GPU
     result: dict = {"sequences": sequences, "length": length, "per_adapters": {}, "efficiency": {}}
-    for adapters in [int(n) for n in args.adapters.split(",")]:
+    counts = [int(n) for n in args.adapters.split(",")]
+    for adapters in counts:
         trainer = FusedTrainer(base, step_tokens=1 << 17)
-        per_job, total = sequences // adapters, args.warmup + args.steps
+        profiled = 2 if args.profile and adapters == max(counts) else 0
+        per_job, total = sequences // adapters, args.warmup + args.steps + profiled
         for job in range(adapters):
             batches = []
             for _ in range(total):
@@ -376,6 +378,11 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
         result["efficiency"][str(adapters)] = summary["tokens_per_s_at_median"] / first
         log(f"[fusion] {adapters} adapters: median step {summary['median_step_s']:.3f}s, "
             f"efficiency {result['efficiency'][str(adapters)]:.3f}")
+        if profiled:
+            write(args, result)   # the figures first: a profile cut by the part's limit leaves them
+            from profile_step import profile_steps as profile
+            result["profile"] = {"adapters": adapters, **profile(trainer.train_step, device, profiled, args.profile,
+                                                                  median_step_s=summary["median_step_s"])}
         for name in list(trainer.jobs):
             trainer.remove_job(name)
         write(args, result)

@@ -217,7 +217,9 @@ def tune_side(plan_path: Path) -> dict:
     for result in results:
         metrics = result.metrics or {}
         trials.append({"settings": {"lr": result.config["lr"], "lora.r": result.config["r"]},
-                       "steps": metrics.get("step"), "objective": metrics.get("eval_loss")})
+                       "steps": metrics.get("step"), "objective": metrics.get("eval_loss"),
+                       "error": None if result.error is None else f"{type(result.error).__name__}: "
+                                                                  f"{str(result.error)[-1500:]}"})
     ray.shutdown()
     finished = [t for t in trials if t["steps"] == plan["steps"] and t["objective"] is not None]
     best = min(finished, key=lambda t: t["objective"]) if finished else None
@@ -289,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         tune_command = [sys.executable, str(Path(__file__).resolve()), "--side", "tune", "--plan", str(plan_path)]
         tune_result, tune_wall, tune_peak, tune_gpu = run_side(tune_command, folder, gpu)
         tune_best = tune_result["best"]
+        if tune_best is None:   # no trial ran its steps: say why each ended, not a TypeError below
+            for trial in tune_result["trials"]:
+                log(f"Ray Tune trial {trial['settings']}: {trial['steps']} steps, objective {trial['objective']}, "
+                    f"error: {trial.get('error') or 'none reported'}")
+            log(f"Ray Tune + PEFT: no trial of {trials} ran its {args.steps} steps ({tune_wall:.0f} s): the trials' "
+                "errors above")
+            return 1
         log(f"Ray Tune + PEFT: {tune_wall:.0f} s, peak {tune_peak / 2**30:.2f} GiB, best "
             f"{tune_best['objective']:.4f} {tune_best['settings']}")
     result = {"trials": trials, "steps": args.steps, "device": args.device,

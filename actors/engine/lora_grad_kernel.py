@@ -34,6 +34,7 @@ from actors.engine.lora_masters import attach_pools
 from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 BLOCK = 2048
+INT32_LIMIT = 2 ** 31   # a block's elements, and its reach in a group's stack, kept under this (32-bit offsets)
 FLUSH_BYTES = 256 * 2 ** 20   # stacked gradients queued past this are added at once
 QUEUE = "lora-grad-queue"
 
@@ -57,27 +58,34 @@ if triton is not None:
         # program (group, slot, block). A slot is one layer's A rows or B block in its stack: `meta` holds per slot
         # (in elements) its source stack's address, its scalings' address (B: each group's scaling; A: 0), the block's
         # start in a group's stack, its size, the length of its rows, the distance between its rows, the distance
-        # between groups; `targets` per slot and group the float32 buffer it adds into (0: none)
+        # between groups; `targets` per slot and group the float32 buffer it adds into (0: none). A program past a
+        # shorter block's end, or of a group with no buffer, does nothing; offsets inside a block are 32-bit (the host
+        # keeps blocks under 2**31 elements: `INT32_LIMIT`), a block of adjacent rows is read without dividing
         group = tl.program_id(0)
         slot = tl.program_id(1).to(tl.int64)
         address = tl.load(targets + slot * groups + group)
-        offsets = tl.program_id(2).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        if address != 0:   # (a program past a shorter block's end masks all its entries)
-            row = meta + slot * 7
-            source = tl.load(row).to(tl.pointer_type(tl.bfloat16))
-            scaling_at = tl.load(row + 1)
-            start = tl.load(row + 2)
-            numel = tl.load(row + 3)
-            width = tl.load(row + 4)
-            stride = tl.load(row + 5)
-            step = tl.load(row + 6)
-            target = address.to(tl.pointer_type(tl.float32))
-            inside = offsets < numel
-            where = group.to(tl.int64) * step + start + (offsets // width) * stride + offsets % width
-            value = tl.load(source + where, mask=inside, other=0.0).to(tl.float32)
-            if scaling_at != 0:
-                value = value * tl.load(scaling_at.to(tl.pointer_type(tl.float32)) + group)
-            tl.store(target + offsets, tl.load(target + offsets, mask=inside, other=0.0) + value, mask=inside)
+        row = meta + slot * 7
+        numel = tl.load(row + 3).to(tl.int32)
+        begin = tl.program_id(2) * BLOCK_SIZE
+        if address != 0:
+            if begin < numel:
+                start = tl.load(row + 2)
+                width = tl.load(row + 4).to(tl.int32)
+                stride = tl.load(row + 5).to(tl.int32)
+                step = tl.load(row + 6)
+                source = tl.load(row).to(tl.pointer_type(tl.bfloat16)) + (group.to(tl.int64) * step + start)
+                offsets = begin + tl.arange(0, BLOCK_SIZE)
+                inside = offsets < numel
+                if width == stride:
+                    value = tl.load(source + offsets, mask=inside, other=0.0).to(tl.float32)
+                else:
+                    value = tl.load(source + (offsets // width) * stride + offsets % width, mask=inside,
+                                    other=0.0).to(tl.float32)
+                scaling_at = tl.load(row + 1)
+                if scaling_at != 0:
+                    value = value * tl.load(scaling_at.to(tl.pointer_type(tl.float32)) + group)
+                target = address.to(tl.pointer_type(tl.float32))
+                tl.store(target + offsets, tl.load(target + offsets, mask=inside, other=0.0) + value, mask=inside)
 
     def _traffic(args: tuple, kwargs: dict) -> float:
         """Bytes the kernel moves (for bench/gpu_cost_model.py: its sources and targets are reached through tables,
@@ -159,6 +167,9 @@ class GroupTargets:
             self.slots.append(([0 if view is None else view.data_ptr() for view in b_views],
                                (block.out_start * ranks + block.rank_start, block.out * block.rank, block.rank, ranks,
                                 outs * ranks), True))
+        if any(shape[1] >= INT32_LIMIT or (shape[1] // max(shape[2], 1)) * shape[3] >= INT32_LIMIT
+               for _, shape, _ in self.slots):
+            self.kernel = False   # (no LoRA layer comes near: the kernel's offsets inside a block are 32-bit)
         self.addresses = frozenset(address for own, _, _ in self.slots for address in own if address)
         self.moved = sum(shape[1] * 10.0 for own, shape, _ in self.slots for address in own if address)
 

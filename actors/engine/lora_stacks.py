@@ -32,17 +32,24 @@ if triton is not None:
     def _copy_slots_kernel(table, BLOCK_SIZE: tl.constexpr):
         """Row `slot` of `table` (source address, target address, count of 2-byte units, units a target row, units
         between target rows: a contiguous source into a contiguous target, or into a block of a wider matrix, as the
-        stacks of layers sharing an input hold their Bs): one block of its copy."""
+        stacks of layers sharing an input hold their Bs): one block of its copy. A program past a shorter slot's end
+        does nothing; offsets inside a slot are 32-bit (`copy_slots` keeps slots under 2**31 units), a contiguous
+        target is written without dividing."""
         slot = tl.program_id(0).to(tl.int64)
-        source = tl.load(table + slot * 5).to(tl.pointer_type(tl.int16))
-        target = tl.load(table + slot * 5 + 1).to(tl.pointer_type(tl.int16))
-        count = tl.load(table + slot * 5 + 2)
-        row = tl.load(table + slot * 5 + 3)
-        stride = tl.load(table + slot * 5 + 4)
-        offsets = tl.program_id(1).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        inside = offsets < count
-        tl.store(target + (offsets // row) * stride + offsets % row, tl.load(source + offsets, mask=inside, other=0),
-                 mask=inside)
+        count = tl.load(table + slot * 5 + 2).to(tl.int32)
+        begin = tl.program_id(1) * BLOCK_SIZE
+        if begin < count:
+            source = tl.load(table + slot * 5).to(tl.pointer_type(tl.int16))
+            target = tl.load(table + slot * 5 + 1).to(tl.pointer_type(tl.int16))
+            row = tl.load(table + slot * 5 + 3).to(tl.int32)
+            stride = tl.load(table + slot * 5 + 4).to(tl.int32)
+            offsets = begin + tl.arange(0, BLOCK_SIZE)
+            inside = offsets < count
+            values = tl.load(source + offsets, mask=inside, other=0)
+            if row == stride:
+                tl.store(target + offsets, values, mask=inside)
+            else:
+                tl.store(target + (offsets // row) * stride + offsets % row, values, mask=inside)
 
     # bench/gpu_cost_model.py: the slots are reached through addresses, so the kernel says what it moves
     _copy_slots_kernel.traffic = lambda args, kwargs: _TABLE_BYTES.get(id(args[0]), 0.0)
@@ -57,6 +64,8 @@ def copy_slots(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> tupl
     if not (triton_runs(device) and CHECK.works(device)):
         return None
     rows = [_slot(target, source) for target, source in zip(targets, sources, strict=True)]
+    if any(row[2] >= 2 ** 31 or (row[2] // max(row[3], 1)) * row[4] >= 2 ** 31 for row in rows):
+        return None   # (no LoRA stack comes near: the kernel's offsets inside a slot are 32-bit)
     host = torch.tensor(rows, dtype=torch.int64)
     if device.type == "cuda":
         host = host.pin_memory()

@@ -15,7 +15,7 @@ import torch
 from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_grouped_mm, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.joint_steps import step_jobs
-from actors.engine.layout import step_layout
+from actors.engine.layout import StepLayout, step_layout
 from tests.helpers.flat_adamw_jobs import (
     add_gradients,
     assert_within_adamw_rounding,
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or flat_adamw.trit
 def test_the_kernel_on_cuda_steps_as_torch_s_adamw(monkeypatch, overrides):
     optimizer, adapters = pooled_job(spec(**overrides), seed=21, rank=16, device="cuda")
     pool = optimizer.flat.pool
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     assert flat_adamw.kernel_works(torch.device("cuda"))   # its once-a-device check passes (and is not counted)
     launches = []
     real = flat_adamw._adamw_kernel.run
@@ -53,7 +53,7 @@ def test_the_kernel_on_cuda_steps_as_torch_s_adamw(monkeypatch, overrides):
     assert not bool(pool.grads.values.any())
     written = pool.casts[torch.bfloat16].clone()
     pool.current.clear()
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     assert torch.equal(pool.casts[torch.bfloat16], written)
 
 

@@ -28,7 +28,7 @@ import torch
 from actors.engine import flat_adamw, lora_cuda, lora_grad_kernel, lora_stacks
 from actors.engine.adapter_surgery import pool_masters
 from actors.engine.joint_steps import step_jobs
-from actors.engine.layout import step_layout
+from actors.engine.layout import StepLayout, step_layout
 from tests.helpers.cuda_path_runs import assert_as_alone, on_the_cuda_path, planned_jobs, run_planned
 from tests.helpers.flat_adamw_jobs import add_gradients, pooled_job, spec
 from tests.helpers.isolation import base_for
@@ -51,7 +51,7 @@ def _trained(kernel: bool, monkeypatch, overrides: dict) -> tuple:
     monkeypatch.setattr(flat_adamw, "kernel_runs", (lambda device: True) if kernel else (lambda device: False))
     optimizer, adapters = pooled_job(spec(**overrides), seed=11, rank=8)
     pool = optimizer.flat.pool
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     launches = []
     if kernel:
         assert flat_adamw.kernel_works(torch.device("cpu"))   # its once-a-device check passes here too
@@ -91,7 +91,7 @@ def test_the_kernel_s_copy_is_the_refresh_s(monkeypatch):
     _, pool, _ = _trained(True, monkeypatch, {})
     written = pool.casts[torch.bfloat16].clone()
     pool.current.clear()
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     assert torch.equal(pool.casts[torch.bfloat16], written)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from actors.engine import flat_adamw
 from actors.engine.joint_steps import step_jobs
+from actors.engine.layout import StepLayout
 from actors.engine.optim import JobOptimizer
 from tests.helpers.flat_adamw_jobs import (
     add_gradients,
@@ -65,16 +66,16 @@ def test_the_step_writes_the_compute_copy_and_clears_the_gradients():
     the scaling); the buffer is zeroed, so the next backward attaches it without a fill."""
     optimizer, _ = pooled_job(spec(), seed=2)
     pool = optimizer.flat.pool
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     add_gradients(optimizer, torch.Generator().manual_seed(1))
     step_jobs([optimizer], [4], on_device=True)
     written = pool.casts[torch.bfloat16].clone()
     generation = pool.generation
-    pool.refresh(object(), torch.bfloat16)   # a new step: nothing to cast again
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)   # a new step: nothing to cast again
     assert pool.generation == generation and torch.equal(pool.casts[torch.bfloat16], written)
     fresh = copy.deepcopy(pool)
     fresh.current.clear()
-    fresh.refresh(object(), torch.bfloat16)
+    fresh.refresh(StepLayout((), (), 0), torch.bfloat16)
     assert torch.equal(fresh.casts[torch.bfloat16], written)
     assert pool.grads.zeroed and not bool(pool.grads.values.any())
     fills = []
@@ -92,12 +93,12 @@ def test_a_changed_master_is_cast_again():
     at the version it was written at."""
     optimizer, adapters = pooled_job(spec(), seed=3)
     pool = optimizer.flat.pool
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     add_gradients(optimizer, torch.Generator().manual_seed(2))
     step_jobs([optimizer], [2], on_device=True)
     with torch.no_grad():
         adapters[0].lora_A.fill_(0.25)
-    pool.refresh(object(), torch.bfloat16)
+    pool.refresh(StepLayout((), (), 0), torch.bfloat16)
     a = pool.weights(adapters[0], *pool_start(adapters[0]), torch.bfloat16)[0]
     assert bool((a == 0.25).all())
 

@@ -81,11 +81,12 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
-    from actors.engine.warmup import settle_garbage_collector
+    from actors.engine.warmup import settle_garbage_collector, warm_up
     from actors.spec.job_spec import JobSpec
     started = time.perf_counter()
     model = random_model(args.shape, device, compute_dtype(device))
     base = from_module(model, None)
+    warm_up(base, 1 << 17)   # as the service's trainer does at start-up (actors/service/trainer/trainer_setup.py)
     trainer = FusedTrainer(base, step_tokens=1 << 17)
     profile_steps = 2 if args.profile else 0
     total = args.warmup + args.steps + profile_steps
@@ -336,9 +337,10 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
-    from actors.engine.warmup import settle_garbage_collector
+    from actors.engine.warmup import settle_garbage_collector, warm_up
     from actors.spec.job_spec import JobSpec
     base = from_module(random_model(args.shape, device, compute_dtype(device)), None)
+    warm_up(base, 1 << 17)   # as the service's trainer does at start-up
     settle_garbage_collector()   # as aspen's trainer does once set up (actors/engine/warmup.py)
     vocab = SHAPES[args.shape]["vocab_size"]
     rng = random.Random(0)

@@ -1,13 +1,15 @@
-"""One throwaway fused step on a freshly loaded base model, so that a trainer's first real step does not
+"""Throwaway fused steps on a freshly loaded base model, so that a trainer's first real step does not
 pay the process's one-time costs: the allocator's first blocks, kernel and library initialisation (on
 CUDA: cuBLAS handles and workspaces, attention kernels), the first pass through every Python code path.
 Measured on a model whose steps are bound by per-operation overhead, as a small model's are on a GPU: the
 first step of a fresh process took 1.0 s against 0.37 s for the steps after it, and the next two were
 still slow (0.46 s, 0.56 s).
 
-Two temporary jobs (two, so that the multi-adapter code paths run too) train one step on random tokens
-and are removed; the base model is left as it was: no adapter attached, its weights untouched, the
-random number generators' states restored, and on CUDA the peak-memory counter reset.
+Two temporary jobs (two, so that the multi-adapter code paths run too) train on random tokens and are
+removed, in two steps whose token counts are one a multiple of 16 and one not (Triton compiles a kernel
+anew for an integer argument that turns divisible by 16); the base model is left as it was: no adapter
+attached, its weights untouched, the random number generators' states restored, and on CUDA the
+peak-memory counter reset.
 
 `settle_garbage_collector` is the other start-up step of a long-lived training process: after loading
 torch, transformers (and Ray) such a process holds ~420,000 objects the garbage collector tracks, and
@@ -36,7 +38,7 @@ WARM_UP_MAX_LENGTH = 128     # tokens per sequence
 
 
 def warm_up(base: BaseModel, step_tokens: int = 256) -> float:
-    """Run one fused step of temporary jobs on `base` and remove them; returns the seconds it took. The
+    """Run two fused steps of temporary jobs on `base` and remove them; returns the seconds they took. A
     step is about as large as the trainer's steps will be (`step_tokens`, its budget, up to
     `WARM_UP_MAX_TOKENS`): the first step of a size touches memory the process has not touched yet
     (measured: a first 700-token step 0.9 s after a warm-up of 128 tokens, 0.37 s for the next ones)."""
@@ -45,9 +47,28 @@ def warm_up(base: BaseModel, step_tokens: int = 256) -> float:
     cuda_rng = torch.cuda.get_rng_state_all() if base.device.type == "cuda" else None
     vocab = base.model.get_input_embeddings().num_embeddings
     tokens = max(2 * WARM_UP_JOBS, min(step_tokens, WARM_UP_MAX_TOKENS))
-    length = max(2, min(WARM_UP_MAX_LENGTH, tokens // WARM_UP_JOBS))
+    length = max(8, min(WARM_UP_MAX_LENGTH, tokens // WARM_UP_JOBS) // 8 * 8)   # the first step: a multiple of 16
     sequences = max(1, tokens // (WARM_UP_JOBS * length))   # per job
     generator = torch.Generator().manual_seed(0)
+    try:
+        # two steps: their token counts one a multiple of 16 and one not, the two ways Triton specialises a
+        # kernel's integer arguments (a step's token count reaches Liger's RoPE and RMSNorm so): each kernel is
+        # compiled for both before the first real step, not in the step whose count first differs (on the H200
+        # lease of 2026-12-04 three kernels were compiled anew in the timed step of 3,328 tokens)
+        for shorter in (0, 1):
+            _one_step(base, vocab, sequences, length, shorter, generator)
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+            torch.cuda.reset_peak_memory_stats(base.device)
+    return time.perf_counter() - started
+
+
+def _one_step(base: BaseModel, vocab: int, sequences: int, length: int, shorter: int,
+              generator: torch.Generator) -> None:
+    """One fused step of WARM_UP_JOBS temporary jobs, each `sequences` sequences of `length` tokens (the first job's
+    last one `shorter` tokens shorter), the jobs removed after it."""
     trainer = FusedTrainer(base, step_tokens=10**9, layout="packed")
     chosen: list[tuple[TrainingJob, list[Example]]] = []
     try:
@@ -56,8 +77,9 @@ def warm_up(base: BaseModel, step_tokens: int = 256) -> float:
                            batch_size=sequences, max_steps=1,
                            lora={"r": 8, "alpha": 16, "target_modules": "all-linear"})
             examples = []
-            for _ in range(sequences):
-                ids = tuple(torch.randint(0, vocab, (length,), generator=generator).tolist())
+            for sequence in range(sequences):
+                size = length - (shorter if index == 0 and sequence == sequences - 1 else 0)
+                ids = tuple(torch.randint(0, vocab, (size,), generator=generator).tolist())
                 examples.append(Example(ids, (-100,) + ids[1:]))
             job = TrainingJob.create(spec, base, examples, [], seed=index)
             trainer.add_job(job)
@@ -66,11 +88,6 @@ def warm_up(base: BaseModel, step_tokens: int = 256) -> float:
     finally:
         for job, _ in chosen:
             trainer.remove_job(job.name)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-            torch.cuda.reset_peak_memory_stats(base.device)
-    return time.perf_counter() - started
 
 
 def settle_garbage_collector() -> None:

@@ -252,3 +252,25 @@ def test_warm_up_leaves_the_base_as_it_was():
     job = (job_spec("target", lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}),
            random_examples(0, vocab=VOCAB), 0)
     assert relative_difference(train(fresh, [job])["target"], train(warmed, [job])["target"]) == 0
+
+
+def test_warm_up_steps_one_token_count_divisible_by_16_and_one_not(monkeypatch):
+    """Triton compiles a kernel anew where an integer argument (a step's token count reaches Liger's RoPE and
+    RMSNorm) turns divisible by 16 or stops being so: the warm-up's two steps have one count of each kind, for any
+    trainer budget, so that neither compile falls in a real step."""
+    from actors.engine import warmup
+    from actors.engine.trainer import FusedTrainer
+
+    counts: list[int] = []
+    real = FusedTrainer.run_step
+
+    def counted(self, chosen, **options):
+        counts.append(sum(len(example.input_ids) for _, examples in chosen for example in examples))
+        return real(self, chosen, **options)
+
+    monkeypatch.setattr(FusedTrainer, "run_step", counted)
+    base = from_module(tiny_model("llama", VOCAB), None)
+    for budget in (40, 256, 700, 4096):
+        counts.clear()
+        warmup.warm_up(base, budget)
+        assert len(counts) == 2 and counts[0] % 16 == 0 and counts[1] % 16 != 0, (budget, counts)

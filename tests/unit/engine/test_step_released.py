@@ -56,16 +56,20 @@ def test_a_step_frees_its_activations_and_graph(monkeypatch, no_cycle_collection
     watched = _inputs_watched(monkeypatch)
     _STEP[0] = 0
     left: list[tuple[int, int, int]] = []
+    before = _with_a_graph()   # what earlier tests in this process keep (the fixture collected their garbage)
 
     def after_step(trainer, jobs):
         alive = [step for step, ref in watched if ref() is not None]
-        graphs = sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.grad_fn is not None)
-        left.append((_STEP[0], len(alive), graphs))
+        left.append((_STEP[0], len(alive), _with_a_graph() - before))
         _STEP[0] += 1
 
     base = base_for("float32" if path == "float32" else "bfloat16")
     _, _, steps = run_planned(base, one_rank_jobs(), between_steps=after_step)
     assert steps >= 3 and watched
     assert bool(together) == (path == "siblings")
-    assert all(alive == 0 and graphs == 0 for _, alive, graphs in left), (
-        f"(step, layer inputs alive, tensors with a graph) after each step: {left}")
+    assert all(alive == 0 and graphs <= 0 for _, alive, graphs in left), (
+        f"(step, layer inputs alive, tensors with a graph more than before the run) after each step: {left}")
+
+
+def _with_a_graph() -> int:
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.grad_fn is not None)

@@ -137,10 +137,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
         cu_seqlens = layout.cu_seqlens(query.device)
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-        out = flash_attn_varlen_func(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                     cu_seqlens, cu_seqlens, layout.max_sequence_length,
-                                     layout.max_sequence_length, dropout_p=dropout, softmax_scale=scaling,
-                                     causal=True, window_size=window)
+        longest = layout.max_sequence_length
+        out = flash_attn_varlen_func(*token_major(query, key, value), cu_seqlens, cu_seqlens, longest, longest,
+                                     dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window)
         return out.unsqueeze(0), None
     gqa = query.shape[1] != key.shape[1]
     outputs = []
@@ -161,6 +160,15 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.transpose(1, 2).contiguous(), None
 
 
+def token_major(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(1, heads, T, dim) tensors as the (T, heads, dim) views a varlen kernel takes. `squeeze(0)`, not `[0]`: a
+    select's backward writes its gradient into a new zero-filled (1, heads, T, dim) tensor (a fill and a copy each),
+    in head-major order, which Liger's RoPE backward then copies back to token-major and a value's view backward
+    copies again; a squeeze's backward is a view, so the kernel's token-major gradients reach the projections as
+    they are (on the 8B shape: 192 launches and their host time a step fewer)."""
+    return tuple(tensor.squeeze(0).transpose(0, 1) for tensor in tensors)
+
+
 def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                            sliding_window: int | None) -> torch.Tensor:
     """torch's varlen flash-attention over the step's sequences (the current layout), causal, within the window.
@@ -176,8 +184,8 @@ def torch_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         options["enable_gqa"] = True
     elif groups > 1 and VARLEN_GQA == "repeat":
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = torch_varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                            cu_seqlens, cu_seqlens, longest, longest, scale=scaling, window_size=window, **options)
+    out = torch_varlen_attn(*token_major(query, key, value), cu_seqlens, cu_seqlens, longest, longest, scale=scaling,
+                            window_size=window, **options)
     return out.unsqueeze(0)
 
 

@@ -104,3 +104,29 @@ def test_the_varlen_call_gets_the_grouped_heads_as_the_torch_takes_them(monkeypa
     # float32 sums over the head dimension and the keys of a sequence, against float64
     bound = rounding_tolerance(DIM + 2 * max(LENGTHS), float(value.abs().max()))
     assert float((out.double() - expected).abs().max()) <= bound
+
+
+def test_the_kernels_gradients_reach_the_projections_token_major(monkeypatch):
+    """The query, key and value come in as (1, heads, T, dim) views of the projections' token-major outputs; the
+    kernel's gradients are token-major (T, heads, dim). They must reach the projections in that order, as views: a
+    head-major copy (what `tensor[0]`'s backward makes) costs a fill and a copy per tensor and a layer, then Liger's
+    RoPE backward and the value's view backward copy it back."""
+    stand_in = StandIn()
+    monkeypatch.setattr(attention, "torch_varlen_attn", stand_in)
+    monkeypatch.setattr(attention, "VARLEN_GQA", "native")
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(LENGTHS)
+    # as a model makes them: projections' outputs (1, T, heads·dim) viewed per head, heads before tokens
+    made = [torch.randn(1, tokens, heads * DIM, generator=generator, requires_grad=True)
+            for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    query, key, value = (t.view(1, tokens, -1, DIM).transpose(1, 2) for t in made)
+    seen = []
+    for tensor in (query, key, value):
+        tensor.register_hook(seen.append)
+    with step_layout(StepLayout.single("job", LENGTHS)):
+        out = torch_varlen_attention(query, key, value, 0.3, None)
+    # the stand-in's gradients as a varlen kernel's: token-major (T, heads, dim)
+    out.backward(torch.randn(out.shape, generator=generator))
+    assert len(seen) == 3
+    for grad in seen:
+        assert grad.transpose(1, 2).is_contiguous(), "the gradient was copied head-major on its way back"

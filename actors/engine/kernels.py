@@ -32,8 +32,12 @@ operations round after each elementwise step: results agree with the model's to 
 (tests/gpu/test_kernels_cuda.py in bfloat16; tests/unit/engine/test_kernels_interpreted.py on a CPU, in float32
 under Triton's interpreter, where fused jobs also end bit for bit as alone). The RoPE kernel rotates the query and
 key in place, in the projections' outputs, which no backward may keep (a LoRA path that saved a projection's
-output for its backward would get it rotated); RMSNorm runs with `in_place=False` (its backward writes a new
-gradient tensor instead of overwriting the incoming one, which another consumer could hold)."""
+output for its backward would get it rotated). RMSNorm's backward writes its input gradient over the incoming one
+(`in_place=True`, as Liger's own patches for these architectures do; `False` zero-fills a new tensor first, a
+launch a norm and step): in these pre-norm decoders a norm's output reaches only matrix products (the projections,
+the LM head; Qwen3's q/k norms', the RoPE kernel), whose backward hands it a gradient tensor of its own that no other
+node reads afterwards (an addition's backward, which hands one tensor to both operands, never sits above a norm
+here: the residual additions read the norms' inputs, not their outputs)."""
 
 from __future__ import annotations
 
@@ -202,7 +206,7 @@ def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[s
 def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Llama's RMSNorm (`casting_mode="llama"`: the mean square in float32, the product with the weight in the
     input's dtype; no offset)."""
-    return _liger.liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", False)
+    return _liger.liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", True)
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

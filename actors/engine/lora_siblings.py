@@ -182,7 +182,7 @@ def _plan(siblings: SiblingSet, fitting: list[tuple], flat_x: torch.Tensor, layo
     member_of, _, offsets, scalings = fitting[0][3]
     targets = _targets(siblings, fitting, blocks, stacks, flat_x.device) if taking else None
     return _Plan(stacks, blocks, offsets, scalings, targets, layout.tensors,
-                 [(found[0].base.weight, found[0].base.bias) for found in fitting])
+                 [(found[0].base._parameters["weight"], found[0].base._parameters.get("bias")) for found in fitting])
 
 
 def _stacks(siblings: SiblingSet, blocks: list[Block], member_lists: list[list], weight_lists: list[list],

@@ -223,3 +223,22 @@ def test_jobs_may_be_named_like_module_attributes():
     for name in ("train", "half", "cuda", "forward"):
         remove_adapter(model, name)
     assert {name for name, _ in model.named_modules()} == plain
+
+
+def test_the_base_and_adapters_stay_registered_submodules_when_looked_up_directly():
+    """`base` and `adapters` are also plain attributes (a lookup without nn.Module's `__getattr__`): a replaced
+    base is the one the layer computes with and the one its state dict, `.modules()` and `.to()` see."""
+    first, second = nn.Linear(8, 4, bias=False), nn.Linear(8, 4, bias=False)
+    layer = FusedLoraLinear(first)
+    assert layer.__dict__["base"] is first and layer._modules["base"] is first
+    layer.base = second
+    assert layer.base is second and layer._modules["base"] is second
+    assert list(layer.state_dict()) == ["base.weight"]
+    assert torch.equal(layer.state_dict()["base.weight"], second.weight)
+    x = torch.randn(3, 8)
+    assert torch.equal(layer(x), second(x))   # no step layout: the base alone
+    layer.to(torch.float64)
+    assert layer.base.weight.dtype == torch.float64 and layer.base is second
+    assert [name for name, _ in layer.named_children()] == ["base", "adapters"]
+    del layer.base
+    assert "base" not in layer.__dict__ and "base" not in layer._modules

@@ -22,7 +22,9 @@ class StepLayout:
     segments: tuple[tuple[str, int, int], ...]
     sequences: tuple[tuple[int, int], ...]
     num_tokens: int
-    # device tensors built once per step and shared by every layer (e.g. cu_seqlens)
+    # what is built once per step and shared by every layer (device tensors such as cu_seqlens, the LoRA path's
+    # plans): a new step has a new layout, so nothing outlives its step; a recomputed forward in the same step
+    # finds it
     tensors: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     jobs: tuple[tuple[int, int], ...] = ()
 
@@ -33,7 +35,12 @@ class StepLayout:
 
     @property
     def max_sequence_length(self) -> int:
-        return max((end - start for start, end in self.sequences), default=0)
+        """The longest sequence's length (asked by every layer's attention: made once a step)."""
+        longest = self.tensors.get("max-sequence-length")
+        if longest is None:
+            longest = self.tensors["max-sequence-length"] = max([end - start for start, end in self.sequences],
+                                                                 default=0)
+        return longest
 
     def cu_seqlens(self, device: torch.device) -> torch.Tensor:
         """The sequences' int32 bounds on `device` (a fused step's batch puts them there with its other tensors:

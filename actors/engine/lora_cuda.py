@@ -56,7 +56,7 @@ from actors.engine import lora_grouped_mm
 from actors.engine.lora_grad_kernel import GroupTargets
 from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
 from actors.engine.lora_layer_state import layer_adapters
-from actors.engine.lora_masters import GradientSink, step_tensors
+from actors.engine.lora_masters import GradientSink
 from actors.engine.lora_stacks import stacked_weights
 
 # "auto": this path on CUDA for a bfloat16 or float32 base; "base": on any device (tests, benchmarks);
@@ -341,7 +341,7 @@ def linear_with_adapters(base: nn.Module, full_precision: bool, x: torch.Tensor,
             targets = entry.targets(order, chosen, member_of, stacks[0].shape[1], x.device) if (
                 taking and not plans) else None
             plans.append(_Plan(chosen, segments, stacks, "grouped_mm", groups, offsets, scalings, targets,
-                               step_tensors(layout)))
+                               layout.tensors))
         else:
             plans.append(_Plan(chosen, segments, [copies[index] for index in indices], "segments"))
     stacked = plans[0].targets is not None
@@ -361,7 +361,7 @@ def structure_of(layout: object, adapters: list[nn.Module], bounds: list[tuple[i
     (member of each group, each adapter's group, offsets, scalings) or None). The same for every layer that the
     same jobs adapt (their scalings, dropout and bounds are the job's), so made once a step for each such set.
     `signature`: each adapter's `lora_layer_state._job_of`."""
-    tensors = step_tensors(layout)
+    tensors = layout.tensors
     aligned = grouped_fits(x, base)
     key = ("lora-structure", tuple(bounds), signature, x.dtype, aligned, x.shape[0])
     if key in tensors:

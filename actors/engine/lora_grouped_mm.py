@@ -9,7 +9,7 @@ import logging
 import torch
 from torch import nn
 
-from actors.engine.lora_masters import RANK_ALIGNMENT, step_tensors
+from actors.engine.lora_masters import RANK_ALIGNMENT
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _group_tensors(layout: object, ends: tuple[int, ...], scalings: tuple[float,
     """The groups' int32 ends and (groups, 1, 1) float32 scalings on the device, made once a step for every layer
     grouped alike: from pinned host memory, copied without waiting (the pinned tensors stay referenced until the
     step ends)."""
-    tensors = step_tensors(layout)
+    tensors = layout.tensors
     key = ("lora-groups", ends, scalings, str(device))
     if key not in tensors:
         host_ends = torch.tensor(ends, dtype=torch.int32)

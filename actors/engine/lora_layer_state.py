@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from actors.engine.lora_grad_kernel import GroupTargets
-from actors.engine.lora_masters import GradientSink, compute_weights, step_tensors
+from actors.engine.lora_masters import GradientSink, compute_weights
 from actors.engine.lora_stacks import KEPT
 
 LAYER_ATTRIBUTE = "_aspen_lora_layer"
@@ -38,7 +38,7 @@ class LayerAdapters:
     def weights(self, layout: object, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each adapter's (A, scaling * B) in `dtype`: a pooled job's cast refreshed once a step (and again where
         its masters changed in place since), the others cast as `compute_weights` casts them."""
-        refreshed = step_tensors(layout).setdefault(("lora-refreshed", dtype), {})
+        refreshed = layout.tensors.setdefault(("lora-refreshed", dtype), {})
         for pool in [pool for pool in self.pools if refreshed.get(id(pool)) != pool.flat._version]:
             pool.refresh(layout, dtype)
             refreshed[id(pool)] = pool.flat._version
@@ -96,7 +96,7 @@ class LayerAdapters:
             return None, every
         if not positions:
             return None, masters
-        return GradientSink(self.pools, views, positions, returned, step_tensors(layout)), masters
+        return GradientSink(self.pools, views, positions, returned, layout.tensors), masters
 
     def _route(self, order: tuple[tuple[int, ...], ...]) -> tuple:
         views: list[torch.Tensor] = []

@@ -29,12 +29,6 @@ def casts_written() -> int:
     return _CASTS_WRITTEN[0]
 
 
-def step_tensors(layout: object) -> dict:
-    """What the path keeps for one step, shared by every layer: the layout's own `tensors` (a new step has a new
-    layout, so nothing outlives its step; a recomputed forward in the same step finds it)."""
-    return layout.tensors
-
-
 class MasterPool:
     """One job's float32 masters (every A, then every B, of its plain adapters: `adapter_surgery.pool_masters`)
     and their copy in a compute dtype: kept from step to step and refreshed in place once a step (the As copied,
@@ -218,7 +212,7 @@ def compute_weights(layout: object, adapters: Sequence[nn.Module], dtype: torch.
     (`adapter_surgery.pool_masters`, as every job's is) is cast whole, once a step (`MasterPool`): its layers'
     copies are views of that cast; another adapter is cast by itself. A weight changed in place since (an
     optimizer step, a load) is cast again."""
-    tensors = step_tensors(layout)
+    tensors = layout.tensors
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for adapter in adapters:
         found = adapter.master_pool

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from actors.engine.lora_masters import RANK_ALIGNMENT, casts_written, compute_weights, step_tensors
+from actors.engine.lora_masters import RANK_ALIGNMENT, casts_written, compute_weights
 from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 # keep the pooled stacks between steps (False: made each step, as before; bench/gpu_cost_model.py --set ranks the two)
@@ -196,7 +196,7 @@ def stacked_weights(layout: object, layer: nn.Module, members: Sequence[nn.Modul
     present members' copies in order, where the caller has them (else `compute_weights`). `pooled`: every member is
     pooled (the stack is then current while `casts_written` stays, and kept between steps: `KEPT`; else made each
     step, current while each member's copy stays)."""
-    tensors = step_tensors(layout)
+    tensors = layout.tensors
     key = ("lora-stack", id(layer), dtype, tuple(map(id, members)), casts_written() if pooled else tuple(
         [member.master_pool[0].generation if member.master_pool else (member.lora_A._version, member.lora_B._version)
          for member in members if member is not None]))

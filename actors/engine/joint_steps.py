@@ -9,6 +9,7 @@ summing order (`chained_sum`) are here too. One job's optimizer (`JobOptimizer`)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.optim.adam import adam as functional_adam
@@ -17,8 +18,8 @@ from actors.engine.flat_adamw import FlatAdamW
 from actors.engine.optim import JobOptimizer, batchable
 
 
-def step_jobs(optimizers: list[JobOptimizer], targets: list[int], *, on_device: bool = False
-              ) -> list[tuple[float, float | torch.Tensor]]:
+def step_jobs(optimizers: list[JobOptimizer], targets: list[int], *, on_device: bool = False,
+              later: list[Callable[[], None]] | None = None) -> list[tuple[float, float | torch.Tensor]]:
     """The optimizer steps of several jobs at once (`JobOptimizer.step` of each, with `targets[i]` target
     tokens): the gradients' division, the per-job norms and clipping and the AdamW updates each run as one
     multi-tensor operation over every job's parameters (AdamW once per set of equal hyperparameters: lr,
@@ -34,7 +35,12 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int], *, on_device: 
     `on_device` (CUDA): the norms, the clip factors and the updates stay on the device and nothing is read
     back (`_step_together_on_device`): a joined job's norm comes back as a 0-d float64 tensor, to be read with
     the step's other results once the step is queued. Its norm is then summed in the device's order (not
-    `chained_sum`'s), so a pipeline's stages, which sum theirs on the host, agree with it to rounding."""
+    `chained_sum`'s), so a pipeline's stages, which sum theirs on the host, agree with it to rounding.
+
+    `later` (with `on_device`): the flat AdamW updates and what follows them (the gradients dropped, step counts
+    and schedules advanced) are appended to it as one callable instead of run, for the caller to run once it has
+    read the norms back: the read then waits for the backward and the norms, not for the updates, which the device
+    runs while the host goes on to the next step (each job's lr and norm are returned as they will be used)."""
     results: dict[int, tuple[float, float | torch.Tensor]] = {}
     joined = [index for index, optimizer in enumerate(optimizers) if batchable(optimizer)]
     for index, optimizer in enumerate(optimizers):
@@ -48,8 +54,12 @@ def step_jobs(optimizers: list[JobOptimizer], targets: list[int], *, on_device: 
         optimizer.set_lr()
         results[index] = (lr, 0.0)
     if joined:
-        together = _step_together_on_device if on_device else _step_together
-        together([optimizers[index] for index in joined], [targets[index] for index in joined], results, joined)
+        if on_device:
+            _step_together_on_device([optimizers[index] for index in joined], [targets[index] for index in joined],
+                                     results, joined, later)
+        else:
+            _step_together([optimizers[index] for index in joined], [targets[index] for index in joined], results,
+                           joined)
     return [results[index] for index in range(len(optimizers))]
 
 
@@ -160,14 +170,20 @@ def _advance(optimizers: list[JobOptimizer], lrs: list[float], norms: list) -> l
 
 
 def _step_together_on_device(optimizers: list[JobOptimizer], targets: list[int],
-                             results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int]) -> None:
+                             results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int],
+                             later: list[Callable[[], None]] | None = None) -> None:
     """`_step_together` without reading anything back: the jobs whose adapter is pooled with its gradients
-    attached (every job on the CUDA path) by `_step_flat`, the others by `_step_unpooled_on_device`."""
+    attached (every job on the CUDA path) by `_step_flat` (its updates put in `later` where given), the others by
+    `_step_unpooled_on_device`."""
     flats = [_flat_ready(optimizer) for optimizer in optimizers]
-    for chosen, step in (([p for p, flat in enumerate(flats) if flat is not None], _step_flat),
-                         ([p for p, flat in enumerate(flats) if flat is None], _step_unpooled_on_device)):
-        if chosen:
-            step([optimizers[p] for p in chosen], [targets[p] for p in chosen], results, [indices[p] for p in chosen])
+    flat = [p for p, found in enumerate(flats) if found is not None]
+    unpooled = [p for p, found in enumerate(flats) if found is None]
+    if flat:
+        _step_flat([optimizers[p] for p in flat], [targets[p] for p in flat], results, [indices[p] for p in flat],
+                   later)
+    if unpooled:
+        _step_unpooled_on_device([optimizers[p] for p in unpooled], [targets[p] for p in unpooled], results,
+                                 [indices[p] for p in unpooled])
 
 
 def _flat_ready(optimizer: JobOptimizer) -> FlatAdamW | None:
@@ -183,7 +199,8 @@ _ONES: dict[torch.device, torch.Tensor] = {}
 
 
 def _step_flat(optimizers: list[JobOptimizer], targets: list[int],
-               results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int]) -> None:
+               results: dict[int, tuple[float, float | torch.Tensor]], indices: list[int],
+               later: list[Callable[[], None]] | None = None) -> None:
     """Each job's gradient norm over its pool's buffer (one multi-tensor reduction for every job), its clip factor
     min(limit / (norm + 1e-6), 1) on the device (a few multi-tensor operations for every job), then per job one
     kernel: the AdamW update of its whole adapter with the gradients times factor / targets
@@ -205,10 +222,18 @@ def _step_flat(optimizers: list[JobOptimizer], targets: list[int],
         torch._foreach_clamp_max_(chosen, 1.0)
         for p, factor in zip(clipped, chosen, strict=True):
             factors[p] = factor
-    for flat, factor, divisor in zip(flats, factors, divisors, strict=True):
-        flat.update(factor, divisor)
-    for index, result in zip(indices, _advance(optimizers, lrs, norms), strict=True):
-        results[index] = result
+    for index, lr, norm in zip(indices, lrs, norms, strict=True):
+        results[index] = (lr, norm)
+
+    def update() -> None:
+        for flat, factor, divisor in zip(flats, factors, divisors, strict=True):
+            flat.update(factor, divisor)
+        _advance(optimizers, lrs, norms)
+
+    if later is None:
+        update()
+    else:
+        later.append(update)
 
 
 def _step_unpooled_on_device(optimizers: list[JobOptimizer], targets: list[int],

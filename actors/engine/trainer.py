@@ -224,10 +224,10 @@ class FusedTrainer:
 
     def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]],
                   meanwhile: Callable[[], None] | None = None, calls: FusedCalls | None = None) -> StepReport:
-        """The step as the device runs it. Nothing inside waits for the device: the batch goes over in one copy
-        from pinned memory, losses and norms stay on the device, and the one read-back comes after every kernel
-        of the step (the optimizers' too) is queued; meanwhile the next step's batch is packed and sent
-        (`_prepack_next`)."""
+        """The step as the device runs it. Nothing inside waits for the device but the one read-back: the batch
+        goes over in one copy from pinned memory, losses and norms stay on the device until the read-back, which
+        comes once every kernel of the step up to the optimizers' norms is queued; meanwhile the next step's batch
+        is packed and sent (`_prepack_next`); the optimizers' updates are launched after it."""
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
         block = None
@@ -274,13 +274,18 @@ class FusedTrainer:
                 job.replay.record(rows, objective.completion_logps[index])
         due = [job for index, (job, _) in enumerate(chosen)
                if job.count_micro_batch(batch.job_tokens[index], counts[index])]
-        # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number
+        # the due jobs' optimizer steps together: a few multi-tensor operations whatever their number; on CUDA
+        # their updates launched only after the read-back below, which then waits for the backward and the norms,
+        # not the updates: the device runs those while the host returns and composes the next step
+        updates: list[Callable[[], None]] = []
         stepped = step_jobs([job.optimizer for job in due], [job.accumulator.targets for job in due],
-                            on_device=self.base.device.type == "cuda")
+                            on_device=self.base.device.type == "cuda", later=updates)
         self._prepack_next()
         if meanwhile is not None:
             meanwhile()
         per_job, norms = _read_back(objective.job_losses, [norm for _, norm in stepped])   # the step's one wait
+        for update in updates:
+            update()
         call_outputs = call_part.outputs() if block is not None else []
         for index, (job, _) in enumerate(chosen):
             job.accumulator.add_loss(per_job[index], counts[index], metrics[index])

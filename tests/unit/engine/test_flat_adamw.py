@@ -227,3 +227,30 @@ def test_a_kernel_that_fails_its_check_leaves_the_steps_to_the_reference(monkeyp
     warnings = [record.getMessage() for record in caplog.records if "flat AdamW kernel" in record.getMessage()]
     assert len(warnings) == 1
     assert ("no compiler here" in warnings[0]) == (broken == "raises")
+
+
+def test_updates_left_for_later_run_after_the_norms_are_read_and_step_the_same():
+    """`later`: the trainer reads the norms back before the updates are launched (its read then waits for the
+    backward, not the AdamW kernels). Until the updates run nothing of the job moved (weights, gradients, step count,
+    schedule); the norms are already final; run, they step the job bit for bit as the step that launched them at
+    once."""
+    # each job with its adapters, which hold its pool
+    jobs = [pooled_job(spec(), seed=3), pooled_job(spec(), seed=3)]
+    now, deferred = jobs[0][0], jobs[1][0]
+    for step, targets in enumerate((3, 5)):
+        add_gradients(now, torch.Generator().manual_seed(step))
+        add_gradients(deferred, torch.Generator().manual_seed(step))
+        before = [p.detach().clone() for p in deferred.parameters]
+        gradients = [p.grad.clone() for p in deferred.parameters]
+        lr, count = deferred.lr, deferred.step_count
+        later = []
+        [(lr_later, norm_later)] = step_jobs([deferred], [targets], on_device=True, later=later)
+        assert len(later) == 1
+        assert all(torch.equal(p, q) for p, q in zip(deferred.parameters, before, strict=True))
+        assert all(torch.equal(p.grad, g) for p, g in zip(deferred.parameters, gradients, strict=True))
+        assert (deferred.lr, deferred.step_count) == (lr, count)
+        [(lr_now, norm_now)] = step_jobs([now], [targets], on_device=True)
+        assert lr_later == lr_now and torch.equal(norm_later, norm_now)
+        later[0]()
+        assert all(p.grad is None for p in deferred.parameters) and deferred.step_count == now.step_count == step + 1
+        assert all(torch.equal(p, q) for p, q in zip(deferred.parameters, now.parameters, strict=True))

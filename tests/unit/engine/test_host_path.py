@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from actors.engine import step_batches
+from actors.engine import flat_adamw, step_batches
 from actors.engine import trainer as trainer_module
 from actors.engine.job import TrainingJob
 from actors.engine.joint_steps import step_jobs
@@ -19,7 +19,9 @@ from actors.engine.models import from_module
 from actors.engine.optim import JobOptimizer
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.step_composition import StepTokens
+from tests.helpers.cuda_path_runs import on_the_cuda_path, one_rank_jobs, run_planned
 from tests.helpers.fused import VOCAB, job_spec
+from tests.helpers.isolation import base_for
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.tolerances import unit_roundoff
 
@@ -212,3 +214,24 @@ def test_many_jobs_are_composed_within_the_budget_as_a_full_count_chooses(monkey
     chosen = trainer.compose(fits=fits)
     assert [job.name for job, _ in chosen] == [job.name for job in expected]
     assert not full_counts
+
+
+def test_the_read_back_waits_for_the_norms_not_the_updates(monkeypatch):
+    """On the CUDA path (here on a CPU) a step's one read-back comes after its norms and before its AdamW updates
+    are launched, so that on a GPU it waits for the backward, not the optimizers; the updates still run within the
+    step, every due job's once (what they compute: tests/unit/engine/test_flat_adamw.py, and the CUDA path's runs
+    against the float32 path and PEFT: tests/unit/engine/test_cuda_path_engine.py)."""
+    calls = on_the_cuda_path(monkeypatch, "grouped_mm")
+    order: list[str] = []
+    read_back = trainer_module._read_back
+    monkeypatch.setattr(trainer_module, "_read_back", lambda *args: order.append("read") or read_back(*args))
+    update = flat_adamw.FlatAdamW.update   # on_the_cuda_path's counting one
+    monkeypatch.setattr(flat_adamw.FlatAdamW, "update",
+                        lambda self, *args: order.append("update") or update(self, *args))
+    steps = []
+    _, _, count = run_planned(base_for("bfloat16"), one_rank_jobs(),
+                                   between_steps=lambda trainer, jobs: steps.append(list(order)) or order.clear())
+    assert count >= 3 and calls.flat_updates > 0
+    for seen in steps:
+        assert seen[0] == "read" and seen.count("read") == 1 and set(seen[1:]) <= {"update"}, seen
+    assert sum(seen.count("update") for seen in steps) == calls.flat_updates

@@ -4,17 +4,24 @@ On a host-bound step each launch counts (on the H200 of 2026-12-04 a launching o
 layer alone on grouped_mm (actors/engine/lora_cuda.py) launches 3 products in its forward and 6 operations in its
 backward, and autograd sums the siblings' input gradients after (2 more for q, k and v). Together, in one autograd
 function (`_SiblingLinears`):
-- forward: one grouped down projection over the siblings' stacked As (groups, Σ ranks, in), then per layer its up
-  projection (its columns of that product by its block of the Bs' stack) and its base GEMM accumulating into it;
-- backward: the layers' output gradients side by side (one copy), one grouped product by the block-diagonal Bs'
-  stack for every layer's (g sB), one by the As' stack for the LoRA share of the input gradient, each base's `g W`
-  accumulated into it, and one product each for the stacked A and B gradients, added into the jobs' buffers by one
-  launch (`lora_grad_kernel.GroupTargets` with a block per layer).
-q, k and v: 16 launches instead of 29; gate and up: 13 instead of 19 (608 fewer a step on the 8B shape).
+- forward: one grouped down projection over the siblings' stacked As (groups, Σ ranks, in), one up projection by the
+  stacked Bs on a diagonal (groups, Σ outs, Σ ranks) into a (tokens, Σ outs) output, and one base GEMM over the layers'
+  frozen weights, made rows of one tensor when every sibling joins (actors/engine/sibling_weights.py), accumulating
+  into it; each layer's output is its columns of it (detached views, so that RoPE may rotate q and k in place: the
+  row-strided kernels of actors/engine/strided_kernels.py take them where they lie);
+- backward: the layers' output gradients side by side (as they lie where SwiGLU's backward wrote them into the gate
+  and up columns, else one copy), one grouped product by the Bs' stack for every layer's (g sB), one by the As' stack
+  for the LoRA share of the input gradient, the base's `g W` over the stacked weights accumulated into it, and one
+  product each for the stacked A and B gradients, added into the jobs' buffers by one launch
+  (`lora_grad_kernel.GroupTargets` with a block per layer).
+q, k and v: 10 launches instead of 29 one by one; gate and up: 9 instead of 19. Where a sibling does not join (or the
+weights cannot be stacked: `sibling_weights.fused_weights`), the joining layers' up projections and base GEMMs run one
+by one (q, k and v: 16 launches).
 
 Each job's update reads its own rows only (the same groups as each layer's), so a NaN in one job's rows reaches no
-other job; within a job, zeros of the other layers' blocks multiply its gradients (a NaN there is the job's own).
-The outputs equal the layers' computed one by one (the same products); the input gradient sums the same terms in
+other job; within a job, zeros of the other layers' blocks multiply its values and gradients (a NaN there is the job's
+own). The outputs equal the layers' computed one by one (the same products; a GPU's GEMM over the stacked weights may
+tile them otherwise, so to its rounding); the input gradient sums the same terms in
 another order, so a job's rounding there depends on which siblings the step's jobs adapt (and on their ranks), as on
 a GPU its base GEMM's does on the step's token count: "auto" takes this path on CUDA only, where a job fused is not
 bit for bit the job alone anyway; the CPU's paths keep that guarantee.
@@ -41,6 +48,7 @@ from actors.engine.lora_grouped_mm import grouped_mm_works
 from actors.engine.lora_layer_state import layer_adapters
 from actors.engine.lora_masters import RANK_ALIGNMENT
 from actors.engine.lora_stacks import KEEP, KEPT
+from actors.engine.sibling_weights import Stacked, fused_weights
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,7 @@ class SiblingSet:
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
         self.static: dict[int, tuple] = {}   # id(layer) -> (what `_fits` read, whether it fits), kept
+        self.stacked: Stacked | None = None  # the layers' frozen weights as rows of one tensor, once all join
 
     def taken(self, layer: nn.Module, x: torch.Tensor, layout: object) -> torch.Tensor | None:
         """`layer`'s output on `x` where a sibling computed it (once: a second call computes again), else None."""
@@ -111,6 +120,7 @@ class _Plan:
     targets: GroupTargets | None                # where the gradients go (None: no backward takes any)
     tensors: dict                               # the step's
     bases: list[tuple[torch.Tensor, torch.Tensor | None]]   # each layer's frozen weight and bias
+    stacked: Stacked | None                     # the same as rows of one tensor (every layer of the set joined)
 
 
 def _join(siblings: SiblingSet, layer: nn.Module, flat_x: torch.Tensor, layout: object
@@ -181,8 +191,12 @@ def _plan(siblings: SiblingSet, fitting: list[tuple], flat_x: torch.Tensor, layo
     stacks = _stacks(siblings, blocks, member_lists, weight_lists, flat_x, rank_start, out_start)
     member_of, _, offsets, scalings = fitting[0][3]
     targets = _targets(siblings, fitting, blocks, stacks, flat_x.device) if taking else None
+    stacked = None
+    if [found[0] for found in fitting] == siblings.layers:   # all of them, in order: their weights stacked once
+        stacked = siblings.stacked = fused_weights([found[0].base for found in fitting], siblings.stacked)
     return _Plan(stacks, blocks, offsets, scalings, targets, layout.tensors,
-                 [(found[0].base._parameters["weight"], found[0].base._parameters.get("bias")) for found in fitting])
+                 [(found[0].base._parameters["weight"], found[0].base._parameters.get("bias")) for found in fitting],
+                 stacked)
 
 
 def _stacks(siblings: SiblingSet, blocks: list[Block], member_lists: list[list], weight_lists: list[list],
@@ -241,15 +255,23 @@ class _SiblingLinears(torch.autograd.Function):
         a_stack, b_stack = plan.stacks
         offsets = plan.offsets
         hidden = torch._grouped_mm(x, a_stack.mT, offs=offsets)                                  # (T, Σ ranks)
-        outs = []
-        for block, (weight, bias) in zip(plan.blocks, plan.bases, strict=True):
-            rows = slice(block.rank_start, block.rank_start + block.rank)
-            b_block = b_stack[:, block.out_start:block.out_start + block.out, rows]
-            out = torch._grouped_mm(hidden[:, rows], b_block.mT, offs=offsets)                    # (T, out)
-            if bias is not None:
-                out.add_(bias)
-            out.addmm_(x, weight.t())
-            outs.append(out)
+        if plan.stacked is not None:   # one product by the diagonal stack, one base GEMM over the stacked weights
+            out = torch._grouped_mm(hidden, b_stack.mT, offs=offsets)                              # (T, Σ outs)
+            if plan.stacked.bias is not None:
+                out.add_(plan.stacked.bias)
+            out.addmm_(x, plan.stacked.weight.t())
+            # each layer's columns, detached: views of one output would forbid the in-place RoPE on q and k
+            outs = [part.detach() for part in out.split([block.out for block in plan.blocks], dim=1)]
+        else:
+            outs = []
+            for block, (weight, bias) in zip(plan.blocks, plan.bases, strict=True):
+                rows = slice(block.rank_start, block.rank_start + block.rank)
+                b_block = b_stack[:, block.out_start:block.out_start + block.out, rows]
+                out = torch._grouped_mm(hidden[:, rows], b_block.mT, offs=offsets)                # (T, out)
+                if bias is not None:
+                    out.add_(bias)
+                out.addmm_(x, weight.t())
+                outs.append(out)
         ctx.plan = plan
         ctx.save_for_backward(x, hidden)
         return tuple(outs)
@@ -260,17 +282,39 @@ class _SiblingLinears(torch.autograd.Function):
         plan = ctx.plan
         a_stack, b_stack = plan.stacks
         offsets = plan.offsets
-        grad_out = torch.cat(grads, dim=1)                                                        # (T, Σ outs)
+        grad_out = side_by_side(grads)                                                            # (T, Σ outs)
         grad_hidden = torch._grouped_mm(grad_out, b_stack, offs=offsets)                          # (T, Σ ranks)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_hidden, a_stack, offs=offsets)                        # (T, in)
-            for block, (weight, _) in zip(plan.blocks, plan.bases, strict=True):
-                grad_x.addmm_(grad_out[:, block.out_start:block.out_start + block.out], weight)
+            if plan.stacked is not None:
+                grad_x.addmm_(grad_out, plan.stacked.weight)
+            else:
+                for block, (weight, _) in zip(plan.blocks, plan.bases, strict=True):
+                    grad_x.addmm_(grad_out[:, block.out_start:block.out_start + block.out], weight)
         if plan.targets is not None:
             plan.targets.add(torch._grouped_mm(grad_hidden.t(), x, offs=offsets),
                              torch._grouped_mm(grad_out.t(), hidden, offs=offsets), plan.scalings, plan.tensors)
         return grad_x, None, None
+
+
+def side_by_side(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The layers' output gradients as one (T, Σ outs) tensor: the tensor they are columns of where they already lie
+    side by side in one (a backward that wrote them in place into the stacked output's columns: the strided SwiGLU's),
+    else their concatenation (one copy)."""
+    first = grads[0]
+    rows, row_stride = first.shape[0], first.stride(0)
+    width = sum(grad.shape[1] for grad in grads)
+    adjacent = row_stride == width and first.storage_offset() % row_stride == 0
+    column = 0
+    for grad in grads:
+        adjacent = (adjacent and grad.dim() == 2 and grad.shape[0] == rows and grad.dtype == first.dtype
+                    and grad.stride() == (row_stride, 1) and grad.untyped_storage().data_ptr()
+                    == first.untyped_storage().data_ptr() and grad.storage_offset() == first.storage_offset() + column)
+        column += grad.shape[1]
+    if adjacent:
+        return first.as_strided((rows, width), (row_stride, 1))
+    return torch.cat(grads, dim=1)
 
 
 def views_work(device: torch.device) -> bool:

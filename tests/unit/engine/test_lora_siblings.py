@@ -29,7 +29,8 @@ def test_within_the_bounds_of_the_exact_arithmetic_in_fewer_launches(monkeypatch
     calls = counted(monkeypatch)
     x, upstream = inputs()
     assert_within_the_bounds(attention(), x, upstream)
-    assert len(calls) == 1 + 3 + 4   # the shared down projection, 3 up projections; 4 grouped products backward
+    # the shared down projection, one up projection by the diagonal stack of Bs; 4 grouped products backward
+    assert len(calls) == 1 + 1 + 4
 
 
 def test_outputs_are_those_of_the_layers_one_by_one(monkeypatch):
@@ -41,6 +42,53 @@ def test_outputs_are_those_of_the_layers_one_by_one(monkeypatch):
     assert len(calls) == 3 * (2 + 4)
     for name in OUTS:
         assert torch.equal(together[0][name], alone[0][name]), name
+
+
+def test_the_frozen_weights_become_rows_of_one_tensor_holding_the_same_numbers_and_bytes():
+    """Once all three join, their weights are views of one stacked tensor: the same values, the model's bytes the same
+    (each storage once), one base product; a weight replaced afterwards is stacked again and followed."""
+    from actors.engine.memory import model_bytes
+
+    parent = attention()
+    before = {name: getattr(parent, name).base.weight.detach().clone() for name in OUTS}
+    bytes_before = model_bytes(parent)
+    x, upstream = inputs()
+    run(parent, x, upstream)
+    weights = [getattr(parent, name).base.weight for name in OUTS]
+    storage = weights[0].untyped_storage().data_ptr()
+    assert all(weight.untyped_storage().data_ptr() == storage for weight in weights)
+    assert [weight.storage_offset() for weight in weights] == [0, OUTS["q_proj"] * weights[0].shape[1],
+                                                               (OUTS["q_proj"] + OUTS["k_proj"]) * weights[0].shape[1]]
+    assert all(torch.equal(getattr(parent, name).base.weight, before[name]) for name in OUTS)
+    assert model_bytes(parent) == bytes_before
+    assert not any(weight.requires_grad for weight in weights)
+    replaced = torch.nn.Parameter(before["k_proj"] * 2, requires_grad=False)
+    parent.k_proj.base.weight = replaced
+    outs, _, _ = run(parent, x, upstream)
+    assert parent.k_proj.base.weight is not replaced   # stacked again, with the new numbers
+    assert torch.equal(parent.k_proj.base.weight, before["k_proj"] * 2)
+    assert parent.k_proj.base.weight.untyped_storage().data_ptr() == parent.q_proj.base.weight.untyped_storage(
+    ).data_ptr()
+    lora_siblings.SIBLINGS = "off"
+    try:
+        alone = run(parent, x, upstream)[0]
+    finally:
+        lora_siblings.SIBLINGS = "on"
+    assert torch.equal(outs["k_proj"], alone["k_proj"])
+
+
+def test_gradients_lying_side_by_side_are_taken_as_they_lie():
+    """Gradients written into adjacent columns of one tensor are that tensor (no copy); others are concatenated."""
+    whole = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7)
+    parts = whole.split([3, 4], dim=1)
+    joined = lora_siblings.side_by_side(parts)
+    assert joined.data_ptr() == whole.data_ptr() and torch.equal(joined, whole)
+    apart = (parts[0].clone(), parts[1])
+    copied = lora_siblings.side_by_side(apart)
+    assert copied.data_ptr() != whole.data_ptr() and torch.equal(copied, whole)
+    swapped = lora_siblings.side_by_side((parts[1], parts[0]))
+    assert torch.equal(swapped, torch.cat([parts[1], parts[0]], dim=1))
+    assert torch.equal(lora_siblings.side_by_side((whole[1:, :3], whole[1:, 3:])), whole[1:])
 
 
 def test_a_nan_in_one_jobs_rows_reaches_no_other_job():
@@ -66,7 +114,7 @@ def test_a_layer_called_with_another_input_or_with_dropout_is_computed_alone(mon
     calls = counted(monkeypatch)
     other_input = run(attention(), x, upstream, {"k_proj": x.clone()})
     # all three computed for x; k again, alone, on its own input (which needs no gradient: 3 products backward)
-    assert len(calls) == (1 + 3 + 4) + (2 + 3)
+    assert len(calls) == (1 + 1 + 4) + (2 + 3)
     for name in OUTS:
         assert torch.equal(other_input[0][name], alone[0][name]), name
     calls.clear()

@@ -19,7 +19,10 @@ functions in the transformers module, so that every model of that architecture b
 each MLP module's `forward` is rebound on the instance to Liger's functional kernels (the MLP's gate, up and
 down projections stay the model's modules, so LoRA wraps them as before), each attention module's `forward`
 becomes a copy of its class's forward whose global `apply_rotary_pos_emb` is Liger's (the copy's globals, not
-the module's), and the LM head's weight is marked for the fused loss (`loss.use_fused_loss`).
+the module's), and the LM head's weight is marked for the fused loss (`loss.use_fused_loss`). Where q and k, or gate
+and up, are columns of one wider output (the CUDA LoRA path's layers computed together: actors/engine/lora_siblings.py),
+RoPE and SwiGLU run where the columns lie (actors/engine/strided_kernels.py: Liger's RoPE kernel, a SwiGLU kernel in
+Liger's arithmetic), not on the copies Liger's functions would make.
 
 Isolation. Each of these kernels works token by token: RMSNorm scales each token's hidden vector by its own
 mean square, RoPE rotates each token's query and key heads by its own position, SwiGLU is elementwise, and the
@@ -52,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from actors.engine import strided_kernels
 from actors.engine.extras import require
 from actors.engine.loss import use_fused_loss
 from actors.engine.swiglu import lean_swiglu
@@ -199,7 +203,7 @@ def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[s
             elif op == "swiglu":
                 module.forward = MethodType(_swiglu_forward, module)
             else:
-                module.forward = MethodType(_with_liger_rope(type(module).forward, functional.liger_rope), module)
+                module.forward = MethodType(_with_liger_rope(type(module).forward, strided_kernels.rope), module)
     return list(ops)
 
 
@@ -210,7 +214,7 @@ def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(_liger.liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(strided_kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 @functools.cache

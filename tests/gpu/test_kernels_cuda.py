@@ -141,6 +141,34 @@ def test_each_kernel_in_bfloat16_gives_the_model_s_results(monkeypatch, model_ty
 
 
 @needs_liger
+def test_layers_computed_together_run_rope_and_swiglu_where_their_columns_lie(monkeypatch):
+    """Adapters of rank 8 on every layer of a tiny Llama in bfloat16 with Liger's kernels: on a Hopper GPU q/k/v and
+    gate/up are computed together over their weights stacked as rows of one tensor (actors/engine/lora_siblings.py,
+    sibling_weights.py), RoPE and SwiGLU run on their columns where they lie (strided_kernels.py: Liger's RoPE and
+    SwiGLU functions are not called), and the step's results are the layers' computed one by one, within the
+    bfloat16 chain's bound."""
+    from actors.engine import lora_siblings
+
+    if torch.cuda.get_device_capability() < (9, 0) or not lora_siblings.views_work(torch.device("cuda")):
+        pytest.skip("the layers are computed together on sm90 and newer (torch._grouped_mm)")
+    model = _on_gpu(tiny("llama"))
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", "off")
+    reference = fused_step(copy.deepcopy(model), kernels.OPS, rank=8)
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", "on")
+    spied = spy_on_liger(monkeypatch)
+    got = fused_step(model, kernels.OPS, rank=8)
+    assert spied["liger_rope"] == spied["liger_swiglu"] == 0, dict(spied)
+    layer = model.model.layers[0]
+    for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+        weights = [getattr(parent, name).base.weight for name in names]
+        assert len({weight.untyped_storage().data_ptr() for weight in weights}) == 1, names
+    for key, expected in reference.items():
+        roundings = bf16_roundings(model.config, backward=key not in ("hidden", "losses"))
+        bound = rounding_tolerance(roundings, float(expected.abs().max()), BF16)
+        assert float((got[key] - expected).abs().max()) <= bound, key
+
+
+@needs_liger
 def test_auto_applies_liger_on_cuda_in_bfloat16():
     model = _on_gpu(tiny("llama"))
     assert from_module(model, None, kernels="auto").kernels == "liger"

@@ -73,7 +73,7 @@ def _counting(function, name: str, calls: collections.Counter):
     return spy
 
 
-def fused_step(model: torch.nn.Module, ops: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def fused_step(model: torch.nn.Module, ops: tuple[str, ...], rank: int = 4) -> dict[str, torch.Tensor]:
     """One packed step of two jobs through `model` (on its device, in its dtype) with Liger's `ops` swapped in
     (none: the model's own operations): its final hidden states, the per-token losses, the gradient of the input
     embeddings and of every adapter weight (float32 adapters, B drawn non-zero), all in float32."""
@@ -81,8 +81,8 @@ def fused_step(model: torch.nn.Module, ops: tuple[str, ...]) -> dict[str, torch.
     if ops:
         kernels.apply_kernels(model, "liger", ops=ops)
     device = base.device
-    handles = {name: add_adapter(model, name, LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=index)
-               for index, name in enumerate(JOB_WEIGHTS)}
+    config = LoraConfig(r=rank, alpha=2 * rank, target_modules="all-linear")
+    handles = {name: add_adapter(model, name, config, seed=index) for index, name in enumerate(JOB_WEIGHTS)}
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for handle in handles.values():

@@ -162,3 +162,96 @@ def test_the_fused_loss_equals_autograd_in_float64(spied, transform, with_bias):
     (exact_log_probs * token_weights.double()).sum().backward()
     assert_close(log_probs, exact_log_probs)
     assert_close(log_input.grad, exact_input.grad)
+
+
+class _Columns(torch.autograd.Function):
+    """A tensor's column blocks as the siblings' stacked output gives them (actors/engine/lora_siblings.py): detached
+    views of one (tokens, Σ widths) tensor; the backward joins their gradients as the siblings' does."""
+
+    @staticmethod
+    def forward(ctx, x, widths):
+        return tuple(part.detach() for part in x.clone().split(widths, dim=1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from actors.engine.lora_siblings import side_by_side
+
+        _Columns.joined = side_by_side(grads)
+        return _Columns.joined, None
+
+
+def _rope_cos_sin(tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inverse = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.arange(tokens, dtype=torch.float32)[:, None] * inverse[None]
+    both = torch.cat([angles, angles], dim=-1)[None]
+    return both.cos(), both.sin()
+
+
+def test_rope_on_columns_of_a_wider_row_is_liger_s_rope_on_copies_bit_for_bit(spied):
+    """q and k as columns of a (tokens, q + k + v) row, rotated where they lie (actors/engine/strided_kernels.py), equal
+    Liger's function on contiguous copies, forward and backward, bit for bit (the same kernel on the same numbers), and
+    make no copies: Liger's function is not called and the gradients reach the stacked output without a concatenation
+    of copies of q and k."""
+    from liger_kernel.transformers.functional import liger_rope
+
+    from actors.engine import strided_kernels
+
+    tokens, q_heads, kv_heads, dim = 11, 4, 2, 8
+    widths = [q_heads * dim, kv_heads * dim, kv_heads * dim]
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(tokens, sum(widths), generator=generator)
+    upstream = [torch.randn(tokens, width, generator=generator) for width in widths]
+    cos, sin = _rope_cos_sin(tokens, dim)
+
+    def run(rotate, columns: bool):
+        x = rows.clone().requires_grad_(True)
+        q, k, v = _Columns.apply(x, widths) if columns else [part.contiguous() for part in x.split(widths, dim=1)]
+        shaped = [t.view(1, tokens, -1, dim).transpose(1, 2) for t in (q, k)]
+        q_rot, k_rot = rotate(shaped[0], shaped[1], cos, sin)
+        outs = [q_rot.transpose(1, 2).reshape(tokens, -1), k_rot.transpose(1, 2).reshape(tokens, -1), v]
+        sum((out * up).sum() for out, up in zip(outs, upstream, strict=True)).backward()
+        return [out.detach().clone() for out in outs], x.grad
+
+    before = spied["liger_rope"]
+    strided, strided_grad = run(strided_kernels.rope, columns=True)
+    assert spied["liger_rope"] == before   # the row-strided launch, not Liger's function
+    copied, copied_grad = run(liger_rope, columns=False)
+    assert spied["liger_rope"] == before + 1
+    for got, expected in zip(strided, copied, strict=True):
+        assert torch.equal(got, expected)
+    assert torch.equal(strided_grad, copied_grad)
+
+
+def test_swiglu_on_columns_of_a_wider_row_is_liger_s_swiglu_bit_for_bit_its_gradients_side_by_side(spied):
+    """gate and up as columns of one (tokens, 2 · width) row: the row-strided kernel gives Liger's SwiGLU's output and
+    gradients bit for bit (the same float32 arithmetic), within float32's rounding of the torch expression
+    (`swiglu_reference`), and writes the gradients into the gate and up columns, so the siblings' backward takes them
+    as one tensor, without a copy."""
+    from liger_kernel.transformers.functional import liger_swiglu
+
+    from actors.engine import strided_kernels
+
+    tokens, width = 9, 1500   # wider than one program's columns: two column tiles, the second partial
+    generator = torch.Generator().manual_seed(4)
+    rows = torch.randn(tokens, 2 * width, generator=generator) * 3
+    upstream = torch.randn(1, tokens, width, generator=generator)
+
+    def run(function, columns: bool):
+        x = rows.clone().requires_grad_(True)
+        gate, up = _Columns.apply(x, [width, width]) if columns else [p.contiguous() for p in x.split(width, dim=1)]
+        out = function(gate.view(1, tokens, width), up.view(1, tokens, width))
+        (out * upstream).sum().backward()
+        return out.detach().clone(), x.grad
+
+    before = spied["liger_swiglu"]
+    strided, strided_grad = run(strided_kernels.swiglu, columns=True)
+    assert spied["liger_swiglu"] == before
+    joined = _Columns.joined
+    copied, copied_grad = run(liger_swiglu, columns=False)
+    assert spied["liger_swiglu"] == before + 1
+    assert torch.equal(strided, copied) and torch.equal(strided_grad, copied_grad)
+    assert joined.stride() == (2 * width, 1)   # the gradients lay side by side in the stacked output's columns
+    gate, up = rows.split(width, dim=1)
+    reference = strided_kernels.swiglu_reference(gate, up)
+    bound = rounding_tolerance(4, float(reference.abs().max()))
+    assert float((strided[0] - reference).abs().max()) <= bound

@@ -148,6 +148,25 @@ def memory_fields(device: torch.device, before_steps: int = 0, largest_step_toke
     return fields
 
 
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_events(device: torch.device) -> dict[str, int]:
+    """CUDA's caching allocator's counters that mean a wait (a retry after freeing its cache, a cudaMalloc or
+    cudaFree: each synchronises the device); the difference over the timed steps says whether a step waited on
+    them (a fragmented cache at many adapters, say). Empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_EVENTS}
+
+
+def allocator_events_since(device: torch.device, before: dict[str, int]) -> dict:
+    after = allocator_events(device)
+    return {"allocator_events_in_timed_steps": {name: after[name] - before.get(name, 0) for name in after}} \
+        if after else {}
+
+
 def with_mfu(result: dict, model, device: torch.device, ceiling: float | None = None) -> dict:
     flops = 4 * matmul_parameters(model) * result["tokens_per_s"]
     peak = peak_flops(device)

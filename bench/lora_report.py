@@ -27,7 +27,8 @@ def side_line(name: str, side: dict, ceiling: float | None) -> str:
         return f"  {label:<36} {side.get('status', 'not run')}"
     of_ceiling = side["flops_per_s"] / ceiling if ceiling and side.get("flops_per_s") else None
     per_token = side.get("step_bytes_per_token")
-    memory = _gb(side.get("peak_memory_bytes")) + (f" ({per_token / 1e6:.1f} MB/token)" if per_token else "")
+    memory = (_gb(side.get("peak_memory_bytes")) + (f" ({per_token / 1e6:.1f} MB/token)" if per_token else "")
+              + _allocator(side))
     status = "" if side.get("status") == "passed" else f"  [{side.get('status')}]"
     return (f"  {label:<36} {side['tokens_per_s']:>9,.0f} {side['median_step_s']:>8.3f} s "
             f"({side['p10_step_s']:.3f}-{side['p90_step_s']:.3f}) {_pct(side.get('lora_mfu')):>6} / "
@@ -149,6 +150,13 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
     return lines
 
 
+def _allocator(row: dict) -> str:
+    """The allocator's waits over the timed steps (retries, cudaMalloc / cudaFree calls), where any happened."""
+    events = {name: count for name, count in row.get("allocator_events_in_timed_steps", {}).items() if count}
+    return ("; allocator in the timed steps: " + ", ".join(f"{name} {count}" for name, count in events.items())
+            if events else "")
+
+
 def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
     efficiency = fusion.get("efficiency", {})
     lines = [f"== fusion at equal total tokens ({fusion.get('sequences')} x {fusion.get('length')} tokens a step) "
@@ -159,7 +167,7 @@ def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
     for n, row in fusion.get("per_adapters", {}).items():
         lines.append(f"    {n:>2} adapters: median step {row['median_step_s']:.3f} s ({row['p10_step_s']:.3f}-"
                      f"{row['p90_step_s']:.3f}), {row['tokens_per_s_at_median']:,.0f} tokens/s, "
-                     f"{_gb(row.get('peak_memory_bytes'))}")
+                     f"{_gb(row.get('peak_memory_bytes'))}{_allocator(row)}")
     predicted = predicted_efficiency(prediction)
     if predicted:
         lines.append("  predicted by the cost model: " + ", ".join(

@@ -20,6 +20,8 @@ from lora_bench import (
     LORA,
     SHAPES,
     StepClock,
+    allocator_events,
+    allocator_events_since,
     compute_dtype,
     job_batches,
     log,
@@ -103,6 +105,7 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    events = allocator_events(device)
     clock, tokens, padded = StepClock(device), [], []
     clock.mark()
     for _ in range(args.steps):
@@ -111,6 +114,7 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
         padded.append(report.tokens)
         clock.mark()
     result = with_mfu(step_summary(clock.seconds(), tokens), model, device)
+    result.update(allocator_events_since(device, events))
     result.update(memory_fields(device, held, max(padded)), padding_tokens=sum(padded) - sum(tokens),
                   setup_s=round(setup, 1), jobs=JOBS, engine_defaults=engine_settings(trainer))
     write(args, result)
@@ -367,6 +371,7 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
         sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        events = allocator_events(device)
         clock = StepClock(device)
         clock.mark()
         for _ in range(args.steps):
@@ -374,6 +379,7 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
             clock.mark()
         summary = step_summary(clock.seconds(), [sequences * length] * args.steps)
         summary["tokens_per_s_at_median"] = sequences * length / summary["median_step_s"]
+        summary.update(allocator_events_since(device, events))
         summary.update(memory_fields(device))
         result["per_adapters"][str(adapters)] = summary
         first = result["per_adapters"][next(iter(result["per_adapters"]))]["tokens_per_s_at_median"]

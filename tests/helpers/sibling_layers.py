@@ -18,13 +18,14 @@ OUTS = {"q_proj": 40, "k_proj": 16, "v_proj": 16}
 RANK = 8
 
 
-def attention(dropout_in: str | None = None, device: str = "cpu") -> nn.Module:
-    """q, k and v of three jobs (rank 8, the jobs' scalings), each job's adapters pooled across the three."""
+def attention(dropout_in: str | None = None, device: str = "cpu", bias: bool = False) -> nn.Module:
+    """q, k and v of three jobs (rank 8, the jobs' scalings), each job's adapters pooled across the three; `bias`:
+    the base layers with biases (Qwen2's q, k and v)."""
     torch.manual_seed(0)
     parent = nn.Module()
     per_job: list[list[LoraAdapter]] = [[] for _ in SCALINGS]
     for name, out in OUTS.items():
-        layer = FusedLoraLinear(nn.Linear(IN, out, bias=False).to(device, torch.bfloat16).requires_grad_(False))
+        layer = FusedLoraLinear(nn.Linear(IN, out, bias=bias).to(device, torch.bfloat16).requires_grad_(False))
         for index, scaling in enumerate(SCALINGS):
             dropout = 0.3 if name == dropout_in and index == 1 else 0.0
             adapter = LoraAdapter(IN, out, LoraConfig(r=RANK, alpha=RANK * scaling, dropout=dropout),

@@ -77,6 +77,22 @@ def test_the_frozen_weights_become_rows_of_one_tensor_holding_the_same_numbers_a
     assert torch.equal(outs["k_proj"], alone["k_proj"])
 
 
+def test_biased_layers_stack_their_biases_too_and_compute_what_they_compute_one_by_one(monkeypatch):
+    """Qwen2's q, k and v have biases: theirs are stacked with the weights (views of one tensor), added once, and the
+    outputs are the layers' computed one by one, bit for bit."""
+    x, upstream = inputs()
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", "off")
+    alone = run(attention(bias=True), x, upstream)
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", "on")
+    parent = attention(bias=True)
+    together = run(parent, x, upstream)
+    biases = [getattr(parent, name).base.bias for name in OUTS]
+    assert len({bias.untyped_storage().data_ptr() for bias in biases}) == 1
+    assert parent.q_proj.siblings.stacked is not None and parent.q_proj.siblings.stacked.bias is not None
+    for name in OUTS:
+        assert torch.equal(together[0][name], alone[0][name]), name
+
+
 def test_gradients_lying_side_by_side_are_taken_as_they_lie():
     """Gradients written into adjacent columns of one tensor are that tensor (no copy); others are concatenated."""
     whole = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7)

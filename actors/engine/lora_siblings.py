@@ -48,7 +48,7 @@ from actors.engine.lora_grouped_mm import grouped_mm_works
 from actors.engine.lora_layer_state import layer_adapters
 from actors.engine.lora_masters import RANK_ALIGNMENT
 from actors.engine.lora_stacks import KEEP, KEPT
-from actors.engine.sibling_weights import Stacked, fused_weights
+from actors.engine.sibling_weights import REFUSED, Stacked, fused_weights
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ def _plan(siblings: SiblingSet, fitting: list[tuple], flat_x: torch.Tensor, layo
     targets = _targets(siblings, fitting, blocks, stacks, flat_x.device) if taking else None
     stacked = None
     if [found[0] for found in fitting] == siblings.layers:   # all of them, in order: their weights stacked once
-        stacked = siblings.stacked = fused_weights([found[0].base for found in fitting], siblings.stacked)
+        siblings.stacked = fused_weights([found[0].base for found in fitting], siblings.stacked)
+        stacked = siblings.stacked if siblings.stacked is not REFUSED else None
     return _Plan(stacks, blocks, offsets, scalings, targets, layout.tensors,
                  [(found[0].base._parameters["weight"], found[0].base._parameters.get("bias")) for found in fitting],
                  stacked)

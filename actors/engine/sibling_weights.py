@@ -14,10 +14,13 @@ stack is made again from the weights the layers hold then."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,9 @@ class Stacked:
 
 def fused_weights(bases: list[nn.Module], kept: Stacked | None) -> Stacked | None:
     """The base layers' weights as rows of one tensor (`kept` where the layers still view it); None where they cannot
-    be stacked (see the module's docstring)."""
-    if kept is not None and kept.current(bases):
+    be stacked (see the module's docstring), `REFUSED` where the device had no room for the stack (logged; not tried
+    again for these layers: each try would flush the allocator's cache)."""
+    if kept is REFUSED or (kept is not None and kept.current(bases)):
         return kept
     weights = [base._parameters.get("weight") for base in bases]
     biases = [base._parameters.get("bias") for base in bases]
@@ -50,9 +54,15 @@ def fused_weights(bases: list[nn.Module], kept: Stacked | None) -> Stacked | Non
     with_bias = [bias is not None for bias in biases]
     if any(with_bias) and not all(with_bias) or any(bias is not None and bias.requires_grad for bias in biases):
         return None
-    with torch.no_grad():
-        weight = torch.cat(weights)
-        bias = torch.cat(biases) if all(with_bias) else None
+    try:
+        weight = _rows_of_one(weights)
+        bias = _rows_of_one(biases) if all(with_bias) else None
+    except torch.OutOfMemoryError:   # the stack is made beside the layers' weights, which it then replaces
+        log.warning("no room on %s to stack the frozen weights of %d layers reading one input (%.0f MB, once); "
+                    "they are computed one by one (more launches a step) for as long as they stay adapted: leave "
+                    "more of the device free (a smaller memory budget or step) to have them stacked",
+                    first.device, len(weights), sum(w.numel() * w.element_size() for w in weights) / 1e6)
+        return REFUSED
     views = []
     start = 0
     for base, old in zip(bases, weights, strict=True):
@@ -64,6 +74,14 @@ def fused_weights(bases: list[nn.Module], kept: Stacked | None) -> Stacked | Non
             views.append(bias_view)
         start = rows.stop
     return Stacked(weight, bias, tuple(views))
+
+
+def _rows_of_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat(tensors)
+
+
+REFUSED = Stacked(torch.empty(0), None, ())   # no room to stack: the layers are computed one by one
 
 
 def _held(bases: list[nn.Module], with_bias: bool) -> list:

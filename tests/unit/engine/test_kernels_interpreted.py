@@ -187,11 +187,11 @@ def _rope_cos_sin(tokens: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return both.cos(), both.sin()
 
 
-def test_rope_on_columns_of_a_wider_row_is_liger_s_rope_on_copies_bit_for_bit(spied):
+def test_rope_on_columns_of_a_wider_row_is_liger_s_rope_on_copies_bit_for_bit(spied, monkeypatch):
     """q and k as columns of a (tokens, q + k + v) row, rotated where they lie (actors/engine/strided_kernels.py), equal
     Liger's function on contiguous copies, forward and backward, bit for bit (the same kernel on the same numbers), and
     make no copies: Liger's function is not called and the gradients reach the stacked output without a concatenation
-    of copies of q and k."""
+    of copies of q and k. A Liger whose RoPE kernel takes other arguments gets its own function."""
     from liger_kernel.transformers.functional import liger_rope
 
     from actors.engine import strided_kernels
@@ -220,6 +220,12 @@ def test_rope_on_columns_of_a_wider_row_is_liger_s_rope_on_copies_bit_for_bit(sp
     for got, expected in zip(strided, copied, strict=True):
         assert torch.equal(got, expected)
     assert torch.equal(strided_grad, copied_grad)
+    # a Liger whose kernel takes other arguments: its own function, on copies, the same numbers
+    monkeypatch.setattr(strided_kernels, "ROPE_ARGUMENTS", ("q_ptr", "q_row_stride"))
+    fallen_back, fallen_back_grad = run(strided_kernels.rope, columns=True)
+    assert spied["liger_rope"] == before + 2
+    assert all(torch.equal(got, expected) for got, expected in zip(fallen_back, copied, strict=True))
+    assert torch.equal(fallen_back_grad, copied_grad)
 
 
 def test_swiglu_on_columns_of_a_wider_row_is_liger_s_swiglu_bit_for_bit_its_gradients_side_by_side(spied):

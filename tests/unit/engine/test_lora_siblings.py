@@ -77,6 +77,34 @@ def test_the_frozen_weights_become_rows_of_one_tensor_holding_the_same_numbers_a
     assert torch.equal(outs["k_proj"], alone["k_proj"])
 
 
+def test_no_room_to_stack_the_weights_computes_the_layers_one_by_one_and_says_so(monkeypatch, caplog):
+    """The stack is made beside the weights it replaces: where the device has no room for it (out of memory), the
+    layers are computed one by one, the same outputs, the weights untouched, a warning says what to do, and the
+    stacking is not tried again every step."""
+    from actors.engine import sibling_weights
+
+    x, upstream = inputs()
+    alone = run(attention(), x, upstream)[0]
+    tries = []
+
+    def no_room(*args, **kwargs):
+        tries.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 235.00 MiB")
+
+    monkeypatch.setattr(sibling_weights, "_rows_of_one", no_room)
+    parent = attention()
+    with caplog.at_level(logging.WARNING):
+        outs = run(parent, x, upstream)[0]
+        run(parent, x, upstream)
+    assert tries == [1]
+    assert any("no room" in record.getMessage() and "smaller memory budget" in record.getMessage()
+               for record in caplog.records)
+    weights = [getattr(parent, name).base.weight for name in OUTS]
+    assert len({weight.untyped_storage().data_ptr() for weight in weights}) == 3
+    for name in OUTS:
+        assert torch.equal(outs[name], alone[name]), name
+
+
 def test_biased_layers_stack_their_biases_too_and_compute_what_they_compute_one_by_one(monkeypatch):
     """Qwen2's q, k and v have biases: theirs are stacked with the weights (views of one tensor), added once, and the
     outputs are the layers' computed one by one, bit for bit."""

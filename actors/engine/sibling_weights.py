@@ -8,9 +8,11 @@ the separate tensors are freed, so the model holds the same bytes as before (the
 once: `memory.model_bytes`). The values are the same numbers, so everything that reads the layers (the model's own
 code, a step without adapters, an export of the base) reads what it read before.
 
-Only frozen, full-precision weights of one dtype and device, with biases on all the layers or on none, are stacked
-(quantized layers hold their weights otherwise). Where a layer's weight was replaced since (`Stacked.current`), the
-stack is made again from the weights the layers hold then."""
+Weights that already lie so (stacked before, for a set made anew when its layers are wrapped again; or loaded so)
+are taken as they lie, without a copy. Only frozen, full-precision weights of one dtype and device, with biases on
+all the layers or on none, are stacked (quantized layers hold their weights otherwise). Where a layer's weight was
+replaced since (`Stacked.current`), the stack is made again from the weights the layers hold then. Where the device
+has no room for the stack (it is made beside the weights it replaces), the layers are computed one by one (logged)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ def fused_weights(bases: list[nn.Module], kept: Stacked | None) -> Stacked | Non
     with_bias = [bias is not None for bias in biases]
     if any(with_bias) and not all(with_bias) or any(bias is not None and bias.requires_grad for bias in biases):
         return None
+    weight = _lying_as_rows(weights)
+    bias = _lying_as_rows(biases) if all(with_bias) else None
+    if weight is not None and (bias is not None or not all(with_bias)):   # stacked before (a set made anew)
+        return Stacked(weight, bias, tuple(_held(bases, bias is not None)))
     try:
         weight = _rows_of_one(weights)
         bias = _rows_of_one(biases) if all(with_bias) else None
@@ -74,6 +80,19 @@ def fused_weights(bases: list[nn.Module], kept: Stacked | None) -> Stacked | Non
             views.append(bias_view)
         start = rows.stop
     return Stacked(weight, bias, tuple(views))
+
+
+def _lying_as_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one, where they already lie one after another in one storage (stacked before), else None."""
+    first = tensors[0]
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for tensor in tensors:
+        if (not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != storage
+                or tensor.storage_offset() != offset):
+            return None
+        offset += tensor.numel()
+    rows = sum(tensor.shape[0] for tensor in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def _rows_of_one(tensors: list[torch.Tensor]) -> torch.Tensor:

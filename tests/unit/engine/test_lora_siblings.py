@@ -62,6 +62,13 @@ def test_the_frozen_weights_become_rows_of_one_tensor_holding_the_same_numbers_a
     assert all(torch.equal(getattr(parent, name).base.weight, before[name]) for name in OUTS)
     assert model_bytes(parent) == bytes_before
     assert not any(weight.requires_grad for weight in weights)
+    from actors.engine.adapter_surgery import _link_siblings
+
+    stacked = parent.q_proj.siblings.stacked.weight
+    _link_siblings(parent)   # the set made anew (its layers wrapped again): the weights found stacked, not copied
+    run(parent, x, upstream)
+    assert parent.q_proj.siblings.stacked.weight.data_ptr() == stacked.data_ptr()
+    assert all(getattr(parent, name).base.weight is weight for name, weight in zip(OUTS, weights, strict=True))
     replaced = torch.nn.Parameter(before["k_proj"] * 2, requires_grad=False)
     parent.k_proj.base.weight = replaced
     outs, _, _ = run(parent, x, upstream)

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS, WARMUP, BATCH = 2, 1, 2
 
 
+@pytest.mark.long   # 67 s on CI's machine of 2026-12-04: the Tinker bench end to end on a tiny base
 def test_the_bench_runs_on_a_tiny_base_and_writes_its_figures(tmp_path):
     out = tmp_path / "bench.json"
     command = [sys.executable, str(REPO / "bench" / "tinker_clients.py"), "--base", "tiny", "--clients", "1,2",

@@ -116,6 +116,7 @@ def test_malformed_row_stops_the_run_before_it_starts_with_file_line_and_field(t
     assert not any((tmp_path / "out").glob("*/adapter_model.safetensors")), "a job trained though a row was bad"
 
 
+@pytest.mark.long   # 45 s on CI's machine of 2026-12-04: a run, then status and export from its folder
 def test_after_a_run_ends_status_and_export_answer_from_its_folder(tmp_path, tiny_model_dirs, monkeypatch):
     """The next commands a user types once `aspen run` has ended (its service gone): `aspen status`, `aspen
     status JOB`, `aspen losses JOB` and `aspen export JOB` answer from the run's own job table, and say so; PEFT

@@ -105,6 +105,7 @@ def test_a_policy_found_by_entry_point_drives_a_run(ray_session, tiny_model_dirs
     assert {j for r in rows for j in r["jobs"]} == set(ids)
 
 
+@pytest.mark.long   # 46 s on CI's machine of 2026-12-04: jobs trained to their end under a memory budget
 def test_a_memory_budget_that_fits_two_jobs_never_runs_three(ray_session, tiny_tokenizer, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

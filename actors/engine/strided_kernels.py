@@ -49,16 +49,21 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if (rows_q.is_contiguous() and rows_k.is_contiguous()) or not (_token_rows(rows_q) and _token_rows(rows_k)) \
             or cos.shape[-1] != q.shape[-1] or _liger_rope_kernel() is None:
         return liger_rope(q, k, cos, sin, position_ids, unsqueeze_dim)
-    return _RowRope.apply(q, k, cos, sin)
+    return _RowRope.apply(q, k, *_rows_of(cos, sin))
 
 
-def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> None:
-    """Rotate (1, T, heads, dim) q and k in place (their rows `_token_rows`; the inverse rotation for `backward`)."""
+def _rows_of(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as the kernel reads them: (batch, T, dim), contiguous (as Liger's function shapes them)."""
     if cos.dim() == 4:
         cos, sin = cos.squeeze(1), sin.squeeze(1)
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    cos, sin = cos.contiguous(), sin.contiguous()
+    return cos.contiguous(), sin.contiguous()
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> None:
+    """Rotate (1, T, heads, dim) q and k in place (their rows `_token_rows`; cos and sin `_rows_of`; the inverse
+    rotation for `backward`)."""
     _, tokens, q_heads, dim = q.shape
     k_heads = k.shape[2]
     power = triton.next_power_of_2

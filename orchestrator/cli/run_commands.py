@@ -184,7 +184,9 @@ def _watch_stops(stops: StopBetweenSteps) -> None:
             if not number or number[0] not in (signal.SIGINT, signal.SIGTERM):
                 continue
             seen += 1
-            if seen == 1 and stops.stepping:
+            # `began`, not `stepping`: the main thread may have raised the stop at the top of its next round and left
+            # the steps (to checkpoint the jobs) before this thread read the signal; the line holds either way
+            if seen == 1 and stops.began:
                 print("aspen: stopping once the step that runs has ended; the jobs are checkpointed then (Ctrl-C "
                       "again: at once)", file=sys.stderr, flush=True)
             elif seen >= 2:

@@ -4,6 +4,8 @@
 Parts, each in its own process group (a part that fails or runs past its time limit is recorded in the
 report, its processes killed, and the suite goes on with the next):
   tests       pytest tests/gpu (the CUDA paths against their references; the benchmarks' baselines)
+  products    bench/lora_products.py: the six LoRA products of each 8B layer group timed each way (grouped_mm, a
+              mm a job, one mm over every job's factors), 1..32 jobs, beside HBM's copy rate and the cost model
   mfu         bench/lora_mfu.py --parts mfu on the Llama-3.1-8B shape: aspen's 4 fused jobs beside (a) the careful
               PEFT loop, (b) PEFT packed with varlen attention and Liger, (c) 4 PEFT processes at once, the frozen
               base and the card's matmul ceiling, each in its own process; with one of aspen's steps profiled
@@ -58,14 +60,15 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipeline", "pipeline-memory", "sweep", "overhead",
-         "fusion", "operations", "peft", "compile")
+PARTS = ("tests", "products", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipeline", "pipeline-memory", "sweep",
+         "overhead", "fusion", "operations", "peft", "compile")
 # the lease's default: the parts in order of what they tell, each with its limit in seconds, from the H200 lease of
 # 2026-11-28 (mfu 63 s for 2 sides; fusion8b 70 s for 8 steps a count; tests 18 s; pipeline 68 s) and the
 # estimates in docs/gpu_lease.md
 # the checks of correctness first (the 2026-12-04 lease left the pipeline's killed at the deadline), then the 8B
-# figures; memory and smollm2's shape were measured that day and come last with the two never run on a GPU
-LEASE_PARTS = "tests:60,pipeline:60,mfu:220,fusion8b:120,memory:45,sweep:240,overhead:150,mfu-smollm2:90"
+# figures; memory and smollm2's shape were measured that day and come last with the two never run on a GPU;
+# products (~20 s) second: what decides how the LoRA products are computed, and the cost model's rates for them
+LEASE_PARTS = "tests:60,products:40,pipeline:60,mfu:220,fusion8b:120,memory:45,sweep:240,overhead:150,mfu-smollm2:90"
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 8000   # characters of each part's output kept in the report (all of it in <part>.log)
 
@@ -101,6 +104,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     return {
         "tests": [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
                    "--ignore=tests/gpu/test_gpu_suite.py", f"--junitxml={out / 'tests.xml'}"]],
+        "products": [[py, "bench/lora_products.py", *quick, *device, "--json", str(out / "products.json")]],
         "mfu": [[*lora_mfu, "--parts", "mfu", "--shapes", "llama-3.1-8b", "--profile", str(out / "profile"),
                  *side_timeout, "--json", str(out / "mfu.json")]],
         "fusion8b": [[*lora_mfu, "--parts", "fusion", "--profile", str(out / "profile"),
@@ -258,6 +262,16 @@ def key_numbers(out: Path) -> dict:
             if profile:
                 numbers[shape]["profile"] = {k: profile.get(k) for k in (
                     "gpu_busy_of_unprofiled_step", "kernels_per_step", "launches_per_step", "syncs_per_step")}
+    products = _json(out / "products.json")
+    if products:
+        summed: dict = {}
+        for row in products["rows"]:   # the ways that compute all six products (`stacked` takes two)
+            if row["way"] == "stacked":
+                continue
+            key = f"{row['jobs']} jobs, {row['way']}"
+            summed[key] = summed.get(key, 0.0) + row["seconds"]
+        numbers["lora_products_us_a_layer"] = {key: round(value * 1e6, 1) for key, value in summed.items()}
+        numbers["lora_products_failures"] = products["failures"]
     memory = _json(out / "memory.json")
     if memory:
         numbers["memory_model_error"] = {k: memory.get(k) for k in ("median_abs_error", "max_abs_error")}

@@ -1,5 +1,6 @@
 """`kernels: liger`: Liger-Kernel's fused Triton kernels for the frozen base's memory-bound work (the `gpu` extra):
-RMSNorm, RoPE and SwiGLU swapped into a loaded model instance, and the LM head's cross-entropy (actors/engine/
+RMSNorm (and, in each decoder layer, the residual addition after attention with the RMSNorm that follows it, in one
+kernel), RoPE and SwiGLU swapped into a loaded model instance, and the LM head's cross-entropy (actors/engine/
 loss.py) run through Liger's cross-entropy kernel, which turns each chunk of logits into its losses and gradient
 in place, in the base's dtype: no chunk of vocabulary logits is made in float32.
 
@@ -17,7 +18,10 @@ Only this model instance changes. Liger's own `apply_liger_kernel_to_<arch>(mode
 functions in the transformers module, so that every model of that architecture built afterwards in the process
 (a test's reference, a second base) would run Liger's kernels too; it is not used. Instead, each RMSNorm and
 each MLP module's `forward` is rebound on the instance to Liger's functional kernels (the MLP's gate, up and
-down projections stay the model's modules, so LoRA wraps them as before), each attention module's `forward`
+down projections stay the model's modules, so LoRA wraps them as before), each decoder layer's `forward` to
+transformers' own steps with the attention's residual addition and the post-attention norm in Liger's fused
+add-RMSNorm kernel (a launch and a pass over the hidden states fewer each way: its backward adds the residual's
+gradient as it writes the norm's), each attention module's `forward`
 becomes a copy of its class's forward whose global `apply_rotary_pos_emb` is Liger's (the copy's globals, not
 the module's), and the LM head's weight is marked for the fused loss (`loss.use_fused_loss`). Where q and k, or gate
 and up, are columns of one wider output (the CUDA LoRA path's layers computed together: actors/engine/lora_siblings.py),
@@ -40,7 +44,10 @@ output for its backward would get it rotated). RMSNorm's backward writes its inp
 launch a norm and step): in these pre-norm decoders a norm's output reaches only matrix products (the projections,
 the LM head; Qwen3's q/k norms', the RoPE kernel), whose backward hands it a gradient tensor of its own that no other
 node reads afterwards (an addition's backward, which hands one tensor to both operands, never sits above a norm
-here: the residual additions read the norms' inputs, not their outputs)."""
+here: the residual additions read the norms' inputs, not their outputs). The fused add-RMSNorm's backward writes so
+too, and hands that one tensor to both of its inputs (the attention's output and the residual), whose consumers read
+it: the output projection's backward, and autograd's sum for the layer's input, in place only where it holds the
+tensor's last reference."""
 
 from __future__ import annotations
 
@@ -64,7 +71,7 @@ from actors.spec.base_settings import KERNEL_MODES
 log = logging.getLogger(__name__)
 
 GPU_EXTRA = "gpu"
-OPS = ("rms_norm", "rope", "swiglu", "loss")
+OPS = ("rms_norm", "add_rms_norm", "rope", "swiglu", "loss")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SILU = ("silu", "swish")
 
@@ -73,19 +80,21 @@ _SILU = ("silu", "swish")
 class LigerArchitecture:
     """The classes of one transformers architecture that Liger's kernels replace: its RMSNorm (float32 mean square,
     the normalized vector cast back to the input's dtype, times the weight), its gated MLP
-    (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, SiLU) and its attention, whose forward calls its module's
-    `apply_rotary_pos_emb` (rotate-half RoPE over the whole head)."""
+    (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, SiLU), its attention, whose forward calls its module's
+    `apply_rotary_pos_emb` (rotate-half RoPE over the whole head), and its decoder layer (`_decoder_layer_forward`'s
+    steps: a pre-norm attention and MLP, each added to the residual stream)."""
 
     norm: str
     mlp: str
     attention: str
+    layer: str
 
 
 ARCHITECTURES: dict[str, LigerArchitecture] = {
-    "llama": LigerArchitecture("LlamaRMSNorm", "LlamaMLP", "LlamaAttention"),
-    "mistral": LigerArchitecture("MistralRMSNorm", "MistralMLP", "MistralAttention"),
-    "qwen2": LigerArchitecture("Qwen2RMSNorm", "Qwen2MLP", "Qwen2Attention"),
-    "qwen3": LigerArchitecture("Qwen3RMSNorm", "Qwen3MLP", "Qwen3Attention"),   # its q/k norms too
+    "llama": LigerArchitecture("LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"),
+    "mistral": LigerArchitecture("MistralRMSNorm", "MistralMLP", "MistralAttention", "MistralDecoderLayer"),
+    "qwen2": LigerArchitecture("Qwen2RMSNorm", "Qwen2MLP", "Qwen2Attention", "Qwen2DecoderLayer"),
+    "qwen3": LigerArchitecture("Qwen3RMSNorm", "Qwen3MLP", "Qwen3Attention", "Qwen3DecoderLayer"),   # its q/k norms
 }
 
 _told: set[str] = set()
@@ -186,11 +195,12 @@ def _architecture_problem(config: Any, architecture: LigerArchitecture | None) -
 
 def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[str],
                   functional: ModuleType) -> list[str]:
-    classes = {"rms_norm": architecture.norm, "swiglu": architecture.mlp, "rope": architecture.attention}
+    classes = {"rms_norm": architecture.norm, "swiglu": architecture.mlp, "rope": architecture.attention,
+               "add_rms_norm": architecture.layer}
     found: dict[str, list[nn.Module]] = {op: [] for op in ops}
     for module in model.modules():
         for op in ops:
-            if type(module).__name__ == classes[op]:
+            if type(module).__name__ == classes[op] and (op != "add_rms_norm" or _pre_norm_layer(module, architecture)):
                 found[op].append(module)
     missing = [op for op, modules in found.items() if not modules]
     if missing:   # refused before anything is swapped
@@ -200,6 +210,8 @@ def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[s
         for module in modules:
             if op == "rms_norm":
                 module.forward = MethodType(_rms_norm_forward, module)
+            elif op == "add_rms_norm":
+                module.forward = MethodType(_decoder_layer_forward, module)
             elif op == "swiglu":
                 module.forward = MethodType(_swiglu_forward, module)
             else:
@@ -211,6 +223,28 @@ def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
     """Llama's RMSNorm (`casting_mode="llama"`: the mean square in float32, the product with the weight in the
     input's dtype; no offset)."""
     return _liger.liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", True)
+
+
+def _pre_norm_layer(layer: nn.Module, architecture: LigerArchitecture) -> bool:
+    """Whether a decoder layer holds what `_decoder_layer_forward` calls: its two norms of the architecture's RMSNorm
+    class (with `variance_epsilon`), its attention and its MLP."""
+    norms = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm")]
+    return (all(type(norm).__name__ == architecture.norm and hasattr(norm, "variance_epsilon") for norm in norms)
+            and isinstance(getattr(layer, "self_attn", None), nn.Module)
+            and isinstance(getattr(layer, "mlp", None), nn.Module))
+
+
+def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """transformers' decoder layer of these architectures (`LlamaDecoderLayer.forward`: the attention on the input's
+    norm added to the input, the MLP on that sum's norm added to it), the attention's addition and the norm after it
+    one Liger kernel (Llama's casting: the sum rounded to the input's dtype, as `residual + hidden_states` rounds it).
+    The layer's keyword arguments go to its attention as transformers' layer passes them."""
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    norm = self.post_attention_layernorm
+    hidden_states, residual = _liger.liger_fused_add_rms_norm(hidden_states, residual, norm.weight,
+                                                              norm.variance_epsilon, 0.0, "llama", True)
+    return residual + self.mlp(hidden_states)
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

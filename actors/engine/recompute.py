@@ -94,9 +94,13 @@ def recomputed_layers(decoder: nn.Module, mode: Recompute) -> Iterator[None]:
     patched = []
     try:
         for layer in layers:
+            own = vars(layer).get("forward")   # a forward rebound on the instance (kernels.py's), put back below
             layer.forward = _RecomputedForward(layer, layer.forward)   # an instance attribute, removed below
-            patched.append(layer)
+            patched.append((layer, own))
         yield
     finally:
-        for layer in patched:
-            del layer.forward
+        for layer, own in patched:
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own

@@ -125,8 +125,9 @@ def _on_gpu(model: torch.nn.Module) -> torch.nn.Module:
 
 @needs_liger
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("ops", [("rms_norm",), ("rope",), ("swiglu",), ("loss",), kernels.OPS],
-                         ids=["rms_norm", "rope", "swiglu", "loss", "all"])
+@pytest.mark.parametrize("ops", [("rms_norm",), ("add_rms_norm",), ("rope",), ("swiglu",), ("loss",),
+                                 kernels.OPS],
+                         ids=["rms_norm", "add_rms_norm", "rope", "swiglu", "loss", "all"])
 def test_each_kernel_in_bfloat16_gives_the_model_s_results(monkeypatch, model_type, ops):
     spied = spy_on_liger(monkeypatch)
     model = _on_gpu(tiny(model_type))
@@ -172,8 +173,8 @@ def test_layers_computed_together_run_rope_and_swiglu_where_their_columns_lie(mo
 def test_auto_applies_liger_on_cuda_in_bfloat16():
     model = _on_gpu(tiny("llama"))
     assert from_module(model, None, kernels="auto").kernels == "liger"
-    # per layer its two norms, its MLP and its attention; the final norm
-    assert len(forwards_rebound(model)) == 4 * model.config.num_hidden_layers + 1
+    # per layer the layer (the fused addition and norm), its two norms, its MLP and its attention; the final norm
+    assert len(forwards_rebound(model)) == 5 * model.config.num_hidden_layers + 1
 
 
 @needs_liger

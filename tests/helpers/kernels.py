@@ -26,7 +26,8 @@ LONGEST = max(end - start for start, end in SEQUENCES)
 SEGMENTS = (("a", 0, 25), ("b", 25, 45))                  # two jobs
 TOKENS = SEQUENCES[-1][1]
 JOB_WEIGHTS = {"a": 1.0, "b": 2.0}                        # a token weight per job (1, or a float16 loss scale)
-SPIED = {"rms_norm": "liger_rms_norm", "swiglu": "liger_swiglu", "rope": "liger_rope", "loss": "cross_entropy"}
+SPIED = {"rms_norm": "liger_rms_norm", "add_rms_norm": "liger_fused_add_rms_norm", "swiglu": "liger_swiglu",
+         "rope": "liger_rope", "loss": "cross_entropy"}
 
 
 def tiny(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -51,7 +52,7 @@ def spy_on_liger(monkeypatch) -> collections.Counter:
     """Counts the calls of each Liger kernel aspen uses (SPIED's names)."""
     calls: collections.Counter = collections.Counter()
     functional = importlib.import_module("liger_kernel.transformers.functional")
-    for name in ("liger_rms_norm", "liger_swiglu", "liger_rope"):
+    for name in ("liger_rms_norm", "liger_fused_add_rms_norm", "liger_swiglu", "liger_rope"):
         monkeypatch.setattr(functional, name, _counting(getattr(functional, name), name, calls))
     cross_entropy = importlib.import_module("liger_kernel.ops.cross_entropy")
     kernel = cross_entropy.liger_cross_entropy_kernel

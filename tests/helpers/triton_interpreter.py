@@ -9,7 +9,7 @@ Two gaps of Triton 3.x's interpreter are filled here, in that process only:
   call `.to(tl.float32)`; a compiled kernel receives it as an fp32 scalar, so it is wrapped here as the
   interpreter wraps an int (an fp32 scalar tensor);
 - libdevice's functions, which the interpreter does not emulate (a call returns None), are bound in the Liger
-  modules that import them to the interpreter's own: `rsqrt` (RMSNorm) to `tl.rsqrt`, `tanh` (the
+  modules that import them to the interpreter's own: `rsqrt` (RMSNorm, the fused add-RMSNorm) to `tl.rsqrt`, `tanh` (the
   cross-entropy's soft-cap) to 2·sigmoid(2x) - 1, the same function.
 A third gap, filled by `bfloat16_rounded_as_compiled` where a test asks for it: the interpreter truncates a float32
 value cast to bfloat16, where compiled Triton rounds it to nearest even (CUDA's cvt.rn, torch's rounding).
@@ -26,8 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-LIGER_MODULES = ("liger_kernel.ops.rms_norm", "liger_kernel.ops.cross_entropy", "liger_kernel.ops.rope",
-                 "liger_kernel.ops.swiglu")
+LIGER_MODULES = ("liger_kernel.ops.rms_norm", "liger_kernel.ops.fused_add_rms_norm", "liger_kernel.ops.cross_entropy",
+                 "liger_kernel.ops.rope", "liger_kernel.ops.swiglu")
 
 
 def liger_installed() -> bool:
@@ -68,6 +68,7 @@ def _patch_interpreter() -> None:
     interpreter._implicit_cvt = with_floats
     modules = {name: importlib.import_module(name) for name in LIGER_MODULES}
     modules["liger_kernel.ops.rms_norm"].rsqrt = lambda x: tl.rsqrt(x)
+    modules["liger_kernel.ops.fused_add_rms_norm"].rsqrt = lambda x: tl.rsqrt(x)
     modules["liger_kernel.ops.cross_entropy"].tanh = lambda x: 2 * tl.sigmoid(2 * x) - 1
 
 

@@ -3,12 +3,12 @@ run on the CPU under Triton's interpreter, in float32, against the Hugging Face 
 
 This module runs in a process started with TRITON_INTERPRET=1 (tests/helpers/triton_interpreter.py says why and
 what the interpreter lacks; tests/unit/engine/test_kernels.py starts it where Liger-Kernel is installed) and
-skips itself elsewhere. Each kernel switched on alone, then all four, on a tiny Llama and a tiny Qwen3 (q/k norms
+skips itself elsewhere. Each kernel switched on alone, then all five, on a tiny Llama and a tiny Qwen3 (q/k norms
 before RoPE): a packed step of two jobs, each with its own non-zero LoRA adapter, gives the model's hidden states,
 per-token losses, input gradient and adapter gradients within float32's rounding bound of the same model without
 kernels (tests/helpers/tolerances.py: the two differ in summation order only), and each kernel asked for is shown
-to have run, the others not (a spy on each); Mistral (a sliding window) and Qwen2 (q/k/v biases) with all four.
-Jobs trained fused on a base with all four kernels end bit for bit where they end trained alone (the kernels work
+to have run, the others not (a spy on each); Mistral (a sliding window) and Qwen2 (q/k/v biases) with all five.
+Jobs trained fused on a base with all five kernels end bit for bit where they end trained alone (the kernels work
 token by token: kernels.py's isolation argument), and recomputed layers end where kept ones do. An architecture
 without Liger's kernels (Gemma: a GeGLU MLP, an offset RMSNorm) trains with the fused loss alone. The fused loss,
 with each logit transform, a bias and per-token weights, against autograd in float64."""
@@ -53,8 +53,9 @@ def assert_within_rounding(got: dict[str, torch.Tensor], reference: dict[str, to
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-@pytest.mark.parametrize("ops", [("rms_norm",), ("rope",), ("swiglu",), ("loss",), kernels.OPS],
-                         ids=["rms_norm", "rope", "swiglu", "loss", "all"])
+@pytest.mark.parametrize("ops", [("rms_norm",), ("add_rms_norm",), ("rope",), ("swiglu",), ("loss",),
+                                 kernels.OPS],
+                         ids=["rms_norm", "add_rms_norm", "rope", "swiglu", "loss", "all"])
 def test_each_kernel_gives_the_model_s_hidden_states_losses_and_gradients(spied, model_type, ops):
     model = tiny(model_type)
     reference = fused_step(copy.deepcopy(model), ())

@@ -115,6 +115,21 @@ def test_recomputation_lowers_the_allocation_peak():
     assert peaks["layers"] < 0.6 * peaks["none"], peaks
 
 
+def test_a_layer_s_own_forward_is_back_after_a_recomputed_step():
+    """A decoder layer whose forward was rebound on the instance (kernels: liger's fused add-RMSNorm layer) keeps it
+    after a step run with recomputation, which rebinds every layer's forward for the step only; a layer without
+    one is back to its class's."""
+    from actors.engine.recompute import recomputed_layers
+
+    base = from_module(tiny_model("llama", VOCAB), None)
+    layers = list(base.decoder.layers)
+    own = layers[0].forward = layers[0].forward.__func__.__get__(layers[0])   # an instance forward
+    with recomputed_layers(base.decoder, "layers"):
+        assert all(type(vars(layer)["forward"]).__name__ == "_RecomputedForward" for layer in layers)
+    assert vars(layers[0])["forward"] is own
+    assert all("forward" not in vars(layer) for layer in layers[1:])
+
+
 def test_unknown_recompute_mode_is_refused():
     base = from_module(tiny_model("llama", VOCAB), None)
     with pytest.raises(ValueError, match="recompute must be one of none, layers"):

@@ -19,9 +19,9 @@ functions in the transformers module, so that every model of that architecture b
 (a test's reference, a second base) would run Liger's kernels too; it is not used. Instead, each RMSNorm and
 each MLP module's `forward` is rebound on the instance to Liger's functional kernels (the MLP's gate, up and
 down projections stay the model's modules, so LoRA wraps them as before), each decoder layer's `forward` to
-transformers' own steps with the attention's residual addition and the post-attention norm in Liger's fused
-add-RMSNorm kernel (a launch and a pass over the hidden states fewer each way: its backward adds the residual's
-gradient as it writes the norm's), each attention module's `forward`
+transformers' own steps with each residual addition and the norm after it (the post-attention norm; the next layer's
+input norm) in Liger's fused add-RMSNorm kernel (actors/engine/residual_norms.py: a launch and a pass over the
+hidden states fewer each way), each attention module's `forward`
 becomes a copy of its class's forward whose global `apply_rotary_pos_emb` is Liger's (the copy's globals, not
 the module's), and the LM head's weight is marked for the fused loss (`loss.use_fused_loss`). Where q and k, or gate
 and up, are columns of one wider output (the CUDA LoRA path's layers computed together: actors/engine/lora_siblings.py),
@@ -62,9 +62,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from actors.engine import strided_kernels
+from actors.engine import residual_norms, strided_kernels
 from actors.engine.extras import require
 from actors.engine.loss import use_fused_loss
+from actors.engine.recompute import decoder_layers
 from actors.engine.swiglu import lean_swiglu
 from actors.spec.base_settings import KERNEL_MODES
 
@@ -200,22 +201,30 @@ def _swap_modules(model: nn.Module, architecture: LigerArchitecture, ops: list[s
     found: dict[str, list[nn.Module]] = {op: [] for op in ops}
     for module in model.modules():
         for op in ops:
-            if type(module).__name__ == classes[op] and (op != "add_rms_norm" or _pre_norm_layer(module, architecture)):
+            if type(module).__name__ == classes[op] and (op != "add_rms_norm"
+                                                          or residual_norms.pre_norm_layer(module, architecture.norm)):
                 found[op].append(module)
     missing = [op for op, modules in found.items() if not modules]
     if missing:   # refused before anything is swapped
         raise ValueError(f"kernels: liger: {type(model).__name__} has no {', '.join(missing)} module of the classes "
                          f"expected for its model_type ({architecture}); set kernels: none")
+    residual_norms.LIGER = functional
     for op, modules in found.items():
         for module in modules:
             if op == "rms_norm":
                 module.forward = MethodType(_rms_norm_forward, module)
             elif op == "add_rms_norm":
-                module.forward = MethodType(_decoder_layer_forward, module)
+                module.forward = MethodType(residual_norms.decoder_layer_forward, module)
             elif op == "swiglu":
                 module.forward = MethodType(_swiglu_forward, module)
             else:
                 module.forward = MethodType(_with_liger_rope(type(module).forward, strided_kernels.rope), module)
+    if found.get("add_rms_norm"):   # consecutive swapped layers: each computes the next one's input norm
+        swapped = {id(layer) for layer in found["add_rms_norm"]}
+        layers = list(decoder_layers(model.get_decoder()))
+        for layer, after in zip(layers, layers[1:], strict=False):
+            if id(layer) in swapped and id(after) in swapped:
+                residual_norms.link_layers([layer, after])
     return list(ops)
 
 
@@ -223,28 +232,6 @@ def _rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Ten
     """Llama's RMSNorm (`casting_mode="llama"`: the mean square in float32, the product with the weight in the
     input's dtype; no offset)."""
     return _liger.liger_rms_norm(hidden_states, self.weight, self.variance_epsilon, 0.0, "llama", True)
-
-
-def _pre_norm_layer(layer: nn.Module, architecture: LigerArchitecture) -> bool:
-    """Whether a decoder layer holds what `_decoder_layer_forward` calls: its two norms of the architecture's RMSNorm
-    class (with `variance_epsilon`), its attention and its MLP."""
-    norms = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm")]
-    return (all(type(norm).__name__ == architecture.norm and hasattr(norm, "variance_epsilon") for norm in norms)
-            and isinstance(getattr(layer, "self_attn", None), nn.Module)
-            and isinstance(getattr(layer, "mlp", None), nn.Module))
-
-
-def _decoder_layer_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """transformers' decoder layer of these architectures (`LlamaDecoderLayer.forward`: the attention on the input's
-    norm added to the input, the MLP on that sum's norm added to it), the attention's addition and the norm after it
-    one Liger kernel (Llama's casting: the sum rounded to the input's dtype, as `residual + hidden_states` rounds it).
-    The layer's keyword arguments go to its attention as transformers' layer passes them."""
-    residual = hidden_states
-    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-    norm = self.post_attention_layernorm
-    hidden_states, residual = _liger.liger_fused_add_rms_norm(hidden_states, residual, norm.weight,
-                                                              norm.variance_epsilon, 0.0, "llama", True)
-    return residual + self.mlp(hidden_states)
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,9 @@ def _dropout_generators(layer: nn.Module) -> list[torch.Generator]:
     return list(seen.values())
 
 
+_RECOMPUTING: set[int] = set()   # the layers (by id) whose forward runs now as a recomputation
+
+
 class _RecomputedForward:
     """A layer's forward under a checkpoint; the first call is the forward pass, later ones recompute."""
 
@@ -66,11 +69,13 @@ class _RecomputedForward:
         now = [(g, g.get_state()) for g, _ in self.states]
         for generator, state in self.states:
             generator.set_state(state)
+        _RECOMPUTING.add(id(self.layer))
         try:
             layout = step_layout(self.layout) if self.layout is not None else contextlib.nullcontext()
             with layout:
                 return self.original(*args, **kwargs)
         finally:
+            _RECOMPUTING.discard(id(self.layer))
             for generator, state in now:
                 generator.set_state(state)
 
@@ -80,6 +85,12 @@ class _RecomputedForward:
         self.layout = current_layout()
         self.states = None
         return checkpoint(self._run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def is_recomputing(layer: nn.Module) -> bool:
+    """Whether `layer`'s forward runs now as the backward's recomputation of it (`recompute: layers`; the backward runs
+    after `recomputed_layers` closed, so the layer's forward is its own again then)."""
+    return id(layer) in _RECOMPUTING
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine import kernels
+from actors.engine.layout import StepLayout, step_layout
 from actors.engine.loss import target_cross_entropy, target_log_probs, use_fused_loss
 from actors.engine.model_support import LogitTransform
 from actors.engine.models import from_module
@@ -90,6 +91,29 @@ def test_jobs_fused_on_liger_s_kernels_end_as_they_end_alone(spied):
     assert base.kernels == "liger"
     assert_isolated(base, two_jobs())
     assert all(spied[name] > 0 for name in SPIED.values())
+
+
+def test_a_layer_s_last_addition_and_the_next_layer_s_input_norm_are_one_kernel_in_a_step(spied):
+    """In a step (a layout), each layer but the last computes the next one's input norm with its MLP's residual
+    addition: on 3 layers, 3 + 2 fused additions and norms, and Liger's RMSNorm for the first layer's input norm and the
+    model's final norm only; outside a step (no layout), 3 + 0 and 3 + 1. The hidden states agree either way, and with
+    the model's own operations, within float32's rounding."""
+    model = tiny("llama", num_hidden_layers=3)
+    reference = copy.deepcopy(model)
+    kernels.apply_kernels(model, "liger")
+    ids = torch.randint(3, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(TOKENS)[None]
+    with torch.no_grad():
+        expected = reference.model(input_ids=ids, position_ids=positions).last_hidden_state
+        outside = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+        counted = dict(spied)
+        with step_layout(StepLayout((("a", 0, TOKENS),), ((0, TOKENS),), TOKENS)):
+            inside = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    assert (counted["liger_fused_add_rms_norm"], counted["liger_rms_norm"]) == (3, 4)
+    assert (spied["liger_fused_add_rms_norm"] - 3, spied["liger_rms_norm"] - 4) == (5, 2)
+    bound = rounding_tolerance(llama_chain_terms(model.config, sequence=TOKENS, tokens=TOKENS, backward=False),
+                               float(expected.abs().max()))
+    assert float((outside - expected).abs().max()) <= bound and float((inside - expected).abs().max()) <= bound
 
 
 def test_recomputed_layers_run_liger_s_kernels_again_to_the_same_adapters(spied):

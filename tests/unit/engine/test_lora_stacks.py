@@ -31,12 +31,16 @@ def _step(layer, x, upstream, layout):
 
 
 def _calls(monkeypatch):
+    """Counts stackings and refreshes; a refresh is one multi-tensor copy, or one launch of the stacks' copy kernel
+    where Triton runs (a GPU, or this CPU under TRITON_INTERPRET=1), both counted as `foreach_copy`."""
     counted = {"stack": 0, "foreach_copy": 0}
-    stack, foreach_copy = torch.stack, torch._foreach_copy_
+    stack, foreach_copy, launch = torch.stack, torch._foreach_copy_, lora_stacks.launch_slots
     monkeypatch.setattr(torch, "stack", lambda *a, **k: counted.__setitem__("stack", counted["stack"] + 1)
                         or stack(*a, **k))
     monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: counted.__setitem__(
         "foreach_copy", counted["foreach_copy"] + 1) or foreach_copy(*a, **k))
+    monkeypatch.setattr(lora_stacks, "launch_slots", lambda *a, **k: counted.__setitem__(
+        "foreach_copy", counted["foreach_copy"] + 1) or launch(*a, **k))
     return counted
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from actors.engine.triton_support import tl, triton
+from actors.engine.triton_support import cdiv, next_power_of_2, tl, triton
 
 # the arguments of Liger's RoPE kernel this module launches it with (liger-kernel 0.8); another signature: Liger's own
 ROPE_ARGUMENTS = ("q_ptr", "q_row_stride", "k_ptr", "k_row_stride", "cos", "cos_row_stride", "sin", "sin_row_stride",
@@ -66,7 +66,7 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     rotation for `backward`)."""
     _, tokens, q_heads, dim = q.shape
     k_heads = k.shape[2]
-    power = triton.next_power_of_2
+    power = next_power_of_2
     _liger_rope_kernel()[(tokens,)](
         q, q.stride(1), k, k.stride(1), cos, cos.stride(-2), sin, sin.stride(-2), tokens, 1, cos.shape[0], q_heads,
         k_heads, dim, power(q_heads), power(k_heads), power(dim), power(dim), dim,
@@ -122,7 +122,7 @@ class _RowSwiglu(torch.autograd.Function):
         a, b = gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
         out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
         rows, cols = a.shape
-        _swiglu_forward[(rows, triton.cdiv(cols, SWIGLU_BLOCK))](a, b, out, a.stride(0), b.stride(0), out.stride(0),
+        _swiglu_forward[(rows, cdiv(cols, SWIGLU_BLOCK))](a, b, out, a.stride(0), b.stride(0), out.stride(0),
                                                                  cols, BLOCK=SWIGLU_BLOCK)
         ctx.save_for_backward(gate, up)
         return out.view(gate.shape)
@@ -135,7 +135,7 @@ class _RowSwiglu(torch.autograd.Function):
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         rows, cols = a.shape
-        _swiglu_backward[(rows, triton.cdiv(cols, SWIGLU_BLOCK))](grad, a, b, grad.stride(0), a.stride(0),
+        _swiglu_backward[(rows, cdiv(cols, SWIGLU_BLOCK))](grad, a, b, grad.stride(0), a.stride(0),
                                                                   b.stride(0), cols, BLOCK=SWIGLU_BLOCK)
         return gate, up   # the gradients, written over the saved operands
 

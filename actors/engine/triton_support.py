@@ -26,6 +26,17 @@ log = logging.getLogger(__name__)
 KERNEL_ERRORS = (TritonError, RuntimeError, NotImplementedError, ValueError, TypeError)
 
 
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for host code: Triton's is a `constexpr_function` whose wrapper costs the host ~5 Python calls a
+    call (a launch grid a layer counts on a host-bound step)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host code (the least power of 2 at least `n`, for n >= 1), without its wrapper."""
+    return 1 << (n - 1).bit_length()
+
+
 def triton_runs(device: torch.device) -> bool:
     """Whether Triton's kernels run on this device: on CUDA, or on a CPU under Triton's interpreter (tests)."""
     if triton is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks
+from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks, strided_kernels
 
 triton = pytest.importorskip("triton")
 
@@ -28,6 +28,14 @@ KERNELS = {
                           {"BLOCK_SIZE": lora_grad_kernel.BLOCK}),
     "kept stacks' copy": (lambda: lora_stacks._copy_slots_kernel, {"table": "*i64", "BLOCK_SIZE": "constexpr"},
                           {"BLOCK_SIZE": lora_stacks.BLOCK}),
+    "row-strided SwiGLU": (lambda: strided_kernels._swiglu_forward,
+                           {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "a_stride": "i32",
+                            "b_stride": "i32", "out_stride": "i32", "cols": "i32", "BLOCK": "constexpr"},
+                           {"BLOCK": strided_kernels.SWIGLU_BLOCK}),
+    "row-strided SwiGLU's backward": (lambda: strided_kernels._swiglu_backward,
+                                      {"grad_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "grad_stride": "i32",
+                                       "a_stride": "i32", "b_stride": "i32", "cols": "i32", "BLOCK": "constexpr"},
+                                      {"BLOCK": strided_kernels.SWIGLU_BLOCK}),
 }
 
 
@@ -57,3 +65,14 @@ def test_the_flat_adamw_rounds_its_square_root_and_divisions_as_ieee():
     ptx = _compiled("flat AdamW").asm["ptx"]
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
     assert "sqrt.approx" not in ptx and "div.full" not in ptx and "div.approx" not in ptx
+
+
+@pytest.mark.skipif(flat_adamw.triton is None, reason="Triton is not installed")
+def test_the_host_s_grid_helpers_equal_triton_s():
+    """triton_support's cdiv and next_power_of_2 (host code without Triton's constexpr wrapper) give Triton's values."""
+    from actors.engine.triton_support import cdiv, next_power_of_2
+
+    for n in range(1, 5000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (1, 7, 64, 1024):
+            assert cdiv(n, block) == triton.cdiv(n, block), (n, block)

@@ -1,8 +1,8 @@
 """`kernels: liger`: Liger-Kernel's fused Triton kernels for the frozen base's memory-bound work (the `gpu` extra):
-RMSNorm (and, in each decoder layer, the residual addition after attention with the RMSNorm that follows it, in one
-kernel), RoPE and SwiGLU swapped into a loaded model instance, and the LM head's cross-entropy (actors/engine/
-loss.py) run through Liger's cross-entropy kernel, which turns each chunk of logits into its losses and gradient
-in place, in the base's dtype: no chunk of vocabulary logits is made in float32.
+RMSNorm (and each residual addition with the RMSNorm that reads its sum, in one kernel), RoPE and SwiGLU swapped into
+a loaded model instance, and the LM head's cross-entropy (actors/engine/loss.py) run through Liger's cross-entropy
+kernel, which turns each chunk of logits into its losses and gradient in place, in the base's dtype: no chunk of
+vocabulary logits is made in float32.
 
 The setting (actors/spec/base_settings.py): `none` leaves the model's operations as transformers built them (its
 gated MLPs rebound to the lean SwiGLU, the same values with one tensor less kept: actors/engine/swiglu.py); `liger`
@@ -82,8 +82,9 @@ class LigerArchitecture:
     """The classes of one transformers architecture that Liger's kernels replace: its RMSNorm (float32 mean square,
     the normalized vector cast back to the input's dtype, times the weight), its gated MLP
     (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, SiLU), its attention, whose forward calls its module's
-    `apply_rotary_pos_emb` (rotate-half RoPE over the whole head), and its decoder layer (`_decoder_layer_forward`'s
-    steps: a pre-norm attention and MLP, each added to the residual stream)."""
+    `apply_rotary_pos_emb` (rotate-half RoPE over the whole head), and its decoder layer
+    (`residual_norms.decoder_layer_forward`'s steps: a pre-norm attention and MLP, each added to the residual
+    stream)."""
 
     norm: str
     mlp: str

@@ -5,7 +5,8 @@ Parts, each in its own process group (a part that fails or runs past its time li
 report, its processes killed, and the suite goes on with the next):
   tests       pytest tests/gpu (the CUDA paths against their references; the benchmarks' baselines)
   products    bench/lora_products.py: the six LoRA products of each 8B layer group timed each way (grouped_mm, a
-              mm a job, one mm over every job's factors), 1..32 jobs, beside HBM's copy rate and the cost model
+              mm a job, one mm over every job's factors, a split-K Triton kernel), 1..32 jobs, beside HBM's copy rate
+              and the cost model
   mfu         bench/lora_mfu.py --parts mfu on the Llama-3.1-8B shape: aspen's 4 fused jobs beside (a) the careful
               PEFT loop, (b) PEFT packed with varlen attention and Liger, (c) 4 PEFT processes at once, the frozen
               base and the card's matmul ceiling, each in its own process; with one of aspen's steps profiled
@@ -265,8 +266,8 @@ def key_numbers(out: Path) -> dict:
     products = _json(out / "products.json")
     if products:
         summed: dict = {}
-        for row in products["rows"]:   # the ways that compute all six products (`stacked` takes two)
-            if row["way"] == "stacked":
+        for row in products["rows"]:   # the ways that compute all six products (`stacked`, `split_k` take two)
+            if row["way"] in ("stacked", "split_k"):
                 continue
             key = f"{row['jobs']} jobs, {row['way']}"
             summed[key] = summed.get(key, 0.0) + row["seconds"]

@@ -12,7 +12,9 @@ in a grouped GEMM) is what this measures, per product and number of jobs, agains
   the weight gradients);
 - `segments`: one `torch.mm` a job, into its rows (or its gradient) of one output;
 - `stacked` (the products with a rank-wide output: x A^T, g B): one dense `torch.mm` against every job's factors
-  side by side, then each row's own job's columns taken by one gather (n x the FLOPs, one cuBLAS call).
+  side by side, then each row's own job's columns taken by one gather (n x the FLOPs, one cuBLAS call);
+- `split_k` (the same two, on CUDA): bench/lora_split_k.py's Triton kernel over the segments with the feature sum
+  split among programs (a grouped GEMM's output of one tile column leaves most multiprocessors idle).
 
 The layer groups: q/k/v (in 4,096, out 6,144, rank 3 x 16), o (4,096, 4,096, 16), gate/up (4,096, 2 x 14,336,
 2 x 16), down (14,336, 4,096, 16); `--tokens` rows in `--jobs` equal segments. Each way's result is checked
@@ -50,7 +52,7 @@ QUICK_GROUPS = {"qkv": (128, 192, 3 * 8), "o": (128, 128, 8), "gate_up": (128, 5
 FORMS = ("x_a", "h_b", "g_b", "gh_a", "grad_a", "grad_b")
 FORM_NAMES = {"x_a": "forward x A^T (T, r)", "h_b": "forward h B^T (T, out)", "g_b": "backward g B (T, r)",
               "gh_a": "backward dh A (T, in)", "grad_a": "dA = dh^T x (n, r, in)", "grad_b": "dB = g^T h (n, out, r)"}
-WAYS = ("grouped", "segments", "stacked")
+WAYS = ("grouped", "segments", "stacked", "split_k")
 
 
 @dataclass
@@ -121,6 +123,15 @@ def computation(form: str, way: str, ops: Operands):
     if way == "stacked" and form in ("x_a", "g_b"):
         left, side = (x, ops.a_side.t()) if form == "x_a" else (g, ops.b_side)
         return lambda: torch.gather(torch.mm(left, side), 1, ops.own)
+    if way == "split_k" and form in ("x_a", "g_b") and x.is_cuda:
+        import lora_split_k
+
+        if lora_split_k.triton is None:
+            return None
+        tiles = lora_split_k.tiles_of(ops.bounds, x.device)
+        units = torch.cuda.get_device_properties(x.device).multi_processor_count
+        left, weights = (x, a) if form == "x_a" else (g, b)
+        return lambda: lora_split_k.rank_product(left, weights, tiles, form == "x_a", units)
     return None
 
 

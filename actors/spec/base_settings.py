@@ -28,8 +28,9 @@ Compile = Literal["none", "default"]
 """default: the decoder layers of each fused step under torch.compile (inductor)."""
 
 Kernels = Literal["auto", "liger", "none"]
-"""liger: Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and LM-head cross-entropy (the `gpu` extra); auto: those
-where Liger is installed and the base is on CUDA in bfloat16 / float16; none: the model's own operations."""
+"""liger: Liger-Kernel's fused RMSNorm (each residual addition with the norm after it in one kernel), RoPE, SwiGLU
+and LM-head cross-entropy (the `gpu` extra); auto: those where Liger is installed and the base is on CUDA in bfloat16 /
+float16; none: the model's own operations."""
 
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 DTYPES: tuple[str, ...] = get_args(Dtype)

@@ -48,9 +48,10 @@ STAGES_DESCRIPTION = ("pipeline stages the base's decoder is cut into, each a pr
                       "(in-process: one GPU each where the machine has as many, else all on its first GPU; on Ray a "
                       "stage actor each, with num_gpus / num_cpus per stage; on CPU the cores shared); 1: the "
                       "single-device trainer")
-KERNELS_DESCRIPTION = ("liger: Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and LM-head cross-entropy on a CUDA "
-                       "base (the `gpu` extra); auto: those where Liger is installed and the base is on CUDA in "
-                       "bfloat16 / float16; none: the model's own operations")
+KERNELS_DESCRIPTION = ("liger: Liger-Kernel's fused RMSNorm (each residual addition with the norm after it in one "
+                       "kernel), RoPE, SwiGLU and LM-head cross-entropy on a CUDA base (the `gpu` extra); auto: "
+                       "those where Liger is installed and the base is on CUDA in bfloat16 / float16; none: the "
+                       "model's own operations")
 STAGE_SPLIT_DESCRIPTION = ("with stages >= 2: decoder layers per stage (a list), even, or measured (balanced by "
                            "each layer's measured time and memory)")
 

@@ -70,6 +70,7 @@ def test_a_way_that_takes_another_jobs_factors_is_caught():
 
 
 @pytest.mark.skipif(not triton_installed(), reason="Triton is not installed")
-@pytest.mark.skipif(interpreter_on(), reason="this process runs under Triton's interpreter: the module runs here")
+@pytest.mark.skipif(triton_installed() and interpreter_on(),
+                    reason="this process runs under Triton's interpreter: the module runs here")
 def test_the_split_k_way_s_kernel_under_triton_s_interpreter():
     run_interpreted("tests/unit/bench/test_split_k_interpreted.py", timeout=600)

@@ -257,6 +257,9 @@ def key_numbers(out: Path) -> dict:
                                               "step_bytes_per_token", "status")}
                               for side, figures in sides.items()}
             numbers[shape]["ratios"] = {k: round(v, 3) for k, v in result.get("ratios", {}).items()}
+            chosen = (sides.get("aspen", {}).get("engine_defaults") or {}).get("rank_products")
+            if chosen:   # the kernel each rank-wide LoRA product took, measured in the warm-up steps
+                numbers[shape]["rank_products"] = {key: value["chosen"] for key, value in chosen.items()}
             ceilings = sides.get("frozen", {}).get("matmul_ceilings")
             if ceilings:
                 numbers[shape]["matmul_ceiling_tflops"] = {k: round(v / 1e12, 3) for k, v in ceilings.items()}
@@ -268,7 +271,7 @@ def key_numbers(out: Path) -> dict:
     if products:
         summed: dict = {}
         for row in products["rows"]:   # the ways that compute all six products (`stacked`, `split_k` take two)
-            if row["way"] in ("stacked", "split_k"):
+            if row["way"] == "stacked" or row["way"].startswith("split_k"):
                 continue
             key = f"{row['jobs']} jobs, {row['way']}"
             summed[key] = summed.get(key, 0.0) + row["seconds"]

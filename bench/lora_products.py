@@ -13,8 +13,10 @@ in a grouped GEMM) is what this measures, per product and number of jobs, agains
 - `segments`: one `torch.mm` a job, into its rows (or its gradient) of one output;
 - `stacked` (the products with a rank-wide output: x A^T, g B): one dense `torch.mm` against every job's factors
   side by side, then each row's own job's columns taken by one gather (n x the FLOPs, one cuBLAS call);
-- `split_k` (the same two, on CUDA): bench/lora_split_k.py's Triton kernel over the segments with the feature sum
-  split among programs (a grouped GEMM's output of one tile column leaves most multiprocessors idle).
+- `split_k`, `split_k_2048` (the same two, on CUDA): the engine's split-K Triton kernel over the segments
+  (actors/engine/rank_products.py, which times it against grouped_mm per shape while a trainer's first steps run and
+  takes the faster), the feature sum split into parts of ~1,024 or ~2,048 features (a grouped GEMM's output of one
+  tile column leaves most multiprocessors idle).
 
 The layer groups: q/k/v (in 4,096, out 6,144, rank 3 x 16), o (4,096, 4,096, 16), gate/up (4,096, 2 x 14,336,
 2 x 16), down (14,336, 4,096, 16); `--tokens` rows in `--jobs` equal segments. Each way's result is checked
@@ -52,7 +54,7 @@ QUICK_GROUPS = {"qkv": (128, 192, 3 * 8), "o": (128, 128, 8), "gate_up": (128, 5
 FORMS = ("x_a", "h_b", "g_b", "gh_a", "grad_a", "grad_b")
 FORM_NAMES = {"x_a": "forward x A^T (T, r)", "h_b": "forward h B^T (T, out)", "g_b": "backward g B (T, r)",
               "gh_a": "backward dh A (T, in)", "grad_a": "dA = dh^T x (n, r, in)", "grad_b": "dB = g^T h (n, out, r)"}
-WAYS = ("grouped", "segments", "stacked", "split_k")
+WAYS = ("grouped", "segments", "stacked", "split_k", "split_k_2048")
 
 
 @dataclass
@@ -123,15 +125,14 @@ def computation(form: str, way: str, ops: Operands):
     if way == "stacked" and form in ("x_a", "g_b"):
         left, side = (x, ops.a_side.t()) if form == "x_a" else (g, ops.b_side)
         return lambda: torch.gather(torch.mm(left, side), 1, ops.own)
-    if way == "split_k" and form in ("x_a", "g_b") and x.is_cuda:
-        import lora_split_k
+    if way.startswith("split_k") and form in ("x_a", "g_b") and x.is_cuda:
+        from actors.engine import rank_products
 
-        if lora_split_k.triton is None:
+        if rank_products.triton is None:
             return None
-        tiles = lora_split_k.tiles_of(ops.bounds, x.device)
-        units = torch.cuda.get_device_properties(x.device).multi_processor_count
         left, weights = (x, a) if form == "x_a" else (g, b)
-        return lambda: lora_split_k.rank_product(left, weights, tiles, form == "x_a", units)
+        size = 2048 if way == "split_k_2048" else 1024
+        return lambda: rank_products.split_k(left, weights, offs, form == "x_a", size)
     return None
 
 

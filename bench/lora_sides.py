@@ -128,9 +128,14 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
 def engine_settings(trainer) -> dict:
     """What the engine chose on this device (for the report: the defaults measured)."""
     import actors.engine.lora_grouped as lora_grouped
-    return {"recompute": getattr(trainer, "recompute", None), "layout": getattr(trainer, "layout", None),
-            "dtype": str(getattr(trainer.base, "dtype", None)),
-            "lora_grouping": getattr(lora_grouped, "GROUPING", None)}
+    settings = {"recompute": getattr(trainer, "recompute", None), "layout": getattr(trainer, "layout", None),
+                "dtype": str(getattr(trainer.base, "dtype", None)),
+                "lora_grouping": getattr(lora_grouped, "GROUPING", None)}
+    try:   # the kernel each rank-wide LoRA product's shape took, measured during the warm-up steps
+        from actors.engine import rank_products
+    except ImportError:   # a checkout from before it (the cost model runs older checkouts' benchmarks)
+        return settings
+    return {**settings, "rank_products": rank_products.decisions()}
 
 
 # -- the PEFT baselines -----------------------------------------------------------------------------------------
@@ -381,6 +386,7 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
         summary["tokens_per_s_at_median"] = sequences * length / summary["median_step_s"]
         summary.update(allocator_events_since(device, events))
         summary.update(memory_fields(device))
+        summary["engine_defaults"] = engine_settings(trainer)
         result["per_adapters"][str(adapters)] = summary
         first = result["per_adapters"][next(iter(result["per_adapters"]))]["tokens_per_s_at_median"]
         result["efficiency"][str(adapters)] = summary["tokens_per_s_at_median"] / first

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine import lora_grouped_mm
+from actors.engine import lora_grouped_mm, rank_products
 from actors.engine.lora_grad_kernel import GroupTargets
 from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
 from actors.engine.lora_layer_state import layer_adapters
@@ -263,14 +263,14 @@ class _Plan:
     def grouped_update(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the down projection (T, rank), every job's update on its own rows (T, out); zeros on a gap group's)."""
         a_stack, b_stack = self.copies
-        hidden = torch._grouped_mm(x, a_stack.mT, offs=self.offsets)                           # (T, rank)
+        hidden = rank_products.down(x, a_stack, self.offsets)                                 # (T, rank)
         return hidden, torch._grouped_mm(hidden, b_stack.mT, offs=self.offsets)
 
     def grouped_grad_hidden(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(grad_out as the kernel takes it: 16-byte aligned, the gradient of the down projection (T, rank))."""
         if grad_out.data_ptr() % 16:   # a view into a larger gradient: the kernel needs 16-byte aligned operands
             grad_out = grad_out.clone()
-        return grad_out, torch._grouped_mm(grad_out, self.copies[1], offs=self.offsets)
+        return grad_out, rank_products.grad_hidden(grad_out, self.copies[1], self.offsets)
 
     def grouped_input_grad(self, grad_hidden: torch.Tensor) -> torch.Tensor:
         """Every job's (g sB) A on its own rows: (T, in)."""

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from actors.engine import lora_cuda
+from actors.engine import lora_cuda, rank_products
 from actors.engine.lora_adapter import full_precision
 from actors.engine.lora_grad_kernel import Block, GroupTargets, kernel_works
 from actors.engine.lora_grouped_mm import grouped_mm_works
@@ -255,7 +255,7 @@ class _SiblingLinears(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, plan: _Plan, anchor: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         a_stack, b_stack = plan.stacks
         offsets = plan.offsets
-        hidden = torch._grouped_mm(x, a_stack.mT, offs=offsets)                                  # (T, Σ ranks)
+        hidden = rank_products.down(x, a_stack, offsets)                                        # (T, Σ ranks)
         if plan.stacked is not None:   # one product by the diagonal stack, one base GEMM over the stacked weights
             out = torch._grouped_mm(hidden, b_stack.mT, offs=offsets)                              # (T, Σ outs)
             if plan.stacked.bias is not None:
@@ -284,7 +284,7 @@ class _SiblingLinears(torch.autograd.Function):
         a_stack, b_stack = plan.stacks
         offsets = plan.offsets
         grad_out = side_by_side(grads)                                                            # (T, Σ outs)
-        grad_hidden = torch._grouped_mm(grad_out, b_stack, offs=offsets)                          # (T, Σ ranks)
+        grad_hidden = rank_products.grad_hidden(grad_out, b_stack, offsets)                       # (T, Σ ranks)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_hidden, a_stack, offs=offsets)                        # (T, in)

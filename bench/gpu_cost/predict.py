@@ -135,6 +135,11 @@ def run_worker(args: dict) -> dict:
         workload.KERNELS = args["kernels"]
     calibration = json.loads(Path(args["calibration"]).read_text())
     bench = benchmark_module(checkout)
+    # the rank-wide LoRA products: on a GPU the engine times grouped_mm against its split-K kernel during the first
+    # steps and takes the faster (actors/engine/rank_products.py); the model has no clock to do so: grouped_mm,
+    # unless `--set actors.engine.rank_products:WAY=split_k` asks for the other
+    pinned = apply_settings(["actors.engine.rank_products:WAY=grouped_mm"]) if (
+        checkout / "actors" / "engine" / "rank_products.py").is_file() else []
     applied = apply_settings(args.get("settings", []))
     later = bool(args.get("read_later")) and args["mode"] in ("jobs", "fusion")   # aspen's steps only
     if later:
@@ -142,7 +147,7 @@ def run_worker(args: dict) -> dict:
     card = card_for(args["card"], calibration)
     if args.get("kernels"):
         applied.append(f"kernels = {args['kernels']!r}")
-    result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name}
+    result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name, "pinned": pinned}
     with Session(card.name) as session:
         if args["mode"] == "jobs" and args.get("profile_step"):   # the 2026-11-28 measurement's set-up
             recorded = record_jobs(session, bench, args["shape"], args["jobs"])

@@ -86,6 +86,7 @@ class _Stream:
 
     def __init__(self, device: Any = None, priority: int = 0, **_: Any):
         self.device = CUDA
+        self.stream_id = 0   # torch.cuda.Stream's: the one stream's
 
     def synchronize(self) -> None:
         _sync("stream.synchronize")

@@ -34,6 +34,16 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
 
 
+def triton_interpreted() -> bool:
+    """Triton is installed and its library functions were made interpreted (TRITON_INTERPRET=1 before its import):
+    the engine's own kernels run on CPU tensors."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton.language as tl
+
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
 def interpreter_on() -> bool:
     """Triton's library functions were made interpreted: TRITON_INTERPRET=1 was set before triton's import."""
     if not liger_installed():

@@ -11,10 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-
-from tests.helpers.triton_interpreter import interpreter_on, run_interpreted
 
 
 def triton_installed() -> bool:
@@ -67,10 +64,3 @@ def test_a_way_that_takes_another_jobs_factors_is_caught():
     grad = module.computation("grad_b", "grouped", ops)()
     assert module.agrees(grad, "grad_b", ops) <= 1 and module.agrees(grad.flip(0), "grad_b", ops) > 100
     assert second[0] == first[1]
-
-
-@pytest.mark.skipif(not triton_installed(), reason="Triton is not installed")
-@pytest.mark.skipif(triton_installed() and interpreter_on(),
-                    reason="this process runs under Triton's interpreter: the module runs here")
-def test_the_split_k_way_s_kernel_under_triton_s_interpreter():
-    run_interpreted("tests/unit/bench/test_split_k_interpreted.py", timeout=600)

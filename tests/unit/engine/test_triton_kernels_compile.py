@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks, strided_kernels
+from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks, rank_products, strided_kernels
 
 triton = pytest.importorskip("triton")
 
@@ -32,33 +32,18 @@ KERNELS = {
                            {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "a_stride": "i32",
                             "b_stride": "i32", "out_stride": "i32", "cols": "i32", "BLOCK": "constexpr"},
                            {"BLOCK": strided_kernels.SWIGLU_BLOCK}),
-    "the products' split-K candidate (bench/lora_split_k.py)": (
-        lambda: _bench_module("lora_split_k")._partials,
-        {"left_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "tiles_ptr": "*i32", "left_row": "i32",
-         "left_col": "i32", "w_group": "i32", "w_k": "i32", "w_n": "i32", "part_split": "i32", "part_row": "i32",
-         "features": "i32", "width": "i32", "per_split": "i32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-         "BLOCK_K": "constexpr"},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}),
+    "the rank-wide LoRA products' split-K kernel": (
+        lambda: rank_products._rank_product_kernel,
+        {"left_ptr": "*bf16", "w_ptr": "*bf16", "ends_ptr": "*i32", "out_ptr": "*bf16", "sums_ptr": "*fp32",
+         "counts_ptr": "*i32", "tokens": "i32", "features": "i32", "width": "i32", "groups": "i32", "per_part": "i32",
+         "parts": "i32", "left_row": "i32", "left_col": "i32", "w_group": "i32", "w_k": "i32", "w_n": "i32",
+         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        {"BLOCK_M": rank_products.BLOCK_M, "BLOCK_N": 64, "BLOCK_K": rank_products.BLOCK_K}),
     "row-strided SwiGLU's backward": (lambda: strided_kernels._swiglu_backward,
                                       {"grad_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "grad_stride": "i32",
                                        "a_stride": "i32", "b_stride": "i32", "cols": "i32", "BLOCK": "constexpr"},
                                       {"BLOCK": strided_kernels.SWIGLU_BLOCK}),
 }
-
-
-def _bench_module(name: str):
-    """A bench/ script's module, loaded from its file (bench/ on sys.path would shadow modules)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[3] / "bench" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _compiled(name: str):

@@ -1,0 +1,110 @@
+"""The rank-wide LoRA products' split-K kernel on CUDA (actors/engine/rank_products.py; skipped without a GPU): its
+once-a-device check passes; both forms at the 8B shape's sizes agree with float64 per-job products within a bfloat16
+rounding plus float32's sum; a job's rows come out bit for bit the same alone as fused with others (the parts depend on
+the feature count only); `auto` measures without making the host wait (CUDA's sync debug mode raises on a
+synchronising call) and settles on a kernel; and a fused layer on split_k stays within the bfloat16 bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import rank_products
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda")
+# 4 jobs of uneven rows with a gap group between two (a segment end inside a 64-row block), 3,328 tokens in all
+BOUNDS = [(0, 700), (700, 1001), (1001, 1010), (1010, 2300), (2300, 3328)]
+
+
+def _operands(features: int, width: int, transposed: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    left = torch.randn(BOUNDS[-1][1], features, generator=generator).to(torch.bfloat16)
+    shape = (len(BOUNDS), width, features) if transposed else (len(BOUNDS), features, width)
+    weights = (torch.randn(*shape, generator=generator) * features ** -0.5).to(torch.bfloat16)
+    offsets = torch.tensor([end for _, end in BOUNDS], dtype=torch.int32)
+    return left, weights, offsets
+
+
+def test_the_kernel_passes_its_check_on_this_gpu():
+    assert rank_products.CHECK.works(CUDA)
+
+
+@pytest.mark.parametrize("features,width", [(4096, 48), (14336, 16), (28672, 32)], ids=["qkv", "down", "gate_up"])
+@pytest.mark.parametrize("transposed", [True, False], ids=["x A^T", "g B"])
+@pytest.mark.parametrize("split", rank_products.SPLIT_FEATURES)
+def test_each_job_s_rows_within_the_bfloat16_bound_of_float64(transposed, features, width, split):
+    left, weights, offsets = _operands(features, width, transposed)
+    got = rank_products.split_k(left.to(CUDA), weights.to(CUDA), offsets.to(CUDA), transposed, split).double().cpu()
+    for group, (start, end) in enumerate(BOUNDS):
+        factor = (weights[group].t() if transposed else weights[group]).double()
+        exact = left[start:end].double() @ factor
+        magnitude = left[start:end].double().abs() @ factor.abs()
+        bound = (2.0 ** -8 + features * 2.0 ** -24) * magnitude
+        assert bool(((got[start:end] - exact).abs() <= bound).all()), group
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["x A^T", "g B"])
+def test_a_job_s_rows_are_bit_for_bit_those_it_gets_alone(transposed):
+    left, weights, offsets = _operands(4096, 48, transposed, seed=1)
+    fused = rank_products.split_k(left.cuda(), weights.cuda(), offsets.cuda(), transposed)
+    for group, (start, end) in enumerate(BOUNDS):
+        alone = rank_products.split_k(left[start:end].cuda(), weights[group:group + 1].cuda(),
+                                      torch.tensor([end - start], dtype=torch.int32).cuda(), transposed)
+        assert torch.equal(fused[start:end], alone), group
+
+
+def test_the_parts_sum_in_one_order_every_launch_and_leave_their_counters_at_zero():
+    """Each row block's last part to arrive adds the parts (which part is last varies from launch to launch): the
+    result is the same bits every time, and the counters are back at zero for the next launch."""
+    left, weights, offsets = (t.cuda() for t in _operands(14336, 16, True, seed=2))
+    first = rank_products.split_k(left, weights, offsets, True, 1024)
+    for _ in range(20):
+        assert torch.equal(rank_products.split_k(left, weights, offsets, True, 1024), first)
+    torch.cuda.synchronize()
+    assert all(int(counters.abs().sum()) == 0 for counters in rank_products._COUNTERS.values())
+
+
+def test_auto_settles_on_a_kernel_without_the_host_waiting(monkeypatch):
+    monkeypatch.setattr(rank_products, "_TUNINGS", {})
+    monkeypatch.setattr(rank_products, "WAY", "auto")
+    left, weights, offsets = (t.cuda() for t in _operands(4096, 48, True))
+    rank_products.down(left, weights, offsets)   # the candidates' first, untimed calls: compiles outside the check
+    rank_products.down(left, weights, offsets)
+    rank_products.down(left, weights, offsets)
+    torch.cuda.synchronize()
+    calls = 3 * (1 + rank_products.TUNING_SAMPLES)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(calls):
+            rank_products.down(left, weights, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    rank_products.down(left, weights, offsets)
+    (decision,) = rank_products.decisions().values()
+    assert decision["chosen"] in ("grouped_mm", *(f"split_k:{size}" for size in rank_products.SPLIT_FEATURES))
+    assert all(time is not None and time > 0 for time in decision["median_ms"].values()), decision
+
+
+def test_a_fused_layer_on_split_k_is_within_the_bfloat16_bounds(monkeypatch):
+    from actors.engine import lora_cuda
+    from tests.helpers.lora_bounds import BOUNDS as LAYER_BOUNDS
+    from tests.helpers.lora_bounds import IN, OUT, assert_within, bf16_values, exact, fused_layer, layout_of, run_layer
+
+    monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+    monkeypatch.setattr(rank_products, "WAY", "split_k")
+    calls = []
+    real = rank_products.split_k
+    monkeypatch.setattr(rank_products, "split_k", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    layer = fused_layer(device="cuda")
+    x, upstream = bf16_values(1, 57, IN).cuda(), bf16_values(1, 57, OUT).cuda()
+    out, grad_x = run_layer(layer, x, upstream, layout_of())
+    assert sorted(set(calls)) == [False, True]
+    expected, out_bound, grad_x_exact, grad_x_bound, grads, grad_bounds = exact(layer, x, upstream, LAYER_BOUNDS)
+    assert_within(out[0], expected, out_bound, "output")
+    assert_within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient")
+    for adapter, (grad_a, grad_b), (bound_a, bound_b) in zip(layer.adapters.values(), grads, grad_bounds, strict=True):
+        assert_within(adapter.lora_A.grad, grad_a, bound_a, "A's gradient")
+        assert_within(adapter.lora_B.grad, grad_b, bound_b, "B's gradient")

@@ -163,7 +163,7 @@ def decisions() -> dict[str, dict]:
 
 def _candidates(device: torch.device, width: int) -> list[str]:
     names = ["grouped_mm"]
-    if width <= MAX_WIDTH and CHECK.works(device):
+    if width <= MAX_WIDTH and triton_runs(device) and CHECK.works(device):   # (no Triton: grouped_mm alone)
         names += [f"split_k:{size}" for size in SPLIT_FEATURES]
     return names
 

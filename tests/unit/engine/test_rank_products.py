@@ -142,8 +142,11 @@ def test_auto_on_a_cpu_is_grouped_mm_and_split_k_needs_a_kernel_that_runs(monkey
     assert len(calls) == 2
 
 
-def test_too_wide_a_product_has_grouped_mm_alone():
+def test_too_wide_a_product_or_no_triton_has_grouped_mm_alone(monkeypatch):
     assert rank_products._candidates(torch.device("cpu"), rank_products.MAX_WIDTH + 8) == ["grouped_mm"]
+    monkeypatch.setattr(rank_products, "triton_runs", lambda device: False)   # a CUDA torch without Triton
+    monkeypatch.setattr(rank_products.CHECK, "agrees", lambda device: pytest.fail("checked a kernel that cannot run"))
+    assert rank_products._candidates(torch.device("cuda"), 48) == ["grouped_mm"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

@@ -15,12 +15,12 @@ kernel computes them on this device.
   The number of parts comes from the feature count alone, so a job's rows are summed in the same order whatever
   other jobs share the step: isolation holds bit for bit, as grouped_mm's does.
 - `auto` (the default): on CUDA, the first calls of each shape (form, features, Σ ranks, the groups' count by
-  powers of 2) take the candidates in turn (grouped_mm and split_k at each of `SPLIT_FEATURES`), each call timed by
-  CUDA events that are read only once the GPU has passed them (the host never waits; a candidate's first call
-  untimed: Triton compiles), and by the host's clock around the call; once each has `TUNING_SAMPLES` times, the
-  shape takes the one with the least median GPU time plus median host time (`decisions()` lists them; logged).
-  Elsewhere grouped_mm. The choice is a measurement, so two runs may round differently; force `WAY` to repeat a run
-  bit for bit.
+  powers of 2) time the candidates in turn (grouped_mm and split_k at each of `SPLIT_FEATURES`) by CUDA events read
+  only once the GPU has passed them (the host never waits; a candidate's first call untimed: Triton compiles) and by
+  the host's clock around the call, while the step keeps grouped_mm's results; at a step's start, once each has
+  `TUNING_SAMPLES` times, the shape takes the one with the least median GPU time plus median host time
+  (`decisions()` lists them; logged). Elsewhere grouped_mm. The choice is a measurement, so two runs may round
+  differently; force `WAY` to repeat a run bit for bit.
 
 `split_k` is checked once per device against float64 per-group products (`CHECK`); a failure logs why and the
 products stay on grouped_mm. `tests/unit/engine/test_rank_products_interpreted.py` runs the kernel under Triton's
@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import logging
 import statistics
+import weakref
 from time import perf_counter
 from typing import Literal
 
 import torch
 
+from actors.engine.layout import current_layout
 from actors.engine.triton_support import KERNEL_ERRORS, KernelCheck, cdiv, next_power_of_2, tl, triton, triton_runs
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,7 @@ class _Tuning:
         self.host: dict[str, list[float]] = {name: [] for name in candidates}
         self.chosen: str | None = None
         self.split_features = 0
+        self.layout: weakref.ref | None = None   # the step of the last read
 
     def drop(self, name: str) -> None:
         self.candidates.remove(name)
@@ -198,13 +201,21 @@ def _product(left: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, t
 
 def _measure(tuning: _Tuning, key: tuple, left: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
              transposed: bool) -> torch.Tensor:
-    """A call while `tuning` measures: the candidates take the calls in turn (so each reads its input as the step
-    leaves it, not warmed by another candidate), each timed but for its first call (where Triton compiles)."""
-    tuning.read()
+    """A call while `tuning` measures. The candidates take the calls in turn, each timed but for its first call
+    (where Triton compiles) and run first, so that it reads its input as the step leaves it (not warmed in the cache
+    by another candidate); the call's result is always grouped_mm's (a split-K candidate's is computed beside it and
+    dropped), so measuring changes no number of the step and a recomputed forward gets what its forward got. The
+    times are read, and the choice made, at the first call of a new step: a step computes every call of a shape
+    one way."""
+    layout = current_layout()
+    if tuning.layout is None or tuning.layout() is not layout:
+        tuning.layout = weakref.ref(layout) if layout is not None else None
+        tuning.read()
+        if tuning.chosen is not None:
+            log.info("the rank-wide LoRA products (%s, %d features, %d wide, < %d groups) take %s on this device: "
+                     "median GPU + host ms a call %s", "x A^T" if key[0] else "g B", key[1], key[2], 1 << key[3],
+                     tuning.chosen, {name: round(tuning.cost(name), 4) for name in tuning.candidates})
     if tuning.chosen is not None:
-        log.info("the rank-wide LoRA products (%s, %d features, %d wide, < %d groups) take %s on this device: median "
-                 "GPU + host ms a call %s", "x A^T" if key[0] else "g B", key[1], key[2], 1 << key[3], tuning.chosen,
-                 {name: round(tuning.cost(name), 4) for name in tuning.candidates})
         return _run(tuning.chosen, left, weights, offsets, transposed)
     name = tuning.candidates[tuning.calls % len(tuning.candidates)]
     timed = tuning.calls >= len(tuning.candidates)
@@ -226,7 +237,7 @@ def _measure(tuning: _Tuning, key: tuple, left: torch.Tensor, weights: torch.Ten
         tuning.host[name].append((perf_counter() - launched) * 1e3)
         end.record()
         tuning.pending.append((name, start, end))
-    return out
+    return out if name == "grouped_mm" else _run("grouped_mm", left, weights, offsets, transposed)
 
 
 # -- the check ------------------------------------------------------------------------------------------------

@@ -69,9 +69,13 @@ def test_candidates_take_the_calls_in_turn_and_the_least_median_wins_once_the_gp
     rank_products._TUNINGS[KEY] = tuning
     calls = 3 * (1 + rank_products.TUNING_SAMPLES) + 6
     results = [int(call(tuning)) for _ in range(calls)]
-    # each call's result is the candidate that ran it (no candidate's work thrown away), in turn
-    assert fake_gpu["ran"] == [list(COSTS)[index % 3] for index in range(calls)]
-    assert results == [index % 3 for index in range(calls)]
+    # the candidates in turn, each run first; every call's result grouped_mm's (measuring changes no number)
+    expected = []
+    for index in range(calls):
+        name = list(COSTS)[index % 3]
+        expected += [name] if name == "grouped_mm" else [name, "grouped_mm"]
+    assert fake_gpu["ran"] == expected
+    assert results == [0] * calls
     assert tuning.chosen is None and len(tuning.pending) == calls - 3   # the first call of each untimed
     fake_gpu["passed"] = True
     with caplog.at_level(logging.INFO):
@@ -92,6 +96,20 @@ def test_a_kernel_that_saves_the_gpu_less_than_it_costs_the_host_loses(fake_gpu)
     fake_gpu["passed"] = True
     tuning.read()
     assert tuning.chosen == "split_k:2048"   # 2 + 0.02
+
+
+def test_the_choice_is_made_at_a_step_s_start_so_a_step_computes_a_shape_one_way(fake_gpu):
+    from actors.engine.layout import step_layout
+    from tests.helpers.lora_bounds import layout_of
+
+    tuning = rank_products._Tuning(list(COSTS))
+    fake_gpu["passed"] = True
+    with step_layout(layout_of()):
+        results = [int(call(tuning)) for _ in range(3 * (2 + rank_products.TUNING_SAMPLES))]
+    assert tuning.chosen is None and results == [0] * len(results)   # samples enough, but the step went on
+    with step_layout(layout_of()):   # the next step
+        assert int(call(tuning)) == 1 and int(call(tuning)) == 1
+    assert tuning.chosen == "split_k:1024"
 
 
 def test_no_choice_before_every_candidate_has_its_samples(fake_gpu):

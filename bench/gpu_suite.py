@@ -257,9 +257,9 @@ def key_numbers(out: Path) -> dict:
                                               "step_bytes_per_token", "status")}
                               for side, figures in sides.items()}
             numbers[shape]["ratios"] = {k: round(v, 3) for k, v in result.get("ratios", {}).items()}
-            chosen = (sides.get("aspen", {}).get("engine_defaults") or {}).get("rank_products")
-            if chosen:   # the kernel each rank-wide LoRA product took, measured in the warm-up steps
-                numbers[shape]["rank_products"] = {key: value["chosen"] for key, value in chosen.items()}
+            chosen = (sides.get("aspen", {}).get("engine_defaults") or {}).get("tuned_kernels")
+            if chosen:   # the kernel each tuned LoRA product's shape took, measured in the first steps
+                numbers[shape]["tuned_kernels"] = {key: value["chosen"] for key, value in chosen.items()}
             ceilings = sides.get("frozen", {}).get("matmul_ceilings")
             if ceilings:
                 numbers[shape]["matmul_ceiling_tflops"] = {k: round(v / 1e12, 3) for k, v in ceilings.items()}

@@ -16,7 +16,11 @@ in a grouped GEMM) is what this measures, per product and number of jobs, agains
 - `split_k`, `split_k_2048` (the same two, on CUDA): the engine's split-K Triton kernel over the segments
   (actors/engine/rank_products.py, which times it against grouped_mm per shape while a trainer's first steps run and
   takes the faster), the feature sum split into parts of ~1,024 or ~2,048 features (a grouped GEMM's output of one
-  tile column leaves most multiprocessors idle).
+  tile column leaves most multiprocessors idle);
+- `jagged` (the weight gradients' sums, dA and dB, on CUDA): the engine's Triton kernel, one program per job and
+  output tile over the job's own rows (actors/engine/weight_grad_products.py, timed against grouped_mm in a trainer's
+  first steps likewise): at many jobs each job's sum is short and a grouped GEMM's cost per tile and per group may
+  outweigh it.
 
 The layer groups: q/k/v (in 4,096, out 6,144, rank 3 x 16), o (4,096, 4,096, 16), gate/up (4,096, 2 x 14,336,
 2 x 16), down (14,336, 4,096, 16); `--tokens` rows in `--jobs` equal segments. Each way's result is checked
@@ -54,7 +58,7 @@ QUICK_GROUPS = {"qkv": (128, 192, 3 * 8), "o": (128, 128, 8), "gate_up": (128, 5
 FORMS = ("x_a", "h_b", "g_b", "gh_a", "grad_a", "grad_b")
 FORM_NAMES = {"x_a": "forward x A^T (T, r)", "h_b": "forward h B^T (T, out)", "g_b": "backward g B (T, r)",
               "gh_a": "backward dh A (T, in)", "grad_a": "dA = dh^T x (n, r, in)", "grad_b": "dB = g^T h (n, out, r)"}
-WAYS = ("grouped", "segments", "stacked", "split_k", "split_k_2048")
+WAYS = ("grouped", "segments", "stacked", "split_k", "split_k_2048", "jagged")
 
 
 @dataclass
@@ -125,6 +129,13 @@ def computation(form: str, way: str, ops: Operands):
     if way == "stacked" and form in ("x_a", "g_b"):
         left, side = (x, ops.a_side.t()) if form == "x_a" else (g, ops.b_side)
         return lambda: torch.gather(torch.mm(left, side), 1, ops.own)
+    if way == "jagged" and form in ("grad_a", "grad_b") and x.is_cuda:
+        from actors.engine import weight_grad_products
+
+        if weight_grad_products.triton is None:
+            return None
+        first, second = (gh, x) if form == "grad_a" else (g, h)
+        return lambda: weight_grad_products.jagged(first, second, offs)
     if way.startswith("split_k") and form in ("x_a", "g_b") and x.is_cuda:
         from actors.engine import rank_products
 

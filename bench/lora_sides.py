@@ -131,11 +131,11 @@ def engine_settings(trainer) -> dict:
     settings = {"recompute": getattr(trainer, "recompute", None), "layout": getattr(trainer, "layout", None),
                 "dtype": str(getattr(trainer.base, "dtype", None)),
                 "lora_grouping": getattr(lora_grouped, "GROUPING", None)}
-    try:   # the kernel each rank-wide LoRA product's shape took, measured during the warm-up steps
-        from actors.engine import rank_products
+    try:   # the kernel each tuned LoRA product's shape took, measured during the first steps
+        from actors.engine import kernel_tuning
     except ImportError:   # a checkout from before it (the cost model runs older checkouts' benchmarks)
         return settings
-    return {**settings, "rank_products": rank_products.decisions()}
+    return {**settings, "tuned_kernels": kernel_tuning.decisions()}
 
 
 # -- the PEFT baselines -----------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from actors.engine import lora_grouped_mm, rank_products
+from actors.engine import lora_grouped_mm, rank_products, weight_grad_products
 from actors.engine.lora_grad_kernel import GroupTargets
 from actors.engine.lora_grouped_mm import grouped_fits, grouped_mm_works
 from actors.engine.lora_layer_state import layer_adapters
@@ -288,12 +288,12 @@ class _Plan:
         """Each adapter's float32 (grad A, grad B), from its own rows only; with `targets`, added straight into the
         jobs' gradient buffers (actors/engine/lora_grad_kernel.py) and none returned."""
         if self.targets is not None:
-            self.targets.add(torch._grouped_mm(grad_hidden.t(), x, offs=self.offsets),
-                             torch._grouped_mm(grad_out.t(), hidden, offs=self.offsets), self.scalings, self.tensors)
+            self.targets.add(weight_grad_products.sums(grad_hidden, x, self.offsets),
+                             weight_grad_products.sums(grad_out, hidden, self.offsets), self.scalings, self.tensors)
             return []
-        grad_a = torch._grouped_mm(grad_hidden.t(), x, offs=self.offsets).float()             # (groups, rank, in)
+        grad_a = weight_grad_products.sums(grad_hidden, x, self.offsets).float()             # (groups, rank, in)
         # (groups, out, rank), times each group's scaling into float32 in one kernel
-        grad_b = torch.mul(torch._grouped_mm(grad_out.t(), hidden, offs=self.offsets), self.scalings)
+        grad_b = torch.mul(weight_grad_products.sums(grad_out, hidden, self.offsets), self.scalings)
         rows_a, rows_b = grad_a.unbind(0), grad_b.unbind(0)   # every group's gradient in two calls, not 2 per job
         grads: list[torch.Tensor] = []
         rank = grad_a.shape[1]

@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from actors.engine import lora_cuda, rank_products
+from actors.engine import lora_cuda, rank_products, weight_grad_products
 from actors.engine.lora_adapter import full_precision
 from actors.engine.lora_grad_kernel import Block, GroupTargets, kernel_works
 from actors.engine.lora_grouped_mm import grouped_mm_works
@@ -294,8 +294,8 @@ class _SiblingLinears(torch.autograd.Function):
                 for block, (weight, _) in zip(plan.blocks, plan.bases, strict=True):
                     grad_x.addmm_(grad_out[:, block.out_start:block.out_start + block.out], weight)
         if plan.targets is not None:
-            plan.targets.add(torch._grouped_mm(grad_hidden.t(), x, offs=offsets),
-                             torch._grouped_mm(grad_out.t(), hidden, offs=offsets), plan.scalings, plan.tensors)
+            plan.targets.add(weight_grad_products.sums(grad_hidden, x, offsets),
+                             weight_grad_products.sums(grad_out, hidden, offsets), plan.scalings, plan.tensors)
         return grad_x, None, None
 
 

@@ -14,13 +14,11 @@ kernel computes them on this device.
   the start of the next computes each with its own job's factor, the other rows masked to zero.
   The number of parts comes from the feature count alone, so a job's rows are summed in the same order whatever
   other jobs share the step: isolation holds bit for bit, as grouped_mm's does.
-- `auto` (the default): on CUDA, the first calls of each shape (form, features, Σ ranks, the groups' count by
-  powers of 2) time the candidates in turn (grouped_mm and split_k at each of `SPLIT_FEATURES`) by CUDA events read
-  only once the GPU has passed them (the host never waits; a candidate's first call untimed: Triton compiles) and by
-  the host's clock around the call, while the step keeps grouped_mm's results; at a step's start, once each has
-  `TUNING_SAMPLES` times, the shape takes the one with the least median GPU time plus median host time
-  (`decisions()` lists them; logged). Elsewhere grouped_mm. The choice is a measurement, so two runs may round
-  differently; force `WAY` to repeat a run bit for bit.
+- `auto` (the default): on CUDA, each shape (form, features, Σ ranks, the groups' count by powers of 2) is measured
+  in a trainer's first steps, grouped_mm against split_k at each of `SPLIT_FEATURES`, and takes the least GPU plus
+  host time a call (actors/engine/kernel_tuning.py: the host never waits, and the steps keep grouped_mm's results
+  until the choice). Elsewhere grouped_mm. The choice is a measurement, so two runs may round differently; force
+  `WAY` to repeat a run bit for bit.
 
 `split_k` is checked once per device against float64 per-group products (`CHECK`); a failure logs why and the
 products stay on grouped_mm. `tests/unit/engine/test_rank_products_interpreted.py` runs the kernel under Triton's
@@ -29,22 +27,18 @@ interpreter (float32); `tests/gpu/test_rank_products_cuda.py` on a GPU (bfloat16
 from __future__ import annotations
 
 import logging
-import statistics
-import weakref
-from time import perf_counter
 from typing import Literal
 
 import torch
 
-from actors.engine.layout import current_layout
-from actors.engine.triton_support import KERNEL_ERRORS, KernelCheck, cdiv, next_power_of_2, tl, triton, triton_runs
+from actors.engine import kernel_tuning
+from actors.engine.triton_support import KernelCheck, cdiv, next_power_of_2, tl, triton, triton_runs
 
 log = logging.getLogger(__name__)
 
 # "auto": measured per shape on CUDA (above), grouped_mm elsewhere; "grouped_mm" / "split_k" force one
 WAY: Literal["auto", "grouped_mm", "split_k"] = "auto"
 SPLIT_FEATURES = (1024, 2048)   # split_k's candidate part sizes (features a program sums); a forced split_k: the first
-TUNING_SAMPLES = 5              # timed calls of each candidate before a shape's kernel is chosen
 BLOCK_M, BLOCK_K = 64, 128
 MAX_WIDTH = 128                 # Σ ranks split_k takes (its tiles in shared memory); wider: grouped_mm
 
@@ -107,61 +101,9 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
 
 # -- choosing the kernel ------------------------------------------------------------------------------------
 
-class _Tuning:
-    """One shape's candidates, their event pairs not yet read, their GPU and host times (ms) and, once known, the
-    choice: the least median GPU time plus median host time a call (a kernel that saves the GPU less than it costs
-    the host loses: on the 8B step the host is about as busy as the GPU)."""
-
-    def __init__(self, candidates: list[str]):
-        self.candidates = candidates
-        self.calls = 0
-        self.pending: list[tuple[str, object, object]] = []
-        self.times: dict[str, list[float]] = {name: [] for name in candidates}
-        self.host: dict[str, list[float]] = {name: [] for name in candidates}
-        self.chosen: str | None = None
-        self.split_features = 0
-        self.layout: weakref.ref | None = None   # the step of the last read
-
-    def drop(self, name: str) -> None:
-        self.candidates.remove(name)
-        del self.times[name], self.host[name]
-        self.pending = [entry for entry in self.pending if entry[0] != name]
-        if len(self.candidates) == 1:
-            self.choose(self.candidates[0])
-
-    def read(self) -> None:
-        """The times of the event pairs the GPU has passed (`query` does not wait)."""
-        still = []
-        for name, start, end in self.pending:
-            if end.query():
-                self.times[name].append(start.elapsed_time(end))
-            else:
-                still.append((name, start, end))
-        self.pending = still
-        if all(len(times) >= TUNING_SAMPLES for times in self.times.values()):
-            self.choose(min(self.candidates, key=self.cost))
-
-    def cost(self, name: str) -> float:
-        """Median GPU ms plus median host ms a call."""
-        return statistics.median(self.times[name]) + statistics.median(self.host[name])
-
-    def choose(self, name: str) -> None:
-        self.chosen = name
-        self.split_features = int(name.partition(":")[2] or 0)
-
-
-_TUNINGS: dict[tuple, _Tuning] = {}
-
-
 def decisions() -> dict[str, dict]:
-    """Each measured shape's choice and median times (ms): for benchmark reports."""
-    def median(times: list[float]) -> float | None:
-        return round(statistics.median(times), 4) if times else None
-
-    return {f"{'x A^T' if key[0] else 'g B'}, {key[1]} features, {key[2]} wide, < {1 << key[3]} groups": {
-        "chosen": tuning.chosen, "median_ms": {name: median(times) for name, times in tuning.times.items()},
-        "host_median_ms": {name: median(times) for name, times in tuning.host.items()}}
-        for key, tuning in _TUNINGS.items()}
+    """Each measured shape's choice and median times (ms): for benchmark reports (every tuned kernel's)."""
+    return kernel_tuning.decisions()
 
 
 def _candidates(device: torch.device, width: int) -> list[str]:
@@ -179,7 +121,8 @@ def _run(name: str, left: torch.Tensor, weights: torch.Tensor, offsets: torch.Te
 
 
 def _product(left: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """`split_k` forced, or `auto` on CUDA: the shape's chosen kernel, or the next candidate while it is measured."""
+    """`split_k` forced, or `auto` on CUDA: the shape's chosen kernel, or the next candidate while it is measured
+    (actors/engine/kernel_tuning.py)."""
     width = weights.shape[1] if transposed else weights.shape[2]
     if WAY == "split_k":
         if width <= MAX_WIDTH and triton_runs(left.device) and CHECK.works(left.device):
@@ -187,57 +130,18 @@ def _product(left: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor, t
         return grouped(left, weights, offsets, transposed)
     # the groups' count by its power of 2: a grouped GEMM's tiles round each group's rows up (32 jobs' 128-row segments
     # are not 4 jobs' 1,024), so the choice is measured again as the step's jobs grow
-    key = (transposed, left.shape[1], width, offsets.shape[0].bit_length(), left.dtype, left.device.index)
-    tuning = _TUNINGS.get(key)
+    key = ("rank", transposed, left.shape[1], width, offsets.shape[0].bit_length(), left.dtype, left.device.index)
+    tuning = kernel_tuning.TUNINGS.get(key)
     if tuning is None:
-        tuning = _TUNINGS[key] = _Tuning(_candidates(left.device, width))
+        description = (f"{'x A^T' if transposed else 'g B'}, {left.shape[1]} features, {width} wide, "
+                       f"< {1 << key[4]} groups")
+        tuning = kernel_tuning.TUNINGS[key] = kernel_tuning.Tuning(description, _candidates(left.device, width))
     chosen = tuning.chosen
     if chosen == "grouped_mm":
         return torch._grouped_mm(left, weights.mT if transposed else weights, offs=offsets)
     if chosen is not None:
-        return split_k(left, weights, offsets, transposed, tuning.split_features)
-    return _measure(tuning, key, left, weights, offsets, transposed)
-
-
-def _measure(tuning: _Tuning, key: tuple, left: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-             transposed: bool) -> torch.Tensor:
-    """A call while `tuning` measures. The candidates take the calls in turn, each timed but for its first call
-    (where Triton compiles) and run first, so that it reads its input as the step leaves it (not warmed in the cache
-    by another candidate); the call's result is always grouped_mm's (a split-K candidate's is computed beside it and
-    dropped), so measuring changes no number of the step and a recomputed forward gets what its forward got. The
-    times are read, and the choice made, at the first call of a new step: a step computes every call of a shape
-    one way."""
-    layout = current_layout()
-    if tuning.layout is None or tuning.layout() is not layout:
-        tuning.layout = weakref.ref(layout) if layout is not None else None
-        tuning.read()
-        if tuning.chosen is not None:
-            log.info("the rank-wide LoRA products (%s, %d features, %d wide, < %d groups) take %s on this device: "
-                     "median GPU + host ms a call %s", "x A^T" if key[0] else "g B", key[1], key[2], 1 << key[3],
-                     tuning.chosen, {name: round(tuning.cost(name), 4) for name in tuning.candidates})
-    if tuning.chosen is not None:
-        return _run(tuning.chosen, left, weights, offsets, transposed)
-    name = tuning.candidates[tuning.calls % len(tuning.candidates)]
-    timed = tuning.calls >= len(tuning.candidates)
-    tuning.calls += 1
-    if timed:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    launched = perf_counter()
-    try:
-        out = _run(name, left, weights, offsets, transposed)
-    except KERNEL_ERRORS as error:   # a candidate that cannot compile or launch for this shape: left out
-        if name == "grouped_mm":
-            raise
-        log.warning("the rank-wide LoRA product kernel %s failed on %s (%s: %s); the shape is left to the others",
-                    name, left.device, type(error).__name__, error)
-        tuning.drop(name)
-        return _run("grouped_mm", left, weights, offsets, transposed)
-    if timed:
-        tuning.host[name].append((perf_counter() - launched) * 1e3)
-        end.record()
-        tuning.pending.append((name, start, end))
-    return out if name == "grouped_mm" else _run("grouped_mm", left, weights, offsets, transposed)
+        return split_k(left, weights, offsets, transposed, int(chosen.partition(":")[2]))
+    return kernel_tuning.measured(tuning, lambda name: _run(name, left, weights, offsets, transposed))
 
 
 # -- the check ------------------------------------------------------------------------------------------------

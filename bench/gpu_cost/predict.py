@@ -135,11 +135,12 @@ def run_worker(args: dict) -> dict:
         workload.KERNELS = args["kernels"]
     calibration = json.loads(Path(args["calibration"]).read_text())
     bench = benchmark_module(checkout)
-    # the rank-wide LoRA products: on a GPU the engine times grouped_mm against its split-K kernel during the first
-    # steps and takes the faster (actors/engine/rank_products.py); the model has no clock to do so: grouped_mm,
-    # unless `--set actors.engine.rank_products:WAY=split_k` asks for the other
-    pinned = apply_settings(["actors.engine.rank_products:WAY=grouped_mm"]) if (
-        checkout / "actors" / "engine" / "rank_products.py").is_file() else []
+    # the LoRA products the engine tunes: on a GPU it times grouped_mm against its Triton kernels during the first
+    # steps and takes the faster (actors/engine/kernel_tuning.py); the model has no clock to do so: grouped_mm,
+    # unless `--set actors.engine.rank_products:WAY=split_k` (or weight_grad_products:WAY=jagged) asks for another
+    pinned = [applied for module in ("rank_products", "weight_grad_products")
+              if (checkout / "actors" / "engine" / f"{module}.py").is_file()
+              for applied in apply_settings([f"actors.engine.{module}:WAY=grouped_mm"])]
     applied = apply_settings(args.get("settings", []))
     later = bool(args.get("read_later")) and args["mode"] in ("jobs", "fusion")   # aspen's steps only
     if later:

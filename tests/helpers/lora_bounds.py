@@ -96,3 +96,14 @@ def exact(layer: FusedLoraLinear, x: torch.Tensor, upstream: torch.Tensor, bound
 def assert_within(got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str) -> None:
     excess = (got.double().cpu() - expected).abs() - bound
     assert bool((excess <= 0).all()), f"{what}: {float(excess.max()):.3g} beyond its bound"
+
+
+def assert_layer_within(layer: FusedLoraLinear, x: torch.Tensor, upstream: torch.Tensor, out: torch.Tensor,
+                        grad_x: torch.Tensor, bounds=BOUNDS) -> None:
+    """`run_layer`'s output, input gradient and each adapter's gradients within the bounds `exact` derives."""
+    expected, out_bound, grad_x_exact, grad_x_bound, grads, grad_bounds = exact(layer, x, upstream, bounds)
+    assert_within(out[0], expected, out_bound, "output")
+    assert_within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient")
+    for adapter, (grad_a, grad_b), (bound_a, bound_b) in zip(layer.adapters.values(), grads, grad_bounds, strict=True):
+        assert_within(adapter.lora_A.grad, grad_a, bound_a, "A's gradient")
+        assert_within(adapter.lora_B.grad, grad_b, bound_b, "B's gradient")

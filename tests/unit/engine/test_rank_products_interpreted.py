@@ -1,10 +1,11 @@
-"""The split-K kernel of the rank-wide LoRA products (actors/engine/rank_products.py) under Triton's interpreter on
-this CPU, in float32 (the interpreter has no bfloat16 arithmetic): each segment's rows times its own job's factor
-within float32's rounding of the sum, both forms, rows of several jobs in one block, empty and gap groups, one part
-and many; a job's rows untouched by other jobs' values; and a fused layer, and layers sharing an input, on the CUDA path
-with the products on split_k (the kernel's arithmetic in float32, rounded to bfloat16 by torch) within the bfloat16
-bounds of the exact arithmetic. This module runs in a process started with TRITON_INTERPRET=1
-(test_rank_products.py starts it)."""
+"""The split-K kernel of the rank-wide LoRA products (actors/engine/rank_products.py) and the jagged kernel of the
+weight gradients' sums (weight_grad_products.py) under Triton's interpreter on this CPU, in float32 (the interpreter
+has no bfloat16 arithmetic): each segment's rows times its own job's factor within float32's rounding of the sum, both
+forms, rows of several jobs in one block, empty and gap groups, one part and many; a job's rows untouched by other
+jobs' values; each group's weight-gradient sum over its own rows, as alone; each kernel's check failing one that
+mixes up jobs; and a fused layer, and layers sharing an input, on the CUDA path with both kernels (their arithmetic
+in float32, rounded to bfloat16 by torch) within the bfloat16 bounds of the exact arithmetic. This module runs in a
+process started with TRITON_INTERPRET=1 (test_rank_products.py starts it)."""
 
 from __future__ import annotations
 
@@ -75,59 +76,79 @@ def test_the_once_a_device_check_passes_here_and_fails_a_kernel_that_mixes_up_jo
 
 @pytest.fixture
 def on_split_k(monkeypatch):
-    """The CUDA LoRA path on grouped_mm with its rank-wide products on the split-K kernel, the kernel's arithmetic in
-    float32 and its result rounded to bfloat16 by torch (the interpreter's bfloat16 is not the GPU's); the forms it
-    took, listed."""
-    from actors.engine import lora_cuda, lora_siblings, rank_products
+    """The CUDA LoRA path on grouped_mm with its rank-wide products on the split-K kernel and its weight gradients'
+    sums on the jagged kernel, each kernel's arithmetic in float32 and its result rounded to bfloat16 by torch (the
+    interpreter's bfloat16 is not the GPU's); the kernels' calls, listed."""
+    from actors.engine import lora_cuda, lora_siblings, rank_products, weight_grad_products
 
     monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
     monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
     monkeypatch.setattr(lora_siblings, "SIBLINGS", "on")
     monkeypatch.setattr(rank_products, "WAY", "split_k")
-    kernel = rank_products.split_k
-    forms: list[bool] = []
+    monkeypatch.setattr(weight_grad_products, "WAY", "jagged")
+    split_k, jagged = rank_products.split_k, weight_grad_products.jagged
+    calls: list[object] = []
 
-    def in_float32(left, weights, offsets, transposed, split_features=rank_products.SPLIT_FEATURES[0]):
-        forms.append(transposed)
-        return kernel(left.float(), weights.float(), offsets, transposed, 16).to(left.dtype)
+    def split_k_in_float32(left, weights, offsets, transposed, split_features=rank_products.SPLIT_FEATURES[0]):
+        calls.append(transposed)
+        return split_k(left.float(), weights.float(), offsets, transposed, 16).to(left.dtype)
 
-    monkeypatch.setattr(rank_products, "split_k", in_float32)
-    return forms
+    def jagged_in_float32(left, right, offsets):
+        calls.append("jagged")
+        return jagged(left.float(), right.float(), offsets).to(left.dtype)
+
+    monkeypatch.setattr(rank_products, "split_k", split_k_in_float32)
+    monkeypatch.setattr(weight_grad_products, "jagged", jagged_in_float32)
+    return calls
 
 
-def test_a_layer_on_split_k_is_within_the_bfloat16_bounds_of_the_exact_arithmetic(on_split_k):
+def test_a_layer_on_the_triton_kernels_is_within_the_bfloat16_bounds_of_the_exact_arithmetic(on_split_k):
     """tests/helpers/lora_bounds.py's three jobs (ranks 4, 8, 2, padded to 8 in the stacks): output, input gradient and
     each job's gradients within the bounds its docstring derives; both forms went through the kernel."""
-    from tests.helpers.lora_bounds import (
-        BOUNDS,
-        IN,
-        OUT,
-        assert_within,
-        bf16_values,
-        exact,
-        fused_layer,
-        layout_of,
-        run_layer,
-    )
+    from tests.helpers.lora_bounds import IN, OUT, assert_layer_within, bf16_values, fused_layer, layout_of, run_layer
 
     layer = fused_layer()
     torch.manual_seed(3)
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     out, grad_x = run_layer(layer, x, upstream, layout_of())
-    assert sorted(set(on_split_k)) == [False, True]
-    expected, out_bound, grad_x_exact, grad_x_bound, grads, grad_bounds = exact(layer, x, upstream, BOUNDS)
-    assert_within(out[0], expected, out_bound, "output")
-    assert_within(grad_x[0], grad_x_exact, grad_x_bound, "input gradient")
-    for adapter, (grad_a, grad_b), (bound_a, bound_b) in zip(layer.adapters.values(), grads, grad_bounds, strict=True):
-        assert_within(adapter.lora_A.grad, grad_a, bound_a, "A's gradient")
-        assert_within(adapter.lora_B.grad, grad_b, bound_b, "B's gradient")
+    assert set(on_split_k) == {False, True, "jagged"}
+    assert_layer_within(layer, x, upstream, out, grad_x)
 
 
-def test_layers_sharing_an_input_on_split_k_are_within_the_bounds(on_split_k):
+def test_layers_sharing_an_input_on_the_triton_kernels_are_within_the_bounds(on_split_k):
     """q, k and v of three jobs computed together (actors/engine/lora_siblings.py), their Σ ranks one product each
     way through the kernel."""
     from tests.helpers.sibling_layers import assert_within_the_bounds, attention, inputs
 
     x, upstream = inputs()
     assert_within_the_bounds(attention(), x, upstream)
-    assert sorted(set(on_split_k)) == [False, True]
+    assert set(on_split_k) == {False, True, "jagged"}
+
+
+@pytest.mark.parametrize("m,n", [(24, 300), (300, 24)], ids=["dA's shape", "dB's shape"])
+def test_the_jagged_kernel_sums_each_group_over_its_own_rows_and_as_alone(m, n):
+    """Each group's left[rows]^T right[rows] within float32's rounding of its sum (an empty group: zeros), and bit
+    for bit what the group gives alone in a stream of its own (its rows summed in the same blocks)."""
+    from actors.engine import weight_grad_products
+
+    generator = torch.Generator().manual_seed(4)
+    left, right = torch.randn(TOKENS, m, generator=generator), torch.randn(TOKENS, n, generator=generator)
+    offsets = torch.tensor([end for _, end in BOUNDS], dtype=torch.int32)
+    got = weight_grad_products.jagged(left, right, offsets)
+    assert got.shape == (len(BOUNDS), m, n)
+    for group, (start, end) in enumerate(BOUNDS):
+        first, second = left[start:end].double().t(), right[start:end].double()
+        bound = (end - start) * 2.0 ** -24 * (first.abs() @ second.abs())
+        assert bool(((got[group].double() - first @ second).abs() <= bound).all()), group
+        alone = weight_grad_products.jagged(left[start:end].contiguous(), right[start:end].contiguous(),
+                                            torch.tensor([end - start], dtype=torch.int32))
+        assert torch.equal(got[group], alone[0]), group
+
+
+def test_the_jagged_kernel_s_check_passes_here_and_fails_a_kernel_that_mixes_up_jobs(monkeypatch):
+    from actors.engine import weight_grad_products
+
+    assert weight_grad_products.CHECK.works(torch.device("cpu"))
+    kernel = weight_grad_products.jagged
+    monkeypatch.setattr(weight_grad_products, "jagged", lambda *args: kernel(*args).roll(1, dims=0))
+    assert not weight_grad_products._agrees(torch.device("cpu"))

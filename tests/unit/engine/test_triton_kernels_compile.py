@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine import flat_adamw, lora_grad_kernel, lora_stacks, rank_products, strided_kernels
+from actors.engine import (
+    flat_adamw,
+    lora_grad_kernel,
+    lora_stacks,
+    rank_products,
+    strided_kernels,
+    weight_grad_products,
+)
 
 triton = pytest.importorskip("triton")
 
@@ -39,6 +46,12 @@ KERNELS = {
          "parts": "i32", "left_row": "i32", "left_col": "i32", "w_group": "i32", "w_k": "i32", "w_n": "i32",
          "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"BLOCK_M": rank_products.BLOCK_M, "BLOCK_N": 64, "BLOCK_K": rank_products.BLOCK_K}),
+    "the weight gradients' jagged kernel": (
+        lambda: weight_grad_products._jagged_kernel,
+        {"left_ptr": "*bf16", "right_ptr": "*bf16", "ends_ptr": "*i32", "out_ptr": "*bf16", "m": "i32", "n": "i32",
+         "tiles_n": "i32", "left_row": "i32", "left_col": "i32", "right_row": "i32", "right_col": "i32",
+         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_T": "constexpr"},
+        {"BLOCK_M": weight_grad_products.WIDE, "BLOCK_N": 64, "BLOCK_T": weight_grad_products.BLOCK_T}),
     "row-strided SwiGLU's backward": (lambda: strided_kernels._swiglu_backward,
                                       {"grad_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "grad_stride": "i32",
                                        "a_stride": "i32", "b_stride": "i32", "cols": "i32", "BLOCK": "constexpr"},

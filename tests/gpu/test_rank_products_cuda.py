@@ -25,41 +25,43 @@ def _operands(features: int, width: int, transposed: bool, seed: int = 0):
     shape = (len(BOUNDS), width, features) if transposed else (len(BOUNDS), features, width)
     weights = (torch.randn(*shape, generator=generator) * features ** -0.5).to(torch.bfloat16)
     offsets = torch.tensor([end for _, end in BOUNDS], dtype=torch.int32)
-    return left, weights, offsets
+    return left.to(CUDA), weights.to(CUDA), offsets.to(CUDA)
 
 
 def test_the_kernel_passes_its_check_on_this_gpu():
     assert rank_products.CHECK.works(CUDA)
 
 
-@pytest.mark.parametrize("features,width", [(4096, 48), (14336, 16), (28672, 32)], ids=["qkv", "down", "gate_up"])
-@pytest.mark.parametrize("transposed", [True, False], ids=["x A^T", "g B"])
-@pytest.mark.parametrize("split", rank_products.SPLIT_FEATURES)
+@pytest.mark.parametrize("features,width,transposed,split", [
+    (4096, 48, True, 1024), (4096, 48, False, 2048), (14336, 16, True, 2048), (28672, 32, False, 1024)],
+    ids=["qkv x A^T", "o g B", "down x A^T", "gate_up g B"])
 def test_each_job_s_rows_within_the_bfloat16_bound_of_float64(transposed, features, width, split):
+    """Against float64 products on the GPU (the references' time stays small beside the lease's limit)."""
     left, weights, offsets = _operands(features, width, transposed)
-    got = rank_products.split_k(left.to(CUDA), weights.to(CUDA), offsets.to(CUDA), transposed, split).double().cpu()
+    got = rank_products.split_k(left, weights, offsets, transposed, split).double()
+    within = []
     for group, (start, end) in enumerate(BOUNDS):
         factor = (weights[group].t() if transposed else weights[group]).double()
         exact = left[start:end].double() @ factor
         magnitude = left[start:end].double().abs() @ factor.abs()
-        bound = (2.0 ** -8 + features * 2.0 ** -24) * magnitude
-        assert bool(((got[start:end] - exact).abs() <= bound).all()), group
+        within.append(((got[start:end] - exact).abs() <= (2.0 ** -8 + features * 2.0 ** -24) * magnitude).all())
+    assert torch.stack(within).tolist() == [True] * len(BOUNDS)
 
 
 @pytest.mark.parametrize("transposed", [True, False], ids=["x A^T", "g B"])
 def test_a_job_s_rows_are_bit_for_bit_those_it_gets_alone(transposed):
     left, weights, offsets = _operands(4096, 48, transposed, seed=1)
-    fused = rank_products.split_k(left.cuda(), weights.cuda(), offsets.cuda(), transposed)
+    fused = rank_products.split_k(left, weights, offsets, transposed)
     for group, (start, end) in enumerate(BOUNDS):
-        alone = rank_products.split_k(left[start:end].cuda(), weights[group:group + 1].cuda(),
-                                      torch.tensor([end - start], dtype=torch.int32).cuda(), transposed)
+        alone = rank_products.split_k(left[start:end].contiguous(), weights[group:group + 1].contiguous(),
+                                      torch.tensor([end - start], dtype=torch.int32, device=CUDA), transposed)
         assert torch.equal(fused[start:end], alone), group
 
 
 def test_the_parts_sum_in_one_order_every_launch_and_leave_their_counters_at_zero():
     """Each row block's last part to arrive adds the parts (which part is last varies from launch to launch): the
     result is the same bits every time, and the counters are back at zero for the next launch."""
-    left, weights, offsets = (t.cuda() for t in _operands(14336, 16, True, seed=2))
+    left, weights, offsets = _operands(14336, 16, True, seed=2)
     first = rank_products.split_k(left, weights, offsets, True, 1024)
     for _ in range(20):
         assert torch.equal(rank_products.split_k(left, weights, offsets, True, 1024), first)
@@ -72,7 +74,7 @@ def test_auto_settles_on_a_kernel_without_the_host_waiting(monkeypatch):
 
     monkeypatch.setattr(kernel_tuning, "TUNINGS", {})
     monkeypatch.setattr(rank_products, "WAY", "auto")
-    left, weights, offsets = (t.cuda() for t in _operands(4096, 48, True))
+    left, weights, offsets = _operands(4096, 48, True)
     rank_products.down(left, weights, offsets)   # the candidates' first, untimed calls: compiles outside the check
     rank_products.down(left, weights, offsets)
     rank_products.down(left, weights, offsets)
@@ -109,19 +111,20 @@ def test_a_fused_layer_on_the_triton_kernels_is_within_the_bfloat16_bounds(monke
     assert_layer_within(layer, x, upstream, out, grad_x)
 
 
-@pytest.mark.parametrize("m,n", [(48, 4096), (6144, 48), (32, 14336), (28672, 32)],
-                         ids=["qkv dA", "qkv dB", "down dA", "gate_up dB"])
+@pytest.mark.parametrize("m,n", [(48, 4096), (28672, 32)], ids=["qkv dA", "gate_up dB"])
 def test_the_jagged_sums_within_the_bfloat16_bound_of_float64_and_as_alone(m, n):
     assert weight_grad_products.CHECK.works(CUDA)
     generator = torch.Generator().manual_seed(5)
-    left = torch.randn(BOUNDS[-1][1], m, generator=generator).to(torch.bfloat16)
-    right = torch.randn(BOUNDS[-1][1], n, generator=generator).to(torch.bfloat16)
-    offsets = torch.tensor([end for _, end in BOUNDS], dtype=torch.int32)
-    got = weight_grad_products.jagged(left.cuda(), right.cuda(), offsets.cuda())
+    left = torch.randn(BOUNDS[-1][1], m, generator=generator).to(CUDA, torch.bfloat16)
+    right = torch.randn(BOUNDS[-1][1], n, generator=generator).to(CUDA, torch.bfloat16)
+    offsets = torch.tensor([end for _, end in BOUNDS], dtype=torch.int32, device=CUDA)
+    got = weight_grad_products.jagged(left, right, offsets)
+    within, alike = [], []
     for group, (start, end) in enumerate(BOUNDS):
         first, second = left[start:end].double().t(), right[start:end].double()
         bound = (2.0 ** -8 + (end - start) * 2.0 ** -24) * (first.abs() @ second.abs())
-        assert bool(((got[group].double().cpu() - first @ second).abs() <= bound).all()), group
-        alone = weight_grad_products.jagged(left[start:end].cuda(), right[start:end].cuda(),
-                                            torch.tensor([end - start], dtype=torch.int32).cuda())
-        assert torch.equal(got[group], alone[0]), group
+        within.append(((got[group].double() - first @ second).abs() <= bound).all())
+        alone = weight_grad_products.jagged(left[start:end].contiguous(), right[start:end].contiguous(),
+                                            torch.tensor([end - start], dtype=torch.int32, device=CUDA))
+        alike.append(torch.equal(got[group], alone[0]))
+    assert torch.stack(within).tolist() == [True] * len(BOUNDS) and alike == [True] * len(BOUNDS)

@@ -15,18 +15,30 @@ from actors.engine import rank_products
 from tests.helpers.triton_interpreter import run_interpreted
 
 
-def test_auto_on_a_cpu_is_grouped_mm_and_split_k_needs_a_kernel_that_runs(monkeypatch):
+def _products_on_this_cpu():
+    """(module, its forced Triton way, the call, its operands, the exact result): the rank-wide down projection and
+    the weight gradients' sums, each over two jobs' rows."""
+    from actors.engine import weight_grad_products
+
+    x, a_stack = torch.randn(40, 32).to(torch.bfloat16), torch.randn(2, 8, 32).to(torch.bfloat16)
+    left, right = torch.randn(40, 16).to(torch.bfloat16), torch.randn(40, 32).to(torch.bfloat16)
+    down = torch.cat([x[:16].float() @ a_stack[0].float().t(), x[16:].float() @ a_stack[1].float().t()])
+    sums = torch.stack([left[:16].float().t() @ right[:16].float(), left[16:].float().t() @ right[16:].float()])
+    return [(rank_products, "split_k", rank_products.down, (x, a_stack), down),
+            (weight_grad_products, "jagged", weight_grad_products.sums, (left, right), sums)]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["x A^T", "weight gradients"])
+def test_auto_on_a_cpu_is_grouped_mm_and_a_forced_kernel_needs_one_that_runs(monkeypatch, which):
+    module, forced, call, operands, expected = _products_on_this_cpu()[which]
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    x = torch.randn(40, 32).to(torch.bfloat16)
-    a_stack = torch.randn(2, 8, 32).to(torch.bfloat16)
     offsets = torch.tensor([16, 40], dtype=torch.int32)
-    expected = torch.cat([x[:16].float() @ a_stack[0].float().t(), x[16:].float() @ a_stack[1].float().t()])
-    for way in ("auto", "split_k"):   # split_k: no Triton runs on this CPU outside the interpreter
-        monkeypatch.setattr(rank_products, "WAY", way)
-        got = rank_products.down(x, a_stack, offsets)
-        assert torch.allclose(got.float(), expected, rtol=2 ** -7, atol=1e-3)
+    for way in ("auto", forced):   # forced: no Triton runs on this CPU outside the interpreter
+        monkeypatch.setattr(module, "WAY", way)
+        got = call(*operands, offsets)
+        assert torch.allclose(got.float(), expected, rtol=2 ** -7, atol=1e-2)
     assert len(calls) == 2
 
 
@@ -61,22 +73,6 @@ def test_a_shape_s_choice_is_what_its_later_calls_run(monkeypatch):
         kernel_tuning.TUNINGS[key] = tuning
         rank_products._product(x, a_stack, offsets, True)
         assert ran[-1] == expected
-
-
-def test_the_weight_gradients_sums_auto_on_a_cpu_are_grouped_mm_and_jagged_needs_a_kernel_that_runs(monkeypatch):
-    from actors.engine import weight_grad_products
-
-    calls = []
-    real = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    left, right = torch.randn(40, 16).to(torch.bfloat16), torch.randn(40, 32).to(torch.bfloat16)
-    offsets = torch.tensor([16, 40], dtype=torch.int32)
-    expected = torch.stack([left[:16].float().t() @ right[:16].float(), left[16:].float().t() @ right[16:].float()])
-    for way in ("auto", "jagged"):   # jagged: no Triton runs on this CPU outside the interpreter
-        monkeypatch.setattr(weight_grad_products, "WAY", way)
-        got = weight_grad_products.sums(left, right, offsets)
-        assert torch.allclose(got.float(), expected, rtol=2 ** -7, atol=1e-2)
-    assert len(calls) == 2
 
 
 def test_the_weight_gradients_sums_choice_is_what_later_calls_run(monkeypatch):

@@ -2,9 +2,9 @@
 """A model of the fused GPU step that runs on a CPU (issue 47, item 6): the checkout's real step code runs on
 a virtual CUDA device (meta tensors that call themselves cuda:0), every kernel-level operation is recorded
 with its FLOPs, bytes, launches and host synchronisations, each is timed from the card's ceilings, and a
-timeline of the host issuing them and the GPU running them predicts the step. Calibrated against the
-2026-11-28 H200 profile of main 70c0645 (bench/gpu_cost/calibration.json); docs/cost_model.md says how it
-works, its parameters and how well it does.
+timeline of the host issuing them and the GPU running them predicts the step. The card's parameters are read
+off the last H200 lease's profile (2026-12-04, main f1d6eda), each lease machine's host costs off its own
+(bench/gpu_cost/calibration.json); docs/cost_model.md says how it works, its parameters and how well it does.
 
     bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h200 --json F
     bench/gpu_cost_model.py --set actors.engine.lora_grouped:GROUPING=segments     # rank a change before making it
@@ -13,13 +13,16 @@ works, its parameters and how well it does.
     bench/gpu_cost_model.py --peers                                         # the PEFT baselines, aspen's ratios
     bench/gpu_cost_model.py --fusion 1,32 --read-later --no-calibration     # what-if: values read a step later
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
+    bench/gpu_cost_model.py --host h200-2026-11-28                          # another lease machine's host costs
 
 Writes predicted_step_s (the median of the timed steps), predicted_tokens_per_s (over them) and
 predicted_lora_mfu (bench/lora_mfu.py's count, against the 989.4 TFLOP/s datasheet peak) for the checkout,
 its steps run as bench/lora_mfu.py's aspen side runs them (2 warm-up steps, then --steps timed, in order,
 back to back),
 and calibration_error: the prediction of the profiled step by the code of 70c0645 against the measured
-0.682 s, signed ((predicted - measured) / measured). Each checkout runs in a process of its own."""
+0.682 s, signed ((predicted - measured) / measured), timed with the host costs of the machine that measured it
+(calibration.json "measured".host; the host is the machine's, not the card's). Each checkout runs in a process of
+its own."""
 
 from __future__ import annotations
 
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(json.loads(sys.argv[2]))
     sys.path.insert(0, str(BENCH))
     from gpu_cost import report
-    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, load
+    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, host_for, host_names, load
     from gpu_cost.peers import PEERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -113,14 +116,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
     parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")
     parser.add_argument("--calibration-file", type=Path, default=PATH)
+    parser.add_argument("--host", metavar="MACHINE",
+                        help="whose host costs time the steps (a lease machine of the calibration's, e.g. "
+                             "h200-2026-11-28; default: the last profiled one's)")
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= 32:
         parser.error("--jobs must be 1..32")
     calibration = load(args.calibration_file)
+    try:
+        host_for(calibration, args.host)
+    except ValueError as error:
+        parser.error(f"--host: {error}")
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
             "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
-            "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later}
-    results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps}
+            "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later, "host": args.host}
+    results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps,
+                     "host": args.host or (host_names(calibration) or [None])[0]}
     current = run_checkout(spec, "checkout")
     results["current"] = current
     for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         checkout = calibration_checkout(CALIBRATION_COMMIT, args.calibration_checkout)
         old = run_checkout({**spec, "checkout": str(checkout), "shape": measured["shape"], "jobs": measured["jobs"],
                             "card": measured["card"], "settings": [], "kernels": None, "profile_step": True,
-                            "read_later": False},
+                            "read_later": False, "host": measured.get("host")},
                            CALIBRATION_COMMIT)
         results["calibration"] = old
         results["calibration_error"] = (old["predicted_step_s"] - measured["step_s"]) / measured["step_s"]

@@ -1,6 +1,11 @@
-"""The committed calibration data (calibration.json, beside this file): the figures measured on the H200 on
-2026-11-28 (main 70c0645) that the model is compared with, and the parameters read off that profile's
-kernels (`profile_fit.py` wrote them) and the host's, fitted. Nothing under ../shared is read at run time."""
+"""The committed calibration data (calibration.json, beside this file): the figures measured on the H200 leases
+(2026-11-28, main 70c0645; 2026-12-04, main f1d6eda) that the model is compared with, the card's parameters read
+off the last lease's profile (`profile_fit.py` wrote them) and each lease machine's host costs. Nothing under
+../shared is read at run time.
+
+The host is a machine's, not the card's: the same step's Python and launches cost 1.5-2x more per operation on the
+2026-12-04 lease's machine than on 2026-11-28's. "host" holds the last profiled machine's costs (the default);
+"hosts" keeps earlier machines' by name, so that a measurement is predicted with the host it ran on."""
 
 from __future__ import annotations
 
@@ -25,7 +30,21 @@ def card_for(name: str, calibration: dict) -> Card:
     return CARDS[name](profile)
 
 
-def host_for(calibration: dict) -> Host:
-    values = {key: value for key, value in calibration.get("host", {}).items() if not key.startswith("_")}
-    sources = calibration.get("host", {}).get("_sources", {})
-    return Host(**values, sources=sources)
+def host_names(calibration: dict) -> list[str]:
+    """The machines whose host costs the calibration holds, the default (the last profiled) first."""
+    default = calibration.get("host", {}).get("_machine")
+    return ([default] if default else []) + sorted(calibration.get("hosts", {}))
+
+
+def host_for(calibration: dict, machine: str | None = None) -> Host:
+    """The host costs of `machine` (a name of `host_names`), or the default host's where None."""
+    section = calibration.get("host", {})
+    if machine is not None and machine != section.get("_machine"):
+        hosts = calibration.get("hosts", {})
+        if machine not in hosts:
+            raise ValueError(f"no host costs for machine '{machine}' in the calibration: known "
+                             f"{', '.join(host_names(calibration)) or 'none'} (bench/gpu_cost/profile_fit.py "
+                             "--machine NAME writes a lease machine's from its profile)")
+        section = hosts[machine]
+    values = {key: value for key, value in section.items() if not key.startswith("_")}
+    return Host(**values, sources=section.get("_sources", {}))

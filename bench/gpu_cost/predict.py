@@ -6,6 +6,7 @@ that had no rule of their own (bytes-based) and the values the recorder could no
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -49,10 +50,12 @@ def _with_step_syncs(steps: list[list[Op]]) -> list[list[Op]]:
 
 
 def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: range = TIMED,
-              throughput: range = THROUGHPUT, profiled: range | None = PROFILED, step_syncs: bool = True) -> dict:
+              throughput: range = THROUGHPUT, profiled: range | None = PROFILED, step_syncs: bool = True,
+              machine: str | None = None) -> dict:
     """`step_syncs`: each step timed with a synchronisation after it (profile_step.py), else back to back as
-    CUDA events between steps time them (bench/lora_mfu.py since: a step's time is the advance of its end)."""
-    card, host = card_for(card_name, calibration), host_for(calibration)
+    CUDA events between steps time them (bench/lora_mfu.py since: a step's time is the advance of its end).
+    `machine`: whose host costs time the host's side (calibration.host_names), the default host's where None."""
+    card, host = card_for(card_name, calibration), host_for(calibration, machine)
     flowing = simulate(recorded.steps, card, host)
     per_step = simulate(_with_step_syncs(recorded.steps), card, host) if step_syncs else flowing
     timed_steps = [per_step[i] for i in timed if i < len(per_step)]
@@ -146,37 +149,41 @@ def run_worker(args: dict) -> dict:
     if later:
         applied.append("the read-back a step later (what-if: the steps' host synchronisations dropped)")
     card = card_for(args["card"], calibration)
+    machine = args.get("host")
+    host_for(calibration, machine)   # an unknown machine fails before the recording, not after
+    timed_as = functools.partial(summarise, machine=machine)
     if args.get("kernels"):
         applied.append(f"kernels = {args['kernels']!r}")
-    result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name, "pinned": pinned}
+    result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name, "pinned": pinned,
+                    "host": machine or calibration.get("host", {}).get("_machine")}
     with Session(card.name) as session:
         if args["mode"] == "jobs" and args.get("profile_step"):   # the 2026-11-28 measurement's set-up
             recorded = record_jobs(session, bench, args["shape"], args["jobs"])
-            result.update(summarise(recorded, args["card"], calibration))
+            result.update(timed_as(recorded, args["card"], calibration))
         elif args["mode"] == "jobs":   # bench/lora_mfu.py's aspen side: warm-up, then timed steps in order
             steps = WARMUP + args["steps"]
             recorded = record_jobs(session, bench, args["shape"], args["jobs"], steps=steps, in_order=True)
             recorded.steps = read_later(recorded.steps) if later else recorded.steps
             timed = range(WARMUP, steps)
-            result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+            result.update(timed_as(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False))
         elif args["mode"] == "peer":   # one of bench/lora_mfu.py's single-job PEFT sides
             from gpu_cost.peers import record_peer
 
             recorded, timed, side = record_peer(session, bench, checkout, args["shape"], args["peer"], args["steps"])
-            result.update(summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+            result.update(timed_as(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False))
             result["side"] = side
         elif args["mode"] == "base":
             recorded = record_base(session, bench, args["shape"])
-            result.update(summarise(recorded, args["card"], calibration, profiled=None))
+            result.update(timed_as(recorded, args["card"], calibration, profiled=None))
         else:
             fusion = record_fusion(session, bench, args["shape"], args["adapters"])
             rates = {}
             for count, recorded in fusion.items():
                 recorded.steps = read_later(recorded.steps) if later else recorded.steps
                 timed = range(FUSION_WARMUP, len(recorded.steps))
-                summary = summarise(recorded, args["card"], calibration, timed=timed, throughput=timed,
+                summary = timed_as(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False)
                 rates[count] = summary["predicted_tokens_per_s"]
                 result[f"adapters_{count}"] = {key: summary[key] for key in

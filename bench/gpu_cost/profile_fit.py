@@ -28,7 +28,9 @@ that reproduces its class's total kernel time (not the step's time):
   "measured", the one host-bound step measured that day) is reproduced.
 
 Only the profile's own figures change calibration.json's "card", "host" and "profile" sections; its
-"measured" section (step times of unprofiled runs) is written by hand from the reports."""
+"measured" section (step times of unprofiled runs) is written by hand from the reports. The host is the lease
+machine's (`--machine`, e.g. h200-2026-12-04): a different machine's earlier host moves to "hosts" under its name,
+where a measured section's "host" still finds it."""
 
 from __future__ import annotations
 
@@ -303,6 +305,26 @@ def measured_categories(pairs: list[tuple[dict, object]]) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+REGRESSION, MEDIAN = "profile (regression, profiler on)", "profile (median on the trace, profiler on)"
+HOST_SOURCES = {"python": REGRESSION, "call": REGRESSION, "kernel": REGRESSION, "launch": REGRESSION,
+                "view": MEDIAN, "node": MEDIAN, "sync": "assumed", "queue": "CUDA's launch queue (1024 entries)"}
+
+
+def keep_earlier_host(calibration: dict, machine: str) -> dict:
+    """The host section a refit on `machine` starts from: the current one where it is that machine's (a class the
+    profile lacks keeps its value); else empty, the current one kept in "hosts" under its own machine's name."""
+    current = calibration.get("host", {})
+    earlier = current.get("_machine")
+    if earlier == machine:
+        return dict(current)
+    if current:
+        if earlier is None:
+            raise SystemExit("calibration.json's host has no '_machine': name the machine it was fitted on there "
+                             "before a refit on another machine moves it to 'hosts'")
+        calibration.setdefault("hosts", {})[earlier] = current
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path)
@@ -316,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="with --in-order: the steps before the timed ones")
     parser.add_argument("--measured", default="measured",
                         help="with --in-order: calibration.json's section of the lease's unprofiled figures (step_s)")
+    parser.add_argument("--machine", required=True,
+                        help="the lease machine the trace was made on, e.g. h200-2026-12-04: its host costs are kept "
+                             "under that name")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "calibration.json")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(args.checkout.resolve()))
@@ -339,7 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     host = fit_host(pairs, ops, medians)
     calibration = json.loads(args.out.read_text()) if args.out.exists() else {}
     calibration["card"] = {**calibration.get("card", {}), **card}   # a class the profile lacks keeps its value
-    calibration["host"] = {**calibration.get("host", {}), **host}
+    calibration["host"] = keep_earlier_host(calibration, args.machine)
+    calibration["host"] = {**calibration["host"], **host, "_machine": args.machine,
+                           "_sources": {**calibration["host"].get("_sources", {}), **HOST_SOURCES}}
     calibration["host"].pop("_seconds", None)
     if args.in_order:
         lease = calibration[args.measured]

@@ -62,7 +62,7 @@ def render(results: dict, calibration: dict) -> str:
             lines.append(f"  the median step: {_step_line(base['median_step'])}")
     if "peers" in results:
         lines += _peers(results, calibration)
-    lines += _parameters_lines(results["card"], calibration)
+    lines += _parameters_lines(results["card"], calibration, results.get("host"))
     unruled = sorted(set(current.get("unruled_operations", [])))
     unknown = sorted(set(current.get("unknown_values", [])))
     lines.append(f"Operations timed by the generic bytes rule (no rule of their own): {', '.join(unruled) or 'none'}")
@@ -73,7 +73,7 @@ def render(results: dict, calibration: dict) -> str:
 def _calibration(results: dict, calibration: dict) -> list[str]:
     old, measured = results["calibration"], calibration["measured"]
     lines = [f"Calibration: the code of {measured['commit']} against the {measured['card'].upper()} profile of "
-             "2026-11-28 (unprofiled runs unless said)",
+             f"2026-11-28 (unprofiled runs unless said), its host's costs those of {old.get('host') or 'the default'}",
              f"  {'figure':44s} {'predicted':>11s} {'measured':>11s} {'error':>8s}"]
 
     def row(name: str, predicted: float, value: float, text: str = "{:.3f}") -> None:
@@ -178,8 +178,8 @@ def _peers(results: dict, calibration: dict) -> list[str]:
     return lines
 
 
-def parameters(card_name: str, calibration: dict) -> dict:
-    card, host = card_for(card_name, calibration), host_for(calibration)
+def parameters(card_name: str, calibration: dict, machine: str | None = None) -> dict:
+    card, host = card_for(card_name, calibration), host_for(calibration, machine)
     out = {}
     for item in fields(card):
         if item.name in ("name", "sources"):
@@ -200,11 +200,12 @@ UNITS = {"peak_bf16": (1e-12, "TFLOP/s"), "peak_fp32": (1e-12, "TFLOP/s"), "gemm
          "kernel": (1e6, "us"), "launch": (1e6, "us"), "node": (1e6, "us"), "scale": (1.0, ""), "sync": (1e6, "us")}
 
 
-def _parameters_lines(card_name: str, calibration: dict) -> list[str]:
+def _parameters_lines(card_name: str, calibration: dict, machine: str | None = None) -> list[str]:
     trace = calibration.get("profile", {}).get("trace", "the calibration's profile")
     lines = [f"Parameters (datasheet; measured: an independent benchmark; profile: read off {trace}, its kernels and "
-             "host class by class; assumed)"]
-    for key, item in parameters(card_name, calibration).items():
+             "host class by class; assumed)",
+             f"  the host's: machine {machine or calibration.get('host', {}).get('_machine') or 'the default'}"]
+    for key, item in parameters(card_name, calibration, machine).items():
         scale, unit = UNITS.get(key.split(".")[1], (1.0, ""))
         value = item["value"]
         text = f"{value * scale:.3g} {unit}" if isinstance(value, float) else f"{value} {unit}"

@@ -24,7 +24,7 @@ BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 try:
     import gpu_cost_model
-    from gpu_cost.calibration import load
+    from gpu_cost.calibration import host_for, host_names, load
     from gpu_cost.card import h200, kernel_time
     from gpu_cost.operations import Op
     from gpu_cost.predict import read_later, summarise
@@ -359,6 +359,37 @@ def test_the_command_writes_its_figures(tmp_path):
     later = json.loads(out.read_text())["current"]
     assert any("read-back a step later" in setting for setting in later["settings"])
     assert later["median_step"]["syncs"] == 0 and later["tokens"] == result["current"]["tokens"]
+
+
+def test_each_measurement_is_timed_with_the_host_of_the_machine_it_ran_on(tmp_path, capsys):
+    """The host is the machine's: the committed calibration holds each lease machine's costs by name, each measured
+    section names its machine, and a name it lacks is refused with the names it has."""
+    calibration = load()
+    assert set(host_names(calibration)) >= {calibration["measured"]["host"],
+                                            calibration["measured_2026_12_04"]["host"]}
+    earlier, latest = host_for(calibration, "h200-2026-11-28"), host_for(calibration, "h200-2026-12-04")
+    assert host_for(calibration) == latest != earlier
+    assert earlier.python == calibration["hosts"]["h200-2026-11-28"]["python"]
+    with pytest.raises(ValueError, match="no host costs for machine 'h100-1999'.*h200-2026-12-04, h200-2026-11-28"):
+        host_for(calibration, "h100-1999")
+    with pytest.raises(SystemExit):
+        gpu_cost_model.main(["--shape", "tiny", "--no-calibration", "--host", "h100-1999"])
+    assert "--host: no host costs for machine 'h100-1999'" in capsys.readouterr().err
+
+
+def test_a_refit_on_another_machine_keeps_the_earlier_machine_s_host():
+    sys.path.insert(0, str(BENCH))
+    try:
+        from gpu_cost.profile_fit import keep_earlier_host
+    finally:
+        sys.path.remove(str(BENCH))
+    calibration = {"host": {"python": 1e-6, "scale": 0.7, "_machine": "h200-a"}}
+    assert keep_earlier_host(calibration, "h200-a") == calibration["host"]   # the same machine: refined in place
+    assert "hosts" not in calibration
+    assert keep_earlier_host(calibration, "h200-b") == {}
+    assert calibration["hosts"] == {"h200-a": {"python": 1e-6, "scale": 0.7, "_machine": "h200-a"}}
+    with pytest.raises(SystemExit, match="no '_machine'"):
+        keep_earlier_host({"host": {"python": 1e-6}}, "h200-b")
 
 
 def test_modules_come_from_the_checkout_under_their_name_there():

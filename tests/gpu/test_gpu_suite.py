@@ -66,6 +66,14 @@ def test_parts_add_up_to_one_report_and_a_slow_part_is_killed_whole(tmp_path, mo
     parts = {p["part"]: p for p in json.loads((out / "report.json").read_text())["parts"]}
     assert parts["fusion"]["status"] == "timed out" and parts["tests"]["status"] == "not run"
     assert parts["memory"]["status"] == "failed"
+    # a part whose limit does not fit the time left waits for the later parts whose limits do, then gets the rest
+    assert gpu_suite.main([*base, "--parts", "memory:600,tests:5", "--total-timeout", "60"]) == 1
+    report = json.loads((out / "report.json").read_text())
+    ran = [p["part"] for p in report["parts"]][-2:]
+    parts = {p["part"]: p for p in report["parts"]}
+    assert ran == ["tests", "memory"] and parts["tests"]["status"] == "passed"
+    assert parts["memory"]["deferred"] and parts["memory"]["status"] == "failed"
+    assert parts["memory"]["timeout_s"] < 60 and "deferred" not in parts["tests"]
     # another base model is another run: not mixed into this report
     assert gpu_suite.main([*base, "--parts", "tests", "--base-model", "tiny-llama"]) == 2
 

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(json.loads(sys.argv[2]))
     sys.path.insert(0, str(BENCH))
     from gpu_cost import report
-    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, host_for, host_names, load
+    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, default_machine, host_for, load
     from gpu_cost.peers import PEERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
             "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later, "host": args.host}
     results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps,
-                     "host": args.host or (host_names(calibration) or [None])[0]}
+                     "host": args.host or default_machine(calibration)}
     current = run_checkout(spec, "checkout")
     results["current"] = current
     for key in ("predicted_step_s", "predicted_tokens_per_s", "predicted_lora_mfu"):

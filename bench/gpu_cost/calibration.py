@@ -30,16 +30,21 @@ def card_for(name: str, calibration: dict) -> Card:
     return CARDS[name](profile)
 
 
+def default_machine(calibration: dict) -> str | None:
+    """The machine of the default host costs (the last profiled lease machine's), None where unnamed."""
+    return calibration.get("host", {}).get("_machine")
+
+
 def host_names(calibration: dict) -> list[str]:
     """The machines whose host costs the calibration holds, the default (the last profiled) first."""
-    default = calibration.get("host", {}).get("_machine")
+    default = default_machine(calibration)
     return ([default] if default else []) + sorted(calibration.get("hosts", {}))
 
 
 def host_for(calibration: dict, machine: str | None = None) -> Host:
     """The host costs of `machine` (a name of `host_names`), or the default host's where None."""
     section = calibration.get("host", {})
-    if machine is not None and machine != section.get("_machine"):
+    if machine is not None and machine != default_machine(calibration):
         hosts = calibration.get("hosts", {})
         if machine not in hosts:
             raise ValueError(f"no host costs for machine '{machine}' in the calibration: known "

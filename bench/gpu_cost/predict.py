@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from gpu_cost.calibration import card_for, host_for
+from gpu_cost.calibration import card_for, default_machine, host_for
 from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS, kernel_launches
 from gpu_cost.operations import FILLS, GATHERS, REDUCTIONS, SCATTERS, Op
 from gpu_cost.timeline import Host, StepTiming, simulate
@@ -155,7 +155,7 @@ def run_worker(args: dict) -> dict:
     if args.get("kernels"):
         applied.append(f"kernels = {args['kernels']!r}")
     result: dict = {"checkout": str(checkout), "settings": applied, "card": card.name, "pinned": pinned,
-                    "host": machine or calibration.get("host", {}).get("_machine")}
+                    "host": machine or default_machine(calibration)}
     with Session(card.name) as session:
         if args["mode"] == "jobs" and args.get("profile_step"):   # the 2026-11-28 measurement's set-up
             recorded = record_jobs(session, bench, args["shape"], args["jobs"])

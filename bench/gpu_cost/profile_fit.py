@@ -364,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     host = fit_host(pairs, ops, medians)
     calibration = json.loads(args.out.read_text()) if args.out.exists() else {}
     calibration["card"] = {**calibration.get("card", {}), **card}   # a class the profile lacks keeps its value
-    calibration["host"] = keep_earlier_host(calibration, args.machine)
-    calibration["host"] = {**calibration["host"], **host, "_machine": args.machine,
-                           "_sources": {**calibration["host"].get("_sources", {}), **HOST_SOURCES}}
+    start = keep_earlier_host(calibration, args.machine)
+    calibration["host"] = {**start, **host, "_machine": args.machine,
+                           "_sources": {**start.get("_sources", {}), **HOST_SOURCES}}
     calibration["host"].pop("_seconds", None)
     if args.in_order:
         lease = calibration[args.measured]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from gpu_cost.calibration import card_for, host_for
+from gpu_cost.calibration import card_for, default_machine, host_for
 
 
 def _ms(seconds: float) -> str:
@@ -204,7 +204,7 @@ def _parameters_lines(card_name: str, calibration: dict, machine: str | None = N
     trace = calibration.get("profile", {}).get("trace", "the calibration's profile")
     lines = [f"Parameters (datasheet; measured: an independent benchmark; profile: read off {trace}, its kernels and "
              "host class by class; assumed)",
-             f"  the host's: machine {machine or calibration.get('host', {}).get('_machine') or 'the default'}"]
+             f"  the host's: machine {machine or default_machine(calibration) or 'the default'}"]
     for key, item in parameters(card_name, calibration, machine).items():
         scale, unit = UNITS.get(key.split(".")[1], (1.0, ""))
         value = item["value"]

@@ -71,7 +71,7 @@ PARTS = ("tests", "products", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipel
 # computed, and the cost model's rates for them; smollm2's shape (a goal whose PEFT sides the 2026-12-04 leases did
 # not reach) before memory (measured then); the sweep and overhead, never run whole on a GPU, last. A part whose
 # limit does not fit the time left lets the later parts that fit run first (main)
-LEASE_PARTS = "tests:60,products:60,pipeline:60,mfu:220,fusion8b:120,mfu-smollm2:90,memory:45,sweep:240,overhead:150"
+LEASE_PARTS = "tests:60,products:60,pipeline:60,mfu:220,fusion8b:120,mfu-smollm2:100,memory:45,sweep:240,overhead:150"
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 8000   # characters of each part's output kept in the report (all of it in <part>.log)
 
@@ -112,8 +112,10 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
                  *side_timeout, "--json", str(out / "mfu.json")]],
         "fusion8b": [[*lora_mfu, "--parts", "fusion", "--profile", str(out / "profile"),
                       "--json", str(out / "fusion8b.json")]],
-        "mfu-smollm2": [[*lora_mfu, "--parts", "mfu", "--shapes", "smollm2-135m", *side_timeout,
-                         "--json", str(out / "mfu-smollm2.json")]],
+        # its steps are the host's: aspen's, (a)'s and (b)'s profiled, different code on one host, so that
+        # bench/gpu_cost/profile_fit.py can fit the host's costs on more than aspen's own step
+        "mfu-smollm2": [[*lora_mfu, "--parts", "mfu", "--shapes", "smollm2-135m", "--profile", str(out / "profile"),
+                         "--profile-peers", *side_timeout, "--json", str(out / "mfu-smollm2.json")]],
         "memory": [[py, "bench/memory.py", *quick, "--device", "cuda", *([] if cuda else ["--allow-cpu"]),
                     "--json", str(out / "memory.json")]],
         "pipeline": [[py, "bench/pipeline_check.py", *([] if cuda else ["--allow-cpu", "--layers", "2",
@@ -264,10 +266,11 @@ def key_numbers(out: Path) -> dict:
             ceilings = sides.get("frozen", {}).get("matmul_ceilings")
             if ceilings:
                 numbers[shape]["matmul_ceiling_tflops"] = {k: round(v / 1e12, 3) for k, v in ceilings.items()}
-            profile = sides.get("aspen", {}).get("profile")
-            if profile:
-                numbers[shape]["profile"] = {k: profile.get(k) for k in (
-                    "gpu_busy_of_unprofiled_step", "kernels_per_step", "launches_per_step", "syncs_per_step")}
+            for side in ("aspen", "peft", "packed"):   # the PEFT sides' where the part profiled them (smollm2's)
+                profile = sides.get(side, {}).get("profile")
+                if profile:
+                    numbers[shape]["profile" if side == "aspen" else f"{side}_profile"] = {k: profile.get(k) for k in (
+                        "gpu_busy_of_unprofiled_step", "kernels_per_step", "launches_per_step", "syncs_per_step")}
     products = _json(out / "products.json")
     if products:
         summed: dict = {}

@@ -25,13 +25,15 @@ own, on the same sequences; and fusion efficiency at 1..32 adapters (issue 47, i
 
 --prediction FILE (bench/gpu_cost_model.py's JSON) prints each predicted figure beside the measured one;
 --profile DIR profiles two of aspen's fused steps after its timed ones (bench/profile_step.py), and two of
-fusion's with the most adapters after theirs (DIR/<shape>-fusion-<N>). The goals of
+fusion's with the most adapters after theirs (DIR/<shape>-fusion-<N>); with --profile-peers also two steps of
+(a) and of (b) (bf16 adapters) after theirs (DIR/<shape>-peft, DIR/<shape>-packed): on a shape whose steps the
+host bounds, different code on one host, what bench/gpu_cost/profile_fit.py needs to fit the host's costs. The goals of
 issue 47 are printed beside the figures. Needs torch, transformers and peft (and aspen's engine: pydantic);
 liger_kernel is optional.
 
     python bench/lora_mfu.py [--parts mfu,fusion] [--shapes llama-3.1-8b,smollm2-135m]
                              [--sides aspen,peft,packed,concurrent,frozen] [--steps 20] [--json PATH]
-                             [--prediction FILE] [--profile DIR] [--side-timeout S]
+                             [--prediction FILE] [--profile DIR [--profile-peers]] [--side-timeout S]
     python bench/lora_mfu.py --quick --device cpu          # a dry run on a CPU: tiny shapes, a few steps
 """
 
@@ -134,6 +136,8 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict:
             extra = ["--profile", str(Path(args.profile) / shape)]
         if side == "frozen" and args.profile:
             extra = ["--profile", str(Path(args.profile) / f"{shape}-frozen")]
+        if side in ("peft", "packed") and args.profile and args.profile_peers:
+            extra = ["--profile", str(Path(args.profile) / f"{shape}-{side}")]
         if side == "concurrent":
             extra = ["--sequences-per-step", str(concurrent_sequences(sides.get("peft"), args.quick))]
         log(f"[lora_mfu] {shape}{f' (as {stand_in})' if stand_in != shape else ''}: {side}")
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prediction", type=Path, help="bench/gpu_cost_model.py's JSON: printed beside the figures")
     parser.add_argument("--profile", type=Path,
                         help="profile two of aspen's steps into DIR, and two of fusion's with the most adapters")
+    parser.add_argument("--profile-peers", action="store_true",
+                        help="with --profile: also two steps of (a) and of (b) (bf16 adapters) after their timed ones")
     parser.add_argument("--side-timeout", type=float, help="seconds each side's process may run")
     # one side in this process (the parent runs each so)
     parser.add_argument("--side", help=argparse.SUPPRESS)

@@ -147,6 +147,9 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
         lines += peer_lines(predicted.get("peers", {}), sides)
     if aspen.get("profile"):
         lines += profile_lines(aspen["profile"])
+    for name in ("peft", "packed"):   # --profile-peers: the PEFT sides' steps profiled too
+        if sides.get(name, {}).get("profile"):
+            lines += [f"  ({'a' if name == 'peft' else 'b'}) {name}:", *profile_lines(sides[name]["profile"])]
     return lines
 
 

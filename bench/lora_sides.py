@@ -150,7 +150,20 @@ def peft_side(args: argparse.Namespace, device: torch.device) -> dict:
     result.update(memory_fields(device, run["held_bytes"], max(run["padded_tokens"])),
                   padding_tokens=sum(run["padded_tokens"]) - sum(run["tokens"]), adapter_dtype=run["adapter_dtype"],
                   sequences_per_step=args.sequences_per_step)
+    if args.profile:
+        write(args, result)   # the figures first: a profile cut by the part's limit leaves them
+        result["profile"] = profile_peer(args, model, timed, device, packed=False, float32_adapters=True,
+                                         median_step_s=result["median_step_s"])
     return result
+
+
+def profile_peer(args: argparse.Namespace, model, timed: dict[int, list], device: torch.device, *, packed: bool,
+                 float32_adapters: bool, median_step_s: float) -> dict:
+    """Two steps of a PEFT side (its first job's sequences, a fresh adapter) under the profiler into
+    --profile: the host's work of other code than aspen's on the same host, for the cost model's host costs."""
+    from peft_baselines import profile_job
+    return profile_job(model, timed[min(timed)], device, per_step=args.sequences_per_step, packed=packed,
+                       float32_adapters=float32_adapters, out=args.profile, median_step_s=median_step_s)
 
 
 def packed_side(args: argparse.Namespace, device: torch.device) -> dict:
@@ -186,9 +199,15 @@ def packed_side(args: argparse.Namespace, device: torch.device) -> dict:
               else "scaled_dot_product_attention per sequence (no varlen kernel here)",
               "liger": "RMSNorm, RoPE, SwiGLU, fused linear cross-entropy" if liger is None else f"no: {liger}",
               "optimizer": "AdamW(fused=True)" if on_cuda else "AdamW"}
-    return {**best, "variants": {k: {n: v[n] for n in ("tokens_per_s", "median_step_s", "peak_memory_bytes")}
-                                 for k, v in variants.items()},
-            "pieces": pieces, "sequences_per_step": args.sequences_per_step}
+    result = {**best, "variants": {k: {n: v[n] for n in ("tokens_per_s", "median_step_s", "peak_memory_bytes")}
+                                   for k, v in variants.items()},
+              "pieces": pieces, "sequences_per_step": args.sequences_per_step}
+    if args.profile:   # the bf16 adapters' steps (the faster on both 2026-12-04 leases)
+        write(args, result)
+        bf16 = next((v for k, v in variants.items() if "float32" not in k), best)
+        result["profile"] = profile_peer(args, model, timed, device, packed=True, float32_adapters=False,
+                                         median_step_s=bf16["median_step_s"])
+    return result
 
 
 def peft_worker(args: argparse.Namespace, device: torch.device) -> dict:

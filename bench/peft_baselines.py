@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 import random
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from lora_bench import LORA, StepClock, sync
+from profile_step import profile_steps
 from transformers import AttentionInterface
 
 PACKED_ATTENTION = "bench_packed_varlen"
@@ -154,17 +157,41 @@ def train_steps(peft_model, batches: list[list], device: torch.device, packed: b
         clock.mark()
     real, padded = [], []
     for batch in batches:
-        inputs = packed_tensors(batch, device) if packed else padded_tensors(batch, device)
-        loss = peft_model(**inputs, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        inputs = one_step(peft_model, parameters, optimizer, batch, device, packed)
         if clock is not None:
             clock.mark()
         real.append(sum(len(ids) for ids, _ in batch))
         padded.append(inputs["input_ids"].numel())
     return real, padded
+
+
+def one_step(peft_model, parameters: list, optimizer, batch: list, device: torch.device, packed: bool) -> dict:
+    """One optimizer step over `batch`, as a careful user writes it; the step's input tensors."""
+    inputs = packed_tensors(batch, device) if packed else padded_tensors(batch, device)
+    loss = peft_model(**inputs, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return inputs
+
+
+def profile_job(model, sequences: list, device: torch.device, *, per_step: int, packed: bool,
+                float32_adapters: bool, out: Path, median_step_s: float | None, steps: int = 2) -> dict:
+    """`steps` steps of one more job over `sequences` (a fresh adapter, one untimed step first) under
+    torch.profiler into `out` (bench/profile_step.py: tables, trace, summary): the host's work of a side whose
+    steps the host bounds, for the cost model's host costs (bench/gpu_cost/profile_fit.py)."""
+    from peft import get_peft_model
+    peft_model = get_peft_model(model, lora_config(), autocast_adapter_dtype=float32_adapters)
+    parameters, optimizer = optimizer_for(peft_model, device)
+    batches = sorted_batches(sequences, per_step, seed=0)
+    one_step(peft_model, parameters, optimizer, batches[0], device, packed)
+    chosen = itertools.cycle(batches[1:1 + steps] or batches)
+    try:
+        return profile_steps(lambda: one_step(peft_model, parameters, optimizer, next(chosen), device, packed),
+                             device, steps, out, median_step_s=median_step_s)
+    finally:
+        peft_model.unload()
 
 
 def run_jobs(model, jobs: dict[int, list], warm: list, device: torch.device, *, per_step: int, packed: bool,

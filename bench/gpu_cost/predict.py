@@ -74,6 +74,7 @@ def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: r
         "throughput_steps": through,
         "matmul_parameters": recorded.matmul_parameters,
         "unknown_values": recorded.unknown_values,
+        "host_counts": host_counts([op for i in through for op in recorded.steps[i]]),   # the throughput steps'
         "notes": recorded.notes,
         "unruled_operations": sorted({op.name for ops in recorded.steps for op in ops
                                       if op.kind == "kernel" and op.launches and not _has_rule(op)}),
@@ -83,6 +84,7 @@ def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: r
     if median is not None:
         out["median_step"] = _step(median)
         out["median_step"]["host_phases"] = host_phases(recorded.steps[per_step.index(median)], host)
+        out["median_step"]["host_counts"] = host_counts(recorded.steps[per_step.index(median)])
     if profiled is not None and all(i < len(per_step) for i in profiled):
         categories: Counter = Counter()
         for i in profiled:
@@ -94,6 +96,27 @@ def summarise(recorded: Recorded, card_name: str, calibration: dict, *, timed: r
         out["profiled_step_s"] = [profiled_host[i].seconds for i in profiled]
         out["profiled_gpu_s"] = [per_step[i].gpu_seconds for i in profiled]
     return out
+
+
+def host_counts(ops: list[Op]) -> dict:
+    """How many of each thing the host model prices one step holds (timeline.Host: its fields): Python functions,
+    torch calls, operations launching nothing, operations launching kernels, launches beyond each one's first,
+    autograd nodes, synchronisations. A host-bound step's time is these counts times the host's costs, so the
+    counts of steps measured on one machine are what refits its costs."""
+    counts: dict = {"python": 0, "call": 0, "view": 0, "kernel": 0, "launch": 0, "node": 0, "sync": 0}
+    launching: Counter = Counter()
+    for op in ops:
+        launches = kernel_launches(op)
+        if launches:
+            launching["triton" if op.name.startswith("triton:") else op.name] += 1
+        counts["python"] += op.python
+        counts["call"] += op.calls
+        counts["kernel" if launches else "view"] += 1
+        counts["launch"] += max(launches - 1, 0)
+        counts["node"] += int(op.new_node)
+        counts["sync"] += int(op.sync)
+    counts["kernel_operations"] = dict(launching.most_common(25))   # the launching operations, the most frequent
+    return counts
 
 
 def host_phases(ops: list[Op], host: Host) -> dict[str, float]:

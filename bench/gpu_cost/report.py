@@ -62,6 +62,7 @@ def render(results: dict, calibration: dict) -> str:
             lines.append(f"  the median step: {_step_line(base['median_step'])}")
     if "peers" in results:
         lines += _peers(results, calibration)
+    lines += host_bound_caveat(results, calibration)
     lines += _parameters_lines(results["card"], calibration, results.get("host"))
     unruled = sorted(set(current.get("unruled_operations", [])))
     unknown = sorted(set(current.get("unknown_values", [])))
@@ -146,6 +147,28 @@ def gpu_bound_tokens_per_s(side: dict) -> float | None:
     timed = side.get("timed_steps", [])
     seconds = sum(side["steps"][i]["gpu_seconds"] for i in timed)
     return sum(side["tokens"][i] for i in timed) / seconds if seconds else None
+
+
+HOST_BOUND = 0.5   # GPU busy below this: the step is the host's, predicted by the host's costs alone
+SIDE_LABELS = {"aspen": "aspen", "peft": "(a)", "packed": "(b)"}
+
+
+def host_bound_caveat(results: dict, calibration: dict) -> list[str]:
+    """Where a predicted side's median step is the host's: how far the host's costs missed the host-bound steps
+    measured on a lease (calibration.json "host_bound_checks"), so that such a prediction is read as that rough."""
+    sides = {"aspen": results["current"], **results.get("peers", {})}
+    bound = [name for name, side in sides.items() if side.get("median_step", {}).get("gpu_busy", 1.0) < HOST_BOUND]
+    if not bound:
+        return []
+    lines = [f"Host-bound (GPU busy < {HOST_BOUND:.0%} of the median step): {', '.join(bound)}. Such a step is "
+             "predicted by the host's costs alone, which missed the host-bound steps measured on a lease:"]
+    for check in calibration.get("host_bound_checks", []):
+        errors = ", ".join(f"{SIDE_LABELS.get(side, side)} {_error(check['predicted_tokens_per_s'][side], measured)}"
+                           for side, measured in check["measured_tokens_per_s"].items()
+                           if side in check["predicted_tokens_per_s"])
+        lines.append(f"  {check['shape']}, {check['jobs']} jobs, {check['commit']}'s code on {check['machine']}'s "
+                     f"host, tokens/s predicted against measured: {errors} (docs/cost_model.md)")
+    return lines
 
 
 def _peers(results: dict, calibration: dict) -> list[str]:

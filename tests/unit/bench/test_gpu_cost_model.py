@@ -27,8 +27,8 @@ try:
     from gpu_cost.calibration import host_for, host_names, load
     from gpu_cost.card import h200, kernel_time
     from gpu_cost.operations import Op
-    from gpu_cost.predict import read_later, summarise
-    from gpu_cost.report import ratios
+    from gpu_cost.predict import host_counts, read_later, summarise
+    from gpu_cost.report import host_bound_caveat, ratios
     from gpu_cost.timeline import Host, simulate
     from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
 finally:
@@ -227,6 +227,45 @@ def test_read_later_lets_the_host_queue_the_next_step_while_the_gpu_finishes_thi
     assert [t.seconds for t in simulate(later, card, host)] == pytest.approx([6e-3, 3e-3, 3e-3])
     assert [len(ops) for ops in later] == [3] * 3 and not any(op.sync for ops in later for op in ops)
     assert all(ops[-1].sync for ops in steps)   # the recorded steps are left as they were
+
+
+def test_a_steps_host_counts_priced_at_the_host_s_costs_are_its_host_time():
+    """What refits a machine's host costs from steps measured whole: a host-bound step's host time is its counts
+    (Python functions, torch calls, views, launching operations, further launches, autograd nodes,
+    synchronisations) times the host's costs. Counted by hand on hand-built operations, and the timeline's host
+    seconds for the step against the counts priced at distinct costs."""
+    ops = [Op("custom_a", "kernel", launches=1, python=3, calls=2),
+           Op("alias", "view", calls=1),
+           Op("triton:kernel", "kernel", launches=1, new_node=True, python=1),
+           Op("custom_b", "kernel", launches=3, new_node=True),
+           Op("custom_a", "kernel", launches=1),
+           Op("tolist", "sync", sync=True, calls=1)]
+    counts = host_counts(ops)
+    assert {k: v for k, v in counts.items() if k != "kernel_operations"} == {
+        "python": 4, "call": 4, "view": 2, "kernel": 4, "launch": 2, "node": 2, "sync": 1}
+    assert counts["kernel_operations"] == {"custom_a": 2, "triton": 1, "custom_b": 1}
+    host = Host(python=1e-6, call=3e-6, view=7e-6, kernel=11e-6, launch=13e-6, node=17e-6, scale=0.5, sync=19e-6)
+    (timing,) = simulate([ops], h200(), host)
+    priced = host.scale * sum(getattr(host, name) * counts[name] for name in
+                              ("python", "call", "view", "kernel", "launch", "node")) + host.sync * counts["sync"]
+    assert timing.host_seconds == pytest.approx(priced)
+
+
+def test_a_host_bound_prediction_says_how_far_the_host_s_costs_missed_measured_host_bound_steps():
+    """A side whose median step leaves the GPU idle most of the time is predicted by the host's costs alone: the
+    report then gives the committed calibration's host-bound checks, each side's error computed from the measured
+    and predicted tokens/s it holds (the 2026-12-04 lease's smollm2 sides); a GPU-bound prediction gets none."""
+    calibration = load()
+    (check,) = [c for c in calibration["host_bound_checks"] if c["shape"] == "smollm2-135m"]
+    measured, predicted = check["measured_tokens_per_s"], check["predicted_tokens_per_s"]
+    results = {"current": {"median_step": {"gpu_busy": 0.05}},
+               "peers": {"packed-bf16": {"median_step": {"gpu_busy": 0.97}}}}
+    lines = host_bound_caveat(results, calibration)
+    assert lines[0].startswith("Host-bound (GPU busy < 50% of the median step): aspen.")
+    expected = f"(b) {(predicted['packed'] - measured['packed']) / measured['packed']:+.1%}"
+    assert expected == "(b) -66.1%" and expected in lines[1] and "f1d6eda" in lines[1]
+    results["current"]["median_step"]["gpu_busy"] = 0.9
+    assert host_bound_caveat(results, calibration) == []
 
 
 def test_the_tiny_shape_is_predicted_end_to_end(session, tmp_path):

@@ -183,11 +183,11 @@ def profile_job(model, sequences: list, device: torch.device, *, per_step: int, 
     steps the host bounds, for the cost model's host costs (bench/gpu_cost/profile_fit.py)."""
     from peft import get_peft_model
     peft_model = get_peft_model(model, lora_config(), autocast_adapter_dtype=float32_adapters)
-    parameters, optimizer = optimizer_for(peft_model, device)
-    batches = sorted_batches(sequences, per_step, seed=0)
-    one_step(peft_model, parameters, optimizer, batches[0], device, packed)
-    chosen = itertools.cycle(batches[1:1 + steps] or batches)
-    try:
+    try:   # the adapter comes off the base however the steps end
+        parameters, optimizer = optimizer_for(peft_model, device)
+        batches = sorted_batches(sequences, per_step, seed=0)
+        one_step(peft_model, parameters, optimizer, batches[0], device, packed)
+        chosen = itertools.cycle(batches[1:1 + steps] or batches)
         return profile_steps(lambda: one_step(peft_model, parameters, optimizer, next(chosen), device, packed),
                              device, steps, out, median_step_s=median_step_s)
     finally:

@@ -14,6 +14,7 @@ off the last H200 lease's profile (2026-12-04, main f1d6eda), each lease machine
     bench/gpu_cost_model.py --fusion 1,32 --read-later --no-calibration     # what-if: values read a step later
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
     bench/gpu_cost_model.py --host h200-2026-11-28                          # another lease machine's host costs
+    bench/gpu_cost_model.py --host-probe probe.json                         # a probed machine's (bench/host_probe.py)
 
 Writes predicted_step_s (the median of the timed steps), predicted_tokens_per_s (over them) and
 predicted_lora_mfu (bench/lora_mfu.py's count, against the 989.4 TFLOP/s datasheet peak) for the checkout,
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(json.loads(sys.argv[2]))
     sys.path.insert(0, str(BENCH))
     from gpu_cost import report
-    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, default_machine, host_for, load
+    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, default_machine, host_for, load, with_probe
     from gpu_cost.peers import PEERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -119,10 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", metavar="MACHINE",
                         help="whose host costs time the steps (a lease machine of the calibration's, e.g. "
                              "h200-2026-11-28; default: the last profiled one's)")
+    parser.add_argument("--host-probe", type=Path, metavar="FILE",
+                        help="price the host by a machine's host probe (bench/host_probe.py --json FILE, run on that "
+                             "machine: the lease's host part) instead of a calibrated machine's costs")
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= 32:
         parser.error("--jobs must be 1..32")
     calibration = load(args.calibration_file)
+    if args.host_probe:
+        if args.host:
+            parser.error("--host and --host-probe: one host, either a calibrated machine or a probed one")
+        try:
+            calibration, args.host = with_probe(calibration, json.loads(args.host_probe.read_text()))
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--host-probe {args.host_probe}: not a host probe's JSON ({type(error).__name__}: "
+                         f"{error}); bench/host_probe.py --json FILE writes one")
+        probed = Path(tempfile.mkdtemp(prefix="gpu-cost-probe-")) / "calibration.json"
+        probed.write_text(json.dumps(calibration))
+        args.calibration_file = probed
     try:
         host_for(calibration, args.host)
     except ValueError as error:

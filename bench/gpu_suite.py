@@ -3,6 +3,8 @@
 
 Parts, each in its own process group (a part that fails or runs past its time limit is recorded in the
 report, its processes killed, and the suite goes on with the next):
+  host        bench/host_probe.py: what this machine's host pays to issue each kind of operation the fused step
+              issues, unprofiled (the cost model prices a host-bound step by it: gpu_cost_model.py --host-probe)
   tests       pytest tests/gpu (the CUDA paths against their references; the benchmarks' baselines)
   products    bench/lora_products.py: the six LoRA products of each 8B layer group timed each way (grouped_mm, a
               mm a job, one mm over every job's factors, a split-K Triton kernel), 1..32 jobs, beside HBM's copy rate
@@ -61,8 +63,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "products", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipeline", "pipeline-memory", "sweep",
-         "overhead", "fusion", "operations", "peft", "compile")
+PARTS = ("host", "tests", "products", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipeline", "pipeline-memory",
+         "sweep", "overhead", "fusion", "operations", "peft", "compile")
 # the lease's default: the parts in order of what they tell, each with its limit in seconds, from the H200 lease of
 # 2026-11-28 (mfu 63 s for 2 sides; fusion8b 70 s for 8 steps a count; tests 18 s; pipeline 68 s) and the
 # estimates in docs/gpu_lease.md
@@ -70,8 +72,10 @@ PARTS = ("tests", "products", "mfu", "fusion8b", "mfu-smollm2", "memory", "pipel
 # figures; products (~20 s, and the split-K kernel's compiles) second: what decides how the LoRA products are
 # computed, and the cost model's rates for them; smollm2's shape (a goal whose PEFT sides the 2026-12-04 leases did
 # not reach) before memory (measured then); the sweep and overhead, never run whole on a GPU, last. A part whose
-# limit does not fit the time left lets the later parts that fit run first (main)
-LEASE_PARTS = "tests:60,products:60,pipeline:60,mfu:220,fusion8b:120,mfu-smollm2:100,memory:45,sweep:240,overhead:150"
+# limit does not fit the time left lets the later parts that fit run first (main); the host probe (a few seconds)
+# before all: the machine's host, which the two 2026-12-04 leases' differed by 1.5-2x and which smollm2's steps are
+LEASE_PARTS = ("host:30,tests:60,products:60,pipeline:60,mfu:220,fusion8b:120,mfu-smollm2:100,memory:45,sweep:240,"
+               "overhead:150")
 ADAPTERS = "1,2,4,8,16,32"
 TAIL = 8000   # characters of each part's output kept in the report (all of it in <part>.log)
 
@@ -105,6 +109,7 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     lora_mfu = [py, "bench/lora_mfu.py", *quick, *device, *prediction]
     side_timeout = ["--side-timeout", "120" if cuda else "600"]
     return {
+        "host": [[py, "bench/host_probe.py", *device, "--json", str(out / "host_probe.json")]],
         "tests": [[py, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu",
                    "--ignore=tests/gpu/test_gpu_suite.py", f"--junitxml={out / 'tests.xml'}"]],
         "products": [[py, "bench/lora_products.py", *quick, *device, "--json", str(out / "products.json")]],
@@ -271,6 +276,13 @@ def key_numbers(out: Path) -> dict:
                 if profile:
                     numbers[shape]["profile" if side == "aspen" else f"{side}_profile"] = {k: profile.get(k) for k in (
                         "gpu_busy_of_unprofiled_step", "kernels_per_step", "launches_per_step", "syncs_per_step")}
+    probe = _json(out / "host_probe.json")
+    if probe:   # the host's cost of each kind of operation, in microseconds
+        numbers["host_probe_us"] = {**{name: round(value["s"] * 1e6, 2) for name, value in probe["kernels"].items()},
+                                    "view": round(probe["summary"]["view_median_s"] * 1e6, 2),
+                                    "node": round(probe["node"]["s"] * 1e6, 2),
+                                    "backward_per_node": round(probe["backward_per_node"]["s"] * 1e6, 2),
+                                    "python_call": round(probe["python"]["s"] * 1e6, 3)}
     products = _json(out / "products.json")
     if products:
         summed: dict = {}

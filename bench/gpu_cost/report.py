@@ -231,6 +231,11 @@ def _parameters_lines(card_name: str, calibration: dict, machine: str | None = N
     for key, item in parameters(card_name, calibration, machine).items():
         scale, unit = UNITS.get(key.split(".")[1], (1.0, ""))
         value = item["value"]
+        if isinstance(value, dict):   # host.kernels: seconds by kind of operation
+            if value:
+                lines.append(f"  {key:24s} {'':>18s}  {item['source']}: " + ", ".join(
+                    f"{name} {seconds * 1e6:.3g} us" for name, seconds in sorted(value.items(), key=lambda kv: -kv[1])))
+            continue
         text = f"{value * scale:.3g} {unit}" if isinstance(value, float) else f"{value} {unit}"
         lines.append(f"  {key:24s} {text:>18s}  {item['source']}")
     return lines

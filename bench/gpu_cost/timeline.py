@@ -6,9 +6,10 @@ work the host leaves queued at a step's end delays the next step.
 
 Host cost of an operation = `Host.python` per Python function and `Host.call` per torch function or method
 the step's code called since the operation before, + `Host.view` for an operation that launches nothing (a
-view, metadata) or `Host.kernel` for one that launches (dispatch, autograd, the launch) and `Host.launch` per
-launch beyond its first, + `Host.node` where it starts an autograd node (the engine's own work); all times
-`Host.scale` (the profiled costs include the profiler's overhead); a synchronisation adds `Host.sync`."""
+view, metadata) or `Host.kernel` for one that launches (dispatch, autograd, the launch; `Host.kernels` in its
+place for the kinds of operation it names) and `Host.launch` per launch beyond its first, + `Host.node` where it
+starts an autograd node (the engine's own work); all times `Host.scale` (the profiled costs include the profiler's
+overhead); a synchronisation adds `Host.sync`."""
 
 from __future__ import annotations
 
@@ -58,10 +59,19 @@ class Host:
     scale: float = 1.0          # unprofiled / profiled host time
     sync: float = 20e-6         # s per synchronisation beyond waiting for the GPU
     queue: int = 1024           # kernels CUDA's launch queue holds before the host blocks
+    # s per launching operation of a kind ("triton" for any Triton kernel, else the operation's name), in place of
+    # `kernel` for the kinds it names (a machine's host probe measures them: calibration.host_from_probe)
+    kernels: dict = field(default_factory=dict, compare=False)
     sources: dict = field(default_factory=dict, compare=False)
 
+    def kernel_cost(self, op: Op) -> float:
+        """What issuing a launching operation costs (its first launch included), before `scale`."""
+        if not self.kernels:
+            return self.kernel
+        return self.kernels.get("triton" if op.name.startswith("triton:") else op.name, self.kernel)
+
     def cost(self, op: Op, launches: int) -> float:
-        issue = self.kernel + self.launch * (launches - 1) if launches else self.view
+        issue = self.kernel_cost(op) + self.launch * (launches - 1) if launches else self.view
         work = self.python * op.python + self.call * op.calls + issue
         return self.scale * (work + (self.node if op.new_node else 0.0))
 

@@ -12,6 +12,7 @@ off the last H200 lease's profile (2026-12-04, main f1d6eda), each lease machine
     bench/gpu_cost_model.py --base                                          # the frozen base alone
     bench/gpu_cost_model.py --peers                                         # the PEFT baselines, aspen's ratios
     bench/gpu_cost_model.py --fusion 1,32 --read-later --no-calibration     # what-if: values read a step later
+    bench/gpu_cost_model.py --shape smollm2-135m --graphed --no-calibration # what-if: steps as CUDA graphs
     bench/gpu_cost_model.py --checkout /other/checkout --no-calibration
     bench/gpu_cost_model.py --host h200-2026-11-28                          # another lease machine's host costs
     bench/gpu_cost_model.py --host-probe probe.json                         # a probed machine's (bench/host_probe.py)
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a what-if: aspen's steps (and --fusion's) timed as if each read its values back a step "
                              "later (their host synchronisations dropped); the PEFT sides and the calibration as they "
                              "are")
+    parser.add_argument("--graphed", action="store_true",
+                        help="a what-if: aspen's steps (and --fusion's) timed as if each one's work up to its "
+                             "read-back were replayed from a captured CUDA graph (its host cost dropped), and what "
+                             "stands in the way of capturing them today")
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
     parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")
     parser.add_argument("--calibration-file", type=Path, default=PATH)
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--host: {error}")
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
             "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
-            "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later, "host": args.host}
+            "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later, "graphed": args.graphed,
+            "host": args.host}
     results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps,
                      "host": args.host or default_machine(calibration)}
     current = run_checkout(spec, "checkout")
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         checkout = calibration_checkout(CALIBRATION_COMMIT, args.calibration_checkout)
         old = run_checkout({**spec, "checkout": str(checkout), "shape": measured["shape"], "jobs": measured["jobs"],
                             "card": measured["card"], "settings": [], "kernels": None, "profile_step": True,
-                            "read_later": False, "host": measured.get("host")},
+                            "read_later": False, "graphed": False, "host": measured.get("host")},
                            CALIBRATION_COMMIT)
         results["calibration"] = old
         results["calibration_error"] = (old["predicted_step_s"] - measured["step_s"]) / measured["step_s"]

@@ -44,6 +44,41 @@ def read_later(steps: list[list[Op]]) -> list[list[Op]]:
     return [[replace(op, sync=False) if op.sync else op for op in ops] for ops in steps]
 
 
+def graphed(steps: list[list[Op]], warmup: int) -> tuple[list[list[Op]], dict]:
+    """The steps as if each one's work up to its read-back were captured once as a CUDA graph and replayed (a
+    what-if: `gpu_cost_model.py --graphed`): the host's cost of every operation from the step's first launching one
+    to its last before the read-back dropped (`Host.cost` of an operation marked `graphed`), one replay issued in
+    their place, the host-to-device copies of the step's new values kept (they fill the graph's inputs), the GPU's
+    work unchanged. And what stands in the way of capturing the step as the code makes it today (`blockers`): host
+    reads inside that span (a capture cannot wait), host-to-device copies of tensors made during the step (a
+    graph replays a copy from the host address it captured: the buffer must outlive it), and how many of the steps
+    launch a sequence of kernels and shapes no earlier step launched (each such step needs a capture of its own).
+    The first `warmup` steps run as they are (a graph is captured after them: the first steps check and tune
+    kernels) and are not counted."""
+    out, reads, copies, seen, novel = list(steps[:warmup]), 0, 0, set(), 0
+    for ops in steps[warmup:]:
+        launching = [index for index, op in enumerate(ops) if kernel_launches(op)]
+        syncs = [index for index, op in enumerate(ops) if op.sync]
+        if not launching:
+            out.append(ops)
+            continue
+        first = launching[0]
+        end = syncs[-1] if syncs and syncs[-1] > first else len(ops)   # the read-back stays the host's
+        span = ops[first:end]
+        reads += sum(op.sync for op in span)
+        copies += sum(op.kind == "h2d" for op in span)
+        signature = tuple((op.name, op.shapes) for op in span if kernel_launches(op))
+        novel += signature not in seen
+        seen.add(signature)
+        replay = Op("graph replay", "host", calls=1)
+        marked = [op if op.kind == "h2d" else replace(op, detail={**op.detail, "graphed": True}, sync=False)
+                  for op in span]
+        out.append(ops[:first] + [replay] + marked + ops[end:])
+    blockers = {"host_reads_inside": reads, "host_copies_inside": copies, "steps": len(steps) - warmup,
+                "steps_needing_their_own_capture": novel}
+    return out, blockers
+
+
 def _with_step_syncs(steps: list[list[Op]]) -> list[list[Op]]:
     """profile_step.py synchronises after every step it times."""
     return [ops + [Op("benchmark sync", "sync", sync=True)] for ops in steps]
@@ -140,7 +175,8 @@ def _step(timing: StepTiming) -> dict:
 
 def run_worker(args: dict) -> dict:
     """`args`: checkout, shape, jobs, card, mode (jobs | fusion | base | peer), adapters, peer, steps, settings,
-    calibration, read_later (aspen's steps, jobs and fusion, timed by `read_later`; not the PEFT sides')."""
+    calibration, read_later and graphed (what-ifs of aspen's steps, jobs and fusion: `read_later`, `graphed`; not
+    the PEFT sides')."""
     from gpu_cost.workload import (
         FUSION_WARMUP,
         apply_settings,
@@ -171,6 +207,18 @@ def run_worker(args: dict) -> dict:
     later = bool(args.get("read_later")) and args["mode"] in ("jobs", "fusion")   # aspen's steps only
     if later:
         applied.append("the read-back a step later (what-if: the steps' host synchronisations dropped)")
+    as_graphs = bool(args.get("graphed")) and args["mode"] in ("jobs", "fusion")
+    if as_graphs:
+        applied.append("each step up to its read-back replayed as a CUDA graph (what-if: the host's cost of its "
+                       "operations dropped)")
+    blockers: list[dict] = []
+
+    def what_if(steps: list[list[Op]], warmup: int) -> list[list[Op]]:
+        steps = read_later(steps) if later else steps
+        if as_graphs:
+            steps, found = graphed(steps, warmup)
+            blockers.append(found)
+        return steps
     card = card_for(args["card"], calibration)
     machine = args.get("host")
     host_for(calibration, machine)   # an unknown machine fails before the recording, not after
@@ -186,7 +234,7 @@ def run_worker(args: dict) -> dict:
         elif args["mode"] == "jobs":   # bench/lora_mfu.py's aspen side: warm-up, then timed steps in order
             steps = WARMUP + args["steps"]
             recorded = record_jobs(session, bench, args["shape"], args["jobs"], steps=steps, in_order=True)
-            recorded.steps = read_later(recorded.steps) if later else recorded.steps
+            recorded.steps = what_if(recorded.steps, WARMUP)
             timed = range(WARMUP, steps)
             result.update(timed_as(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False))
@@ -204,7 +252,7 @@ def run_worker(args: dict) -> dict:
             fusion = record_fusion(session, bench, args["shape"], args["adapters"])
             rates = {}
             for count, recorded in fusion.items():
-                recorded.steps = read_later(recorded.steps) if later else recorded.steps
+                recorded.steps = what_if(recorded.steps, FUSION_WARMUP)
                 timed = range(FUSION_WARMUP, len(recorded.steps))
                 summary = timed_as(recorded, args["card"], calibration, timed=timed, throughput=timed,
                                     profiled=None, step_syncs=False)
@@ -214,5 +262,7 @@ def run_worker(args: dict) -> dict:
             first = rates[min(rates)]
             result["fusion_tokens_per_s"] = rates
             result["fusion_efficiency"] = {count: rate / first for count, rate in rates.items()}
+    if blockers:
+        result["graph_blockers"] = blockers if len(blockers) > 1 else blockers[0]
     result["cpu_seconds"] = time.perf_counter() - started
     return result

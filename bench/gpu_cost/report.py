@@ -28,6 +28,15 @@ def _categories(step: dict, limit: int = 9) -> str:
     return ", ".join(f"{name} {value * 1e3:.0f}" for name, value in items)
 
 
+def graph_blockers_line(found: dict) -> str:
+    """What stands in the way of capturing the recorded steps as CUDA graphs (predict.graphed's `blockers`)."""
+    return (f"{found['host_reads_inside']} host reads and {found['host_copies_inside']} host-to-device copies of "
+            f"tensors made during the steps inside the captured span, over {found['steps']} steps after the "
+            "warm-up; "
+            f"{found['steps_needing_their_own_capture']} of them launch kernels of shapes no earlier step did "
+            "(each a capture of its own)")
+
+
 def render(results: dict, calibration: dict) -> str:
     lines = [f"GPU cost model: {results['shape']}, {results['jobs']} jobs, {results['current']['card']}"]
     current = results["current"]
@@ -45,6 +54,8 @@ def render(results: dict, calibration: dict) -> str:
             lines.append("  its host time (ms): "
                          + ", ".join(f"{name} {value * 1e3:.0f}" for name, value in phases.items()))
     lines.append(f"  tokens per step: {current['tokens']}")
+    if current.get("graph_blockers"):
+        lines.append(f"  capturing it as CUDA graphs today: {graph_blockers_line(current['graph_blockers'])}")
     if "calibration" in results:
         lines += _calibration(results, calibration)
     if "fusion" in results:

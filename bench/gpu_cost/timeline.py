@@ -71,6 +71,8 @@ class Host:
         return self.kernels.get("triton" if op.name.startswith("triton:") else op.name, self.kernel)
 
     def cost(self, op: Op, launches: int) -> float:
+        if op.detail.get("graphed"):   # replayed from a captured CUDA graph: the host issues nothing of it
+            return 0.0
         issue = self.kernel_cost(op) + self.launch * (launches - 1) if launches else self.view
         work = self.python * op.python + self.call * op.calls + issue
         return self.scale * (work + (self.node if op.new_node else 0.0))

@@ -27,7 +27,7 @@ try:
     from gpu_cost.calibration import host_for, host_names, load
     from gpu_cost.card import h200, kernel_time
     from gpu_cost.operations import Op
-    from gpu_cost.predict import host_counts, read_later, summarise
+    from gpu_cost.predict import graphed, host_counts, read_later, summarise
     from gpu_cost.report import host_bound_caveat, ratios
     from gpu_cost.timeline import Host, simulate
     from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
@@ -249,6 +249,39 @@ def test_a_steps_host_counts_priced_at_the_host_s_costs_are_its_host_time():
     priced = host.scale * sum(getattr(host, name) * counts[name] for name in
                               ("python", "call", "view", "kernel", "launch", "node")) + host.sync * counts["sync"]
     assert timing.host_seconds == pytest.approx(priced)
+
+
+def test_a_step_replayed_as_a_cuda_graph_costs_the_host_only_what_stays_outside_the_graph():
+    """The what-if of `--graphed`: after the warm-up, the host pays for what comes before the step's first launch
+    (packing), one replay, the copies of the step's new values, the read-back and what follows it; the operations
+    between cost it nothing, the GPU's work is unchanged. Blockers: a host read inside the span, the copies of
+    tensors made during the step, and the steps whose kernels and shapes no earlier step launched."""
+    def step(extra_read: bool) -> list:
+        middle = [Op("item", "sync", sync=True)] if extra_read else []
+        return [Op("pack", "host", python=5),
+                Op("memcpy_h2d", "h2d", detail={"pinned_non_blocking": True}),
+                Op("mm", "kernel", launches=1, python=3, gemm=(1, 64, 64, 64), flops=2 * 64**3, read=16384,
+                   written=8192, dtype="bfloat16"),
+                *middle,
+                Op("triton:_adamw_kernel", "kernel", launches=2, new_node=True, read=4096, written=4096),
+                Op("tolist", "sync", sync=True, python=1),
+                Op("mul_", "kernel", launches=1, python=2, read=4096, written=4096, dtype="float32")]
+
+    host = Host(python=1e-6, call=3e-6, view=7e-6, kernel=11e-6, launch=13e-6, node=17e-6, scale=1.0, sync=19e-6)
+    warm, plain, reading = step(False), step(False), step(True)
+    captured, blockers = graphed([warm, plain, reading], warmup=1)
+    assert captured[0] == warm
+    assert blockers == {"host_reads_inside": 1, "host_copies_inside": 2, "steps": 2,
+                        "steps_needing_their_own_capture": 1}   # the third launches what the second did
+    timings = simulate(captured, h200(), host)
+    before = simulate([warm, plain], h200(), host)[1]
+    # outside the graph: pack (5 Python + a view), the replay (a view + a call), the copy (a launch), the
+    # read-back (1 Python + a view + the sync), the update after it (2 Python + a kernel)
+    outside = (5e-6 + 7e-6) + (7e-6 + 3e-6) + 11e-6 + (1e-6 + 7e-6 + 19e-6) + (2e-6 + 11e-6)
+    assert timings[1].host_seconds == pytest.approx(outside)
+    assert timings[1].gpu_seconds == pytest.approx(before.gpu_seconds)
+    assert before.host_seconds > outside   # the graph dropped the kernels' host cost: (3 + 11) + (11 + 13 + 17) us
+    assert before.host_seconds - outside == pytest.approx(3e-6 + 11e-6 + 11e-6 + 13e-6 + 17e-6 - 7e-6 - 3e-6)
 
 
 def test_a_host_bound_prediction_says_how_far_the_host_s_costs_missed_measured_host_bound_steps():

@@ -27,7 +27,7 @@ from actors.service.trainer.host_collection import CollectionWindow
 from actors.service.trainer.interactive_calls import InteractiveCalls
 from actors.service.trainer.interactive_desk import InteractiveDesk
 from actors.service.trainer.job_ends import JobEnds
-from actors.service.trainer.step_admission import StepAdmission
+from actors.service.trainer.step_admission import StepAdmission, default_memory_budget
 from actors.service.trainer.step_booking import StepBooking
 from actors.service.trainer.step_engine import StepEngine
 from actors.service.trainer.step_log import StepLog, StepTotals
@@ -61,10 +61,13 @@ def admitted_engine(base: BaseModel | None, config: TrainerConfig, composer: Ste
     assert base is not None, "one device's trainer needs its base model"
     trainer = FusedTrainer(base, step_tokens=step_tokens_floor(config.step_tokens), layout=config.layout,
                            composer=composer, recompute=config.recompute, compile=config.compile)
-    admission = StepAdmission(trainer, config.memory_budget_bytes)
+    budget = config.memory_budget_bytes
+    if budget is None and base.device.type == "cuda" and 0 < config.num_gpus < 1:   # its share of a shared GPU
+        budget = default_memory_budget(base.device, gpu_share=config.num_gpus)
+    admission = StepAdmission(trainer, budget)
     if config.step_tokens == "auto":   # sized for the device by the memory model
         trainer.step_tokens = admission.plan_step_tokens()
-    return trainer, admission, lambda: StepAdmission(trainer, config.memory_budget_bytes)
+    return trainer, admission, lambda: StepAdmission(trainer, budget)
 
 
 class LoopSteps:

@@ -45,9 +45,11 @@ MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this
                        # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 
 
-def default_memory_budget(device: torch.device) -> int:
+def default_memory_budget(device: torch.device, gpu_share: float = 1.0) -> int:
+    """90% of the GPU (times `gpu_share`: a trainer holding `num_gpus` below 1 shares its GPU with others, each of
+    which would otherwise plan for 90% of it), or half the RAM."""
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * 0.9)
+        return int(torch.cuda.get_device_properties(device).total_memory * 0.9 * gpu_share)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
 
 

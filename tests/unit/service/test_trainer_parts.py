@@ -110,6 +110,21 @@ def three_jobs_trainer(tiny_tokenizer) -> FusedTrainer:
     return trainer
 
 
+def test_the_default_budget_of_a_trainer_sharing_a_gpu_is_its_share_of_the_card(monkeypatch):
+    """90% of the card times the trainer's num_gpus (tests/gpu/test_shared_gpu_budget.py checks it on a card);
+    here the card's size is a stand-in: 80 GiB."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from actors.service.trainer.step_admission import default_memory_budget
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    card = torch.device("cuda", 0)
+    assert default_memory_budget(card) == int(80 * 2**30 * 0.9)
+    assert default_memory_budget(card, gpu_share=0.25) == int(80 * 2**30 * 0.9 * 0.25)
+
+
 def test_admission_keeps_a_step_under_its_budget_by_the_allocators_count(three_jobs_trainer):
     """As on a GPU, where the allocator's count is the budget's (on a CPU: the resident set, below)."""
     trainer = three_jobs_trainer

@@ -29,7 +29,9 @@ its own."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -140,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as error:
             parser.error(f"--host-probe {args.host_probe}: not a host probe's JSON ({type(error).__name__}: "
                          f"{error}); bench/host_probe.py --json FILE writes one")
-        probed = Path(tempfile.mkdtemp(prefix="gpu-cost-probe-")) / "calibration.json"
+        folder = tempfile.mkdtemp(prefix="gpu-cost-probe-")   # the workers read the calibration from a file
+        atexit.register(shutil.rmtree, folder, True)
+        probed = Path(folder) / "calibration.json"
         probed.write_text(json.dumps(calibration))
         args.calibration_file = probed
     try:

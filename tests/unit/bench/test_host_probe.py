@@ -87,3 +87,14 @@ def test_the_cost_model_refuses_a_file_that_is_no_host_probe_and_two_hosts(tmp_p
     with pytest.raises(SystemExit):
         gpu_cost_model.main(["--host-probe", str(wrong), "--host", "h200-2026-11-28"])
     assert "one host, either a calibrated machine or a probed one" in capsys.readouterr().err
+
+
+def test_the_probe_refuses_a_burst_past_the_launch_queue_and_cuda_where_there_is_none(capsys):
+    with pytest.raises(SystemExit):
+        host_probe.main(["--device", "cpu", "--burst", "2000"])
+    assert "--burst: 1..1000 (under CUDA's launch queue)" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            host_probe.main(["--device", "cuda"])
+        error = capsys.readouterr().err
+        assert "no CUDA device visible" in error and "--device cpu times this CPU's dispatch" in error

@@ -71,7 +71,7 @@ class RayTrainers:
         return alive_nodes()
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
-               threads: int | None) -> tuple[Any, str]:
+               threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:
         scheduler = ray.get_runtime_context().get_actor_name()
         service = scheduler or "aspen"
         name = f"{service}.{trainer_id}.{self.incarnation}.{attempt}"
@@ -81,7 +81,7 @@ class RayTrainers:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         handle = TrainerActor.options(**options).remote(trainer_id, config, self.state_dir,
                                                         threads, self.policy, storage=self.storage,
-                                                        scheduler=scheduler)
+                                                        scheduler=scheduler, ram_share=ram_share)
         return handle, name
 
     def start(self, handle: Any) -> RefCall:

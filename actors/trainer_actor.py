@@ -56,11 +56,13 @@ class PhaseNotes:
 @ray.remote(max_restarts=0)
 class TrainerActor:
     def __init__(self, trainer_id: str, config: TrainerConfig, state_dir: str, threads: int | None = None,
-                 policy: str | None = None, storage: StorageConfig | None = None, scheduler: str | None = None):
+                 policy: str | None = None, storage: StorageConfig | None = None, scheduler: str | None = None,
+                 ram_share: float = 1.0):
         """`policy`: the service's policy; where it composes steps (`compose_step`, e.g. minpad), the
         trainer loads it and lets it choose which jobs share each step. `storage`: the service's
         `storage:` settings: how its jobs' storage URIs are reached. `scheduler`: the
-        scheduler actor's name, told each phase of the set-up as it begins (`aspen run` shows them)."""
+        scheduler actor's name, told each phase of the set-up as it begins (`aspen run` shows them).
+        `ram_share`: a CPU trainer's share of its node's RAM for its default memory budget (cluster_plan.py)."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         if storage is not None:
             configure_storage(storage.settings())
@@ -78,7 +80,8 @@ class TrainerActor:
             stages = {"starter": starter, "address": node_address(), "on_close": starter.close}
         try:
             self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy,
-                                           stages=stages, on_phase=PhaseNotes(scheduler, trainer_id))
+                                           stages=stages, on_phase=PhaseNotes(scheduler, trainer_id),
+                                           ram_share=ram_share)
         except BaseException:
             if stages is not None:
                 stages["on_close"]()   # the stages' placement group

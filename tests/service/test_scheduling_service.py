@@ -187,3 +187,22 @@ def test_a_node_runs_at_most_its_job_processes_and_the_rest_wait_without_one(ray
         most = max(most, len(running))
     assert most == 2, history
     assert max(len(r["jobs"]) for r in step_rows(tmp_path / "state")) == 2
+
+
+def test_two_cpu_trainers_on_one_node_plan_for_half_its_ram_between_them(ray_session, tiny_model_dirs, tmp_path):
+    """Two trainer actors on the one node: each reports a default budget of a quarter of the RAM (each alone would
+    plan for half of it: together they would overcommit the node)."""
+    import os
+
+    base = str(tiny_model_dirs["llama"])
+    config = ServiceConfig(state_dir=tmp_path / "state", tick_seconds=0.1, trainers=[
+        TrainerConfig(base_model=base, step_tokens=512, num_cpus=0.5, threads=1, count=2)])
+    client = Client.local(config)
+    try:
+        ready = wait_for(lambda: len(found := [t for t in client.trainers() if t["ready"]]) == 2 and found,
+                         what="two trainers ready")
+    finally:
+        client.shutdown()
+    quarter = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5 * 0.5)
+    assert [t["memory_budget_bytes"] for t in ready] == [quarter, quarter]
+    assert len({t["node_id"] for t in ready}) == 1

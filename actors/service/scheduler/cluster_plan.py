@@ -12,7 +12,9 @@ node.
 Each CPU trainer's torch threads are its node's CPUs shared among the CPU trainers planned on that node
 (unless the kind sets `threads`): sized from its own node, not from the scheduler's. A pipeline trainer
 (`stages: N`) counts as its N stages on its node (N times its resources, N sharers of the CPUs; with
-`stage_placement: spread`, stage 0 only: the others go to other nodes)."""
+`stage_placement: spread`, stage 0 only: the others go to other nodes). Their default memory budgets share the
+node's RAM likewise (`ram_share`: each CPU trainer's process plans for half the RAM over the CPU trainers' processes
+on its node, where each alone would plan for half of it: together they would overcommit it)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class PlannedTrainer:
     config: TrainerConfig
     node: str | None          # the node it is pinned to (None: no live node has its resources)
     threads: int | None       # torch CPU threads (None: torch's default, e.g. on a GPU trainer)
+    ram_share: float = 1.0    # a CPU trainer's share of its node's RAM for its default budget (one process's)
 
 
 def trainer_kinds(config: ServiceConfig, cluster_has_gpus: bool) -> list[TrainerConfig]:
@@ -119,10 +122,12 @@ def plan_trainers(kinds: Sequence[TrainerConfig], nodes: Sequence[NodeInfo],
             cpu_trainers[node_id] = cpu_trainers.get(node_id, 0) + _on_its_node(kind)
     plan = []
     for key, kind, node_id in placed:
-        threads = kind.threads
-        if threads is None and kind.num_gpus == 0 and node_id is not None:
-            threads = max(1, int(alive[node_id].cpus) // cpu_trainers[node_id])
-        plan.append(PlannedTrainer(key, kind, node_id, threads))
+        threads, ram_share = kind.threads, 1.0
+        if kind.num_gpus == 0 and node_id is not None:
+            ram_share = 1 / cpu_trainers[node_id]
+            if threads is None:
+                threads = max(1, int(alive[node_id].cpus) // cpu_trainers[node_id])
+        plan.append(PlannedTrainer(key, kind, node_id, threads, ram_share))
     return plan
 
 

@@ -73,7 +73,7 @@ class TrainerConfig(StrictModel):
         None, description="torch CPU threads (default: its node's CPUs / the CPU trainers on that node)")
     memory_budget_bytes: Annotated[int, Bounds(1, INT64_MAX)] | None = Field(
         None, description="default: 90% of the GPU (times num_gpus where it is below 1: trainers sharing a GPU), or "
-                          "half the RAM")
+                          "half the RAM (divided among the CPU trainers' processes on one node)")
     max_jobs: Annotated[int, Bounds(1, 100_000)] | None = Field(
         None, description="at most this many jobs at once (default: as many as fit)")
     interactive_window_s: Annotated[float, Bounds(0, 10)] = Field(

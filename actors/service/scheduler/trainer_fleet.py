@@ -61,8 +61,9 @@ class TrainerHandles(Protocol):
         """The cluster's live nodes, the head first."""
 
     def launch(self, trainer_id: str, attempt: int, config: TrainerConfig, node: str | None,
-               threads: int | None) -> tuple[Any, str]:
-        """Start a trainer (pinned to `node` unless None); its handle and its actor's name."""
+               threads: int | None, ram_share: float = 1.0) -> tuple[Any, str]:
+        """Start a trainer (pinned to `node` unless None); its handle and its actor's name. `ram_share`: a CPU
+        trainer's share of its node's RAM for its default memory budget (cluster_plan.py)."""
 
     def start(self, handle: Any) -> TrainerCall:
         """Load its model; answers its first `TrainerStatus`."""
@@ -100,6 +101,7 @@ class TrainerSlot:
     config: TrainerConfig
     threads: int | None
     key: TrainerKey = ()
+    ram_share: float = 1.0        # of its node's RAM, for a CPU trainer's default budget (cluster_plan.py)
     node: str | None = None       # the node it is pinned to
     retired: bool = False         # its node left the cluster: gone once its last events are in the table
     unavailable_since: float = 0.0   # clock time of its first TrainerUnavailable in a row (0: none)
@@ -298,7 +300,8 @@ class TrainerFleet:
             slot = running.pop(planned.key, None)
             if slot is None:
                 slot = TrainerSlot(trainer_id=f"trainer-{self.next_trainer}", config=planned.config,
-                                   threads=planned.threads, key=planned.key, node=planned.node)
+                                   threads=planned.threads, key=planned.key, node=planned.node,
+                                   ram_share=planned.ram_share)
                 self.next_trainer += 1
                 self.slots[slot.trainer_id] = slot
                 self._launch(slot)
@@ -306,7 +309,7 @@ class TrainerFleet:
                          slot.threads or "default")
             elif slot.node != planned.node:   # an `any` trainer whose node left: started on a live one
                 lost_node = slot.node
-                slot.node, slot.threads = planned.node, planned.threads
+                slot.node, slot.threads, slot.ram_share = planned.node, planned.threads, planned.ram_share
                 self._replace(slot, f"its node {short_node(lost_node)} left the cluster")
         for slot in running.values():      # planned no more: its node left
             self._retire(slot, f"its node {short_node(slot.node)} left the cluster")
@@ -391,6 +394,6 @@ class TrainerFleet:
 
     def _launch(self, slot: TrainerSlot) -> None:
         slot.handle, slot.actor_name = self.handles.launch(slot.trainer_id, slot.restarts, slot.config, slot.node,
-                                                           slot.threads)
+                                                           slot.threads, slot.ram_share)
         slot.ready = self.handles.start(slot.handle)
         slot.poll, slot.status, slot.error, slot.phase = None, None, None, ""

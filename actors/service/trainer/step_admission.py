@@ -12,6 +12,7 @@ import logging
 import os
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from actors.spec.lora_config import LoraConfig
 from actors.spec.trainer_settings import AUTO_STEP_TOKENS_FLOOR
 from policies.memory_model import MemoryModel, StepShape
 
+if TYPE_CHECKING:
+    from actors.service.scheduler.config import TrainerConfig
+
 log = logging.getLogger(__name__)
 
 MEASURE_FIRST = 3      # CPU: the first steps whose peak the allocator counts (the memory model's first data)
@@ -45,12 +49,24 @@ MEMORY_MARGIN = 0.06   # a step is composed only if its predicted peak plus this
                        # prediction's goal is 6% at most off the allocator; bench/memory.py measured 4.7% low once)
 
 
-def default_memory_budget(device: torch.device, gpu_share: float = 1.0) -> int:
+def default_memory_budget(device: torch.device, gpu_share: float = 1.0, ram_share: float = 1.0) -> int:
     """90% of the GPU (times `gpu_share`: a trainer holding `num_gpus` below 1 shares its GPU with others, each of
-    which would otherwise plan for 90% of it), or half the RAM."""
+    which would otherwise plan for 90% of it), or half the RAM (times `ram_share`: the CPU trainers' processes on one
+    node share it, service/scheduler/cluster_plan.py)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory * 0.9 * gpu_share)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.5 * ram_share)
+
+
+def cpu_budget_config(config: TrainerConfig, ram_share: float) -> TrainerConfig:
+    """`config` with its memory budget set to its share of half this node's RAM, for a CPU trainer that shares the
+    node with other CPU trainers (`ram_share` below 1) and sets no budget of its own; else `config` as it is."""
+    if config.memory_budget_bytes is not None or config.num_gpus > 0 or ram_share >= 1:
+        return config
+    if not 0 < ram_share:
+        raise ValueError(f"a trainer's share of its node's RAM must be above 0, not {ram_share}")
+    budget = default_memory_budget(torch.device("cpu"), ram_share=ram_share)
+    return config.model_copy(update={"memory_budget_bytes": budget})
 
 
 def memory_in_use(device: torch.device) -> int:

@@ -16,6 +16,7 @@ from actors.engine.models import load_base_model
 from actors.engine.warmup import WARM_UP_MAX_TOKENS, settle_garbage_collector, warm_up
 from actors.service.pipeline.pipeline_engine import start_pipeline
 from actors.service.scheduler.config import TrainerConfig
+from actors.service.trainer.step_admission import cpu_budget_config
 from actors.service.trainer.trainer_loop import TrainerLoop
 from actors.spec.trainer_settings import step_tokens_floor
 from policies.base import StepComposer
@@ -43,13 +44,16 @@ def loading_phase(base_model: str) -> str:
 
 def start_trainer_loop(trainer_id: str, config: TrainerConfig, state_dir: Path, *, threads: int | None = None,
                        policy: str | None = None, stages: dict[str, Any] | None = None,
-                       on_phase: Callable[[str], None] = lambda phase: None) -> TrainerLoop:
+                       on_phase: Callable[[str], None] = lambda phase: None, ram_share: float = 1.0) -> TrainerLoop:
     """The trainer's loop over its base model. `threads`: torch's thread count (None: torch's default);
     `policy`: the service's policy, which the trainer loads where it composes steps (`compose_step`, e.g.
     minpad) to let it choose which jobs share each step. `stages`: with `stages: N`, how the other stages
     start (`start_pipeline`'s starter, address and on_close: Ray's stage actors); default: as processes of
     this one. `on_phase(text)`: hears each phase of the set-up as it begins (loading the base, warming up,
-    measuring memory), for the people waiting on it."""
+    measuring memory), for the people waiting on it. `ram_share`: a CPU trainer's share of this node's RAM, where
+    other CPU trainers' processes share it (cluster_plan.py): its default memory budget is that share of half the
+    RAM (`cpu_budget_config`)."""
+    config = cpu_budget_config(config, ram_share)
     if threads:
         torch.set_num_threads(threads)
     composer = load_policy(policy) if policy else None

@@ -1,5 +1,6 @@
 """Which trainers run on which nodes (actors/service/scheduler/cluster_plan.py): per-node kinds follow the nodes,
-spread kinds stay where they are while their node lives, threads come from the trainer's own node."""
+spread kinds stay where they are while their node lives, threads come from the trainer's own node, and the CPU
+trainers on one node share its RAM for their default budgets."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ def test_a_pipeline_trainer_counts_its_stages_on_its_node():
     whole = TrainerConfig(num_gpus=1, stages=8, count=1, stage_placement="strict_pack")
     assert [p.node for p in plan_trainers([whole], [HEAD, GPU_WORKER])] == [None]   # no node has 8 GPUs
 
+
+
+def test_cpu_trainers_on_one_node_share_its_ram_for_their_default_budgets():
+    """Each CPU trainer process would plan for half the RAM alone: n of them on a node plan for 1/n of that each
+    (a pipeline's stages are processes of their own); GPU trainers' budgets come from their GPUs."""
+    two = plan_trainers(trainer_kinds(ServiceConfig(cpu_trainers_per_node=2), cluster_has_gpus=False), [HEAD])
+    assert [p.ram_share for p in two] == [0.5, 0.5]
+    alone = plan_trainers([TrainerConfig(count=1, nodes="each")], [HEAD, CPU_WORKER])
+    assert [p.ram_share for p in alone] == [1.0, 1.0]
+    mixed = plan_trainers([TrainerConfig(stages=2, nodes="each", count=1), TrainerConfig(nodes="each", count=1),
+                           TrainerConfig(num_gpus=1, nodes="each", count=1)], [HEAD, GPU_WORKER])
+    on_head = [p.ram_share for p in mixed if p.node == HEAD.id]
+    assert on_head == [1 / 3, 1 / 3]    # a 2-stage trainer's two processes and a single one: three sharers
+    assert [p.ram_share for p in mixed if p.config.num_gpus] == [1.0]

@@ -57,8 +57,9 @@ class Call:
 
 
 class FakeTrainer:
-    def __init__(self, trainer_id: str, attempt: int, node: str | None, threads: int | None):
+    def __init__(self, trainer_id: str, attempt: int, node: str | None, threads: int | None, ram_share: float = 1.0):
         self.trainer_id, self.attempt, self.node, self.threads = trainer_id, attempt, node, threads
+        self.ram_share = ram_share
         self.ready = Call()
         self.polls: list[Call] = []
         self.assigned: list[list[tuple]] = []
@@ -80,8 +81,8 @@ class FakeCluster:
     def nodes(self) -> list[NodeInfo]:
         return list(self.live)
 
-    def launch(self, trainer_id, attempt, config, node, threads):
-        trainer = FakeTrainer(trainer_id, attempt, node, threads)
+    def launch(self, trainer_id, attempt, config, node, threads, ram_share=1.0):
+        trainer = FakeTrainer(trainer_id, attempt, node, threads, ram_share)
         self.started.append(trainer)
         return trainer, f"svc.{trainer_id}.{attempt}"
 
@@ -312,3 +313,14 @@ def test_a_poll_in_flight_at_shutdown_keeps_its_events(tmp_path):
     paused = TrainerEvent(kind="paused", job_id=a, step=1, data={"checkpoint_step": 1})
     trainer.last_words.give([paused])
     assert fleet.shutdown() == [("trainer-0", [step, paused])]
+
+
+def test_two_cpu_trainers_on_one_node_start_with_half_its_ram_share_each(tmp_path):
+    """cluster_plan.py's share of the node's RAM reaches each launch (the trainer's default budget: that share of
+    half the RAM), as its threads do; alone on a node a trainer keeps the whole half."""
+    cluster = FakeCluster(HEAD)
+    fleet_with(tmp_path, cluster, kind=TrainerConfig(nodes="each", count=2))
+    assert [(t.node, t.threads, t.ram_share) for t in cluster.started] == [(HEAD.id, 1, 0.5), (HEAD.id, 1, 0.5)]
+    alone = FakeCluster(WORKER)
+    fleet_with(tmp_path / "alone", alone)
+    assert [t.ram_share for t in alone.started] == [1.0]

@@ -357,3 +357,26 @@ def test_retries_end_early_when_told_to_and_other_errors_are_not_retried():
     with pytest.raises(ValueError):
         with_retries(broken, attempts=5, backoff_s=(0.0,))
     assert len(calls) == 1
+
+
+def test_a_cpu_trainer_sharing_its_node_plans_for_its_share_of_half_the_ram():
+    """The budget half the RAM would give, times the trainer's share (cluster_plan.py's `ram_share`), where it
+    sets none itself; a budget of its own, a GPU trainer or a trainer alone on its node keep theirs."""
+    import os
+
+    import pytest
+
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.trainer.step_admission import cpu_budget_config
+
+    half_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    shared = cpu_budget_config(TrainerConfig(), 0.25)
+    assert shared.memory_budget_bytes == int(half_ram * 0.25)
+    own = TrainerConfig(memory_budget_bytes=2**30)
+    assert cpu_budget_config(own, 0.25) is own
+    gpu = TrainerConfig(num_gpus=1)
+    assert cpu_budget_config(gpu, 0.25) is gpu
+    alone = TrainerConfig()
+    assert cpu_budget_config(alone, 1.0) is alone and alone.memory_budget_bytes is None
+    with pytest.raises(ValueError, match="share of its node's RAM must be above 0"):
+        cpu_budget_config(TrainerConfig(), 0.0)

@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a what-if: aspen's steps (and --fusion's) timed as if each one's work up to its "
                              "read-back were replayed from a captured CUDA graph (its host cost dropped), and what "
                              "stands in the way of capturing them today")
+    parser.add_argument("--fixed-shapes", action="store_true",
+                        help="aspen's steps (and --fusion's) as compile: graphs makes them: each job's tokens in a "
+                             "fixed segment (actors/engine/fixed_shapes.py), run eagerly here (no capture on the "
+                             "virtual device); with --graphed, timed as their replays, the blockers counted on them")
     parser.add_argument("--calibration-checkout", type=Path, help=f"a checkout of {CALIBRATION_COMMIT}")
     parser.add_argument("--no-calibration", action="store_true", help=f"skip the run of {CALIBRATION_COMMIT}")
     parser.add_argument("--calibration-file", type=Path, default=PATH)
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"checkout": str(args.checkout.resolve()), "shape": args.shape, "jobs": args.jobs, "card": args.card,
             "mode": "jobs", "steps": args.steps, "settings": args.settings, "kernels": args.kernels,
             "calibration": str(args.calibration_file.resolve()), "read_later": args.read_later, "graphed": args.graphed,
-            "host": args.host}
+            "host": args.host, "fixed_shapes": args.fixed_shapes}
     results: dict = {"shape": args.shape, "jobs": args.jobs, "card": args.card, "steps": args.steps,
                      "host": args.host or default_machine(calibration)}
     current = run_checkout(spec, "checkout")

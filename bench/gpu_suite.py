@@ -119,8 +119,10 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
                       "--json", str(out / "fusion8b.json")]],
         # its steps are the host's: aspen's, (a)'s and (b)'s profiled, different code on one host, so that
         # bench/gpu_cost/profile_fit.py can fit the host's costs on more than aspen's own step
+        # with compile: graphs' side second on CUDA (the lever for a host-bound step: gpu_cost_model.py --graphed)
         "mfu-smollm2": [[*lora_mfu, "--parts", "mfu", "--shapes", "smollm2-135m", "--profile", str(out / "profile"),
-                         "--profile-peers", *side_timeout, "--json", str(out / "mfu-smollm2.json")]],
+                         "--profile-peers", "--sides", ("aspen,graphs," if cuda else "aspen,") + "packed,peft,frozen,"
+                         "concurrent", *side_timeout, "--json", str(out / "mfu-smollm2.json")]],
         "memory": [[py, "bench/memory.py", *quick, "--device", "cuda", *([] if cuda else ["--allow-cpu"]),
                     "--json", str(out / "memory.json")]],
         "pipeline": [[py, "bench/pipeline_check.py", *([] if cuda else ["--allow-cpu", "--layers", "2",
@@ -265,6 +267,8 @@ def key_numbers(out: Path) -> dict:
                                               "step_bytes_per_token", "status")}
                               for side, figures in sides.items()}
             numbers[shape]["ratios"] = {k: round(v, 3) for k, v in result.get("ratios", {}).items()}
+            if sides.get("graphs", {}).get("graphs"):   # compile: graphs: captures, replays, what stayed eager
+                numbers[shape]["graphs"] = sides["graphs"]["graphs"]
             chosen = (sides.get("aspen", {}).get("engine_defaults") or {}).get("tuned_kernels")
             if chosen:   # the kernel each tuned LoRA product's shape took, measured in the first steps
                 numbers[shape]["tuned_kernels"] = {key: value["chosen"] for key, value in chosen.items()}

@@ -43,7 +43,9 @@ JOBS, SEQUENCES_PER_JOB, MIN_LEN, MAX_LEN = 4, 2, 64, 768
 PEFT_SEQUENCES_PER_STEP = 8      # (a): one job's 8 sequences a step, as many as a fused step holds of 4 jobs
 FUSION_ADAPTERS = (1, 2, 4, 8, 16, 32)
 SIDES = ("aspen", "peft", "packed", "frozen", "concurrent")   # the order they run in: what they tell
-SIDE_NAMES = {"aspen": "aspen, 4 jobs fused", "peft": "(a) PEFT loop, padded, jobs in turn",
+OPTIONAL_SIDES = ("graphs",)   # run where asked (--sides): aspen's steps as replayed CUDA graphs (host-bound shapes)
+SIDE_NAMES = {"aspen": "aspen, 4 jobs fused", "graphs": "aspen, compile: graphs (replayed CUDA graphs)",
+              "peft": "(a) PEFT loop, padded, jobs in turn",
               "packed": "(b) PEFT packed varlen (+Liger)", "concurrent": "(c) 4 PEFT processes at once",
               "frozen": "frozen base alone (ceiling)"}
 # issue 47's goals (an H100 or H200, measured side by side in one lease)

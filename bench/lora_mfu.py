@@ -55,6 +55,7 @@ from lora_bench import (
     JOBS,
     MAX_LEN,
     MIN_LEN,
+    OPTIONAL_SIDES,
     PEFT_SEQUENCES_PER_STEP,
     QUICK_LENGTHS,
     QUICK_SHAPES,
@@ -148,9 +149,14 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict:
 
 def ratios(sides: dict) -> dict:
     rate = {name: side.get("tokens_per_s") for name, side in sides.items()}
-    aspen = rate.get("aspen")
-    return {f"aspen_over_{name}": aspen / value for name, value in rate.items()
-            if name != "aspen" and aspen and value}
+    out = {}
+    for fused in ("aspen", "graphs"):   # aspen's side, and its compile: graphs side where it ran
+        mine = rate.get(fused)
+        out.update({f"{fused}_over_{name}": mine / value for name, value in rate.items()
+                    if name not in ("aspen", "graphs") and mine and value})
+    if rate.get("graphs") and rate.get("aspen"):
+        out["graphs_over_aspen"] = rate["graphs"] / rate["aspen"]
+    return out
 
 
 _results: dict = {}
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         from lora_sides import run_side
         return run_side(args)
     args.sides = [s for s in args.sides.split(",") if s]
-    unknown = sorted(set(args.sides) - set(SIDES)) + sorted(set(args.shapes.split(",")) - set(SHAPES))
+    unknown = (sorted(set(args.sides) - set(SIDES) - set(OPTIONAL_SIDES))
+               + sorted(set(args.shapes.split(",")) - set(SHAPES)))
     if unknown:
         parser.error(f"unknown side(s) or shape(s): {', '.join(unknown)}")
     parts = set(args.parts.split(","))

@@ -77,7 +77,13 @@ def timed_sequences(args: argparse.Namespace, batches: dict[int, list]) -> tuple
 
 # -- aspen ------------------------------------------------------------------------------------------------------
 
-def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
+def graphs_side(args: argparse.Namespace, device: torch.device) -> dict:
+    """aspen's side with compile: graphs (actors/engine/step_graphs.py): each job's tokens in a fixed segment, the
+    steps after a shape's warm-up replayed from a captured CUDA graph; how many were, in `graphs`."""
+    return aspen_side(args, device, compile="graphs")
+
+
+def aspen_side(args: argparse.Namespace, device: torch.device, compile: str = "none") -> dict:
     """4 jobs fused, every step all four, per the engine's defaults on the device."""
     from actors.data import Example
     from actors.engine.job import TrainingJob
@@ -89,7 +95,7 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     model = random_model(args.shape, device, compute_dtype(device))
     base = from_module(model, None)
     warm_up(base, 1 << 17)   # as the service's trainer does at start-up (actors/service/trainer/trainer_setup.py)
-    trainer = FusedTrainer(base, step_tokens=1 << 17)
+    trainer = FusedTrainer(base, step_tokens=1 << 17, compile=compile)
     profile_steps = 2 if args.profile else 0
     total = args.warmup + args.steps + profile_steps
     for job, batches in the_batches(args, profile_steps).items():
@@ -117,6 +123,11 @@ def aspen_side(args: argparse.Namespace, device: torch.device) -> dict:
     result.update(allocator_events_since(device, events))
     result.update(memory_fields(device, held, max(padded)), padding_tokens=sum(padded) - sum(tokens),
                   setup_s=round(setup, 1), jobs=JOBS, engine_defaults=engine_settings(trainer))
+    if trainer.graphs is not None:   # compile: graphs: how many steps were replays, and what stayed eager
+        result["graphs"] = {"captures": trainer.graphs.captures, "replays": trainer.graphs.replays,
+                            "shapes": [list(entry.shape.capacity) for entry in trainer.graphs.entries.values()],
+                            "failed": [entry.failed for entry in trainer.graphs.entries.values() if entry.failed],
+                            "eager_because": sorted(trainer.graph_refusals)}
     write(args, result)
     if args.profile:
         from profile_step import profile_steps as profile
@@ -422,8 +433,9 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     return result
 
 
-SIDE_FUNCTIONS = {"aspen": aspen_side, "peft": peft_side, "packed": packed_side, "concurrent": concurrent_side,
-                  "peft-worker": peft_worker, "frozen": frozen_side, "fusion": fusion_side}
+SIDE_FUNCTIONS = {"aspen": aspen_side, "graphs": graphs_side, "peft": peft_side, "packed": packed_side,
+                  "concurrent": concurrent_side, "peft-worker": peft_worker, "frozen": frozen_side,
+                  "fusion": fusion_side}
 
 
 def run_side(args: argparse.Namespace) -> int:

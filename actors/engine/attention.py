@@ -25,7 +25,7 @@ from torch.torch_version import TorchVersion
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from actors.engine.layout import current_layout, parts
+from actors.engine.layout import StepLayout, current_layout, parts
 
 ATTENTION_NAME = "aspen_varlen"
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -142,6 +142,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                      dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window)
         return out.unsqueeze(0), None
     gqa = query.shape[1] != key.shape[1]
+    if layout.tensors.get("fixed-shape"):   # a graphed step's (step_graphs.py): its bounds are on the device only
+        if exact:
+            raise NotImplementedError(f"{type(module).__name__}: soft-capping or sinks in a graphed step (compile: "
+                                      "graphs) off a GPU's varlen kernel; set compile: none")
+        return fixed_shape_attention(query, key, value, layout, dropout, scaling, sliding_window, gqa), None
     outputs = []
     # each sequence's queries, keys and values as the views of one split per tensor (linear-cost backward)
     pieces = zip(*(parts(tensor, layout.sequences, dim=2) for tensor in (query, key, value)), strict=True)
@@ -158,6 +163,29 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def fixed_shape_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: StepLayout,
+                          dropout: float, scaling: float | None, sliding_window: int | None, gqa: bool) -> torch.Tensor:
+    """Attention over a fixed-shape step's whole stream, masked to each sequence (causal, within the window) by the
+    sequence slot of each position, read from the bounds' device tensor (actors/engine/fixed_shapes.py): no host
+    number of the step's sequences shapes it, so a captured step replays right for new bounds. Dense (T x T): for a
+    device without the varlen kernel (the CPU tests of step_graphs.py)."""
+    tokens = query.shape[2]
+    slot = fixed_sequence_ids(layout.cu_seqlens(query.device), tokens)
+    positions = torch.arange(tokens, device=query.device)
+    mask = (slot[:, None] == slot[None, :]) & (positions[None, :] <= positions[:, None])
+    if sliding_window:
+        mask &= positions[:, None] - positions[None, :] < sliding_window
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+def fixed_sequence_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each position's sequence slot, from the bounds on the device (no host number; empty slots hold no position)."""
+    positions = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, positions, right=True)
 
 
 def token_major(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

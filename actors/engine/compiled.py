@@ -95,11 +95,11 @@ def pad_to_bucket(batch: FusedBatch, pad_token_id: int) -> FusedBatch:
                                padding_tokens=batch.padding_tokens + padding)
 
 
-def check_compile(compile: str, *, recompute: str, quantization: str) -> None:
+def check_compile(compile: str, *, recompute: str, quantization: str, layout: str = "packed") -> None:
     """Refuse a compile mode, or a combination, that is not offered (the fields and the fix named)."""
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, not '{compile}'")
-    problem = compile_problem(compile, recompute=recompute, quantization=quantization)
+    problem = compile_problem(compile, recompute=recompute, quantization=quantization, layout=layout)
     if problem is not None:
         raise ValueError(problem)
 

@@ -116,3 +116,9 @@ def decisions() -> dict[str, dict]:
                                  "median_ms": {name: median(times) for name, times in tuning.times.items()},
                                  "host_median_ms": {name: median(times) for name, times in tuning.host.items()}}
             for tuning in TUNINGS.values()}
+
+
+def settled() -> bool:
+    """Whether every shape measured so far has its kernel chosen (a step captured as a CUDA graph must not time
+    candidates: actors/engine/step_graphs.py warms up until then)."""
+    return all(tuning.chosen is not None for tuning in TUNINGS.values())

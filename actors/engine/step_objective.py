@@ -125,3 +125,18 @@ def _per_job_losses(batch: FusedBatch, losses: torch.Tensor) -> torch.Tensor:
     if counts is None or counts.device != losses.device:
         counts = values_to_device(batch.job_targets, torch.long, losses.device)
     return sums / counts.clamp_min(1)
+
+
+def fixed_objective(base: BaseModel, hidden: torch.Tensor, target_ids: torch.Tensor, target_job: torch.Tensor,
+                    job_targets: torch.Tensor, loss_chunk: int) -> StepObjective:
+    """The SFT loss of a step in a fixed shape (actors/engine/fixed_shapes.py), from device tensors only, so that it
+    can be captured as a CUDA graph: every position a target slot, those of no job (`target_job` equal to the number
+    of jobs) weighing 0; each job's mean over its `job_targets`. Token weights are 1 (no float16 loss scale). The
+    counts and metrics are the caller's (from the host's batch)."""
+    jobs = job_targets.numel()
+    weights = (target_job < jobs).to(torch.float32)
+    total, losses = target_cross_entropy(hidden, base.lm_head.weight, base.lm_head.bias, target_ids, weights,
+                                         loss_chunk, base.logit_transform)
+    sums = torch.zeros(jobs + 1, dtype=torch.float32, device=hidden.device)
+    sums.index_add_(0, target_job, losses)
+    return StepObjective(total, sums[:jobs] / job_targets.clamp_min(1), [], [None] * jobs)

@@ -19,6 +19,7 @@ actors/engine/step_report.py."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ from actors.engine.job import BatchSource, TrainingJob
 from actors.engine.job_references import JobReferences
 from actors.engine.joint_steps import step_jobs
 from actors.engine.layout import StepLayout, step_layout
+from actors.engine.lora_masters import pool_of
 from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
 from actors.engine.memory import (
     StepMemoryMeter,
@@ -50,13 +52,17 @@ from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
 from actors.engine.step_batches import StepBatches
 from actors.engine.step_composition import StepComposition
-from actors.engine.step_objective import ObjectiveJob, step_objective
+from actors.engine.step_graphs import GraphBackend, StepGraphs
+from actors.engine.step_graphs import refusal as graph_refusal
+from actors.engine.step_objective import ObjectiveJob, StepObjective, fixed_objective, step_objective
 from actors.engine.step_report import JobStepResult, StepReport
 from actors.engine.user_calls import FunctionWorker
 from actors.spec.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
 from actors.spec.job_spec import JobSpec
 from actors.spec.method_config import PREFERENCE_METHODS
 from policies.base import StepComposer
+
+log = logging.getLogger(__name__)
 
 
 class FusedTrainer:
@@ -67,12 +73,14 @@ class FusedTrainer:
     def __init__(self, base: BaseModel, *, step_tokens: int = 4096, layout: Layout = "packed",
                  loss_chunk: int = DEFAULT_CHUNK, composer: StepComposer | None = None,
                  recompute: Recompute = "none", compile: Compile = "none",
-                 compile_backend: str | Callable = "inductor"):
+                 compile_backend: str | Callable = "inductor", graph_backend: GraphBackend | None = None):
         """`recompute`: "layers" keeps only each decoder layer's input for backward and runs the layer's
         forward again there (less activation memory, about a third more arithmetic); "none" keeps all.
         `compile`: "default" runs the decoder layers of each step under torch.compile (`compiled`: the stream
-        padded to a bucket length) with `compile_backend`; "none" eagerly."""
-        check_compile(compile, recompute=recompute, quantization=base.quantization)
+        padded to a bucket length) with `compile_backend`; "graphs" captures each step of a fixed shape as a CUDA
+        graph and replays it (`graphs`: actors/engine/step_graphs.py; `graph_backend`: how, CUDA graphs by
+        default); "none" eagerly."""
+        check_compile(compile, recompute=recompute, quantization=base.quantization, layout=layout)
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, not '{recompute}'")
         if recompute == "layers":
@@ -83,12 +91,14 @@ class FusedTrainer:
         self.loss_chunk = loss_chunk
         self.jobs: dict[str, TrainingJob] = {}
         self.step_count = 0
-        self.composition = StepComposition(self.jobs, composer, layout=layout, bucketed=compile != "none")
+        self.composition = StepComposition(self.jobs, composer, layout=layout, bucketed=compile == "default")
         self.meter = StepMemoryMeter(base.model, base.device)
         self.references = JobReferences(base)   # DPO jobs' reference caches; init_adapters that are a reference
-        self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile != "none" else None
+        self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile == "default" else None
+        self.graphs = self._step_graphs(graph_backend) if compile == "graphs" else None
+        self.graph_refusals: set[str] = set()   # why steps ran eagerly under compile: graphs (each logged once)
         # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
-        self.batches = StepBatches(base, layout, bucketed=compile != "none", ahead=base.device.type == "cuda")
+        self.batches = StepBatches(base, layout, bucketed=compile == "default", ahead=base.device.type == "cuda")
         self.functions = FunctionWorker()   # users' rewards and metrics: a process of their own, started if asked
 
     # -- what the trainer loop asks of any step engine (actors/service/trainer/step_engine.py) ----------------
@@ -230,34 +240,13 @@ class FusedTrainer:
         is packed and sent (`_prepack_next`); the optimizers' updates are launched after it."""
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
-        block = None
-        if calls:
-            if not self.fuses_calls:
-                raise ValueError(f"interactive calls cannot share a step of layout '{self.layout}' or a compiled "
-                                 "one: run them in a pass of their own")
-            self.batches.drop()   # the next step was guessed without these calls
-            batch, block = with_calls(pack(micro_batches, self.layout, self.base.pad_token_id), calls.calls)
-            batch = batch.to(self.base.device)
+        block = call_part = None
+        graphed = self._graphed(chosen, micro_batches, calls)
+        if graphed is not None:
+            batch, objective, tokens, padding, loss_rows = graphed
         else:
-            batch = self.batches.for_step(micro_batches)
-        compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
-        references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
-        olds = {index: job.replay.old_logps(rows) for index, (job, rows) in enumerate(chosen) if job.replaying}
-        model = self.base.model
-        set_adapters_training(model, True)
-        with self.meter.forward():
-            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute), compiled:
-                hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                                           attention_mask=None, use_cache=False).last_hidden_state[0]
-            objective = step_objective(self.base, batch, hidden,
-                                       [ObjectiveJob(job.spec, job.optimizer.token_weight) for job, _ in chosen],
-                                       micro_batches, references, self.loss_chunk, olds)
-            total = objective.total
-            if block is not None:   # the calls' tokens: the stream's last block
-                call_part = call_losses(self.base, hidden[batch.num_tokens - len(block.ids):], calls.calls,
-                                        calls.configs, block.targets.to(hidden.device))
-                total = total + call_part.total
-        total.backward()
+            batch, objective, block, call_part = self._forward_backward(chosen, micro_batches, calls)
+            tokens, padding, loss_rows = batch.num_tokens, batch.padding_tokens, int(batch.target_ids.numel())
         head = self.base.lm_head
         stepping = {job.name for job, _ in chosen}   # and the jobs whose gradient buffers stay between steps
         gradient_bytes = sum(job.optimizer.gradient_bytes() for job in self.jobs.values()
@@ -265,7 +254,7 @@ class FusedTrainer:
         optimizer_bytes = sum(job.optimizer.state_bytes() for job in self.jobs.values())
         peak = self.meter.peak_bytes(gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
                                      transient_bytes=logits_transient_bytes(
-                                         self.loss_chunk, head.weight.shape[0], int(batch.target_ids.numel()),
+                                         self.loss_chunk, head.weight.shape[0], loss_rows,
                                          softcapped=self.base.logit_transform.softcap is not None,
                                          fused=fused_loss(head.weight), element_bytes=head.weight.element_size()))
         counts, metrics = objective.counts, objective.metrics
@@ -295,11 +284,91 @@ class FusedTrainer:
                                  targets=batch.job_targets[index], optimizer_step=records.get(job.name))
                    for index, (job, _) in enumerate(chosen)]
         self.step_count += 1
-        return StepReport(step=self.step_count, jobs=batch.jobs, tokens=batch.num_tokens,
-                          padding_tokens=batch.padding_tokens, seconds=time.perf_counter() - started,
+        return StepReport(step=self.step_count, jobs=batch.jobs, tokens=tokens,
+                          padding_tokens=padding, seconds=time.perf_counter() - started,
                           peak_memory_bytes=peak, sequence_lengths=batch.sequence_lengths, results=results,
                           memory_measured=self.base.device.type == "cuda", call_outputs=call_outputs,
                           call_tokens=len(block.ids) if block is not None else 0)
+
+    def _forward_backward(self, chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
+                          calls: FusedCalls | None) -> tuple:
+        """The eager step's forward, loss and backward: (its batch on the device, its objective, the calls' block in
+        its stream or None, the calls' part of the loss or None)."""
+        block = call_part = None
+        if calls:
+            if not self.fuses_calls:
+                raise ValueError(f"interactive calls cannot share a step of layout '{self.layout}' or a compiled "
+                                 "one: run them in a pass of their own")
+            self.batches.drop()   # the next step was guessed without these calls
+            batch, block = with_calls(pack(micro_batches, self.layout, self.base.pad_token_id), calls.calls)
+            batch = batch.to(self.base.device)
+        else:
+            batch = self.batches.for_step(micro_batches)
+        compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
+        references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
+        olds = {index: job.replay.old_logps(rows) for index, (job, rows) in enumerate(chosen) if job.replaying}
+        model = self.base.model
+        set_adapters_training(model, True)
+        with self.meter.forward():
+            with step_layout(batch.layout), recomputed_layers(self.base.decoder, self.recompute), compiled:
+                hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                           attention_mask=None, use_cache=False).last_hidden_state[0]
+            objective = step_objective(self.base, batch, hidden,
+                                       [ObjectiveJob(job.spec, job.optimizer.token_weight) for job, _ in chosen],
+                                       micro_batches, references, self.loss_chunk, olds)
+            total = objective.total
+            if block is not None:   # the calls' tokens: the stream's last block
+                call_part = call_losses(self.base, hidden[batch.num_tokens - len(block.ids):], calls.calls,
+                                        calls.configs, block.targets.to(hidden.device))
+                total = total + call_part.total
+        total.backward()
+        return batch, objective, block, call_part
+
+    def _step_graphs(self, backend: GraphBackend | None) -> StepGraphs:
+        """`compile: graphs`: on a CUDA device (or with a stand-in `backend`: the CPU tests)."""
+        if backend is None and self.base.device.type != "cuda":
+            raise ValueError(f"compile: graphs captures steps as CUDA graphs: this base is on {self.base.device}; "
+                             "set compile: none (or default) off a GPU")
+
+        def forward(layout: StepLayout, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            with step_layout(layout):
+                return self.base.decoder(input_ids=input_ids[None], position_ids=position_ids[None],
+                                         attention_mask=None, use_cache=False).last_hidden_state[0]
+
+        def objective(hidden: torch.Tensor, parts: dict[str, torch.Tensor]) -> StepObjective:
+            return fixed_objective(self.base, hidden, parts["target_ids"], parts["target_job"], parts["job_targets"],
+                                   self.loss_chunk)
+
+        return StepGraphs(self.base.device, self.base.pad_token_id, forward, objective, backend=backend)
+
+    def _graphed(self, chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
+                 calls: FusedCalls | None) -> tuple | None:
+        """The step's forward, loss and backward as a graph (`compile: graphs`), where it can take one: (the packed
+        host batch, the objective, the step's tokens and padding in its fixed shape, the loss's rows); else None
+        (the reason logged once per reason)."""
+        if self.graphs is None:
+            return None
+        jobs = [job for job, _ in chosen]
+        reason = graph_refusal(jobs, dtype=self.base.dtype, layout=self.layout, recompute=self.recompute,
+                               calls=bool(calls))
+        pools = [pool_of(job.optimizer.parameters) for job in jobs]
+        if reason is None and any(pool is None for pool in pools):
+            reason = "an adapter whose weights are not pooled (not the CUDA LoRA path's plain LoRA)"
+        if reason is not None:
+            if reason not in self.graph_refusals:
+                self.graph_refusals.add(reason)
+                log.info("compile: graphs: a step runs eagerly: %s", reason)
+            return None
+        ceilings = tuple((job.spec.batch_size * job.spec.max_seq_len, job.spec.batch_size) for job in jobs)
+        fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), ceilings)
+        set_adapters_training(self.base.model, True)
+        with self.meter.forward():
+            objective = self.graphs.run(fixed, pools)
+        packed = fixed.packed
+        objective = StepObjective(objective.total, objective.job_losses, list(packed.job_targets),
+                                  [None] * len(jobs))
+        tokens = fixed.shape.tokens
+        return packed, objective, tokens, tokens - packed.num_tokens, tokens
 
     def _prepack_next(self) -> None:
         """On CUDA, while the step's kernels run: pack the step most likely to come next (every active job's
@@ -307,8 +376,8 @@ class FusedTrainer:
         so that the next step starts as soon as this one is read back. A step composed otherwise (a composer,
         a memory budget, jobs that joined or left) packs its own; GRPO and preference jobs' steps are not
         guessed (their rows are made or looked up per step)."""
-        if not self.batches.ahead or self.composer is not None:
-            return
+        if not self.batches.ahead or self.composer is not None or self.graphs is not None:
+            return   # a graphed step packs its own in its fixed shape
         jobs = self.active_jobs
         if not jobs or any(job.spec.method != "sft" for job in jobs) or not all(j.next_batch_ready() for j in jobs):
             return

@@ -24,8 +24,9 @@ padded_fused (mLoRA: every row to the step's longest)."""
 Recompute = Literal["none", "layers"]
 """layers: keep only each decoder layer's input for backward and recompute the layer there."""
 
-Compile = Literal["none", "default"]
-"""default: the decoder layers of each fused step under torch.compile (inductor)."""
+Compile = Literal["none", "default", "graphs"]
+"""default: the decoder layers of each fused step under torch.compile (inductor); graphs: each fused step of a fixed
+shape captured once as a CUDA graph and replayed (a host-bound step: a small base on a large GPU)."""
 
 Kernels = Literal["auto", "liger", "none"]
 """liger: Liger-Kernel's fused RMSNorm (each residual addition with the norm after it in one kernel), RoPE, SwiGLU

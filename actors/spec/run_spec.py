@@ -15,6 +15,7 @@ from actors.spec.job_submission import JobSubmission
 from actors.spec.lora_config import needs_full_precision_base
 from actors.spec.tracking_config import TrackingConfig
 from actors.spec.trainer_settings import (
+    COMPILE_DESCRIPTION,
     KERNELS_DESCRIPTION,
     STAGE_SPLIT_DESCRIPTION,
     STAGES_DESCRIPTION,
@@ -53,10 +54,7 @@ class RunSpec(StrictModel):
     recompute: Recompute = Field(
         "none", description="layers: recompute each decoder layer's activations in backward (less memory, "
                             "more time; the same adapters)")
-    compile: Compile = Field(
-        "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
-                            "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
-                            "quantized base)")
+    compile: Compile = Field("none", description=COMPILE_DESCRIPTION)
     kernels: Kernels = Field("auto", description=KERNELS_DESCRIPTION)
     stages: Stages = Field(1, description=STAGES_DESCRIPTION)
     stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
@@ -67,7 +65,8 @@ class RunSpec(StrictModel):
 
     @model_validator(mode="after")
     def _compile_combination(self) -> RunSpec:
-        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization,
+                                   layout=self.layout)
                    or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
                                        layout=self.layout, compile=self.compile, kernels=self.kernels))
         if problem is not None:

@@ -28,14 +28,25 @@ def step_tokens_floor(setting: int | str) -> int:
     return AUTO_STEP_TOKENS_FLOOR if setting == "auto" else int(setting)
 
 
-def compile_problem(compile: str, *, recompute: str, quantization: str) -> str | None:
-    """Why `compile` cannot go with this recompute mode or quantization, naming the fields and the fix; None if
-    it can (`actors.engine.compiled`)."""
+COMPILE_DESCRIPTION = (
+    "default: the decoder layers of each fused step under torch.compile (inductor), the token stream padded to one "
+    "of a few bucket lengths; graphs (CUDA): each fused step of sft jobs captured once as a CUDA graph and replayed, "
+    "each job's tokens padded to a fixed segment (for host-bound steps: a small base on a large GPU; "
+    "actors/engine/step_graphs.py). Neither with recompute: layers or a quantized base")
+
+
+def compile_problem(compile: str, *, recompute: str, quantization: str, layout: str = "packed") -> str | None:
+    """Why `compile` cannot go with this recompute mode, quantization or layout, naming the fields and the fix; None
+    if it can (`actors.engine.compiled`, `actors.engine.step_graphs`)."""
     if compile == "none":
         return None
+    if compile == "graphs" and layout != "packed":
+        return (f"compile: graphs with layout: {layout} is not offered (a graphed step lays each job's packed tokens "
+                "in a fixed segment of its own); set layout: packed or compile: none")
     if recompute != "none":
         return (f"compile: {compile} with recompute: {recompute} is not offered (the recomputation's checkpoint wraps "
-                "the decoder layers that compile compiles); set compile: none or recompute: none")
+                "the decoder layers that compile compiles, and reruns a forward a graph would have to capture); set "
+                "compile: none or recompute: none")
     if quantization != "none":
         return (f"compile: {compile} on a quantized base (quantization: {quantization}) is not offered "
                 "(bitsandbytes' layers do not trace under torch.compile); set compile: none or quantization: none")

@@ -54,16 +54,21 @@ def graphed(steps: list[list[Op]], warmup: int) -> tuple[list[list[Op]], dict]:
     graph replays a copy from the host address it captured: the buffer must outlive it), and how many of the steps
     launch a sequence of kernels and shapes no earlier step launched (each such step needs a capture of its own).
     The first `warmup` steps run as they are (a graph is captured after them: the first steps check and tune
-    kernels) and are not counted."""
+    kernels) and are not counted. A step recorded with compile: graphs' marks (`--fixed-shapes`: workload.GRAPH_SPAN)
+    has exactly the part between them replayed, what that mode captures (the inputs' copy before it, the optimizers'
+    updates and the read-back after it stay the host's)."""
     out, reads, copies, seen, novel = list(steps[:warmup]), 0, 0, set(), 0
     for ops in steps[warmup:]:
         launching = [index for index, op in enumerate(ops) if kernel_launches(op)]
         syncs = [index for index, op in enumerate(ops) if op.sync]
+        marks = [index for index, op in enumerate(ops) if op.detail.get("graph_span")]
         if not launching:
             out.append(ops)
             continue
         first = launching[0]
         end = syncs[-1] if syncs and syncs[-1] > first else len(ops)   # the read-back stays the host's
+        if len(marks) == 2:   # compile: graphs' captured part
+            first, end = marks[0] + 1, marks[1]
         span = ops[first:end]
         reads += sum(op.sync for op in span)
         copies += sum(op.kind == "h2d" for op in span)
@@ -195,6 +200,10 @@ def run_worker(args: dict) -> dict:
         import gpu_cost.workload as workload
 
         workload.KERNELS = args["kernels"]
+    if args.get("fixed_shapes") and args["mode"] in ("jobs", "fusion"):
+        import gpu_cost.workload as workload
+
+        workload.FIXED_SHAPES = True
     calibration = json.loads(Path(args["calibration"]).read_text())
     bench = benchmark_module(checkout)
     # the LoRA products the engine tunes: on a GPU it times grouped_mm against its Triton kernels during the first
@@ -207,6 +216,8 @@ def run_worker(args: dict) -> dict:
     later = bool(args.get("read_later")) and args["mode"] in ("jobs", "fusion")   # aspen's steps only
     if later:
         applied.append("the read-back a step later (what-if: the steps' host synchronisations dropped)")
+    if args.get("fixed_shapes") and args["mode"] in ("jobs", "fusion"):
+        applied.append("compile: graphs' fixed shapes, each step run eagerly (no capture on the virtual device)")
     as_graphs = bool(args.get("graphed")) and args["mode"] in ("jobs", "fusion")
     if as_graphs:
         applied.append("each step up to its read-back replayed as a CUDA graph (what-if: the host's cost of its "

@@ -135,9 +135,11 @@ class Session:
     def __enter__(self) -> Session:
         self.device.__enter__()
         self.recorder.__enter__()
+        ACTIVE.append(self.recorder)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        ACTIVE.remove(self.recorder)
         self.recorder.__exit__(*exc)
         self.device.__exit__(*exc)
 
@@ -170,10 +172,44 @@ def _base(model: torch.nn.Module) -> Any:
     return from_module(model, None)
 
 
+FIXED_SHAPES = False   # aspen's steps in compile: graphs' fixed shapes, run eagerly (--fixed-shapes)
+GRAPH_SPAN = "graph span"   # the name of the marks around what compile: graphs captures
+ACTIVE: list[KernelRecorder] = []   # the session's recorder (Session.__enter__)
+
+
+def _mark(which: str) -> None:
+    """A mark in the recorded step (no host cost, no kernel): where compile: graphs' capture begins or ends."""
+    if ACTIVE and ACTIVE[-1].recording:
+        ACTIVE[-1]._append(Op(GRAPH_SPAN, "host", detail={"graph_span": which, "graphed": True}))
+
+
+class _EagerFixed:
+    """compile: graphs' backend that never captures (the virtual device has no graphs): each step runs eagerly in
+    its fixed shape, what a capture would record, between two marks (`GRAPH_SPAN`: predict.graphed replays exactly
+    that part of the step)."""
+
+    def warm(self, run: Any) -> Any:
+        _mark("begin")
+        out = run()
+        _mark("end")
+        return out
+
+    def capture(self, run: Any) -> Any:
+        raise RuntimeError("no capture on the virtual device")
+
+    def replay(self, graph: Any) -> None:
+        raise RuntimeError("no replay on the virtual device")
+
+
 def _trainer(base: Any) -> Any:
     from actors.engine.trainer import FusedTrainer
 
-    return FusedTrainer(base, step_tokens=1 << 17)
+    if not FIXED_SHAPES:
+        return FusedTrainer(base, step_tokens=1 << 17)
+    import actors.engine.step_graphs as step_graphs
+
+    step_graphs.WARMUP = 1 << 30   # never due: every step eager
+    return FusedTrainer(base, step_tokens=1 << 17, compile="graphs", graph_backend=_EagerFixed())
 
 
 def _add_job(trainer: Any, base: Any, bench: ModuleType, name: str, examples: list, batch_size: int,

@@ -14,6 +14,7 @@ from actors.spec.field_types import INT64_MAX, Bounds, Location, StrictModel
 from actors.spec.job_submission import canonical_base_model
 from actors.spec.run_spec import RunSpec
 from actors.spec.trainer_settings import (
+    COMPILE_DESCRIPTION,
     KERNELS_DESCRIPTION,
     STAGE_SPLIT_DESCRIPTION,
     STAGES_DESCRIPTION,
@@ -47,10 +48,7 @@ class TrainerConfig(StrictModel):
         "none", description="layers: keep only each decoder layer's input for backward and recompute the layer "
                             "there (less activation memory; a frozen base's backward computes input gradients only, "
                             "so the forward again is about half more of the step's matrix products)")
-    compile: Compile = Field(
-        "none", description="default: the decoder layers of each fused step under torch.compile (inductor), the "
-                            "token stream padded to one of a few bucket lengths (not with recompute: layers or a "
-                            "quantized base)")
+    compile: Compile = Field("none", description=COMPILE_DESCRIPTION)
     kernels: Kernels = Field("auto", description=KERNELS_DESCRIPTION)
     stages: Stages = Field(1, description=STAGES_DESCRIPTION)
     stage_split: StageSplit = Field("measured", description=STAGE_SPLIT_DESCRIPTION)
@@ -117,7 +115,8 @@ class TrainerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _compile_combination(self) -> TrainerConfig:
-        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization)
+        problem = (compile_problem(self.compile, recompute=self.recompute, quantization=self.quantization,
+                                   layout=self.layout)
                    or pipeline_problem(self.stages, self.stage_split, quantization=self.quantization, dtype=self.dtype,
                                        layout=self.layout, compile=self.compile, kernels=self.kernels))
         if problem is None and self.stages > 1 and 0 < self.num_gpus < 1:

@@ -1,0 +1,232 @@
+"""`compile: graphs` (actors/engine/step_graphs.py) on the CPU: a step in its fixed shape
+(actors/engine/fixed_shapes.py) against the packed step (the same gradients within the rounding of their sums), a
+replayed step against the same step run eagerly in its fixed shape (bit for bit: a replay re-runs the captured
+operations without the Python that issued them, tests/helpers/graph_replay.py, so a host number baked into the
+capture, or Python state a replay does not restore, would show), and the ways a step is refused a graph or a
+capture fails (the step then runs eagerly)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from actors.engine import lora_cuda, lora_grouped_mm, step_graphs
+from actors.engine.fixed_shapes import FixedShape, fixed_batch, shape_of, smallest_shape, split_parts
+from actors.engine.packing import JobMicroBatch, pack
+from tests.helpers.fused import VOCAB, job_spec
+from tests.helpers.graph_replay import ReplayGraphs, WarmOnly
+from tests.helpers.models import random_examples, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _cuda_path_on_this_cpu(monkeypatch):
+    """The CUDA LoRA path (whose gradients go into the jobs' pooled buffers: what a graph can replay) on the CPU,
+    grouped_mm where torch has it here."""
+    monkeypatch.setattr(lora_cuda, "COMPUTE", "base")
+    if lora_grouped_mm.grouped_mm_works(torch.device("cpu")):
+        monkeypatch.setattr(lora_cuda, "KERNEL", "grouped_mm")
+
+
+def _examples(seed: int, lengths: list[int]):
+    from actors.data import Example
+
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for length in lengths:
+        ids = torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+        prompt = max(1, length // 3)
+        out.append(Example(tuple(ids), tuple([-100] * prompt + ids[prompt:])))
+    return out
+
+
+def test_a_fixed_batch_holds_each_jobs_tokens_bounds_and_targets_in_its_segment():
+    a, b = _examples(0, [5, 7]), _examples(1, [9])
+    packed = pack([JobMicroBatch("a", a), JobMicroBatch("b", b)])
+    assert smallest_shape(packed) == FixedShape(("a", "b"), (64, 64), (3, 2))   # buckets; rows and a padding slot
+    shape = shape_of(packed, ((40, 4), (None, 0)))
+    assert shape == FixedShape(("a", "b"), (64, 64), (5, 2))   # 4 x 12 tokens, past a's ceiling of 40; 4 rows
+    assert shape.holding(pack([JobMicroBatch("a", _examples(4, [30])), JobMicroBatch("b", b)])) is shape
+    bigger = pack([JobMicroBatch("a", _examples(2, [70])), JobMicroBatch("b", b)])
+    assert shape.holding(bigger).capacity == (128, 64)                    # doubled
+    assert shape.holding(bigger, ((40, 4), (None, 0))).capacity == (80, 64)   # past its ceiling: its tokens' bucket
+    assert shape_of(packed, ((None, 0), (None, 0))).capacity == (64, 64)
+    assert shape_of(pack([JobMicroBatch("a", _examples(5, [100]))])).capacity == (448,)   # 4 x 100, bucketed
+    grown = FixedShape(("a", "b"), (80, 64), (3, 2))
+    fixed = fixed_batch(packed, grown, pad_token_id=0)
+    parts = fixed.parts()
+    assert parts["input_ids"][:5].tolist() == list(a[0].input_ids) and parts["input_ids"][12:80].eq(0).all()
+    assert parts["input_ids"][80:89].tolist() == list(b[0].input_ids)
+    assert parts["position_ids"][:12].tolist() == list(range(5)) + list(range(7))
+    assert parts["position_ids"][12:15].tolist() == [0, 1, 2]          # the padding: a sequence of its own
+    # a's sequences, its padding to 80, an empty slot at 80; b's sequence, its padding to 144
+    assert parts["cu_seqlens"].tolist() == [0, 5, 12, 80, 89, 144]
+    targets = parts["target_job"] < 2
+    assert int(targets.sum()) == sum(packed.job_targets) and parts["job_targets"].tolist() == packed.job_targets
+    shift = torch.where(packed.target_job == 1, 80 - 12, 0)
+    assert torch.equal(torch.nonzero(targets).squeeze(1), packed.target_index + shift)
+    assert torch.equal(parts["target_ids"][targets], packed.target_ids)
+    assert split_parts(grown, fixed.values).keys() == parts.keys()
+    with pytest.raises(ValueError, match="do not fit its fixed segment"):
+        fixed_batch(pack([JobMicroBatch("a", _examples(3, [90])), JobMicroBatch("b", b)]), grown, 0)
+
+
+def _trainer(base, jobs, **options):
+    from actors.engine.job import TrainingJob
+    from actors.engine.trainer import FusedTrainer
+
+    trainer = FusedTrainer(base, step_tokens=100_000, **options)
+    for spec, examples, seed in jobs:
+        job = TrainingJob.create(spec, base, examples, [], seed=seed)
+        trainer.add_job(job)
+        with torch.no_grad():   # B away from its zero start, so that every gradient is exercised
+            for name, parameter in job.adapter.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name) + seed))
+    return trainer
+
+
+def _first_step_gradients(trainer) -> dict[tuple[str, str], torch.Tensor]:
+    from actors.engine import trainer as trainer_module
+
+    captured: dict[tuple[str, str], torch.Tensor] = {}
+    original = trainer_module.step_jobs
+
+    def capture(optimizers, targets, **options):
+        for job in trainer.jobs.values():
+            captured.update({(job.name, n): p.grad.clone() for n, p in job.adapter.named_parameters()})
+        return original(optimizers, targets, **options)
+
+    trainer_module.step_jobs = capture
+    try:
+        trainer.run_step(trainer.compose())
+    finally:
+        trainer_module.step_jobs = original
+    return captured
+
+
+def _jobs():
+    return [(job_spec("a", lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}), random_examples(0, vocab=VOCAB),
+             0),
+            (job_spec("b", lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}, batch_size=2),
+             random_examples(1, vocab=VOCAB, max_len=40), 1)]
+
+
+def test_a_step_in_its_fixed_shape_has_the_packed_steps_gradients_within_rounding(monkeypatch):
+    """float32: the padding's rows add exact zeros and attend to nothing real, so the only difference is the order
+    of the sums (a longer stream, other blocks): within the rounding tolerance of the step's longest chain."""
+    from actors.engine.models import from_module
+    from tests.helpers.tolerances import llama_chain_terms, rounding_tolerance
+
+    monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
+    model = tiny_model("llama", VOCAB)
+    packed = _first_step_gradients(_trainer(from_module(copy.deepcopy(model), None), _jobs()))
+    trainer = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs", graph_backend=WarmOnly())
+    fixed = _first_step_gradients(trainer)
+    assert trainer.graphs.entries, "the step did not run in a fixed shape"
+    assert fixed.keys() == packed.keys()
+    longest = max(len(e) for _, examples, _ in _jobs() for e in examples)
+    terms = llama_chain_terms(model.config, sequence=longest, tokens=trainer.graphs.shapes[("a", "b")].tokens)
+    for key, expected in packed.items():
+        magnitude = float(expected.abs().max())
+        assert magnitude > 0, key
+        assert float((fixed[key] - expected).abs().max()) <= rounding_tolerance(terms, magnitude), key
+
+
+def _losses_and_weights(trainer, steps: int):
+    losses = [[result.loss for result in trainer.train_step().results] for _ in range(steps)]
+    weights = {(job.name, n): p.detach().clone() for job in trainer.jobs.values()
+               for n, p in job.adapter.named_parameters()}
+    return losses, weights
+
+
+@pytest.mark.parametrize("siblings", ["on", "off"])
+def test_a_replayed_step_equals_the_same_step_run_eagerly_bit_for_bit(monkeypatch, siblings):
+    """bfloat16, two jobs with micro-batches of new lengths every step: the steps after the capture are replays
+    (new tokens, bounds and targets copied into the captured inputs; the jobs' gradient views attached around
+    them), and every loss and weight equals the eager fixed-shape run's exactly. With the layers reading one input
+    computed together (lora_siblings.py, as on CUDA) and apart."""
+    from actors.engine import lora_siblings
+    from actors.engine.models import from_module
+
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", siblings)
+
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    replays = ReplayGraphs()
+    graphed = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs", graph_backend=replays)
+    got = _losses_and_weights(graphed, 8)
+    monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
+    eager = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs", graph_backend=WarmOnly())
+    expected = _losses_and_weights(eager, 8)
+    assert replays.replayed >= 3, (replays.replayed, graphed.graphs.captures)
+    assert got[0] == expected[0]
+    assert got[1].keys() == expected[1].keys()
+    assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])
+    start = _losses_and_weights(_trainer(from_module(copy.deepcopy(model), None), _jobs()), 0)[1]
+    assert any(not torch.equal(got[1][key], start[key]) for key in start)   # the replays did train
+
+
+def test_the_stand_in_replays_what_a_graph_would_bake_and_refuses_a_host_read():
+    """A Python number read at capture stays in the replay (as in a CUDA graph); a host read inside stops it."""
+    backend = ReplayGraphs()
+    x, out, scale = torch.ones(3), torch.zeros(3), [2.0]
+    graph, _ = backend.capture(lambda: out.copy_(x * scale[0]))
+    backend.replay(graph)          # capture ran it already
+    x.fill_(3.0)
+    scale[0] = 10.0
+    backend.replay(graph)
+    assert out.tolist() == [6.0, 6.0, 6.0]   # new input values, the captured scale
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        backend.capture(lambda: x.sum().item())
+
+
+def test_steps_a_graph_cannot_take_run_eagerly_and_say_why(monkeypatch, caplog):
+    """A job with LoRA dropout: the step runs eagerly (the reason logged once); a base off a GPU without a stand-in:
+    refused at the start, with the fix; a capture that fails leaves the shape eager, the step's numbers the eager
+    ones."""
+    from actors.engine.models import from_module
+    from actors.engine.trainer import FusedTrainer
+
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="compile: graphs captures steps as CUDA graphs.*set compile: none"):
+        FusedTrainer(from_module(copy.deepcopy(model), None), compile="graphs")
+    dropping = [(job_spec("d", lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": "all-linear"}),
+                 random_examples(3, vocab=VOCAB), 3)]
+    trainer = _trainer(from_module(copy.deepcopy(model), None), dropping, compile="graphs",
+                       graph_backend=ReplayGraphs())
+    with caplog.at_level(logging.INFO, logger="actors.engine.trainer"):
+        for _ in range(3):
+            trainer.train_step()
+    assert not trainer.graphs.entries
+    assert [r.message for r in caplog.records].count("compile: graphs: a step runs eagerly: job 'd' has LoRA "
+                                                     "dropout (its masks are drawn on the host's generator)") == 1
+
+    class Failing(ReplayGraphs):
+        def capture(self, run):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    failing = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs", graph_backend=Failing())
+    with caplog.at_level(logging.WARNING, logger="actors.engine.step_graphs"):
+        got = _losses_and_weights(failing, 4)
+    assert any("could not be captured as a graph; its shape stays eager" in r.message for r in caplog.records)
+    monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
+    expected = _losses_and_weights(_trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs",
+                                            graph_backend=WarmOnly()), 4)
+    assert got[0] == expected[0]
+    assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])
+
+
+def test_a_jobs_file_or_trainer_asking_graphs_with_what_they_cannot_take_is_refused_with_the_fix():
+    from pydantic import ValidationError
+
+    from actors.service.scheduler.config import TrainerConfig
+
+    with pytest.raises(ValidationError, match="compile: graphs with layout: padded is not offered.*set layout: packed"):
+        TrainerConfig(compile="graphs", layout="padded")
+    with pytest.raises(ValidationError, match="compile: graphs with recompute: layers is not offered"):
+        TrainerConfig(compile="graphs", recompute="layers")
+    assert TrainerConfig(compile="graphs").compile == "graphs"

@@ -21,6 +21,7 @@ fit: a job set's shape settles after its first steps (each new shape is a new ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,18 +61,24 @@ class FixedShape:
         return tuple(out)
 
     def holding(self, batch: FusedBatch, ceilings: Ceilings | None = None) -> FixedShape:
-        """This shape where `batch` (a packed one, of the same jobs in the same order) fits it, else grown: each job
-        that does not fit to twice its capacity (or the bucket of its tokens, if more; at most its ceiling), its
-        slots to its rows and a padding slot."""
+        """This shape where `batch` (a packed one, of the same jobs in the same order) fits it, else grown."""
         if tuple(batch.jobs) != self.jobs:
             raise ValueError(f"a fixed shape of jobs {list(self.jobs)} cannot hold a step of jobs {batch.jobs}")
-        needed = smallest_shape(batch)
-        if all(a >= b for a, b in zip(self.capacity + self.slots, needed.capacity + needed.slots, strict=True)):
+        return self.holding_counts(*counts_of(batch), ceilings)
+
+    def holding_counts(self, tokens: Sequence[int], rows: Sequence[int],
+                       ceilings: Ceilings | None = None) -> FixedShape:
+        """This shape where micro-batches of these tokens and rows (per job, in its order) fit it, else grown: each
+        job that does not fit to twice its capacity (or the bucket of its tokens, if more; at most its ceiling), its
+        slots to its rows and a padding slot."""
+        needed = [bucket_length(count) for count in tokens]
+        if all(have >= need for have, need in zip(self.capacity, needed, strict=True)) and all(
+                have >= count + 1 for have, count in zip(self.slots, rows, strict=True)):
             return self
         limits = ceilings or ((None, 0),) * len(self.jobs)
         capacity = tuple(have if have >= need else max(need, _capped(2 * have, ceiling))
-                         for have, need, (ceiling, _) in zip(self.capacity, needed.capacity, limits, strict=True))
-        slots = tuple(max(a, b) for a, b in zip(self.slots, needed.slots, strict=True))
+                         for have, need, (ceiling, _) in zip(self.capacity, needed, limits, strict=True))
+        slots = tuple(max(have, count + 1) for have, count in zip(self.slots, rows, strict=True))
         return FixedShape(self.jobs, capacity, slots)
 
 
@@ -82,23 +89,34 @@ def _capped(tokens: int, ceiling: int | None) -> int:
     return bucket_length(tokens if ceiling is None else min(tokens, ceiling))
 
 
+def counts_of(batch: FusedBatch) -> tuple[list[int], list[int]]:
+    """Each job's tokens and rows in a packed `batch`, in its order."""
+    return [end - start for _, start, end in batch.layout.segments], _rows_per_job(batch)
+
+
 def smallest_shape(batch: FusedBatch) -> FixedShape:
     """The smallest fixed shape that holds a packed `batch`: each job's tokens up to their bucket length
     (actors/engine/compiled.py: at most a quarter more), its rows and one padding slot."""
-    capacity = tuple(bucket_length(end - start) for _, start, end in batch.layout.segments)
-    return FixedShape(tuple(batch.jobs), capacity, tuple(count + 1 for count in _rows_per_job(batch)))
+    tokens, rows = counts_of(batch)
+    return FixedShape(tuple(batch.jobs), tuple(map(bucket_length, tokens)), tuple(count + 1 for count in rows))
 
 
 def shape_of(batch: FusedBatch, ceilings: Ceilings | None = None) -> FixedShape:
-    """A fixed shape for a packed `batch`, with room to grow (a job's next micro-batches, of other lengths, fit it
-    without a new capture): each job's segment `ROOM` times its tokens in a bucket length, at most its ceiling's bucket
-    (never less than its tokens' bucket); its slots its ceiling's rows (or the batch's) and one for its padding."""
-    rows = _rows_per_job(batch)
-    limits = ceilings or ((None, 0),) * len(batch.jobs)
-    capacity = tuple(max(bucket_length(end - start), _capped(ROOM * (end - start), ceiling))
-                     for (_, start, end), (ceiling, _) in zip(batch.layout.segments, limits, strict=True))
+    """A fixed shape for a packed `batch` (`shape_for` of its counts)."""
+    return shape_for(tuple(batch.jobs), *counts_of(batch), ceilings)
+
+
+def shape_for(jobs: tuple[str, ...], tokens: Sequence[int], rows: Sequence[int],
+              ceilings: Ceilings | None = None) -> FixedShape:
+    """A fixed shape for micro-batches of these tokens and rows (per job), with room to grow (a job's next
+    micro-batches, of other lengths, fit it without a new capture): each job's segment `ROOM` times its tokens in a
+    bucket length, at most its ceiling's bucket (never less than its tokens' bucket); its slots its ceiling's rows (or
+    its micro-batch's) and one for its padding."""
+    limits = ceilings or ((None, 0),) * len(jobs)
+    capacity = tuple(max(bucket_length(count), _capped(ROOM * count, ceiling))
+                     for count, (ceiling, _) in zip(tokens, limits, strict=True))
     slots = tuple(max(count, most) + 1 for count, (_, most) in zip(rows, limits, strict=True))
-    return FixedShape(tuple(batch.jobs), capacity, slots)
+    return FixedShape(jobs, capacity, slots)
 
 
 def _rows_per_job(batch: FusedBatch) -> list[int]:

@@ -13,8 +13,11 @@ after the replay, as in an eager step.
 A shape's first steps run eagerly (`WARMUP` of them, and until the LoRA path's kernel measurements have chosen:
 actors/engine/kernel_tuning.py), then one is captured and replayed; a job set whose micro-batches outgrow its shape
 gets a larger one (a capture of its own; at most `KEPT` graphs are kept, each holding its step's activations in a
-memory pool of its own). A capture that fails (an operation that cannot be captured, such as a host read inside
-the step) leaves that shape eager, with the reason logged once: the step's numbers are the eager step's either way.
+memory pool of its own). A step of another job set drops the graphs (the stacked weights and tables they read are
+its jobs'), and a graph whose jobs' buffers moved (masters, casts, gradients made anew) is captured again: a replay
+never reads or writes memory its capture did not. A capture that fails (an operation that cannot be captured, such
+as a host read inside the step) leaves that shape eager, with the reason logged once: the step's numbers are the
+eager step's either way.
 
 What takes this path (`refusal` says why a step does not): a CUDA device, supervised (sft) jobs without dropout, in
 bfloat16 or float32, a packed layout, no recomputation, no interactive calls, no float16 loss scale; another step
@@ -35,9 +38,10 @@ from actors.engine.fixed_shapes import (
     Ceilings,
     FixedBatch,
     FixedShape,
+    counts_of,
     fixed_batch,
     fixed_layout,
-    shape_of,
+    shape_for,
     split_parts,
 )
 from actors.engine.layout import StepLayout
@@ -104,6 +108,7 @@ class _Entry:
     layout: StepLayout | None = None      # the captured step's: its tables must outlive the graph
     failed: str | None = None
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    addresses: tuple = ()                 # the jobs' buffers the graph reads and writes, where they were captured
 
 
 class StepGraphs:
@@ -122,27 +127,43 @@ class StepGraphs:
         self.entries: dict[FixedShape, _Entry] = {}            # in the order made: the oldest dropped past KEPT
         self.replays = 0
         self.captures = 0
+        self.jobs: tuple[str, ...] = ()   # the job set of the last step
 
     def fixed(self, packed: FusedBatch, ceilings: Ceilings | None = None) -> FixedBatch:
         """The packed host step in its job set's fixed shape (grown where it does not fit). `ceilings`: per job, the
-        most tokens and rows its micro-batches hold (`fixed_shapes.shape_of`)."""
-        key = tuple(packed.jobs)
-        shape = self.shapes.get(key)
-        shape = shape_of(packed, ceilings) if shape is None else shape.holding(packed, ceilings)
-        self.shapes[key] = shape
+        most tokens and rows its micro-batches hold (`fixed_shapes.shape_for`)."""
+        shape = self.planned(tuple(packed.jobs), *counts_of(packed), ceilings)
+        self.shapes[shape.jobs] = shape
         return fixed_batch(packed, shape, self.pad_token_id)
+
+    def planned(self, jobs: tuple[str, ...], tokens: Sequence[int], rows: Sequence[int],
+                ceilings: Ceilings | None = None) -> FixedShape:
+        """The shape a step of these jobs' micro-batches (their tokens and rows) takes: its job set's so far, grown
+        where they do not fit it (not kept: the memory plan asks it of candidate steps)."""
+        shape = self.shapes.get(jobs)
+        return shape_for(jobs, tokens, rows, ceilings) if shape is None else shape.holding_counts(tokens, rows,
+                                                                                                 ceilings)
 
     def run(self, batch: FixedBatch, pools: Sequence[MasterPool]) -> StepObjective:
         """The step's forward, loss and backward (its gradients added into the jobs' buffers): eagerly while its
         shape warms up, else by replaying its graph (captured first where due). `pools`: the step's jobs' master
         pools, whose gradient views are attached here (a replay does not)."""
+        if batch.shape.jobs != self.jobs:   # another job set: what the graphs read (stacks of its jobs' weights,
+            self.entries.clear()           # its buffers) may be made anew; its graphs go, captured again on return
+            self.jobs = batch.shape.jobs
         entry = self._entry(batch.shape)
         entry.values.copy_(_pinned(batch.values), non_blocking=True)
         for pool in pools:
             pool.grads.attach()
+        if entry.graph is not None and entry.addresses != _addresses(pools):
+            log.info("the jobs' buffers of a captured step moved (%s): it is captured again", ", ".join(
+                entry.shape.jobs))
+            entry.graph = entry.objective = entry.layout = None
+            entry.warm = 0
         if entry.graph is None and entry.failed is None and self._due(entry):
             try:
                 entry.graph, (entry.objective, entry.layout) = self.backend.capture(lambda: self._step(entry))
+                entry.addresses = _addresses(pools)
                 self.captures += 1
                 log.info("a fused step of %d tokens (jobs %s) captured as a graph after %d eager steps",
                          entry.shape.tokens, ", ".join(entry.shape.jobs), entry.warm)
@@ -189,6 +210,13 @@ class StepGraphs:
             while len(self.entries) > KEPT:   # the oldest shape's graph and its memory go
                 del self.entries[next(iter(self.entries))]
         return entry
+
+
+def _addresses(pools: Sequence[MasterPool]) -> tuple:
+    """Where the jobs' buffers a captured step reads and writes lie: each pool's masters, its compute-dtype casts and
+    its gradient buffer. A graph replays those addresses: one that moved (a buffer made anew) needs a new capture."""
+    return tuple((pool.flat.data_ptr(), tuple(cast.data_ptr() for cast in pool.casts.values()),
+                  pool.grads.values.data_ptr() if pool.grads.values is not None else 0) for pool in pools)
 
 
 def _pinned(values: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle, remove_adapter, set_adapters_training
 from actors.engine.compiled import CompiledLayers, check_compile
+from actors.engine.fixed_shapes import FixedShape
 from actors.engine.generate import decode
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations, generation_jobs
 from actors.engine.grpo import reference_token_log_probs, rollout_seed, rollouts, sampling_memory_error
@@ -134,8 +135,29 @@ class FusedTrainer:
                                         self.step_count, fits)
 
     def step_cost(self, micro_batches: list[JobMicroBatch]) -> int:
-        """Tokens a step of these micro-batches processes, padding included (with `compile`, the bucket's)."""
-        return self.composition.step_cost(micro_batches)
+        """Tokens a step of these micro-batches processes, padding included (with `compile: default`, the bucket's;
+        with `compile: graphs`, its fixed shape's)."""
+        shape = self._graph_shape(micro_batches)
+        return shape.tokens if shape is not None else self.composition.step_cost(micro_batches)
+
+    def job_step_tokens(self, micro_batches: list[JobMicroBatch]) -> list[int]:
+        """Tokens each micro-batch occupies in a step of these, padding included (the memory plan's per job)."""
+        shape = self._graph_shape(micro_batches)
+        if shape is not None:
+            return list(shape.capacity)
+        longest = max(len(e) for mb in micro_batches for e in mb.rows)
+        return [mb.padded_tokens(self.layout, longest) for mb in micro_batches]
+
+    def _graph_shape(self, micro_batches: list[JobMicroBatch]) -> FixedShape | None:
+        """The fixed shape a graphed step of these micro-batches would take (`compile: graphs`, where their jobs can
+        take one), else None."""
+        if self.graphs is None or any(mb.job not in self.jobs for mb in micro_batches):
+            return None
+        jobs = [self.jobs[mb.job] for mb in micro_batches]
+        if graph_refusal(jobs, dtype=self.base.dtype, layout=self.layout, recompute=self.recompute, calls=False):
+            return None
+        return self.graphs.planned(tuple(mb.job for mb in micro_batches), [mb.num_tokens for mb in micro_batches],
+                                   [len(mb.rows) for mb in micro_batches], _ceilings(jobs))
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -359,8 +381,7 @@ class FusedTrainer:
                 self.graph_refusals.add(reason)
                 log.info("compile: graphs: a step runs eagerly: %s", reason)
             return None
-        ceilings = tuple((job.spec.batch_size * job.spec.max_seq_len, job.spec.batch_size) for job in jobs)
-        fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), ceilings)
+        fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), _ceilings(jobs))
         set_adapters_training(self.base.model, True)
         with self.meter.forward():
             objective = self.graphs.run(fixed, pools)
@@ -480,6 +501,11 @@ class FusedTrainer:
         finally:
             set_adapters_training(self.base.model, True)
         return out.logits.reshape(rows, length, -1)
+
+
+def _ceilings(jobs: list[TrainingJob]) -> tuple[tuple[int, int], ...]:
+    """The most tokens and rows each (sft) job's micro-batch holds: its fixed segment's bound (`compile: graphs`)."""
+    return tuple((job.spec.batch_size * job.spec.max_seq_len, job.spec.batch_size) for job in jobs)
 
 
 def _read_back(losses: torch.Tensor, norms: list[float | torch.Tensor]) -> tuple[list[float], list[float]]:

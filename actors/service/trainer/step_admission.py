@@ -166,9 +166,8 @@ class StepAdmission:
         trainer = self.trainer
         lengths = [len(e) for mb in micro_batches for e in mb.rows]
         parameters = self.adapter_parameters()
-        longest = max(lengths)
-        parts = [(trainer.jobs[mb.job].spec.lora, mb.padded_tokens(trainer.layout, longest), mb.examples)
-                 for mb in micro_batches]
+        parts = [(trainer.jobs[mb.job].spec.lora, tokens, mb.examples)
+                 for mb, tokens in zip(micro_batches, trainer.job_step_tokens(micro_batches), strict=True)]
         analytic = self.memory_prior.analytic_bytes(parts)
         excess = self.memory_prior.analytic_bytes(parts, resident=True) - analytic if self.resident is not None else 0
         return StepShape.of(lengths, parameters, tokens=trainer.step_cost(micro_batches), analytic_bytes=analytic,

@@ -230,3 +230,71 @@ def test_a_jobs_file_or_trainer_asking_graphs_with_what_they_cannot_take_is_refu
     with pytest.raises(ValidationError, match="compile: graphs with recompute: layers is not offered"):
         TrainerConfig(compile="graphs", recompute="layers")
     assert TrainerConfig(compile="graphs").compile == "graphs"
+
+
+def test_the_memory_plan_counts_a_graphed_steps_fixed_shape():
+    """`step_cost` and `job_step_tokens` (what the trainer's step budget and memory model count) are the fixed
+    shape's a graphed step takes, padding included; a step a graph cannot take costs its packed tokens."""
+    from actors.engine.models import from_module
+
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    trainer = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs",
+                       graph_backend=WarmOnly())
+    micro = [JobMicroBatch(job.name, job.peek()) for job in trainer.jobs.values()]
+    planned = trainer.step_cost(micro)
+    trainer.train_step()
+    shape = trainer.graphs.shapes[("a", "b")]
+    assert planned == shape.tokens and trainer.job_step_tokens(micro) == list(shape.capacity)
+    assert shape.tokens >= 2 * sum(mb.num_tokens for mb in micro)   # room to grow: ROOM x the first batches
+    eager = _trainer(from_module(copy.deepcopy(model), None), _jobs())
+    assert eager.step_cost(micro) == sum(mb.num_tokens for mb in micro)
+
+
+def _move_gradient_buffer(trainer, name: str) -> None:
+    """Job `name`'s gradient buffer made anew (same values, another address), as a release and a new buffer would."""
+    from actors.engine.lora_masters import pool_of
+
+    grads = pool_of(trainer.jobs[name].optimizer.parameters).grads
+    grads.values = grads.values.clone()
+    grads._views.clear()
+    grads._all_views = None
+    for parameter in grads.parameters:
+        parameter.grad = None
+
+
+def _run_with_changes(trainer, steps: int) -> list:
+    """Steps in which job `a` leaves after its 4th optimizer step (its max_steps) and job `b`'s buffer moves."""
+    losses = []
+    for step in range(steps):
+        if step == 2:
+            _move_gradient_buffer(trainer, "b")
+        report = trainer.train_step()
+        if report is None:
+            break
+        losses.append({result.job: result.loss for result in report.results})
+        for name in [name for name, job in trainer.jobs.items() if job.done]:
+            trainer.remove_job(name)
+    return losses
+
+
+def test_a_new_job_set_or_a_moved_buffer_is_captured_again_never_replayed_stale(monkeypatch):
+    """A replay reads and writes the addresses its capture did: when job a leaves (the step's job set changes) a new
+    shape is captured, and when job b's gradient buffer is made anew (its address checked before each replay) its
+    graph is captured again (3 captures; 2 without the check); every loss equals the same run's eagerly."""
+    from actors.engine.models import from_module
+
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    jobs = [(job_spec("a", max_steps=4, lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}),
+             random_examples(0, vocab=VOCAB), 0),
+            (job_spec("b", max_steps=12, batch_size=2, lora={"r": 8, "alpha": 16, "target_modules": ["q_proj"]}),
+             random_examples(1, vocab=VOCAB, max_len=40), 1)]
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    replays = ReplayGraphs()
+    graphed = _trainer(from_module(copy.deepcopy(model), None), jobs, compile="graphs", graph_backend=replays)
+    got = _run_with_changes(graphed, 12)
+    monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
+    expected = _run_with_changes(_trainer(from_module(copy.deepcopy(model), None), jobs, compile="graphs",
+                                          graph_backend=WarmOnly()), 12)
+    assert got == expected
+    assert {tuple(losses) for losses in got} == {("a", "b"), ("b",)}
+    assert graphed.graphs.captures >= 3 and replays.replayed >= 4, (graphed.graphs.captures, replays.replayed)

@@ -195,7 +195,7 @@ class _EagerFixed:
         return out
 
     def capture(self, run: Any) -> Any:
-        raise RuntimeError("no capture on the virtual device")
+        raise RuntimeError("no capture on the virtual device (bench/gpu_cost_model.py --fixed-shapes: each step eager)")
 
     def replay(self, graph: Any) -> None:
         raise RuntimeError("no replay on the virtual device")
@@ -206,9 +206,7 @@ def _trainer(base: Any) -> Any:
 
     if not FIXED_SHAPES:
         return FusedTrainer(base, step_tokens=1 << 17)
-    import actors.engine.step_graphs as step_graphs
-
-    step_graphs.WARMUP = 1 << 30   # never due: every step eager
+    # its capture refuses at once: the shape is left eager (said once), every step run as the capture would record it
     return FusedTrainer(base, step_tokens=1 << 17, compile="graphs", graph_backend=_EagerFixed())
 
 

@@ -284,6 +284,34 @@ def test_a_step_replayed_as_a_cuda_graph_costs_the_host_only_what_stays_outside_
     assert before.host_seconds - outside == pytest.approx(3e-6 + 11e-6 + 11e-6 + 13e-6 + 17e-6 - 7e-6 - 3e-6)
 
 
+def test_compile_graphs_steps_are_replayed_between_their_marks_and_capture_once_per_shape(session, monkeypatch):
+    """`--fixed-shapes`: aspen's steps as compile: graphs makes them (run eagerly on the virtual device) with marks
+    around what that mode captures; `graphed` replays exactly that part. On the tiny shape: no host read inside, the
+    marks in every step, and after the warm-up one capture for all steps (the shapes do not change)."""
+    import gpu_cost.workload as workload
+
+    from actors.engine import rank_products, weight_grad_products
+
+    monkeypatch.setattr(workload, "FIXED_SHAPES", True)
+    for module in (rank_products, weight_grad_products):   # as the command pins them (no clock to tune on)
+        monkeypatch.setattr(module, "WAY", "grouped_mm")
+    steps = 6
+    recorded = record_jobs(session, benchmark_module(REPO), "tiny", 2, steps=steps, in_order=True)
+    assert all([op.detail.get("graph_span") for op in ops if op.name == workload.GRAPH_SPAN] == ["begin", "end"]
+               for ops in recorded.steps)
+    replayed, blockers = graphed(recorded.steps, warmup=2)
+    assert blockers["host_reads_inside"] == 0 and blockers["steps"] == steps - 2
+    assert blockers["steps_needing_their_own_capture"] == 1
+    for ops, before in zip(replayed[2:], recorded.steps[2:], strict=True):
+        begin, end = (i for i, op in enumerate(before) if op.name == workload.GRAPH_SPAN)
+        inside = [op for op in ops if op.detail.get("graphed") and op.name not in (workload.GRAPH_SPAN,
+                                                                                    "graph replay")]
+        assert len(inside) == sum(op.kind != "h2d" for op in before[begin + 1:end])   # exactly the marked part
+        assert not any(op.detail.get("graphed") for op in ops[ops.index(next(o for o in ops if o.name ==
+                                                                                 "graph replay")) + 1 + len(
+            before[begin + 1:end]) + 1:] if op.name != workload.GRAPH_SPAN)   # the update and read-back: the host's
+
+
 def test_a_host_bound_prediction_says_how_far_the_host_s_costs_missed_measured_host_bound_steps():
     """A side whose median step leaves the GPU idle most of the time is predicted by the host's costs alone: the
     report then gives the committed calibration's host-bound checks, each side's error computed from the measured

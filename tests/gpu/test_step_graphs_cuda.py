@@ -16,7 +16,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-STEPS = 10
+STEPS = 16   # the warm-up (2 eager steps a shape, and until the LoRA products' kernels are measured), a growth
 
 
 def _run(model, backend) -> tuple[list, list, object]:
@@ -56,8 +56,8 @@ def test_replayed_steps_equal_the_same_steps_run_eagerly():
     losses, norms, trainer = _run(model, None)   # CUDA graphs
     failed = [entry.failed for entry in trainer.graphs.entries.values() if entry.failed]
     assert not failed, f"the step could not be captured: {failed}"
-    assert trainer.graphs.captures >= 1 and trainer.graphs.replays >= STEPS - 2 * step_graphs.WARMUP - 1, (
-        trainer.graphs.captures, trainer.graphs.replays)
+    assert trainer.graphs.captures >= 1 and trainer.graphs.replays >= 6, (trainer.graphs.captures,
+                                                                          trainer.graphs.replays)
     saved = step_graphs.WARMUP
     step_graphs.WARMUP = 10**9
     try:

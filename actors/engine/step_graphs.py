@@ -128,6 +128,7 @@ class StepGraphs:
         self.replays = 0
         self.captures = 0
         self.jobs: tuple[str, ...] = ()   # the job set of the last step
+        self.ahead: tuple[tuple, FixedBatch] | None = None   # the next step's batch, made during this one
 
     def fixed(self, packed: FusedBatch, ceilings: Ceilings | None = None) -> FixedBatch:
         """The packed host step in its job set's fixed shape (grown where it does not fit). `ceilings`: per job, the
@@ -135,6 +136,21 @@ class StepGraphs:
         shape = self.planned(tuple(packed.jobs), *counts_of(packed), ceilings)
         self.shapes[shape.jobs] = shape
         return fixed_batch(packed, shape, self.pad_token_id)
+
+    def send_ahead(self, key: tuple, packed: FusedBatch, ceilings: Ceilings | None = None) -> None:
+        """The next step's fixed host batch made now, while this step's kernels run (pinned for its copy), kept for
+        a step of those very micro-batches (`key`: step_batches.batch_key)."""
+        fixed = self.fixed(packed, ceilings)
+        fixed.values = _pinned(fixed.values)
+        self.ahead = (key, fixed)
+
+    def take_ahead(self, key: tuple) -> FixedBatch | None:
+        """The batch sent ahead, where it was made from these micro-batches and its shape is still its job set's;
+        else None. Either way nothing sent ahead is kept for a later step."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[0] != key or self.shapes.get(ahead[1].shape.jobs) != ahead[1].shape:
+            return None
+        return ahead[1]
 
     def planned(self, jobs: tuple[str, ...], tokens: Sequence[int], rows: Sequence[int],
                 ceilings: Ceilings | None = None) -> FixedShape:
@@ -220,7 +236,7 @@ def _addresses(pools: Sequence[MasterPool]) -> tuple:
 
 
 def _pinned(values: torch.Tensor) -> torch.Tensor:
-    return values.pin_memory() if torch.cuda.is_available() else values
+    return values.pin_memory() if torch.cuda.is_available() and not values.is_pinned() else values
 
 
 def refusal(jobs: Sequence[Any], *, dtype: torch.dtype, layout: str, recompute: str, calls: bool) -> str | None:

@@ -51,7 +51,7 @@ from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch, pack
 from actors.engine.preference import ReferenceCache, evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
-from actors.engine.step_batches import StepBatches
+from actors.engine.step_batches import StepBatches, batch_key
 from actors.engine.step_composition import StepComposition
 from actors.engine.step_graphs import GraphBackend, StepGraphs
 from actors.engine.step_graphs import refusal as graph_refusal
@@ -381,7 +381,9 @@ class FusedTrainer:
                 self.graph_refusals.add(reason)
                 log.info("compile: graphs: a step runs eagerly: %s", reason)
             return None
-        fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), _ceilings(jobs))
+        fixed = self.graphs.take_ahead(batch_key(micro_batches))   # packed during the step before, where it was
+        if fixed is None:
+            fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), _ceilings(jobs))
         set_adapters_training(self.base.model, True)
         with self.meter.forward():
             objective = self.graphs.run(fixed, pools)
@@ -396,16 +398,20 @@ class FusedTrainer:
         next micro-batch, where they fit one step together and each is at hand without waiting) and send it,
         so that the next step starts as soon as this one is read back. A step composed otherwise (a composer,
         a memory budget, jobs that joined or left) packs its own; GRPO and preference jobs' steps are not
-        guessed (their rows are made or looked up per step)."""
-        if not self.batches.ahead or self.composer is not None or self.graphs is not None:
-            return   # a graphed step packs its own in its fixed shape
+        guessed (their rows are made or looked up per step). With `compile: graphs`, the next step's fixed batch is
+        made on the host (its copy into the graph's inputs waits for the step: they are the graph's)."""
+        if not self.batches.ahead or self.composer is not None:
+            return
         jobs = self.active_jobs
         if not jobs or any(job.spec.method != "sft" for job in jobs) or not all(j.next_batch_ready() for j in jobs):
             return
         micro = [JobMicroBatch(job.name, batch) for job in jobs if (batch := job.peek()) is not None]
-        if not micro or (len(micro) > 1 and self.step_cost(micro) > self.step_tokens):
+        if not micro or (len(micro) > 1 and self.composition.step_cost(micro) > self.step_tokens):
             return
-        self.batches.send_ahead(micro)
+        if self.graphs is None:
+            self.batches.send_ahead(micro)
+        elif self._graph_shape(micro) is not None:
+            self.graphs.send_ahead(batch_key(micro), pack(micro, "packed", self.base.pad_token_id), _ceilings(jobs))
 
     def train_step(self) -> StepReport | None:
         """Compose the next step, expand its GRPO jobs' rollouts (a failed reward raises), run it."""

@@ -298,3 +298,30 @@ def test_a_new_job_set_or_a_moved_buffer_is_captured_again_never_replayed_stale(
     assert got == expected
     assert {tuple(losses) for losses in got} == {("a", "b"), ("b",)}
     assert graphed.graphs.captures >= 3 and replays.replayed >= 4, (graphed.graphs.captures, replays.replayed)
+
+
+def test_the_next_steps_batch_made_during_this_one_gives_the_same_steps(monkeypatch):
+    """As on CUDA (`batches.ahead`), the next step's fixed batch is made on the host while this step's kernels run
+    and taken by the step of those very micro-batches: the steps equal the ones packed when they come."""
+    from actors.engine.models import from_module
+
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    taken = []
+    original = step_graphs.StepGraphs.take_ahead
+
+    def counting(self, key):
+        batch = original(self, key)
+        taken.append(batch is not None)
+        return batch
+
+    monkeypatch.setattr(step_graphs.StepGraphs, "take_ahead", counting)
+    ahead = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs", graph_backend=ReplayGraphs())
+    ahead.batches.ahead = True
+    got = _losses_and_weights(ahead, 6)
+    assert taken[1:] == [True] * 5   # every step after the first was made during the one before
+    monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
+    expected = _losses_and_weights(_trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs",
+                                            graph_backend=WarmOnly()), 6)
+    assert got[0] == expected[0]
+    assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])

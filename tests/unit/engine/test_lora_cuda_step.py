@@ -16,6 +16,7 @@ from actors.engine.fused_linear import FusedLoraLinear
 from actors.engine.layout import StepLayout, step_layout
 from actors.engine.lora_adapter import LoraAdapter
 from actors.spec.lora_config import LoraConfig
+from tests.helpers.fused import first_step_gradients
 from tests.helpers.lora_bounds import IN, bf16_values, fused_layer, layout_of
 
 
@@ -95,22 +96,11 @@ def _step_gradients(base, jobs) -> dict[tuple[str, str], torch.Tensor]:
             for name, parameter in job.adapter.named_parameters():
                 if "lora_B" in name:
                     parameter.normal_(std=0.1, generator=torch.Generator().manual_seed(len(name)))
-    captured: dict[tuple[str, str], torch.Tensor] = {}
-    original = trainer_module.step_jobs
-
-    def capture(optimizers, targets, **options):
-        for job in created:
-            captured.update({(job.name, n): p.grad.clone() for n, p in job.adapter.named_parameters()})
-        return original(optimizers, targets, **options)
-
-    trainer_module.step_jobs = capture
     try:
-        trainer.run_step(trainer.compose())
+        return first_step_gradients(trainer)
     finally:
-        trainer_module.step_jobs = original
         for job in created:
             trainer.remove_job(job.name)
-    return captured
 
 
 def test_a_fused_float32_step_through_the_path_equals_the_float32_path_within_rounding(monkeypatch):

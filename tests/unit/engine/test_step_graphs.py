@@ -16,7 +16,7 @@ import torch
 from actors.engine import lora_cuda, lora_grouped_mm, step_graphs
 from actors.engine.fixed_shapes import FixedShape, fixed_batch, shape_of, smallest_shape, split_parts
 from actors.engine.packing import JobMicroBatch, pack
-from tests.helpers.fused import VOCAB, job_spec
+from tests.helpers.fused import VOCAB, first_step_gradients, job_spec
 from tests.helpers.graph_replay import ReplayGraphs, WarmOnly
 from tests.helpers.models import random_examples, tiny_model
 
@@ -88,25 +88,6 @@ def _trainer(base, jobs, **options):
     return trainer
 
 
-def _first_step_gradients(trainer) -> dict[tuple[str, str], torch.Tensor]:
-    from actors.engine import trainer as trainer_module
-
-    captured: dict[tuple[str, str], torch.Tensor] = {}
-    original = trainer_module.step_jobs
-
-    def capture(optimizers, targets, **options):
-        for job in trainer.jobs.values():
-            captured.update({(job.name, n): p.grad.clone() for n, p in job.adapter.named_parameters()})
-        return original(optimizers, targets, **options)
-
-    trainer_module.step_jobs = capture
-    try:
-        trainer.run_step(trainer.compose())
-    finally:
-        trainer_module.step_jobs = original
-    return captured
-
-
 def _jobs():
     return [(job_spec("a", lora={"r": 4, "alpha": 8, "target_modules": "all-linear"}), random_examples(0, vocab=VOCAB),
              0),
@@ -122,9 +103,9 @@ def test_a_step_in_its_fixed_shape_has_the_packed_steps_gradients_within_roundin
 
     monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
     model = tiny_model("llama", VOCAB)
-    packed = _first_step_gradients(_trainer(from_module(copy.deepcopy(model), None), _jobs()))
+    packed = first_step_gradients(_trainer(from_module(copy.deepcopy(model), None), _jobs()))
     trainer = _trainer(from_module(copy.deepcopy(model), None), _jobs(), compile="graphs", graph_backend=WarmOnly())
-    fixed = _first_step_gradients(trainer)
+    fixed = first_step_gradients(trainer)
     assert trainer.graphs.entries, "the step did not run in a fixed shape"
     assert fixed.keys() == packed.keys()
     longest = max(len(e) for _, examples, _ in _jobs() for e in examples)

@@ -78,8 +78,7 @@ def timed_sequences(args: argparse.Namespace, batches: dict[int, list]) -> tuple
 # -- aspen ------------------------------------------------------------------------------------------------------
 
 def graphs_side(args: argparse.Namespace, device: torch.device) -> dict:
-    """aspen's side with compile: graphs (actors/engine/step_graphs.py): each job's tokens in a fixed segment, the
-    steps after a shape's warm-up replayed from a captured CUDA graph; how many were, in `graphs`."""
+    """aspen's side with compile: graphs (actors/engine/step_graphs.py): how many steps were replays, in `graphs`."""
     return aspen_side(args, device, compile="graphs")
 
 
@@ -123,11 +122,11 @@ def aspen_side(args: argparse.Namespace, device: torch.device, compile: str = "n
     result.update(allocator_events_since(device, events))
     result.update(memory_fields(device, held, max(padded)), padding_tokens=sum(padded) - sum(tokens),
                   setup_s=round(setup, 1), jobs=JOBS, engine_defaults=engine_settings(trainer))
-    if trainer.graphs is not None:   # compile: graphs: how many steps were replays, and what stayed eager
-        result["graphs"] = {"captures": trainer.graphs.captures, "replays": trainer.graphs.replays,
-                            "shapes": [list(entry.shape.capacity) for entry in trainer.graphs.entries.values()],
-                            "failed": [entry.failed for entry in trainer.graphs.entries.values() if entry.failed],
-                            "eager_because": sorted(trainer.graph_refusals)}
+    if (graphs := trainer.graphs) is not None:   # compile: graphs: how many steps were replays, what stayed eager
+        entries = graphs.entries.values()
+        result["graphs"] = {"captures": graphs.captures, "replays": graphs.replays, "eager_because": sorted(
+            graphs.refusals), "shapes": [list(e.shape.capacity) for e in entries], "failed": [e.failed for e in entries
+                                                                                           if e.failed]}
     write(args, result)
     if args.profile:
         from profile_step import profile_steps as profile

@@ -129,6 +129,7 @@ class StepGraphs:
         self.captures = 0
         self.jobs: tuple[str, ...] = ()   # the job set of the last step
         self.ahead: tuple[tuple, FixedBatch] | None = None   # the next step's batch, made during this one
+        self.refusals: set[str] = set()   # why steps ran eagerly (each logged once by the trainer)
 
     def fixed(self, packed: FusedBatch, ceilings: Ceilings | None = None) -> FixedBatch:
         """The packed host step in its job set's fixed shape (grown where it does not fit). `ceilings`: per job, the

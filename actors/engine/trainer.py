@@ -95,9 +95,10 @@ class FusedTrainer:
         self.composition = StepComposition(self.jobs, composer, layout=layout, bucketed=compile == "default")
         self.meter = StepMemoryMeter(base.model, base.device)
         self.references = JobReferences(base)   # DPO jobs' reference caches; init_adapters that are a reference
-        self.compiled = CompiledLayers(base.decoder, backend=compile_backend) if compile == "default" else None
-        self.graphs = self._step_graphs(graph_backend) if compile == "graphs" else None
-        self.graph_refusals: set[str] = set()   # why steps ran eagerly under compile: graphs (each logged once)
+        # compile: default's layers under torch.compile, or compile: graphs' captured steps (`graphs`), or None
+        self.compiled: CompiledLayers | StepGraphs | None = (
+            CompiledLayers(base.decoder, backend=compile_backend) if compile == "default"
+            else self._step_graphs(graph_backend) if compile == "graphs" else None)
         # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
         self.batches = StepBatches(base, layout, bucketed=compile == "default", ahead=base.device.type == "cuda")
         self.functions = FunctionWorker()   # users' rewards and metrics: a process of their own, started if asked
@@ -252,7 +253,7 @@ class FusedTrainer:
     def fuses_calls(self) -> bool:
         """Whether interactive calls can share this trainer's steps: a packed stream, not compiled (a padded
         layout or a compiled bucket has no place for them)."""
-        return self.layout == "packed" and self.compiled is None
+        return self.layout == "packed" and (self.compiled is None or self.graphs is not None)
 
     def _run_step(self, chosen: list[tuple[TrainingJob, list[Example]]],
                   meanwhile: Callable[[], None] | None = None, calls: FusedCalls | None = None) -> StepReport:
@@ -326,7 +327,8 @@ class FusedTrainer:
             batch = batch.to(self.base.device)
         else:
             batch = self.batches.for_step(micro_batches)
-        compiled = self.compiled.active() if self.compiled is not None else contextlib.nullcontext()
+        layers = self.compiled if self.graphs is None else None   # compile: default's (a graphed step is not here)
+        compiled = layers.active() if layers is not None else contextlib.nullcontext()
         references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
         olds = {index: job.replay.old_logps(rows) for index, (job, rows) in enumerate(chosen) if job.replaying}
         model = self.base.model
@@ -345,6 +347,11 @@ class FusedTrainer:
                 total = total + call_part.total
         total.backward()
         return batch, objective, block, call_part
+
+    @property
+    def graphs(self) -> StepGraphs | None:
+        """`compile: graphs`' captured steps (actors/engine/step_graphs.py), else None."""
+        return self.compiled if isinstance(self.compiled, StepGraphs) else None
 
     def _step_graphs(self, backend: GraphBackend | None) -> StepGraphs:
         """`compile: graphs`: on a CUDA device (or with a stand-in `backend`: the CPU tests)."""
@@ -377,8 +384,8 @@ class FusedTrainer:
         if reason is None and any(pool is None for pool in pools):
             reason = "an adapter whose weights are not pooled (not the CUDA LoRA path's plain LoRA)"
         if reason is not None:
-            if reason not in self.graph_refusals:
-                self.graph_refusals.add(reason)
+            if reason not in self.graphs.refusals:
+                self.graphs.refusals.add(reason)
                 log.info("compile: graphs: a step runs eagerly: %s", reason)
             return None
         fixed = self.graphs.take_ahead(batch_key(micro_batches))   # packed during the step before, where it was

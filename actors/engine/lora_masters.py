@@ -10,9 +10,10 @@ work grew with the jobs: at 32 jobs they were the largest part of a step's host 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -21,12 +22,31 @@ RANK_ALIGNMENT = 8   # grouped_mm: 16-byte strides, 8 bfloat16 elements
 # id of a pool's first parameter -> the pool (`pool_of`; the pool holds that parameter, so the id is a live one's)
 _POOLS: weakref.WeakValueDictionary[int, MasterPool] = weakref.WeakValueDictionary()
 _CASTS_WRITTEN = [0]   # how many times any pool's compute-dtype copy was written (`casts_written`)
+_EVERY_REFRESH = [False]   # `every_refresh`: a step being captured as a graph refreshes whatever it could skip
 
 
 def casts_written() -> int:
     """A count that moves whenever any pool's compute-dtype copy is written (a refresh, an optimizer step): what was
     made from the copies at one count (a layer's stack of them) is current while the count stays."""
     return _CASTS_WRITTEN[0]
+
+
+@contextlib.contextmanager
+def every_refresh() -> Iterator[None]:
+    """Inside: every once-a-step refresh of the jobs' copies runs, even where it is current (a pool's cast, the kept
+    stacks: lora_stacks.KeptStacks.refresh). For a step captured as a graph (actors/engine/step_graphs.py): a replay
+    runs the kernels its capture launched and none of the checks that chose them, so a refresh the capture skipped
+    (nothing had changed since the step before, as after a step that only accumulated gradients) would be missing
+    from every later step, whose adapters the optimizer changed."""
+    _EVERY_REFRESH[0] = True
+    try:
+        yield
+    finally:
+        _EVERY_REFRESH[0] = False
+
+
+def refresh_every_time() -> bool:
+    return _EVERY_REFRESH[0]
 
 
 class MasterPool:
@@ -77,7 +97,7 @@ class MasterPool:
         seen = self.refreshed.get(dtype)
         if seen is not None and seen[0]() is layout and seen[1] == stamp[1]:
             return
-        if self.current.get(dtype) == stamp[1]:   # the optimizer's step wrote this cast with the masters
+        if self.current.get(dtype) == stamp[1] and not _EVERY_REFRESH[0]:   # the optimizer's step wrote it
             self.refreshed[dtype] = stamp
             return
         cast = self.casts.get(dtype)

@@ -178,6 +178,15 @@ class KeptStacks:
         if self.entries.pop(id(layer), None) is not None:
             self.lists = None
 
+    def stale(self) -> None:
+        """The next `refresh` copies, whether or not a copy was written since (a step captured as a graph: its
+        replays must hold the copy, lora_masters.every_refresh)."""
+        self.stamp = None
+
+    def table_address(self) -> int:
+        """Where the refresh kernel's slot table lies (0: none): a captured refresh reads it there."""
+        return self.slots[0].data_ptr() if self.slots is not None else 0
+
 
 KEPT = KeptStacks()
 

@@ -7,7 +7,9 @@ that launched them. So a graphed step is one of a fixed shape (actors/engine/fix
 segment of fixed capacity, the sequences' bounds a device buffer), its inputs copied into static device buffers
 before each replay (one copy from pinned memory), and what the step's Python does besides launching kernels is
 done by this module around the replay: each job's gradient views attached (`GradientBuffer.attach`, which a
-replay does not repeat) before it. The optimizers' updates, the read-back and the next step's packing stay eager,
+replay does not repeat) before it. Work an eager step does only where something changed is all captured (the jobs'
+compute-dtype copies and the layers' kept stacks of them refreshed: `lora_masters.every_refresh`), so that a graph
+captured after a step that only accumulated gradients still refreshes them at every replay. The optimizers' updates, the read-back and the next step's packing stay eager,
 after the replay, as in an eager step.
 
 A shape's first steps run eagerly (`WARMUP` of them, and until the LoRA path's kernel measurements have chosen:
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from actors.engine import kernel_tuning
+from actors.engine import kernel_tuning, lora_stacks
 from actors.engine.fixed_shapes import (
     Ceilings,
     FixedBatch,
@@ -45,7 +47,7 @@ from actors.engine.fixed_shapes import (
     split_parts,
 )
 from actors.engine.layout import StepLayout
-from actors.engine.lora_masters import MasterPool
+from actors.engine.lora_masters import MasterPool, every_refresh
 from actors.engine.packing import FusedBatch
 from actors.engine.step_objective import StepObjective
 
@@ -179,7 +181,9 @@ class StepGraphs:
             entry.warm = 0
         if entry.graph is None and entry.failed is None and self._due(entry):
             try:
-                entry.graph, (entry.objective, entry.layout) = self.backend.capture(lambda: self._step(entry))
+                lora_stacks.KEPT.stale()
+                with every_refresh():   # the graph holds each refresh of the jobs' copies, due at every replay
+                    entry.graph, (entry.objective, entry.layout) = self.backend.capture(lambda: self._step(entry))
                 entry.addresses = _addresses(pools)
                 self.captures += 1
                 log.info("a fused step of %d tokens (jobs %s) captured as a graph after %d eager steps",
@@ -231,9 +235,11 @@ class StepGraphs:
 
 def _addresses(pools: Sequence[MasterPool]) -> tuple:
     """Where the jobs' buffers a captured step reads and writes lie: each pool's masters, its compute-dtype casts and
-    its gradient buffer. A graph replays those addresses: one that moved (a buffer made anew) needs a new capture."""
-    return tuple((pool.flat.data_ptr(), tuple(cast.data_ptr() for cast in pool.casts.values()),
-                  pool.grads.values.data_ptr() if pool.grads.values is not None else 0) for pool in pools)
+    its gradient buffer, and the kept stacks' refresh table. A graph replays those addresses: one that moved (a
+    buffer made anew) needs a new capture."""
+    return (lora_stacks.KEPT.table_address(),) + tuple(
+        (pool.flat.data_ptr(), tuple(cast.data_ptr() for cast in pool.casts.values()),
+         pool.grads.values.data_ptr() if pool.grads.values is not None else 0) for pool in pools)
 
 
 def _pinned(values: torch.Tensor) -> torch.Tensor:

@@ -306,3 +306,37 @@ def test_the_next_steps_batch_made_during_this_one_gives_the_same_steps(monkeypa
                                             graph_backend=WarmOnly()), 6)
     assert got[0] == expected[0]
     assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])
+
+
+@pytest.mark.parametrize(("accumulation", "warmup"), [((3, 3), 4), ((2, 3), 5)])
+def test_a_capture_after_a_step_that_only_accumulated_refreshes_the_adapters_at_every_replay(
+        monkeypatch, accumulation, warmup):
+    """Jobs accumulating gradients over micro-batches, their optimizer steps as on CUDA (the one-pass AdamW writes
+    each job's compute-dtype copy; the kept stacks refreshed from it at the next step): the step captured follows a
+    step that only accumulated, so every copy was current and an eager step would skip the refreshes; the graph still
+    holds them, and every loss and weight equals the eager run's (without `lora_masters.every_refresh` the replays
+    read the stacks of the capture's weights)."""
+    from actors.engine import joint_steps
+    from actors.engine import trainer as trainer_module
+    from actors.engine.models import from_module
+
+    def on_device(optimizers, targets, *, on_device=False, later=None):
+        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
+
+    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    jobs = [(job_spec("a", grad_accum=accumulation[0], lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),
+             random_examples(0, vocab=VOCAB), 0),
+            (job_spec("b", grad_accum=accumulation[1], batch_size=2,
+                      lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}),
+             random_examples(1, vocab=VOCAB, max_len=40), 1)]   # ranks of 8s: the layers' stacks are kept
+    monkeypatch.setattr(step_graphs, "WARMUP", warmup)
+    replays = ReplayGraphs()
+    got = _losses_and_weights(_trainer(from_module(copy.deepcopy(model), None), jobs, compile="graphs",
+                                       graph_backend=replays), 10)
+    monkeypatch.setattr(step_graphs, "WARMUP", 10**9)
+    expected = _losses_and_weights(_trainer(from_module(copy.deepcopy(model), None), jobs, compile="graphs",
+                                            graph_backend=WarmOnly()), 10)
+    assert replays.replayed >= 3, replays.replayed
+    assert got[0] == expected[0]
+    assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])

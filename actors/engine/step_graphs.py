@@ -9,8 +9,8 @@ before each replay (one copy from pinned memory), and what the step's Python doe
 done by this module around the replay: each job's gradient views attached (`GradientBuffer.attach`, which a
 replay does not repeat) before it. Work an eager step does only where something changed is all captured (the jobs'
 compute-dtype copies and the layers' kept stacks of them refreshed: `lora_masters.every_refresh`), so that a graph
-captured after a step that only accumulated gradients still refreshes them at every replay. The optimizers' updates, the read-back and the next step's packing stay eager,
-after the replay, as in an eager step.
+captured after a step that only accumulated gradients still refreshes them at every replay. The optimizers'
+updates, the read-back and the next step's packing stay eager, after the replay, as in an eager step.
 
 A shape's first steps run eagerly (`WARMUP` of them, and until the LoRA path's kernel measurements have chosen:
 actors/engine/kernel_tuning.py), then one is captured and replayed; a job set whose micro-batches outgrow its shape
@@ -194,10 +194,20 @@ class StepGraphs:
                 log.warning("a fused step of %d tokens could not be captured as a graph; its shape stays eager "
                             "(%s)", entry.shape.tokens, entry.failed)
         if entry.graph is not None:
-            self.backend.replay(entry.graph)
-            self.replays += 1
-            return entry.objective
+            return self._replay(entry, pools)
         entry.warm += 1
+        return self.eager_step(entry)
+
+    def _replay(self, entry: _Entry, pools: Sequence[MasterPool]) -> StepObjective:
+        """The step by its graph (its inputs copied and the gradient views attached already): the objective the graph
+        writes. `pools`: unused here; a subclass that checks replays (tests/helpers/graph_check.py) reads them."""
+        del pools
+        self.backend.replay(entry.graph)
+        self.replays += 1
+        return entry.objective
+
+    def eager_step(self, entry: _Entry) -> StepObjective:
+        """The step of `entry`'s shape run eagerly, as before its capture (on the capture's stream)."""
         objective, _ = self.backend.warm(lambda: self._step(entry))
         return objective
 

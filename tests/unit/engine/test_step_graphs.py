@@ -340,3 +340,34 @@ def test_a_capture_after_a_step_that_only_accumulated_refreshes_the_adapters_at_
     assert replays.replayed >= 3, replays.replayed
     assert got[0] == expected[0]
     assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])
+
+
+def test_every_replay_equals_the_eager_step_from_the_same_state(monkeypatch):
+    """The check the GPU test makes of real CUDA graphs (tests/helpers/graph_check.py), here on the stand-in: each
+    replay, then the same step eagerly from the gradients it started from, at the jobs' real learning rate, one job
+    accumulating over two micro-batches and one over three, the optimizer's flow as on CUDA. On the CPU the two are
+    equal bit for bit (so the check itself adds nothing of its own); without `lora_masters.every_refresh` they are
+    not."""
+    from actors.engine import joint_steps
+    from actors.engine import trainer as trainer_module
+    from actors.engine.models import from_module
+    from tests.helpers.graph_check import CheckedGraphs
+
+    def on_device(optimizers, targets, *, on_device=False, later=None):
+        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
+
+    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(step_graphs, "WARMUP", 5)   # the capture at step 6: after a step no job's optimizer took
+    jobs = [(job_spec("a", grad_accum=2, lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),
+             random_examples(0, vocab=VOCAB), 0),
+            (job_spec("b", grad_accum=3, batch_size=2, lora={"r": 16, "alpha": 32, "target_modules": ["q_proj"]}),
+             random_examples(1, vocab=VOCAB, max_len=40), 1)]
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    trainer = _trainer(from_module(model, None), jobs, compile="graphs", graph_backend=ReplayGraphs())
+    _losses_and_weights(trainer, 12)
+    checks = trainer.graphs.checks
+    assert len(checks) >= 5, len(checks)
+    assert all(check.largest_loss_difference() == 0.0 for check in checks)
+    assert all(check.largest_gradient_difference() == 0.0 for check in checks)
+    assert all(float(eager.abs().max()) > 0 for check in checks for _, eager in check.gradients)

@@ -109,6 +109,7 @@ class _Entry:
     objective: StepObjective | None = None
     layout: StepLayout | None = None      # the captured step's: its tables must outlive the graph
     failed: str | None = None
+    held: int = 0                         # device bytes its graph's memory pool keeps (its step's activations)
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
     addresses: tuple = ()                 # the jobs' buffers the graph reads and writes, where they were captured
 
@@ -182,8 +183,10 @@ class StepGraphs:
         if entry.graph is None and entry.failed is None and self._due(entry):
             try:
                 lora_stacks.KEPT.stale()
+                before = _reserved(self.device)
                 with every_refresh():   # the graph holds each refresh of the jobs' copies, due at every replay
                     entry.graph, (entry.objective, entry.layout) = self.backend.capture(lambda: self._step(entry))
+                entry.held = max(_reserved(self.device) - before, 0)
                 entry.addresses = _addresses(pools)
                 self.captures += 1
                 log.info("a fused step of %d tokens (jobs %s) captured as a graph after %d eager steps",
@@ -210,6 +213,11 @@ class StepGraphs:
         """The step of `entry`'s shape run eagerly, as before its capture (on the capture's stream)."""
         objective, _ = self.backend.warm(lambda: self._step(entry))
         return objective
+
+    def held_bytes(self, shape: FixedShape | None = None) -> int:
+        """Device memory the captured graphs keep in their pools (each its step's activations, which no other step
+        can use), but `shape`'s: a step of that shape replays its graph in that memory."""
+        return sum(entry.held for entry in self.entries.values() if entry.graph is not None and entry.shape != shape)
 
     def _due(self, entry: _Entry) -> bool:
         if entry.warm < WARMUP:
@@ -250,6 +258,16 @@ def _addresses(pools: Sequence[MasterPool]) -> tuple:
     return (lora_stacks.KEPT.table_address(),) + tuple(
         (pool.flat.data_ptr(), tuple(cast.data_ptr() for cast in pool.casts.values()),
          pool.grads.values.data_ptr() if pool.grads.values is not None else 0) for pool in pools)
+
+
+def _reserved(device: torch.device) -> int:
+    """The device's memory the allocator has reserved, with its free cache released first (as a capture begins:
+    torch.cuda.graph empties it), so that what a capture reserves is its graph's pool; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
 
 
 def _pinned(values: torch.Tensor) -> torch.Tensor:

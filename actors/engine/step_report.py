@@ -34,6 +34,9 @@ class StepReport:
     # peak_memory_bytes counted by the allocator (CUDA always; CPU when the step ran with `measure`), not
     # the saved-tensor estimate of `StepMemoryMeter`
     memory_measured: bool = False
+    # `compile: graphs`: the step replayed a captured graph (its activations lie in the graph's pool, which the
+    # allocator does not count as the step's: its peak is not measured)
+    replayed: bool = False
     # CPU (Linux): the process's peak resident set during the step, its start included (what the kernel counts)
     resident_peak_bytes: int | None = None
     # interactive models' forward_backward calls that shared the step (`FusedTrainer.run_step`'s `calls`): each
@@ -45,4 +48,4 @@ class StepReport:
         return {"step": self.step, "jobs": self.jobs, "tokens": self.tokens,
                 "padding_tokens": self.padding_tokens, "seconds": round(self.seconds, 6),
                 "peak_memory_bytes": self.peak_memory_bytes, "memory_measured": self.memory_measured,
-                "resident_peak_bytes": self.resident_peak_bytes}
+                "resident_peak_bytes": self.resident_peak_bytes, "replayed": self.replayed}

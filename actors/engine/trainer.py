@@ -149,6 +149,13 @@ class FusedTrainer:
         longest = max(len(e) for mb in micro_batches for e in mb.rows)
         return [mb.padded_tokens(self.layout, longest) for mb in micro_batches]
 
+    def graph_held_bytes(self, micro_batches: list[JobMicroBatch]) -> int:
+        """Device memory held by `compile: graphs`' captured steps beside a step of these micro-batches (their
+        graphs' pools; a step that replays one runs in its pool): what the memory plan adds to the step's peak."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.held_bytes(self._graph_shape(micro_batches))
+
     def _graph_shape(self, micro_batches: list[JobMicroBatch]) -> FixedShape | None:
         """The fixed shape a graphed step of these micro-batches would take (`compile: graphs`, where their jobs can
         take one), else None."""
@@ -245,6 +252,8 @@ class FusedTrainer:
             report.memory_measured = True
         if self.resident_measured:
             report.resident_peak_bytes = peak_resident_bytes()
+        if report.replayed:   # its activations lie in its graph's pool: its peak teaches the memory model nothing
+            report.memory_measured = False
         return report
 
     held_adapters = None   # a finished job's adapter is tried on this device's base itself (try_adapter.py)
@@ -265,8 +274,9 @@ class FusedTrainer:
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
         block = call_part = None
         graphed = self._graphed(chosen, micro_batches, calls)
+        replayed = False
         if graphed is not None:
-            batch, objective, tokens, padding, loss_rows = graphed
+            batch, objective, tokens, padding, loss_rows, replayed = graphed
         else:
             batch, objective, block, call_part = self._forward_backward(chosen, micro_batches, calls)
             tokens, padding, loss_rows = batch.num_tokens, batch.padding_tokens, int(batch.target_ids.numel())
@@ -310,7 +320,8 @@ class FusedTrainer:
         return StepReport(step=self.step_count, jobs=batch.jobs, tokens=tokens,
                           padding_tokens=padding, seconds=time.perf_counter() - started,
                           peak_memory_bytes=peak, sequence_lengths=batch.sequence_lengths, results=results,
-                          memory_measured=self.base.device.type == "cuda", call_outputs=call_outputs,
+                          memory_measured=self.base.device.type == "cuda", replayed=replayed,
+                          call_outputs=call_outputs,
                           call_tokens=len(block.ids) if block is not None else 0)
 
     def _forward_backward(self, chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
@@ -373,7 +384,8 @@ class FusedTrainer:
     def _graphed(self, chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
                  calls: FusedCalls | None) -> tuple | None:
         """The step's forward, loss and backward as a graph (`compile: graphs`), where it can take one: (the packed
-        host batch, the objective, the step's tokens and padding in its fixed shape, the loss's rows); else None
+        host batch, the objective, the step's tokens and padding in its fixed shape, the loss's rows, whether it was
+        a replay); else None
         (the reason logged once per reason)."""
         if self.graphs is None:
             return None
@@ -393,12 +405,13 @@ class FusedTrainer:
             fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), _ceilings(jobs))
         set_adapters_training(self.base.model, True)
         with self.meter.forward():
+            replays = self.graphs.replays
             objective = self.graphs.run(fixed, pools)
         packed = fixed.packed
         objective = StepObjective(objective.total, objective.job_losses, list(packed.job_targets),
                                   [None] * len(jobs))
         tokens = fixed.shape.tokens
-        return packed, objective, tokens, tokens - packed.num_tokens, tokens
+        return packed, objective, tokens, tokens - packed.num_tokens, tokens, self.graphs.replays > replays
 
     def _prepack_next(self) -> None:
         """On CUDA, while the step's kernels run: pack the step most likely to come next (every active job's

@@ -56,6 +56,8 @@ def test_every_replayed_step_equals_the_same_step_run_eagerly(monkeypatch):
     failed = [entry.failed for entry in graphs.entries.values() if entry.failed]
     assert not failed, f"the step could not be captured: {failed}"
     assert graphs.captures >= 1 and len(graphs.checks) >= 6, (graphs.captures, graphs.replays, len(graphs.checks))
+    # each graph's pool measured at its capture (what the memory plan holds beside other steps)
+    assert all(entry.held > 0 for entry in graphs.entries.values() if entry.graph is not None)
     tokens = max(shape.tokens for shape in graphs.shapes.values())
     loss_bound = (tokens - 1) * 2.0**-24
     for index, check in enumerate(graphs.checks):

@@ -195,8 +195,10 @@ class StepAdmission:
         return self.resident.predict(self.predict(shape), shape.resident_excess_bytes)
 
     def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
-        """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget."""
-        return self.predict_peak(self.shape(micro_batches)) * (1 + self.margin) <= self.budget
+        """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget
+        beside the memory `compile: graphs`' captured steps hold (`FusedTrainer.graph_held_bytes`)."""
+        held = self.trainer.graph_held_bytes(micro_batches)
+        return self.predict_peak(self.shape(micro_batches)) * (1 + self.margin) + held <= self.budget
 
     def sampling_refusal(self, spec: JobSpec) -> str | None:
         """Why a GRPO job's sampling could never fit this trainer's budget, or None: its largest rollout

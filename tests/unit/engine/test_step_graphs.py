@@ -371,3 +371,26 @@ def test_every_replay_equals_the_eager_step_from_the_same_state(monkeypatch):
     assert all(check.largest_loss_difference() == 0.0 for check in checks)
     assert all(check.largest_gradient_difference() == 0.0 for check in checks)
     assert all(float(eager.abs().max()) > 0 for check in checks for _, eager in check.gradients)
+
+
+def test_a_replayed_steps_peak_teaches_nothing_and_the_graphs_memory_is_held_beside_other_steps(monkeypatch):
+    """A replay runs in its graph's memory pool, which the allocator does not count as the step's: its report says
+    it was replayed and not measured (the eager steps of its shape were). The graphs' pools are held beside every
+    step but the one that replays in its own (`graph_held_bytes`, which the memory plan adds: on CUDA a capture's
+    reserved memory; set by hand here, where the stand-in holds none)."""
+    from actors.engine.models import from_module
+
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    model = tiny_model("llama", VOCAB).to(torch.bfloat16)
+    trainer = _trainer(from_module(model, None), _jobs(), compile="graphs", graph_backend=ReplayGraphs())
+    reports = [trainer.run_step(trainer.compose(), measure=True) for _ in range(4)]
+    # eager; captured then replayed (a capture only records the step); replays
+    assert [report.replayed for report in reports] == [False, True, True, True]
+    assert [report.memory_measured for report in reports] == [True, False, False, False]
+    assert reports[2].as_row()["replayed"] is True
+    (entry,) = trainer.graphs.entries.values()
+    entry.held = 3 << 30
+    own = [JobMicroBatch(job.name, job.peek()) for job in trainer.jobs.values()]
+    assert trainer.graph_held_bytes(own) == 0                 # it replays in that pool
+    alone = [JobMicroBatch("b", trainer.jobs["b"].peek())]    # another job set: another shape, beside the pool
+    assert trainer.graph_held_bytes(alone) == 3 << 30

@@ -380,3 +380,18 @@ def test_a_cpu_trainer_sharing_its_node_plans_for_its_share_of_half_the_ram():
     assert cpu_budget_config(alone, 1.0) is alone and alone.memory_budget_bytes is None
     with pytest.raises(ValueError, match="share of its node's RAM must be above 0"):
         cpu_budget_config(TrainerConfig(), 0.0)
+
+
+def test_admission_counts_the_memory_captured_graphs_hold_beside_a_step(three_jobs_trainer, monkeypatch):
+    """`compile: graphs`' captured steps keep their activations in memory pools of their own: a step that fits the
+    budget alone does not fit beside them (`FusedTrainer.graph_held_bytes`)."""
+    trainer = three_jobs_trainer
+    admission = StepAdmission(trainer)
+    admission.resident = None
+    job = next(iter(trainer.jobs.values()))
+    step = [JobMicroBatch(job.name, job.peek())]
+    need = admission.predict(admission.shape(step)) * (1 + admission.margin)
+    admission.budget = int(need * 1.5)
+    assert admission.fits(step)
+    monkeypatch.setattr(trainer, "graph_held_bytes", lambda micro_batches: int(need))
+    assert not admission.fits(step)

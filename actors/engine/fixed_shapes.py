@@ -60,12 +60,6 @@ class FixedShape:
             start += capacity
         return tuple(out)
 
-    def holding(self, batch: FusedBatch, ceilings: Ceilings | None = None) -> FixedShape:
-        """This shape where `batch` (a packed one, of the same jobs in the same order) fits it, else grown."""
-        if tuple(batch.jobs) != self.jobs:
-            raise ValueError(f"a fixed shape of jobs {list(self.jobs)} cannot hold a step of jobs {batch.jobs}")
-        return self.holding_counts(*counts_of(batch), ceilings)
-
     def holding_counts(self, tokens: Sequence[int], rows: Sequence[int],
                        ceilings: Ceilings | None = None) -> FixedShape:
         """This shape where micro-batches of these tokens and rows (per job, in its order) fit it, else grown: each
@@ -92,18 +86,6 @@ def _capped(tokens: int, ceiling: int | None) -> int:
 def counts_of(batch: FusedBatch) -> tuple[list[int], list[int]]:
     """Each job's tokens and rows in a packed `batch`, in its order."""
     return [end - start for _, start, end in batch.layout.segments], _rows_per_job(batch)
-
-
-def smallest_shape(batch: FusedBatch) -> FixedShape:
-    """The smallest fixed shape that holds a packed `batch`: each job's tokens up to their bucket length
-    (actors/engine/compiled.py: at most a quarter more), its rows and one padding slot."""
-    tokens, rows = counts_of(batch)
-    return FixedShape(tuple(batch.jobs), tuple(map(bucket_length, tokens)), tuple(count + 1 for count in rows))
-
-
-def shape_of(batch: FusedBatch, ceilings: Ceilings | None = None) -> FixedShape:
-    """A fixed shape for a packed `batch` (`shape_for` of its counts)."""
-    return shape_for(tuple(batch.jobs), *counts_of(batch), ceilings)
 
 
 def shape_for(jobs: tuple[str, ...], tokens: Sequence[int], rows: Sequence[int],

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from actors.engine import lora_cuda, lora_grouped_mm, step_graphs
-from actors.engine.fixed_shapes import FixedShape, fixed_batch, shape_of, smallest_shape, split_parts
+from actors.engine.fixed_shapes import FixedShape, counts_of, fixed_batch, shape_for, split_parts
 from actors.engine.packing import JobMicroBatch, pack
 from tests.helpers.fused import VOCAB, first_step_gradients, job_spec
 from tests.helpers.graph_replay import ReplayGraphs, WarmOnly
@@ -45,15 +45,16 @@ def _examples(seed: int, lengths: list[int]):
 def test_a_fixed_batch_holds_each_jobs_tokens_bounds_and_targets_in_its_segment():
     a, b = _examples(0, [5, 7]), _examples(1, [9])
     packed = pack([JobMicroBatch("a", a), JobMicroBatch("b", b)])
-    assert smallest_shape(packed) == FixedShape(("a", "b"), (64, 64), (3, 2))   # buckets; rows and a padding slot
-    shape = shape_of(packed, ((40, 4), (None, 0)))
+    assert counts_of(packed) == ([12, 9], [2, 1])
+    shape = shape_for(("a", "b"), *counts_of(packed), ((40, 4), (None, 0)))
     assert shape == FixedShape(("a", "b"), (64, 64), (5, 2))   # 4 x 12 tokens, past a's ceiling of 40; 4 rows
-    assert shape.holding(pack([JobMicroBatch("a", _examples(4, [30])), JobMicroBatch("b", b)])) is shape
-    bigger = pack([JobMicroBatch("a", _examples(2, [70])), JobMicroBatch("b", b)])
-    assert shape.holding(bigger).capacity == (128, 64)                    # doubled
-    assert shape.holding(bigger, ((40, 4), (None, 0))).capacity == (80, 64)   # past its ceiling: its tokens' bucket
-    assert shape_of(packed, ((None, 0), (None, 0))).capacity == (64, 64)
-    assert shape_of(pack([JobMicroBatch("a", _examples(5, [100]))])).capacity == (448,)   # 4 x 100, bucketed
+    assert shape.holding_counts(*counts_of(pack([JobMicroBatch("a", _examples(4, [30])), JobMicroBatch("b", b)]))
+                                ) is shape
+    bigger = counts_of(pack([JobMicroBatch("a", _examples(2, [70])), JobMicroBatch("b", b)]))
+    assert shape.holding_counts(*bigger).capacity == (128, 64)                    # doubled
+    assert shape.holding_counts(*bigger, ((40, 4), (None, 0))).capacity == (80, 64)   # past its ceiling: its bucket
+    assert shape_for(("a", "b"), *counts_of(packed), ((None, 0), (None, 0))).capacity == (64, 64)
+    assert shape_for(("a",), [100], [1]).capacity == (448,)   # 4 x 100, bucketed
     grown = FixedShape(("a", "b"), (80, 64), (3, 2))
     fixed = fixed_batch(packed, grown, pad_token_id=0)
     parts = fixed.parts()

@@ -124,9 +124,10 @@ def aspen_side(args: argparse.Namespace, device: torch.device, compile: str = "n
                   setup_s=round(setup, 1), jobs=JOBS, engine_defaults=engine_settings(trainer))
     if (graphs := trainer.graphs) is not None:   # compile: graphs: how many steps were replays, what stayed eager
         entries = graphs.entries.values()
+        # each graph's pool (its step's activations, reserved at capture): the allocator's peak above leaves it out
         result["graphs"] = {"captures": graphs.captures, "replays": graphs.replays, "eager_because": sorted(
-            graphs.refusals), "shapes": [list(e.shape.capacity) for e in entries], "failed": [e.failed for e in entries
-                                                                                           if e.failed]}
+            graphs.refusals), "shapes": [list(e.shape.capacity) for e in entries], "pool_bytes": [
+            e.held for e in entries], "failed": [e.failed for e in entries if e.failed]}
     write(args, result)
     if args.profile:
         from profile_step import profile_steps as profile

@@ -122,9 +122,8 @@ def aspen_side(args: argparse.Namespace, device: torch.device, compile: str = "n
     result.update(allocator_events_since(device, events))
     result.update(memory_fields(device, held, max(padded)), padding_tokens=sum(padded) - sum(tokens),
                   setup_s=round(setup, 1), jobs=JOBS, engine_defaults=engine_settings(trainer))
-    if (graphs := trainer.graphs) is not None:   # compile: graphs: how many steps were replays, what stayed eager
+    if (graphs := trainer.graphs) is not None:   # compile: graphs: replays, what stayed eager, each graph's pool
         entries = graphs.entries.values()
-        # each graph's pool (its step's activations, reserved at capture): the allocator's peak above leaves it out
         result["graphs"] = {"captures": graphs.captures, "replays": graphs.replays, "eager_because": sorted(
             graphs.refusals), "shapes": [list(e.shape.capacity) for e in entries], "pool_bytes": [
             e.held for e in entries], "failed": [e.failed for e in entries if e.failed]}

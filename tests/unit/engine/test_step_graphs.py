@@ -343,6 +343,40 @@ def test_a_capture_after_a_step_that_only_accumulated_refreshes_the_adapters_at_
     assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_replays_of_jobs_of_every_optimizer_and_adapter_setting_equal_their_eager_steps(monkeypatch, dtype):
+    """The same check (tests/helpers/graph_check.py) over what else a job sets that a graph replays or the eager
+    updates around it change: LoRA+ (two learning rates), rank-stabilised scaling, gradient clipping, weight decay,
+    accumulation; ranks not of one multiple of 8 (stacks padded and made each step, not kept); adapters on the MLP
+    only beside ones on attention (other sibling groups); in bfloat16 and float32."""
+    from actors.engine import joint_steps
+    from actors.engine import trainer as trainer_module
+    from actors.engine.models import from_module
+    from tests.helpers.graph_check import CheckedGraphs
+
+    def on_device(optimizers, targets, *, on_device=False, later=None):
+        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
+
+    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(step_graphs, "WARMUP", 2)
+    jobs = [(job_spec("a", grad_accum=2, max_grad_norm=0.5, weight_decay=0.1,
+                      lora={"r": 8, "alpha": 16, "use_rslora": True, "loraplus_lr_ratio": 16,
+                            "target_modules": "all-linear"}), random_examples(0, vocab=VOCAB), 0),
+            (job_spec("b", batch_size=2, max_grad_norm=0.01,
+                      lora={"r": 12, "alpha": 8, "target_modules": ["gate_proj", "up_proj", "k_proj"]}),
+             random_examples(1, vocab=VOCAB, max_len=40), 1),
+            (job_spec("c", lora={"r": 4, "alpha": 8, "target_modules": ["down_proj"]}),
+             random_examples(2, vocab=VOCAB, max_len=30), 2)]
+    trainer = _trainer(from_module(tiny_model("llama", VOCAB).to(dtype), None), jobs, compile="graphs",
+                       graph_backend=ReplayGraphs())
+    _losses_and_weights(trainer, 8)
+    checks = trainer.graphs.checks
+    assert len(checks) >= 4 and not trainer.graphs.refusals, (len(checks), trainer.graphs.refusals)
+    assert all(check.largest_loss_difference() == 0.0 for check in checks)
+    assert all(check.largest_gradient_difference() == 0.0 for check in checks)
+
+
 def test_every_replay_equals_the_eager_step_from_the_same_state(monkeypatch):
     """The check the GPU test makes of real CUDA graphs (tests/helpers/graph_check.py), here on the stand-in: each
     replay, then the same step eagerly from the gradients it started from, at the jobs' real learning rate, one job

@@ -132,6 +132,7 @@ class KeptStacks:
         self.lists: tuple[list, list] | None = None   # every entry's targets and sources, made when entries change
         self.slots: tuple | None = None   # their table for `copy_slots`' kernel, made with the lists
         self.stamp: int | None = None   # `casts_written` when every entry was last made current
+        self.version = 0   # moves whenever an entry is kept, replaced or dropped (a captured step read the old ones)
 
     def find(self, layer: nn.Module, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
         entry = self.entries.get(id(layer))
@@ -146,6 +147,7 @@ class KeptStacks:
         ident = id(layer)
         self.entries[ident] = (weakref.ref(layer, lambda _: self._drop(ident)), key, stacks, targets, sources)
         self.lists = None
+        self.version += 1
         device = stacks[0].device
         if triton_runs(device):   # the copy kernel's check now, in the step that first stacks, not the next one
             CHECK.works(device)
@@ -155,6 +157,7 @@ class KeptStacks:
         if entry is not None and entry[0]() is None:
             del self.entries[ident]
             self.lists = None
+            self.version += 1
 
     def refresh(self) -> None:
         """Every kept stack made current from the jobs' copies, where any copy was written since the last time."""
@@ -177,15 +180,13 @@ class KeptStacks:
     def forget(self, layer: nn.Module) -> None:
         if self.entries.pop(id(layer), None) is not None:
             self.lists = None
+            self.version += 1
 
     def stale(self) -> None:
         """The next `refresh` copies, whether or not a copy was written since (a step captured as a graph: its
         replays must hold the copy, lora_masters.every_refresh)."""
         self.stamp = None
 
-    def table_address(self) -> int:
-        """Where the refresh kernel's slot table lies (0: none): a captured refresh reads it there."""
-        return self.slots[0].data_ptr() if self.slots is not None else 0
 
 
 KEPT = KeptStacks()

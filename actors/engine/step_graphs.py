@@ -176,8 +176,8 @@ class StepGraphs:
         for pool in pools:
             pool.grads.attach()
         if entry.graph is not None and entry.addresses != _addresses(pools):
-            log.info("the jobs' buffers of a captured step moved (%s): it is captured again", ", ".join(
-                entry.shape.jobs))
+            log.info("what a captured step reads moved (the jobs' buffers, or the layers' stacks after another "
+                     "grouping of adapters ran: %s): it is captured again", ", ".join(entry.shape.jobs))
             entry.graph = entry.objective = entry.layout = None
             entry.warm = 0
         if entry.graph is None and entry.failed is None and self._due(entry):
@@ -253,9 +253,11 @@ class StepGraphs:
 
 def _addresses(pools: Sequence[MasterPool]) -> tuple:
     """Where the jobs' buffers a captured step reads and writes lie: each pool's masters, its compute-dtype casts and
-    its gradient buffer, and the kept stacks' refresh table. A graph replays those addresses: one that moved (a
-    buffer made anew) needs a new capture."""
-    return (lora_stacks.KEPT.table_address(),) + tuple(
+    its gradient buffer; and the layers' kept stacks (their version: a layer's stacks are replaced whenever another
+    grouping of adapters runs through it, as an evaluation or a generation between steps does, and their refresh
+    table with them). A graph replays those addresses: one that moved (a buffer made anew, a stack replaced and
+    freed) needs a new capture."""
+    return (lora_stacks.KEPT.version,) + tuple(
         (pool.flat.data_ptr(), tuple(cast.data_ptr() for cast in pool.casts.values()),
          pool.grads.values.data_ptr() if pool.grads.values is not None else 0) for pool in pools)
 

@@ -429,3 +429,33 @@ def test_a_replayed_steps_peak_teaches_nothing_and_the_graphs_memory_is_held_bes
     assert trainer.graph_held_bytes(own) == 0                 # it replays in that pool
     alone = [JobMicroBatch("b", trainer.jobs["b"].peek())]    # another job set: another shape, beside the pool
     assert trainer.graph_held_bytes(alone) == 3 << 30
+
+
+def test_an_evaluation_between_steps_replaces_the_kept_stacks_and_the_next_step_is_captured_again(monkeypatch):
+    """An evaluation (or a generation: "try it") runs another grouping of adapters through the layers, whose kept
+    stacks it replaces (lora_stacks.KEPT keeps a layer's latest grouping): the stacks a graph captured are freed. The
+    step after it is captured again, never replayed on them; every replay equals its eager step."""
+    from actors.engine import lora_stacks
+    from actors.engine import trainer as trainer_module
+    from actors.engine.models import from_module
+    from tests.helpers.graph_check import CheckedGraphs
+
+    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    jobs = [(job_spec("a", lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),
+             random_examples(0, vocab=VOCAB), 0),
+            (job_spec("b", batch_size=2, lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}),
+             random_examples(1, vocab=VOCAB, max_len=40), 1)]
+    trainer = _trainer(from_module(tiny_model("llama", VOCAB).to(torch.bfloat16), None), jobs, compile="graphs",
+                       graph_backend=ReplayGraphs())
+    _losses_and_weights(trainer, 4)
+    assert trainer.graphs.captures == 1
+    version = lora_stacks.KEPT.version
+    trainer.evaluate(trainer.jobs["a"], random_examples(5, count=4, vocab=VOCAB), batch_size=2)
+    assert lora_stacks.KEPT.version != version   # the layers' stacks were replaced by the evaluation's grouping
+    replays = trainer.graphs.replays
+    _losses_and_weights(trainer, 4)
+    assert trainer.graphs.captures == 2 and trainer.graphs.replays > replays
+    checks = trainer.graphs.checks
+    assert len(checks) >= 4 and all(check.largest_loss_difference() == 0.0 for check in checks)
+    assert all(check.largest_gradient_difference() == 0.0 for check in checks)

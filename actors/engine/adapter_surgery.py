@@ -309,6 +309,11 @@ _SURGERIES = [0]   # layers wrapped or unwrapped so far, in any model (`fused_la
 FUSED_LAYERS = "_aspen_fused_layers"
 
 
+def surgeries() -> int:
+    """Layers wrapped or unwrapped so far, in any model: a count that moves whenever a model's structure changes."""
+    return _SURGERIES[0]
+
+
 def fused_layers(model: nn.Module) -> list[FusedLoraLinear]:
     """The model's fused layers, kept on the model until a layer is wrapped or unwrapped (walking every module of
     a large model a step was a measurable share of a step's host time)."""

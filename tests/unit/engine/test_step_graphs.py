@@ -459,3 +459,35 @@ def test_an_evaluation_between_steps_replaces_the_kept_stacks_and_the_next_step_
     checks = trainer.graphs.checks
     assert len(checks) >= 4 and all(check.largest_loss_difference() == 0.0 for check in checks)
     assert all(check.largest_gradient_difference() == 0.0 for check in checks)
+
+
+def test_a_saved_adapter_tried_between_steps_leaves_no_replay_on_what_it_changed(monkeypatch):
+    """"Try it" with a finished job's saved adapter (actors/service/trainer/try_adapter.py) wraps layers the running
+    jobs do not adapt, generates through them and unwraps them: the model's layers changed, so the next step is
+    captured again; every replay equals its eager step, and none reads a tensor freed since its capture."""
+    from actors.engine import trainer as trainer_module
+    from actors.engine.adapter_surgery import add_adapter, remove_adapter
+    from actors.engine.generate import greedy_generate_many
+    from actors.engine.models import from_module
+    from actors.spec.lora_config import LoraConfig
+    from tests.helpers.graph_check import CheckedGraphs
+
+    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    jobs = [(job_spec("a", lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}),
+             random_examples(0, vocab=VOCAB), 0),
+            (job_spec("b", batch_size=2, lora={"r": 16, "alpha": 32, "target_modules": ["q_proj"]}),
+             random_examples(1, vocab=VOCAB, max_len=40), 1)]
+    base = from_module(tiny_model("llama", VOCAB).to(torch.bfloat16), None)
+    trainer = _trainer(base, jobs, compile="graphs", graph_backend=ReplayGraphs())
+    _losses_and_weights(trainer, 3)
+    handle = add_adapter(base.model, "done@try", LoraConfig(r=8, alpha=16, target_modules="all-linear"), seed=3)
+    for parameter in handle.parameters():
+        parameter.requires_grad_(False)
+    greedy_generate_many(base, [("done@try", [5, 6, 7]), (None, [5, 6, 7])], 4, set())
+    remove_adapter(base.model, "done@try")
+    _losses_and_weights(trainer, 5)
+    assert trainer.graphs.captures == 2, trainer.graphs.captures
+    checks = trainer.graphs.checks
+    assert len(checks) >= 4 and all(check.largest_loss_difference() == 0.0 for check in checks)
+    assert all(check.largest_gradient_difference() == 0.0 for check in checks)

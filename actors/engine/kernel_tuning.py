@@ -15,10 +15,11 @@ caller has a setting that forces one kernel)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
 
 import torch
@@ -72,11 +73,26 @@ class Tuning:
 
 
 TUNINGS: dict[tuple, Tuning] = {}
+_WATCHED: list[set[Tuning] | None] = [None]   # `watched`: the shapes still measured by the calls inside
+
+
+@contextlib.contextmanager
+def watched() -> Iterator[set[Tuning]]:
+    """The shapes whose kernel was still being measured in the calls made inside (on any thread: a backward's
+    products run on autograd's), for `settled`."""
+    seen: set[Tuning] = set()
+    previous, _WATCHED[0] = _WATCHED[0], seen
+    try:
+        yield seen
+    finally:
+        _WATCHED[0] = previous
 
 
 def measured(tuning: Tuning, run: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """A call of `tuning`'s shape: `run(name)` computes it with a candidate. Until the choice, the next candidate
     is timed and the default's result returned (module docstring); after it, the chosen one's."""
+    if _WATCHED[0] is not None and tuning.chosen is None:
+        _WATCHED[0].add(tuning)
     layout = current_layout()
     if tuning.chosen is None and (tuning.layout is None or tuning.layout() is not layout):
         tuning.layout = weakref.ref(layout) if layout is not None else None
@@ -118,7 +134,15 @@ def decisions() -> dict[str, dict]:
             for tuning in TUNINGS.values()}
 
 
-def settled() -> bool:
-    """Whether every shape measured so far has its kernel chosen (a step captured as a CUDA graph must not time
-    candidates: actors/engine/step_graphs.py warms up until then)."""
-    return all(tuning.chosen is not None for tuning in TUNINGS.values())
+def settled(tunings: Iterable[Tuning] | None = None) -> bool:
+    """Whether each of `tunings` (a step's: `watched`; default: every shape measured so far) has its kernel chosen,
+    the times the GPU has passed read first (a step captured as a CUDA graph must not time candidates:
+    actors/engine/step_graphs.py warms a shape up until then). A step's own shapes, not every one: a shape only an
+    earlier step had (the trainer's warm-up, the memory probe's steps, a job set that left) may never be called
+    again, so never chosen."""
+    for tuning in TUNINGS.values() if tunings is None else tunings:
+        if tuning.chosen is None:
+            tuning.read()
+            if tuning.chosen is None:
+                return False
+    return True

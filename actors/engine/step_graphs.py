@@ -12,12 +12,13 @@ compute-dtype copies and the layers' kept stacks of them refreshed: `lora_master
 captured after a step that only accumulated gradients still refreshes them at every replay. The optimizers'
 updates, the read-back and the next step's packing stay eager, after the replay, as in an eager step.
 
-A shape's first steps run eagerly (`WARMUP` of them, and until the LoRA path's kernel measurements have chosen:
-actors/engine/kernel_tuning.py), then one is captured and replayed; a job set whose micro-batches outgrow its shape
-gets a larger one (a capture of its own; at most `KEPT` graphs are kept, each holding its step's activations in a
-memory pool of its own). A step of another job set drops the graphs (the stacked weights and tables they read are
-its jobs'), and a graph whose jobs' buffers moved (masters, casts, gradients made anew) is captured again: a replay
-never reads or writes memory its capture did not. A capture that fails (an operation that cannot be captured, such
+A shape's first steps run eagerly (`WARMUP` of them, and until the LoRA path's kernel measurements of the shapes
+its step calls have chosen: actors/engine/kernel_tuning.py), then one is captured and replayed; a job set whose
+micro-batches outgrow its shape gets a larger one (a capture of its own; at most `KEPT` graphs are kept, each holding
+its step's activations in a memory pool of its own). A step of another job set drops the graphs (the stacked weights
+and tables they read are its jobs'), and a graph whose jobs' buffers moved (masters, casts, gradients made anew), or
+whose layers' kept stacks were replaced or layers rewrapped, is captured again: a replay never reads or writes memory
+its capture did not. A capture that fails (an operation that cannot be captured, such
 as a host read inside the step) leaves that shape eager, with the reason logged once: the step's numbers are the
 eager step's either way.
 
@@ -111,6 +112,7 @@ class _Entry:
     layout: StepLayout | None = None      # the captured step's: its tables must outlive the graph
     failed: str | None = None
     held: int = 0                         # device bytes its graph's memory pool keeps (its step's activations)
+    tunings: set = field(default_factory=set)   # the shapes still measured in its last eager step (kernel_tuning)
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
     addresses: tuple = ()                 # the jobs' buffers the graph reads and writes, where they were captured
 
@@ -211,8 +213,11 @@ class StepGraphs:
         return entry.objective
 
     def eager_step(self, entry: _Entry) -> StepObjective:
-        """The step of `entry`'s shape run eagerly, as before its capture (on the capture's stream)."""
-        objective, _ = self.backend.warm(lambda: self._step(entry))
+        """The step of `entry`'s shape run eagerly, as before its capture (on the capture's stream); the kernels'
+        shapes it still measured are kept for `_due`."""
+        with kernel_tuning.watched() as tunings:
+            objective, _ = self.backend.warm(lambda: self._step(entry))
+        entry.tunings = tunings
         return objective
 
     def held_bytes(self, shape: FixedShape | None = None) -> int:
@@ -223,7 +228,7 @@ class StepGraphs:
     def _due(self, entry: _Entry) -> bool:
         if entry.warm < WARMUP:
             return False
-        if kernel_tuning.settled():
+        if kernel_tuning.settled(entry.tunings):   # the step's own shapes (a capture must not time candidates)
             return True
         if entry.warm >= MAX_WARMUP:
             entry.failed = f"the LoRA kernels' measurements had not settled after {entry.warm} steps"

@@ -8,6 +8,7 @@ capture fails (the step then runs eagerly)."""
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 
 import pytest
@@ -19,6 +20,14 @@ from actors.engine.packing import JobMicroBatch, pack
 from tests.helpers.fused import VOCAB, first_step_gradients, job_spec
 from tests.helpers.graph_replay import ReplayGraphs, WarmOnly
 from tests.helpers.models import random_examples, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _no_earlier_models():
+    """The layers' kept stacks (lora_stacks.KEPT, one table for the process) hold the entries of earlier tests' models
+    until the collector frees them, which could fall inside a replay here: the stand-in would then see a tensor its
+    capture read freed, as a GPU would. A trainer holds one base for its life: no layer it captured dies meanwhile."""
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
@@ -491,3 +500,34 @@ def test_a_saved_adapter_tried_between_steps_leaves_no_replay_on_what_it_changed
     checks = trainer.graphs.checks
     assert len(checks) >= 4 and all(check.largest_loss_difference() == 0.0 for check in checks)
     assert all(check.largest_gradient_difference() == 0.0 for check in checks)
+
+
+def test_a_shape_measured_only_by_an_earlier_step_does_not_hold_captures_back_but_the_steps_own_do(monkeypatch):
+    """The LoRA products' kernels are chosen by measuring each shape over its first calls (kernel_tuning.py; CUDA
+    only, so stood in for here). A shape only the trainer's warm-up or the memory probe called is never called again,
+    so never chosen: it must not keep the jobs' steps from their capture. A shape the step itself still measures
+    must (a capture would time its candidates inside the graph): once chosen, the next step is captured."""
+    from actors.engine import kernel_tuning
+    from actors.engine.models import from_module
+
+    monkeypatch.setattr(kernel_tuning, "TUNINGS", {})
+    leftover = kernel_tuning.TUNINGS[("warm-up's shape",)] = kernel_tuning.Tuning("a warm-up's shape",
+                                                                                ["grouped_mm", "split_k:1024"])
+    # candidates enough that the test's calls are each a candidate's first, untimed one (no CUDA events)
+    own = kernel_tuning.TUNINGS[("the step's shape",)] = kernel_tuning.Tuning("the step's shape",
+                                                                            [f"kernel {i}" for i in range(8)])
+    monkeypatch.setattr(step_graphs, "WARMUP", 1)
+    trainer = _trainer(from_module(tiny_model("llama", VOCAB).to(torch.bfloat16), None), _jobs(), compile="graphs",
+                       graph_backend=ReplayGraphs())
+    forward = trainer.graphs.forward
+
+    def measuring(layout, input_ids, position_ids):   # the step calls its own shape, as rank_products does
+        kernel_tuning.measured(own, lambda name: input_ids)
+        return forward(layout, input_ids, position_ids)
+
+    trainer.graphs.forward = measuring
+    _losses_and_weights(trainer, 3)
+    assert trainer.graphs.captures == 0 and not kernel_tuning.settled()
+    own.chosen = "grouped_mm"   # its samples read: the next step's check finds it chosen
+    _losses_and_weights(trainer, 2)
+    assert trainer.graphs.captures == 1 and leftover.chosen is None

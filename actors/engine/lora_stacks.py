@@ -2,11 +2,11 @@
 A stacked (groups, rank, in) and scaling * B stacked (groups, out, rank), a group of no adapter zeros.
 
 Where every adapter of a layer is pooled and of one rank (every job on the CUDA path, the usual case), the layer's
-stacks are kept from step to step (`KEPT`, one grouping a layer: the latest) and refreshed all together, every
-layer's in one multi-tensor copy from the jobs' copies, at the first layer that finds its kept stacks after any copy
-was written (an optimizer step, a refresh: `lora_masters.casts_written`): one Triton kernel over a table of every
-slot's source and target addresses (`copy_slots`; a multi-tensor copy where Triton is missing or the kernel fails its
-once-a-device check). Made a layer at a time, the stacks cost two
+stacks are kept from step to step (`KEPT`, up to `GROUPINGS` groupings of adapters a layer) and refreshed all
+together, every layer's in one multi-tensor copy from the jobs' copies, at the first layer that finds its kept stacks
+after any copy was written (an optimizer step, a refresh: `lora_masters.casts_written`): one Triton kernel over a
+table of every slot's source and target addresses (`copy_slots`; a multi-tensor copy where Triton is missing or the
+kernel fails its once-a-device check). Made a layer at a time, the stacks cost two
 launches a layer and step: on the 8B shape some 450 of the forward's launches, and its host time with them
 (bench/gpu_cost_model.py: the forward's host work was longer than its GPU work, so the GPU waited). The kept stacks
 stay allocated between steps (2 bytes per adapter parameter, which the step made and freed before)."""
@@ -24,6 +24,7 @@ from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 # keep the pooled stacks between steps (False: made each step, as before; bench/gpu_cost_model.py --set ranks the two)
 KEEP = True
+GROUPINGS = 3   # groupings of adapters whose stacks a layer keeps (the step's, an evaluation's, a generation's)
 BLOCK = 4096
 _TABLE_BYTES: dict[int, float] = {}   # id(a slot table on the device) -> bytes its copy moves (the cost model's)
 
@@ -124,28 +125,40 @@ CHECK = KernelCheck("the stacks' copy kernel", "the stacks are refreshed by a mu
 
 
 class KeptStacks:
-    """Every layer's pooled stacks kept between steps: per layer (by identity, while it lives) the latest grouping's
-    (A stack, B stack) and, for the refresh, each present group's slots and the copies they are made from."""
+    """Every layer's pooled stacks kept between steps: per layer (by identity, while it lives) and grouping of adapters
+    (at most `GROUPINGS` a layer, the least recently used dropped first) the (A stack, B stack) and, for the refresh,
+    each present group's slots and the copies they are made from. Several groupings a layer, so that an evaluation, a
+    generation or an interactive call between steps (other adapters through the layer) keeps its stacks beside the
+    step's instead of replacing them (a step captured as a graph reads the step's: step_graphs.py captures again
+    whenever one is dropped)."""
 
     def __init__(self):
-        self.entries: dict[int, tuple] = {}   # id(layer) -> (layer ref, key, stacks, targets, sources)
+        # (id(layer), grouping key) -> (layer ref, key, stacks, targets, sources), the least recently used first
+        self.entries: dict[tuple[int, tuple], tuple] = {}
         self.lists: tuple[list, list] | None = None   # every entry's targets and sources, made when entries change
         self.slots: tuple | None = None   # their table for `copy_slots`' kernel, made with the lists
         self.stamp: int | None = None   # `casts_written` when every entry was last made current
-        self.version = 0   # moves whenever an entry is kept, replaced or dropped (a captured step read the old ones)
+        self.version = 0   # moves whenever an entry is kept or dropped (a captured step read the dropped one's)
 
     def find(self, layer: nn.Module, key: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
-        entry = self.entries.get(id(layer))
-        if entry is None or entry[0]() is not layer or entry[1] != key:
+        where = (id(layer), key)
+        entry = self.entries.get(where)
+        if entry is None or entry[0]() is not layer:
             return None
+        if next(reversed(self.entries)) != where:   # the most recently used last
+            self.entries[where] = self.entries.pop(where)
         return entry[2]
 
     def keep(self, layer: nn.Module, key: tuple, stacks: tuple[torch.Tensor, torch.Tensor], targets: list,
              sources: list) -> None:
-        """Keep `layer`'s stacks of grouping `key` (made current now), in place of its earlier grouping's (and until
-        the layer is gone)."""
+        """Keep `layer`'s stacks of grouping `key` (made current now), beside its other groupings' (the least
+        recently used dropped past `GROUPINGS`), until the layer is gone."""
         ident = id(layer)
-        self.entries[ident] = (weakref.ref(layer, lambda _: self._drop(ident)), key, stacks, targets, sources)
+        self.entries.pop((ident, key), None)
+        self.entries[(ident, key)] = (weakref.ref(layer, lambda _: self._drop(ident)), key, stacks, targets, sources)
+        mine = [where for where in self.entries if where[0] == ident]
+        for where in mine[:max(len(mine) - GROUPINGS, 0)]:
+            del self.entries[where]
         self.lists = None
         self.version += 1
         device = stacks[0].device
@@ -153,9 +166,10 @@ class KeptStacks:
             CHECK.works(device)
 
     def _drop(self, ident: int) -> None:
-        entry = self.entries.get(ident)
-        if entry is not None and entry[0]() is None:
-            del self.entries[ident]
+        dead = [where for where, entry in self.entries.items() if where[0] == ident and entry[0]() is None]
+        for where in dead:
+            del self.entries[where]
+        if dead:
             self.lists = None
             self.version += 1
 
@@ -178,7 +192,10 @@ class KeptStacks:
         self.stamp = written
 
     def forget(self, layer: nn.Module) -> None:
-        if self.entries.pop(id(layer), None) is not None:
+        mine = [where for where in self.entries if where[0] == id(layer)]
+        for where in mine:
+            del self.entries[where]
+        if mine:
             self.lists = None
             self.version += 1
 

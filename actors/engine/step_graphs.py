@@ -258,12 +258,12 @@ class StepGraphs:
 
 
 def _addresses(pools: Sequence[MasterPool]) -> tuple:
-    """Where the jobs' buffers a captured step reads and writes lie: each pool's masters, its compute-dtype casts and
-    its gradient buffer; the layers' kept stacks (their version: a layer's stacks are replaced whenever another
-    grouping of adapters runs through it, as an evaluation or a generation between steps does, and their refresh
-    table with them); and the model's layers (a layer wrapped or unwrapped, as "try it" does with a saved adapter:
-    the frozen weights of layers computed together may be stacked anew). A graph replays those addresses: one that
-    moved (a buffer made anew, a stack replaced and freed) needs a new capture."""
+    """Where the jobs' buffers a captured step reads and writes lie: each pool's masters, its compute-dtype casts
+    and its gradient buffer; the layers' kept stacks (their version: it moves when a grouping of adapters is kept or
+    dropped, as an evaluation's or a generation's first run between steps does, and their refresh table with them);
+    and the model's layers (a layer wrapped or unwrapped, as "try it" does with a saved adapter: the frozen weights of
+    layers computed together may be stacked anew). A graph replays those addresses: one that moved (a buffer made
+    anew, a stack replaced and freed) needs a new capture."""
     return (lora_stacks.KEPT.version, surgeries()) + tuple(
         (pool.flat.data_ptr(), tuple(cast.data_ptr() for cast in pool.casts.values()),
          pool.grads.values.data_ptr() if pool.grads.values is not None else 0) for pool in pools)

@@ -67,18 +67,32 @@ def test_kept_stacks_follow_the_masters_bit_for_bit(monkeypatch):
     assert counted["foreach_copy"] >= 2
 
 
-def test_another_grouping_is_stacked_afresh_and_replaces_the_kept_one(monkeypatch):
+def _kept_groupings(layer) -> list[tuple]:
+    return [key for (ident, key) in lora_stacks.KEPT.entries if ident == id(layer.base)]
+
+
+def test_another_grouping_is_stacked_afresh_and_kept_beside_the_first(monkeypatch):
+    """A layer keeps the stacks of up to GROUPINGS groupings of adapters (a step's beside an evaluation's or a
+    generation's), the least recently used dropped first; each found again is not stacked again."""
     layer = pooled_layer()
     x, upstream = bf16_values(1, 57, IN), bf16_values(1, 57, OUT)
     _step(layer, x, upstream, layout_of())
-    first = lora_stacks.KEPT.entries[id(layer.base)][1]
+    (first,) = _kept_groupings(layer)
     other = layout_of(((0, 20), (20, 57)), ["job0", "job2"])
     counted = _calls(monkeypatch)
     out, _ = _step(layer, x, upstream, other)
-    assert counted["stack"] == 2 and lora_stacks.KEPT.entries[id(layer.base)][1] != first
+    assert counted["stack"] == 2 and len(_kept_groupings(layer)) == 2 and first in _kept_groupings(layer)
     assert torch.equal(out, _step(pooled_layer(like=layer), x, upstream, other)[0])
+    counted.update(stack=0, foreach_copy=0)
+    _step(layer, x, upstream, layout_of())            # the first grouping again: found, not stacked
+    assert counted["stack"] == 0
+    groupings = [layout_of(((0, 20), (20, 57)), pair) for pair in (["job1", "job2"], ["job0", "job1"])]
+    for grouping in groupings:
+        _step(layer, x, upstream, grouping)
+    kept = _kept_groupings(layer)
+    assert len(kept) == lora_stacks.GROUPINGS and first in kept   # used most recently but two: kept
     lora_layer_state.forget_masters(layer.base)   # a layer whose adapters leave keeps nothing
-    assert id(layer.base) not in lora_stacks.KEPT.entries
+    assert not _kept_groupings(layer)
 
 
 def test_a_layer_that_is_gone_leaves_nothing_kept():
@@ -87,10 +101,10 @@ def test_a_layer_that_is_gone_leaves_nothing_kept():
     layer = pooled_layer()
     _step(layer, bf16_values(1, 57, IN), bf16_values(1, 57, OUT), layout_of())
     ident = id(layer.base)
-    assert ident in lora_stacks.KEPT.entries
+    assert any(where[0] == ident for where in lora_stacks.KEPT.entries)
     del layer
     gc.collect()
-    assert ident not in lora_stacks.KEPT.entries
+    assert not any(where[0] == ident for where in lora_stacks.KEPT.entries)
 
 
 def test_a_copy_kernel_that_fails_its_check_leaves_the_refresh_to_torch(monkeypatch, caplog):

@@ -440,10 +440,11 @@ def test_a_replayed_steps_peak_teaches_nothing_and_the_graphs_memory_is_held_bes
     assert trainer.graph_held_bytes(alone) == 3 << 30
 
 
-def test_an_evaluation_between_steps_replaces_the_kept_stacks_and_the_next_step_is_captured_again(monkeypatch):
-    """An evaluation (or a generation: "try it") runs another grouping of adapters through the layers, whose kept
-    stacks it replaces (lora_stacks.KEPT keeps a layer's latest grouping): the stacks a graph captured are freed. The
-    step after it is captured again, never replayed on them; every replay equals its eager step."""
+def test_an_evaluation_between_steps_is_captured_around_once_and_never_replayed_on_freed_stacks(monkeypatch):
+    """An evaluation (or a generation: "try it") runs another grouping of adapters through the layers, whose stacks
+    the layers keep beside the step's (lora_stacks.GROUPINGS): the first evaluation keeps new stacks, so the step
+    after it is captured again (the kept stacks' refresh it captured is not theirs); a later evaluation finds its
+    stacks kept, and the steps go on replaying. Every replay equals its eager step, and none reads a freed tensor."""
     from actors.engine import lora_stacks
     from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
@@ -465,6 +466,11 @@ def test_an_evaluation_between_steps_replaces_the_kept_stacks_and_the_next_step_
     replays = trainer.graphs.replays
     _losses_and_weights(trainer, 4)
     assert trainer.graphs.captures == 2 and trainer.graphs.replays > replays
+    version, replays = lora_stacks.KEPT.version, trainer.graphs.replays
+    trainer.evaluate(trainer.jobs["a"], random_examples(6, count=4, vocab=VOCAB), batch_size=2)
+    _losses_and_weights(trainer, 3)
+    assert lora_stacks.KEPT.version == version and trainer.graphs.captures == 2
+    assert trainer.graphs.replays == replays + 3
     checks = trainer.graphs.checks
     assert len(checks) >= 4 and all(check.largest_loss_difference() == 0.0 for check in checks)
     assert all(check.largest_gradient_difference() == 0.0 for check in checks)

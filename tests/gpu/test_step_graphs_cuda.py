@@ -17,6 +17,8 @@ gradient."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -38,6 +40,7 @@ def test_every_replayed_step_equals_the_same_step_run_eagerly(monkeypatch):
     from tests.helpers.models import random_examples, tiny_model
 
     monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    gc.collect()   # earlier tests' models, whose layers' kept stacks a collection inside this test would free
     base = from_module(tiny_model("llama", VOCAB).to("cuda", torch.bfloat16), None)
     trainer = FusedTrainer(base, step_tokens=100_000, compile="graphs")
     jobs = [(job_spec("a", max_steps=50, grad_accum=2, lora={"r": 16, "alpha": 32, "target_modules": "all-linear"}),

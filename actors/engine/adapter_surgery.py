@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from actors.engine import experts_lora, head_lora, lora_layer_state, lora_siblings, moe_experts
+from actors.engine import experts_lora, head_lora, lora_layer_state, lora_siblings, lora_stacks, moe_experts
 from actors.engine.conv1d_layers import transposed_in_checkpoint
 from actors.engine.experts_lora import ExpertsLora
 from actors.engine.fused_linear import FusedLoraLinear
@@ -301,6 +301,8 @@ def remove_adapter(model: nn.Module, name: str) -> None:
         if isinstance(module, FusedLoraLinear) and name in module.adapters:
             del module.adapters[name]
             lora_layer_state.forget_masters(module.base)
+            if module.siblings is not None:   # the stacks of the layers computed together held its copies too
+                lora_stacks.KEPT.forget(module.siblings)
             if len(module.adapters) == 0:
                 _unwrap(model, module_name)
 

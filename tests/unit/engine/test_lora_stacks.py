@@ -120,3 +120,37 @@ def test_a_copy_kernel_that_fails_its_check_leaves_the_refresh_to_torch(monkeypa
     assert lora_stacks.CHECK.checked == {"cpu": False}
     warnings = [r.getMessage() for r in caplog.records if "stacks' copy kernel" in r.getMessage()]
     assert len(warnings) == 1 and "no compiler here" in warnings[0]
+
+
+def test_a_job_that_leaves_leaves_no_stacks_of_its_adapter_kept(monkeypatch):
+    """Its layers' stacks and those of the layers computed together (lora_siblings.py) go with it: kept, they would
+    hold its compute-dtype copy (its memory) and be refreshed every step, and a later adapter at its address would
+    find them (their grouping is keyed by the adapters' identities)."""
+    import copy
+
+    from actors.engine import lora_siblings
+    from actors.engine.job import TrainingJob
+    from actors.engine.lora_masters import pool_of
+    from actors.engine.models import from_module
+    from actors.engine.trainer import FusedTrainer
+    from tests.helpers.fused import VOCAB, job_spec
+    from tests.helpers.models import random_examples, tiny_model
+
+    monkeypatch.setattr(lora_siblings, "SIBLINGS", "on")
+    base = from_module(copy.deepcopy(tiny_model("llama", VOCAB)).to(torch.bfloat16), None)
+    trainer = FusedTrainer(base, step_tokens=100_000)
+    for name, seed in (("a", 0), ("b", 1)):
+        spec = job_spec(name, lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+        trainer.add_job(TrainingJob.create(spec, base, random_examples(seed, vocab=VOCAB), [], seed=seed))
+    trainer.train_step()
+    cast = next(iter(pool_of(trainer.jobs["b"].optimizer.parameters).casts.values()))
+    start, end = cast.data_ptr(), cast.data_ptr() + cast.numel() * cast.element_size()
+
+    def holding_b() -> int:
+        return sum(start <= source.data_ptr() < end for entry in lora_stacks.KEPT.entries.values()
+                   for source in entry[4])
+
+    assert holding_b() > 0 and any(isinstance(entry[0](), lora_siblings.SiblingSet)
+                                   for entry in lora_stacks.KEPT.entries.values())
+    trainer.remove_job("b")
+    assert holding_b() == 0

@@ -24,7 +24,9 @@ from actors.engine.triton_support import KernelCheck, tl, triton, triton_runs
 
 # keep the pooled stacks between steps (False: made each step, as before; bench/gpu_cost_model.py --set ranks the two)
 KEEP = True
-GROUPINGS = 3   # groupings of adapters whose stacks a layer keeps (the step's, an evaluation's, a generation's)
+# groupings of adapters whose stacks a layer keeps: the step's and one more (an evaluation's, a generation's, a step
+# of fewer jobs), the least recently used dropped; each costs 2 bytes per parameter of its adapters
+GROUPINGS = 2
 BLOCK = 4096
 _TABLE_BYTES: dict[int, float] = {}   # id(a slot table on the device) -> bytes its copy moves (the cost model's)
 

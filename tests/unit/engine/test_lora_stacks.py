@@ -86,11 +86,14 @@ def test_another_grouping_is_stacked_afresh_and_kept_beside_the_first(monkeypatc
     counted.update(stack=0, foreach_copy=0)
     _step(layer, x, upstream, layout_of())            # the first grouping again: found, not stacked
     assert counted["stack"] == 0
-    groupings = [layout_of(((0, 20), (20, 57)), pair) for pair in (["job1", "job2"], ["job0", "job1"])]
-    for grouping in groupings:
+    pairs = [["job1", "job2"], ["job0", "job1"], ["job1", "job0"], ["job2", "job1"]][:lora_stacks.GROUPINGS]
+    groupings = [layout_of(((0, 20), (20, 57)), pair) for pair in pairs]
+    for grouping in groupings[:-1]:   # as many as the layer keeps beside the first
         _step(layer, x, upstream, grouping)
     kept = _kept_groupings(layer)
-    assert len(kept) == lora_stacks.GROUPINGS and first in kept   # used most recently but two: kept
+    assert len(kept) == lora_stacks.GROUPINGS and first in kept   # the least recently used was another: kept
+    _step(layer, x, upstream, groupings[-1])
+    assert first not in _kept_groupings(layer)                     # now it is the least recently used: dropped
     lora_layer_state.forget_masters(layer.base)   # a layer whose adapters leave keeps nothing
     assert not _kept_groupings(layer)
 

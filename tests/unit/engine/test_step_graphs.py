@@ -318,6 +318,18 @@ def test_the_next_steps_batch_made_during_this_one_gives_the_same_steps(monkeypa
     assert all(torch.equal(got[1][key], expected[1][key]) for key in expected[1])
 
 
+def _optimizer_steps_as_on_cuda(monkeypatch) -> None:
+    """The jobs' optimizer steps as the trainer takes them on CUDA (`step_jobs(on_device=True)`: the one-pass AdamW,
+    which writes each job's compute-dtype copy with its masters), on this CPU."""
+    from actors.engine import joint_steps
+    from actors.engine import trainer as trainer_module
+
+    def on_device(optimizers, targets, *, on_device=False, later=None):
+        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
+
+    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+
+
 @pytest.mark.parametrize(("accumulation", "warmup"), [((3, 3), 4), ((2, 3), 5)])
 def test_a_capture_after_a_step_that_only_accumulated_refreshes_the_adapters_at_every_replay(
         monkeypatch, accumulation, warmup):
@@ -326,14 +338,9 @@ def test_a_capture_after_a_step_that_only_accumulated_refreshes_the_adapters_at_
     step that only accumulated, so every copy was current and an eager step would skip the refreshes; the graph still
     holds them, and every loss and weight equals the eager run's (without `lora_masters.every_refresh` the replays
     read the stacks of the capture's weights)."""
-    from actors.engine import joint_steps
-    from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
 
-    def on_device(optimizers, targets, *, on_device=False, later=None):
-        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
-
-    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+    _optimizer_steps_as_on_cuda(monkeypatch)
     model = tiny_model("llama", VOCAB).to(torch.bfloat16)
     jobs = [(job_spec("a", grad_accum=accumulation[0], lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),
              random_examples(0, vocab=VOCAB), 0),
@@ -358,15 +365,11 @@ def test_replays_of_jobs_of_every_optimizer_and_adapter_setting_equal_their_eage
     updates around it change: LoRA+ (two learning rates), rank-stabilised scaling, gradient clipping, weight decay,
     accumulation; ranks not of one multiple of 8 (stacks padded and made each step, not kept); adapters on the MLP
     only beside ones on attention (other sibling groups); in bfloat16 and float32."""
-    from actors.engine import joint_steps
     from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
     from tests.helpers.graph_check import CheckedGraphs
 
-    def on_device(optimizers, targets, *, on_device=False, later=None):
-        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
-
-    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+    _optimizer_steps_as_on_cuda(monkeypatch)
     monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
     monkeypatch.setattr(step_graphs, "WARMUP", 2)
     jobs = [(job_spec("a", grad_accum=2, max_grad_norm=0.5, weight_decay=0.1,
@@ -392,15 +395,11 @@ def test_every_replay_equals_the_eager_step_from_the_same_state(monkeypatch):
     accumulating over two micro-batches and one over three, the optimizer's flow as on CUDA. On the CPU the two are
     equal bit for bit (so the check itself adds nothing of its own); without `lora_masters.every_refresh` they are
     not."""
-    from actors.engine import joint_steps
     from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
     from tests.helpers.graph_check import CheckedGraphs
 
-    def on_device(optimizers, targets, *, on_device=False, later=None):
-        return joint_steps.step_jobs(optimizers, targets, on_device=True, later=later)
-
-    monkeypatch.setattr(trainer_module, "step_jobs", on_device)
+    _optimizer_steps_as_on_cuda(monkeypatch)
     monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
     monkeypatch.setattr(step_graphs, "WARMUP", 5)   # the capture at step 6: after a step no job's optimizer took
     jobs = [(job_spec("a", grad_accum=2, lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),

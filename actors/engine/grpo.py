@@ -36,7 +36,7 @@ from actors.data import Example
 from actors.data.tokenize import IGNORE_INDEX
 from actors.engine.generate import Decoder, Sampling, greedy_generate_many, needs_eager_attention
 from actors.engine.generation_eval import ScoredRow, scored_rows, stop_token_ids
-from actors.engine.grpo_rewards import group_scores, reward_metrics, reward_scores
+from actors.engine.grpo_rewards import RewardError, group_scores, reward_metrics, reward_scores
 from actors.engine.layout import step_layout
 from actors.engine.loss import target_log_probs
 from actors.engine.model_support import LogitTransform
@@ -284,3 +284,27 @@ def reference_token_log_probs(base: BaseModel, micro_batch: JobMicroBatch, tempe
     head = base.lm_head
     return target_log_probs(hidden[batch.target_index], head.weight, head.bias, batch.target_ids, chunk,
                             tempered(base.logit_transform, temperature))
+
+
+def step_rollouts(base: BaseModel, chosen: list[tuple[Any, list[Example]]], functions: FunctionWorker
+                  ) -> tuple[list[tuple[Any, list]], list[tuple[Any, Exception]]]:
+    """A step's chosen (job, micro-batch) pairs with each GRPO job's prompts expanded into sampled, scored
+    completions (`rollouts`, through the job's adapter, seeded by the job's seed and position: the same alone or
+    fused), and the GRPO jobs whose reward failed (RewardError), whose rows have no prompt (ValueError) or whose
+    sampling ran out of memory, each with its error (the others' step goes on)."""
+    kept: list[tuple[Any, list]] = []
+    failed: list[tuple[Any, Exception]] = []
+    for job, batch in chosen:
+        if job.spec.grpo is None or job.replaying:   # a replayed micro-batch is its generation's rollouts
+            kept.append((job, batch))
+            continue
+        try:
+            expanded = rollouts(base, job.name, job.spec.grpo, batch, rollout_seed(job), functions)
+        except (RewardError, ValueError) as error:
+            failed.append((job, error))
+            continue
+        except torch.OutOfMemoryError as error:   # its sampling alone: the others' step goes on
+            failed.append((job, sampling_memory_error(base, job.spec.grpo, batch, error)))
+            continue
+        kept.append((job, expanded))
+    return kept, failed

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
+
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter, remove_adapter
+from actors.engine.grpo import reference_token_log_probs
+from actors.engine.job import TrainingJob
 from actors.engine.models import BaseModel
+from actors.engine.packing import JobMicroBatch
 from actors.engine.preference import ReferenceCache, reference_adapter_name
 from actors.spec.job_spec import JobSpec
 
@@ -58,3 +63,20 @@ class JobReferences:
     def name_of(self, job: str) -> str | None:
         handle = self.held.get(job)
         return handle.name if handle is not None else None
+
+    def for_step(self, jobs: list[TrainingJob], micro_batches: list[JobMicroBatch], loss_chunk: int
+                 ) -> dict[int, torch.Tensor]:
+        """The references of a step's jobs (`jobs[i]` with `micro_batches[i]`), by index, before its forward: the
+        DPO jobs' reference log-probabilities ((pairs, 2) each), a no-grad forward of their sequences without the
+        job's adapter (`preference.reference_log_probs`) for the pairs not yet in the job's cache; the GRPO jobs'
+        with beta > 0 per completion token (a no-grad forward each)."""
+        references = {index: reference_token_log_probs(self.base, micro_batches[index], job.spec.grpo.temperature,
+                                                       loss_chunk, self.name_of(job.name))
+                      for index, job in enumerate(jobs) if job.spec.grpo is not None and job.spec.grpo.beta}
+        dpo = [index for index, job in enumerate(jobs) if job.spec.method == "dpo"]
+        if not dpo:
+            return references
+        caches = [self.cache(jobs[index].name) for index in dpo]
+        sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, loss_chunk,
+                                     self.names(jobs[index].name for index in dpo))
+        return references | dict(zip(dpo, sums, strict=True))

@@ -31,15 +31,15 @@ from actors.engine.compiled import CompiledLayers, check_compile
 from actors.engine.fixed_shapes import FixedShape
 from actors.engine.generate import decode
 from actors.engine.generation_eval import GenerationEvaluation, generation_evaluations, generation_jobs
-from actors.engine.grpo import reference_token_log_probs, rollout_seed, rollouts, sampling_memory_error
-from actors.engine.grpo_rewards import RewardError
+from actors.engine.graphed_steps import GraphedSteps
+from actors.engine.grpo import step_rollouts
 from actors.engine.interactive_step import FusedCalls, call_losses, with_calls
 from actors.engine.job import BatchSource, TrainingJob
 from actors.engine.job_references import JobReferences
 from actors.engine.joint_steps import step_jobs
-from actors.engine.layout import StepLayout, step_layout
-from actors.engine.lora_masters import pool_of
-from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes, target_cross_entropy
+from actors.engine.layout import step_layout
+from actors.engine.loss import DEFAULT_CHUNK, fused_loss, logits_transient_bytes
+from actors.engine.loss_evaluation import adapter_logits, mean_loss
 from actors.engine.memory import (
     StepMemoryMeter,
     live_tensor_bytes,
@@ -49,13 +49,12 @@ from actors.engine.memory import (
 )
 from actors.engine.models import BaseModel
 from actors.engine.packing import JobMicroBatch, pack
-from actors.engine.preference import ReferenceCache, evaluate_preference
+from actors.engine.preference import evaluate_preference
 from actors.engine.recompute import decoder_layers, recomputed_layers
-from actors.engine.step_batches import StepBatches, batch_key
+from actors.engine.step_batches import StepBatches
 from actors.engine.step_composition import StepComposition
 from actors.engine.step_graphs import GraphBackend, StepGraphs
-from actors.engine.step_graphs import refusal as graph_refusal
-from actors.engine.step_objective import ObjectiveJob, StepObjective, fixed_objective, step_objective
+from actors.engine.step_objective import ObjectiveJob, step_objective
 from actors.engine.step_report import JobStepResult, StepReport
 from actors.engine.user_calls import FunctionWorker
 from actors.spec.base_settings import RECOMPUTE_MODES, Compile, Layout, Recompute
@@ -96,9 +95,10 @@ class FusedTrainer:
         self.meter = StepMemoryMeter(base.model, base.device)
         self.references = JobReferences(base)   # DPO jobs' reference caches; init_adapters that are a reference
         # compile: default's layers under torch.compile, or compile: graphs' captured steps (`graphs`), or None
-        self.compiled: CompiledLayers | StepGraphs | None = (
+        self.compiled: CompiledLayers | GraphedSteps | None = (
             CompiledLayers(base.decoder, backend=compile_backend) if compile == "default"
-            else self._step_graphs(graph_backend) if compile == "graphs" else None)
+            else GraphedSteps(base, layout=layout, recompute=recompute, loss_chunk=loss_chunk, backend=graph_backend)
+            if compile == "graphs" else None)
         # the steps' batches; on CUDA the next step's packed while this one runs (`_prepack_next`)
         self.batches = StepBatches(base, layout, bucketed=compile == "default", ahead=base.device.type == "cuda")
         self.functions = FunctionWorker()   # users' rewards and metrics: a process of their own, started if asked
@@ -152,20 +152,16 @@ class FusedTrainer:
     def graph_held_bytes(self, micro_batches: list[JobMicroBatch]) -> int:
         """Device memory held by `compile: graphs`' captured steps beside a step of these micro-batches (their
         graphs' pools; a step that replays one runs in its pool): what the memory plan adds to the step's peak."""
-        if self.graphs is None:
+        if not isinstance(self.compiled, GraphedSteps):
             return 0
-        return self.graphs.held_bytes(self._graph_shape(micro_batches))
+        return self.compiled.held_bytes(self._graph_shape(micro_batches))
 
     def _graph_shape(self, micro_batches: list[JobMicroBatch]) -> FixedShape | None:
         """The fixed shape a graphed step of these micro-batches would take (`compile: graphs`, where their jobs can
         take one), else None."""
-        if self.graphs is None or any(mb.job not in self.jobs for mb in micro_batches):
+        if not isinstance(self.compiled, GraphedSteps) or any(mb.job not in self.jobs for mb in micro_batches):
             return None
-        jobs = [self.jobs[mb.job] for mb in micro_batches]
-        if graph_refusal(jobs, dtype=self.base.dtype, layout=self.layout, recompute=self.recompute, calls=False):
-            return None
-        return self.graphs.planned(tuple(mb.job for mb in micro_batches), [mb.num_tokens for mb in micro_batches],
-                                   [len(mb.rows) for mb in micro_batches], _ceilings(jobs))
+        return self.compiled.shape([self.jobs[mb.job] for mb in micro_batches], micro_batches)
 
     # -- jobs -------------------------------------------------------------------------------------
     def add_job(self, job: TrainingJob) -> None:
@@ -209,26 +205,9 @@ class FusedTrainer:
     # -- a step's GRPO completions ----------------------------------------------------------------
     def rollouts(self, chosen: list[tuple[TrainingJob, list[Example]]]
                  ) -> tuple[list[tuple[TrainingJob, list]], list[tuple[TrainingJob, Exception]]]:
-        """The chosen micro-batches with each GRPO job's prompts expanded into sampled, scored completions
-        (`grpo.rollouts`, through the job's adapter, seeded by the job's seed and position: the same alone or
-        fused), and the GRPO jobs whose reward failed (RewardError) or whose rows have no prompt, to be failed
-        by the caller (the others' steps go on)."""
-        kept: list[tuple[TrainingJob, list]] = []
-        failed: list[tuple[TrainingJob, Exception]] = []
-        for job, batch in chosen:
-            if job.spec.grpo is None or job.replaying:   # a replayed micro-batch is its generation's rollouts
-                kept.append((job, batch))
-                continue
-            try:
-                expanded = rollouts(self.base, job.name, job.spec.grpo, batch, rollout_seed(job), self.functions)
-            except (RewardError, ValueError) as error:
-                failed.append((job, error))
-                continue
-            except torch.OutOfMemoryError as error:   # its sampling alone: the others' step goes on
-                failed.append((job, sampling_memory_error(self.base, job.spec.grpo, batch, error)))
-                continue
-            kept.append((job, expanded))
-        return kept, failed
+        """The chosen micro-batches with each GRPO job's prompts expanded into sampled, scored completions, and the
+        GRPO jobs whose reward or sampling failed, to be failed by the caller (`grpo.step_rollouts`)."""
+        return step_rollouts(self.base, chosen, self.functions)
 
     # -- running a step ---------------------------------------------------------------------------
     def run_step(self, chosen: list[tuple[TrainingJob, list[Example]]], *, measure: bool = False,
@@ -273,7 +252,8 @@ class FusedTrainer:
         started = time.perf_counter()
         micro_batches = [JobMicroBatch(job.name, batch) for job, batch in chosen]
         block = call_part = None
-        graphed = self._graphed(chosen, micro_batches, calls)
+        graphed = (self.compiled.run(chosen, micro_batches, calls, self.meter)
+                   if isinstance(self.compiled, GraphedSteps) else None)
         replayed = False
         if graphed is not None:
             batch, objective, tokens, padding, loss_rows, replayed = graphed
@@ -340,7 +320,7 @@ class FusedTrainer:
             batch = self.batches.for_step(micro_batches)
         layers = self.compiled if self.graphs is None else None   # compile: default's (a graphed step is not here)
         compiled = layers.active() if layers is not None else contextlib.nullcontext()
-        references = self._references(chosen, micro_batches)   # DPO: the base alone, before the step's forward
+        references = self.references.for_step([job for job, _ in chosen], micro_batches, self.loss_chunk)
         olds = {index: job.replay.old_logps(rows) for index, (job, rows) in enumerate(chosen) if job.replaying}
         model = self.base.model
         set_adapters_training(model, True)
@@ -362,56 +342,7 @@ class FusedTrainer:
     @property
     def graphs(self) -> StepGraphs | None:
         """`compile: graphs`' captured steps (actors/engine/step_graphs.py), else None."""
-        return self.compiled if isinstance(self.compiled, StepGraphs) else None
-
-    def _step_graphs(self, backend: GraphBackend | None) -> StepGraphs:
-        """`compile: graphs`: on a CUDA device (or with a stand-in `backend`: the CPU tests)."""
-        if backend is None and self.base.device.type != "cuda":
-            raise ValueError(f"compile: graphs captures steps as CUDA graphs: this base is on {self.base.device}; "
-                             "set compile: none (or default) off a GPU")
-
-        def forward(layout: StepLayout, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-            with step_layout(layout):
-                return self.base.decoder(input_ids=input_ids[None], position_ids=position_ids[None],
-                                         attention_mask=None, use_cache=False).last_hidden_state[0]
-
-        def objective(hidden: torch.Tensor, parts: dict[str, torch.Tensor]) -> StepObjective:
-            return fixed_objective(self.base, hidden, parts["target_ids"], parts["target_job"], parts["job_targets"],
-                                   self.loss_chunk)
-
-        return StepGraphs(self.base.device, self.base.pad_token_id, forward, objective, backend=backend)
-
-    def _graphed(self, chosen: list[tuple[TrainingJob, list[Example]]], micro_batches: list[JobMicroBatch],
-                 calls: FusedCalls | None) -> tuple | None:
-        """The step's forward, loss and backward as a graph (`compile: graphs`), where it can take one: (the packed
-        host batch, the objective, the step's tokens and padding in its fixed shape, the loss's rows, whether it was
-        a replay); else None
-        (the reason logged once per reason)."""
-        if self.graphs is None:
-            return None
-        jobs = [job for job, _ in chosen]
-        reason = graph_refusal(jobs, dtype=self.base.dtype, layout=self.layout, recompute=self.recompute,
-                               calls=bool(calls))
-        pools = [pool_of(job.optimizer.parameters) for job in jobs]
-        if reason is None and any(pool is None for pool in pools):
-            reason = "an adapter whose weights are not pooled (not the CUDA LoRA path's plain LoRA)"
-        if reason is not None:
-            if reason not in self.graphs.refusals:
-                self.graphs.refusals.add(reason)
-                log.info("compile: graphs: a step runs eagerly: %s", reason)
-            return None
-        fixed = self.graphs.take_ahead(batch_key(micro_batches))   # packed during the step before, where it was
-        if fixed is None:
-            fixed = self.graphs.fixed(pack(micro_batches, "packed", self.base.pad_token_id), _ceilings(jobs))
-        set_adapters_training(self.base.model, True)
-        with self.meter.forward():
-            replays = self.graphs.replays
-            objective = self.graphs.run(fixed, pools)
-        packed = fixed.packed
-        objective = StepObjective(objective.total, objective.job_losses, list(packed.job_targets),
-                                  [None] * len(jobs))
-        tokens = fixed.shape.tokens
-        return packed, objective, tokens, tokens - packed.num_tokens, tokens, self.graphs.replays > replays
+        return self.compiled.graphs if isinstance(self.compiled, GraphedSteps) else None
 
     def _prepack_next(self) -> None:
         """On CUDA, while the step's kernels run: pack the step most likely to come next (every active job's
@@ -428,10 +359,10 @@ class FusedTrainer:
         micro = [JobMicroBatch(job.name, batch) for job in jobs if (batch := job.peek()) is not None]
         if not micro or (len(micro) > 1 and self.composition.step_cost(micro) > self.step_tokens):
             return
-        if self.graphs is None:
+        if isinstance(self.compiled, GraphedSteps):
+            self.compiled.send_ahead([self.jobs[mb.job] for mb in micro], micro)
+        else:
             self.batches.send_ahead(micro)
-        elif self._graph_shape(micro) is not None:
-            self.graphs.send_ahead(batch_key(micro), pack(micro, "packed", self.base.pad_token_id), _ceilings(jobs))
 
     def train_step(self) -> StepReport | None:
         """Compose the next step, expand its GRPO jobs' rollouts (a failed reward raises), run it."""
@@ -442,22 +373,6 @@ class FusedTrainer:
         if failed:
             raise failed[0][1]
         return self.run_step(chosen)
-
-    def _references(self, chosen: list[tuple[TrainingJob, list[Example]]],
-                    micro_batches: list[JobMicroBatch]) -> dict[int, torch.Tensor]:
-        """The DPO jobs' reference log-probabilities ((pairs, 2) per job index): one no-grad forward of their
-        sequences with no adapter (`preference.reference_log_probs`) for the pairs not yet in the job's
-        `ReferenceCache`; and the GRPO jobs' with beta > 0 (per completion token, a no-grad forward each)."""
-        references = {index: reference_token_log_probs(self.base, micro_batches[index], job.spec.grpo.temperature,
-                                                       self.loss_chunk, self.references.name_of(job.name))
-                      for index, (job, _) in enumerate(chosen) if job.spec.grpo is not None and job.spec.grpo.beta}
-        dpo = [index for index, (job, _) in enumerate(chosen) if job.spec.method == "dpo"]
-        if not dpo:
-            return references
-        caches = [self.references.cache(chosen[index][0].name) for index in dpo]
-        sums = ReferenceCache.lookup(self.base, [micro_batches[index] for index in dpo], caches, self.loss_chunk,
-                                     self.references.names(chosen[index][0].name for index in dpo))
-        return references | dict(zip(dpo, sums, strict=True))
 
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -475,7 +390,7 @@ class FusedTrainer:
                                            self.references.cache(job.name),
                                            cpo_alpha=job.spec.preference.cpo_alpha,
                                            reference_adapter=self.references.name_of(job.name))
-            return self._evaluate_loss(job, examples, batch_size)
+            return mean_loss(self.base, job.name, examples, batch_size, self.loss_chunk)
         finally:
             set_adapters_training(self.base.model, True)
 
@@ -489,23 +404,6 @@ class FusedTrainer:
         return generation_evaluations(self.base, generation_jobs(jobs), self.functions)
 
     @torch.no_grad()
-    def _evaluate_loss(self, job: TrainingJob, examples: list[Example], batch_size: int) -> float:
-        loss_sum, count = 0.0, 0
-        head = self.base.lm_head
-        for start in range(0, len(examples), batch_size):
-            batch = pack([JobMicroBatch(job.name, examples[start:start + batch_size])], "packed",
-                         self.base.pad_token_id).to(self.base.device)
-            with step_layout(batch.layout):
-                hidden = self.base.decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                                           attention_mask=None, use_cache=False).last_hidden_state[0]
-            weights = torch.ones(batch.target_ids.numel(), device=hidden.device)
-            total, _ = target_cross_entropy(hidden[batch.target_index], head.weight, head.bias,
-                                            batch.target_ids, weights, self.loss_chunk, self.base.logit_transform)
-            loss_sum += float(total)
-            count += int(batch.target_ids.numel())
-        return loss_sum / max(count, 1)
-
-    @torch.no_grad()
     def rebuild(self) -> None:
         """Nothing to rebuild: one device has no stages to lose."""
 
@@ -516,22 +414,7 @@ class FusedTrainer:
     def logits(self, adapter: str, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of one adapter on a (batch, length) tensor of unpadded equal-length rows (the model's
         own forward: its logit transform included)."""
-        set_adapters_training(self.base.model, False)
-        rows, length = input_ids.shape
-        layout = StepLayout.single(adapter, [length] * rows)
-        flat = input_ids.reshape(1, -1).to(self.base.device)
-        positions = torch.arange(length, device=self.base.device).repeat(rows)[None]
-        try:
-            with step_layout(layout):
-                out = self.base.model(input_ids=flat, position_ids=positions, attention_mask=None, use_cache=False)
-        finally:
-            set_adapters_training(self.base.model, True)
-        return out.logits.reshape(rows, length, -1)
-
-
-def _ceilings(jobs: list[TrainingJob]) -> tuple[tuple[int, int], ...]:
-    """The most tokens and rows each (sft) job's micro-batch holds: its fixed segment's bound (`compile: graphs`)."""
-    return tuple((job.spec.batch_size * job.spec.max_seq_len, job.spec.batch_size) for job in jobs)
+        return adapter_logits(self.base, adapter, input_ids)
 
 
 def _read_back(losses: torch.Tensor, norms: list[float | torch.Tensor]) -> tuple[list[float], list[float]]:

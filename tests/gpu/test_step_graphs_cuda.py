@@ -30,8 +30,7 @@ GRADIENT_BOUND = 2.0**-5
 
 
 def test_every_replayed_step_equals_the_same_step_run_eagerly(monkeypatch):
-    from actors.engine import lora_stacks
-    from actors.engine import trainer as trainer_module
+    from actors.engine import graphed_steps, lora_stacks
     from actors.engine.job import TrainingJob
     from actors.engine.models import from_module
     from actors.engine.trainer import FusedTrainer
@@ -39,7 +38,7 @@ def test_every_replayed_step_equals_the_same_step_run_eagerly(monkeypatch):
     from tests.helpers.graph_check import CheckedGraphs
     from tests.helpers.models import random_examples, tiny_model
 
-    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(graphed_steps, "StepGraphs", CheckedGraphs)
     gc.collect()   # earlier tests' models, whose layers' kept stacks a collection inside this test would free
     base = from_module(tiny_model("llama", VOCAB).to("cuda", torch.bfloat16), None)
     trainer = FusedTrainer(base, step_tokens=100_000, compile="graphs")

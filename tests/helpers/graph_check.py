@@ -8,7 +8,7 @@ CPU stand-in (tests/helpers/graph_replay.py) the two are equal bit for bit; on a
 the device's atomic additions. Both runs start from the same weights at every step, so the check holds at a real
 learning rate, where a replay that read last step's weights would differ by a step's update.
 
-Use: `monkeypatch.setattr(actors.engine.trainer, "StepGraphs", CheckedGraphs)` before making the trainer."""
+Use: `monkeypatch.setattr(actors.engine.graphed_steps, "StepGraphs", CheckedGraphs)` before making the trainer."""
 
 from __future__ import annotations
 

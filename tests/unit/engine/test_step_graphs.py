@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from actors.engine import lora_cuda, lora_grouped_mm, step_graphs
+from actors.engine import graphed_steps, lora_cuda, lora_grouped_mm, step_graphs
 from actors.engine.fixed_shapes import FixedShape, counts_of, fixed_batch, shape_for, split_parts
 from actors.engine.packing import JobMicroBatch, pack
 from tests.helpers.fused import VOCAB, first_step_gradients, job_spec
@@ -188,7 +188,7 @@ def test_steps_a_graph_cannot_take_run_eagerly_and_say_why(monkeypatch, caplog):
                  random_examples(3, vocab=VOCAB), 3)]
     trainer = _trainer(from_module(copy.deepcopy(model), None), dropping, compile="graphs",
                        graph_backend=ReplayGraphs())
-    with caplog.at_level(logging.INFO, logger="actors.engine.trainer"):
+    with caplog.at_level(logging.INFO, logger="actors.engine.graphed_steps"):
         for _ in range(3):
             trainer.train_step()
     assert not trainer.graphs.entries
@@ -365,12 +365,11 @@ def test_replays_of_jobs_of_every_optimizer_and_adapter_setting_equal_their_eage
     updates around it change: LoRA+ (two learning rates), rank-stabilised scaling, gradient clipping, weight decay,
     accumulation; ranks not of one multiple of 8 (stacks padded and made each step, not kept); adapters on the MLP
     only beside ones on attention (other sibling groups); in bfloat16 and float32."""
-    from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
     from tests.helpers.graph_check import CheckedGraphs
 
     _optimizer_steps_as_on_cuda(monkeypatch)
-    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(graphed_steps, "StepGraphs", CheckedGraphs)
     monkeypatch.setattr(step_graphs, "WARMUP", 2)
     jobs = [(job_spec("a", grad_accum=2, max_grad_norm=0.5, weight_decay=0.1,
                       lora={"r": 8, "alpha": 16, "use_rslora": True, "loraplus_lr_ratio": 16,
@@ -395,12 +394,11 @@ def test_every_replay_equals_the_eager_step_from_the_same_state(monkeypatch):
     accumulating over two micro-batches and one over three, the optimizer's flow as on CUDA. On the CPU the two are
     equal bit for bit (so the check itself adds nothing of its own); without `lora_masters.every_refresh` they are
     not."""
-    from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
     from tests.helpers.graph_check import CheckedGraphs
 
     _optimizer_steps_as_on_cuda(monkeypatch)
-    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(graphed_steps, "StepGraphs", CheckedGraphs)
     monkeypatch.setattr(step_graphs, "WARMUP", 5)   # the capture at step 6: after a step no job's optimizer took
     jobs = [(job_spec("a", grad_accum=2, lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),
              random_examples(0, vocab=VOCAB), 0),
@@ -445,11 +443,10 @@ def test_an_evaluation_between_steps_is_captured_around_once_and_never_replayed_
     after it is captured again (the kept stacks' refresh it captured is not theirs); a later evaluation finds its
     stacks kept, and the steps go on replaying. Every replay equals its eager step, and none reads a freed tensor."""
     from actors.engine import lora_stacks
-    from actors.engine import trainer as trainer_module
     from actors.engine.models import from_module
     from tests.helpers.graph_check import CheckedGraphs
 
-    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(graphed_steps, "StepGraphs", CheckedGraphs)
     monkeypatch.setattr(step_graphs, "WARMUP", 1)
     jobs = [(job_spec("a", lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}),
              random_examples(0, vocab=VOCAB), 0),
@@ -479,14 +476,13 @@ def test_a_saved_adapter_tried_between_steps_leaves_no_replay_on_what_it_changed
     """"Try it" with a finished job's saved adapter (actors/service/trainer/try_adapter.py) wraps layers the running
     jobs do not adapt, generates through them and unwraps them: the model's layers changed, so the next step is
     captured again; every replay equals its eager step, and none reads a tensor freed since its capture."""
-    from actors.engine import trainer as trainer_module
     from actors.engine.adapter_surgery import add_adapter, remove_adapter
     from actors.engine.generate import greedy_generate_many
     from actors.engine.models import from_module
     from actors.spec.lora_config import LoraConfig
     from tests.helpers.graph_check import CheckedGraphs
 
-    monkeypatch.setattr(trainer_module, "StepGraphs", CheckedGraphs)
+    monkeypatch.setattr(graphed_steps, "StepGraphs", CheckedGraphs)
     monkeypatch.setattr(step_graphs, "WARMUP", 1)
     jobs = [(job_spec("a", lora={"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}),
              random_examples(0, vocab=VOCAB), 0),

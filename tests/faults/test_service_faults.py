@@ -152,7 +152,8 @@ def test_a_hung_or_killed_job_actor_costs_neither_its_job_nor_the_others(ray_ses
 
         hung_actor, killed_actor = wait_for(both_actors, what="the jobs' actors")
         stopped_pid = actor_pid(ray, hung_actor)
-        wait_for(lambda: hangs.status().step >= 6 and killed.status().step >= 6, what="the jobs to checkpoint")
+        wait_for(lambda: hangs.status().step >= 6 and killed.status().step >= 6, what="the jobs to checkpoint",
+                 state=lambda: {h.name: (h.status().step, client.transitions(h.id)) for h in (steady, hangs, killed)})
         os.kill(stopped_pid, signal.SIGSTOP)        # hung: alive, answers nothing
         ray.kill(killed_actor)                        # dead
         try:

@@ -308,6 +308,11 @@ def key_numbers(out: Path) -> dict:
         fusion8b = next((_json(p) for p in sorted((out / "sides").glob("*-fusion.json"))), None)
     if fusion8b and fusion8b.get("efficiency"):
         numbers["fusion_efficiency_8b_shape"] = {n: round(v, 3) for n, v in fusion8b["efficiency"].items()}
+    if fusion8b and fusion8b.get("profile_growth"):   # where the most adapters' step grew: the top 8 kernels
+        grown = fusion8b["profile_growth"]
+        numbers["fusion_growth_8b_shape"] = {"adapters": grown["adapters"], **grown["totals"], "grew_most": [
+            f"{row['grew_s'] * 1e3:+.2f} ms ({row['seconds_per_step'][0] * 1e3:.2f} -> "
+            f"{row['seconds_per_step'][1] * 1e3:.2f}) {row['name'][:70]}" for row in grown["grew_most"][:8]]}
     return numbers
 
 

@@ -1,9 +1,12 @@
-"""What bench/lora_mfu.py's sides share (bench/lora_sides.py, bench/peft_baselines.py, bench/lora_report.py, and
-bench/gpu_cost's model of them): the shapes, the LoRA and job settings, issue 47's goals, random models of a shape,
-each job's batches, a step clock that never waits inside the timed steps, and the figures a side reports."""
+"""What bench/lora_mfu.py's sides share (bench/lora_sides.py, bench/fusion_side.py, bench/peft_baselines.py,
+bench/lora_report.py, and bench/gpu_cost's model of them): the shapes, the LoRA and job settings, issue 47's goals,
+random models of a shape, each job's batches and a source that gives them in order, a step clock that never waits
+inside the timed steps, and the figures a side reports (its result file, the engine's chosen settings)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import statistics
 import sys
@@ -175,3 +178,44 @@ def with_mfu(result: dict, model, device: torch.device, ceiling: float | None = 
     return {**result, "matmul_parameters": matmul_parameters(model), "flops_per_s": flops,
             "lora_mfu": flops / peak if peak else None, "peak_flops": peak,
             "lora_mfu_of_ceiling": flops / ceiling if ceiling else None}
+
+
+def write(args: argparse.Namespace, result: dict) -> None:
+    if args.result:
+        args.result.write_text(json.dumps(result))
+
+
+class ListSource:
+    """A job's micro-batches in a fixed order (a BatchSource): every side trains the same sequences."""
+
+    def __init__(self, batches: list[list]):
+        self.batches, self.position = batches, 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.position >= len(self.batches)
+
+    def next_batch(self):
+        if self.exhausted:
+            return None
+        self.position += 1
+        return self.batches[self.position - 1]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def engine_settings(trainer) -> dict:
+    """What the engine chose on this device (for the report: the defaults measured)."""
+    import actors.engine.lora_grouped as lora_grouped
+    settings = {"recompute": getattr(trainer, "recompute", None), "layout": getattr(trainer, "layout", None),
+                "dtype": str(getattr(trainer.base, "dtype", None)),
+                "lora_grouping": getattr(lora_grouped, "GROUPING", None)}
+    try:   # the kernel each tuned LoRA product's shape took, measured during the first steps
+        from actors.engine import kernel_tuning
+    except ImportError:   # a checkout from before it (the cost model runs older checkouts' benchmarks)
+        return settings
+    return {**settings, "tuned_kernels": kernel_tuning.decisions()}

@@ -25,7 +25,8 @@ own, on the same sequences; and fusion efficiency at 1..32 adapters (issue 47, i
 
 --prediction FILE (bench/gpu_cost_model.py's JSON) prints each predicted figure beside the measured one;
 --profile DIR profiles two of aspen's fused steps after its timed ones (bench/profile_step.py), and two of
-fusion's with the most adapters after theirs (DIR/<shape>-fusion-<N>); with --profile-peers also two steps of
+fusion's with the fewest and the most adapters after theirs (DIR/<shape>-fusion/adapters-<N>, and where the step's
+time grew between them: the result's `profile_growth`); with --profile-peers also two steps of
 (a) and of (b) (bf16 adapters) after theirs (DIR/<shape>-peft, DIR/<shape>-packed): on a shape whose steps the
 host bounds, different code on one host, what bench/gpu_cost/profile_fit.py needs to fit the host's costs. The goals of
 issue 47 are printed beside the figures. Needs torch, transformers and peft (and aspen's engine: pydantic);
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--prediction", type=Path, help="bench/gpu_cost_model.py's JSON: printed beside the figures")
     parser.add_argument("--profile", type=Path,
-                        help="profile two of aspen's steps into DIR, and two of fusion's with the most adapters")
+                        help="profile two of aspen's steps into DIR, two of fusion's at the fewest and most adapters")
     parser.add_argument("--profile-peers", action="store_true",
                         help="with --profile: also two steps of (a) and of (b) (bf16 adapters) after their timed ones")
     parser.add_argument("--side-timeout", type=float, help="seconds each side's process may run")
@@ -226,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             adapters = [n for n in adapters if n <= 4]
         extra = ["--adapters", ",".join(map(str, adapters))]
-        if args.profile:   # the most adapters' step: where fusion loses most (0.73 at 32 on 2026-12-04)
-            extra += ["--profile", str(Path(args.profile) / f"{shape}-fusion-{max(adapters)}")]
+        if args.profile:   # the fewest's and the most's steps: where fusion loses (0.73 at 32 on 2026-12-04)
+            extra += ["--profile", str(Path(args.profile) / f"{shape}-fusion")]
         _results["fusion"] = own_process("fusion", args, shape, extra, args.side_timeout)
         if args.json:
             args.json.write_text(json.dumps(_results, indent=1))

@@ -1,7 +1,7 @@
 """The sides bench/lora_mfu.py runs, one per process (`lora_mfu.py --side NAME --result FILE`): aspen's fused
 step, the PEFT baselines (peft_baselines.py), 4 PEFT processes at once, the frozen base with the card's matmul
-ceiling, and fusion at 1..32 adapters. Each writes its result as JSON to FILE (fusion after every adapter
-count, aspen before profiling: what was measured survives a kill)."""
+ceiling, and fusion at 1..32 adapters (bench/fusion_side.py). Each writes its result as JSON to FILE (fusion after
+every adapter count, aspen before profiling: what was measured survives a kill)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,17 @@ import time
 from pathlib import Path
 
 import torch
+from fusion_side import fusion_side
 from lora_bench import (
     JOBS,
     LORA,
     SHAPES,
+    ListSource,
     StepClock,
     allocator_events,
     allocator_events_since,
     compute_dtype,
+    engine_settings,
     job_batches,
     log,
     matmul_parameters,
@@ -31,35 +34,8 @@ from lora_bench import (
     step_summary,
     sync,
     with_mfu,
+    write,
 )
-
-
-def write(args: argparse.Namespace, result: dict) -> None:
-    if args.result:
-        args.result.write_text(json.dumps(result))
-
-
-class ListSource:
-    """A job's micro-batches in a fixed order (a BatchSource): every side trains the same sequences."""
-
-    def __init__(self, batches: list[list]):
-        self.batches, self.position = batches, 0
-
-    @property
-    def exhausted(self) -> bool:
-        return self.position >= len(self.batches)
-
-    def next_batch(self):
-        if self.exhausted:
-            return None
-        self.position += 1
-        return self.batches[self.position - 1]
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = state["position"]
 
 
 def the_batches(args: argparse.Namespace, extra: int = 0) -> dict[int, list]:
@@ -133,19 +109,6 @@ def aspen_side(args: argparse.Namespace, device: torch.device, compile: str = "n
         result["profile"] = profile(trainer.train_step, device, profile_steps, args.profile,
                                     median_step_s=result["median_step_s"])
     return result
-
-
-def engine_settings(trainer) -> dict:
-    """What the engine chose on this device (for the report: the defaults measured)."""
-    import actors.engine.lora_grouped as lora_grouped
-    settings = {"recompute": getattr(trainer, "recompute", None), "layout": getattr(trainer, "layout", None),
-                "dtype": str(getattr(trainer.base, "dtype", None)),
-                "lora_grouping": getattr(lora_grouped, "GROUPING", None)}
-    try:   # the kernel each tuned LoRA product's shape took, measured during the first steps
-        from actors.engine import kernel_tuning
-    except ImportError:   # a checkout from before it (the cost model runs older checkouts' benchmarks)
-        return settings
-    return {**settings, "tuned_kernels": kernel_tuning.decisions()}
 
 
 # -- the PEFT baselines -----------------------------------------------------------------------------------------
@@ -367,74 +330,9 @@ def frozen_side(args: argparse.Namespace, device: torch.device) -> dict:
 
 # -- fusion -----------------------------------------------------------------------------------------------------
 
-def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
-    """A fused step's tokens/s with N adapters at equal total tokens, as a ratio to 1 adapter (median step)."""
-    import random
-
-    from actors.data import Example
-    from actors.engine.job import TrainingJob
-    from actors.engine.models import from_module
-    from actors.engine.trainer import FusedTrainer
-    from actors.engine.warmup import settle_garbage_collector, warm_up
-    from actors.spec.job_spec import JobSpec
-    base = from_module(random_model(args.shape, device, compute_dtype(device)), None)
-    warm_up(base, 1 << 17)   # as the service's trainer does at start-up
-    settle_garbage_collector()   # as aspen's trainer does once set up (actors/engine/warmup.py)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    rng = random.Random(0)
-    sequences, length = 32, 128 if device.type == "cuda" else 32   # 4096 tokens a step on a GPU
-    result: dict = {"sequences": sequences, "length": length, "per_adapters": {}, "efficiency": {}}
-    counts = [int(n) for n in args.adapters.split(",")]
-    for adapters in counts:
-        trainer = FusedTrainer(base, step_tokens=1 << 17)
-        profiled = 2 if args.profile and adapters == max(counts) else 0
-        per_job, total = sequences // adapters, args.warmup + args.steps + profiled
-        for job in range(adapters):
-            batches = []
-            for _ in range(total):
-                batch = []
-                for _ in range(per_job):
-                    ids = tuple(rng.randrange(3, vocab) for _ in range(length))
-                    batch.append(Example(ids, ids))
-                batches.append(batch)
-            spec = JobSpec(name=f"f{adapters}-{job}", data="unused.jsonl", format={"type": "text"},
-                           batch_size=per_job, max_steps=total, lr=1e-4, lora=LORA)
-            trainer.add_job(TrainingJob.attach(spec, base, ListSource(batches), [], total, seed=job))
-        for _ in range(args.warmup):
-            trainer.train_step()
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        events = allocator_events(device)
-        clock = StepClock(device)
-        clock.mark()
-        for _ in range(args.steps):
-            trainer.train_step()
-            clock.mark()
-        summary = step_summary(clock.seconds(), [sequences * length] * args.steps)
-        summary["tokens_per_s_at_median"] = sequences * length / summary["median_step_s"]
-        summary.update(allocator_events_since(device, events))
-        summary.update(memory_fields(device))
-        summary["engine_defaults"] = engine_settings(trainer)
-        result["per_adapters"][str(adapters)] = summary
-        first = result["per_adapters"][next(iter(result["per_adapters"]))]["tokens_per_s_at_median"]
-        result["efficiency"][str(adapters)] = summary["tokens_per_s_at_median"] / first
-        log(f"[fusion] {adapters} adapters: median step {summary['median_step_s']:.3f}s, "
-            f"efficiency {result['efficiency'][str(adapters)]:.3f}")
-        if profiled:
-            write(args, result)   # the figures first: a profile cut by the part's limit leaves them
-            from profile_step import profile_steps as profile
-            result["profile"] = {"adapters": adapters, **profile(trainer.train_step, device, profiled, args.profile,
-                                                                  median_step_s=summary["median_step_s"])}
-        for name in list(trainer.jobs):
-            trainer.remove_job(name)
-        write(args, result)
-    return result
-
-
 SIDE_FUNCTIONS = {"aspen": aspen_side, "graphs": graphs_side, "peft": peft_side, "packed": packed_side,
                   "concurrent": concurrent_side, "peft-worker": peft_worker, "frozen": frozen_side,
-                  "fusion": fusion_side}
+                  "fusion": fusion_side}   # (fusion_side.py)
 
 
 def run_side(args: argparse.Namespace) -> int:

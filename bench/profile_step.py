@@ -74,19 +74,23 @@ def summarise(prof, steps: int, median_step_s: float | None, own_syncs: int = 1)
         summary["top_kernels"] = [{"name": name, "share": sum(times) / device_total,
                                    "seconds_per_step": sum(times) / steps, "calls_per_step": len(times) / steps}
                                   for name, times in top]
+        summary["seconds_per_step_by_name"] = {name: round(sum(times) / steps, 7) for name, times in by_name.items()}
     else:   # a CPU: the operators by self time
         averages = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
         total = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1
         summary["top_kernels"] = [{"name": e.key, "share": e.self_cpu_time_total / total,
                                    "seconds_per_step": e.self_cpu_time_total / 1e6 / steps,
                                    "calls_per_step": e.count / steps} for e in averages]
+        summary["seconds_per_step_by_name"] = {e.key: round(e.self_cpu_time_total / 1e6 / steps, 7)
+                                               for e in prof.key_averages() if e.self_cpu_time_total}
     return summary
 
 
 def profile_steps(step: Callable[[], object], device: torch.device, steps: int, out: Path | str,
-                  median_step_s: float | None = None) -> dict:
+                  median_step_s: float | None = None, trace: bool = True) -> dict:
     """Run `step` `steps` times under torch.profiler (one synchronisation at the end) and write the tables, the
-    trace and summary.json into `out`; the summary."""
+    trace (unless not `trace`: the export takes seconds on a large step) and summary.json into `out`; the
+    summary."""
     from torch.profiler import ProfilerActivity, profile
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,11 +111,24 @@ def profile_steps(step: Callable[[], object], device: torch.device, steps: int, 
                                                    max_name_column_width=90))
     summary = summarise(prof, steps, median_step_s, own_syncs=1 if device.type == "cuda" else 0)
     summary.update(profiled_wall_s=round(wall, 4), out=str(out))
-    trace = out / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    with trace.open("rb") as source, gzip.open(out / "trace.json.gz", "wb") as target:
-        shutil.copyfileobj(source, target)
-    trace.unlink()
+    if trace:
+        path = out / "trace.json"
+        prof.export_chrome_trace(str(path))
+        with path.open("rb") as source, gzip.open(out / "trace.json.gz", "wb") as target:
+            shutil.copyfileobj(source, target)
+        path.unlink()
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
+
+def growth(fewer: dict, more: dict, top: int = 12) -> dict:
+    """Where a step's time grew between two profiles of it (two summaries: e.g. 1 and 32 fused adapters at equal
+    tokens): the kernels (on a CPU: operators) whose time a step grew most, each with its seconds a step in both,
+    and the step's kernel time, GPU busy time, kernels and launches in both."""
+    before, after = fewer.get("seconds_per_step_by_name", {}), more.get("seconds_per_step_by_name", {})
+    names = sorted(before.keys() | after.keys(), key=lambda n: before.get(n, 0.0) - after.get(n, 0.0))
+    totals = {key: [fewer.get(key), more.get(key)] for key in (
+        "kernel_s_per_step", "gpu_busy_s_per_step", "kernels_per_step", "launches_per_step", "syncs_per_step")}
+    return {"totals": totals,
+            "grew_most": [{"name": name[:120], "seconds_per_step": [before.get(name, 0.0), after.get(name, 0.0)],
+                           "grew_s": round(after.get(name, 0.0) - before.get(name, 0.0), 7)} for name in names[:top]]}

@@ -64,7 +64,10 @@ def aspen_side(plan: dict) -> dict:
             "steps": len(steps), "timed_steps": len(timed),
             "jobs_per_step": statistics.mean(len(s["jobs"]) for s in steps),
             "padding_tokens": sum(s["padding"] for s in steps), "per_job": per_job,
-            "peak_resident_bytes": max(loading_peak, kernel_peak_resident()),
+            # the trainer resets VmHWM as each step begins (its report: the step's own peak), so the reading at the
+            # end covers the last step only: the process's peak is the largest of loading's, the steps' and that
+            "peak_resident_bytes": max(loading_peak, kernel_peak_resident(),
+                                       *(s["reported_peak"] or 0 for s in steps)),
             "reported_peak_bytes": max((s["reported_peak"] or 0 for s in steps), default=0),
             "predicted_peak_bytes": predicted_resident_peak(Path(spec.output_dir)),
             "memory_rows": [{key: row.get(key) for key in ("step", "tokens", "peak_memory_bytes", "memory_measured",

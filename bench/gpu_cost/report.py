@@ -128,6 +128,11 @@ def _fusion(results: dict, calibration: dict) -> list[str]:
         known = measured["fusion_efficiency"].get(str(count)) if comparable else None
         extra = f"; measured (70c0645) {known:.3f}" if known is not None else ""
         lines.append(f"  {count:>3} adapters: {rate:,.0f} tokens/s, efficiency {value:.3f}{extra}")
+    counts = sorted(fusion["fusion_efficiency"], key=int)
+    for count in (counts[0], counts[-1]) if len(counts) > 1 else ():   # what grows: against a lease's profile_growth
+        step = fusion.get(f"adapters_{count}", {}).get("median_step") or {}
+        if step.get("categories"):
+            lines.append(f"  {count:>3} adapters' median step, GPU ms by kind: {_categories(step, limit=12)}")
     return lines
 
 

@@ -86,12 +86,8 @@ def calibration_checkout(commit: str, where: Path | None) -> Path:
     return target
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        return _worker(json.loads(sys.argv[2]))
-    sys.path.insert(0, str(BENCH))
-    from gpu_cost import report
-    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH, default_machine, host_for, load, with_probe
+def _parser() -> argparse.ArgumentParser:
+    from gpu_cost.calibration import CALIBRATION_COMMIT, PATH
     from gpu_cost.peers import PEERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -134,23 +130,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-probe", type=Path, metavar="FILE",
                         help="price the host by a machine's host probe (bench/host_probe.py --json FILE, run on that "
                              "machine: the lease's host part) instead of a calibrated machine's costs")
+    return parser
+
+
+def _calibration(args: argparse.Namespace, parser: argparse.ArgumentParser, calibration: dict) -> dict:
+    """The calibration the steps are priced by: the file's, or with --host-probe its machine's host costs instead
+    (written to a temporary file, which the workers read; args.host and args.calibration_file then name it)."""
+    from gpu_cost.calibration import with_probe
+
+    if not args.host_probe:
+        return calibration
+    if args.host:
+        parser.error("--host and --host-probe: one host, either a calibrated machine or a probed one")
+    try:
+        calibration, args.host = with_probe(calibration, json.loads(args.host_probe.read_text()))
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(f"--host-probe {args.host_probe}: not a host probe's JSON ({type(error).__name__}: "
+                     f"{error}); bench/host_probe.py --json FILE writes one")
+    folder = tempfile.mkdtemp(prefix="gpu-cost-probe-")   # the workers read the calibration from a file
+    atexit.register(shutil.rmtree, folder, True)
+    probed = Path(folder) / "calibration.json"
+    probed.write_text(json.dumps(calibration))
+    args.calibration_file = probed
+    return calibration
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        return _worker(json.loads(sys.argv[2]))
+    sys.path.insert(0, str(BENCH))
+    from gpu_cost import report
+    from gpu_cost.calibration import CALIBRATION_COMMIT, default_machine, host_for, load
+    from gpu_cost.peers import PEERS
+
+    parser = _parser()
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= 32:
         parser.error("--jobs must be 1..32")
-    calibration = load(args.calibration_file)
-    if args.host_probe:
-        if args.host:
-            parser.error("--host and --host-probe: one host, either a calibrated machine or a probed one")
-        try:
-            calibration, args.host = with_probe(calibration, json.loads(args.host_probe.read_text()))
-        except (OSError, ValueError, KeyError) as error:
-            parser.error(f"--host-probe {args.host_probe}: not a host probe's JSON ({type(error).__name__}: "
-                         f"{error}); bench/host_probe.py --json FILE writes one")
-        folder = tempfile.mkdtemp(prefix="gpu-cost-probe-")   # the workers read the calibration from a file
-        atexit.register(shutil.rmtree, folder, True)
-        probed = Path(folder) / "calibration.json"
-        probed.write_text(json.dumps(calibration))
-        args.calibration_file = probed
+    calibration = _calibration(args, parser, load(args.calibration_file))
     try:
         host_for(calibration, args.host)
     except ValueError as error:

@@ -139,6 +139,31 @@ def test_the_console_ships_every_asset_and_refers_to_no_other_host():
 
 
 def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
+    """One user's tour, the long job training throughout (each part below): log in, follow the jobs table live,
+    the job's page and trying its adapter, what cannot be tried or seen, submitting, cancelling from the table."""
+    _a_wrong_token_is_refused(console, browser)
+    alice, bob = console.http("alice"), console.http("bob")
+    page = log_in(browser, console, "alice")
+    assert page.text_content("#who") == "alice"
+    long_job, queued, bobs = _jobs_appear_and_advance_live(page, console, alice, bob)
+    row = f"#jobs-table tr[data-job='{long_job.id}']"
+    page.click(f"{row} a")
+    _the_jobs_page_charts_serves_and_tries_it(page, console, alice, long_job)
+    _what_is_not_running_or_not_yours_says_so(page, console, queued, bobs)
+    entered = _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job)
+    # cancel from the table: select, cancel, the row's state changes
+    page.goto(f"{console.url}/#/jobs")
+    page.check(f"input[data-job='{long_job.id}']")
+    page.check(f"input[data-job='{entered[0].id}']")
+    page.click("button[data-verb=cancel]")
+    page.wait_for_selector(f"{row}[data-state=cancelled]")
+    assert alice.status(long_job.id).state == "cancelled" and alice.status(entered[0].id).state == "cancelled"
+    alice.cancel(queued.id)
+    bob.cancel(bobs.id)
+    page.close()
+
+
+def _a_wrong_token_is_refused(console, browser) -> None:
     # a wrong token is refused, and the login stays
     page = browser.new_page(viewport=VIEWPORT)
     page.set_default_timeout(WAIT_MS)
@@ -150,9 +175,10 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     shot(page, console, "login")
     page.close()
 
-    alice, bob = console.http("alice"), console.http("bob")
-    page = log_in(browser, console, "alice")
-    assert page.text_content("#who") == "alice"
+
+def _jobs_appear_and_advance_live(page, console, alice, bob):
+    """Jobs submitted after the page opened appear and advance without a reload; keyboard focus survives redraws.
+    Returns alice's long and queued jobs and bob's."""
     # jobs submitted after the page opened appear, and their steps advance, without reloading. The long job must
     # train through the whole tour below (its steps advancing, its chart, trying it) until it is cancelled from
     # the table: it was at step 225 of 400 when that cancel came, 4.4 s in on an idle machine, so a browser slowed
@@ -183,9 +209,11 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.keyboard.up("Space")
     assert page.is_checked(f"{row} input[type=checkbox]")   # selected
     page.keyboard.press("Space")
+    return long_job, queued, bobs
 
-    # the job's page: its loss curve gains points as it trains
-    page.click(f"{row} a")
+
+def _the_jobs_page_charts_serves_and_tries_it(page, console, alice, long_job) -> None:
+    # the job's page (opened from its row): its loss curve gains points as it trains
     page.wait_for_selector("[data-chart=loss] figcaption")
     caption = "document.querySelector('[data-chart=loss] figcaption').textContent"
     points = int(re.search(r"\((\d+) points", page.text_content("[data-chart=loss] figcaption")).group(1))
@@ -218,6 +246,8 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.evaluate("window.scrollTo(0, 0)")
     shot(page, console, "job")
 
+
+def _what_is_not_running_or_not_yours_says_so(page, console, queued, bobs) -> None:
     # a job that is not running cannot be tried (the API answers 409): the page offers no form, it says why;
     # another user's job is not found
     page.goto(f"{console.url}/#/jobs/{queued.id}")
@@ -231,6 +261,10 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.wait_for_selector("#view .error")
     assert "not found" in page.text_content("#view .error").lower()
 
+
+def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> list:
+    """Malformed YAML and an unknown field refused with their lines marked; a good file entered; a job cloned.
+    Returns the jobs the good file entered."""
     # submit: malformed YAML and an unknown field are refused, each with its line marked (as the API says)
     page.goto(f"{console.url}/#/submit")
     for bad, line, field in ((f"jobs:\n  - name: bad\n    data: {console.data}\n   max_steps: 2\n", None, None),
@@ -264,17 +298,7 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.goto(f"{console.url}/#/submit?clone={long_job.id}")
     page.wait_for_function("document.querySelector('#jobs-yaml').value.includes('alice-long')")
     assert page.input_value("#jobs-yaml") == alice.spec(long_job.id)["yaml"]
-
-    # cancel from the table: select, cancel, the row's state changes
-    page.goto(f"{console.url}/#/jobs")
-    page.check(f"input[data-job='{long_job.id}']")
-    page.check(f"input[data-job='{entered[0].id}']")
-    page.click("button[data-verb=cancel]")
-    page.wait_for_selector(f"{row}[data-state=cancelled]")
-    assert alice.status(long_job.id).state == "cancelled" and alice.status(entered[0].id).state == "cancelled"
-    alice.cancel(queued.id)
-    bob.cancel(bobs.id)
-    page.close()
+    return entered
 
 
 @pytest.mark.long   # ~60 s on CI's machine: a sweep's trials trained to its leaderboard, seen in a real browser

@@ -1,5 +1,6 @@
-"""The servers' shared fixture: `api`, the HTTP API on a real uvicorn server over a real service on the
-session's Ray (one per test module that asks for it)."""
+"""The servers' shared fixtures: `api`, the HTTP API on a real uvicorn server over a real service on the
+session's Ray (one per test module that asks for it); `sdk_server` and `ledger_clock`, the Tinker API served in the
+test's process and its checkpoint ledger's clock (tests/helpers/tinker_api.py)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,18 @@ def api(ray_session, tiny_model_dirs, tmp_path_factory) -> Iterator[Api]:
     with served_api(ray_session.get_runtime_context().gcs_address, str(tiny_model_dirs["llama"]),
                     tmp_path_factory) as served:
         yield served
+
+
+@pytest.fixture
+def sdk_server(tmp_path, monkeypatch):
+    from tests.helpers.tinker_api import served_tiny_base  # here: the engine and the SDK only where asked for
+
+    with served_tiny_base(tmp_path, monkeypatch) as served:
+        yield served
+
+
+@pytest.fixture
+def ledger_clock(monkeypatch) -> list[float]:
+    from tests.helpers.tinker_api import movable_ledger_clock
+
+    return movable_ledger_clock(monkeypatch)

@@ -196,17 +196,21 @@ def test_ctrl_c_to_a_pipeline_run_in_process_stops_its_stages_between_steps(tmp_
 
 
 def _stage_processes(parent: int) -> list[int]:
-    """The pipeline's stage processes a run started (spawned children running multiprocessing's spawn_main)."""
-    found = []
+    """The pipeline's stage processes a run started: the children of its multiprocessing fork server (itself a child
+    of the run's process; actors/service/pipeline/pipeline_processes.py `stage_context`)."""
+    processes = {}
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             command = (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and b"spawn_main" in command:
-            found.append(int(entry.name))
-    return found
+        processes[int(entry.name)] = (ppid, command)
+    servers = {pid for pid, (ppid, command) in processes.items()
+               if ppid == parent and b"multiprocessing.forkserver" in command}
+    return [pid for pid, (ppid, _) in processes.items() if ppid in servers]
 
 
 def test_a_step_that_hangs_is_left_at_the_second_ctrl_c(tmp_path, tiny_model_dirs):

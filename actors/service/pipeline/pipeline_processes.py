@@ -1,6 +1,6 @@
 """A pipeline trainer run as local processes, without Ray: stage 0 (with the head) in this process, every
-other stage in a process of its own (forked from multiprocessing's fork server, which imported the engine once:
-`stage_context`), over the same transport a Ray pipeline uses (torch.distributed: gloo between CPU processes, NCCL
+other stage in a process of its own (on CPU forked from multiprocessing's fork server, which imported the engine
+once: `stage_context`), over the same transport a Ray pipeline uses (torch.distributed: gloo between CPU processes, NCCL
 between GPUs). `aspen run --in-process` with `stages:` and the tests use it.
 
 Each stage process loads the base itself (`loader`, a picklable callable returning a `BaseModel`), keeps
@@ -87,18 +87,21 @@ class StageHandle(Protocol):
 StageStarter = Callable[["StageLaunch"], StageHandle]
 
 
-def stage_context():
-    """Where stage processes start: forked from multiprocessing's fork server, which imported this module (torch,
-    transformers, the engine) once, so that a stage starts in a fraction of a second instead of importing them anew
-    (~6 s of CPU a stage on a 2-core machine, every time a pipeline starts or is rebuilt). The fork server is a fresh
-    process of its own that never touches CUDA, so its children may use CUDA and pass CUDA tensors by IPC, as
-    spawned ones do (fork from this process would not be safe: it may hold CUDA and threads). Memory: the stages
-    share the libraries' pages with the server (a 3-stage pipeline of the tiny test model, measured 2026-12-06: 614
-    MB of proportional set size for the server and two stages, against 683 MB for two spawned stages; with one
-    other stage the server costs ~0.2 GB more than a spawned stage would)."""
-    context = torch.multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", __name__])
-    return context
+def stage_context(devices: list[str]):
+    """Where stage processes start. On CPU devices: forked from multiprocessing's fork server, which imported this
+    module (torch, transformers, the engine) once, so that a stage starts in a fraction of a second instead of
+    importing them anew (~6 s of CPU a stage on a 2-core machine, every time a pipeline starts or is rebuilt).
+    Memory: the stages share the libraries' pages with the server (a 3-stage pipeline of the tiny test model,
+    measured 2026-12-06: 614 MB of proportional set size for the server and two stages, against 683 MB for two
+    spawned stages; with one other stage the server costs ~0.2 GB more than a spawned stage would).
+    Where a stage uses CUDA: spawned, as checked on the H200 leases. A forked child cannot use CUDA once its parent
+    initialised it, and the server's imports on a CUDA machine (Triton's and Liger's among them) are not yet checked
+    to leave CUDA alone; the import's seconds matter little beside loading a GPU stage's share of the base."""
+    if all(torch.device(device).type == "cpu" for device in devices):
+        context = torch.multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["__main__", __name__])
+        return context
+    return torch.multiprocessing.get_context("spawn")   # its queues pass CUDA tensors by IPC
 
 
 def stage_main(launch: StageLaunch) -> None:
@@ -191,7 +194,7 @@ class LocalPipeline:
             base = loader()
             check_stageable(base)
             self.split = resolve_split(base, stages, split)
-        context = stage_context()
+        context = stage_context(devices)
         if transport not in ("distributed", "shared"):
             raise ValueError(f"pipeline transport '{transport}': 'distributed' or 'shared'")
         if transport == "shared" and starter is not None:

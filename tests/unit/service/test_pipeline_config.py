@@ -31,3 +31,13 @@ def test_a_fraction_of_a_gpu_per_stage_is_refused_and_sound_settings_pass():
         TrainerConfig(stages=2, num_gpus=0.5)
     assert TrainerConfig(stages=2, stage_split=[1, 3], num_gpus=1).stages == 2
     assert RunSpec.model_validate({"jobs": [JOB], "stages": 2, "stage_split": "even"}).stage_split == "even"
+
+
+def test_stages_on_cpus_fork_from_the_server_and_a_cuda_stage_is_spawned():
+    """A forked process cannot use CUDA once its parent initialised it: a pipeline with any CUDA stage spawns its
+    stages (as checked on the GPU leases); CPU stages fork from the fork server that imported the engine once."""
+    from actors.service.pipeline.pipeline_processes import stage_context
+
+    assert stage_context(["cpu", "cpu", "cpu"]).get_start_method() == "forkserver"
+    assert stage_context(["cpu", "cuda:0"]).get_start_method() == "spawn"
+    assert stage_context(["cuda:0", "cuda:1"]).get_start_method() == "spawn"

@@ -8,7 +8,8 @@
 #                transformers, PEFT and their needs at this checkout's versions (the image's 5.17 is below pyproject's)
 #   .gpu-carry/  Ray stripped to fit (../shared/gpu/pack-ray.sh): the sweep and overhead parts
 #   .gpu/        smollm2-135m's config and tokenizer (its parts run on random weights of that shape), GSM8K rows
-#                for the sweep, and prediction.json: bench/gpu_cost_model.py's prediction where it exists
+#                for the sweep, and prediction.json / prediction-h100.json: bench/gpu_cost_model.py's prediction
+#                for an H200 / an H100 where it exists (the suite shows the one of the card it runs on)
 #
 #   bash bench/gpu_lease_prepare.sh [--no-ray] [--no-prediction]
 # Environment: PYTHON (default: this checkout's .venv, else the main checkout's, else python3), SHARED (../shared)
@@ -79,6 +80,24 @@ if (( predict )) && [[ -f bench/gpu_cost_model.py ]]; then
     echo "the cost model's prediction (bench/gpu_cost_model.py, minutes on a CPU) ..."
     PYTHONPATH=$PWD "$python" bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h200 "${fusion[@]}" \
         --json .gpu/prediction.json || echo "no prediction: bench/gpu_cost_model.py failed (the lease runs without)"
+    # the lease may land on an H100 (the device tool's default kind): its own prediction, which the suite picks by
+    # the GPU's name (gpu_suite.card_prediction); the calibration is the H200 profile's, so it is not run twice
+    echo "the cost model's prediction for an H100 ..."
+    rm -f .gpu/prediction-h100.json
+    if PYTHONPATH=$PWD "$python" bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h100 --no-calibration \
+            "${fusion[@]}" --json .gpu/prediction-h100.json && [[ -f .gpu/prediction.json ]]; then
+        "$python" - <<'EOF'
+import json
+from pathlib import Path
+h200, h100 = (Path(f".gpu/{name}.json") for name in ("prediction", "prediction-h100"))
+mine, calibrated = json.loads(h100.read_text()), json.loads(h200.read_text())
+if "calibration_error" in calibrated:   # the model's error on the profiled H200 step: the same model's
+    mine["calibration_error"], mine["calibration_card"] = calibrated["calibration_error"], calibrated["card"]
+h100.write_text(json.dumps(mine, indent=2) + "\n")
+EOF
+    else
+        echo "no H100 prediction (an H100 lease prints the H200's, labelled as such)"
+    fi
 fi
 
 # what travels: tracked and untracked-not-ignored files, shared/ inside the checkout, and the carried folders

@@ -77,6 +77,7 @@ PARTS = ("host", "tests", "products", "mfu", "fusion8b", "mfu-smollm2", "memory"
 LEASE_PARTS = ("host:30,tests:60,products:60,pipeline:60,mfu:220,fusion8b:120,mfu-smollm2:100,memory:45,sweep:240,"
                "overhead:150")
 ADAPTERS = "1,2,4,8,16,32"
+CARDS = ("h100", "h200")   # the cards bench/gpu_cost_model.py prices (--card), as a GPU's name spells them
 TAIL = 8000   # characters of each part's output kept in the report (all of it in <part>.log)
 
 
@@ -97,6 +98,19 @@ def environment() -> dict:
     return info
 
 
+def card_prediction(path: Path | None, gpu: str | None) -> Path | None:
+    """The cost model's prediction for the card this runs on: beside `path` (prediction.json, the H200's) the
+    `prediction-<card>.json` of the card `gpu` names, where bench/gpu_lease_prepare.sh made one (the H100's);
+    else `path` itself (its card is named beside its figures: bench/lora_report.py), or None where it is absent."""
+    if path is None:
+        return None
+    card = next((name for name in CARDS if gpu and name in gpu.lower()), None)
+    named = path.with_name(f"{path.stem}-{card}{path.suffix}") if card else None
+    if named is not None and named.is_file():
+        return named
+    return path if path.is_file() else None
+
+
 def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     """Each part's commands (a part may run several)."""
     py = sys.executable
@@ -105,7 +119,8 @@ def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:
     fusion = [py, "bench/fusion.py", *quick, "--base-model", args.base_model]
     cuda = torch.cuda.is_available()
     device = ["--device", "cuda" if cuda else "cpu"]
-    prediction = ["--prediction", str(args.prediction)] if args.prediction and args.prediction.is_file() else []
+    chosen = card_prediction(args.prediction, torch.cuda.get_device_name(0) if cuda else None)
+    prediction = ["--prediction", str(chosen)] if chosen else []
     lora_mfu = [py, "bench/lora_mfu.py", *quick, *device, *prediction]
     side_timeout = ["--side-timeout", "120" if cuda else "600"]
     return {

@@ -24,7 +24,7 @@ def _met(value: float | None, goal: float) -> str:
 def side_line(name: str, side: dict, ceiling: float | None) -> str:
     label = SIDE_NAMES.get(name, name)
     if side.get("status") != "passed" and "tokens_per_s" not in side:
-        return f"  {label:<36} {side.get('status', 'not run')}"
+        return f"  {label:<36} {side.get('status', 'not run')}" + (f" ({side['reason']})" if side.get("reason") else "")
     of_ceiling = side["flops_per_s"] / ceiling if ceiling and side.get("flops_per_s") else None
     per_token = side.get("step_bytes_per_token")
     memory = (_gb(side.get("peak_memory_bytes")) + (f" ({per_token / 1e6:.1f} MB/token)" if per_token else "")
@@ -52,6 +52,15 @@ def prediction_for(prediction: dict | None, shape: str) -> dict | None:
         return None
     named = prediction.get("shape")
     return prediction if named in (None, shape) else None
+
+
+def card_label(prediction: dict, device: str | None) -> str:
+    """Which card the cost model priced (its --card), and whether it is the one measured (`device`: the GPU's
+    name): a prediction for another card is a guide, not a check of the model."""
+    card = str(prediction.get("card") or "h200")
+    if device and card.lower() in device.lower():
+        return f"--card {card}"
+    return f"--card {card}: a prediction for the {card.upper()}, not this {device or 'device'}, a guide only"
 
 
 def beside(label: str, predicted: float | None, measured: float | None, unit: str = "") -> str | None:
@@ -130,6 +139,10 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
     if not small and aspen.get("step_bytes_per_token"):
         lines.append(f"  aspen's step: {aspen['step_bytes_per_token'] / 1e6:.1f} MB a token over what it holds "
                      "(the float32-adapter path took ~13 MB on an H100, 2026-11-27; the bf16 path's aim ~8 MB)")
+    peft = sides.get("peft", {})
+    if peft.get("sequences_per_step_asked", 0) > peft.get("sequences_per_step", 0):
+        lines.append(f"  (a): {peft['sequences_per_step']} sequences a step ({peft['sequences_per_step_asked']} ran "
+                     "out of the card's memory on its longest sequences, as a user would find)")
     if sides.get("concurrent", {}).get("sequences_per_step"):
         lines.append(f"  (c): {sides['concurrent']['sequences_per_step']} sequences a step per process (what fits 4 "
                      "copies of the base and their steps on the card)")
@@ -137,7 +150,8 @@ def shape_lines(shape: str, result: dict, prediction: dict | None, device: str |
         lines.append(f"  aspen's engine settings: {aspen['engine_defaults']}")
     predicted = prediction_for(prediction, shape)
     if predicted:
-        lines.append("  the cost model (bench/gpu_cost_model.py) beside the measurement:")
+        lines.append(f"  the cost model (bench/gpu_cost_model.py, {card_label(predicted, device)}) beside the "
+                     "measurement:")
         for label, key, measured in (("step", "predicted_step_s", aspen.get("median_step_s")),
                                      ("tokens/s", "predicted_tokens_per_s", aspen.get("tokens_per_s")),
                                      ("LoRA-MFU", "predicted_lora_mfu", aspen.get("lora_mfu"))):
@@ -160,7 +174,7 @@ def _allocator(row: dict) -> str:
             if events else "")
 
 
-def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
+def fusion_lines(fusion: dict, prediction: dict | None, device: str | None = None) -> list[str]:
     efficiency = fusion.get("efficiency", {})
     lines = [f"== fusion at equal total tokens ({fusion.get('sequences')} x {fusion.get('length')} tokens a step) "
              f"[{fusion.get('status')}] ==",
@@ -173,7 +187,7 @@ def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
                      f"{_gb(row.get('peak_memory_bytes'))}{_allocator(row)}")
     predicted = predicted_efficiency(prediction)
     if predicted:
-        lines.append("  predicted by the cost model: " + ", ".join(
+        lines.append(f"  predicted by the cost model ({card_label(prediction, device)}): " + ", ".join(
             f"{n}: {float(p):.3f}" + (f" (measured {efficiency[str(n)]:.3f}, {float(p) / efficiency[str(n)]:.2f}x)"
                                       if str(n) in efficiency else "") for n, p in predicted.items()))
     if fusion.get("profile"):
@@ -184,8 +198,9 @@ def fusion_lines(fusion: dict, prediction: dict | None) -> list[str]:
 
 def report_lines(results: dict) -> list[str]:
     lines = []
+    device = results.get("gpu") or results.get("device")
     for shape, result in results.get("shapes", {}).items():
-        lines += shape_lines(shape, result, results.get("prediction"), results.get("gpu") or results.get("device"))
+        lines += shape_lines(shape, result, results.get("prediction"), device)
     if results.get("fusion"):
-        lines += fusion_lines(results["fusion"], results.get("prediction"))
+        lines += fusion_lines(results["fusion"], results.get("prediction"), device)
     return lines

@@ -115,27 +115,30 @@ def aspen_side(args: argparse.Namespace, device: torch.device, compile: str = "n
 
 def peft_side(args: argparse.Namespace, device: torch.device) -> dict:
     """(a) the careful single-job PEFT loop, the 4 jobs one after another."""
-    from peft_baselines import run_jobs
+    from peft_baselines import fitting_per_step, run_jobs
     model = random_model(args.shape, device, compute_dtype(device))
     timed, warm = timed_sequences(args, the_batches(args))
-    run = run_jobs(model, timed, warm, device, per_step=args.sequences_per_step, packed=False)
+    per_step, model = fitting_per_step(model, [s for job in timed.values() for s in job], device,
+                                       args.sequences_per_step, packed=False)
+    run = run_jobs(model, timed, warm, device, per_step=per_step, packed=False)
     result = with_mfu(step_summary(run["seconds"], run["tokens"]), model, device)
     result.update(memory_fields(device, run["held_bytes"], max(run["padded_tokens"])),
                   padding_tokens=sum(run["padded_tokens"]) - sum(run["tokens"]), adapter_dtype=run["adapter_dtype"],
-                  sequences_per_step=args.sequences_per_step)
+                  sequences_per_step=per_step, sequences_per_step_asked=args.sequences_per_step)
     if args.profile:
         write(args, result)   # the figures first: a profile cut by the part's limit leaves them
         result["profile"] = profile_peer(args, model, timed, device, packed=False, float32_adapters=True,
-                                         median_step_s=result["median_step_s"])
+                                         median_step_s=result["median_step_s"], per_step=per_step)
     return result
 
 
 def profile_peer(args: argparse.Namespace, model, timed: dict[int, list], device: torch.device, *, packed: bool,
-                 float32_adapters: bool, median_step_s: float) -> dict:
-    """Two steps of a PEFT side (its first job's sequences, a fresh adapter) under the profiler into
-    --profile: the host's work of other code than aspen's on the same host, for the cost model's host costs."""
+                 float32_adapters: bool, median_step_s: float, per_step: int | None = None) -> dict:
+    """Two steps of a PEFT side (its first job's sequences, a fresh adapter, `per_step` sequences a step: the
+    side's, default --sequences-per-step) under the profiler into --profile: the host's work of other code than
+    aspen's on the same host, for the cost model's host costs."""
     from peft_baselines import profile_job
-    return profile_job(model, timed[min(timed)], device, per_step=args.sequences_per_step, packed=packed,
+    return profile_job(model, timed[min(timed)], device, per_step=per_step or args.sequences_per_step, packed=packed,
                        float32_adapters=float32_adapters, out=args.profile, median_step_s=median_step_s)
 
 

@@ -14,6 +14,7 @@ Both return per-step seconds and real tokens (StepClock: CUDA events between ste
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import inspect
 import itertools
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lora_bench import LORA, StepClock, sync
+from lora_bench import LORA, StepClock, log, sync
 from profile_step import profile_steps
 from transformers import AttentionInterface
 
@@ -192,6 +193,34 @@ def profile_job(model, sequences: list, device: torch.device, *, per_step: int, 
                              device, steps, out, median_step_s=median_step_s)
     finally:
         peft_model.unload()
+
+
+def fitting_per_step(model, sequences: list, device: torch.device, per_step: int, *, packed: bool,
+                     float32_adapters: bool = True):
+    """What a careful user on this card sets: `per_step` sequences a step, halved until one step over the
+    `per_step` longest of `sequences` (the worst batch) fits the card, tried on a throwaway adapter. (a)'s 8 x 768
+    padded tokens on the 8B shape peaked at 86 GB on an H200 (2026-12-04): more than an 80 GB H100 holds.
+    (the count, the base model back from the adapter)."""
+    if device.type != "cuda":
+        return per_step, model
+    from peft import get_peft_model
+    ordered = sorted(sequences, key=lambda s: len(s[0]))
+    while per_step > 1:
+        wrapped = get_peft_model(model, lora_config(), autocast_adapter_dtype=float32_adapters)
+        try:
+            train_steps(wrapped, [ordered[-per_step:]], device, packed, None)
+            fits = True
+        except torch.cuda.OutOfMemoryError as error:
+            fits = False
+            log(f"[peft] {per_step} sequences a step ran out of the card's memory ({str(error).splitlines()[0]}); "
+                f"trying {per_step // 2}")
+        model = wrapped.unload()
+        if fits:
+            return per_step, model
+        gc.collect()   # the failed step's tensors, held by the error's frames until here
+        torch.cuda.empty_cache()
+        per_step //= 2
+    return per_step, model
 
 
 def run_jobs(model, jobs: dict[int, list], warm: list, device: torch.device, *, per_step: int, packed: bool,

@@ -105,3 +105,58 @@ def test_step_summary_and_the_concurrent_sizing_by_hand():
     assert lora_mfu.concurrent_sequences(peft, quick=False) == 1   # 2 x 768 x 13 MB = 20 GB > 14.6 GB of room
     peft["step_bytes_per_token"] = 8e6
     assert lora_mfu.concurrent_sequences(peft, quick=False) == 2   # 12.3 GB fits, 4 x 768 x 8 MB = 24.6 does not
+    # an 80 GB H100 (85.9e9 bytes): 0.9 x 85.9 / 4 - 16 - 1.07 = 2.3 GB of room, one 768-token step 6.1 GB: none
+    peft["card_memory_bytes"] = 85.9e9
+    assert lora_mfu.concurrent_sequences(peft, quick=False) == 0
+
+
+def test_four_peft_processes_that_cannot_fit_the_card_are_not_started(monkeypatch, tmp_path):
+    """(c) on a card where four copies of the base leave no room for one sequence's step (the 8B shape on an
+    80 GB H100) is recorded as not run, with the sizes that rule it out, and not counted as a failed side."""
+    started = []
+
+    def side(name, args, shape, extra, timeout):
+        started.append(name)
+        return {"status": "passed", "tokens_per_s": 1000.0, "card_memory_bytes": 85.9e9,
+                "held_before_steps_bytes": 16e9, "step_bytes_per_token": 8e6}
+
+    monkeypatch.setattr(lora_mfu, "own_process", side)
+    args = lora_mfu.argparse.Namespace(quick=False, sides=["peft", "concurrent"], profile=None, profile_peers=False,
+                                       side_timeout=60, json=tmp_path / "mfu.json")
+    result = lora_mfu.run_shape("llama-3.1-8b", args)
+    assert started == ["peft"]
+    concurrent = result["sides"]["concurrent"]
+    assert concurrent["status"] == "not run: does not fit"
+    assert "16.0 GB each" in concurrent["reason"] and "6.1 GB" in concurrent["reason"], concurrent["reason"]
+    assert "aspen_over_concurrent" not in result["ratios"]
+
+
+def test_the_careful_peft_loop_halves_its_sequences_a_step_until_its_longest_batch_fits(monkeypatch):
+    """(a) as a careful user sets it on a smaller card: 8 sequences a step, and where a step over the 8 longest runs
+    out of the card's memory, 4, then 2 (the 8B shape's 86 GB on an H200 exceed an 80 GB H100). Caused here by an
+    out-of-memory error at more than 2 sequences; the adapter of each try is taken off again, the base returned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    sequences = _sequences(300, [8, 40, 12, 30, 20, 16, 24, 36, 28, 10])
+    tried = []
+
+    def train_steps(peft_model, batches, device, packed, clock):
+        (batch,) = batches
+        tried.append(sorted(len(ids) for ids, _ in batch))
+        if len(batch) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return [], []
+
+    monkeypatch.setattr(peft_baselines, "train_steps", train_steps)
+    count, base = peft_baselines.fitting_per_step(model, sequences, torch.device("cuda"), 8, packed=False)
+    assert count == 2
+    assert tried == [[12, 16, 20, 24, 28, 30, 36, 40], [28, 30, 36, 40], [36, 40]]   # the longest each time
+    assert base is model or isinstance(base, LlamaForCausalLM)
+    assert not any("lora" in name for name, _ in base.named_parameters())
+    # on a CPU (RAM, not a card) the count asked is kept, untried
+    tried.clear()
+    assert peft_baselines.fitting_per_step(model, sequences, torch.device("cpu"), 8, packed=False)[0] == 8
+    assert tried == []

@@ -121,3 +121,54 @@ def test_the_lease_script_runs_its_parts_under_one_deadline_and_assembles_the_re
     assert {"tests.log", "mfu.log", "fusion8b.log", "report.json"} <= names
     assert "| mfu | timed out |" in (out / "report.md").read_text()
     assert "tests ran" in (out / "log.txt").read_text() or "[gpu-suite] tests: passed" in (out / "log.txt").read_text()
+
+
+def _bench_module(name: str, monkeypatch):
+    """bench/<name>.py loaded from its file, under its own name in sys.modules for this test only (so that the
+    bench modules it imports by name resolve, without bench/ on sys.path for the rest of the session)."""
+    spec = importlib.util.spec_from_file_location(name, Path(gpu_suite.__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_prediction_shown_is_the_one_for_the_card_the_lease_landed_on(tmp_path, monkeypatch):
+    """The lease may land on an H100 or an H200 (bench/gpu_lease_prepare.sh predicts both): the suite hands
+    lora_mfu the prediction of the card the GPU's name says, and the report names the card a prediction is for,
+    saying so where it is not the card measured (a guide, not a check of the model)."""
+    default, h100 = tmp_path / "prediction.json", tmp_path / "prediction-h100.json"
+    default.write_text(json.dumps({"card": "h200", "shape": "llama-3.1-8b", "predicted_step_s": 0.19}))
+    h100.write_text(json.dumps({"card": "h100", "shape": "llama-3.1-8b", "predicted_step_s": 0.23}))
+    assert gpu_suite.card_prediction(default, "NVIDIA H100 80GB HBM3") == h100
+    assert gpu_suite.card_prediction(default, "NVIDIA H200") == default
+    assert gpu_suite.card_prediction(default, None) == default          # a dry run on a CPU
+    assert gpu_suite.card_prediction(tmp_path / "none.json", "NVIDIA H200") is None
+    h100.unlink()
+    assert gpu_suite.card_prediction(default, "NVIDIA H100 80GB HBM3") == default   # the H200's, labelled below
+
+    # the mfu part's command carries the chosen file
+    h100.write_text(json.dumps({"card": "h100"}))
+    monkeypatch.setattr(gpu_suite.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_suite.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    args = gpu_suite.argparse.Namespace(quick=True, base_model="tiny-llama", prediction=default)
+    mfu = gpu_suite.commands(args, tmp_path)["mfu"][0]
+    assert mfu[mfu.index("--prediction") + 1] == str(h100)
+
+    _bench_module("lora_bench", monkeypatch)
+    report = _bench_module("lora_report", monkeypatch)
+    aspen = {"status": "passed", "tokens_per_s": 14_000.0, "median_step_s": 0.21, "p10_step_s": 0.2,
+             "p90_step_s": 0.3, "lora_mfu": 0.42, "flops_per_s": 4e14}
+    result = {"sides": {"aspen": aspen}}
+    prediction = {"card": "h200", "shape": "llama-3.1-8b", "predicted_step_s": 0.19,
+                  "predicted_tokens_per_s": 16_000.0, "predicted_lora_mfu": 0.5}
+    on_h200 = "\n".join(report.shape_lines("llama-3.1-8b", result, prediction, "NVIDIA H200"))
+    on_h100 = "\n".join(report.shape_lines("llama-3.1-8b", result, prediction, "NVIDIA H100 80GB HBM3"))
+    assert "(bench/gpu_cost_model.py, --card h200) beside the measurement" in on_h200
+    assert "a prediction for the H200, not this NVIDIA H100 80GB HBM3" in on_h100
+    assert "predicted 0.19, measured 0.21" in on_h100   # still shown beside, as a guide
+    fusion = {"status": "passed", "efficiency": {"1": 1.0, "32": 0.8}, "per_adapters": {}}
+    lines = report.fusion_lines(fusion, {"card": "h100", "fusion": {"efficiency": {"1": 1.0, "32": 0.9}}},
+                                "NVIDIA H100 80GB HBM3")
+    assert any("predicted by the cost model (--card h100): 1: 1.000" in line and "32: 0.900 (measured 0.800" in line
+               for line in lines), lines

@@ -1,5 +1,6 @@
 """bench/lora_mfu.py's fusion side (`--side fusion`, one process): a fused step's tokens/s with 1..N adapters at equal
-total tokens (32 sequences a step: 4,096 tokens on a GPU), each count's as a ratio to the fewest's (median step).
+total tokens (32 sequences a step: 4,096 tokens on a GPU), each count's as a ratio to the fewest's (median step). The
+fewest and the most adapters run first, the counts between after: a part cut at its limit keeps both ends.
 
 With --profile DIR, two steps of the fewest adapters and two of the most run under torch.profiler after their timed
 ones (DIR/adapters-<n>/: bench/profile_step.py; the Chrome trace of the most's only), and the result's
@@ -50,7 +51,7 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
     counts = [int(n) for n in args.adapters.split(",")]
     profiled_counts = (min(counts), max(counts)) if args.profile and len(counts) > 1 else ()
     profiles: dict[int, dict] = {}
-    for adapters in counts:
+    for adapters in _in_order_of_what_they_tell(counts):
         trainer = FusedTrainer(base, step_tokens=1 << 17)
         profiled = 2 if adapters in profiled_counts else 0
         per_job, total = sequences // adapters, args.warmup + args.steps + profiled
@@ -81,9 +82,10 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
         summary.update(allocator_events_since(device, events))
         summary.update(memory_fields(device))
         summary["engine_defaults"] = engine_settings(trainer)
-        result["per_adapters"][str(adapters)] = summary
-        first = result["per_adapters"][next(iter(result["per_adapters"]))]["tokens_per_s_at_median"]
-        result["efficiency"][str(adapters)] = summary["tokens_per_s_at_median"] / first
+        result["per_adapters"] = _by_count({**result["per_adapters"], str(adapters): summary})
+        first = result["per_adapters"][str(min(counts))]["tokens_per_s_at_median"]
+        result["efficiency"] = _by_count({**result["efficiency"],
+                                          str(adapters): summary["tokens_per_s_at_median"] / first})
         log(f"[fusion] {adapters} adapters: median step {summary['median_step_s']:.3f}s, "
             f"efficiency {result['efficiency'][str(adapters)]:.3f}")
         if profiled:
@@ -91,15 +93,26 @@ def fusion_side(args: argparse.Namespace, device: torch.device) -> dict:
             profiles[adapters] = _profile(args, trainer, device, adapters, summary["median_step_s"],
                                           trace=adapters == max(counts))
             result["profile"] = {"adapters": adapters, **profiles[adapters]}   # the most's, last
+            if len(profiles) == 2:
+                from profile_step import growth
+                fewest, most = profiled_counts
+                result["profile_growth"] = {"adapters": [fewest, most], **growth(profiles[fewest], profiles[most])}
         for name in list(trainer.jobs):
             trainer.remove_job(name)
         write(args, result)
-    if len(profiles) == 2:
-        from profile_step import growth
-        fewest, most = profiled_counts
-        result["profile_growth"] = {"adapters": [fewest, most], **growth(profiles[fewest], profiles[most])}
-        write(args, result)
     return result
+
+
+def _in_order_of_what_they_tell(counts: list[int]) -> list[int]:
+    """The fewest adapters first (every efficiency is a ratio to it), then the most (the goal at 32, and the two
+    profiles whose difference says where the step's time grew), then the others from the fewest up: a part cut
+    at its limit (fusion8b, ~100 s of its 120 on an H200 before the profiles) loses the counts between."""
+    ends = [min(counts), max(counts)] if len(counts) > 1 else counts[:1]
+    return ends + sorted(n for n in counts if n not in ends)
+
+
+def _by_count(figures: dict[str, object]) -> dict[str, object]:
+    return dict(sorted(figures.items(), key=lambda item: int(item[0])))
 
 
 def _profile(args: argparse.Namespace, trainer, device: torch.device, adapters: int, median_step_s: float,

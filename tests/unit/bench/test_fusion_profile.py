@@ -34,17 +34,26 @@ def test_growth_lists_what_grew_most_first_with_both_ends():
     assert grown["totals"]["launches_per_step"] == [900.0, 950.0]
 
 
-def test_the_fusion_side_profiles_its_fewest_and_most_adapters_and_says_where_the_step_grew(tmp_path):
-    args = argparse.Namespace(shape="tiny", adapters="1,2", warmup=1, steps=2, profile=tmp_path / "profile",
+def test_the_fusion_side_profiles_its_fewest_and_most_adapters_and_says_where_the_step_grew(tmp_path, monkeypatch):
+    """The fewest and the most adapters run first, so that a part cut at its limit (fusion8b's 120 s) has already
+    written both ends' figures and where the step grew; the counts between come after, the figures in count order."""
+    written = []
+    write = fusion_side.write
+    monkeypatch.setattr(fusion_side, "write", lambda args, result: (written.append(json.loads(json.dumps(result))),
+                                                                     write(args, result)))
+    args = argparse.Namespace(shape="tiny", adapters="1,2,4", warmup=1, steps=2, profile=tmp_path / "profile",
                               result=tmp_path / "fusion.json")
     result = fusion_side.fusion_side(args, torch.device("cpu"))
-    assert set(result["efficiency"]) == {"1", "2"}
-    fewest, most = tmp_path / "profile" / "adapters-1", tmp_path / "profile" / "adapters-2"
+    assert list(result["efficiency"]) == ["1", "2", "4"] and list(result["per_adapters"]) == ["1", "2", "4"]
+    assert result["efficiency"]["1"] == 1.0
+    both_ends = next(snapshot for snapshot in written if "4" in snapshot["efficiency"] and "profile_growth" in snapshot)
+    assert "2" not in both_ends["efficiency"]   # written before the count between ran
+    fewest, most = tmp_path / "profile" / "adapters-1", tmp_path / "profile" / "adapters-4"
     assert (fewest / "summary.json").exists() and not (fewest / "trace.json.gz").exists()   # one trace: the most's
-    assert (most / "trace.json.gz").exists()
-    assert result["profile"]["adapters"] == 2
+    assert (most / "trace.json.gz").exists() and not (tmp_path / "profile" / "adapters-2").exists()
+    assert result["profile"]["adapters"] == 4
     growth = result["profile_growth"]
-    assert growth["adapters"] == [1, 2] and len(growth["grew_most"]) == 12
+    assert growth["adapters"] == [1, 4] and len(growth["grew_most"]) == 12
     summaries = [json.loads((folder / "summary.json").read_text()) for folder in (fewest, most)]
     top = growth["grew_most"][0]   # the operators' self CPU time a step at each end, as the profiles counted it
     assert top["seconds_per_step"] == [summaries[0]["seconds_per_step_by_name"].get(top["name"], 0.0),

@@ -27,7 +27,8 @@ The layer groups: q/k/v (in 4,096, out 6,144, rank 3 x 16), o (4,096, 4,096, 16)
 against float64 products of the same bfloat16 numbers (a bfloat16 rounding plus a float32 sum of K terms, relative
 to the sum of the terms' magnitudes), on any device; times: CUDA events over `--reps` calls, the median of
 `--rounds`, beside HBM's measured copy bandwidth (the share each product's least bytes reach) and the cost model's
-H200 prediction of it. On a CPU (`--quick`: tiny layers) it checks the ways agree; its times say nothing of a GPU.
+prediction of it (for an H100 where it runs on one, else the H200). On a CPU (`--quick`: tiny layers) it checks the
+ways agree; its times say nothing of a GPU.
 
     PYTHONPATH=. python bench/lora_products.py [--device cuda] [--tokens 4096] [--jobs 1,4,8,32] [--json FILE]
     PYTHONPATH=. python bench/lora_products.py --quick --device cpu
@@ -198,8 +199,14 @@ def gemm_dims(form: str, ops: Operands) -> tuple[int, int, int, int]:
             "grad_b": (1, fan_out, rank, tokens)}[form]
 
 
-def predicted_s(form: str, ops: Operands) -> float | None:
-    """The cost model's time for the grouped product on its calibrated H200 (None where it cannot load)."""
+def model_card(device: torch.device) -> str:
+    """The card the cost model prices the products on: an H100 where this is one, else its calibrated H200."""
+    return "h100" if device.type == "cuda" and "h100" in torch.cuda.get_device_name(device).lower() else "h200"
+
+
+def predicted_s(form: str, ops: Operands, card: str = "h200") -> float | None:
+    """The cost model's time for the grouped product on `card` (its calibrated H200's shares; None where it cannot
+    load)."""
     try:
         from gpu_cost.calibration import card_for, load
         from gpu_cost.card import kernel_time
@@ -211,7 +218,7 @@ def predicted_s(form: str, ops: Operands) -> float | None:
     output = 2 * (ops.a.shape[0] * dims[1] * dims[2] if form.startswith("grad") else dims[1] * dims[2])
     op = Op(name="_grouped_mm", kind="kernel", launches=1, flops=2.0 * dims[1] * dims[2] * dims[3],
             read=total - output, written=output, dtype="bfloat16", gemm=dims)
-    return kernel_time(op, card_for("h200", load()))
+    return kernel_time(op, card_for(card, load()))
 
 
 def timed(call, device: torch.device, reps: int, rounds: int) -> float:
@@ -248,13 +255,14 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     groups = QUICK_GROUPS if args.quick else GROUPS
     bandwidth = copy_bandwidth(device, 16 if args.quick else 1024, args.reps, args.rounds)
+    card = model_card(device)
     rows, failures = [], []
     for name, size in groups.items():
         for jobs in args.jobs:
             ops = operands(size, args.tokens, jobs, device)
             for form in FORMS:
                 least = least_bytes(form, ops)
-                predicted = predicted_s(form, ops)
+                predicted = predicted_s(form, ops, card)
                 for way in WAYS:
                     call = computation(form, way, ops)
                     if call is None:
@@ -269,17 +277,18 @@ def measure(args: argparse.Namespace) -> dict:
                                  "predicted_s": predicted if way == "grouped" else None})
             del ops
     return {"device": str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
-            "torch": torch.__version__, "tokens": args.tokens, "jobs": args.jobs, "groups": groups,
+            "torch": torch.__version__, "tokens": args.tokens, "jobs": args.jobs, "groups": groups, "model_card": card,
             "copy_bytes_per_s": bandwidth, "rows": rows, "failures": failures}
 
 
 def table(result: dict) -> str:
     """Microseconds a product, each way, per group and number of jobs, with the share of the measured copy
-    bandwidth its least bytes reach and the cost model's H200 figure for the grouped call."""
+    bandwidth its least bytes reach and the cost model's figure for the grouped call (on `model_card`)."""
     by_key = {(r["group"], r["jobs"], r["form"], r["way"]): r for r in result["rows"]}
     lines = [f"{result['device']}, torch {result['torch']}, {result['tokens']} tokens; copy bandwidth "
              f"{result['copy_bytes_per_s'] / 1e12:.2f} TB/s; us a call (share of that bandwidth)",
-             f"{'group':8} {'jobs':>4}  {'product':26} " + "".join(f"{way:>18}" for way in WAYS) + f"{'model':>10}"]
+             f"{'group':8} {'jobs':>4}  {'product':26} " + "".join(f"{way:>18}" for way in WAYS)
+             + f"{'model ' + result.get('model_card', 'h200'):>10}"]
     for name in result["groups"]:
         for jobs in result["jobs"]:
             for form in FORMS:

@@ -64,3 +64,18 @@ def test_a_way_that_takes_another_jobs_factors_is_caught():
     grad = module.computation("grad_b", "grouped", ops)()
     assert module.agrees(grad, "grad_b", ops) <= 1 and module.agrees(grad.flip(0), "grad_b", ops) > 100
     assert second[0] == first[1]
+
+
+def test_the_models_figure_is_for_the_card_it_runs_on(monkeypatch):
+    """On an H100 the products are set beside the cost model's H100 figure (its lower HBM bandwidth), elsewhere
+    beside its calibrated H200's."""
+    module = _module()
+    assert module.model_card(torch.device("cpu")) == "h200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert module.model_card(torch.device("cuda")) == "h100"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert module.model_card(torch.device("cuda")) == "h200"
+    monkeypatch.syspath_prepend(str(REPO / "bench"))   # the cost model (bench/gpu_cost), as the bench run has it
+    ops = module.operands(module.QUICK_GROUPS["gate_up"], 4096, 4, torch.device("cpu"))
+    h100, h200 = module.predicted_s("h_b", ops, "h100"), module.predicted_s("h_b", ops, "h200")
+    assert h100 > h200 > 0   # a bandwidth-bound product: HBM 3.35 against 4.8 TB/s

@@ -77,15 +77,19 @@ head -n 600 "$shared/data/gsm8k_train.jsonl" > .gpu/data/gsm8k_train.jsonl   # b
 if (( predict )) && [[ -f bench/gpu_cost_model.py ]]; then
     fusion=(); grep -q -- "--fusion" bench/gpu_cost_model.py && fusion=(--fusion)
     grep -q -- "--peers" bench/gpu_cost_model.py && fusion+=(--peers)
-    echo "the cost model's prediction (bench/gpu_cost_model.py, minutes on a CPU) ..."
+    # the lease may land on an H100 (the device tool's default kind) or an H200: a prediction for each, which the
+    # suite picks by the GPU's name (gpu_suite.card_prediction); the H100's in the background beside the H200's
+    # (each worker mostly one core: ~the same minutes for both), without the calibration run (the H200 profile's,
+    # whose error it takes over)
+    echo "the cost model's predictions for an H200 and an H100 (bench/gpu_cost_model.py, minutes on a CPU) ..."
+    rm -f .gpu/prediction.json .gpu/prediction-h100.json
+    PYTHONPATH=$PWD "$python" bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h100 --no-calibration \
+        "${fusion[@]}" --json .gpu/prediction-h100.json > .gpu/prediction-h100.log 2>&1 &
+    h100=$!
     PYTHONPATH=$PWD "$python" bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h200 "${fusion[@]}" \
         --json .gpu/prediction.json || echo "no prediction: bench/gpu_cost_model.py failed (the lease runs without)"
-    # the lease may land on an H100 (the device tool's default kind): its own prediction, which the suite picks by
-    # the GPU's name (gpu_suite.card_prediction); the calibration is the H200 profile's, so it is not run twice
-    echo "the cost model's prediction for an H100 ..."
-    rm -f .gpu/prediction-h100.json
-    if PYTHONPATH=$PWD "$python" bench/gpu_cost_model.py --shape llama-3.1-8b --jobs 4 --card h100 --no-calibration \
-            "${fusion[@]}" --json .gpu/prediction-h100.json && [[ -f .gpu/prediction.json ]]; then
+    if wait "$h100" && [[ -f .gpu/prediction.json ]]; then
+        sed -n '/^GPU cost model/,/^Calibration\|^Parameters/p' .gpu/prediction-h100.log | head -n 20
         "$python" - <<'EOF'
 import json
 from pathlib import Path
@@ -96,8 +100,10 @@ if "calibration_error" in calibrated:   # the model's error on the profiled H200
 h100.write_text(json.dumps(mine, indent=2) + "\n")
 EOF
     else
+        tail -n 20 .gpu/prediction-h100.log
         echo "no H100 prediction (an H100 lease prints the H200's, labelled as such)"
     fi
+    rm -f .gpu/prediction-h100.log
 fi
 
 # what travels: tracked and untracked-not-ignored files, shared/ inside the checkout, and the carried folders

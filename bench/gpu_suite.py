@@ -102,13 +102,9 @@ def card_prediction(path: Path | None, gpu: str | None) -> Path | None:
     """The cost model's prediction for the card this runs on: beside `path` (prediction.json, the H200's) the
     `prediction-<card>.json` of the card `gpu` names, where bench/gpu_lease_prepare.sh made one (the H100's);
     else `path` itself (its card is named beside its figures: bench/lora_report.py), or None where it is absent."""
-    if path is None:
-        return None
     card = next((name for name in CARDS if gpu and name in gpu.lower()), None)
-    named = path.with_name(f"{path.stem}-{card}{path.suffix}") if card else None
-    if named is not None and named.is_file():
-        return named
-    return path if path.is_file() else None
+    named = path.with_name(f"{path.stem}-{card}{path.suffix}") if path is not None and card else None
+    return named if named is not None and named.is_file() else (path if path is not None and path.is_file() else None)
 
 
 def commands(args: argparse.Namespace, out: Path) -> dict[str, list[list[str]]]:

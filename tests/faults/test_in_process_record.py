@@ -70,6 +70,7 @@ def end_table(out: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip().startswith(("│", "┃")) or " jobs on " in line]
 
 
+@pytest.mark.long
 def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_path, tiny_model_dirs):
     write_run(tmp_path, tiny_model_dirs["llama"], steps=20)
     env = {**NO_RAY, "ASPEN_RECENT_RUNS": str(tmp_path / "runs.json")}
@@ -181,6 +182,7 @@ def test_ctrl_c_inside_train_locally_is_held_until_the_round_that_runs_has_ended
         assert 0 < checkpoint_step(tmp_path / "out" / name) == steps[-1] < STEPS, (name, steps[-3:])
 
 
+@pytest.mark.long
 def test_ctrl_c_to_a_pipeline_run_in_process_stops_its_stages_between_steps(tmp_path, tiny_model_dirs):
     """`stages: 2` in process: the terminal's Ctrl-C reaches the stage processes too (one process group). They leave
     it to the run's process, which stops them between steps: exit 130, the jobs checkpointed and recorded paused (a
@@ -213,6 +215,7 @@ def _stage_processes(parent: int) -> list[int]:
     return [pid for pid, (ppid, _) in processes.items() if ppid in servers]
 
 
+@pytest.mark.long
 def test_a_step_that_hangs_is_left_at_the_second_ctrl_c(tmp_path, tiny_model_dirs):
     """The first Ctrl-C waits for the step that runs to end; where it never ends (here a stage process stopped
     with SIGSTOP mid-run), the second ends the run at once: exit 130, one line saying the jobs keep their last
@@ -246,6 +249,7 @@ def test_a_step_that_hangs_is_left_at_the_second_ctrl_c(tmp_path, tiny_model_dir
     assert {state for state, _ in report_states(tmp_path).values()} == {"paused"}
 
 
+@pytest.mark.long
 def test_a_run_killed_on_the_way_leaves_no_earlier_record_of_its_jobs(tmp_path, tiny_model_dirs):
     """An in-process run that ended (its jobs recorded completed), then the same run again, killed outright
     (SIGKILL: no handler runs): the table does not still say the jobs are done, while their folders hold the new

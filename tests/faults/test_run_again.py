@@ -37,6 +37,7 @@ from tests.helpers.interrupted_runs import (
 from tests.helpers.service import wait_for
 
 
+@pytest.mark.long
 def test_sigterm_stops_like_ctrl_c_without_rays_stack(tmp_path, tiny_model_dirs):
     """`kill PID` (SIGTERM, as a job system or a supervisor stops a command): the running jobs checkpointed, one
     line, exit 143; not Ray's C++ "SIGTERM received" stack (the same command resumes them as after Ctrl-C)."""

@@ -226,6 +226,7 @@ def test_the_scheduler_restarts_itself_and_running_jobs_end_as_undisturbed(ray_s
 
 
 # -- one job's folder refuses writes ----------------------------------------------------------------------------
+@pytest.mark.long
 def test_a_full_or_read_only_folder_fails_that_job_alone(ray_session, tiny_model_dirs, tmp_path, small_disks):
     base = tiny_model_dirs["llama"]
     data = tmp_path / "data"

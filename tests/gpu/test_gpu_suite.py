@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 # loaded from its file: bench/ on sys.path would shadow modules for the rest of the session
 _spec = importlib.util.spec_from_file_location("gpu_suite",
                                                Path(__file__).resolve().parents[2] / "bench" / "gpu_suite.py")
@@ -78,6 +80,7 @@ def test_parts_add_up_to_one_report_and_a_slow_part_is_killed_whole(tmp_path, mo
     assert gpu_suite.main([*base, "--parts", "tests", "--base-model", "tiny-llama"]) == 2
 
 
+@pytest.mark.long
 def test_the_lease_script_runs_its_parts_under_one_deadline_and_assembles_the_report(tmp_path):
     """bench/gpu_lease.sh on stub parts, in a copy of the scripts (no carried folders): a part past its limit is
     killed with its child, a failing part recorded, a part whose limit does not fit the time left run after the

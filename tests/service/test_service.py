@@ -205,6 +205,7 @@ def test_a_killed_trainer_is_replaced_and_its_job_ends_as_if_uninterrupted(ray_s
     assert difference <= 1e-4, difference
 
 
+@pytest.mark.long
 def test_a_killed_scheduler_comes_back_with_every_job(ray_session, tiny_model_dirs, tmp_path):
     import ray
 

@@ -232,7 +232,7 @@ TEST_FOLDERS = [
 ]
 OTHER_FOLDERS = [
     ("tests", "the test suite, a folder per kind, each a pytest marker (below); across them, the marker `long`: "
-              "end-to-end scenarios of a minute or more, run by `make test-long` (CI runs it after `make test`)"),
+              "end-to-end scenarios of 20 s or more, run by `make test-long` (CI runs it after `make test`)"),
     ("bench", "benchmarks that print ratios measured side by side (results in docs/benchmarks.md)"),
     ("grafana", "the Grafana dashboard and provisioning"),
     ("examples", "a scheduling policy shipped as its own package (entry point group aspen.policies)"),

@@ -193,6 +193,33 @@ def fusion_lines(fusion: dict, prediction: dict | None, device: str | None = Non
     if fusion.get("profile"):
         lines.append(f"  {fusion['profile'].get('adapters')} adapters' step:")
         lines += profile_lines(fusion["profile"])
+    return lines + growth_lines(fusion.get("profile_growth"), prediction, device)
+
+
+def growth_lines(measured: dict | None, prediction: dict | None, device: str | None) -> list[str]:
+    """Where the step's GPU time grew from the fewest to the most adapters: the profiles' kernels that grew most
+    (`profile_growth`, bench/fusion_side.py) and, beside them, the cost model's operations that did (its --fusion's
+    `operation_seconds` at the same two counts, where the prediction has them): which kernel the model misprices."""
+    lines = []
+    if measured and measured.get("grew_most"):
+        fewest, most = measured["adapters"]
+        lines.append(f"  measured, grew most from {fewest} to {most} adapters (GPU ms a step): " + ", ".join(
+            f"{row['name'][:48]} {row['seconds_per_step'][0] * 1e3:.2f} -> {row['seconds_per_step'][1] * 1e3:.2f}"
+            for row in measured["grew_most"][:6]))
+    fusion = (prediction or {}).get("fusion") or {}
+    counts = sorted(int(key.removeprefix("adapters_")) for key in fusion if key.startswith("adapters_"))
+    if measured and measured.get("adapters"):
+        counts = [n for n in counts if n in measured["adapters"]]
+    try:
+        from gpu_cost.report import growth
+    except ImportError:   # the cost model's package absent: its line left out
+        return lines
+    grown = growth(fusion.get(f"adapters_{counts[0]}", {}), fusion.get(f"adapters_{counts[-1]}", {})) \
+        if len(counts) > 1 else []
+    if grown:
+        lines.append(f"  predicted ({card_label(prediction, device)}), grew most from {counts[0]} to {counts[-1]} "
+                     "adapters (GPU ms a step): "
+                     + ", ".join(f"{name} {old * 1e3:.2f} -> {new * 1e3:.2f}" for name, old, new in grown))
     return lines
 
 

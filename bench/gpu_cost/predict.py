@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from gpu_cost.calibration import card_for, default_machine, host_for
-from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS, kernel_launches
+from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS, Card, kernel_launches, kernel_time
 from gpu_cost.operations import FILLS, GATHERS, REDUCTIONS, SCATTERS, Op
 from gpu_cost.timeline import Host, StepTiming, simulate
 from gpu_cost.workload import PROFILED, THROUGHPUT, TIMED, WARMUP, Recorded, Session, benchmark_module
@@ -159,6 +159,18 @@ def host_counts(ops: list[Op]) -> dict:
     return counts
 
 
+def operation_seconds(steps: list[list[Op]], card: Card) -> dict[str, float]:
+    """The GPU's seconds a step by operation (an ATen operation's name, a Triton kernel's `triton:` name), the mean
+    over `steps`, longest first: what `--fusion` compares between its fewest and most adapters (`report.growth`),
+    as the lease's fusion8b part compares its two profiles kernel by kernel."""
+    totals: Counter = Counter()
+    for ops in steps:
+        for op in ops:
+            if op.kind == "kernel" and kernel_launches(op):
+                totals[op.name] += kernel_time(op, card)
+    return {name: value / max(len(steps), 1) for name, value in totals.most_common()}
+
+
 def host_phases(ops: list[Op], host: Host) -> dict[str, float]:
     """The host's seconds in one step before its backward (packing, forward, loss), in the backward (autograd's
     nodes) and after it (optimizer steps, read-backs)."""
@@ -270,6 +282,8 @@ def run_worker(args: dict) -> dict:
                 rates[count] = summary["predicted_tokens_per_s"]
                 result[f"adapters_{count}"] = {key: summary[key] for key in
                                                ("predicted_step_s", "predicted_tokens_per_s", "median_step")}
+                result[f"adapters_{count}"]["operation_seconds"] = operation_seconds(
+                    [recorded.steps[index] for index in timed], card)
             first = rates[min(rates)]
             result["fusion_tokens_per_s"] = rates
             result["fusion_efficiency"] = {count: rate / first for count, rate in rates.items()}

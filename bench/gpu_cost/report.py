@@ -133,7 +133,21 @@ def _fusion(results: dict, calibration: dict) -> list[str]:
         step = fusion.get(f"adapters_{count}", {}).get("median_step") or {}
         if step.get("categories"):
             lines.append(f"  {count:>3} adapters' median step, GPU ms by kind: {_categories(step, limit=12)}")
+    if len(counts) > 1:
+        grown = growth(fusion.get(f"adapters_{counts[0]}", {}), fusion.get(f"adapters_{counts[-1]}", {}))
+        if grown:
+            lines.append(f"  grew most from {counts[0]} to {counts[-1]} adapters (GPU ms a step): "
+                         + ", ".join(f"{name} {old * 1e3:.2f} -> {new * 1e3:.2f}" for name, old, new in grown))
     return lines
+
+
+def growth(fewest: dict, most: dict, limit: int = 6) -> list[tuple[str, float, float]]:
+    """The operations whose GPU time a step grew most from one fusion count to another (`operation_seconds` of
+    each, predict.py): (name, seconds before, seconds after), the largest growth first, only those that grew."""
+    before, after = fewest.get("operation_seconds") or {}, most.get("operation_seconds") or {}
+    grown = sorted(((name, before.get(name, 0.0), value) for name, value in after.items()
+                    if value > before.get(name, 0.0)), key=lambda row: row[1] - row[2])
+    return grown[:limit]
 
 
 PACKED_PEERS = ("packed-bf16", "packed-float32")   # bench/lora_mfu.py's side (b): the faster of the two counts

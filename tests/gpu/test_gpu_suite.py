@@ -175,3 +175,30 @@ def test_the_prediction_shown_is_the_one_for_the_card_the_lease_landed_on(tmp_pa
                                 "NVIDIA H100 80GB HBM3")
     assert any("predicted by the cost model (--card h100): 1: 1.000" in line and "32: 0.900 (measured 0.800" in line
                for line in lines), lines
+
+
+def test_the_fusion_report_puts_the_model_s_growth_beside_the_profiles(monkeypatch):
+    """Where the step grew from 1 to 32 adapters: the profiles' kernels (fusion_side's `profile_growth`) and the
+    cost model's operations (--fusion's `operation_seconds` at the same counts), each largest growth first, the
+    model's labelled with the card it priced; without the model's figures only the measured line."""
+    _bench_module("lora_bench", monkeypatch)
+    report = _bench_module("lora_report", monkeypatch)
+    monkeypatch.syspath_prepend(str(Path(gpu_suite.__file__).parent))   # gpu_cost, as on the lease (bench/ first)
+    measured = {"adapters": [1, 32], "grew_most": [
+        {"name": "void cutlass::Kernel2<grouped>", "seconds_per_step": [0.050, 0.110], "grew_s": 0.06},
+        {"name": "_adamw_kernel", "seconds_per_step": [0.0005, 0.016], "grew_s": 0.0155}]}
+    prediction = {"card": "h100", "fusion": {
+        "fusion_efficiency": {"1": 1.0, "32": 0.88},
+        "adapters_1": {"operation_seconds": {"_grouped_mm": 0.050, "triton:_adamw_kernel": 0.0005, "mm": 0.16}},
+        "adapters_32": {"operation_seconds": {"_grouped_mm": 0.0605, "triton:_adamw_kernel": 0.0148, "mm": 0.16}}}}
+    fusion = {"status": "passed", "efficiency": {"1": 1.0, "32": 0.73}, "per_adapters": {},
+              "profile_growth": measured}
+    lines = report.fusion_lines(fusion, prediction, "NVIDIA H100 80GB HBM3")
+    grew = [line for line in lines if "grew most from 1 to 32 adapters" in line]
+    assert len(grew) == 2, lines
+    assert grew[0].startswith("  measured")
+    assert "cutlass::Kernel2<grouped> 50.00 -> 110.00, _adamw_kernel 0.50" in grew[0]
+    assert "(--card h100)" in grew[1]
+    assert "triton:_adamw_kernel 0.50 -> 14.80, _grouped_mm 50.00 -> 60.50" in grew[1] and "mm 160" not in grew[1]
+    lines = report.fusion_lines(fusion, {"card": "h100", "fusion": {"fusion_efficiency": {"1": 1.0}}}, None)
+    assert [line for line in lines if "grew most" in line] == [grew[0]]

@@ -24,13 +24,13 @@ BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 try:
     import gpu_cost_model
-    from gpu_cost.calibration import host_for, host_names, load
+    from gpu_cost.calibration import card_for, host_for, host_names, load
     from gpu_cost.card import h200, kernel_time
     from gpu_cost.operations import Op
-    from gpu_cost.predict import graphed, host_counts, read_later, summarise
-    from gpu_cost.report import host_bound_caveat, ratios
+    from gpu_cost.predict import graphed, host_counts, operation_seconds, read_later, summarise
+    from gpu_cost.report import growth, host_bound_caveat, ratios
     from gpu_cost.timeline import Host, simulate
-    from gpu_cost.workload import Session, benchmark_module, preimport, record_jobs
+    from gpu_cost.workload import FUSION_WARMUP, Session, benchmark_module, preimport, record_fusion, record_jobs
 finally:
     sys.path.remove(str(BENCH))
 
@@ -342,6 +342,35 @@ def test_the_tiny_shape_is_predicted_end_to_end(session, tmp_path):
                         profiled=None)
     assert summary["predicted_step_s"] > 0 and summary["predicted_tokens_per_s"] > 0
     assert summary["unknown_values"] == []
+
+
+def test_fusion_says_which_operations_grew_with_the_adapters_and_the_parts_add_up_to_the_step(session):
+    """--fusion's growth by operation (what the lease's fusion8b part compares kernel by kernel): each job's
+    flat AdamW is one launch over its own adapter (34 bytes a parameter: master, gradient and both moments read
+    and written, the bfloat16 copy written), so 4 adapters take 4 times one adapter's; it is listed among what
+    grew, and a step's operations add up to the GPU time the timeline gives it."""
+    bench = benchmark_module(REPO)
+    fused = record_fusion(session, bench, "tiny", [1, 4])
+    config, rank = bench.SHAPES["tiny"], bench.LORA["r"]
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    kv = hidden // config["num_attention_heads"] * config["num_key_value_heads"]
+    per_layer = rank * (2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + inner))   # q o, k v, gate up down
+    parameters = per_layer * config["num_hidden_layers"]
+    card = card_for("h200", load())
+    seconds = {}
+    for count, recorded in fused.items():
+        timed = recorded.steps[FUSION_WARMUP:]
+        updates = [op for op in timed[-1] if op.name == "triton:_adamw_kernel"]
+        assert len(updates) == count and all(op.bytes == 34 * parameters + 4 for op in updates)   # + the factor
+        seconds[count] = {"operation_seconds": operation_seconds(timed, card)}
+        timings = simulate(timed, card, host_for(load()))
+        copies = sum(kernel_time(op, card) for ops in timed for op in ops if op.kind in ("h2d", "d2h"))
+        total = sum(seconds[count]["operation_seconds"].values())
+        assert total == pytest.approx((sum(t.gpu_seconds for t in timings) - copies) / len(timed), rel=1e-9)
+    grown = {name: (before, after) for name, before, after in growth(seconds[1], seconds[4], limit=20)}
+    before, after = grown["triton:_adamw_kernel"]
+    assert after == pytest.approx(4 * before, rel=1e-9)
+    assert all(after > before for before, after in grown.values())
 
 
 def test_equal_is_a_host_read_answered_from_known_values(session):

@@ -51,10 +51,11 @@ else
 fi
 download "liger-kernel==0.8.5"   # pure Python (Triton kernels): torch and triton are on the image
 # the transformers this checkout runs on (pyproject: >=5.20; the image has 5.17, whose experts lack attributes aspen
-# reads: the lease of 2026-12-04) and the needs the image lacks or holds too old, at this checkout's versions
+# reads: the lease of 2026-12-04) and the needs the image lacks or holds too old, at this checkout's versions; not
+# hf-xet (4.3 MB of the 64 MiB): the image has one, and huggingface-hub calls it only to download, which no part does
 stack=$("$python" -c 'from importlib.metadata import version
 print(" ".join(f"{name}=={version(name)}" for name in ("transformers", "huggingface-hub", "kernels", "tomlkit",
-      "httpx2", "httpcore2", "truststore", "hf-xet", "regex", "click", "peft")))')
+      "httpx2", "httpcore2", "truststore", "regex", "click", "peft")))')
 download $stack
 
 # smollm2-135m's config and tokenizer (its weights, 517 MB converted, do not travel)

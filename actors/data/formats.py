@@ -7,7 +7,7 @@ import re
 import string
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 # --------------------------------------------------------------------------
 # Dataset formats
@@ -23,6 +23,11 @@ ALPACA_PROMPT_NO_INPUT = (
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 )
 
+
+STORED = "stored"
+"""Validation context key: a spec read back from where it was kept once accepted (a job table's row), to which
+checks added since are not applied again (`model_validate_json(text, context={STORED: True})`): a job accepted
+by an earlier version still loads."""
 
 TEMPLATE_SPEC_LIMIT = 1000
 """Largest width or precision a template's format spec may ask for (``{x:>1000}``): a larger one would
@@ -122,12 +127,16 @@ class PromptResponseFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["prompt_response"] = Field("prompt_response", description="two templates over the row's fields")
     prompt: str = Field(description="template of the prompt, e.g. `Question: {question}\\nAnswer:`")
-    response: str = Field(description="template of the target, e.g. ` {answer}`")
+    response: str = Field(description="template of the target, naming at least one row field, e.g. ` {answer}`")
 
     @field_validator("prompt", "response")
     @classmethod
-    def _check_template(cls, value: str) -> str:
-        _template_fields(value)
+    def _check_template(cls, value: str, info: ValidationInfo) -> str:
+        stored = (info.context or {}).get(STORED)
+        if not _template_fields(value) and info.field_name == "response" and not stored:
+            name = value.strip() if value.strip().isidentifier() else "answer"
+            raise ValueError(f"template {value!r} names no row field, so every row's target would be this same text; "
+                             f"put the row field that holds the target in braces, e.g. ' {{{name}}}'")
         return value
 
     def ordered_fields(self) -> list[str]:

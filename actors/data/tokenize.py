@@ -116,6 +116,11 @@ def _string_field(row: dict[str, Any], name: str, source: str, line: int, uses: 
 
 def _prompt_response_texts(row: dict[str, Any], fmt: PromptResponseFormat, source: str, line: int) -> tuple[str, str]:
     ordered = fmt.ordered_fields()
+    named = fmt.prompt.strip()
+    if named in row and "{" not in fmt.prompt:   # `prompt: question`, meaning the field, not the word
+        raise _row_error(source, line, f"the prompt template {fmt.prompt!r} names no row field, so every row's prompt "
+                         f"would be that word, yet the row has a field '{named}': write '{{{named}}}' to use its value "
+                         "(a template's fields are in braces)", field=named)
     uses = "format prompt_response uses " + ", ".join(f"{{{n}}}" for n in ordered)
     values = {name: _string_field(row, name, source, line, uses) for name in ordered}
     return fmt.prompt.format_map(values), fmt.response.format_map(values)

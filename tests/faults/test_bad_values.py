@@ -13,7 +13,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from actors.data.formats import STORED
 from actors.service.scheduler.config import EventsConfig, MetricsConfig, ServiceConfig, TrainerConfig
+from actors.service.table.job_table import JobTable, read_jobs
 from actors.spec.job_spec import JobSpec, step_limit_problem
 from actors.spec.job_submission import JobSubmission
 from actors.spec.run_spec import RunSpec
@@ -283,3 +285,28 @@ def test_bounds_reach_the_json_schema():
     schema = JobSpec.model_json_schema()["properties"]
     assert (schema["priority"]["minimum"], schema["priority"]["maximum"]) == (-100, 100)
     assert schema["lr"]["exclusiveMinimum"] == 0 and schema["lr"]["maximum"] == 10
+
+
+def test_a_response_template_naming_no_field_is_refused_with_its_line_yet_a_stored_one_still_loads(tmp_path):
+    """`response: answer` (the field's name without braces) would train every row towards the same word: the jobs file
+    names its line, job and field and the braced field to write, and the service path refuses it too; a job an
+    earlier version accepted with it, kept in a job table, still loads from that table (the service's and
+    `aspen run`'s read of an earlier run), instead of the whole table failing to open."""
+    fmt = f'    format: {{type: prompt_response, prompt: "{PROMPT}", response: answer}}'
+    source = with_line(GOOD, "    format:", fmt)
+    line = line_of(source, "    format:")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{line}: job 'gsm8k-r8' \(jobs\[0\]\), field format.response: "
+                                        r".*template 'answer' names no row field, so every row's target would be this "
+                                        r"same text; put the row field that holds the target in braces, e.g. "
+                                        r"' \{answer\}'"):
+        load_run_spec(write(tmp_path, source))
+    submission = good_submission()
+    submission["job"]["format"]["response"] = "answer"
+    with pytest.raises(ValidationError, match=r"job\.format\.prompt_response\.response\n.*names no row field"):
+        JobSubmission.model_validate_json(json.dumps(submission))
+    kept = JobSubmission.model_validate(submission, context={STORED: True})   # as an earlier version accepted it
+    table = JobTable(tmp_path / "jobs.sqlite")
+    job_id = table.add("gsm8k-r8-1", kept, tmp_path / "out").id
+    table.close()
+    assert JobTable(tmp_path / "jobs.sqlite").submission(job_id).job.format.response == "answer"
+    assert [sub.job.format.response for _, sub in read_jobs(tmp_path / "jobs.sqlite")] == ["answer"]

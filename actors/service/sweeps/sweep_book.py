@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from actors.data.formats import STORED
 from actors.service.sweeps.sweep_driver import SweepDriver, SweepJobs
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.durable import write_durably
@@ -35,7 +36,7 @@ class SweepBook:
         self.ended_seen: dict[str, int] = {}
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
             try:
-                spec = SweepSpec.model_validate(json.loads(path.read_text())["spec"])
+                spec = SweepSpec.model_validate(json.loads(path.read_text())["spec"], context={STORED: True})
                 self.drivers[spec.name] = SweepDriver(jobs, spec, path, say=log.info)
             except (ValueError, KeyError) as error:   # one damaged file: that sweep is reported, the rest go on
                 self.errors[path.stem] = f"{path}: cannot be carried on ({error}); move it away to drop the sweep"

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from actors.data.formats import STORED
 from actors.service.table.job_record import (
     ACTIVE_STATES,
     JOB_STATES,
@@ -121,7 +122,7 @@ class JobTable:
     @reads
     def submission(self, job_id: str) -> JobSubmission:
         (text,) = self.db.execute("SELECT submission FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return JobSubmission.model_validate_json(text)
+        return JobSubmission.model_validate_json(text, context={STORED: True})
 
     @reads
     def all(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
@@ -201,7 +202,8 @@ def read_jobs(path: Path) -> list[tuple[JobRecord, JobSubmission]] | None:
         present = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}   # an older table lacks the added ones
         columns = [column if column in present else f"NULL AS {column}" for column in RECORD_COLUMNS]
         rows = db.execute(f"SELECT {', '.join(columns)}, submission FROM jobs").fetchall()
-        return [(record_of(row[:-1]), JobSubmission.model_validate_json(row[-1])) for row in rows]
+        return [(record_of(row[:-1]), JobSubmission.model_validate_json(row[-1], context={STORED: True}))
+                for row in rows]
     except sqlite3.Error as error:
         log.info("%s: not read without the service (%s)", path, error)
         return None

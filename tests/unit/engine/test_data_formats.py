@@ -5,6 +5,7 @@ the ids, which labels are targets, a tokenizer's BOS, truncation, and bad chat r
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from actors.data import (
     TextFormat,
     tokenize_example,
 )
+from actors.data.formats import STORED
 from tests.helpers.data_formats import GSM8K, targets
 
 # ---------------------------------------------------------------- formats
@@ -66,6 +68,36 @@ def test_bounded_format_specs_still_render() -> None:
     row = {"question": "abcd", "answer": "42"}
     assert fmt.prompt.format_map(row) == " " * 996 + "abcd|" + "    'ab     |abcd**"
     assert fmt.response.format_map(row) == "42"
+
+
+def test_a_response_template_naming_no_field_is_refused_where_a_prompt_may_be_fixed() -> None:
+    """`response: answer` (the field's name, not `{answer}`) would make every row's target that word: refused with
+    the braced field to write; a fixed prompt (`Write a haiku:`) over a row's response is a real use and is taken;
+    a job table's stored spec, accepted before this check, still loads."""
+    refused = r"prompt_response\.response\n\s+Value error, template .* names no row field, so every row's target"
+    for response, fix in (("answer", "' {answer}'"), (" The answer.", "' {answer}'"), ("{{answer}}", "' {answer}'")):
+        with pytest.raises(ValidationError, match=rf"{refused} would be this same text; .* e.g. {re.escape(fix)}"):
+            TypeAdapter(DataFormat).validate_python({"type": "prompt_response", "prompt": "Q: {q}",
+                                                     "response": response})
+    fixed = PromptResponseFormat(type="prompt_response", prompt="Write a haiku:\n", response="{haiku}")
+    assert fixed.fields() == {"haiku"}
+    stored = PromptResponseFormat.model_validate({"type": "prompt_response", "prompt": "q", "response": "answer"},
+                                                 context={STORED: True})
+    assert stored.response == "answer"
+
+
+def test_a_prompt_template_that_is_a_rows_field_name_is_refused_at_that_row(tok: Any) -> None:
+    """`prompt: question` over rows that have a `question` field: the row's error says to write `{question}`; the
+    same word where the rows have no such field is a fixed prompt, taken as written."""
+    fmt = PromptResponseFormat(type="prompt_response", prompt="question", response=" {answer}")
+    row = {"question": "What is 2+3?", "answer": "5"}
+    with pytest.raises(DataError, match=r"^x:3: the prompt template 'question' names no row field, .* the row has a "
+                                        r"field 'question': write '\{question\}' to use its value") as error:
+        tokenize_example(row, fmt, tok, max_seq_len=512, train_on_prompt=False, source="x", line=3)
+    assert error.value.field == "question"
+    ex = tokenize_example({"text": "What is 2+3?", "answer": "5"}, fmt, tok, max_seq_len=512, train_on_prompt=False,
+                          source="x", line=3)
+    assert tok.decode(list(ex.input_ids)) == "question 5" + tok.eos_token
 
 
 # ---------------------------------------------------------------- tokenization

@@ -4,6 +4,7 @@ target, per format, truncated to max_seq_len."""
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -104,11 +105,14 @@ def _string_field(row: dict[str, Any], name: str, source: str, line: int, uses: 
     value = row[name]
     if value is None and optional:
         return ""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):   # one way to write it: 72
+        return str(int(value))
     if not isinstance(value, str):
         raise _row_error(
             source,
             line,
-            f"field '{name}' must be a string, got {_type_name(value)} (quote it in the data file)",
+            f"field '{name}' must be a string, got {_type_name(value)} (a whole number is read as its digits; write "
+            "other values as text: quoted in JSON, a string column in parquet)",
             field=name,
         )
     return value

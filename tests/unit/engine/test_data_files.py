@@ -38,13 +38,19 @@ def test_read_rows_jsonl_and_array(tmp_path: Path) -> None:
 
 def test_json_array_error_lines(tmp_path: Path, tok: Any) -> None:
     rows = [{"instruction": f"do {i}", "input": "", "output": f"done {i}"} for i in range(4)]
-    rows[2]["output"] = 7
+    rows[2]["output"] = 7.5
     path = tmp_path / "alp.json"
     path.write_text(json.dumps(rows, indent=2))
     # The third element starts on line 12: "[" + 5 lines per element.
     assert [line for line, _ in read_rows(path)] == [2, 7, 12, 17]
-    with pytest.raises(DataError, match=rf"^{path}:12: field 'output' must be a string, got int"):
+    with pytest.raises(DataError, match=rf"^{path}:12: field 'output' must be a string, got float"):
         load_examples(path, AlpacaFormat(type="alpaca"), tok, max_seq_len=64)
+    rows[2]["output"] = 7   # a whole number: read as its digits, as "7" would be
+    path.write_text(json.dumps(rows, indent=2))
+    as_text = tmp_path / "text.json"
+    as_text.write_text(json.dumps([{**row, "output": str(row["output"])} for row in rows], indent=2))
+    assert load_examples(path, AlpacaFormat(type="alpaca"), tok, max_seq_len=64).examples == \
+        load_examples(as_text, AlpacaFormat(type="alpaca"), tok, max_seq_len=64).examples
 
     bad = tmp_path / "bad.json"
     bad.write_text('[\n  {"a": "1"},\n  {"a": "2"\n   "b": 3}\n]\n')
@@ -78,9 +84,10 @@ def test_jsonl_errors(tmp_path: Path, tok: Any) -> None:
     assert "solution" in message  # hint: the fields the row does have
     assert info.value.field == "answer" and info.value.line == 2
 
-    write_jsonl(path, [{"question": "a", "answer": 5}])
-    with pytest.raises(DataError, match=rf"^{path}:1: field 'answer' must be a string, got int"):
-        load_examples(path, GSM8K, tok, max_seq_len=64)
+    for value, kind in ((5.0, "float"), (True, "bool"), ([5], "list")):   # a truth value is no whole number here
+        write_jsonl(path, [{"question": "a", "answer": value}])
+        with pytest.raises(DataError, match=rf"^{path}:1: field 'answer' must be a string, got {kind}"):
+            load_examples(path, GSM8K, tok, max_seq_len=64)
 
     write_jsonl(path, [{"question": "a", "answer": "b"}, "just a string"])
     with pytest.raises(DataError, match=rf"^{path}:2: each row must be a JSON object"):

@@ -321,10 +321,17 @@ def test_errors_name_the_file_the_row_and_the_column(tmp_path, smol_tokenizer):
     assert len(cursor.next_batch()) == 4   # window 0: rows 0-4
     with pytest.raises(DataError, match=r"nulls.parquet, row 7: field 'answer' must be a string, got null"):
         cursor.next_batch()
-    numbers = [{"question": r["question"], "answer": r["id"]} for r in rows]
-    with pytest.raises(DataError, match=r"numbers.parquet, row 0: field 'answer' must be a string, got int"):
+    numbers = [{"question": r["question"], "answer": r["id"] + 0.5} for r in rows]
+    with pytest.raises(DataError, match=r"numbers.parquet, row 0: field 'answer' must be a string, got float \(a "
+                                        r"whole number is read as its digits; write other values as text"):
         load_dataset_examples(write_parquet(tmp_path / "numbers.parquet", numbers), QA, smol_tokenizer,
                               max_seq_len=MAX_LEN)
+    whole = [{"question": r["question"], "answer": 1000 + r["id"]} for r in rows]   # int64 in parquet: its digits
+    texts = [{"question": r["question"], "answer": str(1000 + r["id"])} for r in rows]
+    assert [e.input_ids for e in load_dataset_examples(write_parquet(tmp_path / "whole.parquet", whole), QA,
+                                                       smol_tokenizer, max_seq_len=MAX_LEN).examples] == \
+        [e.input_ids for e in load_dataset_examples(write_parquet(tmp_path / "texts.parquet", texts), QA,
+                                                    smol_tokenizer, max_seq_len=MAX_LEN).examples]
     gap = [dict(r) for r in rows]
     del gap[3]["answer"]
     with pytest.raises(DataError, match=r"gap.jsonl:4: field 'answer' is missing"):   # JSONL: the line

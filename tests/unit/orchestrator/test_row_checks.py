@@ -95,7 +95,7 @@ def test_aspen_run_refuses_bad_rows_before_anything_starts(tmp_path, tiny_model_
     no model weights), each bad job's first bad row named, the good one not, and nothing written."""
     rows = _rows()
     _write(tmp_path / "good.jsonl", rows)
-    rows[6] = '{"question": 1, "answer": "2"}'
+    rows[6] = '{"question": 1.5, "answer": "2"}'
     _write(tmp_path / "typed.jsonl", rows)
     (tmp_path / "jobs.yaml").write_text(f"""\
 base_model: {tiny_model_dirs['llama']}

@@ -133,7 +133,7 @@ class PromptResponseFormat(BaseModel):
     @classmethod
     def _check_template(cls, value: str, info: ValidationInfo) -> str:
         stored = (info.context or {}).get(STORED)
-        if not _template_fields(value) and info.field_name == "response" and not stored:
+        if value and not _template_fields(value) and info.field_name == "response" and not stored:   # "": no target
             name = value.strip() if value.strip().isidentifier() else "answer"
             raise ValueError(f"template {value!r} names no row field, so every row's target would be this same text; "
                              f"put the row field that holds the target in braces, e.g. ' {{{name}}}'")

@@ -81,6 +81,8 @@ def test_a_response_template_naming_no_field_is_refused_where_a_prompt_may_be_fi
                                                      "response": response})
     fixed = PromptResponseFormat(type="prompt_response", prompt="Write a haiku:\n", response="{haiku}")
     assert fixed.fields() == {"haiku"}
+    prompts_only = PromptResponseFormat(type="prompt_response", prompt="{q}", response="")   # a GRPO job's own reward
+    assert prompts_only.fields() == {"q"}
     stored = PromptResponseFormat.model_validate({"type": "prompt_response", "prompt": "q", "response": "answer"},
                                                  context={STORED: True})
     assert stored.response == "answer"

@@ -16,7 +16,7 @@ from actors.service.scheduler.chained_jobs import chained, entered_as
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.data_roots import Location, as_root, data_problem
 from actors.service.scheduler.job_fit import job_adapter_bytes, never_fits, trainer_view
-from actors.service.table.job_table import ACTIVE_STATES, JobRecord, JobTable
+from actors.service.table.job_table import ACTIVE_STATES, JOB_STATES, JobRecord, JobTable
 from actors.service.trainer.trainer_reports import TrainerStatus
 from actors.spec.job_spec import JobSpec, step_limit_problem
 from actors.spec.job_submission import JobSubmission
@@ -127,10 +127,10 @@ class Submissions:
                 self._check_functions(submission, user)
                 output_dir = self._output_dir(submission, job_id, self._root_of(user))
                 self._check_limits(submission)
-                other = self.table.writing_to(output_dir, ACTIVE_STATES)
+                other = (self.table.writing_to(output_dir, ACTIVE_STATES)   # or an ended job's results
+                         or self.table.writing_to(output_dir, JOB_STATES))
                 if other is not None:
-                    raise SubmissionConflict(f"job {other.id} ({other.state}) already writes to {output_dir}; give "
-                                             "this job another output_dir or wait for that job to end")
+                    raise SubmissionConflict(_folder_taken(other, output_dir))
                 if any(output_dir == planned_dir for _, _, planned_dir in planned):
                     raise SubmissionError(f"two of the submitted jobs would write to {output_dir}; give this job "
                                           "another output_dir")
@@ -357,3 +357,12 @@ class Submissions:
             problem = never_fits(submission, need, views)
             if problem:
                 raise SubmissionError(problem)
+
+
+def _folder_taken(other: JobRecord, output_dir: Path | StorageURI) -> str:
+    """Why a job may not write to `output_dir`, which `other` writes to or wrote its results to, and what to do."""
+    if other.state in ACTIVE_STATES:
+        return f"job {other.id} ({other.state}) already writes to {output_dir}; give this job another output_dir"
+    again = ", resume that job (aspen resume)" if other.state in ("failed", "cancelled") else ""
+    return (f"job {other.id} ({other.state}) wrote its results to {output_dir}, which this job would overwrite; give "
+            f"this job another output_dir{again}, or forget that job first (Client.delete: its files stay)")

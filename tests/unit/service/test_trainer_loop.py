@@ -13,7 +13,7 @@ import pytest
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_data import JobData
 from actors.service.scheduler.local_run import train_locally
-from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionConflict
 from actors.service.table.job_table import JobTable
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.stop_verdicts import VERDICT_LAG
@@ -154,6 +154,31 @@ def test_submit_many_enters_all_jobs_or_none(tmp_path):
         core.submit_many([spec.submissions()[1]])
     assert len(core.table.all()) == 2
 
+
+
+def test_a_folder_an_ended_job_wrote_to_is_refused_to_a_new_job_until_that_job_is_forgotten(tmp_path):
+    """The same jobs file submitted again after its jobs ended: each new job would write to the folder whose
+    adapter, metrics and checkpoint the ended job left (and its record would then serve another job's adapter),
+    so it is refused (409), naming the job, its state, the folder and what to do; once that job is forgotten
+    (`Client.delete`), the folder is free."""
+    data = write_task_data(tmp_path / "data", "t")
+    spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 5), job_dict("b", data, 5)])
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
+    a, b = core.submit_many(spec.submissions())
+    core.table.set_state(a.id, "completed", "trained 5 of 5 steps")
+    core.table.set_state(b.id, "cancelled", "cancelled by the user")
+    with pytest.raises(SubmissionConflict) as refused:
+        core.submit_many(spec.submissions())
+    message = str(refused.value)
+    assert message.startswith("nothing was submitted: ")
+    assert (f"job {a.id} (completed) wrote its results to {a.output_dir}, which this job would overwrite; give this "
+            "job another output_dir, or forget that job first (Client.delete: its files stay)") in message
+    assert f"job {b.id} (cancelled) wrote its results to {b.output_dir}" in message
+    assert "resume that job (aspen resume)" in message
+    assert len(core.table.all()) == 2
+    core.delete(a.id)
+    again = core.submit(spec.submissions()[0])
+    assert again.output_dir == a.output_dir and again.state == "queued"
 
 def test_fifo_respects_the_memory_budget():
     from policies.base import JobView, Snapshot, TrainerView

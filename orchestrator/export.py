@@ -11,6 +11,7 @@ storage URI)."""
 from __future__ import annotations
 
 import io
+import shutil
 import sqlite3
 import tarfile
 import tempfile
@@ -20,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.checkpoint.adapter_export import ExportError, export_adapter, export_merged, has_adapter
+from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
 from actors.service.table.table_backup import JobTableDamaged, damaged_message, is_damage
+from actors.storage.base_identity import METADATA_NAME
 from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import as_location, is_uri
 
@@ -123,6 +126,8 @@ def _local_adapter(found: FoundJob, checkpoint: bool, scratch: Path) -> Path:
 
             if download_checkpoint(location, scratch / CHECKPOINT_FOLDER) is None:
                 raise ExportError(f"job '{found.name}' has no uploaded checkpoint in {found.folder}")
+            if not (scratch / CHECKPOINT_FOLDER / METADATA_NAME).is_file() and location.exists(METADATA_NAME):
+                location.download_file(METADATA_NAME, scratch / CHECKPOINT_FOLDER / METADATA_NAME)   # see below
             return scratch / CHECKPOINT_FOLDER
         if not location.exists("adapter_config.json"):
             raise _no_adapter(found, found.folder)
@@ -137,6 +142,12 @@ def _local_adapter(found: FoundJob, checkpoint: bool, scratch: Path) -> Path:
         raise _no_adapter(found, str(folder))
     if found.state is not None and found.state not in FINISHED and not checkpoint:
         raise _no_adapter(found, str(folder))   # an adapter from an earlier run of the same folder
+    if checkpoint and not (folder / METADATA_NAME).is_file() and (folder.parent / METADATA_NAME).is_file():
+        # a checkpoint saved before checkpoints recorded their base: the job's final adapter's record names it
+        for file in (CONFIG_NAME, WEIGHTS_NAME):
+            shutil.copyfile(folder / file, scratch / file)
+        shutil.copyfile(folder.parent / METADATA_NAME, scratch / METADATA_NAME)
+        return scratch
     return folder
 
 

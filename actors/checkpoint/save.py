@@ -26,17 +26,20 @@ from actors.storage.durable import fsync_tree, replace_durably, staging_folder, 
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str, reference: Path | None = None) -> Path:
+def save_checkpoint(job: TrainingJob, folder: str | Path, base_model_name: str, reference: Path | None = None,
+                    metadata: dict | None = None) -> Path:
     """Write the job's full training state to `folder`, replacing any previous checkpoint crash-safely:
     at every instant either `folder` or `.<name>.previous` holds a complete checkpoint. Returns `folder`.
     `reference`: the safetensors file of the job's reference adapter (its copy in the job's folder), copied in
-    as `reference_model.safetensors`, so that a resumed job needs nothing but its checkpoint."""
+    as `reference_model.safetensors`, so that a resumed job needs nothing but its checkpoint. `metadata`: aspen's
+    facts beside the adapter (`aspen.json`: where the base was loaded from), as the job's final adapter has them,
+    so that an exported or merged checkpoint finds the base it was trained on."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_staging(folder)
     staging = staging_folder(folder.parent, _staging_prefix(folder))
     try:
-        _write_checkpoint(job, staging, base_model_name, reference)
+        _write_checkpoint(job, staging, base_model_name, reference, metadata)
         fsync_tree(staging)
         _swap_in(staging, folder)
     except BaseException:
@@ -49,8 +52,9 @@ def _staging_prefix(folder: Path) -> str:
     return f".{folder.name}.staging-"
 
 
-def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str, reference: Path | None) -> None:
-    save_adapter(job.adapter, staging, base_model_name)
+def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str, reference: Path | None,
+                      metadata: dict | None) -> None:
+    save_adapter(job.adapter, staging, base_model_name, metadata)
     if reference is not None:   # a file copy (synced with the folder below): no tensor of it in memory
         shutil.copyfile(reference, staging / REFERENCE_NAME)
     tensors: dict[str, torch.Tensor] = {}

@@ -38,6 +38,10 @@ class BaseIdentity:
     serving_id: str                     # adapter_config.json's base_model_name_or_path
     metadata: dict[str, Any] = field(default_factory=dict)   # aspen.json's "base_model"
 
+    def adapter_metadata(self, job_id: str, step: int) -> dict[str, Any]:
+        """aspen.json of a job's adapter or checkpoint saved at `step`: the base it was trained on, the job."""
+        return {"base_model": self.metadata, "job_id": job_id, "step": step}
+
 
 def is_hub_id(text: str) -> bool:
     """`org/name` that is not an existing local path."""

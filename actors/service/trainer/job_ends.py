@@ -64,14 +64,15 @@ class JobEnds:
                     # its last step's row is already written: the rows again, that one with this eval loss
                     rows = metrics_rows([record.as_row() for record in job.history], job.evals, job.scores)
                     self._write(active, "its metrics", lambda: active.files.rewrite(rows))
-                metadata = {"base_model": self.base_identity.metadata, "job_id": job_id, "step": job.step}
+                metadata = self.base_identity.adapter_metadata(job_id, job.step)
                 if job.spec.init_adapter is not None:   # what it started from: the adapter's lineage
                     metadata["init_adapter"] = str(job.spec.init_adapter)
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
                     job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
             if kind != "failed":
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
-                    job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file))
+                    job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file,
+                    self.base_identity.adapter_metadata(job_id, job.step)))
                 data["checkpoint_step"] = job.step
         except StageLost as error:   # nothing could be read from the stages: it resumes from its last checkpoint
             lost = error

@@ -135,7 +135,8 @@ class StepBooking:
         next step (the previous checkpoint stays in place meanwhile)."""
         job = active.job
         try:
-            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file)
+            save_checkpoint(job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file,
+                            self.base_identity.adapter_metadata(active.job_id, job.step))
         except OSError as error:
             active.files.failed_write(error, CHECKPOINT_FOLDER)
             return

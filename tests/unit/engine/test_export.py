@@ -130,6 +130,34 @@ def test_merged_model_gives_base_plus_adapter(trained, tmp_path):
     assert (merged_logits - reference).abs().max() <= 1e-4
 
 
+
+def test_a_checkpoint_exports_and_merges_onto_the_base_it_was_trained_on(trained, tmp_path, capsys):
+    """`aspen export --checkpoint` (and `--merge`) found the base by the hub id the adapter's config names, which
+    the machine may not hold (the embedded smollm2's hub id never is): a checkpoint now records its base as the
+    final adapter does (aspen.json), and one saved before (none there) takes the job's final adapter's record.
+    Either way the lines name this machine's base and the merged model gives the engine's logits of the
+    checkpoint's weights on that base."""
+    out_dir, spec = trained
+    final = json.loads((out_dir / "add" / "aspen.json").read_text())
+    saved = json.loads((out_dir / "add" / "checkpoint" / "aspen.json").read_text())
+    assert saved == {**final, "step": 3}
+    recorded = final["base_model"]["local_path"]
+    before = tmp_path / "before"   # a checkpoint written before checkpoints recorded their base
+    shutil.copytree(out_dir / "add", before)
+    (before / "checkpoint" / "aspen.json").unlink()
+    ids = sample_ids()
+    for folder in (out_dir / "add", before):
+        assert main(["export", str(folder), "--checkpoint", "--out", str(tmp_path / f"{folder.name}-lora")]) == 0
+        printed = capsys.readouterr().out
+        assert "its base is not on this machine" not in printed
+        assert f"vllm serve {recorded} --enable-lora" in printed
+        merged = export_job(str(folder), tmp_path / f"{folder.name}-merged", merge=True, checkpoint=True)
+        model = AutoModelForCausalLM.from_pretrained(merged).eval()
+        with torch.no_grad():
+            got = model(input_ids=ids).logits
+        reference = engine_logits(recorded, folder / "checkpoint", spec, ids, dtype="float32")
+        assert (got - reference).abs().max() <= 1e-4
+
 def test_export_merge_prints_only_what_the_user_needs(trained, tmp_path):
     """`aspen export --merge` as a user runs it (its own process, output not a terminal): its result and the
     lines to use it, without bitsandbytes' notice about the `kernels` package, transformers' FutureWarning

@@ -186,12 +186,18 @@ class JobSpec(StrictModel):
         if (self.method == "grpo") != (self.grpo is not None):
             raise ValueError("method grpo needs `grpo: {reward: ...}` (its reward and sampling)" if self.grpo is None
                              else f"grpo settings apply to method grpo; this job's method is {self.method}")
-        if self.method == "grpo" and pairs:
+        if self.method == "grpo" and self.format.type in ("preference", "text"):
             raise ValueError("method grpo samples its own completions for each row's prompt: use a format with a "
-                             "prompt and a target text (alpaca, prompt_response, chat), not preference")
+                             f"prompt and a target text (alpaca, prompt_response, chat), not {self.format.type}"
+                             + (" (a text row has no prompt: its first token would be one)"
+                                if self.format.type == "text" else ""))
         if self.eval_generate is not None and self.method not in ("sft", "grpo"):
             raise ValueError(f"eval_generate scores generations against an sft job's target text; method "
                              f"'{self.method}' has none (remove eval_generate)")
+        if self.eval_generate is not None and self.format.type == "text":
+            raise ValueError("eval_generate continues each held-out row's prompt and scores it against the row's "
+                             "target text; format text has no prompt (every token is a target): use alpaca, "
+                             "prompt_response or chat, or remove eval_generate")
         if self.eval_generate is not None and not self.eval_split:
             raise ValueError("eval_generate scores the held-out rows, and eval_split holds none: set eval_split "
                              "(e.g. 64 rows)")

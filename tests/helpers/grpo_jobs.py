@@ -10,9 +10,12 @@ from tests.helpers.isolation import VOCAB
 from tests.helpers.models import random_examples, tiny_model
 from tests.helpers.rewards import NumberTokenizer
 
+# the rows are made here, not read: a format with a prompt, as a GRPO job's must be
+PROMPTS = {"type": "prompt_response", "prompt": "{prompt}", "response": " {reference}"}
+
 
 def grpo_spec(name: str, reward: str, **changes) -> JobSpec:
-    return JobSpec(**{"name": name, "data": "unused.jsonl", "format": {"type": "text"}, "method": "grpo",
+    return JobSpec(**{"name": name, "data": "unused.jsonl", "format": PROMPTS, "method": "grpo",
                       "grpo": {"reward": reward, "num_generations": 4, "max_new_tokens": 5, "temperature": 1.0},
                       "batch_size": 2, "max_steps": 2, "lr": 1e-2, "warmup_steps": 1,
                       "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}, **changes})

@@ -18,6 +18,7 @@ from actors.engine.packing import JobMicroBatch
 from actors.service.pipeline.pipeline_admission import PipelineAdmission
 from actors.service.pipeline.pipeline_engine import start_pipeline
 from actors.service.scheduler.config import TrainerConfig
+from tests.helpers.grpo_jobs import PROMPTS
 from tests.helpers.pipeline import one_thread_per_process, tiny_base
 
 STEPS = 10
@@ -108,7 +109,7 @@ def test_each_stages_sampling_is_bounded_by_its_estimate_and_a_budget_below_it_r
             assert 0 < used <= estimate <= 3 * used, (stage, used, estimate)
 
         width = max(prompt, 8) + new   # a job's largest rollout: rows sequences of max_seq_len + max_new_tokens
-        spec = job_spec("rl", method="grpo", batch_size=rows // 2, max_seq_len=max(prompt, 8), format={"type": "text"},
+        spec = job_spec("rl", method="grpo", batch_size=rows // 2, max_seq_len=max(prompt, 8), format=PROMPTS,
                         grpo={"reward": "contains", "num_generations": 2, "max_new_tokens": new})
         admission = PipelineAdmission(engine)
         needs = [engine.sampling_bytes(stage, rows, width) for stage in range(2)]

@@ -222,6 +222,10 @@ def test_grpo_specs_are_checked():
         JobSpec(name="a", data="x.jsonl", format={"type": "text"}, grpo={"reward": "exact_match"})
     with pytest.raises(ValidationError, match="not preference"):
         JobSpec(name="a", data="x.jsonl", format={"type": "preference"}, method="grpo", grpo={"reward": "contains"})
+    with pytest.raises(ValidationError, match=r"not text \(a text row has no prompt"):   # it trained, rewarding nothing
+        JobSpec(name="a", data="x.jsonl", format={"type": "text"}, method="grpo", grpo={"reward": "contains"})
+    with pytest.raises(ValidationError, match="format text has no prompt .* or remove eval_generate"):
+        JobSpec(name="a", data="x.jsonl", format={"type": "text"}, eval_split=4, eval_generate={"metric": "contains"})
     with pytest.raises(ValidationError, match="reward regex needs pattern"):
         _grpo_spec("a", "regex")
     with pytest.raises(ValidationError, match="neither exact_match, contains, regex nor module:function"):

@@ -29,6 +29,8 @@ def check_job_rows(job: JobSpec, tokenizer: PreTrainedTokenizerBase, *,
     max_seq_len): raises `DataError` naming the file, the row and the field. Returns (rows checked, whether that
     was all of them)."""
     table = open_table(job.data, job.split)
+    if job.streaming:
+        table.check_streamable()   # a JSON array, read whole, says so, not that its first line is no JSON row
     whole = not (job.streaming or is_uri(str(job.data)))
     rows = table.read_all() if whole else itertools.islice(table.rows(0), sample_rows)
     counted: list[int] = [0]
@@ -38,8 +40,8 @@ def check_job_rows(job: JobSpec, tokenizer: PreTrainedTokenizerBase, *,
             counted[0] += 1
             yield row
 
-    tokenize = RowTokenizer(job.format, tokenizer, max_seq_len=job.max_seq_len, train_on_prompt=job.train_on_prompt,
-                            columns=job.columns)
+    tokenize = _Recording(RowTokenizer(job.format, tokenizer, max_seq_len=job.max_seq_len,
+                                       train_on_prompt=job.train_on_prompt, columns=job.columns))
     loaded = examples_from(counting(), tokenize, table.source)
     if whole:   # every example known: the evaluation split leaves some to train on (the job actor's own split)
         try:
@@ -48,4 +50,34 @@ def check_job_rows(job: JobSpec, tokenizer: PreTrainedTokenizerBase, *,
             dropped = (f" ({loaded.dropped} of {counted[0]} rows have no target token left after truncation to "
                        f"max_seq_len={job.max_seq_len})") if loaded.dropped else ""
             raise DataError(f"{table.source}: {error}{dropped}", source=table.source, field="eval_split") from None
+    elif job.streaming and job.eval_split:   # a stream's eval split is its first rows
+        _check_stream_split(job, table.source, counted[0], tokenize.kept, every_row=counted[0] < sample_rows)
     return counted[0], whole or counted[0] < sample_rows
+
+
+class _Recording:
+    """A RowTokenizer that also records, row by row, whether the row gave an example."""
+
+    def __init__(self, tokenize: RowTokenizer):
+        self.tokenize, self.kept = tokenize, []
+
+    def __call__(self, row: tuple) -> object:
+        example = self.tokenize(row)
+        self.kept.append(example is not None)
+        return example
+
+    def all_dropped(self, source: str, total: int) -> DataError:
+        return self.tokenize.all_dropped(source, total)
+
+
+def _check_stream_split(job: JobSpec, source: str, read: int, kept: list[bool], *, every_row: bool) -> None:
+    """A streaming job's `eval_split` (a count of first rows) against the rows read: none left to train on (where
+    every row was read), or not one eval row with a target token; the job's own open_stream refuses both."""
+    eval_rows = int(job.eval_split)
+    if every_row and eval_rows >= read:
+        raise DataError(f"{source}: eval_split={eval_rows} takes all {read} rows, leaving none to train on; lower "
+                        "eval_split or add data", source=source, field="eval_split")
+    if eval_rows <= read and not any(kept[:eval_rows]):
+        raise DataError(f"{source}: none of the eval split's {eval_rows} rows (the first) has a target token left "
+                        f"after truncation to max_seq_len={job.max_seq_len}; raise max_seq_len or eval_split",
+                        source=source, field="eval_split")

@@ -243,6 +243,10 @@ def open_stream(data: Any, fmt: Any, tokenizer: Any, *, max_seq_len: int, train_
     if eval_read < eval_rows:
         raise DataError(f"{table.source}: eval_split={eval_rows} takes every one of its {eval_read} rows, leaving "
                         "none to train on; lower eval_split or add data", source=table.source)
+    if eval_rows and not eval_examples:   # else the job would train without a single evaluation, and say nothing
+        raise DataError(f"{table.source}: none of the eval split's {eval_rows} rows (the first) has a target token "
+                        f"left after truncation to max_seq_len={max_seq_len}; raise max_seq_len or eval_split",
+                        source=table.source, field="eval_split")
     total = table.count_rows() if epochs is not None else table.known_rows()
     train_rows = None if total is None else total - eval_rows
     if train_rows is not None and train_rows < 1:

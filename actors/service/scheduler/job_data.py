@@ -74,10 +74,7 @@ class JobData:
         loaded = load_dataset_examples(spec.data, spec.format, self.tokenizer, max_seq_len=spec.max_seq_len,
                                        train_on_prompt=spec.train_on_prompt, split=spec.split, columns=spec.columns,
                                        table=table)
-        if loaded.dropped:
-            rows, have = ("1 row", "has") if loaded.dropped == 1 else (f"{loaded.dropped} rows", "have")
-            log.warning("job %s: %s of %s %s no target token left after truncation to max_seq_len=%d (left out; a "
-                        "larger max_seq_len keeps them)", self.job_id, rows, spec.data, have, spec.max_seq_len)
+        self._warn_dropped(loaded.dropped, "")
         train, self.eval = split_eval(loaded.examples, spec.eval_split, self.submission.seed)
         self.cursor = DataCursor(train, spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec))
         self.summary = DataSummary(train_examples=len(train), eval_examples=len(self.eval), dropped=loaded.dropped,
@@ -85,6 +82,13 @@ class JobData:
                                    digest=digest)
         self.stop_rule = stop_rule_for(spec.early_stop, spec.eval_every, self.summary.total_steps)
         return self.summary
+
+    def _warn_dropped(self, dropped: int, which: str) -> None:
+        if dropped:
+            rows, have = ("1 row", "has") if dropped == 1 else (f"{dropped} rows", "have")
+            log.warning("job %s: %s of%s %s %s no target token left after truncation to max_seq_len=%d (left out; a "
+                        "larger max_seq_len keeps them)", self.job_id, rows, which, self.spec.data, have,
+                        self.spec.max_seq_len)
 
     def _prepare_stream(self, table: RowTable, digest: str) -> DataSummary:
         """A streaming job (actors/data/streaming.py): only its eval rows (the first `eval_split`) are
@@ -95,6 +99,7 @@ class JobData:
                              batch_size=spec.batch_size, seed=self.submission.seed, epochs=cursor_epochs(spec),
                              eval_rows=int(spec.eval_split), shuffle_window=spec.shuffle_window, table=table)
         self.cursor, self.eval = stream.cursor, stream.eval
+        self._warn_dropped(stream.eval_dropped, " its eval split's")   # the training rows' are met as they stream
         rows = stream.train_rows or 0
         self.summary = DataSummary(train_examples=rows, eval_examples=len(self.eval), dropped=stream.eval_dropped,
                                    total_steps=planned_steps(spec, rows), start=self.cursor.state_dict(), digest=digest)

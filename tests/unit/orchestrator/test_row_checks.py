@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from actors.data.formats import PromptResponseFormat
 from actors.data.row_check import check_job_rows
 from actors.data.rows import DataError
 from actors.spec.job_spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[3]
 TEMPLATE = {"type": "prompt_response", "prompt": "Q: {question}", "response": " {answer}"}
+TEMPLATE_FORMAT = PromptResponseFormat(**TEMPLATE)
 
 
 def _write(path: Path, rows: list[str]) -> Path:
@@ -89,6 +91,34 @@ def test_a_streamed_dataset_is_checked_on_its_first_rows_only(tmp_path, smol_tok
     checked, whole = check_job_rows(_job(path, streaming=True), smol_tokenizer, sample_rows=10)
     assert (checked, whole) == (10, False)   # the row at line 26 is the stream's to meet (as its job reads on)
 
+
+
+def test_a_streamed_eval_split_is_refused_as_its_job_would_refuse_it(tmp_path, smol_tokenizer):
+    """A streaming job's eval split is its first rows: every row of a small file read, a split taking them all is
+    refused before start (the job failed minutes later); a split whose rows all truncate away, which left the job
+    training without one evaluation and saying nothing, is refused by the job and by the check with one message;
+    a JSON array, which no stream can read, says so rather than that its first line is not a JSON row."""
+    from actors.data.streaming import open_stream
+
+    short = [json.dumps({"question": "long " * 40, "answer": "x"})] * 3
+    path = _write(tmp_path / "qa.jsonl", short + _rows(10))
+    with pytest.raises(DataError, match=r"qa.jsonl: eval_split=13 takes all 13 rows, leaving none to train on"):
+        check_job_rows(_job(path, streaming=True, eval_split=13), smol_tokenizer)
+    job = _job(path, streaming=True, eval_split=3, max_seq_len=32)
+    with pytest.raises(DataError) as checked:
+        check_job_rows(job, smol_tokenizer)
+    with pytest.raises(DataError) as streamed:
+        open_stream(path, TEMPLATE_FORMAT, smol_tokenizer, max_seq_len=32, batch_size=2, seed=0, epochs=None,
+                    eval_rows=3)
+    assert str(checked.value) == str(streamed.value) == (
+        f"{path}: none of the eval split's 3 rows (the first) has a target token left after truncation to "
+        "max_seq_len=32; raise max_seq_len or eval_split")
+    assert check_job_rows(_job(path, streaming=True, eval_split=4, max_seq_len=32), smol_tokenizer) == (13, True)
+    array = tmp_path / "qa.json"
+    array.write_text(json.dumps([json.loads(row) for row in _rows(4)], indent=1))
+    with pytest.raises(DataError, match=r"a JSON array is read whole, so it cannot be streamed; write one object per "
+                                        r"line \(JSONL\) or parquet, or set streaming: false"):
+        check_job_rows(_job(array, streaming=True), smol_tokenizer)
 
 def test_aspen_run_refuses_bad_rows_before_anything_starts(tmp_path, tiny_model_dirs):
     """The user's command: `aspen run jobs.yaml` with one good job and two bad ones: exit 2 in seconds (no service,

@@ -311,12 +311,25 @@ def output_dir_for_service(run: RunSpec, folder: Path, has_output_root: bool) ->
     return run
 
 
+def read_spec_text(path: Path) -> str:
+    """A jobs or sweep file's text (UTF-8, a byte-order mark allowed); a SpecError naming the line and column of
+    a byte that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        before = data[:error.start]
+        line, column = before.count(b"\n") + 1, error.start - (before.rfind(b"\n") + 1) + 1
+        raise SpecError(f"{path}:{line}: byte 0x{data[error.start]:02x} at column {column} is not UTF-8 (the file "
+                        "was saved in another encoding, e.g. Latin-1); save it as UTF-8") from None
+
+
 def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: bool = False) -> RunSpec:
     """Read and validate a jobs YAML file; data paths are relative to the file's folder."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such file")
-    text = path.read_text()
+    text = read_spec_text(path)
     try:
         data = load_yaml(text, FILE_LIMITS)
     except TooComplex as error:

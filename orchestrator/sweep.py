@@ -23,7 +23,7 @@ from actors.service.sweeps.sweep_book import LEADERBOARD_FILE
 from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.spec.user_functions import functions_resolved, is_file_reference, split_reference
-from orchestrator.jobs_file import FILE_LIMITS, SpecError, function_load_problems, yaml_lines
+from orchestrator.jobs_file import FILE_LIMITS, SpecError, function_load_problems, read_spec_text, yaml_lines
 from orchestrator.spec_text import TooComplex, load_yaml
 from policies.sweep.searchers import BUILT_IN, build_searcher
 
@@ -35,7 +35,7 @@ def load_sweep_spec(path: str | Path) -> SweepSpec:
     if not path.is_file():
         raise SpecError(f"{path}: no such file")
     try:
-        text = path.read_text()
+        text = read_spec_text(path)
         data = load_yaml(text, FILE_LIMITS)
     except TooComplex as error:
         raise SpecError(f"{path}: {error}") from None

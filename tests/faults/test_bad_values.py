@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 from pathlib import Path
 
@@ -310,3 +311,19 @@ def test_a_response_template_naming_no_field_is_refused_with_its_line_yet_a_stor
     table.close()
     assert JobTable(tmp_path / "jobs.sqlite").submission(job_id).job.format.response == "answer"
     assert [sub.job.format.response for _, sub in read_jobs(tmp_path / "jobs.sqlite")] == ["answer"]
+
+
+def test_a_jobs_file_not_in_utf8_names_its_line_and_column(tmp_path):
+    """A jobs file saved as Latin-1 (`Frage` with an e-acute): its line and column and the fix, where the bare
+    decoding error named neither the file nor the line."""
+    source = with_line(GOOD, "    format:", '    format: {type: prompt_response, prompt: "Fr\u00e9ge: {question}", '
+                                          'response: " {answer}"}').encode("latin-1")
+    path = tmp_path / "jobs.yaml"
+    path.write_bytes(source)
+    line = source[:source.index(b"\xe9")].count(b"\n") + 1
+    column = source.index(b"\xe9") - source.rfind(b"\n", 0, source.index(b"\xe9"))
+    with pytest.raises(SpecError, match=rf"^{re.escape(str(path))}:{line}: byte 0xe9 at column {column} is not UTF-8 "
+                                        r"\(the file was saved in another encoding, e.g. Latin-1\); save it as UTF-8$"):
+        load_run_spec(path)
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())   # a byte-order mark, as some editors write: taken
+    assert load_run_spec(path, check_files=False).jobs[0].name == "gsm8k-r8"

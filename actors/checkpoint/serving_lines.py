@@ -14,6 +14,7 @@ to write on another machine: the recorded id.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,10 +60,11 @@ def vllm_rank(rank: int) -> int:
 
 
 def serving_lines(source: ModelSource, serving_id: str, adapter_folder: Path | str, name: str,
-                  rank: int, vllm_refusal: str | None = None) -> ServingLines:
+                  rank: int, vllm_refusal: str | None = None, exported: str | None = None) -> ServingLines:
     """The lines for the adapter in `adapter_folder` (written there, or to be written when the job ends),
     trained on the base loaded from `source`, whose config records `serving_id`; `vllm_refusal`: why vLLM
-    cannot serve this kind of adapter (None: it can)."""
+    cannot serve this kind of adapter (None: it can); `exported`: what `aspen export` takes to merge it (default
+    `name`, a job's name)."""
     folder, gguf_file = local_base(source)
     adapter_folder = str(adapter_folder)
     local_only = source.local_files_only and not Path(folder).is_dir()   # a hub id from the local cache
@@ -86,12 +88,12 @@ def serving_lines(source: ModelSource, serving_id: str, adapter_folder: Path | s
                      f"(adapter_config.json's base_model_name_or_path), instead of {folder}.")
     else:
         elsewhere = f"On another machine, copy the base ({folder}) along with the adapter, or give its path there."
+    merge = (f"`aspen export {exported or name} --merge` writes the base with the adapter merged into it, which "
+             "`vllm serve FOLDER` serves.")
     if vllm_refusal is not None:
-        elsewhere += f" {vllm_refusal}: `aspen export {name} --merge` writes the base with the adapter merged " \
-                     "into it, which `vllm serve FOLDER` serves."
+        elsewhere += f" {vllm_refusal}: {merge}"
     elif vllm is None:
-        elsewhere += (f" vLLM needs a model folder: `aspen export {name} --merge` writes the base with the "
-                      "adapter merged into it, which `vllm serve FOLDER` serves.")
+        elsewhere += f" vLLM needs a model folder: {merge}"
     return ServingLines(folder, gguf_file, serving_id, peft, vllm, elsewhere)
 
 
@@ -102,7 +104,8 @@ def adapter_serving_lines(adapter_folder: Path, name: str | None = None) -> Serv
     adapter_folder = Path(adapter_folder)
     config = json.loads((adapter_folder / "adapter_config.json").read_text())
     return serving_lines(base_source(adapter_folder), serving_id(adapter_folder), adapter_folder.resolve(),
-                         name or adapter_folder.name, int(config.get("r") or 8), vllm_cannot_serve(config))
+                         name or adapter_folder.name, int(config.get("r") or 8), vllm_cannot_serve(config),
+                         None if name else shlex.quote(str(adapter_folder.resolve())))   # the folder itself
 
 
 def vllm_cannot_serve(config: dict[str, Any]) -> str | None:

@@ -158,6 +158,24 @@ def test_a_checkpoint_exports_and_merges_onto_the_base_it_was_trained_on(trained
         reference = engine_logits(recorded, folder / "checkpoint", spec, ids, dtype="float32")
         assert (got - reference).abs().max() <= 1e-4
 
+
+def test_the_merge_hint_for_an_adapter_vllm_cannot_serve_runs_as_printed(trained, tmp_path, monkeypatch):
+    """Where vLLM cannot serve an exported adapter (DoRA, VeRA, a GGUF base), the lines say which `aspen export`
+    merges it: for an exported folder that is the folder itself (its bare name, which the hint gave, is no job)."""
+    import shlex
+
+    from actors.checkpoint import serving_lines
+
+    out_dir, _ = trained
+    exported = export_job("add", tmp_path / "add-lora", run_dir=str(out_dir))
+    monkeypatch.setattr(serving_lines, "vllm_cannot_serve", lambda config: "vLLM cannot serve this kind")
+    hint = serving_lines.adapter_serving_lines(exported).elsewhere
+    command = hint[hint.index("`aspen export ") + 1:hint.index("` writes")]
+    assert command == f"aspen export {shlex.quote(str(exported.resolve()))} --merge"
+    monkeypatch.chdir(tmp_path)
+    assert main([*shlex.split(command)[1:], "--out", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+
 def test_export_merge_prints_only_what_the_user_needs(trained, tmp_path):
     """`aspen export --merge` as a user runs it (its own process, output not a terminal): its result and the
     lines to use it, without bitsandbytes' notice about the `kernels` package, transformers' FutureWarning

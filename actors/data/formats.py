@@ -98,6 +98,12 @@ def _template_fields(template: str) -> list[str]:
                 f"template {template!r} has a positional field '{{{name}}}'; "
                 "name a row field instead, e.g. '{question}'"
             )
+        if name[:1] in ("'", '"'):   # JSON in a prompt: `{"a": 1}` is read as a field named '"a"'
+            literal = "{" + name + (f":{spec}" if spec else "") + "}"
+            raise ValueError(
+                f"template {template!r} reads {literal!r} as a row field; to write braces as text, double them: "
+                f"{literal.replace('{', '{{').replace('}', '}}')!r}"
+            )
         if "." in name or "[" in name:
             raise ValueError(
                 f"template {template!r} uses '{{{name}}}'; only plain row field names are "

@@ -62,6 +62,17 @@ def test_templates_that_could_blow_up_a_row_are_refused(template: str, expected:
             PromptResponseFormat(type="prompt_response", **fields)
 
 
+def test_json_braces_in_a_template_are_told_to_be_doubled() -> None:
+    with pytest.raises(ValidationError, match=r"""template 'Return JSON like \{"a": 1\}. Q: \{question\}' reads """
+                                              r"""'\{"a": 1\}' as a row field; to write braces as text, double """
+                                              r"""them: '\{\{"a": 1\}\}'"""):
+        PromptResponseFormat(type="prompt_response", prompt='Return JSON like {"a": 1}. Q: {question}',
+                             response=" {answer}")
+    doubled = PromptResponseFormat(type="prompt_response", prompt='Return JSON like {{"a": 1}}. Q: {question}',
+                                   response=" {answer}")
+    assert doubled.prompt.format_map({"question": "x"}) == 'Return JSON like {"a": 1}. Q: x'
+
+
 def test_bounded_format_specs_still_render() -> None:
     fmt = PromptResponseFormat(type="prompt_response", prompt="{question:>1000}|{question!r:^12.3}|{question:*<6}",
                                response="{answer!s:.1000}")

@@ -9,6 +9,8 @@ when it is submitted, never overflow or crash the service later (a policy's `4.0
 from __future__ import annotations
 
 import functools
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -22,7 +24,9 @@ from pydantic import (
     PlainValidator,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
     WithJsonSchema,
+    field_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError, core_schema
@@ -151,5 +155,31 @@ def _whole_number(bounds: Bounds) -> TypeAdapter:
     return TypeAdapter(Annotated[int, bounds])
 
 
+@functools.cache
+def _scalar(annotation: Any) -> type | None:
+    """int, float or bool where a field holds one of them (or None besides), else None."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _scalar(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        kinds = [kind for kind in typing.get_args(annotation) if kind is not type(None)]
+        return _scalar(kinds[0]) if len(kinds) == 1 else None
+    return annotation if annotation in (int, float, bool) else None
+
+
 class StrictModel(BaseModel):
+    """No unknown field, no inf or nan, and truth values kept apart from numbers: pydantic's lax mode would take
+    `max_steps: true` as 1 step and `use_dora: "yes"` or `streaming: 1` as true."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _truth_values_apart(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = _scalar(cls.model_fields[info.field_name].annotation) if info.field_name in cls.model_fields else None
+        if kind in (int, float) and isinstance(value, bool):
+            raise PydanticCustomError("number_type", "must be a number, not {value} (a truth value)",
+                                      {"value": str(value).lower()})
+        if kind is bool and not isinstance(value, bool):
+            raise PydanticCustomError("bool_type", "must be true or false (got {value})", {"value": repr(value)})
+        return value

@@ -327,3 +327,27 @@ def test_a_jobs_file_not_in_utf8_names_its_line_and_column(tmp_path):
         load_run_spec(path)
     path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode())   # a byte-order mark, as some editors write: taken
     assert load_run_spec(path, check_files=False).jobs[0].name == "gsm8k-r8"
+
+
+@pytest.mark.parametrize("field, text, expected", [
+    ("max_steps", "true", r"must be a number, not true \(a truth value\)"),
+    ("eval_split", "false", r"must be a number, not false \(a truth value\)"),
+    ("train_on_prompt", "1", r"must be true or false \(got 1\)"),
+    ("streaming", "yes please", r"must be true or false \(got 'yes please'\)"),
+])
+def test_a_truth_value_for_a_number_or_a_number_for_a_truth_value_is_refused(tmp_path, field, text, expected):
+    """pydantic's lax mode took `max_steps: true` as one step and `streaming: 1` or `use_dora: "yes"` as true: each
+    is refused at its line, and through the service's path."""
+    source = (with_line(GOOD, f"    {field}:", f"    {field}: {text}") if f"    {field}:" in GOOD
+              else GOOD + f"    {field}: {text}\n")
+    line = line_of(source, f"    {field}:")
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{line}: job 'gsm8k-r8' \(jobs\[0\]\), field {field}: {expected}"):
+        load_run_spec(write(tmp_path, source), check_files=False)
+    submission = good_submission()
+    submission["job"][field] = yaml.safe_load(text)
+    with pytest.raises(ValidationError, match=rf"job\.{field}\n\s+{expected}"):
+        JobSubmission.model_validate_json(json.dumps(submission))
+    lora = good_submission()
+    lora["job"]["lora"]["use_dora"] = "yes"
+    with pytest.raises(ValidationError, match=r"job\.lora\.use_dora\n\s+must be true or false \(got 'yes'\)"):
+        JobSubmission.model_validate_json(json.dumps(lora))

@@ -38,7 +38,8 @@ class TextLimits:
 
 class TooComplex(ValueError):
     """A text beyond its `TextLimits`: `kind` is too_deep, too_many_values, yaml_alias or too_slow, `reason`
-    says which limit; `line` and `column` (1-based) where the reader stopped, when known."""
+    says which limit (or duplicate_key: a mapping's key written twice); `line` and `column` (1-based) where the
+    reader stopped, when known."""
 
     def __init__(self, kind: str, message: str, line: int | None = None, column: int | None = None):
         self.kind, self.reason, self.line, self.column = kind, message, line, column
@@ -57,8 +58,10 @@ def check_yaml(text: str, limits: TextLimits, loader: type = LOADER) -> None:
     depth = values = 0
     sizes: dict[str, int] = {}                       # anchor -> the values it stands for
     open_collections: list[tuple[str | None, int]] = []   # (anchor, values before it) of each open collection
+    keys = _MappingKeys()
     try:
         for count, event in enumerate(yaml.parse(text, Loader=loader)):
+            keys.see(event)
             if not limits.aliases and isinstance(event, yaml.NodeEvent) and event.anchor is not None:
                 raise TooComplex("yaml_alias", "YAML anchors and aliases (&name, *name) are not accepted here; write "
                                  "the values out", **_at(event.start_mark))
@@ -91,6 +94,33 @@ def check_yaml(text: str, limits: TextLimits, loader: type = LOADER) -> None:
             raise TooComplex("too_deep", f"nested more than {limits.depth} deep (mappings and lists in one "
                              "another); a job spec nests 5 deep", **_at(getattr(error, "problem_mark", None))) from None
         raise
+
+
+class _MappingKeys:
+    """Each open mapping's keys, from the parser's events: a key written twice in one mapping is refused (YAML
+    loaders keep the last silently: `max_steps: 1` ... `max_steps: 2` trained 2 steps, the first line unread)."""
+
+    def __init__(self) -> None:
+        self.open: list[tuple[dict[str, int], list[bool]] | None] = []   # a mapping's keys and "a key is next"
+
+    def see(self, event: yaml.Event) -> None:
+        top = self.open[-1] if self.open else None
+        is_key = top is not None and top[1][0]
+        if is_key and isinstance(event, yaml.ScalarEvent):
+            seen, line = top[0], event.start_mark.line + 1
+            if event.value in seen:
+                raise TooComplex("duplicate_key", f"'{event.value}' is written twice in one mapping (lines "
+                                 f"{seen[event.value]} and {line}), and only the last would count; keep one",
+                                 **_at(event.start_mark))
+            seen[event.value] = line
+        if isinstance(event, yaml.CollectionStartEvent):
+            self.open.append(({}, [True]) if isinstance(event, yaml.MappingStartEvent) else None)
+            return
+        if isinstance(event, yaml.CollectionEndEvent):
+            self.open.pop()
+            top = self.open[-1] if self.open else None
+        if top is not None and isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent, yaml.CollectionEndEvent)):
+            top[1][0] = not top[1][0]   # a key read: its value is next; a value read: a key
 
 
 def load_yaml(text: str, limits: TextLimits, loader: type = LOADER) -> Any:

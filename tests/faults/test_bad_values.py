@@ -351,3 +351,19 @@ def test_a_truth_value_for_a_number_or_a_number_for_a_truth_value_is_refused(tmp
     lora["job"]["lora"]["use_dora"] = "yes"
     with pytest.raises(ValidationError, match=r"job\.lora\.use_dora\n\s+must be true or false \(got 'yes'\)"):
         JobSubmission.model_validate_json(json.dumps(lora))
+
+
+def test_a_key_written_twice_in_one_mapping_is_refused_at_its_second_line(tmp_path):
+    """YAML loaders keep a repeated key's last value silently (`max_steps: 50` ... `max_steps: 2` trained 2 steps):
+    refused, naming both lines, in a job and in a nested mapping; the same key in two jobs is no repetition."""
+    source = GOOD + "    max_steps: 2\n"
+    first, second = line_of(source, "    max_steps:"), len(source.splitlines())
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{second}: 'max_steps' is written twice in one mapping \(lines "
+                                        rf"{first} and {second}\), and only the last would count; keep one"):
+        load_run_spec(write(tmp_path, source), check_files=False)
+    nested = with_line(GOOD, "    lora:", "    lora: {r: 8, alpha: 16, r: 4}")
+    with pytest.raises(SpecError, match=r"'r' is written twice in one mapping"):
+        load_run_spec(write(tmp_path, nested), check_files=False)
+    two_jobs = GOOD + GOOD[GOOD.index("  - name"):].replace("gsm8k-r8", "second")
+    assert [job.name for job in load_run_spec(write(tmp_path, two_jobs), check_files=False).jobs] == \
+        ["gsm8k-r8", "second"]

@@ -76,7 +76,7 @@ def test_a_hostile_body_is_refused_naming_the_limit(body, media, status, kind, p
 
 
 def test_a_body_within_the_limits_is_what_pyyaml_and_json_read(tmp_path):
-    plain = JOBS.replace("  - &first\n", "  -\n").replace("  - <<: *first\n", "  - name: b\n    data: data.jsonl\n"
+    plain = JOBS.replace("  - &first\n", "  -\n").replace("  - <<: *first\n", "  - data: data.jsonl\n"
                                                                              "    format: {type: alpaca}\n")
     data, text = parse_body(plain.encode(), "application/yaml")
     assert data == yaml.safe_load(plain) and text == plain

@@ -62,8 +62,11 @@ def as_http(error: Exception) -> HTTPException | None:
         SubmissionConflict,
         SubmissionError,
     )
+    from actors.service.table.job_table import AmbiguousJobName
     from orchestrator.errors import ServiceError
 
+    if isinstance(error, AmbiguousJobName):   # the job exists: which of several is the request's to say
+        return HTTPException(409, _first_line(error))
     if isinstance(error, KeyError):
         return HTTPException(404, _first_line(error))
     if isinstance(error, SubmissionConflict):

@@ -27,7 +27,8 @@ client in this process.
 
 Every /v1 endpoint but health needs `Authorization: Bearer <token>` (`orchestrator.http.token`; compared
 in constant time). Refusals are JSON `{"detail": ..., "errors": [...]}` and change nothing in the service:
-401 no or a wrong token, 404 an unknown job, 409 a name an unfinished job holds or a job in the wrong state
+401 no or a wrong token, 404 an unknown job, 409 a name an unfinished job holds, a name several jobs have (give
+the id) or a job in the wrong state
 (cancelling a finished one), 413 a body over `max_body_bytes` or with more values than a job spec has, 415 a
 body neither JSON nor YAML, 422 a malformed body (with its line and column), one nested too deeply or with
 YAML anchors or aliases, or an invalid spec (each problem with its field). Bodies are parsed in worker

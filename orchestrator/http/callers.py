@@ -19,7 +19,7 @@ from typing import Any
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
-from actors.service.table.job_table import JobRecord
+from actors.service.table.job_table import AmbiguousJobName, JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ def find_job(client: Any, caller: Caller, key: str) -> JobRecord:
     if len(named) == 1:
         return named[0]
     if named:
-        raise KeyError(f"{len(named)} jobs are named '{key}' ({', '.join(r.id for r in named)}); give the job id")
+        raise AmbiguousJobName(f"{len(named)} jobs are named '{key}' ({', '.join(r.id for r in named)}); give the "
+                               "job id")
     raise KeyError(f"no job with id or name '{key}'")
 
 

@@ -41,10 +41,18 @@ from actors.service.table.transition_log import TransitionLog
 from actors.service.table.usage_accounts import UsageAccounts
 from actors.spec.job_submission import JobSubmission
 
-__all__ = ["ACTIVE_STATES", "JOB_STATES", "RECORD_COLUMNS", "TERMINAL_STATES", "JobRecord", "JobState", "JobTable",
-           "JobTableBusy", "JobTableDamaged", "record_of"]
+__all__ = ["ACTIVE_STATES", "JOB_STATES", "RECORD_COLUMNS", "TERMINAL_STATES", "AmbiguousJobName", "JobRecord",
+           "JobState", "JobTable", "JobTableBusy", "JobTableDamaged", "record_of"]
 
 log = logging.getLogger(__name__)
+
+
+class AmbiguousJobName(KeyError):
+    """A name several jobs of the table have (a finished job's name may be taken again): the job is there, which one
+    is not said; the HTTP API answers 409, not 404."""
+
+    def __str__(self) -> str:   # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""
 
 
 class JobTable:
@@ -110,7 +118,8 @@ class JobTable:
             if len(ids) == 1:
                 return self.get(ids[0])
             if ids:
-                raise KeyError(f"{len(ids)} jobs are named '{key}' ({', '.join(ids)}); give the job id") from None
+                raise AmbiguousJobName(f"{len(ids)} jobs are named '{key}' ({', '.join(ids)}); give the job id") \
+                    from None
             raise KeyError(f"no job with id or name '{key}'") from None
 
     def set_submission(self, job_id: str, submission: JobSubmission) -> None:

@@ -103,3 +103,28 @@ def test_work_reported_after_a_job_was_ended_beside_its_trainer_is_booked_once(t
     assert [(row["step"], row["loss"]) for row in core.table.progress.of_job("model")] == [(1, 2.0), (2, 1.5)]
     assert (gone.state, gone.step, gone.tokens, gone.checkpoint_step) == ("cancelled", 1, 10, None)
     assert [row["step"] for row in core.table.progress.of_job("gone")] == [1]
+
+
+def test_a_name_two_jobs_have_is_a_conflict_not_an_unknown_job(tmp_path):
+    """A finished job's name may be taken again (in another folder): asked for by that name, the service says which
+    jobs have it (its id to give), and the HTTP API answers 409, where it answered 404 as for a job that does not
+    exist; the error survives the trip through Ray (pickled), and an unknown name stays a 404."""
+    import pickle
+
+    from actors.service.table.job_table import AmbiguousJobName
+    from orchestrator.service_calls import as_http
+
+    data = write_task_data(tmp_path / "data", "t")
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
+    first = core.submit(run_spec("smollm2-135m", tmp_path / "one", [job_dict("a", data, 5)]).submissions()[0])
+    core.table.set_state(first.id, "completed", "trained 5 of 5 steps")
+    again = core.submit(run_spec("smollm2-135m", tmp_path / "two", [job_dict("a", data, 5)]).submissions()[0])
+    with pytest.raises(AmbiguousJobName) as ambiguous:
+        core.table.find("a")
+    assert str(ambiguous.value) == f"2 jobs are named 'a' ({first.id}, {again.id}); give the job id"
+    answer = as_http(pickle.loads(pickle.dumps(ambiguous.value)))
+    assert (answer.status_code, answer.detail) == (409, str(ambiguous.value))
+    assert core.table.find(again.id).id == again.id
+    with pytest.raises(KeyError) as unknown:
+        core.table.find("b")
+    assert as_http(unknown.value).status_code == 404

@@ -226,11 +226,22 @@ class _Subscriptions(dict):
 
 
 class SubscriptionSafeBroker(Broker):
-    """amqtt 0.12's Broker with its subscription table walked over a copy (`_Subscriptions`)."""
+    """amqtt 0.12's Broker with its subscription table walked over a copy (`_Subscriptions`), and retained messages
+    sent to a session only for the filters it holds itself."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
         self._subscriptions = _Subscriptions(self._subscriptions)
+
+    async def _publish_retained_messages_for_subscription(self, subscription: tuple[str, int],
+                                                          session: Session) -> None:
+        """amqtt sends a connecting client the retained messages of every filter any client holds (meant for a
+        returning session's own), without the topic ACL: a user connecting while the reader account held
+        `aspen/v1/#` received every other user's retained job states. Only a filter this session holds now (a
+        subscription it just made, or a returning session's) has its retained messages sent to it."""
+        holders = self._subscriptions.get(subscription[0], ())
+        if any(held is session or held.client_id == session.client_id for held, _ in holders):
+            await super()._publish_retained_messages_for_subscription(subscription, session)
 
 
 class EmbeddedBroker:

@@ -317,6 +317,42 @@ def test_each_user_reads_only_their_own_jobs_topics_and_a_removed_user_is_refuse
         listener.close()
 
 
+
+def test_a_connecting_user_gets_the_retained_messages_of_their_own_subscription_only(tmp_path):
+    """amqtt sent a connecting client the retained messages of every filter any client held: with the reader
+    account subscribed to the whole prefix, alice, subscribing to her own topics only, received bob's retained job
+    state (its name, loss and folder) and the service-wide ones, and her own twice. Now she receives her own
+    retained state once and nothing else she did not subscribe to."""
+    from dataclasses import replace
+
+    from actors.service.accounts.users import UserBook
+
+    state_dir = tmp_path / "state"
+    book = UserBook.in_state_dir(state_dir)
+    alice, _ = book.add("alice")
+    book.add("bob")
+    root, _ = book.add("root", admin=True)
+    listener = MqttListener(EventsConfig(embedded_port=0), state_dir=state_dir)
+    watcher = mine = None
+    try:
+        wait_for(lambda: listener.connection.connected, timeout=20, what="the service account to connect")
+        port = reader_settings(state_dir).port
+        watcher = Subscriber(port, "aspen/v1/#", username="root", password=root)   # as `aspen watch --events`
+        listener.job_changed(replace(record(job_id="b-000001"), user="bob"), "queued")
+        listener.job_changed(replace(record(job_id="a-000001"), user="alice"), "queued")
+        wait_for(lambda: watcher.on("aspen/v1/users/alice/jobs/a-000001/state"), timeout=30,
+                 what="the retained states at the watcher")
+        mine = Subscriber(port, "aspen/v1/users/alice/jobs/a-000001/state", username="alice", password=alice)
+        wait_for(lambda: mine.messages, timeout=30, what="alice's retained state")
+        time.sleep(0.5)   # what else the broker would send her has come by now
+        assert [(topic, retain) for topic, _, retain in mine.messages] == [
+            ("aspen/v1/users/alice/jobs/a-000001/state", True)], mine.messages
+    finally:
+        for subscriber in (mine, watcher):
+            if subscriber is not None:
+                subscriber.close()
+        listener.close()
+
 def test_a_client_subscribing_while_the_broker_delivers_a_message_costs_no_subscriber_that_message(
         tmp_path, monkeypatch):
     """The broker asks the topic ACL (the users file, read in a thread) for each subscriber a message goes to,

@@ -155,9 +155,14 @@ def test_log_in_follow_jobs_try_an_adapter_submit_and_cancel(console, browser):
     page.goto(f"{console.url}/#/jobs")
     page.check(f"input[data-job='{long_job.id}']")
     page.check(f"input[data-job='{entered[0].id}']")
+    assert page.text_content("#view > p.status").endswith("; 2 selected")   # it stayed at 0 selected
     page.click("button[data-verb=cancel]")
     page.wait_for_selector(f"{row}[data-state=cancelled]")
     assert alice.status(long_job.id).state == "cancelled" and alice.status(entered[0].id).state == "cancelled"
+    # the outcome stays through the live updates that follow (each redraw wiped it within half a second)
+    page.wait_for_function("document.querySelector('#view > p.status').textContent.endsWith('cancel: 2 jobs')")
+    page.wait_for_timeout(1500)
+    assert page.text_content("#view > p.status").endswith("; 0 selected. cancel: 2 jobs")
     alice.cancel(queued.id)
     bob.cancel(bobs.id)
     page.close()

@@ -14,6 +14,7 @@ export function render(params, session) {
   let trials = new Map();      // sweep name -> set of trial job names
   const selected = new Set();
   const status = el("p", { class: "status", role: "status", "aria-live": "polite" });
+  let note = "";   // the last action's outcome: kept across live redraws until the selection changes
   const filters = {
     state: el("select", { id: "filter-state" }, el("option", { value: "", text: "any state" }),
       STATES.map((s) => el("option", { value: s, text: s }))),
@@ -61,7 +62,11 @@ export function render(params, session) {
   function jobRow(job) {
     const box = el("input", { type: "checkbox", "aria-label": `select ${job.name}`, "data-job": job.id,
       checked: selected.has(job.id),
-      onchange: (e) => (e.target.checked ? selected.add(job.id) : selected.delete(job.id)) });
+      onchange: (e) => {
+        if (e.target.checked) selected.add(job.id); else selected.delete(job.id);
+        note = "";
+        tell(shown().length);
+      } });
     const lossValues = (losses.get(job.id) || []).map((r) => r.loss);
     return el("tr", { "data-job": job.id, "data-state": job.state },
       el("td", {}, box),
@@ -106,8 +111,12 @@ export function render(params, session) {
         if (again) again.focus({ preventScroll: true });
       }
     }
-    status.textContent = `${rows.length} of ${jobs.size} jobs shown; ${selected.size} selected`;
+    tell(rows.length);
     if (!jobs.size) body.replaceChildren(el("tr", {}, el("td", { colspan: 12, text: "No jobs yet: submit one." })));
+  }
+
+  function tell(count) {
+    status.textContent = `${count} of ${jobs.size} jobs shown; ${selected.size} selected${note ? `. ${note}` : ""}`;
   }
 
   async function fetchLosses(job) {
@@ -116,7 +125,7 @@ export function render(params, session) {
 
   async function act(verb) {
     const chosen = [...selected].filter((id) => jobs.has(id));
-    if (!chosen.length) { status.textContent = `Select jobs to ${verb} first.`; return; }
+    if (!chosen.length) { note = `Select jobs to ${verb} first.`; tell(shown().length); return; }
     const problems = [];
     for (const id of chosen) {
       try { jobs.set(id, await api(jobPath(id, `/${verb}`), { method: "POST" })); } catch (error) {
@@ -124,8 +133,8 @@ export function render(params, session) {
       }
     }
     selected.clear();
+    note = problems.length ? `Not done: ${problems.join("; ")}` : `${verb}: ${chosen.length} jobs`;
     draw();
-    status.textContent = problems.length ? `Not done: ${problems.join("; ")}` : `${verb}: ${chosen.length} jobs`;
   }
 
   async function load() {

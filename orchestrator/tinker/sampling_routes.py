@@ -135,7 +135,7 @@ def sample_call(body: types.SampleRequest, adapter: str | None, eos: int | None)
         stop_tokens = frozenset(stop)
     elif stop:
         stop_texts = tuple(str(s) for s in stop)
-    max_tokens = params.max_tokens or 256
+    max_tokens = 256 if params.max_tokens is None else params.max_tokens   # 0 is refused below, not made 256
     if not 1 <= max_tokens <= MAX_SAMPLE_TOKENS or not 1 <= body.num_samples <= MAX_SAMPLES:
         raise HTTPException(422, f"max_tokens must be 1..{MAX_SAMPLE_TOKENS} and num_samples 1..{MAX_SAMPLES}")
     return SampleCall(adapter, tuple(tokens), num_samples=body.num_samples, max_tokens=max_tokens,

@@ -69,6 +69,10 @@ def test_sampling_from_saved_weights_through_the_sdk(sdk_server):
     direct = training.save_weights_and_get_sampling_client("s2")   # the same weights, its own session
     assert direct.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result(
         ).sequences[0].tokens == expected.sequences[0].tokens
+    # max_tokens 0 is refused at once, as 4097 is (it was taken as the default 256, a minute's sampling on a CPU)
+    for tokens in (0, 4097):
+        with pytest.raises(tinker.APIStatusError, match="max_tokens must be 1..4096"):
+            direct.sample(prompt, 1, types.SamplingParams(max_tokens=tokens)).result()
     client.close("success").result()
 
 

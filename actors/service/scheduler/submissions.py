@@ -148,6 +148,15 @@ class Submissions:
         with self.table.transaction():
             return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
 
+    def folder_problem(self, submission: JobSubmission) -> str | None:
+        """Why `submission`'s output_dir is no folder its submitter may write to (outside their output root, a
+        storage URI where the root is a path, ...), or None; nothing is entered (a sweep asks before its trials)."""
+        try:
+            self._output_dir(submission, "check", self._root_of(self._user(submission)))
+        except SubmissionError as error:
+            return str(error)
+        return None
+
     def _entered_job(self, key: str, submission: JobSubmission) -> tuple[str, JobSpec] | None:
         """A job entered before, by id or name, whose adapter `submission`'s submitter may start from (theirs; an
         operator's or an admin's: any): (its id, its spec), or None."""

@@ -21,6 +21,11 @@ class SchedulerJobs:
         submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
         return self.core.submit_many([submission])[0].id
 
+    def folder_problem(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str,
+                       user: str | None = None) -> str | None:
+        submission = JobSubmission(job=job, base_model=base_model, seed=seed, output_dir=output_dir, user=user)
+        return self.core.submissions.folder_problem(submission)
+
     def status(self, job_id: str) -> JobRecord:
         return self.table.get(job_id)
 

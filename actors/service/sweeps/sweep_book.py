@@ -47,11 +47,19 @@ class SweepBook:
             raise ValueError(f"sweep '{spec.name}': output_dir {spec.output_dir} is a storage URI; a sweep's folder "
                              "(its leaderboard and report) is a local path for now")
         known = self.drivers.get(spec.name)
-        if known is not None:
-            if known.spec != spec:
-                raise ValueError(f"sweep '{spec.name}' exists with other settings; give the sweep another name, or "
-                                 "cancel and delete the old one first")
+        if known is not None and known.spec == spec:
             return self.status(spec.name)
+        if known is not None and self.status(spec.name)["state"] not in ("failed", "cancelled"):
+            raise ValueError(f"sweep '{spec.name}' exists with other settings and has not ended; give the sweep "
+                             "another name, or cancel the old one first (an ended sweep's name may be taken again)")
+        problem = self.jobs.folder_problem(spec.job, base_model=spec.base_model, seed=spec.seed,
+                                           output_dir=str(Path(spec.output_dir) / spec.job.name), user=spec.user)
+        if problem is not None:   # else each trial would be refused when the sweep starts it
+            raise ValueError(f"sweep '{spec.name}': its trials cannot write under output_dir {spec.output_dir}: "
+                             f"{problem}")
+        if self.drivers.pop(spec.name, None) is not None:   # a failed or cancelled sweep of that name: replaced
+            self.ended_seen.pop(spec.name, None)   # (its results stay in its folder, its trials in the table)
+            (self.folder / f"{spec.name}.json").unlink(missing_ok=True)
         driver = SweepDriver(self.jobs, spec, self.folder / f"{spec.name}.json", say=log.info)
         driver.save()
         self.drivers[spec.name] = driver

@@ -30,6 +30,10 @@ class SweepJobs(Protocol):
     def submit(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str, user: str | None = None) -> str:
         ...
 
+    def folder_problem(self, job: JobSpec, *, base_model: str, seed: int, output_dir: str,
+                       user: str | None = None) -> str | None:
+        ...   # why a trial could not write to output_dir, asked before the sweep starts; None: it can
+
     def status(self, job_id: str) -> Any: ...   # a JobRecord: state, step, reason
 
     def losses(self, job_id: str) -> list[dict[str, Any]]: ...

@@ -38,6 +38,9 @@ class FakeJobs:
         self.jobs[job_id] = {"spec": job, "step": 0, "state": "running", "rows": []}
         return job_id
 
+    def folder_problem(self, job, *, base_model, seed, output_dir, user=None) -> str | None:
+        return None
+
     def advance(self) -> None:
         for job in self.jobs.values():
             if job["state"] != "running":
@@ -161,3 +164,32 @@ def test_the_report_names_every_trial_with_its_settings_and_steps_are_whole(tmp_
     assert "x: where a trial was stopped" in labels
     figure.canvas.draw()
     assert all(float(tick).is_integer() for tick in axes.get_xticks())
+
+
+def test_a_sweep_whose_trials_could_not_write_is_refused_at_once_and_an_ended_sweeps_name_is_free(tmp_path):
+    """A sweep whose output_dir lies outside the service's output root was accepted, then failed at its first
+    trial with its trials shown running; it is refused when added, with the service's reason. A failed or
+    cancelled sweep's name may be taken by a sweep of other settings (the refusal told to delete the old one, which
+    nothing can); one still running keeps its name."""
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.sweeps.scheduler_jobs import SchedulerJobs
+    from actors.service.table.job_table import JobTable
+    from policies.fifo import FifoPolicy
+
+    root = tmp_path / "root"
+    core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state", output_root=root)
+    book = SweepBook(tmp_path / "state", SchedulerJobs(core, core.table, cancel=lambda job_id, reason: None))
+    with pytest.raises(ValueError, match=r"sweep 'outside': its trials cannot write under output_dir .*outside: "
+                                         r"output_dir .* is outside this service's output root"):
+        book.add(spec("outside", tmp_path / "elsewhere"))
+    assert "outside" not in book.drivers and core.table.all() == []
+    jobs = FakeJobs()
+    book = SweepBook(tmp_path / "state2", jobs)
+    book.add(spec("busy", tmp_path / "b"))
+    other = SweepSpec(**{**spec("busy", tmp_path / "b").model_dump(mode="json"), "max_concurrent": 1})
+    with pytest.raises(ValueError, match="exists with other settings and has not ended; .* cancel the old one first"):
+        book.add(other)
+    book.cancel("busy")
+    run(book, jobs, rounds=2)
+    assert book.status("busy")["state"] == "cancelled"
+    assert book.add(other)["state"] == "running" and book.drivers["busy"].spec == other

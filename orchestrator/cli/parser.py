@@ -227,9 +227,10 @@ def _add_run_commands(commands: Any) -> None:
     sweep = commands.add_parser("sweep", help="a sweep file's trials trained as jobs of a service of its own (or "
                                               "the running one: --address, --url), the weak ones stopped early; "
                                               "ends with the leaderboard. `aspen sweep status NAME|FOLDER`: a sweep's "
-                                              "leaderboard")
-    sweep.add_argument("target", nargs="+", metavar="FILE | status NAME",
-                       help="sweep YAML file (docs/sweeps.md), or `status` and a sweep's name (or its folder)")
+                                              "leaderboard; `aspen sweep cancel NAME`: cancel it")
+    sweep.add_argument("target", nargs="+", metavar="FILE | status NAME | cancel NAME",
+                       help="sweep YAML file (docs/sweeps.md), or `status` and a sweep's name (or its folder), or "
+                            "`cancel` and a running sweep's name")
     sweep.add_argument("--address", help="a running service's Ray cluster (default: a service of the sweep's own)")
     sweep.add_argument("--url", help="a running service's HTTP API (`aspen http`)")
     sweep.add_argument("--json", action="store_true", help="print the leaderboard as JSON")

@@ -303,8 +303,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.target[0] == "status" and len(args.target) == 2:
         return _sweep_status(args, args.target[1])
+    if args.target[0] == "cancel" and len(args.target) == 2:
+        return _sweep_cancel(args, args.target[1])
     if len(args.target) != 1:
-        raise SpecError("give a sweep file (aspen sweep FILE) or aspen sweep status NAME")
+        raise SpecError("give a sweep file (aspen sweep FILE), or aspen sweep status NAME, or aspen sweep cancel "
+                        f"NAME (not {' '.join(args.target)})")
     spec = load_sweep_spec(args.target[0])
     from actors.service.scheduler.config import run_service_config
     from orchestrator.recent_runs import RecentRuns
@@ -332,6 +335,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
         return 1
     return 0 if board["best"] is not None else 1
+
+
+def _sweep_cancel(args: argparse.Namespace, name: str) -> int:
+    """Cancel a running service's sweep: its running trials are cancelled (checkpointed), none more start."""
+    service = connect_service(argparse.Namespace(url=args.url, address=args.address or os.environ.get(
+        "RAY_ADDRESS", "auto")))
+    status = service.cancel_sweep(name)
+    print(json.dumps(status, indent=1) if args.json else f"sweep {status['name']}: {status['state']} (cancelling: "
+          "its running trials are cancelled, none more start; `aspen sweep status NAME` follows it)")
+    return 0
 
 
 def _sweep_status(args: argparse.Namespace, name: str) -> int:

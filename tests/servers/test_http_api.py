@@ -307,7 +307,10 @@ def test_a_sweep_over_http_runs_in_the_service_and_refusals_name_the_field(api, 
                             "job": {**job, "max_steps": 400, "eval_every": 200}})
     assert cancelled["state"] == "running"
     wait_for(lambda: http.sweep_status("http-cancel")["trials"], 60, "the cancelled sweep's first trials")
-    http.cancel_sweep("http-cancel")
+    cancel = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", "cancel", "http-cancel", "--url",
+                             api.url], env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": api.token},
+                            capture_output=True, text=True, timeout=120)   # as a user cancels it
+    assert cancel.returncode == 0 and cancel.stdout.startswith("sweep http-cancel: "), cancel.stderr
     status = wait_for(lambda: (found := http.sweep_status("http-cancel"))["state"] != "running" and found, 120,
                       "the cancelled sweep to end")
     assert status["state"] == "cancelled" and all(t["state"] == "cancelled" for t in status["trials"]), status

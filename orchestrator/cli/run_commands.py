@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from actors.service.scheduler.local_run import StopBetweenSteps
     from actors.service.table.job_table import JobRecord
     from actors.spec.run_spec import RunSpec
+    from actors.spec.sweep_spec import SweepSpec
     from orchestrator.run_plan import RunPlan
 from orchestrator.cli.service_commands import connect_service, named_cluster
 
@@ -299,7 +300,7 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
 def cmd_sweep(args: argparse.Namespace) -> int:
     """`aspen sweep FILE`: the sweep run by a service of its own (or the running one at --address / --url),
     followed to its end; run again, it carries on. `aspen sweep status NAME|FOLDER`: its leaderboard."""
-    from orchestrator.sweep import follow_sweep, leaderboard_table, load_sweep_spec, service_run_spec
+    from orchestrator.sweep import follow_sweep, leaderboard_table, load_sweep_spec
 
     if args.target[0] == "status" and len(args.target) == 2:
         return _sweep_status(args, args.target[1])
@@ -312,7 +313,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from actors.service.scheduler.config import run_service_config
     from orchestrator.recent_runs import RecentRuns
 
-    config = run_service_config(service_run_spec(spec))
+    config = run_service_config(_sweep_run(spec, args.target[0]))
     # `aspen sweep status NAME` once its service has ended: the sweep's folder (its leaderboard) is remembered
     RecentRuns().remember(args.target[0], str(spec.output_dir), config.state_dir, sweep=spec.name)
     if args.address or args.url:
@@ -335,6 +336,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"aspen: sweep {spec.name} failed: {status['error']}", file=sys.stderr)
         return 1
     return 0 if board["best"] is not None else 1
+
+
+def _sweep_run(spec: SweepSpec, source: str) -> RunSpec:
+    """The run a sweep's own service is configured from; a job no step of the sweep's step_tokens holds is refused
+    naming the sweep file and the field (as a jobs file's is), not as a bare validation error of a RunSpec."""
+    from pydantic import ValidationError
+
+    from orchestrator.sweep import service_run_spec
+
+    try:
+        return service_run_spec(spec)
+    except ValidationError as error:
+        lines = [f"{source}: job.{'.'.join(str(part) for part in problem['loc'][2:])}: "
+                 f"{problem['msg'].removeprefix('Value error, ')}" for problem in error.errors()]
+        raise SpecError("\n".join(lines)) from None
 
 
 def _sweep_cancel(args: argparse.Namespace, name: str) -> int:

@@ -100,3 +100,19 @@ def test_a_grpo_trials_rewards_named_by_their_files_are_the_sweep_files_and_a_ba
         load_sweep_spec(path)
     assert f"{path}:{line}: job.grpo.reward.1 '" in str(caught.value), caught.value
     assert "rewards.py has no function 'long'" in str(caught.value)
+
+
+def test_a_trial_no_step_of_the_sweeps_own_holds_is_refused_naming_the_file_and_the_field(tmp_path, capsys):
+    """`aspen sweep FILE` on a service of its own: a job whose micro-batch no step of the file's step_tokens holds
+    was refused as a bare validation error of a RunSpec; it names the sweep file and the field, exit 2, and nothing
+    starts (no Ray: refused before the service)."""
+    from orchestrator.cli import main
+
+    path = write(tmp_path)
+    path.write_text(path.read_text() + "step_tokens: 1024\n")
+    (tmp_path / "qa.jsonl").write_text('{"instruction": "a", "input": "", "output": "b"}\n' * 20)
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: job.max_seq_len: batch_size 4 * max_seq_len 512 = 2048 tokens per micro-batch exceeds " \
+           "step_tokens 1024" in err, err
+    assert "validation error for RunSpec" not in err

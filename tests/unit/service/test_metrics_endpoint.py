@@ -23,7 +23,7 @@ from orchestrator.observability import service_listeners
 from tests.helpers.metrics_scenario import Samples, scrape
 
 # bounded labels: trainers, fixed kinds, running jobs, the service's users (users.json: an operator's few)
-ALLOWED_LABELS = {"trainer", "kind", "state", "cause", "job_id", "le", "version", "torch", "python", "user"}
+ALLOWED_LABELS = {"trainer", "kind", "state", "cause", "job_id", "le", "version", "torch", "python", "user", "sweep"}
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -234,3 +234,18 @@ def test_service_listeners_serve_metrics_only_when_enabled(tmp_path):
         listener.close()
     assert service_listeners(ServiceConfig(state_dir=tmp_path, metrics=MetricsConfig(enabled=False),
                                            events=EventsConfig(enabled=False))) == []
+
+
+def test_every_metric_family_is_in_the_monitoring_docs_table():
+    """docs/monitoring.md's table names every family the service registers (the sweeps' two were missing), with
+    its labels as the registry has them."""
+    from pathlib import Path
+
+    listener = MetricsListener(MetricsConfig(enabled=True, port=0), serve=False)
+    documented = dict(re.findall(r"^\| `(aspen_[a-z_]+)(?:\{([a-z_,]*)\})?` \|",
+                                 (Path(__file__).resolve().parents[3] / "docs" / "monitoring.md").read_text(), re.M))
+    for metric in listener.registry.collect():
+        name = metric.name + ("_total" if metric.type == "counter" else "")
+        labels = {label for sample in metric.samples for label in sample.labels if label != "le"}
+        assert name in documented, f"{name} is not in docs/monitoring.md's table"
+        assert not labels or set(documented[name].split(",")) == labels, (name, labels, documented[name])

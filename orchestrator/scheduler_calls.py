@@ -29,7 +29,14 @@ def _call(ref: ray.ObjectRef, timeout: float | None = 120) -> Any:
         raise
     except GetTimeoutError:
         raise ServiceError(f"the aspen service did not answer within {timeout:.0f}s; it may be busy or stuck "
-                           "(see its log: the Ray dashboard, or /tmp/ray/session_latest/logs)") from None
+                           f"(see its log: the Ray dashboard, or {_logs_dir()})") from None
+
+
+def _logs_dir() -> str:
+    """The connected cluster's log folder (under `ray start --temp-dir`, not /tmp/ray), where the driver knows it."""
+    node = getattr(getattr(ray._private.worker, "global_worker", None), "node", None)
+    folder = getattr(node, "get_logs_dir_path", None)
+    return folder() if callable(folder) else "/tmp/ray/session_latest/logs (Ray's default temp dir)"
 
 
 def _init_failure(error: RayActorError) -> str:

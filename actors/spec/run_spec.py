@@ -85,9 +85,12 @@ class RunSpec(StrictModel):
     @model_validator(mode="after")
     def _unique_names(self) -> RunSpec:
         seen: set[str] = set()
-        for job in self.jobs:
-            if job.name in seen:
-                raise ValueError(f"two jobs are named '{job.name}'; job names must be unique")
+        for index, job in enumerate(self.jobs):
+            if job.name in seen:   # located at the second job's name (a jobs file's line), not the file's top
+                error = PydanticCustomError("unique_name", "two jobs are named '{name}'; job names must be unique",
+                                            {"name": job.name})
+                raise ValidationError.from_exception_data(type(self).__name__, [
+                    InitErrorDetails(type=error, loc=("jobs", index, "name"), input=job.name)])
             seen.add(job.name)
         return self
 

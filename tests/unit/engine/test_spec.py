@@ -79,7 +79,9 @@ def test_missing_data_file_is_named(tmp_path):
 
 def test_duplicate_job_names_and_empty_jobs_are_rejected(tmp_path):
     doubled = GOOD + GOOD[GOOD.index("  - name"):]
-    with pytest.raises(SpecError, match="two jobs are named 'gsm8k-r8'"):
+    second = len(GOOD.splitlines()) + 1   # the second job's name line (it was the file's top)
+    with pytest.raises(SpecError, match=rf"jobs.yaml:{second}: job 'gsm8k-r8' \(jobs\[1\]\), field name: two jobs "
+                                        r"are named 'gsm8k-r8'; job names must be unique"):
         load_run_spec(write(tmp_path, doubled))
     with pytest.raises(SpecError, match="jobs"):
         parse_run_spec({"base_model": "x", "jobs": []}, check_files=False)

@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from actors.data import DataFormat
+from actors.data.formats import STORED
 from actors.data.locations import hub_id_problem
 from actors.spec.evaluation_config import GENERATION_METRICS, EarlyStopConfig, GenerationEval
 from actors.spec.field_types import JOB_NAME_PATTERN, Bounds, Location, Priority, Seed, StepCount, StrictModel
@@ -168,10 +169,11 @@ class JobSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _method_fits_format(self) -> JobSpec:
+    def _method_fits_format(self, info: ValidationInfo) -> JobSpec:
         if self.format is None:
             return self
         pairs = self.format.type == "preference"
+        text = self.format.type == "text" and not (info.context or {}).get(STORED)   # refused since 2026-12-06
         if self.method in PREFERENCE_METHODS and not pairs:
             raise ValueError(f"method '{self.method}' learns from preference pairs: set format to "
                              f"{{type: preference}} (rows with prompt, chosen, rejected), not '{self.format.type}'")
@@ -186,7 +188,7 @@ class JobSpec(StrictModel):
         if (self.method == "grpo") != (self.grpo is not None):
             raise ValueError("method grpo needs `grpo: {reward: ...}` (its reward and sampling)" if self.grpo is None
                              else f"grpo settings apply to method grpo; this job's method is {self.method}")
-        if self.method == "grpo" and self.format.type in ("preference", "text"):
+        if self.method == "grpo" and (pairs or text):
             raise ValueError("method grpo samples its own completions for each row's prompt: use a format with a "
                              f"prompt and a target text (alpaca, prompt_response, chat), not {self.format.type}"
                              + (" (a text row has no prompt: its first token would be one)"
@@ -194,7 +196,7 @@ class JobSpec(StrictModel):
         if self.eval_generate is not None and self.method not in ("sft", "grpo"):
             raise ValueError(f"eval_generate scores generations against an sft job's target text; method "
                              f"'{self.method}' has none (remove eval_generate)")
-        if self.eval_generate is not None and self.format.type == "text":
+        if self.eval_generate is not None and text:
             raise ValueError("eval_generate continues each held-out row's prompt and scores it against the row's "
                              "target text; format text has no prompt (every token is a target): use alpaca, "
                              "prompt_response or chat, or remove eval_generate")

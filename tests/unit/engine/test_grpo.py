@@ -226,6 +226,12 @@ def test_grpo_specs_are_checked():
         JobSpec(name="a", data="x.jsonl", format={"type": "text"}, method="grpo", grpo={"reward": "contains"})
     with pytest.raises(ValidationError, match="format text has no prompt .* or remove eval_generate"):
         JobSpec(name="a", data="x.jsonl", format={"type": "text"}, eval_split=4, eval_generate={"metric": "contains"})
+    from actors.data.formats import STORED
+
+    # a job an earlier version accepted so, read back from its job table: taken
+    kept = {"name": "a", "data": "x.jsonl", "format": {"type": "text"}, "method": "grpo",
+            "grpo": {"reward": "contains"}}
+    assert JobSpec.model_validate(kept, context={STORED: True}).method == "grpo"
     with pytest.raises(ValidationError, match="reward regex needs pattern"):
         _grpo_spec("a", "regex")
     with pytest.raises(ValidationError, match="neither exact_match, contains, regex nor module:function"):

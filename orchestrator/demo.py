@@ -235,9 +235,13 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     from orchestrator.progress import follow_jobs, wait_for_trainers
 
     spec = spec.model_copy(update={"output_dir": output_dir.resolve()})
-    client = Client.local(run_service_config(spec), wait_ready=False)
+    client = Client.local(run_service_config(spec, resume_on_start=False), wait_ready=False)
     try:
         wait_for_trainers(client, quiet=quiet)   # its phases said: loading the base, warming up, ...
+        folders = {str(output_dir.resolve() / job.name) for job in spec.jobs}
+        for record in client.jobs():   # an earlier demo's jobs in this folder: forgotten, their folders trained anew
+            if record.output_dir in folders:
+                client.delete(record.id)
         handles = client.submit_run(spec)
         ids = {h.id for h in handles}
         return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)

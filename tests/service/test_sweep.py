@@ -105,7 +105,8 @@ def test_a_sweep_keeps_the_good_trials_stops_the_hopeless_and_survives_its_sched
         assert json.loads(shown.stdout)["name"] == "lr"   # the sweep's name, not its folder's ("out")
         # the same sweep again (as `aspen sweep FILE` run again submits it) is the one that ran: nothing starts
         assert client.sweep(tmp_path / "sweep.yaml")["state"] == "done" and len(client.jobs()) == 4
-        with pytest.raises(ValueError, match="sweep 'lr' exists with other settings; give the sweep another name"):
+        with pytest.raises(ValueError, match=r"sweep 'lr' exists with other settings \(done\); give the sweep "
+                                             "another name"):
             client.sweep({**sweep, "max_concurrent": 2})
         with pytest.raises(KeyError, match="no sweep named 'nope'"):
             client.sweep_status("nope")

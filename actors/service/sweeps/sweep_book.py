@@ -49,9 +49,11 @@ class SweepBook:
         known = self.drivers.get(spec.name)
         if known is not None and known.spec == spec:
             return self.status(spec.name)
-        if known is not None and self.status(spec.name)["state"] not in ("failed", "cancelled"):
-            raise ValueError(f"sweep '{spec.name}' exists with other settings and has not ended; give the sweep "
-                             "another name, or cancel the old one first (an ended sweep's name may be taken again)")
+        state = self.status(spec.name)["state"] if known is not None else None
+        if state in ("running", "done"):   # a failed or cancelled sweep's name is free again
+            raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another name"
+                             + (", or cancel it first (a cancelled or failed sweep's name may be taken again)"
+                                if state == "running" else ""))
         problem = self.jobs.folder_problem(spec.job, base_model=spec.base_model, seed=spec.seed,
                                            output_dir=str(Path(spec.output_dir) / spec.job.name), user=spec.user)
         if problem is not None:   # else each trial would be refused when the sweep starts it

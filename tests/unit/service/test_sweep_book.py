@@ -187,7 +187,7 @@ def test_a_sweep_whose_trials_could_not_write_is_refused_at_once_and_an_ended_sw
     book = SweepBook(tmp_path / "state2", jobs)
     book.add(spec("busy", tmp_path / "b"))
     other = SweepSpec(**{**spec("busy", tmp_path / "b").model_dump(mode="json"), "max_concurrent": 1})
-    with pytest.raises(ValueError, match="exists with other settings and has not ended; .* cancel the old one first"):
+    with pytest.raises(ValueError, match=r"exists with other settings \(running\); .* or cancel it first"):
         book.add(other)
     book.cancel("busy")
     run(book, jobs, rounds=2)

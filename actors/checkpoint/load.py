@@ -12,10 +12,12 @@ import torch
 from actors.checkpoint.peft_io import WEIGHTS_NAME, adapter_state_dict_shapes, load_adapter_state
 from actors.checkpoint.read import SavedCheckpoint, read_files
 from actors.checkpoint.state import (
+    BEST_NAME,
     FORMAT_VERSION,
     REFERENCE_NAME,
     STATE_NAME,
     CheckpointState,
+    CheckpointStateV2,
     Invalid,
     previous_folder,
     read_state,
@@ -23,6 +25,7 @@ from actors.checkpoint.state import (
 from actors.data.digest import describe_change
 from actors.engine.grpo_replay import GrpoReplay
 from actors.engine.job import TrainingJob
+from actors.engine.kept_best import KeptBest
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,25 @@ def _read_checkpoint(folder: Path, job: TrainingJob) -> SavedCheckpoint:
     _check_optimizer(saved, job)
     _check_dropout_rng(saved, job)
     _check_replay(saved, job)
+    _check_best(saved, job)
     return saved
+
+
+def _check_best(saved: SavedCheckpoint, job: TrainingJob) -> None:
+    """A best evaluation's adapter has the job's adapter's tensors and shapes, from a step the checkpoint has
+    reached."""
+    state = saved.state
+    if saved.best is None or not isinstance(state, CheckpointStateV2) or state.best is None:
+        return
+    path = saved.folder / BEST_NAME
+    if state.best.step > state.step:
+        raise Invalid(f"{saved.folder / STATE_NAME}: best.step {state.best.step} is past the checkpoint's step "
+                      f"{state.step}")
+    expected = adapter_state_dict_shapes(job.adapter)
+    shapes = {key: tuple(tensor.shape) for key, tensor in saved.best.items()}
+    if shapes != expected:
+        wrong = sorted(set(shapes) ^ set(expected)) or sorted(k for k in shapes if shapes[k] != expected[k])
+        raise Invalid(f"{path}: its tensors do not fit the job's adapter (first differing: '{wrong[0]}')")
 
 
 def _check_replay(saved: SavedCheckpoint, job: TrainingJob) -> None:
@@ -267,6 +288,10 @@ def _restore(job: TrainingJob, saved: SavedCheckpoint) -> None:
     job.history = [record.restore() for record in saved.state.history]
     job.evals = [(step, loss) for step, loss in saved.state.evals]
     job.scores = [(step, score) for step, score in saved.state.scores]
+    best = saved.state.best if isinstance(saved.state, CheckpointStateV2) else None
+    job.best = None   # a best of another metric (keep_best changed) is not this job's best
+    if best is not None and saved.best is not None and best.metric == job.spec.keep_best:
+        job.best = KeptBest(best.metric, best.step, best.value, saved.best)
     if job.replay is not None:
         device = next(iter(job.adapter.parameters())).device
         job.replay = GrpoReplay.from_state(job.replay.iterations, saved.state.replay, device)

@@ -159,12 +159,15 @@ def adapter_state_dict_shapes(adapter: AdapterHandle) -> dict[str, tuple[int, ..
 
 
 def save_adapter(adapter: AdapterHandle, folder: str | Path, base_model_name: str,
-                 metadata: dict | None = None) -> Path:
+                 metadata: dict | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter atomically (each file written to a temporary name, then renamed). `base_model_name`:
     what `base_model_name_or_path` says (actors/storage/base_identity.py); `metadata`: aspen's own facts
-    (where the base was loaded from, the job), written beside it as `aspen.json`, which PEFT and vLLM ignore."""
+    (where the base was loaded from, the job), written beside it as `aspen.json`, which PEFT and vLLM ignore.
+    `tensors`: weights of this adapter's form saved earlier (`adapter_state_dict`: its best evaluation's) written
+    in place of its current ones."""
     folder = Path(folder)
-    tensors = adapter_state_dict(adapter, copy=False)   # written before the caller's next step: no copy
+    if tensors is None:
+        tensors = adapter_state_dict(adapter, copy=False)   # written before the caller's next step: no copy
     config = peft_config_dict(adapter.config, adapter.peft_targets, base_model_name,
                               fan_in_fan_out=adapter.fan_in_fan_out)
     # the mode any new file gets (0666 less the umask), as PEFT's save_pretrained writes them

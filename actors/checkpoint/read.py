@@ -17,6 +17,7 @@ from safetensors.torch import load as load_safetensors
 from actors.checkpoint.optimizer import decode_optimizer
 from actors.checkpoint.peft_io import WEIGHTS_NAME
 from actors.checkpoint.state import (
+    BEST_NAME,
     LEGACY_OPTIMIZER_NAME,
     OPTIMIZER_NAME,
     REFERENCE_NAME,
@@ -42,6 +43,7 @@ class SavedCheckpoint:
     gradients: list[torch.Tensor | None]
     dropout_rng: torch.Tensor | None
     reference: dict[str, torch.Tensor] | None = None   # the job's reference adapter, where it has one (format 2)
+    best: dict[str, torch.Tensor] | None = None   # a keep_best job's best evaluation's adapter, where it saved one
 
     @property
     def format(self) -> int:
@@ -74,8 +76,13 @@ def _read_format_2(folder: Path, state: CheckpointStateV2) -> SavedCheckpoint:
         dropout_rng = tensors.pop("dropout_rng")
     optimizer, gradients = decode_optimizer(folder / STATE_NAME, folder / OPTIMIZER_NAME, state.optimizer, tensors)
     reference = parse_tensors(folder / REFERENCE_NAME, contents[REFERENCE_NAME]) if REFERENCE_NAME in files else None
+    best = None
+    if state.best is not None:
+        content = _read_listed_file(folder / BEST_NAME)
+        _check_digest(folder / BEST_NAME, content, state.best.file)
+        best = parse_tensors(folder / BEST_NAME, content)
     return SavedCheckpoint(folder=folder, state=state, adapter=adapter, optimizer=optimizer, gradients=gradients,
-                           dropout_rng=dropout_rng, reference=reference)
+                           dropout_rng=dropout_rng, reference=reference, best=best)
 
 
 def _read_listed_file(path: Path) -> bytes:

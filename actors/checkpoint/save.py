@@ -19,7 +19,14 @@ from safetensors.torch import save_file
 
 from actors.checkpoint.optimizer import encode_optimizer
 from actors.checkpoint.peft_io import CONFIG_NAME, WEIGHTS_NAME, save_adapter
-from actors.checkpoint.state import FORMAT_VERSION, OPTIMIZER_NAME, REFERENCE_NAME, STATE_NAME, previous_folder
+from actors.checkpoint.state import (
+    BEST_NAME,
+    FORMAT_VERSION,
+    OPTIMIZER_NAME,
+    REFERENCE_NAME,
+    STATE_NAME,
+    previous_folder,
+)
 from actors.engine.job import TrainingJob
 from actors.storage.durable import fsync_tree, replace_durably, staging_folder, write_durably
 
@@ -67,6 +74,9 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str, ref
     metadata = {"format": "pt", "aspen_checkpoint": str(FORMAT_VERSION)}
     write_durably(staging / OPTIMIZER_NAME, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     tensors.clear()   # the references to the job's tensors go before the digests are read
+    best = job.best
+    if best is not None:   # a keep_best job's best evaluation's adapter (host copies, written as they are)
+        write_durably(staging / BEST_NAME, lambda tmp: save_file(best.tensors, tmp, metadata={"format": "pt"}))
     names = (OPTIMIZER_NAME, WEIGHTS_NAME, CONFIG_NAME) + ((REFERENCE_NAME,) if reference is not None else ())
     files = {name: _file_entry(staging / name) for name in names}
     state = {
@@ -86,6 +96,8 @@ def _write_checkpoint(job: TrainingJob, staging: Path, base_model_name: str, ref
         "dropout_rng": generator is not None,
         "files": files,
     }
+    if best is not None:
+        state["best"] = best.facts() | {"file": _file_entry(staging / BEST_NAME)}
     (staging / STATE_NAME).write_text(json.dumps(state, indent=1) + "\n")
 
 

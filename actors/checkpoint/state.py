@@ -31,6 +31,7 @@ from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
 STATE_NAME = "state.json"
 OPTIMIZER_NAME = "optimizer.safetensors"
 REFERENCE_NAME = "reference_model.safetensors"   # a job's frozen reference adapter (JobSpec.reference_adapter)
+BEST_NAME = "best_adapter.safetensors"   # the adapter of a keep_best job's best evaluation (engine/kept_best.py)
 LEGACY_OPTIMIZER_NAME = "optimizer.pt"  # format 1; read with torch.load(weights_only=True) only
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
@@ -201,6 +202,17 @@ class ReplayState(_Record):
     batches: list[ReplayedBatchState]
 
 
+class BestState(_Record):
+    """`best`: a keep_best job's best evaluation so far (`kept_best.KeptBest`) and the file of its adapter. Listed
+    here, not under `files`, so that an aspen that keeps no best adapter resumes such a checkpoint (it ignores
+    unknown top-level keys, and would refuse an unknown file entry)."""
+
+    metric: Literal["eval_loss", "eval_score"]
+    step: Count
+    value: Annotated[float, Strict(), Field(allow_inf_nan=False)]
+    file: FileEntry
+
+
 class CheckpointState(BaseModel):
     """state.json of format 1 (the fields both formats have)."""
 
@@ -227,6 +239,7 @@ class CheckpointStateV2(CheckpointState):
     optimizer: OptimizerSection
     dropout_rng: Flag   # whether optimizer.safetensors holds the dropout generator's state
     files: ListedFiles
+    best: BestState | None = None   # keep_best jobs that have been evaluated; older checkpoints have none
 
 
 def read_state(path: Path) -> CheckpointState:

@@ -10,6 +10,7 @@ import torch
 from actors.data import DataCursor, Example
 from actors.engine.adapter_surgery import AdapterHandle, add_adapter
 from actors.engine.grpo_replay import GrpoReplay
+from actors.engine.kept_best import KeptBest
 from actors.engine.models import BaseModel
 from actors.engine.optim import JobOptimizer
 from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
@@ -48,6 +49,7 @@ class TrainingJob:
     scores: list[tuple[int, float]] = field(default_factory=list)  # (optimizer step, eval_generate score)
     data_digest: str | None = None   # of the data it trains on (data/digest.py), where known: kept with its checkpoints
     replay: GrpoReplay | None = None   # a GRPO job's generation trained on num_iterations times (grpo_replay.py)
+    best: KeptBest | None = None   # the adapter of its best evaluation, with keep_best (kept_best.py)
 
     @classmethod
     def create(cls, spec: JobSpec, base: BaseModel, train: list[Example], eval_examples: list[Example],

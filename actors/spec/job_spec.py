@@ -86,6 +86,12 @@ class JobSpec(StrictModel):
                            "crash then loses at most this much wall time of the job's training (None: only "
                            "`checkpoint_every`)")
     early_stop: EarlyStopConfig | None = Field(None, description="stop when training stops paying off")
+    keep_best: Literal["eval_loss", "eval_score"] | None = Field(
+        None, description="the adapter the job ends with (its folder, what export, serving and job:<name> take) is "
+                          "that of its best evaluation, not its last step's, as transformers' load_best_model_at_end: "
+                          "eval_loss (the lowest) or eval_score (eval_generate's, the highest); its checkpoint keeps "
+                          "the last step's weights (a resume continues from them) and the best's; needs eval_split "
+                          "and eval_every (null: the last step's adapter)")
     priority: Priority = Field(0, description="higher runs first under priority-aware policies")
     seed: Seed | None = Field(None, description="the job's own seed (default: the run's)")
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of this job "
@@ -208,6 +214,20 @@ class JobSpec(StrictModel):
                              "remove it (with orpo or cpo it adds the prompt to the chosen sequence's "
                              "language-modelling term)")
         return self
+
+    @field_validator("keep_best")
+    @classmethod
+    def _has_evaluations(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        missing = " and ".join(name for name in ("eval_split", "eval_every") if not info.data.get(name))
+        if missing:
+            raise ValueError(f"'{value}' keeps the adapter of the job's best evaluation, and the job has no "
+                             f"{missing}: set {missing} (e.g. eval_split: 64, eval_every: 50), or remove keep_best")
+        if value == "eval_score" and info.data.get("eval_generate") is None:
+            raise ValueError("'eval_score' keeps the adapter of the best eval_generate score, and the job has "
+                             "no eval_generate: add eval_generate, or keep the lowest eval loss (keep_best: eval_loss)")
+        return value
 
     @property
     def sequences_per_example(self) -> int:

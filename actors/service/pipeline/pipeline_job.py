@@ -19,6 +19,7 @@ from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle
 from actors.engine.grpo_replay import GrpoReplay
 from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
+from actors.engine.kept_best import KeptBest
 from actors.engine.optim import JobOptimizer
 from actors.engine.pipeline.head_jobs import HeadJob
 from actors.service.pipeline.pipeline_processes import LocalPipeline
@@ -74,18 +75,22 @@ class PipelineJob:
     def __init__(self, engine: JobStages, head: HeadJob, eval_examples: list[Example], seed: int):
         self.engine = engine
         self.head = head
-        self.spec = head.spec
         self.eval_examples = eval_examples
         self.seed = seed
         self.evals: list[tuple[int, float]] = []
         self.scores: list[tuple[int, float]] = []   # eval_generate is refused on pipeline trainers (attach)
         self.data_digest: str | None = None
+        self.best: KeptBest | None = None   # the adapter of its best evaluation, with keep_best
         self.cursor_state_before_pending: dict | None = None
         self._adapter: AdapterHandle | None = None
         self._optimizer: JobOptimizer | None = None
         self.stale = True
 
     # -- what the loop reads ------------------------------------------------------------------------
+    @property
+    def spec(self) -> JobSpec:
+        return self.head.spec
+
     @property
     def name(self) -> str:
         return self.spec.name

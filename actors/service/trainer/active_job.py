@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.checkpoint.peft_io import adapter_state_dict
 from actors.checkpoint.peft_names import WEIGHTS_NAME
 from actors.engine.job import TrainingJob
+from actors.engine.kept_best import KeptBest, improves
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, REFERENCE_FOLDER, JobFiles
 from actors.service.outputs.tracking import JobTracker
 from actors.service.scheduler.job_data import JobUpdate
@@ -72,7 +74,7 @@ class ActiveJob:
     def evaluate(self, engine: StepEngine, update: JobUpdate) -> tuple[float, float | None]:
         """Evaluate the job after its last step: its eval loss and, with eval_generate, its generation score;
         both booked with the job (checkpointed: a resumed job's stop rule sees them), in `update` and with
-        its tracker."""
+        its tracker; with keep_best, the adapter kept where this evaluation is its best."""
         job = self.job
         eval_loss = engine.evaluate(job)
         job.evals.append((job.step, eval_loss))
@@ -85,6 +87,11 @@ class ActiveJob:
             job.scores.append((job.step, score))
             update.scores.append((job.step, score))
         self.last_eval_step = job.step
+        metric = job.spec.keep_best
+        if metric is not None:   # its adapter now, on the host, where this evaluation is its best so far
+            value = eval_loss if metric == "eval_loss" else score
+            if improves(metric, value, job.best):
+                job.best = KeptBest(metric, job.step, float(value), adapter_state_dict(job.adapter))
         if self.tracker is not None:
             self.tracker.eval(job.step, eval_loss, score)
         return eval_loss, score

@@ -11,6 +11,7 @@ from typing import Any
 from actors.checkpoint import save_checkpoint, saved_step
 from actors.checkpoint.peft_io import save_adapter
 from actors.engine.generation_eval import MetricError
+from actors.engine.kept_best import KeptBest
 from actors.service.outputs.job_files import metrics_rows
 from actors.service.outputs.remote_outputs import RemoteOutputs
 from actors.service.pipeline.pipeline_processes import StageLost
@@ -22,6 +23,16 @@ from actors.service.trainer.trainer_reports import EventKind, TrainerEvents
 from actors.storage.base_identity import BaseIdentity
 
 log = logging.getLogger(__name__)
+
+
+def _kept(metric: str, best: KeptBest | None, last_step: int) -> str:
+    """What a keep_best job's end says of the adapter it ends with."""
+    if best is None:
+        return (f"no evaluation gave a finite {metric.replace('_', ' ')}, so its adapter is its last step's "
+                f"(step {last_step})")
+    if best.step == last_step:
+        return f"its adapter is its last step's ({last_step}), {best.describe()}"
+    return f"its adapter is step {best.step}'s, {best.describe()}; its last step's ({last_step}) is in its checkpoint"
 
 
 def lost_stage_reason(error: StageLost) -> str:
@@ -64,11 +75,17 @@ class JobEnds:
                     # its last step's row is already written: the rows again, that one with this eval loss
                     rows = metrics_rows([record.as_row() for record in job.history], job.evals, job.scores)
                     self._write(active, "its metrics", lambda: active.files.rewrite(rows))
-                metadata = self.base_identity.adapter_metadata(job_id, job.step)
+                best = job.best if job.spec.keep_best is not None else None
+                metadata = self.base_identity.adapter_metadata(job_id, job.step if best is None else best.step)
                 if job.spec.init_adapter is not None:   # what it started from: the adapter's lineage
                     metadata["init_adapter"] = str(job.spec.init_adapter)
+                if job.spec.keep_best is not None:
+                    data["reason"] = f"{reason}; {_kept(job.spec.keep_best, best, job.step)}"
+                if best is not None:
+                    metadata |= {"best": best.facts(), "last_step": job.step}
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
-                    job.adapter, active.local_dir, self.base_identity.serving_id, metadata)))
+                    job.adapter, active.local_dir, self.base_identity.serving_id, metadata,
+                    None if best is None else best.tensors)))
             if kind != "failed":
                 self._write(active, "its checkpoint", lambda: save_checkpoint(
                     job, active.checkpoint_dir, self.base_identity.serving_id, active.reference_file,

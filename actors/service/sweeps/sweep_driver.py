@@ -104,10 +104,7 @@ class SweepDriver:
         polls every tick; a searcher's state is a pickle)."""
         before = self._marker()
         if not self.cancelled:
-            for job in self.run.to_start():
-                self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
-                                                          output_dir=str(Path(self.spec.output_dir) / job.name),
-                                                          user=self.spec.user)
+            self._start(self.run.to_start())
         for name, trial in self.run.trials.items():
             if trial.state != "running" or name not in self.job_ids:
                 continue
@@ -132,6 +129,23 @@ class SweepDriver:
         if self._marker() != before:
             self.save()
         return self.done
+
+    def _start(self, starting: list[JobSpec]) -> None:
+        """Submit the trials' jobs. One the service refuses (its settings: a rank whose adapter fits no trainer's
+        memory, a micro-batch beyond every step) fails alone, saying why, and the sweep goes on; on any other error
+        the trials not yet submitted go back to pending (not shown running with no job) and the error is raised."""
+        for index, job in enumerate(starting):
+            try:
+                self.job_ids[job.name] = self.jobs.submit(job, base_model=self.spec.base_model, seed=self.spec.seed,
+                                                          output_dir=str(Path(self.spec.output_dir) / job.name),
+                                                          user=self.spec.user)
+            except ValueError as error:   # the service's refusal of this trial's job (SubmissionError)
+                self.run.ended(job.name, "failed", 0, f"the service refused its job: {error}")
+                self.say(f"{job.name}: failed: the service refused its job: {error}")
+            except Exception:
+                for later in starting[index:]:
+                    self.run.trials[later.name].state = "pending"
+                raise
 
     def leaderboard(self) -> dict[str, Any]:
         """The run's leaderboard, each running trial with its job's step now (`steps`: between the objectives

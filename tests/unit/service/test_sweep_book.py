@@ -193,3 +193,34 @@ def test_a_sweep_whose_trials_could_not_write_is_refused_at_once_and_an_ended_sw
     run(book, jobs, rounds=2)
     assert book.status("busy")["state"] == "cancelled"
     assert book.add(other)["state"] == "running" and book.drivers["busy"].spec == other
+
+
+def test_a_trial_the_service_refuses_fails_alone_saying_why_and_the_sweep_goes_on(tmp_path):
+    """A grid whose one setting makes a micro-batch no trainer can step (batch_size 4 x max_seq_len 1024 > the
+    trainer's 512-token steps), over the service's real scheduler core: that trial fails with the service's
+    reason, the other is submitted, and the sweep runs on (it failed whole, its never-started trials shown running
+    for ever)."""
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.sweeps.scheduler_jobs import SchedulerJobs
+    from actors.service.table.job_table import JobTable
+    from policies.fifo import FifoPolicy
+
+    (tmp_path / "qa.jsonl").write_text('{"instruction": "q", "output": "a"}\n' * 8)
+    table = JobTable(tmp_path / "state/jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state",
+                         trainers=[TrainerConfig(base_model="smollm2-135m", step_tokens=512)])
+    book = SweepBook(tmp_path / "state", SchedulerJobs(core, table, cancel=lambda job_id, reason: None))
+    job = JOB | {"data": str(tmp_path / "qa.jsonl")}
+    book.add(SweepSpec(name="lengths", output_dir=str(tmp_path / "lengths"), job=job, search="grid",
+                       max_concurrent=2, space={"max_seq_len": {"choice": [64, 1024]}}))
+    book.poll_all()
+    status = book.status("lengths")
+    assert status["state"] == "running" and status["error"] is None, status
+    trials = {trial["settings"]["max_seq_len"]: trial for trial in status["trials"]}
+    assert trials[1024]["state"] == "failed", trials
+    assert ("the service refused its job: job 'qa-t1': batch_size 4 * max_seq_len 1024 = 4096 tokens per "
+            "micro-batch exceeds step_tokens 512") in trials[1024]["stopped_because"], trials[1024]
+    assert trials[64]["state"] == "running"
+    assert [record.name for record in table.all()] == [trials[64]["name"]]
+    table.close()

@@ -125,6 +125,20 @@ def _request_body_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     return body, defs.get("$defs", {})
 
 
+def _request_error(item: dict[str, Any], body: str) -> dict[str, Any]:
+    """One of FastAPI's request errors for the answer; a malformed JSON body's (located by FastAPI at a character
+    offset, `body.10`) with its line and column, as a job submission's says them."""
+    loc = list(item.get("loc", ()))
+    if item.get("type") != "json_invalid" or len(loc) != 2 or not isinstance(loc[1], int):
+        return {"loc": loc, "msg": item.get("msg", ""), "type": item.get("type", "")}
+    offset = min(loc[1], len(body))
+    line = body.count("\n", 0, offset) + 1
+    column = offset - (body.rfind("\n", 0, offset) + 1) + 1
+    problem = (item.get("ctx") or {}).get("error") or item.get("msg", "")
+    return {"loc": ["body"], "msg": f"malformed JSON: {problem} at line {line}, column {column}",
+            "type": "json_invalid", "line": line, "column": column}
+
+
 def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_BYTES,
                events_poll_s: float = EVENTS_POLL_S, users: UserBook | None = None,
                audit: AuditLog | None = None, console: bool = True,
@@ -175,9 +189,10 @@ def create_app(link: ServiceLink, token: str, *, max_body_bytes: int = MAX_BODY_
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": list(item.get("loc", ())), "msg": item.get("msg", ""), "type": item.get("type", "")}
-                  for item in error.errors()]
-        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        body = (await request.body()).decode("utf-8", errors="replace")
+        errors = [_request_error(item, body) for item in error.errors()]
+        detail = "; ".join(e["msg"] if e["type"] == "json_invalid" else f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                           for e in errors)
         return JSONResponse({"detail": f"invalid request: {detail}", "errors": errors}, status_code=422)
 
     @app.exception_handler(Refused)

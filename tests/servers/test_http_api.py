@@ -123,6 +123,9 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
         ("no token, events", lambda: raw.get("/v1/events"), 401, "Authorization"),
         ("malformed JSON", lambda: raw.post("/v1/jobs", content=b'{"name": "x", "data": ', headers=json_type), 422,
          "malformed JSON"),
+        ("malformed JSON to another route", lambda: raw.post(
+            f"/v1/jobs/{held.id}/generate", content=b'{"prompt": "hi",\n  "max_new_tokens": }', headers=json_type),
+         422, "malformed JSON: Expecting value at line 2, column 21"),
         ("malformed YAML", lambda: raw.post("/v1/jobs", content=b"name: [x\n", headers={
             **auth, "Content-Type": "application/yaml"}), 422, "malformed YAML"),
         ("JSON nested beyond reason", lambda: raw.post("/v1/jobs", content=b"[" * 50_000, headers=json_type), 422,

@@ -201,7 +201,7 @@ def tidy_path(path: str | Path) -> str:
 def _resolve_paths(data: dict, base_dir: Path, for_a_service: bool) -> None:
     """The file's relative paths taken from its folder; but for a file submitted to a running service, a relative
     output_dir stays relative: the service takes it under its output root (as its HTTP API takes one)."""
-    for job in data.get("jobs") or []:
+    for job in data["jobs"] if isinstance(data.get("jobs"), list) else []:
         if isinstance(job, dict) and isinstance(job.get("data"), str) and not is_uri(job["data"]):
             path = Path(job["data"]).expanduser()
             if not path.is_absolute() and hub_id_problem(job["data"]) and not (base_dir / path).exists():
@@ -283,7 +283,8 @@ def parse_run_spec(data: Any, *, source: str = "<spec>", base_dir: Path | None =
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping with base_model, jobs, ... at the top level")
     data = dict(data)
-    data["jobs"] = [dict(job) if isinstance(job, dict) else job for job in data.get("jobs") or []]
+    if isinstance(data.get("jobs"), list):   # each job copied (its paths are resolved in place); else RunSpec says
+        data["jobs"] = [dict(job) if isinstance(job, dict) else job for job in data["jobs"]]
     lines = yaml_lines(text) if text else {}
     if base_dir is not None:
         _resolve_paths(data, base_dir, for_a_service)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, ValidationError, ValidationInfo, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from actors.spec.base_settings import Compile, Dtype, Kernels, Layout, Quantization, Recompute
@@ -62,6 +62,18 @@ class RunSpec(StrictModel):
     tracking: TrackingConfig | None = Field(None, description="TensorBoard and MLflow tracking of every job that "
                                                               "sets none of its own")
     jobs: list[JobSpec] = Field(min_length=1, description="the jobs (at least one)")
+
+    @field_validator("jobs", mode="before")
+    @classmethod
+    def _a_list(cls, value: object) -> object:
+        if isinstance(value, dict):   # else read as a list of its keys, each "not a job"
+            first = next(iter(value), "name")
+            raise ValueError(f"jobs is a list of jobs, each item starting with '- ', and this gives one mapping: "
+                             f"write its first key as '- {first}: ...' and indent the rest of that job under it")
+        if value is None or value == []:
+            raise ValueError("jobs lists no job: give at least one, each item starting with '- ' (e.g. '- name: "
+                             "my-job', then its data and format)")
+        return value
 
     @model_validator(mode="after")
     def _compile_combination(self) -> RunSpec:

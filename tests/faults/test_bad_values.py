@@ -367,3 +367,19 @@ def test_a_key_written_twice_in_one_mapping_is_refused_at_its_second_line(tmp_pa
     two_jobs = GOOD + GOOD[GOOD.index("  - name"):].replace("gsm8k-r8", "second")
     assert [job.name for job in load_run_spec(write(tmp_path, two_jobs), check_files=False).jobs] == \
         ["gsm8k-r8", "second"]
+
+
+@pytest.mark.parametrize("jobs,expected", [
+    ("jobs:\n  name: gsm8k-r8\n  data: data/gsm8k.jsonl\n",
+     r"jobs.yaml:5: jobs: jobs is a list of jobs, each item starting with '- ', and this gives one mapping: write its "
+     r"first key as '- name: \.\.\.' and indent the rest of that job under it"),
+    ("jobs: []\n", r"jobs.yaml:5: jobs: jobs lists no job: give at least one"),
+    ("jobs:\n", r"jobs.yaml:5: jobs: jobs lists no job: give at least one"),
+], ids=["a-mapping", "an-empty-list", "nothing"])
+def test_jobs_written_as_one_mapping_or_none_is_refused_saying_how_to_write_them(tmp_path, jobs, expected):
+    """`jobs:` holding one job's keys without the '- ' of a list item (read as a list of its keys, it gave three
+    "not a dictionary" errors, one per key), or no job at all: one message at its line, saying how to write it."""
+    source = GOOD[:GOOD.index("jobs:")] + jobs
+    with pytest.raises(SpecError, match=expected) as refused:
+        load_run_spec(write(tmp_path, source))
+    assert str(refused.value).count("\n") == 0, str(refused.value)

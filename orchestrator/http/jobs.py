@@ -58,11 +58,13 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
                 names = {s.job.name for s in submissions}
                 held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
                 if held:   # another user's job is not described: only that its name is taken
+                    own = all(caller.sees(r.user) for r in held)
                     raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}"
                                                        if caller.sees(r.user) else
                                                        f"job name '{r.name}' is held by another user's unfinished job"
                                                        for r in held)
-                                        + "; cancel it, wait for it to end, or choose another name")
+                                        + ("; cancel it, wait for it to end, or choose another name" if own else
+                                           "; choose another name (or wait for that job to end)"))
                 records = client.submit_records(submissions)
             for record in records:
                 audited(caller, "job.submit", record.id, name=record.name)

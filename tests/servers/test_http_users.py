@@ -74,6 +74,7 @@ def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):
         with pytest.raises(Conflict) as taken:
             as_bob.submit(job_dict("alices-job", data, 2), base_model=NOBODYS_MODEL)
         assert "held by another user's unfinished job" in str(taken.value) and job.id not in str(taken.value)
+        assert "cancel it" not in str(taken.value), str(taken.value)   # bob cannot cancel alice's job
         assert as_alice.cancel(job.id).state == "cancelled"
         mine = as_bob.submit(job_dict("bobs-job", data, 2), base_model=NOBODYS_MODEL)
         seen = []

@@ -36,10 +36,9 @@ def split_eval(
             raise ValueError(f"eval_split >= 1 is a count and must be a whole number, got {eval_split}")
         n_eval = int(eval_split)
     if total - n_eval < 1:
-        raise DataError(
-            f"eval_split={eval_split} takes {n_eval} of {total} examples, leaving none to train on; "
-            "lower eval_split or add data"
-        )
+        fix = (f"lower eval_split below {total} or add data" if eval_split >= 1 and total >= 2
+               else "add data (a fraction holds out at least one example) or set eval_split: 0")
+        raise DataError(f"eval_split={eval_split} takes {n_eval} of {total} examples, leaving none to train on; {fix}")
     order = list(range(total))
     random.Random(seed).shuffle(order)
     eval_indices = set(order[:n_eval])

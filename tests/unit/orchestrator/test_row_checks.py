@@ -70,7 +70,7 @@ def test_an_eval_split_that_leaves_nothing_to_train_on_is_refused_as_the_job_wou
     with pytest.raises(DataError) as checked:
         check_job_rows(job, smol_tokenizer)
     assert str(actor.value) == "eval_split=15.0 takes 15 of 15 examples, leaving none to train on; lower eval_split " \
-                               "or add data"
+                               "below 15 or add data"
     assert str(checked.value) == (f"{path}: {actor.value} (5 of 20 rows have no target token left after truncation "
                                   "to max_seq_len=32)")
     assert checked.value.field == "eval_split"
@@ -160,3 +160,13 @@ def test_a_path_is_tidied_only_where_it_names_the_same_file(tmp_path):
     assert tidy_path(f"{tmp_path}/./data/x.jsonl") == str(tmp_path / "data" / "x.jsonl")
     linked = f"{tmp_path}/link/../x.jsonl"   # the link's `..` is elsewhere/: not the same file as tmp_path/x.jsonl
     assert tidy_path(linked) == linked
+
+
+def test_a_fraction_held_out_of_a_single_example_is_told_what_can_help(tmp_path):
+    """A fraction holds out at least one example: with one, lowering it cannot help (the advice was "lower
+    eval_split"); the refusal says to add data or hold none out."""
+    from actors.data.batches import split_eval
+
+    with pytest.raises(DataError, match=r"eval_split=0\.05 takes 1 of 1 examples, leaving none to train on; add data "
+                                        r"\(a fraction holds out at least one example\) or set eval_split: 0$"):
+        split_eval(["only"], 0.05, seed=0)

@@ -37,6 +37,7 @@ def split_eval(
         n_eval = int(eval_split)
     if total - n_eval < 1:
         fix = (f"lower eval_split below {total} or add data" if eval_split >= 1 and total >= 2
+               else "add data or set eval_split: 0" if eval_split >= 1
                else "add data (a fraction holds out at least one example) or set eval_split: 0")
         raise DataError(f"eval_split={eval_split} takes {n_eval} of {total} examples, leaving none to train on; {fix}")
     order = list(range(total))

@@ -57,10 +57,12 @@ def loop_for(kind: str, tmp_path, model: str, name: str) -> TrainerLoop:
 def test_a_job_moved_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_path, tiny_model_dirs):
     """Paused on a pipeline at step 3 (its checkpoint written from the stages), resumed on one device and paused
     there mid-accumulation at step 5 (its checkpoint holds the accumulation's gradients, which the stages then
-    take), resumed on a pipeline to the end: the same adapter and metrics as one device's uninterrupted run."""
+    take), resumed on a pipeline to the end: the same adapter and metrics as one device's uninterrupted run; with
+    keep_best, the same best evaluation's adapter (kept from the stages, carried by the checkpoints)."""
     model = str(tiny_model_dirs["llama"])
     job = job_dict("moving", write_task_data(tmp_path / "data", "moving"), 8, grad_accum=2, checkpoint_every=3,
-                   lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj", "down_proj"]})
+                   lora={"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+                   eval_split=4, eval_every=2, keep_best="eval_loss")
     (submission,) = run_spec(model, tmp_path / "out", [job]).submissions()
     moves = [("pipeline", 3, 0), ("single", 5, 1), ("pipeline", None, 0)]
     for index, (kind, pause_at, extra) in enumerate(moves):
@@ -89,6 +91,9 @@ def test_a_job_moved_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_pat
     uninterrupted = run_spec(model, tmp_path / "uninterrupted", [job])
     train_locally(uninterrupted, base=load_base_model(model, dtype="float32", device="cpu"), progress=False)
     assert_same_outputs(outputs(tmp_path / "out/moving"), outputs(tmp_path / "uninterrupted/moving"), "moving")
+    best = [json.loads((tmp_path / folder / "aspen.json").read_text())["best"]
+            for folder in ("out/moving", "uninterrupted/moving")]
+    assert best[0] == best[1] and best[0]["metric"] == "eval_loss", best
 
 
 def test_a_grpo_job_moved_mid_replay_between_trainer_kinds_ends_as_the_uninterrupted_one(tmp_path, tiny_model_dirs):

@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from actors.service.trainer.interactive_commands import SaveSampler
+from orchestrator.tinker.patient_sends import PatientSends, is_busy
 from orchestrator.tinker.tinker_service import LOST_HEADER
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ TAKE_FAILURES_S = 60.0     # a trainer whose outcomes cannot be taken this long:
 # Such an outcome is kept for its call; one that no call claims within this time (its call failed over to
 # another trainer, its waiting ended by a failure) is dropped.
 UNCLAIMED_S = 600.0
+
+
+def _category(error: HTTPException) -> str:
+    """Whose a refusal is: the user's call (4xx) or the server's."""
+    return "user" if 400 <= error.status_code < 500 else "server"
 
 
 class CallFailed(Exception):
@@ -99,6 +105,7 @@ class RemoteCalls:
 
     def __init__(self, call: Callable[..., Any], front: str | None = None):
         self.call = call
+        self.sends = PatientSends(call)   # a call to a trainer busy in a long pass goes on in a thread of its own
         self.front = front or f"front-{uuid.uuid4().hex[:12]}"
         self.models: dict[str, RemoteModel] = {}
         # trainer -> key -> (the call's future, its (model id, seq_id) or None)
@@ -167,8 +174,36 @@ class RemoteCalls:
         return logged.future
 
     def _send(self, trainer: str, model_id: str, seq_id: int, logged: LoggedCall) -> None:
-        key = self.call("tinker.submit", trainer, self.front, model_id, seq_id, logged.kind, logged.payload)
-        self._await(trainer, key, logged.future, (model_id, seq_id))
+        """Send a logged call (its first try's errors raised, but a busy trainer's: it is sent on meanwhile)."""
+        def refused(error: HTTPException) -> None:   # after a busy answer: the call's own future says why
+            if LOST_HEADER in (error.headers or {}):
+                self._lost(trainer)   # the call is sent again where the model is placed next
+                return
+            with self.lock:
+                model = self.models.get(model_id)
+                if model is not None:
+                    model.log.pop(seq_id, None)
+            if not logged.future.done():
+                logged.future.set_exception(CallFailed(f"trainer {trainer}: {error.detail}", _category(error)))
+
+        self.sends.send("tinker.submit", (trainer, self.front, model_id, seq_id, logged.kind, logged.payload),
+                        lambda key: self._await(trainer, key, logged.future, (model_id, seq_id)), refused)
+
+    def _queued_send(self, trainer: str, method: str, *args: Any) -> Future:
+        """A call to queue work on `trainer` (`method`'s key awaited): its future, failed with why where the call is
+        refused after a busy answer (a first try's refusal is raised)."""
+        future: Future = Future()
+
+        def sent(key: str) -> None:
+            future.aspen_on = (trainer, key)   # type: ignore[attr-defined]  (`cancel`)
+            self._await(trainer, key, future, None)
+
+        def refused(error: HTTPException) -> None:
+            if not future.done():
+                future.set_exception(CallFailed(f"trainer {trainer}: {error.detail}", _category(error)))
+
+        self.sends.send(method, (trainer, self.front, *args), sent, refused)
+        return future
 
     def submit_sample(self, call: Any, *, model_id: str | None = None, base_model: str | None = None,
                       trainer: str | None = None) -> Future:
@@ -177,10 +212,7 @@ class RemoteCalls:
         if trainer is None:
             trainer = (self.model(model_id).trainer if model_id is not None
                        else self.call("tinker.trainer_of_base", base_model))
-        key = self.call("tinker.sample", trainer, self.front, call)
-        future = self._queued(trainer, key)
-        future.aspen_on = (trainer, key)   # type: ignore[attr-defined]  (`cancel`)
-        return future
+        return self._queued_send(trainer, "tinker.sample", call)
 
     def cancel(self, future: Future) -> None:
         """A sampling call its client abandoned: cancelled on its trainer too where it has not started there."""
@@ -195,7 +227,7 @@ class RemoteCalls:
         """Attach the sampler weights saved in `folder` as the frozen adapter `name` on a trainer of `base_model`:
         (that trainer, a future done once attached, or failed with why)."""
         trainer = self.call("tinker.trainer_of_base", base_model)
-        return trainer, self._queued(trainer, self.call("tinker.hold_sampler", trainer, self.front, name, folder))
+        return trainer, self._queued_send(trainer, "tinker.hold_sampler", name, folder)
 
     def finish(self, model_id: str, reason: str) -> Future:
         """End a model after its calls: its final adapter written to its job's folder, its job completed."""
@@ -206,13 +238,12 @@ class RemoteCalls:
         last = SaveSampler(Path(model.output_dir), model.base_model, model_id, model.owner or "", model.output_dir,
                            None)
         try:
-            key = self.call("tinker.finish", model.trainer, self.front, model_id, last)
+            done = self._queued_send(model.trainer, "tinker.finish", model_id, last)
         except HTTPException as error:
             if error.status_code != 404:
                 raise
             # not on its trainer any more: its job was cancelled (or ended there), so nothing is left to finish
             raise KeyError(f"no model {model_id}: it had already ended on its trainer ({error.detail})") from None
-        done = self._queued(model.trainer, key)
 
         def completed(future: Future) -> None:
             error = future.exception()
@@ -255,13 +286,9 @@ class RemoteCalls:
 
     def close(self) -> None:
         self.closed = True
+        self.sends.close()
 
     # -- outcomes ---------------------------------------------------------------------------------------------
-    def _queued(self, trainer: str, key: str) -> Future:
-        future: Future = Future()
-        self._await(trainer, key, future, None)
-        return future
-
     def _await(self, trainer: str, key: str, future: Future, call: tuple[str, int] | None) -> None:
         """Complete `future` with the outcome of `key` on `trainer`; `call`: the model's call it is (model id,
         seq_id), whose outcome may say the model was checkpointed after it."""
@@ -291,6 +318,9 @@ class RemoteCalls:
             except HTTPException as error:
                 if LOST_HEADER in (error.headers or {}):
                     self._lost(trainer)
+                    continue
+                if is_busy(error):   # alive, in a long pass: the same take is waited on again, nothing failed
+                    failing_since = None
                     continue
                 now = time.monotonic()
                 failing_since = failing_since or now

@@ -3,10 +3,19 @@ holding its Ray connection, orchestrator/http/bridge.py): open a model as a job 
 names the trainer that holds it), then talk to that trainer directly: each call is queued there and answered at
 once with a key, and the outcomes are taken later by the front that sent them (actors/trainer_actor.py's
 tinker_* methods). Errors come back as the HTTP answers the SDK expects: a permanent problem 4xx with its
-reason (the SDK does not retry it), a trainer or service that cannot answer now 503 (it does)."""
+reason (the SDK does not retry it), a trainer or service that cannot answer now 503 (it does).
+
+A trainer actor answers one call at a time, between its passes, and a pass may run for minutes (a sampling of
+thousands of tokens, a long step): a call to queue something there (submit, sample, take, ...) that it has not
+answered within `QUEUE_WAIT_S` is not abandoned, since the trainer runs it once the pass ends (a `take` abandoned
+so would take outcomes no one reads). Its reference is kept under the call's token and the same request waited on
+again when the front asks again (orchestrator/tinker/patient_sends.py); the answer meanwhile is a 503 marked
+`BUSY_HEADER`."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import ray
@@ -15,20 +24,28 @@ from fastapi import HTTPException
 from actors.service.scheduler.config import NAMESPACE
 
 CALL_TIMEOUT_S = 60.0
+QUEUE_WAIT_S = 10.0   # a call that queues work on a trainer, which answers at once between passes
+KEPT_S = 600.0        # a busy call's reference that no one asks for again this long is dropped
 
 
 LOST_HEADER = "X-Aspen-Trainer-Lost"   # on a 503 whose trainer is gone (its actor died): its id
+BUSY_HEADER = "X-Aspen-Trainer-Busy"   # on a 503 whose trainer is alive and in a long pass: its id
 
 
-def _get(ref: Any, what: str, trainer: str | None = None) -> Any:
+def _get(ref: Any, what: str, trainer: str | None = None, timeout: float = CALL_TIMEOUT_S) -> Any:
     """The call's result; its errors as HTTP answers (a KeyError 404, a ValueError or TypeError 422, the
-    service's refusal for want of room, a trainer that is gone, a timeout: 503, which the SDK retries)."""
+    service's refusal for want of room, a trainer that is gone, a timeout: 503, which the SDK retries; a
+    trainer's timeout marked busy)."""
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     try:
-        return ray.get(ref, timeout=CALL_TIMEOUT_S)
+        return ray.get(ref, timeout=timeout)
     except GetTimeoutError:
-        raise HTTPException(503, f"{what}: the service did not answer within {CALL_TIMEOUT_S:.0f}s",
+        if trainer is not None:
+            raise HTTPException(503, f"{what}: trainer {trainer} is busy (it has not answered within {timeout:.0f}s: "
+                                     "a long sampling or step runs there); the call is kept and runs once that pass "
+                                     "ends", headers={"Retry-After": "5", BUSY_HEADER: trainer}) from None
+        raise HTTPException(503, f"{what}: the service did not answer within {timeout:.0f}s",
                             headers={"Retry-After": "5"}) from None
     except RayActorError as error:
         headers = {"Retry-After": "5"} | ({LOST_HEADER: trainer} if trainer is not None else {})
@@ -52,6 +69,8 @@ class TinkerService:
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
         self.handles: dict[str, Any] = {}
+        self.kept: dict[str, tuple[Any, float]] = {}   # a busy trainer's call by its token: (its ref, when kept)
+        self.kept_lock = threading.Lock()
 
     def _trainer(self, trainer: str) -> Any:
         handle = self.handles.get(trainer)
@@ -110,24 +129,50 @@ class TinkerService:
                 self.handles.pop(trainer, None)
             raise
 
+    def _queue_on(self, trainer: str, token: str | None, method: str, what: str, *args: Any) -> Any:
+        """A trainer actor's method that queues work there (answered at once between passes), waited for up to
+        `QUEUE_WAIT_S`: unanswered, its reference is kept under `token` (and this request answered busy), and the
+        same token's next request waits on it again instead of sending the call twice."""
+        now = time.monotonic()
+        with self.kept_lock:
+            for stale in [key for key, (_, when) in self.kept.items() if now - when > KEPT_S]:
+                del self.kept[stale]
+            ref = self.kept.pop(token, (None, 0.0))[0] if token is not None else None
+        if ref is None:
+            ref = getattr(self._trainer(trainer), method).remote(*args)
+        try:
+            return _get(ref, what, trainer, QUEUE_WAIT_S)
+        except HTTPException as error:
+            headers = error.headers or {}
+            if LOST_HEADER in headers:
+                self.handles.pop(trainer, None)
+            elif BUSY_HEADER in headers and token is not None:
+                with self.kept_lock:
+                    self.kept[token] = (ref, now)
+            raise
+
     def trainer_of_base(self, base_model: str) -> str:
         answer = _get(self.scheduler.interactive_trainer.remote(base_model), f"a trainer of {base_model}")
         if answer.get("handle") is not None:
             self.handles[answer["trainer"]] = answer["handle"]
         return answer["trainer"]
 
-    def submit(self, trainer: str, front: str, model_id: str, seq_id: int, kind: str, payload: Any) -> str:
-        return self._on(trainer, "tinker_submit", f"model {model_id}'s call {seq_id}", front, model_id, seq_id, kind,
-                        payload)
+    # `token`: the front's name for the call, the same when it asks again after a busy answer (`_queue_on`)
+    def submit(self, trainer: str, front: str, model_id: str, seq_id: int, kind: str, payload: Any,
+               token: str | None = None) -> str:
+        return self._queue_on(trainer, token, "tinker_submit", f"model {model_id}'s call {seq_id}", front, model_id,
+                              seq_id, kind, payload)
 
-    def sample(self, trainer: str, front: str, call: Any) -> str:
-        return self._on(trainer, "tinker_sample", "a sampling call", front, call)
+    def sample(self, trainer: str, front: str, call: Any, token: str | None = None) -> str:
+        return self._queue_on(trainer, token, "tinker_sample", "a sampling call", front, call)
 
     def take(self, trainer: str, front: str) -> list[Any]:
-        return self._on(trainer, "tinker_take", f"the outcomes on {trainer}", front)
+        """The outcomes waiting for `front`; a take left unanswered by a busy trainer is waited on again (it would
+        take outcomes that no one reads)."""
+        return self._queue_on(trainer, f"take:{trainer}:{front}", "tinker_take", f"the outcomes on {trainer}", front)
 
-    def finish(self, trainer: str, front: str, model_id: str, last: Any) -> str:
-        return self._on(trainer, "tinker_finish", f"ending model {model_id}", front, model_id, last)
+    def finish(self, trainer: str, front: str, model_id: str, last: Any, token: str | None = None) -> str:
+        return self._queue_on(trainer, token, "tinker_finish", f"ending model {model_id}", front, model_id, last)
 
     def close_job(self, job_id: str, state: str, reason: str, adapter_dir: str | None = None) -> None:
         _get(self.scheduler.close_interactive.remote(job_id, state, reason, adapter_dir), f"ending job {job_id}")
@@ -141,8 +186,9 @@ class TinkerService:
     def cancel(self, trainer: str, key: str) -> bool:
         return self._on(trainer, "tinker_cancel", "cancelling a sampling call", key)
 
-    def hold_sampler(self, trainer: str, front: str, name: str, folder: str) -> str:
-        return self._on(trainer, "tinker_hold_sampler", f"reading the sampler weights in {folder}", front, name, folder)
+    def hold_sampler(self, trainer: str, front: str, name: str, folder: str, token: str | None = None) -> str:
+        return self._queue_on(trainer, token, "tinker_hold_sampler", f"reading the sampler weights in {folder}", front,
+                              name, folder)
 
     def facts(self, trainer: str) -> dict[str, Any]:
         return self._on(trainer, "tinker_facts", f"the base of {trainer}")

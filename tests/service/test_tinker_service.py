@@ -61,7 +61,7 @@ def served(ray_session, tiny_model_dirs, tmp_path_factory):
     try:
         with running_server(app) as url:
             yield {"url": url, "client": client, "state": state, "base": base, "alice": alice, "bob": bob,
-                   "app": app}
+                   "app": app, "root": root, "book": book}
     finally:
         link.close()
         client.shutdown()
@@ -385,3 +385,41 @@ def test_a_custom_loss_runs_on_the_trainer_as_the_sdk_runs_it_on_the_client(serv
     assert [o["logprobs"].tolist() for o in after[0].loss_fn_outputs] == \
         [o["logprobs"].tolist() for o in after[1].loss_fn_outputs]
     client.close("success").result()
+
+
+def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing(served, monkeypatch):
+    """A sampling of thousands of tokens holds the trainer (its actor answers one call at a time) far longer than
+    the service waits for an answer (shortened here from 10 s to 0.3 s, so that a short test is as long, in those
+    waits, as minutes of sampling on a real base): the user's loop sent meanwhile is not refused, not failed and
+    not run twice, and the outcomes the trainer returns once free reach their calls (a take left unanswered was
+    abandoned, and the outcomes it took were lost: the calls waited for ever). Through the real SDK, an HTTP server
+    whose Ray client is in its own process (`ServiceLink(client=...)`, where the wait can be shortened)."""
+    import time as clock
+
+    from orchestrator.service_calls import ServiceLink
+    from orchestrator.tinker import tinker_service
+
+    monkeypatch.setattr(tinker_service, "QUEUE_WAIT_S", 0.3)
+    app = create_app(ServiceLink(client=served["client"]), served["root"], users=served["book"],
+                     tinker_dir=lambda: served["state"] / "tinker")
+    seeds = [41, 42]
+    with running_server(app) as url:
+        service = tinker.ServiceClient(base_url=url, api_key=f"tml-{served['alice']}")
+        training = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+        sampler = service.create_sampling_client(base_model=served["base"])
+        started = clock.monotonic()
+        long_sample = sampler.sample(types.ModelInput.from_ints([5, 17, 3]), 8,
+                                     types.SamplingParams(max_tokens=4096, temperature=1.0, seed=7, stop=[]))
+        clock.sleep(0.5)   # the sampling pass has begun: what follows waits for the trainer
+        losses = []
+        for seed in seeds:
+            losses.append(training.forward_backward(datums(batch(seed)), "cross_entropy"))
+            training.optim_step(types.AdamParams(**ADAM))
+        sampled = long_sample.result(timeout=240)   # bounded: calls whose outcomes were lost waited for ever
+        busy_s = clock.monotonic() - started
+        losses = [pending.result(timeout=60).metrics["loss:sum"] for pending in losses]
+        service.close("success").result()
+    assert busy_s > 10 * tinker_service.QUEUE_WAIT_S, busy_s   # the trainer was busy for many of the service's waits
+    assert len(sampled.sequences) == 8 and max(len(s.tokens) for s in sampled.sequences) > 100
+    _, expected_losses = engine_reference(served["base"], seeds)
+    assert losses == expected_losses   # each call ran once, in order

@@ -147,13 +147,18 @@ class LoopSteps:
         self.booking.after_step(report, predicted, resident, shape.adapter_parameters, call_job_tokens)
         return report
 
-    def between(self, report: StepReport | None) -> float | None:
-        """The work after a loop pass: silent models reaped when due; without a step (`report` None) the
-        updates sent and a full collection when due; then an interactive pass when one is due. How long the
-        loop may idle (at most), or None when it should go on at once."""
-        if self.desk is not None and time.monotonic() >= self.next_reap:   # models whose server went silent
+    def reap_due(self) -> None:
+        """End the models whose server went silent, when a look is due: at a pass's start, before its step, so that
+        the heartbeats a trainer actor received while its last pass ran (they wait in its queue until the pass
+        ends) count; looked for after a long step, every model would look silent."""
+        if self.desk is not None and time.monotonic() >= self.next_reap:
             self.desk.reap()
             self.next_reap = time.monotonic() + REAP_EVERY_S
+
+    def between(self, report: StepReport | None) -> float | None:
+        """The work after a loop pass: without a step (`report` None) the updates sent and a full collection
+        when due; then an interactive pass when one is due. How long the loop may idle (at most), or None when it
+        should go on at once."""
         if report is None:   # no step to do these during
             self.booking.send_updates()
             self.collection.collect_if_due()

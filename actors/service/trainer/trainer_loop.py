@@ -195,6 +195,7 @@ class TrainerLoop:
         for active in list(self.active.values()):
             self.waits.apply_verdicts(active)
         self._apply_commands()
+        self.steps.reap_due()
         ready = self._ready_jobs()
         report = None
         if ready:

@@ -51,7 +51,7 @@ class Service:
         if method == "tinker.take":
             return self.desk.take(args[1])
         if method == "tinker.submit":
-            _trainer, front, model_id, seq_id, kind, payload = args
+            _trainer, front, model_id, seq_id, kind, payload, *_token = args
             key = self.desk.submit(front, model_id, seq_id, kind, payload)
             if model_id in self.hold:
                 while self.desk.calls.step():

@@ -194,3 +194,37 @@ def test_a_fused_step_that_fails_answers_its_calls_so_and_the_models_next_calls_
     (failed,) = [e for e in events if e.kind == "failed"]
     assert failed.job_id == "a" and "CUDA out of memory (simulated)" in failed.data["reason"]
     loop.close()
+
+
+def test_heartbeats_that_waited_out_a_long_step_keep_their_model_and_silence_still_ends_one(tiny_model_dirs, tmp_path):
+    """A trainer actor takes its calls between passes, so the heartbeats sent while a long step runs reach it only
+    after: the desk looks for silent models at a pass's start, before its step, not after it (where every model
+    looked silent after a step longer than the heartbeat timeout, and was ended though its server beat throughout).
+    A model whose server really stopped beating is still ended once the timeout has passed."""
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out",
+                    [job_dict("a", write_task_data(tmp_path / "data", "a", rows=16), 4, max_seq_len=32)],
+                    step_tokens=256)
+    (submission,) = spec.submissions()
+    loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256,
+                                           interactive_heartbeat_timeout_s=1.0), "trainer-0", tmp_path / "state")
+    loop.desk.open("job-m", "alice:train:0", 4, owner="alice", output_dir=str(tmp_path / "m"), base_name="tiny")
+    loop.assign(assignment_for(submission, "a", base.tokenizer))
+    step = loop.steps.run
+
+    def long_step(ready):   # a step longer than the heartbeat timeout
+        time.sleep(1.3)
+        return step(ready)
+
+    loop.steps.run = long_step
+    for _ in range(3):   # each pass: the beats that arrived while the last one ran, then a long step
+        assert loop.desk.beat(["alice:train:0"]) == []
+        loop.run_once(idle_wait=0)
+        assert loop.desk.job_ids() == ["job-m"], [e.data.get("reason") for e in loop.drain_events()]
+    loop.steps.run = step
+    run_until_idle(loop)
+    deadline = time.monotonic() + 5   # no beats any more: ended after the timeout, its final adapter written
+    while loop.desk.job_ids() and time.monotonic() < deadline:
+        loop.run_once(idle_wait=0.1)
+    assert loop.desk.job_ids() == []
+    loop.close()

@@ -104,10 +104,13 @@ def test_the_lease_script_runs_its_parts_under_one_deadline_and_assembles_the_re
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
            "LEASE_SUITE_ARGS": f"--plan {tmp_path / 'plan.json'} --limit-scale 1"}
     started = time.monotonic()
-    done = subprocess.run(["bash", str(repo / "bench" / "gpu_lease.sh"), "--allow-cpu", "--budget", "45",
+    # the budget holds the script's own start (imports of torch, transformers, Ray: 15 s or more on a loaded CI
+    # machine, which at 45 s left pipeline's 10 s no room) besides the parts' few seconds
+    budget = 75
+    done = subprocess.run(["bash", str(repo / "bench" / "gpu_lease.sh"), "--allow-cpu", "--budget", str(budget),
                            "--parts", "tests:10,mfu:3,fusion8b:10,memory:200,pipeline:10"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert time.monotonic() - started < 60, done.stdout[-2000:]
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=budget + 60)
+    assert time.monotonic() - started < budget + 15, done.stdout[-2000:]
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["log.txt", "raw.tar.gz", "report.json", "report.md"]
     parts = {p["part"]: p for p in json.loads((out / "report.json").read_text())["parts"]}
@@ -116,7 +119,7 @@ def test_the_lease_script_runs_its_parts_under_one_deadline_and_assembles_the_re
     # memory's 200 s did not fit what was left: pipeline's 10 ran first, then memory, cut at the deadline
     assert parts["pipeline"]["status"] == "passed" and "pipeline ran" in parts["pipeline"]["output_tail"]
     assert list(parts)[-2:] == ["pipeline", "memory"] and parts["memory"]["deferred"]
-    assert parts["memory"]["status"] == "timed out" and parts["memory"]["seconds"] < 45
+    assert parts["memory"]["status"] == "timed out" and parts["memory"]["seconds"] < budget
     time.sleep(0.2)
     assert not _alive(int(pid_file.read_text())), "the timed-out part's child process outlived it"
     with tarfile.open(out / "raw.tar.gz") as raw:

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from actors.engine.models import load_base_model
 from actors.service.scheduler.config import TrainerConfig
@@ -16,24 +15,10 @@ from actors.service.scheduler.job_data import JobData
 from actors.service.scheduler.local_run import train_locally
 from actors.service.trainer.job_link import Assignment, LocalJobLink
 from actors.service.trainer.trainer_loop import TrainerLoop
-from tests.helpers.models import tiny_model
 from tests.helpers.service import job_dict, run_spec, write_task_data
 from tests.helpers.trainer import LateVerdicts, run_until_idle
 
 ROW = {"question": "what is 17 and 25", "answer": "42, said the tiny model"}
-
-
-@pytest.fixture(scope="module")
-def memorising_model(tmp_path_factory, tiny_tokenizer) -> Path:
-    """The tiny random llama with a 20x larger output layer: its logits can get confident enough for an
-    adapter to drive the loss of a memorised example near 0 (with the usual 0.02 init they cannot)."""
-    model = tiny_model("llama")
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    folder = tmp_path_factory.mktemp("memorising-llama")
-    model.save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def one_example(folder: Path) -> Path:

@@ -18,24 +18,10 @@ from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.local_run import train_locally
 from actors.service.trainer.trainer_loop import TrainerLoop
 from orchestrator.jobs_file import SpecError, load_run_spec
-from tests.helpers.models import tiny_model
 from tests.helpers.service import adapter_tensors, job_dict, run_spec
 from tests.helpers.trainer import assignment_for, run_until_idle
 
 WORDS = "apple river stone cloud piano tiger lemon candle rocket forest violin marble garden copper window planet"
-
-
-@pytest.fixture(scope="module")
-def memorising_model(tmp_path_factory, tiny_tokenizer) -> Path:
-    """The tiny random llama with a 20x larger output layer: an adapter makes it confident fast, so that it
-    memorises its training rows' answers and its held-out rows' loss rises again (it overfits)."""
-    model = tiny_model("llama")
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    folder = tmp_path_factory.mktemp("memorising-llama")
-    model.save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
 
 
 def overfitting_job(folder: Path, steps: int, **extra) -> dict:

@@ -205,6 +205,10 @@ class SchedulerActor:
         with self.lock:
             return self.core.resume(key, reason)
 
+    def extend(self, key: str, submission: JobSubmission, reason: str = "its budget raised") -> JobRecord:
+        with self.lock:
+            return self.core.extend(key, submission, reason)
+
     def generate(self, key: str, prompt: str, max_new_tokens: int) -> dict[str, Any]:
         """"Try it": `prompt` continued by the job's adapter and by the base alone, on a trainer between two steps
         (actors/service/trainer/try_adapter.py): a running job's current adapter on its trainer, a finished job's

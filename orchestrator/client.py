@@ -315,6 +315,11 @@ class Client:
         """Queue a paused, failed or cancelled job again: it resumes from its last checkpoint."""
         return self._request("resume", job, reason)
 
+    def extend(self, job: str, submission: JobSubmission, reason: str = "its budget raised") -> JobRecord:
+        """Raise an ended or paused job's max_steps (`submission`: its spec with only that raised) and queue it again:
+        it continues from its last checkpoint to the new budget."""
+        return self._request("extend", job, submission, reason)
+
     def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
         """"Try it": `prompt` continued greedily by the job's adapter and by the base alone, on a trainer between two
         steps: a running job's current adapter (on its trainer), a completed or early-stopped job's final one (on a

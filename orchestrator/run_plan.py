@@ -7,15 +7,19 @@ the checkpoint records, actors/data/digest.py, against the data's now: a file re
 not resumed: the run stops and says which job, what changed, and that `--overwrite` starts that job over.
 `--overwrite` starts over only those jobs: a job whose spec and data are unchanged is never deleted by it.
 An unfinished job that left no checkpoint (a job that failed at its start, say on a reward that raised) has
-nothing to mix with: with its spec changed it starts again on the new spec, without `--overwrite`."""
+nothing to mix with: with its spec changed it starts again on the new spec, without `--overwrite`. A job whose
+only change is a raised `max_steps` (its data unchanged) continues from its checkpoint to the new budget, finished
+or not, as transformers' `resume_from_checkpoint` with a larger `max_steps` does: its learning-rate schedule is
+the new budget's from the step it continues at (with `lr_schedule: constant`, exactly the longer run)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from actors.spec.submission_changes import budget_raise, differences
 from actors.storage.storage_uri import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
@@ -23,10 +27,6 @@ if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept
     from actors.spec.job_submission import JobSubmission
 
 FINISHED = ("completed", "stopped_early")
-# Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
-# checkpointed, stopped early or scheduled, not what a step computes.
-SAFE_TO_CHANGE = {"job.priority", "job.eval_every", "job.checkpoint_every", "job.checkpoint_every_s", "job.early_stop",
-                  "job.tracking"}
 
 
 @dataclass
@@ -37,6 +37,7 @@ class RunPlan:
     changed: list[tuple[str, list[str]]] = field(default_factory=list)   # job name, its differences
     changed_records: list[JobRecord] = field(default_factory=list)        # the earlier jobs of `changed`
     retry: list[tuple[JobRecord, list[str]]] = field(default_factory=list)   # unfinished, no checkpoint, changed
+    extend: list[tuple[JobRecord, JobSubmission]] = field(default_factory=list)   # checkpointed, max_steps raised
 
     def lines(self, saved_step: Callable[[str], int | None] | None = None) -> list[str]:
         """One line per job that was there before. `saved_step(output_dir)`: the step of the checkpoint on
@@ -49,31 +50,12 @@ class RunPlan:
             step = step if step is not None else record.checkpoint_step
             where = f"its checkpoint at step {step}" if step else "the start"
             out.append(f"{record.name}: unfinished in the last run ({record.reason}); resumes from {where}")
+        for record, submission in self.extend:
+            step = saved_step(record.output_dir) if saved_step is not None else None
+            step = step if step is not None else record.checkpoint_step
+            out.append(f"{record.name}: {record.state} at step {record.step}; max_steps raised to "
+                       f"{submission.job.max_steps}: it continues from its checkpoint at step {step}")
         return out
-
-
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        flat: dict[str, Any] = {}
-        for key, value in data.items():
-            flat.update(flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): data}
-
-
-def differences(old: JobSubmission, new: JobSubmission) -> list[str]:
-    """What differs between two submissions of a job, as 'field: old -> new', leaving out the fields that
-    do not change what the job computes (SAFE_TO_CHANGE)."""
-    before, after = flatten(old.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
-    found = []
-    for key in sorted(set(before) | set(after)):
-        if any(key == safe or key.startswith(safe + ".") for safe in SAFE_TO_CHANGE):
-            continue
-        if key == "job.init_adapter" and str(after.get(key) or "").startswith("job:"):
-            continue   # `job:<name>` is entered as that job's id, then its folder: that job's own changes show
-        if before.get(key) != after.get(key):
-            found.append(f"{key.removeprefix('job.')}: {before.get(key)!r} -> {after.get(key)!r}")
-    return found
 
 
 def data_changes(submission: JobSubmission, saved: tuple[int, str | None] | None) -> list[str]:
@@ -114,9 +96,16 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         if record is None:
             plan.submit.append(submission)
             continue
-        changes = differences(stored(record.id), submission)
-        if not changes and saved_data is not None:
-            changes = data_changes(submission, saved_data(record.output_dir))
+        earlier = stored(record.id)
+        changes = differences(earlier, submission)
+        raised = budget_raise(earlier, submission) if _checkpointed(record, saved_step) else None
+        data = []
+        if (not changes or raised is not None) and saved_data is not None:
+            data = data_changes(submission, saved_data(record.output_dir))
+        if raised is not None and not data:   # only its budget raised: it continues from its checkpoint
+            plan.extend.append((record, submission))
+            continue
+        changes += data
         if changes and record.state not in FINISHED and not _checkpointed(record, saved_step):
             plan.retry.append((record, changes))
             plan.submit.append(submission)
@@ -127,7 +116,7 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             plan.done.append(record)
         else:
             plan.resume.append(record)
-    carried = {record.name: record.id for record in (*plan.done, *plan.resume)}
+    carried = {record.name: record.id for record in (*plan.done, *plan.resume, *(r for r, _ in plan.extend))}
     plan.submit = [_from_carried(submission, carried) for submission in plan.submit]
     return plan
 

@@ -49,14 +49,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                         saved_data=saved_data_digest, saved_step=saved_step)
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
-        if not (plan.submit or plan.resume or plan.changed):
+        if not (plan.submit or plan.resume or plan.changed or plan.extend):
             for line in plan.lines(saved_step=saved_step):
                 print(line)
             return _run_summary(spec, output_dir, plan.done)
-        data_checked = {record.output_dir for record in (*plan.resume, *plan.done)}
+        data_checked = {record.output_dir for record in (*plan.resume, *plan.done, *(r for r, _ in plan.extend))}
     # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
     check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
-        r.name for r in (*plan.resume, *plan.changed_records)})
+        r.name for r in (*plan.resume, *plan.changed_records, *(r for r, _ in plan.extend))})
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers
 
@@ -87,11 +87,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                             saved_step=saved_step)
         for line in plan.lines(saved_step=saved_step):
             print(line)
-        if plan.resume or plan.submit:
+        if plan.resume or plan.submit or plan.extend:
             wait_for_trainers(client, quiet=args.quiet)
         for record in plan.resume:
             client.resume(record.id, "resumed by aspen run")
-        ids = {r.id for r in (*plan.resume, *plan.done)}
+        for record, submission in plan.extend:
+            client.extend(record.id, submission, "its budget raised by aspen run")
+        ids = {r.id for r in (*plan.resume, *plan.done, *(r for r, _ in plan.extend))}
         ids |= {h.id for h in client.submit_many(plan.submit)} if plan.submit else set()
         try:
             records = follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=args.quiet)
@@ -248,12 +250,13 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
     state_dir = run_local_dir(spec) / ".aspen"
     with held_run_folder(state_dir):   # planned and trained under one lock: no run or service writes between
         plan = _plan_in_process(spec, state_dir, overwrite)
-        if plan is not None and not (plan.submit or plan.resume or plan.changed):   # every job done: no model loaded
+        if plan is not None and not (plan.submit or plan.resume or plan.changed or plan.extend):   # all done: no load
             return _run_summary(spec, spec.output_dir, plan.done)
         # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
         check_data_rows(spec, None if plan is None else {s.job.name for s in plan.submit} | {
-            r.name for r in (*plan.resume, *plan.changed_records)})
-        carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume])
+            r.name for r in (*plan.resume, *plan.changed_records, *(r for r, _ in plan.extend))})
+        carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
+                                                      {r.id: submission for r, submission in plan.extend})
         settle_garbage_collector()   # torch's and transformers' objects out of every later full collection
         quiet_loading_bars(quiet)   # transformers' bar as it loads the base
         RecentRuns().remember(file, str(spec.output_dir), state_dir)   # `aspen status` after it ends

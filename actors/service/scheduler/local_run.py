@@ -187,7 +187,9 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
         base = loop.base
         if record_in is not None:
             carry_on(record_in / "jobs.sqlite", table, carry, "resumed by aspen run --in-process")
-        carried = {table.get(job_id).name: job_id for job_id in (*carry.done, *carry.resume)}
+            for job_id, submission in carry.extend.items():
+                core.extend(job_id, submission, "its budget raised by aspen run --in-process")
+        carried = {table.get(job_id).name: job_id for job_id in (*carry.done, *carry.resume, *carry.extend)}
         submissions = [s for s in spec.submissions() if s.job.name not in carried]
         core.submit_many(submissions, job_ids=[submission.job.name for submission in submissions])
         ids = [carried.get(job.name, job.name) for job in spec.jobs]

@@ -42,6 +42,7 @@ from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRe
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.saved_adapter import JobAdapter
+from actors.spec.submission_changes import budget_raise
 from actors.storage.storage_uri import StorageURI
 from policies.base import (
     JobView,
@@ -193,6 +194,29 @@ class SchedulerCore:
             self.scheduling[record.id].retries = 0
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
         return self.table.set_state(record.id, "queued", f"{reason}; resumes from {step}", trainer=None)
+
+    def extend(self, key: str, submission: JobSubmission, reason: str = "its budget raised") -> JobRecord:
+        """Raise an ended or paused job's `max_steps` (`submission`: its spec with only that raised) and queue it
+        again: it continues from its last checkpoint to the new budget (orchestrator/run_plan.py says how its
+        schedule goes on)."""
+        record = self.table.find(key)
+        if self.is_interactive(record.id):
+            raise ValueError(f"job {record.id} is an interactive model: its user's loop decides its steps")
+        if record.state not in (*RESTARTABLE_STATES, "completed", "stopped_early"):
+            raise ValueError(f"job {record.id} is {record.state}; only an ended or paused job's budget can be raised")
+        earlier = self.table.submission(record.id)
+        kept = submission.model_copy(update={"user": earlier.user, "output_dir": earlier.output_dir})
+        raised = budget_raise(earlier, kept)
+        if raised is None:
+            raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) may be given to "
+                             "continue it; for other changes start a new job")
+        self.table.set_submission(record.id, kept)
+        self.scheduling.of(record.id).submission = None   # read again: the raised budget
+        if record.id in self.scheduling:
+            self.scheduling[record.id].retries = 0
+        step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
+        return self.table.set_state(record.id, "queued", f"{reason}: max_steps {earlier.job.max_steps} -> {raised}; "
+                                                         f"continues from {step}", trainer=None)
 
     def delete(self, key: str) -> None:
         """Forget a job that is not running (its files are left as they are)."""

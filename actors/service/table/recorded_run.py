@@ -26,6 +26,7 @@ class CarriedJobs:
     """Jobs of the run folder's table a new run carries on, by their ids there (`aspen run`'s plan)."""
     done: list[str] = field(default_factory=list)     # ended with the same spec: left alone
     resume: list[str] = field(default_factory=list)   # unfinished with the same spec: resumed from their checkpoints
+    extend: dict[str, JobSubmission] = field(default_factory=dict)   # max_steps raised: the new spec, continued
 
 
 def record_run(source: JobTable, job_ids: list[str], path: Path) -> None:
@@ -67,14 +68,14 @@ def earlier_jobs(path: Path) -> list[tuple[JobRecord, JobSubmission]]:
 
 def carry_on(path: Path, target: JobTable, carried: CarriedJobs, reason: str) -> None:
     """The carried jobs of the run folder's table at `path` copied into `target`, a new run's table, in one
-    transaction: the done ones as they are, the others queued to resume from their checkpoints (`reason` says by
-    what), as `aspen run` resumes them."""
-    if not (carried.done or carried.resume):
+    transaction: the done ones as they are (and those whose budget is raised: `SchedulerCore.extend` queues them
+    next), the others queued to resume from their checkpoints (`reason` says by what), as `aspen run` resumes them."""
+    if not (carried.done or carried.resume or carried.extend):
         return
     source = JobTable(path)
     try:
         with target.transaction():
-            _copy_rows(source, target, [*carried.done, *carried.resume])
+            _copy_rows(source, target, [*carried.done, *carried.resume, *carried.extend])
             for job_id in carried.resume:
                 record = target.get(job_id)
                 step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"

@@ -152,7 +152,7 @@ def test_running_a_chained_file_again_does_not_take_the_resolved_adapter_for_a_c
     """`aspen run` again: the table holds the folder `job:sft` became; the file still says job:sft, which is no change
     (the sft job's own changes are its); a folder changed for another is one."""
     from actors.spec.job_submission import JobSubmission
-    from orchestrator.run_plan import differences
+    from actors.spec.submission_changes import differences
 
     def submission(adapter: str) -> JobSubmission:
         return JobSubmission.model_validate({"base_model": "smollm2-135m", "job": {

@@ -1,0 +1,104 @@
+"""`aspen run` again with a job's `max_steps` raised, as transformers' `resume_from_checkpoint` with a larger
+`max_steps`: the finished job continues from its checkpoint to the new budget (a job beside it, unchanged, is left
+alone), and with `lr_schedule: constant` it ends as a run given that budget from the start. A lowered budget, or
+the budget raised beside another change, is a changed spec as before (exit 2, `--overwrite`). In-process and
+through the service."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.engine.models import load_base_model
+from actors.service.scheduler.local_run import train_locally
+from orchestrator.jobs_file import load_run_spec
+from tests.helpers.interrupted_runs import NO_RAY, finish, metric_steps
+from tests.helpers.service import adapter_tensors, max_relative_difference, write_task_data
+
+JOBS = """\
+base_model: {base}
+output_dir: out
+step_tokens: 512
+jobs:
+  - name: first
+    data: data/first.jsonl
+    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    max_seq_len: 128
+    lr: {lr}
+    lr_schedule: constant
+    max_steps: {first}
+    checkpoint_every: 1000
+  - name: second
+    data: data/second.jsonl
+    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
+    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
+    max_seq_len: 128
+    lr_schedule: constant
+    max_steps: 6
+    checkpoint_every: 1000
+"""
+
+
+def write_run(folder: Path, base: Path, first: int, lr: str = "1.0e-3") -> None:
+    write_task_data(folder / "data", "first")
+    write_task_data(folder / "data", "second", offset=5)
+    (folder / "jobs.yaml").write_text(JOBS.format(base=base, first=first, lr=lr))
+
+
+def aspen_run(folder: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    return finish(subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", "--quiet", "jobs.yaml", *args],
+                                   cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   start_new_session=True, env=env))
+
+
+def assert_like_a_run_of(folder: Path, base: Path, name: str, steps: int) -> None:
+    """`name`'s adapter and losses are those of a run given `steps` from the start (in this process)."""
+    spec = load_run_spec(folder / "jobs.yaml")
+    job = next(job for job in spec.jobs if job.name == name).model_copy(update={"max_steps": steps})
+    reference = folder / "reference"
+    train_locally(spec.model_copy(update={"output_dir": reference, "jobs": [job]}),
+                  base=load_base_model(str(base), dtype="float32", device="cpu"), progress=False)
+    difference = max_relative_difference(adapter_tensors(folder / "out" / name), adapter_tensors(reference / name))
+    assert difference <= 1e-4, f"{name}: {difference:.2e} from a run of {steps} steps"
+    ours, theirs = ([json.loads(line)["loss"] for line in (where / name / "metrics.jsonl").read_text().splitlines()]
+                    for where in (folder / "out", reference))
+    assert ours == pytest.approx(theirs, rel=1e-4)
+
+
+def raised_run(tmp_path: Path, base: Path, again: tuple[str, ...], env: dict[str, str] | None) -> None:
+    write_run(tmp_path, base, first=6)
+    code, out, err = aspen_run(tmp_path, "--in-process", env=NO_RAY)
+    assert code == 0, (out, err)
+    second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
+
+    write_run(tmp_path, base, first=5)   # lowered: a changed spec, as before
+    code, out, err = aspen_run(tmp_path, *again, env=NO_RAY)
+    assert code == 2 and "job 'first': max_steps: 6 -> 5" in err and "--overwrite" in err, (code, out, err)
+    write_run(tmp_path, base, first=10, lr="2.0e-3")   # raised beside another change: changed too
+    code, out, err = aspen_run(tmp_path, *again, env=NO_RAY)
+    assert code == 2 and "lr: 0.001 -> 0.002" in err and "max_steps: 6 -> 10" in err, (code, out, err)
+
+    write_run(tmp_path, base, first=10)
+    code, out, err = aspen_run(tmp_path, *again, env=env)
+    assert code == 0, (out, err)
+    assert "first: completed at step 6; max_steps raised to 10: it continues from its checkpoint at step 6" in out, out
+    assert "second: already completed at step 6; left alone" in out, out
+    assert metric_steps(tmp_path / "out/first") == list(range(1, 11))
+    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() == second
+    assert_like_a_run_of(tmp_path, base, "first", 10)
+    code, out, err = aspen_run(tmp_path, *again, env=NO_RAY)   # and once more: done at its new budget
+    assert code == 0 and "first: already completed at step 10; left alone" in out, (out, err)
+
+
+def test_a_raised_max_steps_continues_the_finished_job_in_process(tmp_path, tiny_model_dirs):
+    raised_run(tmp_path, tiny_model_dirs["llama"], ("--in-process",), NO_RAY)
+
+
+@pytest.mark.long
+def test_a_raised_max_steps_continues_the_finished_job_through_the_service(tmp_path, tiny_model_dirs):
+    raised_run(tmp_path, tiny_model_dirs["llama"], (), None)

@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from actors.service.trainer.interactive_commands import SaveSampler
-from orchestrator.tinker.patient_sends import PatientSends, is_busy
+from orchestrator.tinker.patient_sends import BUSY_LIMIT_S, PatientSends, category, is_busy
 from orchestrator.tinker.tinker_service import LOST_HEADER
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,6 @@ TAKE_FAILURES_S = 60.0     # a trainer whose outcomes cannot be taken this long:
 # Such an outcome is kept for its call; one that no call claims within this time (its call failed over to
 # another trainer, its waiting ended by a failure) is dropped.
 UNCLAIMED_S = 600.0
-
-
-def _category(error: HTTPException) -> str:
-    """Whose a refusal is: the user's call (4xx) or the server's."""
-    return "user" if 400 <= error.status_code < 500 else "server"
 
 
 class CallFailed(Exception):
@@ -184,7 +179,7 @@ class RemoteCalls:
                 if model is not None:
                     model.log.pop(seq_id, None)
             if not logged.future.done():
-                logged.future.set_exception(CallFailed(f"trainer {trainer}: {error.detail}", _category(error)))
+                logged.future.set_exception(CallFailed(f"trainer {trainer}: {error.detail}", category(error)))
 
         self.sends.send("tinker.submit", (trainer, self.front, model_id, seq_id, logged.kind, logged.payload),
                         lambda key: self._await(trainer, key, logged.future, (model_id, seq_id)), refused)
@@ -196,11 +191,13 @@ class RemoteCalls:
 
         def sent(key: str) -> None:
             future.aspen_on = (trainer, key)   # type: ignore[attr-defined]  (`cancel`)
+            if future.cancelled():   # abandoned by its client while the send waited: cancelled there too
+                self.cancel(future)
             self._await(trainer, key, future, None)
 
         def refused(error: HTTPException) -> None:
-            if not future.done():
-                future.set_exception(CallFailed(f"trainer {trainer}: {error.detail}", _category(error)))
+            if future.set_running_or_notify_cancel():   # not cancelled meanwhile
+                future.set_exception(CallFailed(f"trainer {trainer}: {error.detail}", category(error)))
 
         self.sends.send(method, (trainer, self.front, *args), sent, refused)
         return future
@@ -307,6 +304,7 @@ class RemoteCalls:
 
     def _poll(self, trainer: str) -> None:
         failing_since: float | None = None
+        busy_since: float | None = None
         while not self.closed:
             with self.lock:
                 if not self.waiting.get(trainer):
@@ -314,13 +312,16 @@ class RemoteCalls:
                     return
             try:
                 outcomes = self.call("tinker.take", trainer, self.front)
-                failing_since = None
+                failing_since = busy_since = None
             except HTTPException as error:
                 if LOST_HEADER in (error.headers or {}):
                     self._lost(trainer)
                     continue
                 if is_busy(error):   # alive, in a long pass: the same take is waited on again, nothing failed
-                    failing_since = None
+                    busy_since = busy_since or time.monotonic()
+                    if time.monotonic() - busy_since > BUSY_LIMIT_S:
+                        self._fail_all(trainer, CallFailed(f"trainer {trainer}: busy in one pass for over "
+                                                           f"{BUSY_LIMIT_S:.0f}s: taken as stuck", "server"))
                     continue
                 now = time.monotonic()
                 failing_since = failing_since or now

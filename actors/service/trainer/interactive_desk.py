@@ -71,6 +71,9 @@ class CallKeys:
         self.trainer_id = trainer_id
         self.count = itertools.count(1)
         self.samples: dict[str, Future] = {}
+        # a model's call by (model, seq_id) -> its key: the same call sent twice (a front's request it stopped
+        # waiting for, then sent again) is the same call, counted once, its outcome under one key
+        self.calls: dict[tuple[str, int], str] = {}
 
     def next(self) -> str:
         return f"{self.trainer_id}:{next(self.count)}"
@@ -121,7 +124,15 @@ class InteractiveDesk:
         if not callable(payload) and kind == "apply":
             raise TypeError(f"an apply call's payload must be callable, not {type(payload).__name__}")
         lr = getattr(payload, "learning_rate", None) if kind == "optim_step" else None   # the step's, for progress
-        return self._track(front, self.calls.submit(model_id, seq_id, kind, payload), model_id, kind, seq_id, lr)
+        future = self.calls.submit(model_id, seq_id, kind, payload)
+        with self.lock:
+            known = self.keys.calls.get((model_id, seq_id))
+        if known is not None:
+            return known
+        key = self._track(front, future, model_id, kind, seq_id, lr)
+        with self.lock:
+            self.keys.calls[(model_id, seq_id)] = key
+        return key
 
     def sample(self, front: str, call: Any) -> str:
         return self._track(front, self.calls.submit_sample(call), None, "sample")
@@ -148,6 +159,7 @@ class InteractiveDesk:
         key = self._track(front, self.calls.finish(model_id, last), None, "finish")
         with self.lock:
             self.models.pop(model_id, None)
+            self._forget_calls(model_id)
         return key
 
     def beat(self, model_ids: list[str]) -> list[str]:
@@ -171,6 +183,7 @@ class InteractiveDesk:
                       if now - model.beat > self.heartbeat_timeout_s]
             for model_id, _ in silent:
                 del self.models[model_id]
+                self._forget_calls(model_id)
         for model_id, model in silent:
             reason = f"its session's server stopped beating for {self.heartbeat_timeout_s:.0f}s"
             last = None
@@ -193,6 +206,7 @@ class InteractiveDesk:
         self.calls.remove_model(model_id)
         with self.lock:
             model = self.models.pop(model_id, None)
+            self._forget_calls(model_id)
         return None if model is None else model.job_id
 
     def close_job(self, job_id: str) -> list[str]:
@@ -212,6 +226,11 @@ class InteractiveDesk:
     def job_ids(self) -> list[str]:
         with self.lock:
             return sorted({model.job_id for model in self.models.values()})
+
+    def _forget_calls(self, model_id: str) -> None:
+        """A model gone: its calls' keys (under the lock)."""
+        for call in [call for call in self.keys.calls if call[0] == model_id]:
+            del self.keys.calls[call]
 
     # -- outcomes, on the stepping thread -------------------------------------------------------------------
     def _track(self, front: str, future: Future, model_id: str | None, kind: str, seq: int | None = None,

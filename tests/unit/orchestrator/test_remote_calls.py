@@ -121,3 +121,39 @@ def test_a_sample_cancelled_at_the_front_is_cancelled_on_its_trainer(monkeypatch
         assert future.cancelled()
     finally:
         front.close()
+
+
+def test_a_send_answered_busy_then_passing_asks_again_under_one_token_and_a_refusal_ends_it(monkeypatch):
+    """A call to a busy trainer is asked for again in the background under the same token (the service waits on the
+    request it kept) through a passing 503 (the service's link), until its key comes back; a refusal after a busy
+    answer reaches the call's own handler; a refusal on the first try is raised to the route."""
+    from fastapi import HTTPException
+
+    from orchestrator.tinker import patient_sends
+    from orchestrator.tinker.patient_sends import PatientSends
+    from orchestrator.tinker.tinker_service import BUSY_HEADER
+
+    monkeypatch.setattr(patient_sends, "RETRY_EVERY_S", 0.01)
+    busy = HTTPException(503, "busy", headers={BUSY_HEADER: "trainer-0"})
+    answers = [busy, HTTPException(503, "the link restarted"), busy, "key-7"]
+    tokens, done = [], threading.Event()
+    got: list = []
+
+    def call(method, *args):
+        tokens.append(args[-1])
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    sends = PatientSends(call)
+    sends.send("tinker.sample", ("trainer-0", "front-a", "call"), lambda key: (got.append(key), done.set()),
+               lambda error: (got.append(error), done.set()))
+    assert done.wait(10) and got == ["key-7"] and len(set(tokens)) == 1 and len(tokens) == 4
+    answers[:] = [busy, HTTPException(404, "no model")]
+    done.clear()
+    sends.send("tinker.submit", ("trainer-0",), got.append, lambda error: (got.append(error.detail), done.set()))
+    assert done.wait(10) and got[-1] == "no model"
+    answers[:] = [HTTPException(422, "bad payload")]
+    with pytest.raises(HTTPException, match="bad payload"):
+        sends.send("tinker.submit", ("trainer-0",), got.append, got.append)

@@ -123,3 +123,17 @@ def test_a_sampling_call_cancelled_before_it_runs_is_never_sampled_and_says_so(m
     assert outcomes[kept].error is None and len(outcomes[kept].value.sequences[0].tokens) == 4
     assert not desk.cancel(kept), "a call that ran is not cancelled"
     assert desk.keys.samples == {}, "nothing kept of the calls that ended"
+
+
+def test_the_same_call_sent_twice_runs_once_under_one_key_and_is_counted_once(tmp_path):
+    """A front's request it stopped waiting for, sent again (or a restarted front's): the same (model, seq_id) is
+    the same call: one key, one outcome, one optimizer step of the job's progress (it was two keys, and the step
+    counted twice)."""
+    desk, events = desk_of([])
+    desk.open("job-1", MODEL, 4, owner="alice", output_dir=str(tmp_path), base_name="tiny")
+    keys = [desk.submit("front-a", MODEL, 1, "forward_backward", fb(1)) for _ in range(2)]
+    steps = [desk.submit("front-a", MODEL, 2, "optim_step", AdamStep(learning_rate=0.05)) for _ in range(2)]
+    assert keys[0] == keys[1] and steps[0] == steps[1]
+    run(desk)
+    assert sorted(outcome.key for outcome in desk.take("front-a")) == sorted({keys[0], steps[0]})
+    assert [e.step for e in events.drain() if e.kind == "progress"] == [1]

@@ -17,37 +17,16 @@ from actors.engine.models import load_base_model
 from actors.service.scheduler.local_run import train_locally
 from orchestrator.jobs_file import load_run_spec
 from tests.helpers.interrupted_runs import NO_RAY, finish, metric_steps
-from tests.helpers.service import adapter_tensors, max_relative_difference, write_task_data
-
-JOBS = """\
-base_model: {base}
-output_dir: out
-step_tokens: 512
-jobs:
-  - name: first
-    data: data/first.jsonl
-    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
-    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
-    max_seq_len: 128
-    lr: {lr}
-    lr_schedule: constant
-    max_steps: {first}
-    checkpoint_every: 1000
-  - name: second
-    data: data/second.jsonl
-    format: {{type: prompt_response, prompt: "Q: {{question}}\\nA:", response: " {{answer}}"}}
-    lora: {{r: 4, alpha: 8, target_modules: [q_proj, v_proj]}}
-    max_seq_len: 128
-    lr_schedule: constant
-    max_steps: 6
-    checkpoint_every: 1000
-"""
+from tests.helpers.interrupted_runs import write_run as write_interrupted_run
+from tests.helpers.service import adapter_tensors, max_relative_difference
 
 
 def write_run(folder: Path, base: Path, first: int, lr: str = "1.0e-3") -> None:
-    write_task_data(folder / "data", "first")
-    write_task_data(folder / "data", "second", offset=5)
-    (folder / "jobs.yaml").write_text(JOBS.format(base=base, first=first, lr=lr))
+    """tests/helpers/interrupted_runs.py's two jobs of 6 steps at a constant learning rate, the first's `max_steps`
+    and `lr` as given."""
+    path = write_interrupted_run(folder, base, steps=6, lr=lr, every=1000)
+    text = path.read_text().replace("    lr: ", "    lr_schedule: constant\n    lr: ")
+    path.write_text(text.replace("max_steps: 6", f"max_steps: {first}", 1))
 
 
 def aspen_run(folder: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

@@ -117,8 +117,21 @@ class SweepSpec(StrictModel):
             return "eval_score"
         return "eval_loss" if self.objective == "eval_loss" else "loss"
 
+    @property
+    def keeps_best(self) -> bool:
+        """Whether each trial ends with its best evaluation's adapter by the sweep's own objective (job.keep_best):
+        the trial's objective is then that evaluation's, not its last."""
+        return self.job.keep_best is not None and self.job.keep_best == self.objective_column
+
     @model_validator(mode="after")
     def _check(self) -> SweepSpec:
+        if self.job.keep_best is not None and not self.keeps_best:
+            ranks = "a generation metric" if self.mode == "max" else self.objective
+            fits = ("keep_best: eval_score" if self.mode == "max" else "keep_best: eval_loss"
+                    if self.objective == "eval_loss" else "no keep_best (the train loss has no evaluation to keep)")
+            raise ValueError(f"job.keep_best: {self.job.keep_best} would keep each trial's adapter by its "
+                             f"{self.job.keep_best.replace('_', ' ')}, and the sweep ranks trials by {ranks}: the "
+                             f"leaderboard would rank adapters the trials do not keep; use {fits}")
         if isinstance(self.job.init_adapter, JobAdapter):
             raise ValueError(f"job.init_adapter: {self.job.init_adapter} names another job, and a sweep's trials are "
                              "its only jobs; give the folder of that job's adapter")

@@ -7,8 +7,8 @@ starts, so a model-based searcher learns from the trials before it), tells it ea
 once) and how each trial ended (`ended`); the searcher hears both. `state_dict()` is JSON and
 `SweepRun.restore(spec, state)` carries on from it with the same decisions an uninterrupted sweep makes (the
 halving's records and the searcher's state go with it), so a sweep survives what its driver survives. The
-objective of a trial is its last reported one (its final adapter's), minimised (`eval_loss`, `train_loss`) or
-maximised (a generation metric's score: the spec's `mode`)."""
+objective of a trial is its last reported one (its final adapter's; with job.keep_best, its best one, whose adapter
+it ends with), minimised (`eval_loss`, `train_loss`) or maximised (a generation metric's score: the spec's `mode`)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class Trial:
     name: str
     settings: dict[str, Any]
     state: str = "pending"            # pending | running | completed | stopped | failed | cancelled
-    objective: float | None = None    # the last one reported
+    objective: float | None = None    # the last one reported (once it ends keeping its best: the best one)
+    best: float | None = None         # the best one reported (what a trial keeping its best adapter ends with)
     steps: int = 0                    # optimizer steps at the last report or end
     stopped_because: str | None = None
 
@@ -92,6 +93,9 @@ class SweepRun:
         if trial.state != "running":
             return None   # a report that crossed the trial's end: already decided
         trial.objective, trial.steps = objective, step
+        if not math.isnan(objective) and (trial.best is None or (objective > trial.best if self.spec.mode == "max"
+                                                                  else objective < trial.best)):
+            trial.best = objective
         self.searcher.on_result(name, step, objective)
         decision = self.halving.report(name, step, objective) if self.halving is not None else None
         forecast = self.forecast.report(name, step, objective) if self.forecast is not None else None
@@ -118,6 +122,8 @@ class SweepRun:
             return
         trial.state = state
         trial.steps = steps if steps is not None else trial.steps
+        if state == "completed" and self.spec.keeps_best and trial.best is not None:
+            trial.objective = trial.best   # the adapter it ends with is its best evaluation's (job.keep_best)
         if state != "completed":
             trial.stopped_because = reason or state
         elif self.forecast is not None:
@@ -141,7 +147,8 @@ class SweepRun:
                                                               sign * t.objective if t.objective is not None else 0.0))
         completed = [t for t in ordered if t.state == "completed" and t.objective is not None
                      and not math.isnan(t.objective)]
-        return {"trials": [asdict(t) for t in ordered], "best": completed[0].name if completed else None}
+        shown = [{key: value for key, value in asdict(t).items() if key != "best"} for t in ordered]
+        return {"trials": shown, "best": completed[0].name if completed else None}
 
     # -- persistence ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

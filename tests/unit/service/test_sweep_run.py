@@ -95,3 +95,26 @@ def test_results_read_after_a_trial_ended_still_count_at_the_rungs():
     third = run.to_start()[0]
     assert run.report(third.name, 10, 4.8).stop                    # outside the best third of {4.0, 5.0}
     assert run.halving.recorded[0] == {first.name: -4.0, second.name: -5.0, third.name: -4.8}
+
+
+def test_with_keep_best_a_trial_ranks_by_the_adapter_it_keeps():
+    """Trial t0 overfits (its eval loss falls to 1.0 at step 30, then rises to 2.0), t1 only falls (to 1.5): the
+    adapter t0 ends with under job.keep_best is its step-30 one (1.0), so it is the best trial, and the searcher
+    hears 1.0; without keep_best it ends with its last (2.0) and t1 is best. A keep_best that does not match the
+    sweep's objective is refused (the leaderboard would rank adapters the trials do not keep)."""
+    def curve(settings: dict, step: int) -> float:
+        if settings["lr"] == 1e-3:
+            return 1.0 + abs(step - 30) / 60
+        return 1.5 + 1.0 / step
+
+    grid = {"search": "grid", "trials": 2, "space": {"lr": {"choice": [1e-3, 1e-4]}}, "stopping": None}
+    plain = SweepRun(spec(**grid))
+    drive(plain, measure=curve)
+    assert plain.leaderboard()["best"] == "qa-t1"
+    kept = SweepRun(spec(**grid, job=JOB | {"keep_best": "eval_loss"}))
+    drive(kept, measure=curve)
+    board = kept.leaderboard()
+    assert board["best"] == "qa-t0" and board["trials"][0]["objective"] == 1.0, board
+    with pytest.raises(ValueError, match=r"job.keep_best: eval_loss would keep each trial's adapter by its eval loss, "
+                                         r"and the sweep ranks trials by train_loss"):
+        spec(**grid, job=JOB | {"keep_best": "eval_loss"}, objective="train_loss")

@@ -38,11 +38,12 @@ class RunPlan:
     changed_records: list[JobRecord] = field(default_factory=list)        # the earlier jobs of `changed`
     retry: list[tuple[JobRecord, list[str]]] = field(default_factory=list)   # unfinished, no checkpoint, changed
     extend: list[tuple[JobRecord, JobSubmission]] = field(default_factory=list)   # checkpointed, max_steps raised
+    notes: list[str] = field(default_factory=list)   # why a job is left alone where the file may suggest otherwise
 
     def lines(self, saved_step: Callable[[str], int | None] | None = None) -> list[str]:
         """One line per job that was there before. `saved_step(output_dir)`: the step of the checkpoint on
         disk, which a run killed at once may not have reported to its table."""
-        out = [f"{r.name}: already {r.state} at step {r.step}; left alone" for r in self.done]
+        out = [f"{r.name}: already {r.state} at step {r.step}; left alone" for r in self.done] + self.notes
         out += [f"{r.name}: {r.state} in the last run with no checkpoint; starts again with the changed spec "
                 f"({'; '.join(items)})" for r, items in self.retry]
         for record in self.resume:
@@ -102,6 +103,11 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         data = []
         if (not changes or raised is not None) and saved_data is not None:
             data = data_changes(submission, saved_data(record.output_dir))
+        if raised is not None and not data and record.state == "stopped_early" and submission.job.early_stop:
+            plan.done.append(record)   # its stop rule would end it again at once
+            plan.notes.append(f"{record.name}: its stop rule ended it at step {record.step}, and would again at once: "
+                              f"a raised max_steps continues it without early_stop (remove it from the job)")
+            continue
         if raised is not None and not data:   # only its budget raised: it continues from its checkpoint
             plan.extend.append((record, submission))
             continue

@@ -69,3 +69,24 @@ def test_the_readme_says_what_overwrite_does():
     methods = (README.parent / "docs" / "methods.md").read_text()
     assert "`--overwrite` starts\nthose jobs over, and only those" in methods
     assert "aspen run --overwrite jobs.yaml  # start over the jobs whose spec or data changed (only those)" in text
+
+
+def test_a_raised_budget_continues_a_job_but_not_one_its_stop_rule_would_end_again(tmp_path):
+    """max_steps raised alone: a completed job continues from its checkpoint; one its early_stop rule ended is left
+    alone, saying that it would stop again at once and how to train it on (it was said to continue, then ended at the
+    same step having trained nothing); without early_stop it continues."""
+    def spec(steps: int, early_stop: bool) -> RunSpec:
+        jobs = [{"name": name, "data": "data.jsonl", "format": {"type": "text"}, "max_steps": steps,
+                 **({"early_stop": {"patience": 3}, "eval_split": 2, "eval_every": 2} if early_stop else
+                    {"eval_split": 2, "eval_every": 2})} for name in ("ran-out", "stopped")]
+        return RunSpec(output_dir=tmp_path, jobs=jobs)
+
+    before = spec(10, True).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(before[0], "completed", 10), _record(before[1], "stopped_early", 6, step=6)]
+    plan = plan_run(spec(20, True).submissions(), records, stored.__getitem__)
+    assert [r.name for r, _ in plan.extend] == ["ran-out"] and [r.name for r in plan.done] == ["stopped"]
+    assert ("stopped: its stop rule ended it at step 6, and would again at once: a raised max_steps continues it "
+            "without early_stop (remove it from the job)") in plan.lines()
+    plan = plan_run(spec(20, False).submissions(), records, stored.__getitem__)
+    assert sorted(r.name for r, _ in plan.extend) == ["ran-out", "stopped"] and not plan.changed

@@ -98,6 +98,11 @@ class WaitAll(BaseModel):
     jobs: list[Any]
 
 
+class ExtendCall(BaseModel):
+    job: str = Field(description="the job's id, or a name only one job has")
+    submission: Any = Field(description="its JobSubmission with only max_steps raised")
+
+
 class SubmitRecords(BaseModel):
     submissions: list[Any] = Field(description="JobSubmissions, each validated where it was built")
 

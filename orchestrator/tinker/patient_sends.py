@@ -4,11 +4,11 @@ A trainer actor answers one call at a time, between its passes, and one pass may
 of tokens, a long step. The service then answers a call to queue work there "busy" (a 503 marked `BUSY_HEADER`,
 orchestrator/tinker/tinker_service.py) and keeps the request, which the trainer still runs once its pass ends. The
 user's call is not failed for it, nor sent twice: the first try answers the route at once (its errors, but busy,
-are the route's), and a busy one goes on in a thread of its own, asking the service again under the same token
-(the same request waited on again) until the trainer answers with the call's key, or refuses it, or is lost, or has
-been busy longer than `BUSY_LIMIT_S` (taken as stuck); a passing 503 (neither busy nor lost) is asked again too.
-Each waiting call holds a thread of the process holding the Ray connection for up to 10 s an ask: hundreds of
-calls waiting at once on one busy trainer queue behind each other there (noted, not solved)."""
+are the route's), and a busy one is kept here under its token. One thread (`_wait_all`) waits for every kept call
+of this front at once (the service's `ready`: one request, whatever their number) and asks for each answered one
+again under its token, until the trainer answers with the call's key, or refuses it, or is lost, or has been busy
+longer than `BUSY_LIMIT_S` (taken as stuck); a passing 503 (neither busy nor lost) is asked again too. So hundreds
+of calls waiting on one busy trainer (an RL loop's samples) hold one thread here and one request there."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import HTTPException
@@ -45,17 +46,32 @@ def is_passing(error: HTTPException) -> bool:
     return error.status_code == 503 and LOST_HEADER not in (error.headers or {})
 
 
+@dataclass
+class _Kept:
+    """A call answered busy, asked for again once the service says its kept request has an answer."""
+
+    method: str
+    args: tuple[Any, ...]
+    on_key: Callable[[Any], None]
+    on_error: Callable[[HTTPException], None]
+    since: float = field(default_factory=time.monotonic)
+    detail: str = ""   # the last busy answer
+
+
 class PatientSends:
     """Sends over `call(method, *args)` (the service's client) that outlast a busy trainer."""
 
     def __init__(self, call: Callable[..., Any]):
         self.call = call
         self.closed = threading.Event()
+        self.kept: dict[str, _Kept] = {}   # by token
+        self.changed = threading.Condition()
+        self.waiter: threading.Thread | None = None
 
     def send(self, method: str, args: tuple[Any, ...], on_key: Callable[[Any], None],
              on_error: Callable[[HTTPException], None]) -> None:
         """`call(method, *args, token)`; its answer to `on_key`. An error on the first try is raised here, unless
-        the trainer is busy: then the call is asked for again in a thread until answered (`on_key`) or refused
+        the trainer is busy: then the call is kept, and asked for again once answered there (`on_key`) or refused
         (`on_error`, with the service's answer)."""
         token = f"call-{uuid.uuid4().hex}"
         try:
@@ -64,35 +80,76 @@ class PatientSends:
             if not is_busy(error):
                 raise
             log.info("tinker: %s", error.detail)
-            threading.Thread(target=self._until_answered, args=(method, args, token, on_key, on_error),
-                             name=f"tinker-send-{token[5:17]}", daemon=True).start()
+            with self.changed:
+                self.kept[token] = _Kept(method, args, on_key, on_error, detail=str(error.detail))
+                if self.waiter is None or not self.waiter.is_alive():
+                    self.waiter = threading.Thread(target=self._wait_all, name="tinker-busy-sends", daemon=True)
+                    self.waiter.start()
+                self.changed.notify_all()
             return
         on_key(answer)
 
-    def _until_answered(self, method: str, args: tuple[Any, ...], token: str, on_key: Callable[[Any], None],
-                        on_error: Callable[[HTTPException], None]) -> None:
-        since = time.monotonic()
+    def _wait_all(self) -> None:
         while not self.closed.is_set():
+            with self.changed:
+                while not self.kept and not self.closed.is_set():
+                    self.changed.wait()
+                tokens = list(self.kept)
+            if self.closed.is_set():
+                return
             try:
-                answer = self.call(method, *args, token)
-            except HTTPException as error:
-                if time.monotonic() - since > BUSY_LIMIT_S:
-                    on_error(HTTPException(503, f"{error.detail}; no answer for {BUSY_LIMIT_S:.0f}s: the trainer is "
-                                                "taken as stuck (`aspen status` shows its jobs; restart it)"))
-                    return
-                if is_busy(error):
-                    continue   # the service waited on the same request for a while: ask again
-                if is_passing(error):
-                    time.sleep(RETRY_EVERY_S)
-                    continue
-                on_error(error)
-                return
-            except Exception as error:   # the call is failed with it rather than left waiting
-                log.exception("tinker: sending %s failed", method)
-                on_error(HTTPException(500, f"sending the call failed: {error!r}"))
-                return
-            on_key(answer)
+                answered = self.call("tinker.ready", tokens)
+            except HTTPException as error:   # the service's link: ask again
+                log.info("tinker: waiting for calls on busy trainers: %s", error.detail)
+                time.sleep(RETRY_EVERY_S)
+                continue
+            except Exception:   # logged; every kept call is then asked for itself (it fails with why, or waits)
+                log.exception("tinker: waiting for calls on busy trainers failed")
+                time.sleep(RETRY_EVERY_S)
+                answered = tokens
+            for token in answered:
+                self._ask_again(token)
+            self._fail_stuck()
+
+    def _ask_again(self, token: str) -> None:
+        with self.changed:
+            kept = self.kept.get(token)
+        if kept is None:
             return
+        try:
+            answer = self.call(kept.method, *kept.args, token)
+        except HTTPException as error:
+            if is_busy(error) or is_passing(error):
+                kept.detail = str(error.detail)
+                if not is_busy(error):
+                    time.sleep(RETRY_EVERY_S)
+                return   # still kept: waited for again
+            self._drop(token)
+            kept.on_error(error)
+            return
+        except Exception as error:   # the call is failed with it rather than left waiting
+            log.exception("tinker: sending %s failed", kept.method)
+            self._drop(token)
+            kept.on_error(HTTPException(500, f"sending the call failed: {error!r}"))
+            return
+        self._drop(token)
+        kept.on_key(answer)
+
+    def _fail_stuck(self) -> None:
+        now = time.monotonic()
+        with self.changed:
+            stuck = [(token, kept) for token, kept in self.kept.items() if now - kept.since > BUSY_LIMIT_S]
+            for token, _ in stuck:
+                del self.kept[token]
+        for _, kept in stuck:
+            kept.on_error(HTTPException(503, f"{kept.detail}; no answer for {BUSY_LIMIT_S:.0f}s: the trainer is "
+                                             "taken as stuck (`aspen status` shows its jobs; restart it)"))
+
+    def _drop(self, token: str) -> None:
+        with self.changed:
+            self.kept.pop(token, None)
 
     def close(self) -> None:
         self.closed.set()
+        with self.changed:
+            self.changed.notify_all()

@@ -10,7 +10,10 @@ thousands of tokens, a long step): a call to queue something there (submit, samp
 answered within `QUEUE_WAIT_S` is not abandoned, since the trainer runs it once the pass ends (a `take` abandoned
 so would take outcomes no one reads). Its reference is kept under the call's token and the same request waited on
 again when the front asks again (orchestrator/tinker/patient_sends.py); the answer meanwhile is a 503 marked
-`BUSY_HEADER`."""
+`BUSY_HEADER`. Hundreds of calls may wait on one busy trainer (an RL loop's samples): none of them holds a thread of
+the process holding the Ray connection while it waits. A call to a trainer known busy (a kept call there still
+unanswered) is not waited for at all, a kept call asked for again is answered at once (its key, or busy again), and
+the front waits for all its kept calls in one request (`ready`: one `ray.wait` over their references)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from actors.service.scheduler.config import NAMESPACE
 CALL_TIMEOUT_S = 60.0
 QUEUE_WAIT_S = 10.0   # a call that queues work on a trainer, which answers at once between passes
 KEPT_S = 600.0        # a busy call's reference that no one asks for again this long is dropped
+READY_WAIT_S = 10.0   # the longest `ready` waits for one of the kept calls to be answered
 
 
 LOST_HEADER = "X-Aspen-Trainer-Lost"   # on a 503 whose trainer is gone (its actor died): its id
@@ -42,9 +46,10 @@ def _get(ref: Any, what: str, trainer: str | None = None, timeout: float = CALL_
         return ray.get(ref, timeout=timeout)
     except GetTimeoutError:
         if trainer is not None:
-            raise HTTPException(503, f"{what}: trainer {trainer} is busy (it has not answered within {timeout:.0f}s: "
-                                     "a long sampling or step runs there); the call is kept and runs once that pass "
-                                     "ends", headers={"Retry-After": "5", BUSY_HEADER: trainer}) from None
+            waited = f"it has not answered within {timeout:.0f}s: " if timeout >= 1 else ""
+            raise HTTPException(503, f"{what}: trainer {trainer} is busy ({waited}a long sampling or step runs "
+                                     "there); the call is kept and runs once that pass ends",
+                                headers={"Retry-After": "5", BUSY_HEADER: trainer}) from None
         raise HTTPException(503, f"{what}: the service did not answer within {timeout:.0f}s",
                             headers={"Retry-After": "5"}) from None
     except RayActorError as error:
@@ -69,7 +74,8 @@ class TinkerService:
     def __init__(self, scheduler: Any):
         self.scheduler = scheduler
         self.handles: dict[str, Any] = {}
-        self.kept: dict[str, tuple[Any, float]] = {}   # a busy trainer's call by its token: (its ref, when kept)
+        # a busy trainer's call by its token: (its ref, when kept, the trainer)
+        self.kept: dict[str, tuple[Any, float, str]] = {}
         self.kept_lock = threading.Lock()
 
     def _trainer(self, trainer: str) -> Any:
@@ -129,27 +135,53 @@ class TinkerService:
                 self.handles.pop(trainer, None)
             raise
 
-    def _queue_on(self, trainer: str, token: str | None, method: str, what: str, *args: Any) -> Any:
+    def _queue_on(self, trainer: str, token: str | None, method: str, what: str, *args: Any,
+                  wait_again: float = 0.0) -> Any:
         """A trainer actor's method that queues work there (answered at once between passes), waited for up to
-        `QUEUE_WAIT_S`: unanswered, its reference is kept under `token` (and this request answered busy), and the
-        same token's next request waits on it again instead of sending the call twice."""
+        `QUEUE_WAIT_S` (not at all on a trainer known busy): unanswered, its reference is kept under `token` (and
+        this request answered busy), and the same token's next request takes its answer instead of sending the call
+        twice, waiting up to `wait_again` for it (none: the front waits for its kept calls in `ready`)."""
         now = time.monotonic()
         with self.kept_lock:
-            for stale in [key for key, (_, when) in self.kept.items() if now - when > KEPT_S]:
+            for stale in [key for key, (_, when, _) in self.kept.items() if now - when > KEPT_S]:
                 del self.kept[stale]
-            ref = self.kept.pop(token, (None, 0.0))[0] if token is not None else None
+            ref = self.kept.pop(token, (None,))[0] if token is not None else None
+        wait = wait_again
         if ref is None:
+            wait = 0.0 if token is not None and self._known_busy(trainer) else QUEUE_WAIT_S
             ref = getattr(self._trainer(trainer), method).remote(*args)
         try:
-            return _get(ref, what, trainer, QUEUE_WAIT_S)
+            return _get(ref, what, trainer, wait)
         except HTTPException as error:
             headers = error.headers or {}
             if LOST_HEADER in headers:
                 self.handles.pop(trainer, None)
             elif BUSY_HEADER in headers and token is not None:
                 with self.kept_lock:
-                    self.kept[token] = (ref, now)
+                    self.kept[token] = (ref, now, trainer)
             raise
+
+    def _known_busy(self, trainer: str) -> bool:
+        """Whether a call kept for `trainer` is still unanswered: the trainer is in a pass, and a call sent now is
+        answered only after it (an actor runs one caller's calls in order)."""
+        with self.kept_lock:
+            refs = [ref for ref, _, on in self.kept.values() if on == trainer]
+        return bool(refs) and len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs)
+
+    def ready(self, tokens: list[str], timeout: float = READY_WAIT_S) -> list[str]:
+        """Those of `tokens` whose kept call has its answer (or is kept no longer: asked for again, it is sent anew),
+        after waiting up to `timeout` (at most `READY_WAIT_S`) for the first: one wait for all of a front's calls
+        on busy trainers."""
+        with self.kept_lock:
+            refs = {token: self.kept[token][0] for token in tokens if token in self.kept}
+        gone = [token for token in tokens if token not in refs]
+        if not refs:
+            return gone
+        waiting = list(refs.values())
+        if not gone:
+            ray.wait(waiting, num_returns=1, timeout=max(0.0, min(timeout, READY_WAIT_S)))
+        answered = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0])
+        return gone + [token for token, ref in refs.items() if ref in answered]
 
     def trainer_of_base(self, base_model: str) -> str:
         answer = _get(self.scheduler.interactive_trainer.remote(base_model), f"a trainer of {base_model}")
@@ -169,7 +201,8 @@ class TinkerService:
     def take(self, trainer: str, front: str) -> list[Any]:
         """The outcomes waiting for `front`; a take left unanswered by a busy trainer is waited on again (it would
         take outcomes that no one reads)."""
-        return self._queue_on(trainer, f"take:{trainer}:{front}", "tinker_take", f"the outcomes on {trainer}", front)
+        return self._queue_on(trainer, f"take:{trainer}:{front}", "tinker_take", f"the outcomes on {trainer}", front,
+                              wait_again=QUEUE_WAIT_S)
 
     def finish(self, trainer: str, front: str, model_id: str, last: Any, token: str | None = None) -> str:
         return self._queue_on(trainer, token, "tinker_finish", f"ending model {model_id}", front, model_id, last)
@@ -178,6 +211,11 @@ class TinkerService:
         _get(self.scheduler.close_interactive.remote(job_id, state, reason, adapter_dir), f"ending job {job_id}")
 
     def beat(self, trainer: str, model_ids: list[str]) -> list[str]:
+        """The models of `model_ids` that `trainer` ended; on a trainer known busy the heartbeat is queued there
+        (it counts once the pass ends) and not waited for."""
+        if self._known_busy(trainer):
+            self._trainer(trainer).tinker_beat.remote(model_ids)
+            return []
         return self._on(trainer, "tinker_beat", "a heartbeat", model_ids)
 
     def drop_adapter(self, trainer: str, name: str) -> None:

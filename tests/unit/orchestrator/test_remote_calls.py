@@ -124,9 +124,9 @@ def test_a_sample_cancelled_at_the_front_is_cancelled_on_its_trainer(monkeypatch
 
 
 def test_a_send_answered_busy_then_passing_asks_again_under_one_token_and_a_refusal_ends_it(monkeypatch):
-    """A call to a busy trainer is asked for again in the background under the same token (the service waits on the
-    request it kept) through a passing 503 (the service's link), until its key comes back; a refusal after a busy
-    answer reaches the call's own handler; a refusal on the first try is raised to the route."""
+    """A call to a busy trainer is kept and asked for again under the same token once the service says its kept
+    request has an answer (`tinker.ready`), through a passing 503 (the service's link), until its key comes back; a
+    refusal after a busy answer reaches the call's own handler; a refusal on the first try is raised to the route."""
     from fastapi import HTTPException
 
     from orchestrator.tinker import patient_sends
@@ -140,6 +140,8 @@ def test_a_send_answered_busy_then_passing_asks_again_under_one_token_and_a_refu
     got: list = []
 
     def call(method, *args):
+        if method == "tinker.ready":
+            return list(args[0])
         tokens.append(args[-1])
         answer = answers.pop(0)
         if isinstance(answer, Exception):
@@ -147,13 +149,84 @@ def test_a_send_answered_busy_then_passing_asks_again_under_one_token_and_a_refu
         return answer
 
     sends = PatientSends(call)
-    sends.send("tinker.sample", ("trainer-0", "front-a", "call"), lambda key: (got.append(key), done.set()),
-               lambda error: (got.append(error), done.set()))
-    assert done.wait(10) and got == ["key-7"] and len(set(tokens)) == 1 and len(tokens) == 4
-    answers[:] = [busy, HTTPException(404, "no model")]
-    done.clear()
-    sends.send("tinker.submit", ("trainer-0",), got.append, lambda error: (got.append(error.detail), done.set()))
-    assert done.wait(10) and got[-1] == "no model"
-    answers[:] = [HTTPException(422, "bad payload")]
-    with pytest.raises(HTTPException, match="bad payload"):
-        sends.send("tinker.submit", ("trainer-0",), got.append, got.append)
+    try:
+        sends.send("tinker.sample", ("trainer-0", "front-a", "call"), lambda key: (got.append(key), done.set()),
+                   lambda error: (got.append(error), done.set()))
+        assert done.wait(10) and got == ["key-7"] and len(set(tokens)) == 1 and len(tokens) == 4
+        answers[:] = [busy, HTTPException(404, "no model")]
+        done.clear()
+        sends.send("tinker.submit", ("trainer-0",), got.append, lambda error: (got.append(error.detail), done.set()))
+        assert done.wait(10) and got[-1] == "no model"
+        answers[:] = [HTTPException(422, "bad payload")]
+        with pytest.raises(HTTPException, match="bad payload"):
+            sends.send("tinker.submit", ("trainer-0",), got.append, got.append)
+    finally:
+        sends.close()
+
+
+def test_hundreds_of_calls_on_a_busy_trainer_wait_in_one_thread_and_one_request_at_a_time(monkeypatch):
+    """An RL loop's hundreds of samples sent while their trainer is in a long pass: the front waits for all of them
+    with one thread and one `tinker.ready` request at a time (it held a thread each, and each of its asks held one of
+    the HTTP bridge's 16 threads for 10 s), and once the pass ends each gets its own key, each asked for once more.
+    A trainer busy past `BUSY_LIMIT_S` fails the calls still waiting, saying so."""
+    from fastapi import HTTPException
+
+    from orchestrator.tinker import patient_sends
+    from orchestrator.tinker.patient_sends import PatientSends
+    from orchestrator.tinker.tinker_service import BUSY_HEADER
+
+    count = 300
+    passing = threading.Event()      # the trainer's pass: set while it runs
+    passing.set()
+    lock = threading.Lock()
+    asks: dict[str, int] = {}
+    readies: list[int] = []
+    in_ready = [0, 0]                # now, most at once
+
+    def call(method, *args):
+        if method == "tinker.ready":
+            with lock:
+                in_ready[0] += 1
+                in_ready[1] = max(in_ready)
+            try:
+                readies.append(len(args[0]))
+                time.sleep(0.02)     # the service's wait
+                return [] if passing.is_set() else list(args[0])
+            finally:
+                with lock:
+                    in_ready[0] -= 1
+        token = args[-1]
+        with lock:
+            asks[token] = asks.get(token, 0) + 1
+        if passing.is_set():
+            raise HTTPException(503, "trainer-0 is busy", headers={BUSY_HEADER: "trainer-0"})
+        return f"key-{args[2]}"
+
+    sends = PatientSends(call)
+    got: dict[int, object] = {}
+    all_in = threading.Event()
+    threads_before = threading.active_count()
+    try:
+        for n in range(count):
+            sends.send("tinker.sample", ("trainer-0", "front-a", n),
+                       lambda key, n=n: (got.__setitem__(n, key), len(got) == count and all_in.set()),
+                       lambda error, n=n: got.__setitem__(n, error))
+        time.sleep(0.2)
+        assert threading.active_count() <= threads_before + 1, "one waiting thread, whatever the number of calls"
+        assert got == {} and max(readies) == count and in_ready[1] == 1
+        passing.clear()              # the pass ends
+        assert all_in.wait(30), f"{count - len(got)} calls never answered"
+        assert got == {n: f"key-{n}" for n in range(count)}
+        assert sorted(set(asks.values())) == [2], "each call sent once, then asked for once when answered"
+
+        monkeypatch.setattr(patient_sends, "BUSY_LIMIT_S", 0.1)
+        passing.set()
+        failed = threading.Event()
+        errors: list = []
+        sends.send("tinker.sample", ("trainer-0", "front-a", "stuck"), errors.append,
+                   lambda error: (errors.append(error), failed.set()))
+        assert failed.wait(10)
+        assert errors[0].status_code == 503 and "taken as stuck" in errors[0].detail
+        assert sends.kept == {}
+    finally:
+        sends.close()

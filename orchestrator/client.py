@@ -320,6 +320,19 @@ class Client:
         it continues from its last checkpoint to the new budget."""
         return self._request("extend", job, submission, reason)
 
+    def raise_max_steps(self, job: str, max_steps: int) -> JobRecord:
+        """Continue an ended or paused job to `max_steps` (above its own): it is queued again and trains on from its
+        last checkpoint, as `aspen run` again with the raised max_steps does (`extend`); a job its early_stop rule
+        ended continues without that rule."""
+        submission, state = self.submission(job), self.status(job).state
+        change: dict[str, Any] = {"max_steps": max_steps}
+        reason = f"max_steps raised to {max_steps}"
+        if state == "stopped_early" and submission.job.early_stop is not None:   # it would end it again at once
+            change["early_stop"] = None
+            reason += " without the early_stop rule that ended it"
+        raised = submission.model_copy(update={"job": submission.job.model_copy(update=change)})
+        return self.extend(job, raised, reason)
+
     def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
         """"Try it": `prompt` continued greedily by the job's adapter and by the base alone, on a trainer between two
         steps: a running job's current adapter (on its trainer), a completed or early-stopped job's final one (on a

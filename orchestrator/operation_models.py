@@ -46,6 +46,14 @@ class GenerateCall(JobRef, GenerateBody):
     pass
 
 
+class MaxStepsBody(BaseModel):
+    max_steps: int = Field(gt=0, description="the job's new budget of optimizer steps, above its present max_steps")
+
+
+class RaiseMaxSteps(JobRef, MaxStepsBody):
+    pass
+
+
 class ExportCall(JobRef):
     checkpoint: bool = Field(False, description="its last checkpoint instead of its final adapter")
 

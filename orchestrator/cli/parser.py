@@ -15,6 +15,7 @@ from orchestrator.cli.export_commands import cmd_demo, cmd_export
 from orchestrator.cli.run_commands import cmd_run, cmd_sweep
 from orchestrator.cli.service_commands import (
     cmd_cancel,
+    cmd_extend,
     cmd_generations,
     cmd_http,
     cmd_http_token,
@@ -206,6 +207,13 @@ def _add_job_commands(commands: Any) -> None:
     resume.add_argument("job")
     with_json(resume, "the job's record")
     resume.set_defaults(handler=cmd_resume)
+
+    extend = with_url(with_address(commands.add_parser(
+        "extend", help="continue an ended or paused job to a larger max_steps (from its last checkpoint)")))
+    extend.add_argument("job")
+    extend.add_argument("--max-steps", type=int, required=True, help="its new budget of optimizer steps")
+    with_json(extend, "the job's record")
+    extend.set_defaults(handler=cmd_extend)
 
     stop = with_address(commands.add_parser("stop", help="stop the service (jobs are checkpointed)"))
     stop.set_defaults(handler=cmd_stop)

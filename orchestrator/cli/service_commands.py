@@ -1,5 +1,5 @@
 """The commands that talk to a running service: serve, http, http-token, losses, generations, submit, status (or an
-ended run's table), watch, report, cancel / pause / resume, stop."""
+ended run's table), watch, report, cancel / pause / resume, extend, stop."""
 
 from __future__ import annotations
 
@@ -365,6 +365,16 @@ def _job_command(verb: str, running_note: str):
 cmd_cancel = _job_command("cancel", "cancelling at its next step")
 cmd_pause = _job_command("pause", "pausing at its next step")
 cmd_resume = _job_command("resume", "")
+
+
+def cmd_extend(args: argparse.Namespace) -> int:
+    """`aspen extend JOB --max-steps N`: the job queued again, to train on from its checkpoint to step N."""
+    record = connect_service(args).raise_max_steps(args.job, args.max_steps)
+    if args.json:
+        print(json.dumps(record.as_dict(), indent=1))
+    else:
+        print(f"{record.id}: {record.state} ({record.reason})")
+    return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

@@ -279,6 +279,10 @@ class HttpClient:
     def resume(self, job: str) -> JobRecord:
         return _record(self._request("POST", _job_path(job, "/resume")))
 
+    def raise_max_steps(self, job: str, max_steps: int) -> JobRecord:
+        """Continue an ended or paused job to `max_steps`, from its last checkpoint (`Client.raise_max_steps`)."""
+        return _record(self._request("POST", _job_path(job, "/extend"), json={"max_steps": max_steps}))
+
     def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
         """"Try it": `prompt` continued by the job's adapter (a running job's current one, a finished job's final one)
         and by the base alone (`Client.generate`); `Conflict` for a job with neither."""

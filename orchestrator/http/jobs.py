@@ -20,7 +20,7 @@ from orchestrator.http.console import serving_answer, spec_answer
 from orchestrator.http.request_bodies import parse_body, submissions_from
 from orchestrator.http.responses import ErrorBody
 from orchestrator.http.routes import Routes, operation_route
-from orchestrator.operation_models import GenerateBody, Submitted, Transition
+from orchestrator.operation_models import GenerateBody, MaxStepsBody, Submitted, Transition
 from orchestrator.service_calls import call_service
 
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
@@ -199,3 +199,21 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
         name = f"{record.name}-{'checkpoint' if checkpoint else 'lora'}.tar.gz"
         return Response(archive, media_type="application/gzip",
                         headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+def add_job_budget_routes(api: APIRouter, ctx: Routes) -> None:
+    """Raising an ended or paused job's budget."""
+    link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
+
+    @operation_route(api, "raise_max_steps", tags=["jobs"])
+    def extend(job: str, body: MaxStepsBody, caller: Caller = Depends(require_token)) -> Any:
+        """Continue an ended (completed, stopped early, failed, cancelled) or paused job to a larger max_steps: it is
+        queued again and trains on from its last checkpoint. 409 for a running or queued job, a budget not above its
+        own, a job bound by epochs, an interactive model."""
+        def run(client: Any) -> JobRecord:
+            record = find_job(client, caller, job)
+            after = client.raise_max_steps(record.id, body.max_steps)
+            audited(caller, "job.extend", record.id, name=record.name, max_steps=body.max_steps)
+            return after
+
+        return call_service(link, run)

@@ -17,6 +17,7 @@ the front waits for all its kept calls in one request (`ready`: one `ray.wait` o
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -25,6 +26,8 @@ import ray
 from fastapi import HTTPException
 
 from actors.service.scheduler.config import NAMESPACE
+
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 60.0
 QUEUE_WAIT_S = 10.0   # a call that queues work on a trainer, which answers at once between passes
@@ -77,6 +80,7 @@ class TinkerService:
         # a busy trainer's call by its token: (its ref, when kept, the trainer)
         self.kept: dict[str, tuple[Any, float, str]] = {}
         self.kept_lock = threading.Lock()
+        self.bases_of: dict[str, dict[str, Any]] = {}   # a trainer's base facts (`facts`)
 
     def _trainer(self, trainer: str) -> Any:
         handle = self.handles.get(trainer)
@@ -103,13 +107,34 @@ class TinkerService:
         handle = answer.pop("handle")
         if handle is not None:
             self.handles[answer["trainer"]] = handle
+        trainer, job = answer["trainer"], answer["job"]
         try:
-            self._on(answer["trainer"], "tinker_open", f"create model {model_id}", answer["job"], model_id, rank, user,
-                     seed, train_attn, train_mlp, first_seq, answer["output_dir"], base_model, False, train_unembed)
+            ref = self._trainer(trainer).tinker_open.remote(job, model_id, rank, user, seed, train_attn, train_mlp,
+                                                            first_seq, answer["output_dir"], base_model, False,
+                                                            train_unembed)
+            _get(ref, f"create model {model_id}", trainer, 0.0 if self._known_busy(trainer) else QUEUE_WAIT_S)
+        except HTTPException as error:
+            if BUSY_HEADER not in (error.headers or {}):
+                if LOST_HEADER in (error.headers or {}):
+                    self.handles.pop(trainer, None)
+                self.scheduler.close_interactive.remote(job, "failed", f"its trainer could not create it: "
+                                                                       f"{error.detail}")
+                raise
+            # the trainer is in a long pass: the model is created there once it ends, before any later call of
+            # this process to that trainer (an actor runs one caller's calls in order); a refusal then ends its job
+            ref.future().add_done_callback(lambda done: self._opened_late(done, job, model_id, trainer))
         except Exception:
-            self.scheduler.close_interactive.remote(answer["job"], "failed", "its trainer could not create it")
+            self.scheduler.close_interactive.remote(job, "failed", "its trainer could not create it")
             raise
         return answer
+
+    def _opened_late(self, done: Any, job: str, model_id: str, trainer: str) -> None:
+        """A model's creation queued behind a long pass has run: its job failed where the trainer refused it."""
+        error = done.exception()
+        if error is not None:
+            cause = getattr(error, "cause", None) or error
+            log.warning("tinker: trainer %s could not create model %s after its pass: %s", trainer, model_id, cause)
+            self.scheduler.close_interactive.remote(job, "failed", f"its trainer could not create it: {cause}")
 
     def reopen(self, job_id: str, model_id: str, lost_trainer: str, base_model: str, rank: int, user: str | None,
                seed: int = 0, train_attn: bool = True, train_mlp: bool = True, first_seq: int = 1,
@@ -229,4 +254,8 @@ class TinkerService:
                               name, folder)
 
     def facts(self, trainer: str) -> dict[str, Any]:
-        return self._on(trainer, "tinker_facts", f"the base of {trainer}")
+        """What the SDK is told of `trainer`'s base (its context, tokenizer): asked once, since a trainer (and one
+        that takes its place) holds one base, so that a client created while it is in a long pass need not wait."""
+        if trainer not in self.bases_of:
+            self.bases_of[trainer] = self._on(trainer, "tinker_facts", f"the base of {trainer}")
+        return self.bases_of[trainer]

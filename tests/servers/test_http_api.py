@@ -364,3 +364,55 @@ def test_a_jobs_files_relative_output_dir_lands_under_the_output_root_through_ei
         assert raw.json()["jobs"][0]["output_dir"] == str(root.resolve() / "runs" / "by-body" / "rel")
         served.ray.cancel(raw.json()["jobs"][0]["id"])
     assert not (project / "runs").exists()
+
+
+def test_a_finished_job_continues_to_a_raised_max_steps_over_http_and_the_cli(api, tmp_path, monkeypatch, capsys):
+    """`POST /v1/jobs/{job}/extend` (`aspen extend JOB --max-steps N`, HttpClient.raise_max_steps): a completed job
+    is queued again and trains on from its checkpoint; at a constant learning rate it ends as the same job given the
+    larger budget from the start (the reference, in the same service). A budget not above its own, and a running
+    job, are refused (409) saying why, the job left as it was."""
+    from orchestrator.cli import main
+    from tests.helpers.service import adapter_tensors, max_relative_difference
+
+    http = HttpClient(api.url, api.token)
+    data = write_task_data(tmp_path / "data", "sql")
+    spec = job_dict("grows", data, 3, lr_schedule="constant")
+    job = http.submit(spec, base_model=api.base, output_dir=tmp_path / "grows")
+    reference = http.submit({**spec, "name": "grown", "max_steps": 7}, base_model=api.base,
+                            output_dir=tmp_path / "grown")
+    assert job.wait(timeout=120).state == "completed"
+    with pytest.raises(Conflict, match="only a larger max_steps"):
+        http.raise_max_steps(job.id, 3)
+    assert http.status(job.id).state == "completed"
+    raised = http.raise_max_steps("grows", 5)
+    assert raised.state == "queued" and "max_steps 3 -> 5" in raised.reason and "step 3" in raised.reason
+    assert wait_for(lambda: http.status(job.id).state == "completed" and http.status(job.id), timeout=120,
+                    what="the job to train on").step == 5
+    monkeypatch.setenv("ASPEN_TOKEN", api.token)
+    assert main(["extend", job.id, "--max-steps", "7", "--url", api.url]) == 0
+    assert capsys.readouterr().out.startswith(f"{job.id}: queued (max_steps raised to 7: max_steps 5 -> 7")
+    done = wait_for(lambda: http.status(job.id).state == "completed" and http.status(job.id), timeout=120,
+                    what="the job to train on again")
+    assert done.step == 7 and reference.wait(timeout=120).state == "completed"
+    ours, theirs = (http.losses(key) for key in (job.id, reference.id))
+    assert [row["step"] for row in ours] == list(range(1, 8))
+    assert [row["loss"] for row in ours] == pytest.approx([row["loss"] for row in theirs], rel=1e-4)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "grows"), adapter_tensors(tmp_path / "grown"))
+    assert difference <= 1e-4, difference
+
+    by_epochs = http.submit({**spec, "name": "one-epoch", "max_steps": None, "epochs": 1}, base_model=api.base,
+                            output_dir=tmp_path / "one-epoch")
+    assert by_epochs.wait(timeout=120).state == "completed"
+    with pytest.raises(Conflict, match="bound by epochs, not max_steps.*start a new job"):
+        http.raise_max_steps(by_epochs.id, 100)
+
+    long = http.submit(job_dict("running-on", data, 5000), base_model=api.base, output_dir=tmp_path / "running-on")
+    try:
+        wait_for(lambda: http.status(long.id).state == "running", timeout=60, what="the long job to run")
+        with pytest.raises(Conflict, match="only an ended or paused job"):
+            http.raise_max_steps(long.id, 6000)
+        assert main(["extend", long.id, "--max-steps", "6000", "--url", api.url]) != 0
+        assert "only an ended or paused job" in capsys.readouterr().err
+    finally:
+        http.cancel(long.id)
+        long.wait(timeout=60)

@@ -255,7 +255,7 @@ def test_pause_resume_and_early_stop_through_the_actors(service, tiny_model_dirs
     data = tmp_path / "data"
     paused = service.submit(job_dict("pausable", write_task_data(data, "p"), 3000, checkpoint_every=1000),
                             base_model=base, output_dir=tmp_path / "pausable")
-    flat = service.submit(job_dict("flat", write_task_data(data, "flat"), 400, lr=1e-7, lr_schedule="constant",
+    flat = service.submit(job_dict("flat", write_task_data(data, "flat"), 60, lr=1e-7, lr_schedule="constant",
                                    eval_split=8, eval_every=2, early_stop={"min_improvement": 0.05, "patience": 3}),
                           base_model=base, output_dir=tmp_path / "flat")
     wait_for(lambda: paused.status().step >= 3, what="the job to train")
@@ -274,6 +274,13 @@ def test_pause_resume_and_early_stop_through_the_actors(service, tiny_model_dirs
     losses = flat.losses()
     assert sum(r["eval_loss"] is not None for r in losses) >= 4       # evaluated every 2 steps
     assert (tmp_path / "flat" / "adapter_model.safetensors").is_file()
+    # raised, it trains on from its checkpoint without the rule that ended it (which would end it again at once)
+    raised = service.raise_max_steps("flat", 62)
+    assert raised.state == "queued" and "without the early_stop rule" in raised.reason, raised.reason
+    grown = flat.wait(timeout=180)
+    assert (grown.state, grown.step) == ("completed", 62), grown
+    assert [r["step"] for r in flat.losses()] == list(range(1, 63))
+    assert service.submission(flat.id).job.early_stop is None
 
 
 def test_a_grpo_jobs_rewards_of_the_users_score_on_a_trainer_actor(service, tiny_model_dirs, tmp_path):

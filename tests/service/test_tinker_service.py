@@ -400,6 +400,7 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
     from orchestrator.tinker import tinker_service
 
     monkeypatch.setattr(tinker_service, "QUEUE_WAIT_S", 0.3)
+    monkeypatch.setattr(tinker_service, "CALL_TIMEOUT_S", 2.0)   # a model's creation waited this long, then failed
     app = create_app(ServiceLink(client=served["client"]), served["root"], users=served["book"],
                      tinker_dir=lambda: served["state"] / "tinker")
     seeds = [41, 42]
@@ -415,11 +416,24 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
         for seed in seeds:
             losses.append(training.forward_backward(datums(batch(seed)), "cross_entropy"))
             training.optim_step(types.AdamParams(**ADAM))
+        # a model created meanwhile: created there once the pass ends, its calls after it (it failed at the call
+        # timeout, its job ended failed while its creation still ran on the trainer)
+        second = service.create_lora_training_client(base_model=served["base"], rank=4).result()
+        created_s = clock.monotonic() - started
+        second_losses = []
+        for seed in seeds:
+            second_losses.append(second.forward_backward(datums(batch(seed)), "cross_entropy"))
+            second.optim_step(types.AdamParams(**ADAM))
         sampled = long_sample.result(timeout=240)   # bounded: calls whose outcomes were lost waited for ever
         busy_s = clock.monotonic() - started
         losses = [pending.result(timeout=60).metrics["loss:sum"] for pending in losses]
+        second_losses = [pending.result(timeout=60).metrics["loss:sum"] for pending in second_losses]
+        second_job = job_of(served["client"], second.model_id)
         service.close("success").result()
     assert busy_s > 10 * tinker_service.QUEUE_WAIT_S, busy_s   # the trainer was busy for many of the service's waits
+    assert busy_s - created_s > 2 * tinker_service.CALL_TIMEOUT_S, (created_s, busy_s)   # created early in the pass
+    assert second_job.state == "running", (second_job.state, second_job.reason)
     assert len(sampled.sequences) == 8 and max(len(s.tokens) for s in sampled.sequences) > 100
     _, expected_losses = engine_reference(served["base"], seeds)
     assert losses == expected_losses   # each call ran once, in order
+    assert second_losses == expected_losses

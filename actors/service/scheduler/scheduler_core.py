@@ -207,6 +207,9 @@ class SchedulerCore:
         earlier = self.table.submission(record.id)
         kept = submission.model_copy(update={"user": earlier.user, "output_dir": earlier.output_dir})
         raised = budget_raise(earlier, kept)
+        if earlier.job.max_steps is None:
+            raise ValueError(f"job {record.id} is bound by epochs, not max_steps: a budget raised would move where its "
+                             "data ends; start a new job (init_adapter: job:NAME continues from its adapter)")
         if raised is None:
             raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) may be given to "
                              "continue it; for other changes start a new job")

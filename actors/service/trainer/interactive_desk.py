@@ -64,8 +64,8 @@ class ModelJob:
 
 
 class CallKeys:
-    """The keys of a trainer's calls, and its sampling calls' futures by key while they wait (a front may cancel
-    one its client abandoned)."""
+    """The keys of a trainer's calls, its sampling calls' futures by key while they wait (a front may cancel one its
+    client abandoned), and why it refused to create a model (its calls may have been queued behind that)."""
 
     def __init__(self, trainer_id: str):
         self.trainer_id = trainer_id
@@ -74,6 +74,8 @@ class CallKeys:
         # a model's call by (model, seq_id) -> its key: the same call sent twice (a front's request it stopped
         # waiting for, then sent again) is the same call, counted once, its outcome under one key
         self.calls: dict[tuple[str, int], str] = {}
+        # a model whose creation this trainer refused -> why: its calls, queued behind that creation, say so
+        self.refused: dict[str, str] = {}
 
     def next(self) -> str:
         return f"{self.trainer_id}:{next(self.count)}"
@@ -108,8 +110,13 @@ class InteractiveDesk:
         saved = read_checkpoint(Path(output_dir)) if resume and output_dir else None
         if saved is not None:
             first_seq = int(saved[0]["seq"]) + 1
-        self.calls.create_model(model_id, rank, owner=owner, seed=seed, train_attn=train_attn, train_mlp=train_mlp,
-                                first_seq=first_seq, train_unembed=train_unembed)
+        try:
+            self.calls.create_model(model_id, rank, owner=owner, seed=seed, train_attn=train_attn,
+                                    train_mlp=train_mlp, first_seq=first_seq, train_unembed=train_unembed)
+        except (ValueError, TypeError) as error:
+            with self.lock:
+                self.keys.refused[model_id] = str(error)
+            raise
         model = ModelJob(job_id, owner, output_dir, base_name)
         if saved is not None:
             facts, weights, optimizer = saved
@@ -124,7 +131,14 @@ class InteractiveDesk:
         if not callable(payload) and kind == "apply":
             raise TypeError(f"an apply call's payload must be callable, not {type(payload).__name__}")
         lr = getattr(payload, "learning_rate", None) if kind == "optim_step" else None   # the step's, for progress
-        future = self.calls.submit(model_id, seq_id, kind, payload)
+        try:
+            future = self.calls.submit(model_id, seq_id, kind, payload)
+        except KeyError:
+            with self.lock:
+                refused = self.keys.refused.get(model_id)
+            if refused is None:
+                raise
+            raise KeyError(f"model {model_id} was never created on trainer {self.trainer_id}: {refused}") from None
         with self.lock:
             known = self.keys.calls.get((model_id, seq_id))
         if known is not None:

@@ -137,3 +137,16 @@ def test_the_same_call_sent_twice_runs_once_under_one_key_and_is_counted_once(tm
     run(desk)
     assert sorted(outcome.key for outcome in desk.take("front-a")) == sorted({keys[0], steps[0]})
     assert [e.step for e in events.drain() if e.kind == "progress"] == [1]
+
+
+def test_calls_of_a_model_its_trainer_refused_to_create_say_why(tmp_path):
+    """A model's creation queued behind a long pass (the service answered its front meanwhile) that the trainer then
+    refuses: the calls sent after it fail naming the refusal, not a bare "no model"."""
+    desk, _ = desk_of([])
+    with pytest.raises(ValueError, match="nothing to train") as refused:
+        desk.open("job-1", MODEL, 4, owner="alice", train_attn=False, train_mlp=False, output_dir=str(tmp_path))
+    with pytest.raises(KeyError) as failed:
+        desk.submit("front-a", MODEL, 1, "forward_backward", fb(1))
+    assert failed.value.args[0] == f"model {MODEL} was never created on trainer trainer-0: {refused.value}"
+    with pytest.raises(KeyError, match="^'no model other'"):   # a model never opened: as before
+        desk.submit("front-a", "other", 1, "forward_backward", fb(1))

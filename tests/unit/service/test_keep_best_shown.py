@@ -1,6 +1,7 @@
 """Where a keep_best job's kept evaluation is shown: its job record's `best` {metric, step, value} (set as its
 evaluations improve, carried over a resume, final at its end: the same as its adapter folder's aspen.json), in
-`aspen status` (JSON, the table and the detail) and the HTTP API's job record. The reference for each value is
+`aspen status` (JSON, the table and the detail), the HTTP API's job record, `aspen generations` (which step is kept
+and where its generations are) and `aspen report` (the kept adapter's evaluation). The reference for each value is
 the eval loss the job's metrics.jsonl recorded at that step."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from actors.service.events.event_booking import EventBooking
 from actors.service.scheduler.local_run import train_locally
 from actors.service.scheduler.scheduling_state import SchedulingStates
 from actors.service.table.job_table import JobRecord, JobTable
+from orchestrator.cli import service_commands
 from orchestrator.cli.parser import build_parser
 from orchestrator.http.api import create_app
 from orchestrator.progress import record_lines, summary_table
 from orchestrator.recent_runs import EndedRun
+from orchestrator.report import collect, markdown_table, report_data
 from orchestrator.service_calls import ServiceLink
 from tests.helpers.keep_best import eval_losses, overfitting_job, paused_then_resumed
 from tests.helpers.service import run_spec
@@ -129,3 +132,33 @@ def test_the_http_api_serves_the_kept_evaluation_with_the_job_and_its_generation
     record = http.get("/v1/jobs/fit", headers=headers).json()
     assert record["best"] == best and JobRecord(**record).best == best   # as the HttpClient reads it
     assert [job["best"] for job in http.get("/v1/jobs", headers=headers).json()] == [best]
+    generations = http.get("/v1/jobs/fit/generations", headers=headers).json()
+    assert generations["best"] == best and best["step"] in generations["steps"]
+
+
+def test_aspen_generations_names_the_kept_step_and_where_its_generations_are(ended_run, monkeypatch):
+    best = kept_facts(ended_run)
+    kept = f"fit keeps the adapter of its best evaluation, eval loss {best['value']:.4g} at step {best['step']}"
+    last = aspen("generations", "fit", "--from", str(ended_run))
+    assert "the evaluation after step 20" in last
+    assert f"{kept}; its generations: aspen generations fit --step {best['step']}" in last
+    assert f"{kept}: these are its generations" in aspen("generations", "fit", "--step", str(best["step"]),
+                                                         "--from", str(ended_run))
+    assert json.loads(aspen("generations", "fit", "--json", "--from", str(ended_run)))["best"] == best
+
+    class NoGenerations:   # a keep_best job without eval_generate: its kept step has none
+        @staticmethod
+        def generations(job, step):
+            return {"steps": [], "step": None, "rows": [], "best": best}
+
+    monkeypatch.setattr(service_commands, "_service_or_ended_run", lambda args: NoGenerations())
+    assert f"{kept}; no generations were recorded after step {best['step']}" in aspen("generations", "fit")
+
+
+def test_aspen_report_names_the_kept_adapters_evaluation(ended_run):
+    best = kept_facts(ended_run)
+    (data,) = report_data(collect(ended_run))
+    assert data["kept"] == best and data["state"] == "completed"
+    table = markdown_table(collect(ended_run))
+    assert table.splitlines()[0].endswith("| kept adapter |")
+    assert table.splitlines()[2].endswith(f"| completed | eval loss {best['value']:.4g} at step {best['step']} |")

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.service.table.job_record import JobRecord
+from actors.service.table.job_record import BestEvaluation, JobRecord
 
 
 class Open(BaseModel):
@@ -75,6 +75,8 @@ class Generations(BaseModel):
     steps: list[int]                  # every step the job was evaluated after with eval_generate
     step: int | None                  # the evaluation shown (None: none yet)
     rows: list[GenerationRow]
+    best: BestEvaluation | None = Field(None, description="a keep_best job's best evaluation so far: the step whose "
+                                                          "adapter it keeps (null: no keep_best, or not evaluated)")
 
 
 class SweepRef(BaseModel):

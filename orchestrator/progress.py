@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from actors.service.table.job_record import best_text
 from actors.service.table.job_table import TERMINAL_STATES, JobRecord
 
 
@@ -85,12 +86,15 @@ def wait_for_trainers(client, *, quiet: bool = False, interval: float = 0.5, tim
 def summary_table(records: list[JobRecord], title: str = "jobs") -> Table:
     table = Table(title=escape(title))   # a base's path may hold [...]: text, not markup
     scored = any(r.eval_score is not None for r in records)   # a job with an eval_generate metric
+    kept = any(r.best is not None for r in records)   # a keep_best job evaluated: the step whose adapter it keeps
     for column in ("job", "id", "state", "steps", "tokens", "loss", "eval loss", *(["eval score"] if scored else []),
-                   "reason"):
-        table.add_column(column, justify="left" if column in ("job", "id", "state", "reason") else "right")
+                   *(["best (kept)"] if kept else []), "reason"):
+        table.add_column(column, justify="left" if column in ("job", "id", "state", "best (kept)", "reason")
+                         else "right")
     for r in records:
         table.add_row(r.name, r.id, r.state, f"{r.step}/{r.total_steps or '?'}", str(r.tokens), _fmt(r.loss),
-                      _fmt(r.eval_loss), *([_fmt(r.eval_score)] if scored else []), escape(r.reason))
+                      _fmt(r.eval_loss), *([_fmt(r.eval_score)] if scored else []),
+                      *([best_text(r.best)] if kept else []), escape(r.reason))
     return table
 
 
@@ -113,12 +117,15 @@ def _duration(seconds: float) -> str:
 
 def record_lines(record: JobRecord, transitions: list[tuple[float, str, str]]) -> list[str]:
     """One job in detail for `aspen status JOB`: each field of its record, times as local dates (each after the
-    submission by how long), figures to four significant digits, then its state history (`--json` has the raw
-    values)."""
+    submission by how long), figures to four significant digits (a keep_best job's `best`: the evaluation whose
+    adapter it keeps), then its state history (`--json` has the raw values)."""
     start = record.submitted_at
     readable = {"step": ("steps", f"{record.step}/{record.total_steps or '?'}"),
                 "loss": ("loss", _fmt(record.loss, ".4g")), "eval_loss": ("eval_loss", _fmt(record.eval_loss, ".4g")),
                 "eval_score": ("eval_score", _fmt(record.eval_score, ".4g")),
+                "best": ("best", None if record.best is None else best_text(record.best) + (
+                    " (the adapter it ended with)" if record.state in ("completed", "stopped_early")
+                    else " (its best so far)")),
                 "tokens_per_s": ("tokens_per_s", _fmt(record.tokens_per_s, ".4g")),
                 "submitted_at": ("submitted_at", _when(record.submitted_at)),
                 **{key: (key, _when(getattr(record, key), start))

@@ -1,6 +1,7 @@
 """`aspen report RUN_DIR`: one loss curve per job (with its eval losses where known) in
 `RUN_DIR/report.png`, and a summary table (job, steps, final loss, best eval loss, best eval score where a job
-has an eval_generate metric, tokens, state) printed and written to `RUN_DIR/report.md`.
+has an eval_generate metric, tokens, state, and the kept evaluation where a job ended keeping its best: its
+adapter folder's aspen.json `best`) printed and written to `RUN_DIR/report.md`.
 
 RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service state in `.aspen/`) or a
 service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
@@ -21,7 +22,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.service.table.job_record import best_text
 from actors.service.table.table_backup import damaged_message, is_damage
+from actors.storage.base_identity import METADATA_NAME
 from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
@@ -42,6 +45,7 @@ class JobMetrics:
     evals: dict[int, float] = field(default_factory=dict)   # step -> eval loss
     scores: dict[int, float] = field(default_factory=dict)  # step -> eval_generate score, where the job has one
     state: str | None = None
+    kept: dict | None = None   # keep_best: aspen.json's `best` {metric, step, value}, the evaluation its adapter is
 
     @property
     def final_loss(self) -> float | None:
@@ -130,6 +134,9 @@ def collect(run_dir: Path | str) -> list[JobMetrics]:
         raise ReportError(f"no metrics.jsonl in {run_dir}/<job>/ or {run_dir}/outputs/<job>/: give a run's output "
                           "folder (output_dir of the jobs file) or the service's state folder")
     jobs = [read_metrics(path, path.parent.name) for path in files]
+    for job, path in zip(jobs, files, strict=True):
+        metadata = path.parent / METADATA_NAME
+        job.kept = _kept(metadata.read_text(errors="replace") if metadata.is_file() else None, metadata)
     database = _job_table(run_dir)
     if database is not None:
         _add_table_facts(jobs, database)
@@ -142,14 +149,30 @@ def _collect_uri(uri: str) -> list[JobMetrics]:
     jobs = []
     for prefix in ("", "outputs/"):
         for name in location.list(prefix):
-            metrics = f"{prefix}{name}/metrics.jsonl"
+            metrics, metadata = f"{prefix}{name}/metrics.jsonl", f"{prefix}{name}/{METADATA_NAME}"
             if location.exists(metrics):
                 jobs.append(parse_metrics(location.read_bytes(metrics).decode("utf-8"), f"{uri}/{metrics}", name,
                                           as_location(f"{uri}/{prefix}{name}")))
+                jobs[-1].kept = _kept(location.read_bytes(metadata).decode("utf-8", errors="replace")
+                                      if location.exists(metadata) else None, f"{uri}/{metadata}")
     if not jobs:
         raise ReportError(f"no metrics.jsonl in {uri}/<job>/ or {uri}/outputs/<job>/: give a run's output_dir or a "
                           "service's output root")
     return jobs
+
+
+def _kept(text: str | None, where: Path | str) -> dict | None:
+    """The evaluation a keep_best job's adapter is (aspen.json's `best`), from the text of its aspen.json; None
+    without one (no keep_best, not ended, no adapter written) or where it cannot be read (logged)."""
+    if text is None:
+        return None
+    try:
+        best = json.loads(text).get("best")
+        return best if isinstance(best, dict) and {"metric", "step", "value"} <= best.keys() else None
+    except (ValueError, AttributeError) as error:
+        log.warning("report: %s is not the JSON object aspen writes (%s); its kept evaluation is left out", where,
+                    error)
+        return None
 
 
 def _fmt(value: float | None) -> str:
@@ -157,12 +180,18 @@ def _fmt(value: float | None) -> str:
 
 
 def summary_rows(jobs: list[JobMetrics]) -> list[list[str]]:
-    scored = _scored(jobs)
+    scored, kept = _scored(jobs), _kept_any(jobs)
     return [[job.name, str(job.steps[-1] if job.steps else 0), _fmt(job.final_loss), _fmt(job.best_eval),
-             *([_fmt(job.best_score)] if scored else []), str(job.tokens), job.state or "-"] for job in jobs]
+             *([_fmt(job.best_score)] if scored else []), str(job.tokens), job.state or "-",
+             *([best_text(job.kept)] if kept else [])] for job in jobs]
 
 
 COLUMNS = ["job", "steps", "final loss", "best eval loss", "tokens", "state"]
+KEPT_COLUMN = "kept adapter"   # a keep_best job's: the evaluation it ended with the adapter of
+
+
+def _kept_any(jobs: list[JobMetrics]) -> bool:
+    return any(job.kept is not None for job in jobs)
 
 
 def _scored(jobs: list[JobMetrics]) -> bool:
@@ -171,14 +200,15 @@ def _scored(jobs: list[JobMetrics]) -> bool:
 
 
 def columns(jobs: list[JobMetrics]) -> list[str]:
-    return [*COLUMNS[:4], "best eval score", *COLUMNS[4:]] if _scored(jobs) else COLUMNS
+    names = [*COLUMNS[:4], "best eval score", *COLUMNS[4:]] if _scored(jobs) else list(COLUMNS)
+    return [*names, KEPT_COLUMN] if _kept_any(jobs) else names
 
 
 def report_data(jobs: list[JobMetrics]) -> list[dict]:
     """The report's numbers per job, as `aspen report --json` prints them."""
     return [{"job": job.name, "folder": str(job.folder), "state": job.state, "steps": job.steps[-1] if job.steps else 0,
              "final_loss": job.final_loss, "best_eval_loss": job.best_eval, "best_eval_score": job.best_score,
-             "tokens": job.tokens,
+             "kept": job.kept, "tokens": job.tokens,
              "losses": [{"step": s, "loss": loss} for s, loss in zip(job.steps, job.losses, strict=True)],
              "evals": [{"step": s, "eval_loss": loss, **({"eval_score": job.scores[s]} if s in job.scores else {})}
                        for s, loss in sorted(job.evals.items())]} for job in jobs]
@@ -238,7 +268,7 @@ def write_report(run_dir: Path | str, console=None) -> tuple[Path | StorageURI, 
         png, markdown = run_dir / "report.png", run_dir / "report.md"
     table = Table(title=escape(f"{len(jobs)} jobs in {run_dir}"))   # folders' names as they are, not markup
     for column in columns(jobs):
-        table.add_column(column, justify="left" if column in ("job", "state") else "right")
+        table.add_column(column, justify="left" if column in ("job", "state", KEPT_COLUMN) else "right")
     for row in summary_rows(jobs):
         table.add_row(*map(escape, row))
     console = console or Console()

@@ -105,6 +105,31 @@ class SweepSpec(StrictModel):
             return GenerationEval.model_validate(value)   # its own errors, named under objective
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_scores_the_kept(cls, data: Any) -> Any:
+        """job.keep_best: eval_score keeps the adapter of the best eval_generate score, and the job's own check
+        refuses it without eval_generate; a sweep whose objective is a generation metric gives every trial that
+        eval_generate (`_objective_into_job`), so the job is checked with it. With no such objective nothing would
+        score the trials: refused, saying what would."""
+        job = data.get("job") if isinstance(data, dict) else None
+        if not isinstance(job, dict) or job.get("keep_best") != "eval_score" or job.get("eval_generate") is not None:
+            return data
+        objective = data.get("objective", "eval_loss")
+        if isinstance(objective, dict | GenerationEval):
+            try:
+                metric = GenerationEval.model_validate(objective)
+            except ValidationError:
+                return data   # the objective's own errors say what is wrong with it
+            return {**data, "job": {**job, "eval_generate": metric.model_dump(mode="json", exclude_unset=True)}}
+        if objective not in ("eval_loss", "train_loss"):
+            return data   # not an objective: its field says so
+        fits = "keep_best: eval_loss" if objective == "eval_loss" else "no keep_best (the train loss has no evaluation)"
+        raise ValueError("job.keep_best: eval_score keeps each trial's adapter by its eval_generate score, and nothing "
+                         f"scores the trials: the job has no eval_generate and the sweep's objective is {objective}; "
+                         "make the objective a generation metric (e.g. objective: {metric: exact_match}), which "
+                         f"every trial then scores and the sweep ranks by, or use {fits}")
+
     @property
     def mode(self) -> Literal["min", "max"]:
         """"min" for a loss, "max" for a generation metric's score."""

@@ -170,8 +170,11 @@ def cmd_generations(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(found, indent=1))
         return 0
+    kept = _kept_generations(args.job, found)
     if found["step"] is None:
         print(f"{args.job}: no generations (a job with eval_generate writes them at each of its evaluations)")
+        if kept:
+            print(kept)
         return 0
     scores = [row["score"] for row in found["rows"] if isinstance(row.get("score"), (int, float))]
     mean = f", mean score {sum(scores) / len(scores):.4g}" if scores else ""
@@ -188,7 +191,26 @@ def cmd_generations(args: argparse.Namespace) -> int:
         table.add_row(str(row.get("row", "")), *map(escape, texts),   # texts as written, not markup
                       "-" if score is None else format(score, ".4g"))
     print_table(table)
+    if kept:
+        print(kept)
     return 0
+
+
+def _kept_generations(job: str, found: dict) -> str | None:
+    """For a keep_best job (`found["best"]`): which step's adapter it keeps, and where that step's generations are
+    (these, `--step N`, or none recorded); None for another job."""
+    from actors.service.table.job_record import best_text
+
+    best = found.get("best")
+    if best is None:
+        return None
+    step = best["step"]
+    kept = f"{job} keeps the adapter of its best evaluation, {best_text(best)}"
+    if found["step"] == step:
+        return f"{kept}: these are its generations"
+    if step in found["steps"]:
+        return f"{kept}; its generations: aspen generations {job} --step {step}"
+    return f"{kept}; no generations were recorded after step {step}"
 
 
 def _clipped(text: str | None, *, tail: bool = False, limit: int = 400) -> str:

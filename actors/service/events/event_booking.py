@@ -49,7 +49,7 @@ class EventBooking:
             self._progress(record, event)
         elif kind == "eval":
             self.table.progress.add_eval(job_id, event.step, data["eval_loss"], data.get("eval_score"))
-            self.table.update(job_id, eval_loss=data["eval_loss"], **_score(data))
+            self.table.update(job_id, eval_loss=data["eval_loss"], **_score(data), **_best(data))
         elif kind == "checkpoint" and data.get("upload_error"):   # the uploaded checkpoint is an older one
             self.table.update(job_id, reason=f"training on {trainer_id}; {data['upload_error']}")
         elif kind == "checkpoint":
@@ -69,7 +69,7 @@ class EventBooking:
             after(lambda: setattr(state, "preempting", None))
         else:  # completed, stopped_early, cancelled, paused, failed
             columns = {"trainer": None, "step": event.step}
-            for key in ("adapter_dir", "eval_loss", "eval_score", "checkpoint_step"):
+            for key in ("adapter_dir", "eval_loss", "eval_score", "checkpoint_step", "best"):
                 if data.get(key) is not None:
                     columns[key] = data[key]
             if "eval_loss" in data:
@@ -114,7 +114,7 @@ class EventBooking:
         """A job began (or resumed) on its trainer: a resumed job's history is the checkpoint's."""
         job_id, data = event.job_id, event.data
         resumed = data.get("resumed_from")
-        columns = {}
+        columns = {"best": data.get("best")}   # its checkpoint's best evaluation (keep_best); none from the start
         if resumed is not None:   # the checkpoint's history is the truth: steps after it are replayed
             self.table.progress.forget_after(job_id, resumed)
             for row in data.get("history", []):
@@ -197,6 +197,11 @@ class EventBooking:
 def _score(data: dict) -> dict[str, float]:
     """An evaluation's eval_generate score as the job's column, where it has one."""
     return {"eval_score": data["eval_score"]} if data.get("eval_score") is not None else {}
+
+
+def _best(data: dict) -> dict[str, dict]:
+    """A keep_best job's best evaluation so far as the job's column, where its evaluation reported one."""
+    return {"best": data["best"]} if data.get("best") is not None else {}
 
 
 def _objective(row: dict) -> dict[str, float]:

@@ -170,7 +170,8 @@ def read_generations(output_dir: str | Path, step: int | None = None) -> dict[st
 
 
 def job_generations(record: Any, step: int | None = None) -> dict[str, Any]:
-    """`read_generations` of a job's record (a `JobRecord`): a job that has started and whose folder is not on this
+    """`read_generations` of a job's record (a `JobRecord`), with its `best` (a keep_best job's best evaluation so
+    far, whose step's adapter it keeps; None without one): a job that has started and whose folder is not on this
     machine (its trainer's node wrote it there, and this one does not share it) is a FileNotFoundError saying so,
     not an empty answer."""
     folder = record.output_dir
@@ -178,7 +179,7 @@ def job_generations(record: Any, step: int | None = None) -> dict[str, Any]:
         raise FileNotFoundError(f"job '{record.name}': its folder {folder} is not on this machine (the node of its "
                                 "trainer wrote it there): read it on that node, or give the service an output root "
                                 "every node shares (a mount or a storage URI)")
-    return read_generations(folder, step)
+    return {**read_generations(folder, step), "best": record.best}
 
 
 def _generation_lines(step: int, samples: list[dict[str, Any]]) -> list[str]:

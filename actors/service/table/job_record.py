@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
+
+from typing_extensions import TypedDict
 
 JobState = Literal["queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled"]
 JOB_STATES: tuple[str, ...] = ("queued", "running", "paused", "completed", "stopped_early", "failed", "cancelled")
@@ -18,6 +21,15 @@ def unreported_resume_point(checkpoint_step: int | None) -> str:
     if checkpoint_step:
         return f"its newest checkpoint (step {checkpoint_step} as last reported, or a later one)"
     return "its newest checkpoint, if one was written after the last report, else the start"
+
+
+class BestEvaluation(TypedDict):   # typing_extensions': pydantic (the HTTP API's models) reads it on Python 3.11
+    """A keep_best job's best evaluation so far (actors/engine/kept_best.py): the adapter it ends with is this
+    step's; its folder's aspen.json records the same `best` at its end."""
+
+    metric: Literal["eval_loss", "eval_score"]
+    step: int
+    value: float
 
 
 @dataclass(kw_only=True)
@@ -49,6 +61,7 @@ class JobRecord:
     eval_score: float | None = None   # the last evaluation's eval_generate score, where the job has a metric
     reward: float | None = None   # a grpo job's mean reward over its last optimizer step's completions
     reward_margin: float | None = None   # a dpo / orpo / cpo job's last step's mean rewards/margins (TRL's)
+    best: BestEvaluation | None = None   # a keep_best job's best evaluation so far: the step whose adapter it keeps
 
     @property
     def finished(self) -> bool:
@@ -58,10 +71,27 @@ class JobRecord:
         return asdict(self)
 
 
-RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
+def best_text(best: BestEvaluation | None) -> str:
+    """A keep_best job's best evaluation as people read it: `eval loss 0.4321 at step 12` ("-" for None)."""
+    if best is None:
+        return "-"
+    return f"{best['metric'].replace('_', ' ')} {best['value']:.4g} at step {best['step']}"
 
+
+RECORD_COLUMNS = [f.name for f in fields(JobRecord)]
+JSON_COLUMNS = ("best",)   # columns the table keeps as JSON text
 
 
 def record_of(row: tuple) -> JobRecord:
-    """A job record from a row of the RECORD_COLUMNS, each value under its column's name."""
-    return JobRecord(**dict(zip(RECORD_COLUMNS, row, strict=True)))
+    """A job record from a row of the RECORD_COLUMNS, each value under its column's name (JSON_COLUMNS decoded)."""
+    values = dict(zip(RECORD_COLUMNS, row, strict=True))
+    for column in JSON_COLUMNS:
+        if isinstance(values[column], str):
+            values[column] = json.loads(values[column])
+    return JobRecord(**values)
+
+
+def column_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Values for the table's columns: JSON_COLUMNS' as JSON text (None stays NULL)."""
+    return {key: json.dumps(value) if key in JSON_COLUMNS and value is not None else value
+            for key, value in values.items()}

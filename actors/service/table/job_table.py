@@ -31,6 +31,7 @@ from actors.service.table.job_record import (
     TERMINAL_STATES,
     JobRecord,
     JobState,
+    column_values,
     record_of,
 )
 from actors.service.table.progress_rows import ProgressRows
@@ -190,6 +191,7 @@ class JobTable:
         unknown = set(values) - set(RECORD_COLUMNS)
         if unknown:
             raise ValueError(f"unknown job columns {sorted(unknown)}")
+        values = column_values(values)
         assignments = ", ".join(f"{key} = ?" for key in values)
         self.db.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*values.values(), job_id))
 

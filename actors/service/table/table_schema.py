@@ -25,6 +25,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     eval_score REAL,
     reward REAL,
     reward_margin REAL,
+    best TEXT,
     tokens_per_s REAL,
     checkpoint_step INTEGER,
     adapter_dir TEXT,
@@ -54,7 +55,8 @@ ADDED_COLUMNS = (("progress", "eval_score", "REAL"), ("jobs", "user", "TEXT"),
                  ("jobs", "account_tokens", "INTEGER NOT NULL DEFAULT 0"),
                  ("jobs", "step_seconds", "REAL NOT NULL DEFAULT 0"),
                  ("jobs", "gpu_seconds", "REAL NOT NULL DEFAULT 0"), ("jobs", "eval_score", "REAL"),
-                 ("progress", "metrics", "TEXT"), ("jobs", "reward", "REAL"), ("jobs", "reward_margin", "REAL"))
+                 ("progress", "metrics", "TEXT"), ("jobs", "reward", "REAL"), ("jobs", "reward_margin", "REAL"),
+                 ("jobs", "best", "TEXT"))
 
 BUSY_TIMEOUT_S = 2.0   # how long one write waits for another process's lock before raising JobTableBusy
 

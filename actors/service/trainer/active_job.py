@@ -96,6 +96,12 @@ class ActiveJob:
             self.tracker.eval(job.step, eval_loss, score)
         return eval_loss, score
 
+    def best_facts(self) -> dict[str, Any]:
+        """`best`: a keep_best job's best evaluation so far (metric, step, value) for its events, which the job
+        table's record shows; {} where it has none."""
+        best = self.job.best if self.job.spec.keep_best is not None else None
+        return {} if best is None else {"best": best.facts()}
+
     def report_end(self, events: TrainerEvents, kind: EventKind, data: dict[str, Any]) -> None:
         """Report how the job ended (its tracking finished first, its problems added to its reason)."""
         if self.tracker is not None:

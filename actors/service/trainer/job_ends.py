@@ -83,6 +83,7 @@ class JobEnds:
                     data["reason"] = f"{reason}; {_kept(job.spec.keep_best, best, job.step)}"
                 if best is not None:
                     metadata |= {"best": best.facts(), "last_step": job.step}
+                    data["best"] = best.facts()
                 data["adapter_dir"] = str(self._write(active, "its adapter", lambda: save_adapter(
                     job.adapter, active.local_dir, self.base_identity.serving_id, metadata,
                     None if best is None else best.tensors)))

@@ -102,7 +102,7 @@ class JobStarts:
         evals = [[step, loss] for step, loss in job.evals] if resumed else []
         self.events.emit("started", job_id, job.step, resumed_from=start.resumed_from, total_steps=job.total_steps,
                          trainer=self.trainer_id, history=history, evals=evals, tokens=job.tokens_seen,
-                         checkpoint_note=start.note)
+                         checkpoint_note=start.note, **active.best_facts())
 
     def wait_for_trackers(self, seconds: float) -> None:
         """The last metrics and artefacts of the jobs that left, written within `seconds` in all (each one

@@ -95,7 +95,8 @@ class StepBooking:
                 except MetricError as error:   # a user's metric function: that job fails, the others go on
                     self.finish(active, "failed", f"evaluation after step {record.step} failed: {error}")
                     continue
-                self.events.emit("eval", result.job, record.step, eval_loss=eval_loss, eval_score=score)
+                self.events.emit("eval", result.job, record.step, eval_loss=eval_loss, eval_score=score,
+                                 **active.best_facts())
                 row["eval_loss"] = eval_loss
                 if score is not None:
                     row["eval_score"] = score

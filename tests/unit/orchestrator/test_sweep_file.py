@@ -116,3 +116,46 @@ def test_a_trial_no_step_of_the_sweeps_own_holds_is_refused_naming_the_file_and_
     assert f"{path}: job.max_seq_len: batch_size 4 * max_seq_len 512 = 2048 tokens per micro-batch exceeds " \
            "step_tokens 1024" in err, err
     assert "validation error for RunSpec" not in err
+
+
+def with_keep_best_eval_score(tmp_path, objective: str | None):
+    """The sweep file with job.keep_best: eval_score (and no job.eval_generate), and `objective` where given; the
+    path and the line of keep_best."""
+    path = write(tmp_path)
+    text = path.read_text().replace("  eval_every: 4\n", "  eval_every: 4\n  keep_best: eval_score\n")
+    path.write_text(text + (f"objective: {objective}\n" if objective else ""))
+    return path, text.splitlines().index("  keep_best: eval_score") + 1
+
+
+def test_keep_best_eval_score_is_accepted_where_the_objective_gives_every_trial_eval_generate(tmp_path):
+    """A generation-metric objective is each trial's eval_generate, which keep_best: eval_score needs: the file is
+    accepted (the job's own check, without eval_generate, refused it), each trial keeps its best score's adapter
+    by the objective's metric, and the sweep ranks by that kept score; the spec reads back as it was saved."""
+    from actors.spec.sweep_spec import SweepSpec
+
+    path, _ = with_keep_best_eval_score(tmp_path, "{metric: exact_match, max_new_tokens: 8}")
+    spec = load_sweep_spec(path)
+    assert spec.keeps_best and spec.objective_column == "eval_score" and spec.mode == "max"
+    trials = spec.trial_jobs()
+    assert len(trials) == 4
+    assert all(job.keep_best == "eval_score" and job.eval_generate == spec.objective for job in trials)
+    assert spec.objective.metric == "exact_match" and spec.objective.max_new_tokens == 8
+    assert SweepSpec(**spec.model_dump(mode="json")) == spec   # its saved state (the sweep book's) reads back
+
+
+@pytest.mark.parametrize(("objective", "fits"), [
+    (None, "or use keep_best: eval_loss"),
+    ("eval_loss", "or use keep_best: eval_loss"),
+    ("train_loss", "or use no keep_best (the train loss has no evaluation)"),
+])
+def test_keep_best_eval_score_with_nothing_to_score_the_trials_is_refused_at_its_line(tmp_path, objective, fits):
+    path, line = with_keep_best_eval_score(tmp_path, objective)
+    with pytest.raises(SpecError) as caught:
+        load_sweep_spec(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}:{line}: job.keep_best: eval_score keeps each trial's adapter by its "
+                              "eval_generate score, and nothing scores the trials: the job has no eval_generate and "
+                              f"the sweep's objective is {objective or 'eval_loss'}; make the objective a generation "
+                              "metric (e.g. objective: {metric: exact_match}), which every trial then scores and the "
+                              f"sweep ranks by, {fits}"), message
+    assert "\n" not in message   # one refusal, not the job's own besides

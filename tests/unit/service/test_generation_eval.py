@@ -222,7 +222,8 @@ def _generations_are_shown(state_dir, written) -> None:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             assert main([*arguments, "--from", str(state_dir), "--json"]) == 0
-        assert json.loads(printed.getvalue()) == {"steps": [3, 6], "step": step, "rows": by_step[step]}
+        assert json.loads(printed.getvalue()) == {"steps": [3, 6], "step": step, "rows": by_step[step],
+                                                  "best": None}   # no keep_best: no kept step
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         assert main(["generations", "scored", "--from", str(state_dir)]) == 0

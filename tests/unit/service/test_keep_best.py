@@ -13,31 +13,10 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from actors.engine.models import load_base_model
-from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.local_run import train_locally
-from actors.service.trainer.trainer_loop import TrainerLoop
 from orchestrator.jobs_file import SpecError, load_run_spec
-from tests.helpers.service import adapter_tensors, job_dict, run_spec
-from tests.helpers.trainer import assignment_for, run_until_idle
-
-WORDS = "apple river stone cloud piano tiger lemon candle rocket forest violin marble garden copper window planet"
-
-
-def overfitting_job(folder: Path, steps: int, **extra) -> dict:
-    """16 rows, each its own answer word (4 held out): the held-out loss falls for ~10 steps (the shared
-    'the answer is'), then rises as the training rows' words are memorised."""
-    path = folder / "rows.jsonl"
-    folder.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"question": f"item {i}", "answer": f"the answer is {word}"}) + "\n"
-                            for i, word in enumerate(WORDS.split())))
-    return job_dict("fit", path, steps, lr=3e-3, lr_schedule="constant", eval_split=4, eval_every=2,
-                    checkpoint_every=1000, lora={"r": 8, "alpha": 16, "target_modules": "all-linear"}, **extra)
-
-
-def eval_losses(folder: Path, column: str = "eval_loss") -> dict[int, float]:
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {row["step"]: row[column] for row in rows if column in row}
+from tests.helpers.keep_best import eval_losses, overfitting_job, paused_then_resumed
+from tests.helpers.service import adapter_tensors, run_spec
 
 
 def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -93,27 +72,6 @@ def test_keep_best_eval_score_keeps_the_adapter_of_the_highest_generation_score(
     assert_same_tensors(adapter_tensors(tmp_path / "out/fit"), adapter_tensors(tmp_path / "solo/fit"))
 
 
-def paused_then_resumed(tmp_path: Path, model: Path, job: dict, pause_after: int, damage=None) -> list:
-    """Train `job` in a trainer loop, pause it after step `pause_after` (its checkpoint written), `damage` its
-    checkpoint folder, and resume it in a new loop (a restarted trainer) to its end: the second loop's events."""
-    spec = run_spec(str(model), tmp_path / "paused", [job])
-    (submission,) = spec.submissions()
-    base = load_base_model(str(model), dtype="float32", device="cpu")
-    first = TrainerLoop(base, TrainerConfig(base_model=spec.base_model), "trainer-t", tmp_path / "state")
-    first.assign(assignment_for(submission, "fit-1", base.tokenizer))
-    for _ in range(100):
-        first.run_once(idle_wait=0)
-        if first.active and first.active["fit-1"].job.step == pause_after:
-            break
-    first.stop_job("fit-1", "paused", "preempted by the test")
-    run_until_idle(first)
-    if damage is not None:
-        damage(tmp_path / "paused/fit/checkpoint")
-    second = TrainerLoop(base, TrainerConfig(base_model=spec.base_model), "trainer-u", tmp_path / "state")
-    second.assign(assignment_for(submission, "fit-1", base.tokenizer))
-    return run_until_idle(second)
-
-
 @pytest.mark.parametrize("pause_after", [6, 14], ids=["before-the-best", "after-the-best"])
 def test_a_job_paused_and_resumed_keeps_the_same_best(tmp_path, memorising_model, pause_after):
     """Paused (a checkpoint written) before or after its best evaluation and resumed in a new trainer loop, the
@@ -122,7 +80,7 @@ def test_a_job_paused_and_resumed_keeps_the_same_best(tmp_path, memorising_model
     train_locally(run_spec(str(memorising_model), tmp_path / "whole", [job]), progress=False)
     losses = eval_losses(tmp_path / "whole/fit")
     assert 6 < min(losses, key=losses.get) < 14, losses   # the pauses fall on both sides of it
-    events = paused_then_resumed(tmp_path, memorising_model, job, pause_after)
+    _, events = paused_then_resumed(tmp_path, memorising_model, job, pause_after)
     assert next(e for e in events if e.kind == "started").data["resumed_from"] == pause_after
     assert eval_losses(tmp_path / "paused/fit") == losses
     assert_same_tensors(adapter_tensors(tmp_path / "paused/fit"), adapter_tensors(tmp_path / "whole/fit"))
@@ -140,7 +98,7 @@ def test_a_damaged_best_adapter_file_refuses_its_checkpoint_and_says_which_file(
 
     job = overfitting_job(tmp_path / "data", 20, keep_best="eval_loss")
     train_locally(run_spec(str(memorising_model), tmp_path / "whole", [job]), progress=False)
-    events = paused_then_resumed(tmp_path, memorising_model, job, 14, damage=flip)
+    _, events = paused_then_resumed(tmp_path, memorising_model, job, 14, damage=flip)
     started = next(e for e in events if e.kind == "started")
     assert started.data["resumed_from"] == 0
     assert ("checkpoint/best_adapter.safetensors: its content differs from what was saved (sha256 mismatch: "

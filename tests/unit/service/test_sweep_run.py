@@ -118,3 +118,26 @@ def test_with_keep_best_a_trial_ranks_by_the_adapter_it_keeps():
     with pytest.raises(ValueError, match=r"job.keep_best: eval_loss would keep each trial's adapter by its eval loss, "
                                          r"and the sweep ranks trials by train_loss"):
         spec(**grid, job=JOB | {"keep_best": "eval_loss"}, objective="train_loss")
+
+
+def test_with_keep_best_eval_score_a_generation_metric_sweep_ranks_each_trial_by_its_highest_score():
+    """A sweep ranking by a generation metric, its job keeping the best score's adapter (keep_best: eval_score,
+    with no eval_generate of its own: the objective gives every trial one): t0's score peaks at 0.9 at step 30 and
+    falls to 0.6, t1's rises to 0.75; t0 keeps its 0.9 adapter and is the best trial, as its curve's peak says.
+    Without keep_best the last scores rank (t1 first)."""
+    def curve(settings: dict, step: int) -> float:
+        if settings["lr"] == 1e-3:
+            return 0.9 - abs(step - 30) / 200
+        return 0.75 - 1.0 / step
+
+    grid = {"search": "grid", "trials": 2, "space": {"lr": {"choice": [1e-3, 1e-4]}}, "stopping": None,
+            "objective": {"metric": "exact_match"}}
+    plain = SweepRun(spec(**grid))
+    drive(plain, measure=curve)
+    assert plain.leaderboard()["best"] == "qa-t1"
+    kept = SweepRun(spec(**grid, job=JOB | {"keep_best": "eval_score"}))
+    assert all(job.keep_best == "eval_score" and job.eval_generate is not None for job in kept.spec.trial_jobs())
+    drive(kept, measure=curve)
+    board = kept.leaderboard()
+    peak = max(curve({"lr": 1e-3}, step) for step in range(10, JOB["max_steps"] + 1, JOB["eval_every"]))
+    assert board["best"] == "qa-t0" and board["trials"][0]["objective"] == peak == 0.9, board

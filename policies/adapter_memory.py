@@ -32,15 +32,18 @@ def vera_parameters(rank: int, shapes: Iterable[tuple[int, int]]) -> int:
 
 
 def adapter_memory_bytes(rank: int, shapes: Iterable[tuple[int, int]], *, dora: bool = False,
-                         frozen_initial: bool = False, vera: bool = False, frozen_copy: bool = False) -> int:
+                         frozen_initial: bool = False, vera: bool = False, frozen_copy: bool = False,
+                         best_copy: bool = False) -> int:
     """`frozen_copy`: the job also holds a frozen copy of its adapter's parameters (its reference model: fp32, no
-    gradient, no moments; a VeRA copy shares the job's projections)."""
+    gradient, no moments; a VeRA copy shares the job's projections); `best_copy`: and a copy of them at its best
+    evaluation (`keep_best`: fp32, counted where that copy's memory is the budget's, a CPU trainer's)."""
     shapes = list(shapes)
+    copies = int(frozen_copy) + int(best_copy)
     if vera:
         projections = rank * (max(i for i, _ in shapes) + max(o for _, o in shapes)) if shapes else 0
         trained = vera_parameters(rank, shapes)
         return (trained * BYTES_PER_ADAPTER_PARAMETER + projections * BYTES_PER_FROZEN_VALUE
-                + (trained * BYTES_PER_FROZEN_VALUE if frozen_copy else 0))
+                + trained * BYTES_PER_FROZEN_VALUE * copies)
     frozen = adapter_parameters(rank, shapes) * BYTES_PER_FROZEN_VALUE if frozen_initial else 0
     trained = adapter_parameters(rank, shapes, dora=dora)
-    return trained * BYTES_PER_ADAPTER_PARAMETER + frozen + (trained * BYTES_PER_FROZEN_VALUE if frozen_copy else 0)
+    return trained * BYTES_PER_ADAPTER_PARAMETER + frozen + trained * BYTES_PER_FROZEN_VALUE * copies

@@ -51,6 +51,7 @@ class TrainerView:
     tokens_per_s: float | None = None   # real tokens it steps per second of its steps, once measured
     node: str | None = None         # the node it runs on: its jobs' actors run there (Snapshot.job_slots)
     expert_shapes: tuple[tuple[str, int, int, int], ...] = ()   # MoE stacks: (name, experts, in, out)
+    host_budget: bool = False       # its budget is the host's memory (a CPU trainer): host copies count in it
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,9 +16,11 @@ from policies.adapter_memory import (
 from policies.base import TrainerView
 
 
-def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView, *, reference: bool = False) -> int:
+def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView, *, reference: bool = False,
+                      keep_best: bool = False) -> int:
     """What a job's adapter costs on `trainer` (ValueError for target_modules its base does not have); `reference`:
-    with the frozen copy that is its reference model (`JobSpec.reference_adapter`)."""
+    with the frozen copy that is its reference model (`JobSpec.reference_adapter`); `keep_best`: with the host copy
+    of its best evaluation's adapter, on a trainer whose budget is the host's (actors/engine/kept_best.py)."""
     shapes = adapted_shapes(lora.target_modules, {name: (i, o) for name, i, o in trainer.linear_shapes})
     stacks = matching_shapes(lora.target_parameters, {name: (e, i, o) for name, e, i, o in trainer.expert_shapes})
     if lora.target_parameters and not stacks:
@@ -26,10 +28,11 @@ def job_adapter_bytes(lora: LoraConfig, trainer: TrainerView, *, reference: bool
                          f"{trainer.base_model}" + (" (it is not an MoE model)" if not trainer.expert_shapes else
                                                     f"; its stacks are {_stack_names(trainer)}"))
     experts = expert_parameters(lora.r, stacks)
+    best_copy = keep_best and trainer.host_budget
     return (adapter_memory_bytes(lora.r, shapes, dora=lora.use_dora,
                                  frozen_initial=lora.init_lora_weights.startswith(BASE_DEPENDENT_INITS),
-                                 vera=lora.kind == "vera", frozen_copy=reference)
-            + experts * (BYTES_PER_ADAPTER_PARAMETER + (BYTES_PER_FROZEN_VALUE if reference else 0)))
+                                 vera=lora.kind == "vera", frozen_copy=reference, best_copy=best_copy)
+            + experts * (BYTES_PER_ADAPTER_PARAMETER + BYTES_PER_FROZEN_VALUE * (int(reference) + int(best_copy))))
 
 
 def _stack_names(trainer: TrainerView) -> str:
@@ -50,7 +53,8 @@ def trainer_view(status: TrainerStatus) -> TrainerView:
                        memory_budget_bytes=status.memory_budget_bytes, base_bytes=status.base_bytes,
                        step_memory_bytes=status.activation_bytes_estimate, jobs=tuple(status.jobs),
                        linear_shapes=shapes, max_jobs=status.max_jobs, expert_shapes=stacks,
-                       empty_bytes=status.base_bytes + status.activation_bytes_estimate, tokens_per_s=rate or None)
+                       empty_bytes=status.base_bytes + status.activation_bytes_estimate, tokens_per_s=rate or None,
+                       host_budget=status.device == "cpu")
 
 
 def never_fits(submission: JobSubmission, need: int, views: list[TrainerView]) -> str | None:

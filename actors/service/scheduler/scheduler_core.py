@@ -396,7 +396,8 @@ class SchedulerCore:
         same_base = [t for t in trainers if t.base_model == record.base_model and t.quantization == record.quantization]
         if state.memory is None and same_base:
             try:
-                state.memory = job_adapter_bytes(spec.job.lora, same_base[0], reference=spec.job.reference_adapter)
+                state.memory = job_adapter_bytes(spec.job.lora, same_base[0], reference=spec.job.reference_adapter,
+                                                 keep_best=spec.job.keep_best is not None)
             except ValueError as error:   # target_modules that the base model does not have
                 self.table.set_state(record.id, "failed", str(error), trainer=None)
                 return None

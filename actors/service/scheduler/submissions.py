@@ -360,7 +360,8 @@ class Submissions:
         views = [trainer_view(s) for s in statuses]
         if views:
             try:
-                need = job_adapter_bytes(submission.job.lora, views[0], reference=submission.job.reference_adapter)
+                need = job_adapter_bytes(submission.job.lora, views[0], reference=submission.job.reference_adapter,
+                                         keep_best=submission.job.keep_best is not None)
             except ValueError as error:   # target_modules that the base model does not have
                 raise SubmissionError(str(error)) from None
             problem = never_fits(submission, need, views)

@@ -54,6 +54,24 @@ def test_an_overfitting_job_ends_with_its_best_evaluations_adapter(tmp_path, mem
     loaded = {name: param for name, param in peft.named_parameters() if "lora_" in name}
     assert len(loaded) == len(adapter_tensors(tmp_path / "out/fit"))
 
+    # admission counts the host copy where the budget is the host's (a CPU trainer): the bytes the kept copy has
+    # (its file holds exactly those tensors), and nothing on a GPU, whose budget the copy is not in
+    from actors.engine.adapter_surgery import linear_module_names
+    from actors.service.scheduler.job_fit import job_adapter_bytes
+    from actors.spec.lora_config import LoraConfig
+    from policies.base import TrainerView
+
+    plain = AutoModelForCausalLM.from_pretrained(memorising_model, dtype=torch.float32)
+    shapes = tuple((name, plain.get_submodule(name).in_features, plain.get_submodule(name).out_features)
+                   for name in linear_module_names(plain))
+    lora = LoraConfig.model_validate(job["lora"])
+    views = [TrainerView(id="t", base_model="m", quantization="none", memory_budget_bytes=2**40, base_bytes=0,
+                         step_memory_bytes=0, jobs=(), linear_shapes=shapes, host_budget=host)
+             for host in (True, False)]
+    kept = sum(tensor.numel() * tensor.element_size() for tensor in adapter_tensors(tmp_path / "out/fit").values())
+    assert [job_adapter_bytes(lora, view, keep_best=True) - job_adapter_bytes(lora, view) for view in views] == \
+        [kept, 0]
+
 
 def test_keep_best_eval_score_keeps_the_adapter_of_the_highest_generation_score(tmp_path, memorising_model):
     """With eval_generate (a metric of the user's that scores a continuation by its length), `keep_best:

@@ -360,7 +360,8 @@ class Client:
         return job_generations(self.status(job), step)
 
     def delete(self, job: str) -> None:
-        """Forget a job that is not running (its files stay)."""
+        """Forget a job that is not running (its files stay, and a new job is not given them to overwrite: its
+        folder is refused to a submission while they are there)."""
         self._request("delete", job)
 
     def wait(self, job: str, timeout: float | None = None, poll: float = 0.5) -> JobRecord:

@@ -230,6 +230,7 @@ def format_table(table: dict[str, dict[str, float]], tasks: list[str]) -> str:
 def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
     """Start a service (scheduler, one trainer, a job actor per job) on a local Ray, submit the four
     jobs, follow them to the end, stop the service. Returns the jobs' final records."""
+    from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_service_config
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers
@@ -242,6 +243,8 @@ def train_through_service(spec: RunSpec, output_dir: Path, quiet: bool) -> list:
         for record in client.jobs():   # an earlier demo's jobs in this folder: forgotten, their folders trained anew
             if record.output_dir in folders:
                 client.delete(record.id)
+        for folder in folders:   # what an earlier demo left there deleted (the service refuses to train over it)
+            clear_job_folder(folder)
         handles = client.submit_run(spec)
         ids = {h.id for h in handles}
         return follow_jobs(lambda: [r for r in client.jobs() if r.id in ids], quiet=quiet)

@@ -23,6 +23,7 @@ from actors.spec.submission_changes import budget_raise, differences
 from actors.storage.storage_uri import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
+    from actors.service.outputs.earlier_outputs import EarlierOutputs
     from actors.service.table.job_table import JobRecord
     from actors.spec.job_submission import JobSubmission
 
@@ -39,6 +40,8 @@ class RunPlan:
     retry: list[tuple[JobRecord, list[str]]] = field(default_factory=list)   # unfinished, no checkpoint, changed
     extend: list[tuple[JobRecord, JobSubmission]] = field(default_factory=list)   # checkpointed, max_steps raised
     notes: list[str] = field(default_factory=list)   # why a job is left alone where the file may suggest otherwise
+    # new jobs whose folders hold outputs no job of the table wrote there: (job name, what was found)
+    foreign: list[tuple[str, EarlierOutputs]] = field(default_factory=list)
 
     def lines(self, saved_step: Callable[[str], int | None] | None = None) -> list[str]:
         """One line per job that was there before. `saved_step(output_dir)`: the step of the checkpoint on
@@ -82,11 +85,14 @@ def data_changes(submission: JobSubmission, saved: tuple[int, str | None] | None
 def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
              stored: Callable[[str], JobSubmission],
              saved_data: Callable[[str], tuple[int, str | None] | None] | None = None,
-             saved_step: Callable[[str], int | None] | None = None) -> RunPlan:
+             saved_step: Callable[[str], int | None] | None = None,
+             found_outputs: Callable[[str], EarlierOutputs | None] | None = None) -> RunPlan:
     """Match each submission with the newest earlier job of the same name writing to the same folder.
     `saved_data(output_dir)`: the (step, data digest) of the job's checkpoint there, to compare its data with;
     `saved_step(output_dir)`: the step of a checkpoint on disk (a run killed at once may not have told its
-    table), which, with the table's, tells whether an unfinished job left one."""
+    table), which, with the table's, tells whether an unfinished job left one; `found_outputs(output_dir)`: the
+    outputs a job left in a folder (actors/service/outputs/earlier_outputs.py), asked of each new job's folder: one
+    that holds some (the folder copied or moved, its table deleted) is in `foreign`, which the run refuses."""
     latest: dict[tuple[str, str], JobRecord] = {}
     for record in sorted(records, key=lambda r: r.submitted_at):
         latest[(record.name, str(resolve_location(record.output_dir)))] = record
@@ -96,6 +102,9 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         record = latest.get((submission.job.name, str(resolve_location(submission.output_dir))))
         if record is None:
             plan.submit.append(submission)
+            found = found_outputs(str(submission.output_dir)) if found_outputs is not None else None
+            if found is not None:
+                plan.foreign.append((submission.job.name, found))
             continue
         earlier = stored(record.id)
         changes = differences(earlier, submission)
@@ -145,8 +154,9 @@ def _checkpointed(record: JobRecord, saved_step: Callable[[str], int | None] | N
     return bool(saved_step(record.output_dir)) if saved_step is not None else False
 
 
-OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run: their checkpoints, adapters "
-                  "and metrics are deleted; the file's other jobs resume or are left alone as without it")
+OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run, and the new jobs whose folders "
+                  "hold outputs the job table has no record of (a copied or moved folder): their checkpoints, "
+                  "adapters and metrics are deleted; the file's other jobs resume or are left alone as without it")
 
 
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:
@@ -156,3 +166,22 @@ def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> s
             f"them would mix two configurations:\n{jobs}\nrestore those fields or that data, or run with --overwrite "
             f"to start {names} over (their checkpoints, adapters and metrics are deleted; the file's other jobs "
             "resume or are left alone as without it), or give the run another output_dir")
+
+
+def foreign_message(output_dir: Path | str, foreign: list[tuple[str, EarlierOutputs]],
+                    records: list[JobRecord]) -> str:
+    """Why the run does not start: new jobs' folders hold outputs of a run its table has no record of there (each
+    with what was found), what the table has of jobs of those names elsewhere, and what to do."""
+    lines = []
+    for name, found in foreign:
+        lines.append(f"  job '{name}': {found.folder} holds {found.describe()}")
+        elsewhere = sorted({r.output_dir for r in records if r.name == name and r.output_dir != str(found.folder)})
+        for folder in elsewhere:   # the folder this table's job wrote to: the run whose output_dir holds it knows it
+            lines.append(f"    its table records job '{name}' in {folder}: a run with output_dir {Path(folder).parent} "
+                         "resumes it or leaves it alone there (move this folder back if it was moved from there)")
+    names = ", ".join(f"'{name}'" for name, _ in foreign)
+    return (f"the job folders of {output_dir} hold the outputs of a run whose jobs its job table "
+            f"({Path(str(output_dir)) / '.aspen' / 'jobs.sqlite'}) has no record of there (the folder was copied or "
+            f"moved, or its table deleted), so this run would train over them:\n" + "\n".join(lines) + "\n"
+            f"give this run another output_dir (--output-dir), or run with --overwrite to delete those outputs and "
+            f"start {names} over there")

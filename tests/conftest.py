@@ -59,7 +59,8 @@ LONG_FILES = ("tests/faults/test_service_faults.py", "tests/service/test_pipelin
               # make test-long's
               "tests/faults/test_run_again.py", "tests/service/test_cluster.py", "tests/service/test_ray_job_submit.py",
               "tests/servers/test_tinker_cookbook.py", "tests/faults/test_clean_exit.py", "tests/service/test_sweep.py",
-              "tests/faults/test_in_process_record.py", "tests/gpu/test_gpu_suite.py")
+              "tests/faults/test_in_process_record.py", "tests/faults/test_copied_run_folder.py",
+              "tests/gpu/test_gpu_suite.py")
 
 
 def pytest_collection_modifyitems(config, items):

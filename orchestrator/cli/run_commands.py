@@ -30,6 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
     if args.in_process:
         return _run_in_process(spec, args.file, args.quiet, args.overwrite)
+    from actors.service.outputs.earlier_outputs import earlier_outputs
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_local_dir, run_service_config
     from actors.service.table.job_table import read_jobs
@@ -41,14 +42,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     # spec or data changed, answers at once, with no Ray started; else the service's own table is asked (it
     # may have been changed since, by a run that was still ending), and the trainers (a model load each) are
     # waited for only where there is something to train.
-    earlier = read_jobs(run_local_dir(spec) / ".aspen" / "jobs.sqlite")
+    table = run_local_dir(spec) / ".aspen" / "jobs.sqlite"
+    earlier = read_jobs(table)
     data_checked: set[str] = set()   # folders of jobs whose data matched their checkpoint in the first plan
-    if earlier is not None:
+    # no table: every job is new, and none may train over outputs found in its folder (a table not read here, a killed
+    # service's, is read by the service: the plan below, against its jobs, refuses them then)
+    if earlier is None and not table.exists():
+        refuse_foreign_outputs(output_dir, plan_run(spec.submissions(), [], {}.__getitem__,
+                                                    found_outputs=earlier_outputs), [], args.overwrite, say=False)
+    elif earlier is not None:
         submissions = {record.id: submission for record, submission in earlier}
         plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
-                        saved_data=saved_data_digest, saved_step=saved_step)
+                        saved_data=saved_data_digest, saved_step=saved_step, found_outputs=earlier_outputs)
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        refuse_foreign_outputs(output_dir, plan, [record for record, _ in earlier], args.overwrite, say=False)
         if not (plan.submit or plan.resume or plan.changed or plan.extend):
             for line in plan.lines(saved_step=saved_step):
                 print(line)
@@ -71,9 +79,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         # each job's data is read for its digest once per run: not again for the jobs the first plan checked
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
                         saved_data=lambda folder: None if folder in data_checked else saved_data_digest(folder),
-                        saved_step=saved_step)
+                        saved_step=saved_step, found_outputs=earlier_outputs)
         if plan.changed and not args.overwrite:
             raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        refuse_foreign_outputs(output_dir, plan, client.jobs(), args.overwrite)
+        for _, found in plan.foreign:   # --overwrite: deleted, as the service refuses a folder holding them
+            clear_job_folder(found.folder)
         # only the jobs whose spec or data changed start over: unchanged ones resume or stay as they are
         restarted = [*plan.changed_records, *(record for record, _ in plan.retry)]
         for record in restarted:
@@ -121,6 +132,24 @@ def _run_summary(spec: RunSpec, output_dir: Path | str, records: list[JobRecord]
 
 class RunSpecChanged(ValueError):
     """`aspen run` again with a jobs file whose jobs differ from the earlier run's (exit 2)."""
+
+
+class ForeignOutputs(ValueError):
+    """`aspen run` whose new jobs' folders hold outputs its job table has no record of there (exit 2)."""
+
+
+def refuse_foreign_outputs(output_dir: Path | str, plan: RunPlan, records: list[JobRecord], overwrite: bool, *,
+                           say: bool = True) -> None:
+    """ForeignOutputs where new jobs of the plan would train over outputs found in their folders (a copied or moved
+    folder, a deleted table), unless --overwrite: then (with `say`) one line each says that they are deleted (the
+    caller deletes them, or `train_locally` does as it starts the jobs)."""
+    from orchestrator.run_plan import foreign_message
+
+    if plan.foreign and not overwrite:
+        raise ForeignOutputs(foreign_message(output_dir, plan.foreign, records))
+    for name, found in plan.foreign if say else ():
+        print(f"{name}: started over (--overwrite): {found.folder} held outputs its table has no record of "
+              f"({found.describe()}); they are deleted")
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -276,6 +305,7 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
     without --overwrite: done jobs left alone, unfinished ones resumed, new and (--overwrite) changed ones started
     over. None where the folder holds no table yet, or a damaged one (said, with how to restore its backup): every
     job starts over."""
+    from actors.service.outputs.earlier_outputs import earlier_outputs
     from actors.service.table.recorded_run import earlier_jobs
     from actors.service.table.table_backup import JobTableDamaged
     from orchestrator.run_plan import changed_message, plan_run
@@ -285,14 +315,17 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
     except JobTableDamaged:   # the run's first record of its jobs says what is wrong and how to restore the backup
         print(f"aspen: the earlier jobs of {spec.output_dir} cannot be read (its job table is damaged: below); this "
               "run's jobs start over", file=sys.stderr)
-        return None
-    if not earlier:
+        earlier = []
+    if not earlier:   # every job is new, and none trains over outputs found in its folder without --overwrite
+        refuse_foreign_outputs(spec.output_dir, plan_run(spec.submissions(), [], {}.__getitem__,
+                                                         found_outputs=earlier_outputs), [], overwrite)
         return None
     submissions = {record.id: submission for record, submission in earlier}
     plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
-                    saved_data=saved_data_digest, saved_step=saved_step)
+                    saved_data=saved_data_digest, saved_step=saved_step, found_outputs=earlier_outputs)
     if plan.changed and not overwrite:
         raise RunSpecChanged(changed_message(Path(spec.output_dir), plan.changed))
+    refuse_foreign_outputs(spec.output_dir, plan, [record for record, _ in earlier], overwrite)
     for record in plan.changed_records:
         print(f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results are deleted")
     for line in plan.lines(saved_step=saved_step):

@@ -6,6 +6,7 @@ oversized bodies) is checked to leave the job table exactly as it was."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -110,6 +111,10 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
     raw = httpx.Client(base_url=api.url, timeout=30)
     auth = api.auth()
     json_type = {**auth, "Content-Type": "application/json"}
+    copied = tmp_path / "copied-run" / "fresh-http"   # another run's job folder (cp -r), no job of this service's
+    copied.mkdir(parents=True)
+    (copied / "aspen.json").write_text(json.dumps({"job_id": "fresh-http-0a1b2c", "step": 7}))
+    (copied / "adapter_model.safetensors").write_bytes(b"its weights")
     cases = [   # (what, request, status, a phrase of the answer)
         ("no token", lambda: raw.post("/v1/jobs", json=fresh), 401, "Authorization: Bearer"),
         ("a wrong token", lambda: raw.post("/v1/jobs", json=fresh, headers={"Authorization": "Bearer " + "x" * 43}),
@@ -154,6 +159,9 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
             **job_dict("held-http", data, 5), "base_model": NOBODYS_MODEL}, headers=auth), 409, "already queued"),
         ("another job's output folder", lambda: raw.post("/v1/jobs", json={
             **fresh, "output_dir": api.ray.status(held.id).output_dir}, headers=auth), 409, "already writes to"),
+        ("a folder holding another run's outputs", lambda: raw.post("/v1/jobs", json={
+            **fresh, "output_dir": str(copied)}, headers=auth), 409, "holds the outputs of a job this service has no "
+         "record of (job 'fresh-http-0a1b2c' at step 7: its adapter (aspen.json); last written "),
         ("an unknown job", lambda: raw.get("/v1/jobs/no-such-job", headers=auth), 404, "no job with id or name"),
         ("cancelling an unknown job", lambda: raw.post("/v1/jobs/no-such-job/cancel", headers=auth), 404,
          "no job with id or name"),
@@ -172,6 +180,7 @@ def test_refused_requests_change_nothing_in_the_service(api, tmp_path):
         assert response.headers["content-type"].startswith("application/json"), (what, response.headers)
         assert phrase in response.json()["detail"], (what, response.json())
         assert api.table() == before, f"{what}: the service changed"
+    assert (copied / "adapter_model.safetensors").read_bytes() == b"its weights"
     # the 422 names each field as data: its location and message
     errors = raw.post("/v1/jobs", json={**fresh, "lora": {"r": 0}, "lr": -1}, headers=auth).json()["errors"]
     assert sorted(e["field"] for e in errors) == ["lora.r", "lr"], errors

@@ -191,7 +191,9 @@ def _train(spec: RunSpec, base: BaseModel | None, progress: bool, on_step: Calla
                 core.extend(job_id, submission, "its budget raised by aspen run --in-process")
         carried = {table.get(job_id).name: job_id for job_id in (*carry.done, *carry.resume, *carry.extend)}
         submissions = [s for s in spec.submissions() if s.job.name not in carried]
-        core.submit_many(submissions, job_ids=[submission.job.name for submission in submissions])
+        # every job submitted starts over, its folder cleared below (`aspen run --in-process` refused a folder holding
+        # another run's outputs before it came here, where --overwrite did not say to delete them)
+        core.submit_many(submissions, job_ids=[submission.job.name for submission in submissions], starts_over=True)
         ids = [carried.get(job.name, job.name) for job in spec.jobs]
         # recorded before their folders are cleared: a run killed on the way leaves no earlier run's record of them
         # (a job done there) in the table; where the table refuses (said once), not again at the end

@@ -121,9 +121,10 @@ class SchedulerCore:
     def submit(self, submission: JobSubmission) -> JobRecord:
         return self.submit_many([submission])[0]
 
-    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
+    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None, *,
+                    starts_over: bool = False) -> list[JobRecord]:
         """`Submissions.submit_many`: all or none, checked first, entered in one transaction."""
-        return self.submissions.submit_many(submissions, job_ids)
+        return self.submissions.submit_many(submissions, job_ids, starts_over=starts_over)
 
     def apply_event(self, trainer_id: str, event: TrainerEvent) -> None:
         """`EventBooking.apply_event`: called inside the caller's transaction."""

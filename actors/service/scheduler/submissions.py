@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from actors.service.accounts.users import User, UserBook, UserError
+from actors.service.outputs.earlier_outputs import earlier_outputs
 from actors.service.scheduler.chained_jobs import chained, entered_as
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.data_roots import Location, as_root, data_problem
@@ -93,11 +94,14 @@ class Submissions:
         self.user_functions = list(user_functions)
         self.users = UserBook.in_state_dir(self.state_dir)   # read again only when the file changes
 
-    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None) -> list[JobRecord]:
+    def submit_many(self, submissions: list[JobSubmission], job_ids: list[str] | None = None, *,
+                    starts_over: bool = False) -> list[JobRecord]:
         """Enter jobs in the table together, all or none: every submission is checked first (the error
         names which one and why), then all are written in one transaction. The next decision round sees
         them all, so jobs submitted together (a jobs file) start together. `job_ids`: ids the client
-        chose, so that a request repeated after a lost answer returns the jobs it entered the first time."""
+        chose, so that a request repeated after a lost answer returns the jobs it entered the first time.
+        A folder that holds another run's outputs and no job of the table wrote to is refused (`_outputs_there`)
+        unless `starts_over`: the caller clears the jobs' folders before they start (`train_locally`)."""
         if job_ids is not None:
             if len(job_ids) != len(submissions) or len(set(job_ids)) != len(job_ids):
                 raise SubmissionError(f"{len(job_ids)} job ids for {len(submissions)} submissions (or repeated ids)")
@@ -131,6 +135,8 @@ class Submissions:
                          or self.table.writing_to(output_dir, JOB_STATES))
                 if other is not None:
                     raise SubmissionConflict(_folder_taken(other, output_dir))
+                if not starts_over:
+                    _outputs_there(output_dir)
                 if any(output_dir == planned_dir for _, _, planned_dir in planned):
                     raise SubmissionError(f"two of the submitted jobs would write to {output_dir}; give this job "
                                           "another output_dir")
@@ -375,4 +381,17 @@ def _folder_taken(other: JobRecord, output_dir: Path | StorageURI) -> str:
         return f"job {other.id} ({other.state}) already writes to {output_dir}; give this job another output_dir"
     again = ", resume that job (aspen resume)" if other.state in ("failed", "cancelled") else ""
     return (f"job {other.id} ({other.state}) wrote its results to {output_dir}, which this job would overwrite; give "
-            f"this job another output_dir{again}, or forget that job first (Client.delete: its files stay)")
+            f"this job another output_dir{again}, or forget that job (Client.delete: its files stay) and delete its "
+            "files first")
+
+
+def _outputs_there(output_dir: Path | StorageURI) -> None:
+    """SubmissionConflict where `output_dir`, which no job of the table writes to or wrote to, holds a job's outputs
+    (its adapter, checkpoint or metrics): another run's, copied or moved there, or those of a job forgotten since
+    (actors/service/outputs/earlier_outputs.py). A storage URI is not looked into."""
+    found = earlier_outputs(output_dir) if isinstance(output_dir, Path) else None
+    if found is not None:
+        raise SubmissionConflict(
+            f"{output_dir} holds the outputs of a job this service has no record of ({found.describe()}): copied or "
+            "moved there, or left by a job forgotten since; this job would train over them. Give this job another "
+            "output_dir (or none: the service gives it a new folder), or delete those files first to train it there")

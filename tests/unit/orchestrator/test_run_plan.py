@@ -10,7 +10,7 @@ from pathlib import Path
 
 from actors.service.table.job_table import JobRecord
 from actors.spec.run_spec import RunSpec
-from orchestrator.run_plan import OVERWRITE_HELP, changed_message, plan_run
+from orchestrator.run_plan import OVERWRITE_HELP, changed_message, foreign_message, plan_run
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -90,3 +90,33 @@ def test_a_raised_budget_continues_a_job_but_not_one_its_stop_rule_would_end_aga
             "without early_stop (remove it from the job)") in plan.lines()
     plan = plan_run(spec(20, False).submissions(), records, stored.__getitem__)
     assert sorted(r.name for r, _ in plan.extend) == ["ran-out", "stopped"] and not plan.changed
+
+
+def test_only_a_new_jobs_folder_is_asked_for_earlier_outputs_and_the_refusal_names_them(tmp_path):
+    """A new job (no record of its name and folder) whose folder holds outputs is `foreign`; a job the table knows is
+    planned as before, its folder never asked. The refusal names the job, what was found, where the table records a
+    job of that name, and the two ways on (another output_dir, --overwrite)."""
+    from actors.service.outputs.earlier_outputs import EarlierOutputs
+
+    before = _spec(tmp_path / "out", {"known": 1e-3, "copied": 1e-3}).submissions()
+    after = _spec(tmp_path / "out2", {"copied": 1e-3}).submissions() + [before[0]]
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(before[0], "completed", 10), _record(before[1], "completed", 10)]
+    asked = []
+
+    def found(folder: str) -> EarlierOutputs:
+        asked.append(folder)
+        return EarlierOutputs(folder=Path(folder), job="copied", step=10, checkpoint_step=10,
+                              found=["its adapter (aspen.json)", "a checkpoint at step 10"], written_at=0.0)
+
+    plan = plan_run(after, records, stored.__getitem__, found_outputs=found)
+    assert asked == [str(after[0].output_dir)] and [r.name for r in plan.done] == ["known"]
+    assert [s.job.name for s in plan.submit] == ["copied"] and [name for name, _ in plan.foreign] == ["copied"]
+    message = foreign_message(tmp_path / "out2", plan.foreign, records)
+    assert (f"job 'copied': {tmp_path / 'out2/copied'} holds job 'copied' at step 10: its adapter (aspen.json), a "
+            "checkpoint at step 10; last written ") in message
+    assert (f"its table records job 'copied' in {tmp_path / 'out/copied'}: a run with output_dir {tmp_path / 'out'} "
+            "resumes it or leaves it alone there") in message
+    assert message.endswith("give this run another output_dir (--output-dir), or run with --overwrite to delete those "
+                            "outputs and start 'copied' over there")
+    assert "the new jobs whose folders hold outputs the job table has no record of" in OVERWRITE_HELP

@@ -160,7 +160,8 @@ def test_a_folder_an_ended_job_wrote_to_is_refused_to_a_new_job_until_that_job_i
     """The same jobs file submitted again after its jobs ended: each new job would write to the folder whose
     adapter, metrics and checkpoint the ended job left (and its record would then serve another job's adapter),
     so it is refused (409), naming the job, its state, the folder and what to do; once that job is forgotten
-    (`Client.delete`), the folder is free."""
+    (`Client.delete`) and its folder holds none of its outputs, the folder is free (one holding them:
+    tests/unit/service/test_earlier_outputs.py)."""
     data = write_task_data(tmp_path / "data", "t")
     spec = run_spec("smollm2-135m", tmp_path / "out", [job_dict("a", data, 5), job_dict("b", data, 5)])
     core = SchedulerCore(JobTable(tmp_path / "state/jobs.sqlite"), FifoPolicy(), tmp_path / "state")
@@ -172,7 +173,8 @@ def test_a_folder_an_ended_job_wrote_to_is_refused_to_a_new_job_until_that_job_i
     message = str(refused.value)
     assert message.startswith("nothing was submitted: ")
     assert (f"job {a.id} (completed) wrote its results to {a.output_dir}, which this job would overwrite; give this "
-            "job another output_dir, or forget that job first (Client.delete: its files stay)") in message
+            "job another output_dir, or forget that job (Client.delete: its files stay) and delete its files first") \
+        in message
     assert f"job {b.id} (cancelled) wrote its results to {b.output_dir}" in message
     assert "resume that job (aspen resume)" in message
     assert len(core.table.all()) == 2

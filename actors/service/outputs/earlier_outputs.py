@@ -1,0 +1,106 @@
+"""What an earlier run left in a job's folder: the outputs aspen writes there (its adapter with `aspen.json`, its
+checkpoint, `metrics.jsonl`), read without torch, so that a job no table knows to have written there (the folder
+was copied or moved, its table deleted, its job forgotten) is refused before it trains over them: the service's
+submissions (actors/service/scheduler/submissions.py) and `aspen run`'s plan (orchestrator/run_plan.py) say what was
+found, whose it was and at which step. Other files in the folder (a README, data) are not outputs: a folder holding
+only those is written to as any other."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors.checkpoint.peft_names import WEIGHTS_NAME
+from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state
+from actors.service.outputs.job_files import CHECKPOINT_FOLDER, METRICS_NAME
+from actors.storage.base_identity import METADATA_NAME
+from actors.storage.storage_uri import is_uri
+
+
+@dataclass(frozen=True)
+class EarlierOutputs:
+    """A job folder's outputs: `job`, the job id they name (aspen.json's, else the checkpoint's); `step`, the
+    adapter's step (aspen.json); `checkpoint_step`, the newest valid checkpoint's; `found`, what was found, in words;
+    `written_at`, the newest modification time of those files (a copy made with `cp -r` has its copy's)."""
+
+    folder: Path
+    job: str | None = None
+    step: int | None = None
+    checkpoint_step: int | None = None
+    found: list[str] = field(default_factory=list)
+    written_at: float = 0.0
+
+    def describe(self) -> str:
+        """'job 'first' at step 20: its adapter (aspen.json), a checkpoint at step 20, metrics.jsonl (20 rows); last
+        written 2026-12-06 17:19'."""
+        whose = f"job '{self.job}'" if self.job else "a job"
+        step = self.step if self.step is not None else self.checkpoint_step
+        at = f" at step {step}" if step is not None else ""
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.written_at))
+        return f"{whose}{at}: {', '.join(self.found)}; last written {when}"
+
+
+def earlier_outputs(folder: Path | str) -> EarlierOutputs | None:
+    """The outputs an aspen job left in `folder`, or None where it holds none (no folder, an empty one, one holding
+    other files only). A storage URI is not looked into (None): its objects are read when its job starts."""
+    if is_uri(str(folder)):
+        return None
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found: list[str] = []
+    seen: list[Path] = []
+    metadata = _metadata(folder / METADATA_NAME)
+    if metadata is not None:
+        found.append("its adapter (aspen.json)" if (folder / WEIGHTS_NAME).is_file() else "aspen.json")
+        seen.append(folder / METADATA_NAME)
+    elif (folder / WEIGHTS_NAME).is_file():
+        found.append(f"an adapter ({WEIGHTS_NAME})")
+        seen.append(folder / WEIGHTS_NAME)
+    checkpoint_job, checkpoint_step = None, None
+    checkpoint = folder / CHECKPOINT_FOLDER
+    states = [path for path in (checkpoint / STATE_NAME, previous_folder(checkpoint) / STATE_NAME) if path.is_file()]
+    for path in states:
+        try:
+            state = read_state(path)
+        except Invalid:
+            continue
+        checkpoint_job, checkpoint_step = state.job, state.step
+        break
+    if states:
+        found.append(f"a checkpoint at step {checkpoint_step}" if checkpoint_step is not None
+                     else "a checkpoint (not readable)")
+        seen += states
+    rows = _rows(folder / METRICS_NAME)
+    if rows:
+        found.append(f"{METRICS_NAME} ({rows} rows)")
+        seen.append(folder / METRICS_NAME)
+    if not found:
+        return None
+    job = metadata.get("job_id") if metadata else None
+    step = metadata.get("step") if metadata else None
+    return EarlierOutputs(folder=folder, job=str(job) if job else checkpoint_job,
+                          step=step if isinstance(step, int) else None, checkpoint_step=checkpoint_step, found=found,
+                          written_at=max(path.stat().st_mtime for path in seen))
+
+
+def _metadata(path: Path) -> dict | None:
+    """aspen.json's object; {} where it is there but not readable JSON (it is still aspen's); None where absent."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _rows(path: Path) -> int:
+    """The lines of a metrics.jsonl that are not blank (0 where there is none)."""
+    try:
+        with path.open("rb") as lines:
+            return sum(1 for line in lines if line.strip())
+    except OSError:
+        return 0

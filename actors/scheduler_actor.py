@@ -147,6 +147,13 @@ class SchedulerActor:
         with self.lock:
             return self.core.submit_many(list(submissions), job_ids)
 
+    def check_submissions(self, submissions: list[JobSubmission]) -> None:
+        """What `submit_many` would refuse of these submissions, with nothing entered (`Submissions.check`)."""
+        for index, submission in enumerate(submissions):
+            expect_type(submission, JobSubmission, f"submission {index + 1} of {len(submissions)}")
+        with self.lock:
+            self.core.submissions.check(list(submissions))
+
     def submission(self, key: str) -> JobSubmission:
         """The job's submission as stored, e.g. to compare a jobs file against it."""
         with self.lock:

@@ -221,6 +221,11 @@ class Client:
         ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]   # a repeated request finds them
         return self._request("submit_many", list(submissions), ids)
 
+    def check_submissions(self, submissions: list[JobSubmission]) -> None:
+        """What `submit_records` would refuse of these submissions (a SubmissionError naming each problem), with
+        nothing entered: the HTTP API asks before it reads their rows."""
+        self._request("check_submissions", list(submissions))
+
     def _submit(self, submission: JobSubmission) -> JobHandle:
         return self._submit_many([submission])[0]
 

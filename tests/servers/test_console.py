@@ -291,7 +291,8 @@ def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> l
     shot(page, console, "submit-error")
     # a data row that does not fit its job's format: the job's data line marked, the file's row and field said
     typo = (f"base_model: {console.base}\njobs:\n  - name: typo\n    data: {console.data}\n"
-            "    format: {type: prompt_response, prompt: 'Q: {questio}', response: ' {answer}'}\n    max_steps: 2\n")
+            "    format: {type: prompt_response, prompt: 'Q: {questio}', response: ' {answer}'}\n"
+            "    batch_size: 2\n    max_seq_len: 128\n    max_steps: 2\n")
     page.fill("#jobs-yaml", typo)
     page.click("form button[type=submit]")
     page.wait_for_selector(".gutter span[data-line='4'].marked")

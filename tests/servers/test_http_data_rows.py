@@ -1,8 +1,8 @@
 """Data rows that do not fit their job's format, submitted through the HTTP API (as the web console submits) on a
 real server over a real service: refused up front (422), before anything is entered, with the job, the data file's
-row and field and what to write: the facts `aspen submit` gives for the same jobs file (the HTTP API took them, and
-the job failed on its trainer seconds later). A user's data outside where they may read is refused as such, its
-rows never read."""
+row and field and what to write: the facts `aspen submit` over Ray gives for the same jobs file (the HTTP API took
+them, and the job failed on its trainer seconds later); `aspen submit --url` leaves the rows to the API. A user's
+data outside where they may read is refused as such, its rows never read."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from actors.service.accounts.users import UserBook
 from orchestrator.http.api import create_app
+from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 from tests.helpers.http_server import running_server
 from tests.helpers.service import job_dict, write_task_data
 
@@ -65,13 +66,17 @@ def test_rows_that_do_not_fit_are_refused_with_the_facts_aspen_submit_gives(api,
     assert f"job 'broken' (jobs[2]), field data: {broken}:17: invalid JSON" in body["detail"]
     assert body["detail"].endswith("(fix the rows or the format, then submit again)")
 
-    # `aspen submit` of the same file (over the same API) refuses it on the submitter's machine: the same facts
+    # the same facts as `aspen submit` / `aspen run` over Ray give for the same file (their check, here)
+    with pytest.raises(SpecError) as cli_check:
+        check_data_rows(load_run_spec(jobs_file, for_a_service=True))
+    assert [line.split(": ", 1)[0] for line in str(cli_check.value).splitlines()[:-1]] == ["job 'typo'", "job 'broken'"]
+    for error in errors.values():
+        assert f"job '{error['job']}': {error['msg']}\n" in str(cli_check.value), (error, str(cli_check.value))
+    # `aspen submit --url` leaves the rows to the API (read once, where the data is): its refusal, exit 2
     cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(jobs_file), "--url", api.url],
                          env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": api.token},
                          capture_output=True, text=True, timeout=300)
-    assert cli.returncode != 0, cli.stdout
-    for error in errors.values():
-        assert f"job '{error['job']}': {error['msg']}" in cli.stderr, (error, cli.stderr)
+    assert cli.returncode == 2 and body["detail"] in cli.stderr, cli.stderr
     assert api.table() == before
 
     # one job's fields as JSON: located as `data`, its eval_split where that is what leaves nothing to train on

@@ -154,12 +154,16 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
             raise HTTPException(409, f"the lines for '{record.name}' name its base where this machine has it, "
                                      f"and it has not: {error}") from None
 
-    @operation_route(api, "generate", tags=["jobs"])
+    @operation_route(api, "generate", tags=["jobs"],
+                     responses={503: {"model": ErrorBody, "description": "its trainer stayed busy (a step, another "
+                                                                         "generation) past the service's wait, or "
+                                                                         "the service does not answer; Retry-After"}})
     def generate(job: str, body: GenerateBody, caller: Caller = Depends(require_token)) -> Any:
         """"Try it": the prompt continued greedily by the job's adapter and by the base model alone, on a trainer
         between two steps (the steps wait meanwhile): a running job's current adapter on its trainer, a completed or
         early-stopped job's final one on a trainer holding its base. 409 for a job with neither (queued, paused,
-        failed, cancelled) or whose base no trainer holds now."""
+        failed, cancelled) or whose base no trainer holds now; 503 with Retry-After where the trainer has not
+        answered within GENERATE_WAIT_S (90 s: busy with a step or another generation)."""
         def run(client: Any) -> dict[str, Any]:
             record = find_job(client, caller, job)
             answer = client.generate(record.id, body.prompt, body.max_new_tokens)

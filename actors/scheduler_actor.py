@@ -31,6 +31,7 @@ from actors.niceness import background_priority
 from actors.ray_trainers import RayTrainers, alive_nodes
 from actors.service.events.event_intake import EventIntake
 from actors.service.events.listeners import Listeners, build_listeners
+from actors.service.scheduler.call_waits import GENERATE_WAIT_S, TrainerBusy, busy_message
 from actors.service.scheduler.chained_jobs import ENDED_WITH_AN_ADAPTER
 from actors.service.scheduler.cluster_plan import trainer_kinds
 from actors.service.scheduler.config import ServiceConfig
@@ -52,7 +53,6 @@ from policies.registry import load_policy
 
 log = logging.getLogger(__name__)
 
-GENERATE_WAIT_S = 90.0   # a "try it" request waits for the trainer's current step, then for its generation
 SHUTDOWN_TABLE_WAIT_S = 60.0   # how long a stopping service tries to book its trainers' last events
 
 
@@ -147,6 +147,13 @@ class SchedulerActor:
         with self.lock:
             return self.core.submit_many(list(submissions), job_ids)
 
+    def check_submissions(self, submissions: list[JobSubmission]) -> None:
+        """What `submit_many` would refuse of these submissions, with nothing entered (`Submissions.check`)."""
+        for index, submission in enumerate(submissions):
+            expect_type(submission, JobSubmission, f"submission {index + 1} of {len(submissions)}")
+        with self.lock:
+            self.core.submissions.check(list(submissions))
+
     def submission(self, key: str) -> JobSubmission:
         """The job's submission as stored, e.g. to compare a jobs file against it."""
         with self.lock:
@@ -230,6 +237,8 @@ class SchedulerActor:
             if isinstance(error.cause, ValueError):   # the request's (not on its steps now, a bad prompt)
                 raise ValueError(str(error.cause.args[0] if error.cause.args else error.cause)) from None
             where = f"trainer {record.trainer}" if record.state == "running" else "the trainer holding its base"
+            if error.kind == "GetTimeoutError":   # queued behind its step, or generating still
+                raise TrainerBusy(busy_message(where, GENERATE_WAIT_S)) from None
             raise RuntimeError(f"{where} could not generate: {error}") from None
 
     def delete(self, key: str) -> None:

@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.data.locations import hub_id_problem
+from actors.service.scheduler.call_waits import SCHEDULER_CALL_WAIT_S
 from actors.service.scheduler.config import NAMESPACE, SCHEDULER_NAME, ServiceConfig
 from actors.service.table.job_table import JobRecord
 from actors.spec.job_spec import JobSpec
@@ -105,7 +106,7 @@ class Client:
                                            get_if_exists=True, **_on_head_node()).remote(config, LISTENERS)
         return cls(scheduler)
 
-    def _request(self, method: str, *args: Any, timeout: float | None = 120) -> Any:
+    def _request(self, method: str, *args: Any, timeout: float | None = SCHEDULER_CALL_WAIT_S) -> Any:
         """Call the scheduler; while it restarts (its process died and Ray brings it back), wait for it and
         ask again (every request is safe to repeat: submissions carry their job ids)."""
         deadline = time.monotonic() + RESTART_WAIT_S
@@ -220,6 +221,11 @@ class Client:
         the HTTP API calls: plain data, no handles)."""
         ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]   # a repeated request finds them
         return self._request("submit_many", list(submissions), ids)
+
+    def check_submissions(self, submissions: list[JobSubmission]) -> None:
+        """What `submit_records` would refuse of these submissions (a SubmissionError naming each problem), with
+        nothing entered: the HTTP API asks before it reads their rows."""
+        self._request("check_submissions", list(submissions))
 
     def _submit(self, submission: JobSubmission) -> JobHandle:
         return self._submit_many([submission])[0]

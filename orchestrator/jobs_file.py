@@ -347,19 +347,28 @@ def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:
     will read them (actors/data/row_check.py), before anything starts: a `SpecError` listing each job's
     first bad row, file:line and field, as the job itself would have failed on it. `names`: only these jobs (those
     about to train). Reads the base model's tokenizer (not its weights)."""
-    from actors.data.row_check import check_job_rows
-    from actors.data.rows import DataError
     from actors.storage.sources import load_base_tokenizer
 
     jobs = [job for job in spec.jobs if names is None or job.name in names]
     if not jobs:
         return
-    tokenizer = load_base_tokenizer(spec.base_model)
+    problems = data_row_problems(jobs, load_base_tokenizer(spec.base_model))
+    if problems:
+        raise SpecError("\n".join(f"job '{job.name}': {error}" for job, error in problems)
+                        + "\n(nothing was started: fix the rows or the format, then run again)")
+
+
+def data_row_problems(jobs: list[JobSpec], tokenizer: Any) -> list[tuple[JobSpec, Any]]:
+    """Each job's first bad row as the `DataError` its job would fail with (`check_job_rows`: a local file read
+    whole, the first rows of a remote or streamed dataset), the checks `aspen run` / `aspen submit` and the HTTP
+    API's submissions make; [] where every job's rows fit its format."""
+    from actors.data.row_check import check_job_rows
+    from actors.data.rows import DataError
+
     problems = []
     for job in jobs:
         try:
             check_job_rows(job, tokenizer)
         except DataError as error:
-            problems.append(f"job '{job.name}': {error}")
-    if problems:
-        raise SpecError("\n".join(problems) + "\n(nothing was started: fix the rows or the format, then run again)")
+            problems.append((job, error))
+    return problems

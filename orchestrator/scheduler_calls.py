@@ -10,17 +10,22 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.service.scheduler.call_waits import SCHEDULER_CALL_WAIT_S, TrainerBusy
 from orchestrator.errors import ServiceError
 
 
-def _call(ref: ray.ObjectRef, timeout: float | None = 120) -> Any:
+def _call(ref: ray.ObjectRef, timeout: float | None = SCHEDULER_CALL_WAIT_S) -> Any:
     """`ray.get`, with the service's own error (not Ray's wrapper) raised: a bad request as ValueError /
-    KeyError with the service's message, a service that cannot act now (its job table is locked, its
-    state dir in use) as ServiceError."""
+    KeyError with the service's message, a "try it" whose trainer is busy as TrainerBusy, a service that
+    cannot act now (its job table is locked, its state dir in use) as ServiceError. `timeout`: by default
+    longer than the service's own longest wait (actors/service/scheduler/call_waits.py), so that its answer
+    arrives first."""
     try:
         return ray.get(ref, timeout=timeout)
     except RayTaskError as error:
         cause = getattr(error, "cause", None)
+        if isinstance(cause, TrainerBusy):   # the service's answer: its trainer is busy, the service is not
+            raise TrainerBusy(str(cause)) from None
         if isinstance(cause, (KeyError, ValueError)):
             message = cause.args[0] if cause.args else str(cause)
             raise type(cause)(message) from None

@@ -1,6 +1,7 @@
 """The HTTP API's calls to the service's Ray client: the client made on first use and made again after the
 service went away (`ServiceLink`), and each call's errors as HTTP answers (`call_service`): 404 an unknown
-job, 409 a conflict or a job in the wrong state, 422 an invalid spec, 503 a service that cannot answer.
+job, 409 a conflict or a job in the wrong state, 422 an invalid spec, 503 a service that cannot answer (or a
+"try it" whose trainer stayed busy: with Retry-After, the service kept).
 Used by the API in this process and by the child process that holds the Ray connection
 (`orchestrator.http.bridge`)."""
 
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 
 from fastapi import HTTPException
 
+from actors.service.scheduler.call_waits import BUSY_RETRY_AFTER_S, TrainerBusy
 from actors.service.scheduler.config import SCHEDULER_NAME
 from orchestrator.http.request_bodies import Refused
 from orchestrator.jobs_file import SpecError
@@ -65,6 +67,8 @@ def as_http(error: Exception) -> HTTPException | None:
     from actors.service.table.job_table import AmbiguousJobName
     from orchestrator.errors import ServiceError
 
+    if isinstance(error, TrainerBusy):   # the service answers; its trainer is busy: ask again later
+        return HTTPException(503, str(error), headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
     if isinstance(error, AmbiguousJobName):   # the job exists: which of several is the request's to say
         return HTTPException(409, _first_line(error))
     if isinstance(error, KeyError):
@@ -107,7 +111,7 @@ def call_service(link: ServiceLink, request: Callable[[Any], T]) -> T:
         answer = as_http(error)
         if answer is None:
             raise
-        if answer.status_code == 503:
+        if answer.status_code == 503 and not isinstance(error, TrainerBusy):   # the service may be gone
             log.warning("aspen http: %s", answer.detail)
             link.forget(client)
         raise answer from None

@@ -154,6 +154,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("submit_records", "submit checked submissions (the HTTP API's own call)", "submit_many", None,
               http_client=False, not_on={"http": "POST /v1/jobs"},
               request=SubmitRecords),
+    Operation("check_submissions", "what submit_records would refuse, nothing entered (the HTTP API's own call, "
+              "before it reads the jobs' rows)", "check_submissions", None,
+              http_client=False, not_on={"http": "POST /v1/jobs asks it before reading the rows"},
+              request=SubmitRecords),
     Operation("extend", "raise an ended or paused job's max_steps; it continues from its checkpoint", "extend", None,
               http_client=False, not_on={"http": "raise_max_steps, its user's form (`aspen run` again with the raised "
                                                  "max_steps, its own plan, calls this one)"},

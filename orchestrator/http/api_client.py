@@ -29,13 +29,14 @@ from actors.spec.job_submission import JobSubmission
 from actors.spec.run_spec import RunSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.storage_uri import is_uri
+from orchestrator.http.bridge import CALL_TIMEOUT_S
 from orchestrator.http.request_bodies import as_request
 from orchestrator.http.token import client_token
 from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, output_dir_for_service, relative_output_dir
 
 URL_ENV = "ASPEN_URL"
-DEFAULT_TIMEOUT_S = 150.0   # the server waits up to 120 s for a busy service (the Ray client's own limit)
+DEFAULT_TIMEOUT_S = CALL_TIMEOUT_S + 10.0   # longer than the server waits for the service: its answer comes first
 
 
 class HttpApiError(Exception):

@@ -29,9 +29,13 @@ from typing import Any
 
 from fastapi import HTTPException
 
+from actors.service.scheduler.call_waits import SCHEDULER_CALL_WAIT_S
+
 log = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 150.0   # a client call waits up to 120 s for a busy service (orchestrator.scheduler_calls._call)
+# longer than a client call waits for a busy service (orchestrator.scheduler_calls._call), so that its answer
+# (a "try it"'s busy trainer included: actors/service/scheduler/call_waits.py) arrives first
+CALL_TIMEOUT_S = SCHEDULER_CALL_WAIT_S + 30.0
 BRIDGE_THREADS = 16
 GCS_RECONNECT_S = 15
 

@@ -4,6 +4,7 @@ adapter as a tar.gz."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import anyio.to_thread
@@ -14,9 +15,11 @@ from starlette.concurrency import run_in_threadpool
 from actors.checkpoint.adapter_export import ExportError
 from actors.service.outputs.job_files import job_generations
 from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
+from actors.spec.job_submission import JobSubmission
 from orchestrator.export import FoundJob, adapter_archive
 from orchestrator.http.callers import Caller, find_job, visible
 from orchestrator.http.console import serving_answer, spec_answer
+from orchestrator.http.data_rows import check_rows
 from orchestrator.http.request_bodies import parse_body, submissions_from
 from orchestrator.http.responses import ErrorBody
 from orchestrator.http.routes import Routes, operation_route
@@ -27,16 +30,22 @@ UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL
 STATE_FILTER = f"only jobs in these states: {', '.join(JOB_STATES)}"
 
 
+def _one_job(data: Any) -> bool:
+    """Whether the body is one job's fields (not a jobs file with `jobs: [...]`)."""
+    return not (isinstance(data, dict) and "jobs" in data)
+
+
 def add_job_routes(api: APIRouter, ctx: Routes) -> None:
     """Submit, list, one job, its losses and transitions."""
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
-    submit_lock, parsers, body_schema = ctx.submit_lock, ctx.parsers, ctx.body_schema
+    submit_lock, parsers, body_schema, row_checks = ctx.submit_lock, ctx.parsers, ctx.body_schema, ctx.row_checks
 
     @operation_route(api, "submit", status_code=201, tags=["jobs"],
               responses={413: {"model": ErrorBody, "description": "the body is too large"},
                          415: {"model": ErrorBody, "description": "the body is neither JSON nor YAML"},
-                         422: {"model": ErrorBody, "description": "malformed body or invalid spec; `errors` names "
-                                                                  "each field"}},
+                         422: {"model": ErrorBody, "description": "malformed body, invalid spec, or a data row "
+                                                                  "that does not fit its job's format; `errors` "
+                                                                  "names each field (and row)"}},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": body_schema},
                   "application/yaml": {"schema": {"type": "string", "description": "a jobs file, or one job's "
@@ -45,26 +54,41 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         """Submit one job (its fields, with base_model, quantization, dtype and output_dir beside them) or
         every job of a jobs file (`jobs: [...]`), all or none. Paths are the service's machine's: data as an
         absolute path or a storage URI. A name that an unfinished job holds is refused (409), so that the
-        name keeps naming one job."""
+        name keeps naming one job. Each job's data rows are read and tokenized as `aspen submit` reads them (a
+        local file whole, the first 1000 rows of a storage URI or a stream): a row that does not fit its job's
+        format is refused (422) with its job, row and field."""
         # off the event loop (the API answers meanwhile), at most PARSE_THREADS at once, within BODY_LIMITS
         data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
                                                     request.headers.get("content-type"), limiter=parsers)
 
-        def enter(client: Any) -> list[JobRecord]:
+        def refuse_held(client: Any, submissions: list[JobSubmission]) -> None:
+            names = {s.job.name for s in submissions}
+            held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
+            if held:   # another user's job is not described: only that its name is taken
+                own = all(caller.sees(r.user) for r in held)
+                raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}"
+                                                   if caller.sees(r.user) else
+                                                   f"job name '{r.name}' is held by another user's unfinished job"
+                                                   for r in held)
+                                    + ("; cancel it, wait for it to end, or choose another name" if own else
+                                       "; choose another name (or wait for that job to end)"))
+
+        def checked(client: Any) -> list[JobSubmission]:
             submissions = [submission.model_copy(update={"user": caller.owner}) for submission in
                            submissions_from(data, text=text, output_root=client.info().get("output_root"),
                                             check_files=caller.admin)]
+            refuse_held(client, submissions)        # a taken name is told before the rows are read
+            client.check_submissions(submissions)   # where the caller may read, before anything is read
+            return submissions
+
+        submissions = await run_in_threadpool(call_service, link, checked)
+        # the rows, as `aspen submit` reads them (off the event loop, at most ROW_CHECK_THREADS at once)
+        await anyio.to_thread.run_sync(partial(check_rows, submissions, single_job=_one_job(data), text=text),
+                                       limiter=row_checks)
+
+        def enter(client: Any) -> list[JobRecord]:
             with submit_lock:
-                names = {s.job.name for s in submissions}
-                held = [r for r in client.jobs(UNFINISHED_STATES) if r.name in names]
-                if held:   # another user's job is not described: only that its name is taken
-                    own = all(caller.sees(r.user) for r in held)
-                    raise HTTPException(409, "; ".join(f"job '{r.name}' is already {r.state} as {r.id}"
-                                                       if caller.sees(r.user) else
-                                                       f"job name '{r.name}' is held by another user's unfinished job"
-                                                       for r in held)
-                                        + ("; cancel it, wait for it to end, or choose another name" if own else
-                                           "; choose another name (or wait for that job to end)"))
+                refuse_held(client, submissions)
                 records = client.submit_records(submissions)
             for record in records:
                 audited(caller, "job.submit", record.id, name=record.name)
@@ -130,12 +154,16 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
             raise HTTPException(409, f"the lines for '{record.name}' name its base where this machine has it, "
                                      f"and it has not: {error}") from None
 
-    @operation_route(api, "generate", tags=["jobs"])
+    @operation_route(api, "generate", tags=["jobs"],
+                     responses={503: {"model": ErrorBody, "description": "its trainer stayed busy (a step, another "
+                                                                         "generation) past the service's wait, or "
+                                                                         "the service does not answer; Retry-After"}})
     def generate(job: str, body: GenerateBody, caller: Caller = Depends(require_token)) -> Any:
         """"Try it": the prompt continued greedily by the job's adapter and by the base model alone, on a trainer
         between two steps (the steps wait meanwhile): a running job's current adapter on its trainer, a completed or
         early-stopped job's final one on a trainer holding its base. 409 for a job with neither (queued, paused,
-        failed, cancelled) or whose base no trainer holds now."""
+        failed, cancelled) or whose base no trainer holds now; 503 with Retry-After where the trainer has not
+        answered within GENERATE_WAIT_S (90 s: busy with a step or another generation)."""
         def run(client: Any) -> dict[str, Any]:
             record = find_job(client, caller, job)
             answer = client.generate(record.id, body.prompt, body.max_new_tokens)

@@ -151,7 +151,9 @@ def _missing_files(run: RunSpec, single_job: bool) -> list[dict[str, Any]]:
     return problems
 
 
-def _refuse(problems: list[dict[str, Any]], single_job: bool, names: list[Any], message: str | None = None) -> Refused:
+def refusal(problems: list[dict[str, Any]], single_job: bool, names: list[Any], message: str | None = None, *,
+            then: str = "") -> Refused:
+    """422 naming each problem's job and field (`message`: the whole text instead; `then`: a last line, what to do)."""
     def where(problem: dict[str, Any]) -> str:
         loc = problem["loc"]
         if not single_job and len(loc) >= 2 and loc[0] == "jobs" and isinstance(loc[1], int):
@@ -162,7 +164,7 @@ def _refuse(problems: list[dict[str, Any]], single_job: bool, names: list[Any], 
         return f"{prefix}field {problem['field']}"
 
     detail = message or "\n".join(f"{where(p)}: {p['msg']}" for p in problems)
-    return Refused(422, f"nothing was submitted:\n{detail}", problems)
+    return Refused(422, f"nothing was submitted:\n{detail}" + (f"\n{then}" if then else ""), problems)
 
 
 def submissions_from(data: Any, *, text: str | None = None, output_root: str | None = None,
@@ -188,7 +190,7 @@ def submissions_from(data: Any, *, text: str | None = None, output_root: str | N
     names = [job.get("name") if isinstance(job, dict) else None for job in jobs]
     problems = _path_problems(data, single_job, output_root)
     if problems:
-        raise _refuse(problems, single_job, names)
+        raise refusal(problems, single_job, names)
     try:
         run = parse_run_spec(data, source="request", text=text, check_files=False, for_a_service=True)
     except SpecError as error:
@@ -198,10 +200,10 @@ def submissions_from(data: Any, *, text: str | None = None, output_root: str | N
         except ValidationError as validation:
             problems = _field_errors(validation, single_job)
         message = None if single_job else str(error)   # a jobs file's own message has its YAML line numbers
-        raise _refuse(problems, single_job, names, message) from None
+        raise refusal(problems, single_job, names, message) from None
     problems = _missing_files(run, single_job) if check_files else []
     if problems:
-        raise _refuse(problems, single_job, names)
+        raise refusal(problems, single_job, names)
     output_dir = as_location(str(data["output_dir"])) if output_given else None
 
     def folder(job: JobSpec) -> Any:

@@ -1,5 +1,6 @@
 """What every router of the HTTP API shares: the link to the service, the token check that names the caller,
-the audit log, and the limits on parsing bodies (orchestrator/http/api.py builds it once per app)."""
+the audit log, and the limits on parsing bodies and reading their data rows (orchestrator/http/api.py builds it
+once per app)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi import APIRouter, FastAPI
 
 from actors.service.accounts.audit import AuditLog
 from orchestrator.http.callers import Caller
+from orchestrator.http.data_rows import ROW_CHECK_THREADS
 from orchestrator.service_calls import ServiceLink
 from orchestrator.service_operations import by_name
 
@@ -28,6 +30,7 @@ class Routes:
     body_schema: dict[str, Any]              # the request body's schema of POST /v1/jobs
     submit_lock: threading.Lock = field(default_factory=threading.Lock)   # a name check and its submission: one step
     parsers: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(PARSE_THREADS))
+    row_checks: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(ROW_CHECK_THREADS))
 
     def audited(self, caller: Caller, action: str, target: str, **details: Any) -> None:
         if self.audit is not None:

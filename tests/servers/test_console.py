@@ -289,6 +289,18 @@ def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> l
         if field:
             assert field in page.text_content("#submit-error ul")
     shot(page, console, "submit-error")
+    # a data row that does not fit its job's format: the job's data line marked, the file's row and field said
+    typo = (f"base_model: {console.base}\njobs:\n  - name: typo\n    data: {console.data}\n"
+            "    format: {type: prompt_response, prompt: 'Q: {questio}', response: ' {answer}'}\n"
+            "    batch_size: 2\n    max_seq_len: 128\n    max_steps: 2\n")
+    page.fill("#jobs-yaml", typo)
+    page.click("form button[type=submit]")
+    page.wait_for_selector(".gutter span[data-line='4'].marked")
+    assert "At line 4." in page.text_content("#submit-error .at-lines")
+    message = page.text_content("#submit-error pre")
+    assert f"job 'typo' (jobs[0]), field data: {console.data}:1: field 'questio' is missing" in message, message
+    assert message.endswith("(fix the rows or the format, then submit again)")
+    assert "jobs.0.data" in page.text_content("#submit-error ul")
     before = {r.id for r in alice.jobs()}
     good = (f"base_model: {NOBODYS_MODEL}\njobs:\n  - name: from-the-console\n    data: {console.data}\n"
             "    format: {type: prompt_response, prompt: 'Q: {question}', response: ' {answer}'}\n"

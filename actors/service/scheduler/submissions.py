@@ -114,6 +114,22 @@ class Submissions:
             existing = self._already_entered(submissions, job_ids)
             if existing is not None:
                 return existing
+        planned = self._planned(submissions, ids, chain_problems, starts_over=starts_over)
+        with self.table.transaction():
+            return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
+
+    def check(self, submissions: list[JobSubmission]) -> None:
+        """What `submit_many` checks (who may read the data, the output folders, the limits, the quotas), with
+        nothing entered: SubmissionError (SubmissionConflict) as it would raise. The HTTP API asks before it
+        reads the jobs' rows, so that a user's request reads no data outside where they may read."""
+        ids = [f"{s.job.name[:56]}-{uuid.uuid4().hex[:6]}" for s in submissions]
+        submissions, chain_problems = chained(submissions, ids, self._entered_job)
+        self._planned(submissions, ids, chain_problems)
+
+    def _planned(self, submissions: list[JobSubmission], ids: list[str], chain_problems: list[str | None], *,
+                 starts_over: bool = False) -> list[tuple[str, JobSubmission, Path | StorageURI]]:
+        """Each submission with its id and output folder, every one checked; SubmissionError naming each
+        problem (SubmissionConflict where each is a collision with the table). `starts_over`: `submit_many`'s."""
         planned: list[tuple[str, JobSubmission, Path | StorageURI]] = []
         failed: dict[str, list[int]] = {}   # a reason -> the submissions it refuses, each told once
         conflicts = 0   # problems that are collisions with jobs in the table (SubmissionConflict)
@@ -151,8 +167,7 @@ class Submissions:
             only_conflicts = len(problems) == len(failed) and conflicts == sum(map(len, failed.values()))
             kind = SubmissionConflict if only_conflicts else SubmissionError
             raise kind(("nothing was submitted: " if len(submissions) > 1 else "") + "; ".join(problems))
-        with self.table.transaction():
-            return [self.table.add(job_id, submission, output_dir) for job_id, submission, output_dir in planned]
+        return planned
 
     def folder_problem(self, submission: JobSubmission) -> str | None:
         """Why `submission`'s output_dir is no folder its submitter may write to (outside their output root, a

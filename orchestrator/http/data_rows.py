@@ -1,0 +1,70 @@
+"""A submission's data rows checked before its jobs are entered, as `aspen submit` checks them
+(orchestrator/jobs_file.py:data_row_problems, actors/data/row_check.py): each job's first row that does not fit its
+format (a template field the rows lack, a row that is not JSON, text the tokenizer cannot encode, rows that all
+truncate away, an eval_split that leaves nothing to train on) refused with a 422 naming the job, the data file's
+row and field and what to write, rather than the job failing on it seconds after it started. A local file is read
+whole, the first `REMOTE_SAMPLE_ROWS` of a storage URI or a streamed dataset, once here (the job reads them again
+as it trains, as after `aspen submit`).
+
+Only submissions the service would take are read (`Client.check_submissions` first): a user's request reads no
+data outside where they may read. Where this machine has no tokenizer of a job's base model (a base no trainer
+here holds), its rows are checked when the job starts. Ray-free; imports the tokenizer's code on first use."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from actors.spec.job_submission import JobSubmission
+from orchestrator.http.request_bodies import refusal
+from orchestrator.jobs_file import data_row_problems, yaml_lines
+
+log = logging.getLogger("orchestrator.http.api")
+
+ROW_CHECK_THREADS = 2   # submissions whose rows are read at once (a local file is read whole); more wait their turn
+FIX = "(fix the rows or the format, then submit again)"
+
+
+def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str | None = None) -> None:
+    """`Refused` (422) naming each job's first bad row; `single_job`: the body was one job's fields (its problems
+    located as `data`, not `jobs.0.data`); `text`: a jobs file's YAML text (each problem then gives the line of its
+    job's `data`, which the console marks)."""
+    from actors.storage.sources import load_base_tokenizer
+
+    index_of = {submission.job.name: index for index, submission in enumerate(submissions)}
+    problems: list[dict[str, Any]] = []
+    for base in dict.fromkeys(submission.base_model for submission in submissions):
+        try:
+            tokenizer = load_base_tokenizer(base)
+        except (OSError, ValueError) as error:   # not on this machine: the rows are checked when the jobs start
+            log.info("aspen http: rows of jobs on %s not checked before submission: %s", base, error)
+            continue
+        jobs = [submission.job for submission in submissions if submission.base_model == base]
+        for job, error in data_row_problems(jobs, tokenizer):
+            problems.append(_problem(error, job.name, index_of[job.name], single_job))
+    if not problems:
+        return
+    lines = yaml_lines(text) if text and not single_job else {}
+    for problem in problems:
+        line = lines.get(tuple(problem["loc"]))
+        if line is not None:
+            problem["line"] = line
+    problems.sort(key=lambda problem: index_of[problem["job"]])
+    raise refusal(problems, single_job, [submission.job.name for submission in submissions], then=FIX)
+
+
+def _problem(error: Any, job: str, index: int, single_job: bool) -> dict[str, Any]:
+    """The 422's entry for a job's `DataError`: located at the job's `eval_split` where that is what leaves nothing
+    to train on, else at its `data`; `row` and `row_field`: the data file's row (as its message writes it) and the
+    row's field, where the error names them."""
+    name = "eval_split" if error.field == "eval_split" and error.line is None else "data"
+    loc: list[Any] = [name] if single_job else ["jobs", index, name]
+    entry: dict[str, Any] = {"loc": loc, "field": ".".join(map(str, loc)), "type": "data_row", "msg": str(error),
+                             "job": job}
+    if error.source is not None:
+        entry["data"] = error.source
+    if error.line is not None:
+        entry["row"] = int(error.line)
+    if error.field is not None and name == "data":
+        entry["row_field"] = error.field
+    return entry

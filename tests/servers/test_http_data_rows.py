@@ -1,0 +1,120 @@
+"""Data rows that do not fit their job's format, submitted through the HTTP API (as the web console submits) on a
+real server over a real service: refused up front (422), before anything is entered, with the job, the data file's
+row and field and what to write: the facts `aspen submit` over Ray gives for the same jobs file (the HTTP API took
+them, and the job failed on its trainer seconds later); `aspen submit --url` leaves the rows to the API. A user's
+data outside where they may read is refused as such, its rows never read."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from actors.service.accounts.users import UserBook
+from orchestrator.http.api import create_app
+from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
+from tests.helpers.http_server import running_server
+from tests.helpers.service import job_dict, write_task_data
+
+REPO = Path(__file__).resolve().parents[2]
+YAML = {"Content-Type": "application/yaml"}
+
+
+def _jobs_file(path: Path, base: str, jobs: list[dict]) -> str:
+    """A jobs file as a user writes it: one line per job field, its line numbers known."""
+    lines = [f"base_model: {base}", "jobs:"]
+    for job in jobs:
+        first, *rest = job.items()
+        lines.append(f"  - {first[0]}: {json.dumps(first[1])}")
+        lines += [f"    {key}: {json.dumps(value)}" for key, value in rest]
+    path.write_text("\n".join(lines) + "\n")
+    return path.read_text()
+
+
+def test_rows_that_do_not_fit_are_refused_with_the_facts_aspen_submit_gives(api, tmp_path):
+    good = write_task_data(tmp_path / "data", "good")
+    rows = good.read_text().splitlines()
+    rows[16] = '{"question": "a question", "answer": '          # line 17: not JSON
+    broken = tmp_path / "data" / "broken.jsonl"
+    broken.write_text("\n".join(rows) + "\n")
+    typo = job_dict("typo", good, 2)
+    typo["format"] = {**typo["format"], "prompt": "Q: {questio}\nA:"}   # a field the rows lack
+    jobs = [job_dict("fine", good, 2), typo, job_dict("broken", broken, 2)]
+    jobs_file = tmp_path / "jobs.yaml"
+    text = _jobs_file(jobs_file, api.base, jobs)
+    before = api.table()
+
+    answer = httpx.post(f"{api.url}/v1/jobs", content=text, headers={**api.auth(), **YAML}, timeout=120)
+    assert answer.status_code == 422, answer.text
+    assert api.table() == before                                     # all or none: not even the fine job
+    body = answer.json()
+    errors = {error["job"]: error for error in body["errors"]}
+    assert set(errors) == {"typo", "broken"}
+    data_lines = [number for number, line in enumerate(text.splitlines(), 1) if line.startswith("    data:")]
+    assert errors["typo"]["loc"] == ["jobs", 1, "data"] and errors["typo"]["line"] == data_lines[1]
+    assert errors["typo"]["row"] == 1 and errors["typo"]["row_field"] == "questio"
+    assert "field 'questio' is missing" in errors["typo"]["msg"] and "the row has: answer, question" in errors["typo"][
+        "msg"]
+    assert errors["broken"]["loc"] == ["jobs", 2, "data"] and errors["broken"]["line"] == data_lines[2]
+    assert errors["broken"]["row"] == 17 and errors["broken"]["msg"].startswith(f"{broken}:17: invalid JSON")
+    assert body["detail"].startswith("nothing was submitted:\n")
+    assert f"job 'broken' (jobs[2]), field data: {broken}:17: invalid JSON" in body["detail"]
+    assert body["detail"].endswith("(fix the rows or the format, then submit again)")
+
+    # the same facts as `aspen submit` / `aspen run` over Ray give for the same file (their check, here)
+    with pytest.raises(SpecError) as cli_check:
+        check_data_rows(load_run_spec(jobs_file, for_a_service=True))
+    assert [line.split(": ", 1)[0] for line in str(cli_check.value).splitlines()[:-1]] == ["job 'typo'", "job 'broken'"]
+    for error in errors.values():
+        assert f"job '{error['job']}': {error['msg']}\n" in str(cli_check.value), (error, str(cli_check.value))
+    # `aspen submit --url` leaves the rows to the API (read once, where the data is): its refusal, exit 2
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", str(jobs_file), "--url", api.url],
+                         env={**os.environ, "PYTHONPATH": str(REPO), "ASPEN_TOKEN": api.token},
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 2 and body["detail"] in cli.stderr, cli.stderr
+    assert api.table() == before
+
+    # one job's fields as JSON: located as `data`, its eval_split where that is what leaves nothing to train on
+    single = httpx.post(f"{api.url}/v1/jobs", json={**typo, "base_model": api.base}, headers=api.auth(), timeout=120)
+    assert single.status_code == 422 and single.json()["errors"][0]["loc"] == ["data"], single.text
+    assert single.json()["detail"].startswith(f"nothing was submitted:\njob 'typo', field data: {good}:1: field "
+                                              "'questio' is missing")
+    tiny = write_task_data(tmp_path / "data", "tiny", rows=4)
+    held_out = httpx.post(f"{api.url}/v1/jobs", json={**job_dict("held-out", tiny, 2, eval_split=4),
+                                                      "base_model": api.base}, headers=api.auth(), timeout=120)
+    assert held_out.status_code == 422 and held_out.json()["errors"][0]["loc"] == ["eval_split"], held_out.text
+    assert "leaving none to train on" in held_out.json()["detail"]
+    assert api.table() == before
+
+
+@pytest.fixture()
+def users(api) -> UserBook:
+    book = UserBook.in_state_dir(api.state_dir)
+    try:
+        yield book
+    finally:
+        book.path.unlink(missing_ok=True)
+
+
+def test_a_users_rows_are_read_only_where_they_may_read(api, users, tmp_path):
+    """The service checks where the user may read before the API reads a row: bad rows outside their data roots
+    are refused as outside (nothing of the file is told), inside them with the row."""
+    inside, outside = tmp_path / "inside", tmp_path / "outside"
+    alice, _ = users.add("alice", data_roots=[str(inside)])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    before = api.table()
+    with running_server(app) as url:
+        for folder, phrase in ((outside, "is outside the data roots"), (inside, "field 'questio' is missing")):
+            job = job_dict("reader", write_task_data(folder, "secret"), 2)
+            job["format"] = {**job["format"], "prompt": "Q: {questio}\nA:"}
+            answer = httpx.post(f"{url}/v1/jobs", json={**job, "base_model": api.base},
+                                headers={"Authorization": f"Bearer {alice}"}, timeout=120)
+            assert answer.status_code == 422 and phrase in answer.json()["detail"], answer.text
+            if folder == outside:
+                assert "questio" not in answer.text and "secret.jsonl:" not in answer.text   # no row was read
+    assert api.table() == before

@@ -1,0 +1,74 @@
+"""A "try it" (POST /v1/jobs/{job}/generate) whose trainer stays busy past the service's wait, through the HTTP API
+on a real server over a real service: the answer is the service's own, when its wait ends (not the HTTP layer's
+later, generic 503): a 503 that says the trainer is busy with a step or a generation, how long was waited and to
+try again, with a Retry-After; the service's link is kept, and the same request once the trainer is free is
+answered. The scheduler's wait (90 s) is shortened in its process, the trainer held busy by a call in its own."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import ray
+
+from actors.service.scheduler.call_waits import BUSY_RETRY_AFTER_S, GENERATE_WAIT_S, SCHEDULER_CALL_WAIT_S
+from orchestrator.http.api_client import DEFAULT_TIMEOUT_S, HttpClient
+from orchestrator.http.bridge import CALL_TIMEOUT_S
+from tests.helpers.service import job_dict, wait_for, write_task_data
+
+WAIT_S = 2.0    # the scheduler's wait for the trainer, shortened from GENERATE_WAIT_S
+HOLD_S = 12.0   # how long the trainer is kept busy: far past that wait
+
+
+def _scheduler_wait(api, seconds: float, trainer: str):
+    """Set the scheduler's "try it" wait in its own process: (the wait it had, the trainer's actor handle)."""
+    def run(scheduler, seconds=seconds, trainer=trainer):
+        import inspect
+
+        names = inspect.unwrap(type(scheduler).generate).__globals__   # what `generate` reads (Ray wraps it)
+        before, names["GENERATE_WAIT_S"] = names["GENERATE_WAIT_S"], seconds
+        return before, scheduler.fleet.handle_of(trainer)
+
+    return ray.get(api.ray.scheduler.__ray_call__.remote(run), timeout=60)
+
+
+def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_ends(api, tmp_path):
+    # each wait longer than the one it waits on: the service's answer reaches the HTTP user first
+    assert GENERATE_WAIT_S < SCHEDULER_CALL_WAIT_S < CALL_TIMEOUT_S < DEFAULT_TIMEOUT_S
+    http = HttpClient(api.url, api.token)
+    job = http.submit(job_dict("busy", write_task_data(tmp_path / "data", "busy"), 100_000, checkpoint_every=100_000),
+                      base_model=api.base)
+    wait_for(lambda: api.ray.status(job.id).state == "running" and api.ray.status(job.id).step >= 1, timeout=180,
+             what="the job to train", state=lambda: api.ray.status(job.id))
+    trainer = api.ray.status(job.id).trainer
+    before, handle = _scheduler_wait(api, WAIT_S, trainer)
+    assert before == GENERATE_WAIT_S
+    marker = tmp_path / "trainer-busy"
+
+    def hold(actor, marker=str(marker)):   # in the trainer's process: its one call at a time is this one
+        Path(marker).touch()
+        time.sleep(HOLD_S)
+
+    try:
+        busy = handle.__ray_call__.remote(hold)
+        wait_for(marker.exists, timeout=60, what="the trainer to be busy")
+        prompt = {"prompt": "Q: busy 1 and 3\nA:", "max_new_tokens": 4}
+        started = time.monotonic()
+        answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=prompt, headers=api.auth(), timeout=120)
+        waited = time.monotonic() - started
+        assert answer.status_code == 503, answer.text
+        assert answer.headers["Retry-After"] == str(BUSY_RETRY_AFTER_S)
+        detail = answer.json()["detail"]
+        assert detail.startswith(f"trainer {trainer} is busy with a training step or another generation: it did "
+                                 f"not answer this \"try it\" within {WAIT_S:.0f} s"), detail
+        assert f"try again in {BUSY_RETRY_AFTER_S} s or later" in detail
+        assert WAIT_S <= waited < HOLD_S, waited   # the service's wait, not the HTTP layer's
+        ray.get(busy, timeout=60)
+        # the trainer free again: the same request is answered, over the same link
+        answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=prompt, headers=api.auth(), timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["job"] == job.id and answer.json()["prompt"] == prompt["prompt"]
+    finally:
+        _scheduler_wait(api, GENERATE_WAIT_S, trainer)
+        http.cancel(job.id)

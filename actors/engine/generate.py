@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -225,30 +226,96 @@ def decoding(model: nn.Module) -> Iterator[None]:
             adapters.train(training)
 
 
+class DecodeLoop:
+    """The decoding loop over `batch`, one step at a time (`step`): `forward(feed)` gives the rows' last-position
+    logits for this step's feed (the batch's mask and positions as they are), `choose` picks each request's next
+    token (logits in request order), `finished(request index, token)` takes it and says whether that sequence has
+    ended. `go_on(more)`: told after each step whether another follows (a pipeline's stages)."""
+
+    def __init__(self, batch: DecodeBatch, forward: Callable[[torch.Tensor], torch.Tensor],
+                 choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool],
+                 device: torch.device, go_on: Callable[[bool], None] | None = None):
+        self.batch, self.forward, self.choose, self.finished = batch, forward, choose, finished
+        self.device, self.go_on = device, go_on
+        self.active = [True] * batch.rows
+        self.unorder = torch.tensor(sorted(range(batch.rows), key=lambda row: batch.order[row]), device=device)
+        self.feed = batch.input_ids
+        self.more = True
+
+    def step(self) -> bool:
+        """One more token in every row; whether any sequence goes on."""
+        logits = self.forward(self.feed)
+        by_request = self.choose(logits[self.unorder])   # in request order
+        chosen = [by_request[index] for index in self.batch.order]
+        for row, index in enumerate(self.batch.order):
+            if self.active[row] and self.finished(index, int(chosen[row])):
+                self.active[row] = False
+        self.more = any(self.active)
+        if self.go_on is not None:
+            self.go_on(self.more)
+        if self.more:
+            self.feed = torch.tensor(chosen, dtype=torch.long, device=self.device)[:, None]
+            self.batch.step(self.device)
+        return self.more
+
+
 def run_decoding(batch: DecodeBatch, forward: Callable[[torch.Tensor], torch.Tensor],
                  choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool],
                  device: torch.device, go_on: Callable[[bool], None] | None = None) -> None:
-    """The decoding loop over `batch`: `forward(feed)` gives the rows' last-position logits for this step's
-    feed (the batch's mask and positions as they are), `choose` picks each request's next token (logits in
-    request order), `finished(request index, token)` takes it and says whether that sequence has ended; stops
-    when every one has. `go_on(more)`: told before each further step whether there is one (a pipeline's stages)."""
-    active = [True] * batch.rows
-    unorder = torch.tensor(sorted(range(batch.rows), key=lambda row: batch.order[row]), device=device)
-    feed = batch.input_ids
-    while True:
-        logits = forward(feed)
-        by_request = choose(logits[unorder])   # in request order
-        chosen = [by_request[index] for index in batch.order]
-        for row, index in enumerate(batch.order):
-            if active[row] and finished(index, int(chosen[row])):
-                active[row] = False
-        more = any(active)
-        if go_on is not None:
-            go_on(more)
-        if not more:
-            break
-        feed = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
-        batch.step(device)
+    """`DecodeLoop` run until every sequence has ended."""
+    loop = DecodeLoop(batch, forward, choose, finished, device, go_on)
+    while loop.step():
+        pass
+
+
+class SlicedDecoding:
+    """The decoding loop on one device, run in slices (`advance`): between two, the model is its owner's again (its
+    adapters' training mode, its own attention: a trainer runs other passes there), the KV cache kept for the next.
+    `choose` and `finished` as `DecodeLoop` takes them."""
+
+    def __init__(self, base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
+                 choose: Callable[[torch.Tensor], list[int]], finished: Callable[[int, int], bool]):
+        check_requests(base, requests)
+        from transformers import DynamicCache  # transformers is imported by the model already
+
+        self.base = base
+        batch = decode_batch(requests, base.pad_token_id, base.device)
+        self.cache = DynamicCache(config=getattr(base.model, "config", None))
+        keyword = cache_keyword(base.decoder)
+
+        def forward(feed: torch.Tensor) -> torch.Tensor:
+            with step_layout(batch.layout(feed.shape[1])):
+                hidden = base.decoder(input_ids=feed, attention_mask=batch.mask, position_ids=batch.positions,
+                                      use_cache=True, **{keyword: self.cache}).last_hidden_state
+            return row_logits(base, hidden[:, -1], batch.groups)
+
+        self.loop = DecodeLoop(batch, forward, choose, finished, base.device)
+        self.adapters = frozenset(name for name, _, _ in batch.groups if name != BASE_ONLY)
+
+    @property
+    def done(self) -> bool:
+        return not self.loop.more
+
+    @torch.no_grad()
+    def advance(self, seconds: float | None = None) -> bool:
+        """Decode until every sequence has ended (`seconds` None), or for one token at least and then until
+        `seconds` have passed; whether every sequence has ended."""
+        started = time.monotonic()
+        with decoding(self.base.model):
+            while self.loop.more and self.loop.step():
+                if seconds is not None and time.monotonic() - started >= seconds:
+                    break
+        return self.done
+
+    def cache_bytes(self) -> int:
+        """What the KV cache holds now."""
+        return sum(value.numel() * value.element_size() for layer in getattr(self.cache, "layers", ())
+                   for value in vars(layer).values() if isinstance(value, torch.Tensor))
+
+    @property
+    def cached_tokens(self) -> int:
+        """The positions the KV cache holds now (each row's prompt, left-padded, and its tokens so far)."""
+        return int(self.cache.get_seq_length())
 
 
 def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]],
@@ -256,23 +323,7 @@ def decode(base: BaseModel, requests: Sequence[tuple[str | None, Sequence[int]]]
     """The decoding loop on one device: `choose(logits)` picks each row's next token from its logits (rows in
     request order), `finished(request index, token)` takes it and says whether that request's sequence has ended.
     Stops when every sequence has."""
-    check_requests(base, requests)
-    model, device = base.model, base.device
-    batch = decode_batch(requests, base.pad_token_id, device)
-
-    from transformers import DynamicCache  # transformers is imported by the model already
-
-    cache = DynamicCache(config=getattr(model, "config", None))
-    keyword = cache_keyword(base.decoder)
-
-    def forward(feed: torch.Tensor) -> torch.Tensor:
-        with step_layout(batch.layout(feed.shape[1])):
-            hidden = base.decoder(input_ids=feed, attention_mask=batch.mask, position_ids=batch.positions,
-                                  use_cache=True, **{keyword: cache}).last_hidden_state
-        return row_logits(base, hidden[:, -1], batch.groups)
-
-    with decoding(model):
-        run_decoding(batch, forward, choose, finished, device)
+    SlicedDecoding(base, requests, choose, finished).advance()
 
 
 def greedy_generate(base: BaseModel, adapter: str | None, prompts: list[list[int]], max_new_tokens: int,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.engine.generate import decode, kept_probabilities
+from actors.engine.generate import SlicedDecoding, kept_probabilities
 from actors.engine.models import BaseModel
 from actors.engine.prompt_scores import PromptScores, TargetCells, check_prompt_asks, score_prompt
 
@@ -99,54 +99,87 @@ def pick(logits: torch.Tensor, call: SampleCall, generator: torch.Generator) -> 
     return int(torch.multinomial(weights, 1, generator=generator))
 
 
-@torch.no_grad()
-def sample(base: BaseModel, calls: list[SampleCall],
-           decode_text: Callable[[list[int]], str] | None = None) -> list[SampleResult]:
-    """Every call's samples in one decoding batch. `decode_text`: tokens to text, for stop strings."""
-    vocab = int(base.lm_head.weight.shape[0])
-    for call in calls:
-        check_sample(call, vocab)
-        if call.stop_texts and decode_text is None:
-            raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
-    rows = [(call, index) for call in calls for index in range(call.num_samples)]
-    seeds = {id(call): call.seed if call.seed is not None else secrets.randbits(62) for call in calls}
-    generators = [torch.Generator(device=base.device).manual_seed(row_seed(seeds[id(call)], index))
-                  for call, index in rows]
-    outputs = [Sampled() for _ in rows]
+class SampleRun:
+    """Every call's samples decoding in one batch, in slices (`advance`: a trainer runs other passes between them;
+    the same tokens however it is sliced, each row drawing from its own generator); `results()` once done.
+    `decode_text`: tokens to text, for stop strings."""
 
-    def choose(logits: torch.Tensor) -> list[int]:
+    def __init__(self, base: BaseModel, calls: list[SampleCall],
+                 decode_text: Callable[[list[int]], str] | None = None):
+        vocab = int(base.lm_head.weight.shape[0])
+        for call in calls:
+            check_sample(call, vocab)
+            if call.stop_texts and decode_text is None:
+                raise ValueError("stop strings need the base's tokenizer, which this base lacks; give stop token ids")
+        self.base, self.calls, self.decode_text = base, calls, decode_text
+        self.rows = [(call, index) for call in calls for index in range(call.num_samples)]
+        self.seeds = {id(call): call.seed if call.seed is not None else secrets.randbits(62) for call in calls}
+        self.generators = [torch.Generator(device=base.device).manual_seed(row_seed(self.seeds[id(call)], index))
+                           for call, index in self.rows]
+        self.outputs = [Sampled() for _ in self.rows]
+        self.decoding = (SlicedDecoding(base, [(call.adapter, call.prompt) for call, _ in self.rows], self._choose,
+                                        self._finished) if self.rows else None)
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The adapters its rows decode through (not to be taken off the base before it ends)."""
+        return self.decoding.adapters if self.decoding is not None else frozenset()
+
+    def advance(self, seconds: float | None = None) -> bool:
+        """Decode on: to the end (`seconds` None), or one token at least and then until `seconds` have passed;
+        whether every sample has ended."""
+        return self.decoding is None or self.decoding.advance(seconds)
+
+    def held_bytes(self) -> int:
+        """What its KV cache will hold at its longest (its present size grown to every row's last token)."""
+        if self.decoding is None or not self.decoding.cached_tokens:
+            return 0
+        longest = self.decoding.loop.batch.input_ids.shape[1] + max(call.max_tokens for call in self.calls)
+        return self.decoding.cache_bytes() * longest // self.decoding.cached_tokens
+
+    def _choose(self, logits: torch.Tensor) -> list[int]:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = []
-        for row, (call, _) in enumerate(rows):
-            token = pick(logits[row], call, generators[row])
-            outputs[row].logprobs.append(float(logprobs[row, token]))
+        for row, (call, _) in enumerate(self.rows):
+            token = pick(logits[row], call, self.generators[row])
+            self.outputs[row].logprobs.append(float(logprobs[row, token]))
             if call.topk_sample:
                 values, ids = logprobs[row].topk(call.topk_sample)
-                outputs[row].topk.append((ids.tolist(), values.tolist()))
+                self.outputs[row].topk.append((ids.tolist(), values.tolist()))
             tokens.append(token)
         return tokens
 
-    def finished(row: int, token: int) -> bool:
-        call, output = rows[row][0], outputs[row]
+    def _finished(self, row: int, token: int) -> bool:
+        call, output = self.rows[row][0], self.outputs[row]
         output.tokens.append(token)
         stopped = token in call.stop_tokens or (
-            bool(call.stop_texts) and any(decode_text(output.tokens).endswith(s) for s in call.stop_texts))
+            bool(call.stop_texts) and any(self.decode_text(output.tokens).endswith(s) for s in call.stop_texts))
         if stopped:
             output.stop_reason = "stop"
         return stopped or len(output.tokens) >= call.max_tokens
 
-    if rows:
-        decode(base, [(call.adapter, call.prompt) for call, _ in rows], choose, finished)
-    for output in outputs:   # a row that ended earlier than the batch drew logprobs it did not take
-        del output.logprobs[len(output.tokens):]
-        del output.topk[len(output.tokens):]
-    results, start = [], 0
-    for call in calls:
-        sequences = outputs[start:start + call.num_samples]
-        start += call.num_samples
-        result = SampleResult(sequences)
-        if call.scores_prompt:
-            result.prompt = score_prompt(base, call, seeds[id(call)])
-        results.append(result)
-    return results
+    @torch.no_grad()
+    def results(self) -> list[SampleResult]:
+        """Each call's samples (and what it asked of its prompt), once `advance` has said every one has ended."""
+        for output in self.outputs:   # a row that ended earlier than the batch drew logprobs it did not take
+            del output.logprobs[len(output.tokens):]
+            del output.topk[len(output.tokens):]
+        results, start = [], 0
+        for call in self.calls:
+            sequences = self.outputs[start:start + call.num_samples]
+            start += call.num_samples
+            result = SampleResult(sequences)
+            if call.scores_prompt:
+                result.prompt = score_prompt(self.base, call, self.seeds[id(call)])
+            results.append(result)
+        return results
+
+
+def sample(base: BaseModel, calls: list[SampleCall],
+           decode_text: Callable[[list[int]], str] | None = None) -> list[SampleResult]:
+    """Every call's samples in one decoding batch, decoded to the end. `decode_text`: tokens to text, for stop
+    strings."""
+    run = SampleRun(base, calls, decode_text)
+    run.advance()
+    return run.results()

@@ -41,13 +41,13 @@ def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
 def test_a_sample_cancelled_while_it_waits_is_never_sampled(server, monkeypatch):
     url, backend, _ = server
     sampled: list[tuple[int, ...]] = []
-    real = interactive_passes.sample
+    real = interactive_passes.SampleRun
 
     def recording(base, calls, decode):
         sampled.extend(call.prompt for call in calls)
         return real(base, calls, decode)
 
-    monkeypatch.setattr(interactive_passes, "sample", recording)
+    monkeypatch.setattr(interactive_passes, "SampleRun", recording)
     polled: set[str] = set()
     real_retrieve = backend.sessions.retrieve
 
@@ -65,7 +65,7 @@ def test_a_sample_cancelled_while_it_waits_is_never_sampled(server, monkeypatch)
         params = types.SamplingParams(max_tokens=4, temperature=0.0)
         doomed = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, params)
         kept = sampler.sample(types.ModelInput.from_ints([8, 9]), 1, params)
-        wait_until(lambda: len(backend.calls.samples) == 2, "both samples to reach the trainer")
+        wait_until(lambda: len(backend.calls.sampling.waiting) == 2, "both samples to reach the trainer")
         # The SDK tells the server of a cancel only from its polling loop: a sample cancelled while its request's
         # answer is still on the way back is dropped by the client alone. So cancel once both are polled.
         wait_until(lambda: len(polled) == 2, "the client to poll both samples")

@@ -392,8 +392,10 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
     the service waits for an answer (shortened here from 10 s to 0.3 s, so that a short test is as long, in those
     waits, as minutes of sampling on a real base): the user's loop sent meanwhile is not refused, not failed and
     not run twice, and the outcomes the trainer returns once free reach their calls (a take left unanswered was
-    abandoned, and the outcomes it took were lost: the calls waited for ever). Through the real SDK, an HTTP server
-    whose Ray client is in its own process (`ServiceLink(client=...)`, where the wait can be shortened)."""
+    abandoned, and the outcomes it took were lost: the calls waited for ever). The trainer decodes the sampling in
+    slices, so the loops' calls (a model created meanwhile too) run between them and end long before it does.
+    Through the real SDK, an HTTP server whose Ray client is in its own process (`ServiceLink(client=...)`, where
+    the waits can be shortened)."""
     import time as clock
 
     from orchestrator.service_calls import ServiceLink
@@ -424,14 +426,18 @@ def test_calls_to_a_trainer_busy_in_a_long_sampling_wait_for_it_and_lose_nothing
         for seed in seeds:
             second_losses.append(second.forward_backward(datums(batch(seed)), "cross_entropy"))
             second.optim_step(types.AdamParams(**ADAM))
+        # the trainer decodes the sampling in slices (interactive_sample_slice_s), the loops' calls between them:
+        # they end long before it does (they waited for its end)
+        losses = [pending.result(timeout=240).metrics["loss:sum"] for pending in losses]
+        second_losses = [pending.result(timeout=240).metrics["loss:sum"] for pending in second_losses]
+        trained_s = clock.monotonic() - started
         sampled = long_sample.result(timeout=240)   # bounded: calls whose outcomes were lost waited for ever
         busy_s = clock.monotonic() - started
-        losses = [pending.result(timeout=60).metrics["loss:sum"] for pending in losses]
-        second_losses = [pending.result(timeout=60).metrics["loss:sum"] for pending in second_losses]
         second_job = job_of(served["client"], second.model_id)
         service.close("success").result()
     assert busy_s > 10 * tinker_service.QUEUE_WAIT_S, busy_s   # the trainer was busy for many of the service's waits
     assert busy_s - created_s > 2 * tinker_service.CALL_TIMEOUT_S, (created_s, busy_s)   # created early in the pass
+    assert busy_s > 2 * trained_s, (trained_s, busy_s)
     assert second_job.state == "running", (second_job.state, second_job.reason)
     assert len(sampled.sequences) == 8 and max(len(s.tokens) for s in sampled.sequences) > 100
     _, expected_losses = engine_reference(served["base"], seeds)

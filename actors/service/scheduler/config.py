@@ -81,6 +81,10 @@ class TrainerConfig(StrictModel):
         True, description="an interactive model's forward_backward calls waiting as a job's step starts share that "
                           "step where they fit (throughput: one pass less; a call then waits for the whole step); "
                           "false: they always run in passes of their own between the jobs' steps")
+    interactive_sample_slice_s: Annotated[float, Bounds(0.01, 3600)] | None = Field(
+        1.0, description="how long a Tinker sampling batch decodes before the trainer's other work (jobs' steps, "
+                         "other models' calls, the calls it answers) has its turn; its KV cache is kept, and counted "
+                         "in the steps' memory meanwhile (null: a batch decodes whole, the trainer busy till its end)")
     interactive_checkpoint_every: Annotated[int, Bounds(0, 10**9)] = Field(
         10, description="optimizer steps between an interactive model's checkpoints, from which it resumes where its "
                         "trainer is lost (0: none)")

@@ -32,17 +32,31 @@ from actors.engine.tinker_losses import LossInputError
 from actors.engine.tinker_sampling import SampleCall
 from actors.service.trainer.interactive_passes import (
     Pending,
+    SamplingBatch,
     Taken,
     attach_saved_sampler,
     pass_record,
     run_other,
     run_pass,
-    run_samples,
 )
 from actors.storage.base_identity import tokenizer_folder, tokenizer_id
 
 DEFAULT_WINDOW_S = 0.005
 ACTIVE_FOR_S = 2.0   # a model that took part in a pass this recently is waited for (at most the window)
+
+
+@dataclass
+class SamplingQueue:
+    """The sampling calls waiting to decode together, and the batch decoding now (one at a time). `slice_s`: how
+    long one pass decodes a batch before the trainer's other work has its turn (None: a batch decodes whole)."""
+
+    slice_s: float | None = None
+    waiting: list[Pending] = field(default_factory=list)
+    running: SamplingBatch | None = None
+
+    def adapters(self) -> frozenset[str]:
+        """The adapters the batch decoding now reads (not taken off or replaced until it ends)."""
+        return self.running.run.adapters if self.running is not None else frozenset()
 
 
 @dataclass
@@ -94,7 +108,8 @@ class InteractiveCalls:
 
     def __init__(self, base: BaseModel, *, window_s: float = DEFAULT_WINDOW_S, max_pass_tokens: int | None = None,
                  on_step: Callable[[dict[str, Any]], None] | None = None,
-                 on_ready: Callable[[], None] | None = None, max_models_per_pass: int | None = None):
+                 on_ready: Callable[[], None] | None = None, max_models_per_pass: int | None = None,
+                 sample_slice_s: float | None = None):
         if max_models_per_pass is not None and max_models_per_pass < 1:
             raise ValueError(f"max_models_per_pass must be at least 1 (or None: no limit), not {max_models_per_pass}")
         self.base = base
@@ -105,7 +120,7 @@ class InteractiveCalls:
         self.on_step = on_step           # told each fused pass: its models, datums and tokens
         self.on_ready = on_ready         # told when a call arrives (a trainer loop's wake-up)
         self.models: dict[str, ModelState] = {}
-        self.samples: list[Pending] = []     # sampling calls, batched together at the next step
+        self.sampling = SamplingQueue(sample_slice_s)   # sampling calls, batched together, decoded in slices
         # adapters to take off the base, or saved sampler weights to attach, in order, by the stepping thread:
         # (name, None, None) or (name, folder, a future done once attached)
         self.adapter_changes: list[tuple[str, str | None, Future | None]] = []
@@ -148,7 +163,7 @@ class InteractiveCalls:
         `base_model`, `trainer`: whose sampler it samples, which base, or which trainer holds it (this one)."""
         pending = Pending("sample", call)
         with self.lock:
-            self.samples.append(pending)
+            self.sampling.waiting.append(pending)
             self._arrived()
         return pending.future
 
@@ -213,7 +228,7 @@ class InteractiveCalls:
         with self.lock:
             if not self._ready():
                 return None
-            if self._partners_ready():
+            if self.sampling.running is not None or self._partners_ready():
                 return 0.0
             return self.window.left()
 
@@ -267,14 +282,16 @@ class InteractiveCalls:
             self.step()
 
     def _ready(self) -> bool:
-        return (bool(self.samples) or bool(self.adapter_changes)
+        return (bool(self.sampling.waiting) or self.sampling.running is not None or bool(self.adapter_changes)
                 or any(state.next_seq in state.waiting for state in self.models.values()))
 
     def step(self) -> int:
         """Run what is ready: first every model's leading forward(_backward) calls, fused; then each model's
         next other call (an optimizer step, a save). Returns how many calls ran."""
         with self.lock:
-            changes, self.adapter_changes = self.adapter_changes, []
+            in_use = self.sampling.adapters()   # changed once the batch decoding through them has ended
+            changes = [change for change in self.adapter_changes if change[0] not in in_use]
+            self.adapter_changes = [change for change in self.adapter_changes if change[0] in in_use]
             self.window.restart()   # calls that arrive from now on wait for partners afresh
         for name, folder, done in changes:
             if folder is None:
@@ -304,11 +321,27 @@ class InteractiveCalls:
         for state, pending in others:
             run_other(state.model, pending)
             ran += 1
+        return ran + self._sample()
+
+    def _sample(self) -> int:
+        """Start a batch of the waiting sampling calls where none decodes, and decode the batch on for a slice:
+        how many calls were taken or decoded."""
         with self.lock:
-            samples, self.samples = self.samples, []
+            samples = self.sampling.waiting if self.sampling.running is None else []
+            if samples:
+                self.sampling.waiting = []
         if samples:
-            run_samples(self.base, samples)
-        return ran + len(samples)
+            self.sampling.running = SamplingBatch.start(self.base, samples)
+        if self.sampling.running is None:
+            return len(samples)
+        if self.sampling.running.advance(self.sampling.slice_s):
+            self.sampling.running = None
+        return len(samples) or 1
+
+    def sampling_bytes(self) -> int:
+        """What the sampling batch decoding now holds between its slices, at its longest (its KV cache)."""
+        running = self.sampling.running
+        return running.run.held_bytes() if running is not None else 0
 
     def take_for_step(self, room: int) -> tuple[list[Taken], FusedCalls]:
         """The leading forward_backward calls of the models (in turn), checked, whose tokens fit `room` together:

@@ -18,7 +18,7 @@ from actors.engine.interactive_model import InteractiveModel
 from actors.engine.interactive_step import CallOutput, base_limits, check_call, join_outputs, run_checked, split_passes
 from actors.engine.models import BaseModel
 from actors.engine.tinker_losses import LossInputError
-from actors.engine.tinker_sampling import SampleCall, check_sample, sample
+from actors.engine.tinker_sampling import SampleCall, SampleRun, check_sample
 
 log = logging.getLogger(__name__)
 
@@ -75,31 +75,62 @@ def pass_record(ran: list[Taken], backward: bool, seconds: float) -> dict[str, A
             "tokens": sum(len(d.tokens) for _, _, p in ran for d in p.payload.datums)}
 
 
-def run_samples(base: BaseModel, samples: list[Pending]) -> None:
-    """Sample every call's completions in one batch (each through its own adapter or the base) and answer them."""
-    tokenizer = base.tokenizer
-    decode_text = None if tokenizer is None else tokenizer.decode
-    vocab = int(base.lm_head.weight.shape[0])
-    good = []
-    for pending in samples:
-        if not pending.future.set_running_or_notify_cancel():   # its client abandoned it (cancel_future)
-            continue
+class SamplingBatch:
+    """The sampling calls decoding together (`SampleRun`), in slices between a trainer's other passes: `advance`
+    decodes on and answers every call once all have ended (or each with why the batch failed)."""
+
+    def __init__(self, run: SampleRun, calls: list[Pending]):
+        self.run, self.calls = run, calls
+
+    @classmethod
+    def start(cls, base: BaseModel, samples: list[Pending]) -> SamplingBatch | None:
+        """The calls' batch (each checked: one that fails its check, or was cancelled, is answered alone); None
+        where none is left."""
+        tokenizer = base.tokenizer
+        decode_text = None if tokenizer is None else tokenizer.decode
+        vocab = int(base.lm_head.weight.shape[0])
+        good = []
+        for pending in samples:
+            if not pending.future.set_running_or_notify_cancel():   # its client abandoned it (cancel_future)
+                continue
+            try:
+                check_sample_call(pending.payload, vocab, decode_text is not None)
+                good.append(pending)
+            except ValueError as error:   # this call alone fails
+                pending.future.set_exception(error)
+        if not good:
+            return None
         try:
-            check_sample_call(pending.payload, vocab, decode_text is not None)
-            good.append(pending)
-        except ValueError as error:   # this call alone fails
-            pending.future.set_exception(error)
-    if not good:
-        return
-    try:
-        results = sample(base, [pending.payload for pending in good], decode_text)
-    except Exception as error:   # the batch failed (e.g. out of memory): each call says so
-        log.exception("sampling batch of %d calls failed", len(good))
-        for pending in good:
-            pending.future.set_exception(RuntimeError(f"sampling failed: {error!r}"))
-        return
-    for pending, result in zip(good, results, strict=True):
-        pending.future.set_result(result)
+            return cls(SampleRun(base, [pending.payload for pending in good], decode_text), good)
+        except Exception as error:   # e.g. an adapter taken off meanwhile: each call says so
+            log.exception("sampling batch of %d calls could not start", len(good))
+            for pending in good:
+                pending.future.set_exception(RuntimeError(f"sampling failed: {error!r}"))
+            return None
+
+    def advance(self, seconds: float | None = None) -> bool:
+        """Decode on (to the end, or for `seconds` after one token); once every sample has ended, each call is
+        answered. Whether the batch is over (ended, or failed: e.g. out of memory, each call told why)."""
+        try:
+            if not self.run.advance(seconds):
+                return False
+            results = self.run.results()
+        except Exception as error:   # the batch failed: each call says so
+            log.exception("sampling batch of %d calls failed", len(self.calls))
+            for pending in self.calls:
+                pending.future.set_exception(RuntimeError(f"sampling failed: {error!r}"))
+            return True
+        for pending, result in zip(self.calls, results, strict=True):
+            pending.future.set_result(result)
+        return True
+
+
+def run_samples(base: BaseModel, samples: list[Pending]) -> None:
+    """Sample every call's completions in one batch, to the end (each through its own adapter or the base), and
+    answer them."""
+    batch = SamplingBatch.start(base, samples)
+    if batch is not None:
+        batch.advance()
 
 
 def attach_saved_sampler(base: BaseModel, name: str, folder: str, done: Future) -> None:

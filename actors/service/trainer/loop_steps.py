@@ -90,7 +90,8 @@ class LoopSteps:
                                    StepTotals(), ends.finish)
         base = engine.base
         calls = (InteractiveCalls(base, window_s=config.interactive_window_s, max_pass_tokens=engine.step_tokens,
-                                  on_ready=wake) if interactive else None)
+                                  on_ready=wake, sample_slice_s=config.interactive_sample_slice_s)
+                 if interactive else None)
         self.desk = (InteractiveDesk(calls, events, trainer_id, step_log.write,
                                      gpus=1 if base.device.type == "cuda" else 0,
                                      checkpoint_every=config.interactive_checkpoint_every,
@@ -113,7 +114,9 @@ class LoopSteps:
         admission; None when none was chosen or the step failed (its jobs then failed with the reason). A
         pipeline's lost stage is raised (StageLost) for the loop to give every job back."""
         waits_before = sum(a.feed.waits for a in self.active.values())
-        chosen = self.engine.compose(ready, fits=self.admission.fits)
+        held = self.interactive.sampling_bytes() if self.interactive is not None else 0   # a sampling's KV cache
+        fits = self.admission.fits if not held else (lambda micro_batches: self.admission.fits(micro_batches, held))
+        chosen = self.engine.compose(ready, fits=fits)
         chosen = self._rollouts(chosen)
         if not chosen:
             self.booking.send_updates()
@@ -142,7 +145,7 @@ class LoopSteps:
         if taken:   # the step's shape left the calls out: its peak teaches the memory model nothing
             call_job_tokens = self.desk.job_tokens(self.interactive.fused_ran(taken, report.call_outputs),
                                                    backward=True)
-        else:
+        elif not held:   # a sampling's cache in the peak would teach the model bytes its steps do not have
             admission.observe(shape, report, predicted)
         self.booking.after_step(report, predicted, resident, shape.adapter_parameters, call_job_tokens)
         return report
@@ -164,6 +167,8 @@ class LoopSteps:
             self.collection.collect_if_due()
         interactive = self.interactive
         if interactive is not None and interactive.due():
+            held = interactive.sampling_bytes()   # its passes beside a sampling's KV cache: as much as fits
+            interactive.max_pass_tokens = self.admission.pass_tokens(held) if held else self.engine.step_tokens
             interactive.step()
             return None
         if report is not None:

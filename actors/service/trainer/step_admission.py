@@ -140,21 +140,22 @@ class StepAdmission:
         `gpu`: plan as on a GPU (default: where the base is)."""
         if not (self.trainer.base.device.type == "cuda" if gpu is None else gpu):
             return AUTO_CPU_STEP_TOKENS
-        lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
-        parameters = 2 * 16 * sum(i + o for i, o in self.linear_shapes.values())
-
-        def fits(tokens: int) -> bool:
-            example = Example(tuple(range(tokens)), tuple(range(tokens)))
-            shape = StepShape.of([tokens], parameters, tokens=tokens,
-                                 analytic_bytes=self.memory_prior.analytic_bytes([(lora, tokens, [example])]))
-            return self.predict(shape) * (1 + self.margin) <= self.budget
-
-        planned = next((t for t in range(AUTO_STEP_TOKENS_CEILING, 1023, -1024) if fits(t)), 1024)
+        planned = next((t for t in range(AUTO_STEP_TOKENS_CEILING, 1023, -1024)
+                        if self.predict(self._largest_step(t)) * (1 + self.margin) <= self.budget), 1024)
         if planned < AUTO_STEP_TOKENS_FLOOR:
             log.warning("step_tokens auto: only %d tokens a step fit the memory budget of %d MiB beside the base; "
                         "recompute: layers (less activation memory, half more of the step's matrix products) or "
                         "a quantized base would allow larger steps", planned, self.budget >> 20)
         return planned
+
+    def _largest_step(self, tokens: int) -> StepShape:
+        """The shape of a step of `tokens` at its largest: a rank-16 adapter on every linear layer, every token a
+        target (the loss's largest bytes)."""
+        lora = LoraConfig(r=16, alpha=32, target_modules="all-linear")
+        parameters = 2 * 16 * sum(i + o for i, o in self.linear_shapes.values())
+        example = Example(tuple(range(tokens)), tuple(range(tokens)))
+        return StepShape.of([tokens], parameters, tokens=tokens,
+                            analytic_bytes=self.memory_prior.analytic_bytes([(lora, tokens, [example])]))
 
     @property
     def margin(self) -> float:
@@ -194,11 +195,27 @@ class StepAdmission:
             return self.predict(shape)
         return self.resident.predict(self.predict(shape), shape.resident_excess_bytes)
 
-    def fits(self, micro_batches: list[JobMicroBatch]) -> bool:
+    def fits(self, micro_batches: list[JobMicroBatch], held_bytes: int = 0) -> bool:
         """Whether a step's predicted peak, raised by the margin its predictions have needed, fits the budget
-        beside the memory `compile: graphs`' captured steps hold (`FusedTrainer.graph_held_bytes`)."""
-        held = self.trainer.graph_held_bytes(micro_batches)
+        beside the memory `compile: graphs`' captured steps hold (`FusedTrainer.graph_held_bytes`) and
+        `held_bytes` more (a sampling batch's KV cache between its slices)."""
+        held = self.trainer.graph_held_bytes(micro_batches) + held_bytes
         return self.predict_peak(self.shape(micro_batches)) * (1 + self.margin) + held <= self.budget
+
+    def pass_tokens(self, held_bytes: int) -> int:
+        """The most tokens (up to the trainer's step, at least 1) of a pass of interactive calls whose predicted peak
+        at its largest (`_largest_step`), raised by the margin, fits the budget beside `held_bytes` (a sampling
+        batch's KV cache between its slices)."""
+        def fits(tokens: int) -> bool:
+            return self.predict_peak(self._largest_step(tokens)) * (1 + self.margin) + held_bytes <= self.budget
+
+        low, high = 1, max(1, self.trainer.step_tokens)
+        if fits(high):
+            return high
+        while low < high:   # the largest that fits (1 where none does: the pass then says why it failed)
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return low
 
     def sampling_refusal(self, spec: JobSpec) -> str | None:
         """Why a GRPO job's sampling could never fit this trainer's budget, or None: its largest rollout

@@ -103,7 +103,7 @@ def test_a_sample_cancelled_at_the_front_is_cancelled_on_its_trainer(monkeypatch
     from actors.service.trainer import interactive_passes
 
     sampled: list[int] = []
-    monkeypatch.setattr(interactive_passes, "sample", lambda base, calls, decode: sampled.append(len(calls)))
+    monkeypatch.setattr(interactive_passes, "SampleRun", lambda base, calls, decode: sampled.append(len(calls)))
     desk = InteractiveDesk(InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=0),
                            TrainerEvents(), "trainer-0", lambda row: None)
     front = RemoteCalls(Service(desk), front="front-a")

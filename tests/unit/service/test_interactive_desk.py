@@ -105,13 +105,13 @@ def test_a_sampling_call_cancelled_before_it_runs_is_never_sampled_and_says_so(m
     from actors.service.trainer import interactive_passes
 
     sampled: list[int] = []
-    real = interactive_passes.sample
+    real = interactive_passes.SampleRun
 
     def counting(base, calls, decode):
         sampled.append(len(calls))
         return real(base, calls, decode)
 
-    monkeypatch.setattr(interactive_passes, "sample", counting)
+    monkeypatch.setattr(interactive_passes, "SampleRun", counting)
     desk, _ = desk_of([])
     doomed = desk.sample("front-a", SampleCall(None, (5, 6, 7), max_tokens=4, temperature=0.0))
     kept = desk.sample("front-a", SampleCall(None, (8, 9), max_tokens=4, temperature=0.0))

@@ -259,6 +259,19 @@ def test_auto_step_tokens_plan_the_largest_step_the_budget_holds_by_the_allocato
         example = step(planned)[0].examples
         report = trainer.run_step([(job, example)], measure=True)
         assert report.memory_measured and report.peak_memory_bytes <= admission.budget
+        # beside a sampling batch's KV cache (held between its slices): fewer tokens, a step of which stays within
+        # what the budget leaves by the allocator's count; with no room at all, 1 (the pass says why it failed)
+        trainer.step_tokens = planned
+        held = admission.budget - int(admission.predict(admission.shape(step(2048))) * (1 + admission.margin)) - 1
+        assert not admission.fits(step(planned), held) and admission.fits(step(2048), held)
+        fitting = admission.pass_tokens(held)
+        assert 1024 < fitting < planned and admission.pass_tokens(0) == planned
+        largest = [admission.predict(admission._largest_step(tokens)) * (1 + admission.margin) + held
+                   for tokens in (fitting, fitting + 1)]
+        assert largest[0] <= admission.budget < largest[1]   # the most that fits (at its largest: every target)
+        report = trainer.run_step([(job, step(fitting)[0].examples)], measure=True)
+        assert report.peak_memory_bytes <= admission.budget - held
+        assert admission.pass_tokens(admission.budget) == 1
     finally:
         trainer.remove_job("big")
 

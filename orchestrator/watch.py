@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from actors.service.table.job_record import best_text
 from actors.service.table.job_table import JobRecord
 
 if TYPE_CHECKING:
@@ -53,14 +54,16 @@ def eta_seconds(record: JobRecord, now: float | None = None) -> float | None:
 def jobs_table(records: list[JobRecord], now: float | None = None, title: str | None = None) -> Table:
     table = Table(title=title or f"aspen jobs ({time.strftime('%H:%M:%S', time.localtime(now or time.time()))})")
     scored = any(r.eval_score is not None for r in records)   # a job with an eval_generate metric
+    kept = any(r.best is not None for r in records)   # a keep_best job evaluated: its best so far, or the kept one
     for column, right in (("job", False), ("state", False), ("step", True), ("loss", True), ("eval loss", True),
-                          *([("eval score", True)] if scored else []), ("tokens/s", True), ("ETA", True),
-                          ("reason", False)):
+                          *([("eval score", True)] if scored else []), *([("best (kept)", False)] if kept else []),
+                          ("tokens/s", True), ("ETA", True), ("reason", False)):
         table.add_column(column, justify="right" if right else "left", overflow="fold")
     for r in records:
         eta = eta_seconds(r, now)
         table.add_row(r.id, r.state, f"{r.step}/{r.total_steps or '?'}", _fmt(r.loss), _fmt(r.eval_loss),
                       *([_fmt(r.eval_score)] if scored else []),
+                      *([best_text(r.best)] if kept else []),
                       _fmt(r.tokens_per_s, ".0f") if r.state == "running" else "-",
                       format_duration(eta) if eta is not None else "-", escape(r.reason))   # text, not markup
     return table

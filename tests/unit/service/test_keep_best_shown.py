@@ -25,6 +25,7 @@ from orchestrator.progress import record_lines, summary_table
 from orchestrator.recent_runs import EndedRun
 from orchestrator.report import collect, markdown_table, report_data
 from orchestrator.service_calls import ServiceLink
+from orchestrator.watch import jobs_table
 from tests.helpers.keep_best import eval_losses, overfitting_job, paused_then_resumed
 from tests.helpers.service import run_spec
 
@@ -112,10 +113,11 @@ def test_aspen_status_shows_the_kept_evaluation_in_json_the_table_and_the_detail
     assert [record["best"] for record in json.loads(aspen("status", "--json", "--from", str(ended_run)))] == [best]
     record = EndedRun(ended_run / ".aspen").status("fit")
     assert f"            best: {shown} (the adapter it ended with)" in record_lines(record, [])
-    cells = {column.header: list(column.cells) for column in summary_table([record]).columns}
-    assert cells["best (kept)"] == [shown]
     unkept = JobRecord(**{**record.as_dict(), "best": None})   # a job without keep_best: no column
-    assert "best (kept)" not in [column.header for column in summary_table([unkept]).columns]
+    for table in (summary_table, jobs_table):   # aspen status, aspen watch
+        cells = {column.header: list(column.cells) for column in table([record, unkept]).columns}
+        assert cells["best (kept)"] == [shown, "-"]
+        assert "best (kept)" not in [column.header for column in table([unkept]).columns]
 
 
 class EndedService(EndedRun):

@@ -443,6 +443,31 @@ def test_a_jobs_generation_score_is_shown_in_the_table_and_on_its_page(console, 
     page.close()
 
 
+def test_an_ended_jobs_page_shows_its_kept_evaluation_and_trains_it_on_to_more_steps(console, browser):
+    """A completed keep_best job's page: its kept evaluation as the API's record has it, and "Extend" (POST /extend):
+    the job trains on from its checkpoint to the steps given, its page following it there."""
+    alice = console.http("alice")
+    job = alice.submit(job_dict("alice-extended", console.data, 4, eval_split=4, eval_every=2, keep_best="eval_loss",
+                                lr_schedule="constant"), base_model=console.base)
+    assert job.wait(timeout=120).state == "completed"
+    best = alice.status(job.id).best
+    page = log_in(browser, console, "alice")
+    page.goto(f"{console.url}/#/jobs/{job.id}")
+    page.wait_for_selector("#extend-steps")
+    kept = page.evaluate("[...document.querySelectorAll('#view dt')].find((dt) => dt.textContent === 'best (kept)')"
+                         "?.nextElementSibling.textContent")
+    value = page.evaluate(f"Number({best['value']!r}).toPrecision(4)")
+    assert kept == f"eval loss {value} at step {best['step']}"
+    page.fill("#extend-steps", "7")
+    page.click("form.extend button[type=submit]")
+    page.wait_for_function("!document.querySelector('.job-head .state-completed')")   # queued again
+    assert wait_for(lambda: (r := alice.status(job.id)).state == "completed" and r, 120,
+                    "the job to train on").step == 7
+    assert [row["step"] for row in alice.losses(job.id)] == list(range(1, 8))
+    page.wait_for_function("document.querySelector('.job-head dl').textContent.includes('7 / 7')")
+    page.close()
+
+
 def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser, monkeypatch, capsys):
     """A GRPO job's page has a reward chart whose numbers are the job's rows' rewards (GET /v1/jobs/{job}/losses,
     the job table's copy of its metrics.jsonl); an SFT job's page has none, and its ended adapter can be tried."""

@@ -26,6 +26,12 @@ function tokensPerSecond(rows) {
   });
 }
 
+// the states whose job `POST /extend` continues (an ended or paused one) and a keep_best job's kept evaluation
+const EXTENDABLE = ["completed", "stopped_early", "failed", "cancelled", "paused"];
+function bestText(best) {
+  return `${best.metric.replace("_", " ")} ${Number(best.value).toPrecision(4)} at step ${best.step}`;
+}
+
 export function render(key, session) {
   const head = el("div", { class: "job-head" });
   const charts = el("div", { class: "charts" });
@@ -50,6 +56,7 @@ export function render(key, session) {
         ["trainer", job.trainer || "–"], ["step", `${job.step} / ${job.total_steps ?? "?"}`],
         ["loss", num(job.loss)], ["eval loss", num(job.eval_loss)],
         ...(job.eval_score == null ? [] : [["eval score", num(job.eval_score)]]),
+        ...(job.best == null ? [] : [["best (kept)", bestText(job.best)]]),
         ["tokens/s", job.tokens_per_s ? int(job.tokens_per_s) : "–"], ["priority", job.priority],
         ["submitted", when(job.submitted_at)]].flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
       el("div", { class: "actions" }, Object.entries(verbs).map(([verb, states]) => el("button", {
@@ -57,7 +64,23 @@ export function render(key, session) {
           try { job = await api(jobPath(job.id, `/${verb}`), { method: "POST" }); drawHead(); } catch (error) {
             note.textContent = error.message;
           }
-        }, text: verb[0].toUpperCase() + verb.slice(1) })), note));
+        }, text: verb[0].toUpperCase() + verb.slice(1) })), note),
+      ...[EXTENDABLE.includes(job.state) && job.total_steps ? extendForm() : null].filter(Boolean));
+  }
+
+  // an ended or paused job trained on from its checkpoint to a larger max_steps (POST /extend)
+  function extendForm() {
+    const steps = el("input", { id: "extend-steps", type: "number", min: job.total_steps + 1, step: 1, required: true,
+      value: job.total_steps * 2, "aria-label": "train on to step" });
+    const note = el("span", { class: "status", role: "status", id: "extend-note" });
+    return el("form", { class: "extend", onsubmit: async (event) => {
+      event.preventDefault();
+      try {
+        job = await api(jobPath(job.id, "/extend"), { method: "POST", body: { max_steps: Number(steps.value) } });
+        drawHead();
+      } catch (error) { note.textContent = error.message; }
+    } }, el("label", { for: "extend-steps", text: "Train on to step " }), steps, " ",
+      el("button", { type: "submit", text: "Extend" }), " ", note);
   }
 
   async function drawCurves() {

@@ -20,13 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
+from actors.checkpoint.peft_names import CONFIG_NAME, METADATA_NAME, WEIGHTS_NAME
 from actors.engine.adapter_surgery import AdapterHandle
 from actors.engine.host_tensors import on_host
 from actors.spec.lora_config import LoraConfig
 from actors.storage.durable import write_durably
-
-METADATA_NAME = "aspen.json"
 
 
 def import_peft() -> None:

@@ -1,5 +1,6 @@
-"""The file names of an adapter folder in PEFT's format (light: no torch), for whatever only names them."""
+"""The file names of an adapter folder in PEFT's format and aspen's facts beside it (light: no torch, no
+transformers), for whatever only names them."""
 
-from actors.spec.saved_adapter import CONFIG_NAME, WEIGHTS_NAME
+from actors.spec.saved_adapter import CONFIG_NAME, METADATA_NAME, WEIGHTS_NAME
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME"]
+__all__ = ["CONFIG_NAME", "METADATA_NAME", "WEIGHTS_NAME"]

@@ -24,6 +24,7 @@ from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+METADATA_NAME = "aspen.json"   # aspen's facts beside an adapter it saved: its base, job, step (base_identity.py)
 """The file names of an adapter folder in PEFT's format."""
 
 PEFT_TYPES = {"lora": "LORA", "vera": "VERA"}

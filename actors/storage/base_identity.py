@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from actors.spec.saved_adapter import METADATA_NAME
 from actors.storage.sources import (
     ALIAS_HUB_IDS,
     ALIASES,
@@ -30,7 +31,6 @@ from actors.storage.sources import (
 )
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-METADATA_NAME = "aspen.json"
 
 
 @dataclass(frozen=True)

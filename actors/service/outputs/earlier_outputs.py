@@ -12,10 +12,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.checkpoint.peft_names import WEIGHTS_NAME
+from actors.checkpoint.peft_names import METADATA_NAME, WEIGHTS_NAME
 from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, METRICS_NAME
-from actors.storage.base_identity import METADATA_NAME
 from actors.storage.storage_uri import is_uri
 
 

@@ -15,9 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from actors.checkpoint.peft_names import CONFIG_NAME, WEIGHTS_NAME
+from actors.checkpoint.peft_names import CONFIG_NAME, METADATA_NAME, WEIGHTS_NAME
 from actors.checkpoint.state import OPTIMIZER_NAME
-from actors.storage.base_identity import METADATA_NAME
 from actors.storage.durable import append_whole, write_durably
 from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import is_uri

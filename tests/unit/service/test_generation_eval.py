@@ -197,7 +197,8 @@ def _the_job_table_keeps_the_last_score(state_dir, submissions, events, scores) 
     from policies.fifo import FifoPolicy
 
     core = SchedulerCore(JobTable(state_dir / "jobs.sqlite"), FifoPolicy(), state_dir)
-    core.submit_many(submissions, job_ids=["scored-1", "other-1"])
+    # the run's jobs entered after it trained them (their folders hold its outputs), as their events are booked
+    core.submit_many(submissions, job_ids=["scored-1", "other-1"], starts_over=True)
     for event in events:
         with core.table.transaction():
             core.apply_event("trainer-t", event)

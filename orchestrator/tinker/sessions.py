@@ -122,12 +122,17 @@ class Sessions:
             accepted = self.futures.get(request_id)
         if accepted is None or accepted.user != user:
             raise KeyError(f"no request {request_id} of yours")
+        cancelled = Cancelled(f"request {request_id} was cancelled (cancel_future) before it ran")
         if accepted.future.cancelled():
-            return "failed", Cancelled(f"request {request_id} was cancelled (cancel_future) before it ran")
+            return "failed", cancelled
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(accepted.future)), wait_s)
         except TimeoutError:
             return "pending", None
+        except asyncio.CancelledError:
+            if accepted.future.cancelled():   # cancelled (cancel_future) while this poll waited: answered as after it
+                return "failed", cancelled
+            raise   # this request itself was cancelled (its client left, the server stops)
         except Exception as error:  # noqa: BLE001 - the call failed: its error is the answer
             return "failed", error
         return "done", accepted.answer(result)

@@ -31,6 +31,14 @@ class Session:
     losses: dict[str, Any] = field(default_factory=dict)  # its custom losses (CustomLoss) by loss_id
 
 
+class Unknown(KeyError):
+    """A session or request this server does not hold for the user; its message as given (a KeyError's str quotes
+    it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class Cancelled(Exception):
     """A sampling request its client cancelled before it ran."""
 
@@ -68,15 +76,20 @@ class Sessions:
         with self.lock:
             session = self.sessions.get(session_id)
         if session is None or session.user != user or session.ended:
-            raise KeyError(f"no session {session_id} of yours")
+            raise Unknown(self._no_session(session_id))
         return session
+
+    def _no_session(self, session_id: str) -> str:
+        return (f"no session {session_id} of yours on this server (sessions live in the HTTP server that opened "
+                f"them: one restarted since knows none, and one closed or silent for {self.heartbeat_timeout_s:.0f}s "
+                "has ended; create a new ServiceClient, its models from a saved state where needed)")
 
     def find(self, session_id: str, user: str) -> Session:
         """The user's session, live or ended (while this server runs); KeyError for another user's or an unknown."""
         with self.lock:
             session = self.sessions.get(session_id)
         if session is None or session.user != user:
-            raise KeyError(f"no session {session_id} of yours")
+            raise Unknown(self._no_session(session_id))
         return session
 
     def of(self, user: str) -> list[Session]:
@@ -110,7 +123,8 @@ class Sessions:
         with self.lock:
             accepted = self.futures.get(request_id)
         if accepted is None or accepted.user != user:
-            raise KeyError(f"no request {request_id} of yours")
+            raise Unknown(f"no request {request_id} of yours on this server (requests live in the HTTP server that "
+                          "took them: one restarted since knows none; send the call again from a new ServiceClient)")
         if not accepted.cancellable:
             raise ValueError(f"request {request_id} is not a sampling request; only those can be cancelled")
         accepted.future.cancel()
@@ -121,13 +135,19 @@ class Sessions:
         with self.lock:
             accepted = self.futures.get(request_id)
         if accepted is None or accepted.user != user:
-            raise KeyError(f"no request {request_id} of yours")
+            raise Unknown(f"no request {request_id} of yours on this server (requests live in the HTTP server that "
+                          "took them: one restarted since knows none; send the call again from a new ServiceClient)")
+        cancelled = Cancelled(f"request {request_id} was cancelled (cancel_future) before it ran")
         if accepted.future.cancelled():
-            return "failed", Cancelled(f"request {request_id} was cancelled (cancel_future) before it ran")
+            return "failed", cancelled
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(accepted.future)), wait_s)
         except TimeoutError:
             return "pending", None
+        except asyncio.CancelledError:
+            if accepted.future.cancelled():   # cancelled (cancel_future) while this poll waited: answered as after it
+                return "failed", cancelled
+            raise   # this request itself was cancelled (its client left, the server stops)
         except Exception as error:  # noqa: BLE001 - the call failed: its error is the answer
             return "failed", error
         return "done", accepted.answer(result)

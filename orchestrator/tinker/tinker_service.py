@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 60.0
 QUEUE_WAIT_S = 10.0   # a call that queues work on a trainer, which answers at once between passes
-KEPT_S = 600.0        # a busy call's reference that no one asks for again this long is dropped
+KEPT_S = 600.0        # a busy call's reference that no one asks for (again, or in `ready`) this long is dropped
 READY_WAIT_S = 10.0   # the longest `ready` waits for one of the kept calls to be answered
 
 
@@ -197,8 +197,12 @@ class TinkerService:
         """Those of `tokens` whose kept call has its answer (or is kept no longer: asked for again, it is sent anew),
         after waiting up to `timeout` (at most `READY_WAIT_S`) for the first: one wait for all of a front's calls
         on busy trainers."""
+        now = time.monotonic()
         with self.kept_lock:
             refs = {token: self.kept[token][0] for token in tokens if token in self.kept}
+            for token in refs:   # asked for: its front waits for it (a pass may outlast KEPT_S), so it is kept on
+                ref, _, trainer = self.kept[token]
+                self.kept[token] = (ref, now, trainer)
         gone = [token for token in tokens if token not in refs]
         if not refs:
             return gone

@@ -80,6 +80,43 @@ def test_a_sample_cancelled_while_it_waits_is_never_sampled(server, monkeypatch)
     client.close("success").result()
 
 
+def test_a_retrieve_waiting_when_its_sample_is_cancelled_answers_cancelled(server):
+    """A client's long poll (retrieve_future) for a sample still waits when the sample is cancelled: it answers
+    the cancel, as a poll after the cancel does, not a server error."""
+    url, backend, _ = server
+    release = threading.Event()
+    backend.calls.create_model("blocker", 4, owner="alice")
+    busy = backend.calls.submit("blocker", 1, "apply", lambda model: release.wait(60))   # the trainer is held here
+    headers = {"X-API-Key": "tml-alice-token"}
+    client = tinker.ServiceClient(base_url=url, api_key="tml-alice-token")
+    try:
+        sampler = client.create_sampling_client(base_model=BASE).result()
+        sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=4))
+        wait_until(lambda: len(backend.calls.sampling.waiting) == 1, "the sample to reach the trainer")
+        (request_id,) = [key for key, accepted in backend.sessions.futures.items() if accepted.cancellable]
+        polled: dict = {}
+
+        def poll() -> None:
+            polled["answer"] = httpx.post(f"{url}/api/v1/retrieve_future", headers=headers,
+                                          json={"request_id": request_id}, timeout=60)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        time.sleep(0.5)   # the poll waits for the sample's answer
+        assert "answer" not in polled
+        assert httpx.post(f"{url}/api/v1/cancel_future", headers=headers,
+                          json={"request_id": request_id}).status_code == 200
+        poller.join(timeout=30)
+        after = httpx.post(f"{url}/api/v1/retrieve_future", headers=headers, json={"request_id": request_id})
+    finally:
+        release.set()
+    busy.result(timeout=60)
+    assert after.status_code == 200 and "was cancelled" in after.json()["error"]
+    assert polled["answer"].status_code == 200, polled["answer"].text
+    assert polled["answer"].json() == after.json()
+    client.close("success").result()
+
+
 def test_only_sampling_requests_can_be_cancelled(server):
     """A model's calls run in order and none may be dropped: cancelling a forward_backward is refused (400), an
     unknown request is 404."""

@@ -90,3 +90,40 @@ def test_calls_to_a_busy_trainer_wait_without_holding_a_thread_and_each_runs_onc
     assert beats == 1
     assert service.kept == {}
     assert service.ready(["never-kept"]) == ["never-kept"]   # asked for again, it is sent anew
+
+
+def test_calls_kept_through_a_pass_longer_than_the_keeping_time_are_not_sent_twice(busy_trainer, monkeypatch):
+    """A pass outlasting `KEPT_S` (the time a kept call no one asks for is kept: its front gone): a front that waits
+    for its calls (`ready`, as its waiting thread does) keeps them, and each runs once, however long the pass."""
+    import ray
+    from fastapi import HTTPException
+
+    from orchestrator.tinker import tinker_service
+    from orchestrator.tinker.tinker_service import TinkerService
+
+    monkeypatch.setattr(tinker_service, "QUEUE_WAIT_S", 0.5)
+    monkeypatch.setattr(tinker_service, "KEPT_S", 1.5)
+    service = TinkerService(scheduler=None)
+    service.handles["trainer-0"] = busy_trainer
+    before = len(ray.get(busy_trainer.seen.remote())[0])
+    busy_trainer.long_pass.remote(PASS_S)
+    tokens = [f"k-{n}" for n in range(3)]
+    for n, token in enumerate(tokens):
+        with pytest.raises(HTTPException):
+            service.sample("trainer-0", "front-b", f"kept-{n}", token)
+    kept_at = time.monotonic()
+    keys: dict[str, str] = {}
+    late = None
+    deadline = time.monotonic() + PASS_S + 60
+    while len(keys) < len(tokens):
+        assert time.monotonic() < deadline, f"{len(tokens) - len(keys)} calls never answered"
+        for token in service.ready([t for t in tokens if t not in keys], timeout=1.0):
+            keys[token] = service.sample("trainer-0", "front-b", "sent again", token)
+        if late is None and time.monotonic() - kept_at > 2 * tinker_service.KEPT_S:
+            # another call, past the keeping time of the first ones, while they wait
+            with pytest.raises(HTTPException):
+                service.sample("trainer-0", "front-b", "late", "k-late")
+            late = "k-late"
+    calls = ray.get(busy_trainer.seen.remote())[0][before:]
+    assert calls[:3] == ["kept-0", "kept-1", "kept-2"] and "sent again" not in calls, calls
+    assert sorted(keys.values()) == sorted(f"key-{before + n + 1}" for n in range(3))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.spec.submission_changes import budget_raise, differences
+from actors.spec.submission_changes import budget_raise, differences, epochs_bind, epochs_bound_reason
 from actors.storage.storage_uri import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
@@ -116,6 +116,11 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             plan.done.append(record)   # its stop rule would end it again at once
             plan.notes.append(f"{record.name}: its stop rule ended it at step {record.step}, and would again at once: "
                               f"a raised max_steps continues it without early_stop (remove it from the job)")
+            continue
+        if raised is not None and not data and epochs_bind(earlier.job, record.total_steps):
+            plan.done.append(record)   # its epochs ended it, and would again at once
+            plan.notes.append(f"{record.name}: max_steps raised to {raised}, but it is "
+                              f"{epochs_bound_reason(earlier.job, record.total_steps)}")
             continue
         if raised is not None and not data:   # only its budget raised: it continues from its checkpoint
             plan.extend.append((record, submission))

@@ -109,6 +109,10 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         earlier = stored(record.id)
         changes = differences(earlier, submission)
         raised = budget_raise(earlier, submission) if _checkpointed(record, saved_step) else None
+        if raised is not None and saved_step is not None and saved_step(record.output_dir) is None:
+            changes.append(f"its checkpoint at step {record.checkpoint_step} is no longer in its folder (deleted, "
+                           "moved or damaged), so it cannot continue to the raised max_steps")
+            raised = None   # a changed spec: --overwrite starts it over
         data = []
         if (not changes or raised is not None) and saved_data is not None:
             data = data_changes(submission, saved_data(record.output_dir))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from actors.service.events.event_booking import EventBooking
+from actors.service.outputs.earlier_outputs import missing_checkpoint
 from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
@@ -213,6 +214,11 @@ class SchedulerCore:
         if raised is None:
             raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) may be given to "
                              "continue it; for other changes start a new job")
+        gone = missing_checkpoint(record.output_dir, record.checkpoint_step)
+        if gone is not None:
+            raise ValueError(f"job {record.id}: {gone}, so it would train again from step 0, not on from step "
+                             f"{record.checkpoint_step}; put the checkpoint back and extend it again, or submit it as "
+                             "a new job to train it from the start")
         self.table.set_submission(record.id, kept)
         self.scheduling.of(record.id).submission = None   # read again: the raised budget
         if record.id in self.scheduling:

@@ -120,6 +120,25 @@ def test_a_raised_budget_leaves_alone_a_job_its_epochs_ended_before_its_max_step
             "(init_adapter: job:NAME continues from its adapter)") in plan.lines()
 
 
+def test_a_raised_budget_on_a_job_whose_checkpoint_is_gone_is_a_changed_spec(tmp_path):
+    """max_steps raised alone on a finished job whose checkpoint is no longer on disk (`saved_step` finds none,
+    as `actors.checkpoint.saved_step` reads the folder): it cannot continue, so the run stops naming it and why, and
+    `--overwrite` starts it over (it was said to continue from its checkpoint and trained again from step 0); one
+    whose checkpoint is there continues."""
+    def spec(steps: int) -> RunSpec:
+        return RunSpec(output_dir=tmp_path, jobs=[{"name": name, "data": "data.jsonl", "format": {"type": "text"},
+                                                   "max_steps": steps} for name in ("kept", "gone")])
+
+    before = spec(10).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(submission, "completed", 10) for submission in before]
+    on_disk = {str(before[0].output_dir): 10}
+    plan = plan_run(spec(20).submissions(), records, stored.__getitem__, saved_step=on_disk.get)
+    assert [r.name for r, _ in plan.extend] == ["kept"] and [r.name for r in plan.changed_records] == ["gone"]
+    assert plan.changed == [("gone", ["max_steps: 10 -> 20", "its checkpoint at step 10 is no longer in its folder "
+                                      "(deleted, moved or damaged), so it cannot continue to the raised max_steps"])]
+
+
 def test_only_a_new_jobs_folder_is_asked_for_earlier_outputs_and_the_refusal_names_them(tmp_path):
     """A new job (no record of its name and folder) whose folder holds outputs is `foreign`; a job the table knows is
     planned as before, its folder never asked. The refusal names the job, what was found, where the table records a

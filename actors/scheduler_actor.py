@@ -41,6 +41,7 @@ from actors.service.scheduler.scheduler_loop import SchedulerLoop
 from actors.service.scheduler.trainer_fleet import TrainerCallFailed, TrainerFleet
 from actors.service.sweeps.scheduler_jobs import SchedulerJobs
 from actors.service.sweeps.sweep_book import SweepBook
+from actors.service.table.job_record import adapter_step
 from actors.service.table.job_table import ACTIVE_STATES, JobRecord
 from actors.service.table.state_dir import ServiceState
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
@@ -227,7 +228,7 @@ class SchedulerActor:
             elif record.state in ENDED_WITH_AN_ADAPTER and record.adapter_dir:
                 call = self.fleet.try_saved(record.id, self.table.submission(record.id).job,
                                             (record.base_model, record.quantization), record.adapter_dir,
-                                            record.step, prompt, max_new_tokens)
+                                            adapter_step(record), prompt, max_new_tokens)
             else:
                 raise ValueError(f"job {record.id} is {record.state}: only a running job's adapter, or the one a job "
                                  "ended with (completed or stopped early), can be tried")

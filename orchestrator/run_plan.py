@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.spec.submission_changes import budget_raise, differences
+from actors.spec.submission_changes import budget_raise, differences, epochs_bind, epochs_bound_reason
 from actors.storage.storage_uri import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
@@ -109,6 +109,10 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         earlier = stored(record.id)
         changes = differences(earlier, submission)
         raised = budget_raise(earlier, submission) if _checkpointed(record, saved_step) else None
+        if raised is not None and saved_step is not None and saved_step(record.output_dir) is None:
+            changes.append(f"its checkpoint at step {record.checkpoint_step} is no longer in its folder (deleted, "
+                           "moved or damaged), so it cannot continue to the raised max_steps")
+            raised = None   # a changed spec: --overwrite starts it over
         data = []
         if (not changes or raised is not None) and saved_data is not None:
             data = data_changes(submission, saved_data(record.output_dir))
@@ -116,6 +120,11 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             plan.done.append(record)   # its stop rule would end it again at once
             plan.notes.append(f"{record.name}: its stop rule ended it at step {record.step}, and would again at once: "
                               f"a raised max_steps continues it without early_stop (remove it from the job)")
+            continue
+        if raised is not None and not data and epochs_bind(earlier.job, record.total_steps):
+            plan.done.append(record)   # its epochs ended it, and would again at once
+            plan.notes.append(f"{record.name}: max_steps raised to {raised}, but it is "
+                              f"{epochs_bound_reason(earlier.job, record.total_steps)}")
             continue
         if raised is not None and not data:   # only its budget raised: it continues from its checkpoint
             plan.extend.append((record, submission))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # the CLI's parser imports this module (through orchestrator/run_plan.py): kept light
+    from actors.spec.job_spec import JobSpec
     from actors.spec.job_submission import JobSubmission
 
 # Fields a resumed job may change without making its checkpoint wrong: they decide when it is evaluated,
@@ -48,3 +49,22 @@ def budget_raise(old: JobSubmission, new: JobSubmission) -> int | None:
         return None
     raised = new.model_copy(update={"job": new.job.model_copy(update={"max_steps": before})})
     return after if not differences(old, raised) else None
+
+
+def epochs_bind(job: JobSpec, total_steps: int | None) -> bool:
+    """Whether a job's `epochs`, not its `max_steps`, ended its training: it has no max_steps, or its data's epochs
+    gave fewer steps (`total_steps`, what its last start planned) than its max_steps. Such a job has no budget a
+    raised max_steps would add to: it would end again at once."""
+    if job.max_steps is None:
+        return True
+    return job.epochs is not None and total_steps is not None and total_steps < job.max_steps
+
+
+def epochs_bound_reason(job: JobSpec, total_steps: int | None) -> str:
+    """Why a raised max_steps does not continue a job `epochs_bind` holds, and what to do instead."""
+    if job.max_steps is None:
+        why = "bound by epochs, not max_steps: a budget raised would move where its data ends"
+    else:
+        why = (f"bound by epochs: its {job.epochs:g} epoch(s) of data ended it at step {total_steps}, before its "
+               f"max_steps {job.max_steps}, so a larger max_steps would train nothing more")
+    return why + "; start a new job (init_adapter: job:NAME continues from its adapter)"

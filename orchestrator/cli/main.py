@@ -13,9 +13,13 @@ from orchestrator.jobs_file import SpecError
 if TYPE_CHECKING:
     pass
 from orchestrator.cli.parser import build_parser
-from orchestrator.cli.run_commands import RunInterrupted, Terminated, cmd_sweep
+from orchestrator.cli.run_commands import RunInterrupted, Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+
+
+# the commands that read a file a SpecError is about; another's (extend, try, ... over HTTP) is about its request
+FILE_KINDS = {"run": "jobs file", "submit": "jobs file", "sweep": "sweep file"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except SpecError as error:
         _debug(args)
-        kind = "sweep file" if getattr(args, "handler", None) is cmd_sweep else "jobs file"
-        print(f"aspen: invalid {kind}:\n{error}", file=sys.stderr)
+        kind = FILE_KINDS.get(getattr(args, "command", None))   # another command's is a request's (HTTP 422)
+        print(f"aspen: invalid {kind}:\n{error}" if kind else f"aspen: {error}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as error:  # noqa: BLE001 - every error ends as one line (the traceback with --debug)
         _debug(args)

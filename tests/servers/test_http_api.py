@@ -378,8 +378,9 @@ def test_a_jobs_files_relative_output_dir_lands_under_the_output_root_through_ei
 def test_a_finished_job_continues_to_a_raised_max_steps_over_http_and_the_cli(api, tmp_path, monkeypatch, capsys):
     """`POST /v1/jobs/{job}/extend` (`aspen extend JOB --max-steps N`, HttpClient.raise_max_steps): a completed job
     is queued again and trains on from its checkpoint; at a constant learning rate it ends as the same job given the
-    larger budget from the start (the reference, in the same service). A budget not above its own, and a running
-    job, are refused (409) saying why, the job left as it was."""
+    larger budget from the start (the reference, in the same service). A budget not above its own, a job its epochs
+    ended (with or without a max_steps above them), and a running job, are refused (409) saying why, the job left as
+    it was; a budget the API refuses (422) is said to be the request's, not a jobs file's."""
     from orchestrator.cli import main
     from tests.helpers.service import adapter_tensors, max_relative_difference
 
@@ -414,6 +415,15 @@ def test_a_finished_job_continues_to_a_raised_max_steps_over_http_and_the_cli(ap
     assert by_epochs.wait(timeout=120).state == "completed"
     with pytest.raises(Conflict, match="bound by epochs, not max_steps.*start a new job"):
         http.raise_max_steps(by_epochs.id, 100)
+    capped = http.submit({**spec, "name": "epoch-first", "max_steps": 100, "epochs": 1}, base_model=api.base,
+                         output_dir=tmp_path / "epoch-first")   # its one epoch ends before its max_steps
+    ended = capped.wait(timeout=120)
+    assert ended.state == "completed" and ended.step == by_epochs.wait(timeout=1).step < 100
+    with pytest.raises(Conflict, match=f"bound by epochs: its 1 epoch.s. of data ended it at step {ended.step}"):
+        http.raise_max_steps(capped.id, 200)
+    assert http.status(capped.id).state == "completed"
+    assert main(["extend", job.id, "--max-steps", "0", "--url", api.url]) == 2
+    assert capsys.readouterr().err.startswith("aspen: invalid request: body.max_steps: Input should be greater than 0")
 
     long = http.submit(job_dict("running-on", data, 5000), base_model=api.base, output_dir=tmp_path / "running-on")
     try:

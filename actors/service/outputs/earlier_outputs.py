@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.checkpoint.peft_names import METADATA_NAME, WEIGHTS_NAME
-from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state
+from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state, saved_step
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, METRICS_NAME
 from actors.storage.storage_uri import is_uri
 
@@ -103,3 +103,16 @@ def _rows(path: Path) -> int:
             return sum(1 for line in lines if line.strip())
     except OSError:
         return 0
+
+
+def missing_checkpoint(folder: Path | str, step: int | None) -> str | None:
+    """Why a job its table records a checkpoint of (at `step`) cannot continue from it in `folder`: the folder is on
+    this machine but holds no valid checkpoint (deleted, moved, damaged), so the job would start over from step 0.
+    None where it holds one, where the table records none, or where it cannot be looked into from here (a storage
+    URI; a folder not on this machine)."""
+    if not step or is_uri(str(folder)) or not Path(folder).is_dir():
+        return None
+    checkpoint = Path(folder) / CHECKPOINT_FOLDER
+    if saved_step(checkpoint) is not None:
+        return None
+    return f"its checkpoint at step {step} is no longer in {checkpoint} (deleted, moved or damaged)"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from actors.service.events.event_booking import EventBooking
+from actors.service.outputs.earlier_outputs import missing_checkpoint
 from actors.service.scheduler.chained_jobs import settle
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.interactive_jobs import InteractiveJobs
@@ -42,7 +43,7 @@ from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRe
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.saved_adapter import JobAdapter
-from actors.spec.submission_changes import budget_raise
+from actors.spec.submission_changes import budget_raise, epochs_bind, epochs_bound_reason
 from actors.storage.storage_uri import StorageURI
 from policies.base import (
     JobView,
@@ -208,12 +209,16 @@ class SchedulerCore:
         earlier = self.table.submission(record.id)
         kept = submission.model_copy(update={"user": earlier.user, "output_dir": earlier.output_dir})
         raised = budget_raise(earlier, kept)
-        if earlier.job.max_steps is None:
-            raise ValueError(f"job {record.id} is bound by epochs, not max_steps: a budget raised would move where its "
-                             "data ends; start a new job (init_adapter: job:NAME continues from its adapter)")
+        if epochs_bind(earlier.job, record.total_steps):
+            raise ValueError(f"job {record.id} is {epochs_bound_reason(earlier.job, record.total_steps)}")
         if raised is None:
             raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) may be given to "
                              "continue it; for other changes start a new job")
+        gone = missing_checkpoint(record.output_dir, record.checkpoint_step)
+        if gone is not None:
+            raise ValueError(f"job {record.id}: {gone}, so it would train again from step 0, not on from step "
+                             f"{record.checkpoint_step}; put the checkpoint back and extend it again, or submit it as "
+                             "a new job to train it from the start")
         self.table.set_submission(record.id, kept)
         self.scheduling.of(record.id).submission = None   # read again: the raised budget
         if record.id in self.scheduling:

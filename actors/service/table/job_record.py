@@ -71,6 +71,12 @@ class JobRecord:
         return asdict(self)
 
 
+def adapter_step(record: JobRecord) -> int:
+    """The step of the adapter in a job's folder once it ended: a keep_best job's best evaluation's (the adapter it
+    keeps), else its last step's."""
+    return record.best["step"] if record.best is not None else record.step
+
+
 def best_text(best: BestEvaluation | None) -> str:
     """A keep_best job's best evaluation as people read it: `eval loss 0.4321 at step 12` ("-" for None)."""
     if best is None:

@@ -5,6 +5,7 @@ before its first checkpoint starts again on its changed spec without `--overwrit
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -90,6 +91,52 @@ def test_a_raised_budget_continues_a_job_but_not_one_its_stop_rule_would_end_aga
             "without early_stop (remove it from the job)") in plan.lines()
     plan = plan_run(spec(20, False).submissions(), records, stored.__getitem__)
     assert sorted(r.name for r, _ in plan.extend) == ["ran-out", "stopped"] and not plan.changed
+
+
+def test_a_raised_budget_leaves_alone_a_job_its_epochs_ended_before_its_max_steps(tmp_path):
+    """`aspen run` again with max_steps raised on a job that also has `epochs`: where its epochs ended it before its
+    max_steps (the step `planned_steps` gives, the reference) it is left alone, saying so and what to do (it was said
+    to continue from its checkpoint, the base loaded, and it ended at the same step having trained nothing); where
+    its max_steps ended it first, it continues to the raised budget."""
+    from actors.spec.job_spec import planned_steps
+
+    def spec(steps: dict[str, int]) -> RunSpec:
+        return RunSpec(output_dir=tmp_path, jobs=[
+            {"name": name, "data": "data.jsonl", "format": {"type": "text"}, "max_steps": max_steps, "epochs": 1,
+             "batch_size": 2} for name, max_steps in steps.items()])
+
+    rows = 10   # one epoch: 5 steps
+    before = spec({"by-epochs": 100, "by-steps": 3}).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = []
+    for submission in before:
+        total = planned_steps(submission.job, rows)
+        record = _record(submission, "completed", total, step=total)
+        records.append(dataclasses.replace(record, total_steps=total))
+    plan = plan_run(spec({"by-epochs": 200, "by-steps": 4}).submissions(), records, stored.__getitem__)
+    assert [r.name for r, _ in plan.extend] == ["by-steps"] and [r.name for r in plan.done] == ["by-epochs"]
+    assert ("by-epochs: max_steps raised to 200, but it is bound by epochs: its 1 epoch(s) of data ended it at "
+            "step 5, before its max_steps 100, so a larger max_steps would train nothing more; start a new job "
+            "(init_adapter: job:NAME continues from its adapter)") in plan.lines()
+
+
+def test_a_raised_budget_on_a_job_whose_checkpoint_is_gone_is_a_changed_spec(tmp_path):
+    """max_steps raised alone on a finished job whose checkpoint is no longer on disk (`saved_step` finds none,
+    as `actors.checkpoint.saved_step` reads the folder): it cannot continue, so the run stops naming it and why, and
+    `--overwrite` starts it over (it was said to continue from its checkpoint and trained again from step 0); one
+    whose checkpoint is there continues."""
+    def spec(steps: int) -> RunSpec:
+        return RunSpec(output_dir=tmp_path, jobs=[{"name": name, "data": "data.jsonl", "format": {"type": "text"},
+                                                   "max_steps": steps} for name in ("kept", "gone")])
+
+    before = spec(10).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(submission, "completed", 10) for submission in before]
+    on_disk = {str(before[0].output_dir): 10}
+    plan = plan_run(spec(20).submissions(), records, stored.__getitem__, saved_step=on_disk.get)
+    assert [r.name for r, _ in plan.extend] == ["kept"] and [r.name for r in plan.changed_records] == ["gone"]
+    assert plan.changed == [("gone", ["max_steps: 10 -> 20", "its checkpoint at step 10 is no longer in its folder "
+                                      "(deleted, moved or damaged), so it cannot continue to the raised max_steps"])]
 
 
 def test_only_a_new_jobs_folder_is_asked_for_earlier_outputs_and_the_refusal_names_them(tmp_path):

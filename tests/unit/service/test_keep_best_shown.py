@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from actors.service.events.event_booking import EventBooking
 from actors.service.scheduler.local_run import train_locally
 from actors.service.scheduler.scheduling_state import SchedulingStates
+from actors.service.table.job_record import adapter_step
 from actors.service.table.job_table import JobRecord, JobTable
 from orchestrator.cli import service_commands
 from orchestrator.cli.parser import build_parser
@@ -118,6 +119,17 @@ def test_aspen_status_shows_the_kept_evaluation_in_json_the_table_and_the_detail
         cells = {column.header: list(column.cells) for column in table([record, unkept]).columns}
         assert cells["best (kept)"] == [shown, "-"]
         assert "best (kept)" not in [column.header for column in table([unkept]).columns]
+
+
+def test_try_it_names_the_step_of_the_adapter_a_keep_best_job_ended_with(ended_run):
+    """"Try it" on an ended job runs the adapter in its folder and names its step: a keep_best job's kept one, as its
+    aspen.json says (it named the job's last step, whose adapter is in its checkpoint only)."""
+    best = kept_facts(ended_run)
+    record = EndedRun(ended_run / ".aspen").status("fit")
+    folder_step = json.loads((Path(record.adapter_dir) / "aspen.json").read_text())["step"]
+    assert adapter_step(record) == folder_step == best["step"] < record.step
+    unkept = JobRecord(**{**record.as_dict(), "best": None})
+    assert adapter_step(unkept) == record.step
 
 
 class EndedService(EndedRun):

@@ -1,0 +1,89 @@
+"""`SchedulerCore.extend` (aspen extend, POST /v1/jobs/{job}/extend) refuses, saying why and what to do, what a raised
+max_steps would not continue: a job whose `epochs` ended it before its `max_steps` (it was queued again, said to
+continue from its checkpoint, and ended at once at the same step having trained nothing; the step the epochs end at
+is `planned_steps`', what a trainer plans), and a job whose checkpoint was deleted from its folder (it was said to
+continue from its checkpoint and trained again from step 0, its metrics rewritten; the checkpoints are those a
+trainer writes, `train_locally`'s). A job its max_steps bound, epochs or not, with its checkpoint, is queued."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+
+from actors.service.scheduler.local_run import train_locally
+from actors.service.scheduler.scheduler_core import SchedulerCore
+from actors.service.table.job_table import JobTable
+from actors.service.trainer.trainer_reports import TrainerEvent
+from actors.spec.job_spec import planned_steps
+from policies.base import Start
+from policies.fifo import FifoPolicy
+from tests.helpers.scheduler_fakes import BUSY_S, status
+from tests.helpers.service import job_dict, run_spec, write_task_data
+
+TRAIN_ROWS = 10
+
+
+def _ended(tmp_path, jobs: list[dict], base_model: str = "smollm2-135m", trained=None) -> tuple[SchedulerCore, list]:
+    """A core whose jobs started (planning `planned_steps` of TRAIN_ROWS rows) and completed at that step, with a
+    checkpoint there; `trained(spec)`, where given, writes the jobs' folders before they are booked as ended."""
+    spec = run_spec(base_model, tmp_path / "out", jobs)
+    table = JobTable(tmp_path / "state/jobs.sqlite", busy_timeout=BUSY_S)
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state")
+    submissions = spec.submissions()
+    ids = [r.id for r in core.submit_many(submissions)]
+    if trained is not None:
+        trained(spec)
+    with table.transaction():
+        trainer = dataclasses.replace(status("trainer-0"), base_model=base_model)
+        assert core.plan([trainer]) == [Start(job=i, trainer="trainer-0") for i in ids]
+        for job_id, submission in zip(ids, submissions, strict=True):
+            total = planned_steps(submission.job, TRAIN_ROWS)
+            core.apply_event("trainer-0", TrainerEvent(kind="started", job_id=job_id, step=0,
+                                                       data={"total_steps": total}))
+            core.apply_event("trainer-0", TrainerEvent(kind="completed", job_id=job_id, step=total,
+                                                       data={"reason": f"trained {total} of {total} steps",
+                                                             "checkpoint_step": total}))
+    return core, submissions
+
+
+def _raised(submission, steps: int):
+    return submission.model_copy(update={"job": submission.job.model_copy(update={"max_steps": steps})})
+
+
+def test_a_job_its_epochs_ended_before_its_max_steps_is_refused_and_one_its_max_steps_ended_continues(tmp_path):
+    data = write_task_data(tmp_path / "data", "t")
+    core, (by_epochs, by_steps) = _ended(tmp_path, [
+        job_dict("by-epochs", data, 100, epochs=1, batch_size=2),    # 1 epoch of 10 rows: 5 steps, before 100
+        job_dict("by-steps", data, 3, epochs=1, batch_size=2)])      # 3 steps, before the epoch's 5
+    assert planned_steps(by_epochs.job, TRAIN_ROWS) == 5 < by_epochs.job.max_steps
+    with pytest.raises(ValueError, match=r"bound by epochs: its 1 epoch\(s\) of data ended it at step 5, before its "
+                                         r"max_steps 100.*start a new job \(init_adapter: job:NAME"):
+        core.extend("by-epochs", _raised(by_epochs, 200))
+    record = core.table.find("by-epochs")
+    assert record.state == "completed" and core.table.submission(record.id).job.max_steps == 100
+
+    queued = core.extend("by-steps", _raised(by_steps, 4))
+    assert queued.state == "queued" and "max_steps 3 -> 4" in queued.reason
+    assert core.table.submission(queued.id).job.max_steps == 4
+
+
+def test_a_job_whose_checkpoint_was_deleted_is_refused_and_one_with_its_checkpoint_continues(tmp_path, tiny_base,
+                                                                                            tiny_model_dirs):
+    data = write_task_data(tmp_path / "data", "t")
+    jobs = [job_dict(name, data, 2, batch_size=2) for name in ("kept", "deleted")]
+    core, (kept, deleted) = _ended(tmp_path, jobs, str(tiny_model_dirs["llama"]),
+                                   lambda spec: train_locally(spec, base=tiny_base, progress=False))
+    checkpoint = tmp_path / "out" / "deleted" / "checkpoint"
+    assert checkpoint.is_dir()
+    shutil.rmtree(checkpoint)
+    with pytest.raises(ValueError, match=f"its checkpoint at step 2 is no longer in {checkpoint} .deleted, moved or "
+                                         "damaged., so it would train again from step 0, not on from step 2; put "
+                                         "the checkpoint back and extend it again, or submit it as a new job"):
+        core.extend("deleted", _raised(deleted, 4))
+    record = core.table.find("deleted")
+    assert record.state == "completed" and core.table.submission(record.id).job.max_steps == 2
+
+    queued = core.extend("kept", _raised(kept, 4))
+    assert queued.state == "queued" and "continues from its checkpoint at step 2" in queued.reason

@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
                          reason="the service's single HTTP token, kept as an admin's when the first user was added")
         audit.record(_account(), "user.add", args.name, admin=args.admin, share=args.share,
                      data_roots=args.data_root)
+        if not had_users:   # a service reads the users file of its own state folder: say which one this is
+            notes.append(f"the users file is {book.path}: a service whose state folder is another (`aspen serve "
+                         "--state-dir DIR`, its config's state_dir) reads its own; give `--state-dir DIR` to add "
+                         "users there")
         _say(args, {"name": args.name, "token": token}, f"{token}", notes)
     elif args.action == "set":
         if args.data_root is not None and args.no_data_roots:

@@ -105,6 +105,7 @@ def test_the_cli_prints_a_token_once_and_never_again(tmp_path):
                                                                             str(tmp_path / "no-token")})
     added = user("add", "alice", "--json")
     assert added.returncode == 0, added.stderr
+    assert f"the users file is {tmp_path / 'users.json'}: a service whose state folder" in added.stderr   # which
     token = json.loads(added.stdout)["token"]
     assert UserBook.in_state_dir(tmp_path).authenticate(token).name == "alice"
     shown = user("token", "alice")

@@ -20,6 +20,7 @@ which the scheduler books in the job table like any job's."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,13 @@ from actors.service.trainer.interactive_commands import SaveSampler
 from actors.service.trainer.trainer_reports import TrainerEvents
 
 # how a failed call's error reads to its user: their own mistake ("user": the SDK does not retry) or not
+log = logging.getLogger(__name__)
+
 USER_ERRORS = (ValueError, KeyError, TypeError)
+# a front (an HTTP server) that has not taken its outcomes this long is gone (killed, restarted under a new name): they
+# are dropped. Longer than a front waits on a trainer busy in one pass (patient_sends.BUSY_LIMIT_S, 30 minutes), after
+# which it has failed those calls itself, so no live front's outcomes are dropped.
+FRONT_GONE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class CallKeys:
         # a model's call by (model, seq_id) -> its key: the same call sent twice (a front's request it stopped
         # waiting for, then sent again) is the same call, counted once, its outcome under one key
         self.calls: dict[tuple[str, int], str] = {}
+        self.taken_at: dict[str, float] = {}   # a front -> when it last took its outcomes (or its first waited)
         # a model whose creation this trainer refused -> why: its calls, queued behind that creation, say so
         self.refused: dict[str, str] = {}
 
@@ -165,6 +173,7 @@ class InteractiveDesk:
     def take(self, front: str) -> list[Outcome]:
         """The outcomes finished for `front` since it last took them."""
         with self.lock:
+            self.keys.taken_at[front] = time.monotonic()
             return self.outcomes.pop(front, [])
 
     def finish(self, front: str, model_id: str, last: Callable[[Any], Any] | None) -> str:
@@ -192,6 +201,7 @@ class InteractiveDesk:
         """End the models whose front has not beaten for `heartbeat_timeout_s` (its HTTP server gone): each after
         its last calls, its final adapter in its folder, its job completed. Returns their ids."""
         now = time.monotonic() if now is None else now
+        self._drop_unclaimed(now)
         with self.lock:
             silent = [(model_id, model) for model_id, model in self.models.items()
                       if now - model.beat > self.heartbeat_timeout_s]
@@ -207,6 +217,18 @@ class InteractiveDesk:
             done = self.calls.finish(model_id, last)
             done.add_done_callback(lambda future, model=model, reason=reason: self._ended(model, reason, future))
         return [model_id for model_id, _ in silent]
+
+    def _drop_unclaimed(self, now: float) -> None:
+        """Drop the outcomes of the fronts that have not taken theirs for FRONT_GONE_S (a killed HTTP server's: they
+        stayed in the trainer's memory for good, a sample's whole result each)."""
+        with self.lock:
+            gone = [front for front in self.outcomes if now - self.keys.taken_at.setdefault(front, now) > FRONT_GONE_S]
+            dropped = {front: len(self.outcomes.pop(front)) for front in gone}
+            for front in gone:
+                del self.keys.taken_at[front]
+        for front, count in dropped.items():
+            log.warning("trainer %s: dropped %d outcomes of %s, which has not taken them for %.0f s (its HTTP server "
+                        "is gone)", self.trainer_id, count, front, FRONT_GONE_S)
 
     def _ended(self, model: ModelJob, reason: str, future: Future) -> None:
         error = future.exception()

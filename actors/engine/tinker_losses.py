@@ -12,8 +12,10 @@ the plain sum of its datums' elementwise losses: Tinker sums over tokens and dat
 - cispo: -clamp(ratio, low, high).detach() * target_logprobs * A, bounds 0.0 and 4.0
 - dro: -(target_logprobs * A - beta / 2 * (target_logprobs - logprobs) ** 2), `beta` required
 - gspo (GSPO-token, Zheng et al. 2025): PPO's objective with every token's ratio the sequence's, the geometric mean
-  of the ratios over the tokens `sequence_ratio_mask` marks, each token with its own log-probability's gradient;
-  bounds 1 - 3e-4 and 1 + 4e-4 by default (the paper's clipping ranges: Tinker's documentation gives no default)
+  of the ratios over the tokens `sequence_ratio_mask` marks (without one, those with a non-zero advantage: the
+  sampled ones, as tinker-cookbook's RL datums carry no mask; none: the datum adds nothing), each token with its own
+  log-probability's gradient; bounds 1 - 3e-4 and 1 + 4e-4 by default (the paper's clipping ranges: Tinker's
+  documentation gives no default)
 
 The reinforcement-learning losses read `weights` nowhere (as the SDK's documented code): advantages are
 what masks a prompt's tokens (0 there)."""
@@ -34,8 +36,9 @@ INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
-    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
+    "gspo": ("logprobs", "advantages"),
 }
+OPTIONAL: dict[str, tuple[str, ...]] = {"gspo": ("sequence_ratio_mask",)}   # read where given
 CONFIG: dict[str, dict[str, float | None]] = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -80,7 +83,12 @@ def dro(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[s
 
 def gspo(target_logprobs: Tensor, inputs: Mapping[str, Tensor], config: Mapping[str, float]) -> Tensor:
     advantages = inputs["advantages"]
-    in_ratio = inputs["sequence_ratio_mask"] != 0
+    mask = inputs.get("sequence_ratio_mask")
+    # without a mask, the tokens that carry the sequence's advantage: its sampled ones (a prompt's have none), as
+    # tinker-cookbook's RL datums, which send no mask, are built
+    in_ratio = mask != 0 if mask is not None else advantages != 0
+    if not bool(in_ratio.any()):   # no advantage anywhere (a group whose rewards were equal): nothing to learn
+        return target_logprobs * 0.0
     log_ratio = (target_logprobs.detach() - inputs["logprobs"])[in_ratio].mean()
     ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())   # the sequence's value, own gradient
     clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
@@ -116,13 +124,13 @@ def check_inputs(loss_fn: str, inputs: Mapping[str, Tensor], length: int, datum:
     for name in ("target_tokens", *INPUTS[loss_fn]):
         if name not in inputs:
             raise LossInputError(f"datum {datum}: loss_fn_inputs lacks '{name}', which {loss_fn} reads")
-    if loss_fn == "gspo" and inputs["sequence_ratio_mask"].shape == (length,) and not bool(
-            (inputs["sequence_ratio_mask"] != 0).any()):
+    if loss_fn == "gspo" and "sequence_ratio_mask" in inputs and inputs["sequence_ratio_mask"].shape == (length,) \
+            and not bool((inputs["sequence_ratio_mask"] != 0).any()):
         raise LossInputError(f"datum {datum}: sequence_ratio_mask marks no token, so gspo has no sequence ratio; mark "
                              "the sampled tokens (1 there)")
     shape = tuple(inputs["target_tokens"].shape)
     top_k = loss_fn == "cross_entropy" and len(shape) == 2 and shape[0] == length and shape[1] >= 1
-    for name in ("target_tokens", *INPUTS[loss_fn]):
+    for name in ("target_tokens", *INPUTS[loss_fn], *(n for n in OPTIONAL.get(loss_fn, ()) if n in inputs)):
         if tuple(inputs[name].shape) != (shape if top_k else (length,)):
             wanted = f"target_tokens' {shape}" if top_k else f"one value per model_input token ({length},)"
             raise LossInputError(f"datum {datum}: loss_fn_inputs '{name}' has shape {tuple(inputs[name].shape)}; "

@@ -94,6 +94,31 @@ def test_gspo_gives_every_token_the_sequences_ratio_and_its_own_gradient():
     assert logprobs.grad.tolist() == pytest.approx([-s * A[0], 0.0, -s * A[2], -s * A[3]], abs=1e-14)
 
 
+def test_gspo_without_a_mask_takes_the_ratio_over_the_tokens_with_an_advantage():
+    """tinker-cookbook's RL datums (rl/train.py's math_rl with loss_fn gspo) carry no sequence_ratio_mask: the ratio is
+    then over the tokens whose advantage is not zero (the sampled ones; a prompt's are 0), the same loss as with that
+    mask given; a datum without any advantage (a group whose rewards were equal) adds nothing, not a NaN."""
+    advantages = [0.0, -2.0, 0.5, 3.0]   # token 0 is the prompt's
+    config = loss_config("gspo", None)
+    losses, grads = [], []
+    for mask in ([0.0, 1.0, 1.0, 1.0], None):
+        logprobs = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+        inputs = {"logprobs": torch.tensor(Q, dtype=torch.float64),
+                  "advantages": torch.tensor(advantages, dtype=torch.float64),
+                  **({} if mask is None else {"sequence_ratio_mask": torch.tensor(mask, dtype=torch.float64)})}
+        check_inputs("gspo", {"target_tokens": torch.zeros(4), **inputs}, 4, 0)
+        loss = LOSS_FUNCTIONS["gspo"](logprobs, inputs, config)
+        loss.sum().backward()
+        losses.append(loss.tolist())
+        grads.append(logprobs.grad.tolist())
+    assert losses[0] == losses[1] and grads[0] == grads[1]
+    logprobs = torch.tensor(LP, dtype=torch.float64, requires_grad=True)
+    flat = {"logprobs": torch.tensor(Q, dtype=torch.float64), "advantages": torch.zeros(4, dtype=torch.float64)}
+    loss = LOSS_FUNCTIONS["gspo"](logprobs, flat, config)
+    loss.sum().backward()
+    assert loss.tolist() == [0.0] * 4 and logprobs.grad.tolist() == [0.0] * 4
+
+
 def test_refusals_name_the_problem():
     with pytest.raises(LossInputError, match="needs loss_fn_config \\['beta'\\]"):
         loss_config("dro", None)

@@ -392,8 +392,21 @@ cmd_resume = _job_command("resume", "")
 
 
 def cmd_extend(args: argparse.Namespace) -> int:
-    """`aspen extend JOB --max-steps N`: the job queued again, to train on from its checkpoint to step N."""
-    record = connect_service(args).raise_max_steps(args.job, args.max_steps)
+    """`aspen extend JOB --max-steps N`: the job queued again, to train on from its checkpoint to step N. Where no
+    service runs and the job is an ended `aspen run`'s, how that run continues it instead."""
+    from orchestrator.errors import ClusterRefused, ServiceError
+    from orchestrator.recent_runs import RecentRuns
+
+    try:
+        client = connect_service(args)
+    except ServiceError as error:
+        run = None if args.url or isinstance(error, ClusterRefused) else RecentRuns().find(args.job)
+        if run is None:
+            raise
+        raise ServiceError(f"{error}; job '{args.job}' is of the `aspen run` of {run.jobs_file}, which has ended: "
+                           f"set its max_steps to {args.max_steps} there and run `aspen run {run.jobs_file}` again "
+                           "(it continues from its checkpoint), or extend it on a service that runs it") from None
+    record = client.raise_max_steps(args.job, args.max_steps)
     if args.json:
         print(json.dumps(record.as_dict(), indent=1))
     else:

@@ -89,6 +89,11 @@ def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_
     status = aspen(tmp_path, "status", env={k: v for k, v in env.items() if k != "RAY_ADDRESS"}, no_cluster=True)
     assert status.returncode == 0 and "the job table of the run in" in status.stderr, status.stderr
     assert status.stdout.count("completed") == 2, status.stdout
+    # `aspen extend` of one of its jobs, with no service: says how that run continues it
+    extend = aspen(tmp_path, "extend", "first", "--max-steps", "30",
+                   env={k: v for k, v in env.items() if k != "RAY_ADDRESS"}, no_cluster=True)
+    assert extend.returncode != 0 and (f"job 'first' is of the `aspen run` of {tmp_path / 'jobs.yaml'}, which has "
+                                       "ended: set its max_steps to 30 there") in extend.stderr, extend.stderr
     # again in-process: every job done, so left alone (their files untouched), answered from the table
     adapters = {name: (tmp_path / "out" / name / "adapter_model.safetensors").stat().st_mtime_ns
                 for name in ("first", "second")}

@@ -127,7 +127,7 @@ class LoopSteps:
         predicted = admission.predict(shape)
         resident = admission.predict_peak(shape) if admission.resident is not None else None
         measure = admission.measure_next_step()
-        taken, calls = self._calls_for(micro_batches, measure)
+        taken, calls = self._calls_for(micro_batches, measure, held)
         try:
             report = self.engine.run_step(chosen, measure=measure, meanwhile=self._meanwhile, calls=calls)
         except StageLost:
@@ -188,14 +188,17 @@ class LoopSteps:
         self.admission = self.new_admission()
         return None
 
-    def _calls_for(self, micro_batches: list[JobMicroBatch], measure: bool) -> tuple[list, FusedCalls | None]:
+    def _calls_for(self, micro_batches: list[JobMicroBatch], measure: bool,
+                   held: int = 0) -> tuple[list, FusedCalls | None]:
         """Interactive models' forward_backward calls waiting now that fit the step's room (its `step_tokens`
-        beside the jobs' tokens: the memory its plan covers), taken to share the step; none for a step whose
-        peak is measured (what the memory model learns from) or a trainer whose stream has no place for them."""
+        beside the jobs' tokens: the memory its plan covers; beside `held` bytes of a sampling's KV cache, the
+        tokens that fit with it), taken to share the step; none for a step whose peak is measured (what the memory
+        model learns from) or a trainer whose stream has no place for them."""
         interactive, engine = self.interactive, self.engine
         if interactive is None or measure or not self.config.interactive_in_steps or not engine.fuses_calls:
             return [], None
-        room = engine.step_tokens - engine.step_cost(micro_batches)
+        limit = min(engine.step_tokens, self.admission.pass_tokens(held)) if held else engine.step_tokens
+        room = limit - engine.step_cost(micro_batches)
         if room <= 0:
             return [], None
         return interactive.take_for_step(room)

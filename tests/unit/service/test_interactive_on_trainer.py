@@ -158,6 +158,53 @@ def test_calls_waiting_as_a_jobs_step_starts_share_it_and_each_side_ends_as_apar
     assert small.result(timeout=1).loss_sum == expected.loss_sum
 
 
+def test_beside_a_samplings_kv_cache_steps_and_calls_are_planned_with_it(tiny_model_dirs, tmp_path, monkeypatch):
+    """While a sampling batch decodes in slices, its KV cache stays allocated: a job's step is admitted with those
+    bytes counted (StepAdmission.fits' held_bytes), a call shares the step only where the tokens that fit beside
+    them leave room (here none: it runs in a pass of its own, sized to fit), and the step's peak, which holds the
+    cache, teaches the memory model nothing."""
+    base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
+    data = write_task_data(tmp_path / "data", "a", rows=16)
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out",
+                    [job_dict(name, data, 8, max_seq_len=32) for name in ("a", "b")], step_tokens=256)
+    loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256), "trainer-0", tmp_path / "s")
+    loop.desk.open("model-job", "alice:train:0", 4, owner="alice", output_dir=str(tmp_path / "model"))
+    for submission in spec.submissions():   # two jobs: a step's second is admitted by the memory plan (fits)
+        loop.assign(assignment_for(submission, submission.job.name, base.tokenizer))
+    from actors.service.trainer.step_admission import StepAdmission
+
+    admitted, observed, planned = [], [], []
+    cache = [0]   # a sampling batch's KV cache between its slices, once it has begun
+    monkeypatch.setattr(loop.interactive, "sampling_bytes", lambda: cache[0])
+    fits, observe = StepAdmission.fits, StepAdmission.observe
+    monkeypatch.setattr(StepAdmission, "fits", lambda self, mbs, held=0: admitted.append(held) or fits(self, mbs, held))
+    monkeypatch.setattr(StepAdmission, "observe", lambda self, *args: observed.append(cache[0]) or observe(self, *args))
+    monkeypatch.setattr(StepAdmission, "pass_tokens", lambda self, held: planned.append(held) or 20)
+    reports: list = []
+
+    def step_until(done) -> None:
+        for _ in range(300):
+            if done():
+                return
+            report = loop.run_once(idle_wait=0.05)
+            if report is not None:
+                reports.append(report)
+        raise AssertionError(f"{len(reports)} steps")
+
+    step_until(lambda: len(reports) >= 4)   # the steps whose peak is measured take no call
+    admitted.clear()
+    cache[0] = 12345
+    call = loop.interactive.submit("alice:train:0", 1, "forward_backward",
+                                   ModelCall(adapter_name("alice:train:0"), call_datums()))   # 23 tokens
+    step_until(lambda: call.done() and len(reports) >= 6)
+    assert call.result(timeout=1).loss_sum != 0
+    assert all(r.call_tokens == 0 for r in reports), "no room beside the cache: a pass of its own"
+    assert admitted and set(admitted) == {12345} and set(planned) == {12345}
+    assert observed and 12345 not in observed   # the steps before the cache taught it; none beside it
+    assert loop.interactive.max_pass_tokens == 20   # its own pass sized to fit beside the cache
+    loop.close()
+
+
 def test_a_fused_step_that_fails_answers_its_calls_so_and_the_models_next_calls_still_run(tiny_model_dirs, tmp_path,
                                                                                           monkeypatch):
     """The step a call shares fails (here: its calls' loss raises, as an out-of-memory error would): the call's
@@ -167,12 +214,12 @@ def test_a_fused_step_that_fails_answers_its_calls_so_and_the_models_next_calls_
 
     base = load_base_model(str(tiny_model_dirs["llama"]), dtype="float32", device="cpu")
     data = write_task_data(tmp_path / "data", "a", rows=16)
-    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out", [job_dict("a", data, 8, max_seq_len=32)],
-                    step_tokens=256)
-    (submission,) = spec.submissions()
+    spec = run_spec(str(tiny_model_dirs["llama"]), tmp_path / "out",
+                    [job_dict(name, data, 8, max_seq_len=32) for name in ("a", "b")], step_tokens=256)
     loop = TrainerLoop(base, TrainerConfig(base_model=spec.base_model, step_tokens=256), "trainer-0", tmp_path / "s")
     loop.desk.open("model-job", "alice:train:0", 4, owner="alice", output_dir=str(tmp_path / "model"))
-    loop.assign(assignment_for(submission, "a", base.tokenizer))
+    for submission in spec.submissions():   # two jobs: a step's second is admitted by the memory plan (fits)
+        loop.assign(assignment_for(submission, submission.job.name, base.tokenizer))
     stepped = 0
     while stepped < 3:   # the measured steps take no call
         stepped += loop.run_once(idle_wait=0.05) is not None

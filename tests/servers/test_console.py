@@ -113,6 +113,13 @@ def log_in(browser, console: Console, user: str):
     return page
 
 
+def one_job_yaml(base, name: str, data, prompt: str) -> str:
+    """A jobs file of one two-step job of `prompt` (its data line is line 4)."""
+    return (f"base_model: {base}\njobs:\n  - name: {name}\n    data: {data}\n"
+            f"    format: {{type: prompt_response, prompt: '{prompt}', response: ' {{answer}}'}}\n"
+            "    batch_size: 2\n    max_seq_len: 128\n    max_steps: 2\n")
+
+
 def shot(page, console: Console, name: str) -> None:
     page.screenshot(path=str(console.shots / f"{name}.png"))
 
@@ -290,9 +297,7 @@ def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> l
             assert field in page.text_content("#submit-error ul")
     shot(page, console, "submit-error")
     # a data row that does not fit its job's format: the job's data line marked, the file's row and field said
-    typo = (f"base_model: {console.base}\njobs:\n  - name: typo\n    data: {console.data}\n"
-            "    format: {type: prompt_response, prompt: 'Q: {questio}', response: ' {answer}'}\n"
-            "    batch_size: 2\n    max_seq_len: 128\n    max_steps: 2\n")
+    typo = one_job_yaml(console.base, "typo", console.data, "Q: {questio}")
     page.fill("#jobs-yaml", typo)
     page.click("form button[type=submit]")
     page.wait_for_selector(".gutter span[data-line='4'].marked")
@@ -302,9 +307,7 @@ def _submitted_yaml_is_checked_line_by_line(page, console, alice, long_job) -> l
     assert message.endswith("(fix the rows or the format, then submit again)")
     assert "jobs.0.data" in page.text_content("#submit-error ul")
     before = {r.id for r in alice.jobs()}
-    good = (f"base_model: {NOBODYS_MODEL}\njobs:\n  - name: from-the-console\n    data: {console.data}\n"
-            "    format: {type: prompt_response, prompt: 'Q: {question}', response: ' {answer}'}\n"
-            "    batch_size: 2\n    max_seq_len: 128\n    max_steps: 2\n")
+    good = one_job_yaml(NOBODYS_MODEL, "from-the-console", console.data, "Q: {question}")
     page.fill("#jobs-yaml", good)
     page.click("form button[type=submit]")
     page.wait_for_selector("#submit-result .ok")

@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.service.accounts.users import UserBook
 from orchestrator.http.api import create_app
 from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
 from tests.helpers.http_server import running_server
@@ -90,15 +89,6 @@ def test_rows_that_do_not_fit_are_refused_with_the_facts_aspen_submit_gives(api,
     assert held_out.status_code == 422 and held_out.json()["errors"][0]["loc"] == ["eval_split"], held_out.text
     assert "leaving none to train on" in held_out.json()["detail"]
     assert api.table() == before
-
-
-@pytest.fixture()
-def users(api) -> UserBook:
-    book = UserBook.in_state_dir(api.state_dir)
-    try:
-        yield book
-    finally:
-        book.path.unlink(missing_ok=True)
 
 
 def test_a_users_rows_are_read_only_where_they_may_read(api, users, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,17 +19,6 @@ from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import Conflict, HttpClient, SpecRefused
 from tests.helpers.http_server import NOBODYS_MODEL, running_server
 from tests.helpers.service import job_dict, wait_for, write_task_data
-
-
-@pytest.fixture()
-def users(api, tmp_path) -> Iterator[UserBook]:
-    """The service's users file (its state folder's: the scheduler checks each job's user and data there),
-    removed after the test."""
-    book = UserBook.in_state_dir(api.state_dir)
-    try:
-        yield book
-    finally:
-        book.path.unlink(missing_ok=True)
 
 
 def test_each_user_sees_and_acts_on_their_own_jobs_only(api, users, tmp_path):

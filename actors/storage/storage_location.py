@@ -2,9 +2,9 @@
 
 A storage URI: `s3://bucket/prefix`, `gs://bucket/prefix`, `file:///mnt/shared/x`, ...; `StorageLocation(uri)`
 with `.child(name)`, `.read_bytes(name)`, `.write_bytes(name, data)`, `.exists(name)`, `.list(name)`,
-`.delete()`, `.upload_file(local, name)`, `.download_file(name, local)`, `.upload_folder(local, name)`,
-`.check_writable()`; `read_uri_bytes(uri)`, one object (a job's dataset). Ray-free and torch-free; a failure is
-a StorageError (actors/storage/storage_errors.py) naming the URI and the fix.
+`.modified_at(name)`, `.delete()`, `.upload_file(local, name)`, `.download_file(name, local)`,
+`.upload_folder(local, name)`, `.check_writable()`; `read_uri_bytes(uri)`, one object (a job's dataset). Ray-free
+and torch-free; a failure is a StorageError (actors/storage/storage_errors.py) naming the URI and the fix.
 
 S3 settings come from the standard environment: credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
 (/ AWS_SESSION_TOKEN, ~/.aws, instance roles, as the AWS SDK finds them), the region from AWS_REGION /
@@ -30,6 +30,7 @@ CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 60.0   # a request that transfers nothing this long fails (the AWS SDK's default, 3 s, fails
                            # requests to a busy store: it is curl's low-speed time on Linux)
 S3_ATTEMPTS = 3
+WRITE_PROBE = ".aspen-write-check-"   # the small object `check_writable` writes and deletes
 
 
 def _s3_settings() -> dict[str, Any]:
@@ -163,6 +164,14 @@ class StorageLocation:
         except OSError as error:
             raise _explain(self._uri(name), "looking it up", error) from error
 
+    def modified_at(self, name: str = "") -> float | None:
+        """When `name` was last written (seconds since the epoch), None where the store does not say."""
+        try:
+            when = self.fs.get_file_info(self._full(name)).mtime
+        except OSError as error:
+            raise _explain(self._uri(name), "looking it up", error) from error
+        return None if when is None else when.timestamp()
+
     def read_bytes(self, name: str = "") -> bytes:
         """The whole object; FileNotFoundError (a StorageError) when it is not there."""
         try:
@@ -237,7 +246,7 @@ class StorageLocation:
     def check_writable(self) -> None:
         """Write and delete a small object: a StorageError naming the fix when the URI takes no writes (no
         bucket, no credentials, no permission, no endpoint)."""
-        probe = f".aspen-write-check-{uuid.uuid4().hex[:8]}"
+        probe = f"{WRITE_PROBE}{uuid.uuid4().hex[:8]}"
         self.write_bytes(probe, b"ok\n")
         self.delete(probe)
 

@@ -3,7 +3,8 @@ checkpoint, `metrics.jsonl`), read without torch, so that a job no table knows t
 was copied or moved, its table deleted, its job forgotten) is refused before it trains over them: the service's
 submissions (actors/service/scheduler/submissions.py) and `aspen run`'s plan (orchestrator/run_plan.py) say what was
 found, whose it was and at which step. Other files in the folder (a README, data) are not outputs: a folder holding
-only those is written to as any other."""
+only those is written to as any other. A storage URI's folder is looked into the same way: its adapter, its checkpoint
+pointer (actors/storage/checkpoint_mirror.py) and metrics.jsonl, as its jobs upload them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from pathlib import Path
 from actors.checkpoint.peft_names import METADATA_NAME, WEIGHTS_NAME
 from actors.checkpoint.state import STATE_NAME, Invalid, previous_folder, read_state, saved_step
 from actors.service.outputs.job_files import CHECKPOINT_FOLDER, METRICS_NAME
+from actors.storage.checkpoint_mirror import POINTER_NAME, read_pointer
+from actors.storage.storage_errors import CorruptCheckpoint
+from actors.storage.storage_location import StorageLocation
 from actors.storage.storage_uri import is_uri
 
 
@@ -24,12 +28,12 @@ class EarlierOutputs:
     adapter's step (aspen.json); `checkpoint_step`, the newest valid checkpoint's; `found`, what was found, in words;
     `written_at`, the newest modification time of those files (a copy made with `cp -r` has its copy's)."""
 
-    folder: Path
+    folder: Path | str   # a storage URI's as its string
     job: str | None = None
     step: int | None = None
     checkpoint_step: int | None = None
     found: list[str] = field(default_factory=list)
-    written_at: float = 0.0
+    written_at: float | None = 0.0   # None where a store does not say
 
     def describe(self) -> str:
         """'job 'first' at step 20: its adapter (aspen.json), a checkpoint at step 20, metrics.jsonl (20 rows); last
@@ -37,15 +41,17 @@ class EarlierOutputs:
         whose = f"job '{self.job}'" if self.job else "a job"
         step = self.step if self.step is not None else self.checkpoint_step
         at = f" at step {step}" if step is not None else ""
+        if self.written_at is None:
+            return f"{whose}{at}: {', '.join(self.found)}"
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.written_at))
         return f"{whose}{at}: {', '.join(self.found)}; last written {when}"
 
 
 def earlier_outputs(folder: Path | str) -> EarlierOutputs | None:
     """The outputs an aspen job left in `folder`, or None where it holds none (no folder, an empty one, one holding
-    other files only). A storage URI is not looked into (None): its objects are read when its job starts."""
+    other files only). A storage URI's objects are read (StorageError where they cannot be)."""
     if is_uri(str(folder)):
-        return None
+        return _at_uri(str(folder))
     folder = Path(folder)
     if not folder.is_dir():
         return None
@@ -83,6 +89,58 @@ def earlier_outputs(folder: Path | str) -> EarlierOutputs | None:
     return EarlierOutputs(folder=folder, job=str(job) if job else checkpoint_job,
                           step=step if isinstance(step, int) else None, checkpoint_step=checkpoint_step, found=found,
                           written_at=max(path.stat().st_mtime for path in seen))
+
+
+def _at_uri(uri: str) -> EarlierOutputs | None:
+    """`earlier_outputs` of a storage URI's folder: its adapter, the checkpoint its pointer names (the job's id from
+    that upload's state.json), its metrics.jsonl."""
+    location = StorageLocation(uri)
+    names = set(location.list())
+    found: list[str] = []
+    seen: list[str] = []
+    metadata = _parsed(location.read_bytes(METADATA_NAME)) if METADATA_NAME in names else None
+    if metadata is not None:
+        found.append("its adapter (aspen.json)" if WEIGHTS_NAME in names else "aspen.json")
+        seen.append(METADATA_NAME)
+    elif WEIGHTS_NAME in names:
+        found.append(f"an adapter ({WEIGHTS_NAME})")
+        seen.append(WEIGHTS_NAME)
+    checkpoint_job, checkpoint_step = None, None
+    if POINTER_NAME in names:
+        seen.append(POINTER_NAME)
+        try:
+            pointer = read_pointer(location)
+        except CorruptCheckpoint:
+            found.append("a checkpoint (its pointer not readable)")
+        else:
+            checkpoint_step = pointer["step"]
+            found.append(f"a checkpoint at step {checkpoint_step}")
+            upload = f"{pointer['upload']}/{STATE_NAME}"
+            state = _parsed(location.read_bytes(upload)) if location.exists(upload) else None
+            job = state.get("job") if state else None
+            checkpoint_job = job if isinstance(job, str) and job else None
+    if METRICS_NAME in names:
+        rows = sum(1 for line in location.read_bytes(METRICS_NAME).splitlines() if line.strip())
+        if rows:
+            found.append(f"{METRICS_NAME} ({rows} rows)")
+            seen.append(METRICS_NAME)
+    if not found:
+        return None
+    job = metadata.get("job_id") if metadata else None
+    step = metadata.get("step") if metadata else None
+    times = [when for when in (location.modified_at(name) for name in seen) if when is not None]
+    return EarlierOutputs(folder=uri, job=str(job) if job else checkpoint_job,
+                          step=step if isinstance(step, int) else None, checkpoint_step=checkpoint_step, found=found,
+                          written_at=max(times) if times else None)
+
+
+def _parsed(data: bytes) -> dict:
+    """A JSON object's dict; {} where `data` is not one."""
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _metadata(path: Path) -> dict | None:

@@ -17,8 +17,9 @@ from typing import Any
 
 from actors.checkpoint.peft_names import CONFIG_NAME, METADATA_NAME, WEIGHTS_NAME
 from actors.checkpoint.state import OPTIMIZER_NAME
+from actors.storage.checkpoint_mirror import POINTER_NAME, UPLOADS_FOLDER
 from actors.storage.durable import append_whole, write_durably
-from actors.storage.storage_location import StorageLocation
+from actors.storage.storage_location import WRITE_PROBE, StorageLocation
 from actors.storage.storage_uri import is_uri
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,15 @@ METRICS_NAME = "metrics.jsonl"
 GENERATIONS_NAME = "generations.jsonl"   # each eval_generate evaluation's rows: what the adapter wrote, its score
 CHECKPOINT_FOLDER = "checkpoint"   # the job's newest checkpoint (actors/checkpoint.py), in its folder
 REFERENCE_FOLDER = "reference"     # its frozen reference adapter, a PEFT folder (JobSpec.reference_adapter)
-# what aspen writes in a job's folder (`aspen_output`): its adapter, metrics, generations, checkpoint, reference adapter
-# and, for a Tinker model, its state (actors/checkpoint/interactive_state.py)
+TENSORBOARD_FOLDER = "tb"          # its TensorBoard events (tracking: {tensorboard: true})
+# what aspen writes in a job's folder (`aspen_output`): its adapter, metrics, generations, checkpoint, reference
+# adapter, TensorBoard events and, for a Tinker model, its state (actors/checkpoint/interactive_state.py); a local
+# MLflow store (`mlruns`) keeps every run's history, so it is not cleared
 JOB_OUTPUT_NAMES = frozenset({METADATA_NAME, WEIGHTS_NAME, CONFIG_NAME, METRICS_NAME, GENERATIONS_NAME,
-                              CHECKPOINT_FOLDER, REFERENCE_FOLDER, "interactive_state.json", OPTIMIZER_NAME})
+                              CHECKPOINT_FOLDER, REFERENCE_FOLDER, TENSORBOARD_FOLDER, "interactive_state.json",
+                              OPTIMIZER_NAME})
+# and in a storage URI's folder: the checkpoint pointer and its uploads (actors/storage/checkpoint_mirror.py)
+URI_OUTPUT_NAMES = JOB_OUTPUT_NAMES | {POINTER_NAME, UPLOADS_FOLDER}
 IO_ATTEMPTS = 3   # consecutive failed writes in a job's folder before the job fails
 
 
@@ -205,11 +211,15 @@ def metrics_rows(steps: list[dict[str, Any]], evals: list[tuple[int, float]],
     return sorted(rows.values(), key=lambda row: row["step"])
 
 
-def aspen_output(name: str) -> bool:
+def aspen_output(name: str, *, uri: bool = False) -> bool:
     """Whether a job folder's entry `name` is one aspen writes there: its adapter (PEFT's two files, aspen.json), its
-    metrics and generations, its checkpoint and reference folders, a Tinker model's state, and their staging, previous
-    and temporary copies (`.checkpoint.previous`, `checkpoint.partial-*`, `.upload-*`, `.<name>.<hex>.tmp`)."""
-    if name in JOB_OUTPUT_NAMES or name.startswith((f"{CHECKPOINT_FOLDER}.partial-", ".upload-")):
+    metrics and generations, its checkpoint and reference folders, its TensorBoard events, a Tinker model's state, and
+    their staging, previous and temporary copies (`.checkpoint.previous`, `checkpoint.partial-*`, `.upload-*`,
+    `.<name>.<hex>.tmp`); in a storage URI's folder (`uri`) also the checkpoint pointer, its uploads and the write
+    check's probe (`.aspen-write-check-*`)."""
+    if name in (URI_OUTPUT_NAMES if uri else JOB_OUTPUT_NAMES):
+        return True
+    if name.startswith((f"{CHECKPOINT_FOLDER}.partial-", ".upload-")) or (uri and name.startswith(WRITE_PROBE)):
         return True
     return name.startswith(".") and any(name[1:].startswith(f"{output}.") for output in JOB_OUTPUT_NAMES)
 
@@ -217,20 +227,26 @@ def aspen_output(name: str) -> bool:
 def clear_job_folder(folder: Path | str) -> None:
     """Delete what an earlier run left in a job's folder (checkpoints, adapter, metrics: `aspen_output`), keeping
     the folder itself (it may be a mount point) and whatever else is in it (a user's own files: notes, data), which
-    is logged; a storage URI's objects under it are deleted (StorageError when they cannot be)."""
+    is logged. A storage URI's folder likewise: only aspen's objects under it are deleted (StorageError when they
+    cannot be)."""
     if is_uri(folder):
-        StorageLocation(str(folder)).delete()
-        return
-    folder = Path(folder)
-    if not folder.is_dir():
-        return
-    kept = []
-    for path in folder.iterdir():
-        if not aspen_output(path.name):
-            kept.append(path.name)
-        elif path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        location = StorageLocation(str(folder))
+        names = location.list()
+        for name in names:
+            if aspen_output(name, uri=True):
+                location.delete(name)
+        kept = [name for name in names if not aspen_output(name, uri=True)]
+    else:
+        folder = Path(folder)
+        if not folder.is_dir():
+            return
+        kept = []
+        for path in folder.iterdir():
+            if not aspen_output(path.name):
+                kept.append(path.name)
+            elif path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     if kept:
         log.info("%s: kept %d entries aspen does not write there (%s)", folder, len(kept), ", ".join(sorted(kept)[:5]))

@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from actors.service.outputs.job_files import TENSORBOARD_FOLDER
 from actors.spec.job_submission import JobSubmission
 from actors.spec.tracking_config import MlflowTracking
 
 log = logging.getLogger(__name__)
 
-TENSORBOARD_FOLDER = "tb"
 MLFLOW_FOLDER = "mlruns"
 JOB_ID_TAG = "aspen.job_id"
 ADAPTER_ARTIFACT_PATH = "adapter"

@@ -5,6 +5,7 @@ A request repeated under the same client-chosen ids returns the jobs it entered 
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -24,8 +25,10 @@ from actors.spec.job_submission import JobSubmission
 from actors.spec.saved_adapter import AdapterFileError, JobAdapter, check_adapter_config
 from actors.spec.trainer_settings import step_tokens_floor
 from actors.spec.user_functions import allowed
+from actors.storage.storage_errors import StorageError
 from actors.storage.storage_uri import StorageURI, as_location, is_uri
 
+log = logging.getLogger(__name__)
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,71}$")
 
 
@@ -403,8 +406,14 @@ def _folder_taken(other: JobRecord, output_dir: Path | StorageURI) -> str:
 def _outputs_there(output_dir: Path | StorageURI) -> None:
     """SubmissionConflict where `output_dir`, which no job of the table writes to or wrote to, holds a job's outputs
     (its adapter, checkpoint or metrics): another run's, copied or moved there, or those of a job forgotten since
-    (actors/service/outputs/earlier_outputs.py). A storage URI is not looked into."""
-    found = earlier_outputs(output_dir) if isinstance(output_dir, Path) else None
+    (actors/service/outputs/earlier_outputs.py). A storage URI that cannot be read from here (the scheduler's node may
+    lack the credentials its trainers have) is logged and taken: the job's trainer checks it when the job starts."""
+    try:
+        found = earlier_outputs(output_dir)
+    except StorageError as error:
+        log.warning("%s was not looked into for an earlier run's outputs (%s); the job is entered and its trainer "
+                    "checks the store when it starts", output_dir, error)
+        return
     if found is not None:
         raise SubmissionConflict(
             f"{output_dir} holds the outputs of a job this service has no record of ({found.describe()}): copied or "

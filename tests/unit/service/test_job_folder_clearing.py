@@ -18,9 +18,10 @@ pytestmark = pytest.mark.unit
 def test_starting_over_clears_the_earlier_runs_outputs_and_keeps_the_users_files(tmp_path, tiny_model_dirs):
     base = str(tiny_model_dirs["llama"])
     data = write_task_data(tmp_path / "rows", "sql")
-    train_locally(run_spec(base, tmp_path / "out", [job_dict("sql", data, 3, checkpoint_every=1)]), progress=False)
+    train_locally(run_spec(base, tmp_path / "out", [job_dict("sql", data, 3, checkpoint_every=1,
+                                                             tracking={"tensorboard": True})]), progress=False)
     folder = tmp_path / "out" / "sql"
-    assert (folder / "checkpoint").is_dir() and (folder / "metrics.jsonl").is_file()
+    assert (folder / "checkpoint").is_dir() and (folder / "metrics.jsonl").is_file() and (folder / "tb").is_dir()
     (folder / "notes.txt").write_text("what I tried\n")
     (folder / "data").mkdir()
     (folder / "data" / "train.jsonl").write_text('{"question": "q", "answer": "a"}\n')
@@ -34,6 +35,7 @@ def test_starting_over_clears_the_earlier_runs_outputs_and_keeps_the_users_files
     assert (folder / "data" / "train.jsonl").is_file() and (folder / ".git").is_dir()
     ours = sorted(path.name for path in folder.iterdir() if aspen_output(path.name))
     assert ours == sorted(path.name for path in (tmp_path / "fresh" / "sql").iterdir())   # as a run in an empty one
+    assert "tb" not in ours   # the first run's TensorBoard events, which a run started over would add its own to
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     fresh = adapter_tensors(tmp_path / "fresh" / "sql")

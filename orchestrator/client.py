@@ -267,7 +267,9 @@ class Client:
 
     def sweep_status(self, name: str) -> dict[str, Any]:
         """`{"name", "state" (running, done, cancelled, failed), "error", "trials": [{"name", "settings", "state",
-        "objective", "steps", "stopped_because"}], "best", ...}`; KeyError for an unknown sweep."""
+        "objective", "steps", "stopped_because", "continued_from"}], "best", ...}`; KeyError for an unknown sweep. A
+        trial whose job was extended or resumed after it ended is `continued` (from step `continued_from`) while it
+        trains again, then ranks by the objective it ends with."""
         return self._request("sweep", name)
 
     def sweeps(self) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from actors.service.table.job_table import JOB_STATES, JobRecord
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 
-TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled")
+TRIAL_STATES = ("pending", "running", "completed", "stopped", "failed", "cancelled", "continued")
 WAIT_CAUSES = ("memory", "slots", "host", "no_trainer", "priority", "quota", "other")
 DECISION_KINDS = ("start", "preempt", "move", *(f"wait_{cause}" for cause in WAIT_CAUSES))
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -212,7 +212,7 @@ class SweepMetrics:
 
     def __init__(self, r: CollectorRegistry):
         self.trials = Gauge("aspen_sweep_trials", "A sweep's trials in each state (pending, running, completed, "
-                            "stopped, failed, cancelled)", ["sweep", "state"], registry=r)
+                            "stopped, failed, cancelled, continued)", ["sweep", "state"], registry=r)
         self.best = Gauge("aspen_sweep_best_objective", "The objective of the sweep's best completed trial (its "
                           "loss: lower is better)", ["sweep"], registry=r)
 

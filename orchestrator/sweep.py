@@ -176,7 +176,16 @@ def trial_line(trial: dict[str, Any], *, started: bool = False) -> str:
         line += f" ({settings_text(trial['settings'])})"
     if trial["state"] != "completed" and trial.get("stopped_because"):
         line += f": {trial['stopped_because']}"
-    return line
+    return line + continued_note(trial)
+
+
+def continued_note(trial: dict[str, Any]) -> str:
+    """What a trial's row says of a job continued after the trial ended (`aspen extend`, `aspen resume`): the step
+    it was continued from; its objective and steps are the continued job's."""
+    if trial.get("continued_from") is None:
+        return ""
+    return f" (continued from step {trial['continued_from']}" + (": training on)" if trial["state"] == "continued"
+                                                                 else ")")
 
 
 def settings_text(settings: dict[str, Any]) -> str:
@@ -201,7 +210,8 @@ def leaderboard_table(board: dict[str, Any]) -> str:
     for trial in board["trials"]:
         objective = f"{trial['objective']:.4f}" if trial["objective"] is not None else "-"
         settings = settings_text(trial["settings"])
-        lines.append(f"{trial['name']:<20}{trial['state']:>11}{trial['steps']:>7}{objective:>11}  {settings}")
+        lines.append(f"{trial['name']:<20}{trial['state']:>11}{trial['steps']:>7}{objective:>11}  {settings}"
+                     + continued_note(trial))
     lines.append(f"best: {board['best'] or 'none (no trial completed)'}")
     return "\n".join(lines)
 

@@ -1,13 +1,13 @@
 """The sweeps a service runs (Ray-free: the scheduler holds one and polls it in its loop).
 
 `add(spec)` takes a validated sweep (a second `add` of the same sweep is the same sweep: it answers with it;
-the same name with other settings is refused), `poll_all()` advances each unfinished one
-(`actors/service/sweeps/sweep_driver.py`), `status(name)` / `all()` answer with the leaderboard, `cancel(name)` stops
-one. Each sweep's spec and state live in `<state_dir>/sweeps/<name>.json`, so a restarted scheduler carries
-on every sweep where it was; when a trial ends and when the sweep ends, `leaderboard.json` and `report.png`
-(every trial's objective over its steps, stopped trials marked) are written to the sweep's output folder. A
-sweep whose poll fails (its state file cannot be written, a searcher raised) is marked failed with the error
-and the others go on."""
+the same name with other settings is refused), `poll_all()` advances each one (a done one: only a trial its user
+continued; `actors/service/sweeps/sweep_driver.py`), `status(name)` / `all()` answer with the leaderboard,
+`cancel(name)` stops one. Each sweep's spec and state live in `<state_dir>/sweeps/<name>.json`, so a restarted
+scheduler carries on every sweep where it was; when a trial ends (or is continued: `aspen extend`, `aspen resume`;
+and ends again) and when the sweep ends, `leaderboard.json` and `report.png` (every trial's objective over its
+steps, stopped trials marked) are written to the sweep's output folder. A sweep whose poll fails (its state file
+cannot be written, a searcher raised) is marked failed with the error and the others go on."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class SweepBook:
         self.jobs = jobs
         self.drivers: dict[str, SweepDriver] = {}
         self.errors: dict[str, str] = {}
-        self.ended_seen: dict[str, int] = {}
+        self.ended_seen: dict[str, tuple] = {}
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
             try:
                 spec = SweepSpec.model_validate(json.loads(path.read_text())["spec"], context={STORED: True})
@@ -70,12 +70,12 @@ class SweepBook:
 
     def poll_all(self) -> None:
         for name, driver in self.drivers.items():
-            if name in self.errors or driver.done and self.ended_seen.get(name) == self._ended(driver):
+            if name in self.errors:   # a done sweep is polled too: a trial of it its user continues is followed
                 continue
             try:
                 driver.poll()
                 ended = self._ended(driver)
-                if ended != self.ended_seen.get(name):     # a trial ended: the results on disk follow
+                if ended != self.ended_seen.get(name):   # a trial ended (or was continued): the results on disk follow
                     self.ended_seen[name] = ended
                     self._write_results(driver)
             except Exception as error:   # one sweep's failure is its own (logged, in its status); the others go on
@@ -107,8 +107,10 @@ class SweepBook:
             raise KeyError(f"no sweep named '{name}' (sweeps: {', '.join(sorted(self.drivers)) or 'none'})") from None
 
     @staticmethod
-    def _ended(driver: SweepDriver) -> int:
-        return sum(t.state not in ("pending", "running") for t in driver.run.trials.values())
+    def _ended(driver: SweepDriver) -> tuple:
+        """The trials that ended as they ended (a continued one: that it was continued)."""
+        return tuple((name, t.state, t.objective if t.state != "continued" else None)
+                     for name, t in driver.run.trials.items() if t.state not in ("pending", "running"))
 
     def _write_results(self, driver: SweepDriver) -> None:
         folder = Path(driver.spec.output_dir)

@@ -8,7 +8,9 @@ a trial's slot goes to the next one as soon as it ends. The sweep's state (its t
 records, the searcher's state and which job each trial is) is written to its state file after every change,
 so a driver built again on that file (a restarted scheduler) carries on where it stopped: finished trials are
 left alone, a trial whose job the service still has is followed again, a trial started but lost is started
-again."""
+again. An ended trial whose job its user continues (`aspen extend` raises its max_steps, `aspen resume`) is followed
+again too, done sweep or not: its row says `continued` while its job trains, and takes the objective and steps
+it ends with (`SweepRun.continued`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.service.sweeps.sweep_run import SweepRun
+from actors.service.sweeps.sweep_run import CONTINUED, ENDED, SweepRun
 from actors.spec.job_spec import JobSpec
 from actors.spec.sweep_spec import SweepSpec
 from actors.storage.durable import write_durably
@@ -53,6 +55,7 @@ class SweepDriver:
         self.job_ids: dict[str, str] = {}      # trial name -> the service's job id
         self.reported: dict[str, int] = {}     # trial name -> the last step handed to the sweep
         self.training_step: dict[str, int] = {}   # a running trial's job's step now (shown live; not saved)
+        self.ended_jobs: set[str] = set()   # trials whose job was seen ended: one queued again is continued
         self.cancelled = False
         state = self._read_state()
         try:
@@ -62,6 +65,7 @@ class SweepDriver:
         if state:
             self.job_ids, self.reported = dict(state["job_ids"]), dict(state["reported"])
             self.cancelled = bool(state.get("cancelled"))
+            self.ended_jobs = set(state.get("ended_jobs", ()))
             self._readopt()
 
     def _read_state(self) -> dict | None:
@@ -74,17 +78,21 @@ class SweepDriver:
                                   "sweep afresh") from None
 
     def _readopt(self) -> None:
-        """After a restart: a running trial whose job the service no longer has starts again."""
+        """After a restart: a running trial whose job the service no longer has starts again; a continued one ends
+        cancelled (the sweep's part of it ended before)."""
         known = self.jobs.job_ids()
         for name, trial in self.run.trials.items():
-            if trial.state == "running" and self.job_ids.get(name) not in known:
+            if trial.state == CONTINUED and self.job_ids.get(name) not in known:
+                self.run.ended(name, "cancelled", trial.steps, "its job, continued after it ended, is no longer in "
+                                                               "the service")
+            elif trial.state == "running" and self.job_ids.get(name) not in known:
                 trial.state = "pending"
                 self.job_ids.pop(name, None)
                 self.reported.pop(name, None)
 
     def state_dict(self) -> dict[str, Any]:
         return {"run": self.run.state_dict(), "job_ids": self.job_ids, "reported": self.reported,
-                "cancelled": self.cancelled}
+                "cancelled": self.cancelled, "ended_jobs": sorted(self.ended_jobs)}
 
     def save(self) -> None:
         """The spec and the state, written whole and durably (`durable.write_durably`)."""
@@ -106,7 +114,11 @@ class SweepDriver:
         if not self.cancelled:
             self._start(self.run.to_start())
         for name, trial in self.run.trials.items():
-            if trial.state != "running" or name not in self.job_ids:
+            if name not in self.job_ids:
+                continue
+            if trial.state in ENDED:
+                self._follow_ended(name)
+            if trial.state not in ("running", CONTINUED):
                 continue
             job_id = self.job_ids[name]
             record = self.jobs.status(job_id)   # before its losses: a job that ended has them all written
@@ -116,19 +128,36 @@ class SweepDriver:
                 if step <= self.reported.get(name, 0):
                     continue
                 self.reported[name] = step
+                if trial.state == CONTINUED:
+                    self.run.report_continued(name, step, objective)
+                    continue
                 decision = self.run.report(name, step, objective, live=live)
                 if trial.state == "stopped":
                     self._cancel(job_id, f"stopped by sweep '{self.spec.name}': "
                                          f"{decision.reason if decision else trial.stopped_because}")
                     self.say(f"{name}: stopped at step {step}: {trial.stopped_because}")
                     break
-            if trial.state == "running" and record.state in ENDS:
+            if trial.state in ("running", CONTINUED) and record.state in ENDS:
+                self.ended_jobs.add(name)
                 self.run.ended(name, ENDS[record.state], record.step, record.reason)
                 self.say(f"{name}: {trial.state} at step {record.step}"
                          + (f", objective {trial.objective:.4f}" if trial.objective is not None else ""))
         if self._marker() != before:
             self.save()
         return self.done
+
+    def _follow_ended(self, name: str) -> None:
+        """An ended trial's job: noted once it has ended (a stopped trial's job ends when its cancel lands), and the
+        trial continued where its job is queued or trains again after that (its user extended or resumed it)."""
+        try:
+            record = self.jobs.status(self.job_ids[name])
+        except KeyError:   # its job was deleted: its row stays as the trial ended
+            return
+        if record.state in ENDS:
+            self.ended_jobs.add(name)
+        elif name in self.ended_jobs:
+            self.run.continued(name)
+            self.say(f"{name}: continued from step {self.run.trials[name].steps} ({record.reason or record.state})")
 
     def _start(self, starting: list[JobSpec]) -> None:
         """Submit the trials' jobs. One the service refuses (its settings: a rank whose adapter fits no trainer's
@@ -148,18 +177,18 @@ class SweepDriver:
                 raise
 
     def leaderboard(self) -> dict[str, Any]:
-        """The run's leaderboard, each running trial with its job's step now (`steps`: between the objectives
-        it reports, a trial trains on)."""
+        """The run's leaderboard, each running (or continued) trial with its job's step now (`steps`: between the
+        objectives it reports, a trial trains on)."""
         board = self.run.leaderboard()
         for trial in board["trials"]:
-            if trial["state"] == "running":
+            if trial["state"] in ("running", CONTINUED):
                 trial["steps"] = max(trial["steps"], self.training_step.get(trial["name"], 0))
         return board
 
     def _marker(self) -> tuple:
         """What a poll can change: the trials' jobs, the steps handed on, each trial's state and steps (the
         searcher and the stopping rules change only with these)."""
-        return (tuple(self.job_ids.items()), tuple(self.reported.items()), self.cancelled,
+        return (tuple(self.job_ids.items()), tuple(self.reported.items()), self.cancelled, len(self.ended_jobs),
                 tuple((name, t.state, t.steps) for name, t in self.run.trials.items()))
 
     def cancel(self, reason: str) -> None:

@@ -26,17 +26,19 @@ from policies.sweep.trial_forecast import TrialForecast
 
 ACTIVE = ("running",)
 ENDED = ("completed", "stopped", "failed", "cancelled")
+CONTINUED = "continued"   # its job, ended, was queued again (`aspen extend`, `aspen resume`): the row follows it
 
 
 @dataclass
 class Trial:
     name: str
     settings: dict[str, Any]
-    state: str = "pending"            # pending | running | completed | stopped | failed | cancelled
+    state: str = "pending"            # pending | running | completed | stopped | failed | cancelled | continued
     objective: float | None = None    # the last one reported (once it ends keeping its best: the best one)
     best: float | None = None         # the best one reported (what a trial keeping its best adapter ends with)
     steps: int = 0                    # optimizer steps at the last report or end
     stopped_because: str | None = None
+    continued_from: int | None = None   # the steps it had when its ended job was continued (None: never was)
 
 
 class SweepRun:
@@ -92,10 +94,7 @@ class SweepRun:
         trial = self._trial(name)
         if trial.state != "running":
             return None   # a report that crossed the trial's end: already decided
-        trial.objective, trial.steps = objective, step
-        if not math.isnan(objective) and (trial.best is None or (objective > trial.best if self.spec.mode == "max"
-                                                                  else objective < trial.best)):
-            trial.best = objective
+        self._note(trial, step, objective)
         self.searcher.on_result(name, step, objective)
         decision = self.halving.report(name, step, objective) if self.halving is not None else None
         forecast = self.forecast.report(name, step, objective) if self.forecast is not None else None
@@ -114,27 +113,47 @@ class SweepRun:
         return decision or HalvingDecision(True, None, None, reason)
 
     def ended(self, name: str, state: str, steps: int | None = None, reason: str | None = None) -> None:
-        """How a trial's job ended (completed, failed, cancelled); a trial already stopped stays stopped."""
+        """How a trial's job ended (completed, failed, cancelled); a trial already stopped stays stopped. A continued
+        trial's end is its row's alone: the searcher and the stopping rules keep what it gave within the sweep."""
         if state not in ENDED:
             raise ValueError(f"a trial ends completed, stopped, failed or cancelled, not {state!r}")
         trial = self._trial(name)
         if trial.state in ENDED:
             return
-        trial.state = state
+        again, trial.state = trial.state == CONTINUED, state
         trial.steps = steps if steps is not None else trial.steps
         if state == "completed" and self.spec.keeps_best and trial.best is not None:
             trial.objective = trial.best   # the adapter it ends with is its best evaluation's (job.keep_best)
         if state != "completed":
             trial.stopped_because = reason or state
-        elif self.forecast is not None:
+        if again:
+            return
+        if state == "completed" and self.forecast is not None:
             self.forecast.finished(name, trial.objective)
         self.searcher.on_complete(name, trial.objective if state in ("completed", "stopped") else None)
+
+    def continued(self, name: str) -> None:
+        """An ended trial's job was queued again by its user (`aspen extend` raised its max_steps, `aspen resume`):
+        its row says so (`continued`, from its steps then) until it ends again (`ended`), its objectives meanwhile
+        from `report_continued`. It holds none of the sweep's `max_concurrent` slots."""
+        trial = self._trial(name)
+        if trial.state not in ENDED:
+            raise ValueError(f"trial {name} is {trial.state}; only an ended trial is continued")
+        trial.state, trial.continued_from, trial.stopped_because = CONTINUED, trial.steps, None
+
+    def report_continued(self, name: str, step: int, objective: float) -> None:
+        """A continued trial's objective after `step` steps: its row's (the trial has had its say in the sweep:
+        neither the searcher nor the stopping rules hear it, nor stop it; its user asked for these steps)."""
+        trial = self._trial(name)
+        if trial.state != CONTINUED:
+            return
+        self._note(trial, step, objective)
 
     @property
     def done(self) -> bool:
         """Every trial suggested has ended and no more will be (the sweep's count reached, or the searcher
-        finished)."""
-        return (len(self.trials) >= self.total or self.finished) and all(t.state in ENDED
+        finished); a trial continued by its user after it ended does not reopen the sweep (its row follows it)."""
+        return (len(self.trials) >= self.total or self.finished) and all(t.state in (*ENDED, CONTINUED)
                                                                        for t in self.trials.values())
 
     # -- results ----------------------------------------------------------------------------------
@@ -187,6 +206,13 @@ class SweepRun:
         if run.forecast is not None and state.get("forecast"):
             run.forecast.load_state_dict(state["forecast"])
         return run
+
+    def _note(self, trial: Trial, step: int, objective: float) -> None:
+        """A trial's objective at `step`: its last one, and its best one where it is better."""
+        trial.objective, trial.steps = objective, step
+        if not math.isnan(objective) and (trial.best is None or (objective > trial.best if self.spec.mode == "max"
+                                                                  else objective < trial.best)):
+            trial.best = objective
 
     def _trial(self, name: str) -> Trial:
         try:

@@ -224,3 +224,73 @@ def test_a_trial_the_service_refuses_fails_alone_saying_why_and_the_sweep_goes_o
     assert trials[64]["state"] == "running"
     assert [record.name for record in table.all()] == [trials[64]["name"]]
     table.close()
+
+
+def test_a_trial_extended_after_it_ended_is_followed_by_the_leaderboard_to_its_new_end(tmp_path):
+    """A done sweep's trial continued to a larger max_steps through the service's own extend (what `aspen extend`,
+    `POST /v1/jobs/{job}/extend` and `Client.raise_max_steps` call), over the real scheduler core and job table, its
+    job's steps and evaluations written as a trainer's reports write them: its row kept the objective it first
+    ended with, unmarked; it says `continued` while the job trains on, then takes the objective it ends with and
+    ranks by it, on the status and in leaderboard.json; the searcher is not told again."""
+    from actors.service.scheduler.config import TrainerConfig
+    from actors.service.scheduler.scheduler_core import SchedulerCore
+    from actors.service.sweeps.scheduler_jobs import SchedulerJobs
+    from actors.service.table.job_table import JobTable
+    from orchestrator.sweep import leaderboard_table
+    from policies.fifo import FifoPolicy
+
+    (tmp_path / "qa.jsonl").write_text('{"instruction": "q", "output": "a"}\n' * 8)
+    table = JobTable(tmp_path / "state/jobs.sqlite")
+    core = SchedulerCore(table, FifoPolicy(), tmp_path / "state",
+                         trainers=[TrainerConfig(base_model="smollm2-135m", step_tokens=512)])
+    book = SweepBook(tmp_path / "state", SchedulerJobs(core, table, cancel=lambda job_id, reason: None))
+    book.add(SweepSpec(name="ext", output_dir=str(tmp_path / "ext"), job=JOB | {"data": str(tmp_path / "qa.jsonl"),
+                                                                              "max_seq_len": 64},
+                       search="grid", max_concurrent=2, space={"lr": {"choice": [1e-3, 1e-2]}}))
+    book.poll_all()
+    ids = {record.name: record.id for record in table.all()}
+    assert sorted(ids) == ["qa-t0", "qa-t1"]
+
+    def train(job_id: str, evals: dict[int, float], end: str | None = "completed") -> None:
+        table.set_state(job_id, "running", "training")
+        for step, loss in evals.items():
+            table.progress.add(job_id, {"step": step, "loss": loss})
+            table.progress.add_eval(job_id, step, loss)
+            table.update(job_id, step=step)
+        if end is not None:
+            table.set_state(job_id, end, "reached max_steps")
+        book.poll_all()
+
+    train(ids["qa-t0"], {4: 0.8, 8: 0.6})
+    train(ids["qa-t1"], {4: 0.7, 8: 0.5})
+    status = book.status("ext")
+    assert status["state"] == "done" and status["best"] == "qa-t1"
+    assert [(t["name"], t["objective"]) for t in status["trials"]] == [("qa-t1", 0.5), ("qa-t0", 0.6)]
+    told = book.drivers["ext"].run.searcher.state()
+
+    earlier = table.submission(ids["qa-t0"])   # Client.raise_max_steps's submission: only max_steps raised
+    core.extend(ids["qa-t0"], earlier.model_copy(update={"job": earlier.job.model_copy(update={"max_steps": 16})}),
+                "max_steps raised to 16")
+    book.poll_all()
+    trial = next(t for t in book.status("ext")["trials"] if t["name"] == "qa-t0")
+    assert trial["state"] == "continued" and trial["continued_from"] == 8 and trial["objective"] == 0.6, trial
+    assert book.status("ext")["best"] == "qa-t1"
+    on_disk = json.loads((tmp_path / "ext" / "leaderboard.json").read_text())
+    assert {t["name"]: t["state"] for t in on_disk["trials"]} == {"qa-t0": "continued", "qa-t1": "completed"}
+    assert "continued from step 8" in leaderboard_table(book.status("ext"))
+
+    train(ids["qa-t0"], {12: 0.45}, end=None)   # while it trains on: its objectives and its job's steps
+    trial = next(t for t in book.status("ext")["trials"] if t["name"] == "qa-t0")
+    assert (trial["state"], trial["objective"], trial["steps"]) == ("continued", 0.45, 12)
+    train(ids["qa-t0"], {16: 0.3})
+    status = book.status("ext")
+    assert status["best"] == "qa-t0" and status["state"] == "done"
+    assert [(t["name"], t["state"], t["objective"], t["steps"]) for t in status["trials"]] == [
+        ("qa-t0", "completed", 0.3, 16), ("qa-t1", "completed", 0.5, 8)]
+    assert status["trials"][0]["continued_from"] == 8 and status["trials"][0]["stopped_because"] is None
+    on_disk = json.loads((tmp_path / "ext" / "leaderboard.json").read_text())
+    assert on_disk == {"name": "ext", "trials": status["trials"], "best": "qa-t0"}
+    assert book.drivers["ext"].run.searcher.state() == told
+    again = SweepBook(tmp_path / "state", SchedulerJobs(core, table, cancel=lambda job_id, reason: None))
+    assert again.status("ext")["trials"] == status["trials"]   # a restarted scheduler shows the same
+    table.close()

@@ -28,7 +28,8 @@ def test_a_sweep_finds_the_planted_best_and_stops_the_weak():
     assert all(t["steps"] < JOB["max_steps"] for t in stopped)                 # stopped early, slots freed
     assert set(states.values()) <= {"completed", "stopped"} and run.done
     assert board["trials"][0]["name"] == expected.name                         # best first
-    assert set(board["trials"][0]) == {"name", "settings", "state", "objective", "steps", "stopped_because"}
+    assert set(board["trials"][0]) == {"name", "settings", "state", "objective", "steps", "stopped_because",
+                                        "continued_from"}
 
 
 def test_a_generation_metric_is_maximised_by_halving_and_leaderboard():

@@ -21,7 +21,9 @@ async function detail(name, box) {
       ? el("a", { href: `#/jobs/${encodeURIComponent(byName.get(t.name).id)}`, text: t.name }) : t.name,
     stateBadge(t.state), num(t.objective), t.steps ?? "–",
     el("code", { text: Object.entries(t.settings || {}).map(([k, v]) => `${k}=${v}`).join(" ") }),
-    t.stopped_because || "–"]), { caption: "Leaderboard (best first)", className: "leaderboard" });
+    t.stopped_because || (t.continued_from != null ? `continued from step ${t.continued_from}` : "–")]),
+  { caption: "Leaderboard (best first; a continued trial: its job extended or resumed after it ended)",
+    className: "leaderboard" });
   const curves = await Promise.all(trials.map(async (t) => {
     const job = byName.get(t.name);
     return job ? { trial: t, rows: await api(jobPath(job.id, "/losses")) } : { trial: t, rows: [] };

@@ -301,6 +301,15 @@ class SchedulerActor:
                 self.core.submissions.check_reader(spec.job, spec.user)
             return self.sweeps.add(spec)
 
+    def check_sweep(self, spec: SweepSpec) -> bool:
+        """What `submit_sweep` would refuse of `spec`, nothing added (the HTTP API asks before it reads the sweep's
+        data rows); True where it would be a new sweep (False: the same sweep as one known, which it answers with)."""
+        expect_type(spec, SweepSpec, "the sweep")
+        with self.lock:
+            if spec.user is not None:
+                self.core.submissions.check_reader(spec.job, spec.user)
+            return self.sweeps.check(spec)
+
     def sweep(self, name: str) -> dict[str, Any]:
         with self.lock:
             return self.sweeps.status(name)

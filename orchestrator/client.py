@@ -265,6 +265,11 @@ class Client:
             raise SpecError(f"expected a sweep file, a dict or a SweepSpec, got {type(spec).__name__}")
         return self._request("submit_sweep", spec)
 
+    def check_sweep(self, spec: SweepSpec) -> bool:
+        """What `sweep` would refuse of a validated sweep (its user's data, its name, its folder), nothing started:
+        the HTTP API asks before it reads the sweep's rows. True where it would start a new sweep."""
+        return self._request("check_sweep", spec)
+
     def sweep_status(self, name: str) -> dict[str, Any]:
         """`{"name", "state" (running, done, cancelled, failed), "error", "trials": [{"name", "settings", "state",
         "objective", "steps", "stopped_because", "continued_from"}], "best", ...}`; KeyError for an unknown sweep. A

@@ -342,11 +342,12 @@ def load_run_spec(path: str | Path, *, check_files: bool = True, for_a_service: 
                           check_files=check_files, for_a_service=for_a_service)
 
 
-def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:
+def check_data_rows(spec: RunSpec, names: set[str] | None = None, *, source: str | None = None) -> None:
     """Every row of the jobs' data (the first rows of a remote or streamed dataset) read and tokenized as its job
     will read them (actors/data/row_check.py), before anything starts: a `SpecError` listing each job's
     first bad row, file:line and field, as the job itself would have failed on it. `names`: only these jobs (those
-    about to train). Reads the base model's tokenizer (not its weights)."""
+    about to train; `source`: the file they are from, named first). Reads the base model's tokenizer (not its
+    weights)."""
     from actors.storage.sources import load_base_tokenizer
 
     jobs = [job for job in spec.jobs if names is None or job.name in names]
@@ -354,7 +355,8 @@ def check_data_rows(spec: RunSpec, names: set[str] | None = None) -> None:
         return
     problems = data_row_problems(jobs, load_base_tokenizer(spec.base_model))
     if problems:
-        raise SpecError("\n".join(f"job '{job.name}': {error}" for job, error in problems)
+        raise SpecError((f"{source}: a row of its data does not fit its job's format\n" if source else "")
+                        + "\n".join(f"job '{job.name}': {error}" for job, error in problems)
                         + "\n(nothing was started: fix the rows or the format, then run again)")
 
 

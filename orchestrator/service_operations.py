@@ -115,6 +115,10 @@ OPERATIONS: tuple[Operation, ...] = (
               request=JobRef),
     Operation("sweep", "start a sweep (or find the same one running)", "sweep", ("POST", "/v1/sweeps"), "sweep",
               request=SweepSpec, response=SweepStatus, spec_argument=True),
+    Operation("check_sweep", "what sweep would refuse, nothing started (the HTTP API's own call, before it reads "
+              "the sweep's rows)", "check_sweep", None, http_client=False,
+              not_on={"http": "POST /v1/sweeps asks it before reading the rows"},
+              request=SweepSpec, spec_argument=True),
     Operation("sweeps", "every sweep with its leaderboard", "sweeps_list", ("GET", "/v1/sweeps"),
               response=list[SweepStatus]),
     Operation("sweep_status", "one sweep: state, trials, best", "sweep", ("GET", "/v1/sweeps/{name}"), "sweep",

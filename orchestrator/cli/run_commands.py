@@ -349,7 +349,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from actors.service.scheduler.config import run_service_config
     from orchestrator.recent_runs import RecentRuns
 
-    config = run_service_config(_sweep_run(spec, args.target[0]))
+    run = _sweep_run(spec, args.target[0])
+    if not args.url:   # its job's rows, as `aspen run` checks a job's (over --url the HTTP API checks them)
+        check_data_rows(run, source=args.target[0])
+    config = run_service_config(run)
     # `aspen sweep status NAME` once its service has ended: the sweep's folder (its leaderboard) is remembered
     RecentRuns().remember(args.target[0], str(spec.output_dir), config.state_dir, sweep=spec.name)
     if args.address or args.url:

@@ -1,10 +1,10 @@
-"""A submission's data rows checked before its jobs are entered, as `aspen submit` checks them
-(orchestrator/jobs_file.py:data_row_problems, actors/data/row_check.py): each job's first row that does not fit its
-format (a template field the rows lack, a row that is not JSON, text the tokenizer cannot encode, rows that all
-truncate away, an eval_split that leaves nothing to train on) refused with a 422 naming the job, the data file's
-row and field and what to write, rather than the job failing on it seconds after it started. A local file is read
-whole, the first `REMOTE_SAMPLE_ROWS` of a storage URI or a streamed dataset, once here (the job reads them again
-as it trains, as after `aspen submit`).
+"""A submission's data rows (a sweep's: its job's) checked before its jobs are entered (its sweep started), as `aspen
+submit` checks them (orchestrator/jobs_file.py:data_row_problems, actors/data/row_check.py): each job's first row
+that does not fit its format (a template field the rows lack, a row that is not JSON, text the tokenizer cannot
+encode, rows that all truncate away, an eval_split that leaves nothing to train on) refused with a 422 naming the
+job, the data file's row and field and what to write, rather than the job failing on it seconds after it started. A
+local file is read whole, the first `REMOTE_SAMPLE_ROWS` of a storage URI or a streamed dataset, once here (the job
+reads them again as it trains, as after `aspen submit`).
 
 Only submissions the service would take are read (`Client.check_submissions` first): a user's request reads no
 data outside where they may read. Where this machine has no tokenizer of a job's base model (a base no trainer
@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from actors.spec.job_submission import JobSubmission
+from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.request_bodies import refusal
 from orchestrator.jobs_file import data_row_problems, yaml_lines
 
@@ -29,9 +30,42 @@ def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str 
     """`Refused` (422) naming each job's first bad row; `single_job`: the body was one job's fields (its problems
     located as `data`, not `jobs.0.data`); `text`: a jobs file's YAML text (each problem then gives the line of its
     job's `data`, which the console marks)."""
+    index_of = {submission.job.name: index for index, submission in enumerate(submissions)}
+    problems = _row_problems(submissions, index_of, single_job)
+    if not problems:
+        return
+    lines = yaml_lines(text) if text and not single_job else {}
+    for problem in problems:
+        line = lines.get(tuple(problem["loc"]))
+        if line is not None:
+            problem["line"] = line
+    problems.sort(key=lambda problem: index_of[problem["job"]])
+    raise refusal(problems, single_job, [submission.job.name for submission in submissions], then=FIX)
+
+
+def check_sweep_rows(spec: SweepSpec, text: str | None = None) -> None:
+    """`Refused` (422) naming the first row of a sweep's data that does not fit its job's format, as `check_rows`
+    names a job's (located at `job.data`, or `job.eval_split`; `text`: the sweep file's YAML, each problem then with
+    the line of that field). The sweep's own job is checked: its trials differ from it only in the space's settings
+    (a space over max_seq_len or the format is checked as the job file gives them)."""
+    submission = JobSubmission(job=spec.job, base_model=spec.base_model, seed=spec.seed, user=spec.user)
+    problems = _row_problems([submission], {spec.job.name: 0}, single_job=True)
+    if not problems:
+        return
+    lines = yaml_lines(text) if text else {}
+    for problem in problems:
+        problem["loc"] = ["job", *problem["loc"]]
+        problem["field"] = ".".join(map(str, problem["loc"]))
+        if lines.get(tuple(problem["loc"])) is not None:
+            problem["line"] = lines[tuple(problem["loc"])]
+    raise refusal(problems, True, [spec.job.name], then=FIX)
+
+
+def _row_problems(submissions: list[JobSubmission], index_of: dict[str, int], single_job: bool) -> list[dict]:
+    """The 422's entries for each submission's first bad row, read with its base model's tokenizer (a base whose
+    tokenizer is not on this machine: its jobs' rows are left to their start)."""
     from actors.storage.sources import load_base_tokenizer
 
-    index_of = {submission.job.name: index for index, submission in enumerate(submissions)}
     problems: list[dict[str, Any]] = []
     for base in dict.fromkeys(submission.base_model for submission in submissions):
         try:
@@ -42,15 +76,7 @@ def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str 
         jobs = [submission.job for submission in submissions if submission.base_model == base]
         for job, error in data_row_problems(jobs, tokenizer):
             problems.append(_problem(error, job.name, index_of[job.name], single_job))
-    if not problems:
-        return
-    lines = yaml_lines(text) if text and not single_job else {}
-    for problem in problems:
-        line = lines.get(tuple(problem["loc"]))
-        if line is not None:
-            problem["line"] = line
-    problems.sort(key=lambda problem: index_of[problem["job"]])
-    raise refusal(problems, single_job, [submission.job.name for submission in submissions], then=FIX)
+    return problems
 
 
 def _problem(error: Any, job: str, index: int, single_job: bool) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import anyio.to_thread
@@ -9,7 +10,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from actors.spec.sweep_spec import SweepSpec
 from orchestrator.http.callers import Caller, find_sweep
+from orchestrator.http.data_rows import check_sweep_rows
 from orchestrator.http.request_bodies import Refused, parse_body
 from orchestrator.http.responses import ErrorBody
 from orchestrator.http.routes import Routes, operation_route
@@ -21,16 +24,20 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
     link, require_token, audited, parsers = ctx.link, ctx.require_token, ctx.audited, ctx.parsers
 
     @operation_route(api, "sweep", status_code=201, tags=["sweeps"],
-              responses={422: {"model": ErrorBody, "description": "an invalid sweep; `detail` names each field"},
+              responses={422: {"model": ErrorBody, "description": "an invalid sweep, or a row of its data that "
+                                                                  "does not fit its job's format; `detail` names "
+                                                                  "each field"},
                          409: {"model": ErrorBody, "description": "a sweep of that name with other settings"}})
     async def submit_sweep(request: Request, caller: Caller = Depends(require_token)) -> Any:
         """Start a sweep (a sweep file as JSON or YAML: docs/sweeps.md; data and output_dir absolute paths on
         the service's machine). The service runs it from now on; 201 with its status. The same sweep sent
-        again answers with it (nothing new starts)."""
-        data, _ = await anyio.to_thread.run_sync(parse_body, await request.body(),
-                                                 request.headers.get("content-type"), limiter=parsers)
+        again answers with it (nothing new starts). Its job's data rows are read and tokenized as `aspen submit`
+        reads a job's (a local file whole, the first 1000 rows of a storage URI or a stream): a row that does not fit
+        the job's format is refused (422) with its row and field, before any trial is entered."""
+        data, text = await anyio.to_thread.run_sync(parse_body, await request.body(),
+                                                    request.headers.get("content-type"), limiter=parsers)
 
-        def start(client: Any) -> dict[str, Any]:
+        def checked(client: Any) -> tuple[SweepSpec, bool]:
             from orchestrator.sweep import sweep_spec_from
 
             try:
@@ -40,9 +47,20 @@ def add_sweep_routes(api: APIRouter, ctx: Routes) -> None:
             if spec.user not in (None, caller.name) and not caller.admin:
                 raise Refused(422, f"user: you submit as {caller.name}; leave user out (nothing was started)")
             spec = spec.model_copy(update={"user": spec.user or caller.owner})
+            refuse_held(client, spec)
+            return spec, client.check_sweep(spec)   # where the caller may read, before a row is read
+
+        def refuse_held(client: Any, spec: SweepSpec) -> None:
             held = [s for s in client.sweeps() if s["name"] == spec.name and not caller.sees(s.get("user"))]
             if held:
                 raise Refused(409, f"sweep name '{spec.name}' is held by another user's sweep; choose another name")
+
+        spec, new = await run_in_threadpool(call_service, link, checked)
+        if new:   # its job's rows, as `aspen submit` reads a job's (off the event loop, ROW_CHECK_THREADS at once)
+            await anyio.to_thread.run_sync(partial(check_sweep_rows, spec, text), limiter=ctx.row_checks)
+
+        def start(client: Any) -> dict[str, Any]:
+            refuse_held(client, spec)
             status = client.sweep(spec)
             audited(caller, "sweep.submit", spec.name)
             return status

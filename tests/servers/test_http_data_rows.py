@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 
 from orchestrator.http.api import create_app
 from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
@@ -108,3 +109,54 @@ def test_a_users_rows_are_read_only_where_they_may_read(api, users, tmp_path):
             if folder == outside:
                 assert "questio" not in answer.text and "secret.jsonl:" not in answer.text   # no row was read
     assert api.table() == before
+
+
+def test_a_sweep_whose_data_has_a_bad_row_is_refused_before_any_trial_over_http_and_by_aspen_sweep(api, tmp_path):
+    """A sweep's job reads a data file with a row that is not JSON: over HTTP (a sweep file sent as YAML) the sweep
+    was taken and each trial failed on the row once it started; it is refused (422) with the job, the field
+    `job.data` and its line in the file, the data file's row, nothing entered and no sweep made. `aspen sweep FILE
+    --address` (the same service over Ray) refuses the same file before it submits anything, naming the file, the
+    row and the same message. The same sweep with a good file is taken."""
+    good = write_task_data(tmp_path / "data", "qa", rows=24)
+    rows = good.read_text().splitlines()
+    rows[16] = '{"question": "a question", "answer": '          # line 17: not JSON
+    broken = tmp_path / "data" / "broken.jsonl"
+    broken.write_text("\n".join(rows) + "\n")
+
+    def sweep_file(name: str, data: Path) -> Path:
+        job = job_dict("qa", data, 4, eval_split=4, eval_every=2)
+        lines = [f"name: {name}", f"base_model: {api.base}", f"output_dir: {tmp_path / name}", "step_tokens: 512",
+                 "search: grid", "max_concurrent: 1", "space: {lr: {choice: [0.001, 0.002]}}", "job:"]
+        lines += [f"  {key}: {json.dumps(value)}" for key, value in job.items()]
+        path = tmp_path / f"{name}.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    path = sweep_file("rows", broken)
+    text = path.read_text()
+    before = api.table()
+    answer = httpx.post(f"{api.url}/v1/sweeps", content=text, headers={**api.auth(), **YAML}, timeout=120)
+    assert answer.status_code == 422, answer.text
+    body = answer.json()
+    (error,) = body["errors"]
+    data_line = next(number for number, line in enumerate(text.splitlines(), 1) if line.startswith("  data:"))
+    assert error["loc"] == ["job", "data"] and error["field"] == "job.data" and error["line"] == data_line, error
+    assert error["job"] == "qa" and error["row"] == 17 and error["data"] == str(broken), error
+    assert error["msg"].startswith(f"{broken}:17: invalid JSON"), error
+    assert body["detail"].startswith(f"nothing was submitted:\njob 'qa', field job.data: {broken}:17: invalid JSON")
+    assert body["detail"].endswith("(fix the rows or the format, then submit again)")
+    assert api.table() == before and "rows" not in {s["name"] for s in api.ray.sweeps()}
+
+    cli = subprocess.run([sys.executable, "-m", "orchestrator.cli", "sweep", str(path), "--address",
+                          ray.get_runtime_context().gcs_address], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 2, (cli.stdout, cli.stderr)
+    assert cli.stderr.startswith(f"aspen: invalid sweep file:\n{path}: a row of its data does not fit its job's "
+                                 f"format\njob 'qa': {error['msg']}\n"), cli.stderr
+    assert "(nothing was started: fix the rows or the format, then run again)" in cli.stderr
+    assert api.table() == before and "rows" not in {s["name"] for s in api.ray.sweeps()}
+
+    fine = httpx.post(f"{api.url}/v1/sweeps", content=sweep_file("fine", good).read_text(),
+                      headers={**api.auth(), **YAML}, timeout=120)
+    assert fine.status_code == 201 and fine.json()["name"] == "fine", fine.text
+    api.ray.cancel_sweep("fine")

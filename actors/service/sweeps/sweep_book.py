@@ -42,13 +42,15 @@ class SweepBook:
                 self.errors[path.stem] = f"{path}: cannot be carried on ({error}); move it away to drop the sweep"
                 log.error("sweeps: %s", self.errors[path.stem])
 
-    def add(self, spec: SweepSpec) -> dict[str, Any]:
+    def check(self, spec: SweepSpec) -> bool:
+        """What `add` would refuse of `spec` (ValueError), nothing added: True where it would be a new sweep, False
+        where it is the same sweep as one known (`add` answers with it)."""
         if is_uri(spec.output_dir):
             raise ValueError(f"sweep '{spec.name}': output_dir {spec.output_dir} is a storage URI; a sweep's folder "
                              "(its leaderboard and report) is a local path for now")
         known = self.drivers.get(spec.name)
         if known is not None and known.spec == spec:
-            return self.status(spec.name)
+            return False
         state = self.status(spec.name)["state"] if known is not None else None
         if state in ("running", "done"):   # a failed or cancelled sweep's name is free again
             raise ValueError(f"sweep '{spec.name}' exists with other settings ({state}); give the sweep another name"
@@ -59,6 +61,11 @@ class SweepBook:
         if problem is not None:   # else each trial would be refused when the sweep starts it
             raise ValueError(f"sweep '{spec.name}': its trials cannot write under output_dir {spec.output_dir}: "
                              f"{problem}")
+        return True
+
+    def add(self, spec: SweepSpec) -> dict[str, Any]:
+        if not self.check(spec):
+            return self.status(spec.name)
         if self.drivers.pop(spec.name, None) is not None:   # a failed or cancelled sweep of that name: replaced
             self.ended_seen.pop(spec.name, None)   # (its results stay in its folder, its trials in the table)
             (self.folder / f"{spec.name}.json").unlink(missing_ok=True)

@@ -180,9 +180,10 @@ def _checkpointed(record: JobRecord, saved_step: Callable[[str], int | None] | N
     return bool(saved_step(record.output_dir)) if saved_step is not None else False
 
 
-OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run, and the new jobs whose folders "
-                  "hold outputs the job table has no record of (a copied or moved folder): their checkpoints, "
-                  "adapters and metrics are deleted; the file's other jobs resume or are left alone as without it")
+OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run or whose checkpoint is gone "
+                  "from their folder, and the new jobs whose folders hold outputs the job table has no record of (a "
+                  "copied or moved folder): their checkpoints, adapters and metrics are deleted; the file's other jobs "
+                  "resume or are left alone as without it")
 
 
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:

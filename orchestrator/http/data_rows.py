@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from actors.spec.job_submission import JobSubmission
+from orchestrator.http.base_tokenizers import TOKENIZERS, TokenizerUnavailable
 from orchestrator.http.request_bodies import refusal
 from orchestrator.jobs_file import data_row_problems, yaml_lines
 
@@ -29,18 +30,17 @@ def check_rows(submissions: list[JobSubmission], *, single_job: bool, text: str 
     """`Refused` (422) naming each job's first bad row; `single_job`: the body was one job's fields (its problems
     located as `data`, not `jobs.0.data`); `text`: a jobs file's YAML text (each problem then gives the line of its
     job's `data`, which the console marks)."""
-    from actors.storage.sources import load_base_tokenizer
-
     index_of = {submission.job.name: index for index, submission in enumerate(submissions)}
     problems: list[dict[str, Any]] = []
     for base in dict.fromkeys(submission.base_model for submission in submissions):
+        jobs = [submission.job for submission in submissions if submission.base_model == base]
         try:
-            tokenizer = load_base_tokenizer(base)
-        except (OSError, ValueError) as error:   # not on this machine: the rows are checked when the jobs start
+            with TOKENIZERS.held(base) as tokenizer:   # loaded once per base; one thread uses it at a time
+                found = data_row_problems(jobs, tokenizer)
+        except TokenizerUnavailable as error:   # not on this machine: the rows are checked when the jobs start
             log.info("aspen http: rows of jobs on %s not checked before submission: %s", base, error)
             continue
-        jobs = [submission.job for submission in submissions if submission.base_model == base]
-        for job, error in data_row_problems(jobs, tokenizer):
+        for job, error in found:
             problems.append(_problem(error, job.name, index_of[job.name], single_job))
     if not problems:
         return

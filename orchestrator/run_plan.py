@@ -42,6 +42,22 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)   # why a job is left alone where the file may suggest otherwise
     # new jobs whose folders hold outputs no job of the table wrote there: (job name, what was found)
     foreign: list[tuple[str, EarlierOutputs]] = field(default_factory=list)
+    # jobs whose checkpoint the table records is gone from their folder, so they cannot continue: (record, why)
+    lost: list[tuple[JobRecord, str]] = field(default_factory=list)
+
+    @property
+    def started_over(self) -> list[JobRecord]:
+        """The earlier jobs `--overwrite` starts over: those whose spec or data changed, and those whose checkpoint
+        is gone."""
+        return [*self.changed_records, *(record for record, _ in self.lost)]
+
+    def started_over_lines(self, deleted: str) -> list[str]:
+        """One line per earlier job --overwrite starts over, with why (`deleted`: "were" or "are")."""
+        out = [f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results {deleted} "
+               "deleted" for record in self.changed_records]
+        return out + [f"{record.name}: started over from step 0 (--overwrite: its checkpoint at step "
+                      f"{record.checkpoint_step} is gone); its earlier results {deleted} deleted"
+                      for record, _ in self.lost]
 
     def lines(self, saved_step: Callable[[str], int | None] | None = None) -> list[str]:
         """One line per job that was there before. `saved_step(output_dir)`: the step of the checkpoint on
@@ -110,9 +126,10 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         changes = differences(earlier, submission)
         raised = budget_raise(earlier, submission) if _checkpointed(record, saved_step) else None
         if raised is not None and saved_step is not None and saved_step(record.output_dir) is None:
-            changes.append(f"its checkpoint at step {record.checkpoint_step} is no longer in its folder (deleted, "
-                           "moved or damaged), so it cannot continue to the raised max_steps")
-            raised = None   # a changed spec: --overwrite starts it over
+            plan.lost.append((record, f"max_steps raised {earlier.job.max_steps} -> {raised}, but its checkpoint at "
+                                      f"step {record.checkpoint_step} is no longer in its folder {record.output_dir} "
+                                      "(deleted, moved or damaged), so it cannot continue from it"))
+            continue   # --overwrite starts it over
         data = []
         if (not changes or raised is not None) and saved_data is not None:
             data = data_changes(submission, saved_data(record.output_dir))
@@ -163,9 +180,10 @@ def _checkpointed(record: JobRecord, saved_step: Callable[[str], int | None] | N
     return bool(saved_step(record.output_dir)) if saved_step is not None else False
 
 
-OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run, and the new jobs whose folders "
-                  "hold outputs the job table has no record of (a copied or moved folder): their checkpoints, "
-                  "adapters and metrics are deleted; the file's other jobs resume or are left alone as without it")
+OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their last run or whose checkpoint is gone "
+                  "from their folder, and the new jobs whose folders hold outputs the job table has no record of (a "
+                  "copied or moved folder): their checkpoints, adapters and metrics are deleted; the file's other jobs "
+                  "resume or are left alone as without it")
 
 
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:
@@ -175,6 +193,17 @@ def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> s
             f"them would mix two configurations:\n{jobs}\nrestore those fields or that data, or run with --overwrite "
             f"to start {names} over (their checkpoints, adapters and metrics are deleted; the file's other jobs "
             "resume or are left alone as without it), or give the run another output_dir")
+
+
+def lost_message(output_dir: Path | str, lost: list[tuple[JobRecord, str]]) -> str:
+    """Why the run does not start: jobs it would continue from their checkpoints no longer have them (each job with
+    why), and the two ways on."""
+    jobs = "\n".join(f"  job '{record.name}': {why}" for record, why in lost)
+    names = ", ".join(f"'{record.name}'" for record, _ in lost)
+    return (f"{output_dir} holds jobs of an earlier run that this file continues, but the checkpoints they would "
+            f"continue from are gone:\n{jobs}\nput each checkpoint back in its job's folder (checkpoint/) and run "
+            f"again to continue from it, or run with --overwrite to start {names} over from step 0 (their adapters "
+            "and metrics are deleted; the file's other jobs resume or are left alone as without it)")
 
 
 def foreign_message(output_dir: Path | str, foreign: list[tuple[str, EarlierOutputs]],

@@ -34,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from actors.service.outputs.job_files import clear_job_folder
     from actors.service.scheduler.config import run_local_dir, run_service_config
     from actors.service.table.job_table import read_jobs
-    from orchestrator.run_plan import changed_message, plan_run
+    from orchestrator.run_plan import plan_run
 
     output_dir = resolve_location(spec.output_dir)
     spec = spec.model_copy(update={"output_dir": output_dir})
@@ -54,17 +54,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         submissions = {record.id: submission for record, submission in earlier}
         plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
                         saved_data=saved_data_digest, saved_step=saved_step, found_outputs=earlier_outputs)
-        if plan.changed and not args.overwrite:
-            raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        refuse_restarts(output_dir, plan, args.overwrite)
         refuse_foreign_outputs(output_dir, plan, [record for record, _ in earlier], args.overwrite, say=False)
-        if not (plan.submit or plan.resume or plan.changed or plan.extend):
+        if not (plan.submit or plan.resume or plan.started_over or plan.extend):
             for line in plan.lines(saved_step=saved_step):
                 print(line)
             return _run_summary(spec, output_dir, plan.done)
         data_checked = {record.output_dir for record in (*plan.resume, *plan.done, *(r for r, _ in plan.extend))}
     # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
     check_data_rows(spec, None if earlier is None else {s.job.name for s in plan.submit} | {
-        r.name for r in (*plan.resume, *plan.changed_records, *(r for r, _ in plan.extend))})
+        r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
     from orchestrator.client import Client
     from orchestrator.progress import follow_jobs, wait_for_trainers
 
@@ -80,19 +79,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
                         saved_data=lambda folder: None if folder in data_checked else saved_data_digest(folder),
                         saved_step=saved_step, found_outputs=earlier_outputs)
-        if plan.changed and not args.overwrite:
-            raise RunSpecChanged(changed_message(output_dir, plan.changed))
+        refuse_restarts(output_dir, plan, args.overwrite)
         refuse_foreign_outputs(output_dir, plan, client.jobs(), args.overwrite)
         for _, found in plan.foreign:   # --overwrite: deleted, as the service refuses a folder holding them
             clear_job_folder(found.folder)
         # only the jobs whose spec or data changed start over: unchanged ones resume or stay as they are
-        restarted = [*plan.changed_records, *(record for record, _ in plan.retry)]
+        restarted = [*plan.started_over, *(record for record, _ in plan.retry)]
         for record in restarted:
             client.delete(record.id)
             clear_job_folder(as_location(record.output_dir))
-        for record in plan.changed_records:
-            print(f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results were "
-                  "deleted")
+        for line in plan.started_over_lines("were"):
+            print(line)
         if restarted:
             plan = plan_run(spec.submissions(), client.jobs(), lambda job: client.submission(job),
                             saved_step=saved_step)
@@ -132,6 +129,21 @@ def _run_summary(spec: RunSpec, output_dir: Path | str, records: list[JobRecord]
 
 class RunSpecChanged(ValueError):
     """`aspen run` again with a jobs file whose jobs differ from the earlier run's (exit 2)."""
+
+
+class CheckpointGone(ValueError):
+    """`aspen run` again that would continue a job from a checkpoint no longer in its folder (exit 2)."""
+
+
+def refuse_restarts(output_dir: Path | str, plan: RunPlan, overwrite: bool) -> None:
+    """Without --overwrite: RunSpecChanged where jobs' spec or data changed, CheckpointGone where the checkpoints
+    jobs would continue from are gone; each names the jobs and the ways on."""
+    from orchestrator.run_plan import changed_message, lost_message
+
+    if plan.changed and not overwrite:
+        raise RunSpecChanged(changed_message(Path(str(output_dir)), plan.changed))
+    if plan.lost and not overwrite:
+        raise CheckpointGone(lost_message(output_dir, plan.lost))
 
 
 class ForeignOutputs(ValueError):
@@ -279,11 +291,11 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
     state_dir = run_local_dir(spec) / ".aspen"
     with held_run_folder(state_dir):   # planned and trained under one lock: no run or service writes between
         plan = _plan_in_process(spec, state_dir, overwrite)
-        if plan is not None and not (plan.submit or plan.resume or plan.changed or plan.extend):   # all done: no load
+        if plan is not None and not (plan.submit or plan.resume or plan.started_over or plan.extend):   # all done
             return _run_summary(spec, spec.output_dir, plan.done)
         # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
         check_data_rows(spec, None if plan is None else {s.job.name for s in plan.submit} | {
-            r.name for r in (*plan.resume, *plan.changed_records, *(r for r, _ in plan.extend))})
+            r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
         carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
                                                       {r.id: submission for r, submission in plan.extend})
         settle_garbage_collector()   # torch's and transformers' objects out of every later full collection
@@ -308,7 +320,7 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
     from actors.service.outputs.earlier_outputs import earlier_outputs
     from actors.service.table.recorded_run import earlier_jobs
     from actors.service.table.table_backup import JobTableDamaged
-    from orchestrator.run_plan import changed_message, plan_run
+    from orchestrator.run_plan import plan_run
 
     try:
         earlier = earlier_jobs(state_dir / "jobs.sqlite")
@@ -323,11 +335,10 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
     submissions = {record.id: submission for record, submission in earlier}
     plan = plan_run(spec.submissions(), [record for record, _ in earlier], submissions.__getitem__,
                     saved_data=saved_data_digest, saved_step=saved_step, found_outputs=earlier_outputs)
-    if plan.changed and not overwrite:
-        raise RunSpecChanged(changed_message(Path(spec.output_dir), plan.changed))
+    refuse_restarts(spec.output_dir, plan, overwrite)
     refuse_foreign_outputs(spec.output_dir, plan, [record for record, _ in earlier], overwrite)
-    for record in plan.changed_records:
-        print(f"{record.name}: started over (--overwrite: its spec or data changed); its earlier results are deleted")
+    for line in plan.started_over_lines("are"):
+        print(line)
     for line in plan.lines(saved_step=saved_step):
         print(line)
     return plan

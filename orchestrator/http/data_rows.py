@@ -17,6 +17,7 @@ from typing import Any
 
 from actors.spec.job_submission import JobSubmission
 from actors.spec.sweep_spec import SweepSpec
+from orchestrator.http.base_tokenizers import TOKENIZERS, TokenizerUnavailable
 from orchestrator.http.request_bodies import refusal
 from orchestrator.jobs_file import data_row_problems, yaml_lines
 
@@ -64,17 +65,16 @@ def check_sweep_rows(spec: SweepSpec, text: str | None = None) -> None:
 def _row_problems(submissions: list[JobSubmission], index_of: dict[str, int], single_job: bool) -> list[dict]:
     """The 422's entries for each submission's first bad row, read with its base model's tokenizer (a base whose
     tokenizer is not on this machine: its jobs' rows are left to their start)."""
-    from actors.storage.sources import load_base_tokenizer
-
     problems: list[dict[str, Any]] = []
     for base in dict.fromkeys(submission.base_model for submission in submissions):
+        jobs = [submission.job for submission in submissions if submission.base_model == base]
         try:
-            tokenizer = load_base_tokenizer(base)
-        except (OSError, ValueError) as error:   # not on this machine: the rows are checked when the jobs start
+            with TOKENIZERS.held(base) as tokenizer:   # loaded once per base; one thread uses it at a time
+                found = data_row_problems(jobs, tokenizer)
+        except TokenizerUnavailable as error:   # not on this machine: the rows are checked when the jobs start
             log.info("aspen http: rows of jobs on %s not checked before submission: %s", base, error)
             continue
-        jobs = [submission.job for submission in submissions if submission.base_model == base]
-        for job, error in data_row_problems(jobs, tokenizer):
+        for job, error in found:
             problems.append(_problem(error, job.name, index_of[job.name], single_job))
     return problems
 

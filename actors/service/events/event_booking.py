@@ -114,7 +114,9 @@ class EventBooking:
         """A job began (or resumed) on its trainer: a resumed job's history is the checkpoint's."""
         job_id, data = event.job_id, event.data
         resumed = data.get("resumed_from")
-        columns = {"best": data.get("best")}   # its checkpoint's best evaluation (keep_best); none from the start
+        # its checkpoint's best evaluation (keep_best), none from the start; the tokens its model has seen (its
+        # checkpoint's, 0 from the start): not an earlier attempt's added to this one's (a restart from step 0)
+        columns = {"best": data.get("best"), "tokens": data.get("tokens", 0)}
         if resumed is not None:   # the checkpoint's history is the truth: steps after it are replayed
             self.table.progress.forget_after(job_id, resumed)
             for row in data.get("history", []):

@@ -25,7 +25,9 @@ from actors.storage.storage_uri import is_uri
 @dataclass(frozen=True)
 class EarlierOutputs:
     """A job folder's outputs: `job`, the job id they name (aspen.json's, else the checkpoint's); `step`, the
-    adapter's step (aspen.json); `checkpoint_step`, the newest valid checkpoint's; `found`, what was found, in words;
+    adapter's step (aspen.json); `last_step`, the step it trained to where its adapter is an earlier one (a keep_best
+    job's: aspen.json's `last_step`); `best`, the evaluation that adapter is the best of (aspen.json's `best`:
+    metric, step, value); `checkpoint_step`, the newest valid checkpoint's; `found`, what was found, in words;
     `written_at`, the newest modification time of those files (a copy made with `cp -r` has its copy's)."""
 
     folder: Path | str   # a storage URI's as its string
@@ -34,17 +36,37 @@ class EarlierOutputs:
     checkpoint_step: int | None = None
     found: list[str] = field(default_factory=list)
     written_at: float | None = 0.0   # None where a store does not say
+    last_step: int | None = None
+    best: dict | None = None
 
     def describe(self) -> str:
         """'job 'first' at step 20: its adapter (aspen.json), a checkpoint at step 20, metrics.jsonl (20 rows); last
-        written 2026-12-06 17:19'."""
+        written 2026-12-06 17:19'; a keep_best job's whose adapter is an earlier step's: 'job 'first', trained to
+        step 20 (its adapter the best eval loss's, step 12): ...'."""
         whose = f"job '{self.job}'" if self.job else "a job"
         step = self.step if self.step is not None else self.checkpoint_step
-        at = f" at step {step}" if step is not None else ""
+        trained = max((s for s in (self.step, self.last_step, self.checkpoint_step) if s is not None), default=None)
+        if self.step is not None and trained is not None and trained > self.step:   # its adapter is an earlier step's
+            metric = self.best.get("metric") if self.best else None
+            which = (f"the best {metric.replace('_', ' ')}'s, step {self.step}" if isinstance(metric, str)
+                     else f"step {self.step}'s")
+            at = f", trained to step {trained} (its adapter {which})"
+        else:
+            at = f" at step {step}" if step is not None else ""
         if self.written_at is None:
             return f"{whose}{at}: {', '.join(self.found)}"
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.written_at))
         return f"{whose}{at}: {', '.join(self.found)}; last written {when}"
+
+
+def _adapter_facts(metadata: dict | None) -> dict:
+    """What aspen.json says of the adapter beside it: its step, and a keep_best job's last step and best evaluation
+    (actors/service/trainer/job_ends.py writes them); the keys of `EarlierOutputs`, None where it does not say."""
+    metadata = metadata or {}
+    step, last_step, best = metadata.get("step"), metadata.get("last_step"), metadata.get("best")
+    return {"step": step if isinstance(step, int) else None,
+            "last_step": last_step if isinstance(last_step, int) else None,
+            "best": best if isinstance(best, dict) else None}
 
 
 def earlier_outputs(folder: Path | str) -> EarlierOutputs | None:
@@ -85,10 +107,9 @@ def earlier_outputs(folder: Path | str) -> EarlierOutputs | None:
     if not found:
         return None
     job = metadata.get("job_id") if metadata else None
-    step = metadata.get("step") if metadata else None
-    return EarlierOutputs(folder=folder, job=str(job) if job else checkpoint_job,
-                          step=step if isinstance(step, int) else None, checkpoint_step=checkpoint_step, found=found,
-                          written_at=max(path.stat().st_mtime for path in seen))
+    return EarlierOutputs(folder=folder, job=str(job) if job else checkpoint_job, checkpoint_step=checkpoint_step,
+                          found=found, written_at=max(path.stat().st_mtime for path in seen),
+                          **_adapter_facts(metadata))
 
 
 def _at_uri(uri: str) -> EarlierOutputs | None:
@@ -127,11 +148,9 @@ def _at_uri(uri: str) -> EarlierOutputs | None:
     if not found:
         return None
     job = metadata.get("job_id") if metadata else None
-    step = metadata.get("step") if metadata else None
     times = [when for when in (location.modified_at(name) for name in seen) if when is not None]
-    return EarlierOutputs(folder=uri, job=str(job) if job else checkpoint_job,
-                          step=step if isinstance(step, int) else None, checkpoint_step=checkpoint_step, found=found,
-                          written_at=max(times) if times else None)
+    return EarlierOutputs(folder=uri, job=str(job) if job else checkpoint_job, checkpoint_step=checkpoint_step,
+                          found=found, written_at=max(times) if times else None, **_adapter_facts(metadata))
 
 
 def _parsed(data: bytes) -> dict:

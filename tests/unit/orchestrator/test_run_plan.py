@@ -6,6 +6,8 @@ before its first checkpoint starts again on its changed spec without `--overwrit
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import time
 from pathlib import Path
 
@@ -120,7 +122,7 @@ def test_a_raised_budget_leaves_alone_a_job_its_epochs_ended_before_its_max_step
             "(init_adapter: job:NAME continues from its adapter)") in plan.lines()
 
 
-def test_a_raised_budget_on_a_job_whose_checkpoint_is_gone_is_a_changed_spec(tmp_path):
+def test_a_raised_budget_on_a_job_whose_checkpoint_is_gone_is_refused_as_such(tmp_path):
     """max_steps raised alone on a finished job whose checkpoint is no longer on disk (`saved_step` finds none,
     as `actors.checkpoint.saved_step` reads the folder): it cannot continue, so the run stops naming it and why, and
     `--overwrite` starts it over (it was said to continue from its checkpoint and trained again from step 0); one
@@ -134,9 +136,10 @@ def test_a_raised_budget_on_a_job_whose_checkpoint_is_gone_is_a_changed_spec(tmp
     records = [_record(submission, "completed", 10) for submission in before]
     on_disk = {str(before[0].output_dir): 10}
     plan = plan_run(spec(20).submissions(), records, stored.__getitem__, saved_step=on_disk.get)
-    assert [r.name for r, _ in plan.extend] == ["kept"] and [r.name for r in plan.changed_records] == ["gone"]
-    assert plan.changed == [("gone", ["max_steps: 10 -> 20", "its checkpoint at step 10 is no longer in its folder "
-                                      "(deleted, moved or damaged), so it cannot continue to the raised max_steps"])]
+    assert [r.name for r, _ in plan.extend] == ["kept"] and [r.name for r in plan.started_over] == ["gone"]
+    assert plan.changed == [] and [(record.name, why) for record, why in plan.lost] == [
+        ("gone", f"max_steps raised 10 -> 20, but its checkpoint at step 10 is no longer in its folder "
+                 f"{before[1].output_dir} (deleted, moved or damaged), so it cannot continue from it")]
 
 
 def test_only_a_new_jobs_folder_is_asked_for_earlier_outputs_and_the_refusal_names_them(tmp_path):
@@ -167,3 +170,35 @@ def test_only_a_new_jobs_folder_is_asked_for_earlier_outputs_and_the_refusal_nam
     assert message.endswith("give this run another output_dir (--output-dir), or run with --overwrite to delete those "
                             "outputs and start 'copied' over there")
     assert "the new jobs whose folders hold outputs the job table has no record of" in OVERWRITE_HELP
+
+
+def test_aspen_run_again_on_a_job_whose_checkpoint_is_gone_says_so_and_overwrite_starts_it_over(tmp_path,
+                                                                                               tiny_model_dirs):
+    """The user's sequence: `aspen run` trains two jobs, the first's checkpoint folder is deleted, its max_steps
+    raised, and `aspen run` again: it stops (exit 2, before Ray) saying that the checkpoint it would continue from
+    is gone, which job, and the two ways on; not that the spec changed. `--overwrite` then trains that job from
+    step 0 to its new budget, the other left alone."""
+    from tests.helpers.interrupted_runs import NO_RAY, metric_steps, run, write_run
+
+    jobs = write_run(tmp_path, tiny_model_dirs["llama"], steps=3, every=1000)
+    code, out, err = run(tmp_path, "--in-process", env=NO_RAY)
+    assert code == 0, (out, err)
+    second = (tmp_path / "out/second/adapter_model.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "out/first/checkpoint")
+    jobs.write_text(jobs.read_text().replace("max_steps: 3", "max_steps: 5", 1))
+    code, out, err = run(tmp_path, env=NO_RAY)
+    assert code == 2, (code, out, err)
+    assert "checkpoints they would continue from are gone" in err, err
+    assert (f"job 'first': max_steps raised 3 -> 5, but its checkpoint at step 3 is no longer in its folder "
+            f"{tmp_path / 'out/first'} (deleted, moved or damaged)") in err, err
+    assert "put each checkpoint back" in err and "--overwrite to start 'first' over from step 0" in err, err
+    assert "mix two configurations" not in err and "spec or data differ" not in err, err
+    assert metric_steps(tmp_path / "out/first") == [1, 2, 3]   # nothing was touched
+
+    code, out, err = run(tmp_path, "--in-process", "--overwrite", env=NO_RAY)
+    assert code == 0, (out, err)
+    assert "first: started over from step 0 (--overwrite: its checkpoint at step 3 is gone)" in out, out
+    assert "second: already completed at step 3; left alone" in out, out
+    assert metric_steps(tmp_path / "out/first") == [1, 2, 3, 4, 5]
+    assert json.loads((tmp_path / "out/first/checkpoint/state.json").read_text())["step"] == 5
+    assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() == second

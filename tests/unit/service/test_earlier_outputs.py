@@ -16,6 +16,7 @@ from actors.service.scheduler.local_run import train_locally
 from actors.service.scheduler.scheduler_core import SchedulerCore, SubmissionConflict
 from actors.service.table.job_table import JobTable
 from policies.fifo import FifoPolicy
+from tests.helpers.keep_best import eval_losses, overfitting_job
 from tests.helpers.service import job_dict, run_spec, write_task_data
 
 STEPS = 3
@@ -100,3 +101,26 @@ def test_a_forgotten_jobs_outputs_are_not_trained_over_until_deleted(tmp_path, t
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     [again] = core.submit_many(spec.submissions())
     assert again.output_dir == first.output_dir and again.state == "queued"
+
+
+def test_a_keep_best_jobs_copied_folder_is_named_with_the_step_it_trained_to_and_its_adapters(tmp_path,
+                                                                                            memorising_model):
+    """A keep_best job that overfits ends with its best evaluation's adapter (an earlier step's) and trained on past
+    it: the 409 of its copied folder says the step it trained to (its checkpoint's, aspen.json's last_step) and the
+    kept adapter's step, as its metrics.jsonl and its end's reason give them, not "at step <the kept step>"."""
+    job = overfitting_job(tmp_path / "data", 60, keep_best="eval_loss", early_stop={"patience": 3})
+    (summary,) = train_locally(run_spec(str(memorising_model), tmp_path / "out", [job]), progress=False)
+    losses = eval_losses(tmp_path / "out/fit")
+    best_step = min(losses, key=lambda step: (losses[step], step))
+    assert best_step < summary.steps, (summary.steps, losses)
+    shutil.copytree(tmp_path / "out", tmp_path / "out2")
+    before = digests(tmp_path / "out2")
+    core = core_of(tmp_path)
+    with pytest.raises(SubmissionConflict) as refused:
+        core.submit_many(run_spec(str(memorising_model), tmp_path / "out2", [job]).submissions())
+    message = str(refused.value)
+    assert (f"(job 'fit', trained to step {summary.steps} (its adapter the best eval loss's, step {best_step}): its "
+            f"adapter (aspen.json), a checkpoint at step {summary.steps}, metrics.jsonl ({summary.steps} rows); "
+            "last written ") in message, message
+    assert f"at step {best_step}" not in message, message
+    assert core.table.all() == [] and digests(tmp_path / "out2") == before

@@ -155,6 +155,10 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             plan.changed_records.append(record)
         elif record.state in FINISHED:
             plan.done.append(record)
+        elif record.checkpoint_step and saved_step is not None and saved_step(record.output_dir) is None:
+            plan.lost.append((record, f"{record.state} at step {record.step}, but its checkpoint at step "
+                                      f"{record.checkpoint_step} is no longer in its folder {record.output_dir} "
+                                      "(deleted, moved or damaged), so it cannot resume from it"))
         else:
             plan.resume.append(record)
     carried = {record.name: record.id for record in (*plan.done, *plan.resume, *(r for r, _ in plan.extend))}

@@ -117,7 +117,11 @@ class EventBooking:
         # its checkpoint's best evaluation (keep_best), none from the start; the tokens its model has seen (its
         # checkpoint's, 0 from the start): not an earlier attempt's added to this one's (a restart from step 0)
         columns = {"best": data.get("best"), "tokens": data.get("tokens", 0)}
-        if resumed is not None:   # the checkpoint's history is the truth: steps after it are replayed
+        if resumed is None:   # from step 0: an earlier attempt's rows and figures (it left no checkpoint, or its
+            self.table.progress.forget_after(job_id, 0)   # checkpoint is gone) are not this one's
+            columns.update(loss=None, eval_loss=None, eval_score=None, reward=None, reward_margin=None,
+                           checkpoint_step=None)
+        else:   # the checkpoint's history is the truth: steps after it are replayed
             self.table.progress.forget_after(job_id, resumed)
             for row in data.get("history", []):
                 self.table.progress.add(job_id, row)

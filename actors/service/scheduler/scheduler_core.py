@@ -192,6 +192,11 @@ class SchedulerCore:
         if record.state not in RESTARTABLE_STATES:
             raise ValueError(f"job {record.id} is {record.state}; only paused, failed or cancelled jobs can be "
                              "resumed")
+        gone = missing_checkpoint(record.output_dir, record.checkpoint_step)
+        if gone is not None:
+            raise ValueError(f"job {record.id}: {gone}, so it would train again from step 0, not on from step "
+                             f"{record.checkpoint_step}; put the checkpoint back and resume it again, or submit it as "
+                             "a new job to train it from the start")
         if record.id in self.scheduling:
             self.scheduling[record.id].retries = 0
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"

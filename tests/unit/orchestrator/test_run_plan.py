@@ -202,3 +202,23 @@ def test_aspen_run_again_on_a_job_whose_checkpoint_is_gone_says_so_and_overwrite
     assert metric_steps(tmp_path / "out/first") == [1, 2, 3, 4, 5]
     assert json.loads((tmp_path / "out/first/checkpoint/state.json").read_text())["step"] == 5
     assert (tmp_path / "out/second/adapter_model.safetensors").read_bytes() == second
+
+
+def test_an_unfinished_job_whose_checkpoint_is_gone_is_not_said_to_resume(tmp_path):
+    """An unchanged paused job whose table records a checkpoint no longer on disk: the run stopped saying it
+    resumed from its checkpoint, then trained it from step 0; now it stops naming it (`--overwrite` starts it
+    over), while one whose checkpoint is there resumes and one that never checkpointed starts again."""
+    def spec() -> RunSpec:
+        return RunSpec(output_dir=tmp_path, jobs=[{"name": name, "data": "data.jsonl", "format": {"type": "text"},
+                                                   "max_steps": 10} for name in ("kept", "gone", "never")])
+
+    before = spec().submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = [_record(before[0], "paused", 4, step=5), _record(before[1], "paused", 4, step=5),
+               _record(before[2], "failed", None, step=0)]
+    on_disk = {str(before[0].output_dir): 4}
+    plan = plan_run(spec().submissions(), records, stored.__getitem__, saved_step=on_disk.get)
+    assert [r.name for r in plan.resume] == ["kept", "never"] and [r.name for r in plan.started_over] == ["gone"]
+    assert [(record.name, why) for record, why in plan.lost] == [
+        ("gone", f"paused at step 5, but its checkpoint at step 4 is no longer in its folder {before[1].output_dir} "
+                 "(deleted, moved or damaged), so it cannot resume from it")]

@@ -87,3 +87,11 @@ def test_a_job_whose_checkpoint_was_deleted_is_refused_and_one_with_its_checkpoi
 
     queued = core.extend("kept", _raised(kept, 4))
     assert queued.state == "queued" and "continues from its checkpoint at step 2" in queued.reason
+
+    # `aspen resume` likewise: it was queued "resumes from its checkpoint at step 2" and trained from step 0
+    core.table.set_state(record.id, "failed", "its trainer died")
+    with pytest.raises(ValueError, match=f"its checkpoint at step 2 is no longer in {checkpoint} .deleted, moved or "
+                                         "damaged., so it would train again from step 0, not on from step 2; put "
+                                         "the checkpoint back and resume it again, or submit it as a new job"):
+        core.resume("deleted")
+    assert core.table.find("deleted").state == "failed"

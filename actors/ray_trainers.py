@@ -96,12 +96,12 @@ class RayTrainers:
     def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None:
         handle.stop_job.remote(job, kind, reason)
 
-    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int) -> RefCall:
-        return RefCall(handle.generate.remote(job, prompt, max_new_tokens))
+    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int, ticket: str | None) -> RefCall:
+        return RefCall(handle.generate.remote(job, prompt, max_new_tokens, ticket))
 
     def try_saved(self, handle: Any, job: str, spec: Any, location: str, step: int, prompt: str,
-                  max_new_tokens: int) -> RefCall:
-        return RefCall(handle.try_saved.remote(job, spec, location, step, prompt, max_new_tokens))
+                  max_new_tokens: int, ticket: str | None) -> RefCall:
+        return RefCall(handle.try_saved.remote(job, spec, location, step, prompt, max_new_tokens, ticket))
 
     def shutdown(self, handle: Any) -> RefCall:
         return RefCall(handle.shutdown.remote())

@@ -221,19 +221,20 @@ class SchedulerActor:
         """"Try it": `prompt` continued by the job's adapter and by the base alone, on a trainer between two steps
         (actors/service/trainer/try_adapter.py): a running job's current adapter on its trainer, a finished job's
         saved one on a trainer holding its base. ValueError for a job with neither."""
-        with self.lock:
-            record = self.table.find(key)
-            if record.state == "running" and record.trainer is not None:
-                call = self.fleet.generate(record.trainer, record.id, prompt, max_new_tokens)
-            elif record.state in ENDED_WITH_AN_ADAPTER and record.adapter_dir:
-                call = self.fleet.try_saved(record.id, self.table.submission(record.id).job,
-                                            (record.base_model, record.quantization), record.adapter_dir,
-                                            adapter_step(record), prompt, max_new_tokens)
-            else:
-                raise ValueError(f"job {record.id} is {record.state}: only a running job's adapter, or the one a job "
-                                 "ended with (completed or stopped early), can be tried")
-        try:   # outside the lock: the service answers meanwhile
-            return call.result(timeout=GENERATE_WAIT_S)
+        ticket = self.fleet.tries.open()   # closed when this call returns: a trainer that has not run it by then won't
+        try:
+            with self.lock:
+                record = self.table.find(key)
+                if record.state == "running" and record.trainer is not None:
+                    call = self.fleet.generate(record.trainer, record.id, prompt, max_new_tokens, ticket)
+                elif record.state in ENDED_WITH_AN_ADAPTER and record.adapter_dir:
+                    call = self.fleet.try_saved(record.id, self.table.submission(record.id).job,
+                                                (record.base_model, record.quantization), record.adapter_dir,
+                                                adapter_step(record), prompt, max_new_tokens, ticket)
+                else:
+                    raise ValueError(f"job {record.id} is {record.state}: only a running job's adapter, or the one a "
+                                     "job ended with (completed or stopped early), can be tried")
+            return call.result(timeout=GENERATE_WAIT_S)   # outside the lock: the service answers meanwhile
         except TrainerCallFailed as error:
             if isinstance(error.cause, ValueError):   # the request's (not on its steps now, a bad prompt)
                 raise ValueError(str(error.cause.args[0] if error.cause.args else error.cause)) from None
@@ -241,6 +242,13 @@ class SchedulerActor:
             if error.kind == "GetTimeoutError":   # queued behind its step, or generating still
                 raise TrainerBusy(busy_message(where, GENERATE_WAIT_S)) from None
             raise RuntimeError(f"{where} could not generate: {error}") from None
+        finally:
+            self.fleet.tries.close(ticket)
+
+    def try_waited(self, ticket: str) -> bool:
+        """Whether the "try it" of `ticket` is still waited for (its trainer asks before running it; without the
+        lock, which a call waiting for its trainer does not hold)."""
+        return self.fleet.tries.waited(ticket)
 
     def delete(self, key: str) -> None:
         with self.lock:

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.exceptions import RayError
 
 from actors.niceness import normal_priority
+from actors.service.scheduler.call_waits import TICKET_ASK_S, Withdrawn
 from actors.service.scheduler.config import StorageConfig, TrainerConfig
 from actors.service.trainer.idle_pace import IdlePace
 from actors.service.trainer.job_link import Assignment
@@ -30,27 +32,51 @@ if TYPE_CHECKING:   # the engine (torch) is imported in the trainer's own proces
 log = logging.getLogger(__name__)
 
 
-class PhaseNotes:
-    """Tells the scheduler (by name, without waiting for an answer) each phase of a trainer's set-up; logs it
-    too. A scheduler that cannot be found is logged once and not asked again: the phases are a courtesy."""
+class SchedulerLink:
+    """A trainer's questions and notes to its scheduler, by name. Called, it tells the scheduler (without waiting
+    for an answer) each phase of the trainer's set-up, and logs it too; `refuse_withdrawn` asks whether a "try it"
+    is still waited for. A scheduler that cannot be found is logged once and not asked again: the phases are a
+    courtesy, and a trainer without its scheduler (a test's own) runs every call it is sent."""
 
     def __init__(self, scheduler: str | None, trainer_id: str):
         self.scheduler, self.trainer_id = scheduler, trainer_id
         self.handle = None
 
-    def __call__(self, phase: str) -> None:
-        log.info("trainer %s: %s", self.trainer_id, phase)
+    def _found(self) -> bool:
         if self.scheduler is None:
-            return
+            return False
         try:
             if self.handle is None:
                 from actors.service.scheduler.config import NAMESPACE
                 self.handle = ray.get_actor(self.scheduler, namespace=NAMESPACE)
-            self.handle.trainer_phase.remote(self.trainer_id, phase)
+            return True
         except ValueError as error:   # no such actor (a test's own trainer, or the scheduler is gone)
-            log.warning("trainer %s: cannot tell the scheduler %s its phase (%s); not trying again",
-                        self.trainer_id, self.scheduler, error)
+            log.warning("trainer %s: cannot reach the scheduler %s (%s); not trying again", self.trainer_id,
+                        self.scheduler, error)
             self.scheduler = None
+            return False
+
+    def __call__(self, phase: str) -> None:
+        log.info("trainer %s: %s", self.trainer_id, phase)
+        if self._found():
+            self.handle.trainer_phase.remote(self.trainer_id, phase)
+
+    def refuse_withdrawn(self, ticket: str | None) -> None:
+        """Raise `Withdrawn` where the scheduler no longer waits for the "try it" of `ticket` (it gave up while the
+        call queued here), so that it takes none of this trainer's time; a scheduler that does not answer within
+        TICKET_ASK_S is logged, and the call run."""
+        if ticket is None or not self._found():
+            return
+        try:
+            waited = ray.get(self.handle.try_waited.remote(ticket), timeout=TICKET_ASK_S)
+        except RayError as error:
+            log.warning("trainer %s: the scheduler did not say whether a \"try it\" is still waited for (%s); "
+                        "running it", self.trainer_id, error)
+            return
+        if not waited:
+            log.info("trainer %s: a \"try it\" the scheduler gave up waiting for is dropped unrun", self.trainer_id)
+            raise Withdrawn("the service stopped waiting for this \"try it\" while it queued on the trainer, "
+                            "which dropped it unrun; send it again")
 
 
 @ray.remote(max_restarts=0)
@@ -71,6 +97,7 @@ class TrainerActor:
         # import, and the scheduler that creates trainers imports this module without needing them
         from actors.service.trainer.trainer_setup import start_trainer_loop
 
+        self.schedule = SchedulerLink(scheduler, trainer_id)
         stages = None
         if config.stages > 1:   # the other stages: actors in a placement group of their own
             from actors.stage_actors import RayStageStarter, node_address
@@ -80,7 +107,7 @@ class TrainerActor:
             stages = {"starter": starter, "address": node_address(), "on_close": starter.close}
         try:
             self.loop = start_trainer_loop(trainer_id, config, Path(state_dir), threads=threads, policy=policy,
-                                           stages=stages, on_phase=PhaseNotes(scheduler, trainer_id),
+                                           stages=stages, on_phase=self.schedule,
                                            ram_share=ram_share)
         except BaseException:
             if stages is not None:
@@ -121,13 +148,17 @@ class TrainerActor:
     def stop_job(self, job_id: str, kind: str, reason: str) -> None:
         self.loop.stop_job(job_id, kind, reason)
 
-    def generate(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
+    def generate(self, job_id: str, prompt: str, max_new_tokens: int, ticket: str | None = None) -> dict:
         """`prompt` continued by the job's current adapter and by the base alone, between two steps (this actor
-        takes one call at a time): actors/service/trainer/try_adapter.py."""
+        takes one call at a time): actors/service/trainer/try_adapter.py. `ticket`: the scheduler's for the call,
+        which is run only while the scheduler still waits for it (`Withdrawn` where not)."""
+        self.schedule.refuse_withdrawn(ticket)
         return self.loop.try_prompt(job_id, prompt, max_new_tokens)
 
-    def try_saved(self, job_id: str, spec: Any, location: str, step: int, prompt: str, max_new_tokens: int) -> dict:
+    def try_saved(self, job_id: str, spec: Any, location: str, step: int, prompt: str, max_new_tokens: int,
+                  ticket: str | None = None) -> dict:
         """As `generate`, through the adapter a finished job saved at `location` (held for the call only)."""
+        self.schedule.refuse_withdrawn(ticket)
         return self.loop.try_saved(job_id, spec, location, step, prompt, max_new_tokens)
 
     # -- interactive models (the Tinker API's): actors/service/trainer/interactive_desk.py --------------------

@@ -211,14 +211,17 @@ class RemoteCalls:
                        else self.call("tinker.trainer_of_base", base_model))
         return self._queued_send(trainer, "tinker.sample", call)
 
-    def cancel(self, future: Future) -> None:
-        """A sampling call its client abandoned: cancelled on its trainer too where it has not started there."""
+    def cancel(self, future: Future) -> bool | None:
+        """A sampling call its client abandoned, cancelled on its trainer too: True, dropped there unrun; False, it
+        had started (its answer dropped here); None, not there yet (its send cancels it) or its trainer gone."""
         trainer, key = getattr(future, "aspen_on", (None, None))
-        if trainer is not None:
-            try:
-                self.call("tinker.cancel", trainer, key)
-            except HTTPException as error:   # its trainer is gone: nothing runs there to cancel
-                log.info("cancelling %s on %s: %s", key, trainer, error.detail)
+        if trainer is None:
+            return None
+        try:
+            return bool(self.call("tinker.cancel", trainer, key))
+        except HTTPException as error:   # its trainer is gone: nothing runs there to cancel
+            log.info("cancelling %s on %s: %s", key, trainer, error.detail)
+            return None
 
     def hold_sampler(self, name: str, folder: str, base_model: str) -> tuple[str, Future]:
         """Attach the sampler weights saved in `folder` as the frozen adapter `name` on a trainer of `base_model`:

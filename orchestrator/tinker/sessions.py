@@ -40,7 +40,7 @@ class Unknown(KeyError):
 
 
 class Cancelled(Exception):
-    """A sampling request its client cancelled before it ran."""
+    """A sampling request its client cancelled: before it ran, or while it ran (its answer dropped)."""
 
     category = "user"
 
@@ -53,6 +53,7 @@ class Accepted:
     user: str
     answer: Callable[[Any], dict | bytes]
     cancellable: bool = False   # a sampling call: its client may abandon it (cancel_future)
+    started: bool = False       # cancelled when it had started on its trainer: it ran on, its answer dropped
 
 
 class Sessions:
@@ -116,10 +117,13 @@ class Sessions:
             self.futures[request_id] = Accepted(future, user, answer, cancellable)
         return request_id
 
-    def cancel(self, request_id: str, user: str) -> Future:
-        """Cancel the user's sampling request where it has not started (its future then answers "cancelled"); the
-        future either way. KeyError for another user's or an unknown request, ValueError for one that is not a
-        sampling request (a model's calls run in order: none may be dropped)."""
+    def cancel(self, request_id: str, user: str,
+               on_trainer: Callable[[Future], bool | None] | None = None) -> Future:
+        """Cancel the user's sampling request where its answer has not come; the future either way, which then
+        answers "cancelled": before it ran, or while it ran (its answer dropped). `on_trainer`: on a service, the
+        cancel on its trainer (RemoteCalls.cancel), asked first: False, it had started there. KeyError for another
+        user's or an unknown request, ValueError for one that is not a sampling request (a model's calls run in
+        order: none may be dropped)."""
         with self.lock:
             accepted = self.futures.get(request_id)
         if accepted is None or accepted.user != user:
@@ -127,7 +131,11 @@ class Sessions:
                           "took them: one restarted since knows none; send the call again from a new ServiceClient)")
         if not accepted.cancellable:
             raise ValueError(f"request {request_id} is not a sampling request; only those can be cancelled")
+        dropped = None if on_trainer is None else on_trainer(accepted.future)
+        accepted.started = dropped is False
         accepted.future.cancel()
+        if dropped is None and on_trainer is not None:   # sent meanwhile, after its send looked for a cancel
+            on_trainer(accepted.future)
         return accepted.future
 
     async def retrieve(self, request_id: str, user: str, wait_s: float = LONG_POLL_S) -> tuple[str, Any]:
@@ -137,7 +145,9 @@ class Sessions:
         if accepted is None or accepted.user != user:
             raise Unknown(f"no request {request_id} of yours on this server (requests live in the HTTP server that "
                           "took them: one restarted since knows none; send the call again from a new ServiceClient)")
-        cancelled = Cancelled(f"request {request_id} was cancelled (cancel_future) before it ran")
+        cancelled = Cancelled(f"request {request_id} was cancelled (cancel_future) " + (
+            "while it ran on its trainer: it ran to its end there, and its answer was dropped" if accepted.started
+            else "before it ran"))
         if accepted.future.cancelled():
             return "failed", cancelled
         try:

@@ -293,16 +293,13 @@ def add_future_routes(router: APIRouter, ctx: Context, user_of: Callable[..., st
     @router.post("/cancel_future")
     def cancel_future(body: types.FutureRetrieveRequest, user: str = Depends(user_of)) -> dict:
         """A sampling request its client abandoned: dropped where it has not started (on a service, on its
-        trainer too); one already running finishes, and its answer is dropped."""
-        try:
-            future = sessions.cancel(body.request_id, user)
+        trainer too); one already running finishes, and its answer is dropped. Its future then says which."""
+        try:   # on a service, its trainer first, which knows whether it started
+            sessions.cancel(body.request_id, user, getattr(ctx.calls, "cancel", None))
         except KeyError as error:
             raise HTTPException(404, str(error)) from None
         except ValueError as error:
             raise HTTPException(400, str(error)) from None
-        cancel = getattr(ctx.calls, "cancel", None)
-        if cancel is not None:
-            cancel(future)
         return {"type": "cancel_future"}
 
     @router.post("/retrieve_future")

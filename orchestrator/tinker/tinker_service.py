@@ -258,8 +258,12 @@ class TinkerService:
                               name, folder)
 
     def facts(self, trainer: str) -> dict[str, Any]:
-        """What the SDK is told of `trainer`'s base (its context, tokenizer): asked once, since a trainer (and one
-        that takes its place) holds one base, so that a client created while it is in a long pass need not wait."""
+        """What the SDK is told of `trainer`'s base (its context, tokenizer): known once, since a trainer (and one
+        that takes its place) holds one base, so that a client created while it is in a long pass need not wait.
+        Read from the trainer's status as the scheduler has it (the scheduler answers during the trainer's passes);
+        asked of the trainer itself only where that status has none yet."""
         if trainer not in self.bases_of:
-            self.bases_of[trainer] = self._on(trainer, "tinker_facts", f"the base of {trainer}")
+            described = {t["id"]: t for t in _get(self.scheduler.trainers.remote(), "the trainers")}
+            facts = described.get(trainer, {}).get("base_facts")
+            self.bases_of[trainer] = facts or self._on(trainer, "tinker_facts", f"the base of {trainer}")
         return self.bases_of[trainer]

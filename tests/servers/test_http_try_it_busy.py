@@ -2,7 +2,9 @@
 on a real server over a real service: the answer is the service's own, when its wait ends (not the HTTP layer's
 later, generic 503): a 503 that says the trainer is busy with a step or a generation, how long was waited and to
 try again, with a Retry-After; the service's link is kept, and the same request once the trainer is free is
-answered. The scheduler's wait (90 s) is shortened in its process, the trainer held busy by a call in its own."""
+answered. The scheduler's wait (90 s) is shortened in its process, the trainer held busy by a call in its own.
+A "try it" so abandoned is withdrawn from the trainer: it never runs there, and the retry does not wait behind it
+(what the trainer ran is counted in its own process)."""
 
 from __future__ import annotations
 
@@ -70,5 +72,61 @@ def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_end
         assert answer.status_code == 200, answer.text
         assert answer.json()["job"] == job.id and answer.json()["prompt"] == prompt["prompt"]
     finally:
+        _scheduler_wait(api, GENERATE_WAIT_S, trainer)
+        http.cancel(job.id)
+
+
+def _count_tries(handle, on: bool) -> list[str]:
+    """In the trainer's process: from `on`, each "try it" prompt its loop runs is noted; the prompts noted so far
+    (and, `on` False, the noting ended)."""
+    def run(actor, on=on):
+        noted = actor.__dict__.setdefault("tries_noted", [])
+        if on and "try_prompt" not in vars(actor.loop):
+            original = actor.loop.try_prompt
+
+            def noting(job_id, prompt, max_new_tokens):
+                noted.append(prompt)
+                return original(job_id, prompt, max_new_tokens)
+
+            actor.loop.try_prompt = noting
+        elif not on:
+            vars(actor.loop).pop("try_prompt", None)
+            actor.__dict__.pop("tries_noted")
+        return list(noted)
+
+    return ray.get(handle.__ray_call__.remote(run), timeout=120)
+
+
+def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_the_retry(api, tmp_path):
+    http = HttpClient(api.url, api.token)
+    job = http.submit(job_dict("gone", write_task_data(tmp_path / "data", "gone"), 100_000, checkpoint_every=100_000),
+                      base_model=api.base)
+    wait_for(lambda: api.ray.status(job.id).state == "running" and api.ray.status(job.id).step >= 1, timeout=180,
+             what="the job to train", state=lambda: api.ray.status(job.id))
+    trainer = api.ray.status(job.id).trainer
+    _, handle = _scheduler_wait(api, WAIT_S, trainer)
+    marker = tmp_path / "trainer-busy"
+
+    def hold(actor, marker=str(marker)):
+        Path(marker).touch()
+        time.sleep(HOLD_S)
+
+    try:
+        assert _count_tries(handle, on=True) == []
+        busy = handle.__ray_call__.remote(hold)
+        wait_for(marker.exists, timeout=60, what="the trainer to be busy")
+        abandoned = {"prompt": "Q: abandoned 1 and 3\nA:", "max_new_tokens": 4}
+        answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=abandoned, headers=api.auth(), timeout=120)
+        assert answer.status_code == 503, answer.text
+        assert "the request was withdrawn from it" in answer.json()["detail"]
+        ray.get(busy, timeout=60)
+        # the retry, sent by the same scheduler after the abandoned one: had that one stayed queued, it ran first
+        retry = {"prompt": "Q: retry 1 and 3\nA:", "max_new_tokens": 4}
+        answer = httpx.post(f"{api.url}/v1/jobs/{job.id}/generate", json=retry, headers=api.auth(), timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["prompt"] == retry["prompt"]
+        assert _count_tries(handle, on=True) == [retry["prompt"]]   # the abandoned one never ran
+    finally:
+        _count_tries(handle, on=False)
         _scheduler_wait(api, GENERATE_WAIT_S, trainer)
         http.cancel(job.id)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from actors.service.events.event_intake import EventIntake, TrainerLost
+from actors.service.scheduler.call_waits import WaitedTries
 from actors.service.scheduler.cluster_plan import NodeInfo, TrainerKey, plan_trainers
 from actors.service.scheduler.config import TrainerConfig
 from actors.service.scheduler.job_fit import trainer_view
@@ -75,11 +76,12 @@ class TrainerHandles(Protocol):
 
     def stop_job(self, handle: Any, job: str, kind: str, reason: str) -> None: ...
 
-    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int) -> TrainerCall:
-        """Continue `prompt` by the job's adapter and by the base alone, between two of its steps."""
+    def generate(self, handle: Any, job: str, prompt: str, max_new_tokens: int, ticket: str | None) -> TrainerCall:
+        """Continue `prompt` by the job's adapter and by the base alone, between two of its steps; `ticket`: the
+        call's in `TrainerFleet.tries` (the trainer runs it only while it is still waited for)."""
 
     def try_saved(self, handle: Any, job: str, spec: JobSpec, location: str, step: int, prompt: str,
-                  max_new_tokens: int) -> TrainerCall:
+                  max_new_tokens: int, ticket: str | None) -> TrainerCall:
         """Continue `prompt` by the adapter a finished job saved at `location` and by the base alone."""
 
     def shutdown(self, handle: Any) -> TrainerCall:
@@ -137,6 +139,7 @@ class TrainerFleet:
         self.next_trainer = 0
         self.nodes: dict[str, NodeInfo] = {}
         self.nodes_seen_at = 0.0
+        self.tries = WaitedTries()   # the "try it" calls waited for: a trainer runs no other (call_waits.py)
 
     # -- what the scheduler asks ------------------------------------------------------------------------
     def ready_statuses(self) -> list[TrainerStatus]:
@@ -215,15 +218,17 @@ class TrainerFleet:
             raise ValueError(f"job {job} is on trainer {trainer_id}, which this service does not have")
         self.handles.stop_job(slot.handle, job, kind, reason)
 
-    def generate(self, trainer_id: str, job: str, prompt: str, max_new_tokens: int) -> TrainerCall:
-        """Ask the trainer holding `job` to continue `prompt` by its adapter and by the base alone."""
+    def generate(self, trainer_id: str, job: str, prompt: str, max_new_tokens: int,
+                 ticket: str | None = None) -> TrainerCall:
+        """Ask the trainer holding `job` to continue `prompt` by its adapter and by the base alone; `ticket`: from
+        `tries`, closed by the caller once it stops waiting."""
         slot = self.slots.get(trainer_id)
         if slot is None or slot.handle is None or slot.status is None or slot.retired:
             raise ValueError(f"job {job} is on trainer {trainer_id}, which is not ready now; try again in a moment")
-        return self.handles.generate(slot.handle, job, prompt, max_new_tokens)
+        return self.handles.generate(slot.handle, job, prompt, max_new_tokens, ticket)
 
     def try_saved(self, job: str, spec: JobSpec, base: tuple[str, str], location: str, step: int, prompt: str,
-                  max_new_tokens: int) -> TrainerCall:
+                  max_new_tokens: int, ticket: str | None = None) -> TrainerCall:
         """Ask a ready trainer holding the job's `base` (its base model and quantization) to continue `prompt` by
         the adapter a finished job saved at `location`, between two of its steps: a single-device one where there is
         one (the least loaded), else a pipeline (its stages each hold their share for the call). ValueError where
@@ -236,7 +241,7 @@ class TrainerFleet:
         chosen = min(ready, key=lambda status: (not self.single_device(status.trainer_id), len(status.jobs),
                                                 status.trainer_id))
         return self.handles.try_saved(self.slots[chosen.trainer_id].handle, job, spec, location, step, prompt,
-                                      max_new_tokens)
+                                      max_new_tokens, ticket)
 
     def shutdown(self, timeout_s: float = 180.0) -> list[tuple[str, list[TrainerEvent]]]:
         """Stop the ready trainers (their running jobs pause with a checkpoint); each one's last events."""

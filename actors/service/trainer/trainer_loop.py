@@ -158,7 +158,8 @@ class TrainerLoop:
             memory_error=admission.memory_model.mean_error, longest_sequence=totals.longest_sequence,
             step_tokens=self.trainer.step_tokens, max_jobs=self.config.max_jobs,
             memory_in_use_bytes=memory_in_use(base.device),
-            last_step_job_tokens=dict(steps.booking.last_step_job_tokens))
+            last_step_job_tokens=dict(steps.booking.last_step_job_tokens),
+            base_facts=steps.desk.facts() if steps.desk is not None else {})
 
     def try_prompt(self, job_id: str, prompt: str, max_new_tokens: int) -> dict:
         """From the stepping thread, between steps: `prompt` continued by the job's current adapter and by

@@ -54,6 +54,7 @@ class TrainerStatus:
     max_jobs: int | None = None
     memory_in_use_bytes: int = 0  # now: allocated CUDA memory, or the process's resident memory on CPU
     last_step_job_tokens: dict[str, int] = field(default_factory=dict)   # each job's real tokens in the last step
+    base_facts: dict[str, Any] = field(default_factory=dict)   # what the Tinker API says of its base (its desk's)
 
 
 class TrainerEvents:

@@ -230,3 +230,65 @@ def test_hundreds_of_calls_on_a_busy_trainer_wait_in_one_thread_and_one_request_
         assert sends.kept == {}
     finally:
         sends.close()
+
+
+class HeldTakes(Service):
+    """As `Service`, but the front's poller takes no outcome until `taking` is set: an outcome made on the trainer
+    stays there, as one does while its answer is on its way back."""
+
+    def __init__(self, desk: InteractiveDesk):
+        super().__init__(desk)
+        self.taking = threading.Event()
+
+    def __call__(self, method: str, *args):
+        if method == "tinker.take":
+            self.taking.wait(30)
+        return super().__call__(method, *args)
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_cancelled_sample_is_told_cancelled_before_it_ran_or_while_it_ran_as_it_was(monkeypatch, started):
+    """A client's cancel (the Sessions' cancel, with the front's on its trainer, as the cancel_future route calls
+    it) of a sample its trainer has not started: never sampled, "cancelled before it ran"; of one it has sampled:
+    it ran to its end there, and the answer says so, its result dropped (it said "before it ran" too)."""
+    import asyncio
+
+    from actors.engine.tinker_sampling import SampleCall
+    from actors.service.trainer import interactive_passes
+    from orchestrator.tinker.sessions import Cancelled, Sessions
+
+    sampled: list[int] = []
+    real = interactive_passes.SampleRun
+    monkeypatch.setattr(interactive_passes, "SampleRun",
+                        lambda base, calls, decode: sampled.append(len(calls)) or real(base, calls, decode))
+    desk = InteractiveDesk(InteractiveCalls(from_module(tiny_model("llama", VOCAB), None), window_s=0),
+                           TrainerEvents(), "trainer-0", lambda row: None)
+    service = HeldTakes(desk)
+    front = RemoteCalls(service, front="front-a")
+    sessions = Sessions()
+    try:
+        future = front.submit_sample(SampleCall(None, (5, 6), max_tokens=3), trainer="trainer-0")
+        request_id = sessions.accept(future, "alice", lambda result: {}, cancellable=True)
+        deadline = time.monotonic() + 30
+        while getattr(future, "aspen_on", None) is None:   # on its trainer
+            assert time.monotonic() < deadline, "the sample never reached its trainer"
+            time.sleep(0.01)
+        if started:
+            while desk.calls.step():
+                pass
+            assert sampled == [1] and desk.outcomes.get("front-a"), "sampled there, its outcome not taken yet"
+        sessions.cancel(request_id, "alice", front.cancel)
+        service.taking.set()
+        while desk.calls.step():
+            pass
+        status, answer = asyncio.run(sessions.retrieve(request_id, "alice", wait_s=1))
+        assert status == "failed" and isinstance(answer, Cancelled)
+        if started:
+            assert str(answer) == (f"request {request_id} was cancelled (cancel_future) while it ran on its trainer: "
+                                   "it ran to its end there, and its answer was dropped")
+        else:
+            assert str(answer) == f"request {request_id} was cancelled (cancel_future) before it ran"
+            assert sampled == [], "never sampled"
+    finally:
+        service.taking.set()
+        front.close()

@@ -11,14 +11,25 @@ import json
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from gpu_cost.calibration import card_for, default_machine, host_for
 from gpu_cost.card import ATTENTION, MATMULS, SLICE_BACKWARDS, Card, kernel_launches, kernel_time
 from gpu_cost.operations import FILLS, GATHERS, REDUCTIONS, SCATTERS, Op
 from gpu_cost.timeline import Host, StepTiming, simulate
-from gpu_cost.workload import PROFILED, THROUGHPUT, TIMED, WARMUP, Recorded, Session, benchmark_module
+from gpu_cost.workload import (
+    FUSION_WARMUP,
+    PROFILED,
+    THROUGHPUT,
+    TIMED,
+    WARMUP,
+    Recorded,
+    Session,
+    benchmark_module,
+)
 
 DATASHEET_PEAK_BF16 = 989.4e12   # the LoRA-MFU denominator bench/lora_mfu.py uses for H100 / H200
 KNOWN_POINTWISE = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "silu", "silu_backward",
@@ -195,7 +206,6 @@ def run_worker(args: dict) -> dict:
     calibration, read_later and graphed (what-ifs of aspen's steps, jobs and fusion: `read_later`, `graphed`; not
     the PEFT sides')."""
     from gpu_cost.workload import (
-        FUSION_WARMUP,
         apply_settings,
         check_checkout,
         preimport,
@@ -273,21 +283,29 @@ def run_worker(args: dict) -> dict:
             result.update(timed_as(recorded, args["card"], calibration, profiled=None))
         else:
             fusion = record_fusion(session, bench, args["shape"], args["adapters"])
-            rates = {}
-            for count, recorded in fusion.items():
-                recorded.steps = what_if(recorded.steps, FUSION_WARMUP)
-                timed = range(FUSION_WARMUP, len(recorded.steps))
-                summary = timed_as(recorded, args["card"], calibration, timed=timed, throughput=timed,
-                                    profiled=None, step_syncs=False)
-                rates[count] = summary["predicted_tokens_per_s"]
-                result[f"adapters_{count}"] = {key: summary[key] for key in
-                                               ("predicted_step_s", "predicted_tokens_per_s", "median_step")}
-                result[f"adapters_{count}"]["operation_seconds"] = operation_seconds(
-                    [recorded.steps[index] for index in timed], card)
-            first = rates[min(rates)]
-            result["fusion_tokens_per_s"] = rates
-            result["fusion_efficiency"] = {count: rate / first for count, rate in rates.items()}
+            result.update(_fusion_summary(fusion, what_if, functools.partial(timed_as, card_name=args["card"],
+                                                                             calibration=calibration), card))
     if blockers:
         result["graph_blockers"] = blockers if len(blockers) > 1 else blockers[0]
     result["cpu_seconds"] = time.perf_counter() - started
+    return result
+
+
+def _fusion_summary(fusion: dict, what_if: Callable, timed_as: Callable, card: Any) -> dict:
+    """Each adapter count's predicted step and tokens/s with its time by operation, and the fusion efficiency (each
+    count's tokens/s over the fewest adapters')."""
+    result: dict = {}
+    rates = {}
+    for count, recorded in fusion.items():
+        recorded.steps = what_if(recorded.steps, FUSION_WARMUP)
+        timed = range(FUSION_WARMUP, len(recorded.steps))
+        summary = timed_as(recorded, timed=timed, throughput=timed, profiled=None, step_syncs=False)
+        rates[count] = summary["predicted_tokens_per_s"]
+        result[f"adapters_{count}"] = {key: summary[key] for key in
+                                       ("predicted_step_s", "predicted_tokens_per_s", "median_step")}
+        result[f"adapters_{count}"]["operation_seconds"] = operation_seconds(
+            [recorded.steps[index] for index in timed], card)
+    first = rates[min(rates)]
+    result["fusion_tokens_per_s"] = rates
+    result["fusion_efficiency"] = {count: rate / first for count, rate in rates.items()}
     return result

@@ -191,23 +191,29 @@ OVERWRITE_HELP = ("start over the jobs whose spec or data changed since their la
 
 
 def changed_message(output_dir: Path, changed: list[tuple[str, list[str]]]) -> str:
-    jobs = "\n".join(f"  job '{name}': {'; '.join(items)}" for name, items in changed)
-    names = ", ".join(f"'{name}'" for name, _ in changed)
+    jobs, names = _listed([(name, "; ".join(items)) for name, items in changed])
     return (f"{output_dir} holds jobs of an earlier run whose spec or data differ from this file's, so resuming "
             f"them would mix two configurations:\n{jobs}\nrestore those fields or that data, or run with --overwrite "
-            f"to start {names} over (their checkpoints, adapters and metrics are deleted; the file's other jobs "
-            "resume or are left alone as without it), or give the run another output_dir")
+            f"to start {names} over (their checkpoints, adapters and metrics are deleted; {OTHERS}), or give the run "
+            "another output_dir")
 
 
 def lost_message(output_dir: Path | str, lost: list[tuple[JobRecord, str]]) -> str:
     """Why the run does not start: jobs it would continue from their checkpoints no longer have them (each job with
     why), and the two ways on."""
-    jobs = "\n".join(f"  job '{record.name}': {why}" for record, why in lost)
-    names = ", ".join(f"'{record.name}'" for record, _ in lost)
+    jobs, names = _listed([(record.name, why) for record, why in lost])
     return (f"{output_dir} holds jobs of an earlier run that this file continues, but the checkpoints they would "
             f"continue from are gone:\n{jobs}\nput each checkpoint back in its job's folder (checkpoint/) and run "
             f"again to continue from it, or run with --overwrite to start {names} over from step 0 (their adapters "
-            "and metrics are deleted; the file's other jobs resume or are left alone as without it)")
+            f"and metrics are deleted; {OTHERS})")
+
+
+OTHERS = "the file's other jobs resume or are left alone as without it"
+
+
+def _listed(jobs: list[tuple[str, str]]) -> tuple[str, str]:
+    """(one '  job 'NAME': WHY' line each, the names quoted and joined) for a refusal's message."""
+    return "\n".join(f"  job '{name}': {why}" for name, why in jobs), ", ".join(f"'{name}'" for name, _ in jobs)
 
 
 def foreign_message(output_dir: Path | str, foreign: list[tuple[str, EarlierOutputs]],

@@ -35,15 +35,20 @@ def _scheduler_wait(api, seconds: float, trainer: str):
     return ray.get(api.ray.scheduler.__ray_call__.remote(run), timeout=60)
 
 
-def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_ends(api, tmp_path):
-    # each wait longer than the one it waits on: the service's answer reaches the HTTP user first
-    assert GENERATE_WAIT_S < SCHEDULER_CALL_WAIT_S < CALL_TIMEOUT_S < DEFAULT_TIMEOUT_S
+def _training(api, tmp_path, name: str):
+    """(an HTTP client, its job `name` of 100,000 steps once it trains, the job's trainer)."""
     http = HttpClient(api.url, api.token)
-    job = http.submit(job_dict("busy", write_task_data(tmp_path / "data", "busy"), 100_000, checkpoint_every=100_000),
+    job = http.submit(job_dict(name, write_task_data(tmp_path / "data", name), 100_000, checkpoint_every=100_000),
                       base_model=api.base)
     wait_for(lambda: api.ray.status(job.id).state == "running" and api.ray.status(job.id).step >= 1, timeout=180,
              what="the job to train", state=lambda: api.ray.status(job.id))
-    trainer = api.ray.status(job.id).trainer
+    return http, job, api.ray.status(job.id).trainer
+
+
+def test_a_try_it_whose_trainer_stays_busy_is_told_so_when_the_services_wait_ends(api, tmp_path):
+    # each wait longer than the one it waits on: the service's answer reaches the HTTP user first
+    assert GENERATE_WAIT_S < SCHEDULER_CALL_WAIT_S < CALL_TIMEOUT_S < DEFAULT_TIMEOUT_S
+    http, job, trainer = _training(api, tmp_path, "busy")
     before, handle = _scheduler_wait(api, WAIT_S, trainer)
     assert before == GENERATE_WAIT_S
     marker = tmp_path / "trainer-busy"
@@ -98,12 +103,7 @@ def _count_tries(handle, on: bool) -> list[str]:
 
 
 def test_a_try_it_the_service_gave_up_on_never_runs_on_the_trainer_nor_holds_up_the_retry(api, tmp_path):
-    http = HttpClient(api.url, api.token)
-    job = http.submit(job_dict("gone", write_task_data(tmp_path / "data", "gone"), 100_000, checkpoint_every=100_000),
-                      base_model=api.base)
-    wait_for(lambda: api.ray.status(job.id).state == "running" and api.ray.status(job.id).step >= 1, timeout=180,
-             what="the job to train", state=lambda: api.ray.status(job.id))
-    trainer = api.ray.status(job.id).trainer
+    http, job, trainer = _training(api, tmp_path, "gone")
     _, handle = _scheduler_wait(api, WAIT_S, trainer)
     marker = tmp_path / "trainer-busy"
 

@@ -8,9 +8,12 @@ not resumed: the run stops and says which job, what changed, and that `--overwri
 `--overwrite` starts over only those jobs: a job whose spec and data are unchanged is never deleted by it.
 An unfinished job that left no checkpoint (a job that failed at its start, say on a reward that raised) has
 nothing to mix with: with its spec changed it starts again on the new spec, without `--overwrite`. A job whose
-only change is a raised `max_steps` (its data unchanged) continues from its checkpoint to the new budget, finished
-or not, as transformers' `resume_from_checkpoint` with a larger `max_steps` does: its learning-rate schedule is
-the new budget's from the step it continues at (with `lr_schedule: constant`, exactly the longer run)."""
+only change is a raised `max_steps`, `epochs` or both (its data unchanged) continues from its checkpoint to the new
+budget, finished or not, as transformers' `resume_from_checkpoint` with a larger `max_steps` or `num_train_epochs`
+does: its learning-rate schedule is the new budget's from the step it continues at (with `lr_schedule: constant`,
+exactly the longer run where its rows are a multiple of batch_size; a raised epochs trains on into its next epoch from
+its first row: `job_spec.continued_steps`). A raise that would train nothing (what ended the job is not raised) leaves
+it alone, saying so; a lowered epochs, or epochs added to a job that had none, is a changed spec saying why."""
 
 from __future__ import annotations
 

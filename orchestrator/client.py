@@ -329,17 +329,22 @@ class Client:
         return self._request("resume", job, reason)
 
     def extend(self, job: str, submission: JobSubmission, reason: str = "its budget raised") -> JobRecord:
-        """Raise an ended or paused job's max_steps (`submission`: its spec with only that raised) and queue it again:
-        it continues from its last checkpoint to the new budget."""
+        """Raise an ended or paused job's max_steps, epochs or both (`submission`: its spec with only those raised) and
+        queue it again: it continues from its last checkpoint to the new budget."""
         return self._request("extend", job, submission, reason)
 
     def raise_max_steps(self, job: str, max_steps: int) -> JobRecord:
-        """Continue an ended or paused job to `max_steps` (above its own): it is queued again and trains on from its
-        last checkpoint, as `aspen run` again with the raised max_steps does (`extend`); a job its early_stop rule
-        ended continues without that rule."""
+        """`raise_budget` with `max_steps` alone."""
+        return self.raise_budget(job, max_steps=max_steps)
+
+    def raise_budget(self, job: str, max_steps: int | None = None, epochs: float | None = None) -> JobRecord:
+        """Continue an ended or paused job to `max_steps`, `epochs` or both (each above its own; one its epochs ended
+        trains on into its next epoch): it is queued again and trains on from its last checkpoint, as `aspen run`
+        again with the raised budget does (`extend`); a job its early_stop rule ended continues without that rule."""
         submission, state = self.submission(job), self.status(job).state
-        change: dict[str, Any] = {"max_steps": max_steps}
-        reason = f"max_steps raised to {max_steps}"
+        budget = (("max_steps", max_steps), ("epochs", None if epochs is None else float(epochs)))
+        change: dict[str, Any] = {name: value for name, value in budget if value is not None}
+        reason = " and ".join(f"{name} raised to {value:g}" for name, value in change.items())
         if state == "stopped_early" and submission.job.early_stop is not None:   # it would end it again at once
             change["early_stop"] = None
             reason += " without the early_stop rule that ended it"

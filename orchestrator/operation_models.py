@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.service.table.job_record import BestEvaluation, JobRecord
 
@@ -51,6 +51,23 @@ class MaxStepsBody(BaseModel):
 
 
 class RaiseMaxSteps(JobRef, MaxStepsBody):
+    pass
+
+
+class BudgetBody(BaseModel):
+    max_steps: int | None = Field(None, gt=0, description="the job's new budget of optimizer steps, above its "
+                                                           "present max_steps")
+    epochs: float | None = Field(None, gt=0, description="the job's new passes over its data, above its present epochs "
+                                                         "(it trains on into its next epoch)")
+
+    @model_validator(mode="after")
+    def _raises_one(self) -> BudgetBody:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("give max_steps, epochs or both: the job's budget raised")
+        return self
+
+
+class RaiseBudget(JobRef, BudgetBody):
     pass
 
 

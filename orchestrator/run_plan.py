@@ -8,9 +8,12 @@ not resumed: the run stops and says which job, what changed, and that `--overwri
 `--overwrite` starts over only those jobs: a job whose spec and data are unchanged is never deleted by it.
 An unfinished job that left no checkpoint (a job that failed at its start, say on a reward that raised) has
 nothing to mix with: with its spec changed it starts again on the new spec, without `--overwrite`. A job whose
-only change is a raised `max_steps` (its data unchanged) continues from its checkpoint to the new budget, finished
-or not, as transformers' `resume_from_checkpoint` with a larger `max_steps` does: its learning-rate schedule is
-the new budget's from the step it continues at (with `lr_schedule: constant`, exactly the longer run)."""
+only change is a raised `max_steps`, `epochs` or both (its data unchanged) continues from its checkpoint to the new
+budget, finished or not, as transformers' `resume_from_checkpoint` with a larger `max_steps` or `num_train_epochs`
+does: its learning-rate schedule is the new budget's from the step it continues at (with `lr_schedule: constant`,
+exactly the longer run where its rows are a multiple of batch_size; a raised epochs trains on into its next epoch from
+its first row: `job_spec.continued_steps`). A raise that would train nothing (what ended the job is not raised) leaves
+it alone, saying so; a lowered epochs, or epochs added to a job that had none, is a changed spec saying why."""
 
 from __future__ import annotations
 
@@ -19,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from actors.spec.submission_changes import budget_raise, differences, epochs_bind, epochs_bound_reason
+from actors.spec.submission_changes import (
+    BudgetRaise,
+    BudgetRefused,
+    budget_raise,
+    differences,
+    raise_trains_nothing,
+)
 from actors.storage.storage_uri import resolve_location
 
 if TYPE_CHECKING:   # the CLI imports this module for its --overwrite text: kept light
@@ -38,7 +47,8 @@ class RunPlan:
     changed: list[tuple[str, list[str]]] = field(default_factory=list)   # job name, its differences
     changed_records: list[JobRecord] = field(default_factory=list)        # the earlier jobs of `changed`
     retry: list[tuple[JobRecord, list[str]]] = field(default_factory=list)   # unfinished, no checkpoint, changed
-    extend: list[tuple[JobRecord, JobSubmission]] = field(default_factory=list)   # checkpointed, max_steps raised
+    extend: list[tuple[JobRecord, JobSubmission]] = field(default_factory=list)   # checkpointed, budget raised
+    raises: dict[str, BudgetRaise] = field(default_factory=dict)   # the raise of each of `extend`, by its record's id
     notes: list[str] = field(default_factory=list)   # why a job is left alone where the file may suggest otherwise
     # new jobs whose folders hold outputs no job of the table wrote there: (job name, what was found)
     foreign: list[tuple[str, EarlierOutputs]] = field(default_factory=list)
@@ -73,8 +83,10 @@ class RunPlan:
         for record, submission in self.extend:
             step = saved_step(record.output_dir) if saved_step is not None else None
             step = step if step is not None else record.checkpoint_step
-            out.append(f"{record.name}: {record.state} at step {record.step}; max_steps raised to "
-                       f"{submission.job.max_steps}: it continues from its checkpoint at step {step}")
+            raised = self.raises.get(record.id)
+            what = raised.raised_to() if raised is not None else f"max_steps raised to {submission.job.max_steps}"
+            out.append(f"{record.name}: {record.state} at step {record.step}; {what}: it continues from its "
+                       f"checkpoint at step {step}")
         return out
 
 
@@ -124,9 +136,14 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
             continue
         earlier = stored(record.id)
         changes = differences(earlier, submission)
-        raised = budget_raise(earlier, submission) if _checkpointed(record, saved_step) else None
+        try:
+            raised = budget_raise(earlier, submission) if _checkpointed(record, saved_step) else None
+        except BudgetRefused as refused:   # a changed spec (an epochs one saying why it cannot continue)
+            raised = None
+            if refused.field == "epochs":
+                changes = [*(c for c in changes if not c.startswith("epochs:")), str(refused)]
         if raised is not None and saved_step is not None and saved_step(record.output_dir) is None:
-            plan.lost.append((record, f"max_steps raised {earlier.job.max_steps} -> {raised}, but its checkpoint at "
+            plan.lost.append((record, f"{raised.describe('raised')}, but its checkpoint at "
                                       f"step {record.checkpoint_step} is no longer in its folder {record.output_dir} "
                                       "(deleted, moved or damaged), so it cannot continue from it"))
             continue   # --overwrite starts it over
@@ -136,15 +153,17 @@ def plan_run(submissions: list[JobSubmission], records: list[JobRecord],
         if raised is not None and not data and record.state == "stopped_early" and submission.job.early_stop:
             plan.done.append(record)   # its stop rule would end it again at once
             plan.notes.append(f"{record.name}: its stop rule ended it at step {record.step}, and would again at once: "
-                              f"a raised max_steps continues it without early_stop (remove it from the job)")
+                              f"a raised {' and '.join(raised.raised)} continues it without early_stop (remove it "
+                              "from the job)")
             continue
-        if raised is not None and not data and epochs_bind(earlier.job, record.total_steps):
-            plan.done.append(record)   # its epochs ended it, and would again at once
-            plan.notes.append(f"{record.name}: max_steps raised to {raised}, but it is "
-                              f"{epochs_bound_reason(earlier.job, record.total_steps)}")
+        nothing = raise_trains_nothing(raised, record.total_steps) if raised is not None and not data else None
+        if nothing is not None:
+            plan.done.append(record)   # what ended it is not raised: it would end again at once
+            plan.notes.append(f"{record.name}: {raised.raised_to()}, but it is {nothing}")
             continue
         if raised is not None and not data:   # only its budget raised: it continues from its checkpoint
             plan.extend.append((record, submission))
+            plan.raises[record.id] = raised
             continue
         changes += data
         if changes and record.state not in FINISHED and not _checkpointed(record, saved_step):

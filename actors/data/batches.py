@@ -64,6 +64,11 @@ class DataCursor:
     ``epoch`` is the (0-based) epoch the next example comes from and
     ``position`` its index within that epoch's permutation; after the last
     epoch is finished, ``position == len(examples)`` and ``exhausted`` is true.
+    That state restored into a cursor of more ``epochs`` (a job's epochs
+    raised) goes on into the next epoch from its first example: its batches
+    then differ from those of a cursor given the epochs from the start where
+    the examples are not a multiple of ``batch_size`` (that epoch's last batch
+    was short, not run on across the epoch's end).
     """
 
     def __init__(self, examples: list[Example], batch_size: int, seed: int, epochs: int | None = None) -> None:

@@ -17,6 +17,14 @@ from actors.engine.step_records import OptimizerStepRecord, StepAccumulator
 from actors.spec.job_spec import JobSpec, cursor_epochs, planned_steps
 
 
+def continue_plan(job: Any, optimizer: JobOptimizer, total_steps: int) -> None:
+    """`TrainingJob.plan_to`'s work on `job` (one whose `total_steps` is settable) and its `optimizer`."""
+    job.total_steps = optimizer.total_steps = total_steps
+    accumulation = job.spec.grad_accum
+    optimizer.micro_count = -(-optimizer.micro_count // accumulation) * accumulation
+    optimizer.set_lr()
+
+
 class BatchSource(Protocol):
     """Where a job's micro-batches come from: a `DataCursor` in-process, or a feed streamed from a job
     actor. Positions (`state_dict`) are restorable so that checkpoints can resume exactly."""
@@ -74,6 +82,12 @@ class TrainingJob:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def plan_to(self, total_steps: int) -> None:
+        """Train to `total_steps` from here (a job continued past its data's old end, its epochs raised:
+        `job_spec.continued_steps`): its schedule the new total's from this step on, its next step's accumulation
+        begun afresh (its last one may have ended short, the data then ended mid-accumulation)."""
+        continue_plan(self, self.optimizer, total_steps)
 
     @property
     def step(self) -> int:

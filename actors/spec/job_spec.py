@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -311,6 +311,23 @@ def planned_steps(spec: JobSpec, num_train_examples: int) -> int:
         iterations = spec.grpo.num_iterations if spec.grpo is not None else 1
         steps.append(max(1, math.ceil(micro_batches / spec.grad_accum)) * iterations)
     return min(steps)
+
+
+def continued_steps(spec: JobSpec, num_train_examples: int, step: int, position: dict[str, Any]) -> int | None:
+    """The optimizer steps of a job continued from a checkpoint at its data cursor's end (`position`, the cursor's
+    state there: its last epoch's every example trained, the last batch short where they are not a multiple of
+    batch_size), its `epochs` raised since: `step` and those that every example of its further epochs once more
+    takes, in batches from the next epoch's first example (not as a run given those epochs from the start, whose
+    batches ran on across that epoch's end). None where the checkpoint is not at its cursor's end: `planned_steps`
+    holds. A streamed job's position and `num_train_examples` count rows."""
+    if cursor_epochs(spec) is None or spec.epochs is None or num_train_examples < 1:
+        return None
+    if int(position.get("position", 0)) < num_train_examples:
+        return None
+    seen = (int(position["epoch"]) + 1) * num_train_examples
+    micro_batches = max(0, math.ceil((num_train_examples * spec.epochs - seen) / spec.batch_size))
+    iterations = spec.grpo.num_iterations if spec.grpo is not None else 1
+    return step + math.ceil(micro_batches / spec.grad_accum) * iterations
 
 
 def cursor_epochs(spec: JobSpec) -> int | None:

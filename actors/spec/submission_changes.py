@@ -1,10 +1,11 @@
 """What differs between two submissions of a job, as `aspen run` started again compares a jobs file's job with
 the one an earlier run trained (orchestrator/run_plan.py), leaving out the fields that do not change what its
-steps compute; and whether the difference is only a raised budget, which a job continues to from its checkpoint
-(`SchedulerCore.extend`)."""
+steps compute; and whether the difference is only a raised budget (`max_steps`, `epochs` or both), which a job
+continues to from its checkpoint (`SchedulerCore.extend`), or a budget changed in a way it cannot continue to."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # the CLI's parser imports this module (through orchestrator/run_plan.py): kept light
@@ -41,30 +42,104 @@ def differences(old: JobSubmission, new: JobSubmission) -> list[str]:
     return found
 
 
-def budget_raise(old: JobSubmission, new: JobSubmission) -> int | None:
-    """The new `max_steps` where it is the only difference between two submissions of a job and raises a budget
-    `max_steps` bound (one bound by epochs alone would change its data cursor's end); None otherwise."""
-    before, after = old.job.max_steps, new.job.max_steps
-    if before is None or after is None or after <= before:
+BUDGET_FIELDS = ("max_steps", "epochs")
+
+
+@dataclass(frozen=True)
+class BudgetRaise:
+    """A job's budget raised, everything else unchanged: its `max_steps`, its `epochs` or both (each either kept or
+    raised), which it continues to from its checkpoint."""
+
+    before: JobSpec
+    after: JobSpec
+
+    @property
+    def raised(self) -> tuple[str, ...]:
+        """The fields raised: "max_steps", "epochs" or both."""
+        return tuple(name for name in BUDGET_FIELDS if getattr(self.before, name) != getattr(self.after, name))
+
+    def describe(self, verb: str = "") -> str:
+        """'max_steps 3 -> 4', 'epochs 1 -> 2' or both, joined by ', ' (`verb`, e.g. "raised", after each name)."""
+        return ", ".join(f"{' '.join(filter(None, (name, verb)))} {getattr(self.before, name):g} -> "
+                         f"{getattr(self.after, name):g}" for name in self.raised)
+
+    def raised_to(self) -> str:
+        """'max_steps raised to 10', 'epochs raised to 2' or both, joined by ' and '."""
+        return " and ".join(f"{name} raised to {getattr(self.after, name):g}" for name in self.raised)
+
+
+class BudgetRefused(ValueError):
+    """A budget changed in a way a job cannot continue to from its checkpoint: why, and what to do instead;
+    `field`: which ("max_steps" or "epochs")."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def budget_raise(old: JobSubmission, new: JobSubmission) -> BudgetRaise | None:
+    """The raise where the only differences between two submissions of a job are a raised `max_steps`, a raised
+    `epochs` or both (the other kept); None where anything else differs or nothing does. A budget changed
+    otherwise (lowered, added, removed) raises `BudgetRefused`, saying why."""
+    before, after = old.job, new.job
+    kept = new.model_copy(update={"job": after.model_copy(update={name: getattr(before, name)
+                                                                  for name in BUDGET_FIELDS})})
+    if differences(old, kept) or all(getattr(before, name) == getattr(after, name) for name in BUDGET_FIELDS):
         return None
-    raised = new.model_copy(update={"job": new.job.model_copy(update={"max_steps": before})})
-    return after if not differences(old, raised) else None
+    for name in BUDGET_FIELDS:
+        was, now = getattr(before, name), getattr(after, name)
+        if was == now or (was is not None and now is not None and now > was):
+            continue
+        raise BudgetRefused(_refusal(name, was, now), name)
+    return BudgetRaise(before, after)
+
+
+def _refusal(name: str, was: float | None, now: float | None) -> str:
+    if name == "epochs" and was is None:
+        return (f"epochs added ({now:g}) to a job that had none: its data was repeated until its max_steps, each "
+                "batch running on across the end of an epoch, and with epochs it would end with its data's last "
+                "epoch, a different data order than it trained on; keep epochs out of it and raise max_steps to "
+                "continue it, or start a new job (init_adapter: job:NAME continues from its adapter)")
+    if now is None:
+        return (f"{name} removed (it was {was:g}): a job continues only to a larger budget of the same kind; raise "
+                f"its {name} instead, or start a new job (init_adapter: job:NAME continues from its adapter)")
+    if was is None:   # max_steps added to a job its epochs alone bound
+        return (f"bound by epochs, not max_steps: it has no max_steps to raise (with max_steps {now:g} its data would "
+                "run on across its last epoch's end, a different data order); raise its epochs to continue it (aspen "
+                "extend JOB --epochs N, or epochs in its jobs file), or start a new job (init_adapter: job:NAME "
+                "continues from its adapter)")
+    return (f"{name} lowered {was:g} -> {now:g}: a job continues from its checkpoint only to a larger budget; give "
+            f"{name} above {was:g}, or start a new job to train it less")
+
+
+def raise_trains_nothing(raised: BudgetRaise, total_steps: int | None) -> str | None:
+    """Why continuing a job to `raised` would train nothing (what ended it is not raised: its epochs, or its
+    max_steps), and what to do; None where it trains on. `total_steps`: the steps its last start planned."""
+    before = raised.before
+    if epochs_bind(before, total_steps) and "epochs" not in raised.raised:
+        return epochs_bound_reason(before, total_steps)
+    if not epochs_bind(before, total_steps) and "max_steps" not in raised.raised:
+        return (f"bound by max_steps: its max_steps {before.max_steps} ended it before its {before.epochs:g} "
+                f"epoch(s) of data did, so a larger epochs alone would train nothing more; raise max_steps too "
+                "(aspen extend JOB --max-steps N --epochs N, or both in its jobs file)")
+    return None
 
 
 def epochs_bind(job: JobSpec, total_steps: int | None) -> bool:
     """Whether a job's `epochs`, not its `max_steps`, ended its training: it has no max_steps, or its data's epochs
     gave fewer steps (`total_steps`, what its last start planned) than its max_steps. Such a job has no budget a
-    raised max_steps would add to: it would end again at once."""
+    raised max_steps alone would add to: it would end again at once (a raised epochs continues it)."""
     if job.max_steps is None:
         return True
     return job.epochs is not None and total_steps is not None and total_steps < job.max_steps
 
 
 def epochs_bound_reason(job: JobSpec, total_steps: int | None) -> str:
-    """Why a raised max_steps does not continue a job `epochs_bind` holds, and what to do instead."""
+    """Why a raised max_steps alone does not continue a job `epochs_bind` holds, and what to do instead."""
     if job.max_steps is None:
-        why = "bound by epochs, not max_steps: a budget raised would move where its data ends"
+        why = "bound by epochs, not max_steps: it has no max_steps to raise"
     else:
         why = (f"bound by epochs: its {job.epochs:g} epoch(s) of data ended it at step {total_steps}, before its "
-               f"max_steps {job.max_steps}, so a larger max_steps would train nothing more")
-    return why + "; start a new job (init_adapter: job:NAME continues from its adapter)"
+               f"max_steps {job.max_steps}, so a larger max_steps alone would train nothing more")
+    return why + ("; raise its epochs to continue it into more of its data (aspen extend JOB --epochs N, or epochs "
+                  "in its jobs file), or start a new job (init_adapter: job:NAME continues from its adapter)")

@@ -209,9 +209,11 @@ def _add_job_commands(commands: Any) -> None:
     resume.set_defaults(handler=cmd_resume)
 
     extend = with_url(with_address(commands.add_parser(
-        "extend", help="continue an ended or paused job to a larger max_steps (from its last checkpoint)")))
+        "extend", help="continue an ended or paused job to a larger max_steps, epochs or both (from its last "
+                       "checkpoint)")))
     extend.add_argument("job")
-    extend.add_argument("--max-steps", type=int, required=True, help="its new budget of optimizer steps")
+    extend.add_argument("--max-steps", type=int, help="its new budget of optimizer steps")
+    extend.add_argument("--epochs", type=float, help="its new passes over its data (it trains on into its next epoch)")
     with_json(extend, "the job's record")
     extend.set_defaults(handler=cmd_extend)
 

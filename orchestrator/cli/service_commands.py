@@ -392,11 +392,17 @@ cmd_resume = _job_command("resume", "")
 
 
 def cmd_extend(args: argparse.Namespace) -> int:
-    """`aspen extend JOB --max-steps N`: the job queued again, to train on from its checkpoint to step N. Where no
-    service runs and the job is an ended `aspen run`'s, how that run continues it instead."""
+    """`aspen extend JOB --max-steps N` / `--epochs N` (or both): the job queued again, to train on from its
+    checkpoint to the new budget. Where no service runs and the job is an ended `aspen run`'s, how that run continues
+    it instead."""
     from orchestrator.errors import ClusterRefused, ServiceError
     from orchestrator.recent_runs import RecentRuns
 
+    if args.max_steps is None and args.epochs is None:
+        print("aspen: extend: give --max-steps N, --epochs N or both (the job's budget raised)", file=sys.stderr)
+        return 2
+    budget = " and ".join(f"its {name} to {value:g}" for name, value in (("max_steps", args.max_steps),
+                                                                         ("epochs", args.epochs)) if value is not None)
     try:
         client = connect_service(args)
     except ServiceError as error:
@@ -404,9 +410,9 @@ def cmd_extend(args: argparse.Namespace) -> int:
         if run is None:
             raise
         raise ServiceError(f"{error}; job '{args.job}' is of the `aspen run` of {run.jobs_file}, which has ended: "
-                           f"set its max_steps to {args.max_steps} there and run `aspen run {run.jobs_file}` again "
-                           "(it continues from its checkpoint), or extend it on a service that runs it") from None
-    record = client.raise_max_steps(args.job, args.max_steps)
+                           f"set {budget} there and run `aspen run {run.jobs_file}` again (it continues from its "
+                           "checkpoint), or extend it on a service that runs it") from None
+    record = client.raise_budget(args.job, args.max_steps, args.epochs)
     if args.json:
         print(json.dumps(record.as_dict(), indent=1))
     else:

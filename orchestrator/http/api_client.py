@@ -281,8 +281,14 @@ class HttpClient:
         return _record(self._request("POST", _job_path(job, "/resume")))
 
     def raise_max_steps(self, job: str, max_steps: int) -> JobRecord:
-        """Continue an ended or paused job to `max_steps`, from its last checkpoint (`Client.raise_max_steps`)."""
-        return _record(self._request("POST", _job_path(job, "/extend"), json={"max_steps": max_steps}))
+        """`raise_budget` with `max_steps` alone."""
+        return self.raise_budget(job, max_steps=max_steps)
+
+    def raise_budget(self, job: str, max_steps: int | None = None, epochs: float | None = None) -> JobRecord:
+        """Continue an ended or paused job to `max_steps`, `epochs` or both, from its last checkpoint
+        (`Client.raise_budget`)."""
+        body = {name: value for name, value in (("max_steps", max_steps), ("epochs", epochs)) if value is not None}
+        return _record(self._request("POST", _job_path(job, "/extend"), json=body))
 
     def generate(self, job: str, prompt: str, max_new_tokens: int = 64) -> dict[str, Any]:
         """"Try it": `prompt` continued by the job's adapter (a running job's current one, a finished job's final one)

@@ -23,7 +23,7 @@ from orchestrator.http.data_rows import check_rows
 from orchestrator.http.request_bodies import parse_body, submissions_from
 from orchestrator.http.responses import ErrorBody
 from orchestrator.http.routes import Routes, operation_route
-from orchestrator.operation_models import GenerateBody, MaxStepsBody, Submitted, Transition
+from orchestrator.operation_models import BudgetBody, GenerateBody, Submitted, Transition
 from orchestrator.service_calls import call_service
 
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
@@ -233,15 +233,17 @@ def add_job_budget_routes(api: APIRouter, ctx: Routes) -> None:
     """Raising an ended or paused job's budget."""
     link, require_token, audited = ctx.link, ctx.require_token, ctx.audited
 
-    @operation_route(api, "raise_max_steps", tags=["jobs"])
-    def extend(job: str, body: MaxStepsBody, caller: Caller = Depends(require_token)) -> Any:
-        """Continue an ended (completed, stopped early, failed, cancelled) or paused job to a larger max_steps: it is
-        queued again and trains on from its last checkpoint. 409 for a running or queued job, a budget not above its
-        own, a job bound by epochs, an interactive model."""
+    @operation_route(api, "raise_budget", tags=["jobs"])
+    def extend(job: str, body: BudgetBody, caller: Caller = Depends(require_token)) -> Any:
+        """Continue an ended (completed, stopped early, failed, cancelled) or paused job to a larger max_steps, epochs
+        or both: it is queued again and trains on from its last checkpoint (a raised epochs: into its next epoch).
+        409 for a running or queued job, a budget not above its own, one that would train nothing (a job its epochs
+        ended given a larger max_steps alone, one its max_steps ended a larger epochs alone), epochs added to a job
+        that had none, an interactive model."""
         def run(client: Any) -> JobRecord:
             record = find_job(client, caller, job)
-            after = client.raise_max_steps(record.id, body.max_steps)
-            audited(caller, "job.extend", record.id, name=record.name, max_steps=body.max_steps)
+            after = client.raise_budget(record.id, body.max_steps, body.epochs)
+            audited(caller, "job.extend", record.id, name=record.name, max_steps=body.max_steps, epochs=body.epochs)
             return after
 
         return call_service(link, run)

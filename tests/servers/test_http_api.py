@@ -435,3 +435,45 @@ def test_a_finished_job_continues_to_a_raised_max_steps_over_http_and_the_cli(ap
     finally:
         http.cancel(long.id)
         long.wait(timeout=60)
+
+
+def test_a_finished_job_continues_to_raised_epochs_over_http_and_the_cli(api, tmp_path, monkeypatch, capsys):
+    """`POST /v1/jobs/{job}/extend` with `{"epochs": N}` (`aspen extend JOB --epochs N`, HttpClient.raise_budget): a
+    job its 1 epoch ended (16 rows, batches of 4: 4 steps) is queued again and trains on from its checkpoint into its
+    second epoch; at a constant learning rate it ends as the same job given 2 epochs from the start (the reference,
+    in the same service). The CLI raises it to 3 epochs; a lowered epochs is refused (409) saying why, the job left as
+    it was, and a body raising nothing (422) is said to be the request's."""
+    from orchestrator.cli import main
+    from tests.helpers.service import adapter_tensors, max_relative_difference
+
+    http = HttpClient(api.url, api.token)
+    data = write_task_data(tmp_path / "data", "ep", rows=16)
+    spec = {**job_dict("one-epoch-http", data, None, lr_schedule="constant"), "epochs": 1}
+    job = http.submit(spec, base_model=api.base, output_dir=tmp_path / "one")
+    reference = http.submit({**spec, "name": "two-epochs-http", "epochs": 2}, base_model=api.base,
+                            output_dir=tmp_path / "two")
+    assert job.wait(timeout=120).state == "completed" and http.status(job.id).step == 4
+    raised = http.raise_budget(job.id, epochs=2)
+    assert raised.state == "queued" and "epochs 1 -> 2; continues from its checkpoint at step 4" in raised.reason
+    done = wait_for(lambda: http.status(job.id).state == "completed" and http.status(job.id), timeout=120,
+                    what="the job to train its second epoch")
+    assert done.step == 8 and done.total_steps == 8 and reference.wait(timeout=120).step == 8
+    ours, theirs = (http.losses(key) for key in (job.id, reference.id))
+    assert [row["loss"] for row in ours] == pytest.approx([row["loss"] for row in theirs], rel=1e-4)
+    difference = max_relative_difference(adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "two"))
+    assert difference <= 1e-4, difference
+
+    monkeypatch.setenv("ASPEN_TOKEN", api.token)
+    assert main(["extend", job.id, "--epochs", "3", "--url", api.url]) == 0
+    assert capsys.readouterr().out.startswith(f"{job.id}: queued (epochs raised to 3: epochs 2 -> 3")
+    assert wait_for(lambda: http.status(job.id).state == "completed" and http.status(job.id), timeout=120,
+                    what="the job to train its third epoch").step == 12
+    before = api.table()
+    with pytest.raises(Conflict, match="epochs lowered 3 -> 1: a job continues from its checkpoint only to a larger "
+                                       "budget; give epochs above 3"):
+        http.raise_budget(job.id, epochs=1)
+    assert api.table() == before
+    assert main(["extend", job.id, "--url", api.url]) == 2
+    assert "give --max-steps N, --epochs N or both" in capsys.readouterr().err
+    raw = httpx.post(f"{api.url}/v1/jobs/{job.id}/extend", json={}, headers={"Authorization": f"Bearer {api.token}"})
+    assert raw.status_code == 422 and "give max_steps, epochs or both" in raw.text, raw.text

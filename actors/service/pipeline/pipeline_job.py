@@ -18,7 +18,7 @@ from torch import nn
 from actors.data import Example
 from actors.engine.adapter_surgery import AdapterHandle
 from actors.engine.grpo_replay import GrpoReplay
-from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator
+from actors.engine.job import BatchSource, OptimizerStepRecord, StepAccumulator, continue_plan
 from actors.engine.kept_best import KeptBest
 from actors.engine.optim import JobOptimizer
 from actors.engine.pipeline.head_jobs import HeadJob
@@ -102,6 +102,14 @@ class PipelineJob:
     @property
     def total_steps(self) -> int:
         return self.head.total_steps
+
+    @total_steps.setter
+    def total_steps(self, value: int) -> None:
+        self.head.total_steps = value
+
+    def plan_to(self, total_steps: int) -> None:
+        """`TrainingJob.plan_to` on the mirror (the stages take it with the job's state when it is `restored`)."""
+        continue_plan(self, self.optimizer, total_steps)
 
     @property
     def step(self) -> int:

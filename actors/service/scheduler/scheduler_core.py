@@ -43,7 +43,7 @@ from actors.service.table.job_table import ACTIVE_STATES, TERMINAL_STATES, JobRe
 from actors.service.trainer.trainer_reports import TrainerEvent, TrainerStatus
 from actors.spec.job_submission import JobSubmission
 from actors.spec.saved_adapter import JobAdapter
-from actors.spec.submission_changes import budget_raise, epochs_bind, epochs_bound_reason
+from actors.spec.submission_changes import BudgetRefused, budget_raise, raise_trains_nothing
 from actors.storage.storage_uri import StorageURI
 from policies.base import (
     JobView,
@@ -203,9 +203,9 @@ class SchedulerCore:
         return self.table.set_state(record.id, "queued", f"{reason}; resumes from {step}", trainer=None)
 
     def extend(self, key: str, submission: JobSubmission, reason: str = "its budget raised") -> JobRecord:
-        """Raise an ended or paused job's `max_steps` (`submission`: its spec with only that raised) and queue it
-        again: it continues from its last checkpoint to the new budget (orchestrator/run_plan.py says how its
-        schedule goes on)."""
+        """Raise an ended or paused job's `max_steps`, `epochs` or both (`submission`: its spec with only those
+        raised) and queue it again: it continues from its last checkpoint to the new budget (orchestrator/run_plan.py
+        says how its schedule and data go on)."""
         record = self.table.find(key)
         if self.is_interactive(record.id):
             raise ValueError(f"job {record.id} is an interactive model: its user's loop decides its steps")
@@ -213,12 +213,16 @@ class SchedulerCore:
             raise ValueError(f"job {record.id} is {record.state}; only an ended or paused job's budget can be raised")
         earlier = self.table.submission(record.id)
         kept = submission.model_copy(update={"user": earlier.user, "output_dir": earlier.output_dir})
-        raised = budget_raise(earlier, kept)
-        if epochs_bind(earlier.job, record.total_steps):
-            raise ValueError(f"job {record.id} is {epochs_bound_reason(earlier.job, record.total_steps)}")
+        try:
+            raised = budget_raise(earlier, kept)
+        except BudgetRefused as error:
+            raise ValueError(f"job {record.id}: {error}") from None
         if raised is None:
-            raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) may be given to "
-                             "continue it; for other changes start a new job")
+            raise ValueError(f"job {record.id}: only a larger max_steps (now {earlier.job.max_steps}) or epochs (now "
+                             f"{earlier.job.epochs}) may be given to continue it; for other changes start a new job")
+        nothing = raise_trains_nothing(raised, record.total_steps)
+        if nothing is not None:
+            raise ValueError(f"job {record.id} is {nothing}")
         gone = missing_checkpoint(record.output_dir, record.checkpoint_step)
         if gone is not None:
             raise ValueError(f"job {record.id}: {gone}, so it would train again from step 0, not on from step "
@@ -229,8 +233,8 @@ class SchedulerCore:
         if record.id in self.scheduling:
             self.scheduling[record.id].retries = 0
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
-        return self.table.set_state(record.id, "queued", f"{reason}: max_steps {earlier.job.max_steps} -> {raised}; "
-                                                         f"continues from {step}", trainer=None)
+        return self.table.set_state(record.id, "queued", f"{reason}: {raised.describe()}; continues from {step}",
+                                    trainer=None)
 
     def delete(self, key: str) -> None:
         """Forget a job that is not running (its files are left as they are)."""

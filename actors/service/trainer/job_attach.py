@@ -23,7 +23,7 @@ from actors.service.trainer.active_job import ActiveJob, JobMirror
 from actors.service.trainer.feed import MicroBatchFeed, Pending
 from actors.service.trainer.job_link import Assignment
 from actors.service.trainer.stop_verdicts import StopVerdicts
-from actors.spec.job_spec import JobSpec
+from actors.spec.job_spec import JobSpec, continued_steps
 from actors.storage.storage_uri import is_uri
 from policies.stopping import Verdict
 
@@ -72,6 +72,10 @@ def start_job(assignment: Assignment, trainer: FusedTrainer | PipelineEngine, ou
         fetch_note = outputs.fetch_checkpoint(mirror, folder) if mirror is not None else ""
         if has_checkpoint(folder):
             resumed_from, note, kept_reference = resume(job, folder, f"trainer {trainer_id}: job {job_id}")
+            if resumed_from:   # at its data's old end, its epochs raised: on to the new end from there
+                continued = continued_steps(spec, assignment.data.train_examples, job.step, job.data_position())
+                if continued is not None and continued != job.total_steps:
+                    job.plan_to(continued)
             trainer.restored(job)   # a pipeline's stages take what was loaded (or the job as it was)
             if resumed_from is not None:   # the job's loss history as of its checkpoint, and its verdict
                 resume_verdict = assignment.link.update(JobUpdate(

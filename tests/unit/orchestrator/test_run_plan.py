@@ -118,8 +118,52 @@ def test_a_raised_budget_leaves_alone_a_job_its_epochs_ended_before_its_max_step
     plan = plan_run(spec({"by-epochs": 200, "by-steps": 4}).submissions(), records, stored.__getitem__)
     assert [r.name for r, _ in plan.extend] == ["by-steps"] and [r.name for r in plan.done] == ["by-epochs"]
     assert ("by-epochs: max_steps raised to 200, but it is bound by epochs: its 1 epoch(s) of data ended it at "
-            "step 5, before its max_steps 100, so a larger max_steps would train nothing more; start a new job "
-            "(init_adapter: job:NAME continues from its adapter)") in plan.lines()
+            "step 5, before its max_steps 100, so a larger max_steps alone would train nothing more; raise its epochs "
+            "to continue it into more of its data (aspen extend JOB --epochs N, or epochs in its jobs file), or start "
+            "a new job (init_adapter: job:NAME continues from its adapter)") in plan.lines()
+
+
+def test_a_raised_epochs_continues_a_job_its_epochs_ended_and_is_refused_where_it_cannot(tmp_path):
+    """`aspen run` again with `epochs` changed: raised on a job its epochs ended (alone, or with max_steps raised
+    beside it) it continues from its checkpoint, said so; raised alone on a job its max_steps ended it is left alone
+    (it would train nothing), saying to raise max_steps too; lowered, or added to a job that had none, it is a changed
+    spec (--overwrite) saying why it cannot continue. The steps the epochs end at are `planned_steps`'."""
+    from actors.spec.job_spec import planned_steps
+
+    def spec(jobs: dict[str, dict]) -> RunSpec:
+        return RunSpec(output_dir=tmp_path, jobs=[{"name": name, "data": "data.jsonl", "format": {"type": "text"},
+                                                   "batch_size": 2, **budget} for name, budget in jobs.items()])
+
+    rows = 10   # one epoch: 5 steps
+    before = spec({"alone": {"epochs": 1}, "capped": {"epochs": 1, "max_steps": 100},
+                   "by-steps": {"epochs": 1, "max_steps": 3}, "both": {"epochs": 1, "max_steps": 3},
+                   "lowered": {"epochs": 2}, "added": {"max_steps": 4}}).submissions()
+    stored = {f"id-{s.job.name}": s for s in before}
+    records = []
+    for submission in before:
+        total = planned_steps(submission.job, rows)
+        records.append(dataclasses.replace(_record(submission, "completed", total, step=total), total_steps=total))
+    after = spec({"alone": {"epochs": 2}, "capped": {"epochs": 3, "max_steps": 100},
+                  "by-steps": {"epochs": 2, "max_steps": 3}, "both": {"epochs": 2, "max_steps": 8},
+                  "lowered": {"epochs": 1}, "added": {"max_steps": 4, "epochs": 1}}).submissions()
+    plan = plan_run(after, records, stored.__getitem__)
+    assert [r.name for r, _ in plan.extend] == ["alone", "capped", "both"]
+    lines = plan.lines()
+    assert "alone: completed at step 5; epochs raised to 2: it continues from its checkpoint at step 5" in lines
+    assert ("both: completed at step 3; max_steps raised to 8 and epochs raised to 2: it continues from its "
+            "checkpoint at step 3") in lines
+    assert [r.name for r in plan.done] == ["by-steps"]
+    assert ("by-steps: epochs raised to 2, but it is bound by max_steps: its max_steps 3 ended it before its 1 "
+            "epoch(s) of data did, so a larger epochs alone would train nothing more; raise max_steps too (aspen "
+            "extend JOB --max-steps N --epochs N, or both in its jobs file)") in lines
+    changed = dict(plan.changed)
+    assert changed["lowered"] == ["epochs lowered 2 -> 1: a job continues from its checkpoint only to a larger "
+                                  "budget; give epochs above 2, or start a new job to train it less"]
+    [added] = changed["added"]
+    assert added.startswith("epochs added (1) to a job that had none: its data was repeated until its max_steps")
+    assert "a different data order" in added
+    message = changed_message(tmp_path, plan.changed)
+    assert "'lowered', 'added'" in message and "--overwrite" in message
 
 
 def test_a_raised_budget_on_a_job_whose_checkpoint_is_gone_is_refused_as_such(tmp_path):

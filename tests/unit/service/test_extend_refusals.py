@@ -1,9 +1,9 @@
 """`SchedulerCore.extend` (aspen extend, POST /v1/jobs/{job}/extend) refuses, saying why and what to do, what a raised
-max_steps would not continue: a job whose `epochs` ended it before its `max_steps` (it was queued again, said to
-continue from its checkpoint, and ended at once at the same step having trained nothing; the step the epochs end at
-is `planned_steps`', what a trainer plans), and a job whose checkpoint was deleted from its folder (it was said to
-continue from its checkpoint and trained again from step 0, its metrics rewritten; the checkpoints are those a
-trainer writes, `train_locally`'s). A job its max_steps bound, epochs or not, with its checkpoint, is queued."""
+max_steps or epochs would not continue: a job whose `epochs` ended it before its `max_steps` (it was queued again,
+said to continue from its checkpoint, and ended at once at the same step having trained nothing; the step the epochs
+end at is `planned_steps`', what a trainer plans), and a job whose checkpoint was deleted from its folder (it was
+said to continue from its checkpoint and trained again from step 0, its metrics rewritten; the checkpoints are those
+a trainer writes, `train_locally`'s). A job its max_steps bound, epochs or not, with its checkpoint, is queued."""
 
 from __future__ import annotations
 
@@ -95,3 +95,56 @@ def test_a_job_whose_checkpoint_was_deleted_is_refused_and_one_with_its_checkpoi
                                          "the checkpoint back and resume it again, or submit it as a new job"):
         core.resume("deleted")
     assert core.table.find("deleted").state == "failed"
+
+
+def _budget(submission, **budget):
+    return submission.model_copy(update={"job": submission.job.model_copy(update=budget)})
+
+
+def test_a_raised_epochs_continues_a_job_its_epochs_ended_and_each_budget_it_cannot_continue_to_is_refused(tmp_path):
+    """`aspen extend JOB --epochs N` (`SchedulerCore.extend` with the job's spec, its epochs raised): a job its
+    epochs ended is queued again, said to continue from its checkpoint; epochs raised alone on a job its max_steps
+    ended (it would train nothing), epochs lowered, and epochs added to a job that had none (its data repeated until
+    max_steps: another data order) are refused, saying why and what to do, the job left as it was."""
+    data = write_task_data(tmp_path / "data", "t")
+    core, (alone, capped, steps_only, twice) = _ended(tmp_path, [
+        job_dict("alone", data, None, epochs=1, batch_size=2),    # 1 epoch of 10 rows: 5 steps
+        job_dict("capped", data, 3, epochs=1, batch_size=2),      # 3 steps, before the epoch's 5
+        job_dict("steps-only", data, 3, batch_size=2),
+        job_dict("twice", data, None, epochs=2, batch_size=2)])
+    queued = core.extend("alone", _budget(alone, epochs=2))
+    assert queued.state == "queued" and "epochs 1 -> 2; continues from its checkpoint at step 5" in queued.reason
+    assert core.table.submission(queued.id).job.epochs == 2
+
+    refusals = [
+        ("capped", _budget(capped, epochs=2), r"is bound by max_steps: its max_steps 3 ended it before its 1 epoch.s. "
+                                              r"of data did, so a larger epochs alone would train nothing more; raise "
+                                              r"max_steps too \(aspen extend JOB --max-steps N --epochs N"),
+        ("steps-only", _budget(steps_only, epochs=1), r"epochs added \(1\) to a job that had none: its data was "
+                                                      r"repeated until its max_steps.*a different data order.*raise "
+                                                      r"max_steps to continue it, or start a new job"),
+        ("twice", _budget(twice, epochs=1), r"epochs lowered 2 -> 1: a job continues from its checkpoint only to a "
+                                            r"larger budget; give epochs above 2, or start a new job"),
+        ("twice", _budget(twice, epochs=3, max_steps=50), r"bound by epochs, not max_steps: it has no max_steps to "
+                                                          r"raise.*raise its epochs to continue it")]
+    for name, submission, why in refusals:
+        with pytest.raises(ValueError, match=why):
+            core.extend(name, submission)
+        record = core.table.find(name)
+        assert record.state == "completed" and record.reason.startswith("trained"), (name, record.reason)
+        assert core.table.submission(record.id).job.epochs == {"capped": 1, "steps-only": None, "twice": 2}[name]
+
+    both = core.extend("capped", _budget(capped, epochs=2, max_steps=8))   # max_steps raised beside it: it goes on
+    assert both.state == "queued" and "max_steps 3 -> 8, epochs 1 -> 2" in both.reason
+
+
+def test_a_raised_epochs_on_a_job_whose_checkpoint_was_deleted_is_refused(tmp_path, tiny_base, tiny_model_dirs):
+    data = write_task_data(tmp_path / "data", "t")
+    jobs = [job_dict("deleted", data, None, epochs=1, batch_size=5)]   # 2 steps
+    core, (deleted,) = _ended(tmp_path, jobs, str(tiny_model_dirs["llama"]),
+                              lambda spec: train_locally(spec, base=tiny_base, progress=False))
+    shutil.rmtree(tmp_path / "out" / "deleted" / "checkpoint")
+    with pytest.raises(ValueError, match="its checkpoint at step 2 is no longer in .*so it would train again from "
+                                         "step 0, not on from step 2; put the checkpoint back and extend it again"):
+        core.extend("deleted", _budget(deleted, epochs=2))
+    assert core.table.submission(core.table.find("deleted").id).job.epochs == 1

@@ -1,0 +1,101 @@
+"""A job's `epochs` raised, as transformers' `resume_from_checkpoint` with a larger `num_train_epochs`: `aspen run`
+again (in process: its plan, `_plan_in_process`, then `train_locally` carrying the raised job as `aspen run
+--in-process` does) continues the job from its checkpoint into its next epoch. The references are independent of
+the code continuing it: a job given 2 epochs from the start (its training rows a multiple of batch_size, at a
+constant learning rate: the same batches, so exactly the same adapter), and, where the rows are not a multiple,
+the tokens of its data (each row of the new epoch once: the continued job's tokens are twice its first epoch's)
+and its cursor's end in its checkpoint (it ended there, not a step early)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from actors.service.scheduler.local_run import train_locally
+from actors.service.table.job_table import read_jobs
+from actors.service.table.recorded_run import CarriedJobs
+from orchestrator.cli.run_commands import _plan_in_process
+from tests.helpers.service import adapter_tensors, job_dict, run_spec, write_task_data
+
+
+def _spec(tmp_path, base, data, epochs: float, folder: str = "out", **extra):
+    jobs = [job_dict(name, data, None, epochs=epochs, lr_schedule="constant", **extra.get(name, {}))
+            for name in ("ga1", "ga2")]
+    return run_spec(str(base), tmp_path / folder, jobs, step_tokens=1024)
+
+
+def _run_again(spec, base) -> list:
+    """`aspen run --in-process` on the same folder: its plan (the lines it prints), then the jobs it carries."""
+    state = spec.output_dir / ".aspen"
+    plan = _plan_in_process(spec, state, overwrite=False)
+    assert plan is not None and not plan.changed and not plan.submit, plan
+    carry = CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
+                        {r.id: submission for r, submission in plan.extend})
+    return train_locally(spec, base=base, progress=False, record_in=state, carry=carry)
+
+
+def _state(folder) -> dict:
+    return json.loads((folder / "checkpoint" / "state.json").read_text())
+
+
+def test_epochs_raised_continues_the_job_and_ends_as_one_given_them_from_the_start(tmp_path, tiny_base,
+                                                                                   tiny_model_dirs, capsys):
+    """16 rows in batches of 4 (grad_accum 1 and 2): 1 epoch, then `aspen run` again with 2: the job continues from
+    its checkpoint at step 4 (2) to step 8 (4), its adapter exactly that of the job trained 2 epochs at once."""
+    base = tiny_model_dirs["llama"]
+    data = write_task_data(tmp_path / "data", "t", rows=16)
+    extra = {"ga2": {"grad_accum": 2}}
+    first = train_locally(_spec(tmp_path, base, data, 1, **extra), base=tiny_base, progress=False,
+                          record_in=tmp_path / "out/.aspen")
+    assert [(s.state, s.steps) for s in first] == [("completed", 4), ("completed", 2)]
+    capsys.readouterr()
+
+    again = _run_again(_spec(tmp_path, base, data, 2, **extra), tiny_base)
+    out = capsys.readouterr().out
+    assert "ga1: completed at step 4; epochs raised to 2: it continues from its checkpoint at step 4" in out, out
+    assert "ga2: completed at step 2; epochs raised to 2: it continues from its checkpoint at step 2" in out, out
+    assert [(s.state, s.steps) for s in again] == [("completed", 8), ("completed", 4)]
+    records = {record.name: record for record, _ in read_jobs(tmp_path / "out/.aspen/jobs.sqlite")}
+    assert (records["ga1"].total_steps, records["ga2"].total_steps) == (8, 4)
+
+    train_locally(_spec(tmp_path, base, data, 2, "reference", **extra), base=tiny_base, progress=False)
+    for name in ("ga1", "ga2"):
+        ours, theirs = adapter_tensors(tmp_path / "out" / name), adapter_tensors(tmp_path / "reference" / name)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
+        metrics = (tmp_path / "out" / name / "metrics.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"] for line in metrics]
+        assert steps == list(range(1, 9 if name == "ga1" else 5)), (name, steps)
+
+
+def test_epochs_raised_on_rows_not_a_multiple_of_batch_size_sees_each_row_of_the_new_epoch_once(tmp_path, tiny_base,
+                                                                                             tiny_model_dirs):
+    """10 rows in batches of 4: the first epoch's last batch is short (2 rows, 3 steps). Raised to 2 epochs, the job
+    trains the next epoch from its first row: 3 more steps of 4, 4 and 2 rows (a job given 2 epochs at once takes 5
+    steps, its batches running on across the epoch's end; planned so, the continued job ended a step early, 2 rows of
+    its new epoch unseen). With grad_accum 2: 2 steps more, the first of 2 whole micro-batches (its next epoch's
+    accumulation begun afresh, as the first's). Each row has as many tokens as any other: a step's tokens count its
+    rows."""
+    base = tiny_model_dirs["llama"]
+    data = tmp_path / "data" / "t.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"question": f"n {i}", "answer": f"{i}"}) + "\n" for i in range(10)))
+    extra = {"ga2": {"grad_accum": 2}}
+    first = train_locally(_spec(tmp_path, base, data, 1, **extra), base=tiny_base, progress=False,
+                          record_in=tmp_path / "out/.aspen")
+    assert [(s.state, s.steps) for s in first] == [("completed", 3), ("completed", 2)]
+    one_epoch = {name: _state(tmp_path / "out" / name)["tokens_seen"] for name in ("ga1", "ga2")}
+
+    again = _run_again(_spec(tmp_path, base, data, 2, **extra), tiny_base)
+    assert [(s.state, s.steps) for s in again] == [("completed", 6), ("completed", 4)]
+    for name in ("ga1", "ga2"):
+        state = _state(tmp_path / "out" / name)
+        assert state["tokens_seen"] == 2 * one_epoch[name], name   # each row of its data once more
+        assert (state["cursor"]["epoch"], state["cursor"]["position"]) == (1, 10), state["cursor"]
+        assert state["cursor"]["examples_seen"] == 20
+    tokens = {name: [json.loads(line)["tokens"] for line in (tmp_path / "out" / name / "metrics.jsonl").read_text()
+                     .splitlines()] for name in ("ga1", "ga2")}
+    row = tokens["ga1"][2] // 2   # the first epoch's last step: 2 rows
+    assert tokens["ga1"] == [4 * row, 4 * row, 2 * row] * 2, tokens
+    assert tokens["ga2"] == [8 * row, 2 * row] * 2, tokens

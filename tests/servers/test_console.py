@@ -471,6 +471,29 @@ def test_an_ended_jobs_page_shows_its_kept_evaluation_and_trains_it_on_to_more_s
     page.close()
 
 
+def test_a_job_its_epochs_ended_is_extended_by_epochs_from_its_page(console, browser):
+    """A job bound by `epochs` (no max_steps) is extended to more epochs (POST /extend {"epochs"}): a larger max_steps
+    would train nothing more, so its page's form asks for the epoch to train on to; the job trains its second epoch
+    from its checkpoint (48 rows in batches of 16: 3 steps an epoch), as the API's record and losses show."""
+    alice = console.http("alice")
+    spec = job_dict("alice-epochs", console.data, 1, batch_size=16, max_seq_len=32, epochs=1,
+                    lr_schedule="constant")
+    del spec["max_steps"]
+    job = alice.submit(spec, base_model=console.base)
+    assert (ended := job.wait(timeout=120)).state == "completed" and ended.step == 3
+    page = log_in(browser, console, "alice")
+    page.goto(f"{console.url}/#/jobs/{job.id}")
+    page.wait_for_selector("label[for=extend-steps]:text('Train on to epoch')")
+    assert page.input_value("#extend-steps") == "2"
+    page.click("form.extend button[type=submit]")
+    page.wait_for_function("!document.querySelector('.job-head .state-completed')")   # queued again
+    record = wait_for(lambda: (r := alice.status(job.id)).state == "completed" and r.step > 3 and r, 120,
+                      "the job to train its second epoch")
+    assert record.step == 6 and "epochs 1 -> 2" in " ".join(reason for _, _, reason in alice.transitions(job.id))
+    assert [row["step"] for row in alice.losses(job.id)] == list(range(1, 7))
+    page.close()
+
+
 def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser, monkeypatch, capsys):
     """A GRPO job's page has a reward chart whose numbers are the job's rows' rewards (GET /v1/jobs/{job}/losses,
     the job table's copy of its metrics.jsonl); an SFT job's page has none, and its ended adapter can be tried."""

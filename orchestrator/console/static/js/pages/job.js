@@ -43,6 +43,7 @@ export function render(key, session) {
   setView("Job", head, charts, tryIt, generations, history, files, spec);
   const curves = {};
   let job = null;
+  let budget = null;   // the job's spec's max_steps and epochs, once its spec is read
 
   function drawHead() {
     const verbs = { cancel: ["queued", "running", "paused"], pause: ["queued", "running"],
@@ -68,18 +69,22 @@ export function render(key, session) {
       ...[EXTENDABLE.includes(job.state) && job.total_steps ? extendForm() : null].filter(Boolean));
   }
 
-  // an ended or paused job trained on from its checkpoint to a larger max_steps (POST /extend)
+  // an ended or paused job trained on from its checkpoint (POST /extend): to a larger max_steps, or, where its epochs
+  // bound it (no max_steps, or its epochs ended it before that), to more epochs
   function extendForm() {
-    const steps = el("input", { id: "extend-steps", type: "number", min: job.total_steps + 1, step: 1, required: true,
-      value: job.total_steps * 2, "aria-label": "train on to step" });
+    const byEpochs = budget && budget.epochs != null && (budget.max_steps == null || job.total_steps < budget.max_steps);
+    const [field, start, label] = byEpochs ? ["epochs", Math.floor(budget.epochs), "Train on to epoch "]
+      : ["max_steps", job.total_steps, "Train on to step "];
+    const value = el("input", { id: "extend-steps", type: "number", min: start + 1, step: 1, required: true,
+      value: byEpochs ? start + 1 : start * 2, "aria-label": label.trim().toLowerCase() });
     const note = el("span", { class: "status", role: "status", id: "extend-note" });
     return el("form", { class: "extend", onsubmit: async (event) => {
       event.preventDefault();
       try {
-        job = await api(jobPath(job.id, "/extend"), { method: "POST", body: { max_steps: Number(steps.value) } });
+        job = await api(jobPath(job.id, "/extend"), { method: "POST", body: { [field]: Number(value.value) } });
         drawHead();
       } catch (error) { note.textContent = error.message; }
-    } }, el("label", { for: "extend-steps", text: "Train on to step " }), steps, " ",
+    } }, el("label", { for: "extend-steps", text: label }), value, " ",
       el("button", { type: "submit", text: "Extend" }), " ", note);
   }
 
@@ -143,6 +148,9 @@ export function render(key, session) {
   async function drawSpec() {
     try {
       const answer = await api(jobPath(job.id, "/spec"));
+      const first = budget === null;
+      budget = answer.jobs_file.jobs[0];   // its max_steps and epochs: what the Extend form raises
+      if (first) drawHead();
       spec.replaceChildren(el("h2", { id: "spec-title", text: "Spec" }),
         el("pre", { class: "yaml", id: "spec-yaml" }, el("code", { text: answer.yaml })),
         el("a", { class: "button", href: `#/submit?clone=${encodeURIComponent(job.id)}`, text: "Clone this spec" }));

@@ -209,3 +209,32 @@ def test_a_server_over_a_running_service_reads_the_services_own_users(api, users
         assert single.status_code == 401
         assert "a users file is in force" in single.json()["detail"] and str(users.path) in single.json()["detail"]
     assert folder.path() == Path(api.state_dir).resolve()
+
+
+def test_the_service_description_names_only_the_callers_own_jobs(api, users, tmp_path):
+    """`GET /v1/service` (the console's trainers page) shows each trainer's jobs and their tokens in its last fused
+    step: alice's job, running on the trainer, is there for alice and an admin, as the Ray client has it (the
+    reference), and nowhere in bob's answer (neither its id nor its name), who still sees the trainer itself."""
+    data = write_task_data(tmp_path / "data", "held")
+    root, _ = users.add("root", admin=True)
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
+    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        job = HttpClient(url, alice).submit(job_dict("alices-secret-job", data, 100_000), base_model=api.base)
+        try:
+            def stepping() -> dict | None:   # the reference: the trainer holds alice's job and booked its tokens
+                trainers = api.ray.info()["trainers"]
+                return next((t for t in trainers if job.id in t.get("last_step_job_tokens", {})), None)
+
+            wait_for(stepping, timeout=120, what="alice's job in its trainer's last fused step")
+            for token, sees in ((alice, True), (root, True), (bob, False)):
+                answer = httpx.get(f"{url}/v1/service", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+                assert answer.status_code == 200, answer.text
+                trainer = next(t for t in answer.json()["trainers"] if t["base_model"] == api.base)
+                assert (job.id in trainer["jobs"]) is sees and (job.id in trainer["last_step_job_tokens"]) is sees
+                if not sees:
+                    assert "alices-secret-job" not in answer.text and job.id not in answer.text, answer.text
+                    assert trainer["ready"] and trainer["steps"] > 0   # the trainer itself is still described
+        finally:
+            api.ray.cancel(job.id)

@@ -6,6 +6,7 @@ same service is the reference."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
+from actors.service.scheduler.user_standing import STANDING_REFRESH_S
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import Conflict, HttpClient, SpecRefused
@@ -238,3 +240,33 @@ def test_the_service_description_names_only_the_callers_own_jobs(api, users, tmp
                     assert trainer["ready"] and trainer["steps"] > 0   # the trainer itself is still described
         finally:
             api.ray.cancel(job.id)
+
+
+def test_a_job_that_failed_before_training_has_no_generations_not_a_folder_elsewhere(api, users, tmp_path):
+    """A job that started and failed before its first step (its data file gone by then) wrote no folder: its
+    generations (the console's job page asks for them) are an empty answer, as for a job not started, not a 503
+    saying its folder is on another node (this service has one). alice's quota of one running job holds the
+    second job queued until its data is gone, then the first is cancelled and the second starts and fails; the
+    Ray client's record (the reference) says it failed at step 0, and no folder of it exists."""
+    data = write_task_data(tmp_path / "data", "first")
+    doomed = write_task_data(tmp_path / "data", "doomed")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"running": 1})
+    time.sleep(STANDING_REFRESH_S + 0.5)   # the scheduler reads the users' quotas again at most this often
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        first = as_alice.submit(job_dict("first", data, 100_000), base_model=api.base)
+        wait_for(lambda: api.ray.status(first.id).state == "running", timeout=120, what="the first job to run")
+        second = as_alice.submit(job_dict("doomed", doomed, 5), base_model=api.base)
+        wait_for(lambda: "quota" in api.ray.status(second.id).reason, timeout=60, what="the quota to hold it",
+                 state=lambda: api.ray.status(second.id))
+        doomed.unlink()
+        as_alice.cancel(first.id)
+        record = wait_for(lambda: (r := api.ray.status(second.id)).state in ("failed", "completed") and r,
+                          timeout=120, what="the second job to end")
+        assert record.state == "failed" and record.started_at is not None and record.step == 0, record
+        assert "could not be read" in record.reason and not Path(record.output_dir).exists()
+        answer = httpx.get(f"{url}/v1/jobs/{second.id}/generations", headers={"Authorization": f"Bearer {alice}"},
+                           timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["steps"] == [] and answer.json()["rows"] == []

@@ -270,3 +270,33 @@ def test_a_job_that_failed_before_training_has_no_generations_not_a_folder_elsew
                            timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["steps"] == [] and answer.json()["rows"] == []
+
+
+def test_resuming_or_extending_a_users_job_keeps_their_queued_quota_and_data_roots(api, users, tmp_path):
+    """Queuing a job again (resume, extend) is held to what its user may queue and read now, as a submission is:
+    alice (quota queued=1) cancels a job, submits another (queued: her one), and may neither resume nor extend the
+    first (422 naming the quota, as at submit; it stays cancelled, as the Ray client, the reference, has it); with
+    the other gone, the operator narrows her data roots to a folder without the job's data, and resuming is refused
+    naming the roots; with her roots given back, it is queued again."""
+    data = write_task_data(tmp_path / "data", "again")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"queued": 1})
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        first = as_alice.submit(job_dict("first", data, 5), base_model=NOBODYS_MODEL)   # queued, never trains
+        assert as_alice.cancel(first.id).state == "cancelled"
+        other = as_alice.submit(job_dict("other", data, 5), base_model=NOBODYS_MODEL)
+        for requeue in (lambda: as_alice.resume(first.id), lambda: as_alice.raise_max_steps(first.id, 10)):
+            with pytest.raises(SpecRefused) as refused:
+                requeue()
+            assert "quota queued=1" in str(refused.value), str(refused.value)
+            assert api.ray.status(first.id).state == "cancelled"
+        assert [r.id for r in api.ray.jobs(["queued"]) if r.user == "alice"] == [other.id]
+        as_alice.cancel(other.id)
+        users.update("alice", data_roots=[str(tmp_path / "elsewhere")])
+        with pytest.raises(SpecRefused) as outside:
+            as_alice.resume(first.id)
+        assert "outside the data roots" in str(outside.value) and api.ray.status(first.id).state == "cancelled"
+        users.update("alice", data_roots=[str(tmp_path / "data")])
+        assert as_alice.resume(first.id).state == "queued" and api.ray.status(first.id).state == "queued"
+        as_alice.cancel(first.id)

@@ -206,7 +206,8 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
     job_verb("cancel", "Cancel a queued, running or paused job (a running one is checkpointed at its next step); "
                        "409 for a job that has ended.")
     job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
-    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
+    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint. 422 "
+                       "where its user's queued quota, daily tokens or data roots do not allow it now.")
 
     @operation_route(api, "export", response_class=Response, tags=["jobs"],
              responses={200: {"content": {"application/gzip": {}}, "description": "the PEFT folder's files, tar.gz"},
@@ -237,7 +238,8 @@ def add_job_budget_routes(api: APIRouter, ctx: Routes) -> None:
     def extend(job: str, body: MaxStepsBody, caller: Caller = Depends(require_token)) -> Any:
         """Continue an ended (completed, stopped early, failed, cancelled) or paused job to a larger max_steps: it is
         queued again and trains on from its last checkpoint. 409 for a running or queued job, a budget not above its
-        own, a job bound by epochs, an interactive model."""
+        own, a job bound by epochs, an interactive model; 422 where its user's queued quota, daily tokens or data
+        roots do not allow it now."""
         def run(client: Any) -> JobRecord:
             record = find_job(client, caller, job)
             after = client.raise_max_steps(record.id, body.max_steps)

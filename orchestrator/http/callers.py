@@ -65,6 +65,17 @@ def visible(records: Iterable[JobRecord], caller: Caller) -> list[JobRecord]:
     return [record for record in records if caller.sees(record.user)]
 
 
+def visible_info(info: dict[str, Any], own: set[str]) -> dict[str, Any]:
+    """The service's description (`client.info()`) as a user who owns the jobs `own` may see it: each trainer
+    with only those of its jobs (`jobs`) and of its last step's token counts (`last_step_job_tokens`); another
+    user's job ids (which carry their names) are not revealed there either."""
+    trainers = [{**trainer, "jobs": [job for job in trainer.get("jobs", []) if job in own],
+                 "last_step_job_tokens": {job: tokens for job, tokens in trainer.get("last_step_job_tokens", {}).items()
+                                          if job in own}}
+                for trainer in info.get("trainers", [])]
+    return {**info, "trainers": trainers}
+
+
 def find_job(client: Any, caller: Caller, key: str) -> JobRecord:
     """A job by id, or by a name only one of the caller's jobs has; KeyError (404) for another user's job
     with the text an unknown job gets."""

@@ -206,7 +206,8 @@ def add_job_detail_routes(api: APIRouter, ctx: Routes) -> None:
     job_verb("cancel", "Cancel a queued, running or paused job (a running one is checkpointed at its next step); "
                        "409 for a job that has ended.")
     job_verb("pause", "Pause a queued or running job (checkpointed; /resume continues it).")
-    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint.")
+    job_verb("resume", "Queue a paused, failed or cancelled job again; it continues from its last checkpoint. 422 "
+                       "where its user's queued quota, daily tokens or data roots do not allow it now.")
 
     @operation_route(api, "export", response_class=Response, tags=["jobs"],
              responses={200: {"content": {"application/gzip": {}}, "description": "the PEFT folder's files, tar.gz"},
@@ -239,7 +240,8 @@ def add_job_budget_routes(api: APIRouter, ctx: Routes) -> None:
         or both: it is queued again and trains on from its last checkpoint (a raised epochs: into its next epoch).
         409 for a running or queued job, a budget not above its own, one that would train nothing (a job its epochs
         ended given a larger max_steps alone, one its max_steps ended a larger epochs alone), epochs added to a job
-        that had none, an interactive model."""
+        that had none, an interactive model; 422 where its user's queued quota, daily tokens or data roots do not allow
+        it now."""
         def run(client: Any) -> JobRecord:
             record = find_job(client, caller, job)
             after = client.raise_budget(record.id, body.max_steps, body.epochs)

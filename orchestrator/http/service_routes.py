@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query
 
-from orchestrator.http.callers import Caller
+from orchestrator.http.callers import Caller, visible, visible_info
 from orchestrator.http.responses import ErrorBody
 from orchestrator.http.routes import Routes, operation_route
 from orchestrator.service_calls import call_service
@@ -17,9 +17,17 @@ def add_service_routes(api: APIRouter, ctx: Routes) -> None:
     link, require_token, audit = ctx.link, ctx.require_token, ctx.audit
 
     @operation_route(api, "info", tags=["service"])
-    def service_info() -> dict[str, Any]:
-        """The service's description: state folder, policy, output root, trainers, metrics and events URLs."""
-        return call_service(link, lambda client: client.info())
+    def service_info(caller: Caller = Depends(require_token)) -> dict[str, Any]:
+        """The service's description: state folder, policy, output root, trainers, metrics and events URLs. A
+        trainer's jobs (and their tokens in its last step) are yours only (an admin: everyone's)."""
+        def described(client: Any) -> dict[str, Any]:
+            info = client.info()
+            if caller.admin:
+                return info
+            held = client.jobs(("queued", "running", "paused"))   # a trainer holds only unfinished jobs
+            return visible_info(info, {record.id for record in visible(held, caller)})
+
+        return call_service(link, described)
 
     @operation_route(api, "whoami", tags=["service"])
     def whoami(caller: Caller = Depends(require_token)) -> dict[str, Any]:

@@ -535,3 +535,23 @@ def test_a_grpo_jobs_page_charts_its_reward_as_the_api_has_it(console, browser, 
     waiting = alice.submit(job_dict("alice-waits", console.data, 2), base_model=NOBODYS_MODEL)
     assert main(["try", waiting.id, "hello", "--url", console.url]) != 0
     assert f"job {waiting.id} is queued: only a running job's adapter" in capsys.readouterr().err
+
+
+def test_a_job_that_ended_without_an_adapter_is_not_promised_one(console, browser):
+    """A job cancelled before it trained (queued for a base no trainer holds) has no adapter and will write none
+    unless resumed: its page says so, not that one is "written to the output folder when the job ends"; the API's
+    record (the reference) has it cancelled, with no adapter and no checkpoint."""
+    alice = console.http("alice")
+    job = alice.submit(job_dict("alice-never-trained", console.data, 2), base_model=NOBODYS_MODEL)
+    alice.cancel(job.id)
+    record = alice.status(job.id)
+    assert record.state == "cancelled" and record.adapter_dir is None and record.checkpoint_step is None
+    page = log_in(browser, console, "alice")
+    page.goto(f"{console.url}/#/jobs/{job.id}")
+    adapter_fact = ("[...document.querySelectorAll('#view dt')].find((dt) => dt.textContent === 'exported adapter')"
+                    "?.nextElementSibling.textContent")
+    page.wait_for_function(f"!!({adapter_fact})")   # the files' section is drawn
+    said = page.evaluate(adapter_fact)
+    assert said.startswith("none: the job cancelled before it wrote one; resume it"), said
+    assert "when the job ends" not in page.inner_text("#view") and "checkpoint" not in said
+    page.close()

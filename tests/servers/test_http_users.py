@@ -6,6 +6,7 @@ same service is the reference."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
+from actors.service.scheduler.user_standing import STANDING_REFRESH_S
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import Conflict, HttpClient, SpecRefused
@@ -209,3 +211,92 @@ def test_a_server_over_a_running_service_reads_the_services_own_users(api, users
         assert single.status_code == 401
         assert "a users file is in force" in single.json()["detail"] and str(users.path) in single.json()["detail"]
     assert folder.path() == Path(api.state_dir).resolve()
+
+
+def test_the_service_description_names_only_the_callers_own_jobs(api, users, tmp_path):
+    """`GET /v1/service` (the console's trainers page) shows each trainer's jobs and their tokens in its last fused
+    step: alice's job, running on the trainer, is there for alice and an admin, as the Ray client has it (the
+    reference), and nowhere in bob's answer (neither its id nor its name), who still sees the trainer itself."""
+    data = write_task_data(tmp_path / "data", "held")
+    root, _ = users.add("root", admin=True)
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
+    bob, _ = users.add("bob", data_roots=[str(tmp_path / "data")])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        job = HttpClient(url, alice).submit(job_dict("alices-secret-job", data, 100_000), base_model=api.base)
+        try:
+            def stepping() -> dict | None:   # the reference: the trainer holds alice's job and booked its tokens
+                trainers = api.ray.info()["trainers"]
+                return next((t for t in trainers if job.id in t.get("last_step_job_tokens", {})), None)
+
+            wait_for(stepping, timeout=120, what="alice's job in its trainer's last fused step")
+            for token, sees in ((alice, True), (root, True), (bob, False)):
+                answer = httpx.get(f"{url}/v1/service", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+                assert answer.status_code == 200, answer.text
+                trainer = next(t for t in answer.json()["trainers"] if t["base_model"] == api.base)
+                assert (job.id in trainer["jobs"]) is sees and (job.id in trainer["last_step_job_tokens"]) is sees
+                if not sees:
+                    assert "alices-secret-job" not in answer.text and job.id not in answer.text, answer.text
+                    assert trainer["ready"] and trainer["steps"] > 0   # the trainer itself is still described
+        finally:
+            api.ray.cancel(job.id)
+
+
+def test_a_job_that_failed_before_training_has_no_generations_not_a_folder_elsewhere(api, users, tmp_path):
+    """A job that started and failed before its first step (its data file gone by then) wrote no folder: its
+    generations (the console's job page asks for them) are an empty answer, as for a job not started, not a 503
+    saying its folder is on another node (this service has one). alice's quota of one running job holds the
+    second job queued until its data is gone, then the first is cancelled and the second starts and fails; the
+    Ray client's record (the reference) says it failed at step 0, and no folder of it exists."""
+    data = write_task_data(tmp_path / "data", "first")
+    doomed = write_task_data(tmp_path / "data", "doomed")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"running": 1})
+    time.sleep(STANDING_REFRESH_S + 0.5)   # the scheduler reads the users' quotas again at most this often
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        first = as_alice.submit(job_dict("first", data, 100_000), base_model=api.base)
+        wait_for(lambda: api.ray.status(first.id).state == "running", timeout=120, what="the first job to run")
+        second = as_alice.submit(job_dict("doomed", doomed, 5), base_model=api.base)
+        wait_for(lambda: "quota" in api.ray.status(second.id).reason, timeout=60, what="the quota to hold it",
+                 state=lambda: api.ray.status(second.id))
+        doomed.unlink()
+        as_alice.cancel(first.id)
+        record = wait_for(lambda: (r := api.ray.status(second.id)).state in ("failed", "completed") and r,
+                          timeout=120, what="the second job to end")
+        assert record.state == "failed" and record.started_at is not None and record.step == 0, record
+        assert "could not be read" in record.reason and not Path(record.output_dir).exists()
+        answer = httpx.get(f"{url}/v1/jobs/{second.id}/generations", headers={"Authorization": f"Bearer {alice}"},
+                           timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["steps"] == [] and answer.json()["rows"] == []
+
+
+def test_resuming_or_extending_a_users_job_keeps_their_queued_quota_and_data_roots(api, users, tmp_path):
+    """Queuing a job again (resume, extend) is held to what its user may queue and read now, as a submission is:
+    alice (quota queued=1) cancels a job, submits another (queued: her one), and may neither resume nor extend the
+    first (422 naming the quota, as at submit; it stays cancelled, as the Ray client, the reference, has it); with
+    the other gone, the operator narrows her data roots to a folder without the job's data, and resuming is refused
+    naming the roots; with her roots given back, it is queued again."""
+    data = write_task_data(tmp_path / "data", "again")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"queued": 1})
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        first = as_alice.submit(job_dict("first", data, 5), base_model=NOBODYS_MODEL)   # queued, never trains
+        assert as_alice.cancel(first.id).state == "cancelled"
+        other = as_alice.submit(job_dict("other", data, 5), base_model=NOBODYS_MODEL)
+        for requeue in (lambda: as_alice.resume(first.id), lambda: as_alice.raise_max_steps(first.id, 10)):
+            with pytest.raises(SpecRefused) as refused:
+                requeue()
+            assert "quota queued=1" in str(refused.value), str(refused.value)
+            assert api.ray.status(first.id).state == "cancelled"
+        assert [r.id for r in api.ray.jobs(["queued"]) if r.user == "alice"] == [other.id]
+        as_alice.cancel(other.id)
+        users.update("alice", data_roots=[str(tmp_path / "elsewhere")])
+        with pytest.raises(SpecRefused) as outside:
+            as_alice.resume(first.id)
+        assert "outside the data roots" in str(outside.value) and api.ray.status(first.id).state == "cancelled"
+        users.update("alice", data_roots=[str(tmp_path / "data")])
+        assert as_alice.resume(first.id).state == "queued" and api.ray.status(first.id).state == "queued"
+        as_alice.cancel(first.id)

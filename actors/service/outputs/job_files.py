@@ -185,9 +185,11 @@ def job_generations(record: Any, step: int | None = None) -> dict[str, Any]:
     """`read_generations` of a job's record (a `JobRecord`), with its `best` (a keep_best job's best evaluation so
     far, whose step's adapter it keeps; None without one): a job that has started and whose folder is not on this
     machine (its trainer's node wrote it there, and this one does not share it) is a FileNotFoundError saying so,
-    not an empty answer."""
+    not an empty answer; a job that ended without a step or a checkpoint (its data unreadable at its start, or
+    cancelled then) wrote no folder anywhere: it has none, as a job not started."""
     folder = record.output_dir
-    if record.started_at is not None and not is_uri(folder) and not Path(folder).is_dir():
+    wrote_nothing = record.finished_at is not None and not record.step and record.checkpoint_step is None
+    if record.started_at is not None and not wrote_nothing and not is_uri(folder) and not Path(folder).is_dir():
         raise FileNotFoundError(f"job '{record.name}': its folder {folder} is not on this machine (the node of its "
                                 "trainer wrote it there): read it on that node, or give the service an output root "
                                 "every node shares (a mount or a storage URI)")

@@ -197,6 +197,7 @@ class SchedulerCore:
             raise ValueError(f"job {record.id}: {gone}, so it would train again from step 0, not on from step "
                              f"{record.checkpoint_step}; put the checkpoint back and resume it again, or submit it as "
                              "a new job to train it from the start")
+        self.submissions.check_requeue(self.table.submission(record.id))   # its user's quota and data roots now
         if record.id in self.scheduling:
             self.scheduling[record.id].retries = 0
         step = f"its checkpoint at step {record.checkpoint_step}" if record.checkpoint_step else "the start"
@@ -228,6 +229,7 @@ class SchedulerCore:
             raise ValueError(f"job {record.id}: {gone}, so it would train again from step 0, not on from step "
                              f"{record.checkpoint_step}; put the checkpoint back and extend it again, or submit it as "
                              "a new job to train it from the start")
+        self.submissions.check_requeue(kept)   # its user's quota and data roots now
         self.table.set_submission(record.id, kept)
         self.scheduling.of(record.id).submission = None   # read again: the raised budget
         if record.id in self.scheduling:

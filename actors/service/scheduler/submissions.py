@@ -254,6 +254,19 @@ class Submissions:
         self._check_data(submission, self._user(submission))
         self._check_functions(submission, self._user(submission))
 
+    def check_requeue(self, submission: JobSubmission) -> None:
+        """What queuing an entered job again (resume, extend) must pass, as its submission did but as things are
+        now: its user is still a user, its data theirs to read, its functions theirs to run, and their quotas of
+        queued jobs and daily tokens have room for it; SubmissionError naming what. An operator's job passes."""
+        if submission.user is None:
+            return
+        user = self._user(submission)
+        self._check_data(submission, user)
+        self._check_functions(submission, user)
+        problems = self._quota_problems([submission])
+        if problems:
+            raise SubmissionError(f"job '{submission.job.name}' is not queued again: " + "; ".join(problems))
+
     def _outputs(self) -> Path | StorageURI:
         return self.output_root or (self.state_dir / "outputs").resolve()
 

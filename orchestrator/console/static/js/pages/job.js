@@ -124,12 +124,15 @@ export function render(key, session) {
   let servingFor = null;
   async function drawFiles() {
     const adapter = job.adapter_dir;
+    // a failed or cancelled job writes no adapter: it has one only once resumed and ended
+    const stopped = !adapter && ["failed", "cancelled"].includes(job.state);
     if (servingFor !== (adapter || "")) {
       servingFor = adapter || "";
       try { serving = await api(jobPath(job.id, "/serving")); } catch (error) { serving = { error: error.message }; }
     }
     const lines = serving.error ? [message(serving.error, "error")] : [
-      el("p", { text: adapter ? "Serve it on this machine:" : "Once written, serve it on this machine:" }),
+      el("p", { text: adapter ? "Serve it on this machine:" : stopped ? "Once it has one, serve it on this machine:"
+        : "Once written, serve it on this machine:" }),
       serving.vllm ? el("pre", { class: "snippet", id: "vllm-line" }, el("code", { text: serving.vllm })) : null,
       el("p", { text: "Load it with PEFT:" }),
       el("pre", { class: "snippet", id: "peft-lines" }, el("code", { text: serving.peft })),
@@ -140,7 +143,9 @@ export function render(key, session) {
         el("dt", { text: "last checkpoint" }),
         el("dd", { text: job.checkpoint_step ? `step ${job.checkpoint_step} (${job.output_dir}/checkpoint)` : "none yet" }),
         el("dt", { text: "exported adapter" }),
-        el("dd", {}, adapter ? el("code", { id: "adapter-dir", text: adapter })
+        el("dd", { id: "adapter-state" }, adapter ? el("code", { id: "adapter-dir", text: adapter })
+          : stopped ? `none: the job ${job.state} before it wrote one; resume it to train on and end with one` +
+            (job.checkpoint_step ? ", or export its last checkpoint (aspen export --checkpoint)" : "")
           : "written to the output folder when the job ends")),
       ...lines);
   }

@@ -166,3 +166,24 @@ def test_a_ray_token_other_users_can_read_is_warned_of(tmp_path):
         assert (warning is not None) == exposed, (oct(mode), warning)
         if exposed:
             assert f"(mode {mode:o})" in warning and f"chmod 600 {token}" in warning, warning
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(folder, in_process):
+    """output_dir a file, or a path under a file: `aspen run` (through its service or in process) stops before
+    anything starts with the jobs file's line and field, exit 2 (it was a bare OSError, `[Errno 20] Not a directory:
+    '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir)."""
+    (folder / "taken").write_text("a file where the run's folder goes\n")
+    extra = ["--in-process"] if in_process else []
+    for output, why in (("taken", "is a file, not a folder"), ("taken/run", "Not a directory")):
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out",
+                                                                                f"output_dir: {output}"))
+        result = aspen("run", *extra, "jobs.yaml", cwd=folder)
+        assert result.returncode == 2, result
+        assert "Traceback" not in result.stderr
+        assert (f"jobs.yaml:2: output_dir: the run's folder {folder / output} cannot be created or written" in
+                result.stderr and why in result.stderr and "--output-dir" in result.stderr), result.stderr
+    result = aspen("run", *extra, "jobs.yaml", "--output-dir", str(folder / "taken" / "x"), cwd=folder)
+    assert result.returncode == 2 and f"--output-dir: the run's folder {folder / 'taken' / 'x'}" in result.stderr, \
+        result.stderr
+    assert (folder / "taken").read_text() == "a file where the run's folder goes\n"

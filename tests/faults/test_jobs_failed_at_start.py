@@ -1,7 +1,10 @@
-"""`aspen report` of a run whose jobs failed before their first step (a target module no layer of the base has):
-each such job is in the report's table with its state, as the job table has it, beside the jobs that trained. It
-was left out (a job folder without metrics.jsonl was not looked at), and a run whose every job failed so was
-refused as not a run's folder at all ("give a run's output folder")."""
+"""A run whose jobs failed before their first step (a target module no layer of the base has):
+
+- `aspen report`: each such job is in the report's table with its state, as the job table has it, beside the jobs
+  that trained. It was left out (a job folder without metrics.jsonl was not looked at), and a run whose every job
+  failed so was refused as not a run's folder at all ("give a run's output folder");
+- `aspen export` of such a job says it has no checkpoint either and how to train it again. It said "(step 0 of
+  None)" and to export its last checkpoint with --checkpoint, which then answered that it had none."""
 
 from __future__ import annotations
 
@@ -38,13 +41,20 @@ def report(folder: Path) -> dict[str, tuple[str | None, int]]:
     return {job["job"]: (job["state"], job["steps"]) for job in json.loads(result.stdout)}
 
 
-@pytest.mark.long   # ~30 s on 2 cores: a run in its own process, then the report twice
-def test_a_job_that_failed_before_its_first_step_is_in_the_report(tmp_path, tiny_model_dirs):
+@pytest.mark.long   # ~35 s on 2 cores: a run in its own process, the report twice, two exports
+def test_a_job_that_failed_before_its_first_step_is_reported_and_its_export_says_why_none(tmp_path, tiny_model_dirs):
     failing_at_start(write_run(tmp_path, tiny_model_dirs["llama"], steps=5), {"second"})
     result = aspen(tmp_path, "run", "--in-process", "--quiet", "jobs.yaml")
     assert result.returncode == 1 and "job second failed" in result.stderr, result
     assert report(tmp_path) == {"first": ("completed", 5), "second": ("failed", 0)}
     assert "| second | 0 | - | - | 0 | failed |" in (tmp_path / "out" / "report.md").read_text()
+    export = aspen(tmp_path, "export", "second", "--from", "out")
+    assert export.returncode == 2 and not (tmp_path / "second-lora").exists(), export
+    assert ("job 'second' is failed (step 0) and has no final adapter" in export.stderr
+            and "ended before its first checkpoint, so there is none to export either" in export.stderr
+            and "`aspen run` its jobs file" in export.stderr and "None" not in export.stderr
+            and "--checkpoint" not in export.stderr), export.stderr
+    assert aspen(tmp_path, "export", "first", "--from", "out").returncode == 0   # beside it, the job that trained
 
 
 @pytest.mark.long   # ~25 s on 2 cores, as above

@@ -293,10 +293,14 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
     with held_run_folder(state_dir):   # planned and trained under one lock: no run or service writes between
         plan = _plan_in_process(spec, state_dir, overwrite)
         if plan is not None and not (plan.submit or plan.resume or plan.started_over or plan.extend):   # all done
+            for line in plan.lines(saved_step=saved_step):
+                print(line)
             return _run_summary(spec, spec.output_dir, plan.done)
         # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
         check_data_rows(spec, None if plan is None else {s.job.name for s in plan.submit} | {
             r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
+        for line in [] if plan is None else [*plan.started_over_lines("are"), *plan.lines(saved_step=saved_step)]:
+            print(line)   # said once the run goes on: a refusal above deletes nothing
         carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
                                                       {r.id: submission for r, submission in plan.extend})
         settle_garbage_collector()   # torch's and transformers' objects out of every later full collection
@@ -338,10 +342,6 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
                     saved_data=saved_data_digest, saved_step=saved_step, found_outputs=earlier_outputs)
     refuse_restarts(spec.output_dir, plan, overwrite)
     refuse_foreign_outputs(spec.output_dir, plan, [record for record, _ in earlier], overwrite)
-    for line in plan.started_over_lines("are"):
-        print(line)
-    for line in plan.lines(saved_step=saved_step):
-        print(line)
     return plan
 
 

@@ -108,6 +108,16 @@ def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_
     (tmp_path / "jobs.yaml").write_text(jobs.replace("lr: 1.0e-3\n    max_steps", "lr: 2.0e-3\n    max_steps", 1))
     code, out, err = finish(in_process(tmp_path, env))
     assert code == 2 and "job 'first': lr: 0.001 -> 0.002" in err and "--overwrite" in err, (code, out, err)
+    # with --overwrite and a bad row in its data: refused before anything is deleted, and not said to be (it was:
+    # "first: started over (--overwrite ...); its earlier results are deleted", then the refusal, the files kept)
+    data = (tmp_path / "data" / "first.jsonl").read_text()
+    (tmp_path / "data" / "first.jsonl").write_text(data + '{"question": "cut short"\n')
+    code, out, err = finish(in_process(tmp_path, env, "--overwrite"))
+    assert code == 2 and "first.jsonl:33: invalid JSON" in err and "nothing was started" in err, (code, out, err)
+    assert "deleted" not in out and "started over" not in out, out
+    assert {name: (tmp_path / "out" / name / "adapter_model.safetensors").stat().st_mtime_ns
+            for name in ("first", "second")} == adapters
+    (tmp_path / "data" / "first.jsonl").write_text(data)
     code, out, err = finish(in_process(tmp_path, env, "--overwrite"))
     assert code == 0, err
     assert "first: started over (--overwrite" in out and "second: already completed at step 20" in out, out

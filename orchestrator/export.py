@@ -101,7 +101,10 @@ def find_job(job: str, *, run_dir: str | None = None, service: Callable[[str], A
 
 
 def _no_adapter(found: FoundJob, where: str) -> ExportError:
-    state = f" is {found.state} (step {found.step} of {found.total_steps}) and" if found.state else ""
+    of = f" of {found.total_steps}" if found.total_steps is not None else ""   # a budget known once it started
+    state = f" is {found.state} (step {found.step}{of}) and" if found.state else ""
+    # a local job folder without a checkpoint (one that ended before its first): --checkpoint is no way on
+    checkpointed = is_uri(found.folder) or has_adapter(Path(found.folder) / CHECKPOINT_FOLDER)
     if found.state in FINISHED and not Path(found.folder).exists():
         advice = (f"its folder {found.folder} is not on this machine; run `aspen export` where it is, or give the "
                   "service an output root every machine reaches (a shared mount or a storage URI)")
@@ -110,9 +113,15 @@ def _no_adapter(found: FoundJob, where: str) -> ExportError:
                   "(--checkpoint)")
     elif found.state in ("running", "queued", "paused", None):
         advice = ("wait until it completes (`aspen status " + found.name + "`; a run that ended before it did: "
-                  "`aspen run` its jobs file again to finish it), or export its last checkpoint now with --checkpoint")
+                  "`aspen run` its jobs file again to finish it)" + (", or export its last checkpoint now with "
+                                                                      "--checkpoint" if checkpointed else ""))
+    elif not checkpointed:
+        advice = (f"it ended before its first checkpoint, so there is none to export either; `aspen status "
+                  f"{found.name}` says why it ended: fix that, then train it again (`aspen run` its jobs file, or "
+                  "`aspen resume` on a service)")
     else:
-        advice = "it did not complete; export its last checkpoint with --checkpoint, or resume it (`aspen resume`)"
+        advice = ("it did not complete; export its last checkpoint with --checkpoint, or train it on from there "
+                  "(`aspen run` its jobs file again, or `aspen resume` on a service)")
     return ExportError(f"job '{found.name}'{state} has no final adapter in {where}: {advice}")
 
 

@@ -7,7 +7,9 @@ RUN_DIR is a run's output folder (`aspen run`: one folder per job, the service s
 service state folder (`jobs.sqlite`, `outputs/<job>/`). Each job's `metrics.jsonl` has one row per optimizer
 step (step, loss, tokens, lr, grad_norm, and `eval_loss` where the job was evaluated after that step: every
 run mode writes it, `--in-process` included); states, and the eval losses of runs older than that, come from
-the job table when there is one (read-only; an in-process run records its jobs there as it ends).
+the job table when there is one (read-only; an in-process run records its jobs there as it ends), as do the jobs
+of that table with no metrics.jsonl in RUN_DIR (failed or cancelled before their first step, or never started):
+in the table with their state, without a curve.
 
 RUN_DIR may be a storage URI (s3://bucket/runs/x, where a run's output_dir is one): the jobs' metrics are
 read from there, and report.png / report.md are uploaded next to them (a URI run's job table stays on the
@@ -94,9 +96,12 @@ def _job_table(run_dir: Path) -> Path | None:
     return None
 
 
-def _add_table_facts(jobs: list[JobMetrics], database: Path) -> None:
-    """States and eval losses from the service's job table, matched by output folder (read-only)."""
+def _add_table_facts(jobs: list[JobMetrics], database: Path, run_dir: Path) -> None:
+    """States and eval losses from the service's job table, matched by output folder (read-only). A job of the
+    table whose folder (`run_dir/<job>` or `run_dir/outputs/<job>`) has no metrics.jsonl, one that failed or was
+    cancelled before its first step or never started, is added with its state and no steps."""
     by_folder = {job.folder.resolve(): job for job in jobs}
+    roots = {run_dir.resolve(), (run_dir / "outputs").resolve()}
     try:
         db = sqlite3.connect(f"file:{database}?mode=ro", uri=True)
     except sqlite3.Error as error:
@@ -106,6 +111,9 @@ def _add_table_facts(jobs: list[JobMetrics], database: Path) -> None:
         newest: dict[Path, float] = {}
         for job_id, output_dir, state, submitted in db.execute("SELECT id, output_dir, state, submitted_at FROM jobs"):
             folder = Path(output_dir).resolve()
+            if folder not in by_folder and folder.parent in roots:   # no metrics.jsonl: no step written
+                by_folder[folder] = JobMetrics(folder.name, folder)
+                jobs.append(by_folder[folder])
             job = by_folder.get(folder)
             if job is None or submitted < newest.get(folder, float("-inf")):
                 continue   # an older job that wrote to the same folder
@@ -130,16 +138,16 @@ def collect(run_dir: Path | str) -> list[JobMetrics]:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder")
     files = sorted(run_dir.glob("*/metrics.jsonl")) + sorted(run_dir.glob("outputs/*/metrics.jsonl"))
-    if not files:
-        raise ReportError(f"no metrics.jsonl in {run_dir}/<job>/ or {run_dir}/outputs/<job>/: give a run's output "
-                          "folder (output_dir of the jobs file) or the service's state folder")
     jobs = [read_metrics(path, path.parent.name) for path in files]
     for job, path in zip(jobs, files, strict=True):
         metadata = path.parent / METADATA_NAME
         job.kept = _kept(metadata.read_text(errors="replace") if metadata.is_file() else None, metadata)
     database = _job_table(run_dir)
     if database is not None:
-        _add_table_facts(jobs, database)
+        _add_table_facts(jobs, database, run_dir)
+    if not jobs:
+        raise ReportError(f"no metrics.jsonl in {run_dir}/<job>/ or {run_dir}/outputs/<job>/, and no job table: "
+                          "give a run's output folder (output_dir of the jobs file) or the service's state folder")
     return jobs
 
 
@@ -230,7 +238,7 @@ def plot(jobs: list[JobMetrics], path: Path, title: str) -> None:
 
     figure, axes = plt.subplots(figsize=(10, 6), dpi=100)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))   # whole steps, never 4.5
-    for job in jobs:
+    for job in (job for job in jobs if job.steps or job.evals):   # one that never stepped: in the table only
         line, = axes.plot(job.steps, job.losses, label=f"{job.name} (train)", linewidth=1.5)
         if job.evals:
             steps = sorted(job.evals)
@@ -240,7 +248,8 @@ def plot(jobs: list[JobMetrics], path: Path, title: str) -> None:
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss")
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize="small", loc="upper right")
+    if axes.lines:   # no job stepped yet: no curve to name
+        axes.legend(fontsize="small", loc="upper right")
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

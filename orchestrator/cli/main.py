@@ -16,6 +16,7 @@ from orchestrator.cli.parser import build_parser
 from orchestrator.cli.run_commands import RunInterrupted, Terminated
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+TRAINING_COMMANDS = ("run", "sweep")   # the commands that stop a service of their own when they end
 
 
 # the commands that read a file a SpecError is about; another's (extend, try, ... over HTTP) is about its request
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"aspen: {what}", file=sys.stderr)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    except BrokenPipeError:   # the reader of its output is gone (`aspen losses JOB | head`): not an error of aspen's
+        _debug(args)
+        return _pipe_closed(args)
     except SpecError as error:
         _debug(args)
         kind = FILE_KINDS.get(getattr(args, "command", None))   # another command's is a request's (HTTP 422)
@@ -50,6 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         code, message = _describe(error)
         print(f"aspen: {message}", file=sys.stderr)
         return code
+
+
+def _pipe_closed(args: argparse.Namespace) -> int:
+    """Exit 1 quietly where the pipe this process printed to was closed, as rich ends a table printed there (its
+    further output, Python's last flush included, goes nowhere); a run or sweep of its own service says that it
+    stopped and how it continues (its service checkpointed the running jobs as it stopped)."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):   # no file descriptor behind sys.stdout (a test's capture): nothing to flush there
+        pass
+    if getattr(args, "command", None) in TRAINING_COMMANDS:
+        print("aspen: stopped: the pipe its output went to was closed (its reader ended); the running jobs were "
+              "checkpointed, and the same command continues where they stopped (give it a file or a pipe that "
+              "stays open, e.g. `| tee run.log`)", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def _describe(error: Exception) -> tuple[int, str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from actors.storage.storage_uri import as_location, resolve_location
-from orchestrator.jobs_file import SpecError, check_data_rows, load_run_spec
+from orchestrator.jobs_file import SpecError, check_data_rows, check_output_dir, load_run_spec
 
 if TYPE_CHECKING:
     from actors.service.scheduler.local_run import StopBetweenSteps
@@ -28,6 +28,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = load_run_spec(args.file)
     if args.output_dir:
         spec = spec.model_copy(update={"output_dir": resolve_location(args.output_dir)})
+    check_output_dir(spec, args.file, overridden=bool(args.output_dir))
     if args.in_process:
         return _run_in_process(spec, args.file, args.quiet, args.overwrite)
     from actors.service.outputs.earlier_outputs import earlier_outputs
@@ -292,10 +293,14 @@ def _run_in_process(spec: RunSpec, file: str, quiet: bool, overwrite: bool) -> i
     with held_run_folder(state_dir):   # planned and trained under one lock: no run or service writes between
         plan = _plan_in_process(spec, state_dir, overwrite)
         if plan is not None and not (plan.submit or plan.resume or plan.started_over or plan.extend):   # all done
+            for line in plan.lines(saved_step=saved_step):
+                print(line)
             return _run_summary(spec, spec.output_dir, plan.done)
         # the rows of every job about to train, before anything starts (a bad row fails here, not minutes later)
         check_data_rows(spec, None if plan is None else {s.job.name for s in plan.submit} | {
             r.name for r in (*plan.resume, *plan.started_over, *(r for r, _ in plan.extend))})
+        for line in [] if plan is None else [*plan.started_over_lines("are"), *plan.lines(saved_step=saved_step)]:
+            print(line)   # said once the run goes on: a refusal above deletes nothing
         carry = None if plan is None else CarriedJobs([r.id for r in plan.done], [r.id for r in plan.resume],
                                                       {r.id: submission for r, submission in plan.extend})
         settle_garbage_collector()   # torch's and transformers' objects out of every later full collection
@@ -337,10 +342,6 @@ def _plan_in_process(spec: RunSpec, state_dir: Path, overwrite: bool) -> RunPlan
                     saved_data=saved_data_digest, saved_step=saved_step, found_outputs=earlier_outputs)
     refuse_restarts(spec.output_dir, plan, overwrite)
     refuse_foreign_outputs(spec.output_dir, plan, [record for record, _ in earlier], overwrite)
-    for line in plan.started_over_lines("are"):
-        print(line)
-    for line in plan.lines(saved_step=saved_step):
-        print(line)
     return plan
 
 

@@ -255,7 +255,15 @@ def _ended_run_or(args: argparse.Namespace, error: Exception):
         if run is None:
             raise error
         folder = Path(run.state_dir)
+    from actors.service.table.state_dir import live_holder
+
     why = "" if args.from_dir else "no aspen service is running; "   # --from: asked for, whether one runs or not
+    holder = live_holder(folder)
+    if holder is not None:   # a run still going, in another process: its table is not how it ended
+        print(f"aspen: {why}the job table of the run in {shown_folder(folder)}, which is still going ({holder}), as "
+              "it last recorded its jobs (an in-process run records them as they start and as it ends; each job's "
+              f"steps so far are in its metrics.jsonl: `aspen report {shown_folder(folder)}`)", file=sys.stderr)
+        return EndedRun(folder)
     print(f"aspen: {why}the job table of the run in {shown_folder(folder)} as it ended (`aspen run` of its jobs file "
           "resumes unfinished jobs)", file=sys.stderr)
     return EndedRun(folder)

@@ -166,3 +166,52 @@ def test_a_ray_token_other_users_can_read_is_warned_of(tmp_path):
         assert (warning is not None) == exposed, (oct(mode), warning)
         if exposed:
             assert f"(mode {mode:o})" in warning and f"chmod 600 {token}" in warning, warning
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_an_output_dir_that_cannot_be_a_folder_names_the_file_line_and_field(folder, in_process):
+    """output_dir a file, or a path under a file: `aspen run` (through its service or in process) stops before
+    anything starts with the jobs file's line and field, exit 2 (it was a bare OSError, `[Errno 20] Not a directory:
+    '.../.aspen'`, exit 1 through the service after starting it, naming neither the file nor output_dir)."""
+    (folder / "taken").write_text("a file where the run's folder goes\n")
+    extra = ["--in-process"] if in_process else []
+    for output, why in (("taken", "is a file, not a folder"), ("taken/run", "Not a directory")):
+        (folder / "jobs.yaml").write_text(JOBS.replace("LR", "1.0e-4").replace("output_dir: out",
+                                                                                f"output_dir: {output}"))
+        result = aspen("run", *extra, "jobs.yaml", cwd=folder)
+        assert result.returncode == 2, result
+        assert "Traceback" not in result.stderr
+        assert (f"jobs.yaml:2: output_dir: the run's folder {folder / output} cannot be created or written" in
+                result.stderr and why in result.stderr and "--output-dir" in result.stderr), result.stderr
+    result = aspen("run", *extra, "jobs.yaml", "--output-dir", str(folder / "taken" / "x"), cwd=folder)
+    assert result.returncode == 2 and f"--output-dir: the run's folder {folder / 'taken' / 'x'}" in result.stderr, \
+        result.stderr
+    assert (folder / "taken").read_text() == "a file where the run's folder goes\n"
+
+
+def closed_output(*args: str, cwd: Path) -> tuple[int, str]:
+    """`aspen ARGS` with stdout a pipe its reader closed before reading (`| head -0`): exit code, stderr."""
+    process = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=cwd, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stdout.close()
+    _, err = process.communicate(timeout=300)
+    return process.returncode, err
+
+
+def test_output_to_a_closed_pipe_ends_quietly_and_a_run_says_how_it_continues(tmp_path, tiny_model_dirs):
+    """The reader of aspen's output gone (`| head`): exit 1, as rich ends a table printed there; a command that only
+    prints says nothing more, a run says it stopped and that the same command continues. A plain line printed there
+    said "aspen: [Errno 32] Broken pipe" (`aspen run` through its service stopped so, its jobs checkpointed but not
+    said to be)."""
+    from tests.helpers.interrupted_runs import NO_RAY, write_run
+
+    write_run(tmp_path, tiny_model_dirs["llama"], steps=3)
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", "--in-process", "--quiet", "jobs.yaml"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=NO_RAY)
+    assert done.returncode == 0, done
+    for command in (["report", "out"], ["losses", "first", "--from", "out"], ["status", "--from", "out"]):
+        code, err = closed_output(*command, cwd=tmp_path)
+        assert code == 1 and "Broken pipe" not in err and "Errno" not in err and "Exception" not in err, (code, err)
+    code, err = closed_output("run", "--in-process", "jobs.yaml", cwd=tmp_path)   # its first line: "first: already..."
+    assert code == 1 and "aspen: stopped: the pipe its output went to was closed" in err, (code, err)
+    assert "the same command continues" in err and "Broken pipe" not in err, err

@@ -108,6 +108,16 @@ def test_a_finished_in_process_run_is_what_aspen_run_report_and_status_find(tmp_
     (tmp_path / "jobs.yaml").write_text(jobs.replace("lr: 1.0e-3\n    max_steps", "lr: 2.0e-3\n    max_steps", 1))
     code, out, err = finish(in_process(tmp_path, env))
     assert code == 2 and "job 'first': lr: 0.001 -> 0.002" in err and "--overwrite" in err, (code, out, err)
+    # with --overwrite and a bad row in its data: refused before anything is deleted, and not said to be (it was:
+    # "first: started over (--overwrite ...); its earlier results are deleted", then the refusal, the files kept)
+    data = (tmp_path / "data" / "first.jsonl").read_text()
+    (tmp_path / "data" / "first.jsonl").write_text(data + '{"question": "cut short"\n')
+    code, out, err = finish(in_process(tmp_path, env, "--overwrite"))
+    assert code == 2 and "first.jsonl:33: invalid JSON" in err and "nothing was started" in err, (code, out, err)
+    assert "deleted" not in out and "started over" not in out, out
+    assert {name: (tmp_path / "out" / name / "adapter_model.safetensors").stat().st_mtime_ns
+            for name in ("first", "second")} == adapters
+    (tmp_path / "data" / "first.jsonl").write_text(data)
     code, out, err = finish(in_process(tmp_path, env, "--overwrite"))
     assert code == 0, err
     assert "first: started over (--overwrite" in out and "second: already completed at step 20" in out, out
@@ -309,3 +319,23 @@ def test_the_first_ctrl_c_is_answered_also_when_the_main_thread_left_the_steps_f
                           timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("stopping once the step that runs has ended") == 1, done.stderr
+
+
+def test_status_of_an_in_process_run_still_going_says_so_not_as_it_ended(tmp_path, tiny_model_dirs):
+    """`aspen status --from` (or without a service, the newest run's folder) while an in-process run trains there:
+    the table is said to be as that run last recorded it, naming the process still going and where its steps so
+    far are, not "as it ended" (it was, with its jobs shown paused at step 0 while they trained); once the run has
+    stopped, as it ended."""
+    write_run(tmp_path, tiny_model_dirs["llama"])
+    process = in_process(tmp_path, NO_RAY)
+    wait_for(lambda: (tmp_path / "out" / "first" / "metrics.jsonl").is_file() or process.poll() is not None,
+             timeout=300, what="the run's first step")
+    status = aspen(tmp_path, "status", "--from", "out", env=NO_RAY)
+    running = process.poll() is None
+    code, _, err = interrupt_once_checkpointed(process, tmp_path)
+    assert code == 130 and running, err
+    assert status.returncode == 0 and "as it ended" not in status.stderr, status.stderr
+    assert (f"the job table of the run in out, which is still going (pid {process.pid} on " in status.stderr
+            and "`aspen report out`" in status.stderr), status.stderr
+    ended = aspen(tmp_path, "status", "--from", "out", env=NO_RAY)
+    assert ended.returncode == 0 and "the job table of the run in out as it ended" in ended.stderr, ended.stderr

@@ -55,6 +55,31 @@ def lock_state_dir(state_dir: Path) -> Any:
     return handle
 
 
+def live_holder(state_dir: Path) -> str | None:
+    """The holder ("pid N on HOST", as it wrote itself) of the state folder's lock where a process of this machine
+    holds it now (an `aspen run`, in process or through its service, or `aspen serve`); None where none does. The
+    lock is probed only where the process the file names is alive (a pid reused since is then told apart), shared
+    and let go at once: a read, never a hold."""
+    path = state_dir / STATE_LOCK
+    try:
+        holder = path.read_text().strip()
+        pid, host = holder.removeprefix("pid ").split(" on ", 1)
+        os.kill(int(pid), 0)
+    except PermissionError:   # alive, another user's process
+        pass
+    except (OSError, ValueError):   # no lock file, not a holder's line, no such process
+        return None
+    if host != socket.gethostname():
+        return None
+    with path.open("r") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
 def open_job_table(path: Path, on_change: Any, timeout: float = TABLE_OPEN_S) -> JobTable:
     """The job table, waiting (with a log line) while another process holds its file."""
     deadline = time.monotonic() + timeout

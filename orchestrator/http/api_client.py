@@ -3,7 +3,7 @@
 `wait`, `info`) over HTTP, plus `events()` (the server-sent event stream). Job records come back as the
 Ray client's `JobRecord`s; a refusal is an `HttpApiError` carrying the server's status and message (a 404
 is also a KeyError, an invalid spec also a `SpecError`, a state conflict also a ValueError, as the Ray
-client raises them).
+client raises them; a user's quota, a `QuotaExceeded`: wait `retry_after` seconds and try again).
 
     from orchestrator.http.api_client import HttpClient
     client = HttpClient("http://127.0.0.1:8765")            # token from $ASPEN_TOKEN or ~/.aspen/http-token
@@ -72,6 +72,18 @@ class Conflict(HttpApiError, ValueError):
     """409: a name an unfinished job holds, or a job in the wrong state for the request."""
 
 
+class QuotaExceeded(HttpApiError):
+    """429: the request is fine, but its user's quota does not allow it now (their queued jobs, their tokens of the
+    last 24 hours); the detail says which quota and what frees it. `retry_after`: the seconds to wait before trying
+    again (the Retry-After header; for the daily tokens, until enough of them are 24 hours old). Nothing was
+    submitted or queued."""
+
+    def __init__(self, status: int, detail: str, errors: list[dict[str, Any]] | None = None, *,
+                 retry_after: float | None = None):
+        super().__init__(status, detail, errors)
+        self.retry_after = retry_after
+
+
 class ServiceUnavailable(HttpApiError):
     """503 (the service does not answer; the API server is up), or no connection to the API server (status 0)."""
 
@@ -88,8 +100,19 @@ def _error(response: httpx.Response) -> HttpApiError:
     if not isinstance(detail, str):
         detail = json.dumps(detail if detail is not None else body)
     errors = body.get("errors") if isinstance(body, dict) else None
+    text = f"{detail} (HTTP {response.status_code})"
+    if response.status_code == 429:
+        return QuotaExceeded(429, text, errors, retry_after=_retry_after(response))
     kind = _BY_STATUS.get(response.status_code, ServiceUnavailable if response.status_code >= 500 else HttpApiError)
-    return kind(response.status_code, f"{detail} (HTTP {response.status_code})", errors)
+    return kind(response.status_code, text, errors)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The Retry-After header's seconds (None: none, or an HTTP date, which this API does not send)."""
+    try:
+        return float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return None
 
 
 def _record(data: dict[str, Any]) -> JobRecord:

@@ -18,7 +18,6 @@ import pytest
 
 from actors.service.accounts.audit import AuditLog
 from actors.service.accounts.users import UserBook
-from actors.service.scheduler.user_standing import STANDING_REFRESH_S
 from orchestrator.client import Client
 from orchestrator.http.api import ServiceLink, create_app
 from orchestrator.http.api_client import Conflict, HttpClient, QuotaExceeded, SpecRefused
@@ -256,7 +255,6 @@ def test_a_job_that_failed_before_training_has_no_generations_not_a_folder_elsew
     data = write_task_data(tmp_path / "data", "first")
     doomed = write_task_data(tmp_path / "data", "doomed")
     alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")], quotas={"running": 1})
-    time.sleep(STANDING_REFRESH_S + 0.5)   # the scheduler reads the users' quotas again at most this often
     app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
     with running_server(app) as url:
         as_alice = HttpClient(url, alice)
@@ -352,3 +350,32 @@ def test_a_quota_refusal_is_a_429_with_retry_after_not_a_spec_refusal(api, users
         assert spent.status_code == 429 and 1 <= int(spent.headers["Retry-After"]) <= 86_400, spent.headers
         assert "user alice: quota tokens_per_day=0: their jobs trained 0 tokens" in spent.json()["detail"]
         assert "q4" not in [r.name for r in api.ray.jobs()]
+
+
+def test_a_quota_set_on_a_running_service_holds_from_the_next_submission(api, users, tmp_path):
+    """docs/users.md: user changes take effect from the next request. alice, without quotas, has a job running on
+    the service's trainer (which runs several at once); the operator gives her `running=1` and she submits a
+    second job at once: it is held queued, cause `quota`, and never starts while the first runs, as the Ray
+    client's record (the reference) has it; her queued quota, set at once too, refuses a third (429)."""
+    data = write_task_data(tmp_path / "data", "now")
+    alice, _ = users.add("alice", data_roots=[str(tmp_path / "data")])
+    app = create_app(api.link, api.token, events_poll_s=0.1, users=users)
+    with running_server(app) as url:
+        as_alice = HttpClient(url, alice)
+        first = as_alice.submit(job_dict("first", data, 100_000), base_model=api.base)
+        try:
+            wait_for(lambda: api.ray.status(first.id).state == "running", timeout=120, what="the first job to run")
+            users.update("alice", quotas={"running": 1, "queued": 1})
+            second = as_alice.submit(job_dict("second", data, 100_000), base_model=api.base)
+            held = wait_for(lambda: (r := api.ray.status(second.id)).reason != "submitted" and r, timeout=30,
+                            what="a decision round on the second job", state=lambda: api.ray.status(second.id))
+            assert "quota" in held.reason and held.started_at is None, held
+            time.sleep(1.0)   # several decision rounds later, still held
+            record = api.ray.status(second.id)
+            assert record.state == "queued" and record.started_at is None and "quota" in record.reason, record
+            with pytest.raises(QuotaExceeded):
+                as_alice.submit(job_dict("third", data, 5), base_model=api.base)
+        finally:
+            for job in api.ray.jobs(["queued", "running"]):
+                if job.user == "alice":
+                    api.ray.cancel(job.id)

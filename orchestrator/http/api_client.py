@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import httpx
 
@@ -36,6 +36,7 @@ from orchestrator.job_handle import JobHandle, wait_until_ended
 from orchestrator.jobs_file import SpecError, load_run_spec, output_dir_for_service, relative_output_dir
 
 URL_ENV = "ASPEN_URL"
+MAX_PAGE = 10_000   # jobs per request where HttpClient.jobs follows every page (the API's most: http/jobs.py)
 DEFAULT_TIMEOUT_S = CALL_TIMEOUT_S + 10.0   # longer than the server waits for the service: its answer comes first
 
 
@@ -115,6 +116,15 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+class JobsPage(list):
+    """A page of jobs (a list of `JobRecord`s); `next`: the cursor of the page after it (`jobs(after=...)`), None
+    where this is the last."""
+
+    def __init__(self, records: Iterable[JobRecord] = (), cursor: str | None = None):
+        super().__init__(records)
+        self.next = cursor
+
+
 def _record(data: dict[str, Any]) -> JobRecord:
     return JobRecord(**data)
 
@@ -172,6 +182,10 @@ class HttpClient:
         self.http.close()
 
     def _request(self, method: str, path: str, *, raw: bool = False, **kwargs: Any) -> Any:
+        response = self._response(method, path, **kwargs)
+        return response.content if raw else response.json()
+
+    def _response(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as error:
@@ -180,7 +194,7 @@ class HttpClient:
                                         "running there?") from None
         if response.is_error:
             raise _error(response)
-        return response.content if raw else response.json()
+        return response
 
     # -- the service --------------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -263,9 +277,25 @@ class HttpClient:
         return self._request("POST", f"/v1/sweeps/{quote(name, safe='')}/cancel")
 
     # -- following ----------------------------------------------------------------------------------------
-    def jobs(self, states: Iterable[str] | None = None) -> list[JobRecord]:
-        params = [("state", state) for state in states or ()]
-        return [_record(job) for job in self._request("GET", "/v1/jobs", params=params)]
+    def jobs(self, states: Iterable[str] | None = None, limit: int | None = None,
+             after: str | None = None) -> JobsPage:
+        """Your jobs (an admin: everyone's), oldest first, or those in `states`. Without `limit` and `after`: every
+        one, the API's pages followed; with them, one page of at most `limit` after the cursor `after`, its `next`
+        the cursor of the page after it (None: this was the last)."""
+        states = list(states or ())
+        if limit is None and after is None:
+            found, page = JobsPage(), self.jobs(states, MAX_PAGE)
+            found.extend(page)
+            while page.next is not None:
+                page = self.jobs(states, MAX_PAGE, page.next)
+                found.extend(page)
+            return found
+        params = [("state", state) for state in states]
+        params += [(key, str(value)) for key, value in (("limit", limit), ("after", after)) if value is not None]
+        response = self._response("GET", "/v1/jobs", params=params)
+        next_link = response.links.get("next", {}).get("url")
+        cursor = dict(parse_qsl(urlsplit(next_link).query)).get("after") if next_link else None
+        return JobsPage((_record(job) for job in response.json()), cursor)
 
     def status(self, job: str) -> JobRecord:
         return _record(self._request("GET", _job_path(job)))

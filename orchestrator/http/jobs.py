@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 from typing import Any
+from urllib.parse import urlencode
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
@@ -14,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from actors.checkpoint.adapter_export import ExportError
 from actors.service.outputs.job_files import job_generations
+from actors.service.table.job_record import page_cursor, parse_cursor
 from actors.service.table.job_table import JOB_STATES, TERMINAL_STATES, JobRecord
 from actors.spec.job_submission import JobSubmission
 from orchestrator.export import FoundJob, adapter_archive
@@ -28,6 +30,7 @@ from orchestrator.service_calls import call_service
 
 UNFINISHED_STATES = tuple(state for state in JOB_STATES if state not in TERMINAL_STATES)
 STATE_FILTER = f"only jobs in these states: {', '.join(JOB_STATES)}"
+JOBS_PAGE, MAX_JOBS_PAGE = 1000, 10_000   # GET /v1/jobs: jobs per page by default, and at most
 
 
 def _one_job(data: Any) -> bool:
@@ -101,14 +104,33 @@ def add_job_routes(api: APIRouter, ctx: Routes) -> None:
         return JSONResponse(Submitted(jobs=records).model_dump(mode="json"), status_code=201, headers=headers)
 
     @operation_route(api, "jobs", tags=["jobs"])
-    def jobs(state: list[str] | None = Query(None, description=STATE_FILTER),
+    def jobs(response: Response, state: list[str] | None = Query(None, description=STATE_FILTER),
+             limit: int = Query(JOBS_PAGE, ge=1, le=MAX_JOBS_PAGE, description="at most this many jobs (a page)"),
+             after: str | None = Query(None, description="the jobs after this cursor: the `after` of the previous "
+                                                         "page's next link (`<submitted_at>,<job id>`)"),
              caller: Caller = Depends(require_token)) -> Any:
-        """Every job of yours (an admin: everyone's), oldest first, or those in the given states
-        (`?state=queued&state=running`)."""
+        """Your jobs (an admin: everyone's), oldest first, or those in the given states (`?state=queued&state=running`),
+        a page of at most `limit` (default 1000); where more follow, a `Link: <...>; rel="next"` header gives the
+        next page's URL (its `after`: the last job's `<submitted_at>,<id>`). Pages cover every job once, jobs
+        submitted meanwhile on the last."""
         unknown = sorted(set(state or ()) - set(JOB_STATES))
         if unknown:
             raise HTTPException(422, f"unknown job states {unknown}; the states are {', '.join(JOB_STATES)}")
-        return visible(call_service(link, lambda client: client.jobs(state or None)), caller)
+        cursor = None
+        if after is not None:
+            try:
+                parse_cursor(after)
+            except ValueError as error:
+                raise HTTPException(422, str(error)) from None
+            cursor = after
+        owner = None if caller.admin else caller.name   # a user's jobs only, chosen by the table's query
+        records = visible(call_service(link, lambda client: client.jobs(state or None, limit + 1, cursor, owner)),
+                          caller)
+        if len(records) > limit:
+            records = records[:limit]
+            query = [("limit", str(limit)), ("after", page_cursor(records[-1])), *(("state", s) for s in state or ())]
+            response.headers["Link"] = f'</v1/jobs?{urlencode(query)}>; rel="next"'
+        return records
 
     @operation_route(api, "status", tags=["jobs"])
     def status(job: str, caller: Caller = Depends(require_token)) -> Any:
